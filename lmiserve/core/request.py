@@ -1,0 +1,47 @@
+"""A generation request as the engine sees it, whatever protocol carried it."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class SamplingParams:
+    """Generation parameters. Names and defaults follow the LMI reference (§4)."""
+
+    do_sample: bool = False
+    seed: int | None = None
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    top_p: float = 1.0
+    typical_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_new_tokens: int = 30
+    min_new_tokens: int = 0
+    stop_sequences: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos_token: bool = False
+    skip_special_tokens: bool = True
+    truncate: int | None = None  # keep only the last N prompt tokens
+    decoder_input_details: bool = False  # prompt-token logprobs
+    top_n_tokens: int = 0
+    n: int = 1
+    best_of: int = 1
+
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample
+
+
+@dataclass
+class GenerationRequest:
+    prompt: str
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")

@@ -1,0 +1,214 @@
+"""The asyncio engine: one background task drives the scheduler; model steps run in a worker thread.
+
+Requests are validated and tokenized in `submit`, wait FIFO (up to `job_queue_size`), join the running
+batch at the next step, and receive their events through a per-request queue. A client that stops
+iterating (disconnect -> CancelledError/GeneratorExit) aborts its sequences, which leave the batch at
+the next step. One request's failure reaches that request only; the loop survives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from lmiserve.core.errors import EngineOverloaded, QueueTimeout
+from lmiserve.core.events import FinishReason, StepEvent
+from lmiserve.core.request import GenerationRequest
+from lmiserve.engine.scheduler import Scheduler, StepOutput
+from lmiserve.engine.sequence import Sequence
+from lmiserve.engine.validation import PromptCodec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineConfig:
+    max_running: int = 32
+    max_prefill_tokens: int = 2048
+    job_queue_size: int = 1000
+    predict_timeout: float | None = 120.0
+    static_batching: bool = False
+    batch_size: int = 1
+    max_batch_delay: float = 0.1
+    batch_invariant: bool = False
+
+
+class _Handle:
+    def __init__(self, request: GenerationRequest, seqs: list[Sequence]):
+        self.request = request
+        self.seqs = seqs
+        self.queue: asyncio.Queue[StepEvent | BaseException] = asyncio.Queue()
+        self.open = len(seqs)
+
+
+class AsyncEngine:
+    def __init__(self, runner, codec: PromptCodec, config: EngineConfig):
+        self.runner = runner
+        self.codec = codec
+        self.config = config
+        self.scheduler = Scheduler(
+            config.max_running,
+            config.max_prefill_tokens,
+            chunked_prefill=not config.batch_invariant,
+            static_batching=config.static_batching,
+            batch_size=config.batch_size,
+            max_batch_delay=config.max_batch_delay,
+            queue_timeout=config.predict_timeout,
+        )
+        self._handles: dict[int, _Handle] = {}  # seq_id -> handle
+        self._ids = itertools.count(1)
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.steps = 0
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="lmiserve-engine")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    # ---- requests ----------------------------------------------------------------------------------
+    def submit(self, request: GenerationRequest) -> _Handle:
+        """Validate, tokenize and enqueue; raises InvalidRequest or EngineOverloaded at once."""
+        prompt_ids = self.codec.encode(request)
+        count = max(request.params.n, request.params.best_of)
+        if len(self.scheduler.waiting) + count > self.config.job_queue_size:
+            raise EngineOverloaded("Worker queue capacity exceeded")
+        base_seed = request.params.seed if request.params.seed is not None else _random_seed()
+        now = time.monotonic()
+        seqs = [
+            Sequence(
+                next(self._ids), request.request_id, request.prompt, prompt_ids, request.params,
+                tokenizer=self.codec.tokenizer, eos_token_ids=self.codec.eos_token_ids,
+                special_token_ids=self.codec.special_token_ids,
+                seed=base_seed + i, index=i, arrival=now,
+            )
+            for i in range(count)
+        ]
+        handle = _Handle(request, seqs)
+        for seq in seqs:
+            self._handles[seq.seq_id] = handle
+            self.scheduler.add(seq)
+        self._wakeup.set()
+        return handle
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[StepEvent]:
+        """Events of one request. With n/best_of > 1 the sequences come whole, best first."""
+        handle = self.submit(request)
+        try:
+            if len(handle.seqs) == 1:
+                async for event in self._drain(handle):
+                    yield event
+            else:
+                for event in await self._collect_ranked(handle):
+                    yield event
+        finally:
+            self.abort(handle)
+
+    def abort(self, handle: _Handle) -> None:
+        for seq in handle.seqs:
+            if not seq.finished:
+                self.scheduler.abort(seq)
+        self._wakeup.set()
+
+    async def _drain(self, handle: _Handle) -> AsyncIterator[StepEvent]:
+        while handle.open:
+            item = await handle.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finish is not None:
+                handle.open -= 1
+            yield item
+
+    async def _collect_ranked(self, handle: _Handle) -> list[StepEvent]:
+        by_index: dict[int, list[StepEvent]] = {s.index: [] for s in handle.seqs}
+        async for event in self._drain(handle):
+            by_index[event.index].append(event)
+        params = handle.request.params
+        ranked = sorted(handle.seqs, key=lambda s: s.cumulative_logprob, reverse=True)
+        keep = params.n if params.n > 1 else len(ranked)
+        events = []
+        for new_index, seq in enumerate(ranked[:keep]):
+            events.extend(_reindex(e, new_index) for e in by_index[seq.index])
+        return events
+
+    # ---- the loop ----------------------------------------------------------------------------------
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self._step()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the loop must survive anything
+                log.exception("engine step failed")
+                await asyncio.sleep(0.01)
+
+    async def _step(self) -> None:
+        scheduler = self.scheduler
+        self._wakeup.clear()
+        now = time.monotonic()
+        for seq in scheduler.expire(now):
+            self._fail_before_start(seq, QueueTimeout(f"Time out in: {self._timeout_text()}"))
+        plan, events = scheduler.schedule(now)
+        self._deliver(events)
+        if not plan.has_model_work:
+            if plan.moves or plan.released:
+                await asyncio.to_thread(self.runner.execute, plan)  # frees per-sequence caches
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), scheduler.next_wakeup(time.monotonic()))
+            except asyncio.TimeoutError:
+                pass
+            return
+        output: StepOutput = await asyncio.to_thread(self.runner.execute, plan)
+        self.steps += 1
+        self._deliver(scheduler.update(plan, output))
+
+    def _deliver(self, events: list[tuple[Sequence, StepEvent]]) -> None:
+        for seq, event in events:
+            handle = self._handles.get(seq.seq_id)
+            if handle is None:
+                continue
+            if event.finish is not None:
+                del self._handles[seq.seq_id]
+                if event.finish.reason is FinishReason.ABORT:
+                    continue
+            handle.queue.put_nowait(event)
+
+    def _fail_before_start(self, seq: Sequence, error: BaseException) -> None:
+        handle = self._handles.pop(seq.seq_id, None)
+        if handle is not None:
+            handle.queue.put_nowait(error)
+
+    def _timeout_text(self) -> str:
+        value = self.config.predict_timeout
+        return str(int(value)) if value is not None and float(value).is_integer() else str(value)
+
+
+def _random_seed() -> int:
+    """A random non-negative signed 32-bit seed, drawn per request when the client gives none."""
+    return random.SystemRandom().randrange(0, 2**31)
+
+
+def _reindex(event: StepEvent, index: int) -> StepEvent:
+    return StepEvent(token=event.token, top_tokens=event.top_tokens, finish=event.finish, index=index)

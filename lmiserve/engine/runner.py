@@ -1,0 +1,141 @@
+"""Runs a scheduler plan on a transformers causal LM: prefill chunks, one batched decode, sampling.
+
+Two strategies share this interface:
+- batched (default): every running sequence owns a slot of one preallocated `SlotKVCache`; a step
+  decodes all of them in one forward pass with per-row positions and a padding mask.
+- batch-invariant (`batch_invariant=true`): each sequence keeps its own `DynamicCache` and runs its
+  own forward passes exactly as `model.generate` does, so greedy output equals it bit for bit
+  whatever else runs, at the cost of batching throughput.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from transformers import DynamicCache
+
+from lmiserve.engine.kv_cache import SlotKVCache
+from lmiserve.engine.sampling import make_generator, sample_row
+from lmiserve.engine.scheduler import PrefillChunk, StepOutput, StepPlan
+from lmiserve.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, model, *, max_slots: int, max_context: int, eos_token_ids: set[int], batch_invariant: bool = False):
+        self.model = model
+        self.device = model.device
+        self.batch_invariant = batch_invariant
+        self.eos_token_ids = sorted(eos_token_ids)
+        cfg = model.config
+        if batch_invariant:
+            self._caches: dict[int, DynamicCache] = {}
+        else:
+            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+            self.cache = SlotKVCache(
+                cfg.num_hidden_layers, max_slots, kv_heads, head_dim, model.dtype, self.device,
+                initial_len=min(128, max_context), max_len=max_context,
+            )
+
+    # ---- one step ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepOutput:
+        out = StepOutput()
+        if self.batch_invariant:
+            for seq in plan.released:
+                self._caches.pop(seq.seq_id, None)
+        else:
+            for src, dst, length in plan.moves:
+                self.cache.move_slot(src, dst, length)
+        if plan.decode:
+            self._guard(plan.decode, out, self._decode, plan.decode, out)
+        for chunk in plan.prefill:
+            self._guard([chunk.seq], out, self._prefill, chunk, out)
+        return out
+
+    def _guard(self, seqs: list[Sequence], out: StepOutput, fn, *args) -> None:
+        """A failing forward pass ends the sequences it was computing; the engine goes on."""
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - reported to those requests, logged here
+            log.exception("model step failed for %d sequence(s)", len(seqs))
+            for seq in seqs:
+                out.errors[seq.seq_id] = f"exception occurred during generation: {exc}"
+
+    def _forward(self, input_ids, position_ids, attention_mask, cache, logits_to_keep: int) -> torch.Tensor:
+        result = self.model(
+            input_ids=input_ids.to(self.device),
+            position_ids=position_ids.to(self.device),
+            attention_mask=attention_mask.to(self.device),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+        )
+        return result.logits
+
+    # ---- prefill -----------------------------------------------------------------------------------
+    def _prefill(self, chunk: PrefillChunk, out: StepOutput) -> None:
+        seq, start, length = chunk.seq, chunk.start, chunk.length
+        end = start + length
+        ids = torch.tensor([seq.prompt_ids[start:end]], dtype=torch.long)
+        positions = torch.arange(start, end)[None]
+        keep = 0 if seq.params.decoder_input_details else 1
+        if self.batch_invariant:
+            cache = self._caches.setdefault(seq.seq_id, DynamicCache(config=self.model.config))
+            mask = torch.ones(1, end, dtype=torch.long)
+        else:
+            cache = self.cache
+            cache.for_prefill(seq.slot, start, length)
+            mask = (torch.arange(end)[None, :] <= positions[0, :, None])[None, None]
+        logits = self._forward(ids, positions, mask, cache, keep)[0].float()
+        if seq.params.decoder_input_details:
+            out.prompt_logprobs[seq.seq_id] = _prompt_logprobs(logits, seq.prompt_ids, start, end)
+        if chunk.completes_prompt:
+            self._sample(seq, logits[-1], out)
+
+    # ---- decode ------------------------------------------------------------------------------------
+    def _decode(self, seqs: list[Sequence], out: StepOutput) -> None:
+        if self.batch_invariant:
+            for seq in seqs:
+                self._guard([seq], out, self._decode_alone, seq, out)
+            return
+        positions = torch.tensor([s.kv_len for s in seqs])
+        ids = torch.tensor([[s.output_ids[-1]] for s in seqs], dtype=torch.long)
+        self.cache.for_decode(positions)
+        span = int(positions.max()) + 1
+        mask = (torch.arange(span)[None, :] <= positions[:, None])[:, None, None, :]
+        logits = self._forward(ids, positions[:, None], mask, self.cache, 1)[:, -1].float()
+        for row, seq in enumerate(seqs):
+            self._sample(seq, logits[row], out)
+
+    def _decode_alone(self, seq: Sequence, out: StepOutput) -> None:
+        cache = self._caches[seq.seq_id]
+        ids = torch.tensor([[seq.output_ids[-1]]], dtype=torch.long)
+        positions = torch.tensor([[seq.kv_len]])
+        mask = torch.ones(1, seq.kv_len + 1, dtype=torch.long)
+        logits = self._forward(ids, positions, mask, cache, 1)[0, -1].float()
+        self._sample(seq, logits, out)
+
+    # ---- sampling ----------------------------------------------------------------------------------
+    def _sample(self, seq: Sequence, logits: torch.Tensor, out: StepOutput) -> None:
+        try:
+            if seq.params.do_sample and seq.sampler_state is None:
+                seq.sampler_state = make_generator(seq.seed, logits.device)
+            banned = self.eos_token_ids + seq.params.stop_token_ids if seq.params.min_new_tokens else []
+            out.samples[seq.seq_id] = sample_row(
+                logits, seq.params, seq.prompt_ids, seq.output_ids, banned, seq.sampler_state
+            )
+        except Exception as exc:  # noqa: BLE001 - one sequence fails, the batch goes on
+            log.exception("sampling failed for %s", seq.request_id)
+            out.errors[seq.seq_id] = f"exception occurred during sampling: {exc}"
+
+
+def _prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], start: int, end: int) -> tuple[int, list]:
+    """Logprob of each prompt token given the ones before it; the first prompt token has none."""
+    targets = prompt_ids[start + 1 : min(end + 1, len(prompt_ids))]
+    logprobs = logits[: len(targets)].log_softmax(-1)
+    values = logprobs[torch.arange(len(targets)), torch.tensor(targets, dtype=torch.long)].tolist()
+    return (0, [None, *values]) if start == 0 else (start + 1, values)

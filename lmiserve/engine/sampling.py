@@ -1,0 +1,98 @@
+"""Logits processing and sampling, one sequence (row) at a time.
+
+Every sequence has its own `torch.Generator` seeded from its seed, so a seeded request samples the
+same tokens whatever else is in the batch. Reported logprobs are the model's own distribution
+(log-softmax of the raw logits), as TGI and vLLM report them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lmiserve.core.request import SamplingParams
+from lmiserve.engine.scheduler import SampleResult
+
+_NEG_INF = float("-inf")
+
+
+def needs_processing(params: SamplingParams) -> bool:
+    return (
+        params.do_sample
+        or params.repetition_penalty != 1.0
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+        or params.min_new_tokens > 0
+    )
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits.device)
+        scores = logits[seen]
+        logits[seen] = torch.where(scores > 0, scores / params.repetition_penalty, scores * params.repetition_penalty)
+    if output_ids and (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0):
+        ids, counts = torch.tensor(output_ids, device=logits.device).unique(return_counts=True)
+        logits[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(logits.dtype)
+    return logits
+
+
+def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """temperature, top_k, top_p, typical_p, min_p (in the order transformers applies them)."""
+    if params.temperature != 1.0:
+        logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, _NEG_INF)
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=False)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        remove = cumulative <= (1 - params.top_p)
+        remove[-1] = False
+        logits = logits.masked_fill(remove.scatter(0, order, remove), _NEG_INF)
+    if params.typical_p < 1.0:
+        logp = logits.log_softmax(-1)
+        entropy = -(logp.exp() * logp).nansum()
+        shifted = (-logp - entropy).abs()
+        sorted_shift, order = torch.sort(shifted)
+        cumulative = logits.softmax(-1)[order].cumsum(-1)
+        last = int((cumulative < params.typical_p).sum())
+        remove = sorted_shift > sorted_shift[last]
+        logits = logits.masked_fill(remove.scatter(0, order, remove), _NEG_INF)
+    if params.min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), _NEG_INF)
+    return logits
+
+
+def make_generator(seed: int, device: torch.device) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+def sample_row(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    prompt_ids: list[int],
+    output_ids: list[int],
+    banned_ids: list[int],
+    generator: torch.Generator | None,
+) -> SampleResult:
+    """Pick the next token of one sequence from its raw logits row (float32, shape [vocab])."""
+    logprobs = logits.log_softmax(-1)
+    if needs_processing(params):
+        processed = apply_penalties(logits.clone(), params, prompt_ids, output_ids)
+        if banned_ids and len(output_ids) < params.min_new_tokens:
+            processed[banned_ids] = _NEG_INF
+        if params.do_sample:
+            probs = warp(processed, params).softmax(-1)
+            token = int(torch.multinomial(probs, 1, generator=generator).item())
+        else:
+            token = int(processed.argmax().item())
+    else:
+        token = int(logits.argmax().item())
+    top = None
+    if params.top_n_tokens > 0:
+        values, ids = torch.topk(logprobs, min(params.top_n_tokens, logprobs.shape[-1]))
+        top = list(zip(ids.tolist(), values.tolist()))
+    return SampleResult(token, float(logprobs[token].item()), top)

@@ -1,0 +1,218 @@
+"""The batch scheduler: a pure state machine, no torch, no asyncio.
+
+``schedule(now)`` decides what the next model step does (a :class:`StepPlan`); the runner executes
+it; ``update(plan, output)`` applies the results and returns the events to deliver.
+
+Slots: running sequences occupy KV-cache slots ``0..R-1`` (decoding) followed by ``R..R+P-1``
+(prefilling, in arrival order). When a sequence leaves, the plan lists the slot moves that keep
+both ranges contiguous, so a decode step reads the cache through views. Prompts are prefilled in
+arrival order, in chunks bounded per step by ``max_prefill_tokens``, so running streams keep flowing.
+
+Policies: *rolling* (continuous batching: sequences join at any step while fewer than
+``max_running`` run) and *static* (dynamic batching: a batch forms from up to ``batch_size``
+requests within ``max_batch_delay`` and runs to completion before the next one is admitted).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from lmiserve.core.events import FinishReason, StepEvent
+from lmiserve.engine.sequence import Sequence, SeqStatus
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    seq: Sequence
+    start: int
+    length: int
+
+    @property
+    def completes_prompt(self) -> bool:
+        return self.start + self.length == self.seq.prompt_len
+
+
+@dataclass
+class StepPlan:
+    moves: list[tuple[int, int, int]] = field(default_factory=list)  # (src slot, dst slot, length)
+    released: list[Sequence] = field(default_factory=list)  # left the batch since the last step
+    prefill: list[PrefillChunk] = field(default_factory=list)
+    decode: list[Sequence] = field(default_factory=list)  # in slot order 0..len-1
+
+    @property
+    def has_model_work(self) -> bool:
+        return bool(self.prefill or self.decode)
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class StepOutput:
+    """What the runner computed for a plan, keyed by seq_id."""
+
+    samples: dict[int, SampleResult] = field(default_factory=dict)
+    prompt_logprobs: dict[int, tuple[int, list[float]]] = field(default_factory=dict)  # (start, lps)
+    errors: dict[int, str] = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        max_running: int = 32,
+        max_prefill_tokens: int = 2048,
+        *,
+        chunked_prefill: bool = True,
+        static_batching: bool = False,
+        batch_size: int = 1,
+        max_batch_delay: float = 0.1,
+        queue_timeout: float | None = None,
+    ):
+        self.max_running = max_running
+        self.max_prefill_tokens = max_prefill_tokens
+        self.chunked_prefill = chunked_prefill
+        self.static_batching = static_batching
+        self.batch_size = batch_size
+        self.max_batch_delay = max_batch_delay
+        self.queue_timeout = queue_timeout
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # index == slot
+        self._moves: list[tuple[int, int, int]] = []
+        self._released: list[Sequence] = []
+
+    # ---- intake ----------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Ask for `seq` to leave; it does at the next `schedule` (within one step)."""
+        seq.abort_requested = True
+
+    @property
+    def num_decoding(self) -> int:
+        return sum(1 for s in self.running if s.status is SeqStatus.RUNNING)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._released)
+
+    def next_wakeup(self, now: float) -> float | None:
+        """Seconds until schedule() may have something new to do while idle (batch delay, timeouts)."""
+        deadlines = []
+        if self.waiting and self.queue_timeout is not None:
+            deadlines.append(self.waiting[0].arrival + self.queue_timeout)
+        if self.static_batching and self.waiting and not self.running:
+            deadlines.append(self.waiting[0].arrival + self.max_batch_delay)
+        return max(0.0, min(deadlines) - now) if deadlines else None
+
+    # ---- planning --------------------------------------------------------------------------------
+    def schedule(self, now: float) -> tuple[StepPlan, list[tuple[Sequence, StepEvent]]]:
+        """Plan the next step. Also returns events for sequences ended without a step (abort, timeout)."""
+        events: list[tuple[Sequence, StepEvent]] = []
+        for seq in [s for s in self.running if s.abort_requested]:
+            events.append((seq, seq.end(FinishReason.ABORT)))
+            self._remove(seq)
+        for seq in [s for s in self.waiting if s.abort_requested]:
+            self.waiting.remove(seq)
+            events.append((seq, seq.end(FinishReason.ABORT)))
+        self._admit(now)
+        plan = StepPlan(moves=self._moves, released=self._released)
+        self._moves, self._released = [], []
+        plan.decode = [s for s in self.running if s.status is SeqStatus.RUNNING]
+        budget = self.max_prefill_tokens
+        for seq in self.running:
+            if seq.status is not SeqStatus.PREFILL or (budget <= 0 and plan.prefill):
+                continue
+            remaining = seq.prefill_remaining
+            length = min(remaining, budget) if self.chunked_prefill else remaining
+            if length <= 0:
+                break
+            plan.prefill.append(PrefillChunk(seq, seq.kv_len, length))
+            budget -= length
+            if length < remaining:
+                break  # later prompts wait until this one is complete (slot order == prefill order)
+        return plan, events
+
+    def expire(self, now: float) -> list[Sequence]:
+        """Remove and return waiting sequences that waited longer than queue_timeout."""
+        if self.queue_timeout is None:
+            return []
+        expired = [s for s in self.waiting if now - s.arrival > self.queue_timeout]
+        for seq in expired:
+            self.waiting.remove(seq)
+            seq.status = SeqStatus.FINISHED
+        return expired
+
+    def _admit(self, now: float) -> None:
+        if self.static_batching:
+            if self.running or not self.waiting:
+                return
+            full = len(self.waiting) >= self.batch_size
+            if not full and now - self.waiting[0].arrival < self.max_batch_delay:
+                return
+            limit = min(self.batch_size, self.max_running)
+        else:
+            limit = self.max_running
+        while self.waiting and len(self.running) < limit:
+            seq = self.waiting.popleft()
+            seq.status = SeqStatus.PREFILL
+            seq.slot = len(self.running)
+            seq.kv_len = 0
+            self.running.append(seq)
+
+    # ---- results ---------------------------------------------------------------------------------
+    def update(self, plan: StepPlan, output: StepOutput) -> list[tuple[Sequence, StepEvent]]:
+        events: list[tuple[Sequence, StepEvent]] = []
+        for chunk in plan.prefill:
+            seq = chunk.seq
+            if seq.seq_id in output.errors:
+                continue
+            seq.kv_len = chunk.start + chunk.length
+            if seq.seq_id in output.prompt_logprobs:
+                seq.add_prompt_logprobs(*output.prompt_logprobs[seq.seq_id])
+            if chunk.completes_prompt:
+                seq.status = SeqStatus.RUNNING
+        for seq in plan.decode:
+            if seq.seq_id not in output.errors:
+                seq.kv_len += 1
+        for seq in [c.seq for c in plan.prefill if c.completes_prompt] + plan.decode:
+            if seq.finished:
+                continue
+            if seq.seq_id in output.errors:
+                continue
+            sample = output.samples.get(seq.seq_id)
+            if sample is None:
+                continue
+            event = seq.on_token(sample.token_id, sample.logprob, sample.top)
+            events.append((seq, event))
+            if seq.finished:
+                self._remove(seq)
+        for seq_id, message in output.errors.items():
+            seq = next((s for s in self.running if s.seq_id == seq_id), None)
+            if seq is not None:
+                events.append((seq, seq.end(FinishReason.ERROR, message)))
+                self._remove(seq)
+        return events
+
+    def _remove(self, seq: Sequence) -> None:
+        """Take `seq` out of the batch, moving others so decoding and prefilling slots stay contiguous."""
+        slot = self.running.index(seq)
+        self.running.pop(slot)
+        seq.status = SeqStatus.FINISHED
+        self._released.append(seq)
+        decoding = self.num_decoding
+        if slot < decoding:
+            # A decoding sequence left: the last decoding one takes its slot; the prefilling ones shift down.
+            last = self.running.pop(decoding - 1)
+            self.running.insert(slot, last)
+        for new_slot in range(slot, len(self.running)):
+            moved = self.running[new_slot]
+            if moved.slot != new_slot:
+                self._moves.append((moved.slot, new_slot, moved.kv_len))
+                moved.slot = new_slot
+        seq.slot = None

@@ -1,0 +1,140 @@
+"""One generated sequence: its place in the batch, its tokens, and the rules that end it.
+
+Pure Python (no torch): the scheduler moves sequences between states, the runner fills in sampled
+tokens, and :meth:`Sequence.on_token` turns each token into the `StepEvent` clients receive.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any, Protocol, Sequence as Seq
+
+from lmiserve.core.events import Finish, FinishReason, StepEvent, Token
+from lmiserve.core.request import SamplingParams
+from lmiserve.engine.detokenizer import IncrementalDetokenizer
+from lmiserve.engine.stop import StopMatcher
+
+
+class Tokenizer(Protocol):
+    def decode(self, ids: Seq[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class SeqStatus(Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(
+        self,
+        seq_id: int,
+        request_id: str,
+        prompt: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        tokenizer: Tokenizer,
+        eos_token_ids: set[int],
+        special_token_ids: set[int],
+        seed: int | None,
+        index: int = 0,
+        arrival: float = 0.0,
+    ):
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.index = index
+        self.prompt = prompt
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.seed = seed
+        self.arrival = arrival
+        self.status = SeqStatus.WAITING
+        self.slot: int | None = None
+        self.kv_len = 0  # positions of this sequence written into the KV cache
+        self.output_ids: list[int] = []
+        self.cumulative_logprob = 0.0
+        self.prefill_tokens: list[Token] = []
+        self.abort_requested = False
+        self.sampler_state: Any = None  # owned by the model runner (e.g. a torch.Generator)
+        self._tokenizer = tokenizer
+        self._eos = set() if params.ignore_eos_token else set(eos_token_ids)
+        self._stop_ids = set(params.stop_token_ids)
+        self._special = special_token_ids
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+        self._stop = StopMatcher(params.stop_sequences, params.include_stop_str_in_output)
+        self._texts: list[str] = []
+
+    # ---- state -----------------------------------------------------------------------------------
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def prefill_remaining(self) -> int:
+        return self.prompt_len - self.kv_len if self.status is SeqStatus.PREFILL else 0
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def token(self, token_id: int, logprob: float | None, text: str | None = None) -> Token:
+        if text is None:
+            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return Token(token_id, text, logprob, token_id in self._special)
+
+    def add_prompt_logprobs(self, start: int, logprobs: list[float]) -> None:
+        """Record prompt tokens from `start` with the logprob the model gave each (first: None)."""
+        for offset, lp in enumerate(logprobs):
+            pos = start + offset
+            self.prefill_tokens.append(self.token(self.prompt_ids[pos], lp))
+
+    # ---- events ------------------------------------------------------------------------------------
+    def on_token(self, token_id: int, logprob: float, top: list[tuple[int, float]] | None = None) -> StepEvent:
+        """Take one sampled token; return its event (with `finish` set when this token ends the sequence)."""
+        self.output_ids.append(token_id)
+        self.cumulative_logprob += logprob
+        reason: FinishReason | None = None
+        text = self._detok.add(token_id)
+        if token_id in self._eos:
+            reason = FinishReason.EOS_TOKEN
+        elif token_id in self._stop_ids:
+            reason = FinishReason.STOP_SEQUENCE
+        text, stopped = self._stop.feed(text)
+        if stopped and reason is None:
+            reason = FinishReason.STOP_SEQUENCE
+        if reason is None and len(self.output_ids) >= self.params.max_new_tokens:
+            reason = FinishReason.LENGTH
+        if reason is not None and not stopped:
+            tail, _ = self._stop.feed(self._detok.flush())
+            text += tail + self._stop.flush()
+        self._texts.append(text)
+        top_tokens = tuple(self.token(i, lp) for i, lp in top) if top is not None else None
+        return StepEvent(
+            token=self.token(token_id, logprob, text),
+            top_tokens=top_tokens,
+            finish=self._finish(reason) if reason is not None else None,
+            index=self.index,
+        )
+
+    def end(self, reason: FinishReason, error: str | None = None) -> StepEvent:
+        """End without a token (error or abort)."""
+        return StepEvent(token=None, finish=self._finish(reason, error), index=self.index)
+
+    def _finish(self, reason: FinishReason, error: str | None = None) -> Finish:
+        self.status = SeqStatus.FINISHED
+        return Finish(
+            reason=reason,
+            generated_text="".join(self._texts),
+            generated_tokens=len(self.output_ids),
+            prompt=self.prompt,
+            prompt_tokens=self.prompt_len,
+            seed=self.seed,
+            prefill=tuple(self.prefill_tokens) if self.params.decoder_input_details else None,
+            error=error,
+        )

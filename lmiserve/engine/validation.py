@@ -1,0 +1,33 @@
+"""Prompt tokenization and the per-request limits that need the tokenizer."""
+
+from __future__ import annotations
+
+from lmiserve.core.errors import InvalidRequest
+from lmiserve.core.request import GenerationRequest
+
+
+class PromptCodec:
+    def __init__(self, tokenizer, *, eos_token_ids: set[int], max_context: int, max_input_len: int | None = None):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.special_token_ids = set(getattr(tokenizer, "all_special_ids", []) or []) | self.eos_token_ids
+        self.max_context = max_context
+        self.max_input_len = min(max_input_len or max_context, max_context)
+
+    def encode(self, request: GenerationRequest) -> list[int]:
+        ids = list(self.tokenizer(request.prompt)["input_ids"])
+        params = request.params
+        if params.truncate is not None and len(ids) > params.truncate:
+            ids = ids[-params.truncate :]
+        if not ids:
+            raise InvalidRequest("The prompt is empty after tokenization")
+        if len(ids) > self.max_input_len:
+            raise InvalidRequest(
+                f"Input prompt ({len(ids)} tokens) is too long and exceeds limit of {self.max_input_len}"
+            )
+        if len(ids) + params.max_new_tokens > self.max_context:
+            raise InvalidRequest(
+                f"Input prompt ({len(ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) exceeds "
+                f"the model's context length of {self.max_context} tokens"
+            )
+        return ids
