@@ -1,0 +1,1 @@
+"""One module per protocol: parse a wire payload into core request objects and formatting options."""

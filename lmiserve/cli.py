@@ -1,0 +1,55 @@
+"""`lmiserve serve`: parse arguments, build settings, start uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from lmiserve.config import ConfigError, load_settings, parse_override
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lmiserve", description="LLM inference server (LMI, TGI and OpenAI protocols)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve a model over HTTP")
+    serve.add_argument("--model-id", help="local transformers directory, .gguf file, or a model id in the local HF cache")
+    serve.add_argument("--model-dir", help="directory holding serving.properties and/or weights (like /opt/ml/model)")
+    serve.add_argument("--properties", help="a serving.properties file")
+    serve.add_argument("--host", help="bind address (default 0.0.0.0)")
+    serve.add_argument("--port", type=int, help="port (default 8080, or SAGEMAKER_BIND_TO_PORT)")
+    serve.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE", help="set any option (repeatable)")
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log level (default info)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        overrides: dict[str, object] = dict(parse_override(o) for o in args.option)
+        for key in ("model_id", "host", "port", "log_level"):
+            value = getattr(args, key)
+            if value is not None:
+                overrides[key] = value
+        settings = load_settings(overrides, properties_file=args.properties, model_dir=args.model_dir)
+    except ConfigError as exc:
+        print(f"lmiserve: configuration error: {exc}", file=sys.stderr)
+        return 2
+    return serve(settings)
+
+
+def serve(settings) -> int:
+    import uvicorn
+
+    from lmiserve.http.app import create_app
+
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("lmiserve")
+    for line in settings.summary():
+        log.info("option %s", line)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

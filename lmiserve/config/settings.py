@@ -1,0 +1,249 @@
+"""Typed server settings: every key with its default, meaning and validation.
+
+Build a ``Settings`` from string options (properties file, environment, ``-o key=value``) with
+``Settings.from_options``: it coerces strings, keeps unknown keys in ``extra`` (with a warning) and
+turns every validation failure into a ``ConfigError`` naming the key, the value and what is allowed.
+``lmiserve.config.sources.load_settings`` merges the sources and calls it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from lmiserve.config.errors import ConfigError
+from lmiserve.config.messages import describe_errors
+from lmiserve.config.properties import strip_option_prefix
+
+logger = logging.getLogger(__name__)
+
+# LMI spellings of the same key.
+KEY_ALIASES: dict[str, str] = {"max_dynamic_batch_size": "batch_size"}
+
+# LMI engine names for rolling_batch; lmiserve has one continuous-batching engine ("lmi").
+LMI_ENGINE_NAMES = frozenset(
+    {"vllm", "lmi-dist", "lmi_dist", "scheduler", "trtllm", "tnx", "deepspeed"}
+)
+
+_TRUE = frozenset({"true", "1", "yes", "on"})
+_FALSE = frozenset({"false", "0", "no", "off"})
+_WORD_ALIASES: dict[str | None, dict[str, str]] = {
+    "dtype": {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16"},
+    "log_level": {"warn": "warning"},
+}
+_CUDA_DEVICE = re.compile(r"cuda(:\d+)?")
+_META_FIELDS = frozenset({"extra", "sources"})
+
+Dtype = Literal["auto", "fp32", "fp16", "bf16"]
+RollingBatch = Literal["auto", "lmi", "disable"]
+OutputFormatter = Literal["json", "jsonlines", "sse", "tgi_compat"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+
+def canonical_key(key: str) -> str:
+    """Drop ``option.`` and resolve aliases: ``option.max_dynamic_batch_size`` -> ``batch_size``."""
+    key = strip_option_prefix(key.strip())
+    return KEY_ALIASES.get(key, key)
+
+
+class Settings(BaseModel):
+    """Effective server configuration. Build it with ``from_options`` or ``load_settings``."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    # --- model ---
+    model_id: str | None = Field(None, description=(
+        "Local model directory, .gguf file or transformers id in the local HF cache; "
+        "unset = the bundled default model."))
+    model_name: str | None = Field(None, description=(
+        "Model name reported by /models and /ping; derived from model_id when unset."))
+    revision: str | None = Field(None, description=(
+        "Revision (branch, tag or commit) of a transformers model id."))
+    dtype: Dtype = Field("auto", description=(
+        "Weights and compute dtype: auto, fp32, fp16 or bf16 (auto lets the model loader choose)."))
+    device: str = Field("auto", description=(
+        "Device: auto (cuda when available, else cpu), cpu, cuda or cuda:N."),
+        json_schema_extra={"allowed": "one of auto, cpu, cuda, cuda:N"})
+    trust_remote_code: bool = Field(False, description=(
+        "Allow a model repository to run its own Python code."))
+    model_cache_dir: str | None = Field(None, description=(
+        "Where the bundled GGUF model is converted to; unset = the user cache dir / lmiserve."))
+    # --- batching and limits ---
+    rolling_batch: RollingBatch = Field("auto", description=(
+        "auto or lmi = continuous batching, disable = dynamic batching; "
+        "LMI engine names (vllm, lmi-dist, scheduler, ...) mean lmi."),
+        json_schema_extra={"allowed": "one of auto, lmi, disable "
+                           "(or an LMI engine name: vllm, lmi-dist, scheduler, trtllm, tnx)"})
+    max_rolling_batch_size: int = Field(32, ge=1, description=(
+        "Most sequences generated together; further requests wait in the queue."))
+    max_rolling_batch_prefill_tokens: int = Field(2048, ge=1, description=(
+        "Most prompt tokens prefilled in one engine step."))
+    max_input_len: int | None = Field(None, ge=1, description=(
+        "Longest accepted prompt in tokens; unset = the model's context length."))
+    max_new_tokens: int = Field(30, ge=1, description=(
+        "max_new_tokens of requests that give none."))
+    max_new_tokens_limit: int = Field(4096, ge=1, description=(
+        "Largest max_new_tokens a request may ask for; a request above it is rejected."))
+    job_queue_size: int = Field(1000, ge=1, description=(
+        "Requests that may wait for a batch slot; beyond it the server answers 503."))
+    batch_size: int = Field(1, ge=1, description=(
+        "Dynamic batch size (alias max_dynamic_batch_size); > 1 forces rolling_batch=disable."))
+    max_batch_delay: int = Field(100, ge=0, description=(
+        "Milliseconds dynamic batching waits for a batch to fill."))
+    predict_timeout: float = Field(120.0, gt=0, description=(
+        "Seconds a request may wait for a free batch slot before it fails."))
+    enable_streaming: bool = Field(False, description=(
+        "Streaming in dynamic-batch mode (LMI's deprecated option; needs batch_size=1)."))
+    batch_invariant: bool = Field(False, description=(
+        "Run each sequence's forward pass alone so greedy output equals model.generate exactly."))
+    # --- output ---
+    output_formatter: OutputFormatter | None = Field(None, description=(
+        "Default output format: json, jsonlines, sse or tgi_compat; "
+        "unset = json, or jsonlines (sse with tgi_compat) when streaming."))
+    tgi_compat: bool = Field(False, description=(
+        "Answer in Text Generation Inference shapes (list wrapper, details, SSE streaming)."))
+    # --- server ---
+    host: str = Field("0.0.0.0", description="Address the HTTP server listens on.")
+    port: int = Field(8080, ge=1, le=65535, description="Port the HTTP server listens on.")
+    log_level: LogLevel = Field("info", description="Log level: debug, info, warning or error.")
+    # --- bookkeeping, not configuration keys ---
+    extra: dict[str, str] = Field(default_factory=dict, description=(
+        "Unknown keys (e.g. LMI's engine, tensor_parallel_degree): kept, logged, unused."))
+    sources: dict[str, str] = Field(default_factory=dict, description=(
+        "Where each non-default value came from, e.g. 'environment OPTION_DTYPE'."))
+
+    # ------------------------------------------------------------------ coercion
+
+    @field_validator(
+        "trust_remote_code", "enable_streaming", "batch_invariant", "tgi_compat", mode="before"
+    )
+    @classmethod
+    def _parse_bool(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            word = value.strip().lower()
+            if word in _TRUE:
+                return True
+            if word in _FALSE:
+                return False
+        return value
+
+    @field_validator(
+        "dtype", "rolling_batch", "output_formatter", "log_level", "device", mode="before"
+    )
+    @classmethod
+    def _normalize_word(cls, value: Any, info: ValidationInfo) -> Any:
+        if not isinstance(value, str):
+            return value
+        word = value.strip().lower()
+        if info.field_name == "rolling_batch" and word in LMI_ENGINE_NAMES:
+            logger.info("rolling_batch=%s: using lmiserve's continuous-batching engine", word)
+            return "lmi"
+        return _WORD_ALIASES.get(info.field_name, {}).get(word, word)
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        if value in ("auto", "cpu") or _CUDA_DEVICE.fullmatch(value):
+            return value
+        raise ValueError("unknown device")
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Settings:
+        if self.max_new_tokens > self.max_new_tokens_limit:
+            raise ValueError(
+                f"max_new_tokens={self.max_new_tokens} is larger than "
+                f"max_new_tokens_limit={self.max_new_tokens_limit}"
+            )
+        if self.batch_size > 1 and self.enable_streaming:
+            raise ValueError(
+                f"batch_size={self.batch_size} cannot be combined with enable_streaming=true: "
+                "streaming without rolling batch needs batch_size=1"
+            )
+        if self.batch_size > 1 and self.rolling_batch != "disable":
+            if "rolling_batch" in self.sources:
+                logger.warning(
+                    "batch_size=%d forces rolling_batch=disable (was %s)",
+                    self.batch_size,
+                    self.rolling_batch,
+                )
+            self.rolling_batch = "disable"
+            self.sources["rolling_batch"] = f"batch_size={self.batch_size}"
+        return self
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def option_keys(cls) -> list[str]:
+        """The configuration keys: every field except the bookkeeping ``extra`` and ``sources``."""
+        return [name for name in cls.model_fields if name not in _META_FIELDS]
+
+    @classmethod
+    def from_options(
+        cls, options: Mapping[str, object], sources: Mapping[str, str] | None = None
+    ) -> Settings:
+        """Validate string (or typed) options; raise ``ConfigError`` on any bad value.
+
+        Keys may carry ``option.`` or be LMI aliases. An empty value means "use the default".
+        Unknown keys go to ``extra`` with a warning. ``sources`` maps keys to where they came from.
+        """
+        known = set(cls.option_keys())
+        where = {canonical_key(key): source for key, source in (sources or {}).items()}
+        values: dict[str, object] = {}
+        extra: dict[str, str] = {}
+        for raw_key, value in options.items():
+            key = canonical_key(raw_key)
+            if key not in known:
+                extra[key] = str(value)
+                logger.warning("ignoring unknown option %r%s", key, _from(where.get(key)))
+            elif value is None or (isinstance(value, str) and not value.strip()):
+                values.pop(key, None)
+            else:
+                values[key] = value.strip() if isinstance(value, str) else value
+        used = {key: where[key] for key in [*values, *extra] if key in where}
+        try:
+            return cls.model_validate({**values, "extra": extra, "sources": used})
+        except ValidationError as exc:
+            raise ConfigError(describe_errors(exc.errors(), cls.model_fields, where)) from None
+
+    # ------------------------------------------------------------------ derived
+
+    @property
+    def dynamic_batching(self) -> bool:
+        """True when requests are batched statically (LMI's non-rolling mode), not continuously."""
+        return self.rolling_batch == "disable" or self.batch_size > 1
+
+    def resolved_model_cache_dir(self) -> Path:
+        """``model_cache_dir``, or the platform's user cache dir / lmiserve."""
+        if self.model_cache_dir:
+            return Path(self.model_cache_dir).expanduser()
+        import platformdirs
+
+        return Path(platformdirs.user_cache_dir("lmiserve"))
+
+    def summary(self) -> list[str]:
+        """``key=value (from <source>)`` or ``key=value (default)`` per key, for the startup log."""
+        lines = []
+        for key in self.option_keys():
+            source = self.sources.get(key)
+            origin = f"from {source}" if source else "default"
+            lines.append(f"{key}={getattr(self, key)} ({origin})")
+        for key, value in self.extra.items():
+            lines.append(f"{key}={value} (ignored{_from(self.sources.get(key))})")
+        return lines
+
+
+def _from(source: str | None) -> str:
+    return f" from {source}" if source else ""

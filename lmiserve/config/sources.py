@@ -1,0 +1,137 @@
+"""Where settings come from, and which source wins.
+
+Precedence, highest first: command line > environment > serving.properties > defaults.
+(DJL Serving lets serving.properties beat the environment; lmiserve follows the usual
+twelve-factor order so a deployment can override a baked-in file.)
+
+Environment mapping, lowest first within the environment (a later entry wins):
+
+- shortcuts: ``HF_MODEL_ID`` -> model_id, ``HF_REVISION`` -> revision,
+  ``HF_MODEL_TRUST_REMOTE_CODE`` -> trust_remote_code, ``MAX_BATCH_SIZE`` ->
+  max_rolling_batch_size, ``MAX_BATCH_PREFILL_TOKENS`` -> max_rolling_batch_prefill_tokens,
+  ``MAX_CONCURRENT_REQUESTS`` -> job_queue_size, ``SAGEMAKER_MODEL_SERVER_TIMEOUT_SECONDS``
+  then ``PREDICT_TIMEOUT`` -> predict_timeout, ``SAGEMAKER_BIND_TO_PORT`` -> port;
+- ``SERVING_<NAME>`` -> ``<name>`` lower-cased (e.g. ``SERVING_JOB_QUEUE_SIZE``);
+- ``OPTION_<NAME>`` -> ``<name>`` lower-cased (e.g. ``OPTION_MAX_ROLLING_BATCH_SIZE``).
+
+Empty environment values are ignored.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from lmiserve.config.errors import ConfigError
+from lmiserve.config.properties import read_properties, strip_option_prefix
+from lmiserve.config.settings import KEY_ALIASES, Settings, canonical_key
+
+PROPERTIES_FILE_NAME = "serving.properties"
+
+# (environment variable, key), lowest priority first.
+ENV_SHORTCUTS: tuple[tuple[str, str], ...] = (
+    ("HF_MODEL_ID", "model_id"),
+    ("HF_REVISION", "revision"),
+    ("HF_MODEL_TRUST_REMOTE_CODE", "trust_remote_code"),
+    ("MAX_BATCH_SIZE", "max_rolling_batch_size"),
+    ("MAX_BATCH_PREFILL_TOKENS", "max_rolling_batch_prefill_tokens"),
+    ("MAX_CONCURRENT_REQUESTS", "job_queue_size"),
+    ("SAGEMAKER_MODEL_SERVER_TIMEOUT_SECONDS", "predict_timeout"),
+    ("PREDICT_TIMEOUT", "predict_timeout"),
+    ("SAGEMAKER_BIND_TO_PORT", "port"),
+)
+_ENV_PREFIXES = ("SERVING_", "OPTION_")  # lowest priority first
+_SPECIAL_ENV_NAMES = {"OPTION_ENTRYPOINT": "entryPoint"}  # as DJL Serving spells it
+_UPPER_NAME = re.compile(r"[A-Z0-9_]+")
+
+# key -> (value, where it came from)
+Layer = dict[str, tuple[object, str]]
+
+
+def parse_override(text: str) -> tuple[str, str]:
+    """Split one ``-o key=value`` override into ``(key, value)``; ``option.`` is dropped."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"invalid override {text!r}: expected key=value, e.g. max_new_tokens=64")
+    return canonical_key(key), value.strip()
+
+
+def load_settings(
+    cli_overrides: Mapping[str, object] | None = None,
+    properties_file: str | Path | None = None,
+    model_dir: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Settings:
+    """Merge defaults, serving.properties, the environment and CLI overrides into Settings.
+
+    ``properties_file`` is read if given (it must exist), else ``<model_dir>/serving.properties``
+    if present. With ``model_dir`` and no model_id from any source, model_id is ``model_dir``.
+    ``cli_overrides`` values of ``None`` mean "not given". ``environ`` defaults to ``os.environ``.
+    Raises ``ConfigError``.
+    """
+    model_path = Path(model_dir) if model_dir is not None else None
+    if model_path is not None and not model_path.is_dir():
+        raise ConfigError(f"model directory '{model_path}' does not exist or is not a directory")
+
+    cli = (cli_overrides or {}).items()
+    layers = [
+        properties_layer(properties_file, model_path),
+        environment_layer(os.environ if environ is None else environ),
+        _canonical((key, value, "command line") for key, value in cli if value is not None),
+    ]
+    merged: Layer = {}
+    for layer in layers:
+        merged.update(layer)
+    model_id = merged.get("model_id", ("", ""))[0]
+    if model_path is not None and not str(model_id).strip():
+        merged["model_id"] = (str(model_path), f"model directory {model_path}")
+
+    options = {key: value for key, (value, _) in merged.items()}
+    sources = {key: source for key, (_, source) in merged.items()}
+    return Settings.from_options(options, sources)
+
+
+def properties_layer(properties_file: str | Path | None, model_dir: Path | None) -> Layer:
+    """Options from the given properties file, or from ``<model_dir>/serving.properties``."""
+    if properties_file is not None:
+        path = Path(properties_file)
+    elif model_dir is not None and (model_dir / PROPERTIES_FILE_NAME).is_file():
+        path = model_dir / PROPERTIES_FILE_NAME
+    else:
+        return {}
+    label = f"properties file {path}"
+    return _canonical((k, v, label) for k, v in read_properties(path).items())
+
+
+def environment_layer(environ: Mapping[str, str]) -> Layer:
+    """Options from environment variables (see the module docstring for the mapping)."""
+    entries: list[tuple[str, object, str]] = []
+    for var, key in ENV_SHORTCUTS:
+        if environ.get(var, "").strip():
+            entries.append((key, environ[var], f"environment {var}"))
+    for prefix in _ENV_PREFIXES:
+        for var in sorted(v for v in environ if v.startswith(prefix) and len(v) > len(prefix)):
+            if environ[var].strip():
+                entries.append((_env_key(var, prefix), environ[var], f"environment {var}"))
+    return _canonical(entries)
+
+
+def _env_key(var: str, prefix: str) -> str:
+    if var in _SPECIAL_ENV_NAMES:
+        return _SPECIAL_ENV_NAMES[var]
+    name = var[len(prefix) :]
+    return name.lower() if _UPPER_NAME.fullmatch(name) else name
+
+
+def _canonical(entries: Iterable[tuple[str, object, str]]) -> Layer:
+    """Canonical keys; within one source a canonical key beats its alias, later beats earlier."""
+    direct: Layer = {}
+    aliased: Layer = {}
+    for raw_key, value, source in entries:
+        target = aliased if strip_option_prefix(raw_key.strip()) in KEY_ALIASES else direct
+        key = canonical_key(raw_key)
+        target.pop(key, None)  # re-insert so the dict order follows the input order
+        target[key] = (value, source)
+    return {**aliased, **direct}

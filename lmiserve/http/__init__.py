@@ -1,0 +1,1 @@
+"""The HTTP layer: a thin starlette app wiring protocol adapters, the engine and formatters."""

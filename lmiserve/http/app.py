@@ -1,0 +1,59 @@
+"""The starlette application: routes table, lifespan (model loads in the background), 404 shape."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from lmiserve.config import Settings
+from lmiserve.formatters import frontend_error_body
+from lmiserve.http import lmi_routes, management
+from lmiserve.http.responses import raw_response
+from lmiserve.http.service import ModelService
+
+ANY = ["GET", "POST", "PUT"]
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/ping", management.ping, methods=["GET", "POST"]),
+        Route("/invocations", lmi_routes.invocations, methods=["POST"]),
+        Route("/predictions/{model_name}", lmi_routes.invocations, methods=["POST"]),
+        Route("/predictions/{model_name}/{version}", lmi_routes.invocations, methods=["POST"]),
+        Route("/models/{model_name}/invoke", lmi_routes.invocations, methods=["POST"]),
+        Route("/models", management.list_models, methods=["GET"]),
+        Route("/models/{model_name}", management.describe_model, methods=["GET"]),
+    ]
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    if exc.status_code == 404:
+        message, kind = "Requested resource is not found, please refer to API document.", "ResourceNotFoundException"
+    elif exc.status_code == 405:
+        message, kind = "Requested method is not allowed, please refer to API document.", "MethodNotAllowedException"
+    else:
+        message, kind = str(exc.detail), "BadRequestException"
+    return raw_response(frontend_error_body(exc.status_code, kind, message), exc.status_code)
+
+
+def create_app(settings: Settings, service: ModelService | None = None) -> Starlette:
+    service = service or ModelService(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        loading = asyncio.create_task(service.load())
+        try:
+            yield
+        finally:
+            loading.cancel()
+            await service.close()
+
+    app = Starlette(routes=routes(), lifespan=lifespan, exception_handlers={HTTPException: _http_error})
+    app.state.service = service
+    return app

@@ -1,0 +1,159 @@
+"""Load a local transformers causal LM directory onto a device, ready for the engine."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from lmiserve.models import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_CONTEXT = 2048
+_SANE_MAX_CONTEXT = 10_000_000  # tokenizers default model_max_length to ~1e30 when unknown
+_CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+@dataclass
+class LoadedModel:
+    """A model in eval mode on `device` plus what the engine needs to know about it."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    device: torch.device
+    dtype: torch.dtype
+    max_context: int
+    eos_token_ids: set[int]
+    name: str
+    path: Path
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """"auto" -> cuda if available else cpu; "cpu", "cuda", "cuda:N" (and other torch devices) as given."""
+    spec = (device or "auto").strip().lower()
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(spec)
+    except RuntimeError as exc:
+        raise ModelLoadError(f"invalid device {device!r}: use auto, cpu, cuda or cuda:N") from exc
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ModelLoadError(f"device {device!r} requested but CUDA is not available")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ModelLoadError(
+                f"device {device!r} requested but only {torch.cuda.device_count()} CUDA device(s) exist"
+            )
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """"auto" -> fp32 on CPU, bf16 on CUDA if supported else fp16; fp32/fp16/bf16 (and long names)."""
+    spec = (dtype or "auto").strip().lower()
+    if spec == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    try:
+        return _DTYPES[spec]
+    except KeyError:
+        raise ModelLoadError(f"invalid dtype {dtype!r}: use auto, fp32, fp16 or bf16") from None
+
+
+def load_causal_lm(
+    path: str | os.PathLike[str],
+    dtype: str = "auto",
+    device: str = "auto",
+    trust_remote_code: bool = False,
+    name: str | None = None,
+) -> LoadedModel:
+    """Load model and tokenizer from the local directory `path` (never downloads)."""
+    path = Path(path)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    start = time.monotonic()
+    common = {"trust_remote_code": trust_remote_code, "local_files_only": True}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **common)
+        model = _load_model(path, torch_dtype, common)
+    except (OSError, ValueError, KeyError, ImportError) as exc:
+        raise ModelLoadError(f"could not load the model in {path}: {exc}") from exc
+    model.to(torch_device)
+    model.eval()
+
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    loaded = LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        device=torch_device,
+        dtype=torch_dtype,
+        max_context=_max_context(model, tokenizer),
+        eos_token_ids=_eos_token_ids(model, tokenizer),
+        name=name or path.name,
+        path=path,
+    )
+    logger.info(
+        "loaded %s (%s, %s on %s, context %d) in %.1f s",
+        path,
+        type(model).__name__,
+        str(torch_dtype).removeprefix("torch."),
+        torch_device,
+        loaded.max_context,
+        time.monotonic() - start,
+    )
+    return loaded
+
+
+def _load_model(path: Path, dtype: torch.dtype, common: dict[str, bool]) -> PreTrainedModel:
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **common)
+    except ValueError as exc:
+        if "sdpa" not in str(exc).lower():
+            raise
+        # Some (remote-code) architectures do not implement SDPA: fall back to their default.
+        logger.warning("%s does not support SDPA attention; using its default attention", path)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **common)
+
+
+def _max_context(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> int:
+    config = model.config.get_text_config()
+    for attr in _CONTEXT_ATTRS:
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    value = getattr(tokenizer, "model_max_length", None)
+    if isinstance(value, int) and 0 < value < _SANE_MAX_CONTEXT:
+        return value
+    return DEFAULT_MAX_CONTEXT
+
+
+def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    ids: set[int] = set()
+    generation_config = getattr(model, "generation_config", None)
+    sources = [getattr(generation_config, "eos_token_id", None), tokenizer.eos_token_id]
+    if generation_config is None:
+        sources.append(getattr(model.config, "eos_token_id", None))
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids

@@ -1,0 +1,117 @@
+"""Turn the configured model id into a local transformers directory and a served model name.
+
+Accepted model ids: nothing (the bundled SmolLM2 default), a transformers model directory, a
+`.gguf` file (converted once into the cache), or a Hugging Face hub id that is ALREADY in the
+local HF cache. This server never downloads anything at run time.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from lmiserve.models import ModelLoadError
+from lmiserve.models import bundled
+
+# "name" or "org/name", as the hub spells repo ids.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+# Trailing quantization tag of GGUF file names: "Model.Q4_1", "model-q8_0", "Model.F16", "Model.IQ3_XS".
+_GGUF_QUANT_SUFFIX = re.compile(r"[.-](I?Q\d\w*|[BF]F?16|F32)$", re.IGNORECASE)
+
+
+def resolve_model_path(
+    model_id: str | None,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> Path:
+    """A local transformers directory (with config.json) for `model_id`; raise ModelLoadError if none.
+
+    `cache_dir` is where converted GGUF models live (settings.model_cache_dir; default: the user
+    cache dir of lmiserve); `revision` only applies to hub ids.
+    """
+    if model_id is None or not model_id.strip():
+        return bundled.bundled_model_path(cache_dir)
+    model_id = model_id.strip()
+    if "://" in model_id:
+        raise ModelLoadError(
+            f"model id {model_id!r} is a URL; this server never downloads at run time: "
+            "download the model first and pass its directory with --model-id"
+        )
+    local = Path(model_id).expanduser()
+    if local.is_dir():
+        return _check_model_dir(local)
+    if local.is_file():
+        if local.suffix.lower() == ".gguf":
+            return bundled.convert_gguf(local, cache_dir)
+        raise ModelLoadError(
+            f"model id {model_id!r} is a file but not a .gguf file; pass a transformers model "
+            "directory (with config.json), a .gguf file or a hub id"
+        )
+    if _looks_like_path(model_id):
+        raise ModelLoadError(f"model path {model_id!r} does not exist")
+    return _hub_snapshot(model_id, revision)
+
+
+def default_model_name(model_id: str | None, path: str | os.PathLike[str] | None = None) -> str:
+    """The served model name when none is configured, as LMI derives it.
+
+    None -> "SmolLM2-135M-Instruct"; a local directory -> its basename; a .gguf file -> its stem
+    without the quantization tag; a hub id -> non-word characters replaced by "_"
+    ("TheBloke/Llama-2-7B-fp16" -> "TheBloke_Llama_2_7B_fp16").
+    """
+    if model_id is None or not model_id.strip():
+        return bundled.DEFAULT_MODEL_NAME
+    model_id = model_id.strip()
+    local = Path(model_id).expanduser()
+    if local.exists() or _looks_like_path(model_id):
+        local = local.resolve()
+        if local.suffix.lower() == ".gguf":
+            return _GGUF_QUANT_SUFFIX.sub("", local.stem) or local.stem
+        return local.name or (Path(path).name if path is not None else "model")
+    return re.sub(r"\W", "_", model_id)
+
+
+def _looks_like_path(model_id: str) -> bool:
+    """True unless the id could be a hub repo id ("name" or "org/name")."""
+    return (
+        model_id.startswith(("/", ".", "~"))
+        or model_id.lower().endswith(".gguf")
+        or _HUB_ID.match(model_id) is None
+    )
+
+
+def _check_model_dir(directory: Path) -> Path:
+    directory = directory.resolve()
+    if (directory / "config.json").is_file():
+        return directory
+    ggufs = sorted(directory.glob("*.gguf"))
+    hint = (
+        f"; it holds GGUF files, pass one of them instead, e.g. --model-id {ggufs[0]}"
+        if ggufs
+        else " (a transformers model directory needs config.json, weights and tokenizer files)"
+    )
+    raise ModelLoadError(f"model directory {directory} has no config.json{hint}")
+
+
+def _hub_snapshot(repo_id: str, revision: str | None) -> Path:
+    """The snapshot of `repo_id` in the local Hugging Face cache; never downloads."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    not_found = (
+        f"model {repo_id!r}{f' (revision {revision!r})' if revision else ''} was not found locally: "
+        "it is neither an existing directory nor in the local Hugging Face cache, and this server "
+        "never downloads at run time. Pre-download it (e.g. `hf download "
+        f"{repo_id}`) or pass a model directory or .gguf file with --model-id."
+    )
+    try:
+        snapshot = Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, FileNotFoundError) as exc:
+        raise ModelLoadError(not_found) from exc
+    if not (snapshot / "config.json").is_file():
+        raise ModelLoadError(
+            f"the cached snapshot of {repo_id!r} at {snapshot} has no config.json; it is incomplete "
+            "or not a transformers model. Pre-download the full model or pass a model directory."
+        )
+    return snapshot

