@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers only
         bundled_gguf_path,
         bundled_model_path,
         convert_gguf,
+        converted_dir,
         default_cache_dir,
     )
     from lmiserve.models.load import LoadedModel, load_causal_lm, resolve_device, resolve_dtype
@@ -34,6 +35,7 @@ _LAZY: dict[str, str] = {
     "bundled_gguf_path": "lmiserve.models.bundled",
     "bundled_model_path": "lmiserve.models.bundled",
     "convert_gguf": "lmiserve.models.bundled",
+    "converted_dir": "lmiserve.models.bundled",
     "default_cache_dir": "lmiserve.models.bundled",
     "LoadedModel": "lmiserve.models.load",
     "load_causal_lm": "lmiserve.models.load",

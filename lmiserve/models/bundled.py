@@ -83,7 +83,7 @@ def gguf_cache_key(gguf_path: Path) -> str:
 
 def converted_dir(gguf_path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Where `convert_gguf` puts (or has put) the converted directory of `gguf_path`."""
-    path = Path(gguf_path).expanduser().resolve()
+    path = Path(os.path.abspath(Path(gguf_path).expanduser()))  # keep a symlink's name
     return default_cache_dir(cache_dir) / _CACHE_SUBDIR / gguf_cache_key(path)
 
 
@@ -93,7 +93,7 @@ def convert_gguf(gguf_path: str | os.PathLike[str], cache_dir: str | os.PathLike
     The first call de-quantizes the GGUF (tens of seconds) into the cache; later calls, from any
     process, return the cached directory at once.
     """
-    path = Path(gguf_path).expanduser().resolve()
+    path = Path(os.path.abspath(Path(gguf_path).expanduser()))  # keep a symlink's name
     if not path.is_file():
         raise ModelLoadError(f"GGUF file {path} does not exist")
     final = converted_dir(path, cache_dir)

@@ -17,7 +17,7 @@ from lmiserve.models import bundled
 # "name" or "org/name", as the hub spells repo ids.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 # Trailing quantization tag of GGUF file names: "Model.Q4_1", "model-q8_0", "Model.F16", "Model.IQ3_XS".
-_GGUF_QUANT_SUFFIX = re.compile(r"[.-](I?Q\d\w*|[BF]F?16|F32)$", re.IGNORECASE)
+_GGUF_QUANT_SUFFIX = re.compile(r"[.-](I?Q\d\w*|BF16|F16|F32)$", re.IGNORECASE)
 
 
 def resolve_model_path(
@@ -65,7 +65,7 @@ def default_model_name(model_id: str | None, path: str | os.PathLike[str] | None
     model_id = model_id.strip()
     local = Path(model_id).expanduser()
     if local.exists() or _looks_like_path(model_id):
-        local = local.resolve()
+        local = Path(os.path.abspath(local))  # not resolve(): keep a symlink's own name
         if local.suffix.lower() == ".gguf":
             return _GGUF_QUANT_SUFFIX.sub("", local.stem) or local.stem
         return local.name or (Path(path).name if path is not None else "model")

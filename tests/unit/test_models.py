@@ -128,6 +128,9 @@ def test_default_model_name(tiny_model_dir: Path, tmp_path: Path) -> None:
     gguf = _fake_gguf(tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf")
     assert default_model_name(str(gguf), None) == "SmolLM2-135M-Instruct"
     assert default_model_name(str(tmp_path / "phi-2-f16.gguf"), None) == "phi-2"
+    link = tmp_path / "Mistral-7B.Q4_K_M.gguf"  # as in an HF cache snapshot: a link to a blob
+    link.symlink_to(gguf)
+    assert default_model_name(str(link), None) == "Mistral-7B"
 
 
 # --- the bundled default and the conversion cache -------------------------------------------------
