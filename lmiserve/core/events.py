@@ -32,7 +32,7 @@ class Finish:
     reason: FinishReason
     generated_text: str  # the completion only (never the prompt); stop string removed unless asked
     generated_tokens: int
-    prompt: str  # the prompt text as given (after truncation if `truncate` applied)
+    prompt: str  # the prompt text as the client gave it (before any `truncate`)
     prompt_tokens: int
     seed: int | None = None
     prefill: tuple[Token, ...] | None = None  # prompt tokens with logprobs (decoder_input_details)

@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from lmiserve.core.errors import EngineOverloaded, QueueTimeout
+from lmiserve.core.errors import EngineOverloaded, ModelNotReady, QueueTimeout
 from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.core.request import GenerationRequest
 from lmiserve.engine.scheduler import Scheduler, StepOutput
@@ -72,6 +72,7 @@ class AsyncEngine:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="lmiserve-engine")
 
     async def stop(self) -> None:
+        """Stop the loop; requests still open end with an error instead of waiting forever."""
         if self._task is not None:
             self._task.cancel()
             try:
@@ -79,6 +80,8 @@ class AsyncEngine:
             except asyncio.CancelledError:
                 pass
             self._task = None
+        for seq_id in list(self._handles):
+            self._fail_before_start_id(seq_id, ModelNotReady("the server is shutting down"))
 
     @property
     def num_waiting(self) -> int:
@@ -180,7 +183,12 @@ class AsyncEngine:
             except asyncio.TimeoutError:
                 pass
             return
-        output: StepOutput = await asyncio.to_thread(self.runner.execute, plan)
+        try:
+            output: StepOutput = await asyncio.to_thread(self.runner.execute, plan)
+        except Exception as exc:  # noqa: BLE001 - outside the per-sequence guards: end what was running
+            log.exception("engine step failed")
+            message = f"exception occurred during generation: {exc}"
+            output = StepOutput(errors={s.seq_id: message for s in scheduler.running})
         self.steps += 1
         self._deliver(scheduler.update(plan, output))
 
@@ -196,7 +204,10 @@ class AsyncEngine:
             handle.queue.put_nowait(event)
 
     def _fail_before_start(self, seq: Sequence, error: BaseException) -> None:
-        handle = self._handles.pop(seq.seq_id, None)
+        self._fail_before_start_id(seq.seq_id, error)
+
+    def _fail_before_start_id(self, seq_id: int, error: BaseException) -> None:
+        handle = self._handles.pop(seq_id, None)
         if handle is not None:
             handle.queue.put_nowait(error)
 

@@ -109,7 +109,7 @@ class ModelRunner:
         mask = (torch.arange(span)[None, :] <= positions[:, None])[:, None, None, :]
         logits = self._forward(ids, positions[:, None], mask, self.cache, 1)[:, -1].float()
         for row, seq in enumerate(seqs):
-            self._sample(seq, logits[row], out)
+            self._guard([seq], out, self._sample, seq, logits[row], out)
 
     def _decode_alone(self, seq: Sequence, out: StepOutput) -> None:
         cache = self._caches[seq.seq_id]

@@ -37,7 +37,7 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """temperature, top_k, top_p, typical_p, min_p (in the order transformers applies them)."""
+    """temperature, top_k, top_p, min_p, typical_p (in the order transformers applies them)."""
     if params.temperature != 1.0:
         logits = logits / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
@@ -49,18 +49,18 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         remove = cumulative <= (1 - params.top_p)
         remove[-1] = False
         logits = logits.masked_fill(remove.scatter(0, order, remove), _NEG_INF)
+    if params.min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), _NEG_INF)
     if params.typical_p < 1.0:
         logp = logits.log_softmax(-1)
         entropy = -(logp.exp() * logp).nansum()
         shifted = (-logp - entropy).abs()
         sorted_shift, order = torch.sort(shifted)
         cumulative = logits.softmax(-1)[order].cumsum(-1)
-        last = int((cumulative < params.typical_p).sum())
+        last = min(int((cumulative < params.typical_p).sum()), logits.shape[-1] - 1)
         remove = sorted_shift > sorted_shift[last]
         logits = logits.masked_fill(remove.scatter(0, order, remove), _NEG_INF)
-    if params.min_p > 0.0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < params.min_p * probs.max(), _NEG_INF)
     return logits
 
 

@@ -1,0 +1,165 @@
+"""Real `python -m lmiserve serve` subprocesses serving the tiny random Llama, driven over HTTP.
+
+Few servers, each started once and shared (a start takes a few seconds):
+
+- `server` (session): the default configuration plus ``max_input_len=64``;
+- `tgi_server` (module): ``tgi_compat=true``;
+- `jsonlines_server` (module): ``output_formatter=jsonlines`` (and chunked prefill:
+  ``max_rolling_batch_prefill_tokens=4``);
+- `dynamic_server` (module): ``rolling_batch=disable batch_size=4 max_batch_delay=50``;
+- `small_server` (module): ``max_rolling_batch_size=1 job_queue_size=1 predict_timeout=1.5`` on
+  `long_model_dir`, a copy
+  of the tiny model with a 4096-token context, so that one request can keep the only slot busy
+  for seconds (the tiny model decodes ~1000 tokens/s; at its 256-token context a generation is
+  over in a fraction of a second, too short to tell a freed slot from a finished request).
+
+Every fixture yields a `Server`: base URL, model name, an httpx client with a timeout on every call
+and the parsing helpers the tests share (so no test module has to import from here).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from helpers.server import run_server
+
+DEFAULT_TIMEOUT = 30.0  # seconds; every call has a timeout so a hang fails fast
+LONG_CONTEXT = 4096
+PREDICT_TIMEOUT = 1.5  # small_server: seconds a request may wait for the slot (a long request takes ~4 s)
+
+
+@dataclass
+class Server:
+    url: str
+    name: str
+    model_dir: Path
+    client: httpx.Client = field(repr=False)
+
+    # --- requests -------------------------------------------------------------------------------
+
+    def post(
+        self,
+        payload: Any = None,
+        *,
+        path: str = "/invocations",
+        content: bytes | str | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        params: dict[str, str] | None = None,
+    ) -> httpx.Response:
+        """POST a JSON payload (or raw `content`); returns the whole response."""
+        if content is None:
+            content = json.dumps(payload)
+            headers = {"content-type": "application/json", **(headers or {})}
+        return self.client.post(path, content=content, headers=headers, timeout=timeout, params=params)
+
+    def get(self, path: str, *, timeout: float = DEFAULT_TIMEOUT) -> httpx.Response:
+        return self.client.get(path, timeout=timeout)
+
+    def generate(self, inputs: str, **parameters: Any) -> dict:
+        """Non-streaming request; asserts 200 and returns the body object."""
+        response = self.post({"inputs": inputs, "parameters": parameters})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def stream(self, inputs: str, **parameters: Any) -> tuple[httpx.Response, list[dict]]:
+        """``"stream": true`` request with the default (jsonlines) formatter; asserts 200."""
+        response = self.post({"inputs": inputs, "parameters": parameters, "stream": True})
+        assert response.status_code == 200, response.text
+        assert response.headers["content-type"] == "application/jsonlines"
+        return response, jsonlines(response.text)
+
+    def new_client(self, **kwargs: Any) -> httpx.Client:
+        """A client of its own (its own connections), e.g. to close one connection on purpose."""
+        return httpx.Client(base_url=self.url, trust_env=False, **{"timeout": DEFAULT_TIMEOUT, **kwargs})
+
+    # --- parsing, available to tests through any server fixture -----------------------------------
+
+    jsonlines = staticmethod(lambda text: jsonlines(text))
+    sse = staticmethod(lambda text: sse(text))
+
+
+def jsonlines(text: str) -> list[dict]:
+    """Parse a jsonlines body strictly: every line ends with "\\n", no empty line, one object each."""
+    assert text.endswith("\n"), f"jsonlines body does not end with a newline: {text[-80:]!r}"
+    lines = text[:-1].split("\n")
+    assert all(lines), f"empty line in jsonlines body: {text!r}"
+    out = []
+    for line in lines:
+        obj = json.loads(line)
+        assert isinstance(obj, dict), line
+        # LMI's byte format: json.dumps(obj, ensure_ascii=False) spacing and key order.
+        assert line == json.dumps(obj, ensure_ascii=False), line
+        out.append(obj)
+    return out
+
+
+def sse(text: str) -> list[dict]:
+    """Parse a non-chat SSE body strictly: ``data: <json>\\n\\n`` events only, no [DONE]."""
+    assert text.endswith("\n\n"), f"SSE body does not end with a blank line: {text[-80:]!r}"
+    events = text[:-2].split("\n\n")
+    out = []
+    for event in events:
+        assert event.startswith("data: "), f"not a data event: {event!r}"
+        data = event[len("data: ") :]
+        assert "\n" not in data, f"multi-line event: {event!r}"
+        assert data != "[DONE]", "non-chat SSE must not end with [DONE]"
+        obj = json.loads(data)
+        assert data == json.dumps(obj, ensure_ascii=False), data
+        out.append(obj)
+    return out
+
+
+def _start(model_dir: Path, *options: str) -> Iterator[Server]:
+    args = ["--model-id", str(model_dir)]
+    for option in options:
+        args += ["-o", option]
+    with run_server(args) as url, httpx.Client(base_url=url, timeout=DEFAULT_TIMEOUT, trust_env=False) as client:
+        yield Server(url=url, name=model_dir.name, model_dir=model_dir, client=client)
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model_dir: Path) -> Iterator[Server]:
+    """Default configuration; prompts are limited to 64 tokens."""
+    yield from _start(tiny_model_dir, "max_input_len=64")
+
+
+@pytest.fixture(scope="module")
+def tgi_server(tiny_model_dir: Path) -> Iterator[Server]:
+    yield from _start(tiny_model_dir, "tgi_compat=true")
+
+
+@pytest.fixture(scope="module")
+def jsonlines_server(tiny_model_dir: Path) -> Iterator[Server]:
+    yield from _start(tiny_model_dir, "output_formatter=jsonlines", "max_rolling_batch_prefill_tokens=4")
+
+
+@pytest.fixture(scope="module")
+def dynamic_server(tiny_model_dir: Path) -> Iterator[Server]:
+    yield from _start(tiny_model_dir, "rolling_batch=disable", "batch_size=4", "max_batch_delay=50")
+
+
+@pytest.fixture(scope="session")
+def long_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a 4096-token context (Llama's rotary positions need no new weights)."""
+    out = tmp_path_factory.mktemp("long") / "tiny-long"
+    shutil.copytree(tiny_model_dir, out)
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text())
+    config["max_position_embeddings"] = LONG_CONTEXT
+    config_path.write_text(json.dumps(config, indent=2))
+    return out
+
+
+@pytest.fixture(scope="module")
+def small_server(long_model_dir: Path) -> Iterator[Server]:
+    """One batch slot, one queue place: admission, queue-full and cancellation are observable."""
+    yield from _start(long_model_dir, "max_rolling_batch_size=1", "job_queue_size=1", f"predict_timeout={PREDICT_TIMEOUT}")

@@ -1,0 +1,489 @@
+"""AsyncEngine with the real ModelRunner on the tiny random Llama (CPU, fp32).
+
+Greedy output is compared token for token with `model.generate`; the rest checks the request
+lifecycle: queue limits, queue timeouts, cancellation, per-request failures, length validation, n/best_of.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import pytest
+import torch
+
+from lmiserve.config import Settings
+from lmiserve.core.errors import EngineOverloaded, InvalidRequest, QueueTimeout
+from lmiserve.core.events import FinishReason, StepEvent
+from lmiserve.core.request import GenerationRequest, SamplingParams
+from lmiserve.engine.async_engine import AsyncEngine, EngineConfig
+from lmiserve.engine.factory import build_engine
+from lmiserve.engine.runner import ModelRunner
+from lmiserve.engine.validation import PromptCodec
+
+PROMPTS = [
+    "The quick brown fox",
+    "Hello world! How are you",
+    "Deep learning is a subfield of",
+    "What is the capital of France? The capital",
+    "Numbers like 1, 2, 3",
+    "naïve café 日本語 🎉",
+]
+NEW_TOKENS = 20
+
+
+# --- helpers -------------------------------------------------------------------------------------------
+
+
+def make_engine(loaded, *, runner_cls=ModelRunner, max_input_len=None, **config) -> AsyncEngine:
+    cfg = EngineConfig(**config)
+    runner = runner_cls(
+        loaded.model,
+        max_slots=cfg.max_running,
+        max_context=loaded.max_context,
+        eos_token_ids=loaded.eos_token_ids,
+        batch_invariant=cfg.batch_invariant,
+    )
+    codec = PromptCodec(
+        loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, max_context=loaded.max_context, max_input_len=max_input_len
+    )
+    return AsyncEngine(runner, codec, cfg)
+
+
+@contextlib.asynccontextmanager
+async def started(engine: AsyncEngine):
+    engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.stop()
+
+
+async def collect(engine: AsyncEngine, request: GenerationRequest, delay: float = 0.0) -> list[StepEvent]:
+    if delay:
+        await asyncio.sleep(delay)
+    return [event async for event in engine.generate(request)]
+
+
+def ids_of(events: list[StepEvent], index: int = 0) -> list[int]:
+    return [e.token.id for e in events if e.token is not None and e.index == index]
+
+
+def final(events: list[StepEvent], index: int = 0):
+    finals = [e.finish for e in events if e.finish is not None and e.index == index]
+    assert len(finals) == 1 and events[-1].finish is not None
+    return finals[0]
+
+
+def greedy(max_new_tokens: int = NEW_TOKENS, **kw) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens, **kw)
+
+
+async def wait_until(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.001)
+
+
+class SlowRunner(ModelRunner):
+    """Every step takes at least `delay` seconds, so a request can hold its slot for a while."""
+
+    delay = 0.02
+
+    def execute(self, plan):
+        time.sleep(self.delay)
+        return super().execute(plan)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    """Greedy continuation by `model.generate` (cut after the first EOS), memoised per prompt ids."""
+    memo: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    def generate(prompt_ids: list[int], max_new_tokens: int = NEW_TOKENS) -> list[int]:
+        key = (tuple(prompt_ids), max_new_tokens)
+        if key not in memo:
+            ids = torch.tensor([prompt_ids])
+            with torch.inference_mode():
+                out = tiny_model.model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    do_sample=False,
+                    max_new_tokens=max_new_tokens,
+                    pad_token_id=tiny_model.tokenizer.pad_token_id,
+                )[0, ids.shape[1] :].tolist()
+            for i, token in enumerate(out):
+                if token in tiny_model.eos_token_ids:
+                    out = out[: i + 1]
+                    break
+            memo[key] = out
+        return memo[key]
+
+    return generate
+
+
+def encode(loaded, prompt: str) -> list[int]:
+    return list(loaded.tokenizer(prompt)["input_ids"])
+
+
+# --- greedy equals model.generate ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"batch_invariant": True},
+        {"max_running": 3, "max_prefill_tokens": 5},  # queueing, chunked prefill, slot compaction
+    ],
+    ids=["batched", "batch_invariant", "small_batch_chunked"],
+)
+async def test_concurrent_greedy_equals_generate(tiny_model, reference, config):
+    engine = make_engine(tiny_model, **config)
+    # different lengths so sequences leave the batch at different steps
+    lengths = [NEW_TOKENS - 3 * (i % 3) for i in range(len(PROMPTS))]
+    async with started(engine):
+        results = await asyncio.gather(
+            *(
+                collect(engine, GenerationRequest(p, greedy(n)), delay=0.004 * i)
+                for i, (p, n) in enumerate(zip(PROMPTS, lengths))
+            )
+        )
+        assert engine.num_running == 0 and engine.num_waiting == 0
+    for prompt, n, events in zip(PROMPTS, lengths, results):
+        expected = reference(encode(tiny_model, prompt), n)
+        assert ids_of(events) == expected, prompt
+        fin = final(events)
+        assert fin.generated_tokens == len(expected)
+        assert fin.reason is (FinishReason.EOS_TOKEN if expected[-1] in tiny_model.eos_token_ids else FinishReason.LENGTH)
+        assert fin.generated_text == "".join(e.token.text for e in events if e.token)
+        assert fin.generated_text == tiny_model.tokenizer.decode(expected, skip_special_tokens=True)
+        assert fin.prompt == prompt and fin.prompt_tokens == len(encode(tiny_model, prompt))
+
+
+async def test_build_engine_from_settings_and_dynamic_batching(tiny_model, reference):
+    settings = Settings(batch_size=3, max_batch_delay=20)
+    engine = build_engine(tiny_model, settings)
+    assert engine.config.static_batching and engine.config.max_running == 3
+    async with started(engine):
+        results = await asyncio.gather(*(collect(engine, GenerationRequest(p, greedy())) for p in PROMPTS[:4]))
+    for prompt, events in zip(PROMPTS, results):
+        assert ids_of(events) == reference(encode(tiny_model, prompt))
+
+
+# --- seeded sampling ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+async def test_seeded_sampling_is_independent_of_the_batch(tiny_model, batch_invariant: bool):
+    params = dict(do_sample=True, seed=1234, temperature=0.9, top_k=50, max_new_tokens=NEW_TOKENS)
+    engine = make_engine(tiny_model, batch_invariant=batch_invariant)
+    async with started(engine):
+        alone = await collect(engine, GenerationRequest(PROMPTS[0], SamplingParams(**params)))
+        crowd = await asyncio.gather(
+            collect(engine, GenerationRequest(PROMPTS[1], greedy(30))),
+            collect(engine, GenerationRequest(PROMPTS[2], SamplingParams(do_sample=True, seed=7, max_new_tokens=30))),
+            collect(engine, GenerationRequest(PROMPTS[0], SamplingParams(**params)), delay=0.003),
+            collect(engine, GenerationRequest(PROMPTS[3], SamplingParams(do_sample=True, max_new_tokens=30)), delay=0.001),
+        )
+        other_seed = await collect(engine, GenerationRequest(PROMPTS[0], SamplingParams(**{**params, "seed": 99})))
+    assert ids_of(crowd[2]) == ids_of(alone)
+    assert final(alone).seed == 1234
+    assert ids_of(other_seed) != ids_of(alone)
+
+
+# --- admission limits ---------------------------------------------------------------------------------
+
+
+async def test_full_queue_raises_engine_overloaded_at_submit(tiny_model):
+    engine = make_engine(tiny_model, job_queue_size=3)  # never started: nothing leaves the queue
+    engine.submit(GenerationRequest("a"))
+    engine.submit(GenerationRequest("b", SamplingParams(do_sample=True, n=2)))
+    with pytest.raises(EngineOverloaded):
+        engine.submit(GenerationRequest("c"))
+    with pytest.raises(EngineOverloaded):
+        await anext(engine.generate(GenerationRequest("d")))
+    assert engine.num_waiting == 3
+
+
+async def test_queue_timeout_while_the_only_slot_is_busy(tiny_model):
+    engine = make_engine(tiny_model, runner_cls=SlowRunner, max_running=1, predict_timeout=0.15)
+    async with started(engine):
+        long = engine.generate(GenerationRequest(PROMPTS[0], greedy(150, ignore_eos_token=True)))
+        first = await anext(long)  # the long request holds the slot
+        assert first.token is not None
+        started_at = time.monotonic()
+        with pytest.raises(QueueTimeout) as info:
+            await collect(engine, GenerationRequest(PROMPTS[1], greedy(5)))
+        waited = time.monotonic() - started_at
+        assert "Time out in: 0.15" in str(info.value)
+        assert 0.15 <= waited < 2.0
+        assert engine.num_waiting == 0
+        await long.aclose()
+        # the engine still serves
+        events = await collect(engine, GenerationRequest(PROMPTS[2], greedy(3)))
+        assert final(events).reason is FinishReason.LENGTH
+
+
+# --- cancellation -----------------------------------------------------------------------------------------
+
+
+async def test_closing_the_stream_frees_the_slot_within_two_steps(tiny_model):
+    engine = make_engine(tiny_model, runner_cls=SlowRunner)
+    async with started(engine):
+        other = asyncio.ensure_future(collect(engine, GenerationRequest(PROMPTS[1], greedy(15, ignore_eos_token=True))))
+        stream = engine.generate(GenerationRequest(PROMPTS[0], greedy(200, ignore_eos_token=True)))
+        for _ in range(3):
+            await anext(stream)
+        await wait_until(lambda: engine.num_running == 2)
+        steps = engine.steps
+        await stream.aclose()
+        await wait_until(lambda: engine.num_running == 1)
+        assert engine.steps - steps <= 2
+        events = await other
+        assert final(events).generated_tokens == 15  # the other request is unaffected
+
+
+async def test_cancelling_the_consumer_task_aborts_the_request(tiny_model):
+    engine = make_engine(tiny_model, runner_cls=SlowRunner)
+    async with started(engine):
+        got = []
+
+        async def consume():
+            async for event in engine.generate(GenerationRequest(PROMPTS[0], greedy(200, ignore_eos_token=True))):
+                got.append(event)
+
+        task = asyncio.ensure_future(consume())
+        await wait_until(lambda: len(got) >= 2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_until(lambda: engine.num_running == 0 and engine.num_waiting == 0)
+        assert len(got) < 200
+
+
+async def test_cancelling_a_waiting_request_removes_it_from_the_queue(tiny_model):
+    engine = make_engine(tiny_model, runner_cls=SlowRunner, max_running=1)
+    async with started(engine):
+        busy = engine.generate(GenerationRequest(PROMPTS[0], greedy(100, ignore_eos_token=True)))
+        await anext(busy)
+        waiting = asyncio.ensure_future(collect(engine, GenerationRequest(PROMPTS[1], greedy(5))))
+        await wait_until(lambda: engine.num_waiting == 1)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await wait_until(lambda: engine.num_waiting == 0)
+        assert engine.num_running == 1
+        await busy.aclose()
+        await wait_until(lambda: engine.num_running == 0)
+
+
+# --- one request's failure ----------------------------------------------------------------------------
+
+
+class FailingSampleRunner(ModelRunner):
+    """Sampling raises for request "bad" once it has generated 3 tokens (in a batched decode step)."""
+
+    def _sample(self, seq, logits, out):
+        if seq.request_id == "bad" and len(seq.output_ids) == 3:
+            raise RuntimeError("sampler exploded")
+        return super()._sample(seq, logits, out)
+
+
+class FailingPrefillRunner(ModelRunner):
+    """The forward pass of request "bad"'s prompt raises."""
+
+    def _prefill(self, chunk, out):
+        if chunk.seq.request_id == "bad":
+            raise RuntimeError("prefill exploded")
+        return super()._prefill(chunk, out)
+
+
+async def _one_failure(engine: AsyncEngine, tiny_model, reference, message: str):
+    async with started(engine):
+        requests = [
+            GenerationRequest(PROMPTS[0], greedy(), request_id="good-1"),
+            GenerationRequest(PROMPTS[1], greedy(), request_id="bad"),
+            GenerationRequest(PROMPTS[2], greedy(), request_id="good-2"),
+        ]
+        results = await asyncio.gather(*(collect(engine, r) for r in requests))
+        bad = results[1]
+        fin = final(bad)
+        assert fin.reason is FinishReason.ERROR
+        assert message in fin.error
+        assert bad[-1].token is None
+        for request, events in (zip((requests[0], requests[2]), (results[0], results[2]))):
+            assert final(events).reason is not FinishReason.ERROR, final(events).error
+            assert ids_of(events) == reference(encode(tiny_model, request.prompt))
+        # the engine keeps serving
+        after = await collect(engine, GenerationRequest(PROMPTS[3], greedy(4)))
+        assert ids_of(after) == reference(encode(tiny_model, PROMPTS[3]), 4)
+        assert engine.num_running == 0
+
+
+async def test_sampling_exception_ends_only_that_sequence(tiny_model, reference):
+    # In a batched decode step ModelRunner._decode calls _sample for every row inside ONE _guard
+    # (execute -> self._guard(plan.decode, ..., self._decode, ...)): an exception escaping _sample for
+    # one row marks every decoding sequence of the batch as failed, including rows already sampled.
+    engine = make_engine(tiny_model, runner_cls=FailingSampleRunner)
+    await _one_failure(engine, tiny_model, reference, "sampler exploded")
+
+
+async def test_sampling_exception_ends_only_that_sequence_batch_invariant(tiny_model, reference):
+    engine = make_engine(tiny_model, runner_cls=FailingSampleRunner, batch_invariant=True)
+    await _one_failure(engine, tiny_model, reference, "sampler exploded")
+
+
+async def test_sample_row_exception_ends_only_that_sequence(tiny_model, reference, monkeypatch):
+    import lmiserve.engine.runner as runner_module
+
+    real = runner_module.sample_row
+    bad_ids = encode(tiny_model, PROMPTS[1])
+
+    def sample_row(logits, params, prompt_ids, output_ids, banned_ids, generator):
+        if prompt_ids == bad_ids and len(output_ids) == 3:
+            raise ValueError("bad row")
+        return real(logits, params, prompt_ids, output_ids, banned_ids, generator)
+
+    monkeypatch.setattr(runner_module, "sample_row", sample_row)
+    engine = make_engine(tiny_model)
+    await _one_failure(engine, tiny_model, reference, "bad row")
+
+
+async def test_prefill_exception_ends_only_that_sequence(tiny_model, reference):
+    engine = make_engine(tiny_model, runner_cls=FailingPrefillRunner)
+    await _one_failure(engine, tiny_model, reference, "prefill exploded")
+
+
+# --- prompt length -----------------------------------------------------------------------------------------
+
+
+async def test_prompt_longer_than_max_input_len_is_rejected(tiny_model):
+    engine = make_engine(tiny_model, max_input_len=8)
+    prompt = "The quick brown fox jumps over the lazy dog. Hello world!"
+    n = len(encode(tiny_model, prompt))
+    assert n > 8
+    with pytest.raises(InvalidRequest) as info:
+        engine.submit(GenerationRequest(prompt))
+    assert f"({n} tokens)" in str(info.value) and "limit of 8" in str(info.value)
+    with pytest.raises(InvalidRequest):
+        await anext(engine.generate(GenerationRequest(prompt)))
+    assert engine.num_waiting == 0
+
+
+async def test_prompt_plus_max_new_tokens_beyond_the_context_is_rejected(tiny_model):
+    engine = make_engine(tiny_model)
+    with pytest.raises(InvalidRequest) as info:
+        engine.submit(GenerationRequest("Hello", greedy(tiny_model.max_context)))
+    assert str(tiny_model.max_context) in str(info.value)
+
+
+async def test_truncate_keeps_the_last_tokens(tiny_model, reference):
+    engine = make_engine(tiny_model, max_input_len=8)
+    prompt = "The quick brown fox jumps over the lazy dog. Hello world!"
+    ids = encode(tiny_model, prompt)
+    async with started(engine):
+        events = await collect(engine, GenerationRequest(prompt, greedy(8, truncate=6)))
+    fin = final(events)
+    assert fin.prompt_tokens == 6
+    assert ids_of(events) == reference(ids[-6:], 8)
+
+
+# --- n / best_of ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("params", [{"n": 3}, {"best_of": 3}, {"n": 3, "best_of": 3}])
+async def test_n_sequences_come_best_first(tiny_model, params):
+    engine = make_engine(tiny_model)
+    request = GenerationRequest(PROMPTS[0], SamplingParams(do_sample=True, seed=5, max_new_tokens=8, **params))
+    async with started(engine):
+        events = await collect(engine, request)
+    indexes = [e.index for e in events]
+    assert indexes == sorted(indexes) and set(indexes) == {0, 1, 2}  # whole sequences, in order
+    scores = []
+    for index in range(3):
+        fin = final(events, index)
+        tokens = [e.token for e in events if e.index == index and e.token is not None]
+        assert fin.generated_tokens == len(tokens)
+        assert fin.generated_text == "".join(t.text for t in tokens)
+        scores.append(sum(t.logprob for t in tokens))
+    assert scores[0] == max(scores)
+    assert scores == sorted(scores, reverse=True)
+    assert len({tuple(ids_of(events, i)) for i in range(3)}) > 1  # different seeds, different samples
+
+
+# --- runner features through the engine ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_prefill_tokens", [2048, 3])
+async def test_prompt_logprobs_match_a_full_forward_pass(tiny_model, max_prefill_tokens: int):
+    prompt = PROMPTS[3]
+    ids = encode(tiny_model, prompt)
+    with torch.inference_mode():
+        logits = tiny_model.model(torch.tensor([ids])).logits[0].float()
+    expected = logits.log_softmax(-1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
+    engine = make_engine(tiny_model, max_prefill_tokens=max_prefill_tokens)
+    async with started(engine):
+        events = await collect(engine, GenerationRequest(prompt, greedy(3, decoder_input_details=True)))
+    prefill = final(events).prefill
+    assert [t.id for t in prefill] == ids
+    assert prefill[0].logprob is None
+    assert [t.logprob for t in prefill[1:]] == pytest.approx(expected, abs=1e-4)
+
+
+async def test_min_new_tokens_bans_stop_token_ids(tiny_model, reference):
+    prompt = PROMPTS[0]
+    expected = reference(encode(tiny_model, prompt))
+    stop_id = expected[1]
+    assert stop_id not in expected[:1]
+    engine = make_engine(tiny_model)
+    async with started(engine):
+        plain = await collect(engine, GenerationRequest(prompt, greedy(stop_token_ids=[stop_id])))
+        held = await collect(engine, GenerationRequest(prompt, greedy(10, stop_token_ids=[stop_id], min_new_tokens=4)))
+    assert ids_of(plain) == expected[:2] and final(plain).reason is FinishReason.STOP_SEQUENCE
+    assert ids_of(held)[0] == expected[0]
+    assert stop_id not in ids_of(held)[:4]
+
+
+async def test_unseeded_requests_report_the_seed_they_used(tiny_model):
+    engine = make_engine(tiny_model)
+    params = dict(do_sample=True, max_new_tokens=12)
+    async with started(engine):
+        first = await collect(engine, GenerationRequest(PROMPTS[0], SamplingParams(**params)))
+        seed = final(first).seed
+        assert isinstance(seed, int) and 0 <= seed < 2**31
+        again = await collect(engine, GenerationRequest(PROMPTS[0], SamplingParams(seed=seed, **params)))
+    assert ids_of(again) == ids_of(first)
+
+
+# --- a failing model step ----------------------------------------------------------------------------
+
+
+class FailingStepRunner(ModelRunner):
+    """`execute` itself raises (outside the per-sequence guards) whenever request "poison" is in the plan."""
+
+    def execute(self, plan):
+        if any(c.seq.request_id == "poison" for c in plan.prefill) or any(
+            s.request_id == "poison" for s in plan.decode
+        ):
+            raise RuntimeError("device lost")
+        return super().execute(plan)
+
+
+async def test_a_step_that_raises_ends_its_requests_instead_of_retrying_forever(tiny_model, reference):
+    # AsyncEngine._loop catches the exception and runs _step again: the scheduler was never told, so
+    # it plans the very same step, which fails again, forever; the request never gets a final event.
+    engine = make_engine(tiny_model, runner_cls=FailingStepRunner)
+    async with started(engine):
+        try:
+            events = await asyncio.wait_for(
+                collect(engine, GenerationRequest(PROMPTS[0], greedy(5), request_id="poison")), timeout=1.0
+            )
+        except asyncio.TimeoutError:
+            pytest.fail("the request never ended: the engine retries the failing step forever")
+        assert final(events).reason is FinishReason.ERROR
+        assert "device lost" in (final(events).error or "")
+        after = await asyncio.wait_for(collect(engine, GenerationRequest(PROMPTS[1], greedy(4))), timeout=2.0)
+        assert ids_of(after) == reference(encode(tiny_model, PROMPTS[1]), 4)

@@ -1,0 +1,273 @@
+"""Logits processing and sampling on small random logits (CPU, seeded)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+
+from lmiserve.core.request import SamplingParams
+from lmiserve.engine.sampling import apply_penalties, make_generator, needs_processing, sample_row, warp
+
+VOCAB = 32
+CPU = torch.device("cpu")
+
+
+def logits_row(seed: int = 0, vocab: int = VOCAB, scale: float = 2.0) -> torch.Tensor:
+    return torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def sample(logits, params, prompt=(), output=(), banned=(), gen=None):
+    return sample_row(logits, params, list(prompt), list(output), list(banned), gen)
+
+
+def draws(logits, params, n, seed=0) -> list[int]:
+    gen = make_generator(seed, CPU)
+    return [sample(logits, params, gen=gen).token_id for _ in range(n)]
+
+
+def kept(processed: torch.Tensor) -> set[int]:
+    return set(torch.nonzero(torch.isfinite(processed)).flatten().tolist())
+
+
+# --- greedy and seeds --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_greedy_is_argmax_and_reports_the_models_logprob(seed: int):
+    logits = logits_row(seed)
+    result = sample(logits, SamplingParams())
+    assert result.token_id == int(logits.argmax())
+    assert result.logprob == pytest.approx(float(logits.log_softmax(-1)[result.token_id]))
+    assert result.top is None
+
+
+def test_same_seed_same_tokens_different_seed_different_tokens():
+    logits = logits_row(1, scale=0.5)  # flat enough that draws vary
+    params = SamplingParams(do_sample=True)
+    a = draws(logits, params, 50, seed=42)
+    assert a == draws(logits, params, 50, seed=42)
+    b = draws(logits, params, 50, seed=43)
+    assert a != b
+    assert len(set(a)) > 5
+
+
+def test_a_generator_seeded_per_sequence_does_not_depend_on_the_global_rng():
+    logits = logits_row(2, scale=0.5)
+    params = SamplingParams(do_sample=True)
+    torch.manual_seed(1)
+    a = draws(logits, params, 20, seed=7)
+    torch.manual_seed(2)
+    torch.rand(100)
+    assert a == draws(logits, params, 20, seed=7)
+
+
+def test_top_k_one_equals_greedy():
+    for seed in range(10):
+        logits = logits_row(seed)
+        assert set(draws(logits, SamplingParams(do_sample=True, top_k=1), 20, seed)) == {int(logits.argmax())}
+
+
+def test_tiny_top_p_keeps_only_the_top_token():
+    for seed in range(10):
+        logits = logits_row(seed)
+        params = SamplingParams(do_sample=True, top_p=1e-6)
+        assert kept(warp(logits.clone(), params)) == {int(logits.argmax())}
+        assert set(draws(logits, params, 20, seed)) == {int(logits.argmax())}
+
+
+def test_min_p_removes_tokens_below_a_fraction_of_the_top_probability():
+    logits = logits_row(3)
+    probs = logits.softmax(-1)
+    params = SamplingParams(do_sample=True, min_p=0.2)
+    expected = set(torch.nonzero(probs >= 0.2 * probs.max()).flatten().tolist())
+    assert 1 < len(expected) < VOCAB
+    assert kept(warp(logits.clone(), params)) == expected
+    assert set(draws(logits, params, 300)) <= expected
+
+
+@pytest.mark.parametrize("typical_p", [1e-6, 0.01, 0.2, 0.5, 0.9, 0.99])
+@pytest.mark.parametrize("scale", [0.1, 2.0, 20.0])
+def test_typical_p_keeps_at_least_one_token(typical_p: float, scale: float):
+    for seed in range(5):
+        logits = logits_row(seed, scale=scale)
+        processed = warp(logits.clone(), SamplingParams(do_sample=True, typical_p=typical_p))
+        assert len(kept(processed)) >= 1
+        result = sample(logits, SamplingParams(do_sample=True, typical_p=typical_p), gen=make_generator(seed, CPU))
+        assert result.token_id in kept(processed)
+
+
+def test_typical_p_close_to_one_does_not_fail():
+    # typical_p=0.99999999 is a valid mass (< 1) but rounds to 1.0 in float32, while the cumulative
+    # probability of all tokens usually sums to just below 1.0: then every token counts as "below the
+    # mass", the cut-off index equals the vocabulary size and `sorted_shift[last]` raises IndexError.
+    # transformers clamps that index (TypicalLogitsWarper: last_ind.clamp_(max=vocab - 1)) and keeps all.
+    params = SamplingParams(do_sample=True, typical_p=0.99999999)
+    for seed in range(10):
+        logits = logits_row(seed, vocab=512, scale=3.0)
+        processed = warp(logits.clone(), params)  # IndexError: index 512 is out of bounds
+        assert logits.softmax(-1)[sorted(kept(processed))].sum() > 0.9999, seed
+        result = sample(logits, params, gen=make_generator(seed, CPU))
+        assert result.token_id in kept(processed)
+
+
+def test_temperature_sharpens_or_flattens_the_distribution():
+    logits = logits_row(4, scale=1.0)
+    top = int(logits.argmax())
+    share = {}
+    for temperature in (0.5, 1.0, 2.0):
+        counts = Counter(draws(logits, SamplingParams(do_sample=True, temperature=temperature), 3000, seed=5))
+        share[temperature] = counts[top] / 3000
+        expected = float((logits / temperature).softmax(-1)[top])
+        assert share[temperature] == pytest.approx(expected, abs=0.04)
+    assert share[0.5] > share[1.0] + 0.05 > share[2.0] + 0.1
+
+
+def test_temperature_does_not_change_greedy_or_the_reported_logprob():
+    logits = logits_row(5)
+    greedy = sample(logits, SamplingParams(temperature=0.3))
+    assert greedy.token_id == int(logits.argmax())
+    sampled = sample(logits, SamplingParams(do_sample=True, temperature=0.3), gen=make_generator(0, CPU))
+    assert sampled.logprob == pytest.approx(float(logits.log_softmax(-1)[sampled.token_id]))
+
+
+# --- penalties ------------------------------------------------------------------------------------------
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
+    logits = torch.tensor([2.0, -2.0, 1.0, -1.0, 0.5])
+    params = SamplingParams(repetition_penalty=2.0)
+    out = apply_penalties(logits.clone(), params, prompt_ids=[0, 1], output_ids=[1, 2])
+    assert out.tolist() == [1.0, -4.0, 0.5, -1.0, 0.5]  # tokens 0, 1 (prompt) and 2 (output) penalised once
+
+
+def test_repetition_penalty_matches_transformers():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    logits = logits_row(6)
+    prompt, output = [3, 5, 5, 7], [7, 9, 3]
+    ours = apply_penalties(logits.clone(), SamplingParams(repetition_penalty=1.3), prompt, output)
+    theirs = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([prompt + output]), logits[None].clone())[0]
+    torch.testing.assert_close(ours, theirs)
+
+
+def test_greedy_with_repetition_penalty_avoids_the_repeated_token():
+    logits = torch.tensor([3.0, 2.9, 0.0, -1.0])
+    result = sample(logits, SamplingParams(repetition_penalty=1.5), prompt=[0])
+    assert result.token_id == 1
+    assert result.logprob == pytest.approx(float(logits.log_softmax(-1)[1]))  # raw distribution
+
+
+def test_presence_and_frequency_penalties_apply_to_generated_tokens_only():
+    logits = torch.zeros(6)
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    out = apply_penalties(logits.clone(), params, prompt_ids=[4, 5], output_ids=[1, 2, 2, 2])
+    assert out.tolist() == [0.0, -0.75, -1.25, 0.0, 0.0, 0.0]
+    assert apply_penalties(logits.clone(), params, [4, 5], []).tolist() == [0.0] * 6
+
+
+def test_penalties_do_not_modify_the_callers_logits():
+    logits = logits_row(7)
+    before = logits.clone()
+    sample(logits, SamplingParams(repetition_penalty=1.5, presence_penalty=1.0, min_new_tokens=3), [1, 2], [3], [0])
+    assert torch.equal(logits, before)
+
+
+def test_min_new_tokens_bans_the_given_ids_until_enough_tokens():
+    logits = torch.tensor([5.0, 1.0, 0.5, 4.0])  # 0 ("EOS") is the argmax, 3 (a stop id) next
+    params = SamplingParams(min_new_tokens=2)
+    assert sample(logits, params, output=[], banned=[0, 3]).token_id == 1
+    assert sample(logits, params, output=[1], banned=[0, 3]).token_id == 1
+    assert sample(logits, params, output=[1, 1], banned=[0, 3]).token_id == 0
+    sampled = SamplingParams(do_sample=True, min_new_tokens=2)
+    gen = make_generator(0, CPU)
+    assert not {sample(logits, sampled, output=[], banned=[0, 3], gen=gen).token_id for _ in range(200)} & {0, 3}
+
+
+def test_needs_processing():
+    assert not needs_processing(SamplingParams())
+    assert not needs_processing(SamplingParams(temperature=0.5, top_k=3))  # greedy ignores warpers
+    for kw in (
+        {"do_sample": True},
+        {"repetition_penalty": 1.1},
+        {"presence_penalty": 0.1},
+        {"frequency_penalty": 0.1},
+        {"min_new_tokens": 1},
+    ):
+        assert needs_processing(SamplingParams(**kw))
+
+
+# --- logprobs ------------------------------------------------------------------------------------------
+
+
+def test_top_n_tokens_are_sorted_logprobs_of_the_raw_distribution():
+    logits = logits_row(8)
+    result = sample(logits, SamplingParams(top_n_tokens=5, do_sample=True, temperature=0.7, top_k=3), gen=make_generator(1, CPU))
+    logprobs = logits.log_softmax(-1)
+    assert len(result.top) == 5
+    values = [lp for _, lp in result.top]
+    assert values == sorted(values, reverse=True)
+    expected_ids = torch.topk(logprobs, 5).indices.tolist()
+    assert [i for i, _ in result.top] == expected_ids
+    for token_id, lp in result.top:
+        assert lp == pytest.approx(float(logprobs[token_id]))
+    assert result.logprob == pytest.approx(float(logprobs[result.token_id]))
+
+
+def test_top_n_tokens_larger_than_vocab():
+    logits = logits_row(9, vocab=4)
+    result = sample(logits, SamplingParams(top_n_tokens=10))
+    assert len(result.top) == 4
+    assert math.fsum(math.exp(lp) for _, lp in result.top) == pytest.approx(1.0)
+
+
+# --- the same warpers as transformers --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("params", "warpers"),
+    [
+        (SamplingParams(do_sample=True, temperature=0.7), [TemperatureLogitsWarper(0.7)]),
+        (SamplingParams(do_sample=True, top_k=5), [TopKLogitsWarper(5)]),
+        (SamplingParams(do_sample=True, top_p=0.7), [TopPLogitsWarper(0.7)]),
+        (SamplingParams(do_sample=True, min_p=0.1), [MinPLogitsWarper(0.1)]),
+        (SamplingParams(do_sample=True, typical_p=0.6), [TypicalLogitsWarper(0.6)]),
+        (
+            SamplingParams(do_sample=True, temperature=0.8, top_k=20, top_p=0.9),
+            [TemperatureLogitsWarper(0.8), TopKLogitsWarper(20), TopPLogitsWarper(0.9)],
+        ),
+    ],
+    ids=["temperature", "top_k", "top_p", "min_p", "typical_p", "temp+top_k+top_p"],
+)
+def test_each_warper_matches_transformers(params, warpers):
+    for seed in range(20):
+        logits = logits_row(seed)
+        ours = warp(logits.clone(), params)
+        theirs = LogitsProcessorList(warpers)(None, logits[None].clone())[0]
+        assert kept(ours) == kept(theirs), seed
+        torch.testing.assert_close(ours.softmax(-1), theirs.softmax(-1))
+
+
+def test_min_p_and_typical_p_apply_in_transformers_order():
+    # sampling.warp documents "temperature, top_k, top_p, typical_p, min_p (in the order transformers
+    # applies them)"; transformers (GenerationMixin._get_logits_processor) applies min_p BEFORE typical_p.
+    # The two do not commute: typical_p may drop the top token, which changes min_p's threshold.
+    params = SamplingParams(do_sample=True, typical_p=0.5, min_p=0.3)
+    mismatches = []
+    for seed in range(50):
+        logits = logits_row(seed)
+        ours = warp(logits.clone(), params)
+        theirs = LogitsProcessorList([MinPLogitsWarper(0.3), TypicalLogitsWarper(0.5)])(None, logits[None].clone())[0]
+        if kept(ours) != kept(theirs):
+            mismatches.append(seed)
+    assert mismatches == []
