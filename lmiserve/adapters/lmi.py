@@ -54,8 +54,9 @@ def decode_body(body: bytes, content_type: str | None):
         return {"inputs": ""}
     try:
         return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise _fail(str(exc)) from None
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        detail = "the JSON document is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise _fail(detail) from None
 
 
 def parse(payload, limits: Limits, *, dynamic_batch: bool = False) -> LmiCall:
@@ -86,8 +87,9 @@ def parse(payload, limits: Limits, *, dynamic_batch: bool = False) -> LmiCall:
     sampling = to_sampling(params, limits, stream)
     formatter = select_formatter_name(params.output_formatter, limits.output_formatter, stream, limits.tgi_compat)
     requests = [GenerationRequest(prompt, _copy(sampling)) for prompt in prompts]
+    full_text = params.return_full_text if params.return_full_text is not None else dynamic_batch
     options = FormatOptions.for_request(
-        requests[0], details=params.details, return_full_text=params.return_full_text, tgi_compat=limits.tgi_compat
+        requests[0], details=params.details, return_full_text=full_text, tgi_compat=limits.tgi_compat
     )
     return LmiCall(requests, stream, formatter, options, batch_input)
 
@@ -107,13 +109,14 @@ def to_sampling(params: LmiParameters, limits: Limits, stream: bool) -> Sampling
     if max_new > limits.max_new_tokens_limit:
         raise InvalidRequest(f"max_new_tokens must be <= {limits.max_new_tokens_limit}. Given: {max_new}")
     sampling = params.sampling
-    count = max(params.n, params.best_of)
+    n = params.n if params.n is not None else params.best_of
+    if params.n is not None and params.best_of > 1 and n > params.best_of:
+        raise InvalidRequest(f"`n` ({n}) must be <= `best_of` ({params.best_of})")
+    count = max(n, params.best_of)
     if count > 1 and stream:
         raise InvalidRequest("`n` and `best_of` > 1 are not supported when streaming")
     if count > 1 and not sampling:
         raise InvalidRequest("`n` and `best_of` > 1 require sampling (`do_sample: true` or a positive `temperature`)")
-    if params.n > 1 and params.best_of > 1 and params.n > params.best_of:
-        raise InvalidRequest(f"`n` ({params.n}) must be <= `best_of` ({params.best_of})")
     return SamplingParams(
         do_sample=sampling,
         seed=params.seed,
@@ -135,8 +138,8 @@ def to_sampling(params: LmiParameters, limits: Limits, stream: bool) -> Sampling
         truncate=params.truncate,
         decoder_input_details=params.decoder_input_details,
         top_n_tokens=params.top_n_tokens,
-        n=params.n,
-        best_of=max(params.best_of, params.n),
+        n=n,
+        best_of=count,
     )
 
 

@@ -32,8 +32,8 @@ class SamplingParams:
     truncate: int | None = None  # keep only the last N prompt tokens
     decoder_input_details: bool = False  # prompt-token logprobs
     top_n_tokens: int = 0
-    n: int = 1
-    best_of: int = 1
+    n: int = 1  # sequences returned (best first)
+    best_of: int = 1  # sequences generated (>= n)
 
     @property
     def greedy(self) -> bool:

@@ -150,7 +150,7 @@ class AsyncEngine:
             by_index[event.index].append(event)
         params = handle.request.params
         ranked = sorted(handle.seqs, key=lambda s: s.cumulative_logprob, reverse=True)
-        keep = params.n if params.n > 1 else len(ranked)
+        keep = params.n
         events = []
         for new_index, seq in enumerate(ranked[:keep]):
             events.extend(_reindex(e, new_index) for e in by_index[seq.index])

@@ -35,5 +35,6 @@ def build_engine(loaded, settings) -> AsyncEngine:
         eos_token_ids=loaded.eos_token_ids,
         max_context=loaded.max_context,
         max_input_len=settings.max_input_len,
+        vocab_size=getattr(loaded.model.config, "vocab_size", None),
     )
     return AsyncEngine(runner, codec, config)

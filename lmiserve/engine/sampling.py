@@ -40,6 +40,8 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """temperature, top_k, top_p, min_p, typical_p (in the order transformers applies them)."""
     if params.temperature != 1.0:
         logits = logits / params.temperature
+    # extreme temperatures or penalties overflow to inf: keep the ranking, stay finite
+    logits = torch.nan_to_num(logits, nan=_NEG_INF, posinf=torch.finfo(logits.dtype).max)
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, _NEG_INF)
@@ -82,6 +84,7 @@ def sample_row(
     logprobs = logits.log_softmax(-1)
     if needs_processing(params):
         processed = apply_penalties(logits.clone(), params, prompt_ids, output_ids)
+        processed = torch.nan_to_num(processed, nan=_NEG_INF, posinf=torch.finfo(processed.dtype).max)
         if banned_ids and len(output_ids) < params.min_new_tokens:
             processed[banned_ids] = _NEG_INF
         if params.do_sample:

@@ -7,16 +7,28 @@ from lmiserve.core.request import GenerationRequest
 
 
 class PromptCodec:
-    def __init__(self, tokenizer, *, eos_token_ids: set[int], max_context: int, max_input_len: int | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        eos_token_ids: set[int],
+        max_context: int,
+        max_input_len: int | None = None,
+        vocab_size: int | None = None,
+    ):
         self.tokenizer = tokenizer
+        self.vocab_size = vocab_size or len(tokenizer)
         self.eos_token_ids = set(eos_token_ids)
         self.special_token_ids = set(getattr(tokenizer, "all_special_ids", []) or []) | self.eos_token_ids
         self.max_context = max_context
         self.max_input_len = min(max_input_len or max_context, max_context)
 
     def encode(self, request: GenerationRequest) -> list[int]:
-        ids = list(self.tokenizer(request.prompt)["input_ids"])
         params = request.params
+        bad = [i for i in params.stop_token_ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"stop_token_ids {bad} are outside the vocabulary (0..{self.vocab_size - 1})")
+        ids = list(self.tokenizer(request.prompt)["input_ids"])
         if params.truncate is not None and len(ids) > params.truncate:
             ids = ids[-params.truncate :]
         if not ids:

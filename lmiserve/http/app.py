@@ -17,18 +17,19 @@ from lmiserve.http import lmi_routes, management
 from lmiserve.http.responses import raw_response
 from lmiserve.http.service import ModelService
 
-ANY = ["GET", "POST", "PUT"]
+INFER = ["GET", "POST", "PUT", "OPTIONS"]  # LMI accepts any method on inference routes
 
 
 def routes() -> list[Route]:
     return [
         Route("/ping", management.ping, methods=["GET", "POST"]),
-        Route("/invocations", lmi_routes.invocations, methods=["POST"]),
-        Route("/predictions/{model_name}", lmi_routes.invocations, methods=["POST"]),
-        Route("/predictions/{model_name}/{version}", lmi_routes.invocations, methods=["POST"]),
-        Route("/models/{model_name}/invoke", lmi_routes.invocations, methods=["POST"]),
+        Route("/invocations", lmi_routes.invocations, methods=INFER),
+        Route("/predictions/{model_name}", lmi_routes.invocations, methods=INFER),
+        Route("/predictions/{model_name}/{version}", lmi_routes.invocations, methods=INFER),
+        Route("/models/{model_name}/invoke", lmi_routes.invocations, methods=INFER),
         Route("/models", management.list_models, methods=["GET"]),
         Route("/models/{model_name}", management.describe_model, methods=["GET"]),
+        Route("/models/{model_name}/{version}", management.describe_model, methods=["GET"]),
     ]
 
 

@@ -10,7 +10,7 @@ from starlette.responses import Response
 from lmiserve.adapters import lmi
 from lmiserve.core.errors import BadRequest, LmiServeError, ModelNotFound
 from lmiserve.formatters import DynamicBatchFormatter, DynamicBatchStreamFormatter, get_formatter
-from lmiserve.http.responses import error_response, respond_events
+from lmiserve.http.responses import error_response, raw_response, respond_events
 from lmiserve.http.service import ModelService
 from lmiserve.utils.aio import merge_tagged
 
@@ -28,6 +28,8 @@ def _service_for(request: Request) -> ModelService:
 
 
 async def invocations(request: Request) -> Response:
+    if request.method == "OPTIONS":
+        return raw_response(b"{}")
     service = None
     try:
         service = _service_for(request)

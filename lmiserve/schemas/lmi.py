@@ -15,7 +15,7 @@ class LmiParameters(BaseModel):
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
     do_sample: bool | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 17)
     temperature: float | None = Field(None, ge=0.0)
     top_k: int = Field(0, ge=-1)  # -1 (vLLM) and 0 both mean disabled
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -34,10 +34,10 @@ class LmiParameters(BaseModel):
     skip_special_tokens: bool = True
     truncate: int | None = Field(None, ge=1)
     details: bool | None = None
-    return_full_text: bool = False
+    return_full_text: bool | None = None  # None: the mode's default (false; true for dynamic batching)
     decoder_input_details: bool = False
     top_n_tokens: int = Field(0, ge=0, le=20)
-    n: int = Field(1, ge=1, le=16)
+    n: int | None = Field(None, ge=1, le=16)  # None: as many as best_of (TGI/LMI)
     best_of: int = Field(1, ge=1, le=16)
     output_formatter: str | None = None
 

@@ -6,7 +6,7 @@ Few servers, each started once and shared (a start takes a few seconds):
 - `tgi_server` (module): ``tgi_compat=true``;
 - `jsonlines_server` (module): ``output_formatter=jsonlines`` (and chunked prefill:
   ``max_rolling_batch_prefill_tokens=4``);
-- `dynamic_server` (module): ``rolling_batch=disable batch_size=4 max_batch_delay=50``;
+- `dynamic_server` (session): ``rolling_batch=disable batch_size=4 max_batch_delay=50``;
 - `small_server` (module): ``max_rolling_batch_size=1 job_queue_size=1 predict_timeout=1.5`` on
   `long_model_dir`, a copy
   of the tiny model with a 4096-token context, so that one request can keep the only slot busy
@@ -142,7 +142,7 @@ def jsonlines_server(tiny_model_dir: Path) -> Iterator[Server]:
     yield from _start(tiny_model_dir, "output_formatter=jsonlines", "max_rolling_batch_prefill_tokens=4")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def dynamic_server(tiny_model_dir: Path) -> Iterator[Server]:
     yield from _start(tiny_model_dir, "rolling_batch=disable", "batch_size=4", "max_batch_delay=50")
 

@@ -394,7 +394,17 @@ async def test_truncate_keeps_the_last_tokens(tiny_model, reference):
 # --- n / best_of ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("params", [{"n": 3}, {"best_of": 3}, {"n": 3, "best_of": 3}])
+async def test_best_of_without_n_returns_only_the_best_sequence(tiny_model):
+    """SamplingParams.best_of sequences are generated, SamplingParams.n (default 1) returned, best first."""
+    engine = make_engine(tiny_model)
+    request = GenerationRequest(PROMPTS[0], SamplingParams(do_sample=True, seed=5, max_new_tokens=8, best_of=3))
+    async with started(engine):
+        events = await collect(engine, request)
+    assert {e.index for e in events} == {0}
+    assert final(events, 0).generated_tokens == 8
+
+
+@pytest.mark.parametrize("params", [{"n": 3}, {"n": 3, "best_of": 3}])
 async def test_n_sequences_come_best_first(tiny_model, params):
     engine = make_engine(tiny_model)
     request = GenerationRequest(PROMPTS[0], SamplingParams(do_sample=True, seed=5, max_new_tokens=8, **params))

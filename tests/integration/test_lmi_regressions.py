@@ -1,7 +1,6 @@
-"""Behaviour where the running server contradicts the reference (lmi.md) or lmiserve's own documented
-decisions. These tests FAIL until the bug is fixed; they live in one module that sorts last so that a
-`-x` run still exercises everything else first.
-"""
+"""Regression tests for bugs where the server contradicted the reference (lmi.md) or lmiserve's own
+documented decisions: dynamic-batch return_full_text default, explicit n=1 with best_of, and JSON
+nested too deeply to parse (must be a 424, never a 500)."""
 
 from __future__ import annotations
 
