@@ -22,8 +22,11 @@ def engine_config(settings) -> EngineConfig:
 
 
 def build_engine(loaded, settings) -> AsyncEngine:
-    config = engine_config(settings)
-    runner = ModelRunner(
+    return create_engine(loaded, engine_config(settings), max_input_len=settings.max_input_len)
+
+
+def create_engine(loaded, config: EngineConfig, *, max_input_len: int | None = None, runner_cls=ModelRunner) -> AsyncEngine:
+    runner = runner_cls(
         loaded.model,
         max_slots=config.max_running,
         max_context=loaded.max_context,
@@ -34,7 +37,7 @@ def build_engine(loaded, settings) -> AsyncEngine:
         loaded.tokenizer,
         eos_token_ids=loaded.eos_token_ids,
         max_context=loaded.max_context,
-        max_input_len=settings.max_input_len,
+        max_input_len=max_input_len,
         vocab_size=getattr(loaded.model.config, "vocab_size", None),
     )
     return AsyncEngine(runner, codec, config)

@@ -18,9 +18,8 @@ from lmiserve.core.errors import EngineOverloaded, InvalidRequest, QueueTimeout
 from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine.async_engine import AsyncEngine, EngineConfig
-from lmiserve.engine.factory import build_engine
+from lmiserve.engine.factory import build_engine, create_engine
 from lmiserve.engine.runner import ModelRunner
-from lmiserve.engine.validation import PromptCodec
 
 PROMPTS = [
     "The quick brown fox",
@@ -37,18 +36,7 @@ NEW_TOKENS = 20
 
 
 def make_engine(loaded, *, runner_cls=ModelRunner, max_input_len=None, **config) -> AsyncEngine:
-    cfg = EngineConfig(**config)
-    runner = runner_cls(
-        loaded.model,
-        max_slots=cfg.max_running,
-        max_context=loaded.max_context,
-        eos_token_ids=loaded.eos_token_ids,
-        batch_invariant=cfg.batch_invariant,
-    )
-    codec = PromptCodec(
-        loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, max_context=loaded.max_context, max_input_len=max_input_len
-    )
-    return AsyncEngine(runner, codec, cfg)
+    return create_engine(loaded, EngineConfig(**config), max_input_len=max_input_len, runner_cls=runner_cls)
 
 
 @contextlib.asynccontextmanager
