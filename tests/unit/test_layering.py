@@ -1,0 +1,59 @@
+"""The dependency direction of ARCHITECTURE.md: core imports nothing of ours; only engine and models
+import torch/transformers; the engine knows nothing of HTTP, adapters or formatters."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "lmiserve"
+HEAVY = {"torch", "transformers"}
+HTTP = {"starlette", "uvicorn", "sse_starlette"}
+
+
+def imports_of(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def modules(layer: str) -> list[Path]:
+    return sorted((PACKAGE / layer).rglob("*.py"))
+
+
+def roots(names: set[str]) -> set[str]:
+    return {n.split(".")[0] for n in names}
+
+
+@pytest.mark.parametrize("path", modules("core"), ids=lambda p: p.name)
+def test_core_imports_only_core(path):
+    ours = {n for n in imports_of(path) if n.startswith("lmiserve")}
+    assert all(n.startswith("lmiserve.core") for n in ours), ours
+    assert not roots(imports_of(path)) & (HEAVY | HTTP)
+
+
+@pytest.mark.parametrize(
+    "path",
+    [p for layer in ("adapters", "formatters", "schemas", "config", "http", "utils") for p in modules(layer)],
+    ids=lambda p: f"{p.parent.name}/{p.name}",
+)
+def test_only_engine_and_models_import_torch(path):
+    assert not roots(imports_of(path)) & HEAVY
+
+
+@pytest.mark.parametrize("path", modules("engine"), ids=lambda p: p.name)
+def test_engine_is_free_of_http_and_protocols(path):
+    names = imports_of(path)
+    assert not roots(names) & HTTP
+    assert not any(n.startswith(("lmiserve.http", "lmiserve.adapters", "lmiserve.formatters")) for n in names)
+
+
+def test_scheduler_is_pure_python():
+    for name in ("scheduler.py", "sequence.py", "detokenizer.py", "stop.py", "async_engine.py"):
+        assert not roots(imports_of(PACKAGE / "engine" / name)) & HEAVY, name
