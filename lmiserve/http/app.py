@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -16,6 +17,8 @@ from lmiserve.formatters import frontend_error_body
 from lmiserve.http import lmi_routes, management
 from lmiserve.http.responses import raw_response
 from lmiserve.http.service import ModelService
+
+log = logging.getLogger(__name__)
 
 INFER = ["GET", "POST", "PUT", "OPTIONS"]  # LMI accepts any method on inference routes
 
@@ -43,6 +46,12 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     return raw_response(frontend_error_body(exc.status_code, kind, message), exc.status_code)
 
 
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    """Anything unforeseen still answers in LMI's JSON error shape (and is logged with its traceback)."""
+    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return raw_response(frontend_error_body(500, "InternalServerException", str(exc) or type(exc).__name__), 500)
+
+
 def create_app(settings: Settings, service: ModelService | None = None) -> Starlette:
     service = service or ModelService(settings)
 
@@ -55,6 +64,6 @@ def create_app(settings: Settings, service: ModelService | None = None) -> Starl
             loading.cancel()
             await service.close()
 
-    app = Starlette(routes=routes(), lifespan=lifespan, exception_handlers={HTTPException: _http_error})
+    app = Starlette(routes=routes(), lifespan=lifespan, exception_handlers={HTTPException: _http_error, Exception: _unexpected})
     app.state.service = service
     return app
