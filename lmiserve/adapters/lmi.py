@@ -38,7 +38,6 @@ class LmiCall:
     stream: bool
     formatter: str
     options: FormatOptions
-    batch_input: bool = False  # dynamic-batch schema with a list of inputs
 
 
 def _fail(detail: str) -> InvalidRequest:
@@ -67,9 +66,9 @@ def parse(payload, limits: Limits, *, dynamic_batch: bool = False) -> LmiCall:
         )
     inputs = payload["inputs"]
     if dynamic_batch and isinstance(inputs, list) and inputs and all(isinstance(i, str) for i in inputs):
-        prompts, batch_input = inputs, True
+        prompts = inputs
     elif isinstance(inputs, str):
-        prompts, batch_input = [inputs], False
+        prompts = [inputs]
     else:
         raise _fail(f"Invalid request payload. The 'inputs' field must be a string. Received type {type(inputs)!r}")
     if any(p == "" for p in prompts):
@@ -91,7 +90,7 @@ def parse(payload, limits: Limits, *, dynamic_batch: bool = False) -> LmiCall:
     options = FormatOptions.for_request(
         requests[0], details=params.details, return_full_text=full_text, tgi_compat=limits.tgi_compat
     )
-    return LmiCall(requests, stream, formatter, options, batch_input)
+    return LmiCall(requests, stream, formatter, options)
 
 
 def parse_parameters(raw: dict) -> LmiParameters:

@@ -43,8 +43,3 @@ class ModelNotReady(LmiServeError):
 class ModelNotFound(LmiServeError):
     status = 404
     kind = "ModelNotFoundException"
-
-
-class BadRequest(LmiServeError):
-    status = 400
-    kind = "BadRequestException"

@@ -81,7 +81,7 @@ class AsyncEngine:
                 pass
             self._task = None
         for seq_id in list(self._handles):
-            self._fail_before_start_id(seq_id, ModelNotReady("the server is shutting down"))
+            self._fail_before_start(seq_id, ModelNotReady("the server is shutting down"))
 
     @property
     def num_waiting(self) -> int:
@@ -172,7 +172,7 @@ class AsyncEngine:
         self._wakeup.clear()
         now = time.monotonic()
         for seq in scheduler.expire(now):
-            self._fail_before_start(seq, QueueTimeout(f"Time out in: {self._timeout_text()}"))
+            self._fail_before_start(seq.seq_id, QueueTimeout(f"Time out in: {self._timeout_text()}"))
         plan, events = scheduler.schedule(now)
         self._deliver(events)
         if not plan.has_model_work:
@@ -203,10 +203,7 @@ class AsyncEngine:
                     continue
             handle.queue.put_nowait(event)
 
-    def _fail_before_start(self, seq: Sequence, error: BaseException) -> None:
-        self._fail_before_start_id(seq.seq_id, error)
-
-    def _fail_before_start_id(self, seq_id: int, error: BaseException) -> None:
+    def _fail_before_start(self, seq_id: int, error: BaseException) -> None:
         handle = self._handles.pop(seq_id, None)
         if handle is not None:
             handle.queue.put_nowait(error)

@@ -8,7 +8,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from lmiserve.adapters import lmi
-from lmiserve.core.errors import BadRequest, LmiServeError, ModelNotFound
+from lmiserve.core.errors import LmiServeError, ModelNotFound
 from lmiserve.formatters import DynamicBatchFormatter, DynamicBatchStreamFormatter, get_formatter
 from lmiserve.http.responses import error_response, raw_response, respond_events
 from lmiserve.http.service import ModelService
@@ -39,30 +39,16 @@ async def invocations(request: Request) -> Response:
         if service.dynamic_batching:
             return await _dynamic_batch(request, engine, call, service)
         fmt = get_formatter(call.formatter, call.options)
-        events = engine.generate(call.requests[0])
-        return await respond_events(
-            request, events, fmt.on_event, fmt.close, fmt.error_tail, fmt.content_type, fmt.streaming
-        )
+        return await respond_events(request, engine.generate(call.requests[0]), fmt)
     except LmiServeError as exc:
         return error_response(exc, service.name if service else "")
 
 
 async def _dynamic_batch(request: Request, engine, call: lmi.LmiCall, service: ModelService) -> Response:
     """rolling_batch=disable: each input is a request of one static batch; LMI's list schema."""
-    if call.stream and not service.settings.enable_streaming:
-        call.stream = False
-    streams = [engine.generate(r) for r in call.requests]
-    events: AsyncIterator = merge_tagged(streams)
-    if call.stream:
+    events: AsyncIterator = merge_tagged([engine.generate(r) for r in call.requests])
+    if call.stream and service.settings.enable_streaming:
         fmt = DynamicBatchStreamFormatter(len(call.requests))
     else:
         fmt = DynamicBatchFormatter([r.prompt for r in call.requests], return_full_text=call.options.return_full_text)
-
-    def on_event(item) -> bytes:
-        return fmt.on_event(*item)
-
-    return await respond_events(request, events, on_event, fmt.close, fmt.error_tail, fmt.content_type, fmt.streaming)
-
-
-def bad_model_route(request: Request) -> Response:
-    return error_response(BadRequest("Parameter model_name is required."))
+    return await respond_events(request, events, fmt, on_event=lambda item: fmt.on_event(*item))

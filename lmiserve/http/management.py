@@ -10,6 +10,7 @@ from starlette.responses import Response
 from lmiserve.core.errors import ModelNotFound
 from lmiserve.http.responses import error_response, raw_response
 from lmiserve.http.service import ModelService
+from lmiserve.models import DEFAULT_MODEL_NAME
 
 
 def _pretty(obj) -> bytes:
@@ -26,7 +27,7 @@ async def ping(request: Request) -> Response:
 
 def _model_url(service: ModelService) -> str:
     path = service.path or service.settings.model_id
-    return f"file:{path}" if path else "bundled:SmolLM2-135M-Instruct"
+    return f"file:{path}" if path else f"bundled:{DEFAULT_MODEL_NAME}"
 
 
 async def list_models(request: Request) -> Response:

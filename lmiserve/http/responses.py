@@ -84,14 +84,18 @@ async def _wait_disconnect(request: Request) -> None:
 async def respond_events(
     request: Request,
     events: AsyncIterator,
-    on_event: Callable[[Any], bytes],
-    close: Callable[[], bytes],
-    error_tail: Callable[[str], bytes],
-    content_type: str,
-    streaming: bool,
+    fmt,
+    *,
+    on_event: Callable[[Any], bytes] | None = None,
     headers: dict | None = None,
 ) -> Response:
-    """Drive one formatter over an event stream and answer with the right status and framing."""
+    """Drive one formatter over an event stream and answer with the right status and framing.
+
+    `fmt` has `on_event`, `close`, `error_tail`, `content_type` and `streaming`; `on_event` replaces
+    its `on_event` when events come tagged (dynamic batching).
+    """
+    on_event = on_event or fmt.on_event
+    close, error_tail, content_type, streaming = fmt.close, fmt.error_tail, fmt.content_type, fmt.streaming
 
     async def first_bytes() -> tuple[bytes, bool]:
         """The first non-empty output (or the whole body when not streaming); True if the stream ended."""
