@@ -8,23 +8,20 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from lmiserve.adapters import lmi
-from lmiserve.core.errors import LmiServeError, ModelNotFound
+from lmiserve.core.errors import LmiServeError
 from lmiserve.formatters import DynamicBatchFormatter, DynamicBatchStreamFormatter, get_formatter
 from lmiserve.http.responses import error_response, raw_response, respond_events
-from lmiserve.http.service import ModelService
+from lmiserve.http.service import ModelService, model_service
 from lmiserve.utils.aio import merge_tagged
 
 
 def _service_for(request: Request) -> ModelService:
-    service: ModelService = request.app.state.service
     name = (
         request.path_params.get("model_name")
         or request.query_params.get("model_name")
         or request.headers.get("model_name")
     )
-    if name and name != service.name:
-        raise ModelNotFound(f"Model or workflow not found: {name}")
-    return service
+    return model_service(request, name)
 
 
 async def invocations(request: Request) -> Response:

@@ -72,3 +72,21 @@ def _initial_name(model_id: str | None) -> str:
     from lmiserve.models import default_model_name
 
     return default_model_name(model_id, None)
+
+
+def model_service(request, name: str | None = None) -> ModelService:
+    """The model a request addresses by name, else the default one; ModelNotFound for an unknown name.
+
+    Every route resolves its model through here (or `default_llm`), so how models are held is one place.
+    """
+    from lmiserve.core.errors import ModelNotFound
+
+    service: ModelService = request.app.state.service
+    if name and name != service.name:
+        raise ModelNotFound(f"Model or workflow not found: {name}")
+    return service
+
+
+def default_llm(request) -> ModelService:
+    """The generative model that name-less routes (TGI, OpenAI, plain /invocations) talk to."""
+    return model_service(request)

@@ -1,0 +1,49 @@
+"""Protocol-free tensor requests: what TF Serving, KServe V2, SageMaker and Vertex payloads become.
+
+Every tensor protocol decodes its payload into a `TensorRequest` (named numpy arrays; BYTES tensors are
+object arrays of `bytes`), hands it to the addressed model's `TensorModel.infer`, and encodes the
+returned named arrays back into its own wire format. A model describes itself with a `ModelSignature`
+(V2 datatype names; -1 marks a variable dimension; dimension 0 is the batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    datatype: str  # BOOL, UINT8..UINT64, INT8..INT64, FP16, FP32, FP64, BYTES
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ModelSignature:
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    def input(self, name: str) -> TensorSpec | None:
+        return next((t for t in self.inputs if t.name == name), None)
+
+    def output(self, name: str) -> TensorSpec | None:
+        return next((t for t in self.outputs if t.name == name), None)
+
+
+@dataclass
+class TensorRequest:
+    inputs: dict[str, np.ndarray]
+    parameters: dict[str, Any] = field(default_factory=dict)
+    outputs: list[str] | None = None  # requested output names; None = all
+
+
+class TensorModel(Protocol):
+    """A model any tensor protocol can call. `infer` raises core errors (InvalidRequest, ...) for bad input."""
+
+    kind: str  # "llm", "embedding", "classifier", "regression", "torchscript"
+    signature: ModelSignature
+
+    async def infer(self, request: TensorRequest) -> dict[str, np.ndarray]: ...
