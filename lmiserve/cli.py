@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="bind address (default 0.0.0.0)")
     serve.add_argument("--port", type=int, help="port (default 8080, or SAGEMAKER_BIND_TO_PORT)")
     serve.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE", help="set any option (repeatable)")
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on generation routes (or API_KEY)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log level (default info)")
     return parser
 
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         overrides: dict[str, object] = dict(parse_override(o) for o in args.option)
-        for key in ("model_id", "host", "port", "log_level"):
+        for key in ("model_id", "host", "port", "log_level", "api_key"):
             value = getattr(args, key)
             if value is not None:
                 overrides[key] = value

@@ -119,6 +119,21 @@ class Settings(BaseModel):
     host: str = Field("0.0.0.0", description="Address the HTTP server listens on.")
     port: int = Field(8080, ge=1, le=65535, description="Port the HTTP server listens on.")
     log_level: LogLevel = Field("info", description="Log level: debug, info, warning or error.")
+    # --- TGI and OpenAI routes (docs/tgi-openai.md) ---
+    api_key: str | None = Field(None, description=(
+        "When set, generation routes (TGI, OpenAI, /invocations) require 'Authorization: Bearer <key>'."))
+    max_concurrent_requests: int = Field(128, ge=1, description=(
+        "TGI/OpenAI requests in flight at once; beyond it they get 429 overloaded at once."))
+    max_best_of: int = Field(2, ge=1, description="Largest TGI best_of.")
+    max_stop_sequences: int = Field(4, ge=0, description="Most stop sequences of a TGI/OpenAI request.")
+    max_top_n_tokens: int = Field(5, ge=0, description="Largest TGI top_n_tokens (OpenAI top_logprobs).")
+    max_input_tokens: int | None = Field(None, ge=1, description=(
+        "TGI max_input_tokens; unset = max_input_len if set, else max_total_tokens - 1."))
+    max_total_tokens: int | None = Field(None, ge=2, description=(
+        "TGI max_total_tokens (prompt + new tokens); unset or larger = the model's context length."))
+    max_client_batch_size: int = Field(4, ge=1, description="Most prompts in one /v1/completions request.")
+    sse_keepalive_interval: float = Field(15.0, gt=0, description=(
+        "Seconds without an event before a TGI/OpenAI stream sends a ':' keep-alive comment."))
     # --- bookkeeping, not configuration keys ---
     extra: dict[str, str] = Field(default_factory=dict, description=(
         "Unknown keys (e.g. LMI's engine, tensor_parallel_degree): kept, logged, unused."))
@@ -239,7 +254,8 @@ class Settings(BaseModel):
         for key in self.option_keys():
             source = self.sources.get(key)
             origin = f"from {source}" if source else "default"
-            lines.append(f"{key}={getattr(self, key)} ({origin})")
+            value = "<hidden>" if key == "api_key" and self.api_key else getattr(self, key)
+            lines.append(f"{key}={value} ({origin})")
         for key, value in self.extra.items():
             lines.append(f"{key}={value} (ignored{_from(self.sources.get(key))})")
         return lines

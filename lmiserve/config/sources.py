@@ -10,7 +10,8 @@ Environment mapping, lowest first within the environment (a later entry wins):
   ``HF_MODEL_TRUST_REMOTE_CODE`` -> trust_remote_code, ``MAX_BATCH_SIZE`` ->
   max_rolling_batch_size, ``MAX_BATCH_PREFILL_TOKENS`` -> max_rolling_batch_prefill_tokens,
   ``MAX_CONCURRENT_REQUESTS`` -> job_queue_size, ``SAGEMAKER_MODEL_SERVER_TIMEOUT_SECONDS``
-  then ``PREDICT_TIMEOUT`` -> predict_timeout, ``SAGEMAKER_BIND_TO_PORT`` -> port;
+  then ``PREDICT_TIMEOUT`` -> predict_timeout, ``SAGEMAKER_BIND_TO_PORT`` -> port,
+  ``API_KEY`` -> api_key (TGI's name; ``OPTION_API_KEY`` wins over it);
 - ``SERVING_<NAME>`` -> ``<name>`` lower-cased (e.g. ``SERVING_JOB_QUEUE_SIZE``);
 - ``OPTION_<NAME>`` -> ``<name>`` lower-cased (e.g. ``OPTION_MAX_ROLLING_BATCH_SIZE``).
 
@@ -41,6 +42,7 @@ ENV_SHORTCUTS: tuple[tuple[str, str], ...] = (
     ("SAGEMAKER_MODEL_SERVER_TIMEOUT_SECONDS", "predict_timeout"),
     ("PREDICT_TIMEOUT", "predict_timeout"),
     ("SAGEMAKER_BIND_TO_PORT", "port"),
+    ("API_KEY", "api_key"),
 )
 _ENV_PREFIXES = ("SERVING_", "OPTION_")  # lowest priority first
 _SPECIAL_ENV_NAMES = {"OPTION_ENTRYPOINT": "entryPoint"}  # as DJL Serving spells it

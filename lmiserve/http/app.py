@@ -14,7 +14,7 @@ from starlette.routing import Route
 
 from lmiserve.config import Settings
 from lmiserve.formatters import frontend_error_body
-from lmiserve.http import lmi_routes, management
+from lmiserve.http import lmi_routes, management, openai_routes, tgi_routes
 from lmiserve.http.responses import raw_response
 from lmiserve.http.service import ModelService
 
@@ -33,6 +33,17 @@ def routes() -> list[Route]:
         Route("/models", management.list_models, methods=["GET"]),
         Route("/models/{model_name}", management.describe_model, methods=["GET"]),
         Route("/models/{model_name}/{version}", management.describe_model, methods=["GET"]),
+        # TGI and OpenAI (docs/tgi-openai.md)
+        Route("/", tgi_routes.root, methods=["GET", "POST"]),
+        Route("/generate", tgi_routes.generate, methods=["POST"]),
+        Route("/generate_stream", tgi_routes.generate_stream, methods=["POST"]),
+        Route("/tokenize", tgi_routes.tokenize, methods=["POST"]),
+        Route("/chat_tokenize", tgi_routes.chat_tokenize, methods=["POST"]),
+        Route("/health", tgi_routes.health, methods=["GET"]),
+        Route("/info", tgi_routes.info, methods=["GET"]),
+        Route("/v1/models", tgi_routes.models, methods=["GET"]),
+        Route("/v1/chat/completions", openai_routes.chat_completions, methods=["POST"]),
+        Route("/v1/completions", openai_routes.completions, methods=["POST"]),
     ]
 
 
