@@ -98,7 +98,7 @@ def completion(
 ) -> OpenAICall:
     prompts = req.prompts
     if not prompts:
-        raise TgiError("Empty array detected. Do not use an empty array for the prompt.", 422, "empty_array")
+        raise TgiError("Empty array detected. Do not use an empty array for the prompt.", 422, "validation")
     if "suffix" in req.model_fields_set:
         raise TgiError(
             "Suffix is not supported and can be achieved by preprocessing the prompt.", 422, "suffix not supported"

@@ -1,0 +1,99 @@
+"""OpenAI-compatible wire formats, byte for byte (floats to 3 decimals): the tiny model generates greedily
+in process, the OpenAI adapter and formatters render with a fixed `created`, and the bytes must equal
+tests/golden/openai/<case>. `UPDATE_GOLDEN=1 pytest tests/unit/test_openai_golden.py` rewrites them."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from lmiserve.adapters import openai as adapter
+from lmiserve.adapters.tgi import TgiError, TgiLimits
+from lmiserve.engine.async_engine import EngineConfig
+from lmiserve.engine.factory import create_engine
+from lmiserve.formatters import openai as fmt
+from lmiserve.formatters.tgi import error_body, sequences
+from lmiserve.schemas.openai import ChatRequest, CompletionRequest
+
+GOLDEN_DIR = Path(__file__).resolve().parents[1] / "golden" / "openai"
+CREATED = 1700000000
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is deep learning?"}]
+
+CASES: dict[str, dict] = {
+    "chat.json": {"messages": MESSAGES, "max_tokens": 4, "temperature": 0},
+    "chat_logprobs.json": {"messages": MESSAGES, "max_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 2},
+    "chat_model_echoed.json": {"model": "my-model", "messages": MESSAGES, "max_completion_tokens": 2, "temperature": 0},
+    "chat_stream.sse": {"messages": MESSAGES, "max_tokens": 3, "temperature": 0, "stream": True},
+    "chat_stream_usage.sse": {"messages": MESSAGES, "max_tokens": 3, "temperature": 0, "stream": True,
+                              "stream_options": {"include_usage": True}},
+    "completion.json": {"prompt": "Deep learning is", "max_tokens": 4, "temperature": 0},
+    "completion_two_prompts.json": {"prompt": ["Deep learning is", "Hello"], "max_tokens": 3, "temperature": 0},
+    "completion_echo_logprobs.json": {"prompt": "Deep learning is", "max_tokens": 2, "temperature": 0, "echo": True,
+                                      "logprobs": 1},
+    "completion_stream.sse": {"prompt": "Deep learning is", "max_tokens": 3, "temperature": 0, "stream": True},
+    "error_suffix.json": {"prompt": "Deep learning is", "suffix": "!"},
+}
+
+
+async def render(tiny_model, payload: dict) -> bytes:
+    tokenizer = tiny_model.tokenizer
+    limits = TgiLimits(max_input_tokens=255, max_total_tokens=256)
+    count = lambda text: len(tokenizer(text)["input_ids"])  # noqa: E731
+    chat = "messages" in payload
+    try:
+        if chat:
+            render_chat = lambda m: tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)  # noqa: E731
+            call = adapter.chat(ChatRequest.model_validate(payload), limits, count, render_chat, "tiny")
+        else:
+            call = adapter.completion(CompletionRequest.model_validate(payload), limits, count, "tiny")
+    except TgiError as exc:
+        return error_body(exc.message, exc.kind)
+    env = fmt.Envelope(call.model, "0.1.0-native", CREATED)
+    engine = create_engine(tiny_model, EngineConfig(max_running=4))
+    engine.start()
+    try:
+        per_call = [[e async for e in engine.generate(c.request)] for c in call.calls]
+    finally:
+        await engine.stop()
+    if call.stream:
+        if chat:
+            stream = fmt.ChatStream(env, logprobs=call.logprobs, include_usage=call.include_usage)
+            return b"".join(stream.on_event(e) for e in per_call[0]) + stream.close()
+        stream = fmt.CompletionStream(env, logprobs=call.logprobs)
+        return b"".join(stream.on_event((i, e)) for i, events in enumerate(per_call) for e in events) + stream.close()
+    if chat:
+        return fmt.chat_body(sequences(per_call[0]), env, logprobs=call.logprobs)
+    return fmt.completion_body([sequences(e) for e in per_call], call.prompts, env, logprobs=call.logprobs,
+                               echo=call.echo)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+async def test_golden(name, tiny_model):
+    actual = await render(tiny_model, CASES[name])
+    path = GOLDEN_DIR / name
+    if os.environ.get("UPDATE_GOLDEN"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(actual)
+    assert path.exists(), f"missing golden {path}: run with UPDATE_GOLDEN=1 and review it"
+    assert same_bytes(actual, path.read_bytes())
+
+
+def test_stream_error_tail_is_an_error_event_then_done():
+    assert fmt.stream_error("Input validation error: x") == (
+        b'data: {"error":{"message":"Input validation error: x","http_status_code":422}}\n\ndata: [DONE]\n\n'
+    )
+
+
+def test_every_golden_file_has_a_case():
+    assert sorted(p.name for p in GOLDEN_DIR.iterdir()) == sorted(CASES)
+
+
+_FLOAT = re.compile(rb"-?\d+\.\d+(?:e-?\d+)?")
+
+
+def same_bytes(actual: bytes, expected: bytes) -> bool:
+    norm = lambda raw: _FLOAT.sub(lambda m: b"%.3f" % float(m.group()), raw)  # noqa: E731
+    return norm(actual) == norm(expected)
