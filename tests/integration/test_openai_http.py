@@ -1,0 +1,157 @@
+"""OpenAI-compatible routes over real HTTP on the tiny model (reference tgi-openai.md §6, §9.3) and the
+/invocations dispatch of `messages` and `prompt` bodies."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from helpers.server import run_server
+
+MESSAGES = [{"role": "user", "content": "What is deep learning?"}]
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model_dir) -> Iterator[httpx.Client]:
+    with run_server(["--model-id", str(tiny_model_dir)]) as url, httpx.Client(
+        base_url=url, timeout=30, trust_env=False
+    ) as c:
+        yield c
+
+
+def openai_sse(text: str) -> list[dict]:
+    """`data: <json>` events ending with exactly one `data: [DONE]`."""
+    blocks = text.split("\n\n")
+    assert blocks[-1] == "" and blocks[-2] == "data: [DONE]", text[-200:]
+    return [json.loads(b.removeprefix("data: ")) for b in blocks[:-2]]
+
+
+def test_chat_completion(client):
+    r = client.post("/v1/chat/completions", json={"model": "tgi", "messages": MESSAGES, "max_tokens": 5,
+                                                 "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert list(body)[:5] == ["object", "id", "created", "model", "system_fingerprint"]
+    assert body["object"] == "chat.completion" and body["id"] == ""
+    assert body["model"] == client.get("/v1/models").json()["data"][0]["id"]  # "tgi" -> served id
+    (choice,) = body["choices"]
+    assert choice["message"]["role"] == "assistant" and choice["finish_reason"] == "length"
+    assert choice["logprobs"] is None
+    assert body["usage"]["completion_tokens"] == 5
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 5
+    assert r.headers["x-generated-tokens"] == "5"
+
+
+def test_chat_greedy_is_deterministic_and_matches_the_stream(client):
+    payload = {"messages": MESSAGES, "max_completion_tokens": 6, "temperature": 0}
+    whole = client.post("/v1/chat/completions", json=payload).json()
+    again = client.post("/v1/chat/completions", json=payload).json()
+    assert whole["choices"] == again["choices"]
+    r = client.post("/v1/chat/completions", json={**payload, "stream": True, "stream_options": {"include_usage": True}})
+    assert r.headers["content-type"] == "text/event-stream"
+    chunks = openai_sse(r.text)
+    tokens, usage = chunks[:-1], chunks[-1]
+    assert all(c["choices"][0]["delta"]["role"] == "assistant" and c["usage"] is None for c in tokens)
+    assert "".join(c["choices"][0]["delta"]["content"] for c in tokens) == whole["choices"][0]["message"]["content"]
+    assert [c["choices"][0]["finish_reason"] for c in tokens] == [None] * 5 + ["length"]
+    assert usage["choices"] == [] and usage["usage"] == whole["usage"]
+
+
+def test_chat_logprobs_and_seeded_sampling(client):
+    payload = {"messages": MESSAGES, "max_tokens": 3, "seed": 5, "logprobs": True, "top_logprobs": 2}
+    a = client.post("/v1/chat/completions", json=payload).json()
+    b = client.post("/v1/chat/completions", json=payload).json()
+    assert a["choices"] == b["choices"]
+    content = a["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3 and all(len(c["top_logprobs"]) == 2 for c in content)
+
+
+def test_chat_n_choices(client):
+    body = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 3, "n": 2,
+                                                    "temperature": 0.8}).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert body["usage"]["completion_tokens"] == 6
+
+
+def test_chat_errors(client):
+    r = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 5000})
+    assert r.status_code == 422 and r.json()["error_type"] == "validation"
+    r = client.post("/v1/chat/completions", json={"messages": MESSAGES, "top_p": 1.5})
+    assert r.json()["error"] == "Input validation error: `top_p` must be > 0.0 and < 1.0"
+    r = client.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": [{"type": "function"}]})
+    assert r.status_code == 422 and r.json()["error_type"] == "tool_error"
+    r = client.post("/v1/chat/completions", json={"messages": []})
+    assert r.status_code == 422 and r.text.startswith("Failed to deserialize")
+    r = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 5000, "stream": True})
+    assert r.status_code == 422  # validated before the stream starts
+
+
+def test_chat_accepts_openai_top_p_default_and_null_options(client):
+    r = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, "top_p": 1.0,
+                                                 "stop": None, "stream_options": None})
+    assert r.status_code == 200, r.text
+
+
+def test_completions(client):
+    r = client.post("/v1/completions", json={"prompt": ["Deep learning is", "Hello"], "max_tokens": 3,
+                                            "temperature": 0})
+    body = r.json()
+    assert body["object"] == "text_completion" and [c["index"] for c in body["choices"]] == [0, 1]
+    assert body["usage"]["completion_tokens"] == 6
+    single = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "temperature": 0}).json()
+    assert single["choices"][0]["text"] == body["choices"][1]["text"]
+
+
+def test_completions_echo_and_logprobs(client):
+    body = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "temperature": 0,
+                                               "echo": True, "logprobs": 2}).json()
+    choice = body["choices"][0]
+    assert choice["text"].startswith("Hello")
+    assert choice["logprobs"]["token_logprobs"][0] is None  # the first prompt token has none
+
+
+def test_completions_stream(client):
+    r = client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 3, "temperature": 0,
+                                            "stream": True})
+    events = openai_sse(r.text)
+    assert len(events) == 6
+    for index in (0, 1):
+        mine = [e for e in events if e["choices"][0]["index"] == index]
+        assert [e["choices"][0]["finish_reason"] for e in mine] == ["", "", "length"]
+        assert "usage" not in mine[0] and mine[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_completions_errors(client):
+    r = client.post("/v1/completions", json={"prompt": []})
+    assert r.json() == {"error": "Empty array detected. Do not use an empty array for the prompt.",
+                        "error_type": "validation"}
+    r = client.post("/v1/completions", json={"prompt": "a", "suffix": None})
+    assert r.json()["error_type"] == "suffix not supported"
+    r = client.post("/v1/completions", json={"prompt": ["a"] * 5})
+    assert r.json() == {"error": "Number of prompts exceeds the maximum allowed batch size of 4",
+                        "error_type": "batch size exceeded"}
+
+
+# --- /invocations dispatch --------------------------------------------------------------------------------
+
+
+def test_invocations_messages_is_a_chat_completion(client):
+    payload = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+    via_invocations = client.post("/invocations", json=payload).json()
+    direct = client.post("/v1/chat/completions", json=payload).json()
+    assert via_invocations["object"] == "chat.completion"
+    assert via_invocations["choices"] == direct["choices"]
+
+
+def test_invocations_prompt_is_a_completion(client):
+    payload = {"prompt": "Hello", "max_tokens": 3, "temperature": 0, "stream": True}
+    events = openai_sse(client.post("/invocations", json=payload).text)
+    assert events[0]["object"] == "text_completion"
+
+
+def test_invocations_inputs_stays_lmi_without_tgi_compat(client):
+    r = client.post("/invocations", json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}})
+    assert r.text.startswith('{"generated_text": ')  # LMI's spaced JSON, not a TGI list
