@@ -1,0 +1,141 @@
+"""Server-wide behaviour of the TGI/OpenAI routes over real HTTP (reference tgi-openai.md §2, §5, §9.2):
+the API key (401 with an empty body; open health and info routes; LMI generation routes covered too),
+429 `overloaded` at `max_concurrent_requests`, SSE keep-alive comments while a stream waits, and slots
+freed when clients go away.
+
+The server runs the 4096-context copy of the tiny model with one batch slot, two admission slots and a
+0.2 s keep-alive: a long LMI stream (``ignore_eos_token``, not counted by TGI admission) holds the only
+engine slot, two TGI/OpenAI streams wait in the engine's queue (idle, so they get keep-alives) and take
+both admission slots, and a further request is refused.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from text_generation import Client
+from text_generation.errors import OverloadedError
+
+from helpers.server import run_server
+
+KEY = "s3cret-Key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+LONG = {"inputs": "Deep learning is", "stream": True, "parameters": {"max_new_tokens": 4000, "ignore_eos_token": True}}
+
+
+@pytest.fixture(scope="module")
+def url(long_model_dir) -> Iterator[str]:
+    args = ["--model-id", str(long_model_dir), "--api-key", KEY]
+    for option in ("max_concurrent_requests=2", "max_rolling_batch_size=1", "sse_keepalive_interval=0.2"):
+        args += ["-o", option]
+    with run_server(args) as base:
+        yield base
+
+
+@pytest.fixture
+def client(url) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=url, timeout=60, trust_env=False) as c:
+        yield c
+
+
+def short(client: httpx.Client, path: str = "/generate", headers=None) -> httpx.Response:
+    return client.post(path, json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}}, headers=headers)
+
+
+# --- API key -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/generate", "/generate_stream", "/", "/tokenize", "/v1/chat/completions",
+                                  "/v1/completions", "/invocations"])
+def test_generation_routes_need_the_key(client, path):
+    for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = client.post(path, json={"inputs": "x", "messages": [], "prompt": "x"}, headers=headers)
+        assert (r.status_code, r.content) == (401, b""), (path, headers)
+
+
+def test_the_key_is_compared_case_insensitively(client):
+    assert short(client, headers={"Authorization": f"bearer {KEY.upper()}"}).status_code == 200
+
+
+def test_lmi_routes_need_the_key(client):
+    name = client.get("/v1/models").json()["data"][0]["id"]
+    assert short(client, f"/predictions/{name}").status_code == 401
+    assert short(client, f"/predictions/{name}", headers=AUTH).status_code == 200
+    assert short(client, "/invocations", headers=AUTH).status_code == 200
+
+
+def test_open_routes(client):
+    for path in ("/health", "/", "/info", "/v1/models", "/ping", "/models"):
+        assert client.get(path).status_code == 200, path
+    r = client.post("/chat_tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200
+
+
+def wait_until_queue_empty(client: httpx.Client, timeout: float = 20.0) -> None:
+    """Poll LMI's describe-model `requestInQueue` (the engine's waiting sequences) until it is 0."""
+    name = client.get("/v1/models").json()["data"][0]["id"]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if client.get(f"/models/{name}").json()[0]["models"][0]["requestInQueue"] == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError("aborted sequences are still queued in the engine")
+
+
+# --- overload, keep-alive, disconnect ---------------------------------------------------------------------
+
+
+_open: list = []  # byte iterators of streams that must stay open (a dropped iterator closes its stream)
+
+
+def first_bytes(stream: httpx.Response) -> bytes:
+    chunks = stream.iter_raw()
+    _open.append(chunks)
+    for chunk in chunks:
+        if chunk:
+            return chunk
+    raise AssertionError("stream ended without bytes")
+
+
+def test_overload_keepalive_and_release(url):
+    clients = [httpx.Client(base_url=url, timeout=60, trust_env=False) for _ in range(4)]
+    holder, tgi_waiter, chat_waiter, other = clients
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
+    try:
+        with holder.stream("POST", "/invocations", json=LONG, headers=AUTH) as running:
+            assert first_bytes(running).startswith(b'{"token": ')  # LMI jsonlines: generating
+            with tgi_waiter.stream("POST", "/generate_stream", headers=AUTH,
+                                   json={"inputs": "Hi", "parameters": {"max_new_tokens": 3}}) as queued_tgi, \
+                    chat_waiter.stream("POST", "/v1/chat/completions", headers=AUTH, json=chat) as queued_chat:
+                # both wait behind the long stream for the one engine slot: keep-alive comments only
+                assert first_bytes(queued_tgi).startswith(b":\n\n")
+                assert first_bytes(queued_chat).startswith(b":\n\n")
+                name = other.get("/v1/models").json()["data"][0]["id"]
+                assert other.get(f"/models/{name}").json()[0]["models"][0]["requestInQueue"] == 2
+
+                r = short(other, headers=AUTH)
+                assert r.status_code == 429
+                assert r.json() == {"error": "Model is overloaded", "error_type": "overloaded"}
+                r = other.post("/v1/chat/completions", headers=AUTH,
+                               json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+                assert r.status_code == 429 and r.json()["error_type"] == "overloaded"
+                r = other.post("/generate_stream", headers=AUTH, json={"inputs": "x"})
+                assert r.status_code == 200
+                assert r.text == 'data: {"error":"Model is overloaded","error_type":"overloaded"}\n\n'
+                with pytest.raises(OverloadedError):
+                    Client(url, headers=AUTH, timeout=30).generate("Hello", max_new_tokens=2)
+            # the waiting clients went away: their engine sequences leave the queue, their slots are free
+            wait_until_queue_empty(other)
+            with tgi_waiter.stream("POST", "/generate_stream", headers=AUTH,
+                                   json={"inputs": "Hi", "parameters": {"max_new_tokens": 3}}) as admitted:
+                assert first_bytes(admitted).startswith(b":\n\n")  # admitted (not 429), waiting for the engine
+        # the long stream's client goes away too: its sequence is aborted and the engine serves again
+        r = short(other, headers=AUTH)
+        assert r.status_code == 200, r.text
+    finally:
+        _open.clear()
+        for c in clients:
+            c.close()
