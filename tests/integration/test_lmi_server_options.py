@@ -16,10 +16,16 @@ def is_lmi_json(raw: str) -> bool:
 
 
 # --- tgi_compat=true -------------------------------------------------------------------------------------
+# LMI's TGI-flavoured formatters answer on /predictions/{model}; plain /invocations with an `inputs` body
+# answers exactly like TGI's POST / (tests/integration/test_tgi_invocations.py).
+
+
+def lmi_tgi(server) -> str:
+    return f"/predictions/{server.name}"
 
 
 def test_tgi_non_stream_is_a_one_element_array_with_details(tgi_server):
-    response = tgi_server.post({"inputs": PROMPT, "parameters": {"max_new_tokens": 5}})
+    response = tgi_server.post(path=lmi_tgi(tgi_server), payload={"inputs": PROMPT, "parameters": {"max_new_tokens": 5}})
     assert response.status_code == 200, response.text
     assert response.headers["content-type"] == "application/json"
     raw = response.text
@@ -42,7 +48,7 @@ def test_tgi_non_stream_is_a_one_element_array_with_details(tgi_server):
 
 
 def test_tgi_details_false(tgi_server):
-    response = tgi_server.post({"inputs": PROMPT, "parameters": {"max_new_tokens": 5, "details": False}})
+    response = tgi_server.post(path=lmi_tgi(tgi_server), payload={"inputs": PROMPT, "parameters": {"max_new_tokens": 5, "details": False}})
     assert response.status_code == 200, response.text
     body = json.loads(response.text)
     assert isinstance(body, list) and len(body) == 1
@@ -52,7 +58,8 @@ def test_tgi_details_false(tgi_server):
 
 def test_tgi_stream_is_sse(tgi_server):
     response = tgi_server.post(
-        {"inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": 6, "ignore_eos_token": True}}
+        {"inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": 6, "ignore_eos_token": True}},
+        path=lmi_tgi(tgi_server),
     )
     assert response.status_code == 200, response.text
     assert response.headers["content-type"] == "text/event-stream"
@@ -69,14 +76,14 @@ def test_tgi_stream_is_sse(tgi_server):
 
 
 def test_tgi_stream_details_false(tgi_server):
-    response = tgi_server.post({"inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": 3, "details": False}})
+    response = tgi_server.post(path=lmi_tgi(tgi_server), payload={"inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": 3, "details": False}})
     assert response.status_code == 200, response.text
     last = tgi_server.sse(response.text)[-1]
     assert list(last) == ["token", "generated_text"]
 
 
 def test_tgi_same_tokens_as_lmi(tgi_server, server):
-    tgi = tgi_server.post({"inputs": PROMPT, "parameters": {"max_new_tokens": 8}}).json()[0]
+    tgi = tgi_server.post(path=lmi_tgi(tgi_server), payload={"inputs": PROMPT, "parameters": {"max_new_tokens": 8}}).json()[0]
     lmi = server.generate(PROMPT, max_new_tokens=8, details=True)
     assert tgi["generated_text"] == lmi["generated_text"]
     assert [t["id"] for t in tgi["details"]["tokens"]] == [t["id"] for t in lmi["details"]["tokens"]]
@@ -105,7 +112,7 @@ def test_huggingface_hub_payload(tgi_server):
 
 
 def test_tgi_errors_keep_the_lmi_shape(tgi_server):
-    response = tgi_server.post({"inputs": ""})
+    response = tgi_server.post({"inputs": ""}, path=lmi_tgi(tgi_server))
     assert response.status_code == 424
     assert response.headers["content-type"] == "application/json"
     assert list(response.json()) == ["error", "code"]
