@@ -22,6 +22,7 @@ $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 
 $(TEST_STAMP): $(STAMP)
 	$(PIP) install --quiet -c constraints.txt -e '.[test]'
+	$(PIP) install --quiet --no-deps -c constraints.txt text-generation
 	touch $@
 
 install: $(STAMP)
@@ -32,7 +33,7 @@ serve: $(STAMP)
 	$(BIN)/lmiserve serve --port $(PORT)
 
 test: $(TEST_STAMP)
-	$(BIN)/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|tokenizers|starlette|uvicorn|sse-starlette|pydantic) '
+	$(BIN)/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|tokenizers|huggingface.hub|starlette|uvicorn|sse-starlette|pydantic|openai|text-generation) '
 	$(BIN)/python -m pytest
 
 clean:
