@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable
 
 from lmiserve.adapters.tgi import from_core, generation_failed
@@ -19,6 +20,8 @@ from lmiserve.core.errors import LmiServeError
 from lmiserve.core.events import StepEvent
 from lmiserve.formatters import error_message, is_error_finish
 from lmiserve.http.responses import DisconnectAwareStream, until_disconnect
+
+log = logging.getLogger(__name__)
 
 KEEPALIVE = b":\n\n"
 SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -128,5 +131,8 @@ async def guarded(
         yield close()
     except LmiServeError as exc:
         yield on_error(from_core(exc))
+    except Exception as exc:  # noqa: BLE001 - the unforeseen still ends the stream with an error event
+        log.exception("stream failed")
+        yield on_error(generation_failed(str(exc) or type(exc).__name__))
     finally:
         await events.aclose()

@@ -1,0 +1,93 @@
+"""OpenAI requests mapped onto TGI calls (reference tgi-openai.md §6.1, §6.4, §15)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from lmiserve.adapters import openai as adapter
+from lmiserve.adapters.tgi import TgiError, TgiLimits
+from lmiserve.http.protocol import Served
+from lmiserve.schemas.openai import ChatRequest, CompletionRequest
+
+LIMITS = TgiLimits(max_input_tokens=100, max_total_tokens=200)
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def words(text: str) -> int:
+    return len(text.split())
+
+
+def render(messages) -> str:
+    return " ".join(f"{m['role']}: {m['content']}" for m in messages)
+
+
+def chat(**fields):
+    return adapter.chat(ChatRequest.model_validate({"messages": MESSAGES, **fields}), LIMITS, words, render, "served")
+
+
+def test_chat_defaults_sample_and_fill_the_budget():
+    call = chat()
+    params = call.calls[0].request.params
+    assert params.do_sample and params.temperature == 1.0
+    assert params.max_new_tokens == 200 - 2 and call.model == "served"
+    assert call.calls[0].request.prompt == "user: hi"
+
+
+def test_temperature_zero_is_greedy():
+    assert not chat(temperature=0).calls[0].request.params.do_sample
+
+
+def test_mappings():
+    params = chat(presence_penalty=0.5, top_logprobs=3, logprobs=True, max_tokens=5, max_completion_tokens=7,
+                  stop="x", seed=3, top_p=1.0).calls[0].request.params
+    assert params.repetition_penalty == 2.5  # presence_penalty + 2, as TGI maps it
+    assert params.top_n_tokens == 3 and params.max_new_tokens == 7 and params.stop_sequences == ["x"]
+    assert params.seed == 3 and params.top_p == 1.0  # OpenAI's top_p=1.0 means off
+    assert chat(top_logprobs=3).calls[0].request.params.top_n_tokens == 0  # only with logprobs=true
+
+
+def test_model_echo():
+    assert chat(model="mine").model == "mine" and chat(model="tgi").model == "served"
+
+
+def test_n_needs_sampling_and_no_seed():
+    params = chat(n=3).calls[0].request.params
+    assert (params.n, params.best_of) == (3, 3)
+    with pytest.raises(TgiError, match="requires sampling"):
+        chat(n=2, temperature=0)
+    with pytest.raises(TgiError, match="`seed` must not be set"):
+        chat(n=2, seed=1)
+
+
+def test_unsupported_features():
+    with pytest.raises(TgiError) as info:
+        chat(tools=[{"type": "function", "function": {"name": "f"}}])
+    assert info.value.kind == "tool_error"
+    with pytest.raises(TgiError, match="grammar is not supported"):
+        chat(response_format={"type": "json_object"})
+
+
+def test_completion_prompts_echo_and_logprobs():
+    req = CompletionRequest.model_validate({"prompt": ["a", "b c"], "echo": True, "logprobs": 9, "max_tokens": 2})
+    call = adapter.completion(req, LIMITS, words, "served")
+    assert [c.request.prompt for c in call.calls] == ["a", "b c"]
+    assert all(c.request.params.decoder_input_details for c in call.calls)  # echo + logprobs: prompt logprobs
+    assert call.top_logprobs == 5  # capped at max_top_n_tokens
+
+
+def test_template_errors():
+    no_template = Served(service=None, engine=None, limits=LIMITS, tokenizer=SimpleNamespace(chat_template=None))
+    with pytest.raises(TgiError) as info:
+        no_template.render_chat(MESSAGES)
+    assert (info.value.status, info.value.kind, info.value.message) == (
+        422, "template_error", "Template error: template not found")
+
+    def broken(*args, **kwargs):
+        raise ValueError("unknown role")
+
+    bad = Served(service=None, engine=None, limits=LIMITS,
+                 tokenizer=SimpleNamespace(chat_template="x", apply_chat_template=broken))
+    with pytest.raises(TgiError, match="Template error: unknown role"):
+        bad.render_chat(MESSAGES)
