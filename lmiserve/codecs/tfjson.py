@@ -1,0 +1,126 @@
+"""TF Serving's JSON dialect: `NaN`/`Inf`/`Infinity` number tokens, pretty dumps in messages, the §2.6
+float formatting rule and the 4-space pretty layout of bodies.
+
+Parsing stops after the first complete JSON value (trailing bytes are ignored, as TF Serving does).
+Nesting beyond Python's recursion limit is a 400, never a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import numpy as np
+
+from lmiserve.codecs.errors import TensorError
+
+_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|-?Inf(?:inity)?|NaN')
+_DUMP_LIMIT = 256
+
+
+def parse_document(body: bytes) -> object:
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TensorError(f"JSON Parse error: Invalid encoding in string. at offset: {exc.start}") from None
+    start = len(text) - len(text.lstrip(" \t\r\n"))
+    if start == len(text):
+        raise TensorError("JSON Parse error: The document is empty")
+    if "Inf" in text:
+        text = _TOKENS.sub(_inf_token, text)
+    try:
+        value, _ = json.JSONDecoder().raw_decode(text, start)
+    except json.JSONDecodeError as exc:
+        message = "Invalid value." if exc.msg.startswith("Expecting value") else exc.msg + "."
+        raise TensorError(f"JSON Parse error: {message} at offset: {exc.pos}") from None
+    except RecursionError:
+        raise TensorError("JSON Parse error: The document is nested too deeply. at offset: 0") from None
+    return value
+
+
+def _inf_token(match: re.Match) -> str:
+    token = match.group(0)
+    if token.startswith('"') or token.endswith("inity") or token == "NaN":
+        return token
+    return "-Infinity" if token.startswith("-") else "Infinity"
+
+
+# ---- dumps of request values inside error messages ---------------------------------------------------
+
+
+def dump(value: object) -> str:
+    """Pretty dump as TF Serving puts it in messages: objects 4-space indented, arrays on one line, <= 256 bytes."""
+    text = _pretty(value, 0)
+    raw = text.encode("utf-8")
+    return raw[:_DUMP_LIMIT].decode("utf-8", errors="ignore") if len(raw) > _DUMP_LIMIT else text
+
+
+def _pretty(value: object, level: int) -> str:
+    if isinstance(value, dict):
+        if not value:
+            return "{}"
+        pad = "    " * (level + 1)
+        members = [f"{pad}{json.dumps(k, ensure_ascii=False)}: {_pretty(v, level + 1)}" for k, v in value.items()]
+        return "{\n" + ",\n".join(members) + "\n" + "    " * level + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_pretty(v, level + 1) for v in value) + "]"
+    return _scalar(value)
+
+
+def _scalar(value: object) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "NaN"
+        if math.isinf(value):
+            return "Infinity" if value > 0 else "-Infinity"
+        return repr(value)
+    return json.dumps(value, ensure_ascii=False)
+
+
+def json_type(value: object) -> str:
+    if value is None:
+        return "Null"
+    if value is True:
+        return "True"
+    if value is False:
+        return "False"
+    if isinstance(value, dict):
+        return "Object"
+    if isinstance(value, list):
+        return "Array"
+    if isinstance(value, str):
+        return "String"
+    return "Number"
+
+
+# ---- output values -------------------------------------------------------------------------------------
+
+
+def format_float(value: float, single: bool) -> str:
+    """%.6g, else %.9g (float32) / %.17g (double) when that does not round-trip; `.0` when no `.`/`e`."""
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "Infinity" if value > 0 else "-Infinity"
+    text = "%.6g" % value
+    if single:
+        if np.float32(float(text)) != np.float32(value):
+            text = "%.9g" % value
+    elif float(text) != value:
+        text = "%.17g" % value
+    if "." not in text and "e" not in text:
+        text += ".0"
+    return text
+
+
+def error_body(message: str) -> bytes:
+    """`{"error": msg}` pretty-printed with a 4-space indent."""
+    return ('{\n    "error": ' + json.dumps(message, ensure_ascii=False) + "\n}").encode("utf-8")
+
+
+def document(key: str, rendered: str) -> bytes:
+    """A response `{"<key>": <rendered>}` in TF Serving's layout (a top-level list closes on its own line)."""
+    if rendered.startswith("[") and rendered.endswith("]") and rendered != "[]":
+        rendered = rendered[:-1] + "\n    ]"
+    return ('{\n    "' + key + '": ' + rendered + "\n}").encode("utf-8")
