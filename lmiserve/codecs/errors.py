@@ -13,3 +13,20 @@ class TensorError(LmiServeError):
     def __init__(self, message: str, status: int = 400):
         super().__init__(message)
         self.status = status
+
+
+def protocol_status(exc: LmiServeError) -> int:
+    """The status a tensor protocol answers a core error with (LMI's 424 is not theirs).
+
+    Invalid input 400; unknown model 404; not ready / overloaded 503; a failure inside the model 500.
+    """
+    if isinstance(exc, TensorError):
+        return exc.status
+    kind = type(exc).__name__
+    if kind == "InvalidRequest":
+        return 400
+    if kind == "InferenceFailed":
+        return 500
+    if kind == "QueueTimeout":
+        return 503
+    return exc.status

@@ -36,8 +36,8 @@ def decode_text(body: bytes, params: dict[str, str]) -> str:
         raise TensorError(f"the request body is not valid {charset} text: {exc}") from None
 
 
-def parse_csv(text: str, label_size: int = 0) -> list[list]:
-    """CSV records (lists of floats, or of strings when a field is not a number)."""
+def parse_csv(text: str, label_size: int = 0, typed: bool = True) -> list[list]:
+    """CSV records: lists of floats (or of strings when a field is not a number, or `typed` is False)."""
     lines = [line for line in text.replace("\r", "").split("\n") if line.strip()]
     try:
         rows = list(csv.reader(lines, strict=True))
@@ -48,7 +48,7 @@ def parse_csv(text: str, label_size: int = 0) -> list[list]:
         fields = row[label_size:]
         if not fields:
             raise TensorError(f"CSV record has no feature columns after dropping label_size={label_size} columns")
-        records.append(_typed(fields))
+        records.append(_typed(fields) if typed else fields)
     if not records:
         raise TensorError("the CSV body holds no records")
     return records
@@ -97,6 +97,8 @@ def parse_json_values(text: str) -> list:
 
 
 def _csv_value(value: object) -> str:
+    if value is None:
+        return ""
     if isinstance(value, float):
         return "nan" if math.isnan(value) else repr(value)
     if isinstance(value, (list, dict)):

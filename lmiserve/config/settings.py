@@ -135,6 +135,15 @@ class Settings(BaseModel):
     host: str = Field("0.0.0.0", description="Address the HTTP server listens on.")
     port: int = Field(8080, ge=1, le=65535, description="Port the HTTP server listens on.")
     log_level: LogLevel = Field("info", description="Log level: debug, info, warning or error.")
+    default_invocations_accept: str | None = Field(None, description=(
+        "Accept used by /invocations when a request has none or */* (env "
+        "SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT); unset = the request's own Content-Type."))
+    vertex_predict_route: str | None = Field(None, description=(
+        "Extra Vertex AI predict route (env AIP_PREDICT_ROUTE); /v1/endpoints/*/deployedModels/*:predict always works."))
+    vertex_health_route: str | None = Field(None, description=(
+        "Extra Vertex AI health route (env AIP_HEALTH_ROUTE)."))
+    vertex_deployed_model_id: str | None = Field(None, description=(
+        "deployedModelId in Vertex AI predict answers (env AIP_DEPLOYED_MODEL_ID); unset = \"\"."))
     # --- bookkeeping, not configuration keys ---
     extra: dict[str, str] = Field(default_factory=dict, description=(
         "Unknown keys (e.g. LMI's engine, tensor_parallel_degree): kept, logged, unused."))

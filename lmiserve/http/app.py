@@ -14,7 +14,7 @@ from starlette.routing import Route
 
 from lmiserve.config import Settings
 from lmiserve.formatters import frontend_error_body
-from lmiserve.http import lmi_routes, management
+from lmiserve.http import lmi_routes, management, tensor_routes
 from lmiserve.http.responses import raw_response
 from lmiserve.http.registry import ModelRegistry
 from lmiserve.http.service import ModelService
@@ -71,7 +71,7 @@ def create_app(settings: Settings, service: ModelService | None = None, *, servi
             loading.cancel()
             await registry.close_all()
 
-    app = Starlette(routes=routes(), lifespan=lifespan, exception_handlers={HTTPException: _http_error, Exception: _unexpected})
+    app = Starlette(routes=[*routes(), *tensor_routes.routes(settings)], lifespan=lifespan, exception_handlers={HTTPException: _http_error, Exception: _unexpected})
     app.state.registry = registry
     app.state.settings = settings
     return app

@@ -10,6 +10,7 @@ from starlette.responses import Response
 from lmiserve.adapters import lmi
 from lmiserve.core.errors import LmiServeError
 from lmiserve.formatters import DynamicBatchFormatter, DynamicBatchStreamFormatter, get_formatter
+from lmiserve.http import sagemaker
 from lmiserve.http.responses import error_response, raw_response, respond_events
 from lmiserve.http.service import ModelService, model_service
 from lmiserve.utils.aio import merge_tagged
@@ -27,6 +28,9 @@ def _service_for(request: Request) -> ModelService:
 async def invocations(request: Request) -> Response:
     if request.method == "OPTIONS":
         return raw_response(b"{}")
+    answered = await sagemaker.handle(request)
+    if answered is not None:  # SageMaker content types and non-LLM models (http/sagemaker.py)
+        return answered
     service = None
     try:
         service = _service_for(request)
