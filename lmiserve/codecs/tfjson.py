@@ -17,6 +17,15 @@ from lmiserve.codecs.errors import TensorError
 
 _TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|-?Inf(?:inity)?|NaN')
 _DUMP_LIMIT = 256
+_RAPIDJSON_MESSAGES = (  # Python's parser messages as RapidJSON (TF Serving's parser) words them
+    ("Expecting value", "Invalid value."),
+    ("Expecting property name", "Missing a name for object member."),
+    ("Expecting ':' delimiter", "Missing a colon after a name of object member."),
+    ("Expecting ',' delimiter", "Missing a comma or ']' after an array element."),
+    ("Unterminated string", "Missing a closing quotation mark in string."),
+    ("Invalid control character", "Invalid encoding in string."),
+    ("Invalid \\escape", "Invalid escape character in string."),
+)
 
 
 def parse_document(body: bytes) -> object:
@@ -32,7 +41,7 @@ def parse_document(body: bytes) -> object:
     try:
         value, _ = json.JSONDecoder().raw_decode(text, start)
     except json.JSONDecodeError as exc:
-        message = "Invalid value." if exc.msg.startswith("Expecting value") else exc.msg + "."
+        message = next((m for prefix, m in _RAPIDJSON_MESSAGES if exc.msg.startswith(prefix)), exc.msg + ".")
         raise TensorError(f"JSON Parse error: {message} at offset: {exc.pos}") from None
     except RecursionError:
         raise TensorError("JSON Parse error: The document is nested too deeply. at offset: 0") from None

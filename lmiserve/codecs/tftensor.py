@@ -82,7 +82,7 @@ def _stack(arrays: list[np.ndarray]) -> np.ndarray:
 def _object_stack(arrays: list[np.ndarray]) -> np.ndarray:
     out = np.empty((len(arrays),) + arrays[0].shape, dtype=object)
     for i, array in enumerate(arrays):
-        out[i] = array
+        out[i, ...] = array
     return out
 
 
@@ -197,6 +197,8 @@ def render(array: np.ndarray, name: str) -> str:
 
 
 def _nested(array: np.ndarray, write) -> str:
+    if not isinstance(array, np.ndarray):  # one element of an object array, or a numpy scalar
+        return write(array.item() if isinstance(array, np.generic) else array)
     if array.ndim == 0:
         return write(array.item() if array.dtype != object else array[()])
     if array.ndim == 1:
