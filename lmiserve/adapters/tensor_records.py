@@ -1,8 +1,8 @@
 """Records (one JSON value or CSV row per instance) <-> a model's tensors, shared by SageMaker and Vertex.
 
 A record is the instance for a single-input model (a string for text models, a number list for numeric
-ones), or an object naming the inputs. An object with one key that is not an input name (SageMaker's
-`{"features": [...]}`, `{"prompt": "..."}`) feeds a single-input model with its value. Predictions are
+ones), or an object naming the inputs. For a single-input model an object with one key (the input's
+name, SageMaker's `{"features": [...]}`, `{"prompt": "..."}`) is its value, so records may mix forms. Predictions are
 per record: the row of the one output, or an object of every output's row; NaN and infinities -> null.
 """
 
@@ -30,7 +30,7 @@ def to_request(records: list, signature: ModelSignature, model: str, parameters:
 
 
 def _unwrap(record: object, names: set[str]) -> object:
-    if isinstance(record, dict) and not tftensor.is_b64(record) and len(record) == 1 and not set(record) & names:
+    if isinstance(record, dict) and not tftensor.is_b64(record) and len(record) == 1:
         return next(iter(record.values()))
     return record
 

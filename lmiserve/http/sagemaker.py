@@ -72,7 +72,7 @@ async def _tensor(svc: ModelService, body: sagemaker.Body, accept: str, attribut
     else:
         records, tf_document, _ = sagemaker.json_records(body)
         if tf_document:
-            return await _tf_document(svc, model, records[0], attributes, echo)
+            return await _tf_document(svc, model, records[0], attributes, accept, echo)
     request = tensor_records.to_request(records, model.signature, svc.name)
     outputs = await model.infer(request)
     preds = tensor_records.predictions(outputs, len(records))
@@ -80,15 +80,16 @@ async def _tensor(svc: ModelService, body: sagemaker.Body, accept: str, attribut
     return raw_response(sagemaker.encode(accept, preds, objects), 200, accept, echo)
 
 
-async def _tf_document(svc, model, doc: dict, attributes: dict, echo: dict) -> Response:
+async def _tf_document(svc, model, doc: dict, attributes: dict, accept: str, echo: dict) -> Response:
     """A TF Serving document (`instances`, `inputs` or `examples`), as the TF Serving container forwards it."""
     method = attributes.get("tfs-method", "classify" if "examples" in doc else "predict")
     if method == "predict":
         request, key = tfserving.parse_predict(doc, model.signature, svc.name)
         outputs = await model.infer(request)
-        if key == "predictions":
+        if key == "predictions":  # one record per instance: any negotiated type
             count = next(iter(outputs.values())).shape[0] if outputs else 0
-            value = tensor_records.predictions(outputs, count)
+            preds, objects = tensor_records.predictions(outputs, count), tensor_records.as_objects(outputs, count)
+            return raw_response(sagemaker.encode(accept, preds, objects), 200, accept, echo)
         else:
             value = {n: tensor_records.plain(np.asarray(a).tolist()) for n, a in outputs.items()}
             value = next(iter(value.values())) if len(value) == 1 else value

@@ -85,7 +85,7 @@ async def test_custom_attributes_select_model_method_and_are_echoed(app):
         ("text/csv; label_size=x", None, b"1,2", 400, "invalid label_size"),
         ("text/csv; label_size=4", None, b"1,2,3,4", 400, "no feature columns"),
         ("application/json", None, b"[1, 2, 3, 4", 400, "invalid JSON"),
-        ("application/jsonlines", None, b'[1, 2, 3, 4]\n{"a": 1, "b": 2}', 400, "Expecting value/list but got object at item 1"),
+        ("application/jsonlines", None, b"[1, 2, 3, 4]\n{\"a\": 1, \"b\": 2}", 400, "Expecting value/list but got object at item 1"),
         ("application/json", None, b'{"instances": [[1, 2, "x", 4]]}', 400, "is not of expected type: float"),
     ],
 )
