@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import struct
+import zlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -31,6 +32,19 @@ def split_body(body: bytes, header_value: str | None) -> tuple[bytes, bytes]:
     if size <= 0 or size > len(body):
         raise TensorError(f"inference header size should be in range (0, {len(body)}), got: {size}")
     return body[:size], body[size:]
+
+
+def decompress(body: bytes, encoding: str | None) -> bytes:
+    """A `Content-Encoding: gzip | deflate` request body, inflated (tritonclient's request compression)."""
+    encoding = (encoding or "").strip().lower()
+    if encoding in ("", "identity"):
+        return body
+    if encoding not in ("gzip", "deflate"):
+        raise TensorError(f"unsupported Content-Encoding: {encoding} (expected gzip or deflate)", status=415)
+    try:
+        return zlib.decompress(body, wbits=47)  # 32 + 15: gzip or zlib header, detected
+    except zlib.error as exc:
+        raise TensorError(f"the {encoding} request body could not be decompressed: {exc}") from None
 
 
 class BinaryReader:

@@ -28,7 +28,10 @@ _RAPIDJSON_MESSAGES = (  # Python's parser messages as RapidJSON (TF Serving's p
 )
 
 
-def parse_document(body: bytes) -> object:
+def parse_document(body: bytes, keep: tuple[str, ...] | None = None) -> object:
+    """The first JSON value of `body`. With `keep`, a top-level object nested too deeply for the
+    recursive parser is scanned iteratively and only the `keep` keys are parsed (TF Serving ignores
+    the others, however deep)."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -44,8 +47,78 @@ def parse_document(body: bytes) -> object:
         message = next((m for prefix, m in _RAPIDJSON_MESSAGES if exc.msg.startswith(prefix)), exc.msg + ".")
         raise TensorError(f"JSON Parse error: {message} at offset: {exc.pos}") from None
     except RecursionError:
-        raise TensorError("JSON Parse error: The document is nested too deeply. at offset: 0") from None
+        if keep is None:
+            raise TensorError("JSON Parse error: The document is nested too deeply. at offset: 0") from None
+        value = _shallow_object(text, start, keep)
     return value
+
+
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_SCALAR = re.compile(r"-?(?:Infinity|NaN|[0-9][0-9eE.+-]*)|true|false|null")
+
+
+def _shallow_object(text: str, pos: int, keep: tuple[str, ...]) -> dict:
+    """Iterative scan of a top-level object: kept keys parsed, the other values only skipped."""
+    too_deep = TensorError("JSON Parse error: The document is nested too deeply. at offset: 0")
+    if text[pos] != "{":
+        raise too_deep
+    out: dict = {}
+    pos = _ws(text, pos + 1)
+    while pos < len(text) and text[pos] != "}":
+        match = _STRING.match(text, pos)
+        if match is None:
+            raise TensorError(f"JSON Parse error: Missing a name for object member. at offset: {pos}")
+        key = json.loads(match.group(0))
+        pos = _ws(text, match.end())
+        if pos >= len(text) or text[pos] != ":":
+            raise TensorError(f"JSON Parse error: Missing a colon after a name of object member. at offset: {pos}")
+        pos = _ws(text, pos + 1)
+        end = _skip_value(text, pos)
+        if key in keep:
+            try:
+                out[key] = json.loads(text[pos:end])
+            except RecursionError:
+                raise too_deep from None
+            except json.JSONDecodeError as exc:
+                raise TensorError(f"JSON Parse error: Invalid value. at offset: {pos + exc.pos}") from None
+        pos = _ws(text, end)
+        if pos < len(text) and text[pos] == ",":
+            pos = _ws(text, pos + 1)
+    if pos >= len(text):
+        raise TensorError(f"JSON Parse error: Missing a comma or '}}' after an object member. at offset: {pos}")
+    return out
+
+
+def _ws(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+def _skip_value(text: str, pos: int) -> int:
+    """End of the JSON value starting at `pos`, brackets matched without recursion."""
+    if pos < len(text) and text[pos] in "[{":
+        depth = 0
+        while pos < len(text):
+            char = text[pos]
+            if char == '"':
+                match = _STRING.match(text, pos)
+                if match is None:
+                    break
+                pos = match.end()
+                continue
+            if char in "[{":
+                depth += 1
+            elif char in "]}":
+                depth -= 1
+                if depth == 0:
+                    return pos + 1
+            pos += 1
+        raise TensorError(f"JSON Parse error: Missing a comma or ']' after an array element. at offset: {pos}")
+    match = (_STRING if pos < len(text) and text[pos] == '"' else _SCALAR).match(text, pos)
+    if match is None:
+        raise TensorError(f"JSON Parse error: Invalid value. at offset: {pos}")
+    return match.end()
 
 
 def _inf_token(match: re.Match) -> str:

@@ -19,6 +19,7 @@ from lmiserve.http import tensor_lookup
 from lmiserve.http.responses import raw_response
 from lmiserve.http.service import ModelService
 
+_EXAMINED = ("signature_name", "instances", "inputs", "examples", "context", "parameters")  # other keys are ignored
 CORS = {"Access-Control-Allow-Origin": "*", "Access-Control-Allow-Methods": "POST, GET", "Access-Control-Allow-Headers": "Content-Type"}
 
 
@@ -72,7 +73,7 @@ async def _infer(request: Request, target: tfserving.Target) -> Response:
     svc = _find(request, target, latest if target.version is None else f"Servable not found for request: Specific({target.name}, {target.version})")
     tfserving.check_version(target)
     model = svc.tensor_model
-    doc = parse_document(await request.body())
+    doc = parse_document(await request.body(), keep=_EXAMINED)
     if target.method == "predict":
         tensor_request, key = tfserving.parse_predict(doc, model.signature, svc.name)
         outputs = await model.infer(tensor_request)

@@ -78,7 +78,8 @@ async def infer(request: Request) -> Response:
     try:
         svc = resolve(request)
         model = svc.tensor_model
-        header, tail = binary.split_body(await request.body(), request.headers.get(binary.HEADER))
+        body = binary.decompress(await request.body(), request.headers.get("content-encoding"))
+        header, tail = binary.split_body(body, request.headers.get(binary.HEADER))
         tensor_request, plan = kserve.parse_infer(kserve.load_header(header), tail, svc.name, model.signature)
         outputs = await model.infer(tensor_request)
         body, headers, content_type = kserve.encode_response(outputs, plan, svc.name)

@@ -94,6 +94,16 @@ def test_bytes_prompts_to_the_llm(server, binary):
     assert [t.decode() if isinstance(t, bytes) else t for t in texts] == expected
 
 
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_compressed_requests(affine_server, algorithm):
+    client = client_for(affine_server.url)
+    x = np.array([[1, 2, 3, 4]], dtype=np.float32)
+    inp = triton.InferInput("x", [1, 4], "FP32")
+    inp.set_data_from_numpy(x)
+    result = client.infer("affine", [inp], request_compression_algorithm=algorithm, response_compression_algorithm=algorithm)
+    np.testing.assert_allclose(result.as_numpy("y"), affine_reference(x)[0], rtol=1e-6)
+
+
 def test_metadata_and_readiness(affine_server, minilm_server):
     client = client_for(affine_server.url)
     assert client.is_server_live() and client.is_server_ready()

@@ -163,3 +163,17 @@ def test_split_body_and_reader():
         reader.check_consumed()
     with pytest.raises(TensorError, match="needs 2 bytes, 1 left"):
         reader.take(2, "y")
+
+
+def test_request_decompression():
+    import gzip
+    import zlib
+
+    assert binary.decompress(gzip.compress(b"payload"), "gzip") == b"payload"
+    assert binary.decompress(zlib.compress(b"payload"), "deflate") == b"payload"
+    assert binary.decompress(b"plain", None) == b"plain"
+    with pytest.raises(TensorError, match="could not be decompressed"):
+        binary.decompress(b"not gzip", "gzip")
+    with pytest.raises(TensorError) as info:
+        binary.decompress(b"x", "br")
+    assert info.value.status == 415

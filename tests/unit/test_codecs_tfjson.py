@@ -111,3 +111,18 @@ def test_row_output_checks():
     with pytest.raises(TensorError, match="Failed to write JSON value for tensor type: DT_HALF"):
         render_rows({"h": np.zeros(2, dtype=np.float16)})
     assert document("predictions", render_rows({"a": np.zeros((0, 2)), "b": np.zeros(0)})) == b'{\n    "predictions": []\n}'
+
+
+def test_deeply_nested_ignored_keys_are_skipped_iteratively():
+    deep = b"[" * 100_000 + b"]" * 100_000
+    doc = parse_document(b'{"junk": ' + deep + b', "instances": [1, NaN], "more": {"a": "}"}}', keep=("instances",))
+    assert doc["instances"][0] == 1 and math.isnan(doc["instances"][1]) and set(doc) == {"instances"}
+    for body, message in [
+        (b'{"instances": ' + deep + b"}", "The document is nested too deeply."),
+        (b'{"junk": ' + b"[" * 100_000, "Missing a comma or ']' after an array element."),
+        (b'{"junk": ' + deep + b', "instances": [1,,]}', "Invalid value."),
+        (b'{"junk": ' + deep + b", 3: 1}", "Missing a name for object member."),
+        (b"[" + deep + b"]", "The document is nested too deeply."),
+    ]:
+        with pytest.raises(TensorError, match=message.replace("(", r"\(").replace(".", r"\.").replace("[", r"\[")):
+            parse_document(body, keep=("instances",))

@@ -78,7 +78,8 @@ async def test_status_and_metadata(app):
         ("POST", "/v1/models/affine:predict", b"nonsense", 400, "JSON Parse error: Invalid value. at offset: 0"),
         ("POST", "/v1/models/affine:predict", b'{"instances": [[1, 2, 3, 4]], "signature_name": "x"}', 400, 'Serving signature name: "x" not found in signature def'),
         ("POST", "/v1/models/loading:predict", b'{"instances": [1]}', 503, "Model loading is loading"),
-        ("POST", "/v1/models/affine:predict", b'{"a": ' + b"[" * 200_000 + b"]" * 200_000 + b', "instances": [[1,2,3]]}', 400, None),
+        ("POST", "/v1/models/affine:predict", b'{"instances": ' + b"[" * 200_000 + b"]" * 200_000 + b"}", 400,
+         "JSON Parse error: The document is nested too deeply. at offset: 0"),
     ],
 )
 async def test_errors(app, method, path, body, status, message):
@@ -89,6 +90,14 @@ async def test_errors(app, method, path, body, status, message):
     assert r.text.startswith('{\n    "error": ')
     if message is not None:
         assert r.json() == {"error": message}
+
+
+async def test_deeply_nested_ignored_key_is_skipped(app):
+    body = b'{"ignored": ' + b"[" * 200_000 + b'"]", {"x": 1}' + b"]" * 200_000 + b', "instances": [[1, 2, 3, 4]], "z": -Inf}'
+    async with client(app) as http:
+        r = await http.post("/v1/models/affine:predict", content=body)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"predictions": [{"y": [1.5, 14.75], "best": 1}]}
 
 
 async def test_percent_encoded_model_name(app):
