@@ -50,7 +50,7 @@ async def handle(request: Request) -> Response | None:
         return None  # LMI answers unknown models in its own shape
     header = request.headers.get("content-type") or request.headers.get("contenttype")
     media, _ = sagemaker.content_type(header)
-    if svc.kind == "llm" and media not in _LLM_TYPES:
+    if svc.kind == "llm" and (media not in _LLM_TYPES or await _lmi_stream(request, media)):
         return None
     default_accept = getattr(getattr(request.app.state, "settings", None), "default_invocations_accept", None)
     try:
@@ -62,6 +62,17 @@ async def handle(request: Request) -> Response | None:
         return await _tensor(svc, body, accept, attributes, echo)
     except LmiServeError as exc:
         return _error(exc.message, protocol_status(exc), echo)
+
+
+async def _lmi_stream(request: Request, media: str) -> bool:
+    """A one-line JSON Lines body asking to stream is an LMI streaming request (LMI reads the body as JSON)."""
+    if media != sagemaker.JSONLINES:
+        return False
+    try:
+        payload = json.loads(await request.body())
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(payload, dict) and payload.get("stream") is True
 
 
 async def _tensor(svc: ModelService, body: sagemaker.Body, accept: str, attributes: dict, echo: dict) -> Response:

@@ -77,3 +77,11 @@ def test_embeddings_jsonlines(minilm_server):
     assert r.status_code == 200, r.text
     rows = [json.loads(line)["embedding"] for line in r.text.splitlines()]
     assert len(rows) == 2 and len(rows[0]) == 384
+
+
+def test_one_line_jsonlines_stream_request_stays_lmi_streaming(server):
+    body = json.dumps({"inputs": "Hello", "parameters": {"max_new_tokens": 3}, "stream": True}).encode()
+    r = requests.post(f"{server.url}/invocations", data=body, headers={"content-type": "application/jsonlines"}, timeout=TIMEOUT)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/jsonlines"
+    tokens = [json.loads(line) for line in r.text.splitlines()]
+    assert len(tokens) == 3 and all("token" in t for t in tokens)
