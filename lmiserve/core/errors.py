@@ -43,3 +43,10 @@ class ModelNotReady(LmiServeError):
 class ModelNotFound(LmiServeError):
     status = 404
     kind = "ModelNotFoundException"
+
+
+class InferenceFailed(LmiServeError):
+    """The model failed on a request that passed validation (LMI answers handler failures with 424)."""
+
+    status = 424
+    kind = "InferenceFailed"

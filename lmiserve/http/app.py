@@ -14,8 +14,9 @@ from starlette.routing import Route
 
 from lmiserve.config import Settings
 from lmiserve.formatters import frontend_error_body
-from lmiserve.http import lmi_routes, management, openai_routes, tgi_routes
+from lmiserve.http import lmi_routes, management, openai_routes, tensor_routes, tgi_routes
 from lmiserve.http.responses import raw_response
+from lmiserve.http.registry import ModelRegistry
 from lmiserve.http.service import ModelService
 
 log = logging.getLogger(__name__)
@@ -31,8 +32,11 @@ def routes() -> list[Route]:
         Route("/predictions/{model_name}/{version}", lmi_routes.invocations, methods=INFER),
         Route("/models/{model_name}/invoke", lmi_routes.invocations, methods=INFER),
         Route("/models", management.list_models, methods=["GET"]),
+        Route("/models", management.register_model, methods=["POST"]),
         Route("/models/{model_name}", management.describe_model, methods=["GET"]),
+        Route("/models/{model_name}", management.unregister_model, methods=["DELETE"]),
         Route("/models/{model_name}/{version}", management.describe_model, methods=["GET"]),
+        Route("/models/{model_name}/{version}", management.unregister_model, methods=["DELETE"]),
         # TGI and OpenAI (docs/tgi-openai.md)
         Route("/", tgi_routes.root, methods=["GET", "POST"]),
         Route("/generate", tgi_routes.generate, methods=["POST"]),
@@ -63,18 +67,22 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     return raw_response(frontend_error_body(500, "InternalServerException", str(exc) or type(exc).__name__), 500)
 
 
-def create_app(settings: Settings, service: ModelService | None = None) -> Starlette:
-    service = service or ModelService(settings)
+def create_app(settings: Settings, service: ModelService | None = None, *, services: list[ModelService] | None = None) -> Starlette:
+    """One model (`service`, or one built from `settings`), or the models of a store (`services`)."""
+    if services is None:
+        services = [service or ModelService(settings)]
+    registry = ModelRegistry(services)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        loading = asyncio.create_task(service.load())
+        loading = asyncio.create_task(registry.load_all())
         try:
             yield
         finally:
             loading.cancel()
-            await service.close()
+            await registry.close_all()
 
-    app = Starlette(routes=routes(), lifespan=lifespan, exception_handlers={HTTPException: _http_error, Exception: _unexpected})
-    app.state.service = service
+    app = Starlette(routes=[*routes(), *tensor_routes.routes(settings)], lifespan=lifespan, exception_handlers={HTTPException: _http_error, Exception: _unexpected})
+    app.state.registry = registry
+    app.state.settings = settings
     return app

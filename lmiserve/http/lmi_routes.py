@@ -10,7 +10,7 @@ from starlette.responses import Response
 from lmiserve.adapters import lmi
 from lmiserve.core.errors import LmiServeError
 from lmiserve.formatters import DynamicBatchFormatter, DynamicBatchStreamFormatter, get_formatter
-from lmiserve.http import openai_routes
+from lmiserve.http import openai_routes, sagemaker
 from lmiserve.http.responses import error_response, raw_response, respond_events
 from lmiserve.http.service import ModelService, model_service
 from lmiserve.utils.aio import merge_tagged
@@ -31,6 +31,9 @@ async def invocations(request: Request) -> Response:
     routed = await openai_routes.dispatch_invocation(request)  # API key; chat/completion/TGI bodies
     if routed is not None:
         return routed
+    answered = await sagemaker.handle(request)
+    if answered is not None:  # SageMaker content types and non-LLM models (http/sagemaker.py)
+        return answered
     service = None
     try:
         service = _service_for(request)

@@ -163,3 +163,27 @@ def long_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
 def small_server(long_model_dir: Path) -> Iterator[Server]:
     """One batch slot, one queue place: admission, queue-full and cancellation are observable."""
     yield from _start(long_model_dir, "max_rolling_batch_size=1", "job_queue_size=1", f"predict_timeout={PREDICT_TIMEOUT}")
+
+
+# ---- tensor protocols: one-shot models on real servers (tests/helpers/tensor_models.py) ---------------
+
+
+def _start_named(model_dir: Path, name: str, *options: str) -> Iterator[Server]:
+    """`--model-dir` (so the directory's serving.properties is read) with a fixed model name."""
+    args = ["--model-dir", str(model_dir), "-o", f"model_name={name}"]
+    for option in options:
+        args += ["-o", option]
+    with run_server(args) as url, httpx.Client(base_url=url, timeout=DEFAULT_TIMEOUT, trust_env=False) as client:
+        yield Server(url=url, name=name, model_dir=model_dir, client=client)
+
+
+@pytest.fixture(scope="session")
+def affine_server(torchscript_dir: Path) -> Iterator[Server]:
+    """The scripted affine module: x FP32 [-1, 4] -> y FP32 [-1, 2], best INT64 [-1]."""
+    yield from _start_named(torchscript_dir, "affine")
+
+
+@pytest.fixture(scope="session")
+def minilm_server(minilm_dir: Path) -> Iterator[Server]:
+    """all-MiniLM-L6-v2: text BYTES [-1] -> embedding FP32 [-1, 384]."""
+    yield from _start_named(minilm_dir, "minilm")

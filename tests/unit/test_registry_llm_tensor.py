@@ -1,0 +1,149 @@
+"""The LLM as a TensorModel (a BYTES tensor of prompts -> text_output) on the real tiny model's engine,
+and the model registry the routes resolve models through."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from lmiserve.adapters.lmi import Limits
+from lmiserve.adapters.llm_tensor import LlmTensorModel
+from lmiserve.config import Settings
+from lmiserve.core.errors import InvalidRequest, ModelNotFound, ModelNotReady
+from lmiserve.core.request import GenerationRequest, SamplingParams
+from lmiserve.core.tensors import TensorRequest
+from lmiserve.engine.async_engine import EngineConfig
+from lmiserve.engine.factory import create_engine
+from lmiserve.http.registry import ModelRegistry, NoModel
+from lmiserve.http.service import ModelService
+
+
+def texts(array: np.ndarray) -> list[str]:
+    assert array.dtype == object
+    return [b.decode() for b in array]
+
+
+async def complete(engine, prompt: str, **params) -> str:
+    async for event in engine.generate(GenerationRequest(prompt, SamplingParams(**params))):
+        if event.finish is not None:
+            return event.finish.generated_text
+    raise AssertionError("no final event")
+
+
+@pytest.fixture
+async def engine(tiny_model):
+    engine = create_engine(tiny_model, EngineConfig(max_running=8))
+    engine.start()
+    yield engine
+    await engine.stop()
+
+
+def prompts(*values: str) -> np.ndarray:
+    out = np.empty(len(values), dtype=object)
+    out[:] = [v.encode() for v in values]
+    return out
+
+
+async def test_rows_are_generated_concurrently_and_equal_single_requests(engine):
+    model = LlmTensorModel(engine, Limits(default_max_new_tokens=8))
+    rows = ["Hello world", "The quick brown fox", "Once upon a time"]
+    steps_before = engine.steps
+    out = await model.infer(TensorRequest({"text_input": prompts(*rows)}, parameters={"max_new_tokens": 6}))
+    batched_steps = engine.steps - steps_before
+    assert list(out) == ["text_output"] and out["text_output"].shape == (3,)
+    expected = [await complete(engine, r, max_new_tokens=6) for r in rows]
+    assert texts(out["text_output"]) == expected
+    assert all(expected)
+    # continuous batching: three rows of six tokens take far fewer than 3 x 6 engine steps
+    assert batched_steps < 3 * 6
+
+
+@pytest.mark.parametrize("name", ["prompt", "inputs", "anything"])
+async def test_any_single_input_name_and_2d_shapes(engine, name):
+    model = LlmTensorModel(engine, Limits())
+    out = await model.infer(TensorRequest({name: prompts("Hello", "Bye").reshape(2, 1)}, parameters={"max_new_tokens": 3}))
+    assert texts(out["text_output"]) == [await complete(engine, p, max_new_tokens=3) for p in ("Hello", "Bye")]
+
+
+async def test_parameters_use_the_lmi_mapping(engine):
+    model = LlmTensorModel(engine, Limits(default_max_new_tokens=4, max_new_tokens_limit=16))
+    full = await model.infer(TensorRequest({"text_input": prompts("Hello")}, parameters={"return_full_text": True, "content_type": "str"}))
+    assert texts(full["text_output"])[0] == "Hello" + await complete(engine, "Hello", max_new_tokens=4)
+    with pytest.raises(InvalidRequest, match="max_new_tokens must be <= 16"):
+        await model.infer(TensorRequest({"text_input": prompts("Hello")}, parameters={"max_new_tokens": 17}))
+    with pytest.raises(InvalidRequest, match="temperature"):
+        await model.infer(TensorRequest({"text_input": prompts("Hello")}, parameters={"temperature": -1}))
+
+
+async def test_bad_tensors_are_invalid_requests(engine):
+    model = LlmTensorModel(engine, Limits())
+    with pytest.raises(InvalidRequest, match="UTF-8"):
+        await model.infer(TensorRequest({"text_input": np.array([b"\xff\xfe"], dtype=object)}))
+    with pytest.raises(InvalidRequest, match="must hold text"):
+        await model.infer(TensorRequest({"text_input": np.array([1.0, 2.0])}))
+    with pytest.raises(InvalidRequest, match="unknown inputs"):
+        await model.infer(TensorRequest({"a": prompts("x"), "b": prompts("y")}))
+    with pytest.raises(InvalidRequest, match="empty prompt"):
+        await model.infer(TensorRequest({"text_input": prompts("")}))
+    with pytest.raises(InvalidRequest, match="unknown output 'nope'"):
+        await model.infer(TensorRequest({"text_input": prompts("x")}, outputs=["nope"]))
+
+
+async def test_a_failing_row_cancels_the_others(engine):
+    model = LlmTensorModel(engine, Limits(default_max_new_tokens=200))
+    too_long = "word " * 400  # beyond the tiny model's 256-token context
+    with pytest.raises(InvalidRequest):
+        await model.infer(TensorRequest({"text_input": prompts("Hello", too_long)}))
+    await asyncio.sleep(0.05)
+    assert engine.num_running == 0 and engine.num_waiting == 0
+
+
+def service(name: str, model_id: str | None = None, **options) -> ModelService:
+    return ModelService(Settings.from_options({"model_id": model_id, **options}), name=name)
+
+
+def test_registry_resolves_names_and_defaults(tmp_path):
+    emb = tmp_path / "emb"
+    emb.mkdir()
+    (emb / "modules.json").write_text("[]")
+    llm, embedding = service("llm"), service("emb", str(emb))
+    assert (llm.kind, embedding.kind) == ("llm", "embedding")
+    registry = ModelRegistry([llm, embedding])
+    assert registry.get("emb") is embedding
+    assert registry.default() is llm and registry.default_llm() is llm
+    with pytest.raises(ModelNotFound, match="Model or workflow not found: nope"):
+        registry.get("nope")
+    only_embedding = ModelRegistry([embedding])
+    assert only_embedding.default() is embedding
+    with pytest.raises(NoModel, match="needs an LLM"):
+        only_embedding.default_llm()
+    with pytest.raises(ValueError, match="already registered"):
+        registry.add(service("llm"))
+    two_llms = ModelRegistry([llm, service("other")])
+    with pytest.raises(NoModel, match="Parameter model_name is required."):
+        two_llms.default()
+
+
+async def test_registry_remove_and_tensor_model_before_load():
+    registry = ModelRegistry([service("a"), service("b")])
+    with pytest.raises(ModelNotReady):
+        _ = registry.get("a").tensor_model
+    removed = await registry.remove("a")
+    assert removed.name == "a" and "a" not in registry and len(registry) == 1
+    with pytest.raises(ModelNotFound):
+        await registry.remove("a")
+
+
+async def test_service_loads_the_llm_and_exposes_its_tensor_model(tiny_model_dir):
+    svc = service("tiny", str(tiny_model_dir), max_new_tokens=3)
+    await svc.load()
+    try:
+        assert svc.status == ModelService.READY, svc.error
+        model = svc.tensor_model
+        assert model.kind == "llm" and [t.name for t in model.signature.outputs] == ["text_output"]
+        out = await model.infer(TensorRequest({"text_input": prompts("Hello")}))
+        assert out["text_output"].shape == (1,)
+    finally:
+        await svc.close()
