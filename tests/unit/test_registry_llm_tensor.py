@@ -147,3 +147,14 @@ async def test_service_loads_the_llm_and_exposes_its_tensor_model(tiny_model_dir
         assert out["text_output"].shape == (1,)
     finally:
         await svc.close()
+
+
+async def test_a_model_removed_while_loading_never_starts(tiny_model_dir):
+    registry = ModelRegistry([service("tiny", str(tiny_model_dir))])
+    svc = registry.get("tiny")
+    loading = asyncio.ensure_future(svc.load())
+    await asyncio.sleep(0)
+    await registry.remove("tiny")
+    await loading
+    assert svc.status == ModelService.FAILED and svc.error == "unloaded while loading"
+    assert svc.engine is None or svc.engine._task is None
