@@ -99,11 +99,13 @@ async def register_model(request: Request) -> Response:
     try:
         params = await _registration_params(request)
         directory = _local_path(params.get("url"))
-        name = str(params.get("model_name") or directory.name)
+        name = str(params.get("model_name") or (directory.stem if directory.is_file() else directory.name))
         registry = _registry(request)
         if name in registry:
             raise RegistrationConflict(f"Model {name} is already registered.")
         overrides = {k: params[k] for k in _SETTING_PARAMS if params.get(k) not in (None, "")}
+        if directory.is_file():  # a .pt or .gguf file: the model is the file, its folder holds the properties
+            directory, overrides["model_id"] = directory.parent, str(directory)
         try:
             settings = model_settings(request.app.state.settings, directory, name, overrides)
         except ConfigError as exc:
