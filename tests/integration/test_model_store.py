@@ -210,3 +210,12 @@ def test_register_a_torchscript_file_by_its_path(client, tmp_path):
     body = post(client, "/predictions/scripted", {"inputs": [[0, 0, 0, 1]]}).json()
     assert body == {"y": [[-0.5, 2.75]], "best": [1]}
     assert client.delete("/models/scripted").status_code == 200
+
+
+def test_list_models_pages(client):
+    first = client.get("/models", params={"limit": 3}).json()
+    assert first["nextPageToken"] == "3" and [m["modelName"] for m in first["models"]] == MODELS[:3]
+    rest = client.get("/models", params={"limit": 3, "next_page_token": first["nextPageToken"]}).json()
+    assert list(rest) == ["models"] and [m["modelName"] for m in rest["models"]] == MODELS[3:]
+    bad = client.get("/models", params={"limit": "x"})
+    assert bad.status_code == 400 and bad.json()["message"] == "Parameter limit must be an integer: x"
