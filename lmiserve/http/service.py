@@ -111,7 +111,7 @@ class ModelService:
 
         s = self.settings
         runner = load_runner(self.kind, s)
-        self.path, self.loaded = runner.path, runner
+        self.path, self.loaded, self.kind = runner.path, runner, runner.kind  # classifier -> regression for one-label heads
         config = BatchConfig(batch_size=s.batch_size, max_batch_delay=s.max_batch_delay / 1000.0, job_queue_size=s.job_queue_size)
         self.engine = OneShotModel(runner, config, self.name)
         self._tensor_model = self.engine
