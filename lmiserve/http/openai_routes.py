@@ -64,6 +64,8 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Resp
     engine = model.engine
     if chat:
         events = engine.generate(call.calls[0].request)
+    elif len(call.calls) == 1:
+        events = _tagged(engine.generate(call.calls[0].request))
     else:
         events = merge_tagged([engine.generate(c.request) for c in call.calls])
     if call.stream:
@@ -98,6 +100,15 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Resp
         characters = sum(len(p) for p in call.prompts)
     headers = timer.headers(model.compute_type, characters, prompt_tokens, generated)
     return raw_response(body, headers=headers)
+
+
+async def _tagged(events):
+    """One prompt's events tagged with prompt index 0 (no merging task in between)."""
+    try:
+        async for event in events:
+            yield 0, event
+    finally:
+        await events.aclose()
 
 
 def _finished_prompts(collected: list) -> set[int]:
