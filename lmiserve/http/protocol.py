@@ -121,16 +121,28 @@ def error_response(exc: LmiServeError, headers: dict | None = None) -> Response:
 
 
 async def json_payload(request: Request, *, require_json: bool = True) -> Any:
-    """The decoded body, or `Rejected` with TGI's plain-text 415 / 400."""
+    """The decoded body, or `Rejected` with TGI's plain-text 415 / 413 / 400. `require_json=False`
+    (the /invocations dispatch) accepts any Content-Type and size: LMI decides about those bodies."""
     ctype = request.headers.get("content-type", "")
     if require_json and ctype.split(";")[0].strip().lower() != "application/json":
         raise Rejected(raw_response(b"Expected request with `Content-Type: application/json`", 415, PLAIN))
+    if require_json:
+        limit = request.app.state.service.settings.payload_limit
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise Rejected(_too_large())
     body = await request.body()
+    if require_json and len(body) > limit:
+        raise Rejected(_too_large())
     try:
         return json.loads(body)
     except (ValueError, RecursionError) as exc:
         text = f"Failed to parse the request body as JSON: {exc}"
         raise Rejected(raw_response(text.encode(), 400, PLAIN)) from None
+
+
+def _too_large() -> Response:
+    return raw_response(b"Failed to buffer the request body: length limit exceeded", 413, PLAIN)
 
 
 def parse(model, payload: Any):
