@@ -71,13 +71,23 @@ class Served:
     def special_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def render_chat(self, messages: list[dict]) -> str:
+    def render_chat(self, messages: list[dict], *, for_engine: bool = True) -> str:
+        """The chat template applied (generation prompt added). `for_engine`: without a leading BOS when
+        the tokenizer adds one itself (the engine tokenizes with special tokens), so it appears once."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise TgiError("Template error: template not found", 422, "template_error")
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # noqa: BLE001 - jinja errors of a model's own template
             raise TgiError(f"Template error: {exc}", 422, "template_error") from None
+        bos = getattr(self.tokenizer, "bos_token", None)
+        if for_engine and bos and text.startswith(bos) and self._adds_bos():
+            text = text[len(bos):]
+        return text
+
+    def _adds_bos(self) -> bool:
+        ids = self.tokenizer("a")["input_ids"]
+        return bool(ids) and ids[0] == getattr(self.tokenizer, "bos_token_id", None)
 
     @property
     def compute_type(self) -> str:

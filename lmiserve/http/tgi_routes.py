@@ -135,7 +135,7 @@ async def chat_tokenize(request: Request) -> Response:
     try:
         req = parse(ChatRequest, await json_payload(request))
         model = served(request)
-        text = model.render_chat([{"role": m.role, "content": m.text()} for m in req.messages])
+        text = model.render_chat([{"role": m.role, "content": m.text()} for m in req.messages], for_engine=False)
         body = {"tokenize_response": _tokens(model.tokenizer, text, special=False), "templated_text": text}
         return raw_response(fmt.dumps(body))
     except Rejected as rejected:
