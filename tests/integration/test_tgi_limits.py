@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from huggingface_hub import InferenceClient
 from text_generation import Client
 from text_generation.errors import OverloadedError
 
@@ -66,6 +67,13 @@ def test_lmi_routes_need_the_key(client):
     assert short(client, f"/predictions/{name}").status_code == 401
     assert short(client, f"/predictions/{name}", headers=AUTH).status_code == 200
     assert short(client, "/invocations", headers=AUTH).status_code == 200
+
+
+def test_clients_send_the_key(url):
+    assert Client(url, headers=AUTH, timeout=30).generate("Hello", max_new_tokens=2).details.generated_tokens == 2
+    hub = InferenceClient(base_url=url, api_key=KEY)
+    assert isinstance(hub.text_generation("Hello", max_new_tokens=2), str)
+    assert hub.chat_completion([{"role": "user", "content": "hi"}], max_tokens=2).usage.completion_tokens == 2
 
 
 def test_open_routes(client):
