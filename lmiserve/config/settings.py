@@ -148,6 +148,8 @@ class Settings(BaseModel):
     max_total_tokens: int | None = Field(None, ge=2, description=(
         "TGI max_total_tokens (prompt + new tokens); unset or larger = the model's context length."))
     max_client_batch_size: int = Field(4, ge=1, description="Most prompts in one /v1/completions request.")
+    payload_limit: int = Field(2_000_000, ge=1, description=(
+        "Largest TGI/OpenAI request body in bytes; a larger one gets 413."))
     sse_keepalive_interval: float = Field(15.0, gt=0, description=(
         "Seconds without an event before a TGI/OpenAI stream sends a ':' keep-alive comment."))
     # --- SageMaker and Vertex AI (docs/tensor-protocols.md) ---

@@ -132,6 +132,7 @@ class StreamFormatter:
         self.shape = shape
         self.special_text = special_text
         self.count = 0
+        self.finished = False
 
     def on_event(self, event: StepEvent) -> bytes:
         if event.token is None:
@@ -145,6 +146,7 @@ class StreamFormatter:
             obj["generated_text"] = None
             obj["details"] = None
         else:
+            self.finished = True
             obj["generated_text"] = (self.shape.prompt if self.shape.return_full_text else "") + finish.generated_text
             obj["details"] = (
                 {
@@ -157,6 +159,12 @@ class StreamFormatter:
                 else None
             )
         return sse_event(dumps(obj))
+
+    def close(self) -> bytes:
+        """Nothing after a final event; a stream that ended without one gets TGI's error event (§9.3)."""
+        if self.finished:
+            return b""
+        return self.error_event("Incomplete generation stream", "incomplete_generation_stream")
 
     @staticmethod
     def error_event(message: str, kind: str) -> bytes:

@@ -64,6 +64,8 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Resp
     engine = model.engine
     if chat:
         events = engine.generate(call.calls[0].request)
+    elif len(call.calls) == 1:
+        events = _tagged(engine.generate(call.calls[0].request))
     else:
         events = merge_tagged([engine.generate(c.request) for c in call.calls])
     if call.stream:
@@ -82,6 +84,8 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Resp
         return error_response(exc)
     finally:
         release()
+    if len(_finished_prompts(collected)) < len(call.calls):
+        return error_response(TgiError("Incomplete generation", 500, "incomplete_generation"))
     if chat:
         seqs = sequences(collected)
         body = fmt.chat_body(seqs, env, logprobs=call.logprobs)
@@ -96,6 +100,21 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Resp
         characters = sum(len(p) for p in call.prompts)
     headers = timer.headers(model.compute_type, characters, prompt_tokens, generated)
     return raw_response(body, headers=headers)
+
+
+async def _tagged(events):
+    """One prompt's events tagged with prompt index 0 (no merging task in between)."""
+    try:
+        async for event in events:
+            yield 0, event
+    finally:
+        await events.aclose()
+
+
+def _finished_prompts(collected: list) -> set[int]:
+    """Indexes of the prompts whose events include a finish (chat events come untagged: prompt 0)."""
+    tagged = [item if isinstance(item, tuple) else (0, item) for item in collected]
+    return {index for index, event in tagged if event.finish is not None}
 
 
 async def dispatch_invocation(request: Request) -> Response | None:

@@ -71,13 +71,23 @@ class Served:
     def special_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def render_chat(self, messages: list[dict]) -> str:
+    def render_chat(self, messages: list[dict], *, for_engine: bool = True) -> str:
+        """The chat template applied (generation prompt added). `for_engine`: without a leading BOS when
+        the tokenizer adds one itself (the engine tokenizes with special tokens), so it appears once."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise TgiError("Template error: template not found", 422, "template_error")
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # noqa: BLE001 - jinja errors of a model's own template
             raise TgiError(f"Template error: {exc}", 422, "template_error") from None
+        bos = getattr(self.tokenizer, "bos_token", None)
+        if for_engine and bos and text.startswith(bos) and self._adds_bos():
+            text = text[len(bos):]
+        return text
+
+    def _adds_bos(self) -> bool:
+        ids = self.tokenizer("a")["input_ids"]
+        return bool(ids) and ids[0] == getattr(self.tokenizer, "bos_token_id", None)
 
     @property
     def compute_type(self) -> str:
@@ -121,16 +131,28 @@ def error_response(exc: LmiServeError, headers: dict | None = None) -> Response:
 
 
 async def json_payload(request: Request, *, require_json: bool = True) -> Any:
-    """The decoded body, or `Rejected` with TGI's plain-text 415 / 400."""
+    """The decoded body, or `Rejected` with TGI's plain-text 415 / 413 / 400. `require_json=False`
+    (the /invocations dispatch) accepts any Content-Type and size: LMI decides about those bodies."""
     ctype = request.headers.get("content-type", "")
     if require_json and ctype.split(";")[0].strip().lower() != "application/json":
         raise Rejected(raw_response(b"Expected request with `Content-Type: application/json`", 415, PLAIN))
+    if require_json:
+        limit = request.app.state.service.settings.payload_limit
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise Rejected(_too_large())
     body = await request.body()
+    if require_json and len(body) > limit:
+        raise Rejected(_too_large())
     try:
         return json.loads(body)
     except (ValueError, RecursionError) as exc:
         text = f"Failed to parse the request body as JSON: {exc}"
         raise Rejected(raw_response(text.encode(), 400, PLAIN)) from None
+
+
+def _too_large() -> Response:
+    return raw_response(b"Failed to buffer the request body: length limit exceeded", 413, PLAIN)
 
 
 def parse(model, payload: Any):

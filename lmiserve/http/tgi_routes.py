@@ -78,7 +78,7 @@ async def answer(request: Request, req: GenerateRequest, *, stream: bool, compat
     events = model.engine.generate(call.request)
     if stream:
         formatter = fmt.StreamFormatter(shape, model.special_text)
-        chunks = guarded(events, formatter.on_event, lambda e: formatter.error_event(e.message, e.kind), lambda: b"")
+        chunks = guarded(events, formatter.on_event, lambda e: formatter.error_event(e.message, e.kind), formatter.close)
         headers = {"x-compute-type": model.compute_type, "x-compute-characters": str(len(req.inputs))}
         return SseResponse(chunks, interval=model.service.settings.sse_keepalive_interval, headers=headers,
                            on_close=release)
@@ -90,6 +90,8 @@ async def answer(request: Request, req: GenerateRequest, *, stream: bool, compat
         return error_response(exc)
     finally:
         release()
+    if not seqs:
+        return error_response(TgiError("Incomplete generation", 500, "incomplete_generation"))
     body = fmt.generate_body(seqs, shape, model.special_text)
     headers = timer.headers(model.compute_type, len(req.inputs), seqs[0].finish.prompt_tokens,
                             seqs[0].finish.generated_tokens)
@@ -133,7 +135,7 @@ async def chat_tokenize(request: Request) -> Response:
     try:
         req = parse(ChatRequest, await json_payload(request))
         model = served(request)
-        text = model.render_chat([{"role": m.role, "content": m.text()} for m in req.messages])
+        text = model.render_chat([{"role": m.role, "content": m.text()} for m in req.messages], for_engine=False)
         body = {"tokenize_response": _tokens(model.tokenizer, text, special=False), "templated_text": text}
         return raw_response(fmt.dumps(body))
     except Rejected as rejected:

@@ -38,7 +38,7 @@ def assert_424(response, message: str | None = None, *, contains: tuple[str, ...
     [
         ([1, 2], NOT_OBJECT + "[1, 2]"),
         ("just a string", NOT_OBJECT + "'just a string'"),
-        ({"prompt": "hi"}, NOT_OBJECT + "{'prompt': 'hi'}"),
+        ({"input": "hi"}, NOT_OBJECT + "{'input': 'hi'}"),  # a `prompt` body is an OpenAI completion
         ({"inputs": None}, NOT_OBJECT + "{'inputs': None}"),
         ({"inputs": ["a", "b"]}, NOT_STRING + "<class 'list'>"),
         ({"inputs": 5}, NOT_STRING + "<class 'int'>"),

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from huggingface_hub import InferenceClient
 from text_generation import Client
 from text_generation.errors import OverloadedError
 
@@ -29,7 +30,8 @@ LONG = {"inputs": "Deep learning is", "stream": True, "parameters": {"max_new_to
 @pytest.fixture(scope="module")
 def url(long_model_dir) -> Iterator[str]:
     args = ["--model-id", str(long_model_dir), "--api-key", KEY]
-    for option in ("max_concurrent_requests=2", "max_rolling_batch_size=1", "sse_keepalive_interval=0.2"):
+    for option in ("max_concurrent_requests=2", "max_rolling_batch_size=1", "sse_keepalive_interval=0.2",
+                   "payload_limit=1000"):
         args += ["-o", option]
     with run_server(args) as base:
         yield base
@@ -67,6 +69,13 @@ def test_lmi_routes_need_the_key(client):
     assert short(client, "/invocations", headers=AUTH).status_code == 200
 
 
+def test_clients_send_the_key(url):
+    assert Client(url, headers=AUTH, timeout=30).generate("Hello", max_new_tokens=2).details.generated_tokens == 2
+    hub = InferenceClient(base_url=url, api_key=KEY)
+    assert isinstance(hub.text_generation("Hello", max_new_tokens=2), str)
+    assert hub.chat_completion([{"role": "user", "content": "hi"}], max_tokens=2).usage.completion_tokens == 2
+
+
 def test_open_routes(client):
     for path in ("/health", "/", "/info", "/v1/models", "/ping", "/models"):
         assert client.get(path).status_code == 200, path
@@ -83,6 +92,14 @@ def wait_until_queue_empty(client: httpx.Client, timeout: float = 20.0) -> None:
             return
         time.sleep(0.05)
     raise AssertionError("aborted sequences are still queued in the engine")
+
+
+def test_payload_limit(client):
+    big = {"inputs": "x" * 2000, "parameters": {"max_new_tokens": 2}}
+    for path in ("/generate", "/v1/completions"):
+        r = client.post(path, json=big, headers=AUTH)
+        assert (r.status_code, r.text) == (413, "Failed to buffer the request body: length limit exceeded"), path
+    assert client.post("/invocations", json=big, headers=AUTH).status_code == 200  # LMI has no body limit
 
 
 # --- overload, keep-alive, disconnect ---------------------------------------------------------------------

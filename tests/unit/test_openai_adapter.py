@@ -91,3 +91,27 @@ def test_template_errors():
                  tokenizer=SimpleNamespace(chat_template="x", apply_chat_template=broken))
     with pytest.raises(TgiError, match="Template error: unknown role"):
         bad.render_chat(MESSAGES)
+
+
+class BosTokenizer:
+    """A template that writes BOS itself, and a tokenizer that also adds it (Llama style)."""
+
+    chat_template = "{{ bos_token }}..."
+    bos_token, bos_token_id = "<s>", 1
+
+    def __init__(self, adds_bos: bool):
+        self.adds_bos = adds_bos
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        return "<s>[INST] " + messages[0]["content"] + " [/INST]"
+
+    def __call__(self, text):
+        return {"input_ids": ([1] if self.adds_bos else []) + [5] * len(text.split())}
+
+
+def test_bos_appears_once_in_what_the_engine_sees():
+    served = Served(service=None, engine=None, limits=LIMITS, tokenizer=BosTokenizer(adds_bos=True))
+    assert served.render_chat(MESSAGES) == "[INST] hi [/INST]"  # the engine's tokenizer adds <s>
+    assert served.render_chat(MESSAGES, for_engine=False) == "<s>[INST] hi [/INST]"  # /chat_tokenize
+    plain = Served(service=None, engine=None, limits=LIMITS, tokenizer=BosTokenizer(adds_bos=False))
+    assert plain.render_chat(MESSAGES) == "<s>[INST] hi [/INST]"

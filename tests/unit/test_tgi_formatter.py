@@ -103,3 +103,12 @@ def test_chat_stream_special_token_is_empty_content_with_role():
     assert last_token["choices"][0]["finish_reason"] == "stop"
     usage = json.loads(events[2].removeprefix(b"data: "))
     assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
+
+
+def test_stream_without_a_final_event_ends_with_an_incomplete_error():
+    stream = fmt.StreamFormatter(shape(), special)
+    stream.on_event(EVENTS[0])
+    assert stream.close() == (b'data: {"error":"Incomplete generation stream",'
+                              b'"error_type":"incomplete_generation_stream"}\n\n')
+    stream.on_event(EVENTS[1])
+    assert stream.close() == b""
