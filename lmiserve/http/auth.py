@@ -13,7 +13,7 @@ from starlette.responses import Response
 
 def rejected(request: Request) -> Response | None:
     """None when the request may pass, else the 401 to send."""
-    key = request.app.state.service.settings.api_key
+    key = request.app.state.settings.api_key
     if not key:
         return None
     given = request.headers.get("authorization", "")

@@ -136,7 +136,7 @@ async def dispatch_invocation(request: Request) -> Response | None:
         return await _handle(request, chat=True, payload=payload)
     if "prompt" in payload and "inputs" not in payload:
         return await _handle(request, chat=False, payload=payload)
-    settings = request.app.state.service.settings
+    settings = request.app.state.settings
     params = payload.get("parameters")
     lmi_formatter = isinstance(params, dict) and params.get("output_formatter")
     if "inputs" in payload and settings.tgi_compat and request.url.path == "/invocations" and not lmi_formatter:

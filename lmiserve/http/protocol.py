@@ -113,7 +113,7 @@ def served(request: Request) -> Served:
 def admission(request: Request) -> Admission:
     state = request.app.state
     if getattr(state, "tgi_admission", None) is None:
-        state.tgi_admission = Admission(state.service.settings.max_concurrent_requests)
+        state.tgi_admission = Admission(state.settings.max_concurrent_requests)
     return state.tgi_admission
 
 
@@ -137,7 +137,7 @@ async def json_payload(request: Request, *, require_json: bool = True) -> Any:
     if require_json and ctype.split(";")[0].strip().lower() != "application/json":
         raise Rejected(raw_response(b"Expected request with `Content-Type: application/json`", 415, PLAIN))
     if require_json:
-        limit = request.app.state.service.settings.payload_limit
+        limit = request.app.state.settings.payload_limit
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise Rejected(_too_large())

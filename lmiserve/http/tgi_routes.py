@@ -15,7 +15,8 @@ from lmiserve.formatters import tgi as fmt
 from lmiserve.http import auth
 from lmiserve.http.protocol import Rejected, Timer, enter, error_response, json_payload, parse, served
 from lmiserve.http.responses import ClientDisconnected, raw_response
-from lmiserve.http.service import ModelService
+from lmiserve.core.errors import LmiServeError
+from lmiserve.http.service import ModelService, default_llm
 from lmiserve.http.streaming import SSE_HEADERS, SseResponse, collect, guarded
 from lmiserve.schemas.openai import ChatRequest
 from lmiserve.schemas.tgi import GenerateRequest
@@ -149,8 +150,11 @@ async def chat_tokenize(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     """200 with an empty body when the model is ready, else 503 ``healthcheck`` (§4.5)."""
-    service: ModelService = request.app.state.service
-    if service.status == ModelService.READY:
+    try:
+        service = default_llm(request)
+    except LmiServeError:
+        service = None
+    if service is not None and service.status == ModelService.READY:
         return Response(status_code=200)
     return raw_response(fmt.error_body("unhealthy", "healthcheck"), 503)
 
@@ -190,6 +194,6 @@ async def info(request: Request) -> Response:
 
 
 async def models(request: Request) -> Response:
-    name = request.app.state.service.name
-    body = {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": name}]}
+    names = [service.name for service in request.app.state.registry if service.is_llm]
+    body = {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": name} for name in names]}
     return raw_response(fmt.dumps(body))
