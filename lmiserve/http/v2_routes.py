@@ -13,7 +13,7 @@ import lmiserve
 from lmiserve.adapters import kserve
 from lmiserve.codecs import binary
 from lmiserve.codecs.errors import TensorError, protocol_status
-from lmiserve.core.errors import LmiServeError, ModelNotReady
+from lmiserve.core.errors import LmiServeError, ModelNotFound
 from lmiserve.http import tensor_lookup
 from lmiserve.http.responses import raw_response
 from lmiserve.http.v2_generate import generate, generate_stream
@@ -46,13 +46,24 @@ async def ready(request: Request) -> Response:
 
 
 def resolve(request: Request):
-    """The addressed model's service; ModelNotFound for an unknown name or version."""
+    """The addressed model's service; 404 (MLServer's words) for an unknown name or version."""
     name = request.path_params["model"]
-    svc = tensor_lookup.service(request, name)
+    try:
+        svc = tensor_lookup.service(request, name)
+    except ModelNotFound:
+        raise TensorError(f"Model {name} not found", status=404) from None
     version = request.path_params.get("version")
     if version is not None and version != kserve.VERSION:
         raise TensorError(f"Model {name} with version {version} not found", status=404)
     return svc
+
+
+def ready_model(request: Request):
+    """(service, TensorModel) of the addressed model; 503 `Model <m> is not ready yet.` while it loads."""
+    svc = resolve(request)
+    if not tensor_lookup.is_ready(svc):
+        raise TensorError(f"Model {svc.name} is not ready yet.", status=503)
+    return svc, svc.tensor_model
 
 
 async def model_ready(request: Request) -> Response:
@@ -67,8 +78,7 @@ async def model_ready(request: Request) -> Response:
 
 async def model_metadata(request: Request) -> Response:
     try:
-        svc = resolve(request)
-        model = svc.tensor_model
+        svc, model = ready_model(request)
     except LmiServeError as exc:
         return fail(exc)
     return raw_response(json.dumps(kserve.metadata(svc.name, model.kind, model.signature)).encode())
@@ -76,8 +86,7 @@ async def model_metadata(request: Request) -> Response:
 
 async def infer(request: Request) -> Response:
     try:
-        svc = resolve(request)
-        model = svc.tensor_model
+        svc, model = ready_model(request)
         body = binary.decompress(await request.body(), request.headers.get("content-encoding"))
         header, tail = binary.split_body(body, request.headers.get(binary.HEADER))
         tensor_request, plan = kserve.parse_infer(kserve.load_header(header), tail, svc.name, model.signature)

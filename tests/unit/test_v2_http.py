@@ -158,8 +158,8 @@ async def test_mlserver_content_types(app):
 @pytest.mark.parametrize(
     ("model", "body", "status", "message"),
     [
-        ("nope", infer_body("x", "FP32", [1], [1]), 404, "Model or workflow not found: nope"),
-        ("loading", infer_body("x", "FP32", [1, 4], [1, 2, 3, 4]), 503, "Model loading is loading"),
+        ("nope", infer_body("x", "FP32", [1], [1]), 404, "Model nope not found"),
+        ("loading", infer_body("x", "FP32", [1, 4], [1, 2, 3, 4]), 503, "Model loading is not ready yet."),
         ("affine", infer_body("x", "FP32", [1, 4], [1, 2, 3]), 400, "shape [1, 4] needs 4 elements, got 3"),
         ("affine", infer_body("x", "FP32", [1, 4], [[1, 2], [3, 4, 5]]), 400, "needs 4 elements, got 5"),
         ("affine", infer_body("x", "FP32", [1, 3], [1, 2, 3]), 400, "unexpected shape for input 'x' for model 'affine'. Expected [-1,4], got [1,3]"),
