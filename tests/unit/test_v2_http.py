@@ -234,3 +234,16 @@ async def test_health_metadata_and_unknown_routes(app):
         assert r.status_code == 405 and r.json() == {"error": "Method Not Allowed"}
         r = await http.post("/v2/models/affine/generate", json={"text_input": "hi"})
         assert r.status_code == 400 and "generate needs an LLM" in r.json()["error"]
+
+
+async def test_requested_output_content_types(app):
+    body = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["hi"]}],
+            "outputs": [{"name": "upper", "parameters": {"content_type": "base64"}}, {"name": "length", "parameters": {"content_type": "np"}}]}
+    async with client(app) as http:
+        r = await http.post("/v2/models/text/infer", json=body)
+        upper, length = r.json()["outputs"]
+        assert upper == {"name": "upper", "datatype": "BYTES", "shape": [1], "data": ["SEk="], "parameters": {"content_type": "base64"}}
+        assert length["parameters"] == {"content_type": "np"} and length["data"] == [2]
+        body["outputs"] = [{"name": "length", "parameters": {"content_type": "base64"}}]
+        r = await http.post("/v2/models/text/infer", json=body)
+        assert r.status_code == 400 and "needs BYTES" in r.json()["error"]
