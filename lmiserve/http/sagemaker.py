@@ -1,8 +1,10 @@
 """SageMaker content types on /invocations (reference §5), hooked into the LMI route.
 
-`handle` answers what LMI does not: any body for a non-LLM model (JSON, JSON Lines, CSV), and JSON Lines
+`handle` answers what LMI does not: JSON records (a list, a scalar, several top-level values, a TF
+Serving `instances`/`examples` document), JSON Lines and CSV bodies for a non-LLM model, and JSON Lines
 or CSV bodies for an LLM (each JSON Lines line an LMI request -> one output line; each CSV record a
-prompt). It returns None for an LLM's plain JSON (or text) body, which keeps LMI semantics. The model
+prompt). It returns None for LMI's own payloads (a JSON object with `inputs`, text/plain), which keep
+LMI semantics whatever the model kind. The model
 is the `tfs-model-name` custom attribute, else the route's model name, else the default model.
 `X-Amzn-SageMaker-Custom-Attributes` is echoed on the answer. Errors are JSON `{"error": msg}`.
 """
@@ -52,6 +54,8 @@ async def handle(request: Request) -> Response | None:
     media, _ = sagemaker.content_type(header)
     if svc.kind == "llm" and (media not in _LLM_TYPES or await _lmi_stream(request, media)):
         return None
+    if media == "text/plain" or (media == sagemaker.JSON and sagemaker.is_lmi_payload(await request.body())):
+        return None  # LMI's own payloads stay LMI's, whatever the model kind
     default_accept = getattr(getattr(request.app.state, "settings", None), "default_invocations_accept", None)
     try:
         body = sagemaker.read_body(await request.body(), header)
@@ -92,20 +96,14 @@ async def _tensor(svc: ModelService, body: sagemaker.Body, accept: str, attribut
 
 
 async def _tf_document(svc, model, doc: dict, attributes: dict, accept: str, echo: dict) -> Response:
-    """A TF Serving document (`instances`, `inputs` or `examples`), as the TF Serving container forwards it."""
+    """A TF Serving document (`instances` or `examples`), as the TF Serving container forwards it."""
     method = attributes.get("tfs-method", "classify" if "examples" in doc else "predict")
     if method == "predict":
-        request, key = tfserving.parse_predict(doc, model.signature, svc.name)
+        request, _ = tfserving.parse_predict(doc, model.signature, svc.name)  # `instances`: one record each
         outputs = await model.infer(request)
-        if key == "predictions":  # one record per instance: any negotiated type
-            count = next(iter(outputs.values())).shape[0] if outputs else 0
-            preds, objects = tensor_records.predictions(outputs, count), tensor_records.as_objects(outputs, count)
-            return raw_response(sagemaker.encode(accept, preds, objects), 200, accept, echo)
-        else:
-            value = {n: tensor_records.plain(np.asarray(a).tolist()) for n, a in outputs.items()}
-            value = next(iter(value.values())) if len(value) == 1 else value
-        body = json.dumps({key: value}, ensure_ascii=False, allow_nan=False).encode("utf-8")
-        return raw_response(body, 200, sagemaker.JSON, echo)
+        count = next(iter(outputs.values())).shape[0] if outputs else 0
+        preds, objects = tensor_records.predictions(outputs, count), tensor_records.as_objects(outputs, count)
+        return raw_response(sagemaker.encode(accept, preds, objects), 200, accept, echo)
     if method not in ("classify", "regress"):
         raise TensorError(f"unknown tfs-method '{method}': expected predict, classify or regress")
     request = tfserving.parse_examples(doc, method, model.kind, model.signature)

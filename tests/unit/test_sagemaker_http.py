@@ -56,8 +56,6 @@ async def test_json_with_several_values_is_json_lines_and_instances_document(app
     assert len(r.json()["predictions"]) == 2
     r = await post(app, b'{"instances": [[1, 2, 3, 4]]}', "application/json")
     assert r.json() == {"predictions": [{"y": [1.5, 14.75], "best": 1}]}
-    r = await post(app, b'{"inputs": [[1, 2, 3, 4]]}', "application/json")
-    assert r.json() == {"outputs": {"y": [[1.5, 14.75]], "best": [1]}}
 
 
 async def test_text_model_csv_and_json(app):
