@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model-id", help="local transformers directory, .gguf file, or a model id in the local HF cache")
     serve.add_argument("--model-dir", help="directory holding serving.properties and/or weights (like /opt/ml/model)")
     serve.add_argument("--properties", help="a serving.properties file")
+    serve.add_argument("--model-store", help="serve every model sub-directory of DIR (named after it); see docs/models.md")
     serve.add_argument("--host", help="bind address (default 0.0.0.0)")
     serve.add_argument("--port", type=int, help="port (default 8080, or SAGEMAKER_BIND_TO_PORT)")
     serve.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE", help="set any option (repeatable)")
@@ -32,13 +33,33 @@ def main(argv: list[str] | None = None) -> int:
             if value is not None:
                 overrides[key] = value
         settings = load_settings(overrides, properties_file=args.properties, model_dir=args.model_dir)
+        services = store_services(settings, args.model_store) if args.model_store else None
     except ConfigError as exc:
         print(f"lmiserve: configuration error: {exc}", file=sys.stderr)
         return 2
-    return serve(settings)
+    return serve(settings, services)
 
 
-def serve(settings) -> int:
+def store_services(settings, store: str) -> list:
+    """One ModelService per model directory of the store, each with its own merged settings."""
+    from lmiserve.http.service import ModelService
+    from lmiserve.models.store import model_settings, scan_store
+
+    if settings.model_id:
+        raise ConfigError(
+            f"--model-store cannot be combined with model_id ({settings.sources.get('model_id', 'given')}): "
+            "put that model in the store as a sub-directory instead"
+        )
+    services = []
+    for name, directory in scan_store(store):
+        try:
+            services.append(ModelService(model_settings(settings, directory, name), name=name))
+        except ConfigError as exc:
+            raise ConfigError(f"model {name} ({directory}): {exc}") from None
+    return services
+
+
+def serve(settings, services: list | None = None) -> int:
     import uvicorn
 
     from lmiserve.http.app import create_app
@@ -47,7 +68,9 @@ def serve(settings) -> int:
     log = logging.getLogger("lmiserve")
     for line in settings.summary():
         log.info("option %s", line)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
+    for service in services or []:
+        log.info("model %s: %s from %s", service.name, service.kind, service.settings.model_id or "the bundled default")
+    uvicorn.run(create_app(settings, services=services), host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
     return 0
 
 

@@ -35,7 +35,7 @@ class BatchConfig:
     job_queue_size: int = 1000
 
 
-@dataclass
+@dataclass(eq=False)  # identity: jobs are found in the queue by `is`, never by comparing arrays
 class _Job:
     inputs: dict[str, np.ndarray]
     rows: int
@@ -124,6 +124,7 @@ class OneShotModel:
                 raise
             except Exception:  # noqa: BLE001 - the loop must survive anything
                 log.exception("one-shot batch of %s failed", self.name)
+                await asyncio.sleep(0.01)
 
     async def _next_batch(self) -> list[_Job]:
         while not self._queue:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from lmiserve.adapters import lmi
+from lmiserve.adapters import lmi, lmi_tensor
 from lmiserve.core.errors import LmiServeError
 from lmiserve.formatters import DynamicBatchFormatter, DynamicBatchStreamFormatter, get_formatter
 from lmiserve.http import sagemaker
@@ -36,6 +37,8 @@ async def invocations(request: Request) -> Response:
         service = _service_for(request)
         engine = service.ready_engine()
         payload = lmi.decode_body(await request.body(), request.headers.get("content-type"))
+        if not service.is_llm:
+            return await tensor_invocation(service, payload)
         call = lmi.parse(payload, service.limits, dynamic_batch=service.dynamic_batching)
         if service.dynamic_batching:
             return await _dynamic_batch(request, engine, call, service)
@@ -53,3 +56,10 @@ async def _dynamic_batch(request: Request, engine, call: lmi.LmiCall, service: M
     else:
         fmt = DynamicBatchFormatter([r.prompt for r in call.requests], return_full_text=call.options.return_full_text)
     return await respond_events(request, events, fmt, on_event=lambda item: fmt.on_event(*item))
+
+
+async def tensor_invocation(service: ModelService, payload) -> Response:
+    """A one-shot model (embedding, classifier, TorchScript) on LMI's routes: JSON in, JSON out."""
+    model = service.tensor_model
+    outputs = await model.infer(lmi_tensor.to_tensor_request(payload, model))
+    return raw_response(json.dumps(lmi_tensor.to_json(model.kind, outputs), ensure_ascii=False).encode())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -17,6 +18,10 @@ from lmiserve.config import Settings
 from lmiserve.core.errors import ModelNotReady
 
 log = logging.getLogger(__name__)
+
+# One model loads at a time: transformers' lazy imports are not safe to race from several threads,
+# and on a few CPU cores parallel loads gain nothing.
+_LOAD_LOCK = threading.Lock()
 
 
 class ModelService:
@@ -74,6 +79,10 @@ class ModelService:
             log.error("model %s failed to load: %s", self.name, exc)
 
     def _load_blocking(self) -> None:
+        with _LOAD_LOCK:
+            self._load_locked()
+
+    def _load_locked(self) -> None:
         if self.is_llm:
             self._load_llm()
         else:
