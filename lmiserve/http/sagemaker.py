@@ -1,11 +1,12 @@
 """SageMaker content types on /invocations (reference §5), hooked into the LMI route.
 
-`handle` answers what LMI does not: JSON records (a list, a scalar, several top-level values, a TF
-Serving `instances`/`examples` document), JSON Lines and CSV bodies for a non-LLM model, and JSON Lines
-or CSV bodies for an LLM (each JSON Lines line an LMI request -> one output line; each CSV record a
-prompt). It returns None for LMI's own payloads (a JSON object with `inputs`, text/plain), which keep
-LMI semantics whatever the model kind. The model
-is the `tfs-model-name` custom attribute, else the route's model name, else the default model.
+On `/invocations` only, `handle` answers what LMI does not: JSON records (a list, a scalar, several
+top-level values, a TF Serving `instances`/`examples` document), JSON Lines and CSV bodies for a non-LLM
+model, and JSON Lines or CSV bodies for an LLM (each JSON Lines line an LMI request -> one output line;
+each CSV record a prompt). It returns None for LMI's own payloads (a JSON object with `inputs`,
+text/plain), which keep LMI semantics whatever the model kind, and for DJL's `/predictions/{m}` and
+`/models/{m}/invoke`. The model is the `tfs-model-name` custom attribute, else the `model_name` query
+parameter or header, else the default model.
 `X-Amzn-SageMaker-Custom-Attributes` is echoed on the answer. Errors are JSON `{"error": msg}`.
 """
 
@@ -43,6 +44,8 @@ def _model_name(request: Request, attributes: dict[str, str]) -> str | None:
 
 
 async def handle(request: Request) -> Response | None:
+    if request.url.path != "/invocations":
+        return None  # DJL's /predictions/{m} and /models/{m}/invoke keep LMI semantics only
     raw_attributes = request.headers.get(sagemaker.CUSTOM_ATTRIBUTES)
     echo = {sagemaker.CUSTOM_ATTRIBUTES: raw_attributes} if raw_attributes is not None else {}
     attributes = sagemaker.custom_attributes(raw_attributes)
