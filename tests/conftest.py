@@ -89,3 +89,11 @@ def torchscript_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from helpers.tensor_models import build_torchscript_dir
 
     return build_torchscript_dir(tmp_path_factory.mktemp("torchscript") / "affine")
+
+
+@pytest.fixture(scope="session")
+def bundled_store(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path, minilm_dir: Path) -> Path:
+    """A model store: `smollm2` (the bundled SmolLM2, from a serving.properties only) and `minilm`."""
+    from helpers.tensor_models import build_bundled_store
+
+    return build_bundled_store(tmp_path_factory.mktemp("bundled-store"), minilm_dir)

@@ -57,8 +57,31 @@ def _model_url(service: ModelService) -> str:
 
 
 async def list_models(request: Request) -> Response:
-    entries = [{"modelName": s.name, "modelUrl": _model_url(s), "status": s.status} for s in _registry(request)]
-    return raw_response(_pretty({"models": entries}))
+    """GET /models[?limit=100&next_page_token=N]: one page; nextPageToken only when more follow."""
+    try:
+        limit = _int_param(request, "limit", 100)
+        start = _int_param(request, "next_page_token", 0)
+    except LmiServeError as exc:
+        return error_response(exc)
+    services = list(_registry(request))
+    limit = limit if 0 < limit <= 100 else 100
+    page = services[start : start + limit]
+    body: dict = {"nextPageToken": str(start + limit)} if start + limit < len(services) else {}
+    body["models"] = [{"modelName": s.name, "modelUrl": _model_url(s), "status": s.status} for s in page]
+    return raw_response(_pretty(body))
+
+
+def _int_param(request: Request, name: str, default: int) -> int:
+    value = request.query_params.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        raise BadManagementRequest(f"Parameter {name} must be an integer: {value}") from None
+    if number < 0:
+        raise BadManagementRequest(f"Parameter {name} must not be negative: {value}")
+    return number
 
 
 async def describe_model(request: Request) -> Response:
@@ -99,11 +122,13 @@ async def register_model(request: Request) -> Response:
     try:
         params = await _registration_params(request)
         directory = _local_path(params.get("url"))
-        name = str(params.get("model_name") or directory.name)
+        name = str(params.get("model_name") or (directory.stem if directory.is_file() else directory.name))
         registry = _registry(request)
         if name in registry:
             raise RegistrationConflict(f"Model {name} is already registered.")
         overrides = {k: params[k] for k in _SETTING_PARAMS if params.get(k) not in (None, "")}
+        if directory.is_file():  # a .pt or .gguf file: the model is the file, its folder holds the properties
+            directory, overrides["model_id"] = directory.parent, str(directory)
         try:
             settings = model_settings(request.app.state.settings, directory, name, overrides)
         except ConfigError as exc:

@@ -37,6 +37,7 @@ class ModelService:
         self.loaded = None
         self.engine = None
         self._tensor_model = None
+        self._closed = False
         self.started_at = time.time()
         self.loaded_at_startup = True
         self.name = name or settings.model_name or _initial_name(settings.model_id)
@@ -71,6 +72,9 @@ class ModelService:
     async def load(self) -> None:
         try:
             await asyncio.to_thread(self._load_blocking)
+            if self._closed:  # unregistered while loading: never start
+                self.status, self.error = self.FAILED, "unloaded while loading"
+                return
             self.engine.start()
             self.status = self.READY
             log.info("model %s (%s) ready (%s)", self.name, self.kind, self.path)
@@ -107,12 +111,13 @@ class ModelService:
 
         s = self.settings
         runner = load_runner(self.kind, s)
-        self.path, self.loaded = runner.path, runner
+        self.path, self.loaded, self.kind = runner.path, runner, runner.kind  # classifier -> regression for one-label heads
         config = BatchConfig(batch_size=s.batch_size, max_batch_delay=s.max_batch_delay / 1000.0, job_queue_size=s.job_queue_size)
         self.engine = OneShotModel(runner, config, self.name)
         self._tensor_model = self.engine
 
     async def close(self) -> None:
+        self._closed = True
         if self.engine is not None:
             await self.engine.stop()
 

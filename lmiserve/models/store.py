@@ -51,7 +51,9 @@ def model_settings(base: Settings, directory: Path, name: str | None = None, ove
         if value is not None:
             options[key], sources[key] = value, "model registration"
     model_id = str(options.get("model_id") or "").strip()
-    if has_weights(directory):
+    if (overrides or {}).get("model_id"):
+        pass  # the caller named the model file itself
+    elif has_weights(directory):
         options["model_id"], sources["model_id"] = str(directory), f"model directory {directory}"
     elif model_id and not model_id.startswith(("/", "~")) and (directory / model_id).exists():
         options["model_id"] = str((directory / model_id).resolve())

@@ -101,3 +101,18 @@ def affine_reference(x):
     weight = np.array([[1.0, -1.0], [2.0, 0.5], [0.0, 1.0], [-1.0, 3.0]], dtype=np.float32)
     y = x.astype(np.float32) @ weight + np.array([0.5, -0.25], dtype=np.float32)
     return y, y.argmax(axis=1)
+
+
+BUNDLED_LLM_NAME = "smollm2"
+MINILM_NAME = "minilm"
+
+
+def build_bundled_store(root: str | Path, minilm: Path | None = None) -> Path:
+    """A model store with the bundled SmolLM2 (a directory with only a serving.properties, so the
+    bundled default model is used) and all-MiniLM-L6-v2 (referenced by option.model_id)."""
+    root = Path(root)
+    (root / BUNDLED_LLM_NAME).mkdir(parents=True, exist_ok=True)
+    (root / BUNDLED_LLM_NAME / "serving.properties").write_text("option.max_new_tokens=16\n")
+    (root / MINILM_NAME).mkdir(exist_ok=True)
+    (root / MINILM_NAME / "serving.properties").write_text(f"option.model_id={minilm or minilm_dir()}\noption.batch_size=16\noption.max_batch_delay=10\n")
+    return root

@@ -199,3 +199,23 @@ def test_synchronous_registration_failure_is_500_and_not_kept(client, tmp_path):
     assert response.status_code == 500
     assert "could not load the TorchScript module" in response.json()["message"]
     assert "broken-sync" not in [m["modelName"] for m in client.get("/models").json()["models"]]
+
+
+def test_register_a_torchscript_file_by_its_path(client, tmp_path):
+    directory = build_torchscript_dir(tmp_path / "scripted")
+    clash = client.post("/models", params={"url": f"file:{directory / 'affine.pt'}"})  # named after the file
+    assert clash.status_code == 409 and clash.json()["message"] == "Model affine is already registered."
+    response = client.post("/models", params={"url": f"file:{directory / 'affine.pt'}", "model_name": "scripted"})
+    assert response.status_code == 200, response.text
+    body = post(client, "/predictions/scripted", {"inputs": [[0, 0, 0, 1]]}).json()
+    assert body == {"y": [[-0.5, 2.75]], "best": [1]}
+    assert client.delete("/models/scripted").status_code == 200
+
+
+def test_list_models_pages(client):
+    first = client.get("/models", params={"limit": 3}).json()
+    assert first["nextPageToken"] == "3" and [m["modelName"] for m in first["models"]] == MODELS[:3]
+    rest = client.get("/models", params={"limit": 3, "next_page_token": first["nextPageToken"]}).json()
+    assert list(rest) == ["models"] and [m["modelName"] for m in rest["models"]] == MODELS[3:]
+    bad = client.get("/models", params={"limit": "x"})
+    assert bad.status_code == 400 and bad.json()["message"] == "Parameter limit must be an integer: x"

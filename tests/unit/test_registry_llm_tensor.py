@@ -96,7 +96,10 @@ async def test_a_failing_row_cancels_the_others(engine):
     too_long = "word " * 400  # beyond the tiny model's 256-token context
     with pytest.raises(InvalidRequest):
         await model.infer(TensorRequest({"text_input": prompts("Hello", too_long)}))
-    await asyncio.sleep(0.05)
+    for _ in range(500):  # the aborted row leaves the batch at the engine's next step
+        if engine.num_running == 0 and engine.num_waiting == 0:
+            break
+        await asyncio.sleep(0.01)
     assert engine.num_running == 0 and engine.num_waiting == 0
 
 
@@ -147,3 +150,14 @@ async def test_service_loads_the_llm_and_exposes_its_tensor_model(tiny_model_dir
         assert out["text_output"].shape == (1,)
     finally:
         await svc.close()
+
+
+async def test_a_model_removed_while_loading_never_starts(tiny_model_dir):
+    registry = ModelRegistry([service("tiny", str(tiny_model_dir))])
+    svc = registry.get("tiny")
+    loading = asyncio.ensure_future(svc.load())
+    await asyncio.sleep(0)
+    await registry.remove("tiny")
+    await loading
+    assert svc.status == ModelService.FAILED and svc.error == "unloaded while loading"
+    assert svc.engine is None or svc.engine._task is None
