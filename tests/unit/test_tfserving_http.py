@@ -41,7 +41,7 @@ async def test_classify(app):
         assert r.json() == {"results": [[["negative", 0.25], ["positive", 0.75]], [["negative", 0.75], ["positive", 0.25]]]}
         r = await http.post("/v1/models/cls:regress", json={"examples": [{"text": "x"}]})
         assert r.status_code == 400
-        assert r.json() == {"error": "Expected regression signature method_name to be tensorflow/serving/regress. Was: tensorflow/serving/predict"}
+        assert r.json() == {"error": "Expected regression signature method_name to be tensorflow/serving/regress. Was: tensorflow/serving/classify"}
 
 
 async def test_status_and_metadata(app):
