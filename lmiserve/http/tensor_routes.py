@@ -10,4 +10,4 @@ from lmiserve.http import tfserving_routes, v2_routes, vertex_routes
 
 
 def routes(settings) -> list[BaseRoute]:
-    return [*vertex_routes.routes(settings), *v2_routes.routes(), tfserving_routes.route()]
+    return [*vertex_routes.routes(settings), *v2_routes.routes(), *tfserving_routes.routes()]

@@ -129,3 +129,10 @@ async def test_regress_on_a_regression_model():
         assert r.json() == {"error": "Expected classification signature method_name to be tensorflow/serving/classify. Was: tensorflow/serving/regress"}
         meta = (await http.get("/v1/models/reg/metadata")).json()
         assert meta["metadata"]["signature_def"]["signature_def"]["serving_default"]["method_name"] == "tensorflow/serving/regress"
+
+
+async def test_v1_models_itself(app):
+    """`GET /v1/models` is the OpenAI list when that route exists (it comes first); other methods are TF Serving's."""
+    async with client(app) as http:
+        r = await http.post("/v1/models", content=b"{}")
+    assert r.status_code == 400 and r.json() == {"error": "Malformed request: POST /v1/models"}
