@@ -71,6 +71,13 @@ async def handle(request: Request) -> Response | None:
         return _error(exc.message, protocol_status(exc), echo)
 
 
+async def execution_parameters(request: Request) -> Response:
+    """SageMaker batch transform's optional probe: multi-record batches (the records of one body are
+    answered in order) of up to 6 MB."""
+    body = {"MaxConcurrentTransforms": 8, "BatchStrategy": "MULTI_RECORD", "MaxPayloadInMB": 6}
+    return raw_response(json.dumps(body).encode())
+
+
 async def _lmi_stream(request: Request, media: str) -> bool:
     """A one-line JSON Lines body asking to stream is an LMI streaming request (LMI reads the body as JSON)."""
     if media != sagemaker.JSONLINES:

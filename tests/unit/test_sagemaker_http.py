@@ -117,3 +117,9 @@ async def test_lmi_payloads_stay_lmi_for_one_shot_models(app):
     assert r.json() == {"y": [[1.5, 14.75]], "best": [1]}  # LMI's answer for a TorchScript model (adapters/lmi_tensor.py)
     r = await post(app, b"hello", "text/plain", model="text")
     assert r.status_code == 200 and r.json() == {"upper": ["HELLO"], "length": [5]}
+
+
+async def test_execution_parameters(app):
+    async with client(app) as http:
+        r = await http.get("/execution-parameters")
+    assert r.json() == {"MaxConcurrentTransforms": 8, "BatchStrategy": "MULTI_RECORD", "MaxPayloadInMB": 6}
