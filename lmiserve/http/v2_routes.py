@@ -16,6 +16,7 @@ from lmiserve.codecs.errors import TensorError, protocol_status
 from lmiserve.core.errors import LmiServeError, ModelNotFound
 from lmiserve.http import tensor_lookup
 from lmiserve.http.responses import raw_response
+from lmiserve.http.service import ModelService
 from lmiserve.http.v2_generate import generate, generate_stream
 
 EXTENSIONS = ["binary_tensor_data", "parameters", "generate"]
@@ -97,6 +98,22 @@ async def infer(request: Request) -> Response:
     return raw_response(body, 200, content_type, headers)
 
 
+async def repository_index(request: Request) -> Response:
+    """Triton's repository index: every model with its state; `{"ready": true}` keeps the READY ones."""
+    try:
+        body = json.loads(await request.body() or b"{}")
+    except ValueError:
+        return error("failed to parse the request JSON", 400)
+    only_ready = isinstance(body, dict) and body.get("ready") is True
+    states = {ModelService.READY: "READY", ModelService.PENDING: "LOADING"}
+    index = []
+    for svc in tensor_lookup.services(request):
+        state = states.get(svc.status, "UNAVAILABLE")
+        if not only_ready or state == "READY":
+            index.append({"name": svc.name, "version": kserve.VERSION, "state": state, "reason": svc.error or ""})
+    return raw_response(json.dumps(index).encode())
+
+
 async def not_found(request: Request) -> Response:
     for route in _ROUTES:
         if route.matches(request.scope)[0] == Match.PARTIAL:  # the path exists, the method does not
@@ -118,6 +135,7 @@ _ROUTES = [
     Route("/", server_metadata, methods=["GET"]),
     Route("/health/live", live, methods=["GET"]),
     Route("/health/ready", ready, methods=["GET"]),
+    Route("/repository/index", repository_index, methods=["POST"]),
     *_model_routes("/models/{model}"),
     *_model_routes("/models/{model}/versions/{version}"),
 ]

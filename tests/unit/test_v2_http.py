@@ -247,3 +247,12 @@ async def test_requested_output_content_types(app):
         body["outputs"] = [{"name": "length", "parameters": {"content_type": "base64"}}]
         r = await http.post("/v2/models/text/infer", json=body)
         assert r.status_code == 400 and "needs BYTES" in r.json()["error"]
+
+
+async def test_repository_index(app):
+    async with client(app) as http:
+        index = (await http.post("/v2/repository/index")).json()
+        assert {"name": "loading", "version": "1", "state": "LOADING", "reason": ""} in index
+        assert {"name": "affine", "version": "1", "state": "READY", "reason": ""} in index
+        ready = (await http.post("/v2/repository/index", json={"ready": True})).json()
+        assert "loading" not in {m["name"] for m in ready} and "affine" in {m["name"] for m in ready}
