@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from contextlib import aclosing
 
 import numpy as np
 from starlette.requests import Request
@@ -136,8 +137,19 @@ async def _llm(svc: ModelService, body: sagemaker.Body) -> tuple[list, list[dict
         return texts, [{"generated_text": t} for t in texts]
     engine = svc.ready_engine()
     lines = sagemaker.json_records(body)[0]
-    objects = await asyncio.gather(*(_lmi_line(engine, svc, line, i) for i, line in enumerate(lines)))
+    objects = await _all_or_none([_lmi_line(engine, svc, line, i) for i, line in enumerate(lines)])
     return [o.get("generated_text", o) if isinstance(o, dict) else o for o in objects], list(objects)
+
+
+async def _all_or_none(coros: list) -> list:
+    """Run concurrently; the first failure cancels the other lines and is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _lmi_line(engine, svc: ModelService, payload: object, index: int) -> dict:
@@ -149,9 +161,10 @@ async def _lmi_line(engine, svc: ModelService, payload: object, index: int) -> d
         raise TensorError(f"line {index + 1}: {exc.message}") from None
     fmt = get_formatter("json", call.options)  # one JSON document per line, whatever the server default
     chunks = []
-    async for event in engine.generate(call.requests[0]):
-        if is_error_finish(event):
-            raise InferenceFailed(f"line {index + 1}: {error_message(event)}")
-        chunks.append(fmt.on_event(event) or b"")
+    async with aclosing(engine.generate(call.requests[0])) as events:  # closing aborts the sequence
+        async for event in events:
+            if is_error_finish(event):
+                raise InferenceFailed(f"line {index + 1}: {error_message(event)}")
+            chunks.append(fmt.on_event(event) or b"")
     chunks.append(fmt.close() or b"")
     return json.loads(b"".join(chunks))
