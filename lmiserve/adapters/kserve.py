@@ -30,6 +30,7 @@ class OutputPlan:
     id: str | None = None
     names: list[str] | None = None
     binary: dict[str, bool] = field(default_factory=dict)
+    content_types: dict[str, str] = field(default_factory=dict)  # requested outputs' `content_type`
     binary_default: bool = False
     request_content_type: str | None = None
     mlserver: bool = False  # content types in the request: describe outputs the MLServer way
@@ -146,6 +147,9 @@ def _plan(doc: dict, params: dict, signature: ModelSignature, model: str, reques
         out_params = _params(item.get("parameters"), f"output '{name}'")
         if "binary_data" in out_params:
             plan.binary[name] = out_params["binary_data"] is True
+        if isinstance(out_params.get("content_type"), str):
+            plan.content_types[name] = out_params["content_type"]
+            plan.mlserver = True
         plan.names.append(name)
     return plan
 
@@ -158,7 +162,9 @@ def encode_response(outputs: dict[str, np.ndarray], plan: OutputPlan, model: str
     for name in names:
         array = np.asarray(outputs[name])
         ct = None
-        if pandas:
+        if name in plan.content_types:
+            array, ct = content_types.encode_output(array, plan.content_types[name], name)
+        elif pandas:
             array, ct = content_types.pd_column(array)
         elif plan.mlserver:
             ct = content_types.output_content_type(array)

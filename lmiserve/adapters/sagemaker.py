@@ -69,12 +69,21 @@ def custom_attributes(header: str | None) -> dict[str, str]:
     return found
 
 
+def is_lmi_payload(raw: bytes) -> bool:
+    """A JSON object with `inputs` (and no TF Serving `instances`/`examples`): LMI's request, LMI's route."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(doc, dict) and "inputs" in doc and "instances" not in doc and "examples" not in doc
+
+
 def json_records(body: Body) -> tuple[list, bool, dict]:
-    """(records, came as TF Serving `instances`/`inputs` document, parameters) of a JSON or JSON Lines body."""
+    """(records, came as a TF Serving `instances`/`examples` document, parameters) of a JSON or JSON Lines body."""
     values = records.parse_json_values(body.text)
     if len(values) == 1 and body.media == JSON:
         doc = values[0]
-        if isinstance(doc, dict) and ("instances" in doc or "inputs" in doc or "examples" in doc):
+        if isinstance(doc, dict) and ("instances" in doc or "examples" in doc):
             return [doc], True, {}
         return (doc if isinstance(doc, list) else [doc]), False, {}
     return values, False, {}

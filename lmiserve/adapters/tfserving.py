@@ -146,7 +146,7 @@ def parse_examples(doc: object, method: str, kind: str, signature: ModelSignatur
     if kind != wanted:
         raise TensorError(
             f"Expected {'classification' if method == 'classify' else 'regression'} signature method_name to be "
-            f"{METHODS[method]}. Was: {METHODS['predict']}"
+            f"{METHODS[method]}. Was: {METHODS[method_of(kind)]}"
         )
     if "examples" not in doc:
         raise TensorError(f"JSON Value: {dump(doc)} When method is {method}, key 'examples' is expected and was not found")
@@ -203,8 +203,13 @@ def status_body(state: str, error: str | None = None) -> bytes:
     return json.dumps(body, indent=1, ensure_ascii=False).encode("utf-8")
 
 
+def method_of(kind: str) -> str:
+    """The TF method of a model kind's `serving_default` signature."""
+    return {"classifier": "classify", "regression": "regress"}.get(kind, "predict")
+
+
 def metadata_body(name: str, signature: ModelSignature, kind: str) -> bytes:
-    method = {"classifier": "classify", "regression": "regress"}.get(kind, "predict")
+    method = method_of(kind)
 
     def tensors(specs):
         return {
@@ -221,7 +226,7 @@ def metadata_body(name: str, signature: ModelSignature, kind: str) -> bytes:
             SIGNATURE: {
                 "inputs": tensors(signature.inputs),
                 "outputs": tensors(signature.outputs),
-                "method_name": METHODS["predict"] if method == "predict" else METHODS[method],
+                "method_name": METHODS[method],
                 "defaults": {},
             }
         }

@@ -128,6 +128,21 @@ def columns_to_inputs(columns: dict[str, np.ndarray], input_names: list[str]) ->
     raise codec_error(f"the 'pd' request has no column for the model input '{missing[0]}'")
 
 
+def encode_output(array: np.ndarray, content_type: str, name: str) -> tuple[np.ndarray, str]:
+    """An output in the content type its request asked for: `base64` (BYTES, each element encoded),
+    `str` / `datetime` (BYTES as text), `np` (as is)."""
+    if content_type == "np":
+        return array, "np"
+    if content_type not in ("str", "base64", "datetime"):
+        raise codec_error(f"unsupported content type '{content_type}' for output '{name}' (np, str, base64 or datetime)")
+    if array.dtype.kind not in "OSU":
+        raise codec_error(f"output '{name}' holds {array.dtype} numbers: content type '{content_type}' needs BYTES")
+    values = [v if isinstance(v, bytes) else str(v).encode("utf-8") for v in array.reshape(-1).tolist()]
+    if content_type == "base64":
+        values = [base64.b64encode(v) for v in values]
+    return _object_array(values).reshape(array.shape), content_type
+
+
 def output_content_type(array: np.ndarray) -> str:
     return "str" if array.dtype.kind in "OSU" else "np"
 

@@ -196,6 +196,24 @@ def format_float(value: float, single: bool) -> str:
     return text
 
 
+def format_floats(values: np.ndarray) -> list[str]:
+    """`format_float` over a flat float32/float64 array, the %.6g round-trip check vectorized."""
+    single = values.dtype == np.float32
+    wide = values.astype(np.float64)
+    numbers = wide.tolist()
+    texts = ["%.6g" % v for v in numbers]
+    finite = np.isfinite(wide)
+    with np.errstate(over="ignore", invalid="ignore"):
+        back = np.array(texts, dtype=np.float64)
+        same = back.astype(np.float32) == values if single else back == wide
+    longer = "%.9g" if single else "%.17g"  # always round-trips
+    for i in np.flatnonzero(~same & finite).tolist():
+        texts[i] = longer % numbers[i]
+    for i in np.flatnonzero(~finite).tolist():
+        texts[i] = format_float(numbers[i], single)
+    return [t + ".0" if "." not in t and "e" not in t and t[-1].isdigit() else t for t in texts]
+
+
 def error_body(message: str) -> bytes:
     """`{"error": msg}` pretty-printed with a 4-space indent."""
     return ('{\n    "error": ' + json.dumps(message, ensure_ascii=False) + "\n}").encode("utf-8")

@@ -12,7 +12,7 @@ import binascii
 import numpy as np
 
 from lmiserve.codecs.errors import TensorError
-from lmiserve.codecs.tfjson import dump, format_float, json_type
+from lmiserve.codecs.tfjson import dump, format_floats, json_type
 from lmiserve.core.tensors import ModelSignature
 
 TF_DTYPES = {
@@ -191,34 +191,37 @@ def _b64decode(text: str) -> bytes:
 
 def render(array: np.ndarray, name: str) -> str:
     """One tensor as nested JSON text with TF Serving's value encoding."""
-    array = np.asarray(array)
-    write = _writer(array, name)
-    return _nested(array, write)
+    return _nested(tokens(np.asarray(array), name))
 
 
-def _nested(array: np.ndarray, write) -> str:
-    if not isinstance(array, np.ndarray):  # one element of an object array, or a numpy scalar
-        return write(array.item() if isinstance(array, np.generic) else array)
-    if array.ndim == 0:
-        return write(array.item() if array.dtype != object else array[()])
-    if array.ndim == 1:
-        return "[" + ", ".join(write(v) for v in (array.tolist() if array.dtype != object else list(array))) + "]"
-    return "[" + ", ".join(_nested(sub, write) for sub in array) + "]"
-
-
-def _writer(array: np.ndarray, name: str):
+def tokens(array: np.ndarray, name: str) -> np.ndarray:
+    """An object array of the same shape holding each element's JSON text."""
     kind = array.dtype.kind
+    flat = array.reshape(-1)
     if kind == "f" and array.dtype.itemsize in (4, 8):
-        single = array.dtype.itemsize == 4
-        return lambda v: format_float(float(v), single)
-    if kind in "iu":
-        return lambda v: str(int(v))
-    if kind == "b":
-        return lambda v: "true" if v else "false"
-    if kind in "OSU":
+        texts = format_floats(flat)
+    elif kind in "iu":
+        texts = [str(v) for v in flat.tolist()]
+    elif kind == "b":
+        texts = ["true" if v else "false" for v in flat.tolist()]
+    elif kind in "OSU":
         as_b64 = name.endswith("_bytes")
-        return lambda v: _string(v, as_b64)
-    raise TensorError(f"Failed to write JSON value for tensor type: {TF_DTYPES.get(_v2(array), str(array.dtype))}")
+        texts = [_string(v, as_b64) for v in (flat.tolist() if kind != "O" else list(flat))]
+    else:
+        raise TensorError(f"Failed to write JSON value for tensor type: {TF_DTYPES.get(_v2(array), str(array.dtype))}")
+    out = np.empty(len(texts), dtype=object)
+    out[:] = texts
+    return out.reshape(array.shape)
+
+
+def _nested(texts: np.ndarray | str) -> str:
+    if isinstance(texts, str):  # one row of a rank-1 tensor
+        return texts
+    if texts.ndim == 0:
+        return texts[()]
+    if texts.ndim == 1:
+        return "[" + ", ".join(texts.tolist()) + "]"
+    return "[" + ", ".join(_nested(sub) for sub in texts) + "]"
 
 
 def _v2(array: np.ndarray) -> str:
@@ -248,10 +251,10 @@ def render_rows(outputs: dict[str, np.ndarray]) -> str:
             raise TensorError(f"Tensor name: {name} has inconsistent batch size: {array.shape[0]} expecting: {batch}")
     if len(outputs) == 1:
         return render(next(iter(outputs.values())), next(iter(outputs)))
-    writers = {name: _writer(np.asarray(a), name) for name, a in outputs.items()}
+    texts = {name: tokens(np.asarray(a), name) for name, a in outputs.items()}
     rows = []
     for i in range(batch):
-        members = [f'        "{name}": {_nested(np.asarray(array)[i], writers[name])}' for name, array in outputs.items()]
+        members = [f'        "{name}": {_nested(t[i])}' for name, t in texts.items()]
         rows.append("{\n" + ",\n".join(members) + "\n    }")
     return "[" + ", ".join(rows) + "]"
 

@@ -1,9 +1,12 @@
 """SageMaker content types on /invocations (reference §5), hooked into the LMI route.
 
-`handle` answers what LMI does not: any body for a non-LLM model (JSON, JSON Lines, CSV), and JSON Lines
-or CSV bodies for an LLM (each JSON Lines line an LMI request -> one output line; each CSV record a
-prompt). It returns None for an LLM's plain JSON (or text) body, which keeps LMI semantics. The model
-is the `tfs-model-name` custom attribute, else the route's model name, else the default model.
+On `/invocations` only, `handle` answers what LMI does not: JSON records (a list, a scalar, several
+top-level values, a TF Serving `instances`/`examples` document), JSON Lines and CSV bodies for a non-LLM
+model, and JSON Lines or CSV bodies for an LLM (each JSON Lines line an LMI request -> one output line;
+each CSV record a prompt). It returns None for LMI's own payloads (a JSON object with `inputs`,
+text/plain), which keep LMI semantics whatever the model kind, and for DJL's `/predictions/{m}` and
+`/models/{m}/invoke`. The model is the `tfs-model-name` custom attribute, else the `model_name` query
+parameter or header, else the default model.
 `X-Amzn-SageMaker-Custom-Attributes` is echoed on the answer. Errors are JSON `{"error": msg}`.
 """
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from contextlib import aclosing
 
 import numpy as np
 from starlette.requests import Request
@@ -41,6 +45,8 @@ def _model_name(request: Request, attributes: dict[str, str]) -> str | None:
 
 
 async def handle(request: Request) -> Response | None:
+    if request.url.path != "/invocations":
+        return None  # DJL's /predictions/{m} and /models/{m}/invoke keep LMI semantics only
     raw_attributes = request.headers.get(sagemaker.CUSTOM_ATTRIBUTES)
     echo = {sagemaker.CUSTOM_ATTRIBUTES: raw_attributes} if raw_attributes is not None else {}
     attributes = sagemaker.custom_attributes(raw_attributes)
@@ -52,6 +58,8 @@ async def handle(request: Request) -> Response | None:
     media, _ = sagemaker.content_type(header)
     if svc.kind == "llm" and (media not in _LLM_TYPES or await _lmi_stream(request, media)):
         return None
+    if media == "text/plain" or (media == sagemaker.JSON and sagemaker.is_lmi_payload(await request.body())):
+        return None  # LMI's own payloads stay LMI's, whatever the model kind
     default_accept = getattr(getattr(request.app.state, "settings", None), "default_invocations_accept", None)
     try:
         body = sagemaker.read_body(await request.body(), header)
@@ -62,6 +70,13 @@ async def handle(request: Request) -> Response | None:
         return await _tensor(svc, body, accept, attributes, echo)
     except LmiServeError as exc:
         return _error(exc.message, protocol_status(exc), echo)
+
+
+async def execution_parameters(request: Request) -> Response:
+    """SageMaker batch transform's optional probe: multi-record batches (the records of one body are
+    answered in order) of up to 6 MB."""
+    body = {"MaxConcurrentTransforms": 8, "BatchStrategy": "MULTI_RECORD", "MaxPayloadInMB": 6}
+    return raw_response(json.dumps(body).encode())
 
 
 async def _lmi_stream(request: Request, media: str) -> bool:
@@ -92,20 +107,14 @@ async def _tensor(svc: ModelService, body: sagemaker.Body, accept: str, attribut
 
 
 async def _tf_document(svc, model, doc: dict, attributes: dict, accept: str, echo: dict) -> Response:
-    """A TF Serving document (`instances`, `inputs` or `examples`), as the TF Serving container forwards it."""
+    """A TF Serving document (`instances` or `examples`), as the TF Serving container forwards it."""
     method = attributes.get("tfs-method", "classify" if "examples" in doc else "predict")
     if method == "predict":
-        request, key = tfserving.parse_predict(doc, model.signature, svc.name)
+        request, _ = tfserving.parse_predict(doc, model.signature, svc.name)  # `instances`: one record each
         outputs = await model.infer(request)
-        if key == "predictions":  # one record per instance: any negotiated type
-            count = next(iter(outputs.values())).shape[0] if outputs else 0
-            preds, objects = tensor_records.predictions(outputs, count), tensor_records.as_objects(outputs, count)
-            return raw_response(sagemaker.encode(accept, preds, objects), 200, accept, echo)
-        else:
-            value = {n: tensor_records.plain(np.asarray(a).tolist()) for n, a in outputs.items()}
-            value = next(iter(value.values())) if len(value) == 1 else value
-        body = json.dumps({key: value}, ensure_ascii=False, allow_nan=False).encode("utf-8")
-        return raw_response(body, 200, sagemaker.JSON, echo)
+        count = next(iter(outputs.values())).shape[0] if outputs else 0
+        preds, objects = tensor_records.predictions(outputs, count), tensor_records.as_objects(outputs, count)
+        return raw_response(sagemaker.encode(accept, preds, objects), 200, accept, echo)
     if method not in ("classify", "regress"):
         raise TensorError(f"unknown tfs-method '{method}': expected predict, classify or regress")
     request = tfserving.parse_examples(doc, method, model.kind, model.signature)
@@ -128,8 +137,19 @@ async def _llm(svc: ModelService, body: sagemaker.Body) -> tuple[list, list[dict
         return texts, [{"generated_text": t} for t in texts]
     engine = svc.ready_engine()
     lines = sagemaker.json_records(body)[0]
-    objects = await asyncio.gather(*(_lmi_line(engine, svc, line, i) for i, line in enumerate(lines)))
+    objects = await _all_or_none([_lmi_line(engine, svc, line, i) for i, line in enumerate(lines)])
     return [o.get("generated_text", o) if isinstance(o, dict) else o for o in objects], list(objects)
+
+
+async def _all_or_none(coros: list) -> list:
+    """Run concurrently; the first failure cancels the other lines and is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _lmi_line(engine, svc: ModelService, payload: object, index: int) -> dict:
@@ -141,9 +161,10 @@ async def _lmi_line(engine, svc: ModelService, payload: object, index: int) -> d
         raise TensorError(f"line {index + 1}: {exc.message}") from None
     fmt = get_formatter("json", call.options)  # one JSON document per line, whatever the server default
     chunks = []
-    async for event in engine.generate(call.requests[0]):
-        if is_error_finish(event):
-            raise InferenceFailed(f"line {index + 1}: {error_message(event)}")
-        chunks.append(fmt.on_event(event) or b"")
+    async with aclosing(engine.generate(call.requests[0])) as events:  # closing aborts the sequence
+        async for event in events:
+            if is_error_finish(event):
+                raise InferenceFailed(f"line {index + 1}: {error_message(event)}")
+            chunks.append(fmt.on_event(event) or b"")
     chunks.append(fmt.close() or b"")
     return json.loads(b"".join(chunks))

@@ -1,13 +1,18 @@
 """The tensor protocols' routes, appended after the LMI/TGI/OpenAI table (so exact routes such as the
-OpenAI `GET /v1/models` win): Vertex AI first (its routes come from settings), then KServe V2 under
-/v2 and TF Serving under /v1/models/."""
+OpenAI `GET /v1/models` win): SageMaker's batch probe, Vertex AI (its routes come from settings), then
+KServe V2 under /v2 and TF Serving under /v1/models/."""
 
 from __future__ import annotations
 
-from starlette.routing import BaseRoute
+from starlette.routing import BaseRoute, Route
 
-from lmiserve.http import tfserving_routes, v2_routes, vertex_routes
+from lmiserve.http import sagemaker, tfserving_routes, v2_routes, vertex_routes
 
 
 def routes(settings) -> list[BaseRoute]:
-    return [*vertex_routes.routes(settings), *v2_routes.routes(), tfserving_routes.route()]
+    return [
+        Route("/execution-parameters", sagemaker.execution_parameters, methods=["GET"]),
+        *vertex_routes.routes(settings),
+        *v2_routes.routes(),
+        *tfserving_routes.routes(),
+    ]

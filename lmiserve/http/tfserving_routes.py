@@ -1,8 +1,8 @@
 """TF Serving REST routes (reference §2) under /v1/models/...: one route, our own path parser (the
 `:predict` suffixes and percent-encoded names do not fit starlette's path patterns).
 
-`GET /v1/models` exactly is left to the OpenAI model list (the route table puts that first); every
-path below `/v1/models/` is TF Serving's. Errors are `{"error": msg}`, 4-space pretty, with §2.2 codes.
+`GET /v1/models` exactly is left to the OpenAI model list (the route table puts that first, so it wins
+when both exist); every path below `/v1/models/` is TF Serving's. Errors are `{"error": msg}`, 4-space pretty, with §2.2 codes.
 """
 
 from __future__ import annotations
@@ -86,5 +86,8 @@ async def _infer(request: Request, target: tfserving.Target) -> Response:
     return raw_response(tfserving.regress_body(outputs))
 
 
-def route() -> Route:
-    return Route("/v1/models/{rest:path}", handle, methods=["GET", "POST", "OPTIONS", "PUT", "DELETE", "PATCH"])
+def routes() -> list[Route]:
+    """`/v1/models/...`, and `/v1/models` itself for what an earlier exact route (the OpenAI model list,
+    `GET /v1/models`) does not take: TF Serving's 400 `Missing model name in request.` / `Malformed request`."""
+    methods = ["GET", "POST", "OPTIONS", "PUT", "DELETE", "PATCH"]
+    return [Route("/v1/models/{rest:path}", handle, methods=methods), Route("/v1/models", handle, methods=methods)]

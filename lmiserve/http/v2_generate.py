@@ -31,10 +31,9 @@ def _error(message: str, status: int) -> Response:
 
 
 async def _parse(request: Request):
-    from lmiserve.http.v2_routes import resolve
+    from lmiserve.http.v2_routes import ready_model
 
-    svc = resolve(request)
-    model = svc.tensor_model
+    svc, model = ready_model(request)
     if model.kind != "llm":
         raise TensorError(f"model '{svc.name}' is a {model.kind} model: generate needs an LLM; use /v2/models/{svc.name}/infer")
     doc = kserve.load_header(await request.body())

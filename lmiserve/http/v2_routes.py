@@ -13,9 +13,10 @@ import lmiserve
 from lmiserve.adapters import kserve
 from lmiserve.codecs import binary
 from lmiserve.codecs.errors import TensorError, protocol_status
-from lmiserve.core.errors import LmiServeError, ModelNotReady
+from lmiserve.core.errors import LmiServeError, ModelNotFound
 from lmiserve.http import tensor_lookup
 from lmiserve.http.responses import raw_response
+from lmiserve.http.service import ModelService
 from lmiserve.http.v2_generate import generate, generate_stream
 
 EXTENSIONS = ["binary_tensor_data", "parameters", "generate"]
@@ -46,13 +47,24 @@ async def ready(request: Request) -> Response:
 
 
 def resolve(request: Request):
-    """The addressed model's service; ModelNotFound for an unknown name or version."""
+    """The addressed model's service; 404 (MLServer's words) for an unknown name or version."""
     name = request.path_params["model"]
-    svc = tensor_lookup.service(request, name)
+    try:
+        svc = tensor_lookup.service(request, name)
+    except ModelNotFound:
+        raise TensorError(f"Model {name} not found", status=404) from None
     version = request.path_params.get("version")
     if version is not None and version != kserve.VERSION:
         raise TensorError(f"Model {name} with version {version} not found", status=404)
     return svc
+
+
+def ready_model(request: Request):
+    """(service, TensorModel) of the addressed model; 503 `Model <m> is not ready yet.` while it loads."""
+    svc = resolve(request)
+    if not tensor_lookup.is_ready(svc):
+        raise TensorError(f"Model {svc.name} is not ready yet.", status=503)
+    return svc, svc.tensor_model
 
 
 async def model_ready(request: Request) -> Response:
@@ -67,8 +79,7 @@ async def model_ready(request: Request) -> Response:
 
 async def model_metadata(request: Request) -> Response:
     try:
-        svc = resolve(request)
-        model = svc.tensor_model
+        svc, model = ready_model(request)
     except LmiServeError as exc:
         return fail(exc)
     return raw_response(json.dumps(kserve.metadata(svc.name, model.kind, model.signature)).encode())
@@ -76,8 +87,7 @@ async def model_metadata(request: Request) -> Response:
 
 async def infer(request: Request) -> Response:
     try:
-        svc = resolve(request)
-        model = svc.tensor_model
+        svc, model = ready_model(request)
         body = binary.decompress(await request.body(), request.headers.get("content-encoding"))
         header, tail = binary.split_body(body, request.headers.get(binary.HEADER))
         tensor_request, plan = kserve.parse_infer(kserve.load_header(header), tail, svc.name, model.signature)
@@ -86,6 +96,22 @@ async def infer(request: Request) -> Response:
     except LmiServeError as exc:
         return fail(exc)
     return raw_response(body, 200, content_type, headers)
+
+
+async def repository_index(request: Request) -> Response:
+    """Triton's repository index: every model with its state; `{"ready": true}` keeps the READY ones."""
+    try:
+        body = json.loads(await request.body() or b"{}")
+    except ValueError:
+        return error("failed to parse the request JSON", 400)
+    only_ready = isinstance(body, dict) and body.get("ready") is True
+    states = {ModelService.READY: "READY", ModelService.PENDING: "LOADING"}
+    index = []
+    for svc in tensor_lookup.services(request):
+        state = states.get(svc.status, "UNAVAILABLE")
+        if not only_ready or state == "READY":
+            index.append({"name": svc.name, "version": kserve.VERSION, "state": state, "reason": svc.error or ""})
+    return raw_response(json.dumps(index).encode())
 
 
 async def not_found(request: Request) -> Response:
@@ -109,6 +135,7 @@ _ROUTES = [
     Route("/", server_metadata, methods=["GET"]),
     Route("/health/live", live, methods=["GET"]),
     Route("/health/ready", ready, methods=["GET"]),
+    Route("/repository/index", repository_index, methods=["POST"]),
     *_model_routes("/models/{model}"),
     *_model_routes("/models/{model}/versions/{version}"),
 ]

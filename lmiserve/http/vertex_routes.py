@@ -2,7 +2,8 @@
 (settings vertex_predict_route / vertex_health_route), and always on the default shapes
 `/v1/endpoints/{endpoint}/deployedModels/{model}:predict` and `.../deployedModels/{model}`.
 
-The model is the server's default model (the LLM when several are loaded). Health is 200 `{}` once
+The model is the server's default model (the LLM when several are loaded), or the `model_name` query
+parameter (an lmiserve extension for multi-model servers). Health is 200 `{}` once
 every model is ready, else 503. Errors are JSON `{"error": msg}`.
 """
 
@@ -33,7 +34,7 @@ def _deployed_id(request: Request) -> str:
 
 async def predict(request: Request) -> Response:
     try:
-        svc = model_service(request)
+        svc = model_service(request, request.query_params.get("model_name"))
         model = svc.tensor_model
         tensor_request, count = vertex.parse(await request.body(), model.signature, svc.name)
         outputs = await model.infer(tensor_request)

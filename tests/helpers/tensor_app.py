@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 
 from lmiserve.config import Settings
-from lmiserve.core.tensor_io import select_outputs
+from lmiserve.core.tensor_io import select_outputs, text_rows
 from lmiserve.core.tensors import ModelSignature, TensorRequest, TensorSpec
 from lmiserve.http.app import create_app
 from lmiserve.http.service import ModelService
@@ -66,12 +66,12 @@ def text_model() -> NumpyModel:
     )
 
     def fn(text):
-        rows = [bytes(t).decode("utf-8") for t in text.reshape(-1)]
+        rows = text_rows(text, "text")  # InvalidRequest for non-UTF-8 bytes, as the real text models
         upper = np.empty(len(rows), dtype=object)
         upper[:] = [r.upper().encode("utf-8") for r in rows]
         return {"upper": upper, "length": np.array([len(r) for r in rows], dtype=np.int32)}
 
-    return NumpyModel("embedding", signature, fn)
+    return NumpyModel("text", signature, fn)  # a kind of its own: LMI answers it with every output by name
 
 
 def classifier_model() -> NumpyModel:

@@ -113,6 +113,7 @@ def test_metadata_and_readiness(affine_server, minilm_server):
     assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}]
     assert [o["name"] for o in meta["outputs"]] == ["y", "best"]
     assert client.get_server_metadata()["name"] == "lmiserve"
+    assert client.get_model_repository_index() == [{"name": "affine", "version": "1", "state": "READY", "reason": ""}]
     emb = client_for(minilm_server.url).get_model_metadata("minilm")
     assert emb["inputs"] == [{"name": "text", "datatype": "BYTES", "shape": [-1]}]
     assert emb["outputs"] == [{"name": "embedding", "datatype": "FP32", "shape": [-1, 384]}]

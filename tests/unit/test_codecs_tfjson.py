@@ -126,3 +126,14 @@ def test_deeply_nested_ignored_keys_are_skipped_iteratively():
     ]:
         with pytest.raises(TensorError, match=message.replace("(", r"\(").replace(".", r"\.").replace("[", r"\[")):
             parse_document(body, keep=("instances",))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_vectorized_float_formatting_equals_the_scalar_rule(dtype):
+    from lmiserve.codecs.tfjson import format_floats
+
+    rng = np.random.default_rng(0)
+    specials = [0.0, -0.0, 100, 1e7, 1234567, 1 / 3, np.nan, np.inf, -np.inf, 6e-7, 1e-45, 3.4e38, 0.1, 2.5]
+    with np.errstate(over="ignore"):
+        values = np.concatenate([rng.standard_normal(5000) * 10.0 ** rng.integers(-40, 40, 5000), specials]).astype(dtype)
+    assert format_floats(values) == [format_float(float(v), dtype == np.float32) for v in values]

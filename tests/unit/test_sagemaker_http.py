@@ -56,8 +56,6 @@ async def test_json_with_several_values_is_json_lines_and_instances_document(app
     assert len(r.json()["predictions"]) == 2
     r = await post(app, b'{"instances": [[1, 2, 3, 4]]}', "application/json")
     assert r.json() == {"predictions": [{"y": [1.5, 14.75], "best": 1}]}
-    r = await post(app, b'{"inputs": [[1, 2, 3, 4]]}', "application/json")
-    assert r.json() == {"outputs": {"y": [[1.5, 14.75]], "best": [1]}}
 
 
 async def test_text_model_csv_and_json(app):
@@ -111,3 +109,17 @@ def test_csv_codec():
     assert records.parse_csv('1,"2",3\r\n"a ""q""",b\n') == [[1.0, 2.0, 3.0], ['a "q"', "b"]]
     assert records.to_csv([[1.5, "a,b", None], 'say "hi"']) == b'1.5,"a,b",\n"say ""hi"""\n'
     assert records.parse_media_type("Text/CSV; Label_Size=2") == ("text/csv", {"label_size": "2"})
+
+
+async def test_lmi_payloads_stay_lmi_for_one_shot_models(app):
+    r = await post(app, b'{"inputs": [[1, 2, 3, 4]]}', "application/json")
+    assert r.status_code == 200
+    assert r.json() == {"y": [[1.5, 14.75]], "best": [1]}  # LMI's answer for a TorchScript model (adapters/lmi_tensor.py)
+    r = await post(app, b"hello", "text/plain", model="text")
+    assert r.status_code == 200 and r.json() == {"upper": ["HELLO"], "length": [5]}
+
+
+async def test_execution_parameters(app):
+    async with client(app) as http:
+        r = await http.get("/execution-parameters")
+    assert r.json() == {"MaxConcurrentTransforms": 8, "BatchStrategy": "MULTI_RECORD", "MaxPayloadInMB": 6}

@@ -41,7 +41,7 @@ async def test_classify(app):
         assert r.json() == {"results": [[["negative", 0.25], ["positive", 0.75]], [["negative", 0.75], ["positive", 0.25]]]}
         r = await http.post("/v1/models/cls:regress", json={"examples": [{"text": "x"}]})
         assert r.status_code == 400
-        assert r.json() == {"error": "Expected regression signature method_name to be tensorflow/serving/regress. Was: tensorflow/serving/predict"}
+        assert r.json() == {"error": "Expected regression signature method_name to be tensorflow/serving/regress. Was: tensorflow/serving/classify"}
 
 
 async def test_status_and_metadata(app):
@@ -112,3 +112,27 @@ async def test_cors_preflight(app):
         assert ok.status_code == 200 and ok.headers["access-control-allow-methods"] == "POST, GET"
         bad = await http.options("/v1/models/affine:predict")
         assert bad.status_code == 400 and bad.json() == {"error": "Origin header is missing in CORS preflight"}
+
+
+async def test_regress_on_a_regression_model():
+    from helpers.tensor_app import NumpyModel
+    from lmiserve.core.tensors import ModelSignature, TensorSpec
+    import numpy as np
+
+    signature = ModelSignature(inputs=(TensorSpec("text", "BYTES", (-1,)),), outputs=(TensorSpec("score", "FP32", (-1,)),))
+    model = NumpyModel("regression", signature, lambda text: {"score": np.array([len(t) / 4 for t in text], dtype=np.float32)})
+    async with client(tensor_app({"reg": model})) as http:
+        r = await http.post("/v1/models/reg:regress", json={"examples": [{"text": "ab"}, {"text": {"b64": "YWJjZA=="}}]})
+        assert r.status_code == 200 and r.json() == {"results": [0.5, 1.0]}
+        r = await http.post("/v1/models/reg:classify", json={"examples": [{"text": "ab"}]})
+        assert r.status_code == 400
+        assert r.json() == {"error": "Expected classification signature method_name to be tensorflow/serving/classify. Was: tensorflow/serving/regress"}
+        meta = (await http.get("/v1/models/reg/metadata")).json()
+        assert meta["metadata"]["signature_def"]["signature_def"]["serving_default"]["method_name"] == "tensorflow/serving/regress"
+
+
+async def test_v1_models_itself(app):
+    """`GET /v1/models` is the OpenAI list when that route exists (it comes first); other methods are TF Serving's."""
+    async with client(app) as http:
+        r = await http.post("/v1/models", content=b"{}")
+    assert r.status_code == 400 and r.json() == {"error": "Malformed request: POST /v1/models"}

@@ -158,8 +158,8 @@ async def test_mlserver_content_types(app):
 @pytest.mark.parametrize(
     ("model", "body", "status", "message"),
     [
-        ("nope", infer_body("x", "FP32", [1], [1]), 404, "Model or workflow not found: nope"),
-        ("loading", infer_body("x", "FP32", [1, 4], [1, 2, 3, 4]), 503, "Model loading is loading"),
+        ("nope", infer_body("x", "FP32", [1], [1]), 404, "Model nope not found"),
+        ("loading", infer_body("x", "FP32", [1, 4], [1, 2, 3, 4]), 503, "Model loading is not ready yet."),
         ("affine", infer_body("x", "FP32", [1, 4], [1, 2, 3]), 400, "shape [1, 4] needs 4 elements, got 3"),
         ("affine", infer_body("x", "FP32", [1, 4], [[1, 2], [3, 4, 5]]), 400, "needs 4 elements, got 5"),
         ("affine", infer_body("x", "FP32", [1, 3], [1, 2, 3]), 400, "unexpected shape for input 'x' for model 'affine'. Expected [-1,4], got [1,3]"),
@@ -234,3 +234,25 @@ async def test_health_metadata_and_unknown_routes(app):
         assert r.status_code == 405 and r.json() == {"error": "Method Not Allowed"}
         r = await http.post("/v2/models/affine/generate", json={"text_input": "hi"})
         assert r.status_code == 400 and "generate needs an LLM" in r.json()["error"]
+
+
+async def test_requested_output_content_types(app):
+    body = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["hi"]}],
+            "outputs": [{"name": "upper", "parameters": {"content_type": "base64"}}, {"name": "length", "parameters": {"content_type": "np"}}]}
+    async with client(app) as http:
+        r = await http.post("/v2/models/text/infer", json=body)
+        upper, length = r.json()["outputs"]
+        assert upper == {"name": "upper", "datatype": "BYTES", "shape": [1], "data": ["SEk="], "parameters": {"content_type": "base64"}}
+        assert length["parameters"] == {"content_type": "np"} and length["data"] == [2]
+        body["outputs"] = [{"name": "length", "parameters": {"content_type": "base64"}}]
+        r = await http.post("/v2/models/text/infer", json=body)
+        assert r.status_code == 400 and "needs BYTES" in r.json()["error"]
+
+
+async def test_repository_index(app):
+    async with client(app) as http:
+        index = (await http.post("/v2/repository/index")).json()
+        assert {"name": "loading", "version": "1", "state": "LOADING", "reason": ""} in index
+        assert {"name": "affine", "version": "1", "state": "READY", "reason": ""} in index
+        ready = (await http.post("/v2/repository/index", json={"ready": True})).json()
+        assert "loading" not in {m["name"] for m in ready} and "affine" in {m["name"] for m in ready}

@@ -50,3 +50,12 @@ async def test_errors(body, status, message):
     async with client(app) as http:
         r = await http.post("/v1/endpoints/e/deployedModels/d:predict", content=body)
     assert r.status_code == status and message in r.json()["error"]
+
+
+async def test_model_name_query_picks_a_model_on_a_multi_model_server():
+    app = tensor_app({"affine": affine_model(), "text": text_model()})
+    async with client(app) as http:
+        r = await http.post("/v1/endpoints/e/deployedModels/d:predict", json={"instances": ["x"]})
+        assert r.status_code == 400 and r.json() == {"error": "Parameter model_name is required."}
+        r = await http.post("/v1/endpoints/e/deployedModels/d:predict?model_name=text", json={"instances": ["x"]})
+        assert r.json()["predictions"] == [{"upper": "X", "length": 1}]
