@@ -82,7 +82,7 @@ def create_app(settings: Settings, service: ModelService | None = None, *, servi
             loading.cancel()
             await registry.close_all()
 
-    app = Starlette(routes=[*routes(), *tensor_routes.routes(settings)], lifespan=lifespan, exception_handlers={HTTPException: _http_error, Exception: _unexpected})
+    app = Starlette(routes=[*tensor_routes.configured_routes(settings), *routes(), *tensor_routes.routes()], lifespan=lifespan, exception_handlers={HTTPException: _http_error, Exception: _unexpected})
     app.state.registry = registry
     app.state.settings = settings
     return app

@@ -9,10 +9,15 @@ from starlette.routing import BaseRoute, Route
 from lmiserve.http import sagemaker, tfserving_routes, v2_routes, vertex_routes
 
 
-def routes(settings) -> list[BaseRoute]:
+def configured_routes(settings) -> list[BaseRoute]:
+    """Routes whose paths come from the environment ($AIP_*); they go before every other route."""
+    return vertex_routes.configured_routes(settings)
+
+
+def routes() -> list[BaseRoute]:
     return [
         Route("/execution-parameters", sagemaker.execution_parameters, methods=["GET"]),
-        *vertex_routes.routes(settings),
+        *vertex_routes.routes(),
         *v2_routes.routes(),
         *tfserving_routes.routes(),
     ]

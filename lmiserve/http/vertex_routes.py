@@ -59,7 +59,9 @@ async def default_shape(request: Request) -> Response:
     return _error(f"Not Found: {request.method} {request.url.path}", 404)
 
 
-def routes(settings) -> list[Route]:
+def configured_routes(settings) -> list[Route]:
+    """The $AIP_* routes: placed before every other route, since the platform chose these paths
+    (AIP_HEALTH_ROUTE=/health must answer Vertex's health, not TGI's)."""
     found = []
     predict_route = getattr(settings, "vertex_predict_route", None)
     health_route = getattr(settings, "vertex_health_route", None)
@@ -67,5 +69,8 @@ def routes(settings) -> list[Route]:
         found.append(Route(predict_route, predict, methods=["POST"]))
     if health_route:
         found.append(Route(health_route, health, methods=["GET"]))
-    found.append(Route("/v1/endpoints/{endpoint}/deployedModels/{deployed}", default_shape, methods=["GET", "POST"]))
     return found
+
+
+def routes() -> list[Route]:
+    return [Route("/v1/endpoints/{endpoint}/deployedModels/{deployed}", default_shape, methods=["GET", "POST"])]
