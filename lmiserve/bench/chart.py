@@ -18,7 +18,7 @@ def _series(levels: list[Json], get) -> tuple[list[int], list[float]]:
     return [c for c, _ in points], [v for _, v in points]
 
 
-def _axis(ax, title: str, ylabel: str, concurrencies: list[int], log_y: bool = False) -> None:
+def _axis(ax, title: str, ylabel: str, concurrencies: list[int]) -> None:
     ax.set_title(title)
     ax.set_xlabel("concurrency (clients) / batch size")
     ax.set_ylabel(ylabel)
@@ -26,9 +26,8 @@ def _axis(ax, title: str, ylabel: str, concurrencies: list[int], log_y: bool = F
         ax.set_xscale("log", base=2)
         ax.set_xticks(concurrencies)
         ax.set_xticklabels([str(c) for c in concurrencies])
-    if log_y:
-        ax.set_yscale("log")
-    ax.grid(True, which="both", alpha=0.3)
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
 
 
 def draw_chart(report: Json, path: Path) -> Path:
@@ -64,8 +63,8 @@ def draw_chart(report: Json, path: Path) -> Path:
     model = report.get("model", {}).get("name", "?")
     n = report.get("settings", {}).get("max_new_tokens", "?")
     _axis(throughput, "output throughput", "tokens/s", concurrencies)
-    _axis(ttft, "time to first token", "ms", concurrencies, log_y=True)
-    _axis(itl, "inter-token latency", "ms", concurrencies, log_y=True)
+    _axis(ttft, "time to first token", "ms", concurrencies)
+    _axis(itl, "inter-token latency", "ms", concurrencies)
     for ax in (throughput, ttft, itl):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize="small")

@@ -54,7 +54,7 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                    help="closed-loop client counts, also the baselines' batch sizes (default 1,8,32)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=128, help="tokens forced per request (default 128)")
     amount = p.add_mutually_exclusive_group()
-    amount.add_argument("--requests-per-client", type=_positive_int, default=2,
+    amount.add_argument("--requests-per-client", type=_positive_int,
                         help="measured requests per client and level (default 2)")
     amount.add_argument("--duration", type=float, help="seconds of measured load per level instead")
     p.add_argument("--warmup", type=_non_negative_int, default=1,
@@ -93,7 +93,7 @@ def run_bench_command(args: argparse.Namespace, argv: list[str] | None = None) -
             compare=[(args.compare_name[i] if i < len(args.compare_name) else "", url)
                      for i, url in enumerate(args.compare_url)],
             compare_model=args.compare_model, concurrency=args.concurrency, max_new_tokens=args.max_new_tokens,
-            requests_per_client=args.requests_per_client, duration=args.duration, warmup=args.warmup,
+            requests_per_client=args.requests_per_client or 2, duration=args.duration, warmup=args.warmup,
             output_dir=args.output_dir or Path("bench-results") / dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S"),
             device=args.device, dtype=args.dtype, skip_baselines=args.skip_baselines, options=options,
             soak_requests=args.soak_requests, soak_max_new_tokens=args.soak_max_new_tokens,

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from lmiserve.bench.prompts import client_prompt
+from lmiserve.bench.prompts import client_prompt, soak_prompt
 from lmiserve.bench.stats import RequestRecord
 
 DEFAULT_REQUEST_TIMEOUT = 600.0  # seconds a single streamed request may take
@@ -265,8 +265,8 @@ async def run_soak(
 
     async def client_loop(client: httpx.AsyncClient, client_id: int) -> None:
         for index in counter:
-            prompt = client_prompt(client_id, index, concurrency)
-            record = await one_request(dialect, client, prompt, max_new_tokens, client_id=client_id, index=index)
+            record = await one_request(dialect, client, soak_prompt(index), max_new_tokens, client_id=client_id,
+                                       index=index)
             records.append(record)
             if record.error is not None:
                 return

@@ -1,6 +1,7 @@
 """The fixed prompt set of `lmiserve bench`: plain English, lengths from a few words to ~170 words
 (about 6 to 230 tokens for SmolLM2's tokenizer), in a fixed order, so every run, server and baseline
-sees the same inputs.
+sees the same inputs. The longest prompt needs a context of about 230 tokens plus the new tokens;
+the soak (many short requests) uses the prompts of at most 20 words only.
 
 Client `c` of a level sends prompts `c, c + C, c + 2C, ...` (modulo the set, `C` the concurrency);
 the in-process baselines at batch size `B` use prompts `0 .. B-1` (cycling past the end).
@@ -42,6 +43,14 @@ PROMPTS: tuple[str, ...] = (
     "keeper has just found a stranger's boat tied to the rocks below.",
     "Compare walking, cycling and taking the bus as ways to get to work in a small city.",
 )
+
+
+SHORT_PROMPTS: tuple[str, ...] = tuple(p for p in PROMPTS if len(p.split()) <= 20)
+
+
+def soak_prompt(index: int) -> str:
+    """The prompt of soak request `index`: the short prompts only (about 4 to 22 tokens), in turn."""
+    return SHORT_PROMPTS[index % len(SHORT_PROMPTS)]
 
 
 def prompt_for(index: int) -> str:

@@ -81,11 +81,15 @@ def measurement_window(records: Sequence[RequestRecord]) -> tuple[float, float, 
     clients = {r.client for r in records}
     done = [r for r in records if r.end is not None]
     measured = [r for r in done if not r.warmup]
-    warm_ends = {c: max((r.end for r in done if r.client == c and r.warmup), default=None) for c in clients}
+    # a client is busy from the end of its warm-up (or its first request) to the end of its last one
+    busy_from = {
+        c: max((r.end for r in done if r.client == c and r.warmup),
+               default=min((r.start for r in records if r.client == c), default=None))
+        for c in clients
+    }
     last_ends = {c: max((r.end for r in done if r.client == c), default=None) for c in clients}
-    if measured and all(e is not None for e in last_ends.values()):
-        starts = [e if e is not None else min(r.start for r in measured) for e in warm_ends.values()]
-        t0, t1 = max(starts), min(e for e in last_ends.values() if e is not None)
+    if measured and None not in busy_from.values() and None not in last_ends.values():
+        t0, t1 = max(busy_from.values()), min(last_ends.values())
         if t1 > t0:
             return t0, t1, True
     if not measured:
