@@ -115,6 +115,20 @@ async def test_openai_dialect_counts_chunks_without_usage(openai_url):
     assert [(r.usage_tokens, r.tokens, r.count_ok) for r in records] == [(None, 5, True)] * 2
 
 
+async def test_duration_mode_keeps_every_client_busy_until_the_deadline(openai_url):
+    dialect = OpenAIDialect(url=openai_url, name="fake", model="fake-model")
+    records, elapsed = await run_level(dialect, 2, 4, duration=0.3, warmup=1)
+    warm_end = max(r.end for r in records if r.warmup)
+    for client in (0, 1):
+        mine = [r for r in records if r.client == client]
+        assert [r.index for r in mine] == list(range(len(mine)))  # closed loop, in order
+        measured = [r for r in mine if not r.warmup]
+        assert measured, "every client sends measured requests"
+        assert all(r.start < warm_end + 0.3 for r in measured)  # none started after the deadline
+        assert mine[-1].end >= warm_end + 0.3 - 0.1  # and the loop ran until about the deadline
+    assert all(r.count_ok for r in records) and elapsed >= 0.3
+
+
 @pytest.mark.parametrize(
     ("model", "error"),
     [("error-midway", "error in stream: {'message': 'boom'"), ("no-done", "stream ended without data: [DONE]"),
