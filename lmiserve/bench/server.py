@@ -131,7 +131,8 @@ class RssSampler:
         self.read()
 
     def summary(self) -> dict:
-        """Start/end/max RSS in MiB over the samples so far."""
+        """Start/end/max RSS in MiB over the samples so far, and a timeline of at most ~200
+        [seconds since start, MiB] points."""
         values = [rss for _, rss in self.samples]
         mib = lambda b: round(b / 2**20, 1)  # noqa: E731
         return {
@@ -140,4 +141,5 @@ class RssSampler:
             "rss_start_mib": mib(values[0]) if values else None,
             "rss_end_mib": mib(values[-1]) if values else None,
             "rss_max_mib": mib(max(values)) if values else None,
+            "timeline": [[round(t, 1), mib(rss)] for t, rss in self.samples[:: max(1, -(-len(self.samples) // 200))]],
         }

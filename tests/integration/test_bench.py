@@ -227,6 +227,7 @@ def test_bench_end_to_end(long_model_dir, openai_url, tmp_path):
     assert [b["tokens"] for b in baselines["generate"]] == [5, 10]
     memory = report["memory"]
     assert memory["samples"] >= 2 and 0 < memory["rss_start_mib"] <= memory["rss_max_mib"]
+    assert memory["timeline"][0] == [0.0, memory["rss_start_mib"]] and len(memory["timeline"]) >= 2
     soak = memory["soak"]
     assert soak["requests"] == 12 and soak["failed_requests"] == 0 and soak["token_count_errors"] == 0
     assert soak["drift_pct"] is not None
