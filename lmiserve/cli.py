@@ -1,4 +1,4 @@
-"""`lmiserve serve`: parse arguments, build settings, start uvicorn."""
+"""`lmiserve serve`: parse arguments, build settings, start uvicorn (and `lmiserve bench`, see lmiserve/bench)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from lmiserve.bench.cli import add_bench_parser, run_bench_command
 from lmiserve.config import ConfigError, load_settings, parse_override
 
 
@@ -22,11 +23,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE", help="set any option (repeatable)")
     serve.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on generation routes (or API_KEY)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log level (default info)")
+    add_bench_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        return run_bench_command(args, argv)
     try:
         overrides: dict[str, object] = dict(parse_override(o) for o in args.option)
         for key in ("model_id", "host", "port", "log_level", "api_key"):

@@ -57,3 +57,11 @@ def test_engine_is_free_of_http_and_protocols(path):
 def test_scheduler_is_pure_python():
     for name in ("scheduler.py", "sequence.py", "detokenizer.py", "stop.py", "async_engine.py"):
         assert not roots(imports_of(PACKAGE / "engine" / name)) & HEAVY, name
+
+
+@pytest.mark.parametrize("path", modules("bench"), ids=lambda p: f"bench/{p.name}")
+def test_bench_imports_torch_only_in_its_baselines(path):
+    """`lmiserve bench` may run the model in process (baselines.py); the rest stays torch-free so the
+    CLI and the load generator start fast."""
+    if path.name != "baselines.py":
+        assert not roots(imports_of(path)) & HEAVY

@@ -1,0 +1,139 @@
+"""In-process baselines of `lmiserve bench` (the only bench module that imports torch):
+
+(a) the bare model forward: a transformers model with a `DynamicCache`, left-padded prefill then a
+    greedy argmax loop, N tokens per sequence, under `torch.inference_mode()` — the ceiling of the
+    model code at that batch size;
+(b) `model.generate` static batching of the same prompts (left padding, greedy,
+    min_new_tokens = max_new_tokens = N).
+
+The model is loaded through `lmiserve.config` + `lmiserve.models` exactly as the server loads it
+(same model id, revision, cache dir, device and dtype). CUDA work is synchronised before every
+clock read.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from lmiserve.bench.prompts import batch_prompts
+
+
+def load_like_server(overrides: Mapping[str, Any]):
+    """The `LoadedModel` the server would load with these settings overrides (-o options etc.)."""
+    from lmiserve.config import load_settings
+    from lmiserve.models import load_causal_lm, resolve_model_path
+
+    settings = load_settings(dict(overrides))
+    path = resolve_model_path(settings.model_id, settings.revision, settings.model_cache_dir)
+    return load_causal_lm(path, dtype=settings.dtype, device=settings.device,
+                          trust_remote_code=settings.trust_remote_code)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _encode(loaded, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+    tokenizer = loaded.tokenizer
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        encoded = tokenizer(list(prompts), return_tensors="pt", padding=True)
+    finally:
+        tokenizer.padding_side = side
+    return {k: v.to(loaded.device) for k, v in encoded.items() if k in ("input_ids", "attention_mask")}
+
+
+@torch.inference_mode()
+def forward_decode(loaded, prompts: Sequence[str], max_new_tokens: int) -> dict[str, Any]:
+    """Greedy decode of `prompts` as one batch with the bare forward; times prefill and decode."""
+    model, device = loaded.model, loaded.device
+    batch = _encode(loaded, prompts)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    _sync(device)
+    t0 = time.perf_counter()
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                use_cache=True, logits_to_keep=1)
+    token = out.logits[:, -1, :].argmax(dim=-1)
+    _sync(device)
+    t1 = time.perf_counter()
+    generated = [token]
+    position = positions[:, -1:]
+    ones = torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=device)
+    for _ in range(max_new_tokens - 1):
+        mask = torch.cat([mask, ones], dim=1)
+        position = position + 1
+        out = model(input_ids=token[:, None], attention_mask=mask, position_ids=position,
+                    past_key_values=cache, use_cache=True)
+        token = out.logits[:, -1, :].argmax(dim=-1)
+        generated.append(token)
+    _sync(device)
+    t2 = time.perf_counter()
+    tokens = torch.stack(generated, dim=1)
+    batch_size, steps = tokens.shape
+    decode_s = t2 - t1
+    return {
+        "batch_size": batch_size,
+        "tokens": batch_size * steps,
+        "prefill_s": round(t1 - t0, 4),
+        "decode_s": round(decode_s, 4),
+        # N-1 decode steps follow the prefill (which yields the first token)
+        "decode_tokens_per_s": round(batch_size * (steps - 1) / decode_s, 2) if steps > 1 and decode_s > 0 else None,
+        "total_tokens_per_s": round(batch_size * steps / (t2 - t0), 2),
+    }
+
+
+@torch.inference_mode()
+def generate_static(loaded, prompts: Sequence[str], max_new_tokens: int) -> dict[str, Any]:
+    """`model.generate` on `prompts` as one left-padded greedy batch of exactly N new tokens."""
+    model, device, tokenizer = loaded.model, loaded.device, loaded.tokenizer
+    batch = _encode(loaded, prompts)
+    prompt_len = batch["input_ids"].shape[1]
+    _sync(device)
+    t0 = time.perf_counter()
+    out = model.generate(**batch, do_sample=False, min_new_tokens=max_new_tokens, max_new_tokens=max_new_tokens,
+                         pad_token_id=tokenizer.pad_token_id)
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    new = out.shape[1] - prompt_len
+    if new != max_new_tokens:
+        raise RuntimeError(f"model.generate produced {new} new tokens instead of {max_new_tokens}")
+    tokens = out.shape[0] * new
+    return {"batch_size": out.shape[0], "tokens": tokens, "seconds": round(seconds, 4),
+            "tokens_per_s": round(tokens / seconds, 2)}
+
+
+def run_baselines(
+    overrides: Mapping[str, Any],
+    batch_sizes: Sequence[int],
+    max_new_tokens: int,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Both baselines at every batch size (one short untimed warm-up first); frees the model after."""
+    loaded = load_like_server(overrides)
+    try:
+        info = {"device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
+                "model_path": str(loaded.path), "threads": torch.get_num_threads()}
+        forward_decode(loaded, batch_prompts(1), 2)
+        forward, generate = [], []
+        for size in batch_sizes:
+            prompts = batch_prompts(size)
+            forward.append(forward_decode(loaded, prompts, max_new_tokens))
+            log(f"  bare forward  batch {size:>3}: {forward[-1]['decode_tokens_per_s']} decode tokens/s")
+            generate.append(generate_static(loaded, prompts, max_new_tokens))
+            log(f"  generate      batch {size:>3}: {generate[-1]['tokens_per_s']} tokens/s")
+        return {**info, "forward": forward, "generate": generate}
+    finally:
+        del loaded
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

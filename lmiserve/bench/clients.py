@@ -1,0 +1,277 @@
+"""Streaming clients (two dialects) and the closed-loop load of one concurrency level.
+
+- `LmiDialect`: LMI ``POST /invocations`` with ``"stream": true`` and ``max_new_tokens = N``,
+  ``ignore_eos_token = true``; the jsonlines formatter sends one line per token (a ``data:``
+  prefix, as the sse formatter sends it, is tolerated); an ``error`` line fails the request.
+- `OpenAIDialect`: ``POST /v1/completions`` with ``stream: true``, ``max_tokens = min_tokens = N``,
+  ``ignore_eos: true`` (vLLM's extension) and ``stream_options.include_usage``; SSE ``data:``
+  events until ``data: [DONE]``; one token per chunk with text (or without a finish reason), and
+  ``usage.completion_tokens`` as the count when the server reports it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import httpx
+
+from lmiserve.bench.prompts import client_prompt, soak_prompt
+from lmiserve.bench.stats import RequestRecord
+
+DEFAULT_REQUEST_TIMEOUT = 600.0  # seconds a single streamed request may take
+
+
+class BenchError(RuntimeError):
+    """The benchmark cannot go on (server unreachable, wrong answers); the message says why."""
+
+
+class Dialect(Protocol):
+    name: str
+    url: str
+    kind: str
+
+    async def stream(self, client: httpx.AsyncClient, prompt: str, max_new_tokens: int, record: RequestRecord) -> None:
+        """Send one request and fill `record.token_times` / `usage_tokens` / `error`."""
+
+
+def _error_text(response_body: bytes, status: int) -> str:
+    text = response_body.decode("utf-8", errors="replace").strip().replace("\n", " ")
+    return f"HTTP {status}: {text[:300]}"
+
+
+def _sse_payload(line: str) -> str | None:
+    """The data of an SSE ``data:`` line (None for other lines)."""
+    if not line.startswith("data:"):
+        return None
+    return line[5:].strip()
+
+
+@dataclass
+class LmiDialect:
+    """lmiserve / DJL LMI streaming (``/invocations``)."""
+
+    url: str
+    name: str = "lmiserve"
+    kind: str = "lmi"
+
+    async def stream(self, client: httpx.AsyncClient, prompt: str, max_new_tokens: int, record: RequestRecord) -> None:
+        payload = {
+            "inputs": prompt,
+            "parameters": {"max_new_tokens": max_new_tokens, "ignore_eos_token": True},
+            "stream": True,
+        }
+        async with client.stream("POST", f"{self.url}/invocations", json=payload) as response:
+            if response.status_code != 200:
+                record.error = _error_text(await response.aread(), response.status_code)
+                return
+            async for line in response.aiter_lines():
+                now = time.perf_counter()
+                line = line.strip()
+                if not line:
+                    continue
+                data = _sse_payload(line) if line.startswith("data:") else line
+                try:
+                    obj = json.loads(data or "")
+                except json.JSONDecodeError:
+                    record.error = f"not a JSON line: {line[:200]}"
+                    return
+                if not isinstance(obj, dict):
+                    record.error = f"not a JSON object: {line[:200]}"
+                    return
+                if "error" in obj:
+                    record.error = f"error in stream: {str(obj['error'])[:300]}"
+                    return
+                if "token" in obj:
+                    record.token_times.append(now)
+
+
+@dataclass
+class OpenAIDialect:
+    """Any OpenAI-compatible ``/v1/completions`` server (vLLM, TGI, lmiserve's OpenAI routes...)."""
+
+    url: str
+    name: str
+    model: str | None = None
+    kind: str = "openai"
+
+    async def resolve_model(self, client: httpx.AsyncClient) -> str:
+        """The configured model, else the first id of ``GET /v1/models``, else "default"."""
+        if self.model:
+            return self.model
+        try:
+            response = await client.get(f"{self.url}/v1/models", timeout=30)
+            data = response.json().get("data") if response.status_code == 200 else None
+            if isinstance(data, list) and data and isinstance(data[0], dict) and data[0].get("id"):
+                self.model = str(data[0]["id"])
+        except (httpx.HTTPError, json.JSONDecodeError, AttributeError):
+            pass
+        self.model = self.model or "default"
+        return self.model
+
+    async def stream(self, client: httpx.AsyncClient, prompt: str, max_new_tokens: int, record: RequestRecord) -> None:
+        payload: dict[str, Any] = {
+            "model": self.model or "default",
+            "prompt": prompt,
+            "max_tokens": max_new_tokens,
+            "min_tokens": max_new_tokens,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        done = False
+        async with client.stream("POST", f"{self.url}/v1/completions", json=payload) as response:
+            if response.status_code != 200:
+                record.error = _error_text(await response.aread(), response.status_code)
+                return
+            async for line in response.aiter_lines():
+                now = time.perf_counter()
+                data = _sse_payload(line.strip())
+                if not data:
+                    continue
+                if data == "[DONE]":
+                    done = True
+                    break
+                try:
+                    obj = json.loads(data)
+                except json.JSONDecodeError:
+                    record.error = f"not a JSON event: {data[:200]}"
+                    return
+                if not isinstance(obj, dict):
+                    record.error = f"not a JSON object: {data[:200]}"
+                    return
+                if obj.get("error"):
+                    record.error = f"error in stream: {str(obj['error'])[:300]}"
+                    return
+                for choice in obj.get("choices") or ():
+                    if choice.get("text") or choice.get("finish_reason") in (None, ""):
+                        record.token_times.append(now)
+                usage = obj.get("usage")
+                if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+                    record.usage_tokens = usage["completion_tokens"]
+        if not done:
+            record.error = "stream ended without data: [DONE]"
+
+
+def make_client(concurrency: int, request_timeout: float = DEFAULT_REQUEST_TIMEOUT) -> httpx.AsyncClient:
+    """One connection per client of the level (plus spares); never through a proxy."""
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    timeout = httpx.Timeout(connect=30.0, read=request_timeout, write=60.0, pool=None)
+    return httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
+
+
+async def one_request(
+    dialect: Dialect, client: httpx.AsyncClient, prompt: str, max_new_tokens: int, *, client_id: int = 0,
+    index: int = 0, warmup: bool = False,
+) -> RequestRecord:
+    """Send one request and time it; transport errors become `record.error`."""
+    record = RequestRecord(client=client_id, index=index, warmup=warmup, expected_tokens=max_new_tokens,
+                           start=time.perf_counter())
+    try:
+        await dialect.stream(client, prompt, max_new_tokens, record)
+    except httpx.HTTPError as exc:
+        record.error = f"{type(exc).__name__}: {exc}"[:300] or type(exc).__name__
+    record.end = time.perf_counter()
+    return record
+
+
+def stagger(client_id: int, concurrency: int, max_new_tokens: int) -> int:
+    """Tokens of a client's first warm-up request: (client + 1) / C of N, so that afterwards the
+    clients' requests end at evenly spread times instead of all at once."""
+    return max(1, round(max_new_tokens * (client_id + 1) / concurrency))
+
+
+async def run_level(
+    dialect: Dialect,
+    concurrency: int,
+    max_new_tokens: int,
+    *,
+    requests_per_client: int = 2,
+    duration: float | None = None,
+    warmup: int = 1,
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+) -> tuple[list[RequestRecord], float]:
+    """Closed loop: `concurrency` clients, each sending its next request when the last one ended.
+
+    Each client sends `warmup` warm-up requests (see `stagger`) then `requests_per_client`
+    measured ones, or, with `duration`, measured requests until `duration` seconds after the
+    last client finished its warm-up. A client stops at its first failed request.
+    Returns the records of every request and the level's wall time.
+    """
+    records: list[RequestRecord] = []
+    warmed = asyncio.Event()
+    warm_state = {"left": concurrency, "at": 0.0}
+    if warmup == 0:
+        warmed.set()
+        warm_state["at"] = time.perf_counter()
+
+    def finished_warmup() -> None:
+        warm_state["left"] -= 1
+        if warm_state["left"] == 0:
+            warm_state["at"] = time.perf_counter()
+            warmed.set()
+
+    async def client_loop(client: httpx.AsyncClient, client_id: int) -> None:
+        index = 0
+        while True:
+            is_warmup = index < warmup
+            if not is_warmup:
+                if duration is None and index >= warmup + requests_per_client:
+                    return
+                if duration is not None and warmed.is_set() and time.perf_counter() >= warm_state["at"] + duration:
+                    return
+            tokens = stagger(client_id, concurrency, max_new_tokens) if index == 0 and warmup > 0 else max_new_tokens
+            prompt = client_prompt(client_id, index, concurrency)
+            record = await one_request(dialect, client, prompt, tokens, client_id=client_id, index=index,
+                                       warmup=is_warmup)
+            records.append(record)
+            if is_warmup and index == warmup - 1:
+                finished_warmup()
+            if record.error is not None:
+                if is_warmup and index < warmup - 1:
+                    finished_warmup()
+                return
+            index += 1
+
+    start = time.perf_counter()
+    async with make_client(concurrency, request_timeout) as client:
+        await asyncio.gather(*(client_loop(client, c) for c in range(concurrency)))
+    return records, time.perf_counter() - start
+
+
+async def probe(dialect: Dialect, max_new_tokens: int = 4) -> RequestRecord:
+    """One short request before the levels: fails fast (BenchError) if the server cannot serve."""
+    async with make_client(1, 120.0) as client:
+        if isinstance(dialect, OpenAIDialect):
+            await dialect.resolve_model(client)
+        record = await one_request(dialect, client, client_prompt(0, 0, 1), max_new_tokens)
+    if record.error is not None:
+        raise BenchError(f"{dialect.name} at {dialect.url} failed a probe request: {record.error}")
+    return record
+
+
+async def run_soak(
+    dialect: Dialect, concurrency: int, total: int, max_new_tokens: int,
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+) -> tuple[list[RequestRecord], float]:
+    """`total` short requests from `concurrency` closed-loop clients sharing one counter (a client
+    stops at its first failed request)."""
+    records: list[RequestRecord] = []
+    counter = iter(range(total))
+
+    async def client_loop(client: httpx.AsyncClient, client_id: int) -> None:
+        for index in counter:
+            record = await one_request(dialect, client, soak_prompt(index), max_new_tokens, client_id=client_id,
+                                       index=index)
+            records.append(record)
+            if record.error is not None:
+                return
+
+    start = time.perf_counter()
+    async with make_client(concurrency, request_timeout) as client:
+        await asyncio.gather(*(client_loop(client, c) for c in range(concurrency)))
+    return records, time.perf_counter() - start

@@ -1,0 +1,243 @@
+"""`lmiserve bench` against real servers: a small OpenAI-style `/v1/completions` SSE server written
+here (starlette + uvicorn, OpenAI's completions chunk format), a real `lmiserve serve` of the tiny
+model, and the whole command end to end (its own server, baselines, soak, compare server, JSON, PNG).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from helpers.server import free_port, run_server
+from lmiserve.bench.clients import BenchError, LmiDialect, OpenAIDialect, probe, run_level, run_soak
+from lmiserve.bench.stats import level_summary
+
+WORDS = (" the", " quick", " brown", " fox", " jumps", " over", " a", " lazy", " dog", ".")
+BENCH_TIMEOUT = 600
+
+
+# --- a small OpenAI-compatible completions server -----------------------------------------------
+
+def _chunk(n: int, model: str, choices: list, usage=None, include_usage=False) -> str:
+    body = {"id": f"cmpl-{n}", "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices}
+    if include_usage:
+        body["usage"] = usage
+    return "data: " + json.dumps(body) + "\n\n"
+
+
+async def completions(request: Request):
+    """OpenAI's streamed completions: one chunk per token, `finish_reason` on the last token, a
+    usage chunk with empty choices when `stream_options.include_usage`, then `data: [DONE]`.
+    Without `ignore_eos` it "meets EOS" after half of max_tokens. The model name picks a fault:
+    `no-usage` ignores stream_options, `error-midway` sends an error event after 2 tokens,
+    `no-done` ends without [DONE], `reject` answers 400."""
+    body = await request.json()
+    model = body.get("model")
+    if model == "reject" or not isinstance(body.get("max_tokens"), int) or body.get("stream") is not True:
+        return JSONResponse({"error": {"message": "rejected", "type": "invalid_request_error"}}, status_code=400)
+    n = body["max_tokens"]
+    stop_at = n if body.get("ignore_eos") and body.get("min_tokens") == n else max(1, n // 2)
+    include_usage = model != "no-usage" and bool((body.get("stream_options") or {}).get("include_usage"))
+    prompt_tokens = len(str(body.get("prompt", "")).split())
+
+    async def events():
+        for i in range(stop_at):
+            await asyncio.sleep(0.002)
+            if model == "error-midway" and i == 2:
+                yield "data: " + json.dumps({"error": {"message": "boom", "type": "server_error"}}) + "\n\n"
+                yield "data: [DONE]\n\n"
+                return
+            finish = None if i < stop_at - 1 else ("length" if stop_at == n else "stop")
+            choice = {"text": WORDS[i % len(WORDS)], "index": 0, "logprobs": None, "finish_reason": finish}
+            yield _chunk(i, model, [choice], include_usage=include_usage)
+        if include_usage:
+            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": stop_at, "total_tokens": prompt_tokens + stop_at}
+            yield _chunk(stop_at, model, [], usage=usage, include_usage=True)
+        if model != "no-done":
+            yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+async def models(request: Request):
+    return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model", "created": 0, "owned_by": "test"}]})
+
+
+@pytest.fixture(scope="module")
+def openai_url() -> Iterator[str]:
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]), Route("/v1/models", models)])
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "OpenAI test server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+# --- OpenAI dialect ----------------------------------------------------------------------------
+
+async def test_openai_dialect_counts_exact_tokens_under_closed_loop(openai_url):
+    dialect = OpenAIDialect(url=openai_url, name="fake")
+    await probe(dialect)
+    assert dialect.model == "fake-model"  # from GET /v1/models
+    records, elapsed = await run_level(dialect, 3, 7, requests_per_client=2, warmup=1)
+    assert len(records) == 9 and elapsed > 0
+    assert all(r.error is None and r.count_ok for r in records), [(r.error, r.tokens) for r in records]
+    assert sorted(r.expected_tokens for r in records if r.warmup) == [2, 5, 7]  # staggered warm-up
+    assert all(r.usage_tokens == r.expected_tokens == len(r.token_times) for r in records)
+    level = level_summary(3, records, elapsed)
+    assert level["token_count_errors"] == 0 and level["tokens_received"] == 2 + 5 + 7 + 6 * 7
+    assert level["output_tokens_per_s"] > 0 and level["itl_ms"]["count"] > 0
+
+
+async def test_openai_dialect_counts_chunks_without_usage(openai_url):
+    dialect = OpenAIDialect(url=openai_url, name="fake", model="no-usage")
+    records, _ = await run_level(dialect, 2, 5, requests_per_client=1, warmup=0)
+    assert [(r.usage_tokens, r.tokens, r.count_ok) for r in records] == [(None, 5, True)] * 2
+
+
+async def test_duration_mode_keeps_every_client_busy_until_the_deadline(openai_url):
+    dialect = OpenAIDialect(url=openai_url, name="fake", model="fake-model")
+    records, elapsed = await run_level(dialect, 2, 4, duration=0.3, warmup=1)
+    warm_end = max(r.end for r in records if r.warmup)
+    for client in (0, 1):
+        mine = [r for r in records if r.client == client]
+        assert [r.index for r in mine] == list(range(len(mine)))  # closed loop, in order
+        measured = [r for r in mine if not r.warmup]
+        assert measured, "every client sends measured requests"
+        assert all(r.start < warm_end + 0.3 for r in measured)  # none started after the deadline
+        assert mine[-1].end >= warm_end + 0.3 - 0.1  # and the loop ran until about the deadline
+    assert all(r.count_ok for r in records) and elapsed >= 0.3
+
+
+@pytest.mark.parametrize(
+    ("model", "error"),
+    [("error-midway", "error in stream: {'message': 'boom'"), ("no-done", "stream ended without data: [DONE]"),
+     ("reject", "HTTP 400: ")],
+)
+async def test_openai_dialect_failures_fail_the_request(openai_url, model, error):
+    dialect = OpenAIDialect(url=openai_url, name="fake", model=model)
+    records, _ = await run_level(dialect, 1, 6, requests_per_client=3, warmup=0)
+    assert len(records) == 1  # the client stops at its first failure
+    assert records[0].error is not None and records[0].error.startswith(error) and not records[0].count_ok
+    with pytest.raises(BenchError, match="failed a probe request"):
+        await probe(dialect)
+
+
+# --- LMI dialect against a real lmiserve ---------------------------------------------------------
+
+# The tiny model with a 4096-token context (`long_model_dir`, tests/integration/conftest.py): the
+# longest prompts of the bench's set are ~600 tokens for the tiny model's 512-token vocabulary.
+
+
+@pytest.fixture(scope="module")
+def lmi_url(long_model_dir: Path) -> Iterator[str]:
+    with run_server(["--model-id", str(long_model_dir), "-o", "max_rolling_batch_size=4"]) as url:
+        yield url
+
+
+async def test_lmi_dialect_forces_exactly_n_tokens(lmi_url):
+    dialect = LmiDialect(url=lmi_url)
+    records, elapsed = await run_level(dialect, 4, 9, requests_per_client=2, warmup=1)
+    assert len(records) == 12
+    assert all(r.error is None for r in records), [r.error for r in records]
+    assert [len(r.token_times) for r in records] == [r.expected_tokens for r in records]
+    assert sorted(r.expected_tokens for r in records if r.warmup) == [2, 4, 7, 9]
+    level = level_summary(4, records, elapsed)
+    assert level["steady_window"] and level["token_count_errors"] == 0 and level["failed_requests"] == 0
+    assert level["ttft_ms"]["count"] == 8 and level["itl_ms"]["p99"] >= level["itl_ms"]["p50"] > 0
+
+
+async def test_lmi_soak_and_server_errors(lmi_url):
+    dialect = LmiDialect(url=lmi_url)
+    records, _ = await run_soak(dialect, 3, 10, 3)
+    assert len(records) == 10 and all(r.count_ok for r in records)
+    records, _ = await run_level(dialect, 1, 5000, requests_per_client=1, warmup=0)  # above max_new_tokens_limit
+    assert records[0].error is not None and records[0].error.startswith("HTTP 4")
+
+
+def run_bench(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "lmiserve", "bench", *args], capture_output=True, text=True,
+                          timeout=BENCH_TIMEOUT, cwd=cwd)
+
+
+def test_bench_url_mode_without_baselines(lmi_url, tmp_path):
+    out = tmp_path / "url"
+    result = run_bench("--url", lmi_url, "--concurrency", "2", "--max-new-tokens", "4", "--skip-baselines",
+                       "--output-dir", str(out), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    report = json.loads((out / "bench.json").read_text())
+    assert report["baselines"] is None and report["memory"] is None
+    assert report["settings"]["url"] == lmi_url and report["files"]["server_log"] is None
+    (level,) = report["servers"][0]["levels"]
+    assert level["tokens_expected"] == level["tokens_received"] and level["token_count_errors"] == 0
+    assert report["servers"][0]["ratios"][0]["server_over_forward"] is None
+    assert (out / "bench.png").stat().st_size > 0
+
+
+# --- the whole command -----------------------------------------------------------------------------
+
+def test_bench_end_to_end(long_model_dir, openai_url, tmp_path):
+    out = tmp_path / "run"
+    result = run_bench(
+        "--model-id", str(long_model_dir), "--concurrency", "1,2", "--max-new-tokens", "5", "--device", "cpu",
+        "--dtype", "fp32", "-o", "max_rolling_batch_size=4", "--soak-requests", "12", "--soak-max-new-tokens", "3",
+        "--compare-url", openai_url + "/v1", "--compare-name", "fake-openai", "--output-dir", str(out), cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads((out / "bench.json").read_text())
+    assert report["schema"] == "lmiserve-bench/1"
+    assert report["device"] == "cpu" and report["dtype"] == "float32"
+    assert report["model"]["name"] == long_model_dir.name and report["versions"]["torch"]
+    assert report["command"].startswith("lmiserve bench --model-id")
+    assert [s["name"] for s in report["servers"]] == ["lmiserve", "fake-openai"]
+    assert report["servers"][1]["model"] == "fake-model"
+    for server in report["servers"]:
+        assert [lv["concurrency"] for lv in server["levels"]] == [1, 2]
+        for lv in server["levels"]:
+            assert lv["failed_requests"] == 0 and lv["token_count_errors"] == 0
+            assert lv["tokens_received"] == lv["tokens_expected"]
+            # warm-up 1 + 2 measured requests per client; warm-up lengths staggered over 1..5
+            assert lv["requests"] == 3 * lv["concurrency"] and lv["measured_requests"] == 2 * lv["concurrency"]
+            assert lv["tokens_expected"] == {1: 5 + 10, 2: 2 + 5 + 20}[lv["concurrency"]]
+            assert lv["output_tokens_per_s"] > 0 and lv["ttft_ms"]["p50"] > 0
+        for row in server["ratios"]:
+            assert row["server_over_forward"] > 0 and row["server_over_generate"] > 0
+    baselines = report["baselines"]
+    assert [b["batch_size"] for b in baselines["forward"]] == [b["batch_size"] for b in baselines["generate"]] == [1, 2]
+    assert [b["tokens"] for b in baselines["generate"]] == [5, 10]
+    memory = report["memory"]
+    assert memory["samples"] >= 2 and 0 < memory["rss_start_mib"] <= memory["rss_max_mib"]
+    assert memory["timeline"][0] == [0.0, memory["rss_start_mib"]] and len(memory["timeline"]) >= 2
+    soak = memory["soak"]
+    assert soak["requests"] == 12 and soak["failed_requests"] == 0 and soak["token_count_errors"] == 0
+    assert soak["drift_pct"] is not None
+    targets = {t["id"]: t for t in report["targets"]}
+    assert targets["c1_vs_forward"]["passed"] in (True, False) and targets["c32_vs_forward"]["passed"] is None
+    assert targets["exact_tokens"]["passed"] is True and targets["rss_stable"]["value"] is not None
+    png = out / "bench.png"
+    assert png.read_bytes().startswith(b"\x89PNG") and png.stat().st_size > 10_000
+    assert (out / "server.log").stat().st_size > 0
+    rows = [line.split() for line in result.stdout.splitlines()]
+    assert [r[:2] for r in rows if len(r) > 2 and r[0] in ("lmiserve", "fake-openai") and r[1].isdigit()] == [
+        ["lmiserve", "1"], ["lmiserve", "2"], ["fake-openai", "1"], ["fake-openai", "2"]]
+    assert "targets (issue #5):" in result.stdout and "wrote " in result.stdout
