@@ -80,7 +80,7 @@ def chat(
         top_n_tokens=top_n,
         details=True,
     )
-    call = build(prompt, params, limits, count_tokens, stream=req.stream)
+    call = _vllm_extensions(build(prompt, params, limits, count_tokens, stream=req.stream), req)
     call = _with_n(call, req.n or 1, call.sampling)
     return OpenAICall(
         calls=[call],
@@ -124,7 +124,7 @@ def completion(
             details=True,
             decoder_input_details=req.echo and req.logprobs is not None and not req.stream,
         )
-        call = build(prompt, params, limits, count_tokens, stream=req.stream)
+        call = _vllm_extensions(build(prompt, params, limits, count_tokens, stream=req.stream), req)
         calls.append(_with_n(call, req.n or 1, call.sampling))
     return OpenAICall(
         calls=calls,
@@ -140,3 +140,11 @@ def completion(
 
 def _response_model(requested: str | None, served: str) -> str:
     return served if requested in (None, "", "tgi") else requested
+
+
+def _vllm_extensions(call, req):
+    """vLLM's `ignore_eos` and `min_tokens` (benchmark clients use them to force exactly N tokens)."""
+    params = call.request.params
+    params.ignore_eos_token = req.ignore_eos
+    params.min_new_tokens = min(req.min_tokens, params.max_new_tokens)
+    return call

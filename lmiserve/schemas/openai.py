@@ -52,6 +52,9 @@ class _Common(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     n: int | None = Field(None, ge=1, le=UINT32)
+    # vLLM's extensions, which benchmark clients send to force an exact number of tokens
+    ignore_eos: StrictBool = False
+    min_tokens: int = Field(0, ge=0, le=UINT32)
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -155,3 +155,12 @@ def test_invocations_prompt_is_a_completion(client):
 def test_invocations_inputs_stays_lmi_without_tgi_compat(client):
     r = client.post("/invocations", json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}})
     assert r.text.startswith('{"generated_text": ')  # LMI's spaced JSON, not a TGI list
+
+
+def test_completion_ignore_eos_forces_exact_token_count(client):
+    """vLLM's `ignore_eos`/`min_tokens` extension, which benchmark clients (lmiserve bench) send."""
+    body = {"prompt": "Hello", "max_tokens": 24, "min_tokens": 24, "ignore_eos": True, "temperature": 0, "stream": True}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    chunks = [c for c in openai_sse(r.text) if c["choices"]]
+    assert len(chunks) == 24 and chunks[-1]["choices"][0]["finish_reason"] == "length"
