@@ -36,6 +36,7 @@ class EngineConfig:
     batch_size: int = 1
     max_batch_delay: float = 0.1
     batch_invariant: bool = False
+    fast_path: bool = True  # own Llama-family forward when supported; False forces the generic path
 
 
 class _Handle:

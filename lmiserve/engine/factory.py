@@ -32,6 +32,7 @@ def create_engine(loaded, config: EngineConfig, *, max_input_len: int | None = N
         max_context=loaded.max_context,
         eos_token_ids=loaded.eos_token_ids,
         batch_invariant=config.batch_invariant,
+        fast_path=config.fast_path,
     )
     codec = PromptCodec(
         loaded.tokenizer,

@@ -1,0 +1,228 @@
+"""In-process engine micro-benchmark: the engine against the bare transformers forward and `generate`.
+
+    .venv/bin/python benchmarks/engine_throughput.py [--tokens 128] [--concurrency 1,8,32]
+        [--paths generic,fast] [--steady 32] [--rss-requests 1000] [--json out.json]
+
+Everything runs in one process on the same model (the bundled SmolLM2 unless --model-id), with the
+measurements interleaved per concurrency so the ratios stay meaningful on a busy machine:
+
+- bare: `model(input_ids, past_key_values=DynamicCache, use_cache=True)` in a loop, greedy argmax,
+  decode steps only (the model-code ceiling at that batch size);
+- generate: static `model.generate` of the same prompts, forced `--tokens` new tokens, prefill included;
+- engine/<path>: the AsyncEngine at that concurrency, every request forced to `--tokens` new tokens
+  (`ignore_eos_token`), wall time from first submit to last token, prefill included;
+  <path> is `generic` (transformers forward over the slot cache) or `fast` (engine/fast_llama.py);
+- steady: `--steady` closed-loop clients; a new request starts whenever one finishes; inter-token
+  latency p50/p99 over requests that joined a running batch;
+- rss: resident memory after 10 % of `--rss-requests` short requests and at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import time
+
+import torch
+from transformers import DynamicCache
+
+from lmiserve.core import GenerationRequest, SamplingParams
+from lmiserve.engine.async_engine import EngineConfig
+from lmiserve.engine.factory import create_engine
+from lmiserve.models import load_causal_lm, resolve_model_path
+
+TOPICS = ["the sea", "gravity", "a city at night", "machine learning", "the moon", "coffee", "trains", "music",
+          "volcanoes", "friendship", "winter", "the internet"]
+TEMPLATES = ["Write a short poem about {}.", "Explain {} in simple words.", "What is interesting about {}?",
+             "Tell me a story about {}."]
+
+
+def prompts(count: int) -> list[str]:
+    return [TEMPLATES[i % len(TEMPLATES)].format(TOPICS[i % len(TOPICS)]) for i in range(count)]
+
+
+def prompt_batch(loaded, batch: int) -> torch.Tensor:
+    """The prompts as one [batch, L] tensor, cut to the shortest so no padding is needed."""
+    ids = [loaded.tokenizer(t).input_ids for t in prompts(batch)]
+    length = min(len(i) for i in ids)
+    return torch.tensor([i[:length] for i in ids], device=loaded.device)
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] if ordered else float("nan")
+
+
+# ---- references ---------------------------------------------------------------------------------
+@torch.inference_mode()
+def bare_forward(loaded, batch: int, steps: int) -> float:
+    model = loaded.model
+    ids = prompt_batch(loaded, batch)
+    cache = DynamicCache(config=model.config)
+    nxt = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+    start = time.perf_counter()
+    for _ in range(steps):
+        nxt = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+    return batch * steps / (time.perf_counter() - start)
+
+
+@torch.inference_mode()
+def static_generate(loaded, batch: int, tokens: int) -> float:
+    ids = prompt_batch(loaded, batch)
+    pad = loaded.tokenizer.pad_token_id or next(iter(loaded.eos_token_ids))
+    start = time.perf_counter()
+    out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
+                                min_new_tokens=tokens, do_sample=False, pad_token_id=pad)
+    elapsed = time.perf_counter() - start
+    return (out.shape[0] * (out.shape[1] - ids.shape[1])) / elapsed
+
+
+# ---- the engine ----------------------------------------------------------------------------------
+def engine_for(loaded, path: str, running: int, prefill_tokens: int | None):
+    config = EngineConfig(max_running=running, fast_path=(path == "fast"))
+    if prefill_tokens is not None:
+        config.max_prefill_tokens = prefill_tokens
+    return create_engine(loaded, config)
+
+
+async def _stream(engine, text: str, tokens: int) -> list[float]:
+    """Arrival times of each token of one forced-length request (the submit time first)."""
+    params = SamplingParams(max_new_tokens=tokens, ignore_eos_token=True)
+    times = [time.perf_counter()]
+    async for event in engine.generate(GenerationRequest(text, params)):
+        if event.token is not None:
+            times.append(time.perf_counter())
+    return times
+
+
+async def engine_wave(loaded, path: str, concurrency: int, tokens: int, prefill_tokens) -> dict:
+    engine = engine_for(loaded, path, concurrency, prefill_tokens)
+    engine.start()
+    try:
+        await _stream(engine, "warm up", 2)
+        start = time.perf_counter()
+        runs = await asyncio.gather(*(_stream(engine, t, tokens) for t in prompts(concurrency)))
+        elapsed = time.perf_counter() - start
+    finally:
+        await engine.stop()
+    generated = sum(len(r) - 1 for r in runs)
+    ttft = [r[1] - r[0] for r in runs]
+    itl = [b - a for r in runs for a, b in zip(r[1:], r[2:])]
+    return {"tok_s": generated / elapsed, "ttft_p50": pct(ttft, 0.5), "ttft_max": max(ttft),
+            "itl_p50": pct(itl, 0.5), "itl_p99": pct(itl, 0.99)}
+
+
+async def steady_load(loaded, path: str, clients: int, tokens: int, requests: int, prefill_tokens) -> dict:
+    """Closed loop: each client starts a new request when its previous one ends; lengths vary."""
+    engine = engine_for(loaded, path, clients, prefill_tokens)
+    engine.start()
+    rng = random.Random(0)
+    texts = prompts(requests)
+    lengths = [rng.randint(tokens // 2, tokens + tokens // 2) for _ in range(requests)]
+    queue = list(range(requests))
+    joined: list[list[float]] = []
+
+    async def client():
+        while queue:
+            i = queue.pop(0)
+            times = await _stream(engine, texts[i], lengths[i])
+            if i >= clients:  # joined a batch that was already running
+                joined.append(times)
+
+    try:
+        start = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(clients)))
+        elapsed = time.perf_counter() - start
+    finally:
+        await engine.stop()
+    itl = [b - a for r in joined for a, b in zip(r[1:], r[2:])]
+    ttft = [r[1] - r[0] for r in joined]
+    return {"tok_s": sum(lengths) / elapsed, "itl_p50": pct(itl, 0.5), "itl_p99": pct(itl, 0.99),
+            "itl_max": max(itl), "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99)}
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+async def rss_run(loaded, path: str, requests: int, concurrency: int, prefill_tokens) -> dict:
+    engine = engine_for(loaded, path, concurrency, prefill_tokens)
+    engine.start()
+    gate = asyncio.Semaphore(concurrency)
+    texts = prompts(requests)
+    done = 0
+    marks: dict[str, float] = {}
+
+    async def one(i: int):
+        nonlocal done
+        async with gate:
+            params = SamplingParams(max_new_tokens=4 + i % 9, ignore_eos_token=True)
+            async for _ in engine.generate(GenerationRequest(texts[i] * (1 + i % 3), params)):
+                pass
+            done += 1
+            if done == max(1, requests // 10):
+                marks["after_10pct"] = rss_mb()
+
+    try:
+        await asyncio.gather(*(one(i) for i in range(requests)))
+    finally:
+        await engine.stop()
+    marks["end"] = rss_mb()
+    marks["growth"] = marks["end"] / marks["after_10pct"] - 1
+    return marks
+
+
+# ---- report --------------------------------------------------------------------------------------
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-id", default=None)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--paths", default="generic,fast")
+    parser.add_argument("--prefill-tokens", type=int, default=None, help="max_prefill_tokens (default: engine's)")
+    parser.add_argument("--steady", type=int, default=32, help="clients of the steady-load run (0 = skip)")
+    parser.add_argument("--steady-requests", type=int, default=96)
+    parser.add_argument("--rss-requests", type=int, default=1000, help="0 = skip")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    loaded = load_causal_lm(resolve_model_path(args.model_id, None, None), dtype="auto", device="auto")
+    paths = [p for p in args.paths.split(",") if p]
+    report: dict = {"model": loaded.name, "device": str(loaded.device), "dtype": str(loaded.dtype),
+                    "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "tokens": args.tokens,
+                    "concurrency": {}}
+    bare_forward(loaded, 1, 4)  # warm up kernels
+    for c in [int(x) for x in args.concurrency.split(",")]:
+        row: dict = {"bare": bare_forward(loaded, c, args.tokens), "generate": static_generate(loaded, c, args.tokens)}
+        for path in paths:
+            row[path] = asyncio.run(engine_wave(loaded, path, c, args.tokens, args.prefill_tokens))
+            row[path]["vs_bare"] = row[path]["tok_s"] / row["bare"]
+            row[path]["vs_generate"] = row[path]["tok_s"] / row["generate"]
+        report["concurrency"][c] = row
+        print(f"c={c}: " + json.dumps(row), flush=True)
+    if args.steady:
+        report["steady"] = {}
+        for path in paths:
+            s = asyncio.run(steady_load(loaded, path, args.steady, args.tokens, args.steady_requests, args.prefill_tokens))
+            s["p99_over_p50"] = s["itl_p99"] / s["itl_p50"]
+            report["steady"][path] = s
+            print(f"steady {path}: " + json.dumps(s), flush=True)
+    if args.rss_requests:
+        report["rss"] = {}
+        for path in paths:
+            report["rss"][path] = asyncio.run(rss_run(loaded, path, args.rss_requests, 32, args.prefill_tokens))
+            print(f"rss {path}: " + json.dumps(report["rss"][path]), flush=True)
+    text = json.dumps(report, indent=2)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
