@@ -95,9 +95,11 @@ def _rms(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """transformers' ``x * cos + rotate_half(x) * sin`` with the sign folded into the table
+    (``(-a) * b == a * (-b)`` exactly, so the values are bit-identical, one op fewer)."""
     half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
 
 
 class FastLlama:
@@ -131,8 +133,10 @@ class FastLlama:
             positions = torch.arange(have, new, device=self.device)[None]
             probe = torch.empty(0, dtype=self.dtype, device=self.device)
             cos, sin = self._rotary(probe, positions)
+            half = self.head_dim // 2
+            signed = torch.cat((-sin[0][:, :half], sin[0][:, half:]), dim=-1)
             self._cos = torch.cat([self._cos, cos[0]])
-            self._sin = torch.cat([self._sin, sin[0]])
+            self._sin = torch.cat([self._sin, signed])
         return self._cos, self._sin
 
     # ---- one step ----------------------------------------------------------------------------------
@@ -166,7 +170,11 @@ class FastLlama:
             dec_rows = torch.arange(rows, device=dev)
             dec_span = int(max(decode_positions)) + 1
             dec_mask = (torch.arange(dec_span, device=dev)[None, :] <= dec_pos[:, None])[:, None, None, :]
-            dec = (dec_rows, dec_pos, dec_span, dec_mask)
+            # flat row of (slot r, kv head h, position p) in a [slots * heads * length, head_dim] view
+            length = self.cache.capacity
+            heads = torch.arange(self.kv_heads, device=dev)
+            dec_index = ((dec_rows[:, None] * self.kv_heads + heads[None, :]) * length + dec_pos[:, None]).reshape(-1)
+            dec = (dec_rows, dec_index, dec_span, dec_mask)
         pre = []
         offset = rows
         for slot, start, chunk in prefills:
@@ -179,10 +187,9 @@ class FastLlama:
         for index, layer in enumerate(self.layers):
             h = _rms(x, layer.in_norm)
             qkv = F.linear(h, layer.qkv_w, layer.qkv_b)
-            q = qkv[:, :q_size].view(-1, self.heads, self.head_dim)
-            k = qkv[:, q_size : q_size + kv_size].view(-1, self.kv_heads, self.head_dim)
+            qk = _rotate(qkv[:, : q_size + kv_size].view(-1, self.heads + self.kv_heads, self.head_dim), cos, sin)
+            q, k = qk[:, : self.heads], qk[:, self.heads :]
             v = qkv[:, q_size + kv_size :].view(-1, self.kv_heads, self.head_dim)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             attn = self._attention(index, q, k, v, dec, pre)
             x = x + F.linear(attn, layer.o_w, layer.o_b)
             h = _rms(x, layer.post_norm)
@@ -190,17 +197,17 @@ class FastLlama:
             inter = layer.intermediate
             h = layer.act(gate_up[:, :inter]) * gate_up[:, inter:]
             x = x + F.linear(h, layer.down_w, layer.down_b)
-        x = x[torch.tensor(keep, device=dev)] if len(keep) != x.shape[0] else x
+        x = x[torch.tensor(keep, dtype=torch.long, device=dev)] if len(keep) != x.shape[0] else x
         return F.linear(_rms(x, self.norm), self.lm_head).float()
 
     def _attention(self, index: int, q, k, v, dec, pre) -> torch.Tensor:
         keys, values = self.cache.keys[index], self.cache.values[index]
         outputs = []
         if dec is not None:
-            dec_rows, dec_pos, span, mask = dec
+            dec_rows, dec_index, span, mask = dec
             n = dec_rows.shape[0]
-            keys[dec_rows, :, dec_pos] = k[:n]
-            values[dec_rows, :, dec_pos] = v[:n]
+            keys.view(-1, self.head_dim).index_copy_(0, dec_index, k[:n].reshape(-1, self.head_dim))
+            values.view(-1, self.head_dim).index_copy_(0, dec_index, v[:n].reshape(-1, self.head_dim))
             query = q[:n].reshape(n, self.kv_heads, self.groups, self.head_dim)  # GQA packed per kv head
             out = F.scaled_dot_product_attention(
                 query, keys[:n, :, :span], values[:n, :, :span], attn_mask=mask, scale=self.scale
