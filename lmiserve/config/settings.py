@@ -109,6 +109,9 @@ class Settings(BaseModel):
         "Streaming in dynamic-batch mode (LMI's deprecated option; needs batch_size=1)."))
     batch_invariant: bool = Field(False, description=(
         "Run each sequence's forward pass alone so greedy output equals model.generate exactly."))
+    fast_path: bool = Field(True, description=(
+        "Run llama/mistral/qwen2 models with lmiserve's own fused forward (one pass per step); "
+        "false forces the generic transformers path. Other models always use the generic path."))
     # --- output ---
     output_formatter: OutputFormatter | None = Field(None, description=(
         "Default output format: json, jsonlines, sse or tgi_compat; "
@@ -128,7 +131,7 @@ class Settings(BaseModel):
     # ------------------------------------------------------------------ coercion
 
     @field_validator(
-        "trust_remote_code", "enable_streaming", "batch_invariant", "tgi_compat", mode="before"
+        "trust_remote_code", "enable_streaming", "batch_invariant", "tgi_compat", "fast_path", mode="before"
     )
     @classmethod
     def _parse_bool(cls, value: Any) -> Any:

@@ -18,6 +18,7 @@ def engine_config(settings) -> EngineConfig:
         batch_size=settings.batch_size,
         max_batch_delay=settings.max_batch_delay / 1000.0,
         batch_invariant=settings.batch_invariant,
+        fast_path=settings.fast_path,
     )
 
 

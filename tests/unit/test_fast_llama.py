@@ -183,3 +183,11 @@ def test_a_failing_fused_forward_fails_only_the_culprit(tiny_model, monkeypatch)
             assert "kernel exploded" in events[-1].finish.error
         else:
             assert [e.token.id for e in events if e.token] == _greedy_reference(tiny_model, prompt, 6)
+
+
+def test_the_fast_path_setting_reaches_the_runner(tiny_model):
+    from lmiserve.config import Settings
+    from lmiserve.engine.factory import build_engine
+
+    assert build_engine(tiny_model, Settings()).runner.path == "fast"
+    assert build_engine(tiny_model, Settings.from_options({"fast_path": "false"})).runner.path == "generic"
