@@ -1,7 +1,7 @@
 """In-process engine micro-benchmark: the engine against the bare transformers forward and `generate`.
 
     .venv/bin/python benchmarks/engine_throughput.py [--tokens 128] [--concurrency 1,8,32]
-        [--paths generic,fast] [--steady 32] [--rss-requests 1000] [--json out.json]
+        [--paths generic,fast] [--steady 32] [--rss-requests 1000] [--threads N] [--json out.json]
 
 Everything runs in one process on the same model (the bundled SmolLM2 unless --model-id), with the
 measurements interleaved per concurrency so the ratios stay meaningful on a busy machine:
@@ -188,8 +188,11 @@ def main() -> None:
     parser.add_argument("--steady", type=int, default=32, help="clients of the steady-load run (0 = skip)")
     parser.add_argument("--steady-requests", type=int, default=96)
     parser.add_argument("--rss-requests", type=int, default=1000, help="0 = skip")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     loaded = load_causal_lm(resolve_model_path(args.model_id, None, None), dtype="auto", device="auto")
     paths = [p for p in args.paths.split(",") if p]

@@ -118,7 +118,10 @@ class FastLlama:
         self.groups = self.heads // self.kv_heads
         self.scale = self.head_dim**-0.5
         self.embed = inner.embed_tokens.weight
-        self.layers = [_Layer(layer) for layer in inner.layers]
+        self.layers = model.__dict__.get("_lmiserve_fused_layers")
+        if self.layers is None:  # fuse once per model; later engines on it share the result
+            self.layers = [_Layer(layer) for layer in inner.layers]
+            model.__dict__["_lmiserve_fused_layers"] = self.layers
         self.norm = (inner.norm.weight, inner.norm.variance_epsilon)
         self.lm_head = model.lm_head.weight
         self._rotary = inner.rotary_emb

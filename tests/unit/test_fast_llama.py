@@ -185,9 +185,13 @@ def test_a_failing_fused_forward_fails_only_the_culprit(tiny_model, monkeypatch)
             assert [e.token.id for e in events if e.token] == _greedy_reference(tiny_model, prompt, 6)
 
 
-def test_the_fast_path_setting_reaches_the_runner(tiny_model):
+def test_engine_settings_reach_the_runner_and_the_scheduler(tiny_model):
     from lmiserve.config import Settings
     from lmiserve.engine.factory import build_engine
 
-    assert build_engine(tiny_model, Settings()).runner.path == "fast"
-    assert build_engine(tiny_model, Settings.from_options({"fast_path": "false"})).runner.path == "generic"
+    default = build_engine(tiny_model, Settings())
+    assert default.runner.path == "fast" and default.scheduler.prefill_floor == 16  # CPU default
+    generic = build_engine(tiny_model, Settings.from_options({"fast_path": "false", "prefill_tokens_while_decoding": "64"}))
+    assert generic.runner.path == "generic" and generic.scheduler.prefill_floor == 64
+    # a second engine on the same model reuses the fused weights instead of fusing (and copying) again
+    assert build_engine(tiny_model, Settings()).runner.fast.layers is default.runner.fast.layers
