@@ -11,7 +11,10 @@ measurements interleaved per concurrency so the ratios stay meaningful on a busy
 - generate: static `model.generate` of the same prompts, forced `--tokens` new tokens, prefill included;
 - engine/<path>: the AsyncEngine at that concurrency, every request forced to `--tokens` new tokens
   (`ignore_eos_token`), wall time from first submit to last token, prefill included;
-  <path> is `generic` (transformers forward over the slot cache) or `fast` (engine/fast_llama.py);
+  <path> is `generic` (the engine before the fast path: transformers forward over the slot cache,
+  one forward per prefill chunk, no per-step prefill bound) or `fast` (today's default);
+- every rate also as tokens per CPU-second of this process (`*_per_cpu_s`, `cpu_vs_*`): far less
+  sensitive than wall time when other processes share the cores;
 - steady: `--steady` closed-loop clients; a new request starts whenever one finishes; inter-token
   latency p50/p99 over requests that joined a running batch;
 - rss: resident memory after 10 % of `--rss-requests` short requests and at the end.
@@ -52,6 +55,9 @@ def prompt_batch(loaded, batch: int) -> torch.Tensor:
     return torch.tensor([i[:length] for i in ids], device=loaded.device)
 
 
+CPU_RATE: dict[str, float] = {}  # tokens per CPU-second of the last measurement of each kind
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] if ordered else float("nan")
@@ -64,9 +70,10 @@ def bare_forward(loaded, batch: int, steps: int) -> float:
     ids = prompt_batch(loaded, batch)
     cache = DynamicCache(config=model.config)
     nxt = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         nxt = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+    CPU_RATE["bare"] = batch * steps / (time.process_time() - cpu)
     return batch * steps / (time.perf_counter() - start)
 
 
@@ -74,19 +81,28 @@ def bare_forward(loaded, batch: int, steps: int) -> float:
 def static_generate(loaded, batch: int, tokens: int) -> float:
     ids = prompt_batch(loaded, batch)
     pad = loaded.tokenizer.pad_token_id or next(iter(loaded.eos_token_ids))
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
                                 min_new_tokens=tokens, do_sample=False, pad_token_id=pad)
     elapsed = time.perf_counter() - start
+    CPU_RATE["generate"] = (out.shape[0] * (out.shape[1] - ids.shape[1])) / (time.process_time() - cpu)
     return (out.shape[0] * (out.shape[1] - ids.shape[1])) / elapsed
 
 
 # ---- the engine ----------------------------------------------------------------------------------
+MODELS: dict = {}  # path -> the LoadedModel it serves (generic: the pristine reference copy)
+
+
 def engine_for(loaded, path: str, running: int, prefill_tokens: int | None):
-    config = EngineConfig(max_running=running, fast_path=(path == "fast"))
+    """generic = the engine as it was before the fast path (transformers forward, per-chunk prefill
+    forwards, no per-step prefill bound); fast = today's default."""
+    if path == "generic":
+        config = EngineConfig(max_running=running, fast_path=False, prefill_floor=None)
+    else:
+        config = EngineConfig(max_running=running)
     if prefill_tokens is not None:
         config.max_prefill_tokens = prefill_tokens
-    return create_engine(loaded, config)
+    return create_engine(MODELS.get(path, loaded), config)
 
 
 async def _stream(engine, text: str, tokens: int) -> list[float]:
@@ -104,15 +120,16 @@ async def engine_wave(loaded, path: str, concurrency: int, tokens: int, prefill_
     engine.start()
     try:
         await _stream(engine, "warm up", 2)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         runs = await asyncio.gather(*(_stream(engine, t, tokens) for t in prompts(concurrency)))
         elapsed = time.perf_counter() - start
+        cpu = time.process_time() - cpu
     finally:
         await engine.stop()
     generated = sum(len(r) - 1 for r in runs)
     ttft = [r[1] - r[0] for r in runs]
     itl = [b - a for r in runs for a, b in zip(r[1:], r[2:])]
-    return {"tok_s": generated / elapsed, "ttft_p50": pct(ttft, 0.5), "ttft_max": max(ttft),
+    return {"tok_s": generated / elapsed, "tok_per_cpu_s": generated / cpu, "ttft_p50": pct(ttft, 0.5), "ttft_max": max(ttft),
             "itl_p50": pct(itl, 0.5), "itl_p99": pct(itl, 0.99)}
 
 
@@ -194,18 +211,26 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    loaded = load_causal_lm(resolve_model_path(args.model_id, None, None), dtype="auto", device="auto")
+    path = resolve_model_path(args.model_id, None, None)
+    # the fast path re-lays out the weights it serves (faster GEMMs for transformers too): the
+    # references run on a pristine copy so they measure transformers as users get it
+    reference = load_causal_lm(path, dtype="auto", device="auto")
+    loaded = load_causal_lm(path, dtype="auto", device="auto")
+    MODELS["generic"] = reference
     paths = [p for p in args.paths.split(",") if p]
     report: dict = {"model": loaded.name, "device": str(loaded.device), "dtype": str(loaded.dtype),
                     "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "tokens": args.tokens,
                     "concurrency": {}}
-    bare_forward(loaded, 1, 4)  # warm up kernels
+    bare_forward(reference, 1, 4)  # warm up kernels
     for c in [int(x) for x in args.concurrency.split(",")]:
-        row: dict = {"bare": bare_forward(loaded, c, args.tokens), "generate": static_generate(loaded, c, args.tokens)}
+        row: dict = {"bare": bare_forward(reference, c, args.tokens), "generate": static_generate(reference, c, args.tokens)}
+        row["bare_per_cpu_s"], row["generate_per_cpu_s"] = CPU_RATE["bare"], CPU_RATE["generate"]
         for path in paths:
             row[path] = asyncio.run(engine_wave(loaded, path, c, args.tokens, args.prefill_tokens))
             row[path]["vs_bare"] = row[path]["tok_s"] / row["bare"]
             row[path]["vs_generate"] = row[path]["tok_s"] / row["generate"]
+            row[path]["cpu_vs_bare"] = row[path]["tok_per_cpu_s"] / row["bare_per_cpu_s"]
+            row[path]["cpu_vs_generate"] = row[path]["tok_per_cpu_s"] / row["generate_per_cpu_s"]
         report["concurrency"][c] = row
         print(f"c={c}: " + json.dumps(row), flush=True)
     if args.steady:
