@@ -136,6 +136,17 @@ async def engine_wave(loaded, path: str, concurrency: int, tokens: int, prefill_
 async def steady_load(loaded, path: str, clients: int, tokens: int, requests: int, prefill_tokens) -> dict:
     """Closed loop: each client starts a new request when its previous one ends; lengths vary."""
     engine = engine_for(loaded, path, clients, prefill_tokens)
+    steps: list[tuple[bool, float, float]] = []  # (had prefill, wall s, worker-thread CPU s) per step
+    execute = engine.runner.execute
+
+    def timed(plan):
+        start, cpu = time.perf_counter(), time.thread_time()
+        try:
+            return execute(plan)
+        finally:
+            steps.append((bool(plan.prefill), time.perf_counter() - start, time.thread_time() - cpu))
+
+    engine.runner.execute = timed
     engine.start()
     rng = random.Random(0)
     texts = prompts(requests)
@@ -158,8 +169,18 @@ async def steady_load(loaded, path: str, clients: int, tokens: int, requests: in
         await engine.stop()
     itl = [b - a for r in joined for a, b in zip(r[1:], r[2:])]
     ttft = [r[1] - r[0] for r in joined]
+    decode_cpu = [c for p, _, c in steps if not p]
+    prefill_cpu = [c for p, _, c in steps if p]
+    all_cpu = [c for _, _, c in steps]
     return {"tok_s": sum(lengths) / elapsed, "itl_p50": pct(itl, 0.5), "itl_p99": pct(itl, 0.99),
-            "itl_max": max(itl), "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99)}
+            "itl_max": max(itl), "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99),
+            # step cost in CPU time of the worker thread: what a stream waits per token, without
+            # the other processes' share of the cores
+            "steps": len(steps), "steps_with_prefill": len(prefill_cpu),
+            "step_cpu_p50": pct(all_cpu, 0.5), "step_cpu_p99": pct(all_cpu, 0.99),
+            "step_cpu_p99_over_p50": pct(all_cpu, 0.99) / pct(all_cpu, 0.5),
+            "decode_step_cpu_p50": pct(decode_cpu, 0.5), "prefill_step_cpu_p50": pct(prefill_cpu, 0.5),
+            "prefill_step_cpu_max": max(prefill_cpu, default=float("nan"))}
 
 
 def rss_mb() -> float:
@@ -222,7 +243,7 @@ def main() -> None:
                     "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "tokens": args.tokens,
                     "concurrency": {}}
     bare_forward(reference, 1, 4)  # warm up kernels
-    for c in [int(x) for x in args.concurrency.split(",")]:
+    for c in [int(x) for x in args.concurrency.split(",") if x]:
         row: dict = {"bare": bare_forward(reference, c, args.tokens), "generate": static_generate(reference, c, args.tokens)}
         row["bare_per_cpu_s"], row["generate_per_cpu_s"] = CPU_RATE["bare"], CPU_RATE["generate"]
         for path in paths:
