@@ -217,8 +217,9 @@ class FastLlama:
             # GQA packed per kv head: [rows, kv_heads, groups, head_dim] against [rows, kv_heads, span, head_dim].
             # Plain batched matmuls: for a handful of queries per row SDPA's CPU kernel costs ~10x more.
             query = q[:n].reshape(n, self.kv_heads, self.groups, self.head_dim)
-            scores = torch.matmul(query, keys[:n, :, :span].transpose(-1, -2)) * self.scale
-            probs = scores.masked_fill_(mask, float("-inf")).softmax(-1)
+            # softmax in fp32 for bf16/fp16 models (a no-op for fp32)
+            scores = torch.matmul(query, keys[:n, :, :span].transpose(-1, -2)).float() * self.scale
+            probs = scores.masked_fill_(mask, float("-inf")).softmax(-1).to(values.dtype)
             outputs.append(torch.matmul(probs, values[:n, :, :span]).reshape(n, -1))
         for slot, start, end, offset, mask in pre:
             length = end - start

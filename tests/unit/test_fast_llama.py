@@ -196,3 +196,17 @@ def test_engine_settings_reach_the_runner_and_the_scheduler(tiny_model):
     assert generic.runner.path == "generic" and generic.scheduler.prefill_floor == 64
     # a second engine on the same model reuses the fused weights instead of fusing (and copying) again
     assert build_engine(tiny_model, Settings()).runner.fast.layers is default.runner.fast.layers
+
+
+@torch.inference_mode()
+def test_bf16_models_run_on_the_fast_path_close_to_transformers():
+    model = build(*ARCHS["llama"]).to(torch.bfloat16)
+    ids = [5, 9, 17, 33, 65, 129, 257, 300]
+    reference = model(torch.tensor([ids])).logits[0].float()
+    cache = SlotKVCache(2, 1, 2, 16, torch.bfloat16, model.device, initial_len=4, max_len=256)
+    fast = FastLlama(model, cache, 256)
+    fast.forward([], [], [(0, 0, ids[:-1])], [])
+    out = fast.forward([ids[-1]], [len(ids) - 1], [], [0])
+    assert out.dtype == torch.float32 and cache.keys[0].dtype == torch.bfloat16
+    assert int(out[0].argmax()) == int(reference[-1].argmax())
+    torch.testing.assert_close(out[0], reference[-1], rtol=0.05, atol=0.1)
