@@ -162,9 +162,22 @@ def test_a_step_with_newcomers_is_one_forward(tiny_model, monkeypatch):
         return real(self, decode_ids, decode_positions, prefills, keep)
 
     monkeypatch.setattr(FastLlama, "forward", counted)
-    engine, _ = asyncio.run(_serve(tiny_model, EngineConfig(), 12))
-    assert len(calls) == engine.steps
-    assert any(rows and chunks for rows, chunks in calls)  # decode and prefill shared a forward
+    engine = create_engine(tiny_model, EngineConfig())  # driven step by step, no event loop
+    sched, runner = engine.scheduler, engine.runner
+    params = SamplingParams(max_new_tokens=5, ignore_eos_token=True)
+
+    def step():
+        plan, _ = sched.schedule(0.0)
+        return plan, sched.update(plan, runner.execute(plan))
+
+    engine.submit(GenerationRequest(PROMPTS[0], params))
+    step()  # prefill the first prompt
+    engine.submit(GenerationRequest(PROMPTS[1], params))
+    engine.submit(GenerationRequest(PROMPTS[2], params))
+    plan, events = step()
+    assert len(plan.decode) == 1 and len(plan.prefill) == 2
+    assert calls == [(0, 1), (1, 2)]  # one forward per step, decode rows and both newcomers together
+    assert len(events) == 3 and all(e.token is not None for _, e in events)
 
 
 def test_a_failing_fused_forward_fails_only_the_culprit(tiny_model, monkeypatch):
@@ -172,7 +185,7 @@ def test_a_failing_fused_forward_fails_only_the_culprit(tiny_model, monkeypatch)
     real = FastLlama.forward
 
     def forward(self, decode_ids, decode_positions, prefills, keep):
-        if any(chunk == bad_ids for _, _, chunk in prefills):
+        if any(chunk == bad_ids[start : start + len(chunk)] for _, start, chunk in prefills):
             raise RuntimeError("kernel exploded")
         return real(self, decode_ids, decode_positions, prefills, keep)
 
