@@ -107,6 +107,9 @@ class Settings(BaseModel):
         "Most sequences generated together; further requests wait in the queue."))
     max_rolling_batch_prefill_tokens: int = Field(2048, ge=1, description=(
         "Most prompt tokens prefilled in one engine step."))
+    prefill_tokens_while_decoding: int | None = Field(None, ge=1, description=(
+        "While streams decode, a step prefills at most max(this, decoding streams) prompt tokens "
+        "(within max_rolling_batch_prefill_tokens); unset = 16 on CPU, 256 on GPU."))
     max_input_len: int | None = Field(None, ge=1, description=(
         "Longest accepted prompt in tokens; unset = the model's context length."))
     max_new_tokens: int = Field(30, ge=1, description=(
@@ -125,6 +128,9 @@ class Settings(BaseModel):
         "Streaming in dynamic-batch mode (LMI's deprecated option; needs batch_size=1)."))
     batch_invariant: bool = Field(False, description=(
         "Run each sequence's forward pass alone so greedy output equals model.generate exactly."))
+    fast_path: bool = Field(True, description=(
+        "Run llama/mistral/qwen2 models with lmiserve's own fused forward (one pass per step); "
+        "false forces the generic transformers path. Other models always use the generic path."))
     # --- output ---
     output_formatter: OutputFormatter | None = Field(None, description=(
         "Default output format: json, jsonlines, sse or tgi_compat; "
@@ -171,7 +177,7 @@ class Settings(BaseModel):
     # ------------------------------------------------------------------ coercion
 
     @field_validator(
-        "trust_remote_code", "enable_streaming", "batch_invariant", "tgi_compat", mode="before"
+        "trust_remote_code", "enable_streaming", "batch_invariant", "tgi_compat", "fast_path", mode="before"
     )
     @classmethod
     def _parse_bool(cls, value: Any) -> Any:

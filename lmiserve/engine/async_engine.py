@@ -36,6 +36,10 @@ class EngineConfig:
     batch_size: int = 1
     max_batch_delay: float = 0.1
     batch_invariant: bool = False
+    fast_path: bool = True  # own Llama-family forward when supported; False forces the generic path
+    # prompt tokens a step that also decodes may take: max(this, decoding rows); None = no extra
+    # bound; "auto" = by device (engine/factory.py)
+    prefill_floor: int | str | None = "auto"
 
 
 class _Handle:
@@ -59,6 +63,7 @@ class AsyncEngine:
             batch_size=config.batch_size,
             max_batch_delay=config.max_batch_delay,
             queue_timeout=config.predict_timeout,
+            prefill_floor=config.prefill_floor,
         )
         self._handles: dict[int, _Handle] = {}  # seq_id -> handle
         self._ids = itertools.count(1)

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from lmiserve.engine.async_engine import AsyncEngine, EngineConfig
 from lmiserve.engine.runner import ModelRunner
 from lmiserve.engine.validation import PromptCodec
+
+# Prompt tokens a step that also decodes may take at least (it takes max(floor, decoding rows)).
+# CPU: a step's cost is ~ weight read + tokens x per-token compute; 16 extra tokens at most double
+# a 1-row decode step and add ~1/3 to a 32-row one (benchmarks/README.md, "prefill budget").
+# GPU: a step costs about the same up to hundreds of tokens (not measured here).
+PREFILL_FLOOR = {"cpu": 16, "cuda": 256}
 
 
 def engine_config(settings) -> EngineConfig:
@@ -18,6 +26,8 @@ def engine_config(settings) -> EngineConfig:
         batch_size=settings.batch_size,
         max_batch_delay=settings.max_batch_delay / 1000.0,
         batch_invariant=settings.batch_invariant,
+        fast_path=settings.fast_path,
+        prefill_floor=settings.prefill_tokens_while_decoding or "auto",
     )
 
 
@@ -26,12 +36,15 @@ def build_engine(loaded, settings) -> AsyncEngine:
 
 
 def create_engine(loaded, config: EngineConfig, *, max_input_len: int | None = None, runner_cls=ModelRunner) -> AsyncEngine:
+    if config.prefill_floor == "auto":
+        config = dataclasses.replace(config, prefill_floor=PREFILL_FLOOR.get(loaded.device.type, 256))
     runner = runner_cls(
         loaded.model,
         max_slots=config.max_running,
         max_context=loaded.max_context,
         eos_token_ids=loaded.eos_token_ids,
         batch_invariant=config.batch_invariant,
+        fast_path=config.fast_path,
     )
     codec = PromptCodec(
         loaded.tokenizer,

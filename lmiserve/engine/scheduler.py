@@ -6,7 +6,10 @@ it; ``update(plan, output)`` applies the results and returns the events to deliv
 Slots: running sequences occupy KV-cache slots ``0..R-1`` (decoding) followed by ``R..R+P-1``
 (prefilling, in arrival order). When a sequence leaves, the plan lists the slot moves that keep
 both ranges contiguous, so a decode step reads the cache through views. Prompts are prefilled in
-arrival order, in chunks bounded per step by ``max_prefill_tokens``, so running streams keep flowing.
+arrival order, in chunks bounded per step by ``max_prefill_tokens``; while sequences are decoding, a
+step takes at most ``max(prefill_floor, decoding rows)`` prompt tokens (when ``prefill_floor`` is set),
+so a step that admits a newcomer costs at most about twice a pure decode step and running streams
+keep flowing (benchmarks/README.md has the measurement behind the CPU default).
 
 Policies: *rolling* (continuous batching: sequences join at any step while fewer than
 ``max_running`` run) and *static* (dynamic batching: a batch forms from up to ``batch_size``
@@ -72,8 +75,10 @@ class Scheduler:
         batch_size: int = 1,
         max_batch_delay: float = 0.1,
         queue_timeout: float | None = None,
+        prefill_floor: int | None = None,
     ):
         self.max_running = max_running
+        self.prefill_floor = prefill_floor
         self.max_prefill_tokens = max_prefill_tokens
         self.chunked_prefill = chunked_prefill
         self.static_batching = static_batching
@@ -125,6 +130,8 @@ class Scheduler:
         self._moves, self._released = [], []
         plan.decode = [s for s in self.running if s.status is SeqStatus.RUNNING]
         budget = self.max_prefill_tokens
+        if plan.decode and self.prefill_floor is not None:
+            budget = min(budget, max(self.prefill_floor, len(plan.decode)))
         for seq in self.running:
             if seq.status is not SeqStatus.PREFILL or (budget <= 0 and plan.prefill):
                 continue

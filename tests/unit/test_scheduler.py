@@ -498,3 +498,40 @@ def test_no_queue_timeout_means_nothing_expires():
     sched.schedule(0.0)
     assert sched.expire(1e9) == []
     assert sched.next_wakeup(1e9) is None
+
+
+# --- prefill budget while decoding --------------------------------------------------------------------
+
+
+def test_a_step_that_decodes_prefills_at_most_max_of_floor_and_decoding_rows():
+    from lmiserve.core.request import SamplingParams
+    from lmiserve.engine.sequence import Sequence, SeqStatus
+
+    class _Tok:
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join(chr(97 + i % 26) for i in ids)
+
+    def seq(i: int, n: int) -> Sequence:
+        return Sequence(i, f"r{i}", "p", list(range(n)), SamplingParams(max_new_tokens=50), tokenizer=_Tok(),
+                        eos_token_ids=set(), special_token_ids=set(), seed=0)
+
+    sched = Scheduler(max_running=8, max_prefill_tokens=100, prefill_floor=4)
+    first = seq(1, 30)
+    sched.add(first)
+    plan, _ = sched.schedule(0.0)
+    assert [c.length for c in plan.prefill] == [30]  # nothing decodes yet: the full budget
+    first.kv_len, first.status = 30, SeqStatus.RUNNING
+    first.output_ids.append(1)
+    sched.add(seq(2, 30))
+    plan, _ = sched.schedule(0.0)
+    assert [c.length for c in plan.prefill] == [4]  # one stream decodes: max(4, 1)
+    for i in range(3, 9):
+        s = seq(i, 1)
+        s.status, s.kv_len, s.slot = SeqStatus.RUNNING, 1, len(sched.running)
+        s.output_ids.append(1)
+        sched.running.insert(1, s)
+    for slot, s in enumerate(sched.running):
+        s.slot = slot
+    plan, _ = sched.schedule(0.0)
+    assert len(plan.decode) == 7 and [c.length for c in plan.prefill] == [7]  # max(4, 7 decoding)
+    assert Scheduler(max_prefill_tokens=100).prefill_floor is None  # unbounded unless asked

@@ -1,0 +1,225 @@
+"""The fast Llama-family forward (engine/fast_llama.py) and how the runner picks it.
+
+Tiny random models of each covered architecture (and one it does not cover) share the tiny
+tokenizer. The fast forward must give transformers' logits; the engine must pick the fast path
+by itself where it applies, fall back to the generic transformers path elsewhere (or when told
+to), and give `model.generate`'s greedy tokens on every path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+    Qwen3Config, Qwen3ForCausalLM,
+)
+
+from lmiserve.core.events import FinishReason
+from lmiserve.core.request import GenerationRequest, SamplingParams
+from lmiserve.engine import fast_llama
+from lmiserve.engine.async_engine import EngineConfig
+from lmiserve.engine.factory import create_engine
+from lmiserve.engine.fast_llama import FastLlama, unsupported_reason
+from lmiserve.engine.kv_cache import SlotKVCache
+
+COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, eos_token_id=2,
+              pad_token_id=3, bos_token_id=1)
+ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "llama_scaled_rope": (LlamaConfig, LlamaForCausalLM,
+                          {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}),
+    "qwen2_bias": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "mistral_no_window": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+}
+PROMPTS = ["The quick brown fox", "Hello world! How are you", "Deep learning is a subfield of",
+           "Numbers like 1, 2, 3", "naïve café"]
+
+
+def build(config_cls, model_cls, extra: dict, seed: int = 7):
+    torch.manual_seed(seed)
+    return model_cls(config_cls(**COMMON, **extra)).eval()
+
+
+def with_model(loaded, model):
+    return dataclasses.replace(loaded, model=model, max_context=256)
+
+
+def test_which_models_the_fast_path_covers():
+    for name, (cfg, cls, extra) in ARCHS.items():
+        assert unsupported_reason(build(cfg, cls, extra)) is None, name
+    assert "qwen3" in unsupported_reason(build(Qwen3Config, Qwen3ForCausalLM, {}))
+    assert "sliding" in unsupported_reason(build(MistralConfig, MistralForCausalLM, {"sliding_window": 16}))
+    dynamic = {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}
+    assert "RoPE" in unsupported_reason(build(LlamaConfig, LlamaForCausalLM, dynamic))
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@torch.inference_mode()
+def test_one_ragged_step_gives_transformers_logits(arch: str):
+    """Decode rows and prefill chunks of other slots in one forward equal each sequence run alone."""
+    model = build(*ARCHS[arch])
+    cfg = model.config
+    rng = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(4, 512, (n,), generator=rng).tolist() for n in (9, 14, 6)]
+    reference = [model(torch.tensor([s])).logits[0] for s in seqs]
+    cache = SlotKVCache(cfg.num_hidden_layers, 3, cfg.num_key_value_heads, 16, model.dtype, model.device,
+                        initial_len=4, max_len=256)  # starts short: the forward grows it
+    fast = FastLlama(model, cache, 256)
+    # step 1: prefill slot 0 fully (keeping every row), the first 5 tokens of slot 1
+    out = fast.forward([], [], [(0, 0, seqs[0][:-1]), (1, 0, seqs[1][:5])], list(range(8 + 5)))
+    torch.testing.assert_close(out[:8], reference[0][:8], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out[8:], reference[1][:5], rtol=1e-4, atol=1e-4)
+    # step 2: slot 0 decodes its last token while slot 1 finishes its prompt and slot 2 starts
+    out = fast.forward([seqs[0][-1]], [8], [(1, 5, seqs[1][5:]), (2, 0, seqs[2])], [0, 9, 10 + 5])
+    torch.testing.assert_close(out[0], reference[0][-1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out[1], reference[1][-1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out[2], reference[2][-1], rtol=1e-4, atol=1e-4)
+
+
+@torch.inference_mode()
+def test_fusing_weights_keeps_the_transformers_model_working_without_copies():
+    model = build(*ARCHS["qwen2_bias"])
+    ids = torch.tensor([[5, 6, 7, 8]])
+    before = model(ids).logits
+    params_before = sum(p.numel() for p in model.parameters())
+    cache = SlotKVCache(2, 1, 2, 16, model.dtype, model.device, initial_len=8, max_len=256)
+    fast = FastLlama(model, cache, 256)
+    torch.testing.assert_close(model(ids).logits, before, rtol=1e-5, atol=1e-5)  # same math, other GEMM layout
+    assert sum(p.numel() for p in model.parameters()) == params_before
+    attn = model.model.layers[0].self_attn
+    assert attn.k_proj.weight.data_ptr() == fast.layers[0].qkv_w[attn.q_proj.weight.shape[0]:].data_ptr()
+    assert fast.layers[0].qkv_w.t().is_contiguous()  # stored input-major
+
+
+def _greedy_reference(loaded, prompt: str, tokens: int) -> list[int]:
+    ids = torch.tensor([loaded.tokenizer(prompt).input_ids])
+    with torch.inference_mode():
+        out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=tokens,
+                                    min_new_tokens=tokens, pad_token_id=3)
+    return out[0, ids.shape[1]:].tolist()
+
+
+async def _serve(loaded, config: EngineConfig, tokens: int, details: bool = False):
+    engine = create_engine(loaded, config)
+    engine.start()
+
+    async def one(i: int, prompt: str):
+        await asyncio.sleep(0.01 * i)  # later requests join a running batch
+        params = SamplingParams(max_new_tokens=tokens, ignore_eos_token=True, decoder_input_details=details)
+        return [e async for e in engine.generate(GenerationRequest(prompt, params))]
+
+    try:
+        return engine, await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
+    finally:
+        await engine.stop()
+
+
+@pytest.mark.parametrize(
+    "arch, config, path",
+    [
+        ("tiny", {}, "fast"),
+        ("tiny", {"fast_path": False}, "generic"),
+        ("tiny", {"max_running": 2, "max_prefill_tokens": 3}, "fast"),  # queueing, chunks, compaction
+        ("qwen3", {}, "generic"),  # not covered: falls back by itself
+        ("qwen2_bias", {"max_prefill_tokens": 4}, "fast"),
+        ("tiny", {"batch_invariant": True}, "batch_invariant"),
+    ],
+)
+def test_every_path_gives_generates_greedy_tokens(tiny_model, arch: str, config: dict, path: str):
+    if arch == "qwen3":
+        loaded = with_model(tiny_model, build(Qwen3Config, Qwen3ForCausalLM, {}))
+    elif arch != "tiny":
+        loaded = with_model(tiny_model, build(*ARCHS[arch]))
+    else:
+        loaded = tiny_model
+    engine, results = asyncio.run(_serve(loaded, EngineConfig(**config), 12))
+    assert engine.runner.path == path
+    for prompt, events in zip(PROMPTS, results):
+        assert [e.token.id for e in events if e.token] == _greedy_reference(loaded, prompt, 12)
+        assert events[-1].finish.reason is FinishReason.LENGTH
+
+
+def test_prompt_logprobs_are_the_same_on_the_fast_and_generic_paths(tiny_model):
+    _, fast = asyncio.run(_serve(tiny_model, EngineConfig(max_prefill_tokens=4), 3, details=True))
+    _, generic = asyncio.run(_serve(tiny_model, EngineConfig(max_prefill_tokens=4, fast_path=False), 3, details=True))
+    for a, b in zip(fast, generic):
+        pa, pb = a[-1].finish.prefill, b[-1].finish.prefill
+        assert [t.id for t in pa] == [t.id for t in pb] and pa[0].logprob is None
+        assert [t.logprob for t in pa[1:]] == pytest.approx([t.logprob for t in pb[1:]], abs=1e-4)
+
+
+def test_a_step_with_newcomers_is_one_forward(tiny_model, monkeypatch):
+    calls = []
+    real = FastLlama.forward
+
+    def counted(self, decode_ids, decode_positions, prefills, keep):
+        calls.append((len(decode_ids), len(prefills)))
+        return real(self, decode_ids, decode_positions, prefills, keep)
+
+    monkeypatch.setattr(FastLlama, "forward", counted)
+    engine = create_engine(tiny_model, EngineConfig())  # driven step by step, no event loop
+    sched, runner = engine.scheduler, engine.runner
+    params = SamplingParams(max_new_tokens=5, ignore_eos_token=True)
+
+    def step():
+        plan, _ = sched.schedule(0.0)
+        return plan, sched.update(plan, runner.execute(plan))
+
+    engine.submit(GenerationRequest(PROMPTS[0], params))
+    step()  # prefill the first prompt
+    engine.submit(GenerationRequest(PROMPTS[1], params))
+    engine.submit(GenerationRequest(PROMPTS[2], params))
+    plan, events = step()
+    assert len(plan.decode) == 1 and len(plan.prefill) == 2
+    assert calls == [(0, 1), (1, 2)]  # one forward per step, decode rows and both newcomers together
+    assert len(events) == 3 and all(e.token is not None for _, e in events)
+
+
+def test_a_failing_fused_forward_fails_only_the_culprit(tiny_model, monkeypatch):
+    bad_ids = tiny_model.tokenizer(PROMPTS[1]).input_ids
+    real = FastLlama.forward
+
+    def forward(self, decode_ids, decode_positions, prefills, keep):
+        if any(chunk == bad_ids[start : start + len(chunk)] for _, start, chunk in prefills):
+            raise RuntimeError("kernel exploded")
+        return real(self, decode_ids, decode_positions, prefills, keep)
+
+    monkeypatch.setattr(fast_llama.FastLlama, "forward", forward)
+    _, results = asyncio.run(_serve(tiny_model, EngineConfig(), 6))
+    for prompt, events in zip(PROMPTS, results):
+        if prompt == PROMPTS[1]:
+            assert events[-1].finish.reason is FinishReason.ERROR
+            assert "kernel exploded" in events[-1].finish.error
+        else:
+            assert [e.token.id for e in events if e.token] == _greedy_reference(tiny_model, prompt, 6)
+
+
+def test_engine_settings_reach_the_runner_and_the_scheduler(tiny_model):
+    from lmiserve.config import Settings
+    from lmiserve.engine.factory import build_engine
+
+    default = build_engine(tiny_model, Settings())
+    assert default.runner.path == "fast" and default.scheduler.prefill_floor == 16  # CPU default
+    generic = build_engine(tiny_model, Settings.from_options({"fast_path": "false", "prefill_tokens_while_decoding": "64"}))
+    assert generic.runner.path == "generic" and generic.scheduler.prefill_floor == 64
+    # a second engine on the same model reuses the fused weights instead of fusing (and copying) again
+    assert build_engine(tiny_model, Settings()).runner.fast.layers is default.runner.fast.layers
+
+
+@torch.inference_mode()
+def test_bf16_models_run_on_the_fast_path_close_to_transformers():
+    model = build(*ARCHS["llama"]).to(torch.bfloat16)
+    ids = [5, 9, 17, 33, 65, 129, 257, 300]
+    reference = model(torch.tensor([ids])).logits[0].float()
+    cache = SlotKVCache(2, 1, 2, 16, torch.bfloat16, model.device, initial_len=4, max_len=256)
+    fast = FastLlama(model, cache, 256)
+    fast.forward([], [], [(0, 0, ids[:-1])], [])
+    out = fast.forward([ids[-1]], [len(ids) - 1], [], [0])
+    assert out.dtype == torch.float32 and cache.keys[0].dtype == torch.bfloat16
+    assert int(out[0].argmax()) == int(reference[-1].argmax())
+    torch.testing.assert_close(out[0], reference[-1], rtol=0.05, atol=0.1)
