@@ -17,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model-id", help="local transformers directory, .gguf file, or a model id in the local HF cache")
     serve.add_argument("--model-dir", help="directory holding serving.properties and/or weights (like /opt/ml/model)")
     serve.add_argument("--properties", help="a serving.properties file")
-    serve.add_argument("--model-store", help="serve every model sub-directory of DIR (named after it); see docs/models.md")
+    serve.add_argument("--model-store", help="serve every model sub-directory of DIR (named after it); see the README, 'A model store'")
     serve.add_argument("--host", help="bind address (default 0.0.0.0)")
     serve.add_argument("--port", type=int, help="port (default 8080, or SAGEMAKER_BIND_TO_PORT)")
     serve.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE", help="set any option (repeatable)")

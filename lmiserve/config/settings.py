@@ -141,7 +141,7 @@ class Settings(BaseModel):
     host: str = Field("0.0.0.0", description="Address the HTTP server listens on.")
     port: int = Field(8080, ge=1, le=65535, description="Port the HTTP server listens on.")
     log_level: LogLevel = Field("info", description="Log level: debug, info, warning or error.")
-    # --- TGI and OpenAI routes (docs/tgi-openai.md) ---
+    # --- TGI and OpenAI routes (README: TGI drop-in and OpenAI-compatible APIs) ---
     api_key: str | None = Field(None, description=(
         "When set, generation routes (TGI, OpenAI, /invocations) require 'Authorization: Bearer <key>'."))
     max_concurrent_requests: int = Field(128, ge=1, description=(
@@ -158,7 +158,7 @@ class Settings(BaseModel):
         "Largest TGI/OpenAI request body in bytes; a larger one gets 413."))
     sse_keepalive_interval: float = Field(15.0, gt=0, description=(
         "Seconds without an event before a TGI/OpenAI stream sends a ':' keep-alive comment."))
-    # --- SageMaker and Vertex AI (docs/tensor-protocols.md) ---
+    # --- SageMaker and Vertex AI (README: Tensor protocols) ---
     default_invocations_accept: str | None = Field(None, description=(
         "Accept used by /invocations when a request has none or */* (env "
         "SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT); unset = the request's own Content-Type."))

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from lmiserve.core.errors import EngineOverloaded, ModelNotReady, QueueTimeout
+from lmiserve.engine import torch_thread
 from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.core.request import GenerationRequest
 from lmiserve.engine.scheduler import Scheduler, StepOutput
@@ -182,14 +183,14 @@ class AsyncEngine:
         self._deliver(events)
         if not plan.has_model_work:
             if plan.moves or plan.released:
-                await asyncio.to_thread(self.runner.execute, plan)  # frees per-sequence caches
+                await torch_thread.run(self.runner.execute, plan)  # frees per-sequence caches
             try:
                 await asyncio.wait_for(self._wakeup.wait(), scheduler.next_wakeup(time.monotonic()))
             except asyncio.TimeoutError:
                 pass
             return
         try:
-            output: StepOutput = await asyncio.to_thread(self.runner.execute, plan)
+            output: StepOutput = await torch_thread.run(self.runner.execute, plan)
         except Exception as exc:  # noqa: BLE001 - outside the per-sequence guards: end what was running
             log.exception("engine step failed")
             message = f"exception occurred during generation: {exc}"

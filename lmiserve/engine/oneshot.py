@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from lmiserve.engine import torch_thread
 from lmiserve.core.errors import EngineOverloaded, InferenceFailed, InvalidRequest, LmiServeError, ModelNotReady
 from lmiserve.core.tensor_io import select_outputs
 from lmiserve.core.tensors import TensorRequest
@@ -164,7 +165,7 @@ class OneShotModel:
         if not batch:
             return
         try:
-            outputs = await asyncio.to_thread(self._forward, [j.inputs for j in batch])
+            outputs = await torch_thread.run(self._forward, [j.inputs for j in batch])
         except Exception as exc:  # noqa: BLE001 - answered per request below
             if len(batch) > 1:
                 log.warning("batched forward of %d requests failed (%s); running them one by one", len(batch), exc)

@@ -37,7 +37,7 @@ def routes() -> list[Route]:
         Route("/models/{model_name}", management.unregister_model, methods=["DELETE"]),
         Route("/models/{model_name}/{version}", management.describe_model, methods=["GET"]),
         Route("/models/{model_name}/{version}", management.unregister_model, methods=["DELETE"]),
-        # TGI and OpenAI (docs/tgi-openai.md)
+        # TGI and OpenAI (README: TGI drop-in and OpenAI-compatible APIs)
         Route("/", tgi_routes.root, methods=["GET", "POST"]),
         Route("/generate", tgi_routes.generate, methods=["POST"]),
         Route("/generate_stream", tgi_routes.generate_stream, methods=["POST"]),

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from lmiserve.adapters.lmi import Limits
 from lmiserve.config import Settings
+from lmiserve.engine import torch_thread
 from lmiserve.core.errors import ModelNotReady
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class ModelService:
 
     async def load(self) -> None:
         try:
-            await asyncio.to_thread(self._load_blocking)
+            await torch_thread.run_apart(self._load_blocking)
             if self._closed:  # unregistered while loading: never start
                 self.status, self.error = self.FAILED, "unloaded while loading"
                 return
