@@ -38,14 +38,7 @@ from lmiserve.engine.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
 from lmiserve.models import load_causal_lm, resolve_model_path
 
-TOPICS = ["the sea", "gravity", "a city at night", "machine learning", "the moon", "coffee", "trains", "music",
-          "volcanoes", "friendship", "winter", "the internet"]
-TEMPLATES = ["Write a short poem about {}.", "Explain {} in simple words.", "What is interesting about {}?",
-             "Tell me a story about {}."]
-
-
-def prompts(count: int) -> list[str]:
-    return [TEMPLATES[i % len(TEMPLATES)].format(TOPICS[i % len(TOPICS)]) for i in range(count)]
+from greedy_agreement import prompts  # the same prompt set (this folder is on sys.path when run as a script)
 
 
 def prompt_batch(loaded, batch: int) -> torch.Tensor:

@@ -14,22 +14,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from lmiserve.codecs.errors import TensorError
+from lmiserve.core.tensors import NUMPY_DTYPES
 
-DTYPES: dict[str, np.dtype] = {
-    "BOOL": np.dtype(np.bool_),
-    "UINT8": np.dtype(np.uint8),
-    "UINT16": np.dtype(np.uint16),
-    "UINT32": np.dtype(np.uint32),
-    "UINT64": np.dtype(np.uint64),
-    "INT8": np.dtype(np.int8),
-    "INT16": np.dtype(np.int16),
-    "INT32": np.dtype(np.int32),
-    "INT64": np.dtype(np.int64),
-    "FP16": np.dtype(np.float16),
-    "FP32": np.dtype(np.float32),
-    "FP64": np.dtype(np.float64),
-    "BYTES": np.dtype(object),
-}
+DTYPES = NUMPY_DTYPES
 MAX_NESTING = 64  # nested `data` deeper than this is refused (Triton: HTTP_MAX_JSON_NESTING_DEPTH)
 
 

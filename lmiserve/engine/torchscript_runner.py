@@ -15,20 +15,7 @@ import numpy as np
 import torch
 
 from lmiserve.core.errors import InferenceFailed, InvalidRequest
-from lmiserve.core.tensors import ModelSignature, TensorRequest, TensorSpec
-
-NUMPY_DTYPES: dict[str, np.dtype] = {
-    "BOOL": np.dtype(bool),
-    "UINT8": np.dtype(np.uint8),
-    "INT8": np.dtype(np.int8),
-    "INT16": np.dtype(np.int16),
-    "INT32": np.dtype(np.int32),
-    "INT64": np.dtype(np.int64),
-    "FP16": np.dtype(np.float16),
-    "FP32": np.dtype(np.float32),
-    "FP64": np.dtype(np.float64),
-}
-
+from lmiserve.core.tensors import NUMPY_DTYPES, ModelSignature, TensorRequest, TensorSpec
 
 class TorchScriptRunner:
     kind = "torchscript"
