@@ -58,23 +58,46 @@ def unsupported_reason(model) -> str | None:
 
 
 def _fuse(modules) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight for several linears that read the same input, stored input-major ([in, out]
-    contiguous, returned as its [out, in] view): CPU BLAS multiplies small batches 1.1-2x faster in
-    that layout. Each module is pointed at its slice, so memory does not grow and the transformers
-    forward runs the very same kernels."""
-    stored = torch.cat([m.weight.detach().t() for m in modules], dim=1).contiguous()
+    """One weight for several linears that read the same input (``[sum of out, in]``, contiguous,
+    the model's own output-major layout). Each module is pointed at its rows, so memory does not
+    grow and the transformers forward keeps working on the same storage."""
+    stored = torch.cat([m.weight.detach() for m in modules], dim=0).contiguous()
     biases = [m.bias for m in modules]
     bias = torch.cat([b.detach() for b in biases], dim=0) if all(b is not None for b in biases) else None
     if any(b is not None for b in biases) and bias is None:
         raise ValueError("mixed biases")
-    col = 0
+    row = 0
     for m in modules:
         n = m.weight.shape[0]
-        m.weight = torch.nn.Parameter(stored[:, col : col + n].t(), requires_grad=False)
+        m.weight = torch.nn.Parameter(stored[row : row + n], requires_grad=False)
         if bias is not None:
-            m.bias = torch.nn.Parameter(bias[col : col + n], requires_grad=False)
-        col += n
-    return stored.t(), bias
+            m.bias = torch.nn.Parameter(bias[row : row + n], requires_grad=False)
+        row += n
+    return stored, bias
+
+
+# CPU BLAS (MKL) runs the same products faster in other orientations (2 cores, fp32; measured in
+# benchmarks/README.md). From this many rows on, ``x @ W.T`` is computed as ``(W @ x.T).T`` (layer
+# matrices 1.1-1.4x faster, the vocabulary matrix 1.6-3x, which gains from 2 rows on); fewer rows as
+# a batched product over row blocks of W (a matrix-vector product runs on one core: 2x at 1 row).
+TRANSPOSED_GEMM_ROWS = 16
+_BIG_OUT = 8192  # a vocabulary projection
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, splits: int) -> torch.Tensor:
+    """``x @ weight.T + bias`` for ``weight`` ``[out, in]``; `splits` > 1 picks the CPU orientations.
+    A transposed product returns a transposed view (``[rows, out]`` with strides ``(1, rows)``): the
+    next `_linear` takes it as is (its transpose is contiguous) and element-wise ops accept it."""
+    if splits > 1:
+        rows, out = x.shape[0], weight.shape[0]
+        if rows >= TRANSPOSED_GEMM_ROWS or (rows > 1 and out > _BIG_OUT):
+            y = torch.mm(weight, x.t()).t()
+            return y if bias is None else y + bias
+        if out % splits == 0:
+            parts = weight.view(splits, out // splits, weight.shape[1])
+            y = torch.bmm(parts, x.t().expand(splits, -1, -1)).view(out, rows).t()
+            return y if bias is None else y + bias
+    return F.linear(x, weight, bias)
 
 
 class _Layer:
@@ -130,6 +153,8 @@ class FastLlama:
         self._rotary = inner.rotary_emb
         self._max_context = max_context
         self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)
+        cpu = self.device.type == "cpu"
+        self._splits = max(2, torch.get_num_threads()) if cpu else 1
 
     # ---- RoPE table ------------------------------------------------------------------------------
     def _rope(self, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,19 +217,19 @@ class FastLlama:
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         for index, layer in enumerate(self.layers):
             h = _rms(x, layer.in_norm)
-            qkv = F.linear(h, layer.qkv_w, layer.qkv_b)
+            qkv = _linear(h, layer.qkv_w, layer.qkv_b, self._splits).contiguous()
             qk = _rotate(qkv[:, : q_size + kv_size].view(-1, self.heads + self.kv_heads, self.head_dim), cos, sin)
             q, k = qk[:, : self.heads], qk[:, self.heads :]
             v = qkv[:, q_size + kv_size :].view(-1, self.kv_heads, self.head_dim)
             attn = self._attention(index, q, k, v, dec, pre)
-            x = x + F.linear(attn, layer.o_w, layer.o_b)
+            x = x + _linear(attn, layer.o_w, layer.o_b, self._splits)
             h = _rms(x, layer.post_norm)
-            gate_up = F.linear(h, layer.gate_up_w, layer.gate_up_b)
+            gate_up = _linear(h, layer.gate_up_w, layer.gate_up_b, self._splits)
             inter = layer.intermediate
             h = layer.act(gate_up[:, :inter]) * gate_up[:, inter:]
-            x = x + F.linear(h, layer.down_w, layer.down_b)
+            x = x + _linear(h, layer.down_w, layer.down_b, self._splits)
         x = x[torch.tensor(keep, dtype=torch.long, device=dev)] if len(keep) != x.shape[0] else x
-        return F.linear(_rms(x, self.norm), self.lm_head).float()
+        return _linear(_rms(x, self.norm), self.lm_head, None, self._splits).float().contiguous()
 
     def _attention(self, index: int, q, k, v, dec, pre) -> torch.Tensor:
         keys, values = self.cache.keys[index], self.cache.values[index]
