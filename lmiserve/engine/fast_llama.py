@@ -76,11 +76,17 @@ def _fuse(modules) -> tuple[torch.Tensor, torch.Tensor | None]:
     return stored, bias
 
 
-# CPU BLAS (MKL) runs the same products faster in other orientations (2 cores, fp32; measured in
-# benchmarks/README.md). From this many rows on, ``x @ W.T`` is computed as ``(W @ x.T).T`` (layer
-# matrices 1.1-1.4x faster, the vocabulary matrix 1.6-3x, which gains from 2 rows on); fewer rows as
-# a batched product over row blocks of W (a matrix-vector product runs on one core: 2x at 1 row).
-TRANSPOSED_GEMM_ROWS = 16
+# CPU BLAS (MKL) runs the same products much faster in other shapes (2 cores, fp32; the figures are
+# in benchmarks/README.md):
+# - from 8 rows on (from 2 for the vocabulary matrix) ``x @ W.T`` as ``(W @ x.T).T``: layer matrices
+#   1.1-1.4x, the vocabulary matrix 1.6-3x faster;
+# - but only for a multiple of 8 rows: 30 or 31 rows take 1.7-2x as long as 32, so a step pads its
+#   rows (from 5 on) and the rows it keeps for the vocabulary product up to the next multiple;
+# - fewer rows as a batched product over row blocks of W: a matrix-vector product runs on one core,
+#   the blocks on all of them (2x at 1 row).
+TRANSPOSED_GEMM_ROWS = 8
+ROW_MULTIPLE = 8
+PAD_ROWS_FROM = 5
 _BIG_OUT = 8192  # a vocabulary projection
 
 
@@ -189,6 +195,9 @@ class FastLlama:
         positions = list(decode_positions)
         for _, start, chunk in prefills:
             positions.extend(range(start, start + len(chunk)))
+        pad = self._row_padding(len(ids), PAD_ROWS_FROM)  # token 0 at position 0, attends nothing, dropped
+        ids += [0] * pad
+        positions += [0] * pad
         span = max(positions) + 1
         self.cache.ensure_capacity(span)
         cos_table, sin_table = self._rope(span)
@@ -221,17 +230,24 @@ class FastLlama:
             qk = _rotate(qkv[:, : q_size + kv_size].view(-1, self.heads + self.kv_heads, self.head_dim), cos, sin)
             q, k = qk[:, : self.heads], qk[:, self.heads :]
             v = qkv[:, q_size + kv_size :].view(-1, self.kv_heads, self.head_dim)
-            attn = self._attention(index, q, k, v, dec, pre)
+            attn = self._attention(index, q, k, v, dec, pre, pad)
             x = x + _linear(attn, layer.o_w, layer.o_b, self._splits)
             h = _rms(x, layer.post_norm)
             gate_up = _linear(h, layer.gate_up_w, layer.gate_up_b, self._splits)
             inter = layer.intermediate
             h = layer.act(gate_up[:, :inter]) * gate_up[:, inter:]
             x = x + _linear(h, layer.down_w, layer.down_b, self._splits)
-        x = x[torch.tensor(keep, dtype=torch.long, device=dev)] if len(keep) != x.shape[0] else x
-        return _linear(_rms(x, self.norm), self.lm_head, None, self._splits).float().contiguous()
+        count = len(keep)
+        keep = keep + keep[:1] * self._row_padding(count, 2)
+        if keep != list(range(x.shape[0])):
+            x = x[torch.tensor(keep, dtype=torch.long, device=dev)]
+        return _linear(_rms(x, self.norm), self.lm_head, None, self._splits)[:count].float().contiguous()
 
-    def _attention(self, index: int, q, k, v, dec, pre) -> torch.Tensor:
+    def _row_padding(self, rows: int, pad_from: int) -> int:
+        """Rows to add (on CPU, from `pad_from` rows) up to a multiple of `ROW_MULTIPLE`."""
+        return (-rows) % ROW_MULTIPLE if self._splits > 1 and rows >= pad_from else 0
+
+    def _attention(self, index: int, q, k, v, dec, pre, pad: int) -> torch.Tensor:
         keys, values = self.cache.keys[index], self.cache.values[index]
         outputs = []
         if dec is not None:
@@ -255,6 +271,8 @@ class FastLlama:
             value = _repeat(values[slot : slot + 1, :, :end], self.groups)
             out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=self.scale)
             outputs.append(out.transpose(1, 2).reshape(length, -1))
+        if pad:
+            outputs.append(q.new_zeros(pad, self.heads * self.head_dim))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 

@@ -223,3 +223,22 @@ def test_bf16_models_run_on_the_fast_path_close_to_transformers():
     assert out.dtype == torch.float32 and cache.keys[0].dtype == torch.bfloat16
     assert int(out[0].argmax()) == int(reference[-1].argmax())
     torch.testing.assert_close(out[0], reference[-1], rtol=0.05, atol=0.1)
+
+
+@pytest.mark.parametrize("rows", [5, 11, 17])
+@torch.inference_mode()
+def test_decode_rows_padded_to_a_multiple_of_eight_give_each_rows_logits(rows: int):
+    """On CPU a step pads its rows (and the rows it keeps) to a multiple of 8; the padding never shows."""
+    model = build(*ARCHS["llama"])
+    cfg = model.config
+    rng = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(4, 512, (3 + i % 7,), generator=rng).tolist() for i in range(rows)]
+    reference = [model(torch.tensor([s])).logits[0, -1] for s in seqs]
+    cache = SlotKVCache(cfg.num_hidden_layers, rows, cfg.num_key_value_heads, 16, model.dtype, model.device,
+                        initial_len=4, max_len=256)
+    fast = FastLlama(model, cache, 256)
+    assert fast._row_padding(rows, fast_llama.PAD_ROWS_FROM) == (-rows) % 8
+    fast.forward([], [], [(i, 0, s[:-1]) for i, s in enumerate(seqs)], [])
+    out = fast.forward([s[-1] for s in seqs], [len(s) - 1 for s in seqs], [], list(range(rows)))
+    assert out.shape == (rows, cfg.vocab_size)
+    torch.testing.assert_close(out, torch.stack(reference), rtol=1e-4, atol=1e-4)
