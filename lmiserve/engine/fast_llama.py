@@ -204,17 +204,7 @@ class FastLlama:
         pos = torch.tensor(positions, device=dev)
         cos, sin = cos_table[pos][:, None], sin_table[pos][:, None]  # [T, 1, D]
         x = F.embedding(torch.tensor(ids, device=dev), self.embed)
-        dec = None
-        if rows:
-            dec_pos = pos[:rows]
-            dec_rows = torch.arange(rows, device=dev)
-            dec_span = int(max(decode_positions)) + 1
-            dec_mask = (torch.arange(dec_span, device=dev)[None, :] > dec_pos[:, None])[:, None, None, :]  # True = hidden
-            # flat row of (slot r, kv head h, position p) in a [slots * heads * length, head_dim] view
-            length = self.cache.capacity
-            heads = torch.arange(self.kv_heads, device=dev)
-            dec_index = ((dec_rows[:, None] * self.kv_heads + heads[None, :]) * length + dec_pos[:, None]).reshape(-1)
-            dec = (dec_rows, dec_index, dec_span, dec_mask)
+        dec = _DecodePlan(decode_positions, self.cache.capacity, self.kv_heads, dev) if rows else None
         pre = []
         offset = rows
         for slot, start, chunk in prefills:
@@ -247,21 +237,36 @@ class FastLlama:
         """Rows to add (on CPU, from `pad_from` rows) up to a multiple of `ROW_MULTIPLE`."""
         return (-rows) % ROW_MULTIPLE if self._splits > 1 and rows >= pad_from else 0
 
+    def _decode_attention(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, dec: "_DecodePlan"):
+        """One query token per row (GQA packed per kv head: ``[rows, kv_heads, groups, head_dim]``) over
+        its slot's cache, as plain batched matmuls (for a handful of queries per row SDPA's CPU kernel
+        costs ~10x more). Softmax in fp32 (a no-op for fp32 models). With a split (`_DecodePlan`) the
+        rows share positions ``[0, cut)`` read in place and only the long rows read ``[cut, span)``,
+        from a copy of just those rows: one softmax over both parts, two partial products summed."""
+        n, cut = dec.rows, dec.cut
+        scores = torch.matmul(query, keys[:n, :, :cut].transpose(-1, -2)).float() * self.scale
+        scores.masked_fill_(dec.mask, float("-inf"))
+        if dec.long_rows is None:
+            return torch.matmul(scores.softmax(-1).to(values.dtype), values[:n, :, :cut])
+        long_rows, span = dec.long_rows, dec.span
+        tail = torch.matmul(query[long_rows], keys[long_rows, :, cut:span].transpose(-1, -2)).float() * self.scale
+        tail.masked_fill_(dec.tail_mask, float("-inf"))
+        joint = torch.cat([scores[long_rows], tail], dim=-1).softmax(-1).to(values.dtype)
+        probs = scores.softmax(-1).to(values.dtype)
+        probs[long_rows] = joint[..., :cut]
+        out = torch.matmul(probs, values[:n, :, :cut])
+        out[long_rows] += torch.matmul(joint[..., cut:], values[long_rows, :, cut:span])
+        return out
+
     def _attention(self, index: int, q, k, v, dec, pre, pad: int) -> torch.Tensor:
         keys, values = self.cache.keys[index], self.cache.values[index]
         outputs = []
         if dec is not None:
-            dec_rows, dec_index, span, mask = dec
-            n = dec_rows.shape[0]
-            keys.view(-1, self.head_dim).index_copy_(0, dec_index, k[:n].reshape(-1, self.head_dim))
-            values.view(-1, self.head_dim).index_copy_(0, dec_index, v[:n].reshape(-1, self.head_dim))
-            # GQA packed per kv head: [rows, kv_heads, groups, head_dim] against [rows, kv_heads, span, head_dim].
-            # Plain batched matmuls: for a handful of queries per row SDPA's CPU kernel costs ~10x more.
+            n = dec.rows
+            keys.view(-1, self.head_dim).index_copy_(0, dec.write_index, k[:n].reshape(-1, self.head_dim))
+            values.view(-1, self.head_dim).index_copy_(0, dec.write_index, v[:n].reshape(-1, self.head_dim))
             query = q[:n].reshape(n, self.kv_heads, self.groups, self.head_dim)
-            # softmax in fp32 for bf16/fp16 models (a no-op for fp32)
-            scores = torch.matmul(query, keys[:n, :, :span].transpose(-1, -2)).float() * self.scale
-            probs = scores.masked_fill_(mask, float("-inf")).softmax(-1).to(values.dtype)
-            outputs.append(torch.matmul(probs, values[:n, :, :span]).reshape(n, -1))
+            outputs.append(self._decode_attention(query, keys, values, dec).reshape(n, -1))
         for slot, start, end, offset, mask in pre:
             length = end - start
             keys[slot, :, start:end] = k[offset : offset + length].transpose(0, 1)
@@ -274,6 +279,50 @@ class FastLlama:
         if pad:
             outputs.append(q.new_zeros(pad, self.heads * self.head_dim))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+# Row-positions of cache a split decode attention must save before it is worth its extra ops
+# (about 1,000 row-positions' worth of reading on 2 CPU cores).
+SPLIT_MIN_SAVING = 1000
+
+
+def split_point(spans: list[int], min_saving: int | None = None) -> int | None:
+    """Where decode attention over rows of these cache spans splits: every row reads positions
+    ``[0, cut)`` in place (the rows shorter than the cut masked), the rows longer than the cut read
+    ``[cut, max span)`` from a copy of just those rows (copy + read: twice the cost per position).
+    None when one pass over ``[0, max span)`` costs at most `min_saving` more; with a few long rows
+    in a batch of short ones (a long prompt among chat turns) the split reads a fraction of it."""
+    rows, span = len(spans), max(spans)
+    best, cut_at = rows * span - (SPLIT_MIN_SAVING if min_saving is None else min_saving), None
+    for cut in sorted(set(spans))[:-1]:
+        longer = sum(1 for s in spans if s > cut)
+        cost = rows * cut + 2 * longer * (span - cut)
+        if cost < best:
+            best, cut_at = cost, cut
+    return cut_at
+
+
+class _DecodePlan:
+    """What every layer's decode attention of one step shares: the rows' cache write index and the
+    masks of the (possibly split, see `split_point`) read."""
+
+    def __init__(self, positions: list[int], capacity: int, kv_heads: int, device: torch.device):
+        self.rows = rows = len(positions)
+        pos = torch.tensor(positions, device=device)
+        slots = torch.arange(rows, device=device)
+        heads = torch.arange(kv_heads, device=device)
+        # flat row of (slot r, kv head h, position p) in a [slots * heads * capacity, head_dim] view
+        self.write_index = ((slots[:, None] * kv_heads + heads[None, :]) * capacity + pos[:, None]).reshape(-1)
+        spans = [p + 1 for p in positions]
+        self.span = max(spans)
+        cut = split_point(spans)
+        self.cut = self.span if cut is None else cut
+        self.mask = (torch.arange(self.cut, device=device)[None, :] > pos[:, None])[:, None, None, :]  # True = hidden
+        self.long_rows = None
+        if cut is not None:
+            self.long_rows = torch.tensor([i for i, s in enumerate(spans) if s > cut], device=device)
+            tail = torch.arange(cut, self.span, device=device)
+            self.tail_mask = (tail[None, :] > pos[self.long_rows][:, None])[:, None, None, :]
 
 
 def _repeat(x: torch.Tensor, groups: int) -> torch.Tensor:

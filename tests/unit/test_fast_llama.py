@@ -225,10 +225,13 @@ def test_bf16_models_run_on_the_fast_path_close_to_transformers():
     torch.testing.assert_close(out[0], reference[-1], rtol=0.05, atol=0.1)
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one-pass", "split"])
 @pytest.mark.parametrize("rows", [5, 11, 17])
 @torch.inference_mode()
-def test_decode_rows_padded_to_a_multiple_of_eight_give_each_rows_logits(rows: int):
-    """On CPU a step pads its rows (and the rows it keeps) to a multiple of 8; the padding never shows."""
+def test_decode_rows_padded_to_a_multiple_of_eight_give_each_rows_logits(rows: int, split: bool, monkeypatch):
+    """On CPU a step pads its rows (and the rows it keeps) to a multiple of 8; the padding never shows.
+    Split decode attention (short rows in place, long rows' tails from a copy) gives the same logits."""
+    monkeypatch.setattr(fast_llama, "SPLIT_MIN_SAVING", -10**9 if split else 10**9)
     model = build(*ARCHS["llama"])
     cfg = model.config
     rng = torch.Generator().manual_seed(1)
@@ -242,3 +245,14 @@ def test_decode_rows_padded_to_a_multiple_of_eight_give_each_rows_logits(rows: i
     out = fast.forward([s[-1] for s in seqs], [len(s) - 1 for s in seqs], [], list(range(rows)))
     assert out.shape == (rows, cfg.vocab_size)
     torch.testing.assert_close(out, torch.stack(reference), rtol=1e-4, atol=1e-4)
+
+
+def test_decode_attention_splits_only_where_it_saves_reading():
+    assert fast_llama.split_point([40] * 16) is None  # one length: nothing to save
+    assert fast_llama.split_point([30 + i for i in range(8)]) is None  # saving below the threshold
+    assert fast_llama.split_point([60] * 30 + [400, 420]) == 60  # two long prompts among short turns
+    spans = [21, 25, 30, 33, 35, 38, 42, 47, 56, 69, 72, 73, 82, 87, 88, 91, 96, 106, 115, 118, 119, 120,
+             123, 125, 126, 129, 155, 159, 226, 239, 261, 348]  # the bench's mix at concurrency 32
+    cut = fast_llama.split_point(spans)
+    cost = len(spans) * cut + 2 * sum(1 for s in spans if s > cut) * (max(spans) - cut)
+    assert cut == 159 and cost < 0.7 * len(spans) * max(spans)
