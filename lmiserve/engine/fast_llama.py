@@ -19,9 +19,11 @@ says why and the runner uses the generic transformers path. Device-agnostic; tes
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from lmiserve.engine import decode_attention as compiled_attention
 from lmiserve.engine.kv_cache import SlotKVCache
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
@@ -161,6 +163,9 @@ class FastLlama:
         self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)
         cpu = self.device.type == "cpu"
         self._splits = max(2, torch.get_num_threads()) if cpu else 1
+        self._compiled = compiled_attention.available(self.dtype, self.device)
+        if self._compiled:
+            compiled_attention.warm_up()  # compiles (or loads from numba's cache) at load, not on a request
 
     # ---- RoPE table ------------------------------------------------------------------------------
     def _rope(self, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,7 +209,7 @@ class FastLlama:
         pos = torch.tensor(positions, device=dev)
         cos, sin = cos_table[pos][:, None], sin_table[pos][:, None]  # [T, 1, D]
         x = F.embedding(torch.tensor(ids, device=dev), self.embed)
-        dec = _DecodePlan(decode_positions, self.cache.capacity, self.kv_heads, dev) if rows else None
+        dec = _DecodePlan(decode_positions, self.cache.capacity, self.kv_heads, dev, self._compiled) if rows else None
         pre = []
         offset = rows
         for slot, start, chunk in prefills:
@@ -263,10 +268,14 @@ class FastLlama:
         outputs = []
         if dec is not None:
             n = dec.rows
-            keys.view(-1, self.head_dim).index_copy_(0, dec.write_index, k[:n].reshape(-1, self.head_dim))
-            values.view(-1, self.head_dim).index_copy_(0, dec.write_index, v[:n].reshape(-1, self.head_dim))
             query = q[:n].reshape(n, self.kv_heads, self.groups, self.head_dim)
-            outputs.append(self._decode_attention(query, keys, values, dec).reshape(n, -1))
+            if dec.spans is not None:  # CPU fp32: one compiled kernel writes and attends
+                out = compiled_attention.decode_attention(query, keys, values, k[:n], v[:n], dec.spans, self.scale)
+                outputs.append(out.reshape(n, -1))
+            else:
+                keys.view(-1, self.head_dim).index_copy_(0, dec.write_index, k[:n].reshape(-1, self.head_dim))
+                values.view(-1, self.head_dim).index_copy_(0, dec.write_index, v[:n].reshape(-1, self.head_dim))
+                outputs.append(self._decode_attention(query, keys, values, dec).reshape(n, -1))
         for slot, start, end, offset, mask in pre:
             length = end - start
             keys[slot, :, start:end] = k[offset : offset + length].transpose(0, 1)
@@ -306,8 +315,12 @@ class _DecodePlan:
     """What every layer's decode attention of one step shares: the rows' cache write index and the
     masks of the (possibly split, see `split_point`) read."""
 
-    def __init__(self, positions: list[int], capacity: int, kv_heads: int, device: torch.device):
+    def __init__(self, positions: list[int], capacity: int, kv_heads: int, device: torch.device, compiled: bool):
         self.rows = rows = len(positions)
+        # the compiled kernel (decode_attention.py) needs only each row's span
+        self.spans = np.array(positions, dtype=np.int64) + 1 if compiled else None
+        if compiled:
+            return
         pos = torch.tensor(positions, device=device)
         slots = torch.arange(rows, device=device)
         heads = torch.arange(kv_heads, device=device)

@@ -225,13 +225,16 @@ def test_bf16_models_run_on_the_fast_path_close_to_transformers():
     torch.testing.assert_close(out[0], reference[-1], rtol=0.05, atol=0.1)
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["one-pass", "split"])
+@pytest.mark.parametrize("attention", ["compiled", "torch-one-pass", "torch-split"])
 @pytest.mark.parametrize("rows", [5, 11, 17])
 @torch.inference_mode()
-def test_decode_rows_padded_to_a_multiple_of_eight_give_each_rows_logits(rows: int, split: bool, monkeypatch):
+def test_decode_rows_padded_to_a_multiple_of_eight_give_each_rows_logits(rows: int, attention: str, monkeypatch):
     """On CPU a step pads its rows (and the rows it keeps) to a multiple of 8; the padding never shows.
-    Split decode attention (short rows in place, long rows' tails from a copy) gives the same logits."""
-    monkeypatch.setattr(fast_llama, "SPLIT_MIN_SAVING", -10**9 if split else 10**9)
+    Every decode attention gives each row its own logits: the compiled kernel (CPU fp32), and the torch
+    path (GPU, bf16) in one pass or split (short rows in place, long rows' tails from a copy)."""
+    if attention != "compiled":
+        monkeypatch.setattr(fast_llama.compiled_attention, "available", lambda dtype, device: False)
+    monkeypatch.setattr(fast_llama, "SPLIT_MIN_SAVING", -10**9 if attention == "torch-split" else 10**9)
     model = build(*ARCHS["llama"])
     cfg = model.config
     rng = torch.Generator().manual_seed(1)
@@ -240,6 +243,7 @@ def test_decode_rows_padded_to_a_multiple_of_eight_give_each_rows_logits(rows: i
     cache = SlotKVCache(cfg.num_hidden_layers, rows, cfg.num_key_value_heads, 16, model.dtype, model.device,
                         initial_len=4, max_len=256)
     fast = FastLlama(model, cache, 256)
+    assert fast._compiled == (attention == "compiled")
     assert fast._row_padding(rows, fast_llama.PAD_ROWS_FROM) == (-rows) % 8
     fast.forward([], [], [(i, 0, s[:-1]) for i, s in enumerate(seqs)], [])
     out = fast.forward([s[-1] for s in seqs], [len(s) - 1 for s in seqs], [], list(range(rows)))
