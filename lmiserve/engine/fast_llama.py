@@ -2,15 +2,18 @@
 
 One call runs a whole engine step: the decode rows (one token each, slots ``0..R-1``) and any
 number of prefill chunks (several tokens of one slot each) flattened into one ``[T, hidden]``
-batch. Every matrix multiply sees all T tokens at once (one weight read per step, no padding);
-only attention is split: one call for all decode rows (GQA packed as transformers does for a single
-query token) and one per prefill chunk (causal over its slot's cache).
+batch. Every matrix multiply sees all T tokens at once (one weight read per step); on CPU the rows
+are padded to a multiple of 8 and the products run in the orientation MKL is fastest at (see
+`_linear`). Only attention is split: one call for all decode rows (a compiled kernel on CPU fp32,
+`decode_attention.py`; batched matmuls with GQA packed per kv head otherwise) and one per prefill
+chunk (causal over its slot's cache).
 
-It reuses the loaded transformers model's weights: q/k/v and gate/up are fused into one matrix each,
-every layer matrix is stored input-major (faster CPU GEMMs for small batches), and the original
-modules are pointed at slices of it, so memory does not grow and the generic path keeps working. RoPE comes from a table built with the model's own rotary module. The math
-mirrors transformers' Llama modules op for op (RMSNorm in fp32, rotate-half RoPE, SDPA), so the
-result differs from the generic path only where a matmul's kernel choice changes rounding.
+It reuses the loaded transformers model's weights: q/k/v and gate/up are fused into one matrix each
+(in the model's own ``[out, in]`` layout) and the original modules are pointed at their rows, so
+memory does not grow and the generic path keeps working. RoPE comes from a table built with the
+model's own rotary module. The math mirrors transformers' Llama modules op for op (RMSNorm in fp32,
+rotate-half RoPE, softmax attention), so the result differs from the generic path only where a
+kernel's summation order changes rounding.
 
 Covers llama, mistral (without a sliding window) and qwen2 (biases; without sliding window), the
 RoPE types whose table does not depend on the sequence length. Anything else: `unsupported_reason`
