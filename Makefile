@@ -47,7 +47,7 @@ serve: $(STAMP)
 	$(BIN)/lmiserve serve --port $(PORT)
 
 test: $(TEST_STAMP) $(MLSERVER_STAMP)
-	$(BIN)/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|tokenizers|huggingface.hub|starlette|uvicorn|sse-starlette|pydantic|openai|text-generation) '
+	$(BIN)/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|tokenizers|huggingface.hub|starlette|uvicorn|sse-starlette|pydantic|openai|text-generation|numba) '
 	$(BIN)/python -m pytest
 
 clean:

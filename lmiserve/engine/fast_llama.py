@@ -22,12 +22,16 @@ says why and the runner uses the generic transformers path. Device-agnostic; tes
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from lmiserve.engine import decode_attention as compiled_attention
 from lmiserve.engine.kv_cache import SlotKVCache
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
@@ -168,7 +172,11 @@ class FastLlama:
         self._splits = max(2, torch.get_num_threads()) if cpu else 1
         self._compiled = compiled_attention.available(self.dtype, self.device)
         if self._compiled:
-            compiled_attention.warm_up()  # compiles (or loads from numba's cache) at load, not on a request
+            try:  # compiles (or loads from numba's cache) at load, not on a request
+                compiled_attention.warm_up()
+            except Exception:  # noqa: BLE001 - a numba/llvmlite problem costs speed, not the model
+                log.exception("compiled decode attention unavailable; using the torch path")
+                self._compiled = False
 
     # ---- RoPE table ------------------------------------------------------------------------------
     def _rope(self, upto: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -260,3 +260,21 @@ def test_decode_attention_splits_only_where_it_saves_reading():
     cut = fast_llama.split_point(spans)
     cost = len(spans) * cut + 2 * sum(1 for s in spans if s > cut) * (max(spans) - cut)
     assert cut == 159 and cost < 0.7 * len(spans) * max(spans)
+
+
+@torch.inference_mode()
+def test_a_kernel_that_cannot_compile_falls_back_to_the_torch_attention(monkeypatch):
+    def broken():
+        raise RuntimeError("no LLVM here")
+
+    monkeypatch.setattr(fast_llama.compiled_attention, "warm_up", broken)
+    model = build(*ARCHS["llama"])
+    cfg = model.config
+    cache = SlotKVCache(cfg.num_hidden_layers, 2, cfg.num_key_value_heads, 16, model.dtype, model.device,
+                        initial_len=8, max_len=64)
+    fast = FastLlama(model, cache, 64)
+    assert not fast._compiled
+    fast.forward([], [], [(0, 0, [5, 6, 7]), (1, 0, [8, 9])], [])
+    out = fast.forward([8, 10], [3, 2], [], [0, 1])
+    reference = model(torch.tensor([[5, 6, 7, 8]])).logits[0, -1]
+    torch.testing.assert_close(out[0], reference, rtol=1e-4, atol=1e-4)
