@@ -90,7 +90,7 @@ def machine_info() -> Json:
 
 def versions() -> Json:
     out = {}
-    for package in ("lmiserve", "torch", "transformers", "tokenizers", "httpx", "uvicorn", "matplotlib"):
+    for package in ("lmiserve", "torch", "transformers", "tokenizers", "numba", "httpx", "uvicorn", "matplotlib"):
         try:
             out[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
