@@ -503,7 +503,7 @@ def test_no_queue_timeout_means_nothing_expires():
 # --- prefill budget while decoding --------------------------------------------------------------------
 
 
-def test_a_step_that_decodes_prefills_at_most_max_of_floor_and_decoding_rows():
+def test_a_step_that_decodes_carries_at_most_twice_a_full_batch_of_rows():
     from lmiserve.core.request import SamplingParams
     from lmiserve.engine.sequence import Sequence, SeqStatus
 
@@ -516,15 +516,17 @@ def test_a_step_that_decodes_prefills_at_most_max_of_floor_and_decoding_rows():
                         eos_token_ids=set(), special_token_ids=set(), seed=0)
 
     sched = Scheduler(max_running=8, max_prefill_tokens=100, prefill_floor=4)
-    first = seq(1, 30)
+    first = seq(1, 40)
     sched.add(first)
     plan, _ = sched.schedule(0.0)
-    assert [c.length for c in plan.prefill] == [30]  # nothing decodes yet: the full budget
-    first.kv_len, first.status = 30, SeqStatus.RUNNING
+    assert [c.length for c in plan.prefill] == [40]  # nothing decodes yet: the full budget
+    first.kv_len, first.status = 40, SeqStatus.RUNNING
     first.output_ids.append(1)
-    sched.add(seq(2, 30))
+    second = seq(2, 40)
+    sched.add(second)
     plan, _ = sched.schedule(0.0)
-    assert [c.length for c in plan.prefill] == [4]  # one stream decodes: max(4, 1)
+    assert [c.length for c in plan.prefill] == [15]  # one stream decodes: 2 x 8 rows - 1
+    second.kv_len = 15
     for i in range(3, 9):
         s = seq(i, 1)
         s.status, s.kv_len, s.slot = SeqStatus.RUNNING, 1, len(sched.running)
@@ -533,5 +535,16 @@ def test_a_step_that_decodes_prefills_at_most_max_of_floor_and_decoding_rows():
     for slot, s in enumerate(sched.running):
         s.slot = slot
     plan, _ = sched.schedule(0.0)
-    assert len(plan.decode) == 7 and [c.length for c in plan.prefill] == [7]  # max(4, 7 decoding)
+    assert len(plan.decode) == 7 and [c.length for c in plan.prefill] == [9]  # 7 decode + 9 prompt rows = 2 x 8
+    assert Scheduler(max_running=2, max_prefill_tokens=100, prefill_floor=4).max_running == 2
+    small = Scheduler(max_running=2, max_prefill_tokens=100, prefill_floor=4)
+    small.running = [s for s in sched.running if s.status is SeqStatus.RUNNING][:2]
+    small.waiting.append(seq(20, 30))
+    for slot, s in enumerate(small.running):
+        s.slot = slot
+    plan, _ = small.schedule(0.0)
+    assert plan.prefill == []  # the batch is full: the newcomer waits
+    small.running = small.running[:1]
+    plan, _ = small.schedule(0.0)
+    assert [c.length for c in plan.prefill] == [4]  # the floor: max(4, 2 x 2 - 1)
     assert Scheduler(max_prefill_tokens=100).prefill_floor is None  # unbounded unless asked
