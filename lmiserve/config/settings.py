@@ -108,8 +108,9 @@ class Settings(BaseModel):
     max_rolling_batch_prefill_tokens: int = Field(2048, ge=1, description=(
         "Most prompt tokens prefilled in one engine step."))
     prefill_tokens_while_decoding: int | None = Field(None, ge=1, description=(
-        "While streams decode, a step prefills at most max(this, 2 x max_rolling_batch_size - decoding "
-        "streams) prompt tokens (within max_rolling_batch_prefill_tokens); unset = 16 on CPU, 256 on GPU."))
+        "While streams decode, a step prefills at most max(this, decoding streams, max_rolling_batch_size "
+        "- decoding streams) prompt tokens (within max_rolling_batch_prefill_tokens); unset = 16 on CPU, "
+        "256 on GPU."))
     max_input_len: int | None = Field(None, ge=1, description=(
         "Longest accepted prompt in tokens; unset = the model's context length."))
     max_new_tokens: int = Field(30, ge=1, description=(

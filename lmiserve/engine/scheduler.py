@@ -7,10 +7,11 @@ Slots: running sequences occupy KV-cache slots ``0..R-1`` (decoding) followed by
 (prefilling, in arrival order). When a sequence leaves, the plan lists the slot moves that keep
 both ranges contiguous, so a decode step reads the cache through views. Prompts are prefilled in
 arrival order, in chunks bounded per step by ``max_prefill_tokens``; while sequences are decoding, a
-step takes at most ``max(prefill_floor, 2 * max_running - decoding rows)`` prompt tokens (when
-``prefill_floor`` is set): a step never carries more than twice a full batch of rows, so with a full
-batch it costs at most about twice a pure decode step and running streams keep flowing, while a
-batch that is still filling admits prompts fast (benchmarks/README.md has the measurements).
+step takes at most ``max(prefill_floor, decoding rows, max_running - decoding rows)`` prompt tokens
+(when ``prefill_floor`` is set): a step carries no more rows than a full batch or twice its decoding
+rows, so no stream waits longer for a token than it would in a full batch or twice its current
+step, and a batch that is still filling admits prompts quickly (benchmarks/README.md has the
+measurements).
 
 Policies: *rolling* (continuous batching: sequences join at any step while fewer than
 ``max_running`` run) and *static* (dynamic batching: a batch forms from up to ``batch_size``
@@ -132,7 +133,8 @@ class Scheduler:
         plan.decode = [s for s in self.running if s.status is SeqStatus.RUNNING]
         budget = self.max_prefill_tokens
         if plan.decode and self.prefill_floor is not None:
-            budget = min(budget, max(self.prefill_floor, 2 * self.max_running - len(plan.decode)))
+            rows = len(plan.decode)
+            budget = min(budget, max(self.prefill_floor, rows, self.max_running - rows))
         for seq in self.running:
             if seq.status is not SeqStatus.PREFILL or (budget <= 0 and plan.prefill):
                 continue

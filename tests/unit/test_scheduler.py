@@ -503,7 +503,7 @@ def test_no_queue_timeout_means_nothing_expires():
 # --- prefill budget while decoding --------------------------------------------------------------------
 
 
-def test_a_step_that_decodes_carries_at_most_twice_a_full_batch_of_rows():
+def test_a_step_that_decodes_carries_at_most_a_full_batch_or_twice_its_decoding_rows():
     from lmiserve.core.request import SamplingParams
     from lmiserve.engine.sequence import Sequence, SeqStatus
 
@@ -525,8 +525,8 @@ def test_a_step_that_decodes_carries_at_most_twice_a_full_batch_of_rows():
     second = seq(2, 40)
     sched.add(second)
     plan, _ = sched.schedule(0.0)
-    assert [c.length for c in plan.prefill] == [15]  # one stream decodes: 2 x 8 rows - 1
-    second.kv_len = 15
+    assert [c.length for c in plan.prefill] == [7]  # one stream decodes: a full batch is 8 rows
+    second.kv_len = 7
     for i in range(3, 9):
         s = seq(i, 1)
         s.status, s.kv_len, s.slot = SeqStatus.RUNNING, 1, len(sched.running)
@@ -535,7 +535,7 @@ def test_a_step_that_decodes_carries_at_most_twice_a_full_batch_of_rows():
     for slot, s in enumerate(sched.running):
         s.slot = slot
     plan, _ = sched.schedule(0.0)
-    assert len(plan.decode) == 7 and [c.length for c in plan.prefill] == [9]  # 7 decode + 9 prompt rows = 2 x 8
+    assert len(plan.decode) == 7 and [c.length for c in plan.prefill] == [7]  # twice the 7 decoding rows
     assert Scheduler(max_running=2, max_prefill_tokens=100, prefill_floor=4).max_running == 2
     small = Scheduler(max_running=2, max_prefill_tokens=100, prefill_floor=4)
     small.running = [s for s in sched.running if s.status is SeqStatus.RUNNING][:2]
@@ -546,5 +546,5 @@ def test_a_step_that_decodes_carries_at_most_twice_a_full_batch_of_rows():
     assert plan.prefill == []  # the batch is full: the newcomer waits
     small.running = small.running[:1]
     plan, _ = small.schedule(0.0)
-    assert [c.length for c in plan.prefill] == [4]  # the floor: max(4, 2 x 2 - 1)
+    assert [c.length for c in plan.prefill] == [4]  # the floor: max(4, 1, 2 - 1)
     assert Scheduler(max_prefill_tokens=100).prefill_floor is None  # unbounded unless asked
