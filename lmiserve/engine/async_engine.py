@@ -38,7 +38,7 @@ class EngineConfig:
     max_batch_delay: float = 0.1
     batch_invariant: bool = False
     fast_path: bool = True  # own Llama-family forward when supported; False forces the generic path
-    # prompt tokens a step that also decodes may take: max(this, decoding rows); None = no extra
+    # prompt tokens a step that also decodes may take: max(this, decoding rows, max_running - decoding rows); None = no extra
     # bound; "auto" = by device (engine/factory.py)
     prefill_floor: int | str | None = "auto"
 
