@@ -70,7 +70,8 @@ def _fuse(modules) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight for several linears that read the same input (``[sum of out, in]``, contiguous,
     the model's own output-major layout). Each module is pointed at its rows, so memory does not
     grow and the transformers forward keeps working on the same storage."""
-    stored = torch.cat([m.weight.detach() for m in modules], dim=0).contiguous()
+    weights = [m.weight.detach() for m in modules]
+    stored = weights[0].contiguous() if len(weights) == 1 else torch.cat(weights, dim=0)
     biases = [m.bias for m in modules]
     bias = torch.cat([b.detach() for b in biases], dim=0) if all(b is not None for b in biases) else None
     if any(b is not None for b in biases) and bias is None:
@@ -245,7 +246,7 @@ class FastLlama:
             h = layer.act(gate_up[:, :inter]) * gate_up[:, inter:]
             x = x + _linear(h, layer.down_w, layer.down_b, self._splits)
         count = len(keep)
-        keep = keep + keep[:1] * self._row_padding(count, 2)
+        keep = keep + keep[:1] * self._row_padding(count, 2)  # the vocabulary product is transposed from 2 rows
         if keep != list(range(x.shape[0])):
             x = x[torch.tensor(keep, dtype=torch.long, device=dev)]
         return _linear(_rms(x, self.norm), self.lm_head, None, self._splits)[:count].float().contiguous()
@@ -307,14 +308,14 @@ class FastLlama:
 SPLIT_MIN_SAVING = 1000
 
 
-def split_point(spans: list[int], min_saving: int | None = None) -> int | None:
+def split_point(spans: list[int]) -> int | None:
     """Where decode attention over rows of these cache spans splits: every row reads positions
     ``[0, cut)`` in place (the rows shorter than the cut masked), the rows longer than the cut read
     ``[cut, max span)`` from a copy of just those rows (copy + read: twice the cost per position).
-    None when one pass over ``[0, max span)`` costs at most `min_saving` more; with a few long rows
+    None when one pass over ``[0, max span)`` costs at most `SPLIT_MIN_SAVING` more; with a few long rows
     in a batch of short ones (a long prompt among chat turns) the split reads a fraction of it."""
     rows, span = len(spans), max(spans)
-    best, cut_at = rows * span - (SPLIT_MIN_SAVING if min_saving is None else min_saving), None
+    best, cut_at = rows * span - SPLIT_MIN_SAVING, None
     for cut in sorted(set(spans))[:-1]:
         longer = sum(1 for s in spans if s > cut)
         cost = rows * cut + 2 * longer * (span - cut)

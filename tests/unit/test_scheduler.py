@@ -536,7 +536,6 @@ def test_a_step_that_decodes_carries_at_most_a_full_batch_or_twice_its_decoding_
         s.slot = slot
     plan, _ = sched.schedule(0.0)
     assert len(plan.decode) == 7 and [c.length for c in plan.prefill] == [7]  # twice the 7 decoding rows
-    assert Scheduler(max_running=2, max_prefill_tokens=100, prefill_floor=4).max_running == 2
     small = Scheduler(max_running=2, max_prefill_tokens=100, prefill_floor=4)
     small.running = [s for s in sched.running if s.status is SeqStatus.RUNNING][:2]
     small.waiting.append(seq(20, 30))
