@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def store_services(settings, store: str) -> list:
     """One ModelService per model directory of the store, each with its own merged settings."""
-    from lmiserve.http.service import ModelService
+    from lmiserve.models.service import ModelService
     from lmiserve.models.store import model_settings, scan_store
 
     if settings.model_id:
@@ -67,7 +67,7 @@ def store_services(settings, store: str) -> list:
 def serve(settings, services: list | None = None) -> int:
     import uvicorn
 
-    from lmiserve.http.app import create_app
+    from lmiserve.server.app import create_app
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("lmiserve")

@@ -15,8 +15,8 @@ import numpy as np
 from lmiserve.config import Settings
 from lmiserve.core.tensor_io import select_outputs, text_rows
 from lmiserve.core.tensors import ModelSignature, TensorRequest, TensorSpec
-from lmiserve.http.app import create_app
-from lmiserve.http.service import ModelService
+from lmiserve.server.app import create_app
+from lmiserve.models.service import ModelService
 
 WEIGHT = np.array([[1.0, -1.0], [2.0, 0.5], [0.0, 1.0], [-1.0, 3.0]], dtype=np.float32)
 BIAS = np.array([0.5, -0.25], dtype=np.float32)

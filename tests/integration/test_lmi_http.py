@@ -440,7 +440,7 @@ def test_n_two_of_best_of_three(server):
 
 
 def test_per_request_tgi_compat_formatter(server):
-    """lmiserve extension (formatters/base.py): output_formatter "tgi_compat" selects TGI output per request."""
+    """lmiserve extension (protocols/lmi/formatters/base.py): output_formatter "tgi_compat" selects TGI output per request."""
     response = server.post({"inputs": PROMPT, "parameters": {"max_new_tokens": 3, "output_formatter": "tgi_compat"}})
     assert response.status_code == 200, response.text
     body = response.json()

@@ -10,10 +10,10 @@ PROMPTS = ["Hello world", "The quick brown fox", "Deep learning is"]
 
 
 def test_dynamic_batch_generated_text_includes_the_prompt_by_default(dynamic_server, server):
-    """lmiserve/formatters/dynamic_batch.py documents: "generated_text includes the prompt by default
+    """lmiserve/protocols/lmi/formatters/dynamic_batch.py documents: "generated_text includes the prompt by default
     ... Pass return_full_text=False to get the completion only" (golden tests/golden/lmi/
     dynamic_batch_str.json agrees). Over HTTP the prompt is missing unless return_full_text=true:
-    lmiserve/http/lmi_routes.py `_dynamic_batch` passes `call.options.return_full_text`, which is
+    lmiserve/protocols/lmi/routes.py `_dynamic_batch` passes `call.options.return_full_text`, which is
     LmiParameters.return_full_text (a bool defaulting to False), so "not given" becomes False."""
     completions = [server.generate(p, max_new_tokens=6)["generated_text"] for p in PROMPTS]
     response = dynamic_server.post({"inputs": PROMPTS, "parameters": {"max_new_tokens": 6}})
@@ -26,7 +26,7 @@ def test_dynamic_batch_generated_text_includes_the_prompt_by_default(dynamic_ser
 def test_explicit_n_1_with_best_of_returns_a_single_sequence(server):
     """Reference §4.2: `best_of` *without* `n` -> n=best_of; with an explicit n the engine returns n
     sequences, and §5.6: with a single returned sequence there is no `best_of_sequences` key.
-    lmiserve/schemas/lmi.py declares `n: int = Field(1, ...)`, so an explicit n=1 cannot be told from an
+    lmiserve/protocols/lmi/schema.py declares `n: int = Field(1, ...)`, so an explicit n=1 cannot be told from an
     absent n and `AsyncEngine._collect_ranked` returns all best_of sequences."""
     response = server.post(
         {"inputs": "Deep learning is", "parameters": {"max_new_tokens": 4, "do_sample": True, "seed": 3, "best_of": 3, "n": 1}}
@@ -42,7 +42,7 @@ def _deep(depth: int) -> bytes:
 
 def test_deeply_nested_json_is_a_424_not_a_500(server):
     """A body nested ~1000+ levels deep makes `json.loads` raise RecursionError, which
-    lmiserve/adapters/lmi.py `decode_body` does not catch (it catches JSONDecodeError and
+    lmiserve/protocols/lmi/parse.py `decode_body` does not catch (it catches JSONDecodeError and
     UnicodeDecodeError only): the client gets starlette's 500 "Internal Server Error" as
     text/plain; charset=utf-8 instead of the 424 parse-failure body (reference §6.1; §10: an
     application/json Content-Type on every error). Fix: also catch RecursionError (e.g.

@@ -12,7 +12,7 @@ import pytest
 import requests
 
 from helpers.server import run_server
-from lmiserve.codecs.tfjson import format_float
+from lmiserve.protocols.tensor.codecs.tfjson import format_float
 from helpers.tensor_models import affine_reference
 
 TIMEOUT = 60

@@ -8,9 +8,9 @@ import struct
 import numpy as np
 import pytest
 
-from lmiserve.codecs import binary
-from lmiserve.codecs.datatypes import DTYPES, datatype_of, fit_shape, flatten, json_data, to_array
-from lmiserve.codecs.errors import TensorError
+from lmiserve.protocols.tensor.codecs import binary
+from lmiserve.protocols.tensor.codecs.datatypes import DTYPES, datatype_of, fit_shape, flatten, json_data, to_array
+from lmiserve.protocols.tensor.codecs.errors import TensorError
 
 SAMPLES = {
     "BOOL": [True, False, True, True],

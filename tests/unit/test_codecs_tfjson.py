@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lmiserve.codecs.errors import TensorError
-from lmiserve.codecs.tfjson import document, dump, error_body, format_float, parse_document
-from lmiserve.codecs.tftensor import render_columns, render_rows
+from lmiserve.protocols.tensor.codecs.errors import TensorError
+from lmiserve.protocols.tensor.codecs.tfjson import document, dump, error_body, format_float, parse_document
+from lmiserve.protocols.tensor.codecs.tftensor import render_columns, render_rows
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "tfserving"
 
@@ -130,7 +130,7 @@ def test_deeply_nested_ignored_keys_are_skipped_iteratively():
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_vectorized_float_formatting_equals_the_scalar_rule(dtype):
-    from lmiserve.codecs.tfjson import format_floats
+    from lmiserve.protocols.tensor.codecs.tfjson import format_floats
 
     rng = np.random.default_rng(0)
     specials = [0.0, -0.0, 100, 1e7, 1234567, 1 / 3, np.nan, np.inf, -np.inf, 6e-7, 1e-45, 3.4e38, 0.1, 2.5]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from lmiserve.core.events import Finish, FinishReason, StepEvent, Token
-from lmiserve.formatters import (
+from lmiserve.protocols.lmi.formatters import (
     DynamicBatchFormatter,
     DynamicBatchStreamFormatter,
     FormatOptions,

@@ -10,7 +10,7 @@ import pytest
 
 from lmiserve.core.events import Finish, FinishReason, StepEvent, Token
 from lmiserve.core.request import GenerationRequest, SamplingParams
-from lmiserve.formatters import (
+from lmiserve.protocols.lmi.formatters import (
     DEFAULT_ERROR_MESSAGE,
     DynamicBatchFormatter,
     DynamicBatchStreamFormatter,
@@ -65,7 +65,7 @@ def test_select_formatter_name(request_value, option_value, stream, tgi, expecte
 
 @pytest.mark.parametrize(("stream", "tgi", "expected"), [(False, False, "json"), (True, True, "tgi_sse")])
 def test_unknown_formatter_warns_and_uses_default_rule(caplog, stream, tgi, expected) -> None:
-    with caplog.at_level(logging.WARNING, logger="lmiserve.formatters.base"):
+    with caplog.at_level(logging.WARNING, logger="lmiserve.protocols.lmi.formatters.base"):
         assert select_formatter_name("xml", "jsonlines", stream, tgi) == expected
     assert "Unsupported output formatter: xml" in caplog.text
 
@@ -161,7 +161,7 @@ def test_error_helpers() -> None:
 
 
 def drive(fmt: Formatter, events) -> tuple[int, bytes]:
-    """The HTTP layer's loop as documented in lmiserve/formatters/errors.py."""
+    """The HTTP layer's loop as documented in lmiserve/protocols/lmi/formatters/errors.py."""
     sent: list[bytes] = []
     for event in events:
         if is_error_finish(event):

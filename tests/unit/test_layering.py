@@ -40,7 +40,7 @@ def test_core_imports_only_core(path):
 
 @pytest.mark.parametrize(
     "path",
-    [p for layer in ("adapters", "formatters", "schemas", "config", "http", "utils") for p in modules(layer)],
+    [p for layer in ("protocols", "config", "server") for p in modules(layer)],
     ids=lambda p: f"{p.parent.name}/{p.name}",
 )
 def test_only_engine_and_models_import_torch(path):
@@ -51,7 +51,7 @@ def test_only_engine_and_models_import_torch(path):
 def test_engine_is_free_of_http_and_protocols(path):
     names = imports_of(path)
     assert not roots(names) & HTTP
-    assert not any(n.startswith(("lmiserve.http", "lmiserve.adapters", "lmiserve.formatters")) for n in names)
+    assert not any(n.startswith(("lmiserve.server", "lmiserve.protocols")) for n in names)
 
 
 def test_scheduler_is_pure_python():

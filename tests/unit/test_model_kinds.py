@@ -10,7 +10,7 @@ from helpers.tensor_models import CLASSIFIER_LABELS, affine_reference
 from lmiserve.config import Settings
 from lmiserve.core.errors import InvalidRequest
 from lmiserve.core.tensors import TensorRequest
-from lmiserve.http.service import ModelService
+from lmiserve.models.service import ModelService
 from lmiserve.models.kinds import detect_kind
 from lmiserve.models.store import model_settings
 

@@ -14,7 +14,7 @@ from lmiserve.config import Settings
 from lmiserve.core.errors import EngineOverloaded, InferenceFailed, InvalidRequest, ModelNotReady
 from lmiserve.core.tensors import ModelSignature, TensorRequest, TensorSpec
 from lmiserve.engine.oneshot import BatchConfig, OneShotModel
-from lmiserve.http.service import ModelService
+from lmiserve.models.service import ModelService
 from lmiserve.models.store import model_settings
 
 

@@ -6,10 +6,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from lmiserve.adapters import openai as adapter
-from lmiserve.adapters.tgi import TgiError, TgiLimits
-from lmiserve.http.protocol import Served
-from lmiserve.schemas.openai import ChatRequest, CompletionRequest
+from lmiserve.protocols.openai import parse as adapter
+from lmiserve.protocols.tgi.parse import TgiError, TgiLimits
+from lmiserve.server.textgen import Served
+from lmiserve.protocols.openai.schema import ChatRequest, CompletionRequest
 
 LIMITS = TgiLimits(max_input_tokens=100, max_total_tokens=200)
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from lmiserve.adapters import openai as adapter
-from lmiserve.adapters.tgi import TgiError, TgiLimits
+from lmiserve.protocols.openai import parse as adapter
+from lmiserve.protocols.tgi.parse import TgiError, TgiLimits
 from lmiserve.engine.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
-from lmiserve.formatters import openai as fmt
-from lmiserve.formatters.tgi import error_body, sequences
-from lmiserve.schemas.openai import ChatRequest, CompletionRequest
+from lmiserve.protocols.openai import encoders as fmt
+from lmiserve.protocols.tgi.encoders import error_body, sequences
+from lmiserve.protocols.openai.schema import ChatRequest, CompletionRequest
 
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "golden" / "openai"
 CREATED = 1700000000

@@ -8,16 +8,16 @@ import asyncio
 import numpy as np
 import pytest
 
-from lmiserve.adapters.lmi import Limits
-from lmiserve.adapters.llm_tensor import LlmTensorModel
+from lmiserve.protocols.lmi.parse import Limits
+from lmiserve.models.llm_tensor import LlmTensorModel
 from lmiserve.config import Settings
 from lmiserve.core.errors import InvalidRequest, ModelNotFound, ModelNotReady
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.core.tensors import TensorRequest
 from lmiserve.engine.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
-from lmiserve.http.registry import ModelRegistry, NoModel
-from lmiserve.http.service import ModelService
+from lmiserve.models.registry import ModelRegistry, NoModel
+from lmiserve.models.service import ModelService
 
 
 def texts(array: np.ndarray) -> list[str]:

@@ -8,9 +8,9 @@ import json
 import pytest
 
 from helpers.tensor_app import affine_model, classifier_model, client, tensor_app, text_model
-from lmiserve.adapters import sagemaker
-from lmiserve.codecs import records
-from lmiserve.codecs.errors import TensorError
+from lmiserve.protocols.tensor.sagemaker import parse as sagemaker
+from lmiserve.protocols.tensor.codecs import records
+from lmiserve.protocols.tensor.codecs.errors import TensorError
 
 ATTR = "X-Amzn-SageMaker-Custom-Attributes"
 
@@ -114,7 +114,7 @@ def test_csv_codec():
 async def test_lmi_payloads_stay_lmi_for_one_shot_models(app):
     r = await post(app, b'{"inputs": [[1, 2, 3, 4]]}', "application/json")
     assert r.status_code == 200
-    assert r.json() == {"y": [[1.5, 14.75]], "best": [1]}  # LMI's answer for a TorchScript model (adapters/lmi_tensor.py)
+    assert r.json() == {"y": [[1.5, 14.75]], "best": [1]}  # LMI's answer for a TorchScript model (protocols/lmi/tensor.py)
     r = await post(app, b"hello", "text/plain", model="text")
     assert r.status_code == 200 and r.json() == {"upper": ["HELLO"], "length": [5]}
 

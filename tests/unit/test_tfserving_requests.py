@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from lmiserve.adapters import tfserving
-from lmiserve.codecs.errors import TensorError
+from lmiserve.protocols.tensor.tfserving import parse as tfserving
+from lmiserve.protocols.tensor.codecs.errors import TensorError
 from lmiserve.core.tensors import ModelSignature, TensorSpec
 
 

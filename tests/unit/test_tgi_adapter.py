@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from lmiserve.adapters.tgi import TgiError, TgiLimits, build, from_core
+from lmiserve.protocols.tgi.parse import TgiError, TgiLimits, build, from_core
 from lmiserve.core.errors import EngineOverloaded, InvalidRequest, ModelNotReady
-from lmiserve.schemas.tgi import GenerateRequest, TgiParameters
+from lmiserve.protocols.tgi.schema import GenerateRequest, TgiParameters
 
 LIMITS = TgiLimits(max_input_tokens=10, max_total_tokens=16)
 

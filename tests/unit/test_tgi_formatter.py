@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 from lmiserve.core.events import Finish, FinishReason, StepEvent, Token
-from lmiserve.formatters import openai as ofmt
-from lmiserve.formatters import tgi as fmt
+from lmiserve.protocols.openai import encoders as ofmt
+from lmiserve.protocols.tgi import encoders as fmt
 
 
 def finish(text: str, n: int, reason=FinishReason.LENGTH, seed=7, prefill=None) -> Finish:

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from lmiserve.adapters.tgi import TgiError, TgiLimits, build
+from lmiserve.protocols.tgi.parse import TgiError, TgiLimits, build
 from lmiserve.engine.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
-from lmiserve.formatters import tgi as fmt
-from lmiserve.schemas.tgi import TgiParameters
+from lmiserve.protocols.tgi import encoders as fmt
+from lmiserve.protocols.tgi.schema import TgiParameters
 
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "golden" / "tgi"
 PROMPT = "Deep learning is"

@@ -9,7 +9,7 @@ import pytest
 
 from lmiserve.cli import build_parser
 from lmiserve.config import ConfigError, load_settings
-from lmiserve.http.protocol import tgi_limits
+from lmiserve.server.textgen import tgi_limits
 
 
 def test_tgi_defaults():

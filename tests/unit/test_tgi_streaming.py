@@ -7,7 +7,7 @@ import asyncio
 
 from lmiserve.core.errors import EngineOverloaded
 from lmiserve.core.events import Finish, FinishReason, StepEvent, Token
-from lmiserve.http.streaming import KEEPALIVE, Admission, guarded, keepalive
+from lmiserve.server.streaming import KEEPALIVE, Admission, guarded, keepalive
 
 
 async def test_keepalive_comments_while_idle_then_the_chunk():

@@ -1,1 +1,0 @@
-"""One module per protocol: parse a wire payload into core request objects and formatting options."""

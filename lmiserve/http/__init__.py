@@ -1,1 +1,0 @@
-"""The HTTP layer: a thin starlette app wiring protocol adapters, the engine and formatters."""

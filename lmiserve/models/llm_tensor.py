@@ -1,0 +1,83 @@
+"""The causal LM as a `TensorModel`: a BYTES tensor of prompts in, a BYTES tensor of completions out.
+
+Any single input name is read as the prompts (conventionally `text_input`, `prompt` or `inputs`); each
+element is one prompt. Generation parameters come from `TensorRequest.parameters` with the LMI names
+and defaults (`max_new_tokens`, `temperature`, `do_sample`, `stop`, ...), validated by the LMI parser.
+All rows go to the engine at once, so they share its continuous batch. The output `text_output` holds
+each row's generated text (with the prompt in front when `return_full_text` is true).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import aclosing
+
+import numpy as np
+
+from lmiserve.protocols.lmi.parse import Limits, parse_parameters, to_sampling
+from lmiserve.core.errors import InferenceFailed, InvalidRequest
+from lmiserve.core.events import FinishReason
+from lmiserve.core.request import GenerationRequest, SamplingParams
+from lmiserve.core.tensor_io import bytes_column, pick_input, select_outputs, text_rows
+from lmiserve.core.tensors import ModelSignature, TensorRequest, TensorSpec
+
+INPUT = "text_input"
+INPUT_ALIASES = ("prompt", "inputs", "text")
+OUTPUT = "text_output"
+SIGNATURE = ModelSignature(
+    inputs=(TensorSpec(INPUT, "BYTES", (-1,)),),
+    outputs=(TensorSpec(OUTPUT, "BYTES", (-1,)),),
+)
+# Keys protocols put next to generation parameters; not generation parameters themselves.
+_NOT_GENERATION = frozenset({"content_type", "headers", "binary_data_output", "stream", "signature_name"})
+
+
+class LlmTensorModel:
+    """`TensorModel` over an AsyncEngine (duck-typed: anything with `generate(GenerationRequest)`)."""
+
+    kind = "llm"
+    signature = SIGNATURE
+
+    def __init__(self, engine, limits: Limits, name: str = ""):
+        self.engine = engine
+        self.limits = limits
+        self.name = name
+
+    def sampling(self, parameters: dict) -> tuple[SamplingParams, bool]:
+        """LMI parameter mapping of the request's parameters; also whether to prepend the prompt."""
+        raw = {k: v for k, v in (parameters or {}).items() if k not in _NOT_GENERATION}
+        params = parse_parameters(raw)
+        return to_sampling(params, self.limits, stream=False), bool(params.return_full_text)
+
+    async def infer(self, request: TensorRequest) -> dict[str, np.ndarray]:
+        prompts = text_rows(pick_input(request, INPUT, aliases=INPUT_ALIASES), INPUT)
+        if any(not p for p in prompts):
+            raise InvalidRequest(f"input '{INPUT}' holds an empty prompt")
+        sampling, full_text = self.sampling(request.parameters)
+        requests = [GenerationRequest(p, SamplingParams(**{**sampling.__dict__, "stop_sequences": list(sampling.stop_sequences)})) for p in prompts]
+        texts = await _all_or_nothing([self._complete(r) for r in requests])
+        if full_text:
+            texts = [p + t for p, t in zip(prompts, texts)]
+        return select_outputs({OUTPUT: bytes_column(texts)}, request, self.signature)
+
+    async def _complete(self, request: GenerationRequest) -> str:
+        """The first sequence's generated text; its error as InferenceFailed."""
+        async with aclosing(self.engine.generate(request)) as events:
+            async for event in events:
+                if event.finish is not None and event.index == 0:
+                    if event.finish.reason == FinishReason.ERROR:
+                        raise InferenceFailed(event.finish.error or "generation failed")
+                    return event.finish.generated_text
+        raise InferenceFailed("the generation ended without a final event")
+
+
+async def _all_or_nothing(coros) -> list:
+    """Run concurrently; on the first failure cancel the rest (aborting their sequences) and raise it."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,94 @@
+"""The served models by name: loaded together at start, registered and unregistered at run time."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from lmiserve.core.errors import LmiServeError, ModelNotFound
+from lmiserve.models.service import ModelService
+
+log = logging.getLogger(__name__)
+
+
+class NoModel(LmiServeError):
+    """A name-less request while no single default model exists (LMI: 400 "Parameter model_name is required.")."""
+
+    status = 400
+    kind = "BadRequestException"
+
+
+class ModelRegistry:
+    def __init__(self, services: list[ModelService] | None = None):
+        self._services: dict[str, ModelService] = {}
+        for service in services or []:
+            self.add(service)
+
+    # ---- lookup ------------------------------------------------------------------------------------
+    def __iter__(self):
+        return iter(list(self._services.values()))
+
+    def __len__(self) -> int:
+        return len(self._services)
+
+    def __contains__(self, name: str) -> bool:
+        return self.find(name) is not None
+
+    def find(self, name: str) -> ModelService | None:
+        service = self._services.get(name)
+        if service is None:  # a name fixed only after loading (e.g. the bundled default)
+            service = next((s for s in self._services.values() if s.name == name), None)
+        return service
+
+    def get(self, name: str) -> ModelService:
+        service = self.find(name)
+        if service is None:
+            raise ModelNotFound(f"Model or workflow not found: {name}")
+        return service
+
+    def default(self) -> ModelService:
+        """The only model; with several, the LLM (if exactly one); else a 400 asking for model_name."""
+        services = list(self._services.values())
+        if len(services) == 1:
+            return services[0]
+        llms = [s for s in services if s.is_llm]
+        if len(llms) == 1:
+            return llms[0]
+        raise NoModel("Parameter model_name is required.")
+
+    def default_llm(self) -> ModelService:
+        llms = [s for s in self._services.values() if s.is_llm]
+        if len(llms) == 1:
+            return llms[0]
+        if not llms:
+            raise NoModel("No text-generation model is loaded: this route needs an LLM.")
+        raise NoModel("Parameter model_name is required.")
+
+    @property
+    def all_ready(self) -> bool:
+        return all(s.status == ModelService.READY for s in self._services.values())
+
+    # ---- changes -----------------------------------------------------------------------------------
+    def add(self, service: ModelService) -> None:
+        if service.name in self:
+            raise ValueError(f"model {service.name!r} is already registered")
+        self._services[service.name] = service
+
+    async def remove(self, name: str) -> ModelService:
+        """Unregister and stop the model; ModelNotFound if unknown."""
+        service = self.get(name)
+        for key, value in list(self._services.items()):
+            if value is service:
+                del self._services[key]
+        await service.close()
+        return service
+
+    async def load_all(self) -> None:
+        await asyncio.gather(*(s.load() for s in self._services.values()))
+
+    async def close_all(self) -> None:
+        for service in list(self._services.values()):
+            try:
+                await service.close()
+            except Exception:  # noqa: BLE001 - stop the others anyway
+                log.exception("stopping model %s failed", service.name)

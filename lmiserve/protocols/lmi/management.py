@@ -1,0 +1,200 @@
+"""Health and the LMI management API (reference lmi.md §2.2, §2.3): /ping, GET/POST/DELETE /models."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from lmiserve.config import ConfigError
+from lmiserve.core.errors import LmiServeError
+from lmiserve.server.responses import error_response, raw_response
+from lmiserve.models.service import ModelService
+from lmiserve.models import DEFAULT_MODEL_NAME
+
+
+class BadManagementRequest(LmiServeError):
+    status = 400
+    kind = "BadRequestException"
+
+
+class RegistrationConflict(LmiServeError):
+    status = 409
+    kind = "ConflictStatusException"
+
+
+class LoadFailed(LmiServeError):
+    status = 500
+    kind = "InternalServerException"
+
+
+# Registration options (query parameters or JSON body keys) that become model settings.
+_SETTING_PARAMS = ("batch_size", "max_batch_delay", "job_queue_size", "device", "dtype", "model_kind")
+
+
+def _pretty(obj) -> bytes:
+    return (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode()
+
+
+def _registry(request: Request):
+    return request.app.state.registry
+
+
+async def ping(request: Request) -> Response:
+    """200 with every model Healthy; 503 while a model loads or after one failed."""
+    services = list(_registry(request))
+    body = {s.name: {"status": "Healthy" if s.status == ModelService.READY else "Unhealthy"} for s in services}
+    healthy = all(s.status == ModelService.READY for s in services)
+    return raw_response(_pretty(body), 200 if healthy else 503)
+
+
+def _model_url(service: ModelService) -> str:
+    path = service.path or service.settings.model_id
+    return f"file:{path}" if path else f"bundled:{DEFAULT_MODEL_NAME}"
+
+
+async def list_models(request: Request) -> Response:
+    """GET /models[?limit=100&next_page_token=N]: one page; nextPageToken only when more follow."""
+    try:
+        limit = _int_param(request, "limit", 100)
+        start = _int_param(request, "next_page_token", 0)
+    except LmiServeError as exc:
+        return error_response(exc)
+    services = list(_registry(request))
+    limit = limit if 0 < limit <= 100 else 100
+    page = services[start : start + limit]
+    body: dict = {"nextPageToken": str(start + limit)} if start + limit < len(services) else {}
+    body["models"] = [{"modelName": s.name, "modelUrl": _model_url(s), "status": s.status} for s in page]
+    return raw_response(_pretty(body))
+
+
+def _int_param(request: Request, name: str, default: int) -> int:
+    value = request.query_params.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        raise BadManagementRequest(f"Parameter {name} must be an integer: {value}") from None
+    if number < 0:
+        raise BadManagementRequest(f"Parameter {name} must not be negative: {value}")
+    return number
+
+
+async def describe_model(request: Request) -> Response:
+    try:
+        service = _registry(request).get(request.path_params["model_name"])
+    except LmiServeError as exc:
+        return error_response(exc)
+    s = service.settings
+    engine = service.engine
+    device = getattr(service.loaded, "device", None)
+    worker_status = {"READY": "READY", "PENDING": "PENDING"}.get(service.status, "FAILED")
+    model = {
+        "modelName": service.name,
+        "modelUrl": _model_url(service),
+        "batchSize": s.batch_size if s.dynamic_batching or not service.is_llm else s.max_rolling_batch_size,
+        "maxBatchDelayMillis": s.max_batch_delay,
+        "maxIdleSeconds": 60,
+        "queueSize": s.job_queue_size,
+        "requestInQueue": engine.num_waiting if engine is not None else 0,
+        "status": "Healthy" if service.status == ModelService.READY else "Unhealthy",
+        "loadedAtStartup": service.loaded_at_startup,
+        "workerGroups": [
+            {
+                "device": {"deviceType": device.type if device else "cpu", "deviceId": device.index or 0 if device else 0},
+                "minWorkers": 1,
+                "maxWorkers": 1,
+                "workers": [{"id": 1, "startTime": _iso(service.started_at), "status": worker_status}],
+            }
+        ],
+    }
+    return raw_response(_pretty([{"workflowName": service.name, "version": "", "models": [model]}]))
+
+
+async def register_model(request: Request) -> Response:
+    """POST /models?url=...&model_name=...[&synchronous=true&batch_size=...]: load a model and serve it."""
+    from lmiserve.models.store import model_settings
+
+    try:
+        params = await _registration_params(request)
+        directory = _local_path(params.get("url"))
+        name = str(params.get("model_name") or (directory.stem if directory.is_file() else directory.name))
+        registry = _registry(request)
+        if name in registry:
+            raise RegistrationConflict(f"Model {name} is already registered.")
+        overrides = {k: params[k] for k in _SETTING_PARAMS if params.get(k) not in (None, "")}
+        if directory.is_file():  # a .pt or .gguf file: the model is the file, its folder holds the properties
+            directory, overrides["model_id"] = directory.parent, str(directory)
+        try:
+            settings = model_settings(request.app.state.settings, directory, name, overrides)
+        except ConfigError as exc:
+            raise BadManagementRequest(str(exc)) from None
+        service = ModelService(settings, name=name)
+        service.loaded_at_startup = False
+        registry.add(service)
+        if str(params.get("synchronous", "true")).strip().lower() in ("false", "0", "no"):
+            import asyncio
+
+            request.app.state.pending_loads = getattr(request.app.state, "pending_loads", set())
+            task = asyncio.create_task(service.load())
+            request.app.state.pending_loads.add(task)
+            task.add_done_callback(request.app.state.pending_loads.discard)
+            return raw_response(_pretty({"status": f'Model "{name}" registration scheduled.'}), 202)
+        await service.load()
+        if service.status != ModelService.READY:
+            await registry.remove(name)
+            raise LoadFailed(f"Failed to load model {name}: {service.error}")
+        return raw_response(_pretty({"status": f'Model "{name}" registered.'}))
+    except LmiServeError as exc:
+        return error_response(exc)
+
+
+async def unregister_model(request: Request) -> Response:
+    """DELETE /models/{name}[/{version}]: stop the model and forget it."""
+    name = request.path_params["model_name"]
+    try:
+        await _registry(request).remove(name)
+    except LmiServeError as exc:
+        return error_response(exc)
+    return raw_response(_pretty({"status": f'Workflow "{name}" unregistered'}))
+
+
+async def _registration_params(request: Request) -> dict:
+    params: dict = dict(request.query_params)
+    body = await request.body()
+    if body.strip() and "json" in request.headers.get("content-type", "json"):
+        try:
+            data = json.loads(body)
+        except ValueError as exc:
+            raise BadManagementRequest(f"Invalid JSON body: {exc}") from None
+        if not isinstance(data, dict):
+            raise BadManagementRequest("The request body must be a JSON object.")
+        params = {**{k: v for k, v in data.items() if v is not None}, **params}
+    return params
+
+
+def _local_path(url) -> Path:
+    if not url or not str(url).strip():
+        raise BadManagementRequest("Parameter url is required.")
+    url = str(url).strip()
+    parsed = urlparse(url)
+    if parsed.scheme == "file":
+        path = Path(unquote(parsed.path))
+    elif parsed.scheme in ("", ) or len(parsed.scheme) == 1:  # a plain path (or a Windows drive letter)
+        path = Path(url)
+    else:
+        raise BadManagementRequest(f"Unsupported url {url}: this server loads local directories (a path or file: URL) only.")
+    path = path.expanduser()
+    if not path.exists():
+        raise BadManagementRequest(f"Model directory not found: {url}")
+    return path.resolve()
+
+
+def _iso(ts: float) -> str:
+    from datetime import datetime, timezone
+
+    return datetime.fromtimestamp(ts, tz=timezone.utc).isoformat()

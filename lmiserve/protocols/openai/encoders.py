@@ -1,0 +1,165 @@
+"""Core events -> OpenAI-compatible bytes (reference tgi-openai.md §6, §9.3): chat completions and
+completions, whole or as SSE ending in ``data: [DONE]``. Compact JSON, ``object`` first, ``id: ""``.
+
+Finish reasons: ``eos_token`` -> ``"stop"``; ``length`` and ``stop_sequence`` as they are (TGI does not
+map a stop sequence to ``"stop"``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from lmiserve.core.events import Finish, FinishReason, StepEvent, Token
+from lmiserve.protocols.tgi.encoders import Sequence, dumps, sse_event
+
+DONE = b"data: [DONE]\n\n"
+
+
+def finish_reason(finish: Finish) -> str:
+    return "stop" if finish.reason is FinishReason.EOS_TOKEN else finish.reason.value
+
+
+def stream_error(message: str, status: int = 422) -> bytes:
+    """An error after the stream started (§9.3): in-band, then [DONE]."""
+    return sse_event(dumps({"error": {"message": message, "http_status_code": status}})) + DONE
+
+
+@dataclass
+class Envelope:
+    """The fields every OpenAI object starts with."""
+
+    model: str
+    system_fingerprint: str
+    created: int = 0
+
+    def __post_init__(self):
+        self.created = self.created or int(time.time())
+
+    def head(self, obj: str) -> dict[str, Any]:
+        return {"object": obj, "id": "", "created": self.created, "model": self.model,
+                "system_fingerprint": self.system_fingerprint}
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _chat_logprob(token: Token, top: tuple[Token, ...] | None) -> dict:
+    return {"token": token.text, "logprob": token.logprob,
+            "top_logprobs": [{"token": t.text, "logprob": t.logprob} for t in top or ()]}
+
+
+# --- chat -------------------------------------------------------------------------------------------
+
+
+def chat_body(seqs: list[Sequence], env: Envelope, *, logprobs: bool) -> bytes:
+    """Non-streaming chat completion; `seqs` are the choices, best first."""
+    choices = []
+    for index, seq in enumerate(seqs):
+        lp = {"content": [_chat_logprob(t, top) for t, top in zip(seq.tokens, seq.top_tokens)]} if logprobs else None
+        choices.append({"index": index, "message": {"role": "assistant", "content": seq.finish.generated_text},
+                        "logprobs": lp, "finish_reason": finish_reason(seq.finish)})
+    prompt = seqs[0].finish.prompt_tokens
+    completion = sum(s.finish.generated_tokens for s in seqs)
+    return dumps({**env.head("chat.completion"), "choices": choices, "usage": _usage(prompt, completion)})
+
+
+class ChatStream:
+    """One chunk per token (every delta has ``role``), an optional usage chunk, then [DONE] (§6.3)."""
+
+    def __init__(self, env: Envelope, *, logprobs: bool, include_usage: bool):
+        self.env = env
+        self.logprobs = logprobs
+        self.include_usage = include_usage
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+
+    def on_event(self, event: StepEvent) -> bytes:
+        if event.token is None:
+            return b""
+        finish = event.finish
+        lp = {"content": [_chat_logprob(event.token, event.top_tokens)]} if self.logprobs else None
+        choice = {"index": event.index, "delta": {"role": "assistant", "content": event.token.text},
+                  "logprobs": lp, "finish_reason": finish_reason(finish) if finish else None}
+        if finish is not None:
+            self.prompt_tokens = finish.prompt_tokens
+            self.completion_tokens += finish.generated_tokens
+        return sse_event(dumps({**self.env.head("chat.completion.chunk"), "choices": [choice], "usage": None}))
+
+    def close(self) -> bytes:
+        tail = b""
+        if self.include_usage:
+            usage = _usage(self.prompt_tokens, self.completion_tokens)
+            tail = sse_event(dumps({**self.env.head("chat.completion.chunk"), "choices": [], "usage": usage}))
+        return tail + DONE
+
+
+# --- completions ------------------------------------------------------------------------------------
+
+
+def _legacy_logprobs(tokens: list[Token], tops: list, start: int) -> dict:
+    offsets, pos = [], start
+    for t in tokens:
+        offsets.append(pos)
+        pos += 0 if t.special else len(t.text)  # a special prompt token (BOS) is not in the text
+    return {
+        "tokens": [t.text for t in tokens],
+        "token_logprobs": [t.logprob for t in tokens],
+        "top_logprobs": [{c.text: c.logprob for c in top} if top else None for top in tops],
+        "text_offset": offsets,
+    }
+
+
+def completion_body(per_prompt: list[list[Sequence]], prompts: list[str], env: Envelope, *, logprobs: bool,
+                    echo: bool) -> bytes:
+    """Non-streaming completion: choice index = prompt index x n + sequence rank; usage summed."""
+    choices, prompt_tokens, completion_tokens = [], 0, 0
+    for p, seqs in enumerate(per_prompt):
+        prompt_tokens += seqs[0].finish.prompt_tokens
+        for rank, seq in enumerate(seqs):
+            completion_tokens += seq.finish.generated_tokens
+            prefix = prompts[p] if echo else ""
+            lp = None
+            if logprobs:
+                tokens, tops = list(seq.tokens), list(seq.top_tokens)
+                if echo and seq.finish.prefill:
+                    pre = [Token(t.id, t.text, None if i == 0 else t.logprob, t.special)
+                           for i, t in enumerate(seq.finish.prefill)]
+                    tokens, tops = pre + tokens, [None] * len(pre) + tops
+                    lp = _legacy_logprobs(tokens, tops, 0)
+                else:
+                    lp = _legacy_logprobs(tokens, tops, len(prefix))
+            choices.append({"index": p * len(seqs) + rank, "text": prefix + seq.finish.generated_text,
+                            "logprobs": lp, "finish_reason": finish_reason(seq.finish)})
+    return dumps({**env.head("text_completion"), "choices": choices,
+                  "usage": _usage(prompt_tokens, completion_tokens)})
+
+
+class CompletionStream:
+    """Per prompt and token a ``text_completion`` event (``finish_reason: ""``, no ``usage`` key); the last
+    event of each prompt has the real finish reason and that prompt's usage; then [DONE] (§6.4)."""
+
+    def __init__(self, env: Envelope, *, logprobs: bool, n: int = 1):
+        self.env = env
+        self.logprobs = logprobs
+        self.n = n
+
+    def on_event(self, tagged: tuple[int, StepEvent]) -> bytes:
+        prompt_index, event = tagged
+        if event.token is None:
+            return b""
+        finish = event.finish
+        lp = _legacy_logprobs([event.token], [event.top_tokens], 0) if self.logprobs else None
+        choice = {"index": prompt_index * self.n + event.index, "text": event.token.text, "logprobs": lp,
+                  "finish_reason": finish_reason(finish) if finish else ""}
+        head = self.env.head("text_completion")  # TGI's order here: choices before model (§6.4)
+        obj = {"object": head["object"], "id": "", "created": head["created"], "choices": [choice],
+               "model": head["model"], "system_fingerprint": head["system_fingerprint"]}
+        if finish is not None:
+            obj["usage"] = _usage(finish.prompt_tokens, finish.generated_tokens)
+        return sse_event(dumps(obj))
+
+    def close(self) -> bytes:
+        return DONE

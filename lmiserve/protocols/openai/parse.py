@@ -1,0 +1,150 @@
+"""OpenAI chat and completion requests (reference tgi-openai.md §6) -> TGI calls on the one engine.
+
+Chat: the messages are rendered with the tokenizer's chat template (`render`, given by the HTTP layer);
+``temperature == 0`` is greedy, any other value or none samples; ``presence_penalty + 2`` becomes the
+repetition penalty and ``top_logprobs`` the number of top tokens, as TGI maps them. ``n`` > 1 asks the
+engine for that many sampled sequences. Completions: one call per prompt (at most
+``max_client_batch_size``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from lmiserve.protocols.tgi.parse import TgiCall, TgiError, TgiLimits, build, invalid
+from lmiserve.protocols.openai.schema import ChatRequest, CompletionRequest
+from lmiserve.protocols.tgi.schema import TgiParameters
+
+MAX_N = 16  # most sequences one request may ask the engine for
+
+
+@dataclass
+class OpenAICall:
+    calls: list[TgiCall]
+    model: str
+    stream: bool
+    include_usage: bool
+    logprobs: bool = False
+    top_logprobs: int = 0
+    echo: bool = False
+    prompts: list[str] = field(default_factory=list)
+
+
+def _sampling(temperature: float | None) -> dict:
+    if temperature == 0.0:
+        return {"do_sample": False, "temperature": None}
+    return {"do_sample": True, "temperature": temperature}
+
+
+def _top_p(value: float | None) -> float | None:
+    """OpenAI's default top_p=1.0 means "off" (TGI would reject it; everything else is checked as TGI does)."""
+    return None if value == 1.0 else value
+
+
+def _with_n(call: TgiCall, n: int, sampling: bool) -> TgiCall:
+    if n == 1:
+        return call
+    if n > MAX_N:
+        raise invalid(f"`n` must be <= {MAX_N}. Given: {n}")
+    if not sampling:
+        raise invalid("`n` > 1 requires sampling (a `temperature` other than 0)")
+    if call.request.params.seed is not None:
+        raise invalid("`seed` must not be set when `n` > 1")
+    call.request.params.n = call.request.params.best_of = n
+    call.best_of = n
+    return call
+
+
+def chat(
+    req: ChatRequest,
+    limits: TgiLimits,
+    count_tokens: Callable[[str], int],
+    render: Callable[[list[dict]], str],
+    served_model: str,
+) -> OpenAICall:
+    if req.tools:
+        raise TgiError("Tool error: tool calling is not supported by lmiserve", 422, "tool_error")
+    if req.response_format is not None:
+        raise invalid("grammar is not supported")
+    prompt = render([{"role": m.role, "content": m.text()} for m in req.messages])
+    top_n = (req.top_logprobs or 0) if req.logprobs else 0
+    params = TgiParameters(
+        **_sampling(req.temperature),
+        top_p=_top_p(req.top_p),
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=(req.presence_penalty + 2.0) if req.presence_penalty is not None else req.repetition_penalty,
+        max_new_tokens=req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
+        stop=req.stop or [],
+        seed=req.seed,
+        top_n_tokens=top_n,
+        details=True,
+    )
+    call = _vllm_extensions(build(prompt, params, limits, count_tokens, stream=req.stream), req)
+    call = _with_n(call, req.n or 1, call.sampling)
+    return OpenAICall(
+        calls=[call],
+        model=_response_model(req.model, served_model),
+        stream=req.stream,
+        include_usage=req.include_usage,
+        logprobs=bool(req.logprobs),
+        top_logprobs=top_n,
+        prompts=[prompt],
+    )
+
+
+def completion(
+    req: CompletionRequest, limits: TgiLimits, count_tokens: Callable[[str], int], served_model: str
+) -> OpenAICall:
+    prompts = req.prompts
+    if not prompts:
+        raise TgiError("Empty array detected. Do not use an empty array for the prompt.", 422, "validation")
+    if "suffix" in req.model_fields_set:
+        raise TgiError(
+            "Suffix is not supported and can be achieved by preprocessing the prompt.", 422, "suffix not supported"
+        )
+    if len(prompts) > limits.max_client_batch_size:
+        raise TgiError(
+            f"Number of prompts exceeds the maximum allowed batch size of {limits.max_client_batch_size}",
+            422,
+            "batch size exceeded",
+        )
+    top_n = min(req.logprobs or 0, limits.max_top_n_tokens)
+    calls = []
+    for prompt in prompts:
+        params = TgiParameters(
+            **_sampling(req.temperature),
+            top_p=_top_p(req.top_p),
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=(req.presence_penalty + 2.0) if req.presence_penalty is not None else req.repetition_penalty,
+            max_new_tokens=req.max_tokens,
+            stop=req.stop or [],
+            seed=req.seed,
+            top_n_tokens=top_n,
+            details=True,
+            decoder_input_details=req.echo and req.logprobs is not None and not req.stream,
+        )
+        call = _vllm_extensions(build(prompt, params, limits, count_tokens, stream=req.stream), req)
+        calls.append(_with_n(call, req.n or 1, call.sampling))
+    return OpenAICall(
+        calls=calls,
+        model=served_model,  # never echoed on completions (§6.4)
+        stream=req.stream,
+        include_usage=req.include_usage,
+        logprobs=req.logprobs is not None,
+        top_logprobs=top_n,
+        echo=req.echo,
+        prompts=prompts,
+    )
+
+
+def _response_model(requested: str | None, served: str) -> str:
+    return served if requested in (None, "", "tgi") else requested
+
+
+def _vllm_extensions(call, req):
+    """vLLM's `ignore_eos` and `min_tokens` (benchmark clients use them to force exactly N tokens)."""
+    params = call.request.params
+    params.ignore_eos_token = req.ignore_eos
+    params.min_new_tokens = min(req.min_tokens, params.max_new_tokens)
+    return call

@@ -1,0 +1,12 @@
+"""Tensors <-> wire values for the tensor protocols (no HTTP here).
+
+- `datatypes`: V2 datatype names <-> numpy dtypes, nested/flat `data` <-> arrays, shape checks;
+- `binary`: Triton's binary tensor data extension (request split, response layout, BYTES framing);
+- `content_types`: MLServer content types (np, str, base64, datetime, pd, pd_json);
+- `tfjson` / `tftensor`: TF Serving JSON (NaN/Infinity tokens, float formatting, row/columnar tensors);
+- `records`: SageMaker CSV (RFC-4180) and JSON Lines records.
+"""
+
+from lmiserve.protocols.tensor.codecs.errors import TensorError
+
+__all__ = ["TensorError"]

@@ -1,0 +1,93 @@
+"""TF Serving REST routes (reference §2) under /v1/models/...: one route, our own path parser (the
+`:predict` suffixes and percent-encoded names do not fit starlette's path patterns).
+
+`GET /v1/models` exactly is left to the OpenAI model list (the route table puts that first, so it wins
+when both exist); every path below `/v1/models/` is TF Serving's. Errors are `{"error": msg}`, 4-space pretty, with §2.2 codes.
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from lmiserve.protocols.tensor.tfserving import parse as tfserving
+from lmiserve.protocols.tensor.codecs.errors import TensorError, protocol_status
+from lmiserve.protocols.tensor.codecs.tfjson import error_body, parse_document
+from lmiserve.core.errors import LmiServeError, ModelNotFound
+from lmiserve.server import lookup as tensor_lookup
+from lmiserve.server.responses import raw_response
+from lmiserve.models.service import ModelService
+
+_EXAMINED = ("signature_name", "instances", "inputs", "examples", "context", "parameters")  # other keys are ignored
+CORS = {"Access-Control-Allow-Origin": "*", "Access-Control-Allow-Methods": "POST, GET", "Access-Control-Allow-Headers": "Content-Type"}
+
+
+def error(message: str, status: int) -> Response:
+    return raw_response(error_body(message), status)
+
+
+def _raw_path(request: Request) -> str:
+    raw = request.scope.get("raw_path")
+    return raw.decode("latin-1") if raw else request.url.path
+
+
+async def handle(request: Request) -> Response:
+    method = request.method
+    if method == "OPTIONS":
+        origin = request.headers.get("origin", "")
+        if origin.startswith(("http://", "https://")):
+            return Response(status_code=200, headers=CORS)
+        return error("Origin header is missing in CORS preflight", 400)
+    try:
+        target = tfserving.parse_path(method, _raw_path(request))
+        if method == "GET":
+            return _status_or_metadata(request, target)
+        return await _infer(request, target)
+    except LmiServeError as exc:
+        return error(exc.message, protocol_status(exc))
+
+
+def _find(request: Request, target: tfserving.Target, not_found: str) -> ModelService:
+    try:
+        return tensor_lookup.service(request, target.name)
+    except ModelNotFound:
+        raise TensorError(not_found, status=404) from None
+
+
+def _status_or_metadata(request: Request, target: tfserving.Target) -> Response:
+    svc = _find(request, target, f"Could not find any versions of model {target.name}")
+    if target.label is not None:
+        raise TensorError(f"Unrecognized servable version label: {target.label}")
+    if target.version is not None and int(target.version) != int(tfserving.VERSION):
+        raise TensorError(f"Could not find version {target.version} of model {target.name}", status=404)
+    if target.metadata:
+        model = svc.tensor_model  # ModelNotReady (503) while loading
+        return raw_response(tfserving.metadata_body(svc.name, model.signature, model.kind))
+    state = {ModelService.READY: "AVAILABLE", ModelService.PENDING: "LOADING"}.get(svc.status, "END")
+    return raw_response(tfserving.status_body(state, svc.error if state == "END" else None))
+
+
+async def _infer(request: Request, target: tfserving.Target) -> Response:
+    latest = f"Servable not found for request: Latest({target.name})"
+    svc = _find(request, target, latest if target.version is None else f"Servable not found for request: Specific({target.name}, {target.version})")
+    tfserving.check_version(target)
+    model = svc.tensor_model
+    doc = parse_document(await request.body(), keep=_EXAMINED)
+    if target.method == "predict":
+        tensor_request, key = tfserving.parse_predict(doc, model.signature, svc.name)
+        outputs = await model.infer(tensor_request)
+        return raw_response(tfserving.predict_body(outputs, key))
+    tensor_request = tfserving.parse_examples(doc, target.method, model.kind, model.signature)
+    outputs = await model.infer(tensor_request)
+    if target.method == "classify":
+        labels = list(getattr(getattr(model, "runner", None), "labels", None) or [])
+        return raw_response(tfserving.classify_body(outputs, labels))
+    return raw_response(tfserving.regress_body(outputs))
+
+
+def routes() -> list[Route]:
+    """`/v1/models/...`, and `/v1/models` itself for what an earlier exact route (the OpenAI model list,
+    `GET /v1/models`) does not take: TF Serving's 400 `Missing model name in request.` / `Malformed request`."""
+    methods = ["GET", "POST", "OPTIONS", "PUT", "DELETE", "PATCH"]
+    return [Route("/v1/models/{rest:path}", handle, methods=methods), Route("/v1/models", handle, methods=methods)]

@@ -1,1 +1,0 @@
-"""Wire schemas (pydantic), one module per protocol: lenient on input, exact on output."""
