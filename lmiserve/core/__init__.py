@@ -1,7 +1,7 @@
 """Protocol-free data shared by every layer: requests, parameters, events and errors."""
 
 from lmiserve.core.errors import (
-    EngineOverloaded,
+    Overloaded,
     InvalidRequest,
     LmiServeError,
     ModelNotFound,
@@ -12,7 +12,7 @@ from lmiserve.core.events import Finish, FinishReason, StepEvent, Token
 from lmiserve.core.request import GenerationRequest, SamplingParams
 
 __all__ = [
-    "EngineOverloaded",
+    "Overloaded",
     "Finish",
     "FinishReason",
     "GenerationRequest",

@@ -1,52 +1,108 @@
-"""Errors that carry their HTTP status and a kind; one handler renders them per protocol."""
+"""Protocol-neutral errors: what went wrong, never how a protocol says it.
+
+Nothing here carries an HTTP status or a wire name. Each protocol has one renderer
+(`lmiserve.server.errors.ErrorRenderer` subclasses in `lmiserve/protocols/*/errors.py`) that maps
+these classes to its status and body, registered once on the protocol's routes; the same renderer
+writes the in-band error of a stream that has already started. Raise the most specific class; a
+renderer matches on the class hierarchy (most specific first), so a protocol that does not tell two
+cases apart simply maps their common base.
+"""
 
 from __future__ import annotations
 
 
 class LmiServeError(Exception):
-    """Base class: `status` is the HTTP status, `kind` a short machine-readable type name."""
-
-    status: int = 500
-    kind: str = "InternalServerException"
+    """Base class. `message` is meant for the client (no Python internals in it)."""
 
     def __init__(self, message: str):
         super().__init__(message)
         self.message = message
 
 
+# ---- the request is wrong (client errors) ------------------------------------------------------------
+
+
 class InvalidRequest(LmiServeError):
-    """The payload or a parameter value is invalid (LMI answers these with 424)."""
-
-    status = 424
-    kind = "validation"
+    """A payload or parameter value is invalid."""
 
 
-class EngineOverloaded(LmiServeError):
-    """The job queue is full."""
-
-    status = 503
-    kind = "WlmCapacityException"
+class InvalidInput(InvalidRequest):
+    """A tensor payload does not fit the model (names, datatypes, shapes, values)."""
 
 
-class QueueTimeout(LmiServeError):
-    """A request waited longer than predict_timeout for a free slot in the running batch."""
+class MalformedBody(InvalidRequest):
+    """The body is not a document of the protocol at all (not JSON, not decodable)."""
 
-    status = 400
-    kind = "TranslateException"
+
+class SchemaViolation(InvalidRequest):
+    """The body is well-formed but does not match the protocol's schema (missing field, wrong type)."""
+
+
+class TemplateError(InvalidRequest):
+    """The model's chat template is missing or failed on these messages."""
+
+
+class UnsupportedMediaType(InvalidRequest):
+    """The request's Content-Type (or Content-Encoding) is not one this route reads."""
+
+
+class NotAcceptable(InvalidRequest):
+    """No media type in the request's Accept header can be produced."""
+
+
+class PayloadTooLarge(InvalidRequest):
+    """The body is larger than the configured limit."""
+
+
+class ModelRequired(InvalidRequest):
+    """A request without a model name while the server cannot pick a default model."""
+
+
+class Unauthorized(LmiServeError):
+    """The API key is missing or wrong."""
+
+
+class NotFound(LmiServeError):
+    """The addressed resource (a path, a model version, a label) does not exist."""
+
+
+class ModelNotFound(NotFound):
+    """No model of that name is served."""
+
+
+class Conflict(LmiServeError):
+    """The request conflicts with the server's state (e.g. a model name already registered)."""
+
+
+class Unsupported(LmiServeError):
+    """The request asks for something valid that this server does not implement."""
+
+
+# ---- the server cannot serve it now ------------------------------------------------------------------
 
 
 class ModelNotReady(LmiServeError):
-    status = 503
-    kind = "ServiceUnavailableException"
+    """The model is loading, or failed to load."""
 
 
-class ModelNotFound(LmiServeError):
-    status = 404
-    kind = "ModelNotFoundException"
+class Overloaded(LmiServeError):
+    """No room for the request: the job queue is full or every admission slot is taken."""
 
 
-class InferenceFailed(LmiServeError):
-    """The model failed on a request that passed validation (LMI answers handler failures with 424)."""
+class QueueTimeout(LmiServeError):
+    """The request waited longer than predict_timeout for a free slot in the running batch."""
 
-    status = 424
-    kind = "InferenceFailed"
+
+# ---- the server failed -------------------------------------------------------------------------------
+
+
+class GenerationFailed(LmiServeError):
+    """The model failed on a request that passed validation."""
+
+
+class IncompleteGeneration(GenerationFailed):
+    """The event stream ended before every sequence had finished."""
+
+
+class InternalError(LmiServeError):
+    """A server-side failure that is not the model's (an unencodable output, a load that failed)."""

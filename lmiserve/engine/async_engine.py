@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from lmiserve.core.errors import EngineOverloaded, ModelNotReady, QueueTimeout
+from lmiserve.core.errors import Overloaded, ModelNotReady, QueueTimeout
 from lmiserve.engine import torch_thread
 from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.core.request import GenerationRequest
@@ -99,11 +99,11 @@ class AsyncEngine:
 
     # ---- requests ----------------------------------------------------------------------------------
     def submit(self, request: GenerationRequest) -> _Handle:
-        """Validate, tokenize and enqueue; raises InvalidRequest or EngineOverloaded at once."""
+        """Validate, tokenize and enqueue; raises InvalidRequest or Overloaded at once."""
         prompt_ids = self.codec.encode(request)
         count = max(request.params.n, request.params.best_of)
         if len(self.scheduler.waiting) + count > self.config.job_queue_size:
-            raise EngineOverloaded("Worker queue capacity exceeded")
+            raise Overloaded("Worker queue capacity exceeded")
         base_seed = request.params.seed if request.params.seed is not None else _random_seed()
         now = time.monotonic()
         seqs = [

@@ -5,7 +5,7 @@ model's queue. One background task takes the oldest request, gathers more reques
 tensor layout until `batch_size` rows or `max_batch_delay` seconds, runs ONE forward pass in a worker
 thread and splits the outputs back by rows. A request larger than `batch_size` runs alone. If a
 batched forward fails, its requests run one by one, so a bad request fails only itself. At most
-`job_queue_size` requests wait; beyond that `submit` raises EngineOverloaded (503).
+`job_queue_size` requests wait; beyond that `submit` raises Overloaded (503).
 
 A runner is duck-typed: `kind`, `signature`, `path`, `device`, `prepare(TensorRequest) -> dict of
 arrays with rows on axis 0` (raising InvalidRequest), and blocking `forward(dict) -> dict`.
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lmiserve.engine import torch_thread
-from lmiserve.core.errors import EngineOverloaded, InferenceFailed, InvalidRequest, LmiServeError, ModelNotReady
+from lmiserve.core.errors import Overloaded, GenerationFailed, InvalidRequest, LmiServeError, ModelNotReady
 from lmiserve.core.tensor_io import select_outputs
 from lmiserve.core.tensors import TensorRequest
 
@@ -101,7 +101,7 @@ class OneShotModel:
         if self._task is None:
             raise ModelNotReady(f"Model {self.name} is not running")
         if len(self._queue) >= self.config.job_queue_size:
-            raise EngineOverloaded("Worker queue capacity exceeded")
+            raise Overloaded("Worker queue capacity exceeded")
         rows = {a.shape[0] if a.ndim else 1 for a in inputs.values()}
         if len(rows) != 1:
             raise InvalidRequest("all inputs must have the same number of rows (dimension 0)")
@@ -186,7 +186,7 @@ class OneShotModel:
         total = sum(next(iter(p.values())).shape[0] for p in parts)
         bad = [n for n, v in outputs.items() if np.ndim(v) == 0 or v.shape[0] != total]
         if bad:
-            raise InferenceFailed(f"the model returned {bad[0]} without one row per input row ({total} rows)")
+            raise GenerationFailed(f"the model returned {bad[0]} without one row per input row ({total} rows)")
         return outputs
 
 
@@ -202,4 +202,4 @@ def _settle(job: _Job, result=None, exc: BaseException | None = None) -> None:
 def _as_error(exc: Exception) -> LmiServeError:
     if isinstance(exc, LmiServeError):
         return exc
-    return InferenceFailed(f"inference failed: {type(exc).__name__}: {exc}")
+    return GenerationFailed(f"inference failed: {type(exc).__name__}: {exc}")

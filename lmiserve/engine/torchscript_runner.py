@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lmiserve.core.errors import InferenceFailed, InvalidRequest
+from lmiserve.core.errors import GenerationFailed, InvalidRequest
 from lmiserve.core.tensors import NUMPY_DTYPES, ModelSignature, TensorRequest, TensorSpec
 
 class TorchScriptRunner:
@@ -51,15 +51,15 @@ class TorchScriptRunner:
         elif isinstance(result, (tuple, list)):
             values = dict(zip(names, result))
         else:
-            raise InferenceFailed(f"the TorchScript module returned {type(result).__name__}, not tensors")
+            raise GenerationFailed(f"the TorchScript module returned {type(result).__name__}, not tensors")
         missing = [n for n in names if n not in values]
         if missing:
-            raise InferenceFailed(f"the TorchScript module did not return output '{missing[0]}'")
+            raise GenerationFailed(f"the TorchScript module did not return output '{missing[0]}'")
         out = {}
         for spec in self.signature.outputs:
             value = values[spec.name]
             if not isinstance(value, torch.Tensor):
-                raise InferenceFailed(f"output '{spec.name}' is {type(value).__name__}, not a tensor")
+                raise GenerationFailed(f"output '{spec.name}' is {type(value).__name__}, not a tensor")
             out[spec.name] = value.detach().cpu().numpy().astype(NUMPY_DTYPES[spec.datatype], copy=False)
         return out
 

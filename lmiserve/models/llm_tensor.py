@@ -15,7 +15,7 @@ from contextlib import aclosing
 import numpy as np
 
 from lmiserve.protocols.lmi.parse import Limits, parse_parameters, to_sampling
-from lmiserve.core.errors import InferenceFailed, InvalidRequest
+from lmiserve.core.errors import GenerationFailed, InvalidRequest
 from lmiserve.core.events import FinishReason
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.core.tensor_io import bytes_column, pick_input, select_outputs, text_rows
@@ -61,14 +61,14 @@ class LlmTensorModel:
         return select_outputs({OUTPUT: bytes_column(texts)}, request, self.signature)
 
     async def _complete(self, request: GenerationRequest) -> str:
-        """The first sequence's generated text; its error as InferenceFailed."""
+        """The first sequence's generated text; its error as GenerationFailed."""
         async with aclosing(self.engine.generate(request)) as events:
             async for event in events:
                 if event.finish is not None and event.index == 0:
                     if event.finish.reason == FinishReason.ERROR:
-                        raise InferenceFailed(event.finish.error or "generation failed")
+                        raise GenerationFailed(event.finish.error or "generation failed")
                     return event.finish.generated_text
-        raise InferenceFailed("the generation ended without a final event")
+        raise GenerationFailed("the generation ended without a final event")
 
 
 async def _all_or_nothing(coros) -> list:

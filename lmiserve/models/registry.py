@@ -5,17 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from lmiserve.core.errors import LmiServeError, ModelNotFound
+from lmiserve.core.errors import ModelNotFound, ModelRequired
 from lmiserve.models.service import ModelService
 
 log = logging.getLogger(__name__)
-
-
-class NoModel(LmiServeError):
-    """A name-less request while no single default model exists (LMI: 400 "Parameter model_name is required.")."""
-
-    status = 400
-    kind = "BadRequestException"
 
 
 class ModelRegistry:
@@ -54,15 +47,15 @@ class ModelRegistry:
         llms = [s for s in services if s.is_llm]
         if len(llms) == 1:
             return llms[0]
-        raise NoModel("Parameter model_name is required.")
+        raise ModelRequired("Parameter model_name is required.")
 
     def default_llm(self) -> ModelService:
         llms = [s for s in self._services.values() if s.is_llm]
         if len(llms) == 1:
             return llms[0]
         if not llms:
-            raise NoModel("No text-generation model is loaded: this route needs an LLM.")
-        raise NoModel("Parameter model_name is required.")
+            raise ModelRequired("No text-generation model is loaded: this route needs an LLM.")
+        raise ModelRequired("Parameter model_name is required.")
 
     @property
     def all_ready(self) -> bool:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lmiserve.config import Settings
-from lmiserve.core.errors import EngineOverloaded, InvalidRequest, QueueTimeout
+from lmiserve.core.errors import Overloaded, InvalidRequest, QueueTimeout
 from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine.async_engine import AsyncEngine, EngineConfig
@@ -189,9 +189,9 @@ async def test_full_queue_raises_engine_overloaded_at_submit(tiny_model):
     engine = make_engine(tiny_model, job_queue_size=3)  # never started: nothing leaves the queue
     engine.submit(GenerationRequest("a"))
     engine.submit(GenerationRequest("b", SamplingParams(do_sample=True, n=2)))
-    with pytest.raises(EngineOverloaded):
+    with pytest.raises(Overloaded):
         engine.submit(GenerationRequest("c"))
-    with pytest.raises(EngineOverloaded):
+    with pytest.raises(Overloaded):
         await anext(engine.generate(GenerationRequest("d")))
     assert engine.num_waiting == 3
 

@@ -11,7 +11,7 @@ import pytest
 
 from helpers.tensor_models import affine_reference
 from lmiserve.config import Settings
-from lmiserve.core.errors import EngineOverloaded, InferenceFailed, InvalidRequest, ModelNotReady
+from lmiserve.core.errors import Overloaded, GenerationFailed, InvalidRequest, ModelNotReady
 from lmiserve.core.tensors import ModelSignature, TensorRequest, TensorSpec
 from lmiserve.engine.oneshot import BatchConfig, OneShotModel
 from lmiserve.models.service import ModelService
@@ -97,7 +97,7 @@ async def test_a_bad_request_fails_only_itself(make):
     model = make(runner, batch_size=8, max_batch_delay=5.0)
     good1, bad, good2 = request([1, 2]), request([-1, 0]), request([3, 4])
     results = await asyncio.gather(*(model.infer(r) for r in (good1, bad, good2, request([5, 6]), request([7, 8]), request([9, 9]), request([1, 1]), request([2, 2]))), return_exceptions=True)
-    assert isinstance(results[1], InferenceFailed) and "poisoned row" in results[1].message
+    assert isinstance(results[1], GenerationFailed) and "poisoned row" in results[1].message
     np.testing.assert_array_equal(results[0]["y"], [[2, 4]])
     np.testing.assert_array_equal(results[2]["y"], [[6, 8]])
     assert sum(isinstance(r, Exception) for r in results) == 1
@@ -118,7 +118,7 @@ async def test_full_queue_is_overloaded_and_cancelled_requests_leave_it(make):
     waiting = [asyncio.ensure_future(model.infer(request([i, i]))) for i in (2, 3)]
     await asyncio.sleep(0.01)
     assert model.num_waiting == 2
-    with pytest.raises(EngineOverloaded):
+    with pytest.raises(Overloaded):
         await model.infer(request([4, 4]))
     waiting[0].cancel()
     await asyncio.sleep(0.01)

@@ -16,7 +16,8 @@ from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.core.tensors import TensorRequest
 from lmiserve.engine.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
-from lmiserve.models.registry import ModelRegistry, NoModel
+from lmiserve.core.errors import ModelRequired
+from lmiserve.models.registry import ModelRegistry
 from lmiserve.models.service import ModelService
 
 
@@ -120,12 +121,12 @@ def test_registry_resolves_names_and_defaults(tmp_path):
         registry.get("nope")
     only_embedding = ModelRegistry([embedding])
     assert only_embedding.default() is embedding
-    with pytest.raises(NoModel, match="needs an LLM"):
+    with pytest.raises(ModelRequired, match="needs an LLM"):
         only_embedding.default_llm()
     with pytest.raises(ValueError, match="already registered"):
         registry.add(service("llm"))
     two_llms = ModelRegistry([llm, service("other")])
-    with pytest.raises(NoModel, match="Parameter model_name is required."):
+    with pytest.raises(ModelRequired, match="Parameter model_name is required."):
         two_llms.default()
 
 

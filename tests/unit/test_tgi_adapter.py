@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from lmiserve.protocols.tgi.parse import TgiError, TgiLimits, build, from_core
-from lmiserve.core.errors import EngineOverloaded, InvalidRequest, ModelNotReady
+from lmiserve.core.errors import Overloaded, InvalidRequest, ModelNotReady
 from lmiserve.protocols.tgi.schema import GenerateRequest, TgiParameters
 
 LIMITS = TgiLimits(max_input_tokens=10, max_total_tokens=16)
@@ -154,6 +154,6 @@ def test_stop_null_is_accepted():
 def test_core_errors_in_tgi_terms():
     assert (from_core(InvalidRequest("bad")).status, from_core(InvalidRequest("bad")).kind) == (422, "validation")
     assert from_core(InvalidRequest("bad")).message == "Input validation error: bad"
-    assert (from_core(EngineOverloaded("full")).status, from_core(EngineOverloaded("full")).kind) == (429, "overloaded")
+    assert (from_core(Overloaded("full")).status, from_core(Overloaded("full")).kind) == (429, "overloaded")
     failed = from_core(ModelNotReady("gone"))
     assert (failed.status, failed.kind, failed.message) == (424, "generation", "Request failed during generation: gone")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from lmiserve.core.errors import EngineOverloaded
+from lmiserve.core.errors import Overloaded
 from lmiserve.core.events import Finish, FinishReason, StepEvent, Token
 from lmiserve.server.streaming import KEEPALIVE, Admission, guarded, keepalive
 
@@ -62,7 +62,7 @@ async def test_guarded_error_finish_becomes_a_generation_error():
 
 
 async def test_guarded_engine_errors_in_tgi_terms():
-    assert await collect([EngineOverloaded("full")]) == [b"err:overloaded:Model is overloaded"]
+    assert await collect([Overloaded("full")]) == [b"err:overloaded:Model is overloaded"]
     assert await collect([RuntimeError("bug")]) == [b"err:generation:Request failed during generation: bug"]
 
 

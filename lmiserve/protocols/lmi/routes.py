@@ -17,6 +17,9 @@ from lmiserve.protocols.tensor.sagemaker import routes as sagemaker
 from lmiserve.server.responses import error_response, raw_response, respond_events
 from lmiserve.models.service import ModelService, model_service
 from lmiserve.core.aio import merge_tagged
+from starlette.routing import Route
+
+from lmiserve.protocols.lmi import management
 
 
 def _service_for(request: Request) -> ModelService:
@@ -68,3 +71,22 @@ async def tensor_invocation(service: ModelService, payload) -> Response:
     model = service.tensor_model
     outputs = await model.infer(lmi_tensor.to_tensor_request(payload, model))
     return raw_response(json.dumps(lmi_tensor.to_json(model.kind, outputs), ensure_ascii=False).encode())
+
+
+INFER = ["GET", "POST", "PUT", "OPTIONS"]  # LMI accepts any method on inference routes
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/ping", management.ping, methods=["GET", "POST"]),
+        Route("/invocations", invocations, methods=INFER),
+        Route("/predictions/{model_name}", invocations, methods=INFER),
+        Route("/predictions/{model_name}/{version}", invocations, methods=INFER),
+        Route("/models/{model_name}/invoke", invocations, methods=INFER),
+        Route("/models", management.list_models, methods=["GET"]),
+        Route("/models", management.register_model, methods=["POST"]),
+        Route("/models/{model_name}", management.describe_model, methods=["GET"]),
+        Route("/models/{model_name}", management.unregister_model, methods=["DELETE"]),
+        Route("/models/{model_name}/{version}", management.describe_model, methods=["GET"]),
+        Route("/models/{model_name}/{version}", management.unregister_model, methods=["DELETE"]),
+    ]

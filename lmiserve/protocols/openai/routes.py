@@ -22,6 +22,7 @@ from lmiserve.server.responses import ClientDisconnected, raw_response
 from lmiserve.server.streaming import SseResponse, collect, guarded
 from lmiserve.protocols.openai.schema import ChatRequest, CompletionRequest
 from lmiserve.core.aio import merge_tagged
+from starlette.routing import Route
 
 
 async def chat_completions(request: Request) -> Response:
@@ -143,3 +144,10 @@ async def dispatch_invocation(request: Request) -> Response | None:
     if "inputs" in payload and settings.tgi_compat and request.url.path == "/invocations" and not lmi_formatter:
         return await tgi_routes.compat_payload(request, payload)
     return None
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+    ]

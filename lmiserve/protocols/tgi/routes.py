@@ -20,6 +20,7 @@ from lmiserve.models.service import ModelService, default_llm
 from lmiserve.server.streaming import SSE_HEADERS, SseResponse, collect, guarded
 from lmiserve.protocols.openai.schema import ChatRequest
 from lmiserve.protocols.tgi.schema import GenerateRequest
+from starlette.routing import Route
 
 
 async def generate(request: Request) -> Response:
@@ -197,3 +198,16 @@ async def models(request: Request) -> Response:
     names = [service.name for service in request.app.state.registry if service.is_llm]
     body = {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": name} for name in names]}
     return raw_response(fmt.dumps(body))
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/", root, methods=["GET", "POST"]),
+        Route("/generate", generate, methods=["POST"]),
+        Route("/generate_stream", generate_stream, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/chat_tokenize", chat_tokenize, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/info", info, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+    ]

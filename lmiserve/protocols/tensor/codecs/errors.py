@@ -25,7 +25,7 @@ def protocol_status(exc: LmiServeError) -> int:
     kind = type(exc).__name__
     if kind == "InvalidRequest":
         return 400
-    if kind == "InferenceFailed":
+    if kind == "GenerationFailed":
         return 500
     if kind == "QueueTimeout":
         return 503

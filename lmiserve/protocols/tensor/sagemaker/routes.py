@@ -25,7 +25,7 @@ from lmiserve.protocols.tensor.sagemaker import parse as sagemaker
 from lmiserve.protocols.tensor import records as tensor_records
 from lmiserve.protocols.tensor.tfserving import parse as tfserving
 from lmiserve.protocols.tensor.codecs.errors import TensorError, protocol_status
-from lmiserve.core.errors import InferenceFailed, LmiServeError
+from lmiserve.core.errors import GenerationFailed, LmiServeError
 from lmiserve.core.tensors import TensorRequest
 from lmiserve.protocols.lmi.formatters import error_message, get_formatter, is_error_finish
 from lmiserve.server.responses import raw_response
@@ -167,7 +167,7 @@ async def _lmi_line(engine, svc: ModelService, payload: object, index: int) -> d
     async with aclosing(engine.generate(call.requests[0])) as events:  # closing aborts the sequence
         async for event in events:
             if is_error_finish(event):
-                raise InferenceFailed(f"line {index + 1}: {error_message(event)}")
+                raise GenerationFailed(f"line {index + 1}: {error_message(event)}")
             chunks.append(fmt.on_event(event) or b"")
     chunks.append(fmt.close() or b"")
     return json.loads(b"".join(chunks))

@@ -1,0 +1,83 @@
+"""Rendering neutral errors per protocol, registered once per route group.
+
+A protocol defines one `ErrorRenderer` (in `lmiserve/protocols/<name>/errors.py`): the status and
+body of every `lmiserve.core.errors` class in its wire format, and the in-band error a stream sends
+once its first byte is out. `protocol_routes(renderer, routes)` wraps the endpoints of a group so an
+`LmiServeError` raised anywhere below a route is answered by that renderer: route functions contain
+no `except` for lmiserve's own errors.
+"""
+
+from __future__ import annotations
+
+import functools
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Mount, Route
+
+from lmiserve.core.errors import LmiServeError
+from lmiserve.server.responses import raw_response
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+def lookup(exc: LmiServeError, table: Mapping[type[LmiServeError], int], default: int = 500) -> int:
+    """The value for the most specific class of `exc` found in `table` (walks the MRO)."""
+    for cls in type(exc).__mro__:
+        if cls in table:
+            return table[cls]
+    return default
+
+
+class ErrorRenderer(ABC):
+    """One protocol's error shapes."""
+
+    content_type: str = "application/json"
+
+    @abstractmethod
+    def status(self, exc: LmiServeError) -> int:
+        """The HTTP status of `exc` in this protocol."""
+
+    @abstractmethod
+    def body(self, exc: LmiServeError) -> bytes:
+        """The response body of `exc` (before any byte of a response was sent)."""
+
+    def headers(self, exc: LmiServeError, request: Request) -> dict[str, str]:
+        """Extra response headers for an error answer (none by default)."""
+        return {}
+
+    def response(self, exc: LmiServeError, request: Request) -> Response:
+        return raw_response(self.body(exc), self.status(exc), self.content_type, self.headers(exc, request))
+
+    def in_band(self, exc: LmiServeError) -> bytes:
+        """The error as the last chunk of a stream that already started (default: the body)."""
+        return self.body(exc)
+
+
+def rendered_by(renderer: ErrorRenderer, endpoint: Endpoint) -> Endpoint:
+    """`endpoint` with every `LmiServeError` it raises answered by `renderer`."""
+
+    @functools.wraps(endpoint)
+    async def run(request: Request) -> Response:
+        try:
+            return await endpoint(request)
+        except LmiServeError as exc:
+            return renderer.response(exc, request)
+
+    return run
+
+
+def protocol_routes(renderer: ErrorRenderer, routes: Sequence[BaseRoute]) -> list[BaseRoute]:
+    """The routes of one protocol, their endpoints answering lmiserve's errors with `renderer`
+    (routes inside a `Mount` too)."""
+    out: list[BaseRoute] = []
+    for route in routes:
+        if isinstance(route, Route):
+            out.append(Route(route.path, rendered_by(renderer, route.endpoint), methods=route.methods, name=route.name))
+        elif isinstance(route, Mount):
+            out.append(Mount(route.path, routes=protocol_routes(renderer, route.routes), name=route.name))
+        else:
+            out.append(route)
+    return out

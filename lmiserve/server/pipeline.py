@@ -1,0 +1,276 @@
+"""The one response pipeline: engine events -> an encoder -> an HTTP response, streamed or whole.
+
+Every generation route hands `respond` a stream of `Tagged` events (input index, event; a request
+of one input is tagged 0 by `tagged`) and an `Encoder` of its protocol:
+
+- not streaming: the stream is collected (non-streaming = streaming collected) and answered with
+  `encoder.close()`; an error finish raises `GenerationFailed`, which the route group's renderer
+  answers like any other error;
+- streaming, `in_band=False` (LMI): the response waits for the first bytes, so a failure before
+  them still gets a proper status; after them a failure is `encoder.error(exc)`, the last chunk;
+- streaming, `in_band=True` (TGI, OpenAI, Triton generate): the response starts at once (200) and
+  every failure is in-band.
+
+A client that disconnects, before or during the stream, cancels iteration, which aborts its
+sequences (an abandoned whole answer gets 499, which nobody reads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, Protocol, TypeVar
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from lmiserve.core.aio import merge_tagged
+from lmiserve.core.errors import GenerationFailed, LmiServeError
+from lmiserve.core.events import FinishReason, StepEvent
+from lmiserve.server.responses import raw_response
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "ClientDisconnected", "DisconnectAwareStream", "Encoder", "Tagged", "failure_of", "is_error_finish",
+    "merge_tagged", "respond", "tagged", "until_disconnect",
+]
+
+Tagged = tuple[int, StepEvent]
+Headers = Mapping[str, str] | Callable[[], Mapping[str, str]] | None
+T = TypeVar("T")
+
+# LMI's generic message for a sequence that failed without saying why.
+DEFAULT_ERROR_MESSAGE = "exception occurred during rolling batch inference"
+
+
+class Encoder(Protocol):
+    """Turns one request's tagged events into response bytes, incrementally."""
+
+    content_type: str  # exactly as sent
+    streaming: bool  # True: each chunk is sent as it comes; False: close() returns the whole body
+
+    def on_event(self, index: int, event: StepEvent) -> bytes:
+        """Bytes to send for this event now (b"" when nothing, always b"" when not streaming)."""
+        ...
+
+    def close(self) -> bytes:
+        """Called once after the last event: the remaining bytes (the whole body if not streaming).
+        May raise an `LmiServeError` (e.g. `IncompleteGeneration`) before anything was sent."""
+        ...
+
+    def error(self, exc: LmiServeError) -> bytes:
+        """The in-band error that ends a stream after its first bytes were sent."""
+        ...
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the answer was ready."""
+
+
+def is_error_finish(event: StepEvent) -> bool:
+    """True for the event that ends a sequence because of a failure (reason ERROR)."""
+    return event.finish is not None and event.finish.reason is FinishReason.ERROR
+
+
+def failure_of(event: StepEvent) -> GenerationFailed:
+    """The error an error finish stands for (the engine's message, or LMI's generic one)."""
+    finish = event.finish
+    return GenerationFailed((finish.error if finish is not None else None) or DEFAULT_ERROR_MESSAGE)
+
+
+async def tagged(events: AsyncIterator[StepEvent], index: int = 0) -> AsyncIterator[Tagged]:
+    """One request's events tagged with its input index (closing this closes `events`)."""
+    try:
+        async for event in events:
+            yield index, event
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    raise ClientDisconnected()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class DisconnectAwareStream(StreamingResponse):
+    """A StreamingResponse that always watches for the client going away, whatever the ASGI version,
+    so an abandoned stream is cancelled at once rather than at its next write; `on_close` runs when
+    the response is over, however it ended."""
+
+    def __init__(self, content: AsyncIterator[bytes], *, headers: Mapping[str, str],
+                 on_close: Callable[[], None] | None = None):
+        super().__init__(content, headers=dict(headers))
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def stream() -> None:
+                    await self.stream_response(send)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        finally:
+            if self._on_close is not None:
+                self._on_close()
+
+
+def _headers(headers: Headers) -> dict[str, str]:
+    if headers is None:
+        return {}
+    return dict(headers() if callable(headers) else headers)
+
+
+async def respond(
+    request: Request,
+    events: AsyncIterator[Tagged],
+    encoder: Encoder,
+    *,
+    headers: Headers = None,
+    in_band: bool = False,
+    wrap: Callable[[AsyncIterator[bytes]], AsyncIterator[bytes]] | None = None,
+    on_close: Callable[[], None] | None = None,
+) -> Response:
+    """Drive `encoder` over `events` and answer (see the module docstring).
+
+    `headers` (or a function giving them, called once the whole answer or the stream's head is
+    ready); `wrap` decorates the chunk stream (e.g. SSE keep-alive comments); `on_close` runs when
+    the response is over, however it ended (e.g. to release an admission slot).
+    """
+    closing = _Once(on_close)
+    try:
+        if not encoder.streaming:
+            return await _whole(request, events, encoder, headers)
+        if in_band:
+            chunks = _in_band_chunks(events, encoder)
+            if wrap is not None:
+                chunks = wrap(chunks)
+            return DisconnectAwareStream(chunks, headers={"content-type": encoder.content_type, **_headers(headers)},
+                                         on_close=closing)
+        return await _streamed(request, events, encoder, headers, wrap, closing)
+    except BaseException:
+        closing()
+        raise
+    finally:
+        if not encoder.streaming:
+            closing()
+
+
+async def _whole(request: Request, events: AsyncIterator[Tagged], encoder: Encoder, headers: Headers) -> Response:
+    async def run() -> bytes:
+        async for index, event in events:
+            if is_error_finish(event):
+                raise failure_of(event)
+            encoder.on_event(index, event)
+        return encoder.close()
+
+    try:
+        body = await until_disconnect(request, run())
+    except ClientDisconnected:
+        return Response(status_code=499)
+    finally:
+        await _aclose(events)
+    return raw_response(body, 200, encoder.content_type, _headers(headers))
+
+
+async def _streamed(request: Request, events: AsyncIterator[Tagged], encoder: Encoder, headers: Headers,
+                    wrap: Callable[[AsyncIterator[bytes]], AsyncIterator[bytes]] | None,
+                    closing: Callable[[], None]) -> Response:
+    async def first_bytes() -> tuple[bytes, bool]:
+        """The first non-empty chunk; True if the stream ended before one."""
+        async for index, event in events:
+            if is_error_finish(event):
+                raise failure_of(event)
+            chunk = encoder.on_event(index, event)
+            if chunk:
+                return chunk, False
+        return encoder.close(), True
+
+    try:
+        head, ended = await until_disconnect(request, first_bytes())
+    except ClientDisconnected:
+        await _aclose(events)
+        closing()
+        return Response(status_code=499)
+    except BaseException:
+        await _aclose(events)
+        raise
+    if ended:
+        closing()
+        return raw_response(head, 200, encoder.content_type, _headers(headers))
+
+    async def body() -> AsyncIterator[bytes]:
+        yield head
+        async for chunk in _in_band_chunks(events, encoder, close_source=True):
+            yield chunk
+
+    chunks = body() if wrap is None else wrap(body())
+    return DisconnectAwareStream(chunks, headers={"content-type": encoder.content_type, **_headers(headers)},
+                                 on_close=closing)
+
+
+async def _in_band_chunks(events: AsyncIterator[Tagged], encoder: Encoder, *, close_source: bool = True) -> AsyncIterator[bytes]:
+    """Encode a live event stream; any failure becomes the encoder's in-band error, the last chunk."""
+    try:
+        async for index, event in events:
+            if is_error_finish(event):
+                yield encoder.error(failure_of(event))
+                return
+            chunk = encoder.on_event(index, event)
+            if chunk:
+                yield chunk
+        tail = encoder.close()
+        if tail:
+            yield tail
+    except LmiServeError as exc:
+        yield encoder.error(exc)
+    except Exception as exc:  # noqa: BLE001 - the unforeseen still ends the stream with an error event
+        log.exception("stream failed")
+        yield encoder.error(GenerationFailed(str(exc) or type(exc).__name__))
+    finally:
+        if close_source:
+            await _aclose(events)
+
+
+async def _aclose(events: AsyncIterator[Any]) -> None:
+    close = getattr(events, "aclose", None)
+    if close is not None:
+        await close()
+
+
+class _Once:
+    """Call `fn` at most once."""
+
+    def __init__(self, fn: Callable[[], None] | None):
+        self._fn = fn
+
+    def __call__(self) -> None:
+        fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
