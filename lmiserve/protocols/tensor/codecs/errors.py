@@ -13,6 +13,7 @@ class TensorError(LmiServeError):
     def __init__(self, message: str, status: int = 400):
         super().__init__(message)
         self.status = status
+        self.tensor_status = status  # TRANSITIONAL: read by protocols/tensor/errors.py until TensorError is gone
 
 
 def protocol_status(exc: LmiServeError) -> int:
