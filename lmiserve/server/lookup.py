@@ -1,27 +1,23 @@
-"""How tensor-protocol routes find models: by name through the registry, with their state.
-
-Thin wrappers over `http.service` (model_service / tensor_model) so every tensor route resolves models
-the same way, plus what the health and status routes need (all models, one model's state).
-"""
+"""What the tensor protocols' health and model routes ask of the registry: the served models and
+whether they are ready. Models are found by name with `lmiserve.models.service.model_service`."""
 
 from __future__ import annotations
 
-from lmiserve.models.service import ModelService, model_service
+from starlette.requests import Request
+
+from lmiserve.models.service import ModelService
 
 
-def service(request, name: str) -> ModelService:
-    """The named model (ModelNotFound if unknown)."""
-    return model_service(request, name)
-
-
-def services(request) -> list[ModelService]:
+def services(request: Request) -> list[ModelService]:
+    """Every registered model, in registration order."""
     return list(request.app.state.registry)
-
-
-def all_ready(request) -> bool:
-    models = services(request)
-    return bool(models) and all(s.status == ModelService.READY for s in models)
 
 
 def is_ready(svc: ModelService) -> bool:
     return svc.status == ModelService.READY
+
+
+def all_ready(request: Request) -> bool:
+    """At least one model is registered and every model is ready."""
+    models = services(request)
+    return bool(models) and all(is_ready(s) for s in models)

@@ -8,8 +8,11 @@ of one input is tagged 0 by `tagged`) and an `Encoder` of its protocol:
   answers like any other error;
 - streaming, `in_band=False` (LMI): the response waits for the first bytes, so a failure before
   them still gets a proper status; after them a failure is `encoder.error(exc)`, the last chunk;
-- streaming, `in_band=True` (TGI, OpenAI, Triton generate): the response starts at once (200) and
-  every failure is in-band.
+- streaming, `in_band=False, wait_for="event"` (Triton generate): the status waits only for the
+  first event, so a failure before it (a refused submit, a queue timeout) still gets a proper status;
+  from the first event on, an error finish included, every failure is in-band;
+- streaming, `in_band=True` (TGI, OpenAI): the response starts at once (200) and every failure is
+  in-band.
 
 A client that disconnects, before or during the stream, cancels iteration, which aborts its
 sequences (an abandoned whole answer gets 499, which nobody reads).
@@ -21,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 import anyio
 from starlette.requests import Request
@@ -154,14 +157,16 @@ async def respond(
     *,
     headers: Headers = None,
     in_band: bool = False,
+    wait_for: Literal["bytes", "event"] = "bytes",
     wrap: Callable[[AsyncIterator[bytes]], AsyncIterator[bytes]] | None = None,
     on_close: Callable[[], None] | None = None,
 ) -> Response:
     """Drive `encoder` over `events` and answer (see the module docstring).
 
     `headers` (or a function giving them, called once the whole answer or the stream's head is
-    ready); `wrap` decorates the chunk stream (e.g. SSE keep-alive comments); `on_close` runs when
-    the response is over, however it ended (e.g. to release an admission slot).
+    ready); `wait_for` (streaming, not `in_band`): what decides the status, the first bytes or the
+    first event; `wrap` decorates the chunk stream (e.g. SSE keep-alive comments); `on_close` runs
+    when the response is over, however it ended (e.g. to release an admission slot).
     """
     closing = _Once(on_close)
     try:
@@ -173,7 +178,7 @@ async def respond(
                 chunks = wrap(chunks)
             return DisconnectAwareStream(chunks, headers={"content-type": encoder.content_type, **_headers(headers)},
                                          on_close=closing)
-        return await _streamed(request, events, encoder, headers, wrap, closing)
+        return await _streamed(request, events, encoder, headers, wrap, closing, wait_for)
     except BaseException:
         closing()
         raise
@@ -201,19 +206,22 @@ async def _whole(request: Request, events: AsyncIterator[Tagged], encoder: Encod
 
 async def _streamed(request: Request, events: AsyncIterator[Tagged], encoder: Encoder, headers: Headers,
                     wrap: Callable[[AsyncIterator[bytes]], AsyncIterator[bytes]] | None,
-                    closing: Callable[[], None]) -> Response:
-    async def first_bytes() -> tuple[bytes, bool]:
-        """The first non-empty chunk; True if the stream ended before one."""
+                    closing: Callable[[], None], wait_for: str = "bytes") -> Response:
+    async def first_bytes() -> tuple[bytes, bool, bool]:
+        """The first non-empty chunk (with `wait_for="event"`: the first event's, maybe empty); True if
+        the stream ended before it; True if that chunk is an in-band error that ends the stream."""
         async for index, event in events:
             if is_error_finish(event):
+                if wait_for == "event":
+                    return encoder.error(failure_of(event)), False, True
                 raise failure_of(event)
             chunk = encoder.on_event(index, event)
-            if chunk:
-                return chunk, False
-        return encoder.close(), True
+            if chunk or wait_for == "event":
+                return chunk, False, False
+        return encoder.close(), True, False
 
     try:
-        head, ended = await until_disconnect(request, first_bytes())
+        head, ended, failed = await until_disconnect(request, first_bytes())
     except ClientDisconnected:
         await _aclose(events)
         closing()
@@ -225,10 +233,15 @@ async def _streamed(request: Request, events: AsyncIterator[Tagged], encoder: En
         closing()
         return raw_response(head, 200, encoder.content_type, _headers(headers))
 
+    if failed:
+        await _aclose(events)
+
     async def body() -> AsyncIterator[bytes]:
-        yield head
-        async for chunk in _in_band_chunks(events, encoder, close_source=True):
-            yield chunk
+        if head:
+            yield head
+        if not failed:
+            async for chunk in _in_band_chunks(events, encoder, close_source=True):
+                yield chunk
 
     chunks = body() if wrap is None else wrap(body())
     return DisconnectAwareStream(chunks, headers={"content-type": encoder.content_type, **_headers(headers)},

@@ -59,7 +59,7 @@ def test_affine_predict_float_formatting(affine_server):
     assert row["best"] == int(best[0])
     np.testing.assert_allclose(np.array(row["y"], dtype=np.float32), y[0], rtol=1e-6)
     tokens = body.split('"y": [')[1].split("]")[0].split(", ")
-    for token in tokens:  # each number is the §2.6 text of the float32 it denotes
+    for token in tokens:  # each number is TF Serving's text of the float32 it denotes
         assert format_float(float(np.float32(token)), True) == token
 
 

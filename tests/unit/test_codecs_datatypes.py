@@ -8,9 +8,17 @@ import struct
 import numpy as np
 import pytest
 
+from lmiserve.core.errors import InvalidRequest, LmiServeError
 from lmiserve.protocols.tensor.codecs import binary
-from lmiserve.protocols.tensor.codecs.datatypes import DTYPES, datatype_of, fit_shape, flatten, json_data, to_array
-from lmiserve.protocols.tensor.codecs.errors import TensorError
+from lmiserve.protocols.tensor.codecs.datatypes import (
+    DTYPES,
+    datatype_of,
+    fit_shape,
+    flatten,
+    json_data,
+    to_array,
+)
+from lmiserve.protocols.tensor.kserve.errors import RENDERER
 
 SAMPLES = {
     "BOOL": [True, False, True, True],
@@ -84,14 +92,14 @@ def test_null_in_fp_is_nan_and_nan_leaves_as_null():
     ],
 )
 def test_bad_json_data_is_a_400(data, datatype, shape, message):
-    with pytest.raises(TensorError) as info:
+    with pytest.raises(LmiServeError) as info:
         to_array(data, datatype, shape, "x")
-    assert info.value.status == 400
+    assert RENDERER.status(info.value) == 400
     assert message in info.value.message
 
 
 def test_unknown_datatype():
-    with pytest.raises(TensorError, match="invalid datatype for input x"):
+    with pytest.raises(InvalidRequest, match="invalid datatype for input x"):
         to_array([1], "FP8", (1,), "x")
 
 
@@ -99,7 +107,7 @@ def test_deep_nesting_is_refused_without_recursion():
     data: list = [1]
     for _ in range(100_000):
         data = [data]
-    with pytest.raises(TensorError, match="nesting depth exceeds maximum allowed limit"):
+    with pytest.raises(InvalidRequest, match="nesting depth exceeds maximum allowed limit"):
         flatten(data, "x")
 
 
@@ -116,7 +124,7 @@ def test_fit_shape(shape, expected, result):
 
 
 def test_fit_shape_mismatch_message():
-    with pytest.raises(TensorError) as info:
+    with pytest.raises(LmiServeError) as info:
         fit_shape(np.zeros((2, 3)), (-1, 4), "x", "m")
     assert info.value.message == "unexpected shape for input 'x' for model 'm'. Expected [-1,4], got [2,3]"
 
@@ -141,7 +149,7 @@ def test_bool_binary_is_one_byte_each():
     ],
 )
 def test_bad_binary_data(raw, datatype, shape, message):
-    with pytest.raises(TensorError, match=message):
+    with pytest.raises(InvalidRequest, match=message):
         binary.decode_tensor(raw, datatype, shape, "x")
 
 
@@ -150,7 +158,7 @@ def test_bad_binary_data(raw, datatype, shape, message):
     [("abc", "Unable to parse Inference-Header-Content-Length, got: abc"), ("0", "should be in range (0, 10), got: 0"), ("11", "got: 11")],
 )
 def test_header_length_errors(header, message):
-    with pytest.raises(TensorError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(InvalidRequest, match=message.replace("(", r"\(").replace(")", r"\)")):
         binary.split_body(b"0123456789", header)
 
 
@@ -159,9 +167,9 @@ def test_split_body_and_reader():
     assert header == b'{"a":1}' and tail == b"XYZW"
     reader = binary.BinaryReader(tail)
     assert reader.take(3, "x") == b"XYZ"
-    with pytest.raises(TensorError, match="1 bytes are not claimed"):
+    with pytest.raises(InvalidRequest, match="1 bytes are not claimed"):
         reader.check_consumed()
-    with pytest.raises(TensorError, match="needs 2 bytes, 1 left"):
+    with pytest.raises(InvalidRequest, match="needs 2 bytes, 1 left"):
         reader.take(2, "y")
 
 
@@ -172,8 +180,8 @@ def test_request_decompression():
     assert binary.decompress(gzip.compress(b"payload"), "gzip") == b"payload"
     assert binary.decompress(zlib.compress(b"payload"), "deflate") == b"payload"
     assert binary.decompress(b"plain", None) == b"plain"
-    with pytest.raises(TensorError, match="could not be decompressed"):
+    with pytest.raises(InvalidRequest, match="could not be decompressed"):
         binary.decompress(b"not gzip", "gzip")
-    with pytest.raises(TensorError) as info:
+    with pytest.raises(LmiServeError) as info:
         binary.decompress(b"x", "br")
-    assert info.value.status == 415
+    assert RENDERER.status(info.value) == 415

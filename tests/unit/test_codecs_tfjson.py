@@ -1,4 +1,4 @@
-"""TF Serving's JSON dialect: number tokens, the §2.6 float rule, message dumps, body layout (goldens)."""
+"""TF Serving's JSON dialect: number tokens, its float formatting rule, message dumps, body layout (goldens)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lmiserve.protocols.tensor.codecs.errors import TensorError
-from lmiserve.protocols.tensor.codecs.tfjson import document, dump, error_body, format_float, parse_document
+from lmiserve.core.errors import InvalidRequest, LmiServeError
+from lmiserve.protocols.tensor.codecs.tfjson import (
+    document,
+    dump,
+    error_body,
+    format_float,
+    parse_document,
+)
 from lmiserve.protocols.tensor.codecs.tftensor import render_columns, render_rows
+from lmiserve.protocols.tensor.tfserving.errors import RENDERER
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "tfserving"
 
@@ -65,9 +72,9 @@ def test_parse_document(body, value):
     ],
 )
 def test_parse_errors(body, message):
-    with pytest.raises(TensorError) as info:
+    with pytest.raises(LmiServeError) as info:
         parse_document(body)
-    assert info.value.message == message and info.value.status == 400
+    assert info.value.message == message and RENDERER.status(info.value) == 400
 
 
 def test_dump_is_pretty_objects_single_line_arrays_and_truncated():
@@ -102,13 +109,13 @@ def test_columnar_golden():
 
 
 def test_row_output_checks():
-    with pytest.raises(TensorError, match="Tensor name: s has no shape information "):
+    with pytest.raises(InvalidRequest, match="Tensor name: s has no shape information "):
         render_rows({"s": np.array(1.0)})
-    with pytest.raises(TensorError, match="Tensor name: b has inconsistent batch size: 3 expecting: 2"):
+    with pytest.raises(InvalidRequest, match="Tensor name: b has inconsistent batch size: 3 expecting: 2"):
         render_rows({"a": np.zeros(2), "b": np.zeros(3)})
-    with pytest.raises(TensorError, match="Cannot convert empty tensor map to JSON"):
+    with pytest.raises(InvalidRequest, match="Cannot convert empty tensor map to JSON"):
         render_rows({})
-    with pytest.raises(TensorError, match="Failed to write JSON value for tensor type: DT_HALF"):
+    with pytest.raises(InvalidRequest, match="Failed to write JSON value for tensor type: DT_HALF"):
         render_rows({"h": np.zeros(2, dtype=np.float16)})
     assert document("predictions", render_rows({"a": np.zeros((0, 2)), "b": np.zeros(0)})) == b'{\n    "predictions": []\n}'
 
@@ -124,7 +131,7 @@ def test_deeply_nested_ignored_keys_are_skipped_iteratively():
         (b'{"junk": ' + deep + b", 3: 1}", "Missing a name for object member."),
         (b"[" + deep + b"]", "The document is nested too deeply."),
     ]:
-        with pytest.raises(TensorError, match=message.replace("(", r"\(").replace(".", r"\.").replace("[", r"\[")):
+        with pytest.raises(InvalidRequest, match=message.replace("(", r"\(").replace(".", r"\.").replace("[", r"\[")):
             parse_document(body, keep=("instances",))
 
 

@@ -1,5 +1,5 @@
 """TF Serving REST over HTTP, in process: predict (row/columnar), classify, regress, status, metadata,
-errors (4-space pretty `{"error": msg}` with the §2.2 codes), CORS preflight."""
+errors (4-space pretty `{"error": msg}` with TF Serving's status codes), CORS preflight."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""TF Serving request parsing (reference §2.1, §2.4, §2.5): paths, row and columnar tensors, messages."""
+"""TF Serving request parsing: paths, row and columnar tensors, messages."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from lmiserve.protocols.tensor.tfserving import parse as tfserving
-from lmiserve.protocols.tensor.codecs.errors import TensorError
+from lmiserve.core.errors import InvalidRequest, LmiServeError
 from lmiserve.core.tensors import ModelSignature, TensorSpec
+from lmiserve.protocols.tensor.tfserving import parse as tfserving
+from lmiserve.protocols.tensor.tfserving.errors import RENDERER
 
 
 def sig(*inputs: tuple[str, str, tuple[int, ...]]) -> ModelSignature:
@@ -25,8 +26,8 @@ def parse(doc, signature=X4):
     return tfserving.parse_predict(doc, signature, "m")
 
 
-def error_of(doc, signature=X4) -> TensorError:
-    with pytest.raises(TensorError) as info:
+def error_of(doc, signature=X4) -> LmiServeError:
+    with pytest.raises(LmiServeError) as info:
         parse(doc, signature)
     return info.value
 
@@ -66,9 +67,9 @@ def test_paths(method, path, expected):
     ],
 )
 def test_bad_paths(method, path, message):
-    with pytest.raises(TensorError) as info:
+    with pytest.raises(LmiServeError) as info:
         tfserving.parse_path(method, path)
-    assert info.value.message == message and info.value.status == 400
+    assert info.value.message == message and RENDERER.status(info.value) == 400
 
 
 def test_row_format_single_input():
@@ -140,7 +141,7 @@ def test_n_for_minus_one_by_one_is_reshaped():
 def test_predict_errors(doc, signature, message):
     error = error_of(doc, signature)
     assert error.message.endswith(message)  # wrapped element errors carry TF Serving's prefix
-    assert error.status == 400
+    assert RENDERER.status(error) == 400
 
 
 def test_bool_takes_only_true_false():
@@ -151,7 +152,7 @@ def test_bool_takes_only_true_false():
 
 def test_unsupported_dtype_is_501():
     error = error_of({"instances": [1.5]}, sig(("h", "FP16", (-1,))))
-    assert error.status == 501 and error.message == "Conversion of JSON Value: 1.5 to type: half"
+    assert RENDERER.status(error) == 501 and error.message == "Conversion of JSON Value: 1.5 to type: half"
 
 
 def test_classify_and_regress_requests():
@@ -163,8 +164,8 @@ def test_classify_and_regress_requests():
         ({"examples": []}, "JSON Value: {\n    \"examples\": []\n} 'examples' value is an empty array"),
         ({"examples": [[1]]}, "Example must be JSON object but got JSON Array"),
     ]:
-        with pytest.raises(TensorError) as info:
+        with pytest.raises(LmiServeError) as info:
             tfserving.parse_examples(doc, "classify", "classifier", TEXT)
         assert info.value.message == message
-    with pytest.raises(TensorError, match="Expected regression signature method_name to be tensorflow/serving/regress. Was: tensorflow/serving/predict"):
+    with pytest.raises(InvalidRequest, match="Expected regression signature method_name to be tensorflow/serving/regress. Was: tensorflow/serving/predict"):
         tfserving.parse_examples({"examples": [{"text": "a"}]}, "regress", "embedding", TEXT)

@@ -1,9 +1,11 @@
-"""Error shapes of the tensor protocols: KServe V2, SageMaker and Vertex AI answer JSON
-``{"error": "<message>"}``; TF Serving the same object pretty-printed (its own renderer).
+"""The tensor protocols' error shape: JSON ``{"error": "<message>"}``, with statuses shared by KServe V2,
+TF Serving, SageMaker and Vertex AI. Each protocol has its renderer (its folder's `errors.py`), built on
+`JsonErrorRenderer`; TF Serving pretty-prints the same object.
 
-Statuses: invalid input 400, unknown model or version 404, unacceptable Accept 406, unsupported
-Content-Type 415, a feature not implemented 501, not ready / overloaded / queue timeout 503, a failure
-inside the model or of the server 500.
+Statuses: a bad request 400 (an unparsable body, a document that breaks the schema, tensors that do
+not fit the model), unknown model or version 404, unacceptable Accept 406, unsupported Content-Type or
+Content-Encoding 415, a feature not implemented 501, not ready / overloaded / queue timeout 503, a
+failure inside the model or of the server 500.
 """
 
 from __future__ import annotations
@@ -45,15 +47,19 @@ STATUS: dict[type[LmiServeError], int] = {
 }
 
 
+def error_json(message: str) -> bytes:
+    """``{"error": message}``, compact, UTF-8 (not ASCII-escaped)."""
+    return json.dumps({"error": message}, ensure_ascii=False).encode("utf-8")
+
+
 class JsonErrorRenderer(ErrorRenderer):
     """``{"error": msg}`` with the tensor protocols' statuses."""
 
     def status(self, exc: LmiServeError) -> int:
-        legacy = getattr(exc, "tensor_status", None)  # TRANSITIONAL: TensorError(status=...) until it is gone
-        return legacy if isinstance(legacy, int) else lookup(exc, STATUS)
+        return lookup(exc, STATUS)
 
     def body(self, exc: LmiServeError) -> bytes:
-        return json.dumps({"error": exc.message}, ensure_ascii=False).encode("utf-8")
+        return error_json(exc.message)
 
 
 RENDERER = JsonErrorRenderer()

@@ -12,15 +12,15 @@ import math
 
 import numpy as np
 
+from lmiserve.core.errors import InternalError, InvalidInput
+from lmiserve.core.tensors import ModelSignature, TensorRequest
 from lmiserve.protocols.tensor.codecs import tftensor
 from lmiserve.protocols.tensor.codecs.datatypes import fit_shape
-from lmiserve.protocols.tensor.codecs.errors import TensorError
-from lmiserve.core.tensors import ModelSignature, TensorRequest
 
 
 def to_request(records: list, signature: ModelSignature, model: str, parameters: dict | None = None) -> TensorRequest:
     if not records:
-        raise TensorError("no instances in the request")
+        raise InvalidInput("no instances in the request")
     names = {t.name for t in signature.inputs}
     if len(names) == 1:
         records = [_unwrap(r, names) for r in records]
@@ -41,7 +41,7 @@ def predictions(outputs: dict[str, np.ndarray], count: int) -> list:
     for name, array in outputs.items():
         array = np.asarray(array)
         if array.ndim < 1 or array.shape[0] != count:
-            raise TensorError(f"output '{name}' has {array.shape[0] if array.ndim else 0} rows for {count} records", status=500)
+            raise InternalError(f"output '{name}' has {array.shape[0] if array.ndim else 0} rows for {count} records")
         rows[name] = [plain(v) for v in (array.tolist() if array.dtype != object else list(array))]
     if len(rows) == 1:
         return next(iter(rows.values()))

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from starlette.routing import BaseRoute, Route
 
+from lmiserve.protocols.tensor.kserve import routes as v2_routes
 from lmiserve.protocols.tensor.sagemaker import routes as sagemaker
 from lmiserve.protocols.tensor.tfserving import routes as tfserving_routes
-from lmiserve.protocols.tensor.kserve import routes as v2_routes
 from lmiserve.protocols.tensor.vertex import routes as vertex_routes
 
 

@@ -5,8 +5,7 @@
 - `content_types`: MLServer content types (np, str, base64, datetime, pd, pd_json);
 - `tfjson` / `tftensor`: TF Serving JSON (NaN/Infinity tokens, float formatting, row/columnar tensors);
 - `records`: SageMaker CSV (RFC-4180) and JSON Lines records.
+
+Codecs raise the neutral errors of `lmiserve.core.errors` (InvalidInput, MalformedBody, ...); each
+protocol's renderer gives them a status and a body.
 """
-
-from lmiserve.protocols.tensor.codecs.errors import TensorError
-
-__all__ = ["TensorError"]

@@ -15,8 +15,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from lmiserve.core.errors import (
+    InvalidInput,
+    InvalidRequest,
+    MalformedBody,
+    UnsupportedMediaType,
+)
 from lmiserve.protocols.tensor.codecs.datatypes import numpy_dtype
-from lmiserve.protocols.tensor.codecs.errors import TensorError
 
 HEADER = "Inference-Header-Content-Length"
 
@@ -28,9 +33,9 @@ def split_body(body: bytes, header_value: str | None) -> tuple[bytes, bytes]:
     try:
         size = int(header_value.strip())
     except ValueError:
-        raise TensorError(f"Unable to parse {HEADER}, got: {header_value}") from None
+        raise InvalidRequest(f"Unable to parse {HEADER}, got: {header_value}") from None
     if size <= 0 or size > len(body):
-        raise TensorError(f"inference header size should be in range (0, {len(body)}), got: {size}")
+        raise InvalidRequest(f"inference header size should be in range (0, {len(body)}), got: {size}")
     return body[:size], body[size:]
 
 
@@ -40,11 +45,11 @@ def decompress(body: bytes, encoding: str | None) -> bytes:
     if encoding in ("", "identity"):
         return body
     if encoding not in ("gzip", "deflate"):
-        raise TensorError(f"unsupported Content-Encoding: {encoding} (expected gzip or deflate)", status=415)
+        raise UnsupportedMediaType(f"unsupported Content-Encoding: {encoding} (expected gzip or deflate)")
     try:
         return zlib.decompress(body, wbits=47)  # 32 + 15: gzip or zlib header, detected
     except zlib.error as exc:
-        raise TensorError(f"the {encoding} request body could not be decompressed: {exc}") from None
+        raise MalformedBody(f"the {encoding} request body could not be decompressed: {exc}") from None
 
 
 class BinaryReader:
@@ -56,9 +61,9 @@ class BinaryReader:
 
     def take(self, size: object, name: str) -> bytes:
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise TensorError(f"invalid 'binary_data_size' for input '{name}': {size!r}")
+            raise InvalidInput(f"invalid 'binary_data_size' for input '{name}': {size!r}")
         if self.offset + size > len(self.tail):
-            raise TensorError(
+            raise InvalidInput(
                 f"unexpected end of binary data for input '{name}': needs {size} bytes, {len(self.tail) - self.offset} left"
             )
         chunk = bytes(self.tail[self.offset : self.offset + size])
@@ -68,7 +73,7 @@ class BinaryReader:
     def check_consumed(self) -> None:
         left = len(self.tail) - self.offset
         if left:
-            raise TensorError(f"unexpected additional input data: {left} bytes are not claimed by any input's 'binary_data_size'")
+            raise InvalidInput(f"unexpected additional input data: {left} bytes are not claimed by any input's 'binary_data_size'")
 
 
 def decode_tensor(raw: bytes, datatype: str, shape: Sequence[int], name: str) -> np.ndarray:
@@ -77,13 +82,13 @@ def decode_tensor(raw: bytes, datatype: str, shape: Sequence[int], name: str) ->
     if datatype == "BYTES":
         values = _split_bytes(raw, name)
         if len(values) != count:
-            raise TensorError(f"shape does not match data for input '{name}': shape {list(shape)} needs {count} elements, got {len(values)}")
+            raise InvalidInput(f"shape does not match data for input '{name}': shape {list(shape)} needs {count} elements, got {len(values)}")
         array = np.empty(count, dtype=object)
         array[:] = values
         return array.reshape(shape)
     dtype = numpy_dtype(datatype, name).newbyteorder("<")
     if len(raw) != count * dtype.itemsize:
-        raise TensorError(
+        raise InvalidInput(
             f"unexpected binary data size for input '{name}': shape {list(shape)} of {datatype} needs {count * dtype.itemsize} bytes, got {len(raw)}"
         )
     array = np.frombuffer(raw, dtype=dtype).reshape(shape)
@@ -96,11 +101,11 @@ def _split_bytes(raw: bytes, name: str) -> list[bytes]:
     values, offset = [], 0
     while offset < len(raw):
         if offset + 4 > len(raw):
-            raise TensorError(f"malformed BYTES data for input '{name}': truncated length prefix")
+            raise InvalidInput(f"malformed BYTES data for input '{name}': truncated length prefix")
         (length,) = struct.unpack_from("<I", raw, offset)
         offset += 4
         if offset + length > len(raw):
-            raise TensorError(f"malformed BYTES data for input '{name}': element of {length} bytes overruns the data")
+            raise InvalidInput(f"malformed BYTES data for input '{name}': element of {length} bytes overruns the data")
         values.append(bytes(raw[offset : offset + length]))
         offset += length
     return values

@@ -17,15 +17,15 @@ from datetime import datetime
 
 import numpy as np
 
+from lmiserve.core.errors import InvalidInput
 from lmiserve.protocols.tensor.codecs.datatypes import to_array
-from lmiserve.protocols.tensor.codecs.errors import TensorError
 
 INPUT_TYPES = ("np", "str", "base64", "datetime", "pd_json")
 REQUEST_TYPES = ("np", "str", "pd")
 
 
-def codec_error(message: str) -> TensorError:
-    return TensorError(f"There was an error encoding / decoding the payload: {message}")
+def codec_error(message: str) -> InvalidInput:
+    return InvalidInput(f"There was an error encoding / decoding the payload: {message}")
 
 
 def decode_json_input(name: str, datatype: str, shape: tuple[int, ...], data: object, content_type: str | None) -> np.ndarray:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from lmiserve.protocols.tensor.codecs.errors import TensorError
+from lmiserve.core.errors import InternalError, InvalidInput
 from lmiserve.core.tensors import NUMPY_DTYPES
 
 DTYPES = NUMPY_DTYPES
@@ -22,7 +22,7 @@ MAX_NESTING = 64  # nested `data` deeper than this is refused (Triton: HTTP_MAX_
 
 def numpy_dtype(datatype: str, name: str) -> np.dtype:
     if not isinstance(datatype, str) or datatype not in DTYPES:
-        raise TensorError(f"invalid datatype for input {name}")
+        raise InvalidInput(f"invalid datatype for input {name}")
     return DTYPES[datatype]
 
 
@@ -34,12 +34,12 @@ def datatype_of(array: np.ndarray) -> str:
     for datatype, dtype in DTYPES.items():
         if dtype == array.dtype:
             return datatype
-    raise TensorError(f"unsupported output dtype {array.dtype}", status=500)
+    raise InternalError(f"unsupported output dtype {array.dtype}")
 
 
 def check_shape(shape: object, name: str) -> tuple[int, ...]:
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise TensorError(f"invalid shape for input '{name}': expected a list of non-negative integers, got {shape!r}")
+        raise InvalidInput(f"invalid shape for input '{name}': expected a list of non-negative integers, got {shape!r}")
     return tuple(shape)
 
 
@@ -56,7 +56,7 @@ def flatten(data: object, name: str) -> list:
             index += 1
             if isinstance(item, list):
                 if len(stack) + 2 > MAX_NESTING:
-                    raise TensorError(f"JSON nesting depth exceeds maximum allowed limit ({MAX_NESTING}) in input '{name}'")
+                    raise InvalidInput(f"JSON nesting depth exceeds maximum allowed limit ({MAX_NESTING}) in input '{name}'")
                 stack.append((items, index))
                 items, index = item, 0
             else:
@@ -70,7 +70,7 @@ def to_array(data: object, datatype: str, shape: Sequence[int], name: str) -> np
     flat = flatten(data, name)
     expected = math.prod(shape)
     if len(flat) != expected:
-        raise TensorError(
+        raise InvalidInput(
             f"shape does not match data for input '{name}': shape {list(shape)} needs {expected} elements, got {len(flat)}"
         )
     values = [_element(v, datatype, name) for v in flat]
@@ -89,22 +89,22 @@ def _element(value: object, datatype: str, name: str) -> object:
             return value.encode("utf-8")
         if isinstance(value, bytes):
             return value
-        raise TensorError(f"unable to parse 'data' of input '{name}': expected a string for BYTES, got {_json_type(value)}")
+        raise InvalidInput(f"unable to parse 'data' of input '{name}': expected a string for BYTES, got {_json_type(value)}")
     if datatype == "BOOL":
         if isinstance(value, bool):
             return value
         if isinstance(value, int) and value in (0, 1):
             return bool(value)
-        raise TensorError(f"unable to parse 'data' of input '{name}': expected true or false for BOOL, got {_json_type(value)}")
+        raise InvalidInput(f"unable to parse 'data' of input '{name}': expected true or false for BOOL, got {_json_type(value)}")
     if datatype.startswith("FP"):
         if value is None:
             return math.nan
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return value
-        raise TensorError(f"unable to parse 'data' of input '{name}': expected a number for {datatype}, got {_json_type(value)}")
+        raise InvalidInput(f"unable to parse 'data' of input '{name}': expected a number for {datatype}, got {_json_type(value)}")
     if isinstance(value, int) and not isinstance(value, bool):
         return value
-    raise TensorError(f"unable to parse 'data' of input '{name}': expected an integer for {datatype}, got {_json_type(value)}")
+    raise InvalidInput(f"unable to parse 'data' of input '{name}': expected an integer for {datatype}, got {_json_type(value)}")
 
 
 def _check_range(values: list, dtype: np.dtype, datatype: str, name: str) -> None:
@@ -114,7 +114,7 @@ def _check_range(values: list, dtype: np.dtype, datatype: str, name: str) -> Non
     low, high = min(values), max(values)
     if low < info.min or high > info.max:
         bad = low if low < info.min else high
-        raise TensorError(f"unable to parse 'data' of input '{name}': {bad} is out of range for {datatype}")
+        raise InvalidInput(f"unable to parse 'data' of input '{name}': {bad} is out of range for {datatype}")
 
 
 def _json_type(value: object) -> str:
@@ -158,7 +158,7 @@ def fit_shape(array: np.ndarray, expected: Sequence[int], name: str, model: str)
         return array.reshape(shape[:-1])
     if len(shape) + 1 == len(expected) and expected[-1] in (1, -1) and _matches(shape + (1,), expected):
         return array.reshape(shape + (1,))
-    raise TensorError(
+    raise InvalidInput(
         f"unexpected shape for input '{name}' for model '{model}'. Expected {_dims(expected)}, got {_dims(shape)}"
     )
 

@@ -12,7 +12,7 @@ import io
 import json
 import math
 
-from lmiserve.protocols.tensor.codecs.errors import TensorError
+from lmiserve.core.errors import InvalidInput, InvalidRequest, MalformedBody
 
 
 def parse_media_type(header: str | None) -> tuple[str, dict[str, str]]:
@@ -33,7 +33,7 @@ def decode_text(body: bytes, params: dict[str, str]) -> str:
     try:
         return body.decode(charset)
     except (LookupError, UnicodeDecodeError) as exc:
-        raise TensorError(f"the request body is not valid {charset} text: {exc}") from None
+        raise MalformedBody(f"the request body is not valid {charset} text: {exc}") from None
 
 
 def parse_csv(text: str, label_size: int = 0, typed: bool = True) -> list[list]:
@@ -42,15 +42,15 @@ def parse_csv(text: str, label_size: int = 0, typed: bool = True) -> list[list]:
     try:
         rows = list(csv.reader(lines, strict=True))
     except csv.Error as exc:
-        raise TensorError(f"invalid CSV: {exc}") from None
+        raise MalformedBody(f"invalid CSV: {exc}") from None
     records = []
     for row in rows:
         fields = row[label_size:]
         if not fields:
-            raise TensorError(f"CSV record has no feature columns after dropping label_size={label_size} columns")
+            raise InvalidInput(f"CSV record has no feature columns after dropping label_size={label_size} columns")
         records.append(_typed(fields) if typed else fields)
     if not records:
-        raise TensorError("the CSV body holds no records")
+        raise InvalidInput("the CSV body holds no records")
     return records
 
 
@@ -71,7 +71,7 @@ def _typed(fields: list[str]) -> list:
 def label_size(params: dict[str, str]) -> int:
     raw = params.get("label_size", "0")
     if not raw.isdigit():
-        raise TensorError(f"invalid label_size parameter: {raw!r} (expected a non-negative integer)")
+        raise InvalidRequest(f"invalid label_size parameter: {raw!r} (expected a non-negative integer)")
     return int(raw)
 
 
@@ -87,12 +87,12 @@ def parse_json_values(text: str) -> list:
         try:
             value, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as exc:
-            raise TensorError(f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+            raise MalformedBody(f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
         except RecursionError:
-            raise TensorError("invalid JSON: the document is nested too deeply") from None
+            raise MalformedBody("invalid JSON: the document is nested too deeply") from None
         values.append(value)
     if not values:
-        raise TensorError("the request body is empty")
+        raise MalformedBody("the request body is empty")
     return values
 
 

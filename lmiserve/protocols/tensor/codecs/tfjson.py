@@ -1,5 +1,5 @@
-"""TF Serving's JSON dialect: `NaN`/`Inf`/`Infinity` number tokens, pretty dumps in messages, the §2.6
-float formatting rule and the 4-space pretty layout of bodies.
+"""TF Serving's JSON dialect: `NaN`/`Inf`/`Infinity` number tokens, pretty dumps in messages, its float
+formatting rule (`format_float`) and the 4-space pretty layout of bodies.
 
 Parsing stops after the first complete JSON value (trailing bytes are ignored, as TF Serving does).
 Nesting beyond Python's recursion limit is a 400, never a crash.
@@ -13,7 +13,7 @@ import re
 
 import numpy as np
 
-from lmiserve.protocols.tensor.codecs.errors import TensorError
+from lmiserve.core.errors import MalformedBody
 
 _TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|-?Inf(?:inity)?|NaN')
 _DUMP_LIMIT = 256
@@ -35,20 +35,20 @@ def parse_document(body: bytes, keep: tuple[str, ...] | None = None) -> object:
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise TensorError(f"JSON Parse error: Invalid encoding in string. at offset: {exc.start}") from None
+        raise MalformedBody(f"JSON Parse error: Invalid encoding in string. at offset: {exc.start}") from None
     start = len(text) - len(text.lstrip(" \t\r\n"))
     if start == len(text):
-        raise TensorError("JSON Parse error: The document is empty")
+        raise MalformedBody("JSON Parse error: The document is empty")
     if "Inf" in text:
         text = _TOKENS.sub(_inf_token, text)
     try:
         value, _ = json.JSONDecoder().raw_decode(text, start)
     except json.JSONDecodeError as exc:
         message = next((m for prefix, m in _RAPIDJSON_MESSAGES if exc.msg.startswith(prefix)), exc.msg + ".")
-        raise TensorError(f"JSON Parse error: {message} at offset: {exc.pos}") from None
+        raise MalformedBody(f"JSON Parse error: {message} at offset: {exc.pos}") from None
     except RecursionError:
         if keep is None:
-            raise TensorError("JSON Parse error: The document is nested too deeply. at offset: 0") from None
+            raise MalformedBody("JSON Parse error: The document is nested too deeply. at offset: 0") from None
         value = _shallow_object(text, start, keep)
     return value
 
@@ -59,7 +59,7 @@ _SCALAR = re.compile(r"-?(?:Infinity|NaN|[0-9][0-9eE.+-]*)|true|false|null")
 
 def _shallow_object(text: str, pos: int, keep: tuple[str, ...]) -> dict:
     """Iterative scan of a top-level object: kept keys parsed, the other values only skipped."""
-    too_deep = TensorError("JSON Parse error: The document is nested too deeply. at offset: 0")
+    too_deep = MalformedBody("JSON Parse error: The document is nested too deeply. at offset: 0")
     if text[pos] != "{":
         raise too_deep
     out: dict = {}
@@ -67,11 +67,11 @@ def _shallow_object(text: str, pos: int, keep: tuple[str, ...]) -> dict:
     while pos < len(text) and text[pos] != "}":
         match = _STRING.match(text, pos)
         if match is None:
-            raise TensorError(f"JSON Parse error: Missing a name for object member. at offset: {pos}")
+            raise MalformedBody(f"JSON Parse error: Missing a name for object member. at offset: {pos}")
         key = json.loads(match.group(0))
         pos = _ws(text, match.end())
         if pos >= len(text) or text[pos] != ":":
-            raise TensorError(f"JSON Parse error: Missing a colon after a name of object member. at offset: {pos}")
+            raise MalformedBody(f"JSON Parse error: Missing a colon after a name of object member. at offset: {pos}")
         pos = _ws(text, pos + 1)
         end = _skip_value(text, pos)
         if key in keep:
@@ -80,12 +80,12 @@ def _shallow_object(text: str, pos: int, keep: tuple[str, ...]) -> dict:
             except RecursionError:
                 raise too_deep from None
             except json.JSONDecodeError as exc:
-                raise TensorError(f"JSON Parse error: Invalid value. at offset: {pos + exc.pos}") from None
+                raise MalformedBody(f"JSON Parse error: Invalid value. at offset: {pos + exc.pos}") from None
         pos = _ws(text, end)
         if pos < len(text) and text[pos] == ",":
             pos = _ws(text, pos + 1)
     if pos >= len(text):
-        raise TensorError(f"JSON Parse error: Missing a comma or '}}' after an object member. at offset: {pos}")
+        raise MalformedBody(f"JSON Parse error: Missing a comma or '}}' after an object member. at offset: {pos}")
     return out
 
 
@@ -114,10 +114,10 @@ def _skip_value(text: str, pos: int) -> int:
                 if depth == 0:
                     return pos + 1
             pos += 1
-        raise TensorError(f"JSON Parse error: Missing a comma or ']' after an array element. at offset: {pos}")
+        raise MalformedBody(f"JSON Parse error: Missing a comma or ']' after an array element. at offset: {pos}")
     match = (_STRING if pos < len(text) and text[pos] == '"' else _SCALAR).match(text, pos)
     if match is None:
-        raise TensorError(f"JSON Parse error: Invalid value. at offset: {pos}")
+        raise MalformedBody(f"JSON Parse error: Invalid value. at offset: {pos}")
     return match.end()
 
 

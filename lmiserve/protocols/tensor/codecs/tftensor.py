@@ -1,5 +1,6 @@
 """TF Serving JSON tensors: `instances` (row) and `inputs` (columnar) to arrays, arrays to
-`predictions` / `outputs`, with TF Serving's messages (reference §2.4-§2.6).
+`predictions` / `outputs`, with TF Serving's messages (every error is its INVALID_ARGUMENT, 400, except
+a JSON value for a dtype TF Serving cannot convert from JSON: UNIMPLEMENTED, 501).
 
 Signatures are `core.tensors.ModelSignature`s; V2 datatypes map to TF dtypes (FP32 = DT_FLOAT, ...).
 """
@@ -11,9 +12,9 @@ import binascii
 
 import numpy as np
 
-from lmiserve.protocols.tensor.codecs.errors import TensorError
-from lmiserve.protocols.tensor.codecs.tfjson import dump, format_floats, json_type
+from lmiserve.core.errors import InvalidInput, Unsupported
 from lmiserve.core.tensors import ModelSignature
+from lmiserve.protocols.tensor.codecs.tfjson import dump, format_floats, json_type
 
 TF_DTYPES = {
     "BOOL": "DT_BOOL", "UINT8": "DT_UINT8", "UINT16": "DT_UINT16", "UINT32": "DT_UINT32", "UINT64": "DT_UINT64",
@@ -46,24 +47,24 @@ def decode_instances(instances: list, signature: ModelSignature) -> dict[str, np
     names = sorted(specs)
     first_is_object = isinstance(instances[0], dict) and not is_b64(instances[0])
     if len(names) > 1 and not first_is_object:
-        raise TensorError("instances is a plain list, but expecting list of objects as multiple input tensors required as per tensorinfo_map")
+        raise InvalidInput("instances is a plain list, but expecting list of objects as multiple input tensors required as per tensorinfo_map")
     columns: dict[str, list[np.ndarray]] = {n: [] for n in names}
     for i, item in enumerate(instances):
         item_is_object = isinstance(item, dict) and not is_b64(item)
         if first_is_object and not item_is_object:
-            raise TensorError(f"Expecting object but got list at item {i} of input list")
+            raise InvalidInput(f"Expecting object but got list at item {i} of input list")
         if not first_is_object and item_is_object:
-            raise TensorError(f"Expecting value/list but got object at item {i} of input list")
+            raise InvalidInput(f"Expecting value/list but got object at item {i} of input list")
         if not item_is_object:
             columns[names[0]].append(_element(item, specs[names[0]], f"Failed to process element: {i} of 'instances' list. Error: "))
             continue
         for key, value in item.items():
             prefix = f"Failed to process element: {i} key: {key} of 'instances' list. Error: "
             if key not in specs:
-                raise TensorError(f"{prefix}INVALID_ARGUMENT: JSON object: does not have named input: {key}")
+                raise InvalidInput(f"{prefix}INVALID_ARGUMENT: JSON object: does not have named input: {key}")
             columns[key].append(_element(value, specs[key], prefix))
         if set(item) != set(names):
-            raise TensorError(
+            raise InvalidInput(
                 f"Failed to process element: {i} of 'instances' list. JSON object: {dump(item)} keys must be equal to: {','.join(names)}"
             )
     return {name: _stack(arrays) for name, arrays in columns.items()}
@@ -73,9 +74,9 @@ def _stack(arrays: list[np.ndarray]) -> np.ndarray:
     first = arrays[0]
     for array in arrays[1:]:
         if array.size != first.size:
-            raise TensorError(f"Expecting tensor size: {first.size} but got: {array.size}")
+            raise InvalidInput(f"Expecting tensor size: {first.size} but got: {array.size}")
         if array.shape != first.shape:
-            raise TensorError(f"Expecting shape {_dims(first.shape)} but got: {_dims(array.shape)}")
+            raise InvalidInput(f"Expecting shape {_dims(first.shape)} but got: {_dims(array.shape)}")
     return np.stack(arrays) if first.dtype != object else _object_stack(arrays)
 
 
@@ -94,13 +95,13 @@ def decode_inputs(inputs: object, signature: ModelSignature) -> dict[str, np.nda
     specs = {t.name: t.datatype for t in signature.inputs}
     if not isinstance(inputs, dict) or is_b64(inputs):
         if len(specs) > 1:
-            raise TensorError("inputs is a plain value/list, but expecting an object as multiple input tensors required as per tensorinfo_map")
+            raise InvalidInput("inputs is a plain value/list, but expecting an object as multiple input tensors required as per tensorinfo_map")
         name = next(iter(specs))
         return {name: _element(inputs, specs[name], "")}
     out = {}
     for name in sorted(specs):
         if name not in inputs:
-            raise TensorError(f"Missing named input: {name} in 'inputs' object.")
+            raise InvalidInput(f"Missing named input: {name} in 'inputs' object.")
         out[name] = _element(inputs[name], specs[name], "")
     return out
 
@@ -108,7 +109,7 @@ def decode_inputs(inputs: object, signature: ModelSignature) -> dict[str, np.nda
 def _element(value: object, datatype: str, prefix: str) -> np.ndarray:
     """One tensor from nested JSON: shape from the first item per level, every sub-list checked."""
     if datatype not in _NUMPY and datatype != "BYTES":
-        raise TensorError(f"Conversion of JSON Value: {dump(_first_leaf(value))} to type: {_TYPE_WORD.get(datatype, datatype)}", status=501)
+        raise Unsupported(f"Conversion of JSON Value: {dump(_first_leaf(value))} to type: {_TYPE_WORD.get(datatype, datatype)}")
     shape: list[int] = []
     probe = value
     while isinstance(probe, list):
@@ -121,7 +122,7 @@ def _element(value: object, datatype: str, prefix: str) -> np.ndarray:
     try:
         _walk(value, rank, shape, datatype, leaves)
     except _Invalid as exc:
-        raise TensorError(f"{prefix}INVALID_ARGUMENT: {exc}" if prefix else str(exc)) from None
+        raise InvalidInput(f"{prefix}INVALID_ARGUMENT: {exc}" if prefix else str(exc)) from None
     if datatype == "BYTES":
         array = np.empty(len(leaves), dtype=object)
         array[:] = leaves
@@ -208,7 +209,7 @@ def tokens(array: np.ndarray, name: str) -> np.ndarray:
         as_b64 = name.endswith("_bytes")
         texts = [_string(v, as_b64) for v in (flat.tolist() if kind != "O" else list(flat))]
     else:
-        raise TensorError(f"Failed to write JSON value for tensor type: {TF_DTYPES.get(_v2(array), str(array.dtype))}")
+        raise InvalidInput(f"Failed to write JSON value for tensor type: {TF_DTYPES.get(_v2(array), str(array.dtype))}")
     out = np.empty(len(texts), dtype=object)
     out[:] = texts
     return out.reshape(array.shape)
@@ -240,15 +241,15 @@ def _string(value: object, as_b64: bool) -> str:
 def render_rows(outputs: dict[str, np.ndarray]) -> str:
     """`predictions`: one output -> its rows; several -> one object per row."""
     if not outputs:
-        raise TensorError("Cannot convert empty tensor map to JSON")
+        raise InvalidInput("Cannot convert empty tensor map to JSON")
     batch = None
     for name, array in outputs.items():
         if np.ndim(array) < 1:
-            raise TensorError(f"Tensor name: {name} has no shape information ")
+            raise InvalidInput(f"Tensor name: {name} has no shape information ")
         if batch is None:
             batch = array.shape[0]
         elif array.shape[0] != batch:
-            raise TensorError(f"Tensor name: {name} has inconsistent batch size: {array.shape[0]} expecting: {batch}")
+            raise InvalidInput(f"Tensor name: {name} has inconsistent batch size: {array.shape[0]} expecting: {batch}")
     if len(outputs) == 1:
         return render(next(iter(outputs.values())), next(iter(outputs)))
     texts = {name: tokens(np.asarray(a), name) for name, a in outputs.items()}
@@ -261,7 +262,7 @@ def render_rows(outputs: dict[str, np.ndarray]) -> str:
 
 def render_columns(outputs: dict[str, np.ndarray]) -> str:
     if not outputs:
-        raise TensorError("Cannot convert empty tensor map to JSON")
+        raise InvalidInput("Cannot convert empty tensor map to JSON")
     if len(outputs) == 1:
         return render(next(iter(outputs.values())), next(iter(outputs)))
     members = [f'        "{name}": {render(array, name)}' for name, array in outputs.items()]

@@ -16,11 +16,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lmiserve.protocols.tensor.codecs import binary
-from lmiserve.protocols.tensor.codecs import content_types
-from lmiserve.protocols.tensor.codecs.datatypes import DTYPES, check_shape, datatype_of, fit_shape, json_data
-from lmiserve.protocols.tensor.codecs.errors import TensorError
+from lmiserve.core.errors import InvalidInput, MalformedBody, SchemaViolation
 from lmiserve.core.tensors import ModelSignature, TensorRequest
+from lmiserve.protocols.tensor.codecs import binary, content_types
+from lmiserve.protocols.tensor.codecs.datatypes import (
+    DTYPES,
+    check_shape,
+    datatype_of,
+    fit_shape,
+    json_data,
+)
 
 VERSION = "1"
 _RESERVED = frozenset({"binary_data_output", "headers"})
@@ -41,19 +46,28 @@ def load_header(header: bytes) -> dict:
     try:
         doc = json.loads(header)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TensorError(f"failed to parse the request JSON: {exc}") from None
+        raise MalformedBody(f"failed to parse the request JSON: {exc}") from None
     except RecursionError:
-        raise TensorError("failed to parse the request JSON: the document is nested too deeply") from None
+        raise MalformedBody("failed to parse the request JSON: the document is nested too deeply") from None
     if not isinstance(doc, dict):
-        raise TensorError("the inference request must be a JSON object")
+        raise SchemaViolation("the inference request must be a JSON object")
     return doc
+
+
+def index_ready_only(body: bytes) -> bool:
+    """Whether a repository index request (`{"ready": true}`, or an empty body) asks for READY models only."""
+    try:
+        doc = json.loads(body or b"{}")
+    except ValueError:
+        raise MalformedBody("failed to parse the request JSON") from None
+    return isinstance(doc, dict) and doc.get("ready") is True
 
 
 def parse_infer(doc: dict, tail: bytes, model: str, signature: ModelSignature) -> tuple[TensorRequest, OutputPlan]:
     params = _params(doc.get("parameters"), "request")
     inputs = doc.get("inputs")
     if not isinstance(inputs, list) or not inputs:
-        raise TensorError("the inference request needs a non-empty 'inputs' list")
+        raise SchemaViolation("the inference request needs a non-empty 'inputs' list")
     request_ct = params.get("content_type") if isinstance(params.get("content_type"), str) else None
     reader = binary.BinaryReader(tail)
     arrays: dict[str, np.ndarray] = {}
@@ -61,7 +75,7 @@ def parse_infer(doc: dict, tail: bytes, model: str, signature: ModelSignature) -
     for item in inputs:
         name, array, has_ct = _input(item, reader, model)
         if name in arrays:
-            raise TensorError(f"input '{name}' is given more than once")
+            raise InvalidInput(f"input '{name}' is given more than once")
         arrays[name], typed[name] = array, has_ct
     reader.check_consumed()
     names = [t.name for t in signature.inputs]
@@ -82,17 +96,17 @@ def _params(value: object, where: str) -> dict:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise TensorError(f"'parameters' of the {where} must be a JSON object")
+        raise SchemaViolation(f"'parameters' of the {where} must be a JSON object")
     return value
 
 
 def _input(item: object, reader: binary.BinaryReader, model: str) -> tuple[str, np.ndarray, bool]:
     if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-        raise TensorError("every input must be an object with a string 'name'")
+        raise SchemaViolation("every input must be an object with a string 'name'")
     name = item["name"]
     datatype = item.get("datatype")
     if not isinstance(datatype, str) or datatype not in DTYPES:
-        raise TensorError(f"invalid datatype for input {name}")
+        raise InvalidInput(f"invalid datatype for input {name}")
     shape = check_shape(item.get("shape"), name)
     params = _params(item.get("parameters"), f"input '{name}'")
     ct = params.get("content_type") if isinstance(params.get("content_type"), str) else None
@@ -103,7 +117,7 @@ def _input(item: object, reader: binary.BinaryReader, model: str) -> tuple[str, 
             array = content_types.decode_bytes_input(array, ct, name)
         return name, array, ct in content_types.INPUT_TYPES
     if "data" not in item:
-        raise TensorError(f"'data' field is missing for input '{name}' for model '{model}'")
+        raise SchemaViolation(f"'data' field is missing for input '{name}' for model '{model}'")
     array = content_types.decode_json_input(name, datatype, shape, item["data"], ct)
     return name, array, ct in content_types.INPUT_TYPES
 
@@ -111,9 +125,9 @@ def _input(item: object, reader: binary.BinaryReader, model: str) -> tuple[str, 
 def _check_inputs(arrays: dict[str, np.ndarray], typed: dict[str, bool], signature: ModelSignature, model: str) -> dict[str, np.ndarray]:
     for name in arrays:
         if signature.input(name) is None:
-            raise TensorError(f"unexpected inference input '{name}' for model '{model}'")
+            raise InvalidInput(f"unexpected inference input '{name}' for model '{model}'")
     if len(arrays) != len(signature.inputs):
-        raise TensorError(f"expected {len(signature.inputs)} inputs but got {len(arrays)} inputs for model '{model}'")
+        raise InvalidInput(f"expected {len(signature.inputs)} inputs but got {len(arrays)} inputs for model '{model}'")
     out = {}
     for spec in signature.inputs:
         array = arrays[spec.name]
@@ -121,7 +135,7 @@ def _check_inputs(arrays: dict[str, np.ndarray], typed: dict[str, bool], signatu
         if got != spec.datatype:
             numeric = got != "BYTES" and spec.datatype != "BYTES"
             if not (typed.get(spec.name) and numeric):
-                raise TensorError(f"inference input '{spec.name}' data-type is '{got}', but model '{model}' expects '{spec.datatype}'")
+                raise InvalidInput(f"inference input '{spec.name}' data-type is '{got}', but model '{model}' expects '{spec.datatype}'")
             array = array.astype(DTYPES[spec.datatype])
         out[spec.name] = fit_shape(array, spec.shape, spec.name, model)
     return out
@@ -130,21 +144,21 @@ def _check_inputs(arrays: dict[str, np.ndarray], typed: dict[str, bool], signatu
 def _plan(doc: dict, params: dict, signature: ModelSignature, model: str, request_ct: str | None) -> OutputPlan:
     request_id = doc.get("id")
     if request_id is not None and not isinstance(request_id, str):
-        raise TensorError("'id' must be a string")
+        raise SchemaViolation("'id' must be a string")
     plan = OutputPlan(id=request_id, binary_default=params.get("binary_data_output") is True, request_content_type=request_ct)
     plan.mlserver = request_ct in content_types.REQUEST_TYPES
     outputs = doc.get("outputs")
     if outputs is None:
         return plan
     if not isinstance(outputs, list):
-        raise TensorError("'outputs' must be a list of requested outputs")
+        raise SchemaViolation("'outputs' must be a list of requested outputs")
     plan.names = []
     for item in outputs:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            raise TensorError("every requested output must be an object with a string 'name'")
+            raise SchemaViolation("every requested output must be an object with a string 'name'")
         name = item["name"]
         if signature.output(name) is None:
-            raise TensorError(f"unexpected inference output '{name}' for model '{model}'")
+            raise InvalidInput(f"unexpected inference output '{name}' for model '{model}'")
         out_params = _params(item.get("parameters"), f"output '{name}'")
         if "binary_data" in out_params:
             plan.binary[name] = out_params["binary_data"] is True

@@ -1,5 +1,7 @@
-"""KServe V2 / Open Inference Protocol routes under /v2 (reference §3): health, metadata, infer (JSON and
-binary), and Triton's generate extension for LLMs. Every non-200 answer is JSON `{"error": msg}`."""
+"""KServe V2 / Open Inference Protocol routes under /v2: health, server and model metadata, infer
+(JSON and Triton's binary extension), Triton's repository index and generate extension (generate.py).
+Every error answer is JSON `{"error": msg}` (kserve/errors.py), unknown paths and methods under /v2
+included."""
 
 from __future__ import annotations
 
@@ -7,28 +9,23 @@ import json
 
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Match, Mount, Route
+from starlette.routing import BaseRoute, Match, Mount, Route
 
 import lmiserve
-from lmiserve.protocols.tensor.kserve import parse as kserve
-from lmiserve.protocols.tensor.codecs import binary
-from lmiserve.protocols.tensor.codecs.errors import TensorError, protocol_status
-from lmiserve.core.errors import LmiServeError, ModelNotFound
-from lmiserve.server import lookup as tensor_lookup
-from lmiserve.server.responses import raw_response
+from lmiserve.core.errors import ModelNotReady, NotFound
 from lmiserve.models.service import ModelService
+from lmiserve.protocols.tensor.codecs import binary
+from lmiserve.protocols.tensor.errors import error_json
+from lmiserve.protocols.tensor.kserve import parse as kserve
+from lmiserve.protocols.tensor.kserve.errors import RENDERER
 from lmiserve.protocols.tensor.kserve.generate import generate, generate_stream
+from lmiserve.protocols.tensor.kserve.models import check_ready, ready_model, resolve
+from lmiserve.server import lookup
+from lmiserve.server.errors import protocol_routes
+from lmiserve.server.responses import raw_response
 
 EXTENSIONS = ["binary_tensor_data", "parameters", "generate"]
 ANY = ["GET", "POST", "PUT", "DELETE", "HEAD", "OPTIONS", "PATCH"]
-
-
-def error(message: str, status: int) -> Response:
-    return raw_response(json.dumps({"error": message}, ensure_ascii=False).encode("utf-8"), status)
-
-
-def fail(exc: LmiServeError) -> Response:
-    return error(exc.message, protocol_status(exc))
 
 
 async def server_metadata(request: Request) -> Response:
@@ -41,73 +38,37 @@ async def live(request: Request) -> Response:
 
 
 async def ready(request: Request) -> Response:
-    if tensor_lookup.all_ready(request):
-        return Response(status_code=200)
-    return error("Server is not ready.", 503)
-
-
-def resolve(request: Request):
-    """The addressed model's service; 404 (MLServer's words) for an unknown name or version."""
-    name = request.path_params["model"]
-    try:
-        svc = tensor_lookup.service(request, name)
-    except ModelNotFound:
-        raise TensorError(f"Model {name} not found", status=404) from None
-    version = request.path_params.get("version")
-    if version is not None and version != kserve.VERSION:
-        raise TensorError(f"Model {name} with version {version} not found", status=404)
-    return svc
-
-
-def ready_model(request: Request):
-    """(service, TensorModel) of the addressed model; 503 `Model <m> is not ready yet.` while it loads."""
-    svc = resolve(request)
-    if not tensor_lookup.is_ready(svc):
-        raise TensorError(f"Model {svc.name} is not ready yet.", status=503)
-    return svc, svc.tensor_model
+    if not lookup.all_ready(request):
+        raise ModelNotReady("Server is not ready.")
+    return Response(status_code=200)
 
 
 async def model_ready(request: Request) -> Response:
-    try:
-        svc = resolve(request)
-    except LmiServeError as exc:
-        return fail(exc)
-    if tensor_lookup.is_ready(svc):
-        return Response(status_code=200)
-    return error(f"Model {svc.name} is not ready yet.", 503)
+    check_ready(resolve(request))
+    return Response(status_code=200)
 
 
 async def model_metadata(request: Request) -> Response:
-    try:
-        svc, model = ready_model(request)
-    except LmiServeError as exc:
-        return fail(exc)
+    svc, model = ready_model(request)
     return raw_response(json.dumps(kserve.metadata(svc.name, model.kind, model.signature)).encode())
 
 
 async def infer(request: Request) -> Response:
-    try:
-        svc, model = ready_model(request)
-        body = binary.decompress(await request.body(), request.headers.get("content-encoding"))
-        header, tail = binary.split_body(body, request.headers.get(binary.HEADER))
-        tensor_request, plan = kserve.parse_infer(kserve.load_header(header), tail, svc.name, model.signature)
-        outputs = await model.infer(tensor_request)
-        body, headers, content_type = kserve.encode_response(outputs, plan, svc.name)
-    except LmiServeError as exc:
-        return fail(exc)
+    svc, model = ready_model(request)
+    body = binary.decompress(await request.body(), request.headers.get("content-encoding"))
+    header, tail = binary.split_body(body, request.headers.get(binary.HEADER))
+    tensor_request, plan = kserve.parse_infer(kserve.load_header(header), tail, svc.name, model.signature)
+    outputs = await model.infer(tensor_request)
+    body, headers, content_type = kserve.encode_response(outputs, plan, svc.name)
     return raw_response(body, 200, content_type, headers)
 
 
 async def repository_index(request: Request) -> Response:
     """Triton's repository index: every model with its state; `{"ready": true}` keeps the READY ones."""
-    try:
-        body = json.loads(await request.body() or b"{}")
-    except ValueError:
-        return error("failed to parse the request JSON", 400)
-    only_ready = isinstance(body, dict) and body.get("ready") is True
+    only_ready = kserve.index_ready_only(await request.body())
     states = {ModelService.READY: "READY", ModelService.PENDING: "LOADING"}
     index = []
-    for svc in tensor_lookup.services(request):
+    for svc in lookup.services(request):
         state = states.get(svc.status, "UNAVAILABLE")
         if not only_ready or state == "READY":
             index.append({"name": svc.name, "version": kserve.VERSION, "state": state, "reason": svc.error or ""})
@@ -115,10 +76,11 @@ async def repository_index(request: Request) -> Response:
 
 
 async def not_found(request: Request) -> Response:
+    """Any other path or method under /v2 (Triton answers a known path with a wrong method 405)."""
     for route in _ROUTES:
         if route.matches(request.scope)[0] == Match.PARTIAL:  # the path exists, the method does not
-            return error("Method Not Allowed", 405)
-    return error(f"Not Found: {request.method} {request.url.path}", 404)
+            return raw_response(error_json("Method Not Allowed"), 405)
+    raise NotFound(f"Not Found: {request.method} {request.url.path}")
 
 
 def _model_routes(prefix: str) -> list[Route]:
@@ -141,9 +103,9 @@ _ROUTES = [
 ]
 
 
-def routes() -> list:
+def routes() -> list[BaseRoute]:
     """Everything under /v2, with JSON 404/405 answers for unknown paths and methods."""
-    return [
+    return protocol_routes(RENDERER, [
         Route("/v2", server_metadata, methods=["GET"]),
         Mount("/v2", routes=[*_ROUTES, Route("/{path:path}", not_found, methods=ANY)]),
-    ]
+    ])

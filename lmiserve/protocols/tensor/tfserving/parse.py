@@ -1,4 +1,4 @@
-"""TF Serving REST (reference §2): path parsing, predict/classify/regress requests -> TensorRequest,
+"""TF Serving REST: path parsing, predict/classify/regress requests -> TensorRequest,
 outputs -> `predictions` / `outputs` / `results`, model status and metadata documents.
 
 Every model has one version, "1", and one signature, `serving_default` (method
@@ -15,11 +15,17 @@ from urllib.parse import unquote
 
 import numpy as np
 
+from lmiserve.core.errors import (
+    InvalidInput,
+    InvalidRequest,
+    ModelRequired,
+    NotFound,
+    SchemaViolation,
+)
+from lmiserve.core.tensors import ModelSignature, TensorRequest
 from lmiserve.protocols.tensor.codecs import tftensor
 from lmiserve.protocols.tensor.codecs.datatypes import fit_shape
-from lmiserve.protocols.tensor.codecs.errors import TensorError
 from lmiserve.protocols.tensor.codecs.tfjson import document, dump
-from lmiserve.core.tensors import ModelSignature, TensorRequest
 
 VERSION = "1"
 SIGNATURE = "serving_default"
@@ -43,17 +49,17 @@ class Target:
 
 
 def parse_path(method: str, raw_path: str) -> Target:
-    malformed = TensorError(f"Malformed request: {method} {raw_path}")
+    malformed = InvalidRequest(f"Malformed request: {method} {raw_path}")
     match = _PATH.fullmatch(raw_path)
     if raw_path.rstrip("/").lower() == "/v1/models" and method == "GET":
-        raise TensorError("Missing model name in request.")
+        raise ModelRequired("Missing model name in request.")
     if match is None:
         raise malformed
     target = Target(name=unquote(match["name"]))
     if match["vkey"] is not None:
         target.version = match["version"]
         if not target.version.isdigit() or int(target.version) > _INT64_MAX:
-            raise TensorError(f"Failed to convert version: {target.version} to numeric.")
+            raise InvalidRequest(f"Failed to convert version: {target.version} to numeric.")
     if match["lkey"] is not None:
         target.label = unquote(match["label"])
     if method == "POST":
@@ -69,12 +75,20 @@ def parse_path(method: str, raw_path: str) -> Target:
     return target
 
 
-def check_version(target: Target) -> None:
-    """Raise TF Serving's 'not found' for a version or label this server does not have."""
+def check_status_version(target: Target) -> None:
+    """For a status or metadata request: TF Serving's errors for a version or label this server does not have."""
     if target.label is not None:
-        raise TensorError(f"Unrecognized servable version label: {target.label}")
+        raise InvalidRequest(f"Unrecognized servable version label: {target.label}")
     if target.version is not None and int(target.version) != int(VERSION):
-        raise TensorError(f"Servable not found for request: Specific({target.name}, {target.version})", status=404)
+        raise NotFound(f"Could not find version {target.version} of model {target.name}")
+
+
+def check_version(target: Target) -> None:
+    """For an inference request: TF Serving's errors for a version or label this server does not have."""
+    if target.label is not None:
+        raise InvalidRequest(f"Unrecognized servable version label: {target.label}")
+    if target.version is not None and int(target.version) != int(VERSION):
+        raise NotFound(f"Servable not found for request: Specific({target.name}, {target.version})")
 
 
 # ---- predict ------------------------------------------------------------------------------------------
@@ -82,14 +96,14 @@ def check_version(target: Target) -> None:
 
 def _top_level(doc: object) -> dict:
     if not isinstance(doc, dict):
-        raise TensorError(f"JSON Value: {dump(doc)} Is not object")
+        raise SchemaViolation(f"JSON Value: {dump(doc)} Is not object")
     signature = doc.get("signature_name", SIGNATURE)
     if not isinstance(signature, str):
-        raise TensorError(
+        raise SchemaViolation(
             f"JSON Value: {dump(doc)} not formatted correctly. 'signature_name' key must be a string value."
         )
     if signature not in (SIGNATURE, ""):
-        raise TensorError(f'Serving signature name: "{signature}" not found in signature def')
+        raise InvalidRequest(f'Serving signature name: "{signature}" not found in signature def')
     return doc
 
 
@@ -98,7 +112,7 @@ def _parameters(doc: dict) -> dict:
     if params is None:
         return {}
     if not isinstance(params, dict):
-        raise TensorError("'parameters' must be a JSON object")
+        raise SchemaViolation("'parameters' must be a JSON object")
     return params
 
 
@@ -107,19 +121,19 @@ def parse_predict(doc: object, signature: ModelSignature, model: str) -> tuple[T
     doc = _top_level(doc)
     has_instances, has_inputs = "instances" in doc, "inputs" in doc
     if has_instances and has_inputs:
-        raise TensorError(
+        raise SchemaViolation(
             f"JSON Value: {dump(doc)} Not formatted correctly expecting only one of 'inputs' or 'instances' keys to exist "
         )
     if not has_instances and not has_inputs:
-        raise TensorError("Missing 'inputs' or 'instances' key")
+        raise SchemaViolation("Missing 'inputs' or 'instances' key")
     if not signature.inputs:
-        raise TensorError("Failed to get input map for signature: DEFAULT")
+        raise InvalidInput("Failed to get input map for signature: DEFAULT")
     if has_instances:
         instances = doc["instances"]
         if not isinstance(instances, list):
-            raise TensorError(f"JSON Value: {dump(doc)} Expecting 'instances' to be an list/array")
+            raise SchemaViolation(f"JSON Value: {dump(doc)} Expecting 'instances' to be an list/array")
         if not instances:
-            raise TensorError(f"JSON Value: {dump(doc)} No values in 'instances' array")
+            raise InvalidInput(f"JSON Value: {dump(doc)} No values in 'instances' array")
         arrays, key = tftensor.decode_instances(instances, signature), "predictions"
     else:
         arrays, key = tftensor.decode_inputs(doc["inputs"], signature), "outputs"
@@ -144,32 +158,32 @@ def parse_examples(doc: object, method: str, kind: str, signature: ModelSignatur
     doc = _top_level(doc)
     wanted = "classifier" if method == "classify" else "regression"
     if kind != wanted:
-        raise TensorError(
+        raise InvalidRequest(
             f"Expected {'classification' if method == 'classify' else 'regression'} signature method_name to be "
             f"{METHODS[method]}. Was: {METHODS[method_of(kind)]}"
         )
     if "examples" not in doc:
-        raise TensorError(f"JSON Value: {dump(doc)} When method is {method}, key 'examples' is expected and was not found")
+        raise SchemaViolation(f"JSON Value: {dump(doc)} When method is {method}, key 'examples' is expected and was not found")
     examples = doc["examples"]
     if not isinstance(examples, list):
-        raise TensorError(f"JSON Value: {dump(doc)} Expecting 'examples' value to be an list/array")
+        raise SchemaViolation(f"JSON Value: {dump(doc)} Expecting 'examples' value to be an list/array")
     if not examples:
-        raise TensorError(f"JSON Value: {dump(doc)} 'examples' value is an empty array")
+        raise InvalidInput(f"JSON Value: {dump(doc)} 'examples' value is an empty array")
     context = doc.get("context", {})
     for item in [context, *examples]:
         if not isinstance(item, dict):
-            raise TensorError(f"Example must be JSON object but got JSON {_json_kind(item)}")
+            raise InvalidInput(f"Example must be JSON object but got JSON {_json_kind(item)}")
     name = signature.inputs[0].name
     texts = np.empty(len(examples), dtype=object)
     for i, example in enumerate(examples):
         features = {**context, **example}
         if name not in features:
-            raise TensorError(f"Example {i} has no feature '{name}' (the model's text input)")
+            raise InvalidInput(f"Example {i} has no feature '{name}' (the model's text input)")
         value = features[name]
         if isinstance(value, list) and len(value) == 1:
             value = value[0]
         if not isinstance(value, str) and not tftensor.is_b64(value):
-            raise TensorError(f"Feature: {name} must hold one string (bytes) value in example {i}")
+            raise InvalidInput(f"Feature: {name} must hold one string (bytes) value in example {i}")
         texts[i] = tftensor.decode_inputs(value, ModelSignature(inputs=(signature.inputs[0],), outputs=()))[name].item()
     return TensorRequest(inputs={name: texts}, parameters=_parameters(doc))
 
@@ -181,7 +195,7 @@ def _json_kind(value: object) -> str:
 def classify_body(outputs: dict[str, np.ndarray], labels: list[str]) -> bytes:
     probs = np.asarray(outputs["probabilities"], dtype=np.float32)
     if probs.size == 0:
-        raise TensorError("Cannot convert empty ClassificationResults to JSON")
+        raise InvalidInput("Cannot convert empty ClassificationResults to JSON")
     results = [[[labels[j] if j < len(labels) else "", float(p)] for j, p in enumerate(row)] for row in probs.tolist()]
     return json.dumps({"results": results}, ensure_ascii=False).encode("utf-8")
 
@@ -189,7 +203,7 @@ def classify_body(outputs: dict[str, np.ndarray], labels: list[str]) -> bytes:
 def regress_body(outputs: dict[str, np.ndarray]) -> bytes:
     scores = np.asarray(outputs["score"], dtype=np.float32).reshape(-1)
     if scores.size == 0:
-        raise TensorError("Cannot convert empty RegressionResults to JSON")
+        raise InvalidInput("Cannot convert empty RegressionResults to JSON")
     return json.dumps({"results": [float(s) for s in scores.tolist()]}).encode("utf-8")
 
 

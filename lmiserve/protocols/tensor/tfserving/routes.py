@@ -1,30 +1,27 @@
-"""TF Serving REST routes (reference §2) under /v1/models/...: one route, our own path parser (the
-`:predict` suffixes and percent-encoded names do not fit starlette's path patterns).
+"""TF Serving REST routes under /v1/models/...: one route, our own path parser (the `:predict` suffixes
+and percent-encoded names do not fit starlette's path patterns).
 
 `GET /v1/models` exactly is left to the OpenAI model list (the route table puts that first, so it wins
-when both exist); every path below `/v1/models/` is TF Serving's. Errors are `{"error": msg}`, 4-space pretty, with §2.2 codes.
+when both exist); every path below `/v1/models/` is TF Serving's. Errors are `{"error": msg}`,
+4-space pretty (tfserving/errors.py).
 """
 
 from __future__ import annotations
 
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
+from lmiserve.core.errors import InvalidRequest, ModelNotFound
+from lmiserve.models.service import ModelService, model_service
+from lmiserve.protocols.tensor.codecs.tfjson import parse_document
 from lmiserve.protocols.tensor.tfserving import parse as tfserving
-from lmiserve.protocols.tensor.codecs.errors import TensorError, protocol_status
-from lmiserve.protocols.tensor.codecs.tfjson import error_body, parse_document
-from lmiserve.core.errors import LmiServeError, ModelNotFound
-from lmiserve.server import lookup as tensor_lookup
+from lmiserve.protocols.tensor.tfserving.errors import RENDERER
+from lmiserve.server.errors import protocol_routes
 from lmiserve.server.responses import raw_response
-from lmiserve.models.service import ModelService
 
 _EXAMINED = ("signature_name", "instances", "inputs", "examples", "context", "parameters")  # other keys are ignored
 CORS = {"Access-Control-Allow-Origin": "*", "Access-Control-Allow-Methods": "POST, GET", "Access-Control-Allow-Headers": "Content-Type"}
-
-
-def error(message: str, status: int) -> Response:
-    return raw_response(error_body(message), status)
 
 
 def _raw_path(request: Request) -> str:
@@ -35,32 +32,30 @@ def _raw_path(request: Request) -> str:
 async def handle(request: Request) -> Response:
     method = request.method
     if method == "OPTIONS":
-        origin = request.headers.get("origin", "")
-        if origin.startswith(("http://", "https://")):
-            return Response(status_code=200, headers=CORS)
-        return error("Origin header is missing in CORS preflight", 400)
-    try:
-        target = tfserving.parse_path(method, _raw_path(request))
-        if method == "GET":
-            return _status_or_metadata(request, target)
-        return await _infer(request, target)
-    except LmiServeError as exc:
-        return error(exc.message, protocol_status(exc))
+        return _preflight(request)
+    target = tfserving.parse_path(method, _raw_path(request))
+    if method == "GET":
+        return _status_or_metadata(request, target)
+    return await _infer(request, target)
+
+
+def _preflight(request: Request) -> Response:
+    """CORS preflight: 200 with the CORS headers for an http(s) Origin, else 400."""
+    if request.headers.get("origin", "").startswith(("http://", "https://")):
+        return Response(status_code=200, headers=CORS)
+    raise InvalidRequest("Origin header is missing in CORS preflight")
 
 
 def _find(request: Request, target: tfserving.Target, not_found: str) -> ModelService:
     try:
-        return tensor_lookup.service(request, target.name)
+        return model_service(request, target.name)
     except ModelNotFound:
-        raise TensorError(not_found, status=404) from None
+        raise ModelNotFound(not_found) from None
 
 
 def _status_or_metadata(request: Request, target: tfserving.Target) -> Response:
     svc = _find(request, target, f"Could not find any versions of model {target.name}")
-    if target.label is not None:
-        raise TensorError(f"Unrecognized servable version label: {target.label}")
-    if target.version is not None and int(target.version) != int(tfserving.VERSION):
-        raise TensorError(f"Could not find version {target.version} of model {target.name}", status=404)
+    tfserving.check_status_version(target)
     if target.metadata:
         model = svc.tensor_model  # ModelNotReady (503) while loading
         return raw_response(tfserving.metadata_body(svc.name, model.signature, model.kind))
@@ -86,8 +81,9 @@ async def _infer(request: Request, target: tfserving.Target) -> Response:
     return raw_response(tfserving.regress_body(outputs))
 
 
-def routes() -> list[Route]:
+def routes() -> list[BaseRoute]:
     """`/v1/models/...`, and `/v1/models` itself for what an earlier exact route (the OpenAI model list,
     `GET /v1/models`) does not take: TF Serving's 400 `Missing model name in request.` / `Malformed request`."""
     methods = ["GET", "POST", "OPTIONS", "PUT", "DELETE", "PATCH"]
-    return [Route("/v1/models/{rest:path}", handle, methods=methods), Route("/v1/models", handle, methods=methods)]
+    return protocol_routes(RENDERER, [Route("/v1/models/{rest:path}", handle, methods=methods),
+                                      Route("/v1/models", handle, methods=methods)])

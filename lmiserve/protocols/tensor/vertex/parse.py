@@ -1,4 +1,4 @@
-"""Vertex AI custom-container predict (reference §6): `{"instances": [...], "parameters": {...}}` ->
+"""Vertex AI custom-container predict: `{"instances": [...], "parameters": {...}}` ->
 `{"predictions": [...], "deployedModelId": ...}`, one prediction per instance in order.
 
 Instances are records (protocols/tensor/records.py); `parameters` go to the model (LLM generation
@@ -10,26 +10,26 @@ from __future__ import annotations
 
 import json
 
-from lmiserve.protocols.tensor import records as tensor_records
-from lmiserve.protocols.tensor.codecs.errors import TensorError
+from lmiserve.core.errors import MalformedBody, SchemaViolation
 from lmiserve.core.tensors import ModelSignature, TensorRequest
+from lmiserve.protocols.tensor import records as tensor_records
 
 
 def parse(body: bytes, signature: ModelSignature, model: str) -> tuple[TensorRequest, int]:
     try:
         doc = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TensorError(f"JSON deserialization failed for the request data: {exc}") from None
+        raise MalformedBody(f"JSON deserialization failed for the request data: {exc}") from None
     except RecursionError:
-        raise TensorError("JSON deserialization failed for the request data: nested too deeply") from None
+        raise MalformedBody("JSON deserialization failed for the request data: nested too deeply") from None
     if not isinstance(doc, dict):
-        raise TensorError("the request must be a JSON object {\"instances\": [...], \"parameters\": {...}}")
+        raise SchemaViolation("the request must be a JSON object {\"instances\": [...], \"parameters\": {...}}")
     instances = doc.get("instances")
     if not isinstance(instances, list) or not instances:
-        raise TensorError("'instances' must be a non-empty list")
+        raise SchemaViolation("'instances' must be a non-empty list")
     parameters = doc.get("parameters") or {}
     if not isinstance(parameters, dict):
-        raise TensorError("'parameters' must be a JSON object")
+        raise SchemaViolation("'parameters' must be a JSON object")
     return tensor_records.to_request(instances, signature, model, parameters), len(instances)
 
 

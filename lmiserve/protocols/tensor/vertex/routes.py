@@ -1,30 +1,25 @@
-"""Vertex AI routes (reference §6): predict and health on $AIP_PREDICT_ROUTE / $AIP_HEALTH_ROUTE
-(settings vertex_predict_route / vertex_health_route), and always on the default shapes
+"""Vertex AI routes: predict and health on $AIP_PREDICT_ROUTE / $AIP_HEALTH_ROUTE (settings
+vertex_predict_route / vertex_health_route), and always on the default shapes
 `/v1/endpoints/{endpoint}/deployedModels/{model}:predict` and `.../deployedModels/{model}`.
 
 The model is the server's default model (the LLM when several are loaded), or the `model_name` query
-parameter (an lmiserve extension for multi-model servers). Health is 200 `{}` once
-every model is ready, else 503. Errors are JSON `{"error": msg}`.
+parameter (an lmiserve extension for multi-model servers). Health is 200 `{}` once every model is
+ready, else 503. Errors are JSON `{"error": msg}` (vertex/errors.py).
 """
 
 from __future__ import annotations
 
-import json
-
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
-from lmiserve.protocols.tensor.vertex import parse as vertex
-from lmiserve.protocols.tensor.codecs.errors import protocol_status
-from lmiserve.core.errors import LmiServeError
-from lmiserve.server import lookup as tensor_lookup
-from lmiserve.server.responses import raw_response
+from lmiserve.core.errors import ModelNotReady, NotFound
 from lmiserve.models.service import model_service
-
-
-def _error(message: str, status: int) -> Response:
-    return raw_response(json.dumps({"error": message}, ensure_ascii=False).encode("utf-8"), status)
+from lmiserve.protocols.tensor.vertex import parse as vertex
+from lmiserve.protocols.tensor.vertex.errors import RENDERER
+from lmiserve.server import lookup
+from lmiserve.server.errors import protocol_routes
+from lmiserve.server.responses import raw_response
 
 
 def _deployed_id(request: Request) -> str:
@@ -33,20 +28,17 @@ def _deployed_id(request: Request) -> str:
 
 
 async def predict(request: Request) -> Response:
-    try:
-        svc = model_service(request, request.query_params.get("model_name"))
-        model = svc.tensor_model
-        tensor_request, count = vertex.parse(await request.body(), model.signature, svc.name)
-        outputs = await model.infer(tensor_request)
-        return raw_response(vertex.response(outputs, count, _deployed_id(request)))
-    except LmiServeError as exc:
-        return _error(exc.message, protocol_status(exc))
+    svc = model_service(request, request.query_params.get("model_name"))
+    model = svc.tensor_model
+    tensor_request, count = vertex.parse(await request.body(), model.signature, svc.name)
+    outputs = await model.infer(tensor_request)
+    return raw_response(vertex.response(outputs, count, _deployed_id(request)))
 
 
 async def health(request: Request) -> Response:
-    if tensor_lookup.all_ready(request):
-        return raw_response(b"{}")
-    return _error("Model is not ready.", 503)
+    if not lookup.all_ready(request):
+        raise ModelNotReady("Model is not ready.")
+    return raw_response(b"{}")
 
 
 async def default_shape(request: Request) -> Response:
@@ -56,10 +48,10 @@ async def default_shape(request: Request) -> Response:
         return await predict(request)
     if ":" not in deployed and request.method == "GET":
         return await health(request)
-    return _error(f"Not Found: {request.method} {request.url.path}", 404)
+    raise NotFound(f"Not Found: {request.method} {request.url.path}")
 
 
-def configured_routes(settings) -> list[Route]:
+def configured_routes(settings) -> list[BaseRoute]:
     """The $AIP_* routes: placed before every other route, since the platform chose these paths
     (AIP_HEALTH_ROUTE=/health must answer Vertex's health, not TGI's)."""
     found = []
@@ -69,8 +61,8 @@ def configured_routes(settings) -> list[Route]:
         found.append(Route(predict_route, predict, methods=["POST"]))
     if health_route:
         found.append(Route(health_route, health, methods=["GET"]))
-    return found
+    return protocol_routes(RENDERER, found)
 
 
-def routes() -> list[Route]:
-    return [Route("/v1/endpoints/{endpoint}/deployedModels/{deployed}", default_shape, methods=["GET", "POST"])]
+def routes() -> list[BaseRoute]:
+    return protocol_routes(RENDERER, [Route("/v1/endpoints/{endpoint}/deployedModels/{deployed}", default_shape, methods=["GET", "POST"])])
