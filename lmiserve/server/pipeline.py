@@ -14,6 +14,9 @@ of one input is tagged 0 by `tagged`) and an `Encoder` of its protocol:
 - streaming, `in_band=True` (TGI, OpenAI): the response starts at once (200) and every failure is
   in-band.
 
+A stream may carry a `Heartbeat`: a chunk (e.g. an SSE comment) sent whenever it was silent for its
+interval (a stream that keeps producing never carries one).
+
 A client that disconnects, before or during the stream, cancels iteration, which aborts its
 sequences (an abandoned whole answer gets 499, which nobody reads).
 """
@@ -23,7 +26,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeVar
 
 import anyio
@@ -39,7 +44,7 @@ from lmiserve.server.responses import raw_response
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "ClientDisconnected", "DisconnectAwareStream", "Encoder", "Tagged", "failure_of", "is_error_finish",
+    "ClientDisconnected", "DisconnectAwareStream", "Encoder", "Heartbeat", "Tagged", "failure_of", "is_error_finish",
     "merge_tagged", "respond", "tagged", "until_disconnect",
 ]
 
@@ -118,15 +123,28 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
+@dataclass(frozen=True)
+class Heartbeat:
+    """`chunk` sent whenever a stream was silent for `interval` seconds (the timer restarts after every
+    chunk sent)."""
+
+    interval: float
+    chunk: bytes
+
+
 class DisconnectAwareStream(StreamingResponse):
     """A StreamingResponse that always watches for the client going away, whatever the ASGI version,
     so an abandoned stream is cancelled at once rather than at its next write; `on_close` runs when
-    the response is over, however it ended."""
+    the response is over, however it ended; with a `heartbeat`, its chunk fills every silence."""
 
     def __init__(self, content: AsyncIterator[bytes], *, headers: Mapping[str, str],
-                 on_close: Callable[[], None] | None = None):
+                 on_close: Callable[[], None] | None = None, heartbeat: Heartbeat | None = None):
         super().__init__(content, headers=dict(headers))
         self._on_close = on_close
+        self._heartbeat = heartbeat
+        self._send_lock = asyncio.Lock()  # the body and the heartbeat never send at the same time
+        self._last_send = 0.0
+        self._streaming = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -137,11 +155,40 @@ class DisconnectAwareStream(StreamingResponse):
                     group.cancel_scope.cancel()
 
                 group.start_soon(stream)
+                if self._heartbeat is not None:
+                    group.start_soon(self._beat, send, self._heartbeat)
                 await self.listen_for_disconnect(receive)
                 group.cancel_scope.cancel()
         finally:
             if self._on_close is not None:
                 self._on_close()
+
+    async def stream_response(self, send: Send) -> None:
+        if self._heartbeat is None:
+            await super().stream_response(send)
+            return
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        self._last_send, self._streaming = time.monotonic(), True
+        async for chunk in self.body_iterator:
+            async with self._send_lock:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                self._last_send = time.monotonic()
+        async with self._send_lock:
+            self._streaming = False
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _beat(self, send: Send, heartbeat: Heartbeat) -> None:
+        """One timer task per stream (not one per chunk): sleeps until `interval` after the last send."""
+        while True:
+            due = (self._last_send if self._streaming else time.monotonic()) + heartbeat.interval
+            if (wait := due - time.monotonic()) > 0:
+                await anyio.sleep(wait)
+                continue
+            async with self._send_lock:
+                if not self._streaming:
+                    return  # the body is complete
+                await send({"type": "http.response.body", "body": heartbeat.chunk, "more_body": True})
+                self._last_send = time.monotonic()
 
 
 def _headers(headers: Headers) -> dict[str, str]:
@@ -160,13 +207,15 @@ async def respond(
     wait_for: Literal["bytes", "event"] = "bytes",
     wrap: Callable[[AsyncIterator[bytes]], AsyncIterator[bytes]] | None = None,
     on_close: Callable[[], None] | None = None,
+    heartbeat: Heartbeat | None = None,
 ) -> Response:
     """Drive `encoder` over `events` and answer (see the module docstring).
 
     `headers` (or a function giving them, called once the whole answer or the stream's head is
     ready); `wait_for` (streaming, not `in_band`): what decides the status, the first bytes or the
-    first event; `wrap` decorates the chunk stream (e.g. SSE keep-alive comments); `on_close` runs
-    when the response is over, however it ended (e.g. to release an admission slot).
+    first event; `wrap` decorates the chunk stream; `on_close` runs when the response is over, however
+    it ended (e.g. to release an admission slot); `heartbeat` fills a streamed answer's silences (e.g.
+    SSE keep-alive comments).
     """
     closing = _Once(on_close)
     try:
@@ -177,8 +226,8 @@ async def respond(
             if wrap is not None:
                 chunks = wrap(chunks)
             return DisconnectAwareStream(chunks, headers={"content-type": encoder.content_type, **_headers(headers)},
-                                         on_close=closing)
-        return await _streamed(request, events, encoder, headers, wrap, closing, wait_for)
+                                         on_close=closing, heartbeat=heartbeat)
+        return await _streamed(request, events, encoder, headers, wrap, closing, wait_for, heartbeat)
     except BaseException:
         closing()
         raise
@@ -206,7 +255,8 @@ async def _whole(request: Request, events: AsyncIterator[Tagged], encoder: Encod
 
 async def _streamed(request: Request, events: AsyncIterator[Tagged], encoder: Encoder, headers: Headers,
                     wrap: Callable[[AsyncIterator[bytes]], AsyncIterator[bytes]] | None,
-                    closing: Callable[[], None], wait_for: str = "bytes") -> Response:
+                    closing: Callable[[], None], wait_for: str = "bytes",
+                    heartbeat: Heartbeat | None = None) -> Response:
     async def first_bytes() -> tuple[bytes, bool, bool]:
         """The first non-empty chunk (with `wait_for="event"`: the first event's, maybe empty); True if
         the stream ended before it; True if that chunk is an in-band error that ends the stream."""
@@ -245,7 +295,7 @@ async def _streamed(request: Request, events: AsyncIterator[Tagged], encoder: En
 
     chunks = body() if wrap is None else wrap(body())
     return DisconnectAwareStream(chunks, headers={"content-type": encoder.content_type, **_headers(headers)},
-                                 on_close=closing)
+                                 on_close=closing, heartbeat=heartbeat)
 
 
 async def _in_band_chunks(events: AsyncIterator[Tagged], encoder: Encoder, *, close_source: bool = True) -> AsyncIterator[bytes]:

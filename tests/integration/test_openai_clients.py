@@ -1,5 +1,5 @@
-"""The real `openai` Python client, unmodified, against `lmiserve serve` on the tiny model (reference
-tgi-openai.md §6, §14.3), with the optional API key on."""
+"""The real `openai` Python client, unmodified, against `lmiserve serve` on the tiny model, with the
+optional API key on."""
 
 from __future__ import annotations
 

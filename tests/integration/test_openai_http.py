@@ -1,5 +1,5 @@
-"""OpenAI-compatible routes over real HTTP on the tiny model (reference tgi-openai.md §6, §9.3) and the
-/invocations dispatch of `messages` and `prompt` bodies."""
+"""OpenAI-compatible routes over real HTTP on the tiny model and the /invocations dispatch
+of `messages` and `prompt` bodies."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The real TGI clients, unmodified, against `lmiserve serve` on the tiny model (reference
-tgi-openai.md §14): `text-generation` 0.7.0 and `huggingface_hub.InferenceClient`."""
+"""The real TGI clients, unmodified, against `lmiserve serve` on the tiny model: `text-generation` 0.7.0
+and `huggingface_hub.InferenceClient`."""
 
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def test_hub_chat_completion(url):
     messages = [{"role": "user", "content": "What is deep learning?"}]
     whole = client.chat_completion(messages, max_tokens=5, temperature=0)
     assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 5
-    assert whole.model == "dummy"  # the hub client's placeholder is echoed (§6.1)
+    assert whole.model == "dummy"  # the hub client's placeholder is echoed
     chunks = list(client.chat_completion(messages, max_tokens=5, temperature=0, stream=True))
     assert "".join(c.choices[0].delta.content for c in chunks) == whole.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == "length"

@@ -1,6 +1,6 @@
-"""TGI native routes over real HTTP on the tiny model (reference tgi-openai.md §2–§5, §9–§11): shapes,
-headers, validation messages (422 JSON, in-band on streams), TGI's plain-text rejections, health, info,
-tokenize, and the LMI routes and error shapes untouched."""
+"""TGI native routes over real HTTP on the tiny model: shapes, headers, validation messages (422 JSON,
+in-band on streams), TGI's plain-text rejections, health, info, tokenize, and the LMI routes and error
+shapes untouched."""
 
 from __future__ import annotations
 
@@ -163,7 +163,7 @@ def test_validation_errors(client, params, message):
     assert r.text == json.dumps({"error": f"Input validation error: {message}", "error_type": "validation"},
                                 separators=(",", ":"))
     streamed = client.post("/generate_stream", json={"inputs": PROMPT, "parameters": params})
-    assert streamed.status_code == 200  # in-band once the stream route runs (§9.3)
+    assert streamed.status_code == 200  # in-band once the stream route runs
     assert sse_events(streamed.text) == [{"error": f"Input validation error: {message}", "error_type": "validation"}]
 
 

@@ -1,7 +1,7 @@
-"""Server-wide behaviour of the TGI/OpenAI routes over real HTTP (reference tgi-openai.md §2, §5, §9.2):
-the API key (401 with an empty body; open health and info routes; LMI generation routes covered too),
-429 `overloaded` at `max_concurrent_requests`, SSE keep-alive comments while a stream waits, and slots
-freed when clients go away.
+"""Server-wide behaviour of the TGI/OpenAI routes over real HTTP: the API key (401 with an empty body;
+open health and info routes; LMI generation routes covered too), 429 `overloaded` at
+`max_concurrent_requests`, SSE keep-alive comments while a stream waits, and slots freed when clients
+go away.
 
 The server runs the 4096-context copy of the tiny model with one batch slot, two admission slots and a
 0.2 s keep-alive: a long LMI stream (``ignore_eos_token``, not counted by TGI admission) holds the only

@@ -65,3 +65,47 @@ def test_bench_imports_torch_only_in_its_baselines(path):
     CLI and the load generator start fast."""
     if path.name != "baselines.py":
         assert not roots(imports_of(path)) & HEAVY
+
+
+# ---- protocols never import each other --------------------------------------------------------------
+
+PROTOCOLS = ("lmi", "tgi", "openai", "tensor")
+# Protocol packages checked so far; the others still import each other while they migrate. Widen to
+# PROTOCOLS once they are done.
+PROTOCOLS_CHECKED = ("tgi", "openai")
+
+
+def lmiserve_modules_imported(path: Path) -> set[str]:
+    """Dotted names of every lmiserve module `path` imports, ``from lmiserve.x import y`` counted as
+    both ``lmiserve.x`` and ``lmiserve.x.y`` (y may be a module)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return {n for n in names if n.startswith("lmiserve")}
+
+
+def protocol_of(name: str) -> str | None:
+    """The protocol package a dotted module name belongs to (None outside lmiserve.protocols)."""
+    parts = name.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["lmiserve", "protocols"] else None
+
+
+@pytest.mark.parametrize(
+    "path",
+    [p for name in PROTOCOLS_CHECKED for p in modules(f"protocols/{name}")],
+    ids=lambda p: f"{p.relative_to(PACKAGE / 'protocols').parts[0]}/{p.name}",
+)
+def test_protocols_never_import_each_other(path):
+    own = path.relative_to(PACKAGE / "protocols").parts[0]
+    foreign = {n for n in lmiserve_modules_imported(path) if protocol_of(n) in set(PROTOCOLS) - {own}}
+    assert not foreign, foreign
+
+
+@pytest.mark.parametrize("path", modules("server/textgen"), ids=lambda p: f"textgen/{p.name}")
+def test_textgen_is_owned_by_no_protocol(path):
+    """What TGI and OpenAI share imports neither of them (nor any other protocol)."""
+    assert not {n for n in lmiserve_modules_imported(path) if protocol_of(n)}

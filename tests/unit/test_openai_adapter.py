@@ -1,15 +1,18 @@
-"""OpenAI requests mapped onto TGI calls (reference tgi-openai.md §6.1, §6.4, §15)."""
+"""OpenAI requests mapped onto TGI's generation parameters and validation."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
 
+from lmiserve.core.errors import InvalidRequest, LmiServeError, TemplateError, Unsupported
 from lmiserve.protocols.openai import parse as adapter
-from lmiserve.protocols.tgi.parse import TgiError, TgiLimits
-from lmiserve.server.textgen import Served
+from lmiserve.protocols.openai.errors import RENDERER
 from lmiserve.protocols.openai.schema import ChatRequest, CompletionRequest
+from lmiserve.server.textgen.limits import TextGenLimits as TgiLimits
+from lmiserve.server.textgen.served import Served
 
 LIMITS = TgiLimits(max_input_tokens=100, max_total_tokens=200)
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -52,20 +55,25 @@ def test_model_echo():
     assert chat(model="mine").model == "mine" and chat(model="tgi").model == "served"
 
 
+def rendered(exc: LmiServeError) -> tuple[int, str, str]:
+    body = json.loads(RENDERER.body(exc))
+    return RENDERER.status(exc), body["error_type"], body["error"]
+
+
 def test_n_needs_sampling_and_no_seed():
     params = chat(n=3).calls[0].request.params
     assert (params.n, params.best_of) == (3, 3)
-    with pytest.raises(TgiError, match="requires sampling"):
+    with pytest.raises(InvalidRequest, match="requires sampling"):
         chat(n=2, temperature=0)
-    with pytest.raises(TgiError, match="`seed` must not be set"):
+    with pytest.raises(InvalidRequest, match="`seed` must not be set"):
         chat(n=2, seed=1)
 
 
 def test_unsupported_features():
-    with pytest.raises(TgiError) as info:
+    with pytest.raises(Unsupported) as info:
         chat(tools=[{"type": "function", "function": {"name": "f"}}])
-    assert info.value.kind == "tool_error"
-    with pytest.raises(TgiError, match="grammar is not supported"):
+    assert rendered(info.value)[:2] == (422, "tool_error")
+    with pytest.raises(InvalidRequest, match="grammar is not supported"):
         chat(response_format={"type": "json_object"})
 
 
@@ -79,18 +87,18 @@ def test_completion_prompts_echo_and_logprobs():
 
 def test_template_errors():
     no_template = Served(service=None, engine=None, limits=LIMITS, tokenizer=SimpleNamespace(chat_template=None))
-    with pytest.raises(TgiError) as info:
+    with pytest.raises(TemplateError) as info:
         no_template.render_chat(MESSAGES)
-    assert (info.value.status, info.value.kind, info.value.message) == (
-        422, "template_error", "Template error: template not found")
+    assert rendered(info.value) == (422, "template_error", "Template error: template not found")
 
     def broken(*args, **kwargs):
         raise ValueError("unknown role")
 
     bad = Served(service=None, engine=None, limits=LIMITS,
                  tokenizer=SimpleNamespace(chat_template="x", apply_chat_template=broken))
-    with pytest.raises(TgiError, match="Template error: unknown role"):
+    with pytest.raises(TemplateError) as info:
         bad.render_chat(MESSAGES)
+    assert rendered(info.value) == (422, "template_error", "Template error: unknown role")
 
 
 class BosTokenizer:

@@ -10,13 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from lmiserve.protocols.openai import parse as adapter
-from lmiserve.protocols.tgi.parse import TgiError, TgiLimits
+from lmiserve.core.errors import InvalidRequest, LmiServeError
 from lmiserve.engine.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
 from lmiserve.protocols.openai import encoders as fmt
-from lmiserve.protocols.tgi.encoders import error_body, sequences
+from lmiserve.protocols.openai import parse as adapter
+from lmiserve.protocols.openai.errors import RENDERER
 from lmiserve.protocols.openai.schema import ChatRequest, CompletionRequest
+from lmiserve.server.textgen.limits import TextGenLimits as TgiLimits
 
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "golden" / "openai"
 CREATED = 1700000000
@@ -49,8 +50,8 @@ async def render(tiny_model, payload: dict) -> bytes:
             call = adapter.chat(ChatRequest.model_validate(payload), limits, count, render_chat, "tiny")
         else:
             call = adapter.completion(CompletionRequest.model_validate(payload), limits, count, "tiny")
-    except TgiError as exc:
-        return error_body(exc.message, exc.kind)
+    except LmiServeError as exc:
+        return RENDERER.body(exc)
     env = fmt.Envelope(call.model, "0.1.0-native", CREATED)
     engine = create_engine(tiny_model, EngineConfig(max_running=4))
     engine.start()
@@ -59,15 +60,16 @@ async def render(tiny_model, payload: dict) -> bytes:
     finally:
         await engine.stop()
     if call.stream:
+        stream: fmt.ChatStreamEncoder | fmt.CompletionStreamEncoder
         if chat:
-            stream = fmt.ChatStream(env, logprobs=call.logprobs, include_usage=call.include_usage)
-            return b"".join(stream.on_event(e) for e in per_call[0]) + stream.close()
-        stream = fmt.CompletionStream(env, logprobs=call.logprobs)
-        return b"".join(stream.on_event((i, e)) for i, events in enumerate(per_call) for e in events) + stream.close()
-    if chat:
-        return fmt.chat_body(sequences(per_call[0]), env, logprobs=call.logprobs)
-    return fmt.completion_body([sequences(e) for e in per_call], call.prompts, env, logprobs=call.logprobs,
-                               echo=call.echo)
+            stream = fmt.ChatStreamEncoder(env, logprobs=call.logprobs, include_usage=call.include_usage)
+        else:
+            stream = fmt.CompletionStreamEncoder(env, logprobs=call.logprobs)
+    elif chat:
+        stream = fmt.ChatEncoder(env, call.prompts[0], logprobs=call.logprobs)
+    else:
+        stream = fmt.CompletionEncoder(env, call.prompts, logprobs=call.logprobs, echo=call.echo)
+    return b"".join(stream.on_event(i, e) for i, events in enumerate(per_call) for e in events) + stream.close()
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -82,7 +84,7 @@ async def test_golden(name, tiny_model):
 
 
 def test_stream_error_tail_is_an_error_event_then_done():
-    assert fmt.stream_error("Input validation error: x") == (
+    assert RENDERER.in_band(InvalidRequest("x")) == (
         b'data: {"error":{"message":"Input validation error: x","http_status_code":422}}\n\ndata: [DONE]\n\n'
     )
 

@@ -1,14 +1,18 @@
-"""TGI request validation (reference tgi-openai.md §3, §10): exact messages, their order, defaults and the
-engine request built from a valid one. Token counting is a stand-in (one token per word) so each length
-check can be hit exactly."""
+"""TGI request validation: exact messages, their order, defaults and the engine request built from a
+valid one. Token counting is a stand-in (one token per word) so each length check can be hit exactly."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from lmiserve.protocols.tgi.parse import TgiError, TgiLimits, build, from_core
-from lmiserve.core.errors import Overloaded, InvalidRequest, ModelNotReady
+from lmiserve.core.errors import GenerationFailed, InvalidRequest, ModelNotReady, Overloaded
+from lmiserve.protocols.tgi.errors import RENDERER
 from lmiserve.protocols.tgi.schema import GenerateRequest, TgiParameters
+from lmiserve.server.textgen.generation import generate
+from lmiserve.server.textgen.limits import TextGenLimits as TgiLimits
+from lmiserve.server.textgen.validation import build
 
 LIMITS = TgiLimits(max_input_tokens=10, max_total_tokens=16)
 
@@ -22,11 +26,12 @@ def call(inputs: str = "a b c", stream: bool = False, limits: TgiLimits = LIMITS
 
 
 def message(inputs: str = "a b c", stream: bool = False, limits: TgiLimits = LIMITS, **params) -> str:
-    with pytest.raises(TgiError) as info:
+    with pytest.raises(InvalidRequest) as info:
         call(inputs, stream, limits, **params)
-    assert info.value.status == 422 and info.value.kind == "validation"
-    assert info.value.message.startswith("Input validation error: ")
-    return info.value.message.removeprefix("Input validation error: ")
+    body = json.loads(RENDERER.body(info.value))
+    assert RENDERER.status(info.value) == 422 and body["error_type"] == "validation"
+    assert body["error"].startswith("Input validation error: ")
+    return body["error"].removeprefix("Input validation error: ")
 
 
 @pytest.mark.parametrize(
@@ -113,7 +118,7 @@ def test_defaults_greedy_and_max_new_tokens_fill_the_budget():
     p = result.request.params
     assert not result.sampling and not p.do_sample
     assert p.max_new_tokens == 16 - 3
-    assert p.include_stop_str_in_output is True  # stop sequences are kept (§8)
+    assert p.include_stop_str_in_output is True  # TGI keeps stop sequences
     assert (p.n, p.best_of, p.top_n_tokens) == (1, 1, 0)
     assert result.details is False and result.return_full_text is False
 
@@ -151,9 +156,22 @@ def test_stop_null_is_accepted():
     assert TgiParameters.model_validate({"stop": None}).stop == []
 
 
-def test_core_errors_in_tgi_terms():
-    assert (from_core(InvalidRequest("bad")).status, from_core(InvalidRequest("bad")).kind) == (422, "validation")
-    assert from_core(InvalidRequest("bad")).message == "Input validation error: bad"
-    assert (from_core(Overloaded("full")).status, from_core(Overloaded("full")).kind) == (429, "overloaded")
-    failed = from_core(ModelNotReady("gone"))
-    assert (failed.status, failed.kind, failed.message) == (424, "generation", "Request failed during generation: gone")
+def rendered(exc) -> tuple[int, str, str]:
+    body = json.loads(RENDERER.body(exc))
+    return RENDERER.status(exc), body["error_type"], body["error"]
+
+
+class StoppingEngine:
+    """An engine that stops under the request (the server shuts down)."""
+
+    async def generate(self, request):
+        raise ModelNotReady("gone")
+        yield  # an async generator
+
+
+async def test_core_errors_in_tgi_terms():
+    assert rendered(InvalidRequest("bad")) == (422, "validation", "Input validation error: bad")
+    assert rendered(Overloaded("full"))[:2] == (429, "overloaded")
+    with pytest.raises(GenerationFailed) as info:
+        [item async for item in generate(StoppingEngine(), [None])]
+    assert rendered(info.value) == (424, "generation", "Request failed during generation: gone")

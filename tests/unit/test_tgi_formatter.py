@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from lmiserve.core.errors import IncompleteGeneration
 from lmiserve.core.events import Finish, FinishReason, StepEvent, Token
 from lmiserve.protocols.openai import encoders as ofmt
 from lmiserve.protocols.tgi import encoders as fmt
@@ -41,8 +44,8 @@ def test_eos_token_has_literal_text_and_is_not_in_generated_text():
 
 
 def test_stream_events_index_from_one_and_null_keys_present():
-    stream = fmt.StreamFormatter(shape(details=False), special)
-    chunks = [stream.on_event(e) for e in EVENTS]
+    stream = fmt.StreamEncoder(shape(details=False), special)
+    chunks = [stream.on_event(0, e) for e in EVENTS]
     first, last = (json.loads(c.removeprefix(b"data: ")) for c in chunks)
     assert first == {"index": 1, "token": {"id": 10, "text": " a", "logprob": -1.0, "special": False},
                      "generated_text": None, "details": None}
@@ -52,8 +55,8 @@ def test_stream_events_index_from_one_and_null_keys_present():
 
 
 def test_stream_final_details_seed_when_sampling():
-    stream = fmt.StreamFormatter(shape(sampling=True, return_full_text=True), special)
-    last = json.loads(stream.on_event(EVENTS[1]).removeprefix(b"data: "))
+    stream = fmt.StreamEncoder(shape(sampling=True, return_full_text=True), special)
+    last = json.loads(stream.on_event(0, EVENTS[1]).removeprefix(b"data: "))
     assert last["generated_text"] == "Hi a"
     assert last["details"] == {"finish_reason": "eos_token", "generated_tokens": 2, "seed": 7, "input_length": 2}
 
@@ -94,8 +97,8 @@ def test_openai_finish_reasons():
 
 def test_chat_stream_special_token_is_empty_content_with_role():
     env = ofmt.Envelope("m", "fp", 5)
-    stream = ofmt.ChatStream(env, logprobs=False, include_usage=True)
-    chunks = b"".join(stream.on_event(e) for e in EVENTS) + stream.close()
+    stream = ofmt.ChatStreamEncoder(env, logprobs=False, include_usage=True)
+    chunks = b"".join(stream.on_event(0, e) for e in EVENTS) + stream.close()
     events = [c for c in chunks.split(b"\n\n") if c]
     assert events[-1] == b"data: [DONE]"
     last_token = json.loads(events[1].removeprefix(b"data: "))
@@ -106,9 +109,11 @@ def test_chat_stream_special_token_is_empty_content_with_role():
 
 
 def test_stream_without_a_final_event_ends_with_an_incomplete_error():
-    stream = fmt.StreamFormatter(shape(), special)
-    stream.on_event(EVENTS[0])
-    assert stream.close() == (b'data: {"error":"Incomplete generation stream",'
-                              b'"error_type":"incomplete_generation_stream"}\n\n')
-    stream.on_event(EVENTS[1])
+    stream = fmt.StreamEncoder(shape(), special)
+    stream.on_event(0, EVENTS[0])
+    with pytest.raises(IncompleteGeneration) as info:
+        stream.close()
+    assert stream.error(info.value) == (b'data: {"error":"Incomplete generation stream",'
+                                        b'"error_type":"incomplete_generation_stream"}\n\n')
+    stream.on_event(0, EVENTS[1])
     assert stream.close() == b""

@@ -13,11 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from lmiserve.protocols.tgi.parse import TgiError, TgiLimits, build
+from lmiserve.core.errors import InvalidRequest
 from lmiserve.engine.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
 from lmiserve.protocols.tgi import encoders as fmt
+from lmiserve.protocols.tgi.errors import RENDERER
 from lmiserve.protocols.tgi.schema import TgiParameters
+from lmiserve.server.textgen.limits import TextGenLimits as TgiLimits
+from lmiserve.server.textgen.validation import build
 
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "golden" / "tgi"
 PROMPT = "Deep learning is"
@@ -45,17 +48,13 @@ async def render(tiny_model, kind: str, params: dict) -> bytes:
         special = lambda i: tokenizer.decode([i], skip_special_tokens=False)  # noqa: E731
         try:
             call = build(PROMPT, TgiParameters(**params), limits, count, stream=kind == "sse")
-        except TgiError as exc:
-            body = fmt.error_body(exc.message, exc.kind)
-            return fmt.sse_event(body) if kind == "sse" else body
-        shape = fmt.AnswerShape(PROMPT, call.details, call.decoder_input_details, call.return_full_text,
-                                call.top_n_tokens, call.sampling, call.input_length)
+        except InvalidRequest as exc:
+            return RENDERER.in_band(exc) if kind == "sse" else RENDERER.body(exc)
+        shape = fmt.AnswerShape.of(PROMPT, call)
         events = [e async for e in engine.generate(call.request)]
-        if kind == "sse":
-            stream = fmt.StreamFormatter(shape, special)
-            return b"".join(stream.on_event(e) for e in events)
-        body = fmt.generate_body(fmt.sequences(events), shape, special)
-        return fmt.dumps([body] if kind == "compat" else body)
+        encoder = fmt.StreamEncoder(shape, special) if kind == "sse" else fmt.GenerateEncoder(
+            shape, special, compat=kind == "compat")
+        return b"".join(encoder.on_event(0, e) for e in events) + encoder.close()
     finally:
         await engine.stop()
 

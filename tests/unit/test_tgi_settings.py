@@ -1,4 +1,4 @@
-"""Settings of the TGI/OpenAI routes: defaults of TGI's launcher (§13.2), the API key's sources and
+"""Settings of the TGI/OpenAI routes: defaults of TGI's launcher, the API key's sources and
 precedence, its hiding in the startup log, and the mapping onto the model's limits."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from lmiserve.cli import build_parser
 from lmiserve.config import ConfigError, load_settings
-from lmiserve.server.textgen import tgi_limits
+from lmiserve.server.textgen.limits import limits_for as tgi_limits
 
 
 def test_tgi_defaults():

@@ -1,5 +1,5 @@
 """The streaming helpers of the TGI/OpenAI routes: keep-alive comments while the source is idle (and the
-source closed when the consumer goes away), in-band errors, and non-waiting admission."""
+source closed when the consumer goes away), in-band errors of a TGI stream, and non-waiting admission."""
 
 from __future__ import annotations
 
@@ -7,7 +7,27 @@ import asyncio
 
 from lmiserve.core.errors import Overloaded
 from lmiserve.core.events import Finish, FinishReason, StepEvent, Token
-from lmiserve.server.streaming import KEEPALIVE, Admission, guarded, keepalive
+from lmiserve.protocols.tgi.errors import RENDERER
+from lmiserve.server.pipeline import DisconnectAwareStream, respond
+from lmiserve.server.sse import KEEPALIVE, keepalive
+from lmiserve.server.textgen.admission import Admission
+
+
+async def serve(response, *, disconnect: asyncio.Event | None = None) -> list[bytes]:
+    """Run an ASGI response; the body chunks it sent (the client goes away when `disconnect` is set)."""
+    sent: list[bytes] = []
+    gone = disconnect or asyncio.Event()
+
+    async def receive():
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        if message["type"] == "http.response.body" and message["body"]:
+            sent.append(message["body"])
+
+    await response({"type": "http"}, receive, send)
+    return sent
 
 
 async def test_keepalive_comments_while_idle_then_the_chunk():
@@ -17,16 +37,27 @@ async def test_keepalive_comments_while_idle_then_the_chunk():
         await release.wait()
         yield b"data: 1\n\n"
 
-    stream = keepalive(source(), 0.01)
-    assert await stream.__anext__() == KEEPALIVE
-    assert await stream.__anext__() == KEEPALIVE
+    response = DisconnectAwareStream(source(), headers={}, heartbeat=keepalive(0.01))
+    serving = asyncio.ensure_future(serve(response))
+    await asyncio.sleep(0.05)
     release.set()
-    rest = [chunk async for chunk in stream]
-    assert rest[-1] == b"data: 1\n\n" and set(rest[:-1]) <= {KEEPALIVE}
+    sent = await serving
+    assert sent[-1] == b"data: 1\n\n" and len(sent) >= 3 and set(sent[:-1]) == {KEEPALIVE}
+
+
+async def test_no_keepalive_while_the_stream_produces():
+    async def source():
+        for i in range(8):
+            await asyncio.sleep(0.02)
+            yield b"data: %d\n\n" % i
+
+    sent = await serve(DisconnectAwareStream(source(), headers={}, heartbeat=keepalive(0.1)))
+    assert KEEPALIVE not in sent and len(sent) == 8
 
 
 async def test_closing_the_stream_closes_the_source():
     closed = asyncio.Event()
+    gone = asyncio.Event()
 
     async def source():
         try:
@@ -35,9 +66,11 @@ async def test_closing_the_stream_closes_the_source():
         finally:
             closed.set()
 
-    stream = keepalive(source(), 0.01)
-    assert await stream.__anext__() == KEEPALIVE
-    await stream.aclose()
+    serving = asyncio.ensure_future(serve(DisconnectAwareStream(source(), headers={}, heartbeat=keepalive(0.01)),
+                                          disconnect=gone))
+    await asyncio.sleep(0.03)
+    gone.set()  # the client goes away
+    assert KEEPALIVE in await serving
     assert closed.is_set()
 
 
@@ -45,28 +78,46 @@ def _finish(reason: FinishReason, error: str | None = None) -> Finish:
     return Finish(reason=reason, generated_text="", generated_tokens=0, prompt="", prompt_tokens=1, error=error)
 
 
-async def collect(events, **kw) -> list[bytes]:
+class Encoder:
+    content_type = "text/event-stream"
+    streaming = True
+
+    def on_event(self, index, event) -> bytes:
+        return b"tok;"
+
+    def close(self) -> bytes:
+        return b"end"
+
+    def error(self, exc) -> bytes:
+        return RENDERER.in_band(exc)
+
+
+def tgi_error(message: str, kind: str) -> bytes:
+    return b'data: {"error":"' + message.encode() + b'","error_type":"' + kind.encode() + b'"}\n\n'
+
+
+async def collect(events) -> list[bytes]:
     async def gen():
         for e in events:
             if isinstance(e, BaseException):
                 raise e
-            yield e
+            yield 0, e
 
-    return [c async for c in guarded(gen(), lambda e: b"tok;", lambda exc: f"err:{exc.kind}:{exc.message}".encode(),
-                                     lambda: b"end")]
+    response = await respond(None, gen(), Encoder(), in_band=True)  # type: ignore[arg-type] - unused in-band
+    return [c async for c in response.body_iterator]
 
 
-async def test_guarded_error_finish_becomes_a_generation_error():
+async def test_in_band_error_finish_becomes_a_generation_error():
     chunks = await collect([StepEvent(Token(1, "a", -1.0)), StepEvent(None, finish=_finish(FinishReason.ERROR, "boom"))])
-    assert chunks == [b"tok;", b"err:generation:Request failed during generation: boom"]
+    assert chunks == [b"tok;", tgi_error("Request failed during generation: boom", "generation")]
 
 
-async def test_guarded_engine_errors_in_tgi_terms():
-    assert await collect([Overloaded("full")]) == [b"err:overloaded:Model is overloaded"]
-    assert await collect([RuntimeError("bug")]) == [b"err:generation:Request failed during generation: bug"]
+async def test_in_band_engine_errors_in_tgi_terms():
+    assert await collect([Overloaded("full")]) == [tgi_error("Model is overloaded", "overloaded")]
+    assert await collect([RuntimeError("bug")]) == [tgi_error("Request failed during generation: bug", "generation")]
 
 
-async def test_guarded_normal_end():
+async def test_in_band_normal_end():
     assert await collect([StepEvent(Token(1, "a", -1.0), finish=_finish(FinishReason.LENGTH))]) == [b"tok;", b"end"]
 
 

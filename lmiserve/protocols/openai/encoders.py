@@ -1,5 +1,5 @@
-"""Core events -> OpenAI-compatible bytes (reference tgi-openai.md §6, §9.3): chat completions and
-completions, whole or as SSE ending in ``data: [DONE]``. Compact JSON, ``object`` first, ``id: ""``.
+"""Engine events -> OpenAI-compatible bytes: chat completions and completions, whole or as SSE ending
+in ``data: [DONE]``. Compact JSON, ``object`` first, ``id: ""``.
 
 Finish reasons: ``eos_token`` -> ``"stop"``; ``length`` and ``stop_sequence`` as they are (TGI does not
 map a stop sequence to ``"stop"``).
@@ -11,19 +11,19 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from lmiserve.core.errors import IncompleteGeneration, LmiServeError
 from lmiserve.core.events import Finish, FinishReason, StepEvent, Token
-from lmiserve.protocols.tgi.encoders import Sequence, dumps, sse_event
+from lmiserve.protocols.openai.errors import DONE, RENDERER
+from lmiserve.server import sse
+from lmiserve.server.textgen.sequences import Sequence, sequences
+from lmiserve.server.textgen.wire import SSE_CONTENT_TYPE, dumps
 
-DONE = b"data: [DONE]\n\n"
+__all__ = ["DONE", "ChatEncoder", "ChatStreamEncoder", "CompletionEncoder", "CompletionStreamEncoder", "Envelope",
+           "chat_body", "completion_body", "finish_reason"]
 
 
 def finish_reason(finish: Finish) -> str:
     return "stop" if finish.reason is FinishReason.EOS_TOKEN else finish.reason.value
-
-
-def stream_error(message: str, status: int = 422) -> bytes:
-    """An error after the stream started (§9.3): in-band, then [DONE]."""
-    return sse_event(dumps({"error": {"message": message, "http_status_code": status}})) + DONE
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Envelope:
     system_fingerprint: str
     created: int = 0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.created = self.created or int(time.time())
 
     def head(self, obj: str) -> dict[str, Any]:
@@ -49,6 +49,37 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
 def _chat_logprob(token: Token, top: tuple[Token, ...] | None) -> dict:
     return {"token": token.text, "logprob": token.logprob,
             "top_logprobs": [{"token": t.text, "logprob": t.logprob} for t in top or ()]}
+
+
+class _Whole:
+    """Collects the tagged events of a whole answer; after `close`, the counts of the timing headers."""
+
+    content_type = "application/json"
+    streaming = False
+
+    def __init__(self) -> None:
+        self.events: list[tuple[int, StepEvent]] = []
+        self.prompt_tokens = self.generated_tokens = self.characters = 0
+
+    def on_event(self, index: int, event: StepEvent) -> bytes:
+        self.events.append((index, event))
+        return b""
+
+    def _require_finished(self, prompts: int) -> None:
+        """`IncompleteGeneration` unless every prompt has a finished sequence."""
+        if len({index for index, event in self.events if event.finish is not None}) < prompts:
+            raise IncompleteGeneration("Incomplete generation")
+
+    def error(self, exc: LmiServeError) -> bytes:
+        return RENDERER.in_band(exc)
+
+
+class _Stream:
+    content_type = SSE_CONTENT_TYPE
+    streaming = True
+
+    def error(self, exc: LmiServeError) -> bytes:
+        return RENDERER.in_band(exc)
 
 
 # --- chat -------------------------------------------------------------------------------------------
@@ -66,8 +97,24 @@ def chat_body(seqs: list[Sequence], env: Envelope, *, logprobs: bool) -> bytes:
     return dumps({**env.head("chat.completion"), "choices": choices, "usage": _usage(prompt, completion)})
 
 
-class ChatStream:
-    """One chunk per token (every delta has ``role``), an optional usage chunk, then [DONE] (§6.3)."""
+class ChatEncoder(_Whole):
+    """A whole chat completion (one prompt, its sequences as choices)."""
+
+    def __init__(self, env: Envelope, prompt: str, *, logprobs: bool):
+        super().__init__()
+        self.env, self.prompt, self.logprobs = env, prompt, logprobs
+
+    def close(self) -> bytes:
+        self._require_finished(1)
+        seqs = sequences(event for _, event in self.events)
+        self.prompt_tokens = seqs[0].finish.prompt_tokens
+        self.generated_tokens = sum(s.finish.generated_tokens for s in seqs)
+        self.characters = len(self.prompt)
+        return chat_body(seqs, self.env, logprobs=self.logprobs)
+
+
+class ChatStreamEncoder(_Stream):
+    """One chunk per token (every delta has ``role``), an optional usage chunk, then [DONE]."""
 
     def __init__(self, env: Envelope, *, logprobs: bool, include_usage: bool):
         self.env = env
@@ -76,7 +123,7 @@ class ChatStream:
         self.prompt_tokens = 0
         self.completion_tokens = 0
 
-    def on_event(self, event: StepEvent) -> bytes:
+    def on_event(self, index: int, event: StepEvent) -> bytes:
         if event.token is None:
             return b""
         finish = event.finish
@@ -86,13 +133,13 @@ class ChatStream:
         if finish is not None:
             self.prompt_tokens = finish.prompt_tokens
             self.completion_tokens += finish.generated_tokens
-        return sse_event(dumps({**self.env.head("chat.completion.chunk"), "choices": [choice], "usage": None}))
+        return sse.event(dumps({**self.env.head("chat.completion.chunk"), "choices": [choice], "usage": None}))
 
     def close(self) -> bytes:
         tail = b""
         if self.include_usage:
             usage = _usage(self.prompt_tokens, self.completion_tokens)
-            tail = sse_event(dumps({**self.env.head("chat.completion.chunk"), "choices": [], "usage": usage}))
+            tail = sse.event(dumps({**self.env.head("chat.completion.chunk"), "choices": [], "usage": usage}))
         return tail + DONE
 
 
@@ -137,29 +184,44 @@ def completion_body(per_prompt: list[list[Sequence]], prompts: list[str], env: E
                   "usage": _usage(prompt_tokens, completion_tokens)})
 
 
-class CompletionStream:
+class CompletionEncoder(_Whole):
+    """A whole completion: the events are tagged with their prompt's index."""
+
+    def __init__(self, env: Envelope, prompts: list[str], *, logprobs: bool, echo: bool):
+        super().__init__()
+        self.env, self.prompts, self.logprobs, self.echo = env, prompts, logprobs, echo
+
+    def close(self) -> bytes:
+        self._require_finished(len(self.prompts))
+        per_prompt = [sequences(e for i, e in self.events if i == p) for p in range(len(self.prompts))]
+        self.prompt_tokens = sum(seqs[0].finish.prompt_tokens for seqs in per_prompt)
+        self.generated_tokens = sum(s.finish.generated_tokens for seqs in per_prompt for s in seqs)
+        self.characters = sum(len(p) for p in self.prompts)
+        return completion_body(per_prompt, self.prompts, self.env, logprobs=self.logprobs, echo=self.echo)
+
+
+class CompletionStreamEncoder(_Stream):
     """Per prompt and token a ``text_completion`` event (``finish_reason: ""``, no ``usage`` key); the last
-    event of each prompt has the real finish reason and that prompt's usage; then [DONE] (§6.4)."""
+    event of each prompt has the real finish reason and that prompt's usage; then [DONE]."""
 
     def __init__(self, env: Envelope, *, logprobs: bool, n: int = 1):
         self.env = env
         self.logprobs = logprobs
         self.n = n
 
-    def on_event(self, tagged: tuple[int, StepEvent]) -> bytes:
-        prompt_index, event = tagged
+    def on_event(self, index: int, event: StepEvent) -> bytes:
         if event.token is None:
             return b""
         finish = event.finish
         lp = _legacy_logprobs([event.token], [event.top_tokens], 0) if self.logprobs else None
-        choice = {"index": prompt_index * self.n + event.index, "text": event.token.text, "logprobs": lp,
+        choice = {"index": index * self.n + event.index, "text": event.token.text, "logprobs": lp,
                   "finish_reason": finish_reason(finish) if finish else ""}
-        head = self.env.head("text_completion")  # TGI's order here: choices before model (§6.4)
+        head = self.env.head("text_completion")  # TGI's order here: choices before model
         obj = {"object": head["object"], "id": "", "created": head["created"], "choices": [choice],
                "model": head["model"], "system_fingerprint": head["system_fingerprint"]}
         if finish is not None:
             obj["usage"] = _usage(finish.prompt_tokens, finish.generated_tokens)
-        return sse_event(dumps(obj))
+        return sse.event(dumps(obj))
 
     def close(self) -> bytes:
         return DONE

@@ -1,4 +1,4 @@
-"""OpenAI chat and completion requests (reference tgi-openai.md §6) -> TGI calls on the one engine.
+"""OpenAI chat and completion requests -> validated engine calls (TGI's parameters and checks).
 
 Chat: the messages are rendered with the tokenizer's chat template (`render`, given by the HTTP layer);
 ``temperature == 0`` is greedy, any other value or none samples; ``presence_penalty + 2`` becomes the
@@ -12,16 +12,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from lmiserve.protocols.tgi.parse import TgiCall, TgiError, TgiLimits, build, invalid
+from lmiserve.core.errors import InvalidRequest, Unsupported
+from lmiserve.protocols.openai.errors import EmptyPrompt, SuffixUnsupported, TooManyPrompts
 from lmiserve.protocols.openai.schema import ChatRequest, CompletionRequest
-from lmiserve.protocols.tgi.schema import TgiParameters
+from lmiserve.server.textgen.limits import TextGenLimits
+from lmiserve.server.textgen.parameters import GenerationParameters
+from lmiserve.server.textgen.validation import TextGenCall, build
 
 MAX_N = 16  # most sequences one request may ask the engine for
 
 
 @dataclass
 class OpenAICall:
-    calls: list[TgiCall]
+    calls: list[TextGenCall]
     model: str
     stream: bool
     include_usage: bool
@@ -42,15 +45,15 @@ def _top_p(value: float | None) -> float | None:
     return None if value == 1.0 else value
 
 
-def _with_n(call: TgiCall, n: int, sampling: bool) -> TgiCall:
+def _with_n(call: TextGenCall, n: int, sampling: bool) -> TextGenCall:
     if n == 1:
         return call
     if n > MAX_N:
-        raise invalid(f"`n` must be <= {MAX_N}. Given: {n}")
+        raise InvalidRequest(f"`n` must be <= {MAX_N}. Given: {n}")
     if not sampling:
-        raise invalid("`n` > 1 requires sampling (a `temperature` other than 0)")
+        raise InvalidRequest("`n` > 1 requires sampling (a `temperature` other than 0)")
     if call.request.params.seed is not None:
-        raise invalid("`seed` must not be set when `n` > 1")
+        raise InvalidRequest("`seed` must not be set when `n` > 1")
     call.request.params.n = call.request.params.best_of = n
     call.best_of = n
     return call
@@ -58,18 +61,18 @@ def _with_n(call: TgiCall, n: int, sampling: bool) -> TgiCall:
 
 def chat(
     req: ChatRequest,
-    limits: TgiLimits,
+    limits: TextGenLimits,
     count_tokens: Callable[[str], int],
     render: Callable[[list[dict]], str],
     served_model: str,
 ) -> OpenAICall:
     if req.tools:
-        raise TgiError("Tool error: tool calling is not supported by lmiserve", 422, "tool_error")
+        raise Unsupported("tool calling is not supported by lmiserve")
     if req.response_format is not None:
-        raise invalid("grammar is not supported")
-    prompt = render([{"role": m.role, "content": m.text()} for m in req.messages])
+        raise InvalidRequest("grammar is not supported")
+    prompt = render(req.template_messages())
     top_n = (req.top_logprobs or 0) if req.logprobs else 0
-    params = TgiParameters(
+    params = GenerationParameters(
         **_sampling(req.temperature),
         top_p=_top_p(req.top_p),
         frequency_penalty=req.frequency_penalty,
@@ -94,25 +97,20 @@ def chat(
 
 
 def completion(
-    req: CompletionRequest, limits: TgiLimits, count_tokens: Callable[[str], int], served_model: str
+    req: CompletionRequest, limits: TextGenLimits, count_tokens: Callable[[str], int], served_model: str
 ) -> OpenAICall:
     prompts = req.prompts
     if not prompts:
-        raise TgiError("Empty array detected. Do not use an empty array for the prompt.", 422, "validation")
+        raise EmptyPrompt("Empty array detected. Do not use an empty array for the prompt.")
     if "suffix" in req.model_fields_set:
-        raise TgiError(
-            "Suffix is not supported and can be achieved by preprocessing the prompt.", 422, "suffix not supported"
-        )
+        raise SuffixUnsupported("Suffix is not supported and can be achieved by preprocessing the prompt.")
     if len(prompts) > limits.max_client_batch_size:
-        raise TgiError(
-            f"Number of prompts exceeds the maximum allowed batch size of {limits.max_client_batch_size}",
-            422,
-            "batch size exceeded",
-        )
+        raise TooManyPrompts(
+            f"Number of prompts exceeds the maximum allowed batch size of {limits.max_client_batch_size}")
     top_n = min(req.logprobs or 0, limits.max_top_n_tokens)
     calls = []
     for prompt in prompts:
-        params = TgiParameters(
+        params = GenerationParameters(
             **_sampling(req.temperature),
             top_p=_top_p(req.top_p),
             frequency_penalty=req.frequency_penalty,
@@ -128,7 +126,7 @@ def completion(
         calls.append(_with_n(call, req.n or 1, call.sampling))
     return OpenAICall(
         calls=calls,
-        model=served_model,  # never echoed on completions (§6.4)
+        model=served_model,  # completions never echo the requested model
         stream=req.stream,
         include_usage=req.include_usage,
         logprobs=req.logprobs is not None,
@@ -142,7 +140,7 @@ def _response_model(requested: str | None, served: str) -> str:
     return served if requested in (None, "", "tgi") else requested
 
 
-def _vllm_extensions(call, req):
+def _vllm_extensions(call: TextGenCall, req: ChatRequest | CompletionRequest) -> TextGenCall:
     """vLLM's `ignore_eos` and `min_tokens` (benchmark clients use them to force exactly N tokens)."""
     params = call.request.params
     params.ignore_eos_token = req.ignore_eos

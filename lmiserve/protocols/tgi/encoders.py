@@ -1,38 +1,33 @@
-"""Core events -> TGI bytes (reference tgi-openai.md §4, §5, §9): /generate JSON, the native SSE stream,
-error bodies. Compact JSON (serde spelling: no spaces, raw UTF-8), field order as TGI writes it.
+"""Engine events -> TGI bytes: the /generate JSON (a one-element list on the compat route) and the
+native SSE stream. Compact JSON (serde spelling: no spaces, raw UTF-8), fields in TGI's order.
 
 Token texts: the engine gives a special token (EOS) the empty text of a completion decoded without
 special tokens; TGI shows its literal text (``"</s>"``) with ``special: true``. `special_text` (the
-tokenizer's id -> literal text, given by the HTTP layer) supplies it.
+tokenizer's id -> literal text) supplies it.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from lmiserve.core.errors import IncompleteGeneration, LmiServeError
 from lmiserve.core.events import Finish, StepEvent, Token
+from lmiserve.protocols.tgi.errors import RENDERER
+from lmiserve.server import sse
+from lmiserve.server.textgen.sequences import Sequence, sequences
+from lmiserve.server.textgen.validation import TextGenCall
+from lmiserve.server.textgen.wire import SSE_CONTENT_TYPE, dumps
+
+__all__ = ["AnswerShape", "GenerateEncoder", "StreamEncoder", "dumps", "generate_body", "sequences", "token_obj"]
 
 SpecialText = Callable[[int], str]
 
 
-def dumps(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-def error_body(message: str, kind: str) -> bytes:
-    return dumps({"error": message, "error_type": kind})
-
-
-def sse_event(payload: bytes) -> bytes:
-    return b"data: " + payload + b"\n\n"
-
-
 @dataclass
 class AnswerShape:
-    """What the request asked for (from `adapters.tgi.TgiCall`)."""
+    """What the request asked the answer to show."""
 
     prompt: str
     details: bool
@@ -41,6 +36,11 @@ class AnswerShape:
     top_n_tokens: int
     sampling: bool
     input_length: int
+
+    @classmethod
+    def of(cls, prompt: str, call: TextGenCall) -> AnswerShape:
+        return cls(prompt, call.details, call.decoder_input_details, call.return_full_text, call.top_n_tokens,
+                   call.sampling, call.input_length)
 
 
 def token_obj(token: Token, special_text: SpecialText | None = None) -> dict:
@@ -60,35 +60,6 @@ def _prefill(finish: Finish, shape: AnswerShape) -> list[dict]:
     return [{"id": t.id, "text": t.text, "logprob": None if i == 0 else t.logprob} for i, t in enumerate(finish.prefill)]
 
 
-@dataclass
-class Sequence:
-    """One generated sequence collected from its events."""
-
-    tokens: list[Token]
-    top_tokens: list[tuple[Token, ...]]
-    finish: Finish
-
-    @property
-    def mean_logprob(self) -> float:
-        lps = [t.logprob for t in self.tokens if t.logprob is not None]
-        return sum(lps) / len(lps) if lps else float("-inf")
-
-
-def sequences(events: Iterable[StepEvent]) -> list[Sequence]:
-    """Group events by sequence index; the best (highest mean token logprob, §4.1) first."""
-    by_index: dict[int, tuple[list, list]] = {}
-    finishes: dict[int, Finish] = {}
-    for event in events:
-        tokens, tops = by_index.setdefault(event.index, ([], []))
-        if event.token is not None:
-            tokens.append(event.token)
-            tops.append(event.top_tokens or ())
-        if event.finish is not None:
-            finishes[event.index] = event.finish
-    seqs = [Sequence(by_index[i][0], by_index[i][1], finishes[i]) for i in sorted(finishes)]
-    return sorted(seqs, key=lambda s: s.mean_logprob, reverse=True)
-
-
 def _text(seq: Sequence, shape: AnswerShape) -> str:
     return (shape.prompt if shape.return_full_text else "") + seq.finish.generated_text
 
@@ -106,7 +77,7 @@ def _details(seq: Sequence, shape: AnswerShape, special_text: SpecialText | None
 
 
 def generate_body(seqs: list[Sequence], shape: AnswerShape, special_text: SpecialText | None = None) -> dict:
-    """The /generate response object (§4.1); `seqs` best first."""
+    """The /generate response object; `seqs` best first (the others are ``best_of_sequences``)."""
     best = seqs[0]
     body: dict[str, Any] = {"generated_text": _text(best, shape)}
     if shape.details:
@@ -125,8 +96,42 @@ def generate_body(seqs: list[Sequence], shape: AnswerShape, special_text: Specia
     return body
 
 
-class StreamFormatter:
-    """The native SSE stream (§4.3): one event per token, 1-based `index`, final text and details last."""
+class GenerateEncoder:
+    """The whole /generate answer (``[answer]`` on the compat route). After `close`, `best` is the
+    best sequence (its counts go into the timing headers)."""
+
+    content_type = "application/json"
+    streaming = False
+
+    def __init__(self, shape: AnswerShape, special_text: SpecialText | None = None, *, compat: bool = False):
+        self.shape = shape
+        self.special_text = special_text
+        self.compat = compat
+        self.events: list[StepEvent] = []
+        self.best: Sequence | None = None
+
+    def on_event(self, index: int, event: StepEvent) -> bytes:
+        self.events.append(event)
+        return b""
+
+    def close(self) -> bytes:
+        seqs = sequences(self.events)
+        if not seqs:
+            raise IncompleteGeneration("Incomplete generation")
+        self.best = seqs[0]
+        body = generate_body(seqs, self.shape, self.special_text)
+        return dumps([body] if self.compat else body)
+
+    def error(self, exc: LmiServeError) -> bytes:
+        return RENDERER.in_band(exc)
+
+
+class StreamEncoder:
+    """The native SSE stream: one event per token with a 1-based `index`; the last one carries the
+    final text (and the details when asked). No ``[DONE]``."""
+
+    content_type = SSE_CONTENT_TYPE
+    streaming = True
 
     def __init__(self, shape: AnswerShape, special_text: SpecialText | None = None):
         self.shape = shape
@@ -134,7 +139,7 @@ class StreamFormatter:
         self.count = 0
         self.finished = False
 
-    def on_event(self, event: StepEvent) -> bytes:
+    def on_event(self, index: int, event: StepEvent) -> bytes:
         if event.token is None:
             return b""
         self.count += 1
@@ -158,14 +163,13 @@ class StreamFormatter:
                 if self.shape.details
                 else None
             )
-        return sse_event(dumps(obj))
+        return sse.event(dumps(obj))
 
     def close(self) -> bytes:
-        """Nothing after a final event; a stream that ended without one gets TGI's error event (§9.3)."""
+        """Nothing after a final event; `IncompleteGeneration` when the stream ended without one."""
         if self.finished:
             return b""
-        return self.error_event("Incomplete generation stream", "incomplete_generation_stream")
+        raise IncompleteGeneration("Incomplete generation stream")
 
-    @staticmethod
-    def error_event(message: str, kind: str) -> bytes:
-        return sse_event(error_body(message, kind))
+    def error(self, exc: LmiServeError) -> bytes:
+        return RENDERER.in_band(exc)

@@ -1,26 +1,36 @@
-"""TGI native routes (reference tgi-openai.md §4): POST /generate, /generate_stream, / (compat),
-/tokenize, /chat_tokenize; GET /info, /health, / and /v1/models."""
+"""TGI's native routes: POST /generate, /generate_stream, / (compat), /tokenize, /chat_tokenize;
+GET /info, /health, / and /v1/models. Errors are answered by `errors.RENDERER`."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
 
 from lmiserve import __version__
-from lmiserve.protocols.tgi import parse as adapter
-from lmiserve.protocols.tgi.parse import TgiError
-from lmiserve.protocols.tgi import encoders as fmt
-from lmiserve.server import auth
-from lmiserve.server.textgen import Rejected, Timer, enter, error_response, json_payload, parse, served
-from lmiserve.server.responses import ClientDisconnected, raw_response
-from lmiserve.core.errors import LmiServeError
 from lmiserve.models.service import ModelService, default_llm
-from lmiserve.server.streaming import SSE_HEADERS, SseResponse, collect, guarded
-from lmiserve.protocols.openai.schema import ChatRequest
+from lmiserve.protocols.tgi import errors
+from lmiserve.protocols.tgi.encoders import AnswerShape, GenerateEncoder, StreamEncoder
+from lmiserve.protocols.tgi.errors import RENDERER
+from lmiserve.protocols.tgi.parse import validate
 from lmiserve.protocols.tgi.schema import GenerateRequest
-from starlette.routing import Route
+from lmiserve.server.auth import require_api_key
+from lmiserve.server.errors import protocol_routes, rendered_by
+from lmiserve.server.pipeline import respond
+from lmiserve.server.responses import raw_response
+from lmiserve.server.sse import keepalive
+from lmiserve.server.textgen.admission import enter
+from lmiserve.server.textgen.body import json_payload, parse
+from lmiserve.server.textgen.chat import ChatRequest
+from lmiserve.server.textgen.generation import generate as engine_events
+from lmiserve.server.textgen.served import Served, ready_llm, served
+from lmiserve.server.textgen.timing import Timer
+from lmiserve.server.textgen.wire import SSE_HEADERS, dumps
+
+UNHEALTHY = dumps({"error": "unhealthy", "error_type": "healthcheck"})
 
 
 async def generate(request: Request) -> Response:
@@ -32,72 +42,57 @@ async def generate_stream(request: Request) -> Response:
 
 
 async def root(request: Request) -> Response:
-    """GET / is a health check; POST / is TGI's compat route (array, or SSE with ``stream: true``)."""
+    """GET / is a health check; POST / is TGI's compat route (a one-element list, or the stream with
+    ``stream: true``)."""
     if request.method == "GET":
         return await health(request)
     return await _generate(request, stream=None)
 
 
 async def _generate(request: Request, *, stream: bool | None) -> Response:
-    if (denied := auth.rejected(request)) is not None:
-        return denied
+    require_api_key(request)
     timer = Timer()
-    try:
-        req = parse(GenerateRequest, await json_payload(request))
-    except Rejected as rejected:
-        return rejected.response
+    req = parse(GenerateRequest, await json_payload(request))
     return await answer(request, req, stream=req.stream if stream is None else stream, compat=stream is None,
                         timer=timer)
 
 
-async def compat_payload(request: Request, payload) -> Response:
-    """An already decoded body answered like POST / (/invocations with tgi_compat)."""
-    timer = Timer()
-    try:
+async def invoke_compat(request: Request, payload: dict) -> Response:
+    """An already decoded body answered like POST / (the /invocations dispatcher, API key checked),
+    errors in TGI's shapes."""
+
+    async def compat(request: Request) -> Response:
+        timer = Timer()
         req = parse(GenerateRequest, payload)
-    except Rejected as rejected:
-        return rejected.response
-    return await answer(request, req, stream=req.stream, compat=True, timer=timer)
+        return await answer(request, req, stream=req.stream, compat=True, timer=timer)
+
+    return await rendered_by(RENDERER, compat)(request)
 
 
 async def answer(request: Request, req: GenerateRequest, *, stream: bool, compat: bool, timer: Timer) -> Response:
-    """Validate, generate and answer one TGI request (also used by /invocations with tgi_compat)."""
-    release = None
-    try:
-        model = served(request)
-        release = enter(request)
-        call = adapter.build(req.inputs, req.effective_parameters(), model.limits, model.count_tokens, stream=stream)
-    except TgiError as exc:
-        if release is not None:
-            release()
-        if stream and exc.status != 503:  # native streams report everything in-band under 200 (§9.3)
-            return raw_response(fmt.StreamFormatter.error_event(exc.message, exc.kind), 200, SSE_HEADERS["content-type"],
-                                {k: v for k, v in SSE_HEADERS.items() if k != "content-type"})
-        return error_response(exc)
-    timer.mark_validated()
-    shape = fmt.AnswerShape(req.inputs, call.details, call.decoder_input_details, call.return_full_text,
-                            call.top_n_tokens, call.sampling, call.input_length)
-    events = model.engine.generate(call.request)
+    """Validate, generate and answer one decoded TGI request."""
+    model = served(request)
     if stream:
-        formatter = fmt.StreamFormatter(shape, model.special_text)
-        chunks = guarded(events, formatter.on_event, lambda e: formatter.error_event(e.message, e.kind), formatter.close)
-        headers = {"x-compute-type": model.compute_type, "x-compute-characters": str(len(req.inputs))}
-        return SseResponse(chunks, interval=model.service.settings.sse_keepalive_interval, headers=headers,
-                           on_close=release)
-    try:
-        seqs = fmt.sequences(await collect(request, timer.watch(events)))
-    except ClientDisconnected:
-        return Response(status_code=499)
-    except TgiError as exc:
-        return error_response(exc)
-    finally:
-        release()
-    if not seqs:
-        return error_response(TgiError("Incomplete generation", 500, "incomplete_generation"))
-    body = fmt.generate_body(seqs, shape, model.special_text)
-    headers = timer.headers(model.compute_type, len(req.inputs), seqs[0].finish.prompt_tokens,
-                            seqs[0].finish.generated_tokens)
-    return raw_response(fmt.dumps([body] if compat else body), headers=headers)
+        errors.errors_in_band(request)
+    with enter(request) as slot:
+        call = validate(req, model.limits, model.count_tokens, stream=stream)
+        timer.mark_validated()
+        shape = AnswerShape.of(req.inputs, call)
+        events = engine_events(model.engine, [call.request])
+        if stream:
+            sse_headers = {**SSE_HEADERS, "x-compute-type": model.compute_type,
+                           "x-compute-characters": str(len(req.inputs))}
+            return await respond(request, events, StreamEncoder(shape, model.special_text), headers=sse_headers,
+                                 in_band=True, heartbeat=keepalive(model.service.settings.sse_keepalive_interval),
+                                 on_close=slot.release)
+        encoder = GenerateEncoder(shape, model.special_text, compat=compat)
+
+        def timing_headers() -> dict[str, str]:
+            assert encoder.best is not None  # set by close(), before the headers are asked for
+            best = encoder.best.finish
+            return timer.headers(model.compute_type, len(req.inputs), best.prompt_tokens, best.generated_tokens)
+
+        return await respond(request, timer.watch(events), encoder, headers=timing_headers, on_close=slot.release)
 
 
 # --- tokenizing -------------------------------------------------------------------------------------
@@ -121,51 +116,37 @@ def _tokens(tokenizer, text: str, *, special: bool) -> list[dict]:
 
 
 async def tokenize(request: Request) -> Response:
-    if (denied := auth.rejected(request)) is not None:
-        return denied
-    try:
-        req = parse(GenerateRequest, await json_payload(request))
-        model = served(request)
-        return raw_response(fmt.dumps(_tokens(model.tokenizer, req.inputs, special=True)))
-    except Rejected as rejected:
-        return rejected.response
-    except TgiError as exc:
-        return error_response(exc)
+    require_api_key(request)
+    req = parse(GenerateRequest, await json_payload(request))
+    model = served(request)
+    return raw_response(dumps(_tokens(model.tokenizer, req.inputs, special=True)))
 
 
 async def chat_tokenize(request: Request) -> Response:
-    try:
-        req = parse(ChatRequest, await json_payload(request))
-        model = served(request)
-        text = model.render_chat([{"role": m.role, "content": m.text()} for m in req.messages], for_engine=False)
-        body = {"tokenize_response": _tokens(model.tokenizer, text, special=False), "templated_text": text}
-        return raw_response(fmt.dumps(body))
-    except Rejected as rejected:
-        return rejected.response
-    except TgiError as exc:
-        return error_response(exc)
+    """The chat template applied to the messages of a chat request, and its tokens (no API key)."""
+    req = parse(ChatRequest, await json_payload(request))
+    model = served(request)
+    text = model.render_chat(req.template_messages(), for_engine=False)
+    body = {"tokenize_response": _tokens(model.tokenizer, text, special=False), "templated_text": text}
+    return raw_response(dumps(body))
 
 
 # --- health and info --------------------------------------------------------------------------------
 
 
 async def health(request: Request) -> Response:
-    """200 with an empty body when the model is ready, else 503 ``healthcheck`` (§4.5)."""
-    try:
-        service = default_llm(request)
-    except LmiServeError:
-        service = None
-    if service is not None and service.status == ModelService.READY:
+    """200 with an empty body when the model is ready, else 503 ``healthcheck``."""
+    if ready_llm(request) is not None:
         return Response(status_code=200)
-    return raw_response(fmt.error_body("unhealthy", "healthcheck"), 503)
+    return raw_response(UNHEALTHY, 503)
 
 
 async def info(request: Request) -> Response:
-    """TGI 3.x fields in wire order, then the legacy 2.x ones (§11, §15)."""
-    try:
-        model = served(request)
-    except TgiError:
-        return raw_response(fmt.error_body("unhealthy", "healthcheck"), 503)
+    """TGI 3.x fields in wire order, then the legacy 2.x ones."""
+    service = default_llm(request)
+    if service.status != ModelService.READY:
+        return raw_response(UNHEALTHY, 503)
+    model = Served.of(service)
     limits, s = model.limits, model.service.settings
     label = os.environ.get("DOCKER_LABEL")
     body = {
@@ -191,17 +172,17 @@ async def info(request: Request) -> Response:
         "max_waiting_tokens": 0,
         "max_batch_size": s.batch_size if s.dynamic_batching else s.max_rolling_batch_size,
     }
-    return raw_response(fmt.dumps(body))
+    return raw_response(dumps(body))
 
 
 async def models(request: Request) -> Response:
     names = [service.name for service in request.app.state.registry if service.is_llm]
     body = {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": name} for name in names]}
-    return raw_response(fmt.dumps(body))
+    return raw_response(dumps(body))
 
 
-def routes() -> list[Route]:
-    return [
+def routes() -> Sequence[BaseRoute]:
+    return protocol_routes(RENDERER, [
         Route("/", root, methods=["GET", "POST"]),
         Route("/generate", generate, methods=["POST"]),
         Route("/generate_stream", generate_stream, methods=["POST"]),
@@ -210,4 +191,4 @@ def routes() -> list[Route]:
         Route("/health", health, methods=["GET"]),
         Route("/info", info, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
-    ]
+    ])

@@ -1,0 +1,51 @@
+"""Reading a TGI/OpenAI request body: JSON only, within the payload limit, then the route's schema.
+Failures raise the neutral errors (the protocols answer them with TGI's plain-text rejections, whose
+exact text is the message): `UnsupportedMediaType` (not application/json), `PayloadTooLarge`,
+`MalformedBody` (not JSON), `SchemaViolation` (does not fit the schema)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from lmiserve.core.errors import MalformedBody, PayloadTooLarge, SchemaViolation, UnsupportedMediaType
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def json_payload(request: Request) -> Any:
+    """The decoded JSON body."""
+    ctype = request.headers.get("content-type", "")
+    if ctype.split(";")[0].strip().lower() != "application/json":
+        raise UnsupportedMediaType("Expected request with `Content-Type: application/json`")
+    limit = request.app.state.settings.payload_limit
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge("Failed to buffer the request body: length limit exceeded")
+    body = await request.body()
+    if len(body) > limit:
+        raise PayloadTooLarge("Failed to buffer the request body: length limit exceeded")
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise MalformedBody(f"Failed to parse the request body as JSON: {exc}") from None
+
+
+def parse(model: type[M], payload: Any) -> M:
+    """`payload` validated against `model`, else `SchemaViolation`."""
+    try:
+        return model.model_validate(payload)
+    except ValidationError as exc:
+        raise SchemaViolation(deserialize_message(exc)) from None
+
+
+def deserialize_message(exc: ValidationError) -> str:
+    """The pydantic error as one line, after TGI's ``Failed to deserialize ...`` prefix."""
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "body"
+        parts.append(f"{where}: {err['msg']}")
+    return "Failed to deserialize the JSON body into the target type: " + "; ".join(parts)

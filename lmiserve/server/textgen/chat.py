@@ -1,0 +1,84 @@
+"""The chat request body: POST /v1/chat/completions reads it, and so does TGI's /chat_tokenize
+(which applies the chat template to its messages). The fields shared with OpenAI's completions
+request are `SamplingFields`.
+
+Unknown keys are ignored; ``"stop": null`` and ``"stream_options": null`` are accepted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
+
+from lmiserve.server.textgen.parameters import UINT32, UINT64
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: StrictBool = False
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: StrictStr
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """Content as text; image parts become ``![](url)`` as in TGI."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") == "text":
+                parts.append(str(part.get("text", "")))
+            elif part.get("type") == "image_url":
+                parts.append(f"![]({(part.get('image_url') or {}).get('url', '')})")
+        return "".join(parts)
+
+
+class SamplingFields(BaseModel):
+    """The fields chat and completion requests share (validated in this order, before their own)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    max_tokens: int | None = Field(None, ge=0, le=UINT32)
+    seed: int | None = Field(None, ge=0, le=UINT64)
+    stop: list[StrictStr] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = Field(None, ge=1, le=UINT32)
+    # vLLM's extensions, which benchmark clients send to force an exact number of tokens
+    ignore_eos: StrictBool = False
+    min_tokens: int = Field(0, ge=0, le=UINT32)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop_string(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatRequest(SamplingFields):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=0, le=UINT32)
+    presence_penalty: float | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=UINT32)
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """The messages as the chat template takes them."""
+        return [{"role": m.role, "content": m.text()} for m in self.messages]

@@ -1,0 +1,84 @@
+"""The default LLM seen as a text generator: its engine, limits, token counting, chat template and
+the values TGI reports about it (compute type, system fingerprint)."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+
+from lmiserve import __version__
+from lmiserve.core.errors import TemplateError
+from lmiserve.models.service import ModelService, default_llm
+from lmiserve.server.textgen.limits import TextGenLimits, limits_for
+
+
+@dataclass
+class Served:
+    """The default model, ready."""
+
+    service: ModelService
+    engine: Any
+    limits: TextGenLimits
+    tokenizer: Any
+    started: float = field(default_factory=time.monotonic)
+
+    @classmethod
+    def of(cls, service: ModelService) -> Served:
+        """`service` as a text generator; raises ModelNotReady while it loads or after it failed."""
+        engine = service.ready_engine()
+        return cls(service, engine, limits_for(service), service.loaded.tokenizer)
+
+    def count_tokens(self, text: str) -> int:
+        """Prompt length as the engine will see it (special tokens added)."""
+        return len(self.tokenizer(text)["input_ids"])
+
+    def special_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def render_chat(self, messages: list[dict], *, for_engine: bool = True) -> str:
+        """The chat template applied (generation prompt added); `TemplateError` when the model has none
+        or it fails. `for_engine`: without a leading BOS when the tokenizer adds one itself (the engine
+        tokenizes with special tokens), so it appears once."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise TemplateError("template not found")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - jinja errors of a model's own template
+            raise TemplateError(str(exc)) from None
+        bos = getattr(self.tokenizer, "bos_token", None)
+        if for_engine and bos and text.startswith(bos) and self._adds_bos():
+            text = text[len(bos):]
+        return text
+
+    def _adds_bos(self) -> bool:
+        ids = self.tokenizer("a")["input_ids"]
+        return bool(ids) and ids[0] == getattr(self.tokenizer, "bos_token_id", None)
+
+    @property
+    def compute_type(self) -> str:
+        """``x-compute-type``: env COMPUTE_TYPE, else from the device (TGI's default is gpu+optimized)."""
+        default = "cpu" if self.service.loaded.device.type == "cpu" else "gpu+optimized"
+        return os.environ.get("COMPUTE_TYPE", default)
+
+    @property
+    def system_fingerprint(self) -> str:
+        return f"{__version__}-{os.environ.get('DOCKER_LABEL') or 'native'}"
+
+
+def served(request: Request) -> Served:
+    """The ready default LLM; ModelNotReady while it loads or after it failed, ModelRequired when the
+    server has no single LLM."""
+    return Served.of(default_llm(request))
+
+
+def ready_llm(request: Request) -> ModelService | None:
+    """The default LLM when there is exactly one and it is ready, else None (never raises: for health
+    checks)."""
+    llms = [service for service in request.app.state.registry if service.is_llm]
+    if len(llms) == 1 and llms[0].status == ModelService.READY:
+        return llms[0]
+    return None

@@ -1,0 +1,138 @@
+"""Generation parameters -> one engine request, validated in TGI's order with TGI's messages.
+
+Every failure raises `InvalidRequest` with the detail only; the protocols' renderers add TGI's
+``Input validation error: `` prefix. OpenAI requests are mapped onto `GenerationParameters` and
+validated here too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from lmiserve.core.errors import InvalidRequest
+from lmiserve.core.request import GenerationRequest, SamplingParams
+from lmiserve.server.textgen.limits import TextGenLimits
+from lmiserve.server.textgen.parameters import GenerationParameters
+
+
+@dataclass
+class TextGenCall:
+    """A validated request: what the engine runs and what the answer must show."""
+
+    request: GenerationRequest
+    details: bool
+    decoder_input_details: bool
+    return_full_text: bool
+    best_of: int
+    top_n_tokens: int
+    input_length: int
+    sampling: bool
+
+
+def build(
+    inputs: str,
+    params: GenerationParameters,
+    limits: TextGenLimits,
+    count_tokens: Callable[[str], int],
+    *,
+    stream: bool,
+) -> TextGenCall:
+    """Validate in TGI's order (the first failing check wins) and build the engine request. An unset
+    `return_full_text` means false."""
+    p = params
+    best_of = 1 if p.best_of is None else p.best_of
+    sampling_set = p.do_sample or any(v is not None for v in (p.temperature, p.top_k, p.top_p, p.typical_p))
+    if p.best_of is not None:
+        if limits.max_best_of == 1 and best_of != 1:
+            raise InvalidRequest("`best_of` != 1 is not allowed for this endpoint")
+        if best_of == 0 or best_of > limits.max_best_of:
+            raise InvalidRequest(f"`best_of` must be > 0 and <= {limits.max_best_of}. Given: {best_of}")
+        if best_of > 1 and not sampling_set:
+            raise InvalidRequest("you must use sampling when `best_of` is > 1")
+    if p.temperature is not None and p.temperature <= 0:
+        raise InvalidRequest("`temperature` must be strictly positive")
+    if p.repetition_penalty is not None and p.repetition_penalty <= 0:
+        raise InvalidRequest("`repetition_penalty` must be strictly positive")
+    if p.frequency_penalty is not None and not -2.0 <= p.frequency_penalty <= 2.0:
+        raise InvalidRequest("`frequency_penalty` must be >= -2.0 and <= 2.0")
+    if p.top_p is not None and not 0.0 < p.top_p < 1.0:
+        raise InvalidRequest("`top_p` must be > 0.0 and < 1.0")
+    if p.typical_p is not None and not 0.0 < p.typical_p < 1.0:
+        raise InvalidRequest("`typical_p` must be > 0.0 and < 1.0")
+    if p.top_k is not None and p.top_k <= 0:
+        raise InvalidRequest("`top_k` must be strictly positive")
+    if p.max_new_tokens == 0:
+        raise InvalidRequest("`max_new_tokens` must be strictly positive")
+    if len(p.stop) > limits.max_stop_sequences:
+        raise InvalidRequest(
+            f"`stop` supports up to {limits.max_stop_sequences} stop sequences. Given: {len(p.stop)}")
+    if best_of > 1 and p.seed is not None:
+        raise InvalidRequest("`seed` must not be set when `best_of` > 1")
+    top_n = p.top_n_tokens or 0
+    if top_n > limits.max_top_n_tokens:
+        raise InvalidRequest(f"`top_n_tokens` must be >= 0 and <= {limits.max_top_n_tokens}. Given: {top_n}")
+    if not inputs:
+        raise InvalidRequest("`inputs` cannot be empty")
+    if p.truncate is not None and (p.truncate == 0 or p.truncate > limits.max_input_tokens):
+        raise InvalidRequest(
+            f"`truncate` must be strictly positive and less than {limits.max_input_tokens}. Given: {p.truncate}"
+        )
+    input_length = count_tokens(inputs)
+    if p.truncate is not None:
+        input_length = min(input_length, p.truncate)
+    max_new = p.max_new_tokens if p.max_new_tokens is not None else max(limits.max_total_tokens - input_length, 0)
+    check_lengths(input_length, max_new, limits)
+    if p.grammar is not None:
+        raise InvalidRequest("grammar is not supported")
+    if stream and best_of != 1:
+        raise InvalidRequest("`best_of` != 1 is not supported when streaming tokens")
+    if stream and p.decoder_input_details:
+        raise InvalidRequest("`decoder_input_details` == true is not supported when streaming tokens")
+
+    sampling = p.do_sample or (
+        (p.temperature is not None and p.temperature != 1.0)
+        or (p.top_k is not None and p.top_k != 0)
+        or (p.top_p is not None and p.top_p < 1.0)
+        or (p.typical_p is not None and p.typical_p < 1.0)
+    )
+    sampling_params = SamplingParams(
+        do_sample=sampling,
+        seed=p.seed,
+        temperature=p.temperature if p.temperature is not None else 1.0,
+        top_k=p.top_k or 0,
+        top_p=p.top_p if p.top_p is not None else 1.0,
+        typical_p=p.typical_p if p.typical_p is not None else 1.0,
+        repetition_penalty=p.repetition_penalty if p.repetition_penalty is not None else 1.0,
+        frequency_penalty=p.frequency_penalty or 0.0,
+        max_new_tokens=max_new,
+        stop_sequences=list(p.stop),
+        include_stop_str_in_output=True,  # TGI keeps stop sequences in the output
+        truncate=p.truncate,
+        decoder_input_details=p.decoder_input_details,
+        top_n_tokens=top_n,
+        n=best_of,
+        best_of=best_of,
+    )
+    full_text = p.return_full_text if p.return_full_text is not None else False
+    return TextGenCall(
+        request=GenerationRequest(inputs, sampling_params),
+        details=p.details or p.decoder_input_details,
+        decoder_input_details=p.decoder_input_details,
+        return_full_text=full_text,
+        best_of=best_of,
+        top_n_tokens=top_n,
+        input_length=input_length,
+        sampling=sampling,
+    )
+
+
+def check_lengths(input_length: int, max_new: int, limits: TextGenLimits) -> None:
+    """The total check first, then the input length (equal to max_input_tokens is allowed)."""
+    if input_length + max_new > limits.max_total_tokens:
+        raise InvalidRequest(
+            f"`inputs` tokens + `max_new_tokens` must be <= {limits.max_total_tokens}. "
+            f"Given: {input_length} `inputs` tokens and {max_new} `max_new_tokens`"
+        )
+    if input_length > limits.max_input_tokens:
+        raise InvalidRequest(f"`inputs` must have less than {limits.max_input_tokens} tokens. Given: {input_length}")
