@@ -32,7 +32,7 @@ _ESCAPES = {"t": "\t", "n": "\n", "r": "\r", "f": "\f"}
 
 def strip_option_prefix(key: str) -> str:
     """``option.max_rolling_batch_size`` -> ``max_rolling_batch_size``; other keys unchanged."""
-    return key[len(OPTION_PREFIX) :] if key.startswith(OPTION_PREFIX) else key
+    return key.removeprefix(OPTION_PREFIX)
 
 
 def parse_properties(text: str) -> dict[str, str]:

@@ -1,18 +1,17 @@
 """Protocol-free data shared by every layer: requests, parameters, events and errors."""
 
 from lmiserve.core.errors import (
-    Overloaded,
     InvalidRequest,
     LmiServeError,
     ModelNotFound,
     ModelNotReady,
+    Overloaded,
     QueueTimeout,
 )
 from lmiserve.core.events import Finish, FinishReason, StepEvent, Token
 from lmiserve.core.request import GenerationRequest, SamplingParams
 
 __all__ = [
-    "Overloaded",
     "Finish",
     "FinishReason",
     "GenerationRequest",
@@ -20,6 +19,7 @@ __all__ = [
     "LmiServeError",
     "ModelNotFound",
     "ModelNotReady",
+    "Overloaded",
     "QueueTimeout",
     "SamplingParams",
     "StepEvent",

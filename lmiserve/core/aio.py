@@ -3,32 +3,41 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Sequence
+from typing import TypeVar
+
+_T = TypeVar("_T")
 
 
-async def merge_tagged(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+class _End:
+    """A source ended: normally (`error` None) or by raising `error`."""
+
+    def __init__(self, error: BaseException | None = None) -> None:
+        self.error = error
+
+
+async def merge_tagged(streams: Sequence[AsyncGenerator[_T, None]]) -> AsyncGenerator[tuple[int, _T], None]:
     """Interleave several async iterators as they produce, tagging each item with its stream's index.
     Closing the merged iterator closes every source."""
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
+    queue: asyncio.Queue[tuple[int, _T | _End]] = asyncio.Queue()
 
-    async def pump(index: int, stream: AsyncIterator) -> None:
+    async def pump(index: int, stream: AsyncGenerator[_T, None]) -> None:
         try:
             async for item in stream:
                 await queue.put((index, item))
-            await queue.put((index, done))
+            await queue.put((index, _End()))
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-            await queue.put((index, exc))
+            await queue.put((index, _End(exc)))
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     remaining = len(tasks)
     try:
         while remaining:
             index, item = await queue.get()
-            if item is done:
+            if isinstance(item, _End):
+                if item.error is not None:
+                    raise item.error
                 remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
             else:
                 yield index, item
     finally:

@@ -10,7 +10,7 @@ _ids = itertools.count(1)
 
 @dataclass
 class SamplingParams:
-    """Generation parameters. Names and defaults follow the LMI reference (§4)."""
+    """Generation parameters. Names and defaults are those of LMI's request parameters."""
 
     do_sample: bool = False
     seed: int | None = None

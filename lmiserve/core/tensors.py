@@ -13,7 +13,6 @@ from typing import Any, Protocol
 
 import numpy as np
 
-
 NUMPY_DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),
     "UINT8": np.dtype(np.uint8),

@@ -10,19 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import random
 import logging
+import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
-from lmiserve.core.errors import Overloaded, ModelNotReady, QueueTimeout
-from lmiserve.engine import torch_thread
+from lmiserve.core.errors import ModelNotReady, Overloaded, QueueTimeout
 from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.core.request import GenerationRequest
+from lmiserve.engine import torch_thread
 from lmiserve.engine.scheduler import Scheduler, StepOutput
 from lmiserve.engine.sequence import Sequence
 from lmiserve.engine.validation import PromptCodec
+
+if TYPE_CHECKING:
+    from lmiserve.engine.runners.base import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +44,13 @@ class EngineConfig:
     fast_path: bool = True  # own Llama-family forward when supported; False forces the generic path
     # prompt tokens a step that also decodes may take: max(this, decoding rows, max_running - decoding rows); None = no extra
     # bound; "auto" = by device (engine/factory.py)
-    prefill_floor: int | str | None = "auto"
+    prefill_floor: int | Literal["auto"] | None = "auto"
 
 
 class _Handle:
-    def __init__(self, request: GenerationRequest, seqs: list[Sequence]):
+    """One submitted request: its sequences and the queue their events (or its error) arrive on."""
+
+    def __init__(self, request: GenerationRequest, seqs: list[Sequence]) -> None:
         self.request = request
         self.seqs = seqs
         self.queue: asyncio.Queue[StepEvent | BaseException] = asyncio.Queue()
@@ -52,7 +58,12 @@ class _Handle:
 
 
 class AsyncEngine:
-    def __init__(self, runner, codec: PromptCodec, config: EngineConfig):
+    """The continuous-batching `TextGenerator` (lmiserve.core.engine) of one loaded LLM."""
+
+    def __init__(self, runner: ModelRunner, codec: PromptCodec, config: EngineConfig) -> None:
+        floor = config.prefill_floor
+        if floor == "auto":
+            raise ValueError("prefill_floor 'auto' is resolved by the device (engine.factory.create_engine)")
         self.runner = runner
         self.codec = codec
         self.config = config
@@ -64,12 +75,12 @@ class AsyncEngine:
             batch_size=config.batch_size,
             max_batch_delay=config.max_batch_delay,
             queue_timeout=config.predict_timeout,
-            prefill_floor=config.prefill_floor,
+            prefill_floor=floor,
         )
         self._handles: dict[int, _Handle] = {}  # seq_id -> handle
         self._ids = itertools.count(1)
         self._wakeup = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self.steps = 0
 
     # ---- lifecycle ---------------------------------------------------------------------------------
@@ -122,7 +133,7 @@ class AsyncEngine:
         self._wakeup.set()
         return handle
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[StepEvent]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[StepEvent, None]:
         """Events of one request. With n/best_of > 1 the sequences come whole, best first."""
         handle = self.submit(request)
         try:
@@ -141,7 +152,7 @@ class AsyncEngine:
                 self.scheduler.abort(seq)
         self._wakeup.set()
 
-    async def _drain(self, handle: _Handle) -> AsyncIterator[StepEvent]:
+    async def _drain(self, handle: _Handle) -> AsyncGenerator[StepEvent, None]:
         while handle.open:
             item = await handle.queue.get()
             if isinstance(item, BaseException):
@@ -157,7 +168,7 @@ class AsyncEngine:
         params = handle.request.params
         ranked = sorted(handle.seqs, key=lambda s: s.cumulative_logprob, reverse=True)
         keep = params.n
-        events = []
+        events: list[StepEvent] = []
         for new_index, seq in enumerate(ranked[:keep]):
             events.extend(_reindex(e, new_index) for e in by_index[seq.index])
         return events

@@ -16,17 +16,26 @@ than BLAS, so results differ from the torch path in the last bits, as two BLAS k
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 try:  # numba is a dependency; a broken install only costs speed
     import numba
 except Exception:  # noqa: BLE001 - import errors of numba/llvmlite come in many types
-    numba = None
+    _HAVE_NUMBA = False
+else:
+    _HAVE_NUMBA = True
+
+_F32 = npt.NDArray[np.float32]
 
 
-def _kernel(query, keys, values, new_keys, new_values, spans, scale, out):  # pragma: no cover - compiled
+def _kernel(  # pragma: no cover - compiled
+    query: _F32, keys: _F32, values: _F32, new_keys: _F32, new_values: _F32, spans: npt.NDArray[np.int64],
+    scale: np.float32, out: _F32,
+) -> None:
     rows, kv_heads, groups, dim = query.shape
     for task in numba.prange(rows * kv_heads):
         row = task // kv_heads
@@ -62,10 +71,10 @@ def _kernel(query, keys, values, new_keys, new_values, spans, scale, out):  # pr
                     out[row, head, g, d] += p * values[row, head, j, d]
 
 
-_compiled = None
+_compiled: Callable[..., None] | None = None
 
 
-def _compiled_kernel():
+def _compiled_kernel() -> Callable[..., None]:
     global _compiled
     if _compiled is None:
         _compiled = numba.njit(fastmath=True, parallel=True, cache=True, nogil=True)(_kernel)
@@ -81,7 +90,7 @@ def warm_up() -> None:
 
 def available(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether `decode_attention` serves a model of this dtype on this device."""
-    return numba is not None and device.type == "cpu" and dtype == torch.float32
+    return _HAVE_NUMBA and device.type == "cpu" and dtype == torch.float32
 
 
 def decode_attention(
@@ -90,7 +99,7 @@ def decode_attention(
     values: torch.Tensor,
     new_keys: torch.Tensor,
     new_values: torch.Tensor,
-    spans: np.ndarray,
+    spans: npt.NDArray[np.int64],
     scale: float,
 ) -> torch.Tensor:
     """Rows ``0..R-1`` (slot = row): write ``new_keys``/``new_values`` (``[R, kv_heads, head_dim]``) at

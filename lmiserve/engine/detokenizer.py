@@ -9,25 +9,23 @@ leading space at the start of a decode (SentencePiece) still give the right text
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+
+from lmiserve.core.tokenizer import Tokenizer
 
 _CONTEXT = 5
 _REPLACEMENT = "\ufffd"
 
 
-class Tokenizer(Protocol):
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
-
-
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         self._ids: list[int] = list(prompt_ids[-_CONTEXT:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
 
-    def _decode(self, ids: Sequence[int]) -> str:
+    def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
 
     def add(self, token_id: int) -> str:

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from lmiserve.engine.async_engine import AsyncEngine, EngineConfig
-from lmiserve.engine.runner import ModelRunner
+from lmiserve.engine.loaded import LoadedModel
+from lmiserve.engine.runners import ModelRunner, create_runner
+from lmiserve.engine.tokenizer import HfTokenizer
 from lmiserve.engine.validation import PromptCodec
+
+if TYPE_CHECKING:
+    from lmiserve.config import Settings
 
 # Prompt tokens a step that also decodes may take at least (it takes max(floor, decoding rows)).
 # CPU: a step's cost is ~ weight read + tokens x per-token compute; 16 extra tokens at most double
@@ -15,7 +21,7 @@ from lmiserve.engine.validation import PromptCodec
 PREFILL_FLOOR = {"cpu": 16, "cuda": 256}
 
 
-def engine_config(settings) -> EngineConfig:
+def engine_config(settings: Settings) -> EngineConfig:
     static = settings.dynamic_batching
     return EngineConfig(
         max_running=settings.batch_size if static else settings.max_rolling_batch_size,
@@ -31,23 +37,35 @@ def engine_config(settings) -> EngineConfig:
     )
 
 
-def build_engine(loaded, settings) -> AsyncEngine:
+def build_engine(loaded: LoadedModel, settings: Settings) -> AsyncEngine:
     return create_engine(loaded, engine_config(settings), max_input_len=settings.max_input_len)
 
 
-def create_engine(loaded, config: EngineConfig, *, max_input_len: int | None = None, runner_cls=ModelRunner) -> AsyncEngine:
+def create_engine(
+    loaded: LoadedModel,
+    config: EngineConfig,
+    *,
+    max_input_len: int | None = None,
+    runner_cls: type[ModelRunner] | None = None,
+) -> AsyncEngine:
+    """The engine for `loaded`; the runner strategy follows `config` unless `runner_cls` is given."""
     if config.prefill_floor == "auto":
         config = dataclasses.replace(config, prefill_floor=PREFILL_FLOOR.get(loaded.device.type, 256))
-    runner = runner_cls(
-        loaded.model,
-        max_slots=config.max_running,
-        max_context=loaded.max_context,
-        eos_token_ids=loaded.eos_token_ids,
-        batch_invariant=config.batch_invariant,
-        fast_path=config.fast_path,
-    )
+    if runner_cls is None:
+        runner = create_runner(
+            loaded.model,
+            max_slots=config.max_running,
+            max_context=loaded.max_context,
+            eos_token_ids=loaded.eos_token_ids,
+            batch_invariant=config.batch_invariant,
+            fast_path=config.fast_path,
+        )
+    else:
+        runner = runner_cls(
+            loaded.model, max_slots=config.max_running, max_context=loaded.max_context, eos_token_ids=loaded.eos_token_ids
+        )
     codec = PromptCodec(
-        loaded.tokenizer,
+        HfTokenizer(loaded.tokenizer),
         eos_token_ids=loaded.eos_token_ids,
         max_context=loaded.max_context,
         max_input_len=max_input_len,

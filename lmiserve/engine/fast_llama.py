@@ -2,131 +2,48 @@
 
 One call runs a whole engine step: the decode rows (one token each, slots ``0..R-1``) and any
 number of prefill chunks (several tokens of one slot each) flattened into one ``[T, hidden]``
-batch. Every matrix multiply sees all T tokens at once (one weight read per step); on CPU the rows
-are padded to a multiple of 8 and the products run in the orientation MKL is fastest at (see
-`_linear`). Only attention is split: one call for all decode rows (a compiled kernel on CPU fp32,
+batch. Every matrix multiply sees all T tokens at once (one weight read per step), in the shapes
+CPU BLAS runs fastest (`cpu_gemm.CpuGemm`: orientation, row blocks, rows padded to a multiple of 8).
+Only attention is split: one call for all decode rows (a compiled kernel on CPU fp32,
 `decode_attention.py`; batched matmuls with GQA packed per kv head otherwise) and one per prefill
 chunk (causal over its slot's cache).
 
-It reuses the loaded transformers model's weights: q/k/v and gate/up are fused into one matrix each
-(in the model's own ``[out, in]`` layout) and the original modules are pointed at their rows, so
-memory does not grow and the generic path keeps working. RoPE comes from a table built with the
-model's own rotary module. The math mirrors transformers' Llama modules op for op (RMSNorm in fp32,
-rotate-half RoPE, softmax attention), so the result differs from the generic path only where a
-kernel's summation order changes rounding.
+It reuses the loaded transformers model's weights (`llama_layout.fused_layers`: q/k/v and gate/up
+fused, the original modules pointed at their rows), so memory does not grow and the generic path
+keeps working. RoPE comes from a table built with the model's own rotary module. The math mirrors
+transformers' Llama modules op for op (RMSNorm in fp32, rotate-half RoPE, softmax attention), so
+the result differs from the generic path only where a kernel's summation order changes rounding.
 
-Covers llama, mistral (without a sliding window) and qwen2 (biases; without sliding window), the
-RoPE types whose table does not depend on the sequence length. Anything else: `unsupported_reason`
-says why and the runner uses the generic transformers path. Device-agnostic; tested on CPU only.
+Models outside the Llama family: `unsupported_reason` says why and the engine uses the generic
+transformers path. Device-agnostic; tested on CPU only.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
 from lmiserve.engine import decode_attention as compiled_attention
-from lmiserve.engine.kv_cache import SlotKVCache
+from lmiserve.engine.cpu_gemm import PAD_ROWS_FROM, VOCAB_PAD_ROWS_FROM, CpuGemm
+from lmiserve.engine.kv_cache import AttentionShape, SlotKVCache
+from lmiserve.engine.llama_layout import (
+    SUPPORTED_TYPES,
+    as_llama,
+    fused_layers,
+    unsupported_reason,
+)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+__all__ = ["PAD_ROWS_FROM", "SPLIT_MIN_SAVING", "SUPPORTED_TYPES", "FastLlama", "split_point", "unsupported_reason"]
 
 log = logging.getLogger(__name__)
-
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
-_STATIC_ROPE = ("default", "linear", "llama3", "yarn")
-
-
-def unsupported_reason(model) -> str | None:
-    """None when `FastLlama` can run `model`, else a short reason for the log."""
-    cfg = model.config
-    if cfg.model_type not in SUPPORTED_TYPES:
-        return f"model type {cfg.model_type!r} is not one of {', '.join(SUPPORTED_TYPES)}"
-    if getattr(cfg, "pretraining_tp", 1) != 1:
-        return "pretraining_tp != 1"
-    if getattr(cfg, "sliding_window", None) is not None and (
-        cfg.model_type == "mistral" or getattr(cfg, "use_sliding_window", False)
-    ):
-        return "sliding-window attention"
-    inner = getattr(model, "model", None)
-    rope = getattr(inner, "rotary_emb", None)
-    if rope is None or getattr(rope, "rope_type", "default") not in _STATIC_ROPE:
-        return f"RoPE type {getattr(rope, 'rope_type', None)!r}"
-    if getattr(model, "lm_head", None) is None or getattr(model.lm_head, "bias", None) is not None:
-        return "no plain lm_head"
-    for layer in getattr(inner, "layers", []):
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        names = [(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")] + [
-            (mlp, n) for n in ("gate_proj", "up_proj", "down_proj")
-        ]
-        for owner, name in names:
-            weight = getattr(getattr(owner, name, None), "weight", None)
-            if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.is_meta:
-                return f"layer module {name} is not a plain floating-point linear"
-    return None
-
-
-def _fuse(modules) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight for several linears that read the same input (``[sum of out, in]``, contiguous,
-    the model's own output-major layout). Each module is pointed at its rows, so memory does not
-    grow and the transformers forward keeps working on the same storage."""
-    weights = [m.weight.detach() for m in modules]
-    stored = weights[0].contiguous() if len(weights) == 1 else torch.cat(weights, dim=0)
-    biases = [m.bias for m in modules]
-    bias = torch.cat([b.detach() for b in biases], dim=0) if all(b is not None for b in biases) else None
-    if any(b is not None for b in biases) and bias is None:
-        raise ValueError("mixed biases")
-    row = 0
-    for m in modules:
-        n = m.weight.shape[0]
-        m.weight = torch.nn.Parameter(stored[row : row + n], requires_grad=False)
-        if bias is not None:
-            m.bias = torch.nn.Parameter(bias[row : row + n], requires_grad=False)
-        row += n
-    return stored, bias
-
-
-# CPU BLAS (MKL) runs the same products much faster in other shapes (2 cores, fp32; the figures are
-# in benchmarks/README.md):
-# - from 8 rows on (from 2 for the vocabulary matrix) ``x @ W.T`` as ``(W @ x.T).T``: layer matrices
-#   1.1-1.4x, the vocabulary matrix 1.6-3x faster;
-# - but only for a multiple of 8 rows: 30 or 31 rows take 1.7-2x as long as 32, so a step pads its
-#   rows (from 5 on) and the rows it keeps for the vocabulary product up to the next multiple;
-# - fewer rows as a batched product over row blocks of W: a matrix-vector product runs on one core,
-#   the blocks on all of them (2x at 1 row).
-TRANSPOSED_GEMM_ROWS = 8
-ROW_MULTIPLE = 8
-PAD_ROWS_FROM = 5
-_BIG_OUT = 8192  # a vocabulary projection
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, splits: int) -> torch.Tensor:
-    """``x @ weight.T + bias`` for ``weight`` ``[out, in]``; `splits` > 1 picks the CPU orientations.
-    A transposed product returns a transposed view (``[rows, out]`` with strides ``(1, rows)``): the
-    next `_linear` takes it as is (its transpose is contiguous) and element-wise ops accept it."""
-    if splits > 1:
-        rows, out = x.shape[0], weight.shape[0]
-        if rows >= TRANSPOSED_GEMM_ROWS or (rows > 1 and out > _BIG_OUT):
-            y = torch.mm(weight, x.t()).t()
-            return y if bias is None else y + bias
-        if out % splits == 0:
-            parts = weight.view(splits, out // splits, weight.shape[1])
-            y = torch.bmm(parts, x.t().expand(splits, -1, -1)).view(out, rows).t()
-            return y if bias is None else y + bias
-    return F.linear(x, weight, bias)
-
-
-class _Layer:
-    def __init__(self, layer):
-        attn, mlp = layer.self_attn, layer.mlp
-        self.qkv_w, self.qkv_b = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.gate_up_w, self.gate_up_b = _fuse([mlp.gate_proj, mlp.up_proj])
-        self.o_w, self.o_b = _fuse([attn.o_proj])
-        self.down_w, self.down_b = _fuse([mlp.down_proj])
-        self.act = mlp.act_fn
-        self.in_norm = (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
-        self.post_norm = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
-        self.intermediate = mlp.gate_proj.weight.shape[0]
 
 
 def _rms(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
@@ -144,34 +61,36 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
 
 
+class _Chunk(NamedTuple):
+    """A prefill chunk of one step: its slot, positions ``start..end-1``, first row in the batch and
+    causal mask over ``[0, end)``."""
+
+    slot: int
+    start: int
+    end: int
+    offset: int
+    mask: torch.Tensor
+
+
 class FastLlama:
-    def __init__(self, model, cache: SlotKVCache, max_context: int):
-        reason = unsupported_reason(model)
-        if reason is not None:
-            raise ValueError(f"FastLlama cannot run this model: {reason}")
-        cfg = model.config
-        inner = model.model
+    def __init__(self, model: PreTrainedModel, cache: SlotKVCache, max_context: int) -> None:
+        llama = as_llama(model)
+        inner = llama.model
         self.cache = cache
         self.device = model.device
         self.dtype = model.dtype
-        self.heads = cfg.num_attention_heads
-        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        shape = AttentionShape.of(model.config)
+        self.heads, self.kv_heads, self.head_dim = shape.heads, shape.kv_heads, shape.head_dim
         self.groups = self.heads // self.kv_heads
         self.scale = self.head_dim**-0.5
         self.embed = inner.embed_tokens.weight
-        self.layers = model.__dict__.get("_lmiserve_fused_layers")
-        if self.layers is None:  # fuse once per model; later engines on it share the result
-            self.layers = [_Layer(layer) for layer in inner.layers]
-            model.__dict__["_lmiserve_fused_layers"] = self.layers
+        self.layers = fused_layers(model)  # shared by every engine on this model
         self.norm = (inner.norm.weight, inner.norm.variance_epsilon)
-        self.lm_head = model.lm_head.weight
+        self.lm_head = llama.lm_head.weight
         self._rotary = inner.rotary_emb
         self._max_context = max_context
         self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)
-        cpu = self.device.type == "cpu"
-        # the shapes MKL runs fastest (see `_linear`): measured for fp32 CPU products only
-        self._splits = max(2, torch.get_num_threads()) if cpu and self.dtype == torch.float32 else 1
+        self._gemm = CpuGemm.for_model(self.device, self.dtype)
         self._compiled = compiled_attention.available(self.dtype, self.device)
         if self._compiled:
             try:  # compiles (or loads from numba's cache) at load, not on a request
@@ -208,6 +127,7 @@ class FastLlama:
         each prefill chunk ``(slot, start, ids)`` in turn.
         """
         dev = self.device
+        gemm = self._gemm
         rows = len(decode_ids)
         ids = decode_ids + [t for _, _, chunk in prefills for t in chunk]
         positions = list(decode_positions)
@@ -229,33 +149,35 @@ class FastLlama:
             end = start + len(chunk)
             chunk_pos = pos[offset : offset + len(chunk)]
             mask = (torch.arange(end, device=dev)[None, :] <= chunk_pos[:, None])[None, None]
-            pre.append((slot, start, end, offset, mask))
+            pre.append(_Chunk(slot, start, end, offset, mask))
             offset += len(chunk)
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         for index, layer in enumerate(self.layers):
             h = _rms(x, layer.in_norm)
-            qkv = _linear(h, layer.qkv_w, layer.qkv_b, self._splits).contiguous()
+            qkv = gemm.linear(h, layer.qkv_w, layer.qkv_b).contiguous()
             qk = _rotate(qkv[:, : q_size + kv_size].view(-1, self.heads + self.kv_heads, self.head_dim), cos, sin)
             q, k = qk[:, : self.heads], qk[:, self.heads :]
             v = qkv[:, q_size + kv_size :].view(-1, self.kv_heads, self.head_dim)
             attn = self._attention(index, q, k, v, dec, pre, pad)
-            x = x + _linear(attn, layer.o_w, layer.o_b, self._splits)
+            x = x + gemm.linear(attn, layer.o_w, layer.o_b)
             h = _rms(x, layer.post_norm)
-            gate_up = _linear(h, layer.gate_up_w, layer.gate_up_b, self._splits)
+            gate_up = gemm.linear(h, layer.gate_up_w, layer.gate_up_b)
             inter = layer.intermediate
             h = layer.act(gate_up[:, :inter]) * gate_up[:, inter:]
-            x = x + _linear(h, layer.down_w, layer.down_b, self._splits)
+            x = x + gemm.linear(h, layer.down_w, layer.down_b)
         count = len(keep)
-        keep = keep + keep[:1] * self._row_padding(count, 2)  # the vocabulary product is transposed from 2 rows
+        keep = keep + keep[:1] * self._row_padding(count, VOCAB_PAD_ROWS_FROM)
         if keep != list(range(x.shape[0])):
             x = x[torch.tensor(keep, dtype=torch.long, device=dev)]
-        return _linear(_rms(x, self.norm), self.lm_head, None, self._splits)[:count].float().contiguous()
+        return gemm.linear(_rms(x, self.norm), self.lm_head, None)[:count].float().contiguous()
 
     def _row_padding(self, rows: int, pad_from: int) -> int:
-        """Rows to add (on CPU, from `pad_from` rows) up to a multiple of `ROW_MULTIPLE`."""
-        return (-rows) % ROW_MULTIPLE if self._splits > 1 and rows >= pad_from else 0
+        """Rows to add (on CPU, from `pad_from` rows) up to a multiple of 8 (`CpuGemm.row_padding`)."""
+        return self._gemm.row_padding(rows, pad_from)
 
-    def _decode_attention(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, dec: "_DecodePlan"):
+    def _decode_attention(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, dec: _DecodePlan
+    ) -> torch.Tensor:
         """One query token per row (GQA packed per kv head: ``[rows, kv_heads, groups, head_dim]``) over
         its slot's cache, as plain batched matmuls (for a handful of queries per row SDPA's CPU kernel
         costs ~10x more). Softmax in fp32 (a no-op for fp32 models). With a split (`_DecodePlan`) the
@@ -276,7 +198,16 @@ class FastLlama:
         out[long_rows] += torch.matmul(joint[..., cut:], values[long_rows, :, cut:span])
         return out
 
-    def _attention(self, index: int, q, k, v, dec, pre, pad: int) -> torch.Tensor:
+    def _attention(
+        self,
+        index: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        dec: _DecodePlan | None,
+        pre: list[_Chunk],
+        pad: int,
+    ) -> torch.Tensor:
         keys, values = self.cache.keys[index], self.cache.values[index]
         outputs = []
         if dec is not None:
@@ -326,12 +257,12 @@ def split_point(spans: list[int]) -> int | None:
 
 class _DecodePlan:
     """What every layer's decode attention of one step shares: the rows' cache write index and the
-    masks of the (possibly split, see `split_point`) read."""
+    masks of the (possibly split, see `split_point`) read; for the compiled kernel only each row's span."""
 
-    def __init__(self, positions: list[int], capacity: int, kv_heads: int, device: torch.device, compiled: bool):
+    def __init__(self, positions: list[int], capacity: int, kv_heads: int, device: torch.device, compiled: bool) -> None:
         self.rows = rows = len(positions)
         # the compiled kernel (decode_attention.py) needs only each row's span
-        self.spans = np.array(positions, dtype=np.int64) + 1 if compiled else None
+        self.spans: npt.NDArray[np.int64] | None = np.array(positions, dtype=np.int64) + 1 if compiled else None
         if compiled:
             return
         pos = torch.tensor(positions, device=device)
@@ -344,7 +275,7 @@ class _DecodePlan:
         cut = split_point(spans)
         self.cut = self.span if cut is None else cut
         self.mask = (torch.arange(self.cut, device=device)[None, :] > pos[:, None])[:, None, None, :]  # True = hidden
-        self.long_rows = None
+        self.long_rows: torch.Tensor | None = None
         if cut is not None:
             self.long_rows = torch.tensor([i for i, s in enumerate(spans) if s > cut], device=device)
             tail = torch.arange(cut, self.span, device=device)

@@ -9,7 +9,31 @@ call on a cache; what a forward pass writes where is set beforehand with :meth:`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """The attention dimensions of a model, which shape its KV cache."""
+
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, config: PreTrainedConfig) -> AttentionShape:
+        cfg: Any = config  # the attribute names are the architecture's (transformers declares none of them)
+        heads = int(cfg.num_attention_heads)
+        head_dim = getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        return cls(int(cfg.num_hidden_layers), heads, int(kv_heads), int(head_dim))
 
 
 class SlotKVCache:
@@ -23,7 +47,7 @@ class SlotKVCache:
         device: torch.device,
         initial_len: int = 256,
         max_len: int | None = None,
-    ):
+    ) -> None:
         self.num_layers = num_layers
         self.num_slots = num_slots
         self.max_len = max_len
@@ -83,7 +107,9 @@ class SlotKVCache:
         self.ensure_capacity(self._span)
 
     # ---- the cache protocol transformers calls --------------------------------------------------
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         if self._mode == "decode":
             rows = torch.arange(self._rows, device=keys.device)

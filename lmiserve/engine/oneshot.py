@@ -5,10 +5,10 @@ model's queue. One background task takes the oldest request, gathers more reques
 tensor layout until `batch_size` rows or `max_batch_delay` seconds, runs ONE forward pass in a worker
 thread and splits the outputs back by rows. A request larger than `batch_size` runs alone. If a
 batched forward fails, its requests run one by one, so a bad request fails only itself. At most
-`job_queue_size` requests wait; beyond that `submit` raises Overloaded (503).
+`job_queue_size` requests wait; beyond that `submit` raises Overloaded.
 
-A runner is duck-typed: `kind`, `signature`, `path`, `device`, `prepare(TensorRequest) -> dict of
-arrays with rows on axis 0` (raising InvalidRequest), and blocking `forward(dict) -> dict`.
+A runner is a `TensorRunner`: `prepare` validates a request into arrays with rows on axis 0 (raising
+InvalidRequest), `forward` runs them (blocking, on the torch thread).
 """
 
 from __future__ import annotations
@@ -18,15 +18,54 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
-from lmiserve.engine import torch_thread
-from lmiserve.core.errors import Overloaded, GenerationFailed, InvalidRequest, LmiServeError, ModelNotReady
+from lmiserve.core.errors import (
+    GenerationFailed,
+    InvalidRequest,
+    LmiServeError,
+    ModelNotReady,
+    Overloaded,
+)
 from lmiserve.core.tensor_io import select_outputs
-from lmiserve.core.tensors import TensorRequest
+from lmiserve.core.tensors import ModelSignature, TensorRequest
+from lmiserve.engine import torch_thread
+
+if TYPE_CHECKING:
+    import torch
+
+Arrays = dict[str, npt.NDArray[Any]]  # named tensors, rows on axis 0
+LayoutKey = tuple[tuple[str, str, tuple[int, ...]], ...]  # (name, dtype, shape after the rows) per input
 
 log = logging.getLogger(__name__)
+
+
+class TensorRunner(Protocol):
+    """A one-shot model: embeddings, classifier, TorchScript (engine/text_runners.py, torchscript_runner.py)."""
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def signature(self) -> ModelSignature: ...
+
+    @property
+    def path(self) -> Path: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def prepare(self, request: TensorRequest) -> Arrays:
+        """The request's inputs checked and converted, rows on axis 0; InvalidRequest if they do not fit."""
+        ...
+
+    def forward(self, inputs: Arrays) -> Arrays:
+        """One forward pass over a batch of prepared inputs (blocking); one output row per input row."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -38,14 +77,14 @@ class BatchConfig:
 
 @dataclass(eq=False)  # identity: jobs are found in the queue by `is`, never by comparing arrays
 class _Job:
-    inputs: dict[str, np.ndarray]
+    inputs: Arrays
     rows: int
-    key: tuple
-    future: asyncio.Future
+    key: LayoutKey
+    future: asyncio.Future[Arrays]
     arrival: float = field(default_factory=time.monotonic)
 
 
-def layout_key(inputs: dict[str, np.ndarray]) -> tuple:
+def layout_key(inputs: Arrays) -> LayoutKey:
     """Requests batch together when their tensors differ only in the number of rows."""
     return tuple((name, a.dtype.str, a.shape[1:]) for name, a in sorted(inputs.items()))
 
@@ -53,7 +92,7 @@ def layout_key(inputs: dict[str, np.ndarray]) -> tuple:
 class OneShotModel:
     """The `TensorModel` of a one-shot runner, with its dynamic batcher."""
 
-    def __init__(self, runner, config: BatchConfig, name: str = ""):
+    def __init__(self, runner: TensorRunner, config: BatchConfig, name: str = "") -> None:
         self.runner = runner
         self.config = config
         self.name = name
@@ -62,15 +101,15 @@ class OneShotModel:
         self.forwards = 0  # forward passes run (observability and tests)
         self._queue: collections.deque[_Job] = collections.deque()
         self._wakeup = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
     @property
     def num_waiting(self) -> int:
         return len(self._queue)
 
     @property
-    def device(self):
-        return getattr(self.runner, "device", None)
+    def device(self) -> torch.device:
+        return self.runner.device
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -91,12 +130,12 @@ class OneShotModel:
                 job.future.set_exception(ModelNotReady("the model is being unloaded"))
 
     # ---- requests ----------------------------------------------------------------------------------
-    async def infer(self, request: TensorRequest) -> dict[str, np.ndarray]:
+    async def infer(self, request: TensorRequest) -> Arrays:
         inputs = self.runner.prepare(request)
         outputs = await self.submit(inputs)
         return select_outputs(outputs, request, self.signature)
 
-    async def submit(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    async def submit(self, inputs: Arrays) -> Arrays:
         """Queue prepared inputs (rows on axis 0) and await their outputs."""
         if self._task is None:
             raise ModelNotReady(f"Model {self.name} is not running")
@@ -172,14 +211,14 @@ class OneShotModel:
                 for job in batch:
                     await self._run([job])
                 return
-            _settle(batch[0], exc=_as_error(exc))
+            _settle(batch[0], _as_error(exc))
             return
         start = 0
         for job in batch:
             _settle(job, {name: value[start : start + job.rows] for name, value in outputs.items()})
             start += job.rows
 
-    def _forward(self, parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    def _forward(self, parts: list[Arrays]) -> Arrays:
         inputs = parts[0] if len(parts) == 1 else {n: np.concatenate([p[n] for p in parts]) for n in parts[0]}
         self.forwards += 1
         outputs = self.runner.forward(inputs)
@@ -190,11 +229,11 @@ class OneShotModel:
         return outputs
 
 
-def _settle(job: _Job, result=None, exc: BaseException | None = None) -> None:
+def _settle(job: _Job, result: Arrays | BaseException) -> None:
     if job.future.done():
         return
-    if exc is not None:
-        job.future.set_exception(exc)
+    if isinstance(result, BaseException):
+        job.future.set_exception(result)
     else:
         job.future.set_result(result)
 

@@ -31,7 +31,7 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
         scores = logits[seen]
         logits[seen] = torch.where(scores > 0, scores / params.repetition_penalty, scores * params.repetition_penalty)
     if output_ids and (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0):
-        ids, counts = torch.tensor(output_ids, device=logits.device).unique(return_counts=True)
+        ids, counts = torch.unique(torch.tensor(output_ids, device=logits.device), return_counts=True)
         logits[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(logits.dtype)
     return logits
 

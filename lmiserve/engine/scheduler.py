@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from lmiserve.core.events import FinishReason, StepEvent
-from lmiserve.engine.sequence import Sequence, SeqStatus
+from lmiserve.engine.sequence import SeqStatus, Sequence
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,8 @@ class StepOutput:
     """What the runner computed for a plan, keyed by seq_id."""
 
     samples: dict[int, SampleResult] = field(default_factory=dict)
-    prompt_logprobs: dict[int, tuple[int, list[float]]] = field(default_factory=dict)  # (start, lps)
+    # (position of the first, logprobs); the prompt's first token has none
+    prompt_logprobs: dict[int, tuple[int, list[float | None]]] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)
 
 
@@ -78,7 +79,7 @@ class Scheduler:
         max_batch_delay: float = 0.1,
         queue_timeout: float | None = None,
         prefill_floor: int | None = None,
-    ):
+    ) -> None:
         self.max_running = max_running
         self.prefill_floor = prefill_floor
         self.max_prefill_tokens = max_prefill_tokens
@@ -203,10 +204,10 @@ class Scheduler:
             if seq.finished:
                 self._remove(seq)
         for seq_id, message in output.errors.items():
-            seq = next((s for s in self.running if s.seq_id == seq_id), None)
-            if seq is not None:
-                events.append((seq, seq.end(FinishReason.ERROR, message)))
-                self._remove(seq)
+            failed = next((s for s in self.running if s.seq_id == seq_id), None)
+            if failed is not None:
+                events.append((failed, failed.end(FinishReason.ERROR, message)))
+                self._remove(failed)
         return events
 
     def _remove(self, seq: Sequence) -> None:
@@ -222,6 +223,7 @@ class Scheduler:
             self.running.insert(slot, last)
         for new_slot in range(slot, len(self.running)):
             moved = self.running[new_slot]
+            assert moved.slot is not None  # every running sequence holds a slot
             if moved.slot != new_slot:
                 self._moves.append((moved.slot, new_slot, moved.kv_len))
                 moved.slot = new_slot

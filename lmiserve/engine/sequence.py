@@ -7,16 +7,12 @@ tokens, and :meth:`Sequence.on_token` turns each token into the `StepEvent` clie
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any, Protocol, Sequence as Seq
 
 from lmiserve.core.events import Finish, FinishReason, StepEvent, Token
 from lmiserve.core.request import SamplingParams
+from lmiserve.core.tokenizer import Tokenizer
 from lmiserve.engine.detokenizer import IncrementalDetokenizer
 from lmiserve.engine.stop import StopMatcher
-
-
-class Tokenizer(Protocol):
-    def decode(self, ids: Seq[int], skip_special_tokens: bool = ...) -> str: ...
 
 
 class SeqStatus(Enum):
@@ -41,7 +37,7 @@ class Sequence:
         seed: int | None,
         index: int = 0,
         arrival: float = 0.0,
-    ):
+    ) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
         self.index = index
@@ -57,9 +53,8 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.prefill_tokens: list[Token] = []
         self.abort_requested = False
-        self.sampler_state: Any = None  # owned by the model runner (e.g. a torch.Generator)
         self._tokenizer = tokenizer
-        self._eos = set() if params.ignore_eos_token else set(eos_token_ids)
+        self._eos: set[int] = set() if params.ignore_eos_token else set(eos_token_ids)
         self._stop_ids = set(params.stop_token_ids)
         self._special = special_token_ids
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
@@ -88,7 +83,7 @@ class Sequence:
             text = self._tokenizer.decode([token_id], skip_special_tokens=False)
         return Token(token_id, text, logprob, token_id in self._special)
 
-    def add_prompt_logprobs(self, start: int, logprobs: list[float]) -> None:
+    def add_prompt_logprobs(self, start: int, logprobs: list[float | None]) -> None:
         """Record prompt tokens from `start` with the logprob the model gave each (first: None)."""
         for offset, lp in enumerate(logprobs):
             pos = start + offset

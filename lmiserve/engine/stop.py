@@ -8,7 +8,7 @@ from __future__ import annotations
 
 
 class StopMatcher:
-    def __init__(self, stop_sequences: list[str], include_stop_str: bool = False):
+    def __init__(self, stop_sequences: list[str], include_stop_str: bool = False) -> None:
         self._stops = [s for s in stop_sequences if s]
         self._include = include_stop_str
         self._pending = ""

@@ -13,14 +13,19 @@ batch with padding and truncation, and run one forward pass.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from lmiserve.core.tensor_io import bytes_column, pick_input, text_rows
 from lmiserve.core.tensors import ModelSignature, TensorRequest, TensorSpec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 TEXT = "text"
 TEXT_ALIASES = ("inputs", "text_input", "sentences")
@@ -37,7 +42,10 @@ class _TextRunner:
     kind = ""
     signature: ModelSignature
 
-    def __init__(self, model, tokenizer, *, path: Path, device: torch.device, max_length: int):
+    def __init__(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, path: Path, device: torch.device,
+        max_length: int,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.path = path
@@ -60,8 +68,11 @@ class _TextRunner:
 class EmbeddingRunner(_TextRunner):
     kind = "embedding"
 
-    def __init__(self, model, tokenizer, *, pooling: Pooling, dim: int, **kwargs):
-        super().__init__(model, tokenizer, **kwargs)
+    def __init__(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, pooling: Pooling, dim: int, path: Path,
+        device: torch.device, max_length: int,
+    ) -> None:
+        super().__init__(model, tokenizer, path=path, device=device, max_length=max_length)
         self.pooling = pooling
         self.signature = ModelSignature(
             inputs=(TensorSpec(TEXT, "BYTES", (-1,)),),
@@ -94,14 +105,19 @@ def pool(states: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
 
 
 class ClassifierRunner(_TextRunner):
-    def __init__(self, model, tokenizer, **kwargs):
-        super().__init__(model, tokenizer, **kwargs)
+    def __init__(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, path: Path, device: torch.device,
+        max_length: int,
+    ) -> None:
+        super().__init__(model, tokenizer, path=path, device=device, max_length=max_length)
         config = model.config
-        self.labels = [str(config.id2label.get(i, f"LABEL_{i}")) for i in range(config.num_labels)]
+        id2label: Mapping[Any, str] = config.id2label or {}  # int keys once the config is loaded
+        self.labels = [str(id2label.get(i, f"LABEL_{i}")) for i in range(config.num_labels or 0)]
         self.regression = config.num_labels == 1 or config.problem_type == "regression"
         self.multi_label = config.problem_type == "multi_label_classification"
         self.kind = "regression" if self.regression else "classifier"
         text = (TensorSpec(TEXT, "BYTES", (-1,)),)
+        outputs: tuple[TensorSpec, ...]
         if self.regression:
             outputs = (TensorSpec("score", "FP32", (-1,)),)
         else:

@@ -15,12 +15,18 @@ import numpy as np
 import torch
 
 from lmiserve.core.errors import GenerationFailed, InvalidRequest
-from lmiserve.core.tensors import NUMPY_DTYPES, ModelSignature, TensorRequest, TensorSpec
+from lmiserve.core.tensors import (
+    NUMPY_DTYPES,
+    ModelSignature,
+    TensorRequest,
+    TensorSpec,
+)
+
 
 class TorchScriptRunner:
     kind = "torchscript"
 
-    def __init__(self, module, signature: ModelSignature, *, path: Path, device: torch.device):
+    def __init__(self, module: torch.jit.ScriptModule, signature: ModelSignature, *, path: Path, device: torch.device) -> None:
         self.module = module
         self.signature = signature
         self.path = path
@@ -79,5 +85,5 @@ def _check(value: np.ndarray, spec: TensorSpec) -> np.ndarray:
     return array.astype(target, copy=False)
 
 
-def _shape(shape) -> str:
+def _shape(shape: tuple[int, ...]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"

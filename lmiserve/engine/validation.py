@@ -4,22 +4,23 @@ from __future__ import annotations
 
 from lmiserve.core.errors import InvalidRequest
 from lmiserve.core.request import GenerationRequest
+from lmiserve.core.tokenizer import Tokenizer
 
 
 class PromptCodec:
     def __init__(
         self,
-        tokenizer,
+        tokenizer: Tokenizer,
         *,
         eos_token_ids: set[int],
         max_context: int,
         max_input_len: int | None = None,
         vocab_size: int | None = None,
-    ):
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size or len(tokenizer)
         self.eos_token_ids = set(eos_token_ids)
-        self.special_token_ids = set(getattr(tokenizer, "all_special_ids", []) or []) | self.eos_token_ids
+        self.special_token_ids = set(tokenizer.all_special_ids) | self.eos_token_ids
         self.max_context = max_context
         self.max_input_len = min(max_input_len or max_context, max_context)
 
@@ -28,7 +29,7 @@ class PromptCodec:
         bad = [i for i in params.stop_token_ids if not 0 <= i < self.vocab_size]
         if bad:
             raise InvalidRequest(f"stop_token_ids {bad} are outside the vocabulary (0..{self.vocab_size - 1})")
-        ids = list(self.tokenizer(request.prompt)["input_ids"])
+        ids = self.tokenizer.encode(request.prompt)
         if params.truncate is not None and len(ids) > params.truncate:
             ids = ids[-params.truncate :]
         if not ids:

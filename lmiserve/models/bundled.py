@@ -137,7 +137,7 @@ def _convert_into(gguf_path: Path, out_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     # The weights are de-quantized already; without this save_pretrained refuses
     # ("The model is quantized with gguf and is not serializable").
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # torch's Module.__setattr__ stub admits only tensors and modules
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(out_dir)

@@ -10,16 +10,19 @@ each row's generated text (with the prompt in front when `return_full_text` is t
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine, Mapping
 from contextlib import aclosing
+from typing import Any, TypeVar
 
 import numpy as np
 
-from lmiserve.protocols.lmi.parse import Limits, parse_parameters, to_sampling
+from lmiserve.core.engine import TextGenerator
 from lmiserve.core.errors import GenerationFailed, InvalidRequest
 from lmiserve.core.events import FinishReason
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.core.tensor_io import bytes_column, pick_input, select_outputs, text_rows
 from lmiserve.core.tensors import ModelSignature, TensorRequest, TensorSpec
+from lmiserve.protocols.lmi.parse import Limits, parse_parameters, to_sampling
 
 INPUT = "text_input"
 INPUT_ALIASES = ("prompt", "inputs", "text")
@@ -31,19 +34,21 @@ SIGNATURE = ModelSignature(
 # Keys protocols put next to generation parameters; not generation parameters themselves.
 _NOT_GENERATION = frozenset({"content_type", "headers", "binary_data_output", "stream", "signature_name"})
 
+_T = TypeVar("_T")
+
 
 class LlmTensorModel:
-    """`TensorModel` over an AsyncEngine (duck-typed: anything with `generate(GenerationRequest)`)."""
+    """The `TensorModel` of a text generator (the LLM's AsyncEngine)."""
 
-    kind = "llm"
-    signature = SIGNATURE
+    kind: str = "llm"
+    signature: ModelSignature = SIGNATURE
 
-    def __init__(self, engine, limits: Limits, name: str = ""):
+    def __init__(self, engine: TextGenerator, limits: Limits, name: str = "") -> None:
         self.engine = engine
         self.limits = limits
         self.name = name
 
-    def sampling(self, parameters: dict) -> tuple[SamplingParams, bool]:
+    def sampling(self, parameters: Mapping[str, Any] | None) -> tuple[SamplingParams, bool]:
         """LMI parameter mapping of the request's parameters; also whether to prepend the prompt."""
         raw = {k: v for k, v in (parameters or {}).items() if k not in _NOT_GENERATION}
         params = parse_parameters(raw)
@@ -71,7 +76,7 @@ class LlmTensorModel:
         raise GenerationFailed("the generation ended without a final event")
 
 
-async def _all_or_nothing(coros) -> list:
+async def _all_or_nothing(coros: list[Coroutine[Any, Any, _T]]) -> list[_T]:
     """Run concurrently; on the first failure cancel the rest (aborting their sequences) and raise it."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:

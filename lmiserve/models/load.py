@@ -5,13 +5,20 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
+from lmiserve.engine.loaded import LoadedModel  # the engine's input, built here
 from lmiserve.models import ModelLoadError
+
+__all__ = ["DEFAULT_MAX_CONTEXT", "LoadedModel", "load_causal_lm", "resolve_device", "resolve_dtype"]
 
 logger = logging.getLogger(__name__)
 
@@ -29,20 +36,6 @@ _DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
     "bfloat16": torch.bfloat16,
 }
-
-
-@dataclass
-class LoadedModel:
-    """A model in eval mode on `device` plus what the engine needs to know about it."""
-
-    model: PreTrainedModel
-    tokenizer: PreTrainedTokenizerBase
-    device: torch.device
-    dtype: torch.dtype
-    max_context: int
-    eos_token_ids: set[int]
-    name: str
-    path: Path
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -95,8 +88,8 @@ def load_causal_lm(
         model = _load_model(path, torch_dtype, common)
     except (OSError, ValueError, KeyError, ImportError) as exc:
         raise ModelLoadError(f"could not load the model in {path}: {exc}") from exc
-    model.to(torch_device)
-    model.eval()
+    model.to(torch_device)  # type: ignore[arg-type]  # transformers wraps `to` with @wraps(Module.to): the stub wants `self` again
+    model.train(False)  # eval mode (what `model.eval()` does; transformers leaves `eval` unannotated)
 
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterator
 
 from lmiserve.core.errors import ModelNotFound, ModelRequired
 from lmiserve.models.service import ModelService
@@ -12,13 +13,13 @@ log = logging.getLogger(__name__)
 
 
 class ModelRegistry:
-    def __init__(self, services: list[ModelService] | None = None):
+    def __init__(self, services: list[ModelService] | None = None) -> None:
         self._services: dict[str, ModelService] = {}
         for service in services or []:
             self.add(service)
 
     # ---- lookup ------------------------------------------------------------------------------------
-    def __iter__(self):
+    def __iter__(self) -> Iterator[ModelService]:
         return iter(list(self._services.values()))
 
     def __len__(self) -> int:

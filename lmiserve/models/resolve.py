@@ -11,8 +11,7 @@ import os
 import re
 from pathlib import Path
 
-from lmiserve.models import ModelLoadError
-from lmiserve.models import bundled
+from lmiserve.models import ModelLoadError, bundled
 
 # "name" or "org/name", as the hub spells repo ids.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")

@@ -7,16 +7,25 @@ one-shot kinds (`embedding`, `classifier`, `torchscript`) run on a dynamic batch
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from lmiserve.protocols.lmi.parse import Limits
 from lmiserve.config import Settings
+from lmiserve.core.engine import ModelEngine, TextGenerator
+from lmiserve.core.errors import ModelNotReady, Unsupported
+from lmiserve.core.tensors import TensorModel
 from lmiserve.engine import torch_thread
-from lmiserve.core.errors import ModelNotReady
+from lmiserve.protocols.lmi.parse import Limits
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+
+    from lmiserve.engine.loaded import LoadedModel
+    from lmiserve.engine.oneshot import TensorRunner
+    from lmiserve.models.registry import ModelRegistry
 
 log = logging.getLogger(__name__)
 
@@ -28,16 +37,17 @@ _LOAD_LOCK = threading.Lock()
 class ModelService:
     PENDING, READY, FAILED = "PENDING", "READY", "FAILED"
 
-    def __init__(self, settings: Settings, *, name: str | None = None, kind: str | None = None):
+    def __init__(self, settings: Settings, *, name: str | None = None, kind: str | None = None) -> None:
         from lmiserve.models.kinds import detect_kind
 
         self.settings = settings
         self.status = self.PENDING
         self.error: str | None = None
         self.path: Path | None = None
-        self.loaded = None
-        self.engine = None
-        self._tensor_model = None
+        self.loaded: LoadedModel | TensorRunner | None = None  # the LLM, or the one-shot model's runner
+        self.engine: ModelEngine | None = None  # the AsyncEngine of an LLM, else the OneShotModel
+        self._generator: TextGenerator | None = None  # the AsyncEngine of an LLM
+        self._tensor_model: TensorModel | None = None
         self._closed = False
         self.started_at = time.time()
         self.loaded_at_startup = True
@@ -59,54 +69,64 @@ class ModelService:
     def dynamic_batching(self) -> bool:
         return self.settings.dynamic_batching
 
-    def ready_engine(self):
+    def ready_engine(self) -> ModelEngine | None:
+        """The engine of the loaded model; ModelNotReady while it loads or after it failed. (None only for
+        a service put together without one, as tests do with bare tensor models.)"""
         if self.status != self.READY:
             raise ModelNotReady(f"Model {self.name} is {'loading' if self.status == self.PENDING else 'failed'}")
         return self.engine
 
+    def ready_generator(self) -> TextGenerator:
+        """The text generator of a loaded LLM; ModelNotReady while it loads, Unsupported for other kinds."""
+        self.ready_engine()
+        if self._generator is None:
+            raise Unsupported(f"Model {self.name} is a {self.kind} model; it does not generate text")
+        return self._generator
+
     @property
-    def tensor_model(self):
+    def tensor_model(self) -> TensorModel:
         """The `TensorModel` of this model (ModelNotReady until it is loaded)."""
         self.ready_engine()
+        if self._tensor_model is None:
+            raise ModelNotReady(f"Model {self.name} is not loaded")
         return self._tensor_model
 
     async def load(self) -> None:
         try:
-            await torch_thread.run_apart(self._load_blocking)
+            engine = await torch_thread.run_apart(self._load_blocking)
             if self._closed:  # unregistered while loading: never start
                 self.status, self.error = self.FAILED, "unloaded while loading"
                 return
-            self.engine.start()
+            engine.start()
             self.status = self.READY
             log.info("model %s (%s) ready (%s)", self.name, self.kind, self.path)
         except Exception as exc:  # noqa: BLE001 - reported by /ping and the log
             self.status, self.error = self.FAILED, str(exc)
             log.error("model %s failed to load: %s", self.name, exc)
 
-    def _load_blocking(self) -> None:
+    def _load_blocking(self) -> ModelEngine:
         with _LOAD_LOCK:
-            self._load_locked()
+            return self._load_llm() if self.is_llm else self._load_oneshot()
 
-    def _load_locked(self) -> None:
-        if self.is_llm:
-            self._load_llm()
-        else:
-            self._load_oneshot()
-
-    def _load_llm(self) -> None:
-        from lmiserve.models.llm_tensor import LlmTensorModel
+    def _load_llm(self) -> ModelEngine:
         from lmiserve.engine.factory import build_engine
-        from lmiserve.models import default_model_name, load_causal_lm, resolve_model_path
+        from lmiserve.models import (
+            default_model_name,
+            load_causal_lm,
+            resolve_model_path,
+        )
+        from lmiserve.models.llm_tensor import LlmTensorModel
 
         s = self.settings
         self.path = resolve_model_path(s.model_id, s.revision, s.model_cache_dir)
         if not self._fixed_name:
             self.name = default_model_name(s.model_id, self.path)
-        self.loaded = load_causal_lm(self.path, dtype=s.dtype, device=s.device, trust_remote_code=s.trust_remote_code)
-        self.engine = build_engine(self.loaded, s)
-        self._tensor_model = LlmTensorModel(self.engine, self.limits, self.name)
+        self.loaded = loaded = load_causal_lm(self.path, dtype=s.dtype, device=s.device, trust_remote_code=s.trust_remote_code)
+        self.engine = self._generator = engine = build_engine(loaded, s)
+        self._tensor_model = LlmTensorModel(engine, self.limits, self.name)
+        return engine
 
-    def _load_oneshot(self) -> None:
+    def _load_oneshot(self) -> ModelEngine:
         from lmiserve.engine.oneshot import BatchConfig, OneShotModel
         from lmiserve.models.tensor_models import load_runner
 
@@ -114,8 +134,9 @@ class ModelService:
         runner = load_runner(self.kind, s)
         self.path, self.loaded, self.kind = runner.path, runner, runner.kind  # classifier -> regression for one-label heads
         config = BatchConfig(batch_size=s.batch_size, max_batch_delay=s.max_batch_delay / 1000.0, job_queue_size=s.job_queue_size)
-        self.engine = OneShotModel(runner, config, self.name)
-        self._tensor_model = self.engine
+        engine = OneShotModel(runner, config, self.name)
+        self.engine = self._tensor_model = engine
+        return engine
 
     async def close(self) -> None:
         self._closed = True
@@ -129,11 +150,12 @@ def _initial_name(model_id: str | None) -> str:
     return default_model_name(model_id, None)
 
 
-def _registry(request):
-    return request.app.state.registry
+def _registry(request: Request) -> ModelRegistry:
+    registry: ModelRegistry = request.app.state.registry
+    return registry
 
 
-def model_service(request, name: str | None = None) -> ModelService:
+def model_service(request: Request, name: str | None = None) -> ModelService:
     """The model a request addresses by name, else the default one; ModelNotFound for an unknown name.
 
     Every route resolves its model through here (or `default_llm` / `tensor_model`), so how models are
@@ -142,11 +164,11 @@ def model_service(request, name: str | None = None) -> ModelService:
     return _registry(request).get(name) if name else _registry(request).default()
 
 
-def default_llm(request) -> ModelService:
+def default_llm(request: Request) -> ModelService:
     """The generative model that name-less routes (TGI, OpenAI, plain /invocations) talk to."""
     return _registry(request).default_llm()
 
 
-def tensor_model(request, name: str | None = None):
+def tensor_model(request: Request, name: str | None = None) -> TensorModel:
     """The `TensorModel` of the named (or default) model; ModelNotFound / ModelNotReady as they apply."""
     return model_service(request, name).tensor_model

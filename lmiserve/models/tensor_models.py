@@ -9,11 +9,22 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from lmiserve.config import Settings
 from lmiserve.core.tensors import ModelSignature, TensorSpec
 from lmiserve.models import ModelLoadError
 from lmiserve.models.kinds import torchscript_file
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from lmiserve.engine.oneshot import TensorRunner
+    from lmiserve.engine.text_runners import ClassifierRunner, EmbeddingRunner, Pooling
+    from lmiserve.engine.torchscript_runner import TorchScriptRunner
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +38,7 @@ _POOLING_KEYS = (  # sentence-transformers Pooling config key -> our mode, in it
 TENSOR_DTYPES = ("BOOL", "UINT8", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32", "FP64")
 
 
-def load_runner(kind: str, settings):
+def load_runner(kind: str, settings: Settings) -> TensorRunner:
     """The engine runner of a one-shot model described by `settings` (model_id, device, dtype, ...)."""
     if not settings.model_id:
         raise ModelLoadError(f"a {kind} model needs model_id (its directory)")
@@ -43,7 +54,7 @@ def load_runner(kind: str, settings):
     raise ModelLoadError(f"unknown model kind {kind!r}")
 
 
-def read_pooling(path: Path):
+def read_pooling(path: Path) -> Pooling:
     """The Pooling (mode) and Normalize steps of a sentence-transformers directory; mean without one."""
     from lmiserve.engine.text_runners import Pooling
 
@@ -54,7 +65,8 @@ def read_pooling(path: Path):
         if kind.endswith(".Pooling"):
             config = _json(path / module.get("path", "") / "config.json", default={})
             if isinstance(config, dict) and config.get("pooling_mode"):
-                mode = {"mean_tokens": "mean", "cls_token": "cls", "max_tokens": "max"}.get(config["pooling_mode"], config["pooling_mode"])
+                named = str(config["pooling_mode"])
+                mode = {"mean_tokens": "mean", "cls_token": "cls", "max_tokens": "max"}.get(named, named)
             else:
                 chosen = [m for key, m in _POOLING_KEYS if isinstance(config, dict) and config.get(key)]
                 if len(chosen) > 1:
@@ -69,13 +81,13 @@ def read_pooling(path: Path):
     return Pooling(mode=mode, normalize=normalize)
 
 
-def load_embedding(path: Path, settings):
+def load_embedding(path: Path, settings: Settings) -> EmbeddingRunner:
     from transformers import AutoModel
 
     from lmiserve.engine.text_runners import EmbeddingRunner
 
     pooling = read_pooling(path)
-    model, tokenizer, device = _load_transformers(AutoModel, path, settings)
+    model, tokenizer, device = _load_transformers(AutoModel.from_pretrained, path, settings)
     bert = _json(path / "sentence_bert_config.json", default={})
     max_length = _max_length(model, tokenizer, bert.get("max_seq_length") if isinstance(bert, dict) else None)
     dim = int(getattr(model.config, "hidden_size", 0) or 0) or -1
@@ -83,16 +95,16 @@ def load_embedding(path: Path, settings):
     return EmbeddingRunner(model, tokenizer, pooling=pooling, dim=dim, path=path, device=device, max_length=max_length)
 
 
-def load_classifier(path: Path, settings):
+def load_classifier(path: Path, settings: Settings) -> ClassifierRunner:
     from transformers import AutoModelForSequenceClassification
 
     from lmiserve.engine.text_runners import ClassifierRunner
 
-    model, tokenizer, device = _load_transformers(AutoModelForSequenceClassification, path, settings)
+    model, tokenizer, device = _load_transformers(AutoModelForSequenceClassification.from_pretrained, path, settings)
     return ClassifierRunner(model, tokenizer, path=path, device=device, max_length=_max_length(model, tokenizer, None))
 
 
-def load_torchscript(path: Path, settings):
+def load_torchscript(path: Path, settings: Settings) -> TorchScriptRunner:
     import torch
 
     from lmiserve.engine.torchscript_runner import TorchScriptRunner
@@ -104,14 +116,14 @@ def load_torchscript(path: Path, settings):
     signature = torchscript_signature(settings)
     device = resolve_device(settings.device)
     try:
-        module = torch.jit.load(str(file), map_location=device)
+        module = torch.jit.load(str(file), map_location=device)  # type: ignore[no-untyped-call, unused-ignore]  # torch leaves it unannotated
     except (RuntimeError, ValueError) as exc:
         raise ModelLoadError(f"could not load the TorchScript module {file}: {exc}") from exc
     module.eval()
     return TorchScriptRunner(module, signature, path=file, device=device)
 
 
-def torchscript_signature(settings) -> ModelSignature:
+def torchscript_signature(settings: Settings) -> ModelSignature:
     """Inputs and outputs from input_names/_dtypes/_shapes and output_names/_dtypes/_shapes."""
     inputs = _specs("input", settings.input_names, settings.input_dtypes, settings.input_shapes)
     outputs = _specs("output", settings.output_names, settings.output_dtypes, settings.output_shapes)
@@ -149,7 +161,10 @@ def _split(text: str | None, sep: str) -> list[str]:
     return [part.strip() for part in (text or "").split(sep) if part.strip()]
 
 
-def _load_transformers(auto_cls, path: Path, settings):
+def _load_transformers(
+    load: Callable[..., PreTrainedModel], path: Path, settings: Settings
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, torch.device]:
+    """`load` is an auto class's `from_pretrained`."""
     from transformers import AutoTokenizer
 
     from lmiserve.models.load import resolve_device, resolve_dtype
@@ -159,21 +174,22 @@ def _load_transformers(auto_cls, path: Path, settings):
     common = {"local_files_only": True, "trust_remote_code": settings.trust_remote_code}
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **common)
-        model = auto_cls.from_pretrained(path, dtype=dtype, **common)
+        model = load(path, dtype=dtype, **common)
     except (OSError, ValueError, KeyError, ImportError) as exc:
         raise ModelLoadError(f"could not load the model in {path}: {exc}") from exc
-    model.to(device)
-    model.eval()
+    model.to(device)  # type: ignore[arg-type]  # transformers wraps `to` with @wraps(Module.to): the stub wants `self` again
+    model.train(False)  # eval mode (what `model.eval()` does; transformers leaves `eval` unannotated)
     return model, tokenizer, device
 
 
-def _max_length(model, tokenizer, configured) -> int:
+def _max_length(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, configured: object) -> int:
     candidates = [configured, getattr(model.config, "max_position_embeddings", None), getattr(tokenizer, "model_max_length", None)]
     values = [int(v) for v in candidates if isinstance(v, int) and 0 < v < 10_000_000]
     return min(values) if values else 512
 
 
-def _json(path: Path, default):
+def _json(path: Path, default: object) -> object:
+    """The JSON document in `path` (any JSON value), or `default` when it cannot be read."""
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):

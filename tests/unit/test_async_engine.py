@@ -1,4 +1,4 @@
-"""AsyncEngine with the real ModelRunner on the tiny random Llama (CPU, fp32).
+"""AsyncEngine with the real model runners on the tiny random Llama (CPU, fp32).
 
 Greedy output is compared token for token with `model.generate`; the rest checks the request
 lifecycle: queue limits, queue timeouts, cancellation, per-request failures, length validation, n/best_of.
@@ -19,7 +19,7 @@ from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine.async_engine import AsyncEngine, EngineConfig
 from lmiserve.engine.factory import build_engine, create_engine
-from lmiserve.engine.runner import ModelRunner
+from lmiserve.engine.runners import BatchInvariantRunner, FastRunner, ModelRunner
 
 PROMPTS = [
     "The quick brown fox",
@@ -35,7 +35,7 @@ NEW_TOKENS = 20
 # --- helpers -------------------------------------------------------------------------------------------
 
 
-def make_engine(loaded, *, runner_cls=ModelRunner, max_input_len=None, **config) -> AsyncEngine:
+def make_engine(loaded, *, runner_cls: type[ModelRunner] | None = None, max_input_len=None, **config) -> AsyncEngine:
     return create_engine(loaded, EngineConfig(**config), max_input_len=max_input_len, runner_cls=runner_cls)
 
 
@@ -75,7 +75,7 @@ async def wait_until(predicate, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.001)
 
 
-class SlowRunner(ModelRunner):
+class SlowRunner(FastRunner):
     """Every step takes at least `delay` seconds, so a request can hold its slot for a while."""
 
     delay = 0.02
@@ -271,22 +271,25 @@ async def test_cancelling_a_waiting_request_removes_it_from_the_queue(tiny_model
 # --- one request's failure ----------------------------------------------------------------------------
 
 
-class FailingSampleRunner(ModelRunner):
-    """Sampling raises for request "bad" once it has generated 3 tokens (in a batched decode step)."""
+def failing_sample(base: type[ModelRunner]) -> type[ModelRunner]:
+    """`base` whose sampling raises for request "bad" once it has generated 3 tokens (in a batched decode step)."""
 
-    def _sample(self, seq, logits, out):
-        if seq.request_id == "bad" and len(seq.output_ids) == 3:
-            raise RuntimeError("sampler exploded")
-        return super()._sample(seq, logits, out)
+    class FailingSampleRunner(base):
+        def _sample(self, seq, logits, out):
+            if seq.request_id == "bad" and len(seq.output_ids) == 3:
+                raise RuntimeError("sampler exploded")
+            return super()._sample(seq, logits, out)
+
+    return FailingSampleRunner
 
 
-class FailingPrefillRunner(ModelRunner):
-    """The forward pass of request "bad"'s prompt raises."""
+class FailingPrefillRunner(FastRunner):
+    """Every forward pass that prefills request "bad"'s prompt raises."""
 
-    def _prefill(self, chunk, out):
-        if chunk.seq.request_id == "bad":
+    def _forward(self, step):
+        if any(chunk.seq.request_id == "bad" for chunk in step.chunks):
             raise RuntimeError("prefill exploded")
-        return super()._prefill(chunk, out)
+        return super()._forward(step)
 
 
 async def _one_failure(engine: AsyncEngine, tiny_model, reference, message: str):
@@ -312,20 +315,19 @@ async def _one_failure(engine: AsyncEngine, tiny_model, reference, message: str)
 
 
 async def test_sampling_exception_ends_only_that_sequence(tiny_model, reference):
-    # In a batched decode step ModelRunner._decode calls _sample for every row inside ONE _guard
-    # (execute -> self._guard(plan.decode, ..., self._decode, ...)): an exception escaping _sample for
-    # one row marks every decoding sequence of the batch as failed, including rows already sampled.
-    engine = make_engine(tiny_model, runner_cls=FailingSampleRunner)
+    # A batched decode step samples every row: an exception escaping _sample for one row must not mark
+    # the other decoding sequences of the batch as failed (each row is guarded on its own).
+    engine = make_engine(tiny_model, runner_cls=failing_sample(FastRunner))
     await _one_failure(engine, tiny_model, reference, "sampler exploded")
 
 
 async def test_sampling_exception_ends_only_that_sequence_batch_invariant(tiny_model, reference):
-    engine = make_engine(tiny_model, runner_cls=FailingSampleRunner, batch_invariant=True)
+    engine = make_engine(tiny_model, runner_cls=failing_sample(BatchInvariantRunner), batch_invariant=True)
     await _one_failure(engine, tiny_model, reference, "sampler exploded")
 
 
 async def test_sample_row_exception_ends_only_that_sequence(tiny_model, reference, monkeypatch):
-    import lmiserve.engine.runner as runner_module
+    import lmiserve.engine.runners.base as runner_module
 
     real = runner_module.sample_row
     bad_ids = encode(tiny_model, PROMPTS[1])
@@ -459,7 +461,7 @@ async def test_unseeded_requests_report_the_seed_they_used(tiny_model):
 # --- a failing model step ----------------------------------------------------------------------------
 
 
-class FailingStepRunner(ModelRunner):
+class FailingStepRunner(FastRunner):
     """`execute` itself raises (outside the per-sequence guards) whenever request "poison" is in the plan."""
 
     def execute(self, plan):

@@ -1,0 +1,43 @@
+"""What the serving layers need of an engine, whatever runs the model behind it.
+
+`ModelEngine` is what a served model runs on (the continuous-batching text generator or the
+dynamic batcher of a one-shot model): started once the model is loaded, stopped when it is
+unloaded. `TextGenerator` is the generative engine every text protocol talks to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from typing import Protocol
+
+from lmiserve.core.events import StepEvent
+from lmiserve.core.request import GenerationRequest
+
+
+class ModelEngine(Protocol):
+    def start(self) -> None:
+        """Start the background loop (on the running event loop); idempotent."""
+        ...
+
+    async def stop(self) -> None:
+        """Stop the loop; requests still waiting end with ModelNotReady instead of hanging."""
+        ...
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests (sequences) queued for a place in the batch."""
+        ...
+
+
+class TextGenerator(ModelEngine, Protocol):
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[StepEvent, None]:
+        """The events of one request: one per token of each sequence, the last one of a sequence with
+        `finish` set. With n / best_of > 1 the sequences come whole, best first. Invalid or
+        unadmittable requests raise (InvalidRequest, Overloaded, QueueTimeout, ModelNotReady) from
+        the iteration; closing the iterator aborts the request's sequences."""
+        ...
+
+    @property
+    def num_running(self) -> int:
+        """Sequences in the running batch."""
+        ...

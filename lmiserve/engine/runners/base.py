@@ -1,0 +1,145 @@
+"""What every model runner shares: the interface the engine calls, sampling, prompt logprobs and the
+failure isolation that keeps one sequence's error away from the others.
+
+A runner executes the model work of one scheduler step (a `StepPlan`) and returns what it computed
+(a `StepOutput`). A forward pass or a sampler that raises ends only the sequences it was computing:
+their `StepOutput.errors` say why, the engine goes on. Each sequence that samples owns a
+`torch.Generator` seeded from its seed, kept here until the sequence leaves the batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, ClassVar, ParamSpec
+
+import torch
+
+from lmiserve.engine.kv_cache import AttentionShape, SlotKVCache
+from lmiserve.engine.sampling import make_generator, sample_row
+from lmiserve.engine.scheduler import PrefillChunk, StepOutput, StepPlan
+from lmiserve.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache, PreTrainedModel
+
+log = logging.getLogger(__name__)
+
+_P = ParamSpec("_P")
+
+
+class ModelRunner(ABC):
+    """Runs scheduler plans on one model. Subclasses implement `_run` (one per strategy)."""
+
+    path: ClassVar[str]  # the strategy: "fast", "generic" or "batch_invariant"
+
+    def __init__(
+        self, model: PreTrainedModel, *, max_slots: int, max_context: int, eos_token_ids: Iterable[int]
+    ) -> None:
+        self.model = model
+        self.device = model.device
+        self.eos_token_ids = sorted(eos_token_ids)
+        self._generators: dict[int, torch.Generator] = {}  # seq_id -> its sampler's generator
+
+    # ---- one step ----------------------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """Run `plan` (slot moves, released sequences, decode rows, prefill chunks) on the model."""
+        with torch.inference_mode():
+            for seq in plan.released:
+                self._release(seq)
+            out = StepOutput()
+            self._run(plan, out)
+            return out
+
+    @abstractmethod
+    def _run(self, plan: StepPlan, out: StepOutput) -> None:
+        """Move slots as planned, run the plan's decode rows and prefill chunks, fill `out`."""
+
+    def _release(self, seq: Sequence) -> None:
+        """Forget what this runner keeps for a sequence that left the batch."""
+        self._generators.pop(seq.seq_id, None)
+
+    # ---- failure isolation -------------------------------------------------------------------------
+    def _guard(
+        self, seqs: list[Sequence], out: StepOutput, fn: Callable[_P, None], *args: _P.args, **kwargs: _P.kwargs
+    ) -> None:
+        """Run `fn`; if it raises, the sequences it was computing end with the error; the engine goes on."""
+        try:
+            fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - reported to those requests, logged here
+            log.exception("model step failed for %d sequence(s)", len(seqs))
+            for seq in seqs:
+                out.errors[seq.seq_id] = f"exception occurred during generation: {exc}"
+
+    # ---- results of a forward pass -----------------------------------------------------------------
+    def _finish_chunk(self, chunk: PrefillChunk, rows: torch.Tensor, out: StepOutput) -> None:
+        """Record the chunk's prompt logprobs (when asked) and sample the first token after a complete
+        prompt. `rows` are the chunk's logits rows: all of them with prompt logprobs, else the last."""
+        seq = chunk.seq
+        if seq.params.decoder_input_details:
+            out.prompt_logprobs[seq.seq_id] = prompt_logprobs(rows, seq.prompt_ids, chunk.start, chunk.start + chunk.length)
+        if chunk.completes_prompt:
+            self._sample(seq, rows[-1], out)
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor, out: StepOutput) -> None:
+        """Sample the next token of `seq` from its raw logits row; a failure ends only `seq`."""
+        try:
+            generator = self._generators.get(seq.seq_id)
+            if seq.params.do_sample and generator is None:
+                if seq.seed is None:
+                    raise ValueError("a sampled sequence needs a seed")
+                generator = self._generators[seq.seq_id] = make_generator(seq.seed, logits.device)
+            banned = self.eos_token_ids + seq.params.stop_token_ids if seq.params.min_new_tokens else []
+            out.samples[seq.seq_id] = sample_row(logits, seq.params, seq.prompt_ids, seq.output_ids, banned, generator)
+        except Exception as exc:  # noqa: BLE001 - one sequence fails, the batch goes on
+            log.exception("sampling failed for %s", seq.request_id)
+            out.errors[seq.seq_id] = f"exception occurred during sampling: {exc}"
+
+
+def prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], start: int, end: int) -> tuple[int, list[float | None]]:
+    """Logprob of each prompt token given the ones before it, from the logits rows of prompt positions
+    ``start..end-1``; the first prompt token has none. Returns (position of the first, logprobs)."""
+    targets = prompt_ids[start + 1 : min(end + 1, len(prompt_ids))]
+    logprobs = logits[: len(targets)].log_softmax(-1)
+    values: list[float | None] = logprobs[torch.arange(len(targets)), torch.tensor(targets, dtype=torch.long)].tolist()
+    return (0, [None, *values]) if start == 0 else (start + 1, values)
+
+
+def slot_cache(model: PreTrainedModel, max_slots: int, max_context: int) -> SlotKVCache:
+    """A `SlotKVCache` of `max_slots` slots shaped for `model`'s attention layers."""
+    shape = AttentionShape.of(model.config)
+    return SlotKVCache(
+        shape.layers, max_slots, shape.kv_heads, shape.head_dim, model.dtype, model.device,
+        initial_len=min(128, max_context), max_len=max_context,
+    )
+
+
+def model_forward(
+    model: PreTrainedModel,
+    device: torch.device,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    cache: SlotKVCache | DynamicCache,
+    logits_to_keep: int,
+) -> torch.Tensor:
+    """One transformers forward pass over `cache`; the logits of the last `logits_to_keep` positions
+    (0 = all). Inputs are moved to `device` (the model's)."""
+    result = model(
+        input_ids=input_ids.to(device),
+        position_ids=position_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=logits_to_keep,
+    )
+    logits: torch.Tensor = result.logits
+    return logits
+
+
+def slot_of(seq: Sequence) -> int:
+    """The cache slot of a sequence in the running batch."""
+    if seq.slot is None:
+        raise RuntimeError(f"sequence {seq.seq_id} holds no cache slot")
+    return seq.slot

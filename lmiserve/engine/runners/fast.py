@@ -1,0 +1,100 @@
+"""The fast strategy (default where supported): lmiserve's own Llama-family forward
+(engine/fast_llama.py) over the slot cache. A whole step -- all decode rows and every prefill chunk
+-- runs as ONE ragged forward pass. If that pass raises, its parts are re-run one by one so only
+the culprit fails.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from lmiserve.engine.fast_llama import FastLlama
+from lmiserve.engine.runners.base import ModelRunner, slot_cache, slot_of
+from lmiserve.engine.scheduler import PrefillChunk, StepOutput, StepPlan
+from lmiserve.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FusedStep:
+    """The model work of one fused forward: decode rows (slot order, one token each), then each
+    prefill chunk's tokens."""
+
+    decode: list[Sequence]
+    chunks: list[PrefillChunk]
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return self.decode + [chunk.seq for chunk in self.chunks]
+
+    def parts(self) -> list[FusedStep]:
+        """The step split into parts that fail alone: all decode rows together, then each chunk."""
+        parts = [FusedStep(self.decode, [])] if self.decode else []
+        return parts + [FusedStep([], [chunk]) for chunk in self.chunks]
+
+
+class FastRunner(ModelRunner):
+    path = "fast"
+
+    def __init__(
+        self, model: PreTrainedModel, *, max_slots: int, max_context: int, eos_token_ids: Iterable[int]
+    ) -> None:
+        super().__init__(model, max_slots=max_slots, max_context=max_context, eos_token_ids=eos_token_ids)
+        self.cache = slot_cache(model, max_slots, max_context)
+        self.fast = FastLlama(model, self.cache, max_context)
+
+    def _run(self, plan: StepPlan, out: StepOutput) -> None:
+        for src, dst, length in plan.moves:
+            self.cache.move_slot(src, dst, length)
+        step = FusedStep(plan.decode, plan.prefill)
+        if not step.decode and not step.chunks:
+            return
+        try:
+            logits = self._forward(step)
+        except Exception:  # noqa: BLE001 - find the culprit: each part alone, each failing alone
+            parts = step.parts()
+            log.exception("fused step of %d part(s) failed; re-running them one by one", len(parts))
+            for part in parts:
+                self._guard(part.seqs, out, self._run_alone, part, out)
+            return
+        self._finish(step, logits, out)
+
+    def _run_alone(self, part: FusedStep, out: StepOutput) -> None:
+        self._finish(part, self._forward(part), out)
+
+    def _forward(self, step: FusedStep) -> torch.Tensor:
+        """The kept logits rows of the step: one per decode row, then per chunk every row (prompt
+        logprobs asked) or the last (the chunk completes its prompt) or none."""
+        decode = step.decode
+        keep = list(range(len(decode)))
+        offset = len(decode)
+        prefills = []
+        for chunk in step.chunks:
+            seq, start, length = chunk.seq, chunk.start, chunk.length
+            prefills.append((slot_of(seq), start, seq.prompt_ids[start : start + length]))
+            if seq.params.decoder_input_details:
+                keep.extend(range(offset, offset + length))
+            elif chunk.completes_prompt:
+                keep.append(offset + length - 1)
+            offset += length
+        return self.fast.forward([s.output_ids[-1] for s in decode], [s.kv_len for s in decode], prefills, keep)
+
+    def _finish(self, step: FusedStep, logits: torch.Tensor, out: StepOutput) -> None:
+        """Sample (and record prompt logprobs) from the kept logits rows, in `_forward`'s order."""
+        for row, seq in enumerate(step.decode):
+            self._guard([seq], out, self._sample, seq, logits[row], out)
+        row = len(step.decode)
+        for chunk in step.chunks:
+            count = chunk.length if chunk.seq.params.decoder_input_details else int(chunk.completes_prompt)
+            if count:
+                self._guard([chunk.seq], out, self._finish_chunk, chunk, logits[row : row + count], out)
+            row += count
