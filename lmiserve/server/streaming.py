@@ -18,8 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from lmiserve.protocols.tgi.parse import from_core, generation_failed
 from lmiserve.core.errors import LmiServeError
 from lmiserve.core.events import StepEvent
-from lmiserve.protocols.lmi.formatters import error_message, is_error_finish
-from lmiserve.server.responses import DisconnectAwareStream, until_disconnect
+from lmiserve.server.pipeline import DisconnectAwareStream, failure_of, is_error_finish, until_disconnect
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +58,7 @@ async def collect(request, events: AsyncIterator) -> list:
         async for item in events:
             event: StepEvent = item[1] if isinstance(item, tuple) else item
             if is_error_finish(event):
-                raise generation_failed(error_message(event))
+                raise generation_failed(failure_of(event).message)
             out.append(item)
         return out
 
@@ -102,14 +101,7 @@ class SseResponse(DisconnectAwareStream):
     """An SSE stream that runs `on_close` when the response is over, however it ended."""
 
     def __init__(self, chunks: AsyncIterator[bytes], *, interval: float, headers: dict, on_close: Callable[[], None]):
-        super().__init__(keepalive(chunks, interval), headers={**SSE_HEADERS, **headers})
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
+        super().__init__(keepalive(chunks, interval), headers={**SSE_HEADERS, **headers}, on_close=on_close)
 
 
 async def guarded(
@@ -123,7 +115,7 @@ async def guarded(
         async for item in events:
             event: StepEvent = item[1] if isinstance(item, tuple) else item
             if is_error_finish(event):
-                yield on_error(generation_failed(error_message(event)))
+                yield on_error(generation_failed(failure_of(event).message))
                 return
             chunk = on_event(item)
             if chunk:

@@ -18,7 +18,8 @@ from lmiserve.protocols.tgi.encoders import sequences
 from lmiserve.server import auth
 from lmiserve.protocols.tgi import routes as tgi_routes
 from lmiserve.server.textgen import Rejected, Timer, enter, error_response, json_payload, parse, served
-from lmiserve.server.responses import ClientDisconnected, raw_response
+from lmiserve.server.pipeline import ClientDisconnected
+from lmiserve.server.responses import raw_response
 from lmiserve.server.streaming import SseResponse, collect, guarded
 from lmiserve.protocols.openai.schema import ChatRequest, CompletionRequest
 from lmiserve.core.aio import merge_tagged
@@ -117,6 +118,11 @@ def _finished_prompts(collected: list) -> set[int]:
     """Indexes of the prompts whose events include a finish (chat events come untagged: prompt 0)."""
     tagged = [item if isinstance(item, tuple) else (0, item) for item in collected]
     return {index for index, event in tagged if event.finish is not None}
+
+
+async def invoke(request: Request, payload: dict, *, chat: bool) -> Response:
+    """An already decoded chat (`chat`) or completion body from the /invocations dispatcher."""
+    return await _handle(request, chat=chat, payload=payload)
 
 
 async def dispatch_invocation(request: Request) -> Response | None:

@@ -14,7 +14,8 @@ from lmiserve.protocols.tgi.parse import TgiError
 from lmiserve.protocols.tgi import encoders as fmt
 from lmiserve.server import auth
 from lmiserve.server.textgen import Rejected, Timer, enter, error_response, json_payload, parse, served
-from lmiserve.server.responses import ClientDisconnected, raw_response
+from lmiserve.server.pipeline import ClientDisconnected
+from lmiserve.server.responses import raw_response
 from lmiserve.core.errors import LmiServeError
 from lmiserve.models.service import ModelService, default_llm
 from lmiserve.server.streaming import SSE_HEADERS, SseResponse, collect, guarded
@@ -58,6 +59,11 @@ async def compat_payload(request: Request, payload) -> Response:
     except Rejected as rejected:
         return rejected.response
     return await answer(request, req, stream=req.stream, compat=True, timer=timer)
+
+
+async def invoke_compat(request: Request, payload: dict) -> Response:
+    """An already decoded `inputs` body from the /invocations dispatcher (tgi_compat), answered like POST /."""
+    return await compat_payload(request, payload)
 
 
 async def answer(request: Request, req: GenerateRequest, *, stream: bool, compat: bool, timer: Timer) -> Response:

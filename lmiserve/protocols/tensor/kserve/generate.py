@@ -21,7 +21,8 @@ from lmiserve.core.errors import LmiServeError
 from lmiserve.core.events import FinishReason
 from lmiserve.core.request import GenerationRequest
 from lmiserve.core.tensors import TensorRequest
-from lmiserve.server.responses import DisconnectAwareStream, raw_response
+from lmiserve.server.pipeline import DisconnectAwareStream
+from lmiserve.server.responses import raw_response
 
 _OWN_KEYS = ("id", "text_input", "parameters", "model_name")
 
