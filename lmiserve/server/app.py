@@ -13,11 +13,12 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute
 
 from lmiserve.config import Settings
-from lmiserve.protocols.lmi.formatters import frontend_error_body
+from lmiserve.protocols.lmi.errors import frontend_error_body
 from lmiserve.protocols.lmi import routes as lmi
 from lmiserve.protocols.openai import routes as openai
 from lmiserve.protocols.tensor import routes as tensor
 from lmiserve.protocols.tgi import routes as tgi
+from lmiserve.server import invocations
 from lmiserve.server.responses import raw_response
 from lmiserve.models.registry import ModelRegistry
 from lmiserve.models.service import ModelService
@@ -27,7 +28,8 @@ log = logging.getLogger(__name__)
 def routes(settings: Settings) -> list[BaseRoute]:
     """The route table; the first match wins, so Vertex AI's configured paths come first and the exact
     LMI, TGI and OpenAI routes before the tensor protocols' patterns."""
-    return [*tensor.configured_routes(settings), *lmi.routes(), *tgi.routes(), *openai.routes(), *tensor.routes()]
+    return [*tensor.configured_routes(settings), *lmi.ping_routes(), *invocations.routes(), *lmi.routes(), *tgi.routes(),
+            *openai.routes(), *tensor.routes()]
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:

@@ -13,7 +13,7 @@ def test_dynamic_batch_generated_text_includes_the_prompt_by_default(dynamic_ser
     """lmiserve/protocols/lmi/formatters/dynamic_batch.py documents: "generated_text includes the prompt by default
     ... Pass return_full_text=False to get the completion only" (golden tests/golden/lmi/
     dynamic_batch_str.json agrees). Over HTTP the prompt is missing unless return_full_text=true:
-    lmiserve/protocols/lmi/routes.py `_dynamic_batch` passes `call.options.return_full_text`, which is
+    lmiserve/protocols/lmi/routes.py `dynamic_batch` passes `call.options.return_full_text`, which is
     LmiParameters.return_full_text (a bool defaulting to False), so "not given" becomes False."""
     completions = [server.generate(p, max_new_tokens=6)["generated_text"] for p in PROMPTS]
     response = dynamic_server.post({"inputs": PROMPTS, "parameters": {"max_new_tokens": 6}})

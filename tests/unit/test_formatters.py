@@ -12,15 +12,18 @@ from pathlib import Path
 
 import pytest
 
+from lmiserve.core.errors import GenerationFailed
 from lmiserve.core.events import Finish, FinishReason, StepEvent, Token
+from lmiserve.protocols.lmi.errors import (
+    dynamic_batch_error_body,
+    frontend_error_body,
+    lmi_error_body,
+)
 from lmiserve.protocols.lmi.formatters import (
     DynamicBatchFormatter,
     DynamicBatchStreamFormatter,
     FormatOptions,
-    dynamic_batch_error_body,
-    frontend_error_body,
     get_formatter,
-    lmi_error_body,
 )
 
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "golden" / "lmi"
@@ -60,7 +63,7 @@ def events(tokens=TOKENS, fin=None, index=0, top=None) -> list[StepEvent]:
 
 def chunks(name: str, evs, **opts) -> list[bytes]:
     fmt = get_formatter(name, FormatOptions(prompt=PROMPT, **opts))
-    out = [fmt.on_event(e) for e in evs]
+    out = [fmt.on_event(0, e) for e in evs]
     out.append(fmt.close())
     return out
 
@@ -142,10 +145,10 @@ CASES = {
         404, "ModelNotFoundException", "Model or workflow not found: foo"
     ),
     "error_tail_jsonlines.jsonl": lambda: b"".join(chunks("jsonlines", events()[:2])[:-1])
-    + get_formatter("jsonlines", FormatOptions()).error_tail("CUDA out of memory"),
+    + get_formatter("jsonlines", FormatOptions()).error(GenerationFailed("CUDA out of memory")),
     "error_tail_sse.sse": lambda: b"".join(chunks("tgi_sse", events()[:2])[:-1])
-    + get_formatter("tgi_sse", FormatOptions()).error_tail("CUDA out of memory"),
-    "error_dynamic_batch.json": lambda: dynamic_batch_error_body("CUDA out of memory"),
+    + get_formatter("tgi_sse", FormatOptions()).error(GenerationFailed("CUDA out of memory")),
+    "error_dynamic_batch.json": lambda: DynamicBatchFormatter(["Hi"]).error(GenerationFailed("CUDA out of memory")),
     "dynamic_batch_list.json": lambda: dynamic_batch(
         ["Hi", "Bonjour"],
         [events((Token(5, " there", -0.1),), finish(" there", 1)), events((Token(6, " à", -0.2),), finish(" à", 1))],

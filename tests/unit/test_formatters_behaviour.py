@@ -8,21 +8,20 @@ import logging
 
 import pytest
 
+from lmiserve.core.errors import GenerationFailed, IncompleteGeneration
 from lmiserve.core.events import Finish, FinishReason, StepEvent, Token
 from lmiserve.core.request import GenerationRequest, SamplingParams
+from lmiserve.protocols.lmi.errors import RENDERER
 from lmiserve.protocols.lmi.formatters import (
-    DEFAULT_ERROR_MESSAGE,
     DynamicBatchFormatter,
     DynamicBatchStreamFormatter,
     FormatOptions,
     Formatter,
-    error_message,
     get_formatter,
-    is_error_finish,
-    lmi_error_body,
     register,
     select_formatter_name,
 )
+from lmiserve.server.pipeline import DEFAULT_ERROR_MESSAGE, failure_of, is_error_finish
 
 PROMPT = "What is DL?"
 DEEP = Token(304, "Deep", -0.05)
@@ -106,22 +105,22 @@ def test_format_options_for_request() -> None:
 @pytest.mark.parametrize("name", ["jsonlines", "sse", "tgi_sse"])
 def test_step_without_token_sends_nothing(name) -> None:
     fmt = get_formatter(name, opts())
-    assert fmt.on_event(StepEvent(None)) == b""
-    assert fmt.on_event(StepEvent(None, top_tokens=())) == b""
-    assert fmt.on_event(StepEvent(DEEP)) != b""
+    assert fmt.on_event(0, StepEvent(None)) == b""
+    assert fmt.on_event(0, StepEvent(None, top_tokens=())) == b""
+    assert fmt.on_event(0, StepEvent(DEEP)) != b""
     assert fmt.close() == b""
 
 
 def test_streaming_follows_sequence_zero_only() -> None:
     fmt = get_formatter("jsonlines", opts())
-    assert fmt.on_event(StepEvent(LEARNING, index=1, finish=done())) == b""
-    assert fmt.on_event(StepEvent(DEEP)) == b'{"token": {"id": 304, "text": "Deep", "log_prob": -0.05}}\n'
+    assert fmt.on_event(0, StepEvent(LEARNING, index=1, finish=done())) == b""
+    assert fmt.on_event(0, StepEvent(DEEP)) == b'{"token": {"id": 304, "text": "Deep", "log_prob": -0.05}}\n'
 
 
 def test_final_event_without_token_still_ends_the_stream() -> None:
     fmt = get_formatter("jsonlines", opts(details=True))
-    fmt.on_event(StepEvent(DEEP))
-    line = fmt.on_event(StepEvent(None, finish=done("Deep", 1, FinishReason.ABORT)))
+    fmt.on_event(0, StepEvent(DEEP))
+    line = fmt.on_event(0, StepEvent(None, finish=done("Deep", 1, FinishReason.ABORT)))
     assert line == (
         b'{"generated_text": "Deep", "details": {"finish_reason": "abort", '
         b'"generated_tokens": 1, "inputs": "What is DL?"}}\n'
@@ -130,22 +129,22 @@ def test_final_event_without_token_still_ends_the_stream() -> None:
 
 def test_tgi_details_default_and_explicit_false() -> None:
     last = StepEvent(LEARNING, finish=done())
-    assert b'"details"' in get_formatter("tgi_jsonlines", opts()).on_event(last)
-    assert b'"details"' not in get_formatter("tgi_jsonlines", opts(details=False)).on_event(last)
-    assert b'"details"' not in get_formatter("jsonlines", opts()).on_event(last)
+    assert b'"details"' in get_formatter("tgi_jsonlines", opts()).on_event(0, last)
+    assert b'"details"' not in get_formatter("tgi_jsonlines", opts(details=False)).on_event(0, last)
+    assert b'"details"' not in get_formatter("jsonlines", opts()).on_event(0, last)
 
 
 def test_prompt_falls_back_to_finish_prompt() -> None:
     fmt = get_formatter("json", FormatOptions(details=True, return_full_text=True))
-    fmt.on_event(StepEvent(DEEP, finish=done("Deep", 1)))
+    fmt.on_event(0, StepEvent(DEEP, finish=done("Deep", 1)))
     body = json.loads(fmt.close())
     assert (body["generated_text"], body["details"]["inputs"]) == ("What is DL?Deep", PROMPT)
 
 
 def test_json_close_requires_finished_sequences() -> None:
     fmt = get_formatter("json", opts())
-    fmt.on_event(StepEvent(DEEP))
-    with pytest.raises(RuntimeError):
+    fmt.on_event(0, StepEvent(DEEP))
+    with pytest.raises(IncompleteGeneration):
         fmt.close()
 
 
@@ -154,21 +153,21 @@ def test_json_close_requires_finished_sequences() -> None:
 
 def test_error_helpers() -> None:
     failed = StepEvent(None, finish=done("Deep", 1, FinishReason.ERROR, error="CUDA out of memory"))
-    assert is_error_finish(failed) and error_message(failed) == "CUDA out of memory"
+    assert is_error_finish(failed) and failure_of(failed).message == "CUDA out of memory"
     anonymous = StepEvent(None, finish=done("", 0, FinishReason.ERROR))
-    assert error_message(anonymous) == DEFAULT_ERROR_MESSAGE
+    assert failure_of(anonymous).message == DEFAULT_ERROR_MESSAGE
     assert not is_error_finish(StepEvent(DEEP)) and not is_error_finish(StepEvent(DEEP, finish=done()))
 
 
 def drive(fmt: Formatter, events) -> tuple[int, bytes]:
-    """The HTTP layer's loop as documented in lmiserve/protocols/lmi/formatters/errors.py."""
+    """The response pipeline's loop (lmiserve/server/pipeline.py) with LMI's renderer."""
     sent: list[bytes] = []
     for event in events:
         if is_error_finish(event):
             if not sent:
-                return 424, lmi_error_body(error_message(event))
-            return 200, b"".join(sent) + fmt.error_tail(error_message(event))
-        chunk = fmt.on_event(event)
+                return RENDERER.status(failure_of(event)), RENDERER.body(failure_of(event))
+            return 200, b"".join(sent) + fmt.error(failure_of(event))
+        chunk = fmt.on_event(0, event)
         if chunk and fmt.streaming:
             sent.append(chunk)
         elif chunk:
@@ -200,12 +199,12 @@ def test_error_after_streaming_began_is_in_band() -> None:
 def test_error_finish_passed_through_renders_finish_reason_error() -> None:
     evs = [StepEvent(DEEP), StepEvent(LEARNING, finish=done(reason=FinishReason.ERROR, error="x"))]
     fmt = get_formatter("jsonlines", opts())
-    assert fmt.on_event(evs[0]) and fmt.on_event(evs[1]).endswith(
+    assert fmt.on_event(0, evs[0]) and fmt.on_event(0, evs[1]).endswith(
         b'"generated_text": "Deep Learning", "details": {"finish_reason": "error"}}\n'
     )
     fmt = get_formatter("json", opts())
     for event in evs:
-        fmt.on_event(event)
+        fmt.on_event(0, event)
     assert fmt.close() == b'{"generated_text": "Deep Learning", "details": {"finish_reason": "error"}}'
 
 
@@ -237,7 +236,7 @@ def test_dynamic_batch_stream_sends_lines_as_soon_as_complete() -> None:
     fmt = DynamicBatchStreamFormatter(2)
     assert fmt.on_event(0, StepEvent(Token(1, "A", 0.0))) == b""
     assert fmt.on_event(1, StepEvent(Token(2, "é", 0.0))) == '{"outputs": ["A", "é"]}\n'.encode()
-    assert fmt.error_tail("boom") == b'{"error":"boom","code":424}\n'
+    assert fmt.error(GenerationFailed("boom")) == b'{"error":"boom","code":424}\n'
 
 
 def test_dynamic_batch_completion_only_and_missing_finish() -> None:
@@ -245,5 +244,5 @@ def test_dynamic_batch_completion_only_and_missing_finish() -> None:
     fmt.on_event(0, StepEvent(Token(5, " there", 0.0), finish=done(" there", 1)))
     assert fmt.close() == b'[{"generated_text": " there"}]'
     assert fmt.content_type == "application/json" and not fmt.streaming
-    with pytest.raises(RuntimeError):
+    with pytest.raises(IncompleteGeneration):
         DynamicBatchFormatter(["a", "b"]).close()

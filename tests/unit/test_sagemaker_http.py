@@ -6,11 +6,18 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers.tensor_app import (
+    affine_model,
+    classifier_model,
+    client,
+    tensor_app,
+    text_model,
+)
 
-from helpers.tensor_app import affine_model, classifier_model, client, tensor_app, text_model
-from lmiserve.protocols.tensor.sagemaker import parse as sagemaker
+from lmiserve.core.errors import NotAcceptable
 from lmiserve.protocols.tensor.codecs import records
-from lmiserve.protocols.tensor.codecs.errors import TensorError
+from lmiserve.protocols.tensor.sagemaker import parse as sagemaker
+from lmiserve.protocols.tensor.sagemaker.errors import RENDERER
 
 ATTR = "X-Amzn-SageMaker-Custom-Attributes"
 
@@ -99,9 +106,9 @@ def test_negotiation_rules():
     assert sagemaker.negotiate("*/*", "text/csv", "application/json") == "application/json"
     assert sagemaker.negotiate("image/png, application/jsonlines;q=0.5", "text/csv", None) == "application/jsonlines"
     assert sagemaker.negotiate("application/jsons", "text/csv", None) == "application/jsonlines"
-    with pytest.raises(TensorError) as info:
+    with pytest.raises(NotAcceptable) as info:
         sagemaker.negotiate("image/png", "text/csv", None)
-    assert info.value.status == 406
+    assert RENDERER.status(info.value) == 406
     assert sagemaker.custom_attributes("tfs-model-name=a, tfs-method=regress,junk") == {"tfs-model-name": "a", "tfs-method": "regress"}
 
 

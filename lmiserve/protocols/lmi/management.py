@@ -1,4 +1,10 @@
-"""Health and the LMI management API (reference lmi.md §2.2, §2.3): /ping, GET/POST/DELETE /models."""
+"""Health and the LMI management API: /ping, GET/POST/DELETE /models.
+
+Errors are raised as neutral classes and answered by `lmiserve.protocols.lmi.errors.MANAGEMENT`
+(front-end JSON): an invalid parameter 400 BadRequestException, an unknown model 404
+ModelNotFoundException, a name already registered 409 ConflictStatusException, a model that failed
+to load 500 InternalServerException.
+"""
 
 from __future__ import annotations
 
@@ -10,26 +16,16 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from lmiserve.config import ConfigError
-from lmiserve.core.errors import LmiServeError
-from lmiserve.server.responses import error_response, raw_response
-from lmiserve.models.service import ModelService
+from lmiserve.core.errors import (
+    Conflict,
+    InternalError,
+    InvalidRequest,
+    MalformedBody,
+    SchemaViolation,
+)
 from lmiserve.models import DEFAULT_MODEL_NAME
-
-
-class BadManagementRequest(LmiServeError):
-    status = 400
-    kind = "BadRequestException"
-
-
-class RegistrationConflict(LmiServeError):
-    status = 409
-    kind = "ConflictStatusException"
-
-
-class LoadFailed(LmiServeError):
-    status = 500
-    kind = "InternalServerException"
-
+from lmiserve.models.service import ModelService
+from lmiserve.server.responses import raw_response
 
 # Registration options (query parameters or JSON body keys) that become model settings.
 _SETTING_PARAMS = ("batch_size", "max_batch_delay", "job_queue_size", "device", "dtype", "model_kind")
@@ -58,11 +54,8 @@ def _model_url(service: ModelService) -> str:
 
 async def list_models(request: Request) -> Response:
     """GET /models[?limit=100&next_page_token=N]: one page; nextPageToken only when more follow."""
-    try:
-        limit = _int_param(request, "limit", 100)
-        start = _int_param(request, "next_page_token", 0)
-    except LmiServeError as exc:
-        return error_response(exc)
+    limit = _int_param(request, "limit", 100)
+    start = _int_param(request, "next_page_token", 0)
     services = list(_registry(request))
     limit = limit if 0 < limit <= 100 else 100
     page = services[start : start + limit]
@@ -78,17 +71,14 @@ def _int_param(request: Request, name: str, default: int) -> int:
     try:
         number = int(value)
     except ValueError:
-        raise BadManagementRequest(f"Parameter {name} must be an integer: {value}") from None
+        raise InvalidRequest(f"Parameter {name} must be an integer: {value}") from None
     if number < 0:
-        raise BadManagementRequest(f"Parameter {name} must not be negative: {value}")
+        raise InvalidRequest(f"Parameter {name} must not be negative: {value}")
     return number
 
 
 async def describe_model(request: Request) -> Response:
-    try:
-        service = _registry(request).get(request.path_params["model_name"])
-    except LmiServeError as exc:
-        return error_response(exc)
+    service = _registry(request).get(request.path_params["model_name"])
     s = service.settings
     engine = service.engine
     device = getattr(service.loaded, "device", None)
@@ -119,47 +109,41 @@ async def register_model(request: Request) -> Response:
     """POST /models?url=...&model_name=...[&synchronous=true&batch_size=...]: load a model and serve it."""
     from lmiserve.models.store import model_settings
 
+    params = await _registration_params(request)
+    directory = _local_path(params.get("url"))
+    name = str(params.get("model_name") or (directory.stem if directory.is_file() else directory.name))
+    registry = _registry(request)
+    if name in registry:
+        raise Conflict(f"Model {name} is already registered.")
+    overrides = {k: params[k] for k in _SETTING_PARAMS if params.get(k) not in (None, "")}
+    if directory.is_file():  # a .pt or .gguf file: the model is the file, its folder holds the properties
+        directory, overrides["model_id"] = directory.parent, str(directory)
     try:
-        params = await _registration_params(request)
-        directory = _local_path(params.get("url"))
-        name = str(params.get("model_name") or (directory.stem if directory.is_file() else directory.name))
-        registry = _registry(request)
-        if name in registry:
-            raise RegistrationConflict(f"Model {name} is already registered.")
-        overrides = {k: params[k] for k in _SETTING_PARAMS if params.get(k) not in (None, "")}
-        if directory.is_file():  # a .pt or .gguf file: the model is the file, its folder holds the properties
-            directory, overrides["model_id"] = directory.parent, str(directory)
-        try:
-            settings = model_settings(request.app.state.settings, directory, name, overrides)
-        except ConfigError as exc:
-            raise BadManagementRequest(str(exc)) from None
-        service = ModelService(settings, name=name)
-        service.loaded_at_startup = False
-        registry.add(service)
-        if str(params.get("synchronous", "true")).strip().lower() in ("false", "0", "no"):
-            import asyncio
+        settings = model_settings(request.app.state.settings, directory, name, overrides)
+    except ConfigError as exc:
+        raise InvalidRequest(str(exc)) from None
+    service = ModelService(settings, name=name)
+    service.loaded_at_startup = False
+    registry.add(service)
+    if str(params.get("synchronous", "true")).strip().lower() in ("false", "0", "no"):
+        import asyncio
 
-            request.app.state.pending_loads = getattr(request.app.state, "pending_loads", set())
-            task = asyncio.create_task(service.load())
-            request.app.state.pending_loads.add(task)
-            task.add_done_callback(request.app.state.pending_loads.discard)
-            return raw_response(_pretty({"status": f'Model "{name}" registration scheduled.'}), 202)
-        await service.load()
-        if service.status != ModelService.READY:
-            await registry.remove(name)
-            raise LoadFailed(f"Failed to load model {name}: {service.error}")
-        return raw_response(_pretty({"status": f'Model "{name}" registered.'}))
-    except LmiServeError as exc:
-        return error_response(exc)
+        request.app.state.pending_loads = getattr(request.app.state, "pending_loads", set())
+        task = asyncio.create_task(service.load())
+        request.app.state.pending_loads.add(task)
+        task.add_done_callback(request.app.state.pending_loads.discard)
+        return raw_response(_pretty({"status": f'Model "{name}" registration scheduled.'}), 202)
+    await service.load()
+    if service.status != ModelService.READY:
+        await registry.remove(name)
+        raise InternalError(f"Failed to load model {name}: {service.error}")
+    return raw_response(_pretty({"status": f'Model "{name}" registered.'}))
 
 
 async def unregister_model(request: Request) -> Response:
     """DELETE /models/{name}[/{version}]: stop the model and forget it."""
     name = request.path_params["model_name"]
-    try:
-        await _registry(request).remove(name)
-    except LmiServeError as exc:
-        return error_response(exc)
+    await _registry(request).remove(name)
     return raw_response(_pretty({"status": f'Workflow "{name}" unregistered'}))
 
 
@@ -170,16 +154,16 @@ async def _registration_params(request: Request) -> dict:
         try:
             data = json.loads(body)
         except ValueError as exc:
-            raise BadManagementRequest(f"Invalid JSON body: {exc}") from None
+            raise MalformedBody(f"Invalid JSON body: {exc}") from None
         if not isinstance(data, dict):
-            raise BadManagementRequest("The request body must be a JSON object.")
+            raise SchemaViolation("The request body must be a JSON object.")
         params = {**{k: v for k, v in data.items() if v is not None}, **params}
     return params
 
 
 def _local_path(url) -> Path:
     if not url or not str(url).strip():
-        raise BadManagementRequest("Parameter url is required.")
+        raise InvalidRequest("Parameter url is required.")
     url = str(url).strip()
     parsed = urlparse(url)
     if parsed.scheme == "file":
@@ -187,10 +171,10 @@ def _local_path(url) -> Path:
     elif parsed.scheme in ("", ) or len(parsed.scheme) == 1:  # a plain path (or a Windows drive letter)
         path = Path(url)
     else:
-        raise BadManagementRequest(f"Unsupported url {url}: this server loads local directories (a path or file: URL) only.")
+        raise InvalidRequest(f"Unsupported url {url}: this server loads local directories (a path or file: URL) only.")
     path = path.expanduser()
     if not path.exists():
-        raise BadManagementRequest(f"Model directory not found: {url}")
+        raise InvalidRequest(f"Model directory not found: {url}")
     return path.resolve()
 
 

@@ -1,14 +1,17 @@
-"""LMI payloads (reference lmi.md §3) -> `GenerationRequest`s and the options that format the answer.
+"""LMI payloads -> `GenerationRequest`s and the options that format the answer.
 
 Every parse failure raises `InvalidRequest` with LMI's message, answered as 424
-``{"error": "Input Parsing failed. ...", "code": 424}``.
+``{"error": "Input Parsing failed. ...", "code": 424}``. The checks and their messages follow LMI's
+order (docs/protocols/lmi.md).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -44,15 +47,18 @@ def _fail(detail: str) -> InvalidRequest:
     return InvalidRequest(PARSE_PREFIX + detail)
 
 
-def decode_body(body: bytes, content_type: str | None):
-    """Body bytes -> payload, by Content-Type as LMI does (§3.2)."""
+def decode_body(body: bytes, content_type: str | None, load: Callable[[], Any] | None = None) -> Any:
+    """Body bytes -> payload, by Content-Type as LMI does: a Content-Type containing ``text/plain`` ->
+    ``{"inputs": [text]}`` (a list, so rolling batch rejects it); no Content-Type and a blank body ->
+    ``{"inputs": ""}``; anything else is JSON. `load` returns ``json.loads(body)`` (a caller that
+    already parsed the body passes its cached result)."""
     ctype = (content_type or "").lower()
     if "text/plain" in ctype:
         return {"inputs": [body.decode("utf-8", errors="replace")]}
     if not ctype and not body.strip():
         return {"inputs": ""}
     try:
-        return json.loads(body)
+        return load() if load is not None else json.loads(body)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         detail = "the JSON document is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
         raise _fail(detail) from None

@@ -1,4 +1,4 @@
-"""The LMI `parameters` object (reference lmi.md §4): names, defaults and bounds."""
+"""The LMI `parameters` object: names, defaults and bounds."""
 
 from __future__ import annotations
 

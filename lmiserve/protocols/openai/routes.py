@@ -81,14 +81,6 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Resp
         return await respond(request, timer.watch(events), whole, headers=headers, on_close=slot.release)
 
 
-async def dispatch_invocation(request: Request) -> Response | None:
-    """TRANSITIONAL: the /invocations dispatch until `lmiserve/server/invocations.py` takes it over
-    (delete this and `lmiserve/server/textgen_dispatch.py` then)."""
-    from lmiserve.server.textgen_dispatch import dispatch
-
-    return await dispatch(request)
-
-
 def routes() -> Sequence[BaseRoute]:
     return protocol_routes(RENDERER, [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),

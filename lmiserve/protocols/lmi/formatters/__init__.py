@@ -1,7 +1,8 @@
-"""Core events -> response bytes, one module per protocol.
+"""LMI's output formatters: engine events -> response bytes (pipeline encoders).
 
 Importing this package registers the LMI formatters (json, jsonlines, sse and their tgi_*
-variants); see `base` for the driving protocol and `errors` for failures.
+variants); see `base` for the contract and selection, `dynamic_batch` for rolling_batch=disable, and
+`lmiserve.protocols.lmi.errors` for the error bodies.
 """
 
 from lmiserve.protocols.lmi.formatters import lmi as _lmi  # noqa: F401  (registers the LMI formatters)
@@ -11,33 +12,22 @@ from lmiserve.protocols.lmi.formatters.base import (
     default_formatter_name,
     formatter_names,
     get_formatter,
-    is_error_finish,
     register,
     select_formatter_name,
 )
-from lmiserve.protocols.lmi.formatters.dynamic_batch import DynamicBatchFormatter, DynamicBatchStreamFormatter
-from lmiserve.protocols.lmi.formatters.errors import (
-    DEFAULT_ERROR_MESSAGE,
-    dynamic_batch_error_body,
-    error_message,
-    frontend_error_body,
-    lmi_error_body,
+from lmiserve.protocols.lmi.formatters.dynamic_batch import (
+    DynamicBatchFormatter,
+    DynamicBatchStreamFormatter,
 )
 
 __all__ = [
-    "DEFAULT_ERROR_MESSAGE",
     "DynamicBatchFormatter",
     "DynamicBatchStreamFormatter",
     "FormatOptions",
     "Formatter",
     "default_formatter_name",
-    "dynamic_batch_error_body",
-    "error_message",
     "formatter_names",
-    "frontend_error_body",
     "get_formatter",
-    "is_error_finish",
-    "lmi_error_body",
     "register",
     "select_formatter_name",
 ]

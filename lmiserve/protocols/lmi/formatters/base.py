@@ -1,14 +1,13 @@
-"""Formatter contract, options, registry and the LMI selection rule (reference lmi.md §5.1).
+"""Formatter contract, options, registry and LMI's formatter selection rule.
 
-A formatter is created per request and turns the engine's `StepEvent`s into response bytes:
+A formatter is created per request and is the `lmiserve.server.pipeline.Encoder` of that request:
+`get_formatter(name, options)` (name from `select_formatter_name(...)`), then
+`pipeline.respond(request, events, formatter)`. The pipeline intercepts error finishes (a 424 before
+the first byte, `formatter.error(exc)` after it); `on_event(index, event)` returns b"" when there is
+nothing to send now; `streaming=False` formatters return the whole body from `close()`.
 
-    fmt = get_formatter(name, options)      # name from select_formatter_name(...)
-    for event in events:                    # HTTP layer: intercept error finishes first,
-        if is_error_finish(event): ...      #   see lmiserve.protocols.lmi.formatters.errors
-        chunk = fmt.on_event(event)         # b"" when there is nothing to send now
-    tail = fmt.close()                      # once, after the last event
-
-`streaming=False` formatters return b"" from `on_event` and the whole body from `close()`.
+Selection: `parameters.output_formatter` of the request, else the server's `output_formatter`
+option, else the default (`json`; `jsonlines` when streaming, `sse` when streaming under tgi_compat).
 
 TGI compatibility is not a flag threaded through the code paths: each LMI format has a TGI
 variant class registered as ``tgi_<name>``. `get_formatter` picks the variant when
@@ -22,11 +21,14 @@ from __future__ import annotations
 import json
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
-from lmiserve.core.events import FinishReason, StepEvent
+from lmiserve.core.errors import LmiServeError
+from lmiserve.core.events import StepEvent
 from lmiserve.core.request import GenerationRequest
+from lmiserve.protocols.lmi.errors import RENDERER
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +47,7 @@ class FormatOptions:
     decoder_input_details: bool = False
     top_n_tokens: int = 0
     n: int = 1
-    best_of: int = 1  # best_of/n/num_beams > 1 -> the best_of body shape (§5.6)
+    best_of: int = 1  # best_of/n/num_beams > 1 -> the best_of body shape
 
     @classmethod
     def for_request(
@@ -70,30 +72,31 @@ class FormatOptions:
 
 
 class Formatter(ABC):
-    """Turns one request's events into bytes, incrementally."""
+    """Turns one request's events into bytes, incrementally (a pipeline `Encoder`). The input index
+    of `on_event` is always 0 here (one request); `event.index` tells its sequences apart."""
 
     name: ClassVar[str] = ""
-    content_type: ClassVar[str]  # exactly as sent, no charset parameter
-    streaming: ClassVar[bool]  # True: send each chunk as it comes; False: one body at the end
+    content_type: str  # exactly as sent, no charset parameter (set by each class)
+    streaming: bool  # True: send each chunk as it comes; False: one body at the end (set by each class)
 
     def __init__(self, options: FormatOptions):
         self.options = options
 
     @abstractmethod
-    def on_event(self, event: StepEvent) -> bytes:
+    def on_event(self, index: int, event: StepEvent) -> bytes:
         """Bytes to send for this event now (b"" when nothing)."""
 
     @abstractmethod
     def close(self) -> bytes:
         """Called once after the last event: the remaining bytes (the whole body if not streaming)."""
 
-    @abstractmethod
-    def error_tail(self, message: str) -> bytes:
-        """The in-band error that ends a stream after its first bytes were sent (§6.2)."""
+    def error(self, exc: LmiServeError) -> bytes:
+        """The in-band error that ends a stream after its first bytes were sent."""
+        return RENDERER.in_band(exc)
 
 
 def dumps(obj: Any) -> str:
-    """LMI's JSON spelling: `", "` and `": "` separators, non-ASCII as raw UTF-8 (§5.2)."""
+    """LMI's JSON spelling: `", "` and `": "` separators, non-ASCII as raw UTF-8."""
     return json.dumps(obj, ensure_ascii=False)
 
 
@@ -159,8 +162,3 @@ def select_formatter_name(
     if tgi_compat and not name.startswith(TGI_PREFIX) and TGI_PREFIX + name in _REGISTRY:
         name = TGI_PREFIX + name
     return name
-
-
-def is_error_finish(event: StepEvent) -> bool:
-    """True for the event that ends a sequence because of a failure (reason ERROR)."""
-    return event.finish is not None and event.finish.reason is FinishReason.ERROR

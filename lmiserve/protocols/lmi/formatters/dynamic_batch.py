@@ -1,18 +1,15 @@
-"""Formatters for ``option.rolling_batch=disable`` (dynamic batch, reference lmi.md §3.4).
+"""Formatters for ``option.rolling_batch=disable`` (dynamic batch).
 
-Every prompt of the request's ``inputs`` is its own engine request; the HTTP layer tags each event
-with the prompt's position and feeds it to one formatter for the whole HTTP request:
-
-    fmt = DynamicBatchFormatter(prompts)            # or DynamicBatchStreamFormatter(len(prompts))
-    for input_index, event in merged_events:       # any interleaving
-        send(fmt.on_event(input_index, event))
-    send(fmt.close())
+Every prompt of the request's ``inputs`` is its own engine request; their events are merged, tagged
+with the prompt's position (`merge_tagged`), and one formatter, the pipeline `Encoder` of the HTTP
+request, sees them in any interleaving: `DynamicBatchFormatter(prompts)` or
+`DynamicBatchStreamFormatter(len(prompts))`.
 
 Decisions:
 - Non-streaming: always a list ``[{"generated_text": "..."}, ...]`` in input order, also for a
   single string input. That is what LMI's dynamic-batch handler sends (it returns a slice of the
   batch predictions, and LMI's schema document shows a one-element list for a string input); the
-  "single object" mentioned in §3.4 is not produced by it.
+  "single object" LMI's documentation mentions for batch size 1 is not produced by it.
 - ``generated_text`` includes the prompt by default: LMI's handler decodes the whole
   ``model.generate`` output, which for causal LMs starts with the prompt. Pass
   ``return_full_text=False`` to get the completion only.
@@ -20,8 +17,10 @@ Decisions:
   with the k-th token text of every input, so the output is the same whatever order the per-input
   events arrive in. A line is sent as soon as every unfinished input has its k-th token; an input
   that has finished contributes "" (LMI sends the decoded pad token there).
-- Errors: before anything was sent, `lmiserve.protocols.lmi.formatters.errors.dynamic_batch_error_body` with
-  HTTP 424 (§6.4); mid-stream, `error_tail` (the compact LMI body and "\\n", as for jsonlines).
+- Errors: before anything was sent the pipeline answers 424 with the compact LMI body, like every
+  generation failure (`DynamicBatchFormatter.error`, LMI's handler-failure body, is not sent over
+  HTTP: a whole answer has no in-band error); mid-stream, `DynamicBatchStreamFormatter.error` (the
+  compact LMI body and "\\n", as for jsonlines).
 """
 
 from __future__ import annotations
@@ -29,9 +28,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
+from lmiserve.core.errors import IncompleteGeneration, LmiServeError
 from lmiserve.core.events import Finish, StepEvent
+from lmiserve.protocols.lmi.errors import RENDERER, dynamic_batch_error_body
 from lmiserve.protocols.lmi.formatters.base import dumps
-from lmiserve.protocols.lmi.formatters.errors import dynamic_batch_error_body, jsonlines_error_tail
 
 
 class DynamicBatchFormatter:
@@ -53,7 +53,7 @@ class DynamicBatchFormatter:
     def close(self) -> bytes:
         missing = [i for i, f in enumerate(self._finishes) if f is None]
         if missing:
-            raise RuntimeError(f"inputs {missing} ended without a finish event")
+            raise IncompleteGeneration(f"inputs {missing} ended without a finish event")
         body = []
         for prompt, finish in zip(self.prompts, self._finishes):
             assert finish is not None
@@ -61,8 +61,8 @@ class DynamicBatchFormatter:
             body.append({"generated_text": text})
         return dumps(body).encode()
 
-    def error_tail(self, message: str) -> bytes:
-        return dynamic_batch_error_body(message)  # nothing was sent: the HTTP layer answers 424
+    def error(self, exc: LmiServeError) -> bytes:
+        return dynamic_batch_error_body(exc.message)
 
 
 class DynamicBatchStreamFormatter:
@@ -87,8 +87,8 @@ class DynamicBatchStreamFormatter:
     def close(self) -> bytes:
         return self._drain(final=True)
 
-    def error_tail(self, message: str) -> bytes:
-        return jsonlines_error_tail(message)
+    def error(self, exc: LmiServeError) -> bytes:
+        return RENDERER.in_band(exc) + b"\n"
 
     def _drain(self, final: bool) -> bytes:
         lines = []

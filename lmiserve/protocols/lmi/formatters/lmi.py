@@ -1,11 +1,11 @@
 """LMI text-generation formatters: ``json``, ``jsonlines``, ``sse`` and their TGI variants.
 
-Byte rules (reference lmi.md §5.2–5.9): `dumps` spacing, keys in the reference's order, absent
-optional keys omitted (``log_prob`` may be null in ``prefill``), no trailing newline on the
-non-streaming body, ``object + "\\n"`` per jsonlines token, ``"data: " + object + "\\n\\n"`` per SSE
-event and no ``[DONE]``. A step without a token sends nothing, so no empty line/event is possible.
+Byte rules: `dumps` spacing, keys in LMI's order (see docs/protocols/lmi.md), absent optional keys
+omitted (``log_prob`` may be null in ``prefill``), no trailing newline on the non-streaming body,
+``object + "\\n"`` per jsonlines token, ``"data: " + object + "\\n\\n"`` per SSE event and no
+``[DONE]``. A step without a token sends nothing, so no empty line/event is possible.
 
-Decisions where the reference leaves room:
+Decisions where LMI leaves room:
 - ``generated_text`` is `Finish.generated_text` (equal to the concatenated token texts), with the
   prompt (`FormatOptions.prompt`, else `Finish.prompt`) prepended under ``return_full_text``;
   ``generated_tokens`` is `Finish.generated_tokens`.
@@ -14,8 +14,9 @@ Decisions where the reference leaves room:
   last record with ``generated_text``/``details``, just without the ``token`` key.
 - In the best_of shape each sequence gets ``prefill``/``top_tokens`` before ``generated_text``
   when requested, like LMI's implementation; ``prefill`` is the request's (sequence 0's).
-- Error finishes are meant to be intercepted by the HTTP layer (see protocols/lmi/formatters/errors.py). If one
-  reaches a formatter it is rendered as LMI's formatter layer does, with ``finish_reason: error``
+- Error finishes are intercepted by the response pipeline (424 before the first byte, the in-band
+  error of protocols/lmi/errors.py after it). If one reaches a formatter it is rendered as LMI's
+  formatter layer does, with ``finish_reason: error``
   (``details`` is ``{"finish_reason": "error"}`` when details are off). LMI's non-streaming
   ``{"generated_text": null, "error": ..., "code": 400}`` shape is not reproduced: LMI replaces
   it by the 424 body anyway.
@@ -27,9 +28,15 @@ from abc import abstractmethod
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
+from lmiserve.core.errors import IncompleteGeneration, LmiServeError
 from lmiserve.core.events import Finish, FinishReason, StepEvent, Token
-from lmiserve.protocols.lmi.formatters.base import FormatOptions, Formatter, dumps, register
-from lmiserve.protocols.lmi.formatters.errors import jsonlines_error_tail, lmi_error_body, sse_error_tail
+from lmiserve.protocols.lmi.errors import RENDERER
+from lmiserve.protocols.lmi.formatters.base import (
+    FormatOptions,
+    Formatter,
+    dumps,
+    register,
+)
 
 Json = dict[str, Any]
 
@@ -96,7 +103,7 @@ class LmiFormatter(Formatter):
     def details_dict(
         self, finish: Finish, top_tokens: Sequence[Sequence[Token]], tokens: list[Token] | None
     ) -> Json | None:
-        """§5.4 ``details``; `tokens` None leaves out the ``tokens`` list (streaming)."""
+        """``details``; `tokens` None leaves out the ``tokens`` list (streaming)."""
         if not self.details:
             if finish.reason is FinishReason.ERROR:
                 return {"finish_reason": finish.reason.value}
@@ -117,7 +124,7 @@ class LmiFormatter(Formatter):
 
 @register("json")
 class JsonFormatter(LmiFormatter):
-    """One body at the end (§5.5); the best_of/n shape (§5.6) when several sequences."""
+    """One body at the end; the best_of/n shape when several sequences."""
 
     content_type = "application/json"
     streaming = False
@@ -126,20 +133,17 @@ class JsonFormatter(LmiFormatter):
         super().__init__(options)
         self._seqs: dict[int, _Sequence] = {}
 
-    def on_event(self, event: StepEvent) -> bytes:
+    def on_event(self, index: int, event: StepEvent) -> bytes:
         self._seqs.setdefault(event.index, _Sequence()).add(event)
         return b""
 
     def close(self) -> bytes:
         unfinished = [i for i, s in self._seqs.items() if s.finish is None]
         if 0 not in self._seqs or unfinished:
-            raise RuntimeError(f"events ended before every sequence finished: {unfinished or [0]}")
+            raise IncompleteGeneration(f"events ended before every sequence finished: {unfinished or [0]}")
         o = self.options
         body = self._best_of_body() if o.n > 1 or o.best_of > 1 or len(self._seqs) > 1 else self._body()
         return dumps([body] if self.tgi else body).encode()
-
-    def error_tail(self, message: str) -> bytes:
-        return lmi_error_body(message)  # nothing was sent: the HTTP layer answers 424 with it
 
     def _body(self) -> Json:
         best = self._seqs[0]
@@ -181,7 +185,7 @@ class JsonFormatter(LmiFormatter):
 
 
 class _StreamingFormatter(LmiFormatter):
-    """One record per token; the last one adds ``generated_text`` and ``details`` (§5.7)."""
+    """One record per token; the last one adds ``generated_text`` and ``details``."""
 
     streaming = True
 
@@ -193,7 +197,7 @@ class _StreamingFormatter(LmiFormatter):
     def frame(self, record: Json) -> bytes:
         """One record on the wire."""
 
-    def on_event(self, event: StepEvent) -> bytes:
+    def on_event(self, index: int, event: StepEvent) -> bytes:
         if event.index != 0:
             return b""
         if event.top_tokens is not None:
@@ -219,8 +223,10 @@ class JsonlinesFormatter(_StreamingFormatter):
     def frame(self, record: Json) -> bytes:
         return (dumps(record) + "\n").encode()
 
-    def error_tail(self, message: str) -> bytes:
-        return jsonlines_error_tail(message)
+    def error(self, exc: LmiServeError) -> bytes:
+        """The in-band error as a last complete line (LMI sends it without the newline; with it,
+        line-splitting clients parse a complete last record)."""
+        return RENDERER.in_band(exc) + b"\n"
 
 
 @register("sse")
@@ -230,11 +236,13 @@ class SseFormatter(_StreamingFormatter):
     def frame(self, record: Json) -> bytes:
         return ("data: " + dumps(record) + "\n\n").encode()
 
-    def error_tail(self, message: str) -> bytes:
-        return sse_error_tail(message)
+    def error(self, exc: LmiServeError) -> bytes:
+        """The in-band error as a ``data:`` event (LMI sends the raw body, which SSE clients such as
+        huggingface_hub silently skip; as an event they raise)."""
+        return b"data: " + RENDERER.in_band(exc) + b"\n\n"
 
 
-# --- TGI variants (§5.9): logprob/special keys, details by default, array-wrapped json ---------
+# --- TGI variants: logprob/special keys, details by default, array-wrapped json ---------
 
 
 @register("tgi_json")

@@ -1,5 +1,5 @@
-"""SageMaker /invocations content handling (reference §5): Content-Type parsing, Accept negotiation,
-records from JSON / JSON Lines / CSV bodies, responses in the negotiated type, custom attributes.
+"""SageMaker /invocations content handling: Content-Type parsing, Accept negotiation, records from
+JSON / JSON Lines / CSV bodies, responses in the negotiated type, custom attributes.
 
 Supported media types: application/json (also several top-level values = JSON Lines),
 application/jsonlines (alias application/jsons), text/csv. A missing Content-Type is JSON. A missing
@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
+from lmiserve.core.errors import MalformedBody, NotAcceptable, UnsupportedMediaType
 from lmiserve.protocols.tensor.codecs import records
-from lmiserve.protocols.tensor.codecs.errors import TensorError
 
 JSON, JSONLINES, CSV = "application/json", "application/jsonlines", "text/csv"
 SUPPORTED = (JSON, JSONLINES, CSV)
@@ -37,10 +38,10 @@ def content_type(header: str | None) -> tuple[str, dict[str, str]]:
 def read_body(raw: bytes, header: str | None) -> Body:
     media, params = content_type(header)
     if media not in SUPPORTED:
-        raise TensorError(f"Unsupported Media Type: {header}. Supported content types: {', '.join(SUPPORTED)}", status=415)
+        raise UnsupportedMediaType(f"Unsupported Media Type: {header}. Supported content types: {', '.join(SUPPORTED)}")
     text = records.decode_text(raw, params)
     if not text.strip():
-        raise TensorError("the request body is empty")
+        raise MalformedBody("the request body is empty")
     return Body(media, params, text)
 
 
@@ -54,9 +55,7 @@ def negotiate(accept: str | None, request_media: str, default: str | None) -> st
             return media
         if media == "*/*":
             return default if default in SUPPORTED else request_media
-    raise TensorError(
-        f"Accept type {accept} is not supported. Please use supported accept types: {list(SUPPORTED)}.", status=406
-    )
+    raise NotAcceptable(f"Accept type {accept} is not supported. Please use supported accept types: {list(SUPPORTED)}.")
 
 
 def custom_attributes(header: str | None) -> dict[str, str]:
@@ -69,12 +68,8 @@ def custom_attributes(header: str | None) -> dict[str, str]:
     return found
 
 
-def is_lmi_payload(raw: bytes) -> bool:
+def is_lmi_document(doc: Any) -> bool:
     """A JSON object with `inputs` (and no TF Serving `instances`/`examples`): LMI's request, LMI's route."""
-    try:
-        doc = json.loads(raw)
-    except (ValueError, RecursionError):
-        return False
     return isinstance(doc, dict) and "inputs" in doc and "instances" not in doc and "examples" not in doc
 
 

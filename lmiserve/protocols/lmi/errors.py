@@ -1,0 +1,146 @@
+"""LMI's error shapes: the renderers of its inference routes and of its management API.
+
+Bodies
+- compact: ``{"error":"<msg>","code":424}``, error first, no spaces, no trailing newline. LMI writes it
+  with Gson, which also escapes ``'`` and ``= < > &`` as ``\\u00XX``; we write the same JSON value
+  with raw UTF-8 and without those escapes (any JSON parser reads both back to the same string).
+- front-end: 2-space pretty JSON ``code, type, message`` followed by ``"\\n"`` (unknown paths and
+  models, capacity, timeouts, management errors).
+- dynamic batch (rolling_batch=disable): ``{"code": 424, "message": "invoke handler failure",
+  "error": "<details>"}``. It is the body the formatter would send for a handler failure; over HTTP
+  a failure before the first byte is answered with the compact body like every generation failure.
+
+Inference routes (`LmiErrors`): invalid requests and generation failures are 424 with the compact
+body; everything else has a front-end status and type (see `STATUS` / `TYPE`); a full job queue adds
+" for model: <name>" to the message when the model is known (`LmiErrors.for_model`).
+
+In-band (a stream whose first bytes are out): the compact body with code 424, whatever the error;
+the encoder frames it (JSON Lines: + "\\n"; SSE: "data: " + body + "\\n\\n").
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import TypeVar
+
+from lmiserve.core.errors import (
+    Conflict,
+    GenerationFailed,
+    IncompleteGeneration,
+    InternalError,
+    InvalidRequest,
+    LmiServeError,
+    ModelNotFound,
+    ModelNotReady,
+    ModelRequired,
+    Overloaded,
+    QueueTimeout,
+)
+from lmiserve.server.errors import ErrorRenderer
+
+__all__ = [
+    "COMPACT_STATUS", "MANAGEMENT", "RENDERER", "LmiErrors", "ManagementErrors", "dynamic_batch_error_body",
+    "frontend_error_body", "lmi_error_body",
+]
+
+COMPACT_STATUS = 424  # the status whose body is the compact one
+V = TypeVar("V")
+
+
+def lmi_error_body(message: str, code: int = COMPACT_STATUS) -> bytes:
+    """``{"error":"<message>","code":424}`` — compact, no trailing newline."""
+    body = {"error": message, "code": code}
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def frontend_error_body(code: int, type: str, message: str) -> bytes:
+    """Front-end error: pretty-printed (2 spaces) ``code, type, message`` and a final newline."""
+    body = {"code": code, "type": type, "message": message}
+    return (json.dumps(body, indent=2, ensure_ascii=False) + "\n").encode()
+
+
+def dynamic_batch_error_body(message: str, code: int = COMPACT_STATUS) -> bytes:
+    """Dynamic-batch handler failure: ``{"code": 424, "message": "invoke handler failure", ...}``."""
+    body = {"code": code, "message": "invoke handler failure", "error": message}
+    return json.dumps(body, ensure_ascii=False).encode()
+
+
+def _find(exc: LmiServeError, table: Mapping[type[LmiServeError], V], default: V) -> V:
+    """The entry of the most specific class of `exc` in `table`."""
+    for cls in type(exc).__mro__:
+        if cls in table:
+            return table[cls]
+    return default
+
+
+INTERNAL = "InternalServerException"
+
+# Inference routes. An IncompleteGeneration (an event stream that ended before its sequences finished)
+# is a server failure: 500, as any unexpected error.
+STATUS: dict[type[LmiServeError], int] = {
+    InvalidRequest: COMPACT_STATUS,
+    GenerationFailed: COMPACT_STATUS,
+    ModelRequired: 400,
+    QueueTimeout: 400,
+    ModelNotFound: 404,
+    ModelNotReady: 503,
+    Overloaded: 503,
+    IncompleteGeneration: 500,
+}
+TYPE: dict[type[LmiServeError], str] = {
+    ModelRequired: "BadRequestException",
+    QueueTimeout: "TranslateException",
+    ModelNotFound: "ModelNotFoundException",
+    ModelNotReady: "ServiceUnavailableException",
+    Overloaded: "WlmCapacityException",
+}
+
+
+class LmiErrors(ErrorRenderer):
+    """LMI's inference routes (/invocations, /predictions/{m}[/{v}], /models/{m}/invoke)."""
+
+    def __init__(self, model: str = ""):
+        self.model = model  # named in the message of a full job queue
+
+    def for_model(self, name: str) -> LmiErrors:
+        return LmiErrors(name)
+
+    def status(self, exc: LmiServeError) -> int:
+        return _find(exc, STATUS, 500)
+
+    def body(self, exc: LmiServeError) -> bytes:
+        status = self.status(exc)
+        if status == COMPACT_STATUS:
+            return lmi_error_body(exc.message)
+        message = exc.message
+        if isinstance(exc, Overloaded) and self.model:
+            message = f"{message} for model: {self.model}"
+        return frontend_error_body(status, _find(exc, TYPE, INTERNAL), message)
+
+    def in_band(self, exc: LmiServeError) -> bytes:
+        return lmi_error_body(exc.message)
+
+
+# The management API: status and type.
+MANAGEMENT_STATUS: dict[type[LmiServeError], tuple[int, str]] = {
+    InvalidRequest: (400, "BadRequestException"),
+    ModelNotFound: (404, "ModelNotFoundException"),
+    Conflict: (409, "ConflictStatusException"),
+    InternalError: (500, INTERNAL),
+}
+
+
+class ManagementErrors(ErrorRenderer):
+    """The management API (/models): always the front-end shape."""
+
+    def status(self, exc: LmiServeError) -> int:
+        return _find(exc, MANAGEMENT_STATUS, (500, INTERNAL))[0]
+
+    def body(self, exc: LmiServeError) -> bytes:
+        status, kind = _find(exc, MANAGEMENT_STATUS, (500, INTERNAL))
+        return frontend_error_body(status, kind, exc.message)
+
+
+RENDERER = LmiErrors()
+MANAGEMENT = ManagementErrors()

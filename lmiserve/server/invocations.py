@@ -1,0 +1,286 @@
+"""The one dispatcher of /invocations, /predictions/{m}[/{v}] and /models/{m}/invoke.
+
+These routes take OpenAI, TGI, SageMaker and LMI bodies. `decode` reads the request once and says
+which one it is, as an `Invocation`: `JsonBody`, `SageMakerRecords` or `LmiPayload`, each tagged with
+its `Kind`; `HANDLERS` maps each kind to its protocol's handler, which takes the decoded payload and
+whose errors its protocol's renderer answers. The protocols do not know each
+other: what one lends another (LMI's requests for SageMaker's JSON Lines lines, TF Serving's
+documents for SageMaker) is wired here.
+
+Precedence (first match wins):
+1. OPTIONS -> ``{}`` (no API key asked); then the API key, for every form (a bare 401);
+2. a POST whose Content-Type is absent or application/json and whose body is a JSON object:
+   `messages` -> OpenAI chat completion; `prompt` without `inputs` -> OpenAI completion; `inputs` on
+   /invocations with tgi_compat and no LMI `parameters.output_formatter` -> TGI's POST /;
+3. on /invocations only, SageMaker, for the model named by the custom attribute `tfs-model-name`
+   (else `model_name` from the query or a header, else the default model; a lookup that fails leaves
+   the request to LMI): the media type is that of Content-Type (or ContentType), JSON when absent;
+   - an LLM: JSON Lines (unless the whole body is one JSON object asking to `stream`) and CSV;
+   - a one-shot model: anything but text/plain and a JSON object with `inputs` (LMI's payloads);
+4. LMI, for the model named by the path, else `model_name` from the query or a header, else the
+   default model: it must exist (404 / 400) and be ready (503); the body is decoded as LMI does
+   (424 if that fails); then a one-shot model, dynamic batching or the rolling batch.
+Only step 4 fails while decoding; LMI's renderer answers those errors. Every handler's errors are
+answered by its protocol (the OpenAI and TGI entry points answer their own).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from lmiserve.core.errors import LmiServeError
+from lmiserve.models.service import ModelService, model_service
+from lmiserve.protocols.lmi import lines as lmi_lines
+from lmiserve.protocols.lmi import parse as lmi_parse
+from lmiserve.protocols.lmi import routes as lmi
+from lmiserve.protocols.lmi.errors import RENDERER as LMI_ERRORS
+from lmiserve.protocols.openai import routes as openai
+from lmiserve.protocols.tensor.sagemaker import parse as sagemaker_parse
+from lmiserve.protocols.tensor.sagemaker import routes as sagemaker
+from lmiserve.protocols.tensor.sagemaker.errors import RENDERER as SAGEMAKER_ERRORS
+from lmiserve.protocols.tensor.tfserving import parse as tfserving_parse
+from lmiserve.protocols.tgi import routes as tgi
+from lmiserve.server import auth
+from lmiserve.server.errors import ErrorRenderer, rendered_by
+from lmiserve.server.responses import raw_response
+
+
+class Kind(Enum):
+    CHAT = "chat"  # an OpenAI chat completion body
+    COMPLETION = "completion"  # an OpenAI completion body
+    TGI_COMPAT = "tgi_compat"  # TGI's POST / body (tgi_compat)
+    SAGEMAKER_LLM = "sagemaker_llm"  # SageMaker JSON Lines / CSV records for an LLM
+    SAGEMAKER_TENSOR = "sagemaker_tensor"  # SageMaker JSON / JSON Lines / CSV records for a one-shot model
+    LMI_ROLLING = "lmi_rolling"  # an LMI text-generation request (continuous batching)
+    LMI_DYNAMIC_BATCH = "lmi_dynamic_batch"  # an LMI request under rolling_batch=disable
+    LMI_TENSOR = "lmi_tensor"  # an LMI payload for a one-shot model
+
+
+@dataclass(frozen=True)
+class JsonBody:
+    """An OpenAI or TGI request: the body's JSON object."""
+
+    kind: Kind  # CHAT, COMPLETION or TGI_COMPAT
+    doc: dict
+
+
+@dataclass(frozen=True)
+class SageMakerRecords:
+    """A SageMaker request: the addressed model and the body, read by SageMaker's handler."""
+
+    kind: Kind  # SAGEMAKER_LLM or SAGEMAKER_TENSOR
+    service: ModelService
+    records: sagemaker.Records
+
+
+@dataclass(frozen=True)
+class LmiPayload:
+    """An LMI request: the addressed (ready) model and the payload as LMI decodes the body."""
+
+    kind: Kind  # LMI_ROLLING, LMI_DYNAMIC_BATCH or LMI_TENSOR
+    service: ModelService
+    payload: Any
+
+
+Invocation = JsonBody | SageMakerRecords | LmiPayload
+
+
+class Body:
+    """The request body, read once; its JSON parsed at most once (on demand)."""
+
+    def __init__(self, raw: bytes):
+        self.raw = raw
+        self._doc: Any = None
+        self._error: Exception | None = None
+        self._parsed = False
+
+    def json(self) -> Any:
+        """``json.loads(raw)``; raises what it raised (ValueError or RecursionError), every time."""
+        if not self._parsed:
+            self._parsed = True
+            try:
+                self._doc = json.loads(self.raw)
+            except (ValueError, RecursionError) as exc:
+                self._error = exc
+        if self._error is not None:
+            raise self._error
+        return self._doc
+
+    def json_or_none(self) -> Any:
+        """The JSON document, or None when the body is not JSON."""
+        try:
+            return self.json()
+        except (ValueError, RecursionError):
+            return None
+
+
+async def invocations(request: Request) -> Response:
+    if request.method == "OPTIONS":
+        return raw_response(b"{}")
+    if (denied := auth.rejected(request)) is not None:
+        return denied
+    try:
+        invocation = await decode(request)
+    except LmiServeError as exc:  # only LMI's step fails: LMI's renderer answers (see the module docstring)
+        return LMI_ERRORS.response(exc, request)
+    return await HANDLERS[invocation.kind](request, invocation)
+
+
+async def decode(request: Request) -> Invocation:
+    """The request as one `Invocation` (see the module docstring for the precedence). Raises LMI's
+    errors: unknown or ambiguous model, model not ready, a body LMI cannot decode."""
+    body = Body(await request.body())
+    if _json_post(request):
+        doc = body.json_or_none()
+        if isinstance(doc, dict):
+            if "messages" in doc:
+                return JsonBody(Kind.CHAT, doc)
+            if "prompt" in doc and "inputs" not in doc:
+                return JsonBody(Kind.COMPLETION, doc)
+            if "inputs" in doc and _tgi_compat(request, doc):
+                return JsonBody(Kind.TGI_COMPAT, doc)
+    if request.url.path == "/invocations":
+        found = _sagemaker(request, body)
+        if found is not None:
+            return found
+    return _lmi(request, body)
+
+
+def _json_post(request: Request) -> bool:
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    return request.method == "POST" and media in ("", "application/json")
+
+
+def _tgi_compat(request: Request, doc: dict) -> bool:
+    """TGI's POST / on /invocations with tgi_compat, unless the body names an LMI output formatter."""
+    params = doc.get("parameters")
+    lmi_formatter = isinstance(params, dict) and params.get("output_formatter")
+    return bool(request.app.state.settings.tgi_compat and request.url.path == "/invocations" and not lmi_formatter)
+
+
+def _sagemaker(request: Request, body: Body) -> SageMakerRecords | None:
+    attributes = sagemaker_parse.custom_attributes(request.headers.get(sagemaker_parse.CUSTOM_ATTRIBUTES))
+    name = (
+        attributes.get("tfs-model-name")
+        or request.query_params.get("model_name")
+        or request.headers.get("model_name")
+    )
+    try:
+        service = model_service(request, name)
+    except LmiServeError:  # an unknown or ambiguous model: LMI answers it in its own shape
+        return None
+    header = request.headers.get("content-type") or request.headers.get("contenttype")
+    media, _ = sagemaker_parse.content_type(header)
+    if service.is_llm:
+        if media not in (sagemaker_parse.JSONLINES, sagemaker_parse.CSV) or _lmi_stream(media, body):
+            return None
+        kind = Kind.SAGEMAKER_LLM
+    else:
+        if media == "text/plain" or (media == sagemaker_parse.JSON and sagemaker_parse.is_lmi_document(body.json_or_none())):
+            return None  # LMI's own payloads stay LMI's
+        kind = Kind.SAGEMAKER_TENSOR
+    return SageMakerRecords(kind, service, sagemaker.Records(body.raw, header, attributes))
+
+
+def _lmi_stream(media: str, body: Body) -> bool:
+    """A JSON Lines body that is one JSON object asking to stream is an LMI streaming request."""
+    doc = body.json_or_none() if media == sagemaker_parse.JSONLINES else None
+    return isinstance(doc, dict) and doc.get("stream") is True
+
+
+def _lmi(request: Request, body: Body) -> LmiPayload:
+    name = (
+        request.path_params.get("model_name")
+        or request.query_params.get("model_name")
+        or request.headers.get("model_name")
+    )
+    service = model_service(request, name)
+    service.ready_engine()
+    payload = lmi_parse.decode_body(body.raw, request.headers.get("content-type"), load=body.json)
+    if not service.is_llm:
+        kind = Kind.LMI_TENSOR
+    elif service.dynamic_batching:
+        kind = Kind.LMI_DYNAMIC_BATCH
+    else:
+        kind = Kind.LMI_ROLLING
+    return LmiPayload(kind, service, payload)
+
+
+# ---- the handlers of each kind ---------------------------------------------------------------------
+# OpenAI and TGI answer their own errors (their entry points return a response); SageMaker's and LMI's
+# handlers raise, and their protocol's renderer answers (LMI's names the model of a full job queue).
+
+
+async def _chat(request: Request, invocation: JsonBody) -> Response:
+    return await openai.invoke(request, invocation.doc, chat=True)
+
+
+async def _completion(request: Request, invocation: JsonBody) -> Response:
+    return await openai.invoke(request, invocation.doc, chat=False)
+
+
+async def _tgi_compat_body(request: Request, invocation: JsonBody) -> Response:
+    return await tgi.invoke_compat(request, invocation.doc)
+
+
+async def _sagemaker_llm(request: Request, invocation: SageMakerRecords) -> Response:
+    answer = functools.partial(sagemaker.invoke_llm, request, invocation.service, invocation.records, lmi_lines)
+    return await _rendered(request, SAGEMAKER_ERRORS, answer)
+
+
+async def _sagemaker_tensor(request: Request, invocation: SageMakerRecords) -> Response:
+    answer = functools.partial(sagemaker.invoke_tensor, request, invocation.service, invocation.records, tfserving_parse)
+    return await _rendered(request, SAGEMAKER_ERRORS, answer)
+
+
+LmiHandler = Callable[[Request, ModelService, Any], Awaitable[Response]]
+
+
+def _lmi_handler(handler: LmiHandler) -> Callable[[Request, LmiPayload], Awaitable[Response]]:
+    async def run(request: Request, invocation: LmiPayload) -> Response:
+        answer = functools.partial(handler, request, invocation.service, invocation.payload)
+        return await _rendered(request, LMI_ERRORS.for_model(invocation.service.name), answer)
+
+    return run
+
+
+async def _rendered(request: Request, renderer: ErrorRenderer, answer: Callable[[], Awaitable[Response]]) -> Response:
+    """`answer()`, its lmiserve errors answered by `renderer`."""
+
+    async def endpoint(_: Request) -> Response:
+        return await answer()
+
+    return await rendered_by(renderer, endpoint)(request)
+
+
+HANDLERS: dict[Kind, Callable[[Request, Any], Awaitable[Response]]] = {
+    Kind.CHAT: _chat,
+    Kind.COMPLETION: _completion,
+    Kind.TGI_COMPAT: _tgi_compat_body,
+    Kind.SAGEMAKER_LLM: _sagemaker_llm,
+    Kind.SAGEMAKER_TENSOR: _sagemaker_tensor,
+    Kind.LMI_ROLLING: _lmi_handler(lmi.rolling),
+    Kind.LMI_DYNAMIC_BATCH: _lmi_handler(lmi.dynamic_batch),
+    Kind.LMI_TENSOR: _lmi_handler(lmi.one_shot),
+}
+
+INFER = ["GET", "POST", "PUT", "OPTIONS"]  # LMI accepts any method on inference routes
+
+
+def routes() -> list[BaseRoute]:
+    """The inference routes (right after /ping, before the management API's /models routes)."""
+    return [
+        Route("/invocations", invocations, methods=INFER),
+        Route("/predictions/{model_name}", invocations, methods=INFER),
+        Route("/predictions/{model_name}/{version}", invocations, methods=INFER),
+        Route("/models/{model_name}/invoke", invocations, methods=INFER),
+    ]
