@@ -107,14 +107,3 @@ class IncompleteGeneration(GenerationFailed):
 class InternalError(LmiServeError):
     """A server-side failure that is not the model's (an unencodable output, a load that failed)."""
 
-
-# TRANSITIONAL (removed once every protocol has its renderer): the statuses and kinds the old
-# per-module translation read. Nothing new may read `status` or `kind` of an LmiServeError.
-LmiServeError.status, LmiServeError.kind = 500, "InternalServerException"  # type: ignore[attr-defined]
-InvalidRequest.status, InvalidRequest.kind = 424, "validation"  # type: ignore[attr-defined]
-ModelRequired.status, ModelRequired.kind = 400, "BadRequestException"  # type: ignore[attr-defined]
-Overloaded.status, Overloaded.kind = 503, "WlmCapacityException"  # type: ignore[attr-defined]
-QueueTimeout.status, QueueTimeout.kind = 400, "TranslateException"  # type: ignore[attr-defined]
-ModelNotReady.status, ModelNotReady.kind = 503, "ServiceUnavailableException"  # type: ignore[attr-defined]
-ModelNotFound.status, ModelNotFound.kind = 404, "ModelNotFoundException"  # type: ignore[attr-defined]
-GenerationFailed.status, GenerationFailed.kind = 424, "InferenceFailed"  # type: ignore[attr-defined]
