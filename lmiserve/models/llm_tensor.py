@@ -22,7 +22,7 @@ from lmiserve.core.events import FinishReason
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.core.tensor_io import bytes_column, pick_input, select_outputs, text_rows
 from lmiserve.core.tensors import ModelSignature, TensorRequest, TensorSpec
-from lmiserve.protocols.lmi.parse import Limits, parse_parameters, to_sampling
+from lmiserve.core.parameters import Limits, parse_parameters, to_sampling
 
 INPUT = "text_input"
 INPUT_ALIASES = ("prompt", "inputs", "text")

@@ -18,7 +18,7 @@ from lmiserve.core.engine import ModelEngine, TextGenerator
 from lmiserve.core.errors import ModelNotReady, Unsupported
 from lmiserve.core.tensors import TensorModel
 from lmiserve.engine import torch_thread
-from lmiserve.protocols.lmi.parse import Limits
+from lmiserve.core.parameters import Limits
 
 if TYPE_CHECKING:
     from starlette.requests import Request

@@ -8,7 +8,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from lmiserve.protocols.lmi.parse import Limits
+from lmiserve.core.parameters import Limits
 from lmiserve.models.llm_tensor import LlmTensorModel
 from lmiserve.config import Settings
 from lmiserve.core.errors import InvalidRequest, ModelNotFound, ModelNotReady

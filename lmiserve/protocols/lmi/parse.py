@@ -13,26 +13,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import ValidationError
-
 from lmiserve.core.errors import InvalidRequest
+from lmiserve.core.parameters import Limits, parse_parameters, to_sampling
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.protocols.lmi.formatters import FormatOptions, select_formatter_name
-from lmiserve.protocols.lmi.schema import LmiParameters
 
 log = logging.getLogger(__name__)
 
 PARSE_PREFIX = "Input Parsing failed. Ensure that the request payload is valid. "
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Server options that shape every request."""
-
-    default_max_new_tokens: int = 30
-    max_new_tokens_limit: int = 4096
-    output_formatter: str | None = None
-    tgi_compat: bool = False
 
 
 @dataclass
@@ -99,62 +87,5 @@ def parse(payload, limits: Limits, *, dynamic_batch: bool = False) -> LmiCall:
     return LmiCall(requests, stream, formatter, options)
 
 
-def parse_parameters(raw: dict) -> LmiParameters:
-    try:
-        params = LmiParameters.model_validate(raw)
-    except ValidationError as exc:
-        raise InvalidRequest(_validation_message(exc)) from None
-    if params.unknown:
-        log.warning("ignoring unknown generation parameters: %s", ", ".join(params.unknown))
-    return params
-
-
-def to_sampling(params: LmiParameters, limits: Limits, stream: bool) -> SamplingParams:
-    max_new = params.max_new_tokens or limits.default_max_new_tokens
-    if max_new > limits.max_new_tokens_limit:
-        raise InvalidRequest(f"max_new_tokens must be <= {limits.max_new_tokens_limit}. Given: {max_new}")
-    sampling = params.sampling
-    n = params.n if params.n is not None else params.best_of
-    if params.n is not None and params.best_of > 1 and n > params.best_of:
-        raise InvalidRequest(f"`n` ({n}) must be <= `best_of` ({params.best_of})")
-    count = max(n, params.best_of)
-    if count > 1 and stream:
-        raise InvalidRequest("`n` and `best_of` > 1 are not supported when streaming")
-    if count > 1 and not sampling:
-        raise InvalidRequest("`n` and `best_of` > 1 require sampling (`do_sample: true` or a positive `temperature`)")
-    return SamplingParams(
-        do_sample=sampling,
-        seed=params.seed,
-        temperature=params.temperature if sampling and params.temperature is not None else 1.0,
-        top_k=max(params.top_k, 0),
-        top_p=params.top_p,
-        typical_p=params.typical_p,
-        min_p=params.min_p,
-        repetition_penalty=params.repetition_penalty,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        max_new_tokens=max_new,
-        min_new_tokens=min(params.min_new_tokens, max_new),
-        stop_sequences=list(params.stop_sequences) + list(params.stop or []),
-        stop_token_ids=list(params.stop_token_ids),
-        include_stop_str_in_output=params.include_stop_str_in_output,
-        ignore_eos_token=params.ignore_eos_token,
-        skip_special_tokens=params.skip_special_tokens,
-        truncate=params.truncate,
-        decoder_input_details=params.decoder_input_details,
-        top_n_tokens=params.top_n_tokens,
-        n=n,
-        best_of=count,
-    )
-
-
 def _copy(params: SamplingParams) -> SamplingParams:
     return SamplingParams(**{**params.__dict__, "stop_sequences": list(params.stop_sequences)})
-
-
-def _validation_message(exc: ValidationError) -> str:
-    parts = []
-    for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "parameters"
-        parts.append(f"Invalid value {err.get('input')!r} for parameter '{where}': {err['msg']}")
-    return "; ".join(parts)
