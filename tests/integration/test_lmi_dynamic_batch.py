@@ -1,6 +1,6 @@
 """Dynamic batching (``rolling_batch=disable batch_size=4 max_batch_delay=50``) over real HTTP
-(reference lmi.md §3.4; decisions in lmiserve/protocols/lmi/formatters/dynamic_batch.py: the body is always a list
-of ``{"generated_text": ...}`` in input order, also for a single string input)."""
+(decisions in lmiserve/protocols/lmi/formatters/dynamic_batch.py: the body is always a list of
+``{"generated_text": ...}`` in input order, also for a single string input)."""
 
 from __future__ import annotations
 

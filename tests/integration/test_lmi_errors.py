@@ -1,4 +1,4 @@
-"""Bad requests over real HTTP (reference lmi.md §3.3, §6.1): HTTP 424 with ``{"error": ..., "code": 424}``
+"""Bad requests over real HTTP: HTTP 424 with ``{"error": ..., "code": 424}``
 and LMI's messages; never a 500, never a hang; the server keeps answering normally afterwards."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def assert_424(response, message: str | None = None, *, contains: tuple[str, ...
     return body["error"]
 
 
-# --- §3.3 payload validation, LMI's exact messages ------------------------------------------------------
+# --- payload validation, LMI's exact messages ------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -79,7 +79,7 @@ def test_empty_body_without_content_type(server):
 
 
 def test_application_jsonlines_body_is_json(server):
-    """Content-Type is matched by substring: application/jsonlines is decoded as JSON (§3.2)."""
+    """Content-Type is matched by substring: application/jsonlines is decoded as JSON."""
     body = json.dumps({"inputs": "Hello", "parameters": {"max_new_tokens": 2}})
     response = server.post(content=body, headers={"content-type": "application/jsonlines"})
     assert response.status_code == 200, response.text

@@ -1,4 +1,4 @@
-"""LMI inference over real HTTP (reference lmi.md §3–§5, §7): formatters, details, stop sequences,
+"""LMI inference over real HTTP: formatters, details, stop sequences,
 seeds, max_new_tokens, and greedy output equal to `model.generate` — also under concurrency."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def test_json_default_body_is_exactly_generated_text(server):
     response = server.post({"inputs": PROMPT, "parameters": {"max_new_tokens": 8}})
     assert response.status_code == 200, response.text
     assert response.headers["content-type"] == "application/json"
-    assert "content-length" in response.headers  # one body, not chunked (§7 response start)
+    assert "content-length" in response.headers  # one body, not chunked
     assert "transfer-encoding" not in response.headers
     raw = response.text
     assert not raw.endswith("\n")
@@ -328,14 +328,14 @@ def test_different_seeds_differ(server):
 
 
 def test_unseeded_samples_differ(server):
-    """§4.3: a random seed per request, not seed 0 for everyone."""
+    """a random seed per request, not seed 0 for everyone."""
     a = server.generate(PROMPT, max_new_tokens=20, do_sample=True, details=True, ignore_eos_token=True)
     b = server.generate(PROMPT, max_new_tokens=20, do_sample=True, details=True, ignore_eos_token=True)
     assert ids_of(a) != ids_of(b)
 
 
 def test_temperature_alone_means_sampling(server):
-    """§10: greedy unless do_sample or temperature is given."""
+    """greedy unless do_sample or temperature is given."""
     sampled = server.generate(PROMPT, max_new_tokens=12, do_sample=True, seed=7, details=True, ignore_eos_token=True)
     by_temperature = server.generate(PROMPT, max_new_tokens=12, temperature=1.0, seed=7, details=True, ignore_eos_token=True)
     greedy = server.generate(PROMPT, max_new_tokens=12, details=True, ignore_eos_token=True)
@@ -412,7 +412,7 @@ def test_model_name_header_selects_the_model(server):
     assert response.status_code == 200, response.text
 
 
-# --- best_of / n (§5.6, non-streaming) ----------------------------------------------------------------------
+# --- best_of / n ----------------------------------------------------------------------
 
 
 def test_best_of_shape(server):

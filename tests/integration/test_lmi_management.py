@@ -1,4 +1,4 @@
-"""Health, management and front-end errors over real HTTP (reference lmi.md §2.2, §2.3, §6.3)."""
+"""Health, management and front-end errors over real HTTP."""
 
 from __future__ import annotations
 

@@ -24,8 +24,8 @@ def test_dynamic_batch_generated_text_includes_the_prompt_by_default(dynamic_ser
 
 
 def test_explicit_n_1_with_best_of_returns_a_single_sequence(server):
-    """Reference §4.2: `best_of` *without* `n` -> n=best_of; with an explicit n the engine returns n
-    sequences, and §5.6: with a single returned sequence there is no `best_of_sequences` key.
+    """`best_of` *without* `n` -> n=best_of; with an explicit n the engine returns n
+    sequences, and with a single returned sequence there is no `best_of_sequences` key.
     lmiserve/protocols/lmi/schema.py declares `n: int = Field(1, ...)`, so an explicit n=1 cannot be told from an
     absent n and `AsyncEngine._collect_ranked` returns all best_of sequences."""
     response = server.post(
@@ -44,8 +44,7 @@ def test_deeply_nested_json_is_a_424_not_a_500(server):
     """A body nested ~1000+ levels deep makes `json.loads` raise RecursionError, which
     lmiserve/protocols/lmi/parse.py `decode_body` does not catch (it catches JSONDecodeError and
     UnicodeDecodeError only): the client gets starlette's 500 "Internal Server Error" as
-    text/plain; charset=utf-8 instead of the 424 parse-failure body (reference §6.1; §10: an
-    application/json Content-Type on every error). Fix: also catch RecursionError (e.g.
+    text/plain; charset=utf-8 instead of the 424 parse-failure body. Fix: also catch RecursionError (e.g.
     `except (ValueError, RecursionError)`) and report it through `_fail`."""
     bodies = [
         _deep(2000),

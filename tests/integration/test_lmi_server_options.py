@@ -1,5 +1,5 @@
-"""Server-level options over real HTTP: ``tgi_compat=true`` (reference lmi.md §5.9, §9.2) and
-``output_formatter=jsonlines`` (§5.1: every request streams, a request may override; that server also
+"""Server-level options over real HTTP: ``tgi_compat=true`` and
+``output_formatter=jsonlines`` (every request streams, a request may override; that server also
 prefills in chunks of 4 tokens, which must change nothing a client sees)."""
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def test_tgi_same_tokens_as_lmi(tgi_server, server):
 
 
 def test_huggingface_hub_payload(tgi_server):
-    """What InferenceClient.text_generation(prompt, details=True) sends (§9.2)."""
+    """What InferenceClient.text_generation(prompt, details=True) sends."""
     payload = {
         "inputs": PROMPT,
         "parameters": {
@@ -119,7 +119,7 @@ def test_tgi_errors_keep_the_lmi_shape(tgi_server):
 
 
 def test_tgi_request_can_still_ask_for_jsonlines(tgi_server):
-    """§5.7: tgi_compat with jsonlines -> TGI token keys and details by default, no data: prefix."""
+    """tgi_compat with jsonlines -> TGI token keys and details by default, no data: prefix."""
     response = tgi_server.post(
         {"inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": 3, "output_formatter": "jsonlines"}}
     )

@@ -1,4 +1,4 @@
-"""/invocations with ``tgi_compat=true`` (reference tgi-openai.md §7): an `inputs` body answers exactly
+"""/invocations with ``tgi_compat=true``: an `inputs` body answers exactly
 like TGI's POST / (list, or the native SSE with ``stream: true``; TGI errors), while an LMI
 ``output_formatter`` and the /predictions routes keep LMI semantics."""
 

@@ -1,4 +1,4 @@
-"""LMI formatters: golden wire files and the reference's literal examples (lmi.md §5, §6).
+"""LMI formatters: golden wire files and the reference's literal examples.
 
 Goldens live in tests/golden/lmi/, one file per case, exact bytes. `UPDATE_GOLDEN=1 pytest ...`
 rewrites them; review the diff against the reference before committing.

@@ -1,4 +1,4 @@
-"""Formatter selection (lmi.md §5.1), registry, streaming edge cases and the error protocol."""
+"""Formatter selection, registry, streaming edge cases and the error protocol."""
 
 from __future__ import annotations
 
