@@ -1,4 +1,4 @@
-"""Regression tests for bugs where the server contradicted the reference (lmi.md) or lmiserve's own
+"""Regression tests for bugs where the server contradicted LMI's documented behaviour (docs/protocols/lmi.md) or lmiserve's own
 documented decisions: dynamic-batch return_full_text default, explicit n=1 with best_of, and JSON
 nested too deeply to parse (must be a 424, never a 500)."""
 
