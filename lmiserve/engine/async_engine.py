@@ -24,6 +24,7 @@ from lmiserve.engine import torch_thread
 from lmiserve.engine.scheduler import Scheduler, StepOutput
 from lmiserve.engine.sequence import Sequence
 from lmiserve.engine.validation import PromptCodec
+from lmiserve.core.aio import cancel_and_wait
 
 if TYPE_CHECKING:
     from lmiserve.engine.runners.base import ModelRunner
@@ -90,13 +91,8 @@ class AsyncEngine:
 
     async def stop(self) -> None:
         """Stop the loop; requests still open end with an error instead of waiting forever."""
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         for seq_id in list(self._handles):
             self._fail_before_start(seq_id, ModelNotReady("the server is shutting down"))
 

@@ -34,6 +34,7 @@ from lmiserve.core.errors import (
 from lmiserve.core.tensor_io import select_outputs
 from lmiserve.core.tensors import ModelSignature, TensorRequest
 from lmiserve.engine import torch_thread
+from lmiserve.core.aio import cancel_and_wait
 
 if TYPE_CHECKING:
     import torch
@@ -117,13 +118,8 @@ class OneShotModel:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"lmiserve-oneshot-{self.name}")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         while self._queue:
             job = self._queue.popleft()
             if not job.future.done():

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from lmiserve.core.errors import InvalidInput, MalformedBody, SchemaViolation
 from lmiserve.core.tensors import ModelSignature, TensorRequest
+from lmiserve.protocols.tensor.codecs.jsondoc import load_object
 from lmiserve.protocols.tensor.codecs import binary, content_types
 from lmiserve.protocols.tensor.codecs.datatypes import (
     DTYPES,
@@ -42,16 +44,9 @@ class OutputPlan:
     mlserver: bool = False  # content types in the request: describe outputs the MLServer way
 
 
-def load_header(header: bytes) -> dict:
-    try:
-        doc = json.loads(header)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise MalformedBody(f"failed to parse the request JSON: {exc}") from None
-    except RecursionError:
-        raise MalformedBody("failed to parse the request JSON: the document is nested too deeply") from None
-    if not isinstance(doc, dict):
-        raise SchemaViolation("the inference request must be a JSON object")
-    return doc
+def load_header(header: bytes) -> dict[str, Any]:
+    return load_object(header, failed="failed to parse the request JSON", too_deep="the document is nested too deeply",
+                       not_object="the inference request must be a JSON object")
 
 
 def index_ready_only(body: bytes) -> bool:

@@ -10,20 +10,15 @@ from __future__ import annotations
 
 import json
 
-from lmiserve.core.errors import MalformedBody, SchemaViolation
+from lmiserve.core.errors import SchemaViolation
 from lmiserve.core.tensors import ModelSignature, TensorRequest
 from lmiserve.protocols.tensor import records as tensor_records
+from lmiserve.protocols.tensor.codecs.jsondoc import load_object
 
 
 def parse(body: bytes, signature: ModelSignature, model: str) -> tuple[TensorRequest, int]:
-    try:
-        doc = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise MalformedBody(f"JSON deserialization failed for the request data: {exc}") from None
-    except RecursionError:
-        raise MalformedBody("JSON deserialization failed for the request data: nested too deeply") from None
-    if not isinstance(doc, dict):
-        raise SchemaViolation("the request must be a JSON object {\"instances\": [...], \"parameters\": {...}}")
+    doc = load_object(body, failed="JSON deserialization failed for the request data", too_deep="nested too deeply",
+                      not_object='the request must be a JSON object {"instances": [...], "parameters": {...}}')
     instances = doc.get("instances")
     if not isinstance(instances, list) or not instances:
         raise SchemaViolation("'instances' must be a non-empty list")
