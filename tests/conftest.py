@@ -18,7 +18,12 @@ _TESTS_DIR = str(Path(__file__).resolve().parent)
 if _TESTS_DIR not in sys.path:  # make `import helpers` work whatever pytest's rootdir/import mode
     sys.path.insert(0, _TESTS_DIR)
 
-from helpers.tiny_model import build_tiny_model_dir  # noqa: E402
+from helpers.tiny_model import (  # noqa: E402
+    ENDLESS_CONTEXT,
+    build_tiny_model_dir,
+    build_unreachable_eos_model_dir,
+    with_context,
+)
 
 if TYPE_CHECKING:
     from lmiserve.models.load import LoadedModel
@@ -29,6 +34,21 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A saved tiny random LlamaForCausalLM (2 layers, hidden 64, fp32) + trained byte-level BPE
     tokenizer (512 tokens, chat template) + generation config; a normal transformers directory."""
     return build_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def unreachable_eos_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model whose EOS token lies past its vocabulary, so it never ends a generation early:
+    every request makes exactly `max_new_tokens` tokens, sampled or not, seeded or not."""
+    return build_unreachable_eos_model_dir(tiny_model_dir, tmp_path_factory.mktemp("unreachable-eos") / "tiny-no-eos")
+
+
+@pytest.fixture(scope="session")
+def endless_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with an ENDLESS_CONTEXT (2**20) token context: a request for (almost) all of it runs
+    for many minutes (the tiny model decodes ~1000 tokens/s on 2 cores), so it holds its batch slot until
+    its client goes away. A server must allow such requests: ``max_new_tokens_limit=ENDLESS_CONTEXT``."""
+    return with_context(tiny_model_dir, tmp_path_factory.mktemp("endless") / "tiny-endless", ENDLESS_CONTEXT)
 
 
 @pytest.fixture(scope="session")

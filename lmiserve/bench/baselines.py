@@ -16,23 +16,28 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import DynamicCache
 
 from lmiserve.bench.prompts import batch_prompts
 
+if TYPE_CHECKING:
+    from lmiserve.models.load import LoadedModel
 
-def load_like_server(overrides: Mapping[str, Any]):
+
+def load_like_server(overrides: Mapping[str, Any]) -> LoadedModel:
     """The `LoadedModel` the server would load with these settings overrides (-o options etc.)."""
     from lmiserve.config import load_settings
-    from lmiserve.models import load_causal_lm, resolve_model_path
+    from lmiserve.models.load import load_causal_lm
+    from lmiserve.models.resolve import resolve_model_path
 
     settings = load_settings(dict(overrides))
     path = resolve_model_path(settings.model_id, settings.revision, settings.model_cache_dir)
-    return load_causal_lm(path, dtype=settings.dtype, device=settings.device,
-                          trust_remote_code=settings.trust_remote_code)
+    return load_causal_lm(
+        path, dtype=settings.dtype, device=settings.device, trust_remote_code=settings.trust_remote_code
+    )
 
 
 def _sync(device: torch.device) -> None:
@@ -40,7 +45,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _encode(loaded, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+def _encode(loaded: LoadedModel, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
     tokenizer = loaded.tokenizer
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
@@ -52,7 +57,7 @@ def _encode(loaded, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
 
 
 @torch.inference_mode()
-def forward_decode(loaded, prompts: Sequence[str], max_new_tokens: int) -> dict[str, Any]:
+def forward_decode(loaded: LoadedModel, prompts: Sequence[str], max_new_tokens: int) -> dict[str, Any]:
     """Greedy decode of `prompts` as one batch with the bare forward; times prefill and decode."""
     model, device = loaded.model, loaded.device
     batch = _encode(loaded, prompts)
@@ -61,8 +66,14 @@ def forward_decode(loaded, prompts: Sequence[str], max_new_tokens: int) -> dict[
     cache = DynamicCache(config=model.config)
     _sync(device)
     t0 = time.perf_counter()
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                use_cache=True, logits_to_keep=1)
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
     token = out.logits[:, -1, :].argmax(dim=-1)
     _sync(device)
     t1 = time.perf_counter()
@@ -72,8 +83,9 @@ def forward_decode(loaded, prompts: Sequence[str], max_new_tokens: int) -> dict[
     for _ in range(max_new_tokens - 1):
         mask = torch.cat([mask, ones], dim=1)
         position = position + 1
-        out = model(input_ids=token[:, None], attention_mask=mask, position_ids=position,
-                    past_key_values=cache, use_cache=True)
+        out = model(
+            input_ids=token[:, None], attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True
+        )
         token = out.logits[:, -1, :].argmax(dim=-1)
         generated.append(token)
     _sync(device)
@@ -93,23 +105,33 @@ def forward_decode(loaded, prompts: Sequence[str], max_new_tokens: int) -> dict[
 
 
 @torch.inference_mode()
-def generate_static(loaded, prompts: Sequence[str], max_new_tokens: int) -> dict[str, Any]:
+def generate_static(loaded: LoadedModel, prompts: Sequence[str], max_new_tokens: int) -> dict[str, Any]:
     """`model.generate` on `prompts` as one left-padded greedy batch of exactly N new tokens."""
-    model, device, tokenizer = loaded.model, loaded.device, loaded.tokenizer
+    model: Any = loaded.model  # transformers' stubs type `generate` as a Tensor (nn.Module.__getattr__)
+    device, tokenizer = loaded.device, loaded.tokenizer
     batch = _encode(loaded, prompts)
     prompt_len = batch["input_ids"].shape[1]
     _sync(device)
     t0 = time.perf_counter()
-    out = model.generate(**batch, do_sample=False, min_new_tokens=max_new_tokens, max_new_tokens=max_new_tokens,
-                         pad_token_id=tokenizer.pad_token_id)
+    out = model.generate(
+        **batch,
+        do_sample=False,
+        min_new_tokens=max_new_tokens,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     _sync(device)
     seconds = time.perf_counter() - t0
     new = out.shape[1] - prompt_len
     if new != max_new_tokens:
         raise RuntimeError(f"model.generate produced {new} new tokens instead of {max_new_tokens}")
     tokens = out.shape[0] * new
-    return {"batch_size": out.shape[0], "tokens": tokens, "seconds": round(seconds, 4),
-            "tokens_per_s": round(tokens / seconds, 2)}
+    return {
+        "batch_size": out.shape[0],
+        "tokens": tokens,
+        "seconds": round(seconds, 4),
+        "tokens_per_s": round(tokens / seconds, 2),
+    }
 
 
 def run_baselines(
@@ -121,8 +143,12 @@ def run_baselines(
     """Both baselines at every batch size (one short untimed warm-up first); frees the model after."""
     loaded = load_like_server(overrides)
     try:
-        info = {"device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
-                "model_path": str(loaded.path), "threads": torch.get_num_threads()}
+        info = {
+            "device": str(loaded.device),
+            "dtype": str(loaded.dtype).removeprefix("torch."),
+            "model_path": str(loaded.path),
+            "threads": torch.get_num_threads(),
+        }
         forward_decode(loaded, batch_prompts(1), 2)
         forward, generate = [], []
         for size in batch_sizes:

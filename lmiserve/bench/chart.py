@@ -3,6 +3,7 @@ against concurrency, for every server and the in-process baselines (matplotlib, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,13 +13,18 @@ from matplotlib.figure import Figure
 Json = dict[str, Any]
 
 
-def _series(levels: list[Json], get) -> tuple[list[int], list[float]]:
-    points = [(lv["concurrency"], get(lv)) for lv in levels]
-    points = [(c, v) for c, v in points if v is not None]
+def _series(levels: list[Json], get: Callable[[Json], Any]) -> tuple[list[int], list[float]]:
+    values = [(lv["concurrency"], get(lv)) for lv in levels]
+    points = [(c, v) for c, v in values if v is not None]
     return [c for c, _ in points], [v for _, v in points]
 
 
-def _axis(ax, title: str, ylabel: str, concurrencies: list[int]) -> None:
+def _stat(key: str, stat: str) -> Callable[[Json], Any]:
+    """Reads `level[key][stat]` (e.g. the p50 of ttft_ms)."""
+    return lambda level: level[key][stat]
+
+
+def _axis(ax: Any, title: str, ylabel: str, concurrencies: list[int]) -> None:  # ax: a matplotlib Axes
     ax.set_title(title)
     ax.set_xlabel("concurrency (clients) / batch size")
     ax.set_ylabel(ylabel)
@@ -44,9 +50,9 @@ def draw_chart(report: Json, path: Path) -> Path:
         x, y = _series(levels, lambda lv: lv["output_tokens_per_s"])
         throughput.plot(x, y, "o-", color=color, label=server["name"])
         for ax, key in ((ttft, "ttft_ms"), (itl, "itl_ms")):
-            x, y = _series(levels, lambda lv, key=key: lv[key]["p50"])
+            x, y = _series(levels, _stat(key, "p50"))
             ax.plot(x, y, "o-", color=color, label=f"{server['name']} p50")
-            x, y = _series(levels, lambda lv, key=key: lv[key]["p99"])
+            x, y = _series(levels, _stat(key, "p99"))
             ax.plot(x, y, "s--", color=color, label=f"{server['name']} p99")
 
     baselines = report.get("baselines") or {}
@@ -57,8 +63,13 @@ def draw_chart(report: Json, path: Path) -> Path:
         rows = baselines.get(kind) or []
         points = [(r["batch_size"], r[key]) for r in rows if r.get(key) is not None]
         if points:
-            throughput.plot([p[0] for p in points], [p[1] for p in points], style,
-                            color="tab:green" if kind == "forward" else "tab:red", label=label)
+            throughput.plot(
+                [p[0] for p in points],
+                [p[1] for p in points],
+                style,
+                color="tab:green" if kind == "forward" else "tab:red",
+                label=label,
+            )
 
     model = report.get("model", {}).get("name", "?")
     n = report.get("settings", {}).get("max_new_tokens", "?")
@@ -68,7 +79,9 @@ def draw_chart(report: Json, path: Path) -> Path:
     for ax in (throughput, ttft, itl):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize="small")
-    fig.suptitle(f"lmiserve bench: {model} on {report.get('device', '?')} ({report.get('dtype', '?')}), "
-                 f"{n} new tokens per request")
+    fig.suptitle(
+        f"lmiserve bench: {model} on {report.get('device', '?')} ({report.get('dtype', '?')}), "
+        f"{n} new tokens per request"
+    )
     fig.savefig(path, format="png")
     return path

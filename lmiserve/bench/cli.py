@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib.util
 import sys
 from pathlib import Path
+
+# What only `lmiserve bench` imports (the `bench` extra); `lmiserve serve` never needs them.
+BENCH_MODULES = ("httpx", "psutil", "matplotlib")
+INSTALL_HINT = "pip install 'lmiserve[bench]'"
 
 DESCRIPTION = """\
 Benchmark a server with closed-loop streaming clients at several concurrencies, forcing exactly
@@ -40,42 +45,92 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
-def add_bench_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("bench", help="benchmark a server against the bare model forward and model.generate",
-                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "bench",
+        help="benchmark a server against the bare model forward and model.generate",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--model-id", help="model for the started server and the baselines (default: the bundled model)")
     p.add_argument("--url", help="benchmark this running lmiserve (LMI /invocations) instead of starting one")
-    p.add_argument("--compare-url", action="append", default=[], metavar="URL",
-                   help="also benchmark this OpenAI-compatible server (/v1/completions); repeatable")
-    p.add_argument("--compare-name", action="append", default=[], metavar="NAME",
-                   help="name of the --compare-url at the same position (default: its host:port)")
+    p.add_argument(
+        "--compare-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="also benchmark this OpenAI-compatible server (/v1/completions); repeatable",
+    )
+    p.add_argument(
+        "--compare-name",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="name of the --compare-url at the same position (default: its host:port)",
+    )
     p.add_argument("--compare-model", help="model sent to compare servers (default: first id of their /v1/models)")
-    p.add_argument("--concurrency", type=_int_list, default=[1, 8, 32], metavar="C1,C2,...",
-                   help="closed-loop client counts, also the baselines' batch sizes (default 1,8,32)")
+    p.add_argument(
+        "--concurrency",
+        type=_int_list,
+        default=[1, 8, 32],
+        metavar="C1,C2,...",
+        help="closed-loop client counts, also the baselines' batch sizes (default 1,8,32)",
+    )
     p.add_argument("--max-new-tokens", type=_positive_int, default=128, help="tokens forced per request (default 128)")
     amount = p.add_mutually_exclusive_group()
-    amount.add_argument("--requests-per-client", type=_positive_int,
-                        help="measured requests per client and level (default 2)")
+    amount.add_argument(
+        "--requests-per-client", type=_positive_int, help="measured requests per client and level (default 2)"
+    )
     amount.add_argument("--duration", type=float, help="seconds of measured load per level instead")
-    p.add_argument("--warmup", type=_non_negative_int, default=1,
-                   help="warm-up requests per client and level, not measured; the first is staggered (default 1)")
-    p.add_argument("--output-dir", type=Path, help="where bench.json, bench.png and server.log go "
-                   "(default bench-results/<UTC time>)")
+    p.add_argument(
+        "--warmup",
+        type=_non_negative_int,
+        default=1,
+        help="warm-up requests per client and level, not measured; the first is staggered (default 1)",
+    )
+    p.add_argument(
+        "--output-dir",
+        type=Path,
+        help="where bench.json, bench.png and server.log go (default bench-results/<UTC time>)",
+    )
     p.add_argument("--device", help="device of the server and the baselines: auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", help="dtype of the server and the baselines: auto, fp32, fp16, bf16")
     p.add_argument("--skip-baselines", action="store_true", help="do not run the in-process baselines")
-    p.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
-                   help="server option (as `lmiserve serve -o`), also used to load the baselines' model; repeatable")
-    p.add_argument("--soak-requests", type=_non_negative_int, default=0,
-                   help="after the levels, send this many short requests and report the server's RSS drift "
-                        "(the issue's target: 1000)")
+    p.add_argument(
+        "-o",
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="server option (as `lmiserve serve -o`), also used to load the baselines' model; repeatable",
+    )
+    p.add_argument(
+        "--soak-requests",
+        type=_non_negative_int,
+        default=0,
+        help="after the levels, send this many short requests and report the server's RSS drift "
+        "(the issue's target: 1000)",
+    )
     p.add_argument("--soak-max-new-tokens", type=_positive_int, default=16, help="tokens per soak request (default 16)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the server (default 600)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take (default 600)")
     return p
 
 
+def missing_bench_modules() -> list[str]:
+    """The modules of BENCH_MODULES that are not installed."""
+    return [name for name in BENCH_MODULES if importlib.util.find_spec(name) is None]
+
+
 def run_bench_command(args: argparse.Namespace, argv: list[str] | None = None) -> int:
+    missing = missing_bench_modules()
+    if missing:
+        print(
+            f"lmiserve bench: {', '.join(missing)} not installed; install the bench extra: {INSTALL_HINT}",
+            file=sys.stderr,
+        )
+        return 1
+
     from lmiserve.config import ConfigError, load_settings, parse_override
 
     if len(args.compare_name) > len(args.compare_url):
@@ -89,15 +144,28 @@ def run_bench_command(args: argparse.Namespace, argv: list[str] | None = None) -
         from lmiserve.bench.runner import BenchConfig
 
         config = BenchConfig(
-            model_id=args.model_id, url=args.url,
-            compare=[(args.compare_name[i] if i < len(args.compare_name) else "", url)
-                     for i, url in enumerate(args.compare_url)],
-            compare_model=args.compare_model, concurrency=args.concurrency, max_new_tokens=args.max_new_tokens,
-            requests_per_client=args.requests_per_client or 2, duration=args.duration, warmup=args.warmup,
-            output_dir=args.output_dir or Path("bench-results") / dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S"),
-            device=args.device, dtype=args.dtype, skip_baselines=args.skip_baselines, options=options,
-            soak_requests=args.soak_requests, soak_max_new_tokens=args.soak_max_new_tokens,
-            startup_timeout=args.startup_timeout, request_timeout=args.request_timeout,
+            model_id=args.model_id,
+            url=args.url,
+            compare=[
+                (args.compare_name[i] if i < len(args.compare_name) else "", url)
+                for i, url in enumerate(args.compare_url)
+            ],
+            compare_model=args.compare_model,
+            concurrency=args.concurrency,
+            max_new_tokens=args.max_new_tokens,
+            requests_per_client=args.requests_per_client or 2,
+            duration=args.duration,
+            warmup=args.warmup,
+            output_dir=args.output_dir
+            or Path("bench-results") / dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S"),
+            device=args.device,
+            dtype=args.dtype,
+            skip_baselines=args.skip_baselines,
+            options=options,
+            soak_requests=args.soak_requests,
+            soak_max_new_tokens=args.soak_max_new_tokens,
+            startup_timeout=args.startup_timeout,
+            request_timeout=args.request_timeout,
             command=["lmiserve", *(argv if argv is not None else sys.argv[1:])],
         )
         load_settings(config.overrides())  # bad options fail here, before anything starts

@@ -165,12 +165,24 @@ def make_client(concurrency: int, request_timeout: float = DEFAULT_REQUEST_TIMEO
 
 
 async def one_request(
-    dialect: Dialect, client: httpx.AsyncClient, prompt: str, max_new_tokens: int, *, client_id: int = 0,
-    index: int = 0, warmup: bool = False,
+    dialect: Dialect,
+    client: httpx.AsyncClient,
+    prompt: str,
+    max_new_tokens: int,
+    *,
+    client_id: int = 0,
+    index: int = 0,
+    warmup: bool = False,
+    start: float | None = None,
 ) -> RequestRecord:
-    """Send one request and time it; transport errors become `record.error`."""
-    record = RequestRecord(client=client_id, index=index, warmup=warmup, expected_tokens=max_new_tokens,
-                           start=time.perf_counter())
+    """Send one request and time it (from `start`, default now); transport errors become `record.error`."""
+    record = RequestRecord(
+        client=client_id,
+        index=index,
+        warmup=warmup,
+        expected_tokens=max_new_tokens,
+        start=time.perf_counter() if start is None else start,
+    )
     try:
         await dialect.stream(client, prompt, max_new_tokens, record)
     except httpx.HTTPError as exc:
@@ -209,31 +221,35 @@ async def run_level(
         warmed.set()
         warm_state["at"] = time.perf_counter()
 
-    def finished_warmup() -> None:
+    def finished_warmup(at: float | None) -> None:
         warm_state["left"] -= 1
         if warm_state["left"] == 0:
-            warm_state["at"] = time.perf_counter()
+            warm_state["at"] = time.perf_counter() if at is None else at
             warmed.set()
 
     async def client_loop(client: httpx.AsyncClient, client_id: int) -> None:
         index = 0
         while True:
+            # one clock reading decides whether to go on and is the request's start, so a request
+            # starts (by its record) before the deadline exactly when it was allowed to
+            now = time.perf_counter()
             is_warmup = index < warmup
             if not is_warmup:
                 if duration is None and index >= warmup + requests_per_client:
                     return
-                if duration is not None and warmed.is_set() and time.perf_counter() >= warm_state["at"] + duration:
+                if duration is not None and warmed.is_set() and now >= warm_state["at"] + duration:
                     return
             tokens = stagger(client_id, concurrency, max_new_tokens) if index == 0 and warmup > 0 else max_new_tokens
             prompt = client_prompt(client_id, index, concurrency)
-            record = await one_request(dialect, client, prompt, tokens, client_id=client_id, index=index,
-                                       warmup=is_warmup)
+            record = await one_request(
+                dialect, client, prompt, tokens, client_id=client_id, index=index, warmup=is_warmup, start=now
+            )
             records.append(record)
             if is_warmup and index == warmup - 1:
-                finished_warmup()
+                finished_warmup(record.end)  # the measured time starts when the last warm-up ended
             if record.error is not None:
                 if is_warmup and index < warmup - 1:
-                    finished_warmup()
+                    finished_warmup(record.end)
                 return
             index += 1
 
@@ -255,7 +271,10 @@ async def probe(dialect: Dialect, max_new_tokens: int = 4) -> RequestRecord:
 
 
 async def run_soak(
-    dialect: Dialect, concurrency: int, total: int, max_new_tokens: int,
+    dialect: Dialect,
+    concurrency: int,
+    total: int,
+    max_new_tokens: int,
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
 ) -> tuple[list[RequestRecord], float]:
     """`total` short requests from `concurrency` closed-loop clients sharing one counter (a client
@@ -265,8 +284,9 @@ async def run_soak(
 
     async def client_loop(client: httpx.AsyncClient, client_id: int) -> None:
         for index in counter:
-            record = await one_request(dialect, client, soak_prompt(index), max_new_tokens, client_id=client_id,
-                                       index=index)
+            record = await one_request(
+                dialect, client, soak_prompt(index), max_new_tokens, client_id=client_id, index=index
+            )
             records.append(record)
             if record.error is not None:
                 return

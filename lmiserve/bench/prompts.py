@@ -26,8 +26,7 @@ PROMPTS: tuple[str, ...] = (
     "The history of the printing press began",
     "Summarise the main causes of inflation for someone who has never studied economics, "
     "using everyday examples such as the price of bread, rent and the cost of a bus ticket.",
-    "Translate the following sentence into French and explain each word: the cat is sleeping "
-    "on the warm windowsill.",
+    "Translate the following sentence into French and explain each word: the cat is sleeping on the warm windowsill.",
     _LONG_CONTEXT + "Continue the story of the town, describing what happened the year the river froze.",
     "Once upon a time",
     "Describe, step by step, how a web browser loads a page after you type an address and press "

@@ -15,12 +15,27 @@ Json = dict[str, Any]
 
 # (id, concurrency, baseline, threshold, description) — server tokens/s / baseline tokens/s >= threshold
 RATIO_TARGETS: tuple[tuple[str, int, str, float, str], ...] = (
-    ("c32_vs_forward", 32, "forward", 0.85,
-     "concurrency 32: server tokens/s >= 0.85 x the bare forward decode rate at batch 32"),
-    ("c32_vs_generate", 32, "generate", 2.0,
-     "concurrency 32: server tokens/s >= 2 x static model.generate at batch 32"),
-    ("c1_vs_forward", 1, "forward", 0.9,
-     "concurrency 1: server tokens/s >= 0.9 x the bare forward decode rate at batch 1"),
+    (
+        "c32_vs_forward",
+        32,
+        "forward",
+        0.85,
+        "concurrency 32: server tokens/s >= 0.85 x the bare forward decode rate at batch 32",
+    ),
+    (
+        "c32_vs_generate",
+        32,
+        "generate",
+        2.0,
+        "concurrency 32: server tokens/s >= 2 x static model.generate at batch 32",
+    ),
+    (
+        "c1_vs_forward",
+        1,
+        "forward",
+        0.9,
+        "concurrency 1: server tokens/s >= 0.9 x the bare forward decode rate at batch 1",
+    ),
 )
 ITL_TARGET = 2.0
 RSS_TARGET_PCT = 5.0
@@ -33,7 +48,8 @@ def baseline_rate(baselines: Json | None, kind: str, batch_size: int) -> float |
     key = "decode_tokens_per_s" if kind == "forward" else "tokens_per_s"
     for row in baselines.get(kind, ()):
         if row["batch_size"] == batch_size:
-            return row.get(key)
+            value: float | None = row.get(key)
+            return value
     return None
 
 
@@ -43,18 +59,22 @@ def ratios(levels: Sequence[Json], baselines: Json | None) -> list[Json]:
     for level in levels:
         c, rate = level["concurrency"], level["output_tokens_per_s"]
         forward, generate = baseline_rate(baselines, "forward", c), baseline_rate(baselines, "generate", c)
-        out.append({
-            "concurrency": c,
-            "server_tokens_per_s": rate,
-            "forward_decode_tokens_per_s": forward,
-            "generate_tokens_per_s": generate,
-            "server_over_forward": ratio(rate, forward),
-            "server_over_generate": ratio(rate, generate),
-        })
+        out.append(
+            {
+                "concurrency": c,
+                "server_tokens_per_s": rate,
+                "forward_decode_tokens_per_s": forward,
+                "generate_tokens_per_s": generate,
+                "server_over_forward": ratio(rate, forward),
+                "server_over_generate": ratio(rate, generate),
+            }
+        )
     return out
 
 
-def _target(tid: str, description: str, threshold: float, value: float | None, passed: bool | None, **extra: Any) -> Json:
+def _target(
+    tid: str, description: str, threshold: float, value: float | None, passed: bool | None, **extra: Any
+) -> Json:
     return {"id": tid, "description": description, "threshold": threshold, "value": value, "passed": passed, **extra}
 
 
@@ -65,7 +85,9 @@ def evaluate_targets(server: Json | None, memory: Json | None) -> list[Json]:
     for tid, c, kind, threshold, description in RATIO_TARGETS:
         value = rows.get(c, {}).get(f"server_over_{kind}")
         note = {} if value is not None else {"note": f"not measured (needs concurrency {c} and the baselines)"}
-        targets.append(_target(tid, description, threshold, value, None if value is None else value >= threshold, **note))
+        targets.append(
+            _target(tid, description, threshold, value, None if value is None else value >= threshold, **note)
+        )
 
     levels = [lv for lv in (server or {}).get("levels", ()) if lv.get("itl_p99_over_p50") is not None]
     worst = max(levels, key=lambda lv: lv["itl_p99_over_p50"], default=None)
@@ -74,23 +96,49 @@ def evaluate_targets(server: Json | None, memory: Json | None) -> list[Json]:
         targets.append(_target("steady_itl", description, ITL_TARGET, None, None, note="not measured"))
     else:
         value = worst["itl_p99_over_p50"]
-        targets.append(_target("steady_itl", description, ITL_TARGET, value, value <= ITL_TARGET,
-                               worst_concurrency=worst["concurrency"]))
+        targets.append(
+            _target(
+                "steady_itl",
+                description,
+                ITL_TARGET,
+                value,
+                value <= ITL_TARGET,
+                worst_concurrency=worst["concurrency"],
+            )
+        )
 
     soak = (memory or {}).get("soak")
     description = "resident memory stable within 5 % over the soak requests (issue: 1,000 requests)"
     if not soak or soak.get("drift_pct") is None:
-        targets.append(_target("rss_stable", description, RSS_TARGET_PCT, None, None,
-                               note="not measured (needs a server started by the bench and --soak-requests)"))
+        targets.append(
+            _target(
+                "rss_stable",
+                description,
+                RSS_TARGET_PCT,
+                None,
+                None,
+                note="not measured (needs a server started by the bench and --soak-requests)",
+            )
+        )
     else:
         value = abs(soak["drift_pct"])
-        targets.append(_target("rss_stable", description, RSS_TARGET_PCT, value, value <= RSS_TARGET_PCT,
-                               requests=soak["requests"]))
+        targets.append(
+            _target(
+                "rss_stable", description, RSS_TARGET_PCT, value, value <= RSS_TARGET_PCT, requests=soak["requests"]
+            )
+        )
 
     all_levels = (server or {}).get("levels", ())
     wrong = sum(lv["token_count_errors"] + lv["failed_requests"] for lv in all_levels)
-    targets.append(_target("exact_tokens", "every request streamed exactly the forced number of tokens",
-                           0, wrong, wrong == 0 if all_levels else None))
+    targets.append(
+        _target(
+            "exact_tokens",
+            "every request streamed exactly the forced number of tokens",
+            0,
+            wrong,
+            wrong == 0 if all_levels else None,
+        )
+    )
     return targets
 
 
@@ -124,50 +172,101 @@ def _fmt(value: Any, digits: int = 1) -> str:
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
     return [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
 
 
 def format_table(report: Json) -> str:
     """The human-readable summary printed at the end of a run."""
     s = report.get("settings", {})
-    out = [f"lmiserve bench: {report.get('model', {}).get('name', '?')} on {report.get('device', '?')} "
-           f"({report.get('dtype', '?')}), {s.get('max_new_tokens', '?')} new tokens per request", ""]
-    header = ["server", "conc", "tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "p99/p50",
-              "vs fwd", "vs gen", "tokens ok"]
+    out = [
+        f"lmiserve bench: {report.get('model', {}).get('name', '?')} on {report.get('device', '?')} "
+        f"({report.get('dtype', '?')}), {s.get('max_new_tokens', '?')} new tokens per request",
+        "",
+    ]
+    header = [
+        "server",
+        "conc",
+        "tok/s",
+        "TTFT p50",
+        "TTFT p99",
+        "ITL p50",
+        "ITL p99",
+        "p99/p50",
+        "vs fwd",
+        "vs gen",
+        "tokens ok",
+    ]
     rows = []
     for server in report["servers"]:
         by_c = {r["concurrency"]: r for r in server.get("ratios", ())}
         for lv in server["levels"]:
             r = by_c.get(lv["concurrency"], {})
-            ok = "yes" if lv["token_count_errors"] == 0 and lv["failed_requests"] == 0 else (
-                f"NO ({lv['failed_requests']} failed, {lv['token_count_errors']} wrong)")
-            rows.append([server["name"], str(lv["concurrency"]), _fmt(lv["output_tokens_per_s"]),
-                         _fmt(lv["ttft_ms"]["p50"]), _fmt(lv["ttft_ms"]["p99"]), _fmt(lv["itl_ms"]["p50"]),
-                         _fmt(lv["itl_ms"]["p99"]), _fmt(lv["itl_p99_over_p50"], 2),
-                         _fmt(r.get("server_over_forward"), 2), _fmt(r.get("server_over_generate"), 2), ok])
-    out += _table(header, rows) + ["(latencies in ms; vs fwd / vs gen = server tokens/s over the bare forward "
-                                   "decode rate / model.generate at batch = concurrency)"]
+            ok = (
+                "yes"
+                if lv["token_count_errors"] == 0 and lv["failed_requests"] == 0
+                else (f"NO ({lv['failed_requests']} failed, {lv['token_count_errors']} wrong)")
+            )
+            rows.append(
+                [
+                    server["name"],
+                    str(lv["concurrency"]),
+                    _fmt(lv["output_tokens_per_s"]),
+                    _fmt(lv["ttft_ms"]["p50"]),
+                    _fmt(lv["ttft_ms"]["p99"]),
+                    _fmt(lv["itl_ms"]["p50"]),
+                    _fmt(lv["itl_ms"]["p99"]),
+                    _fmt(lv["itl_p99_over_p50"], 2),
+                    _fmt(r.get("server_over_forward"), 2),
+                    _fmt(r.get("server_over_generate"), 2),
+                    ok,
+                ]
+            )
+    out += [
+        *_table(header, rows),
+        "(latencies in ms; vs fwd / vs gen = server tokens/s over the bare forward "
+        "decode rate / model.generate at batch = concurrency)",
+    ]
     baselines = report.get("baselines")
     if baselines:
-        out += ["", f"baselines in process ({baselines.get('device')}, {baselines.get('dtype')}, "
-                    f"{baselines.get('threads')} threads):"]
-        rows = [[str(f["batch_size"]), _fmt(f["decode_tokens_per_s"]), _fmt(f["total_tokens_per_s"]),
-                 _fmt(f["prefill_s"], 2), _fmt(g["tokens_per_s"])]
-                for f, g in zip(baselines["forward"], baselines["generate"])]
+        out += [
+            "",
+            f"baselines in process ({baselines.get('device')}, {baselines.get('dtype')}, "
+            f"{baselines.get('threads')} threads):",
+        ]
+        rows = [
+            [
+                str(f["batch_size"]),
+                _fmt(f["decode_tokens_per_s"]),
+                _fmt(f["total_tokens_per_s"]),
+                _fmt(f["prefill_s"], 2),
+                _fmt(g["tokens_per_s"]),
+            ]
+            for f, g in zip(baselines["forward"], baselines["generate"])
+        ]
         out += _table(["batch", "forward decode tok/s", "forward incl. prefill", "prefill s", "generate tok/s"], rows)
     memory = report.get("memory")
     if memory:
-        out += ["", f"server RSS (MiB): start {_fmt(memory.get('rss_start_mib'))}, end {_fmt(memory.get('rss_end_mib'))}, "
-                    f"max {_fmt(memory.get('rss_max_mib'))} ({memory.get('samples')} samples)"]
+        out += [
+            "",
+            f"server RSS (MiB): start {_fmt(memory.get('rss_start_mib'))}, end {_fmt(memory.get('rss_end_mib'))}, "
+            f"max {_fmt(memory.get('rss_max_mib'))} ({memory.get('samples')} samples)",
+        ]
         soak = memory.get("soak")
         if soak:
-            out.append(f"soak: {soak['requests']} requests x {soak['max_new_tokens']} tokens at concurrency "
-                       f"{soak['concurrency']}: RSS {_fmt(soak['rss_before_mib'])} -> {_fmt(soak['rss_after_mib'])} MiB "
-                       f"(drift {_fmt(soak['drift_pct'], 2)} %, max {_fmt(soak['rss_max_mib'])} MiB), "
-                       f"{soak['failed_requests']} failed, {soak['token_count_errors']} wrong token counts")
+            out.append(
+                f"soak: {soak['requests']} requests x {soak['max_new_tokens']} tokens at concurrency "
+                f"{soak['concurrency']}: RSS {_fmt(soak['rss_before_mib'])} -> {_fmt(soak['rss_after_mib'])} MiB "
+                f"(drift {_fmt(soak['drift_pct'], 2)} %, max {_fmt(soak['rss_max_mib'])} MiB), "
+                f"{soak['failed_requests']} failed, {soak['token_count_errors']} wrong token counts"
+            )
     out += ["", "targets (issue #5):"]
     for t in report["targets"]:
         verdict = {True: "PASS", False: "FAIL", None: "n/a "}[t["passed"]]
-        out.append(f"  {verdict}  {t['description']}: {_fmt(t['value'], 3)}{'  (' + t['note'] + ')' if t.get('note') else ''}")
+        out.append(
+            f"  {verdict}  {t['description']}: {_fmt(t['value'], 3)}{'  (' + t['note'] + ')' if t.get('note') else ''}"
+        )
     return "\n".join(out)

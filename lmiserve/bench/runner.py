@@ -89,7 +89,7 @@ def machine_info() -> Json:
 
 
 def versions() -> Json:
-    out = {}
+    out: dict[str, str | None] = {}
     for package in ("lmiserve", "torch", "transformers", "tokenizers", "numba", "httpx", "uvicorn", "matplotlib"):
         try:
             out[package] = metadata.version(package)
@@ -103,18 +103,33 @@ def measure_server(dialect: Dialect, config: BenchConfig, log: Log, started_by_b
     asyncio.run(probe(dialect))
     levels = []
     for c in config.concurrency:
-        records, elapsed = asyncio.run(run_level(
-            dialect, c, config.max_new_tokens, requests_per_client=config.requests_per_client,
-            duration=config.duration, warmup=config.warmup, request_timeout=config.request_timeout))
+        records, elapsed = asyncio.run(
+            run_level(
+                dialect,
+                c,
+                config.max_new_tokens,
+                requests_per_client=config.requests_per_client,
+                duration=config.duration,
+                warmup=config.warmup,
+                request_timeout=config.request_timeout,
+            )
+        )
         level = level_summary(c, records, elapsed)
         levels.append(level)
-        log(f"  concurrency {c:>3}: {level['output_tokens_per_s']} tokens/s, TTFT p50 {level['ttft_ms']['p50']} ms, "
+        log(
+            f"  concurrency {c:>3}: {level['output_tokens_per_s']} tokens/s, TTFT p50 {level['ttft_ms']['p50']} ms, "
             f"ITL p50/p99 {level['itl_ms']['p50']}/{level['itl_ms']['p99']} ms, {level['requests']} requests "
-            f"({level['failed_requests']} failed, {level['token_count_errors']} wrong token counts) in {elapsed:.1f} s")
+            f"({level['failed_requests']} failed, {level['token_count_errors']} wrong token counts) in {elapsed:.1f} s"
+        )
         for error in level["errors"]:
             log(f"    error: {error}")
-    server: Json = {"name": dialect.name, "url": dialect.url, "kind": dialect.kind,
-                    "started_by_bench": started_by_bench, "levels": levels}
+    server: Json = {
+        "name": dialect.name,
+        "url": dialect.url,
+        "kind": dialect.kind,
+        "started_by_bench": started_by_bench,
+        "levels": levels,
+    }
     if isinstance(dialect, OpenAIDialect):
         server["model"] = dialect.model
     return server
@@ -125,11 +140,15 @@ def soak(dialect: Dialect, sampler: RssSampler | None, config: BenchConfig, log:
     log(f"soak: {config.soak_requests} requests x {config.soak_max_new_tokens} tokens at concurrency {concurrency}")
     before = sampler.read() if sampler else None
     first_sample = len(sampler.samples) if sampler else 0
-    records, elapsed = asyncio.run(run_soak(dialect, concurrency, config.soak_requests,
-                                            config.soak_max_new_tokens, config.request_timeout))
+    records, elapsed = asyncio.run(
+        run_soak(dialect, concurrency, config.soak_requests, config.soak_max_new_tokens, config.request_timeout)
+    )
     after = sampler.read() if sampler else None
     during = [rss for _, rss in sampler.samples[first_sample:]] if sampler else []
-    mib = lambda b: None if b is None else round(b / 2**20, 1)  # noqa: E731
+
+    def mib(size: int | None) -> float | None:
+        return None if size is None else round(size / 2**20, 1)
+
     result = {
         "requests": len(records),
         "concurrency": concurrency,
@@ -172,8 +191,11 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
             managed.start()
             sampler = RssSampler(managed.pid).start()
             lmi = LmiDialect(url=managed.url)
-        for dialect in [lmi, *compare_dialects(config)]:
-            servers.append(measure_server(dialect, config, log, started_by_bench=dialect is lmi and managed is not None))
+        dialects: list[Dialect] = [lmi, *compare_dialects(config)]
+        for dialect in dialects:
+            servers.append(
+                measure_server(dialect, config, log, started_by_bench=dialect is lmi and managed is not None)
+            )
         soak_result = soak(lmi, sampler, config, log) if config.soak_requests > 0 else None
         if sampler is not None:
             sampler.stop()
@@ -202,17 +224,27 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
         "versions": versions(),
         "device": (baselines or {}).get("device") or config.device or "auto",
         "dtype": (baselines or {}).get("dtype") or config.dtype or "auto",
-        "model": {"id": config.model_id, "name": default_model_name(config.model_id),
-                  "path": (baselines or {}).get("model_path")},
-        "settings": {
-            "concurrency": config.concurrency, "max_new_tokens": config.max_new_tokens,
-            "requests_per_client": None if config.duration else config.requests_per_client,
-            "duration_s": config.duration, "warmup_requests_per_client": config.warmup,
-            "server_options": dict(config.options), "url": config.url,
-            "soak_requests": config.soak_requests, "skip_baselines": config.skip_baselines,
+        "model": {
+            "id": config.model_id,
+            "name": default_model_name(config.model_id),
+            "path": (baselines or {}).get("model_path"),
         },
-        "files": {"json": json_path.name, "chart": png_path.name,
-                  "server_log": "server.log" if managed is not None else None},
+        "settings": {
+            "concurrency": config.concurrency,
+            "max_new_tokens": config.max_new_tokens,
+            "requests_per_client": None if config.duration else config.requests_per_client,
+            "duration_s": config.duration,
+            "warmup_requests_per_client": config.warmup,
+            "server_options": dict(config.options),
+            "url": config.url,
+            "soak_requests": config.soak_requests,
+            "skip_baselines": config.skip_baselines,
+        },
+        "files": {
+            "json": json_path.name,
+            "chart": png_path.name,
+            "server_log": "server.log" if managed is not None else None,
+        },
     }
     report = build_report(meta, servers, baselines, memory)
     write_json(report, json_path)
@@ -224,7 +256,8 @@ def all_requests_ok(report: Json) -> bool:
     levels = [lv for s in report["servers"] for lv in s["levels"]]
     soak_result = (report.get("memory") or {}).get("soak") or {}
     return all(lv["failed_requests"] == 0 and lv["token_count_errors"] == 0 for lv in levels) and not (
-        soak_result.get("failed_requests") or soak_result.get("token_count_errors"))
+        soak_result.get("failed_requests") or soak_result.get("token_count_errors")
+    )
 
 
 __all__ = ["BenchConfig", "BenchError", "all_requests_ok", "run"]

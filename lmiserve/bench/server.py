@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import httpx
 import psutil
@@ -35,7 +35,17 @@ class ManagedServer:
     def __init__(self, serve_args: Sequence[str], log_path: Path, startup_timeout: float = 600.0):
         self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
-        self.command = [sys.executable, "-m", "lmiserve", "serve", *serve_args, "--host", HOST, "--port", str(self.port)]
+        self.command = [
+            sys.executable,
+            "-m",
+            "lmiserve",
+            "serve",
+            *serve_args,
+            "--host",
+            HOST,
+            "--port",
+            str(self.port),
+        ]
         self.log_path = log_path
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen[bytes] | None = None
@@ -55,8 +65,9 @@ class ManagedServer:
         with httpx.Client(trust_env=False, timeout=5.0) as client:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
-                    raise BenchError(f"the server exited with code {self.proc.returncode} before it was ready:\n"
-                                     f"{self.log_tail()}")
+                    raise BenchError(
+                        f"the server exited with code {self.proc.returncode} before it was ready:\n{self.log_tail()}"
+                    )
                 try:
                     if client.get(f"{self.url}/ping").status_code == 200:
                         return self.url
@@ -64,8 +75,9 @@ class ManagedServer:
                     pass
                 time.sleep(0.25)
         self.stop()
-        raise BenchError(f"the server did not answer GET /ping with 200 within {self.startup_timeout:.0f} s:\n"
-                         f"{self.log_tail()}")
+        raise BenchError(
+            f"the server did not answer GET /ping with 200 within {self.startup_timeout:.0f} s:\n{self.log_tail()}"
+        )
 
     def log_tail(self, limit: int = 4000) -> str:
         try:
@@ -130,11 +142,14 @@ class RssSampler:
             self._thread.join(timeout=5)
         self.read()
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         """Start/end/max RSS in MiB over the samples so far, and a timeline of at most ~200
         [seconds since start, MiB] points."""
         values = [rss for _, rss in self.samples]
-        mib = lambda b: round(b / 2**20, 1)  # noqa: E731
+
+        def mib(size: int) -> float:
+            return round(size / 2**20, 1)
+
         return {
             "samples": len(values),
             "interval_s": self.interval,

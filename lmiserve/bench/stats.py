@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -79,25 +80,29 @@ def distribution_ms(seconds: Iterable[float]) -> dict[str, float | int | None]:
 def measurement_window(records: Sequence[RequestRecord]) -> tuple[float, float, bool]:
     """(start, end, steady): the window with every client busy, or the fallback (steady False)."""
     clients = {r.client for r in records}
-    done = [r for r in records if r.end is not None]
-    measured = [r for r in done if not r.warmup]
+    done = [(r, r.end) for r in records if r.end is not None]
+    measured = [(r, end) for r, end in done if not r.warmup]
     # a client is busy from the end of its warm-up (or its first request) to the end of its last one
-    busy_from = {
-        c: max((r.end for r in done if r.client == c and r.warmup),
-               default=min((r.start for r in records if r.client == c), default=None))
+    busy_from: dict[int, float | None] = {
+        c: max(
+            (end for r, end in done if r.client == c and r.warmup),
+            default=min((r.start for r in records if r.client == c), default=None),
+        )
         for c in clients
     }
-    last_ends = {c: max((r.end for r in done if r.client == c), default=None) for c in clients}
-    if measured and None not in busy_from.values() and None not in last_ends.values():
-        t0, t1 = max(busy_from.values()), min(last_ends.values())
+    last_ends = {c: max((end for r, end in done if r.client == c), default=None) for c in clients}
+    starts = [t for t in busy_from.values() if t is not None]
+    ends = [t for t in last_ends.values() if t is not None]
+    if measured and len(starts) == len(busy_from) and len(ends) == len(last_ends):
+        t0, t1 = max(starts), min(ends)
         if t1 > t0:
             return t0, t1, True
     if not measured:
         return 0.0, 0.0, False
-    return min(r.start for r in measured), max(r.end for r in measured if r.end is not None), False
+    return min(r.start for r, _ in measured), max(end for _, end in measured), False
 
 
-def level_summary(concurrency: int, records: Sequence[RequestRecord], elapsed: float) -> dict:
+def level_summary(concurrency: int, records: Sequence[RequestRecord], elapsed: float) -> dict[str, Any]:
     """The JSON figures of one level (see the module docstring)."""
     t0, t1, steady = measurement_window(records)
     measured = [r for r in records if not r.warmup and r.error is None]

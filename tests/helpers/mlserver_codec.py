@@ -55,7 +55,11 @@ def decode(kind: str, response: str) -> str:
     elif kind == "string":
         out = _plain(decoded)
     else:
-        out = {"columns": list(decoded.columns), "dtypes": [str(t) for t in decoded.dtypes], "rows": _plain(decoded.values.tolist())}
+        out = {
+            "columns": list(decoded.columns),
+            "dtypes": [str(t) for t in decoded.dtypes],
+            "rows": _plain(decoded.values.tolist()),
+        }
     return json.dumps(out)
 
 

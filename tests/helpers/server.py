@@ -1,7 +1,9 @@
-"""Run `python -m lmiserve serve ...` as a subprocess for end-to-end tests.
+"""Run `python -m lmiserve serve ...` as a subprocess for end-to-end tests:
 
     with run_server(["--model-id", str(tiny_model_dir), "-o", "max_rolling_batch_size=4"]) as url:
         httpx.post(f"{url}/invocations", json={...})
+
+The server is stopped when the block ends.
 """
 
 from __future__ import annotations
@@ -62,9 +64,7 @@ def run_server(
 
     proc_env = dict(os.environ)
     proc_env.update(env or {})
-    proc_env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(REPO_ROOT), proc_env.get("PYTHONPATH", "")) if p
-    )
+    proc_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), proc_env.get("PYTHONPATH", "")) if p)
     proc_env.setdefault("PYTHONUNBUFFERED", "1")
     base = list(command) if command is not None else [sys.executable, "-m", "lmiserve", "serve"]
     cmd = [*base, *args]

@@ -15,8 +15,8 @@ import numpy as np
 from lmiserve.config import Settings
 from lmiserve.core.tensor_io import select_outputs, text_rows
 from lmiserve.core.tensors import ModelSignature, TensorRequest, TensorSpec
-from lmiserve.server.app import create_app
 from lmiserve.models.service import ModelService
+from lmiserve.server.app import create_app
 
 WEIGHT = np.array([[1.0, -1.0], [2.0, 0.5], [0.0, 1.0], [-1.0, 3.0]], dtype=np.float32)
 BIAS = np.array([0.5, -0.25], dtype=np.float32)
@@ -54,7 +54,9 @@ def affine_model() -> NumpyModel:
 
 def echo_model(datatype: str) -> NumpyModel:
     """x of `datatype` [-1, -1] -> y, the same tensor."""
-    signature = ModelSignature(inputs=(TensorSpec("x", datatype, (-1, -1)),), outputs=(TensorSpec("y", datatype, (-1, -1)),))
+    signature = ModelSignature(
+        inputs=(TensorSpec("x", datatype, (-1, -1)),), outputs=(TensorSpec("y", datatype, (-1, -1)),)
+    )
     return NumpyModel("torchscript", signature, lambda x: {"y": x})
 
 

@@ -114,5 +114,7 @@ def build_bundled_store(root: str | Path, minilm: Path | None = None) -> Path:
     (root / BUNDLED_LLM_NAME).mkdir(parents=True, exist_ok=True)
     (root / BUNDLED_LLM_NAME / "serving.properties").write_text("option.max_new_tokens=16\n")
     (root / MINILM_NAME).mkdir(exist_ok=True)
-    (root / MINILM_NAME / "serving.properties").write_text(f"option.model_id={minilm or minilm_dir()}\noption.batch_size=16\noption.max_batch_delay=10\n")
+    (root / MINILM_NAME / "serving.properties").write_text(
+        f"option.model_id={minilm or minilm_dir()}\noption.batch_size=16\noption.max_batch_delay=10\n"
+    )
     return root

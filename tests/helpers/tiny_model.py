@@ -16,6 +16,9 @@ TINY_MAX_POSITIONS = 256
 # ~0.5) that batched and single-sequence decoding agree. No EOS bias is applied: P(EOS) is ~0.1%
 # per step, so greedy decoding practically never stops at EOS within a few dozen tokens.
 TINY_INIT_STD = 0.2
+# Context of `with_context(..., ENDLESS_CONTEXT)` copies: asking for most of it keeps a request
+# generating for many minutes, longer than any test waits.
+ENDLESS_CONTEXT = 2**20
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = (
@@ -111,4 +114,56 @@ def build_tiny_model_dir(out_dir: str | Path) -> Path:
     model = build_tiny_model(tokenizer)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    return out
+
+
+# The end-of-sequence token of `build_unreachable_eos_model_dir`: one token past the model's vocabulary.
+UNREACHABLE_EOS = "<|unreachable-eos|>"
+
+
+def build_unreachable_eos_model_dir(tiny_dir: str | Path, out_dir: str | Path) -> Path:
+    """A copy of the tiny model whose end-of-sequence token can never be generated, so an unseeded
+    sampled request always makes exactly `max_new_tokens` tokens (for tests that cannot send a seed,
+    such as TGI's `best_of` > 1).
+
+    The tokenizer gets one more special token, `UNREACHABLE_EOS`, and it becomes the EOS of the tokenizer
+    and of generation_config.json. Its id is the model's `vocab_size` (the logits have `vocab_size`
+    entries, so no sampler can pick it); `</s>` becomes an ordinary special token. Weights, the other
+    tokens and the chat template are unchanged.
+    """
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    out = Path(out_dir)
+    shutil.copytree(tiny_dir, out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    tokenizer.add_special_tokens({"eos_token": UNREACHABLE_EOS})
+    eos_id = tokenizer.convert_tokens_to_ids(UNREACHABLE_EOS)
+    tokenizer.save_pretrained(out)
+    config = json.loads((out / "config.json").read_text())
+    if eos_id != config["vocab_size"]:
+        raise AssertionError(f"{UNREACHABLE_EOS} got id {eos_id}, expected the vocab_size {config['vocab_size']}")
+    # The model config's EOS must lie inside the vocabulary (transformers warns otherwise), so it has
+    # none; the generation config and the tokenizer name the unreachable one.
+    for name, eos in (("config.json", None), ("generation_config.json", eos_id)):
+        path = out / name
+        values = json.loads(path.read_text())
+        values["eos_token_id"] = eos
+        path.write_text(json.dumps(values, indent=2))
+    return out
+
+
+def with_context(tiny_dir: str | Path, out_dir: str | Path, context: int) -> Path:
+    """A copy of the tiny model with a `context`-token context (Llama's rotary positions need no new weights)."""
+    import json
+    import shutil
+
+    out = Path(out_dir)
+    shutil.copytree(tiny_dir, out)
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text())
+    config["max_position_embeddings"] = context
+    config_path.write_text(json.dumps(config, indent=2))
     return out

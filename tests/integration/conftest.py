@@ -7,11 +7,14 @@ Few servers, each started once and shared (a start takes a few seconds):
 - `jsonlines_server` (module): ``output_formatter=jsonlines`` (and chunked prefill:
   ``max_rolling_batch_prefill_tokens=4``);
 - `dynamic_server` (session): ``rolling_batch=disable batch_size=4 max_batch_delay=50``;
-- `small_server` (module): ``max_rolling_batch_size=1 job_queue_size=1 predict_timeout=1.5`` on
-  `long_model_dir`, a copy
-  of the tiny model with a 4096-token context, so that one request can keep the only slot busy
-  for seconds (the tiny model decodes ~1000 tokens/s; at its 256-token context a generation is
-  over in a fraction of a second, too short to tell a freed slot from a finished request).
+- `small_server` (module): ``max_rolling_batch_size=1 job_queue_size=1`` on `endless_model_dir`, a
+  copy of the tiny model with a 2**20-token context, so that one request keeps the only slot busy
+  until its client goes away (the tiny model decodes ~1000 tokens/s: such a request would run for
+  many minutes; at the tiny model's 256-token context it is over in a fraction of a second, too
+  short to tell a freed slot from a finished request);
+- `impatient_server` (module): the same with ``predict_timeout=1.5``;
+- `no_eos_server` (session): the default configuration on `unreachable_eos_model_dir` (every
+  request makes exactly max_new_tokens tokens, for sampled requests that cannot send a seed).
 
 Every fixture yields a `Server`: base URL, model name, an httpx client with a timeout on every call
 and the parsing helpers the tests share (so no test module has to import from here).
@@ -30,10 +33,11 @@ import httpx
 import pytest
 
 from helpers.server import run_server
+from helpers.tiny_model import ENDLESS_CONTEXT
 
 DEFAULT_TIMEOUT = 30.0  # seconds; every call has a timeout so a hang fails fast
 LONG_CONTEXT = 4096
-PREDICT_TIMEOUT = 1.5  # small_server: seconds a request may wait for the slot (a long request takes ~4 s)
+PREDICT_TIMEOUT = 1.5  # impatient_server: seconds a request may wait for the slot
 
 
 @dataclass
@@ -159,10 +163,26 @@ def long_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
     return out
 
 
+ONE_SLOT = ("max_rolling_batch_size=1", "job_queue_size=1", f"max_new_tokens_limit={ENDLESS_CONTEXT}")
+
+
 @pytest.fixture(scope="module")
-def small_server(long_model_dir: Path) -> Iterator[Server]:
-    """One batch slot, one queue place: admission, queue-full and cancellation are observable."""
-    yield from _start(long_model_dir, "max_rolling_batch_size=1", "job_queue_size=1", f"predict_timeout={PREDICT_TIMEOUT}")
+def small_server(endless_model_dir: Path) -> Iterator[Server]:
+    """One batch slot, one queue place: admission, queue-full and cancellation are observable. A queued
+    request waits as long as it has to (predict_timeout 120 s, longer than any test)."""
+    yield from _start(endless_model_dir, *ONE_SLOT)
+
+
+@pytest.fixture(scope="module")
+def impatient_server(endless_model_dir: Path) -> Iterator[Server]:
+    """`small_server` whose queued requests fail after PREDICT_TIMEOUT seconds."""
+    yield from _start(endless_model_dir, *ONE_SLOT, f"predict_timeout={PREDICT_TIMEOUT}")
+
+
+@pytest.fixture(scope="session")
+def no_eos_server(unreachable_eos_model_dir: Path) -> Iterator[Server]:
+    """The default configuration on a model that can never generate its EOS token."""
+    yield from _start(unreachable_eos_model_dir)
 
 
 # ---- tensor protocols: one-shot models on real servers (tests/helpers/tensor_models.py) ---------------

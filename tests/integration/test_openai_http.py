@@ -70,8 +70,9 @@ def test_chat_logprobs_and_seeded_sampling(client):
 
 
 def test_chat_n_choices(client):
+    # unseeded (OpenAI forbids a seed with n > 1): ignore_eos so that both choices have max_tokens tokens
     body = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 3, "n": 2,
-                                                    "temperature": 0.8}).json()
+                                                    "temperature": 0.8, "ignore_eos": True}).json()
     assert [c["index"] for c in body["choices"]] == [0, 1]
     assert body["usage"]["completion_tokens"] == 6
 

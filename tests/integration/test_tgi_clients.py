@@ -43,9 +43,11 @@ def test_text_generation_stream_matches_generate(url):
     assert all(e.details is None for e in events[:-1])
 
 
-def test_text_generation_best_of_top_n_tokens_decoder_input_details(url):
-    response = Client(url, timeout=30).generate(PROMPT, max_new_tokens=3, best_of=2, do_sample=True,
-                                                top_n_tokens=2, decoder_input_details=True)
+def test_text_generation_best_of_top_n_tokens_decoder_input_details(no_eos_server):
+    # unseeded sampling (TGI forbids a seed with best_of > 1) on a model that cannot generate EOS:
+    # exactly max_new_tokens tokens every time
+    response = Client(no_eos_server.url, timeout=30).generate(PROMPT, max_new_tokens=3, best_of=2, do_sample=True,
+                                                              top_n_tokens=2, decoder_input_details=True)
     details = response.details
     assert len(details.best_of_sequences) == 1 and details.best_of_sequences[0].generated_tokens == 3
     assert len(details.top_tokens) == 3 and all(len(step) == 2 for step in details.top_tokens)

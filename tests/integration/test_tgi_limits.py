@@ -3,9 +3,9 @@ open health and info routes; LMI generation routes covered too), 429 `overloaded
 `max_concurrent_requests`, SSE keep-alive comments while a stream waits, and slots freed when clients
 go away.
 
-The server runs the 4096-context copy of the tiny model with one batch slot, two admission slots and a
-0.2 s keep-alive: a long LMI stream (``ignore_eos_token``, not counted by TGI admission) holds the only
-engine slot, two TGI/OpenAI streams wait in the engine's queue (idle, so they get keep-alives) and take
+The server runs the 2**20-context copy of the tiny model with one batch slot, two admission slots and a
+0.2 s keep-alive: a long LMI stream (``ignore_eos_token``, not counted by TGI admission; many minutes of
+tokens, so it runs until its client leaves) holds the only engine slot, two TGI/OpenAI streams wait in the engine's queue (idle, so they get keep-alives) and take
 both admission slots, and a further request is refused.
 """
 
@@ -21,17 +21,19 @@ from text_generation import Client
 from text_generation.errors import OverloadedError
 
 from helpers.server import run_server
+from helpers.tiny_model import ENDLESS_CONTEXT
 
 KEY = "s3cret-Key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-LONG = {"inputs": "Deep learning is", "stream": True, "parameters": {"max_new_tokens": 4000, "ignore_eos_token": True}}
+LONG = {"inputs": "Deep learning is", "stream": True,
+        "parameters": {"max_new_tokens": ENDLESS_CONTEXT - 64, "ignore_eos_token": True}}
 
 
 @pytest.fixture(scope="module")
-def url(long_model_dir) -> Iterator[str]:
-    args = ["--model-id", str(long_model_dir), "--api-key", KEY]
+def url(endless_model_dir) -> Iterator[str]:
+    args = ["--model-id", str(endless_model_dir), "--api-key", KEY]
     for option in ("max_concurrent_requests=2", "max_rolling_batch_size=1", "sse_keepalive_interval=0.2",
-                   "payload_limit=1000"):
+                   "payload_limit=1000", f"max_new_tokens_limit={ENDLESS_CONTEXT}"):
         args += ["-o", option]
     with run_server(args) as base:
         yield base

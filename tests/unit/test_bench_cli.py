@@ -55,3 +55,38 @@ def test_help_lists_the_options(capsys):
                    "--requests-per-client", "--duration", "--warmup", "--output-dir", "--device", "--dtype",
                    "--skip-baselines", "--soak-requests", "KEY=VALUE"):
         assert option in out, option
+
+
+def test_without_the_bench_extra_one_line_says_what_to_install(monkeypatch, capsys):
+    import importlib.util
+
+    from lmiserve.bench import cli as bench_cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(bench_cli.importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("psutil", "matplotlib") else real(name, *a))
+    assert cli.main(["bench", "--skip-baselines"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        "lmiserve bench: psutil, matplotlib not installed; install the bench extra: pip install 'lmiserve[bench]'\n"
+    )
+
+
+def test_serving_and_help_never_import_the_bench_dependencies():
+    """`lmiserve --help`, `lmiserve serve`'s argument parsing and the app's modules leave the `bench`
+    extra (matplotlib, psutil, httpx) and the bench runner unimported."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys, lmiserve.cli, lmiserve.server.app\n"
+        "lmiserve.cli.build_parser().parse_args(['serve', '--model-id', 'x'])\n"
+        "print(sorted(m for m in ('matplotlib', 'psutil', 'httpx', 'lmiserve.bench.runner') if m in sys.modules))\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

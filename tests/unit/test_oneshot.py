@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from helpers.tensor_models import affine_reference
+from helpers.waiting import async_wait_until
 from lmiserve.config import Settings
 from lmiserve.core.errors import Overloaded, GenerationFailed, InvalidRequest, ModelNotReady
 from lmiserve.core.tensors import ModelSignature, TensorRequest, TensorSpec
@@ -113,15 +114,14 @@ async def test_full_queue_is_overloaded_and_cancelled_requests_leave_it(make):
     runner = DoublingRunner(gate)
     model = make(runner, batch_size=1, max_batch_delay=0.0, job_queue_size=2)
     running = asyncio.ensure_future(model.infer(request([1, 1])))
-    while not model.forwards:  # the first request is in the forward pass (blocked on the gate)
-        await asyncio.sleep(0.01)
+    await async_wait_until(lambda: model.forwards == 1, "the first request is in the forward pass (blocked on the gate)")
     waiting = [asyncio.ensure_future(model.infer(request([i, i]))) for i in (2, 3)]
-    await asyncio.sleep(0.01)
+    await async_wait_until(lambda: model.num_waiting == 2, "both requests are queued")
     assert model.num_waiting == 2
     with pytest.raises(Overloaded):
         await model.infer(request([4, 4]))
     waiting[0].cancel()
-    await asyncio.sleep(0.01)
+    await async_wait_until(lambda: waiting[0].done(), "the cancelled request has ended")
     assert model.num_waiting == 1
     gate.set()
     assert (await running)["y"].tolist() == [[2, 2]]
@@ -136,10 +136,9 @@ async def test_stop_fails_queued_requests():
         await model.infer(request([1, 1]))
     model.start()
     first = asyncio.ensure_future(model.infer(request([1, 1])))
-    while not model.forwards:
-        await asyncio.sleep(0.01)
+    await async_wait_until(lambda: model.forwards == 1, "the first request is in the forward pass (blocked on the gate)")
     queued = asyncio.ensure_future(model.infer(request([2, 2])))
-    await asyncio.sleep(0.01)
+    await async_wait_until(lambda: model.num_waiting == 1, "the second request is queued")
     await model.stop()
     gate.set()
     with pytest.raises(ModelNotReady, match="unloaded"):
@@ -148,15 +147,16 @@ async def test_stop_fails_queued_requests():
 
 
 async def test_real_torchscript_batched_equals_unbatched(torchscript_dir):
-    settings = model_settings(Settings(), torchscript_dir, "affine", {"batch_size": 16, "max_batch_delay": 5000})
+    # max_batch_delay 10 min: the batch runs when its 16 rows are there, never because time passed
+    settings = model_settings(Settings(), torchscript_dir, "affine", {"batch_size": 16, "max_batch_delay": 600_000})
     service = ModelService(settings)
     await service.load()
     try:
         model = service.tensor_model
         xs = [np.random.default_rng(i).normal(size=(i % 3 + 1, 4)).astype(np.float32) for i in range(6)]  # 12 rows
         pending = [asyncio.ensure_future(model.infer(TensorRequest({"x": x}))) for x in xs]
-        await asyncio.sleep(0.05)
-        assert model.forwards == 0  # waiting for 16 rows or 5 s
+        await async_wait_until(lambda: model.num_waiting == len(xs), "the 12 rows are queued")
+        assert model.forwards == 0  # waiting for 16 rows
         more = np.ones((4, 4), np.float32)
         results = await asyncio.gather(*pending, model.infer(TensorRequest({"x": more})))
         assert model.forwards == 1  # 16 rows: one forward pass
