@@ -11,16 +11,24 @@ from lmiserve.config import ConfigError, load_settings, parse_override
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lmiserve", description="LLM inference server (LMI, TGI and OpenAI protocols)")
+    parser = argparse.ArgumentParser(
+        prog="lmiserve", description="LLM inference server (LMI, TGI and OpenAI protocols)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over HTTP")
-    serve.add_argument("--model-id", help="local transformers directory, .gguf file, or a model id in the local HF cache")
+    serve.add_argument(
+        "--model-id", help="local transformers directory, .gguf file, or a model id in the local HF cache"
+    )
     serve.add_argument("--model-dir", help="directory holding serving.properties and/or weights (like /opt/ml/model)")
     serve.add_argument("--properties", help="a serving.properties file")
-    serve.add_argument("--model-store", help="serve every model sub-directory of DIR (named after it); see the README, 'A model store'")
+    serve.add_argument(
+        "--model-store", help="serve every model sub-directory of DIR (named after it); see the README, 'A model store'"
+    )
     serve.add_argument("--host", help="bind address (default 0.0.0.0)")
     serve.add_argument("--port", type=int, help="port (default 8080, or SAGEMAKER_BIND_TO_PORT)")
-    serve.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE", help="set any option (repeatable)")
+    serve.add_argument(
+        "-o", "--option", action="append", default=[], metavar="KEY=VALUE", help="set any option (repeatable)"
+    )
     serve.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on generation routes (or API_KEY)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log level (default info)")
     add_bench_parser(sub)
@@ -75,7 +83,13 @@ def serve(settings, services: list | None = None) -> int:
         log.info("option %s", line)
     for service in services or []:
         log.info("model %s: %s from %s", service.name, service.kind, service.settings.model_id or "the bundled default")
-    uvicorn.run(create_app(settings, services=services), host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
+    uvicorn.run(
+        create_app(settings, services=services),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=False,
+    )
     return 0
 
 

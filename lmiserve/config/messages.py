@@ -33,16 +33,12 @@ def allowed_values(field: FieldInfo) -> str:
     return text + (" (or empty for unset)" if optional else "")
 
 
-def describe_errors(
-    errors: list[ErrorDetails], fields: Mapping[str, FieldInfo], where: Mapping[str, str]
-) -> str:
+def describe_errors(errors: list[ErrorDetails], fields: Mapping[str, FieldInfo], where: Mapping[str, str]) -> str:
     """One line per error: ``invalid value 'fp64' for option 'dtype': expected one of ...``."""
     return "\n".join(_describe(error, fields, where) for error in errors)
 
 
-def _describe(
-    error: ErrorDetails, fields: Mapping[str, FieldInfo], where: Mapping[str, str]
-) -> str:
+def _describe(error: ErrorDetails, fields: Mapping[str, FieldInfo], where: Mapping[str, str]) -> str:
     loc = error.get("loc") or ()
     key = str(loc[0]) if loc else ""
     if key not in fields:  # a cross-field check raised ValueError(message)

@@ -34,9 +34,7 @@ logger = logging.getLogger(__name__)
 KEY_ALIASES: dict[str, str] = {"max_dynamic_batch_size": "batch_size"}
 
 # LMI engine names for rolling_batch; lmiserve has one continuous-batching engine ("lmi").
-LMI_ENGINE_NAMES = frozenset(
-    {"vllm", "lmi-dist", "lmi_dist", "scheduler", "trtllm", "tnx", "deepspeed"}
-)
+LMI_ENGINE_NAMES = frozenset({"vllm", "lmi-dist", "lmi_dist", "scheduler", "trtllm", "tnx", "deepspeed"})
 
 _TRUE = frozenset({"true", "1", "yes", "on"})
 _FALSE = frozenset({"false", "0", "no", "off"})
@@ -66,114 +64,182 @@ class Settings(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     # --- model ---
-    model_id: str | None = Field(None, description=(
-        "Local model directory, .gguf file or transformers id in the local HF cache; "
-        "unset = the bundled default model."))
-    model_name: str | None = Field(None, description=(
-        "Model name reported by /models and /ping; derived from model_id when unset."))
-    revision: str | None = Field(None, description=(
-        "Revision (branch, tag or commit) of a transformers model id."))
-    dtype: Dtype = Field("auto", description=(
-        "Weights and compute dtype: auto, fp32, fp16 or bf16 (auto lets the model loader choose)."))
-    device: str = Field("auto", description=(
-        "Device: auto (cuda when available, else cpu), cpu, cuda or cuda:N."),
-        json_schema_extra={"allowed": "one of auto, cpu, cuda, cuda:N"})
-    trust_remote_code: bool = Field(False, description=(
-        "Allow a model repository to run its own Python code."))
-    model_cache_dir: str | None = Field(None, description=(
-        "Where the bundled GGUF model is converted to; unset = the user cache dir / lmiserve."))
-    model_kind: ModelKind = Field("auto", description=(
-        "auto (detected from the model files), llm, embedding, classifier (regression with one label) "
-        "or torchscript."))
-    input_names: str | None = Field(None, description=(
-        "TorchScript inputs, comma-separated in the order forward() takes them (default: one input 'input__0')."))
-    input_dtypes: str | None = Field(None, description=(
-        "V2 datatypes of the TorchScript inputs, comma-separated (default FP32 each)."))
-    input_shapes: str | None = Field(None, description=(
-        "Shapes of the TorchScript inputs, ';' between inputs, ',' between dims, -1 = any (default -1)."))
-    output_names: str | None = Field(None, description=(
-        "Names of the TorchScript outputs, comma-separated (default 'output__0', ...)."))
-    output_dtypes: str | None = Field(None, description=(
-        "V2 datatypes of the TorchScript outputs, comma-separated (default FP32 each)."))
-    output_shapes: str | None = Field(None, description=(
-        "Shapes of the TorchScript outputs, like input_shapes (default -1)."))
+    model_id: str | None = Field(
+        None,
+        description=(
+            "Local model directory, .gguf file or transformers id in the local HF cache; "
+            "unset = the bundled default model."
+        ),
+    )
+    model_name: str | None = Field(
+        None, description=("Model name reported by /models and /ping; derived from model_id when unset.")
+    )
+    revision: str | None = Field(None, description=("Revision (branch, tag or commit) of a transformers model id."))
+    dtype: Dtype = Field(
+        "auto", description=("Weights and compute dtype: auto, fp32, fp16 or bf16 (auto lets the model loader choose).")
+    )
+    device: str = Field(
+        "auto",
+        description=("Device: auto (cuda when available, else cpu), cpu, cuda or cuda:N."),
+        json_schema_extra={"allowed": "one of auto, cpu, cuda, cuda:N"},
+    )
+    trust_remote_code: bool = Field(False, description=("Allow a model repository to run its own Python code."))
+    model_cache_dir: str | None = Field(
+        None, description=("Where the bundled GGUF model is converted to; unset = the user cache dir / lmiserve.")
+    )
+    model_kind: ModelKind = Field(
+        "auto",
+        description=(
+            "auto (detected from the model files), llm, embedding, classifier (regression with one label) "
+            "or torchscript."
+        ),
+    )
+    input_names: str | None = Field(
+        None,
+        description=(
+            "TorchScript inputs, comma-separated in the order forward() takes them (default: one input 'input__0')."
+        ),
+    )
+    input_dtypes: str | None = Field(
+        None, description=("V2 datatypes of the TorchScript inputs, comma-separated (default FP32 each).")
+    )
+    input_shapes: str | None = Field(
+        None,
+        description=("Shapes of the TorchScript inputs, ';' between inputs, ',' between dims, -1 = any (default -1)."),
+    )
+    output_names: str | None = Field(
+        None, description=("Names of the TorchScript outputs, comma-separated (default 'output__0', ...).")
+    )
+    output_dtypes: str | None = Field(
+        None, description=("V2 datatypes of the TorchScript outputs, comma-separated (default FP32 each).")
+    )
+    output_shapes: str | None = Field(
+        None, description=("Shapes of the TorchScript outputs, like input_shapes (default -1).")
+    )
     # --- batching and limits ---
-    rolling_batch: RollingBatch = Field("auto", description=(
-        "auto or lmi = continuous batching, disable = dynamic batching; "
-        "LMI engine names (vllm, lmi-dist, scheduler, ...) mean lmi."),
-        json_schema_extra={"allowed": "one of auto, lmi, disable "
-                           "(or an LMI engine name: vllm, lmi-dist, scheduler, trtllm, tnx)"})
-    max_rolling_batch_size: int = Field(32, ge=1, description=(
-        "Most sequences generated together; further requests wait in the queue."))
-    max_rolling_batch_prefill_tokens: int = Field(2048, ge=1, description=(
-        "Most prompt tokens prefilled in one engine step."))
-    prefill_tokens_while_decoding: int | None = Field(None, ge=1, description=(
-        "While streams decode, a step prefills at most max(this, decoding streams, max_rolling_batch_size "
-        "- decoding streams) prompt tokens (within max_rolling_batch_prefill_tokens); unset = 16 on CPU, "
-        "256 on GPU."))
-    max_input_len: int | None = Field(None, ge=1, description=(
-        "Longest accepted prompt in tokens; unset = the model's context length."))
-    max_new_tokens: int = Field(30, ge=1, description=(
-        "max_new_tokens of requests that give none."))
-    max_new_tokens_limit: int = Field(4096, ge=1, description=(
-        "Largest max_new_tokens a request may ask for; a request above it is rejected."))
-    job_queue_size: int = Field(1000, ge=1, description=(
-        "Requests that may wait for a batch slot; beyond it the server answers 503."))
-    batch_size: int = Field(1, ge=1, description=(
-        "Dynamic batch size (alias max_dynamic_batch_size); > 1 forces rolling_batch=disable."))
-    max_batch_delay: int = Field(100, ge=0, description=(
-        "Milliseconds dynamic batching waits for a batch to fill."))
-    predict_timeout: float = Field(120.0, gt=0, description=(
-        "Seconds a request may wait for a free batch slot before it fails."))
-    enable_streaming: bool = Field(False, description=(
-        "Streaming in dynamic-batch mode (LMI's deprecated option; needs batch_size=1)."))
-    batch_invariant: bool = Field(False, description=(
-        "Run each sequence's forward pass alone so greedy output equals model.generate exactly."))
-    fast_path: bool = Field(True, description=(
-        "Run llama/mistral/qwen2 models with lmiserve's own fused forward (one pass per step); "
-        "false forces the generic transformers path. Other models always use the generic path."))
+    rolling_batch: RollingBatch = Field(
+        "auto",
+        description=(
+            "auto or lmi = continuous batching, disable = dynamic batching; "
+            "LMI engine names (vllm, lmi-dist, scheduler, ...) mean lmi."
+        ),
+        json_schema_extra={
+            "allowed": "one of auto, lmi, disable (or an LMI engine name: vllm, lmi-dist, scheduler, trtllm, tnx)"
+        },
+    )
+    max_rolling_batch_size: int = Field(
+        32, ge=1, description=("Most sequences generated together; further requests wait in the queue.")
+    )
+    max_rolling_batch_prefill_tokens: int = Field(
+        2048, ge=1, description=("Most prompt tokens prefilled in one engine step.")
+    )
+    prefill_tokens_while_decoding: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "While streams decode, a step prefills at most max(this, decoding streams, max_rolling_batch_size "
+            "- decoding streams) prompt tokens (within max_rolling_batch_prefill_tokens); unset = 16 on CPU, "
+            "256 on GPU."
+        ),
+    )
+    max_input_len: int | None = Field(
+        None, ge=1, description=("Longest accepted prompt in tokens; unset = the model's context length.")
+    )
+    max_new_tokens: int = Field(30, ge=1, description=("max_new_tokens of requests that give none."))
+    max_new_tokens_limit: int = Field(
+        4096, ge=1, description=("Largest max_new_tokens a request may ask for; a request above it is rejected.")
+    )
+    job_queue_size: int = Field(
+        1000, ge=1, description=("Requests that may wait for a batch slot; beyond it the server answers 503.")
+    )
+    batch_size: int = Field(
+        1, ge=1, description=("Dynamic batch size (alias max_dynamic_batch_size); > 1 forces rolling_batch=disable.")
+    )
+    max_batch_delay: int = Field(100, ge=0, description=("Milliseconds dynamic batching waits for a batch to fill."))
+    predict_timeout: float = Field(
+        120.0, gt=0, description=("Seconds a request may wait for a free batch slot before it fails.")
+    )
+    enable_streaming: bool = Field(
+        False, description=("Streaming in dynamic-batch mode (LMI's deprecated option; needs batch_size=1).")
+    )
+    batch_invariant: bool = Field(
+        False, description=("Run each sequence's forward pass alone so greedy output equals model.generate exactly.")
+    )
+    fast_path: bool = Field(
+        True,
+        description=(
+            "Run llama/mistral/qwen2 models with lmiserve's own fused forward (one pass per step); "
+            "false forces the generic transformers path. Other models always use the generic path."
+        ),
+    )
     # --- output ---
-    output_formatter: OutputFormatter | None = Field(None, description=(
-        "Default output format: json, jsonlines, sse or tgi_compat; "
-        "unset = json, or jsonlines (sse with tgi_compat) when streaming."))
-    tgi_compat: bool = Field(False, description=(
-        "Answer in Text Generation Inference shapes (list wrapper, details, SSE streaming)."))
+    output_formatter: OutputFormatter | None = Field(
+        None,
+        description=(
+            "Default output format: json, jsonlines, sse or tgi_compat; "
+            "unset = json, or jsonlines (sse with tgi_compat) when streaming."
+        ),
+    )
+    tgi_compat: bool = Field(
+        False, description=("Answer in Text Generation Inference shapes (list wrapper, details, SSE streaming).")
+    )
     # --- server ---
     host: str = Field("0.0.0.0", description="Address the HTTP server listens on.")
     port: int = Field(8080, ge=1, le=65535, description="Port the HTTP server listens on.")
     log_level: LogLevel = Field("info", description="Log level: debug, info, warning or error.")
     # --- TGI and OpenAI routes (README: TGI drop-in and OpenAI-compatible APIs) ---
-    api_key: str | None = Field(None, description=(
-        "When set, generation routes (TGI, OpenAI, /invocations) require 'Authorization: Bearer <key>'."))
-    max_concurrent_requests: int = Field(128, ge=1, description=(
-        "TGI/OpenAI requests in flight at once; beyond it they get 429 overloaded at once."))
+    api_key: str | None = Field(
+        None,
+        description=("When set, generation routes (TGI, OpenAI, /invocations) require 'Authorization: Bearer <key>'."),
+    )
+    max_concurrent_requests: int = Field(
+        128, ge=1, description=("TGI/OpenAI requests in flight at once; beyond it they get 429 overloaded at once.")
+    )
     max_best_of: int = Field(2, ge=1, description="Largest TGI best_of.")
     max_stop_sequences: int = Field(4, ge=0, description="Most stop sequences of a TGI/OpenAI request.")
     max_top_n_tokens: int = Field(5, ge=0, description="Largest TGI top_n_tokens (OpenAI top_logprobs).")
-    max_input_tokens: int | None = Field(None, ge=1, description=(
-        "TGI max_input_tokens; unset = max_input_len if set, else max_total_tokens - 1."))
-    max_total_tokens: int | None = Field(None, ge=2, description=(
-        "TGI max_total_tokens (prompt + new tokens); unset or larger = the model's context length."))
+    max_input_tokens: int | None = Field(
+        None, ge=1, description=("TGI max_input_tokens; unset = max_input_len if set, else max_total_tokens - 1.")
+    )
+    max_total_tokens: int | None = Field(
+        None,
+        ge=2,
+        description=("TGI max_total_tokens (prompt + new tokens); unset or larger = the model's context length."),
+    )
     max_client_batch_size: int = Field(4, ge=1, description="Most prompts in one /v1/completions request.")
-    payload_limit: int = Field(2_000_000, ge=1, description=(
-        "Largest TGI/OpenAI request body in bytes; a larger one gets 413."))
-    sse_keepalive_interval: float = Field(15.0, gt=0, description=(
-        "Seconds without an event before a TGI/OpenAI stream sends a ':' keep-alive comment."))
+    payload_limit: int = Field(
+        2_000_000, ge=1, description=("Largest TGI/OpenAI request body in bytes; a larger one gets 413.")
+    )
+    sse_keepalive_interval: float = Field(
+        15.0, gt=0, description=("Seconds without an event before a TGI/OpenAI stream sends a ':' keep-alive comment.")
+    )
     # --- SageMaker and Vertex AI (README: Tensor protocols) ---
-    default_invocations_accept: str | None = Field(None, description=(
-        "Accept used by /invocations when a request has none or */* (env "
-        "SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT); unset = the request's own Content-Type."))
-    vertex_predict_route: str | None = Field(None, description=(
-        "Extra Vertex AI predict route (env AIP_PREDICT_ROUTE); /v1/endpoints/*/deployedModels/*:predict always works."))
-    vertex_health_route: str | None = Field(None, description=(
-        "Extra Vertex AI health route (env AIP_HEALTH_ROUTE)."))
-    vertex_deployed_model_id: str | None = Field(None, description=(
-        "deployedModelId in Vertex AI predict answers (env AIP_DEPLOYED_MODEL_ID); unset = \"\"."))
+    default_invocations_accept: str | None = Field(
+        None,
+        description=(
+            "Accept used by /invocations when a request has none or */* (env "
+            "SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT); unset = the request's own Content-Type."
+        ),
+    )
+    vertex_predict_route: str | None = Field(
+        None,
+        description=(
+            "Extra Vertex AI predict route (env AIP_PREDICT_ROUTE); "
+            "/v1/endpoints/*/deployedModels/*:predict always works."
+        ),
+    )
+    vertex_health_route: str | None = Field(None, description=("Extra Vertex AI health route (env AIP_HEALTH_ROUTE)."))
+    vertex_deployed_model_id: str | None = Field(
+        None, description=('deployedModelId in Vertex AI predict answers (env AIP_DEPLOYED_MODEL_ID); unset = "".')
+    )
     # --- bookkeeping, not configuration keys ---
-    extra: dict[str, str] = Field(default_factory=dict, description=(
-        "Unknown keys (e.g. LMI's engine, tensor_parallel_degree): kept, logged, unused."))
-    sources: dict[str, str] = Field(default_factory=dict, description=(
-        "Where each non-default value came from, e.g. 'environment OPTION_DTYPE'."))
+    extra: dict[str, str] = Field(
+        default_factory=dict,
+        description=("Unknown keys (e.g. LMI's engine, tensor_parallel_degree): kept, logged, unused."),
+    )
+    sources: dict[str, str] = Field(
+        default_factory=dict, description=("Where each non-default value came from, e.g. 'environment OPTION_DTYPE'.")
+    )
 
     # ------------------------------------------------------------------ coercion
 
@@ -190,9 +256,7 @@ class Settings(BaseModel):
                 return False
         return value
 
-    @field_validator(
-        "dtype", "rolling_batch", "output_formatter", "log_level", "device", "model_kind", mode="before"
-    )
+    @field_validator("dtype", "rolling_batch", "output_formatter", "log_level", "device", "model_kind", mode="before")
     @classmethod
     def _normalize_word(cls, value: Any, info: ValidationInfo) -> Any:
         if not isinstance(value, str):
@@ -214,8 +278,7 @@ class Settings(BaseModel):
     def _cross_checks(self) -> Settings:
         if self.max_new_tokens > self.max_new_tokens_limit:
             raise ValueError(
-                f"max_new_tokens={self.max_new_tokens} is larger than "
-                f"max_new_tokens_limit={self.max_new_tokens_limit}"
+                f"max_new_tokens={self.max_new_tokens} is larger than max_new_tokens_limit={self.max_new_tokens_limit}"
             )
         if self.batch_size > 1 and self.enable_streaming:
             raise ValueError(
@@ -241,9 +304,7 @@ class Settings(BaseModel):
         return [name for name in cls.model_fields if name not in _META_FIELDS]
 
     @classmethod
-    def from_options(
-        cls, options: Mapping[str, object], sources: Mapping[str, str] | None = None
-    ) -> Settings:
+    def from_options(cls, options: Mapping[str, object], sources: Mapping[str, str] | None = None) -> Settings:
         """Validate string (or typed) options; raise ``ConfigError`` on any bad value.
 
         Keys may carry ``option.`` or be LMI aliases. An empty value means "use the default".

@@ -106,4 +106,3 @@ class IncompleteGeneration(GenerationFailed):
 
 class InternalError(LmiServeError):
     """A server-side failure that is not the model's (an unencodable output, a load that failed)."""
-

@@ -51,7 +51,9 @@ def bytes_column(texts: list[str]) -> np.ndarray:
     return out
 
 
-def select_outputs(outputs: dict[str, np.ndarray], request: TensorRequest, signature: ModelSignature) -> dict[str, np.ndarray]:
+def select_outputs(
+    outputs: dict[str, np.ndarray], request: TensorRequest, signature: ModelSignature
+) -> dict[str, np.ndarray]:
     """All outputs, or only the requested ones; an unknown requested name is an InvalidRequest."""
     if request.outputs is None:
         return outputs

@@ -9,6 +9,7 @@ the next step. One request's failure reaches that request only; the loop survive
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import random
@@ -17,6 +18,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from lmiserve.core.aio import cancel_and_wait
 from lmiserve.core.errors import ModelNotReady, Overloaded, QueueTimeout
 from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.core.request import GenerationRequest
@@ -24,7 +26,6 @@ from lmiserve.engine import torch_thread
 from lmiserve.engine.scheduler import Scheduler, StepOutput
 from lmiserve.engine.sequence import Sequence
 from lmiserve.engine.validation import PromptCodec
-from lmiserve.core.aio import cancel_and_wait
 
 if TYPE_CHECKING:
     from lmiserve.engine.runners.base import ModelRunner
@@ -43,8 +44,8 @@ class EngineConfig:
     max_batch_delay: float = 0.1
     batch_invariant: bool = False
     fast_path: bool = True  # own Llama-family forward when supported; False forces the generic path
-    # prompt tokens a step that also decodes may take: max(this, decoding rows, max_running - decoding rows); None = no extra
-    # bound; "auto" = by device (engine/factory.py)
+    # prompt tokens a step that also decodes may take: max(this, decoding rows, max_running - decoding rows);
+    # None = no extra bound; "auto" = by device (engine/factory.py)
     prefill_floor: int | Literal["auto"] | None = "auto"
 
 
@@ -115,10 +116,17 @@ class AsyncEngine:
         now = time.monotonic()
         seqs = [
             Sequence(
-                next(self._ids), request.request_id, request.prompt, prompt_ids, request.params,
-                tokenizer=self.codec.tokenizer, eos_token_ids=self.codec.eos_token_ids,
+                next(self._ids),
+                request.request_id,
+                request.prompt,
+                prompt_ids,
+                request.params,
+                tokenizer=self.codec.tokenizer,
+                eos_token_ids=self.codec.eos_token_ids,
                 special_token_ids=self.codec.special_token_ids,
-                seed=base_seed + i, index=i, arrival=now,
+                seed=base_seed + i,
+                index=i,
+                arrival=now,
             )
             for i in range(count)
         ]
@@ -191,10 +199,8 @@ class AsyncEngine:
         if not plan.has_model_work:
             if plan.moves or plan.released:
                 await torch_thread.run(self.runner.execute, plan)  # frees per-sequence caches
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), scheduler.next_wakeup(time.monotonic()))
-            except asyncio.TimeoutError:
-                pass
             return
         try:
             output: StepOutput = await torch_thread.run(self.runner.execute, plan)

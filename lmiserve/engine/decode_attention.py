@@ -33,8 +33,14 @@ _F32 = npt.NDArray[np.float32]
 
 
 def _kernel(  # pragma: no cover - compiled
-    query: _F32, keys: _F32, values: _F32, new_keys: _F32, new_values: _F32, spans: npt.NDArray[np.int64],
-    scale: np.float32, out: _F32,
+    query: _F32,
+    keys: _F32,
+    values: _F32,
+    new_keys: _F32,
+    new_values: _F32,
+    spans: npt.NDArray[np.int64],
+    scale: np.float32,
+    out: _F32,
 ) -> None:
     rows, kv_heads, groups, dim = query.shape
     for task in numba.prange(rows * kv_heads):
@@ -108,7 +114,13 @@ def decode_attention(
     positions ``0..spans[r]-1``. Returns ``[R, kv_heads, groups, head_dim]``."""
     out = torch.empty_like(query)
     _compiled_kernel()(
-        query.contiguous().numpy(), keys.numpy(), values.numpy(), new_keys.contiguous().numpy(),
-        new_values.contiguous().numpy(), spans, np.float32(scale), out.numpy(),
+        query.contiguous().numpy(),
+        keys.numpy(),
+        values.numpy(),
+        new_keys.contiguous().numpy(),
+        new_values.contiguous().numpy(),
+        spans,
+        np.float32(scale),
+        out.numpy(),
     )
     return out

@@ -62,7 +62,10 @@ def create_engine(
         )
     else:
         runner = runner_cls(
-            loaded.model, max_slots=config.max_running, max_context=loaded.max_context, eos_token_ids=loaded.eos_token_ids
+            loaded.model,
+            max_slots=config.max_running,
+            max_context=loaded.max_context,
+            eos_token_ids=loaded.eos_token_ids,
         )
     codec = PromptCodec(
         HfTokenizer(loaded.tokenizer),

@@ -259,7 +259,9 @@ class _DecodePlan:
     """What every layer's decode attention of one step shares: the rows' cache write index and the
     masks of the (possibly split, see `split_point`) read; for the compiled kernel only each row's span."""
 
-    def __init__(self, positions: list[int], capacity: int, kv_heads: int, device: torch.device, compiled: bool) -> None:
+    def __init__(
+        self, positions: list[int], capacity: int, kv_heads: int, device: torch.device, compiled: bool
+    ) -> None:
         self.rows = rows = len(positions)
         # the compiled kernel (decode_attention.py) needs only each row's span
         self.spans: npt.NDArray[np.int64] | None = np.array(positions, dtype=np.int64) + 1 if compiled else None

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from lmiserve.core.aio import cancel_and_wait
 from lmiserve.core.errors import (
     GenerationFailed,
     InvalidRequest,
@@ -34,7 +35,6 @@ from lmiserve.core.errors import (
 from lmiserve.core.tensor_io import select_outputs
 from lmiserve.core.tensors import ModelSignature, TensorRequest
 from lmiserve.engine import torch_thread
-from lmiserve.core.aio import cancel_and_wait
 
 if TYPE_CHECKING:
     import torch

@@ -25,7 +25,9 @@ def needs_processing(params: SamplingParams) -> bool:
     )
 
 
-def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]
+) -> torch.Tensor:
     if params.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits.device)
         scores = logits[seen]

@@ -43,7 +43,12 @@ class _TextRunner:
     signature: ModelSignature
 
     def __init__(
-        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, path: Path, device: torch.device,
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        path: Path,
+        device: torch.device,
         max_length: int,
     ) -> None:
         self.model = model
@@ -60,7 +65,11 @@ class _TextRunner:
 
     def _encode(self, inputs: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         batch = self.tokenizer(
-            [str(t) for t in inputs[TEXT]], padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+            [str(t) for t in inputs[TEXT]],
+            padding=True,
+            truncation=True,
+            max_length=self.max_length,
+            return_tensors="pt",
         )
         return {k: v.to(self.device) for k, v in batch.items()}
 
@@ -69,8 +78,15 @@ class EmbeddingRunner(_TextRunner):
     kind = "embedding"
 
     def __init__(
-        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, pooling: Pooling, dim: int, path: Path,
-        device: torch.device, max_length: int,
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        pooling: Pooling,
+        dim: int,
+        path: Path,
+        device: torch.device,
+        max_length: int,
     ) -> None:
         super().__init__(model, tokenizer, path=path, device=device, max_length=max_length)
         self.pooling = pooling
@@ -106,7 +122,12 @@ def pool(states: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
 
 class ClassifierRunner(_TextRunner):
     def __init__(
-        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, path: Path, device: torch.device,
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        path: Path,
+        device: torch.device,
         max_length: int,
     ) -> None:
         super().__init__(model, tokenizer, path=path, device=device, max_length=max_length)

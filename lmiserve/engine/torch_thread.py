@@ -30,7 +30,7 @@ async def run(fn: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R:
     return await loop.run_in_executor(_executor, functools.partial(fn, *args, **kwargs))
 
 
-async def run_apart(fn: Callable[[Unpack[_Ts]], _R], *args: Unpack[_Ts]) -> _R:
+async def run_apart(fn: Callable[[Unpack[_Ts]], _R], *args: *_Ts) -> _R:
     """`fn(*args)` on a new thread that ends with it (model loading): a load never holds up the steps
     queued on the torch thread, and its CPU thread pool goes away with the thread."""
     loop = asyncio.get_running_loop()

@@ -26,7 +26,9 @@ from lmiserve.core.tensors import (
 class TorchScriptRunner:
     kind = "torchscript"
 
-    def __init__(self, module: torch.jit.ScriptModule, signature: ModelSignature, *, path: Path, device: torch.device) -> None:
+    def __init__(
+        self, module: torch.jit.ScriptModule, signature: ModelSignature, *, path: Path, device: torch.device
+    ) -> None:
         self.module = module
         self.signature = signature
         self.path = path

@@ -43,7 +43,11 @@ def torchscript_file(path: Path) -> Path | None:
     """`path` itself if it is a TorchScript file, else the single one in the directory `path`."""
     if path.is_file():
         return path if path.suffix.lower() in TORCHSCRIPT_SUFFIXES else None
-    found = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in TORCHSCRIPT_SUFFIXES) if path.is_dir() else []
+    found = (
+        sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in TORCHSCRIPT_SUFFIXES)
+        if path.is_dir()
+        else []
+    )
     return found[0] if len(found) == 1 else None
 
 
@@ -51,7 +55,9 @@ def has_weights(directory: Path) -> bool:
     """True when the directory itself holds a model (not only a serving.properties)."""
     if any((directory / name).is_file() for name in WEIGHT_FILES):
         return True
-    return any(p.suffix.lower() in (*TORCHSCRIPT_SUFFIXES, ".gguf", ".safetensors") for p in directory.iterdir() if p.is_file())
+    return any(
+        p.suffix.lower() in (*TORCHSCRIPT_SUFFIXES, ".gguf", ".safetensors") for p in directory.iterdir() if p.is_file()
+    )
 
 
 def _architectures(config: Path) -> list[str]:

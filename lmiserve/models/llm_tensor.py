@@ -19,10 +19,10 @@ import numpy as np
 from lmiserve.core.engine import TextGenerator
 from lmiserve.core.errors import GenerationFailed, InvalidRequest
 from lmiserve.core.events import FinishReason
+from lmiserve.core.parameters import Limits, parse_parameters, to_sampling
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.core.tensor_io import bytes_column, pick_input, select_outputs, text_rows
 from lmiserve.core.tensors import ModelSignature, TensorRequest, TensorSpec
-from lmiserve.core.parameters import Limits, parse_parameters, to_sampling
 
 INPUT = "text_input"
 INPUT_ALIASES = ("prompt", "inputs", "text")
@@ -59,7 +59,12 @@ class LlmTensorModel:
         if any(not p for p in prompts):
             raise InvalidRequest(f"input '{INPUT}' holds an empty prompt")
         sampling, full_text = self.sampling(request.parameters)
-        requests = [GenerationRequest(p, SamplingParams(**{**sampling.__dict__, "stop_sequences": list(sampling.stop_sequences)})) for p in prompts]
+        requests = [
+            GenerationRequest(
+                p, SamplingParams(**{**sampling.__dict__, "stop_sequences": list(sampling.stop_sequences)})
+            )
+            for p in prompts
+        ]
         texts = await _all_or_nothing([self._complete(r) for r in requests])
         if full_text:
             texts = [p + t for p, t in zip(prompts, texts)]

@@ -39,7 +39,7 @@ _DTYPES: dict[str, torch.dtype] = {
 
 
 def resolve_device(device: str = "auto") -> torch.device:
-    """"auto" -> cuda if available else cpu; "cpu", "cuda", "cuda:N" (and other torch devices) as given."""
+    """ "auto" -> cuda if available else cpu; "cpu", "cuda", "cuda:N" (and other torch devices) as given."""
     spec = (device or "auto").strip().lower()
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -58,7 +58,7 @@ def resolve_device(device: str = "auto") -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """"auto" -> fp32 on CPU, bf16 on CUDA if supported else fp16; fp32/fp16/bf16 (and long names)."""
+    """ "auto" -> fp32 on CPU, bf16 on CUDA if supported else fp16; fp32/fp16/bf16 (and long names)."""
     spec = (dtype or "auto").strip().lower()
     if spec == "auto":
         if device.type == "cuda":

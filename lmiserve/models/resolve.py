@@ -73,11 +73,7 @@ def default_model_name(model_id: str | None, path: str | os.PathLike[str] | None
 
 def _looks_like_path(model_id: str) -> bool:
     """True unless the id could be a hub repo id ("name" or "org/name")."""
-    return (
-        model_id.startswith(("/", ".", "~"))
-        or model_id.lower().endswith(".gguf")
-        or _HUB_ID.match(model_id) is None
-    )
+    return model_id.startswith(("/", ".", "~")) or model_id.lower().endswith(".gguf") or _HUB_ID.match(model_id) is None
 
 
 def _check_model_dir(directory: Path) -> Path:

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 from lmiserve.config import Settings
 from lmiserve.core.engine import ModelEngine, TextGenerator
 from lmiserve.core.errors import ModelNotReady, Unsupported
+from lmiserve.core.parameters import Limits
 from lmiserve.core.tensors import TensorModel
 from lmiserve.engine import torch_thread
-from lmiserve.core.parameters import Limits
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -121,7 +121,9 @@ class ModelService:
         self.path = resolve_model_path(s.model_id, s.revision, s.model_cache_dir)
         if not self._fixed_name:
             self.name = default_model_name(s.model_id, self.path)
-        self.loaded = loaded = load_causal_lm(self.path, dtype=s.dtype, device=s.device, trust_remote_code=s.trust_remote_code)
+        self.loaded = loaded = load_causal_lm(
+            self.path, dtype=s.dtype, device=s.device, trust_remote_code=s.trust_remote_code
+        )
         self.engine = self._generator = engine = build_engine(loaded, s)
         self._tensor_model = LlmTensorModel(engine, self.limits, self.name)
         return engine
@@ -132,8 +134,14 @@ class ModelService:
 
         s = self.settings
         runner = load_runner(self.kind, s)
-        self.path, self.loaded, self.kind = runner.path, runner, runner.kind  # classifier -> regression for one-label heads
-        config = BatchConfig(batch_size=s.batch_size, max_batch_delay=s.max_batch_delay / 1000.0, job_queue_size=s.job_queue_size)
+        self.path, self.loaded, self.kind = (
+            runner.path,
+            runner,
+            runner.kind,
+        )  # classifier -> regression for one-label heads
+        config = BatchConfig(
+            batch_size=s.batch_size, max_batch_delay=s.max_batch_delay / 1000.0, job_queue_size=s.job_queue_size
+        )
         engine = OneShotModel(runner, config, self.name)
         self.engine = self._tensor_model = engine
         return engine

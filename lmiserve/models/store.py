@@ -32,7 +32,9 @@ def scan_store(store: str | Path) -> list[tuple[str, Path]]:
     ]
 
 
-def model_settings(base: Settings, directory: Path, name: str | None = None, overrides: Mapping[str, object] | None = None) -> Settings:
+def model_settings(
+    base: Settings, directory: Path, name: str | None = None, overrides: Mapping[str, object] | None = None
+) -> Settings:
     """Settings of the model in `directory`: `base` < its serving.properties < `overrides`."""
     directory = Path(directory)
     options: dict[str, object] = {}

@@ -91,7 +91,14 @@ def load_embedding(path: Path, settings: Settings) -> EmbeddingRunner:
     bert = _json(path / "sentence_bert_config.json", default={})
     max_length = _max_length(model, tokenizer, bert.get("max_seq_length") if isinstance(bert, dict) else None)
     dim = int(getattr(model.config, "hidden_size", 0) or 0) or -1
-    log.info("embedding model %s: %s pooling%s, dim %d, max %d tokens", path, pooling.mode, " + normalize" if pooling.normalize else "", dim, max_length)
+    log.info(
+        "embedding model %s: %s pooling%s, dim %d, max %d tokens",
+        path,
+        pooling.mode,
+        " + normalize" if pooling.normalize else "",
+        dim,
+        max_length,
+    )
     return EmbeddingRunner(model, tokenizer, pooling=pooling, dim=dim, path=path, device=device, max_length=max_length)
 
 
@@ -183,7 +190,11 @@ def _load_transformers(
 
 
 def _max_length(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, configured: object) -> int:
-    candidates = [configured, getattr(model.config, "max_position_embeddings", None), getattr(tokenizer, "model_max_length", None)]
+    candidates = [
+        configured,
+        getattr(model.config, "max_position_embeddings", None),
+        getattr(tokenizer, "model_max_length", None),
+    ]
     values = [int(v) for v in candidates if isinstance(v, int) and 0 < v < 10_000_000]
     return min(values) if values else 512
 

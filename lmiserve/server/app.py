@@ -13,23 +13,31 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute
 
 from lmiserve.config import Settings
-from lmiserve.protocols.lmi.errors import frontend_error_body
+from lmiserve.models.registry import ModelRegistry
+from lmiserve.models.service import ModelService
 from lmiserve.protocols.lmi import routes as lmi
+from lmiserve.protocols.lmi.errors import frontend_error_body
 from lmiserve.protocols.openai import routes as openai
 from lmiserve.protocols.tensor import routes as tensor
 from lmiserve.protocols.tgi import routes as tgi
 from lmiserve.server import invocations
 from lmiserve.server.responses import raw_response
-from lmiserve.models.registry import ModelRegistry
-from lmiserve.models.service import ModelService
 
 log = logging.getLogger(__name__)
+
 
 def routes(settings: Settings) -> list[BaseRoute]:
     """The route table; the first match wins, so Vertex AI's configured paths come first and the exact
     LMI, TGI and OpenAI routes before the tensor protocols' patterns."""
-    return [*tensor.configured_routes(settings), *lmi.ping_routes(), *invocations.routes(), *lmi.routes(), *tgi.routes(),
-            *openai.routes(), *tensor.routes()]
+    return [
+        *tensor.configured_routes(settings),
+        *lmi.ping_routes(),
+        *invocations.routes(),
+        *lmi.routes(),
+        *tgi.routes(),
+        *openai.routes(),
+        *tensor.routes(),
+    ]
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
@@ -48,7 +56,9 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     return raw_response(frontend_error_body(500, "InternalServerException", str(exc) or type(exc).__name__), 500)
 
 
-def create_app(settings: Settings, service: ModelService | None = None, *, services: list[ModelService] | None = None) -> Starlette:
+def create_app(
+    settings: Settings, service: ModelService | None = None, *, services: list[ModelService] | None = None
+) -> Starlette:
     """One model (`service`, or one built from `settings`), or the models of a store (`services`)."""
     if services is None:
         services = [service or ModelService(settings)]
@@ -63,7 +73,11 @@ def create_app(settings: Settings, service: ModelService | None = None, *, servi
             loading.cancel()
             await registry.close_all()
 
-    app = Starlette(routes=routes(settings), lifespan=lifespan, exception_handlers={HTTPException: _http_error, Exception: _unexpected})
+    app = Starlette(
+        routes=routes(settings),
+        lifespan=lifespan,
+        exception_handlers={HTTPException: _http_error, Exception: _unexpected},
+    )
     app.state.registry = registry
     app.state.settings = settings
     return app

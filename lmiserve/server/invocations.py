@@ -170,9 +170,7 @@ def _tgi_compat(request: Request, doc: dict) -> bool:
 def _sagemaker(request: Request, body: Body) -> SageMakerRecords | None:
     attributes = sagemaker_parse.custom_attributes(request.headers.get(sagemaker_parse.CUSTOM_ATTRIBUTES))
     name = (
-        attributes.get("tfs-model-name")
-        or request.query_params.get("model_name")
-        or request.headers.get("model_name")
+        attributes.get("tfs-model-name") or request.query_params.get("model_name") or request.headers.get("model_name")
     )
     try:
         service = model_service(request, name)
@@ -185,7 +183,9 @@ def _sagemaker(request: Request, body: Body) -> SageMakerRecords | None:
             return None
         kind = Kind.SAGEMAKER_LLM
     else:
-        if media == "text/plain" or (media == sagemaker_parse.JSON and sagemaker_parse.is_lmi_document(body.json_or_none())):
+        if media == "text/plain" or (
+            media == sagemaker_parse.JSON and sagemaker_parse.is_lmi_document(body.json_or_none())
+        ):
             return None  # LMI's own payloads stay LMI's
         kind = Kind.SAGEMAKER_TENSOR
     return SageMakerRecords(kind, service, sagemaker.Records(body.raw, header, attributes))
@@ -238,7 +238,9 @@ async def _sagemaker_llm(request: Request, invocation: SageMakerRecords) -> Resp
 
 
 async def _sagemaker_tensor(request: Request, invocation: SageMakerRecords) -> Response:
-    answer = functools.partial(sagemaker.invoke_tensor, request, invocation.service, invocation.records, tfserving_parse)
+    answer = functools.partial(
+        sagemaker.invoke_tensor, request, invocation.service, invocation.records, tfserving_parse
+    )
     return await _rendered(request, SAGEMAKER_ERRORS, answer)
 
 

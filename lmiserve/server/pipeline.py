@@ -44,8 +44,17 @@ from lmiserve.server.responses import raw_response
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "ClientDisconnected", "DisconnectAwareStream", "Encoder", "Heartbeat", "Tagged", "failure_of", "is_error_finish",
-    "merge_tagged", "respond", "tagged", "until_disconnect",
+    "ClientDisconnected",
+    "DisconnectAwareStream",
+    "Encoder",
+    "Heartbeat",
+    "Tagged",
+    "failure_of",
+    "is_error_finish",
+    "merge_tagged",
+    "respond",
+    "tagged",
+    "until_disconnect",
 ]
 
 Tagged = tuple[int, StepEvent]
@@ -137,8 +146,14 @@ class DisconnectAwareStream(StreamingResponse):
     so an abandoned stream is cancelled at once rather than at its next write; `on_close` runs when
     the response is over, however it ended; with a `heartbeat`, its chunk fills every silence."""
 
-    def __init__(self, content: AsyncIterator[bytes], *, headers: Mapping[str, str],
-                 on_close: Callable[[], None] | None = None, heartbeat: Heartbeat | None = None):
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        *,
+        headers: Mapping[str, str],
+        on_close: Callable[[], None] | None = None,
+        heartbeat: Heartbeat | None = None,
+    ):
         super().__init__(content, headers=dict(headers))
         self._on_close = on_close
         self._heartbeat = heartbeat
@@ -225,8 +240,12 @@ async def respond(
             chunks = _in_band_chunks(events, encoder)
             if wrap is not None:
                 chunks = wrap(chunks)
-            return DisconnectAwareStream(chunks, headers={"content-type": encoder.content_type, **_headers(headers)},
-                                         on_close=closing, heartbeat=heartbeat)
+            return DisconnectAwareStream(
+                chunks,
+                headers={"content-type": encoder.content_type, **_headers(headers)},
+                on_close=closing,
+                heartbeat=heartbeat,
+            )
         return await _streamed(request, events, encoder, headers, wrap, closing, wait_for, heartbeat)
     except BaseException:
         closing()
@@ -253,10 +272,16 @@ async def _whole(request: Request, events: AsyncIterator[Tagged], encoder: Encod
     return raw_response(body, 200, encoder.content_type, _headers(headers))
 
 
-async def _streamed(request: Request, events: AsyncIterator[Tagged], encoder: Encoder, headers: Headers,
-                    wrap: Callable[[AsyncIterator[bytes]], AsyncIterator[bytes]] | None,
-                    closing: Callable[[], None], wait_for: str = "bytes",
-                    heartbeat: Heartbeat | None = None) -> Response:
+async def _streamed(
+    request: Request,
+    events: AsyncIterator[Tagged],
+    encoder: Encoder,
+    headers: Headers,
+    wrap: Callable[[AsyncIterator[bytes]], AsyncIterator[bytes]] | None,
+    closing: Callable[[], None],
+    wait_for: str = "bytes",
+    heartbeat: Heartbeat | None = None,
+) -> Response:
     async def first_bytes() -> tuple[bytes, bool, bool]:
         """The first non-empty chunk (with `wait_for="event"`: the first event's, maybe empty); True if
         the stream ended before it; True if that chunk is an in-band error that ends the stream."""
@@ -294,11 +319,17 @@ async def _streamed(request: Request, events: AsyncIterator[Tagged], encoder: En
                 yield chunk
 
     chunks = body() if wrap is None else wrap(body())
-    return DisconnectAwareStream(chunks, headers={"content-type": encoder.content_type, **_headers(headers)},
-                                 on_close=closing, heartbeat=heartbeat)
+    return DisconnectAwareStream(
+        chunks,
+        headers={"content-type": encoder.content_type, **_headers(headers)},
+        on_close=closing,
+        heartbeat=heartbeat,
+    )
 
 
-async def _in_band_chunks(events: AsyncIterator[Tagged], encoder: Encoder, *, close_source: bool = True) -> AsyncIterator[bytes]:
+async def _in_band_chunks(
+    events: AsyncIterator[Tagged], encoder: Encoder, *, close_source: bool = True
+) -> AsyncIterator[bytes]:
     """Encode a live event stream; any failure becomes the encoder's in-band error, the last chunk."""
     try:
         async for index, event in events:

@@ -26,8 +26,7 @@ def url(smollm_dir):  # converts the bundled GGUF into the user cache once
 
 def test_text_generation_client(url):
     client = Client(url, timeout=120)
-    response = client.generate("The capital of France is", max_new_tokens=8, decoder_input_details=True,
-                               top_n_tokens=2)
+    response = client.generate("The capital of France is", max_new_tokens=8, decoder_input_details=True, top_n_tokens=2)
     assert response.details.generated_tokens == len(response.details.tokens) <= 8
     assert "paris" in response.generated_text.lower()
     assert response.details.prefill[0].logprob is None and len(response.details.top_tokens[0]) == 2
@@ -62,13 +61,20 @@ def test_openai_client(url):
     with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
         chat = client.chat.completions.create(model="SmolLM2", messages=QUESTION, max_tokens=12, temperature=0)
         assert "paris" in chat.choices[0].message.content.lower()
-        stream = client.chat.completions.create(model="SmolLM2", messages=QUESTION, max_tokens=12, temperature=0,
-                                                stream=True, stream_options={"include_usage": True})
+        stream = client.chat.completions.create(
+            model="SmolLM2",
+            messages=QUESTION,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         chunks = list(stream)
         assert "".join(c.choices[0].delta.content for c in chunks[:-1]) == chat.choices[0].message.content
         assert chunks[-1].usage.total_tokens == chat.usage.total_tokens
-        completion = client.completions.create(model="SmolLM2", prompt="The capital of France is", max_tokens=6,
-                                               temperature=0)
+        completion = client.completions.create(
+            model="SmolLM2", prompt="The capital of France is", max_tokens=6, temperature=0
+        )
         assert "paris" in completion.choices[0].text.lower()
         assert [m.id for m in client.models.list()] == ["SmolLM2-135M-Instruct"]
         with pytest.raises(openai.UnprocessableEntityError):

@@ -26,7 +26,10 @@ def post(url, payload, timeout=120):
 
 
 def test_both_models_are_listed_and_healthy(server):
-    assert httpx.get(f"{server}/ping").json() == {MINILM_NAME: {"status": "Healthy"}, BUNDLED_LLM_NAME: {"status": "Healthy"}}
+    assert httpx.get(f"{server}/ping").json() == {
+        MINILM_NAME: {"status": "Healthy"},
+        BUNDLED_LLM_NAME: {"status": "Healthy"},
+    }
     models = httpx.get(f"{server}/models").json()["models"]
     assert [m["modelName"] for m in models] == [MINILM_NAME, BUNDLED_LLM_NAME]
     assert models[1]["modelUrl"].startswith("file:")
@@ -36,7 +39,10 @@ def test_the_llm_answers_name_less_and_by_name(server):
     r = post(f"{server}/invocations", {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 8}})
     assert r.status_code == 200, r.text
     assert "paris" in r.json()["generated_text"].lower()
-    named = post(f"{server}/predictions/{BUNDLED_LLM_NAME}", {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 8}})
+    named = post(
+        f"{server}/predictions/{BUNDLED_LLM_NAME}",
+        {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 8}},
+    )
     assert named.json() == r.json()
 
 
@@ -52,8 +58,16 @@ def test_embeddings_rank_meaning(server):
 def test_concurrent_embeddings_and_generation(server):
     async def run():
         async with httpx.AsyncClient(timeout=120) as client:
-            gen = [client.post(f"{server}/invocations", json={"inputs": f"Count to {i}:", "parameters": {"max_new_tokens": 12}}) for i in range(3)]
-            emb = [client.post(f"{server}/predictions/{MINILM_NAME}", json={"inputs": f"sentence number {i}"}) for i in range(8)]
+            gen = [
+                client.post(
+                    f"{server}/invocations", json={"inputs": f"Count to {i}:", "parameters": {"max_new_tokens": 12}}
+                )
+                for i in range(3)
+            ]
+            emb = [
+                client.post(f"{server}/predictions/{MINILM_NAME}", json={"inputs": f"sentence number {i}"})
+                for i in range(8)
+            ]
             return await asyncio.gather(*gen, *emb)
 
     responses = asyncio.run(run())

@@ -31,9 +31,15 @@ BENCH_TIMEOUT = 600
 
 # --- a small OpenAI-compatible completions server -----------------------------------------------
 
+
 def _chunk(n: int, model: str, choices: list, usage=None, include_usage=False) -> str:
-    body = {"id": f"cmpl-{n}", "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": choices}
+    body = {
+        "id": f"cmpl-{n}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+    }
     if include_usage:
         body["usage"] = usage
     return "data: " + json.dumps(body) + "\n\n"
@@ -65,7 +71,11 @@ async def completions(request: Request):
             choice = {"text": WORDS[i % len(WORDS)], "index": 0, "logprobs": None, "finish_reason": finish}
             yield _chunk(i, model, [choice], include_usage=include_usage)
         if include_usage:
-            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": stop_at, "total_tokens": prompt_tokens + stop_at}
+            usage = {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": stop_at,
+                "total_tokens": prompt_tokens + stop_at,
+            }
             yield _chunk(stop_at, model, [], usage=usage, include_usage=True)
         if model != "no-done":
             yield "data: [DONE]\n\n"
@@ -74,7 +84,9 @@ async def completions(request: Request):
 
 
 async def models(request: Request):
-    return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model", "created": 0, "owned_by": "test"}]})
+    return JSONResponse(
+        {"object": "list", "data": [{"id": "fake-model", "object": "model", "created": 0, "owned_by": "test"}]}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +106,7 @@ def openai_url() -> Iterator[str]:
 
 
 # --- OpenAI dialect ----------------------------------------------------------------------------
+
 
 async def test_openai_dialect_counts_exact_tokens_under_closed_loop(openai_url):
     dialect = OpenAIDialect(url=openai_url, name="fake")
@@ -131,8 +144,11 @@ async def test_duration_mode_keeps_every_client_busy_until_the_deadline(openai_u
 
 @pytest.mark.parametrize(
     ("model", "error"),
-    [("error-midway", "error in stream: {'message': 'boom'"), ("no-done", "stream ended without data: [DONE]"),
-     ("reject", "HTTP 400: ")],
+    [
+        ("error-midway", "error in stream: {'message': 'boom'"),
+        ("no-done", "stream ended without data: [DONE]"),
+        ("reject", "HTTP 400: "),
+    ],
 )
 async def test_openai_dialect_failures_fail_the_request(openai_url, model, error):
     dialect = OpenAIDialect(url=openai_url, name="fake", model=model)
@@ -176,14 +192,29 @@ async def test_lmi_soak_and_server_errors(lmi_url):
 
 
 def run_bench(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "lmiserve", "bench", *args], capture_output=True, text=True,
-                          timeout=BENCH_TIMEOUT, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "lmiserve", "bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=BENCH_TIMEOUT,
+        cwd=cwd,
+    )
 
 
 def test_bench_url_mode_without_baselines(lmi_url, tmp_path):
     out = tmp_path / "url"
-    result = run_bench("--url", lmi_url, "--concurrency", "2", "--max-new-tokens", "4", "--skip-baselines",
-                       "--output-dir", str(out), cwd=tmp_path)
+    result = run_bench(
+        "--url",
+        lmi_url,
+        "--concurrency",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--skip-baselines",
+        "--output-dir",
+        str(out),
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads((out / "bench.json").read_text())
     assert report["baselines"] is None and report["memory"] is None
@@ -196,12 +227,33 @@ def test_bench_url_mode_without_baselines(lmi_url, tmp_path):
 
 # --- the whole command -----------------------------------------------------------------------------
 
+
 def test_bench_end_to_end(long_model_dir, openai_url, tmp_path):
     out = tmp_path / "run"
     result = run_bench(
-        "--model-id", str(long_model_dir), "--concurrency", "1,2", "--max-new-tokens", "5", "--device", "cpu",
-        "--dtype", "fp32", "-o", "max_rolling_batch_size=4", "--soak-requests", "12", "--soak-max-new-tokens", "3",
-        "--compare-url", openai_url + "/v1", "--compare-name", "fake-openai", "--output-dir", str(out), cwd=tmp_path,
+        "--model-id",
+        str(long_model_dir),
+        "--concurrency",
+        "1,2",
+        "--max-new-tokens",
+        "5",
+        "--device",
+        "cpu",
+        "--dtype",
+        "fp32",
+        "-o",
+        "max_rolling_batch_size=4",
+        "--soak-requests",
+        "12",
+        "--soak-max-new-tokens",
+        "3",
+        "--compare-url",
+        openai_url + "/v1",
+        "--compare-name",
+        "fake-openai",
+        "--output-dir",
+        str(out),
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr
     report = json.loads((out / "bench.json").read_text())
@@ -239,5 +291,9 @@ def test_bench_end_to_end(long_model_dir, openai_url, tmp_path):
     assert (out / "server.log").stat().st_size > 0
     rows = [line.split() for line in result.stdout.splitlines()]
     assert [r[:2] for r in rows if len(r) > 2 and r[0] in ("lmiserve", "fake-openai") and r[1].isdigit()] == [
-        ["lmiserve", "1"], ["lmiserve", "2"], ["fake-openai", "1"], ["fake-openai", "2"]]
+        ["lmiserve", "1"],
+        ["lmiserve", "2"],
+        ["fake-openai", "1"],
+        ["fake-openai", "2"],
+    ]
     assert "targets (issue #5):" in result.stdout and "wrote " in result.stdout

@@ -73,8 +73,9 @@ def assert_short_ok(response: httpx.Response) -> None:
 @pytest.fixture(autouse=True)
 def idle_server(request):
     """Every test starts and ends with an idle server (nothing queued, the slot free)."""
-    servers = [request.getfixturevalue(name) for name in ("small_server", "impatient_server")
-               if name in request.fixturenames]
+    servers = [
+        request.getfixturevalue(name) for name in ("small_server", "impatient_server") if name in request.fixturenames
+    ]
     for server in servers:
         wait_until(lambda server=server: in_queue(server) == 0, "the queue is empty")
         assert_short_ok(short_request(server))
@@ -86,7 +87,10 @@ def idle_server(request):
 def test_queue_full_is_503_at_once(small_server):
     pool = ThreadPoolExecutor(max_workers=1)
     try:
-        with small_server.new_client() as client, client.stream("POST", "/invocations", json=long_payload(True)) as first:
+        with (
+            small_server.new_client() as client,
+            client.stream("POST", "/invocations", json=long_payload(True)) as first,
+        ):
             assert first.status_code == 200
             lines = Lines(first)
             next(lines)  # the long request holds the only slot
@@ -123,9 +127,14 @@ def test_queued_request_runs_after_the_running_one(small_server):
     """FIFO admission: the queued request completes (it is not dropped), after the slot frees."""
     pool = ThreadPoolExecutor(max_workers=1)
     try:
-        with small_server.new_client() as client, client.stream(
-            "POST", "/invocations", json={**long_payload(True), "parameters": {"max_new_tokens": 120, "ignore_eos_token": True}}
-        ) as first:
+        with (
+            small_server.new_client() as client,
+            client.stream(
+                "POST",
+                "/invocations",
+                json={**long_payload(True), "parameters": {"max_new_tokens": 120, "ignore_eos_token": True}},
+            ) as first,
+        ):
             lines = Lines(first)
             next(lines)
             queued = pool.submit(short_request, small_server)
@@ -188,7 +197,9 @@ def test_waiting_longer_than_predict_timeout(impatient_server, stream):
         elapsed = time.monotonic() - start
         assert response.status_code == 400, (elapsed, response.text)
         assert response.headers["content-type"] == "application/json"
-        assert response.text == '{\n  "code": 400,\n  "type": "TranslateException",\n  "message": "Time out in: 1.5"\n}\n'
+        assert (
+            response.text == '{\n  "code": 400,\n  "type": "TranslateException",\n  "message": "Time out in: 1.5"\n}\n'
+        )
         assert elapsed >= 1.4, elapsed  # it waited for the slot (at least predict_timeout)...
         assert in_queue(server) == 0
         next(lines)  # ...and failed while the running request, unaffected, still held the slot

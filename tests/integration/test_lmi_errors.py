@@ -8,7 +8,9 @@ import json
 import pytest
 
 PREFIX = "Input Parsing failed. Ensure that the request payload is valid. "
-NOT_OBJECT = "Invalid request payload. Request payload should be a json object specifying the 'inputs' field. Received payload "
+NOT_OBJECT = (
+    "Invalid request payload. Request payload should be a json object specifying the 'inputs' field. Received payload "
+)
 NOT_STRING = "Invalid request payload. The 'inputs' field must be a string. Received type "
 EMPTY = "Invalid request payload. The 'inputs' field does not contain any content. Received payload "
 PARAMS = "Invalid request payload. 'parameters' must be provided as an object of key-value pairs. Received payload "
@@ -44,10 +46,22 @@ def assert_424(response, message: str | None = None, *, contains: tuple[str, ...
         ({"inputs": 5}, NOT_STRING + "<class 'int'>"),
         ({"inputs": ""}, EMPTY + "{'inputs': ''}"),
         ({"inputs": "hi", "parameters": [1]}, PARAMS + "{'inputs': 'hi', 'parameters': [1]}"),
-        ({"inputs": "hi", "parameters": "max_new_tokens=3"}, PARAMS + "{'inputs': 'hi', 'parameters': 'max_new_tokens=3'}"),
+        (
+            {"inputs": "hi", "parameters": "max_new_tokens=3"},
+            PARAMS + "{'inputs': 'hi', 'parameters': 'max_new_tokens=3'}",
+        ),
     ],
-    ids=["list", "string", "missing-inputs", "null-inputs", "inputs-list", "inputs-int", "empty-inputs",
-         "parameters-list", "parameters-string"],
+    ids=[
+        "list",
+        "string",
+        "missing-inputs",
+        "null-inputs",
+        "inputs-list",
+        "inputs-int",
+        "empty-inputs",
+        "parameters-list",
+        "parameters-string",
+    ],
 )
 def test_payload_validation_messages(server, payload, message):
     assert_424(server.post(payload), PREFIX + message)

@@ -276,8 +276,12 @@ def test_stop_sequence(server, stop_case):
 def test_stop_sequence_included_on_request(server, stop_case):
     full, stop, index = stop_case
     body = server.generate(
-        PROMPT, max_new_tokens=20, details=True, ignore_eos_token=True,
-        stop_sequences=[stop], include_stop_str_in_output=True,
+        PROMPT,
+        max_new_tokens=20,
+        details=True,
+        ignore_eos_token=True,
+        stop_sequences=[stop],
+        include_stop_str_in_output=True,
     )
     assert body["generated_text"] == full[: index + len(stop)]
     assert body["details"]["finish_reason"] == "stop_sequence"
@@ -293,8 +297,12 @@ def test_stop_tgi_spelling(server, stop_case):
 def test_stop_sequence_streaming(server, stop_case, include):
     full, stop, index = stop_case
     _, lines = server.stream(
-        PROMPT, max_new_tokens=20, details=True, ignore_eos_token=True,
-        stop_sequences=[stop], include_stop_str_in_output=include,
+        PROMPT,
+        max_new_tokens=20,
+        details=True,
+        ignore_eos_token=True,
+        stop_sequences=[stop],
+        include_stop_str_in_output=include,
     )
     last = lines[-1]
     expected = full[: index + len(stop)] if include else full[:index]
@@ -306,7 +314,9 @@ def test_stop_sequence_streaming(server, stop_case, include):
 
 def test_stop_sequence_never_matching(server, stop_case):
     full, _, _ = stop_case
-    body = server.generate(PROMPT, max_new_tokens=20, details=True, ignore_eos_token=True, stop_sequences=["\u2603\u2603"])
+    body = server.generate(
+        PROMPT, max_new_tokens=20, details=True, ignore_eos_token=True, stop_sequences=["\u2603\u2603"]
+    )
     assert body["generated_text"] == full
     assert body["details"]["finish_reason"] == "length"
 
@@ -337,7 +347,9 @@ def test_unseeded_samples_differ(server):
 def test_temperature_alone_means_sampling(server):
     """greedy unless do_sample or temperature is given."""
     sampled = server.generate(PROMPT, max_new_tokens=12, do_sample=True, seed=7, details=True, ignore_eos_token=True)
-    by_temperature = server.generate(PROMPT, max_new_tokens=12, temperature=1.0, seed=7, details=True, ignore_eos_token=True)
+    by_temperature = server.generate(
+        PROMPT, max_new_tokens=12, temperature=1.0, seed=7, details=True, ignore_eos_token=True
+    )
     greedy = server.generate(PROMPT, max_new_tokens=12, details=True, ignore_eos_token=True)
     assert ids_of(by_temperature) == ids_of(sampled)
     assert ids_of(sampled) != ids_of(greedy)
@@ -436,7 +448,6 @@ def test_best_of_shape(server):
 def test_n_two_of_best_of_three(server):
     body = server.generate(PROMPT, max_new_tokens=4, do_sample=True, seed=3, best_of=3, n=2)
     assert len(body["details"]["best_of_sequences"]) == 1
-
 
 
 def test_per_request_tgi_compat_formatter(server):

@@ -66,10 +66,14 @@ def test_describe_model(server):
 
 
 def test_describe_unknown_model(server):
-    assert_frontend_error(server.get("/models/nope"), 404, "ModelNotFoundException", "Model or workflow not found: nope")
+    assert_frontend_error(
+        server.get("/models/nope"), 404, "ModelNotFoundException", "Model or workflow not found: nope"
+    )
 
 
-@pytest.mark.parametrize("path", ["/predictions/nope", "/predictions/nope/1", "/models/nope/invoke", "/invocations?model_name=nope"])
+@pytest.mark.parametrize(
+    "path", ["/predictions/nope", "/predictions/nope/1", "/models/nope/invoke", "/invocations?model_name=nope"]
+)
 def test_inference_on_unknown_model(server, path):
     response = server.post({"inputs": "Hello"}, path=path)
     assert_frontend_error(response, 404, "ModelNotFoundException", "Model or workflow not found: nope")

@@ -29,7 +29,10 @@ def test_explicit_n_1_with_best_of_returns_a_single_sequence(server):
     lmiserve/protocols/lmi/schema.py declares `n: int = Field(1, ...)`, so an explicit n=1 cannot be told from an
     absent n and `AsyncEngine._collect_ranked` returns all best_of sequences."""
     response = server.post(
-        {"inputs": "Deep learning is", "parameters": {"max_new_tokens": 4, "do_sample": True, "seed": 3, "best_of": 3, "n": 1}}
+        {
+            "inputs": "Deep learning is",
+            "parameters": {"max_new_tokens": 4, "do_sample": True, "seed": 3, "best_of": 3, "n": 1},
+        }
     )
     assert response.status_code == 200, response.text
     details = response.json()["details"]

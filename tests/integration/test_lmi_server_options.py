@@ -25,7 +25,9 @@ def lmi_tgi(server) -> str:
 
 
 def test_tgi_non_stream_is_a_one_element_array_with_details(tgi_server):
-    response = tgi_server.post(path=lmi_tgi(tgi_server), payload={"inputs": PROMPT, "parameters": {"max_new_tokens": 5}})
+    response = tgi_server.post(
+        path=lmi_tgi(tgi_server), payload={"inputs": PROMPT, "parameters": {"max_new_tokens": 5}}
+    )
     assert response.status_code == 200, response.text
     assert response.headers["content-type"] == "application/json"
     raw = response.text
@@ -48,7 +50,9 @@ def test_tgi_non_stream_is_a_one_element_array_with_details(tgi_server):
 
 
 def test_tgi_details_false(tgi_server):
-    response = tgi_server.post(path=lmi_tgi(tgi_server), payload={"inputs": PROMPT, "parameters": {"max_new_tokens": 5, "details": False}})
+    response = tgi_server.post(
+        path=lmi_tgi(tgi_server), payload={"inputs": PROMPT, "parameters": {"max_new_tokens": 5, "details": False}}
+    )
     assert response.status_code == 200, response.text
     body = json.loads(response.text)
     assert isinstance(body, list) and len(body) == 1
@@ -76,14 +80,19 @@ def test_tgi_stream_is_sse(tgi_server):
 
 
 def test_tgi_stream_details_false(tgi_server):
-    response = tgi_server.post(path=lmi_tgi(tgi_server), payload={"inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": 3, "details": False}})
+    response = tgi_server.post(
+        path=lmi_tgi(tgi_server),
+        payload={"inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": 3, "details": False}},
+    )
     assert response.status_code == 200, response.text
     last = tgi_server.sse(response.text)[-1]
     assert list(last) == ["token", "generated_text"]
 
 
 def test_tgi_same_tokens_as_lmi(tgi_server, server):
-    tgi = tgi_server.post(path=lmi_tgi(tgi_server), payload={"inputs": PROMPT, "parameters": {"max_new_tokens": 8}}).json()[0]
+    tgi = tgi_server.post(
+        path=lmi_tgi(tgi_server), payload={"inputs": PROMPT, "parameters": {"max_new_tokens": 8}}
+    ).json()[0]
     lmi = server.generate(PROMPT, max_new_tokens=8, details=True)
     assert tgi["generated_text"] == lmi["generated_text"]
     assert [t["id"] for t in tgi["details"]["tokens"]] == [t["id"] for t in lmi["details"]["tokens"]]
@@ -147,7 +156,9 @@ def test_jsonlines_option_streams_without_stream_flag(jsonlines_server):
 
 
 def test_jsonlines_option_request_override_to_json(jsonlines_server):
-    response = jsonlines_server.post({"inputs": PROMPT, "parameters": {"max_new_tokens": 5, "output_formatter": "json"}})
+    response = jsonlines_server.post(
+        {"inputs": PROMPT, "parameters": {"max_new_tokens": 5, "output_formatter": "json"}}
+    )
     assert response.status_code == 200, response.text
     assert response.headers["content-type"] == "application/json"
     assert list(response.json()) == ["generated_text"]
@@ -173,4 +184,6 @@ def test_chunked_prefill_changes_nothing(jsonlines_server, server):
     assert [t["id"] for t in a["prefill"]] == [t["id"] for t in b["prefill"]]
     assert len(a["prefill"]) > 8
     assert a["prefill"][0]["log_prob"] is None
-    assert [t["log_prob"] for t in a["prefill"][1:]] == pytest.approx([t["log_prob"] for t in b["prefill"][1:]], abs=1e-4)
+    assert [t["log_prob"] for t in a["prefill"][1:]] == pytest.approx(
+        [t["log_prob"] for t in b["prefill"][1:]], abs=1e-4
+    )

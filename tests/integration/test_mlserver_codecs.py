@@ -9,7 +9,6 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from helpers.tensor_models import affine_reference
 
@@ -22,7 +21,9 @@ def codec(action: str, kind: str, payload: str) -> dict | list:
     if not PYTHON.is_file():
         raise RuntimeError(f"{PYTHON} is missing: run `make install-mlserver`")
     args = [str(PYTHON), str(SCRIPT), action, kind] + ([payload] if action == "encode" else [])
-    done = subprocess.run(args, input=payload if action == "decode" else None, capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(
+        args, input=payload if action == "decode" else None, capture_output=True, text=True, timeout=120, check=False
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 

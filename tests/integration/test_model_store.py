@@ -72,7 +72,9 @@ def test_name_less_generation_goes_to_the_llm(client):
 
 
 def test_embeddings_by_name(client):
-    response = post(client, "/predictions/minilm", {"inputs": ["A man plays a guitar.", "Someone plays guitar.", "Stocks fell."]})
+    response = post(
+        client, "/predictions/minilm", {"inputs": ["A man plays a guitar.", "Someone plays guitar.", "Stocks fell."]}
+    )
     assert response.status_code == 200, response.text
     emb = np.array(response.json())
     assert emb.shape == (3, 384)
@@ -124,11 +126,17 @@ def test_bad_tensor_payloads_are_424(client, path, payload, message):
 def test_unknown_model_is_404(client):
     response = post(client, "/predictions/nope", {"inputs": "x"})
     assert response.status_code == 404
-    assert response.json() == {"code": 404, "type": "ModelNotFoundException", "message": "Model or workflow not found: nope"}
+    assert response.json() == {
+        "code": 404,
+        "type": "ModelNotFoundException",
+        "message": "Model or workflow not found: nope",
+    }
 
 
 def test_register_invoke_and_unregister(client, tiny_regressor_dir):
-    response = client.post("/models", params={"url": f"file:{tiny_regressor_dir}", "model_name": "reg", "batch_size": "2"})
+    response = client.post(
+        "/models", params={"url": f"file:{tiny_regressor_dir}", "model_name": "reg", "batch_size": "2"}
+    )
     assert response.status_code == 200, response.text
     assert response.text == '{\n  "status": "Model \\"reg\\" registered."\n}\n'
     assert "reg" in [m["modelName"] for m in client.get("/models").json()["models"]]

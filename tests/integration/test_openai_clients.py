@@ -35,8 +35,14 @@ def test_chat_completion(client):
 
 def test_chat_stream_with_usage(client):
     whole = client.chat.completions.create(model="tiny", messages=MESSAGES, max_completion_tokens=5, temperature=0)
-    stream = client.chat.completions.create(model="tiny", messages=MESSAGES, max_completion_tokens=5, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        max_completion_tokens=5,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     usage = chunks[-1]
     assert usage.choices == [] and usage.usage.total_tokens == whole.usage.total_tokens
@@ -46,8 +52,9 @@ def test_chat_stream_with_usage(client):
 
 
 def test_chat_logprobs(client):
-    completion = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, temperature=0,
-                                                logprobs=True, top_logprobs=2)
+    completion = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=3, temperature=0, logprobs=True, top_logprobs=2
+    )
     content = completion.choices[0].logprobs.content
     assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
 
@@ -55,8 +62,9 @@ def test_chat_logprobs(client):
 def test_completions(client):
     completion = client.completions.create(model="tiny", prompt="Deep learning is", max_tokens=4, temperature=0)
     assert completion.object == "text_completion" and completion.usage.completion_tokens == 4
-    streamed = client.completions.create(model="tiny", prompt="Deep learning is", max_tokens=4, temperature=0,
-                                         stream=True)
+    streamed = client.completions.create(
+        model="tiny", prompt="Deep learning is", max_tokens=4, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed) == completion.choices[0].text
 
 

@@ -16,9 +16,10 @@ MESSAGES = [{"role": "user", "content": "What is deep learning?"}]
 
 @pytest.fixture(scope="module")
 def client(tiny_model_dir) -> Iterator[httpx.Client]:
-    with run_server(["--model-id", str(tiny_model_dir)]) as url, httpx.Client(
-        base_url=url, timeout=30, trust_env=False
-    ) as c:
+    with (
+        run_server(["--model-id", str(tiny_model_dir)]) as url,
+        httpx.Client(base_url=url, timeout=30, trust_env=False) as c,
+    ):
         yield c
 
 
@@ -30,8 +31,9 @@ def openai_sse(text: str) -> list[dict]:
 
 
 def test_chat_completion(client):
-    r = client.post("/v1/chat/completions", json={"model": "tgi", "messages": MESSAGES, "max_tokens": 5,
-                                                 "temperature": 0})
+    r = client.post(
+        "/v1/chat/completions", json={"model": "tgi", "messages": MESSAGES, "max_tokens": 5, "temperature": 0}
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert list(body)[:5] == ["object", "id", "created", "model", "system_fingerprint"]
@@ -71,8 +73,10 @@ def test_chat_logprobs_and_seeded_sampling(client):
 
 def test_chat_n_choices(client):
     # unseeded (OpenAI forbids a seed with n > 1): ignore_eos so that both choices have max_tokens tokens
-    body = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 3, "n": 2,
-                                                    "temperature": 0.8, "ignore_eos": True}).json()
+    body = client.post(
+        "/v1/chat/completions",
+        json={"messages": MESSAGES, "max_tokens": 3, "n": 2, "temperature": 0.8, "ignore_eos": True},
+    ).json()
     assert [c["index"] for c in body["choices"]] == [0, 1]
     assert body["usage"]["completion_tokens"] == 6
 
@@ -91,14 +95,17 @@ def test_chat_errors(client):
 
 
 def test_chat_accepts_openai_top_p_default_and_null_options(client):
-    r = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, "top_p": 1.0,
-                                                 "stop": None, "stream_options": None})
+    r = client.post(
+        "/v1/chat/completions",
+        json={"messages": MESSAGES, "max_tokens": 2, "top_p": 1.0, "stop": None, "stream_options": None},
+    )
     assert r.status_code == 200, r.text
 
 
 def test_completions(client):
-    r = client.post("/v1/completions", json={"prompt": ["Deep learning is", "Hello"], "max_tokens": 3,
-                                            "temperature": 0})
+    r = client.post(
+        "/v1/completions", json={"prompt": ["Deep learning is", "Hello"], "max_tokens": 3, "temperature": 0}
+    )
     body = r.json()
     assert body["object"] == "text_completion" and [c["index"] for c in body["choices"]] == [0, 1]
     assert body["usage"]["completion_tokens"] == 6
@@ -107,16 +114,16 @@ def test_completions(client):
 
 
 def test_completions_echo_and_logprobs(client):
-    body = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "temperature": 0,
-                                               "echo": True, "logprobs": 2}).json()
+    body = client.post(
+        "/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 2}
+    ).json()
     choice = body["choices"][0]
     assert choice["text"].startswith("Hello")
     assert choice["logprobs"]["token_logprobs"][0] is None  # the first prompt token has none
 
 
 def test_completions_stream(client):
-    r = client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 3, "temperature": 0,
-                                            "stream": True})
+    r = client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 3, "temperature": 0, "stream": True})
     events = openai_sse(r.text)
     assert len(events) == 6
     for index in (0, 1):
@@ -127,13 +134,17 @@ def test_completions_stream(client):
 
 def test_completions_errors(client):
     r = client.post("/v1/completions", json={"prompt": []})
-    assert r.json() == {"error": "Empty array detected. Do not use an empty array for the prompt.",
-                        "error_type": "validation"}
+    assert r.json() == {
+        "error": "Empty array detected. Do not use an empty array for the prompt.",
+        "error_type": "validation",
+    }
     r = client.post("/v1/completions", json={"prompt": "a", "suffix": None})
     assert r.json()["error_type"] == "suffix not supported"
     r = client.post("/v1/completions", json={"prompt": ["a"] * 5})
-    assert r.json() == {"error": "Number of prompts exceeds the maximum allowed batch size of 4",
-                        "error_type": "batch size exceeded"}
+    assert r.json() == {
+        "error": "Number of prompts exceeds the maximum allowed batch size of 4",
+        "error_type": "batch size exceeded",
+    }
 
 
 # --- /invocations dispatch --------------------------------------------------------------------------------

@@ -46,8 +46,9 @@ def test_text_generation_stream_matches_generate(url):
 def test_text_generation_best_of_top_n_tokens_decoder_input_details(no_eos_server):
     # unseeded sampling (TGI forbids a seed with best_of > 1) on a model that cannot generate EOS:
     # exactly max_new_tokens tokens every time
-    response = Client(no_eos_server.url, timeout=30).generate(PROMPT, max_new_tokens=3, best_of=2, do_sample=True,
-                                                              top_n_tokens=2, decoder_input_details=True)
+    response = Client(no_eos_server.url, timeout=30).generate(
+        PROMPT, max_new_tokens=3, best_of=2, do_sample=True, top_n_tokens=2, decoder_input_details=True
+    )
     details = response.details
     assert len(details.best_of_sequences) == 1 and details.best_of_sequences[0].generated_tokens == 3
     assert len(details.top_tokens) == 3 and all(len(step) == 2 for step in details.top_tokens)
@@ -58,7 +59,7 @@ def test_text_generation_best_of_top_n_tokens_decoder_input_details(no_eos_serve
 def test_text_generation_stop_sequences(url):
     client = Client(url, timeout=30)
     full = client.generate(PROMPT, max_new_tokens=12).generated_text
-    stop = full[len(full) // 2:][:2]
+    stop = full[len(full) // 2 :][:2]
     response = client.generate(PROMPT, max_new_tokens=12, stop_sequences=[stop])
     assert response.details.finish_reason == FinishReason.StopSequence
     assert response.generated_text.endswith(stop)

@@ -18,9 +18,10 @@ TINY_CONTEXT = 256
 
 @pytest.fixture(scope="module")
 def client(tiny_model_dir) -> Iterator[httpx.Client]:
-    with run_server(["--model-id", str(tiny_model_dir)]) as url, httpx.Client(
-        base_url=url, timeout=30, trust_env=False
-    ) as c:
+    with (
+        run_server(["--model-id", str(tiny_model_dir)]) as url,
+        httpx.Client(base_url=url, timeout=30, trust_env=False) as c,
+    ):
         yield c
 
 
@@ -30,7 +31,7 @@ def sse_events(text: str) -> list[dict]:
     out = []
     for block in text[:-2].split("\n\n"):
         assert block.startswith("data: ") and "\n" not in block, block
-        data = block[len("data: "):]
+        data = block[len("data: ") :]
         assert data != "[DONE]"
         obj = json.loads(data)
         assert data == json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
@@ -102,10 +103,13 @@ def test_stream_equals_generate(client):
 
 
 def test_stop_sequence_is_kept(client):
-    full = client.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 12}}).json()["generated_text"]
-    stop = full[len(full) // 2:][:2]
-    r = client.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 12, "stop": [stop],
-                                                                         "details": True}})
+    full = client.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 12}}).json()[
+        "generated_text"
+    ]
+    stop = full[len(full) // 2 :][:2]
+    r = client.post(
+        "/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 12, "stop": [stop], "details": True}}
+    )
     body = r.json()
     assert body["details"]["finish_reason"] == "stop_sequence"
     assert body["generated_text"].endswith(stop) and full.startswith(body["generated_text"])
@@ -121,8 +125,7 @@ def test_seed_is_echoed_when_sampling_and_reproducible(client):
 def test_best_of_top_n_tokens_and_prefill(no_eos_server):
     # TGI forbids a seed with best_of > 1, so the sampled tokens are random: on a model that cannot
     # generate EOS every sequence has exactly max_new_tokens tokens
-    params = {"max_new_tokens": 3, "best_of": 2, "do_sample": True, "top_n_tokens": 2,
-              "decoder_input_details": True}
+    params = {"max_new_tokens": 3, "best_of": 2, "do_sample": True, "top_n_tokens": 2, "decoder_input_details": True}
     response = no_eos_server.post({"inputs": PROMPT, "parameters": params}, path="/generate")
     details = response.json()["details"]
     assert len(details["best_of_sequences"]) == 1
@@ -132,8 +135,10 @@ def test_best_of_top_n_tokens_and_prefill(no_eos_server):
 
 
 def test_truncate_and_return_full_text(client):
-    r = client.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2, "truncate": 2,
-                                                                         "return_full_text": True}})
+    r = client.post(
+        "/generate",
+        json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2, "truncate": 2, "return_full_text": True}},
+    )
     assert r.headers["x-prompt-tokens"] == "2"
     assert r.json()["generated_text"].startswith(PROMPT)
 
@@ -155,16 +160,19 @@ def test_max_new_tokens_defaults_to_the_rest_of_the_context(client):
         ({"best_of": 3, "do_sample": True}, "`best_of` must be > 0 and <= 2. Given: 3"),
         ({"top_n_tokens": 6}, "`top_n_tokens` must be >= 0 and <= 5. Given: 6"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "`stop` supports up to 4 stop sequences. Given: 5"),
-        ({"max_new_tokens": 1000}, "`inputs` tokens + `max_new_tokens` must be <= 256. Given: 4 `inputs` tokens "
-                                   "and 1000 `max_new_tokens`"),
+        (
+            {"max_new_tokens": 1000},
+            "`inputs` tokens + `max_new_tokens` must be <= 256. Given: 4 `inputs` tokens and 1000 `max_new_tokens`",
+        ),
     ],
 )
 def test_validation_errors(client, params, message):
     r = client.post("/generate", json={"inputs": PROMPT, "parameters": params})
     assert r.status_code == 422
     assert r.headers["content-type"] == "application/json"
-    assert r.text == json.dumps({"error": f"Input validation error: {message}", "error_type": "validation"},
-                                separators=(",", ":"))
+    assert r.text == json.dumps(
+        {"error": f"Input validation error: {message}", "error_type": "validation"}, separators=(",", ":")
+    )
     streamed = client.post("/generate_stream", json={"inputs": PROMPT, "parameters": params})
     assert streamed.status_code == 200  # in-band once the stream route runs
     assert sse_events(streamed.text) == [{"error": f"Input validation error: {message}", "error_type": "validation"}]
@@ -172,8 +180,12 @@ def test_validation_errors(client, params, message):
 
 def test_streaming_only_errors_are_in_band(client):
     r = client.post("/generate_stream", json={"inputs": PROMPT, "parameters": {"decoder_input_details": True}})
-    assert sse_events(r.text) == [{"error": "Input validation error: `decoder_input_details` == true is not "
-                                            "supported when streaming tokens", "error_type": "validation"}]
+    assert sse_events(r.text) == [
+        {
+            "error": "Input validation error: `decoder_input_details` == true is not supported when streaming tokens",
+            "error_type": "validation",
+        }
+    ]
 
 
 def test_plain_text_rejections(client):
@@ -204,10 +216,22 @@ def test_health_routes(client):
 
 def test_info(client):
     info = client.get("/info").json()
-    assert list(info)[:14] == ["model_id", "model_sha", "model_pipeline_tag", "max_concurrent_requests",
-                               "max_best_of", "max_stop_sequences", "max_input_tokens", "max_total_tokens",
-                               "validation_workers", "max_client_batch_size", "router", "version", "sha",
-                               "docker_label"]
+    assert list(info)[:14] == [
+        "model_id",
+        "model_sha",
+        "model_pipeline_tag",
+        "max_concurrent_requests",
+        "max_best_of",
+        "max_stop_sequences",
+        "max_input_tokens",
+        "max_total_tokens",
+        "validation_workers",
+        "max_client_batch_size",
+        "router",
+        "version",
+        "sha",
+        "docker_label",
+    ]
     assert (info["max_total_tokens"], info["max_input_tokens"], info["max_input_length"]) == (256, 255, 255)
     assert (info["max_concurrent_requests"], info["max_best_of"], info["max_stop_sequences"]) == (128, 2, 4)
     assert info["model_dtype"] == "torch.float32" and info["model_device_type"] == "cpu"
@@ -226,7 +250,7 @@ def test_tokenize_byte_offsets(client):
     raw = text.encode()
     for token in tokens[1:]:
         assert set(token) == {"id", "text", "start", "stop"}
-        assert token["text"] == raw[token["start"]:token["stop"]].decode(errors="replace")
+        assert token["text"] == raw[token["start"] : token["stop"]].decode(errors="replace")
     assert tokens[-1]["stop"] == len(raw)
 
 

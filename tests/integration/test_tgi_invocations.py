@@ -13,22 +13,31 @@ import pytest
 from helpers.server import run_server
 
 PROMPT = "Deep learning is"
-TIMING = {"x-compute-time", "x-total-time", "x-validation-time", "x-queue-time", "x-inference-time",
-          "x-time-per-token", "date"}
+TIMING = {
+    "x-compute-time",
+    "x-total-time",
+    "x-validation-time",
+    "x-queue-time",
+    "x-inference-time",
+    "x-time-per-token",
+    "date",
+}
 
 
 @pytest.fixture(scope="module")
 def client(tiny_model_dir) -> Iterator[httpx.Client]:
-    with run_server(["--model-id", str(tiny_model_dir), "-o", "tgi_compat=true"]) as url, httpx.Client(
-        base_url=url, timeout=30, trust_env=False
-    ) as c:
+    with (
+        run_server(["--model-id", str(tiny_model_dir), "-o", "tgi_compat=true"]) as url,
+        httpx.Client(base_url=url, timeout=30, trust_env=False) as c,
+    ):
         yield c
 
 
 def same_answer(a: httpx.Response, b: httpx.Response) -> None:
     assert (a.status_code, a.content) == (b.status_code, b.content)
     assert {k: v for k, v in a.headers.items() if k not in TIMING} == {
-        k: v for k, v in b.headers.items() if k not in TIMING}
+        k: v for k, v in b.headers.items() if k not in TIMING
+    }
 
 
 @pytest.mark.parametrize(
@@ -53,8 +62,10 @@ def test_list_shape(client):
 
 
 def test_lmi_output_formatter_keeps_lmi(client):
-    r = client.post("/invocations", json={"inputs": PROMPT, "stream": True,
-                                          "parameters": {"max_new_tokens": 3, "output_formatter": "jsonlines"}})
+    r = client.post(
+        "/invocations",
+        json={"inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": 3, "output_formatter": "jsonlines"}},
+    )
     assert r.headers["content-type"] == "application/jsonlines"
     assert all("token" in json.loads(line) for line in r.text.splitlines())
 

@@ -25,15 +25,23 @@ from helpers.tiny_model import ENDLESS_CONTEXT
 
 KEY = "s3cret-Key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-LONG = {"inputs": "Deep learning is", "stream": True,
-        "parameters": {"max_new_tokens": ENDLESS_CONTEXT - 64, "ignore_eos_token": True}}
+LONG = {
+    "inputs": "Deep learning is",
+    "stream": True,
+    "parameters": {"max_new_tokens": ENDLESS_CONTEXT - 64, "ignore_eos_token": True},
+}
 
 
 @pytest.fixture(scope="module")
 def url(endless_model_dir) -> Iterator[str]:
     args = ["--model-id", str(endless_model_dir), "--api-key", KEY]
-    for option in ("max_concurrent_requests=2", "max_rolling_batch_size=1", "sse_keepalive_interval=0.2",
-                   "payload_limit=1000", f"max_new_tokens_limit={ENDLESS_CONTEXT}"):
+    for option in (
+        "max_concurrent_requests=2",
+        "max_rolling_batch_size=1",
+        "sse_keepalive_interval=0.2",
+        "payload_limit=1000",
+        f"max_new_tokens_limit={ENDLESS_CONTEXT}",
+    ):
         args += ["-o", option]
     with run_server(args) as base:
         yield base
@@ -52,8 +60,10 @@ def short(client: httpx.Client, path: str = "/generate", headers=None) -> httpx.
 # --- API key -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", ["/generate", "/generate_stream", "/", "/tokenize", "/v1/chat/completions",
-                                  "/v1/completions", "/invocations"])
+@pytest.mark.parametrize(
+    "path",
+    ["/generate", "/generate_stream", "/", "/tokenize", "/v1/chat/completions", "/v1/completions", "/invocations"],
+)
 def test_generation_routes_need_the_key(client, path):
     for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         r = client.post(path, json={"inputs": "x", "messages": [], "prompt": "x"}, headers=headers)
@@ -126,9 +136,12 @@ def test_overload_keepalive_and_release(url):
     try:
         with holder.stream("POST", "/invocations", json=LONG, headers=AUTH) as running:
             assert first_bytes(running).startswith(b'{"token": ')  # LMI jsonlines: generating
-            with tgi_waiter.stream("POST", "/generate_stream", headers=AUTH,
-                                   json={"inputs": "Hi", "parameters": {"max_new_tokens": 3}}) as queued_tgi, \
-                    chat_waiter.stream("POST", "/v1/chat/completions", headers=AUTH, json=chat) as queued_chat:
+            with (
+                tgi_waiter.stream(
+                    "POST", "/generate_stream", headers=AUTH, json={"inputs": "Hi", "parameters": {"max_new_tokens": 3}}
+                ) as queued_tgi,
+                chat_waiter.stream("POST", "/v1/chat/completions", headers=AUTH, json=chat) as queued_chat,
+            ):
                 # both wait behind the long stream for the one engine slot: keep-alive comments only
                 assert first_bytes(queued_tgi).startswith(b":\n\n")
                 assert first_bytes(queued_chat).startswith(b":\n\n")
@@ -138,8 +151,11 @@ def test_overload_keepalive_and_release(url):
                 r = short(other, headers=AUTH)
                 assert r.status_code == 429
                 assert r.json() == {"error": "Model is overloaded", "error_type": "overloaded"}
-                r = other.post("/v1/chat/completions", headers=AUTH,
-                               json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+                r = other.post(
+                    "/v1/chat/completions",
+                    headers=AUTH,
+                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                )
                 assert r.status_code == 429 and r.json()["error_type"] == "overloaded"
                 r = other.post("/generate_stream", headers=AUTH, json={"inputs": "x"})
                 assert r.status_code == 200
@@ -148,8 +164,9 @@ def test_overload_keepalive_and_release(url):
                     Client(url, headers=AUTH, timeout=30).generate("Hello", max_new_tokens=2)
             # the waiting clients went away: their engine sequences leave the queue, their slots are free
             wait_until_queue_empty(other)
-            with tgi_waiter.stream("POST", "/generate_stream", headers=AUTH,
-                                   json={"inputs": "Hi", "parameters": {"max_new_tokens": 3}}) as admitted:
+            with tgi_waiter.stream(
+                "POST", "/generate_stream", headers=AUTH, json={"inputs": "Hi", "parameters": {"max_new_tokens": 3}}
+            ) as admitted:
                 assert first_bytes(admitted).startswith(b":\n\n")  # admitted (not 429), waiting for the engine
         # the long stream's client goes away too: its sequence is aborted and the engine serves again
         r = short(other, headers=AUTH)

@@ -5,7 +5,6 @@ InferenceServerException (every non-200 is JSON with an `error`)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -34,7 +33,10 @@ def test_fp32_in_fp32_and_int64_out(affine_server, binary):
     x = np.array([[1, 2, 3, 4], [5, 6, 7, 8], [-1, 0.5, 0, 2]], dtype=np.float32)
     inp = triton.InferInput("x", list(x.shape), "FP32")
     inp.set_data_from_numpy(x, binary_data=binary)
-    outputs = [triton.InferRequestedOutput("best", binary_data=binary), triton.InferRequestedOutput("y", binary_data=binary)]
+    outputs = [
+        triton.InferRequestedOutput("best", binary_data=binary),
+        triton.InferRequestedOutput("y", binary_data=binary),
+    ]
     result = client.infer("affine", [inp], outputs=outputs, request_id="r-1")
     y, best = affine_reference(x)
     np.testing.assert_allclose(result.as_numpy("y"), y, rtol=1e-6)
@@ -60,7 +62,10 @@ def test_int64_input(int_url, binary):
     ids = np.array([[1, -2, 3], [2**40, 0, 7]], dtype=np.int64)
     inp = triton.InferInput("ids", list(ids.shape), "INT64")
     inp.set_data_from_numpy(ids, binary_data=binary)
-    outputs = [triton.InferRequestedOutput("doubled", binary_data=binary), triton.InferRequestedOutput("total", binary_data=binary)]
+    outputs = [
+        triton.InferRequestedOutput("doubled", binary_data=binary),
+        triton.InferRequestedOutput("total", binary_data=binary),
+    ]
     result = client.infer("doubler", [inp], outputs=outputs)
     np.testing.assert_array_equal(result.as_numpy("doubled"), ids * 2)
     np.testing.assert_allclose(result.as_numpy("total"), ids.sum(axis=1).astype(np.float64))
@@ -69,7 +74,9 @@ def test_int64_input(int_url, binary):
 @pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
 def test_bytes_embeddings(minilm_server, binary):
     client = client_for(minilm_server.url)
-    texts = np.array(["A cat sits on the mat.", "A kitten rests on a rug.", "Stock markets fell sharply today."], dtype=object)
+    texts = np.array(
+        ["A cat sits on the mat.", "A kitten rests on a rug.", "Stock markets fell sharply today."], dtype=object
+    )
     inp = triton.InferInput("text", [3], "BYTES")
     inp.set_data_from_numpy(texts, binary_data=binary)
     result = client.infer("minilm", [inp], outputs=[triton.InferRequestedOutput("embedding", binary_data=binary)])
@@ -87,10 +94,14 @@ def test_bytes_prompts_to_the_llm(server, binary):
     inp = triton.InferInput("text_input", [2], "BYTES")
     inp.set_data_from_numpy(prompts, binary_data=binary)
     params = {"max_new_tokens": 5}
-    result = client.infer(server.name, [inp], outputs=[triton.InferRequestedOutput("text_output", binary_data=binary)], parameters=params)
+    result = client.infer(
+        server.name, [inp], outputs=[triton.InferRequestedOutput("text_output", binary_data=binary)], parameters=params
+    )
     texts = result.as_numpy("text_output")
     assert texts.shape == (2,)
-    expected = [server.generate(p.decode(), max_new_tokens=5)["generated_text"] for p in prompts]  # greedy: same text as LMI
+    expected = [
+        server.generate(p.decode(), max_new_tokens=5)["generated_text"] for p in prompts
+    ]  # greedy: same text as LMI
     assert [t.decode() if isinstance(t, bytes) else t for t in texts] == expected
 
 
@@ -100,7 +111,9 @@ def test_compressed_requests(affine_server, algorithm):
     x = np.array([[1, 2, 3, 4]], dtype=np.float32)
     inp = triton.InferInput("x", [1, 4], "FP32")
     inp.set_data_from_numpy(x)
-    result = client.infer("affine", [inp], request_compression_algorithm=algorithm, response_compression_algorithm=algorithm)
+    result = client.infer(
+        "affine", [inp], request_compression_algorithm=algorithm, response_compression_algorithm=algorithm
+    )
     np.testing.assert_allclose(result.as_numpy("y"), affine_reference(x)[0], rtol=1e-6)
 
 

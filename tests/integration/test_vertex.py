@@ -12,7 +12,12 @@ import requests
 from helpers.server import run_server
 
 TIMEOUT = 60
-ENV = {"AIP_PREDICT_ROUTE": "/vertex/predict", "AIP_HEALTH_ROUTE": "/vertex/health", "AIP_DEPLOYED_MODEL_ID": "8675309", "AIP_MODE": "PREDICTION"}
+ENV = {
+    "AIP_PREDICT_ROUTE": "/vertex/predict",
+    "AIP_HEALTH_ROUTE": "/vertex/health",
+    "AIP_DEPLOYED_MODEL_ID": "8675309",
+    "AIP_MODE": "PREDICTION",
+}
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +27,14 @@ def vertex_url(tiny_model_dir: Path) -> Iterator[str]:
 
 
 def test_predict_route_from_environment(vertex_url):
-    lmi = requests.post(f"{vertex_url}/invocations", json={"inputs": "Hello", "parameters": {"max_new_tokens": 5}}, timeout=TIMEOUT).json()
-    r = requests.post(f"{vertex_url}/vertex/predict", json={"instances": ["Hello", {"prompt": "Hello"}], "parameters": {"max_new_tokens": 5}}, timeout=TIMEOUT)
+    lmi = requests.post(
+        f"{vertex_url}/invocations", json={"inputs": "Hello", "parameters": {"max_new_tokens": 5}}, timeout=TIMEOUT
+    ).json()
+    r = requests.post(
+        f"{vertex_url}/vertex/predict",
+        json={"instances": ["Hello", {"prompt": "Hello"}], "parameters": {"max_new_tokens": 5}},
+        timeout=TIMEOUT,
+    )
     assert r.status_code == 200
     assert r.json() == {"predictions": [lmi["generated_text"]] * 2, "deployedModelId": "8675309"}
 
@@ -34,7 +45,11 @@ def test_health_route_from_environment(vertex_url):
 
 
 def test_default_shape_routes_and_errors(vertex_url):
-    r = requests.post(f"{vertex_url}/v1/endpoints/1/deployedModels/2:predict", json={"instances": ["Hi"], "parameters": {"max_new_tokens": 2}}, timeout=TIMEOUT)
+    r = requests.post(
+        f"{vertex_url}/v1/endpoints/1/deployedModels/2:predict",
+        json={"instances": ["Hi"], "parameters": {"max_new_tokens": 2}},
+        timeout=TIMEOUT,
+    )
     assert r.status_code == 200 and len(r.json()["predictions"]) == 1
     r = requests.post(f"{vertex_url}/vertex/predict", json={"instances": [1]}, timeout=TIMEOUT)
     assert r.status_code == 400 and "is not of expected type: string" in r.json()["error"]

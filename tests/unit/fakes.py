@@ -12,12 +12,13 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Sequence as Seq
+from collections.abc import Callable, Iterable
+from collections.abc import Sequence as Seq
 
 from lmiserve.core.events import StepEvent
 from lmiserve.core.request import SamplingParams
 from lmiserve.engine.scheduler import SampleResult, Scheduler, StepOutput, StepPlan
-from lmiserve.engine.sequence import Sequence, SeqStatus
+from lmiserve.engine.sequence import SeqStatus, Sequence
 
 EOS = 2
 BOS = 1
@@ -39,9 +40,7 @@ class FakeTokenizer:
 
     def decode(self, ids: Seq[int], skip_special_tokens: bool = False) -> str:
         self.calls += 1
-        return "".join(
-            self.text(i) for i in ids if not (skip_special_tokens and i in self.special)
-        )
+        return "".join(self.text(i) for i in ids if not (skip_special_tokens and i in self.special))
 
     @property
     def all_special_ids(self) -> list[int]:

@@ -15,7 +15,7 @@ import torch
 
 from helpers.waiting import HANG_TIMEOUT
 from lmiserve.config import Settings
-from lmiserve.core.errors import Overloaded, InvalidRequest, QueueTimeout
+from lmiserve.core.errors import InvalidRequest, Overloaded, QueueTimeout
 from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine.async_engine import AsyncEngine, EngineConfig
@@ -146,7 +146,9 @@ async def test_concurrent_greedy_equals_generate(tiny_model, reference, config):
         assert ids_of(events) == expected, prompt
         fin = final(events)
         assert fin.generated_tokens == len(expected)
-        assert fin.reason is (FinishReason.EOS_TOKEN if expected[-1] in tiny_model.eos_token_ids else FinishReason.LENGTH)
+        assert fin.reason is (
+            FinishReason.EOS_TOKEN if expected[-1] in tiny_model.eos_token_ids else FinishReason.LENGTH
+        )
         assert fin.generated_text == "".join(e.token.text for e in events if e.token)
         assert fin.generated_text == tiny_model.tokenizer.decode(expected, skip_special_tokens=True)
         assert fin.prompt == prompt and fin.prompt_tokens == len(encode(tiny_model, prompt))
@@ -175,7 +177,9 @@ async def test_seeded_sampling_is_independent_of_the_batch(tiny_model, batch_inv
             collect(engine, GenerationRequest(PROMPTS[1], greedy(30))),
             collect(engine, GenerationRequest(PROMPTS[2], SamplingParams(do_sample=True, seed=7, max_new_tokens=30))),
             collect(engine, GenerationRequest(PROMPTS[0], SamplingParams(**params)), delay=0.003),
-            collect(engine, GenerationRequest(PROMPTS[3], SamplingParams(do_sample=True, max_new_tokens=30)), delay=0.001),
+            collect(
+                engine, GenerationRequest(PROMPTS[3], SamplingParams(do_sample=True, max_new_tokens=30)), delay=0.001
+            ),
         )
         other_seed = await collect(engine, GenerationRequest(PROMPTS[0], SamplingParams(**{**params, "seed": 99})))
     assert ids_of(crowd[2]) == ids_of(alone)
@@ -311,7 +315,7 @@ async def _one_failure(engine: AsyncEngine, tiny_model, reference, message: str)
         assert fin.reason is FinishReason.ERROR
         assert message in fin.error
         assert bad[-1].token is None
-        for request, events in (zip((requests[0], requests[2]), (results[0], results[2]))):
+        for request, events in zip((requests[0], requests[2]), (results[0], results[2])):
             assert final(events).reason is not FinishReason.ERROR, final(events).error
             assert ids_of(events) == reference(encode(tiny_model, request.prompt))
         # the engine keeps serving

@@ -51,9 +51,23 @@ def test_help_lists_the_options(capsys):
         cli.main(["bench", "--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for option in ("--model-id", "--url", "--compare-url", "--compare-name", "--concurrency", "--max-new-tokens",
-                   "--requests-per-client", "--duration", "--warmup", "--output-dir", "--device", "--dtype",
-                   "--skip-baselines", "--soak-requests", "KEY=VALUE"):
+    for option in (
+        "--model-id",
+        "--url",
+        "--compare-url",
+        "--compare-name",
+        "--concurrency",
+        "--max-new-tokens",
+        "--requests-per-client",
+        "--duration",
+        "--warmup",
+        "--output-dir",
+        "--device",
+        "--dtype",
+        "--skip-baselines",
+        "--soak-requests",
+        "KEY=VALUE",
+    ):
         assert option in out, option
 
 
@@ -63,8 +77,11 @@ def test_without_the_bench_extra_one_line_says_what_to_install(monkeypatch, caps
     from lmiserve.bench import cli as bench_cli
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(bench_cli.importlib.util, "find_spec",
-                        lambda name, *a: None if name in ("psutil", "matplotlib") else real(name, *a))
+    monkeypatch.setattr(
+        bench_cli.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name in ("psutil", "matplotlib") else real(name, *a),
+    )
     assert cli.main(["bench", "--skip-baselines"]) == 1
     captured = capsys.readouterr()
     assert captured.out == ""
@@ -86,7 +103,8 @@ def test_serving_and_help_never_import_the_bench_dependencies():
         "print(sorted(m for m in ('matplotlib', 'psutil', 'httpx', 'lmiserve.bench.runner') if m in sys.modules))\n"
     )
     root = Path(__file__).resolve().parents[2]
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120,
-                          check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120, check=False
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"

@@ -14,10 +14,20 @@ from lmiserve.bench.report import SCHEMA, build_report, format_table, ratios, wr
 
 def level(c, tok_s, itl_p50=50.0, itl_p99=80.0, failed=0, wrong=0):
     return {
-        "concurrency": c, "requests": 3 * c, "measured_requests": 2 * c, "failed_requests": failed, "errors": [],
-        "token_count_errors": wrong, "token_count_examples": [], "tokens_expected": 3 * c * 128,
-        "tokens_received": 3 * c * 128, "steady_window": True, "window_s": 10.0, "window_tokens": int(tok_s * 10),
-        "elapsed_s": 20.0, "output_tokens_per_s": tok_s,
+        "concurrency": c,
+        "requests": 3 * c,
+        "measured_requests": 2 * c,
+        "failed_requests": failed,
+        "errors": [],
+        "token_count_errors": wrong,
+        "token_count_examples": [],
+        "tokens_expected": 3 * c * 128,
+        "tokens_received": 3 * c * 128,
+        "steady_window": True,
+        "window_s": 10.0,
+        "window_tokens": int(tok_s * 10),
+        "elapsed_s": 20.0,
+        "output_tokens_per_s": tok_s,
         "ttft_ms": {"p50": 100.0 * c, "p99": 150.0 * c, "mean": 110.0 * c, "max": 160.0 * c, "count": 2 * c},
         "itl_ms": {"p50": itl_p50, "p99": itl_p99, "mean": itl_p50, "max": itl_p99, "count": 200 * c},
         "itl_p99_over_p50": round(itl_p99 / itl_p50, 3),
@@ -25,10 +35,19 @@ def level(c, tok_s, itl_p50=50.0, itl_p99=80.0, failed=0, wrong=0):
 
 
 BASELINES = {
-    "device": "cpu", "dtype": "float32", "threads": 2, "model_path": "/m",
+    "device": "cpu",
+    "dtype": "float32",
+    "threads": 2,
+    "model_path": "/m",
     "forward": [
-        {"batch_size": b, "tokens": b * 128, "prefill_s": 0.1, "decode_s": 1.0, "decode_tokens_per_s": r,
-         "total_tokens_per_s": r * 0.9}
+        {
+            "batch_size": b,
+            "tokens": b * 128,
+            "prefill_s": 0.1,
+            "decode_s": 1.0,
+            "decode_tokens_per_s": r,
+            "total_tokens_per_s": r * 0.9,
+        }
         for b, r in ((1, 20.0), (8, 100.0), (32, 200.0))
     ],
     "generate": [
@@ -36,14 +55,23 @@ BASELINES = {
         for b, r in ((1, 15.0), (8, 60.0), (32, 90.0))
     ],
 }
-META = {"command": "lmiserve bench", "device": "cpu", "dtype": "float32", "model": {"name": "M"},
-        "settings": {"max_new_tokens": 128}, "machine": {"cpu_count": 2}, "versions": {"torch": "x"}}
+META = {
+    "command": "lmiserve bench",
+    "device": "cpu",
+    "dtype": "float32",
+    "model": {"name": "M"},
+    "settings": {"max_new_tokens": 128},
+    "machine": {"cpu_count": 2},
+    "versions": {"torch": "x"},
+}
 
 
 def make_report(levels, baselines=BASELINES, memory=None, compare=()):
     servers = [{"name": "lmiserve", "url": "http://a", "kind": "lmi", "started_by_bench": True, "levels": levels}]
-    servers += [{"name": name, "url": "http://b", "kind": "openai", "started_by_bench": False, "levels": lv}
-                for name, lv in compare]
+    servers += [
+        {"name": name, "url": "http://b", "kind": "openai", "started_by_bench": False, "levels": lv}
+        for name, lv in compare
+    ]
     return build_report(dict(META), servers, baselines, memory)
 
 
@@ -97,14 +125,27 @@ def test_compare_servers_get_ratios_but_targets_follow_lmiserve():
 
 
 def test_json_schema_round_trips(tmp_path):
-    report = make_report([level(1, 19.0), level(8, 120.0), level(32, 180.0)],
-                         memory={"samples": 3, "rss_start_mib": 1.0, "rss_end_mib": 1.0, "rss_max_mib": 1.0, "soak": None})
+    report = make_report(
+        [level(1, 19.0), level(8, 120.0), level(32, 180.0)],
+        memory={"samples": 3, "rss_start_mib": 1.0, "rss_end_mib": 1.0, "rss_max_mib": 1.0, "soak": None},
+    )
     path = write_json(report, tmp_path / "bench.json")
     loaded = json.loads(path.read_text())
     assert loaded == report
     assert loaded["schema"] == SCHEMA
-    for key in ("command", "machine", "versions", "device", "dtype", "model", "settings", "servers",
-                "baselines", "memory", "targets"):
+    for key in (
+        "command",
+        "machine",
+        "versions",
+        "device",
+        "dtype",
+        "model",
+        "settings",
+        "servers",
+        "baselines",
+        "memory",
+        "targets",
+    ):
         assert key in loaded, key
     server = loaded["servers"][0]
     assert set(server) >= {"name", "url", "kind", "levels", "ratios"}
@@ -112,10 +153,23 @@ def test_json_schema_round_trips(tmp_path):
 
 
 def test_table_shows_levels_baselines_memory_and_verdicts():
-    memory = {"samples": 10, "rss_start_mib": 500.0, "rss_end_mib": 510.0, "rss_max_mib": 520.0,
-              "soak": {"requests": 1000, "concurrency": 32, "max_new_tokens": 16, "rss_before_mib": 505.0,
-                       "rss_after_mib": 510.0, "rss_max_mib": 520.0, "drift_pct": 0.99, "failed_requests": 0,
-                       "token_count_errors": 0}}
+    memory = {
+        "samples": 10,
+        "rss_start_mib": 500.0,
+        "rss_end_mib": 510.0,
+        "rss_max_mib": 520.0,
+        "soak": {
+            "requests": 1000,
+            "concurrency": 32,
+            "max_new_tokens": 16,
+            "rss_before_mib": 505.0,
+            "rss_after_mib": 510.0,
+            "rss_max_mib": 520.0,
+            "drift_pct": 0.99,
+            "failed_requests": 0,
+            "token_count_errors": 0,
+        },
+    }
     text = format_table(make_report([level(1, 19.0), level(32, 160.0, failed=1)], memory=memory))
     lines = text.splitlines()
     row1 = next(line for line in lines if line.startswith("lmiserve") and line.split()[1] == "1")
@@ -128,9 +182,11 @@ def test_table_shows_levels_baselines_memory_and_verdicts():
 
 @pytest.mark.parametrize("with_baselines", [True, False])
 def test_chart_is_a_png_of_the_expected_size(tmp_path, with_baselines):
-    report = make_report([level(1, 19.0), level(8, 120.0), level(32, 180.0)],
-                         baselines=BASELINES if with_baselines else None,
-                         compare=[("other", [level(1, 10.0), level(8, 50.0)])])
+    report = make_report(
+        [level(1, 19.0), level(8, 120.0), level(32, 180.0)],
+        baselines=BASELINES if with_baselines else None,
+        compare=[("other", [level(1, 10.0), level(8, 50.0)])],
+    )
     path = draw_chart(report, tmp_path / "bench.png")
     data = path.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000

@@ -40,9 +40,16 @@ def record(client, index, warmup, start, gaps, expected=None, error=None):
     for gap in gaps:
         t += gap
         times.append(t)
-    return RequestRecord(client=client, index=index, warmup=warmup, start=start, token_times=times,
-                         end=t + 0.001, error=error,
-                         expected_tokens=len(gaps) if expected is None else expected)
+    return RequestRecord(
+        client=client,
+        index=index,
+        warmup=warmup,
+        start=start,
+        token_times=times,
+        end=t + 0.001,
+        error=error,
+        expected_tokens=len(gaps) if expected is None else expected,
+    )
 
 
 def two_client_level():

@@ -36,7 +36,9 @@ def test_bad_value_in_environment_names_its_variable(monkeypatch, capsys):
 def test_python_dash_m_entry_point_parses_the_same_options():
     result = subprocess.run(
         [sys.executable, "-m", "lmiserve", "serve", "-o", "rolling_batch=sometimes"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 2
     assert "rolling_batch" in result.stderr and "sometimes" in result.stderr

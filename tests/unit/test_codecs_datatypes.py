@@ -155,7 +155,11 @@ def test_bad_binary_data(raw, datatype, shape, message):
 
 @pytest.mark.parametrize(
     ("header", "message"),
-    [("abc", "Unable to parse Inference-Header-Content-Length, got: abc"), ("0", "should be in range (0, 10), got: 0"), ("11", "got: 11")],
+    [
+        ("abc", "Unable to parse Inference-Header-Content-Length, got: abc"),
+        ("0", "should be in range (0, 10), got: 0"),
+        ("11", "got: 11"),
+    ],
 )
 def test_header_length_errors(header, message):
     with pytest.raises(InvalidRequest, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -49,7 +49,10 @@ def test_float_formatting_rule(value, single, text):
     [
         (b'{"a": [NaN, Infinity, -Infinity, Inf, -Inf]}', None),
         (b'{"a": 1} trailing bytes are ignored', {"a": 1}),
-        (b'  {"s": "Inf inside a string stays", "t": "-Infinity"}', {"s": "Inf inside a string stays", "t": "-Infinity"}),
+        (
+            b'  {"s": "Inf inside a string stays", "t": "-Infinity"}',
+            {"s": "Inf inside a string stays", "t": "-Infinity"},
+        ),
     ],
 )
 def test_parse_document(body, value):
@@ -78,7 +81,10 @@ def test_parse_errors(body, message):
 
 
 def test_dump_is_pretty_objects_single_line_arrays_and_truncated():
-    assert dump({"instances": [1, 2], "x": {"y": "z"}}) == '{\n    "instances": [1, 2],\n    "x": {\n        "y": "z"\n    }\n}'
+    assert (
+        dump({"instances": [1, 2], "x": {"y": "z"}})
+        == '{\n    "instances": [1, 2],\n    "x": {\n        "y": "z"\n    }\n}'
+    )
     assert dump([1.0, float("nan")]) == "[1.0, NaN]"
     assert len(dump({"k": list(range(500))}).encode()) == 256
 
@@ -117,7 +123,10 @@ def test_row_output_checks():
         render_rows({})
     with pytest.raises(InvalidRequest, match="Failed to write JSON value for tensor type: DT_HALF"):
         render_rows({"h": np.zeros(2, dtype=np.float16)})
-    assert document("predictions", render_rows({"a": np.zeros((0, 2)), "b": np.zeros(0)})) == b'{\n    "predictions": []\n}'
+    assert (
+        document("predictions", render_rows({"a": np.zeros((0, 2)), "b": np.zeros(0)}))
+        == b'{\n    "predictions": []\n}'
+    )
 
 
 def test_deeply_nested_ignored_keys_are_skipped_iteratively():
@@ -142,5 +151,7 @@ def test_vectorized_float_formatting_equals_the_scalar_rule(dtype):
     rng = np.random.default_rng(0)
     specials = [0.0, -0.0, 100, 1e7, 1234567, 1 / 3, np.nan, np.inf, -np.inf, 6e-7, 1e-45, 3.4e38, 0.1, 2.5]
     with np.errstate(over="ignore"):
-        values = np.concatenate([rng.standard_normal(5000) * 10.0 ** rng.integers(-40, 40, 5000), specials]).astype(dtype)
+        values = np.concatenate([rng.standard_normal(5000) * 10.0 ** rng.integers(-40, 40, 5000), specials]).astype(
+            dtype
+        )
     assert format_floats(values) == [format_float(float(v), dtype == np.float32) for v in values]

@@ -38,8 +38,9 @@ def test_each_row_attends_over_its_own_length_after_writing_its_new_key_and_valu
 
     assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
     assert torch.equal(keys[rows:], untouched)
-    torch.testing.assert_close(out, _reference(query, expected_keys, expected_values, spans, 0.25),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        out, _reference(query, expected_keys, expected_values, spans, 0.25), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_extreme_scores_stay_finite():

@@ -121,7 +121,7 @@ def test_tiny_tokenizer_non_ascii(tiny_tokenizer, prompt: str):
 def test_tiny_tokenizer_eos_in_the_middle(tiny_tokenizer):
     ids = tiny_tokenizer("café 🎉", add_special_tokens=False)["input_ids"]
     eos = tiny_tokenizer.eos_token_id
-    seq = ids[:3] + [eos] + ids[3:]
+    seq = [*ids[:3], eos, *ids[3:]]
     texts, tail = run(tiny_tokenizer, [], seq, skip_special_tokens=True)
     assert "".join(texts) + tail == "café 🎉"
     assert texts[3] == ""

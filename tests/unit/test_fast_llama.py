@@ -14,8 +14,14 @@ import dataclasses
 import pytest
 import torch
 from transformers import (
-    LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-    Qwen3Config, Qwen3ForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from lmiserve.core.events import FinishReason
@@ -26,18 +32,36 @@ from lmiserve.engine.factory import create_engine
 from lmiserve.engine.fast_llama import FastLlama, unsupported_reason
 from lmiserve.engine.kv_cache import SlotKVCache
 
-COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, eos_token_id=2,
-              pad_token_id=3, bos_token_id=1)
+COMMON = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.2,
+    eos_token_id=2,
+    pad_token_id=3,
+    bos_token_id=1,
+)
 ARCHS = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
-    "llama_scaled_rope": (LlamaConfig, LlamaForCausalLM,
-                          {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}),
+    "llama_scaled_rope": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+    ),
     "qwen2_bias": (Qwen2Config, Qwen2ForCausalLM, {}),
     "mistral_no_window": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
 }
-PROMPTS = ["The quick brown fox", "Hello world! How are you", "Deep learning is a subfield of",
-           "Numbers like 1, 2, 3", "naïve café"]
+PROMPTS = [
+    "The quick brown fox",
+    "Hello world! How are you",
+    "Deep learning is a subfield of",
+    "Numbers like 1, 2, 3",
+    "naïve café",
+]
 
 
 def build(config_cls, model_cls, extra: dict, seed: int = 7):
@@ -67,8 +91,9 @@ def test_one_ragged_step_gives_transformers_logits(arch: str):
     rng = torch.Generator().manual_seed(0)
     seqs = [torch.randint(4, 512, (n,), generator=rng).tolist() for n in (9, 14, 6)]
     reference = [model(torch.tensor([s])).logits[0] for s in seqs]
-    cache = SlotKVCache(cfg.num_hidden_layers, 3, cfg.num_key_value_heads, 16, model.dtype, model.device,
-                        initial_len=4, max_len=256)  # starts short: the forward grows it
+    cache = SlotKVCache(
+        cfg.num_hidden_layers, 3, cfg.num_key_value_heads, 16, model.dtype, model.device, initial_len=4, max_len=256
+    )  # starts short: the forward grows it
     fast = FastLlama(model, cache, 256)
     # step 1: prefill slot 0 fully (keeping every row), the first 5 tokens of slot 1
     out = fast.forward([], [], [(0, 0, seqs[0][:-1]), (1, 0, seqs[1][:5])], list(range(8 + 5)))
@@ -92,16 +117,22 @@ def test_fusing_weights_keeps_the_transformers_model_working_without_copies():
     torch.testing.assert_close(model(ids).logits, before, rtol=1e-5, atol=1e-5)  # same math, other GEMM layout
     assert sum(p.numel() for p in model.parameters()) == params_before
     attn = model.model.layers[0].self_attn
-    assert attn.k_proj.weight.data_ptr() == fast.layers[0].qkv_w[attn.q_proj.weight.shape[0]:].data_ptr()
+    assert attn.k_proj.weight.data_ptr() == fast.layers[0].qkv_w[attn.q_proj.weight.shape[0] :].data_ptr()
     assert fast.layers[0].qkv_w.is_contiguous()  # one [out, in] matrix (the model's own layout)
 
 
 def _greedy_reference(loaded, prompt: str, tokens: int) -> list[int]:
     ids = torch.tensor([loaded.tokenizer(prompt).input_ids])
     with torch.inference_mode():
-        out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=tokens,
-                                    min_new_tokens=tokens, pad_token_id=3)
-    return out[0, ids.shape[1]:].tolist()
+        out = loaded.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            pad_token_id=3,
+        )
+    return out[0, ids.shape[1] :].tolist()
 
 
 async def _serve(loaded, config: EngineConfig, tokens: int, details: bool = False):
@@ -205,7 +236,9 @@ def test_engine_settings_reach_the_runner_and_the_scheduler(tiny_model):
 
     default = build_engine(tiny_model, Settings())
     assert default.runner.path == "fast" and default.scheduler.prefill_floor == 16  # CPU default
-    generic = build_engine(tiny_model, Settings.from_options({"fast_path": "false", "prefill_tokens_while_decoding": "64"}))
+    generic = build_engine(
+        tiny_model, Settings.from_options({"fast_path": "false", "prefill_tokens_while_decoding": "64"})
+    )
     assert generic.runner.path == "generic" and generic.scheduler.prefill_floor == 64
     # a second engine on the same model reuses the fused weights instead of fusing (and copying) again
     assert build_engine(tiny_model, Settings()).runner.fast.layers is default.runner.fast.layers
@@ -234,14 +267,15 @@ def test_decode_rows_padded_to_a_multiple_of_eight_give_each_rows_logits(rows: i
     path (GPU, bf16) in one pass or split (short rows in place, long rows' tails from a copy)."""
     if attention != "compiled":
         monkeypatch.setattr(fast_llama.compiled_attention, "available", lambda dtype, device: False)
-    monkeypatch.setattr(fast_llama, "SPLIT_MIN_SAVING", -10**9 if attention == "torch-split" else 10**9)
+    monkeypatch.setattr(fast_llama, "SPLIT_MIN_SAVING", -(10**9) if attention == "torch-split" else 10**9)
     model = build(*ARCHS["llama"])
     cfg = model.config
     rng = torch.Generator().manual_seed(1)
     seqs = [torch.randint(4, 512, (3 + i % 7,), generator=rng).tolist() for i in range(rows)]
     reference = [model(torch.tensor([s])).logits[0, -1] for s in seqs]
-    cache = SlotKVCache(cfg.num_hidden_layers, rows, cfg.num_key_value_heads, 16, model.dtype, model.device,
-                        initial_len=4, max_len=256)
+    cache = SlotKVCache(
+        cfg.num_hidden_layers, rows, cfg.num_key_value_heads, 16, model.dtype, model.device, initial_len=4, max_len=256
+    )
     fast = FastLlama(model, cache, 256)
     assert fast._compiled == (attention == "compiled")
     assert fast._row_padding(rows, fast_llama.PAD_ROWS_FROM) == (-rows) % 8
@@ -255,8 +289,40 @@ def test_decode_attention_splits_only_where_it_saves_reading():
     assert fast_llama.split_point([40] * 16) is None  # one length: nothing to save
     assert fast_llama.split_point([30 + i for i in range(8)]) is None  # saving below the threshold
     assert fast_llama.split_point([60] * 30 + [400, 420]) == 60  # two long prompts among short turns
-    spans = [21, 25, 30, 33, 35, 38, 42, 47, 56, 69, 72, 73, 82, 87, 88, 91, 96, 106, 115, 118, 119, 120,
-             123, 125, 126, 129, 155, 159, 226, 239, 261, 348]  # the bench's mix at concurrency 32
+    spans = [
+        21,
+        25,
+        30,
+        33,
+        35,
+        38,
+        42,
+        47,
+        56,
+        69,
+        72,
+        73,
+        82,
+        87,
+        88,
+        91,
+        96,
+        106,
+        115,
+        118,
+        119,
+        120,
+        123,
+        125,
+        126,
+        129,
+        155,
+        159,
+        226,
+        239,
+        261,
+        348,
+    ]  # the bench's mix at concurrency 32
     cut = fast_llama.split_point(spans)
     cost = len(spans) * cut + 2 * sum(1 for s in spans if s > cut) * (max(spans) - cut)
     assert cut == 159 and cost < 0.7 * len(spans) * max(spans)
@@ -270,8 +336,9 @@ def test_a_kernel_that_cannot_compile_falls_back_to_the_torch_attention(monkeypa
     monkeypatch.setattr(fast_llama.compiled_attention, "warm_up", broken)
     model = build(*ARCHS["llama"])
     cfg = model.config
-    cache = SlotKVCache(cfg.num_hidden_layers, 2, cfg.num_key_value_heads, 16, model.dtype, model.device,
-                        initial_len=8, max_len=64)
+    cache = SlotKVCache(
+        cfg.num_hidden_layers, 2, cfg.num_key_value_heads, 16, model.dtype, model.device, initial_len=8, max_len=64
+    )
     fast = FastLlama(model, cache, 64)
     assert not fast._compiled
     fast.forward([], [], [(0, 0, [5, 6, 7]), (1, 0, [8, 9])], [])

@@ -144,10 +144,14 @@ CASES = {
     "error_frontend.json": lambda: frontend_error_body(
         404, "ModelNotFoundException", "Model or workflow not found: foo"
     ),
-    "error_tail_jsonlines.jsonl": lambda: b"".join(chunks("jsonlines", events()[:2])[:-1])
-    + get_formatter("jsonlines", FormatOptions()).error(GenerationFailed("CUDA out of memory")),
-    "error_tail_sse.sse": lambda: b"".join(chunks("tgi_sse", events()[:2])[:-1])
-    + get_formatter("tgi_sse", FormatOptions()).error(GenerationFailed("CUDA out of memory")),
+    "error_tail_jsonlines.jsonl": lambda: (
+        b"".join(chunks("jsonlines", events()[:2])[:-1])
+        + get_formatter("jsonlines", FormatOptions()).error(GenerationFailed("CUDA out of memory"))
+    ),
+    "error_tail_sse.sse": lambda: (
+        b"".join(chunks("tgi_sse", events()[:2])[:-1])
+        + get_formatter("tgi_sse", FormatOptions()).error(GenerationFailed("CUDA out of memory"))
+    ),
     "error_dynamic_batch.json": lambda: DynamicBatchFormatter(["Hi"]).error(GenerationFailed("CUDA out of memory")),
     "dynamic_batch_list.json": lambda: dynamic_batch(
         ["Hi", "Bonjour"],
@@ -210,7 +214,10 @@ def test_json_prefill_follows_tokens() -> None:
     body = render("json", events(fin=finish(prefill=PREFILL)), details=True, decoder_input_details=True)
     assert body.startswith(DETAILS[:-2].encode() + b', "prefill": [')
     # the reference's example, literally
-    assert b'"prefill": [{"id": 1, "text": "<s>", "log_prob": null}, {"id": 1724, "text": "What", "log_prob": -7.2}, ' in body
+    assert (
+        b'"prefill": [{"id": 1, "text": "<s>", "log_prob": null}, {"id": 1724, "text": "What", "log_prob": -7.2}, '
+        in body
+    )
 
 
 def test_jsonlines_reference_example() -> None:
@@ -263,12 +270,9 @@ def test_error_bodies_reference_examples() -> None:
     assert json.loads(body) == json.loads(reference)  # same value; we do not copy Gson's escapes
     assert body == reference.replace("\\u0027", "'").encode()
     assert frontend_error_body(404, "ModelNotFoundException", "Model or workflow not found: foo") == (
-        b'{\n  "code": 404,\n  "type": "ModelNotFoundException",\n'
-        b'  "message": "Model or workflow not found: foo"\n}\n'
+        b'{\n  "code": 404,\n  "type": "ModelNotFoundException",\n  "message": "Model or workflow not found: foo"\n}\n'
     )
-    assert dynamic_batch_error_body("boom") == (
-        b'{"code": 424, "message": "invoke handler failure", "error": "boom"}'
-    )
+    assert dynamic_batch_error_body("boom") == (b'{"code": 424, "message": "invoke handler failure", "error": "boom"}')
 
 
 def test_non_ascii_is_raw_utf8() -> None:

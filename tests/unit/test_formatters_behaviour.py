@@ -215,9 +215,7 @@ def test_dynamic_batch_stream_is_independent_of_arrival_order() -> None:
     a = [StepEvent(Token(1, "A", 0.0)), StepEvent(Token(2, "B", 0.0), finish=done("AB"))]
     b = [StepEvent(Token(3, "x", 0.0)), StepEvent(None), StepEvent(Token(4, "y", 0.0))]
     b.append(StepEvent(Token(5, "z", 0.0), finish=done("xyz", 3)))
-    expected = (
-        b'{"outputs": ["A", "x"]}\n{"outputs": ["B", "y"]}\n{"outputs": ["", "z"]}\n'
-    )
+    expected = b'{"outputs": ["A", "x"]}\n{"outputs": ["B", "y"]}\n{"outputs": ["", "z"]}\n'
     tagged = [(0, e) for e in a] + [(1, e) for e in b]
     for order in itertools.permutations(range(len(tagged))):
         if not _keeps_input_order(tagged, order):

@@ -110,8 +110,12 @@ def test_textgen_is_owned_by_no_protocol(path):
 
 @pytest.mark.parametrize(
     "path",
-    [p for layer in ("server", "models", "config", "engine", "core") for p in modules(layer)
-     if p.name not in ("app.py", "invocations.py")],
+    [
+        p
+        for layer in ("server", "models", "config", "engine", "core")
+        for p in modules(layer)
+        if p.name not in ("app.py", "invocations.py")
+    ],
     ids=lambda p: f"{p.parent.name}/{p.name}",
 )
 def test_only_the_app_and_the_dispatcher_import_protocols(path):

@@ -10,8 +10,8 @@ from helpers.tensor_models import CLASSIFIER_LABELS, affine_reference
 from lmiserve.config import Settings
 from lmiserve.core.errors import InvalidRequest
 from lmiserve.core.tensors import TensorRequest
-from lmiserve.models.service import ModelService
 from lmiserve.models.kinds import detect_kind
+from lmiserve.models.service import ModelService
 from lmiserve.models.store import model_settings
 
 SENTENCES = [
@@ -141,7 +141,9 @@ async def test_regression_head_gives_a_score(tiny_regressor_dir):
         tokenizer = AutoTokenizer.from_pretrained(tiny_regressor_dir)
         reference = AutoModelForSequenceClassification.from_pretrained(tiny_regressor_dir).eval()
         with torch.no_grad():
-            expected = [reference(**tokenizer(s, return_tensors="pt")).logits[0, 0].item() for s in ("good movie", "bad movie")]
+            expected = [
+                reference(**tokenizer(s, return_tensors="pt")).logits[0, 0].item() for s in ("good movie", "bad movie")
+            ]
         np.testing.assert_allclose(out["score"], expected, atol=1e-5)
     finally:
         await service.close()
@@ -156,13 +158,18 @@ async def test_torchscript_model_from_serving_properties(torchscript_dir):
         model = service.tensor_model
         assert model.kind == "torchscript"
         assert [(t.name, t.datatype, t.shape) for t in model.signature.inputs] == [("x", "FP32", (-1, 4))]
-        assert [(t.name, t.datatype, t.shape) for t in model.signature.outputs] == [("y", "FP32", (-1, 2)), ("best", "INT64", (-1,))]
+        assert [(t.name, t.datatype, t.shape) for t in model.signature.outputs] == [
+            ("y", "FP32", (-1, 2)),
+            ("best", "INT64", (-1,)),
+        ]
         x = np.arange(12, dtype=np.float32).reshape(3, 4) - 5
         out = await model.infer(TensorRequest({"x": x}))
         y, best = affine_reference(x)
         np.testing.assert_allclose(out["y"], y, rtol=1e-6)
         assert out["best"].dtype == np.int64 and out["best"].tolist() == best.tolist()
-        ints = await model.infer(TensorRequest({"input": x.astype(np.int64)}, outputs=["best"]))  # one input: any name; ints cast
+        ints = await model.infer(
+            TensorRequest({"input": x.astype(np.int64)}, outputs=["best"])
+        )  # one input: any name; ints cast
         assert list(ints) == ["best"] and ints["best"].tolist() == best.tolist()
         for bad, message in [
             (np.zeros((2, 3), np.float32), r"must have shape \[-1, 4\], got \[2, 3\]"),

@@ -18,8 +18,7 @@ import torch
 from helpers.server import free_port, run_server
 from helpers.tiny_model import NON_ASCII_SAMPLE, TINY_MAX_POSITIONS
 from lmiserve.models import ModelLoadError, bundled
-from lmiserve.models.load import LoadedModel, load_causal_lm, resolve_device, resolve_dtype
-from lmiserve.models.load import _max_context
+from lmiserve.models.load import LoadedModel, _max_context, load_causal_lm, resolve_device, resolve_dtype
 from lmiserve.models.resolve import default_model_name, resolve_model_path
 
 
@@ -183,9 +182,7 @@ def test_convert_failure_leaves_no_cache(tmp_path: Path, monkeypatch: pytest.Mon
     assert leftovers == []
 
 
-def test_convert_cleans_stale_temp_dirs_and_keys_by_content(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_convert_cleans_stale_temp_dirs_and_keys_by_content(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[Path] = []
     monkeypatch.setattr(bundled, "_convert_into", _fake_convert(calls))
     gguf = _fake_gguf(tmp_path / "m.gguf")
@@ -205,8 +202,7 @@ def test_concurrent_conversions_convert_once(tmp_path: Path, monkeypatch: pytest
     gguf = _fake_gguf(tmp_path / "m.gguf")
     results: list[Path] = []
     threads = [
-        threading.Thread(target=lambda: results.append(bundled.convert_gguf(gguf, tmp_path / "c")))
-        for _ in range(3)
+        threading.Thread(target=lambda: results.append(bundled.convert_gguf(gguf, tmp_path / "c"))) for _ in range(3)
     ]
     for thread in threads:
         thread.start()
@@ -327,9 +323,7 @@ def test_tiny_tokenizer_round_trips_non_ascii(tiny_model: LoadedModel) -> None:
     # decode to replacement characters; streaming code must handle that.
     assert len(tok.encode("🎉", add_special_tokens=False)) > 1
     assert any("\ufffd" in tok.decode([i]) for i in ids)
-    chat = tok.apply_chat_template(
-        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
-    )
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
     assert chat == "<|user|>hi</s><|assistant|>"
 
 
@@ -382,7 +376,6 @@ def test_run_server_helper(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
             assert response.status == 200
 
     failing = [sys.executable, "-c", "import sys; sys.stderr.write('boom: bad model'); sys.exit(3)"]
-    with pytest.raises(RuntimeError, match="exited with code 3"):
-        with run_server([], command=failing, timeout=30):
-            pass  # pragma: no cover
+    with pytest.raises(RuntimeError, match="exited with code 3"), run_server([], command=failing, timeout=30):
+        pass  # pragma: no cover
     assert "boom: bad model" in capsys.readouterr().err

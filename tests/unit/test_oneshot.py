@@ -12,7 +12,7 @@ import pytest
 from helpers.tensor_models import affine_reference
 from helpers.waiting import async_wait_until
 from lmiserve.config import Settings
-from lmiserve.core.errors import Overloaded, GenerationFailed, InvalidRequest, ModelNotReady
+from lmiserve.core.errors import GenerationFailed, InvalidRequest, ModelNotReady, Overloaded
 from lmiserve.core.tensors import ModelSignature, TensorRequest, TensorSpec
 from lmiserve.engine.oneshot import BatchConfig, OneShotModel
 from lmiserve.models.service import ModelService
@@ -78,7 +78,9 @@ async def test_batches_never_exceed_batch_size_and_a_large_request_runs_alone(ma
     runner = DoublingRunner()
     model = make(runner, batch_size=4, max_batch_delay=0.05)
     big = request(*[[i, i] for i in range(6)])
-    results = await asyncio.gather(*(model.infer(r) for r in [request([1, 1]), big, request([2, 2]), request([3, 3], [4, 4])]))
+    results = await asyncio.gather(
+        *(model.infer(r) for r in [request([1, 1]), big, request([2, 2]), request([3, 3], [4, 4])])
+    )
     assert sorted(runner.batches) == [4, 6] and model.forwards == 2
     np.testing.assert_array_equal(results[1]["y"], big.inputs["x"] * 2)
 
@@ -88,7 +90,7 @@ async def test_different_layouts_do_not_batch_together(make):
     runner.signature = ModelSignature((TensorSpec("x", "FP32", (-1, -1)),), runner.signature.outputs)
     model = make(runner, batch_size=8, max_batch_delay=0.05)
     a, b = request([1, 2]), TensorRequest({"x": np.ones((1, 3), np.float32)})
-    out_a, out_b = await asyncio.gather(model.infer(a), model.infer(b))
+    _out_a, out_b = await asyncio.gather(model.infer(a), model.infer(b))
     assert runner.batches == [1, 1]
     assert out_b["y"].shape == (1, 3)
 
@@ -97,7 +99,22 @@ async def test_a_bad_request_fails_only_itself(make):
     runner = DoublingRunner()
     model = make(runner, batch_size=8, max_batch_delay=5.0)
     good1, bad, good2 = request([1, 2]), request([-1, 0]), request([3, 4])
-    results = await asyncio.gather(*(model.infer(r) for r in (good1, bad, good2, request([5, 6]), request([7, 8]), request([9, 9]), request([1, 1]), request([2, 2]))), return_exceptions=True)
+    results = await asyncio.gather(
+        *(
+            model.infer(r)
+            for r in (
+                good1,
+                bad,
+                good2,
+                request([5, 6]),
+                request([7, 8]),
+                request([9, 9]),
+                request([1, 1]),
+                request([2, 2]),
+            )
+        ),
+        return_exceptions=True,
+    )
     assert isinstance(results[1], GenerationFailed) and "poisoned row" in results[1].message
     np.testing.assert_array_equal(results[0]["y"], [[2, 4]])
     np.testing.assert_array_equal(results[2]["y"], [[6, 8]])
@@ -114,7 +131,9 @@ async def test_full_queue_is_overloaded_and_cancelled_requests_leave_it(make):
     runner = DoublingRunner(gate)
     model = make(runner, batch_size=1, max_batch_delay=0.0, job_queue_size=2)
     running = asyncio.ensure_future(model.infer(request([1, 1])))
-    await async_wait_until(lambda: model.forwards == 1, "the first request is in the forward pass (blocked on the gate)")
+    await async_wait_until(
+        lambda: model.forwards == 1, "the first request is in the forward pass (blocked on the gate)"
+    )
     waiting = [asyncio.ensure_future(model.infer(request([i, i]))) for i in (2, 3)]
     await async_wait_until(lambda: model.num_waiting == 2, "both requests are queued")
     assert model.num_waiting == 2
@@ -136,7 +155,9 @@ async def test_stop_fails_queued_requests():
         await model.infer(request([1, 1]))
     model.start()
     first = asyncio.ensure_future(model.infer(request([1, 1])))
-    await async_wait_until(lambda: model.forwards == 1, "the first request is in the forward pass (blocked on the gate)")
+    await async_wait_until(
+        lambda: model.forwards == 1, "the first request is in the forward pass (blocked on the gate)"
+    )
     queued = asyncio.ensure_future(model.infer(request([2, 2])))
     await async_wait_until(lambda: model.num_waiting == 1, "the second request is queued")
     await model.stop()

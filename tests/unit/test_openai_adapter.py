@@ -43,8 +43,20 @@ def test_temperature_zero_is_greedy():
 
 
 def test_mappings():
-    params = chat(presence_penalty=0.5, top_logprobs=3, logprobs=True, max_tokens=5, max_completion_tokens=7,
-                  stop="x", seed=3, top_p=1.0).calls[0].request.params
+    params = (
+        chat(
+            presence_penalty=0.5,
+            top_logprobs=3,
+            logprobs=True,
+            max_tokens=5,
+            max_completion_tokens=7,
+            stop="x",
+            seed=3,
+            top_p=1.0,
+        )
+        .calls[0]
+        .request.params
+    )
     assert params.repetition_penalty == 2.5  # presence_penalty + 2, as TGI maps it
     assert params.top_n_tokens == 3 and params.max_new_tokens == 7 and params.stop_sequences == ["x"]
     assert params.seed == 3 and params.top_p == 1.0  # OpenAI's top_p=1.0 means off
@@ -94,8 +106,12 @@ def test_template_errors():
     def broken(*args, **kwargs):
         raise ValueError("unknown role")
 
-    bad = Served(service=None, engine=None, limits=LIMITS,
-                 tokenizer=SimpleNamespace(chat_template="x", apply_chat_template=broken))
+    bad = Served(
+        service=None,
+        engine=None,
+        limits=LIMITS,
+        tokenizer=SimpleNamespace(chat_template="x", apply_chat_template=broken),
+    )
     with pytest.raises(TemplateError) as info:
         bad.render_chat(MESSAGES)
     assert rendered(info.value) == (422, "template_error", "Template error: unknown role")

@@ -25,15 +25,31 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 CASES: dict[str, dict] = {
     "chat.json": {"messages": MESSAGES, "max_tokens": 4, "temperature": 0},
-    "chat_logprobs.json": {"messages": MESSAGES, "max_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 2},
+    "chat_logprobs.json": {
+        "messages": MESSAGES,
+        "max_tokens": 3,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+    },
     "chat_model_echoed.json": {"model": "my-model", "messages": MESSAGES, "max_completion_tokens": 2, "temperature": 0},
     "chat_stream.sse": {"messages": MESSAGES, "max_tokens": 3, "temperature": 0, "stream": True},
-    "chat_stream_usage.sse": {"messages": MESSAGES, "max_tokens": 3, "temperature": 0, "stream": True,
-                              "stream_options": {"include_usage": True}},
+    "chat_stream_usage.sse": {
+        "messages": MESSAGES,
+        "max_tokens": 3,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    },
     "completion.json": {"prompt": "Deep learning is", "max_tokens": 4, "temperature": 0},
     "completion_two_prompts.json": {"prompt": ["Deep learning is", "Hello"], "max_tokens": 3, "temperature": 0},
-    "completion_echo_logprobs.json": {"prompt": "Deep learning is", "max_tokens": 2, "temperature": 0, "echo": True,
-                                      "logprobs": 1},
+    "completion_echo_logprobs.json": {
+        "prompt": "Deep learning is",
+        "max_tokens": 2,
+        "temperature": 0,
+        "echo": True,
+        "logprobs": 1,
+    },
     "completion_stream.sse": {"prompt": "Deep learning is", "max_tokens": 3, "temperature": 0, "stream": True},
     "error_suffix.json": {"prompt": "Deep learning is", "suffix": "!"},
 }

@@ -8,15 +8,14 @@ import asyncio
 import numpy as np
 import pytest
 
-from lmiserve.core.parameters import Limits
-from lmiserve.models.llm_tensor import LlmTensorModel
 from lmiserve.config import Settings
-from lmiserve.core.errors import InvalidRequest, ModelNotFound, ModelNotReady
+from lmiserve.core.errors import InvalidRequest, ModelNotFound, ModelNotReady, ModelRequired
+from lmiserve.core.parameters import Limits
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.core.tensors import TensorRequest
 from lmiserve.engine.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
-from lmiserve.core.errors import ModelRequired
+from lmiserve.models.llm_tensor import LlmTensorModel
 from lmiserve.models.registry import ModelRegistry
 from lmiserve.models.service import ModelService
 
@@ -64,13 +63,17 @@ async def test_rows_are_generated_concurrently_and_equal_single_requests(engine)
 @pytest.mark.parametrize("name", ["prompt", "inputs", "anything"])
 async def test_any_single_input_name_and_2d_shapes(engine, name):
     model = LlmTensorModel(engine, Limits())
-    out = await model.infer(TensorRequest({name: prompts("Hello", "Bye").reshape(2, 1)}, parameters={"max_new_tokens": 3}))
+    out = await model.infer(
+        TensorRequest({name: prompts("Hello", "Bye").reshape(2, 1)}, parameters={"max_new_tokens": 3})
+    )
     assert texts(out["text_output"]) == [await complete(engine, p, max_new_tokens=3) for p in ("Hello", "Bye")]
 
 
 async def test_parameters_use_the_lmi_mapping(engine):
     model = LlmTensorModel(engine, Limits(default_max_new_tokens=4, max_new_tokens_limit=16))
-    full = await model.infer(TensorRequest({"text_input": prompts("Hello")}, parameters={"return_full_text": True, "content_type": "str"}))
+    full = await model.infer(
+        TensorRequest({"text_input": prompts("Hello")}, parameters={"return_full_text": True, "content_type": "str"})
+    )
     assert texts(full["text_output"])[0] == "Hello" + await complete(engine, "Hello", max_new_tokens=4)
     with pytest.raises(InvalidRequest, match="max_new_tokens must be <= 16"):
         await model.infer(TensorRequest({"text_input": prompts("Hello")}, parameters={"max_new_tokens": 17}))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from helpers.tensor_app import (
     affine_model,
     classifier_model,
@@ -13,7 +14,6 @@ from helpers.tensor_app import (
     tensor_app,
     text_model,
 )
-
 from lmiserve.core.errors import NotAcceptable
 from lmiserve.protocols.tensor.codecs import records
 from lmiserve.protocols.tensor.sagemaker import parse as sagemaker
@@ -67,7 +67,7 @@ async def test_json_with_several_values_is_json_lines_and_instances_document(app
 
 async def test_text_model_csv_and_json(app):
     r = await post(app, b'hello\n"a, b"\n', "text/csv", model="text")
-    assert r.text == "HELLO,5\n\"A, B\",4\n"
+    assert r.text == 'HELLO,5\n"A, B",4\n'
     r = await post(app, b'["x", "yz"]', "application/json", model="text")
     assert r.json() == {"predictions": [{"upper": "X", "length": 1}, {"upper": "YZ", "length": 2}]}
 
@@ -83,14 +83,26 @@ async def test_custom_attributes_select_model_method_and_are_echoed(app):
     ("content_type", "accept", "body", "status", "message"),
     [
         ("application/x-npy", None, b"x", 415, "Unsupported Media Type: application/x-npy"),
-        ("text/csv", "application/x-recordio-protobuf", b"1,2,3,4", 406, "Accept type application/x-recordio-protobuf is not supported"),
+        (
+            "text/csv",
+            "application/x-recordio-protobuf",
+            b"1,2,3,4",
+            406,
+            "Accept type application/x-recordio-protobuf is not supported",
+        ),
         ("text/csv", None, b"1,2,3", 400, "unexpected shape for input 'x'"),
         ("text/csv", None, b"\n\n", 400, "the request body is empty"),
         ("text/csv", None, b'1,"2', 400, "invalid CSV"),
         ("text/csv; label_size=x", None, b"1,2", 400, "invalid label_size"),
         ("text/csv; label_size=4", None, b"1,2,3,4", 400, "no feature columns"),
         ("application/json", None, b"[1, 2, 3, 4", 400, "invalid JSON"),
-        ("application/jsonlines", None, b"[1, 2, 3, 4]\n{\"a\": 1, \"b\": 2}", 400, "Expecting value/list but got object at item 1"),
+        (
+            "application/jsonlines",
+            None,
+            b'[1, 2, 3, 4]\n{"a": 1, "b": 2}',
+            400,
+            "Expecting value/list but got object at item 1",
+        ),
         ("application/json", None, b'{"instances": [[1, 2, "x", 4]]}', 400, "is not of expected type: float"),
     ],
 )
@@ -109,7 +121,10 @@ def test_negotiation_rules():
     with pytest.raises(NotAcceptable) as info:
         sagemaker.negotiate("image/png", "text/csv", None)
     assert RENDERER.status(info.value) == 406
-    assert sagemaker.custom_attributes("tfs-model-name=a, tfs-method=regress,junk") == {"tfs-model-name": "a", "tfs-method": "regress"}
+    assert sagemaker.custom_attributes("tfs-model-name=a, tfs-method=regress,junk") == {
+        "tfs-model-name": "a",
+        "tfs-method": "regress",
+    }
 
 
 def test_csv_codec():
@@ -121,7 +136,10 @@ def test_csv_codec():
 async def test_lmi_payloads_stay_lmi_for_one_shot_models(app):
     r = await post(app, b'{"inputs": [[1, 2, 3, 4]]}', "application/json")
     assert r.status_code == 200
-    assert r.json() == {"y": [[1.5, 14.75]], "best": [1]}  # LMI's answer for a TorchScript model (protocols/lmi/tensor.py)
+    assert r.json() == {
+        "y": [[1.5, 14.75]],
+        "best": [1],
+    }  # LMI's answer for a TorchScript model (protocols/lmi/tensor.py)
     r = await post(app, b"hello", "text/plain", model="text")
     assert r.status_code == 200 and r.json() == {"upper": ["HELLO"], "length": [5]}
 

@@ -212,7 +212,9 @@ def test_needs_processing():
 
 def test_top_n_tokens_are_sorted_logprobs_of_the_raw_distribution():
     logits = logits_row(8)
-    result = sample(logits, SamplingParams(top_n_tokens=5, do_sample=True, temperature=0.7, top_k=3), gen=make_generator(1, CPU))
+    result = sample(
+        logits, SamplingParams(top_n_tokens=5, do_sample=True, temperature=0.7, top_k=3), gen=make_generator(1, CPU)
+    )
     logprobs = logits.log_softmax(-1)
     assert len(result.top) == 5
     values = [lp for _, lp in result.top]

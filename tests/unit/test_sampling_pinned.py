@@ -44,9 +44,7 @@ async def _run(loaded, config: EngineConfig) -> dict[str, list[list[int]]]:
     try:
         result = {}
         for name, params in CASES.items():  # all prompts of a case run concurrently in one batch
-            result[name] = list(await asyncio.gather(
-                *(one(p, 1000 + i, params) for i, p in enumerate(PROMPTS))
-            ))
+            result[name] = list(await asyncio.gather(*(one(p, 1000 + i, params) for i, p in enumerate(PROMPTS))))
         return result
     finally:
         await engine.stop()

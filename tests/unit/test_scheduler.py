@@ -505,15 +505,24 @@ def test_no_queue_timeout_means_nothing_expires():
 
 def test_a_step_that_decodes_carries_at_most_a_full_batch_or_twice_its_decoding_rows():
     from lmiserve.core.request import SamplingParams
-    from lmiserve.engine.sequence import Sequence, SeqStatus
+    from lmiserve.engine.sequence import SeqStatus, Sequence
 
     class _Tok:
         def decode(self, ids, skip_special_tokens=False):
             return "".join(chr(97 + i % 26) for i in ids)
 
     def seq(i: int, n: int) -> Sequence:
-        return Sequence(i, f"r{i}", "p", list(range(n)), SamplingParams(max_new_tokens=50), tokenizer=_Tok(),
-                        eos_token_ids=set(), special_token_ids=set(), seed=0)
+        return Sequence(
+            i,
+            f"r{i}",
+            "p",
+            list(range(n)),
+            SamplingParams(max_new_tokens=50),
+            tokenizer=_Tok(),
+            eos_token_ids=set(),
+            special_token_ids=set(),
+            seed=0,
+        )
 
     sched = Scheduler(max_running=8, max_prefill_tokens=100, prefill_floor=4)
     first = seq(1, 40)

@@ -238,7 +238,7 @@ def test_multibyte_characters_split_across_tokens_concatenate_exactly():
     text = "né 日本 🎉!"
     tok, ids = ByteTokenizer.for_text(text, _bytewise)
     s = make_seq([ids[0]], tokenizer=tok, max_new_tokens=len(ids))
-    events = feed(s, ids[1:] + [EOS])
+    events = feed(s, [*ids[1:], EOS])
     fin = check_concat(events)
     assert fin.reason is FinishReason.EOS_TOKEN
     assert fin.generated_text == text[1:]

@@ -12,7 +12,10 @@ from helpers.tensor_app import affine_model, classifier_model, client, tensor_ap
 
 @pytest.fixture
 def app():
-    return tensor_app({"affine": affine_model(), "text": text_model(), "cls": classifier_model(), "loading": affine_model()}, pending=("loading",))
+    return tensor_app(
+        {"affine": affine_model(), "text": text_model(), "cls": classifier_model(), "loading": affine_model()},
+        pending=("loading",),
+    )
 
 
 async def test_predict_row_and_columnar_bytes(app):
@@ -38,10 +41,14 @@ async def test_classify(app):
     async with client(app) as http:
         r = await http.post("/v1/models/cls:classify", json={"examples": [{"text": "good film"}, {"text": "bad"}]})
         assert r.status_code == 200
-        assert r.json() == {"results": [[["negative", 0.25], ["positive", 0.75]], [["negative", 0.75], ["positive", 0.25]]]}
+        assert r.json() == {
+            "results": [[["negative", 0.25], ["positive", 0.75]], [["negative", 0.75], ["positive", 0.25]]]
+        }
         r = await http.post("/v1/models/cls:regress", json={"examples": [{"text": "x"}]})
         assert r.status_code == 400
-        assert r.json() == {"error": "Expected regression signature method_name to be tensorflow/serving/regress. Was: tensorflow/serving/classify"}
+        assert r.json() == {
+            "error": "Expected regression signature method_name to be tensorflow/serving/regress. Was: tensorflow/serving/classify"
+        }
 
 
 async def test_status_and_metadata(app):
@@ -57,29 +64,65 @@ async def test_status_and_metadata(app):
         assert meta["model_spec"] == {"name": "affine", "signature_name": "", "version": "1"}
         sig = meta["metadata"]["signature_def"]["signature_def"]["serving_default"]
         assert sig["method_name"] == "tensorflow/serving/predict"
-        assert sig["inputs"]["x"] == {"dtype": "DT_FLOAT", "tensor_shape": {"dim": [{"size": "-1", "name": ""}, {"size": "4", "name": ""}], "unknown_rank": False}, "name": "x:0"}
+        assert sig["inputs"]["x"] == {
+            "dtype": "DT_FLOAT",
+            "tensor_shape": {"dim": [{"size": "-1", "name": ""}, {"size": "4", "name": ""}], "unknown_rank": False},
+            "name": "x:0",
+        }
         assert sig["outputs"]["best"]["dtype"] == "DT_INT64"
         cls = (await http.get("/v1/models/cls/metadata")).json()
-        assert cls["metadata"]["signature_def"]["signature_def"]["serving_default"]["method_name"] == "tensorflow/serving/classify"
+        assert (
+            cls["metadata"]["signature_def"]["signature_def"]["serving_default"]["method_name"]
+            == "tensorflow/serving/classify"
+        )
 
 
 @pytest.mark.parametrize(
     ("method", "path", "body", "status", "message"),
     [
         ("POST", "/v1/models/nope:predict", b'{"instances": [1]}', 404, "Servable not found for request: Latest(nope)"),
-        ("POST", "/v1/models/nope/versions/3:predict", b'{"instances": [1]}', 404, "Servable not found for request: Specific(nope, 3)"),
-        ("POST", "/v1/models/affine/versions/3:predict", b'{"instances": [1]}', 404, "Servable not found for request: Specific(affine, 3)"),
-        ("POST", "/v1/models/affine/labels/canary:predict", b'{"instances": [1]}', 400, "Unrecognized servable version label: canary"),
+        (
+            "POST",
+            "/v1/models/nope/versions/3:predict",
+            b'{"instances": [1]}',
+            404,
+            "Servable not found for request: Specific(nope, 3)",
+        ),
+        (
+            "POST",
+            "/v1/models/affine/versions/3:predict",
+            b'{"instances": [1]}',
+            404,
+            "Servable not found for request: Specific(affine, 3)",
+        ),
+        (
+            "POST",
+            "/v1/models/affine/labels/canary:predict",
+            b'{"instances": [1]}',
+            400,
+            "Unrecognized servable version label: canary",
+        ),
         ("GET", "/v1/models/nope", b"", 404, "Could not find any versions of model nope"),
         ("GET", "/v1/models/affine/versions/9", b"", 404, "Could not find version 9 of model affine"),
         ("GET", "/v1/models/", b"", 400, "Missing model name in request."),
         ("POST", "/v1/models/affine:explain", b"{}", 400, "Malformed request: POST /v1/models/affine:explain"),
         ("POST", "/v1/models/affine:predict", b"", 400, "JSON Parse error: The document is empty"),
         ("POST", "/v1/models/affine:predict", b"nonsense", 400, "JSON Parse error: Invalid value. at offset: 0"),
-        ("POST", "/v1/models/affine:predict", b'{"instances": [[1, 2, 3, 4]], "signature_name": "x"}', 400, 'Serving signature name: "x" not found in signature def'),
+        (
+            "POST",
+            "/v1/models/affine:predict",
+            b'{"instances": [[1, 2, 3, 4]], "signature_name": "x"}',
+            400,
+            'Serving signature name: "x" not found in signature def',
+        ),
         ("POST", "/v1/models/loading:predict", b'{"instances": [1]}', 503, "Model loading is loading"),
-        ("POST", "/v1/models/affine:predict", b'{"instances": ' + b"[" * 200_000 + b"]" * 200_000 + b"}", 400,
-         "JSON Parse error: The document is nested too deeply. at offset: 0"),
+        (
+            "POST",
+            "/v1/models/affine:predict",
+            b'{"instances": ' + b"[" * 200_000 + b"]" * 200_000 + b"}",
+            400,
+            "JSON Parse error: The document is nested too deeply. at offset: 0",
+        ),
     ],
 )
 async def test_errors(app, method, path, body, status, message):
@@ -93,7 +136,13 @@ async def test_errors(app, method, path, body, status, message):
 
 
 async def test_deeply_nested_ignored_key_is_skipped(app):
-    body = b'{"ignored": ' + b"[" * 200_000 + b'"]", {"x": 1}' + b"]" * 200_000 + b', "instances": [[1, 2, 3, 4]], "z": -Inf}'
+    body = (
+        b'{"ignored": '
+        + b"[" * 200_000
+        + b'"]", {"x": 1}'
+        + b"]" * 200_000
+        + b', "instances": [[1, 2, 3, 4]], "z": -Inf}'
+    )
     async with client(app) as http:
         r = await http.post("/v1/models/affine:predict", content=body)
     assert r.status_code == 200, r.text
@@ -115,20 +164,32 @@ async def test_cors_preflight(app):
 
 
 async def test_regress_on_a_regression_model():
-    from helpers.tensor_app import NumpyModel
-    from lmiserve.core.tensors import ModelSignature, TensorSpec
     import numpy as np
 
-    signature = ModelSignature(inputs=(TensorSpec("text", "BYTES", (-1,)),), outputs=(TensorSpec("score", "FP32", (-1,)),))
-    model = NumpyModel("regression", signature, lambda text: {"score": np.array([len(t) / 4 for t in text], dtype=np.float32)})
+    from helpers.tensor_app import NumpyModel
+    from lmiserve.core.tensors import ModelSignature, TensorSpec
+
+    signature = ModelSignature(
+        inputs=(TensorSpec("text", "BYTES", (-1,)),), outputs=(TensorSpec("score", "FP32", (-1,)),)
+    )
+    model = NumpyModel(
+        "regression", signature, lambda text: {"score": np.array([len(t) / 4 for t in text], dtype=np.float32)}
+    )
     async with client(tensor_app({"reg": model})) as http:
-        r = await http.post("/v1/models/reg:regress", json={"examples": [{"text": "ab"}, {"text": {"b64": "YWJjZA=="}}]})
+        r = await http.post(
+            "/v1/models/reg:regress", json={"examples": [{"text": "ab"}, {"text": {"b64": "YWJjZA=="}}]}
+        )
         assert r.status_code == 200 and r.json() == {"results": [0.5, 1.0]}
         r = await http.post("/v1/models/reg:classify", json={"examples": [{"text": "ab"}]})
         assert r.status_code == 400
-        assert r.json() == {"error": "Expected classification signature method_name to be tensorflow/serving/classify. Was: tensorflow/serving/regress"}
+        assert r.json() == {
+            "error": "Expected classification signature method_name to be tensorflow/serving/classify. Was: tensorflow/serving/regress"
+        }
         meta = (await http.get("/v1/models/reg/metadata")).json()
-        assert meta["metadata"]["signature_def"]["signature_def"]["serving_default"]["method_name"] == "tensorflow/serving/regress"
+        assert (
+            meta["metadata"]["signature_def"]["signature_def"]["serving_default"]["method_name"]
+            == "tensorflow/serving/regress"
+        )
 
 
 async def test_v1_models_itself(app):

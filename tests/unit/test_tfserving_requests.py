@@ -57,12 +57,20 @@ def test_paths(method, path, expected):
         ("POST", "/v1/models/m", "Malformed request: POST /v1/models/m"),
         ("POST", "/v1/models/m/version/1:predict", "Malformed request: POST /v1/models/m/version/1:predict"),
         ("POST", "/v1/models/m/label/x:predict", "Malformed request: POST /v1/models/m/label/x:predict"),
-        ("POST", "/v1/models/m/versions/1/labels/x:predict", "Malformed request: POST /v1/models/m/versions/1/labels/x:predict"),
+        (
+            "POST",
+            "/v1/models/m/versions/1/labels/x:predict",
+            "Malformed request: POST /v1/models/m/versions/1/labels/x:predict",
+        ),
         ("GET", "/v1/models/m:predict", "Malformed request: GET /v1/models/m:predict"),
         ("GET", "/v1/models/m/other", "Malformed request: GET /v1/models/m/other"),
         ("PUT", "/v1/models/m", "Malformed request: PUT /v1/models/m"),
         ("POST", "/v1/models/m/versions/abc:predict", "Failed to convert version: abc to numeric."),
-        ("POST", "/v1/models/m/versions/99999999999999999999:predict", "Failed to convert version: 99999999999999999999 to numeric."),
+        (
+            "POST",
+            "/v1/models/m/versions/99999999999999999999:predict",
+            "Failed to convert version: 99999999999999999999 to numeric.",
+        ),
         ("GET", "/v1/models/", "Missing model name in request."),
     ],
 )
@@ -108,31 +116,79 @@ def test_n_for_minus_one_by_one_is_reshaped():
     ("doc", "signature", "message"),
     [
         ([1], X4, "JSON Value: [1] Is not object"),
-        ({"signature_name": 1, "instances": [1]}, X4, "JSON Value: {\n    \"signature_name\": 1,\n    \"instances\": [1]\n} not formatted correctly. 'signature_name' key must be a string value."),
-        ({"signature_name": "other", "instances": [1]}, X4, 'Serving signature name: "other" not found in signature def'),
-        ({"instances": [1], "inputs": [1]}, X4, "JSON Value: {\n    \"instances\": [1],\n    \"inputs\": [1]\n} Not formatted correctly expecting only one of 'inputs' or 'instances' keys to exist "),
+        (
+            {"signature_name": 1, "instances": [1]},
+            X4,
+            'JSON Value: {\n    "signature_name": 1,\n    "instances": [1]\n} not formatted correctly. \'signature_name\' key must be a string value.',
+        ),
+        (
+            {"signature_name": "other", "instances": [1]},
+            X4,
+            'Serving signature name: "other" not found in signature def',
+        ),
+        (
+            {"instances": [1], "inputs": [1]},
+            X4,
+            "JSON Value: {\n    \"instances\": [1],\n    \"inputs\": [1]\n} Not formatted correctly expecting only one of 'inputs' or 'instances' keys to exist ",
+        ),
         ({"x": 1}, X4, "Missing 'inputs' or 'instances' key"),
         ({"instances": 1}, X4, "JSON Value: {\n    \"instances\": 1\n} Expecting 'instances' to be an list/array"),
         ({"instances": []}, X4, "JSON Value: {\n    \"instances\": []\n} No values in 'instances' array"),
-        ({"instances": [[1, 2]]}, TWO, "instances is a plain list, but expecting list of objects as multiple input tensors required as per tensorinfo_map"),
+        (
+            {"instances": [[1, 2]]},
+            TWO,
+            "instances is a plain list, but expecting list of objects as multiple input tensors required as per tensorinfo_map",
+        ),
         ({"instances": [{"a": [1, 2], "b": 1}, [1]]}, TWO, "Expecting object but got list at item 1 of input list"),
         ({"instances": [[1, 2, 3, 4], {"x": 1}]}, X4, "Expecting value/list but got object at item 1 of input list"),
-        ({"instances": [{"a": [1, 2], "c": 1}]}, TWO, "Failed to process element: 0 key: c of 'instances' list. Error: INVALID_ARGUMENT: JSON object: does not have named input: c"),
-        ({"instances": [{"a": [1, 2]}]}, TWO, "Failed to process element: 0 of 'instances' list. JSON object: {\n    \"a\": [1, 2]\n} keys must be equal to: a,b"),
+        (
+            {"instances": [{"a": [1, 2], "c": 1}]},
+            TWO,
+            "Failed to process element: 0 key: c of 'instances' list. Error: INVALID_ARGUMENT: JSON object: does not have named input: c",
+        ),
+        (
+            {"instances": [{"a": [1, 2]}]},
+            TWO,
+            "Failed to process element: 0 of 'instances' list. JSON object: {\n    \"a\": [1, 2]\n} keys must be equal to: a,b",
+        ),
         ({"instances": [[1, 2, 3, 4], [1, 2, 3]]}, X4, "Expecting tensor size: 4 but got: 3"),
         ({"instances": [[[1, 2], [3, 4]], [1, 2, 3, 4]]}, X4, "Expecting shape [2,2] but got: [4]"),
         ({"instances": [[[1, 2], [3, 4]], [[1, 2, 3, 4]]]}, X4, "Expecting shape [2,2] but got: [1,4]"),
-        ({"instances": [[1, [2], 3, 4]]}, X4, "Failed to process element: 0 of 'instances' list. Error: INVALID_ARGUMENT: Encountered list at unexpected level: 1 expected < 1"),
-        ({"instances": [[[1, 2], 3]]}, X4, "Failed to process element: 0 of 'instances' list. Error: INVALID_ARGUMENT: JSON Value: 3 found at incorrect level: 2 in the JSON DOM. Expected at level: 2"),
-        ({"instances": [[[1, 2], [3]]]}, X4, "Failed to process element: 0 of 'instances' list. Error: INVALID_ARGUMENT: Encountered list at unexpected size: 1 at level: 1 expected size: 2"),
-        ({"instances": [[1, 2, "3", 4]]}, X4, "Failed to process element: 0 of 'instances' list. Error: INVALID_ARGUMENT: JSON Value: \"3\" Type: String is not of expected type: float"),
+        (
+            {"instances": [[1, [2], 3, 4]]},
+            X4,
+            "Failed to process element: 0 of 'instances' list. Error: INVALID_ARGUMENT: Encountered list at unexpected level: 1 expected < 1",
+        ),
+        (
+            {"instances": [[[1, 2], 3]]},
+            X4,
+            "Failed to process element: 0 of 'instances' list. Error: INVALID_ARGUMENT: JSON Value: 3 found at incorrect level: 2 in the JSON DOM. Expected at level: 2",
+        ),
+        (
+            {"instances": [[[1, 2], [3]]]},
+            X4,
+            "Failed to process element: 0 of 'instances' list. Error: INVALID_ARGUMENT: Encountered list at unexpected size: 1 at level: 1 expected size: 2",
+        ),
+        (
+            {"instances": [[1, 2, "3", 4]]},
+            X4,
+            "Failed to process element: 0 of 'instances' list. Error: INVALID_ARGUMENT: JSON Value: \"3\" Type: String is not of expected type: float",
+        ),
         ({"instances": [[1, 2, None, 4]]}, X4, "Type: Null is not of expected type: float"),
         ({"inputs": {"a": [[1, 2]], "b": [1.0]}}, TWO, "JSON Value: 1.0 Type: Number is not of expected type: int32"),
-        ({"inputs": {"a": [[1, 2]], "b": [2**31]}}, TWO, "JSON Value: 2147483648 Type: Number is not of expected type: int32"),
+        (
+            {"inputs": {"a": [[1, 2]], "b": [2**31]}},
+            TWO,
+            "JSON Value: 2147483648 Type: Number is not of expected type: int32",
+        ),
         ({"inputs": {"a": [[1, 2]]}}, TWO, "Missing named input: b in 'inputs' object."),
-        ({"inputs": [1, 2]}, TWO, "inputs is a plain value/list, but expecting an object as multiple input tensors required as per tensorinfo_map"),
+        (
+            {"inputs": [1, 2]},
+            TWO,
+            "inputs is a plain value/list, but expecting an object as multiple input tensors required as per tensorinfo_map",
+        ),
         ({"instances": [{"b64": "!!!"}]}, TEXT, "Error: INVALID_ARGUMENT: Unable to base64 decode"),
-        ({"instances": [{"b64": 1}]}, TEXT, "JSON Value: {\n    \"b64\": 1\n} not formatted correctly for base64 data"),
+        ({"instances": [{"b64": 1}]}, TEXT, 'JSON Value: {\n    "b64": 1\n} not formatted correctly for base64 data'),
         ({"instances": [{"text": {"b64": "aGk=", "x": 1}}]}, TEXT, "not formatted correctly for base64 data"),
         ({"instances": [True]}, TEXT, "JSON Value: true Type: True is not of expected type: string"),
         ({"instances": [[1, 2, 3]]}, X4, "unexpected shape for input 'x' for model 'm'. Expected [-1,4], got [1,3]"),
@@ -156,7 +212,9 @@ def test_unsupported_dtype_is_501():
 
 
 def test_classify_and_regress_requests():
-    request = tfserving.parse_examples({"context": {"lang": "en"}, "examples": [{"text": "a"}, {"text": ["b"]}]}, "classify", "classifier", TEXT)
+    request = tfserving.parse_examples(
+        {"context": {"lang": "en"}, "examples": [{"text": "a"}, {"text": ["b"]}]}, "classify", "classifier", TEXT
+    )
     assert request.inputs["text"].tolist() == [b"a", b"b"]
     for doc, message in [
         ({}, "JSON Value: {} When method is classify, key 'examples' is expected and was not found"),
@@ -167,5 +225,8 @@ def test_classify_and_regress_requests():
         with pytest.raises(LmiServeError) as info:
             tfserving.parse_examples(doc, "classify", "classifier", TEXT)
         assert info.value.message == message
-    with pytest.raises(InvalidRequest, match="Expected regression signature method_name to be tensorflow/serving/regress. Was: tensorflow/serving/predict"):
+    with pytest.raises(
+        InvalidRequest,
+        match="Expected regression signature method_name to be tensorflow/serving/regress. Was: tensorflow/serving/predict",
+    ):
         tfserving.parse_examples({"examples": [{"text": "a"}]}, "regress", "embedding", TEXT)

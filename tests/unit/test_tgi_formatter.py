@@ -14,13 +14,21 @@ from lmiserve.protocols.tgi import encoders as fmt
 
 
 def finish(text: str, n: int, reason=FinishReason.LENGTH, seed=7, prefill=None) -> Finish:
-    return Finish(reason=reason, generated_text=text, generated_tokens=n, prompt="Hi", prompt_tokens=2, seed=seed,
-                  prefill=prefill)
+    return Finish(
+        reason=reason, generated_text=text, generated_tokens=n, prompt="Hi", prompt_tokens=2, seed=seed, prefill=prefill
+    )
 
 
 def shape(**kw) -> fmt.AnswerShape:
-    base = dict(prompt="Hi", details=True, decoder_input_details=False, return_full_text=False, top_n_tokens=0,
-                sampling=False, input_length=2)
+    base = dict(
+        prompt="Hi",
+        details=True,
+        decoder_input_details=False,
+        return_full_text=False,
+        top_n_tokens=0,
+        sampling=False,
+        input_length=2,
+    )
     return fmt.AnswerShape(**{**base, **kw})
 
 
@@ -47,8 +55,12 @@ def test_stream_events_index_from_one_and_null_keys_present():
     stream = fmt.StreamEncoder(shape(details=False), special)
     chunks = [stream.on_event(0, e) for e in EVENTS]
     first, last = (json.loads(c.removeprefix(b"data: ")) for c in chunks)
-    assert first == {"index": 1, "token": {"id": 10, "text": " a", "logprob": -1.0, "special": False},
-                     "generated_text": None, "details": None}
+    assert first == {
+        "index": 1,
+        "token": {"id": 10, "text": " a", "logprob": -1.0, "special": False},
+        "generated_text": None,
+        "details": None,
+    }
     assert last["index"] == 2 and last["token"]["text"] == "</s>" and last["generated_text"] == " a"
     assert last["details"] is None
     assert all(c.startswith(b"data: {") and c.endswith(b"}\n\n") for c in chunks)
@@ -64,7 +76,8 @@ def test_stream_final_details_seed_when_sampling():
 def test_best_of_ranks_by_mean_logprob_and_lists_the_others():
     # sequence 0: total -3 over 3 tokens (mean -1.0); sequence 1: total -1.6 over 1 token (mean -1.6)
     events = [
-        StepEvent(Token(1, "x", -1.0), index=0), StepEvent(Token(1, "x", -1.0), index=0),
+        StepEvent(Token(1, "x", -1.0), index=0),
+        StepEvent(Token(1, "x", -1.0), index=0),
         StepEvent(Token(1, "x", -1.0), finish=finish("xxx", 3, seed=11), index=0),
         StepEvent(Token(3, "y", -1.6), finish=finish("y", 1, seed=12), index=1),
     ]
@@ -80,8 +93,10 @@ def test_prefill_first_logprob_is_null():
     prefill = (Token(1, "<s>", -9.0, True), Token(5, "Hi", -2.0))
     events = [StepEvent(Token(10, " a", -1.0), finish=finish(" a", 1, prefill=prefill))]
     body = fmt.generate_body(fmt.sequences(events), shape(decoder_input_details=True), special)
-    assert body["details"]["prefill"] == [{"id": 1, "text": "<s>", "logprob": None},
-                                          {"id": 5, "text": "Hi", "logprob": -2.0}]
+    assert body["details"]["prefill"] == [
+        {"id": 1, "text": "<s>", "logprob": None},
+        {"id": 5, "text": "Hi", "logprob": -2.0},
+    ]
 
 
 def test_details_absent_unless_asked():
@@ -113,7 +128,8 @@ def test_stream_without_a_final_event_ends_with_an_incomplete_error():
     stream.on_event(0, EVENTS[0])
     with pytest.raises(IncompleteGeneration) as info:
         stream.close()
-    assert stream.error(info.value) == (b'data: {"error":"Incomplete generation stream",'
-                                        b'"error_type":"incomplete_generation_stream"}\n\n')
+    assert stream.error(info.value) == (
+        b'data: {"error":"Incomplete generation stream","error_type":"incomplete_generation_stream"}\n\n'
+    )
     stream.on_event(0, EVENTS[1])
     assert stream.close() == b""

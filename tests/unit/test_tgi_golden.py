@@ -28,8 +28,14 @@ PROMPT = "Deep learning is"
 CASES: dict[str, tuple[str, dict]] = {
     "generate_default.json": ("json", {"max_new_tokens": 5}),
     "generate_details.json": ("json", {"max_new_tokens": 5, "details": True}),
-    "generate_prefill_top_tokens.json": ("json", {"max_new_tokens": 3, "decoder_input_details": True, "top_n_tokens": 2}),
-    "generate_return_full_text_stop.json": ("json", {"max_new_tokens": 8, "details": True, "return_full_text": True, "stop": ["J"]}),
+    "generate_prefill_top_tokens.json": (
+        "json",
+        {"max_new_tokens": 3, "decoder_input_details": True, "top_n_tokens": 2},
+    ),
+    "generate_return_full_text_stop.json": (
+        "json",
+        {"max_new_tokens": 8, "details": True, "return_full_text": True, "stop": ["J"]},
+    ),
     "compat_list.json": ("compat", {"max_new_tokens": 4, "details": True}),
     "stream_default.sse": ("sse", {"max_new_tokens": 4}),
     "stream_details_top_tokens.sse": ("sse", {"max_new_tokens": 4, "details": True, "top_n_tokens": 2}),
@@ -52,8 +58,11 @@ async def render(tiny_model, kind: str, params: dict) -> bytes:
             return RENDERER.in_band(exc) if kind == "sse" else RENDERER.body(exc)
         shape = fmt.AnswerShape.of(PROMPT, call)
         events = [e async for e in engine.generate(call.request)]
-        encoder = fmt.StreamEncoder(shape, special) if kind == "sse" else fmt.GenerateEncoder(
-            shape, special, compat=kind == "compat")
+        encoder = (
+            fmt.StreamEncoder(shape, special)
+            if kind == "sse"
+            else fmt.GenerateEncoder(shape, special, compat=kind == "compat")
+        )
         return b"".join(encoder.on_event(0, e) for e in events) + encoder.close()
     finally:
         await engine.stop()

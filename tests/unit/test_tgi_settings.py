@@ -14,8 +14,13 @@ from lmiserve.server.textgen.limits import limits_for as tgi_limits
 
 def test_tgi_defaults():
     s = load_settings({}, environ={})
-    assert (s.max_concurrent_requests, s.max_best_of, s.max_stop_sequences, s.max_top_n_tokens,
-            s.max_client_batch_size) == (128, 2, 4, 5, 4)
+    assert (
+        s.max_concurrent_requests,
+        s.max_best_of,
+        s.max_stop_sequences,
+        s.max_top_n_tokens,
+        s.max_client_batch_size,
+    ) == (128, 2, 4, 5, 4)
     assert s.api_key is None and s.max_input_tokens is None and s.max_total_tokens is None
     assert s.sse_keepalive_interval == 15.0 and s.payload_limit == 2_000_000
 

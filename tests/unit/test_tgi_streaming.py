@@ -66,8 +66,9 @@ async def test_closing_the_stream_closes_the_source():
         finally:
             closed.set()
 
-    serving = asyncio.ensure_future(serve(DisconnectAwareStream(source(), headers={}, heartbeat=keepalive(0.01)),
-                                          disconnect=gone))
+    serving = asyncio.ensure_future(
+        serve(DisconnectAwareStream(source(), headers={}, heartbeat=keepalive(0.01)), disconnect=gone)
+    )
     await asyncio.sleep(0.03)
     gone.set()  # the client goes away
     assert KEEPALIVE in await serving
@@ -108,7 +109,9 @@ async def collect(events) -> list[bytes]:
 
 
 async def test_in_band_error_finish_becomes_a_generation_error():
-    chunks = await collect([StepEvent(Token(1, "a", -1.0)), StepEvent(None, finish=_finish(FinishReason.ERROR, "boom"))])
+    chunks = await collect(
+        [StepEvent(Token(1, "a", -1.0)), StepEvent(None, finish=_finish(FinishReason.ERROR, "boom"))]
+    )
     assert chunks == [b"tok;", tgi_error("Request failed during generation: boom", "generation")]
 
 

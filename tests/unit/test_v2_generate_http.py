@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from helpers.tensor_app import affine_model, client
 
+from helpers.tensor_app import affine_model, client
 from lmiserve.config import Settings
 from lmiserve.core.errors import InvalidRequest, Overloaded, QueueTimeout
 from lmiserve.core.events import Finish, FinishReason, StepEvent, Token
@@ -31,7 +31,11 @@ def failed(error: str | None, index: int = 0) -> StepEvent:
     return StepEvent(None, finish=finish(FinishReason.ERROR, error=error), index=index)
 
 
-NORMAL = [StepEvent(token("Hel")), StepEvent(token("</s>", special=True)), StepEvent(token("lo é"), finish=finish(text="Hello é"))]
+NORMAL = [
+    StepEvent(token("Hel")),
+    StepEvent(token("</s>", special=True)),
+    StepEvent(token("lo é"), finish=finish(text="Hello é")),
+]
 
 
 class ScriptedEngine:
@@ -118,11 +122,14 @@ async def test_error_finish(app, engine, error, message):
     assert r.status_code == 200 and r.content == event("a") + b'data: {"error": "later"}\n\n'
 
 
-@pytest.mark.parametrize(("exc", "status"), [
-    (InvalidRequest("The prompt is empty after tokenization"), 400),
-    (Overloaded("Worker queue capacity exceeded"), 503),
-    (QueueTimeout("Time out in: 1s"), 503),
-])
+@pytest.mark.parametrize(
+    ("exc", "status"),
+    [
+        (InvalidRequest("The prompt is empty after tokenization"), 400),
+        (Overloaded("Worker queue capacity exceeded"), 503),
+        (QueueTimeout("Time out in: 1s"), 503),
+    ],
+)
 async def test_failures_before_the_first_event_are_json_errors(app, engine, exc, status):
     engine.script = exc
     for route in ("generate", "generate_stream"):
@@ -151,8 +158,12 @@ async def test_streams_without_an_end(app, engine):
 
 
 async def test_only_the_first_sequence_is_answered(app, engine):
-    engine.script = [StepEvent(token("a")), StepEvent(token("zz"), index=1), failed("other", index=1),
-                     StepEvent(token("b"), finish=finish(text="ab"))]
+    engine.script = [
+        StepEvent(token("a")),
+        StepEvent(token("zz"), index=1),
+        failed("other", index=1),
+        StepEvent(token("b"), finish=finish(text="ab")),
+    ]
     r = await post(app, "generate", {"id": "q", "text_input": "Hi"})
     assert r.status_code == 200 and r.json()["text_output"] == "ab"
     r = await post(app, "generate_stream", {"id": "q", "text_input": "Hi"})
@@ -174,6 +185,7 @@ async def test_request_errors(app):
             assert r.status_code == 404 and r.content == b'{"error": "Model nope not found"}'
             r = await http.post(f"/v2/models/affine/{route}", json={"text_input": "x"})
             assert r.status_code == 400 and r.json() == {
-                "error": "model 'affine' is a torchscript model: generate needs an LLM; use /v2/models/affine/infer"}
+                "error": "model 'affine' is a torchscript model: generate needs an LLM; use /v2/models/affine/infer"
+            }
             r = await http.get(f"/v2/models/llm/{route}")
             assert r.status_code == 405 and r.content == b'{"error": "Method Not Allowed"}'

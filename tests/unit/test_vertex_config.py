@@ -6,8 +6,20 @@ from lmiserve.config.sources import load_settings
 
 
 def test_aip_environment():
-    s = load_settings(environ={"AIP_HTTP_PORT": "9001", "AIP_PREDICT_ROUTE": "/p", "AIP_HEALTH_ROUTE": "/h", "AIP_DEPLOYED_MODEL_ID": "7"})
-    assert (s.port, s.vertex_predict_route, s.vertex_health_route, s.vertex_deployed_model_id) == (9001, "/p", "/h", "7")
+    s = load_settings(
+        environ={
+            "AIP_HTTP_PORT": "9001",
+            "AIP_PREDICT_ROUTE": "/p",
+            "AIP_HEALTH_ROUTE": "/h",
+            "AIP_DEPLOYED_MODEL_ID": "7",
+        }
+    )
+    assert (s.port, s.vertex_predict_route, s.vertex_health_route, s.vertex_deployed_model_id) == (
+        9001,
+        "/p",
+        "/h",
+        "7",
+    )
     assert s.sources["port"] == "environment AIP_HTTP_PORT"
 
 
@@ -19,4 +31,7 @@ def test_port_precedence():
 
 
 def test_default_invocations_accept():
-    assert load_settings(environ={"SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT": "text/csv"}).default_invocations_accept == "text/csv"
+    assert (
+        load_settings(environ={"SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT": "text/csv"}).default_invocations_accept
+        == "text/csv"
+    )

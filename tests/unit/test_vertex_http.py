@@ -10,9 +10,14 @@ from helpers.tensor_app import affine_model, client, tensor_app, text_model
 async def test_default_routes_and_deployed_model_id():
     app = tensor_app({"affine": affine_model()}, vertex_deployed_model_id="42")
     async with client(app) as http:
-        r = await http.post("/v1/endpoints/e/deployedModels/d:predict", json={"instances": [[1, 2, 3, 4], [5, 6, 7, 8]]})
+        r = await http.post(
+            "/v1/endpoints/e/deployedModels/d:predict", json={"instances": [[1, 2, 3, 4], [5, 6, 7, 8]]}
+        )
         assert r.status_code == 200
-        assert r.json() == {"predictions": [{"y": [1.5, 14.75], "best": 1}, {"y": [9.5, 28.75], "best": 1}], "deployedModelId": "42"}
+        assert r.json() == {
+            "predictions": [{"y": [1.5, 14.75], "best": 1}, {"y": [9.5, 28.75], "best": 1}],
+            "deployedModelId": "42",
+        }
         health = await http.get("/v1/endpoints/e/deployedModels/d")
         assert health.status_code == 200 and health.json() == {}
 
@@ -22,7 +27,10 @@ async def test_routes_from_settings_and_parameters_reach_the_model():
     app = tensor_app({"text": model}, vertex_predict_route="/predict", vertex_health_route="/health")
     async with client(app) as http:
         r = await http.post("/predict", json={"instances": ["ab", {"prompt": "c"}], "parameters": {"temperature": 0}})
-        assert r.json() == {"predictions": [{"upper": "AB", "length": 2}, {"upper": "C", "length": 1}], "deployedModelId": ""}
+        assert r.json() == {
+            "predictions": [{"upper": "AB", "length": 2}, {"upper": "C", "length": 1}],
+            "deployedModelId": "",
+        }
         assert model.seen[-1].parameters == {"temperature": 0}
         assert (await http.get("/health")).status_code == 200
 

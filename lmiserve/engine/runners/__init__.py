@@ -31,7 +31,9 @@ __all__ = ["BatchInvariantRunner", "FastRunner", "GenericRunner", "ModelRunner",
 log = logging.getLogger(__name__)
 
 
-def runner_class(model: PreTrainedModel, *, batch_invariant: bool, fast_path: bool) -> tuple[type[ModelRunner], str | None]:
+def runner_class(
+    model: PreTrainedModel, *, batch_invariant: bool, fast_path: bool
+) -> tuple[type[ModelRunner], str | None]:
     """The strategy for `model`, and why it is not the fast one (None when it is, or when the batch-
     invariant one was asked for)."""
     if batch_invariant:

@@ -78,7 +78,9 @@ class ModelRunner(ABC):
         prompt. `rows` are the chunk's logits rows: all of them with prompt logprobs, else the last."""
         seq = chunk.seq
         if seq.params.decoder_input_details:
-            out.prompt_logprobs[seq.seq_id] = prompt_logprobs(rows, seq.prompt_ids, chunk.start, chunk.start + chunk.length)
+            out.prompt_logprobs[seq.seq_id] = prompt_logprobs(
+                rows, seq.prompt_ids, chunk.start, chunk.start + chunk.length
+            )
         if chunk.completes_prompt:
             self._sample(seq, rows[-1], out)
 
@@ -97,7 +99,9 @@ class ModelRunner(ABC):
             out.errors[seq.seq_id] = f"exception occurred during sampling: {exc}"
 
 
-def prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], start: int, end: int) -> tuple[int, list[float | None]]:
+def prompt_logprobs(
+    logits: torch.Tensor, prompt_ids: list[int], start: int, end: int
+) -> tuple[int, list[float | None]]:
     """Logprob of each prompt token given the ones before it, from the logits rows of prompt positions
     ``start..end-1``; the first prompt token has none. Returns (position of the first, logprobs)."""
     targets = prompt_ids[start + 1 : min(end + 1, len(prompt_ids))]
@@ -110,8 +114,14 @@ def slot_cache(model: PreTrainedModel, max_slots: int, max_context: int) -> Slot
     """A `SlotKVCache` of `max_slots` slots shaped for `model`'s attention layers."""
     shape = AttentionShape.of(model.config)
     return SlotKVCache(
-        shape.layers, max_slots, shape.kv_heads, shape.head_dim, model.dtype, model.device,
-        initial_len=min(128, max_context), max_len=max_context,
+        shape.layers,
+        max_slots,
+        shape.kv_heads,
+        shape.head_dim,
+        model.dtype,
+        model.device,
+        initial_len=min(128, max_context),
+        max_len=max_context,
     )
 
 

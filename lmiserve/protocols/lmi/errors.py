@@ -40,8 +40,14 @@ from lmiserve.core.errors import (
 from lmiserve.server.errors import ErrorRenderer
 
 __all__ = [
-    "COMPACT_STATUS", "MANAGEMENT", "RENDERER", "LmiErrors", "ManagementErrors", "dynamic_batch_error_body",
-    "frontend_error_body", "lmi_error_body",
+    "COMPACT_STATUS",
+    "MANAGEMENT",
+    "RENDERER",
+    "LmiErrors",
+    "ManagementErrors",
+    "dynamic_batch_error_body",
+    "frontend_error_body",
+    "lmi_error_body",
 ]
 
 COMPACT_STATUS = 424  # the status whose body is the compact one

@@ -95,7 +95,10 @@ async def describe_model(request: Request) -> Response:
         "loadedAtStartup": service.loaded_at_startup,
         "workerGroups": [
             {
-                "device": {"deviceType": device.type if device else "cpu", "deviceId": device.index or 0 if device else 0},
+                "device": {
+                    "deviceType": device.type if device else "cpu",
+                    "deviceId": device.index or 0 if device else 0,
+                },
                 "minWorkers": 1,
                 "maxWorkers": 1,
                 "workers": [{"id": 1, "startTime": _iso(service.started_at), "status": worker_status}],
@@ -168,7 +171,7 @@ def _local_path(url) -> Path:
     parsed = urlparse(url)
     if parsed.scheme == "file":
         path = Path(unquote(parsed.path))
-    elif parsed.scheme in ("", ) or len(parsed.scheme) == 1:  # a plain path (or a Windows drive letter)
+    elif parsed.scheme in ("",) or len(parsed.scheme) == 1:  # a plain path (or a Windows drive letter)
         path = Path(url)
     else:
         raise InvalidRequest(f"Unsupported url {url}: this server loads local directories (a path or file: URL) only.")

@@ -66,7 +66,9 @@ def parse(payload, limits: Limits, *, dynamic_batch: bool = False) -> LmiCall:
     else:
         raise _fail(f"Invalid request payload. The 'inputs' field must be a string. Received type {type(inputs)!r}")
     if any(p == "" for p in prompts):
-        raise _fail(f"Invalid request payload. The 'inputs' field does not contain any content. Received payload {payload!r}")
+        raise _fail(
+            f"Invalid request payload. The 'inputs' field does not contain any content. Received payload {payload!r}"
+        )
     raw_params = payload.get("parameters", {})
     if raw_params is None:
         raw_params = {}

@@ -46,7 +46,9 @@ async def dynamic_batch(request: Request, service: ModelService, payload: Any) -
     if call.stream and service.settings.enable_streaming:
         encoder: DynamicBatchFormatter | DynamicBatchStreamFormatter = DynamicBatchStreamFormatter(len(call.requests))
     else:
-        encoder = DynamicBatchFormatter([r.prompt for r in call.requests], return_full_text=call.options.return_full_text)
+        encoder = DynamicBatchFormatter(
+            [r.prompt for r in call.requests], return_full_text=call.options.return_full_text
+        )
     return await respond(request, events, encoder)
 
 
@@ -64,11 +66,14 @@ def ping_routes() -> list[BaseRoute]:
 
 def routes() -> list[BaseRoute]:
     """The management API."""
-    return protocol_routes(MANAGEMENT, [
-        Route("/models", management.list_models, methods=["GET"]),
-        Route("/models", management.register_model, methods=["POST"]),
-        Route("/models/{model_name}", management.describe_model, methods=["GET"]),
-        Route("/models/{model_name}", management.unregister_model, methods=["DELETE"]),
-        Route("/models/{model_name}/{version}", management.describe_model, methods=["GET"]),
-        Route("/models/{model_name}/{version}", management.unregister_model, methods=["DELETE"]),
-    ])
+    return protocol_routes(
+        MANAGEMENT,
+        [
+            Route("/models", management.list_models, methods=["GET"]),
+            Route("/models", management.register_model, methods=["POST"]),
+            Route("/models/{model_name}", management.describe_model, methods=["GET"]),
+            Route("/models/{model_name}", management.unregister_model, methods=["DELETE"]),
+            Route("/models/{model_name}/{version}", management.describe_model, methods=["GET"]),
+            Route("/models/{model_name}/{version}", management.unregister_model, methods=["DELETE"]),
+        ],
+    )

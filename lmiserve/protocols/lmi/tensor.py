@@ -46,8 +46,7 @@ def to_json(kind: str, outputs: dict[str, np.ndarray]):
     if kind == "classifier":
         probs = outputs["probabilities"]
         return [
-            {"label": label.decode("utf-8"), "score": float(row.max())}
-            for label, row in zip(outputs["label"], probs)
+            {"label": label.decode("utf-8"), "score": float(row.max())} for label, row in zip(outputs["label"], probs)
         ]
     if kind == "regression":
         return [{"score": float(s)} for s in outputs["score"]]

@@ -18,8 +18,17 @@ from lmiserve.server import sse
 from lmiserve.server.textgen.sequences import Sequence, sequences
 from lmiserve.server.textgen.wire import SSE_CONTENT_TYPE, dumps
 
-__all__ = ["DONE", "ChatEncoder", "ChatStreamEncoder", "CompletionEncoder", "CompletionStreamEncoder", "Envelope",
-           "chat_body", "completion_body", "finish_reason"]
+__all__ = [
+    "DONE",
+    "ChatEncoder",
+    "ChatStreamEncoder",
+    "CompletionEncoder",
+    "CompletionStreamEncoder",
+    "Envelope",
+    "chat_body",
+    "completion_body",
+    "finish_reason",
+]
 
 
 def finish_reason(finish: Finish) -> str:
@@ -38,8 +47,13 @@ class Envelope:
         self.created = self.created or int(time.time())
 
     def head(self, obj: str) -> dict[str, Any]:
-        return {"object": obj, "id": "", "created": self.created, "model": self.model,
-                "system_fingerprint": self.system_fingerprint}
+        return {
+            "object": obj,
+            "id": "",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.system_fingerprint,
+        }
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
@@ -47,8 +61,11 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
 
 
 def _chat_logprob(token: Token, top: tuple[Token, ...] | None) -> dict:
-    return {"token": token.text, "logprob": token.logprob,
-            "top_logprobs": [{"token": t.text, "logprob": t.logprob} for t in top or ()]}
+    return {
+        "token": token.text,
+        "logprob": token.logprob,
+        "top_logprobs": [{"token": t.text, "logprob": t.logprob} for t in top or ()],
+    }
 
 
 class _Whole:
@@ -90,8 +107,14 @@ def chat_body(seqs: list[Sequence], env: Envelope, *, logprobs: bool) -> bytes:
     choices = []
     for index, seq in enumerate(seqs):
         lp = {"content": [_chat_logprob(t, top) for t, top in zip(seq.tokens, seq.top_tokens)]} if logprobs else None
-        choices.append({"index": index, "message": {"role": "assistant", "content": seq.finish.generated_text},
-                        "logprobs": lp, "finish_reason": finish_reason(seq.finish)})
+        choices.append(
+            {
+                "index": index,
+                "message": {"role": "assistant", "content": seq.finish.generated_text},
+                "logprobs": lp,
+                "finish_reason": finish_reason(seq.finish),
+            }
+        )
     prompt = seqs[0].finish.prompt_tokens
     completion = sum(s.finish.generated_tokens for s in seqs)
     return dumps({**env.head("chat.completion"), "choices": choices, "usage": _usage(prompt, completion)})
@@ -128,8 +151,12 @@ class ChatStreamEncoder(_Stream):
             return b""
         finish = event.finish
         lp = {"content": [_chat_logprob(event.token, event.top_tokens)]} if self.logprobs else None
-        choice = {"index": event.index, "delta": {"role": "assistant", "content": event.token.text},
-                  "logprobs": lp, "finish_reason": finish_reason(finish) if finish else None}
+        choice = {
+            "index": event.index,
+            "delta": {"role": "assistant", "content": event.token.text},
+            "logprobs": lp,
+            "finish_reason": finish_reason(finish) if finish else None,
+        }
         if finish is not None:
             self.prompt_tokens = finish.prompt_tokens
             self.completion_tokens += finish.generated_tokens
@@ -159,8 +186,9 @@ def _legacy_logprobs(tokens: list[Token], tops: list, start: int) -> dict:
     }
 
 
-def completion_body(per_prompt: list[list[Sequence]], prompts: list[str], env: Envelope, *, logprobs: bool,
-                    echo: bool) -> bytes:
+def completion_body(
+    per_prompt: list[list[Sequence]], prompts: list[str], env: Envelope, *, logprobs: bool, echo: bool
+) -> bytes:
     """Non-streaming completion: choice index = prompt index x n + sequence rank; usage summed."""
     choices, prompt_tokens, completion_tokens = [], 0, 0
     for p, seqs in enumerate(per_prompt):
@@ -172,16 +200,23 @@ def completion_body(per_prompt: list[list[Sequence]], prompts: list[str], env: E
             if logprobs:
                 tokens, tops = list(seq.tokens), list(seq.top_tokens)
                 if echo and seq.finish.prefill:
-                    pre = [Token(t.id, t.text, None if i == 0 else t.logprob, t.special)
-                           for i, t in enumerate(seq.finish.prefill)]
+                    pre = [
+                        Token(t.id, t.text, None if i == 0 else t.logprob, t.special)
+                        for i, t in enumerate(seq.finish.prefill)
+                    ]
                     tokens, tops = pre + tokens, [None] * len(pre) + tops
                     lp = _legacy_logprobs(tokens, tops, 0)
                 else:
                     lp = _legacy_logprobs(tokens, tops, len(prefix))
-            choices.append({"index": p * len(seqs) + rank, "text": prefix + seq.finish.generated_text,
-                            "logprobs": lp, "finish_reason": finish_reason(seq.finish)})
-    return dumps({**env.head("text_completion"), "choices": choices,
-                  "usage": _usage(prompt_tokens, completion_tokens)})
+            choices.append(
+                {
+                    "index": p * len(seqs) + rank,
+                    "text": prefix + seq.finish.generated_text,
+                    "logprobs": lp,
+                    "finish_reason": finish_reason(seq.finish),
+                }
+            )
+    return dumps({**env.head("text_completion"), "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)})
 
 
 class CompletionEncoder(_Whole):
@@ -214,11 +249,21 @@ class CompletionStreamEncoder(_Stream):
             return b""
         finish = event.finish
         lp = _legacy_logprobs([event.token], [event.top_tokens], 0) if self.logprobs else None
-        choice = {"index": index * self.n + event.index, "text": event.token.text, "logprobs": lp,
-                  "finish_reason": finish_reason(finish) if finish else ""}
+        choice = {
+            "index": index * self.n + event.index,
+            "text": event.token.text,
+            "logprobs": lp,
+            "finish_reason": finish_reason(finish) if finish else "",
+        }
         head = self.env.head("text_completion")  # TGI's order here: choices before model
-        obj = {"object": head["object"], "id": "", "created": head["created"], "choices": [choice],
-               "model": head["model"], "system_fingerprint": head["system_fingerprint"]}
+        obj = {
+            "object": head["object"],
+            "id": "",
+            "created": head["created"],
+            "choices": [choice],
+            "model": head["model"],
+            "system_fingerprint": head["system_fingerprint"],
+        }
         if finish is not None:
             obj["usage"] = _usage(finish.prompt_tokens, finish.generated_tokens)
         return sse.event(dumps(obj))

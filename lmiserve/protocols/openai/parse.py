@@ -106,7 +106,8 @@ def completion(
         raise SuffixUnsupported("Suffix is not supported and can be achieved by preprocessing the prompt.")
     if len(prompts) > limits.max_client_batch_size:
         raise TooManyPrompts(
-            f"Number of prompts exceeds the maximum allowed batch size of {limits.max_client_batch_size}")
+            f"Number of prompts exceeds the maximum allowed batch size of {limits.max_client_batch_size}"
+        )
     top_n = min(req.logprobs or 0, limits.max_top_n_tokens)
     calls = []
     for prompt in prompts:
@@ -114,7 +115,9 @@ def completion(
             **_sampling(req.temperature),
             top_p=_top_p(req.top_p),
             frequency_penalty=req.frequency_penalty,
-            repetition_penalty=(req.presence_penalty + 2.0) if req.presence_penalty is not None else req.repetition_penalty,
+            repetition_penalty=(req.presence_penalty + 2.0)
+            if req.presence_penalty is not None
+            else req.repetition_penalty,
             max_new_tokens=req.max_tokens,
             stop=req.stop or [],
             seed=req.seed,

@@ -66,9 +66,15 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Resp
                 stream = enc.ChatStreamEncoder(env, logprobs=call.logprobs, include_usage=call.include_usage)
             else:
                 stream = enc.CompletionStreamEncoder(env, logprobs=call.logprobs, n=call.calls[0].best_of)
-            return await respond(request, events, stream, headers={**SSE_HEADERS, "x-compute-type": model.compute_type},
-                                 in_band=True, heartbeat=keepalive(model.service.settings.sse_keepalive_interval),
-                                 on_close=slot.release)
+            return await respond(
+                request,
+                events,
+                stream,
+                headers={**SSE_HEADERS, "x-compute-type": model.compute_type},
+                in_band=True,
+                heartbeat=keepalive(model.service.settings.sse_keepalive_interval),
+                on_close=slot.release,
+            )
         whole: enc.ChatEncoder | enc.CompletionEncoder
         if chat:
             whole = enc.ChatEncoder(env, call.prompts[0], logprobs=call.logprobs)
@@ -82,7 +88,10 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Resp
 
 
 def routes() -> Sequence[BaseRoute]:
-    return protocol_routes(RENDERER, [
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-    ])
+    return protocol_routes(
+        RENDERER,
+        [
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+        ],
+    )

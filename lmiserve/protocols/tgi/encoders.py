@@ -39,8 +39,15 @@ class AnswerShape:
 
     @classmethod
     def of(cls, prompt: str, call: TextGenCall) -> AnswerShape:
-        return cls(prompt, call.details, call.decoder_input_details, call.return_full_text, call.top_n_tokens,
-                   call.sampling, call.input_length)
+        return cls(
+            prompt,
+            call.details,
+            call.decoder_input_details,
+            call.return_full_text,
+            call.top_n_tokens,
+            call.sampling,
+            call.input_length,
+        )
 
 
 def token_obj(token: Token, special_text: SpecialText | None = None) -> dict:
@@ -57,7 +64,9 @@ def _plain_token(token: Token) -> dict:
 def _prefill(finish: Finish, shape: AnswerShape) -> list[dict]:
     if not shape.decoder_input_details or not finish.prefill:
         return []
-    return [{"id": t.id, "text": t.text, "logprob": None if i == 0 else t.logprob} for i, t in enumerate(finish.prefill)]
+    return [
+        {"id": t.id, "text": t.text, "logprob": None if i == 0 else t.logprob} for i, t in enumerate(finish.prefill)
+    ]
 
 
 def _text(seq: Sequence, shape: AnswerShape) -> str:

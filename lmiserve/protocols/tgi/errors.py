@@ -30,7 +30,9 @@ def errors_in_band(request: Request) -> None:
 class TgiRenderer(TextGenRenderer):
     def in_band(self, exc: LmiServeError) -> bytes:
         if isinstance(exc, IncompleteGeneration):
-            return sse.event(dumps({"error": "Incomplete generation stream", "error_type": "incomplete_generation_stream"}))
+            return sse.event(
+                dumps({"error": "Incomplete generation stream", "error_type": "incomplete_generation_stream"})
+            )
         return sse.event(self.body(exc))
 
     def response(self, exc: LmiServeError, request: Request) -> Response:

@@ -10,8 +10,9 @@ from lmiserve.server.textgen.limits import TextGenLimits
 from lmiserve.server.textgen.validation import TextGenCall, build
 
 
-def validate(req: GenerateRequest, limits: TextGenLimits, count_tokens: Callable[[str], int], *,
-             stream: bool) -> TextGenCall:
+def validate(
+    req: GenerateRequest, limits: TextGenLimits, count_tokens: Callable[[str], int], *, stream: bool
+) -> TextGenCall:
     """`InvalidRequest` for the first check that fails; streaming allows neither best_of > 1 nor
     decoder_input_details."""
     return build(req.inputs, req.effective_parameters(), limits, count_tokens, stream=stream)

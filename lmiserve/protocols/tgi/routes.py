@@ -53,8 +53,9 @@ async def _generate(request: Request, *, stream: bool | None) -> Response:
     require_api_key(request)
     timer = Timer()
     req = parse(GenerateRequest, await json_payload(request))
-    return await answer(request, req, stream=req.stream if stream is None else stream, compat=stream is None,
-                        timer=timer)
+    return await answer(
+        request, req, stream=req.stream if stream is None else stream, compat=stream is None, timer=timer
+    )
 
 
 async def invoke_compat(request: Request, payload: dict) -> Response:
@@ -80,11 +81,20 @@ async def answer(request: Request, req: GenerateRequest, *, stream: bool, compat
         shape = AnswerShape.of(req.inputs, call)
         events = engine_events(model.engine, [call.request])
         if stream:
-            sse_headers = {**SSE_HEADERS, "x-compute-type": model.compute_type,
-                           "x-compute-characters": str(len(req.inputs))}
-            return await respond(request, events, StreamEncoder(shape, model.special_text), headers=sse_headers,
-                                 in_band=True, heartbeat=keepalive(model.service.settings.sse_keepalive_interval),
-                                 on_close=slot.release)
+            sse_headers = {
+                **SSE_HEADERS,
+                "x-compute-type": model.compute_type,
+                "x-compute-characters": str(len(req.inputs)),
+            }
+            return await respond(
+                request,
+                events,
+                StreamEncoder(shape, model.special_text),
+                headers=sse_headers,
+                in_band=True,
+                heartbeat=keepalive(model.service.settings.sse_keepalive_interval),
+                on_close=slot.release,
+            )
         encoder = GenerateEncoder(shape, model.special_text, compat=compat)
 
         def timing_headers() -> dict[str, str]:
@@ -177,18 +187,24 @@ async def info(request: Request) -> Response:
 
 async def models(request: Request) -> Response:
     names = [service.name for service in request.app.state.registry if service.is_llm]
-    body = {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": name} for name in names]}
+    body = {
+        "object": "list",
+        "data": [{"id": name, "object": "model", "created": 0, "owned_by": name} for name in names],
+    }
     return raw_response(dumps(body))
 
 
 def routes() -> Sequence[BaseRoute]:
-    return protocol_routes(RENDERER, [
-        Route("/", root, methods=["GET", "POST"]),
-        Route("/generate", generate, methods=["POST"]),
-        Route("/generate_stream", generate_stream, methods=["POST"]),
-        Route("/tokenize", tokenize, methods=["POST"]),
-        Route("/chat_tokenize", chat_tokenize, methods=["POST"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/info", info, methods=["GET"]),
-        Route("/v1/models", models, methods=["GET"]),
-    ])
+    return protocol_routes(
+        RENDERER,
+        [
+            Route("/", root, methods=["GET", "POST"]),
+            Route("/generate", generate, methods=["POST"]),
+            Route("/generate_stream", generate_stream, methods=["POST"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/chat_tokenize", chat_tokenize, methods=["POST"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/info", info, methods=["GET"]),
+            Route("/v1/models", models, methods=["GET"]),
+        ],
+    )

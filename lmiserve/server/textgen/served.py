@@ -51,7 +51,7 @@ class Served:
             raise TemplateError(str(exc)) from None
         bos = getattr(self.tokenizer, "bos_token", None)
         if for_engine and bos and text.startswith(bos) and self._adds_bos():
-            text = text[len(bos):]
+            text = text[len(bos) :]
         return text
 
     def _adds_bos(self) -> bool:

@@ -65,8 +65,7 @@ def build(
     if p.max_new_tokens == 0:
         raise InvalidRequest("`max_new_tokens` must be strictly positive")
     if len(p.stop) > limits.max_stop_sequences:
-        raise InvalidRequest(
-            f"`stop` supports up to {limits.max_stop_sequences} stop sequences. Given: {len(p.stop)}")
+        raise InvalidRequest(f"`stop` supports up to {limits.max_stop_sequences} stop sequences. Given: {len(p.stop)}")
     if best_of > 1 and p.seed is not None:
         raise InvalidRequest("`seed` must not be set when `best_of` > 1")
     top_n = p.top_n_tokens or 0

@@ -141,9 +141,7 @@ def default_formatter_name(stream: bool, tgi_compat: bool) -> str:
     return "sse" if tgi_compat else "jsonlines"
 
 
-def select_formatter_name(
-    request_value: str | None, option_value: str | None, stream: bool, tgi_compat: bool
-) -> str:
+def select_formatter_name(request_value: str | None, option_value: str | None, stream: bool, tgi_compat: bool) -> str:
     """Resolve the formatter: parameters.output_formatter > option.output_formatter > default.
 
     Returns a registered name (the ``tgi_`` variant when `tgi_compat` applies). An unknown value

@@ -64,7 +64,8 @@ class BinaryReader:
             raise InvalidInput(f"invalid 'binary_data_size' for input '{name}': {size!r}")
         if self.offset + size > len(self.tail):
             raise InvalidInput(
-                f"unexpected end of binary data for input '{name}': needs {size} bytes, {len(self.tail) - self.offset} left"
+                f"unexpected end of binary data for input '{name}': "
+                f"needs {size} bytes, {len(self.tail) - self.offset} left"
             )
         chunk = bytes(self.tail[self.offset : self.offset + size])
         self.offset += size
@@ -73,7 +74,9 @@ class BinaryReader:
     def check_consumed(self) -> None:
         left = len(self.tail) - self.offset
         if left:
-            raise InvalidInput(f"unexpected additional input data: {left} bytes are not claimed by any input's 'binary_data_size'")
+            raise InvalidInput(
+                f"unexpected additional input data: {left} bytes are not claimed by any input's 'binary_data_size'"
+            )
 
 
 def decode_tensor(raw: bytes, datatype: str, shape: Sequence[int], name: str) -> np.ndarray:
@@ -82,14 +85,18 @@ def decode_tensor(raw: bytes, datatype: str, shape: Sequence[int], name: str) ->
     if datatype == "BYTES":
         values = _split_bytes(raw, name)
         if len(values) != count:
-            raise InvalidInput(f"shape does not match data for input '{name}': shape {list(shape)} needs {count} elements, got {len(values)}")
+            raise InvalidInput(
+                f"shape does not match data for input '{name}': "
+                f"shape {list(shape)} needs {count} elements, got {len(values)}"
+            )
         array = np.empty(count, dtype=object)
         array[:] = values
         return array.reshape(shape)
     dtype = numpy_dtype(datatype, name).newbyteorder("<")
     if len(raw) != count * dtype.itemsize:
         raise InvalidInput(
-            f"unexpected binary data size for input '{name}': shape {list(shape)} of {datatype} needs {count * dtype.itemsize} bytes, got {len(raw)}"
+            f"unexpected binary data size for input '{name}': "
+            f"shape {list(shape)} of {datatype} needs {count * dtype.itemsize} bytes, got {len(raw)}"
         )
     array = np.frombuffer(raw, dtype=dtype).reshape(shape)
     if datatype == "BOOL":

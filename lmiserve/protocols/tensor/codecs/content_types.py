@@ -28,7 +28,9 @@ def codec_error(message: str) -> InvalidInput:
     return InvalidInput(f"There was an error encoding / decoding the payload: {message}")
 
 
-def decode_json_input(name: str, datatype: str, shape: tuple[int, ...], data: object, content_type: str | None) -> np.ndarray:
+def decode_json_input(
+    name: str, datatype: str, shape: tuple[int, ...], data: object, content_type: str | None
+) -> np.ndarray:
     """One JSON input to an array, applying its content type."""
     if content_type == "str":
         return _object_array([_as_bytes(v, name) for v in _listify(data)])
@@ -83,7 +85,9 @@ def _b64(value: object, name: str) -> bytes:
 def _iso(value: object, name: str) -> bytes:
     text = value.decode("ascii", errors="replace") if isinstance(value, bytes) else value
     if not isinstance(text, str):
-        raise codec_error(f"input '{name}' with content type 'datetime' holds a {type(value).__name__}, not an ISO-8601 string")
+        raise codec_error(
+            f"input '{name}' with content type 'datetime' holds a {type(value).__name__}, not an ISO-8601 string"
+        )
     try:
         return datetime.fromisoformat(text).isoformat().encode("ascii")
     except ValueError as exc:
@@ -110,7 +114,10 @@ def columns_to_inputs(columns: dict[str, np.ndarray], input_names: list[str]) ->
     Columns named like the model's inputs feed those inputs; otherwise a single-input model gets the
     only column, or the numeric columns side by side as an `[N, columns]` matrix (column order kept).
     """
-    flat = {name: (col.reshape(col.shape[0], -1) if col.ndim > 1 and col.shape[-1] == 1 else col) for name, col in columns.items()}
+    flat = {
+        name: (col.reshape(col.shape[0], -1) if col.ndim > 1 and col.shape[-1] == 1 else col)
+        for name, col in columns.items()
+    }
     flat = {name: (col[:, 0] if col.ndim == 2 and col.shape[1] == 1 else col) for name, col in flat.items()}
     if all(name in flat for name in input_names):
         return {name: flat[name] for name in input_names}
@@ -122,7 +129,9 @@ def columns_to_inputs(columns: dict[str, np.ndarray], input_names: list[str]) ->
         if len(lengths) != 1:
             raise codec_error("the columns of a 'pd' request must have the same length")
         if any(c.dtype.kind not in "biuf" or c.ndim != 1 for c in cols):
-            raise codec_error(f"the columns {', '.join(flat)} of a 'pd' request can only be combined when they are numeric")
+            raise codec_error(
+                f"the columns {', '.join(flat)} of a 'pd' request can only be combined when they are numeric"
+            )
         return {input_names[0]: np.stack(cols, axis=1)}
     missing = [n for n in input_names if n not in flat]
     raise codec_error(f"the 'pd' request has no column for the model input '{missing[0]}'")
@@ -134,7 +143,9 @@ def encode_output(array: np.ndarray, content_type: str, name: str) -> tuple[np.n
     if content_type == "np":
         return array, "np"
     if content_type not in ("str", "base64", "datetime"):
-        raise codec_error(f"unsupported content type '{content_type}' for output '{name}' (np, str, base64 or datetime)")
+        raise codec_error(
+            f"unsupported content type '{content_type}' for output '{name}' (np, str, base64 or datetime)"
+        )
     if array.dtype.kind not in "OSU":
         raise codec_error(f"output '{name}' holds {array.dtype} numbers: content type '{content_type}' needs BYTES")
     values = [v if isinstance(v, bytes) else str(v).encode("utf-8") for v in array.reshape(-1).tolist()]

@@ -56,7 +56,9 @@ def flatten(data: object, name: str) -> list:
             index += 1
             if isinstance(item, list):
                 if len(stack) + 2 > MAX_NESTING:
-                    raise InvalidInput(f"JSON nesting depth exceeds maximum allowed limit ({MAX_NESTING}) in input '{name}'")
+                    raise InvalidInput(
+                        f"JSON nesting depth exceeds maximum allowed limit ({MAX_NESTING}) in input '{name}'"
+                    )
                 stack.append((items, index))
                 items, index = item, 0
             else:
@@ -71,7 +73,8 @@ def to_array(data: object, datatype: str, shape: Sequence[int], name: str) -> np
     expected = math.prod(shape)
     if len(flat) != expected:
         raise InvalidInput(
-            f"shape does not match data for input '{name}': shape {list(shape)} needs {expected} elements, got {len(flat)}"
+            f"shape does not match data for input '{name}': "
+            f"shape {list(shape)} needs {expected} elements, got {len(flat)}"
         )
     values = [_element(v, datatype, name) for v in flat]
     if datatype == "BYTES":
@@ -89,22 +92,30 @@ def _element(value: object, datatype: str, name: str) -> object:
             return value.encode("utf-8")
         if isinstance(value, bytes):
             return value
-        raise InvalidInput(f"unable to parse 'data' of input '{name}': expected a string for BYTES, got {_json_type(value)}")
+        raise InvalidInput(
+            f"unable to parse 'data' of input '{name}': expected a string for BYTES, got {_json_type(value)}"
+        )
     if datatype == "BOOL":
         if isinstance(value, bool):
             return value
         if isinstance(value, int) and value in (0, 1):
             return bool(value)
-        raise InvalidInput(f"unable to parse 'data' of input '{name}': expected true or false for BOOL, got {_json_type(value)}")
+        raise InvalidInput(
+            f"unable to parse 'data' of input '{name}': expected true or false for BOOL, got {_json_type(value)}"
+        )
     if datatype.startswith("FP"):
         if value is None:
             return math.nan
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return value
-        raise InvalidInput(f"unable to parse 'data' of input '{name}': expected a number for {datatype}, got {_json_type(value)}")
+        raise InvalidInput(
+            f"unable to parse 'data' of input '{name}': expected a number for {datatype}, got {_json_type(value)}"
+        )
     if isinstance(value, int) and not isinstance(value, bool):
         return value
-    raise InvalidInput(f"unable to parse 'data' of input '{name}': expected an integer for {datatype}, got {_json_type(value)}")
+    raise InvalidInput(
+        f"unable to parse 'data' of input '{name}': expected an integer for {datatype}, got {_json_type(value)}"
+    )
 
 
 def _check_range(values: list, dtype: np.dtype, datatype: str, name: str) -> None:
@@ -156,8 +167,8 @@ def fit_shape(array: np.ndarray, expected: Sequence[int], name: str, model: str)
         return array
     if len(shape) == len(expected) + 1 and shape[-1] == 1 and _matches(shape[:-1], expected):
         return array.reshape(shape[:-1])
-    if len(shape) + 1 == len(expected) and expected[-1] in (1, -1) and _matches(shape + (1,), expected):
-        return array.reshape(shape + (1,))
+    if len(shape) + 1 == len(expected) and expected[-1] in (1, -1) and _matches((*shape, 1), expected):
+        return array.reshape((*shape, 1))
     raise InvalidInput(
         f"unexpected shape for input '{name}' for model '{model}'. Expected {_dims(expected)}, got {_dims(shape)}"
     )

@@ -47,7 +47,10 @@ def decode_instances(instances: list, signature: ModelSignature) -> dict[str, np
     names = sorted(specs)
     first_is_object = isinstance(instances[0], dict) and not is_b64(instances[0])
     if len(names) > 1 and not first_is_object:
-        raise InvalidInput("instances is a plain list, but expecting list of objects as multiple input tensors required as per tensorinfo_map")
+        raise InvalidInput(
+            "instances is a plain list, but expecting list of objects as multiple input tensors "
+            "required as per tensorinfo_map"
+        )
     columns: dict[str, list[np.ndarray]] = {n: [] for n in names}
     for i, item in enumerate(instances):
         item_is_object = isinstance(item, dict) and not is_b64(item)
@@ -56,7 +59,9 @@ def decode_instances(instances: list, signature: ModelSignature) -> dict[str, np
         if not first_is_object and item_is_object:
             raise InvalidInput(f"Expecting value/list but got object at item {i} of input list")
         if not item_is_object:
-            columns[names[0]].append(_element(item, specs[names[0]], f"Failed to process element: {i} of 'instances' list. Error: "))
+            columns[names[0]].append(
+                _element(item, specs[names[0]], f"Failed to process element: {i} of 'instances' list. Error: ")
+            )
             continue
         for key, value in item.items():
             prefix = f"Failed to process element: {i} key: {key} of 'instances' list. Error: "
@@ -65,7 +70,8 @@ def decode_instances(instances: list, signature: ModelSignature) -> dict[str, np
             columns[key].append(_element(value, specs[key], prefix))
         if set(item) != set(names):
             raise InvalidInput(
-                f"Failed to process element: {i} of 'instances' list. JSON object: {dump(item)} keys must be equal to: {','.join(names)}"
+                f"Failed to process element: {i} of 'instances' list. "
+                f"JSON object: {dump(item)} keys must be equal to: {','.join(names)}"
             )
     return {name: _stack(arrays) for name, arrays in columns.items()}
 
@@ -81,7 +87,7 @@ def _stack(arrays: list[np.ndarray]) -> np.ndarray:
 
 
 def _object_stack(arrays: list[np.ndarray]) -> np.ndarray:
-    out = np.empty((len(arrays),) + arrays[0].shape, dtype=object)
+    out = np.empty((len(arrays), *arrays[0].shape), dtype=object)
     for i, array in enumerate(arrays):
         out[i, ...] = array
     return out
@@ -95,7 +101,10 @@ def decode_inputs(inputs: object, signature: ModelSignature) -> dict[str, np.nda
     specs = {t.name: t.datatype for t in signature.inputs}
     if not isinstance(inputs, dict) or is_b64(inputs):
         if len(specs) > 1:
-            raise InvalidInput("inputs is a plain value/list, but expecting an object as multiple input tensors required as per tensorinfo_map")
+            raise InvalidInput(
+                "inputs is a plain value/list, but expecting an object as multiple input tensors "
+                "required as per tensorinfo_map"
+            )
         name = next(iter(specs))
         return {name: _element(inputs, specs[name], "")}
     out = {}
@@ -109,7 +118,9 @@ def decode_inputs(inputs: object, signature: ModelSignature) -> dict[str, np.nda
 def _element(value: object, datatype: str, prefix: str) -> np.ndarray:
     """One tensor from nested JSON: shape from the first item per level, every sub-list checked."""
     if datatype not in _NUMPY and datatype != "BYTES":
-        raise Unsupported(f"Conversion of JSON Value: {dump(_first_leaf(value))} to type: {_TYPE_WORD.get(datatype, datatype)}")
+        raise Unsupported(
+            f"Conversion of JSON Value: {dump(_first_leaf(value))} to type: {_TYPE_WORD.get(datatype, datatype)}"
+        )
     shape: list[int] = []
     probe = value
     while isinstance(probe, list):
@@ -144,11 +155,16 @@ def _walk(value: object, rank: int, shape: list[int], datatype: str, leaves: lis
             if level >= rank:
                 raise _Invalid(f"Encountered list at unexpected level: {level} expected < {rank}")
             if len(node) != shape[level]:
-                raise _Invalid(f"Encountered list at unexpected size: {len(node)} at level: {level} expected size: {shape[level]}")
+                raise _Invalid(
+                    f"Encountered list at unexpected size: {len(node)} at level: {level} expected size: {shape[level]}"
+                )
             stack.extend((child, level + 1) for child in reversed(node))
             continue
         if level != rank:
-            raise _Invalid(f"JSON Value: {dump(node)} found at incorrect level: {level + 1} in the JSON DOM. Expected at level: {rank}")
+            raise _Invalid(
+                f"JSON Value: {dump(node)} found at incorrect level: {level + 1} in the JSON DOM. "
+                f"Expected at level: {rank}"
+            )
         leaves.append(_leaf(node, datatype))
 
 
@@ -176,7 +192,9 @@ def _leaf(value: object, datatype: str) -> object:
         low, high = _INT_RANGE[datatype]
         if low <= value <= high:
             return value
-    raise _Invalid(f"JSON Value: {dump(value)} Type: {json_type(value)} is not of expected type: {_TYPE_WORD[datatype]}")
+    raise _Invalid(
+        f"JSON Value: {dump(value)} Type: {json_type(value)} is not of expected type: {_TYPE_WORD[datatype]}"
+    )
 
 
 def _b64decode(text: str) -> bytes:

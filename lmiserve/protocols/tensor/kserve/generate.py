@@ -61,7 +61,9 @@ async def parse(request: Request) -> GenerateCall:
     """The addressed LLM and the generation it is asked for; 400 for a bad body, 404 / 503 as for infer."""
     svc, model = ready_model(request)
     if model.kind != "llm":
-        raise InvalidRequest(f"model '{svc.name}' is a {model.kind} model: generate needs an LLM; use /v2/models/{svc.name}/infer")
+        raise InvalidRequest(
+            f"model '{svc.name}' is a {model.kind} model: generate needs an LLM; use /v2/models/{svc.name}/infer"
+        )
     doc = kserve.load_header(await request.body())
     prompt = doc.get("text_input")
     if not isinstance(prompt, str) or not prompt:

@@ -19,7 +19,6 @@ import numpy as np
 
 from lmiserve.core.errors import InvalidInput, MalformedBody, SchemaViolation
 from lmiserve.core.tensors import ModelSignature, TensorRequest
-from lmiserve.protocols.tensor.codecs.jsondoc import load_object
 from lmiserve.protocols.tensor.codecs import binary, content_types
 from lmiserve.protocols.tensor.codecs.datatypes import (
     DTYPES,
@@ -28,6 +27,7 @@ from lmiserve.protocols.tensor.codecs.datatypes import (
     fit_shape,
     json_data,
 )
+from lmiserve.protocols.tensor.codecs.jsondoc import load_object
 
 VERSION = "1"
 _RESERVED = frozenset({"binary_data_output", "headers"})
@@ -45,8 +45,12 @@ class OutputPlan:
 
 
 def load_header(header: bytes) -> dict[str, Any]:
-    return load_object(header, failed="failed to parse the request JSON", too_deep="the document is nested too deeply",
-                       not_object="the inference request must be a JSON object")
+    return load_object(
+        header,
+        failed="failed to parse the request JSON",
+        too_deep="the document is nested too deeply",
+        not_object="the inference request must be a JSON object",
+    )
 
 
 def index_ready_only(body: bytes) -> bool:
@@ -78,7 +82,7 @@ def parse_infer(doc: dict, tail: bytes, model: str, signature: ModelSignature) -
         arrays = content_types.columns_to_inputs(arrays, names)
         typed = {n: True for n in arrays}
     elif len(names) == 1 and len(arrays) == 1 and names[0] not in arrays:
-        (given, array), = arrays.items()
+        ((given, array),) = arrays.items()
         arrays, typed = {names[0]: array}, {names[0]: typed[given] or request_ct is not None}
     model_inputs = _check_inputs(arrays, typed, signature, model)
     plan = _plan(doc, params, signature, model, request_ct)
@@ -117,7 +121,9 @@ def _input(item: object, reader: binary.BinaryReader, model: str) -> tuple[str, 
     return name, array, ct in content_types.INPUT_TYPES
 
 
-def _check_inputs(arrays: dict[str, np.ndarray], typed: dict[str, bool], signature: ModelSignature, model: str) -> dict[str, np.ndarray]:
+def _check_inputs(
+    arrays: dict[str, np.ndarray], typed: dict[str, bool], signature: ModelSignature, model: str
+) -> dict[str, np.ndarray]:
     for name in arrays:
         if signature.input(name) is None:
             raise InvalidInput(f"unexpected inference input '{name}' for model '{model}'")
@@ -130,7 +136,9 @@ def _check_inputs(arrays: dict[str, np.ndarray], typed: dict[str, bool], signatu
         if got != spec.datatype:
             numeric = got != "BYTES" and spec.datatype != "BYTES"
             if not (typed.get(spec.name) and numeric):
-                raise InvalidInput(f"inference input '{spec.name}' data-type is '{got}', but model '{model}' expects '{spec.datatype}'")
+                raise InvalidInput(
+                    f"inference input '{spec.name}' data-type is '{got}', but model '{model}' expects '{spec.datatype}'"
+                )
             array = array.astype(DTYPES[spec.datatype])
         out[spec.name] = fit_shape(array, spec.shape, spec.name, model)
     return out
@@ -140,7 +148,9 @@ def _plan(doc: dict, params: dict, signature: ModelSignature, model: str, reques
     request_id = doc.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise SchemaViolation("'id' must be a string")
-    plan = OutputPlan(id=request_id, binary_default=params.get("binary_data_output") is True, request_content_type=request_ct)
+    plan = OutputPlan(
+        id=request_id, binary_default=params.get("binary_data_output") is True, request_content_type=request_ct
+    )
     plan.mlserver = request_ct in content_types.REQUEST_TYPES
     outputs = doc.get("outputs")
     if outputs is None:

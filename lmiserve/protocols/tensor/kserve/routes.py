@@ -105,7 +105,10 @@ _ROUTES = [
 
 def routes() -> list[BaseRoute]:
     """Everything under /v2, with JSON 404/405 answers for unknown paths and methods."""
-    return protocol_routes(RENDERER, [
-        Route("/v2", server_metadata, methods=["GET"]),
-        Mount("/v2", routes=[*_ROUTES, Route("/{path:path}", not_found, methods=ANY)]),
-    ])
+    return protocol_routes(
+        RENDERER,
+        [
+            Route("/v2", server_metadata, methods=["GET"]),
+            Mount("/v2", routes=[*_ROUTES, Route("/{path:path}", not_found, methods=ANY)]),
+        ],
+    )

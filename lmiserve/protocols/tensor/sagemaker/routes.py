@@ -86,7 +86,9 @@ async def invoke_tensor(request: Request, service: ModelService, records: Record
         if tf_document:
             return await _tf_document(request, service, model, rows[0], records.attributes, accept, tf)
     outputs = await model.infer(tensor_records.to_request(rows, model.signature, service.name))
-    return _answer(request, accept, tensor_records.predictions(outputs, len(rows)), tensor_records.as_objects(outputs, len(rows)))
+    return _answer(
+        request, accept, tensor_records.predictions(outputs, len(rows)), tensor_records.as_objects(outputs, len(rows))
+    )
 
 
 async def execution_parameters(request: Request) -> Response:
@@ -107,15 +109,24 @@ def _answer(request: Request, accept: str, preds: list, objects: list[dict]) -> 
     return raw_response(sagemaker.encode(accept, preds, objects), 200, accept, echo(request))
 
 
-async def _tf_document(request: Request, service: ModelService, model: Any, doc: dict, attributes: dict[str, str],
-                       accept: str, tf: TfDocuments) -> Response:
+async def _tf_document(
+    request: Request,
+    service: ModelService,
+    model: Any,
+    doc: dict,
+    attributes: dict[str, str],
+    accept: str,
+    tf: TfDocuments,
+) -> Response:
     """A TF Serving document (`instances` or `examples`), as the TF Serving container forwards it."""
     method = attributes.get("tfs-method", "classify" if "examples" in doc else "predict")
     if method == "predict":
         tensor_request, _ = tf.parse_predict(doc, model.signature, service.name)  # `instances`: one record each
         outputs = await model.infer(tensor_request)
         count = next(iter(outputs.values())).shape[0] if outputs else 0
-        return _answer(request, accept, tensor_records.predictions(outputs, count), tensor_records.as_objects(outputs, count))
+        return _answer(
+            request, accept, tensor_records.predictions(outputs, count), tensor_records.as_objects(outputs, count)
+        )
     if method not in ("classify", "regress"):
         raise InvalidRequest(f"unknown tfs-method '{method}': expected predict, classify or regress")
     outputs = await model.infer(tf.parse_examples(doc, method, model.kind, model.signature))

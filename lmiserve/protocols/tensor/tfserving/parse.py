@@ -29,7 +29,11 @@ from lmiserve.protocols.tensor.codecs.tfjson import document, dump
 
 VERSION = "1"
 SIGNATURE = "serving_default"
-METHODS = {"predict": "tensorflow/serving/predict", "classify": "tensorflow/serving/classify", "regress": "tensorflow/serving/regress"}
+METHODS = {
+    "predict": "tensorflow/serving/predict",
+    "classify": "tensorflow/serving/classify",
+    "regress": "tensorflow/serving/regress",
+}
 _PATH = re.compile(
     r"/v1/models/(?P<name>[^/:]+)"
     r"(?:/(?:(?P<vkey>versions)/(?P<version>[^/:]+)|(?P<lkey>labels)/(?P<label>[^/:]+)))?"
@@ -122,7 +126,8 @@ def parse_predict(doc: object, signature: ModelSignature, model: str) -> tuple[T
     has_instances, has_inputs = "instances" in doc, "inputs" in doc
     if has_instances and has_inputs:
         raise SchemaViolation(
-            f"JSON Value: {dump(doc)} Not formatted correctly expecting only one of 'inputs' or 'instances' keys to exist "
+            f"JSON Value: {dump(doc)} Not formatted correctly expecting only one of 'inputs' or 'instances' "
+            "keys to exist "
         )
     if not has_instances and not has_inputs:
         raise SchemaViolation("Missing 'inputs' or 'instances' key")
@@ -163,7 +168,9 @@ def parse_examples(doc: object, method: str, kind: str, signature: ModelSignatur
             f"{METHODS[method]}. Was: {METHODS[method_of(kind)]}"
         )
     if "examples" not in doc:
-        raise SchemaViolation(f"JSON Value: {dump(doc)} When method is {method}, key 'examples' is expected and was not found")
+        raise SchemaViolation(
+            f"JSON Value: {dump(doc)} When method is {method}, key 'examples' is expected and was not found"
+        )
     examples = doc["examples"]
     if not isinstance(examples, list):
         raise SchemaViolation(f"JSON Value: {dump(doc)} Expecting 'examples' value to be an list/array")
@@ -189,7 +196,9 @@ def parse_examples(doc: object, method: str, kind: str, signature: ModelSignatur
 
 
 def _json_kind(value: object) -> str:
-    return {list: "Array", str: "String", bool: "True" if value else "False", type(None): "Null"}.get(type(value), "Number")
+    return {list: "Array", str: "String", bool: "True" if value else "False", type(None): "Null"}.get(
+        type(value), "Number"
+    )
 
 
 def classify_body(outputs: dict[str, np.ndarray], labels: list[str]) -> bytes:

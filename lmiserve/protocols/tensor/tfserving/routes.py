@@ -21,7 +21,11 @@ from lmiserve.server.errors import protocol_routes
 from lmiserve.server.responses import raw_response
 
 _EXAMINED = ("signature_name", "instances", "inputs", "examples", "context", "parameters")  # other keys are ignored
-CORS = {"Access-Control-Allow-Origin": "*", "Access-Control-Allow-Methods": "POST, GET", "Access-Control-Allow-Headers": "Content-Type"}
+CORS = {
+    "Access-Control-Allow-Origin": "*",
+    "Access-Control-Allow-Methods": "POST, GET",
+    "Access-Control-Allow-Headers": "Content-Type",
+}
 
 
 def _raw_path(request: Request) -> str:
@@ -65,7 +69,13 @@ def _status_or_metadata(request: Request, target: tfserving.Target) -> Response:
 
 async def _infer(request: Request, target: tfserving.Target) -> Response:
     latest = f"Servable not found for request: Latest({target.name})"
-    svc = _find(request, target, latest if target.version is None else f"Servable not found for request: Specific({target.name}, {target.version})")
+    svc = _find(
+        request,
+        target,
+        latest
+        if target.version is None
+        else f"Servable not found for request: Specific({target.name}, {target.version})",
+    )
     tfserving.check_version(target)
     model = svc.tensor_model
     doc = parse_document(await request.body(), keep=_EXAMINED)
@@ -85,5 +95,7 @@ def routes() -> list[BaseRoute]:
     """`/v1/models/...`, and `/v1/models` itself for what an earlier exact route (the OpenAI model list,
     `GET /v1/models`) does not take: TF Serving's 400 `Missing model name in request.` / `Malformed request`."""
     methods = ["GET", "POST", "OPTIONS", "PUT", "DELETE", "PATCH"]
-    return protocol_routes(RENDERER, [Route("/v1/models/{rest:path}", handle, methods=methods),
-                                      Route("/v1/models", handle, methods=methods)])
+    return protocol_routes(
+        RENDERER,
+        [Route("/v1/models/{rest:path}", handle, methods=methods), Route("/v1/models", handle, methods=methods)],
+    )

@@ -17,8 +17,12 @@ from lmiserve.protocols.tensor.codecs.jsondoc import load_object
 
 
 def parse(body: bytes, signature: ModelSignature, model: str) -> tuple[TensorRequest, int]:
-    doc = load_object(body, failed="JSON deserialization failed for the request data", too_deep="nested too deeply",
-                      not_object='the request must be a JSON object {"instances": [...], "parameters": {...}}')
+    doc = load_object(
+        body,
+        failed="JSON deserialization failed for the request data",
+        too_deep="nested too deeply",
+        not_object='the request must be a JSON object {"instances": [...], "parameters": {...}}',
+    )
     instances = doc.get("instances")
     if not isinstance(instances, list) or not instances:
         raise SchemaViolation("'instances' must be a non-empty list")

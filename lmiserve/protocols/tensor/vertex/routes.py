@@ -65,4 +65,6 @@ def configured_routes(settings) -> list[BaseRoute]:
 
 
 def routes() -> list[BaseRoute]:
-    return protocol_routes(RENDERER, [Route("/v1/endpoints/{endpoint}/deployedModels/{deployed}", default_shape, methods=["GET", "POST"])])
+    return protocol_routes(
+        RENDERER, [Route("/v1/endpoints/{endpoint}/deployedModels/{deployed}", default_shape, methods=["GET", "POST"])]
+    )
