@@ -47,6 +47,7 @@ class ModelService:
         self.loaded: LoadedModel | TensorRunner | None = None  # the LLM, or the one-shot model's runner
         self.engine: ModelEngine | None = None  # the AsyncEngine of an LLM, else the OneShotModel
         self._generator: TextGenerator | None = None  # the AsyncEngine of an LLM
+        self._llm: LoadedModel | None = None  # the loaded causal LM of an LLM
         self._tensor_model: TensorModel | None = None
         self._closed = False
         self.started_at = time.time()
@@ -75,6 +76,14 @@ class ModelService:
         if self.status != self.READY:
             raise ModelNotReady(f"Model {self.name} is {'loading' if self.status == self.PENDING else 'failed'}")
         return self.engine
+
+    def ready_llm(self) -> LoadedModel:
+        """The loaded causal LM (tokenizer, device, dtype); ModelNotReady while it loads, Unsupported for
+        other kinds."""
+        self.ready_engine()
+        if self._llm is None:
+            raise Unsupported(f"Model {self.name} is a {self.kind} model; it does not generate text")
+        return self._llm
 
     def ready_generator(self) -> TextGenerator:
         """The text generator of a loaded LLM; ModelNotReady while it loads, Unsupported for other kinds."""
@@ -121,7 +130,7 @@ class ModelService:
         self.path = resolve_model_path(s.model_id, s.revision, s.model_cache_dir)
         if not self._fixed_name:
             self.name = default_model_name(s.model_id, self.path)
-        self.loaded = loaded = load_causal_lm(
+        self.loaded = self._llm = loaded = load_causal_lm(
             self.path, dtype=s.dtype, device=s.device, trust_remote_code=s.trust_remote_code
         )
         self.engine = self._generator = engine = build_engine(loaded, s)

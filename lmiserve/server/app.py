@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -73,11 +74,9 @@ def create_app(
             loading.cancel()
             await registry.close_all()
 
-    app = Starlette(
-        routes=routes(settings),
-        lifespan=lifespan,
-        exception_handlers={HTTPException: _http_error, Exception: _unexpected},
-    )
+    # starlette types a handler as taking any Exception; each of these takes the class it is registered for
+    handlers: dict[Any, Any] = {HTTPException: _http_error, Exception: _unexpected}
+    app = Starlette(routes=routes(settings), lifespan=lifespan, exception_handlers=handlers)
     app.state.registry = registry
     app.state.settings = settings
     return app

@@ -26,7 +26,7 @@ def parse_line(service: ModelService, payload: Any) -> lmi.LmiCall:
 
 async def answer_line(service: ModelService, call: lmi.LmiCall) -> Any:
     encoder = get_formatter("json", call.options)
-    async with aclosing(service.ready_engine().generate(call.requests[0])) as events:  # closing aborts it
+    async with aclosing(service.ready_generator().generate(call.requests[0])) as events:  # closing aborts it
         async for event in events:
             if is_error_finish(event):
                 raise failure_of(event)

@@ -173,7 +173,7 @@ class ChatStreamEncoder(_Stream):
 # --- completions ------------------------------------------------------------------------------------
 
 
-def _legacy_logprobs(tokens: list[Token], tops: list, start: int) -> dict:
+def _legacy_logprobs(tokens: list[Token], tops: list[tuple[Token, ...] | None], start: int) -> dict:
     offsets, pos = [], start
     for t in tokens:
         offsets.append(pos)
@@ -198,13 +198,15 @@ def completion_body(
             prefix = prompts[p] if echo else ""
             lp = None
             if logprobs:
-                tokens, tops = list(seq.tokens), list(seq.top_tokens)
+                tokens = list(seq.tokens)
+                tops: list[tuple[Token, ...] | None] = list(seq.top_tokens)
                 if echo and seq.finish.prefill:
                     pre = [
                         Token(t.id, t.text, None if i == 0 else t.logprob, t.special)
                         for i, t in enumerate(seq.finish.prefill)
                     ]
-                    tokens, tops = pre + tokens, [None] * len(pre) + tops
+                    no_tops: list[tuple[Token, ...] | None] = [None] * len(pre)
+                    tokens, tops = pre + tokens, no_tops + tops
                     lp = _legacy_logprobs(tokens, tops, 0)
                 else:
                     lp = _legacy_logprobs(tokens, tops, len(prefix))

@@ -16,7 +16,7 @@ from lmiserve.core.errors import InvalidRequest, Unsupported
 from lmiserve.protocols.openai.errors import EmptyPrompt, SuffixUnsupported, TooManyPrompts
 from lmiserve.protocols.openai.schema import ChatRequest, CompletionRequest
 from lmiserve.server.textgen.limits import TextGenLimits
-from lmiserve.server.textgen.parameters import GenerationParameters
+from lmiserve.server.textgen.parameters import TextGenParameters
 from lmiserve.server.textgen.validation import TextGenCall, build
 
 MAX_N = 16  # most sequences one request may ask the engine for
@@ -72,7 +72,7 @@ def chat(
         raise InvalidRequest("grammar is not supported")
     prompt = render(req.template_messages())
     top_n = (req.top_logprobs or 0) if req.logprobs else 0
-    params = GenerationParameters(
+    params = TextGenParameters(
         **_sampling(req.temperature),
         top_p=_top_p(req.top_p),
         frequency_penalty=req.frequency_penalty,
@@ -111,7 +111,7 @@ def completion(
     top_n = min(req.logprobs or 0, limits.max_top_n_tokens)
     calls = []
     for prompt in prompts:
-        params = GenerationParameters(
+        params = TextGenParameters(
             **_sampling(req.temperature),
             top_p=_top_p(req.top_p),
             frequency_penalty=req.frequency_penalty,

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr
 
-from lmiserve.server.textgen.parameters import GenerationParameters
+from lmiserve.server.textgen.parameters import TextGenParameters
 
-TgiParameters = GenerationParameters  # the ``parameters`` object
+TgiParameters = TextGenParameters  # the ``parameters`` object
 
 
 class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     inputs: StrictStr
-    parameters: GenerationParameters | None = None  # absent: do_sample defaults to true (a TGI quirk)
+    parameters: TextGenParameters | None = None  # absent: do_sample defaults to true (a TGI quirk)
     stream: StrictBool = False
 
-    def effective_parameters(self) -> GenerationParameters:
-        return self.parameters if self.parameters is not None else GenerationParameters(do_sample=True)
+    def effective_parameters(self) -> TextGenParameters:
+        return self.parameters if self.parameters is not None else TextGenParameters(do_sample=True)

@@ -15,7 +15,7 @@ UINT32 = 2**32 - 1
 UINT64 = 2**64 - 1
 
 
-class GenerationParameters(BaseModel):
+class TextGenParameters(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     best_of: int | None = Field(None, ge=0, le=UINT32)

@@ -11,6 +11,7 @@ from typing import Any
 from starlette.requests import Request
 
 from lmiserve import __version__
+from lmiserve.core.engine import TextGenerator
 from lmiserve.core.errors import TemplateError
 from lmiserve.models.service import ModelService, default_llm
 from lmiserve.server.textgen.limits import TextGenLimits, limits_for
@@ -21,7 +22,7 @@ class Served:
     """The default model, ready."""
 
     service: ModelService
-    engine: Any
+    engine: TextGenerator
     limits: TextGenLimits
     tokenizer: Any
     started: float = field(default_factory=time.monotonic)
@@ -29,8 +30,8 @@ class Served:
     @classmethod
     def of(cls, service: ModelService) -> Served:
         """`service` as a text generator; raises ModelNotReady while it loads or after it failed."""
-        engine = service.ready_engine()
-        return cls(service, engine, limits_for(service), service.loaded.tokenizer)
+        engine = service.ready_generator()
+        return cls(service, engine, limits_for(service), service.ready_llm().tokenizer)
 
     def count_tokens(self, text: str) -> int:
         """Prompt length as the engine will see it (special tokens added)."""
@@ -61,7 +62,7 @@ class Served:
     @property
     def compute_type(self) -> str:
         """``x-compute-type``: env COMPUTE_TYPE, else from the device (TGI's default is gpu+optimized)."""
-        default = "cpu" if self.service.loaded.device.type == "cpu" else "gpu+optimized"
+        default = "cpu" if self.service.ready_llm().device.type == "cpu" else "gpu+optimized"
         return os.environ.get("COMPUTE_TYPE", default)
 
     @property

@@ -1,7 +1,7 @@
 """Generation parameters -> one engine request, validated in TGI's order with TGI's messages.
 
 Every failure raises `InvalidRequest` with the detail only; the protocols' renderers add TGI's
-``Input validation error: `` prefix. OpenAI requests are mapped onto `GenerationParameters` and
+``Input validation error: `` prefix. OpenAI requests are mapped onto `TextGenParameters` and
 validated here too.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from lmiserve.core.errors import InvalidRequest
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.server.textgen.limits import TextGenLimits
-from lmiserve.server.textgen.parameters import GenerationParameters
+from lmiserve.server.textgen.parameters import TextGenParameters
 
 
 @dataclass
@@ -32,7 +32,7 @@ class TextGenCall:
 
 def build(
     inputs: str,
-    params: GenerationParameters,
+    params: TextGenParameters,
     limits: TextGenLimits,
     count_tokens: Callable[[str], int],
     *,

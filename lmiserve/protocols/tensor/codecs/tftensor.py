@@ -237,7 +237,7 @@ def _nested(texts: np.ndarray | str) -> str:
     if isinstance(texts, str):  # one row of a rank-1 tensor
         return texts
     if texts.ndim == 0:
-        return texts[()]
+        return str(texts[()])
     if texts.ndim == 1:
         return "[" + ", ".join(texts.tolist()) + "]"
     return "[" + ", ".join(_nested(sub) for sub in texts) + "]"
@@ -272,7 +272,7 @@ def render_rows(outputs: dict[str, np.ndarray]) -> str:
         return render(next(iter(outputs.values())), next(iter(outputs)))
     texts = {name: tokens(np.asarray(a), name) for name, a in outputs.items()}
     rows = []
-    for i in range(batch):
+    for i in range(batch or 0):
         members = [f'        "{name}": {_nested(t[i])}' for name, t in texts.items()]
         rows.append("{\n" + ",\n".join(members) + "\n    }")
     return "[" + ", ".join(rows) + "]"

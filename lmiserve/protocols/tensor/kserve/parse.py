@@ -188,8 +188,8 @@ def encode_response(outputs: dict[str, np.ndarray], plan: OutputPlan, model: str
             array, ct = content_types.pd_column(array)
         elif plan.mlserver:
             ct = content_types.output_content_type(array)
-        entry = {"name": name, "datatype": datatype_of(array), "shape": list(array.shape)}
-        params = {"content_type": ct} if ct else {}
+        entry: dict[str, Any] = {"name": name, "datatype": datatype_of(array), "shape": list(array.shape)}
+        params: dict[str, Any] = {"content_type": ct} if ct else {}
         if plan.binary.get(name, plan.binary_default):
             raw = binary.encode_tensor(array)
             params["binary_data_size"] = len(raw)
@@ -199,7 +199,7 @@ def encode_response(outputs: dict[str, np.ndarray], plan: OutputPlan, model: str
         if params:
             entry["parameters"] = params
         described.append(entry)
-    body = {"model_name": model, "model_version": VERSION}
+    body: dict[str, Any] = {"model_name": model, "model_version": VERSION}
     if plan.id is not None:
         body["id"] = plan.id
     if plan.mlserver:

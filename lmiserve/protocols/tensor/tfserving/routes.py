@@ -83,7 +83,7 @@ async def _infer(request: Request, target: tfserving.Target) -> Response:
         tensor_request, key = tfserving.parse_predict(doc, model.signature, svc.name)
         outputs = await model.infer(tensor_request)
         return raw_response(tfserving.predict_body(outputs, key))
-    tensor_request = tfserving.parse_examples(doc, target.method, model.kind, model.signature)
+    tensor_request = tfserving.parse_examples(doc, target.method or "", model.kind, model.signature)
     outputs = await model.infer(tensor_request)
     if target.method == "classify":
         labels = list(getattr(getattr(model, "runner", None), "labels", None) or [])
