@@ -121,16 +121,9 @@ def pool(states: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
 
 
 class ClassifierRunner(_TextRunner):
-    def __init__(
-        self,
-        model: PreTrainedModel,
-        tokenizer: PreTrainedTokenizerBase,
-        *,
-        path: Path,
-        device: torch.device,
-        max_length: int,
-    ) -> None:
-        super().__init__(model, tokenizer, path=path, device=device, max_length=max_length)
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, **kwargs: Any) -> None:
+        """`kwargs`: `_TextRunner`'s (path, device, max_length)."""
+        super().__init__(model, tokenizer, **kwargs)
         config = model.config
         id2label: Mapping[Any, str] = config.id2label or {}  # int keys once the config is loaded
         self.labels = [str(id2label.get(i, f"LABEL_{i}")) for i in range(config.num_labels or 0)]

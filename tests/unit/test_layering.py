@@ -13,13 +13,17 @@ HEAVY = {"torch", "transformers"}
 HTTP = {"starlette", "uvicorn", "sse_starlette"}
 
 
-def imports_of(path: Path) -> set[str]:
+def imports_of(path: Path, *, members: bool = False) -> set[str]:
+    """Dotted names of the modules `path` imports; with `members`, ``from x import y`` also counts as
+    ``x.y`` (y may be a module)."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
+            if members:
+                names.update(f"{node.module}.{alias.name}" for alias in node.names)
     return names
 
 
@@ -73,16 +77,8 @@ PROTOCOLS = ("lmi", "tgi", "openai", "tensor")
 
 
 def lmiserve_modules_imported(path: Path) -> set[str]:
-    """Dotted names of every lmiserve module `path` imports, ``from lmiserve.x import y`` counted as
-    both ``lmiserve.x`` and ``lmiserve.x.y`` (y may be a module)."""
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-            names.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return {n for n in names if n.startswith("lmiserve")}
+    """Every lmiserve module `path` imports, ``from lmiserve.x import y`` counted as both."""
+    return {n for n in imports_of(path, members=True) if n.startswith("lmiserve")}
 
 
 def protocol_of(name: str) -> str | None:
