@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -20,11 +21,12 @@ from starlette.routing import BaseRoute, Mount, Route
 from lmiserve.core.errors import LmiServeError
 from lmiserve.server.responses import raw_response
 
+V = TypeVar("V")
 Endpoint = Callable[[Request], Awaitable[Response]]
 
 
-def lookup(exc: LmiServeError, table: Mapping[type[LmiServeError], int], default: int = 500) -> int:
-    """The value for the most specific class of `exc` found in `table` (walks the MRO)."""
+def lookup(exc: LmiServeError, table: Mapping[type[LmiServeError], V], default: V) -> V:
+    """The entry for the most specific class of `exc` in `table` (walks the MRO), else `default`."""
     for cls in type(exc).__mro__:
         if cls in table:
             return table[cls]

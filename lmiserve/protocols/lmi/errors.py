@@ -21,8 +21,6 @@ the encoder frames it (JSON Lines: + "\\n"; SSE: "data: " + body + "\\n\\n").
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
-from typing import TypeVar
 
 from lmiserve.core.errors import (
     Conflict,
@@ -37,7 +35,7 @@ from lmiserve.core.errors import (
     Overloaded,
     QueueTimeout,
 )
-from lmiserve.server.errors import ErrorRenderer
+from lmiserve.server.errors import ErrorRenderer, lookup
 
 __all__ = [
     "COMPACT_STATUS",
@@ -51,7 +49,6 @@ __all__ = [
 ]
 
 COMPACT_STATUS = 424  # the status whose body is the compact one
-V = TypeVar("V")
 
 
 def lmi_error_body(message: str, code: int = COMPACT_STATUS) -> bytes:
@@ -70,14 +67,6 @@ def dynamic_batch_error_body(message: str, code: int = COMPACT_STATUS) -> bytes:
     """Dynamic-batch handler failure: ``{"code": 424, "message": "invoke handler failure", ...}``."""
     body = {"code": code, "message": "invoke handler failure", "error": message}
     return json.dumps(body, ensure_ascii=False).encode()
-
-
-def _find(exc: LmiServeError, table: Mapping[type[LmiServeError], V], default: V) -> V:
-    """The entry of the most specific class of `exc` in `table`."""
-    for cls in type(exc).__mro__:
-        if cls in table:
-            return table[cls]
-    return default
 
 
 INTERNAL = "InternalServerException"
@@ -113,7 +102,7 @@ class LmiErrors(ErrorRenderer):
         return LmiErrors(name)
 
     def status(self, exc: LmiServeError) -> int:
-        return _find(exc, STATUS, 500)
+        return lookup(exc, STATUS, 500)
 
     def body(self, exc: LmiServeError) -> bytes:
         status = self.status(exc)
@@ -122,7 +111,7 @@ class LmiErrors(ErrorRenderer):
         message = exc.message
         if isinstance(exc, Overloaded) and self.model:
             message = f"{message} for model: {self.model}"
-        return frontend_error_body(status, _find(exc, TYPE, INTERNAL), message)
+        return frontend_error_body(status, lookup(exc, TYPE, INTERNAL), message)
 
     def in_band(self, exc: LmiServeError) -> bytes:
         return lmi_error_body(exc.message)
@@ -141,10 +130,10 @@ class ManagementErrors(ErrorRenderer):
     """The management API (/models): always the front-end shape."""
 
     def status(self, exc: LmiServeError) -> int:
-        return _find(exc, MANAGEMENT_STATUS, (500, INTERNAL))[0]
+        return lookup(exc, MANAGEMENT_STATUS, (500, INTERNAL))[0]
 
     def body(self, exc: LmiServeError) -> bytes:
-        status, kind = _find(exc, MANAGEMENT_STATUS, (500, INTERNAL))
+        status, kind = lookup(exc, MANAGEMENT_STATUS, (500, INTERNAL))
         return frontend_error_body(status, kind, exc.message)
 
 

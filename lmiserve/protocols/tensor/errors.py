@@ -56,7 +56,7 @@ class JsonErrorRenderer(ErrorRenderer):
     """``{"error": msg}`` with the tensor protocols' statuses."""
 
     def status(self, exc: LmiServeError) -> int:
-        return lookup(exc, STATUS)
+        return lookup(exc, STATUS, 500)
 
     def body(self, exc: LmiServeError) -> bytes:
         return error_json(exc.message)
