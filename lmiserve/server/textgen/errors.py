@@ -37,7 +37,7 @@ from lmiserve.core.errors import (
     Unsupported,
     UnsupportedMediaType,
 )
-from lmiserve.server.errors import ErrorRenderer
+from lmiserve.server.errors import ErrorRenderer, lookup
 from lmiserve.server.responses import raw_response
 from lmiserve.server.textgen.wire import dumps
 
@@ -75,22 +75,13 @@ REJECTIONS: dict[type[LmiServeError], int] = {
 }
 
 
-def _most_specific(exc: LmiServeError, table: dict) -> object | None:
-    for cls in type(exc).__mro__:
-        if cls in table:
-            return table[cls]
-    return None
-
-
 class TextGenRenderer(ErrorRenderer):
     """TGI's error answers; subclasses add their protocol's in-band errors (and shapes)."""
 
     shapes: ClassVar[dict[type[LmiServeError], Shape]] = SHAPES
 
     def shape(self, exc: LmiServeError) -> Shape:
-        found = _most_specific(exc, self.shapes)
-        assert isinstance(found, Shape)  # LmiServeError itself is in every table
-        return found
+        return lookup(exc, self.shapes, self.shapes[LmiServeError])
 
     def message(self, exc: LmiServeError) -> str:
         """The ``error`` text of `exc`."""
@@ -104,18 +95,18 @@ class TextGenRenderer(ErrorRenderer):
     @staticmethod
     def is_rejection(exc: LmiServeError) -> bool:
         """A plain-text body rejection or the bare 401: answered before a handler would run."""
-        return isinstance(exc, Unauthorized) or _most_specific(exc, REJECTIONS) is not None
+        return isinstance(exc, Unauthorized) or lookup(exc, REJECTIONS, None) is not None
 
     def status(self, exc: LmiServeError) -> int:
         if isinstance(exc, Unauthorized):
             return 401
-        rejection = _most_specific(exc, REJECTIONS)
-        return rejection if isinstance(rejection, int) else self.shape(exc).status
+        rejection = lookup(exc, REJECTIONS, None)
+        return rejection if rejection is not None else self.shape(exc).status
 
     def body(self, exc: LmiServeError) -> bytes:
         if isinstance(exc, Unauthorized):
             return b""
-        if _most_specific(exc, REJECTIONS) is not None:
+        if lookup(exc, REJECTIONS, None) is not None:
             return exc.message.encode()
         return dumps({"error": self.message(exc), "error_type": self.kind(exc)})
 
@@ -124,6 +115,6 @@ class TextGenRenderer(ErrorRenderer):
             raise exc  # not a TGI situation: the application's catch-all answers it
         if isinstance(exc, Unauthorized):
             return Response(status_code=401)  # no content type at all
-        if _most_specific(exc, REJECTIONS) is not None:
+        if lookup(exc, REJECTIONS, None) is not None:
             return raw_response(self.body(exc), self.status(exc), PLAIN)
         return super().response(exc, request)
