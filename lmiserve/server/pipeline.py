@@ -220,7 +220,6 @@ async def respond(
     headers: Headers = None,
     in_band: bool = False,
     wait_for: Literal["bytes", "event"] = "bytes",
-    wrap: Callable[[AsyncIterator[bytes]], AsyncIterator[bytes]] | None = None,
     on_close: Callable[[], None] | None = None,
     heartbeat: Heartbeat | None = None,
 ) -> Response:
@@ -228,7 +227,7 @@ async def respond(
 
     `headers` (or a function giving them, called once the whole answer or the stream's head is
     ready); `wait_for` (streaming, not `in_band`): what decides the status, the first bytes or the
-    first event; `wrap` decorates the chunk stream; `on_close` runs when the response is over, however
+    first event; `on_close` runs when the response is over, however
     it ended (e.g. to release an admission slot); `heartbeat` fills a streamed answer's silences (e.g.
     SSE keep-alive comments).
     """
@@ -238,15 +237,13 @@ async def respond(
             return await _whole(request, events, encoder, headers)
         if in_band:
             chunks = _in_band_chunks(events, encoder)
-            if wrap is not None:
-                chunks = wrap(chunks)
             return DisconnectAwareStream(
                 chunks,
                 headers={"content-type": encoder.content_type, **_headers(headers)},
                 on_close=closing,
                 heartbeat=heartbeat,
             )
-        return await _streamed(request, events, encoder, headers, wrap, closing, wait_for, heartbeat)
+        return await _streamed(request, events, encoder, headers, closing, wait_for, heartbeat)
     except BaseException:
         closing()
         raise
@@ -277,7 +274,6 @@ async def _streamed(
     events: AsyncIterator[Tagged],
     encoder: Encoder,
     headers: Headers,
-    wrap: Callable[[AsyncIterator[bytes]], AsyncIterator[bytes]] | None,
     closing: Callable[[], None],
     wait_for: str = "bytes",
     heartbeat: Heartbeat | None = None,
@@ -315,10 +311,10 @@ async def _streamed(
         if head:
             yield head
         if not failed:
-            async for chunk in _in_band_chunks(events, encoder, close_source=True):
+            async for chunk in _in_band_chunks(events, encoder):
                 yield chunk
 
-    chunks = body() if wrap is None else wrap(body())
+    chunks = body()
     return DisconnectAwareStream(
         chunks,
         headers={"content-type": encoder.content_type, **_headers(headers)},
@@ -327,9 +323,7 @@ async def _streamed(
     )
 
 
-async def _in_band_chunks(
-    events: AsyncIterator[Tagged], encoder: Encoder, *, close_source: bool = True
-) -> AsyncIterator[bytes]:
+async def _in_band_chunks(events: AsyncIterator[Tagged], encoder: Encoder) -> AsyncIterator[bytes]:
     """Encode a live event stream; any failure becomes the encoder's in-band error, the last chunk."""
     try:
         async for index, event in events:
@@ -348,8 +342,7 @@ async def _in_band_chunks(
         log.exception("stream failed")
         yield encoder.error(GenerationFailed(str(exc) or type(exc).__name__))
     finally:
-        if close_source:
-            await _aclose(events)
+        await _aclose(events)
 
 
 async def _aclose(events: AsyncIterator[Any]) -> None:

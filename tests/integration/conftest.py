@@ -23,7 +23,6 @@ and the parsing helpers the tests share (so no test module has to import from he
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +32,7 @@ import httpx
 import pytest
 
 from helpers.server import run_server
-from helpers.tiny_model import ENDLESS_CONTEXT
+from helpers.tiny_model import ENDLESS_CONTEXT, with_context
 
 DEFAULT_TIMEOUT = 30.0  # seconds; every call has a timeout so a hang fails fast
 LONG_CONTEXT = 4096
@@ -154,13 +153,7 @@ def dynamic_server(tiny_model_dir: Path) -> Iterator[Server]:
 @pytest.fixture(scope="session")
 def long_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with a 4096-token context (Llama's rotary positions need no new weights)."""
-    out = tmp_path_factory.mktemp("long") / "tiny-long"
-    shutil.copytree(tiny_model_dir, out)
-    config_path = out / "config.json"
-    config = json.loads(config_path.read_text())
-    config["max_position_embeddings"] = LONG_CONTEXT
-    config_path.write_text(json.dumps(config, indent=2))
-    return out
+    return with_context(tiny_model_dir, tmp_path_factory.mktemp("long") / "tiny-long", LONG_CONTEXT)
 
 
 ONE_SLOT = ("max_rolling_batch_size=1", "job_queue_size=1", f"max_new_tokens_limit={ENDLESS_CONTEXT}")
