@@ -37,6 +37,7 @@ from lmiserve.protocols.lmi.formatters.base import (
     dumps,
     register,
 )
+from lmiserve.server import sse
 
 Json = dict[str, Any]
 
@@ -234,12 +235,12 @@ class SseFormatter(_StreamingFormatter):
     content_type = "text/event-stream"
 
     def frame(self, record: Json) -> bytes:
-        return ("data: " + dumps(record) + "\n\n").encode()
+        return sse.event(dumps(record).encode())
 
     def error(self, exc: LmiServeError) -> bytes:
         """The in-band error as a ``data:`` event (LMI sends the raw body, which SSE clients such as
         huggingface_hub silently skip; as an event they raise)."""
-        return b"data: " + RENDERER.in_band(exc) + b"\n\n"
+        return sse.event(RENDERER.in_band(exc))
 
 
 # --- TGI variants: logprob/special keys, details by default, array-wrapped json ---------

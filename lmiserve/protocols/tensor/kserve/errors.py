@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from lmiserve.core.errors import LmiServeError
 from lmiserve.protocols.tensor.errors import JsonErrorRenderer
+from lmiserve.server import sse
 
 
 class KServeErrorRenderer(JsonErrorRenderer):
     def in_band(self, exc: LmiServeError) -> bytes:
-        return b"data: " + self.body(exc) + b"\n\n"
+        return sse.event(self.body(exc))
 
 
 RENDERER = KServeErrorRenderer()

@@ -34,6 +34,7 @@ from lmiserve.models.service import ModelService
 from lmiserve.protocols.tensor.kserve import parse as kserve
 from lmiserve.protocols.tensor.kserve.errors import RENDERER
 from lmiserve.protocols.tensor.kserve.models import ready_model
+from lmiserve.server import sse
 from lmiserve.server.pipeline import Tagged, is_error_finish, respond, tagged
 
 _OWN_KEYS = ("id", "text_input", "parameters", "model_name")
@@ -171,4 +172,4 @@ def _json(obj: dict) -> bytes:
 
 
 def _sse(obj: dict) -> bytes:
-    return b"data: " + _json(obj) + b"\n\n"
+    return sse.event(_json(obj))
