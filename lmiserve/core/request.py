@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from lmiserve.core.grammar import Grammar
+
 _ids = itertools.count(1)
 
 
@@ -34,6 +36,7 @@ class SamplingParams:
     top_n_tokens: int = 0
     n: int = 1  # sequences returned (best first)
     best_of: int = 1  # sequences generated (>= n)
+    grammar: Grammar | None = None  # constrain the output (structured output, tool calls)
 
     @property
     def greedy(self) -> bool:
