@@ -29,7 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "-o", "--option", action="append", default=[], metavar="KEY=VALUE", help="set any option (repeatable)"
     )
-    serve.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on generation routes (or API_KEY)")
+    serve.add_argument(
+        "--api-key", help="require 'Authorization: Bearer <key>' on every route but health probes (or API_KEY)"
+    )
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log level (default info)")
     add_bench_parser(sub)
     return parser
@@ -41,12 +43,12 @@ def main(argv: list[str] | None = None) -> int:
         return run_bench_command(args, argv)
     try:
         overrides: dict[str, object] = dict(parse_override(o) for o in args.option)
-        for key in ("model_id", "host", "port", "log_level", "api_key"):
+        for key in ("model_id", "host", "port", "log_level", "api_key", "model_store"):
             value = getattr(args, key)
             if value is not None:
                 overrides[key] = value
         settings = load_settings(overrides, properties_file=args.properties, model_dir=args.model_dir)
-        services = store_services(settings, args.model_store) if args.model_store else None
+        services = store_services(settings, settings.model_store) if settings.model_store else None
     except ConfigError as exc:
         print(f"lmiserve: configuration error: {exc}", file=sys.stderr)
         return 2
@@ -89,6 +91,7 @@ def serve(settings, services: list | None = None) -> int:
         port=settings.port,
         log_level=settings.log_level,
         access_log=False,
+        h11_max_incomplete_event_size=4 * settings.max_header_size,  # lmiserve.server.guard checks the exact limit
     )
     return 0
 

@@ -190,7 +190,36 @@ class Settings(BaseModel):
     # --- TGI and OpenAI routes (README: TGI drop-in and OpenAI-compatible APIs) ---
     api_key: str | None = Field(
         None,
-        description=("When set, generation routes (TGI, OpenAI, /invocations) require 'Authorization: Bearer <key>'."),
+        description=(
+            "When set, every route but the health and readiness probes requires 'Authorization: Bearer <key>' "
+            "(see SECURITY.md)."
+        ),
+    )
+    max_request_size: int = Field(
+        64 * 1024 * 1024,
+        ge=1,
+        description=(
+            "Largest request body in bytes on every route (LMI's key and default, 64 MiB); a larger one gets 413 "
+            "before it is read."
+        ),
+    )
+    max_header_size: int = Field(
+        64 * 1024, ge=1024, description=("Largest request headers in bytes; larger get 431 in the protocol's shape.")
+    )
+    enable_management_api: bool = Field(
+        True,
+        description=(
+            "Serve LMI's management API (GET/POST/DELETE /models). Registration loads only from model_store "
+            "or allowed_model_paths."
+        ),
+    )
+    model_store: str | None = Field(
+        None,
+        description=("Directory whose model sub-directories are served (--model-store); also a registration root."),
+    )
+    allowed_model_paths: str | None = Field(
+        None,
+        description=("Comma-separated directories POST /models may load models from (besides model_store)."),
     )
     max_concurrent_requests: int = Field(
         128, ge=1, description=("TGI/OpenAI requests in flight at once; beyond it they get 429 overloaded at once.")
@@ -244,7 +273,13 @@ class Settings(BaseModel):
     # ------------------------------------------------------------------ coercion
 
     @field_validator(
-        "trust_remote_code", "enable_streaming", "batch_invariant", "tgi_compat", "fast_path", mode="before"
+        "trust_remote_code",
+        "enable_streaming",
+        "batch_invariant",
+        "tgi_compat",
+        "fast_path",
+        "enable_management_api",
+        mode="before",
     )
     @classmethod
     def _parse_bool(cls, value: Any) -> Any:
@@ -335,6 +370,11 @@ class Settings(BaseModel):
     def dynamic_batching(self) -> bool:
         """True when requests are batched statically (LMI's non-rolling mode), not continuously."""
         return self.rolling_batch == "disable" or self.batch_size > 1
+
+    def model_roots(self) -> list[Path]:
+        """The directories POST /models may load from: model_store and allowed_model_paths, resolved."""
+        given = [self.model_store, *(self.allowed_model_paths or "").split(",")]
+        return [Path(p.strip()).expanduser().resolve() for p in given if p and p.strip()]
 
     def resolved_model_cache_dir(self) -> Path:
         """``model_cache_dir``, or the platform's user cache dir / lmiserve."""

@@ -14,8 +14,9 @@ Environment mapping, lowest first within the environment (a later entry wins):
   ``API_KEY`` -> api_key (TGI's name; ``OPTION_API_KEY`` wins over it);
   then ``PREDICT_TIMEOUT`` -> predict_timeout, ``AIP_HTTP_PORT`` (Vertex AI) then
   ``SAGEMAKER_BIND_TO_PORT`` -> port, ``SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT`` ->
-  default_invocations_accept, ``AIP_PREDICT_ROUTE`` / ``AIP_HEALTH_ROUTE`` /
-  ``AIP_DEPLOYED_MODEL_ID`` -> vertex_predict_route / vertex_health_route / vertex_deployed_model_id;
+  default_invocations_accept, ``SAGEMAKER_MAX_REQUEST_SIZE`` -> max_request_size,
+  ``AIP_PREDICT_ROUTE`` / ``AIP_HEALTH_ROUTE`` / ``AIP_DEPLOYED_MODEL_ID`` -> vertex_predict_route /
+  vertex_health_route / vertex_deployed_model_id;
 - ``SERVING_<NAME>`` -> ``<name>`` lower-cased (e.g. ``SERVING_JOB_QUEUE_SIZE``);
 - ``OPTION_<NAME>`` -> ``<name>`` lower-cased (e.g. ``OPTION_MAX_ROLLING_BATCH_SIZE``).
 
@@ -48,6 +49,7 @@ ENV_SHORTCUTS: tuple[tuple[str, str], ...] = (
     ("AIP_HTTP_PORT", "port"),
     ("SAGEMAKER_BIND_TO_PORT", "port"),
     ("SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT", "default_invocations_accept"),
+    ("SAGEMAKER_MAX_REQUEST_SIZE", "max_request_size"),
     ("AIP_PREDICT_ROUTE", "vertex_predict_route"),
     ("AIP_HEALTH_ROUTE", "vertex_health_route"),
     ("AIP_DEPLOYED_MODEL_ID", "vertex_deployed_model_id"),

@@ -54,12 +54,21 @@ class PayloadTooLarge(InvalidRequest):
     """The body is larger than the configured limit."""
 
 
+class HeadersTooLarge(InvalidRequest):
+    """The request line and headers are larger than the configured limit."""
+
+
 class ModelRequired(InvalidRequest):
     """A request without a model name while the server cannot pick a default model."""
 
 
 class Unauthorized(LmiServeError):
     """The API key is missing or wrong."""
+
+
+class Forbidden(LmiServeError):
+    """The request is understood and authorized but refused by policy (e.g. a model path outside the
+    allowed roots)."""
 
 
 class NotFound(LmiServeError):

@@ -34,7 +34,7 @@ def routes(settings: Settings) -> list[BaseRoute]:
         *tensor.configured_routes(settings),
         *lmi.ping_routes(),
         *invocations.routes(),
-        *lmi.routes(),
+        *lmi.routes(settings),
         *tgi.routes(),
         *openai.routes(),
         *tensor.routes(),

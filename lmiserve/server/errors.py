@@ -19,6 +19,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Mount, Route
 
 from lmiserve.core.errors import LmiServeError
+from lmiserve.server.guard import Access, admit
 from lmiserve.server.responses import raw_response
 
 V = TypeVar("V")
@@ -58,28 +59,43 @@ class ErrorRenderer(ABC):
         return self.body(exc)
 
 
-def rendered_by(renderer: ErrorRenderer, endpoint: Endpoint) -> Endpoint:
-    """`endpoint` with every `LmiServeError` it raises answered by `renderer`."""
+def rendered_by(renderer: ErrorRenderer, endpoint: Endpoint, access: Access | None = None) -> Endpoint:
+    """`endpoint` with every `LmiServeError` it raises answered by `renderer`; with `access`, the
+    request first passes `guard.admit` (API key and body size) and the endpoint carries ``access``."""
 
     @functools.wraps(endpoint)
     async def run(request: Request) -> Response:
         try:
+            if access is not None:
+                request = admit(request, access)
             return await endpoint(request)
         except LmiServeError as exc:
             return renderer.response(exc, request)
 
+    if access is not None:  # what the route-table audit reads
+        run.access = access  # type: ignore[attr-defined]
+        run.renderer = renderer  # type: ignore[attr-defined]
     return run
 
 
-def protocol_routes(renderer: ErrorRenderer, routes: Sequence[BaseRoute]) -> list[BaseRoute]:
-    """The routes of one protocol, their endpoints answering lmiserve's errors with `renderer`
-    (routes inside a `Mount` too)."""
+def protocol_routes(
+    renderer: ErrorRenderer, routes: Sequence[BaseRoute], *, public: Sequence[BaseRoute] = ()
+) -> list[BaseRoute]:
+    """The routes of one protocol (routes inside a `Mount` too), their endpoints answering lmiserve's
+    errors with `renderer` after `guard.admit`: `routes` need the API key when one is set, `public`
+    ones never do (health and readiness probes, and answers that do no work, such as OPTIONS). Both
+    keep their order, `public` first."""
+    return [*_guarded(renderer, public, Access.OPEN), *_guarded(renderer, routes, Access.KEY)]
+
+
+def _guarded(renderer: ErrorRenderer, routes: Sequence[BaseRoute], access: Access) -> list[BaseRoute]:
     out: list[BaseRoute] = []
     for route in routes:
         if isinstance(route, Route):
-            out.append(Route(route.path, rendered_by(renderer, route.endpoint), methods=route.methods, name=route.name))
+            endpoint = rendered_by(renderer, route.endpoint, access)
+            out.append(Route(route.path, endpoint, methods=route.methods, name=route.name))
         elif isinstance(route, Mount):
-            out.append(Mount(route.path, routes=protocol_routes(renderer, route.routes), name=route.name))
+            out.append(Mount(route.path, routes=_guarded(renderer, route.routes, access), name=route.name))
         else:
-            out.append(route)
+            raise TypeError(f"cannot guard {route!r}: register Route or Mount objects")
     return out

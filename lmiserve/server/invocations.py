@@ -8,7 +8,8 @@ other: what one lends another (LMI's requests for SageMaker's JSON Lines lines, 
 documents for SageMaker) is wired here.
 
 Precedence (first match wins):
-1. OPTIONS -> ``{}`` (no API key asked); then the API key, for every form (a bare 401);
+1. OPTIONS -> ``{}`` (no API key asked); every other method needs the API key (`server.guard`; LMI's
+   renderer answers a bare 401, as TGI does on its /invocations);
 2. a POST whose Content-Type is absent or application/json and whose body is a JSON object:
    `messages` -> OpenAI chat completion; `prompt` without `inputs` -> OpenAI completion; `inputs` on
    /invocations with tgi_compat and no LMI `parameters.output_formatter` -> TGI's POST /;
@@ -49,8 +50,7 @@ from lmiserve.protocols.tensor.sagemaker import routes as sagemaker
 from lmiserve.protocols.tensor.sagemaker.errors import RENDERER as SAGEMAKER_ERRORS
 from lmiserve.protocols.tensor.tfserving import parse as tfserving_parse
 from lmiserve.protocols.tgi import routes as tgi
-from lmiserve.server import auth
-from lmiserve.server.errors import ErrorRenderer, rendered_by
+from lmiserve.server.errors import ErrorRenderer, protocol_routes, rendered_by
 from lmiserve.server.responses import raw_response
 
 
@@ -124,15 +124,13 @@ class Body:
 
 
 async def invocations(request: Request) -> Response:
-    if request.method == "OPTIONS":
-        return raw_response(b"{}")
-    if (denied := auth.rejected(request)) is not None:
-        return denied
-    try:
-        invocation = await decode(request)
-    except LmiServeError as exc:  # only LMI's step fails: LMI's renderer answers (see the module docstring)
-        return LMI_ERRORS.response(exc, request)
+    """Only LMI's step of `decode` fails; the route group's renderer is LMI's (see `routes`)."""
+    invocation = await decode(request)
     return await HANDLERS[invocation.kind](request, invocation)
+
+
+async def options(request: Request) -> Response:
+    return raw_response(b"{}")
 
 
 async def decode(request: Request) -> Invocation:
@@ -275,14 +273,19 @@ HANDLERS: dict[Kind, Callable[[Request, Any], Awaitable[Response]]] = {
     Kind.LMI_TENSOR: _lmi_handler(lmi.one_shot),
 }
 
-INFER = ["GET", "POST", "PUT", "OPTIONS"]  # LMI accepts any method on inference routes
+INFER = ["GET", "POST", "PUT"]  # LMI accepts any method on inference routes (and OPTIONS, answered `{}`)
+PATHS = [
+    "/invocations",
+    "/predictions/{model_name}",
+    "/predictions/{model_name}/{version}",
+    "/models/{model_name}/invoke",
+]
 
 
 def routes() -> list[BaseRoute]:
     """The inference routes (right after /ping, before the management API's /models routes)."""
-    return [
-        Route("/invocations", invocations, methods=INFER),
-        Route("/predictions/{model_name}", invocations, methods=INFER),
-        Route("/predictions/{model_name}/{version}", invocations, methods=INFER),
-        Route("/models/{model_name}/invoke", invocations, methods=INFER),
-    ]
+    return protocol_routes(
+        LMI_ERRORS,
+        [Route(path, invocations, methods=INFER) for path in PATHS],
+        public=[Route(path, options, methods=["OPTIONS"]) for path in PATHS],
+    )

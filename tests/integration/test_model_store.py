@@ -34,8 +34,10 @@ def store(tmp_path_factory, tiny_model_dir, tiny_classifier_dir, minilm_dir) -> 
 
 
 @pytest.fixture(scope="module")
-def client(store):
-    with run_server(["--model-store", str(store), "-o", "max_batch_delay=10"]) as url:
+def client(store, tmp_path_factory):
+    # registration may load from the store and from pytest's temporary directories (the other fixtures')
+    allowed = f"allowed_model_paths={tmp_path_factory.getbasetemp()}"
+    with run_server(["--model-store", str(store), "-o", "max_batch_delay=10", "-o", allowed]) as url:
         with httpx.Client(base_url=url, timeout=60, trust_env=False) as client:
             yield client
 
@@ -167,8 +169,13 @@ def test_register_with_a_json_body_and_name_from_the_directory(client, tiny_clas
     "params, status, kind, message",
     [
         ({}, 400, "BadRequestException", "Parameter url is required."),
-        ({"url": "/does/not/exist"}, 400, "BadRequestException", "Model directory not found: /does/not/exist"),
+        ({"url": "no-such-model"}, 400, "BadRequestException", "Model directory not found: no-such-model"),
         ({"url": "https://example.com/m.tar.gz"}, 400, "BadRequestException", "local directories"),
+        ({"url": "/does/not/exist"}, 403, "ForbiddenException", "not under an allowed model root"),
+        ({"url": "/usr/lib"}, 403, "ForbiddenException", "not under an allowed model root"),
+        ({"url": "file:/etc"}, 403, "ForbiddenException", "not under an allowed model root"),
+        ({"url": "../../../../../../../../etc"}, 403, "ForbiddenException", "not under an allowed model root"),
+        ({"url": "\x00"}, 400, "BadRequestException", "Invalid url"),
     ],
 )
 def test_registration_errors(client, params, status, kind, message):
@@ -176,6 +183,26 @@ def test_registration_errors(client, params, status, kind, message):
     assert response.status_code == status
     body = response.json()
     assert body["type"] == kind and message in body["message"]
+
+
+def test_registration_resolves_symlinks_before_the_root_check(client, store):
+    (store / "escape").symlink_to("/usr/lib", target_is_directory=True)
+    try:
+        response = client.post("/models", params={"url": "escape", "model_name": "escape"})
+        assert (response.status_code, response.json()["type"]) == (403, "ForbiddenException")
+    finally:
+        (store / "escape").unlink()
+
+
+def test_a_relative_url_is_taken_from_the_model_store(client, store, tiny_classifier_dir):
+    shutil.copytree(tiny_classifier_dir, store / "later")
+    try:
+        response = client.post("/models", params={"url": "later"})
+        assert response.status_code == 200, response.text
+        assert post(client, "/predictions/later", {"inputs": "ok"}).status_code == 200
+        assert client.delete("/models/later").status_code == 200
+    finally:
+        shutil.rmtree(store / "later")
 
 
 def test_failed_async_registration_shows_in_ping_until_deleted(client, tmp_path):

@@ -1,5 +1,5 @@
 """Server-wide behaviour of the TGI/OpenAI routes over real HTTP: the API key (401 with an empty body;
-open health and info routes; LMI generation routes covered too), 429 `overloaded` at
+only the health probes open; LMI generation routes covered too), 429 `overloaded` at
 `max_concurrent_requests`, SSE keep-alive comments while a stream waits, and slots freed when clients
 go away.
 
@@ -75,7 +75,7 @@ def test_the_key_is_compared_case_insensitively(client):
 
 
 def test_lmi_routes_need_the_key(client):
-    name = client.get("/v1/models").json()["data"][0]["id"]
+    name = client.get("/v1/models", headers=AUTH).json()["data"][0]["id"]
     assert short(client, f"/predictions/{name}").status_code == 401
     assert short(client, f"/predictions/{name}", headers=AUTH).status_code == 200
     assert short(client, "/invocations", headers=AUTH).status_code == 200
@@ -88,19 +88,23 @@ def test_clients_send_the_key(url):
     assert hub.chat_completion([{"role": "user", "content": "hi"}], max_tokens=2).usage.completion_tokens == 2
 
 
-def test_open_routes(client):
-    for path in ("/health", "/", "/info", "/v1/models", "/ping", "/models"):
+def test_only_probes_are_open(client):
+    for path in ("/health", "/", "/ping"):
         assert client.get(path).status_code == 200, path
-    r = client.post("/chat_tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
-    assert r.status_code == 200
+    for path in ("/info", "/v1/models", "/models"):  # metadata needs the key (SECURITY.md)
+        assert client.get(path).status_code == 401, path
+        assert client.get(path, headers=AUTH).status_code == 200, path
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert client.post("/chat_tokenize", json=chat).status_code == 401
+    assert client.post("/chat_tokenize", json=chat, headers=AUTH).status_code == 200
 
 
 def wait_until_queue_empty(client: httpx.Client, timeout: float = 20.0) -> None:
     """Poll LMI's describe-model `requestInQueue` (the engine's waiting sequences) until it is 0."""
-    name = client.get("/v1/models").json()["data"][0]["id"]
+    name = client.get("/v1/models", headers=AUTH).json()["data"][0]["id"]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if client.get(f"/models/{name}").json()[0]["models"][0]["requestInQueue"] == 0:
+        if client.get(f"/models/{name}", headers=AUTH).json()[0]["models"][0]["requestInQueue"] == 0:
             return
         time.sleep(0.05)
     raise AssertionError("aborted sequences are still queued in the engine")
@@ -145,8 +149,8 @@ def test_overload_keepalive_and_release(url):
                 # both wait behind the long stream for the one engine slot: keep-alive comments only
                 assert first_bytes(queued_tgi).startswith(b":\n\n")
                 assert first_bytes(queued_chat).startswith(b":\n\n")
-                name = other.get("/v1/models").json()["data"][0]["id"]
-                assert other.get(f"/models/{name}").json()[0]["models"][0]["requestInQueue"] == 2
+                name = other.get("/v1/models", headers=AUTH).json()["data"][0]["id"]
+                assert other.get(f"/models/{name}", headers=AUTH).json()[0]["models"][0]["requestInQueue"] == 2
 
                 r = short(other, headers=AUTH)
                 assert r.status_code == 429

@@ -12,7 +12,9 @@ Bodies
 
 Inference routes (`LmiErrors`): invalid requests and generation failures are 424 with the compact
 body; everything else has a front-end status and type (see `STATUS` / `TYPE`); a full job queue adds
-" for model: <name>" to the message when the model is known (`LmiErrors.for_model`).
+" for model: <name>" to the message when the model is known (`LmiErrors.for_model`); a body above
+max_request_size is 413 RequestEntityTooLargeException; a missing or wrong API key a bare 401 (empty
+body, as TGI answers on its /invocations).
 
 In-band (a stream whose first bytes are out): the compact body with code 424, whatever the error;
 the encoder frames it (JSON Lines: + "\\n"; SSE: "data: " + body + "\\n\\n").
@@ -22,9 +24,14 @@ from __future__ import annotations
 
 import json
 
+from starlette.requests import Request
+from starlette.responses import Response
+
 from lmiserve.core.errors import (
     Conflict,
+    Forbidden,
     GenerationFailed,
+    HeadersTooLarge,
     IncompleteGeneration,
     InternalError,
     InvalidRequest,
@@ -33,7 +40,9 @@ from lmiserve.core.errors import (
     ModelNotReady,
     ModelRequired,
     Overloaded,
+    PayloadTooLarge,
     QueueTimeout,
+    Unauthorized,
 )
 from lmiserve.server.errors import ErrorRenderer, lookup
 
@@ -77,6 +86,9 @@ STATUS: dict[type[LmiServeError], int] = {
     InvalidRequest: COMPACT_STATUS,
     GenerationFailed: COMPACT_STATUS,
     ModelRequired: 400,
+    PayloadTooLarge: 413,
+    HeadersTooLarge: 431,
+    Unauthorized: 401,
     QueueTimeout: 400,
     ModelNotFound: 404,
     ModelNotReady: 503,
@@ -85,6 +97,8 @@ STATUS: dict[type[LmiServeError], int] = {
 }
 TYPE: dict[type[LmiServeError], str] = {
     ModelRequired: "BadRequestException",
+    PayloadTooLarge: "RequestEntityTooLargeException",
+    HeadersTooLarge: "RequestHeaderFieldsTooLargeException",
     QueueTimeout: "TranslateException",
     ModelNotFound: "ModelNotFoundException",
     ModelNotReady: "ServiceUnavailableException",
@@ -113,6 +127,11 @@ class LmiErrors(ErrorRenderer):
             message = f"{message} for model: {self.model}"
         return frontend_error_body(status, lookup(exc, TYPE, INTERNAL), message)
 
+    def response(self, exc: LmiServeError, request: Request) -> Response:
+        if isinstance(exc, Unauthorized):
+            return Response(status_code=401)  # bare, as TGI answers on its /invocations
+        return super().response(exc, request)
+
     def in_band(self, exc: LmiServeError) -> bytes:
         return lmi_error_body(exc.message)
 
@@ -120,6 +139,10 @@ class LmiErrors(ErrorRenderer):
 # The management API: status and type.
 MANAGEMENT_STATUS: dict[type[LmiServeError], tuple[int, str]] = {
     InvalidRequest: (400, "BadRequestException"),
+    PayloadTooLarge: (413, "RequestEntityTooLargeException"),
+    HeadersTooLarge: (431, "RequestHeaderFieldsTooLargeException"),
+    Unauthorized: (401, "UnauthorizedException"),
+    Forbidden: (403, "ForbiddenException"),
     ModelNotFound: (404, "ModelNotFoundException"),
     Conflict: (409, "ConflictStatusException"),
     InternalError: (500, INTERNAL),

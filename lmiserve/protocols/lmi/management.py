@@ -1,9 +1,10 @@
 """Health and the LMI management API: /ping, GET/POST/DELETE /models.
 
 Errors are raised as neutral classes and answered by `lmiserve.protocols.lmi.errors.MANAGEMENT`
-(front-end JSON): an invalid parameter 400 BadRequestException, an unknown model 404
-ModelNotFoundException, a name already registered 409 ConflictStatusException, a model that failed
-to load 500 InternalServerException.
+(front-end JSON): an invalid parameter 400 BadRequestException, a model path outside model_store and
+allowed_model_paths 403 ForbiddenException, an unknown model 404 ModelNotFoundException, a name
+already registered 409 ConflictStatusException, a model that failed to load 500
+InternalServerException.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from starlette.responses import Response
 from lmiserve.config import ConfigError
 from lmiserve.core.errors import (
     Conflict,
+    Forbidden,
     InternalError,
     InvalidRequest,
     MalformedBody,
@@ -113,7 +115,7 @@ async def register_model(request: Request) -> Response:
     from lmiserve.models.store import model_settings
 
     params = await _registration_params(request)
-    directory = _local_path(params.get("url"))
+    directory = _local_path(params.get("url"), request.app.state.settings.model_roots())
     name = str(params.get("model_name") or (directory.stem if directory.is_file() else directory.name))
     registry = _registry(request)
     if name in registry:
@@ -164,7 +166,10 @@ async def _registration_params(request: Request) -> dict:
     return params
 
 
-def _local_path(url) -> Path:
+def _local_path(url, roots: list[Path]) -> Path:
+    """The model directory or file `url` names, if it lies under one of `roots` (model_store first; a
+    relative path is taken relative to it). The root check comes before any look at the file system,
+    so a refused path reveals nothing about what exists."""
     if not url or not str(url).strip():
         raise InvalidRequest("Parameter url is required.")
     url = str(url).strip()
@@ -175,10 +180,18 @@ def _local_path(url) -> Path:
         path = Path(url)
     else:
         raise InvalidRequest(f"Unsupported url {url}: this server loads local directories (a path or file: URL) only.")
-    path = path.expanduser()
+    if not roots:
+        raise Forbidden(
+            "Model registration is not allowed: no model root is configured (set model_store or allowed_model_paths)."
+        )
+    if "\x00" in str(path):
+        raise InvalidRequest(f"Invalid url {url}")
+    path = (roots[0] / path.expanduser()).resolve()  # an absolute path replaces roots[0]
+    if not any(path == root or path.is_relative_to(root) for root in roots):
+        raise Forbidden(f"Model path {url} is not under an allowed model root (model_store or allowed_model_paths).")
     if not path.exists():
         raise InvalidRequest(f"Model directory not found: {url}")
-    return path.resolve()
+    return path
 
 
 def _iso(ts: float) -> str:

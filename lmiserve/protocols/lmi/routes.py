@@ -14,12 +14,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
+from lmiserve.config import Settings
 from lmiserve.core.aio import merge_tagged
 from lmiserve.models.service import ModelService
 from lmiserve.protocols.lmi import management
 from lmiserve.protocols.lmi import parse as lmi
 from lmiserve.protocols.lmi import tensor as lmi_tensor
-from lmiserve.protocols.lmi.errors import MANAGEMENT
+from lmiserve.protocols.lmi.errors import MANAGEMENT, RENDERER
 from lmiserve.protocols.lmi.formatters import (
     DynamicBatchFormatter,
     DynamicBatchStreamFormatter,
@@ -61,11 +62,13 @@ async def one_shot(request: Request, service: ModelService, payload: Any) -> Res
 
 def ping_routes() -> list[BaseRoute]:
     """Health; first in the table (the inference routes follow it, then `routes()`)."""
-    return [Route("/ping", management.ping, methods=["GET", "POST"])]
+    return protocol_routes(RENDERER, [], public=[Route("/ping", management.ping, methods=["GET", "POST"])])
 
 
-def routes() -> list[BaseRoute]:
-    """The management API."""
+def routes(settings: Settings) -> list[BaseRoute]:
+    """The management API, unless `enable_management_api` is off."""
+    if not settings.enable_management_api:
+        return []
     return protocol_routes(
         MANAGEMENT,
         [

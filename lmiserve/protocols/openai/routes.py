@@ -13,7 +13,6 @@ from lmiserve.protocols.openai import encoders as enc
 from lmiserve.protocols.openai import parse as adapter
 from lmiserve.protocols.openai.errors import RENDERER
 from lmiserve.protocols.openai.schema import ChatRequest, CompletionRequest
-from lmiserve.server.auth import require_api_key
 from lmiserve.server.errors import protocol_routes, rendered_by
 from lmiserve.server.pipeline import respond
 from lmiserve.server.sse import keepalive
@@ -26,12 +25,10 @@ from lmiserve.server.textgen.wire import SSE_HEADERS
 
 
 async def chat_completions(request: Request) -> Response:
-    require_api_key(request)
     return await answer(request, parse(ChatRequest, await json_payload(request)))
 
 
 async def completions(request: Request) -> Response:
-    require_api_key(request)
     return await answer(request, parse(CompletionRequest, await json_payload(request)))
 
 

@@ -15,6 +15,7 @@ import json
 from lmiserve.core.errors import (
     Conflict,
     GenerationFailed,
+    HeadersTooLarge,
     InternalError,
     InvalidRequest,
     LmiServeError,
@@ -38,6 +39,7 @@ STATUS: dict[type[LmiServeError], int] = {
     Conflict: 409,
     PayloadTooLarge: 413,
     UnsupportedMediaType: 415,
+    HeadersTooLarge: 431,
     Unsupported: 501,
     ModelNotReady: 503,
     Overloaded: 503,

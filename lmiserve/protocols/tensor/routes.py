@@ -8,8 +8,10 @@ from starlette.routing import BaseRoute, Route
 
 from lmiserve.protocols.tensor.kserve import routes as v2_routes
 from lmiserve.protocols.tensor.sagemaker import routes as sagemaker
+from lmiserve.protocols.tensor.sagemaker.errors import RENDERER as SAGEMAKER_ERRORS
 from lmiserve.protocols.tensor.tfserving import routes as tfserving_routes
 from lmiserve.protocols.tensor.vertex import routes as vertex_routes
+from lmiserve.server.errors import protocol_routes
 
 
 def configured_routes(settings) -> list[BaseRoute]:
@@ -19,7 +21,9 @@ def configured_routes(settings) -> list[BaseRoute]:
 
 def routes() -> list[BaseRoute]:
     return [
-        Route("/execution-parameters", sagemaker.execution_parameters, methods=["GET"]),
+        *protocol_routes(
+            SAGEMAKER_ERRORS, [Route("/execution-parameters", sagemaker.execution_parameters, methods=["GET"])]
+        ),
         *vertex_routes.routes(),
         *v2_routes.routes(),
         *tfserving_routes.routes(),

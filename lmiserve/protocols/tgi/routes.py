@@ -17,7 +17,6 @@ from lmiserve.protocols.tgi.encoders import AnswerShape, GenerateEncoder, Stream
 from lmiserve.protocols.tgi.errors import RENDERER
 from lmiserve.protocols.tgi.parse import validate
 from lmiserve.protocols.tgi.schema import GenerateRequest
-from lmiserve.server.auth import require_api_key
 from lmiserve.server.errors import protocol_routes, rendered_by
 from lmiserve.server.pipeline import respond
 from lmiserve.server.responses import raw_response
@@ -42,15 +41,12 @@ async def generate_stream(request: Request) -> Response:
 
 
 async def root(request: Request) -> Response:
-    """GET / is a health check; POST / is TGI's compat route (a one-element list, or the stream with
-    ``stream: true``)."""
-    if request.method == "GET":
-        return await health(request)
+    """POST / is TGI's compat route (a one-element list, or the stream with ``stream: true``); GET / is
+    `health`."""
     return await _generate(request, stream=None)
 
 
 async def _generate(request: Request, *, stream: bool | None) -> Response:
-    require_api_key(request)
     timer = Timer()
     req = parse(GenerateRequest, await json_payload(request))
     return await answer(
@@ -126,14 +122,13 @@ def _tokens(tokenizer, text: str, *, special: bool) -> list[dict]:
 
 
 async def tokenize(request: Request) -> Response:
-    require_api_key(request)
     req = parse(GenerateRequest, await json_payload(request))
     model = served(request)
     return raw_response(dumps(_tokens(model.tokenizer, req.inputs, special=True)))
 
 
 async def chat_tokenize(request: Request) -> Response:
-    """The chat template applied to the messages of a chat request, and its tokens (no API key)."""
+    """The chat template applied to the messages of a chat request, and its tokens."""
     req = parse(ChatRequest, await json_payload(request))
     model = served(request)
     text = model.render_chat(req.template_messages(), for_engine=False)
@@ -198,13 +193,13 @@ def routes() -> Sequence[BaseRoute]:
     return protocol_routes(
         RENDERER,
         [
-            Route("/", root, methods=["GET", "POST"]),
+            Route("/", root, methods=["POST"]),
             Route("/generate", generate, methods=["POST"]),
             Route("/generate_stream", generate_stream, methods=["POST"]),
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/chat_tokenize", chat_tokenize, methods=["POST"]),
-            Route("/health", health, methods=["GET"]),
             Route("/info", info, methods=["GET"]),
             Route("/v1/models", models, methods=["GET"]),
         ],
+        public=[Route("/", health, methods=["GET"]), Route("/health", health, methods=["GET"])],
     )

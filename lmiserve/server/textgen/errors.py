@@ -23,6 +23,7 @@ from starlette.responses import Response
 
 from lmiserve.core.errors import (
     GenerationFailed,
+    HeadersTooLarge,
     IncompleteGeneration,
     InvalidRequest,
     LmiServeError,
@@ -70,6 +71,7 @@ SHAPES: dict[type[LmiServeError], Shape] = {
 REJECTIONS: dict[type[LmiServeError], int] = {
     UnsupportedMediaType: 415,
     PayloadTooLarge: 413,
+    HeadersTooLarge: 431,
     MalformedBody: 400,
     SchemaViolation: 422,
 }

@@ -77,7 +77,7 @@ async def repository_index(request: Request) -> Response:
 
 async def not_found(request: Request) -> Response:
     """Any other path or method under /v2 (Triton answers a known path with a wrong method 405)."""
-    for route in _ROUTES:
+    for route in [*_PROBES, *_ROUTES]:
         if route.matches(request.scope)[0] == Match.PARTIAL:  # the path exists, the method does not
             return raw_response(error_json("Method Not Allowed"), 405)
     raise NotFound(f"Not Found: {request.method} {request.url.path}")
@@ -86,17 +86,21 @@ async def not_found(request: Request) -> Response:
 def _model_routes(prefix: str) -> list[Route]:
     return [
         Route(prefix, model_metadata, methods=["GET"]),
-        Route(prefix + "/ready", model_ready, methods=["GET"]),
         Route(prefix + "/infer", infer, methods=["POST"]),
         Route(prefix + "/generate", generate, methods=["POST"]),
         Route(prefix + "/generate_stream", generate_stream, methods=["POST"]),
     ]
 
 
-_ROUTES = [
-    Route("/", server_metadata, methods=["GET"]),
+# Health and readiness (no API key): registered with their full paths before the /v2 mount.
+_PROBES = [
     Route("/health/live", live, methods=["GET"]),
     Route("/health/ready", ready, methods=["GET"]),
+    Route("/models/{model}/ready", model_ready, methods=["GET"]),
+    Route("/models/{model}/versions/{version}/ready", model_ready, methods=["GET"]),
+]
+_ROUTES = [
+    Route("/", server_metadata, methods=["GET"]),
     Route("/repository/index", repository_index, methods=["POST"]),
     *_model_routes("/models/{model}"),
     *_model_routes("/models/{model}/versions/{version}"),
@@ -111,4 +115,5 @@ def routes() -> list[BaseRoute]:
             Route("/v2", server_metadata, methods=["GET"]),
             Mount("/v2", routes=[*_ROUTES, Route("/{path:path}", not_found, methods=ANY)]),
         ],
+        public=[Route("/v2" + r.path, r.endpoint, methods=r.methods) for r in _PROBES],
     )

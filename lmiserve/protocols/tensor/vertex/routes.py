@@ -41,30 +41,38 @@ async def health(request: Request) -> Response:
     return raw_response(b"{}")
 
 
-async def default_shape(request: Request) -> Response:
-    """`.../deployedModels/{model}:predict` (POST) or `.../deployedModels/{model}` (GET health)."""
-    deployed = request.path_params["deployed"]
-    if deployed.endswith(":predict") and request.method == "POST":
-        return await predict(request)
-    if ":" not in deployed and request.method == "GET":
-        return await health(request)
-    raise NotFound(f"Not Found: {request.method} {request.url.path}")
+async def deployed_predict(request: Request) -> Response:
+    """POST `.../deployedModels/{model}:predict`."""
+    if not request.path_params["deployed"].endswith(":predict"):
+        raise NotFound(f"Not Found: {request.method} {request.url.path}")
+    return await predict(request)
+
+
+async def deployed_health(request: Request) -> Response:
+    """GET `.../deployedModels/{model}`: health."""
+    if ":" in request.path_params["deployed"]:
+        raise NotFound(f"Not Found: {request.method} {request.url.path}")
+    return await health(request)
 
 
 def configured_routes(settings) -> list[BaseRoute]:
     """The $AIP_* routes: placed before every other route, since the platform chose these paths
     (AIP_HEALTH_ROUTE=/health must answer Vertex's health, not TGI's)."""
-    found = []
-    predict_route = getattr(settings, "vertex_predict_route", None)
-    health_route = getattr(settings, "vertex_health_route", None)
-    if predict_route:
-        found.append(Route(predict_route, predict, methods=["POST"]))
-    if health_route:
-        found.append(Route(health_route, health, methods=["GET"]))
-    return protocol_routes(RENDERER, found)
+    predict_route = settings.vertex_predict_route
+    health_route = settings.vertex_health_route
+    return protocol_routes(
+        RENDERER,
+        [Route(predict_route, predict, methods=["POST"])] if predict_route else [],
+        public=[Route(health_route, health, methods=["GET"])] if health_route else [],
+    )
+
+
+_DEPLOYED = "/v1/endpoints/{endpoint}/deployedModels/{deployed}"
 
 
 def routes() -> list[BaseRoute]:
     return protocol_routes(
-        RENDERER, [Route("/v1/endpoints/{endpoint}/deployedModels/{deployed}", default_shape, methods=["GET", "POST"])]
+        RENDERER,
+        [Route(_DEPLOYED, deployed_predict, methods=["POST"])],
+        public=[Route(_DEPLOYED, deployed_health, methods=["GET"])],
     )

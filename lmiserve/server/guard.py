@@ -1,0 +1,62 @@
+"""What every route checks before its handler runs, applied once where routes are registered
+(`lmiserve.server.errors.protocol_routes`), never in handlers:
+
+- the API key: with `api_key` set, a route registered as `Access.KEY` (every route that runs a model,
+  changes server state or describes the served models) needs ``Authorization: Bearer <key>``; a route
+  registered as `Access.OPEN` (health and readiness probes only) does not;
+- the body size: `max_request_size` bytes at most, checked from ``Content-Length`` before anything is
+  read and counted while a chunked body streams in;
+- the head size: `max_header_size` bytes of headers at most (uvicorn also stops buffering a request
+  head far above it, answering a bare 400).
+
+They raise neutral errors (`Unauthorized`, `PayloadTooLarge`, `HeadersTooLarge`) that the route
+group's renderer answers in its protocol's shape. Every endpoint wrapped here carries its `Access` as
+``endpoint.access``, so the route table can be audited (tests/integration/test_route_access.py).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from starlette.requests import Request
+from starlette.types import Message
+
+from lmiserve.core.errors import HeadersTooLarge, PayloadTooLarge
+from lmiserve.server.auth import require_api_key
+
+
+class Access(Enum):
+    OPEN = "open"  # health and readiness probes: never asks for the key
+    KEY = "key"  # everything else: needs the key when one is set
+
+
+def too_large(limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"Request body is larger than max_request_size ({limit} bytes)")
+
+
+def admit(request: Request, access: Access) -> Request:
+    """`request` if it may reach its handler (raises `Unauthorized` or `PayloadTooLarge` otherwise),
+    with its body reader replaced by one that stops at `max_request_size`."""
+    settings = request.app.state.settings
+    head = sum(len(name) + len(value) + 4 for name, value in request.scope["headers"])
+    if head > settings.max_header_size:
+        raise HeadersTooLarge(f"Request headers are larger than max_header_size ({settings.max_header_size} bytes)")
+    if access is Access.KEY:
+        require_api_key(request)
+    limit = settings.max_request_size
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(limit)
+    receive = request.receive
+    received = 0
+
+    async def limited() -> Message:
+        nonlocal received
+        message = await receive()
+        if message["type"] == "http.request":
+            received += len(message.get("body", b""))
+            if received > limit:
+                raise too_large(limit)
+        return message
+
+    return Request(request.scope, limited)
