@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -140,12 +139,21 @@ def test_a_wrong_datatype_names_input_expected_and_given(pair_url, server, minil
 
 
 def test_an_mlserver_content_type_allows_a_numeric_cast_but_not_text(affine_server):
-    typed = {"name": "x", "datatype": "FP64", "shape": [1, 4], "data": [1, 2, 3, 4], "parameters": {"content_type": "np"}}
+    typed = {
+        "name": "x",
+        "datatype": "FP64",
+        "shape": [1, 4],
+        "data": [1, 2, 3, 4],
+        "parameters": {"content_type": "np"},
+    }
     status, body = post_json(affine_server.url, "affine", [typed])
     assert status == 200, body
     text = {"name": "x", "datatype": "BYTES", "shape": [1], "data": ["1"], "parameters": {"content_type": "str"}}
     status, body = post_json(affine_server.url, "affine", [text])
-    assert (status, body) == (400, {"error": "inference input 'x' data-type is 'BYTES', but model 'affine' expects 'FP32'"})
+    assert (status, body) == (
+        400,
+        {"error": "inference input 'x' data-type is 'BYTES', but model 'affine' expects 'FP32'"},
+    )
 
 
 # ---- shapes -----------------------------------------------------------------------------------------
@@ -210,7 +218,9 @@ def test_binary_bytes_with_fewer_elements_than_the_shape(minilm_server):
 def test_binary_bytes_left_unclaimed(affine_server):
     declared = {"name": "x", "datatype": "FP32", "shape": [1, 4], "parameters": {"binary_data_size": 16}}
     status, body = post_binary(affine_server.url, "affine", [declared], b"\x00" * 20)
-    expected = "unexpected additional input data for model 'affine': 4 bytes are not claimed by any input's 'binary_data_size'"
+    expected = (
+        "unexpected additional input data for model 'affine': 4 bytes are not claimed by any input's 'binary_data_size'"
+    )
     assert (status, body) == (400, {"error": expected})
 
 

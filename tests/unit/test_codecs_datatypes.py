@@ -176,7 +176,9 @@ def test_split_body_and_reader():
     assert header == b'{"a":1}' and tail == b"XYZW"
     reader = binary.BinaryReader(tail)
     assert reader.take(3, "x") == b"XYZ"
-    with pytest.raises(InvalidRequest, match="^unexpected additional input data for model 'm': 1 bytes are not claimed"):
+    with pytest.raises(
+        InvalidRequest, match="^unexpected additional input data for model 'm': 1 bytes are not claimed"
+    ):
         reader.check_consumed("m")
     with pytest.raises(
         InvalidRequest, match="^unexpected size for input 'y', expecting 1 additional bytes for model 'm'$"

@@ -18,7 +18,6 @@ from lmiserve.core.tensor_io import check_names, conform
 from lmiserve.core.tensors import ModelSignature, TensorRequest
 from lmiserve.protocols.tensor.codecs import tftensor
 
-
 # Keys a one-key record may use for a single-input model, whatever the input's name: SageMaker's built-in
 # algorithms' `features`, and the usual names of a text field.
 RECORD_KEYS = ("features", "prompt", "text", "inputs")

@@ -203,7 +203,12 @@ def encode_response(outputs: dict[str, np.ndarray], plan: OutputPlan, model: str
 def metadata(model: str, kind: str, signature: ModelSignature) -> dict:
     def tensors(specs):
         return [
-            {"name": t.name, "datatype": t.datatype, "shape": list(t.shape), **({"optional": True} if t.optional else {})}
+            {
+                "name": t.name,
+                "datatype": t.datatype,
+                "shape": list(t.shape),
+                **({"optional": True} if t.optional else {}),
+            }
             for t in specs
         ]
 
