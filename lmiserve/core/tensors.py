@@ -3,7 +3,9 @@
 Every tensor protocol decodes its payload into a `TensorRequest` (named numpy arrays; BYTES tensors are
 object arrays of `bytes`), hands it to the addressed model's `TensorModel.infer`, and encodes the
 returned named arrays back into its own wire format. A model describes itself with a `ModelSignature`
-(V2 datatype names; -1 marks a variable dimension; dimension 0 is the batch).
+(V2 datatype names; -1 marks a variable dimension; dimension 0 is the batch). An optional input may be
+left out of a request; every other declared input is required, and no undeclared input is accepted
+(`core/tensor_io.py` checks requests against the signature).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class TensorSpec:
     name: str
     datatype: str  # BOOL, UINT8..UINT64, INT8..INT64, FP16, FP32, FP64, BYTES
     shape: tuple[int, ...]
+    optional: bool = False  # an input a request may leave out (outputs ignore it)
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,17 @@ class ModelSignature:
 
     def output(self, name: str) -> TensorSpec | None:
         return next((t for t in self.outputs if t.name == name), None)
+
+    @property
+    def required(self) -> tuple[TensorSpec, ...]:
+        return tuple(t for t in self.inputs if not t.optional)
+
+
+def datatype_of(array: np.ndarray) -> str | None:
+    """The V2 datatype of an array (str/bytes/object arrays are BYTES); None for dtypes V2 has no name for."""
+    if array.dtype.kind in "OSU":
+        return "BYTES"
+    return next((name for name, dtype in NUMPY_DTYPES.items() if dtype == array.dtype), None)
 
 
 @dataclass

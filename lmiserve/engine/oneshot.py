@@ -32,7 +32,7 @@ from lmiserve.core.errors import (
     ModelNotReady,
     Overloaded,
 )
-from lmiserve.core.tensor_io import select_outputs
+from lmiserve.core.tensor_io import check_names, select_outputs
 from lmiserve.core.tensors import ModelSignature, TensorRequest
 from lmiserve.engine import torch_thread
 
@@ -127,6 +127,7 @@ class OneShotModel:
 
     # ---- requests ----------------------------------------------------------------------------------
     async def infer(self, request: TensorRequest) -> Arrays:
+        check_names(request.inputs, self.signature, self.name)
         inputs = self.runner.prepare(request)
         outputs = await self.submit(inputs)
         return select_outputs(outputs, request, self.signature)

@@ -1,6 +1,6 @@
 """One-shot text models on transformers encoders: sentence embeddings and sequence classification.
 
-Both take the BYTES input `text` (any single input name is accepted), one text per row, tokenize a
+Both take the BYTES input `text` (OneShotModel has checked the names), one text per row, tokenize a
 batch with padding and truncation, and run one forward pass.
 
 - `EmbeddingRunner` -> `embedding` FP32 [rows, dim]: token states pooled as the sentence-transformers
@@ -21,14 +21,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from lmiserve.core.tensor_io import bytes_column, pick_input, text_rows
+from lmiserve.core.tensor_io import bytes_column, model_input, text_rows
 from lmiserve.core.tensors import ModelSignature, TensorRequest, TensorSpec
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 TEXT = "text"
-TEXT_ALIASES = ("inputs", "text_input", "sentences")
 POOLING_MODES = ("mean", "cls", "max", "mean_sqrt_len", "lasttoken")
 
 
@@ -58,7 +57,7 @@ class _TextRunner:
         self.max_length = max_length
 
     def prepare(self, request: TensorRequest) -> dict[str, np.ndarray]:
-        rows = text_rows(pick_input(request, TEXT, aliases=TEXT_ALIASES), TEXT)
+        rows = text_rows(model_input(request, self.signature, TEXT, ""), TEXT)
         column = np.empty(len(rows), dtype=object)
         column[:] = rows
         return {TEXT: column}

@@ -2,7 +2,8 @@
 
 Inputs and outputs are declared in settings (`input_names`, `input_dtypes`, `input_shapes`, and the
 `output_*` keys); `prepare` checks each request against them (names, datatype, rank and fixed
-dimensions) and converts to the declared dtype, so a bad tensor is a 400-class error before it is
+dimensions; numbers of the same kind are cast, as LMI's JSON numbers come untyped) and converts to the
+declared dtype, so a bad tensor is a 400-class error before it is
 queued. `forward` calls the module with the inputs in declared order; a tuple/list result maps to the
 output names in order, a dict by name, a single tensor to the first output.
 """
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 from lmiserve.core.errors import GenerationFailed, InvalidRequest
+from lmiserve.core.tensor_io import check_names
 from lmiserve.core.tensors import (
     NUMPY_DTYPES,
     ModelSignature,
@@ -35,17 +37,8 @@ class TorchScriptRunner:
         self.device = device
 
     def prepare(self, request: TensorRequest) -> dict[str, np.ndarray]:
-        specs = self.signature.inputs
-        given = dict(request.inputs)
-        if len(specs) == 1 and len(given) == 1 and specs[0].name not in given:
-            given = {specs[0].name: next(iter(given.values()))}  # one input: any name
-        unknown = sorted(set(given) - {s.name for s in specs})
-        if unknown:
-            raise InvalidRequest(f"unknown input '{unknown[0]}': this model takes {', '.join(s.name for s in specs)}")
-        missing = [s.name for s in specs if s.name not in given]
-        if missing:
-            raise InvalidRequest(f"missing input '{missing[0]}'")
-        return {s.name: _check(given[s.name], s) for s in specs}
+        check_names(request.inputs, self.signature, "")  # OneShotModel checked them with the model's name
+        return {s.name: _check(request.inputs[s.name], s) for s in self.signature.inputs}
 
     @torch.inference_mode()
     def forward(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -1,7 +1,7 @@
 """The causal LM as a `TensorModel`: a BYTES tensor of prompts in, a BYTES tensor of completions out.
 
-Any single input name is read as the prompts (conventionally `text_input`, `prompt` or `inputs`); each
-element is one prompt. Generation parameters come from `TensorRequest.parameters` with the LMI names
+The one input `text_input` holds the prompts, one per element; an input of any other name is refused
+(400 naming it, as Triton does). Generation parameters come from `TensorRequest.parameters` with the LMI names
 and defaults (`max_new_tokens`, `temperature`, `do_sample`, `stop`, ...), validated by the LMI parser.
 All rows go to the engine at once, so they share its continuous batch. The output `text_output` holds
 each row's generated text (with the prompt in front when `return_full_text` is true).
@@ -21,11 +21,10 @@ from lmiserve.core.errors import GenerationFailed, InvalidRequest
 from lmiserve.core.events import FinishReason
 from lmiserve.core.parameters import Limits, parse_parameters, to_sampling
 from lmiserve.core.request import GenerationRequest, SamplingParams
-from lmiserve.core.tensor_io import bytes_column, pick_input, select_outputs, text_rows
+from lmiserve.core.tensor_io import bytes_column, model_input, select_outputs, text_rows
 from lmiserve.core.tensors import ModelSignature, TensorRequest, TensorSpec
 
 INPUT = "text_input"
-INPUT_ALIASES = ("prompt", "inputs", "text")
 OUTPUT = "text_output"
 SIGNATURE = ModelSignature(
     inputs=(TensorSpec(INPUT, "BYTES", (-1,)),),
@@ -55,7 +54,7 @@ class LlmTensorModel:
         return to_sampling(params, self.limits, stream=False), bool(params.return_full_text)
 
     async def infer(self, request: TensorRequest) -> dict[str, np.ndarray]:
-        prompts = text_rows(pick_input(request, INPUT, aliases=INPUT_ALIASES), INPUT)
+        prompts = text_rows(model_input(request, self.signature, INPUT, self.name), INPUT)
         if any(not p for p in prompts):
             raise InvalidRequest(f"input '{INPUT}' holds an empty prompt")
         sampling, full_text = self.sampling(request.parameters)

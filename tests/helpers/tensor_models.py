@@ -118,3 +118,28 @@ def build_bundled_store(root: str | Path, minilm: Path | None = None) -> Path:
         f"option.model_id={minilm or minilm_dir()}\noption.batch_size=16\noption.max_batch_delay=10\n"
     )
     return root
+
+
+PAIR_PROPERTIES = """\
+option.input_names=a,b
+option.input_dtypes=FP32,INT32
+option.input_shapes=-1,2;-1
+option.output_names=total
+option.output_dtypes=FP32
+option.output_shapes=-1
+"""
+
+
+def build_pair_torchscript_dir(out_dir: str | Path) -> Path:
+    """A scripted two-input module: a FP32 [-1, 2], b INT32 [-1] -> total FP32 [-1] = a.sum(1) + b."""
+    import torch
+
+    class Pair(torch.nn.Module):
+        def forward(self, a: torch.Tensor, b: torch.Tensor):
+            return a.sum(dim=1) + b.to(torch.float32)
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.jit.script(Pair()).save(str(out / "pair.pt"))
+    (out / "serving.properties").write_text(PAIR_PROPERTIES)
+    return out

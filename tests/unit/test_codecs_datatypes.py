@@ -142,15 +142,20 @@ def test_bool_binary_is_one_byte_each():
 @pytest.mark.parametrize(
     ("raw", "datatype", "shape", "message"),
     [
-        (b"\x00" * 7, "FP32", (2,), "needs 8 bytes, got 7"),
+        (b"\x00" * 7, "FP32", (2,), r"^input byte size mismatch for input 'x' for model 'm'\. Expected 8, got 7$"),
         (b"\x05\x00\x00\x00ab", "BYTES", (1,), "overruns the data"),
         (b"\x01\x00", "BYTES", (1,), "truncated length prefix"),
-        (struct.pack("<I", 1) + b"a", "BYTES", (2,), "needs 2 elements, got 1"),
+        (
+            struct.pack("<I", 1) + b"a",
+            "BYTES",
+            (2,),
+            r"^unexpected number of string elements 1 for inference input 'x' for model 'm', expecting 2$",
+        ),
     ],
 )
 def test_bad_binary_data(raw, datatype, shape, message):
     with pytest.raises(InvalidRequest, match=message):
-        binary.decode_tensor(raw, datatype, shape, "x")
+        binary.decode_tensor(raw, datatype, shape, "x", "m")
 
 
 @pytest.mark.parametrize(
@@ -171,10 +176,14 @@ def test_split_body_and_reader():
     assert header == b'{"a":1}' and tail == b"XYZW"
     reader = binary.BinaryReader(tail)
     assert reader.take(3, "x") == b"XYZ"
-    with pytest.raises(InvalidRequest, match="1 bytes are not claimed"):
-        reader.check_consumed()
-    with pytest.raises(InvalidRequest, match="needs 2 bytes, 1 left"):
-        reader.take(2, "y")
+    with pytest.raises(
+        InvalidRequest, match="^unexpected additional input data for model 'm': 1 bytes are not claimed"
+    ):
+        reader.check_consumed("m")
+    with pytest.raises(
+        InvalidRequest, match="^unexpected size for input 'y', expecting 1 additional bytes for model 'm'$"
+    ):
+        reader.take(2, "y", "m")
 
 
 def test_request_decompression():

@@ -88,8 +88,11 @@ async def test_embedding_input_names_and_errors(minilm_dir):
     service = await loaded(minilm_dir)
     try:
         model = service.tensor_model
-        single = await model.infer(TensorRequest({"inputs": text(SENTENCES[0]).reshape(1, 1)}))
+        single = await model.infer(TensorRequest({"text": text(SENTENCES[0]).reshape(1, 1)}))
         assert single["embedding"].shape == (1, 384)
+        with pytest.raises(InvalidRequest) as info:  # an input the model does not declare: never taken as `text`
+            await model.infer(TensorRequest({"inputs": text(SENTENCES[0])}))
+        assert info.value.message == f"unexpected inference input 'inputs' for model '{service.name}'"
         with pytest.raises(InvalidRequest, match="must hold text"):
             await model.infer(TensorRequest({"text": np.array([[1.0, 2.0]], dtype=np.float32)}))
         with pytest.raises(InvalidRequest, match="unknown output"):
@@ -167,10 +170,11 @@ async def test_torchscript_model_from_serving_properties(torchscript_dir):
         y, best = affine_reference(x)
         np.testing.assert_allclose(out["y"], y, rtol=1e-6)
         assert out["best"].dtype == np.int64 and out["best"].tolist() == best.tolist()
-        ints = await model.infer(
-            TensorRequest({"input": x.astype(np.int64)}, outputs=["best"])
-        )  # one input: any name; ints cast
+        ints = await model.infer(TensorRequest({"x": x.astype(np.int64)}, outputs=["best"]))  # ints cast
         assert list(ints) == ["best"] and ints["best"].tolist() == best.tolist()
+        with pytest.raises(InvalidRequest) as info:  # one input, but not its name: refused
+            await model.infer(TensorRequest({"input": x}))
+        assert info.value.message == f"unexpected inference input 'input' for model '{service.name}'"
         for bad, message in [
             (np.zeros((2, 3), np.float32), r"must have shape \[-1, 4\], got \[2, 3\]"),
             (np.zeros(4, np.float32), r"must have shape \[-1, 4\], got \[4\]"),
@@ -178,7 +182,7 @@ async def test_torchscript_model_from_serving_properties(torchscript_dir):
         ]:
             with pytest.raises(InvalidRequest, match=message):
                 await model.infer(TensorRequest({"x": bad}))
-        with pytest.raises(InvalidRequest, match="unknown input 'z'"):
+        with pytest.raises(InvalidRequest, match=f"^unexpected inference input 'z' for model '{service.name}'$"):
             await model.infer(TensorRequest({"x": x, "z": x}))
     finally:
         await service.close()

@@ -60,13 +60,20 @@ async def test_rows_are_generated_concurrently_and_equal_single_requests(engine)
     assert batched_steps < 3 * 6
 
 
-@pytest.mark.parametrize("name", ["prompt", "inputs", "anything"])
-async def test_any_single_input_name_and_2d_shapes(engine, name):
+async def test_2d_prompts(engine):
     model = LlmTensorModel(engine, Limits())
     out = await model.infer(
-        TensorRequest({name: prompts("Hello", "Bye").reshape(2, 1)}, parameters={"max_new_tokens": 3})
+        TensorRequest({"text_input": prompts("Hello", "Bye").reshape(2, 1)}, parameters={"max_new_tokens": 3})
     )
     assert texts(out["text_output"]) == [await complete(engine, p, max_new_tokens=3) for p in ("Hello", "Bye")]
+
+
+@pytest.mark.parametrize("name", ["prompt", "inputs", "anything"])
+async def test_an_undeclared_input_name_is_refused(engine, name):
+    model = LlmTensorModel(engine, Limits(), name="llm")
+    with pytest.raises(InvalidRequest) as info:
+        await model.infer(TensorRequest({name: prompts("Hello")}, parameters={"max_new_tokens": 3}))
+    assert info.value.message == f"unexpected inference input '{name}' for model 'llm'"
 
 
 async def test_parameters_use_the_lmi_mapping(engine):
@@ -87,8 +94,10 @@ async def test_bad_tensors_are_invalid_requests(engine):
         await model.infer(TensorRequest({"text_input": np.array([b"\xff\xfe"], dtype=object)}))
     with pytest.raises(InvalidRequest, match="must hold text"):
         await model.infer(TensorRequest({"text_input": np.array([1.0, 2.0])}))
-    with pytest.raises(InvalidRequest, match="unknown inputs"):
+    with pytest.raises(InvalidRequest, match=r"^unexpected inference inputs \['a','b'\] for model ''$"):
         await model.infer(TensorRequest({"a": prompts("x"), "b": prompts("y")}))
+    with pytest.raises(InvalidRequest, match=r"^expected 1 inputs but got 0 inputs for model ''\. Got input\(s\) \[\]"):
+        await model.infer(TensorRequest({}))
     with pytest.raises(InvalidRequest, match="empty prompt"):
         await model.infer(TensorRequest({"text_input": prompts("")}))
     with pytest.raises(InvalidRequest, match="unknown output 'nope'"):

@@ -165,12 +165,19 @@ async def test_binary_header_without_octet_content_type_and_mixed_inputs(app):
     assert r.json()["outputs"][0]["data"] == [13.0, 27.0]
 
 
-async def test_single_input_model_takes_any_input_name_and_n_by_1(app):
-    body = {"inputs": [{"name": "input-1", "datatype": "BYTES", "shape": [2, 1], "data": ["a", "b"]}]}
+async def test_n_by_1_input_and_names_free_only_under_a_request_codec(app):
+    body = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [2, 1], "data": ["a", "b"]}]}
     async with client(app) as http:
         r = await http.post("/v2/models/text/infer", json=body)
-    assert r.status_code == 200
-    assert r.json()["outputs"][0]["data"] == ["A", "B"]
+        assert r.status_code == 200
+        assert r.json()["outputs"][0]["data"] == ["A", "B"]
+        body["inputs"][0]["name"] = "input-1"
+        r = await http.post("/v2/models/text/infer", json=body)
+        assert r.status_code == 400
+        assert r.json() == {"error": "unexpected inference input 'input-1' for model 'text'"}
+        r = await http.post("/v2/models/text/infer", json={**body, "parameters": {"content_type": "str"}})
+        assert r.status_code == 200  # MLServer's StringRequestCodec: the request is one value, whatever its name
+        assert r.json()["outputs"][0]["data"] == ["A", "B"]
 
 
 async def test_mlserver_content_types(app):
@@ -329,8 +336,8 @@ async def test_malformed_bodies_are_400_json(app, body):
     [
         ("x", b"", "Unable to parse Inference-Header-Content-Length, got: x"),
         ("999", b"", "inference header size should be in range"),
-        (None, b"\x00\x00\x00", "3 bytes are not claimed"),
-        (None, b"\x00", "needs 16 bytes, 1 left"),
+        (None, b"\x00\x00\x00", "unexpected additional input data for model 'affine': 3 bytes are not claimed"),
+        (None, b"\x00", "unexpected size for input 'x', expecting 15 additional bytes for model 'affine'"),
     ],
 )
 async def test_binary_errors(app, header, tail, message):

@@ -1,8 +1,9 @@
 """Records (one JSON value or CSV row per instance) <-> a model's tensors, shared by SageMaker and Vertex.
 
 A record is the instance for a single-input model (a string for text models, a number list for numeric
-ones), or an object naming the inputs. For a single-input model an object with one key (the input's
-name, SageMaker's `{"features": [...]}`, `{"prompt": "..."}`) is its value, so records may mix forms. Predictions are
+ones), or an object naming the inputs. For a single-input model an object with one key, the input's
+name or a conventional record key (`RECORD_KEYS`: SageMaker's `{"features": [...]}`, `{"prompt": "..."}`),
+is its value, so records may mix forms; any other key is an input the model does not declare (400). Predictions are
 per record: the row of the one output, or an object of every output's row; NaN and infinities -> null.
 """
 
@@ -13,25 +14,30 @@ import math
 import numpy as np
 
 from lmiserve.core.errors import InternalError, InvalidInput
+from lmiserve.core.tensor_io import check_names, conform
 from lmiserve.core.tensors import ModelSignature, TensorRequest
 from lmiserve.protocols.tensor.codecs import tftensor
-from lmiserve.protocols.tensor.codecs.datatypes import fit_shape
+
+# Keys a one-key record may use for a single-input model, whatever the input's name: SageMaker's built-in
+# algorithms' `features`, and the usual names of a text field.
+RECORD_KEYS = ("features", "prompt", "text", "inputs")
 
 
 def to_request(records: list, signature: ModelSignature, model: str, parameters: dict | None = None) -> TensorRequest:
     if not records:
         raise InvalidInput("no instances in the request")
-    names = {t.name for t in signature.inputs}
-    if len(names) == 1:
-        records = [_unwrap(r, names) for r in records]
+    if len(signature.inputs) == 1:
+        records = [_unwrap(r, signature, model) for r in records]
     arrays = tftensor.decode_instances(records, signature)
-    inputs = {t.name: fit_shape(arrays[t.name], t.shape, t.name, model) for t in signature.inputs}
-    return TensorRequest(inputs=inputs, parameters=dict(parameters or {}))
+    return TensorRequest(inputs=conform(arrays, signature, model), parameters=dict(parameters or {}))
 
 
-def _unwrap(record: object, names: set[str]) -> object:
+def _unwrap(record: object, signature: ModelSignature, model: str) -> object:
     if isinstance(record, dict) and not tftensor.is_b64(record) and len(record) == 1:
-        return next(iter(record.values()))
+        ((key, value),) = record.items()
+        if key not in RECORD_KEYS:
+            check_names([key], signature, model)
+        return value
     return record
 
 

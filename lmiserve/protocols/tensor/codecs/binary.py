@@ -59,35 +59,36 @@ class BinaryReader:
         self.tail = memoryview(tail)
         self.offset = 0
 
-    def take(self, size: object, name: str) -> bytes:
+    def take(self, size: object, name: str, model: str = "") -> bytes:
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise InvalidInput(f"invalid 'binary_data_size' for input '{name}': {size!r}")
         if self.offset + size > len(self.tail):
+            short = self.offset + size - len(self.tail)
             raise InvalidInput(
-                f"unexpected end of binary data for input '{name}': "
-                f"needs {size} bytes, {len(self.tail) - self.offset} left"
+                f"unexpected size for input '{name}', expecting {short} additional bytes for model '{model}'"
             )
         chunk = bytes(self.tail[self.offset : self.offset + size])
         self.offset += size
         return chunk
 
-    def check_consumed(self) -> None:
+    def check_consumed(self, model: str = "") -> None:
         left = len(self.tail) - self.offset
         if left:
             raise InvalidInput(
-                f"unexpected additional input data: {left} bytes are not claimed by any input's 'binary_data_size'"
+                f"unexpected additional input data for model '{model}': "
+                f"{left} bytes are not claimed by any input's 'binary_data_size'"
             )
 
 
-def decode_tensor(raw: bytes, datatype: str, shape: Sequence[int], name: str) -> np.ndarray:
-    """Raw bytes of one tensor -> array of `shape`."""
+def decode_tensor(raw: bytes, datatype: str, shape: Sequence[int], name: str, model: str = "") -> np.ndarray:
+    """Raw bytes of one tensor -> array of `shape` (Triton's words when the size does not fit the shape)."""
     count = math.prod(shape)
     if datatype == "BYTES":
         values = _split_bytes(raw, name)
         if len(values) != count:
             raise InvalidInput(
-                f"shape does not match data for input '{name}': "
-                f"shape {list(shape)} needs {count} elements, got {len(values)}"
+                f"unexpected number of string elements {len(values)} for inference input '{name}' "
+                f"for model '{model}', expecting {count}"
             )
         array = np.empty(count, dtype=object)
         array[:] = values
@@ -95,8 +96,8 @@ def decode_tensor(raw: bytes, datatype: str, shape: Sequence[int], name: str) ->
     dtype = numpy_dtype(datatype, name).newbyteorder("<")
     if len(raw) != count * dtype.itemsize:
         raise InvalidInput(
-            f"unexpected binary data size for input '{name}': "
-            f"shape {list(shape)} of {datatype} needs {count * dtype.itemsize} bytes, got {len(raw)}"
+            f"input byte size mismatch for input '{name}' for model '{model}'. "
+            f"Expected {count * dtype.itemsize}, got {len(raw)}"
         )
     array = np.frombuffer(raw, dtype=dtype).reshape(shape)
     if datatype == "BOOL":

@@ -13,8 +13,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from lmiserve.core import tensors
 from lmiserve.core.errors import InternalError, InvalidInput
+from lmiserve.core.tensor_io import fit_shape
 from lmiserve.core.tensors import NUMPY_DTYPES
+
+__all__ = ["DTYPES", "MAX_NESTING", "check_shape", "datatype_of", "fit_shape", "json_data", "numpy_dtype", "to_array"]
 
 DTYPES = NUMPY_DTYPES
 MAX_NESTING = 64  # nested `data` deeper than this is refused (Triton: HTTP_MAX_JSON_NESTING_DEPTH)
@@ -27,14 +31,11 @@ def numpy_dtype(datatype: str, name: str) -> np.dtype:
 
 
 def datatype_of(array: np.ndarray) -> str:
-    """The V2 datatype of an array; str/bytes/object arrays are BYTES."""
-    kind = array.dtype.kind
-    if kind in "OSU":
-        return "BYTES"
-    for datatype, dtype in DTYPES.items():
-        if dtype == array.dtype:
-            return datatype
-    raise InternalError(f"unsupported output dtype {array.dtype}")
+    """The V2 datatype of an output array; str/bytes/object arrays are BYTES."""
+    datatype = tensors.datatype_of(array)
+    if datatype is None:
+        raise InternalError(f"unsupported output dtype {array.dtype}")
+    return datatype
 
 
 def check_shape(shape: object, name: str) -> tuple[int, ...]:
@@ -158,25 +159,3 @@ def _text(value: object) -> object:
     if isinstance(value, np.generic):
         return value.item()
     return value
-
-
-def fit_shape(array: np.ndarray, expected: Sequence[int], name: str, model: str) -> np.ndarray:
-    """Check an input's shape against the signature (-1 = any); [N] and [N, 1] are interchangeable."""
-    shape = array.shape
-    if _matches(shape, expected):
-        return array
-    if len(shape) == len(expected) + 1 and shape[-1] == 1 and _matches(shape[:-1], expected):
-        return array.reshape(shape[:-1])
-    if len(shape) + 1 == len(expected) and expected[-1] in (1, -1) and _matches((*shape, 1), expected):
-        return array.reshape((*shape, 1))
-    raise InvalidInput(
-        f"unexpected shape for input '{name}' for model '{model}'. Expected {_dims(expected)}, got {_dims(shape)}"
-    )
-
-
-def _matches(shape: Sequence[int], expected: Sequence[int]) -> bool:
-    return len(shape) == len(expected) and all(e == -1 or e == s for s, e in zip(shape, expected))
-
-
-def _dims(shape: Sequence[int]) -> str:
-    return "[" + ",".join(str(d) for d in shape) + "]"

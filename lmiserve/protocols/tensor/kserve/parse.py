@@ -2,11 +2,13 @@
 
 JSON and Triton's binary extension (any body with `Inference-Header-Content-Length`), MLServer content
 types on inputs (`np`, `str`, `base64`, `datetime`, `pd_json`) and requests (`np`, `str`, `pd`).
-Input datatypes must match the signature (as Triton demands), except that inputs carrying an MLServer
-content type may be cast between numeric datatypes (MLServer hands models decoded numpy values).
-A model with one input takes a single request input under any name (MLServer's request codecs call
-it `input-1`). Requested outputs pick and order the outputs; `binary_data` / `binary_data_output`
-choose binary output segments (default JSON).
+Inputs are checked against the model's signature as Triton does (`core.tensor_io.conform`, before
+any data is decoded for the names): no undeclared input, every required one, the declared datatype
+(inputs carrying an MLServer content type may be cast between numeric datatypes, as MLServer hands
+models decoded numpy values) and a compatible shape. Only a request-level MLServer codec frees the
+names: `np` / `str` with one input for a one-input model (MLServer's request codecs call it
+`input-1`), `pd` (columns, see content_types.columns_to_inputs). Requested outputs pick and order the
+outputs; `binary_data` / `binary_data_output` choose binary output segments (default JSON).
 """
 
 from __future__ import annotations
@@ -18,15 +20,10 @@ from typing import Any
 import numpy as np
 
 from lmiserve.core.errors import InvalidInput, MalformedBody, SchemaViolation
+from lmiserve.core.tensor_io import check_names, conform
 from lmiserve.core.tensors import ModelSignature, TensorRequest
 from lmiserve.protocols.tensor.codecs import binary, content_types
-from lmiserve.protocols.tensor.codecs.datatypes import (
-    DTYPES,
-    check_shape,
-    datatype_of,
-    fit_shape,
-    json_data,
-)
+from lmiserve.protocols.tensor.codecs.datatypes import DTYPES, check_shape, datatype_of, json_data
 from lmiserve.protocols.tensor.codecs.jsondoc import load_object
 
 VERSION = "1"
@@ -68,23 +65,26 @@ def parse_infer(doc: dict, tail: bytes, model: str, signature: ModelSignature) -
     if not isinstance(inputs, list) or not inputs:
         raise SchemaViolation("the inference request needs a non-empty 'inputs' list")
     request_ct = params.get("content_type") if isinstance(params.get("content_type"), str) else None
+    given = _names(inputs)
+    names = [t.name for t in signature.inputs]
+    whole = request_ct in ("np", "str") and len(names) == 1 and len(given) == 1  # a request codec's one input
+    if request_ct != "pd" and not whole:
+        check_names(given, signature, model)
     reader = binary.BinaryReader(tail)
     arrays: dict[str, np.ndarray] = {}
     typed = {}
     for item in inputs:
         name, array, has_ct = _input(item, reader, model)
-        if name in arrays:
-            raise InvalidInput(f"input '{name}' is given more than once")
         arrays[name], typed[name] = array, has_ct
-    reader.check_consumed()
-    names = [t.name for t in signature.inputs]
+    reader.check_consumed(model)
     if request_ct == "pd":
         arrays = content_types.columns_to_inputs(arrays, names)
         typed = {n: True for n in arrays}
-    elif len(names) == 1 and len(arrays) == 1 and names[0] not in arrays:
-        ((given, array),) = arrays.items()
-        arrays, typed = {names[0]: array}, {names[0]: typed[given] or request_ct is not None}
-    model_inputs = _check_inputs(arrays, typed, signature, model)
+    elif whole:
+        ((name, array),) = arrays.items()
+        arrays, typed = {names[0]: array}, {names[0]: True}
+    castable = {n for n, has_ct in typed.items() if has_ct}
+    model_inputs = conform(arrays, signature, model, castable=castable)
     plan = _plan(doc, params, signature, model, request_ct)
     plan.mlserver = plan.mlserver or any(typed.values())
     parameters = {k: v for k, v in params.items() if k not in _RESERVED}
@@ -99,9 +99,19 @@ def _params(value: object, where: str) -> dict:
     return value
 
 
-def _input(item: object, reader: binary.BinaryReader, model: str) -> tuple[str, np.ndarray, bool]:
-    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-        raise SchemaViolation("every input must be an object with a string 'name'")
+def _names(inputs: list) -> list[str]:
+    """The inputs' names, each once; SchemaViolation for an input that is not an object with a name."""
+    names: list[str] = []
+    for item in inputs:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise SchemaViolation("every input must be an object with a string 'name'")
+        if item["name"] in names:
+            raise InvalidInput(f"input '{item['name']}' is given more than once")
+        names.append(item["name"])
+    return names
+
+
+def _input(item: dict, reader: binary.BinaryReader, model: str) -> tuple[str, np.ndarray, bool]:
     name = item["name"]
     datatype = item.get("datatype")
     if not isinstance(datatype, str) or datatype not in DTYPES:
@@ -110,8 +120,8 @@ def _input(item: object, reader: binary.BinaryReader, model: str) -> tuple[str, 
     params = _params(item.get("parameters"), f"input '{name}'")
     ct = params.get("content_type") if isinstance(params.get("content_type"), str) else None
     if "binary_data_size" in params:
-        raw = reader.take(params["binary_data_size"], name)
-        array = binary.decode_tensor(raw, datatype, shape, name)
+        raw = reader.take(params["binary_data_size"], name, model)
+        array = binary.decode_tensor(raw, datatype, shape, name, model)
         if datatype == "BYTES":
             array = content_types.decode_bytes_input(array, ct, name)
         return name, array, ct in content_types.INPUT_TYPES
@@ -119,29 +129,6 @@ def _input(item: object, reader: binary.BinaryReader, model: str) -> tuple[str, 
         raise SchemaViolation(f"'data' field is missing for input '{name}' for model '{model}'")
     array = content_types.decode_json_input(name, datatype, shape, item["data"], ct)
     return name, array, ct in content_types.INPUT_TYPES
-
-
-def _check_inputs(
-    arrays: dict[str, np.ndarray], typed: dict[str, bool], signature: ModelSignature, model: str
-) -> dict[str, np.ndarray]:
-    for name in arrays:
-        if signature.input(name) is None:
-            raise InvalidInput(f"unexpected inference input '{name}' for model '{model}'")
-    if len(arrays) != len(signature.inputs):
-        raise InvalidInput(f"expected {len(signature.inputs)} inputs but got {len(arrays)} inputs for model '{model}'")
-    out = {}
-    for spec in signature.inputs:
-        array = arrays[spec.name]
-        got = datatype_of(array)
-        if got != spec.datatype:
-            numeric = got != "BYTES" and spec.datatype != "BYTES"
-            if not (typed.get(spec.name) and numeric):
-                raise InvalidInput(
-                    f"inference input '{spec.name}' data-type is '{got}', but model '{model}' expects '{spec.datatype}'"
-                )
-            array = array.astype(DTYPES[spec.datatype])
-        out[spec.name] = fit_shape(array, spec.shape, spec.name, model)
-    return out
 
 
 def _plan(doc: dict, params: dict, signature: ModelSignature, model: str, request_ct: str | None) -> OutputPlan:
@@ -215,7 +202,15 @@ def encode_response(outputs: dict[str, np.ndarray], plan: OutputPlan, model: str
 
 def metadata(model: str, kind: str, signature: ModelSignature) -> dict:
     def tensors(specs):
-        return [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in specs]
+        return [
+            {
+                "name": t.name,
+                "datatype": t.datatype,
+                "shape": list(t.shape),
+                **({"optional": True} if t.optional else {}),
+            }
+            for t in specs
+        ]
 
     return {
         "name": model,

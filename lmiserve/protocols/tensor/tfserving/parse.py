@@ -22,9 +22,9 @@ from lmiserve.core.errors import (
     NotFound,
     SchemaViolation,
 )
+from lmiserve.core.tensor_io import conform
 from lmiserve.core.tensors import ModelSignature, TensorRequest
 from lmiserve.protocols.tensor.codecs import tftensor
-from lmiserve.protocols.tensor.codecs.datatypes import fit_shape
 from lmiserve.protocols.tensor.codecs.tfjson import document, dump
 
 VERSION = "1"
@@ -142,8 +142,7 @@ def parse_predict(doc: object, signature: ModelSignature, model: str) -> tuple[T
         arrays, key = tftensor.decode_instances(instances, signature), "predictions"
     else:
         arrays, key = tftensor.decode_inputs(doc["inputs"], signature), "outputs"
-    inputs = {t.name: fit_shape(arrays[t.name], t.shape, t.name, model) for t in signature.inputs}
-    return TensorRequest(inputs=inputs, parameters=_parameters(doc)), key
+    return TensorRequest(inputs=conform(arrays, signature, model), parameters=_parameters(doc)), key
 
 
 def predict_body(outputs: dict[str, np.ndarray], key: str) -> bytes:
