@@ -1,4 +1,4 @@
-"""`lmiserve serve`: parse arguments, build settings, start uvicorn (and `lmiserve bench`, see lmiserve/bench)."""
+"""`lmiserve serve`: parse arguments, build settings, serve (server/lifecycle.py); and `lmiserve bench`."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         services = store_services(settings, args.model_store) if args.model_store else None
     except ConfigError as exc:
         print(f"lmiserve: configuration error: {exc}", file=sys.stderr)
-        return 2
+        return 2  # ExitCode.CONFIG_ERROR (lmiserve/server/lifecycle.py, imported with uvicorn only to serve)
     return serve(settings, services)
 
 
@@ -73,24 +73,19 @@ def store_services(settings, store: str) -> list:
 
 
 def serve(settings, services: list | None = None) -> int:
-    import uvicorn
-
-    from lmiserve.server.app import create_app
+    """Serve until stopped; the exit status is a `lmiserve.server.lifecycle.ExitCode` (see the README,
+    "Signals and exit codes")."""
+    from lmiserve.models.service import ModelService
+    from lmiserve.server.lifecycle import Lifecycle
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("lmiserve")
     for line in settings.summary():
         log.info("option %s", line)
-    for service in services or []:
+    services = services or [ModelService(settings)]
+    for service in services:
         log.info("model %s: %s from %s", service.name, service.kind, service.settings.model_id or "the bundled default")
-    uvicorn.run(
-        create_app(settings, services=services),
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        access_log=False,
-    )
-    return 0
+    return Lifecycle().serve(settings, services)
 
 
 if __name__ == "__main__":
