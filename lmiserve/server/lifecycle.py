@@ -104,9 +104,9 @@ class Lifecycle:
 
     def serve(self, settings: Settings, services: list[ModelService]) -> int:
         """Bind, serve until stopped, and return the exit status (the failure line is on stderr)."""
-        from lmiserve.server.app import create_app
-
         with self.signal_handlers():
+            from lmiserve.server.app import create_app  # after the handlers: a signal while importing stops too
+
             try:
                 sock = bind_socket(settings.host, settings.port)
             except OSError as exc:

@@ -54,6 +54,18 @@ def test_a_stop_signal_exits_0_after_a_clean_shutdown(tiny_model_dir, sig):
         assert_no_traceback(server)
 
 
+def test_a_stop_signal_while_the_model_loads_exits_0(smollm_dir):
+    """SIGTERM as soon as the port is bound: SmolLM2 takes seconds to load, the tiny model a moment;
+    either way (the load still running on its thread, or done) the exit is clean."""
+    with ServeProcess(["--model-id", str(smollm_dir)]) as server:
+        server.wait_stderr("listening on http://")
+        server.send(signal.SIGTERM)
+        assert server.wait_exit() == 0, server.describe()
+        assert failure_lines(server) == []
+        assert "Fatal Python error" not in server.stderr()
+        assert_no_traceback(server)
+
+
 # --- a second signal -------------------------------------------------------------------------------------
 
 
