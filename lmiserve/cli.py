@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import NoReturn
 
 from lmiserve.bench.cli import add_bench_parser, run_bench_command
 from lmiserve.config import ConfigError, load_settings, parse_override
@@ -72,11 +73,11 @@ def store_services(settings, store: str) -> list:
     return services
 
 
-def serve(settings, services: list | None = None) -> int:
-    """Serve until stopped; the exit status is a `lmiserve.server.lifecycle.ExitCode` (see the README,
-    "Signals and exit codes")."""
+def serve(settings, services: list | None = None) -> NoReturn:
+    """Serve until stopped, then exit the process with a `lmiserve.server.lifecycle.ExitCode` (see the
+    README, "Signals and exit codes")."""
     from lmiserve.models.service import ModelService
-    from lmiserve.server.lifecycle import Lifecycle
+    from lmiserve.server.lifecycle import Lifecycle, exit_process
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("lmiserve")
@@ -85,7 +86,7 @@ def serve(settings, services: list | None = None) -> int:
     services = services or [ModelService(settings)]
     for service in services:
         log.info("model %s: %s from %s", service.name, service.kind, service.settings.model_id or "the bundled default")
-    return Lifecycle().serve(settings, services)
+    exit_process(Lifecycle().serve(settings, services))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@
    level only). Models registered later through the management API never stop the server.
 3. **Stop**: the first SIGTERM or SIGINT asks the server to stop (`Lifecycle.request_stop`). The stop
    itself is `_Server.shutdown`: uvicorn closes the listeners, waits for the open requests, then the
-   lifespan stops the engines; the process then exits `OK`. A drain phase (health turning 503 while the
+   lifespan stops the engines; the process then exits `OK` (`exit_process`: without finalizing the
+   interpreter under a model load that may still run on its thread). A drain phase (health turning 503 while the
    listeners still accept, in-flight work finishing within a timeout) belongs at the start of
    `_Server.shutdown`, before uvicorn closes the listeners.
 4. **Force**: a second SIGTERM or SIGINT while stopping exits at once with 128 + the signal number
@@ -31,7 +32,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import uvicorn
 
@@ -150,6 +151,21 @@ class _Server(uvicorn.Server):
         # A drain phase goes here: the listeners still accept, so health can answer 503 and in-flight
         # requests can finish before uvicorn closes the listeners and waits for open connections.
         await super().shutdown(sockets)
+
+
+def exit_process(code: int) -> NoReturn:
+    """Leave with `code` once the server has stopped, without the interpreter's finalization.
+
+    A model still loading on its thread (a store model after another failed, or a stop during a
+    load) cannot be interrupted; finalizing the interpreter and C++ static objects under it can abort
+    the process ("terminate called without an active exception", status -6) instead of exiting with
+    `code`. Everything that matters is done by then: the engines are stopped, the output is flushed here.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed or broken stream cannot stop the exit
+            stream.flush()
+    os._exit(code)
 
 
 def force_exit(signum: int) -> None:
