@@ -1,10 +1,11 @@
-"""`lmiserve serve`: parse arguments, build settings, start uvicorn (and `lmiserve bench`, see lmiserve/bench)."""
+"""`lmiserve serve`: parse arguments, build settings, serve (server/lifecycle.py); and `lmiserve bench`."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+from typing import NoReturn
 
 from lmiserve.bench.cli import add_bench_parser, run_bench_command
 from lmiserve.config import ConfigError, load_settings, parse_override
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         services = store_services(settings, settings.model_store) if settings.model_store else None
     except ConfigError as exc:
         print(f"lmiserve: configuration error: {exc}", file=sys.stderr)
-        return 2
+        return 2  # ExitCode.CONFIG_ERROR (lmiserve/server/lifecycle.py, imported with uvicorn only to serve)
     return serve(settings, services)
 
 
@@ -74,26 +75,20 @@ def store_services(settings, store: str) -> list:
     return services
 
 
-def serve(settings, services: list | None = None) -> int:
-    import uvicorn
-
-    from lmiserve.server.app import create_app
+def serve(settings, services: list | None = None) -> NoReturn:
+    """Serve until stopped, then exit the process with a `lmiserve.server.lifecycle.ExitCode` (see the
+    README, "Signals and exit codes")."""
+    from lmiserve.models.service import ModelService
+    from lmiserve.server.lifecycle import Lifecycle, exit_process
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("lmiserve")
     for line in settings.summary():
         log.info("option %s", line)
-    for service in services or []:
+    services = services or [ModelService(settings)]
+    for service in services:
         log.info("model %s: %s from %s", service.name, service.kind, service.settings.model_id or "the bundled default")
-    uvicorn.run(
-        create_app(settings, services=services),
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        access_log=False,
-        h11_max_incomplete_event_size=4 * settings.max_header_size,  # lmiserve.server.guard checks the exact limit
-    )
-    return 0
+    exit_process(Lifecycle().serve(settings, services))
 
 
 if __name__ == "__main__":

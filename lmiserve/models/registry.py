@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from lmiserve.core.errors import ModelNotFound, ModelRequired
 from lmiserve.models.service import ModelService
@@ -77,8 +77,15 @@ class ModelRegistry:
         await service.close()
         return service
 
-    async def load_all(self) -> None:
-        await asyncio.gather(*(s.load() for s in self._services.values()))
+    async def load_all(self, on_failed: Callable[[ModelService], None] | None = None) -> None:
+        """Load every model; `on_failed(service)` as soon as one fails (the others keep loading)."""
+
+        async def load(service: ModelService) -> None:
+            await service.load()
+            if service.status == ModelService.FAILED and on_failed is not None:
+                on_failed(service)
+
+        await asyncio.gather(*(load(s) for s in self._services.values()))
 
     async def close_all(self) -> None:
         for service in list(self._services.values()):

@@ -110,8 +110,15 @@ class ModelService:
             self.status = self.READY
             log.info("model %s (%s) ready (%s)", self.name, self.kind, self.path)
         except Exception as exc:  # noqa: BLE001 - reported by /ping and the log
-            self.status, self.error = self.FAILED, str(exc)
-            log.error("model %s failed to load: %s", self.name, exc)
+            self.status, self.error = self.FAILED, str(exc) or type(exc).__name__
+            log.error("model %s failed to load: %s", self.name, self.error_summary)
+            log.debug("model %s failed to load", self.name, exc_info=exc)
+
+    @property
+    def error_summary(self) -> str:
+        """`error` on one line: its first paragraph (transformers appends advice after a blank line)."""
+        first = (self.error or "").strip().split("\n\n", 1)[0]
+        return " ".join(first.split())
 
     def _load_blocking(self) -> ModelEngine:
         with _LOAD_LOCK:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from starlette.applications import Starlette
@@ -58,16 +59,24 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 
 
 def create_app(
-    settings: Settings, service: ModelService | None = None, *, services: list[ModelService] | None = None
+    settings: Settings,
+    service: ModelService | None = None,
+    *,
+    services: list[ModelService] | None = None,
+    on_startup_load_failed: Callable[[ModelService], None] | None = None,
 ) -> Starlette:
-    """One model (`service`, or one built from `settings`), or the models of a store (`services`)."""
+    """One model (`service`, or one built from `settings`), or the models of a store (`services`).
+
+    `on_startup_load_failed(service)` is called as soon as one of these startup models fails to load
+    (`lmiserve serve` stops then: server/lifecycle.py); without it the server stays up, /ping 503.
+    """
     if services is None:
         services = [service or ModelService(settings)]
     registry = ModelRegistry(services)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        loading = asyncio.create_task(registry.load_all())
+        loading = asyncio.create_task(registry.load_all(on_failed=on_startup_load_failed))
         try:
             yield
         finally:

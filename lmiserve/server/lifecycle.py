@@ -1,0 +1,204 @@
+"""The life of a `lmiserve serve` process, from binding the port to its exit status.
+
+1. **Bind** the port before anything else starts (no model loads for a server that cannot listen):
+   a port in use or not allowed exits `CANNOT_LISTEN` with one line on stderr.
+2. **Serve**: uvicorn runs the app; its lifespan loads the startup models in the background (/ping
+   answers 503 meanwhile). A startup model that fails to load stops the server, which exits
+   `MODEL_LOAD_FAILED` with one line naming the model and the cause (the traceback is logged at debug
+   level only). Models registered later through the management API never stop the server.
+3. **Stop**: the first SIGTERM or SIGINT asks the server to stop (`Lifecycle.request_stop`). The stop
+   itself is `_Server.shutdown`: uvicorn closes the listeners, waits for the open requests, then the
+   lifespan stops the engines; the process then exits `OK` (`exit_process`: without finalizing the
+   interpreter under a model load that may still run on its thread). A drain phase (health turning 503 while the
+   listeners still accept, in-flight work finishing within a timeout) belongs at the start of
+   `_Server.shutdown`, before uvicorn closes the listeners.
+4. **Force**: a second SIGTERM or SIGINT while stopping exits at once with 128 + the signal number
+   (143, 130), whatever is still running or hanging.
+
+uvicorn alone re-raises the captured signal after a graceful stop, so the process dies "killed by
+SIGTERM" (status -15), which SageMaker, Kubernetes and systemd read as a crash; here the signal
+handlers are lmiserve's own for the whole run and the exit status is the `ExitCode` below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Iterator
+from types import FrameType
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import uvicorn
+
+if TYPE_CHECKING:
+    from lmiserve.config import Settings
+    from lmiserve.models.service import ModelService
+
+log = logging.getLogger("lmiserve")
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class ExitCode(enum.IntEnum):
+    """The exit status of `lmiserve serve` (a second signal exits 128 + its number instead)."""
+
+    OK = 0  # stopped by SIGTERM/SIGINT (or the server ended) after a clean shutdown
+    MODEL_LOAD_FAILED = 1  # a model given at startup could not be loaded
+    CONFIG_ERROR = 2  # invalid option, properties file or model store (see cli.py)
+    CANNOT_LISTEN = 3  # the port is in use, or binding it is not allowed
+
+
+class Lifecycle:
+    """Why the process is stopping and with what status; owns the SIGTERM/SIGINT handlers."""
+
+    def __init__(self) -> None:
+        self.exit_code = ExitCode.OK
+        self.failure: str | None = None  # the one stderr line of a failed run, without the "lmiserve: " prefix
+        self.stop_reason: str | None = None  # set by the first stop request; logged when the stop begins
+        self._server: _Server | None = None
+
+    @property
+    def stopping(self) -> bool:
+        return self.stop_reason is not None
+
+    # ---- requests to stop -----------------------------------------------------------------------------
+    def request_stop(self, reason: str) -> None:
+        """Ask the server to stop (idempotent: the first reason is kept). Safe from a signal handler:
+        it only sets flags, which uvicorn's main loop reads within 0.1 s."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
+        if self._server is not None:
+            self._server.should_exit = True
+
+    def on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.stopping:
+            force_exit(signum)
+        self.request_stop(f"received {signal.Signals(signum).name}")
+
+    def on_startup_load_failed(self, service: ModelService) -> None:
+        """A model given at startup failed to load: stop the server, exit MODEL_LOAD_FAILED."""
+        if self.stopping:  # already stopping for another reason: that reason decides the exit status
+            return
+        self.exit_code = ExitCode.MODEL_LOAD_FAILED
+        self.failure = f"model load failed: {service.name}: {service.error_summary}"
+        self.request_stop(f"model {service.name} failed to load")
+
+    # ---- the run ------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def signal_handlers(self) -> Iterator[None]:
+        """SIGTERM and SIGINT handled by `on_signal` for the block (only the main thread can)."""
+        if not _in_main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.on_signal) for sig in STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def serve(self, settings: Settings, services: list[ModelService]) -> int:
+        """Bind, serve until stopped, and return the exit status (the failure line is on stderr)."""
+        with self.signal_handlers():
+            from lmiserve.server.app import create_app  # after the handlers: a signal while importing stops too
+
+            try:
+                sock = bind_socket(settings.host, settings.port)
+            except OSError as exc:
+                reason = exc.strerror or str(exc)
+                return self._fail(ExitCode.CANNOT_LISTEN, f"cannot listen on {settings.host}:{settings.port}: {reason}")
+            app = create_app(settings, services=services, on_startup_load_failed=self.on_startup_load_failed)
+            config = uvicorn.Config(
+                app,
+                log_level=settings.log_level,
+                access_log=False,
+                # a far bound on buffering a request head; lmiserve.server.guard checks max_header_size exactly
+                h11_max_incomplete_event_size=4 * settings.max_header_size,
+            )
+            self._server = _Server(config, self)
+            if self.stopping:  # a signal came while starting
+                self._server.should_exit = True
+            host, port = sock.getsockname()[:2]
+            log.info("listening on http://%s:%d (SIGTERM or Ctrl+C to stop)", _url_host(host), port)
+            self._server.run(sockets=[sock])
+        if self.failure is not None:
+            print(f"lmiserve: {self.failure}", file=sys.stderr, flush=True)
+        return int(self.exit_code)
+
+    def _fail(self, code: ExitCode, line: str) -> int:
+        self.exit_code, self.failure = code, line
+        print(f"lmiserve: {line}", file=sys.stderr, flush=True)
+        return int(code)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server with lmiserve's signal handling (see the module docstring)."""
+
+    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle) -> None:
+        super().__init__(config)
+        self.lifecycle = lifecycle
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn's own would replace the Lifecycle's handlers and re-raise the signal after the stop.
+        yield
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.lifecycle.on_signal(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        log.info("stopping: %s", self.lifecycle.stop_reason or "server ended")
+        # A drain phase goes here: the listeners still accept, so health can answer 503 and in-flight
+        # requests can finish before uvicorn closes the listeners and waits for open connections.
+        await super().shutdown(sockets)
+
+
+def exit_process(code: int) -> NoReturn:
+    """Leave with `code` once the server has stopped, without the interpreter's finalization.
+
+    A model still loading on its thread (a store model after another failed, or a stop during a
+    load) cannot be interrupted; finalizing the interpreter and C++ static objects under it can abort
+    the process ("terminate called without an active exception", status -6) instead of exiting with
+    `code`. Everything that matters is done by then: the engines are stopped, the output is flushed here.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed or broken stream cannot stop the exit
+            stream.flush()
+    os._exit(code)
+
+
+def force_exit(signum: int) -> None:
+    """Exit now with 128 + signum, skipping every cleanup (a second signal while stopping)."""
+    name = signal.Signals(signum).name
+    with contextlib.suppress(OSError):  # os.write: safe inside a signal handler, unlike print/logging
+        os.write(2, f"lmiserve: {name} while stopping: exiting now\n".encode())
+    os._exit(128 + signum)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening-ready TCP socket bound to host:port (as uvicorn binds it); OSError if it cannot be."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def _url_host(host: Any) -> str:
+    return f"[{host}]" if ":" in str(host) else str(host)
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()

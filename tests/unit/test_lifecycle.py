@@ -1,0 +1,80 @@
+"""The process lifecycle's decisions, without a process: which stop reason wins, which status, what
+line. (tests/integration/test_signals.py drives the real process with real signals.)"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import pytest
+
+from lmiserve.config import Settings
+from lmiserve.models.registry import ModelRegistry
+from lmiserve.models.service import ModelService
+from lmiserve.server.lifecycle import ExitCode, Lifecycle, bind_socket
+
+
+def failed_service(name: str, error: str) -> ModelService:
+    service = ModelService(Settings.from_options({}), name=name, kind="llm")
+    service.status, service.error = ModelService.FAILED, error
+    return service
+
+
+def test_error_summary_is_the_first_paragraph_on_one_line():
+    service = failed_service("m", "could not load\n  the model: bad\n\nYou can update Transformers with pip.")
+    assert service.error_summary == "could not load the model: bad"
+
+
+def test_a_startup_load_failure_stops_with_status_1_and_names_model_and_cause():
+    lifecycle = Lifecycle()
+    lifecycle.on_startup_load_failed(failed_service("tiny", "model path '/x' does not exist"))
+    assert lifecycle.exit_code == ExitCode.MODEL_LOAD_FAILED == 1
+    assert lifecycle.failure == "model load failed: tiny: model path '/x' does not exist"
+    assert lifecycle.stop_reason == "model tiny failed to load"
+
+
+def test_a_load_failure_after_a_stop_signal_keeps_the_clean_exit():
+    lifecycle = Lifecycle()
+    lifecycle.on_signal(signal.SIGTERM, None)
+    lifecycle.on_startup_load_failed(failed_service("tiny", "cancelled by the stop"))
+    assert (lifecycle.exit_code, lifecycle.failure, lifecycle.stop_reason) == (ExitCode.OK, None, "received SIGTERM")
+
+
+def test_the_first_failure_is_the_one_reported():
+    lifecycle = Lifecycle()
+    lifecycle.on_startup_load_failed(failed_service("a", "first"))
+    lifecycle.on_startup_load_failed(failed_service("b", "second"))
+    assert lifecycle.failure == "model load failed: a: first"
+
+
+def test_exit_codes_are_stable():
+    assert {c.name: int(c) for c in ExitCode} == {
+        "OK": 0,
+        "MODEL_LOAD_FAILED": 1,
+        "CONFIG_ERROR": 2,
+        "CANNOT_LISTEN": 3,
+    }
+
+
+def test_bind_socket_raises_oserror_for_a_port_in_use():
+    with bind_socket("127.0.0.1", 0) as held:
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(OSError, match="in use"):
+            bind_socket("127.0.0.1", port)
+
+
+class _Loads(ModelService):
+    def __init__(self, name: str, ok: bool) -> None:
+        super().__init__(Settings.from_options({}), name=name, kind="llm")
+        self.ok = ok
+
+    async def load(self) -> None:
+        self.status = self.READY if self.ok else self.FAILED
+
+
+def test_load_all_reports_each_failed_model_once():
+    failed: list[str] = []
+    registry = ModelRegistry([_Loads("good", True), _Loads("bad", False), _Loads("worse", False)])
+    asyncio.run(registry.load_all(on_failed=lambda s: failed.append(s.name)))
+    assert sorted(failed) == ["bad", "worse"]
