@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from lmiserve.core.errors import InvalidRequest, LmiServeError, TemplateError, Unsupported
+from lmiserve.core.grammar import Grammar
 from lmiserve.protocols.openai import parse as adapter
 from lmiserve.protocols.openai.errors import RENDERER
 from lmiserve.protocols.openai.schema import ChatRequest, CompletionRequest
@@ -85,8 +86,10 @@ def test_unsupported_features():
     with pytest.raises(Unsupported) as info:
         chat(tools=[{"type": "function", "function": {"name": "f"}}])
     assert rendered(info.value)[:2] == (422, "tool_error")
-    with pytest.raises(InvalidRequest, match="grammar is not supported"):
-        chat(response_format={"type": "json_object"})
+    # response_format is supported now (structured output): it becomes the request's grammar
+    assert chat(response_format={"type": "json_object"}).calls[0].request.params.grammar == Grammar("json_object")
+    with pytest.raises(InvalidRequest, match="response_format"):
+        chat(response_format={"type": "yaml"})
 
 
 def test_completion_prompts_echo_and_logprobs():
