@@ -8,13 +8,15 @@ and the engine's finish reason. Only complete calls are listed: an answer cut by
 stop sequence) keeps the calls finished before the cut, ``content`` null (or the plain answer's text
 so far) and the engine's finish reason (``length``).
 
-Stream: a chunk per token that made something known. A call starts with ``{"index", "id", "type":
-"function", "function": {"name", "arguments": ""}}`` and its arguments follow as
-``{"index", "function": {"arguments": "<piece>"}}`` as they are generated (the pieces concatenate to the
-arguments string; OpenAI's and TGI's clients accumulate them by ``index``); a plain answer streams as
-``content``. Tokens that make nothing known (``{"name": "``) send no chunk unless logprobs were asked
-for. The last chunk has the finish reason: ``tool_calls`` when the answer was complete calls. A call
-cut by ``max_tokens`` has already been streamed in part: ``finish_reason: "length"`` says so.
+Stream: a chunk per token that made something known; the first chunk of a choice has ``"role":
+"assistant"``, the others not (OpenAI's client concatenates every string it receives). A call starts
+with ``{"index", "id", "type": "function", "function": {"name", "arguments": ""}}`` and its arguments
+follow as ``{"index", "function": {"arguments": "<piece>"}}`` as they are generated (the pieces
+concatenate to the arguments string; OpenAI's and TGI's clients accumulate them by ``index``); a plain
+answer streams as ``content``. Tokens that make nothing known (``{"name": "``) send no chunk unless
+logprobs were asked for. The last chunk has the finish reason: ``tool_calls`` when the answer was
+complete calls. A call cut by ``max_tokens`` has already been streamed in part: ``finish_reason:
+"length"`` says so.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class ToolChatStreamEncoder:
         self.include_usage = include_usage
         self.call_ids = call_ids
         self.outputs: dict[int, ToolOutput] = {}  # per choice
+        self.started: set[int] = set()  # choices whose first chunk (with the role) was sent
         self.prompt_tokens = 0
         self.completion_tokens = 0
 
@@ -89,8 +92,11 @@ class ToolChatStreamEncoder:
             self.prompt_tokens = finish.prompt_tokens
             self.completion_tokens += finish.generated_tokens
         delta = self._delta(pieces)
-        if len(delta) == 1 and finish is None and not (self.logprobs and event.token is not None):
+        if not delta and finish is None and not (self.logprobs and event.token is not None):
             return b""  # nothing new to say
+        if event.index not in self.started:
+            self.started.add(event.index)
+            delta = {"role": "assistant", **delta}
         lp = None
         if self.logprobs and event.token is not None:
             lp = {"content": [chat_logprob(event.token, event.top_tokens)]}
@@ -103,7 +109,7 @@ class ToolChatStreamEncoder:
         return sse.event(dumps({**self.env.head("chat.completion.chunk"), "choices": [body], "usage": None}))
 
     def _delta(self, pieces: list[Piece]) -> dict[str, Any]:
-        delta: dict[str, Any] = {"role": "assistant"}
+        delta: dict[str, Any] = {}
         content = "".join(p.text for p in pieces if isinstance(p, Content))
         if content:
             delta["content"] = content
