@@ -136,10 +136,13 @@ def test_every_admitted_answer_reads_back_as_valid_calls():
             jsonschema.validate(json.loads(call.arguments), function.parameters)
 
 
-def test_grammar_is_sorted_json_schema_with_name_before_parameters():
+def test_grammar_is_the_json_schema_with_name_before_parameters_in_the_clients_order():
     grammar = output_grammar(tool_spec([WEATHER], "required", False))
     assert grammar.kind == "json_schema"
-    assert grammar.value == json.dumps(json.loads(grammar.value), sort_keys=True)
+    assert json.loads(grammar.value) == output_schema(tool_spec([WEATHER], "required", False))
     assert grammar.value.index('"name"') < grammar.value.index('"parameters"')
+    unsorted = {"function": {"name": "f", "parameters": {"properties": {"zone": {}, "area": {}}}}}
+    value = output_grammar(tool_spec([unsorted], "required", False)).value
+    assert value.index('"zone"') < value.index('"area"')
     with pytest.raises(ValueError):
         output_schema(tool_spec([WEATHER], "none", None))

@@ -1,8 +1,9 @@
 """The JSON Schema a tool-calling answer is generated under (as a `Grammar`).
 
 One call is ``{"name": <tool name>, "parameters": <its arguments>}`` (the format TGI's tool prompt and
-Llama 3's JSON tool calls use; "name" sorts before "parameters", so the name is generated, and can be
-streamed, before the arguments whatever order the grammar library keeps). The answer is one of:
+Llama 3's JSON tool calls use). The name comes first in the schema, so it is generated, and streamed,
+before the arguments (and "name" sorts before "parameters" too, should keys ever be sorted); the
+arguments' properties keep the client's order. The answer is one of:
 
 - ``auto``: one call of any tool, several calls (below), or ``{"content": "<plain answer>"}``, which
   becomes the message's content;
@@ -58,4 +59,4 @@ def output_schema(spec: ToolSpec) -> dict[str, Any]:
 
 
 def output_grammar(spec: ToolSpec) -> Grammar:
-    return Grammar("json_schema", json.dumps(output_schema(spec), sort_keys=True))
+    return Grammar("json_schema", json.dumps(output_schema(spec), ensure_ascii=False))
