@@ -37,6 +37,12 @@ class TextGenerator(ModelEngine, Protocol):
         the iteration; closing the iterator aborts the request's sequences."""
         ...
 
+    async def prepare(self, request: GenerationRequest) -> None:
+        """Do what can fail before generation starts (compile the request's grammar, cached, off the
+        engine thread); raises InvalidRequest. `generate` does it too: a protocol calls this first
+        when it must answer a bad request before its response starts (a stream's 200)."""
+        ...
+
     @property
     def num_running(self) -> int:
         """Sequences in the running batch."""

@@ -17,8 +17,9 @@ GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "ebnf"]
 class Grammar:
     """`kind` and its `value`:
 
-    - ``json_schema``: a JSON Schema, serialized as JSON text (sorted keys, so equal schemas share a
-      compiled grammar);
+    - ``json_schema``: a JSON Schema, serialized as JSON text in the client's key order (the order of
+      `properties` is the order of the generated object's keys, so keys are NOT sorted; equal texts
+      share a compiled grammar);
     - ``json_object``: any JSON object (`value` is ignored, "");
     - ``regex``: a regular expression the whole output must match;
     - ``choice``: one of several strings, `value` a JSON array of them;

@@ -19,10 +19,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from lmiserve.core.aio import cancel_and_wait
-from lmiserve.core.errors import ModelNotReady, Overloaded, QueueTimeout
+from lmiserve.core.errors import InvalidRequest, ModelNotReady, Overloaded, QueueTimeout
 from lmiserve.core.events import FinishReason, StepEvent
+from lmiserve.core.grammar import Grammar
 from lmiserve.core.request import GenerationRequest
 from lmiserve.engine import torch_thread
+from lmiserve.engine.grammar_compiler import CompiledGrammar, GrammarCompiler
 from lmiserve.engine.scheduler import Scheduler, StepOutput
 from lmiserve.engine.sequence import Sequence
 from lmiserve.engine.validation import PromptCodec
@@ -62,12 +64,19 @@ class _Handle:
 class AsyncEngine:
     """The continuous-batching `TextGenerator` (lmiserve.core.engine) of one loaded LLM."""
 
-    def __init__(self, runner: ModelRunner, codec: PromptCodec, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        codec: PromptCodec,
+        config: EngineConfig,
+        grammars: GrammarCompiler | None = None,
+    ) -> None:
         floor = config.prefill_floor
         if floor == "auto":
             raise ValueError("prefill_floor 'auto' is resolved by the device (engine.factory.create_engine)")
         self.runner = runner
         self.codec = codec
+        self.grammars = grammars  # compiles the grammars of constrained requests (None: unsupported)
         self.config = config
         self.scheduler = Scheduler(
             config.max_running,
@@ -94,6 +103,8 @@ class AsyncEngine:
         """Stop the loop; requests still open end with an error instead of waiting forever."""
         await cancel_and_wait(self._task)
         self._task = None
+        if self.grammars is not None:
+            self.grammars.close()
         for seq_id in list(self._handles):
             self._fail_before_start(seq_id, ModelNotReady("the server is shutting down"))
 
@@ -106,8 +117,27 @@ class AsyncEngine:
         return len(self.scheduler.running)
 
     # ---- requests ----------------------------------------------------------------------------------
-    def submit(self, request: GenerationRequest) -> _Handle:
-        """Validate, tokenize and enqueue; raises InvalidRequest or Overloaded at once."""
+    async def prepare(self, request: GenerationRequest) -> None:
+        """Compile the request's grammar, if it has one, off the engine thread (cached): a grammar that
+        does not compile raises InvalidRequest here, before anything is generated. `generate` does it
+        too; a protocol calls this first to answer a bad grammar before its response starts."""
+        await self._compile(request.params.grammar)
+
+    async def _compile(self, grammar: Grammar | None) -> CompiledGrammar | None:
+        if grammar is None:
+            return None
+        if self.grammars is None:
+            raise InvalidRequest("structured output (grammar) is not supported for this model")
+        return await self.grammars.compile_async(grammar)
+
+    def submit(self, request: GenerationRequest, grammar: CompiledGrammar | None = None) -> _Handle:
+        """Validate, tokenize and enqueue; raises InvalidRequest or Overloaded at once. A request with a
+        grammar needs it compiled (`grammar`, from `prepare`'s cache when not given: compiled here on
+        a cache miss)."""
+        if grammar is None and request.params.grammar is not None:
+            if self.grammars is None:
+                raise InvalidRequest("structured output (grammar) is not supported for this model")
+            grammar = self.grammars.compile(request.params.grammar)
         prompt_ids = self.codec.encode(request)
         count = max(request.params.n, request.params.best_of)
         if len(self.scheduler.waiting) + count > self.config.job_queue_size:
@@ -127,6 +157,7 @@ class AsyncEngine:
                 seed=base_seed + i,
                 index=i,
                 arrival=now,
+                grammar=grammar.matcher() if grammar is not None else None,  # each sequence its own
             )
             for i in range(count)
         ]
@@ -139,7 +170,7 @@ class AsyncEngine:
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[StepEvent, None]:
         """Events of one request. With n/best_of > 1 the sequences come whole, best first."""
-        handle = self.submit(request)
+        handle = self.submit(request, await self._compile(request.params.grammar))
         try:
             if len(handle.seqs) == 1:
                 async for event in self._drain(handle):

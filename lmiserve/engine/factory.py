@@ -6,6 +6,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from lmiserve.engine.async_engine import AsyncEngine, EngineConfig
+from lmiserve.engine.grammar_compiler import GrammarCompiler
 from lmiserve.engine.loaded import LoadedModel
 from lmiserve.engine.runners import ModelRunner, create_runner
 from lmiserve.engine.tokenizer import HfTokenizer
@@ -74,4 +75,5 @@ def create_engine(
         max_input_len=max_input_len,
         vocab_size=getattr(loaded.model.config, "vocab_size", None),
     )
-    return AsyncEngine(runner, codec, config)
+    grammars = GrammarCompiler(loaded.tokenizer, vocab_size=codec.vocab_size, eos_token_ids=loaded.eos_token_ids)
+    return AsyncEngine(runner, codec, config, grammars)

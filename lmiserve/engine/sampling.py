@@ -81,21 +81,28 @@ def sample_row(
     output_ids: list[int],
     banned_ids: list[int],
     generator: torch.Generator | None,
+    masked: torch.Tensor | None = None,
 ) -> SampleResult:
-    """Pick the next token of one sequence from its raw logits row (float32, shape [vocab])."""
+    """Pick the next token of one sequence from its raw logits row (float32, shape [vocab]); from
+    `masked` (the same row with the tokens its grammar disallows at -inf) when it is constrained.
+    Logprobs are always those of the raw row."""
     logprobs = logits.log_softmax(-1)
+    source = logits if masked is None else masked
     if needs_processing(params):
-        processed = apply_penalties(logits.clone(), params, prompt_ids, output_ids)
+        processed = apply_penalties(source.clone(), params, prompt_ids, output_ids)
         processed = torch.nan_to_num(processed, nan=_NEG_INF, posinf=torch.finfo(processed.dtype).max)
         if banned_ids and len(output_ids) < params.min_new_tokens:
+            kept = processed[banned_ids]
             processed[banned_ids] = _NEG_INF
+            if masked is not None and not bool(torch.isfinite(processed).any()):
+                processed[banned_ids] = kept  # the grammar allows nothing but ending
         if params.do_sample:
             probs = warp(processed, params).softmax(-1)
             token = int(torch.multinomial(probs, 1, generator=generator).item())
         else:
             token = int(processed.argmax().item())
     else:
-        token = int(logits.argmax().item())
+        token = int(source.argmax().item())
     top = None
     if params.top_n_tokens > 0:
         values, ids = torch.topk(logprobs, min(params.top_n_tokens, logprobs.shape[-1]))

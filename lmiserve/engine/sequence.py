@@ -12,6 +12,7 @@ from lmiserve.core.events import Finish, FinishReason, StepEvent, Token
 from lmiserve.core.request import SamplingParams
 from lmiserve.core.tokenizer import Tokenizer
 from lmiserve.engine.detokenizer import IncrementalDetokenizer
+from lmiserve.engine.grammar_compiler import GrammarMatcher
 from lmiserve.engine.stop import StopMatcher
 
 
@@ -37,6 +38,7 @@ class Sequence:
         seed: int | None,
         index: int = 0,
         arrival: float = 0.0,
+        grammar: GrammarMatcher | None = None,
     ) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
@@ -53,6 +55,7 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.prefill_tokens: list[Token] = []
         self.abort_requested = False
+        self.grammar = grammar  # this sequence's own matcher when its output is constrained
         self._tokenizer = tokenizer
         self._eos: set[int] = set() if params.ignore_eos_token else set(eos_token_ids)
         self._stop_ids = set(params.stop_token_ids)
@@ -96,13 +99,18 @@ class Sequence:
         self.cumulative_logprob += logprob
         reason: FinishReason | None = None
         text = self._detok.add(token_id)
-        if token_id in self._eos:
+        error = self._advance_grammar(token_id)
+        if error is not None:
+            reason = FinishReason.ERROR
+        elif token_id in self._eos:
             reason = FinishReason.EOS_TOKEN
         elif token_id in self._stop_ids:
             reason = FinishReason.STOP_SEQUENCE
         text, stopped = self._stop.feed(text)
         if stopped and reason is None:
             reason = FinishReason.STOP_SEQUENCE
+        if reason is None and self.grammar is not None and self.grammar.is_stopped:
+            reason = FinishReason.EOS_TOKEN  # the grammar is complete and nothing may follow
         if reason is None and len(self.output_ids) >= self.params.max_new_tokens:
             reason = FinishReason.LENGTH
         if reason is not None and not stopped:
@@ -113,9 +121,16 @@ class Sequence:
         return StepEvent(
             token=self.token(token_id, logprob, text),
             top_tokens=top_tokens,
-            finish=self._finish(reason) if reason is not None else None,
+            finish=self._finish(reason, error) if reason is not None else None,
             index=self.index,
         )
+
+    def _advance_grammar(self, token_id: int) -> str | None:
+        """Advance the matcher by `token_id`; the error when the grammar refuses it (never with a
+        correct mask: the token was sampled from the allowed ones)."""
+        if self.grammar is None or self.grammar.accept(token_id):
+            return None
+        return f"the generated token {token_id} does not follow the grammar: {self.grammar.error}"
 
     def end(self, reason: FinishReason, error: str | None = None) -> StepEvent:
         """End without a token (error or abort)."""

@@ -20,6 +20,7 @@ from lmiserve.engine.kv_cache import AttentionShape, SlotKVCache
 from lmiserve.engine.sampling import make_generator, sample_row
 from lmiserve.engine.scheduler import PrefillChunk, StepOutput, StepPlan
 from lmiserve.engine.sequence import Sequence
+from lmiserve.engine.token_mask import TokenMask
 
 if TYPE_CHECKING:
     from transformers import DynamicCache, PreTrainedModel
@@ -41,6 +42,7 @@ class ModelRunner(ABC):
         self.device = model.device
         self.eos_token_ids = sorted(eos_token_ids)
         self._generators: dict[int, torch.Generator] = {}  # seq_id -> its sampler's generator
+        self._mask: TokenMask | None = None  # made on the first step with a constrained row
 
     # ---- one step ----------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -73,19 +75,47 @@ class ModelRunner(ABC):
                 out.errors[seq.seq_id] = f"exception occurred during generation: {exc}"
 
     # ---- results of a forward pass -----------------------------------------------------------------
-    def _finish_chunk(self, chunk: PrefillChunk, rows: torch.Tensor, out: StepOutput) -> None:
+    def _finish_chunk(self, chunk: PrefillChunk, rows: torch.Tensor, out: StepOutput, *, sample: bool = True) -> None:
         """Record the chunk's prompt logprobs (when asked) and sample the first token after a complete
-        prompt. `rows` are the chunk's logits rows: all of them with prompt logprobs, else the last."""
+        prompt (unless `sample` is False: the caller samples it with others). `rows` are the chunk's
+        logits rows: all of them with prompt logprobs, else the last."""
         seq = chunk.seq
         if seq.params.decoder_input_details:
             out.prompt_logprobs[seq.seq_id] = prompt_logprobs(
                 rows, seq.prompt_ids, chunk.start, chunk.start + chunk.length
             )
-        if chunk.completes_prompt:
-            self._sample(seq, rows[-1], out)
+        if chunk.completes_prompt and sample:
+            self._sample_rows([seq], rows[-1:], out)
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor, out: StepOutput) -> None:
-        """Sample the next token of `seq` from its raw logits row; a failure ends only `seq`."""
+    def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor, out: StepOutput) -> None:
+        """Sample each sequence from its row of `logits` ([len(seqs), vocab]). The rows of sequences
+        that carry a grammar are masked first, all with one bitmask; the other rows are not touched."""
+        masked: dict[int, torch.Tensor] = {}
+        constrained = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+        if constrained:
+            group = [seqs[i] for i in constrained]
+            self._guard(group, out, self._mask_rows, group, logits, constrained, masked)
+        for row, seq in enumerate(seqs):
+            if seq.seq_id in out.errors:
+                continue
+            if row in masked:
+                self._guard([seq], out, self._sample, seq, logits[row], out, masked=masked[row])
+            else:
+                self._guard([seq], out, self._sample, seq, logits[row], out)
+
+    def _mask_rows(
+        self, seqs: list[Sequence], logits: torch.Tensor, rows: list[int], masked: dict[int, torch.Tensor]
+    ) -> None:
+        """Masked copies of `logits[rows]` (the rows of `seqs`, which carry grammars) into `masked`."""
+        if self._mask is None:
+            self._mask = TokenMask(logits.shape[-1], self.eos_token_ids)
+        copies = logits[rows]  # advanced indexing: a copy; the raw rows stay for the logprobs
+        self._mask.apply(copies, [seq.grammar for seq in seqs if seq.grammar is not None])
+        masked.update(zip(rows, copies))
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor, out: StepOutput, masked: torch.Tensor | None = None) -> None:
+        """Sample the next token of `seq` from its raw logits row (from `masked`, that row masked by its
+        grammar, when it has one); a failure ends only `seq`."""
         try:
             generator = self._generators.get(seq.seq_id)
             if seq.params.do_sample and generator is None:
@@ -93,7 +123,8 @@ class ModelRunner(ABC):
                     raise ValueError("a sampled sequence needs a seed")
                 generator = self._generators[seq.seq_id] = make_generator(seq.seed, logits.device)
             banned = self.eos_token_ids + seq.params.stop_token_ids if seq.params.min_new_tokens else []
-            out.samples[seq.seq_id] = sample_row(logits, seq.params, seq.prompt_ids, seq.output_ids, banned, generator)
+            args = (logits, seq.params, seq.prompt_ids, seq.output_ids, banned, generator)
+            out.samples[seq.seq_id] = sample_row(*args) if masked is None else sample_row(*args, masked=masked)
         except Exception as exc:  # noqa: BLE001 - one sequence fails, the batch goes on
             log.exception("sampling failed for %s", seq.request_id)
             out.errors[seq.seq_id] = f"exception occurred during sampling: {exc}"

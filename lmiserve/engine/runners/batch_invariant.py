@@ -43,8 +43,8 @@ class BatchInvariantRunner(ModelRunner):
         ids = torch.tensor([[seq.output_ids[-1]]], dtype=torch.long)
         positions = torch.tensor([[seq.kv_len]])
         mask = torch.ones(1, seq.kv_len + 1, dtype=torch.long)
-        logits = model_forward(self.model, self.device, ids, positions, mask, cache, 1)[0, -1].float()
-        self._sample(seq, logits, out)
+        logits = model_forward(self.model, self.device, ids, positions, mask, cache, 1)[0, -1:].float()
+        self._sample_rows([seq], logits, out)
 
     def _prefill(self, chunk: PrefillChunk, out: StepOutput) -> None:
         seq, start, length = chunk.seq, chunk.start, chunk.length

@@ -89,12 +89,18 @@ class FastRunner(ModelRunner):
         return self.fast.forward([s.output_ids[-1] for s in decode], [s.kv_len for s in decode], prefills, keep)
 
     def _finish(self, step: FusedStep, logits: torch.Tensor, out: StepOutput) -> None:
-        """Sample (and record prompt logprobs) from the kept logits rows, in `_forward`'s order."""
-        for row, seq in enumerate(step.decode):
-            self._guard([seq], out, self._sample, seq, logits[row], out)
+        """Sample (and record prompt logprobs) from the kept logits rows, in `_forward`'s order. Every
+        row that samples is sampled in one `_sample_rows` (one bitmask for the step's constrained rows)."""
+        sampling = list(step.decode)
+        rows = list(range(len(step.decode)))
         row = len(step.decode)
         for chunk in step.chunks:
             count = chunk.length if chunk.seq.params.decoder_input_details else int(chunk.completes_prompt)
             if count:
-                self._guard([chunk.seq], out, self._finish_chunk, chunk, logits[row : row + count], out)
+                self._guard([chunk.seq], out, self._finish_chunk, chunk, logits[row : row + count], out, sample=False)
+                if chunk.completes_prompt and chunk.seq.seq_id not in out.errors:
+                    sampling.append(chunk.seq)
+                    rows.append(row + count - 1)
             row += count
+        if sampling:
+            self._sample_rows(sampling, logits if rows == list(range(len(logits))) else logits[rows], out)

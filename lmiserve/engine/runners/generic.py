@@ -43,8 +43,7 @@ class GenericRunner(ModelRunner):
         span = int(positions.max()) + 1
         mask = (torch.arange(span)[None, :] <= positions[:, None])[:, None, None, :]
         logits = model_forward(self.model, self.device, ids, positions[:, None], mask, self.cache, 1)[:, -1].float()
-        for row, seq in enumerate(seqs):
-            self._guard([seq], out, self._sample, seq, logits[row], out)
+        self._sample_rows(seqs, logits, out)
 
     def _prefill(self, chunk: PrefillChunk, out: StepOutput) -> None:
         seq, start, length = chunk.seq, chunk.start, chunk.length

@@ -10,6 +10,14 @@ from lmiserve.core.request import GenerationRequest
 from lmiserve.server.pipeline import Tagged, merge_tagged, tagged
 
 
+async def prepare(engine: Any, requests: Sequence[GenerationRequest]) -> None:
+    """Compile the requests' grammars (cached, off the engine thread) before the response starts, so a
+    bad grammar (malformed schema, invalid regex) is answered with the protocol's 4xx, not in-band."""
+    for request in requests:
+        if request.params.grammar is not None:
+            await engine.prepare(request)
+
+
 def generate(engine: Any, requests: Sequence[GenerationRequest]) -> AsyncIterator[Tagged]:
     """The events of `requests` (one, or several interleaved) tagged with their index. An engine that
     stops under the request (ModelNotReady: the server shuts down) failed the generation: it becomes
