@@ -21,6 +21,7 @@ from lmiserve.server.sse import keepalive
 from lmiserve.server.textgen.admission import enter
 from lmiserve.server.textgen.body import json_payload, parse
 from lmiserve.server.textgen.generation import generate as engine_events
+from lmiserve.server.textgen.generation import prepare
 from lmiserve.server.textgen.served import served
 from lmiserve.server.textgen.timing import Timer
 from lmiserve.server.textgen.wire import SSE_HEADERS
@@ -58,6 +59,7 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Resp
             call = adapter.chat(req, model.limits, model.count_tokens, model.render_chat, model.service.name)
         else:
             call = adapter.completion(req, model.limits, model.count_tokens, model.service.name)
+        await prepare(model.engine, [c.request for c in call.calls])  # a bad schema is a 4xx
         timer.mark_validated()
         env = enc.Envelope(call.model, model.system_fingerprint)
         events = engine_events(model.engine, [c.request for c in call.calls])
