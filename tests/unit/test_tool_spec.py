@@ -107,6 +107,7 @@ def test_auto_schema_admits_calls_and_a_plain_answer():
         '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "k"}}',
         '{"name": "other", "parameters": {}}',
         '{"name": "get_time", "parameters": {}, "extra": 1}',
+        '{"name": "get_weather", "parameters": {"city": "Paris", "invented": 1}}',  # not declared
         "[]",
         json.dumps([json.loads(CALL)] * (MAX_PARALLEL_CALLS + 1)),
         '{"content": 3}',

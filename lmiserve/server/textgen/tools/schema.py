@@ -10,6 +10,9 @@ arguments' properties keep the client's order. The answer is one of:
 - ``required``: one call of any tool, or several calls;
 - ``named``: one call of that tool.
 
+Arguments are generated without undeclared properties (``additionalProperties: false`` unless the
+tool's schema sets it): still valid for the tool's own schema, and a weak model cannot pad them.
+
 Several calls are a JSON array of 1 to `MAX_PARALLEL_CALLS` calls, allowed unless
 ``parallel_tool_calls`` is false (and never for a named tool). The bound keeps a weak model from
 spending its whole token budget on calls; a call cut off by ``max_tokens`` is never returned.
@@ -32,10 +35,25 @@ NO_TOOL: dict[str, Any] = {
 }
 
 
+def arguments_schema(parameters: dict[str, Any]) -> dict[str, Any]:
+    """The arguments as generated: only the declared properties unless the schema says otherwise (a
+    schema without ``additionalProperties`` allows any other key, and a weak model invents some)."""
+    if (
+        parameters.get("properties")
+        and "additionalProperties" not in parameters
+        and "patternProperties" not in parameters
+    ):
+        return {**parameters, "additionalProperties": False}
+    return parameters
+
+
 def call_schema(function: Function) -> dict[str, Any]:
     return {
         "type": "object",
-        "properties": {"name": {"type": "string", "const": function.name}, "parameters": function.parameters},
+        "properties": {
+            "name": {"type": "string", "const": function.name},
+            "parameters": arguments_schema(function.parameters),
+        },
         "required": ["name", "parameters"],
         "additionalProperties": False,
     }
