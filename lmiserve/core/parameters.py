@@ -12,7 +12,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from lmiserve.core import constraints
 from lmiserve.core.errors import InvalidRequest
+from lmiserve.core.grammar import Grammar
 from lmiserve.core.request import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,16 @@ class GenerationParameters(BaseModel):
     n: int | None = Field(None, ge=1, le=16)  # None: as many as best_of (TGI/LMI)
     best_of: int = Field(1, ge=1, le=16)
     output_formatter: str | None = None
+    # structured output (lmiserve.core.constraints): DJL Serving's `json_schema`, TGI's `grammar`,
+    # OpenAI's `response_format`, vLLM's `guided_*` / `structured_outputs`; one at most
+    json_schema: Any = None
+    grammar: Any = None
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
     @field_validator("stop_sequences", "stop", mode="before")
     @classmethod
@@ -109,6 +121,7 @@ def to_sampling(params: GenerationParameters, limits: Limits, stream: bool) -> S
     if count > 1 and not sampling:
         raise InvalidRequest("`n` and `best_of` > 1 require sampling (`do_sample: true` or a positive `temperature`)")
     return SamplingParams(
+        grammar=output_constraint(params),
         do_sample=sampling,
         seed=params.seed,
         temperature=params.temperature if sampling and params.temperature is not None else 1.0,
@@ -131,6 +144,18 @@ def to_sampling(params: GenerationParameters, limits: Limits, stream: bool) -> S
         top_n_tokens=params.top_n_tokens,
         n=n,
         best_of=count,
+    )
+
+
+def output_constraint(params: GenerationParameters) -> Grammar | None:
+    """The one structured-output constraint of `params`, whichever spelling carried it."""
+    return constraints.only_one(
+        constraints.json_schema(params.json_schema) if params.json_schema is not None else None,
+        constraints.from_tgi(params.grammar) if params.grammar is not None else None,
+        constraints.from_response_format(params.response_format),
+        constraints.from_vllm(
+            {name: getattr(params, name) for name in (*constraints.VLLM_FIELDS, "structured_outputs")}
+        ),
     )
 
 

@@ -128,7 +128,7 @@ def test_completions_stream(client):
     assert len(events) == 6
     for index in (0, 1):
         mine = [e for e in events if e["choices"][0]["index"] == index]
-        assert [e["choices"][0]["finish_reason"] for e in mine] == ["", "", "length"]
+        assert [e["choices"][0]["finish_reason"] for e in mine] == [None, None, "length"]
         assert "usage" not in mine[0] and mine[-1]["usage"]["completion_tokens"] == 3
 
 

@@ -96,9 +96,17 @@ def test_tools_constrain_the_output_to_calls():
     assert rendered(info.value) == (422, "tool_error", "Tool error: Tool with name g not found")
 
 
-def test_unsupported_features():
-    with pytest.raises(InvalidRequest, match="grammar is not supported"):
-        chat(response_format={"type": "json_object"})
+def test_tools_and_a_response_format_are_mutually_exclusive():
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    with pytest.raises(ToolError) as info:
+        chat(tools=tools, response_format={"type": "json_object"})
+    assert rendered(info.value) == (422, "tool_error", "Tool error: Grammar and tools are mutually exclusive")
+    with pytest.raises(ToolError):
+        chat(tools=tools, guided_regex="a+")
+    plain = chat(tools=tools, response_format={"type": "text"}).calls[0].request.params.grammar  # no constraint
+    assert plain is not None and '"const": "f"' in plain.value
+    none = chat(tools=tools, tool_choice="none", response_format={"type": "json_object"})
+    assert none.calls[0].request.params.grammar is not None and none.tools is None
 
 
 def test_completion_prompts_echo_and_logprobs():

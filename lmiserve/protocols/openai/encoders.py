@@ -245,7 +245,7 @@ class CompletionEncoder(_Whole):
 
 
 class CompletionStreamEncoder(_Stream):
-    """Per prompt and token a ``text_completion`` event (``finish_reason: ""``, no ``usage`` key); the last
+    """Per prompt and token a ``text_completion`` event (``finish_reason: null``, no ``usage`` key); the last
     event of each prompt has the real finish reason and that prompt's usage; then [DONE]."""
 
     def __init__(self, env: Envelope, *, logprobs: bool, n: int = 1):
@@ -262,7 +262,7 @@ class CompletionStreamEncoder(_Stream):
             "index": index * self.n + event.index,
             "text": event.token.text,
             "logprobs": lp,
-            "finish_reason": finish_reason(finish) if finish else "",
+            "finish_reason": finish_reason(finish) if finish else None,
         }
         head = self.env.head("text_completion")  # TGI's order here: choices before model
         obj = {

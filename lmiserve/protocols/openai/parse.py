@@ -12,9 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from lmiserve.core import constraints
 from lmiserve.core.errors import InvalidRequest
+from lmiserve.core.grammar import Grammar
 from lmiserve.protocols.openai.errors import EmptyPrompt, SuffixUnsupported, TooManyPrompts
 from lmiserve.protocols.openai.schema import ChatRequest, CompletionRequest
+from lmiserve.server.textgen.errors import ToolError
 from lmiserve.server.textgen.limits import TextGenLimits
 from lmiserve.server.textgen.parameters import TextGenParameters
 from lmiserve.server.textgen.tools.prompt import Render, render_conversation
@@ -71,8 +74,6 @@ def chat(
     served_model: str,
 ) -> OpenAICall:
     tools = tool_spec(req.tools, req.tool_choice, req.parallel_tool_calls, req.tool_prompt)
-    if req.response_format is not None:
-        raise InvalidRequest("grammar is not supported")
     prompt = render_conversation(req.messages, tools, render)
     top_n = (req.top_logprobs or 0) if req.logprobs else 0
     params = TextGenParameters(
@@ -89,6 +90,8 @@ def chat(
     call = _vllm_extensions(build(prompt, params, limits, count_tokens, stream=req.stream), req)
     call = _with_n(call, req.n or 1, call.sampling)
     if tools.active:
+        if call.request.params.grammar is not None:  # response_format / guided_*: TGI's message
+            raise ToolError("Grammar and tools are mutually exclusive")
         call.request.params.grammar = output_grammar(tools)
     return OpenAICall(
         calls=[call],
@@ -150,8 +153,18 @@ def _response_model(requested: str | None, served: str) -> str:
 
 
 def _vllm_extensions(call: TextGenCall, req: ChatRequest | CompletionRequest) -> TextGenCall:
-    """vLLM's `ignore_eos` and `min_tokens` (benchmark clients use them to force exactly N tokens)."""
+    """vLLM's `ignore_eos` and `min_tokens` (benchmark clients use them to force exactly N tokens), and
+    the output constraint: `response_format` or vLLM's `guided_*` / `structured_outputs` (one at most)."""
     params = call.request.params
     params.ignore_eos_token = req.ignore_eos
     params.min_new_tokens = min(req.min_tokens, params.max_new_tokens)
+    params.grammar = output_constraint(req)
     return call
+
+
+def output_constraint(req: ChatRequest | CompletionRequest) -> Grammar | None:
+    """The request's structured-output constraint (`InvalidRequest` when malformed or several)."""
+    vllm = constraints.from_vllm(
+        {name: getattr(req, name) for name in (*constraints.VLLM_FIELDS, "structured_outputs")}
+    )
+    return constraints.only_one(constraints.from_response_format(req.response_format), vllm)

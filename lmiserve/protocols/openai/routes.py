@@ -59,7 +59,7 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Resp
             call = adapter.chat(req, model.limits, model.count_tokens, model.render_chat, model.service.name)
         else:
             call = adapter.completion(req, model.limits, model.count_tokens, model.service.name)
-        await prepare(model.engine, [c.request for c in call.calls])  # a bad schema is a 4xx
+        await prepare(model.engine, [c.request for c in call.calls])  # a bad grammar: 4xx before the stream
         timer.mark_validated()
         env = enc.Envelope(call.model, model.system_fingerprint)
         events = engine_events(model.engine, [c.request for c in call.calls])

@@ -22,6 +22,7 @@ class CompletionRequest(SamplingFields):
     echo: StrictBool = False
     logprobs: int | None = Field(None, ge=0, le=UINT32)
     presence_penalty: float | None = None
+    response_format: dict[str, Any] | None = None  # vLLM accepts it on completions too
 
     @property
     def prompts(self) -> list[str]:

@@ -27,6 +27,7 @@ from lmiserve.server.textgen.admission import enter
 from lmiserve.server.textgen.body import json_payload, parse
 from lmiserve.server.textgen.chat import ChatRequest
 from lmiserve.server.textgen.generation import generate as engine_events
+from lmiserve.server.textgen.generation import prepare
 from lmiserve.server.textgen.served import Served, ready_llm, served
 from lmiserve.server.textgen.timing import Timer
 from lmiserve.server.textgen.tools.prompt import render_conversation
@@ -80,6 +81,7 @@ async def answer(request: Request, req: GenerateRequest, *, stream: bool, compat
         errors.errors_in_band(request)
     with enter(request) as slot:
         call = validate(req, model.limits, model.count_tokens, stream=stream)
+        await prepare(model.engine, [call.request])  # a bad grammar: 4xx before the stream
         timer.mark_validated()
         shape = AnswerShape.of(req.inputs, call)
         events = engine_events(model.engine, [call.request])

@@ -61,6 +61,12 @@ class SamplingFields(BaseModel):
     # vLLM's extensions, which benchmark clients send to force an exact number of tokens
     ignore_eos: StrictBool = False
     min_tokens: int = Field(0, ge=0, le=UINT32)
+    # vLLM's structured-output extensions (lmiserve.core.constraints reads them)
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
     @field_validator("stop", mode="before")
     @classmethod

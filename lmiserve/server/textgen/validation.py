@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from lmiserve.core import constraints
 from lmiserve.core.errors import InvalidRequest
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.server.textgen.limits import TextGenLimits
@@ -82,8 +83,7 @@ def build(
         input_length = min(input_length, p.truncate)
     max_new = p.max_new_tokens if p.max_new_tokens is not None else max(limits.max_total_tokens - input_length, 0)
     check_lengths(input_length, max_new, limits)
-    if p.grammar is not None:
-        raise InvalidRequest("grammar is not supported")
+    grammar = constraints.from_tgi(p.grammar) if p.grammar is not None else None
     if stream and best_of != 1:
         raise InvalidRequest("`best_of` != 1 is not supported when streaming tokens")
     if stream and p.decoder_input_details:
@@ -112,6 +112,7 @@ def build(
         top_n_tokens=top_n,
         n=best_of,
         best_of=best_of,
+        grammar=grammar,
     )
     full_text = p.return_full_text if p.return_full_text is not None else False
     return TextGenCall(
