@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from lmiserve.core.errors import InvalidRequest, LmiServeError, TemplateError
+from lmiserve.core.grammar import Grammar
 from lmiserve.protocols.openai import parse as adapter
 from lmiserve.protocols.openai.errors import RENDERER
 from lmiserve.protocols.openai.schema import ChatRequest, CompletionRequest
@@ -107,6 +108,13 @@ def test_tools_and_a_response_format_are_mutually_exclusive():
     assert plain is not None and '"const": "f"' in plain.value
     none = chat(tools=tools, tool_choice="none", response_format={"type": "json_object"})
     assert none.calls[0].request.params.grammar is not None and none.tools is None
+
+
+def test_response_format_is_the_grammar():
+    # response_format is supported now (structured output): it becomes the request's grammar
+    assert chat(response_format={"type": "json_object"}).calls[0].request.params.grammar == Grammar("json_object")
+    with pytest.raises(InvalidRequest, match="response_format"):
+        chat(response_format={"type": "yaml"})
 
 
 def test_completion_prompts_echo_and_logprobs():

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from lmiserve.core.errors import GenerationFailed, InvalidRequest, ModelNotReady, Overloaded
+from lmiserve.core.grammar import Grammar
 from lmiserve.protocols.tgi.errors import RENDERER
 from lmiserve.protocols.tgi.schema import GenerateRequest, TgiParameters
 from lmiserve.server.textgen.generation import generate
@@ -53,11 +54,18 @@ def message(inputs: str = "a b c", stream: bool = False, limits: TgiLimits = LIM
         ({"top_n_tokens": 6}, "`top_n_tokens` must be >= 0 and <= 5. Given: 6"),
         ({"truncate": 0}, "`truncate` must be strictly positive and less than 10. Given: 0"),
         ({"truncate": 11}, "`truncate` must be strictly positive and less than 10. Given: 11"),
-        ({"grammar": {"type": "regex", "value": "a+"}}, "grammar is not supported"),
+        (
+            {"grammar": {"type": "xml", "value": "a+"}},
+            "unknown grammar type 'xml': expected json, json_object, json_schema or regex",
+        ),
     ],
 )
 def test_messages(params, expected):
     assert message(**params) == expected
+
+
+def test_grammar_becomes_the_requests_constraint():
+    assert call(grammar={"type": "regex", "value": "a+"}).request.params.grammar == Grammar("regex", "a+")
 
 
 def test_best_of_disabled_by_the_server():
