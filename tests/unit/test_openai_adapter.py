@@ -7,11 +7,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from lmiserve.core.errors import InvalidRequest, LmiServeError, TemplateError, Unsupported
+from lmiserve.core.errors import InvalidRequest, LmiServeError, TemplateError
 from lmiserve.core.grammar import Grammar
 from lmiserve.protocols.openai import parse as adapter
 from lmiserve.protocols.openai.errors import RENDERER
 from lmiserve.protocols.openai.schema import ChatRequest, CompletionRequest
+from lmiserve.server.textgen.errors import ToolError
 from lmiserve.server.textgen.limits import TextGenLimits as TgiLimits
 from lmiserve.server.textgen.served import Served
 
@@ -23,7 +24,7 @@ def words(text: str) -> int:
     return len(text.split())
 
 
-def render(messages) -> str:
+def render(messages, tools=None) -> str:  # a template that does not show tools
     return " ".join(f"{m['role']}: {m['content']}" for m in messages)
 
 
@@ -82,10 +83,34 @@ def test_n_needs_sampling_and_no_seed():
         chat(n=2, seed=1)
 
 
-def test_unsupported_features():
-    with pytest.raises(Unsupported) as info:
-        chat(tools=[{"type": "function", "function": {"name": "f"}}])
-    assert rendered(info.value)[:2] == (422, "tool_error")
+def test_tools_constrain_the_output_to_calls():
+    call = chat(tools=[{"type": "function", "function": {"name": "f"}}])
+    grammar = call.calls[0].request.params.grammar
+    assert call.tools is not None and call.tools.mode == "auto"
+    assert grammar is not None and grammar.kind == "json_schema" and '"const": "f"' in grammar.value
+    assert '"name": "f"' in call.calls[0].request.prompt  # listed for a template that does not show tools
+    none = chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="none")
+    assert none.tools is None and none.calls[0].request.params.grammar is None
+    assert none.calls[0].request.prompt == "user: hi"
+    with pytest.raises(ToolError) as info:
+        chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="g")
+    assert rendered(info.value) == (422, "tool_error", "Tool error: Tool with name g not found")
+
+
+def test_tools_and_a_response_format_are_mutually_exclusive():
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    with pytest.raises(ToolError) as info:
+        chat(tools=tools, response_format={"type": "json_object"})
+    assert rendered(info.value) == (422, "tool_error", "Tool error: Grammar and tools are mutually exclusive")
+    with pytest.raises(ToolError):
+        chat(tools=tools, guided_regex="a+")
+    plain = chat(tools=tools, response_format={"type": "text"}).calls[0].request.params.grammar  # no constraint
+    assert plain is not None and '"const": "f"' in plain.value
+    none = chat(tools=tools, tool_choice="none", response_format={"type": "json_object"})
+    assert none.calls[0].request.params.grammar is not None and none.tools is None
+
+
+def test_response_format_is_the_grammar():
     # response_format is supported now (structured output): it becomes the request's grammar
     assert chat(response_format={"type": "json_object"}).calls[0].request.params.grammar == Grammar("json_object")
     with pytest.raises(InvalidRequest, match="response_format"):

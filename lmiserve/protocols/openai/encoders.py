@@ -8,6 +8,7 @@ map a stop sequence to ``"stop"``).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,14 +21,17 @@ from lmiserve.server.textgen.wire import SSE_CONTENT_TYPE, dumps
 
 __all__ = [
     "DONE",
+    "Answer",
     "ChatEncoder",
     "ChatStreamEncoder",
     "CompletionEncoder",
     "CompletionStreamEncoder",
     "Envelope",
     "chat_body",
+    "chat_logprob",
     "completion_body",
     "finish_reason",
+    "plain_answer",
 ]
 
 
@@ -60,7 +64,7 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _chat_logprob(token: Token, top: tuple[Token, ...] | None) -> dict:
+def chat_logprob(token: Token, top: tuple[Token, ...] | None) -> dict:
     return {
         "token": token.text,
         "logprob": token.logprob,
@@ -102,19 +106,22 @@ class _Stream:
 # --- chat -------------------------------------------------------------------------------------------
 
 
-def chat_body(seqs: list[Sequence], env: Envelope, *, logprobs: bool) -> bytes:
+# One choice's message and finish reason, from its sequence.
+Answer = Callable[[Sequence], tuple[dict[str, Any], str]]
+
+
+def plain_answer(seq: Sequence) -> tuple[dict[str, Any], str]:
+    """The generated text as the assistant's content."""
+    return {"role": "assistant", "content": seq.finish.generated_text}, finish_reason(seq.finish)
+
+
+def chat_body(seqs: list[Sequence], env: Envelope, *, logprobs: bool, answer: Answer = plain_answer) -> bytes:
     """Non-streaming chat completion; `seqs` are the choices, best first."""
     choices = []
     for index, seq in enumerate(seqs):
-        lp = {"content": [_chat_logprob(t, top) for t, top in zip(seq.tokens, seq.top_tokens)]} if logprobs else None
-        choices.append(
-            {
-                "index": index,
-                "message": {"role": "assistant", "content": seq.finish.generated_text},
-                "logprobs": lp,
-                "finish_reason": finish_reason(seq.finish),
-            }
-        )
+        lp = {"content": [chat_logprob(t, top) for t, top in zip(seq.tokens, seq.top_tokens)]} if logprobs else None
+        message, reason = answer(seq)
+        choices.append({"index": index, "message": message, "logprobs": lp, "finish_reason": reason})
     prompt = seqs[0].finish.prompt_tokens
     completion = sum(s.finish.generated_tokens for s in seqs)
     return dumps({**env.head("chat.completion"), "choices": choices, "usage": _usage(prompt, completion)})
@@ -123,9 +130,9 @@ def chat_body(seqs: list[Sequence], env: Envelope, *, logprobs: bool) -> bytes:
 class ChatEncoder(_Whole):
     """A whole chat completion (one prompt, its sequences as choices)."""
 
-    def __init__(self, env: Envelope, prompt: str, *, logprobs: bool):
+    def __init__(self, env: Envelope, prompt: str, *, logprobs: bool, answer: Answer = plain_answer):
         super().__init__()
-        self.env, self.prompt, self.logprobs = env, prompt, logprobs
+        self.env, self.prompt, self.logprobs, self.answer = env, prompt, logprobs, answer
 
     def close(self) -> bytes:
         self._require_finished(1)
@@ -133,7 +140,7 @@ class ChatEncoder(_Whole):
         self.prompt_tokens = seqs[0].finish.prompt_tokens
         self.generated_tokens = sum(s.finish.generated_tokens for s in seqs)
         self.characters = len(self.prompt)
-        return chat_body(seqs, self.env, logprobs=self.logprobs)
+        return chat_body(seqs, self.env, logprobs=self.logprobs, answer=self.answer)
 
 
 class ChatStreamEncoder(_Stream):
@@ -150,7 +157,7 @@ class ChatStreamEncoder(_Stream):
         if event.token is None:
             return b""
         finish = event.finish
-        lp = {"content": [_chat_logprob(event.token, event.top_tokens)]} if self.logprobs else None
+        lp = {"content": [chat_logprob(event.token, event.top_tokens)]} if self.logprobs else None
         choice = {
             "index": event.index,
             "delta": {"role": "assistant", "content": event.token.text},

@@ -13,12 +13,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lmiserve.core import constraints
-from lmiserve.core.errors import InvalidRequest, Unsupported
+from lmiserve.core.errors import InvalidRequest
 from lmiserve.core.grammar import Grammar
 from lmiserve.protocols.openai.errors import EmptyPrompt, SuffixUnsupported, TooManyPrompts
 from lmiserve.protocols.openai.schema import ChatRequest, CompletionRequest
+from lmiserve.server.textgen.errors import ToolError
 from lmiserve.server.textgen.limits import TextGenLimits
 from lmiserve.server.textgen.parameters import TextGenParameters
+from lmiserve.server.textgen.tools.prompt import Render, render_conversation
+from lmiserve.server.textgen.tools.schema import output_grammar
+from lmiserve.server.textgen.tools.spec import ToolSpec, tool_spec
 from lmiserve.server.textgen.validation import TextGenCall, build
 
 MAX_N = 16  # most sequences one request may ask the engine for
@@ -34,6 +38,7 @@ class OpenAICall:
     top_logprobs: int = 0
     echo: bool = False
     prompts: list[str] = field(default_factory=list)
+    tools: ToolSpec | None = None  # the answer is read as tool calls (chat with active tools)
 
 
 def _sampling(temperature: float | None) -> dict:
@@ -65,12 +70,11 @@ def chat(
     req: ChatRequest,
     limits: TextGenLimits,
     count_tokens: Callable[[str], int],
-    render: Callable[[list[dict]], str],
+    render: Render,
     served_model: str,
 ) -> OpenAICall:
-    if req.tools:
-        raise Unsupported("tool calling is not supported by lmiserve")
-    prompt = render(req.template_messages())
+    tools = tool_spec(req.tools, req.tool_choice, req.parallel_tool_calls, req.tool_prompt)
+    prompt = render_conversation(req.messages, tools, render)
     top_n = (req.top_logprobs or 0) if req.logprobs else 0
     params = TextGenParameters(
         **_sampling(req.temperature),
@@ -85,8 +89,13 @@ def chat(
     )
     call = _vllm_extensions(build(prompt, params, limits, count_tokens, stream=req.stream), req)
     call = _with_n(call, req.n or 1, call.sampling)
+    if tools.active:
+        if call.request.params.grammar is not None:  # response_format / guided_*: TGI's message
+            raise ToolError("Grammar and tools are mutually exclusive")
+        call.request.params.grammar = output_grammar(tools)
     return OpenAICall(
         calls=[call],
+        tools=tools if tools.active else None,
         model=_response_model(req.model, served_model),
         stream=req.stream,
         include_usage=req.include_usage,

@@ -13,6 +13,7 @@ from lmiserve.protocols.openai import encoders as enc
 from lmiserve.protocols.openai import parse as adapter
 from lmiserve.protocols.openai.errors import RENDERER
 from lmiserve.protocols.openai.schema import ChatRequest, CompletionRequest
+from lmiserve.protocols.openai.tool_calls import ToolChatStreamEncoder, tool_answer
 from lmiserve.server.errors import protocol_routes, rendered_by
 from lmiserve.server.pipeline import respond
 from lmiserve.server.sse import keepalive
@@ -60,8 +61,10 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Resp
         env = enc.Envelope(call.model, model.system_fingerprint)
         events = engine_events(model.engine, [c.request for c in call.calls])
         if call.stream:
-            stream: enc.ChatStreamEncoder | enc.CompletionStreamEncoder
-            if chat:
+            stream: enc.ChatStreamEncoder | enc.CompletionStreamEncoder | ToolChatStreamEncoder
+            if call.tools is not None:
+                stream = ToolChatStreamEncoder(env, logprobs=call.logprobs, include_usage=call.include_usage)
+            elif chat:
                 stream = enc.ChatStreamEncoder(env, logprobs=call.logprobs, include_usage=call.include_usage)
             else:
                 stream = enc.CompletionStreamEncoder(env, logprobs=call.logprobs, n=call.calls[0].best_of)
@@ -76,7 +79,8 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Resp
             )
         whole: enc.ChatEncoder | enc.CompletionEncoder
         if chat:
-            whole = enc.ChatEncoder(env, call.prompts[0], logprobs=call.logprobs)
+            answer = enc.plain_answer if call.tools is None else tool_answer()
+            whole = enc.ChatEncoder(env, call.prompts[0], logprobs=call.logprobs, answer=answer)
         else:
             whole = enc.CompletionEncoder(env, call.prompts, logprobs=call.logprobs, echo=call.echo)
 

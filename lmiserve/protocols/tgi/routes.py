@@ -3,6 +3,7 @@ GET /info, /health, / and /v1/models. Errors are answered by `errors.RENDERER`."
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 
@@ -28,6 +29,8 @@ from lmiserve.server.textgen.generation import generate as engine_events
 from lmiserve.server.textgen.generation import prepare
 from lmiserve.server.textgen.served import Served, ready_llm, served
 from lmiserve.server.textgen.timing import Timer
+from lmiserve.server.textgen.tools.prompt import render_conversation
+from lmiserve.server.textgen.tools.spec import tool_spec
 from lmiserve.server.textgen.wire import SSE_HEADERS, dumps
 
 UNHEALTHY = dumps({"error": "unhealthy", "error_type": "healthcheck"})
@@ -133,7 +136,8 @@ async def chat_tokenize(request: Request) -> Response:
     """The chat template applied to the messages of a chat request, and its tokens."""
     req = parse(ChatRequest, await json_payload(request))
     model = served(request)
-    text = model.render_chat(req.template_messages(), for_engine=False)
+    spec = tool_spec(req.tools, req.tool_choice, req.parallel_tool_calls, req.tool_prompt)
+    text = render_conversation(req.messages, spec, functools.partial(model.render_chat, for_engine=False))
     body = {"tokenize_response": _tokens(model.tokenizer, text, special=False), "templated_text": text}
     return raw_response(dumps(body))
 

@@ -26,6 +26,8 @@ class Message(BaseModel):
     role: StrictStr
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant: the calls it made (content null)
+    tool_call_id: str | None = None  # role "tool": the call this is the result of
 
     def text(self) -> str:
         """Content as text; image parts become ``![](url)`` as in TGI."""
@@ -82,7 +84,10 @@ class ChatRequest(SamplingFields):
     presence_penalty: float | None = None
     logprobs: StrictBool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=UINT32)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: StrictBool | None = None
+    tool_prompt: str | None = None  # TGI: replaces the default answer-format instruction
     response_format: dict[str, Any] | None = None
 
     def template_messages(self) -> list[dict[str, str]]:

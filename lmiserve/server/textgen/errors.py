@@ -57,6 +57,10 @@ class Shape:
     fixed: str | None = None
 
 
+class ToolError(InvalidRequest):
+    """`tools`, `tool_choice` or a tool message that cannot be used (TGI's 422 ``tool_error``)."""
+
+
 SHAPES: dict[type[LmiServeError], Shape] = {
     LmiServeError: Shape(424, "generation", GENERATION_PREFIX),
     GenerationFailed: Shape(424, "generation", GENERATION_PREFIX),
@@ -64,6 +68,7 @@ SHAPES: dict[type[LmiServeError], Shape] = {
     InvalidRequest: Shape(422, "validation", "Input validation error: "),
     TemplateError: Shape(422, "template_error", "Template error: "),
     Unsupported: Shape(422, "tool_error", "Tool error: "),
+    ToolError: Shape(422, "tool_error", "Tool error: "),
     Overloaded: Shape(429, "overloaded", fixed="Model is overloaded"),
     ModelNotReady: Shape(503, "unhealthy"),
 }

@@ -40,14 +40,15 @@ class Served:
     def special_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def render_chat(self, messages: list[dict], *, for_engine: bool = True) -> str:
-        """The chat template applied (generation prompt added); `TemplateError` when the model has none
-        or it fails. `for_engine`: without a leading BOS when the tokenizer adds one itself (the engine
-        tokenizes with special tokens), so it appears once."""
+    def render_chat(self, messages: list[dict], *, tools: list[dict] | None = None, for_engine: bool = True) -> str:
+        """The chat template applied (generation prompt added, `tools` given to it when not None);
+        `TemplateError` when the model has none or it fails. `for_engine`: without a leading BOS when
+        the tokenizer adds one itself (the engine tokenizes with special tokens), so it appears once."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise TemplateError("template not found")
+        extra = {} if tools is None else {"tools": tools}
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
         except Exception as exc:  # noqa: BLE001 - jinja errors of a model's own template
             raise TemplateError(str(exc)) from None
         bos = getattr(self.tokenizer, "bos_token", None)

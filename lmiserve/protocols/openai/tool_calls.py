@@ -1,0 +1,139 @@
+"""Chat answers generated under tools (see `lmiserve.server.textgen.tools`): the generated JSON read
+back as OpenAI's ``tool_calls``.
+
+Whole answer: calls give ``message = {"role": "assistant", "content": null, "tool_calls": [{"id":
+"call_...", "type": "function", "function": {"name", "arguments": "<JSON text>"}}]}`` and
+``finish_reason: "tool_calls"``; a plain answer (``{"content": ...}``) gives its text as ``content``
+and the engine's finish reason. Only complete calls are listed: an answer cut by ``max_tokens`` (or a
+stop sequence) keeps the calls finished before the cut, ``content`` null (or the plain answer's text
+so far) and the engine's finish reason (``length``).
+
+Stream: a chunk per token that made something known; the first chunk of a choice has ``"role":
+"assistant"``, the others not (OpenAI's client concatenates every string it receives). A call starts
+with ``{"index", "id", "type": "function", "function": {"name", "arguments": ""}}`` and its arguments
+follow as ``{"index", "function": {"arguments": "<piece>"}}`` as they are generated (the pieces
+concatenate to the arguments string; OpenAI's and TGI's clients accumulate them by ``index``); a plain
+answer streams as ``content``. Tokens that make nothing known (``{"name": "``) send no chunk unless
+logprobs were asked for. The last chunk has the finish reason: ``tool_calls`` when the answer was
+complete calls. A call cut by ``max_tokens`` has already been streamed in part: ``finish_reason:
+"length"`` says so.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from lmiserve.core.errors import LmiServeError
+from lmiserve.core.events import Finish, StepEvent
+from lmiserve.protocols.openai.encoders import Answer, Envelope, chat_logprob, finish_reason
+from lmiserve.protocols.openai.errors import DONE, RENDERER
+from lmiserve.server import sse
+from lmiserve.server.textgen.sequences import Sequence
+from lmiserve.server.textgen.tools.output import Arguments, CallStart, Content, Piece, ToolOutput
+from lmiserve.server.textgen.wire import SSE_CONTENT_TYPE, dumps
+
+CallIds = Callable[[], str]
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _reason(output: ToolOutput, finish: Finish) -> str:
+    return "tool_calls" if output.calls and output.done else finish_reason(finish)
+
+
+def tool_answer(call_ids: CallIds = new_call_id) -> Answer:
+    """The `Answer` of a tool-calling chat completion."""
+
+    def answer(seq: Sequence) -> tuple[dict[str, Any], str]:
+        output = ToolOutput()
+        output.feed(seq.finish.generated_text)
+        output.finish()
+        message: dict[str, Any] = {"role": "assistant", "content": output.content}
+        if output.calls:
+            message["tool_calls"] = [
+                {"id": call_ids(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in output.calls
+            ]
+        return message, _reason(output, seq.finish)
+
+    return answer
+
+
+class ToolChatStreamEncoder:
+    """The SSE stream of a tool-calling chat completion (see the module docstring)."""
+
+    content_type = SSE_CONTENT_TYPE
+    streaming = True
+
+    def __init__(self, env: Envelope, *, logprobs: bool, include_usage: bool, call_ids: CallIds = new_call_id):
+        self.env = env
+        self.logprobs = logprobs
+        self.include_usage = include_usage
+        self.call_ids = call_ids
+        self.outputs: dict[int, ToolOutput] = {}  # per choice
+        self.started: set[int] = set()  # choices whose first chunk (with the role) was sent
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+
+    def on_event(self, index: int, event: StepEvent) -> bytes:
+        if event.token is None and event.finish is None:
+            return b""
+        output = self.outputs.setdefault(event.index, ToolOutput())
+        pieces: list[Piece] = []
+        if event.token is not None and not event.token.special:
+            pieces += output.feed(event.token.text)
+        finish = event.finish
+        if finish is not None:
+            pieces += output.finish()
+            self.prompt_tokens = finish.prompt_tokens
+            self.completion_tokens += finish.generated_tokens
+        delta = self._delta(pieces)
+        if not delta and finish is None and not (self.logprobs and event.token is not None):
+            return b""  # nothing new to say
+        if event.index not in self.started:
+            self.started.add(event.index)
+            delta = {"role": "assistant", **delta}
+        lp = None
+        if self.logprobs and event.token is not None:
+            lp = {"content": [chat_logprob(event.token, event.top_tokens)]}
+        body = {
+            "index": event.index,
+            "delta": delta,
+            "logprobs": lp,
+            "finish_reason": _reason(output, finish) if finish else None,
+        }
+        return sse.event(dumps({**self.env.head("chat.completion.chunk"), "choices": [body], "usage": None}))
+
+    def _delta(self, pieces: list[Piece]) -> dict[str, Any]:
+        delta: dict[str, Any] = {}
+        content = "".join(p.text for p in pieces if isinstance(p, Content))
+        if content:
+            delta["content"] = content
+        calls: list[dict[str, Any]] = []
+        for piece in pieces:
+            if isinstance(piece, CallStart):
+                function = {"name": piece.name, "arguments": ""}
+                calls.append({"index": piece.index, "id": self.call_ids(), "type": "function", "function": function})
+            elif isinstance(piece, Arguments):
+                if calls and calls[-1]["index"] == piece.index:
+                    calls[-1]["function"]["arguments"] += piece.text
+                else:
+                    calls.append({"index": piece.index, "function": {"arguments": piece.text}})
+        if calls:
+            delta["tool_calls"] = calls
+        return delta
+
+    def close(self) -> bytes:
+        tail = b""
+        if self.include_usage:
+            prompt, completion = self.prompt_tokens, self.completion_tokens
+            usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+            tail = sse.event(dumps({**self.env.head("chat.completion.chunk"), "choices": [], "usage": usage}))
+        return tail + DONE
+
+    def error(self, exc: LmiServeError) -> bytes:
+        return RENDERER.in_band(exc)
