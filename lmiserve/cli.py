@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key", help="require 'Authorization: Bearer <key>' on every route but health probes (or API_KEY)"
     )
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log level (default info)")
+    serve.add_argument(
+        "--log-format", choices=["text", "json"], help="log lines as text (default) or JSON lines (one object a line)"
+    )
     add_bench_parser(sub)
     return parser
 
@@ -43,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_bench_command(args, argv)
     try:
         overrides: dict[str, object] = dict(parse_override(o) for o in args.option)
-        for key in ("model_id", "host", "port", "log_level", "api_key", "model_store"):
+        for key in ("model_id", "host", "port", "log_level", "log_format", "api_key", "model_store"):
             value = getattr(args, key)
             if value is not None:
                 overrides[key] = value
@@ -78,8 +81,9 @@ def serve(settings, services: list | None = None) -> int:
     import uvicorn
 
     from lmiserve.server.app import create_app
+    from lmiserve.server.log_setup import configure_logging
 
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log_level, settings.log_format)
     log = logging.getLogger("lmiserve")
     for line in settings.summary():
         log.info("option %s", line)
@@ -90,7 +94,8 @@ def serve(settings, services: list | None = None) -> int:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
-        access_log=False,
+        log_config=None,  # configure_logging above: uvicorn's lines in the same format as ours
+        access_log=False,  # lmiserve.server.access writes one richer line per request
         h11_max_incomplete_event_size=4 * settings.max_header_size,  # lmiserve.server.guard checks the exact limit
     )
     return 0

@@ -95,7 +95,7 @@ class ModelRunner(ABC):
             banned = self.eos_token_ids + seq.params.stop_token_ids if seq.params.min_new_tokens else []
             out.samples[seq.seq_id] = sample_row(logits, seq.params, seq.prompt_ids, seq.output_ids, banned, generator)
         except Exception as exc:  # noqa: BLE001 - one sequence fails, the batch goes on
-            log.exception("sampling failed for %s", seq.request_id)
+            log.exception("sampling failed for %s", seq.request_id, extra={"request_id": seq.request_id})
             out.errors[seq.seq_id] = f"exception occurred during sampling: {exc}"
 
 
