@@ -85,7 +85,7 @@ class RequestLog:
                 kept = [(k, v) for k, v in message.get("headers", []) if k.lower() not in echoed]
                 message = {**message, "headers": [*kept, *echo]}
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
-                facts.completed = True
+                facts.completed = not facts.disconnected  # an answer to a client gone (499) reaches nobody
             await send(message)
 
         async def receiving() -> Message:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from datetime import datetime, timezone
 
 from lmiserve.core.request_context import current_request_id
@@ -74,3 +75,7 @@ def configure_logging(level: str, log_format: str) -> None:
         logger = logging.getLogger(name)
         logger.handlers.clear()
         logger.propagate = True
+    logging.captureWarnings(True)  # Python warnings become log lines too (logger py.warnings)
+    if log_format == "json":
+        # progress bars (transformers' "Loading weights") are not log lines; read when transformers loads
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
