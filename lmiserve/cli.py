@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key", help="require 'Authorization: Bearer <key>' on every route but health probes (or API_KEY)"
     )
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log level (default info)")
+    serve.add_argument(
+        "--log-format", choices=["text", "json"], help="log lines as text (default) or JSON lines (one object a line)"
+    )
     add_bench_parser(sub)
     return parser
 
@@ -44,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_bench_command(args, argv)
     try:
         overrides: dict[str, object] = dict(parse_override(o) for o in args.option)
-        for key in ("model_id", "host", "port", "log_level", "api_key", "model_store"):
+        for key in ("model_id", "host", "port", "log_level", "log_format", "api_key", "model_store"):
             value = getattr(args, key)
             if value is not None:
                 overrides[key] = value
@@ -80,8 +83,9 @@ def serve(settings, services: list | None = None) -> NoReturn:
     README, "Signals and exit codes")."""
     from lmiserve.models.service import ModelService
     from lmiserve.server.lifecycle import Lifecycle, exit_process
+    from lmiserve.server.log_setup import configure_logging
 
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log_level, settings.log_format)
     log = logging.getLogger("lmiserve")
     for line in settings.summary():
         log.info("option %s", line)

@@ -50,6 +50,7 @@ ModelKind = Literal["auto", "llm", "embedding", "classifier", "regression", "tor
 RollingBatch = Literal["auto", "lmi", "disable"]
 OutputFormatter = Literal["json", "jsonlines", "sse", "tgi_compat"]
 LogLevel = Literal["debug", "info", "warning", "error"]
+LogFormat = Literal["text", "json"]
 
 
 def canonical_key(key: str) -> str:
@@ -187,6 +188,17 @@ class Settings(BaseModel):
     host: str = Field("0.0.0.0", description="Address the HTTP server listens on.")
     port: int = Field(8080, ge=1, le=65535, description="Port the HTTP server listens on.")
     log_level: LogLevel = Field("info", description="Log level: debug, info, warning or error.")
+    log_format: LogFormat = Field(
+        "text", description="Log lines as text, or json (one JSON object per line, for log pipelines)."
+    )
+    request_id_header_key: str = Field(
+        "X-Request-Id",
+        pattern=r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$",
+        description=(
+            "Request header read first for a client's request id (also X-Request-Id, "
+            "X-Amzn-SageMaker-Inference-Id, X-Amzn-RequestId); the id is echoed under this name and X-Request-Id."
+        ),
+    )
     # --- TGI and OpenAI routes (README: TGI drop-in and OpenAI-compatible APIs) ---
     api_key: str | None = Field(
         None,
@@ -291,7 +303,9 @@ class Settings(BaseModel):
                 return False
         return value
 
-    @field_validator("dtype", "rolling_batch", "output_formatter", "log_level", "device", "model_kind", mode="before")
+    @field_validator(
+        "dtype", "rolling_batch", "output_formatter", "log_level", "log_format", "device", "model_kind", mode="before"
+    )
     @classmethod
     def _normalize_word(cls, value: Any, info: ValidationInfo) -> Any:
         if not isinstance(value, str):

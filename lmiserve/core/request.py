@@ -6,8 +6,14 @@ import itertools
 from dataclasses import dataclass, field
 
 from lmiserve.core.grammar import Grammar
+from lmiserve.core.request_context import current_request_id
 
 _ids = itertools.count(1)
+
+
+def _request_id() -> str:
+    """The id of the HTTP request being served (so the engine's log lines name it), else a counter."""
+    return current_request_id() or f"req-{next(_ids)}"
 
 
 @dataclass
@@ -47,4 +53,4 @@ class SamplingParams:
 class GenerationRequest:
     prompt: str
     params: SamplingParams = field(default_factory=SamplingParams)
-    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    request_id: str = field(default_factory=_request_id)

@@ -166,6 +166,13 @@ class AsyncEngine:
             self._handles[seq.seq_id] = handle
             self.scheduler.add(seq)
         self._wakeup.set()
+        log.debug(
+            "queued: %d prompt tokens, %d sequence(s), %d waiting",
+            len(prompt_ids),
+            count,
+            len(self.scheduler.waiting),
+            extra={"request_id": request.request_id},
+        )
         return handle
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[StepEvent, None]:
@@ -182,9 +189,11 @@ class AsyncEngine:
             self.abort(handle)
 
     def abort(self, handle: _Handle) -> None:
-        for seq in handle.seqs:
-            if not seq.finished:
-                self.scheduler.abort(seq)
+        unfinished = [seq for seq in handle.seqs if not seq.finished]
+        for seq in unfinished:
+            self.scheduler.abort(seq)
+        if unfinished:
+            log.debug("aborted: %d sequence(s)", len(unfinished), extra={"request_id": handle.request.request_id})
         self._wakeup.set()
 
     async def _drain(self, handle: _Handle) -> AsyncGenerator[StepEvent, None]:
@@ -251,6 +260,12 @@ class AsyncEngine:
                 del self._handles[seq.seq_id]
                 if event.finish.reason is FinishReason.ABORT:
                     continue
+                log.debug(
+                    "finished: %s after %d token(s)",
+                    event.finish.reason.value,
+                    event.finish.generated_tokens,
+                    extra={"request_id": seq.request_id},
+                )
             handle.queue.put_nowait(event)
 
     def _fail_before_start(self, seq_id: int, error: BaseException) -> None:

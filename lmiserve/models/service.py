@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lmiserve.config import Settings
+from lmiserve.core import request_context
 from lmiserve.core.engine import ModelEngine, TextGenerator
 from lmiserve.core.errors import ModelNotReady, Unsupported
 from lmiserve.core.parameters import Limits
@@ -185,12 +186,16 @@ def model_service(request: Request, name: str | None = None) -> ModelService:
     Every route resolves its model through here (or `default_llm` / `tensor_model`), so how models are
     held is one place (models/registry.py).
     """
-    return _registry(request).get(name) if name else _registry(request).default()
+    service = _registry(request).get(name) if name else _registry(request).default()
+    request_context.note(model=service.name)
+    return service
 
 
 def default_llm(request: Request) -> ModelService:
     """The generative model that name-less routes (TGI, OpenAI, plain /invocations) talk to."""
-    return _registry(request).default_llm()
+    service = _registry(request).default_llm()
+    request_context.note(model=service.name)
+    return service
 
 
 def tensor_model(request: Request, name: str | None = None) -> TensorModel:

@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute
+from starlette.types import ASGIApp
 
 from lmiserve.config import Settings
 from lmiserve.models.registry import ModelRegistry
@@ -23,6 +24,7 @@ from lmiserve.protocols.openai import routes as openai
 from lmiserve.protocols.tensor import routes as tensor
 from lmiserve.protocols.tgi import routes as tgi
 from lmiserve.server import invocations
+from lmiserve.server.access import RequestLog
 from lmiserve.server.responses import raw_response
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,14 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     return raw_response(frontend_error_body(500, "InternalServerException", str(exc) or type(exc).__name__), 500)
 
 
+class LmiServeApp(Starlette):
+    """Starlette with `RequestLog` (request ids, the access line) outside even its error middleware, so
+    the unforeseen 500 carries the request id and gets its access line too."""
+
+    def build_middleware_stack(self) -> ASGIApp:
+        return RequestLog(super().build_middleware_stack(), self.state.settings.request_id_header_key)
+
+
 def create_app(
     settings: Settings,
     service: ModelService | None = None,
@@ -85,7 +95,7 @@ def create_app(
 
     # starlette types a handler as taking any Exception; each of these takes the class it is registered for
     handlers: dict[Any, Any] = {HTTPException: _http_error, Exception: _unexpected}
-    app = Starlette(routes=routes(settings), lifespan=lifespan, exception_handlers=handlers)
+    app = LmiServeApp(routes=routes(settings), lifespan=lifespan, exception_handlers=handlers)
     app.state.registry = registry
     app.state.settings = settings
     return app

@@ -4,7 +4,9 @@ A protocol defines one `ErrorRenderer` (in `lmiserve/protocols/<name>/errors.py`
 body of every `lmiserve.core.errors` class in its wire format, and the in-band error a stream sends
 once its first byte is out. `protocol_routes(renderer, routes)` wraps the endpoints of a group so an
 `LmiServeError` raised anywhere below a route is answered by that renderer: route functions contain
-no `except` for lmiserve's own errors.
+no `except` for lmiserve's own errors. The wrapper also notes the route and its protocol in the
+request's access facts (lmiserve.core.request_context; the innermost renderer's protocol wins, so a
+/invocations request answered by OpenAI's handler is logged as OpenAI's).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Mount, Route
 
+from lmiserve.core import request_context
 from lmiserve.core.errors import LmiServeError
 from lmiserve.server.guard import Access, admit
 from lmiserve.server.responses import raw_response
@@ -38,6 +41,7 @@ class ErrorRenderer(ABC):
     """One protocol's error shapes."""
 
     content_type: str = "application/json"
+    protocol: str = ""  # the protocol's name in the access log: lmi, tgi, openai, kserve, ...
 
     @abstractmethod
     def status(self, exc: LmiServeError) -> int:
@@ -59,12 +63,18 @@ class ErrorRenderer(ABC):
         return self.body(exc)
 
 
-def rendered_by(renderer: ErrorRenderer, endpoint: Endpoint, access: Access | None = None) -> Endpoint:
+def rendered_by(
+    renderer: ErrorRenderer, endpoint: Endpoint, access: Access | None = None, route: str | None = None
+) -> Endpoint:
     """`endpoint` with every `LmiServeError` it raises answered by `renderer`; with `access`, the
-    request first passes `guard.admit` (API key and body size) and the endpoint carries ``access``."""
+    request first passes `guard.admit` (API key and body size) and the endpoint carries ``access``;
+    `route` (the path template) and the renderer's protocol go to the request's access facts."""
 
     @functools.wraps(endpoint)
     async def run(request: Request) -> Response:
+        if route is not None:
+            request_context.note(route=route)
+        request_context.note(protocol=renderer.protocol)
         try:
             if access is not None:
                 request = admit(request, access)
@@ -88,14 +98,15 @@ def protocol_routes(
     return [*_guarded(renderer, public, Access.OPEN), *_guarded(renderer, routes, Access.KEY)]
 
 
-def _guarded(renderer: ErrorRenderer, routes: Sequence[BaseRoute], access: Access) -> list[BaseRoute]:
+def _guarded(renderer: ErrorRenderer, routes: Sequence[BaseRoute], access: Access, prefix: str = "") -> list[BaseRoute]:
     out: list[BaseRoute] = []
     for route in routes:
         if isinstance(route, Route):
-            endpoint = rendered_by(renderer, route.endpoint, access)
+            endpoint = rendered_by(renderer, route.endpoint, access, prefix + route.path)
             out.append(Route(route.path, endpoint, methods=route.methods, name=route.name))
         elif isinstance(route, Mount):
-            out.append(Mount(route.path, routes=_guarded(renderer, route.routes, access), name=route.name))
+            inner = _guarded(renderer, route.routes, access, prefix + route.path)
+            out.append(Mount(route.path, routes=inner, name=route.name))
         else:
             raise TypeError(f"cannot guard {route!r}: register Route or Mount objects")
     return out

@@ -117,7 +117,8 @@ class Lifecycle:
             config = uvicorn.Config(
                 app,
                 log_level=settings.log_level,
-                access_log=False,
+                log_config=None,  # lmiserve.server.log_setup.configure_logging: uvicorn's lines in our format
+                access_log=False,  # lmiserve.server.access writes one richer line per request
                 # a far bound on buffering a request head; lmiserve.server.guard checks max_header_size exactly
                 h11_max_incomplete_event_size=4 * settings.max_header_size,
             )

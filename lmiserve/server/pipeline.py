@@ -19,6 +19,9 @@ interval (a stream that keeps producing never carries one).
 
 A client that disconnects, before or during the stream, cancels iteration, which aborts its
 sequences (an abandoned whole answer gets 499, which nobody reads).
+
+The first token and every finish are noted in the request's access facts
+(lmiserve.core.request_context; lmiserve.server.access writes the line).
 """
 
 from __future__ import annotations
@@ -36,9 +39,11 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from lmiserve.core import request_context
 from lmiserve.core.aio import merge_tagged
 from lmiserve.core.errors import GenerationFailed, LmiServeError
 from lmiserve.core.events import FinishReason, StepEvent
+from lmiserve.core.request_context import RequestFacts
 from lmiserve.server.responses import raw_response
 
 log = logging.getLogger(__name__)
@@ -232,6 +237,9 @@ async def respond(
     SSE keep-alive comments).
     """
     closing = _Once(on_close)
+    facts = request_context.current()
+    if facts is not None:
+        events = _observed(events, facts)
     try:
         if not encoder.streaming:
             return await _whole(request, events, encoder, headers)
@@ -250,6 +258,16 @@ async def respond(
     finally:
         if not encoder.streaming:
             closing()
+
+
+async def _observed(events: AsyncIterator[Tagged], facts: RequestFacts) -> AsyncIterator[Tagged]:
+    """`events` unchanged, noted in the request's access facts (first token, finishes; no logging)."""
+    try:
+        async for index, event in events:
+            facts.observe(index, event)
+            yield index, event
+    finally:
+        await _aclose(events)
 
 
 async def _whole(request: Request, events: AsyncIterator[Tagged], encoder: Encoder, headers: Headers) -> Response:

@@ -42,6 +42,7 @@ def run_server(
     host: str = "127.0.0.1",
     timeout: float = DEFAULT_STARTUP_TIMEOUT,
     command: Sequence[str] | None = None,
+    stderr_path: Path | None = None,
 ) -> Iterator[str]:
     """Start the server on a free port, wait until GET /ping answers 200, yield its base URL.
 
@@ -49,6 +50,8 @@ def run_server(
     root is put on PYTHONPATH). The process is stopped at the end (SIGTERM, then SIGKILL after
     10 s); its stderr is printed if it fails to start or the body of the `with` raises.
     `command` replaces `python -m lmiserve serve` (to test this helper with a fake server).
+    With `stderr_path`, the server's stderr (its log) goes to that file, which tests may read while it
+    runs (`read_log`).
     """
     args = list(args)
     if "--port" in args:
@@ -70,7 +73,8 @@ def run_server(
     cmd = [*base, *args]
 
     # Files, not pipes: a chatty server can never block on a full pipe buffer.
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    errors = open(stderr_path, "w+b") if stderr_path is not None else tempfile.TemporaryFile()  # noqa: SIM115
+    with tempfile.TemporaryFile() as out, errors as err:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=proc_env, stdout=out, stderr=err)
         try:
             _wait_ready(proc, url, timeout)
@@ -120,3 +124,9 @@ def _dump(cmd: Sequence[str], proc: subprocess.Popen[bytes], out: IO[bytes], err
         f"--- stdout ---\n{tail(out)}\n--- stderr ---\n{tail(err)}\n--- end of server output ---",
         file=sys.stderr,
     )
+
+
+def read_log(path: Path) -> list[str]:
+    """The complete lines a server started with `stderr_path=path` has logged so far."""
+    text = path.read_bytes().decode("utf-8", errors="replace")
+    return text.split("\n")[:-1]  # the last piece is "" or a line still being written

@@ -4,6 +4,7 @@ of `messages` and `prompt` bodies."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 
 import httpx
@@ -37,7 +38,7 @@ def test_chat_completion(client):
     assert r.status_code == 200, r.text
     body = r.json()
     assert list(body)[:5] == ["object", "id", "created", "model", "system_fingerprint"]
-    assert body["object"] == "chat.completion" and body["id"] == ""
+    assert body["object"] == "chat.completion" and re.fullmatch(r"chatcmpl-[0-9a-f]{32}", body["id"])
     assert body["model"] == client.get("/v1/models").json()["data"][0]["id"]  # "tgi" -> served id
     (choice,) = body["choices"]
     assert choice["message"]["role"] == "assistant" and choice["finish_reason"] == "length"

@@ -21,6 +21,7 @@ TIMING = {
     "x-inference-time",
     "x-time-per-token",
     "date",
+    "x-request-id",  # new for every request (lmiserve.server.access)
 }
 
 

@@ -1,6 +1,9 @@
 """OpenAI-compatible wire formats, byte for byte (floats to 3 decimals): the tiny model generates greedily
 in process, the OpenAI adapter and formatters render with a fixed `created`, and the bytes must equal
-tests/golden/openai/<case>. `UPDATE_GOLDEN=1 pytest tests/unit/test_openai_golden.py` rewrites them."""
+tests/golden/openai/<case>. The random part of each ``id`` (``chatcmpl-<32 hex>``, ``cmpl-<32 hex>``)
+reads as 32 zeros on both sides (the golden files hold that form); one id per response, the same in
+every chunk of a stream, is checked here too. `UPDATE_GOLDEN=1 pytest tests/unit/test_openai_golden.py`
+rewrites them."""
 
 from __future__ import annotations
 
@@ -68,7 +71,7 @@ async def render(tiny_model, payload: dict) -> bytes:
             call = adapter.completion(CompletionRequest.model_validate(payload), limits, count, "tiny")
     except LmiServeError as exc:
         return RENDERER.body(exc)
-    env = fmt.Envelope(call.model, "0.1.0-native", CREATED)
+    env = fmt.Envelope(call.model, "0.1.0-native", CREATED, fmt.completion_id(chat))
     engine = create_engine(tiny_model, EngineConfig(max_running=4))
     engine.start()
     try:
@@ -92,9 +95,11 @@ async def render(tiny_model, payload: dict) -> bytes:
 async def test_golden(name, tiny_model):
     actual = await render(tiny_model, CASES[name])
     path = GOLDEN_DIR / name
+    ids = set(_ID.findall(actual))
+    assert len(ids) <= 1, ids  # one id per response, in every chunk
     if os.environ.get("UPDATE_GOLDEN"):
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(actual)
+        path.write_bytes(_same_id(actual))
     assert path.exists(), f"missing golden {path}: run with UPDATE_GOLDEN=1 and review it"
     assert same_bytes(actual, path.read_bytes())
 
@@ -110,8 +115,14 @@ def test_every_golden_file_has_a_case():
 
 
 _FLOAT = re.compile(rb"-?\d+\.\d+(?:e-?\d+)?")
+_ID = re.compile(rb'"id":"((?:chatcmpl|cmpl)-[0-9a-f]{32})"')
+
+
+def _same_id(raw: bytes) -> bytes:
+    """Each ``chatcmpl-``/``cmpl-`` id with its random part as 32 zeros."""
+    return _ID.sub(lambda m: b'"id":"' + m.group(1).split(b"-")[0] + b"-" + b"0" * 32 + b'"', raw)
 
 
 def same_bytes(actual: bytes, expected: bytes) -> bool:
-    norm = lambda raw: _FLOAT.sub(lambda m: b"%.3f" % float(m.group()), raw)  # noqa: E731
+    norm = lambda raw: _FLOAT.sub(lambda m: b"%.3f" % float(m.group()), _same_id(raw))  # noqa: E731
     return norm(actual) == norm(expected)

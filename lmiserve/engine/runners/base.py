@@ -126,7 +126,7 @@ class ModelRunner(ABC):
             args = (logits, seq.params, seq.prompt_ids, seq.output_ids, banned, generator)
             out.samples[seq.seq_id] = sample_row(*args) if masked is None else sample_row(*args, masked=masked)
         except Exception as exc:  # noqa: BLE001 - one sequence fails, the batch goes on
-            log.exception("sampling failed for %s", seq.request_id)
+            log.exception("sampling failed for %s", seq.request_id, extra={"request_id": seq.request_id})
             out.errors[seq.seq_id] = f"exception occurred during sampling: {exc}"
 
 

@@ -109,6 +109,8 @@ TYPE: dict[type[LmiServeError], str] = {
 class LmiErrors(ErrorRenderer):
     """LMI's inference routes (/invocations, /predictions/{m}[/{v}], /models/{m}/invoke)."""
 
+    protocol = "lmi"
+
     def __init__(self, model: str = ""):
         self.model = model  # named in the message of a full job queue
 
@@ -151,6 +153,8 @@ MANAGEMENT_STATUS: dict[type[LmiServeError], tuple[int, str]] = {
 
 class ManagementErrors(ErrorRenderer):
     """The management API (/models): always the front-end shape."""
+
+    protocol = "lmi"
 
     def status(self, exc: LmiServeError) -> int:
         return lookup(exc, MANAGEMENT_STATUS, (500, INTERNAL))[0]

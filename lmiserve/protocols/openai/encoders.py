@@ -1,5 +1,6 @@
 """Engine events -> OpenAI-compatible bytes: chat completions and completions, whole or as SSE ending
-in ``data: [DONE]``. Compact JSON, ``object`` first, ``id: ""``.
+in ``data: [DONE]``. Compact JSON, ``object`` first; ``id`` is ``chatcmpl-<32 hex>`` or ``cmpl-<32 hex>``,
+new for every response (`completion_id`) and the same in every chunk of a stream.
 
 Finish reasons: ``eos_token`` -> ``"stop"``; ``length`` and ``stop_sequence`` as they are (TGI does not
 map a stop sequence to ``"stop"``).
@@ -8,6 +9,7 @@ map a stop sequence to ``"stop"``).
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +32,7 @@ __all__ = [
     "chat_body",
     "chat_logprob",
     "completion_body",
+    "completion_id",
     "finish_reason",
     "plain_answer",
 ]
@@ -39,6 +42,11 @@ def finish_reason(finish: Finish) -> str:
     return "stop" if finish.reason is FinishReason.EOS_TOKEN else finish.reason.value
 
 
+def completion_id(chat: bool) -> str:
+    """A new unique id, as OpenAI spells them: ``chatcmpl-...`` for a chat completion, else ``cmpl-...``."""
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
 @dataclass
 class Envelope:
     """The fields every OpenAI object starts with."""
@@ -46,6 +54,7 @@ class Envelope:
     model: str
     system_fingerprint: str
     created: int = 0
+    id: str = ""  # completion_id(...); one per response
 
     def __post_init__(self) -> None:
         self.created = self.created or int(time.time())
@@ -53,7 +62,7 @@ class Envelope:
     def head(self, obj: str) -> dict[str, Any]:
         return {
             "object": obj,
-            "id": "",
+            "id": self.id,
             "created": self.created,
             "model": self.model,
             "system_fingerprint": self.system_fingerprint,
@@ -267,7 +276,7 @@ class CompletionStreamEncoder(_Stream):
         head = self.env.head("text_completion")  # TGI's order here: choices before model
         obj = {
             "object": head["object"],
-            "id": "",
+            "id": head["id"],
             "created": head["created"],
             "choices": [choice],
             "model": head["model"],

@@ -30,6 +30,7 @@ class SuffixUnsupported(Unsupported):
 
 
 class OpenAIRenderer(TextGenRenderer):
+    protocol = "openai"
     shapes: ClassVar[dict[type[LmiServeError], Shape]] = {
         **SHAPES,
         EmptyPrompt: Shape(422, "validation"),

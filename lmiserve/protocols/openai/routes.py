@@ -58,7 +58,7 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Resp
             call = adapter.completion(req, model.limits, model.count_tokens, model.service.name)
         await prepare(model.engine, [c.request for c in call.calls])  # a bad grammar: 4xx before the stream
         timer.mark_validated()
-        env = enc.Envelope(call.model, model.system_fingerprint)
+        env = enc.Envelope(call.model, model.system_fingerprint, id=enc.completion_id(chat))
         events = engine_events(model.engine, [c.request for c in call.calls])
         if call.stream:
             stream: enc.ChatStreamEncoder | enc.CompletionStreamEncoder | ToolChatStreamEncoder

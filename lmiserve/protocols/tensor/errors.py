@@ -57,6 +57,8 @@ def error_json(message: str) -> bytes:
 class JsonErrorRenderer(ErrorRenderer):
     """``{"error": msg}`` with the tensor protocols' statuses."""
 
+    protocol = "tensor"
+
     def status(self, exc: LmiServeError) -> int:
         return lookup(exc, STATUS, 500)
 

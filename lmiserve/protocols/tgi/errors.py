@@ -28,6 +28,8 @@ def errors_in_band(request: Request) -> None:
 
 
 class TgiRenderer(TextGenRenderer):
+    protocol = "tgi"
+
     def in_band(self, exc: LmiServeError) -> bytes:
         if isinstance(exc, IncompleteGeneration):
             return sse.event(

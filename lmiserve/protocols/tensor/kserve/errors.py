@@ -10,6 +10,8 @@ from lmiserve.server import sse
 
 
 class KServeErrorRenderer(JsonErrorRenderer):
+    protocol = "kserve"
+
     def in_band(self, exc: LmiServeError) -> bytes:
         return sse.event(self.body(exc))
 

@@ -19,6 +19,8 @@ def echo(request: Request) -> dict[str, str]:
 
 
 class SageMakerErrors(JsonErrorRenderer):
+    protocol = "sagemaker"
+
     def headers(self, exc: LmiServeError, request: Request) -> dict[str, str]:
         return echo(request)
 

@@ -10,6 +10,8 @@ from lmiserve.protocols.tensor.errors import JsonErrorRenderer
 
 
 class TfServingErrorRenderer(JsonErrorRenderer):
+    protocol = "tfserving"
+
     def body(self, exc: LmiServeError) -> bytes:
         return error_body(exc.message)
 

@@ -7,6 +7,7 @@ from lmiserve.protocols.tensor.errors import JsonErrorRenderer
 
 
 class VertexErrorRenderer(JsonErrorRenderer):
+    protocol = "vertex"
     pass
 
 

@@ -1,0 +1,120 @@
+"""Request ids and the access line: one pure ASGI middleware around the whole application (outside
+starlette's own error middleware, so an unforeseen 500 is covered too).
+
+For every HTTP request it
+- takes the client's request id from the first of `request_id_header_key` (default X-Request-Id),
+  X-Request-Id, X-Amzn-SageMaker-Inference-Id and X-Amzn-RequestId that holds a usable one (1 to 200
+  visible ASCII characters), else makes one (uuid4 hex);
+- binds a `RequestFacts` (lmiserve.core.request_context) for the request's whole life, so every log
+  line about it carries the id and the route, pipeline and model lookup note what they learn;
+- echoes the id on the response, whatever answers it (errors, 401, 413 and 404 included): under
+  X-Request-Id and `request_id_header_key`; when the client sent one, also under the header it came in
+  and LMI's ``requestId``;
+- writes one line to the ``lmiserve.access`` logger once the response is over (a stream when it ends
+  or its client leaves: status 200, finish reason ``cancelled``).
+
+Nothing here runs per token: the pipeline notes the first token and the finish events only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+import uuid
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from lmiserve.core import request_context
+from lmiserve.core.request_context import RequestFacts
+
+ACCESS_LOG = logging.getLogger("lmiserve.access")
+
+REQUEST_ID = "X-Request-Id"
+LMI_REQUEST_ID = "requestId"  # LMI's response header: the client's request id, when it sent one
+ID_HEADERS = (REQUEST_ID, "X-Amzn-SageMaker-Inference-Id", "X-Amzn-RequestId")
+_USABLE_ID = re.compile(r"[!-~]{1,200}")  # no spaces or control characters: safe in a log line
+_BARE = re.compile(r"[^\s\"=]+")
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+class RequestLog:
+    """The middleware (see the module docstring). `header_key`: the request id header read first."""
+
+    def __init__(self, app: ASGIApp, header_key: str = REQUEST_ID) -> None:
+        self.app = app
+        self.header_key = header_key
+        names = [header_key, *ID_HEADERS]
+        self._accepted = [(name.lower().encode("latin-1"), name) for name in dict.fromkeys(n.lower() for n in names)]
+        self._names = {n.lower(): n for n in reversed(names)}  # as the configuration spells them
+
+    def request_id(self, headers: list[tuple[bytes, bytes]]) -> tuple[str, str | None]:
+        """The client's id and the header it came in, else a new id and None."""
+        sent = dict(headers)
+        for raw, name in self._accepted:
+            value = sent.get(raw, b"").decode("latin-1").strip()
+            if _USABLE_ID.fullmatch(value):
+                return value, self._names[name]
+        return new_request_id(), None
+
+    def echo(self, request_id: str, source: str | None) -> list[tuple[bytes, bytes]]:
+        names = [REQUEST_ID, self.header_key]
+        if source is not None:
+            names += [source, LMI_REQUEST_ID]
+        unique = dict.fromkeys(name.lower() for name in names)
+        value = request_id.encode("latin-1")
+        return [(name.encode("latin-1"), value) for name in unique]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id, source = self.request_id(scope["headers"])
+        facts = RequestFacts(request_id, method=scope["method"], path=scope["path"])
+        echo = self.echo(request_id, source)
+        echoed = {name for name, _ in echo}
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                facts.status = message["status"]
+                kept = [(k, v) for k, v in message.get("headers", []) if k.lower() not in echoed]
+                message = {**message, "headers": [*kept, *echo]}
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                facts.completed = not facts.disconnected  # an answer to a client gone (499) reaches nobody
+            await send(message)
+
+        async def receiving() -> Message:
+            message = await receive()
+            if message["type"] == "http.disconnect" and not facts.completed:
+                facts.disconnected = True
+            return message
+
+        token = request_context.bind(facts)
+        try:
+            await self.app(scope, receiving, sending)
+        finally:
+            facts.end = time.monotonic()
+            if facts.status is None:
+                facts.status = 499 if facts.disconnected else 500
+            write_access_line(facts)
+            request_context.unbind(token)
+
+
+def write_access_line(facts: RequestFacts) -> None:
+    """The request's one ``lmiserve.access`` line: logfmt text, its fields as ``extra={"access": ...}``
+    (JSON logs write them as top-level keys); the request id is the line's own (see log_setup)."""
+    fields = facts.fields()
+    text = " ".join(f"{name}={_logfmt(value)}" for name, value in fields.items() if name != "request_id")
+    ACCESS_LOG.info(text, extra={"access": fields, "request_id": facts.request_id})
+
+
+def _logfmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    text = str(value)
+    return text if _BARE.fullmatch(text) else json.dumps(text, ensure_ascii=False)
