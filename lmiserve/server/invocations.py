@@ -27,7 +27,6 @@ answered by its protocol (the OpenAI and TGI entry points answer their own).
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -37,6 +36,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
+from lmiserve.core import jsondoc
 from lmiserve.core.errors import LmiServeError
 from lmiserve.models.service import ModelService, model_service
 from lmiserve.protocols.lmi import lines as lmi_lines
@@ -104,12 +104,12 @@ class Body:
         self._parsed = False
 
     def json(self) -> Any:
-        """``json.loads(raw)``; raises what it raised (ValueError or RecursionError), every time."""
+        """``jsondoc.loads(raw)``; raises what it raised (a ValueError), every time."""
         if not self._parsed:
             self._parsed = True
             try:
-                self._doc = json.loads(self.raw)
-            except (ValueError, RecursionError) as exc:
+                self._doc = jsondoc.loads(self.raw)
+            except ValueError as exc:
                 self._error = exc
         if self._error is not None:
             raise self._error
@@ -119,7 +119,7 @@ class Body:
         """The JSON document, or None when the body is not JSON."""
         try:
             return self.json()
-        except (ValueError, RecursionError):
+        except ValueError:
             return None
 
 
