@@ -14,21 +14,22 @@ Precedence (first match wins):
    `messages` -> OpenAI chat completion; `prompt` without `inputs` -> OpenAI completion; `inputs` on
    /invocations with tgi_compat and no LMI `parameters.output_formatter` -> TGI's POST /;
 3. on /invocations only, SageMaker, for the model named by the custom attribute `tfs-model-name`
-   (else `model_name` from the query or a header, else the default model; a lookup that fails leaves
-   the request to LMI): the media type is that of Content-Type (or ContentType), JSON when absent;
+   (else `model_name` from the query or a header, else the default model; a name that is not served
+   is LMI's 404 naming it, whatever the body; no default model leaves the request to LMI): the media
+   type is that of Content-Type (or ContentType), JSON when absent;
    - an LLM: JSON Lines (unless the whole body is one JSON object asking to `stream`) and CSV;
    - a one-shot model: anything but text/plain and a JSON object with `inputs` (LMI's payloads);
-4. LMI, for the model named by the path, else `model_name` from the query or a header, else the
-   default model: it must exist (404 / 400) and be ready (503); the body is decoded as LMI does
-   (424 if that fails); then a one-shot model, dynamic batching or the rolling batch.
-Only step 4 fails while decoding; LMI's renderer answers those errors. Every handler's errors are
-answered by its protocol (the OpenAI and TGI entry points answer their own).
+4. LMI, for the model named by the path, else `model_name` from the query or a header, else
+   `tfs-model-name` (on /invocations), else the default model: it must exist (404 / 400) and be
+   ready (503); the body is decoded as LMI does (424 if that fails); then a one-shot model, dynamic
+   batching or the rolling batch.
+Only steps 3 (an unknown model name) and 4 fail while decoding; LMI's renderer answers those errors.
+Every handler's errors are answered by its protocol (the OpenAI and TGI entry points answer their own).
 """
 
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -38,7 +39,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from lmiserve.core.errors import LmiServeError
+from lmiserve.core import jsondoc
+from lmiserve.core.errors import LmiServeError, ModelNotFound
 from lmiserve.models.service import ModelService, model_service
 from lmiserve.protocols.lmi import lines as lmi_lines
 from lmiserve.protocols.lmi import parse as lmi_parse
@@ -104,12 +106,12 @@ class Body:
         self._parsed = False
 
     def json(self) -> Any:
-        """``json.loads(raw)``; raises what it raised (ValueError or RecursionError), every time."""
+        """``jsondoc.loads(raw)``; raises what it raised (a ValueError), every time."""
         if not self._parsed:
             self._parsed = True
             try:
-                self._doc = json.loads(self.raw)
-            except (ValueError, RecursionError) as exc:
+                self._doc = jsondoc.loads(self.raw)
+            except ValueError as exc:
                 self._error = exc
         if self._error is not None:
             raise self._error
@@ -119,12 +121,12 @@ class Body:
         """The JSON document, or None when the body is not JSON."""
         try:
             return self.json()
-        except (ValueError, RecursionError):
+        except ValueError:
             return None
 
 
 async def invocations(request: Request) -> Response:
-    """Only LMI's step of `decode` fails; the route group's renderer is LMI's (see `routes`)."""
+    """Steps 3-4 of `decode` fail; the route group's renderer is LMI's (see `routes`)."""
     invocation = await decode(request)
     return await HANDLERS[invocation.kind](request, invocation)
 
@@ -167,12 +169,12 @@ def _tgi_compat(request: Request, doc: dict) -> bool:
 
 def _sagemaker(request: Request, body: Body) -> SageMakerRecords | None:
     attributes = sagemaker_parse.custom_attributes(request.headers.get(sagemaker_parse.CUSTOM_ATTRIBUTES))
-    name = (
-        attributes.get("tfs-model-name") or request.query_params.get("model_name") or request.headers.get("model_name")
-    )
+    name = _tfs_model_name(request) or request.query_params.get("model_name") or request.headers.get("model_name")
     try:
         service = model_service(request, name)
-    except LmiServeError:  # an unknown or ambiguous model: LMI answers it in its own shape
+    except ModelNotFound:  # a model named but not served: a 404 naming it (LMI's shape), whatever the body
+        raise
+    except LmiServeError:  # no name and no default model: LMI answers it in its own shape
         return None
     header = request.headers.get("content-type") or request.headers.get("contenttype")
     media, _ = sagemaker_parse.content_type(header)
@@ -189,6 +191,14 @@ def _sagemaker(request: Request, body: Body) -> SageMakerRecords | None:
     return SageMakerRecords(kind, service, sagemaker.Records(body.raw, header, attributes))
 
 
+def _tfs_model_name(request: Request) -> str | None:
+    """The model SageMaker's custom attribute `tfs-model-name` names (on /invocations only)."""
+    if request.url.path != "/invocations":
+        return None
+    attributes = sagemaker_parse.custom_attributes(request.headers.get(sagemaker_parse.CUSTOM_ATTRIBUTES))
+    return attributes.get("tfs-model-name") or None
+
+
 def _lmi_stream(media: str, body: Body) -> bool:
     """A JSON Lines body that is one JSON object asking to stream is an LMI streaming request."""
     doc = body.json_or_none() if media == sagemaker_parse.JSONLINES else None
@@ -200,6 +210,7 @@ def _lmi(request: Request, body: Body) -> LmiPayload:
         request.path_params.get("model_name")
         or request.query_params.get("model_name")
         or request.headers.get("model_name")
+        or _tfs_model_name(request)
     )
     service = model_service(request, name)
     service.ready_engine()

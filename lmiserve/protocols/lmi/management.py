@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from lmiserve.config import ConfigError
+from lmiserve.core import jsondoc
 from lmiserve.core.errors import (
     Conflict,
     Forbidden,
@@ -157,7 +158,7 @@ async def _registration_params(request: Request) -> dict:
     body = await request.body()
     if body.strip() and "json" in request.headers.get("content-type", "json"):
         try:
-            data = json.loads(body)
+            data = jsondoc.loads(body)
         except ValueError as exc:
             raise MalformedBody(f"Invalid JSON body: {exc}") from None
         if not isinstance(data, dict):

@@ -7,12 +7,12 @@ order (docs/protocols/lmi.md).
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from lmiserve.core import jsondoc
 from lmiserve.core.errors import InvalidRequest
 from lmiserve.core.parameters import Limits, parse_parameters, to_sampling
 from lmiserve.core.request import GenerationRequest, SamplingParams
@@ -38,7 +38,7 @@ def _fail(detail: str) -> InvalidRequest:
 def decode_body(body: bytes, content_type: str | None, load: Callable[[], Any] | None = None) -> Any:
     """Body bytes -> payload, by Content-Type as LMI does: a Content-Type containing ``text/plain`` ->
     ``{"inputs": [text]}`` (a list, so rolling batch rejects it); no Content-Type and a blank body ->
-    ``{"inputs": ""}``; anything else is JSON. `load` returns ``json.loads(body)`` (a caller that
+    ``{"inputs": ""}``; anything else is JSON. `load` returns ``jsondoc.loads(body)`` (a caller that
     already parsed the body passes its cached result)."""
     ctype = (content_type or "").lower()
     if "text/plain" in ctype:
@@ -46,10 +46,9 @@ def decode_body(body: bytes, content_type: str | None, load: Callable[[], Any] |
     if not ctype and not body.strip():
         return {"inputs": ""}
     try:
-        return load() if load is not None else json.loads(body)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        detail = "the JSON document is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-        raise _fail(detail) from None
+        return load() if load is not None else jsondoc.loads(body)
+    except ValueError as exc:  # jsondoc's errors: not UTF-8, not JSON, nested too deeply, a lone surrogate
+        raise _fail(str(exc)) from None
 
 
 def parse(payload, limits: Limits, *, dynamic_batch: bool = False) -> LmiCall:

@@ -5,12 +5,12 @@ exact text is the message): `UnsupportedMediaType` (not application/json), `Payl
 
 from __future__ import annotations
 
-import json
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
+from lmiserve.core import jsondoc
 from lmiserve.core.errors import MalformedBody, PayloadTooLarge, SchemaViolation, UnsupportedMediaType
 
 M = TypeVar("M", bound=BaseModel)
@@ -29,8 +29,8 @@ async def json_payload(request: Request) -> Any:
     if len(body) > limit:
         raise PayloadTooLarge("Failed to buffer the request body: length limit exceeded")
     try:
-        return json.loads(body)
-    except (ValueError, RecursionError) as exc:
+        return jsondoc.loads(body)
+    except ValueError as exc:  # not UTF-8, not JSON, too deep, a lone surrogate: jsondoc's message
         raise MalformedBody(f"Failed to parse the request body as JSON: {exc}") from None
 
 

@@ -17,6 +17,7 @@ from datetime import datetime
 
 import numpy as np
 
+from lmiserve.core import jsondoc
 from lmiserve.core.errors import InvalidInput
 from lmiserve.protocols.tensor.codecs.datatypes import to_array
 
@@ -96,7 +97,7 @@ def _iso(value: object, name: str) -> bytes:
 
 def _pd_json(values: list, name: str) -> np.ndarray:
     try:
-        rows = [json.loads(v) for v in values]
+        rows = [jsondoc.loads(v) for v in values]
     except (TypeError, ValueError) as exc:
         raise codec_error(f"input '{name}' with content type 'pd_json': {exc}") from None
     try:

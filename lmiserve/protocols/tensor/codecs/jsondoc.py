@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from lmiserve.core import jsondoc
 from lmiserve.core.errors import MalformedBody, SchemaViolation
 
 
-def load_object(body: bytes, *, failed: str, too_deep: str, not_object: str) -> dict[str, Any]:
-    """The decoded object. `MalformedBody` ("<failed>: <why>", or "<failed>: <too_deep>" for a
-    document nested deeper than Python can parse) for bytes that are not JSON, `SchemaViolation`
+def load_object(body: bytes, *, failed: str, not_object: str) -> dict[str, Any]:
+    """The decoded object (read by `lmiserve.core.jsondoc`). `MalformedBody` ("<failed>: <why>") for
+    bytes that are not UTF-8 JSON, nested too deeply or holding a lone surrogate, `SchemaViolation`
     (`not_object`) for JSON that is not an object."""
     try:
-        doc = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        doc = jsondoc.loads(body)
+    except ValueError as exc:
         raise MalformedBody(f"{failed}: {exc}") from None
-    except RecursionError:
-        raise MalformedBody(f"{failed}: {too_deep}") from None
     if not isinstance(doc, dict):
         raise SchemaViolation(not_object)
     return doc

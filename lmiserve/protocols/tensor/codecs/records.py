@@ -12,6 +12,7 @@ import io
 import json
 import math
 
+from lmiserve.core import jsondoc
 from lmiserve.core.errors import InvalidInput, InvalidRequest, MalformedBody
 
 
@@ -31,8 +32,8 @@ def parse_media_type(header: str | None) -> tuple[str, dict[str, str]]:
 def decode_text(body: bytes, params: dict[str, str]) -> str:
     charset = params.get("charset", "utf-8")
     try:
-        return body.decode(charset)
-    except (LookupError, UnicodeDecodeError) as exc:
+        return jsondoc.text_of(body.decode(charset))
+    except (LookupError, ValueError) as exc:  # an unknown codec, bytes it cannot decode, lone surrogates
         raise MalformedBody(f"the request body is not valid {charset} text: {exc}") from None
 
 
@@ -77,20 +78,12 @@ def label_size(params: dict[str, str]) -> int:
 
 def parse_json_values(text: str) -> list:
     """All top-level JSON values of a body (one for plain JSON, several for JSON Lines)."""
-    decoder = json.JSONDecoder()
-    values, pos = [], 0
-    while True:
-        while pos < len(text) and text[pos] in " \t\r\n":
-            pos += 1
-        if pos >= len(text):
-            break
-        try:
-            value, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError as exc:
-            raise MalformedBody(f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
-        except RecursionError:
-            raise MalformedBody("invalid JSON: the document is nested too deeply") from None
-        values.append(value)
+    try:
+        values = jsondoc.all_values(text)
+    except jsondoc.JsonSyntaxError as exc:
+        raise MalformedBody(f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    except jsondoc.JsonError as exc:
+        raise MalformedBody(f"invalid JSON: {exc}") from None
     if not values:
         raise MalformedBody("the request body is empty")
     return values

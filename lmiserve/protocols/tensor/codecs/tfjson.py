@@ -2,7 +2,8 @@
 formatting rule (`format_float`) and the 4-space pretty layout of bodies.
 
 Parsing stops after the first complete JSON value (trailing bytes are ignored, as TF Serving does).
-Nesting beyond Python's recursion limit is a 400, never a crash.
+Documents are read by `lmiserve.core.jsondoc`: nesting deeper than its MAX_JSON_DEPTH, invalid UTF-8
+and lone surrogates are 400s in RapidJSON's words, never a crash.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import re
 
 import numpy as np
 
+from lmiserve.core import jsondoc
 from lmiserve.core.errors import MalformedBody
 
 _TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|-?Inf(?:inity)?|NaN')
@@ -29,9 +31,8 @@ _RAPIDJSON_MESSAGES = (  # Python's parser messages as RapidJSON (TF Serving's p
 
 
 def parse_document(body: bytes, keep: tuple[str, ...] | None = None) -> object:
-    """The first JSON value of `body`. With `keep`, a top-level object nested too deeply for the
-    recursive parser is scanned iteratively and only the `keep` keys are parsed (TF Serving ignores
-    the others, however deep)."""
+    """The first JSON value of `body`. With `keep`, a top-level object nested too deeply is scanned
+    iteratively and only the `keep` keys are parsed (TF Serving ignores the others, however deep)."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -42,15 +43,21 @@ def parse_document(body: bytes, keep: tuple[str, ...] | None = None) -> object:
     if "Inf" in text:
         text = _TOKENS.sub(_inf_token, text)
     try:
-        value, _ = json.JSONDecoder().raw_decode(text, start)
-    except json.JSONDecodeError as exc:
-        message = next((m for prefix, m in _RAPIDJSON_MESSAGES if exc.msg.startswith(prefix)), exc.msg + ".")
-        raise MalformedBody(f"JSON Parse error: {message} at offset: {exc.pos}") from None
-    except RecursionError:
+        value, _ = jsondoc.first_value(text, start)
+    except jsondoc.JsonTooDeep:
         if keep is None:
             raise MalformedBody("JSON Parse error: The document is nested too deeply. at offset: 0") from None
         value = _shallow_object(text, start, keep)
+    except jsondoc.JsonError as exc:
+        raise _parse_error(exc) from None
     return value
+
+
+def _parse_error(exc: jsondoc.JsonError) -> MalformedBody:
+    message = next((m for prefix, m in _RAPIDJSON_MESSAGES if exc.msg.startswith(prefix)), exc.msg)
+    if not message.endswith("."):
+        message += "."
+    return MalformedBody(f"JSON Parse error: {message} at offset: {exc.pos}")
 
 
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
@@ -68,7 +75,10 @@ def _shallow_object(text: str, pos: int, keep: tuple[str, ...]) -> dict:
         match = _STRING.match(text, pos)
         if match is None:
             raise MalformedBody(f"JSON Parse error: Missing a name for object member. at offset: {pos}")
-        key = json.loads(match.group(0))
+        try:
+            key = jsondoc.loads(match.group(0))
+        except jsondoc.JsonError as exc:
+            raise _parse_error(exc) from None
         pos = _ws(text, match.end())
         if pos >= len(text) or text[pos] != ":":
             raise MalformedBody(f"JSON Parse error: Missing a colon after a name of object member. at offset: {pos}")
@@ -76,10 +86,12 @@ def _shallow_object(text: str, pos: int, keep: tuple[str, ...]) -> dict:
         end = _skip_value(text, pos)
         if key in keep:
             try:
-                out[key] = json.loads(text[pos:end])
-            except RecursionError:
+                out[key] = jsondoc.loads(text[pos:end])
+            except jsondoc.JsonTooDeep:
                 raise too_deep from None
-            except json.JSONDecodeError as exc:
+            except jsondoc.JsonNotText as exc:
+                raise _parse_error(exc) from None
+            except jsondoc.JsonError as exc:
                 raise MalformedBody(f"JSON Parse error: Invalid value. at offset: {pos + exc.pos}") from None
         pos = _ws(text, end)
         if pos < len(text) and text[pos] == ",":

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from lmiserve.core import jsondoc
 from lmiserve.core.errors import InvalidInput, MalformedBody, SchemaViolation
 from lmiserve.core.tensor_io import check_names, conform
 from lmiserve.core.tensors import ModelSignature, TensorRequest
@@ -45,7 +46,6 @@ def load_header(header: bytes) -> dict[str, Any]:
     return load_object(
         header,
         failed="failed to parse the request JSON",
-        too_deep="the document is nested too deeply",
         not_object="the inference request must be a JSON object",
     )
 
@@ -53,7 +53,7 @@ def load_header(header: bytes) -> dict[str, Any]:
 def index_ready_only(body: bytes) -> bool:
     """Whether a repository index request (`{"ready": true}`, or an empty body) asks for READY models only."""
     try:
-        doc = json.loads(body or b"{}")
+        doc = jsondoc.loads(body or b"{}")
     except ValueError:
         raise MalformedBody("failed to parse the request JSON") from None
     return isinstance(doc, dict) and doc.get("ready") is True

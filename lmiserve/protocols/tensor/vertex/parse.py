@@ -20,7 +20,6 @@ def parse(body: bytes, signature: ModelSignature, model: str) -> tuple[TensorReq
     doc = load_object(
         body,
         failed="JSON deserialization failed for the request data",
-        too_deep="nested too deeply",
         not_object='the request must be a JSON object {"instances": [...], "parameters": {...}}',
     )
     instances = doc.get("instances")
