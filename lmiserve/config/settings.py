@@ -186,6 +186,15 @@ class Settings(BaseModel):
     # --- server ---
     host: str = Field("0.0.0.0", description="Address the HTTP server listens on.")
     port: int = Field(8080, ge=1, le=65535, description="Port the HTTP server listens on.")
+    metrics_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description=(
+            "Also serve GET /metrics (Prometheus) on this port, without the API key; /metrics on the serving "
+            "port stays (with the key when one is set)."
+        ),
+    )
     log_level: LogLevel = Field("info", description="Log level: debug, info, warning or error.")
     # --- TGI and OpenAI routes (README: TGI drop-in and OpenAI-compatible APIs) ---
     api_key: str | None = Field(
