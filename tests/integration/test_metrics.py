@@ -38,7 +38,9 @@ class Scrape:
         assert response.status_code == 200, response.text
         assert response.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
         samples = [
-            (s.name, s.labels, s.value) for family in text_string_to_metric_families(response.text) for s in family.samples
+            (s.name, s.labels, s.value)
+            for family in text_string_to_metric_families(response.text)
+            for s in family.samples
         ]
         return cls(response.text, samples)
 
