@@ -324,6 +324,8 @@ class Settings(BaseModel):
             raise ValueError(
                 f"max_new_tokens={self.max_new_tokens} is larger than max_new_tokens_limit={self.max_new_tokens_limit}"
             )
+        if self.metrics_port is not None and self.metrics_port == self.port:
+            raise ValueError(f"metrics_port={self.metrics_port} must differ from port (the serving port)")
         if self.batch_size > 1 and self.enable_streaming:
             raise ValueError(
                 f"batch_size={self.batch_size} cannot be combined with enable_streaming=true: "
