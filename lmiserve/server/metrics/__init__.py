@@ -38,7 +38,7 @@ class Metrics:
         self.tgi = TgiMetrics(self.registry)
         self.vllm = VllmMetrics(self.registry)
         self.requests = RequestCollectors(self.registry)
-        self.registry.register(LiveCollector(models, self.tgi))
+        self.registry.register(LiveCollector(models, self.tgi, self.vllm))
 
     def observer_for(self, service: ModelService) -> EngineObserver:
         return ModelObserver(service, self.tgi, self.vllm)

@@ -168,11 +168,6 @@ class VllmMetrics:
         self.itl = histogram(
             "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", VLLM_ITL_BUCKETS
         )
-        self.tpot = histogram(  # the name before vLLM 0.11, for older dashboards
-            "vllm:time_per_output_token_seconds",
-            "Histogram of time per output token in seconds. DEPRECATED: Use vllm:inter_token_latency_seconds instead.",
-            VLLM_ITL_BUCKETS,
-        )
         latency = VLLM_LATENCY_BUCKETS
         self.e2e = histogram(
             "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", latency
@@ -189,6 +184,17 @@ class VllmMetrics:
         self.decode = histogram(
             "vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", latency
         )
+
+    def time_per_output_token(self) -> Iterator[Metric]:
+        """vllm:inter_token_latency_seconds again under vLLM's name before 0.11, for older dashboards
+        (renamed at scrape time: no second observation per token)."""
+        old, new = "vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"
+        documentation = "Histogram of time per output token in seconds. DEPRECATED: Use " + old + " instead."
+        for metric in self.itl.collect():
+            alias = Metric(new, documentation, "histogram")
+            for sample in metric.samples:
+                alias.add_sample(new + sample.name[len(old) :], sample.labels, sample.value, sample.timestamp)
+            yield alias
 
     def declare(self, model: str) -> None:
         """Every finished_reason of `model` at 0 from the start, as vLLM declares them."""
@@ -226,10 +232,9 @@ class ModelObserver:
             self.vllm.generation_tokens.labels(*labels).inc(step.generated_tokens)
         for latency in step.first_token_latencies:
             self.vllm.ttft.labels(*labels).observe(latency)
-        itl, tpot = self.vllm.itl.labels(*labels), self.vllm.tpot.labels(*labels)
+        itl = self.vllm.itl.labels(*labels)
         for gap in step.inter_token_latencies:
             itl.observe(gap)
-            tpot.observe(gap)
 
     def on_finished(self, request: RequestStats) -> None:
         labels = self._labels
@@ -263,9 +268,10 @@ class LiveCollector(Collector):
     """The gauges, read from the engines when Prometheus scrapes: TGI's (summed over the served LLMs)
     and vLLM's (per model)."""
 
-    def __init__(self, models: Callable[[], Iterable[ModelService]], tgi: TgiMetrics) -> None:
+    def __init__(self, models: Callable[[], Iterable[ModelService]], tgi: TgiMetrics, vllm: VllmMetrics) -> None:
         self._models = models
         self._tgi = tgi
+        self._vllm = vllm
 
     def collect(self) -> Iterator[Metric]:
         labels = ["model_name", "engine"]
@@ -296,6 +302,7 @@ class LiveCollector(Collector):
         )
         yield GaugeMetricFamily("tgi_queue_size", "Current queue size", value=queue)
         yield from self._tgi.collect()
+        yield from self._vllm.time_per_output_token()
 
 
 def _generator(service: ModelService):  # -> TextGenerator | None
