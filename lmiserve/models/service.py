@@ -18,6 +18,7 @@ from lmiserve.core import request_context
 from lmiserve.core.engine import ModelEngine, TextGenerator
 from lmiserve.core.errors import ModelNotReady, Unsupported
 from lmiserve.core.parameters import Limits
+from lmiserve.core.stats import EngineObserver
 from lmiserve.core.tensors import TensorModel
 from lmiserve.engine import torch_thread
 
@@ -51,6 +52,7 @@ class ModelService:
         self._llm: LoadedModel | None = None  # the loaded causal LM of an LLM
         self._tensor_model: TensorModel | None = None
         self._closed = False
+        self.observers: list[EngineObserver] = []  # handed to the engine of an LLM when it is built
         self.started_at = time.time()
         self.loaded_at_startup = True
         self.name = name or settings.model_name or _initial_name(settings.model_id)
@@ -142,6 +144,8 @@ class ModelService:
             self.path, dtype=s.dtype, device=s.device, trust_remote_code=s.trust_remote_code
         )
         self.engine = self._generator = engine = build_engine(loaded, s)
+        for observer in self.observers:
+            engine.add_observer(observer)
         self._tensor_model = LlmTensorModel(engine, self.limits, self.name)
         return engine
 

@@ -23,6 +23,7 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -46,9 +47,16 @@ def new_request_id() -> str:
 class RequestLog:
     """The middleware (see the module docstring). `header_key`: the request id header read first."""
 
-    def __init__(self, app: ASGIApp, header_key: str = REQUEST_ID) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        header_key: str = REQUEST_ID,
+        on_done: Callable[[RequestFacts], None] | None = None,
+    ) -> None:
+        """`on_done(facts)` is called once per request, after its access line (the request metrics)."""
         self.app = app
         self.header_key = header_key
+        self.on_done = on_done
         names = [header_key, *ID_HEADERS]
         self._accepted = [(name.lower().encode("latin-1"), name) for name in dict.fromkeys(n.lower() for n in names)]
         self._names = {n.lower(): n for n in reversed(names)}  # as the configuration spells them
@@ -102,6 +110,8 @@ class RequestLog:
             if facts.status is None:
                 facts.status = 499 if facts.disconnected else 500
             write_access_line(facts)
+            if self.on_done is not None:
+                self.on_done(facts)
             request_context.unbind(token)
 
 

@@ -25,17 +25,20 @@ from lmiserve.protocols.tensor import routes as tensor
 from lmiserve.protocols.tgi import routes as tgi
 from lmiserve.server import invocations
 from lmiserve.server.access import RequestLog
+from lmiserve.server.metrics import Metrics
+from lmiserve.server.metrics import port as metrics_port
 from lmiserve.server.responses import raw_response
 
 log = logging.getLogger(__name__)
 
 
-def routes(settings: Settings) -> list[BaseRoute]:
+def routes(settings: Settings, metrics: Metrics) -> list[BaseRoute]:
     """The route table; the first match wins, so Vertex AI's configured paths come first and the exact
     LMI, TGI and OpenAI routes before the tensor protocols' patterns."""
     return [
         *tensor.configured_routes(settings),
         *lmi.ping_routes(),
+        *metrics.routes(),
         *invocations.routes(),
         *lmi.routes(settings),
         *tgi.routes(),
@@ -61,11 +64,12 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 
 
 class LmiServeApp(Starlette):
-    """Starlette with `RequestLog` (request ids, the access line) outside even its error middleware, so
-    the unforeseen 500 carries the request id and gets its access line too."""
+    """Starlette with `RequestLog` (request ids, the access line, the request metrics) outside even its
+    error middleware, so the unforeseen 500 carries the request id and is logged and counted too."""
 
     def build_middleware_stack(self) -> ASGIApp:
-        return RequestLog(super().build_middleware_stack(), self.state.settings.request_id_header_key)
+        settings, metrics = self.state.settings, self.state.metrics
+        return RequestLog(super().build_middleware_stack(), settings.request_id_header_key, metrics.requests.observe)
 
 
 def create_app(
@@ -82,20 +86,28 @@ def create_app(
     """
     if services is None:
         services = [service or ModelService(settings)]
-    registry = ModelRegistry(services)
+    metrics = Metrics(lambda: registry)
+    registry = ModelRegistry(services, observe=metrics.observer_for)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        loading = asyncio.create_task(registry.load_all(on_failed=on_startup_load_failed))
-        try:
-            yield
-        finally:
-            loading.cancel()
-            await registry.close_all()
+        async with contextlib.AsyncExitStack() as stack:
+            if settings.metrics_port is not None:
+                host, level = settings.host, settings.log_level
+                await stack.enter_async_context(
+                    metrics_port.serving(metrics.response, host, settings.metrics_port, level)
+                )
+            loading = asyncio.create_task(registry.load_all(on_failed=on_startup_load_failed))
+            try:
+                yield
+            finally:
+                loading.cancel()
+                await registry.close_all()
 
     # starlette types a handler as taking any Exception; each of these takes the class it is registered for
     handlers: dict[Any, Any] = {HTTPException: _http_error, Exception: _unexpected}
-    app = LmiServeApp(routes=routes(settings), lifespan=lifespan, exception_handlers=handlers)
+    app = LmiServeApp(routes=routes(settings, metrics), lifespan=lifespan, exception_handlers=handlers)
     app.state.registry = registry
+    app.state.metrics = metrics
     app.state.settings = settings
     return app

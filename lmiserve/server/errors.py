@@ -5,8 +5,9 @@ body of every `lmiserve.core.errors` class in its wire format, and the in-band e
 once its first byte is out. `protocol_routes(renderer, routes)` wraps the endpoints of a group so an
 `LmiServeError` raised anywhere below a route is answered by that renderer: route functions contain
 no `except` for lmiserve's own errors. The wrapper also notes the route and its protocol in the
-request's access facts (lmiserve.core.request_context; the innermost renderer's protocol wins, so a
-/invocations request answered by OpenAI's handler is logged as OpenAI's).
+request's facts (lmiserve.core.request_context; the innermost renderer's protocol wins, so a
+/invocations request answered by OpenAI's handler is logged and counted as OpenAI's): the access line
+and the request metrics read them.
 """
 
 from __future__ import annotations
