@@ -68,8 +68,9 @@ class LmiServeApp(Starlette):
     error middleware, so the unforeseen 500 carries the request id and is logged and counted too."""
 
     def build_middleware_stack(self) -> ASGIApp:
-        settings, metrics = self.state.settings, self.state.metrics
-        return RequestLog(super().build_middleware_stack(), settings.request_id_header_key, metrics.requests.observe)
+        metrics = getattr(self.state, "metrics", None)  # create_app sets it; a bare LmiServeApp counts nothing
+        on_done = metrics.requests.observe if metrics is not None else None
+        return RequestLog(super().build_middleware_stack(), self.state.settings.request_id_header_key, on_done)
 
 
 def create_app(
