@@ -27,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="bind address (default 0.0.0.0)")
     serve.add_argument("--port", type=int, help="port (default 8080, or SAGEMAKER_BIND_TO_PORT)")
     serve.add_argument(
+        "--metrics-port", type=int, help="also serve GET /metrics on this port, open (no API key); see SECURITY.md"
+    )
+    serve.add_argument(
         "-o", "--option", action="append", default=[], metavar="KEY=VALUE", help="set any option (repeatable)"
     )
     serve.add_argument(
@@ -43,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_bench_command(args, argv)
     try:
         overrides: dict[str, object] = dict(parse_override(o) for o in args.option)
-        for key in ("model_id", "host", "port", "log_level", "api_key", "model_store"):
+        for key in ("model_id", "host", "port", "metrics_port", "log_level", "api_key", "model_store"):
             value = getattr(args, key)
             if value is not None:
                 overrides[key] = value

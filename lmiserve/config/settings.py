@@ -186,6 +186,15 @@ class Settings(BaseModel):
     # --- server ---
     host: str = Field("0.0.0.0", description="Address the HTTP server listens on.")
     port: int = Field(8080, ge=1, le=65535, description="Port the HTTP server listens on.")
+    metrics_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description=(
+            "Also serve GET /metrics (Prometheus) on this port, without the API key; /metrics on the serving "
+            "port stays (with the key when one is set)."
+        ),
+    )
     log_level: LogLevel = Field("info", description="Log level: debug, info, warning or error.")
     # --- TGI and OpenAI routes (README: TGI drop-in and OpenAI-compatible APIs) ---
     api_key: str | None = Field(
@@ -315,6 +324,8 @@ class Settings(BaseModel):
             raise ValueError(
                 f"max_new_tokens={self.max_new_tokens} is larger than max_new_tokens_limit={self.max_new_tokens_limit}"
             )
+        if self.metrics_port is not None and self.metrics_port == self.port:
+            raise ValueError(f"metrics_port={self.metrics_port} must differ from port (the serving port)")
         if self.batch_size > 1 and self.enable_streaming:
             raise ValueError(
                 f"batch_size={self.batch_size} cannot be combined with enable_streaming=true: "

@@ -12,6 +12,7 @@ from typing import Protocol
 
 from lmiserve.core.events import StepEvent
 from lmiserve.core.request import GenerationRequest
+from lmiserve.core.stats import EngineObserver, EngineSnapshot
 
 
 class ModelEngine(Protocol):
@@ -40,4 +41,12 @@ class TextGenerator(ModelEngine, Protocol):
     @property
     def num_running(self) -> int:
         """Sequences in the running batch."""
+        ...
+
+    def snapshot(self) -> EngineSnapshot:
+        """The live state: running and waiting sequences, the batch's token budget, KV cache use."""
+        ...
+
+    def add_observer(self, observer: EngineObserver) -> None:
+        """Report requests and steps to `observer` from now on (lmiserve.core.stats)."""
         ...

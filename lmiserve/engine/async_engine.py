@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from lmiserve.core.aio import cancel_and_wait
-from lmiserve.core.errors import ModelNotReady, Overloaded, QueueTimeout
+from lmiserve.core.errors import LmiServeError, ModelNotReady, Overloaded, QueueTimeout
 from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.core.request import GenerationRequest
+from lmiserve.core.stats import EngineObserver, EngineSnapshot, RequestStats, SequenceStats, StepStats
 from lmiserve.engine import torch_thread
 from lmiserve.engine.scheduler import Scheduler, StepOutput
 from lmiserve.engine.sequence import Sequence
@@ -52,11 +53,14 @@ class EngineConfig:
 class _Handle:
     """One submitted request: its sequences and the queue their events (or its error) arrive on."""
 
-    def __init__(self, request: GenerationRequest, seqs: list[Sequence]) -> None:
+    def __init__(self, request: GenerationRequest, seqs: list[Sequence], arrival: float) -> None:
         self.request = request
         self.seqs = seqs
         self.queue: asyncio.Queue[StepEvent | BaseException] = asyncio.Queue()
-        self.open = len(seqs)
+        self.open = len(seqs)  # sequences whose end the consumer has not read yet
+        self.arrival = arrival
+        self.unfinished = len(seqs)  # sequences whose end the engine has not delivered yet
+        self.reported = False  # told the observers it ended
 
 
 class AsyncEngine:
@@ -83,6 +87,7 @@ class AsyncEngine:
         self._ids = itertools.count(1)
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._observers: list[EngineObserver] = []
         self.steps = 0
 
     # ---- lifecycle ---------------------------------------------------------------------------------
@@ -105,15 +110,40 @@ class AsyncEngine:
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
+    # ---- what observers see (lmiserve.core.stats) ----------------------------------------------------
+    def add_observer(self, observer: EngineObserver) -> None:
+        self._observers.append(observer)
+
+    def snapshot(self) -> EngineSnapshot:
+        running = self.scheduler.running
+        return EngineSnapshot(
+            running=len(running),
+            waiting=len(self.scheduler.waiting),
+            batch_max_tokens=sum(s.prompt_len + s.params.max_new_tokens for s in running),
+            kv_tokens=sum(s.kv_len for s in running),
+            kv_capacity=self.scheduler.max_running * self.codec.max_context,
+        )
+
+    def _notify(self, method: str, *args: object) -> None:
+        for observer in self._observers:
+            try:
+                getattr(observer, method)(*args)
+            except Exception:  # noqa: BLE001 - a failing observer must not fail requests or the loop
+                log.exception("engine observer %s.%s failed", type(observer).__name__, method)
+
     # ---- requests ----------------------------------------------------------------------------------
     def submit(self, request: GenerationRequest) -> _Handle:
         """Validate, tokenize and enqueue; raises InvalidRequest or Overloaded at once."""
-        prompt_ids = self.codec.encode(request)
-        count = max(request.params.n, request.params.best_of)
-        if len(self.scheduler.waiting) + count > self.config.job_queue_size:
-            raise Overloaded("Worker queue capacity exceeded")
+        arrival = time.monotonic()
+        try:
+            prompt_ids = self.codec.encode(request)
+            count = max(request.params.n, request.params.best_of)
+            if len(self.scheduler.waiting) + count > self.config.job_queue_size:
+                raise Overloaded("Worker queue capacity exceeded")
+        except LmiServeError as exc:
+            self._notify("on_rejected", exc)
+            raise
         base_seed = request.params.seed if request.params.seed is not None else _random_seed()
-        now = time.monotonic()
         seqs = [
             Sequence(
                 next(self._ids),
@@ -126,14 +156,15 @@ class AsyncEngine:
                 special_token_ids=self.codec.special_token_ids,
                 seed=base_seed + i,
                 index=i,
-                arrival=now,
+                arrival=arrival,
             )
             for i in range(count)
         ]
-        handle = _Handle(request, seqs)
+        handle = _Handle(request, seqs, arrival)
         for seq in seqs:
             self._handles[seq.seq_id] = handle
             self.scheduler.add(seq)
+        self._notify("on_submitted", len(prompt_ids), count)
         self._wakeup.set()
         return handle
 
@@ -195,6 +226,7 @@ class AsyncEngine:
         for seq in scheduler.expire(now):
             self._fail_before_start(seq.seq_id, QueueTimeout(f"Time out in: {self._timeout_text()}"))
         plan, events = scheduler.schedule(now)
+        self._stamp(events, now)  # aborts: no tokens
         self._deliver(events)
         if not plan.has_model_work:
             if plan.moves or plan.released:
@@ -202,14 +234,47 @@ class AsyncEngine:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), scheduler.next_wakeup(time.monotonic()))
             return
+        started = time.monotonic()
         try:
             output: StepOutput = await torch_thread.run(self.runner.execute, plan)
         except Exception as exc:  # noqa: BLE001 - outside the per-sequence guards: end what was running
             log.exception("engine step failed")
             message = f"exception occurred during generation: {exc}"
             output = StepOutput(errors={s.seq_id: message for s in scheduler.running})
+        now = time.monotonic()
         self.steps += 1
-        self._deliver(scheduler.update(plan, output))
+        events = scheduler.update(plan, output)
+        firsts, gaps = self._stamp(events, now)
+        if self._observers:
+            prompt_tokens = sum(c.length for c in plan.prefill if c.seq.seq_id not in output.errors)
+            step = StepStats(
+                method="prefill" if plan.prefill else "decode",
+                duration=now - started,
+                rows=len(plan.decode) + len(plan.prefill),
+                prompt_tokens=prompt_tokens,
+                generated_tokens=sum(1 for _, event in events if event.token is not None),
+                first_token_latencies=firsts,
+                inter_token_latencies=gaps,
+            )
+            self._notify("on_step", step)
+        self._deliver(events)
+
+    @staticmethod
+    def _stamp(events: list[tuple[Sequence, StepEvent]], now: float) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Record when each sequence got a token or ended; this step's times to first token and
+        inter-token latencies."""
+        firsts, gaps = [], []
+        for seq, event in events:
+            if event.token is not None:
+                if seq.last_token_at is None:
+                    seq.first_token_at = now
+                    firsts.append(now - seq.arrival)
+                else:
+                    gaps.append(now - seq.last_token_at)
+                seq.last_token_at = now
+            if event.finish is not None:
+                seq.finished_at = now
+        return tuple(firsts), tuple(gaps)
 
     def _deliver(self, events: list[tuple[Sequence, StepEvent]]) -> None:
         for seq, event in events:
@@ -218,6 +283,9 @@ class AsyncEngine:
                 continue
             if event.finish is not None:
                 del self._handles[seq.seq_id]
+                handle.unfinished -= 1
+                if handle.unfinished == 0:
+                    self._report(handle)
                 if event.finish.reason is FinishReason.ABORT:
                     continue
             handle.queue.put_nowait(event)
@@ -225,7 +293,33 @@ class AsyncEngine:
     def _fail_before_start(self, seq_id: int, error: BaseException) -> None:
         handle = self._handles.pop(seq_id, None)
         if handle is not None:
+            self._report(handle, error)
             handle.queue.put_nowait(error)
+
+    def _report(self, handle: _Handle, error: BaseException | None = None) -> None:
+        """Tell the observers that `handle`'s request ended (once)."""
+        if handle.reported:
+            return
+        handle.reported = True
+        if not self._observers:
+            return
+        now = time.monotonic()
+        fallback = FinishReason.ABORT if error is None else FinishReason.ERROR
+        sequences = tuple(
+            SequenceStats(
+                arrival=handle.arrival,
+                scheduled=seq.scheduled_at,
+                first_token=seq.first_token_at,
+                finished=seq.finished_at if seq.finished_at is not None else now,
+                prompt_tokens=seq.prompt_len,
+                generated_tokens=len(seq.output_ids),
+                max_new_tokens=seq.params.max_new_tokens,
+                reason=seq.finish_reason if seq.finish_reason is not None else fallback,
+            )
+            for seq in handle.seqs
+        )
+        prompt_tokens = handle.seqs[0].prompt_len if handle.seqs else 0
+        self._notify("on_finished", RequestStats(handle.arrival, now, prompt_tokens, sequences, error))
 
     def _timeout_text(self) -> str:
         value = self.config.predict_timeout

@@ -172,6 +172,7 @@ class Scheduler:
         while self.waiting and len(self.running) < limit:
             seq = self.waiting.popleft()
             seq.status = SeqStatus.PREFILL
+            seq.scheduled_at = now
             seq.slot = len(self.running)
             seq.kv_len = 0
             self.running.append(seq)

@@ -53,6 +53,12 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.prefill_tokens: list[Token] = []
         self.abort_requested = False
+        self.finish_reason: FinishReason | None = None
+        # monotonic times the engine stamps (lmiserve.core.stats): admitted, first and latest token, end
+        self.scheduled_at: float | None = None
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.finished_at: float | None = None
         self._tokenizer = tokenizer
         self._eos: set[int] = set() if params.ignore_eos_token else set(eos_token_ids)
         self._stop_ids = set(params.stop_token_ids)
@@ -123,6 +129,7 @@ class Sequence:
 
     def _finish(self, reason: FinishReason, error: str | None = None) -> Finish:
         self.status = SeqStatus.FINISHED
+        self.finish_reason = reason
         return Finish(
             reason=reason,
             generated_text="".join(self._texts),

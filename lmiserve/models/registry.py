@@ -4,17 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from lmiserve.core.errors import ModelNotFound, ModelRequired
+from lmiserve.core.stats import EngineObserver
 from lmiserve.models.service import ModelService
 
 log = logging.getLogger(__name__)
 
 
 class ModelRegistry:
-    def __init__(self, services: list[ModelService] | None = None) -> None:
+    def __init__(
+        self,
+        services: list[ModelService] | None = None,
+        *,
+        observe: Callable[[ModelService], EngineObserver] | None = None,
+    ) -> None:
+        """`observe` makes the observer of each model's engine (for the metrics), on registration."""
         self._services: dict[str, ModelService] = {}
+        self._observe = observe
         for service in services or []:
             self.add(service)
 
@@ -66,6 +74,8 @@ class ModelRegistry:
     def add(self, service: ModelService) -> None:
         if service.name in self:
             raise ValueError(f"model {service.name!r} is already registered")
+        if self._observe is not None:
+            service.observers.append(self._observe(service))
         self._services[service.name] = service
 
     async def remove(self, name: str) -> ModelService:

@@ -17,6 +17,7 @@ from lmiserve.config import Settings
 from lmiserve.core.engine import ModelEngine, TextGenerator
 from lmiserve.core.errors import ModelNotReady, Unsupported
 from lmiserve.core.parameters import Limits
+from lmiserve.core.stats import EngineObserver
 from lmiserve.core.tensors import TensorModel
 from lmiserve.engine import torch_thread
 
@@ -50,6 +51,7 @@ class ModelService:
         self._llm: LoadedModel | None = None  # the loaded causal LM of an LLM
         self._tensor_model: TensorModel | None = None
         self._closed = False
+        self.observers: list[EngineObserver] = []  # handed to the engine of an LLM when it is built
         self.started_at = time.time()
         self.loaded_at_startup = True
         self.name = name or settings.model_name or _initial_name(settings.model_id)
@@ -134,6 +136,8 @@ class ModelService:
             self.path, dtype=s.dtype, device=s.device, trust_remote_code=s.trust_remote_code
         )
         self.engine = self._generator = engine = build_engine(loaded, s)
+        for observer in self.observers:
+            engine.add_observer(observer)
         self._tensor_model = LlmTensorModel(engine, self.limits, self.name)
         return engine
 
@@ -178,12 +182,19 @@ def model_service(request: Request, name: str | None = None) -> ModelService:
     Every route resolves its model through here (or `default_llm` / `tensor_model`), so how models are
     held is one place (models/registry.py).
     """
-    return _registry(request).get(name) if name else _registry(request).default()
+    service = _registry(request).get(name) if name else _registry(request).default()
+    return _noted(request, service)
 
 
 def default_llm(request: Request) -> ModelService:
     """The generative model that name-less routes (TGI, OpenAI, plain /invocations) talk to."""
-    return _registry(request).default_llm()
+    return _noted(request, _registry(request).default_llm())
+
+
+def _noted(request: Request, service: ModelService) -> ModelService:
+    """`service`, its name noted in the request's scope for the request metrics (lmiserve.server.metrics)."""
+    request.scope.setdefault("lmiserve", {})["model"] = service.name
+    return service
 
 
 def tensor_model(request: Request, name: str | None = None) -> TensorModel:

@@ -9,6 +9,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute
@@ -22,17 +23,20 @@ from lmiserve.protocols.openai import routes as openai
 from lmiserve.protocols.tensor import routes as tensor
 from lmiserve.protocols.tgi import routes as tgi
 from lmiserve.server import invocations
+from lmiserve.server.metrics import Metrics, RequestMetrics
+from lmiserve.server.metrics import port as metrics_port
 from lmiserve.server.responses import raw_response
 
 log = logging.getLogger(__name__)
 
 
-def routes(settings: Settings) -> list[BaseRoute]:
+def routes(settings: Settings, metrics: Metrics) -> list[BaseRoute]:
     """The route table; the first match wins, so Vertex AI's configured paths come first and the exact
     LMI, TGI and OpenAI routes before the tensor protocols' patterns."""
     return [
         *tensor.configured_routes(settings),
         *lmi.ping_routes(),
+        *metrics.routes(),
         *invocations.routes(),
         *lmi.routes(settings),
         *tgi.routes(),
@@ -63,20 +67,33 @@ def create_app(
     """One model (`service`, or one built from `settings`), or the models of a store (`services`)."""
     if services is None:
         services = [service or ModelService(settings)]
-    registry = ModelRegistry(services)
+    metrics = Metrics(lambda: registry)
+    registry = ModelRegistry(services, observe=metrics.observer_for)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        loading = asyncio.create_task(registry.load_all())
-        try:
-            yield
-        finally:
-            loading.cancel()
-            await registry.close_all()
+        async with contextlib.AsyncExitStack() as stack:
+            if settings.metrics_port is not None:
+                host, level = settings.host, settings.log_level
+                await stack.enter_async_context(
+                    metrics_port.serving(metrics.response, host, settings.metrics_port, level)
+                )
+            loading = asyncio.create_task(registry.load_all())
+            try:
+                yield
+            finally:
+                loading.cancel()
+                await registry.close_all()
 
     # starlette types a handler as taking any Exception; each of these takes the class it is registered for
     handlers: dict[Any, Any] = {HTTPException: _http_error, Exception: _unexpected}
-    app = Starlette(routes=routes(settings), lifespan=lifespan, exception_handlers=handlers)
+    app = Starlette(
+        routes=routes(settings, metrics),
+        lifespan=lifespan,
+        exception_handlers=handlers,
+        middleware=[Middleware(RequestMetrics, collectors=metrics.requests)],
+    )
     app.state.registry = registry
+    app.state.metrics = metrics
     app.state.settings = settings
     return app

@@ -4,7 +4,9 @@ A protocol defines one `ErrorRenderer` (in `lmiserve/protocols/<name>/errors.py`
 body of every `lmiserve.core.errors` class in its wire format, and the in-band error a stream sends
 once its first byte is out. `protocol_routes(renderer, routes)` wraps the endpoints of a group so an
 `LmiServeError` raised anywhere below a route is answered by that renderer: route functions contain
-no `except` for lmiserve's own errors.
+no `except` for lmiserve's own errors. The renderer also names the protocol a request is counted under
+in the request metrics (`ErrorRenderer.protocol`, noted in the request's scope; lmiserve.server.metrics):
+the innermost renderer wins, so an /invocations request carrying an OpenAI body counts as ``openai``.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import functools
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TypeVar
+from typing import ClassVar, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -38,6 +40,14 @@ class ErrorRenderer(ABC):
     """One protocol's error shapes."""
 
     content_type: str = "application/json"
+    protocol_name: ClassVar[str] = ""  # the metrics' protocol label; empty: `protocol` derives it
+
+    @property
+    def protocol(self) -> str:
+        """The protocol its routes' requests are counted under: `protocol_name`, else the package the
+        renderer is defined in (``lmiserve.protocols.tgi.errors`` -> ``tgi``, ``...tensor.kserve...`` ->
+        ``kserve``)."""
+        return self.protocol_name or type(self).__module__.rsplit(".", 2)[-2]
 
     @abstractmethod
     def status(self, exc: LmiServeError) -> int:
@@ -65,6 +75,7 @@ def rendered_by(renderer: ErrorRenderer, endpoint: Endpoint, access: Access | No
 
     @functools.wraps(endpoint)
     async def run(request: Request) -> Response:
+        request.scope.setdefault("lmiserve", {})["protocol"] = renderer.protocol
         try:
             if access is not None:
                 request = admit(request, access)

@@ -1,0 +1,96 @@
+"""What a generative engine tells about its work, for whoever watches it (metrics, logs).
+
+The engine knows nothing of HTTP or of a metrics library: it calls an `EngineObserver` at four
+moments (a request refused at submission, a request accepted, a step run, a request ended) with plain
+values, and answers `snapshot()` with its live state. All times are ``time.monotonic()`` seconds.
+Each request is reported once, whatever protocol carried it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from lmiserve.core.events import FinishReason
+
+StepMethod = Literal["prefill", "decode"]
+
+
+@dataclass(frozen=True)
+class SequenceStats:
+    """One sequence of a request, when the request ended."""
+
+    arrival: float  # submitted to the engine
+    scheduled: float | None  # admitted into the running batch (None: never left the queue)
+    first_token: float | None  # its first generated token was produced
+    finished: float  # ended (finished, failed or aborted)
+    prompt_tokens: int
+    generated_tokens: int
+    max_new_tokens: int
+    reason: FinishReason  # ABORT when the client went away, ERROR when it failed
+
+    @property
+    def queue_time(self) -> float:
+        return (self.scheduled if self.scheduled is not None else self.finished) - self.arrival
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    """One request, when its last sequence ended (or it failed before any could run)."""
+
+    arrival: float
+    finished: float
+    prompt_tokens: int
+    sequences: tuple[SequenceStats, ...]
+    error: BaseException | None = None  # why it failed before its sequences could end (queue timeout, shutdown)
+
+    @property
+    def succeeded(self) -> bool:
+        ok = (FinishReason.LENGTH, FinishReason.EOS_TOKEN, FinishReason.STOP_SEQUENCE)
+        return self.error is None and all(s.reason in ok for s in self.sequences)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One model step: a forward pass over the running batch."""
+
+    method: StepMethod  # "prefill" when the step carried prompt tokens, else "decode"
+    duration: float  # seconds the forward pass (and sampling) took
+    rows: int  # sequences in the step (decode rows + prefill chunks)
+    prompt_tokens: int  # prompt tokens prefilled in this step
+    generated_tokens: int  # tokens sampled in this step
+    first_token_latencies: tuple[float, ...]  # per sequence whose first token came: time since submission
+    inter_token_latencies: tuple[float, ...]  # per token that was not its sequence's first: time since the previous
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's live state."""
+
+    running: int  # sequences in the running batch
+    waiting: int  # sequences queued for a place in it
+    batch_max_tokens: int  # tokens the running batch may reach (prompt + max_new_tokens of each sequence)
+    kv_tokens: int  # positions held in the KV cache by the running sequences
+    kv_capacity: int  # positions the KV cache can hold (batch slots x context length)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_tokens / self.kv_capacity if self.kv_capacity else 0.0
+
+
+class EngineObserver(Protocol):
+    def on_rejected(self, error: BaseException) -> None:
+        """A request was refused at submission (invalid, queue full); it never ran."""
+        ...
+
+    def on_submitted(self, prompt_tokens: int, sequences: int) -> None:
+        """A request was accepted into the queue."""
+        ...
+
+    def on_step(self, step: StepStats) -> None:
+        """A model step ran."""
+        ...
+
+    def on_finished(self, request: RequestStats) -> None:
+        """A request accepted earlier ended: finished, failed or aborted."""
+        ...

@@ -1,0 +1,70 @@
+"""`metrics_port`: /metrics alone on a port of its own, open (no API key), for a scraper on a network
+that reaches that port and nothing else.
+
+It runs in the serving process, on the same event loop, for as long as the app's lifespan: started
+before the serving port opens, stopped when the app shuts down. The socket is bound at start-up, so a
+port in use fails the start with the OS's message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import AsyncIterator, Callable, Iterator
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
+
+log = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    """A uvicorn server that leaves signals to the serving one (which stops this one through the
+    app's lifespan)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def metrics_app(answer: Callable[[], Response]) -> Starlette:
+    async def metrics(request: Request) -> Response:
+        return answer()
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        return PlainTextResponse("Not Found: this port serves GET /metrics only", status_code=404)
+
+    return Starlette(routes=[Route("/metrics", metrics, methods=["GET"])], exception_handlers={404: not_found})
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+@contextlib.asynccontextmanager
+async def serving(answer: Callable[[], Response], host: str, port: int, log_level: str) -> AsyncIterator[None]:
+    """Serve `answer` at ``GET /metrics`` on host:port while the block runs."""
+    sock = bind(host, port)
+    config = uvicorn.Config(metrics_app(answer), lifespan="off", access_log=False, log_level=log_level)
+    server = _Server(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]), name="lmiserve-metrics-port")
+    log.info("metrics on http://%s:%d/metrics", host, port)
+    try:
+        yield
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()

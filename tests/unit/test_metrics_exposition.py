@@ -1,0 +1,57 @@
+"""The exposition writes TGI's counters as TGI does, TGI's `err` labels follow the neutral errors, and
+metrics_port is checked against the serving port."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter
+
+from lmiserve.config import ConfigError, load_settings
+from lmiserve.core.errors import GenerationFailed, InvalidRequest, ModelNotReady, Overloaded, QueueTimeout
+from lmiserve.core.events import FinishReason
+from lmiserve.core.stats import RequestStats, SequenceStats
+from lmiserve.server.metrics.engine import TgiMetrics, tgi_error
+from lmiserve.server.metrics.scrape import exposition
+
+
+def test_tgi_counters_keep_their_name_and_others_get_total():
+    registry = CollectorRegistry()
+    tgi = TgiMetrics(registry)
+    registry.register(tgi)
+    Counter("vllm:prompt_tokens", "Prompt tokens.", ["model_name"], registry=registry).labels("m").inc(3)
+    tgi.counts["count"] += 2
+    tgi.failures["validation"] += 1
+    text = exposition(registry, ["tgi_request_count", "tgi_request_success", "tgi_request_failure"]).decode()
+    assert "# TYPE tgi_request_count counter\ntgi_request_count 2.0\n" in text
+    assert "# TYPE tgi_request_success counter\ntgi_request_success 0.0\n" in text
+    assert '# TYPE tgi_request_failure counter\ntgi_request_failure{err="validation"} 1.0\n' in text
+    assert '# TYPE vllm:prompt_tokens_total counter\nvllm:prompt_tokens_total{model_name="m"} 3.0\n' in text
+    assert "# TYPE tgi_request_duration histogram\n" in text
+    assert "untyped" not in text
+
+
+def _request(reason: FinishReason, error: BaseException | None = None) -> RequestStats:
+    seq = SequenceStats(0.0, None, None, 1.0, 3, 0, 5, reason)
+    return RequestStats(0.0, 1.0, 3, (seq,), error)
+
+
+@pytest.mark.parametrize(
+    "request_stats,error,label",
+    [
+        (None, InvalidRequest("too long"), "validation"),
+        (None, Overloaded("queue full"), "overloaded"),
+        (_request(FinishReason.ERROR, QueueTimeout("late")), None, "timeout"),
+        (_request(FinishReason.ABORT), None, "dropped"),
+        (_request(FinishReason.ERROR), None, "generation"),
+        (_request(FinishReason.ERROR, ModelNotReady("shutting down")), None, "generation"),
+        (None, GenerationFailed("boom"), "generation"),
+    ],
+)
+def test_tgi_error_labels(request_stats, error, label):
+    assert tgi_error(request_stats, error) == label
+
+
+def test_metrics_port_must_differ_from_the_serving_port():
+    assert load_settings({"metrics_port": 9090}, environ={}).metrics_port == 9090
+    with pytest.raises(ConfigError, match="metrics_port=8080 must differ from port"):
+        load_settings({"metrics_port": 8080}, environ={})
