@@ -81,6 +81,7 @@ def serve(settings, services: list | None = None) -> int:
     import uvicorn
 
     from lmiserve.server.app import create_app
+    from lmiserve.server.playground import url as playground_url
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("lmiserve")
@@ -88,6 +89,7 @@ def serve(settings, services: list | None = None) -> int:
         log.info("option %s", line)
     for service in services or []:
         log.info("model %s: %s from %s", service.name, service.kind, service.settings.model_id or "the bundled default")
+    log.info("playground: %s", playground_url(settings))
     uvicorn.run(
         create_app(settings, services=services),
         host=settings.host,

@@ -22,7 +22,7 @@ from lmiserve.protocols.lmi.errors import frontend_error_body
 from lmiserve.protocols.openai import routes as openai
 from lmiserve.protocols.tensor import routes as tensor
 from lmiserve.protocols.tgi import routes as tgi
-from lmiserve.server import invocations
+from lmiserve.server import invocations, playground
 from lmiserve.server.metrics import Metrics, RequestMetrics
 from lmiserve.server.metrics import port as metrics_port
 from lmiserve.server.responses import raw_response
@@ -37,6 +37,7 @@ def routes(settings: Settings, metrics: Metrics) -> list[BaseRoute]:
         *tensor.configured_routes(settings),
         *lmi.ping_routes(),
         *metrics.routes(),
+        *playground.routes(),
         *invocations.routes(),
         *lmi.routes(settings),
         *tgi.routes(),
