@@ -86,7 +86,9 @@ def routes() -> list[BaseRoute]:
 
     async def stats(request: Request) -> Response:
         registry = request.app.state.registry
-        return StreamingResponse(events(lambda: registry, rates), media_type="text/event-stream", headers=STREAM_HEADERS)
+        return StreamingResponse(
+            events(lambda: registry, rates), media_type="text/event-stream", headers=STREAM_HEADERS
+        )
 
     return protocol_routes(
         RENDERER, [Route(f"{PATH}/stats", stats, methods=["GET"])], public=[_file(name) for name in ASSETS]
