@@ -174,6 +174,8 @@ def test_the_page_streams_a_chat_and_shows_the_batch_running_it(page, url):
     page.locator(".msg.error", has_text="401").wait_for()  # the chat too: the server's answer is shown
     page.wait_for_function("!document.querySelector('#send').disabled")
 
+    page.click("#clear")
+    assert page.locator(".msg").count() == 0
     set_key(page, KEY)
     page.locator('#connection[data-state="live"]').wait_for()
     assert page.evaluate("sessionStorage.getItem('lmiserve.apiKey')") == KEY
@@ -198,10 +200,11 @@ def test_the_page_streams_a_chat_and_shows_the_batch_running_it(page, url):
     assert kv_tokens > 0  # the running sequence holds KV cache positions
     assert page.locator(".msg.assistant.streaming").count() == 1  # still streaming while it was looked at
 
-    shot = page.screenshot(type="png")
-    assert shot[:8] == b"\x89PNG\r\n\x1a\n"
-    if os.environ.get("UPDATE_SCREENSHOT"):
-        SCREENSHOT.write_bytes(shot)
+    if os.environ.get("UPDATE_SCREENSHOT"):  # the README's picture: a few lines of text, some tokens/s history
+        wait_until(lambda: len(reply(page)) > 400, "a few lines streamed", timeout=300)
+        page.locator(".msg.assistant.streaming").wait_for()
+        SCREENSHOT.write_bytes(page.screenshot(type="png"))
+    assert page.screenshot(type="png")[:8] == b"\x89PNG\r\n\x1a\n"
 
     page.click("#stop")
     page.locator(".msg.assistant .note", has_text="(stopped)").wait_for()
