@@ -5,29 +5,29 @@ panel shows the running request, Stop ends it and the panel shows 0 again.
 
 The server runs the tiny model with a 2**20-token context (`endless_model_dir`), so a chat asking for
 a million tokens streams for many minutes: the page is looked at while it streams, never after.
-
-`UPDATE_SCREENSHOT=1` also writes the mid-stream screenshot to docs/playground.png (the README's).
+The README's screenshot is taken on the bundled model: tests/e2e/test_playground_bundled.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
+import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from helpers.server import REPO_ROOT, run_server
+from helpers.browser import headless_chromium, open_page
+from helpers.server import REPO_ROOT, free_port, run_server
 from helpers.tiny_model import ENDLESS_CONTEXT
 from helpers.waiting import wait_until
 
 KEY = "playground-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-CHROMIUM = "/usr/bin/chromium"
-SCREENSHOT = REPO_ROOT / "docs" / "playground.png"
 LONG = 1_000_000  # max_tokens of a chat that streams until it is stopped
 
 
@@ -80,6 +80,36 @@ def test_the_page_and_its_files_are_open_and_same_origin_only(client, path, cont
     assert "http://" not in text and "https://" not in text  # nothing fetched from elsewhere
 
 
+def test_serve_prints_the_playground_url_and_the_page_is_there(tiny_model_dir, tmp_path):
+    port = free_port()
+    log = tmp_path / "serve.log"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)}
+    command = [sys.executable, "-m", "lmiserve", "serve", "--model-id", str(tiny_model_dir)]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [*command, "--host", "127.0.0.1", "--port", str(port)], cwd=REPO_ROOT, env=env, stdout=out, stderr=out
+        )
+        try:
+            wait_until(lambda: "playground: http" in log.read_text(errors="replace"), "the URL is printed")
+            printed = re.search(r"playground: (\S+)", log.read_text(errors="replace")).group(1)
+            assert printed == f"http://127.0.0.1:{port}/playground"
+
+            def page_answers() -> bool:
+                try:
+                    return httpx.get(printed, timeout=5, trust_env=False).status_code == 200
+                except httpx.TransportError:
+                    return False  # not listening yet
+
+            wait_until(page_answers, "the page answers at the printed URL", timeout=120)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=30)
+
+
 def test_tgi_keeps_its_root_routes(client):
     assert client.get("/").status_code == 200  # the health probe
     r = client.post("/", json={"inputs": "hi", "parameters": {"max_new_tokens": 2}}, headers=AUTH)
@@ -124,32 +154,14 @@ def test_the_stats_stream_shows_the_engine(client, endless_model_dir):
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (the test extra)")
-    if not Path(CHROMIUM).exists() and not shutil.which("chromium"):
-        pytest.skip("Debian's chromium is not installed: `make install-test` installs it (apt-get install chromium)")
-    executable = CHROMIUM if Path(CHROMIUM).exists() else shutil.which("chromium")
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=executable, headless=True)
-        try:
-            yield browser
-        finally:
-            browser.close()
+    with headless_chromium() as browser:
+        yield browser
 
 
 @pytest.fixture
 def page(browser, url: str) -> Iterator[object]:
-    context = browser.new_context(viewport={"width": 1180, "height": 720}, device_scale_factor=1)
-    page = context.new_page()
-    page.set_default_timeout(30_000)
-    requested: list[str] = []
-    errors: list[str] = []
-    page.on("request", lambda request: requested.append(request.url))
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
-    page.goto(f"{url}/playground")
-    yield page
-    context.close()
-    assert errors == [], "the page's script failed"
-    assert all(u.startswith(f"{url}/") or u.startswith("data:") for u in requested), requested
+    with open_page(browser, f"{url}/playground") as page:
+        yield page
 
 
 def stat(page, name: str) -> str:
@@ -199,12 +211,6 @@ def test_the_page_streams_a_chat_and_shows_the_batch_running_it(page, url):
     kv_tokens = int(stat(page, "kv").split("·")[1].split("/")[0])
     assert kv_tokens > 0  # the running sequence holds KV cache positions
     assert page.locator(".msg.assistant.streaming").count() == 1  # still streaming while it was looked at
-
-    if os.environ.get("UPDATE_SCREENSHOT"):  # the README's picture: a few lines of text, some tokens/s history
-        wait_until(lambda: len(reply(page)) > 400, "a few lines streamed", timeout=300)
-        page.locator(".msg.assistant.streaming").wait_for()
-        SCREENSHOT.write_bytes(page.screenshot(type="png"))
-    assert page.screenshot(type="png")[:8] == b"\x89PNG\r\n\x1a\n"
 
     page.click("#stop")
     page.locator(".msg.assistant .note", has_text="(stopped)").wait_for()
