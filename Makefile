@@ -12,7 +12,7 @@ PORT ?= 8080
 MLSERVER_VENV := .venv-mlserver
 MLSERVER_STAMP := $(MLSERVER_VENV)/.mlserver-installed
 
-.PHONY: install install-bench install-test install-mlserver serve lint test clean
+.PHONY: install install-bench install-test install-mlserver chromium serve lint test clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -40,7 +40,13 @@ install: $(STAMP)
 
 install-bench: $(BENCH_STAMP)
 
-install-test: $(TEST_STAMP) $(MLSERVER_STAMP)
+install-test: $(TEST_STAMP) $(MLSERVER_STAMP) chromium
+
+# The playground's browser test drives Debian's chromium with playwright (never `playwright install`,
+# which downloads a browser build). Installed when missing and possible; without it that test skips.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || (apt-get update && apt-get install -y --no-install-recommends chromium) \
+		|| echo "chromium could not be installed: the playground's browser test will be skipped"
 
 # MLServer's codecs drive tests/helpers/mlserver_codec.py; mlserver pins an old fastapi/starlette, so it
 # lives in its own venv, never in .venv.
@@ -63,7 +69,7 @@ lint: $(TEST_STAMP)
 	$(BIN)/mypy lmiserve || status=1; \
 	exit $$status
 
-test: lint $(TEST_STAMP) $(MLSERVER_STAMP)
+test: lint $(TEST_STAMP) $(MLSERVER_STAMP) chromium
 	$(BIN)/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|tokenizers|huggingface.hub|starlette|uvicorn|pydantic|openai|text-generation|numba|ruff|mypy) '
 	$(BIN)/python -m pytest
 

@@ -87,6 +87,7 @@ def serve(settings, services: list | None = None) -> NoReturn:
     from lmiserve.models.service import ModelService
     from lmiserve.server.lifecycle import Lifecycle, exit_process
     from lmiserve.server.log_setup import configure_logging
+    from lmiserve.server.playground import url as playground_url
 
     configure_logging(settings.log_level, settings.log_format)
     log = logging.getLogger("lmiserve")
@@ -95,6 +96,7 @@ def serve(settings, services: list | None = None) -> NoReturn:
     services = services or [ModelService(settings)]
     for service in services:
         log.info("model %s: %s from %s", service.name, service.kind, service.settings.model_id or "the bundled default")
+    log.info("playground: %s", playground_url(settings))
     exit_process(Lifecycle().serve(settings, services))
 
 

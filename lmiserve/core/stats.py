@@ -72,6 +72,8 @@ class EngineSnapshot:
     batch_max_tokens: int  # tokens the running batch may reach (prompt + max_new_tokens of each sequence)
     kv_tokens: int  # positions held in the KV cache by the running sequences
     kv_capacity: int  # positions the KV cache can hold (batch slots x context length)
+    batch_slots: int  # sequences the running batch may hold
+    generated_tokens: int  # tokens generated since the engine started (a rate is its change over time)
 
     @property
     def kv_usage(self) -> float:

@@ -98,6 +98,7 @@ class AsyncEngine:
         self._task: asyncio.Task[None] | None = None
         self._observers: list[EngineObserver] = []
         self.steps = 0
+        self.generated_tokens = 0  # since start, for `snapshot`
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -133,6 +134,8 @@ class AsyncEngine:
             batch_max_tokens=sum(s.prompt_len + s.params.max_new_tokens for s in running),
             kv_tokens=sum(s.kv_len for s in running),
             kv_capacity=self.scheduler.max_running * self.codec.max_context,
+            batch_slots=self.scheduler.max_running,
+            generated_tokens=self.generated_tokens,
         )
 
     def _notify(self, method: str, *args: object) -> None:
@@ -285,6 +288,7 @@ class AsyncEngine:
         self.steps += 1
         events = scheduler.update(plan, output)
         firsts, gaps = self._stamp(events, now)
+        self.generated_tokens += len(firsts) + len(gaps)  # one of the two per token sampled
         if self._observers:
             prompt_tokens = sum(c.length for c in plan.prefill if c.seq.seq_id not in output.errors)
             step = StepStats(
@@ -292,7 +296,7 @@ class AsyncEngine:
                 duration=now - started,
                 rows=len(plan.decode) + len(plan.prefill),
                 prompt_tokens=prompt_tokens,
-                generated_tokens=sum(1 for _, event in events if event.token is not None),
+                generated_tokens=len(firsts) + len(gaps),
                 first_token_latencies=firsts,
                 inter_token_latencies=gaps,
             )

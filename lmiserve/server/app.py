@@ -23,7 +23,7 @@ from lmiserve.protocols.lmi.errors import frontend_error_body
 from lmiserve.protocols.openai import routes as openai
 from lmiserve.protocols.tensor import routes as tensor
 from lmiserve.protocols.tgi import routes as tgi
-from lmiserve.server import invocations
+from lmiserve.server import invocations, playground
 from lmiserve.server.access import RequestLog
 from lmiserve.server.metrics import Metrics
 from lmiserve.server.metrics import port as metrics_port
@@ -39,6 +39,7 @@ def routes(settings: Settings, metrics: Metrics) -> list[BaseRoute]:
         *tensor.configured_routes(settings),
         *lmi.ping_routes(),
         *metrics.routes(),
+        *playground.routes(),
         *invocations.routes(),
         *lmi.routes(settings),
         *tgi.routes(),

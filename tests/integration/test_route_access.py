@@ -3,7 +3,8 @@ enforces it and `max_request_size` on every route, in that route's protocol shap
 
 The audit walks the route table `create_app` builds (Mounts included): a route whose endpoint was not
 registered through `protocol_routes` fails the test, and the open routes must be exactly `OPEN` below
-(health and readiness probes, and OPTIONS on the inference routes, which answers ``{}``). A route added
+(health and readiness probes, OPTIONS on the inference routes, which answers ``{}``, and the playground's
+static page and files). A route added
 later is guarded by default and covered here without editing this file.
 """
 
@@ -47,6 +48,10 @@ OPEN = {
     ("OPTIONS", "/predictions/{model_name}"),
     ("OPTIONS", "/predictions/{model_name}/{version}"),
     ("OPTIONS", "/models/{model_name}/invoke"),
+    # the playground's page and files: static, no work, nothing about the server (its stats stream needs the key)
+    ("GET", "/playground"),
+    ("GET", "/playground/playground.js"),
+    ("GET", "/playground/playground.css"),
 }
 
 

@@ -88,6 +88,7 @@ async def test_each_request_is_reported_once_with_its_tokens_and_times(tiny_mode
     # every prompt token prefilled once, every token counted once, in the steps that made them
     assert sum(s.prompt_tokens for s in seen.steps) == sum(lengths)
     assert sum(s.generated_tokens for s in seen.steps) == sum(generated)
+    assert engine.snapshot().generated_tokens == sum(generated)
     assert sum(len(s.first_token_latencies) for s in seen.steps) == 3
     assert sum(len(s.inter_token_latencies) for s in seen.steps) == sum(generated) - 3
     assert all(s.duration >= 0 and s.rows >= 1 for s in seen.steps)
@@ -138,7 +139,10 @@ async def test_a_client_that_leaves_is_an_abort_and_a_queue_timeout_an_error(tin
             await waiting
         await long.aclose()
         await async_wait_until(lambda: len(seen.finished) == 2, "both requests are reported")
-        assert engine.snapshot() == type(snap)(0, 0, 0, 0, tiny_model.max_context)
+        after = engine.snapshot()
+        assert (after.running, after.waiting, after.batch_max_tokens, after.kv_tokens) == (0, 0, 0, 0)
+        assert (after.kv_capacity, after.batch_slots) == (tiny_model.max_context, 1)
+        assert after.generated_tokens >= snap.generated_tokens >= 1
     finally:
         await engine.stop()
     timed_out, aborted = seen.finished

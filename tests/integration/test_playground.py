@@ -1,0 +1,250 @@
+"""The playground on a real server: the page and its files (open, same-origin only), the stats stream
+(needs the key; the engine's live state), and the page itself in a real headless Chromium (Debian's
+`chromium` driven by playwright): it loads, a message streams into it token by token while the batch
+panel shows the running request, Stop ends it and the panel shows 0 again.
+
+The server runs the tiny model with a 2**20-token context (`endless_model_dir`), so a chat asking for
+a million tokens streams for many minutes: the page is looked at while it streams, never after.
+The README's screenshot is taken on the bundled model: tests/e2e/test_playground_bundled.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from helpers.browser import headless_chromium, open_page
+from helpers.server import REPO_ROOT, free_port, run_server
+from helpers.tiny_model import ENDLESS_CONTEXT
+from helpers.waiting import wait_until
+
+KEY = "playground-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+LONG = 1_000_000  # max_tokens of a chat that streams until it is stopped
+
+
+@pytest.fixture(scope="module")
+def url(endless_model_dir: Path) -> Iterator[str]:
+    args = ["--model-id", str(endless_model_dir), "--api-key", KEY]
+    for option in ("max_rolling_batch_size=2", f"max_new_tokens_limit={ENDLESS_CONTEXT}"):
+        args += ["-o", option]
+    with run_server(args) as base:
+        yield base
+
+
+@pytest.fixture
+def client(url: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=url, timeout=30, trust_env=False) as c:
+        yield c
+
+
+def stats_events(client: httpx.Client, count: int) -> list[dict]:
+    """The first `count` events of one stats stream (the stream is then closed)."""
+    out: list[dict] = []
+    with client.stream("GET", "/playground/stats", headers=AUTH) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                out.append(json.loads(line[len("data: ") :]))
+                if len(out) == count:
+                    break
+    return out
+
+
+# --- the routes ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "path,content_type",
+    [
+        ("/playground", "text/html; charset=utf-8"),
+        ("/playground/playground.js", "text/javascript; charset=utf-8"),
+        ("/playground/playground.css", "text/css; charset=utf-8"),
+    ],
+)
+def test_the_page_and_its_files_are_open_and_same_origin_only(client, path, content_type):
+    r = client.get(path)  # no key: they do no work
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == content_type
+    assert "default-src 'self'" in r.headers["content-security-policy"]
+    assert r.headers["x-content-type-options"] == "nosniff"
+    text = r.text.replace("http://www.w3.org/2000/svg", "")  # the SVG namespace, never fetched
+    assert "http://" not in text and "https://" not in text  # nothing fetched from elsewhere
+
+
+def test_serve_prints_the_playground_url_and_the_page_is_there(tiny_model_dir, tmp_path):
+    port = free_port()
+    log = tmp_path / "serve.log"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)}
+    command = [sys.executable, "-m", "lmiserve", "serve", "--model-id", str(tiny_model_dir)]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [*command, "--host", "127.0.0.1", "--port", str(port)], cwd=REPO_ROOT, env=env, stdout=out, stderr=out
+        )
+        try:
+            wait_until(lambda: "playground: http" in log.read_text(errors="replace"), "the URL is printed")
+            printed = re.search(r"playground: (\S+)", log.read_text(errors="replace")).group(1)
+            assert printed == f"http://127.0.0.1:{port}/playground"
+
+            def page_answers() -> bool:
+                try:
+                    return httpx.get(printed, timeout=5, trust_env=False).status_code == 200
+                except httpx.TransportError:
+                    return False  # not listening yet
+
+            wait_until(page_answers, "the page answers at the printed URL", timeout=120)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=30)
+
+
+def test_tgi_keeps_its_root_routes(client):
+    assert client.get("/").status_code == 200  # the health probe
+    r = client.post("/", json={"inputs": "hi", "parameters": {"max_new_tokens": 2}}, headers=AUTH)
+    assert r.status_code == 200 and "generated_text" in r.json()[0], r.text
+
+
+def test_the_stats_stream_needs_the_key(client):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = client.get("/playground/stats", headers=headers)
+        assert r.status_code == 401
+        assert r.json() == {"error": {"message": "missing or wrong API key", "type": "Unauthorized"}}
+
+
+def test_the_stats_stream_shows_the_engine(client, endless_model_dir):
+    first, second = stats_events(client, 2)
+    (model,) = first["models"]
+    assert model["name"] == endless_model_dir.name and model["status"] == "ready"
+    assert (model["running"], model["waiting"], model["batch_slots"], model["kv_tokens"]) == (0, 0, 2, 0)
+    assert model["kv_capacity"] == 2 * ENDLESS_CONTEXT and model["kv_usage"] == 0
+    assert second["models"][0]["generated_tokens"] >= model["generated_tokens"]
+
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": LONG, "stream": True}
+    with client.stream("POST", "/v1/chat/completions", json=body, headers=AUTH) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))  # it runs
+        for _ in range(20):  # tokens keep coming while the stats are read
+            next(lines)
+
+        def live() -> dict:
+            return stats_events(client, 2)[1]["models"][0]
+
+        wait_until(lambda: live()["running"] == 1, "the stream is running")
+        busy = live()
+        assert busy["kv_tokens"] > 0 and busy["kv_usage"] > 0 and busy["waiting"] == 0
+        assert busy["generated_tokens"] > model["generated_tokens"]
+        wait_until(lambda: live()["tokens_per_second"] > 0, "tokens/s shows the stream")
+    wait_until(lambda: stats_events(client, 1)[0]["models"][0]["running"] == 0, "the stream's slot is free")
+
+
+# --- the page in a real browser -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    with headless_chromium() as browser:
+        yield browser
+
+
+@pytest.fixture
+def page(browser, url: str) -> Iterator[object]:
+    with open_page(browser, f"{url}/playground") as page:
+        yield page
+
+
+def stat(page, name: str) -> str:
+    return page.locator(f'#models [data-stat="{name}"]').first.inner_text()
+
+
+def reply(page) -> str:
+    return page.locator(".msg.assistant").last.inner_text()
+
+
+def set_key(page, key: str) -> None:
+    page.fill("#api_key", key)
+    page.press("#api_key", "Tab")  # `change`: kept in sessionStorage, the stats stream reconnects
+
+
+def test_the_page_streams_a_chat_and_shows_the_batch_running_it(page, url):
+    assert page.title() == "lmiserve playground"
+    page.locator("#connection", has_text="set the server's API key").wait_for()  # the stats need the key
+
+    page.fill("#prompt", "Hello")
+    page.press("#prompt", "Enter")
+    page.locator(".msg.error", has_text="401").wait_for()  # the chat too: the server's answer is shown
+    page.wait_for_function("!document.querySelector('#send').disabled")
+
+    page.click("#clear")
+    assert page.locator(".msg").count() == 0
+    set_key(page, KEY)
+    page.locator('#connection[data-state="live"]').wait_for()
+    assert page.evaluate("sessionStorage.getItem('lmiserve.apiKey')") == KEY
+    wait_until(lambda: stat(page, "running") == "0", "the panel shows the idle engine")
+    assert stat(page, "status") == "ready" and stat(page, "batch") == "0 / 2 slots"
+
+    page.fill("#system", "You are a test.")
+    page.fill("#max_tokens", str(LONG))
+    page.fill("#seed", "7")
+    page.fill("#prompt", "Tell me a very long story.")
+    page.click("#send")
+    page.locator(".msg.assistant.streaming").wait_for()
+    assert page.locator("#stop").is_enabled() and page.locator("#send").is_disabled()
+
+    wait_until(lambda: len(reply(page)) > 0, "text streams into the page")
+    seen = len(reply(page))
+    wait_until(lambda: len(reply(page)) > seen, "more text arrives: it streams, token by token")
+    wait_until(lambda: stat(page, "running") == "1", "the panel shows the running request")
+    wait_until(lambda: float(stat(page, "tokens_per_second")) > 0, "the panel shows tokens/s")
+    assert stat(page, "batch") == "1 / 2 slots" and stat(page, "waiting") == "0"
+    kv_tokens = int(stat(page, "kv").split("·")[1].split("/")[0])
+    assert kv_tokens > 0  # the running sequence holds KV cache positions
+    assert page.locator(".msg.assistant.streaming").count() == 1  # still streaming while it was looked at
+
+    page.click("#stop")
+    page.locator(".msg.assistant .note", has_text="(stopped)").wait_for()
+    assert page.locator(".msg.assistant.streaming").count() == 0 and page.locator("#send").is_enabled()
+    wait_until(lambda: stat(page, "running") == "0", "the panel shows the slot freed")
+    assert page.locator("#usage").inner_text().endswith(")") or "tokens" in page.locator("#usage").inner_text()
+
+
+def test_json_output_sends_response_format_and_shows_what_the_server_answers(page, client):
+    """With structured output the reply is the model's; without it the server's error is shown."""
+    body = {
+        "messages": [{"role": "user", "content": "Give me JSON."}],
+        "max_tokens": 8,
+        "seed": 1,
+        "response_format": {"type": "json_object"},
+    }
+    direct = client.post("/v1/chat/completions", json=body, headers=AUTH)
+    assert direct.status_code < 500, direct.text
+
+    set_key(page, KEY)
+    page.check("#json")
+    page.fill("#max_tokens", "8")
+    page.fill("#seed", "1")
+    requests: list[dict] = []
+    page.on("request", lambda r: r.url.endswith("/v1/chat/completions") and requests.append(r.post_data_json))
+    page.fill("#prompt", "Give me JSON.")
+    page.press("#prompt", "Enter")
+    page.wait_for_function("!document.querySelector('#send').disabled && !document.querySelector('.streaming')")
+    (sent,) = requests
+    assert sent["response_format"] == {"type": "json_object"} and sent["stream"] is True
+    if direct.status_code == 200:
+        assert page.locator(".msg.error").count() == 0
+    else:
+        error_body = direct.json()["error"]  # TGI's shape ("error": text) or OpenAI's ("error": {"message"})
+        message = error_body if isinstance(error_body, str) else error_body["message"]
+        error = page.locator(".msg.error").inner_text()
+        assert error.startswith(str(direct.status_code)) and message in error
