@@ -184,7 +184,7 @@ def test_the_page_streams_a_chat_and_shows_the_batch_running_it(page, url):
     page.fill("#prompt", "Hello")
     page.press("#prompt", "Enter")
     page.locator(".msg.error", has_text="401").wait_for()  # the chat too: the server's answer is shown
-    page.wait_for_function("!document.querySelector('#send').disabled")
+    page.locator("#send:enabled").wait_for()  # locators, not wait_for_function: the page's CSP forbids eval
 
     page.click("#clear")
     assert page.locator(".msg").count() == 0
@@ -238,7 +238,8 @@ def test_json_output_sends_response_format_and_shows_what_the_server_answers(pag
     page.on("request", lambda r: r.url.endswith("/v1/chat/completions") and requests.append(r.post_data_json))
     page.fill("#prompt", "Give me JSON.")
     page.press("#prompt", "Enter")
-    page.wait_for_function("!document.querySelector('#send').disabled && !document.querySelector('.streaming')")
+    page.locator("#send:enabled").wait_for(timeout=120_000)
+    page.locator(".streaming").wait_for(state="detached", timeout=120_000)
     (sent,) = requests
     assert sent["response_format"] == {"type": "json_object"} and sent["stream"] is True
     if direct.status_code == 200:
