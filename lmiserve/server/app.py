@@ -17,11 +17,12 @@ from lmiserve.config import Settings
 from lmiserve.models.registry import ModelRegistry
 from lmiserve.models.service import ModelService
 from lmiserve.protocols.lmi import routes as lmi
-from lmiserve.protocols.lmi.errors import frontend_error_body
+from lmiserve.protocols.lmi.errors import MANAGEMENT, frontend_error_body
 from lmiserve.protocols.openai import routes as openai
 from lmiserve.protocols.tensor import routes as tensor
 from lmiserve.protocols.tgi import routes as tgi
-from lmiserve.server import invocations
+from lmiserve.server import invocations, openapi
+from lmiserve.server.errors import protocol_routes
 from lmiserve.server.responses import raw_response
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ def routes(settings: Settings) -> list[BaseRoute]:
         *tgi.routes(),
         *openai.routes(),
         *tensor.routes(),
+        *protocol_routes(MANAGEMENT, [], public=openapi.routes()),
     ]
 
 

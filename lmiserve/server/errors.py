@@ -19,6 +19,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Mount, Route
 
 from lmiserve.core.errors import LmiServeError
+from lmiserve.server.apidoc import ATTRIBUTE, Reply
 from lmiserve.server.guard import Access, admit
 from lmiserve.server.responses import raw_response
 
@@ -58,6 +59,10 @@ class ErrorRenderer(ABC):
         """The error as the last chunk of a stream that already started (default: the body)."""
         return self.body(exc)
 
+    def documented(self) -> dict[int, Reply]:
+        """The error answers of this protocol by status, for the API document (`server.openapi`)."""
+        return {}
+
 
 def rendered_by(renderer: ErrorRenderer, endpoint: Endpoint, access: Access | None = None) -> Endpoint:
     """`endpoint` with every `LmiServeError` it raises answered by `renderer`; with `access`, the
@@ -93,9 +98,12 @@ def _guarded(renderer: ErrorRenderer, routes: Sequence[BaseRoute], access: Acces
     for route in routes:
         if isinstance(route, Route):
             endpoint = rendered_by(renderer, route.endpoint, access)
-            out.append(Route(route.path, endpoint, methods=route.methods, name=route.name))
+            guarded: BaseRoute = Route(route.path, endpoint, methods=route.methods, name=route.name)
         elif isinstance(route, Mount):
-            out.append(Mount(route.path, routes=_guarded(renderer, route.routes, access), name=route.name))
+            guarded = Mount(route.path, routes=_guarded(renderer, route.routes, access), name=route.name)
         else:
             raise TypeError(f"cannot guard {route!r}: register Route or Mount objects")
+        if hasattr(route, ATTRIBUTE):  # its operations in the API document (server/apidoc.py)
+            setattr(guarded, ATTRIBUTE, getattr(route, ATTRIBUTE))
+        out.append(guarded)
     return out

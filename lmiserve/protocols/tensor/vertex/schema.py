@@ -1,0 +1,17 @@
+"""Vertex AI's prediction bodies as pydantic models, for the API document (`lmiserve.server.openapi`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+
+class VertexPredictRequest(BaseModel):
+    instances: list[Any] = Field(min_length=1, description="One element per record")
+    parameters: dict[str, Any] | None = None
+
+
+class VertexPredictResponse(BaseModel):
+    predictions: list[Any]
+    deployedModelId: str  # Vertex's wire name
