@@ -68,20 +68,26 @@ class Operation:
 
 @dataclass(frozen=True)
 class Events:
-    """A streamed body (SSE or JSON Lines): text whose every event or line holds one of `items`
-    (documented as the text's ``x-events``)."""
+    """A streamed body whose every event or line holds one of `items` (JSON). As server-sent events
+    (`sse`), the schema is OpenAPI 3.1's for an event stream: each event's ``data`` is a JSON text of
+    `items` (``contentMediaType``/``contentSchema``), or ``[DONE]`` where the stream ends with it;
+    otherwise (JSON Lines) the body is text and the lines' schema its ``x-events``."""
 
     items: tuple[Any, ...]
     description: str
+    sse: bool = False
+    done: bool = False  # the last event is `data: [DONE]` (OpenAI)
 
-    def __init__(self, description: str, *items: Any):
+    def __init__(self, description: str, *items: Any, sse: bool = False, done: bool = False):
         object.__setattr__(self, "description", description)
         object.__setattr__(self, "items", items)
+        object.__setattr__(self, "sse", sse)
+        object.__setattr__(self, "done", done)
 
 
-def sse(description: str, *items: Any) -> dict[str, Events]:
+def sse(description: str, *items: Any, done: bool = False) -> dict[str, Events]:
     """A text/event-stream body of `items` events."""
-    return {SSE: Events(description, *items)}
+    return {SSE: Events(description, *items, sse=True, done=done)}
 
 
 class Hidden:

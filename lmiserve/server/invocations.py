@@ -310,12 +310,15 @@ _ANSWER = {
         "JSON Lines: LMI's stream (one record per token), or SageMaker's answer (one object per record)",
         lmi_schema.LmiStreamRecord,
     ),
-    apidoc.SSE: apidoc.Events(
+    **apidoc.sse(
         "Server-sent events: LMI's `sse` formatter, or the OpenAI or TGI stream",
         lmi_schema.LmiStreamRecord,
         openai_responses.ChatCompletionChunk,
         openai_responses.Completion,
+        openai_responses.OpenAIStreamError,
         tgi_responses.StreamResponse,
+        tgi_responses.TgiStreamError,
+        done=True,
     ),
     sagemaker_parse.CSV: apidoc.STRING,
 }

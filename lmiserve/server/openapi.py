@@ -100,10 +100,16 @@ class _Schemas:
             return dict(schema)
         if isinstance(schema, Events):
             items = [self.add(item, mode) for item in schema.items]
+            one_of = items[0] if len(items) == 1 else {"anyOf": items}
+            if not schema.sse:
+                return {"type": "string", "description": schema.description, "x-events": one_of}
+            data: dict[str, Any] = {"type": "string", "contentMediaType": JSON, "contentSchema": one_of}
+            if schema.done:
+                data = {"anyOf": [{"const": "[DONE]"}, data]}
             return {
-                "type": "string",
-                "description": schema.description,
-                "x-events": items[0] if len(items) == 1 else {"anyOf": items},
+                "type": "object",
+                "description": schema.description + " (the schema of one event)",
+                "properties": {"data": data, "event": dict(STRING), "id": dict(STRING)},
             }
         key = (id(schema), mode)
         if key not in self.adapters:

@@ -17,7 +17,10 @@ from lmiserve.core.parameters import GenerationParameters
 class LmiRequest(BaseModel):
     """A text-generation request (a one-shot model takes `inputs` of its kind instead)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(
+        extra="allow",
+        json_schema_extra={"examples": [{"inputs": "What is Deep Learning?", "parameters": {"max_new_tokens": 8}}]},
+    )
 
     inputs: str | list[str] = Field(description="The prompt (a list of prompts under rolling_batch=disable)")
     parameters: GenerationParameters | None = None

@@ -94,7 +94,7 @@ CHAT = apidoc.Operation(
         "The completion",
         {
             apidoc.JSON: responses.ChatCompletion,
-            **apidoc.sse(DONE_NOTE, responses.ChatCompletionChunk, responses.OpenAIStreamError),
+            **apidoc.sse(DONE_NOTE, responses.ChatCompletionChunk, responses.OpenAIStreamError, done=True),
         },
     ),
     body=apidoc.json(ChatRequest),
@@ -104,7 +104,10 @@ COMPLETION = apidoc.Operation(
     "OpenAI",
     apidoc.ok(
         "The completion",
-        {apidoc.JSON: responses.Completion, **apidoc.sse(DONE_NOTE, responses.Completion, responses.OpenAIStreamError)},
+        {
+            apidoc.JSON: responses.Completion,
+            **apidoc.sse(DONE_NOTE, responses.Completion, responses.OpenAIStreamError, done=True),
+        },
     ),
     body=apidoc.json(CompletionRequest),
 )

@@ -25,7 +25,12 @@ class RequestOutput(BaseModel):
 
 
 class V2InferRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(
+        extra="allow",
+        json_schema_extra={
+            "examples": [{"inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["Hello"]}]}]
+        },
+    )
 
     id: str | None = None
     parameters: dict[str, Any] | None = None
@@ -83,7 +88,9 @@ class IndexEntry(BaseModel):
 class V2GenerateRequest(BaseModel):
     """Triton's generate extension; other top-level keys join `parameters` (LMI's parameter names)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(
+        extra="allow", json_schema_extra={"examples": [{"text_input": "Hello", "parameters": {"max_new_tokens": 8}}]}
+    )
 
     id: str | None = None
     text_input: str

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class TfPredictRequest(BaseModel):
     """Row format (`instances`) or columnar format (`inputs`): exactly one of them."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{"instances": ["Hello"]}]})
 
     signature_name: str | None = None
     instances: list[Any] | None = Field(None, description="One element per example (row format)")

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class VertexPredictRequest(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"instances": ["Hello"]}]})
+
     instances: list[Any] = Field(min_length=1, description="One element per record")
     parameters: dict[str, Any] | None = None
 
