@@ -46,6 +46,17 @@ REF = "#/components/schemas/{model}"
 VERSION = "3.1.0"
 SECURITY_SCHEME = "apiKey"
 _PARAM = re.compile(r"\{(\w+)(?::\w+)?\}")
+TAGS = {  # the order of the groups in the document (and on /docs)
+    "LMI": "DJL Serving LMI: /invocations (every body), /predictions, /models/{m}/invoke, /ping",
+    "TGI": "Hugging Face text-generation-inference's API",
+    "OpenAI": "OpenAI-compatible chat and text completions",
+    "KServe V2": "KServe V2 / Open Inference Protocol, with Triton's binary and generate extensions",
+    "TF Serving": "TensorFlow Serving's REST API",
+    "SageMaker": "Amazon SageMaker's container contract (its records go to /invocations)",
+    "Vertex AI": "Vertex AI's custom container contract",
+    "LMI management": "Register, describe and unregister models (enable_management_api)",
+    "Documentation": "This document and its viewer",
+}
 _METHODS = ("GET", "PUT", "POST", "DELETE", "OPTIONS", "HEAD", "PATCH", "TRACE")
 
 
@@ -183,11 +194,13 @@ def _parameter(param: Param) -> dict[str, Any]:
     }
 
 
+# A path parameter is one segment; no newline either (a `{x:path}` pattern does not match one, so such a
+# path would be nobody's: the application's 404).
+_SEGMENT = {"type": "string", "pattern": "^[^/\n]+$"}
+
+
 def _path_parameters(path: str) -> list[dict[str, Any]]:
-    return [
-        {"name": name, "in": "path", "required": True, "schema": {"type": "string", "pattern": "^[^/]+$"}}
-        for name in _PARAM.findall(path)
-    ]
+    return [{"name": name, "in": "path", "required": True, "schema": dict(_SEGMENT)} for name in _PARAM.findall(path)]
 
 
 def build(routes: list[BaseRoute]) -> dict[str, Any]:
@@ -230,6 +243,7 @@ def build(routes: list[BaseRoute]) -> dict[str, Any]:
                 "operation but the health probes and this document needs `Authorization: Bearer <key>`."
             ),
         },
+        "tags": [{"name": name, "description": text} for name, text in TAGS.items()],
         "paths": {path: _ordered(item) for path, item in paths.items()},
         "components": {
             "securitySchemes": {SECURITY_SCHEME: {"type": "http", "scheme": "bearer", "description": "api_key"}}

@@ -58,7 +58,7 @@ schema.config.phases.update(phases=["examples", "fuzzing"])
 
 @schema.parametrize()
 @settings(
-    max_examples=8,
+    max_examples=6,
     derandomize=True,
     database=None,
     deadline=None,
