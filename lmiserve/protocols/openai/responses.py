@@ -4,6 +4,8 @@ they agree."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel
 
 
@@ -30,14 +32,15 @@ class ChatLogprobs(BaseModel):
 
 class ChatMessage(BaseModel):
     role: str
-    content: str
+    content: str | None  # null when the message is tool calls
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessage
     logprobs: ChatLogprobs | None
-    finish_reason: str  # stop, length or stop_sequence
+    finish_reason: str  # stop, length, stop_sequence (or tool_calls)
 
 
 class ChatCompletion(BaseModel):
