@@ -19,12 +19,13 @@ from lmiserve.config import Settings
 from lmiserve.models.registry import ModelRegistry
 from lmiserve.models.service import ModelService
 from lmiserve.protocols.lmi import routes as lmi
-from lmiserve.protocols.lmi.errors import frontend_error_body
+from lmiserve.protocols.lmi.errors import MANAGEMENT, frontend_error_body
 from lmiserve.protocols.openai import routes as openai
 from lmiserve.protocols.tensor import routes as tensor
 from lmiserve.protocols.tgi import routes as tgi
-from lmiserve.server import invocations, playground
+from lmiserve.server import invocations, openapi, playground
 from lmiserve.server.access import RequestLog
+from lmiserve.server.errors import protocol_routes
 from lmiserve.server.metrics import Metrics
 from lmiserve.server.metrics import port as metrics_port
 from lmiserve.server.responses import raw_response
@@ -45,6 +46,7 @@ def routes(settings: Settings, metrics: Metrics) -> list[BaseRoute]:
         *tgi.routes(),
         *openai.routes(),
         *tensor.routes(),
+        *protocol_routes(MANAGEMENT, [], public=openapi.routes()),
     ]
 
 

@@ -23,6 +23,7 @@ from starlette.routing import BaseRoute, Mount, Route
 
 from lmiserve.core import request_context
 from lmiserve.core.errors import LmiServeError
+from lmiserve.server.apidoc import ATTRIBUTE, Reply
 from lmiserve.server.guard import Access, admit
 from lmiserve.server.responses import raw_response
 
@@ -62,6 +63,10 @@ class ErrorRenderer(ABC):
     def in_band(self, exc: LmiServeError) -> bytes:
         """The error as the last chunk of a stream that already started (default: the body)."""
         return self.body(exc)
+
+    def documented(self) -> dict[int, Reply]:
+        """The error answers of this protocol by status, for the API document (`server.openapi`)."""
+        return {}
 
 
 def rendered_by(
@@ -104,10 +109,13 @@ def _guarded(renderer: ErrorRenderer, routes: Sequence[BaseRoute], access: Acces
     for route in routes:
         if isinstance(route, Route):
             endpoint = rendered_by(renderer, route.endpoint, access, prefix + route.path)
-            out.append(Route(route.path, endpoint, methods=route.methods, name=route.name))
+            guarded: BaseRoute = Route(route.path, endpoint, methods=route.methods, name=route.name)
         elif isinstance(route, Mount):
             inner = _guarded(renderer, route.routes, access, prefix + route.path)
-            out.append(Mount(route.path, routes=inner, name=route.name))
+            guarded = Mount(route.path, routes=inner, name=route.name)
         else:
             raise TypeError(f"cannot guard {route!r}: register Route or Mount objects")
+        if hasattr(route, ATTRIBUTE):  # its operations in the API document (server/apidoc.py)
+            setattr(guarded, ATTRIBUTE, getattr(route, ATTRIBUTE))
+        out.append(guarded)
     return out

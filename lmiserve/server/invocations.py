@@ -45,13 +45,21 @@ from lmiserve.models.service import ModelService, model_service
 from lmiserve.protocols.lmi import lines as lmi_lines
 from lmiserve.protocols.lmi import parse as lmi_parse
 from lmiserve.protocols.lmi import routes as lmi
+from lmiserve.protocols.lmi import schema as lmi_schema
 from lmiserve.protocols.lmi.errors import RENDERER as LMI_ERRORS
+from lmiserve.protocols.openai import responses as openai_responses
 from lmiserve.protocols.openai import routes as openai
+from lmiserve.protocols.openai import schema as openai_schema
+from lmiserve.protocols.openai.errors import RENDERER as OPENAI_ERRORS
 from lmiserve.protocols.tensor.sagemaker import parse as sagemaker_parse
 from lmiserve.protocols.tensor.sagemaker import routes as sagemaker
+from lmiserve.protocols.tensor.sagemaker import schema as sagemaker_schema
 from lmiserve.protocols.tensor.sagemaker.errors import RENDERER as SAGEMAKER_ERRORS
 from lmiserve.protocols.tensor.tfserving import parse as tfserving_parse
+from lmiserve.protocols.tgi import responses as tgi_responses
 from lmiserve.protocols.tgi import routes as tgi
+from lmiserve.protocols.tgi.errors import RENDERER as TGI_ERRORS
+from lmiserve.server import apidoc
 from lmiserve.server.errors import ErrorRenderer, protocol_routes, rendered_by
 from lmiserve.server.responses import raw_response
 
@@ -293,10 +301,67 @@ PATHS = [
 ]
 
 
+# --- the API document: every body the dispatcher takes, every answer its handlers give ----------------
+
+_REQUEST = {
+    apidoc.JSON: lmi_schema.LmiRequest | openai_schema.ChatRequest | openai_schema.CompletionRequest,
+    sagemaker_parse.JSONLINES: apidoc.STRING,
+    sagemaker_parse.CSV: apidoc.STRING,
+    apidoc.TEXT: apidoc.STRING,
+}
+_ANSWER = {
+    apidoc.JSON: lmi_schema.LmiAnswer
+    | list[lmi_schema.LmiAnswer]
+    | openai_responses.ChatCompletion
+    | openai_responses.Completion
+    | list[tgi_responses.GenerateResponse]
+    | sagemaker_schema.Predictions
+    | list[Any],
+    sagemaker_parse.JSONLINES: apidoc.Events(
+        "JSON Lines: LMI's stream (one record per token), or SageMaker's answer (one object per record)",
+        lmi_schema.LmiStreamRecord,
+    ),
+    **apidoc.sse(
+        "Server-sent events: LMI's `sse` formatter, or the OpenAI or TGI stream",
+        lmi_schema.LmiStreamRecord,
+        openai_responses.ChatCompletionChunk,
+        openai_responses.Completion,
+        openai_responses.OpenAIStreamError,
+        tgi_responses.StreamResponse,
+        tgi_responses.TgiStreamError,
+        done=True,
+    ),
+    sagemaker_parse.CSV: apidoc.STRING,
+}
+_DESCRIPTION = (
+    "One route for every body: an OpenAI chat (`messages`) or completion (`prompt`) body is answered as "
+    "/v1/chat/completions or /v1/completions; with tgi_compat, an `inputs` body on /invocations as TGI's "
+    "POST /; SageMaker's JSON Lines and CSV records (Content-Type) on /invocations; anything else is "
+    "LMI's request (`inputs`, `parameters`, `stream`) for the model the path, the `model_name` query "
+    "parameter or header names. Each answers in its protocol's shapes."
+)
+
+
+def _infer_doc(method: str) -> apidoc.Operation:
+    return apidoc.Operation(
+        "Run the model (LMI, OpenAI, TGI or SageMaker body)",
+        "LMI",
+        apidoc.ok("The answer", _ANSWER),
+        body=_REQUEST,
+        description=_DESCRIPTION,
+        method=method,
+        params=[apidoc.Param("model_name", "The model to run (default: the served model)")],
+        errors=[OPENAI_ERRORS, TGI_ERRORS, SAGEMAKER_ERRORS],
+    )
+
+
+_OPTIONS = apidoc.Operation("CORS preflight", "LMI", apidoc.ok("`{}`", apidoc.json({"type": "object"})))
+
+
 def routes() -> list[BaseRoute]:
     """The inference routes (right after /ping, before the management API's /models routes)."""
     return protocol_routes(
         LMI_ERRORS,
-        [Route(path, invocations, methods=INFER) for path in PATHS],
-        public=[Route(path, options, methods=["OPTIONS"]) for path in PATHS],
+        [apidoc.document(Route(path, invocations, methods=INFER), *map(_infer_doc, INFER)) for path in PATHS],
+        public=[apidoc.document(Route(path, options, methods=["OPTIONS"]), _OPTIONS) for path in PATHS],
     )

@@ -3,9 +3,9 @@ enforces it and `max_request_size` on every route, in that route's protocol shap
 
 The audit walks the route table `create_app` builds (Mounts included): a route whose endpoint was not
 registered through `protocol_routes` fails the test, and the open routes must be exactly `OPEN` below
-(health and readiness probes, OPTIONS on the inference routes, which answers ``{}``, and the playground's
-static page and files). A route added
-later is guarded by default and covered here without editing this file.
+(health and readiness probes, OPTIONS on the inference routes, which answers ``{}``, the playground's
+static page and files, and the static API document with its viewer). A route added later is guarded by
+default and covered here without editing this file.
 """
 
 from __future__ import annotations
@@ -52,6 +52,13 @@ OPEN = {
     ("GET", "/playground"),
     ("GET", "/playground/playground.js"),
     ("GET", "/playground/playground.css"),
+    # the API document and its viewer: static, no work done
+    ("GET", "/openapi.json"),
+    ("GET", "/docs"),
+    ("GET", "/docs/swagger-ui-bundle.js"),
+    ("GET", "/docs/swagger-ui.css"),
+    ("GET", "/docs/docs.js"),
+    ("GET", "/docs/favicon-32x32.png"),
 }
 
 

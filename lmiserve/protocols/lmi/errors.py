@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -44,6 +45,7 @@ from lmiserve.core.errors import (
     QueueTimeout,
     Unauthorized,
 )
+from lmiserve.server.apidoc import JSON, Reply
 from lmiserve.server.errors import ErrorRenderer, lookup
 
 __all__ = [
@@ -79,6 +81,22 @@ def dynamic_batch_error_body(message: str, code: int = COMPACT_STATUS) -> bytes:
 
 
 INTERNAL = "InternalServerException"
+
+
+class CompactError(BaseModel):
+    """``{"error": msg, "code": 424}``: an invalid request or a failed generation."""
+
+    error: str
+    code: int
+
+
+class FrontendError(BaseModel):
+    """The front end's error: ``code``, ``type`` (DJL's exception name) and ``message``."""
+
+    code: int
+    type: str
+    message: str
+
 
 # Inference routes. An IncompleteGeneration (an event stream that ended before its sequences finished)
 # is a server failure: 500, as any unexpected error.
@@ -137,6 +155,12 @@ class LmiErrors(ErrorRenderer):
     def in_band(self, exc: LmiServeError) -> bytes:
         return lmi_error_body(exc.message)
 
+    def documented(self) -> dict[int, Reply]:
+        replies = {status: Reply("Error", {JSON: FrontendError}) for status in sorted({*STATUS.values(), 500})}
+        replies[COMPACT_STATUS] = Reply("Invalid request or failed generation", {JSON: CompactError})
+        replies[401] = Reply("Missing or wrong API key (no body)")
+        return replies
+
 
 # The management API: status and type.
 MANAGEMENT_STATUS: dict[type[LmiServeError], tuple[int, str]] = {
@@ -162,6 +186,9 @@ class ManagementErrors(ErrorRenderer):
     def body(self, exc: LmiServeError) -> bytes:
         status, kind = lookup(exc, MANAGEMENT_STATUS, (500, INTERNAL))
         return frontend_error_body(status, kind, exc.message)
+
+    def documented(self) -> dict[int, Reply]:
+        return {status: Reply("Error", {JSON: FrontendError}) for status, _ in sorted(MANAGEMENT_STATUS.values())}
 
 
 RENDERER = LmiErrors()

@@ -31,7 +31,7 @@ from lmiserve.models.service import ModelService
 from lmiserve.server.responses import raw_response
 
 # Registration options (query parameters or JSON body keys) that become model settings.
-_SETTING_PARAMS = ("batch_size", "max_batch_delay", "job_queue_size", "device", "dtype", "model_kind")
+SETTING_PARAMS = ("batch_size", "max_batch_delay", "job_queue_size", "device", "dtype", "model_kind")
 
 
 def _pretty(obj) -> bytes:
@@ -121,7 +121,7 @@ async def register_model(request: Request) -> Response:
     registry = _registry(request)
     if name in registry:
         raise Conflict(f"Model {name} is already registered.")
-    overrides = {k: params[k] for k in _SETTING_PARAMS if params.get(k) not in (None, "")}
+    overrides = {k: params[k] for k in SETTING_PARAMS if params.get(k) not in (None, "")}
     if directory.is_file():  # a .pt or .gguf file: the model is the file, its folder holds the properties
         directory, overrides["model_id"] = directory.parent, str(directory)
     try:

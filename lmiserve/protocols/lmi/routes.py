@@ -17,7 +17,7 @@ from starlette.routing import BaseRoute, Route
 from lmiserve.config import Settings
 from lmiserve.core.aio import merge_tagged
 from lmiserve.models.service import ModelService
-from lmiserve.protocols.lmi import management
+from lmiserve.protocols.lmi import management, schema
 from lmiserve.protocols.lmi import parse as lmi
 from lmiserve.protocols.lmi import tensor as lmi_tensor
 from lmiserve.protocols.lmi.errors import MANAGEMENT, RENDERER
@@ -26,6 +26,8 @@ from lmiserve.protocols.lmi.formatters import (
     DynamicBatchStreamFormatter,
     get_formatter,
 )
+from lmiserve.server import apidoc
+from lmiserve.server.apidoc import Reply
 from lmiserve.server.errors import protocol_routes
 from lmiserve.server.pipeline import respond, tagged
 from lmiserve.server.responses import raw_response
@@ -60,23 +62,64 @@ async def one_shot(request: Request, service: ModelService, payload: Any) -> Res
     return raw_response(json.dumps(lmi_tensor.to_json(model.kind, outputs), ensure_ascii=False).encode())
 
 
+TAG = "LMI management"
+_PING = {
+    status: Reply(text, apidoc.json(schema.Ping))
+    for status, text in ((200, "Every model is healthy"), (503, "A model is loading or failed"))
+}
+PING = [apidoc.Operation("Health of every model", "LMI", _PING, method=m) for m in ("GET", "POST")]
+_INT = {"type": "integer", "minimum": 0}
+LIST = apidoc.Operation(
+    "The registered models, a page at a time",
+    TAG,
+    apidoc.ok("A page of models", apidoc.json(schema.ModelPage)),
+    params=[
+        apidoc.Param("limit", "Models per page (1 to 100)", _INT),
+        apidoc.Param("next_page_token", "The first model of the page", _INT),
+    ],
+)
+REGISTER = apidoc.Operation(
+    "Register and load a model from a directory under model_store / allowed_model_paths",
+    TAG,
+    {
+        200: Reply("Registered", apidoc.json(schema.StatusMessage)),
+        202: Reply("Registration scheduled (synchronous=false)", apidoc.json(schema.StatusMessage)),
+    },
+    body=apidoc.json(schema.Registration),
+    body_required=False,
+    params=[
+        apidoc.Param("url", "A model directory or file (a path or a file: URL)"),
+        apidoc.Param("model_name", "The name to serve it under (default: the directory's)"),
+        apidoc.Param("synchronous", "false: answer 202 at once and load in the background"),
+        *(apidoc.Param(name, "A model setting") for name in management.SETTING_PARAMS),
+    ],
+)
+DESCRIBE = apidoc.Operation("Describe a model", TAG, apidoc.ok("The model", apidoc.json(list[schema.Workflow])))
+UNREGISTER = apidoc.Operation(
+    "Stop a model and forget it", TAG, apidoc.ok("Unregistered", apidoc.json(schema.StatusMessage))
+)
+
+
 def ping_routes() -> list[BaseRoute]:
     """Health; first in the table (the inference routes follow it, then `routes()`)."""
-    return protocol_routes(RENDERER, [], public=[Route("/ping", management.ping, methods=["GET", "POST"])])
+    return protocol_routes(
+        RENDERER, [], public=[apidoc.document(Route("/ping", management.ping, methods=["GET", "POST"]), *PING)]
+    )
 
 
 def routes(settings: Settings) -> list[BaseRoute]:
     """The management API, unless `enable_management_api` is off."""
     if not settings.enable_management_api:
         return []
+    doc = apidoc.document
     return protocol_routes(
         MANAGEMENT,
         [
-            Route("/models", management.list_models, methods=["GET"]),
-            Route("/models", management.register_model, methods=["POST"]),
-            Route("/models/{model_name}", management.describe_model, methods=["GET"]),
-            Route("/models/{model_name}", management.unregister_model, methods=["DELETE"]),
-            Route("/models/{model_name}/{version}", management.describe_model, methods=["GET"]),
-            Route("/models/{model_name}/{version}", management.unregister_model, methods=["DELETE"]),
+            doc(Route("/models", management.list_models, methods=["GET"]), LIST),
+            doc(Route("/models", management.register_model, methods=["POST"]), REGISTER),
+            doc(Route("/models/{model_name}", management.describe_model, methods=["GET"]), DESCRIBE),
+            doc(Route("/models/{model_name}", management.unregister_model, methods=["DELETE"]), UNREGISTER),
+            doc(Route("/models/{model_name}/{version}", management.describe_model, methods=["GET"]), DESCRIBE),
+            doc(Route("/models/{model_name}/{version}", management.unregister_model, methods=["DELETE"]), UNREGISTER),
         ],
     )

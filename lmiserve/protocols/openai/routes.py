@@ -11,9 +11,11 @@ from starlette.routing import BaseRoute, Route
 
 from lmiserve.protocols.openai import encoders as enc
 from lmiserve.protocols.openai import parse as adapter
+from lmiserve.protocols.openai import responses
 from lmiserve.protocols.openai.errors import RENDERER
 from lmiserve.protocols.openai.schema import ChatRequest, CompletionRequest
 from lmiserve.protocols.openai.tool_calls import ToolChatStreamEncoder, tool_answer
+from lmiserve.server import apidoc
 from lmiserve.server.errors import protocol_routes, rendered_by
 from lmiserve.server.pipeline import respond
 from lmiserve.server.sse import keepalive
@@ -90,11 +92,38 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Resp
         return await respond(request, timer.watch(events), whole, headers=headers, on_close=slot.release)
 
 
+DONE_NOTE = "Server-sent events, then `data: [DONE]`; a failure after the start is a last error event"
+CHAT = apidoc.Operation(
+    "Chat completion (`stream: true`: server-sent chunks)",
+    "OpenAI",
+    apidoc.ok(
+        "The completion",
+        {
+            apidoc.JSON: responses.ChatCompletion,
+            **apidoc.sse(DONE_NOTE, responses.ChatCompletionChunk, responses.OpenAIStreamError, done=True),
+        },
+    ),
+    body=apidoc.json(ChatRequest),
+)
+COMPLETION = apidoc.Operation(
+    "Text completion of one prompt or several (`stream: true`: server-sent events)",
+    "OpenAI",
+    apidoc.ok(
+        "The completion",
+        {
+            apidoc.JSON: responses.Completion,
+            **apidoc.sse(DONE_NOTE, responses.Completion, responses.OpenAIStreamError, done=True),
+        },
+    ),
+    body=apidoc.json(CompletionRequest),
+)
+
+
 def routes() -> Sequence[BaseRoute]:
     return protocol_routes(
         RENDERER,
         [
-            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route("/v1/completions", completions, methods=["POST"]),
+            apidoc.document(Route("/v1/chat/completions", chat_completions, methods=["POST"]), CHAT),
+            apidoc.document(Route("/v1/completions", completions, methods=["POST"]), COMPLETION),
         ],
     )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, StrictBool, StrictStr
+from pydantic import ConfigDict, Field, StrictBool, StrictStr
 
 from lmiserve.server.textgen.chat import ChatRequest, Message, SamplingFields, StreamOptions
 from lmiserve.server.textgen.parameters import UINT32
@@ -17,6 +17,10 @@ __all__ = ["ChatRequest", "CompletionRequest", "Message", "StreamOptions"]
 
 
 class CompletionRequest(SamplingFields):
+    model_config = ConfigDict(
+        extra="ignore", json_schema_extra={"examples": [{"prompt": "The capital of France is", "max_tokens": 8}]}
+    )
+
     prompt: StrictStr | list[StrictStr]
     suffix: Any = None
     echo: StrictBool = False

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 
+from pydantic import BaseModel
+
 from lmiserve.core.errors import (
     Conflict,
     GenerationFailed,
@@ -29,6 +31,7 @@ from lmiserve.core.errors import (
     Unsupported,
     UnsupportedMediaType,
 )
+from lmiserve.server.apidoc import JSON, Reply
 from lmiserve.server.errors import ErrorRenderer, lookup
 
 STATUS: dict[type[LmiServeError], int] = {
@@ -54,10 +57,19 @@ def error_json(message: str) -> bytes:
     return json.dumps({"error": message}, ensure_ascii=False).encode("utf-8")
 
 
+class TensorError(BaseModel):
+    """The tensor protocols' error object."""
+
+    error: str
+
+
 class JsonErrorRenderer(ErrorRenderer):
     """``{"error": msg}`` with the tensor protocols' statuses."""
 
     protocol = "tensor"
+
+    def documented(self) -> dict[int, Reply]:
+        return {status: Reply("Error", {JSON: TensorError}) for status in sorted({*STATUS.values(), 500})}
 
     def status(self, exc: LmiServeError) -> int:
         return lookup(exc, STATUS, 500)

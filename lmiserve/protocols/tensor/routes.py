@@ -9,8 +9,10 @@ from starlette.routing import BaseRoute, Route
 from lmiserve.protocols.tensor.kserve import routes as v2_routes
 from lmiserve.protocols.tensor.sagemaker import routes as sagemaker
 from lmiserve.protocols.tensor.sagemaker.errors import RENDERER as SAGEMAKER_ERRORS
+from lmiserve.protocols.tensor.sagemaker.schema import ExecutionParameters
 from lmiserve.protocols.tensor.tfserving import routes as tfserving_routes
 from lmiserve.protocols.tensor.vertex import routes as vertex_routes
+from lmiserve.server import apidoc
 from lmiserve.server.errors import protocol_routes
 
 
@@ -22,7 +24,17 @@ def configured_routes(settings) -> list[BaseRoute]:
 def routes() -> list[BaseRoute]:
     return [
         *protocol_routes(
-            SAGEMAKER_ERRORS, [Route("/execution-parameters", sagemaker.execution_parameters, methods=["GET"])]
+            SAGEMAKER_ERRORS,
+            [
+                apidoc.document(
+                    Route("/execution-parameters", sagemaker.execution_parameters, methods=["GET"]),
+                    apidoc.Operation(
+                        "SageMaker batch transform's execution parameters",
+                        "SageMaker",
+                        apidoc.ok("The parameters", apidoc.json(ExecutionParameters)),
+                    ),
+                )
+            ],
         ),
         *vertex_routes.routes(),
         *v2_routes.routes(),

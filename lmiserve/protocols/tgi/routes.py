@@ -13,11 +13,12 @@ from starlette.routing import BaseRoute, Route
 
 from lmiserve import __version__
 from lmiserve.models.service import ModelService, default_llm
-from lmiserve.protocols.tgi import errors
+from lmiserve.protocols.tgi import errors, responses
 from lmiserve.protocols.tgi.encoders import AnswerShape, GenerateEncoder, StreamEncoder
 from lmiserve.protocols.tgi.errors import RENDERER
 from lmiserve.protocols.tgi.parse import validate
 from lmiserve.protocols.tgi.schema import GenerateRequest
+from lmiserve.server import apidoc
 from lmiserve.server.errors import protocol_routes, rendered_by
 from lmiserve.server.pipeline import respond
 from lmiserve.server.responses import raw_response
@@ -195,17 +196,82 @@ async def models(request: Request) -> Response:
     return raw_response(dumps(body))
 
 
+# --- the route table and its API document -----------------------------------------------------------
+
+TAG = "TGI"
+TIMING = {
+    name: "Timing and token counts (TGI's headers)"
+    for name in ("x-compute-type", "x-total-time", "x-inference-time", "x-prompt-tokens", "x-generated-tokens")
+}
+STREAM = apidoc.sse(
+    "Server-sent events: one per token, the last with the text (no [DONE]); a failure after the start is "
+    "a last error event",
+    responses.StreamResponse,
+    responses.TgiStreamError,
+)
+HEALTH = apidoc.Operation("Health: 200 once the model is ready", TAG, apidoc.ok("Ready (no body)"))
+
+
+def _op(summary: str, body: object, replies: dict) -> apidoc.Operation:
+    return apidoc.Operation(summary, TAG, replies, body=apidoc.json(body))
+
+
 def routes() -> Sequence[BaseRoute]:
+    doc = apidoc.document
     return protocol_routes(
         RENDERER,
         [
-            Route("/", root, methods=["POST"]),
-            Route("/generate", generate, methods=["POST"]),
-            Route("/generate_stream", generate_stream, methods=["POST"]),
-            Route("/tokenize", tokenize, methods=["POST"]),
-            Route("/chat_tokenize", chat_tokenize, methods=["POST"]),
-            Route("/info", info, methods=["GET"]),
-            Route("/v1/models", models, methods=["GET"]),
+            doc(
+                Route("/", root, methods=["POST"]),
+                _op(
+                    "Generate (TGI's compat route): a one-element list, or the stream with `stream: true`",
+                    GenerateRequest,
+                    apidoc.ok("The answer", {apidoc.JSON: list[responses.GenerateResponse], **STREAM}, TIMING),
+                ),
+            ),
+            doc(
+                Route("/generate", generate, methods=["POST"]),
+                _op(
+                    "Generate text",
+                    GenerateRequest,
+                    apidoc.ok("The answer", apidoc.json(responses.GenerateResponse), TIMING),
+                ),
+            ),
+            doc(
+                Route("/generate_stream", generate_stream, methods=["POST"]),
+                _op("Generate text, streamed token by token", GenerateRequest, apidoc.ok("The stream", STREAM)),
+            ),
+            doc(
+                Route("/tokenize", tokenize, methods=["POST"]),
+                _op(
+                    "Tokenize `inputs`",
+                    GenerateRequest,
+                    apidoc.ok("The tokens", apidoc.json(list[responses.TokenizedToken])),
+                ),
+            ),
+            doc(
+                Route("/chat_tokenize", chat_tokenize, methods=["POST"]),
+                _op(
+                    "Apply the chat template to `messages` and tokenize the text",
+                    ChatRequest,
+                    apidoc.ok("The templated text and its tokens", apidoc.json(responses.ChatTokenizeResponse)),
+                ),
+            ),
+            doc(
+                Route("/info", info, methods=["GET"]),
+                apidoc.Operation(
+                    "The served model and the server's limits", TAG, apidoc.ok("Info", apidoc.json(responses.Info))
+                ),
+            ),
+            doc(
+                Route("/v1/models", models, methods=["GET"]),
+                apidoc.Operation(
+                    "The served text-generation models", "OpenAI", apidoc.ok("Models", apidoc.json(responses.ModelList))
+                ),
+            ),
         ],
-        public=[Route("/", health, methods=["GET"]), Route("/health", health, methods=["GET"])],
+        public=[
+            doc(Route("/", health, methods=["GET"]), HEALTH),
+            doc(Route("/health", health, methods=["GET"]), HEALTH),
+        ],
     )

@@ -14,7 +14,10 @@ TgiParameters = TextGenParameters  # the ``parameters`` object
 
 
 class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(
+        extra="ignore",
+        json_schema_extra={"examples": [{"inputs": "What is Deep Learning?", "parameters": {"max_new_tokens": 8}}]},
+    )
 
     inputs: StrictStr
     parameters: TextGenParameters | None = None  # absent: do_sample defaults to true (a TGI quirk)

@@ -79,6 +79,11 @@ class SamplingFields(BaseModel):
 
 
 class ChatRequest(SamplingFields):
+    model_config = ConfigDict(
+        extra="ignore",
+        json_schema_extra={"examples": [{"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8}]},
+    )
+
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=0, le=UINT32)
     presence_penalty: float | None = None

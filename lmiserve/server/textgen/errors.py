@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -38,6 +39,7 @@ from lmiserve.core.errors import (
     Unsupported,
     UnsupportedMediaType,
 )
+from lmiserve.server.apidoc import JSON, STRING, TEXT, Reply
 from lmiserve.server.errors import ErrorRenderer, lookup
 from lmiserve.server.responses import raw_response
 from lmiserve.server.textgen.wire import dumps
@@ -82,6 +84,13 @@ REJECTIONS: dict[type[LmiServeError], int] = {
 }
 
 
+class TgiError(BaseModel):
+    """TGI's error object."""
+
+    error: str
+    error_type: str
+
+
 class TextGenRenderer(ErrorRenderer):
     """TGI's error answers; subclasses add their protocol's in-band errors (and shapes)."""
 
@@ -116,6 +125,15 @@ class TextGenRenderer(ErrorRenderer):
         if lookup(exc, REJECTIONS, None) is not None:
             return exc.message.encode()
         return dumps({"error": self.message(exc), "error_type": self.kind(exc)})
+
+    def documented(self) -> dict[int, Reply]:
+        plain = {TEXT: STRING}
+        replies = {status: Reply("Body rejected (plain text)", plain) for status in REJECTIONS.values()}
+        replies[401] = Reply("Missing or wrong API key (no body)")
+        for shape in self.shapes.values():
+            content = {**replies[shape.status].content, JSON: TgiError} if shape.status in replies else {JSON: TgiError}
+            replies[shape.status] = Reply("Error", content)
+        return replies
 
     def response(self, exc: LmiServeError, request: Request) -> Response:
         if isinstance(exc, ModelRequired):

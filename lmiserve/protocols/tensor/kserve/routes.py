@@ -15,12 +15,13 @@ import lmiserve
 from lmiserve.core.errors import ModelNotReady, NotFound
 from lmiserve.models.service import ModelService
 from lmiserve.protocols.tensor.codecs import binary
-from lmiserve.protocols.tensor.errors import error_json
+from lmiserve.protocols.tensor.errors import TensorError, error_json
 from lmiserve.protocols.tensor.kserve import parse as kserve
+from lmiserve.protocols.tensor.kserve import schema
 from lmiserve.protocols.tensor.kserve.errors import RENDERER
 from lmiserve.protocols.tensor.kserve.generate import generate, generate_stream
 from lmiserve.protocols.tensor.kserve.models import check_ready, ready_model, resolve
-from lmiserve.server import lookup
+from lmiserve.server import apidoc, lookup
 from lmiserve.server.errors import protocol_routes
 from lmiserve.server.responses import raw_response
 
@@ -83,25 +84,76 @@ async def not_found(request: Request) -> Response:
     raise NotFound(f"Not Found: {request.method} {request.url.path}")
 
 
-def _model_routes(prefix: str) -> list[Route]:
+TAG = "KServe V2"
+BINARY = "application/octet-stream"
+_BINARY_NOTE = "Triton's binary extension: the JSON header (Inference-Header-Content-Length bytes), then raw tensors"
+
+
+def _op(summary: str, replies: dict, body: dict | None = None) -> apidoc.Operation:
+    return apidoc.Operation(summary, TAG, replies, body=body)
+
+
+METADATA = _op(
+    "Model metadata: its input and output tensors", apidoc.ok("Metadata", apidoc.json(schema.V2ModelMetadata))
+)
+INFER = _op(
+    "Inference on tensors (JSON, or Triton's binary tensor data)",
+    apidoc.ok(
+        "The output tensors",
+        {apidoc.JSON: schema.V2InferResponse, BINARY: {"type": "string", "description": _BINARY_NOTE}},
+    ),
+    {apidoc.JSON: schema.V2InferRequest, BINARY: {"type": "string", "description": _BINARY_NOTE}},
+)
+GENERATE = _op(
+    "Generate text (Triton's generate extension)",
+    apidoc.ok("The text", apidoc.json(schema.V2GenerateResponse)),
+    apidoc.json(schema.V2GenerateRequest),
+)
+GENERATE_STREAM = _op(
+    "Generate text, streamed (Triton's generate extension)",
+    apidoc.ok(
+        "Server-sent events",
+        apidoc.sse(
+            'One event per piece of text; a failure after the start is a last `{"error"}` event',
+            schema.V2GenerateResponse,
+            TensorError,
+        ),
+    ),
+    apidoc.json(schema.V2GenerateRequest),
+)
+READY = _op("Readiness: 200 once ready", apidoc.ok("Ready (no body)"))
+
+
+def _model_routes(prefix: str) -> list[BaseRoute]:
     return [
-        Route(prefix, model_metadata, methods=["GET"]),
-        Route(prefix + "/infer", infer, methods=["POST"]),
-        Route(prefix + "/generate", generate, methods=["POST"]),
-        Route(prefix + "/generate_stream", generate_stream, methods=["POST"]),
+        apidoc.document(Route(prefix, model_metadata, methods=["GET"]), METADATA),
+        apidoc.document(Route(prefix + "/infer", infer, methods=["POST"]), INFER),
+        apidoc.document(Route(prefix + "/generate", generate, methods=["POST"]), GENERATE),
+        apidoc.document(Route(prefix + "/generate_stream", generate_stream, methods=["POST"]), GENERATE_STREAM),
     ]
 
 
+SERVER = _op("Server metadata", apidoc.ok("Metadata", apidoc.json(schema.ServerMetadata)))
+
 # Health and readiness (no API key): registered with their full paths before the /v2 mount.
 _PROBES = [
-    Route("/health/live", live, methods=["GET"]),
-    Route("/health/ready", ready, methods=["GET"]),
-    Route("/models/{model}/ready", model_ready, methods=["GET"]),
-    Route("/models/{model}/versions/{version}/ready", model_ready, methods=["GET"]),
+    apidoc.document(Route("/health/live", live, methods=["GET"]), _op("Liveness", apidoc.ok("Live (no body)"))),
+    apidoc.document(Route("/health/ready", ready, methods=["GET"]), READY),
+    apidoc.document(Route("/models/{model}/ready", model_ready, methods=["GET"]), READY),
+    apidoc.document(Route("/models/{model}/versions/{version}/ready", model_ready, methods=["GET"]), READY),
 ]
 _ROUTES = [
-    Route("/", server_metadata, methods=["GET"]),
-    Route("/repository/index", repository_index, methods=["POST"]),
+    apidoc.document(Route("/", server_metadata, methods=["GET"]), SERVER),
+    apidoc.document(
+        Route("/repository/index", repository_index, methods=["POST"]),
+        apidoc.Operation(
+            "Triton's repository index: every model and its state",
+            TAG,
+            apidoc.ok("The models", apidoc.json(list[schema.IndexEntry])),
+            body=apidoc.json(schema.IndexRequest),
+            body_required=False,
+        ),
+    ),
     *_model_routes("/models/{model}"),
     *_model_routes("/models/{model}/versions/{version}"),
 ]
@@ -112,8 +164,12 @@ def routes() -> list[BaseRoute]:
     return protocol_routes(
         RENDERER,
         [
-            Route("/v2", server_metadata, methods=["GET"]),
-            Mount("/v2", routes=[*_ROUTES, Route("/{path:path}", not_found, methods=ANY)]),
+            apidoc.document(Route("/v2", server_metadata, methods=["GET"]), SERVER),
+            Mount("/v2", routes=[*_ROUTES, apidoc.hidden(Route("/{path:path}", not_found, methods=ANY))]),
         ],
-        public=[Route("/v2" + r.path, r.endpoint, methods=r.methods) for r in _PROBES],
+        public=[
+            apidoc.document(Route("/v2" + r.path, r.endpoint, methods=r.methods), *getattr(r, apidoc.ATTRIBUTE))
+            for r in _PROBES
+            if isinstance(r, Route)
+        ],
     )

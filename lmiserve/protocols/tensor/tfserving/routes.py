@@ -16,7 +16,9 @@ from lmiserve.core.errors import InvalidRequest, ModelNotFound
 from lmiserve.models.service import ModelService, model_service
 from lmiserve.protocols.tensor.codecs.tfjson import parse_document
 from lmiserve.protocols.tensor.tfserving import parse as tfserving
+from lmiserve.protocols.tensor.tfserving import schema
 from lmiserve.protocols.tensor.tfserving.errors import RENDERER
+from lmiserve.server import apidoc
 from lmiserve.server.errors import protocol_routes
 from lmiserve.server.responses import raw_response
 
@@ -91,11 +93,57 @@ async def _infer(request: Request, target: tfserving.Target) -> Response:
     return raw_response(tfserving.regress_body(outputs))
 
 
+TAG = "TF Serving"
+_MODEL = "/v1/models/{model_name}"
+_VERSION = "/v1/models/{model_name}/versions/{version}"
+
+
+def _ops() -> list[apidoc.Operation]:
+    """The concrete paths `handle` answers (the route's own pattern, `{rest:path}`, says nothing)."""
+    out = []
+    for base in (_MODEL, _VERSION):
+        out += [
+            apidoc.Operation(
+                "Model status", TAG, apidoc.ok("Status", apidoc.json(schema.TfModelStatus)), method="GET", path=base
+            ),
+            apidoc.Operation(
+                "Model metadata (the serving_default signature)",
+                TAG,
+                apidoc.ok("Metadata", apidoc.json(schema.TfModelMetadata)),
+                method="GET",
+                path=base + "/metadata",
+            ),
+            apidoc.Operation(
+                "Predict (row or columnar format)",
+                TAG,
+                apidoc.ok("Predictions", apidoc.json(schema.TfPredictResponse)),
+                body=apidoc.json(schema.TfPredictRequest),
+                method="POST",
+                path=base + ":predict",
+            ),
+        ]
+        for verb, answer in (("classify", schema.TfClassifyResponse), ("regress", schema.TfRegressResponse)):
+            out.append(
+                apidoc.Operation(
+                    f"{verb.capitalize()} tf.Example-style examples",
+                    TAG,
+                    apidoc.ok("Results", apidoc.json(answer)),
+                    body=apidoc.json(schema.TfExamplesRequest),
+                    method="POST",
+                    path=f"{base}:{verb}",
+                )
+            )
+    return out
+
+
 def routes() -> list[BaseRoute]:
     """`/v1/models/...`, and `/v1/models` itself for what an earlier exact route (the OpenAI model list,
     `GET /v1/models`) does not take: TF Serving's 400 `Missing model name in request.` / `Malformed request`."""
     methods = ["GET", "POST", "OPTIONS", "PUT", "DELETE", "PATCH"]
     return protocol_routes(
         RENDERER,
-        [Route("/v1/models/{rest:path}", handle, methods=methods), Route("/v1/models", handle, methods=methods)],
+        [
+            apidoc.document(Route("/v1/models/{rest:path}", handle, methods=methods), *_ops()),
+            apidoc.hidden(Route("/v1/models", handle, methods=methods)),  # errors only (GET is OpenAI's)
+        ],
     )

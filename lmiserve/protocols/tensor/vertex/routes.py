@@ -9,6 +9,8 @@ ready, else 503. Errors are JSON `{"error": msg}` (vertex/errors.py).
 
 from __future__ import annotations
 
+import dataclasses
+
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
@@ -16,8 +18,9 @@ from starlette.routing import BaseRoute, Route
 from lmiserve.core.errors import ModelNotReady, NotFound
 from lmiserve.models.service import model_service
 from lmiserve.protocols.tensor.vertex import parse as vertex
+from lmiserve.protocols.tensor.vertex import schema
 from lmiserve.protocols.tensor.vertex.errors import RENDERER
-from lmiserve.server import lookup
+from lmiserve.server import apidoc, lookup
 from lmiserve.server.errors import protocol_routes
 from lmiserve.server.responses import raw_response
 
@@ -55,6 +58,19 @@ async def deployed_health(request: Request) -> Response:
     return await health(request)
 
 
+TAG = "Vertex AI"
+PREDICT = apidoc.Operation(
+    "Predict (Vertex AI's custom container contract)",
+    TAG,
+    apidoc.ok("Predictions", apidoc.json(schema.VertexPredictResponse)),
+    body=apidoc.json(schema.VertexPredictRequest),
+    params=[apidoc.Param("model_name", "The model (default: the served model)")],
+)
+HEALTH = apidoc.Operation(
+    "Health: `{}` once every model is ready", TAG, apidoc.ok("Ready", apidoc.json({"type": "object"}))
+)
+
+
 def configured_routes(settings) -> list[BaseRoute]:
     """The $AIP_* routes: placed before every other route, since the platform chose these paths
     (AIP_HEALTH_ROUTE=/health must answer Vertex's health, not TGI's)."""
@@ -62,17 +78,21 @@ def configured_routes(settings) -> list[BaseRoute]:
     health_route = settings.vertex_health_route
     return protocol_routes(
         RENDERER,
-        [Route(predict_route, predict, methods=["POST"])] if predict_route else [],
-        public=[Route(health_route, health, methods=["GET"])] if health_route else [],
+        [apidoc.document(Route(predict_route, predict, methods=["POST"]), PREDICT)] if predict_route else [],
+        public=[apidoc.document(Route(health_route, health, methods=["GET"]), HEALTH)] if health_route else [],
     )
 
 
 _DEPLOYED = "/v1/endpoints/{endpoint}/deployedModels/{deployed}"
 
 
+def _deployed(op: apidoc.Operation, suffix: str) -> apidoc.Operation:
+    return dataclasses.replace(op, path="/v1/endpoints/{endpoint}/deployedModels/{deployed_model}" + suffix)
+
+
 def routes() -> list[BaseRoute]:
     return protocol_routes(
         RENDERER,
-        [Route(_DEPLOYED, deployed_predict, methods=["POST"])],
-        public=[Route(_DEPLOYED, deployed_health, methods=["GET"])],
+        [apidoc.document(Route(_DEPLOYED, deployed_predict, methods=["POST"]), _deployed(PREDICT, ":predict"))],
+        public=[apidoc.document(Route(_DEPLOYED, deployed_health, methods=["GET"]), _deployed(HEALTH, ""))],
     )

@@ -1,0 +1,109 @@
+"""The OpenAI routes' answers as pydantic models, for the API document (`lmiserve.server.openapi`): the
+encoders (`encoders.py`) write the bytes; these describe them, and the schemathesis test checks that
+they agree."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float | None
+
+
+class TokenLogprob(BaseModel):
+    token: str
+    logprob: float | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str | None  # null when the message is tool calls
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str  # stop, length, stop_sequence (or tool_calls)
+
+
+class ChatCompletion(BaseModel):
+    object: str  # chat.completion
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChunkChoice(BaseModel):
+    index: int
+    delta: ChatMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One event of a chat stream (the last, with `stream_options.include_usage`, has no choices)."""
+
+    object: str  # chat.completion.chunk
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChunkChoice]
+    usage: Usage | None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float | None] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str  # "" in a stream's events before the last of a prompt
+
+
+class Completion(BaseModel):
+    """A completion, and each event of a completion stream (whose last event per prompt has `usage`)."""
+
+    object: str  # text_completion
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class OpenAIStreamErrorDetail(BaseModel):
+    message: str
+    http_status_code: int
+
+
+class OpenAIStreamError(BaseModel):
+    """The event of a stream that failed after it started (followed by [DONE])."""
+
+    error: OpenAIStreamErrorDetail
