@@ -33,9 +33,11 @@ from lmiserve.server.responses import raw_response
 log = logging.getLogger(__name__)
 
 
-def routes(settings: Settings, metrics: Metrics) -> list[BaseRoute]:
+def routes(settings: Settings, metrics: Metrics | None = None) -> list[BaseRoute]:
     """The route table; the first match wins, so Vertex AI's configured paths come first and the exact
-    LMI, TGI and OpenAI routes before the tensor protocols' patterns."""
+    LMI, TGI and OpenAI routes before the tensor protocols' patterns. `metrics`: the app's collectors
+    (a table built only to be read, e.g. for the API document, gets empty ones)."""
+    metrics = metrics if metrics is not None else Metrics(list)
     return [
         *tensor.configured_routes(settings),
         *lmi.ping_routes(),

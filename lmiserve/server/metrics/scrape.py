@@ -17,6 +17,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from lmiserve.core.errors import HeadersTooLarge, LmiServeError, PayloadTooLarge, Unauthorized
+from lmiserve.server import apidoc
 from lmiserve.server.errors import ErrorRenderer, lookup, protocol_routes
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
@@ -74,4 +75,9 @@ def routes(registry: CollectorRegistry, bare_counters: Iterable[str]) -> list[Ba
     async def metrics(request: Request) -> Response:
         return metrics_response(registry, names)
 
-    return protocol_routes(RENDERER, [Route("/metrics", metrics, methods=["GET"])])
+    operation = apidoc.Operation(
+        "Prometheus metrics (TGI's and vLLM's names)",
+        "Metrics",
+        apidoc.ok("The Prometheus text exposition", {CONTENT_TYPE: apidoc.STRING}),
+    )
+    return protocol_routes(RENDERER, [apidoc.document(Route("/metrics", metrics, methods=["GET"]), operation)])

@@ -20,6 +20,7 @@ from starlette.routing import BaseRoute, Route
 
 from lmiserve.config import Settings
 from lmiserve.core.errors import HeadersTooLarge, LmiServeError, PayloadTooLarge, Unauthorized
+from lmiserve.server import apidoc
 from lmiserve.server.errors import ErrorRenderer, lookup, protocol_routes
 from lmiserve.server.playground.stats import TokenRate, events
 from lmiserve.server.responses import raw_response
@@ -70,14 +71,22 @@ def url(settings: Settings) -> str:
     return f"http://{host}:{settings.port}{PATH}"
 
 
-def _file(name: str) -> Route:
+def _file(name: str) -> BaseRoute:
     path = PATH if name == "playground.html" else f"{PATH}/{name}"
 
     async def serve(request: Request) -> Response:
         return raw_response(asset(name), 200, ASSETS[name], HEADERS)
 
     serve.__name__ = f"playground_{name.replace('.', '_')}"
-    return Route(path, serve, methods=["GET"])
+    route = Route(path, serve, methods=["GET"])
+    if name != "playground.html":
+        return apidoc.hidden(route)  # the page's own files
+    page = apidoc.Operation(
+        "The playground: a chat and a live batch view",
+        "Playground",
+        apidoc.ok("An HTML page", {"text/html": apidoc.STRING}),
+    )
+    return apidoc.document(route, page)
 
 
 def routes() -> list[BaseRoute]:
@@ -90,6 +99,13 @@ def routes() -> list[BaseRoute]:
             events(lambda: registry, rates), media_type="text/event-stream", headers=STREAM_HEADERS
         )
 
-    return protocol_routes(
-        RENDERER, [Route(f"{PATH}/stats", stats, methods=["GET"])], public=[_file(name) for name in ASSETS]
+    live = apidoc.Operation(
+        "The playground's live batch view",
+        "Playground",
+        apidoc.ok(
+            "Server-sent events, about two a second, each a JSON object of the served models' batch",
+            {apidoc.SSE: apidoc.STRING},
+        ),
     )
+    stats_route = apidoc.document(Route(f"{PATH}/stats", stats, methods=["GET"]), live)
+    return protocol_routes(RENDERER, [stats_route], public=[_file(name) for name in ASSETS])
