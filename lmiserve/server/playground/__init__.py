@@ -104,7 +104,7 @@ def routes() -> list[BaseRoute]:
         "Playground",
         apidoc.ok(
             "Server-sent events, about two a second, each a JSON object of the served models' batch",
-            {apidoc.SSE: apidoc.STRING},
+            {apidoc.SSE: {"type": "object"}},
         ),
     )
     stats_route = apidoc.document(Route(f"{PATH}/stats", stats, methods=["GET"]), live)
