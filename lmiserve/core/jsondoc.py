@@ -22,8 +22,10 @@ is the schema's business. Cost on a 50 MB list of floats: see docs/hostile-input
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -82,14 +84,8 @@ def loads(data: bytes | str, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
     it is not UTF-8, not JSON, nested deeper than `max_depth`, or holds a lone surrogate."""
     text, raw = _text_and_bytes(data)
     _check_depth(raw, max_depth, first_only=False)
-    try:
+    with _decoding(max_depth):
         value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise JsonSyntaxError(str(exc), exc.msg, exc.pos, exc.lineno, exc.colno) from None
-    except ValueError:  # an integer of more than sys.get_int_max_str_digits() digits
-        raise JsonSyntaxError(_LONG_NUMBER, _LONG_NUMBER) from None
-    except RecursionError:  # unreachable after the depth check; kept so that it can never escape
-        raise JsonTooDeep(max_depth) from None
     _check_strings(raw, value)
     return value
 
@@ -160,8 +156,15 @@ def _check_depth(raw: bytes, max_depth: int, *, first_only: bool) -> None:
 
 
 def _raw_decode(decoder: json.JSONDecoder, text: str, pos: int, max_depth: int) -> tuple[Any, int]:
-    try:
+    with _decoding(max_depth):
         return decoder.raw_decode(text, pos)
+
+
+@contextlib.contextmanager
+def _decoding(max_depth: int) -> Iterator[None]:
+    """The json module's failures as `JsonError`s."""
+    try:
+        yield
     except json.JSONDecodeError as exc:
         raise JsonSyntaxError(str(exc), exc.msg, exc.pos, exc.lineno, exc.colno) from None
     except ValueError:  # an integer of more than sys.get_int_max_str_digits() digits

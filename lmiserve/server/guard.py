@@ -35,8 +35,8 @@ def too_large(limit: int) -> PayloadTooLarge:
 
 
 def admit(request: Request, access: Access) -> Request:
-    """`request` if it may reach its handler (raises `Unauthorized` or `PayloadTooLarge` otherwise),
-    with its body reader replaced by one that stops at `max_request_size`."""
+    """`request` if it may reach its handler (raises `HeadersTooLarge`, `Unauthorized` or
+    `PayloadTooLarge` otherwise), with its body reader replaced by one that stops at `max_request_size`."""
     settings = request.app.state.settings
     head = sum(len(name) + len(value) + 4 for name, value in request.scope["headers"])
     if head > settings.max_header_size:
