@@ -8,6 +8,7 @@ other clients' streams run, and the batch panel counts them all.
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections.abc import Iterator
 
@@ -69,7 +70,8 @@ def test_a_real_reply_streams_beside_the_live_batch(url):
             reply = page.locator(".msg.assistant").last
             wait_until(lambda: len(reply.inner_text()) > 200, "a few lines of the reply streamed", timeout=300)
             assert page.locator(".msg.assistant.streaming").count() == 1, "the reply is still streaming"
-            assert " the " in reply.inner_text().lower()  # words, from the real model
+            words = re.findall(r"[A-Za-z]{2,}", reply.inner_text())
+            assert len(words) >= 20, reply.inner_text()  # words, from the real model (which ones varies by CPU)
             wait_until(lambda: int(stat(page, "running")) >= 1, "the panel shows the running requests")
             wait_until(lambda: float(stat(page, "tokens_per_second")) > 0, "the panel shows tokens/s")
             if os.environ.get("UPDATE_SCREENSHOT"):

@@ -131,7 +131,7 @@ def test_the_stats_stream_shows_the_engine(client, endless_model_dir):
     assert model["kv_capacity"] == 2 * ENDLESS_CONTEXT and model["kv_usage"] == 0
     assert second["models"][0]["generated_tokens"] >= model["generated_tokens"]
 
-    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": LONG, "stream": True}
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": LONG, "stream": True, "ignore_eos": True}
     with client.stream("POST", "/v1/chat/completions", json=body, headers=AUTH) as r:
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))  # it runs
