@@ -27,6 +27,8 @@ pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 120
 SEEDS = (None, 7)  # greedy, then do_sample with this seed
+# Every string has a maxLength, every number bounds and a multipleOf: a sampled 135M model otherwise
+# may write characters or fraction digits until max_tokens (valid so far, but not finished).
 
 
 def obj(properties: dict[str, Any], required: list[str] | None = None) -> dict[str, Any]:
@@ -48,7 +50,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "pattern_and_optional": obj(
         {
             "city": {"type": "string", "pattern": "^[A-Z][a-z]{1,12}$"},
-            "temperature": {"type": "number", "minimum": -50, "maximum": 60},
+            "temperature": {"type": "number", "minimum": -50, "maximum": 60, "multipleOf": 0.1},
             "note": {"type": "string", "maxLength": 20},
         },
         required=["city", "temperature"],
@@ -63,7 +65,9 @@ SCHEMAS: dict[str, dict[str, Any]] = {
             )
         }
     ),
-    "exclusive_bounds": obj({"ratio": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}}),
+    "exclusive_bounds": obj(
+        {"ratio": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1, "multipleOf": 0.001}}
+    ),
     "bounded_integers": obj(
         {
             "count": {"type": "integer", "minimum": 1, "maximum": 10},
@@ -93,7 +97,12 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         {
             "shape": {
                 "oneOf": [
-                    obj({"kind": {"const": "circle"}, "radius": {"type": "number", "minimum": 0, "maximum": 100}}),
+                    obj(
+                        {
+                            "kind": {"const": "circle"},
+                            "radius": {"type": "number", "minimum": 0, "maximum": 100, "multipleOf": 0.01},
+                        }
+                    ),
                     obj({"kind": {"const": "square"}, "side": {"type": "integer", "minimum": 1, "maximum": 100}}),
                 ]
             }
@@ -156,8 +165,8 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "string_lengths": obj({"code": {"type": "string", "minLength": 4, "maxLength": 4, "pattern": "^[A-Z0-9]+$"}}),
     "coordinates": obj(
         {
-            "lat": {"type": "number", "minimum": -90, "maximum": 90},
-            "lon": {"type": "number", "minimum": -180, "maximum": 180},
+            "lat": {"type": "number", "minimum": -90, "maximum": 90, "multipleOf": 0.01},
+            "lon": {"type": "number", "minimum": -180, "maximum": 180, "multipleOf": 0.01},
         }
     ),
     "top_level_array": {
