@@ -13,6 +13,7 @@ import asyncio
 import json
 import re
 from collections.abc import Iterator
+from decimal import Decimal
 from typing import Any, Literal
 
 import httpx
@@ -243,6 +244,19 @@ UNSUPPORTED = {
 }
 
 
+def _decimal_multiple_of(validator, divisor, instance, schema):
+    """`multipleOf` in decimal: jsonschema's float division says 40.52 is no multiple of 0.01."""
+    if validator.is_type(instance, "number") and Decimal(str(instance)) % Decimal(str(divisor)) != 0:
+        yield jsonschema.ValidationError(f"{instance!r} is not a multiple of {divisor}")
+
+
+Validator = jsonschema.validators.extend(jsonschema.Draft202012Validator, {"multipleOf": _decimal_multiple_of})
+
+
+def validate(instance: Any, schema: dict[str, Any]) -> None:
+    Validator(schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER).validate(instance)
+
+
 @pytest.fixture(scope="module")
 def url(smollm_dir) -> Iterator[str]:
     with run_server(["-o", "max_rolling_batch_size=64"], timeout=300) as base:
@@ -304,7 +318,6 @@ def test_outputs_validate_regexes_match_tool_calls_validate(url):
     requests += [tool_request(*job) for job in tool_jobs]
     responses = iter(asyncio.run(post_all(url, requests)))
 
-    format_checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
     failures: list[str] = []  # all of them at once: one run of this batch is minutes on a busy machine
     for name, seed in schema_jobs:
         response = next(responses)
@@ -313,7 +326,7 @@ def test_outputs_validate_regexes_match_tool_calls_validate(url):
             choice = response.json()["choices"][0]
             content = choice["message"]["content"]
             assert choice["finish_reason"] == "stop", content  # every one finished
-            jsonschema.validate(json.loads(content), SCHEMAS[name], format_checker=format_checker)
+            validate(json.loads(content), SCHEMAS[name])
         except (AssertionError, ValueError, jsonschema.ValidationError) as exc:
             failures.append(f"schema {name} seed {seed}: {str(exc)[:300]}")
 
@@ -334,7 +347,7 @@ def test_outputs_validate_regexes_match_tool_calls_validate(url):
             for call in calls:
                 assert call["function"]["name"] in TOOL_SCHEMAS, call
                 arguments = json.loads(call["function"]["arguments"])
-                jsonschema.validate(arguments, TOOL_SCHEMAS[call["function"]["name"]])
+                validate(arguments, TOOL_SCHEMAS[call["function"]["name"]])
             if choice == "named":
                 assert {call["function"]["name"] for call in calls} == {tool}, calls
         except (AssertionError, ValueError, jsonschema.ValidationError) as exc:
