@@ -238,7 +238,7 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
             baselines = run_baselines(config.overrides(), config.concurrency, config.max_new_tokens, log)
         if config.json_schema is not None:
             log("grammar figures in process (the server idles):")
-            from lmiserve.bench.structured import measure_grammar  # torch: only when needed
+            from lmiserve.bench.baselines import measure_grammar  # torch: only when needed
 
             grammar = measure_grammar(
                 config.overrides(), config.json_schema, config.concurrency, config.mask_steps, log
