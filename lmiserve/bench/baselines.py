@@ -4,7 +4,9 @@
     greedy argmax loop, N tokens per sequence, under `torch.inference_mode()` — the ceiling of the
     model code at that batch size;
 (b) `model.generate` static batching of the same prompts (left padding, greedy,
-    min_new_tokens = max_new_tokens = N).
+    min_new_tokens = max_new_tokens = N);
+(c) with `--json-schema`, `measure_grammar`: compile times and the per-step mask cost of the schema
+    (see `lmiserve.bench.structured`).
 
 The model is loaded through `lmiserve.config` + `lmiserve.models` exactly as the server loads it
 (same model id, revision, cache dir, device and dtype). CUDA work is synchronised before every
@@ -14,6 +16,8 @@ clock read.
 from __future__ import annotations
 
 import gc
+import json
+import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -22,6 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from lmiserve.bench.prompts import batch_prompts
+from lmiserve.bench.structured import Json, Log
 
 if TYPE_CHECKING:
     from lmiserve.models.load import LoadedModel
@@ -163,3 +168,81 @@ def run_baselines(
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000.0, 3)
+
+
+def measure_grammar(
+    overrides: Mapping[str, Any], schema: Json, batch_sizes: Sequence[int], steps: int, log: Log
+) -> Json:
+    """Compile times and per-step mask cost of `schema` on the served model's tokenizer (see
+    `lmiserve.bench.structured`). Loads the model as the server does (tokenizer, vocabulary, EOS)."""
+    from lmiserve.core.grammar import Grammar
+    from lmiserve.engine.grammar_compiler import GrammarCompiler
+    from lmiserve.engine.token_mask import TokenMask
+
+    loaded = load_like_server(overrides)
+    vocab = int(getattr(loaded.model.config, "vocab_size", None) or len(loaded.tokenizer))
+    eos = sorted(loaded.eos_token_ids)
+    grammar = Grammar("json_schema", json.dumps(schema, ensure_ascii=False))
+    del loaded.model  # only the tokenizer is needed from here
+
+    compiler = GrammarCompiler(loaded.tokenizer, vocab_size=vocab, eos_token_ids=eos)
+    t0 = time.perf_counter()
+    compiler._llg_tokenizer()  # noqa: SLF001 - timed apart: paid once per model, not per schema
+    t1 = time.perf_counter()
+    compiled = compiler.compile(grammar)
+    t2 = time.perf_counter()
+    first = TokenMask(vocab, eos)
+    first.fill([compiled.matcher()])  # the library finishes some of the compile work lazily
+    t3 = time.perf_counter()
+    cached = []
+    for _ in range(20):
+        start = time.perf_counter()
+        compiler.compile(grammar).matcher()
+        cached.append(time.perf_counter() - start)
+    compile_figures = {
+        "tokenizer_build_ms": _ms(t1 - t0),
+        "cold_compile_ms": _ms(t2 - t1),
+        "cold_first_mask_ms": _ms(t3 - t2),
+        "cached_compile_ms": _ms(statistics.median(cached)),
+    }
+    log(
+        f"  grammar: tokenizer {compile_figures['tokenizer_build_ms']} ms (once per model), cold compile "
+        f"{compile_figures['cold_compile_ms']} ms + first mask {compile_figures['cold_first_mask_ms']} ms, "
+        f"cached {compile_figures['cached_compile_ms']} ms"
+    )
+
+    mask_rows = []
+    generator = torch.Generator().manual_seed(0)
+    for batch in batch_sizes:
+        mask = TokenMask(vocab, eos)
+        matchers = [compiled.matcher() for _ in range(batch)]
+        fills, applies = [], []
+        for _ in range(steps):
+            logits = torch.randn((batch, vocab), generator=generator)
+            start = time.perf_counter()
+            mask.fill(matchers)
+            filled = time.perf_counter()
+            copies = logits[list(range(batch))]  # what `ModelRunner._mask_rows` does: copy the rows, mask them
+            mask.apply(copies, matchers)
+            applies.append(time.perf_counter() - filled)
+            fills.append(filled - start)
+            for row, token in enumerate(copies.argmax(-1).tolist()):
+                if not matchers[row].accept(token) or matchers[row].is_stopped:
+                    matchers[row] = compiled.matcher()  # completed (a user schema): start a new sequence
+        fill, apply = statistics.median(fills), statistics.median(applies)
+        mask_rows.append(
+            {
+                "batch_size": batch,
+                "steps": steps,
+                "fill_ms": _ms(fill),
+                "step_mask_ms": _ms(apply),
+                "per_row_us": round(apply / batch * 1e6, 1),
+            }
+        )
+        log(f"  mask at batch {batch}: {_ms(apply)} ms a step (bitmask fill alone {_ms(fill)} ms)")
+    compiler.close()
+    return {"compile": compile_figures, "mask": mask_rows, "vocab_size": vocab}

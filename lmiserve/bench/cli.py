@@ -112,6 +112,13 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "(the issue's target: 1000)",
     )
     p.add_argument("--soak-max-new-tokens", type=_positive_int, default=16, help="tokens per soak request (default 16)")
+    p.add_argument(
+        "--json-schema",
+        metavar="FILE|builtin",
+        help="also run every level with this JSON schema on every request (a file holding the schema, or "
+        "`builtin`: one that cannot complete within --max-new-tokens) and report constrained vs "
+        "unconstrained throughput, compile times and the per-step mask cost",
+    )
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the server (default 600)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take (default 600)")
     return p
@@ -138,6 +145,13 @@ def run_bench_command(args: argparse.Namespace, argv: list[str] | None = None) -
         return 2
     if args.duration is not None and args.duration <= 0:
         print("lmiserve bench: --duration must be > 0", file=sys.stderr)
+        return 2
+    from lmiserve.bench.structured import SchemaError, load_schema
+
+    try:
+        schema = load_schema(args.json_schema, args.max_new_tokens) if args.json_schema else None
+    except SchemaError as exc:
+        print(f"lmiserve bench: {exc}", file=sys.stderr)
         return 2
     try:
         options = [parse_override(o) for o in args.option]
@@ -166,6 +180,8 @@ def run_bench_command(args: argparse.Namespace, argv: list[str] | None = None) -
             soak_max_new_tokens=args.soak_max_new_tokens,
             startup_timeout=args.startup_timeout,
             request_timeout=args.request_timeout,
+            json_schema=schema,
+            json_schema_source=args.json_schema,
             command=["lmiserve", *(argv if argv is not None else sys.argv[1:])],
         )
         load_settings(config.overrides())  # bad options fail here, before anything starts

@@ -7,6 +7,11 @@
   ``ignore_eos: true`` (vLLM's extension) and ``stream_options.include_usage``; SSE ``data:``
   events until ``data: [DONE]``; one token per chunk with text (or without a finish reason), and
   ``usage.completion_tokens`` as the count when the server reports it.
+
+With a JSON schema (`lmiserve bench --json-schema`), every request of a dialect made with
+`constrained(schema)` also carries it: LMI as ``parameters.json_schema`` (DJL Serving's spelling),
+OpenAI as ``response_format`` ``json_schema``. A constrained request may end before N tokens when its
+grammar completes (the builtin schema cannot complete within N tokens, so it streams exactly N).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import httpx
@@ -33,6 +38,7 @@ class Dialect(Protocol):
     name: str
     url: str
     kind: str
+    json_schema: dict[str, Any] | None
 
     async def stream(self, client: httpx.AsyncClient, prompt: str, max_new_tokens: int, record: RequestRecord) -> None:
         """Send one request and fill `record.token_times` / `usage_tokens` / `error`."""
@@ -57,13 +63,13 @@ class LmiDialect:
     url: str
     name: str = "lmiserve"
     kind: str = "lmi"
+    json_schema: dict[str, Any] | None = None
 
     async def stream(self, client: httpx.AsyncClient, prompt: str, max_new_tokens: int, record: RequestRecord) -> None:
-        payload = {
-            "inputs": prompt,
-            "parameters": {"max_new_tokens": max_new_tokens, "ignore_eos_token": True},
-            "stream": True,
-        }
+        parameters: dict[str, Any] = {"max_new_tokens": max_new_tokens, "ignore_eos_token": True}
+        if self.json_schema is not None:
+            parameters["json_schema"] = self.json_schema
+        payload = {"inputs": prompt, "parameters": parameters, "stream": True}
         async with client.stream("POST", f"{self.url}/invocations", json=payload) as response:
             if response.status_code != 200:
                 record.error = _error_text(await response.aread(), response.status_code)
@@ -97,6 +103,7 @@ class OpenAIDialect:
     name: str
     model: str | None = None
     kind: str = "openai"
+    json_schema: dict[str, Any] | None = None
 
     async def resolve_model(self, client: httpx.AsyncClient) -> str:
         """The configured model, else the first id of ``GET /v1/models``, else "default"."""
@@ -123,6 +130,11 @@ class OpenAIDialect:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if self.json_schema is not None:
+            payload["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "bench", "schema": self.json_schema},
+            }
         done = False
         async with client.stream("POST", f"{self.url}/v1/completions", json=payload) as response:
             if response.status_code != 200:
@@ -157,6 +169,11 @@ class OpenAIDialect:
             record.error = "stream ended without data: [DONE]"
 
 
+def constrained(dialect: Dialect, schema: dict[str, Any]) -> Dialect:
+    """A copy of `dialect` whose every request carries `schema`."""
+    return replace(dialect, json_schema=schema)  # type: ignore[type-var]
+
+
 def make_client(concurrency: int, request_timeout: float = DEFAULT_REQUEST_TIMEOUT) -> httpx.AsyncClient:
     """One connection per client of the level (plus spares); never through a proxy."""
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
@@ -181,6 +198,7 @@ async def one_request(
         index=index,
         warmup=warmup,
         expected_tokens=max_new_tokens,
+        exact=dialect.json_schema is None,
         start=time.perf_counter() if start is None else start,
     )
     try:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from lmiserve.bench.stats import ratio
+from lmiserve.bench.structured import structured_target
 
 SCHEMA = "lmiserve-bench/1"
 Json = dict[str, Any]
@@ -128,7 +129,7 @@ def evaluate_targets(server: Json | None, memory: Json | None) -> list[Json]:
             )
         )
 
-    all_levels = (server or {}).get("levels", ())
+    all_levels = [*(server or {}).get("levels", ()), *(server or {}).get("constrained_levels", ())]
     wrong = sum(lv["token_count_errors"] + lv["failed_requests"] for lv in all_levels)
     targets.append(
         _target(
@@ -142,18 +143,29 @@ def evaluate_targets(server: Json | None, memory: Json | None) -> list[Json]:
     return targets
 
 
-def build_report(meta: Json, servers: list[Json], baselines: Json | None, memory: Json | None) -> Json:
-    """The whole report: `meta` (command, machine, versions, model, settings...) plus figures."""
+def build_report(
+    meta: Json, servers: list[Json], baselines: Json | None, memory: Json | None, structured: Json | None = None
+) -> Json:
+    """The whole report: `meta` (command, machine, versions, model, settings...) plus figures;
+    `structured` (with --json-schema: the schema, compile times, mask cost) gets the lmiserve
+    server's constrained/unconstrained comparison."""
     for server in servers:
         server["ratios"] = ratios(server["levels"], baselines)
     main = next((s for s in servers if s.get("kind") == "lmi"), None)
+    if structured is not None:
+        structured["comparison"] = (main or {}).get("constrained_over_unconstrained", [])
+    targets = evaluate_targets(main, memory)
+    extra = structured_target(structured)
+    if extra is not None:
+        targets.append(extra)
     return {
         "schema": SCHEMA,
         **meta,
         "servers": servers,
         "baselines": baselines,
         "memory": memory,
-        "targets": evaluate_targets(main, memory),
+        "structured": structured,
+        "targets": targets,
     }
 
 
@@ -203,8 +215,9 @@ def format_table(report: Json) -> str:
     rows = []
     for server in report["servers"]:
         by_c = {r["concurrency"]: r for r in server.get("ratios", ())}
-        for lv in server["levels"]:
-            r = by_c.get(lv["concurrency"], {})
+        tagged = [(server["name"], lv, by_c.get(lv["concurrency"], {})) for lv in server["levels"]]
+        tagged += [(server["name"] + "+schema", lv, {}) for lv in server.get("constrained_levels", ())]
+        for name, lv, r in tagged:
             ok = (
                 "yes"
                 if lv["token_count_errors"] == 0 and lv["failed_requests"] == 0
@@ -212,7 +225,7 @@ def format_table(report: Json) -> str:
             )
             rows.append(
                 [
-                    server["name"],
+                    name,
                     str(lv["concurrency"]),
                     _fmt(lv["output_tokens_per_s"]),
                     _fmt(lv["ttft_ms"]["p50"]),
@@ -263,6 +276,7 @@ def format_table(report: Json) -> str:
                 f"(drift {_fmt(soak['drift_pct'], 2)} %, max {_fmt(soak['rss_max_mib'])} MiB), "
                 f"{soak['failed_requests']} failed, {soak['token_count_errors']} wrong token counts"
             )
+    out += _structured_lines(report.get("structured"))
     out += ["", "targets (issue #5):"]
     for t in report["targets"]:
         verdict = {True: "PASS", False: "FAIL", None: "n/a "}[t["passed"]]
@@ -270,3 +284,34 @@ def format_table(report: Json) -> str:
             f"  {verdict}  {t['description']}: {_fmt(t['value'], 3)}{'  (' + t['note'] + ')' if t.get('note') else ''}"
         )
     return "\n".join(out)
+
+
+def _structured_lines(structured: Json | None) -> list[str]:
+    """The --json-schema section: throughput with and without the schema, compile and mask figures."""
+    if not structured:
+        return []
+    out = ["", f"structured output (JSON schema: {structured.get('source')}):"]
+    rows = [
+        [
+            str(r["concurrency"]),
+            _fmt(r["unconstrained_tokens_per_s"]),
+            _fmt(r["constrained_tokens_per_s"]),
+            _fmt(r["constrained_over_unconstrained"], 3),
+        ]
+        for r in structured.get("comparison", ())
+    ]
+    out += _table(["conc", "unconstrained tok/s", "JSON schema tok/s", "ratio"], rows)
+    compile_figures = structured.get("compile")
+    if compile_figures:
+        out.append(
+            f"compile: cold {_fmt(compile_figures['cold_compile_ms'], 2)} ms "
+            f"(+ first mask {_fmt(compile_figures['cold_first_mask_ms'], 2)} ms), "
+            f"cached {_fmt(compile_figures['cached_compile_ms'], 3)} ms; "
+            f"the library's tokenizer {_fmt(compile_figures['tokenizer_build_ms'], 0)} ms once per model"
+        )
+    for m in structured.get("mask", ()):
+        out.append(
+            f"mask at batch {m['batch_size']}: {_fmt(m['step_mask_ms'], 3)} ms a step "
+            f"({_fmt(m['per_row_us'])} us a row; bitmask fill {_fmt(m['fill_ms'], 3)} ms), median of {m['steps']} steps"
+        )
+    return out

@@ -20,10 +20,20 @@ from urllib.parse import urlsplit
 import psutil
 
 from lmiserve.bench.chart import draw_chart
-from lmiserve.bench.clients import BenchError, Dialect, LmiDialect, OpenAIDialect, probe, run_level, run_soak
+from lmiserve.bench.clients import (
+    BenchError,
+    Dialect,
+    LmiDialect,
+    OpenAIDialect,
+    constrained,
+    probe,
+    run_level,
+    run_soak,
+)
 from lmiserve.bench.report import build_report, write_json
 from lmiserve.bench.server import ManagedServer, RssSampler
 from lmiserve.bench.stats import level_summary
+from lmiserve.bench.structured import compare_levels
 
 Json = dict[str, Any]
 Log = Callable[[str], None]
@@ -49,6 +59,9 @@ class BenchConfig:
     soak_max_new_tokens: int = 16
     startup_timeout: float = 600.0
     request_timeout: float = 600.0
+    json_schema: dict[str, Any] | None = None  # --json-schema: every level also runs constrained
+    json_schema_source: str | None = None  # "builtin" or the file it came from
+    mask_steps: int = 64  # steps of the in-process mask measurement per batch size
     command: list[str] = field(default_factory=lambda: list(sys.argv))
 
     def overrides(self) -> dict[str, object]:
@@ -98,31 +111,43 @@ def versions() -> Json:
     return out
 
 
+def _measure_level(dialect: Dialect, concurrency: int, config: BenchConfig, log: Log, label: str) -> Json:
+    records, elapsed = asyncio.run(
+        run_level(
+            dialect,
+            concurrency,
+            config.max_new_tokens,
+            requests_per_client=config.requests_per_client,
+            duration=config.duration,
+            warmup=config.warmup,
+            request_timeout=config.request_timeout,
+        )
+    )
+    level = level_summary(concurrency, records, elapsed)
+    log(
+        f"  concurrency {concurrency:>3}{label}: {level['output_tokens_per_s']} tokens/s, "
+        f"TTFT p50 {level['ttft_ms']['p50']} ms, ITL p50/p99 {level['itl_ms']['p50']}/{level['itl_ms']['p99']} ms, "
+        f"{level['requests']} requests ({level['failed_requests']} failed, {level['token_count_errors']} wrong "
+        f"token counts) in {elapsed:.1f} s"
+    )
+    for error in level["errors"]:
+        log(f"    error: {error}")
+    return level
+
+
 def measure_server(dialect: Dialect, config: BenchConfig, log: Log, started_by_bench: bool) -> Json:
+    """Every concurrency level; with a JSON schema each level runs twice in a row, unconstrained then
+    constrained (so both phases see the same machine load as closely as a shared machine allows)."""
     log(f"{dialect.name} ({dialect.kind}) at {dialect.url}: probe request")
     asyncio.run(probe(dialect))
-    levels = []
+    schema_dialect = constrained(dialect, config.json_schema) if config.json_schema is not None else None
+    if schema_dialect is not None:
+        asyncio.run(probe(schema_dialect))  # a schema the server refuses fails here, before the levels
+    levels, constrained_levels = [], []
     for c in config.concurrency:
-        records, elapsed = asyncio.run(
-            run_level(
-                dialect,
-                c,
-                config.max_new_tokens,
-                requests_per_client=config.requests_per_client,
-                duration=config.duration,
-                warmup=config.warmup,
-                request_timeout=config.request_timeout,
-            )
-        )
-        level = level_summary(c, records, elapsed)
-        levels.append(level)
-        log(
-            f"  concurrency {c:>3}: {level['output_tokens_per_s']} tokens/s, TTFT p50 {level['ttft_ms']['p50']} ms, "
-            f"ITL p50/p99 {level['itl_ms']['p50']}/{level['itl_ms']['p99']} ms, {level['requests']} requests "
-            f"({level['failed_requests']} failed, {level['token_count_errors']} wrong token counts) in {elapsed:.1f} s"
-        )
-        for error in level["errors"]:
-            log(f"    error: {error}")
+        levels.append(_measure_level(dialect, c, config, log, ""))
+        if schema_dialect is not None:
+            constrained_levels.append(_measure_level(schema_dialect, c, config, log, " (JSON schema)"))
     server: Json = {
         "name": dialect.name,
         "url": dialect.url,
@@ -130,6 +155,9 @@ def measure_server(dialect: Dialect, config: BenchConfig, log: Log, started_by_b
         "started_by_bench": started_by_bench,
         "levels": levels,
     }
+    if schema_dialect is not None:
+        server["constrained_levels"] = constrained_levels
+        server["constrained_over_unconstrained"] = compare_levels(levels, constrained_levels)
     if isinstance(dialect, OpenAIDialect):
         server["model"] = dialect.model
     return server
@@ -182,6 +210,7 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
     servers: list[Json] = []
     memory: Json | None = None
     baselines: Json | None = None
+    grammar: Json | None = None
     try:
         if config.url:
             lmi = LmiDialect(url=config.url.rstrip("/"))
@@ -207,6 +236,13 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
             from lmiserve.bench.baselines import run_baselines  # torch: only when needed
 
             baselines = run_baselines(config.overrides(), config.concurrency, config.max_new_tokens, log)
+        if config.json_schema is not None:
+            log("grammar figures in process (the server idles):")
+            from lmiserve.bench.baselines import measure_grammar  # torch: only when needed
+
+            grammar = measure_grammar(
+                config.overrides(), config.json_schema, config.concurrency, config.mask_steps, log
+            )
     finally:
         if sampler is not None:
             sampler.stop()
@@ -239,6 +275,7 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
             "url": config.url,
             "soak_requests": config.soak_requests,
             "skip_baselines": config.skip_baselines,
+            "json_schema": config.json_schema_source,
         },
         "files": {
             "json": json_path.name,
@@ -246,14 +283,17 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
             "server_log": "server.log" if managed is not None else None,
         },
     }
-    report = build_report(meta, servers, baselines, memory)
+    structured = None
+    if config.json_schema is not None:
+        structured = {"source": config.json_schema_source, "schema": config.json_schema, **(grammar or {})}
+    report = build_report(meta, servers, baselines, memory, structured)
     write_json(report, json_path)
     draw_chart(report, png_path)
     return report, json_path, png_path
 
 
 def all_requests_ok(report: Json) -> bool:
-    levels = [lv for s in report["servers"] for lv in s["levels"]]
+    levels = [lv for s in report["servers"] for lv in s["levels"] + s.get("constrained_levels", [])]
     soak_result = (report.get("memory") or {}).get("soak") or {}
     return all(lv["failed_requests"] == 0 and lv["token_count_errors"] == 0 for lv in levels) and not (
         soak_result.get("failed_requests") or soak_result.get("token_count_errors")

@@ -297,3 +297,78 @@ def test_bench_end_to_end(long_model_dir, openai_url, tmp_path):
         ["fake-openai", "2"],
     ]
     assert "targets (issue #5):" in result.stdout and "wrote " in result.stdout
+
+
+# --- --json-schema: every level also constrained ---------------------------------------------------
+
+
+def test_bench_json_schema_runs_both_phases(lmi_url, long_model_dir, tmp_path):
+    out = tmp_path / "schema"
+    result = run_bench(
+        "--url",
+        lmi_url,
+        "--model-id",
+        str(long_model_dir),  # the grammar figures are measured on this model's tokenizer
+        "--concurrency",
+        "1,2",
+        "--max-new-tokens",
+        "6",
+        "--skip-baselines",
+        "--json-schema",
+        "builtin",
+        "--output-dir",
+        str(out),
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads((out / "bench.json").read_text())
+    assert report["settings"]["json_schema"] == "builtin"
+    (server,) = report["servers"]
+    assert [lv["concurrency"] for lv in server["constrained_levels"]] == [1, 2]
+    for lv in server["levels"] + server["constrained_levels"]:
+        # the builtin schema cannot complete within 6 tokens: constrained requests stream all 6 too
+        assert lv["failed_requests"] == 0 and lv["tokens_received"] == lv["tokens_expected"] > 0
+    structured = report["structured"]
+    assert structured["source"] == "builtin" and structured["schema"]["properties"]["records"]["minItems"] == 2
+    assert [row["concurrency"] for row in structured["comparison"]] == [1, 2]
+    assert all(row["constrained_over_unconstrained"] > 0 for row in structured["comparison"])
+    figures = structured["compile"]
+    assert all(figures[key] > 0 for key in ("tokenizer_build_ms", "cold_compile_ms", "cached_compile_ms"))
+    assert [m["batch_size"] for m in structured["mask"]] == [1, 2]
+    assert all(m["step_mask_ms"] > 0 and m["fill_ms"] > 0 and m["steps"] == 64 for m in structured["mask"])
+    targets = {t["id"]: t for t in report["targets"]}
+    assert targets["c32_constrained"]["passed"] is None and targets["exact_tokens"]["passed"] is True
+    assert "structured output (JSON schema: builtin):" in result.stdout
+    assert [line.split()[:2] for line in result.stdout.splitlines() if line.startswith("lmiserve+schema")] == [
+        ["lmiserve+schema", "1"],
+        ["lmiserve+schema", "2"],
+    ]
+
+
+def test_bench_json_schema_from_a_file_may_end_early(lmi_url, long_model_dir, tmp_path):
+    schema = tmp_path / "yes_no.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}))
+    out = tmp_path / "file"
+    args = ["--url", lmi_url, "--model-id", str(long_model_dir), "--concurrency", "2", "--max-new-tokens", "40"]
+    result = run_bench(*args, "--skip-baselines", "--json-schema", str(schema), "--output-dir", str(out), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    report = json.loads((out / "bench.json").read_text())
+    (level,) = report["servers"][0]["constrained_levels"]
+    # a complete object ends the request: fewer tokens than forced, not an error
+    assert level["failed_requests"] == 0 and level["token_count_errors"] == 0
+    assert 0 < level["tokens_received"] < level["tokens_expected"]
+    assert report["structured"]["source"] == str(schema)
+
+
+def test_bench_json_schema_refused(lmi_url, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}))
+    result = run_bench("--url", lmi_url, "--skip-baselines", "--json-schema", str(bad), cwd=tmp_path)
+    assert result.returncode == 1 and "failed a probe request: HTTP 4" in result.stderr
+    assert "uniqueItems" in result.stderr
+    for content, message in (("[1, 2]", "must hold a JSON object"), ("{", "is not JSON")):
+        bad.write_text(content)
+        result = run_bench("--url", lmi_url, "--json-schema", str(bad), cwd=tmp_path)
+        assert result.returncode == 2 and message in result.stderr
+    result = run_bench("--url", lmi_url, "--json-schema", str(tmp_path / "missing.json"), cwd=tmp_path)
+    assert result.returncode == 2 and "cannot read the JSON schema file" in result.stderr
