@@ -187,6 +187,15 @@ class Settings(BaseModel):
     host: str = Field("0.0.0.0", description="Address the HTTP server listens on.")
     port: int = Field(8080, ge=1, le=65535, description="Port the HTTP server listens on.")
     log_level: LogLevel = Field("info", description="Log level: debug, info, warning or error.")
+    drain_timeout: float = Field(
+        25.0,
+        ge=0,
+        description=(
+            "Seconds a stopping server (SIGTERM) lets requests in flight finish, answering 503 to new ones, "
+            "before it ends them; keep it below the orchestrator's kill delay (SageMaker 30 s, Kubernetes "
+            "terminationGracePeriodSeconds)."
+        ),
+    )
     # --- TGI and OpenAI routes (README: TGI drop-in and OpenAI-compatible APIs) ---
     api_key: str | None = Field(
         None,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from lmiserve.core.aio import cancel_and_wait
-from lmiserve.core.errors import ModelNotReady, Overloaded, QueueTimeout
+from lmiserve.core.errors import Overloaded, QueueTimeout, ShuttingDown
 from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.core.request import GenerationRequest
 from lmiserve.engine import torch_thread
@@ -95,7 +95,7 @@ class AsyncEngine:
         await cancel_and_wait(self._task)
         self._task = None
         for seq_id in list(self._handles):
-            self._fail_before_start(seq_id, ModelNotReady("the server is shutting down"))
+            self._fail_before_start(seq_id, ShuttingDown())
 
     @property
     def num_waiting(self) -> int:

@@ -23,6 +23,7 @@ from lmiserve.protocols.openai import routes as openai
 from lmiserve.protocols.tensor import routes as tensor
 from lmiserve.protocols.tgi import routes as tgi
 from lmiserve.server import invocations
+from lmiserve.server.drain import Drain
 from lmiserve.server.responses import raw_response
 
 log = logging.getLogger(__name__)
@@ -64,11 +65,13 @@ def create_app(
     *,
     services: list[ModelService] | None = None,
     on_startup_load_failed: Callable[[ModelService], None] | None = None,
+    drain: Drain | None = None,
 ) -> Starlette:
     """One model (`service`, or one built from `settings`), or the models of a store (`services`).
 
     `on_startup_load_failed(service)` is called as soon as one of these startup models fails to load
     (`lmiserve serve` stops then: server/lifecycle.py); without it the server stays up, /ping 503.
+    `drain`: the stopping server's drain state (lmiserve.server.drain; never active without it).
     """
     if services is None:
         services = [service or ModelService(settings)]
@@ -88,4 +91,5 @@ def create_app(
     app = Starlette(routes=routes(settings), lifespan=lifespan, exception_handlers=handlers)
     app.state.registry = registry
     app.state.settings = settings
+    app.state.drain = drain or Drain()
     return app

@@ -92,13 +92,15 @@ def _model_routes(prefix: str) -> list[Route]:
     ]
 
 
-# Health and readiness (no API key): registered with their full paths before the /v2 mount.
-_PROBES = [
-    Route("/health/live", live, methods=["GET"]),
+# Health and readiness (no API key): registered with their full paths before the /v2 mount; liveness
+# answers 200 as long as the process serves (a draining server included), readiness 503 once it drains.
+_LIVE = [Route("/health/live", live, methods=["GET"])]
+_READY = [
     Route("/health/ready", ready, methods=["GET"]),
     Route("/models/{model}/ready", model_ready, methods=["GET"]),
     Route("/models/{model}/versions/{version}/ready", model_ready, methods=["GET"]),
 ]
+_PROBES = [*_LIVE, *_READY]
 _ROUTES = [
     Route("/", server_metadata, methods=["GET"]),
     Route("/repository/index", repository_index, methods=["POST"]),
@@ -115,5 +117,6 @@ def routes() -> list[BaseRoute]:
             Route("/v2", server_metadata, methods=["GET"]),
             Mount("/v2", routes=[*_ROUTES, Route("/{path:path}", not_found, methods=ANY)]),
         ],
-        public=[Route("/v2" + r.path, r.endpoint, methods=r.methods) for r in _PROBES],
+        live=[Route("/v2" + r.path, r.endpoint, methods=r.methods) for r in _LIVE],
+        public=[Route("/v2" + r.path, r.endpoint, methods=r.methods) for r in _READY],
     )
