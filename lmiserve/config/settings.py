@@ -208,6 +208,15 @@ class Settings(BaseModel):
             "X-Amzn-SageMaker-Inference-Id, X-Amzn-RequestId); the id is echoed under this name and X-Request-Id."
         ),
     )
+    drain_timeout: float = Field(
+        25.0,
+        ge=0,
+        description=(
+            "Seconds a stopping server (SIGTERM) lets requests in flight finish, answering 503 to new ones, "
+            "before it ends them; keep it below the orchestrator's kill delay (SageMaker 30 s, Kubernetes "
+            "terminationGracePeriodSeconds)."
+        ),
+    )
     # --- TGI and OpenAI routes (README: TGI drop-in and OpenAI-compatible APIs) ---
     api_key: str | None = Field(
         None,

@@ -94,6 +94,14 @@ class ModelNotReady(LmiServeError):
     """The model is loading, or failed to load."""
 
 
+class ShuttingDown(ModelNotReady):
+    """The server is stopping (draining after SIGTERM): it takes no new work, and work still open at
+    the end of the drain is ended. Every protocol answers it like ModelNotReady (503)."""
+
+    def __init__(self, message: str = "The server is shutting down"):
+        super().__init__(message)
+
+
 class Overloaded(LmiServeError):
     """No room for the request: the job queue is full or every admission slot is taken."""
 

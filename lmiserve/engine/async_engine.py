@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from lmiserve.core.aio import cancel_and_wait
-from lmiserve.core.errors import InvalidRequest, LmiServeError, ModelNotReady, Overloaded, QueueTimeout
+from lmiserve.core.errors import InvalidRequest, LmiServeError, Overloaded, QueueTimeout, ShuttingDown
 from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.core.grammar import Grammar
 from lmiserve.core.request import GenerationRequest
@@ -112,7 +112,7 @@ class AsyncEngine:
         if self.grammars is not None:
             self.grammars.close()
         for seq_id in list(self._handles):
-            self._fail_before_start(seq_id, ModelNotReady("the server is shutting down"))
+            self._fail_before_start(seq_id, ShuttingDown())
 
     @property
     def num_waiting(self) -> int:

@@ -25,6 +25,7 @@ from lmiserve.protocols.tensor import routes as tensor
 from lmiserve.protocols.tgi import routes as tgi
 from lmiserve.server import invocations, openapi, playground
 from lmiserve.server.access import RequestLog
+from lmiserve.server.drain import Drain
 from lmiserve.server.errors import protocol_routes
 from lmiserve.server.metrics import Metrics
 from lmiserve.server.metrics import port as metrics_port
@@ -84,11 +85,13 @@ def create_app(
     *,
     services: list[ModelService] | None = None,
     on_startup_load_failed: Callable[[ModelService], None] | None = None,
+    drain: Drain | None = None,
 ) -> Starlette:
     """One model (`service`, or one built from `settings`), or the models of a store (`services`).
 
     `on_startup_load_failed(service)` is called as soon as one of these startup models fails to load
     (`lmiserve serve` stops then: server/lifecycle.py); without it the server stays up, /ping 503.
+    `drain`: the stopping server's drain state (lmiserve.server.drain; never active without it).
     """
     if services is None:
         services = [service or ModelService(settings)]
@@ -116,4 +119,5 @@ def create_app(
     app.state.registry = registry
     app.state.metrics = metrics
     app.state.settings = settings
+    app.state.drain = drain or Drain()
     return app

@@ -73,7 +73,7 @@ def rendered_by(
     renderer: ErrorRenderer, endpoint: Endpoint, access: Access | None = None, route: str | None = None
 ) -> Endpoint:
     """`endpoint` with every `LmiServeError` it raises answered by `renderer`; with `access`, the
-    request first passes `guard.admit` (API key and body size) and the endpoint carries ``access``;
+    request first passes `guard.admit` (drain, API key, sizes) and the endpoint carries ``access``;
     `route` (the path template) and the renderer's protocol go to the request's access facts."""
 
     @functools.wraps(endpoint)
@@ -95,13 +95,22 @@ def rendered_by(
 
 
 def protocol_routes(
-    renderer: ErrorRenderer, routes: Sequence[BaseRoute], *, public: Sequence[BaseRoute] = ()
+    renderer: ErrorRenderer,
+    routes: Sequence[BaseRoute],
+    *,
+    public: Sequence[BaseRoute] = (),
+    live: Sequence[BaseRoute] = (),
 ) -> list[BaseRoute]:
     """The routes of one protocol (routes inside a `Mount` too), their endpoints answering lmiserve's
     errors with `renderer` after `guard.admit`: `routes` need the API key when one is set, `public`
-    ones never do (health and readiness probes, and answers that do no work, such as OPTIONS). Both
-    keep their order, `public` first."""
-    return [*_guarded(renderer, public, Access.OPEN), *_guarded(renderer, routes, Access.KEY)]
+    ones never do (health and readiness probes, and answers that do no work, such as OPTIONS), nor do
+    `live` ones (liveness probes), which also answer while the server drains. All keep their order,
+    `live` first, then `public`."""
+    return [
+        *_guarded(renderer, live, Access.LIVE),
+        *_guarded(renderer, public, Access.OPEN),
+        *_guarded(renderer, routes, Access.KEY),
+    ]
 
 
 def _guarded(renderer: ErrorRenderer, routes: Sequence[BaseRoute], access: Access, prefix: str = "") -> list[BaseRoute]:

@@ -1,6 +1,8 @@
 """What every route checks before its handler runs, applied once where routes are registered
 (`lmiserve.server.errors.protocol_routes`), never in handlers:
 
+- the drain: once the server stops (SIGTERM), every route but `Access.LIVE` (the liveness probe)
+  answers `ShuttingDown` (503), the health and readiness probes included (lmiserve.server.drain);
 - the API key: with `api_key` set, a route registered as `Access.KEY` (every route that runs a model,
   changes server state or describes the served models) needs ``Authorization: Bearer <key>``; a route
   registered as `Access.OPEN` (health and readiness probes only) does not;
@@ -9,7 +11,7 @@
 - the head size: `max_header_size` bytes of headers at most (uvicorn also stops buffering a request
   head far above it, answering a bare 400).
 
-They raise neutral errors (`Unauthorized`, `PayloadTooLarge`, `HeadersTooLarge`) that the route
+They raise neutral errors (`ShuttingDown`, `Unauthorized`, `PayloadTooLarge`, `HeadersTooLarge`) that the route
 group's renderer answers in its protocol's shape. Every endpoint wrapped here carries its `Access` as
 ``endpoint.access``, so the route table can be audited (tests/integration/test_route_access.py).
 """
@@ -21,12 +23,13 @@ from enum import Enum
 from starlette.requests import Request
 from starlette.types import Message
 
-from lmiserve.core.errors import HeadersTooLarge, PayloadTooLarge
+from lmiserve.core.errors import HeadersTooLarge, PayloadTooLarge, ShuttingDown
 from lmiserve.server.auth import require_api_key
 
 
 class Access(Enum):
     OPEN = "open"  # health and readiness probes: never asks for the key
+    LIVE = "live"  # the liveness probe: never asks for the key, answers while the server drains
     KEY = "key"  # everything else: needs the key when one is set
 
 
@@ -35,8 +38,10 @@ def too_large(limit: int) -> PayloadTooLarge:
 
 
 def admit(request: Request, access: Access) -> Request:
-    """`request` if it may reach its handler (raises `HeadersTooLarge`, `Unauthorized` or
-    `PayloadTooLarge` otherwise), with its body reader replaced by one that stops at `max_request_size`."""
+    """`request` if it may reach its handler (raises `ShuttingDown`, `HeadersTooLarge`, `Unauthorized`
+    or `PayloadTooLarge` otherwise), with its body reader replaced by one that stops at `max_request_size`."""
+    if access is not Access.LIVE and request.app.state.drain.active:
+        raise ShuttingDown()
     settings = request.app.state.settings
     head = sum(len(name) + len(value) + 4 for name, value in request.scope["headers"])
     if head > settings.max_header_size:

@@ -6,13 +6,15 @@
    answers 503 meanwhile). A startup model that fails to load stops the server, which exits
    `MODEL_LOAD_FAILED` with one line naming the model and the cause (the traceback is logged at debug
    level only). Models registered later through the management API never stop the server.
-3. **Stop**: the first SIGTERM or SIGINT asks the server to stop (`Lifecycle.request_stop`). The stop
-   itself is `_Server.shutdown`: uvicorn closes the listeners, waits for the open requests, then the
-   lifespan stops the engines; the process then exits `OK` (`exit_process`: without finalizing the
-   interpreter under a model load that may still run on its thread). A drain phase (health turning 503 while the
-   listeners still accept, in-flight work finishing within a timeout) belongs at the start of
-   `_Server.shutdown`, before uvicorn closes the listeners.
-4. **Force**: a second SIGTERM or SIGINT while stopping exits at once with 128 + the signal number
+3. **Drain**: the first SIGTERM or SIGINT asks the server to stop (`Lifecycle.request_stop`), which
+   starts the drain at once (lmiserve.server.drain): every route but liveness answers 503, the
+   listeners stay open, the requests in flight run on for up to `drain_timeout` seconds, then the
+   engines stop and whatever still runs ends with an error in its protocol's shape (`_Server.drain`).
+4. **Stop**: uvicorn closes the listeners and the connections, waits (`STOP_GRACE` seconds at most)
+   for the responses to end, then the lifespan stops the engines; the process then exits `OK`
+   (`exit_process`: without finalizing the interpreter under a model load that may still run on
+   its thread).
+5. **Force**: a second SIGTERM or SIGINT while stopping exits at once with 128 + the signal number
    (143, 130), whatever is still running or hanging.
 
 uvicorn alone re-raises the captured signal after a graceful stop, so the process dies "killed by
@@ -30,11 +32,13 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import uvicorn
+
+from lmiserve.server.drain import Drain, wait_for_open_requests
 
 if TYPE_CHECKING:
     from lmiserve.config import Settings
@@ -43,6 +47,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("lmiserve")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# Seconds uvicorn waits, after the drain, for responses to end (a stream just ended at the drain's
+# deadline sends its last bytes; a client that stopped reading is cut off then).
+STOP_GRACE = 5
 
 
 class ExitCode(enum.IntEnum):
@@ -61,6 +68,7 @@ class Lifecycle:
         self.exit_code = ExitCode.OK
         self.failure: str | None = None  # the one stderr line of a failed run, without the "lmiserve: " prefix
         self.stop_reason: str | None = None  # set by the first stop request; logged when the stop begins
+        self.drain = Drain()  # active from the first stop request (the routes' guard reads it)
         self._server: _Server | None = None
 
     @property
@@ -69,10 +77,11 @@ class Lifecycle:
 
     # ---- requests to stop -----------------------------------------------------------------------------
     def request_stop(self, reason: str) -> None:
-        """Ask the server to stop (idempotent: the first reason is kept). Safe from a signal handler:
-        it only sets flags, which uvicorn's main loop reads within 0.1 s."""
+        """Ask the server to stop (idempotent: the first reason is kept): the drain starts at once.
+        Safe from a signal handler: it only sets flags, which uvicorn's main loop reads within 0.1 s."""
         if self.stop_reason is None:
             self.stop_reason = reason
+        self.drain.begin()
         if self._server is not None:
             self._server.should_exit = True
 
@@ -113,7 +122,9 @@ class Lifecycle:
             except OSError as exc:
                 reason = exc.strerror or str(exc)
                 return self._fail(ExitCode.CANNOT_LISTEN, f"cannot listen on {settings.host}:{settings.port}: {reason}")
-            app = create_app(settings, services=services, on_startup_load_failed=self.on_startup_load_failed)
+            app = create_app(
+                settings, services=services, on_startup_load_failed=self.on_startup_load_failed, drain=self.drain
+            )
             config = uvicorn.Config(
                 app,
                 log_level=settings.log_level,
@@ -121,8 +132,9 @@ class Lifecycle:
                 access_log=False,  # lmiserve.server.access writes one richer line per request
                 # a far bound on buffering a request head; lmiserve.server.guard checks max_header_size exactly
                 h11_max_incomplete_event_size=4 * settings.max_header_size,
+                timeout_graceful_shutdown=STOP_GRACE,
             )
-            self._server = _Server(config, self)
+            self._server = _Server(config, self, settings.drain_timeout, app.state.registry.close_all)
             if self.stopping:  # a signal came while starting
                 self._server.should_exit = True
             host, port = sock.getsockname()[:2]
@@ -141,9 +153,17 @@ class Lifecycle:
 class _Server(uvicorn.Server):
     """uvicorn's server with lmiserve's signal handling (see the module docstring)."""
 
-    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        lifecycle: Lifecycle,
+        drain_timeout: float,
+        stop_engines: Callable[[], Awaitable[None]],
+    ) -> None:
         super().__init__(config)
         self.lifecycle = lifecycle
+        self.drain_timeout = drain_timeout
+        self.stop_engines = stop_engines
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -155,9 +175,26 @@ class _Server(uvicorn.Server):
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         log.info("stopping: %s", self.lifecycle.stop_reason or "server ended")
-        # A drain phase goes here: the listeners still accept, so health can answer 503 and in-flight
-        # requests can finish before uvicorn closes the listeners and waits for open connections.
+        await self.drain()
         await super().shutdown(sockets)
+
+    async def drain(self) -> None:
+        """With the listeners still open (new requests get 503 from the guard), wait for the requests
+        in flight, up to `drain_timeout` seconds after the stop signal; then end what still runs."""
+        drain = self.lifecycle.drain
+        drain.begin()  # already begun by the stop request; the server may also end by itself
+        # uvicorn's running request cycles (a stream's included); idle keep-alive connections are not among them
+        in_flight = [task for task in self.server_state.tasks if not task.done()]
+        if not in_flight:
+            return
+        timeout = drain.remaining(self.drain_timeout)
+        log.info("draining: waiting up to %.1f s for %d request(s) in flight", timeout, len(in_flight))
+        still_open = await wait_for_open_requests(in_flight, timeout, tick=lambda: self.on_tick(0))
+        if still_open:
+            log.warning("drain_timeout (%g s) reached: ending %d request(s) still open", self.drain_timeout, still_open)
+            await self.stop_engines()  # streams end with ShuttingDown in their protocol's shape
+        else:
+            log.info("drained: every request in flight has ended")
 
 
 def exit_process(code: int) -> NoReturn:

@@ -30,11 +30,22 @@ HANG_TIMEOUT = 120.0  # seconds; far beyond a start or a stop of the tiny model,
 
 
 class ServeProcess:
-    def __init__(self, args: Sequence[str], env: Mapping[str, str] | None = None, *, port: int | None = None) -> None:
+    def __init__(
+        self,
+        args: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        *,
+        port: int | None = None,
+        command: Sequence[str] | None = None,
+        address: bool = True,
+    ) -> None:
+        """`command` replaces `python -m lmiserve serve` (e.g. the container's entrypoint); with
+        `address=False` no `--host`/`--port` is added (the process must listen on 127.0.0.1:`port`
+        by other means, e.g. its environment)."""
         self.host = "127.0.0.1"
         self.port = port if port is not None else free_port(self.host)
         self.url = f"http://{self.host}:{self.port}"
-        self.args = [*args, "--host", self.host, "--port", str(self.port)]
+        self.args = [*args, "--host", self.host, "--port", str(self.port)] if address else list(args)
         proc_env = dict(os.environ)
         proc_env.update(env or {})
         proc_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), proc_env.get("PYTHONPATH", "")) if p)
@@ -43,7 +54,7 @@ class ServeProcess:
         self._err = tempfile.TemporaryFile()  # noqa: SIM115
         self._out = tempfile.TemporaryFile()  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lmiserve", "serve", *self.args],
+            [*(command or [sys.executable, "-m", "lmiserve", "serve"]), *self.args],
             cwd=REPO_ROOT,
             env=proc_env,
             stdout=self._out,

@@ -11,26 +11,19 @@ default and covered here without editing this file.
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import httpx
 import pytest
-from starlette.requests import Request
-from starlette.routing import Mount, Route
 
+from helpers.route_table import VERTEX_ENV, VERTEX_HEALTH, Entry, concrete, entries, expected, route_table, settings
 from helpers.server import run_server
-from lmiserve.config import Settings
 from lmiserve.core.errors import PayloadTooLarge, Unauthorized
-from lmiserve.models.service import ModelService
-from lmiserve.server.app import create_app
 from lmiserve.server.guard import Access, too_large
 
 KEY = "route-audit-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 LIMIT = 4096  # max_request_size of the live server
-VERTEX_PREDICT, VERTEX_HEALTH = "/vertex/predict", "/vertex/health"
 
 # (method, path) of every route that never asks for the key.
 OPEN = {
@@ -62,44 +55,19 @@ OPEN = {
 }
 
 
-@dataclass(frozen=True)
-class Entry:
-    method: str
-    path: str  # the full path pattern
-    access: Access | None
-    endpoint: object
-
-
-def settings(**options) -> Settings:
-    return Settings(vertex_predict_route=VERTEX_PREDICT, vertex_health_route=VERTEX_HEALTH, **options)
-
-
-def route_table(app_settings: Settings) -> list[Entry]:
-    app = create_app(app_settings, ModelService(app_settings))
-    out: list[Entry] = []
-
-    def walk(routes, prefix: str) -> None:
-        for route in routes:
-            if isinstance(route, Mount):
-                walk(route.routes, prefix + route.path)
-            elif isinstance(route, Route):
-                for method in sorted((route.methods or set()) - {"HEAD"}):
-                    out.append(Entry(method, prefix + route.path, getattr(route.endpoint, "access", None), route))
-            else:
-                out.append(Entry("?", prefix + getattr(route, "path", "?"), None, route))
-
-    walk(app.routes, "")
-    return out
-
-
 def test_every_route_has_an_access_rule():
     unguarded = [(e.method, e.path) for e in route_table(settings()) if e.access is None]
     assert unguarded == [], "routes registered outside protocol_routes (no API key, no body limit)"
 
 
 def test_the_open_routes_are_exactly_the_probes():
-    open_routes = {(e.method, e.path) for e in route_table(settings()) if e.access is Access.OPEN}
+    open_routes = {(e.method, e.path) for e in route_table(settings()) if e.access in (Access.OPEN, Access.LIVE)}
     assert open_routes == OPEN
+
+
+def test_the_liveness_probe_is_the_only_route_that_answers_during_the_drain():
+    live = {(e.method, e.path) for e in route_table(settings()) if e.access is Access.LIVE}
+    assert live == {("GET", "/v2/health/live")}
 
 
 def test_management_api_can_be_turned_off():
@@ -116,48 +84,15 @@ def test_management_api_can_be_turned_off():
 @pytest.fixture(scope="module")
 def live(tiny_model_dir) -> Iterator[tuple[httpx.Client, str]]:
     args = ["--model-id", str(tiny_model_dir), "--api-key", KEY]
-    env = {"AIP_PREDICT_ROUTE": VERTEX_PREDICT, "AIP_HEALTH_ROUTE": VERTEX_HEALTH}
     for option in (f"max_request_size={LIMIT}", "max_new_tokens=2"):
         args += ["-o", option]
-    with run_server(args, env=env) as url, httpx.Client(base_url=url, timeout=60, trust_env=False) as client:
+    with run_server(args, env=VERTEX_ENV) as url, httpx.Client(base_url=url, timeout=60, trust_env=False) as client:
         name = client.get("/v1/models", headers=AUTH).json()["data"][0]["id"]
         yield client, name
 
 
-def concrete(path: str, model: str, method: str) -> str:
-    """A path of the pattern with the served model's name in it (another name for DELETE, which would
-    unregister the model the other tests use)."""
-    model = "not-served" if method == "DELETE" else model
-    values = {
-        "model_name": model,
-        "model": model,
-        "version": "1",
-        "endpoint": "e1",
-        "deployed": f"{model}:predict" if method == "POST" else model,
-        "rest": f"{model}:predict" if method == "POST" else model,
-        "path": "anything",
-    }
-    return re.sub(r"\{(\w+)(?::\w+)?\}", lambda m: values[m.group(1)], path)
-
-
 def guarded_entries() -> list[Entry]:
-    """The guarded (method, path) patterns, each once: the first route of a pattern is the one that
-    answers (OpenAI's exact `GET /v1/models` comes before TF Serving's)."""
-    seen: set[tuple[str, str]] = set()
-    out = []
-    for e in route_table(settings()):
-        if e.access is Access.KEY and (e.method, e.path) not in seen:
-            seen.add((e.method, e.path))
-            out.append(e)
-    return out
-
-
-def expected(entry: Entry, exc) -> tuple[int, bytes]:
-    """The status and body the route's renderer gives `exc`."""
-    app = create_app(settings(), ModelService(settings()))
-    scope = {"type": "http", "method": entry.method, "path": "/", "headers": [], "query_string": b"", "app": app}
-    response = entry.endpoint.endpoint.renderer.response(exc, Request(scope))  # type: ignore[attr-defined]
-    return response.status_code, response.body
+    return entries({Access.KEY})
 
 
 @pytest.mark.parametrize("entry", guarded_entries(), ids=lambda e: f"{e.method} {e.path}")

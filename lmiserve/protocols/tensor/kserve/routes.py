@@ -78,7 +78,7 @@ async def repository_index(request: Request) -> Response:
 
 async def not_found(request: Request) -> Response:
     """Any other path or method under /v2 (Triton answers a known path with a wrong method 405)."""
-    for route in [*_PROBES, *_ROUTES]:
+    for route in [*_LIVE, *_READY, *_ROUTES]:
         if route.matches(request.scope)[0] == Match.PARTIAL:  # the path exists, the method does not
             return raw_response(error_json("Method Not Allowed"), 405)
     raise NotFound(f"Not Found: {request.method} {request.url.path}")
@@ -135,9 +135,12 @@ def _model_routes(prefix: str) -> list[BaseRoute]:
 
 SERVER = _op("Server metadata", apidoc.ok("Metadata", apidoc.json(schema.ServerMetadata)))
 
-# Health and readiness (no API key): registered with their full paths before the /v2 mount.
-_PROBES = [
+# Health and readiness (no API key): registered with their full paths before the /v2 mount; liveness
+# answers 200 as long as the process serves (a draining server included), readiness 503 once it drains.
+_LIVE = [
     apidoc.document(Route("/health/live", live, methods=["GET"]), _op("Liveness", apidoc.ok("Live (no body)"))),
+]
+_READY = [
     apidoc.document(Route("/health/ready", ready, methods=["GET"]), READY),
     apidoc.document(Route("/models/{model}/ready", model_ready, methods=["GET"]), READY),
     apidoc.document(Route("/models/{model}/versions/{version}/ready", model_ready, methods=["GET"]), READY),
@@ -167,9 +170,14 @@ def routes() -> list[BaseRoute]:
             apidoc.document(Route("/v2", server_metadata, methods=["GET"]), SERVER),
             Mount("/v2", routes=[*_ROUTES, apidoc.hidden(Route("/{path:path}", not_found, methods=ANY))]),
         ],
-        public=[
-            apidoc.document(Route("/v2" + r.path, r.endpoint, methods=r.methods), *getattr(r, apidoc.ATTRIBUTE))
-            for r in _PROBES
-            if isinstance(r, Route)
-        ],
+        live=_under_v2(_LIVE),
+        public=_under_v2(_READY),
     )
+
+
+def _under_v2(probes: list[Route]) -> list[BaseRoute]:
+    """`probes` registered with their full /v2 paths, keeping their API document entries."""
+    return [
+        apidoc.document(Route("/v2" + r.path, r.endpoint, methods=r.methods), *getattr(r, apidoc.ATTRIBUTE))
+        for r in probes
+    ]
