@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,7 +113,9 @@ def test_readme_examples_run_as_pasted(kind: str, request: pytest.FixtureRequest
     with run_server(server.args, env=server.env, timeout=300) as url:
         replacements["localhost:8080"] = url.removeprefix("http://")
         for example in examples:
+            started = time.monotonic()
             outcome = run_example(example, replacements, cwd=tmp_path)
+            took = time.monotonic() - started
             problems = mismatches(example, outcome)
             if outcome.exit_code != 0:
                 problems.append(f"exit code {outcome.exit_code}")
@@ -120,7 +123,7 @@ def test_readme_examples_run_as_pasted(kind: str, request: pytest.FixtureRequest
                 problems.append(f"expected HTTP {example.expect} (`# expect`), got {outcome.status}")
             if example.expect is None and (outcome.status is None or outcome.status >= 400):
                 problems.append(f"HTTP {outcome.status}; mark an error shown on purpose with `# expect NNN`")
-            print(json.dumps({"line": example.line, "status": outcome.status, "stdout": outcome.stdout[:600]}))
+            print(json.dumps({"line": example.line, "s": round(took, 1), "status": outcome.status, "stdout": outcome.stdout[:600]}))
             if problems:
                 failures.append(_report(example, outcome, problems))
     assert not failures, f"{len(failures)} of {len(examples)} README examples failed:\n\n" + "\n\n".join(failures)

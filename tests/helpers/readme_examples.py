@@ -29,7 +29,7 @@ from typing import Any
 SHELL_LANGUAGES = {"", "bash", "sh", "shell", "console", "shell-session"}
 MARKER = re.compile(r"^<!--\s*(?P<role>server|setup):\s*(?P<kind>[^>]*?)\s*-->\s*$")
 FENCE = re.compile(r"^(?P<fence>```+)\s*(?P<lang>[\w-]*)")
-EXPECT = re.compile(r"#\s*expect\s+(?P<status>\d{3})\b")
+EXPECT = re.compile(r"(?:^|#)\s*expect\s+(?P<status>\d{3})\b")
 CURL_WORD = re.compile(r"(?<![\w./-])curl(?=\s)")
 JSON_KEY = re.compile(r'"(?P<key>[A-Za-z_][\w.-]*)"\s*:')
 HEADER_LINE = re.compile(r"^(?P<name>[A-Za-z][A-Za-z0-9-]*): ")
@@ -181,9 +181,10 @@ def run_bash(script: str, replacements: Mapping[str, str], cwd: Path, timeout: f
 
 
 def run_example(example: Example, replacements: Mapping[str, str], cwd: Path) -> Outcome:
-    """Run the command with bash and real curl (`-v` added to read the status, `-m` to bound it).
+    """Run the command with bash and real curl (`-v` added to read the status, `-m` to bound it,
+    no progress meter to keep the `-v` lines apart).
     Without pipefail: `curl ... | head -c 120` is judged by its status, not by curl's exit code."""
-    command = CURL_WORD.sub("curl -v -m 240", split_comment(example.command)[0])
+    command = CURL_WORD.sub("curl -v --no-progress-meter -m 240", split_comment(example.command)[0])
     return run_bash(command, replacements, cwd)
 
 
@@ -204,9 +205,11 @@ def _shown_text(shown: str) -> str:
 def _json_documents(text: str) -> list[Any]:
     """The whole text as one JSON document if it is one, else every line (or SSE `data:`) that is."""
     try:
-        return [json.loads(text)]
+        whole = json.loads(text)
     except ValueError:
-        pass
+        whole = None
+    if isinstance(whole, (dict, list)):
+        return [whole]
     documents = []
     for line in text.splitlines():
         line = line.removeprefix("data: ").strip()
