@@ -11,6 +11,7 @@ output the README shows has the shape and keys of the real answer (`helpers/read
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -104,6 +105,8 @@ def _report(example: Example, outcome: Outcome, problems: list[str]) -> str:
 def test_readme_examples_run_as_pasted(kind: str, request: pytest.FixtureRequest, tmp_path: Path):
     examples = [example for example in CURL_EXAMPLES if example.server == kind]
     assert examples, f"no README example is marked `<!-- server: {kind} -->`"
+    if shutil.which("curl") is None or shutil.which("bash") is None:
+        pytest.fail("the README examples need curl and bash on PATH (Debian: apt-get install curl)")
     server = SERVERS[kind](request, tmp_path)
     replacements = {".venv/bin/": f"{Path(sys.executable).parent}/", **server.replacements}
     for setup in (setup for setup in SETUPS if setup.server == kind):
@@ -123,7 +126,16 @@ def test_readme_examples_run_as_pasted(kind: str, request: pytest.FixtureRequest
                 problems.append(f"expected HTTP {example.expect} (`# expect`), got {outcome.status}")
             if example.expect is None and (outcome.status is None or outcome.status >= 400):
                 problems.append(f"HTTP {outcome.status}; mark an error shown on purpose with `# expect NNN`")
-            print(json.dumps({"line": example.line, "s": round(took, 1), "status": outcome.status, "stdout": outcome.stdout[:600]}))
+            print(
+                json.dumps(
+                    {
+                        "line": example.line,
+                        "s": round(took, 1),
+                        "status": outcome.status,
+                        "stdout": outcome.stdout[:600],
+                    }
+                )
+            )
             if problems:
                 failures.append(_report(example, outcome, problems))
     assert not failures, f"{len(failures)} of {len(examples)} README examples failed:\n\n" + "\n\n".join(failures)

@@ -147,11 +147,12 @@ def _block_examples(lines: list[str], start: int, end: int, server: str | None) 
             parts.append(lines[k].strip())
         command = " ".join(p[:-1].rstrip() if p.endswith("\\") else p for p in parts)
         k += 1
-        shown: list[str] = [split_comment(command)[1]]
+        comment = split_comment(command)[1]
+        shown: list[str] = [EXPECT.sub("", comment).strip()]
         while k < end and not _starts_command(lines[k], prompts):
             shown.append(lines[k])
             k += 1
-        expect = EXPECT.search(split_comment(command)[1])
+        expect = EXPECT.search(comment)
         examples.append(
             Example(
                 line=command_line,
