@@ -74,6 +74,14 @@ SERVERS: dict[str, Callable[[pytest.FixtureRequest, Path], Server]] = {
     "api-key": _api_key,
     "store": _store,
 }
+# How the README tells a reader to start each kind; `SERVERS` starts the same.
+START_COMMANDS = {
+    "make serve": "make serve ",
+    "dynamic-batch": ".venv/bin/lmiserve serve -o rolling_batch=disable -o batch_size=4 -o max_batch_delay=50\n",
+    "api-key": "lmiserve serve --api-key s3cret ",
+    "store": "AIP_PREDICT_ROUTE=/vertex/predict AIP_HEALTH_ROUTE=/vertex/health AIP_DEPLOYED_MODEL_ID=1234 \\\n"
+    "  .venv/bin/lmiserve serve --model-store store -o allowed_model_paths=/tmp/demo\n",
+}
 
 
 def test_every_curl_example_names_a_known_server():
@@ -83,6 +91,13 @@ def test_every_curl_example_names_a_known_server():
         f"put one of {sorted(SERVERS)} as `<!-- server: KIND -->` right above these blocks:\n" + "\n".join(unmarked)
     )
     assert {setup.server for setup in SETUPS} <= set(SERVERS)
+
+
+@pytest.mark.parametrize("kind", list(SERVERS))
+def test_the_readme_says_how_to_start_each_server(kind: str):
+    assert START_COMMANDS[kind] in README.read_text(encoding="utf-8"), (
+        f"the README no longer starts `{kind}` with {START_COMMANDS[kind]!r}: update SERVERS and START_COMMANDS"
+    )
 
 
 def _report(example: Example, outcome: Outcome, problems: list[str]) -> str:
