@@ -20,7 +20,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +33,7 @@ MARKER = re.compile(r"^<!--\s*(?P<role>server|setup):\s*(?P<kind>[^>]*?)\s*-->\s
 FENCE = re.compile(r"^(?P<fence>```+)\s*(?P<lang>[\w-]*)")
 EXPECT = re.compile(r"(?:^|#)\s*expect\s+(?P<status>\d{3})\b")
 CURL_WORD = re.compile(r"(?<![\w./-])curl(?=\s)")
+ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 JSON_KEY = re.compile(r'"(?P<key>[A-Za-z_][\w.-]*)"\s*:')
 HEADER_LINE = re.compile(r"^(?P<name>[A-Za-z][A-Za-z0-9-]*): ")
 STATUS_LINE = re.compile(r"^HTTP/[\d.]+ (?P<status>\d{3})", re.MULTILINE)
@@ -44,6 +47,7 @@ class Example:
     command: str  # as written: `$ ` removed, continuation lines joined, trailing comment kept
     shown: str  # the README's output for it (its trailing comment, then the lines after it)
     expect: int | None  # the status asked for by `# expect NNN`
+    assignments: str = ""  # variables set earlier in its block (`S='...'`), run before it
 
     @property
     def is_curl(self) -> bool:
@@ -68,18 +72,33 @@ class Outcome:
     stderr: str
 
 
-def split_comment(line: str) -> tuple[str, str]:
-    """`(code, comment)`: the comment is what follows the first `#` outside quotes after whitespace."""
+def _scan(text: str) -> tuple[int | None, str]:
+    """Where a shell comment starts in `text` (a `#` outside quotes after whitespace) and which quote
+    is still open at its end ("" for none), with bash's quoting: nothing escapes inside '...', a
+    backslash escapes the next character elsewhere."""
     quote = ""
-    for i, char in enumerate(line):
-        if quote:
+    escaped = False
+    for i, char in enumerate(text):
+        if escaped:
+            escaped = False
+        elif char == "\\" and quote != "'":
+            escaped = True
+        elif quote:
             if char == quote:
                 quote = ""
         elif char in "'\"":
             quote = char
-        elif char == "#" and (i == 0 or line[i - 1].isspace()):
-            return line[:i].rstrip(), line[i + 1 :].strip()
-    return line.rstrip(), ""
+        elif char == "#" and (i == 0 or text[i - 1].isspace()):
+            return i, ""
+    return None, quote
+
+
+def split_comment(line: str) -> tuple[str, str]:
+    """`(code, comment)`: the comment is what follows the first `#` outside quotes after whitespace."""
+    start, _ = _scan(line)
+    if start is None:
+        return line.rstrip(), ""
+    return line[:start].rstrip(), line[start + 1 :].strip()
 
 
 def parse_examples(markdown: str) -> list[Example]:
@@ -130,23 +149,29 @@ def _shell_blocks(lines: list[str]) -> list[tuple[str | None, str | None, int, i
 def _block_examples(lines: list[str], start: int, end: int, server: str | None) -> list[Example]:
     prompts = any(lines[k].startswith("$ ") for k in range(start, end))
     examples: list[Example] = []
+    assignments: list[str] = []  # `S='{...}'` lines: the block's later commands use them
     k = start
     while k < end:
         line = lines[k]
         if prompts and line.startswith("$ "):
             first = line[2:]
-        elif not prompts and line.lstrip().startswith("curl "):
+        elif not prompts and (line.lstrip().startswith("curl ") or _is_assignment(line)):
             first = line.strip()
         else:
             k += 1
             continue
         command_line = k + 1
-        parts = [first]
-        while split_comment(parts[-1])[0].endswith("\\") and k + 1 < end:
+        command = first
+        while k + 1 < end and (_scan(command)[1] or split_comment(command)[0].endswith("\\")):
             k += 1
-            parts.append(lines[k].strip())
-        command = " ".join(p[:-1].rstrip() if p.endswith("\\") else p for p in parts)
+            if _scan(command)[1]:  # a quoted string that goes on on the next line
+                command += "\n" + lines[k]
+            else:
+                command = split_comment(command)[0][:-1].rstrip() + " " + lines[k].strip()
         k += 1
+        if _is_assignment(command):
+            assignments.append(command)
+            continue
         comment = split_comment(command)[1]
         shown: list[str] = [EXPECT.sub("", comment).strip()]
         while k < end and not _starts_command(lines[k], prompts):
@@ -160,13 +185,23 @@ def _block_examples(lines: list[str], start: int, end: int, server: str | None) 
                 command=command,
                 shown="\n".join(shown).strip("\n"),
                 expect=int(expect["status"]) if expect else None,
+                assignments="\n".join(assignments),
             )
         )
     return examples
 
 
+def _is_assignment(line: str) -> bool:
+    """`NAME=value` alone on its line (not `NAME=value command`)."""
+    try:
+        words = shlex.split(split_comment(line)[0])
+    except ValueError:
+        return False
+    return len(words) == 1 and ASSIGNMENT.match(words[0]) is not None
+
+
 def _starts_command(line: str, prompts: bool) -> bool:
-    return line.startswith("$ ") if prompts else line.lstrip().startswith("curl ")
+    return line.startswith("$ ") if prompts else (line.lstrip().startswith("curl ") or _is_assignment(line))
 
 
 def run_bash(script: str, replacements: Mapping[str, str], cwd: Path, timeout: float = 300.0) -> Outcome:
@@ -174,6 +209,7 @@ def run_bash(script: str, replacements: Mapping[str, str], cwd: Path, timeout: f
     for old, new in replacements.items():
         script = script.replace(old, new)
     env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])  # python, lmiserve
     proc = subprocess.run(
         ["bash", "-e", "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
     )
@@ -186,7 +222,7 @@ def run_example(example: Example, replacements: Mapping[str, str], cwd: Path) ->
     no progress meter to keep the `-v` lines apart).
     Without pipefail: `curl ... | head -c 120` is judged by its status, not by curl's exit code."""
     command = CURL_WORD.sub("curl -v --no-progress-meter -m 240", split_comment(example.command)[0])
-    return run_bash(command, replacements, cwd)
+    return run_bash(f"{example.assignments}\n{command}", replacements, cwd)
 
 
 def json_shape(value: Any) -> Any:

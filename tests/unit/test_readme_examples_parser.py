@@ -106,3 +106,26 @@ def test_shown_status_line_and_headers_must_match():
 
 def test_scalars_shown_are_not_shapes():
     assert mismatches(_example("200"), _outcome("200\n")) == []
+
+
+def test_assignments_and_quoted_strings_over_several_lines():
+    markdown = """\
+<!-- server: make serve -->
+```bash
+S='{"type":"object"}'
+curl -s localhost:8080/generate -d "{\\"inputs\\":\\"a # b\\",
+       \\"schema\\":$S}"
+# {"generated_text": "x"}
+curl -s localhost:8080/info    # expect 401
+```
+"""
+    first, second = parse_examples(markdown)
+    assert first.assignments == second.assignments == """S='{"type":"object"}'"""
+    assert first.command == 'curl -s localhost:8080/generate -d "{\\"inputs\\":\\"a # b\\",\n       \\"schema\\":$S}"'
+    assert first.shown == '# {"generated_text": "x"}'
+    assert (second.expect, second.shown) == (401, "")
+
+
+def test_split_comment_knows_backslash_escapes():
+    assert split_comment('curl -d "{\\"a\\": 1}" # c') == ('curl -d "{\\"a\\": 1}"', "c")
+    assert split_comment("echo it\\'s # c") == ("echo it\\'s", "c")
