@@ -1,0 +1,156 @@
+"""The README's curl examples run as pasted, against the server each block names.
+
+Every fenced shell block with a curl command has a marker right above it, `<!-- server: KIND -->`
+(invisible on GitHub); `SERVERS` below starts each kind the way the README says, after running the
+README's `<!-- setup: KIND -->` blocks in a temporary directory. The test rewrites `localhost:8080` to
+the test server's port, runs every command with bash and the real curl, and checks
+the exit code, the HTTP status (below 400, or the one a `# expect NNN` comment asks for) and that the
+output the README shows has the shape and keys of the real answer (`helpers/readme_examples.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from helpers.readme_examples import Example, Outcome, mismatches, parse_examples, parse_setups, run_bash, run_example
+from helpers.server import REPO_ROOT, run_server
+
+README = REPO_ROOT / "README.md"
+EXAMPLES = parse_examples(README.read_text(encoding="utf-8"))
+CURL_EXAMPLES = [example for example in EXAMPLES if example.is_curl]
+SETUPS = parse_setups(README.read_text(encoding="utf-8"))
+
+
+@dataclass
+class Server:
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    replacements: dict[str, str] = field(default_factory=dict)  # README text -> what this machine has
+
+
+def _make_serve(request: pytest.FixtureRequest, tmp_path: Path) -> Server:
+    request.getfixturevalue("smollm_dir")  # converts the bundled model once, outside the startup timeout
+    return Server()
+
+
+def _dynamic_batch(request: pytest.FixtureRequest, tmp_path: Path) -> Server:
+    request.getfixturevalue("smollm_dir")
+    return Server(["-o", "rolling_batch=disable", "-o", "batch_size=4", "-o", "max_batch_delay=50"])
+
+
+def _api_key(request: pytest.FixtureRequest, tmp_path: Path) -> Server:
+    request.getfixturevalue("smollm_dir")
+    return Server(["--api-key", "s3cret"])
+
+
+def _store(request: pytest.FixtureRequest, tmp_path: Path) -> Server:
+    """The README's store (its setup blocks made `store/` with the bundled SmolLM2 as `smollm2` and
+    all-MiniLM-L6-v2 as `minilm`, and the TorchScript model in `/tmp/demo/affine`), started as its
+    start line says."""
+    request.getfixturevalue("smollm_dir")
+    demo = tmp_path / "demo"
+    return Server(
+        ["--model-store", str(tmp_path / "store"), "-o", f"allowed_model_paths={demo}"],
+        env={
+            "AIP_PREDICT_ROUTE": "/vertex/predict",
+            "AIP_HEALTH_ROUTE": "/vertex/health",
+            "AIP_DEPLOYED_MODEL_ID": "1234",
+        },
+        replacements={"/tmp/demo": str(demo)},
+    )
+
+
+SERVERS: dict[str, Callable[[pytest.FixtureRequest, Path], Server]] = {
+    "make serve": _make_serve,
+    "dynamic-batch": _dynamic_batch,
+    "api-key": _api_key,
+    "store": _store,
+}
+# How the README tells a reader to start each kind; `SERVERS` starts the same.
+START_COMMANDS = {
+    "make serve": "make serve ",
+    "dynamic-batch": ".venv/bin/lmiserve serve -o rolling_batch=disable -o batch_size=4 -o max_batch_delay=50\n",
+    "api-key": "lmiserve serve --api-key s3cret ",
+    "store": "AIP_PREDICT_ROUTE=/vertex/predict AIP_HEALTH_ROUTE=/vertex/health AIP_DEPLOYED_MODEL_ID=1234 \\\n"
+    "  .venv/bin/lmiserve serve --model-store store -o allowed_model_paths=/tmp/demo\n",
+}
+
+
+def test_every_curl_example_names_a_known_server():
+    assert len(CURL_EXAMPLES) >= 50, "the README's curl examples were not found"
+    unmarked = [str(example) for example in CURL_EXAMPLES if example.server not in SERVERS]
+    assert not unmarked, (
+        f"put one of {sorted(SERVERS)} as `<!-- server: KIND -->` right above these blocks:\n" + "\n".join(unmarked)
+    )
+    assert {setup.server for setup in SETUPS} <= set(SERVERS)
+
+
+@pytest.mark.parametrize("kind", list(SERVERS))
+def test_the_readme_says_how_to_start_each_server(kind: str):
+    assert START_COMMANDS[kind] in README.read_text(encoding="utf-8"), (
+        f"the README no longer starts `{kind}` with {START_COMMANDS[kind]!r}: update SERVERS and START_COMMANDS"
+    )
+
+
+def _report(example: Example, outcome: Outcome, problems: list[str]) -> str:
+    return "\n".join(
+        [
+            str(example),
+            *(f"  - {problem}" for problem in problems),
+            f"  exit code {outcome.exit_code}, HTTP {outcome.status}",
+            "  stdout: " + outcome.stdout[:2000],
+            "  stderr: "
+            + "\n".join(line for line in outcome.stderr.splitlines() if not line.startswith(("*", ">", "<", "{", "}")))[
+                :1000
+            ],
+        ]
+    )
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("kind", list(SERVERS))
+def test_readme_examples_run_as_pasted(kind: str, request: pytest.FixtureRequest, tmp_path: Path):
+    examples = [example for example in CURL_EXAMPLES if example.server == kind]
+    assert examples, f"no README example is marked `<!-- server: {kind} -->`"
+    if shutil.which("curl") is None or shutil.which("bash") is None:
+        pytest.fail("the README examples need curl and bash on PATH (Debian: apt-get install curl)")
+    server = SERVERS[kind](request, tmp_path)
+    replacements = {".venv/bin/": f"{Path(sys.executable).parent}/", **server.replacements}
+    for setup in (setup for setup in SETUPS if setup.server == kind):
+        done = run_bash(setup.script, replacements, cwd=tmp_path)
+        assert done.exit_code == 0, f"README.md:{setup.line}: the setup block failed:\n{done.stderr}"
+    failures: list[str] = []
+    with run_server(server.args, env=server.env, timeout=300) as url:
+        replacements["localhost:8080"] = url.removeprefix("http://")
+        for example in examples:
+            started = time.monotonic()
+            outcome = run_example(example, replacements, cwd=tmp_path)
+            took = time.monotonic() - started
+            problems = mismatches(example, outcome)
+            if outcome.exit_code != 0:
+                problems.append(f"exit code {outcome.exit_code}")
+            if example.expect is not None and outcome.status != example.expect:
+                problems.append(f"expected HTTP {example.expect} (`# expect`), got {outcome.status}")
+            if example.expect is None and (outcome.status is None or outcome.status >= 400):
+                problems.append(f"HTTP {outcome.status}; mark an error shown on purpose with `# expect NNN`")
+            print(
+                json.dumps(
+                    {
+                        "line": example.line,
+                        "s": round(took, 1),
+                        "status": outcome.status,
+                        "stdout": outcome.stdout[:600],
+                    }
+                )
+            )
+            if problems:
+                failures.append(_report(example, outcome, problems))
+    assert not failures, f"{len(failures)} of {len(examples)} README examples failed:\n\n" + "\n\n".join(failures)
