@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from helpers.readme_examples import Example, Outcome, mismatches, parse_examples, parse_setups, run_bash, run_example
-from helpers.server import REPO_ROOT, run_server
+from helpers.server import REPO_ROOT, free_port, run_server
 
 README = REPO_ROOT / "README.md"
 EXAMPLES = parse_examples(README.read_text(encoding="utf-8"))
@@ -68,17 +68,26 @@ def _store(request: pytest.FixtureRequest, tmp_path: Path) -> Server:
     )
 
 
+def _metrics_port(request: pytest.FixtureRequest, tmp_path: Path) -> Server:
+    """`make serve`'s model with `--metrics-port`: the README's 9090 becomes a free port."""
+    request.getfixturevalue("smollm_dir")
+    port = free_port()
+    return Server(["--metrics-port", str(port)], replacements={"localhost:9090": f"127.0.0.1:{port}"})
+
+
 SERVERS: dict[str, Callable[[pytest.FixtureRequest, Path], Server]] = {
     "make serve": _make_serve,
     "dynamic-batch": _dynamic_batch,
     "api-key": _api_key,
     "store": _store,
+    "metrics-port": _metrics_port,
 }
 # How the README tells a reader to start each kind; `SERVERS` starts the same.
 START_COMMANDS = {
     "make serve": "make serve ",
     "dynamic-batch": ".venv/bin/lmiserve serve -o rolling_batch=disable -o batch_size=4 -o max_batch_delay=50\n",
     "api-key": "lmiserve serve --api-key s3cret ",
+    "metrics-port": "lmiserve serve --metrics-port 9090\n",
     "store": "AIP_PREDICT_ROUTE=/vertex/predict AIP_HEALTH_ROUTE=/vertex/health AIP_DEPLOYED_MODEL_ID=1234 \\\n"
     "  .venv/bin/lmiserve serve --model-store store -o allowed_model_paths=/tmp/demo\n",
 }
