@@ -175,9 +175,10 @@ def routes() -> list[BaseRoute]:
     )
 
 
-def _under_v2(probes: list[Route]) -> list[BaseRoute]:
+def _under_v2(probes: list[BaseRoute]) -> list[BaseRoute]:
     """`probes` registered with their full /v2 paths, keeping their API document entries."""
     return [
         apidoc.document(Route("/v2" + r.path, r.endpoint, methods=r.methods), *getattr(r, apidoc.ATTRIBUTE))
         for r in probes
+        if isinstance(r, Route)
     ]
