@@ -176,6 +176,7 @@ def test_register_with_a_json_body_and_name_from_the_directory(client, tiny_clas
         ({"url": "file:/etc"}, 403, "ForbiddenException", "not under an allowed model root"),
         ({"url": "../../../../../../../../etc"}, 403, "ForbiddenException", "not under an allowed model root"),
         ({"url": "\x00"}, 400, "BadRequestException", "Invalid url"),
+        ({"url": ".", "model_name": "root"}, 400, "BadRequestException", "No model in .: no weights"),
     ],
 )
 def test_registration_errors(client, params, status, kind, message):

@@ -128,6 +128,11 @@ async def register_model(request: Request) -> Response:
         settings = model_settings(request.app.state.settings, directory, name, overrides)
     except ConfigError as exc:
         raise InvalidRequest(str(exc)) from None
+    if not settings.model_id:  # nothing to load: never fall back to the bundled default model
+        raise InvalidRequest(
+            f"No model in {params.get('url')}: no weights (config.json, .safetensors, .gguf, .pt) "
+            "and no model_id in a serving.properties."
+        )
     service = ModelService(settings, name=name)
     service.loaded_at_startup = False
     registry.add(service)
