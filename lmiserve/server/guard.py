@@ -18,12 +18,13 @@ group's renderer answers in its protocol's shape. Every endpoint wrapped here ca
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import Enum
 
 from starlette.requests import Request
 from starlette.types import Message
 
-from lmiserve.core.errors import HeadersTooLarge, PayloadTooLarge, ShuttingDown
+from lmiserve.core.errors import HeadersTooLarge, LmiServeError, PayloadTooLarge, ShuttingDown
 from lmiserve.server.auth import require_api_key
 
 
@@ -35,6 +36,27 @@ class Access(Enum):
 
 def too_large(limit: int) -> PayloadTooLarge:
     return PayloadTooLarge(f"Request body is larger than max_request_size ({limit} bytes)")
+
+
+def declares_more_than(request: Request, limit: int) -> bool:
+    """True when the request's ``Content-Length`` says its body is larger than `limit` bytes."""
+    declared = request.headers.get("content-length", "")
+    return declared.isdigit() and int(declared) > limit
+
+
+async def read_body(request: Request, limit: int, error: Callable[[], LmiServeError]) -> bytes:
+    """The body of `request`, raising `error()` as soon as it is known to be larger than `limit` bytes:
+    from ``Content-Length`` before anything is read, else once the bytes received pass it."""
+    if declares_more_than(request, limit):
+        raise error()
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise error()
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def admit(request: Request, access: Access) -> Request:
@@ -49,8 +71,7 @@ def admit(request: Request, access: Access) -> Request:
     if access is Access.KEY:
         require_api_key(request)
     limit = settings.max_request_size
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
+    if declares_more_than(request, limit):
         raise too_large(limit)
     receive = request.receive
     received = 0

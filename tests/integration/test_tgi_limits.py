@@ -118,6 +118,19 @@ def test_payload_limit(client):
     assert client.post("/invocations", json=big, headers=AUTH).status_code == 200  # LMI has no body limit
 
 
+def test_payload_limit_on_a_chunked_body(client):
+    """No Content-Length: the limit is enforced while the body arrives, not after reading all of it."""
+
+    def body():
+        for _ in range(64):  # 64 KiB in 1 KiB pieces, far above payload_limit=1000
+            yield b"x" * 1024
+
+    headers = {**AUTH, "Content-Type": "application/json"}
+    for path in ("/generate", "/v1/chat/completions"):
+        r = client.post(path, content=body(), headers=headers)
+        assert (r.status_code, r.text) == (413, "Failed to buffer the request body: length limit exceeded"), path
+
+
 # --- overload, keep-alive, disconnect ---------------------------------------------------------------------
 
 

@@ -12,8 +12,13 @@ from starlette.requests import Request
 
 from lmiserve.core import jsondoc
 from lmiserve.core.errors import MalformedBody, PayloadTooLarge, SchemaViolation, UnsupportedMediaType
+from lmiserve.server.guard import read_body
 
 M = TypeVar("M", bound=BaseModel)
+
+
+def _too_large() -> PayloadTooLarge:
+    return PayloadTooLarge("Failed to buffer the request body: length limit exceeded")
 
 
 async def json_payload(request: Request) -> Any:
@@ -21,13 +26,7 @@ async def json_payload(request: Request) -> Any:
     ctype = request.headers.get("content-type", "")
     if ctype.split(";")[0].strip().lower() != "application/json":
         raise UnsupportedMediaType("Expected request with `Content-Type: application/json`")
-    limit = request.app.state.settings.payload_limit
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge("Failed to buffer the request body: length limit exceeded")
-    body = await request.body()
-    if len(body) > limit:
-        raise PayloadTooLarge("Failed to buffer the request body: length limit exceeded")
+    body = await read_body(request, request.app.state.settings.payload_limit, _too_large)
     try:
         return jsondoc.loads(body)
     except ValueError as exc:  # not UTF-8, not JSON, too deep, a lone surrogate: jsondoc's message
