@@ -88,19 +88,23 @@ def against_fp32(args: argparse.Namespace) -> None:
     fp32 = load_causal_lm(path, dtype="fp32", device="cpu")
     t0 = time.time()
     ref32 = reference(fp32, texts, args.tokens)
-    report = {"model": str(path), "dtype": args.dtype, "concurrency": args.concurrency, "new_tokens": args.tokens,
+    report = {"model": str(path), "prompts": args.prompts, "concurrency": args.concurrency,
+              "new_tokens": args.tokens, "threads": torch.get_num_threads(),
               "fp32_generate_seconds": round(time.time() - t0, 1)}
     del fp32
-    loaded = load_causal_lm(path, dtype=args.dtype, device="cpu")
-    t0 = time.time()
-    same = reference(loaded, texts, args.tokens)
-    report["generate_seconds"] = round(time.time() - t0, 1)
-    t0 = time.time()
-    got = asyncio.run(served(loaded, texts, args.tokens, args.concurrency, False))
-    report["engine_seconds"] = round(time.time() - t0, 1)
-    report["engine_vs_generate_same_dtype"] = compare(same, got)
-    report["engine_vs_fp32_generate"] = {**compare(ref32, got), "token_agreement": agreement(ref32, got)}
-    report["generate_vs_fp32_generate"] = {**compare(ref32, same), "token_agreement": agreement(ref32, same)}
+    for dtype in args.dtype.split(","):
+        loaded = load_causal_lm(path, dtype=dtype, device="cpu")
+        t0 = time.time()
+        same = reference(loaded, texts, args.tokens)
+        part = {"generate_seconds": round(time.time() - t0, 1)}
+        t0 = time.time()
+        got = asyncio.run(served(loaded, texts, args.tokens, args.concurrency, False))
+        part["engine_seconds"] = round(time.time() - t0, 1)
+        part["engine_vs_generate_same_dtype"] = compare(same, got)
+        part["engine_vs_fp32_generate"] = {**compare(ref32, got), "token_agreement": agreement(ref32, got)}
+        part["generate_vs_fp32_generate"] = {**compare(ref32, same), "token_agreement": agreement(ref32, same)}
+        report[dtype] = part
+        print(json.dumps({dtype: part}), flush=True)
     print(json.dumps(report, indent=2))
 
 
@@ -110,7 +114,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=48)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=48)
-    parser.add_argument("--dtype", default="fp32", help="fp32 (default), or bf16/int8: compared with fp32 too")
+    parser.add_argument("--dtype", default="fp32", help="fp32 (default), or bf16, int8, bf16,int8: compared with fp32 too")
     args = parser.parse_args()
     if args.dtype != "fp32":
         against_fp32(args)

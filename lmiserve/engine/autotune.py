@@ -123,6 +123,8 @@ def choose(fast: FastLlama, slots: int, cache_path: str | os.PathLike[str] | Non
             fast.use_kernels(choice.gemm, choice.compiled_attention)
             return choice
     choice = measure(fast, slots)
+    if choice.source != "measured":  # out of time (a busy machine): try again at the next start
+        return choice
     entries[key] = {
         "gemm": choice.gemm.to_dict(),
         "compiled_attention": choice.compiled_attention,
@@ -183,11 +185,12 @@ def measure(fast: FastLlama, slots: int) -> KernelChoice:
         attention = not ratio > 1.0  # inf / inf (out of time) keeps the compiled kernel
         timings.update({f"b1 attention {k}": round(v, 2) for k, v in att_small.items()})
         timings.update({f"b{large} attention {k}": round(v, 2) for k, v in att_big.items()})
+    timings = {k: v for k, v in timings.items() if v != float("inf")}
     if time.monotonic() > deadline:
         fast.use_kernels(default, compiled_ok)
         return KernelChoice(default, compiled_ok, f"static (autotune over its {BUDGET_S:.0f} s budget)", timings)
     fast.use_kernels(gemm, attention)
-    return KernelChoice(gemm, attention, "measured", {k: v for k, v in timings.items() if v != float("inf")})
+    return KernelChoice(gemm, attention, "measured", timings)
 
 
 def _read(path: Path) -> dict[str, Any]:

@@ -138,3 +138,13 @@ def test_every_choice_gives_generates_greedy_tokens(tiny_model, tmp_path: Path, 
 
     for prompt, got in zip(prompts, asyncio.run(run())):
         assert got == _greedy(tiny_model, prompt, 10)
+
+
+def test_out_of_time_keeps_the_static_choice_and_caches_nothing(tiny_model, tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(autotune, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(autotune, "BUDGET_S", 0.0)
+    fast = _fast(tiny_model)
+    static = fast.gemm
+    choice = autotune.choose(fast, 4, tmp_path / "autotune.json")
+    assert choice.source.startswith("static (autotune over") and choice.gemm == static == fast.gemm
+    assert not (tmp_path / "autotune.json").exists()
