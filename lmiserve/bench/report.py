@@ -195,7 +195,8 @@ def _machine_line(machine: Json) -> str:
     flags = " ".join(machine.get("cpu_flags") or []) or "-"
     load = machine.get("load_average")
     load_text = "/".join(f"{x:.2f}" for x in load) if load else "-"
-    return f"CPU: {machine.get('cpu', '?')} x{machine.get('cpu_count', '?')} ({flags}); load average 1/5/15 min at the end {load_text}"
+    cpu = f"{machine.get('cpu', '?')} x{machine.get('cpu_count', '?')}"
+    return f"CPU: {cpu} ({flags}); load average 1/5/15 min at the end {load_text}"
 
 
 def format_table(report: Json) -> str:
@@ -203,7 +204,8 @@ def format_table(report: Json) -> str:
     s = report.get("settings", {})
     out = [
         f"lmiserve bench: {report.get('model', {}).get('name', '?')} on {report.get('device', '?')} "
-        f"({report.get('dtype_setting', report.get('dtype', '?'))}), {s.get('max_new_tokens', '?')} new tokens per request",
+        f"({report.get('dtype_setting', report.get('dtype', '?'))}), "
+        f"{s.get('max_new_tokens', '?')} new tokens per request",
         _machine_line(report.get("machine") or {}),
         "",
     ]

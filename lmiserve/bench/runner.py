@@ -33,8 +33,8 @@ from lmiserve.bench.clients import (
 from lmiserve.bench.report import build_report, write_json
 from lmiserve.bench.server import ManagedServer, RssSampler
 from lmiserve.bench.stats import level_summary
-from lmiserve.core.cpu_info import cpu_info
 from lmiserve.bench.structured import compare_levels
+from lmiserve.core.cpu_info import cpu_info
 
 Json = dict[str, Any]
 Log = Callable[[str], None]
