@@ -7,7 +7,8 @@ forward of the same dtype, interleaved, in one process.
 For each batch size every (dtype, forward) pair runs one decode step in turn, `--steps` rounds, so
 load from other work on a shared machine hits all of them alike. The fast forward decodes rows at
 the positions `lmiserve bench`'s prompts reach (33..192) with the kernels the server would pick
-(`--kernels autotune`: measured now, without the cache; `static`: the built-in defaults); the bare
+(`--kernels autotune`: measured now, without the cache; `static`: the built-in defaults; `both`:
+both, as "fast <dtype> static" and "fast <dtype>"); the bare
 forward is the model's own forward over a `DynamicCache` prefilled with 100 tokens per row (what
 `lmiserve bench` calls baseline (a)). Prints one JSON report: median and best step per pair, tokens/s
 from the median, the CPU, flags and load averages before and after.
@@ -65,7 +66,7 @@ def main() -> None:
     parser.add_argument("--dtypes", default="fp32,bf16,int8")
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--kernels", choices=["autotune", "static"], default="autotune")
+    parser.add_argument("--kernels", choices=["autotune", "static", "both"], default="autotune")
     args = parser.parse_args()
     path = resolve_model_path(args.model_id, None, None)
     dtypes = args.dtypes.split(",")
@@ -82,12 +83,18 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     fasts, chosen = {}, {}
     for d in dtypes:
-        fasts[d], chosen[d] = fast_forward(models[d], max(batches), args.kernels)
+        if args.kernels == "both":
+            fasts[f"{d} static"], chosen[f"{d} static"] = fast_forward(models[d], max(batches), "static")
+        fasts[d], chosen[d] = fast_forward(
+            models[d], max(batches), "static" if args.kernels == "static" else "autotune"
+        )
         print(d, chosen[d], flush=True)
     report["kernels_chosen"] = chosen
     for rows in batches:
         steps = {}
         for d in dtypes:
+            if f"{d} static" in fasts:
+                steps[f"fast {d} static"] = fast_step(fasts[f"{d} static"], rows)
             steps[f"fast {d}"] = fast_step(fasts[d], rows)
             steps[f"bare {d}"] = bare_step(models[d], rows)
         times: dict[str, list[float]] = {name: [] for name in steps}
