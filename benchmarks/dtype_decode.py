@@ -67,7 +67,9 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--kernels", choices=["autotune", "static", "both"], default="autotune")
+    parser.add_argument("--budget", type=float, default=autotune.BUDGET_S, help="autotune time budget, seconds")
     args = parser.parse_args()
+    autotune.BUDGET_S = args.budget
     path = resolve_model_path(args.model_id, None, None)
     dtypes = args.dtypes.split(",")
     models = {d: load_causal_lm(path, dtype=d, device="cpu") for d in dtypes}
