@@ -18,8 +18,9 @@ run on every path), so autotuning never changes a result beyond that.
 
 The result is cached in a JSON file (`autotune_cache`, default ``<user cache dir>/lmiserve/
 autotune.json``) under a key of CPU model, kernel flags, torch version and threads, model shape and
-dtype; later starts read it. Models under `MIN_WEIGHTS` weights keep the static defaults (a step of a
-few milliseconds is too short to time reliably, and the choice hardly matters for them).
+dtype; later starts read it. Past `BUDGET_S` (a busy machine) the static defaults are kept, and cached
+as such for `RETRY_S` (then measured again). Models under `MIN_WEIGHTS` weights keep the static
+defaults (a step of a few milliseconds is too short to time reliably, and the choice hardly matters).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ log = logging.getLogger(__name__)
 LARGE_BATCH = 32
 MIN_WEIGHTS = 50_000_000  # models with fewer weights keep the static defaults
 SMALL_REPEATS, LARGE_REPEATS = 5, 3  # timed steps per candidate (after one untimed)
-BUDGET_S = 20.0  # stop timing (and keep the defaults for what is left) after this long
+BUDGET_S = 10.0  # stop timing (and keep the static defaults) after this long
+RETRY_S = 3600.0  # a start that ran out of time is cached as static; measure again after this long
 VERSION = 1  # of the cache entries
 
 
@@ -109,6 +111,8 @@ def choose(fast: FastLlama, slots: int, cache_path: str | os.PathLike[str] | Non
     key = cache_key(fast, slots)
     entries = _read(path)
     entry = entries.get(key)
+    if isinstance(entry, dict) and entry.get("incomplete") and time.time() - float(entry.get("at", 0)) > RETRY_S:
+        entry = None  # the last try ran out of time long enough ago: measure again
     if isinstance(entry, dict):
         try:
             choice = KernelChoice(
@@ -123,14 +127,16 @@ def choose(fast: FastLlama, slots: int, cache_path: str | os.PathLike[str] | Non
             fast.use_kernels(choice.gemm, choice.compiled_attention)
             return choice
     choice = measure(fast, slots)
-    if choice.source != "measured":  # out of time (a busy machine): try again at the next start
-        return choice
     entries[key] = {
         "gemm": choice.gemm.to_dict(),
         "compiled_attention": choice.compiled_attention,
         "timings_ms": choice.timings_ms,
         "cpu": cpu_info().as_dict(),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "at": time.time(),
+        # out of time (a busy machine): the static choice, kept for RETRY_S so that every start of
+        # the next hour does not spend the budget again
+        "incomplete": choice.source != "measured",
     }
     _write(path, entries)
     return choice

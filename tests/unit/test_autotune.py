@@ -140,11 +140,21 @@ def test_every_choice_gives_generates_greedy_tokens(tiny_model, tmp_path: Path, 
         assert got == _greedy(tiny_model, prompt, 10)
 
 
-def test_out_of_time_keeps_the_static_choice_and_caches_nothing(tiny_model, tmp_path: Path, monkeypatch):
+def test_out_of_time_keeps_the_static_choice_for_an_hour(tiny_model, tmp_path: Path, monkeypatch):
     monkeypatch.setattr(autotune, "MIN_WEIGHTS", 0)
     monkeypatch.setattr(autotune, "BUDGET_S", 0.0)
+    path = tmp_path / "autotune.json"
     fast = _fast(tiny_model)
     static = fast.gemm
-    choice = autotune.choose(fast, 4, tmp_path / "autotune.json")
+    choice = autotune.choose(fast, 4, path)
     assert choice.source.startswith("static (autotune over") and choice.gemm == static == fast.gemm
-    assert not (tmp_path / "autotune.json").exists()
+    (entry,) = json.loads(path.read_text()).values()
+    assert entry["incomplete"] is True
+    assert autotune.choose(_fast(tiny_model), 4, path).source.startswith("cache")  # not measured again
+    monkeypatch.setattr(autotune, "RETRY_S", -1.0)  # an hour later
+    monkeypatch.setattr(autotune, "BUDGET_S", 60.0)
+    monkeypatch.setattr(autotune, "SMALL_REPEATS", 1)
+    monkeypatch.setattr(autotune, "LARGE_REPEATS", 1)
+    assert autotune.choose(_fast(tiny_model), 4, path).source == "measured"
+    (entry,) = json.loads(path.read_text()).values()
+    assert entry["incomplete"] is False
