@@ -155,7 +155,8 @@ def measure(fast: FastLlama, slots: int) -> KernelChoice:
     timings: dict[str, float] = {}
 
     def step(rows: int) -> Callable[[], object]:
-        positions = [32 + (i * 131) % 160 for i in range(rows)] if rows > 1 else [100]
+        top = max(1, fast.max_context - 1)  # never past the model's context
+        positions = [min(top, 32 + (i * 131) % 160) for i in range(rows)] if rows > 1 else [min(top, 100)]
         ids = [5 + i for i in range(rows)]
         return lambda: fast.forward(ids, positions, [], list(range(rows)))
 

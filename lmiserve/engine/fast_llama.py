@@ -109,6 +109,10 @@ class FastLlama:
                 self._compiled = False
 
     @property
+    def max_context(self) -> int:
+        return self._max_context
+
+    @property
     def gemm(self) -> CpuGemm:
         return self._gemm
 
