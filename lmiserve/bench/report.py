@@ -191,12 +191,22 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     return [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
 
 
+def _machine_line(machine: Json) -> str:
+    flags = " ".join(machine.get("cpu_flags") or []) or "-"
+    load = machine.get("load_average")
+    load_text = "/".join(f"{x:.2f}" for x in load) if load else "-"
+    cpu = f"{machine.get('cpu', '?')} x{machine.get('cpu_count', '?')}"
+    return f"CPU: {cpu} ({flags}); load average 1/5/15 min at the end {load_text}"
+
+
 def format_table(report: Json) -> str:
     """The human-readable summary printed at the end of a run."""
     s = report.get("settings", {})
     out = [
         f"lmiserve bench: {report.get('model', {}).get('name', '?')} on {report.get('device', '?')} "
-        f"({report.get('dtype', '?')}), {s.get('max_new_tokens', '?')} new tokens per request",
+        f"({report.get('dtype_setting', report.get('dtype', '?'))}), "
+        f"{s.get('max_new_tokens', '?')} new tokens per request",
+        _machine_line(report.get("machine") or {}),
         "",
     ]
     header = [

@@ -34,6 +34,7 @@ from lmiserve.bench.report import build_report, write_json
 from lmiserve.bench.server import ManagedServer, RssSampler
 from lmiserve.bench.stats import level_summary
 from lmiserve.bench.structured import compare_levels
+from lmiserve.core.cpu_info import cpu_info
 
 Json = dict[str, Any]
 Log = Callable[[str], None]
@@ -83,18 +84,13 @@ class BenchConfig:
 
 
 def machine_info() -> Json:
-    cpu = platform.processor() or None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_info()
     return {
         "platform": platform.platform(),
         "machine": platform.machine(),
-        "cpu": cpu,
+        "cpu": cpu.model,
+        "cpu_flags": list(cpu.flags),  # the kernel-relevant ones (core/cpu_info.py)
+        "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
         "cpu_count": os.cpu_count(),
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "python": platform.python_version(),
@@ -260,6 +256,7 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
         "versions": versions(),
         "device": (baselines or {}).get("device") or config.device or "auto",
         "dtype": (baselines or {}).get("dtype") or config.dtype or "auto",
+        "dtype_setting": config.dtype or "auto",  # as asked (int8 computes in bfloat16)
         "model": {
             "id": config.model_id,
             "name": default_model_name(config.model_id),

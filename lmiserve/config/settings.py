@@ -45,7 +45,7 @@ _WORD_ALIASES: dict[str | None, dict[str, str]] = {
 _CUDA_DEVICE = re.compile(r"cuda(:\d+)?")
 _META_FIELDS = frozenset({"extra", "sources"})
 
-Dtype = Literal["auto", "fp32", "fp16", "bf16"]
+Dtype = Literal["auto", "fp32", "fp16", "bf16", "int8"]
 ModelKind = Literal["auto", "llm", "embedding", "classifier", "regression", "torchscript"]
 RollingBatch = Literal["auto", "lmi", "disable"]
 OutputFormatter = Literal["json", "jsonlines", "sse", "tgi_compat"]
@@ -77,7 +77,11 @@ class Settings(BaseModel):
     )
     revision: str | None = Field(None, description=("Revision (branch, tag or commit) of a transformers model id."))
     dtype: Dtype = Field(
-        "auto", description=("Weights and compute dtype: auto, fp32, fp16 or bf16 (auto lets the model loader choose).")
+        "auto",
+        description=(
+            "Weights and compute dtype: auto (fp32 on CPU, bf16/fp16 on GPU), fp32, fp16, bf16, or int8 "
+            "(CPU: weight-only int8 linear layers, bf16 activations and KV cache)."
+        ),
     )
     device: str = Field(
         "auto",
@@ -172,6 +176,17 @@ class Settings(BaseModel):
             "Run llama/mistral/qwen2 models with lmiserve's own fused forward (one pass per step); "
             "false forces the generic transformers path. Other models always use the generic path."
         ),
+    )
+    cpu_autotune: bool = Field(
+        True,
+        description=(
+            "Time the fast path's CPU kernel choices (product shapes, decode attention) at start-up and "
+            "keep the fastest, cached per CPU and model in autotune_cache; false keeps the static defaults."
+        ),
+    )
+    autotune_cache: str | None = Field(
+        None,
+        description=("JSON file of the CPU autotune results; unset = the user cache dir / lmiserve/autotune.json."),
     )
     # --- output ---
     output_formatter: OutputFormatter | None = Field(
@@ -308,6 +323,7 @@ class Settings(BaseModel):
         "batch_invariant",
         "tgi_compat",
         "fast_path",
+        "cpu_autotune",
         "enable_management_api",
         mode="before",
     )

@@ -47,6 +47,8 @@ class EngineConfig:
     max_batch_delay: float = 0.1
     batch_invariant: bool = False
     fast_path: bool = True  # own Llama-family forward when supported; False forces the generic path
+    cpu_autotune: bool = False  # time the fast path's CPU kernel choices at start-up (engine/autotune.py)
+    autotune_cache: str | None = None  # its JSON cache; None = <user cache dir>/lmiserve/autotune.json
     # prompt tokens a step that also decodes may take: max(this, decoding rows, max_running - decoding rows);
     # None = no extra bound; "auto" = by device (engine/factory.py)
     prefill_floor: int | Literal["auto"] | None = "auto"

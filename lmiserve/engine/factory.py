@@ -34,6 +34,8 @@ def engine_config(settings: Settings) -> EngineConfig:
         max_batch_delay=settings.max_batch_delay / 1000.0,
         batch_invariant=settings.batch_invariant,
         fast_path=settings.fast_path,
+        cpu_autotune=settings.cpu_autotune,
+        autotune_cache=settings.autotune_cache,
         prefill_floor=settings.prefill_tokens_while_decoding or "auto",
     )
 
@@ -60,6 +62,8 @@ def create_engine(
             eos_token_ids=loaded.eos_token_ids,
             batch_invariant=config.batch_invariant,
             fast_path=config.fast_path,
+            autotune=config.cpu_autotune,
+            autotune_cache=config.autotune_cache,
         )
     else:
         runner = runner_cls(

@@ -73,7 +73,16 @@ class _Chunk(NamedTuple):
 
 
 class FastLlama:
-    def __init__(self, model: PreTrainedModel, cache: SlotKVCache, max_context: int) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        cache: SlotKVCache,
+        max_context: int,
+        gemm: CpuGemm | None = None,
+        compiled_attention_ok: bool = True,
+    ) -> None:
+        """`gemm`: the product shapes (default `CpuGemm.for_model`); `compiled_attention_ok`: False keeps
+        the torch decode attention where the compiled kernel would apply (`autotune` decides both)."""
         llama = as_llama(model)
         inner = llama.model
         self.cache = cache
@@ -90,14 +99,33 @@ class FastLlama:
         self._rotary = inner.rotary_emb
         self._max_context = max_context
         self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)
-        self._gemm = CpuGemm.for_model(self.device, self.dtype)
-        self._compiled = compiled_attention.available(self.dtype, self.device)
+        self._gemm = gemm if gemm is not None else CpuGemm.for_model(self.device, self.dtype)
+        self._compiled = compiled_attention_ok and compiled_attention.available(self.dtype, self.device)
         if self._compiled:
             try:  # compiles (or loads from numba's cache) at load, not on a request
                 compiled_attention.warm_up()
             except Exception:  # noqa: BLE001 - a numba/llvmlite problem costs speed, not the model
                 log.exception("compiled decode attention unavailable; using the torch path")
                 self._compiled = False
+
+    @property
+    def max_context(self) -> int:
+        return self._max_context
+
+    @property
+    def gemm(self) -> CpuGemm:
+        return self._gemm
+
+    @property
+    def compiled_attention(self) -> bool:
+        return self._compiled
+
+    def use_kernels(self, gemm: CpuGemm, compiled: bool) -> None:
+        """Run the next steps with these product shapes and (where it applies) the compiled attention."""
+        self._gemm = gemm
+        self._compiled = compiled and compiled_attention.available(self.dtype, self.device)
+        if self._compiled:
+            compiled_attention.warm_up()
 
     # ---- RoPE table ------------------------------------------------------------------------------
     def _rope(self, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,17 +182,17 @@ class FastLlama:
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         for index, layer in enumerate(self.layers):
             h = _rms(x, layer.in_norm)
-            qkv = gemm.linear(h, layer.qkv_w, layer.qkv_b).contiguous()
+            qkv = gemm.linear(h, layer.qkv_w, layer.qkv_b, layer.qkv_s).contiguous()
             qk = _rotate(qkv[:, : q_size + kv_size].view(-1, self.heads + self.kv_heads, self.head_dim), cos, sin)
             q, k = qk[:, : self.heads], qk[:, self.heads :]
             v = qkv[:, q_size + kv_size :].view(-1, self.kv_heads, self.head_dim)
             attn = self._attention(index, q, k, v, dec, pre, pad)
-            x = x + gemm.linear(attn, layer.o_w, layer.o_b)
+            x = x + gemm.linear(attn, layer.o_w, layer.o_b, layer.o_s)
             h = _rms(x, layer.post_norm)
-            gate_up = gemm.linear(h, layer.gate_up_w, layer.gate_up_b)
+            gate_up = gemm.linear(h, layer.gate_up_w, layer.gate_up_b, layer.gate_up_s)
             inter = layer.intermediate
             h = layer.act(gate_up[:, :inter]) * gate_up[:, inter:]
-            x = x + gemm.linear(h, layer.down_w, layer.down_b)
+            x = x + gemm.linear(h, layer.down_w, layer.down_b, layer.down_s)
         count = len(keep)
         keep = keep + keep[:1] * self._row_padding(count, VOCAB_PAD_ROWS_FROM)
         if keep != list(range(x.shape[0])):

@@ -2,7 +2,9 @@
 model has it (`unsupported_reason`), and its layers' weights fused for one product per step.
 
 Covers llama, mistral (without a sliding window) and qwen2 (biases; without sliding window), with
-the RoPE types whose table does not depend on the sequence length.
+the RoPE types whose table does not depend on the sequence length. Layer linears may be float or
+weight-only int8 (`quantize.Int8Linear`, ``dtype=int8``): the fused matrices then hold int8 rows and
+one scale per row.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
+
+from lmiserve.engine.quantize import Int8Linear
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -88,9 +92,12 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
             (mlp, n) for n in ("gate_proj", "up_proj", "down_proj")
         ]
         for owner, name in names:
-            weight = getattr(getattr(owner, name, None), "weight", None)
-            if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.is_meta:
-                return f"layer module {name} is not a plain floating-point linear"
+            module = getattr(owner, name, None)
+            weight = getattr(module, "weight", None)
+            if not isinstance(weight, torch.Tensor) or weight.is_meta:
+                return f"layer module {name} is not a plain linear"
+            if not weight.is_floating_point() and not isinstance(module, Int8Linear):
+                return f"layer module {name} is not a plain floating-point or int8 linear"
     return None
 
 
@@ -105,14 +112,15 @@ def as_llama(model: PreTrainedModel) -> LlamaFamily:
 # ---- fused weights -------------------------------------------------------------------------------
 class FusedLayer:
     """One decoder layer's weights as `FastLlama` reads them: q/k/v and gate/up fused into one
-    matrix each (in the model's own ``[out, in]`` layout)."""
+    matrix each (in the model's own ``[out, in]`` layout). For int8 layers each matrix has its row
+    scales (`*_s`); None for float layers."""
 
     def __init__(self, layer: DecoderLayer) -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv_w, self.qkv_b = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.gate_up_w, self.gate_up_b = _fuse([mlp.gate_proj, mlp.up_proj])
-        self.o_w, self.o_b = _fuse([attn.o_proj])
-        self.down_w, self.down_b = _fuse([mlp.down_proj])
+        self.qkv_w, self.qkv_b, self.qkv_s = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.gate_up_w, self.gate_up_b, self.gate_up_s = _fuse([mlp.gate_proj, mlp.up_proj])
+        self.o_w, self.o_b, self.o_s = _fuse([attn.o_proj])
+        self.down_w, self.down_b, self.down_s = _fuse([mlp.down_proj])
         self.act = mlp.act_fn
         self.in_norm = (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
         self.post_norm = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
@@ -133,12 +141,17 @@ def fused_layers(model: PreTrainedModel) -> list[FusedLayer]:
     return layers
 
 
-def _fuse(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _fuse(
+    modules: list[torch.nn.Linear],
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One weight for several linears that read the same input (``[sum of out, in]``, contiguous,
-    the model's own output-major layout). Each module is pointed at its rows, so memory does not
-    grow and the transformers forward keeps working on the same storage."""
+    the model's own output-major layout), its bias and (int8 linears) its row scales. Each module is
+    pointed at its rows, so memory does not grow and the transformers forward keeps working on the
+    same storage."""
     weights = [m.weight.detach() for m in modules]
     stored = weights[0].contiguous() if len(weights) == 1 else torch.cat(weights, dim=0)
+    int8 = [cast(Int8Linear, m) for m in modules if isinstance(m, Int8Linear)]
+    scales = torch.cat([m.scales for m in int8], dim=0) if int8 else None
     biases: list[torch.Tensor | None] = [m.bias for m in modules]
     present = [b.detach() for b in biases if b is not None]
     bias = torch.cat(present, dim=0) if len(present) == len(biases) else None
@@ -147,8 +160,12 @@ def _fuse(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
     row = 0
     for m in modules:
         n = m.weight.shape[0]
-        m.weight = torch.nn.Parameter(stored[row : row + n], requires_grad=False)
-        if bias is not None:
-            m.bias = torch.nn.Parameter(bias[row : row + n], requires_grad=False)
+        if isinstance(m, Int8Linear) and scales is not None:
+            m.weight, m.scales = stored[row : row + n], scales[row : row + n]
+            m.bias = None if bias is None else bias[row : row + n]
+        else:
+            m.weight = torch.nn.Parameter(stored[row : row + n], requires_grad=False)
+            if bias is not None:
+                m.bias = torch.nn.Parameter(bias[row : row + n], requires_grad=False)
         row += n
-    return stored, bias
+    return stored, bias, scales

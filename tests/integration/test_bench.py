@@ -258,7 +258,9 @@ def test_bench_end_to_end(long_model_dir, openai_url, tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads((out / "bench.json").read_text())
     assert report["schema"] == "lmiserve-bench/1"
-    assert report["device"] == "cpu" and report["dtype"] == "float32"
+    assert report["device"] == "cpu" and report["dtype"] == "float32" and report["dtype_setting"] == "fp32"
+    machine = report["machine"]
+    assert machine["cpu"] and isinstance(machine["cpu_flags"], list) and len(machine["load_average"]) == 3
     assert report["model"]["name"] == long_model_dir.name and report["versions"]["torch"]
     assert report["command"].startswith("lmiserve bench --model-id")
     assert [s["name"] for s in report["servers"]] == ["lmiserve", "fake-openai"]
@@ -297,6 +299,7 @@ def test_bench_end_to_end(long_model_dir, openai_url, tmp_path):
         ["fake-openai", "2"],
     ]
     assert "targets (issue #5):" in result.stdout and "wrote " in result.stdout
+    assert any(line.startswith(f"CPU: {machine['cpu']}") for line in result.stdout.splitlines())
 
 
 # --- --json-schema: every level also constrained ---------------------------------------------------

@@ -193,3 +193,19 @@ def test_chart_is_a_png_of_the_expected_size(tmp_path, with_baselines):
     image = imread(path)
     assert image.shape[0] == 520 and image.shape[1] == 1600
     assert image[..., :3].std() > 0.05  # not a blank canvas
+
+
+def test_table_names_the_cpu_its_kernel_flags_the_load_and_the_dtype_asked():
+    report = make_report([level(1, 19.0)])
+    report["machine"] = {
+        "cpu": "Intel(R) Xeon(R) Processor",
+        "cpu_count": 2,
+        "cpu_flags": ["avx2", "avx512f", "avx512_bf16"],
+        "load_average": [0.5, 1.25, 2.0],
+    }
+    report["dtype_setting"] = "int8"
+    lines = format_table(report).splitlines()
+    assert "(int8)" in lines[0]
+    assert lines[1] == (
+        "CPU: Intel(R) Xeon(R) Processor x2 (avx2 avx512f avx512_bf16); load average 1/5/15 min at the end 0.50/1.25/2.00"
+    )

@@ -50,7 +50,19 @@ def create_runner(
     eos_token_ids: Iterable[int],
     batch_invariant: bool = False,
     fast_path: bool = True,
+    autotune: bool = False,
+    autotune_cache: str | None = None,
 ) -> ModelRunner:
+    """The runner for `model`; `autotune` (fast path only): time the CPU kernel choices at start-up."""
     cls, reason = runner_class(model, batch_invariant=batch_invariant, fast_path=fast_path)
     log.info("model runner: %s path%s", cls.path, "" if reason is None else f" ({reason})")
+    if cls is FastRunner:
+        return FastRunner(
+            model,
+            max_slots=max_slots,
+            max_context=max_context,
+            eos_token_ids=eos_token_ids,
+            autotune=autotune,
+            autotune_cache=autotune_cache,
+        )
     return cls(model, max_slots=max_slots, max_context=max_context, eos_token_ids=eos_token_ids)

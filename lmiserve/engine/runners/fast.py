@@ -7,12 +7,14 @@ the culprit fails.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from lmiserve.engine import autotune as kernel_autotune
 from lmiserve.engine.fast_llama import FastLlama
 from lmiserve.engine.runners.base import ModelRunner, slot_cache, slot_of
 from lmiserve.engine.scheduler import PrefillChunk, StepOutput, StepPlan
@@ -46,11 +48,26 @@ class FastRunner(ModelRunner):
     path = "fast"
 
     def __init__(
-        self, model: PreTrainedModel, *, max_slots: int, max_context: int, eos_token_ids: Iterable[int]
+        self,
+        model: PreTrainedModel,
+        *,
+        max_slots: int,
+        max_context: int,
+        eos_token_ids: Iterable[int],
+        autotune: bool = False,
+        autotune_cache: str | None = None,
     ) -> None:
+        """`autotune`: time the CPU kernel choices at start-up (or read them from `autotune_cache`,
+        engine/autotune.py); otherwise the static defaults."""
         super().__init__(model, max_slots=max_slots, max_context=max_context, eos_token_ids=eos_token_ids)
         self.cache = slot_cache(model, max_slots, max_context)
         self.fast = FastLlama(model, self.cache, max_context)
+        if autotune:
+            start = time.monotonic()
+            self.kernels = kernel_autotune.choose(self.fast, max_slots, autotune_cache)
+            log.info("CPU kernels (%.1f s): %s", time.monotonic() - start, self.kernels.describe())
+        else:
+            self.kernels = kernel_autotune.KernelChoice(self.fast.gemm, self.fast.compiled_attention, "static")
 
     def _run(self, plan: StepPlan, out: StepOutput) -> None:
         for src, dst, length in plan.moves:

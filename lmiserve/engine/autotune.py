@@ -1,0 +1,222 @@
+"""Start-up autotune of the fast path's CPU kernel choices, cached per CPU, torch and model.
+
+Which product shapes are fastest depends on the CPU: on the AMD EPYC the engine was first tuned on,
+row blocks made a 1-row step 2x faster and transposed products helped from 8 rows; on an Intel Xeon
+the same choices lost (benchmarks/README.md). So at start-up the fast runner times a few decode steps
+of the loaded model per candidate and keeps the fastest:
+
+- few rows (timed at batch 1): `CpuGemm` row blocks or plain ``F.linear``;
+- many rows (timed at batch `LARGE_BATCH`, or the slot count if smaller): transposed products with
+  rows padded to a multiple of 8, or plain ``F.linear``;
+- decode attention (timed at both batches): the compiled kernel (fp32 only) or the torch ops.
+
+Candidates run in interleaved rounds and each keeps its fastest step (the least disturbed by other
+work on a shared machine). Timing uses the runner's own cache at positions up to ~200 over whatever
+the slots hold (no request is running yet, and a sequence only ever reads positions it wrote).
+Every choice computes the same function up to the kernels' summation order (the greedy-parity tests
+run on every path), so autotuning never changes a result beyond that.
+
+The result is cached in a JSON file (`autotune_cache`, default ``<user cache dir>/lmiserve/
+autotune.json``) under a key of CPU model, kernel flags, torch version and threads, model shape and
+dtype; later starts read it. Past `BUDGET_S` (a busy machine) the static defaults are kept, and cached
+as such for `RETRY_S` (then measured again). Models under `MIN_WEIGHTS` weights keep the static
+defaults (a step of a few milliseconds is too short to time reliably, and the choice hardly matters).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lmiserve.core.cpu_info import cpu_info
+from lmiserve.engine import decode_attention as compiled_attention
+from lmiserve.engine.cpu_gemm import CpuGemm
+
+if TYPE_CHECKING:
+    from lmiserve.engine.fast_llama import FastLlama
+
+log = logging.getLogger(__name__)
+
+LARGE_BATCH = 32
+MIN_WEIGHTS = 50_000_000  # models with fewer weights keep the static defaults
+SMALL_REPEATS, LARGE_REPEATS = 5, 3  # timed steps per candidate (after one untimed)
+BUDGET_S = 10.0  # stop timing (and keep the static defaults) after this long
+RETRY_S = 3600.0  # a start that ran out of time is cached as static; measure again after this long
+VERSION = 1  # of the cache entries
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """What the fast path runs with, and why."""
+
+    gemm: CpuGemm
+    compiled_attention: bool
+    source: str  # "measured", "cache", "static" (not autotuned) or "static (<why>)"
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        attention = "compiled" if self.compiled_attention else "torch"
+        timings = ", ".join(f"{k} {v:.1f}" for k, v in self.timings_ms.items())
+        detail = f"{self.source}; ms a step: {timings}" if timings else self.source
+        return f"products: {self.gemm.describe()}; decode attention: {attention} ({detail})"
+
+
+def default_cache_path() -> Path:
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("lmiserve")) / "autotune.json"
+
+
+def cache_key(fast: FastLlama, slots: int) -> str:
+    """CPU model and kernel flags, torch version and threads, model shape and weight kind, batch."""
+    cpu = cpu_info()
+    layer = fast.layers[0]
+    weights = "int8" if layer.qkv_s is not None else str(fast.dtype).removeprefix("torch.")
+    shape = (
+        f"layers={len(fast.layers)},hidden={fast.embed.shape[1]},inter={layer.intermediate},"
+        f"heads={fast.heads}/{fast.kv_heads}x{fast.head_dim},vocab={fast.lm_head.shape[0]}"
+    )
+    return (
+        f"v{VERSION}|{cpu.model}|{' '.join(cpu.flags)}|torch {torch.__version__} x{torch.get_num_threads()}|"
+        f"{shape}|{weights}|batch {min(slots, LARGE_BATCH)}"
+    )
+
+
+def model_weights(fast: FastLlama) -> int:
+    """How many weights the fast forward reads (layer matrices, embeddings, output projection)."""
+    per_layer = sum(
+        w.numel() for layer in fast.layers[:1] for w in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w)
+    )
+    return per_layer * len(fast.layers) + fast.embed.numel() + fast.lm_head.numel()
+
+
+def choose(fast: FastLlama, slots: int, cache_path: str | os.PathLike[str] | None = None) -> KernelChoice:
+    """The kernel choice for `fast` on this CPU: cached, measured (and cached), or the static default.
+    Also applies it to `fast`."""
+    static = KernelChoice(fast.gemm, fast.compiled_attention, "static")
+    if fast.device.type != "cpu":
+        return static
+    if model_weights(fast) < MIN_WEIGHTS:
+        return KernelChoice(fast.gemm, fast.compiled_attention, f"static (model under {MIN_WEIGHTS:,} weights)")
+    path = Path(cache_path) if cache_path else default_cache_path()
+    key = cache_key(fast, slots)
+    entries = _read(path)
+    entry = entries.get(key)
+    if isinstance(entry, dict) and entry.get("incomplete") and time.time() - float(entry.get("at", 0)) > RETRY_S:
+        entry = None  # the last try ran out of time long enough ago: measure again
+    if isinstance(entry, dict):
+        try:
+            choice = KernelChoice(
+                CpuGemm.from_dict(entry["gemm"]),
+                bool(entry["compiled_attention"]),
+                f"cache {path}",
+                {k: float(v) for k, v in entry.get("timings_ms", {}).items()},
+            )
+        except (KeyError, TypeError, ValueError):
+            log.warning("ignoring a malformed autotune entry in %s", path)
+        else:
+            fast.use_kernels(choice.gemm, choice.compiled_attention)
+            return choice
+    choice = measure(fast, slots)
+    entries[key] = {
+        "gemm": choice.gemm.to_dict(),
+        "compiled_attention": choice.compiled_attention,
+        "timings_ms": choice.timings_ms,
+        "cpu": cpu_info().as_dict(),
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "at": time.time(),
+        # out of time (a busy machine): the static choice, kept for RETRY_S so that every start of
+        # the next hour does not spend the budget again
+        "incomplete": choice.source != "measured",
+    }
+    _write(path, entries)
+    return choice
+
+
+@torch.inference_mode()
+def measure(fast: FastLlama, slots: int) -> KernelChoice:
+    """Time the candidates on `fast` (see the module docstring); leaves `fast` on the winner."""
+    large = min(slots, LARGE_BATCH)
+    default = fast.gemm
+    threads = max(2, torch.get_num_threads())
+    blocks = CpuGemm.tuned_default(threads)
+    plain = CpuGemm.plain()
+    compiled_ok = compiled_attention.available(fast.dtype, fast.device)
+    deadline = time.monotonic() + BUDGET_S
+    timings: dict[str, float] = {}
+
+    def step(rows: int) -> Callable[[], object]:
+        top = max(1, fast.max_context - 1)  # never past the model's context
+        positions = [min(top, 32 + (i * 131) % 160) for i in range(rows)] if rows > 1 else [min(top, 100)]
+        ids = [5 + i for i in range(rows)]
+        return lambda: fast.forward(ids, positions, [], list(range(rows)))
+
+    def race(rows: int, repeats: int, candidates: dict[str, tuple[CpuGemm, bool]]) -> dict[str, float]:
+        best = {name: float("inf") for name in candidates}
+        run = step(rows)
+        for round_ in range(repeats + 1):
+            for name, (gemm, compiled) in candidates.items():
+                if time.monotonic() > deadline:
+                    return best
+                fast.use_kernels(gemm, compiled)
+                start = time.perf_counter()
+                run()
+                if round_:  # the first round warms up
+                    best[name] = min(best[name], (time.perf_counter() - start) * 1000)
+        return best
+
+    attention = compiled_ok
+    small = race(1, SMALL_REPEATS, {"blocks": (blocks, attention), "plain": (plain, attention)})
+    splits = blocks.splits if small["blocks"] < small["plain"] else 1
+    big = race(
+        large,
+        LARGE_REPEATS,
+        {"transposed": (blocks.with_(splits=splits), attention), "plain": (plain.with_(splits=splits), attention)},
+    )
+    gemm = (blocks if big["transposed"] < big["plain"] else plain).with_(splits=splits)
+    timings.update({f"b1 {k}": round(v, 2) for k, v in small.items()})
+    timings.update({f"b{large} {k}": round(v, 2) for k, v in big.items()})
+    if compiled_ok:
+        att_small = race(1, SMALL_REPEATS, {"compiled": (gemm, True), "torch": (gemm, False)})
+        att_big = race(large, LARGE_REPEATS, {"compiled": (gemm, True), "torch": (gemm, False)})
+        ratio = (att_small["compiled"] / att_small["torch"]) * (att_big["compiled"] / att_big["torch"])
+        attention = not ratio > 1.0  # inf / inf (out of time) keeps the compiled kernel
+        timings.update({f"b1 attention {k}": round(v, 2) for k, v in att_small.items()})
+        timings.update({f"b{large} attention {k}": round(v, 2) for k, v in att_big.items()})
+    timings = {k: v for k, v in timings.items() if v != float("inf")}
+    if time.monotonic() > deadline:
+        fast.use_kernels(default, compiled_ok)
+        return KernelChoice(default, compiled_ok, f"static (autotune over its {BUDGET_S:.0f} s budget)", timings)
+    fast.use_kernels(gemm, attention)
+    return KernelChoice(gemm, attention, "measured", timings)
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        log.warning("cannot read the autotune cache %s (%s); measuring again", path, exc)
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write(path: Path, entries: dict[str, Any]) -> None:
+    """Write atomically (a temporary sibling renamed into place); a failure costs only the cache."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".autotune-", delete=False) as tmp:
+            json.dump(entries, tmp, indent=1, sort_keys=True)
+        os.replace(tmp.name, path)
+    except OSError as exc:
+        log.warning("cannot write the autotune cache %s: %s", path, exc)
