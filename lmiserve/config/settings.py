@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
+    ByteSize,
     ConfigDict,
     Field,
     ValidationError,
@@ -173,6 +174,22 @@ class Settings(BaseModel):
             "false forces the generic transformers path. Other models always use the generic path."
         ),
     )
+    enable_prefix_caching: bool = Field(
+        True,
+        description=(
+            "Keep the KV of computed prompt prefixes (in blocks of 16 tokens) and reuse it for later prompts that "
+            "start with them: only the rest is prefilled. Not with batch_invariant."
+        ),
+    )
+    prefix_cache_size: ByteSize = Field(
+        ByteSize(512 * 2**20),
+        ge=0,
+        description=(
+            "Most memory (bytes; units such as 512MiB or 2GB accepted) the prefix cache's KV blocks take, per "
+            "model; least recently used blocks are evicted. 0 turns the cache off."
+        ),
+        json_schema_extra={"allowed": "a size >= 0 in bytes, e.g. 536870912, 512MiB or 2GB"},
+    )
     # --- output ---
     output_formatter: OutputFormatter | None = Field(
         None,
@@ -309,6 +326,7 @@ class Settings(BaseModel):
         "tgi_compat",
         "fast_path",
         "enable_management_api",
+        "enable_prefix_caching",
         mode="before",
     )
     @classmethod

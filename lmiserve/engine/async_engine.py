@@ -26,6 +26,7 @@ from lmiserve.core.request import GenerationRequest
 from lmiserve.core.stats import EngineObserver, EngineSnapshot, RequestStats, SequenceStats, StepStats
 from lmiserve.engine import torch_thread
 from lmiserve.engine.grammar_compiler import CompiledGrammar, GrammarCompiler
+from lmiserve.engine.prefix_cache import PrefixIndex
 from lmiserve.engine.scheduler import Scheduler, StepOutput
 from lmiserve.engine.sequence import Sequence
 from lmiserve.engine.validation import PromptCodec
@@ -34,6 +35,9 @@ if TYPE_CHECKING:
     from lmiserve.engine.runners.base import ModelRunner
 
 log = logging.getLogger(__name__)
+
+DEFAULT_PREFIX_CACHE_BYTES = 512 * 2**20
+PREFIX_BLOCK_SIZE = 16
 
 
 @dataclass
@@ -50,6 +54,9 @@ class EngineConfig:
     # prompt tokens a step that also decodes may take: max(this, decoding rows, max_running - decoding rows);
     # None = no extra bound; "auto" = by device (engine/factory.py)
     prefill_floor: int | Literal["auto"] | None = "auto"
+    # prefix cache: most bytes its KV blocks take (0 = off) and tokens per block
+    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES
+    prefix_block_size: int = PREFIX_BLOCK_SIZE
 
 
 class _Handle:
@@ -82,6 +89,8 @@ class AsyncEngine:
         self.codec = codec
         self.grammars = grammars  # compiles the grammars of constrained requests (None: unsupported)
         self.config = config
+        blocks = runner.enable_prefix_cache(config.prefix_cache_bytes, config.prefix_block_size)
+        self.prefix = PrefixIndex(blocks, config.prefix_block_size) if blocks else None
         self.scheduler = Scheduler(
             config.max_running,
             config.max_prefill_tokens,
@@ -91,6 +100,7 @@ class AsyncEngine:
             max_batch_delay=config.max_batch_delay,
             queue_timeout=config.predict_timeout,
             prefill_floor=floor,
+            prefix=self.prefix,
         )
         self._handles: dict[int, _Handle] = {}  # seq_id -> handle
         self._ids = itertools.count(1)
@@ -136,6 +146,9 @@ class AsyncEngine:
             kv_capacity=self.scheduler.max_running * self.codec.max_context,
             batch_slots=self.scheduler.max_running,
             generated_tokens=self.generated_tokens,
+            prefix_cache_tokens=self.prefix.cached_tokens if self.prefix is not None else 0,
+            prefix_cache_capacity=self.prefix.capacity_tokens if self.prefix is not None else 0,
+            prefix_cache_bytes=self.runner.prefix_store.nbytes if self.runner.prefix_store is not None else 0,
         )
 
     def _notify(self, method: str, *args: object) -> None:
@@ -272,7 +285,7 @@ class AsyncEngine:
         self._stamp(events, now)  # aborts: no tokens
         self._deliver(events)
         if not plan.has_model_work:
-            if plan.moves or plan.released:
+            if plan.moves or plan.released or plan.saves:
                 await torch_thread.run(self.runner.execute, plan)  # frees per-sequence caches
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), scheduler.next_wakeup(time.monotonic()))
@@ -299,6 +312,8 @@ class AsyncEngine:
                 generated_tokens=len(firsts) + len(gaps),
                 first_token_latencies=firsts,
                 inter_token_latencies=gaps,
+                prefix_queried_tokens=plan.prefix_queried,
+                prefix_hit_tokens=plan.prefix_hits,
             )
             self._notify("on_step", step)
         self._deliver(events)
@@ -365,6 +380,7 @@ class AsyncEngine:
                 generated_tokens=len(seq.output_ids),
                 max_new_tokens=seq.params.max_new_tokens,
                 reason=seq.finish_reason if seq.finish_reason is not None else fallback,
+                cached_tokens=seq.cached_tokens,
             )
             for seq in handle.seqs
         )

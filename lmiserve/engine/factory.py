@@ -35,6 +35,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         batch_invariant=settings.batch_invariant,
         fast_path=settings.fast_path,
         prefill_floor=settings.prefill_tokens_while_decoding or "auto",
+        prefix_cache_bytes=int(settings.prefix_cache_size) if settings.enable_prefix_caching else 0,
     )
 
 

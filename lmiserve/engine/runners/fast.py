@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lmiserve.engine.fast_llama import FastLlama
+from lmiserve.engine.kv_cache import SlotKVCache
 from lmiserve.engine.runners.base import ModelRunner, slot_cache, slot_of
 from lmiserve.engine.scheduler import PrefillChunk, StepOutput, StepPlan
 from lmiserve.engine.sequence import Sequence
@@ -44,6 +45,7 @@ class FusedStep:
 
 class FastRunner(ModelRunner):
     path = "fast"
+    cache: SlotKVCache
 
     def __init__(
         self, model: PreTrainedModel, *, max_slots: int, max_context: int, eos_token_ids: Iterable[int]
@@ -53,8 +55,6 @@ class FastRunner(ModelRunner):
         self.fast = FastLlama(model, self.cache, max_context)
 
     def _run(self, plan: StepPlan, out: StepOutput) -> None:
-        for src, dst, length in plan.moves:
-            self.cache.move_slot(src, dst, length)
         step = FusedStep(plan.decode, plan.prefill)
         if not step.decode and not step.chunks:
             return
