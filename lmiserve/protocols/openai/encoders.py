@@ -241,7 +241,13 @@ def completion_body(
                     "finish_reason": finish_reason(seq.finish),
                 }
             )
-    return dumps({**env.head("text_completion"), "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens)})
+    return dumps(
+        {
+            **env.head("text_completion"),
+            "choices": choices,
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
+        }
+    )
 
 
 class CompletionEncoder(_Whole):
