@@ -232,3 +232,24 @@ def reference_ids(tiny_model):
         return memo[(prompt, max_new_tokens)]
 
     return generate
+
+
+async def test_a_failing_copy_into_the_cache_drops_it_and_no_answer_changes(tiny_model, reference_ids, monkeypatch):
+    from lmiserve.engine.prefix_store import PrefixStore
+
+    real_save, calls = PrefixStore.save, []
+
+    def failing_once(self, slot, blocks):
+        calls.append(slot)
+        if len(calls) == 1:
+            raise RuntimeError("copy failed")
+        real_save(self, slot, blocks)
+
+    monkeypatch.setattr(PrefixStore, "save", failing_once)
+    prompt = SYSTEM + QUESTIONS[2]
+    async with engine_for(tiny_model) as engine:
+        first = await run(engine, prompt)
+        assert engine.prefix is not None and engine.prefix.used_blocks > 0  # stored again when it left
+        second = await run(engine, prompt)
+    assert first[0] == second[0] == reference_ids(prompt, 12)
+    assert first[1] == 0 and second[1] > 0 and len(calls) >= 2
