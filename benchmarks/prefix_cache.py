@@ -197,6 +197,7 @@ async def main() -> None:
         for mode in order:
             runs[mode] = await chat(loaded, cache_bytes if mode == "on" else 0, args)
             ttft[mode] += runs[mode]
+            print(f"  rep {rep + 1} chat {mode}: {time.strftime('%H:%M:%S')}", flush=True)
         identical &= [r["ids"] for r in runs["on"]] == [r["ids"] for r in runs["off"]]
         for mode in order:
             rates[mode].append(await throughput(loaded, cache_bytes if mode == "on" else 0,
