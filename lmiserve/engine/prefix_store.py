@@ -53,11 +53,11 @@ class PrefixStore:
             else:
                 runs.append((number, [index]))
         for first, indices in runs:
-            index = torch.tensor(indices, device=device)
+            at = torch.tensor(indices, device=device)
             for store, pool in ((self.cache.keys, self.keys), (self.cache.values, self.values)):
                 for layer, target in zip(store, pool, strict=True):
                     for head in range(self.kv_heads):
-                        target[head].index_copy_(0, index, self._rows(layer, slot, head, first, len(indices)))
+                        target[head].index_copy_(0, at, self._rows(layer, slot, head, first, len(indices)))
 
     def load(self, slot: int, blocks: tuple[int, ...], tokens: int) -> None:
         """Copy pool `blocks` (in order) into `slot` from position 0; the caller uses the first `tokens`
