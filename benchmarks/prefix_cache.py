@@ -6,7 +6,7 @@ throughput with the cache on and off, interleaved in one run; RSS over a longer 
         [--soak-cache-size 64MiB] [--json out.json]
 
 - chat: `--conversations` conversations, run `--concurrency` at a time, each of `--turns` turns; every
-  turn resends the whole history (a ~190-token system prompt shared by all, then the user questions
+  turn resends the whole history (a ~140-token system prompt shared by all, then the user questions
   and the model's own answers, greedy, forced to `--answer-tokens` tokens) through the model's chat
   template. TTFT = submit to first token, in process. Reported per turn number, and p50 of turns >= 3.
 - throughput: `--throughput-requests` prompts that share no prefix (a distinct number first), 8 at a
