@@ -286,7 +286,14 @@ class AsyncEngine:
         self._deliver(events)
         if not plan.has_model_work:
             if plan.moves or plan.released or plan.saves:
-                await torch_thread.run(self.runner.execute, plan)  # frees per-sequence caches
+                # frees per-sequence caches, moves slots, copies blocks into the prefix cache
+                try:
+                    idle: StepOutput = await torch_thread.run(self.runner.execute, plan)
+                except Exception:  # noqa: BLE001 - nothing was computing; only the prefix cache is in doubt
+                    log.exception("engine step failed")
+                    idle = StepOutput(prefix_failed=True)
+                if idle.prefix_failed and self.prefix is not None:
+                    self.prefix.clear()  # blocks planned in it may not have been written
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), scheduler.next_wakeup(time.monotonic()))
             return
@@ -296,7 +303,7 @@ class AsyncEngine:
         except Exception as exc:  # noqa: BLE001 - outside the per-sequence guards: end what was running
             log.exception("engine step failed")
             message = f"exception occurred during generation: {exc}"
-            output = StepOutput(errors={s.seq_id: message for s in scheduler.running})
+            output = StepOutput(errors={s.seq_id: message for s in scheduler.running}, prefix_failed=True)
         now = time.monotonic()
         self.steps += 1
         events = scheduler.update(plan, output)
