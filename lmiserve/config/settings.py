@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
+    ByteSize,
     ConfigDict,
     Field,
     ValidationError,
@@ -188,6 +189,22 @@ class Settings(BaseModel):
         None,
         description=("JSON file of the CPU autotune results; unset = the user cache dir / lmiserve/autotune.json."),
     )
+    enable_prefix_caching: bool = Field(
+        True,
+        description=(
+            "Keep the KV of computed prompt prefixes (in blocks of 16 tokens) and reuse it for later prompts that "
+            "start with them: only the rest is prefilled. Not with batch_invariant."
+        ),
+    )
+    prefix_cache_size: ByteSize = Field(
+        ByteSize(512 * 2**20),
+        ge=0,
+        description=(
+            "Most memory (bytes; units such as 512MiB or 2GB accepted) the prefix cache's KV blocks take, per "
+            "model; least recently used blocks are evicted. 0 turns the cache off."
+        ),
+        json_schema_extra={"allowed": "a size >= 0 in bytes, e.g. 536870912, 512MiB or 2GB"},
+    )
     # --- output ---
     output_formatter: OutputFormatter | None = Field(
         None,
@@ -325,6 +342,7 @@ class Settings(BaseModel):
         "fast_path",
         "cpu_autotune",
         "enable_management_api",
+        "enable_prefix_caching",
         mode="before",
     )
     @classmethod

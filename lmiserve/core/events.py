@@ -37,6 +37,7 @@ class Finish:
     seed: int | None = None
     prefill: tuple[Token, ...] | None = None  # prompt tokens with logprobs (decoder_input_details)
     error: str | None = None
+    cached_tokens: int = 0  # of prompt_tokens, how many the prefix cache supplied (not computed again)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ class RequestFacts:
     model: str | None = None  # the model the request addressed
     status: int | None = None
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # of prompt_tokens, how many the prefix cache supplied
     generated_tokens: int | None = None
     first_token: float | None = None
     end: float | None = None
@@ -51,6 +52,7 @@ class RequestFacts:
         if index not in self._inputs:  # each input's prompt counts once, however many sequences it has
             self._inputs.add(index)
             self.prompt_tokens = (self.prompt_tokens or 0) + finish.prompt_tokens
+            self.cached_tokens = (self.cached_tokens or 0) + finish.cached_tokens
         self.generated_tokens = (self.generated_tokens or 0) + finish.generated_tokens
         if finish.reason.value not in self.finish_reasons:
             self.finish_reasons.append(finish.reason.value)
@@ -73,6 +75,7 @@ class RequestFacts:
             "model": self.model,
             "status": self.status,
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "generated_tokens": self.generated_tokens,
             "time_to_first_token": _seconds(self.first_token - self.start) if self.first_token is not None else None,
             "total_time": _seconds(end - self.start),

@@ -28,6 +28,7 @@ class SequenceStats:
     generated_tokens: int
     max_new_tokens: int
     reason: FinishReason  # ABORT when the client went away, ERROR when it failed
+    cached_tokens: int = 0  # prompt tokens the prefix cache supplied
 
     @property
     def queue_time(self) -> float:
@@ -61,6 +62,8 @@ class StepStats:
     generated_tokens: int  # tokens sampled in this step
     first_token_latencies: tuple[float, ...]  # per sequence whose first token came: time since submission
     inter_token_latencies: tuple[float, ...]  # per token that was not its sequence's first: time since the previous
+    prefix_queried_tokens: int = 0  # prompt tokens of sequences admitted for this step, looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # of which the cache supplied (not in prompt_tokens: they were not computed)
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,13 @@ class EngineSnapshot:
     kv_capacity: int  # positions the KV cache can hold (batch slots x context length)
     batch_slots: int  # sequences the running batch may hold
     generated_tokens: int  # tokens generated since the engine started (a rate is its change over time)
+    prefix_cache_tokens: int = 0  # tokens whose KV the prefix cache holds
+    prefix_cache_capacity: int = 0  # tokens it can hold (0: no prefix cache)
+    prefix_cache_bytes: int = 0  # the memory its blocks take at most
+
+    @property
+    def prefix_cache_usage(self) -> float:
+        return self.prefix_cache_tokens / self.prefix_cache_capacity if self.prefix_cache_capacity else 0.0
 
     @property
     def kv_usage(self) -> float:

@@ -26,6 +26,7 @@ from lmiserve.core.request import GenerationRequest
 from lmiserve.core.stats import EngineObserver, EngineSnapshot, RequestStats, SequenceStats, StepStats
 from lmiserve.engine import torch_thread
 from lmiserve.engine.grammar_compiler import CompiledGrammar, GrammarCompiler
+from lmiserve.engine.prefix_cache import PrefixIndex
 from lmiserve.engine.scheduler import Scheduler, StepOutput
 from lmiserve.engine.sequence import Sequence
 from lmiserve.engine.validation import PromptCodec
@@ -34,6 +35,9 @@ if TYPE_CHECKING:
     from lmiserve.engine.runners.base import ModelRunner
 
 log = logging.getLogger(__name__)
+
+DEFAULT_PREFIX_CACHE_BYTES = 512 * 2**20
+PREFIX_BLOCK_SIZE = 16
 
 
 @dataclass
@@ -52,6 +56,9 @@ class EngineConfig:
     # prompt tokens a step that also decodes may take: max(this, decoding rows, max_running - decoding rows);
     # None = no extra bound; "auto" = by device (engine/factory.py)
     prefill_floor: int | Literal["auto"] | None = "auto"
+    # prefix cache: most bytes its KV blocks take (0 = off) and tokens per block
+    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES
+    prefix_block_size: int = PREFIX_BLOCK_SIZE
 
 
 class _Handle:
@@ -84,6 +91,8 @@ class AsyncEngine:
         self.codec = codec
         self.grammars = grammars  # compiles the grammars of constrained requests (None: unsupported)
         self.config = config
+        blocks = runner.enable_prefix_cache(config.prefix_cache_bytes, config.prefix_block_size)
+        self.prefix = PrefixIndex(blocks, config.prefix_block_size) if blocks else None
         self.scheduler = Scheduler(
             config.max_running,
             config.max_prefill_tokens,
@@ -93,6 +102,7 @@ class AsyncEngine:
             max_batch_delay=config.max_batch_delay,
             queue_timeout=config.predict_timeout,
             prefill_floor=floor,
+            prefix=self.prefix,
         )
         self._handles: dict[int, _Handle] = {}  # seq_id -> handle
         self._ids = itertools.count(1)
@@ -138,6 +148,9 @@ class AsyncEngine:
             kv_capacity=self.scheduler.max_running * self.codec.max_context,
             batch_slots=self.scheduler.max_running,
             generated_tokens=self.generated_tokens,
+            prefix_cache_tokens=self.prefix.cached_tokens if self.prefix is not None else 0,
+            prefix_cache_capacity=self.prefix.capacity_tokens if self.prefix is not None else 0,
+            prefix_cache_bytes=self.runner.prefix_store.nbytes if self.runner.prefix_store is not None else 0,
         )
 
     def _notify(self, method: str, *args: object) -> None:
@@ -274,8 +287,15 @@ class AsyncEngine:
         self._stamp(events, now)  # aborts: no tokens
         self._deliver(events)
         if not plan.has_model_work:
-            if plan.moves or plan.released:
-                await torch_thread.run(self.runner.execute, plan)  # frees per-sequence caches
+            if plan.moves or plan.released or plan.saves:
+                # frees per-sequence caches, moves slots, copies blocks into the prefix cache
+                try:
+                    idle: StepOutput = await torch_thread.run(self.runner.execute, plan)
+                except Exception:  # noqa: BLE001 - nothing was computing; only the prefix cache is in doubt
+                    log.exception("engine step failed")
+                    idle = StepOutput(prefix_failed=True)
+                if idle.prefix_failed and self.prefix is not None:
+                    self.prefix.clear()  # blocks planned in it may not have been written
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), scheduler.next_wakeup(time.monotonic()))
             return
@@ -285,7 +305,7 @@ class AsyncEngine:
         except Exception as exc:  # noqa: BLE001 - outside the per-sequence guards: end what was running
             log.exception("engine step failed")
             message = f"exception occurred during generation: {exc}"
-            output = StepOutput(errors={s.seq_id: message for s in scheduler.running})
+            output = StepOutput(errors={s.seq_id: message for s in scheduler.running}, prefix_failed=True)
         now = time.monotonic()
         self.steps += 1
         events = scheduler.update(plan, output)
@@ -301,6 +321,8 @@ class AsyncEngine:
                 generated_tokens=len(firsts) + len(gaps),
                 first_token_latencies=firsts,
                 inter_token_latencies=gaps,
+                prefix_queried_tokens=plan.prefix_queried,
+                prefix_hit_tokens=plan.prefix_hits,
             )
             self._notify("on_step", step)
         self._deliver(events)
@@ -367,6 +389,7 @@ class AsyncEngine:
                 generated_tokens=len(seq.output_ids),
                 max_new_tokens=seq.params.max_new_tokens,
                 reason=seq.finish_reason if seq.finish_reason is not None else fallback,
+                cached_tokens=seq.cached_tokens,
             )
             for seq in handle.seqs
         )

@@ -37,6 +37,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         cpu_autotune=settings.cpu_autotune,
         autotune_cache=settings.autotune_cache,
         prefill_floor=settings.prefill_tokens_while_decoding or "auto",
+        prefix_cache_bytes=int(settings.prefix_cache_size) if settings.enable_prefix_caching else 0,
     )
 
 

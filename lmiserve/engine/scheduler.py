@@ -13,6 +13,12 @@ rows, so no stream waits longer for a token than it would in a full batch or twi
 step, and a batch that is still filling admits prompts quickly (benchmarks/README.md has the
 measurements).
 
+Prefix cache (`prefix`, a `PrefixIndex`): a sequence admitted into the batch starts with the
+cached blocks its prompt begins with (`StepPlan.loads`: the runner copies them into its slot; at least
+one prompt token is left to prefill), and the blocks of a sequence's prompt (once prefilled) and of
+its tokens (when it leaves, unless it failed) are stored (`StepPlan.saves`, copied out of the slot
+before the step's slot moves that follow them).
+
 Policies: *rolling* (continuous batching: sequences join at any step while fewer than
 ``max_running`` run) and *static* (dynamic batching: a batch forms from up to ``batch_size``
 requests within ``max_batch_delay`` and runs to completion before the next one is admitted).
@@ -24,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from lmiserve.core.events import FinishReason, StepEvent
+from lmiserve.engine.prefix_cache import PrefixIndex, PrefixMatch
 from lmiserve.engine.sequence import SeqStatus, Sequence
 
 
@@ -38,12 +45,34 @@ class PrefillChunk:
         return self.start + self.length == self.seq.prompt_len
 
 
+@dataclass(frozen=True)
+class PrefixSave:
+    """Copy blocks of a slot into the prefix cache's pool before slot move number `before_move`."""
+
+    before_move: int
+    slot: int
+    blocks: list[tuple[int, int]]  # (block number in the sequence, pool block)
+
+
+@dataclass(frozen=True)
+class PrefixLoad:
+    """Copy cached blocks into a newly admitted sequence's slot (after the saves and moves)."""
+
+    seq: Sequence
+    slot: int
+    match: PrefixMatch
+
+
 @dataclass
 class StepPlan:
     moves: list[tuple[int, int, int]] = field(default_factory=list)  # (src slot, dst slot, length)
     released: list[Sequence] = field(default_factory=list)  # left the batch since the last step
     prefill: list[PrefillChunk] = field(default_factory=list)
     decode: list[Sequence] = field(default_factory=list)  # in slot order 0..len-1
+    saves: list[PrefixSave] = field(default_factory=list)
+    loads: list[PrefixLoad] = field(default_factory=list)
+    prefix_queried: int = 0  # prompt tokens of the sequences admitted for this step looked up in the cache
+    prefix_hits: int = 0  # of which found there
 
     @property
     def has_model_work(self) -> bool:
@@ -65,6 +94,7 @@ class StepOutput:
     # (position of the first, logprobs); the prompt's first token has none
     prompt_logprobs: dict[int, tuple[int, list[float | None]]] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)
+    prefix_failed: bool = False  # copying into the prefix cache failed: what it holds is no longer trusted
 
 
 class Scheduler:
@@ -79,6 +109,7 @@ class Scheduler:
         max_batch_delay: float = 0.1,
         queue_timeout: float | None = None,
         prefill_floor: int | None = None,
+        prefix: PrefixIndex | None = None,
     ) -> None:
         self.max_running = max_running
         self.prefill_floor = prefill_floor
@@ -92,6 +123,10 @@ class Scheduler:
         self.running: list[Sequence] = []  # index == slot
         self._moves: list[tuple[int, int, int]] = []
         self._released: list[Sequence] = []
+        self.prefix = prefix
+        self._saves: list[PrefixSave] = []
+        self._loads: list[PrefixLoad] = []
+        self._queried = self._hits = 0
 
     # ---- intake ----------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -129,8 +164,10 @@ class Scheduler:
             self.waiting.remove(seq)
             events.append((seq, seq.end(FinishReason.ABORT)))
         self._admit(now)
-        plan = StepPlan(moves=self._moves, released=self._released)
-        self._moves, self._released = [], []
+        plan = StepPlan(moves=self._moves, released=self._released, saves=self._saves, loads=self._loads)
+        plan.prefix_queried, plan.prefix_hits = self._queried, self._hits
+        self._moves, self._released, self._saves, self._loads = [], [], [], []
+        self._queried = self._hits = 0
         plan.decode = [s for s in self.running if s.status is SeqStatus.RUNNING]
         budget = self.max_prefill_tokens
         if plan.decode and self.prefill_floor is not None:
@@ -176,10 +213,34 @@ class Scheduler:
             seq.slot = len(self.running)
             seq.kv_len = 0
             self.running.append(seq)
+            self._lookup(seq)
+
+    def _lookup(self, seq: Sequence) -> None:
+        """Start a newly admitted sequence from the cached blocks its prompt begins with (not when it
+        asks for prompt logprobs: those need the logits of every prompt position)."""
+        if self.prefix is None or seq.params.decoder_input_details:
+            return
+        found = self.prefix.match(seq.prompt_ids)
+        self._queried += seq.prompt_len
+        self._hits += found.tokens
+        if found.tokens:
+            assert seq.slot is not None
+            seq.kv_len = seq.cached_tokens = found.tokens
+            self._loads.append(PrefixLoad(seq, seq.slot, found))
+
+    def _store(self, seq: Sequence, tokens: list[int]) -> None:
+        """Keep the blocks of `tokens` (whose KV `seq`'s slot holds) that the cache lacks."""
+        if self.prefix is None or seq.slot is None:
+            return
+        blocks = self.prefix.store(tokens)
+        if blocks:
+            self._saves.append(PrefixSave(len(self._moves), seq.slot, blocks))
 
     # ---- results ---------------------------------------------------------------------------------
     def update(self, plan: StepPlan, output: StepOutput) -> list[tuple[Sequence, StepEvent]]:
         events: list[tuple[Sequence, StepEvent]] = []
+        if output.prefix_failed and self.prefix is not None:
+            self.prefix.clear()
         for chunk in plan.prefill:
             seq = chunk.seq
             if seq.seq_id in output.errors:
@@ -189,6 +250,7 @@ class Scheduler:
                 seq.add_prompt_logprobs(*output.prompt_logprobs[seq.seq_id])
             if chunk.completes_prompt:
                 seq.status = SeqStatus.RUNNING
+                self._store(seq, seq.prompt_ids)
         for seq in plan.decode:
             if seq.seq_id not in output.errors:
                 seq.kv_len += 1
@@ -208,11 +270,14 @@ class Scheduler:
             failed = next((s for s in self.running if s.seq_id == seq_id), None)
             if failed is not None:
                 events.append((failed, failed.end(FinishReason.ERROR, message)))
-                self._remove(failed)
+                self._remove(failed, keep=False)
         return events
 
-    def _remove(self, seq: Sequence) -> None:
-        """Take `seq` out of the batch, moving others so decoding and prefilling slots stay contiguous."""
+    def _remove(self, seq: Sequence, *, keep: bool = True) -> None:
+        """Take `seq` out of the batch, moving others so decoding and prefilling slots stay contiguous.
+        With `keep`, the blocks of its tokens whose KV it computed are stored in the prefix cache first."""
+        if keep:
+            self._store(seq, seq.all_ids[: seq.kv_len])
         slot = self.running.index(seq)
         self.running.pop(slot)
         seq.status = SeqStatus.FINISHED

@@ -51,6 +51,7 @@ class Sequence:
         self.status = SeqStatus.WAITING
         self.slot: int | None = None
         self.kv_len = 0  # positions of this sequence written into the KV cache
+        self.cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
         self.output_ids: list[int] = []
         self.cumulative_logprob = 0.0
         self.prefill_tokens: list[Token] = []
@@ -151,6 +152,7 @@ class Sequence:
             generated_tokens=len(self.output_ids),
             prompt=self.prompt,
             prompt_tokens=self.prompt_len,
+            cached_tokens=self.cached_tokens,
             seed=self.seed,
             prefill=tuple(self.prefill_tokens) if self.params.decoder_input_details else None,
             error=error,

@@ -167,6 +167,26 @@ def test_counters_and_histograms_move_by_exactly_the_requests_sent(metered):
     assert moved("lmiserve_request_duration_seconds_count", protocol="openai", model=name) == 3
 
 
+def test_prefix_cache_queries_and_hits_count_prompt_tokens(metered):
+    client, name = metered.client, metered.name
+    prompt = "Continuous batching lets new requests join a running batch between steps. Numbers like 1, 2"
+    before = metered.scrape()
+    usages = []
+    for _ in range(2):
+        r = client.post("/v1/completions", json={"model": name, "prompt": prompt, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        usages.append(r.json()["usage"])
+    after = metered.scrape()
+    labels = {"model_name": name, "engine": "0"}
+    prompt_tokens = sum(u["prompt_tokens"] for u in usages)
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    assert cached >= 16
+    assert delta(before, after, "vllm:prefix_cache_queries_total", **labels) == prompt_tokens
+    assert delta(before, after, "vllm:prefix_cache_hits_total", **labels) == cached
+    assert delta(before, after, "vllm:prompt_tokens_total", **labels) == prompt_tokens  # cached ones included
+    assert 0 < after.total("lmiserve_prefix_cache_usage_perc", **labels) <= 1
+
+
 def test_tensor_routes_are_counted_per_protocol_and_model(metered):
     client, name = metered.client, metered.name
     before = metered.scrape()

@@ -151,6 +151,18 @@ def test_openai_stream_access_line_and_one_id_per_stream(logged):
     assert 0 < float(fields["time_to_first_token"]) <= float(fields["total_time"])
 
 
+def test_the_access_line_names_the_prompt_tokens_the_prefix_cache_supplied(logged):
+    messages = [{"role": "system", "content": f"{new_id()} Hello world! How are you today? I am fine."}]
+    payload = {"messages": [*messages, {"role": "user", "content": "Hi"}], "max_tokens": 2}
+    first, second = new_id(), new_id()
+    assert post(logged, "/v1/chat/completions", payload, first).status_code == 200
+    r = post(logged, "/v1/chat/completions", payload, second)
+    assert r.status_code == 200, r.text
+    assert logged.access(first)["cached_tokens"] == "0"
+    cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0 and logged.access(second)["cached_tokens"] == str(cached)
+
+
 def test_openai_ids_are_unique(logged):
     chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
     completion = {"prompt": "Hi", "max_tokens": 1}

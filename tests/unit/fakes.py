@@ -161,6 +161,28 @@ class FakeRunner:
         self.errors: dict[int, str] = {}  # seq_id -> error to report at the next step
         self.fail_decode: str | None = None  # the whole decode forward fails at the next step
         self.log: list[StepPlan] = []
+        self.pool: dict[int, list[int | None]] = {}  # the prefix cache's blocks: pool index -> token ids
+
+    def prepare_slots(self, plan: StepPlan) -> None:
+        """The plan's prefix cache saves and slot moves in their order, then its loads (as
+        `ModelRunner._prepare_slots`); a saved block must be complete, a loaded one filled by a save."""
+        size = self.scheduler.prefix.block_size if self.scheduler.prefix is not None else 0
+        saves = sorted(plan.saves, key=lambda save: save.before_move)
+        for number, move in enumerate([*plan.moves, None]):
+            while saves and saves[0].before_move <= number:
+                save = saves.pop(0)
+                for block, index in save.blocks:
+                    stored = list(self.kv[save.slot][block * size : (block + 1) * size])
+                    assert len(stored) == size and None not in stored, (save, stored)
+                    self.pool[index] = stored
+            if move is not None:
+                src, dst, length = move
+                assert length >= 0
+                self.kv[dst][:length] = list(self.kv[src][:length])
+        for load in plan.loads:
+            tokens = [t for index in load.match.blocks for t in self.pool[index]][: load.match.tokens]
+            assert len(tokens) == load.match.tokens
+            self.kv[load.slot][: len(tokens)] = tokens
 
     def _write(self, slot: int, pos: int, token_id: int) -> None:
         row = self.kv[slot]
@@ -178,9 +200,7 @@ class FakeRunner:
     def execute(self, plan: StepPlan) -> StepOutput:
         self.step += 1
         self.log.append(plan)
-        for src, dst, length in plan.moves:
-            assert length >= 0
-            self.kv[dst][:length] = list(self.kv[src][:length])
+        self.prepare_slots(plan)
         self.check_contents(self.scheduler.running)
         out = StepOutput()
         for row, seq in enumerate(plan.decode):
@@ -227,8 +247,7 @@ def run_step(
         output = runner.execute(plan)
         events = events + scheduler.update(plan, output)
     else:
-        for src, dst, length in plan.moves:
-            runner.kv[dst][:length] = list(runner.kv[src][:length])
+        runner.prepare_slots(plan)
     check_running_layout(scheduler)
     return plan, events
 

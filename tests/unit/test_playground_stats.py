@@ -71,6 +71,8 @@ def test_snapshot_lists_llms_and_only_the_status_of_those_not_ready():
                 "kv_capacity": 200,
                 "kv_usage": 0.25,
                 "generated_tokens": 10,
+                "prefix_cache_tokens": 0,
+                "prefix_cache_capacity": 0,
                 "tokens_per_second": 0.0,
             },
             {"name": "loading", "status": "pending"},

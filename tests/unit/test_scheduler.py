@@ -13,6 +13,7 @@ import pytest
 from fakes import EOS, FakeRunner, FakeTokenizer, check_running_layout, drive, make_seq, run_step
 
 from lmiserve.core.events import FinishReason
+from lmiserve.engine.prefix_cache import PrefixIndex
 from lmiserve.engine.scheduler import Scheduler
 from lmiserve.engine.sequence import SeqStatus
 
@@ -90,10 +91,14 @@ def test_idle_scheduler_plans_nothing():
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 @pytest.mark.parametrize("chunked", [True, False])
-def test_random_traffic_keeps_slots_contiguous_and_kv_contents_right(seed: int, chunked: bool):
+@pytest.mark.parametrize("cached", [False, True], ids=["", "prefix_cache"])
+def test_random_traffic_keeps_slots_contiguous_and_kv_contents_right(seed: int, chunked: bool, cached: bool):
+    """With a prefix cache (a small one: blocks are evicted all the time) prompts share heads, and every
+    sequence that starts from cached blocks must find its own tokens in its slot (FakeRunner checks)."""
     rng = random.Random(seed)
     max_running, budget = 5, 24
-    sched = Scheduler(max_running=max_running, max_prefill_tokens=budget, chunked_prefill=chunked)
+    prefix = PrefixIndex(num_blocks=12, block_size=4) if cached else None
+    sched = Scheduler(max_running=max_running, max_prefill_tokens=budget, chunked_prefill=chunked, prefix=prefix)
 
     def rule(seq, step):
         return EOS if rng.random() < 0.04 else 100 + rng.randrange(50)
@@ -111,7 +116,7 @@ def test_random_traffic_keeps_slots_contiguous_and_kv_contents_right(seed: int, 
         if step < 320:
             for _ in range(rng.choice([0, 0, 0, 1, 1, 2, 3])):
                 s = make_seq(
-                    prompt(rng.randint(1, 60), base=rng.randrange(10, 90)),
+                    prompt(rng.randint(1, 60), base=rng.choice([10, 11]) if cached else rng.randrange(10, 90)),
                     tokenizer=tokenizer,
                     max_new_tokens=rng.randint(1, 25),
                     arrival=now,
@@ -146,7 +151,7 @@ def test_random_traffic_keeps_slots_contiguous_and_kv_contents_right(seed: int, 
         if chunked:
             assert sum(c.length for c in plan.prefill) <= budget
         else:
-            assert all(c.start == 0 and c.completes_prompt for c in plan.prefill)
+            assert all(c.start == c.seq.cached_tokens and c.completes_prompt for c in plan.prefill)
         for s in sched.running:
             if s.seq_id not in admitted_order:
                 admitted_order.append(s.seq_id)
@@ -154,8 +159,7 @@ def test_random_traffic_keeps_slots_contiguous_and_kv_contents_right(seed: int, 
             out = runner.execute(plan)
             step_events += sched.update(plan, out)
         else:
-            for src, dst, length in plan.moves:
-                runner.kv[dst][:length] = list(runner.kv[src][:length])
+            runner.prepare_slots(plan)
         check_running_layout(sched)
         for seq, ev in step_events:
             events_of[seq.seq_id].append(ev)
@@ -188,6 +192,10 @@ def test_random_traffic_keeps_slots_contiguous_and_kv_contents_right(seed: int, 
             assert fin.error in ("boom", "decode failed")
     assert {FinishReason.LENGTH, FinishReason.EOS_TOKEN, FinishReason.ABORT, FinishReason.ERROR} <= reasons
     assert sum(len(p.moves) for p in runner.log) > 20  # compaction was exercised
+    if cached:
+        hits = sum(p.prefix_hits for p in runner.log)
+        assert hits > 200 and sum(s.cached_tokens for s in all_seqs) == hits
+        assert sum(len(p.saves) for p in runner.log) > 50 and prefix is not None and prefix.used_blocks == 12
     assert len(all_seqs) > 100
 
 

@@ -120,7 +120,13 @@ def test_chat_stream_special_token_is_empty_content_with_role():
     assert last_token["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert last_token["choices"][0]["finish_reason"] == "stop"
     usage = json.loads(events[2].removeprefix(b"data: "))
-    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
+    assert usage["choices"] == []
+    assert usage["usage"] == {
+        "prompt_tokens": 2,
+        "completion_tokens": 2,
+        "total_tokens": 4,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_stream_without_a_final_event_ends_with_an_incomplete_error():

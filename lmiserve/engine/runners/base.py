@@ -9,6 +9,7 @@ their `StepOutput.errors` say why, the engine goes on. Each sequence that sample
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, ClassVar, ParamSpec
 import torch
 
 from lmiserve.engine.kv_cache import AttentionShape, SlotKVCache
+from lmiserve.engine.prefix_store import PrefixStore, bytes_per_token
 from lmiserve.engine.sampling import make_generator, sample_row
 from lmiserve.engine.scheduler import PrefillChunk, StepOutput, StepPlan
 from lmiserve.engine.sequence import Sequence
@@ -43,6 +45,49 @@ class ModelRunner(ABC):
         self.eos_token_ids = sorted(eos_token_ids)
         self._generators: dict[int, torch.Generator] = {}  # seq_id -> its sampler's generator
         self._mask: TokenMask | None = None  # made on the first step with a constrained row
+        self.cache: SlotKVCache | None = None  # the slot cache, for the strategies that have one
+        self.prefix_store: PrefixStore | None = None
+
+    # ---- prefix cache ------------------------------------------------------------------------------
+    def enable_prefix_cache(self, max_bytes: int, block_size: int) -> int:
+        """Make the prefix cache's pool (at most `max_bytes`); its number of blocks, 0 when this runner
+        has none (no slot cache, or not one block fits)."""
+        if self.cache is None:
+            return 0
+        blocks = max_bytes // (bytes_per_token(self.cache) * block_size)
+        if blocks < 1:
+            return 0
+        self.prefix_store = PrefixStore(self.cache, int(blocks), block_size)
+        return int(blocks)
+
+    def _prepare_slots(self, plan: StepPlan, out: StepOutput) -> StepPlan:
+        """Apply the plan's prefix cache saves and slot moves in their order, then its prefix loads. If
+        a copy fails the cache is dropped (`out.prefix_failed`) and the sequences that were to start
+        from it fail; the plan without their prefill chunks is returned."""
+        cache, store = self.cache, self.prefix_store
+        if cache is None:
+            return plan
+        saves = sorted(plan.saves, key=lambda save: save.before_move)
+        try:
+            for number, move in enumerate([*plan.moves, None]):
+                while saves and saves[0].before_move <= number:
+                    save = saves.pop(0)
+                    if store is not None:
+                        store.save(save.slot, save.blocks)
+                if move is not None:
+                    cache.move_slot(*move)
+        except Exception:  # noqa: BLE001 - the cache is dropped; the requests that needed it fail below
+            log.exception("copying into the prefix cache failed; dropping it")
+            out.prefix_failed = True
+        for load in plan.loads:
+            seq = load.seq
+            if out.prefix_failed or store is None:
+                out.errors[seq.seq_id] = "exception occurred during generation: the prefix cache failed"
+                continue
+            self._guard([seq], out, store.load, load.slot, load.match.blocks, load.match.tokens)
+        if not out.errors:
+            return plan
+        return dataclasses.replace(plan, prefill=[c for c in plan.prefill if c.seq.seq_id not in out.errors])
 
     # ---- one step ----------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -51,7 +96,7 @@ class ModelRunner(ABC):
             for seq in plan.released:
                 self._release(seq)
             out = StepOutput()
-            self._run(plan, out)
+            self._run(self._prepare_slots(plan, out), out)
             return out
 
     @abstractmethod

@@ -1,6 +1,10 @@
 """The batch-invariant strategy: each sequence keeps its own `DynamicCache` and runs its own forward
 passes exactly as `model.generate` does, so greedy output equals it bit for bit whatever else runs,
 at the cost of batching throughput. Prompts are prefilled whole (the scheduler does not chunk them).
+
+No prefix cache: KV copied from another request was computed by a forward pass of another shape (a
+longer prompt, chunked), so a prompt that starts from it may round differently from `model.generate`,
+which is the one thing this strategy promises not to do.
 """
 
 from __future__ import annotations

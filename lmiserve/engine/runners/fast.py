@@ -16,6 +16,7 @@ import torch
 
 from lmiserve.engine import autotune as kernel_autotune
 from lmiserve.engine.fast_llama import FastLlama
+from lmiserve.engine.kv_cache import SlotKVCache
 from lmiserve.engine.runners.base import ModelRunner, slot_cache, slot_of
 from lmiserve.engine.scheduler import PrefillChunk, StepOutput, StepPlan
 from lmiserve.engine.sequence import Sequence
@@ -46,6 +47,7 @@ class FusedStep:
 
 class FastRunner(ModelRunner):
     path = "fast"
+    cache: SlotKVCache
 
     def __init__(
         self,
@@ -70,8 +72,6 @@ class FastRunner(ModelRunner):
             self.kernels = kernel_autotune.KernelChoice(self.fast.gemm, self.fast.compiled_attention, "static")
 
     def _run(self, plan: StepPlan, out: StepOutput) -> None:
-        for src, dst, length in plan.moves:
-            self.cache.move_slot(src, dst, length)
         step = FusedStep(plan.decode, plan.prefill)
         if not step.decode and not step.chunks:
             return

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lmiserve.engine.kv_cache import SlotKVCache
 from lmiserve.engine.runners.base import ModelRunner, model_forward, slot_cache, slot_of
 from lmiserve.engine.scheduler import PrefillChunk, StepOutput, StepPlan
 from lmiserve.engine.sequence import Sequence
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 
 class GenericRunner(ModelRunner):
     path = "generic"
+    cache: SlotKVCache
 
     def __init__(
         self, model: PreTrainedModel, *, max_slots: int, max_context: int, eos_token_ids: Iterable[int]
@@ -29,8 +31,6 @@ class GenericRunner(ModelRunner):
         self.cache = slot_cache(model, max_slots, max_context)
 
     def _run(self, plan: StepPlan, out: StepOutput) -> None:
-        for src, dst, length in plan.moves:
-            self.cache.move_slot(src, dst, length)
         if plan.decode:
             self._guard(plan.decode, out, self._decode, plan.decode, out)
         for chunk in plan.prefill:

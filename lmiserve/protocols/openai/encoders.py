@@ -69,8 +69,14 @@ class Envelope:
         }
 
 
-def _usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    """OpenAI's ``usage``; ``prompt_tokens_details.cached_tokens``: prompt tokens the prefix cache supplied."""
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def chat_logprob(token: Token, top: tuple[Token, ...] | None) -> dict:
@@ -131,9 +137,9 @@ def chat_body(seqs: list[Sequence], env: Envelope, *, logprobs: bool, answer: An
         lp = {"content": [chat_logprob(t, top) for t, top in zip(seq.tokens, seq.top_tokens)]} if logprobs else None
         message, reason = answer(seq)
         choices.append({"index": index, "message": message, "logprobs": lp, "finish_reason": reason})
-    prompt = seqs[0].finish.prompt_tokens
+    prompt, cached = seqs[0].finish.prompt_tokens, seqs[0].finish.cached_tokens
     completion = sum(s.finish.generated_tokens for s in seqs)
-    return dumps({**env.head("chat.completion"), "choices": choices, "usage": _usage(prompt, completion)})
+    return dumps({**env.head("chat.completion"), "choices": choices, "usage": usage(prompt, completion, cached)})
 
 
 class ChatEncoder(_Whole):
@@ -159,7 +165,7 @@ class ChatStreamEncoder(_Stream):
         self.env = env
         self.logprobs = logprobs
         self.include_usage = include_usage
-        self.prompt_tokens = 0
+        self.prompt_tokens = self.cached_tokens = 0
         self.completion_tokens = 0
 
     def on_event(self, index: int, event: StepEvent) -> bytes:
@@ -174,15 +180,15 @@ class ChatStreamEncoder(_Stream):
             "finish_reason": finish_reason(finish) if finish else None,
         }
         if finish is not None:
-            self.prompt_tokens = finish.prompt_tokens
+            self.prompt_tokens, self.cached_tokens = finish.prompt_tokens, finish.cached_tokens
             self.completion_tokens += finish.generated_tokens
         return sse.event(dumps({**self.env.head("chat.completion.chunk"), "choices": [choice], "usage": None}))
 
     def close(self) -> bytes:
         tail = b""
         if self.include_usage:
-            usage = _usage(self.prompt_tokens, self.completion_tokens)
-            tail = sse.event(dumps({**self.env.head("chat.completion.chunk"), "choices": [], "usage": usage}))
+            body = usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+            tail = sse.event(dumps({**self.env.head("chat.completion.chunk"), "choices": [], "usage": body}))
         return tail + DONE
 
 
@@ -206,9 +212,10 @@ def completion_body(
     per_prompt: list[list[Sequence]], prompts: list[str], env: Envelope, *, logprobs: bool, echo: bool
 ) -> bytes:
     """Non-streaming completion: choice index = prompt index x n + sequence rank; usage summed."""
-    choices, prompt_tokens, completion_tokens = [], 0, 0
+    choices, prompt_tokens, completion_tokens, cached_tokens = [], 0, 0, 0
     for p, seqs in enumerate(per_prompt):
         prompt_tokens += seqs[0].finish.prompt_tokens
+        cached_tokens += seqs[0].finish.cached_tokens
         for rank, seq in enumerate(seqs):
             completion_tokens += seq.finish.generated_tokens
             prefix = prompts[p] if echo else ""
@@ -234,7 +241,13 @@ def completion_body(
                     "finish_reason": finish_reason(seq.finish),
                 }
             )
-    return dumps({**env.head("text_completion"), "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)})
+    return dumps(
+        {
+            **env.head("text_completion"),
+            "choices": choices,
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
+        }
+    )
 
 
 class CompletionEncoder(_Whole):
@@ -283,7 +296,7 @@ class CompletionStreamEncoder(_Stream):
             "system_fingerprint": head["system_fingerprint"],
         }
         if finish is not None:
-            obj["usage"] = _usage(finish.prompt_tokens, finish.generated_tokens)
+            obj["usage"] = usage(finish.prompt_tokens, finish.generated_tokens, finish.cached_tokens)
         return sse.event(dumps(obj))
 
     def close(self) -> bytes:

@@ -27,7 +27,7 @@ from typing import Any
 
 from lmiserve.core.errors import LmiServeError
 from lmiserve.core.events import Finish, StepEvent
-from lmiserve.protocols.openai.encoders import Answer, Envelope, chat_logprob, finish_reason
+from lmiserve.protocols.openai.encoders import Answer, Envelope, chat_logprob, finish_reason, usage
 from lmiserve.protocols.openai.errors import DONE, RENDERER
 from lmiserve.server import sse
 from lmiserve.server.textgen.sequences import Sequence
@@ -76,7 +76,7 @@ class ToolChatStreamEncoder:
         self.call_ids = call_ids
         self.outputs: dict[int, ToolOutput] = {}  # per choice
         self.started: set[int] = set()  # choices whose first chunk (with the role) was sent
-        self.prompt_tokens = 0
+        self.prompt_tokens = self.cached_tokens = 0
         self.completion_tokens = 0
 
     def on_event(self, index: int, event: StepEvent) -> bytes:
@@ -89,7 +89,7 @@ class ToolChatStreamEncoder:
         finish = event.finish
         if finish is not None:
             pieces += output.finish()
-            self.prompt_tokens = finish.prompt_tokens
+            self.prompt_tokens, self.cached_tokens = finish.prompt_tokens, finish.cached_tokens
             self.completion_tokens += finish.generated_tokens
         delta = self._delta(pieces)
         if not delta and finish is None and not (self.logprobs and event.token is not None):
@@ -130,9 +130,8 @@ class ToolChatStreamEncoder:
     def close(self) -> bytes:
         tail = b""
         if self.include_usage:
-            prompt, completion = self.prompt_tokens, self.completion_tokens
-            usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-            tail = sse.event(dumps({**self.env.head("chat.completion.chunk"), "choices": [], "usage": usage}))
+            body = usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+            tail = sse.event(dumps({**self.env.head("chat.completion.chunk"), "choices": [], "usage": body}))
         return tail + DONE
 
     def error(self, exc: LmiServeError) -> bytes:

@@ -104,6 +104,9 @@ class Info(BaseModel):
     max_batch_total_tokens: int | None
     max_waiting_tokens: int
     max_batch_size: int | None
+    prefix_caching: bool  # lmiserve: prompts reuse the KV of cached prefixes
+    prefix_cache_size: int  # lmiserve: bytes the prefix cache's blocks take at most (0: off)
+    prefix_cache_tokens: int  # lmiserve: tokens the prefix cache holds at most (0: off)
 
 
 class ModelCard(BaseModel):

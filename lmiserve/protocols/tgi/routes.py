@@ -154,13 +154,15 @@ async def health(request: Request) -> Response:
 
 
 async def info(request: Request) -> Response:
-    """TGI 3.x fields in wire order, then the legacy 2.x ones."""
+    """TGI 3.x fields in wire order, then the legacy 2.x ones, then lmiserve's prefix cache: on or not,
+    its memory bound (bytes) and the tokens it holds at most."""
     service = default_llm(request)
     if service.status != ModelService.READY:
         return raw_response(UNHEALTHY, 503)
     model = Served.of(service)
     limits, s = model.limits, model.service.settings
     label = os.environ.get("DOCKER_LABEL")
+    snap = model.service.ready_generator().snapshot()
     body = {
         "model_id": model.service.name,
         "model_sha": None,
@@ -183,6 +185,9 @@ async def info(request: Request) -> Response:
         "max_batch_total_tokens": None,
         "max_waiting_tokens": 0,
         "max_batch_size": s.batch_size if s.dynamic_batching else s.max_rolling_batch_size,
+        "prefix_caching": snap.prefix_cache_capacity > 0,
+        "prefix_cache_size": snap.prefix_cache_bytes,
+        "prefix_cache_tokens": snap.prefix_cache_capacity,
     }
     return raw_response(dumps(body))
 

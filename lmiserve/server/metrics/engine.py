@@ -159,6 +159,10 @@ class VllmMetrics:
 
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.prefix_queries = counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         self.success = counter(
             "vllm:request_success", "Count of successfully processed requests.", ("finished_reason",)
         )
@@ -226,8 +230,11 @@ class ModelObserver:
         self.tgi.inference[step.method] += 1
         self.tgi.forward.labels(step.method).observe(step.duration)
         labels = self._labels
-        if step.prompt_tokens:
-            self.vllm.prompt_tokens.labels(*labels).inc(step.prompt_tokens)
+        if step.prompt_tokens or step.prefix_hit_tokens:  # every prompt token, computed or from the cache
+            self.vllm.prompt_tokens.labels(*labels).inc(step.prompt_tokens + step.prefix_hit_tokens)
+        if step.prefix_queried_tokens:
+            self.vllm.prefix_queries.labels(*labels).inc(step.prefix_queried_tokens)
+            self.vllm.prefix_hits.labels(*labels).inc(step.prefix_hit_tokens)
         if step.generated_tokens:
             self.vllm.generation_tokens.labels(*labels).inc(step.generated_tokens)
         for latency in step.first_token_latencies:
@@ -282,6 +289,11 @@ class LiveCollector(Collector):
             "vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels=labels
         )
         kv = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels=labels)
+        prefix = GaugeMetricFamily(
+            "lmiserve_prefix_cache_usage_perc",
+            "Prefix cache usage: tokens held / tokens it can hold. 1 means 100 percent usage.",
+            labels=labels,
+        )
         size = queue = max_tokens = 0
         for service in self._models():
             engine = _generator(service)
@@ -292,10 +304,13 @@ class LiveCollector(Collector):
             running.add_metric(values, snap.running)
             waiting.add_metric(values, snap.waiting)
             kv.add_metric(values, snap.kv_usage)
+            if snap.prefix_cache_capacity:
+                prefix.add_metric(values, snap.prefix_cache_usage)
             size, queue, max_tokens = size + snap.running, queue + snap.waiting, max_tokens + snap.batch_max_tokens
         yield running
         yield waiting
         yield kv
+        yield prefix
         yield GaugeMetricFamily("tgi_batch_current_size", "Current batch size", value=size)
         yield GaugeMetricFamily(
             "tgi_batch_current_max_tokens", "Maximum tokens for the current batch", value=max_tokens

@@ -229,6 +229,10 @@ function renderStats(stats) {
     const kv = 100 * model.kv_usage;
     const percent = kv > 0 && kv < 0.01 ? "<0.01" : kv < 10 ? kv.toFixed(2) : kv.toFixed(1);
     set("kv", `${percent}% · ${model.kv_tokens} / ${model.kv_capacity}`);
+    const kvStat = card.querySelector('[data-stat="kv"]');
+    kvStat.title = model.prefix_cache_capacity
+      ? `prefix cache: ${model.prefix_cache_tokens} / ${model.prefix_cache_capacity} tokens`
+      : "prefix cache off";
     card.querySelector(".bar.kv > i").style.width = `${kv}%`;
     const series = rates.get(model.name) ?? [];
     series.push(model.tokens_per_second);

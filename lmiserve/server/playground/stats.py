@@ -62,6 +62,8 @@ def model_stats(service: ModelService, rates: TokenRate, now: float) -> dict[str
         kv_capacity=snap.kv_capacity,
         kv_usage=round(snap.kv_usage, 6),
         generated_tokens=snap.generated_tokens,
+        prefix_cache_tokens=snap.prefix_cache_tokens,
+        prefix_cache_capacity=snap.prefix_cache_capacity,
         tokens_per_second=round(rates.rate(service.name, now, snap.generated_tokens), 1),
     )
     return entry
