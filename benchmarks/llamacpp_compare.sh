@@ -55,7 +55,7 @@ wait_ready "http://127.0.0.1:$PY_PORT"
 
 { date -u; uptime; lscpu | grep 'Model name'; } | tee "$OUT/machine.txt"
 $LMISERVE bench --scenario both --concurrency 1,8 --max-new-tokens 64 --chat-turns 4 \
-  --chat-conversations 2 --skip-baselines "${compare[@]}" --output-dir "$OUT" "$@" | tee "$OUT/bench.txt" \
+  --chat-conversations 1 --skip-baselines "${compare[@]}" --output-dir "$OUT" "$@" | tee "$OUT/bench.txt" \
   || status=$?
 { date -u; uptime; } | tee -a "$OUT/machine.txt"
 exit "${status:-0}"
