@@ -18,7 +18,13 @@ Benchmark a server with closed-loop streaming clients at several concurrencies, 
 same run with the bare model forward and model.generate (in this process, while the server idles)
 and with any OpenAI-compatible /v1/completions server (--compare-url). Writes bench.json and
 bench.png to --output-dir and prints a table. The defaults take about 5 minutes on 2 CPU cores
-with the bundled SmolLM2-135M (fp32)."""
+with the bundled SmolLM2-135M (fp32).
+
+--scenario chat (or both) runs multi-turn conversations over /v1/chat/completions instead (or as
+well): a shared system prompt, every turn resending the whole history, figures per turn index.
+--ab-option KEY=VALUE starts a second lmiserve with that server option added (for instance
+enable_prefix_caching=false) and runs every level on both, reporting B / A throughput and the chat
+TTFT of turns >= 3, A / B."""
 
 
 def _int_list(text: str) -> list[int]:
@@ -119,6 +125,28 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "`builtin`: one that cannot complete within --max-new-tokens) and report constrained vs "
         "unconstrained throughput, compile times and the per-step mask cost",
     )
+    p.add_argument(
+        "--scenario",
+        choices=("completion", "chat", "both"),
+        default="completion",
+        help="completion: one prompt a request (LMI /invocations; peers /v1/completions); chat: "
+        "multi-turn conversations over /v1/chat/completions; both: one after the other (default completion)",
+    )
+    p.add_argument("--chat-turns", type=_positive_int, default=4, help="turns of each conversation (default 4)")
+    p.add_argument(
+        "--chat-conversations",
+        type=_positive_int,
+        default=2,
+        help="measured conversations per client and level, without --duration (default 2)",
+    )
+    p.add_argument(
+        "--ab-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="also start a second lmiserve with this server option added (B) and run every level on both, "
+        "e.g. enable_prefix_caching=false; repeatable; not with --url",
+    )
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the server (default 600)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take (default 600)")
     return p
@@ -143,6 +171,9 @@ def run_bench_command(args: argparse.Namespace, argv: list[str] | None = None) -
     if len(args.compare_name) > len(args.compare_url):
         print("lmiserve bench: more --compare-name than --compare-url", file=sys.stderr)
         return 2
+    if args.ab_option and args.url:
+        print("lmiserve bench: --ab-option needs a server started by the bench (not --url)", file=sys.stderr)
+        return 2
     if args.duration is not None and args.duration <= 0:
         print("lmiserve bench: --duration must be > 0", file=sys.stderr)
         return 2
@@ -155,6 +186,7 @@ def run_bench_command(args: argparse.Namespace, argv: list[str] | None = None) -
         return 2
     try:
         options = [parse_override(o) for o in args.option]
+        ab_options = [parse_override(o) for o in args.ab_option]
         from lmiserve.bench.runner import BenchConfig
 
         config = BenchConfig(
@@ -182,9 +214,15 @@ def run_bench_command(args: argparse.Namespace, argv: list[str] | None = None) -
             request_timeout=args.request_timeout,
             json_schema=schema,
             json_schema_source=args.json_schema,
+            scenario=args.scenario,
+            chat_turns=args.chat_turns,
+            chat_conversations=args.chat_conversations,
+            ab_options=ab_options,
             command=["lmiserve", *(argv if argv is not None else sys.argv[1:])],
         )
         load_settings(config.overrides())  # bad options fail here, before anything starts
+        if ab_options:
+            load_settings({**config.overrides(), **dict(ab_options)})
     except ConfigError as exc:
         print(f"lmiserve bench: configuration error: {exc}", file=sys.stderr)
         return 2

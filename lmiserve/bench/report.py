@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lmiserve.bench.chat_report import ab_comparison, chat_lines, peer_comparisons, peer_targets, prefix_cache_target
 from lmiserve.bench.stats import ratio
 from lmiserve.bench.structured import structured_target
 
@@ -129,7 +130,11 @@ def evaluate_targets(server: Json | None, memory: Json | None) -> list[Json]:
             )
         )
 
-    all_levels = [*(server or {}).get("levels", ()), *(server or {}).get("constrained_levels", ())]
+    all_levels = [
+        *(server or {}).get("levels", ()),
+        *(server or {}).get("constrained_levels", ()),
+        *(server or {}).get("chat_levels", ()),
+    ]
     wrong = sum(lv["token_count_errors"] + lv["failed_requests"] for lv in all_levels)
     targets.append(
         _target(
@@ -144,20 +149,33 @@ def evaluate_targets(server: Json | None, memory: Json | None) -> list[Json]:
 
 
 def build_report(
-    meta: Json, servers: list[Json], baselines: Json | None, memory: Json | None, structured: Json | None = None
+    meta: Json,
+    servers: list[Json],
+    baselines: Json | None,
+    memory: Json | None,
+    structured: Json | None = None,
+    ab_options: Sequence[tuple[str, str]] = (),
 ) -> Json:
     """The whole report: `meta` (command, machine, versions, model, settings...) plus figures;
     `structured` (with --json-schema: the schema, compile times, mask cost) gets the lmiserve
-    server's constrained/unconstrained comparison."""
+    server's constrained/unconstrained comparison. The first `lmi` server is lmiserve (A); a server
+    with `"ab": true` is the second lmiserve of --ab-option (B); the other kinds are peers."""
     for server in servers:
         server["ratios"] = ratios(server["levels"], baselines)
-    main = next((s for s in servers if s.get("kind") == "lmi"), None)
+    main = next((s for s in servers if s.get("kind") == "lmi" and not s.get("ab")), None)
+    variant = next((s for s in servers if s.get("ab")), None)
+    peers = peer_comparisons(main, [s for s in servers if s.get("kind") != "lmi"])
+    ab = ab_comparison(main, variant, ab_options)
     if structured is not None:
         structured["comparison"] = (main or {}).get("constrained_over_unconstrained", [])
     targets = evaluate_targets(main, memory)
     extra = structured_target(structured)
     if extra is not None:
         targets.append(extra)
+    targets += peer_targets(peers)
+    cache = prefix_cache_target(ab)
+    if cache is not None:
+        targets.append(cache)
     return {
         "schema": SCHEMA,
         **meta,
@@ -165,6 +183,8 @@ def build_report(
         "baselines": baselines,
         "memory": memory,
         "structured": structured,
+        "peers": peers,
+        "ab": ab,
         "targets": targets,
     }
 
@@ -287,12 +307,19 @@ def format_table(report: Json) -> str:
                 f"{soak['failed_requests']} failed, {soak['token_count_errors']} wrong token counts"
             )
     out += _structured_lines(report.get("structured"))
-    out += ["", "targets (issue #5):"]
-    for t in report["targets"]:
-        verdict = {True: "PASS", False: "FAIL", None: "n/a "}[t["passed"]]
-        out.append(
-            f"  {verdict}  {t['description']}: {_fmt(t['value'], 3)}{'  (' + t['note'] + ')' if t.get('note') else ''}"
-        )
+    out += chat_lines(report, _table)
+    later = [t for t in report["targets"] if t.get("issue") == 15]
+    for heading, targets in (
+        ("targets (issue #5):", [t for t in report["targets"] if t.get("issue") != 15]),
+        ("targets (issue #15):", later),
+    ):
+        if not targets:
+            continue
+        out += ["", heading]
+        for t in targets:
+            verdict = {True: "PASS", False: "FAIL", None: "n/a "}[t["passed"]]
+            note = "  (" + t["note"] + ")" if t.get("note") else ""
+            out.append(f"  {verdict}  {t['description']}: {_fmt(t['value'], 3)}{note}")
     return "\n".join(out)
 
 

@@ -5,21 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import os
-import platform
 import shlex
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import psutil
-
 from lmiserve.bench.chart import draw_chart
+from lmiserve.bench.chat import ChatDialect, probe_chat, run_chat_level
 from lmiserve.bench.clients import (
     BenchError,
     Dialect,
@@ -30,11 +26,12 @@ from lmiserve.bench.clients import (
     run_level,
     run_soak,
 )
+from lmiserve.bench.conversations import chat_level_summary
+from lmiserve.bench.machine import load_average, machine_info, versions
 from lmiserve.bench.report import build_report, write_json
 from lmiserve.bench.server import ManagedServer, RssSampler
 from lmiserve.bench.stats import level_summary
 from lmiserve.bench.structured import compare_levels
-from lmiserve.core.cpu_info import cpu_info
 
 Json = dict[str, Any]
 Log = Callable[[str], None]
@@ -63,6 +60,10 @@ class BenchConfig:
     json_schema: dict[str, Any] | None = None  # --json-schema: every level also runs constrained
     json_schema_source: str | None = None  # "builtin" or the file it came from
     mask_steps: int = 64  # steps of the in-process mask measurement per batch size
+    scenario: str = "completion"  # completion, chat or both
+    chat_turns: int = 4
+    chat_conversations: int = 2  # per client and level (without --duration)
+    ab_options: list[tuple[str, str]] = field(default_factory=list)  # --ab-option: a second lmiserve
     command: list[str] = field(default_factory=lambda: list(sys.argv))
 
     def overrides(self) -> dict[str, object]:
@@ -73,38 +74,18 @@ class BenchConfig:
                 out[key] = getattr(self, key)
         return out
 
-    def serve_args(self) -> list[str]:
+    def serve_args(self, extra: list[tuple[str, str]] | None = None) -> list[str]:
         args = ["--model-id", self.model_id] if self.model_id else []
         for key in ("device", "dtype"):
             if getattr(self, key) is not None:
                 args += ["-o", f"{key}={getattr(self, key)}"]
-        for key, value in self.options:
+        for key, value in [*self.options, *(extra or [])]:
             args += ["-o", f"{key}={value}"]
         return args
 
-
-def machine_info() -> Json:
-    cpu = cpu_info()
-    return {
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "cpu": cpu.model,
-        "cpu_flags": list(cpu.flags),  # the kernel-relevant ones (core/cpu_info.py)
-        "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
-        "cpu_count": os.cpu_count(),
-        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-        "python": platform.python_version(),
-    }
-
-
-def versions() -> Json:
-    out: dict[str, str | None] = {}
-    for package in ("lmiserve", "torch", "transformers", "tokenizers", "numba", "httpx", "uvicorn", "matplotlib"):
-        try:
-            out[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            out[package] = None
-    return out
+    @property
+    def scenarios(self) -> list[str]:
+        return ["completion", "chat"] if self.scenario == "both" else [self.scenario]
 
 
 def _measure_level(dialect: Dialect, concurrency: int, config: BenchConfig, log: Log, label: str) -> Json:
@@ -131,32 +112,92 @@ def _measure_level(dialect: Dialect, concurrency: int, config: BenchConfig, log:
     return level
 
 
-def measure_server(dialect: Dialect, config: BenchConfig, log: Log, started_by_bench: bool) -> Json:
-    """Every concurrency level; with a JSON schema each level runs twice in a row, unconstrained then
-    constrained (so both phases see the same machine load as closely as a shared machine allows)."""
-    log(f"{dialect.name} ({dialect.kind}) at {dialect.url}: probe request")
-    asyncio.run(probe(dialect))
-    schema_dialect = constrained(dialect, config.json_schema) if config.json_schema is not None else None
-    if schema_dialect is not None:
-        asyncio.run(probe(schema_dialect))  # a schema the server refuses fails here, before the levels
-    levels, constrained_levels = [], []
-    for c in config.concurrency:
-        levels.append(_measure_level(dialect, c, config, log, ""))
-        if schema_dialect is not None:
-            constrained_levels.append(_measure_level(schema_dialect, c, config, log, " (JSON schema)"))
-    server: Json = {
-        "name": dialect.name,
-        "url": dialect.url,
-        "kind": dialect.kind,
-        "started_by_bench": started_by_bench,
-        "levels": levels,
-    }
-    if schema_dialect is not None:
-        server["constrained_levels"] = constrained_levels
-        server["constrained_over_unconstrained"] = compare_levels(levels, constrained_levels)
-    if isinstance(dialect, OpenAIDialect):
-        server["model"] = dialect.model
-    return server
+@dataclass
+class Target:
+    """One server under test: its completion dialect (LMI or OpenAI completions) and its chat dialect."""
+
+    name: str
+    completion: Dialect
+    chat: ChatDialect
+    started_by_bench: bool = False
+    ab: bool = False  # the second lmiserve of --ab-option
+
+
+def _measure_chat_level(dialect: ChatDialect, concurrency: int, config: BenchConfig, log: Log, label: str) -> Json:
+    records, elapsed = asyncio.run(
+        run_chat_level(
+            dialect,
+            concurrency,
+            config.max_new_tokens,
+            turns=config.chat_turns,
+            conversations_per_client=config.chat_conversations,
+            duration=config.duration,
+            warmup=config.warmup,
+            request_timeout=config.request_timeout,
+        )
+    )
+    level = chat_level_summary(concurrency, records, elapsed)
+    log(
+        f"  concurrency {concurrency:>3}{label} (chat): {level['output_tokens_per_s']} tokens/s, TTFT p50 turn 1 "
+        f"{level['ttft_p50_turn1_ms']} ms, turns >= 3 {level['ttft_p50_late_turns_ms']} ms, "
+        f"{level['requests']} requests ({level['failed_requests']} failed, {level['token_count_errors']} wrong "
+        f"token counts) in {elapsed:.1f} s"
+    )
+    for error in level["errors"]:
+        log(f"    error: {error}")
+    return level
+
+
+def measure_servers(targets: list[Target], config: BenchConfig, log: Log) -> list[Json]:
+    """Probe every server, then every scenario and concurrency level, the servers in turn at each level
+    (so that they see the same machine load as closely as a shared machine allows); with a JSON schema
+    each completion level runs twice in a row on a server, unconstrained then constrained."""
+    servers: list[Json] = []
+    schema_dialects: list[Dialect | None] = []
+    for target in targets:
+        if "completion" in config.scenarios:
+            dialect = target.completion
+            log(f"{target.name} ({dialect.kind}) at {dialect.url}: probe request")
+            asyncio.run(probe(dialect))
+        if "chat" in config.scenarios:
+            log(f"{target.name} (chat) at {target.chat.url}: probe request")
+            asyncio.run(probe_chat(target.chat))
+        schema = None
+        if config.json_schema is not None and "completion" in config.scenarios:
+            schema = constrained(target.completion, config.json_schema)
+            asyncio.run(probe(schema))  # a schema the server refuses fails here, before the levels
+        schema_dialects.append(schema)
+        server: Json = {
+            "name": target.name,
+            "url": target.completion.url,
+            "kind": target.completion.kind,
+            "started_by_bench": target.started_by_bench,
+            "levels": [],
+        }
+        if target.ab:
+            server["ab"] = True
+        if schema is not None:
+            server["constrained_levels"] = []
+        if "chat" in config.scenarios:
+            server["chat_levels"] = []
+        servers.append(server)
+    for scenario in config.scenarios:
+        for c in config.concurrency:
+            for target, server, schema in zip(targets, servers, schema_dialects):
+                label = f" [{target.name}]"
+                if scenario == "chat":
+                    server["chat_levels"].append(_measure_chat_level(target.chat, c, config, log, label))
+                    continue
+                server["levels"].append(_measure_level(target.completion, c, config, log, label))
+                if schema is not None:
+                    constrained_level = _measure_level(schema, c, config, log, label + " (JSON schema)")
+                    server["constrained_levels"].append(constrained_level)
+    for target, server in zip(targets, servers):
+        if "constrained_levels" in server:
+            server["constrained_over_unconstrained"] = compare_levels(server["levels"], server["constrained_levels"])
+        if isinstance(target.completion, OpenAIDialect):
+            server["model"] = target.completion.model or target.chat.model
+    return servers
 
 
 def soak(dialect: Dialect, sampler: RssSampler | None, config: BenchConfig, log: Log) -> Json:
@@ -189,19 +230,42 @@ def soak(dialect: Dialect, sampler: RssSampler | None, config: BenchConfig, log:
     return result
 
 
-def compare_dialects(config: BenchConfig) -> list[OpenAIDialect]:
+def compare_targets(config: BenchConfig) -> list[Target]:
     out = []
     for name, url in config.compare:
         base = url.rstrip("/").removesuffix("/v1")
-        out.append(OpenAIDialect(url=base, name=name or urlsplit(base).netloc or base, model=config.compare_model))
+        name = name or urlsplit(base).netloc or base
+        out.append(
+            Target(
+                name=name,
+                completion=OpenAIDialect(url=base, name=name, model=config.compare_model),
+                chat=ChatDialect(url=base, name=name, model=config.compare_model),
+            )
+        )
     return out
+
+
+def lmiserve_target(url: str, name: str, started_by_bench: bool, ab: bool = False) -> Target:
+    return Target(
+        name=name,
+        completion=LmiDialect(url=url, name=name),
+        chat=ChatDialect(url=url, name=name),
+        started_by_bench=started_by_bench,
+        ab=ab,
+    )
+
+
+def ab_name(options: list[tuple[str, str]]) -> str:
+    return "lmiserve[" + ",".join(f"{k}={v}" for k, v in options) + "]"
 
 
 def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
     """Run the whole benchmark; returns the report and the paths of the JSON and PNG files."""
     started, t0 = dt.datetime.now(dt.timezone.utc), time.monotonic()
+    load_at_start = load_average()
     config.output_dir.mkdir(parents=True, exist_ok=True)
     managed: ManagedServer | None = None
+    second: ManagedServer | None = None
     sampler: RssSampler | None = None
     servers: list[Json] = []
     memory: Json | None = None
@@ -216,11 +280,18 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
             managed.start()
             sampler = RssSampler(managed.pid).start()
             lmi = LmiDialect(url=managed.url)
-        dialects: list[Dialect] = [lmi, *compare_dialects(config)]
-        for dialect in dialects:
-            servers.append(
-                measure_server(dialect, config, log, started_by_bench=dialect is lmi and managed is not None)
+        targets = [lmiserve_target(lmi.url, lmi.name, started_by_bench=managed is not None)]
+        if config.ab_options:
+            second = ManagedServer(
+                config.serve_args(config.ab_options), config.output_dir / "server-b.log", config.startup_timeout
             )
+            log(f"starting {shlex.join(second.command)} (log: {second.log_path})")
+            second.start()
+            targets.append(lmiserve_target(second.url, ab_name(config.ab_options), started_by_bench=True, ab=True))
+        targets += compare_targets(config)
+        servers = measure_servers(targets, config, log)
+        if second is not None:
+            second.stop()
         soak_result = soak(lmi, sampler, config, log) if config.soak_requests > 0 else None
         if sampler is not None:
             sampler.stop()
@@ -244,6 +315,8 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
             sampler.stop()
         if managed is not None:
             managed.stop()
+        if second is not None:
+            second.stop()
 
     from lmiserve.models.resolve import default_model_name
 
@@ -252,7 +325,7 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
         "started_at": started.isoformat(timespec="seconds"),
         "duration_s": round(time.monotonic() - t0, 1),
         "command": shlex.join(config.command),
-        "machine": machine_info(),
+        "machine": {**machine_info(), "load_average_start": load_at_start, "load_average_end": load_average()},
         "versions": versions(),
         "device": (baselines or {}).get("device") or config.device or "auto",
         "dtype": (baselines or {}).get("dtype") or config.dtype or "auto",
@@ -273,24 +346,33 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
             "soak_requests": config.soak_requests,
             "skip_baselines": config.skip_baselines,
             "json_schema": config.json_schema_source,
+            "scenario": config.scenario,
+            "chat_turns": config.chat_turns if "chat" in config.scenarios else None,
+            "chat_conversations_per_client": (
+                config.chat_conversations if "chat" in config.scenarios and not config.duration else None
+            ),
+            "ab_options": dict(config.ab_options),
         },
         "files": {
             "json": json_path.name,
             "chart": png_path.name,
             "server_log": "server.log" if managed is not None else None,
+            "server_b_log": "server-b.log" if second is not None else None,
         },
     }
     structured = None
     if config.json_schema is not None:
         structured = {"source": config.json_schema_source, "schema": config.json_schema, **(grammar or {})}
-    report = build_report(meta, servers, baselines, memory, structured)
+    report = build_report(meta, servers, baselines, memory, structured, config.ab_options)
     write_json(report, json_path)
     draw_chart(report, png_path)
     return report, json_path, png_path
 
 
 def all_requests_ok(report: Json) -> bool:
-    levels = [lv for s in report["servers"] for lv in s["levels"] + s.get("constrained_levels", [])]
+    levels = [
+        lv for s in report["servers"] for lv in s["levels"] + s.get("constrained_levels", []) + s.get("chat_levels", [])
+    ]
     soak_result = (report.get("memory") or {}).get("soak") or {}
     return all(lv["failed_requests"] == 0 and lv["token_count_errors"] == 0 for lv in levels) and not (
         soak_result.get("failed_requests") or soak_result.get("token_count_errors")

@@ -36,6 +36,11 @@ class RequestRecord:
     error: str | None = None
     usage_tokens: int | None = None  # completion tokens the server reported (OpenAI usage)
     exact: bool = True  # False: may end early (a constrained request whose grammar completed)
+    turn: int | None = None  # chat scenario: the turn (1-based) of its conversation
+    conversation: int | None = None  # chat scenario: the conversation's number
+    prompt_tokens: int | None = None  # OpenAI usage.prompt_tokens, when reported
+    cached_tokens: int | None = None  # OpenAI usage.prompt_tokens_details.cached_tokens, when reported
+    text: list[str] = field(default_factory=list)  # chat scenario: the streamed reply's pieces
 
     @property
     def tokens(self) -> int:

@@ -1,11 +1,14 @@
-"""`lmiserve bench` against real servers: a small OpenAI-style `/v1/completions` SSE server written
-here (starlette + uvicorn, OpenAI's completions chunk format), a real `lmiserve serve` of the tiny
-model, and the whole command end to end (its own server, baselines, soak, compare server, JSON, PNG).
+"""`lmiserve bench` against real servers: a small OpenAI-style `/v1/completions` and
+`/v1/chat/completions` SSE server written here (starlette + uvicorn, OpenAI's chunk formats; its chat
+streams as llama.cpp's servers do: a role-only first chunk, an empty final delta), a real `lmiserve
+serve` of the tiny model, and the whole command end to end (its own server, baselines, soak, compare
+server, JSON, PNG; the chat scenario; a second lmiserve with --ab-option).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import subprocess
 import sys
@@ -22,7 +25,9 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from helpers.server import free_port, run_server
+from lmiserve.bench.chat import ChatDialect, probe_chat, run_chat_level
 from lmiserve.bench.clients import BenchError, LmiDialect, OpenAIDialect, probe, run_level, run_soak
+from lmiserve.bench.conversations import SYSTEM_PROMPT, chat_level_summary
 from lmiserve.bench.stats import level_summary
 
 WORDS = (" the", " quick", " brown", " fox", " jumps", " over", " a", " lazy", " dog", ".")
@@ -83,6 +88,42 @@ async def completions(request: Request):
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
+async def chat_completions(request: Request):
+    """OpenAI's streamed chat completions as llama.cpp's servers send them: a first chunk with only the
+    role, one chunk per token, a last chunk with an empty delta and the finish reason, usage on request.
+    Model `no-force` ignores `min_tokens`/`ignore_eos` (meets EOS after half of max_tokens). The prompt
+    tokens are the words of all messages, so a resent history shows in `usage.prompt_tokens`."""
+    body = await request.json()
+    model, n = body.get("model"), body.get("max_tokens")
+    messages = body.get("messages")
+    if not isinstance(n, int) or not isinstance(messages, list) or body.get("stream") is not True:
+        return JSONResponse({"error": {"message": "rejected", "type": "invalid_request_error"}}, status_code=400)
+    forced = model != "no-force" and body.get("ignore_eos") and body.get("min_tokens") == n
+    stop_at = n if forced else max(1, n // 2)
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    prompt_tokens = sum(len(str(m.get("content", "")).split()) for m in messages)
+
+    def chunk(delta: dict, finish=None, usage=None) -> str:
+        choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
+        event = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": model, "choices": choices}
+        if usage is not None:
+            event["usage"] = usage
+        return "data: " + json.dumps(event) + "\n\n"
+
+    async def events():
+        yield chunk({"role": "assistant", "content": None})
+        for i in range(stop_at):
+            await asyncio.sleep(0.002)
+            yield chunk({"content": WORDS[i % len(WORDS)]})
+        yield chunk({}, finish="length" if forced else "stop")
+        if include_usage:
+            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": stop_at, "total_tokens": prompt_tokens + n}
+            yield chunk(None, usage=usage)
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
 async def models(request: Request):
     return JSONResponse(
         {"object": "list", "data": [{"id": "fake-model", "object": "model", "created": 0, "owned_by": "test"}]}
@@ -91,7 +132,13 @@ async def models(request: Request):
 
 @pytest.fixture(scope="module")
 def openai_url() -> Iterator[str]:
-    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]), Route("/v1/models", models)])
+    app = Starlette(
+        routes=[
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/models", models),
+        ]
+    )
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -159,6 +206,40 @@ async def test_openai_dialect_failures_fail_the_request(openai_url, model, error
         await probe(dialect)
 
 
+# --- chat scenario against the peer-like server ----------------------------------------------------
+
+
+async def test_chat_conversations_resend_their_history(openai_url):
+    dialect = ChatDialect(url=openai_url, name="fake")
+    await probe_chat(dialect)
+    assert dialect.model == "fake-model"
+    records, elapsed = await run_chat_level(dialect, 2, 4, turns=3, conversations_per_client=2, warmup=1)
+    assert len(records) == 2 * (1 + 2 * 3)
+    assert all(r.error is None and r.count_ok for r in records), [(r.error, r.tokens) for r in records]
+    measured = [r for r in records if not r.warmup]
+    assert sorted({r.conversation for r in measured}) == [0, 1, 2, 3]
+    for conv in range(4):
+        mine = sorted((r for r in measured if r.conversation == conv), key=lambda r: r.index)
+        assert [r.turn for r in mine] == [1, 2, 3]
+        # each turn resends the history: the previous prompt, its reply (4 words) and a new question
+        assert all(b.prompt_tokens > a.prompt_tokens + 4 for a, b in itertools.pairwise(mine))
+        assert mine[0].prompt_tokens > len(SYSTEM_PROMPT.split())
+        assert ["".join(r.text) for r in mine] == [" the quick brown fox"] * 3
+    level = chat_level_summary(2, records, elapsed)
+    assert [t["turn"] for t in level["turns"]] == [1, 2, 3] and level["token_count_errors"] == 0
+    assert all(t["requests"] == 4 and t["ttft_ms"]["p50"] > 0 for t in level["turns"])
+    assert level["ttft_p50_late_turns_ms"] > 0 and level["conversations"] == 4
+
+
+async def test_chat_peer_that_does_not_force_tokens_is_counted_as_it_is(openai_url):
+    dialect = ChatDialect(url=openai_url, name="fake", model="no-force")
+    records, elapsed = await run_chat_level(dialect, 1, 6, turns=2, conversations_per_client=1, warmup=0)
+    assert [(r.error, r.tokens, len(r.token_times), r.count_ok) for r in records] == [(None, 3, 3, False)] * 2
+    level = chat_level_summary(1, records, elapsed)
+    assert level["token_count_errors"] == 2 and level["tokens_received"] == 6 and level["tokens_expected"] == 12
+    assert level["output_tokens_per_s"] > 0  # the tokens that arrived
+
+
 # --- LMI dialect against a real lmiserve ---------------------------------------------------------
 
 # The tiny model with a 4096-token context (`long_model_dir`, tests/integration/conftest.py): the
@@ -189,6 +270,23 @@ async def test_lmi_soak_and_server_errors(lmi_url):
     assert len(records) == 10 and all(r.count_ok for r in records)
     records, _ = await run_level(dialect, 1, 5000, requests_per_client=1, warmup=0)  # above max_new_tokens_limit
     assert records[0].error is not None and records[0].error.startswith("HTTP 4")
+
+
+async def test_chat_scenario_against_lmiserve(lmi_url):
+    dialect = ChatDialect(url=lmi_url, name="lmiserve")
+    records, elapsed = await run_chat_level(dialect, 2, 3, turns=3, conversations_per_client=1, warmup=1)
+    assert len(records) == 2 * (1 + 3)
+    assert all(r.error is None and r.count_ok and r.usage_tokens == r.expected_tokens for r in records), [
+        (r.error, r.tokens) for r in records
+    ]
+    for conv in (0, 1):
+        mine = sorted((r for r in records if r.conversation == conv), key=lambda r: r.index)
+        assert [r.turn for r in mine] == [1, 2, 3]
+        assert all(b.prompt_tokens > a.prompt_tokens for a, b in itertools.pairwise(mine))  # the history grows
+    level = chat_level_summary(2, records, elapsed)
+    assert [t["turn"] for t in level["turns"]] == [1, 2, 3]
+    assert level["failed_requests"] == 0 and level["token_count_errors"] == 0
+    assert level["late_over_turn1"] is not None
 
 
 def run_bench(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -300,6 +398,86 @@ def test_bench_end_to_end(long_model_dir, openai_url, tmp_path):
     ]
     assert "targets (issue #5):" in result.stdout and "wrote " in result.stdout
     assert any(line.startswith(f"CPU: {machine['cpu']}") for line in result.stdout.splitlines())
+
+
+def test_bench_chat_scenario_with_a_peer(lmi_url, openai_url, tmp_path):
+    out = tmp_path / "chat"
+    result = run_bench(
+        "--url",
+        lmi_url,
+        "--scenario",
+        "chat",
+        "--compare-url",
+        openai_url,
+        "--compare-name",
+        "peer",
+        "--concurrency",
+        "2",
+        "--chat-turns",
+        "3",
+        "--chat-conversations",
+        "1",
+        "--max-new-tokens",
+        "3",
+        "--skip-baselines",
+        "--output-dir",
+        str(out),
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads((out / "bench.json").read_text())
+    assert report["settings"]["scenario"] == "chat" and report["settings"]["chat_turns"] == 3
+    assert report["machine"]["load_average_start"] is not None and "cpu_flags" in report["machine"]
+    assert [s["name"] for s in report["servers"]] == ["lmiserve", "peer"]
+    for server in report["servers"]:
+        assert server["levels"] == []
+        (level,) = server["chat_levels"]
+        assert (
+            level["failed_requests"] == 0 and level["tokens_received"] == level["tokens_expected"] == 2 + 3 + 2 * 3 * 3
+        )
+        assert [t["turn"] for t in level["turns"]] == [1, 2, 3]
+    (peer,) = report["peers"]
+    assert peer["peer"] == "peer" and peer["scenario"] == "chat" and peer["rows"][0]["lmiserve_over_peer"] > 0
+    targets = {t["id"]: t for t in report["targets"]}
+    assert targets["c1_vs_peer"]["passed"] is None and targets["high_vs_peer"]["passed"] is None
+    assert targets["exact_tokens"]["passed"] is True
+    assert "chat scenario (per turn" in result.stdout and "targets (issue #15):" in result.stdout
+
+
+def test_bench_ab_runs_a_second_lmiserve(long_model_dir, tmp_path):
+    out = tmp_path / "ab"
+    result = run_bench(
+        "--model-id",
+        str(long_model_dir),
+        "--scenario",
+        "chat",
+        "--ab-option",
+        "max_rolling_batch_size=2",
+        "--concurrency",
+        "1",
+        "--chat-turns",
+        "3",
+        "--chat-conversations",
+        "1",
+        "--max-new-tokens",
+        "2",
+        "--warmup",
+        "0",
+        "--skip-baselines",
+        "--output-dir",
+        str(out),
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads((out / "bench.json").read_text())
+    assert [s["name"] for s in report["servers"]] == ["lmiserve", "lmiserve[max_rolling_batch_size=2]"]
+    assert report["servers"][1]["ab"] is True and report["peers"] == []
+    ab = report["ab"]
+    assert ab["b_options"] == {"max_rolling_batch_size": "2"}
+    assert [(r["scenario"], r["concurrency"]) for r in ab["throughput"]] == [("chat", 1)]
+    assert ab["late_turn_ttft"][0]["a_over_b"] > 0
+    assert "prefix_cache_chat_ttft" not in {t["id"] for t in report["targets"]}  # B did not turn it off
+    assert (out / "server-b.log").stat().st_size > 0 and report["files"]["server_b_log"] == "server-b.log"
 
 
 # --- --json-schema: every level also constrained ---------------------------------------------------

@@ -15,6 +15,9 @@ from lmiserve import cli
         (["--max-new-tokens", "0"], ">= 1"),
         (["--requests-per-client", "2", "--duration", "5"], "not allowed with"),
         (["--warmup", "-1"], ">= 0"),
+        (["--scenario", "dialogue"], "invalid choice"),
+        (["--chat-turns", "0"], ">= 1"),
+        (["--chat-conversations", "0"], ">= 1"),
     ],
 )
 def test_bad_arguments_exit_2(argv, expected, capsys):
@@ -34,6 +37,13 @@ def test_bad_server_option_is_a_configuration_error(tmp_path, capsys):
 def test_bad_device_is_a_configuration_error(tmp_path, capsys):
     assert cli.main(["bench", "--device", "tpu", "--output-dir", str(tmp_path / "out")]) == 2
     assert "device" in capsys.readouterr().err
+
+
+def test_ab_option_is_checked_before_anything_starts(tmp_path, capsys):
+    assert cli.main(["bench", "--ab-option", "dtype=fp64", "--output-dir", str(tmp_path / "out")]) == 2
+    assert "fp64" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    assert cli.main(["bench", "--url", "http://127.0.0.1:9", "--ab-option", "dtype=fp32"]) == 2
+    assert "--ab-option needs a server started by the bench" in capsys.readouterr().err
 
 
 def test_compare_names_need_urls(capsys):
@@ -67,6 +77,10 @@ def test_help_lists_the_options(capsys):
         "--skip-baselines",
         "--soak-requests",
         "KEY=VALUE",
+        "--scenario",
+        "--chat-turns",
+        "--chat-conversations",
+        "--ab-option",
     ):
         assert option in out, option
 
