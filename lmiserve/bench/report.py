@@ -213,10 +213,16 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 
 def _machine_line(machine: Json) -> str:
     flags = " ".join(machine.get("cpu_flags") or []) or "-"
-    load = machine.get("load_average")
-    load_text = "/".join(f"{x:.2f}" for x in load) if load else "-"
+
+    def load(key: str) -> str:
+        values = machine.get(key)
+        return "/".join(f"{x:.2f}" for x in values) if values else "-"
+
     cpu = f"{machine.get('cpu', '?')} x{machine.get('cpu_count', '?')}"
-    return f"CPU: {cpu} ({flags}); load average 1/5/15 min at the end {load_text}"
+    return (
+        f"CPU: {cpu} ({flags}); load average 1/5/15 min at the start {load('load_average_start')}, "
+        f"at the end {load('load_average_end')}"
+    )
 
 
 def format_table(report: Json) -> str:

@@ -358,7 +358,7 @@ def test_bench_end_to_end(long_model_dir, openai_url, tmp_path):
     assert report["schema"] == "lmiserve-bench/1"
     assert report["device"] == "cpu" and report["dtype"] == "float32" and report["dtype_setting"] == "fp32"
     machine = report["machine"]
-    assert machine["cpu"] and isinstance(machine["cpu_flags"], list) and len(machine["load_average"]) == 3
+    assert machine["cpu"] and isinstance(machine["cpu_flags"], list) and len(machine["load_average_end"]) == 3
     assert report["model"]["name"] == long_model_dir.name and report["versions"]["torch"]
     assert report["command"].startswith("lmiserve bench --model-id")
     assert [s["name"] for s in report["servers"]] == ["lmiserve", "fake-openai"]

@@ -201,11 +201,13 @@ def test_table_names_the_cpu_its_kernel_flags_the_load_and_the_dtype_asked():
         "cpu": "Intel(R) Xeon(R) Processor",
         "cpu_count": 2,
         "cpu_flags": ["avx2", "avx512f", "avx512_bf16"],
-        "load_average": [0.5, 1.25, 2.0],
+        "load_average_start": [3.0, 2.0, 1.0],
+        "load_average_end": [0.5, 1.25, 2.0],
     }
     report["dtype_setting"] = "int8"
     lines = format_table(report).splitlines()
     assert "(int8)" in lines[0]
     assert lines[1] == (
-        "CPU: Intel(R) Xeon(R) Processor x2 (avx2 avx512f avx512_bf16); load average 1/5/15 min at the end 0.50/1.25/2.00"
+        "CPU: Intel(R) Xeon(R) Processor x2 (avx2 avx512f avx512_bf16); "
+        "load average 1/5/15 min at the start 3.00/2.00/1.00, at the end 0.50/1.25/2.00"
     )
