@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from lmiserve.bench.clients import BenchError, _error_text, _sse_payload, make_client, stagger
+from lmiserve.bench.clients import BenchError, make_client, stagger, stream_openai
 from lmiserve.bench.conversations import Conversation, conversation_number
 from lmiserve.bench.stats import RequestRecord
 
@@ -69,34 +69,8 @@ class ChatDialect:
         self, client: httpx.AsyncClient, messages: list[dict[str, str]], max_new_tokens: int, record: RequestRecord
     ) -> None:
         """Send one chat request and fill `record` (token times, text, usage, error)."""
-        done = False
         body = self.payload(messages, max_new_tokens)
-        async with client.stream("POST", f"{self.url}/v1/chat/completions", json=body) as response:
-            if response.status_code != 200:
-                record.error = _error_text(await response.aread(), response.status_code)
-                return
-            async for line in response.aiter_lines():
-                now = time.perf_counter()
-                data = _sse_payload(line.strip())
-                if not data:
-                    continue
-                if data == "[DONE]":
-                    done = True
-                    break
-                try:
-                    obj = json.loads(data)
-                except json.JSONDecodeError:
-                    record.error = f"not a JSON event: {data[:200]}"
-                    return
-                if not isinstance(obj, dict):
-                    record.error = f"not a JSON object: {data[:200]}"
-                    return
-                if obj.get("error"):
-                    record.error = f"error in stream: {str(obj['error'])[:300]}"
-                    return
-                read_chunk(obj, now, record)
-        if not done:
-            record.error = "stream ended without data: [DONE]"
+        await stream_openai(client, f"{self.url}/v1/chat/completions", body, record, read_chunk)
 
 
 def read_chunk(obj: dict[str, Any], now: float, record: RequestRecord) -> None:

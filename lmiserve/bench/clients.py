@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -135,38 +136,55 @@ class OpenAIDialect:
                 "type": "json_schema",
                 "json_schema": {"name": "bench", "schema": self.json_schema},
             }
-        done = False
-        async with client.stream("POST", f"{self.url}/v1/completions", json=payload) as response:
-            if response.status_code != 200:
-                record.error = _error_text(await response.aread(), response.status_code)
+        await stream_openai(client, f"{self.url}/v1/completions", payload, record, _read_completion_chunk)
+
+
+def _read_completion_chunk(obj: dict[str, Any], now: float, record: RequestRecord) -> None:
+    for choice in obj.get("choices") or ():
+        if choice.get("text") or choice.get("finish_reason") in (None, ""):
+            record.token_times.append(now)
+    usage = obj.get("usage")
+    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+        record.usage_tokens = usage["completion_tokens"]
+
+
+async def stream_openai(
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    record: RequestRecord,
+    read_chunk: Callable[[dict[str, Any], float, RequestRecord], None],
+) -> None:
+    """POST one streaming OpenAI request and hand each chunk (a JSON object) to `read_chunk` with its
+    arrival time; a refusal, a malformed event, an error event or a missing ``[DONE]`` sets
+    `record.error`."""
+    done = False
+    async with client.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            record.error = _error_text(await response.aread(), response.status_code)
+            return
+        async for line in response.aiter_lines():
+            now = time.perf_counter()
+            data = _sse_payload(line.strip())
+            if not data:
+                continue
+            if data == "[DONE]":
+                done = True
+                break
+            try:
+                obj = json.loads(data)
+            except json.JSONDecodeError:
+                record.error = f"not a JSON event: {data[:200]}"
                 return
-            async for line in response.aiter_lines():
-                now = time.perf_counter()
-                data = _sse_payload(line.strip())
-                if not data:
-                    continue
-                if data == "[DONE]":
-                    done = True
-                    break
-                try:
-                    obj = json.loads(data)
-                except json.JSONDecodeError:
-                    record.error = f"not a JSON event: {data[:200]}"
-                    return
-                if not isinstance(obj, dict):
-                    record.error = f"not a JSON object: {data[:200]}"
-                    return
-                if obj.get("error"):
-                    record.error = f"error in stream: {str(obj['error'])[:300]}"
-                    return
-                for choice in obj.get("choices") or ():
-                    if choice.get("text") or choice.get("finish_reason") in (None, ""):
-                        record.token_times.append(now)
-                usage = obj.get("usage")
-                if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-                    record.usage_tokens = usage["completion_tokens"]
-        if not done:
-            record.error = "stream ended without data: [DONE]"
+            if not isinstance(obj, dict):
+                record.error = f"not a JSON object: {data[:200]}"
+                return
+            if obj.get("error"):
+                record.error = f"error in stream: {str(obj['error'])[:300]}"
+                return
+            read_chunk(obj, now, record)
+    if not done:
+        record.error = "stream ended without data: [DONE]"
 
 
 def constrained(dialect: Dialect, schema: dict[str, Any]) -> Dialect:
