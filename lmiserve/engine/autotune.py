@@ -52,6 +52,7 @@ SMALL_REPEATS, LARGE_REPEATS = 5, 3  # timed steps per candidate (after one unti
 BUDGET_S = 10.0  # stop timing (and keep the static defaults) after this long
 RETRY_S = 3600.0  # a start that ran out of time is cached as static; measure again after this long
 VERSION = 1  # of the cache entries
+BUSY_LOAD = 1.5  # 1-minute load average per logical CPU above which timings are not trusted for good
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,15 @@ def choose(fast: FastLlama, slots: int, cache_path: str | os.PathLike[str] | Non
         else:
             fast.use_kernels(choice.gemm, choice.compiled_attention)
             return choice
+    busy = machine_busy()
     choice = measure(fast, slots)
+    busy = busy or machine_busy()
+    if busy:
+        log.warning(
+            "CPU autotune measured on a busy machine (load average above %.1f): measured again after %.0f s",
+            BUSY_LOAD * (os.cpu_count() or 1),
+            RETRY_S,
+        )
     entries[key] = {
         "gemm": choice.gemm.to_dict(),
         "compiled_attention": choice.compiled_attention,
@@ -134,12 +143,22 @@ def choose(fast: FastLlama, slots: int, cache_path: str | os.PathLike[str] | Non
         "cpu": cpu_info().as_dict(),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "at": time.time(),
-        # out of time (a busy machine): the static choice, kept for RETRY_S so that every start of
-        # the next hour does not spend the budget again
-        "incomplete": choice.source != "measured",
+        # out of time, or timed while other work competed for the cores: kept for RETRY_S only, so
+        # that every start of the next hour does not spend the budget again, and a quiet start measures
+        "incomplete": choice.source != "measured" or busy,
     }
     _write(path, entries)
     return choice
+
+
+def machine_busy() -> bool:
+    """True when other work competes for the cores: the 1-minute load average is above `BUSY_LOAD` per
+    logical CPU (timings taken then can pick the wrong kernels, as seen at load 6-12 on 2 cores)."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # no load average on this OS
+        return False
+    return load > BUSY_LOAD * (os.cpu_count() or 1)
 
 
 @torch.inference_mode()

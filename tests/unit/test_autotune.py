@@ -20,6 +20,13 @@ from lmiserve.engine.factory import create_engine
 from lmiserve.engine.fast_llama import FastLlama
 from lmiserve.engine.runners.base import slot_cache
 
+
+@pytest.fixture(autouse=True)
+def quiet_machine(monkeypatch):
+    """The suite's own servers may load the machine: the tests say how busy it is."""
+    monkeypatch.setattr(autotune.os, "getloadavg", lambda: (0.1, 0.1, 0.1))
+
+
 CANDIDATES = {
     "plain": CpuGemm.plain(),
     "blocks": CpuGemm(splits=2),
@@ -155,6 +162,24 @@ def test_out_of_time_keeps_the_static_choice_for_an_hour(tiny_model, tmp_path: P
     monkeypatch.setattr(autotune, "BUDGET_S", 60.0)
     monkeypatch.setattr(autotune, "SMALL_REPEATS", 1)
     monkeypatch.setattr(autotune, "LARGE_REPEATS", 1)
+    assert autotune.choose(_fast(tiny_model), 4, path).source == "measured"
+    (entry,) = json.loads(path.read_text()).values()
+    assert entry["incomplete"] is False
+
+
+def test_timings_of_a_busy_machine_are_measured_again_after_an_hour(tiny_model, tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(autotune, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(autotune, "SMALL_REPEATS", 1)
+    monkeypatch.setattr(autotune, "LARGE_REPEATS", 1)
+    path = tmp_path / "autotune.json"
+    monkeypatch.setattr(autotune.os, "getloadavg", lambda: (50.0, 50.0, 50.0))
+    assert autotune.machine_busy()
+    assert autotune.choose(_fast(tiny_model), 4, path).source == "measured"
+    (entry,) = json.loads(path.read_text()).values()
+    assert entry["incomplete"] is True  # kept for RETRY_S only
+    assert autotune.choose(_fast(tiny_model), 4, path).source.startswith("cache")
+    monkeypatch.setattr(autotune.os, "getloadavg", lambda: (0.1, 0.1, 0.1))
+    monkeypatch.setattr(autotune, "RETRY_S", -1.0)  # an hour later, on a quiet machine
     assert autotune.choose(_fast(tiny_model), 4, path).source == "measured"
     (entry,) = json.loads(path.read_text()).values()
     assert entry["incomplete"] is False
