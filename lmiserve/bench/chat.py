@@ -16,14 +16,13 @@ scenario) whose numbers no measured conversation uses.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from lmiserve.bench.clients import BenchError, make_client, stagger, stream_openai
+from lmiserve.bench.clients import BenchError, first_model_id, make_client, stagger, stream_openai
 from lmiserve.bench.conversations import Conversation, conversation_number
 from lmiserve.bench.stats import RequestRecord
 
@@ -41,16 +40,7 @@ class ChatDialect:
 
     async def resolve_model(self, client: httpx.AsyncClient) -> str:
         """The configured model, else the first id of ``GET /v1/models``, else "default"."""
-        if self.model:
-            return self.model
-        try:
-            response = await client.get(f"{self.url}/v1/models", timeout=30)
-            data = response.json().get("data") if response.status_code == 200 else None
-            if isinstance(data, list) and data and isinstance(data[0], dict) and data[0].get("id"):
-                self.model = str(data[0]["id"])
-        except (httpx.HTTPError, json.JSONDecodeError, AttributeError):
-            pass
-        self.model = self.model or "default"
+        self.model = self.model or await first_model_id(client, self.url) or "default"
         return self.model
 
     def payload(self, messages: list[dict[str, str]], max_new_tokens: int) -> dict[str, Any]:

@@ -108,16 +108,7 @@ class OpenAIDialect:
 
     async def resolve_model(self, client: httpx.AsyncClient) -> str:
         """The configured model, else the first id of ``GET /v1/models``, else "default"."""
-        if self.model:
-            return self.model
-        try:
-            response = await client.get(f"{self.url}/v1/models", timeout=30)
-            data = response.json().get("data") if response.status_code == 200 else None
-            if isinstance(data, list) and data and isinstance(data[0], dict) and data[0].get("id"):
-                self.model = str(data[0]["id"])
-        except (httpx.HTTPError, json.JSONDecodeError, AttributeError):
-            pass
-        self.model = self.model or "default"
+        self.model = self.model or await first_model_id(client, self.url) or "default"
         return self.model
 
     async def stream(self, client: httpx.AsyncClient, prompt: str, max_new_tokens: int, record: RequestRecord) -> None:
@@ -137,6 +128,18 @@ class OpenAIDialect:
                 "json_schema": {"name": "bench", "schema": self.json_schema},
             }
         await stream_openai(client, f"{self.url}/v1/completions", payload, record, _read_completion_chunk)
+
+
+async def first_model_id(client: httpx.AsyncClient, url: str) -> str | None:
+    """The first id of an OpenAI-compatible server's ``GET /v1/models``, None when it has none."""
+    try:
+        response = await client.get(f"{url}/v1/models", timeout=30)
+        data = response.json().get("data") if response.status_code == 200 else None
+    except (httpx.HTTPError, json.JSONDecodeError, AttributeError):
+        return None
+    if isinstance(data, list) and data and isinstance(data[0], dict) and data[0].get("id"):
+        return str(data[0]["id"])
+    return None
 
 
 def _read_completion_chunk(obj: dict[str, Any], now: float, record: RequestRecord) -> None:
