@@ -75,8 +75,14 @@ def static_generate(loaded, batch: int, tokens: int) -> float:
     ids = prompt_batch(loaded, batch)
     pad = loaded.tokenizer.pad_token_id or next(iter(loaded.eos_token_ids))
     start, cpu = time.perf_counter(), time.process_time()
-    out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
-                                min_new_tokens=tokens, do_sample=False, pad_token_id=pad)
+    out = loaded.model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=tokens,
+        min_new_tokens=tokens,
+        do_sample=False,
+        pad_token_id=pad,
+    )
     elapsed = time.perf_counter() - start
     CPU_RATE["generate"] = (out.shape[0] * (out.shape[1] - ids.shape[1])) / (time.process_time() - cpu)
     return (out.shape[0] * (out.shape[1] - ids.shape[1])) / elapsed
@@ -122,8 +128,14 @@ async def engine_wave(loaded, path: str, concurrency: int, tokens: int, prefill_
     generated = sum(len(r) - 1 for r in runs)
     ttft = [r[1] - r[0] for r in runs]
     itl = [b - a for r in runs for a, b in zip(r[1:], r[2:])]
-    return {"tok_s": generated / elapsed, "tok_per_cpu_s": generated / cpu, "ttft_p50": pct(ttft, 0.5), "ttft_max": max(ttft),
-            "itl_p50": pct(itl, 0.5), "itl_p99": pct(itl, 0.99)}
+    return {
+        "tok_s": generated / elapsed,
+        "tok_per_cpu_s": generated / cpu,
+        "ttft_p50": pct(ttft, 0.5),
+        "ttft_max": max(ttft),
+        "itl_p50": pct(itl, 0.5),
+        "itl_p99": pct(itl, 0.99),
+    }
 
 
 async def steady_load(loaded, path: str, clients: int, tokens: int, requests: int, prefill_tokens) -> dict:
@@ -165,15 +177,24 @@ async def steady_load(loaded, path: str, clients: int, tokens: int, requests: in
     decode_cpu = [c for p, _, c in steps if not p]
     prefill_cpu = [c for p, _, c in steps if p]
     all_cpu = [c for _, _, c in steps]
-    return {"tok_s": sum(lengths) / elapsed, "itl_p50": pct(itl, 0.5), "itl_p99": pct(itl, 0.99),
-            "itl_max": max(itl), "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99),
-            # step cost in CPU time of the worker thread: what a stream waits per token, without
-            # the other processes' share of the cores
-            "steps": len(steps), "steps_with_prefill": len(prefill_cpu),
-            "step_cpu_p50": pct(all_cpu, 0.5), "step_cpu_p99": pct(all_cpu, 0.99),
-            "step_cpu_p99_over_p50": pct(all_cpu, 0.99) / pct(all_cpu, 0.5),
-            "decode_step_cpu_p50": pct(decode_cpu, 0.5), "prefill_step_cpu_p50": pct(prefill_cpu, 0.5),
-            "prefill_step_cpu_max": max(prefill_cpu, default=float("nan"))}
+    return {
+        "tok_s": sum(lengths) / elapsed,
+        "itl_p50": pct(itl, 0.5),
+        "itl_p99": pct(itl, 0.99),
+        "itl_max": max(itl),
+        "ttft_p50": pct(ttft, 0.5),
+        "ttft_p99": pct(ttft, 0.99),
+        # step cost in CPU time of the worker thread: what a stream waits per token, without
+        # the other processes' share of the cores
+        "steps": len(steps),
+        "steps_with_prefill": len(prefill_cpu),
+        "step_cpu_p50": pct(all_cpu, 0.5),
+        "step_cpu_p99": pct(all_cpu, 0.99),
+        "step_cpu_p99_over_p50": pct(all_cpu, 0.99) / pct(all_cpu, 0.5),
+        "decode_step_cpu_p50": pct(decode_cpu, 0.5),
+        "prefill_step_cpu_p50": pct(prefill_cpu, 0.5),
+        "prefill_step_cpu_max": max(prefill_cpu, default=float("nan")),
+    }
 
 
 def rss_mb() -> float:
@@ -232,12 +253,21 @@ def main() -> None:
     loaded = load_causal_lm(path, dtype="auto", device="auto")
     MODELS["generic"] = reference
     paths = [p for p in args.paths.split(",") if p]
-    report: dict = {"model": loaded.name, "device": str(loaded.device), "dtype": str(loaded.dtype),
-                    "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "tokens": args.tokens,
-                    "concurrency": {}}
+    report: dict = {
+        "model": loaded.name,
+        "device": str(loaded.device),
+        "dtype": str(loaded.dtype),
+        "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "tokens": args.tokens,
+        "concurrency": {},
+    }
     bare_forward(reference, 1, 4)  # warm up kernels
     for c in [int(x) for x in args.concurrency.split(",") if x]:
-        row: dict = {"bare": bare_forward(reference, c, args.tokens), "generate": static_generate(reference, c, args.tokens)}
+        row: dict = {
+            "bare": bare_forward(reference, c, args.tokens),
+            "generate": static_generate(reference, c, args.tokens),
+        }
         row["bare_per_cpu_s"], row["generate_per_cpu_s"] = CPU_RATE["bare"], CPU_RATE["generate"]
         for path in paths:
             row[path] = asyncio.run(engine_wave(loaded, path, c, args.tokens, args.prefill_tokens))
@@ -250,7 +280,9 @@ def main() -> None:
     if args.steady:
         report["steady"] = {}
         for path in paths:
-            s = asyncio.run(steady_load(loaded, path, args.steady, args.tokens, args.steady_requests, args.prefill_tokens))
+            s = asyncio.run(
+                steady_load(loaded, path, args.steady, args.tokens, args.steady_requests, args.prefill_tokens)
+            )
             s["p99_over_p50"] = s["itl_p99"] / s["itl_p50"]
             report["steady"][path] = s
             print(f"steady {path}: " + json.dumps(s), flush=True)

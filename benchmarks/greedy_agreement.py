@@ -28,10 +28,26 @@ from lmiserve.core import GenerationRequest, SamplingParams
 from lmiserve.engine.factory import build_engine
 from lmiserve.models import load_causal_lm, resolve_model_path
 
-TOPICS = ["the sea", "gravity", "a city at night", "machine learning", "the moon", "coffee", "trains", "music",
-          "volcanoes", "friendship", "winter", "the internet"]
-TEMPLATES = ["Write a short poem about {}.", "Explain {} in simple words.", "What is interesting about {}?",
-             "Tell me a story about {}."]
+TOPICS = [
+    "the sea",
+    "gravity",
+    "a city at night",
+    "machine learning",
+    "the moon",
+    "coffee",
+    "trains",
+    "music",
+    "volcanoes",
+    "friendship",
+    "winter",
+    "the internet",
+]
+TEMPLATES = [
+    "Write a short poem about {}.",
+    "Explain {} in simple words.",
+    "What is interesting about {}?",
+    "Tell me a story about {}.",
+]
 
 
 def prompts(count: int) -> list[str]:
@@ -44,7 +60,7 @@ def reference(loaded, texts: list[str], tokens: int) -> list[list[int]]:
         for text in texts:
             ids = loaded.tokenizer(text, return_tensors="pt").input_ids
             gen = loaded.model.generate(ids, max_new_tokens=tokens, do_sample=False)
-            out.append(gen[0, ids.shape[1]:].tolist())
+            out.append(gen[0, ids.shape[1] :].tolist())
     return out
 
 
@@ -70,8 +86,12 @@ def compare(ref: list[list[int]], got: list[list[int]]) -> dict:
         if a != b:
             first = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             mismatches.append({"prompt": i, "first_difference_at_token": first})
-    return {"sequences": len(ref), "equal": len(ref) - len(mismatches), "rate": (len(ref) - len(mismatches)) / len(ref),
-            "mismatches": mismatches}
+    return {
+        "sequences": len(ref),
+        "equal": len(ref) - len(mismatches),
+        "rate": (len(ref) - len(mismatches)) / len(ref),
+        "mismatches": mismatches,
+    }
 
 
 def agreement(ref: list[list[int]], got: list[list[int]]) -> float:
@@ -88,9 +108,14 @@ def against_fp32(args: argparse.Namespace) -> None:
     fp32 = load_causal_lm(path, dtype="fp32", device="cpu")
     t0 = time.time()
     ref32 = reference(fp32, texts, args.tokens)
-    report = {"model": str(path), "prompts": args.prompts, "concurrency": args.concurrency,
-              "new_tokens": args.tokens, "threads": torch.get_num_threads(),
-              "fp32_generate_seconds": round(time.time() - t0, 1)}
+    report = {
+        "model": str(path),
+        "prompts": args.prompts,
+        "concurrency": args.concurrency,
+        "new_tokens": args.tokens,
+        "threads": torch.get_num_threads(),
+        "fp32_generate_seconds": round(time.time() - t0, 1),
+    }
     del fp32
     for dtype in args.dtype.split(","):
         loaded = load_causal_lm(path, dtype=dtype, device="cpu")
@@ -114,7 +139,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=48)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=48)
-    parser.add_argument("--dtype", default="fp32", help="fp32 (default), or bf16, int8, bf16,int8: compared with fp32 too")
+    parser.add_argument(
+        "--dtype", default="fp32", help="fp32 (default), or bf16, int8, bf16,int8: compared with fp32 too"
+    )
     args = parser.parse_args()
     if args.dtype != "fp32":
         against_fp32(args)
@@ -123,8 +150,12 @@ def main() -> None:
     texts = prompts(args.prompts)
     t0 = time.time()
     ref = reference(loaded, texts, args.tokens)
-    report = {"model": str(loaded.path), "concurrency": args.concurrency, "new_tokens": args.tokens,
-              "generate_seconds": round(time.time() - t0, 1)}
+    report = {
+        "model": str(loaded.path),
+        "concurrency": args.concurrency,
+        "new_tokens": args.tokens,
+        "generate_seconds": round(time.time() - t0, 1),
+    }
     for mode, invariant in (("batched", False), ("batch_invariant", True)):
         t0 = time.time()
         got = asyncio.run(served(loaded, texts, args.tokens, args.concurrency, invariant))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import platform
@@ -32,7 +33,7 @@ import torch
 
 from lmiserve.config.settings import Settings
 from lmiserve.core import GenerationRequest, SamplingParams
-from lmiserve.engine.async_engine import EngineConfig
+from lmiserve.engine import torch_thread
 from lmiserve.engine.factory import create_engine, engine_config
 from lmiserve.models import load_causal_lm, resolve_model_path
 
@@ -74,8 +75,12 @@ def rss_mb() -> float:
     return float("nan")
 
 
-def make_engine(loaded, cache_bytes: int, max_running: int = 32):
-    return create_engine(loaded, EngineConfig(max_running=max_running, prefix_cache_bytes=cache_bytes))
+async def make_engine(loaded, cache_bytes: int, max_running: int = 32):
+    """An engine configured as `lmiserve serve` configures it (autotuned CPU kernels, the server's
+    prefill policy), with this prefix cache budget. Made on the torch thread, as all torch work here:
+    a second thread running torch ops makes every step ~1.6x slower (engine/torch_thread.py)."""
+    config = dataclasses.replace(engine_config(Settings()), max_running=max_running, prefix_cache_bytes=cache_bytes)
+    return await torch_thread.run(create_engine, loaded, config)
 
 
 async def conversation(engine, tokenizer, number: int, turns: int, tokens: int) -> list[dict]:
@@ -92,22 +97,30 @@ async def conversation(engine, tokenizer, number: int, turns: int, tokens: int) 
                 ids.append(event.token.id)
             finish = event.finish or finish
         assert finish is not None and first is not None
-        out.append({"turn": turn + 1, "ttft": first, "prompt": finish.prompt_tokens,
-                    "cached": finish.cached_tokens, "ids": ids})
+        out.append(
+            {
+                "turn": turn + 1,
+                "ttft": first,
+                "prompt": finish.prompt_tokens,
+                "cached": finish.cached_tokens,
+                "ids": ids,
+            }
+        )
         messages.append({"role": "assistant", "content": finish.generated_text})
     return out
 
 
 async def chat(loaded, cache_bytes: int, args) -> list[dict]:
-    engine = make_engine(loaded, cache_bytes)
+    engine = await make_engine(loaded, cache_bytes)
     engine.start()
     try:
         results: list[dict] = []
         numbers = list(range(args.conversations))
         for i in range(0, len(numbers), args.concurrency):
-            group = numbers[i: i + args.concurrency]
-            done = await asyncio.gather(*(conversation(engine, loaded.tokenizer, n, args.turns, args.answer_tokens)
-                                          for n in group))
+            group = numbers[i : i + args.concurrency]
+            done = await asyncio.gather(
+                *(conversation(engine, loaded.tokenizer, n, args.turns, args.answer_tokens) for n in group)
+            )
             for n, turns in zip(group, done):
                 results += [{**t, "conversation": n} for t in turns]
         return results
@@ -116,11 +129,14 @@ async def chat(loaded, cache_bytes: int, args) -> list[dict]:
 
 
 async def throughput(loaded, cache_bytes: int, requests: int, rep: int) -> tuple[float, float]:
-    engine = make_engine(loaded, cache_bytes)
+    engine = await make_engine(loaded, cache_bytes)
     engine.start()
     topics = ["the sea", "gravity", "a city at night", "machine learning", "the moon", "coffee", "trains"]
-    texts = [f"{(rep * 1000 + i) * 7919 % 100003} - Write a few sentences about {topics[i % len(topics)]}, "
-             f"as if to a friend who has never heard of it." for i in range(requests)]
+    texts = [
+        f"{(rep * 1000 + i) * 7919 % 100003} - Write a few sentences about {topics[i % len(topics)]}, "
+        f"as if to a friend who has never heard of it."
+        for i in range(requests)
+    ]
     params = SamplingParams(max_new_tokens=64, ignore_eos_token=True)
 
     async def one(text: str) -> int:
@@ -129,14 +145,14 @@ async def throughput(loaded, cache_bytes: int, requests: int, rep: int) -> tuple
     try:
         start, cpu, tokens = time.perf_counter(), time.process_time(), 0
         for i in range(0, requests, 8):
-            tokens += sum(await asyncio.gather(*(one(t) for t in texts[i: i + 8])))
+            tokens += sum(await asyncio.gather(*(one(t) for t in texts[i : i + 8])))
         return tokens / (time.perf_counter() - start), tokens / (time.process_time() - cpu)
     finally:
         await engine.stop()
 
 
 async def soak(loaded, cache_bytes: int, requests: int) -> dict:
-    engine = make_engine(loaded, cache_bytes)
+    engine = await make_engine(loaded, cache_bytes)
     engine.start()
     marks, done = [], 0
     conversations = -(-requests // 8)
@@ -153,9 +169,14 @@ async def soak(loaded, cache_bytes: int, requests: int) -> dict:
         start_rss = rss_mb()
         await asyncio.gather(*(client(i) for i in range(8)))
         snap = engine.snapshot()
-        return {"start_rss_mb": round(start_rss, 1), "marks": sorted(marks), "requests": done,
-                "cache_tokens": snap.prefix_cache_tokens, "cache_capacity": snap.prefix_cache_capacity,
-                "cache_bytes": snap.prefix_cache_bytes}
+        return {
+            "start_rss_mb": round(start_rss, 1),
+            "marks": sorted(marks),
+            "requests": done,
+            "cache_tokens": snap.prefix_cache_tokens,
+            "cache_capacity": snap.prefix_cache_capacity,
+            "cache_bytes": snap.prefix_cache_bytes,
+        }
     finally:
         await engine.stop()
 
@@ -181,10 +202,17 @@ async def main() -> None:
     parser.add_argument("--soak-cache-size", default="64MiB")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    loaded = load_causal_lm(resolve_model_path(args.model_id), dtype="fp32", device="cpu")
+    loaded = await torch_thread.run(
+        lambda: load_causal_lm(resolve_model_path(args.model_id), dtype="fp32", device="cpu")
+    )
     cache_bytes = engine_config(Settings()).prefix_cache_bytes
-    report: dict = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "load_before": os.getloadavg(),
-                    "cache_bytes": cache_bytes, "args": vars(args)}
+    report: dict = {
+        "cpu": cpu_model(),
+        "threads": torch.get_num_threads(),
+        "load_before": os.getloadavg(),
+        "cache_bytes": cache_bytes,
+        "args": vars(args),
+    }
     print(f"CPU {report['cpu']}, {report['threads']} threads, load {report['load_before']}")
     await chat(loaded, cache_bytes, argparse.Namespace(**{**vars(args), "conversations": 1, "turns": 2}))  # warm up
 
@@ -200,38 +228,54 @@ async def main() -> None:
             print(f"  rep {rep + 1} chat {mode}: {time.strftime('%H:%M:%S')}", flush=True)
         identical &= [r["ids"] for r in runs["on"]] == [r["ids"] for r in runs["off"]]
         for mode in order:
-            rates[mode].append(await throughput(loaded, cache_bytes if mode == "on" else 0,
-                                                args.throughput_requests, rep))
-        print(f"rep {rep + 1}: chat on/off p50 TTFT turns>=3 "
-              f"{pct([r['ttft'] for r in runs['on'] if r['turn'] >= 3], .5) * 1000:.0f} / "
-              f"{pct([r['ttft'] for r in runs['off'] if r['turn'] >= 3], .5) * 1000:.0f} ms; "
-              f"throughput on/off {rates['on'][-1][0]:.1f} / {rates['off'][-1][0]:.1f} tok/s", flush=True)
+            rates[mode].append(
+                await throughput(loaded, cache_bytes if mode == "on" else 0, args.throughput_requests, rep)
+            )
+        print(
+            f"rep {rep + 1}: chat on/off p50 TTFT turns>=3 "
+            f"{pct([r['ttft'] for r in runs['on'] if r['turn'] >= 3], 0.5) * 1000:.0f} / "
+            f"{pct([r['ttft'] for r in runs['off'] if r['turn'] >= 3], 0.5) * 1000:.0f} ms; "
+            f"throughput on/off {rates['on'][-1][0]:.1f} / {rates['off'][-1][0]:.1f} tok/s",
+            flush=True,
+        )
     per_turn = {}
     for turn in range(1, args.turns + 1):
         on = [r for r in ttft["on"] if r["turn"] == turn]
         off = [r for r in ttft["off"] if r["turn"] == turn]
-        per_turn[turn] = {"prompt_tokens": round(statistics.mean(r["prompt"] for r in on)),
-                          "cached_tokens": round(statistics.mean(r["cached"] for r in on)),
-                          "ttft_on_ms": round(pct([r["ttft"] for r in on], .5) * 1000, 1),
-                          "ttft_off_ms": round(pct([r["ttft"] for r in off], .5) * 1000, 1)}
-    late_on = pct([r["ttft"] for r in ttft["on"] if r["turn"] >= 3], .5)
-    late_off = pct([r["ttft"] for r in ttft["off"] if r["turn"] >= 3], .5)
+        per_turn[turn] = {
+            "prompt_tokens": round(statistics.mean(r["prompt"] for r in on)),
+            "cached_tokens": round(statistics.mean(r["cached"] for r in on)),
+            "ttft_on_ms": round(pct([r["ttft"] for r in on], 0.5) * 1000, 1),
+            "ttft_off_ms": round(pct([r["ttft"] for r in off], 0.5) * 1000, 1),
+        }
+    late_on = pct([r["ttft"] for r in ttft["on"] if r["turn"] >= 3], 0.5)
+    late_off = pct([r["ttft"] for r in ttft["off"] if r["turn"] >= 3], 0.5)
     wall_on, wall_off = (statistics.median(r[0] for r in rates[m]) for m in ("on", "off"))
     cpu_on, cpu_off = (statistics.median(r[1] for r in rates[m]) for m in ("on", "off"))
     report.update(
-        per_turn=per_turn, identical_tokens=identical,
-        ttft_p50_turn3plus_ms={"on": round(late_on * 1000, 1), "off": round(late_off * 1000, 1),
-                               "ratio": round(late_on / late_off, 3)},
-        throughput={"on_tok_s": round(wall_on, 1), "off_tok_s": round(wall_off, 1),
-                    "ratio": round(wall_on / wall_off, 3), "on_tok_per_cpu_s": round(cpu_on, 1),
-                    "off_tok_per_cpu_s": round(cpu_off, 1), "cpu_ratio": round(cpu_on / cpu_off, 3),
-                    "runs": rates},
+        per_turn=per_turn,
+        identical_tokens=identical,
+        ttft_p50_turn3plus_ms={
+            "on": round(late_on * 1000, 1),
+            "off": round(late_off * 1000, 1),
+            "ratio": round(late_on / late_off, 3),
+        },
+        throughput={
+            "on_tok_s": round(wall_on, 1),
+            "off_tok_s": round(wall_off, 1),
+            "ratio": round(wall_on / wall_off, 3),
+            "on_tok_per_cpu_s": round(cpu_on, 1),
+            "off_tok_per_cpu_s": round(cpu_off, 1),
+            "cpu_ratio": round(cpu_on / cpu_off, 3),
+            "runs": rates,
+        },
     )
     print(json.dumps({k: report[k] for k in ("per_turn", "identical_tokens", "ttft_p50_turn3plus_ms")}, indent=1))
     print(json.dumps({k: v for k, v in report["throughput"].items() if k != "runs"}))
     if args.soak_requests:
-        report["soak"] = await soak(loaded, int(Settings(prefix_cache_size=args.soak_cache_size).prefix_cache_size),
-                                    args.soak_requests)
+        report["soak"] = await soak(
+            loaded, int(Settings(prefix_cache_size=args.soak_cache_size).prefix_cache_size), args.soak_requests
+        )
         print(json.dumps(report["soak"]))
     report["load_after"] = os.getloadavg()
     print(f"load average after: {report['load_after']}")

@@ -46,7 +46,7 @@ _WORD_ALIASES: dict[str | None, dict[str, str]] = {
 _CUDA_DEVICE = re.compile(r"cuda(:\d+)?")
 _META_FIELDS = frozenset({"extra", "sources"})
 
-Dtype = Literal["auto", "fp32", "fp16", "bf16", "int8"]
+Dtype = Literal["auto", "fp32", "fp16", "bf16", "int8", "int4"]
 ModelKind = Literal["auto", "llm", "embedding", "classifier", "regression", "torchscript"]
 RollingBatch = Literal["auto", "lmi", "disable"]
 OutputFormatter = Literal["json", "jsonlines", "sse", "tgi_compat"]
@@ -80,8 +80,9 @@ class Settings(BaseModel):
     dtype: Dtype = Field(
         "auto",
         description=(
-            "Weights and compute dtype: auto (fp32 on CPU, bf16/fp16 on GPU), fp32, fp16, bf16, or int8 "
-            "(CPU: weight-only int8 linear layers, bf16 activations and KV cache)."
+            "Weights and compute dtype: auto (fp32 on CPU, bf16/fp16 on GPU), fp32, fp16, bf16, int8 "
+            "(CPU: weight-only int8 linear layers, bf16 activations and KV cache) or int4 (CPU: linear "
+            "layers in 4-bit groups of 32 as GGUF Q4_1, fp32 activations and KV cache)."
         ),
     )
     device: str = Field(

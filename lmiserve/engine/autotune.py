@@ -81,7 +81,10 @@ def cache_key(fast: FastLlama, slots: int) -> str:
     """CPU model and kernel flags, torch version and threads, model shape and weight kind, batch."""
     cpu = cpu_info()
     layer = fast.layers[0]
-    weights = "int8" if layer.qkv_s is not None else str(fast.dtype).removeprefix("torch.")
+    if layer.qkv_s is not None:
+        weights = "int4" if layer.qkv_w.dtype == torch.uint8 else "int8"
+    else:
+        weights = str(fast.dtype).removeprefix("torch.")
     shape = (
         f"layers={len(fast.layers)},hidden={fast.embed.shape[1]},inter={layer.intermediate},"
         f"heads={fast.heads}/{fast.kv_heads}x{fast.head_dim},vocab={fast.lm_head.shape[0]}"

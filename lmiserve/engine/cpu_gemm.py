@@ -13,7 +13,7 @@ loses on another (figures in benchmarks/README.md):
 
 `CpuGemm.for_model` gives the static defaults (the EPYC's choices for fp32 CPU products, plain
 elsewhere); `autotune` replaces them with what measured fastest on this CPU. Weight-only int8
-matrices (`scales` given) always go through the int8 kernel (`quantize.int8_linear`). The values are
+matrices (`scales` given) always go through their kernel (`quantize.quantized_linear`: int8 or int4). The values are
 those of ``F.linear`` up to the summation order of the kernel.
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lmiserve.engine.quantize import int8_linear
+from lmiserve.engine.quantize import quantized_linear
 
 TRANSPOSED_GEMM_ROWS = 8  # rows from which a product runs transposed (static default)
 ROW_MULTIPLE = 8  # a transposed product's rows are padded to a multiple of this
@@ -109,7 +109,7 @@ class CpuGemm:
         A transposed product returns a transposed view (``[rows, out]`` with strides ``(1, rows)``):
         the next `linear` takes it as is (its transpose is contiguous) and element-wise ops accept it."""
         if scales is not None:
-            y = int8_linear(x, weight, scales)
+            y = quantized_linear(x, weight, scales)
             return y if bias is None else y + bias
         rows, out = x.shape[0], weight.shape[0]
         if rows >= (self.vocab_transpose_from if out > BIG_OUT else self.transpose_from):

@@ -2,9 +2,10 @@
 model has it (`unsupported_reason`), and its layers' weights fused for one product per step.
 
 Covers llama, mistral (without a sliding window) and qwen2 (biases; without sliding window), with
-the RoPE types whose table does not depend on the sequence length. Layer linears may be float or
-weight-only int8 (`quantize.Int8Linear`, ``dtype=int8``): the fused matrices then hold int8 rows and
-one scale per row.
+the RoPE types whose table does not depend on the sequence length. Layer linears may be float,
+weight-only int8 (`quantize.Int8Linear`, ``dtype=int8``: the fused matrices hold int8 rows and one
+scale per row) or int4 (`quantize.Int4Linear`, ``dtype=int4``: packed rows and ``[groups, rows, 2]``
+scales and zeros).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
-from lmiserve.engine.quantize import Int8Linear
+from lmiserve.engine.quantize import INT4_ROW_BLOCK, Int4Linear, Int8Linear
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -96,8 +97,16 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
             weight = getattr(module, "weight", None)
             if not isinstance(weight, torch.Tensor) or weight.is_meta:
                 return f"layer module {name} is not a plain linear"
-            if not weight.is_floating_point() and not isinstance(module, Int8Linear):
-                return f"layer module {name} is not a plain floating-point or int8 linear"
+            if not weight.is_floating_point() and not isinstance(module, (Int8Linear, Int4Linear)):
+                return f"layer module {name} is not a plain floating-point, int8 or int4 linear"
+        for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+            owner = attn if group[0] == "q_proj" else mlp
+            modules = [getattr(owner, n) for n in group]
+            if len({type(m) for m in modules}) > 1:
+                return f"{'/'.join(group)} are not all of one kind (float, int8 or int4)"
+            if isinstance(modules[0], Int4Linear) and any(m.out_features % INT4_ROW_BLOCK for m in modules[:-1]):
+                # packed int4 rows concatenate only after whole blocks of rows (quantize.INT4_ROW_BLOCK)
+                return f"int4 {'/'.join(group)} outputs are not multiples of {INT4_ROW_BLOCK}"
     return None
 
 
@@ -112,8 +121,8 @@ def as_llama(model: PreTrainedModel) -> LlamaFamily:
 # ---- fused weights -------------------------------------------------------------------------------
 class FusedLayer:
     """One decoder layer's weights as `FastLlama` reads them: q/k/v and gate/up fused into one
-    matrix each (in the model's own ``[out, in]`` layout). For int8 layers each matrix has its row
-    scales (`*_s`); None for float layers."""
+    matrix each (in the model's own ``[out, in]`` layout). For int8 and int4 layers each matrix has
+    its scales (`*_s`, see `_fuse`); None for float layers."""
 
     def __init__(self, layer: DecoderLayer) -> None:
         attn, mlp = layer.self_attn, layer.mlp
@@ -145,13 +154,19 @@ def _fuse(
     modules: list[torch.nn.Linear],
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One weight for several linears that read the same input (``[sum of out, in]``, contiguous,
-    the model's own output-major layout), its bias and (int8 linears) its row scales. Each module is
-    pointed at its rows, so memory does not grow and the transformers forward keeps working on the
-    same storage."""
+    the model's own output-major layout), its bias and the scales of quantized linears: int8 rows'
+    scales ``[out]``, int4 groups' scales and zeros ``[groups, out, 2]`` (int4 rows are packed in whole
+    blocks of `INT4_ROW_BLOCK` rows, so packed matrices whose rows fill whole blocks concatenate;
+    `unsupported_reason` checks it). Each module is pointed at its rows (an int4 module
+    keeps its own contiguous scales: the kernel reads them as contiguous), so memory does not grow and
+    the transformers forward keeps working on the same storage."""
     weights = [m.weight.detach() for m in modules]
     stored = weights[0].contiguous() if len(weights) == 1 else torch.cat(weights, dim=0)
-    int8 = [cast(Int8Linear, m) for m in modules if isinstance(m, Int8Linear)]
-    scales = torch.cat([m.scales for m in int8], dim=0) if int8 else None
+    int4 = all(isinstance(m, Int4Linear) for m in modules)
+    quantized = [cast(Int8Linear | Int4Linear, m) for m in modules if isinstance(m, (Int8Linear, Int4Linear))]
+    if quantized and len(quantized) != len(modules):
+        raise ValueError("mixed quantized and float linears")
+    scales = torch.cat([m.scales for m in quantized], dim=1 if int4 else 0) if quantized else None
     biases: list[torch.Tensor | None] = [m.bias for m in modules]
     present = [b.detach() for b in biases if b is not None]
     bias = torch.cat(present, dim=0) if len(present) == len(biases) else None
@@ -160,7 +175,10 @@ def _fuse(
     row = 0
     for m in modules:
         n = m.weight.shape[0]
-        if isinstance(m, Int8Linear) and scales is not None:
+        if isinstance(m, Int4Linear) and scales is not None:
+            m.weight = stored[row : row + n]
+            m.bias = None if bias is None else bias[row : row + n]
+        elif isinstance(m, Int8Linear) and scales is not None:
             m.weight, m.scales = stored[row : row + n], scales[row : row + n]
             m.bias = None if bias is None else bias[row : row + n]
         else:

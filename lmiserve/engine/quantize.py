@@ -1,5 +1,12 @@
-"""Weight-only int8 linear layers (``dtype=int8``): per-output-channel symmetric int8 weights, products
-in bf16 through torch's own CPU kernel ``torch.ops.aten._weight_int8pack_mm``.
+"""Weight-only quantized linear layers on CPU, through torch's own kernels (no extra package):
+
+- ``dtype=int8``: per-output-channel symmetric int8 weights, products in bf16
+  (``torch.ops.aten._weight_int8pack_mm``); the rest of the model runs in bf16.
+- ``dtype=int4``: 4-bit weights in groups of 32 inputs with a scale and a minimum each, the layout
+  of GGUF's Q4_1 (``torch.ops.aten._weight_int4pack_mm_for_cpu``). The rest of the model (embeddings,
+  norms, attention, KV cache, output projection) stays fp32; only the products' inputs and outputs
+  pass through bf16, the one type the kernel runs fast. Quantizing a model that was Q4_1 (the bundled
+  GGUF) finds its 4-bit codes again exactly: only the scales and minimums round to bf16.
 
 Why: decoding a few rows reads every weight once a step, so at small batches a step costs about the
 bytes it reads. int8 weights are a quarter of fp32's (half of bf16's). Activations, the KV cache, the
@@ -22,6 +29,10 @@ import torch
 
 INT8_COMPUTE_DTYPE = torch.bfloat16  # what the int8 kernel multiplies with (and the model's other weights)
 _K_MULTIPLE = 16  # the kernel's inner dimension must be a multiple of this
+INT4_GROUP = 32  # inputs per int4 scale/minimum (GGUF Q4_1's block)
+INT4_KERNEL_DTYPE = torch.bfloat16  # the int4 kernel is fast in bf16 only (fp32/fp16 run a slow reference path)
+_INT4_OUT_MULTIPLE = 16  # the kernel's output rows must be a multiple of this
+INT4_ROW_BLOCK = 64  # the CPU packing packs 64 output rows at a time (a partial last block differently)
 
 
 def int8_available() -> bool:
@@ -41,6 +52,49 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> 
     """``x @ (weight * scales[:, None]).T`` for a 2-D `x` (any strides) in the scales' dtype."""
     y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x.contiguous(), weight, scales)
     return y
+
+
+def int4_available() -> bool:
+    """Whether this torch has the weight-only int4 CPU kernel."""
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Groups of `INT4_GROUP` inputs of a ``[out, in]`` weight as 4-bit codes with a scale and a
+    minimum each (GGUF Q4_1: ``scale = (max - min) / 15``, ``q = round((w - min) / scale)``):
+    ``(packed uint8 [out, in / 2], scales_and_zeros bf16 [in / 32, out, 2])`` in the kernel's form,
+    whose value is ``(q - 8) * scale + zero`` with ``zero = min + 8 * scale``."""
+    q, scale, low = int4_codes(weight)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+    zero = low + 8.0 * scale
+    return packed, torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(INT4_KERNEL_DTYPE)
+
+
+def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1 of a ``[out, in]`` weight: codes ``q`` (int32 0..15, ``[out, in]``), and per group of
+    `INT4_GROUP` inputs its scale and minimum (fp32 ``[out, in / 32]``), ``w ~ q * scale + min``."""
+    w = weight.detach().float()
+    out, inputs = w.shape
+    groups = w.view(out, inputs // INT4_GROUP, INT4_GROUP)
+    low = groups.amin(dim=-1)
+    scale = ((groups.amax(dim=-1) - low) / 15.0).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+    return q.view(out, inputs), scale, low
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T`` for a 2-D `x` with int4 weights (`quantize_int4`), in bf16, returned in x's dtype."""
+    group = x.shape[-1] // scales_and_zeros.shape[0]
+    y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x.to(INT4_KERNEL_DTYPE).contiguous(), packed, group, scales_and_zeros
+    )
+    return y.to(x.dtype)
+
+
+def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The product of a quantized weight, by its storage: int8 rows (`int8_linear`) or packed int4
+    (uint8, `int4_linear`)."""
+    return int4_linear(x, weight, scales) if weight.dtype == torch.uint8 else int8_linear(x, weight, scales)
 
 
 class Int8Linear(torch.nn.Module):
@@ -77,6 +131,43 @@ class Int8Linear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights"
 
 
+class Int4Linear(torch.nn.Module):
+    """A linear layer with int4 weights in groups of 32 inputs (`quantize_int4`); input and output in
+    the caller's dtype (the product itself in bf16).
+
+    `weight` (packed uint8 ``[out, in / 2]``), `scales` (``[in / 32, out, 2]``, contiguous) and `bias`
+    are plain attributes, as in `Int8Linear`."""
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, in_features: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, weight.shape[0]
+        self.weight = weight
+        self.scales = scales
+        self.bias = bias
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear) -> Int4Linear:
+        packed, scales = quantize_int4(linear.weight)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(packed, scales, bias, linear.in_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight the product uses, as a float matrix (for tests and comparisons)."""
+        eye = torch.eye(self.in_features, dtype=INT4_KERNEL_DTYPE)
+        return int4_linear(eye, self.weight, self.scales).float().t().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = int4_linear(x.reshape(-1, self.in_features), self.weight, self.scales)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, int4 weights (groups of {INT4_GROUP})"
+        )
+
+
 def quantize_linears(model: torch.nn.Module, dtype: torch.dtype = INT8_COMPUTE_DTYPE) -> int:
     """Replace (in place) every `torch.nn.Linear` of `model` except its output embedding (`lm_head`)
     with an `Int8Linear` computing in `dtype`; the rest of the model is cast to `dtype`. Linears whose
@@ -95,4 +186,28 @@ def quantize_linears(model: torch.nn.Module, dtype: torch.dtype = INT8_COMPUTE_D
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, Int8Linear.from_linear(module, dtype))
     model.to(dtype)  # embeddings, norms, lm_head and any linear left float; int8 buffers are attributes
+    return len(targets)
+
+
+def quantize_linears_int4(model: torch.nn.Module) -> int:
+    """Replace (in place) every `torch.nn.Linear` of `model` except its output embedding with an
+    `Int4Linear`; the rest of the model keeps its dtype. Linears whose sizes the kernel does not take
+    (inputs not a multiple of 32, outputs not a multiple of 16) stay float. Returns how many were
+    quantized."""
+    if not int4_available():
+        raise RuntimeError("this torch has no weight-only int4 CPU kernel (torch.ops.aten._weight_int4pack_mm_for_cpu)")
+    get_output = getattr(model, "get_output_embeddings", None)
+    output = get_output() if callable(get_output) else None
+    targets = [
+        (name, module)
+        for name, module in model.named_modules()
+        if type(module) is torch.nn.Linear
+        and module is not output
+        and module.in_features % INT4_GROUP == 0
+        and module.out_features % _INT4_OUT_MULTIPLE == 0
+    ]
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, Int4Linear.from_linear(module))
     return len(targets)

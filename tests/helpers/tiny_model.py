@@ -78,7 +78,7 @@ def build_tiny_tokenizer():  # -> transformers.PreTrainedTokenizerFast
     )
 
 
-def build_tiny_model(tokenizer):  # -> transformers.LlamaForCausalLM
+def build_tiny_model(tokenizer, kv_heads: int = 2):  # -> transformers.LlamaForCausalLM
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -88,7 +88,7 @@ def build_tiny_model(tokenizer):  # -> transformers.LlamaForCausalLM
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=TINY_MAX_POSITIONS,
         tie_word_embeddings=False,
         initializer_range=TINY_INIT_STD,
@@ -106,12 +106,14 @@ def build_tiny_model(tokenizer):  # -> transformers.LlamaForCausalLM
     return model.eval()
 
 
-def build_tiny_model_dir(out_dir: str | Path) -> Path:
-    """Write model (safetensors, fp32) + tokenizer + generation config into `out_dir`."""
+def build_tiny_model_dir(out_dir: str | Path, kv_heads: int = 2) -> Path:
+    """Write model (safetensors, fp32) + tokenizer + generation config into `out_dir`. `kv_heads`: 2
+    (grouped-query attention) or 4 (one per head: every linear's outputs a multiple of 64, as int4's
+    fused packing needs)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tiny_tokenizer()
-    model = build_tiny_model(tokenizer)
+    model = build_tiny_model(tokenizer, kv_heads)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

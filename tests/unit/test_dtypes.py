@@ -1,5 +1,5 @@
-"""bf16 and weight-only int8 models (``dtype=bf16`` / ``dtype=int8``): quantization, loading, and greedy
-parity with `model.generate` in the same dtype on the fast and the generic paths.
+"""bf16 and weight-only int8 / int4 models (``dtype=bf16`` / ``int8`` / ``int4``): quantization, loading,
+and greedy parity with `model.generate` in the same dtype on the fast and the generic paths.
 
 In bf16 two kernels round differently in the last bit, so a batched engine can break an exact or
 near tie between two tokens differently from `generate` (as the README's "Dtypes on CPU" says). The
@@ -20,9 +20,19 @@ from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
 from lmiserve.engine.fast_llama import unsupported_reason
-from lmiserve.engine.quantize import Int8Linear, int8_linear, quantize_linears, quantize_weight
+from lmiserve.engine.quantize import (
+    INT4_GROUP,
+    Int4Linear,
+    Int8Linear,
+    int4_codes,
+    int8_linear,
+    quantize_linears,
+    quantize_linears_int4,
+    quantize_weight,
+)
 from lmiserve.models import ModelLoadError
 from lmiserve.models.load import load_causal_lm, resolve_dtype
+from helpers.tiny_model import build_tiny_model_dir, build_unreachable_eos_model_dir
 
 PROMPTS = [
     "The quick brown fox",
@@ -73,8 +83,8 @@ def test_quantize_linears_keeps_the_output_projection_and_odd_sizes_float(tiny_m
 def test_int8_loads_on_cpu_only_and_runs_the_fast_path(tiny_model_dir: Path):
     assert resolve_dtype("int8", torch.device("cpu")) == torch.bfloat16
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32  # auto never lowers precision on CPU
-    with pytest.raises(ModelLoadError, match="int8"):
-        resolve_dtype("int4", torch.device("cpu"))
+    with pytest.raises(ModelLoadError, match="int8 or int4"):
+        resolve_dtype("int3", torch.device("cpu"))
     loaded = load_causal_lm(tiny_model_dir, dtype="int8", device="cpu")
     assert loaded.dtype == torch.bfloat16
     assert isinstance(loaded.model.model.layers[0].self_attn.o_proj, Int8Linear)
@@ -87,6 +97,96 @@ def test_int8_loads_on_cpu_only_and_runs_the_fast_path(tiny_model_dir: Path):
     attn = loaded.model.model.layers[0].self_attn
     assert attn.k_proj.weight.data_ptr() == layer.qkv_w[attn.q_proj.out_features :].data_ptr()
     assert engine.runner.cache.keys[0].dtype == torch.bfloat16
+
+
+def _q4_1(out: int, inputs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A weight as a Q4_1 GGUF stores it (codes 0..15 spanning each group, an fp16 scale and minimum
+    per group of 32) and its float values: ``(weight, q, scale, low)``."""
+    groups = inputs // INT4_GROUP
+    q = torch.randint(0, 16, (out, groups, INT4_GROUP), dtype=torch.int32)
+    q[..., 0], q[..., 1] = 0, 15  # as Q4_1 quantizes: the group's minimum and maximum are codes 0 and 15
+    scale = (torch.rand(out, groups) * 0.05 + 0.001).half().float()
+    low = (torch.randn(out, groups) * 0.1).half().float()
+    weight = (q.float() * scale[..., None] + low[..., None]).view(out, inputs)
+    return weight, q.view(out, inputs), scale, low
+
+
+def test_int4_finds_the_codes_of_a_q4_1_weight_again_exactly():
+    weight, q, scale, low = _q4_1(48, 96)
+    codes, scales, lows = int4_codes(weight)
+    assert torch.equal(codes, q)  # the GGUF's own 4-bit codes, not an approximation of them
+    torch.testing.assert_close(scales, scale, rtol=1e-6, atol=0)
+    torch.testing.assert_close(lows, low, rtol=0, atol=0)
+
+
+def test_the_int4_product_is_the_q4_1_product_within_bf16_rounding():
+    weight, q, scale, low = _q4_1(48, 96)
+    linear = torch.nn.Linear(96, 48, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    module = Int4Linear.from_linear(linear)
+    # the only loss: the kernel's bf16 scale and zero (zero = min + 8 * scale), and its bf16 output
+    bf16 = lambda t: t.bfloat16().float().repeat_interleave(INT4_GROUP, dim=1)  # noqa: E731
+    expected_weight = (q.float() - 8) * bf16(scale) + bf16(low + 8 * scale)
+    torch.testing.assert_close(module.dequantized(), expected_weight, rtol=2**-8, atol=1e-6)
+    x = torch.randn(3, 5, 96)
+    y = module(x)
+    assert y.shape == (3, 5, 48) and y.dtype == torch.float32  # in and out in the caller's dtype
+    expected = x.bfloat16().float() @ weight.T + linear.bias.detach()
+    torch.testing.assert_close(y, expected, rtol=0.02, atol=0.05)
+
+
+def test_quantize_linears_int4_keeps_the_output_projection_odd_sizes_and_fp32(tiny_model_dir: Path):
+    loaded = load_causal_lm(tiny_model_dir, dtype="fp32", device="cpu")
+    model = loaded.model
+    model.model.layers[0].mlp.down_proj = torch.nn.Linear(120, 64, bias=False)  # 120 % 32 != 0
+    count = quantize_linears_int4(model)
+    layers = model.model.layers
+    assert count == 7 * len(layers) - 1
+    assert isinstance(layers[1].self_attn.q_proj, Int4Linear) and isinstance(layers[1].mlp.down_proj, Int4Linear)
+    assert type(layers[0].mlp.down_proj) is torch.nn.Linear and layers[0].mlp.down_proj.weight.dtype == torch.float32
+    assert type(model.lm_head) is torch.nn.Linear and model.lm_head.weight.dtype == torch.float32
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+
+
+@pytest.fixture(scope="module")
+def int4_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with one kv head per head: every linear's outputs are a multiple of 64, so int4's
+    packed q/k/v fuse (`quantize.INT4_ROW_BLOCK`). Its EOS lies past the vocabulary: `generate` (EOS
+    banned by min_new_tokens) and the engine (ignore_eos: EOS may be sampled) then choose alike."""
+    tiny = build_tiny_model_dir(tmp_path_factory.mktemp("tiny-int4"), kv_heads=4)
+    return build_unreachable_eos_model_dir(tiny, tmp_path_factory.mktemp("tiny-int4-endless") / "model")
+
+
+def test_int4_loads_on_cpu_and_runs_the_fast_path_in_fp32(int4_model_dir: Path):
+    assert resolve_dtype("int4", torch.device("cpu")) == torch.float32
+    loaded = load_causal_lm(int4_model_dir, dtype="int4", device="cpu")
+    assert loaded.dtype == torch.float32
+    assert isinstance(loaded.model.model.layers[0].mlp.gate_proj, Int4Linear)
+    assert unsupported_reason(loaded.model) is None
+    engine = create_engine(loaded, EngineConfig())
+    assert engine.runner.path == "fast"
+    layer = engine.runner.fast.layers[0]
+    assert layer.gate_up_w.dtype == torch.uint8 and layer.gate_up_s is not None
+    mlp = loaded.model.model.layers[0].mlp
+    assert layer.gate_up_s.shape == (64 // INT4_GROUP, 2 * mlp.gate_proj.out_features, 2)
+    # the modules read rows of the fused packed matrix (an int4 row's packing is its own)
+    assert mlp.up_proj.weight.data_ptr() == layer.gate_up_w[mlp.gate_proj.out_features :].data_ptr()
+    x = torch.randn(2, 64)
+    fused = engine.runner.fast.gemm.linear(x, layer.gate_up_w, layer.gate_up_b, layer.gate_up_s)
+    assert torch.equal(fused, torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], dim=-1))
+    assert engine.runner.cache.keys[0].dtype == torch.float32
+
+
+def test_int4_groups_that_cannot_fuse_take_the_generic_path(tiny_model_dir: Path):
+    loaded = load_causal_lm(tiny_model_dir, dtype="fp32", device="cpu")
+    attn = loaded.model.model.layers[0].self_attn
+    attn.k_proj = Int4Linear.from_linear(attn.k_proj)
+    assert "not all of one kind" in (unsupported_reason(loaded.model) or "")
+    # k_proj has 32 outputs (2 kv heads): packed int4 q/k/v rows would not concatenate
+    loaded = load_causal_lm(tiny_model_dir, dtype="int4", device="cpu")
+    assert "not multiples of 64" in (unsupported_reason(loaded.model) or "")
+    assert create_engine(loaded, EngineConfig()).runner.path == "generic"
 
 
 def _generate(loaded, prompt: str) -> list[int]:
@@ -130,10 +230,12 @@ def _tie_gap(loaded, prompt: str, reference: list[int], got: list[int]) -> tuple
     return top - float(logits[got[k]]), TIE_ULPS * ulp
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("dtype", ["bf16", "int8", "int4"])
 @pytest.mark.parametrize("fast_path", [True, False], ids=["fast", "generic"])
-def test_greedy_tokens_equal_generate_in_the_same_dtype_up_to_near_ties(tiny_model_dir: Path, dtype, fast_path):
-    loaded = load_causal_lm(tiny_model_dir, dtype=dtype, device="cpu")
+def test_greedy_tokens_equal_generate_in_the_same_dtype_up_to_near_ties(
+    tiny_model_dir: Path, int4_model_dir: Path, dtype, fast_path
+):
+    loaded = load_causal_lm(int4_model_dir if dtype == "int4" else tiny_model_dir, dtype=dtype, device="cpu")
     path, results = asyncio.run(_serve(loaded, EngineConfig(fast_path=fast_path)))
     assert path == ("fast" if fast_path else "generic")
     equal = 0
