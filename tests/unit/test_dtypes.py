@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.tiny_model import build_tiny_model_dir, build_unreachable_eos_model_dir
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
@@ -32,7 +33,6 @@ from lmiserve.engine.quantize import (
 )
 from lmiserve.models import ModelLoadError
 from lmiserve.models.load import load_causal_lm, resolve_dtype
-from helpers.tiny_model import build_tiny_model_dir, build_unreachable_eos_model_dir
 
 PROMPTS = [
     "The quick brown fox",
