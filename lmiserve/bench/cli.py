@@ -100,7 +100,7 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="where bench.json, bench.png and server.log go (default bench-results/<UTC time>)",
     )
     p.add_argument("--device", help="device of the server and the baselines: auto, cpu, cuda, cuda:N")
-    p.add_argument("--dtype", help="dtype of the server and the baselines: auto, fp32, fp16, bf16, int8")
+    p.add_argument("--dtype", help="dtype of the server and the baselines: auto, fp32, fp16, bf16, int8, int4")
     p.add_argument("--skip-baselines", action="store_true", help="do not run the in-process baselines")
     p.add_argument(
         "-o",
