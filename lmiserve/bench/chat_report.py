@@ -7,6 +7,9 @@
 - `ab_comparison`: with `--ab-option KEY=VALUE` the bench ran a second lmiserve with those options
   (B) beside the first (A): tokens/s B / A per level and the chat scenario's TTFT p50 of turns >= 3,
   A / B; with ``enable_prefix_caching=false`` that is the prefix cache's effect, target <= 0.25.
+  The peers are compared with B too (``--ab-option dtype=int4``: the best dtype against llama.cpp).
+- `forward_targets`: each lmiserve's lead over the bare forward of the same run, concurrency 1
+  >= 1.5 x and 32 >= 1.3 x.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ Json = dict[str, Any]
 PEER_C1_TARGET = 1.0
 PEER_HIGH_TARGET = 2.0
 PEER_HIGH_MIN_CONCURRENCY = 8
+FORWARD_TARGETS = ((1, 1.5), (32, 1.3))  # issue #15: (concurrency, server tokens/s over the bare forward)
 PREFIX_CACHE_TARGET = 0.25
 PREFIX_CACHE_OFF = ("enable_prefix_caching", "false")
 
@@ -31,7 +35,8 @@ def _rates(levels: Sequence[Json]) -> dict[int, float | None]:
 
 
 def peer_comparisons(main: Json | None, peers: Sequence[Json]) -> list[Json]:
-    """Per peer and scenario: lmiserve tokens/s over the peer's at each concurrency both ran."""
+    """Per peer and scenario: this lmiserve's (`main`: A, or the --ab-option B) tokens/s over the
+    peer's at each concurrency both ran."""
     out: list[Json] = []
     if main is None:
         return out
@@ -48,7 +53,7 @@ def peer_comparisons(main: Json | None, peers: Sequence[Json]) -> list[Json]:
                 for c in sorted(set(mine) & set(theirs))
             ]
             if rows:
-                out.append({"peer": peer["name"], "scenario": scenario, "rows": rows})
+                out.append({"server": main["name"], "peer": peer["name"], "scenario": scenario, "rows": rows})
     return out
 
 
@@ -61,18 +66,21 @@ def _target(tid: str, description: str, threshold: float, value: float | None, p
 
 
 def peer_targets(comparisons: Sequence[Json]) -> list[Json]:
-    """The issue's targets against each peer, on the completion scenario (the chat one when alone)."""
+    """The issue's targets against each peer, on the completion scenario (the chat one when alone), for
+    each lmiserve compared (A, then the --ab-option B: ids of B's end in ``@<its name>``)."""
     targets = []
-    peers = list(dict.fromkeys(c["peer"] for c in comparisons))
-    for peer in peers:
-        mine = [c for c in comparisons if c["peer"] == peer]
+    servers = list(dict.fromkeys(c.get("server", "lmiserve") for c in comparisons))
+    pairs = list(dict.fromkeys((c.get("server", "lmiserve"), c["peer"]) for c in comparisons))
+    for name, peer in pairs:
+        suffix = "" if name == servers[0] else f"@{name}"
+        mine = [c for c in comparisons if c["peer"] == peer and c.get("server", "lmiserve") == name]
         chosen = next((c for c in mine if c["scenario"] == "completion"), mine[0])
         rows = {r["concurrency"]: r for r in chosen["rows"]}
         c1 = rows.get(1, {}).get("lmiserve_over_peer")
         targets.append(
             _target(
-                f"c1_vs_{peer}",
-                f"concurrency 1 ({chosen['scenario']}): lmiserve tokens/s >= {peer}'s single stream",
+                f"c1_vs_{peer}{suffix}",
+                f"concurrency 1 ({chosen['scenario']}): {name} tokens/s >= {peer}'s single stream",
                 PEER_C1_TARGET,
                 c1,
                 None if c1 is None else c1 >= PEER_C1_TARGET,
@@ -82,14 +90,37 @@ def peer_targets(comparisons: Sequence[Json]) -> list[Json]:
         value = rows[high]["lmiserve_over_peer"] if high is not None else None
         targets.append(
             _target(
-                f"high_vs_{peer}",
-                f"concurrency {high if high is not None else '>= 8'} ({chosen['scenario']}): lmiserve tokens/s "
+                f"high_vs_{peer}{suffix}",
+                f"concurrency {high if high is not None else '>= 8'} ({chosen['scenario']}): {name} tokens/s "
                 f">= 2 x {peer}'s aggregate",
                 PEER_HIGH_TARGET,
                 value,
                 None if value is None else value >= PEER_HIGH_TARGET,
             )
         )
+    return targets
+
+
+def forward_targets(servers: Sequence[Json]) -> list[Json]:
+    """Issue #15's lead over the bare forward (same run, its dtype) for each lmiserve (A, then B):
+    concurrency 1 >= 1.5 x and 32 >= 1.3 x; servers without the ratios (no baselines) are skipped."""
+    targets = []
+    for number, server in enumerate(servers):
+        rows = {r["concurrency"]: r for r in server.get("ratios", ())}
+        if not rows:
+            continue
+        suffix = "" if number == 0 else f"@{server['name']}"
+        for c, threshold in FORWARD_TARGETS:
+            value = rows.get(c, {}).get("server_over_forward")
+            targets.append(
+                _target(
+                    f"c{c}_vs_forward_15{suffix}",
+                    f"concurrency {c}: {server['name']} tokens/s >= {threshold} x the bare forward at batch {c}",
+                    threshold,
+                    value,
+                    None if value is None else value >= threshold,
+                )
+            )
     return targets
 
 
@@ -171,9 +202,10 @@ def chat_lines(report: Json, table: Any) -> list[str]:
     if peers:
         out += ["", "lmiserve over each peer (tokens/s, same run):"]
         out += table(
-            ["peer", "scenario", "conc", "lmiserve tok/s", "peer tok/s", "ratio"],
+            ["lmiserve", "peer", "scenario", "conc", "lmiserve tok/s", "peer tok/s", "ratio"],
             [
                 [
+                    p.get("server", "lmiserve"),
                     p["peer"],
                     p["scenario"],
                     str(r["concurrency"]),

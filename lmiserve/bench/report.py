@@ -8,7 +8,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lmiserve.bench.chat_report import ab_comparison, chat_lines, peer_comparisons, peer_targets, prefix_cache_target
+from lmiserve.bench.chat_report import (
+    ab_comparison,
+    chat_lines,
+    forward_targets,
+    peer_comparisons,
+    peer_targets,
+    prefix_cache_target,
+)
 from lmiserve.bench.stats import ratio
 from lmiserve.bench.structured import structured_target
 
@@ -164,7 +171,8 @@ def build_report(
         server["ratios"] = ratios(server["levels"], baselines)
     main = next((s for s in servers if s.get("kind") == "lmi" and not s.get("ab")), None)
     variant = next((s for s in servers if s.get("ab")), None)
-    peers = peer_comparisons(main, [s for s in servers if s.get("kind") != "lmi"])
+    others = [s for s in servers if s.get("kind") != "lmi"]
+    peers = peer_comparisons(main, others) + peer_comparisons(variant, others)
     ab = ab_comparison(main, variant, ab_options)
     if structured is not None:
         structured["comparison"] = (main or {}).get("constrained_over_unconstrained", [])
@@ -172,6 +180,7 @@ def build_report(
     extra = structured_target(structured)
     if extra is not None:
         targets.append(extra)
+    targets += forward_targets([s for s in (main, variant) if s is not None])
     targets += peer_targets(peers)
     cache = prefix_cache_target(ab)
     if cache is not None:

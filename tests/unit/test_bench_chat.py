@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 
 from lmiserve.bench.chat import ChatDialect, read_chunk
-from lmiserve.bench.chat_report import ab_comparison, peer_comparisons, peer_targets, prefix_cache_target
+from lmiserve.bench.chat_report import (
+    ab_comparison,
+    forward_targets,
+    peer_comparisons,
+    peer_targets,
+    prefix_cache_target,
+)
 from lmiserve.bench.conversations import (
     FOLLOW_UPS,
     SYSTEM_PROMPT,
@@ -217,6 +223,32 @@ def test_peer_comparisons_and_targets():
     assert peer_comparisons(None, [peer]) == []
 
 
+def test_the_ab_server_is_compared_with_the_peers_too():
+    a = server("lmiserve", "lmi", [completion_level(1, 30.0)], [])
+    b = server("lmiserve[dtype=int4]", "lmi", [completion_level(1, 60.0)], [])
+    peer = server("llama-server", "openai", [completion_level(1, 50.0)], [])
+    comparisons = peer_comparisons(a, [peer]) + peer_comparisons(b, [peer])
+    assert [c["server"] for c in comparisons] == ["lmiserve", "lmiserve[dtype=int4]"]
+    targets = {t["id"]: t for t in peer_targets(comparisons)}
+    assert targets["c1_vs_llama-server"]["value"] == 0.6 and targets["c1_vs_llama-server"]["passed"] is False
+    best = targets["c1_vs_llama-server@lmiserve[dtype=int4]"]
+    assert best["value"] == 1.2 and best["passed"] is True and "lmiserve[dtype=int4] tokens/s" in best["description"]
+
+
+def test_forward_targets_per_lmiserve():
+    a = {
+        "name": "lmiserve",
+        "ratios": [{"concurrency": 1, "server_over_forward": 1.1}, {"concurrency": 32, "server_over_forward": 1.31}],
+    }
+    b = {"name": "B", "ratios": [{"concurrency": 1, "server_over_forward": 1.97}]}
+    targets = {t["id"]: t for t in forward_targets([a, b, {"name": "no baselines", "ratios": []}])}
+    assert set(targets) == {"c1_vs_forward_15", "c32_vs_forward_15", "c1_vs_forward_15@B", "c32_vs_forward_15@B"}
+    assert targets["c1_vs_forward_15"]["passed"] is False and targets["c32_vs_forward_15"]["passed"] is True
+    assert targets["c1_vs_forward_15@B"]["passed"] is True and targets["c1_vs_forward_15@B"]["threshold"] == 1.5
+    assert targets["c32_vs_forward_15@B"]["passed"] is None and targets["c32_vs_forward_15@B"]["note"] == "not measured"
+    assert all(t["issue"] == 15 for t in targets.values())
+
+
 def test_ab_comparison_and_the_prefix_cache_target():
     a = server("lmiserve", "lmi", [completion_level(1, 30.0)], [chat_level(1, 30.0, 50.0), chat_level(8, 90.0, 90.0)])
     b = server("B", "lmi", [completion_level(1, 29.4)], [chat_level(1, 28.0, 400.0), chat_level(8, 80.0, 300.0)])
@@ -243,7 +275,11 @@ def test_report_and_table_carry_the_chat_scenario():
         server("llama.cpp", "openai", [completion_level(1, 20.0)], [chat_level(1, 20.0, 60.0)]),
     ]
     report = build_report(meta, servers, None, None, None, [("enable_prefix_caching", "false")])
-    assert [p["peer"] for p in report["peers"]] == ["llama.cpp", "llama.cpp"]  # B is not a peer
+    b = "lmiserve[enable_prefix_caching=false]"
+    # B is not a peer; it is compared with the peers, as A is
+    assert [(p["server"], p["peer"]) for p in report["peers"]] == [("lmiserve", "llama.cpp")] * 2 + [
+        (b, "llama.cpp")
+    ] * 2
     assert report["ab"]["b"] == "lmiserve[enable_prefix_caching=false]"
     targets = {t["id"]: t for t in report["targets"]}
     assert targets["prefix_cache_chat_ttft"]["value"] == 0.125 and targets["prefix_cache_chat_ttft"]["passed"]
