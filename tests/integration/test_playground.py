@@ -3,8 +3,9 @@
 `chromium` driven by playwright): it loads, a message streams into it token by token while the batch
 panel shows the running request, Stop ends it and the panel shows 0 again.
 
-The server runs the tiny model with a 2**20-token context (`endless_model_dir`), so a chat asking for
-a million tokens streams for many minutes: the page is looked at while it streams, never after.
+The server runs the tiny model with a 2**20-token context and an end-of-sequence token it can never
+sample (`model_dir`), so a chat asking for a million tokens streams for many minutes, whatever the
+CPU's rounding makes of the page's seeded sampling: the page is looked at while it streams, never after.
 The README's screenshot is taken on the bundled model: tests/e2e/test_playground_bundled.py.
 """
 
@@ -23,7 +24,7 @@ import pytest
 
 from helpers.browser import headless_chromium, open_page
 from helpers.server import REPO_ROOT, free_port, run_server
-from helpers.tiny_model import ENDLESS_CONTEXT
+from helpers.tiny_model import ENDLESS_CONTEXT, with_context
 from helpers.waiting import wait_until
 
 KEY = "playground-key"
@@ -32,8 +33,15 @@ LONG = 1_000_000  # max_tokens of a chat that streams until it is stopped
 
 
 @pytest.fixture(scope="module")
-def url(endless_model_dir: Path) -> Iterator[str]:
-    args = ["--model-id", str(endless_model_dir), "--api-key", KEY]
+def model_dir(unreachable_eos_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model that cannot end a reply (its EOS lies past the vocabulary; the page cannot send
+    ignore_eos) with an ENDLESS_CONTEXT context."""
+    return with_context(unreachable_eos_model_dir, tmp_path_factory.mktemp("endless") / "tiny-endless", ENDLESS_CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def url(model_dir: Path) -> Iterator[str]:
+    args = ["--model-id", str(model_dir), "--api-key", KEY]
     for option in ("max_rolling_batch_size=2", f"max_new_tokens_limit={ENDLESS_CONTEXT}"):
         args += ["-o", option]
     with run_server(args) as base:
@@ -123,10 +131,10 @@ def test_the_stats_stream_needs_the_key(client):
         assert r.json() == {"error": {"message": "missing or wrong API key", "type": "Unauthorized"}}
 
 
-def test_the_stats_stream_shows_the_engine(client, endless_model_dir):
+def test_the_stats_stream_shows_the_engine(client, model_dir):
     first, second = stats_events(client, 2)
     (model,) = first["models"]
-    assert model["name"] == endless_model_dir.name and model["status"] == "ready"
+    assert model["name"] == model_dir.name and model["status"] == "ready"
     assert (model["running"], model["waiting"], model["batch_slots"], model["kv_tokens"]) == (0, 0, 2, 0)
     assert model["kv_capacity"] == 2 * ENDLESS_CONTEXT and model["kv_usage"] == 0
     assert second["models"][0]["generated_tokens"] >= model["generated_tokens"]
