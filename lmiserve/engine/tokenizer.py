@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -27,3 +28,10 @@ class HfTokenizer:
 
     def __len__(self) -> int:
         return len(self.hf)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of a text one token can stand for: its longest vocabulary string (added
+        tokens included; a byte-level token's string has one character a byte). A text longer than N
+        times this has more than N tokens, whatever it says (`PromptCodec` refuses it untokenized)."""
+        return max((len(token) for token in self.hf.get_vocab()), default=1)

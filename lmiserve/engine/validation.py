@@ -23,12 +23,20 @@ class PromptCodec:
         self.special_token_ids = set(tokenizer.all_special_ids) | self.eos_token_ids
         self.max_context = max_context
         self.max_input_len = min(max_input_len or max_context, max_context)
+        # a prompt longer than this has more than max_input_len tokens: refused before tokenizing it,
+        # which for a body of many megabytes would hold the event loop for seconds (0: no such bound)
+        self.max_prompt_chars = self.max_input_len * int(getattr(tokenizer, "max_token_chars", 0))
 
     def encode(self, request: GenerationRequest) -> list[int]:
         params = request.params
         bad = [i for i in params.stop_token_ids if not 0 <= i < self.vocab_size]
         if bad:
             raise InvalidRequest(f"stop_token_ids {bad} are outside the vocabulary (0..{self.vocab_size - 1})")
+        if params.truncate is None and self.max_prompt_chars and len(request.prompt) > self.max_prompt_chars:
+            raise InvalidRequest(
+                f"Input prompt ({len(request.prompt)} characters: more than {self.max_input_len} tokens) is too "
+                f"long and exceeds limit of {self.max_input_len}"
+            )
         ids = self.tokenizer.encode(request.prompt)
         if params.truncate is not None and len(ids) > params.truncate:
             ids = ids[-params.truncate :]
