@@ -25,6 +25,8 @@ quantized weights.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 INT8_COMPUTE_DTYPE = torch.bfloat16  # what the int8 kernel multiplies with (and the model's other weights)
@@ -174,19 +176,13 @@ def quantize_linears(model: torch.nn.Module, dtype: torch.dtype = INT8_COMPUTE_D
     input size the kernel does not take stay float. Returns how many were quantized."""
     if not int8_available():
         raise RuntimeError("this torch has no weight-only int8 kernel (torch.ops.aten._weight_int8pack_mm)")
-    get_output = getattr(model, "get_output_embeddings", None)
-    output = get_output() if callable(get_output) else None
-    targets = [
-        (name, module)
-        for name, module in model.named_modules()
-        if type(module) is torch.nn.Linear and module is not output and module.in_features % _K_MULTIPLE == 0
-    ]
-    for name, module in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Int8Linear.from_linear(module, dtype))
+    count = _replace_linears(
+        model,
+        lambda m: m.in_features % _K_MULTIPLE == 0,
+        lambda m: Int8Linear.from_linear(m, dtype),
+    )
     model.to(dtype)  # embeddings, norms, lm_head and any linear left float; int8 buffers are attributes
-    return len(targets)
+    return count
 
 
 def quantize_linears_int4(model: torch.nn.Module) -> int:
@@ -196,18 +192,29 @@ def quantize_linears_int4(model: torch.nn.Module) -> int:
     quantized."""
     if not int4_available():
         raise RuntimeError("this torch has no weight-only int4 CPU kernel (torch.ops.aten._weight_int4pack_mm_for_cpu)")
+    return _replace_linears(
+        model,
+        lambda m: m.in_features % INT4_GROUP == 0 and m.out_features % _INT4_OUT_MULTIPLE == 0,
+        Int4Linear.from_linear,
+    )
+
+
+def _replace_linears(
+    model: torch.nn.Module,
+    takes: Callable[[torch.nn.Linear], bool],
+    make: Callable[[torch.nn.Linear], torch.nn.Module],
+) -> int:
+    """Replace (in place) every plain `torch.nn.Linear` of `model` but its output embedding that the
+    kernel `takes` with `make(linear)`; how many were replaced."""
     get_output = getattr(model, "get_output_embeddings", None)
     output = get_output() if callable(get_output) else None
     targets = [
         (name, module)
         for name, module in model.named_modules()
-        if type(module) is torch.nn.Linear
-        and module is not output
-        and module.in_features % INT4_GROUP == 0
-        and module.out_features % _INT4_OUT_MULTIPLE == 0
+        if type(module) is torch.nn.Linear and module is not output and takes(module)
     ]
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Int4Linear.from_linear(module))
+        setattr(parent, child, make(module))
     return len(targets)
