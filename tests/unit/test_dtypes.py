@@ -67,19 +67,6 @@ def test_the_int8_product_is_the_dequantized_product_in_bf16():
     assert torch.equal(int8_linear(rows, module.weight, module.scales) + module.bias, y.reshape(15, 40))
 
 
-def test_quantize_linears_keeps_the_output_projection_and_odd_sizes_float(tiny_model_dir: Path):
-    loaded = load_causal_lm(tiny_model_dir, dtype="fp32", device="cpu")
-    model = loaded.model
-    model.model.layers[0].mlp.down_proj = torch.nn.Linear(120, 64, bias=False)  # 120 % 16 != 0: the kernel's limit
-    count = quantize_linears(model)
-    layers = model.model.layers
-    assert count == 7 * len(layers) - 1
-    assert isinstance(layers[1].self_attn.q_proj, Int8Linear) and isinstance(layers[1].mlp.down_proj, Int8Linear)
-    assert type(layers[0].mlp.down_proj) is torch.nn.Linear and layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
-    assert type(model.lm_head) is torch.nn.Linear and model.lm_head.weight.dtype == torch.bfloat16
-    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
-
-
 def test_int8_loads_on_cpu_only_and_runs_the_fast_path(tiny_model_dir: Path):
     assert resolve_dtype("int8", torch.device("cpu")) == torch.bfloat16
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32  # auto never lowers precision on CPU
@@ -136,17 +123,23 @@ def test_the_int4_product_is_the_q4_1_product_within_bf16_rounding():
     torch.testing.assert_close(y, expected, rtol=0.02, atol=0.05)
 
 
-def test_quantize_linears_int4_keeps_the_output_projection_odd_sizes_and_fp32(tiny_model_dir: Path):
+@pytest.mark.parametrize(
+    ("quantize", "quantized", "left"),
+    [(quantize_linears, Int8Linear, torch.bfloat16), (quantize_linears_int4, Int4Linear, torch.float32)],
+    ids=["int8", "int4"],
+)
+def test_quantizing_keeps_the_output_projection_and_odd_sizes_float(tiny_model_dir: Path, quantize, quantized, left):
+    """int8 casts the rest of the model to bf16; int4 leaves it fp32."""
     loaded = load_causal_lm(tiny_model_dir, dtype="fp32", device="cpu")
     model = loaded.model
-    model.model.layers[0].mlp.down_proj = torch.nn.Linear(120, 64, bias=False)  # 120 % 32 != 0
-    count = quantize_linears_int4(model)
+    model.model.layers[0].mlp.down_proj = torch.nn.Linear(120, 64, bias=False)  # 120: not a multiple of 16 or 32
+    count = quantize(model)
     layers = model.model.layers
     assert count == 7 * len(layers) - 1
-    assert isinstance(layers[1].self_attn.q_proj, Int4Linear) and isinstance(layers[1].mlp.down_proj, Int4Linear)
-    assert type(layers[0].mlp.down_proj) is torch.nn.Linear and layers[0].mlp.down_proj.weight.dtype == torch.float32
-    assert type(model.lm_head) is torch.nn.Linear and model.lm_head.weight.dtype == torch.float32
-    assert model.model.embed_tokens.weight.dtype == torch.float32
+    assert isinstance(layers[1].self_attn.q_proj, quantized) and isinstance(layers[1].mlp.down_proj, quantized)
+    assert type(layers[0].mlp.down_proj) is torch.nn.Linear and layers[0].mlp.down_proj.weight.dtype == left
+    assert type(model.lm_head) is torch.nn.Linear and model.lm_head.weight.dtype == left
+    assert model.model.embed_tokens.weight.dtype == left
 
 
 @pytest.fixture(scope="module")
