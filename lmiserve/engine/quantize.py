@@ -9,18 +9,21 @@
   GGUF) finds its 4-bit codes again exactly: only the scales and minimums round to bf16.
 
 Why: decoding a few rows reads every weight once a step, so at small batches a step costs about the
-bytes it reads. int8 weights are a quarter of fp32's (half of bf16's). Activations, the KV cache, the
-embeddings and the output projection stay in bf16 (the vocabulary matrix is tied to the embeddings
-in most small models; quantizing it changes the logits the most).
+bytes it reads. int8 weights are a quarter of fp32's (half of bf16's), int4 an eighth. The output
+projection is never quantized (the vocabulary matrix is tied to the embeddings in most small models;
+quantizing it changes the logits the most).
 
-Quantization: for each output row ``scale = max|w| / 127`` and ``q = round(w / scale)`` clamped to
+int8: for each output row ``scale = max|w| / 127`` and ``q = round(w / scale)`` clamped to
 ``[-127, 127]`` (symmetric, no zero point); the kernel computes ``x @ (q * scale).T`` with fp32
 accumulation and rounds the result to bf16. The kernel needs ``in_features`` a multiple of 16 (it
 crashes otherwise, torch 2.13): other linears are left in bf16.
 
-`quantize_linears` swaps the model's `torch.nn.Linear` modules for `Int8Linear` in place, so the
-transformers forward (`generate`, the generic runner) and lmiserve's fast forward read the same
-quantized weights.
+int4: `int4_codes` (Q4_1's rule), packed by torch for its kernel; inputs a multiple of 32, outputs a
+multiple of 16, others left fp32. The packing works on blocks of `INT4_ROW_BLOCK` output rows.
+
+`quantize_linears` / `quantize_linears_int4` swap the model's `torch.nn.Linear` modules for
+`Int8Linear` / `Int4Linear` in place, so the transformers forward (`generate`, the generic runner)
+and lmiserve's fast forward read the same quantized weights.
 """
 
 from __future__ import annotations
