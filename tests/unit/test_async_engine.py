@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from helpers.greedy import greedy_reference
 from helpers.waiting import HANG_TIMEOUT
 from lmiserve.config import Settings
 from lmiserve.core.errors import InvalidRequest, Overloaded, QueueTimeout
@@ -89,28 +90,8 @@ class SlowRunner(FastRunner):
 @pytest.fixture(scope="module")
 def reference(tiny_model):
     """Greedy continuation by `model.generate` (cut after the first EOS), memoised per prompt ids."""
-    memo: dict[tuple[tuple[int, ...], int], list[int]] = {}
-
-    def generate(prompt_ids: list[int], max_new_tokens: int = NEW_TOKENS) -> list[int]:
-        key = (tuple(prompt_ids), max_new_tokens)
-        if key not in memo:
-            ids = torch.tensor([prompt_ids])
-            with torch.inference_mode():
-                out = tiny_model.model.generate(
-                    ids,
-                    attention_mask=torch.ones_like(ids),
-                    do_sample=False,
-                    max_new_tokens=max_new_tokens,
-                    pad_token_id=tiny_model.tokenizer.pad_token_id,
-                )[0, ids.shape[1] :].tolist()
-            for i, token in enumerate(out):
-                if token in tiny_model.eos_token_ids:
-                    out = out[: i + 1]
-                    break
-            memo[key] = out
-        return memo[key]
-
-    return generate
+    generate = greedy_reference(tiny_model)
+    return lambda prompt_ids, max_new_tokens=NEW_TOKENS: generate(prompt_ids, max_new_tokens)
 
 
 def encode(loaded, prompt: str) -> list[int]:

@@ -8,8 +8,8 @@ import asyncio
 import contextlib
 
 import pytest
-import torch
 
+from helpers.greedy import greedy_reference
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.core.stats import StepStats
 from lmiserve.engine.async_engine import AsyncEngine, EngineConfig
@@ -211,27 +211,8 @@ def test_batch_invariant_has_no_prefix_cache(tiny_model):
 @pytest.fixture(scope="module")
 def reference_ids(tiny_model):
     """Greedy ids of a prompt from `model.generate` (cut after the first EOS)."""
-    memo: dict[tuple[str, int], list[int]] = {}
-
-    def generate(prompt: str, max_new_tokens: int) -> list[int]:
-        if (prompt, max_new_tokens) not in memo:
-            ids = torch.tensor([tiny_model.tokenizer(prompt)["input_ids"]])
-            with torch.inference_mode():
-                out = tiny_model.model.generate(
-                    ids,
-                    attention_mask=torch.ones_like(ids),
-                    do_sample=False,
-                    max_new_tokens=max_new_tokens,
-                    pad_token_id=tiny_model.tokenizer.pad_token_id,
-                )[0, ids.shape[1] :].tolist()
-            for i, token in enumerate(out):
-                if token in tiny_model.eos_token_ids:
-                    out = out[: i + 1]
-                    break
-            memo[(prompt, max_new_tokens)] = out
-        return memo[(prompt, max_new_tokens)]
-
-    return generate
+    generate = greedy_reference(tiny_model)
+    return lambda prompt, max_new_tokens: generate(tiny_model.tokenizer(prompt)["input_ids"], max_new_tokens)
 
 
 async def test_a_failing_copy_into_the_cache_drops_it_and_no_answer_changes(tiny_model, reference_ids, monkeypatch):
