@@ -69,11 +69,11 @@ def peer_targets(comparisons: Sequence[Json]) -> list[Json]:
     """The issue's targets against each peer, on the completion scenario (the chat one when alone), for
     each lmiserve compared (A, then the --ab-option B: ids of B's end in ``@<its name>``)."""
     targets = []
-    servers = list(dict.fromkeys(c.get("server", "lmiserve") for c in comparisons))
-    pairs = list(dict.fromkeys((c.get("server", "lmiserve"), c["peer"]) for c in comparisons))
+    servers = list(dict.fromkeys(c["server"] for c in comparisons))
+    pairs = list(dict.fromkeys((c["server"], c["peer"]) for c in comparisons))
     for name, peer in pairs:
         suffix = "" if name == servers[0] else f"@{name}"
-        mine = [c for c in comparisons if c["peer"] == peer and c.get("server", "lmiserve") == name]
+        mine = [c for c in comparisons if c["peer"] == peer and c["server"] == name]
         chosen = next((c for c in mine if c["scenario"] == "completion"), mine[0])
         rows = {r["concurrency"]: r for r in chosen["rows"]}
         c1 = rows.get(1, {}).get("lmiserve_over_peer")
@@ -205,7 +205,7 @@ def chat_lines(report: Json, table: Any) -> list[str]:
             ["lmiserve", "peer", "scenario", "conc", "lmiserve tok/s", "peer tok/s", "ratio"],
             [
                 [
-                    p.get("server", "lmiserve"),
+                    p["server"],
                     p["peer"],
                     p["scenario"],
                     str(r["concurrency"]),

@@ -175,12 +175,11 @@ def _fuse(
     row = 0
     for m in modules:
         n = m.weight.shape[0]
-        if isinstance(m, Int4Linear) and scales is not None:
+        if isinstance(m, (Int8Linear, Int4Linear)):
             m.weight = stored[row : row + n]
             m.bias = None if bias is None else bias[row : row + n]
-        elif isinstance(m, Int8Linear) and scales is not None:
-            m.weight, m.scales = stored[row : row + n], scales[row : row + n]
-            m.bias = None if bias is None else bias[row : row + n]
+            if isinstance(m, Int8Linear) and scales is not None:
+                m.scales = scales[row : row + n]  # an int4 module keeps its own contiguous scales
         else:
             m.weight = torch.nn.Parameter(stored[row : row + n], requires_grad=False)
             if bias is not None:
