@@ -9,6 +9,7 @@ Helpers for tests live in tests/helpers and import as `helpers` (this directory 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,7 @@ from helpers.tiny_model import (  # noqa: E402
 )
 
 if TYPE_CHECKING:
+    from helpers.server_pool import ServerPool
     from lmiserve.models.load import LoadedModel
 
 
@@ -117,3 +119,30 @@ def bundled_store(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path, mi
     from helpers.tensor_models import build_bundled_store
 
     return build_bundled_store(tmp_path_factory.mktemp("bundled-store"), minilm_dir)
+
+
+# ---- shared real servers and the test tiers -------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def server_pool() -> Iterator[ServerPool]:
+    """Real servers shared by the whole session, one per configuration (tests/helpers/server_pool.py)."""
+    from helpers.server_pool import ServerPool
+
+    pool = ServerPool()
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+# Tests under these directories, and modules that mark themselves `e2e`, are the slower tiers: `make
+# test-fast` leaves them out with `-m "not integration and not e2e"`.
+_TIER_MARKERS = {"integration": "integration", "e2e": "e2e"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = _TIER_MARKERS.get(item.path.parent.name)
+        if tier is not None and item.get_closest_marker("e2e") is None:
+            item.add_marker(tier)

@@ -13,8 +13,6 @@ import httpx
 import pytest
 import torch
 
-from helpers.server import run_server
-
 pytestmark = pytest.mark.e2e
 
 PROMPTS = [
@@ -31,9 +29,8 @@ NEW_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def server(smollm_dir):  # smollm_dir converts the bundled GGUF into the user cache once
-    with run_server([], timeout=300) as url:
-        yield url
+def server(server_pool, smollm_dir):  # smollm_dir converts the bundled GGUF into the user cache once
+    return server_pool.url([], timeout=300)  # `make serve`'s server, shared with the other e2e modules
 
 
 def test_question_gets_a_sensible_english_answer(server):

@@ -11,17 +11,14 @@ from text_generation import Client
 from text_generation.errors import ValidationError
 from text_generation.types import FinishReason
 
-from helpers.server import run_server
-
 pytestmark = pytest.mark.e2e
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def url(smollm_dir):  # converts the bundled GGUF into the user cache once
-    with run_server([], timeout=300) as base:
-        yield base
+def url(server_pool, smollm_dir):  # converts the bundled GGUF into the user cache once
+    return server_pool.url([], timeout=300)  # `make serve`'s server, shared with the other e2e modules
 
 
 def test_text_generation_client(url):

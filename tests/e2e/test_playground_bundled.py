@@ -10,13 +10,12 @@ from __future__ import annotations
 import os
 import re
 import threading
-from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from helpers.browser import headless_chromium, open_page
-from helpers.server import REPO_ROOT, run_server
+from helpers.server import REPO_ROOT
 from helpers.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
@@ -25,9 +24,8 @@ SCREENSHOT = REPO_ROOT / "docs" / "playground.png"
 
 
 @pytest.fixture(scope="module")
-def url(smollm_dir) -> Iterator[str]:  # converts the bundled GGUF into the user cache once
-    with run_server([], timeout=300) as base:
-        yield base
+def url(server_pool, smollm_dir) -> str:  # converts the bundled GGUF into the user cache once
+    return server_pool.url([], timeout=300)  # `make serve`'s server, shared with the other e2e modules
 
 
 class Background:

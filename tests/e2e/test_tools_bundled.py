@@ -10,8 +10,6 @@ import jsonschema
 import openai
 import pytest
 
-from helpers.server import run_server
-
 pytestmark = pytest.mark.e2e
 
 WEATHER_PARAMETERS = {
@@ -37,8 +35,9 @@ MESSAGES = [{"role": "user", "content": "What is the weather like in Paris today
 
 
 @pytest.fixture(scope="module")
-def client(smollm_dir):
-    with run_server([], timeout=300) as base, openai.OpenAI(base_url=f"{base}/v1", api_key="none", timeout=120) as c:
+def client(server_pool, smollm_dir):
+    base = server_pool.url([], timeout=300)  # `make serve`'s server, shared with the other e2e modules
+    with openai.OpenAI(base_url=f"{base}/v1", api_key="none", timeout=120) as c:
         yield c
 
 

@@ -1,19 +1,20 @@
 """Real `python -m lmiserve serve` subprocesses serving the tiny random Llama, driven over HTTP.
 
-Few servers, each started once and shared (a start takes a few seconds):
+Few servers, each started once per session and shared through `server_pool` (tests/conftest.py) with
+every other test that asks for the same configuration (a start takes a few seconds):
 
-- `server` (session): the default configuration plus ``max_input_len=64``;
-- `tgi_server` (module): ``tgi_compat=true``;
-- `jsonlines_server` (module): ``output_formatter=jsonlines`` (and chunked prefill:
+- `server`: the default configuration plus ``max_input_len=64``;
+- `tgi_server`: ``tgi_compat=true``;
+- `jsonlines_server`: ``output_formatter=jsonlines`` (and chunked prefill:
   ``max_rolling_batch_prefill_tokens=4``);
-- `dynamic_server` (session): ``rolling_batch=disable batch_size=4 max_batch_delay=50``;
-- `small_server` (module): ``max_rolling_batch_size=1 job_queue_size=1`` on `endless_model_dir`, a
+- `dynamic_server`: ``rolling_batch=disable batch_size=4 max_batch_delay=50``;
+- `small_server`: ``max_rolling_batch_size=1 job_queue_size=1`` on `endless_model_dir`, a
   copy of the tiny model with a 2**20-token context, so that one request keeps the only slot busy
   until its client goes away (the tiny model decodes ~1000 tokens/s: such a request would run for
   many minutes; at the tiny model's 256-token context it is over in a fraction of a second, too
   short to tell a freed slot from a finished request);
-- `impatient_server` (module): the same with ``predict_timeout=1.5``;
-- `no_eos_server` (session): the default configuration on `unreachable_eos_model_dir` (every
+- `impatient_server`: the same with ``predict_timeout=1.5``;
+- `no_eos_server`: the default configuration on `unreachable_eos_model_dir` (every
   request makes exactly max_new_tokens tokens, for sampled requests that cannot send a seed).
 
 Every fixture yields a `Server`: base URL, model name, an httpx client with a timeout on every call
@@ -22,6 +23,7 @@ and the parsing helpers the tests share (so no test module has to import from he
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -32,6 +34,7 @@ import httpx
 import pytest
 
 from helpers.server import run_server
+from helpers.server_pool import ServerPool
 from helpers.tiny_model import ENDLESS_CONTEXT, with_context
 
 DEFAULT_TIMEOUT = 30.0  # seconds; every call has a timeout so a hang fails fast
@@ -121,33 +124,38 @@ def sse(text: str) -> list[dict]:
     return out
 
 
-def _start(model_dir: Path, *options: str) -> Iterator[Server]:
+def _start(model_dir: Path, *options: str, pool: ServerPool | None = None) -> Iterator[Server]:
+    """A `Server` on `model_dir` with `options`: the session's shared one from `pool`, else one of its own."""
     args = ["--model-id", str(model_dir)]
     for option in options:
         args += ["-o", option]
-    with run_server(args) as url, httpx.Client(base_url=url, timeout=DEFAULT_TIMEOUT, trust_env=False) as client:
+    with contextlib.ExitStack() as stack:
+        url = pool.url(args) if pool is not None else stack.enter_context(run_server(args))
+        client = stack.enter_context(httpx.Client(base_url=url, timeout=DEFAULT_TIMEOUT, trust_env=False))
         yield Server(url=url, name=model_dir.name, model_dir=model_dir, client=client)
 
 
 @pytest.fixture(scope="session")
-def server(tiny_model_dir: Path) -> Iterator[Server]:
+def server(server_pool: ServerPool, tiny_model_dir: Path) -> Iterator[Server]:
     """Default configuration; prompts are limited to 64 tokens."""
-    yield from _start(tiny_model_dir, "max_input_len=64")
-
-
-@pytest.fixture(scope="module")
-def tgi_server(tiny_model_dir: Path) -> Iterator[Server]:
-    yield from _start(tiny_model_dir, "tgi_compat=true")
-
-
-@pytest.fixture(scope="module")
-def jsonlines_server(tiny_model_dir: Path) -> Iterator[Server]:
-    yield from _start(tiny_model_dir, "output_formatter=jsonlines", "max_rolling_batch_prefill_tokens=4")
+    yield from _start(tiny_model_dir, "max_input_len=64", pool=server_pool)
 
 
 @pytest.fixture(scope="session")
-def dynamic_server(tiny_model_dir: Path) -> Iterator[Server]:
-    yield from _start(tiny_model_dir, "rolling_batch=disable", "batch_size=4", "max_batch_delay=50")
+def tgi_server(server_pool: ServerPool, tiny_model_dir: Path) -> Iterator[Server]:
+    yield from _start(tiny_model_dir, "tgi_compat=true", pool=server_pool)
+
+
+@pytest.fixture(scope="session")
+def jsonlines_server(server_pool: ServerPool, tiny_model_dir: Path) -> Iterator[Server]:
+    yield from _start(
+        tiny_model_dir, "output_formatter=jsonlines", "max_rolling_batch_prefill_tokens=4", pool=server_pool
+    )
+
+
+@pytest.fixture(scope="session")
+def dynamic_server(server_pool: ServerPool, tiny_model_dir: Path) -> Iterator[Server]:
+    yield from _start(tiny_model_dir, "rolling_batch=disable", "batch_size=4", "max_batch_delay=50", pool=server_pool)
 
 
 @pytest.fixture(scope="session")
@@ -159,44 +167,45 @@ def long_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
 ONE_SLOT = ("max_rolling_batch_size=1", "job_queue_size=1", f"max_new_tokens_limit={ENDLESS_CONTEXT}")
 
 
-@pytest.fixture(scope="module")
-def small_server(endless_model_dir: Path) -> Iterator[Server]:
+@pytest.fixture(scope="session")
+def small_server(server_pool: ServerPool, endless_model_dir: Path) -> Iterator[Server]:
     """One batch slot, one queue place: admission, queue-full and cancellation are observable. A queued
     request waits as long as it has to (predict_timeout 120 s, longer than any test)."""
-    yield from _start(endless_model_dir, *ONE_SLOT)
-
-
-@pytest.fixture(scope="module")
-def impatient_server(endless_model_dir: Path) -> Iterator[Server]:
-    """`small_server` whose queued requests fail after PREDICT_TIMEOUT seconds."""
-    yield from _start(endless_model_dir, *ONE_SLOT, f"predict_timeout={PREDICT_TIMEOUT}")
+    yield from _start(endless_model_dir, *ONE_SLOT, pool=server_pool)
 
 
 @pytest.fixture(scope="session")
-def no_eos_server(unreachable_eos_model_dir: Path) -> Iterator[Server]:
+def impatient_server(server_pool: ServerPool, endless_model_dir: Path) -> Iterator[Server]:
+    """`small_server` whose queued requests fail after PREDICT_TIMEOUT seconds."""
+    yield from _start(endless_model_dir, *ONE_SLOT, f"predict_timeout={PREDICT_TIMEOUT}", pool=server_pool)
+
+
+@pytest.fixture(scope="session")
+def no_eos_server(server_pool: ServerPool, unreachable_eos_model_dir: Path) -> Iterator[Server]:
     """The default configuration on a model that can never generate its EOS token."""
-    yield from _start(unreachable_eos_model_dir)
+    yield from _start(unreachable_eos_model_dir, pool=server_pool)
 
 
 # ---- tensor protocols: one-shot models on real servers (tests/helpers/tensor_models.py) ---------------
 
 
-def _start_named(model_dir: Path, name: str, *options: str) -> Iterator[Server]:
+def _start_named(model_dir: Path, name: str, *options: str, pool: ServerPool) -> Iterator[Server]:
     """`--model-dir` (so the directory's serving.properties is read) with a fixed model name."""
     args = ["--model-dir", str(model_dir), "-o", f"model_name={name}"]
     for option in options:
         args += ["-o", option]
-    with run_server(args) as url, httpx.Client(base_url=url, timeout=DEFAULT_TIMEOUT, trust_env=False) as client:
+    url = pool.url(args)
+    with httpx.Client(base_url=url, timeout=DEFAULT_TIMEOUT, trust_env=False) as client:
         yield Server(url=url, name=name, model_dir=model_dir, client=client)
 
 
 @pytest.fixture(scope="session")
-def affine_server(torchscript_dir: Path) -> Iterator[Server]:
+def affine_server(server_pool: ServerPool, torchscript_dir: Path) -> Iterator[Server]:
     """The scripted affine module: x FP32 [-1, 4] -> y FP32 [-1, 2], best INT64 [-1]."""
-    yield from _start_named(torchscript_dir, "affine")
+    yield from _start_named(torchscript_dir, "affine", pool=server_pool)
 
 
 @pytest.fixture(scope="session")
-def minilm_server(minilm_dir: Path) -> Iterator[Server]:
+def minilm_server(server_pool: ServerPool, minilm_dir: Path) -> Iterator[Server]:
     """all-MiniLM-L6-v2: text BYTES [-1] -> embedding FP32 [-1, 384]."""
-    yield from _start_named(minilm_dir, "minilm")
+    yield from _start_named(minilm_dir, "minilm", pool=server_pool)

@@ -22,10 +22,10 @@ def unique_system() -> str:
 
 
 @pytest.fixture(scope="module")
-def uncached(tiny_model_dir: Path) -> Iterator:
+def uncached(server_pool, tiny_model_dir: Path) -> Iterator:
     from conftest import _start  # the integration fixtures' own starter
 
-    yield from _start(tiny_model_dir, "max_input_len=64", "enable_prefix_caching=false")
+    yield from _start(tiny_model_dir, "max_input_len=64", "enable_prefix_caching=false", pool=server_pool)
 
 
 def data_events(text: str) -> list[dict]:

@@ -18,8 +18,6 @@ from text_generation import Client
 from text_generation.errors import ValidationError
 from text_generation.types import Grammar, GrammarType
 
-from helpers.server import run_server
-
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -36,9 +34,8 @@ NEW = 100
 
 
 @pytest.fixture(scope="module")
-def url(tiny_model_dir) -> Iterator[str]:
-    with run_server(["--model-id", str(tiny_model_dir)]) as base:
-        yield base
+def url(server_pool, tiny_model_dir) -> str:
+    return server_pool.url(["--model-id", str(tiny_model_dir)])  # shared: the tiny model's defaults
 
 
 @pytest.fixture

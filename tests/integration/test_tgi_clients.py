@@ -3,23 +3,18 @@ and `huggingface_hub.InferenceClient`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from huggingface_hub import InferenceClient
 from text_generation import AsyncClient, Client
 from text_generation.errors import ValidationError
 from text_generation.types import FinishReason
 
-from helpers.server import run_server
-
 PROMPT = "Deep learning is"
 
 
 @pytest.fixture(scope="module")
-def url(tiny_model_dir) -> Iterator[str]:
-    with run_server(["--model-id", str(tiny_model_dir)]) as base:
-        yield base
+def url(server_pool, tiny_model_dir) -> str:
+    return server_pool.url(["--model-id", str(tiny_model_dir)])  # shared: the tiny model's defaults
 
 
 # --- text-generation -----------------------------------------------------------------------------------

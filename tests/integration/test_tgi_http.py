@@ -10,18 +10,14 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from helpers.server import run_server
-
 PROMPT = "Deep learning is"
 TINY_CONTEXT = 256
 
 
 @pytest.fixture(scope="module")
-def client(tiny_model_dir) -> Iterator[httpx.Client]:
-    with (
-        run_server(["--model-id", str(tiny_model_dir)]) as url,
-        httpx.Client(base_url=url, timeout=30, trust_env=False) as c,
-    ):
+def client(server_pool, tiny_model_dir) -> Iterator[httpx.Client]:
+    url = server_pool.url(["--model-id", str(tiny_model_dir)])  # shared: the tiny model's defaults
+    with httpx.Client(base_url=url, timeout=30, trust_env=False) as c:
         yield c
 
 

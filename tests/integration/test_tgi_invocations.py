@@ -10,8 +10,6 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from helpers.server import run_server
-
 PROMPT = "Deep learning is"
 TIMING = {
     "x-compute-time",
@@ -26,11 +24,9 @@ TIMING = {
 
 
 @pytest.fixture(scope="module")
-def client(tiny_model_dir) -> Iterator[httpx.Client]:
-    with (
-        run_server(["--model-id", str(tiny_model_dir), "-o", "tgi_compat=true"]) as url,
-        httpx.Client(base_url=url, timeout=30, trust_env=False) as c,
-    ):
+def client(server_pool, tiny_model_dir) -> Iterator[httpx.Client]:
+    url = server_pool.url(["--model-id", str(tiny_model_dir), "-o", "tgi_compat=true"])  # shared
+    with httpx.Client(base_url=url, timeout=30, trust_env=False) as c:
         yield c
 
 
