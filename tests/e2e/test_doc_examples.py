@@ -1,11 +1,13 @@
-"""The README's curl examples run as pasted, against the server each block names.
+"""The documentation's curl examples run as pasted, against the server each block names.
 
-Every fenced shell block with a curl command has a marker right above it, `<!-- server: KIND -->`
-(invisible on GitHub); `SERVERS` below starts each kind the way the README says, after running the
-README's `<!-- setup: KIND -->` blocks in a temporary directory. The test rewrites `localhost:8080` to
-the test server's port, runs every command with bash and the real curl, and checks
-the exit code, the HTTP status (below 400, or the one a `# expect NNN` comment asks for) and that the
-output the README shows has the shape and keys of the real answer (`helpers/readme_examples.py`).
+The pages are README.md, every docs/**/*.md and the root files the docs site includes (SECURITY.md,
+CONTRIBUTING.md, ...: `helpers.doc_examples.doc_pages`). Every fenced shell block with a curl command
+has a marker right above it, `<!-- server: KIND -->` (invisible on GitHub and in the site); `SERVERS`
+below starts each kind the way the pages say, after running the pages' `<!-- setup: KIND -->` blocks in
+a temporary directory. The test rewrites `localhost:8080` to the test server's port, runs every command
+with bash and the real curl, and checks the exit code, the HTTP status (below 400, or the one a
+`# expect NNN` comment asks for) and that the output the page shows has the shape and keys of the real
+answer (`helpers/doc_examples.py`). A failure names the page and line: `docs/protocols/tgi.md:51: curl ...`.
 """
 
 from __future__ import annotations
@@ -20,20 +22,32 @@ from pathlib import Path
 
 import pytest
 
-from helpers.readme_examples import Example, Outcome, mismatches, parse_examples, parse_setups, run_bash, run_example
+from helpers.doc_examples import (
+    Example,
+    Outcome,
+    doc_pages,
+    mismatches,
+    parse_examples,
+    parse_setups,
+    run_bash,
+    run_example,
+)
 from helpers.server import REPO_ROOT, free_port, run_server
 
-README = REPO_ROOT / "README.md"
-EXAMPLES = parse_examples(README.read_text(encoding="utf-8"))
+PAGES = {page: (REPO_ROOT / page).read_text(encoding="utf-8") for page in doc_pages(REPO_ROOT)}
+EXAMPLES = [example for page, text in PAGES.items() for example in parse_examples(text, page)]
 CURL_EXAMPLES = [example for example in EXAMPLES if example.is_curl]
-SETUPS = parse_setups(README.read_text(encoding="utf-8"))
+SETUPS = [setup for page, text in PAGES.items() for setup in parse_setups(text, page)]
+# The README held this many curl examples before they moved into the guides: the pages may add
+# examples, never lose them.
+MIN_CURL_EXAMPLES = 73
 
 
 @dataclass
 class Server:
     args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
-    replacements: dict[str, str] = field(default_factory=dict)  # README text -> what this machine has
+    replacements: dict[str, str] = field(default_factory=dict)  # the pages' text -> what this machine has
 
 
 def _make_serve(request: pytest.FixtureRequest, tmp_path: Path) -> Server:
@@ -52,7 +66,7 @@ def _api_key(request: pytest.FixtureRequest, tmp_path: Path) -> Server:
 
 
 def _store(request: pytest.FixtureRequest, tmp_path: Path) -> Server:
-    """The README's store (its setup blocks made `store/` with the bundled SmolLM2 as `smollm2` and
+    """The docs' model store (its setup blocks, docs/models.md, made `store/` with the bundled SmolLM2 as `smollm2` and
     all-MiniLM-L6-v2 as `minilm`, and the TorchScript model in `/tmp/demo/affine`), started as its
     start line says."""
     request.getfixturevalue("smollm_dir")
@@ -69,7 +83,7 @@ def _store(request: pytest.FixtureRequest, tmp_path: Path) -> Server:
 
 
 def _metrics_port(request: pytest.FixtureRequest, tmp_path: Path) -> Server:
-    """`make serve`'s model with `--metrics-port`: the README's 9090 becomes a free port."""
+    """`make serve`'s model with `--metrics-port`: the page's 9090 becomes a free port."""
     request.getfixturevalue("smollm_dir")
     port = free_port()
     return Server(["--metrics-port", str(port)], replacements={"localhost:9090": f"127.0.0.1:{port}"})
@@ -82,7 +96,8 @@ SERVERS: dict[str, Callable[[pytest.FixtureRequest, Path], Server]] = {
     "store": _store,
     "metrics-port": _metrics_port,
 }
-# How the README tells a reader to start each kind; `SERVERS` starts the same.
+# How the pages tell a reader to start each kind; `SERVERS` starts the same. Every page that holds
+# examples of a kind shows its start command.
 START_COMMANDS = {
     "make serve": "make serve ",
     "dynamic-batch": ".venv/bin/lmiserve serve -o rolling_batch=disable -o batch_size=4 -o max_batch_delay=50\n",
@@ -94,18 +109,25 @@ START_COMMANDS = {
 
 
 def test_every_curl_example_names_a_known_server():
-    assert len(CURL_EXAMPLES) >= 50, "the README's curl examples were not found"
+    assert len(CURL_EXAMPLES) >= MIN_CURL_EXAMPLES, (
+        f"{len(CURL_EXAMPLES)} curl examples found in {sorted(PAGES)}, expected at least {MIN_CURL_EXAMPLES}"
+    )
     unmarked = [str(example) for example in CURL_EXAMPLES if example.server not in SERVERS]
     assert not unmarked, (
         f"put one of {sorted(SERVERS)} as `<!-- server: KIND -->` right above these blocks:\n" + "\n".join(unmarked)
     )
-    assert {setup.server for setup in SETUPS} <= set(SERVERS)
+    unknown = [f"{setup}: {setup.server}" for setup in SETUPS if setup.server not in SERVERS]
+    assert not unknown, f"setup blocks for a server kind not in {sorted(SERVERS)}:\n" + "\n".join(unknown)
 
 
 @pytest.mark.parametrize("kind", list(SERVERS))
-def test_the_readme_says_how_to_start_each_server(kind: str):
-    assert START_COMMANDS[kind] in README.read_text(encoding="utf-8"), (
-        f"the README no longer starts `{kind}` with {START_COMMANDS[kind]!r}: update SERVERS and START_COMMANDS"
+def test_the_docs_say_how_to_start_each_server(kind: str):
+    pages = sorted({example.file for example in CURL_EXAMPLES if example.server == kind})
+    assert pages, f"no example is marked `<!-- server: {kind} -->`"
+    missing = [page for page in pages if START_COMMANDS[kind] not in PAGES[page]]
+    assert not missing, (
+        f"these pages hold `{kind}` examples but do not start it with {START_COMMANDS[kind]!r}: {missing}; "
+        "show the start command there, or update SERVERS and START_COMMANDS"
     )
 
 
@@ -126,16 +148,16 @@ def _report(example: Example, outcome: Outcome, problems: list[str]) -> str:
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("kind", list(SERVERS))
-def test_readme_examples_run_as_pasted(kind: str, request: pytest.FixtureRequest, tmp_path: Path):
+def test_doc_examples_run_as_pasted(kind: str, request: pytest.FixtureRequest, tmp_path: Path):
     examples = [example for example in CURL_EXAMPLES if example.server == kind]
-    assert examples, f"no README example is marked `<!-- server: {kind} -->`"
+    assert examples, f"no example is marked `<!-- server: {kind} -->`"
     if shutil.which("curl") is None or shutil.which("bash") is None:
-        pytest.fail("the README examples need curl and bash on PATH (Debian: apt-get install curl)")
+        pytest.fail("the doc examples need curl and bash on PATH (Debian: apt-get install curl)")
     server = SERVERS[kind](request, tmp_path)
     replacements = {".venv/bin/": f"{Path(sys.executable).parent}/", **server.replacements}
     for setup in (setup for setup in SETUPS if setup.server == kind):
         done = run_bash(setup.script, replacements, cwd=tmp_path)
-        assert done.exit_code == 0, f"README.md:{setup.line}: the setup block failed:\n{done.stderr}"
+        assert done.exit_code == 0, f"{setup}: the setup block failed:\n{done.stderr}"
     failures: list[str] = []
     with run_server(server.args, env=server.env, timeout=300) as url:
         replacements["localhost:8080"] = url.removeprefix("http://")
@@ -153,7 +175,7 @@ def test_readme_examples_run_as_pasted(kind: str, request: pytest.FixtureRequest
             print(
                 json.dumps(
                     {
-                        "line": example.line,
+                        "at": f"{example.file}:{example.line}",
                         "s": round(took, 1),
                         "status": outcome.status,
                         "stdout": outcome.stdout[:600],
@@ -162,4 +184,4 @@ def test_readme_examples_run_as_pasted(kind: str, request: pytest.FixtureRequest
             )
             if problems:
                 failures.append(_report(example, outcome, problems))
-    assert not failures, f"{len(failures)} of {len(examples)} README examples failed:\n\n" + "\n\n".join(failures)
+    assert not failures, f"{len(failures)} of {len(examples)} doc examples failed:\n\n" + "\n\n".join(failures)

@@ -1,15 +1,18 @@
-"""The README's shell examples, as data: find them, run them with real curl, compare with what the README shows.
+"""The documentation's shell examples, as data: find them, run them with real curl, compare with what the page shows.
+
+The pages are README.md, every docs/**/*.md and the root files the docs include with pymdownx.snippets
+(`--8<-- "SECURITY.md"`): `doc_pages` lists them. Each example keeps its file and line.
 
 An example is a command in a fenced ``bash``/``sh``/``shell``/``console`` block (or one without a
 language): a line starting with ``$ `` (console style) or, in a block without ``$`` prompts, with
 ``curl``; a line ending in ``\\`` continues on the next line. The lines up to the next command are
-the output the README shows for it, together with the command's own trailing ``# comment``.
+the output the page shows for it, together with the command's own trailing ``# comment``.
 
 Which server an example needs is said by a marker right above its block, invisible on GitHub:
 
     <!-- server: make serve -->
 
-Every block holding a curl command must have one (`tests/e2e/test_readme_examples.py` knows the
+Every block holding a curl command must have one (`tests/e2e/test_doc_examples.py` knows the
 kinds). A command whose comment says ``# expect 422`` must answer that status; every other one
 must answer a status below 400. A block marked ``<!-- setup: KIND -->`` is a script that prepares
 what that server needs (files, models); it runs as a whole before the server starts.
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+SNIPPET = re.compile(r'^\s*-+8<-+\s+"(?P<path>[^":]+)(?::[^"]*)?"\s*$')  # `--8<-- "FILE"` or "FILE:section"
 SHELL_LANGUAGES = {"", "bash", "sh", "shell", "console", "shell-session"}
 MARKER = re.compile(r"^<!--\s*(?P<role>server|setup):\s*(?P<kind>[^>]*?)\s*-->\s*$")
 FENCE = re.compile(r"^(?P<fence>```+)\s*(?P<lang>[\w-]*)")
@@ -42,26 +46,31 @@ VERBOSE_STATUS = re.compile(r"^< HTTP/[\d.]+ (?P<status>\d{3})", re.MULTILINE)
 
 @dataclass(frozen=True)
 class Example:
-    line: int  # 1-based README line of the command
+    line: int  # 1-based line of the command in its page
     server: str | None  # the marker of its block
     command: str  # as written: `$ ` removed, continuation lines joined, trailing comment kept
-    shown: str  # the README's output for it (its trailing comment, then the lines after it)
+    shown: str  # the page's output for it (its trailing comment, then the lines after it)
     expect: int | None  # the status asked for by `# expect NNN`
     assignments: str = ""  # variables set earlier in its block (`S='...'`), run before it
+    file: str = ""  # the page, relative to the repository root (`docs/protocols/tgi.md`)
 
     @property
     def is_curl(self) -> bool:
         return CURL_WORD.search(split_comment(self.command)[0]) is not None
 
     def __str__(self) -> str:
-        return f"README.md:{self.line}: {self.command}"
+        return f"{self.file or '<markdown>'}:{self.line}: {self.command}"
 
 
 @dataclass(frozen=True)
 class Setup:
-    line: int  # 1-based README line of the block's first line
+    line: int  # 1-based line of the block's first line in its page
     server: str
     script: str
+    file: str = ""  # the page, relative to the repository root
+
+    def __str__(self) -> str:
+        return f"{self.file or '<markdown>'}:{self.line}"
 
 
 @dataclass(frozen=True)
@@ -101,21 +110,33 @@ def split_comment(line: str) -> tuple[str, str]:
     return line[:start].rstrip(), line[start + 1 :].strip()
 
 
-def parse_examples(markdown: str) -> list[Example]:
-    """Every command of every shell block, in README order (curl or not: see `Example.is_curl`)."""
+def doc_pages(root: Path) -> list[str]:
+    """The pages whose examples run, relative to `root`: README.md, every docs/**/*.md, then the files
+    outside docs/ that a page includes with pymdownx.snippets (`--8<-- "SECURITY.md"`), each once."""
+    pages = ["README.md", *sorted(path.relative_to(root).as_posix() for path in (root / "docs").rglob("*.md"))]
+    for page in list(pages):
+        for line in (root / page).read_text(encoding="utf-8").splitlines():
+            found = SNIPPET.match(line)
+            if found and found["path"] not in pages and (root / found["path"]).is_file():
+                pages.append(found["path"])
+    return pages
+
+
+def parse_examples(markdown: str, file: str = "") -> list[Example]:
+    """Every command of every shell block of one page, in order (curl or not: see `Example.is_curl`)."""
     lines = markdown.splitlines()
     examples: list[Example] = []
     for role, kind, start, end in _shell_blocks(lines):
         if role != "setup":
-            examples += _block_examples(lines, start, end, kind)
+            examples += _block_examples(lines, start, end, kind, file)
     return examples
 
 
-def parse_setups(markdown: str) -> list[Setup]:
-    """The blocks marked `<!-- setup: KIND -->`, in README order."""
+def parse_setups(markdown: str, file: str = "") -> list[Setup]:
+    """The blocks of one page marked `<!-- setup: KIND -->`, in order."""
     lines = markdown.splitlines()
     return [
-        Setup(line=start + 1, server=kind, script="\n".join(lines[start:end]))
+        Setup(line=start + 1, server=kind, script="\n".join(lines[start:end]), file=file)
         for role, kind, start, end in _shell_blocks(lines)
         if role == "setup" and kind is not None
     ]
@@ -146,7 +167,7 @@ def _shell_blocks(lines: list[str]) -> list[tuple[str | None, str | None, int, i
     return blocks
 
 
-def _block_examples(lines: list[str], start: int, end: int, server: str | None) -> list[Example]:
+def _block_examples(lines: list[str], start: int, end: int, server: str | None, file: str) -> list[Example]:
     prompts = any(lines[k].startswith("$ ") for k in range(start, end))
     examples: list[Example] = []
     assignments: list[str] = []  # `S='{...}'` lines: the block's later commands use them
@@ -186,6 +207,7 @@ def _block_examples(lines: list[str], start: int, end: int, server: str | None) 
                 shown="\n".join(shown).strip("\n"),
                 expect=int(expect["status"]) if expect else None,
                 assignments="\n".join(assignments),
+                file=file,
             )
         )
     return examples
@@ -205,7 +227,7 @@ def _starts_command(line: str, prompts: bool) -> bool:
 
 
 def run_bash(script: str, replacements: Mapping[str, str], cwd: Path, timeout: float = 300.0) -> Outcome:
-    """Run a script with bash -e after replacing README text with this machine's (no proxy)."""
+    """Run a script with bash -e after replacing the page's text with this machine's (no proxy)."""
     for old, new in replacements.items():
         script = script.replace(old, new)
     env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
@@ -259,7 +281,7 @@ def _json_documents(text: str) -> list[Any]:
 
 
 def mismatches(example: Example, outcome: Outcome) -> list[str]:
-    """How the output shown in the README disagrees with the real one (shape and keys, not values)."""
+    """How the output shown on the page disagrees with the real one (shape and keys, not values)."""
     problems: list[str] = []
     shown = _shown_text(example.shown)
     actual = outcome.stdout

@@ -1,8 +1,19 @@
-"""How tests/helpers/readme_examples.py reads README examples and judges the output they show."""
+"""How tests/helpers/doc_examples.py finds the documentation's pages, reads their examples and judges
+the output they show."""
 
 from __future__ import annotations
 
-from helpers.readme_examples import Example, Outcome, mismatches, parse_examples, parse_setups, split_comment
+from pathlib import Path
+
+from helpers.doc_examples import (
+    Example,
+    Outcome,
+    doc_pages,
+    mismatches,
+    parse_examples,
+    parse_setups,
+    split_comment,
+)
 
 MARKDOWN = """\
 Intro.
@@ -67,6 +78,35 @@ def test_commands_with_continuations_comments_and_markers():
 def test_setup_blocks_are_not_examples():
     assert [(s.line, s.server, s.script) for s in parse_setups(MARKDOWN)] == [(34, "store", "mkdir -p store/m")]
     assert not any("mkdir" in e.command for e in parse_examples(MARKDOWN))
+
+
+def test_examples_and_setups_name_their_page_and_line():
+    examples = parse_examples(MARKDOWN, "docs/protocols/tgi.md")
+    assert {e.file for e in examples} == {"docs/protocols/tgi.md"}
+    assert str(examples[0]).startswith("docs/protocols/tgi.md:5: curl -s localhost:8080/generate ")
+    assert str(parse_setups(MARKDOWN, "docs/models.md")[0]) == "docs/models.md:34"
+    assert str(parse_examples(MARKDOWN)[0]).startswith("<markdown>:5: curl")
+
+
+def test_doc_pages_are_the_readme_the_docs_and_the_files_they_include(tmp_path: Path):
+    (tmp_path / "docs" / "protocols").mkdir(parents=True)
+    (tmp_path / "README.md").write_text("# r\n")
+    (tmp_path / "SECURITY.md").write_text("# s\n")
+    (tmp_path / "CONTRIBUTING.md").write_text("# c\n")
+    (tmp_path / "docs" / "index.md").write_text('--8<-- "README.md:intro"\n')
+    (tmp_path / "docs" / "security.md").write_text('--8<-- "SECURITY.md"\n')
+    (tmp_path / "docs" / "contributing.md").write_text('  --8<-- "CONTRIBUTING.md"\n--8<-- "missing.md"\n')
+    (tmp_path / "docs" / "protocols" / "tgi.md").write_text("# t\n")
+    (tmp_path / "docs" / "notes.txt").write_text('--8<-- "notes.md"\n')
+    assert doc_pages(tmp_path) == [
+        "README.md",
+        "docs/contributing.md",
+        "docs/index.md",
+        "docs/protocols/tgi.md",
+        "docs/security.md",
+        "CONTRIBUTING.md",
+        "SECURITY.md",
+    ]
 
 
 def test_split_comment_ignores_hashes_in_quotes_and_words():
