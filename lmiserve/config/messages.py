@@ -1,4 +1,6 @@
-"""Turn pydantic validation errors on settings into one readable ``ConfigError`` message."""
+"""Settings fields in words: what a field accepts (``allowed_values``), its default (``default_text``),
+its description as plain text (``plain_text``); and pydantic validation errors on settings turned into
+one readable ``ConfigError`` message (``describe_errors``)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import annotated_types
+from pydantic import ByteSize
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 
@@ -19,7 +22,7 @@ def allowed_values(field: FieldInfo) -> str:
     extra = field.json_schema_extra
     if isinstance(extra, dict) and "allowed" in extra:
         return str(extra["allowed"])
-    base, optional = _unwrap_optional(field.annotation)
+    base, optional = unwrap_optional(field.annotation)
     if typing.get_origin(base) is Literal:
         text = "one of " + ", ".join(str(arg) for arg in typing.get_args(base))
     elif base is bool:
@@ -31,6 +34,25 @@ def allowed_values(field: FieldInfo) -> str:
     else:
         text = "a string"
     return text + (" (or empty for unset)" if optional else "")
+
+
+def default_text(field: FieldInfo) -> str:
+    """The default as a user writes it: ``unset``, ``true``, ``512MiB``, ``120``, ``0.0.0.0``."""
+    default = field.get_default(call_default_factory=True)
+    if default is None:
+        return "unset"
+    if isinstance(default, bool):
+        return "true" if default else "false"
+    if isinstance(default, ByteSize):
+        return _size(int(default))
+    if isinstance(default, float):
+        return f"{default:g}"
+    return str(default)
+
+
+def plain_text(description: str) -> str:
+    """A description (whose code is in backticks, for the Markdown reference) as plain text."""
+    return description.replace("`", "")
 
 
 def describe_errors(errors: list[ErrorDetails], fields: Mapping[str, FieldInfo], where: Mapping[str, str]) -> str:
@@ -49,7 +71,7 @@ def _describe(error: ErrorDetails, fields: Mapping[str, FieldInfo], where: Mappi
     return f"invalid value {error.get('input')!r} for option {key!r}: expected {expected}{suffix}"
 
 
-def _unwrap_optional(annotation: Any) -> tuple[Any, bool]:
+def unwrap_optional(annotation: Any) -> tuple[Any, bool]:
     args = typing.get_args(annotation)
     if type(None) not in args:
         return annotation, False
@@ -65,3 +87,10 @@ def _bounds(metadata: list[Any]) -> str:
         return f" from {low[3:]} to {high}"
     parts = [part for part in (low, None if high is None else f"<= {high}") if part]
     return (" " + " and ".join(parts)) if parts else ""
+
+
+def _size(size: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size and size % scale == 0:
+            return f"{size // scale}{unit}"
+    return str(size)

@@ -1,16 +1,18 @@
 """Typed server settings: every key with its default, meaning and validation.
 
 Build a ``Settings`` from string options (properties file, environment, ``-o key=value``) with
-``Settings.from_options``: it coerces strings, keeps unknown keys in ``extra`` (with a warning) and
-turns every validation failure into a ``ConfigError`` naming the key, the value and what is allowed.
+``Settings.from_options``: it coerces strings, keeps unknown keys in ``extra`` (with one warning line
+naming them all) and turns every validation failure into a ``ConfigError`` naming the key, the value
+and what is allowed.
 ``lmiserve.config.sources.load_settings`` merges the sources and calls it.
 """
 
 from __future__ import annotations
 
+import difflib
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,8 +33,40 @@ from lmiserve.config.properties import strip_option_prefix
 
 logger = logging.getLogger(__name__)
 
-# LMI spellings of the same key.
-KEY_ALIASES: dict[str, str] = {"max_dynamic_batch_size": "batch_size"}
+# Other spellings of the same key: LMI's, and vLLM's engine arguments (LMI passes option.<vLLM argument> on).
+KEY_ALIASES: dict[str, str] = {
+    "max_dynamic_batch_size": "batch_size",  # LMI
+    "max_num_seqs": "max_rolling_batch_size",  # vLLM
+    "max_model_len": "max_total_tokens",  # vLLM: prompt + output tokens
+}
+
+# LMI (DJL Serving) keys that lmiserve accepts in serving.properties and OPTION_* variables and ignores:
+# they choose another engine's features (parallelism, quantization, LoRA, Python handlers). They are kept
+# in ``extra`` and named in the start-up warning; on the command line (-o) they are an error, like any
+# unknown key.
+LMI_IGNORED_KEYS = frozenset(
+    {
+        "engine",
+        "entryPoint",
+        "tensor_parallel_degree",
+        "pipeline_parallel_degree",
+        "gpu_memory_utilization",
+        "quantize",
+        "load_format",
+        "enforce_eager",
+        "mpi_mode",
+        "task",
+        "enable_lora",
+        "max_loras",
+        "max_lora_rank",
+        "max_cpu_loras",
+        "speculative_draft_model",
+        "model_loading_timeout",
+        "parallel_loading",
+        "minWorkers",
+        "maxWorkers",
+    }
+)
 
 # LMI engine names for rolling_batch; lmiserve has one continuous-batching engine ("lmi").
 LMI_ENGINE_NAMES = frozenset({"vllm", "lmi-dist", "lmi_dist", "scheduler", "trtllm", "tnx", "deepspeed"})
@@ -60,149 +94,204 @@ def canonical_key(key: str) -> str:
     return KEY_ALIASES.get(key, key)
 
 
+def close_key(key: str) -> str | None:
+    """The valid key or alias ``key`` was probably meant to be (``max_rolling_batch_sise`` ->
+    ``max_rolling_batch_size``, ``max-new-tokens`` -> ``max_new_tokens``), or None."""
+    valid = [*Settings.option_keys(), *KEY_ALIASES]
+    word = key.strip().lower().replace("-", "_")
+    if word in valid:
+        return word
+    matches = difflib.get_close_matches(word, valid, n=1, cutoff=0.75)
+    return matches[0] if matches else None
+
+
+def unknown_key_note(key: str) -> str:
+    """Why ``key`` is not used: an LMI key lmiserve ignores, or a did-you-mean, or nothing."""
+    if key in LMI_IGNORED_KEYS:
+        return "an LMI option lmiserve does not use"
+    suggestion = close_key(key)
+    return f"did you mean {suggestion!r}?" if suggestion else ""
+
+
+def unknown_option_error(keys: Iterable[str], source: str = "") -> str:
+    """The error of unknown command-line keys: ``unknown option 'x' (did you mean 'y'?)``, one per key."""
+    parts = []
+    for key in keys:
+        note = unknown_key_note(key)
+        if key in LMI_IGNORED_KEYS:
+            note += "; it is ignored in serving.properties and OPTION_* variables, not accepted here"
+        elif not note:
+            note = "`lmiserve options` lists every option"
+        parts.append(f"unknown option {key!r}{source} ({note})")
+    return "; ".join(parts)
+
+
 class Settings(BaseModel):
     """Effective server configuration. Build it with ``from_options`` or ``load_settings``."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
+    # The descriptions are the documentation: `lmiserve options`, `lmiserve serve --help` and
+    # docs/configuration.md (scripts/gen_config_reference.py) print them. Write `code` in backticks.
     # --- model ---
     model_id: str | None = Field(
         None,
         description=(
-            "Local model directory, .gguf file or transformers id in the local HF cache; "
-            "unset = the bundled default model."
+            "Local model directory, `.gguf` file or transformers id in the local HF cache; "
+            "unset = the bundled default model (SmolLM2-135M-Instruct)."
         ),
     )
     model_name: str | None = Field(
-        None, description=("Model name reported by /models and /ping; derived from model_id when unset.")
+        None, description="Model name reported by `/models` and `/ping`; unset = derived from `model_id`."
     )
-    revision: str | None = Field(None, description=("Revision (branch, tag or commit) of a transformers model id."))
+    revision: str | None = Field(None, description="Revision (branch, tag or commit) of a transformers model id.")
     dtype: Dtype = Field(
         "auto",
         description=(
-            "Weights and compute dtype: auto (fp32 on CPU, bf16/fp16 on GPU), fp32, fp16, bf16, int8 "
-            "(CPU: weight-only int8 linear layers, bf16 activations and KV cache) or int4 (CPU: linear "
-            "layers in 4-bit groups of 32 as GGUF Q4_1, fp32 activations and KV cache)."
+            "Weights and compute dtype: `auto` (fp32 on CPU, bf16/fp16 on GPU), `fp32`, `fp16`, `bf16`, `int8` "
+            "(CPU: weight-only int8 linear layers, bf16 activations and KV cache) or `int4` (CPU: linear "
+            "layers in 4-bit groups of 32 as GGUF Q4_1, fp32 activations and KV cache; the fastest single "
+            "stream). `float32`, `float16`, `half` and `bfloat16` are accepted too. See the README's "
+            '"Dtypes on CPU and the start-up autotune".'
         ),
     )
     device: str = Field(
         "auto",
-        description=("Device: auto (cuda when available, else cpu), cpu, cuda or cuda:N."),
+        description="Device: `auto` (cuda when available, else cpu), `cpu`, `cuda` or `cuda:N`.",
         json_schema_extra={"allowed": "one of auto, cpu, cuda, cuda:N"},
     )
-    trust_remote_code: bool = Field(False, description=("Allow a model repository to run its own Python code."))
+    trust_remote_code: bool = Field(False, description="Allow a model repository to run its own Python code.")
     model_cache_dir: str | None = Field(
-        None, description=("Where the bundled GGUF model is converted to; unset = the user cache dir / lmiserve.")
+        None,
+        description="Where the bundled GGUF model is converted to; unset = the user cache dir / `lmiserve`.",
     )
     model_kind: ModelKind = Field(
         "auto",
         description=(
-            "auto (detected from the model files), llm, embedding, classifier (regression with one label) "
-            "or torchscript."
+            "`auto` (detected from the model files), `llm`, `embedding`, `classifier` (`regression`: a "
+            "classifier with one label) or `torchscript`."
         ),
     )
     input_names: str | None = Field(
         None,
         description=(
-            "TorchScript inputs, comma-separated in the order forward() takes them (default: one input 'input__0')."
+            "TorchScript inputs, comma-separated in the order `forward()` takes them; unset = one input `input__0`."
         ),
     )
     input_dtypes: str | None = Field(
-        None, description=("V2 datatypes of the TorchScript inputs, comma-separated (default FP32 each).")
+        None, description="V2 datatypes of the TorchScript inputs, comma-separated; unset = `FP32` each."
     )
     input_shapes: str | None = Field(
         None,
-        description=("Shapes of the TorchScript inputs, ';' between inputs, ',' between dims, -1 = any (default -1)."),
+        description=(
+            "Shapes of the TorchScript inputs: `;` between inputs, `,` between dims, `-1` = any size "
+            "(e.g. `-1,4;-1`); unset = `-1` each."
+        ),
     )
     output_names: str | None = Field(
-        None, description=("Names of the TorchScript outputs, comma-separated (default 'output__0', ...).")
+        None,
+        description=(
+            "Names of the TorchScript outputs, comma-separated in the order `forward()` returns them; "
+            "unset = `output__0`, `output__1`, ..."
+        ),
     )
     output_dtypes: str | None = Field(
-        None, description=("V2 datatypes of the TorchScript outputs, comma-separated (default FP32 each).")
+        None, description="V2 datatypes of the TorchScript outputs, comma-separated; unset = `FP32` each."
     )
     output_shapes: str | None = Field(
-        None, description=("Shapes of the TorchScript outputs, like input_shapes (default -1).")
+        None, description="Shapes of the TorchScript outputs, like `input_shapes`; unset = `-1` each."
     )
     # --- batching and limits ---
     rolling_batch: RollingBatch = Field(
         "auto",
         description=(
-            "auto or lmi = continuous batching, disable = dynamic batching; "
-            "LMI engine names (vllm, lmi-dist, scheduler, ...) mean lmi."
+            "`auto` or `lmi` = continuous batching, `disable` = dynamic batching; "
+            "LMI engine names (`vllm`, `lmi-dist`, `scheduler`, ...) mean `lmi`."
         ),
         json_schema_extra={
             "allowed": "one of auto, lmi, disable (or an LMI engine name: vllm, lmi-dist, scheduler, trtllm, tnx)"
         },
     )
     max_rolling_batch_size: int = Field(
-        32, ge=1, description=("Most sequences generated together; further requests wait in the queue.")
+        32,
+        ge=1,
+        description=("Most sequences generated together (vLLM's `max_num_seqs`); further requests wait in the queue."),
     )
     max_rolling_batch_prefill_tokens: int = Field(
-        2048, ge=1, description=("Most prompt tokens prefilled in one engine step.")
+        2048, ge=1, description="Most prompt tokens prefilled in one engine step."
     )
     prefill_tokens_while_decoding: int | None = Field(
         None,
         ge=1,
         description=(
-            "While streams decode, a step prefills at most max(this, decoding streams, max_rolling_batch_size "
-            "- decoding streams) prompt tokens (within max_rolling_batch_prefill_tokens); unset = 16 on CPU, "
-            "256 on GPU."
+            "While streams decode, a step prefills at most max(this, decoding streams, "
+            "`max_rolling_batch_size` - decoding streams) prompt tokens (within "
+            "`max_rolling_batch_prefill_tokens`): a step carries no more rows than a full batch or twice its "
+            "decoding rows, so admitting prompts never stalls running streams for long, and a batch that is "
+            "still filling admits them quickly. Unset = 16 on CPU, 256 on GPU."
         ),
     )
     max_input_len: int | None = Field(
-        None, ge=1, description=("Longest accepted prompt in tokens; unset = the model's context length.")
+        None,
+        ge=1,
+        description="Longest accepted prompt in tokens, on every route; unset = the model's context length.",
     )
-    max_new_tokens: int = Field(30, ge=1, description=("max_new_tokens of requests that give none."))
+    max_new_tokens: int = Field(30, ge=1, description="`max_new_tokens` of requests that give none.")
     max_new_tokens_limit: int = Field(
-        4096, ge=1, description=("Largest max_new_tokens a request may ask for; a request above it is rejected.")
+        4096,
+        ge=1,
+        description=(
+            "Largest `max_new_tokens` a request may ask for; a request above it is rejected. "
+            "`max_new_tokens` may not be larger."
+        ),
     )
     job_queue_size: int = Field(
-        1000, ge=1, description=("Requests that may wait for a batch slot; beyond it the server answers 503.")
+        1000, ge=1, description="Requests that may wait for a batch slot; beyond it the server answers 503."
     )
-    batch_size: int = Field(
-        1, ge=1, description=("Dynamic batch size (alias max_dynamic_batch_size); > 1 forces rolling_batch=disable.")
-    )
-    max_batch_delay: int = Field(100, ge=0, description=("Milliseconds dynamic batching waits for a batch to fill."))
+    batch_size: int = Field(1, ge=1, description="Dynamic batch size; `> 1` forces `rolling_batch=disable`.")
+    max_batch_delay: int = Field(100, ge=0, description="Milliseconds dynamic batching waits for a batch to fill.")
     predict_timeout: float = Field(
-        120.0, gt=0, description=("Seconds a request may wait for a free batch slot before it fails.")
+        120.0, gt=0, description="Seconds a request may wait for a free batch slot before it fails."
     )
     enable_streaming: bool = Field(
-        False, description=("Streaming in dynamic-batch mode (LMI's deprecated option; needs batch_size=1).")
+        False, description="Streaming in dynamic-batch mode (LMI's deprecated option; needs `batch_size=1`)."
     )
     batch_invariant: bool = Field(
-        False, description=("Run each sequence's forward pass alone so greedy output equals model.generate exactly.")
+        False,
+        description="Run each sequence's forward pass alone so greedy output equals `model.generate` exactly.",
     )
     fast_path: bool = Field(
         True,
         description=(
-            "Run llama/mistral/qwen2 models with lmiserve's own fused forward (one pass per step); "
-            "false forces the generic transformers path. Other models always use the generic path."
+            "Run llama/mistral/qwen2 models with lmiserve's own fused forward (one pass per engine step); "
+            "`false` forces the generic transformers path. Other models always use the generic path."
         ),
     )
     cpu_autotune: bool = Field(
         True,
         description=(
             "Time the fast path's CPU kernel choices (product shapes, decode attention) at start-up and "
-            "keep the fastest, cached per CPU and model in autotune_cache; false keeps the static defaults."
+            "keep the fastest, cached per CPU and model in `autotune_cache`; `false` keeps the static defaults."
         ),
     )
     autotune_cache: str | None = Field(
         None,
-        description=("JSON file of the CPU autotune results; unset = the user cache dir / lmiserve/autotune.json."),
+        description="JSON file of the CPU autotune results; unset = the user cache dir / `lmiserve/autotune.json`.",
     )
     enable_prefix_caching: bool = Field(
         True,
         description=(
-            "Keep the KV of computed prompt prefixes (in blocks of 16 tokens) and reuse it for later prompts that "
-            "start with them: only the rest is prefilled. Not with batch_invariant."
+            "Keep the KV of computed prompts and answers (in blocks of 16 tokens) and reuse it for later "
+            "prompts that start with them (multi-turn chat, a shared system prompt): only the rest is "
+            'prefilled. Not with `batch_invariant`. See the README\'s "Prefix cache".'
         ),
     )
     prefix_cache_size: ByteSize = Field(
         ByteSize(512 * 2**20),
         ge=0,
         description=(
-            "Most memory (bytes; units such as 512MiB or 2GB accepted) the prefix cache's KV blocks take, per "
-            "model; least recently used blocks are evicted. 0 turns the cache off."
+            "Most memory the prefix cache's KV blocks take, per model, in bytes (`536870912`) or with a unit "
+            "(`512MiB`, `2GB`); least recently used blocks are evicted. `0` turns the cache off."
         ),
         json_schema_extra={"allowed": "a size >= 0 in bytes, e.g. 536870912, 512MiB or 2GB"},
     )
@@ -210,12 +299,13 @@ class Settings(BaseModel):
     output_formatter: OutputFormatter | None = Field(
         None,
         description=(
-            "Default output format: json, jsonlines, sse or tgi_compat; "
-            "unset = json, or jsonlines (sse with tgi_compat) when streaming."
+            "Default output format of LMI requests: `json`, `jsonlines`, `sse` or `tgi_compat`; "
+            "unset = `json`, or `jsonlines` (`sse` with `tgi_compat`) when streaming."
         ),
     )
     tgi_compat: bool = Field(
-        False, description=("Answer in Text Generation Inference shapes (list wrapper, details, SSE streaming).")
+        False,
+        description="Answer LMI requests in Text Generation Inference shapes (list wrapper, details, SSE streaming).",
     )
     # --- server ---
     host: str = Field("0.0.0.0", description="Address the HTTP server listens on.")
@@ -225,112 +315,147 @@ class Settings(BaseModel):
         ge=1,
         le=65535,
         description=(
-            "Also serve GET /metrics (Prometheus) on this port, without the API key; /metrics on the serving "
-            "port stays (with the key when one is set)."
+            "Also serve `GET /metrics` (Prometheus) on this port, without the API key; `/metrics` on the "
+            'serving port stays, with the key when one is set (see the README\'s "Metrics" and SECURITY.md).'
         ),
     )
-    log_level: LogLevel = Field("info", description="Log level: debug, info, warning or error.")
+    log_level: LogLevel = Field(
+        "info", description="Log level: `debug` (also lists every option at start-up), `info`, `warning` or `error`."
+    )
     log_format: LogFormat = Field(
-        "text", description="Log lines as text, or json (one JSON object per line, for log pipelines)."
+        "text",
+        description=(
+            "`text`, or `json`: one JSON object per log line, for log pipelines (see the README's "
+            '"Request ids and logs").'
+        ),
     )
     request_id_header_key: str = Field(
         "X-Request-Id",
         pattern=r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$",
         description=(
-            "Request header read first for a client's request id (also X-Request-Id, "
-            "X-Amzn-SageMaker-Inference-Id, X-Amzn-RequestId); the id is echoed under this name and X-Request-Id."
+            "Request header read first for a client's request id (then `X-Request-Id`, "
+            "`X-Amzn-SageMaker-Inference-Id`, `X-Amzn-RequestId`); the response echoes the id under it as well "
+            "as `X-Request-Id`. LMI's key: set it to `X-Amzn-SageMaker-Inference-Id` as DJL Serving does on "
+            "SageMaker, though that header is read anyway."
         ),
+        json_schema_extra={"allowed": "an HTTP header name"},
     )
     drain_timeout: float = Field(
         25.0,
         ge=0,
         description=(
-            "Seconds a stopping server (SIGTERM) lets requests in flight finish, answering 503 to new ones, "
-            "before it ends them; keep it below the orchestrator's kill delay (SageMaker 30 s, Kubernetes "
-            "terminationGracePeriodSeconds)."
+            "Seconds a stopping server (SIGTERM or SIGINT) lets requests in flight (streams included) finish "
+            "while every route but `/v2/health/live` answers 503; then it ends what still runs and exits 0. "
+            "Keep it below the orchestrator's kill delay (SageMaker 30 s, Kubernetes "
+            '`terminationGracePeriodSeconds`); see the README\'s "Graceful drain".'
         ),
     )
     # --- TGI and OpenAI routes (README: TGI drop-in and OpenAI-compatible APIs) ---
     api_key: str | None = Field(
         None,
         description=(
-            "When set, every route but the health and readiness probes requires 'Authorization: Bearer <key>' "
-            "(see SECURITY.md)."
+            "When set, every route but the health and readiness probes requires "
+            "`Authorization: Bearer <key>` (401 in the protocol's shape otherwise); see SECURITY.md. "
+            "Logged as `<hidden>`."
         ),
     )
     max_request_size: int = Field(
         64 * 1024 * 1024,
         ge=1,
         description=(
-            "Largest request body in bytes on every route (LMI's key and default, 64 MiB); a larger one gets 413 "
-            "before it is read."
+            "Largest request body in bytes on every route (LMI's key and default, 64 MiB); a larger one gets "
+            "413 in the protocol's shape, from `Content-Length` before anything is read, or as soon as a "
+            "chunked body passes it."
         ),
     )
     max_header_size: int = Field(
-        64 * 1024, ge=1024, description=("Largest request headers in bytes; larger get 431 in the protocol's shape.")
+        64 * 1024,
+        ge=1024,
+        description=(
+            "Largest request headers in bytes (each header counts its name, value and 4); larger ones get 431 "
+            "in the protocol's shape. A request head over 4 times this size is cut off with a bare 400."
+        ),
     )
     enable_management_api: bool = Field(
         True,
         description=(
-            "Serve LMI's management API (GET/POST/DELETE /models). Registration loads only from model_store "
-            "or allowed_model_paths."
+            "Serve LMI's management API (`GET/POST/DELETE /models`); `false` removes those routes (404). "
+            "Registration loads only from `model_store` or `allowed_model_paths`."
         ),
     )
     model_store: str | None = Field(
         None,
-        description=("Directory whose model sub-directories are served (--model-store); also a registration root."),
+        description=(
+            "Serve every model sub-directory of this directory (each named after its directory); `POST /models` "
+            "may load models from it too (a relative `url` is taken relative to it)."
+        ),
     )
     allowed_model_paths: str | None = Field(
         None,
-        description=("Comma-separated directories POST /models may load models from (besides model_store)."),
+        description=(
+            "Comma-separated directories `POST /models` may also load from; a path outside them and "
+            "`model_store` gets 403."
+        ),
     )
     max_concurrent_requests: int = Field(
-        128, ge=1, description=("TGI/OpenAI requests in flight at once; beyond it they get 429 overloaded at once.")
+        128,
+        ge=1,
+        description=(
+            "TGI/OpenAI requests in flight at once; beyond it they get 429 `overloaded` at once (the "
+            "`MAX_CONCURRENT_REQUESTS` environment variable sets LMI's `job_queue_size`, not this)."
+        ),
     )
-    max_best_of: int = Field(2, ge=1, description="Largest TGI best_of.")
+    max_best_of: int = Field(2, ge=1, description="Largest TGI `best_of`.")
     max_stop_sequences: int = Field(4, ge=0, description="Most stop sequences of a TGI/OpenAI request.")
-    max_top_n_tokens: int = Field(5, ge=0, description="Largest TGI top_n_tokens (OpenAI top_logprobs).")
+    max_top_n_tokens: int = Field(5, ge=0, description="Largest TGI `top_n_tokens` (OpenAI `top_logprobs`).")
     max_input_tokens: int | None = Field(
-        None, ge=1, description=("TGI max_input_tokens; unset = max_input_len if set, else max_total_tokens - 1.")
+        None,
+        ge=1,
+        description=(
+            "TGI/OpenAI longest prompt in tokens (at most `max_input_len` and below `max_total_tokens`); "
+            "unset = `max_input_len` if set, else `max_total_tokens` - 1."
+        ),
     )
     max_total_tokens: int | None = Field(
         None,
         ge=2,
-        description=("TGI max_total_tokens (prompt + new tokens); unset or larger = the model's context length."),
+        description=(
+            "TGI/OpenAI limit on prompt + new tokens (TGI's `max_total_tokens`, vLLM's `max_model_len`); "
+            "unset or larger = the model's context length. LMI routes always check against the model's context."
+        ),
     )
-    max_client_batch_size: int = Field(4, ge=1, description="Most prompts in one /v1/completions request.")
+    max_client_batch_size: int = Field(4, ge=1, description="Most prompts in one `/v1/completions` request.")
     payload_limit: int = Field(
-        2_000_000, ge=1, description=("Largest TGI/OpenAI request body in bytes; a larger one gets 413.")
+        2_000_000, ge=1, description="Largest TGI/OpenAI request body in bytes; a larger one gets 413."
     )
     sse_keepalive_interval: float = Field(
-        15.0, gt=0, description=("Seconds without an event before a TGI/OpenAI stream sends a ':' keep-alive comment.")
+        15.0, gt=0, description="Seconds without an event before a TGI/OpenAI stream sends a `:` keep-alive comment."
     )
     # --- SageMaker and Vertex AI (README: Tensor protocols) ---
     default_invocations_accept: str | None = Field(
         None,
         description=(
-            "Accept used by /invocations when a request has none or */* (env "
-            "SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT); unset = the request's own Content-Type."
+            "Response type of `/invocations` when a request's `Accept` is missing or `*/*` (`application/json`, "
+            "`application/jsonlines` or `text/csv`); unset = the request's own Content-Type."
         ),
     )
     vertex_predict_route: str | None = Field(
         None,
-        description=(
-            "Extra Vertex AI predict route (env AIP_PREDICT_ROUTE); "
-            "/v1/endpoints/*/deployedModels/*:predict always works."
-        ),
+        description=("Extra Vertex AI predict route; `/v1/endpoints/*/deployedModels/*:predict` always works."),
     )
-    vertex_health_route: str | None = Field(None, description=("Extra Vertex AI health route (env AIP_HEALTH_ROUTE)."))
+    vertex_health_route: str | None = Field(
+        None, description="Extra Vertex AI health route (200 `{}` once every model is ready)."
+    )
     vertex_deployed_model_id: str | None = Field(
-        None, description=('deployedModelId in Vertex AI predict answers (env AIP_DEPLOYED_MODEL_ID); unset = "".')
+        None, description='`deployedModelId` in Vertex AI predict answers; unset = `""`.'
     )
     # --- bookkeeping, not configuration keys ---
     extra: dict[str, str] = Field(
         default_factory=dict,
-        description=("Unknown keys (e.g. LMI's engine, tensor_parallel_degree): kept, logged, unused."),
+        description="Unknown keys (e.g. LMI's engine, tensor_parallel_degree): kept, logged, unused.",
     )
     sources: dict[str, str] = Field(
-        default_factory=dict, description=("Where each non-default value came from, e.g. 'environment OPTION_DTYPE'.")
+        default_factory=dict, description="Where each non-default value came from, e.g. 'environment OPTION_DTYPE'."
     )
 
     # ------------------------------------------------------------------ coercion
@@ -422,11 +547,12 @@ class Settings(BaseModel):
             key = canonical_key(raw_key)
             if key not in known:
                 extra[key] = str(value)
-                logger.warning("ignoring unknown option %r%s", key, _from(where.get(key)))
             elif value is None or (isinstance(value, str) and not value.strip()):
                 values.pop(key, None)
             else:
                 values[key] = value.strip() if isinstance(value, str) else value
+        if extra:
+            logger.warning(unknown_options_warning(extra, where))
         used = {key: where[key] for key in [*values, *extra] if key in where}
         try:
             return cls.model_validate({**values, "extra": extra, "sources": used})
@@ -454,16 +580,39 @@ class Settings(BaseModel):
         return Path(platformdirs.user_cache_dir("lmiserve"))
 
     def summary(self) -> list[str]:
-        """``key=value (from <source>)`` or ``key=value (default)`` per key, for the startup log."""
+        """``key=value (from <source>)`` or ``key=value (default)`` per key: the start-up log at debug level."""
         lines = []
         for key in self.option_keys():
             source = self.sources.get(key)
             origin = f"from {source}" if source else "default"
-            value = "<hidden>" if key == "api_key" and self.api_key else getattr(self, key)
-            lines.append(f"{key}={value} ({origin})")
+            lines.append(f"{key}={self._shown(key)} ({origin})")
         for key, value in self.extra.items():
             lines.append(f"{key}={value} (ignored{_from(self.sources.get(key))})")
         return lines
+
+    def changed(self) -> list[str]:
+        """``key=value (<source>)`` for every key whose value is not its default: the start-up log."""
+        lines = []
+        for key in self.option_keys():
+            field = type(self).model_fields[key]
+            if getattr(self, key) == field.get_default(call_default_factory=True):
+                continue
+            lines.append(f"{key}={self._shown(key)} ({self.sources.get(key, 'set')})")
+        return lines
+
+    def _shown(self, key: str) -> object:
+        return "<hidden>" if key == "api_key" and self.api_key else getattr(self, key)
+
+
+def unknown_options_warning(extra: Mapping[str, str], where: Mapping[str, str]) -> str:
+    """One line naming every unknown key, where it came from, and what it may have meant."""
+    parts = []
+    for key in extra:
+        notes = [note for note in (unknown_key_note(key), _from(where.get(key)).strip()) if note]
+        parts.append(f"{key!r} ({'; '.join(notes)})" if notes else repr(key))
+    if len(parts) == 1:
+        return f"ignoring unknown option {parts[0]}"
+    return f"ignoring {len(parts)} unknown options: {', '.join(parts)}"
 
 
 def _from(source: str | None) -> str:

@@ -6,20 +6,20 @@ twelve-factor order so a deployment can override a baked-in file.)
 
 Environment mapping, lowest first within the environment (a later entry wins):
 
-- shortcuts: ``HF_MODEL_ID`` -> model_id, ``HF_REVISION`` -> revision,
-  ``HF_MODEL_TRUST_REMOTE_CODE`` -> trust_remote_code, ``MAX_BATCH_SIZE`` ->
-  max_rolling_batch_size, ``MAX_BATCH_PREFILL_TOKENS`` -> max_rolling_batch_prefill_tokens,
-  ``MAX_CONCURRENT_REQUESTS`` -> job_queue_size, ``SAGEMAKER_MODEL_SERVER_TIMEOUT_SECONDS``
-  then ``PREDICT_TIMEOUT`` -> predict_timeout, ``SAGEMAKER_BIND_TO_PORT`` -> port,
-  ``API_KEY`` -> api_key (TGI's name; ``OPTION_API_KEY`` wins over it);
-  then ``PREDICT_TIMEOUT`` -> predict_timeout, ``AIP_HTTP_PORT`` (Vertex AI) then
-  ``SAGEMAKER_BIND_TO_PORT`` -> port, ``SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT`` ->
-  default_invocations_accept, ``SAGEMAKER_MAX_REQUEST_SIZE`` -> max_request_size,
-  ``AIP_PREDICT_ROUTE`` / ``AIP_HEALTH_ROUTE`` / ``AIP_DEPLOYED_MODEL_ID`` -> vertex_predict_route /
-  vertex_health_route / vertex_deployed_model_id;
+- shortcuts, in ``ENV_SHORTCUTS`` order: ``HF_MODEL_ID`` -> model_id, ``HF_REVISION`` -> revision,
+  ``HF_MODEL_TRUST_REMOTE_CODE`` -> trust_remote_code, ``MAX_BATCH_SIZE`` -> max_rolling_batch_size,
+  ``MAX_BATCH_PREFILL_TOKENS`` -> max_rolling_batch_prefill_tokens, ``MAX_CONCURRENT_REQUESTS`` ->
+  job_queue_size, ``SAGEMAKER_MODEL_SERVER_TIMEOUT_SECONDS`` then ``PREDICT_TIMEOUT`` -> predict_timeout,
+  ``AIP_HTTP_PORT`` (Vertex AI) then ``SAGEMAKER_BIND_TO_PORT`` -> port,
+  ``SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT`` -> default_invocations_accept, ``SAGEMAKER_MAX_REQUEST_SIZE`` ->
+  max_request_size, ``AIP_PREDICT_ROUTE`` / ``AIP_HEALTH_ROUTE`` / ``AIP_DEPLOYED_MODEL_ID`` ->
+  vertex_predict_route / vertex_health_route / vertex_deployed_model_id, ``API_KEY`` -> api_key (TGI's
+  name);
 - ``SERVING_<NAME>`` -> ``<name>`` lower-cased (e.g. ``SERVING_JOB_QUEUE_SIZE``);
 - ``OPTION_<NAME>`` -> ``<name>`` lower-cased (e.g. ``OPTION_MAX_ROLLING_BATCH_SIZE``).
 
+Within one source a key's own name beats its alias (``OPTION_BATCH_SIZE`` beats
+``OPTION_MAX_DYNAMIC_BATCH_SIZE``). `environment_names` lists a key's variables, the winner first.
 Empty environment values are ignored.
 """
 
@@ -32,7 +32,7 @@ from pathlib import Path
 
 from lmiserve.config.errors import ConfigError
 from lmiserve.config.properties import read_properties, strip_option_prefix
-from lmiserve.config.settings import KEY_ALIASES, Settings, canonical_key
+from lmiserve.config.settings import KEY_ALIASES, Settings, canonical_key, unknown_option_error
 
 PROPERTIES_FILE_NAME = "serving.properties"
 
@@ -76,23 +76,32 @@ def load_settings(
     properties_file: str | Path | None = None,
     model_dir: str | Path | None = None,
     environ: Mapping[str, str] | None = None,
+    cli_sources: Mapping[str, str] | None = None,
 ) -> Settings:
     """Merge defaults, serving.properties, the environment and CLI overrides into Settings.
 
     ``properties_file`` is read if given (it must exist), else ``<model_dir>/serving.properties``
     if present. With ``model_dir`` and no model_id from any source, model_id is ``model_dir``.
-    ``cli_overrides`` values of ``None`` mean "not given". ``environ`` defaults to ``os.environ``.
-    Raises ``ConfigError``.
+    ``cli_overrides`` values of ``None`` mean "not given"; an unknown key among them is an error (in
+    the other sources it is kept in ``extra`` with a warning). ``cli_sources`` names where a command-line
+    key came from (``command line --port``); the default is ``command line``. ``environ`` defaults to
+    ``os.environ``. Raises ``ConfigError``.
     """
     model_path = Path(model_dir) if model_dir is not None else None
     if model_path is not None and not model_path.is_dir():
         raise ConfigError(f"model directory '{model_path}' does not exist or is not a directory")
 
-    cli = (cli_overrides or {}).items()
+    labels = cli_sources or {}
+    cli = [(key, value, labels.get(key, "command line")) for key, value in (cli_overrides or {}).items()]
+    cli_layer = _canonical((key, value, label) for key, value, label in cli if value is not None)
+    known = set(Settings.option_keys())
+    unknown = [key for key in cli_layer if key not in known]
+    if unknown:
+        raise ConfigError(unknown_option_error(unknown))
     layers = [
         properties_layer(properties_file, model_path),
         environment_layer(os.environ if environ is None else environ),
-        _canonical((key, value, "command line") for key, value in cli if value is not None),
+        cli_layer,
     ]
     merged: Layer = {}
     for layer in layers:
@@ -129,6 +138,16 @@ def environment_layer(environ: Mapping[str, str]) -> Layer:
             if environ[var].strip():
                 entries.append((_env_key(var, prefix), environ[var], f"environment {var}"))
     return _canonical(entries)
+
+
+def environment_names(key: str) -> list[str]:
+    """The environment variables that set ``key``, the winner first (see the module docstring):
+    ``OPTION_<KEY>``, ``SERVING_<KEY>``, the shortcuts (the later listed first), then the aliases' names."""
+    names = [f"{prefix}{key.upper()}" for prefix in reversed(_ENV_PREFIXES)]
+    names += [var for var, target in reversed(ENV_SHORTCUTS) if target == key]
+    for alias in (alias for alias, target in KEY_ALIASES.items() if target == key):
+        names += [f"{prefix}{alias.upper()}" for prefix in reversed(_ENV_PREFIXES)]
+    return names
 
 
 def _env_key(var: str, prefix: str) -> str:

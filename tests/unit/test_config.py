@@ -206,6 +206,22 @@ def test_unknown_keys_are_kept_and_logged(caplog: pytest.LogCaptureFixture) -> N
     assert "tensor_parallel_degree" in caplog.text
 
 
+def test_unknown_keys_are_named_in_one_warning_line(caplog: pytest.LogCaptureFixture) -> None:
+    options = {"engine": "Python", "tensor_parallel_degree": "8", "max_rolling_batch_sise": "4", "zzz": "1"}
+    sources = {"engine": "properties file p", "max_rolling_batch_sise": "environment OPTION_MAX_ROLLING_BATCH_SISE"}
+    with caplog.at_level(logging.WARNING, logger="lmiserve.config"):
+        s = Settings.from_options(options, sources)
+    assert s.extra == options
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING
+    assert record.getMessage() == (
+        "ignoring 4 unknown options: 'engine' (an LMI option lmiserve does not use; from properties file p), "
+        "'tensor_parallel_degree' (an LMI option lmiserve does not use), "
+        "'max_rolling_batch_sise' (did you mean 'max_rolling_batch_size'?; "
+        "from environment OPTION_MAX_ROLLING_BATCH_SISE), 'zzz'"
+    )
+
+
 def test_model_cache_dir(tmp_path: Path) -> None:
     assert Settings(model_cache_dir=str(tmp_path)).resolved_model_cache_dir() == tmp_path
     assert Settings().resolved_model_cache_dir().name == "lmiserve"
@@ -216,6 +232,28 @@ def test_summary_names_sources() -> None:
     lines = s.summary()
     assert "max_rolling_batch_size=64 (from environment OPTION_MAX_ROLLING_BATCH_SIZE)" in lines
     assert "dtype=auto (default)" in lines
+
+
+def test_changed_names_only_the_values_that_differ_from_their_defaults() -> None:
+    env = {"OPTION_MAX_NEW_TOKENS": "64", "OPTION_PORT": "8080"}
+    s = load_settings({"dtype": "bf16", "api_key": "secret"}, None, None, environ=env)
+    assert s.changed() == [
+        "dtype=bf16 (command line)",
+        "max_new_tokens=64 (environment OPTION_MAX_NEW_TOKENS)",
+        "api_key=<hidden> (command line)",
+    ]  # port=8080 is set, but to its default
+    assert load_settings({}, None, None, environ={}).changed() == []
+    assert "rolling_batch=disable (batch_size=4)" in Settings.from_options({"batch_size": "4"}).changed()
+
+
+def test_unknown_command_line_keys_are_an_error_but_unknown_file_keys_are_kept(tmp_path: Path) -> None:
+    props = tmp_path / "serving.properties"
+    props.write_text("option.tensor_parallel_degree=2\n")
+    assert load_settings({}, props, None, environ={}).extra == {"tensor_parallel_degree": "2"}
+    with pytest.raises(ConfigError, match=r"^unknown option 'tensor_parallel_degree' \(an LMI option"):
+        load_settings({"tensor_parallel_degree": "2"}, None, None, environ={})
+    with pytest.raises(ConfigError, match=r"^unknown option 'extra' "):
+        load_settings({"extra": "x"}, None, None, environ={})  # the bookkeeping fields are no keys
 
 
 # ---------------------------------------------------------------- overrides
