@@ -11,7 +11,8 @@ For every HTTP request it
   X-Request-Id and `request_id_header_key`; when the client sent one, also under the header it came in
   and LMI's ``requestId``;
 - writes one line to the ``lmiserve.access`` logger once the response is over (a stream when it ends
-  or its client leaves: status 200, finish reason ``cancelled``).
+  or its client leaves: status 200, finish reason ``cancelled``): at INFO level, but at DEBUG for the
+  health and readiness probes and metrics scrapes (`is_probe`), which orchestrators send every few seconds.
 
 Nothing here runs per token: the pipeline notes the first token and the finish events only.
 """
@@ -115,12 +116,40 @@ class RequestLog:
             request_context.unbind(token)
 
 
+# The probes' routes (the matched path templates) and methods: LMI's /ping, TGI's /health and GET /,
+# KServe's liveness and readiness, Prometheus' scrape. Every Vertex AI GET route is its health route.
+PROBE_ROUTES = frozenset(
+    {
+        "/ping",
+        "/health",
+        "/",
+        "/v2/health/live",
+        "/v2/health/ready",
+        "/v2/models/{model}/ready",
+        "/v2/models/{model}/versions/{version}/ready",
+        "/metrics",
+    }
+)
+_PROBE_METHODS = frozenset({"GET", "HEAD"})
+
+
+def is_probe(facts: RequestFacts) -> bool:
+    """A health or readiness probe, or a metrics scrape: its access line is a DEBUG line."""
+    if facts.method == "POST" and facts.route == "/ping":  # LMI's /ping answers POST too
+        return True
+    if facts.method not in _PROBE_METHODS:
+        return False
+    return facts.route in PROBE_ROUTES or facts.protocol == "vertex"
+
+
 def write_access_line(facts: RequestFacts) -> None:
     """The request's one ``lmiserve.access`` line: logfmt text, its fields as ``extra={"access": ...}``
-    (JSON logs write them as top-level keys); the request id is the line's own (see log_setup)."""
+    (JSON logs write them as top-level keys); the request id is the line's own (see log_setup). INFO,
+    or DEBUG for a probe."""
     fields = facts.fields()
     text = " ".join(f"{name}={_logfmt(value)}" for name, value in fields.items() if name != "request_id")
-    ACCESS_LOG.info(text, extra={"access": fields, "request_id": facts.request_id})
+    level = logging.DEBUG if is_probe(facts) else logging.INFO
+    ACCESS_LOG.log(level, text, extra={"access": fields, "request_id": facts.request_id})
 
 
 def _logfmt(value: Any) -> str:

@@ -135,3 +135,73 @@ def test_text_lines_tag_the_request_id():
     plain = logging.LogRecord("lmiserve.x", logging.INFO, __file__, 1, "hello", (), None)
     RequestIdFilter().filter(plain)
     assert formatter.format(plain).endswith(" INFO lmiserve.x: hello")
+
+
+# ---- probes: their access lines are DEBUG lines ----------------------------------------------------------
+
+
+async def ok(request: Request) -> Response:
+    return PlainTextResponse("ok")
+
+
+def probe_app() -> LmiServeApp:
+    """The probes' routes as the protocols register them (`rendered_by` notes the route and protocol)."""
+    from lmiserve.protocols.lmi.errors import RENDERER as LMI
+    from lmiserve.protocols.tensor.kserve.errors import RENDERER as KSERVE
+    from lmiserve.protocols.tensor.vertex.errors import RENDERER as VERTEX
+    from lmiserve.protocols.tgi.errors import RENDERER as TGI
+    from lmiserve.server.errors import rendered_by
+
+    def route(path: str, renderer, methods: list[str]) -> Route:
+        return Route(path, rendered_by(renderer, ok, route=path), methods=methods)
+
+    application = LmiServeApp(
+        routes=[
+            route("/ping", LMI, ["GET", "POST"]),
+            route("/health", TGI, ["GET"]),
+            route("/", TGI, ["GET", "POST"]),
+            route("/generate", TGI, ["POST"]),
+            route("/v2/health/ready", KSERVE, ["GET"]),
+            route("/v2/models/{model}/ready", KSERVE, ["GET"]),
+            route("/v2/models/{model}/infer", KSERVE, ["POST"]),
+            route("/custom/health", VERTEX, ["GET"]),  # a vertex_health_route
+            route("/custom/predict", VERTEX, ["POST"]),
+        ]
+    )
+    application.state.settings = Settings.from_options({})
+    return application
+
+
+async def test_probes_are_logged_at_debug_level_and_other_requests_at_info(records):
+    logging.getLogger().setLevel(logging.DEBUG)
+    async with client(probe_app()) as c:
+        for path in ("/ping", "/health", "/", "/v2/health/ready", "/v2/models/m/ready", "/custom/health"):
+            assert (await c.get(path)).status_code == 200, path
+        assert (await c.post("/ping")).status_code == 200
+        for path in ("/generate", "/", "/v2/models/m/infer", "/custom/predict"):
+            assert (await c.post(path)).status_code == 200, path
+        assert (await c.get("/no/such/route")).status_code == 404
+    levels = [
+        (r.access["method"], r.access["path"], r.levelname) for r in records.records if r.name == "lmiserve.access"
+    ]  # type: ignore[attr-defined]
+    assert levels == [
+        ("GET", "/ping", "DEBUG"),
+        ("GET", "/health", "DEBUG"),
+        ("GET", "/", "DEBUG"),
+        ("GET", "/v2/health/ready", "DEBUG"),
+        ("GET", "/v2/models/m/ready", "DEBUG"),
+        ("GET", "/custom/health", "DEBUG"),
+        ("POST", "/ping", "DEBUG"),
+        ("POST", "/generate", "INFO"),
+        ("POST", "/", "INFO"),  # TGI's generate, not its health
+        ("POST", "/v2/models/m/infer", "INFO"),
+        ("POST", "/custom/predict", "INFO"),
+        ("GET", "/no/such/route", "INFO"),
+    ]
+
+
+async def test_at_info_level_a_probe_leaves_no_access_line(records):
+    async with client(probe_app()) as c:
+        await c.get("/ping")
+        await c.post("/generate")
+    assert [r.access["path"] for r in records.records if r.name == "lmiserve.access"] == ["/generate"]  # type: ignore[attr-defined]
