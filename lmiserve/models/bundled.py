@@ -107,8 +107,10 @@ def convert_gguf(gguf_path: str | os.PathLike[str], cache_dir: str | os.PathLike
             return final
         _remove_leftovers(final)
         logger.info(
-            "converting %s once to %s; later starts load from the cache (this takes a while)",
+            "converting the GGUF file %s (%.0f MiB) to a transformers model once, into %s; "
+            "later starts load it from there (this takes a while)",
             path,
+            path.stat().st_size / 2**20,
             final,
         )
         start = time.monotonic()
@@ -131,15 +133,19 @@ def convert_gguf(gguf_path: str | os.PathLike[str], cache_dir: str | os.PathLike
 
 def _convert_into(gguf_path: Path, out_dir: Path) -> None:
     """De-quantize the GGUF with transformers and save model + tokenizer into `out_dir`."""
+    start = time.monotonic()
+    logger.info("conversion 1/3: reading and de-quantizing the weights of %s", gguf_path.name)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    logger.info("conversion 2/3: reading the tokenizer (%.1f s so far)", time.monotonic() - start)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     # The weights are de-quantized already; without this save_pretrained refuses
     # ("The model is quantized with gguf and is not serializable").
     model.hf_quantizer = None  # type: ignore[assignment]  # torch's Module.__setattr__ stub admits only tensors and modules
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    logger.info("conversion 3/3: writing the model and tokenizer (%.1f s so far)", time.monotonic() - start)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
 
