@@ -136,7 +136,7 @@ the directory is the model (LMI's `/opt/ml/model` behaviour). Booleans accept `t
 A bad value stops the server before anything loads (exit status 2) with one line naming the key, the
 value, what is allowed and where the value came from:
 
-```
+```text
 {bad_value}
 ```
 
@@ -148,7 +148,7 @@ UNKNOWN_KEYS = """\
 A key lmiserve does not know is an error on the command line (`-o`), with the closest valid key when
 one is close:
 
-```
+```text
 {unknown_cli}
 ```
 
@@ -156,7 +156,7 @@ In `serving.properties` and `OPTION_*`/`SERVING_*` variables an unknown key is a
 files and containers carry keys meant for other engines: it is kept (unused) and the start-up log names
 every such key in one warning line, each with where it came from and the key it may have meant:
 
-```
+```text
 {unknown_files}
 ```
 
