@@ -1,5 +1,6 @@
 # `make serve` and `make test` are the two commands; both create/update .venv themselves.
-# `make test` runs `make lint` (ruff check, ruff format --check, mypy) first, then pytest.
+# `make test` runs `make lint` (ruff check, ruff format --check, mypy) and `make docs` (mkdocs --strict)
+# first, then pytest; `make test-fast` runs the fast tier alone.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -12,7 +13,7 @@ PORT ?= 8080
 MLSERVER_VENV := .venv-mlserver
 MLSERVER_STAMP := $(MLSERVER_VENV)/.mlserver-installed
 
-.PHONY: install install-bench install-test install-mlserver chromium serve lint test clean
+.PHONY: install install-bench install-test install-mlserver chromium serve lint docs test test-fast clean
 
 $(BIN)/python:
 	@echo "==> creating the virtual environment $(VENV) with $(PYTHON)"
@@ -77,9 +78,20 @@ lint: $(TEST_STAMP)
 	$(BIN)/mypy lmiserve || status=1; \
 	exit $$status
 
-test: lint $(TEST_STAMP) $(MLSERVER_STAMP) chromium
-	$(BIN)/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|tokenizers|huggingface.hub|starlette|uvicorn|pydantic|openai|text-generation|numba|ruff|mypy) '
-	$(BIN)/python -m pytest
+# The documentation site (mkdocs.yml, docs/): a broken link or a page missing from the nav fails it.
+docs: $(TEST_STAMP)
+	$(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
+
+# Every tier (CONTRIBUTING.md), on every core (pytest-xdist: a test file stays on one worker, so the
+# servers a file shares start once per worker), with the slowest tests listed at the end.
+PYTEST_WORKERS ?= auto
+test: lint docs $(TEST_STAMP) $(MLSERVER_STAMP) chromium
+	$(BIN)/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|tokenizers|huggingface.hub|starlette|uvicorn|pydantic|openai|text-generation|numba|ruff|mypy|pytest-xdist|mkdocs) '
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=30
+
+# The fast tier: unit tests and the protocols in process, no server process, no real model.
+test-fast: $(TEST_STAMP)
+	$(BIN)/python -m pytest -m "not integration and not e2e" -n $(PYTEST_WORKERS) --durations=15
 
 clean:
 	rm -rf $(VENV) $(MLSERVER_VENV)

@@ -30,6 +30,8 @@ from lmiserve.bench.clients import BenchError, LmiDialect, OpenAIDialect, probe,
 from lmiserve.bench.conversations import SYSTEM_PROMPT, chat_level_summary
 from lmiserve.bench.stats import level_summary
 
+pytestmark = pytest.mark.e2e  # the slowest tier: the benchmark end to end
+
 WORDS = (" the", " quick", " brown", " fox", " jumps", " over", " a", " lazy", " dog", ".")
 BENCH_TIMEOUT = 600
 

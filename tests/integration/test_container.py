@@ -16,6 +16,8 @@ import pytest
 from helpers.serve_process import HANG_TIMEOUT, ServeProcess
 from helpers.server import free_port
 
+pytestmark = pytest.mark.e2e  # the slowest tier: the container's entrypoint on real processes
+
 ENTRYPOINT = [sys.executable, "-m", "lmiserve.container"]
 
 

@@ -31,6 +31,8 @@ from helpers.tiny_model import ENDLESS_CONTEXT, with_context
 from lmiserve.core.errors import ShuttingDown
 from lmiserve.server.guard import Access
 
+pytestmark = pytest.mark.e2e  # the slowest tier: SIGTERM to real processes, drains that wait
+
 SHUTTING_DOWN = "The server is shutting down"
 ENDLESS = {"max_new_tokens": ENDLESS_CONTEXT - 64}
 NEVER = 3600  # a drain_timeout far beyond the hang guard (HANG_TIMEOUT): the drain ends when its requests do

@@ -9,8 +9,11 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from helpers.tensor_models import affine_reference
+
+pytestmark = pytest.mark.e2e  # the slowest tier: MLServer's codecs run in their own venv
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = REPO / ".venv-mlserver" / "bin" / "python"

@@ -185,6 +185,7 @@ def set_key(page, key: str) -> None:
     page.press("#api_key", "Tab")  # `change`: kept in sessionStorage, the stats stream reconnects
 
 
+@pytest.mark.e2e  # a real browser
 def test_the_page_streams_a_chat_and_shows_the_batch_running_it(page, url):
     assert page.title() == "lmiserve playground"
     page.locator("#connection", has_text="set the server's API key").wait_for()  # the stats need the key
@@ -227,6 +228,7 @@ def test_the_page_streams_a_chat_and_shows_the_batch_running_it(page, url):
     assert page.locator("#usage").inner_text().endswith(")") or "tokens" in page.locator("#usage").inner_text()
 
 
+@pytest.mark.e2e  # a real browser
 def test_json_output_sends_response_format_and_shows_what_the_server_answers(page, client):
     """With structured output the reply is the model's; without it the server's error is shown."""
     body = {

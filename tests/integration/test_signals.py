@@ -22,6 +22,8 @@ from helpers.serve_process import HANG_TIMEOUT, ServeProcess
 from helpers.server import free_port
 from helpers.tiny_model import ENDLESS_CONTEXT
 
+pytestmark = pytest.mark.e2e  # the slowest tier: signals to real processes and their exit codes
+
 ENDLESS_STREAM = {
     "inputs": "Deep learning is",
     "stream": True,

@@ -211,6 +211,7 @@ def test_concurrent_conversions_convert_once(tmp_path: Path, monkeypatch: pytest
     assert len(calls) == 1 and len(results) == 3 and len(set(results)) == 1
 
 
+@pytest.mark.e2e  # the real bundled GGUF (~20 s)
 def test_convert_real_bundled_gguf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cache = tmp_path / "cache"
     start = time.monotonic()
