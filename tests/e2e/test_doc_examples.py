@@ -12,6 +12,7 @@ answer (`helpers/doc_examples.py`). A failure names the page and line: `docs/pro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import sys
@@ -159,7 +160,11 @@ def test_doc_examples_run_as_pasted(kind: str, request: pytest.FixtureRequest, t
         done = run_bash(setup.script, replacements, cwd=tmp_path)
         assert done.exit_code == 0, f"{setup}: the setup block failed:\n{done.stderr}"
     failures: list[str] = []
-    with run_server(server.args, env=server.env, timeout=300) as url:
+    with contextlib.ExitStack() as stack:
+        if kind == "make serve":  # the bundled model's defaults: the server the other e2e modules share
+            url = request.getfixturevalue("server_pool").url(server.args, env=server.env, timeout=300)
+        else:
+            url = stack.enter_context(run_server(server.args, env=server.env, timeout=300))
         replacements["localhost:8080"] = url.removeprefix("http://")
         for example in examples:
             started = time.monotonic()
