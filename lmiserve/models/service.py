@@ -134,20 +134,28 @@ class ModelService:
             load_causal_lm,
             resolve_model_path,
         )
-        from lmiserve.models.llm_tensor import LlmTensorModel
 
         s = self.settings
         self.path = resolve_model_path(s.model_id, s.revision, s.model_cache_dir)
         if not self._fixed_name:
             self.name = default_model_name(s.model_id, self.path)
-        self.loaded = self._llm = loaded = load_causal_lm(
-            self.path, dtype=s.dtype, device=s.device, trust_remote_code=s.trust_remote_code
-        )
-        self.engine = self._generator = engine = build_engine(loaded, s)
-        for observer in self.observers:
-            engine.add_observer(observer)
-        self._tensor_model = LlmTensorModel(engine, self.limits, self.name)
+        loaded = load_causal_lm(self.path, dtype=s.dtype, device=s.device, trust_remote_code=s.trust_remote_code)
+        engine = build_engine(loaded, s)
+        self.attach_llm(loaded, engine)
         return engine
+
+    def attach_llm(self, loaded: LoadedModel, generator: TextGenerator) -> None:
+        """Serve `generator` as this LLM's engine, over `loaded` (its tokenizer, device, dtype, context):
+        what loading does once the model is in memory (the observers of the metrics are added to it, the
+        tensor protocols get its `LlmTensorModel`). The status is left as it is: `load` sets READY once
+        the engine started. Tests attach a fake generator over a real tokenizer this way."""
+        from lmiserve.models.llm_tensor import LlmTensorModel
+
+        self.loaded = self._llm = loaded
+        self.engine = self._generator = generator
+        for observer in self.observers:
+            generator.add_observer(observer)
+        self._tensor_model = LlmTensorModel(generator, self.limits, self.name)
 
     def _load_oneshot(self) -> ModelEngine:
         from lmiserve.engine.oneshot import BatchConfig, OneShotModel
