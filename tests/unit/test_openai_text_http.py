@@ -1,0 +1,666 @@
+"""The OpenAI-compatible routes over HTTP, in process, on the scripted fake engine
+(tests/helpers/text_app.py): /v1/chat/completions and /v1/completions, whole and streamed (SSE ending
+in ``data: [DONE]``), usage and finish reasons, n, logprobs, echo, the errors (before the stream as
+TGI's JSON, after it in-band), tool calls and structured output (the real grammar compiler checks the
+scripted tokens), the /invocations dispatch of `messages` and `prompt` bodies, client disconnects, and
+the golden files of tests/golden/openai replayed (their tokens scripted) through the whole HTTP path.
+
+The same requests on a real server: tests/integration/test_openai_http.py, test_openai_tools.py,
+test_structured_output.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import pytest
+
+from helpers.text_app import Script, text_app
+from lmiserve.core.errors import InvalidRequest, ModelNotReady, Overloaded, QueueTimeout
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "openai"
+MESSAGES = [{"role": "user", "content": "What is deep learning?"}]
+CHAT_PROMPT_TOKENS = 10  # "<|user|>What is deep learning?</s><|assistant|>" with the tiny tokenizer
+FOX = " the quick brown fox jumps"
+DONE = b"data: [DONE]\n\n"
+_ID = re.compile(rb'"id":"(chatcmpl|cmpl)-[0-9a-f]{32}"')
+_CALL_ID = re.compile(rb'"id":"call_[0-9a-f]{24}"')
+_CREATED = re.compile(rb'"created":\d+')
+
+
+def normal(raw: bytes) -> bytes:
+    """The random parts of an answer fixed: each ``chatcmpl-``/``cmpl-`` id with 32 zeros, ``created``
+    1700000000, every tool call id ``call_0``."""
+    raw = _ID.sub(lambda m: b'"id":"' + m.group(1) + b"-" + b"0" * 32 + b'"', raw)
+    raw = _CALL_ID.sub(b'"id":"call_0"', raw)
+    return _CREATED.sub(b'"created":1700000000', raw)
+
+
+def dumps(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def head(obj: str, chat: bool = True, model: str = "tiny") -> dict:
+    prefix = "chatcmpl" if chat else "cmpl"
+    return {
+        "object": obj,
+        "id": f"{prefix}-{'0' * 32}",
+        "created": 1700000000,
+        "model": model,
+        "system_fingerprint": "0.1.0-native",
+    }
+
+
+def usage(prompt: int, completion: int) -> dict:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+
+
+def chunks(raw: bytes) -> list[dict]:
+    """`data: <json>` events ending with exactly one `data: [DONE]`."""
+    assert raw.endswith(b"\n\n" + DONE) or raw == DONE, raw[-200:]
+    return [json.loads(e.removeprefix("data: ")) for e in raw.decode().split("\n\n")[:-2]]
+
+
+def error(message: str, kind: str = "validation") -> bytes:
+    return dumps({"error": message, "error_type": kind})
+
+
+@pytest.fixture
+def served():
+    return text_app()
+
+
+async def post(served, path: str, payload, **kwargs):
+    async with served.client() as http:
+        return await http.post(path, json=payload, **kwargs)
+
+
+# --- chat ----------------------------------------------------------------------------------------------------
+
+
+async def test_chat_completion(served):
+    served.fake.reply(Script(text=FOX))
+    r = await post(
+        served, "/v1/chat/completions", {"model": "tgi", "messages": MESSAGES, "max_tokens": 3, "temperature": 0}
+    )
+    assert (r.status_code, r.headers["content-type"]) == (200, "application/json")
+    assert re.fullmatch(rb'\{"object":"chat\.completion","id":"chatcmpl-[0-9a-f]{32}",.*', r.content)
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": " the quick brown"},
+        "logprobs": None,
+        "finish_reason": "length",
+    }
+    body = {**head("chat.completion"), "choices": [choice], "usage": usage(CHAT_PROMPT_TOKENS, 3)}
+    assert normal(r.content) == dumps(body)  # "tgi" -> the served model's id
+    assert (r.headers["x-generated-tokens"], r.headers["x-prompt-tokens"]) == ("3", str(CHAT_PROMPT_TOKENS))
+    assert r.headers["x-compute-characters"] == str(len("<|user|>What is deep learning?</s><|assistant|>"))
+    request = served.fake.requests[0]
+    assert request.prompt == "<|user|>What is deep learning?</s><|assistant|>" and not request.params.do_sample
+
+
+async def test_chat_stop_reason_and_requested_model_echoed(served):
+    served.fake.reply(Script(text=" the quick"))
+    r = await post(served, "/v1/chat/completions", {"model": "my-model", "messages": MESSAGES})
+    body = json.loads(r.content)
+    assert body["model"] == "my-model"
+    assert body["choices"][0]["finish_reason"] == "stop" and body["choices"][0]["message"]["content"] == " the quick"
+    assert body["usage"] == usage(CHAT_PROMPT_TOKENS, 3)
+    assert served.fake.requests[0].params.do_sample  # no temperature: sampling
+    assert served.fake.requests[0].params.max_new_tokens == 256 - CHAT_PROMPT_TOKENS
+
+
+async def test_chat_stream_matches_the_whole_answer(served):
+    served.fake.reply(Script(text=FOX))
+    payload = {"messages": MESSAGES, "max_completion_tokens": 3, "temperature": 0}
+    whole = (await post(served, "/v1/chat/completions", payload)).json()
+    r = await post(
+        served, "/v1/chat/completions", {**payload, "stream": True, "stream_options": {"include_usage": True}}
+    )
+    assert (r.headers["content-type"], r.headers["cache-control"], r.headers["x-accel-buffering"]) == (
+        "text/event-stream",
+        "no-cache",
+        "no",
+    )
+    pieces = [" the", " quick", " brown"]
+    events = [
+        {
+            **head("chat.completion.chunk"),
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": piece},
+                    "logprobs": None,
+                    "finish_reason": "length" if i == 2 else None,
+                }
+            ],
+            "usage": None,
+        }
+        for i, piece in enumerate(pieces)
+    ]
+    events.append({**head("chat.completion.chunk"), "choices": [], "usage": whole["usage"]})
+    assert normal(r.content) == b"".join(b"data: " + dumps(e) + b"\n\n" for e in events) + DONE
+    assert len(set(re.findall(rb"chatcmpl-[0-9a-f]{32}", r.content))) == 1  # one id in every chunk
+
+
+async def test_chat_logprobs_and_seeded_sampling(served):
+    payload = {"messages": MESSAGES, "max_tokens": 3, "seed": 5, "logprobs": True, "top_logprobs": 2}
+    a = (await post(served, "/v1/chat/completions", payload)).json()
+    b = (await post(served, "/v1/chat/completions", payload)).json()
+    assert a["choices"] == b["choices"]
+    content = a["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3 and all(len(c["top_logprobs"]) == 2 for c in content)
+    assert all(c["top_logprobs"][0] == {"token": c["token"], "logprob": c["logprob"]} for c in content)
+    c = (await post(served, "/v1/chat/completions", {**payload, "seed": 6})).json()
+    assert c["choices"] != a["choices"]
+
+
+async def test_chat_n_choices(served):
+    payload = {"messages": MESSAGES, "max_tokens": 3, "n": 2, "temperature": 0.8, "ignore_eos": True}
+    body = (await post(served, "/v1/chat/completions", payload)).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert body["choices"][0]["message"] != body["choices"][1]["message"]
+    assert body["usage"]["completion_tokens"] == 6
+    assert (served.fake.requests[0].params.n, served.fake.requests[0].params.best_of) == (2, 2)
+
+
+@pytest.mark.parametrize(
+    ("extra", "body"),
+    [
+        (
+            {"max_tokens": 5000},
+            error(
+                "Input validation error: `inputs` tokens + `max_new_tokens` must be <= 256. Given: 10 `inputs` tokens and 5000 `max_new_tokens`"
+            ),
+        ),
+        ({"top_p": 1.5}, error("Input validation error: `top_p` must be > 0.0 and < 1.0")),
+        (
+            {"n": 2, "temperature": 0},
+            error("Input validation error: `n` > 1 requires sampling (a `temperature` other than 0)"),
+        ),
+        ({"n": 2, "seed": 1}, error("Input validation error: `seed` must not be set when `n` > 1")),
+        ({"n": 17}, error("Input validation error: `n` must be <= 16. Given: 17")),
+        ({"response_format": {"type": "yaml"}}, None),
+        ({"guided_regex": "(("}, None),
+        ({"guided_regex": "a+", "guided_choice": ["b"]}, None),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, None),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+            None,
+        ),
+    ],
+    ids=["too-long", "top-p", "n-greedy", "n-seed", "n-max", "format", "regex", "two", "format-and-regex", "schema"],
+)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_chat_validation_errors_come_before_the_stream(served, extra, body, stream):
+    r = await post(served, "/v1/chat/completions", {"messages": MESSAGES, "stream": stream, **extra})
+    assert (r.status_code, r.headers["content-type"]) == (422, "application/json")
+    if body is not None:
+        assert r.content == body
+    else:
+        assert r.json()["error_type"] == "validation"
+        assert r.json()["error"].startswith("Input validation error: ")
+    assert served.fake.requests == []
+
+
+@pytest.mark.parametrize(
+    ("payload", "status", "body"),
+    [
+        (
+            {"messages": []},
+            422,
+            b"Failed to deserialize the JSON body into the target type: messages: List should have at least 1 item after validation, not 0",
+        ),
+        ({"messages": MESSAGES, "tools": [{"type": "function"}]}, 422, None),
+        (
+            {"messages": MESSAGES, "stream": "yes"},
+            422,
+            b"Failed to deserialize the JSON body into the target type: stream: Input should be a valid boolean",
+        ),
+    ],
+    ids=["no-messages", "bad-tool", "bad-stream"],
+)
+async def test_chat_rejections(served, payload, status, body):
+    r = await post(served, "/v1/chat/completions", payload)
+    assert r.status_code == status
+    if body is not None:
+        assert (r.headers["content-type"], r.content) == ("text/plain; charset=utf-8", body)
+    else:
+        assert r.json()["error_type"] == "tool_error" and r.json()["error"].startswith("Tool error: ")
+
+
+async def test_chat_accepts_openai_defaults_and_null_options(served):
+    payload = {"messages": MESSAGES, "max_tokens": 2, "top_p": 1.0, "stop": None, "stream_options": None}
+    r = await post(served, "/v1/chat/completions", payload)
+    assert r.status_code == 200 and served.fake.requests[0].params.top_p == 1.0
+
+
+async def test_chat_stop_and_min_tokens(served):
+    served.fake.reply(Script(text=FOX))
+    body = (
+        await post(served, "/v1/chat/completions", {"messages": MESSAGES, "stop": " brown", "temperature": 0})
+    ).json()
+    assert body["choices"][0]["message"]["content"] == " the quick brown"  # TGI keeps the stop sequence
+    assert body["choices"][0]["finish_reason"] == "stop_sequence"  # and does not map it to "stop"
+    payload = {"messages": MESSAGES, "max_tokens": 8, "min_tokens": 8, "ignore_eos": True, "temperature": 0}
+    body = (await post(served, "/v1/chat/completions", payload)).json()
+    assert (body["choices"][0]["finish_reason"], body["usage"]["completion_tokens"]) == ("length", 8)
+
+
+# --- completions -------------------------------------------------------------------------------------------------
+
+
+async def test_completions_two_prompts(served):
+    served.fake.reply(Script(text=FOX))
+    payload = {"prompt": ["Deep learning is", "Hello"], "max_tokens": 3, "temperature": 0}
+    r = await post(served, "/v1/completions", payload)
+    choices = [{"index": i, "text": " the quick brown", "logprobs": None, "finish_reason": "length"} for i in range(2)]
+    body = {**head("text_completion", chat=False), "choices": choices, "usage": usage(4 + 2, 6)}
+    assert normal(r.content) == dumps(body)
+    assert [r.prompt for r in served.fake.requests] == ["Deep learning is", "Hello"]
+    assert r.headers["x-compute-characters"] == str(len("Deep learning is") + len("Hello"))
+
+
+async def test_completions_echo_and_logprobs(served):
+    served.fake.reply(Script(text=FOX))
+    payload = {"prompt": "Hello", "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 2}
+    choice = (await post(served, "/v1/completions", payload)).json()["choices"][0]
+    assert choice["text"] == "Hello the quick"
+    assert choice["logprobs"]["tokens"] == ["<s>", "Hello", " the", " quick"]
+    assert choice["logprobs"]["token_logprobs"] == [None, -1.5, -0.5, -0.5]  # the first prompt token has none
+    assert choice["logprobs"]["text_offset"] == [0, 0, 5, 9]
+    assert choice["logprobs"]["top_logprobs"][:2] == [None, None] and len(choice["logprobs"]["top_logprobs"][2]) == 2
+
+
+async def test_completions_stream_per_prompt(served):
+    served.fake.reply(Script(text=FOX))
+    r = await post(served, "/v1/completions", {"prompt": ["a", "b"], "max_tokens": 3, "temperature": 0, "stream": True})
+    events = chunks(r.content)
+    assert len(events) == 6
+    for index in (0, 1):
+        mine = [e for e in events if e["choices"][0]["index"] == index]
+        assert [e["choices"][0]["text"] for e in mine] == [" the", " quick", " brown"]
+        assert [e["choices"][0]["finish_reason"] for e in mine] == [None, None, "length"]
+        assert "usage" not in mine[0] and mine[-1]["usage"] == usage(2, 3)
+
+
+async def test_completions_n_indexes(served):
+    payload = {"prompt": ["a", "b"], "max_tokens": 2, "n": 2, "temperature": 0.7}
+    body = (await post(served, "/v1/completions", payload)).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert body["usage"]["completion_tokens"] == 8
+
+
+@pytest.mark.parametrize(
+    ("payload", "body"),
+    [
+        ({"prompt": []}, error("Empty array detected. Do not use an empty array for the prompt.")),
+        ({"prompt": "a", "suffix": None}, (GOLDEN / "error_suffix.json").read_bytes()),
+        (
+            {"prompt": ["a"] * 5},
+            error("Number of prompts exceeds the maximum allowed batch size of 4", "batch size exceeded"),
+        ),
+        ({"prompt": "a", "max_tokens": 0}, error("Input validation error: `max_new_tokens` must be strictly positive")),
+    ],
+    ids=["empty", "suffix", "too-many", "zero-tokens"],
+)
+async def test_completions_errors(served, payload, body):
+    r = await post(served, "/v1/completions", payload)
+    assert (r.status_code, r.content) == (422, body)
+
+
+async def test_completion_ignore_eos_forces_exact_token_count(served):
+    """vLLM's `ignore_eos`/`min_tokens` extension, which benchmark clients (lmiserve bench) send."""
+    served.fake.reply(Script(text=FOX))
+    payload = {
+        "prompt": "Hello",
+        "max_tokens": 24,
+        "min_tokens": 24,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+    events = [e for e in chunks((await post(served, "/v1/completions", payload)).content) if e["choices"]]
+    assert len(events) == 24 and events[-1]["choices"][0]["finish_reason"] == "length"
+    params = served.fake.requests[0].params
+    assert (params.ignore_eos_token, params.min_new_tokens) == (True, 24)
+
+
+# --- engine errors, the client going away ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("exc", "status", "body"),
+    [
+        (Overloaded("Worker queue capacity exceeded"), 429, error("Model is overloaded", "overloaded")),
+        (QueueTimeout("Time out in: 2"), 424, error("Request failed during generation: Time out in: 2", "generation")),
+        (InvalidRequest("bad"), 422, error("Input validation error: bad")),
+        (
+            ModelNotReady("The server is shutting down"),
+            424,
+            error("Request failed during generation: The server is shutting down", "generation"),
+        ),
+    ],
+    ids=["overloaded", "queue-timeout", "invalid", "stopped"],
+)
+async def test_engine_errors(served, exc, status, body):
+    served.fake.reply(Script(error=exc))
+    r = await post(served, "/v1/chat/completions", {"messages": MESSAGES})
+    assert (r.status_code, r.content) == (status, body)
+    r = await post(served, "/v1/chat/completions", {"messages": MESSAGES, "stream": True})
+    message = json.loads(body)["error"]
+    in_band = b"data: " + dumps({"error": {"message": message, "http_status_code": 422}}) + b"\n\n" + DONE
+    assert (r.status_code, r.content) == (200, in_band)
+
+
+async def test_a_failure_after_the_first_chunk_is_an_error_event_then_done(served):
+    served.fake.reply(Script(text=FOX, failure="CUDA out of memory", failure_after=1))
+    r = await post(served, "/v1/completions", {"prompt": "a", "stream": True, "temperature": 0})
+    events = normal(r.content).split(b"\n\n")
+    assert events[0].startswith(b'data: {"object":"text_completion"') and b'"text":" the"' in events[0]
+    failure = {"error": {"message": "Request failed during generation: CUDA out of memory", "http_status_code": 422}}
+    assert events[1:] == [b"data: " + dumps(failure), b"data: [DONE]", b""]
+    r = await post(served, "/v1/completions", {"prompt": "a", "temperature": 0})
+    assert (r.status_code, r.content) == (
+        424,
+        error("Request failed during generation: CUDA out of memory", "generation"),
+    )
+
+
+async def test_a_client_that_goes_away_aborts_the_generation(served):
+    served.fake.reply(Script(text=FOX, hold_after=1))
+    async with served.exchange("/v1/chat/completions", {"messages": MESSAGES, "stream": True}) as ex:
+        first = await ex.chunk()
+        assert b'"content":" the"' in first
+        await ex.disconnect()
+    assert served.fake.aborted == [served.fake.requests[0].request_id]
+    assert (served.fake.running, served.fake.waiting) == (0, 0)
+
+
+async def several_prompts_abandoned(served) -> None:
+    served.fake.reply(Script(text=FOX, hold_after=1))
+    async with served.exchange("/v1/completions", {"prompt": ["a", "b"], "stream": True}) as ex:
+        await ex.chunk()
+        await ex.disconnect()
+    assert sorted(served.fake.aborted) == sorted(r.request_id for r in served.fake.requests)
+    assert len(served.fake.aborted) == 2
+
+
+async def test_a_client_that_goes_away_from_several_prompts_aborts_them_all(served):
+    await several_prompts_abandoned(served)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="lmiserve.core.aio.merge_tagged closes its sources while their pump tasks still run them (it cancels "
+    "the tasks without awaiting them): RuntimeError 'aclose(): asynchronous generator is already running', "
+    "logged as 'stream failed'",
+)
+async def test_a_client_that_goes_away_from_several_prompts_logs_no_error(served, caplog):
+    await several_prompts_abandoned(served)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+# --- /invocations dispatch -----------------------------------------------------------------------------------------
+
+
+async def test_invocations_messages_is_a_chat_completion(served):
+    served.fake.reply(Script(text=FOX))
+    payload = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+    via_invocations = await post(served, "/invocations", payload)
+    direct = await post(served, "/v1/chat/completions", payload)
+    assert normal(via_invocations.content) == normal(direct.content)
+
+
+async def test_invocations_prompt_is_a_completion_and_inputs_stays_lmi(served):
+    served.fake.reply(Script(text=FOX))
+    r = await post(served, "/invocations", {"prompt": "Hello", "max_tokens": 3, "temperature": 0, "stream": True})
+    assert chunks(r.content)[0]["object"] == "text_completion"
+    r = await post(served, "/invocations", {"inputs": "Hello", "parameters": {"max_new_tokens": 2}})
+    assert r.content == b'{"generated_text": " the quick"}'
+    r = await post(served, "/invocations", {"messages": []})  # the chat route's errors, in its shape
+    assert r.status_code == 422 and r.text.startswith("Failed to deserialize")
+
+
+# --- tools ------------------------------------------------------------------------------------------------------
+
+WEATHER_PARAMETERS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER_PARAMETERS},
+}
+TIME = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}},
+}
+CALL = '{"name":"get_weather","parameters":{"city":"Paris","unit":"celsius"}}'
+ARGUMENTS = '{"city":"Paris","unit":"celsius"}'
+
+
+@pytest.fixture
+def tools():
+    return text_app(max_context=4096)  # the tools' system prompt alone is ~300 tiny tokens
+
+
+def tool_chat(**extra) -> dict:
+    return {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER, TIME], **extra}
+
+
+async def test_required_call(tools):
+    tools.fake.reply(Script(text=CALL, eos=False))  # the grammar ends the answer after the call
+    r = await post(tools, "/v1/chat/completions", tool_chat(tool_choice="required", max_tokens=100, temperature=0))
+    assert r.status_code == 200, r.text
+    call = {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": ARGUMENTS}}
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": None, "tool_calls": [call]},
+        "logprobs": None,
+        "finish_reason": "tool_calls",
+    }
+    prompt_tokens = len(tools.fake.encoded[0])
+    completion_tokens = len(tools.fake.ids(CALL))
+    body = {**head("chat.completion"), "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+    assert normal(r.content) == dumps(body)
+    request = tools.fake.requests[0]
+    assert request.params.grammar is not None and request.params.grammar.kind == "json_schema"
+    assert request.prompt.startswith('<|system|>You can call the following functions:\n{"name": "get_weather"')
+    assert 'To call a function, reply with {"name": <function name>, "parameters": <its arguments>}' in request.prompt
+    assert request.prompt.endswith("<|user|>Weather in Paris?</s><|assistant|>")
+
+
+async def test_stream_of_a_call_matches_the_whole_answer(tools):
+    tools.fake.reply(Script(text=CALL, eos=False))
+    payload = tool_chat(tool_choice="required", max_tokens=100, temperature=0)
+    whole = (await post(tools, "/v1/chat/completions", payload)).json()["choices"][0]["message"]["tool_calls"]
+    r = await post(tools, "/v1/chat/completions", {**payload, "stream": True})
+    events = chunks(r.content)
+    calls: dict[int, dict] = {}
+    for event in events:
+        for delta in event["choices"][0]["delta"].get("tool_calls", []):
+            call = calls.setdefault(delta["index"], {"name": None, "arguments": ""})
+            if "id" in delta:
+                assert call["name"] is None and delta["id"].startswith("call_")  # id and name once, first
+                call["name"] = delta["function"]["name"]
+            call["arguments"] += delta["function"]["arguments"]
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in whole
+    ]
+
+
+async def test_parallel_calls_named_tool_and_content(tools):
+    both = f'[{CALL},{{"name":"get_time","parameters":{{"zone":"UTC"}}}}]'
+    tools.fake.reply_once(Script(text=both, eos=False))
+    message = (await post(tools, "/v1/chat/completions", tool_chat(max_tokens=200))).json()["choices"][0]["message"]
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather", "get_time"]
+    assert message["tool_calls"][1]["function"]["arguments"] == '{"zone":"UTC"}'
+    tools.fake.reply_once(Script(text='{"content":"It is sunny."}', eos=False))
+    choice = (await post(tools, "/v1/chat/completions", tool_chat(max_tokens=200))).json()["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": "It is sunny."} and choice["finish_reason"] == "stop"
+    tools.fake.reply_once(Script(text=CALL, eos=False))  # a named tool: the grammar allows that one only
+    named = tool_chat(tool_choice={"type": "function", "function": {"name": "get_time"}}, max_tokens=100)
+    r = await post(tools, "/v1/chat/completions", named)
+    assert r.status_code == 424 and "does not follow the grammar" in r.json()["error"]
+
+
+async def test_max_tokens_mid_call_returns_no_half_call(tools):
+    tools.fake.reply(Script(text=CALL, eos=False))
+    ids = tools.fake.ids(CALL)
+    cut = len(tools.fake.ids('{"name":"get_weather","parameters":{"ci'))  # inside the arguments
+    sent = tools.fake.tokenizer.decode(ids[:cut]).removeprefix('{"name":"get_weather","parameters":')
+    payload = tool_chat(tool_choice="required", max_tokens=cut, temperature=0)
+    choice = (await post(tools, "/v1/chat/completions", payload)).json()["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"] == {"role": "assistant", "content": None}
+    events = chunks((await post(tools, "/v1/chat/completions", {**payload, "stream": True})).content)
+    arguments = "".join(
+        d["function"]["arguments"] for e in events for d in e["choices"][0]["delta"].get("tool_calls", [])
+    )
+    assert arguments == sent == '{"cit' and events[-1]["choices"][0]["finish_reason"] == "length"  # sent in part
+
+
+async def test_tool_choice_none_is_plain_text(tools):
+    tools.fake.reply(Script(text=FOX))
+    payload = tool_chat(tool_choice="none", max_tokens=5, temperature=0)
+    choice = (await post(tools, "/v1/chat/completions", payload)).json()["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": FOX} and "tool_calls" not in choice["message"]
+    assert tools.fake.requests[0].params.grammar is None
+
+
+async def test_tools_and_response_format_are_exclusive(tools):
+    payload = tool_chat(tool_choice="required", response_format={"type": "json_object"})
+    r = await post(tools, "/v1/chat/completions", payload)
+    assert (r.status_code, r.content) == (
+        422,
+        error("Tool error: Grammar and tools are mutually exclusive", "tool_error"),
+    )
+
+
+# --- structured output ---------------------------------------------------------------------------------------
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+    "required": ["city", "population"],
+    "additionalProperties": False,
+}
+
+
+async def test_response_format_json_schema(served):
+    served.fake.reply(Script(text='{"city":"Paris","population":2100000}', eos=False))
+    response_format = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}
+    payload = {"messages": MESSAGES, "max_tokens": 100, "response_format": response_format}
+    choice = (await post(served, "/v1/chat/completions", payload)).json()["choices"][0]
+    assert choice == {
+        "index": 0,
+        "message": {"role": "assistant", "content": '{"city":"Paris","population":2100000}'},
+        "logprobs": None,
+        "finish_reason": "stop",
+    }
+    r = await post(served, "/v1/chat/completions", {**payload, "stream": True})
+    reasons = [e["choices"][0]["finish_reason"] for e in chunks(r.content)]
+    assert reasons[-1] == "stop" and set(reasons[:-1]) == {None}
+    served.fake.reply(Script(text='{"city":"Paris","population":2100000}', eos=False))
+    choice = (await post(served, "/v1/chat/completions", {**payload, "max_tokens": 3})).json()["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"].startswith("{")
+
+
+async def test_completions_guided_choice_and_regex(served):
+    served.fake.reply_once(Script(text="rainy", eos=False), Script(text="+1 555-0100", eos=False))
+    r = await post(
+        served, "/v1/completions", {"prompt": "Weather:", "max_tokens": 10, "guided_choice": ["sunny", "rainy"]}
+    )
+    assert r.json()["choices"][0]["text"] == "rainy" and r.json()["choices"][0]["finish_reason"] == "stop"
+    regex = r"\+1 [0-9]{3}-[0-9]{4}"
+    r = await post(served, "/v1/completions", {"prompt": "Phone:", "max_tokens": 20, "guided_regex": regex})
+    assert r.json()["choices"][0]["text"] == "+1 555-0100"
+
+
+# --- the golden files (their tokens scripted) through the whole HTTP path -------------------------------------------
+
+GOLDEN_MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is deep learning?"}]
+SO = 209  # the token "\x0e" the tiny model generates first for GOLDEN_MESSAGES (ids: see the tokenizer)
+ASSISTANT = 6  # <|assistant|>, a special token (no text in the answer)
+CHAT_LOGPROBS = Script(
+    ids=[SO, ASSISTANT, ASSISTANT],
+    logprobs=[-3.3089704513549805, -2.793959379196167, -2.2042641639709473],
+    top=[
+        [(SO, -3.3089704513549805), (306, -3.435838460922241)],  # 306: "ed"
+        [(ASSISTANT, -2.793959379196167), (508, -3.408162832260132)],  # 508: " brown"
+        [(ASSISTANT, -2.2042641639709473), (101, -3.0244860649108887)],  # 101: a byte token, "�" alone
+    ],
+    eos=False,
+)
+DEEP_LEARNING = Script(  # what the tiny model generates greedily after "Deep learning is"
+    ids=[116, 25, 173, 198],
+    logprobs=[-2.978949785232544, -3.176013946533203, -2.9741005897521973, -1.5623784065246582],
+    prompt_logprobs=[None, -6.395462989807129, -5.154427528381348, -7.468725204467773],
+    eos=False,
+)
+GOLDEN_CASES: dict[str, tuple[str, dict, Script]] = {
+    "chat_logprobs.json": (
+        "/v1/chat/completions",
+        {"messages": GOLDEN_MESSAGES, "max_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 2},
+        CHAT_LOGPROBS,
+    ),
+    "chat_model_echoed.json": (
+        "/v1/chat/completions",
+        {"model": "my-model", "messages": GOLDEN_MESSAGES, "max_completion_tokens": 2, "temperature": 0},
+        CHAT_LOGPROBS,
+    ),
+    "chat_stream.sse": (
+        "/v1/chat/completions",
+        {"messages": GOLDEN_MESSAGES, "max_tokens": 3, "temperature": 0, "stream": True},
+        CHAT_LOGPROBS,
+    ),
+    "chat_stream_usage.sse": (
+        "/v1/chat/completions",
+        {
+            "messages": GOLDEN_MESSAGES,
+            "max_tokens": 3,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+        CHAT_LOGPROBS,
+    ),
+    "completion.json": (
+        "/v1/completions",
+        {"prompt": "Deep learning is", "max_tokens": 4, "temperature": 0},
+        DEEP_LEARNING,
+    ),
+    "completion_echo_logprobs.json": (
+        "/v1/completions",
+        {"prompt": "Deep learning is", "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 1},
+        DEEP_LEARNING,
+    ),
+    "completion_stream.sse": (
+        "/v1/completions",
+        {"prompt": "Deep learning is", "max_tokens": 3, "temperature": 0, "stream": True},
+        DEEP_LEARNING,
+    ),
+    "error_suffix.json": ("/v1/completions", {"prompt": "Deep learning is", "suffix": "!"}, DEEP_LEARNING),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN_CASES))
+async def test_golden_over_http(served, name):
+    route, payload, script = GOLDEN_CASES[name]
+    served.fake.reply(script)
+    r = await post(served, route, payload)
+    assert normal(r.content) == (GOLDEN / name).read_bytes()
