@@ -223,6 +223,16 @@ async def test_engine_checks_answer_424(served):
     assert_424(response, "stop_token_ids [600] are outside the vocabulary (0..511)")
 
 
+async def test_structured_output_parameters(served):
+    response = await post(served, {"inputs": "x", "parameters": {"max_new_tokens": 5, "json_schema": {"type": "nope"}}})
+    assert response.status_code == 424 and response.json()["error"].startswith("invalid JSON schema: ")
+    served.fake.reply(Script(text='{"a":1}', eos=False))
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    params = {"max_new_tokens": 20, "json_schema": schema, "details": True}
+    body = (await post(served, {"inputs": "x", "parameters": params})).json()
+    assert (body["generated_text"], body["details"]["finish_reason"]) == ('{"a":1}', "eos_token")
+
+
 async def test_still_healthy_after_bad_requests(served):
     await post(served, {"inputs": ""})
     await post(served, {"inputs": LONG_PROMPT})
@@ -757,6 +767,11 @@ async def test_server_output_formatter_option(option, name):
     assert response.content == (GOLDEN / name).read_bytes()
     response = await post(served, {"inputs": GOLDEN_PROMPT, "parameters": {"output_formatter": "json"}})
     assert response.content == (GOLDEN / "json_default.json").read_bytes()
+    response = await post(served, {"inputs": GOLDEN_PROMPT, "stream": True, "parameters": {"output_formatter": "sse"}})
+    assert response.content == (GOLDEN / "sse_default.sse").read_bytes()
+    if option:
+        response = await post(served, {"inputs": GOLDEN_PROMPT, "parameters": {"details": True}})
+        assert response.content == (GOLDEN / "jsonlines_details.jsonl").read_bytes()
 
 
 # --- tgi_compat on LMI's routes ----------------------------------------------------------------------------
@@ -771,6 +786,14 @@ async def test_tgi_compat_server_formats_lmi_routes_the_tgi_way():
     assert response.content == (GOLDEN / "sse_tgi.sse").read_bytes()
     response = await post(served, {"inputs": GOLDEN_PROMPT, "parameters": {"details": False}}, path="/predictions/tiny")
     assert response.content == (GOLDEN / "json_tgi_details_false.json").read_bytes()
+    payload = {"inputs": GOLDEN_PROMPT, "stream": True, "parameters": {"details": False}}
+    response = await post(served, payload, path="/predictions/tiny")
+    assert response.content == (
+        b'data: {"token": {"id": 304, "text": "Deep", "logprob": -0.05}}\n\n'
+        b'data: {"token": {"id": 11157, "text": " Learning", "logprob": -1.28}}\n\n'
+        b'data: {"token": {"id": 338, "text": " is", "logprob": -0.007}, "generated_text": "Deep Learning is"}\n\n'
+    )
+    assert_424(await post(served, {"inputs": ""}, path="/predictions/tiny"), PREFIX + EMPTY + "{'inputs': ''}")
 
 
 # --- dynamic batching (rolling_batch=disable) -------------------------------------------------------------

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from helpers.text_app import Script, text_app
+from lmiserve import __version__
 from lmiserve.core.errors import GenerationFailed, InvalidRequest, ModelNotReady, Overloaded, QueueTimeout
 from lmiserve.core.events import StepEvent, Token
 
@@ -474,32 +475,32 @@ async def test_health_info_and_models(served):
         assert (await http.get("/ping")).json() == {"tiny": {"status": "Healthy"}}
         info = (await http.get("/info")).json()
         models = await http.get("/v1/models")
-    assert info == {
-        "model_id": "tiny",
-        "model_sha": None,
-        "model_pipeline_tag": "text-generation",
-        "max_concurrent_requests": 128,
-        "max_best_of": 2,
-        "max_stop_sequences": 4,
-        "max_input_tokens": 255,
-        "max_total_tokens": 256,
-        "validation_workers": 1,
-        "max_client_batch_size": 4,
-        "router": "lmiserve",
-        "version": info["version"],
-        "sha": None,
-        "docker_label": None,
-        "model_dtype": "torch.float32",
-        "model_device_type": "cpu",
-        "max_input_length": 255,
-        "waiting_served_ratio": 0.0,
-        "max_batch_total_tokens": None,
-        "max_waiting_tokens": 0,
-        "max_batch_size": 32,
-        "prefix_caching": False,  # the fake engine has no prefix cache
-        "prefix_cache_size": 0,
-        "prefix_cache_tokens": 0,
-    }
+    assert list(info.items()) == [  # TGI 3.x fields in wire order, then the legacy 2.x ones, then lmiserve's
+        ("model_id", "tiny"),
+        ("model_sha", None),
+        ("model_pipeline_tag", "text-generation"),
+        ("max_concurrent_requests", 128),
+        ("max_best_of", 2),
+        ("max_stop_sequences", 4),
+        ("max_input_tokens", 255),
+        ("max_total_tokens", 256),
+        ("validation_workers", 1),
+        ("max_client_batch_size", 4),
+        ("router", "lmiserve"),
+        ("version", __version__),
+        ("sha", None),
+        ("docker_label", None),
+        ("model_dtype", "torch.float32"),
+        ("model_device_type", "cpu"),
+        ("max_input_length", 255),
+        ("waiting_served_ratio", 0.0),
+        ("max_batch_total_tokens", None),
+        ("max_waiting_tokens", 0),
+        ("max_batch_size", 32),
+        ("prefix_caching", False),  # the fake engine has no prefix cache
+        ("prefix_cache_size", 0),
+        ("prefix_cache_tokens", 0),
+    ]
     assert models.content == b'{"object":"list","data":[{"id":"tiny","object":"model","created":0,"owned_by":"tiny"}]}'
 
 
