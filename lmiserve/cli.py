@@ -167,8 +167,8 @@ def store_services(settings, store: str) -> list:
 
 
 def serve(settings, services: list | None = None, held: list[logging.LogRecord] | None = None) -> NoReturn:
-    """Serve until stopped, then exit the process with a `lmiserve.server.lifecycle.ExitCode` (see the
-    README, "Signals and exit codes"). `held`: log records of the configuration, logged once logging is
+    """Serve until stopped, then exit the process with a `lmiserve.server.lifecycle.ExitCode` (see
+    docs/shutdown.md, "Signals and exit codes"). `held`: log records of the configuration, logged once logging is
     configured."""
     from lmiserve.models.service import ModelService
     from lmiserve.server.lifecycle import Lifecycle, exit_process, startup_summary

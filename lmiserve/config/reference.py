@@ -145,8 +145,8 @@ keeps the keys that mention WORD, `--markdown` prints this page); `lmiserve serv
 """
 
 UNKNOWN_KEYS = """\
-A key lmiserve does not know is an error on the command line (`-o`), with the closest valid key when
-one is close:
+A key lmiserve does not know is an error on the command line (`-o`): the server stops before anything
+loads (exit status 2), naming the closest valid key when one is close:
 
 ```text
 {unknown_cli}
@@ -160,7 +160,8 @@ every such key in one warning line, each with where it came from and the key it 
 {unknown_files}
 ```
 
-These LMI keys are known and ignored on purpose (one engine, no Python handlers, no tensor parallelism):
+These LMI keys are known and ignored on purpose in `serving.properties` and the environment (one engine,
+no Python handlers, no tensor parallelism); with `-o` they are an error like any other unknown key:
 {lmi_keys}. `OPTION_ENTRYPOINT` is read as LMI's `entryPoint`.
 """
 

@@ -151,8 +151,8 @@ class Settings(BaseModel):
             "Weights and compute dtype: `auto` (fp32 on CPU, bf16/fp16 on GPU), `fp32`, `fp16`, `bf16`, `int8` "
             "(CPU: weight-only int8 linear layers, bf16 activations and KV cache) or `int4` (CPU: linear "
             "layers in 4-bit groups of 32 as GGUF Q4_1, fp32 activations and KV cache; the fastest single "
-            "stream). `float32`, `float16`, `half` and `bfloat16` are accepted too. See the README's "
-            '"Dtypes on CPU and the start-up autotune".'
+            "stream). `float32`, `float16`, `half` and `bfloat16` are accepted too. See "
+            "docs/performance/dtypes.md."
         ),
     )
     device: str = Field(
@@ -283,7 +283,7 @@ class Settings(BaseModel):
         description=(
             "Keep the KV of computed prompts and answers (in blocks of 16 tokens) and reuse it for later "
             "prompts that start with them (multi-turn chat, a shared system prompt): only the rest is "
-            'prefilled. Not with `batch_invariant`. See the README\'s "Prefix cache".'
+            "prefilled. Not with `batch_invariant`. See docs/performance/prefix-cache.md."
         ),
     )
     prefix_cache_size: ByteSize = Field(
@@ -316,7 +316,7 @@ class Settings(BaseModel):
         le=65535,
         description=(
             "Also serve `GET /metrics` (Prometheus) on this port, without the API key; `/metrics` on the "
-            'serving port stays, with the key when one is set (see the README\'s "Metrics" and SECURITY.md).'
+            "serving port stays, with the key when one is set (see docs/metrics.md and SECURITY.md)."
         ),
     )
     log_level: LogLevel = Field(
@@ -324,10 +324,7 @@ class Settings(BaseModel):
     )
     log_format: LogFormat = Field(
         "text",
-        description=(
-            "`text`, or `json`: one JSON object per log line, for log pipelines (see the README's "
-            '"Request ids and logs").'
-        ),
+        description="`text`, or `json`: one JSON object per log line, for log pipelines (see docs/logs.md).",
     )
     request_id_header_key: str = Field(
         "X-Request-Id",
@@ -347,10 +344,10 @@ class Settings(BaseModel):
             "Seconds a stopping server (SIGTERM or SIGINT) lets requests in flight (streams included) finish "
             "while every route but `/v2/health/live` answers 503; then it ends what still runs and exits 0. "
             "Keep it below the orchestrator's kill delay (SageMaker 30 s, Kubernetes "
-            '`terminationGracePeriodSeconds`); see the README\'s "Graceful drain".'
+            '`terminationGracePeriodSeconds`); see docs/shutdown.md, "Graceful drain".'
         ),
     )
-    # --- TGI and OpenAI routes (README: TGI drop-in and OpenAI-compatible APIs) ---
+    # --- TGI and OpenAI routes (docs/protocols/tgi.md, "Settings (TGI and OpenAI routes)") ---
     api_key: str | None = Field(
         None,
         description=(
@@ -431,7 +428,7 @@ class Settings(BaseModel):
     sse_keepalive_interval: float = Field(
         15.0, gt=0, description="Seconds without an event before a TGI/OpenAI stream sends a `:` keep-alive comment."
     )
-    # --- SageMaker and Vertex AI (README: Tensor protocols) ---
+    # --- SageMaker and Vertex AI (docs/protocols/sagemaker.md and docs/protocols/vertex.md, "Reference") ---
     default_invocations_accept: str | None = Field(
         None,
         description=(
@@ -452,7 +449,10 @@ class Settings(BaseModel):
     # --- bookkeeping, not configuration keys ---
     extra: dict[str, str] = Field(
         default_factory=dict,
-        description="Unknown keys (e.g. LMI's engine, tensor_parallel_degree): kept, logged, unused.",
+        description=(
+            "Unknown keys of serving.properties and the environment (e.g. LMI's engine, tensor_parallel_degree): "
+            "kept, logged, unused. An unknown -o key is an error instead."
+        ),
     )
     sources: dict[str, str] = Field(
         default_factory=dict, description="Where each non-default value came from, e.g. 'environment OPTION_DTYPE'."

@@ -69,8 +69,8 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     int8 -> the dtype its activations run in (bf16); int4 -> fp32 (only its products run in bf16).
 
     On CPU, auto keeps fp32: bf16 and int8 can decode faster (int8 about 2x at batch 1 on an AVX-512
-    BF16 Xeon) but change the greedy output against fp32 beyond the documented tolerance (README,
-    "Dtypes on CPU and the start-up autotune"), so they are opt-in."""
+    BF16 Xeon) but change the greedy output against fp32 beyond the documented tolerance (docs/performance/dtypes.md,
+    "Why `dtype=auto` stays fp32 on CPU"), so they are opt-in."""
     spec = (dtype or "auto").strip().lower()
     if spec == "auto":
         if device.type == "cuda":

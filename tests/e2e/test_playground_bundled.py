@@ -2,7 +2,7 @@
 `make serve` starts it), in a real headless Chromium: a real reply streams into the page while two
 other clients' streams run, and the batch panel counts them all.
 
-`UPDATE_SCREENSHOT=1` writes the page, mid-stream, to docs/playground.png (the README's picture).
+`UPDATE_SCREENSHOT=1` writes the page, mid-stream, to docs/playground.png (the picture in docs/getting-started.md, "The playground").
 """
 
 from __future__ import annotations

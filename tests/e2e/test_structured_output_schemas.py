@@ -227,7 +227,7 @@ TOOLS = [
 TOOL_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 TOOL_QUESTIONS = ["What is the weather in Paris?", "What is 12 plus 30?", "Plan a team lunch next Friday."]
 
-# What llguidance does not implement (refused at compile time, before any token): see the README.
+# What llguidance does not implement (refused at compile time, before any token): see docs/structured-output.md, "JSON Schema coverage".
 UNSUPPORTED = {
     "uniqueItems": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
     "contains": {"type": "array", "contains": {"type": "integer"}},

@@ -6,7 +6,7 @@ panel shows the running request, Stop ends it and the panel shows 0 again.
 The server runs the tiny model with a 2**20-token context and an end-of-sequence token it can never
 sample (`model_dir`), so a chat asking for a million tokens streams for many minutes, whatever the
 CPU's rounding makes of the page's seeded sampling: the page is looked at while it streams, never after.
-The README's screenshot is taken on the bundled model: tests/e2e/test_playground_bundled.py.
+The screenshot in docs/getting-started.md ("The playground") is taken on the bundled model: tests/e2e/test_playground_bundled.py.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 and greedy parity with `model.generate` in the same dtype on the fast and the generic paths.
 
 In bf16 two kernels round differently in the last bit, so a batched engine can break an exact or
-near tie between two tokens differently from `generate` (as the README's "Dtypes on CPU" says). The
+near tie between two tokens differently from `generate` (as docs/performance/dtypes.md, "Greedy parity in the same dtype", says). The
 parity tests therefore require every sequence to equal `generate`'s tokens, or to leave them only at
 a step where the model's own logits (one forward over the sequence so far) put the two tokens within
 `TIE_ULPS` bf16 units of each other, in either order.

@@ -1,5 +1,5 @@
 """Prometheus metrics: TGI's and vLLM's names for the engines' work, and request count and latency per
-protocol and model for every route. README.md "Metrics" lists every metric.
+protocol and model for every route. docs/metrics.md, "The metrics", lists every metric.
 
 `Metrics` holds one app's collectors in a registry of its own (two apps in one process never share
 counters). The engines report through `lmiserve.core.stats.EngineObserver` (`observer_for`, handed to

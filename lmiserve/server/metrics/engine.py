@@ -5,7 +5,7 @@ engine: it records what the engine reports into TGI's metrics (one server-wide s
 TGI serves one model) and vLLM's (labelled ``model_name`` and ``engine``, as vLLM's are). The gauges
 (batch size, queue size, KV cache use) are not kept here: `LiveCollector` reads the engines' live
 state when Prometheus scrapes. Names, types, labels and histogram buckets are those of TGI's router
-and of current vLLM (vllm/v1/metrics/loggers.py); README.md "Metrics" lists them.
+and of current vLLM (vllm/v1/metrics/loggers.py); docs/metrics.md, "The metrics", lists them.
 """
 
 from __future__ import annotations
