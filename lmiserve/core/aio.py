@@ -44,6 +44,9 @@ async def merge_tagged(streams: Sequence[AsyncGenerator[_T, None]]) -> AsyncGene
     finally:
         for task in tasks:
             task.cancel()
+        # A pump may be suspended inside its stream: wait until every pump has ended before closing the
+        # streams (closing a generator that is still running raises RuntimeError).
+        await asyncio.gather(*tasks, return_exceptions=True)
         for stream in streams:
             await stream.aclose()
 

@@ -840,13 +840,6 @@ async def test_dynamic_batch_bad_inputs(inputs, message):
     assert_424(await post(served, {"inputs": inputs, "parameters": {}}), PREFIX + message)
 
 
-MERGE_BUG = (
-    "lmiserve.core.aio.merge_tagged closes its sources while their pump tasks still run them (it cancels the "
-    "tasks without awaiting them): RuntimeError 'aclose(): asynchronous generator is already running', a 500"
-)
-
-
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=MERGE_BUG)
 async def test_dynamic_batch_failure_is_424():
     served = text_app(rolling_batch="disable", batch_size=4)
     served.fake.reply_once(Script(text=FOX), Script(text=FOX, failure="CUDA out of memory"))

@@ -397,12 +397,6 @@ async def test_a_client_that_goes_away_from_several_prompts_aborts_them_all(serv
     await several_prompts_abandoned(served)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="lmiserve.core.aio.merge_tagged closes its sources while their pump tasks still run them (it cancels "
-    "the tasks without awaiting them): RuntimeError 'aclose(): asynchronous generator is already running', "
-    "logged as 'stream failed'",
-)
 async def test_a_client_that_goes_away_from_several_prompts_logs_no_error(served, caplog):
     await several_prompts_abandoned(served)
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
