@@ -125,7 +125,9 @@ def test_options_lists_every_key_with_its_default(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["KEY", "DEFAULT", "MEANING"]
     rows = {
-        line.split()[0]: line.split()[1] for line in lines if line.split() and line.split()[0] in Settings.option_keys()
+        line.split()[0]: line.split()[1]
+        for line in lines
+        if line[:1].strip() and line.split()[0] in Settings.option_keys()  # a key's row, not a wrapped line
     }
     assert set(rows) == set(Settings.option_keys())
     assert (rows["max_rolling_batch_size"], rows["port"], rows["dtype"], rows["model_id"]) == (
