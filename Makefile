@@ -80,7 +80,7 @@ lint: $(TEST_STAMP)
 
 # The documentation site (mkdocs.yml, docs/): a broken link or a page missing from the nav fails it.
 docs: $(TEST_STAMP)
-	$(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
 
 # Every tier (CONTRIBUTING.md), on every core (pytest-xdist: a test file stays on one worker, so the
 # servers a file shares start once per worker), with the slowest tests listed at the end.
