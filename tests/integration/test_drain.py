@@ -36,7 +36,8 @@ pytestmark = pytest.mark.e2e  # the slowest tier: SIGTERM to real processes, dra
 SHUTTING_DOWN = "The server is shutting down"
 ENDLESS = {"max_new_tokens": ENDLESS_CONTEXT - 64}
 NEVER = 3600  # a drain_timeout far beyond the hang guard (HANG_TIMEOUT): the drain ends when its requests do
-# TGI's, LMI's and KServe's 503 bodies (lmiserve/protocols/*/errors.py)
+# TGI's, LMI's and KServe's 503 bodies (lmiserve/protocols/*/errors.py; KServe's readiness routes add
+# "ready": false)
 TGI_503 = {"error": SHUTTING_DOWN, "error_type": "unhealthy"}
 LMI_503 = {"code": 503, "type": "ServiceUnavailableException", "message": SHUTTING_DOWN}
 KSERVE_503 = {"error": SHUTTING_DOWN}
@@ -123,9 +124,10 @@ class TestDuringTheDrain:
         for path in ("/health", "/"):  # TGI
             assert (c.get(path).status_code, c.get(path).json()) == (503, TGI_503)
         for path in ("/v2/health/ready", f"/v2/models/{name}/ready"):
-            assert (c.get(path).status_code, c.get(path).json()) == (503, KSERVE_503)
+            assert (c.get(path).status_code, c.get(path).json()) == (503, {**KSERVE_503, "ready": False})
         assert c.get("/vertex/health").status_code == 503
-        assert c.get("/v2/health/live").status_code == 200  # liveness: the process is alive and working
+        live = c.get("/v2/health/live")  # liveness: the process is alive and working
+        assert (live.status_code, live.json()) == (200, {"live": True})
 
 
 # --- in-flight streams finish -------------------------------------------------------------------------------

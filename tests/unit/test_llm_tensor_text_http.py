@@ -98,7 +98,9 @@ async def test_generate_on_a_model_that_is_not_ready():
             r = await http.post(f"/v2/models/tiny/{route}", json={"text_input": "x"})
             assert (r.status_code, r.content) == (503, b'{"error": "Model tiny is not ready yet."}')
         r = await http.get("/v2/health/ready")
-        assert r.status_code != 200
+        assert (r.status_code, r.content) == (503, b'{"error": "Server is not ready.", "ready": false}')
+        r = await http.get("/v2/models/tiny/ready")
+        assert (r.status_code, r.content) == (503, b'{"error": "Model tiny is not ready yet.", "ready": false}')
 
 
 # --- KServe V2 infer, health and metadata on the LLM ----------------------------------------------------------------
@@ -106,8 +108,9 @@ async def test_generate_on_a_model_that_is_not_ready():
 
 async def test_v2_health_metadata_and_infer_on_the_llm(served):
     async with served.client() as http:
-        assert (await http.get("/v2/health/live")).status_code == 200
-        assert (await http.get("/v2/health/ready")).status_code == 200
+        assert (await http.get("/v2/health/live")).content == b'{"live": true}'
+        assert (await http.get("/v2/health/ready")).content == b'{"ready": true}'
+        assert (await http.get("/v2/models/tiny/ready")).content == b'{"name": "tiny", "ready": true}'
         meta = (await http.get("/v2/models/tiny")).json()
         assert meta["platform"] == "lmiserve_llm"
         assert meta["inputs"] == [{"name": "text_input", "datatype": "BYTES", "shape": [-1]}]

@@ -354,15 +354,43 @@ async def test_binary_errors(app, header, tail, message):
     assert r.status_code == 400 and message in r.json()["error"]
 
 
+async def test_server_ready_once_every_model_is(app):
+    ready = tensor_app({"affine": affine_model()})
+    async with client(ready) as http:
+        r = await http.get("/v2/health/ready")
+    assert (r.status_code, r.headers["content-type"], r.content) == (200, "application/json", b'{"ready": true}')
+
+
+async def test_health_bodies_as_the_kserve_sdk_reads_them(app):
+    """What KServe's InferenceRESTClient (v2) does with the answers: `is_server_live` / `is_server_ready`
+    return the body's `live` / `ready` after a 2xx (and raise with the body's `error` otherwise, reading
+    it only when Content-Type is exactly application/json); `is_model_ready` looks at the status only."""
+    ready_app = tensor_app({"affine": affine_model()})
+    async with client(ready_app) as http:
+        live, ready = await http.get("/v2/health/live"), await http.get("/v2/health/ready")
+        assert live.is_success and live.json().get("live") is True
+        assert ready.is_success and ready.json().get("ready") is True
+        assert (await http.get("/v2/models/affine/ready")).is_success
+    async with client(app) as http:  # "loading" is not ready
+        ready = await http.get("/v2/health/ready")
+        assert not ready.is_success and ready.headers["content-type"] == "application/json"
+        assert ready.json()["error"] == "Server is not ready."
+        assert not (await http.get("/v2/models/loading/ready")).is_success
+
+
 async def test_health_metadata_and_unknown_routes(app):
     async with client(app) as http:
-        assert (await http.get("/v2/health/live")).status_code == 200
+        r = await http.get("/v2/health/live")
+        assert (r.status_code, r.headers["content-type"], r.content) == (200, "application/json", b'{"live": true}')
         ready = await http.get("/v2/health/ready")  # "loading" is not ready
-        assert ready.status_code == 503 and ready.json() == {"error": "Server is not ready."}
-        assert (await http.get("/v2/models/affine/ready")).status_code == 200
-        assert (await http.get("/v2/models/affine/versions/1/ready")).status_code == 200
+        assert (ready.status_code, ready.content) == (503, b'{"error": "Server is not ready.", "ready": false}')
+        for path in ("/v2/models/affine/ready", "/v2/models/affine/versions/1/ready"):
+            r = await http.get(path)
+            assert (r.status_code, r.content) == (200, b'{"name": "affine", "ready": true}'), path
         r = await http.get("/v2/models/loading/ready")
-        assert r.status_code == 503 and r.json() == {"error": "Model loading is not ready yet."}
+        assert (r.status_code, r.content) == (503, b'{"error": "Model loading is not ready yet.", "ready": false}')
+        r = await http.get("/v2/models/nope/ready")
+        assert (r.status_code, r.content) == (404, b'{"error": "Model nope not found"}')
         r = await http.get("/v2/models/affine/versions/2/ready")
         assert r.status_code == 404 and r.json() == {"error": "Model affine with version 2 not found"}
         meta = (await http.get("/v2/models/affine")).json()

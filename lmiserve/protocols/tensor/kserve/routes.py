@@ -18,7 +18,7 @@ from lmiserve.protocols.tensor.codecs import binary
 from lmiserve.protocols.tensor.errors import TensorError, error_json
 from lmiserve.protocols.tensor.kserve import parse as kserve
 from lmiserve.protocols.tensor.kserve import schema
-from lmiserve.protocols.tensor.kserve.errors import RENDERER
+from lmiserve.protocols.tensor.kserve.errors import READINESS, RENDERER
 from lmiserve.protocols.tensor.kserve.generate import generate, generate_stream
 from lmiserve.protocols.tensor.kserve.models import check_ready, ready_model, resolve
 from lmiserve.server import apidoc, lookup
@@ -26,6 +26,8 @@ from lmiserve.server.errors import protocol_routes
 from lmiserve.server.responses import raw_response
 
 EXTENSIONS = ["binary_tensor_data", "parameters", "generate"]
+LIVE_BODY = b'{"live": true}'
+READY_BODY = b'{"ready": true}'
 ANY = ["GET", "POST", "PUT", "DELETE", "HEAD", "OPTIONS", "PATCH"]
 
 
@@ -35,18 +37,23 @@ async def server_metadata(request: Request) -> Response:
 
 
 async def live(request: Request) -> Response:
-    return Response(status_code=200)
+    """`{"live": true}` (the Open Inference Protocol's `$live_server_response`); a draining server too."""
+    return raw_response(LIVE_BODY)
 
 
 async def ready(request: Request) -> Response:
+    """`{"ready": true}` once every model is ready, else 503 `{"error": ..., "ready": false}`."""
     if not lookup.all_ready(request):
         raise ModelNotReady("Server is not ready.")
-    return Response(status_code=200)
+    return raw_response(READY_BODY)
 
 
 async def model_ready(request: Request) -> Response:
-    check_ready(resolve(request))
-    return Response(status_code=200)
+    """`{"name": m, "ready": true}` (`$ready_model_response`), else 503 `{"error": ..., "ready": false}`;
+    an unknown model or version 404 `{"error": ...}`."""
+    svc = resolve(request)
+    check_ready(svc)
+    return raw_response(json.dumps({"name": svc.name, "ready": True}, ensure_ascii=False).encode("utf-8"))
 
 
 async def model_metadata(request: Request) -> Response:
@@ -121,7 +128,14 @@ GENERATE_STREAM = _op(
     ),
     apidoc.json(schema.V2GenerateRequest),
 )
-READY = _op("Readiness: 200 once ready", apidoc.ok("Ready (no body)"))
+SERVER_READY = _op(
+    "Readiness of the server: 200 once every model is ready (503 before, and while it drains)",
+    apidoc.ok("Ready", apidoc.json(schema.ServerReady)),
+)
+MODEL_READY = _op(
+    "Readiness of one model: 200 once it is ready (503 before, and while the server drains)",
+    apidoc.ok("Ready", apidoc.json(schema.ModelReady)),
+)
 
 
 def _model_routes(prefix: str) -> list[BaseRoute]:
@@ -138,12 +152,18 @@ SERVER = _op("Server metadata", apidoc.ok("Metadata", apidoc.json(schema.ServerM
 # Health and readiness (no API key): registered with their full paths before the /v2 mount; liveness
 # answers 200 as long as the process serves (a draining server included), readiness 503 once it drains.
 _LIVE = [
-    apidoc.document(Route("/health/live", live, methods=["GET"]), _op("Liveness", apidoc.ok("Live (no body)"))),
+    apidoc.document(
+        Route("/health/live", live, methods=["GET"]),
+        _op(
+            "Liveness: 200 while the process serves (a draining server too)",
+            apidoc.ok("Live", apidoc.json(schema.ServerLive)),
+        ),
+    ),
 ]
 _READY = [
-    apidoc.document(Route("/health/ready", ready, methods=["GET"]), READY),
-    apidoc.document(Route("/models/{model}/ready", model_ready, methods=["GET"]), READY),
-    apidoc.document(Route("/models/{model}/versions/{version}/ready", model_ready, methods=["GET"]), READY),
+    apidoc.document(Route("/health/ready", ready, methods=["GET"]), SERVER_READY),
+    apidoc.document(Route("/models/{model}/ready", model_ready, methods=["GET"]), MODEL_READY),
+    apidoc.document(Route("/models/{model}/versions/{version}/ready", model_ready, methods=["GET"]), MODEL_READY),
 ]
 _ROUTES = [
     apidoc.document(Route("/", server_metadata, methods=["GET"]), SERVER),
@@ -164,15 +184,17 @@ _ROUTES = [
 
 def routes() -> list[BaseRoute]:
     """Everything under /v2, with JSON 404/405 answers for unknown paths and methods."""
-    return protocol_routes(
-        RENDERER,
-        [
-            apidoc.document(Route("/v2", server_metadata, methods=["GET"]), SERVER),
-            Mount("/v2", routes=[*_ROUTES, apidoc.hidden(Route("/{path:path}", not_found, methods=ANY))]),
-        ],
-        live=_under_v2(_LIVE),
-        public=_under_v2(_READY),
-    )
+    return [
+        *protocol_routes(RENDERER, [], live=_under_v2(_LIVE)),
+        *protocol_routes(READINESS, [], public=_under_v2(_READY)),
+        *protocol_routes(
+            RENDERER,
+            [
+                apidoc.document(Route("/v2", server_metadata, methods=["GET"]), SERVER),
+                Mount("/v2", routes=[*_ROUTES, apidoc.hidden(Route("/{path:path}", not_found, methods=ANY))]),
+            ],
+        ),
+    ]
 
 
 def _under_v2(probes: list[BaseRoute]) -> list[BaseRoute]:

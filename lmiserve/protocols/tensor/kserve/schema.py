@@ -74,6 +74,19 @@ class V2ModelMetadata(BaseModel):
     outputs: list[TensorMetadata]
 
 
+class ServerLive(BaseModel):
+    live: bool
+
+
+class ServerReady(BaseModel):
+    ready: bool
+
+
+class ModelReady(BaseModel):
+    name: str
+    ready: bool
+
+
 class IndexRequest(BaseModel):
     ready: bool | None = Field(None, description="true: only the models that are ready")
 
