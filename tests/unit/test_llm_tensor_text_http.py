@@ -91,6 +91,94 @@ async def test_generate_errors(served):
     assert len(served.fake.requests) == 1  # the prompt too long for the model was refused by the engine
 
 
+async def test_generate_takes_the_triton_backends_spellings(served):
+    """TensorRT-LLM's and vLLM's names for the parameters /generate honours reach the engine as LMI's."""
+    triton = {
+        "max_tokens": 3,
+        "random_seed": 7,
+        "temperature": 0.5,
+        "top_k": 4,
+        "top_p": 0.9,
+        "stop_words": ["fox"],
+        "ignore_eos": True,
+        "min_length": 2,
+        "exclude_input_in_output": False,
+        "beam_width": 1,
+        "bad_words": [],
+        "return_log_probs": False,
+        "stream": False,
+    }
+    async with served.client() as http:
+        r = await http.post("/v2/models/tiny/generate", json={"text_input": "Once upon a time", "parameters": triton})
+        assert r.json() == {
+            "model_name": "tiny",
+            "model_version": "1",
+            "text_output": "Once upon a time the quick brown",
+        }
+        vllm = {"max_tokens": 2, "seed": 7, "min_tokens": 1, "exclude_input_in_output": True}
+        r = await http.post("/v2/models/tiny/generate_stream", json={"text_input": "Hi", **vllm})
+        assert r.status_code == 200 and b"Hi" not in r.content
+    first, second = (req.params for req in served.fake.requests)
+    assert (first.max_new_tokens, first.seed, first.temperature, first.top_k, first.top_p) == (3, 7, 0.5, 4, 0.9)
+    assert (first.stop_sequences, first.ignore_eos_token, first.min_new_tokens) == (["fox"], True, 2)
+    assert (second.max_new_tokens, second.seed, second.min_new_tokens) == (2, 7, 1)
+
+
+@pytest.mark.parametrize(
+    ("parameters", "message"),
+    [
+        (
+            {"bad_words": ["fox"]},
+            "parameter 'bad_words' is not supported: bad-word filtering is not supported (no token is banned)",
+        ),
+        (
+            {"end_id": 2},
+            "parameter 'end_id' is not supported: a custom end token is not supported; use 'stop_token_ids'",
+        ),
+        (
+            {"beam_width": 2},
+            "parameter 'beam_width' is not supported: beam search is not supported (beam_width 1 only)",
+        ),
+        (
+            {"length_penalty": 0.5},
+            "parameter 'length_penalty' is not supported: length_penalty applies to beam search, which is not supported",
+        ),
+        ({"n": 2, "temperature": 1}, "parameter 'n' is not supported: /generate answers one sequence (n 1 only)"),
+        ({"return_log_probs": True}, "'return_log_probs' is not supported: /generate answers text_output only"),
+        (
+            {"return_generation_logits": True},
+            "'return_generation_logits' is not supported: /generate answers text_output only",
+        ),
+        ({"details": True}, "'details' is not supported: /generate answers text_output only"),
+        ({"return_log_probs": "yes"}, "'return_log_probs' must be a boolean"),
+        ({"exclude_input_in_output": 1}, "'exclude_input_in_output' must be a boolean"),
+        ({"max_tokens": 3, "max_new_tokens": 4}, "'max_tokens' and 'max_new_tokens' disagree; give one of them"),
+        (
+            {"exclude_input_in_output": True, "return_full_text": True},
+            "'exclude_input_in_output' and 'return_full_text' disagree; give one of them",
+        ),
+        ({"maxtokens": 3}, "unknown parameter: maxtokens"),
+        (
+            {"pad_id": 0, "watermark": True, "foo": 1},
+            "parameter 'pad_id' is not supported: a custom padding token is not supported",
+        ),
+        ({"watermark": True, "foo": 1}, "unknown parameters: foo, watermark"),
+        (
+            {"max_tokens": 0},
+            "Invalid value 0 for parameter 'max_new_tokens': Input should be greater than or equal to 1",
+        ),
+    ],
+)
+async def test_generate_refuses_what_it_cannot_honour(served, parameters, message):
+    async with served.client() as http:
+        for route in ("generate", "generate_stream"):
+            r = await http.post(f"/v2/models/tiny/{route}", json={"text_input": "Hi", "parameters": parameters})
+            assert (r.status_code, r.json()) == (400, {"error": message}), route
+            r = await http.post(f"/v2/models/tiny/{route}", json={"text_input": "Hi", **parameters})  # top level
+            assert (r.status_code, r.json()) == (400, {"error": message}), route
+    assert served.fake.requests == []
+
+
 async def test_generate_on_a_model_that_is_not_ready():
     served = text_app(status="PENDING")
     async with served.client() as http:

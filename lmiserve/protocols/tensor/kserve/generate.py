@@ -2,7 +2,11 @@
 `/generate_stream` answers SSE `data:` events, one per generated piece of text.
 
 Request `{"id"?, "text_input": str, "parameters"?: {...}, <other keys>}`: other top-level keys join the
-parameters (LMI generation parameter names: max_new_tokens, temperature, do_sample, stop, ...).
+parameters (`parameters` wins). Parameters by LMI's names (max_new_tokens, temperature, do_sample, stop,
+...) or by the spellings of Triton's TensorRT-LLM and vLLM backends (`TRITON_ALIASES`: max_tokens,
+random_seed, stop_words, ignore_eos, min_length, min_tokens, exclude_input_in_output); a parameter that
+/generate cannot honour (`bad_words`, `end_id`, beam search, logprobs or logits outputs, more than one
+sequence, ...) or does not know is a 400 naming it, never ignored.
 Answer `{"id"?, "model_name", "model_version", "text_output"}` (the id only when the request had one).
 
 Both go through the response pipeline. The stream's status waits for the engine's first event: a
@@ -29,6 +33,7 @@ from lmiserve.core.errors import (
     SchemaViolation,
 )
 from lmiserve.core.events import StepEvent
+from lmiserve.core.parameters import GenerationParameters
 from lmiserve.core.request import GenerationRequest
 from lmiserve.models.service import ModelService
 from lmiserve.protocols.tensor.kserve import parse as kserve
@@ -38,6 +43,43 @@ from lmiserve.server import sse
 from lmiserve.server.pipeline import Tagged, is_error_finish, respond, tagged
 
 _OWN_KEYS = ("id", "text_input", "parameters", "model_name")
+# Triton backends' spellings (TensorRT-LLM's inputs, vLLM's SamplingParams) -> LMI's names.
+TRITON_ALIASES = {
+    "max_tokens": "max_new_tokens",
+    "random_seed": "seed",
+    "stop_words": "stop",
+    "ignore_eos": "ignore_eos_token",
+    "min_length": "min_new_tokens",
+    "min_tokens": "min_new_tokens",
+}
+# Output switches of those backends: accepted when false, refused when true (the answer has only text).
+OUTPUT_SWITCHES = (
+    "return_log_probs",
+    "return_context_logits",
+    "return_generation_logits",
+    "return_logprobs",
+    "return_cumulative_logprob",
+    "return_finish_reason",
+    "return_num_input_tokens",
+    "return_num_output_tokens",
+    "return_perf_metrics",
+    "details",
+    "decoder_input_details",
+)
+# Known parameters that /generate cannot honour, and why: refused unless they hold their no-op value.
+UNSUPPORTED = {
+    "bad_words": "bad-word filtering is not supported (no token is banned)",
+    "end_id": "a custom end token is not supported; use 'stop_token_ids'",
+    "pad_id": "a custom padding token is not supported",
+    "beam_width": "beam search is not supported (beam_width 1 only)",
+    "length_penalty": "length_penalty applies to beam search, which is not supported",
+    "top_n_tokens": "/generate answers text only; use /generate on the LMI or TGI routes for top tokens",
+    "n": "/generate answers one sequence (n 1 only)",
+    "best_of": "/generate answers one sequence (best_of 1 only)",
+    "output_formatter": "/generate has its own answer shape (no output_formatter)",
+}
+_NO_OP = {"beam_width": (1,), "length_penalty": (1, 1.0), "n": (1, None), "best_of": (1,), "top_n_tokens": (0,)}
+_KNOWN = frozenset(GenerationParameters.model_fields) | {"stream"}
 STREAM_TYPE = "text/event-stream; charset=utf-8"
 STREAM_HEADERS = {"cache-control": "no-cache"}
 # What an error finish without a message of its own says.
@@ -72,14 +114,52 @@ async def parse(request: Request) -> GenerateCall:
     params = doc.get("parameters") or {}
     if not isinstance(params, dict):
         raise SchemaViolation("'parameters' must be a JSON object")
-    params = {**{k: v for k, v in doc.items() if k not in _OWN_KEYS}, **params}
-    params.pop("stream", None)
+    params = triton_parameters({**{k: v for k, v in doc.items() if k not in _OWN_KEYS}, **params})
     request_id = doc.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise SchemaViolation("'id' must be a string")
     sampling, full_text = model.sampling(params)
     engine = svc.ready_engine()
     return GenerateCall(svc, prompt, request_id, full_text, GenerationRequest(prompt, sampling), engine)
+
+
+def triton_parameters(params: dict[str, Any]) -> dict[str, Any]:
+    """`params` with Triton's spellings turned into LMI's; InvalidRequest (400) for a parameter that
+    /generate cannot honour or does not know, or two spellings of one parameter that disagree."""
+    out = dict(params)
+    out.pop("stream", None)  # the route says whether it streams
+    for name in OUTPUT_SWITCHES:
+        if name in out:
+            value = out.pop(name)
+            if not isinstance(value, bool):
+                raise SchemaViolation(f"'{name}' must be a boolean")
+            if value:
+                raise InvalidRequest(f"'{name}' is not supported: /generate answers text_output only")
+    if "exclude_input_in_output" in out:
+        exclude = out.pop("exclude_input_in_output")
+        if not isinstance(exclude, bool):
+            raise SchemaViolation("'exclude_input_in_output' must be a boolean")
+        _set(out, "exclude_input_in_output", "return_full_text", not exclude)
+    for alias, name in TRITON_ALIASES.items():
+        if alias in out:
+            _set(out, alias, name, out.pop(alias))
+    for name, why in UNSUPPORTED.items():
+        if name in out:
+            value = out.pop(name)
+            if value in _NO_OP.get(name, ()) or (name == "bad_words" and value in ([], "", None)):
+                continue
+            raise InvalidRequest(f"parameter '{name}' is not supported: {why}")
+    unknown = sorted(k for k in out if k not in _KNOWN)
+    if unknown:
+        raise InvalidRequest(f"unknown parameter{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}")
+    return out
+
+
+def _set(params: dict[str, Any], alias: str, name: str, value: Any) -> None:
+    """`params[name] = value`, refusing a different value already there under LMI's name."""
+    if name in params and params[name] != value:
+        raise InvalidRequest(f"'{alias}' and '{name}' disagree; give one of them")
+    params[name] = value
 
 
 async def generate(request: Request) -> Response:

@@ -99,7 +99,10 @@ class IndexEntry(BaseModel):
 
 
 class V2GenerateRequest(BaseModel):
-    """Triton's generate extension; other top-level keys join `parameters` (LMI's parameter names)."""
+    """Triton's generate extension; other top-level keys join `parameters`: LMI's parameter names, or
+    the TensorRT-LLM / vLLM backends' (max_tokens, random_seed, stop_words, ignore_eos, min_length,
+    min_tokens, exclude_input_in_output); one /generate cannot honour (bad_words, end_id, beam_width > 1,
+    return_log_probs: true, ...) or does not know is a 400."""
 
     model_config = ConfigDict(
         extra="allow", json_schema_extra={"examples": [{"text_input": "Hello", "parameters": {"max_new_tokens": 8}}]}
