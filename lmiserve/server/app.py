@@ -21,6 +21,7 @@ from lmiserve.models.service import ModelService
 from lmiserve.protocols.lmi import routes as lmi
 from lmiserve.protocols.lmi.errors import MANAGEMENT, frontend_error_body
 from lmiserve.protocols.openai import routes as openai
+from lmiserve.protocols.openai import tokenize as vllm_tokenize
 from lmiserve.protocols.tensor import routes as tensor
 from lmiserve.protocols.tgi import routes as tgi
 from lmiserve.server import invocations, openapi, playground
@@ -32,6 +33,12 @@ from lmiserve.server.metrics import port as metrics_port
 from lmiserve.server.responses import raw_response
 
 log = logging.getLogger(__name__)
+
+
+# vLLM's body on TGI's /tokenize (the body tells which protocol answers)
+VLLM_TOKENIZE = tgi.OtherTokenize(
+    vllm_tokenize.invoke_tokenize, vllm_tokenize.TOKENIZE_BODIES, vllm_tokenize.TokenizeResponse
+)
 
 
 def routes(settings: Settings, metrics: Metrics | None = None) -> list[BaseRoute]:
@@ -46,8 +53,9 @@ def routes(settings: Settings, metrics: Metrics | None = None) -> list[BaseRoute
         *playground.routes(),
         *invocations.routes(),
         *lmi.routes(settings),
-        *tgi.routes(),
+        *tgi.routes(tokenize_other=VLLM_TOKENIZE),
         *openai.routes(),
+        *vllm_tokenize.routes(),
         *tensor.routes(),
         *protocol_routes(MANAGEMENT, [], public=openapi.routes()),
     ]

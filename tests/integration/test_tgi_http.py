@@ -236,7 +236,26 @@ def test_info(client):
 def test_models_list(client):
     body = client.get("/v1/models").json()
     name = body["data"][0]["id"]
-    assert body == {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": name}]}
+    card = {"id": name, "object": "model", "created": 0, "owned_by": name, "root": name, "parent": None}
+    assert body == {"object": "list", "data": [{**card, "max_model_len": 256}]}
+
+
+def test_vllm_tokenize_and_detokenize(client):
+    """vLLM's shapes on the real tokenizer: /tokenize's prompt and messages, /detokenize back."""
+    tokens = client.post("/tokenize", json={"inputs": "héllo world"}).json()  # TGI's
+    r = client.post("/tokenize", json={"prompt": "héllo world"})
+    assert r.json() == {
+        "count": len(tokens),
+        "max_model_len": 256,
+        "tokens": [t["id"] for t in tokens],
+        "token_strs": None,
+    }
+    r = client.post("/detokenize", json={"tokens": r.json()["tokens"][1:]})  # without BOS
+    assert r.json() == {"prompt": "héllo world"}
+    chat = client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] == len(chat["tokens"]) > 1
+    r = client.post("/detokenize", json={"tokens": [10**9]})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
 
 
 def test_tokenize_byte_offsets(client):

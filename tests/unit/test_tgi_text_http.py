@@ -11,10 +11,13 @@ test_tgi_limits.py."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
 
+from helpers.tensor_app import client as tensor_client
+from helpers.tensor_app import tensor_app, text_model
 from helpers.text_app import Script, text_app
 from lmiserve import __version__
 from lmiserve.core.errors import GenerationFailed, InvalidRequest, ModelNotReady, Overloaded, QueueTimeout
@@ -28,6 +31,13 @@ EOS = 2
 KEY = "s3cret-Key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 TIMING = ("x-total-time", "x-validation-time", "x-queue-time", "x-inference-time", "x-time-per-token")
+
+
+def openai_error(message: str, kind: str, code: str | None = None) -> bytes:
+    """OpenAI's error object (the OpenAI routes' errors: tests/unit/test_openai_text_http.py)."""
+    return json.dumps(
+        {"error": {"message": message, "type": kind, "param": None, "code": code}}, separators=(",", ":")
+    ).encode()
 
 
 def dumps(obj) -> bytes:
@@ -388,7 +398,7 @@ async def test_overload_keepalive_and_release():
             r = await http.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}})
             assert (r.status_code, r.content) == (429, dumps(error("Model is overloaded", "overloaded")))
             r = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
-            assert (r.status_code, r.content) == (429, dumps(error("Model is overloaded", "overloaded")))
+            assert (r.status_code, r.content) == (429, openai_error("Model is overloaded", "rate_limit_error"))
             r = await http.post("/generate_stream", json={"inputs": "x"})
             assert (r.status_code, r.content) == (
                 200,
@@ -418,9 +428,13 @@ def keyed():
     ["/generate", "/generate_stream", "/", "/tokenize", "/v1/chat/completions", "/v1/completions", "/invocations"],
 )
 async def test_generation_routes_need_the_key(keyed, path):
+    expected: tuple = (401, b"", None)  # TGI's and LMI's bare 401
+    if path.startswith("/v1/"):  # OpenAI's error object
+        body = openai_error("missing or wrong API key", "authentication_error", code="invalid_api_key")
+        expected = (401, body, "application/json")
     for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         r = await post(keyed, path, {"inputs": "x", "messages": [], "prompt": "x"}, headers=headers)
-        assert (r.status_code, r.content, r.headers.get("content-type")) == (401, b"", None), (path, headers)
+        assert (r.status_code, r.content, r.headers.get("content-type")) == expected, (path, headers)
     assert keyed.fake.requests == []
 
 
@@ -448,10 +462,12 @@ async def test_only_probes_are_open(keyed):
 
 async def test_payload_limit(keyed):
     big = {"inputs": "x" * 2000, "parameters": {"max_new_tokens": 2}}
-    too_large = (413, b"Failed to buffer the request body: length limit exceeded")
-    for path in ("/generate", "/v1/completions"):
+    message = "Failed to buffer the request body: length limit exceeded"
+    too_large = (413, message.encode())
+    openai_too_large = (413, openai_error(message, "invalid_request_error"))  # OpenAI's routes: its error object
+    for path, expected in (("/generate", too_large), ("/v1/completions", openai_too_large)):
         r = await post(keyed, path, big, headers=AUTH)
-        assert (r.status_code, r.content) == too_large, path
+        assert (r.status_code, r.content) == expected, path
     assert (await post(keyed, "/invocations", big, headers=AUTH)).status_code == 200  # LMI has no body limit
 
     async def chunked():  # no Content-Length: counted while it arrives
@@ -459,9 +475,9 @@ async def test_payload_limit(keyed):
             yield b"x" * 1024
 
     headers = {**AUTH, "Content-Type": "application/json"}
-    for path in ("/generate", "/v1/chat/completions"):
+    for path, expected in (("/generate", too_large), ("/v1/chat/completions", openai_too_large)):
         r = await post(keyed, path, content=chunked(), headers=headers)
-        assert (r.status_code, r.content) == too_large, path
+        assert (r.status_code, r.content) == expected, path
 
 
 # --- health, info, models, tokenize ------------------------------------------------------------------------------
@@ -501,7 +517,10 @@ async def test_health_info_and_models(served):
         ("prefix_cache_size", 0),
         ("prefix_cache_tokens", 0),
     ]
-    assert models.content == b'{"object":"list","data":[{"id":"tiny","object":"model","created":0,"owned_by":"tiny"}]}'
+    assert models.content == (
+        b'{"object":"list","data":[{"id":"tiny","object":"model","created":0,"owned_by":"tiny",'
+        b'"root":"tiny","parent":null,"max_model_len":256}]}'
+    )
 
 
 async def test_info_follows_the_limits():
@@ -663,3 +682,13 @@ async def test_golden_over_http(served, name):
     served.fake.reply(scripted(source))
     r = await post(served, route, {"inputs": PROMPT, "parameters": params})
     assert r.content == (GOLDEN / name).read_bytes()
+
+
+@pytest.mark.parametrize("route", ["/generate", "/generate_stream", "/"])
+async def test_a_server_without_a_text_model_answers_404_in_tgi_shape(route, caplog):
+    app = tensor_app({"emb": text_model()})
+    async with tensor_client(app) as http:
+        r = await http.post(route, json={"inputs": "Hi"})
+    body = {"error": "No text-generation model is loaded: this route needs an LLM.", "error_type": "not_found"}
+    assert (r.status_code, r.headers["content-type"], r.content) == (404, "application/json", dumps(body))
+    assert [rec for rec in caplog.records if rec.exc_info or rec.levelno >= logging.ERROR] == []

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 
 class Token(BaseModel):
@@ -114,6 +114,9 @@ class ModelCard(BaseModel):
     object: str
     created: int
     owned_by: str
+    root: str = Field(description="The model this one derives from: itself (no adapters)")
+    parent: str | None = None
+    max_model_len: int | None = Field(description="max_total_tokens: prompt and generation; null while loading")
 
 
 class ModelList(BaseModel):

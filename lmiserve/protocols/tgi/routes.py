@@ -1,11 +1,17 @@
 """TGI's native routes: POST /generate, /generate_stream, / (compat), /tokenize, /chat_tokenize;
-GET /info, /health, / and /v1/models. Errors are answered by `errors.RENDERER`."""
+GET /info, /health, / and /v1/models. Errors are answered by `errors.RENDERER`.
+
+`/tokenize` is vLLM's route too: a body with `prompt` or `messages` and no `inputs` goes to the
+handler `routes(tokenize_other=...)` is given (app.py wires vLLM's, whose errors are its own); every
+other body is TGI's, answered as TGI answers it."""
 
 from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -127,10 +133,30 @@ def _tokens(tokenizer, text: str, *, special: bool) -> list[dict]:
     return out
 
 
-async def tokenize(request: Request) -> Response:
-    req = parse(GenerateRequest, await json_payload(request))
-    model = served(request)
-    return raw_response(dumps(_tokens(model.tokenizer, req.inputs, special=True)))
+@dataclass(frozen=True)
+class OtherTokenize:
+    """Another protocol's body on /tokenize: its handler (payload already decoded; it answers its own
+    errors) and, for the API document, its request bodies and its answer."""
+
+    handler: Callable[[Request, Any], Awaitable[Response]]
+    bodies: tuple[Any, ...] = ()
+    answer: Any = None
+
+
+def _is_other(payload: Any) -> bool:
+    return isinstance(payload, dict) and "inputs" not in payload and ("prompt" in payload or "messages" in payload)
+
+
+def tokenize_route(other: OtherTokenize | None) -> Callable[[Request], Awaitable[Response]]:
+    async def tokenize(request: Request) -> Response:
+        payload = await json_payload(request)
+        if other is not None and _is_other(payload):
+            return await other.handler(request, payload)
+        req = parse(GenerateRequest, payload)
+        model = served(request)
+        return raw_response(dumps(_tokens(model.tokenizer, req.inputs, special=True)))
+
+    return tokenize
 
 
 async def chat_tokenize(request: Request) -> Response:
@@ -193,12 +219,16 @@ async def info(request: Request) -> Response:
 
 
 async def models(request: Request) -> Response:
-    names = [service.name for service in request.app.state.registry if service.is_llm]
-    body = {
-        "object": "list",
-        "data": [{"id": name, "object": "model", "created": 0, "owned_by": name} for name in names],
-    }
-    return raw_response(dumps(body))
+    """Every served text model, with vLLM's `root`, `parent` and `max_model_len` (the longest prompt
+    plus generation it takes: max_total_tokens; null while it loads)."""
+    data = []
+    for service in request.app.state.registry:
+        if service.is_llm:
+            ready = service.status == ModelService.READY
+            max_len = Served.of(service).limits.max_total_tokens if ready else None
+            card = {"id": service.name, "object": "model", "created": 0, "owned_by": service.name}
+            data.append({**card, "root": service.name, "parent": None, "max_model_len": max_len})
+    return raw_response(dumps({"object": "list", "data": data}))
 
 
 # --- the route table and its API document -----------------------------------------------------------
@@ -221,8 +251,14 @@ def _op(summary: str, body: object, replies: dict) -> apidoc.Operation:
     return apidoc.Operation(summary, TAG, replies, body=apidoc.json(body))
 
 
-def routes() -> Sequence[BaseRoute]:
+def routes(tokenize_other: OtherTokenize | None = None) -> Sequence[BaseRoute]:
+    """TGI's routes; `tokenize_other`: who answers another protocol's body on /tokenize (none: TGI's
+    schema refuses it)."""
     doc = apidoc.document
+    other = tokenize_other
+    tokenize_body: Any = Union[(GenerateRequest, *other.bodies)] if other and other.bodies else GenerateRequest  # noqa: UP007
+    tokens: Any = list[responses.TokenizedToken]
+    tokenize_answer: Any = Union[tokens, other.answer] if other and other.answer is not None else tokens  # noqa: UP007
     return protocol_routes(
         RENDERER,
         [
@@ -247,11 +283,11 @@ def routes() -> Sequence[BaseRoute]:
                 _op("Generate text, streamed token by token", GenerateRequest, apidoc.ok("The stream", STREAM)),
             ),
             doc(
-                Route("/tokenize", tokenize, methods=["POST"]),
+                Route("/tokenize", tokenize_route(other), methods=["POST"]),
                 _op(
-                    "Tokenize `inputs`",
-                    GenerateRequest,
-                    apidoc.ok("The tokens", apidoc.json(list[responses.TokenizedToken])),
+                    "Tokenize `inputs` (TGI), or vLLM's `prompt` / `messages`: the body tells which",
+                    tokenize_body,
+                    apidoc.ok("The tokens (TGI's list, or vLLM's object)", apidoc.json(tokenize_answer)),
                 ),
             ),
             doc(

@@ -1,0 +1,279 @@
+"""vLLM's tokenizer routes: `POST /tokenize` in vLLM's shape and `POST /detokenize`.
+
+`/tokenize` is TGI's route too: the body tells which (TGI's routes hand a body with `prompt` or
+`messages` and no `inputs` to `invoke_tokenize`; app.py wires it). vLLM's requests:
+
+- `{"model"?, "prompt": str, "add_special_tokens"?: true, "return_token_strs"?: false}`;
+- `{"model"?, "messages": [...], "add_generation_prompt"?: true, "continue_final_message"?: false,
+  "add_special_tokens"?: false, "chat_template_kwargs"?: {...}, "tools"?: [...],
+  "return_token_strs"?: false}`: the model's chat template applied, then tokenized;
+
+answered `{"count", "max_model_len", "tokens": [...], "token_strs": [...] | null}`.
+`/detokenize` takes `{"model"?, "tokens": [int, ...]}` and answers `{"prompt": str}` (special tokens
+kept, as vLLM decodes).
+
+`model` absent or null: the default text model; a name that is not served: 404. Errors are vLLM's
+(OpenAI's) error object, ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad body (both
+or neither of `prompt` and `messages`, an unknown field, a request `chat_template`, a token id out of
+the vocabulary, both `add_generation_prompt` and `continue_final_message`), 404 for an unknown model.
+Its own `chat_template` in a request is refused (the model's applies), and so is any field not listed.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from lmiserve.core.errors import (
+    HeadersTooLarge,
+    InvalidRequest,
+    LmiServeError,
+    ModelNotFound,
+    ModelNotReady,
+    NotFound,
+    Overloaded,
+    PayloadTooLarge,
+    QueueTimeout,
+    SchemaViolation,
+    TemplateError,
+    Unauthorized,
+    Unsupported,
+)
+from lmiserve.models.service import model_service
+from lmiserve.server import apidoc
+from lmiserve.server.apidoc import JSON, Reply
+from lmiserve.server.errors import ErrorRenderer, lookup, protocol_routes, rendered_by
+from lmiserve.server.responses import raw_response
+from lmiserve.server.textgen.body import json_payload
+from lmiserve.server.textgen.served import Served, served
+
+TAG = "vLLM"
+
+
+# --- the bodies ---------------------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TokenizeCompletionRequest(_Strict):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = Field(True, description="Add the tokenizer's special tokens (e.g. BOS)")
+    return_token_strs: bool = Field(False, description="Also answer the tokens' strings")
+
+
+class TokenizeChatRequest(_Strict):
+    model: str | None = None
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = Field(
+        False, description="Leave the last message open (not with add_generation_prompt)"
+    )
+    add_special_tokens: bool = Field(False, description="Special tokens on top of the chat template's own")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="More variables for the chat template")
+    tools: list[dict[str, Any]] | None = Field(None, description="Tools given to the chat template")
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+# --- errors ------------------------------------------------------------------------------------------
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorObject(BaseModel):
+    """vLLM's (and OpenAI's) error object."""
+
+    error: ErrorInfo
+
+
+class VllmErrorRenderer(ErrorRenderer):
+    """``{"error": {"message", "type", "param": null, "code": status}}`` with vLLM's statuses and types."""
+
+    protocol = "openai"
+    STATUS: ClassVar[dict[type[LmiServeError], int]] = {
+        InvalidRequest: 400,
+        PayloadTooLarge: 413,
+        HeadersTooLarge: 431,
+        Unauthorized: 401,
+        NotFound: 404,
+        Overloaded: 503,
+        QueueTimeout: 503,
+        ModelNotReady: 503,
+        Unsupported: 400,
+    }
+    TYPES: ClassVar[dict[int, str]] = {
+        400: "BadRequestError",
+        401: "AuthenticationError",
+        404: "NotFoundError",
+        413: "BadRequestError",
+        431: "BadRequestError",
+        503: "ServiceUnavailableError",
+    }
+
+    def status(self, exc: LmiServeError) -> int:
+        return lookup(exc, self.STATUS, 500)
+
+    def body(self, exc: LmiServeError) -> bytes:
+        status = self.status(exc)
+        error = {"message": exc.message, "type": self.TYPES.get(status, "InternalServerError"), "param": None}
+        return json.dumps({"error": {**error, "code": status}}, ensure_ascii=False).encode("utf-8")
+
+    def documented(self) -> dict[int, Reply]:
+        return {status: Reply("Error", {JSON: ErrorObject}) for status in (400, 401, 404, 413, 431, 500, 503)}
+
+
+RENDERER = VllmErrorRenderer()
+
+
+# --- the handlers ------------------------------------------------------------------------------------
+
+
+def _parse(model: type[_Strict], payload: Any) -> Any:
+    if isinstance(payload, dict) and "chat_template" in payload:
+        raise InvalidRequest("`chat_template` is not accepted: the model's own chat template applies.")
+    try:
+        return model.model_validate(payload)
+    except ValidationError as exc:
+        parts = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "body"
+            parts.append(f"{where}: {'unknown field' if err['type'] == 'extra_forbidden' else err['msg']}")
+        raise SchemaViolation("; ".join(parts)) from None
+
+
+def _model(request: Request, name: str | None) -> Served:
+    """The named text model (the default one without a name), ready."""
+    if name is None:
+        return served(request)
+    try:
+        service = model_service(request, name)
+    except ModelNotFound:
+        raise ModelNotFound(f"The model `{name}` does not exist.") from None
+    if not service.is_llm:
+        raise InvalidRequest(f"The model `{name}` is a {service.kind} model: it does not generate text.")
+    return Served.of(service)
+
+
+def _text_of(content: Any) -> Any:
+    """A message's content: a string, or the text of OpenAI's content parts."""
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise SchemaViolation("messages: content parts must be {'type': 'text', 'text': str}")
+            texts.append(part["text"])
+        return "".join(texts)
+    return content
+
+
+def _chat_text(model: Served, req: TokenizeChatRequest) -> str:
+    if req.add_generation_prompt and req.continue_final_message:
+        raise InvalidRequest("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+    messages = []
+    for i, message in enumerate(req.messages):
+        if not isinstance(message.get("role"), str):
+            raise SchemaViolation(f"messages.{i}.role: a string is required")
+        messages.append({**message, "content": _text_of(message.get("content"))})
+    tokenizer = model.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        raise TemplateError("The model has no chat template.")
+    extra: dict[str, Any] = dict(req.chat_template_kwargs or {})
+    if req.tools is not None:
+        extra["tools"] = req.tools
+    try:
+        text = tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            **extra,
+        )
+    except Exception as exc:  # noqa: BLE001 - jinja errors of a model's own template, bad kwargs
+        raise TemplateError(f"The chat template failed: {exc}") from None
+    return str(text)
+
+
+def tokenize_payload(request: Request, payload: Any) -> bytes:
+    """vLLM's tokenize answer for a decoded body."""
+    if isinstance(payload, dict) and "prompt" in payload and "messages" in payload:
+        raise SchemaViolation("Give either `prompt` or `messages`, not both.")
+    if not isinstance(payload, dict) or ("prompt" not in payload and "messages" not in payload):
+        raise SchemaViolation("Give `prompt` (a string) or `messages` (a chat).")
+    req: TokenizeCompletionRequest | TokenizeChatRequest
+    if "prompt" in payload:
+        completion: TokenizeCompletionRequest = _parse(TokenizeCompletionRequest, payload)
+        model = _model(request, completion.model)
+        req, text = completion, completion.prompt
+    else:
+        chat: TokenizeChatRequest = _parse(TokenizeChatRequest, payload)
+        model = _model(request, chat.model)
+        req, text = chat, _chat_text(model, chat)
+    ids = [int(i) for i in model.tokenizer(text, add_special_tokens=req.add_special_tokens)["input_ids"]]
+    strs = [str(s) for s in model.tokenizer.convert_ids_to_tokens(ids)] if req.return_token_strs else None
+    body = {"count": len(ids), "max_model_len": model.limits.max_total_tokens, "tokens": ids, "token_strs": strs}
+    return json.dumps(body, ensure_ascii=False).encode("utf-8")
+
+
+async def invoke_tokenize(request: Request, payload: Any) -> Response:
+    """`/tokenize` with a body in vLLM's shape (TGI's route hands it over), errors in vLLM's shape."""
+
+    async def endpoint(request: Request) -> Response:
+        return raw_response(tokenize_payload(request, payload))
+
+    return await rendered_by(RENDERER, endpoint)(request)
+
+
+async def detokenize(request: Request) -> Response:
+    req = _parse(DetokenizeRequest, await json_payload(request))
+    model = _model(request, req.model)
+    vocabulary = len(model.tokenizer)
+    outside = [t for t in req.tokens if not 0 <= t < vocabulary]
+    if outside:
+        raise InvalidRequest(f"Token ids out of the vocabulary (0 to {vocabulary - 1}): {outside[:8]}")
+    text = model.tokenizer.decode(req.tokens, skip_special_tokens=False)
+    return raw_response(json.dumps({"prompt": text}, ensure_ascii=False).encode("utf-8"))
+
+
+# --- routes and the API document ---------------------------------------------------------------------
+
+TOKENIZE_BODIES: tuple[type[BaseModel], ...] = (TokenizeCompletionRequest, TokenizeChatRequest)
+DETOKENIZE = apidoc.Operation(
+    "Decode token ids (vLLM's /detokenize)",
+    TAG,
+    apidoc.ok("The text", apidoc.json(DetokenizeResponse)),
+    body=apidoc.json(DetokenizeRequest),
+)
+
+
+def routes() -> list[BaseRoute]:
+    """`POST /detokenize` (the API key guarded); `/tokenize` is TGI's route, which hands vLLM's bodies
+    to `invoke_tokenize`."""
+    return protocol_routes(RENDERER, [apidoc.document(Route("/detokenize", detokenize, methods=["POST"]), DETOKENIZE)])
