@@ -52,7 +52,7 @@ async def test_inputs_is_tgi_byte_for_byte(served):
 async def test_prompt(served):
     r = await post(served, "/tokenize", {"prompt": "hi there"})
     assert (r.status_code, r.headers["content-type"]) == (200, "application/json")
-    assert r.content == b'{"count": 4, "max_model_len": 256, "tokens": [1, 78, 79, 446], "token_strs": null}'
+    assert r.content == b'{"count":4,"max_model_len":256,"tokens":[1,78,79,446],"token_strs":null}'
     assert r.json()["tokens"] == tiny_tokenizer()("hi there")["input_ids"]
     body = {"model": "tiny", "prompt": "hi there", "add_special_tokens": False, "return_token_strs": True}
     r = await post(served, "/tokenize", body)
@@ -64,7 +64,7 @@ async def test_prompt(served):
 async def test_messages(served):
     chat = [{"role": "user", "content": "hi"}]
     r = await post(served, "/tokenize", {"messages": chat})  # <|user|>hi</s><|assistant|>, no BOS
-    assert r.content == b'{"count": 5, "max_model_len": 256, "tokens": [5, 78, 79, 2, 6], "token_strs": null}'
+    assert r.content == b'{"count":5,"max_model_len":256,"tokens":[5,78,79,2,6],"token_strs":null}'
     parts = [{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}]
     r = await post(served, "/tokenize", {"messages": parts, "add_generation_prompt": False})
     assert r.json()["tokens"] == [5, 78, 79, 2]
@@ -106,6 +106,7 @@ async def test_messages(served):
 async def test_tokenize_errors_are_vllms(served, body, status, message):
     r = await post(served, "/tokenize", body)
     assert (r.status_code, r.headers["content-type"], r.json()) == (status, "application/json", error(message, status))
+    assert r.content == json.dumps(error(message, status), separators=(",", ":")).encode()
 
 
 async def test_a_model_that_does_not_generate_text():
@@ -122,9 +123,9 @@ async def test_a_model_that_does_not_generate_text():
 async def test_detokenize(served):
     ids = tiny_tokenizer()("hi there")["input_ids"]
     r = await post(served, "/detokenize", {"tokens": ids})
-    assert (r.status_code, r.content) == (200, b'{"prompt": "<s>hi there"}')  # special tokens kept, as vLLM
+    assert (r.status_code, r.content) == (200, b'{"prompt":"<s>hi there"}')  # special tokens kept, as vLLM
     r = await post(served, "/detokenize", {"model": "tiny", "tokens": []})
-    assert r.content == b'{"prompt": ""}'
+    assert r.content == b'{"prompt":""}'
     r = await post(served, "/detokenize", {"tokens": tiny_tokenizer()("café", add_special_tokens=False)["input_ids"]})
     assert r.json() == {"prompt": "café"}
 

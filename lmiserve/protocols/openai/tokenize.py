@@ -55,6 +55,11 @@ from lmiserve.server.textgen.served import Served, served
 TAG = "vLLM"
 
 
+def _dumps(body: Any) -> bytes:
+    """Compact UTF-8 JSON, as vLLM answers."""
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
 # --- the bodies ---------------------------------------------------------------------------------------
 
 
@@ -144,7 +149,7 @@ class VllmErrorRenderer(ErrorRenderer):
     def body(self, exc: LmiServeError) -> bytes:
         status = self.status(exc)
         error = {"message": exc.message, "type": self.TYPES.get(status, "InternalServerError"), "param": None}
-        return json.dumps({"error": {**error, "code": status}}, ensure_ascii=False).encode("utf-8")
+        return _dumps({"error": {**error, "code": status}})
 
     def documented(self) -> dict[int, Reply]:
         return {status: Reply("Error", {JSON: ErrorObject}) for status in (400, 401, 404, 413, 431, 500, 503)}
@@ -239,7 +244,7 @@ def tokenize_payload(request: Request, payload: Any) -> bytes:
     ids = [int(i) for i in model.tokenizer(text, add_special_tokens=req.add_special_tokens)["input_ids"]]
     strs = [str(s) for s in model.tokenizer.convert_ids_to_tokens(ids)] if req.return_token_strs else None
     body = {"count": len(ids), "max_model_len": model.limits.max_total_tokens, "tokens": ids, "token_strs": strs}
-    return json.dumps(body, ensure_ascii=False).encode("utf-8")
+    return _dumps(body)
 
 
 async def invoke_tokenize(request: Request, payload: Any) -> Response:
@@ -259,7 +264,7 @@ async def detokenize(request: Request) -> Response:
     if outside:
         raise InvalidRequest(f"Token ids out of the vocabulary (0 to {vocabulary - 1}): {outside[:8]}")
     text = model.tokenizer.decode(req.tokens, skip_special_tokens=False)
-    return raw_response(json.dumps({"prompt": text}, ensure_ascii=False).encode("utf-8"))
+    return raw_response(_dumps({"prompt": text}))
 
 
 # --- routes and the API document ---------------------------------------------------------------------
