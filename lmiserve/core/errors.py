@@ -79,6 +79,10 @@ class ModelNotFound(NotFound):
     """No model of that name is served."""
 
 
+class NoTextModel(ModelNotFound):
+    """A text-generation route on a server that serves no LLM (only embedding or tensor models)."""
+
+
 class Conflict(LmiServeError):
     """The request conflicts with the server's state (e.g. a model name already registered)."""
 
@@ -123,3 +127,13 @@ class IncompleteGeneration(GenerationFailed):
 
 class InternalError(LmiServeError):
     """A server-side failure that is not the model's (an unencodable output, a load that failed)."""
+
+
+EXCERPT_LIMIT = 100  # most characters of a request an error message quotes
+
+
+def excerpt(text: str, limit: int = EXCERPT_LIMIT) -> str:
+    """`text` as an error message may quote it: control and other unprintable characters escaped
+    (``\\n``, ``\\x00``), at most `limit` characters, then ``...`` when it was longer."""
+    escaped = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text[: limit + 1])
+    return escaped if len(text) <= limit and len(escaped) <= limit else escaped[:limit] + "..."

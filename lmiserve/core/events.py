@@ -38,6 +38,7 @@ class Finish:
     prefill: tuple[Token, ...] | None = None  # prompt tokens with logprobs (decoder_input_details)
     error: str | None = None
     cached_tokens: int = 0  # of prompt_tokens, how many the prefix cache supplied (not computed again)
+    stop_reason: str | int | None = None  # STOP_SEQUENCE: the stop string matched, or the stop token id
 
 
 @dataclass(frozen=True)

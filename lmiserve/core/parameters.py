@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from lmiserve.core import constraints
-from lmiserve.core.errors import InvalidRequest
+from lmiserve.core.errors import InvalidRequest, excerpt
 from lmiserve.core.grammar import Grammar
 from lmiserve.core.request import SamplingParams
 
@@ -163,5 +163,5 @@ def _validation_message(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"]) or "parameters"
-        parts.append(f"Invalid value {err.get('input')!r} for parameter '{where}': {err['msg']}")
+        parts.append(f"Invalid value {excerpt(repr(err.get('input')))} for parameter '{where}': {err['msg']}")
     return "; ".join(parts)

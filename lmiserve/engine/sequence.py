@@ -70,6 +70,7 @@ class Sequence:
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
         self._stop = StopMatcher(params.stop_sequences, params.include_stop_str_in_output)
         self._texts: list[str] = []
+        self._stop_reason: str | int | None = None  # what ended it with STOP_SEQUENCE
 
     # ---- state -----------------------------------------------------------------------------------
     @property
@@ -113,9 +114,11 @@ class Sequence:
             reason = FinishReason.EOS_TOKEN
         elif token_id in self._stop_ids:
             reason = FinishReason.STOP_SEQUENCE
+            self._stop_reason = token_id
         text, stopped = self._stop.feed(text)
         if stopped and reason is None:
             reason = FinishReason.STOP_SEQUENCE
+            self._stop_reason = self._stop.matched
         if reason is None and self.grammar is not None and self.grammar.is_stopped:
             reason = FinishReason.EOS_TOKEN  # the grammar is complete and nothing may follow
         if reason is None and len(self.output_ids) >= self.params.max_new_tokens:
@@ -156,4 +159,5 @@ class Sequence:
             seed=self.seed,
             prefill=tuple(self.prefill_tokens) if self.params.decoder_input_details else None,
             error=error,
+            stop_reason=self._stop_reason if reason is FinishReason.STOP_SEQUENCE else None,
         )

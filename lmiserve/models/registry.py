@@ -6,7 +6,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterator
 
-from lmiserve.core.errors import ModelNotFound, ModelRequired
+from lmiserve.core.errors import ModelNotFound, ModelRequired, NoTextModel
 from lmiserve.core.stats import EngineObserver
 from lmiserve.models.service import ModelService
 
@@ -63,7 +63,7 @@ class ModelRegistry:
         if len(llms) == 1:
             return llms[0]
         if not llms:
-            raise ModelRequired("No text-generation model is loaded: this route needs an LLM.")
+            raise NoTextModel("No text-generation model is loaded: this route needs an LLM.")
         raise ModelRequired("Parameter model_name is required.")
 
     @property

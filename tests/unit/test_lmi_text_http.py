@@ -95,6 +95,9 @@ def assert_424(response, message: str) -> None:
             PARAMS + "{'inputs': 'hi', 'parameters': 'max_new_tokens=3'}",
         ),
         ({"inputs": "", "stream": True}, EMPTY + "{'inputs': '', 'stream': True}"),
+        # a large payload is quoted in its first 100 characters only, then "..."
+        ({"input": "x" * 200_000}, NOT_OBJECT + "{'input': '" + "x" * 89 + "..."),
+        ({"inputs": "", "pad": "\n" * 100}, EMPTY + "{'inputs': '', 'pad': '" + "\\n" * 38 + "\\..."),
     ],
     ids=[
         "list",
@@ -107,6 +110,8 @@ def assert_424(response, message: str) -> None:
         "parameters-list",
         "parameters-string",
         "empty-stream",
+        "large",
+        "large-escaped",
     ],
 )
 async def test_payload_validation_messages(served, payload, message):

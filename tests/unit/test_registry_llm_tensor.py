@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from lmiserve.config import Settings
-from lmiserve.core.errors import InvalidRequest, ModelNotFound, ModelNotReady, ModelRequired
+from lmiserve.core.errors import InvalidRequest, ModelNotFound, ModelNotReady, ModelRequired, NoTextModel
 from lmiserve.core.parameters import Limits
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.core.tensors import TensorRequest
@@ -133,7 +133,7 @@ def test_registry_resolves_names_and_defaults(tmp_path):
         registry.get("nope")
     only_embedding = ModelRegistry([embedding])
     assert only_embedding.default() is embedding
-    with pytest.raises(ModelRequired, match="needs an LLM"):
+    with pytest.raises(NoTextModel, match="needs an LLM"):  # a 404 in each text protocol
         only_embedding.default_llm()
     with pytest.raises(ValueError, match="already registered"):
         registry.add(service("llm"))

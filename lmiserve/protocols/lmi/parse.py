@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmiserve.core import jsondoc
-from lmiserve.core.errors import InvalidRequest
+from lmiserve.core.errors import InvalidRequest, excerpt
 from lmiserve.core.parameters import Limits, parse_parameters, to_sampling
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.protocols.lmi.formatters import FormatOptions, select_formatter_name
@@ -55,7 +55,7 @@ def parse(payload, limits: Limits, *, dynamic_batch: bool = False) -> LmiCall:
     if not isinstance(payload, dict) or payload.get("inputs") is None:
         raise _fail(
             "Invalid request payload. Request payload should be a json object specifying the 'inputs' "
-            f"field. Received payload {payload!r}"
+            f"field. Received payload {excerpt(repr(payload))}"
         )
     inputs = payload["inputs"]
     if dynamic_batch and isinstance(inputs, list) and inputs and all(isinstance(i, str) for i in inputs):
@@ -66,7 +66,8 @@ def parse(payload, limits: Limits, *, dynamic_batch: bool = False) -> LmiCall:
         raise _fail(f"Invalid request payload. The 'inputs' field must be a string. Received type {type(inputs)!r}")
     if any(p == "" for p in prompts):
         raise _fail(
-            f"Invalid request payload. The 'inputs' field does not contain any content. Received payload {payload!r}"
+            "Invalid request payload. The 'inputs' field does not contain any content. "
+            f"Received payload {excerpt(repr(payload))}"
         )
     raw_params = payload.get("parameters", {})
     if raw_params is None:
@@ -74,7 +75,7 @@ def parse(payload, limits: Limits, *, dynamic_batch: bool = False) -> LmiCall:
     if not isinstance(raw_params, dict):
         raise _fail(
             "Invalid request payload. 'parameters' must be provided as an object of key-value pairs. "
-            f"Received payload {payload!r}"
+            f"Received payload {excerpt(repr(payload))}"
         )
     params = parse_parameters(raw_params)
     stream = bool(payload.get("stream", False))

@@ -9,8 +9,10 @@ protocols' renderers (`protocols/tgi/errors.py`, `protocols/openai/errors.py`).
   ``Tool error: ...``, overload 429 ``Model is overloaded``, not ready 503 ``unhealthy``, an incomplete
   answer 500 ``Incomplete generation``, and any failure once generation started (the engine's queue
   timeout included) 424 ``Request failed during generation: ...``.
-- `ModelRequired` (no single LLM to serve) is not answered here: it goes on to the application's
-  catch-all handler.
+- No text-generation model served (`NoTextModel`): 404 ``{"error": "No text-generation model is
+  loaded: this route needs an LLM.", "error_type": "not_found"}``.
+- `ModelRequired` (several LLMs and no way to pick one) is not answered here: it goes on to the
+  application's catch-all handler.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from lmiserve.core.errors import (
     MalformedBody,
     ModelNotReady,
     ModelRequired,
+    NoTextModel,
     Overloaded,
     PayloadTooLarge,
     SchemaViolation,
@@ -73,6 +76,7 @@ SHAPES: dict[type[LmiServeError], Shape] = {
     ToolError: Shape(422, "tool_error", "Tool error: "),
     Overloaded: Shape(429, "overloaded", fixed="Model is overloaded"),
     ModelNotReady: Shape(503, "unhealthy"),
+    NoTextModel: Shape(404, "not_found"),
 }
 
 REJECTIONS: dict[type[LmiServeError], int] = {
