@@ -34,8 +34,10 @@ if TYPE_CHECKING:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A saved tiny random LlamaForCausalLM (2 layers, hidden 64, fp32) + trained byte-level BPE
-    tokenizer (512 tokens, chat template) + generation config; a normal transformers directory."""
-    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+    tokenizer (512 tokens, chat template) + generation config; a normal transformers directory named
+    ``tiny``, so the model is served as ``tiny``: the `model` the OpenAI tests send (any other name
+    answers 404 there)."""
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama") / "tiny")  # served as "tiny"
 
 
 @pytest.fixture(scope="session")

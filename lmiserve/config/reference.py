@@ -35,7 +35,17 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (
         "Model",
         "What is served and how it is loaded.",
-        ("model_id", "model_name", "revision", "dtype", "device", "trust_remote_code", "model_kind", "model_cache_dir"),
+        (
+            "model_id",
+            "model_name",
+            "served_model_name",
+            "revision",
+            "dtype",
+            "device",
+            "trust_remote_code",
+            "model_kind",
+            "model_cache_dir",
+        ),
     ),
     (
         "Batching and engine",

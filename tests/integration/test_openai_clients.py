@@ -74,10 +74,69 @@ def test_models_list(client):
 
 
 def test_error_types(client, url):
-    with pytest.raises(openai.UnprocessableEntityError) as info:
+    with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5000)
-    assert info.value.status_code == 422
-    assert info.value.response.json()["error_type"] == "validation"
+    assert info.value.status_code == 400 and info.value.type == "invalid_request_error"
+    assert info.value.response.headers["content-type"] == "application/json"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="a", max_tokens=2, top_p=1.5)
+    assert info.value.param == "top_p" and "`top_p`" in info.value.message
+    with pytest.raises(openai.BadRequestError):  # before the stream starts
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5000, stream=True)
+    with pytest.raises(openai.NotFoundError) as not_found:
+        client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=2)
+    assert (not_found.value.code, not_found.value.param) == ("model_not_found", "model")
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4o", prompt="a", max_tokens=2)
     with openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0, timeout=30) as anonymous:
         with pytest.raises(openai.AuthenticationError):
             anonymous.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+
+
+def _stop_in(text: str) -> str:
+    """A stop string the greedy answer `text` contains past its start (two visible characters)."""
+    for i in range(1, len(text) - 1):
+        if text[i : i + 2].strip() == text[i : i + 2] and text[i : i + 2].isprintable():
+            return text[i : i + 2]
+    pytest.skip(f"no visible stop string in {text!r}")
+
+
+def test_the_stop_string_is_left_out_and_finish_reason_is_stop(client):
+    whole = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0)
+    text = whole.choices[0].message.content
+    stop = _stop_in(text)
+    cut = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0, stop=[stop])
+    choice = cut.choices[0]
+    assert (choice.message.content, choice.finish_reason) == (text[: text.find(stop)], "stop")
+    assert choice.model_extra["stop_reason"] == stop  # vLLM's extension: the matched string
+    kept = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=12,
+        temperature=0,
+        stop=[stop],
+        extra_body={"include_stop_str_in_output": True},
+    )
+    assert kept.choices[0].message.content == text[: text.find(stop) + len(stop)]
+    stream = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=12, temperature=0, stop=[stop], stream=True
+    )
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert "".join(c.delta.content or "" for c in chunks) == text[: text.find(stop)]
+    assert chunks[-1].finish_reason == "stop" and all(stop not in (c.delta.content or "") for c in chunks)
+
+
+def test_completions_stop_and_finish_reasons(client):
+    whole = client.completions.create(model="tiny", prompt="Deep learning is", max_tokens=12, temperature=0)
+    assert whole.choices[0].finish_reason in ("stop", "length")
+    text = whole.choices[0].text
+    stop = _stop_in(text)
+    cut = client.completions.create(model="tiny", prompt="Deep learning is", max_tokens=12, temperature=0, stop=stop)
+    assert (cut.choices[0].text, cut.choices[0].finish_reason) == (text[: text.find(stop)], "stop")
+    streamed = list(
+        client.completions.create(
+            model="tiny", prompt="Deep learning is", max_tokens=12, temperature=0, stop=stop, stream=True
+        )
+    )
+    assert "".join(c.choices[0].text for c in streamed) == text[: text.find(stop)]
+    assert streamed[-1].choices[0].finish_reason == "stop"

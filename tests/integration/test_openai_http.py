@@ -80,15 +80,25 @@ def test_chat_n_choices(client):
 
 def test_chat_errors(client):
     r = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 5000})
-    assert r.status_code == 422 and r.json()["error_type"] == "validation"
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = client.post("/v1/chat/completions", json={"messages": MESSAGES, "top_p": 1.5})
-    assert r.json()["error"] == "Input validation error: `top_p` must be > 0.0 and < 1.0"
+    assert r.json() == {
+        "error": {
+            "message": "`top_p` must be > 0.0 and < 1.0",
+            "type": "invalid_request_error",
+            "param": "top_p",
+            "code": None,
+        }
+    }
     r = client.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": [{"type": "function"}]})
-    assert r.status_code == 422 and r.json()["error_type"] == "tool_error"
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("Tool error: ")
     r = client.post("/v1/chat/completions", json={"messages": []})
-    assert r.status_code == 422 and r.text.startswith("Failed to deserialize")
+    assert (r.status_code, r.headers["content-type"]) == (400, "application/json")
+    assert r.json()["error"]["message"].startswith("Failed to deserialize")
     r = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 5000, "stream": True})
-    assert r.status_code == 422  # validated before the stream starts
+    assert r.status_code == 400  # validated before the stream starts
+    r = client.post("/v1/chat/completions", json={"model": "gpt-4o", "messages": MESSAGES})
+    assert (r.status_code, r.json()["error"]["code"]) == (404, "model_not_found")
 
 
 def test_chat_accepts_openai_top_p_default_and_null_options(client):
@@ -130,18 +140,21 @@ def test_completions_stream(client):
 
 
 def test_completions_errors(client):
+    def invalid(message: str) -> dict:
+        return {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
+
     r = client.post("/v1/completions", json={"prompt": []})
-    assert r.json() == {
-        "error": "Empty array detected. Do not use an empty array for the prompt.",
-        "error_type": "validation",
-    }
+    assert (r.status_code, r.json()) == (
+        400,
+        invalid("Empty array detected. Do not use an empty array for the prompt."),
+    )
     r = client.post("/v1/completions", json={"prompt": "a", "suffix": None})
-    assert r.json()["error_type"] == "suffix not supported"
+    assert (r.status_code, r.json()["error"]["message"]) == (
+        400,
+        "Suffix is not supported and can be achieved by preprocessing the prompt.",
+    )
     r = client.post("/v1/completions", json={"prompt": ["a"] * 5})
-    assert r.json() == {
-        "error": "Number of prompts exceeds the maximum allowed batch size of 4",
-        "error_type": "batch size exceeded",
-    }
+    assert (r.status_code, r.json()) == (400, invalid("Number of prompts exceeds the maximum allowed batch size of 4"))
 
 
 # --- /invocations dispatch --------------------------------------------------------------------------------

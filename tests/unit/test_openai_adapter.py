@@ -71,7 +71,7 @@ def test_model_echo():
 
 def rendered(exc: LmiServeError) -> tuple[int, str, str]:
     body = json.loads(RENDERER.body(exc))
-    return RENDERER.status(exc), body["error_type"], body["error"]
+    return RENDERER.status(exc), body["error"]["type"], body["error"]["message"]
 
 
 def test_n_needs_sampling_and_no_seed():
@@ -94,14 +94,18 @@ def test_tools_constrain_the_output_to_calls():
     assert none.calls[0].request.prompt == "user: hi"
     with pytest.raises(ToolError) as info:
         chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="g")
-    assert rendered(info.value) == (422, "tool_error", "Tool error: Tool with name g not found")
+    assert rendered(info.value) == (400, "invalid_request_error", "Tool error: Tool with name g not found")
 
 
 def test_tools_and_a_response_format_are_mutually_exclusive():
     tools = [{"type": "function", "function": {"name": "f"}}]
     with pytest.raises(ToolError) as info:
         chat(tools=tools, response_format={"type": "json_object"})
-    assert rendered(info.value) == (422, "tool_error", "Tool error: Grammar and tools are mutually exclusive")
+    assert rendered(info.value) == (
+        400,
+        "invalid_request_error",
+        "Tool error: Grammar and tools are mutually exclusive",
+    )
     with pytest.raises(ToolError):
         chat(tools=tools, guided_regex="a+")
     plain = chat(tools=tools, response_format={"type": "text"}).calls[0].request.params.grammar  # no constraint
@@ -129,7 +133,7 @@ def test_template_errors():
     no_template = Served(service=None, engine=None, limits=LIMITS, tokenizer=SimpleNamespace(chat_template=None))
     with pytest.raises(TemplateError) as info:
         no_template.render_chat(MESSAGES)
-    assert rendered(info.value) == (422, "template_error", "Template error: template not found")
+    assert rendered(info.value) == (400, "invalid_request_error", "Template error: template not found")
 
     def broken(*args, **kwargs):
         raise ValueError("unknown role")
@@ -142,7 +146,7 @@ def test_template_errors():
     )
     with pytest.raises(TemplateError) as info:
         bad.render_chat(MESSAGES)
-    assert rendered(info.value) == (422, "template_error", "Template error: unknown role")
+    assert rendered(info.value) == (400, "invalid_request_error", "Template error: unknown role")
 
 
 class BosTokenizer:

@@ -106,7 +106,7 @@ async def test_golden(name, tiny_model):
 
 def test_stream_error_tail_is_an_error_event_then_done():
     assert RENDERER.in_band(InvalidRequest("x")) == (
-        b'data: {"error":{"message":"Input validation error: x","http_status_code":422}}\n\ndata: [DONE]\n\n'
+        b'data: {"error":{"message":"x","type":"invalid_request_error","param":null,"code":null}}\n\ndata: [DONE]\n\n'
     )
 
 

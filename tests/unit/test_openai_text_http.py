@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.tensor_app import client as tensor_client
+from helpers.tensor_app import tensor_app, text_model
 from helpers.text_app import Script, text_app
 from lmiserve.core.errors import InvalidRequest, ModelNotReady, Overloaded, QueueTimeout
 
@@ -68,8 +70,11 @@ def chunks(raw: bytes) -> list[dict]:
     return [json.loads(e.removeprefix("data: ")) for e in raw.decode().split("\n\n")[:-2]]
 
 
-def error(message: str, kind: str = "validation") -> bytes:
-    return dumps({"error": message, "error_type": kind})
+def error(
+    message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> bytes:
+    """OpenAI's error object, as these routes answer every error."""
+    return dumps({"error": {"message": message, "type": kind, "param": param, "code": code}})
 
 
 @pytest.fixture
@@ -97,6 +102,7 @@ async def test_chat_completion(served):
         "message": {"role": "assistant", "content": " the quick brown"},
         "logprobs": None,
         "finish_reason": "length",
+        "stop_reason": None,
     }
     body = {**head("chat.completion"), "choices": [choice], "usage": usage(CHAT_PROMPT_TOKENS, 3)}
     assert normal(r.content) == dumps(body)  # "tgi" -> the served model's id
@@ -106,7 +112,8 @@ async def test_chat_completion(served):
     assert request.prompt == "<|user|>What is deep learning?</s><|assistant|>" and not request.params.do_sample
 
 
-async def test_chat_stop_reason_and_requested_model_echoed(served):
+async def test_chat_stop_reason_and_requested_model_echoed():
+    served = text_app(served_model_name="my-model, other")  # an alias is echoed
     served.fake.reply(Script(text=" the quick"))
     r = await post(served, "/v1/chat/completions", {"model": "my-model", "messages": MESSAGES})
     body = json.loads(r.content)
@@ -139,6 +146,7 @@ async def test_chat_stream_matches_the_whole_answer(served):
                     "delta": {"role": "assistant", "content": piece},
                     "logprobs": None,
                     "finish_reason": "length" if i == 2 else None,
+                    "stop_reason": None,
                 }
             ],
             "usage": None,
@@ -177,16 +185,17 @@ async def test_chat_n_choices(served):
         (
             {"max_tokens": 5000},
             error(
-                "Input validation error: `inputs` tokens + `max_new_tokens` must be <= 256. Given: 10 `inputs` tokens and 5000 `max_new_tokens`"
+                "`inputs` tokens + `max_new_tokens` must be <= 256. Given: 10 `inputs` tokens and 5000 `max_new_tokens`",
+                param="inputs",
             ),
         ),
-        ({"top_p": 1.5}, error("Input validation error: `top_p` must be > 0.0 and < 1.0")),
+        ({"top_p": 1.5}, error("`top_p` must be > 0.0 and < 1.0", param="top_p")),
         (
             {"n": 2, "temperature": 0},
-            error("Input validation error: `n` > 1 requires sampling (a `temperature` other than 0)"),
+            error("`n` > 1 requires sampling (a `temperature` other than 0)", param="n"),
         ),
-        ({"n": 2, "seed": 1}, error("Input validation error: `seed` must not be set when `n` > 1")),
-        ({"n": 17}, error("Input validation error: `n` must be <= 16. Given: 17")),
+        ({"n": 2, "seed": 1}, error("`seed` must not be set when `n` > 1", param="seed")),
+        ({"n": 17}, error("`n` must be <= 16. Given: 17", param="n")),
         ({"response_format": {"type": "yaml"}}, None),
         ({"guided_regex": "(("}, None),
         ({"guided_regex": "a+", "guided_choice": ["b"]}, None),
@@ -201,12 +210,11 @@ async def test_chat_n_choices(served):
 @pytest.mark.parametrize("stream", [False, True])
 async def test_chat_validation_errors_come_before_the_stream(served, extra, body, stream):
     r = await post(served, "/v1/chat/completions", {"messages": MESSAGES, "stream": stream, **extra})
-    assert (r.status_code, r.headers["content-type"]) == (422, "application/json")
+    assert (r.status_code, r.headers["content-type"]) == (400, "application/json")
     if body is not None:
         assert r.content == body
     else:
-        assert r.json()["error_type"] == "validation"
-        assert r.json()["error"].startswith("Input validation error: ")
+        assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["code"] is None
     assert served.fake.requests == []
 
 
@@ -215,25 +223,32 @@ async def test_chat_validation_errors_come_before_the_stream(served, extra, body
     [
         (
             {"messages": []},
-            422,
-            b"Failed to deserialize the JSON body into the target type: messages: List should have at least 1 item after validation, not 0",
+            400,
+            error(
+                "Failed to deserialize the JSON body into the target type: messages: List should have at least 1 item after validation, not 0",
+                param="messages",
+            ),
         ),
-        ({"messages": MESSAGES, "tools": [{"type": "function"}]}, 422, None),
+        ({"messages": MESSAGES, "tools": [{"type": "function"}]}, 400, None),
         (
             {"messages": MESSAGES, "stream": "yes"},
-            422,
-            b"Failed to deserialize the JSON body into the target type: stream: Input should be a valid boolean",
+            400,
+            error(
+                "Failed to deserialize the JSON body into the target type: stream: Input should be a valid boolean",
+                param="stream",
+            ),
         ),
     ],
     ids=["no-messages", "bad-tool", "bad-stream"],
 )
 async def test_chat_rejections(served, payload, status, body):
     r = await post(served, "/v1/chat/completions", payload)
-    assert r.status_code == status
+    assert (r.status_code, r.headers["content-type"]) == (status, "application/json")
     if body is not None:
-        assert (r.headers["content-type"], r.content) == ("text/plain; charset=utf-8", body)
+        assert r.content == body
     else:
-        assert r.json()["error_type"] == "tool_error" and r.json()["error"].startswith("Tool error: ")
+        assert r.json()["error"]["type"] == "invalid_request_error"
+        assert r.json()["error"]["message"].startswith("Tool error: ")
 
 
 async def test_chat_accepts_openai_defaults_and_null_options(served):
@@ -247,8 +262,8 @@ async def test_chat_stop_and_min_tokens(served):
     body = (
         await post(served, "/v1/chat/completions", {"messages": MESSAGES, "stop": " brown", "temperature": 0})
     ).json()
-    assert body["choices"][0]["message"]["content"] == " the quick brown"  # TGI keeps the stop sequence
-    assert body["choices"][0]["finish_reason"] == "stop_sequence"  # and does not map it to "stop"
+    assert body["choices"][0]["message"]["content"] == " the quick"  # the stop string left out
+    assert (body["choices"][0]["finish_reason"], body["choices"][0]["stop_reason"]) == ("stop", " brown")
     payload = {"messages": MESSAGES, "max_tokens": 8, "min_tokens": 8, "ignore_eos": True, "temperature": 0}
     body = (await post(served, "/v1/chat/completions", payload)).json()
     assert (body["choices"][0]["finish_reason"], body["usage"]["completion_tokens"]) == ("length", 8)
@@ -261,7 +276,10 @@ async def test_completions_two_prompts(served):
     served.fake.reply(Script(text=FOX))
     payload = {"prompt": ["Deep learning is", "Hello"], "max_tokens": 3, "temperature": 0}
     r = await post(served, "/v1/completions", payload)
-    choices = [{"index": i, "text": " the quick brown", "logprobs": None, "finish_reason": "length"} for i in range(2)]
+    choices = [
+        {"index": i, "text": " the quick brown", "logprobs": None, "finish_reason": "length", "stop_reason": None}
+        for i in range(2)
+    ]
     body = {**head("text_completion", chat=False), "choices": choices, "usage": usage(4 + 2, 6)}
     assert normal(r.content) == dumps(body)
     assert [r.prompt for r in served.fake.requests] == ["Deep learning is", "Hello"]
@@ -305,15 +323,15 @@ async def test_completions_n_indexes(served):
         ({"prompt": "a", "suffix": None}, (GOLDEN / "error_suffix.json").read_bytes()),
         (
             {"prompt": ["a"] * 5},
-            error("Number of prompts exceeds the maximum allowed batch size of 4", "batch size exceeded"),
+            error("Number of prompts exceeds the maximum allowed batch size of 4"),
         ),
-        ({"prompt": "a", "max_tokens": 0}, error("Input validation error: `max_new_tokens` must be strictly positive")),
+        ({"prompt": "a", "max_tokens": 0}, error("`max_new_tokens` must be strictly positive", param="max_new_tokens")),
     ],
     ids=["empty", "suffix", "too-many", "zero-tokens"],
 )
 async def test_completions_errors(served, payload, body):
     r = await post(served, "/v1/completions", payload)
-    assert (r.status_code, r.content) == (422, body)
+    assert (r.status_code, r.headers["content-type"], r.content) == (400, "application/json", body)
 
 
 async def test_completion_ignore_eos_forces_exact_token_count(served):
@@ -339,13 +357,17 @@ async def test_completion_ignore_eos_forces_exact_token_count(served):
 @pytest.mark.parametrize(
     ("exc", "status", "body"),
     [
-        (Overloaded("Worker queue capacity exceeded"), 429, error("Model is overloaded", "overloaded")),
-        (QueueTimeout("Time out in: 2"), 424, error("Request failed during generation: Time out in: 2", "generation")),
-        (InvalidRequest("bad"), 422, error("Input validation error: bad")),
         (
-            ModelNotReady("The server is shutting down"),
-            424,
-            error("Request failed during generation: The server is shutting down", "generation"),
+            Overloaded("Worker queue capacity exceeded"),
+            429,
+            error("Worker queue capacity exceeded", "rate_limit_error"),
+        ),
+        (QueueTimeout("Time out in: 2"), 503, error("Time out in: 2", "service_unavailable_error")),
+        (InvalidRequest("bad"), 400, error("bad")),
+        (
+            ModelNotReady("The server is shutting down"),  # under a request that started: a failure
+            500,
+            error("The server is shutting down", "server_error"),
         ),
     ],
     ids=["overloaded", "queue-timeout", "invalid", "stopped"],
@@ -355,8 +377,7 @@ async def test_engine_errors(served, exc, status, body):
     r = await post(served, "/v1/chat/completions", {"messages": MESSAGES})
     assert (r.status_code, r.content) == (status, body)
     r = await post(served, "/v1/chat/completions", {"messages": MESSAGES, "stream": True})
-    message = json.loads(body)["error"]
-    in_band = b"data: " + dumps({"error": {"message": message, "http_status_code": 422}}) + b"\n\n" + DONE
+    in_band = b"data: " + body + b"\n\n" + DONE  # the same error object, after the 200
     assert (r.status_code, r.content) == (200, in_band)
 
 
@@ -365,13 +386,10 @@ async def test_a_failure_after_the_first_chunk_is_an_error_event_then_done(serve
     r = await post(served, "/v1/completions", {"prompt": "a", "stream": True, "temperature": 0})
     events = normal(r.content).split(b"\n\n")
     assert events[0].startswith(b'data: {"object":"text_completion"') and b'"text":" the"' in events[0]
-    failure = {"error": {"message": "Request failed during generation: CUDA out of memory", "http_status_code": 422}}
-    assert events[1:] == [b"data: " + dumps(failure), b"data: [DONE]", b""]
+    failure = error("CUDA out of memory", "server_error")
+    assert events[1:] == [b"data: " + failure, b"data: [DONE]", b""]
     r = await post(served, "/v1/completions", {"prompt": "a", "temperature": 0})
-    assert (r.status_code, r.content) == (
-        424,
-        error("Request failed during generation: CUDA out of memory", "generation"),
-    )
+    assert (r.status_code, r.content) == (500, failure)
 
 
 async def test_a_client_that_goes_away_aborts_the_generation(served):
@@ -420,7 +438,7 @@ async def test_invocations_prompt_is_a_completion_and_inputs_stays_lmi(served):
     r = await post(served, "/invocations", {"inputs": "Hello", "parameters": {"max_new_tokens": 2}})
     assert r.content == b'{"generated_text": " the quick"}'
     r = await post(served, "/invocations", {"messages": []})  # the chat route's errors, in its shape
-    assert r.status_code == 422 and r.text.startswith("Failed to deserialize")
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("Failed to deserialize")
 
 
 # --- tools ------------------------------------------------------------------------------------------------------
@@ -465,6 +483,7 @@ async def test_required_call(tools):
         "message": {"role": "assistant", "content": None, "tool_calls": [call]},
         "logprobs": None,
         "finish_reason": "tool_calls",
+        "stop_reason": None,
     }
     prompt_tokens = len(tools.fake.encoded[0])
     completion_tokens = len(tools.fake.ids(CALL))
@@ -510,7 +529,7 @@ async def test_parallel_calls_named_tool_and_content(tools):
     tools.fake.reply_once(Script(text=CALL, eos=False))  # a named tool: the grammar allows that one only
     named = tool_chat(tool_choice={"type": "function", "function": {"name": "get_time"}}, max_tokens=100)
     r = await post(tools, "/v1/chat/completions", named)
-    assert r.status_code == 424 and "does not follow the grammar" in r.json()["error"]
+    assert r.status_code == 500 and "does not follow the grammar" in r.json()["error"]["message"]
 
 
 async def test_max_tokens_mid_call_returns_no_half_call(tools):
@@ -539,10 +558,7 @@ async def test_tool_choice_none_is_plain_text(tools):
 async def test_tools_and_response_format_are_exclusive(tools):
     payload = tool_chat(tool_choice="required", response_format={"type": "json_object"})
     r = await post(tools, "/v1/chat/completions", payload)
-    assert (r.status_code, r.content) == (
-        422,
-        error("Tool error: Grammar and tools are mutually exclusive", "tool_error"),
-    )
+    assert (r.status_code, r.content) == (400, error("Tool error: Grammar and tools are mutually exclusive"))
 
 
 # --- structured output ---------------------------------------------------------------------------------------
@@ -565,6 +581,7 @@ async def test_response_format_json_schema(served):
         "message": {"role": "assistant", "content": '{"city":"Paris","population":2100000}'},
         "logprobs": None,
         "finish_reason": "stop",
+        "stop_reason": None,
     }
     r = await post(served, "/v1/chat/completions", {**payload, "stream": True})
     reasons = [e["choices"][0]["finish_reason"] for e in chunks(r.content)]
@@ -653,8 +670,182 @@ GOLDEN_CASES: dict[str, tuple[str, dict, Script]] = {
 
 
 @pytest.mark.parametrize("name", sorted(GOLDEN_CASES))
-async def test_golden_over_http(served, name):
+async def test_golden_over_http(name):
+    served = text_app(served_model_name="my-model")  # chat_model_echoed.json asks for that alias
     route, payload, script = GOLDEN_CASES[name]
     served.fake.reply(script)
     r = await post(served, route, payload)
     assert normal(r.content) == (GOLDEN / name).read_bytes()
+
+
+# --- OpenAI's errors: status, error object, always JSON -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("content", "headers", "status", "body"),
+    [
+        (
+            b"{not json",
+            {"content-type": "application/json"},
+            400,
+            error(
+                "Failed to parse the request body as JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"
+            ),
+        ),
+        (
+            b'{"messages": []}',
+            {"content-type": "text/plain"},
+            415,
+            error("Expected request with `Content-Type: application/json`"),
+        ),
+        (
+            b'{"messages": "hi"}',
+            {"content-type": "application/json"},
+            400,
+            error(
+                "Failed to deserialize the JSON body into the target type: messages: Input should be a valid list",
+                param="messages",
+            ),
+        ),
+    ],
+    ids=["not-json", "not-application-json", "schema"],
+)
+async def test_body_rejections_are_openai_errors_in_json(served, content, headers, status, body):
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        async with served.client() as http:
+            r = await http.post(path, content=content, headers=headers)
+        if path == "/v1/completions" and status == 400 and b"messages" in body:
+            continue  # the completions schema names its own field
+        assert (r.status_code, r.headers["content-type"], r.content) == (status, "application/json", body), path
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions", "/invocations"])
+async def test_a_model_that_names_nothing_served_is_404(served, route):
+    payload = {"model": "gpt-4o", "max_tokens": 2, **({"prompt": "Hi"} if route == "/v1/completions" else {})}
+    if route != "/v1/completions":
+        payload["messages"] = MESSAGES
+    not_found = error("The model `gpt-4o` does not exist.", "not_found_error", param="model", code="model_not_found")
+    r = await post(served, route, payload)
+    assert (r.status_code, r.headers["content-type"], r.content) == (404, "application/json", not_found)
+    r = await post(served, route, {**payload, "stream": True})  # before the stream starts
+    assert (r.status_code, r.content) == (404, not_found)
+    assert served.fake.requests == []
+
+
+async def test_the_model_name_in_a_404_is_a_short_escaped_excerpt(served):
+    name = "a\n" + "b" * 300
+    r = await post(served, "/v1/chat/completions", {"model": name, "messages": MESSAGES})
+    message = r.json()["error"]["message"]
+    assert r.status_code == 404 and message == "The model `a\\n" + "b" * 97 + "...` does not exist."
+
+
+@pytest.mark.parametrize(
+    ("options", "model", "echoed"),
+    [
+        ({}, "tiny", "tiny"),  # the model's own name
+        ({}, "tgi", "tiny"),  # TGI clients' fixed name: the served name
+        ({}, "", "tiny"),
+        ({}, None, "tiny"),
+        ({"served_model_name": "gpt-3.5-turbo, mine"}, "mine", "mine"),  # an alias: echoed
+        ({"served_model_name": "*"}, "anything", "anything"),  # `*`: any name
+    ],
+)
+async def test_model_names_accepted(options, model, echoed):
+    served = text_app(**options)
+    payload = {"messages": MESSAGES, "max_tokens": 1, **({} if model is None else {"model": model})}
+    r = await post(served, "/v1/chat/completions", payload)
+    assert (r.status_code, r.json()["model"]) == (200, echoed)
+    r = await post(served, "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "model": model})
+    assert (r.status_code, r.json()["model"]) == (200, "tiny")  # completions name the served model
+
+
+async def test_an_unknown_model_stays_404_with_aliases():
+    served = text_app(served_model_name="mine")
+    r = await post(served, "/v1/chat/completions", {"model": "yours", "messages": MESSAGES})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+async def test_the_api_key_error_is_openai_json():
+    keyed = text_app(api_key="k")
+    r = await post(keyed, "/v1/completions", {"prompt": "Hi"})
+    assert (r.status_code, r.headers["content-type"], r.content) == (
+        401,
+        "application/json",
+        error("missing or wrong API key", "authentication_error", code="invalid_api_key"),
+    )
+
+
+async def test_not_ready_is_503(served):
+    loading = text_app(status="pending")
+    r = await post(loading, "/v1/chat/completions", {"messages": MESSAGES})
+    assert (r.status_code, r.headers["content-type"]) == (503, "application/json")
+    assert r.json()["error"]["type"] == "service_unavailable_error"
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+async def test_a_server_without_a_text_model_answers_404_without_a_traceback(route, caplog):
+    app = tensor_app({"emb": text_model()})
+    payload = {"messages": MESSAGES, "prompt": "Hi"}
+    async with tensor_client(app) as http:
+        r = await http.post(route, json=payload)
+    message = "No text-generation model is loaded: this route needs an LLM."
+    not_found = error(message, "not_found_error", param="model", code="model_not_found")
+    assert (r.status_code, r.headers["content-type"], r.content) == (404, "application/json", not_found)
+    assert [rec for rec in caplog.records if rec.exc_info or rec.levelno >= logging.ERROR] == []
+
+
+# --- stop strings and finish_reason (OpenAI's rules, vLLM's stop_reason) ---------------------------------------------
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+async def test_the_stop_string_is_left_out_and_named_in_stop_reason(served, route):
+    served.fake.reply(Script(text=FOX))
+    chat = route == "/v1/chat/completions"
+    payload = {"stop": [" fox", " brown"], "temperature": 0, **({"messages": MESSAGES} if chat else {"prompt": "a"})}
+    choice = (await post(served, route, payload)).json()["choices"][0]
+    text = choice["message"]["content"] if chat else choice["text"]
+    assert (text, choice["finish_reason"], choice["stop_reason"]) == (" the quick", "stop", " brown")
+    choice = (await post(served, route, {**payload, "include_stop_str_in_output": True})).json()["choices"][0]
+    text = choice["message"]["content"] if chat else choice["text"]
+    assert (text, choice["finish_reason"], choice["stop_reason"]) == (" the quick brown", "stop", " brown")
+    assert served.fake.requests[0].params.include_stop_str_in_output is False
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+async def test_a_stream_never_sends_the_stop_string(served, route):
+    served.fake.reply(Script(text=FOX))
+    chat = route == "/v1/chat/completions"
+    # " qu" could start the stop string " quiet": held back until " quick" shows it does not
+    payload = {
+        "stop": ["ick br"],
+        "temperature": 0,
+        "stream": True,
+        **({"messages": MESSAGES} if chat else {"prompt": "a"}),
+    }
+    events = [e for e in chunks((await post(served, route, payload)).content) if e["choices"]]
+    texts = [e["choices"][0]["delta"]["content"] if chat else e["choices"][0]["text"] for e in events]
+    assert "".join(texts) == " the qu" and not any("ick" in t for t in texts)
+    last = events[-1]["choices"][0]
+    assert (last["finish_reason"], last["stop_reason"]) == ("stop", "ick br")
+    assert all(e["choices"][0]["stop_reason"] is None for e in events[:-1])
+
+
+async def test_stop_token_ids_give_the_token_id_as_stop_reason(served):
+    served.fake.reply(Script(text=FOX))
+    quick = served.fake.ids(" quick")[0]
+    payload = {"messages": MESSAGES, "stop_token_ids": [quick], "temperature": 0}
+    choice = (await post(served, "/v1/chat/completions", payload)).json()["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", quick)
+    assert served.fake.requests[0].params.stop_token_ids == [quick]
+
+
+async def test_eos_and_length_have_no_stop_reason(served):
+    served.fake.reply(Script(text=" the quick"))
+    eos = (await post(served, "/v1/completions", {"prompt": "a", "temperature": 0})).json()["choices"][0]
+    length = (await post(served, "/v1/completions", {"prompt": "a", "max_tokens": 1})).json()["choices"][0]
+    assert (eos["finish_reason"], eos["stop_reason"], length["finish_reason"], length["stop_reason"]) == (
+        "stop",
+        None,
+        "length",
+        None,
+    )

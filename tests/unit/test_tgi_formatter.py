@@ -107,7 +107,7 @@ def test_details_absent_unless_asked():
 def test_openai_finish_reasons():
     assert ofmt.finish_reason(finish("", 1, FinishReason.EOS_TOKEN)) == "stop"
     assert ofmt.finish_reason(finish("", 1, FinishReason.LENGTH)) == "length"
-    assert ofmt.finish_reason(finish("", 1, FinishReason.STOP_SEQUENCE)) == "stop_sequence"
+    assert ofmt.finish_reason(finish("", 1, FinishReason.STOP_SEQUENCE)) == "stop"  # OpenAI's name, not TGI's
 
 
 def test_chat_stream_special_token_is_empty_content_with_role():

@@ -76,9 +76,9 @@ def test_defaults_and_modes():
 def test_bad_tools_are_tool_errors(tools, choice, parallel, message):
     with pytest.raises(ToolError, match=message.replace("[", r"\[").replace("(", r"\(")) as info:
         tool_spec(tools, choice, parallel)
-    assert RENDERER.status(info.value) == 422
-    body = json.loads(RENDERER.body(info.value))
-    assert body["error_type"] == "tool_error" and body["error"].startswith("Tool error: ")
+    assert RENDERER.status(info.value) == 400
+    body = json.loads(RENDERER.body(info.value))["error"]
+    assert body["type"] == "invalid_request_error" and body["message"].startswith("Tool error: ")
 
 
 # --- the output schema ------------------------------------------------------------------------------

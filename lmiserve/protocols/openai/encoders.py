@@ -2,8 +2,9 @@
 in ``data: [DONE]``. Compact JSON, ``object`` first; ``id`` is ``chatcmpl-<32 hex>`` or ``cmpl-<32 hex>``,
 new for every response (`completion_id`) and the same in every chunk of a stream.
 
-Finish reasons: ``eos_token`` -> ``"stop"``; ``length`` and ``stop_sequence`` as they are (TGI does not
-map a stop sequence to ``"stop"``).
+Finish reasons are OpenAI's: ``"length"`` when ``max_tokens`` ended it, ``"stop"`` otherwise (EOS, a stop
+string, a stop token id; ``"tool_calls"`` comes from tool_calls.py). Every choice carries vLLM's
+``stop_reason`` after it: the stop string or stop token id that ended the sequence, else ``null``.
 """
 
 from __future__ import annotations
@@ -35,11 +36,18 @@ __all__ = [
     "completion_id",
     "finish_reason",
     "plain_answer",
+    "stop_reason",
 ]
 
 
 def finish_reason(finish: Finish) -> str:
-    return "stop" if finish.reason is FinishReason.EOS_TOKEN else finish.reason.value
+    """OpenAI's finish reason: ``length`` or ``stop`` (TGI's ``eos_token`` and ``stop_sequence`` are both ``stop``)."""
+    return "length" if finish.reason is FinishReason.LENGTH else "stop"
+
+
+def stop_reason(finish: Finish | None) -> str | int | None:
+    """vLLM's ``stop_reason``: the matched stop string or stop token id, else None (EOS, length, running)."""
+    return finish.stop_reason if finish is not None else None
 
 
 def completion_id(chat: bool) -> str:
@@ -136,7 +144,15 @@ def chat_body(seqs: list[Sequence], env: Envelope, *, logprobs: bool, answer: An
     for index, seq in enumerate(seqs):
         lp = {"content": [chat_logprob(t, top) for t, top in zip(seq.tokens, seq.top_tokens)]} if logprobs else None
         message, reason = answer(seq)
-        choices.append({"index": index, "message": message, "logprobs": lp, "finish_reason": reason})
+        choices.append(
+            {
+                "index": index,
+                "message": message,
+                "logprobs": lp,
+                "finish_reason": reason,
+                "stop_reason": stop_reason(seq.finish),
+            }
+        )
     prompt, cached = seqs[0].finish.prompt_tokens, seqs[0].finish.cached_tokens
     completion = sum(s.finish.generated_tokens for s in seqs)
     return dumps({**env.head("chat.completion"), "choices": choices, "usage": usage(prompt, completion, cached)})
@@ -178,6 +194,7 @@ class ChatStreamEncoder(_Stream):
             "delta": {"role": "assistant", "content": event.token.text},
             "logprobs": lp,
             "finish_reason": finish_reason(finish) if finish else None,
+            "stop_reason": stop_reason(finish),
         }
         if finish is not None:
             self.prompt_tokens, self.cached_tokens = finish.prompt_tokens, finish.cached_tokens
@@ -239,6 +256,7 @@ def completion_body(
                     "text": prefix + seq.finish.generated_text,
                     "logprobs": lp,
                     "finish_reason": finish_reason(seq.finish),
+                    "stop_reason": stop_reason(seq.finish),
                 }
             )
     return dumps(
@@ -285,6 +303,7 @@ class CompletionStreamEncoder(_Stream):
             "text": event.token.text,
             "logprobs": lp,
             "finish_reason": finish_reason(finish) if finish else None,
+            "stop_reason": stop_reason(finish),
         }
         head = self.env.head("text_completion")  # TGI's order here: choices before model
         obj = {

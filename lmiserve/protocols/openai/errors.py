@@ -1,20 +1,55 @@
-"""The OpenAI-compatible routes' error answers. Before a stream starts they are TGI's (see
-`lmiserve.server.textgen.errors`), plus three situations of the completions route that TGI reports
-with their own ``error_type``. Once a stream started, an error is
-``data: {"error":{"message":"...","http_status_code":422}}`` (the status is always 422) followed by
-``data: [DONE]``.
+"""The OpenAI-compatible routes' error answers: OpenAI's error object, always ``application/json``
+(compact JSON), so the `openai` SDK raises the exception class of the status::
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": null, "code": null}}
+
+- 400 ``invalid_request_error``: any invalid request (not JSON, not the schema, a value out of range, a
+  chat template or tool that cannot be used (``Template error: ...``, ``Tool error: ...``), an
+  unsupported option such as ``suffix``), SDK ``BadRequestError``. Body rejections keep their own
+  status: 413 (payload limit), 415 (not application/json), 431 (headers too large).
+- 401 ``authentication_error`` / ``invalid_api_key``: a missing or wrong API key.
+- 404 ``not_found_error`` / ``model_not_found`` (``param: "model"``): a `model` that names nothing
+  served, or a server without a text-generation model.
+- 429 ``rate_limit_error``: overloaded (the queue is full, every admission slot taken).
+- 503 ``service_unavailable_error``: the model is loading, failed, the server drains, or a request
+  waited past ``predict_timeout`` for a slot.
+- 500 ``server_error``: the model failed on a valid request, or the answer is incomplete.
+
+Once a stream started, the error is the same object as one last event, then ``data: [DONE]``.
+See docs/protocols/openai.md, "Errors".
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+import re
+from typing import ClassVar, NamedTuple
 
-from lmiserve.core.errors import InvalidRequest, LmiServeError, Unsupported
+from lmiserve.core.errors import (
+    GenerationFailed,
+    HeadersTooLarge,
+    InvalidRequest,
+    LmiServeError,
+    ModelNotFound,
+    ModelNotReady,
+    Overloaded,
+    PayloadTooLarge,
+    QueueTimeout,
+    SchemaViolation,
+    TemplateError,
+    Unauthorized,
+    Unsupported,
+    UnsupportedMediaType,
+)
+from lmiserve.protocols.openai import responses
 from lmiserve.server import sse
-from lmiserve.server.textgen.errors import SHAPES, Shape, TextGenRenderer
+from lmiserve.server.apidoc import JSON, Reply
+from lmiserve.server.errors import ErrorRenderer, lookup
+from lmiserve.server.textgen.errors import ToolError
 from lmiserve.server.textgen.wire import dumps
 
 DONE = b"data: [DONE]\n\n"  # the last event of every OpenAI stream
+_FIELD = re.compile(r"^`(\w+)`")  # a validation message that starts with the field it is about
+_SCHEMA_FIELD = re.compile(r"target type: (\w+)")  # SchemaViolation: the first field pydantic named
 
 
 class EmptyPrompt(InvalidRequest):
@@ -29,17 +64,73 @@ class SuffixUnsupported(Unsupported):
     """A completions request with a `suffix`."""
 
 
-class OpenAIRenderer(TextGenRenderer):
+class Kind(NamedTuple):
+    status: int
+    type: str
+    code: str | None = None
+    fixed: str | None = None  # a message instead of the exception's own (when it has none)
+    prefix: str = ""  # before the exception's message
+
+
+KINDS: dict[type[LmiServeError], Kind] = {
+    LmiServeError: Kind(500, "server_error"),
+    GenerationFailed: Kind(500, "server_error"),
+    InvalidRequest: Kind(400, "invalid_request_error"),
+    Unsupported: Kind(400, "invalid_request_error"),
+    TemplateError: Kind(400, "invalid_request_error", prefix="Template error: "),
+    ToolError: Kind(400, "invalid_request_error", prefix="Tool error: "),
+    PayloadTooLarge: Kind(413, "invalid_request_error"),
+    UnsupportedMediaType: Kind(415, "invalid_request_error"),
+    HeadersTooLarge: Kind(431, "invalid_request_error"),
+    Unauthorized: Kind(401, "authentication_error", "invalid_api_key", "Invalid or missing API key."),
+    ModelNotFound: Kind(404, "not_found_error", "model_not_found"),
+    Overloaded: Kind(429, "rate_limit_error", None, "The server is overloaded, please retry later."),
+    ModelNotReady: Kind(503, "service_unavailable_error", None, "The model is not ready."),
+    QueueTimeout: Kind(503, "service_unavailable_error"),
+}
+
+
+def param(exc: LmiServeError) -> str | None:
+    """The request field an error is about, when its message says it (else None)."""
+    if isinstance(exc, ModelNotFound):
+        return "model"
+    if isinstance(exc, SchemaViolation):
+        found = _SCHEMA_FIELD.search(exc.message)
+        return found.group(1) if found and found.group(1) != "body" else None
+    if isinstance(exc, InvalidRequest):
+        found = _FIELD.match(exc.message)
+        return found.group(1) if found else None
+    return None
+
+
+class OpenAIRenderer(ErrorRenderer):
     protocol = "openai"
-    shapes: ClassVar[dict[type[LmiServeError], Shape]] = {
-        **SHAPES,
-        EmptyPrompt: Shape(422, "validation"),
-        TooManyPrompts: Shape(422, "batch size exceeded"),
-        SuffixUnsupported: Shape(422, "suffix not supported"),
-    }
+    kinds: ClassVar[dict[type[LmiServeError], Kind]] = KINDS
+
+    def kind(self, exc: LmiServeError) -> Kind:
+        return lookup(exc, self.kinds, self.kinds[LmiServeError])
+
+    def message(self, exc: LmiServeError) -> str:
+        kind = self.kind(exc)
+        return kind.prefix + (exc.message or kind.fixed or type(exc).__name__)
+
+    def status(self, exc: LmiServeError) -> int:
+        return self.kind(exc).status
+
+    def error(self, exc: LmiServeError) -> dict[str, dict[str, str | None]]:
+        """OpenAI's error object of `exc`."""
+        kind = self.kind(exc)
+        return {"error": {"message": self.message(exc), "type": kind.type, "param": param(exc), "code": kind.code}}
+
+    def body(self, exc: LmiServeError) -> bytes:
+        return dumps(self.error(exc))
 
     def in_band(self, exc: LmiServeError) -> bytes:
-        return sse.event(dumps({"error": {"message": self.message(exc), "http_status_code": 422}})) + DONE
+        return sse.event(self.body(exc)) + DONE
+
+    def documented(self) -> dict[int, Reply]:
+        reply = Reply("Error (OpenAI's error object)", {JSON: responses.OpenAIError})
+        return {kind.status: reply for kind in self.kinds.values()}
 
 
 RENDERER = OpenAIRenderer()

@@ -153,9 +153,12 @@ def _response_model(requested: str | None, served: str) -> str:
 
 
 def _vllm_extensions(call: TextGenCall, req: ChatRequest | CompletionRequest) -> TextGenCall:
-    """vLLM's `ignore_eos` and `min_tokens` (benchmark clients use them to force exactly N tokens), and
+    """vLLM's `ignore_eos` and `min_tokens` (benchmark clients use them to force exactly N tokens), its
+    stop fields (`include_stop_str_in_output`: OpenAI leaves the stop string out; `stop_token_ids`), and
     the output constraint: `response_format` or vLLM's `guided_*` / `structured_outputs` (one at most)."""
     params = call.request.params
+    params.include_stop_str_in_output = req.include_stop_str_in_output
+    params.stop_token_ids = list(req.stop_token_ids or ())
     params.ignore_eos_token = req.ignore_eos
     params.min_new_tokens = min(req.min_tokens, params.max_new_tokens)
     params.grammar = output_constraint(req)

@@ -45,7 +45,8 @@ class ChatChoice(BaseModel):
     index: int
     message: ChatMessage
     logprobs: ChatLogprobs | None
-    finish_reason: str  # stop, length, stop_sequence (or tool_calls)
+    finish_reason: str  # stop, length (or tool_calls)
+    stop_reason: str | int | None  # the stop string or stop token id that ended it (vLLM)
 
 
 class ChatCompletion(BaseModel):
@@ -63,6 +64,7 @@ class ChunkChoice(BaseModel):
     delta: ChatMessage
     logprobs: ChatLogprobs | None
     finish_reason: str | None
+    stop_reason: str | int | None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -88,7 +90,8 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
-    finish_reason: str  # "" in a stream's events before the last of a prompt
+    finish_reason: str | None  # null in a stream's events before the last of a prompt
+    stop_reason: str | int | None
 
 
 class Completion(BaseModel):
@@ -103,12 +106,18 @@ class Completion(BaseModel):
     usage: Usage | None = None
 
 
-class OpenAIStreamErrorDetail(BaseModel):
+class OpenAIErrorDetail(BaseModel):
     message: str
-    http_status_code: int
+    type: str  # invalid_request_error, authentication_error, not_found_error, rate_limit_error, ...
+    param: str | None  # the request field at fault, when known
+    code: str | None  # model_not_found, invalid_api_key, ... (else null)
 
 
-class OpenAIStreamError(BaseModel):
-    """The event of a stream that failed after it started (followed by [DONE])."""
+class OpenAIError(BaseModel):
+    """OpenAI's error object: every error answer of these routes, and the last event of a stream that
+    failed after it started (followed by [DONE])."""
 
-    error: OpenAIStreamErrorDetail
+    error: OpenAIErrorDetail
+
+
+OpenAIStreamError = OpenAIError

@@ -9,6 +9,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
+from lmiserve.core.errors import ModelNotFound, excerpt
 from lmiserve.protocols.openai import encoders as enc
 from lmiserve.protocols.openai import parse as adapter
 from lmiserve.protocols.openai import responses
@@ -53,6 +54,8 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Resp
     chat = isinstance(req, ChatRequest)
     timer = Timer()
     model = served(request)
+    if not model.accepts(req.model):
+        raise ModelNotFound(f"The model `{excerpt(req.model or '')}` does not exist.")
     with enter(request) as slot:
         if isinstance(req, ChatRequest):
             call = adapter.chat(req, model.limits, model.count_tokens, model.render_chat, model.service.name)

@@ -27,7 +27,7 @@ from typing import Any
 
 from lmiserve.core.errors import LmiServeError
 from lmiserve.core.events import Finish, StepEvent
-from lmiserve.protocols.openai.encoders import Answer, Envelope, chat_logprob, finish_reason, usage
+from lmiserve.protocols.openai.encoders import Answer, Envelope, chat_logprob, finish_reason, stop_reason, usage
 from lmiserve.protocols.openai.errors import DONE, RENDERER
 from lmiserve.server import sse
 from lmiserve.server.textgen.sequences import Sequence
@@ -105,6 +105,7 @@ class ToolChatStreamEncoder:
             "delta": delta,
             "logprobs": lp,
             "finish_reason": _reason(output, finish) if finish else None,
+            "stop_reason": stop_reason(finish),
         }
         return sse.event(dumps({**self.env.head("chat.completion.chunk"), "choices": [body], "usage": None}))
 

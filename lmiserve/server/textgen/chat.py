@@ -7,7 +7,7 @@ Unknown keys are ignored; ``"stop": null`` and ``"stream_options": null`` are ac
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
 
@@ -58,6 +58,9 @@ class SamplingFields(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     n: int | None = Field(None, ge=1, le=UINT32)
+    # vLLM's stop extensions (OpenAI's routes: the stop string is left out of the text unless asked)
+    include_stop_str_in_output: StrictBool = False
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=UINT32)]] | None = None
     # vLLM's extensions, which benchmark clients send to force an exact number of tokens
     ignore_eos: StrictBool = False
     min_tokens: int = Field(0, ge=0, le=UINT32)

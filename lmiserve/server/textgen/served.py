@@ -13,8 +13,12 @@ from starlette.requests import Request
 from lmiserve import __version__
 from lmiserve.core.engine import TextGenerator
 from lmiserve.core.errors import TemplateError
+from lmiserve.models.bundled import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
 from lmiserve.models.service import ModelService, default_llm
 from lmiserve.server.textgen.limits import TextGenLimits, limits_for
+
+
+TGI_CLIENT_NAMES = ("tgi", "dummy")  # the `model` TGI's clients send to a TGI endpoint
 
 
 @dataclass
@@ -32,6 +36,19 @@ class Served:
         """`service` as a text generator; raises ModelNotReady while it loads or after it failed."""
         engine = service.ready_generator()
         return cls(service, engine, limits_for(service), service.ready_llm().tokenizer)
+
+    def names(self) -> tuple[str, ...]:
+        """The names a request's `model` may give this model: its own, `served_model_name`'s aliases, the
+        bundled model's other names when it is the bundled model, and the fixed names TGI's clients send
+        (``tgi``; ``dummy``: huggingface_hub's InferenceClient given a URL)."""
+        aliases = [a.strip() for a in (self.service.settings.served_model_name or "").split(",") if a.strip()]
+        bundled = DEFAULT_MODEL_ALIASES if self.service.name == DEFAULT_MODEL_NAME else ()
+        return (self.service.name, *aliases, *bundled, *TGI_CLIENT_NAMES)
+
+    def accepts(self, name: str | None) -> bool:
+        """Whether `name` (a request's `model`; None or empty: not given) names this model."""
+        names = self.names()
+        return not name or name in names or "*" in names
 
     def count_tokens(self, text: str) -> int:
         """Prompt length as the engine will see it (special tokens added)."""
