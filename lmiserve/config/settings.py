@@ -149,9 +149,9 @@ class Settings(BaseModel):
         description=(
             "Other names the OpenAI routes accept as `model`, comma-separated (as vLLM's "
             "`--served-model-name`); `*` accepts any name. Always accepted: the model's name, no `model` "
-            "at all, `tgi` and `dummy` (what TGI's clients send), and for the bundled default model `SmolLM2`, `smollm`, `smollm2` and "
-            "`HuggingFaceTB/SmolLM2-135M-Instruct`; any other `model` answers 404. See "
-            "docs/protocols/openai.md."
+            "at all, `tgi` and `dummy` (what TGI's clients send), and for the bundled default model "
+            "`SmolLM2`, `smollm`, `smollm2` and `HuggingFaceTB/SmolLM2-135M-Instruct`; any other `model` "
+            "answers 404. See docs/protocols/openai.md."
         ),
     )
     revision: str | None = Field(None, description="Revision (branch, tag or commit) of a transformers model id.")

@@ -17,7 +17,6 @@ from lmiserve.models.bundled import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
 from lmiserve.models.service import ModelService, default_llm
 from lmiserve.server.textgen.limits import TextGenLimits, limits_for
 
-
 TGI_CLIENT_NAMES = ("tgi", "dummy")  # the `model` TGI's clients send to a TGI endpoint
 
 
