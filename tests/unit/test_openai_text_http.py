@@ -15,6 +15,8 @@ import logging
 import re
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 
 from helpers.tensor_app import client as tensor_client
@@ -848,4 +850,55 @@ async def test_eos_and_length_have_no_stop_reason(served):
         None,
         "length",
         None,
+    )
+
+
+# --- the real `openai` SDK over the in-process app: its exception classes -----------------------------------------
+
+
+def sdk(app) -> openai.AsyncOpenAI:
+    """The `openai` SDK, unmodified, talking to the in-process app (no retries)."""
+    transport = httpx.ASGITransport(app=app)
+    http = httpx.AsyncClient(transport=transport, base_url="http://test")
+    return openai.AsyncOpenAI(base_url="http://test/v1", api_key="k", http_client=http, max_retries=0)
+
+
+async def test_the_sdk_raises_the_class_of_each_error(served):
+    client = sdk(served.app)
+    with pytest.raises(openai.BadRequestError) as bad:
+        await client.chat.completions.create(model="tiny", messages=MESSAGES, top_p=1.5)
+    assert (bad.value.status_code, bad.value.param, bad.value.type) == (400, "top_p", "invalid_request_error")
+    with pytest.raises(openai.NotFoundError) as missing:
+        await client.completions.create(model="gpt-4o", prompt="a")
+    assert missing.value.code == "model_not_found"
+    served.fake.reply_once(Script(error=Overloaded("Worker queue capacity exceeded")))
+    with pytest.raises(openai.RateLimitError):
+        await client.chat.completions.create(model="tiny", messages=MESSAGES)
+    with pytest.raises(openai.InternalServerError) as unavailable:
+        await sdk(text_app(status="pending").app).chat.completions.create(model="tiny", messages=MESSAGES)
+    assert unavailable.value.status_code == 503
+    with pytest.raises(openai.AuthenticationError):
+        await sdk(text_app(api_key="other").app).completions.create(model="tiny", prompt="a")
+
+
+async def test_the_sdk_raises_an_error_event_of_a_started_stream(served):
+    served.fake.reply(Script(text=FOX, failure="CUDA out of memory", failure_after=1))
+    stream = await sdk(served.app).chat.completions.create(model="tiny", messages=MESSAGES, stream=True)
+    texts = []
+    with pytest.raises(openai.APIError, match="CUDA out of memory"):
+        async for chunk in stream:
+            texts.append(chunk.choices[0].delta.content)
+    assert texts == [" the"]
+
+
+async def test_the_sdk_reads_stop_reason_and_no_stop_string(served):
+    served.fake.reply(Script(text=FOX))
+    completion = await sdk(served.app).chat.completions.create(
+        model="tiny", messages=MESSAGES, stop=[" brown"], temperature=0
+    )
+    choice = completion.choices[0]
+    assert (choice.message.content, choice.finish_reason, choice.model_extra["stop_reason"]) == (
+        " the quick",
+        "stop",
+        " brown",
     )
