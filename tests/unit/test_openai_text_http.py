@@ -784,7 +784,7 @@ async def test_not_ready_is_503(served):
     assert r.json()["error"]["type"] == "service_unavailable_error"
 
 
-@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions", "/invocations"])
 async def test_a_server_without_a_text_model_answers_404_without_a_traceback(route, caplog):
     app = tensor_app({"emb": text_model()})
     payload = {"messages": MESSAGES, "prompt": "Hi"}
