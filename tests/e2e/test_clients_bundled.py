@@ -74,5 +74,7 @@ def test_openai_client(url):
         )
         assert "paris" in completion.choices[0].text.lower()
         assert [m.id for m in client.models.list()] == ["SmolLM2-135M-Instruct"]
-        with pytest.raises(openai.UnprocessableEntityError):
+        with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model="SmolLM2", messages=QUESTION, max_tokens=10**6)
+        with pytest.raises(openai.NotFoundError):  # SmolLM2 is one of the bundled model's names; this is none
+            client.chat.completions.create(model="gpt-4o", messages=QUESTION, max_tokens=2)
