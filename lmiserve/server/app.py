@@ -37,7 +37,10 @@ log = logging.getLogger(__name__)
 
 # vLLM's body on TGI's /tokenize (the body tells which protocol answers)
 VLLM_TOKENIZE = tgi.OtherTokenize(
-    vllm_tokenize.invoke_tokenize, vllm_tokenize.TOKENIZE_BODIES, vllm_tokenize.TokenizeResponse
+    vllm_tokenize.invoke_tokenize,
+    vllm_tokenize.TOKENIZE_BODIES,
+    vllm_tokenize.TokenizeResponse,
+    (vllm_tokenize.RENDERER,),
 )
 
 

@@ -141,6 +141,7 @@ class OtherTokenize:
     handler: Callable[[Request, Any], Awaitable[Response]]
     bodies: tuple[Any, ...] = ()
     answer: Any = None
+    errors: tuple[Any, ...] = ()  # the ErrorRenderers of its answers
 
 
 def _is_other(payload: Any) -> bool:
@@ -284,10 +285,12 @@ def routes(tokenize_other: OtherTokenize | None = None) -> Sequence[BaseRoute]:
             ),
             doc(
                 Route("/tokenize", tokenize_route(other), methods=["POST"]),
-                _op(
+                apidoc.Operation(
                     "Tokenize `inputs` (TGI), or vLLM's `prompt` / `messages`: the body tells which",
-                    tokenize_body,
+                    TAG,
                     apidoc.ok("The tokens (TGI's list, or vLLM's object)", apidoc.json(tokenize_answer)),
+                    body=apidoc.json(tokenize_body),
+                    errors=other.errors if other else (),
                 ),
             ),
             doc(
