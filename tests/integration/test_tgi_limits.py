@@ -1,5 +1,6 @@
-"""Server-wide behaviour of the TGI/OpenAI routes over real HTTP: the API key (401 with an empty body;
-only the health probes open; LMI generation routes covered too), 429 `overloaded` at
+"""Server-wide behaviour of the TGI/OpenAI routes over real HTTP: the API key (401 with an empty body,
+OpenAI's error object on its routes; only the health probes open; LMI generation routes covered too),
+429 `overloaded` (OpenAI: `rate_limit_error`, the `openai` SDK's RateLimitError) at
 `max_concurrent_requests`, SSE keep-alive comments while a stream waits, and slots freed when clients
 go away.
 
@@ -15,6 +16,7 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import openai
 import pytest
 from huggingface_hub import InferenceClient
 from text_generation import Client
@@ -67,7 +69,11 @@ def short(client: httpx.Client, path: str = "/generate", headers=None) -> httpx.
 def test_generation_routes_need_the_key(client, path):
     for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         r = client.post(path, json={"inputs": "x", "messages": [], "prompt": "x"}, headers=headers)
-        assert (r.status_code, r.content) == (401, b""), (path, headers)
+        if path.startswith("/v1/"):  # OpenAI's routes: its error object
+            error = {"message": "missing or wrong API key", "type": "authentication_error", "param": None}
+            assert (r.status_code, r.json()) == (401, {"error": {**error, "code": "invalid_api_key"}}), (path, headers)
+        else:
+            assert (r.status_code, r.content) == (401, b""), (path, headers)
 
 
 def test_the_key_is_compared_case_insensitively(client):
@@ -112,9 +118,15 @@ def wait_until_queue_empty(client: httpx.Client, timeout: float = 20.0) -> None:
 
 def test_payload_limit(client):
     big = {"inputs": "x" * 2000, "parameters": {"max_new_tokens": 2}}
-    for path in ("/generate", "/v1/completions"):
-        r = client.post(path, json=big, headers=AUTH)
-        assert (r.status_code, r.text) == (413, "Failed to buffer the request body: length limit exceeded"), path
+    message = "Failed to buffer the request body: length limit exceeded"
+    r = client.post("/generate", json=big, headers=AUTH)
+    assert (r.status_code, r.text) == (413, message)
+    r = client.post("/v1/completions", json=big, headers=AUTH)  # OpenAI's error object, JSON
+    assert (r.status_code, r.headers["content-type"], r.json()["error"]["message"]) == (
+        413,
+        "application/json",
+        message,
+    )
     assert client.post("/invocations", json=big, headers=AUTH).status_code == 200  # LMI has no body limit
 
 
@@ -126,9 +138,11 @@ def test_payload_limit_on_a_chunked_body(client):
             yield b"x" * 1024
 
     headers = {**AUTH, "Content-Type": "application/json"}
-    for path in ("/generate", "/v1/chat/completions"):
-        r = client.post(path, content=body(), headers=headers)
-        assert (r.status_code, r.text) == (413, "Failed to buffer the request body: length limit exceeded"), path
+    message = "Failed to buffer the request body: length limit exceeded"
+    r = client.post("/generate", content=body(), headers=headers)
+    assert (r.status_code, r.text) == (413, message)
+    r = client.post("/v1/chat/completions", content=body(), headers=headers)  # OpenAI's error object
+    assert (r.status_code, r.json()["error"]["message"]) == (413, message)
 
 
 # --- overload, keep-alive, disconnect ---------------------------------------------------------------------
@@ -173,7 +187,12 @@ def test_overload_keepalive_and_release(url):
                     headers=AUTH,
                     json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
                 )
-                assert r.status_code == 429 and r.json()["error_type"] == "overloaded"
+                assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+                with (
+                    openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=30) as sdk,
+                    pytest.raises(openai.RateLimitError),
+                ):
+                    sdk.completions.create(model=name, prompt="Hi", max_tokens=2)
                 r = other.post("/generate_stream", headers=AUTH, json={"inputs": "x"})
                 assert r.status_code == 200
                 assert r.text == 'data: {"error":"Model is overloaded","error_type":"overloaded"}\n\n'
