@@ -12,8 +12,10 @@ PORT ?= 8080
 
 MLSERVER_VENV := .venv-mlserver
 MLSERVER_STAMP := $(MLSERVER_VENV)/.mlserver-installed
+KSERVE_VENV := .venv-kserve
+KSERVE_STAMP := $(KSERVE_VENV)/.kserve-installed
 
-.PHONY: install install-bench install-test install-mlserver chromium serve lint docs test test-fast clean
+.PHONY: install install-bench install-test install-mlserver install-kserve chromium serve lint docs test test-fast clean
 
 $(BIN)/python:
 	@echo "==> creating the virtual environment $(VENV) with $(PYTHON)"
@@ -66,6 +68,16 @@ $(MLSERVER_STAMP): tests/mlserver-requirements.txt
 
 install-mlserver: $(MLSERVER_STAMP)
 
+# KServe's Python SDK drives tests/helpers/kserve_client.py; it brings fastapi, grpcio, kubernetes and
+# pandas, so it lives in its own venv, never in .venv.
+$(KSERVE_STAMP): tests/kserve-requirements.txt
+	$(PYTHON) -m venv $(KSERVE_VENV)
+	$(KSERVE_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(KSERVE_VENV)/bin/python -m pip install --quiet -r tests/kserve-requirements.txt
+	touch $@
+
+install-kserve: $(KSERVE_STAMP)
+
 serve: $(STAMP)
 	@echo "==> starting lmiserve on port $(PORT) (the first start converts the bundled model once; Ctrl+C stops)"
 	$(BIN)/lmiserve serve --port $(PORT)
@@ -85,7 +97,7 @@ docs: $(TEST_STAMP)
 # Every tier (CONTRIBUTING.md), on every core (pytest-xdist: a test file stays on one worker, so the
 # servers a file shares start once per worker), with the slowest tests listed at the end.
 PYTEST_WORKERS ?= auto
-test: lint docs $(TEST_STAMP) $(MLSERVER_STAMP) chromium
+test: lint docs $(TEST_STAMP) $(MLSERVER_STAMP) $(KSERVE_STAMP) chromium
 	$(BIN)/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|tokenizers|huggingface.hub|starlette|uvicorn|pydantic|openai|text-generation|numba|ruff|mypy|pytest-xdist|mkdocs) '
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=30
 
@@ -94,4 +106,4 @@ test-fast: $(TEST_STAMP)
 	$(BIN)/python -m pytest -m "not integration and not e2e" -n $(PYTEST_WORKERS) --durations=15
 
 clean:
-	rm -rf $(VENV) $(MLSERVER_VENV)
+	rm -rf $(VENV) $(MLSERVER_VENV) $(KSERVE_VENV)
