@@ -4,6 +4,8 @@ bodies, the body telling which protocol answers `/tokenize`, vLLM's error object
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 
 import pytest
@@ -97,6 +99,11 @@ async def test_messages(served):
             "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
         ),
         (
+            {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tokenize": True, "tools": []}},
+            400,
+            "chat_template_kwargs may not set tokenize, tools: give them as fields, if at all.",
+        ),
+        (
             {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"},
             400,
             "`chat_template` is not accepted: the model's own chat template applies.",
@@ -107,6 +114,18 @@ async def test_tokenize_errors_are_vllms(served, body, status, message):
     r = await post(served, "/tokenize", body)
     assert (r.status_code, r.headers["content-type"], r.json()) == (status, "application/json", error(message, status))
     assert r.content == json.dumps(error(message, status), separators=(",", ":")).encode()
+
+
+async def test_chat_template_kwargs_and_tools_reach_the_template(served):
+    tokenizer = copy.deepcopy(tiny_tokenizer())  # the shared one keeps its own template
+    tokenizer.chat_template = "{% if think %}<|system|>{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}{% if tools %}ab{% endif %}"
+    served.service._llm = dataclasses.replace(served.service._llm, tokenizer=tokenizer)
+    chat = [{"role": "user", "content": "hi"}]
+    plain = (await post(served, "/tokenize", {"messages": chat})).json()["tokens"]
+    body = {"messages": chat, "chat_template_kwargs": {"think": True}, "tools": [{"type": "function"}]}
+    both = (await post(served, "/tokenize", body)).json()["tokens"]
+    assert plain == tokenizer("hi", add_special_tokens=False)["input_ids"]
+    assert both == tokenizer("<|system|>hiab", add_special_tokens=False)["input_ids"] != plain
 
 
 async def test_a_model_that_does_not_generate_text():

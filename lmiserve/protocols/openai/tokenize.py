@@ -21,6 +21,7 @@ Its own `chat_template` in a request is refused (the model's applies), and so is
 
 from __future__ import annotations
 
+import inspect
 import json
 from typing import Any, ClassVar
 
@@ -211,6 +212,9 @@ def _chat_text(model: Served, req: TokenizeChatRequest) -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise TemplateError("The model has no chat template.")
     extra: dict[str, Any] = dict(req.chat_template_kwargs or {})
+    taken = sorted(set(extra) & set(inspect.signature(tokenizer.apply_chat_template).parameters))
+    if taken:
+        raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(taken)}: give them as fields, if at all.")
     if req.tools is not None:
         extra["tools"] = req.tools
     try:
