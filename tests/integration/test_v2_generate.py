@@ -44,6 +44,21 @@ def test_generate_stream_is_sse_whose_pieces_make_the_text(server):
     assert "".join(e["text_output"] for e in events) == expected
 
 
+def test_generate_takes_triton_spellings(server):
+    """TensorRT-LLM's and vLLM's parameter names on a real server: max_tokens is max_new_tokens; a
+    parameter /generate cannot honour is a 400, never ignored."""
+    expected = server.generate("Once upon a time", max_new_tokens=5)["generated_text"]
+    url = f"{server.url}/v2/models/{server.name}/generate"
+    body = {"text_input": "Once upon a time", "max_tokens": 5, "exclude_input_in_output": True, "beam_width": 1}
+    r = requests.post(url, json=body, timeout=TIMEOUT)
+    assert (r.status_code, r.json()["text_output"]) == (200, expected)
+    r = requests.post(url, json={"text_input": "x", "parameters": {"return_log_probs": True}}, timeout=TIMEOUT)
+    assert (r.status_code, r.json()) == (
+        400,
+        {"error": "'return_log_probs' is not supported: /generate answers text_output only"},
+    )
+
+
 def test_generate_errors(server):
     r = requests.post(f"{server.url}/v2/models/{server.name}/generate", json={"text_input": ""}, timeout=TIMEOUT)
     assert r.status_code == 400 and r.json() == {"error": "'text_input' must be a non-empty string"}
@@ -58,8 +73,12 @@ def test_generate_errors(server):
 
 
 def test_v2_health_and_infer_on_the_llm(server):
-    assert requests.get(f"{server.url}/v2/health/live", timeout=TIMEOUT).status_code == 200
-    assert requests.get(f"{server.url}/v2/health/ready", timeout=TIMEOUT).status_code == 200
+    live = requests.get(f"{server.url}/v2/health/live", timeout=TIMEOUT)
+    assert (live.status_code, live.json()) == (200, {"live": True})
+    ready = requests.get(f"{server.url}/v2/health/ready", timeout=TIMEOUT)
+    assert (ready.status_code, ready.json()) == (200, {"ready": True})
+    ready = requests.get(f"{server.url}/v2/models/{server.name}/ready", timeout=TIMEOUT)
+    assert (ready.status_code, ready.json()) == (200, {"name": server.name, "ready": True})
     meta = requests.get(f"{server.url}/v2/models/{server.name}", timeout=TIMEOUT).json()
     assert meta["platform"] == "lmiserve_llm" and meta["inputs"] == [
         {"name": "text_input", "datatype": "BYTES", "shape": [-1]}
