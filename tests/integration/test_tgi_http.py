@@ -255,7 +255,7 @@ def test_vllm_tokenize_and_detokenize(client):
     chat = client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["count"] == len(chat["tokens"]) > 1
     r = client.post("/detokenize", json={"tokens": [10**9]})
-    assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_tokenize_byte_offsets(client):

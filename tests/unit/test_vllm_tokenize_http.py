@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -26,9 +27,11 @@ async def post(served, path: str, payload):
         return await http.post(path, json=payload)
 
 
-def error(message: str, status: int = 400) -> dict:
-    kind = {400: "BadRequestError", 404: "NotFoundError", 401: "AuthenticationError"}[status]
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+def error(message: str, status: int = 400, param: str | None = None) -> dict:
+    """The OpenAI routes' error object (lmiserve/protocols/openai/errors.py)."""
+    if status == 404:
+        return {"error": {"message": message, "type": "not_found_error", "param": "model", "code": "model_not_found"}}
+    return {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": None}}
 
 
 # --- /tokenize: the body tells which -------------------------------------------------------------------
@@ -110,10 +113,12 @@ async def test_messages(served):
         ),
     ],
 )
-async def test_tokenize_errors_are_vllms(served, body, status, message):
+async def test_tokenize_errors_are_the_openai_routes_error_object(served, body, status, message):
+    field = re.match(r"^`(\w+)`", message)  # a message that starts with its field names it as `param`
+    expected = error(message, status, field.group(1) if field else None)
     r = await post(served, "/tokenize", body)
-    assert (r.status_code, r.headers["content-type"], r.json()) == (status, "application/json", error(message, status))
-    assert r.content == json.dumps(error(message, status), separators=(",", ":")).encode()
+    assert (r.status_code, r.headers["content-type"], r.json()) == (status, "application/json", expected)
+    assert r.content == json.dumps(expected, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 async def test_chat_template_kwargs_and_tools_reach_the_template(served):
@@ -184,7 +189,7 @@ async def test_tokenize_and_detokenize_need_the_key():
         r = await http.post("/tokenize", json={"prompt": "hi"})
         assert r.status_code == 401  # before the body is read: TGI's route answers it
         r = await http.post("/detokenize", json={"tokens": [1]})
-        assert r.status_code == 401 and r.json()["error"]["code"] == 401
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         auth = {"Authorization": f"Bearer {KEY}"}
         assert (await http.post("/tokenize", json={"prompt": "hi"}, headers=auth)).json()["count"] == 3
         assert (await http.post("/detokenize", json={"tokens": [78]}, headers=auth)).json() == {"prompt": "h"}

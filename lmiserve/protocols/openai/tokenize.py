@@ -12,18 +12,17 @@ answered `{"count", "max_model_len", "tokens": [...], "token_strs": [...] | null
 `/detokenize` takes `{"model"?, "tokens": [int, ...]}` and answers `{"prompt": str}` (special tokens
 kept, as vLLM decodes).
 
-`model` absent or null: the default text model; a name that is not served: 404. Errors are vLLM's
-(OpenAI's) error object, ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad body (both
-or neither of `prompt` and `messages`, an unknown field, a request `chat_template`, a token id out of
-the vocabulary, both `add_generation_prompt` and `continue_final_message`), 404 for an unknown model.
-Its own `chat_template` in a request is refused (the model's applies), and so is any field not listed.
+`model` absent or null: the default text model; a name that is not served: 404. Errors are the OpenAI
+routes' own error object (lmiserve/protocols/openai/errors.py): 400 for a bad body (both or neither of
+`prompt` and `messages`, an unknown field, a request `chat_template`, a token id out of the vocabulary,
+both `add_generation_prompt` and `continue_final_message`), 404 for an unknown model. Its own
+`chat_template` in a request is refused (the model's applies), and so is any field not listed.
 """
 
 from __future__ import annotations
 
 import inspect
-import json
-from typing import Any, ClassVar
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 from starlette.requests import Request
@@ -31,34 +30,21 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from lmiserve.core.errors import (
-    HeadersTooLarge,
     InvalidRequest,
-    LmiServeError,
     ModelNotFound,
-    ModelNotReady,
-    NotFound,
-    Overloaded,
-    PayloadTooLarge,
-    QueueTimeout,
     SchemaViolation,
     TemplateError,
-    Unauthorized,
-    Unsupported,
 )
 from lmiserve.models.service import model_service
+from lmiserve.protocols.openai import errors
 from lmiserve.server import apidoc
-from lmiserve.server.apidoc import JSON, Reply
-from lmiserve.server.errors import ErrorRenderer, lookup, protocol_routes, rendered_by
+from lmiserve.server.errors import protocol_routes, rendered_by
 from lmiserve.server.responses import raw_response
 from lmiserve.server.textgen.body import json_payload
 from lmiserve.server.textgen.served import Served, served
+from lmiserve.server.textgen.wire import dumps
 
 TAG = "vLLM"
-
-
-def _dumps(body: Any) -> bytes:
-    """Compact UTF-8 JSON, as vLLM answers."""
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
 # --- the bodies ---------------------------------------------------------------------------------------
@@ -104,59 +90,9 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-# --- errors ------------------------------------------------------------------------------------------
+# --- errors: the OpenAI routes' own error object (lmiserve/protocols/openai/errors.py) ----------------
 
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None
-    code: int
-
-
-class ErrorObject(BaseModel):
-    """vLLM's (and OpenAI's) error object."""
-
-    error: ErrorInfo
-
-
-class VllmErrorRenderer(ErrorRenderer):
-    """``{"error": {"message", "type", "param": null, "code": status}}`` with vLLM's statuses and types."""
-
-    protocol = "openai"
-    STATUS: ClassVar[dict[type[LmiServeError], int]] = {
-        InvalidRequest: 400,
-        PayloadTooLarge: 413,
-        HeadersTooLarge: 431,
-        Unauthorized: 401,
-        NotFound: 404,
-        Overloaded: 503,
-        QueueTimeout: 503,
-        ModelNotReady: 503,
-        Unsupported: 400,
-    }
-    TYPES: ClassVar[dict[int, str]] = {
-        400: "BadRequestError",
-        401: "AuthenticationError",
-        404: "NotFoundError",
-        413: "BadRequestError",
-        431: "BadRequestError",
-        503: "ServiceUnavailableError",
-    }
-
-    def status(self, exc: LmiServeError) -> int:
-        return lookup(exc, self.STATUS, 500)
-
-    def body(self, exc: LmiServeError) -> bytes:
-        status = self.status(exc)
-        error = {"message": exc.message, "type": self.TYPES.get(status, "InternalServerError"), "param": None}
-        return _dumps({"error": {**error, "code": status}})
-
-    def documented(self) -> dict[int, Reply]:
-        return {status: Reply("Error", {JSON: ErrorObject}) for status in (400, 401, 404, 413, 431, 500, 503)}
-
-
-RENDERER = VllmErrorRenderer()
+RENDERER = errors.RENDERER
 
 
 # --- the handlers ------------------------------------------------------------------------------------
@@ -248,7 +184,7 @@ def tokenize_payload(request: Request, payload: Any) -> bytes:
     ids = [int(i) for i in model.tokenizer(text, add_special_tokens=req.add_special_tokens)["input_ids"]]
     strs = [str(s) for s in model.tokenizer.convert_ids_to_tokens(ids)] if req.return_token_strs else None
     body = {"count": len(ids), "max_model_len": model.limits.max_total_tokens, "tokens": ids, "token_strs": strs}
-    return _dumps(body)
+    return dumps(body)
 
 
 async def invoke_tokenize(request: Request, payload: Any) -> Response:
@@ -268,7 +204,7 @@ async def detokenize(request: Request) -> Response:
     if outside:
         raise InvalidRequest(f"Token ids out of the vocabulary (0 to {vocabulary - 1}): {outside[:8]}")
     text = model.tokenizer.decode(req.tokens, skip_special_tokens=False)
-    return raw_response(_dumps({"prompt": text}))
+    return raw_response(dumps({"prompt": text}))
 
 
 # --- routes and the API document ---------------------------------------------------------------------
