@@ -17,7 +17,7 @@ def is_lmi_json(raw: str) -> bool:
 
 # --- tgi_compat=true -------------------------------------------------------------------------------------
 # LMI's TGI-flavoured formatters answer on /predictions/{model}; plain /invocations with an `inputs` body
-# answers exactly like TGI's POST / (tests/integration/test_tgi_invocations.py).
+# answers exactly like TGI's POST / (tests/unit/test_tgi_text_http.py, in process).
 
 
 def lmi_tgi(server) -> str:

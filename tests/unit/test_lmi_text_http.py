@@ -4,8 +4,9 @@ shapes, every output formatter (json, jsonlines, sse and their TGI variants) byt
 files of tests/golden/lmi replayed through the whole HTTP path, stop sequences, seeds, best_of, engine
 errors mapped to LMI's statuses, dynamic batching, and client disconnects aborting the generation.
 
-The same requests on a real server: tests/integration/test_lmi_errors.py, test_lmi_http.py,
-test_lmi_dynamic_batch.py, test_lmi_server_options.py."""
+The error messages are checked here only; the same routes on a real server: tests/integration/test_lmi_errors.py
+(a burst of bad requests the process survives), test_lmi_http.py, test_lmi_dynamic_batch.py,
+test_lmi_server_options.py."""
 
 from __future__ import annotations
 

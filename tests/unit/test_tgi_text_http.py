@@ -5,8 +5,8 @@ limit, admission (429 `overloaded`), SSE keep-alive comments, client disconnects
 /tokenize, /chat_tokenize, /v1/models, /invocations under tgi_compat, and the golden files of
 tests/golden/tgi replayed (their tokens scripted) through the whole HTTP path.
 
-The same requests on a real server: tests/integration/test_tgi_http.py, test_tgi_invocations.py,
-test_tgi_limits.py."""
+The same routes on a real server: tests/integration/test_tgi_http.py, test_tgi_limits.py (`/invocations`
+under tgi_compat is checked here only)."""
 
 from __future__ import annotations
 
