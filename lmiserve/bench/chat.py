@@ -168,8 +168,9 @@ async def run_chat_level(
                     return
             conv_index += 1
 
-    start = time.perf_counter()
     async with make_client(concurrency, request_timeout) as client:
+        await dialect.resolve_model(client)  # a server answers only for a model it serves
+        start = time.perf_counter()
         await asyncio.gather(*(client_loop(client, c) for c in range(concurrency)))
     return records, time.perf_counter() - start
 

@@ -292,8 +292,10 @@ async def run_level(
                 return
             index += 1
 
-    start = time.perf_counter()
     async with make_client(concurrency, request_timeout) as client:
+        if isinstance(dialect, OpenAIDialect):
+            await dialect.resolve_model(client)  # a server answers only for a model it serves
+        start = time.perf_counter()
         await asyncio.gather(*(client_loop(client, c) for c in range(concurrency)))
     return records, time.perf_counter() - start
 
@@ -330,7 +332,9 @@ async def run_soak(
             if record.error is not None:
                 return
 
-    start = time.perf_counter()
     async with make_client(concurrency, request_timeout) as client:
+        if isinstance(dialect, OpenAIDialect):
+            await dialect.resolve_model(client)  # a server answers only for a model it serves
+        start = time.perf_counter()
         await asyncio.gather(*(client_loop(client, c) for c in range(concurrency)))
     return records, time.perf_counter() - start
