@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 from collections.abc import AsyncIterator, Callable, Iterator
 
 import uvicorn
@@ -19,6 +18,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
+
+from lmiserve.server.lifecycle import bind_socket
 
 log = logging.getLogger(__name__)
 
@@ -42,22 +43,10 @@ def metrics_app(answer: Callable[[], Response]) -> Starlette:
     return Starlette(routes=[Route("/metrics", metrics, methods=["GET"])], exception_handlers={404: not_found})
 
 
-def bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
 @contextlib.asynccontextmanager
 async def serving(answer: Callable[[], Response], host: str, port: int, log_level: str) -> AsyncIterator[None]:
     """Serve `answer` at ``GET /metrics`` on host:port while the block runs."""
-    sock = bind(host, port)
+    sock = bind_socket(host, port)  # the main port's binding (TCP_NODELAY on its connections)
     config = uvicorn.Config(metrics_app(answer), lifespan="off", access_log=False, log_level=log_level)
     server = _Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]), name="lmiserve-metrics-port")
