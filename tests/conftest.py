@@ -144,7 +144,19 @@ _TIER_MARKERS = {"integration": "integration", "e2e": "e2e"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    xdist = config.pluginmanager.hasplugin("xdist")
     for item in items:
         tier = _TIER_MARKERS.get(item.path.parent.name)
         if tier is not None and item.get_closest_marker("e2e") is None:
             item.add_marker(tier)
+        if xdist:  # `make test` runs `--dist loadgroup`: a group stays on one worker
+            item.add_marker(pytest.mark.xdist_group(_worker_group(item)))
+
+
+def _worker_group(item: pytest.Item) -> str:
+    """Under pytest-xdist, the files whose tests use the session's shared servers (`server_pool`) run on
+    one worker, so each configuration starts once, not once per worker; every other file is a group of
+    its own (its module-scoped servers start once)."""
+    if "server_pool" in getattr(item, "fixturenames", ()):
+        return f"shared-servers-{item.path.parent.name}"
+    return str(item.path.relative_to(Path(__file__).parent))
