@@ -94,16 +94,16 @@ lint: $(TEST_STAMP)
 docs: $(TEST_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
 
-# Every tier (CONTRIBUTING.md), on every core (pytest-xdist with the groups of tests/conftest.py: a test
-# file stays on one worker, and so do the files that share servers), with the slowest tests at the end.
+# Every tier (CONTRIBUTING.md), on every core (pytest-xdist, scheduled by tests/conftest.py: the real-server
+# directories each stay on one worker, so each shared server starts once), with the slowest tests at the end.
 PYTEST_WORKERS ?= auto
 test: lint docs $(TEST_STAMP) $(MLSERVER_STAMP) $(KSERVE_STAMP) chromium
 	$(BIN)/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|tokenizers|huggingface.hub|starlette|uvicorn|pydantic|openai|text-generation|numba|ruff|mypy|pytest-xdist|mkdocs) '
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --durations=30
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --durations=30
 
 # The fast tier: unit tests and the protocols in process, no server process, no real model.
 test-fast: $(TEST_STAMP)
-	$(BIN)/python -m pytest -m "not integration and not e2e" -n $(PYTEST_WORKERS) --dist loadgroup --durations=15
+	$(BIN)/python -m pytest -m "not integration and not e2e" -n $(PYTEST_WORKERS) --durations=15
 
 clean:
 	rm -rf $(VENV) $(MLSERVER_VENV) $(KSERVE_VENV)

@@ -144,19 +144,23 @@ _TIER_MARKERS = {"integration": "integration", "e2e": "e2e"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    xdist = config.pluginmanager.hasplugin("xdist")
     for item in items:
         tier = _TIER_MARKERS.get(item.path.parent.name)
         if tier is not None and item.get_closest_marker("e2e") is None:
             item.add_marker(tier)
-        if xdist:  # `make test` runs `--dist loadgroup`: a group stays on one worker
-            item.add_marker(pytest.mark.xdist_group(_worker_group(item)))
 
 
-def _worker_group(item: pytest.Item) -> str:
-    """Under pytest-xdist, the files whose tests use the session's shared servers (`server_pool`) run on
-    one worker, so each configuration starts once, not once per worker; every other file is a group of
-    its own (its module-scoped servers start once)."""
-    if "server_pool" in getattr(item, "fixturenames", ()):
-        return f"shared-servers-{item.path.parent.name}"
-    return str(item.path.relative_to(Path(__file__).parent))
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """`make test` runs the suite on every core with pytest-xdist: the real-server directories
+    (tests/integration, tests/e2e) each stay on one worker, so each configuration of the session's shared
+    servers (`server_pool`) starts once, not once per worker; every other file goes to the next free
+    worker whole."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedServers(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            tier = path.split("/")[1] if path.count("/") >= 2 else ""
+            return f"tests/{tier}" if tier in _TIER_MARKERS else path
+
+    return SharedServers(config, log)

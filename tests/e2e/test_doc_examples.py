@@ -149,7 +149,7 @@ def _report(example: Example, outcome: Outcome, problems: list[str]) -> str:
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("kind", list(SERVERS))
-def test_doc_examples_run_as_pasted(kind: str, request: pytest.FixtureRequest, tmp_path: Path):
+def test_doc_examples_run_as_pasted(kind: str, request: pytest.FixtureRequest, tmp_path: Path, server_pool):
     examples = [example for example in CURL_EXAMPLES if example.server == kind]
     assert examples, f"no example is marked `<!-- server: {kind} -->`"
     if shutil.which("curl") is None or shutil.which("bash") is None:
@@ -162,7 +162,7 @@ def test_doc_examples_run_as_pasted(kind: str, request: pytest.FixtureRequest, t
     failures: list[str] = []
     with contextlib.ExitStack() as stack:
         if kind == "make serve":  # the bundled model's defaults: the server the other e2e modules share
-            url = request.getfixturevalue("server_pool").url(server.args, env=server.env, timeout=300)
+            url = server_pool.url(server.args, env=server.env, timeout=300)
         else:
             url = stack.enter_context(run_server(server.args, env=server.env, timeout=300))
         replacements["localhost:8080"] = url.removeprefix("http://")
