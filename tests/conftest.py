@@ -8,6 +8,8 @@ Helpers for tests live in tests/helpers and import as `helpers` (this directory 
 
 from __future__ import annotations
 
+import functools
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -150,17 +152,34 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(tier)
 
 
+# The fixtures of tests/integration/conftest.py that are servers of `server_pool`.
+_POOL_FIXTURES = (
+    "server_pool|tgi_server|jsonlines_server|dynamic_server|small_server|impatient_server|no_eos_server"
+    "|affine_server|minilm_server"
+)
+_USES_POOL = re.compile(rf"^(?:async )?def \w+\([^)]*\b(?:{_POOL_FIXTURES})\b", re.MULTILINE)
+
+
+@functools.cache
+def _worker_scope(path: str) -> str:
+    """The files of a real-server directory whose tests or fixtures take a shared server share one scope
+    (one worker); every other file is a scope of its own."""
+    tier = path.split("/")[1] if path.count("/") >= 2 else ""
+    if tier in _TIER_MARKERS:
+        source = (Path(__file__).parent.parent / path).read_text(encoding="utf-8")
+        if _USES_POOL.search(source):
+            return f"shared-servers-{tier}"
+    return path
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """`make test` runs the suite on every core with pytest-xdist: the real-server directories
-    (tests/integration, tests/e2e) each stay on one worker, so each configuration of the session's shared
-    servers (`server_pool`) starts once, not once per worker; every other file goes to the next free
-    worker whole."""
+    """`make test` runs the suite on every core with pytest-xdist; the files that use the session's shared
+    servers (`server_pool`) run on one worker per directory, so each configuration starts once, not once
+    per worker; every other file goes whole to the next free worker."""
     from xdist.scheduler import LoadScopeScheduling
 
     class SharedServers(LoadScopeScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            tier = path.split("/")[1] if path.count("/") >= 2 else ""
-            return f"tests/{tier}" if tier in _TIER_MARKERS else path
+            return _worker_scope(nodeid.split("::", 1)[0])
 
     return SharedServers(config, log)
