@@ -9,6 +9,7 @@ Helpers for tests live in tests/helpers and import as `helpers` (this directory 
 from __future__ import annotations
 
 import functools
+import os
 import re
 import sys
 from collections.abc import Iterator
@@ -57,12 +58,17 @@ def endless_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFac
     return with_context(tiny_model_dir, tmp_path_factory.mktemp("endless") / "tiny-endless", ENDLESS_CONTEXT)
 
 
+# The device of `tiny_model`: cpu, or what LMISERVE_TEST_DEVICE names (benchmarks/gpu_check.py runs the
+# engine's tests with LMISERVE_TEST_DEVICE=cuda).
+TEST_DEVICE = os.environ.get("LMISERVE_TEST_DEVICE", "cpu")
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir: Path) -> LoadedModel:
-    """`tiny_model_dir` loaded by `load_causal_lm` (fp32, CPU), as the server loads it."""
+    """`tiny_model_dir` loaded by `load_causal_lm` (fp32, on CPU or LMISERVE_TEST_DEVICE), as the server loads it."""
     from lmiserve.models.load import load_causal_lm
 
-    return load_causal_lm(tiny_model_dir, dtype="fp32", device="cpu")
+    return load_causal_lm(tiny_model_dir, dtype="fp32", device=TEST_DEVICE)
 
 
 @pytest.fixture(scope="session")

@@ -41,7 +41,11 @@ def load_like_server(overrides: Mapping[str, Any]) -> LoadedModel:
     settings = load_settings(dict(overrides))
     path = resolve_model_path(settings.model_id, settings.revision, settings.model_cache_dir)
     return load_causal_lm(
-        path, dtype=settings.dtype, device=settings.device, trust_remote_code=settings.trust_remote_code
+        path,
+        dtype=settings.dtype,
+        device=settings.device,
+        trust_remote_code=settings.trust_remote_code,
+        load_format=settings.load_format,
     )
 
 
@@ -139,13 +143,46 @@ def generate_static(loaded: LoadedModel, prompts: Sequence[str], max_new_tokens:
     }
 
 
+def generate_continuous(loaded: LoadedModel, prompts: Sequence[str], max_new_tokens: int) -> dict[str, Any]:
+    """transformers' own continuous batching (`model.generate_batch`: paged attention, its scheduler) on
+    `prompts`, greedy, N new tokens each (the end-of-sequence token disabled, as the server's
+    ignore_eos_token). Not under inference mode: its generation thread updates the cache it builds."""
+    from transformers import GenerationConfig
+
+    model: Any = loaded.model
+    tokenizer = loaded.tokenizer
+    inputs = [tokenizer(prompt)["input_ids"] for prompt in prompts]
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=-1,  # never produced: every request makes N tokens
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    _sync(loaded.device)
+    t0 = time.perf_counter()
+    outputs = model.generate_batch(inputs, generation_config=config, progress_bar=False)
+    _sync(loaded.device)
+    seconds = time.perf_counter() - t0
+    failed = [o.error for o in outputs.values() if o.error]
+    if failed:
+        raise RuntimeError(f"generate_batch failed: {failed[0]}")
+    tokens = sum(len(o.generated_tokens) for o in outputs.values())
+    return {
+        "batch_size": len(prompts),
+        "tokens": tokens,
+        "seconds": round(seconds, 4),
+        "tokens_per_s": round(tokens / seconds, 2),
+    }
+
+
 def run_baselines(
     overrides: Mapping[str, Any],
     batch_sizes: Sequence[int],
     max_new_tokens: int,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Both baselines at every batch size (one short untimed warm-up first); frees the model after."""
+    """Both baselines at every batch size (one short untimed warm-up first), and on CUDA transformers'
+    continuous batching (`generate_batch`) too; frees the model after."""
     loaded = load_like_server(overrides)
     try:
         info = {
@@ -155,14 +192,21 @@ def run_baselines(
             "threads": torch.get_num_threads(),
         }
         forward_decode(loaded, batch_prompts(1), 2)
-        forward, generate = [], []
+        forward, generate, continuous = [], [], []
+        hf_continuous = loaded.device.type == "cuda" and hasattr(loaded.model, "generate_batch")
+        if hf_continuous:
+            generate_continuous(loaded, batch_prompts(2), 2)  # its warm-up (CUDA graphs) outside the timing
         for size in batch_sizes:
             prompts = batch_prompts(size)
             forward.append(forward_decode(loaded, prompts, max_new_tokens))
             log(f"  bare forward  batch {size:>3}: {forward[-1]['decode_tokens_per_s']} decode tokens/s")
             generate.append(generate_static(loaded, prompts, max_new_tokens))
             log(f"  generate      batch {size:>3}: {generate[-1]['tokens_per_s']} tokens/s")
-        return {**info, "forward": forward, "generate": generate}
+            if hf_continuous:
+                continuous.append(generate_continuous(loaded, prompts, max_new_tokens))
+                log(f"  generate_batch batch {size:>3}: {continuous[-1]['tokens_per_s']} tokens/s")
+        result = {**info, "forward": forward, "generate": generate}
+        return {**result, "continuous": continuous} if hf_continuous else result
     finally:
         del loaded
         gc.collect()

@@ -51,7 +51,8 @@ RSS_TARGET_PCT = 5.0
 
 
 def baseline_rate(baselines: Json | None, kind: str, batch_size: int) -> float | None:
-    """Tokens/s of baseline `kind` ("forward": decode rate, "generate") at `batch_size`."""
+    """Tokens/s of baseline `kind` ("forward": decode rate, "generate", "continuous": transformers'
+    generate_batch) at `batch_size`."""
     if not baselines:
         return None
     key = "decode_tokens_per_s" if kind == "forward" else "tokens_per_s"
@@ -63,21 +64,24 @@ def baseline_rate(baselines: Json | None, kind: str, batch_size: int) -> float |
 
 
 def ratios(levels: Sequence[Json], baselines: Json | None) -> list[Json]:
-    """Per concurrency: server tokens/s over the bare forward (a) and over model.generate (b)."""
+    """Per concurrency: server tokens/s over the bare forward (a), over model.generate (b) and, where it
+    was measured (CUDA), over transformers' continuous batching (generate_batch)."""
     out = []
     for level in levels:
         c, rate = level["concurrency"], level["output_tokens_per_s"]
         forward, generate = baseline_rate(baselines, "forward", c), baseline_rate(baselines, "generate", c)
-        out.append(
-            {
-                "concurrency": c,
-                "server_tokens_per_s": rate,
-                "forward_decode_tokens_per_s": forward,
-                "generate_tokens_per_s": generate,
-                "server_over_forward": ratio(rate, forward),
-                "server_over_generate": ratio(rate, generate),
-            }
-        )
+        row = {
+            "concurrency": c,
+            "server_tokens_per_s": rate,
+            "forward_decode_tokens_per_s": forward,
+            "generate_tokens_per_s": generate,
+            "server_over_forward": ratio(rate, forward),
+            "server_over_generate": ratio(rate, generate),
+        }
+        continuous = baseline_rate(baselines, "continuous", c)
+        if continuous is not None:
+            row.update(continuous_tokens_per_s=continuous, server_over_continuous=ratio(rate, continuous))
+        out.append(row)
     return out
 
 
@@ -295,6 +299,7 @@ def format_table(report: Json) -> str:
             f"baselines in process ({baselines.get('device')}, {baselines.get('dtype')}, "
             f"{baselines.get('threads')} threads):",
         ]
+        continuous = baselines.get("continuous") or []
         rows = [
             [
                 str(f["batch_size"]),
@@ -302,10 +307,14 @@ def format_table(report: Json) -> str:
                 _fmt(f["total_tokens_per_s"]),
                 _fmt(f["prefill_s"], 2),
                 _fmt(g["tokens_per_s"]),
+                *([_fmt(c["tokens_per_s"])] if c is not None else []),
             ]
-            for f, g in zip(baselines["forward"], baselines["generate"])
+            for f, g, c in zip(
+                baselines["forward"], baselines["generate"], continuous or [None] * len(baselines["forward"])
+            )
         ]
-        out += _table(["batch", "forward decode tok/s", "forward incl. prefill", "prefill s", "generate tok/s"], rows)
+        header = ["batch", "forward decode tok/s", "forward incl. prefill", "prefill s", "generate tok/s"]
+        out += _table([*header, "generate_batch tok/s"] if continuous else header, rows)
     memory = report.get("memory")
     if memory:
         out += [

@@ -42,6 +42,7 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "revision",
             "dtype",
             "device",
+            "load_format",
             "trust_remote_code",
             "model_kind",
             "model_cache_dir",

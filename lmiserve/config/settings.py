@@ -52,7 +52,6 @@ LMI_IGNORED_KEYS = frozenset(
         "pipeline_parallel_degree",
         "gpu_memory_utilization",
         "quantize",
-        "load_format",
         "enforce_eager",
         "mpi_mode",
         "task",
@@ -81,6 +80,7 @@ _CUDA_DEVICE = re.compile(r"cuda(:\d+)?")
 _META_FIELDS = frozenset({"extra", "sources"})
 
 Dtype = Literal["auto", "fp32", "fp16", "bf16", "int8", "int4"]
+LoadFormat = Literal["auto", "safetensors", "pt", "dummy"]
 ModelKind = Literal["auto", "llm", "embedding", "classifier", "regression", "torchscript"]
 RollingBatch = Literal["auto", "lmi", "disable"]
 OutputFormatter = Literal["json", "jsonlines", "sse", "tgi_compat"]
@@ -163,6 +163,14 @@ class Settings(BaseModel):
             "layers in 4-bit groups of 32 as GGUF Q4_1, fp32 activations and KV cache; the fastest single "
             "stream). `float32`, `float16`, `half` and `bfloat16` are accepted too. See "
             "docs/performance/dtypes.md."
+        ),
+    )
+    load_format: LoadFormat = Field(
+        "auto",
+        description=(
+            "`auto` (or `safetensors`, `pt`): the weights in the model directory; `dummy` (vLLM's name): "
+            "random weights from the directory's `config.json` (and its tokenizer), so memory and speed of "
+            "a 1B or 8B shape can be measured without its weights. The output of a `dummy` model is noise."
         ),
     )
     device: str = Field(

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     PreTrainedModel,
@@ -92,8 +93,10 @@ def load_causal_lm(
     device: str = "auto",
     trust_remote_code: bool = False,
     name: str | None = None,
+    load_format: str = "auto",
 ) -> LoadedModel:
-    """Load model and tokenizer from the local directory `path` (never downloads)."""
+    """Load model and tokenizer from the local directory `path` (never downloads). `load_format`
+    `dummy`: random weights from the directory's config instead of its weights (vLLM's `dummy`)."""
     path = Path(path)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
@@ -108,7 +111,11 @@ def load_causal_lm(
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **common)
         # int8: quantized from fp32 weights (the scales are then exact), the rest cast to bf16 after
-        model = _load_model(path, torch.float32 if int8 else torch_dtype, common)
+        load_dtype = torch.float32 if int8 else torch_dtype
+        if load_format == "dummy":
+            model = _dummy_model(path, load_dtype, torch_device, common)
+        else:
+            model = _load_model(path, load_dtype, common)
     except (OSError, ValueError, KeyError, ImportError) as exc:
         raise ModelLoadError(f"could not load the model in {path}: {exc}") from exc
     model.to(torch_device)  # type: ignore[arg-type]  # transformers wraps `to` with @wraps(Module.to): the stub wants `self` again
@@ -157,6 +164,18 @@ def _load_model(path: Path, dtype: torch.dtype, common: dict[str, bool]) -> PreT
         # Some (remote-code) architectures do not implement SDPA: fall back to their default.
         logger.warning("%s does not support SDPA attention; using its default attention", path)
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **common)
+
+
+def _dummy_model(path: Path, dtype: torch.dtype, device: torch.device, common: dict[str, bool]) -> PreTrainedModel:
+    """The architecture of `path`'s config.json with random weights (transformers' own initialisation),
+    built directly on `device` so an 8B shape needs no host copy."""
+    config = AutoConfig.from_pretrained(path, **common)
+    with device:
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation="sdpa", trust_remote_code=common["trust_remote_code"]
+        )
+    logger.warning("load_format=dummy: %s has random weights; its output is noise", path)
+    return model
 
 
 def _max_context(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> int:

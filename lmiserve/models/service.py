@@ -139,7 +139,13 @@ class ModelService:
         self.path = resolve_model_path(s.model_id, s.revision, s.model_cache_dir)
         if not self._fixed_name:
             self.name = default_model_name(s.model_id, self.path)
-        loaded = load_causal_lm(self.path, dtype=s.dtype, device=s.device, trust_remote_code=s.trust_remote_code)
+        loaded = load_causal_lm(
+            self.path,
+            dtype=s.dtype,
+            device=s.device,
+            trust_remote_code=s.trust_remote_code,
+            load_format=s.load_format,
+        )
         engine = build_engine(loaded, s)
         self.attach_llm(loaded, engine)
         return engine

@@ -413,7 +413,7 @@ async def test_prompt_logprobs_match_a_full_forward_pass(tiny_model, max_prefill
     prompt = PROMPTS[3]
     ids = encode(tiny_model, prompt)
     with torch.inference_mode():
-        logits = tiny_model.model(torch.tensor([ids])).logits[0].float()
+        logits = tiny_model.model(torch.tensor([ids], device=tiny_model.device)).logits[0].float().cpu()
     expected = logits.log_softmax(-1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
     engine = make_engine(tiny_model, max_prefill_tokens=max_prefill_tokens)
     async with started(engine):

@@ -87,6 +87,22 @@ def test_ratios_divide_server_rate_by_baselines_at_equal_batch():
     assert ratios([level(1, 19.0)], None)[0]["server_over_forward"] is None
 
 
+def test_transformers_continuous_batching_baseline_gets_its_ratio_and_column():
+    """On CUDA the baselines carry `continuous` (transformers' generate_batch): a ratio and a table column."""
+    continuous = [
+        {"batch_size": b, "tokens": b * 128, "seconds": 1.0, "tokens_per_s": r}
+        for b, r in ((1, 10.0), (8, 40.0), (32, 60.0))
+    ]
+    baselines = {**BASELINES, "continuous": continuous}
+    rows = ratios([level(1, 19.0), level(32, 180.0)], baselines)
+    assert [r["server_over_continuous"] for r in rows] == [1.9, 3.0]
+    assert rows[1]["continuous_tokens_per_s"] == 60.0
+    assert "server_over_continuous" not in ratios([level(1, 19.0)], BASELINES)[0]  # CPU runs: no such baseline
+    table = format_table(make_report([level(1, 19.0), level(32, 180.0)], baselines))
+    assert "generate_batch tok/s" in table
+    assert "generate_batch" not in format_table(make_report([level(1, 19.0)]))
+
+
 def test_targets_pass():
     memory = {"rss_start_mib": 500.0, "soak": {"requests": 1000, "drift_pct": -3.0}}
     t = targets_by_id(make_report([level(1, 19.0), level(8, 120.0), level(32, 180.0)], memory=memory))

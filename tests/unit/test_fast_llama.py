@@ -232,10 +232,11 @@ def test_a_failing_fused_forward_fails_only_the_culprit(tiny_model, monkeypatch)
 
 def test_engine_settings_reach_the_runner_and_the_scheduler(tiny_model):
     from lmiserve.config import Settings
-    from lmiserve.engine.factory import build_engine
+    from lmiserve.engine.factory import PREFILL_FLOOR, build_engine
 
     default = build_engine(tiny_model, Settings())
-    assert default.runner.path == "fast" and default.scheduler.prefill_floor == 16  # CPU default
+    assert default.runner.path == "fast"
+    assert default.scheduler.prefill_floor == PREFILL_FLOOR[tiny_model.device.type]  # 16 on CPU
     generic = build_engine(
         tiny_model, Settings.from_options({"fast_path": "false", "prefill_tokens_while_decoding": "64"})
     )

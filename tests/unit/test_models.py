@@ -277,6 +277,30 @@ def test_load_eos_list_and_missing_pad(tiny_model_dir: Path, tmp_path: Path) -> 
     assert loaded.name == "variant-name"
 
 
+def test_load_format_dummy_builds_the_config_with_random_weights(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """load_format=dummy: the directory's architecture and tokenizer, weights drawn anew (none read)."""
+    model_dir = tmp_path / "config-only"
+    model_dir.mkdir()
+    for item in tiny_model_dir.iterdir():
+        if not item.name.endswith(".safetensors"):
+            shutil.copy(item, model_dir / item.name)
+    with pytest.raises(ModelLoadError, match="could not load the model"):
+        load_causal_lm(model_dir, dtype="fp32", device="cpu")  # no weights: auto refuses
+    dummy = load_causal_lm(model_dir, dtype="bf16", device="cpu", load_format="dummy")
+    real = load_causal_lm(tiny_model_dir, dtype="bf16", device="cpu")
+    assert type(dummy.model) is type(real.model)
+    assert dummy.dtype == torch.bfloat16 == next(dummy.model.parameters()).dtype
+    assert dummy.model.config._attn_implementation == "sdpa"
+    assert dummy.eos_token_ids == real.eos_token_ids and dummy.max_context == real.max_context
+    dummy_weights, real_weights = dummy.model.state_dict(), real.model.state_dict()
+    assert dummy_weights.keys() == real_weights.keys()
+    for name, tensor in real_weights.items():
+        assert dummy_weights[name].shape == tensor.shape, name
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(dummy_weights[q], real_weights[q])
+    assert 0 < dummy_weights[q].float().std() < 1  # transformers' initialisation, not garbage memory
+
+
 def test_load_errors(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="could not load the model"):
         load_causal_lm(tmp_path, device="cpu")

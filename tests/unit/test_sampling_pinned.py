@@ -33,6 +33,9 @@ CASES = {
 }
 
 
+GREEDY_CASES = ("greedy", "greedy_penalty")
+
+
 async def _run(loaded, config: EngineConfig) -> dict[str, list[list[int]]]:
     engine = create_engine(loaded, config)
     engine.start()
@@ -55,4 +58,11 @@ def test_seeded_outputs_are_pinned(tiny_model, batch_invariant: bool):
     got = asyncio.run(_run(tiny_model, EngineConfig(batch_invariant=batch_invariant)))
     if os.environ.get("LMISERVE_REPIN") and not batch_invariant:
         GOLDEN.write_text("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in got.items()) + "\n}\n")
-    assert got == json.loads(GOLDEN.read_text())
+    golden = json.loads(GOLDEN.read_text())
+    if tiny_model.device.type != "cpu":
+        # The pinned streams are the CPU generator's; a CUDA generator draws other numbers from the same
+        # seed. There: greedy as pinned, and sampled rows reproducible from their seeds run after run.
+        assert {k: got[k] for k in GREEDY_CASES} == {k: golden[k] for k in GREEDY_CASES}
+        assert got == asyncio.run(_run(tiny_model, EngineConfig(batch_invariant=batch_invariant)))
+        return
+    assert got == golden

@@ -1,0 +1,359 @@
+"""The GPU check: lmiserve's engine on a CUDA device, in one run of under 8 minutes.
+
+    python benchmarks/gpu_check.py [--out DIR] [--budget SECONDS] [--skip-8b]
+
+From a copy of the repository on a machine with an NVIDIA GPU, torch and transformers (the other
+dependencies can come as wheels; see benchmarks/README.md, "The GPU check"). It writes into DIR
+(default benchmarks/results/gpu-check-<UTC date>):
+
+1. ``env.json``: the GPU's name and memory, torch, CUDA and transformers versions.
+2. ``pytest-cuda.log``: the engine's tests (continuous batching, greedy parity with ``generate()``,
+   seeded sampling, the fast path, stats) with the tiny test model on ``cuda``
+   (``LMISERVE_TEST_DEVICE=cuda``).
+3. ``bench-1b/``: ``lmiserve bench`` of a ``load_format=dummy`` model of Llama-3.2-1B's shape (bf16,
+   random weights, a 128,256-word tokenizer) at concurrency 1, 32 and 128 with 128 forced tokens,
+   against the bare forward, static ``generate()`` and transformers' continuous batching
+   (``generate_batch``) on the same GPU in the same run.
+4. ``bench-8b/``: the same for Llama-3.1-8B's shape, when the GPU holds it and time is left.
+5. ``summary.json`` and ``summary.md``: what passed, tokens/s, TTFT, ITL and the ratios.
+
+Every step has a time limit inside ``--budget`` (default 450 s); a step that fails or runs out is
+recorded as such and the next one runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# The engine's tests that take the `tiny_model` fixture, so LMISERVE_TEST_DEVICE moves them to the GPU.
+ENGINE_TESTS = (
+    "tests/unit/test_async_engine.py",
+    "tests/unit/test_fast_llama.py",
+    "tests/unit/test_sampling_pinned.py",
+    "tests/unit/test_engine_stats.py",
+    "tests/unit/test_grammar_engine.py",
+    "tests/unit/test_prefix_cache.py",
+    "tests/unit/test_openai_golden.py",
+    "tests/unit/test_tgi_golden.py",
+)
+
+PYTEST_PLUGINS = ("-p", "pytest_asyncio.plugin", "-p", "xdist.plugin")
+
+# Llama-3.2-1B's and Llama-3.1-8B's config.json (the architecture fields; no weights are read).
+_LLAMA3_COMMON: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_act": "silu",
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 8.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "attention_bias": False,
+    "mlp_bias": False,
+    "initializer_range": 0.02,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 3,
+    "torch_dtype": "bfloat16",
+}
+SHAPES: dict[str, dict[str, Any]] = {
+    "1b": {
+        **_LLAMA3_COMMON,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "tie_word_embeddings": True,
+        "rope_scaling": {**_LLAMA3_COMMON["rope_scaling"], "factor": 32.0},
+    },
+    "8b": {
+        **_LLAMA3_COMMON,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "tie_word_embeddings": False,
+    },
+}
+# bytes of bf16 weights (about) and what the KV cache and activations need beside them
+_PARAMS = {"1b": 1.24e9, "8b": 8.03e9}
+
+
+def _log(message: str) -> None:
+    print(f"[gpu-check {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def environment() -> dict[str, Any]:
+    import torch
+    import transformers
+
+    info: dict[str, Any] = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda_available": torch.cuda.is_available(),
+        "python": sys.version.split()[0],
+        "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(
+            gpu=torch.cuda.get_device_name(0),
+            gpu_memory_gib=round(props.total_memory / 2**30, 1),
+            multiprocessors=props.multi_processor_count,
+            cuda=torch.version.cuda,
+            bf16=torch.cuda.is_bf16_supported(),
+        )
+    return info
+
+
+def dummy_model_dir(shape: str, out: Path) -> Path:
+    """A model directory of `shape` with config, generation config and tokenizer but no weights."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from lmiserve.bench.prompts import PROMPTS
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = SHAPES[shape]
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3, "do_sample": False})
+    )
+    # A word-level tokenizer as large as the model's vocabulary, so every sampled id decodes: the
+    # bench's own words first (its prompts keep their lengths), then fillers.
+    vocab: dict[str, int] = {"<unk>": 0, "<s>": 1, "</s>": 2, "<pad>": 3}
+    for word in re.findall(r"\w+|[^\w\s]", " ".join(PROMPTS)):
+        vocab.setdefault(word, len(vocab))
+    filler = 0
+    while len(vocab) < config["vocab_size"]:
+        vocab.setdefault(f"w{filler}", len(vocab))
+        filler += 1
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+    tokenizer.model_max_length = 8192
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def run_step(name: str, command: list[str], log_path: Path, timeout: float, env: dict[str, str]) -> dict[str, Any]:
+    _log(f"{name}: {' '.join(command)} (at most {timeout:.0f} s)")
+    start = time.monotonic()
+    with log_path.open("w") as log:
+        try:
+            proc = subprocess.run(
+                command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=max(timeout, 1)
+            )
+            rc: int | None = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+    seconds = round(time.monotonic() - start, 1)
+    tail = log_path.read_text(errors="replace").splitlines()[-15:]
+    _log(f"{name}: {'timed out' if rc is None else f'exit {rc}'} after {seconds} s")
+    for line in tail:
+        print(f"    {line}", flush=True)
+    return {"step": name, "exit": rc, "timed_out": rc is None, "seconds": seconds, "log": log_path.name}
+
+
+def _skipped(name: str, why: str) -> dict[str, Any]:
+    return {"step": name, "exit": None, "timed_out": False, "seconds": 0, "skipped": why}
+
+
+def pytest_counts(log_path: Path) -> dict[str, int]:
+    text = log_path.read_text(errors="replace")
+    last = [line for line in text.splitlines() if re.search(r"\d+ (passed|failed)", line)]
+    counts: dict[str, int] = {}
+    if last:
+        for number, word in re.findall(r"(\d+) (passed|failed|skipped|error|errors|xfailed)", last[-1]):
+            counts[word] = int(number)
+    return counts
+
+
+def bench_summary(bench_dir: Path) -> dict[str, Any] | None:
+    path = bench_dir / "bench.json"
+    if not path.exists():
+        return None
+    report = json.loads(path.read_text())
+    server = (report.get("servers") or [{}])[0]
+    ratios = {r["concurrency"]: r for r in server.get("ratios", ())}
+    levels = []
+    for level in server.get("levels", ()):
+        r = ratios.get(level["concurrency"], {})
+        levels.append(
+            {
+                "concurrency": level["concurrency"],
+                "tokens_per_s": level["output_tokens_per_s"],
+                "ttft_ms_p50": level["ttft_ms"]["p50"],
+                "itl_ms_p50": level["itl_ms"]["p50"],
+                "itl_ms_p99": level["itl_ms"]["p99"],
+                "failed": level["failed_requests"],
+                "wrong_token_counts": level["token_count_errors"],
+                "generate_tokens_per_s": r.get("generate_tokens_per_s"),
+                "generate_batch_tokens_per_s": r.get("continuous_tokens_per_s"),
+                "forward_decode_tokens_per_s": r.get("forward_decode_tokens_per_s"),
+                "server_over_generate": r.get("server_over_generate"),
+                "server_over_generate_batch": r.get("server_over_continuous"),
+                "server_over_forward": r.get("server_over_forward"),
+            }
+        )
+    return {"levels": levels, "baselines_error": (report.get("meta") or {}).get("baselines_error")}
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    env = summary["env"]
+    lines = [
+        f"# GPU check, {env.get('date_utc')}",
+        "",
+        f"{env.get('gpu', 'no GPU')} ({env.get('gpu_memory_gib')} GiB), torch {env.get('torch')} "
+        f"(CUDA {env.get('cuda')}), transformers {env.get('transformers')}",
+        "",
+    ]
+    for step in summary["steps"]:
+        state = "timed out" if step["timed_out"] else f"exit {step['exit']}"
+        if step.get("skipped"):
+            state = f"skipped ({step['skipped']})"
+        extra = f" {step['counts']}" if step.get("counts") else ""
+        lines.append(f"- {step['step']}: {state} in {step['seconds']} s{extra}")
+    for shape in ("1b", "8b"):
+        bench = summary.get(f"bench_{shape}")
+        if not bench:
+            continue
+        lines += [
+            "",
+            f"## {shape.upper()} shape (load_format=dummy, bf16), 128 forced tokens",
+            "",
+            "| concurrency | lmiserve tok/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms | generate() tok/s "
+            "| generate_batch tok/s | vs generate | vs generate_batch |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for lv in bench["levels"]:
+            cells = [
+                lv["concurrency"],
+                lv["tokens_per_s"],
+                lv["ttft_ms_p50"],
+                lv["itl_ms_p50"],
+                lv["itl_ms_p99"],
+                lv["generate_tokens_per_s"],
+                lv["generate_batch_tokens_per_s"],
+                lv["server_over_generate"],
+                lv["server_over_generate_batch"],
+            ]
+            lines.append("| " + " | ".join("-" if c is None else str(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="output folder (default benchmarks/results/gpu-check-<date>)")
+    parser.add_argument("--budget", type=float, default=450.0, help="seconds for the whole check (default 450)")
+    parser.add_argument("--skip-8b", action="store_true", help="bench only the 1B shape")
+    parser.add_argument("--requests-per-client", type=int, default=2, help="bench requests per client and level")
+    args = parser.parse_args(argv)
+    deadline = time.monotonic() + args.budget
+    out = args.out or ROOT / "benchmarks" / "results" / f"gpu-check-{datetime.now(timezone.utc):%Y-%m-%d}"
+    out.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(ROOT))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env["PYTHONUNBUFFERED"] = "1"
+
+    info = environment()
+    (out / "env.json").write_text(json.dumps(info, indent=1))
+    _log(f"environment: {info}")
+    summary: dict[str, Any] = {"env": info, "steps": []}
+    if not info.get("cuda_available"):
+        _log("no CUDA device: nothing to check")
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        return 2
+
+    def left() -> float:
+        return deadline - time.monotonic()
+
+    # 2. the engine's tests on cuda
+    # only the plugins the suite needs (a GPU image's own pytest plugins may not match this pytest)
+    test_env = {**env, "LMISERVE_TEST_DEVICE": "cuda", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    step = run_step(
+        "engine tests on cuda",
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *PYTEST_PLUGINS, *ENGINE_TESTS],
+        out / "pytest-cuda.log",
+        min(150.0, left() - 200),
+        test_env,
+    )
+    step["counts"] = pytest_counts(out / "pytest-cuda.log")
+    summary["steps"].append(step)
+
+    # 3./4. lmiserve bench on dummy models of real shapes
+    import torch
+
+    memory = torch.cuda.get_device_properties(0).total_memory
+    shapes = ["1b"] + ([] if args.skip_8b else ["8b"])
+    for shape in shapes:
+        need = 200.0 if shape == "1b" else 170.0
+        if left() < need:
+            _log(f"bench {shape}: skipped, {left():.0f} s left")
+            summary["steps"].append(_skipped(f"bench {shape}", "time"))
+            continue
+        if _PARAMS[shape] * 2 * 2.5 > memory:  # weights twice (server, baselines one at a time) + KV
+            summary["steps"].append(_skipped(f"bench {shape}", "memory"))
+            continue
+        model_dir = dummy_model_dir(shape, out / f"model-{shape}")
+        bench_dir = out / f"bench-{shape}"
+        command = [
+            sys.executable,
+            "-m",
+            "lmiserve",
+            "bench",
+            "--model-id",
+            str(model_dir),
+            "-o",
+            "load_format=dummy",
+            "-o",
+            "max_rolling_batch_size=128",
+            "--device",
+            "cuda",
+            "--dtype",
+            "bf16",
+            "--concurrency",
+            "1,32,128",
+            "--max-new-tokens",
+            "128",
+            "--requests-per-client",
+            str(args.requests_per_client),
+            "--output-dir",
+            str(bench_dir),
+        ]
+        step = run_step(f"bench {shape}", command, out / f"bench-{shape}.log", left() - 5, env)
+        summary["steps"].append(step)
+        summary[f"bench_{shape}"] = bench_summary(bench_dir)
+
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out / "summary.md").write_text(markdown(summary))
+    print(markdown(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
