@@ -118,9 +118,11 @@ def create_app(
                     metrics_port.serving(metrics.response, host, settings.metrics_port, level)
                 )
             loading = asyncio.create_task(registry.load_all(on_failed=on_startup_load_failed))
+            lag = asyncio.create_task(metrics.loop_lag.watch())
             try:
                 yield
             finally:
+                lag.cancel()
                 loading.cancel()
                 await registry.close_all()
 

@@ -299,3 +299,14 @@ def test_gauges_show_the_running_batch_and_return_to_zero(small_server):
     assert delta(before, after, "vllm:request_success_total", model_name=name, finished_reason="length") == 1
     assert delta(before, after, "vllm:request_queue_time_seconds_count", model_name=name) == 2
     assert delta(before, after, "tgi_request_queue_duration_count") == 1  # successes only, as TGI
+
+
+def test_event_loop_lag_is_observed_while_the_server_runs(metered):
+    """The lifespan's watcher observes a wake-up every 0.1 s (its lag bounded here loosely: the test
+    machine is shared)."""
+    name = "lmiserve_event_loop_lag_seconds"
+    before = metered.scrape().total(name + "_count")
+    wait_until(lambda: metered.scrape().total(name + "_count") >= before + 3, "three more wake-ups are observed")
+    scrape = metered.scrape()
+    assert scrape.buckets(name)[0] == 0.001
+    assert 0 <= scrape.total(name + "_sum") / scrape.total(name + "_count") < 1.0

@@ -55,3 +55,27 @@ def test_metrics_port_must_differ_from_the_serving_port():
     assert load_settings({"metrics_port": 9090}, environ={}).metrics_port == 9090
     with pytest.raises(ConfigError, match="metrics_port=8080 must differ from port"):
         load_settings({"metrics_port": 8080}, environ={})
+
+
+def test_event_loop_lag_counts_how_late_the_loop_ran_a_timer():
+    """A loop blocked for 0.2 s shows one wake-up about 0.2 s late; an idle one shows none late."""
+    import asyncio
+    import time
+
+    from prometheus_client import CollectorRegistry
+
+    from lmiserve.server.metrics.loop_lag import LoopLag
+
+    lag = LoopLag(CollectorRegistry())
+
+    async def scenario() -> None:
+        task = asyncio.create_task(lag.watch(interval=0.01))
+        await asyncio.sleep(0.05)  # idle: wake-ups on time
+        time.sleep(0.2)  # the loop held by blocking work
+        await asyncio.sleep(0.05)
+        task.cancel()
+
+    asyncio.run(scenario())
+    samples = {s.name: s.value for s in lag.histogram.collect()[0].samples if not s.labels.get("le")}
+    assert samples["lmiserve_event_loop_lag_seconds_count"] >= 5
+    assert 0.15 <= samples["lmiserve_event_loop_lag_seconds_sum"] < 0.5

@@ -20,6 +20,7 @@ from lmiserve.core.stats import EngineObserver
 from lmiserve.models.service import ModelService
 from lmiserve.server.metrics import scrape
 from lmiserve.server.metrics.engine import LiveCollector, ModelObserver, TgiMetrics, VllmMetrics
+from lmiserve.server.metrics.loop_lag import LoopLag
 from lmiserve.server.metrics.requests import RequestCollectors
 
 __all__ = ["Metrics"]
@@ -39,6 +40,7 @@ class Metrics:
         self.tgi = TgiMetrics(self.registry)
         self.vllm = VllmMetrics(self.registry)
         self.requests = RequestCollectors(self.registry)
+        self.loop_lag = LoopLag(self.registry)  # its `watch()` runs in the app's lifespan
         self.registry.register(LiveCollector(models, self.tgi, self.vllm))
 
     def observer_for(self, service: ModelService) -> EngineObserver:
