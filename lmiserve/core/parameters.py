@@ -61,6 +61,7 @@ class GenerationParameters(BaseModel):
     top_n_tokens: int = Field(0, ge=0, le=20)
     n: int | None = Field(None, ge=1, le=16)  # None: as many as best_of (TGI/LMI)
     best_of: int = Field(1, ge=1, le=16)
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)  # vLLM's: the waiting queue admits lower values first
     output_formatter: str | None = None
     # structured output (lmiserve.core.constraints): DJL Serving's `json_schema`, TGI's `grammar`,
     # OpenAI's `response_format`, vLLM's `guided_*` / `structured_outputs`; one at most

@@ -54,3 +54,5 @@ class GenerationRequest:
     prompt: str
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = field(default_factory=_request_id)
+    # vLLM's meaning: the waiting queue admits lower values first (ties in arrival order); default 0
+    priority: int = 0

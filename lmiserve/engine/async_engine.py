@@ -206,6 +206,7 @@ class AsyncEngine:
                 index=i,
                 arrival=arrival,
                 grammar=grammar.matcher() if grammar is not None else None,  # each sequence its own
+                priority=request.priority,
             )
             for i in range(count)
         ]

@@ -6,7 +6,8 @@ it; ``update(plan, output)`` applies the results and returns the events to deliv
 Slots: running sequences occupy KV-cache slots ``0..R-1`` (decoding) followed by ``R..R+P-1``
 (prefilling, in arrival order). When a sequence leaves, the plan lists the slot moves that keep
 both ranges contiguous, so a decode step reads the cache through views. Prompts are prefilled in
-arrival order, in chunks bounded per step by ``max_prefill_tokens``; while sequences are decoding, a
+admission order (the waiting queue is ordered by ``priority``, lower first, then arrival), in chunks
+bounded per step by ``max_prefill_tokens``; while sequences are decoding, a
 step takes at most ``max(prefill_floor, decoding rows, max_running - decoding rows)`` prompt tokens
 (when ``prefill_floor`` is set): a step carries no more rows than a full batch or twice its decoding
 rows, so no stream waits longer for a token than it would in a full batch or twice its current
@@ -131,7 +132,10 @@ class Scheduler:
     # ---- intake ----------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        at = len(self.waiting)
+        while at > 0 and self.waiting[at - 1].priority > seq.priority:
+            at -= 1
+        self.waiting.insert(at, seq)
 
     def abort(self, seq: Sequence) -> None:
         """Ask for `seq` to leave; it does at the next `schedule` (within one step)."""
@@ -140,6 +144,8 @@ class Scheduler:
     @property
     def num_decoding(self) -> int:
         return sum(1 for s in self.running if s.status is SeqStatus.RUNNING)
+        """Queue `seq` behind every waiting sequence of a lower or equal priority (lower first; equal
+        priorities in arrival order, so without priorities the queue is first come, first served)."""
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._released)
@@ -147,10 +153,11 @@ class Scheduler:
     def next_wakeup(self, now: float) -> float | None:
         """Seconds until schedule() may have something new to do while idle (batch delay, timeouts)."""
         deadlines = []
-        if self.waiting and self.queue_timeout is not None:
-            deadlines.append(self.waiting[0].arrival + self.queue_timeout)
-        if self.static_batching and self.waiting and not self.running:
-            deadlines.append(self.waiting[0].arrival + self.max_batch_delay)
+        first = min((s.arrival for s in self.waiting), default=None)  # the queue is in priority order
+        if first is not None and self.queue_timeout is not None:
+            deadlines.append(first + self.queue_timeout)
+        if self.static_batching and first is not None and not self.running:
+            deadlines.append(first + self.max_batch_delay)
         return max(0.0, min(deadlines) - now) if deadlines else None
 
     # ---- planning --------------------------------------------------------------------------------
@@ -201,7 +208,7 @@ class Scheduler:
             if self.running or not self.waiting:
                 return
             full = len(self.waiting) >= self.batch_size
-            if not full and now - self.waiting[0].arrival < self.max_batch_delay:
+            if not full and now - min(s.arrival for s in self.waiting) < self.max_batch_delay:
                 return
             limit = min(self.batch_size, self.max_running)
         else:

@@ -39,6 +39,7 @@ class Sequence:
         index: int = 0,
         arrival: float = 0.0,
         grammar: GrammarMatcher | None = None,
+        priority: int = 0,
     ) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
@@ -48,6 +49,7 @@ class Sequence:
         self.params = params
         self.seed = seed
         self.arrival = arrival
+        self.priority = priority  # lower is admitted first (vLLM's meaning)
         self.status = SeqStatus.WAITING
         self.slot: int | None = None
         self.kv_len = 0  # positions of this sequence written into the KV cache

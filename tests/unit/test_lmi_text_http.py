@@ -850,3 +850,12 @@ async def test_dynamic_batch_failure_is_424():
     served = text_app(rolling_batch="disable", batch_size=4)
     served.fake.reply_once(Script(text=FOX), Script(text=FOX, failure="CUDA out of memory"))
     assert_424(await post(served, {"inputs": ["a", "b"]}), "CUDA out of memory")
+
+
+async def test_priority_parameter_reaches_the_engine_and_is_checked(served):
+    """`parameters.priority` (vLLM's meaning, lower first) orders the engine's waiting queue."""
+    r = await post(served, {"inputs": "hi", "parameters": {"max_new_tokens": 2, "priority": 7}})
+    assert r.status_code == 200, r.text
+    assert served.fake.requests[-1].priority == 7
+    r = await post(served, {"inputs": "hi", "parameters": {"priority": "soon"}})
+    assert r.status_code == 424 and "priority" in r.text

@@ -692,3 +692,15 @@ async def test_a_server_without_a_text_model_answers_404_in_tgi_shape(route, cap
     body = {"error": "No text-generation model is loaded: this route needs an LLM.", "error_type": "not_found"}
     assert (r.status_code, r.headers["content-type"], r.content) == (404, "application/json", dumps(body))
     assert [rec for rec in caplog.records if rec.exc_info or rec.levelno >= logging.ERROR] == []
+
+
+async def test_priority_reaches_the_engine_and_is_checked(served):
+    """vLLM's `priority` extension (lower is admitted first) on TGI's routes: handed to the engine; a
+    value out of 32-bit range is TGI's 422 deserialization error (text, as TGI's own)."""
+    r = await post(served, "/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 2, "priority": -3}})
+    assert r.status_code == 200, r.text
+    assert served.fake.requests[-1].priority == -3
+    r = await post(served, "/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 2}})
+    assert served.fake.requests[-1].priority == 0
+    r = await post(served, "/generate", {"inputs": "hi", "parameters": {"priority": 2**40}})
+    assert r.status_code == 422 and b"parameters.priority" in r.content

@@ -81,7 +81,7 @@ def parse(payload, limits: Limits, *, dynamic_batch: bool = False) -> LmiCall:
     stream = bool(payload.get("stream", False))
     sampling = to_sampling(params, limits, stream)
     formatter = select_formatter_name(params.output_formatter, limits.output_formatter, stream, limits.tgi_compat)
-    requests = [GenerationRequest(prompt, _copy(sampling)) for prompt in prompts]
+    requests = [GenerationRequest(prompt, _copy(sampling), priority=params.priority) for prompt in prompts]
     full_text = params.return_full_text if params.return_full_text is not None else dynamic_batch
     options = FormatOptions.for_request(
         requests[0], details=params.details, return_full_text=full_text, tgi_compat=limits.tgi_compat

@@ -19,6 +19,7 @@ class TextGenParameters(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     best_of: int | None = Field(None, ge=0, le=UINT32)
+    priority: int | None = Field(None, ge=-(2**31), le=2**31 - 1)  # vLLM's extension: lower is admitted first
     temperature: float | None = None
     repetition_penalty: float | None = None
     frequency_penalty: float | None = None

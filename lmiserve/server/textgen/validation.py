@@ -116,7 +116,7 @@ def build(
     )
     full_text = p.return_full_text if p.return_full_text is not None else False
     return TextGenCall(
-        request=GenerationRequest(inputs, sampling_params),
+        request=GenerationRequest(inputs, sampling_params, priority=p.priority or 0),
         details=p.details or p.decoder_input_details,
         decoder_input_details=p.decoder_input_details,
         return_full_text=full_text,
