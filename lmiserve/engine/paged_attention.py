@@ -1,0 +1,349 @@
+"""Attention over a block (paged) KV cache: the storage and the reads/writes the model needs.
+
+The KV memory is one pool of ``num_blocks`` blocks of ``block_size`` token slots (the allocator is
+`kv_blocks.BlockPool`). Per layer, keys and values are each one tensor ``[num_blocks, kv_heads,
+block_size, head_dim]``: a block's tokens of one head are contiguous (``block_size * head_dim`` values),
+so a read walks each row's blocks in order and, inside a block, the same inner loop as the slot cache.
+The token at position ``p`` of a sequence lives at offset ``p % block_size`` of block
+``block_table[p // block_size]``.
+
+Decode (`paged_decode_attention`): each row writes its new key/value at position ``spans[r] - 1`` and
+its query heads (GQA packed per kv head, ``[rows, kv_heads, groups, head_dim]``) attend over positions
+``0..spans[r]-1`` through its block table. Two implementations with that contract: a compiled numba
+kernel for fp32 on CPU (the slot kernel of `decode_attention.py` with the position -> block indirection;
+`available` says when it applies) and torch ops for every other dtype and device (a flat `index_copy_`
+write, a gather of the rows' blocks, a masked fp32 softmax).
+
+Prefill: `write_chunk` stores a chunk's keys/values, `gather_context` reads a sequence's positions
+``0..end-1`` back as ``[kv_heads, end, head_dim]`` for the chunk's causal SDPA (the caller repeats kv
+heads for GQA and builds the mask, as `fast_llama` does).
+
+Block tables are int tensors on the cache's device (``[rows, max_blocks]`` for decode, ``[blocks]`` for
+one sequence); entries past what a row's span needs are never read by the kernel and masked by the torch
+path, but must be valid block ids there (pad with 0). Spans are host integers (a numpy array).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from lmiserve.engine import kv_blocks
+
+try:  # numba is a dependency; a broken install only costs speed
+    import numba
+except Exception:  # noqa: BLE001 - import errors of numba/llvmlite come in many types
+    _HAVE_NUMBA = False
+else:
+    _HAVE_NUMBA = True
+
+__all__ = [
+    "PagedKVCache",
+    "available",
+    "compiled_decode_attention",
+    "gather_context",
+    "paged_decode_attention",
+    "torch_decode_attention",
+    "warm_up",
+    "write_chunk",
+]
+
+_F32 = npt.NDArray[np.float32]
+_I64 = npt.NDArray[np.int64]
+
+
+class PagedKVCache:
+    """Per layer, ``keys[layer]`` and ``values[layer]``: ``[num_blocks, kv_heads, block_size, head_dim]``,
+    contiguous, zero-filled."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if min(num_layers, num_blocks, block_size, kv_heads, head_dim) < 1:
+            raise ValueError("num_layers, num_blocks, block_size, kv_heads and head_dim must be positive")
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_blocks, kv_heads, block_size, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """The memory of one block: K and V of `block_size` tokens in every layer (`kv_blocks.blocks_for_memory`
+        turns a memory budget into a block count with the same formula)."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return kv_blocks.bytes_per_block(num_layers, kv_heads, head_dim, itemsize, block_size)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block(
+            self.num_layers, self.block_size, self.kv_heads, self.head_dim, self.dtype
+        )
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy-on-write for forked sequences (`BlockPool.fork`): block ``src`` -> block ``dst`` in every
+        layer, K and V. All sources are read before any destination is written."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
+        for cache in (*self.keys, *self.values):
+            cache.index_copy_(0, dst, cache.index_select(0, src))
+
+
+# ---- decode: compiled (fp32 CPU) ---------------------------------------------------------------------
+
+
+def _kernel(  # pragma: no cover - compiled
+    query: _F32,
+    key_cache: _F32,
+    value_cache: _F32,
+    new_keys: _F32,
+    new_values: _F32,
+    block_tables: _I64,
+    spans: _I64,
+    scale: np.float32,
+    out: _F32,
+) -> None:
+    rows, kv_heads, groups, dim = query.shape
+    block_size = key_cache.shape[2]
+    for task in numba.prange(rows * kv_heads):
+        row = task // kv_heads
+        head = task % kv_heads
+        span = spans[row]
+        last = span - 1
+        last_block = block_tables[row, last // block_size]
+        last_offset = last % block_size
+        for d in range(dim):
+            key_cache[last_block, head, last_offset, d] = new_keys[row, head, d]
+            value_cache[last_block, head, last_offset, d] = new_values[row, head, d]
+        blocks = (span + block_size - 1) // block_size
+        q = query[row, head]
+        scores = np.empty((groups, span), dtype=np.float32)
+        for b in range(blocks):
+            keys = key_cache[block_tables[row, b], head]  # [block_size, dim] view: simpler addressing
+            base = b * block_size
+            for o in range(min(block_size, span - base)):
+                for g in range(groups):
+                    acc = np.float32(0.0)
+                    for d in range(dim):
+                        acc += q[g, d] * keys[o, d]
+                    scores[g, base + o] = acc * scale
+        for g in range(groups):
+            top = scores[g, 0]
+            for j in range(1, span):
+                if scores[g, j] > top:
+                    top = scores[g, j]
+            total = np.float32(0.0)
+            for j in range(span):
+                e = np.float32(math.exp(scores[g, j] - top))
+                scores[g, j] = e
+                total += e
+            inv = np.float32(1.0) / total
+            for j in range(span):
+                scores[g, j] *= inv
+        # each value block read once for all groups, into a local accumulator
+        acc_out = np.zeros((groups, dim), dtype=np.float32)
+        for b in range(blocks):
+            values = value_cache[block_tables[row, b], head]
+            base = b * block_size
+            for o in range(min(block_size, span - base)):
+                for g in range(groups):
+                    p = scores[g, base + o]
+                    for d in range(dim):
+                        acc_out[g, d] += p * values[o, d]
+        for g in range(groups):
+            for d in range(dim):
+                out[row, head, g, d] = acc_out[g, d]
+
+
+_compiled: Callable[..., None] | None = None
+
+
+def _compiled_kernel() -> Callable[..., None]:
+    global _compiled
+    if _compiled is None:
+        _compiled = numba.njit(fastmath=True, parallel=True, cache=True, nogil=True)(_kernel)
+    return _compiled
+
+
+def available(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `compiled_decode_attention` serves a model of this dtype on this device."""
+    return _HAVE_NUMBA and device.type == "cpu" and dtype == torch.float32
+
+
+def warm_up() -> None:
+    """Compile the kernel (a few seconds; later processes load it from numba's cache)."""
+    cache = torch.zeros(2, 1, 2, 8)
+    compiled_decode_attention(
+        torch.zeros(1, 1, 1, 8),
+        cache,
+        cache.clone(),
+        torch.zeros(1, 1, 8),
+        torch.zeros(1, 1, 8),
+        torch.tensor([[1]]),
+        np.array([2], dtype=np.int64),
+        1.0,
+    )
+
+
+def _host_spans(spans: npt.ArrayLike) -> _I64:
+    return np.ascontiguousarray(spans, dtype=np.int64)
+
+
+def compiled_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    new_keys: torch.Tensor,
+    new_values: torch.Tensor,
+    block_tables: torch.Tensor,
+    spans: npt.ArrayLike,
+    scale: float,
+) -> torch.Tensor:
+    """`paged_decode_attention` as one numba kernel: fp32 CPU tensors, caches contiguous."""
+    out = torch.empty_like(query)
+    _compiled_kernel()(
+        query.contiguous().numpy(),
+        key_cache.numpy(),
+        value_cache.numpy(),
+        new_keys.contiguous().numpy(),
+        new_values.contiguous().numpy(),
+        block_tables.to(torch.int64).contiguous().numpy(),
+        _host_spans(spans),
+        np.float32(scale),
+        out.numpy(),
+    )
+    return out
+
+
+# ---- decode: torch (any dtype, any device) ------------------------------------------------------------
+
+
+def _flat_index(blocks: torch.Tensor, offsets: torch.Tensor, kv_heads: int, block_size: int) -> torch.Tensor:
+    """Rows of a ``[num_blocks * kv_heads * block_size, head_dim]`` view for tokens at (block, offset):
+    ``[tokens, kv_heads]``."""
+    heads = torch.arange(kv_heads, device=blocks.device)
+    return (blocks[:, None] * kv_heads + heads[None, :]) * block_size + offsets[:, None]
+
+
+def _write(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    blocks: torch.Tensor,
+    offsets: torch.Tensor,
+) -> None:
+    _, kv_heads, block_size, dim = key_cache.shape
+    index = _flat_index(blocks, offsets, kv_heads, block_size).reshape(-1)
+    key_cache.view(-1, dim).index_copy_(0, index, keys.reshape(-1, dim).to(key_cache.dtype))
+    value_cache.view(-1, dim).index_copy_(0, index, values.reshape(-1, dim).to(value_cache.dtype))
+
+
+def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """``[..., blocks]`` block ids -> ``[..., kv_heads, blocks * block_size, head_dim]``."""
+    gathered = cache[table]  # [..., blocks, kv_heads, block_size, head_dim]
+    *lead, blocks, kv_heads, block_size, dim = gathered.shape
+    return gathered.transpose(-4, -3).reshape(*lead, kv_heads, blocks * block_size, dim)
+
+
+def torch_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    new_keys: torch.Tensor,
+    new_values: torch.Tensor,
+    block_tables: torch.Tensor,
+    spans: npt.ArrayLike,
+    scale: float,
+) -> torch.Tensor:
+    """`paged_decode_attention` with torch ops: matmuls in the cache dtype, softmax in fp32. Reads the
+    first ``ceil(max(spans) / block_size)`` columns of `block_tables` for every row (masked past its span)."""
+    device = key_cache.device
+    block_size = key_cache.shape[2]
+    host = _host_spans(spans)
+    rows = len(host)
+    if rows == 0:
+        return torch.empty_like(query)
+    span_t = torch.from_numpy(host).to(device)
+    tables = block_tables.to(device=device, dtype=torch.long)
+    last = span_t - 1
+    row_ids = torch.arange(rows, device=device)
+    _write(key_cache, value_cache, new_keys, new_values, tables[row_ids, last // block_size], last % block_size)
+    width = -(-int(host.max()) // block_size)
+    keys = _gather(key_cache, tables[:, :width])  # [R, kv_heads, width * block_size, head_dim]
+    values = _gather(value_cache, tables[:, :width])
+    scores = torch.matmul(query.to(keys.dtype), keys.transpose(-1, -2)).float() * scale  # [R, kv, groups, L]
+    hidden = torch.arange(width * block_size, device=device)[None, :] >= span_t[:, None]
+    scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
+    out = torch.matmul(scores.softmax(-1).to(values.dtype), values)
+    return out.to(query.dtype)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    new_keys: torch.Tensor,
+    new_values: torch.Tensor,
+    block_tables: torch.Tensor,
+    spans: npt.ArrayLike,
+    scale: float,
+) -> torch.Tensor:
+    """Rows ``0..R-1``: write ``new_keys``/``new_values`` (``[R, kv_heads, head_dim]``) at position
+    ``p = spans[r] - 1`` of row r (block ``block_tables[r, p // block_size]``, offset ``p % block_size``)
+    in the layer caches (``[num_blocks, kv_heads, block_size, head_dim]``), then attend ``query``
+    (``[R, kv_heads, groups, head_dim]``) over positions ``0..spans[r]-1`` through the block table.
+    Returns ``[R, kv_heads, groups, head_dim]``. The compiled kernel where `available`, torch otherwise."""
+    fn = compiled_decode_attention if available(key_cache.dtype, key_cache.device) else torch_decode_attention
+    return fn(query, key_cache, value_cache, new_keys, new_values, block_tables, spans, scale)
+
+
+# ---- prefill --------------------------------------------------------------------------------------------
+
+
+def write_chunk(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    block_table: torch.Tensor,
+    start: int,
+) -> None:
+    """Store a chunk's keys/values (``[length, kv_heads, head_dim]``) at positions ``start..start+length-1``
+    of the sequence whose blocks are `block_table` (``[blocks]``)."""
+    length = keys.shape[0]
+    if length == 0:
+        return
+    block_size = key_cache.shape[2]
+    device = key_cache.device
+    positions = torch.arange(start, start + length, device=device)
+    table = block_table.to(device=device, dtype=torch.long)
+    _write(key_cache, value_cache, keys, values, table[positions // block_size], positions % block_size)
+
+
+def gather_context(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor, end: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions ``0..end-1`` of the sequence whose blocks are `block_table`, as (keys, values), each
+    ``[kv_heads, end, head_dim]`` (fresh tensors, not views of the cache)."""
+    block_size = key_cache.shape[2]
+    table = block_table.to(device=key_cache.device, dtype=torch.long)[: -(-end // block_size)]
+    return _gather(key_cache, table)[:, :end], _gather(value_cache, table)[:, :end]
