@@ -37,6 +37,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos_token: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)  # added to the logits (OpenAI's logit_bias)
+    bad_words: list[str] = field(default_factory=list)  # vLLM's: never generated (the engine tokenizes them)
+    bad_words_ids: list[list[int]] = field(default_factory=list)  # bad_words as token ids, set by the engine
     truncate: int | None = None  # keep only the last N prompt tokens
     decoder_input_details: bool = False  # prompt-token logprobs
     top_n_tokens: int = 0

@@ -3,6 +3,10 @@
 Every sequence has its own `torch.Generator` seeded from its seed, so a seeded request samples the
 same tokens whatever else is in the batch. Reported logprobs are the model's own distribution
 (log-softmax of the raw logits), as TGI and vLLM report them.
+
+A row is processed in vLLM's order: `logit_bias` added, `bad_words` banned, the penalties (repetition:
+multiplicative over prompt and output; presence and frequency: additive over the output, OpenAI's
+definition), `min_new_tokens` (EOS and stop ids banned), then the warpers when sampling.
 """
 
 from __future__ import annotations
@@ -22,7 +26,28 @@ def needs_processing(params: SamplingParams) -> bool:
         or params.presence_penalty != 0.0
         or params.frequency_penalty != 0.0
         or params.min_new_tokens > 0
+        or bool(params.logit_bias)
+        or bool(params.bad_words_ids)
     )
+
+
+def apply_bias(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """OpenAI's `logit_bias`: each value added to its token's logit (in place)."""
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=logits.device)
+        logits[ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+    return logits
+
+
+def banned_words(params: SamplingParams, output_ids: list[int]) -> list[int]:
+    """vLLM's `bad_words`: the last token of each bad word whose other tokens the output ends with (a
+    one-token word is always banned)."""
+    banned = []
+    for word in params.bad_words_ids:
+        prefix = word[:-1]
+        if not prefix or (len(output_ids) >= len(prefix) and output_ids[len(output_ids) - len(prefix) :] == prefix):
+            banned.append(word[-1])
+    return banned
 
 
 def apply_penalties(
@@ -70,7 +95,7 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:
     gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
+    gen.manual_seed(seed % 2**64)  # choice i of a request samples from seed + i, which may pass 2**64 - 1
     return gen
 
 
@@ -89,7 +114,11 @@ def sample_row(
     logprobs = logits.log_softmax(-1)
     source = logits if masked is None else masked
     if needs_processing(params):
-        processed = apply_penalties(source.clone(), params, prompt_ids, output_ids)
+        processed = apply_bias(source.clone(), params)
+        words = banned_words(params, output_ids) if params.bad_words_ids else []
+        if words:
+            processed[words] = _NEG_INF
+        processed = apply_penalties(processed, params, prompt_ids, output_ids)
         processed = torch.nan_to_num(processed, nan=_NEG_INF, posinf=torch.finfo(processed.dtype).max)
         if banned_ids and len(output_ids) < params.min_new_tokens:
             kept = processed[banned_ids]

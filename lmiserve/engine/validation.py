@@ -27,11 +27,29 @@ class PromptCodec:
         # which for a body of many megabytes would hold the event loop for seconds (0: no such bound)
         self.max_prompt_chars = self.max_input_len * int(getattr(tokenizer, "max_token_chars", 0))
 
+    def bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as token ids (special tokens left out), as it starts a text and as it follows a
+        space (a byte-level BPE spells " word" with other tokens than "word")."""
+        found: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = [i for i in self.tokenizer.encode(text) if i not in self.special_token_ids]
+                if ids and ids not in found:
+                    found.append(ids)
+        return found
+
     def encode(self, request: GenerationRequest) -> list[int]:
         params = request.params
         bad = [i for i in params.stop_token_ids if not 0 <= i < self.vocab_size]
         if bad:
             raise InvalidRequest(f"stop_token_ids {bad} are outside the vocabulary (0..{self.vocab_size - 1})")
+        bad = [i for i in params.logit_bias if not 0 <= i < self.vocab_size]
+        if bad:
+            raise InvalidRequest(
+                f"`logit_bias` token ids {sorted(bad)[:10]} are outside the vocabulary (0..{self.vocab_size - 1})"
+            )
+        if params.bad_words and not params.bad_words_ids:
+            params.bad_words_ids = self.bad_words_ids(params.bad_words)
         if params.truncate is None and self.max_prompt_chars and len(request.prompt) > self.max_prompt_chars:
             raise InvalidRequest(
                 f"Input prompt ({len(request.prompt)} characters: more than {self.max_input_len} tokens) is too "

@@ -140,3 +140,46 @@ def test_completions_stop_and_finish_reasons(client):
     )
     assert "".join(c.choices[0].text for c in streamed) == text[: text.find(stop)]
     assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_seed_with_n_is_reproducible_and_each_choice_has_its_own_stream(client):
+    def texts(seed: int, n: int) -> list[str]:
+        completion = client.completions.create(
+            model="tiny",
+            prompt="The quick brown",
+            max_tokens=6,
+            n=n,
+            seed=seed,
+            temperature=1.0,
+            extra_body={"ignore_eos": True},
+        )
+        return [c.text for c in completion.choices]
+
+    two = texts(11, 2)
+    assert two == texts(11, 2) and two[0] != two[1]
+    assert texts(11, 1) == two[:1] and texts(12, 1) == two[1:]  # choice i samples from seed + i
+
+
+def test_logit_bias_forces_a_token_and_bad_words_ban_it(client):
+    fox = 473  # " fox" in the tiny model's tokenizer (tests/helpers/tiny_model.py)
+    args = {"model": "tiny", "prompt": "The quick brown", "max_tokens": 3, "temperature": 0}
+    forced = client.completions.create(**args, logit_bias={str(fox): 100})
+    assert forced.choices[0].text == " fox fox fox"
+    banned = client.completions.create(**args, logit_bias={str(fox): 100}, extra_body={"bad_words": ["fox"]})
+    assert not banned.choices[0].text.startswith(" fox")
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"temperature": 5},
+        {"top_p": 0},
+        {"presence_penalty": 3},
+        {"logit_bias": {"5": 101}},
+        {"logit_bias": {"99999999": 1}},
+    ],
+)
+def test_out_of_range_sampling_fields_raise_bad_request(client, fields):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, **fields)
+    assert info.value.body["param"] == next(iter(fields))

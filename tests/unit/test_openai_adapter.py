@@ -32,6 +32,10 @@ def chat(**fields):
     return adapter.chat(ChatRequest.model_validate({"messages": MESSAGES, **fields}), LIMITS, words, render, "served")
 
 
+def complete(**fields):
+    return adapter.completion(CompletionRequest.model_validate({"prompt": "hi", **fields}), LIMITS, words, "served")
+
+
 def test_chat_defaults_sample_and_fill_the_budget():
     call = chat()
     params = call.calls[0].request.params
@@ -59,7 +63,7 @@ def test_mappings():
         .calls[0]
         .request.params
     )
-    assert params.repetition_penalty == 2.5  # presence_penalty + 2, as TGI maps it
+    assert params.presence_penalty == 0.5 and params.repetition_penalty == 1.0  # OpenAI's additive penalty
     assert params.top_n_tokens == 3 and params.max_new_tokens == 7 and params.stop_sequences == ["x"]
     assert params.seed == 3 and params.top_p == 1.0  # OpenAI's top_p=1.0 means off
     assert chat(top_logprobs=3).calls[0].request.params.top_n_tokens == 0  # only with logprobs=true
@@ -74,13 +78,65 @@ def rendered(exc: LmiServeError) -> tuple[int, str, str]:
     return RENDERER.status(exc), body["error"]["type"], body["error"]["message"]
 
 
-def test_n_needs_sampling_and_no_seed():
+def test_n_needs_sampling_and_takes_a_seed():
     params = chat(n=3).calls[0].request.params
     assert (params.n, params.best_of) == (3, 3)
     with pytest.raises(InvalidRequest, match="requires sampling"):
         chat(n=2, temperature=0)
-    with pytest.raises(InvalidRequest, match="`seed` must not be set"):
-        chat(n=2, seed=1)
+    params = chat(n=2, seed=1).calls[0].request.params  # choice i samples from seed + i (the engine)
+    assert (params.n, params.seed) == (2, 1)
+
+
+def test_openai_and_vllm_sampling_fields():
+    fields = {
+        "presence_penalty": -1.5,
+        "frequency_penalty": 2,
+        "repetition_penalty": 1.2,
+        "top_k": 5,
+        "min_p": 0.1,
+        "logit_bias": {"7": 100, "12": -100},
+        "bad_words": ["fox"],
+        "skip_special_tokens": False,
+        "min_tokens": 2,
+        "ignore_eos": True,
+        "stop_token_ids": [3],
+    }
+    for call in (chat(**fields), complete(**fields)):
+        p = call.calls[0].request.params
+        assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (-1.5, 2.0, 1.2)
+        assert (p.top_k, p.min_p, p.logit_bias, p.bad_words) == (5, 0.1, {7: 100.0, 12: -100.0}, ["fox"])
+        assert not p.skip_special_tokens and p.ignore_eos_token and p.stop_token_ids == [3]
+        assert p.min_new_tokens == 2
+    for off in (-1, 0):
+        assert chat(top_k=off).calls[0].request.params.top_k == 0
+    defaults = chat().calls[0].request.params
+    assert defaults.skip_special_tokens and defaults.logit_bias == {} and defaults.presence_penalty == 0.0
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"temperature": 5}, "`temperature` must be in [0, 2], got 5"),
+        ({"temperature": -0.1}, "`temperature` must be in [0, 2], got -0.1"),
+        ({"top_p": 0}, "`top_p` must be in (0, 1], got 0"),
+        ({"top_p": 1.5}, "`top_p` must be in (0, 1], got 1.5"),
+        ({"presence_penalty": 2.5}, "`presence_penalty` must be in [-2, 2], got 2.5"),
+        ({"frequency_penalty": -3}, "`frequency_penalty` must be in [-2, 2], got -3"),
+        ({"min_p": 1.5}, "`min_p` must be in [0, 1], got 1.5"),
+        ({"top_k": -2}, "`top_k` must be -1 or 0 (disabled), or at least 1, got -2"),
+        ({"repetition_penalty": 0}, "`repetition_penalty` must be greater than zero, got 0"),
+        ({"logit_bias": {"5": 101}}, "`logit_bias` values must be in [-100, 100], got 101 for token 5"),
+        ({"logit_bias": {"abc": 1}}, "`logit_bias` keys must be token ids (non-negative integers), got 'abc'"),
+        ({"logit_bias": {"-3": 1}}, "`logit_bias` keys must be token ids (non-negative integers), got '-3'"),
+    ],
+)
+def test_openai_ranges_are_400_naming_the_field(fields, message):
+    for make in (chat, complete):
+        with pytest.raises(InvalidRequest) as info:
+            make(**fields)
+        assert info.value.message == message
+        body = json.loads(RENDERER.body(info.value))["error"]
+        assert RENDERER.status(info.value) == 400 and body["param"] == next(iter(fields))
 
 
 def test_tools_constrain_the_output_to_calls():

@@ -172,6 +172,54 @@ async def test_chat_logprobs_and_seeded_sampling(served):
     assert c["choices"] != a["choices"]
 
 
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+async def test_seed_with_n_gives_each_choice_its_own_reproducible_stream(served, route):
+    first = {"messages": MESSAGES} if route.endswith("chat/completions") else {"prompt": FOX}
+    payload = {**first, "max_tokens": 4, "n": 2, "seed": 7, "ignore_eos": True}
+    a = (await post(served, route, payload)).json()
+    assert a["choices"] == (await post(served, route, payload)).json()["choices"]
+    assert a["choices"][0] != a["choices"][1]  # choice i samples from seed + i
+    assert (served.fake.requests[0].params.n, served.fake.requests[0].params.seed) == (2, 7)
+
+
+async def test_a_logit_bias_outside_the_vocabulary_is_400(served):
+    r = await post(served, "/v1/completions", {"prompt": FOX, "logit_bias": {"600": 1, "3": 2}})
+    assert r.status_code == 400
+    assert r.content == error("`logit_bias` token ids [600] are outside the vocabulary (0..511)", param="logit_bias")
+
+
+async def test_sampling_fields_reach_the_engine(served):
+    payload = {
+        "messages": MESSAGES,
+        "max_tokens": 2,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "top_k": -1,
+        "min_p": 0.2,
+        "logit_bias": {"5": -100},
+        "skip_special_tokens": False,
+        "bad_words": ["fox"],
+    }
+    r = await post(served, "/v1/chat/completions", payload)
+    assert r.status_code == 200, r.text
+    p = served.fake.requests[0].params
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.5, 1.0)
+    assert (p.top_k, p.min_p, p.logit_bias, p.skip_special_tokens) == (0, 0.2, {5: -100.0}, False)
+    assert p.bad_words == ["fox"] and p.bad_words_ids  # tokenized by the engine
+
+
+async def test_unknown_fields_are_accepted_and_logged_once_per_name(served, caplog):
+    payload = {"messages": MESSAGES, "max_tokens": 2, "no_such_option_x": 1, "other_option_y": True}
+    with caplog.at_level(logging.WARNING, logger="lmiserve.protocols.openai.schema"):
+        for _ in range(2):
+            assert (await post(served, "/v1/chat/completions", payload)).status_code == 200
+    warned = [r.getMessage() for r in caplog.records if r.name == "lmiserve.protocols.openai.schema"]
+    assert sorted(warned) == [
+        "ignoring unknown request field no_such_option_x (not supported by this server)",
+        "ignoring unknown request field other_option_y (not supported by this server)",
+    ]
+
+
 async def test_chat_n_choices(served):
     payload = {"messages": MESSAGES, "max_tokens": 3, "n": 2, "temperature": 0.8, "ignore_eos": True}
     body = (await post(served, "/v1/chat/completions", payload)).json()
@@ -191,12 +239,12 @@ async def test_chat_n_choices(served):
                 param="inputs",
             ),
         ),
-        ({"top_p": 1.5}, error("`top_p` must be > 0.0 and < 1.0", param="top_p")),
+        ({"top_p": 1.5}, error("`top_p` must be in (0, 1], got 1.5", param="top_p")),
         (
             {"n": 2, "temperature": 0},
             error("`n` > 1 requires sampling (a `temperature` other than 0)", param="n"),
         ),
-        ({"n": 2, "seed": 1}, error("`seed` must not be set when `n` > 1", param="seed")),
+        ({"temperature": 5}, error("`temperature` must be in [0, 2], got 5", param="temperature")),
         ({"n": 17}, error("`n` must be <= 16. Given: 17", param="n")),
         ({"response_format": {"type": "yaml"}}, None),
         ({"guided_regex": "(("}, None),
@@ -207,7 +255,18 @@ async def test_chat_n_choices(served):
             None,
         ),
     ],
-    ids=["too-long", "top-p", "n-greedy", "n-seed", "n-max", "format", "regex", "two", "format-and-regex", "schema"],
+    ids=[
+        "too-long",
+        "top-p",
+        "n-greedy",
+        "temperature",
+        "n-max",
+        "format",
+        "regex",
+        "two",
+        "format-and-regex",
+        "schema",
+    ],
 )
 @pytest.mark.parametrize("stream", [False, True])
 async def test_chat_validation_errors_come_before_the_stream(served, extra, body, stream):

@@ -56,3 +56,22 @@ def test_a_truncated_prompt_is_tokenized_whatever_its_length(codec):
     huge = "hello " * codec.max_prompt_chars
     ids = codec.encode(request(huge, truncate=10))
     assert len(ids) == 10 and codec.tokenizer.encoded == [len(huge)]
+
+
+def test_bad_words_are_tokenized_without_special_tokens(codec):
+    req = request("hello", bad_words=["fox", " brown fox"])
+    codec.encode(req)
+    hf = codec.tokenizer.hf
+    special = set(hf.all_special_ids) | {2}
+    assert req.params.bad_words_ids
+    for ids in req.params.bad_words_ids:
+        assert ids and not set(ids) & special
+    assert [i for i in hf("fox")["input_ids"] if i not in special] in req.params.bad_words_ids
+    assert [i for i in hf("brown fox")["input_ids"] if i not in special] in req.params.bad_words_ids
+
+
+def test_logit_bias_ids_outside_the_vocabulary_are_refused(codec):
+    size = codec.vocab_size
+    codec.encode(request("hello", logit_bias={0: 1.0, size - 1: -1.0}))
+    with pytest.raises(InvalidRequest, match=rf"`logit_bias` token ids \[{size}\] are outside the vocabulary"):
+        codec.encode(request("hello", logit_bias={size: 1.0}))

@@ -203,8 +203,57 @@ def test_needs_processing():
         {"presence_penalty": 0.1},
         {"frequency_penalty": 0.1},
         {"min_new_tokens": 1},
+        {"logit_bias": {1: 1.0}},
+        {"bad_words_ids": [[1]]},
     ):
         assert needs_processing(SamplingParams(**kw))
+
+
+def test_openai_penalties_are_additive_per_count_and_presence():
+    """OpenAI: logit[j] -= frequency_penalty * count[j] + presence_penalty * (count[j] > 0); negative
+    values encourage repetition."""
+    logits = torch.tensor([1.0, 2.0, -1.0, 0.5])
+    params = SamplingParams(presence_penalty=-1.0, frequency_penalty=1.5)
+    out = apply_penalties(logits.clone(), params, prompt_ids=[3, 3], output_ids=[0, 2, 2])
+    assert out.tolist() == pytest.approx([1.0 - 1.5 + 1.0, 2.0, -1.0 - 3.0 + 1.0, 0.5])
+
+
+def test_logit_bias_is_added_before_greedy_and_sampling_and_logprobs_stay_raw():
+    logits = torch.tensor([3.0, 1.0, 0.0, 2.0])
+    biased = SamplingParams(logit_bias={2: 100.0})
+    result = sample(logits, biased)
+    assert result.token_id == 2 and result.logprob == pytest.approx(float(logits.log_softmax(-1)[2]))
+    assert sample(logits, SamplingParams(logit_bias={0: -100.0})).token_id == 3
+    sampled = SamplingParams(do_sample=True, logit_bias={1: 100.0})
+    assert set(draws(logits, sampled, 100)) == {1}
+    banned = SamplingParams(do_sample=True, logit_bias={0: -100.0, 3: -100.0})
+    assert not set(draws(logits, banned, 200)) & {0, 3}
+
+
+def test_bad_words_ban_one_token_words_always_and_the_last_token_after_the_others():
+    logits = torch.tensor([0.0, 5.0, 4.0, 3.0, 1.0])
+    params = SamplingParams(bad_words_ids=[[1], [2, 3]])
+    assert sample(logits, params, output=[]).token_id == 2
+    assert sample(logits, params, output=[4, 2]).token_id == 2  # 3 after 2 is banned, 1 always
+    params = SamplingParams(bad_words_ids=[[2, 3]], logit_bias={1: -10.0, 2: -10.0})
+    assert sample(logits, params, output=[2]).token_id == 4
+    assert sample(logits, params, output=[4]).token_id == 3
+
+
+def test_min_p_and_top_k_with_openai_penalties():
+    logits = torch.tensor([2.0, 1.9, 0.0, -3.0])
+    params = SamplingParams(do_sample=True, top_k=2, frequency_penalty=2.0)
+    # token 0 generated twice: 2.0 - 4.0 drops it out of the top 2
+    gen = make_generator(0, CPU)
+    assert {sample(logits, params, output=[0, 0], gen=gen).token_id for _ in range(100)} == {1, 2}
+    params = SamplingParams(do_sample=True, min_p=0.5)
+    assert set(draws(logits, params, 200)) == {0, 1}
+
+
+def test_a_seed_past_the_64_bit_range_wraps():
+    logits = logits_row(1, scale=0.5)
+    params = SamplingParams(do_sample=True)
+    assert draws(logits, params, 20, seed=2**64 + 3) == draws(logits, params, 20, seed=3)
 
 
 # --- logprobs ------------------------------------------------------------------------------------------

@@ -1,10 +1,12 @@
-"""OpenAI chat and completion requests -> validated engine calls (TGI's parameters and checks).
+"""OpenAI chat and completion requests -> validated engine calls.
 
-Chat: the messages are rendered with the tokenizer's chat template (`render`, given by the HTTP layer);
-``temperature == 0`` is greedy, any other value or none samples; ``presence_penalty + 2`` becomes the
-repetition penalty and ``top_logprobs`` the number of top tokens, as TGI maps them. ``n`` > 1 asks the
-engine for that many sampled sequences. Completions: one call per prompt (at most
-``max_client_batch_size``).
+The sampling fields are checked first with OpenAI's ranges and meaning (`openai.sampling`: additive
+presence and frequency penalties, `logit_bias`, vLLM's `top_k`, `min_p`, ...); the lengths, stop
+strings and the rest go through TGI's shared checks (`build`). Chat: the messages are rendered with the
+tokenizer's chat template (`render`, given by the HTTP layer); ``temperature == 0`` is greedy, any other
+value or none samples; ``top_logprobs`` is the number of top tokens. ``n`` > 1 asks the engine for that
+many sampled sequences (with a ``seed``, choice i samples from ``seed + i``). Completions: one call per
+prompt (at most ``max_client_batch_size``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 from lmiserve.core import constraints
 from lmiserve.core.errors import InvalidRequest
 from lmiserve.core.grammar import Grammar
+from lmiserve.protocols.openai import sampling as openai_sampling
 from lmiserve.protocols.openai.errors import EmptyPrompt, SuffixUnsupported, TooManyPrompts
 from lmiserve.protocols.openai.schema import ChatRequest, CompletionRequest
 from lmiserve.server.textgen.errors import ToolError
@@ -59,8 +62,6 @@ def _with_n(call: TextGenCall, n: int, sampling: bool) -> TextGenCall:
         raise InvalidRequest(f"`n` must be <= {MAX_N}. Given: {n}")
     if not sampling:
         raise InvalidRequest("`n` > 1 requires sampling (a `temperature` other than 0)")
-    if call.request.params.seed is not None:
-        raise InvalidRequest("`seed` must not be set when `n` > 1")
     call.request.params.n = call.request.params.best_of = n
     call.best_of = n
     return call
@@ -76,11 +77,10 @@ def chat(
     tools = tool_spec(req.tools, req.tool_choice, req.parallel_tool_calls, req.tool_prompt)
     prompt = render_conversation(req.messages, tools, render)
     top_n = (req.top_logprobs or 0) if req.logprobs else 0
+    bias = openai_sampling.check(req)
     params = TextGenParameters(
         **_sampling(req.temperature),
         top_p=_top_p(req.top_p),
-        frequency_penalty=req.frequency_penalty,
-        repetition_penalty=(req.presence_penalty + 2.0) if req.presence_penalty is not None else req.repetition_penalty,
         max_new_tokens=req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
         stop=req.stop or [],
         seed=req.seed,
@@ -88,6 +88,7 @@ def chat(
         details=True,
     )
     call = _vllm_extensions(build(prompt, params, limits, count_tokens, stream=req.stream), req)
+    openai_sampling.apply(call.request.params, req, bias)
     call = _with_n(call, req.n or 1, call.sampling)
     if tools.active:
         if call.request.params.grammar is not None:  # response_format / guided_*: TGI's message
@@ -118,15 +119,12 @@ def completion(
             f"Number of prompts exceeds the maximum allowed batch size of {limits.max_client_batch_size}"
         )
     top_n = min(req.logprobs or 0, limits.max_top_n_tokens)
+    bias = openai_sampling.check(req)
     calls = []
     for prompt in prompts:
         params = TextGenParameters(
             **_sampling(req.temperature),
             top_p=_top_p(req.top_p),
-            frequency_penalty=req.frequency_penalty,
-            repetition_penalty=(req.presence_penalty + 2.0)
-            if req.presence_penalty is not None
-            else req.repetition_penalty,
             max_new_tokens=req.max_tokens,
             stop=req.stop or [],
             seed=req.seed,
@@ -135,6 +133,7 @@ def completion(
             decoder_input_details=req.echo and req.logprobs is not None and not req.stream,
         )
         call = _vllm_extensions(build(prompt, params, limits, count_tokens, stream=req.stream), req)
+        openai_sampling.apply(call.request.params, req, bias)
         calls.append(_with_n(call, req.n or 1, call.sampling))
     return OpenAICall(
         calls=calls,

@@ -1,22 +1,67 @@
-"""OpenAI-compatible request bodies: chat completions (`ChatRequest`, shared with TGI's
-/chat_tokenize and kept in `lmiserve.server.textgen.chat`) and completions.
+"""OpenAI-compatible request bodies: chat completions (`ChatRequest`: the body TGI's /chat_tokenize
+reads, `lmiserve.server.textgen.chat`, with OpenAI's and vLLM's sampling fields) and completions.
 
-Unknown keys are ignored; ``"stop": null`` and ``"stream_options": null`` are accepted.
+Unknown keys are accepted and ignored, each name logged once at WARNING (as vLLM does);
+``"stop": null`` and ``"stream_options": null`` are accepted.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, ClassVar
 
-from pydantic import ConfigDict, Field, StrictBool, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
 
-from lmiserve.server.textgen.chat import ChatRequest, Message, SamplingFields, StreamOptions
+from lmiserve.core.errors import excerpt
+from lmiserve.server.textgen.chat import ChatRequest as TextGenChatRequest
+from lmiserve.server.textgen.chat import Message, SamplingFields, StreamOptions
 from lmiserve.server.textgen.parameters import UINT32
 
 __all__ = ["ChatRequest", "CompletionRequest", "Message", "StreamOptions"]
 
+log = logging.getLogger(__name__)
+_WARNED_MAX = 1000  # field names remembered (then each further unknown name is logged at DEBUG)
 
-class CompletionRequest(SamplingFields):
+
+class OpenAISampling(BaseModel):
+    """OpenAI's and vLLM's sampling fields beyond TGI's (meaning and ranges: `openai.sampling`), and
+    the unknown-field warning."""
+
+    _warned: ClassVar[set[str]] = set()
+
+    top_k: int | None = None
+    min_p: float | None = None
+    logit_bias: dict[StrictStr, float] | None = None
+    bad_words: list[StrictStr] | None = None
+    skip_special_tokens: StrictBool = True
+    user: str | None = None  # OpenAI's end-user id: accepted, not used
+
+    @model_validator(mode="before")
+    @classmethod
+    def _warn_unknown(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            known = set(cls.model_fields)
+            for name in data:
+                if not isinstance(name, str) or name in known or name[:200] in OpenAISampling._warned:
+                    continue
+                if len(OpenAISampling._warned) < _WARNED_MAX:
+                    OpenAISampling._warned.add(name[:200])
+                    log.warning("ignoring unknown request field %s (not supported by this server)", excerpt(name))
+                else:
+                    log.debug("ignoring unknown request field %s", excerpt(name))
+        return data
+
+
+class ChatRequest(TextGenChatRequest, OpenAISampling):
+    model_config = ConfigDict(
+        extra="ignore",
+        json_schema_extra={"examples": [{"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8}]},
+    )
+
+    prompt_logprobs: int | None = Field(None, ge=0, le=UINT32)  # vLLM's (openai.scoring)
+
+
+class CompletionRequest(SamplingFields, OpenAISampling):
     model_config = ConfigDict(
         extra="ignore", json_schema_extra={"examples": [{"prompt": "The capital of France is", "max_tokens": 8}]}
     )
