@@ -14,8 +14,14 @@ MLSERVER_VENV := .venv-mlserver
 MLSERVER_STAMP := $(MLSERVER_VENV)/.mlserver-installed
 KSERVE_VENV := .venv-kserve
 KSERVE_STAMP := $(KSERVE_VENV)/.kserve-installed
+LANGCHAIN_STAMP := $(VENV)/.langchain-installed
+LITELLM_VENV := .venv-litellm
+LITELLM_STAMP := $(LITELLM_VENV)/.litellm-installed
+LM_EVAL_VENV := .venv-lm-eval
+LM_EVAL_STAMP := $(LM_EVAL_VENV)/.lm-eval-installed
 
-.PHONY: install install-bench install-test install-mlserver install-kserve chromium serve lint docs test test-fast clean
+.PHONY: install install-bench install-test install-mlserver install-kserve install-langchain install-litellm \
+	install-lm-eval chromium serve lint docs test test-fast clean
 
 $(BIN)/python:
 	@echo "==> creating the virtual environment $(VENV) with $(PYTHON)"
@@ -78,6 +84,35 @@ $(KSERVE_STAMP): tests/kserve-requirements.txt
 
 install-kserve: $(KSERVE_STAMP)
 
+# langchain-openai drives tests/e2e/test_ecosystem_clients.py in process: its pins sit well with lmiserve's
+# (pip resolves it under constraints.txt without moving a pin), so it goes into .venv itself.
+$(LANGCHAIN_STAMP): $(TEST_STAMP) tests/langchain-requirements.txt
+	$(PIP) install --quiet -c constraints.txt -r tests/langchain-requirements.txt
+	touch $@
+
+install-langchain: $(LANGCHAIN_STAMP)
+
+# litellm pins boto3, which refuses constraints.txt's python-dateutil, so it lives in its own venv, never
+# in .venv; tests/helpers/litellm_client.py runs there as a subprocess.
+$(LITELLM_STAMP): tests/litellm-requirements.txt
+	$(PYTHON) -m venv $(LITELLM_VENV)
+	$(LITELLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(LITELLM_VENV)/bin/python -m pip install --quiet -r tests/litellm-requirements.txt
+	touch $@
+
+install-litellm: $(LITELLM_STAMP)
+
+# lm-evaluation-harness brings datasets, evaluate, sacrebleu, scikit-learn and torch: its own venv, with
+# torch pinned first so pip takes the CPU wheel instead of a multi-GB CUDA build.
+$(LM_EVAL_STAMP): tests/lm-eval-requirements.txt
+	$(PYTHON) -m venv $(LM_EVAL_VENV)
+	$(LM_EVAL_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(LM_EVAL_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(LM_EVAL_VENV)/bin/python -m pip install --quiet -r tests/lm-eval-requirements.txt
+	touch $@
+
+install-lm-eval: $(LM_EVAL_STAMP)
+
 serve: $(STAMP)
 	@echo "==> starting lmiserve on port $(PORT) (the first start converts the bundled model once; Ctrl+C stops)"
 	$(BIN)/lmiserve serve --port $(PORT)
@@ -97,7 +132,8 @@ docs: $(TEST_STAMP)
 # Every tier (CONTRIBUTING.md), on every core (pytest-xdist, scheduled by tests/conftest.py: the real-server
 # directories each stay on one worker, so each shared server starts once), with the slowest tests at the end.
 PYTEST_WORKERS ?= auto
-test: lint docs $(TEST_STAMP) $(MLSERVER_STAMP) $(KSERVE_STAMP) chromium
+test: lint docs $(TEST_STAMP) $(MLSERVER_STAMP) $(KSERVE_STAMP) $(LANGCHAIN_STAMP) $(LITELLM_STAMP) $(LM_EVAL_STAMP) \
+		chromium
 	$(BIN)/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|tokenizers|huggingface.hub|starlette|uvicorn|pydantic|openai|text-generation|numba|ruff|mypy|pytest-xdist|mkdocs) '
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --durations=30
 
@@ -106,4 +142,4 @@ test-fast: $(TEST_STAMP)
 	$(BIN)/python -m pytest -m "not integration and not e2e" -n $(PYTEST_WORKERS) --durations=15
 
 clean:
-	rm -rf $(VENV) $(MLSERVER_VENV) $(KSERVE_VENV)
+	rm -rf $(VENV) $(MLSERVER_VENV) $(KSERVE_VENV) $(LITELLM_VENV) $(LM_EVAL_VENV)
