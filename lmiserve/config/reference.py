@@ -83,6 +83,7 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "max_best_of",
             "max_stop_sequences",
             "max_top_n_tokens",
+            "max_logprobs",
             "max_request_size",
             "max_header_size",
             "payload_limit",

@@ -422,7 +422,15 @@ class Settings(BaseModel):
     )
     max_best_of: int = Field(2, ge=1, description="Largest TGI `best_of`.")
     max_stop_sequences: int = Field(4, ge=0, description="Most stop sequences of a TGI/OpenAI request.")
-    max_top_n_tokens: int = Field(5, ge=0, description="Largest TGI `top_n_tokens` (OpenAI `top_logprobs`).")
+    max_top_n_tokens: int = Field(5, ge=0, description="Largest TGI `top_n_tokens`.")
+    max_logprobs: int = Field(
+        20,
+        ge=0,
+        description=(
+            "Largest OpenAI `logprobs` (completions), `top_logprobs` (chat) and vLLM's `prompt_logprobs` "
+            "(vLLM's `--max-logprobs`); above it the request gets 400."
+        ),
+    )
     max_input_tokens: int | None = Field(
         None,
         ge=1,

@@ -39,6 +39,10 @@ class Finish:
     error: str | None = None
     cached_tokens: int = 0  # of prompt_tokens, how many the prefix cache supplied (not computed again)
     stop_reason: str | int | None = None  # STOP_SEQUENCE: the stop string matched, or the stop token id
+    # with SamplingParams.prompt_top_n set, per prompt token (None for the first): the rank of the token among
+    # the model's choices at its position (1: the most likely) and the top-N tokens there, best first
+    prefill_ranks: tuple[int | None, ...] | None = None
+    prefill_top: tuple[tuple[Token, ...] | None, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,8 @@ class SamplingParams:
     bad_words_ids: list[list[int]] = field(default_factory=list)  # bad_words as token ids, set by the engine
     truncate: int | None = None  # keep only the last N prompt tokens
     decoder_input_details: bool = False  # prompt-token logprobs
+    # with decoder_input_details: also each prompt token's rank and the N most likely tokens at its position
+    prompt_top_n: int | None = None
     top_n_tokens: int = 0
     n: int = 1  # sequences returned (best first)
     best_of: int = 1  # sequences generated (>= n)
@@ -59,3 +61,4 @@ class GenerationRequest:
     request_id: str = field(default_factory=_request_id)
     # vLLM's meaning: the waiting queue admits lower values first (ties in arrival order); default 0
     priority: int = 0
+    prompt_ids: list[int] | None = None  # the prompt as token ids, used as given (`prompt`: their text)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.engine.prefix_cache import PrefixIndex, PrefixMatch
@@ -87,13 +88,22 @@ class SampleResult:
     top: list[tuple[int, float]] | None = None
 
 
+class PromptScores(NamedTuple):
+    """The logprobs of a chunk's prompt tokens: from position `start`, each token's logprob (the prompt's
+    first token has none); with `prompt_top_n`, each token's rank and the top-N (id, logprob) there."""
+
+    start: int
+    logprobs: list[float | None]
+    ranks: list[int | None] | None = None
+    tops: list[list[tuple[int, float]] | None] | None = None
+
+
 @dataclass
 class StepOutput:
     """What the runner computed for a plan, keyed by seq_id."""
 
     samples: dict[int, SampleResult] = field(default_factory=dict)
-    # (position of the first, logprobs); the prompt's first token has none
-    prompt_logprobs: dict[int, tuple[int, list[float | None]]] = field(default_factory=dict)
+    prompt_logprobs: dict[int, PromptScores] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)
     prefix_failed: bool = False  # copying into the prefix cache failed: what it holds is no longer trusted
 

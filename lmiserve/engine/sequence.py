@@ -57,6 +57,8 @@ class Sequence:
         self.output_ids: list[int] = []
         self.cumulative_logprob = 0.0
         self.prefill_tokens: list[Token] = []
+        self.prefill_ranks: list[int | None] = []  # with params.prompt_top_n set
+        self.prefill_top: list[tuple[Token, ...] | None] = []
         self.abort_requested = False
         self.grammar = grammar  # this sequence's own matcher when its output is constrained
         self.finish_reason: FinishReason | None = None
@@ -96,11 +98,25 @@ class Sequence:
             text = self._tokenizer.decode([token_id], skip_special_tokens=False)
         return Token(token_id, text, logprob, token_id in self._special)
 
-    def add_prompt_logprobs(self, start: int, logprobs: list[float | None]) -> None:
-        """Record prompt tokens from `start` with the logprob the model gave each (first: None)."""
+    def add_prompt_logprobs(
+        self,
+        start: int,
+        logprobs: list[float | None],
+        ranks: list[int | None] | None = None,
+        tops: list[list[tuple[int, float]] | None] | None = None,
+    ) -> None:
+        """Record prompt tokens from `start` with the logprob the model gave each (first: None) and, when
+        given, each one's rank and the top tokens at its position."""
         for offset, lp in enumerate(logprobs):
             pos = start + offset
             self.prefill_tokens.append(self.token(self.prompt_ids[pos], lp))
+            self.prefill_ranks.append(ranks[offset] if ranks is not None else None)
+            top = tops[offset] if tops is not None else None
+            self.prefill_top.append(tuple(self.token(i, v) for i, v in top) if top is not None else None)
+
+    @property
+    def _prompt_top(self) -> bool:
+        return self.params.decoder_input_details and self.params.prompt_top_n is not None
 
     # ---- events ------------------------------------------------------------------------------------
     def on_token(self, token_id: int, logprob: float, top: list[tuple[int, float]] | None = None) -> StepEvent:
@@ -160,6 +176,8 @@ class Sequence:
             cached_tokens=self.cached_tokens,
             seed=self.seed,
             prefill=tuple(self.prefill_tokens) if self.params.decoder_input_details else None,
+            prefill_ranks=tuple(self.prefill_ranks) if self._prompt_top else None,
+            prefill_top=tuple(self.prefill_top) if self._prompt_top else None,
             error=error,
             stop_reason=self._stop_reason if reason is FinishReason.STOP_SEQUENCE else None,
         )

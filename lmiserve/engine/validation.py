@@ -50,12 +50,25 @@ class PromptCodec:
             )
         if params.bad_words and not params.bad_words_ids:
             params.bad_words_ids = self.bad_words_ids(params.bad_words)
+        if request.prompt_ids is not None:
+            return self._check(request, self._given_ids(request.prompt_ids))
         if params.truncate is None and self.max_prompt_chars and len(request.prompt) > self.max_prompt_chars:
             raise InvalidRequest(
                 f"Input prompt ({len(request.prompt)} characters: more than {self.max_input_len} tokens) is too "
                 f"long and exceeds limit of {self.max_input_len}"
             )
-        ids = self.tokenizer.encode(request.prompt)
+        return self._check(request, self.tokenizer.encode(request.prompt))
+
+    def _given_ids(self, ids: list[int]) -> list[int]:
+        """A prompt given as token ids, used as they are; `InvalidRequest` for one outside the vocabulary."""
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"Token id {bad[0]} is out of vocabulary (0..{self.vocab_size - 1})")
+        return list(ids)
+
+    def _check(self, request: GenerationRequest, ids: list[int]) -> list[int]:
+        """`ids` truncated as asked and checked against the limits."""
+        params = request.params
         if params.truncate is not None and len(ids) > params.truncate:
             ids = ids[-params.truncate :]
         if not ids:

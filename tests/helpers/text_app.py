@@ -138,7 +138,9 @@ class Script:
     (max_new_tokens, a stop sequence, a stop token id, a complete grammar). With n / best_of > 1,
     `sequences` gives the script of each sequence by index (missing ones: derived tokens; the fake
     ranks them by cumulative logprob, best first, as the engine does). `prompt_logprobs`: the logprobs of
-    the prompt tokens when decoder_input_details asks for them (first one None).
+    the prompt tokens when decoder_input_details asks for them (first one None); with `prompt_top_n`, the
+    top tokens of each prompt position are `prompt_top`'s (else the token itself first, then as `_top`
+    derives them), and each prompt token's rank is 1.
 
     Failures: `error` is raised from the iteration after `error_after` events (0: before any, as a
     refused submit, a full queue or a queue timeout); `failure` ends every sequence with an error finish
@@ -157,6 +159,7 @@ class Script:
     eos: bool = True
     sequences: Sequence[Script] | None = None
     prompt_logprobs: Sequence[float | None] | None = None
+    prompt_top: Sequence[Sequence[tuple[int, float]] | None] | None = None
     error: BaseException | None = None
     error_after: int = 0
     failure: str | None = None
@@ -325,8 +328,22 @@ class FakeTextGenerator:
         ]
         if params.decoder_input_details:
             logprobs = script.prompt_logprobs or [None] + [PROMPT_LOGPROB] * (len(prompt_ids) - 1)
+            ranks: list[int | None] | None = None
+            tops: list[list[tuple[int, float]] | None] | None = None
+            if params.prompt_top_n is not None:  # scripted, else each prompt token the most likely at its position
+                words = _word_ids(self.tokenizer)
+                ranks = [None if lp is None else 1 for lp in logprobs]
+                scripted = script.prompt_top or [None] * len(logprobs)
+                tops = [
+                    None
+                    if lp is None
+                    else list(
+                        (scripted[i] if scripted[i] is not None else _top(token_id, lp, words))[: params.prompt_top_n]
+                    )
+                    for i, (token_id, lp) in enumerate(zip(prompt_ids, logprobs))
+                ]
             for seq in seqs:
-                seq.add_prompt_logprobs(0, list(logprobs))
+                seq.add_prompt_logprobs(0, list(logprobs), ranks, tops)
         scripts = [self._script_of(script, i) for i in range(len(seqs))]
         runs = [self._run(seq, s, script) for seq, s in zip(seqs, scripts)]
         if len(seqs) == 1:

@@ -182,7 +182,20 @@ def test_completion_prompts_echo_and_logprobs():
     call = adapter.completion(req, LIMITS, words, "served")
     assert [c.request.prompt for c in call.calls] == ["a", "b c"]
     assert all(c.request.params.decoder_input_details for c in call.calls)  # echo + logprobs: prompt logprobs
-    assert call.top_logprobs == 5  # capped at max_top_n_tokens
+    assert call.top_logprobs == 9  # max_logprobs (20) is the limit, not TGI's max_top_n_tokens
+    assert all(c.request.params.prompt_top_n == 9 and c.request.params.top_n_tokens == 9 for c in call.calls)
+    with pytest.raises(InvalidRequest, match="max_logprobs"):
+        adapter.completion(req.model_copy(update={"logprobs": 21}), LIMITS, words, "served")
+
+
+def test_completion_token_id_prompts():
+    req = CompletionRequest.model_validate({"prompt": [[5, 6], [7]], "max_tokens": 2})
+    call = adapter.completion(req, LIMITS, words, "served", lambda ids: " ".join(f"t{i}" for i in ids))
+    assert [c.request.prompt_ids for c in call.calls] == [[5, 6], [7]]
+    assert [c.request.prompt for c in call.calls] == call.prompts == ["t5 t6", "t7"]
+    assert [c.input_length for c in call.calls] == [2, 1]
+    one = adapter.completion(CompletionRequest.model_validate({"prompt": [5, 6, 7]}), LIMITS, words, "s", str)
+    assert [c.request.prompt_ids for c in one.calls] == [[5, 6, 7]]
 
 
 def test_template_errors():

@@ -83,11 +83,19 @@ async def render(tiny_model, payload: dict) -> bytes:
         if chat:
             stream = fmt.ChatStreamEncoder(env, logprobs=call.logprobs, include_usage=call.include_usage)
         else:
-            stream = fmt.CompletionStreamEncoder(env, logprobs=call.logprobs)
+            stream = fmt.CompletionStreamEncoder(env, logprobs=call.logprobs, top_n=call.top_logprobs)
     elif chat:
         stream = fmt.ChatEncoder(env, call.prompts[0], logprobs=call.logprobs)
     else:
-        stream = fmt.CompletionEncoder(env, call.prompts, logprobs=call.logprobs, echo=call.echo)
+        stream = fmt.CompletionEncoder(
+            env,
+            call.prompts,
+            logprobs=call.logprobs,
+            echo=call.echo,
+            top_n=call.top_logprobs,
+            score_only=call.score_only,
+            prompt_logprobs=call.prompt_logprobs,
+        )
     return b"".join(stream.on_event(i, e) for i, events in enumerate(per_call) for e in events) + stream.close()
 
 

@@ -355,7 +355,172 @@ async def test_completions_echo_and_logprobs(served):
     assert choice["logprobs"]["tokens"] == ["<s>", "Hello", " the", " quick"]
     assert choice["logprobs"]["token_logprobs"] == [None, -1.5, -0.5, -0.5]  # the first prompt token has none
     assert choice["logprobs"]["text_offset"] == [0, 0, 5, 9]
-    assert choice["logprobs"]["top_logprobs"][:2] == [None, None] and len(choice["logprobs"]["top_logprobs"][2]) == 2
+    tops = choice["logprobs"]["top_logprobs"]
+    assert tops[0] is None and all(len(top) == 2 for top in tops[1:])  # the 2 most likely, the token among them
+    for token, logprob, top in zip(
+        choice["logprobs"]["tokens"][1:], choice["logprobs"]["token_logprobs"][1:], tops[1:]
+    ):
+        assert top[token] == logprob
+
+
+# --- scoring prompts (openai.scoring): what lm-eval's loglikelihood tasks send -------------------------------------
+
+
+async def test_completions_echo_scores_every_prompt_token(served):
+    served.fake.reply(Script(text=FOX))
+    payload = {"prompt": "Deep learning is", "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 3}
+    choice = (await post(served, "/v1/completions", payload)).json()["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 5
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(isinstance(v, float) for v in lp["token_logprobs"][1:])
+    for token, logprob, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
+        assert top[token] == logprob and 3 <= len(top) <= 4
+    text = choice["text"]
+    assert text == "Deep learning is the"
+    assert [text[o : o + len(t)] for t, o in zip(lp["tokens"][1:], lp["text_offset"][1:])] == lp["tokens"][1:]
+    params = served.fake.requests[0].params
+    assert (params.decoder_input_details, params.prompt_top_n, params.top_n_tokens) == (True, 3, 3)
+
+
+async def test_completions_logprobs_zero_gives_the_token_alone(served):
+    served.fake.reply(Script(text=FOX))
+    payload = {"prompt": "Hello", "max_tokens": 2, "temperature": 0, "logprobs": 0}
+    lp = (await post(served, "/v1/completions", payload)).json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == [" the", " quick"] and lp["top_logprobs"] == [{" the": -0.5}, {" quick": -0.5}]
+    r = await post(served, "/v1/completions", {**payload, "echo": True})
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["top_logprobs"] == [None, {"Hello": -1.5}, {" the": -0.5}, {" quick": -0.5}]
+
+
+async def test_completions_max_tokens_zero_with_echo_scores_the_prompt_only(served):
+    served.fake.reply(Script(text=FOX))
+    payload = {"prompt": "Hello", "max_tokens": 0, "temperature": 0, "echo": True, "logprobs": 1}
+    body = (await post(served, "/v1/completions", payload)).json()
+    choice = body["choices"][0]
+    assert choice["text"] == "Hello" and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == ["<s>", "Hello"]
+    assert choice["logprobs"]["token_logprobs"] == [None, -1.5]
+    assert body["usage"] == usage(2, 0)
+    assert served.fake.requests[0].params.max_new_tokens == 1  # one token sampled, then dropped
+    body = (await post(served, "/v1/completions", {**payload, "logprobs": None})).json()
+    assert (body["choices"][0]["text"], body["choices"][0]["logprobs"], body["usage"]) == ("Hello", None, usage(2, 0))
+
+
+@pytest.mark.parametrize(
+    ("prompt", "texts", "encoded"),
+    [
+        ([487, 353, 300], ["Deep learning is"], [[487, 353, 300]]),
+        ([[1, 487], [353, 300]], ["Deep", " learning is"], [[1, 487], [353, 300]]),
+    ],
+    ids=["ids", "lists-of-ids"],
+)
+async def test_completions_token_id_prompts(served, prompt, texts, encoded):
+    served.fake.reply(Script(text=FOX))
+    payload = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1}
+    body = (await post(served, "/v1/completions", payload)).json()
+    assert served.fake.encoded == encoded  # used as given: no BOS added
+    assert [c["text"] for c in body["choices"]] == [t + " the" for t in texts]
+    assert body["usage"]["prompt_tokens"] == sum(len(ids) for ids in encoded)
+    assert [len(c["logprobs"]["tokens"]) for c in body["choices"]] == [len(ids) + 1 for ids in encoded]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_completions_token_ids_outside_the_vocabulary(served, stream):
+    r = await post(served, "/v1/completions", {"prompt": [487, 512], "max_tokens": 1, "stream": stream})
+    assert (r.status_code, r.content) == (400, error("Token id 512 is out of vocabulary (0..511)"))
+    r = await post(served, "/v1/completions", {"prompt": [[487], [-1]], "max_tokens": 1})
+    assert (r.status_code, r.content) == (400, error("Token id -1 is out of vocabulary (0..511)"))
+
+
+async def test_completions_prompt_logprobs_as_vllm_renders_them(served):
+    served.fake.reply(Script(text=FOX))
+    payload = {"prompt": "Deep learning", "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2}
+    choice = (await post(served, "/v1/completions", payload)).json()["choices"][0]
+    rendered = choice["prompt_logprobs"]
+    assert len(rendered) == 3 and rendered[0] is None
+    assert rendered[1]["487"] == {"logprob": -1.5, "rank": 1, "decoded_token": "Deep"}
+    assert rendered[2]["353"] == {"logprob": -1.5, "rank": 1, "decoded_token": " learning"}
+    assert all(len(entry) == 2 for entry in rendered[1:])  # the token is the most likely: 2 entries
+    assert [e["rank"] for e in rendered[1].values()] == [1, 2]
+    assert choice["text"] == " the" and choice["logprobs"] is None  # no echo
+    r = await post(served, "/v1/completions", {**payload, "prompt_logprobs": 0})
+    assert r.json()["choices"][0]["prompt_logprobs"][1] == {
+        "487": {"logprob": -1.5, "rank": 1, "decoded_token": "Deep"}
+    }
+    r = await post(served, "/v1/completions", {**payload, "max_tokens": 2})
+    assert "prompt_logprobs" in r.json()["choices"][0]
+    r = await post(served, "/v1/completions", {"prompt": "a", "max_tokens": 1})
+    assert "prompt_logprobs" not in r.json()["choices"][0]  # only when asked (the golden bytes stay)
+
+
+async def test_chat_prompt_logprobs(served):
+    served.fake.reply(Script(text=FOX))
+    payload = {"messages": MESSAGES, "max_tokens": 1, "prompt_logprobs": 1}
+    body = (await post(served, "/v1/chat/completions", payload)).json()
+    rendered = body["prompt_logprobs"]
+    assert len(rendered) == CHAT_PROMPT_TOKENS and rendered[0] is None
+    assert all(len(entry) == 1 and next(iter(entry.values()))["rank"] == 1 for entry in rendered[1:])
+    r = await post(served, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1})
+    assert "prompt_logprobs" not in r.json()
+    r = await post(served, "/v1/chat/completions", {**payload, "stream": True})
+    assert r.status_code == 400 and "`prompt_logprobs` is not supported when streaming" in r.json()["error"]["message"]
+
+
+MAX_LOGPROBS = "must be <= 20 (the server's max_logprobs). Given: 21"
+
+
+@pytest.mark.parametrize(
+    ("path", "payload", "body"),
+    [
+        ("/v1/completions", {"prompt": "a", "logprobs": 21}, error(f"`logprobs` {MAX_LOGPROBS}", param="logprobs")),
+        (
+            "/v1/completions",
+            {"prompt": "a", "prompt_logprobs": 21},
+            error(f"`prompt_logprobs` {MAX_LOGPROBS}", param="prompt_logprobs"),
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21},
+            error(f"`top_logprobs` {MAX_LOGPROBS}", param="top_logprobs"),
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "a", "max_tokens": 0},
+            error(
+                "`max_tokens` must be at least 1, got 0 (0 needs `echo`: the prompt scored alone)", param="max_tokens"
+            ),
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "a", "max_tokens": 0, "echo": True, "stream": True},
+            error("`max_tokens` 0 (the prompt scored alone) is not supported when streaming", param="max_tokens"),
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "a", "prompt_logprobs": 1, "stream": True},
+            error("`prompt_logprobs` is not supported when streaming", param="prompt_logprobs"),
+        ),
+    ],
+    ids=["logprobs", "prompt-logprobs", "top-logprobs", "zero-tokens", "zero-tokens-stream", "prompt-logprobs-stream"],
+)
+async def test_scoring_limits_and_refusals(served, path, payload, body):
+    r = await post(served, path, payload)
+    assert (r.status_code, r.headers["content-type"], r.content) == (400, "application/json", body)
+
+
+async def test_max_logprobs_is_the_one_limit_of_chat_and_completions(served):
+    served.fake.reply(Script(text=FOX))
+    r = await post(served, "/v1/completions", {"prompt": "a", "max_tokens": 1, "logprobs": 20})
+    assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["top_logprobs"][0]) == 20
+    payload = {"messages": MESSAGES, "max_tokens": 1, "logprobs": True, "top_logprobs": 20}
+    r = await post(served, "/v1/chat/completions", payload)
+    assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 20
+    small = text_app(max_logprobs=2)
+    r = await post(small, "/v1/completions", {"prompt": "a", "logprobs": 3})
+    assert (
+        r.status_code == 400 and "`logprobs` must be <= 2 (the server's max_logprobs)" in r.json()["error"]["message"]
+    )
 
 
 async def test_completions_stream_per_prompt(served):
@@ -386,9 +551,9 @@ async def test_completions_n_indexes(served):
             {"prompt": ["a"] * 5},
             error("Number of prompts exceeds the maximum allowed batch size of 4"),
         ),
-        ({"prompt": "a", "max_tokens": 0}, error("`max_new_tokens` must be strictly positive", param="max_new_tokens")),
+        ({"prompt": [[1], []]}, error("Empty array detected. Do not use an empty array for the prompt.")),
     ],
-    ids=["empty", "suffix", "too-many", "zero-tokens"],
+    ids=["empty", "suffix", "too-many", "empty-ids"],
 )
 async def test_completions_errors(served, payload, body):
     r = await post(served, "/v1/completions", payload)
@@ -682,6 +847,7 @@ DEEP_LEARNING = Script(  # what the tiny model generates greedily after "Deep le
     ids=[116, 25, 173, 198],
     logprobs=[-2.978949785232544, -3.176013946533203, -2.9741005897521973, -1.5623784065246582],
     prompt_logprobs=[None, -6.395462989807129, -5.154427528381348, -7.468725204467773],
+    prompt_top=[None, [(295, -1.3193061351776123)], [(115, -3.1792120933532715)], [(295, -2.501643419265747)]],
     eos=False,
 )
 GOLDEN_CASES: dict[str, tuple[str, dict, Script]] = {

@@ -20,7 +20,7 @@ import torch
 from lmiserve.engine.kv_cache import AttentionShape, SlotKVCache
 from lmiserve.engine.prefix_store import PrefixStore, bytes_per_token
 from lmiserve.engine.sampling import make_generator, sample_row
-from lmiserve.engine.scheduler import PrefillChunk, StepOutput, StepPlan
+from lmiserve.engine.scheduler import PrefillChunk, PromptScores, StepOutput, StepPlan
 from lmiserve.engine.sequence import Sequence
 from lmiserve.engine.token_mask import TokenMask
 
@@ -127,7 +127,7 @@ class ModelRunner(ABC):
         seq = chunk.seq
         if seq.params.decoder_input_details:
             out.prompt_logprobs[seq.seq_id] = prompt_logprobs(
-                rows, seq.prompt_ids, chunk.start, chunk.start + chunk.length
+                rows, seq.prompt_ids, chunk.start, chunk.start + chunk.length, seq.params.prompt_top_n
             )
         if chunk.completes_prompt and sample:
             self._sample_rows([seq], rows[-1:], out)
@@ -176,14 +176,26 @@ class ModelRunner(ABC):
 
 
 def prompt_logprobs(
-    logits: torch.Tensor, prompt_ids: list[int], start: int, end: int
-) -> tuple[int, list[float | None]]:
+    logits: torch.Tensor, prompt_ids: list[int], start: int, end: int, top_n: int | None = None
+) -> PromptScores:
     """Logprob of each prompt token given the ones before it, from the logits rows of prompt positions
-    ``start..end-1``; the first prompt token has none. Returns (position of the first, logprobs)."""
+    ``start..end-1``; the first prompt token has none. With `top_n` (not None) also each token's rank (1 +
+    the number of tokens the model found more likely) and the `top_n` most likely tokens at its position."""
     targets = prompt_ids[start + 1 : min(end + 1, len(prompt_ids))]
     logprobs = logits[: len(targets)].log_softmax(-1)
-    values: list[float | None] = logprobs[torch.arange(len(targets)), torch.tensor(targets, dtype=torch.long)].tolist()
-    return (0, [None, *values]) if start == 0 else (start + 1, values)
+    chosen = logprobs[torch.arange(len(targets)), torch.tensor(targets, dtype=torch.long)]
+    values: list[float | None] = chosen.tolist()
+    ranks: list[int | None] | None = None
+    tops: list[list[tuple[int, float]] | None] | None = None
+    if top_n is not None:
+        ranks = ((logprobs > chosen[:, None]).sum(-1) + 1).tolist()
+        best, ids = torch.topk(logprobs, min(top_n, logprobs.shape[-1]))
+        tops = [list(zip(row_ids, row_values)) for row_ids, row_values in zip(ids.tolist(), best.tolist())]
+    if start == 0:
+        return PromptScores(
+            0, [None, *values], None if ranks is None else [None, *ranks], None if tops is None else [None, *tops]
+        )
+    return PromptScores(start + 1, values, ranks, tops)
 
 
 def slot_cache(model: PreTrainedModel, max_slots: int, max_context: int) -> SlotKVCache:

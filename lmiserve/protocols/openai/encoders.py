@@ -17,6 +17,7 @@ from typing import Any
 
 from lmiserve.core.errors import IncompleteGeneration, LmiServeError
 from lmiserve.core.events import Finish, FinishReason, StepEvent, Token
+from lmiserve.protocols.openai import scoring
 from lmiserve.protocols.openai.errors import DONE, RENDERER
 from lmiserve.server import sse
 from lmiserve.server.textgen.sequences import Sequence, sequences
@@ -138,8 +139,16 @@ def plain_answer(seq: Sequence) -> tuple[dict[str, Any], str]:
     return {"role": "assistant", "content": seq.finish.generated_text}, finish_reason(seq.finish)
 
 
-def chat_body(seqs: list[Sequence], env: Envelope, *, logprobs: bool, answer: Answer = plain_answer) -> bytes:
-    """Non-streaming chat completion; `seqs` are the choices, best first."""
+def chat_body(
+    seqs: list[Sequence],
+    env: Envelope,
+    *,
+    logprobs: bool,
+    answer: Answer = plain_answer,
+    prompt_logprobs: int | None = None,
+) -> bytes:
+    """Non-streaming chat completion; `seqs` are the choices, best first. `prompt_logprobs`: vLLM's field
+    after `usage` (openai.scoring)."""
     choices = []
     for index, seq in enumerate(seqs):
         lp = {"content": [chat_logprob(t, top) for t, top in zip(seq.tokens, seq.top_tokens)]} if logprobs else None
@@ -155,15 +164,27 @@ def chat_body(seqs: list[Sequence], env: Envelope, *, logprobs: bool, answer: An
         )
     prompt, cached = seqs[0].finish.prompt_tokens, seqs[0].finish.cached_tokens
     completion = sum(s.finish.generated_tokens for s in seqs)
-    return dumps({**env.head("chat.completion"), "choices": choices, "usage": usage(prompt, completion, cached)})
+    body = {**env.head("chat.completion"), "choices": choices, "usage": usage(prompt, completion, cached)}
+    if prompt_logprobs is not None:
+        body["prompt_logprobs"] = scoring.prompt_logprobs(seqs[0].finish, prompt_logprobs)
+    return dumps(body)
 
 
 class ChatEncoder(_Whole):
     """A whole chat completion (one prompt, its sequences as choices)."""
 
-    def __init__(self, env: Envelope, prompt: str, *, logprobs: bool, answer: Answer = plain_answer):
+    def __init__(
+        self,
+        env: Envelope,
+        prompt: str,
+        *,
+        logprobs: bool,
+        answer: Answer = plain_answer,
+        prompt_logprobs: int | None = None,
+    ):
         super().__init__()
         self.env, self.prompt, self.logprobs, self.answer = env, prompt, logprobs, answer
+        self.prompt_logprobs = prompt_logprobs
 
     def close(self) -> bytes:
         self._require_finished(1)
@@ -171,7 +192,9 @@ class ChatEncoder(_Whole):
         self.prompt_tokens = seqs[0].finish.prompt_tokens
         self.generated_tokens = sum(s.finish.generated_tokens for s in seqs)
         self.characters = len(self.prompt)
-        return chat_body(seqs, self.env, logprobs=self.logprobs, answer=self.answer)
+        return chat_body(
+            seqs, self.env, logprobs=self.logprobs, answer=self.answer, prompt_logprobs=self.prompt_logprobs
+        )
 
 
 class ChatStreamEncoder(_Stream):
@@ -212,7 +235,9 @@ class ChatStreamEncoder(_Stream):
 # --- completions ------------------------------------------------------------------------------------
 
 
-def _legacy_logprobs(tokens: list[Token], tops: list[tuple[Token, ...] | None], start: int) -> dict:
+def _legacy_logprobs(tokens: list[Token], tops: list[tuple[Token, ...] | None], start: int, top_n: int) -> dict:
+    """OpenAI's legacy logprobs: each token's ``top_logprobs`` holds itself and its `top_n` most likely
+    (openai.scoring); the first prompt token of an echo has null logprobs."""
     offsets, pos = [], start
     for t in tokens:
         offsets.append(pos)
@@ -220,45 +245,52 @@ def _legacy_logprobs(tokens: list[Token], tops: list[tuple[Token, ...] | None], 
     return {
         "tokens": [t.text for t in tokens],
         "token_logprobs": [t.logprob for t in tokens],
-        "top_logprobs": [{c.text: c.logprob for c in top} if top else None for top in tops],
+        "top_logprobs": [scoring.top_dict(t, top, top_n) for t, top in zip(tokens, tops)],
         "text_offset": offsets,
     }
 
 
 def completion_body(
-    per_prompt: list[list[Sequence]], prompts: list[str], env: Envelope, *, logprobs: bool, echo: bool
+    per_prompt: list[list[Sequence]],
+    prompts: list[str],
+    env: Envelope,
+    *,
+    logprobs: bool,
+    echo: bool,
+    top_n: int = 0,
+    score_only: bool = False,
+    prompt_logprobs: int | None = None,
 ) -> bytes:
-    """Non-streaming completion: choice index = prompt index x n + sequence rank; usage summed."""
+    """Non-streaming completion: choice index = prompt index x n + sequence rank; usage summed.
+    `score_only` (``max_tokens: 0`` with echo): the generated token is left out; `prompt_logprobs`:
+    vLLM's per-choice field (openai.scoring)."""
     choices, prompt_tokens, completion_tokens, cached_tokens = [], 0, 0, 0
     for p, seqs in enumerate(per_prompt):
         prompt_tokens += seqs[0].finish.prompt_tokens
         cached_tokens += seqs[0].finish.cached_tokens
         for rank, seq in enumerate(seqs):
-            completion_tokens += seq.finish.generated_tokens
+            completion_tokens += 0 if score_only else seq.finish.generated_tokens
             prefix = prompts[p] if echo else ""
+            generated = "" if score_only else seq.finish.generated_text
             lp = None
             if logprobs:
-                tokens = list(seq.tokens)
-                tops: list[tuple[Token, ...] | None] = list(seq.top_tokens)
+                tokens = [] if score_only else list(seq.tokens)
+                tops: list[tuple[Token, ...] | None] = [] if score_only else list(seq.top_tokens)
                 if echo and seq.finish.prefill:
-                    pre = [
-                        Token(t.id, t.text, None if i == 0 else t.logprob, t.special)
-                        for i, t in enumerate(seq.finish.prefill)
-                    ]
-                    no_tops: list[tuple[Token, ...] | None] = [None] * len(pre)
-                    tokens, tops = pre + tokens, no_tops + tops
-                    lp = _legacy_logprobs(tokens, tops, 0)
+                    pre, pre_tops = scoring.echoed_prompt(seq.finish)
+                    lp = _legacy_logprobs(pre + tokens, pre_tops + tops, 0, top_n)
                 else:
-                    lp = _legacy_logprobs(tokens, tops, len(prefix))
-            choices.append(
-                {
-                    "index": p * len(seqs) + rank,
-                    "text": prefix + seq.finish.generated_text,
-                    "logprobs": lp,
-                    "finish_reason": finish_reason(seq.finish),
-                    "stop_reason": stop_reason(seq.finish),
-                }
-            )
+                    lp = _legacy_logprobs(tokens, tops, len(prefix), top_n)
+            choice = {
+                "index": p * len(seqs) + rank,
+                "text": prefix + generated,
+                "logprobs": lp,
+                "finish_reason": "length" if score_only else finish_reason(seq.finish),
+                "stop_reason": None if score_only else stop_reason(seq.finish),
+            }
+            if prompt_logprobs is not None:
+                choice["prompt_logprobs"] = scoring.prompt_logprobs(seq.finish, prompt_logprobs)
+            choices.append(choice)
     return dumps(
         {
             **env.head("text_completion"),
@@ -271,33 +303,55 @@ def completion_body(
 class CompletionEncoder(_Whole):
     """A whole completion: the events are tagged with their prompt's index."""
 
-    def __init__(self, env: Envelope, prompts: list[str], *, logprobs: bool, echo: bool):
+    def __init__(
+        self,
+        env: Envelope,
+        prompts: list[str],
+        *,
+        logprobs: bool,
+        echo: bool,
+        top_n: int = 0,
+        score_only: bool = False,
+        prompt_logprobs: int | None = None,
+    ):
         super().__init__()
         self.env, self.prompts, self.logprobs, self.echo = env, prompts, logprobs, echo
+        self.top_n, self.score_only, self.prompt_logprobs = top_n, score_only, prompt_logprobs
 
     def close(self) -> bytes:
         self._require_finished(len(self.prompts))
         per_prompt = [sequences(e for i, e in self.events if i == p) for p in range(len(self.prompts))]
         self.prompt_tokens = sum(seqs[0].finish.prompt_tokens for seqs in per_prompt)
-        self.generated_tokens = sum(s.finish.generated_tokens for seqs in per_prompt for s in seqs)
+        if not self.score_only:
+            self.generated_tokens = sum(s.finish.generated_tokens for seqs in per_prompt for s in seqs)
         self.characters = sum(len(p) for p in self.prompts)
-        return completion_body(per_prompt, self.prompts, self.env, logprobs=self.logprobs, echo=self.echo)
+        return completion_body(
+            per_prompt,
+            self.prompts,
+            self.env,
+            logprobs=self.logprobs,
+            echo=self.echo,
+            top_n=self.top_n,
+            score_only=self.score_only,
+            prompt_logprobs=self.prompt_logprobs,
+        )
 
 
 class CompletionStreamEncoder(_Stream):
     """Per prompt and token a ``text_completion`` event (``finish_reason: null``, no ``usage`` key); the last
     event of each prompt has the real finish reason and that prompt's usage; then [DONE]."""
 
-    def __init__(self, env: Envelope, *, logprobs: bool, n: int = 1):
+    def __init__(self, env: Envelope, *, logprobs: bool, n: int = 1, top_n: int = 0):
         self.env = env
         self.logprobs = logprobs
         self.n = n
+        self.top_n = top_n
 
     def on_event(self, index: int, event: StepEvent) -> bytes:
         if event.token is None:
             return b""
         finish = event.finish
-        lp = _legacy_logprobs([event.token], [event.top_tokens], 0) if self.logprobs else None
+        lp = _legacy_logprobs([event.token], [event.top_tokens], 0, self.top_n) if self.logprobs else None
         choice = {
             "index": index * self.n + event.index,
             "text": event.token.text,

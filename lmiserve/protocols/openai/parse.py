@@ -18,7 +18,8 @@ from lmiserve.core import constraints
 from lmiserve.core.errors import InvalidRequest
 from lmiserve.core.grammar import Grammar
 from lmiserve.protocols.openai import sampling as openai_sampling
-from lmiserve.protocols.openai.errors import EmptyPrompt, SuffixUnsupported, TooManyPrompts
+from lmiserve.protocols.openai import scoring
+from lmiserve.protocols.openai.errors import SuffixUnsupported, TooManyPrompts
 from lmiserve.protocols.openai.schema import ChatRequest, CompletionRequest
 from lmiserve.server.textgen.errors import ToolError
 from lmiserve.server.textgen.limits import TextGenLimits
@@ -41,6 +42,8 @@ class OpenAICall:
     top_logprobs: int = 0
     echo: bool = False
     prompts: list[str] = field(default_factory=list)
+    score_only: bool = False  # completions `max_tokens: 0` with `echo`: nothing generated is answered
+    prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs` (openai.scoring)
     tools: ToolSpec | None = None  # the answer is read as tool calls (chat with active tools)
 
 
@@ -76,6 +79,7 @@ def chat(
 ) -> OpenAICall:
     tools = tool_spec(req.tools, req.tool_choice, req.parallel_tool_calls, req.tool_prompt)
     prompt = render_conversation(req.messages, tools, render)
+    scoring.check_limit("top_logprobs", req.top_logprobs, limits)
     top_n = (req.top_logprobs or 0) if req.logprobs else 0
     bias = openai_sampling.check(req)
     params = TextGenParameters(
@@ -84,10 +88,11 @@ def chat(
         max_new_tokens=req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
         stop=req.stop or [],
         seed=req.seed,
-        top_n_tokens=top_n,
         details=True,
     )
     call = _vllm_extensions(build(prompt, params, limits, count_tokens, stream=req.stream), req)
+    call.request.params.top_n_tokens = call.top_n_tokens = top_n  # limited by max_logprobs (checked above)
+    scoring.chat_prompt_logprobs(call, req, limits)
     openai_sampling.apply(call.request.params, req, bias)
     call = _with_n(call, req.n or 1, call.sampling)
     if tools.active:
@@ -103,36 +108,40 @@ def chat(
         logprobs=bool(req.logprobs),
         top_logprobs=top_n,
         prompts=[prompt],
+        prompt_logprobs=req.prompt_logprobs,
     )
 
 
 def completion(
-    req: CompletionRequest, limits: TextGenLimits, count_tokens: Callable[[str], int], served_model: str
+    req: CompletionRequest,
+    limits: TextGenLimits,
+    count_tokens: Callable[[str], int],
+    served_model: str,
+    decode: scoring.Decode | None = None,
 ) -> OpenAICall:
-    prompts = req.prompts
-    if not prompts:
-        raise EmptyPrompt("Empty array detected. Do not use an empty array for the prompt.")
+    """`decode`: token ids -> text, for prompts given as token ids (openai.scoring)."""
+    prompts = scoring.prompts(req.prompt, decode)
     if "suffix" in req.model_fields_set:
         raise SuffixUnsupported("Suffix is not supported and can be achieved by preprocessing the prompt.")
     if len(prompts) > limits.max_client_batch_size:
         raise TooManyPrompts(
             f"Number of prompts exceeds the maximum allowed batch size of {limits.max_client_batch_size}"
         )
-    top_n = min(req.logprobs or 0, limits.max_top_n_tokens)
+    scoring.check(req, limits)
+    top_n = req.logprobs or 0
     bias = openai_sampling.check(req)
     calls = []
     for prompt in prompts:
         params = TextGenParameters(
             **_sampling(req.temperature),
             top_p=_top_p(req.top_p),
-            max_new_tokens=req.max_tokens,
+            max_new_tokens=scoring.max_new_tokens(req),
             stop=req.stop or [],
             seed=req.seed,
-            top_n_tokens=top_n,
             details=True,
-            decoder_input_details=req.echo and req.logprobs is not None and not req.stream,
         )
-        call = _vllm_extensions(build(prompt, params, limits, count_tokens, stream=req.stream), req)
+        call = build(prompt.checked_text, params, limits, prompt.counter(count_tokens), stream=req.stream)
+        call = scoring.apply(_vllm_extensions(call, req), req, prompt, top_n)
         openai_sampling.apply(call.request.params, req, bias)
         calls.append(_with_n(call, req.n or 1, call.sampling))
     return OpenAICall(
@@ -143,7 +152,9 @@ def completion(
         logprobs=req.logprobs is not None,
         top_logprobs=top_n,
         echo=req.echo,
-        prompts=prompts,
+        prompts=[prompt.text for prompt in prompts],
+        score_only=scoring.score_only(req),
+        prompt_logprobs=req.prompt_logprobs,
     )
 
 

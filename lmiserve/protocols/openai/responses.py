@@ -49,6 +49,14 @@ class ChatChoice(BaseModel):
     stop_reason: str | int | None  # the stop string or stop token id that ended it (vLLM)
 
 
+class PromptLogprob(BaseModel):
+    """One token of vLLM's `prompt_logprobs` (keyed by token id)."""
+
+    logprob: float
+    rank: int | None  # 1 + the number of tokens the model found likelier
+    decoded_token: str
+
+
 class ChatCompletion(BaseModel):
     object: str  # chat.completion
     id: str
@@ -57,6 +65,7 @@ class ChatCompletion(BaseModel):
     system_fingerprint: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM's, only when asked
 
 
 class ChunkChoice(BaseModel):
@@ -92,6 +101,8 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None
     finish_reason: str | None  # null in a stream's events before the last of a prompt
     stop_reason: str | int | None
+    # vLLM's, only with `prompt_logprobs`: null for the first prompt token, then token id -> its entry
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class Completion(BaseModel):

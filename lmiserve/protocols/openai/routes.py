@@ -60,7 +60,7 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Resp
         if isinstance(req, ChatRequest):
             call = adapter.chat(req, model.limits, model.count_tokens, model.render_chat, model.service.name)
         else:
-            call = adapter.completion(req, model.limits, model.count_tokens, model.service.name)
+            call = adapter.completion(req, model.limits, model.count_tokens, model.service.name, model.decode)
         await prepare(model.engine, [c.request for c in call.calls])  # a bad grammar: 4xx before the stream
         timer.mark_validated()
         env = enc.Envelope(call.model, model.system_fingerprint, id=enc.completion_id(chat))
@@ -72,7 +72,9 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Resp
             elif chat:
                 stream = enc.ChatStreamEncoder(env, logprobs=call.logprobs, include_usage=call.include_usage)
             else:
-                stream = enc.CompletionStreamEncoder(env, logprobs=call.logprobs, n=call.calls[0].best_of)
+                stream = enc.CompletionStreamEncoder(
+                    env, logprobs=call.logprobs, n=call.calls[0].best_of, top_n=call.top_logprobs
+                )
             return await respond(
                 request,
                 events,
@@ -85,9 +87,19 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Resp
         whole: enc.ChatEncoder | enc.CompletionEncoder
         if chat:
             answer = enc.plain_answer if call.tools is None else tool_answer()
-            whole = enc.ChatEncoder(env, call.prompts[0], logprobs=call.logprobs, answer=answer)
+            whole = enc.ChatEncoder(
+                env, call.prompts[0], logprobs=call.logprobs, answer=answer, prompt_logprobs=call.prompt_logprobs
+            )
         else:
-            whole = enc.CompletionEncoder(env, call.prompts, logprobs=call.logprobs, echo=call.echo)
+            whole = enc.CompletionEncoder(
+                env,
+                call.prompts,
+                logprobs=call.logprobs,
+                echo=call.echo,
+                top_n=call.top_logprobs,
+                score_only=call.score_only,
+                prompt_logprobs=call.prompt_logprobs,
+            )
 
         def headers() -> dict[str, str]:
             return timer.headers(model.compute_type, whole.characters, whole.prompt_tokens, whole.generated_tokens)

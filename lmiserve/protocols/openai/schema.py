@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
 from lmiserve.core.errors import excerpt
 from lmiserve.server.textgen.chat import ChatRequest as TextGenChatRequest
@@ -66,13 +66,11 @@ class CompletionRequest(SamplingFields, OpenAISampling):
         extra="ignore", json_schema_extra={"examples": [{"prompt": "The capital of France is", "max_tokens": 8}]}
     )
 
-    prompt: StrictStr | list[StrictStr]
+    # a string, strings, token ids, or token-id lists (openai.scoring)
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     suffix: Any = None
     echo: StrictBool = False
     logprobs: int | None = Field(None, ge=0, le=UINT32)
     presence_penalty: float | None = None
     response_format: dict[str, Any] | None = None  # vLLM accepts it on completions too
-
-    @property
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+    prompt_logprobs: int | None = Field(None, ge=0, le=UINT32)  # vLLM's (openai.scoring)

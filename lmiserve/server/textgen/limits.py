@@ -17,6 +17,7 @@ class TextGenLimits:
     max_input_tokens: int = 1023
     max_total_tokens: int = 1024
     max_client_batch_size: int = 4
+    max_logprobs: int = 20  # OpenAI's logprobs / top_logprobs and vLLM's prompt_logprobs (not TGI's)
 
 
 def limits_for(service: Any) -> TextGenLimits:
@@ -37,4 +38,5 @@ def limits_for(service: Any) -> TextGenLimits:
         max_input_tokens=min(max_input, total - 1),
         max_total_tokens=total,
         max_client_batch_size=s.max_client_batch_size,
+        max_logprobs=s.max_logprobs,
     )

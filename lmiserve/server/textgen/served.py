@@ -12,7 +12,7 @@ from starlette.requests import Request
 
 from lmiserve import __version__
 from lmiserve.core.engine import TextGenerator
-from lmiserve.core.errors import TemplateError
+from lmiserve.core.errors import InvalidRequest, TemplateError
 from lmiserve.models.bundled import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
 from lmiserve.models.service import ModelService, default_llm
 from lmiserve.server.textgen.limits import TextGenLimits, limits_for
@@ -52,6 +52,21 @@ class Served:
     def count_tokens(self, text: str) -> int:
         """Prompt length as the engine will see it (special tokens added)."""
         return len(self.tokenizer(text)["input_ids"])
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size (its config's, else the tokenizer's), as the engine checks ids."""
+        config = getattr(self.service.ready_llm().model, "config", None)
+        return int(getattr(config, "vocab_size", None) or len(self.tokenizer))
+
+    def decode(self, ids: list[int]) -> str:
+        """A prompt given as token ids, as text (special tokens left out) to echo; `InvalidRequest` for
+        an id outside the vocabulary (the engine's message: its check stands, this one comes first)."""
+        size = self.vocab_size
+        bad = [i for i in ids if not 0 <= i < size]
+        if bad:
+            raise InvalidRequest(f"Token id {bad[0]} is out of vocabulary (0..{size - 1})")
+        return str(self.tokenizer.decode([i for i in ids if i < len(self.tokenizer)], skip_special_tokens=True))
 
     def special_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
