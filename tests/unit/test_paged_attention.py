@@ -147,6 +147,7 @@ def test_a_chunk_then_decode_steps_read_the_same_cache():
     """Prefill writes through `write_chunk`; decode (compiled) then sees those positions."""
     gen = torch.Generator().manual_seed(7)
     cache = PagedKVCache(1, 6, 4, 2, DIM, torch.float32, "cpu")
+    cache.ensure_zeroed(5)
     table = torch.tensor([4, 1, 3])
     keys = torch.randn(9, 2, DIM, generator=gen)
     values = torch.randn(9, 2, DIM, generator=gen)
@@ -172,6 +173,7 @@ def test_the_cache_layout_and_size():
 def test_copy_blocks_copies_every_layer_k_and_v_and_nothing_else():
     gen = torch.Generator().manual_seed(3)
     cache = PagedKVCache(2, 6, 4, 2, DIM, torch.float32, "cpu")
+    cache.ensure_zeroed(6)
     for tensor in (*cache.keys, *cache.values):
         tensor.copy_(torch.randn(tensor.shape, generator=gen))
     before = [t.clone() for t in (*cache.keys, *cache.values)]
@@ -180,3 +182,19 @@ def test_copy_blocks_copies_every_layer_k_and_v_and_nothing_else():
         assert torch.equal(new[4], old[1]) and torch.equal(new[5], old[2]) and torch.equal(new[0], old[4])
         assert torch.equal(new[[1, 2, 3]], old[[1, 2, 3]])
     cache.copy_blocks([])
+
+
+def test_blocks_are_zeroed_on_demand_once():
+    cache = PagedKVCache(2, 8, 4, 2, DIM, torch.bfloat16, "cpu")
+    cache.ensure_zeroed(3)
+    assert cache.zeroed_blocks == 3
+    assert all(not t[:3].any() for t in (*cache.keys, *cache.values))
+    cache.keys[1][2].fill_(1.0)
+    cache.ensure_zeroed(2)
+    cache.ensure_zeroed(5)  # what is below the mark stays
+    assert cache.zeroed_blocks == 5 and bool((cache.keys[1][2] == 1).all()) and not cache.keys[1][3:5].any()
+    cache.copy_blocks([(2, 6)])  # the destination counts as used: zeroing up to it first, not after
+    cache.ensure_zeroed(8)
+    assert bool((cache.keys[1][6] == 1).all()) and not cache.keys[1][7].any()
+    with pytest.raises(ValueError, match="past the pool"):
+        cache.ensure_zeroed(9)
