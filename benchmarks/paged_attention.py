@@ -33,6 +33,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--parts", type=int, default=None, help="the paged kernel's tasks per row (default: its choice)"
+    )
+    parser.add_argument(
         "--layers",
         type=int,
         default=8,
@@ -76,7 +79,7 @@ def main() -> None:
             query, slot_ks[i], slot_vs[i], new_k, new_v, spans, scale
         ),
         "paged (numba)": lambda i: paged_attention.compiled_decode_attention(
-            query, pool_ks[i], pool_vs[i], new_k, new_v, tables, spans, scale
+            query, pool_ks[i], pool_vs[i], new_k, new_v, tables, spans, scale, args.parts
         ),
     }
     if args.torch:

@@ -14,12 +14,13 @@ kernel for fp32 on CPU (the slot kernel of `decode_attention.py` with the positi
 `available` says when it applies) and torch ops for every other dtype and device (a flat `index_copy_`
 write, a gather of the rows' blocks, a masked fp32 softmax).
 
-Speed (benchmarks/paged_attention.py, 32 rows of spans 70..591, SmolLM2-135M's 3 kv heads x 3 groups x 64,
-2-vCPU AMD EPYC, one thread, caches read from memory): the slot kernel 1.6-1.9 ms a layer, this kernel
-with block_size 16 2.5-3.0 ms (~1.6x), with 64 ~1.2x; with the same data in cache it is ~0.9x. The cost
-is per discontinuity of the stream (~100 ns a block jump per kv head, K and V), not the indirection:
-software prefetch (llvm.prefetch, 1-6 blocks ahead) and huge pages did not change it; a row whose blocks
-are consecutive in a ``[blocks, block_size, kv_heads, head_dim]`` layout read per row ran at ~0.9x.
+Speed (benchmarks/paged_attention.py: 32 rows of spans 70..591, SmolLM2-135M's 3 kv heads x 3 groups x
+64, blocks scattered at random, each call's cache read from memory; a shared 2-vCPU AMD EPYC, fastest of
+200 calls): the slot kernel 1.7-1.8 ms a layer on one thread, this kernel 2.5-2.8 ms with block_size 16
+(~1.5x; 2 threads: 1.26 vs 1.89 ms), ~1.15x with block_size 64, and faster than the slot kernel when the
+cache fits in L3. The cost is per discontinuity of the stream (~100 ns a block jump), not the
+indirection: software prefetch (llvm.prefetch, 1-6 blocks ahead) and huge pages did not change it;
+reading a row's blocks whole (all its kv heads, `_kernel`'s ``parts == 1``) took ~10-20 % off.
 
 Prefill: `write_chunk` stores a chunk's keys/values, `gather_context` reads a sequence's positions
 ``0..end-1`` back as ``[kv_heads, end, head_dim]`` for the chunk's causal SDPA (the caller repeats kv
@@ -145,58 +146,75 @@ def _kernel(  # pragma: no cover - compiled
     block_tables: _I64,
     spans: _I64,
     scale: np.float32,
+    parts: int,
     out: _F32,
 ) -> None:
+    """One task per (row, part): part ``i`` of `parts` takes kv heads ``[i * kv_heads // parts, (i + 1) *
+    kv_heads // parts)``. With ``parts == 1`` a task reads each block of its row whole (all its heads'
+    keys, then values: ``kv_heads * block_size * head_dim`` contiguous values), which memory streams
+    better than one head's ``block_size * head_dim`` at a time; with few rows, more parts keep every
+    thread busy."""
     rows, kv_heads, groups, dim = query.shape
     block_size = key_cache.shape[2]
-    for task in numba.prange(rows * kv_heads):
-        row = task // kv_heads
-        head = task % kv_heads
+    for task in numba.prange(rows * parts):
+        row = task // parts
+        part = task % parts
+        first = part * kv_heads // parts
+        heads = (part + 1) * kv_heads // parts - first
         span = spans[row]
         last = span - 1
         last_block = block_tables[row, last // block_size]
         last_offset = last % block_size
-        for d in range(dim):
-            key_cache[last_block, head, last_offset, d] = new_keys[row, head, d]
-            value_cache[last_block, head, last_offset, d] = new_values[row, head, d]
-        blocks = (span + block_size - 1) // block_size
-        q = query[row, head]
-        scores = np.empty((groups, span), dtype=np.float32)
-        for b in range(blocks):
-            keys = key_cache[block_tables[row, b], head]  # [block_size, dim] view: simpler addressing
-            base = b * block_size
-            for o in range(min(block_size, span - base)):
-                for g in range(groups):
-                    acc = np.float32(0.0)
-                    for d in range(dim):
-                        acc += q[g, d] * keys[o, d]
-                    scores[g, base + o] = acc * scale
-        for g in range(groups):
-            top = scores[g, 0]
-            for j in range(1, span):
-                if scores[g, j] > top:
-                    top = scores[g, j]
-            total = np.float32(0.0)
-            for j in range(span):
-                e = np.float32(math.exp(scores[g, j] - top))
-                scores[g, j] = e
-                total += e
-            inv = np.float32(1.0) / total
-            for j in range(span):
-                scores[g, j] *= inv
-        # each value block read once for all groups, into a local accumulator
-        acc_out = np.zeros((groups, dim), dtype=np.float32)
-        for b in range(blocks):
-            values = value_cache[block_tables[row, b], head]
-            base = b * block_size
-            for o in range(min(block_size, span - base)):
-                for g in range(groups):
-                    p = scores[g, base + o]
-                    for d in range(dim):
-                        acc_out[g, d] += p * values[o, d]
-        for g in range(groups):
+        for h in range(heads):
             for d in range(dim):
-                out[row, head, g, d] = acc_out[g, d]
+                key_cache[last_block, first + h, last_offset, d] = new_keys[row, first + h, d]
+                value_cache[last_block, first + h, last_offset, d] = new_values[row, first + h, d]
+        blocks = (span + block_size - 1) // block_size
+        q = query[row]
+        scores = np.empty((heads, groups, span), dtype=np.float32)
+        for b in range(blocks):
+            keys = key_cache[block_tables[row, b]]  # [kv_heads, block_size, dim] view: simpler addressing
+            base = b * block_size
+            count = min(block_size, span - base)
+            for h in range(heads):
+                head = first + h
+                for o in range(count):
+                    for g in range(groups):
+                        acc = np.float32(0.0)
+                        for d in range(dim):
+                            acc += q[head, g, d] * keys[head, o, d]
+                        scores[h, g, base + o] = acc * scale
+        for h in range(heads):
+            for g in range(groups):
+                top = scores[h, g, 0]
+                for j in range(1, span):
+                    if scores[h, g, j] > top:
+                        top = scores[h, g, j]
+                total = np.float32(0.0)
+                for j in range(span):
+                    e = np.float32(math.exp(scores[h, g, j] - top))
+                    scores[h, g, j] = e
+                    total += e
+                inv = np.float32(1.0) / total
+                for j in range(span):
+                    scores[h, g, j] *= inv
+        # each value block read once for all groups, into a local accumulator
+        acc_out = np.zeros((heads, groups, dim), dtype=np.float32)
+        for b in range(blocks):
+            values = value_cache[block_tables[row, b]]
+            base = b * block_size
+            count = min(block_size, span - base)
+            for h in range(heads):
+                head = first + h
+                for o in range(count):
+                    for g in range(groups):
+                        p = scores[h, g, base + o]
+                        for d in range(dim):
+                            acc_out[h, g, d] += p * values[head, o, d]
+        for h in range(heads):
+            for g in range(groups):
+                for d in range(dim):
+                    out[row, first + h, g, d] = acc_out[h, g, d]
 
 
 _compiled: Callable[..., None] | None = None
@@ -242,8 +260,10 @@ def compiled_decode_attention(
     block_tables: torch.Tensor,
     spans: npt.ArrayLike,
     scale: float,
+    parts: int | None = None,
 ) -> torch.Tensor:
-    """`paged_decode_attention` as one numba kernel: fp32 CPU tensors, caches contiguous."""
+    """`paged_decode_attention` as one numba kernel: fp32 CPU tensors, caches contiguous. `parts`: tasks
+    per row (1: whole rows, ``kv_heads``: one head each; default by the row count, see `_kernel`)."""
     out = torch.empty_like(query)
     _compiled_kernel()(
         query.contiguous().numpy(),
@@ -254,9 +274,15 @@ def compiled_decode_attention(
         block_tables.to(torch.int64).contiguous().numpy(),
         _host_spans(spans),
         np.float32(scale),
+        parts if parts is not None else _parts(query.shape[0], query.shape[1]),
         out.numpy(),
     )
     return out
+
+
+def _parts(rows: int, kv_heads: int) -> int:
+    """Whole rows per task while there are at least 4 rows a thread, else one kv head per task."""
+    return 1 if rows >= 4 * numba.get_num_threads() else kv_heads
 
 
 # ---- decode: torch (any dtype, any device) ------------------------------------------------------------

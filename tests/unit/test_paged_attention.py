@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import numpy as np
@@ -48,6 +49,9 @@ def _reference(query, key_cache, value_cache, tables, spans, scale):
 
 IMPLEMENTATIONS = {
     "compiled": (paged_attention.compiled_decode_attention, torch.float32, 1e-5),
+    # tasks of whole rows, and of a split of each row's kv heads (3 heads: 1 + 2)
+    "compiled-rows": (functools.partial(paged_attention.compiled_decode_attention, parts=1), torch.float32, 1e-5),
+    "compiled-split": (functools.partial(paged_attention.compiled_decode_attention, parts=2), torch.float32, 1e-5),
     "torch-fp32": (paged_attention.torch_decode_attention, torch.float32, 1e-5),
     "torch-bf16": (paged_attention.torch_decode_attention, torch.bfloat16, 2e-2),
 }
