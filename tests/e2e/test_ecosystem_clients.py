@@ -278,11 +278,6 @@ def reference_loglikelihoods(model_dir: Path, pairs: list[tuple[str, str]]) -> l
     return out
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="issue #21, being built: /v1/completions token-id prompts and echo+logprobs prompt scoring "
-    "(top_logprobs for every prompt token), which lm-eval's loglikelihood needs",
-)
 def test_lm_eval_loglikelihood_multiple_choice(tiny_url, tiny_model_dir, tmp_path):
     """Multiple choice (`loglikelihood`) through local-completions with lm-eval's default token-id prompts:
     each choice's score equals the model's own log-probability of it, and `acc` follows from them."""
