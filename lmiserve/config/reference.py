@@ -67,6 +67,10 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "autotune_cache",
             "enable_prefix_caching",
             "prefix_cache_size",
+            "kv_cache",
+            "kv_cache_memory_bytes",
+            "gpu_memory_utilization",
+            "block_size",
         ),
     ),
     (

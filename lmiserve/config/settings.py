@@ -50,7 +50,6 @@ LMI_IGNORED_KEYS = frozenset(
         "entryPoint",
         "tensor_parallel_degree",
         "pipeline_parallel_degree",
-        "gpu_memory_utilization",
         "quantize",
         "enforce_eager",
         "mpi_mode",
@@ -81,6 +80,7 @@ _META_FIELDS = frozenset({"extra", "sources"})
 
 Dtype = Literal["auto", "fp32", "fp16", "bf16", "int8", "int4"]
 LoadFormat = Literal["auto", "safetensors", "pt", "dummy"]
+KvCacheLayout = Literal["paged", "slots"]
 ModelKind = Literal["auto", "llm", "embedding", "classifier", "regression", "torchscript"]
 RollingBatch = Literal["auto", "lmi", "disable"]
 OutputFormatter = Literal["json", "jsonlines", "sse", "tgi_compat"]
@@ -313,6 +313,33 @@ class Settings(BaseModel):
         ),
         json_schema_extra={"allowed": "a size >= 0 in bytes, e.g. 536870912, 512MiB or 2GB"},
     )
+    kv_cache: KvCacheLayout = Field(
+        "paged",
+        description=(
+            "The KV cache: `paged` (Engine v2: a pool of blocks sized by `kv_cache_memory_bytes`, admission by "
+            "free blocks, preemption when the pool runs out, prompt chunks of several requests in one step, the "
+            "prefix cache as shared blocks; the fast path, other runners keep slots) or `slots` (one "
+            "contiguous slot a sequence). See docs/architecture.md."
+        ),
+    )
+    kv_cache_memory_bytes: ByteSize | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Memory of the paged KV cache's pool, per model (vLLM's name), in bytes or with a unit (`4GiB`); "
+            "unset = on CPU 25 % of the memory available at start-up, on CUDA `gpu_memory_utilization` of the "
+            "GPU less what the model took and 2 GiB for activations; never more than `max_rolling_batch_size` "
+            "sequences at full context need. A request that needs more than the whole pool answers 4xx."
+        ),
+        json_schema_extra={"allowed": "a size >= 1 in bytes, e.g. 4294967296 or 4GiB (or empty for unset)"},
+    )
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0.0,
+        le=1.0,
+        description="Share of the GPU's memory lmiserve may take (LMI's and vLLM's name); sizes the paged KV pool.",
+    )
+    block_size: int = Field(16, ge=1, le=1024, description="Tokens a block of the paged KV cache holds (vLLM's name).")
     # --- output ---
     output_formatter: OutputFormatter | None = Field(
         None,

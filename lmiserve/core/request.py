@@ -61,4 +61,6 @@ class GenerationRequest:
     request_id: str = field(default_factory=_request_id)
     # vLLM's meaning: the waiting queue admits lower values first (ties in arrival order); default 0
     priority: int = 0
+    # vLLM's: the KV blocks of its prompt are shared (prefix cache) only with requests of the same salt
+    cache_salt: str | None = None
     prompt_ids: list[int] | None = None  # the prompt as token ids, used as given (`prompt`: their text)

@@ -80,6 +80,7 @@ class EngineSnapshot:
     prefix_cache_tokens: int = 0  # tokens whose KV the prefix cache holds
     prefix_cache_capacity: int = 0  # tokens it can hold (0: no prefix cache)
     prefix_cache_bytes: int = 0  # the memory its blocks take at most
+    preemptions: int = 0  # running sequences preempted since the engine started (their KV freed, recomputed later)
 
     @property
     def prefix_cache_usage(self) -> float:

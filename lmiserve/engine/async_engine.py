@@ -25,9 +25,11 @@ from lmiserve.core.grammar import Grammar
 from lmiserve.core.request import GenerationRequest
 from lmiserve.core.stats import EngineObserver, EngineSnapshot, RequestStats, SequenceStats, StepStats
 from lmiserve.engine import torch_thread
+from lmiserve.engine.block_scheduler import BlockScheduler
 from lmiserve.engine.grammar_compiler import CompiledGrammar, GrammarCompiler
+from lmiserve.engine.kv_blocks import BlockPool
 from lmiserve.engine.prefix_cache import PrefixIndex
-from lmiserve.engine.scheduler import Scheduler, StepOutput
+from lmiserve.engine.scheduler import Scheduler, StepOutput, StepPlan
 from lmiserve.engine.sequence import Sequence
 from lmiserve.engine.validation import PromptCodec
 
@@ -59,6 +61,12 @@ class EngineConfig:
     # prefix cache: most bytes its KV blocks take (0 = off) and tokens per block
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES
     prefix_block_size: int = PREFIX_BLOCK_SIZE
+    # the KV cache: "paged" (a pool of blocks under a memory budget, the block scheduler; the fast path)
+    # or "slots" (one contiguous slot a sequence; every runner)
+    kv_cache: Literal["paged", "slots"] = "paged"
+    kv_cache_memory_bytes: int | None = None  # the paged pool's budget; None = by device (engine/factory.py)
+    block_size: int = 16  # tokens a block of the paged pool holds
+    gpu_memory_utilization: float = 0.9  # on CUDA, the share of the GPU the paged pool's default budget fills
 
 
 class _Handle:
@@ -91,9 +99,46 @@ class AsyncEngine:
         self.codec = codec
         self.grammars = grammars  # compiles the grammars of constrained requests (None: unsupported)
         self.config = config
-        blocks = runner.enable_prefix_cache(config.prefix_cache_bytes, config.prefix_block_size)
-        self.prefix = PrefixIndex(blocks, config.prefix_block_size) if blocks else None
-        self.scheduler = Scheduler(
+        self.scheduler: Scheduler | BlockScheduler
+        self.pool: BlockPool | None = None
+        pool_blocks = runner.num_blocks
+        if pool_blocks is not None:  # a paged runner: the block scheduler plans over its pool
+            self.prefix = None
+            self.pool = BlockPool(pool_blocks, runner.block_size, enable_prefix_caching=config.prefix_cache_bytes > 0)
+            self.scheduler = BlockScheduler(
+                self.pool,
+                config.max_running,
+                config.max_prefill_tokens,
+                chunked_prefill=not config.batch_invariant,
+                static_batching=config.static_batching,
+                batch_size=config.batch_size,
+                max_batch_delay=config.max_batch_delay,
+                queue_timeout=config.predict_timeout,
+                prefill_floor=floor,
+            )
+        else:
+            blocks = runner.enable_prefix_cache(config.prefix_cache_bytes, config.prefix_block_size)
+            self.prefix = PrefixIndex(blocks, config.prefix_block_size) if blocks else None
+            self.scheduler = self._slot_scheduler(config, floor)
+        self._handles: dict[int, _Handle] = {}  # seq_id -> handle
+        self._ids = itertools.count(1)
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._observers: list[EngineObserver] = []
+        self.steps = 0
+        self.generated_tokens = 0  # since start, for `snapshot`
+
+    def _check_fits(self, tokens: int) -> None:
+        """A request whose KV (prompt + max new tokens) needs more blocks than the whole pool is refused."""
+        pool = self.pool
+        if pool is not None and pool.never_fits(tokens):
+            raise InvalidRequest(
+                f"the prompt and max_new_tokens need the KV cache of {tokens} tokens, more than the whole "
+                f"KV cache holds ({pool.num_blocks * pool.block_size} tokens, kv_cache_memory_bytes)"
+            )
+
+    def _slot_scheduler(self, config: EngineConfig, floor: int | None) -> Scheduler:
+        return Scheduler(
             config.max_running,
             config.max_prefill_tokens,
             chunked_prefill=not config.batch_invariant,
@@ -104,13 +149,6 @@ class AsyncEngine:
             prefill_floor=floor,
             prefix=self.prefix,
         )
-        self._handles: dict[int, _Handle] = {}  # seq_id -> handle
-        self._ids = itertools.count(1)
-        self._wakeup = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._observers: list[EngineObserver] = []
-        self.steps = 0
-        self.generated_tokens = 0  # since start, for `snapshot`
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -140,18 +178,41 @@ class AsyncEngine:
 
     def snapshot(self) -> EngineSnapshot:
         running = self.scheduler.running
+        pool = self.pool
+        if pool is not None:  # vLLM's meaning: blocks in use / the pool
+            kv_tokens, kv_capacity = pool.num_used_blocks * pool.block_size, pool.num_blocks * pool.block_size
+        else:
+            kv_tokens, kv_capacity = sum(s.kv_len for s in running), self.scheduler.max_running * self.codec.max_context
         return EngineSnapshot(
             running=len(running),
             waiting=len(self.scheduler.waiting),
             batch_max_tokens=sum(s.prompt_len + s.params.max_new_tokens for s in running),
-            kv_tokens=sum(s.kv_len for s in running),
-            kv_capacity=self.scheduler.max_running * self.codec.max_context,
+            kv_tokens=kv_tokens,
+            kv_capacity=kv_capacity,
             batch_slots=self.scheduler.max_running,
             generated_tokens=self.generated_tokens,
-            prefix_cache_tokens=self.prefix.cached_tokens if self.prefix is not None else 0,
-            prefix_cache_capacity=self.prefix.capacity_tokens if self.prefix is not None else 0,
-            prefix_cache_bytes=self.runner.prefix_store.nbytes if self.runner.prefix_store is not None else 0,
+            preemptions=getattr(self.scheduler, "num_preemptions", 0),
+            **self._prefix_figures(),
         )
+
+    def _prefix_figures(self) -> dict[str, int]:
+        """What the prefix cache holds and can hold, in tokens, and its memory: with a paged pool, its
+        registered blocks of the whole pool (the pool is the cache)."""
+        pool = self.pool
+        if pool is not None:
+            if not pool.enable_prefix_caching:
+                return {"prefix_cache_tokens": 0, "prefix_cache_capacity": 0, "prefix_cache_bytes": 0}
+            return {
+                "prefix_cache_tokens": pool.num_cached_blocks * pool.block_size,
+                "prefix_cache_capacity": pool.num_blocks * pool.block_size,
+                "prefix_cache_bytes": self.runner.kv_bytes,
+            }
+        store = self.runner.prefix_store
+        return {
+            "prefix_cache_tokens": self.prefix.cached_tokens if self.prefix is not None else 0,
+            "prefix_cache_capacity": self.prefix.capacity_tokens if self.prefix is not None else 0,
+            "prefix_cache_bytes": store.nbytes if store is not None else 0,
+        }
 
     def _notify(self, method: str, *args: object) -> None:
         for observer in self._observers:
@@ -186,6 +247,7 @@ class AsyncEngine:
                 grammar = self.grammars.compile(request.params.grammar)
             prompt_ids = self.codec.encode(request)
             count = max(request.params.n, request.params.best_of)
+            self._check_fits(len(prompt_ids) + request.params.max_new_tokens)
             if len(self.scheduler.waiting) + count > self.config.job_queue_size:
                 raise Overloaded("Worker queue capacity exceeded")
         except LmiServeError as exc:
@@ -212,6 +274,7 @@ class AsyncEngine:
         ]
         handle = _Handle(request, seqs, arrival)
         for seq in seqs:
+            seq.cache_salt = request.cache_salt
             self._handles[seq.seq_id] = handle
             self.scheduler.add(seq)
         self._notify("on_submitted", len(prompt_ids), count)
@@ -278,6 +341,19 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 await asyncio.sleep(0.01)
 
+    def _execute(self, plan: StepPlan) -> tuple[StepOutput, list[tuple[Sequence, StepEvent]]]:
+        """Run `plan` and apply its results (on the torch thread): the model step, then the scheduler's
+        update, whose per-token work (detokenizing, stop strings, grammar matchers, building the events)
+        so stays off the HTTP event loop; the loop only delivers the events. Meanwhile the loop may only
+        add to the waiting queue and flag aborts, which `update` does not touch."""
+        try:
+            output = self.runner.execute(plan)
+        except Exception as exc:  # noqa: BLE001 - outside the per-sequence guards: end what was running
+            log.exception("engine step failed")
+            message = f"exception occurred during generation: {exc}"
+            output = StepOutput(errors={s.seq_id: message for s in self.scheduler.running}, prefix_failed=True)
+        return output, self.scheduler.update(plan, output)
+
     async def _step(self) -> None:
         scheduler = self.scheduler
         self._wakeup.clear()
@@ -301,15 +377,9 @@ class AsyncEngine:
                 await asyncio.wait_for(self._wakeup.wait(), scheduler.next_wakeup(time.monotonic()))
             return
         started = time.monotonic()
-        try:
-            output: StepOutput = await torch_thread.run(self.runner.execute, plan)
-        except Exception as exc:  # noqa: BLE001 - outside the per-sequence guards: end what was running
-            log.exception("engine step failed")
-            message = f"exception occurred during generation: {exc}"
-            output = StepOutput(errors={s.seq_id: message for s in scheduler.running}, prefix_failed=True)
+        output, events = await torch_thread.run(self._execute, plan)
         now = time.monotonic()
         self.steps += 1
-        events = scheduler.update(plan, output)
         firsts, gaps = self._stamp(events, now)
         self.generated_tokens += len(firsts) + len(gaps)  # one of the two per token sampled
         if self._observers:

@@ -40,9 +40,11 @@ import torch
 from lmiserve.core.cpu_info import cpu_info
 from lmiserve.engine import decode_attention as compiled_attention
 from lmiserve.engine.cpu_gemm import CpuGemm
+from lmiserve.engine.paged_attention import PagedKVCache
 
 if TYPE_CHECKING:
-    from lmiserve.engine.fast_llama import FastLlama
+    from lmiserve.engine.paged_attention import PagedKVCache
+from lmiserve.engine.fast_llama import FastLlama
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +182,12 @@ def measure(fast: FastLlama, slots: int) -> KernelChoice:
         top = max(1, fast.max_context - 1)  # never past the model's context
         positions = [min(top, 32 + (i * 131) % 160) for i in range(rows)] if rows > 1 else [min(top, 100)]
         ids = [5 + i for i in range(rows)]
-        return lambda: fast.forward(ids, positions, [], list(range(rows)))
+        tables = None
+        cache = fast.cache
+        if isinstance(cache, PagedKVCache):  # before any request: any blocks of the pool will do
+            size, count = cache.block_size, cache.num_blocks
+            tables = [[(row * 13 + j) % count for j in range(-(-(p + 1) // size))] for row, p in enumerate(positions)]
+        return lambda: fast.forward(ids, positions, [], list(range(rows)), decode_tables=tables)
 
     def race(rows: int, repeats: int, candidates: dict[str, tuple[CpuGemm, bool]]) -> dict[str, float]:
         best = {name: float("inf") for name in candidates}

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from lmiserve.engine import decode_attention as compiled_attention
+from lmiserve.engine import paged_attention
 from lmiserve.engine.cpu_gemm import PAD_ROWS_FROM, VOCAB_PAD_ROWS_FROM, CpuGemm
 from lmiserve.engine.kv_cache import AttentionShape, SlotKVCache
 from lmiserve.engine.llama_layout import (
@@ -62,21 +63,30 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
 
 
 class _Chunk(NamedTuple):
-    """A prefill chunk of one step: its slot, positions ``start..end-1``, first row in the batch and
-    causal mask over ``[0, end)``."""
+    """A prefill chunk of one step: its slot (or, over a paged cache, its block table as a tensor),
+    positions ``start..end-1``, first row in the batch and causal mask over ``[0, end)``."""
 
-    slot: int
+    slot: int | torch.Tensor
     start: int
     end: int
     offset: int
     mask: torch.Tensor
 
 
+class _PagedDecode(NamedTuple):
+    """The decode rows of a step over a paged cache: their block tables (``[rows, blocks]``, padded with
+    block 0 past each row's own) and spans (position + 1)."""
+
+    rows: int
+    tables: torch.Tensor
+    spans: npt.NDArray[np.int64]
+
+
 class FastLlama:
     def __init__(
         self,
         model: PreTrainedModel,
-        cache: SlotKVCache,
+        cache: SlotKVCache | paged_attention.PagedKVCache,
         max_context: int,
         gemm: CpuGemm | None = None,
         compiled_attention_ok: bool = True,
@@ -100,10 +110,13 @@ class FastLlama:
         self._max_context = max_context
         self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)
         self._gemm = gemm if gemm is not None else CpuGemm.for_model(self.device, self.dtype)
+        self.paged = isinstance(cache, paged_attention.PagedKVCache)
         self._compiled = compiled_attention_ok and compiled_attention.available(self.dtype, self.device)
         if self._compiled:
             try:  # compiles (or loads from numba's cache) at load, not on a request
                 compiled_attention.warm_up()
+                if self.paged:
+                    paged_attention.warm_up()
             except Exception:  # noqa: BLE001 - a numba/llvmlite problem costs speed, not the model
                 log.exception("compiled decode attention unavailable; using the torch path")
                 self._compiled = False
@@ -126,6 +139,8 @@ class FastLlama:
         self._compiled = compiled and compiled_attention.available(self.dtype, self.device)
         if self._compiled:
             compiled_attention.warm_up()
+            if self.paged:
+                paged_attention.warm_up()
 
     # ---- RoPE table ------------------------------------------------------------------------------
     def _rope(self, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,13 +161,15 @@ class FastLlama:
         self,
         decode_ids: list[int],
         decode_positions: list[int],
-        prefills: list[tuple[int, int, list[int]]],
+        prefills: list[tuple[int, int, list[int]]] | list[tuple[list[int], int, list[int]]],
         keep: list[int],
+        decode_tables: list[list[int]] | None = None,
     ) -> torch.Tensor:
         """Logits (float32, ``[len(keep), vocab]``) of the flattened tokens listed in `keep`.
 
         Tokens are ordered: decode rows (row i = slot i, one token at `decode_positions[i]`), then
-        each prefill chunk ``(slot, start, ids)`` in turn.
+        each prefill chunk ``(slot, start, ids)`` in turn. Over a paged cache a row's block table stands
+        for its slot: `decode_tables[i]` for decode row i, ``(block table, start, ids)`` for a chunk.
         """
         dev = self.device
         gemm = self._gemm
@@ -165,19 +182,30 @@ class FastLlama:
         ids += [0] * pad
         positions += [0] * pad
         span = max(positions) + 1
-        self.cache.ensure_capacity(span)
         cos_table, sin_table = self._rope(span)
         pos = torch.tensor(positions, device=dev)
         cos, sin = cos_table[pos][:, None], sin_table[pos][:, None]  # [T, 1, D]
         x = F.embedding(torch.tensor(ids, device=dev), self.embed)
-        dec = _DecodePlan(decode_positions, self.cache.capacity, self.kv_heads, dev, self._compiled) if rows else None
+        dec: _DecodePlan | _PagedDecode | None = None
+        if isinstance(self.cache, SlotKVCache):
+            self.cache.ensure_capacity(span)
+            if rows:
+                dec = _DecodePlan(decode_positions, self.cache.capacity, self.kv_heads, dev, self._compiled)
+        else:
+            tables = [t for t in decode_tables or [] if t] + [key for key, _, _ in prefills if isinstance(key, list)]
+            self.cache.ensure_zeroed(1 + max((max(t) for t in tables if t), default=-1))
+            if rows:
+                if decode_tables is None or len(decode_tables) != rows:
+                    raise ValueError("a paged cache needs a block table for every decode row")
+                dec = _paged_decode(decode_positions, decode_tables, self.cache.block_size, dev)
         pre = []
         offset = rows
-        for slot, start, chunk in prefills:
+        for key, start, chunk in prefills:
             end = start + len(chunk)
             chunk_pos = pos[offset : offset + len(chunk)]
             mask = (torch.arange(end, device=dev)[None, :] <= chunk_pos[:, None])[None, None]
-            pre.append(_Chunk(slot, start, end, offset, mask))
+            where = torch.tensor(key, dtype=torch.long, device=dev) if isinstance(key, list) else key
+            pre.append(_Chunk(where, start, end, offset, mask))
             offset += len(chunk)
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         for index, layer in enumerate(self.layers):
@@ -232,11 +260,13 @@ class FastLlama:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        dec: _DecodePlan | None,
+        dec: _DecodePlan | _PagedDecode | None,
         pre: list[_Chunk],
         pad: int,
     ) -> torch.Tensor:
         keys, values = self.cache.keys[index], self.cache.values[index]
+        if isinstance(dec, _PagedDecode) or (dec is None and self.paged):
+            return self._paged_attention(keys, values, q, k, v, dec, pre, pad)
         outputs = []
         if dec is not None:
             n = dec.rows
@@ -249,6 +279,7 @@ class FastLlama:
                 values.view(-1, self.head_dim).index_copy_(0, dec.write_index, v[:n].reshape(-1, self.head_dim))
                 outputs.append(self._decode_attention(query, keys, values, dec).reshape(n, -1))
         for slot, start, end, offset, mask in pre:
+            assert isinstance(slot, int)
             length = end - start
             keys[slot, :, start:end] = k[offset : offset + length].transpose(0, 1)
             values[slot, :, start:end] = v[offset : offset + length].transpose(0, 1)
@@ -260,6 +291,51 @@ class FastLlama:
         if pad:
             outputs.append(q.new_zeros(pad, self.heads * self.head_dim))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    def _paged_attention(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        dec: _PagedDecode | None,
+        pre: list[_Chunk],
+        pad: int,
+    ) -> torch.Tensor:
+        """`_attention` over a paged cache (engine/paged_attention.py): the decode rows in one call that
+        writes and attends through their block tables (the compiled kernel on CPU fp32), each prefill
+        chunk written into its blocks and attending over its positions gathered from them."""
+        outputs = []
+        if dec is not None:
+            n = dec.rows
+            query = q[:n].reshape(n, self.kv_heads, self.groups, self.head_dim)
+            out = paged_attention.paged_decode_attention(
+                query, keys, values, k[:n], v[:n], dec.tables, dec.spans, self.scale
+            )
+            outputs.append(out.reshape(n, -1))
+        for table, start, end, offset, mask in pre:
+            assert isinstance(table, torch.Tensor)
+            length = end - start
+            paged_attention.write_chunk(
+                keys, values, k[offset : offset + length], v[offset : offset + length], table, start
+            )
+            context_k, context_v = paged_attention.gather_context(keys, values, table, end)
+            query = q[offset : offset + length].transpose(0, 1)[None]
+            key = _repeat(context_k[None], self.groups)
+            value = _repeat(context_v[None], self.groups)
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=self.scale)
+            outputs.append(out.transpose(1, 2).reshape(length, -1))
+        if pad:
+            outputs.append(q.new_zeros(pad, self.heads * self.head_dim))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+def _paged_decode(positions: list[int], tables: list[list[int]], block_size: int, device: torch.device) -> _PagedDecode:
+    spans = np.array(positions, dtype=np.int64) + 1
+    width = max(-(-int(span) // block_size) for span in spans)
+    padded = [table[:width] + [0] * (width - len(table[:width])) for table in tables]
+    return _PagedDecode(len(positions), torch.tensor(padded, dtype=torch.long, device=device), spans)
 
 
 # Row-positions of cache a split decode attention must save before it is worth its extra ops

@@ -46,6 +46,14 @@ class PrefillChunk:
     def completes_prompt(self) -> bool:
         return self.start + self.length == self.seq.prompt_len
 
+    @property
+    def token_ids(self) -> list[int]:
+        """The chunk's tokens (of the prompt; after a preemption, of the generated tokens too)."""
+        seq = self.seq
+        if self.start + self.length <= seq.prompt_len:
+            return seq.prompt_ids[self.start : self.start + self.length]
+        return (seq.prompt_ids + seq.output_ids)[self.start : self.start + self.length]
+
 
 @dataclass(frozen=True)
 class PrefixSave:
@@ -141,6 +149,8 @@ class Scheduler:
 
     # ---- intake ----------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        """Queue `seq` behind every waiting sequence of a lower or equal priority (lower first; equal
+        priorities in arrival order, so without priorities the queue is first come, first served)."""
         seq.status = SeqStatus.WAITING
         at = len(self.waiting)
         while at > 0 and self.waiting[at - 1].priority > seq.priority:
@@ -154,8 +164,6 @@ class Scheduler:
     @property
     def num_decoding(self) -> int:
         return sum(1 for s in self.running if s.status is SeqStatus.RUNNING)
-        """Queue `seq` behind every waiting sequence of a lower or equal priority (lower first; equal
-        priorities in arrival order, so without priorities the queue is first come, first served)."""
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._released)

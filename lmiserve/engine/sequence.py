@@ -13,6 +13,7 @@ from lmiserve.core.request import SamplingParams
 from lmiserve.core.tokenizer import Tokenizer
 from lmiserve.engine.detokenizer import IncrementalDetokenizer
 from lmiserve.engine.grammar_compiler import GrammarMatcher
+from lmiserve.engine.kv_blocks import BlockTable
 from lmiserve.engine.stop import StopMatcher
 
 
@@ -52,6 +53,9 @@ class Sequence:
         self.priority = priority  # lower is admitted first (vLLM's meaning)
         self.status = SeqStatus.WAITING
         self.slot: int | None = None
+        self.block_table: BlockTable | None = None  # with the block scheduler: its blocks in the KV pool
+        self.preemptions = 0  # times the block scheduler gave its blocks away (it then recomputes them)
+        self.cache_salt: str | None = None  # vLLM's cache_salt: shares cached blocks only with the same salt
         self.kv_len = 0  # positions of this sequence written into the KV cache
         self.cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
         self.output_ids: list[int] = []

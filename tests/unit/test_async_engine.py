@@ -107,8 +107,12 @@ def encode(loaded, prompt: str) -> list[int]:
         {},
         {"batch_invariant": True},
         {"max_running": 3, "max_prefill_tokens": 5},  # queueing, chunked prefill, slot compaction
+        {"kv_cache": "paged"},
+        {"kv_cache": "paged", "max_running": 3, "max_prefill_tokens": 5, "block_size": 4},
+        # a pool of 12 blocks of 4 tokens for prompts of ~10 and 12 new tokens: preemption
+        {"kv_cache": "paged", "kv_cache_memory_bytes": 12 * 4 * 2 * 2 * 16 * 2 * 4, "block_size": 4},
     ],
-    ids=["batched", "batch_invariant", "small_batch_chunked"],
+    ids=["batched", "batch_invariant", "small_batch_chunked", "paged", "paged_chunked", "paged_preempting"],
 )
 async def test_concurrent_greedy_equals_generate(tiny_model, reference, config):
     engine = make_engine(tiny_model, **config)
@@ -122,6 +126,8 @@ async def test_concurrent_greedy_equals_generate(tiny_model, reference, config):
             )
         )
         assert engine.num_running == 0 and engine.num_waiting == 0
+    if "kv_cache_memory_bytes" in config:  # the pool holds less than the batch needs: some were preempted
+        assert engine.scheduler.num_preemptions > 0
     for prompt, n, events in zip(PROMPTS, lengths, results):
         expected = reference(encode(tiny_model, prompt), n)
         assert ids_of(events) == expected, prompt

@@ -84,7 +84,7 @@ def test_int8_loads_on_cpu_only_and_runs_the_fast_path(tiny_model_dir: Path):
     # the modules read rows of the fused matrices: generate and the fast path share the weights
     attn = loaded.model.model.layers[0].self_attn
     assert attn.k_proj.weight.data_ptr() == layer.qkv_w[attn.q_proj.out_features :].data_ptr()
-    assert engine.runner.cache.keys[0].dtype == torch.bfloat16
+    assert engine.runner.fast.cache.keys[0].dtype == torch.bfloat16
 
 
 def _q4_1(out: int, inputs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -169,7 +169,7 @@ def test_int4_loads_on_cpu_and_runs_the_fast_path_in_fp32(int4_model_dir: Path):
     x = torch.randn(2, 64)
     fused = engine.runner.fast.gemm.linear(x, layer.gate_up_w, layer.gate_up_b, layer.gate_up_s)
     assert torch.equal(fused, torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], dim=-1))
-    assert engine.runner.cache.keys[0].dtype == torch.float32
+    assert engine.runner.fast.cache.keys[0].dtype == torch.float32
 
 
 def test_int4_groups_that_cannot_fuse_take_the_generic_path(tiny_model_dir: Path):

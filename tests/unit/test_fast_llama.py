@@ -188,9 +188,9 @@ def test_a_step_with_newcomers_is_one_forward(tiny_model, monkeypatch):
     calls = []
     real = FastLlama.forward
 
-    def counted(self, decode_ids, decode_positions, prefills, keep):
+    def counted(self, decode_ids, decode_positions, prefills, keep, **kwargs):
         calls.append((len(decode_ids), len(prefills)))
-        return real(self, decode_ids, decode_positions, prefills, keep)
+        return real(self, decode_ids, decode_positions, prefills, keep, **kwargs)
 
     monkeypatch.setattr(FastLlama, "forward", counted)
     engine = create_engine(tiny_model, EngineConfig())  # driven step by step, no event loop
@@ -215,10 +215,10 @@ def test_a_failing_fused_forward_fails_only_the_culprit(tiny_model, monkeypatch)
     bad_ids = tiny_model.tokenizer(PROMPTS[1]).input_ids
     real = FastLlama.forward
 
-    def forward(self, decode_ids, decode_positions, prefills, keep):
+    def forward(self, decode_ids, decode_positions, prefills, keep, **kwargs):
         if any(chunk == bad_ids[start : start + len(chunk)] for _, start, chunk in prefills):
             raise RuntimeError("kernel exploded")
-        return real(self, decode_ids, decode_positions, prefills, keep)
+        return real(self, decode_ids, decode_positions, prefills, keep, **kwargs)
 
     monkeypatch.setattr(fast_llama.FastLlama, "forward", forward)
     _, results = asyncio.run(_serve(tiny_model, EngineConfig(), 6))

@@ -1127,3 +1127,20 @@ async def test_the_sdk_reads_stop_reason_and_no_stop_string(served):
         "stop",
         " brown",
     )
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+async def test_priority_and_cache_salt_reach_the_engine_and_are_checked(served, route):
+    """vLLM's scheduling fields: `priority` (lower first) and `cache_salt` (prefix blocks shared only
+    within the same salt) reach the engine's request; out of range or empty is a 400."""
+    body = {"model": "tgi", "max_tokens": 2}
+    body.update({"messages": MESSAGES} if "chat" in route else {"prompt": "Hello"})
+    r = await post(served, route, {**body, "priority": -4, "cache_salt": "tenant-a"})
+    assert r.status_code == 200, r.text
+    request = served.fake.requests[-1]
+    assert (request.priority, request.cache_salt) == (-4, "tenant-a")
+    r = await post(served, route, body)
+    assert (served.fake.requests[-1].priority, served.fake.requests[-1].cache_salt) == (0, None)
+    for bad in ({"priority": 2**40}, {"cache_salt": ""}, {"priority": "high"}):
+        r = await post(served, route, {**body, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] in bad, (bad, r.text)

@@ -78,8 +78,10 @@ async def run(engine: AsyncEngine, prompt: str, **params) -> tuple[list[int], in
     return [e.token.id for e in events if e.token is not None], finish.cached_tokens
 
 
-RUNNERS = [{"fast_path": True}, {"fast_path": False}]
-RUNNER_IDS = ["fast", "generic"]
+# the slot cache's prefix cache (a pool of copied blocks) on both runners, and the paged KV cache, where
+# the pool is the prefix cache (shared full blocks, never copied)
+RUNNERS = [{"fast_path": True, "kv_cache": "slots"}, {"fast_path": False}, {"fast_path": True, "kv_cache": "paged"}]
+RUNNER_IDS = ["fast", "generic", "paged"]
 
 
 @pytest.mark.parametrize("runner", RUNNERS, ids=RUNNER_IDS)
@@ -121,23 +123,26 @@ async def test_partial_and_full_matches_give_the_tokens_of_a_fresh_engine(tiny_m
         SYSTEM[:40] + "Numbers like 1, 2, 3",  # diverges early
         base + " and more",  # extends the first
     ]
-    async with engine_for(tiny_model, prefix_block_size=4, **runner) as engine:
+    async with engine_for(tiny_model, prefix_block_size=4, block_size=4, **runner) as engine:
         results = [await run(engine, p) for p in prompts]
     for prompt, (ids, _) in zip(prompts, results, strict=True):
         assert ids == reference_ids(prompt, 12), prompt
     lengths = [len(tiny_model.tokenizer(p)["input_ids"]) for p in prompts]
     assert results[0][1] == 0
-    assert results[1][1] == lengths[1] - 1  # everything but the last token
+    # everything but the last token (paged: full blocks only, so the whole last block is computed again)
+    assert results[1][1] == lengths[1] - (4 if runner.get("kv_cache") == "paged" else 1)
     assert 0 < results[2][1] < lengths[2] - 1 and results[2][1] % 4 == 0
     assert results[4][1] >= (lengths[0] // 4) * 4
 
 
 async def test_a_tiny_budget_evicts_keeps_memory_bounded_and_tokens_right(tiny_model, reference_ids):
-    engine = create_engine(tiny_model, EngineConfig(prefix_cache_bytes=1, prefix_block_size=4))
+    engine = create_engine(tiny_model, EngineConfig(prefix_cache_bytes=1, prefix_block_size=4, kv_cache="slots"))
     assert engine.prefix is None and engine.snapshot().prefix_cache_capacity == 0  # not one block fits: off
     per_block = bytes_per_token(engine.runner.cache) * 4
     prompts = [SYSTEM + q for q in QUESTIONS] * 3
-    async with engine_for(tiny_model, prefix_cache_bytes=per_block * 6, prefix_block_size=4) as engine:
+    async with engine_for(
+        tiny_model, prefix_cache_bytes=per_block * 6, prefix_block_size=4, kv_cache="slots"
+    ) as engine:
         assert engine.prefix is not None and engine.prefix.num_blocks == 6
         store = engine.runner.prefix_store
         assert store is not None and store.nbytes <= per_block * 6
@@ -228,7 +233,7 @@ async def test_a_failing_copy_into_the_cache_drops_it_and_no_answer_changes(tiny
 
     monkeypatch.setattr(PrefixStore, "save", failing_once)
     prompt = SYSTEM + QUESTIONS[2]
-    async with engine_for(tiny_model) as engine:
+    async with engine_for(tiny_model, kv_cache="slots") as engine:
         first = await run(engine, prompt)
         assert engine.prefix is not None and engine.prefix.used_blocks > 0  # stored again when it left
         second = await run(engine, prompt)

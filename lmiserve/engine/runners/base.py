@@ -36,6 +36,10 @@ class ModelRunner(ABC):
     """Runs scheduler plans on one model. Subclasses implement `_run` (one per strategy)."""
 
     path: ClassVar[str]  # the strategy: "fast", "generic" or "batch_invariant"
+    # a paged runner (runners/paged.py): the blocks of its KV pool, their size in tokens and the pool's bytes
+    num_blocks: int | None = None
+    block_size: int = 16
+    kv_bytes: int = 0
 
     def __init__(
         self, model: PreTrainedModel, *, max_slots: int, max_context: int, eos_token_ids: Iterable[int]

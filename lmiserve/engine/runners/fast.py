@@ -10,13 +10,14 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lmiserve.engine import autotune as kernel_autotune
 from lmiserve.engine.fast_llama import FastLlama
 from lmiserve.engine.kv_cache import SlotKVCache
+from lmiserve.engine.paged_attention import PagedKVCache
 from lmiserve.engine.runners.base import ModelRunner, slot_cache, slot_of
 from lmiserve.engine.scheduler import PrefillChunk, StepOutput, StepPlan
 from lmiserve.engine.sequence import Sequence
@@ -47,7 +48,6 @@ class FusedStep:
 
 class FastRunner(ModelRunner):
     path = "fast"
-    cache: SlotKVCache
 
     def __init__(
         self,
@@ -58,12 +58,18 @@ class FastRunner(ModelRunner):
         eos_token_ids: Iterable[int],
         autotune: bool = False,
         autotune_cache: str | None = None,
+        kv: PagedKVCache | None = None,
     ) -> None:
         """`autotune`: time the CPU kernel choices at start-up (or read them from `autotune_cache`,
-        engine/autotune.py); otherwise the static defaults."""
+        engine/autotune.py); otherwise the static defaults. `kv`: run over this paged cache (the block
+        scheduler's plans, runners/paged.py) instead of a slot cache of `max_slots` slots."""
         super().__init__(model, max_slots=max_slots, max_context=max_context, eos_token_ids=eos_token_ids)
-        self.cache = slot_cache(model, max_slots, max_context)
-        self.fast = FastLlama(model, self.cache, max_context)
+        cache: SlotKVCache | PagedKVCache
+        if kv is None:
+            cache = self.cache = slot_cache(model, max_slots, max_context)
+        else:
+            cache = kv
+        self.fast = FastLlama(model, cache, max_context)
         if autotune:
             start = time.monotonic()
             self.kernels = kernel_autotune.choose(self.fast, max_slots, autotune_cache)
@@ -97,13 +103,22 @@ class FastRunner(ModelRunner):
         prefills = []
         for chunk in step.chunks:
             seq, start, length = chunk.seq, chunk.start, chunk.length
-            prefills.append((slot_of(seq), start, seq.prompt_ids[start : start + length]))
+            prefills.append((self._where(seq), start, chunk.token_ids))
             if seq.params.decoder_input_details:
                 keep.extend(range(offset, offset + length))
             elif chunk.completes_prompt:
                 keep.append(offset + length - 1)
             offset += length
-        return self.fast.forward([s.output_ids[-1] for s in decode], [s.kv_len for s in decode], prefills, keep)
+        ids, positions = [s.output_ids[-1] for s in decode], [s.kv_len for s in decode]
+        return self.fast.forward(ids, positions, prefills, keep, decode_tables=self._decode_tables(decode))
+
+    def _where(self, seq: Sequence) -> Any:
+        """Where the sequence's KV is: its slot (a paged runner: its block table)."""
+        return slot_of(seq)
+
+    def _decode_tables(self, decode: list[Sequence]) -> list[list[int]] | None:
+        """The decode rows' block tables (None: slot rows 0..R-1)."""
+        return None
 
     def _finish(self, step: FusedStep, logits: torch.Tensor, out: StepOutput) -> None:
         """Sample (and record prompt logprobs) from the kept logits rows, in `_forward`'s order. Every

@@ -164,6 +164,7 @@ def _response_model(requested: str | None, served: str) -> str:
 
 def _vllm_extensions(call: TextGenCall, req: ChatRequest | CompletionRequest) -> TextGenCall:
     """vLLM's `ignore_eos` and `min_tokens` (benchmark clients use them to force exactly N tokens), its
+    scheduling fields (`priority`, `cache_salt`), its
     stop fields (`include_stop_str_in_output`: OpenAI leaves the stop string out; `stop_token_ids`), and
     the output constraint: `response_format` or vLLM's `guided_*` / `structured_outputs` (one at most)."""
     params = call.request.params
@@ -172,6 +173,8 @@ def _vllm_extensions(call: TextGenCall, req: ChatRequest | CompletionRequest) ->
     params.ignore_eos_token = req.ignore_eos
     params.min_new_tokens = min(req.min_tokens, params.max_new_tokens)
     params.grammar = output_constraint(req)
+    call.request.priority = req.priority
+    call.request.cache_salt = req.cache_salt
     return call
 
 

@@ -35,6 +35,10 @@ class OpenAISampling(BaseModel):
     bad_words: list[StrictStr] | None = None
     skip_special_tokens: StrictBool = True
     user: str | None = None  # OpenAI's end-user id: accepted, not used
+    # vLLM's: the waiting queue admits lower values first; prefix-cache blocks are shared only with requests
+    # of the same salt
+    priority: StrictInt = Field(0, ge=-(2**31), le=2**31 - 1)
+    cache_salt: StrictStr | None = Field(None, min_length=1, max_length=1024)
 
     @model_validator(mode="before")
     @classmethod

@@ -1,0 +1,332 @@
+"""The block scheduler: continuous batching over a block KV cache, one token budget a step, preemption.
+
+A pure state machine (no torch, no asyncio), with the interface of `lmiserve.engine.scheduler.Scheduler`
+(``add``, ``abort``, ``schedule(now)``, ``update(plan, output)``, ``expire``, ``next_wakeup``), over a
+`lmiserve.engine.kv_blocks.BlockPool` that it owns.
+
+Every sequence carries its tokens (prompt + generated) and how many of them have their KV computed
+(``seq.kv_len``). A step computes, for each scheduled sequence, the next of its uncomputed tokens: one
+for a decoding sequence (its last sampled token), a chunk of its prompt for a prefilling one; when a
+sequence's computed tokens reach its end, the step samples its next token. Chunks of several prompts
+share a step, so a long prompt no longer holds up a short one behind it: a step first gives every
+decoding sequence its token, then fills its prompt budget (``max_prefill_tokens``; while sequences decode,
+``max(prefill_floor, decoding rows, max_running - decoding rows)`` as the slot scheduler bounds it)
+with chunks of the running prompts, then with newly admitted ones. While other prompts wait, a running
+prompt's chunk takes at most half the budget, so a short prompt behind a long one starts at the next step.
+
+Memory: a sequence's `BlockTable` grows by the blocks its scheduled tokens need, taken from the pool
+all at once or not at all. Waiting sequences are admitted (in ``priority`` order, lower first, then
+arrival) while the pool has the blocks for their first chunk; a request whose prompt plus
+``max_new_tokens`` needs more blocks than the whole pool never fits and is refused at submission
+(`never_fits`). When a running sequence needs a block and none is free, the scheduler preempts: the
+running sequence of the highest ``priority`` value (then the latest arrival) gives its blocks back and
+waits again at the head of its priority, its generated tokens kept; readmitted, it recomputes their KV
+(vLLM v1's recompute) and goes on from where it was, so its stream neither skips nor changes a token.
+
+The prefix cache is the pool itself: full blocks are registered under a hash chain of their tokens
+once computed, and a newly admitted sequence starts from the cached blocks its tokens begin with
+(`BlockPool.match_prefix`), shared, never copied. The ``n``/``best_of`` siblings of a request wait until
+the first has computed its prompt, then start from its blocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from lmiserve.core.events import FinishReason, StepEvent
+from lmiserve.engine.kv_blocks import BlockPool, BlockTable
+from lmiserve.engine.scheduler import PrefillChunk, StepOutput, StepPlan
+from lmiserve.engine.sequence import SeqStatus, Sequence
+
+
+@dataclass(frozen=True)
+class TokenChunk(PrefillChunk):
+    """Tokens ``start .. start+length-1`` of a sequence (its prompt, or after a preemption also its
+    generated tokens) to compute; the step samples when the chunk reaches the sequence's end."""
+
+    @property
+    def completes_prompt(self) -> bool:
+        return self.start + self.length == len(self.seq.prompt_ids) + len(self.seq.output_ids)
+
+
+def _precedence(seq: Sequence) -> tuple[int, float, int]:
+    """Lower runs first and is preempted last: priority, then arrival, then submission order."""
+    return (seq.priority, seq.arrival, seq.seq_id)
+
+
+class BlockScheduler:
+    def __init__(
+        self,
+        pool: BlockPool,
+        max_running: int = 32,
+        max_prefill_tokens: int = 2048,
+        *,
+        chunked_prefill: bool = True,
+        static_batching: bool = False,
+        batch_size: int = 1,
+        max_batch_delay: float = 0.1,
+        queue_timeout: float | None = None,
+        prefill_floor: int | None = None,
+    ) -> None:
+        self.pool = pool
+        self.max_running = max_running
+        self.max_prefill_tokens = max_prefill_tokens
+        self.chunked_prefill = chunked_prefill
+        self.static_batching = static_batching
+        self.batch_size = batch_size
+        self.max_batch_delay = max_batch_delay
+        self.queue_timeout = queue_timeout
+        self.prefill_floor = prefill_floor
+        self.prefix = None  # the slot scheduler's separate prefix cache: here the pool is the cache
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._released: list[Sequence] = []
+        self._queried = self._hits = 0
+        self._budget = 0  # prompt tokens the step being planned may still take
+
+    # ---- intake ----------------------------------------------------------------------------------
+    def never_fits(self, num_tokens: int) -> bool:
+        """Whether a sequence of `num_tokens` tokens (prompt + max new tokens) needs more than the pool."""
+        return self.pool.never_fits(num_tokens)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue `seq` behind every waiting sequence of a lower or equal priority."""
+        seq.status = SeqStatus.WAITING
+        seq.block_table = BlockTable()
+        at = len(self.waiting)
+        while at > 0 and self.waiting[at - 1].priority > seq.priority:
+            at -= 1
+        self.waiting.insert(at, seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Ask for `seq` to leave; it does at the next `schedule` (within one step)."""
+        seq.abort_requested = True
+
+    @property
+    def num_decoding(self) -> int:
+        return sum(1 for s in self.running if s.status is SeqStatus.RUNNING)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._released)
+
+    def next_wakeup(self, now: float) -> float | None:
+        """Seconds until schedule() may have something new to do while idle (batch delay, timeouts)."""
+        deadlines = []
+        first = min((s.arrival for s in self.waiting), default=None)
+        if first is not None and self.queue_timeout is not None:
+            deadlines.append(first + self.queue_timeout)
+        if self.static_batching and first is not None and not self.running:
+            deadlines.append(first + self.max_batch_delay)
+        return max(0.0, min(deadlines) - now) if deadlines else None
+
+    def expire(self, now: float) -> list[Sequence]:
+        """Remove and return waiting sequences that waited longer than queue_timeout (never one that
+        was preempted: it has already streamed tokens)."""
+        if self.queue_timeout is None:
+            return []
+        timeout = self.queue_timeout
+        expired = [s for s in self.waiting if not s.output_ids and now - s.arrival > timeout]
+        for seq in expired:
+            self.waiting.remove(seq)
+            seq.status = SeqStatus.FINISHED
+        return expired
+
+    # ---- planning --------------------------------------------------------------------------------
+    def schedule(self, now: float) -> tuple[StepPlan, list[tuple[Sequence, StepEvent]]]:
+        """Plan the next step. Also returns events for sequences ended without a step (abort)."""
+        events: list[tuple[Sequence, StepEvent]] = []
+        for seq in [s for s in self.running if s.abort_requested]:
+            events.append((seq, seq.end(FinishReason.ABORT)))
+            self._remove(seq)
+        for seq in [s for s in self.waiting if s.abort_requested]:
+            self.waiting.remove(seq)
+            self._free(seq)
+            events.append((seq, seq.end(FinishReason.ABORT)))
+        plan = StepPlan(released=self._released)
+        self._released = []
+        self._schedule_running(plan)
+        self._admit(plan, now)
+        plan.prefix_queried, plan.prefix_hits = self._queried, self._hits
+        self._queried = self._hits = 0
+        return plan, events
+
+    def _prefill_budget(self, decoding: int) -> int:
+        budget = self.max_prefill_tokens
+        if decoding and self.prefill_floor is not None:
+            budget = min(budget, max(self.prefill_floor, decoding, self.max_running - decoding))
+        return budget
+
+    def _schedule_running(self, plan: StepPlan) -> None:
+        """Every decoding sequence its next token, then chunks of the running prompts; a sequence that
+        needs a block when none is free preempts the running sequence of least precedence."""
+        queue = sorted(self.running, key=_precedence)
+        decoding = sum(1 for s in queue if s.status is SeqStatus.RUNNING)
+        prefilling = len(queue) - decoding
+        budget = self._prefill_budget(decoding)
+        scheduled: set[int] = set()
+        for phase in (SeqStatus.RUNNING, SeqStatus.PREFILL):
+            for seq in list(queue):
+                if seq.status is not phase or seq not in self.running:
+                    continue
+                if phase is SeqStatus.RUNNING:
+                    want = 1
+                else:
+                    remaining = self._uncomputed(seq)
+                    if budget <= 0 and (plan.prefill or plan.decode):
+                        break
+                    # while other prompts wait, one prompt's chunk takes at most half the budget
+                    share = budget // 2 if self.waiting or prefilling > 1 else budget
+                    want = min(remaining, max(share, 1)) if self.chunked_prefill else remaining
+                while not self.pool.allocate(self._table(seq), want):
+                    victim = next((s for s in reversed(queue) if s.seq_id not in scheduled), None)
+                    if victim is None:
+                        break
+                    queue.remove(victim)
+                    self._preempt(victim)
+                    if victim is seq:
+                        break
+                if seq not in self.running:
+                    continue
+                if self._table(seq).num_tokens < seq.kv_len + want:
+                    continue  # nothing left to preempt: it waits for a later step
+                scheduled.add(seq.seq_id)
+                if phase is SeqStatus.RUNNING:
+                    plan.decode.append(seq)
+                else:
+                    plan.prefill.append(TokenChunk(seq, seq.kv_len, want))
+                    budget -= want
+        self._budget = budget
+
+    def _admit(self, plan: StepPlan, now: float) -> None:
+        """Admit waiting sequences (priority order) while a slot, the budget and the blocks for their
+        first chunk are there."""
+        if self.static_batching:
+            if self.running or not self.waiting:
+                return
+            full = len(self.waiting) >= self.batch_size
+            if not full and now - min(s.arrival for s in self.waiting) < self.max_batch_delay:
+                return
+            limit = min(self.batch_size, self.max_running)
+        else:
+            limit = self.max_running
+        budget = self._budget
+        for seq in list(self.waiting):
+            if len(self.running) >= limit:
+                break
+            if budget <= 0 and (plan.prefill or plan.decode):
+                break
+            if self._waits_for_sibling(seq):
+                continue
+            tokens = seq.prompt_ids + seq.output_ids
+            table = self._table(seq)
+            salt = seq.cache_salt
+            if seq.params.decoder_input_details and not seq.output_ids:
+                match_blocks: tuple[int, ...] = ()  # prompt logprobs need the logits of every position
+                cached = 0
+            else:
+                match = self.pool.match_prefix(tokens, salt, max_tokens=len(tokens) - 1)
+                match_blocks, cached = match.blocks, match.num_cached_tokens
+                self._queried += len(tokens)
+                self._hits += cached
+            remaining = len(tokens) - cached
+            want = min(remaining, budget) if self.chunked_prefill else remaining
+            if not self.pool.allocate(table, want, match_blocks):
+                break  # the pool is full: admissions wait (running sequences are never preempted for them)
+            self.waiting.remove(seq)
+            seq.status = SeqStatus.PREFILL
+            if seq.scheduled_at is None:
+                seq.scheduled_at = now
+            seq.kv_len = cached
+            if not seq.output_ids:
+                seq.cached_tokens = cached
+            self.running.append(seq)
+            plan.prefill.append(TokenChunk(seq, cached, want))
+            budget -= want
+
+    def _waits_for_sibling(self, seq: Sequence) -> bool:
+        """`n`/`best_of` siblings start from the first one's computed prompt (shared blocks)."""
+        if seq.index == 0 or not self.pool.enable_prefix_caching or seq.output_ids:
+            return False
+        first = next((s for s in self.running if s.request_id == seq.request_id and s.index == 0), None)
+        return first is not None and first.kv_len < first.prompt_len
+
+    @staticmethod
+    def _uncomputed(seq: Sequence) -> int:
+        return len(seq.prompt_ids) + len(seq.output_ids) - seq.kv_len
+
+    @staticmethod
+    def _table(seq: Sequence) -> BlockTable:
+        table = seq.block_table
+        if table is None:
+            table = seq.block_table = BlockTable()
+        return table
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Give `seq`'s blocks back; it waits again at the head of its priority, its tokens kept."""
+        self.running.remove(seq)
+        self._free(seq)
+        seq.kv_len = 0
+        seq.status = SeqStatus.WAITING
+        seq.preemptions += 1
+        self.num_preemptions += 1
+        at = 0
+        while at < len(self.waiting) and self.waiting[at].priority < seq.priority:
+            at += 1
+        self.waiting.insert(at, seq)
+
+    def _free(self, seq: Sequence) -> None:
+        if seq.block_table is not None:
+            self.pool.free(seq.block_table)
+
+    # ---- results ---------------------------------------------------------------------------------
+    def update(self, plan: StepPlan, output: StepOutput) -> list[tuple[Sequence, StepEvent]]:
+        events: list[tuple[Sequence, StepEvent]] = []
+        sampling: list[Sequence] = []
+        for chunk in plan.prefill:
+            seq = chunk.seq
+            if seq.seq_id in output.errors or seq not in self.running:
+                continue
+            seq.kv_len = chunk.start + chunk.length
+            scores = output.prompt_logprobs.get(seq.seq_id)
+            if scores is not None and scores[0] == len(seq.prefill_tokens):  # not again after a preemption
+                seq.add_prompt_logprobs(*scores)
+            self._cache(seq)
+            if chunk.completes_prompt:
+                seq.status = SeqStatus.RUNNING
+                sampling.append(seq)
+        for seq in plan.decode:
+            if seq.seq_id in output.errors or seq not in self.running:
+                continue
+            seq.kv_len += 1
+            self._cache(seq)
+            sampling.append(seq)
+        for seq in sampling:
+            sample = output.samples.get(seq.seq_id)
+            if seq.finished or sample is None:
+                continue
+            event = seq.on_token(sample.token_id, sample.logprob, sample.top)
+            events.append((seq, event))
+            if seq.finished:
+                self._remove(seq)
+        for seq_id, message in output.errors.items():
+            failed = next((s for s in self.running if s.seq_id == seq_id), None)
+            if failed is not None:
+                events.append((failed, failed.end(FinishReason.ERROR, message)))
+                self._remove(failed)
+        return events
+
+    def _cache(self, seq: Sequence) -> None:
+        """Register the sequence's newly computed full blocks for sharing."""
+        if self.pool.enable_prefix_caching and seq.block_table is not None:
+            tokens = (seq.prompt_ids + seq.output_ids)[: seq.kv_len]
+            self.pool.cache_full_blocks(seq.block_table, tokens, seq.cache_salt)
+
+    def _remove(self, seq: Sequence) -> None:
+        """Take `seq` out of the batch and give its blocks back (cached full blocks stay findable)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        self._free(seq)
+        seq.status = SeqStatus.FINISHED
+        self._released.append(seq)

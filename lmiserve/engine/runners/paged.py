@@ -1,0 +1,74 @@
+"""The fast strategy over a block KV cache (Engine v2): lmiserve's own Llama-family forward
+(engine/fast_llama.py) reading and writing each sequence's KV through its block table
+(engine/paged_attention.py), planned by the block scheduler (engine/block_scheduler.py).
+
+The pool of blocks is sized at start-up from a memory budget (`kv_cache_memory_bytes`); the scheduler's
+`BlockPool` and this runner's `PagedKVCache` have the same number of blocks, the one bookkeeping the
+other's memory. Nothing is ever copied between sequences: shared prefix blocks are read in place.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from lmiserve.engine.kv_cache import AttentionShape
+from lmiserve.engine.paged_attention import PagedKVCache
+from lmiserve.engine.runners.fast import FastRunner
+from lmiserve.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+log = logging.getLogger(__name__)
+
+
+class PagedFastRunner(FastRunner):
+    path = "fast"
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        max_slots: int,
+        max_context: int,
+        eos_token_ids: Iterable[int],
+        num_blocks: int,
+        block_size: int,
+        autotune: bool = False,
+        autotune_cache: str | None = None,
+    ) -> None:
+        shape = AttentionShape.of(model.config)
+        kv = PagedKVCache(
+            shape.layers, num_blocks, block_size, shape.kv_heads, shape.head_dim, model.dtype, model.device
+        )
+        super().__init__(
+            model,
+            max_slots=max_slots,
+            max_context=max_context,
+            eos_token_ids=eos_token_ids,
+            autotune=autotune,
+            autotune_cache=autotune_cache,
+            kv=kv,
+        )
+        self.kv = kv
+        self.num_blocks, self.block_size, self.kv_bytes = num_blocks, block_size, kv.nbytes
+
+    def _where(self, seq: Sequence) -> Any:
+        return _blocks(seq)
+
+    def _decode_tables(self, decode: list[Sequence]) -> list[list[int]] | None:
+        return [_blocks(seq) for seq in decode]
+
+
+def _blocks(seq: Sequence) -> list[int]:
+    if seq.block_table is None:
+        raise RuntimeError(f"sequence {seq.seq_id} holds no block table")
+    return seq.block_table.blocks
+
+
+def kv_bytes_per_block(model: PreTrainedModel, block_size: int) -> int:
+    """The memory of one block of `model`'s KV (every layer, K and V, in the model's dtype)."""
+    shape = AttentionShape.of(model.config)
+    return PagedKVCache.bytes_per_block(shape.layers, block_size, shape.kv_heads, shape.head_dim, model.dtype)

@@ -1,0 +1,298 @@
+"""The block scheduler as a pure state machine (no torch), driven with a fake runner over a simulated
+block pool: each block is a list of token ids. Before every step the runner checks that every scheduled
+sequence finds its own tokens ``all_ids[:kv_len]`` through its block table, so sharing, eviction and
+preemption are checked against the KV contents, not only the bookkeeping."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from fakes import make_seq
+
+from lmiserve.core.events import FinishReason
+from lmiserve.engine.block_scheduler import BlockScheduler
+from lmiserve.engine.kv_blocks import BlockPool
+from lmiserve.engine.scheduler import SampleResult, StepOutput, StepPlan
+from lmiserve.engine.sequence import SeqStatus, Sequence
+
+
+def token_rule(seq: Sequence) -> int:
+    """The next token depends only on the sequence and its length: batching cannot change it."""
+    return 100 + (seq.seq_id * 7 + len(seq.output_ids) * 3) % 50
+
+
+class BlockRunner:
+    def __init__(self, sched: BlockScheduler) -> None:
+        self.sched = sched
+        pool = sched.pool
+        self.store: list[list[int | None]] = [[None] * pool.block_size for _ in range(pool.num_blocks)]
+        self.steps: list[StepPlan] = []
+        self.errors: dict[int, str] = {}
+
+    def _check(self, seq: Sequence, upto: int) -> None:
+        bs, table = self.sched.pool.block_size, seq.block_table
+        assert table is not None
+        tokens = seq.all_ids
+        for pos in range(upto):
+            got = self.store[table.blocks[pos // bs]][pos % bs]
+            assert got == tokens[pos], f"seq {seq.seq_id} position {pos}: {got} != {tokens[pos]}"
+
+    def _write(self, seq: Sequence, pos: int) -> None:
+        bs, table = self.sched.pool.block_size, seq.block_table
+        assert table is not None and pos < table.num_tokens
+        self.store[table.blocks[pos // bs]][pos % bs] = seq.all_ids[pos]
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        self.steps.append(plan)
+        out = StepOutput()
+        seen = set()
+        for seq in plan.decode:
+            assert seq.status is SeqStatus.RUNNING and seq.kv_len == len(seq.all_ids) - 1
+            self._check(seq, seq.kv_len)
+            self._write(seq, seq.kv_len)
+            seen.add(seq.seq_id)
+            self._sample(seq, out)
+        for chunk in plan.prefill:
+            seq = chunk.seq
+            assert seq.seq_id not in seen, "a sequence twice in one step"
+            seen.add(seq.seq_id)
+            assert chunk.start == seq.kv_len and chunk.length > 0
+            assert chunk.start + chunk.length <= len(seq.all_ids)
+            self._check(seq, chunk.start)
+            for pos in range(chunk.start, chunk.start + chunk.length):
+                self._write(seq, pos)
+            if chunk.completes_prompt:
+                self._sample(seq, out)
+        return out
+
+    def _sample(self, seq: Sequence, out: StepOutput) -> None:
+        if seq.seq_id in self.errors:
+            out.errors[seq.seq_id] = self.errors.pop(seq.seq_id)
+        else:
+            out.samples[seq.seq_id] = SampleResult(token_rule(seq), -0.25)
+
+
+def step(sched: BlockScheduler, runner: BlockRunner, now: float = 0.0):
+    plan, events = sched.schedule(now)
+    if plan.has_model_work:
+        events = events + sched.update(plan, runner.execute(plan))
+    tables = [s.block_table for s in sched.running if s.block_table is not None]
+    sched.pool.check(tables)
+    assert len(sched.running) <= sched.max_running
+    return plan, events
+
+
+def drive(sched: BlockScheduler, runner: BlockRunner, limit: int = 10_000):
+    events = []
+    for _ in range(limit):
+        if not sched.has_work():
+            return events
+        events += step(sched, runner)[1]
+    raise AssertionError("the scheduler did not finish")
+
+
+def expected_tokens(seq: Sequence, count: int) -> list[int]:
+    """What `token_rule` yields for `seq` over `count` tokens, whatever the batch."""
+    probe = make_seq(list(seq.prompt_ids), max_new_tokens=count, ignore_eos_token=True, seq_id=seq.seq_id)
+    out = []
+    for _ in range(count):
+        out.append(token_rule(probe))
+        probe.output_ids.append(out[-1])
+    return out
+
+
+def prompt(n: int, base: int = 10) -> list[int]:
+    return [base + i % 80 for i in range(n)]
+
+
+def test_sequences_finish_and_every_block_comes_back():
+    sched = BlockScheduler(BlockPool(64, 4), max_running=3, max_prefill_tokens=8)
+    runner = BlockRunner(sched)
+    seqs = [make_seq(prompt(n), max_new_tokens=m, ignore_eos_token=True) for n, m in ((5, 3), (9, 6), (2, 1), (13, 4))]
+    for seq in seqs:
+        sched.add(seq)
+    drive(sched, runner)
+    for seq in seqs:
+        assert seq.finished and seq.output_ids == expected_tokens(seq, seq.params.max_new_tokens)
+    assert sched.pool.num_used_blocks == 0 and not sched.running and not sched.waiting
+
+
+def test_a_long_prompt_shares_steps_with_a_short_one_arriving_after_it():
+    """The slot scheduler prefilled prompts strictly one after another; here a short prompt behind a
+    long one gets its first token in the next step, its chunk beside the long prompt's."""
+    sched = BlockScheduler(BlockPool(256, 16), max_running=8, max_prefill_tokens=64)
+    runner = BlockRunner(sched)
+    long, short = make_seq(prompt(600), max_new_tokens=2), make_seq(prompt(6, 20), max_new_tokens=2)
+    sched.add(long)
+    step(sched, runner)
+    sched.add(short)
+    _, events = step(sched, runner)
+    assert any(seq is short and ev.token is not None for seq, ev in events)
+    assert long.kv_len < long.prompt_len  # still prefilling
+    drive(sched, runner)
+    assert long.finished and short.finished
+
+
+def test_decoding_rows_come_first_and_prompt_chunks_fill_the_rest_of_the_budget():
+    sched = BlockScheduler(BlockPool(256, 16), max_running=8, max_prefill_tokens=20, prefill_floor=None)
+    runner = BlockRunner(sched)
+    first = make_seq(prompt(4), max_new_tokens=50, ignore_eos_token=True)
+    sched.add(first)
+    step(sched, runner)
+    waiting = [make_seq(prompt(15, 30 + i), max_new_tokens=2) for i in range(3)]
+    for seq in waiting:
+        sched.add(seq)
+    plan, _ = step(sched, runner)
+    assert plan.decode == [first]
+    assert [(c.seq, c.start, c.length) for c in plan.prefill] == [(waiting[0], 0, 15), (waiting[1], 0, 5)]
+    plan, _ = step(sched, runner)
+    assert [(c.seq, c.start, c.length) for c in plan.prefill] == [(waiting[1], 5, 10), (waiting[2], 0, 10)]
+
+
+def test_preemption_when_the_pool_runs_out_keeps_every_stream_unchanged():
+    """Four sequences whose KV together is twice the pool: all finish, each with the tokens it makes
+    alone; the latest arrivals are preempted and recompute their tokens."""
+    sched = BlockScheduler(BlockPool(8, 4), max_running=4, max_prefill_tokens=64)
+    runner = BlockRunner(sched)
+    seqs = [make_seq(prompt(6, 10 + i), max_new_tokens=10, ignore_eos_token=True, arrival=i) for i in range(4)]
+    for seq in seqs:
+        sched.add(seq)
+    events = drive(sched, runner)
+    assert sched.num_preemptions > 0
+    assert seqs[0].preemptions == 0  # the earliest arrival is never the victim
+    for seq in seqs:
+        streamed = [ev.token.id for s, ev in events if s is seq and ev.token is not None]
+        assert streamed == seq.output_ids == expected_tokens(seq, 10)
+    assert sched.pool.num_used_blocks == 0
+
+
+def test_preemption_victim_is_the_highest_priority_value_then_the_latest_arrival():
+    sched = BlockScheduler(BlockPool(6, 4), max_running=3, max_prefill_tokens=64)
+    runner = BlockRunner(sched)
+    urgent = make_seq(prompt(7), max_new_tokens=9, ignore_eos_token=True, arrival=3.0)
+    urgent.priority = -1
+    normal = make_seq(prompt(7, 40), max_new_tokens=9, ignore_eos_token=True, arrival=1.0)
+    late = make_seq(prompt(7, 60), max_new_tokens=9, ignore_eos_token=True, arrival=2.0)
+    for seq in (normal, late, urgent):
+        sched.add(seq)
+    drive(sched, runner)
+    assert urgent.preemptions == 0 and late.preemptions >= 1
+    assert late.preemptions >= normal.preemptions
+    for seq in (urgent, normal, late):
+        assert seq.output_ids == expected_tokens(seq, 9)
+
+
+def test_a_request_larger_than_the_pool_never_fits():
+    sched = BlockScheduler(BlockPool(4, 16))
+    assert sched.never_fits(65) and not sched.never_fits(64)
+
+
+def test_a_prompt_starts_from_the_cached_blocks_of_an_earlier_one_without_copying():
+    sched = BlockScheduler(BlockPool(32, 4), max_running=4)
+    runner = BlockRunner(sched)
+    shared = prompt(14)
+    first = make_seq([*shared, 90], max_new_tokens=2)
+    sched.add(first)
+    drive(sched, runner)
+    second = make_seq([*shared, 91, 92], max_new_tokens=2)
+    sched.add(second)
+    plan, _ = step(sched, runner)
+    assert second.cached_tokens == 12  # three full blocks of four
+    assert [(c.start, c.length) for c in plan.prefill] == [(12, 4)]
+    assert plan.prefix_queried == 16 and plan.prefix_hits == 12
+    drive(sched, runner)
+    assert second.output_ids == expected_tokens(second, 2)
+
+
+def test_requests_with_another_cache_salt_share_nothing():
+    sched = BlockScheduler(BlockPool(32, 4), max_running=4)
+    runner = BlockRunner(sched)
+    first = make_seq(prompt(13), max_new_tokens=1)
+    first.cache_salt = "tenant-a"
+    sched.add(first)
+    drive(sched, runner)
+    other = make_seq(prompt(13), max_new_tokens=1)
+    other.cache_salt = "tenant-b"
+    same = make_seq(prompt(13), max_new_tokens=1)
+    same.cache_salt = "tenant-a"
+    sched.add(other)
+    sched.add(same)
+    drive(sched, runner)
+    assert other.cached_tokens == 0 and same.cached_tokens == 12
+
+
+def test_siblings_start_from_the_first_ones_prompt():
+    sched = BlockScheduler(BlockPool(64, 4), max_running=4, max_prefill_tokens=64)
+    runner = BlockRunner(sched)
+    siblings = [make_seq(prompt(18), max_new_tokens=3, request_id="r", index=i) for i in range(3)]
+    for seq in siblings:
+        sched.add(seq)
+    plan, _ = step(sched, runner)
+    assert [c.seq for c in plan.prefill] == [siblings[0]]
+    plan, _ = step(sched, runner)
+    assert [(c.seq, c.start, c.length) for c in plan.prefill] == [(siblings[1], 16, 2), (siblings[2], 16, 2)]
+    drive(sched, runner)
+    assert all(s.finished for s in siblings)
+
+
+def test_abort_and_errors_give_the_blocks_back():
+    sched = BlockScheduler(BlockPool(32, 4), max_running=4)
+    runner = BlockRunner(sched)
+    a, b, c = (make_seq(prompt(9, 10 * i), max_new_tokens=20, ignore_eos_token=True) for i in range(1, 4))
+    for seq in (a, b, c):
+        sched.add(seq)
+    step(sched, runner)
+    sched.abort(a)
+    runner.errors[b.seq_id] = "boom"
+    _, events = step(sched, runner)
+    reasons = {s.seq_id: ev.finish.reason for s, ev in events if ev.finish is not None}
+    assert reasons == {a.seq_id: FinishReason.ABORT, b.seq_id: FinishReason.ERROR}
+    assert sched.running == [c]
+    assert sched.pool.num_used_blocks == len(c.block_table.blocks)
+
+
+def test_waiting_queue_follows_priority_then_arrival():
+    sched = BlockScheduler(BlockPool(64, 4), max_running=1)
+    runner = BlockRunner(sched)
+    seqs = [make_seq(prompt(3), max_new_tokens=1, arrival=float(i)) for i in range(4)]
+    for seq, priority in zip(seqs, (2, 0, -1, 0), strict=True):
+        seq.priority = priority
+        sched.add(seq)
+    order = []
+    while sched.has_work():
+        plan, _ = step(sched, runner)
+        order += [c.seq for c in plan.prefill]
+    assert order == [seqs[2], seqs[1], seqs[3], seqs[0]]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_traffic_with_a_small_pool_keeps_contents_and_streams_right(seed: int):
+    rng = random.Random(seed)
+    pool = BlockPool(rng.choice([12, 20, 40]), rng.choice([2, 4, 8]), enable_prefix_caching=rng.random() < 0.7)
+    sched = BlockScheduler(pool, max_running=rng.choice([2, 4, 6]), max_prefill_tokens=rng.choice([4, 9, 32]))
+    runner = BlockRunner(sched)
+    heads = [prompt(rng.randint(1, 12), rng.randint(10, 30)) for _ in range(3)]
+    seqs: list[Sequence] = []
+    events = []
+    for tick in range(400):
+        if len(seqs) < 30 and rng.random() < 0.3:
+            ids = rng.choice(heads) + prompt(rng.randint(1, 6), rng.randint(40, 60))
+            new = rng.randint(1, 8)
+            if not sched.never_fits(len(ids) + new):
+                seq = make_seq(ids, max_new_tokens=new, ignore_eos_token=True, arrival=float(tick))
+                seq.priority = rng.choice([0, 0, 1, -1])
+                seqs.append(seq)
+                sched.add(seq)
+        if sched.running and rng.random() < 0.03:
+            sched.abort(rng.choice(sched.running))
+        if sched.has_work():
+            events += step(sched, runner, float(tick))[1]
+    events += drive(sched, runner)
+    for seq in seqs:
+        assert seq.finished
+        if seq.finish_reason is FinishReason.LENGTH:
+            assert seq.output_ids == expected_tokens(seq, seq.params.max_new_tokens)
+        streamed = [ev.token.id for s, ev in events if s is seq and ev.token is not None]
+        assert streamed == seq.output_ids
+    assert pool.num_used_blocks == 0
