@@ -44,6 +44,9 @@ ENGINE_TESTS = (
     "tests/unit/test_engine_stats.py",
     "tests/unit/test_grammar_engine.py",
     "tests/unit/test_prefix_cache.py",
+    "tests/unit/test_paged_attention.py",
+    "tests/unit/test_block_scheduler.py",
+    "tests/unit/test_openai_scoring.py",
     "tests/unit/test_openai_golden.py",
     "tests/unit/test_tgi_golden.py",
 )
