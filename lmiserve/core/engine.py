@@ -33,7 +33,8 @@ class ModelEngine(Protocol):
 class TextGenerator(ModelEngine, Protocol):
     def generate(self, request: GenerationRequest) -> AsyncGenerator[StepEvent, None]:
         """The events of one request: one per token of each sequence, the last one of a sequence with
-        `finish` set. With n / best_of > 1 the sequences come whole, best first. Invalid or
+        `finish` set. With n / best_of > 1 the sequences come whole, best first (a request that is
+        not `ranked`: as they are generated, interleaved, with n == best_of). Invalid or
         unadmittable requests raise (InvalidRequest, Overloaded, QueueTimeout, ModelNotReady) from
         the iteration; closing the iterator aborts the request's sequences."""
         ...

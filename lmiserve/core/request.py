@@ -64,3 +64,6 @@ class GenerationRequest:
     # vLLM's: the KV blocks of its prompt are shared (prefix cache) only with requests of the same salt
     cache_salt: str | None = None
     prompt_ids: list[int] | None = None  # the prompt as token ids, used as given (`prompt`: their text)
+    # n > 1: False streams each sequence's events as they are generated, interleaved, indexed by sampling order
+    # (OpenAI's `n`; only when n == best_of); True (TGI's and LMI's best_of) ranks them, whole, best first
+    ranked: bool = True

@@ -289,10 +289,11 @@ class AsyncEngine:
         return handle
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[StepEvent, None]:
-        """Events of one request. With n/best_of > 1 the sequences come whole, best first."""
+        """Events of one request. With n/best_of > 1 the sequences come whole, best first, unless the
+        request is not `ranked` (then as they are generated, interleaved)."""
         handle = self.submit(request, await self._compile(request.params.grammar))
         try:
-            if len(handle.seqs) == 1:
+            if len(handle.seqs) == 1 or (not request.ranked and request.params.n == len(handle.seqs)):
                 async for event in self._drain(handle):
                     yield event
             else:

@@ -44,6 +44,7 @@ import httpx
 
 from helpers.tiny_model import TINY_MAX_POSITIONS, build_tiny_tokenizer
 from lmiserve.config import Settings
+from lmiserve.core.aio import merge_tagged
 from lmiserve.core.errors import Overloaded
 from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.core.request import GenerationRequest
@@ -302,7 +303,8 @@ class FakeTextGenerator:
     async def _generate(
         self, request: GenerationRequest, script: Script, state: _State
     ) -> AsyncGenerator[StepEvent, None]:
-        """The engine's `submit` then its events: one sequence streams, several come whole, best first."""
+        """The engine's `submit` then its events: one sequence streams, several come whole, best first (not
+        `ranked`: interleaved as they are generated)."""
         params = request.params
         compiled = await self._compile(request)
         prompt_ids = self.codec.encode(request)
@@ -349,6 +351,11 @@ class FakeTextGenerator:
         if len(seqs) == 1:
             async with contextlib.aclosing(runs[0]):
                 async for event in runs[0]:
+                    yield state.note(event)
+            return
+        if not request.ranked and params.n == len(seqs):  # as they are generated, interleaved (OpenAI's n)
+            async with contextlib.aclosing(merge_tagged(runs)) as merged:
+                async for _, event in merged:
                     yield state.note(event)
             return
         collected = []

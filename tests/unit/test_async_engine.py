@@ -411,6 +411,19 @@ async def test_n_sequences_come_best_first(tiny_model, params):
     assert len({tuple(ids_of(events, i)) for i in range(3)}) > 1  # different seeds, different samples
 
 
+async def test_unranked_n_sequences_stream_interleaved_as_they_are_generated(tiny_model):
+    """OpenAI's `n` (a request that is not `ranked`): every sequence's events as the steps make them."""
+    engine = make_engine(tiny_model)
+    params = SamplingParams(do_sample=True, seed=5, max_new_tokens=8, n=2, best_of=2, ignore_eos_token=True)
+    async with started(engine):
+        events = await collect(engine, GenerationRequest(PROMPTS[0], params, ranked=False))
+        ranked = await collect(engine, GenerationRequest(PROMPTS[0], params))
+    order = [e.index for e in events]
+    assert sorted(order) == [0] * 8 + [1] * 8
+    assert order.index(1) < len(order) - 1 - order[::-1].index(0)  # choice 1 starts before choice 0 ends
+    assert {tuple(ids_of(events, i)) for i in (0, 1)} == {tuple(ids_of(ranked, i)) for i in (0, 1)}  # same samples
+
+
 # --- runner features through the engine ------------------------------------------------------------
 
 

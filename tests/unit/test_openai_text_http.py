@@ -229,6 +229,20 @@ async def test_chat_n_choices(served):
     assert (served.fake.requests[0].params.n, served.fake.requests[0].params.best_of) == (2, 2)
 
 
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+async def test_n_choices_stream_interleaved_as_they_are_generated(served, route):
+    first = {"messages": MESSAGES} if route.endswith("chat/completions") else {"prompt": FOX}
+    payload = {**first, "max_tokens": 6, "n": 2, "seed": 3, "ignore_eos": True, "stream": True}
+    events = [e for e in chunks((await post(served, route, payload)).content) if e["choices"]]
+    order = [e["choices"][0]["index"] for e in events]
+    assert sorted(order) == [0] * 6 + [1] * 6
+    assert order.index(1) < len(order) - 1 - order[::-1].index(0)  # choice 1 starts before choice 0 ends
+    assert not served.fake.requests[0].ranked and served.fake.requests[0].params.n == 2
+    texts = [c.get("text") or c.get("delta", {}).get("content", "") for e in events for c in e["choices"]]
+    streamed = ["".join(t for t, i in zip(texts, order) if i == index) for index in (0, 1)]
+    assert streamed[0] != streamed[1]  # each choice its own stream (seed + index)
+
+
 @pytest.mark.parametrize(
     ("extra", "body"),
     [
@@ -310,6 +324,28 @@ async def test_chat_rejections(served, payload, status, body):
     else:
         assert r.json()["error"]["type"] == "invalid_request_error"
         assert r.json()["error"]["message"].startswith("Tool error: ")
+
+
+ROLE_ERROR = (
+    "Invalid value: 'wizard'. Supported values are: 'system', 'assistant', 'user', 'function', 'tool', and "
+    "'developer'."
+)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_role_openai_does_not_accept_is_400(served, stream):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "wizard", "content": "Abracadabra"}]
+    r = await post(served, "/v1/chat/completions", {"messages": messages, "stream": stream})
+    assert (r.status_code, r.headers["content-type"]) == (400, "application/json")
+    assert r.content == error(ROLE_ERROR, param="messages[1].role", code="invalid_value")
+    assert not served.fake.requests
+
+
+async def test_every_role_openai_accepts_is_accepted(served):
+    roles = ["developer", "system", "user", "assistant", "tool", "function", "user"]
+    messages = [{"role": role, "content": "x", "tool_call_id": "c", "name": "f"} for role in roles]
+    r = await post(served, "/v1/chat/completions", {"messages": messages, "max_tokens": 1})
+    assert r.status_code == 200, r.text
 
 
 async def test_chat_accepts_openai_defaults_and_null_options(served):

@@ -64,6 +64,15 @@ class SuffixUnsupported(Unsupported):
     """A completions request with a `suffix`."""
 
 
+class InvalidValue(InvalidRequest):
+    """A field holding a value outside its allowed set (OpenAI's ``invalid_value``); `param` names it as
+    OpenAI does (``messages[2].role``)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
 class Kind(NamedTuple):
     status: int
     type: str
@@ -84,6 +93,7 @@ KINDS: dict[type[LmiServeError], Kind] = {
     HeadersTooLarge: Kind(431, "invalid_request_error"),
     Unauthorized: Kind(401, "authentication_error", "invalid_api_key", "Invalid or missing API key."),
     ModelNotFound: Kind(404, "not_found_error", "model_not_found"),
+    InvalidValue: Kind(400, "invalid_request_error", "invalid_value"),
     Overloaded: Kind(429, "rate_limit_error", None, "The server is overloaded, please retry later."),
     ModelNotReady: Kind(503, "service_unavailable_error", None, "The model is not ready."),
     QueueTimeout: Kind(503, "service_unavailable_error"),
@@ -92,6 +102,8 @@ KINDS: dict[type[LmiServeError], Kind] = {
 
 def param(exc: LmiServeError) -> str | None:
     """The request field an error is about, when its message says it (else None)."""
+    if isinstance(exc, InvalidValue):
+        return exc.param
     if isinstance(exc, ModelNotFound):
         return "model"
     if isinstance(exc, SchemaViolation):

@@ -15,11 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lmiserve.core import constraints
-from lmiserve.core.errors import InvalidRequest
+from lmiserve.core.errors import InvalidRequest, excerpt
 from lmiserve.core.grammar import Grammar
 from lmiserve.protocols.openai import sampling as openai_sampling
 from lmiserve.protocols.openai import scoring
-from lmiserve.protocols.openai.errors import SuffixUnsupported, TooManyPrompts
+from lmiserve.protocols.openai.errors import InvalidValue, SuffixUnsupported, TooManyPrompts
 from lmiserve.protocols.openai.schema import ChatRequest, CompletionRequest
 from lmiserve.server.textgen.errors import ToolError
 from lmiserve.server.textgen.limits import TextGenLimits
@@ -30,6 +30,8 @@ from lmiserve.server.textgen.tools.spec import ToolSpec, tool_spec
 from lmiserve.server.textgen.validation import TextGenCall, build
 
 MAX_N = 16  # most sequences one request may ask the engine for
+# the message roles OpenAI (and vLLM) accept, in the order OpenAI's error message lists them
+ROLES = ("system", "assistant", "user", "function", "tool", "developer")
 
 
 @dataclass
@@ -66,6 +68,7 @@ def _with_n(call: TextGenCall, n: int, sampling: bool) -> TextGenCall:
     if not sampling:
         raise InvalidRequest("`n` > 1 requires sampling (a `temperature` other than 0)")
     call.request.params.n = call.request.params.best_of = n
+    call.request.ranked = False  # OpenAI's choices are not ranked: each streams as it is generated
     call.best_of = n
     return call
 
@@ -77,6 +80,7 @@ def chat(
     render: Render,
     served_model: str,
 ) -> OpenAICall:
+    check_roles(req)
     tools = tool_spec(req.tools, req.tool_choice, req.parallel_tool_calls, req.tool_prompt)
     prompt = render_conversation(req.messages, tools, render)
     scoring.check_limit("top_logprobs", req.top_logprobs, limits)
@@ -110,6 +114,16 @@ def chat(
         prompts=[prompt],
         prompt_logprobs=req.prompt_logprobs,
     )
+
+
+def check_roles(req: ChatRequest) -> None:
+    """`InvalidValue` (400, OpenAI's message) for the first message whose role OpenAI does not accept."""
+    for i, message in enumerate(req.messages):
+        if message.role not in ROLES:
+            allowed = ", ".join(f"'{r}'" for r in ROLES[:-1]) + f", and '{ROLES[-1]}'"
+            raise InvalidValue(
+                f"Invalid value: '{excerpt(message.role)}'. Supported values are: {allowed}.", f"messages[{i}].role"
+            )
 
 
 def completion(
