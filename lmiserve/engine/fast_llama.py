@@ -75,11 +75,13 @@ class _Chunk(NamedTuple):
 
 class _PagedDecode(NamedTuple):
     """The decode rows of a step over a paged cache: their block tables (``[rows, blocks]``, padded with
-    block 0 past each row's own) and spans (position + 1)."""
+    block 0 past each row's own), spans (position + 1) and, where the torch attention serves them, the
+    indexes every layer shares (built once a step)."""
 
     rows: int
     tables: torch.Tensor
     spans: npt.NDArray[np.int64]
+    shared: paged_attention.DecodeIndex | None
 
 
 class FastLlama:
@@ -197,7 +199,8 @@ class FastLlama:
             if rows:
                 if decode_tables is None or len(decode_tables) != rows:
                     raise ValueError("a paged cache needs a block table for every decode row")
-                dec = _paged_decode(decode_positions, decode_tables, self.cache.block_size, dev)
+                compiled = paged_attention.available(self.dtype, dev)
+                dec = _paged_decode(decode_positions, decode_tables, self.cache.block_size, dev, compiled)
         pre = []
         offset = rows
         for key, start, chunk in prefills:
@@ -311,7 +314,7 @@ class FastLlama:
             n = dec.rows
             query = q[:n].reshape(n, self.kv_heads, self.groups, self.head_dim)
             out = paged_attention.paged_decode_attention(
-                query, keys, values, k[:n], v[:n], dec.tables, dec.spans, self.scale
+                query, keys, values, k[:n], v[:n], dec.tables, dec.spans, self.scale, dec.shared
             )
             outputs.append(out.reshape(n, -1))
         for table, start, end, offset, mask in pre:
@@ -331,11 +334,15 @@ class FastLlama:
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
-def _paged_decode(positions: list[int], tables: list[list[int]], block_size: int, device: torch.device) -> _PagedDecode:
+def _paged_decode(
+    positions: list[int], tables: list[list[int]], block_size: int, device: torch.device, compiled: bool
+) -> _PagedDecode:
     spans = np.array(positions, dtype=np.int64) + 1
     width = max(-(-int(span) // block_size) for span in spans)
     padded = [table[:width] + [0] * (width - len(table[:width])) for table in tables]
-    return _PagedDecode(len(positions), torch.tensor(padded, dtype=torch.long, device=device), spans)
+    table = torch.tensor(padded, dtype=torch.long, device=device)
+    index = None if compiled else paged_attention.decode_index(table, spans, block_size, device)
+    return _PagedDecode(len(positions), table, spans, index)
 
 
 # Row-positions of cache a split decode attention must save before it is worth its extra ops

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -316,6 +317,31 @@ def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return gathered.transpose(-4, -3).reshape(*lead, kv_heads, blocks * block_size, dim)
 
 
+class DecodeIndex(NamedTuple):
+    """What every layer's torch decode attention of one step shares (`decode_index`, built once a step):
+    the rows' block tables cut to the longest span's blocks, where each row's new key and value go, and
+    the mask of the positions past each row's span."""
+
+    tables: torch.Tensor  # [R, width] block ids
+    write_blocks: torch.Tensor  # [R]
+    write_offsets: torch.Tensor  # [R]
+    hidden: torch.Tensor  # [R, 1, 1, width * block_size], True past the row's span
+
+
+def decode_index(
+    block_tables: torch.Tensor, spans: npt.ArrayLike, block_size: int, device: torch.device
+) -> DecodeIndex:
+    """The step's `DecodeIndex` (one host-to-device copy of the spans a step, not one a layer)."""
+    host = _host_spans(spans)
+    span_t = torch.from_numpy(host).to(device)
+    width = -(-int(host.max()) // block_size)
+    tables = block_tables.to(device=device, dtype=torch.long)[:, :width]
+    last = span_t - 1
+    rows = torch.arange(len(host), device=device)
+    hidden = torch.arange(width * block_size, device=device)[None, :] >= span_t[:, None]
+    return DecodeIndex(tables, tables[rows, last // block_size], last % block_size, hidden[:, None, None, :])
+
+
 def torch_decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -325,26 +351,20 @@ def torch_decode_attention(
     block_tables: torch.Tensor,
     spans: npt.ArrayLike,
     scale: float,
+    index: DecodeIndex | None = None,
 ) -> torch.Tensor:
     """`paged_decode_attention` with torch ops: matmuls in the cache dtype, softmax in fp32. Reads the
-    first ``ceil(max(spans) / block_size)`` columns of `block_tables` for every row (masked past its span)."""
-    device = key_cache.device
-    block_size = key_cache.shape[2]
-    host = _host_spans(spans)
-    rows = len(host)
-    if rows == 0:
+    first ``ceil(max(spans) / block_size)`` columns of `block_tables` for every row (masked past its span).
+    `index`: the step's `decode_index` (else built here)."""
+    if len(query) == 0:
         return torch.empty_like(query)
-    span_t = torch.from_numpy(host).to(device)
-    tables = block_tables.to(device=device, dtype=torch.long)
-    last = span_t - 1
-    row_ids = torch.arange(rows, device=device)
-    _write(key_cache, value_cache, new_keys, new_values, tables[row_ids, last // block_size], last % block_size)
-    width = -(-int(host.max()) // block_size)
-    keys = _gather(key_cache, tables[:, :width])  # [R, kv_heads, width * block_size, head_dim]
-    values = _gather(value_cache, tables[:, :width])
+    if index is None:
+        index = decode_index(block_tables, spans, key_cache.shape[2], key_cache.device)
+    _write(key_cache, value_cache, new_keys, new_values, index.write_blocks, index.write_offsets)
+    keys = _gather(key_cache, index.tables)  # [R, kv_heads, width * block_size, head_dim]
+    values = _gather(value_cache, index.tables)
     scores = torch.matmul(query.to(keys.dtype), keys.transpose(-1, -2)).float() * scale  # [R, kv, groups, L]
-    hidden = torch.arange(width * block_size, device=device)[None, :] >= span_t[:, None]
-    scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
+    scores.masked_fill_(index.hidden, float("-inf"))
     out = torch.matmul(scores.softmax(-1).to(values.dtype), values)
     return out.to(query.dtype)
 
@@ -358,14 +378,20 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     spans: npt.ArrayLike,
     scale: float,
+    index: DecodeIndex | None = None,
 ) -> torch.Tensor:
     """Rows ``0..R-1``: write ``new_keys``/``new_values`` (``[R, kv_heads, head_dim]``) at position
     ``p = spans[r] - 1`` of row r (block ``block_tables[r, p // block_size]``, offset ``p % block_size``)
     in the layer caches (``[num_blocks, kv_heads, block_size, head_dim]``), then attend ``query``
     (``[R, kv_heads, groups, head_dim]``) over positions ``0..spans[r]-1`` through the block table.
     Returns ``[R, kv_heads, groups, head_dim]``. The compiled kernel where `available`, torch otherwise."""
-    fn = compiled_decode_attention if available(key_cache.dtype, key_cache.device) else torch_decode_attention
-    return fn(query, key_cache, value_cache, new_keys, new_values, block_tables, spans, scale)
+    if available(key_cache.dtype, key_cache.device):
+        return compiled_decode_attention(
+            query, key_cache, value_cache, new_keys, new_values, block_tables, spans, scale
+        )
+    return torch_decode_attention(
+        query, key_cache, value_cache, new_keys, new_values, block_tables, spans, scale, index
+    )
 
 
 # ---- prefill --------------------------------------------------------------------------------------------

@@ -47,6 +47,14 @@ def _reference(query, key_cache, value_cache, tables, spans, scale):
     return torch.stack(outputs)
 
 
+def _torch_with_step_index(query, key_cache, value_cache, new_keys, new_values, tables, spans, scale):
+    """The torch path given the step's `decode_index` (built once a step, shared by every layer)."""
+    index = paged_attention.decode_index(tables, spans, key_cache.shape[2], key_cache.device)
+    return paged_attention.torch_decode_attention(
+        query, key_cache, value_cache, new_keys, new_values, tables, spans, scale, index
+    )
+
+
 IMPLEMENTATIONS = {
     "compiled": (paged_attention.compiled_decode_attention, torch.float32, 1e-5),
     # tasks of whole rows, and of a split of each row's kv heads (3 heads: 1 + 2)
@@ -54,6 +62,7 @@ IMPLEMENTATIONS = {
     "compiled-split": (functools.partial(paged_attention.compiled_decode_attention, parts=2), torch.float32, 1e-5),
     "torch-fp32": (paged_attention.torch_decode_attention, torch.float32, 1e-5),
     "torch-bf16": (paged_attention.torch_decode_attention, torch.bfloat16, 2e-2),
+    "torch-step-index": (_torch_with_step_index, torch.float32, 1e-5),
 }
 
 
