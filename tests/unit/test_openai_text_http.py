@@ -327,8 +327,7 @@ async def test_chat_rejections(served, payload, status, body):
 
 
 ROLE_ERROR = (
-    "Invalid value: 'wizard'. Supported values are: 'system', 'assistant', 'user', 'function', 'tool', and "
-    "'developer'."
+    "Invalid value: 'wizard'. Supported values are: 'system', 'assistant', 'user', 'function', 'tool', and 'developer'."
 )
 
 
@@ -1038,6 +1037,24 @@ async def test_the_api_key_error_is_openai_json():
     )
 
 
+async def test_the_model_list_is_an_openai_route_with_openai_401():
+    keyed = text_app(api_key="k")
+    async with keyed.client() as http:
+        r = await http.get("/v1/models")
+        assert (r.status_code, r.headers["content-type"], r.content) == (
+            401,
+            "application/json",
+            error("missing or wrong API key", "authentication_error", code="invalid_api_key"),
+        )
+        assert (await http.get("/v1/models", headers={"Authorization": "Bearer k"})).status_code == 200
+        for path in ("/health", "/", "/ping"):  # the probes stay open
+            assert (await http.get(path)).status_code == 200, path
+    with pytest.raises(openai.AuthenticationError) as denied:
+        await sdk(text_app(api_key="other").app).models.list()
+    assert denied.value.code == "invalid_api_key"
+    assert [m.id async for m in sdk(keyed.app, "k").models.list()] == ["tiny"]
+
+
 async def test_not_ready_is_503(served):
     loading = text_app(status="pending")
     r = await post(loading, "/v1/chat/completions", {"messages": MESSAGES})
@@ -1117,11 +1134,11 @@ async def test_eos_and_length_have_no_stop_reason(served):
 # --- the real `openai` SDK over the in-process app: its exception classes -----------------------------------------
 
 
-def sdk(app) -> openai.AsyncOpenAI:
+def sdk(app, key: str = "k") -> openai.AsyncOpenAI:
     """The `openai` SDK, unmodified, talking to the in-process app (no retries)."""
     transport = httpx.ASGITransport(app=app)
     http = httpx.AsyncClient(transport=transport, base_url="http://test")
-    return openai.AsyncOpenAI(base_url="http://test/v1", api_key="k", http_client=http, max_retries=0)
+    return openai.AsyncOpenAI(base_url="http://test/v1", api_key=key, http_client=http, max_retries=0)
 
 
 async def test_the_sdk_raises_the_class_of_each_error(served):
@@ -1140,6 +1157,9 @@ async def test_the_sdk_raises_the_class_of_each_error(served):
     assert unavailable.value.status_code == 503
     with pytest.raises(openai.AuthenticationError):
         await sdk(text_app(api_key="other").app).completions.create(model="tiny", prompt="a")
+    with pytest.raises(openai.BadRequestError) as role:
+        await client.chat.completions.create(model="tiny", messages=[{"role": "wizard", "content": "hi"}])
+    assert (role.value.code, role.value.param) == ("invalid_value", "messages[0].role")
 
 
 async def test_the_sdk_raises_an_error_event_of_a_started_stream(served):

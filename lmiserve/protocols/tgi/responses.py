@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 
 class Token(BaseModel):
@@ -107,18 +107,3 @@ class Info(BaseModel):
     prefix_caching: bool  # lmiserve: prompts reuse the KV of cached prefixes
     prefix_cache_size: int  # lmiserve: bytes the prefix cache's blocks take at most (0: off)
     prefix_cache_tokens: int  # lmiserve: tokens the prefix cache holds at most (0: off)
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: str
-    created: int
-    owned_by: str
-    root: str = Field(description="The model this one derives from: itself (no adapters)")
-    parent: str | None = None
-    max_model_len: int | None = Field(description="max_total_tokens: prompt and generation; null while loading")
-
-
-class ModelList(BaseModel):
-    object: str
-    data: list[ModelCard]

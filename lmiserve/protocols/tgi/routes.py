@@ -1,5 +1,6 @@
 """TGI's native routes: POST /generate, /generate_stream, / (compat), /tokenize, /chat_tokenize;
-GET /info, /health, / and /v1/models. Errors are answered by `errors.RENDERER`.
+GET /info, /health and /. Errors are answered by `errors.RENDERER` (GET /v1/models is OpenAI's:
+`lmiserve.protocols.openai.models`).
 
 `/tokenize` is vLLM's route too: a body with `prompt` or `messages` and no `inputs` goes to the
 handler `routes(tokenize_other=...)` is given (app.py wires vLLM's, whose errors are its own); every
@@ -219,19 +220,6 @@ async def info(request: Request) -> Response:
     return raw_response(dumps(body))
 
 
-async def models(request: Request) -> Response:
-    """Every served text model, with vLLM's `root`, `parent` and `max_model_len` (the longest prompt
-    plus generation it takes: max_total_tokens; null while it loads)."""
-    data = []
-    for service in request.app.state.registry:
-        if service.is_llm:
-            ready = service.status == ModelService.READY
-            max_len = Served.of(service).limits.max_total_tokens if ready else None
-            card = {"id": service.name, "object": "model", "created": 0, "owned_by": service.name}
-            data.append({**card, "root": service.name, "parent": None, "max_model_len": max_len})
-    return raw_response(dumps({"object": "list", "data": data}))
-
-
 # --- the route table and its API document -----------------------------------------------------------
 
 TAG = "TGI"
@@ -305,12 +293,6 @@ def routes(tokenize_other: OtherTokenize | None = None) -> Sequence[BaseRoute]:
                 Route("/info", info, methods=["GET"]),
                 apidoc.Operation(
                     "The served model and the server's limits", TAG, apidoc.ok("Info", apidoc.json(responses.Info))
-                ),
-            ),
-            doc(
-                Route("/v1/models", models, methods=["GET"]),
-                apidoc.Operation(
-                    "The served text-generation models", "OpenAI", apidoc.ok("Models", apidoc.json(responses.ModelList))
                 ),
             ),
         ],
