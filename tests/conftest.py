@@ -24,6 +24,7 @@ if _TESTS_DIR not in sys.path:  # make `import helpers` work whatever pytest's r
 
 from helpers.tiny_model import (  # noqa: E402
     ENDLESS_CONTEXT,
+    build_thinking_model_dir,
     build_tiny_model_dir,
     build_unreachable_eos_model_dir,
     with_context,
@@ -48,6 +49,13 @@ def unreachable_eos_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.Tem
     """The tiny model whose EOS token lies past its vocabulary, so it never ends a generation early:
     every request makes exactly `max_new_tokens` tokens, sampled or not, seeded or not."""
     return build_unreachable_eos_model_dir(tiny_model_dir, tmp_path_factory.mktemp("unreachable-eos") / "tiny-no-eos")
+
+
+@pytest.fixture(scope="session")
+def thinking_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random model whose chat template thinks: `<think>` and `</think>` are added tokens and the
+    generation prompt opens the block (helpers.tiny_model.THINKING_CHAT_TEMPLATE); served as ``tiny-think``."""
+    return build_thinking_model_dir(tmp_path_factory.mktemp("thinking") / "tiny-think")
 
 
 @pytest.fixture(scope="session")

@@ -83,6 +83,20 @@ LoadFormat = Literal["auto", "safetensors", "pt", "dummy"]
 KvCacheLayout = Literal["paged", "slots"]
 ModelKind = Literal["auto", "llm", "embedding", "classifier", "regression", "torchscript"]
 RollingBatch = Literal["auto", "lmi", "disable"]
+# `reasoning_parser` presets (vLLM's names): start and end markers of the reasoning block
+REASONING_PRESETS: dict[str, tuple[str, str]] = {
+    "deepseek_r1": ("<think>", "</think>"),
+    "deepseek_v3": ("<think>", "</think>"),
+    "qwen3": ("<think>", "</think>"),
+    "glm45": ("<think>", "</think>"),
+    "ernie45": ("<think>", "</think>"),
+    "hunyuan_a13b": ("<think>", "</think>"),
+    "minimax_m2": ("<think>", "</think>"),
+    "seed_oss": ("<seed:think>", "</seed:think>"),
+}
+ReasoningParser = Literal[
+    "deepseek_r1", "deepseek_v3", "qwen3", "glm45", "ernie45", "hunyuan_a13b", "minimax_m2", "seed_oss"
+]
 OutputFormatter = Literal["json", "jsonlines", "sse", "tgi_compat"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["text", "json"]
@@ -481,6 +495,24 @@ class Settings(BaseModel):
     sse_keepalive_interval: float = Field(
         15.0, gt=0, description="Seconds without an event before a TGI/OpenAI stream sends a `:` keep-alive comment."
     )
+    reasoning_parser: ReasoningParser | None = Field(
+        None,
+        description=(
+            "OpenAI chat: split a reasoning model's thinking from its answer (`message.reasoning_content`); "
+            "vLLM's names: `deepseek_r1`, `qwen3`, `glm45`, ... (`<think>`/`</think>`), `seed_oss`; unset = off "
+            'unless `reasoning_end` is set. See docs/protocols/openai.md, "Reasoning models".'
+        ),
+    )
+    reasoning_start: str | None = Field(
+        None, description="Start marker of the reasoning block (overrides the `reasoning_parser` preset's)."
+    )
+    reasoning_end: str | None = Field(
+        None,
+        description=(
+            "End marker of the reasoning block (overrides the preset's); without a preset it turns the reasoning "
+            "parser on (with no start marker the output always starts in the reasoning)."
+        ),
+    )
     # --- SageMaker and Vertex AI (docs/protocols/sagemaker.md and docs/protocols/vertex.md, "Reference") ---
     default_invocations_accept: str | None = Field(
         None,
@@ -535,7 +567,15 @@ class Settings(BaseModel):
         return value
 
     @field_validator(
-        "dtype", "rolling_batch", "output_formatter", "log_level", "log_format", "device", "model_kind", mode="before"
+        "dtype",
+        "rolling_batch",
+        "output_formatter",
+        "log_level",
+        "log_format",
+        "device",
+        "model_kind",
+        "reasoning_parser",
+        mode="before",
     )
     @classmethod
     def _normalize_word(cls, value: Any, info: ValidationInfo) -> Any:

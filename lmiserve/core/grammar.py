@@ -24,7 +24,12 @@ class Grammar:
     - ``regex``: a regular expression the whole output must match;
     - ``choice``: one of several strings, `value` a JSON array of them;
     - ``ebnf``: a context-free grammar in the library's EBNF (vLLM's `guided_grammar`).
+
+    `after`: when not empty, the constraint starts only once the generated text contains it (a
+    reasoning block's end marker: the model thinks freely, then answers under the constraint); the
+    token that completes it is the last unconstrained one.
     """
 
     kind: GrammarKind
     value: str = ""
+    after: str = ""

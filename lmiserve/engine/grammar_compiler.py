@@ -143,7 +143,25 @@ class GrammarCompiler:
 
 
 def _source(grammar: Grammar) -> str:
-    """The llguidance grammar of `grammar`; `InvalidRequest` when its value is malformed."""
+    """The llguidance grammar of `grammar`; `InvalidRequest` when its value is malformed. A grammar that
+    starts after a reasoning block (`Grammar.after`) allows whitespace first (models put a blank line
+    after the block's end marker)."""
+    source = _constraint(grammar)
+    return _after_whitespace(source) if grammar.after else source
+
+
+def _after_whitespace(source: str) -> str:
+    """`source` (a top-level JSON grammar or Lark text) behind optional whitespace, as a nested grammar."""
+    try:
+        top = json.loads(source)
+    except ValueError:
+        top = {"grammars": [{"lark_grammar": source}]}
+    first = {**top["grammars"][0], "name": "lmiserve_answer"}
+    outer = {"lark_grammar": "start: /[ \\t\\r\\n]*/ @lmiserve_answer"}
+    return json.dumps({"grammars": [outer, first, *top["grammars"][1:]]})
+
+
+def _constraint(grammar: Grammar) -> str:
     import llguidance
 
     kind, value = grammar.kind, grammar.value

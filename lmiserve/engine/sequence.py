@@ -65,6 +65,13 @@ class Sequence:
         self.prefill_top: list[tuple[Token, ...] | None] = []
         self.abort_requested = False
         self.grammar = grammar  # this sequence's own matcher when its output is constrained
+        # `Grammar.after`: the matcher waits here (no mask) until the generated text contains that marker
+        constraint = getattr(params, "grammar", None)
+        self._grammar_after: str = getattr(constraint, "after", "") if grammar is not None else ""
+        self._deferred: GrammarMatcher | None = None
+        self._gate_tail = ""  # the end of the generated text, while waiting for `_grammar_after`
+        if self._grammar_after:
+            self._deferred, self.grammar = grammar, None
         self.finish_reason: FinishReason | None = None
         # monotonic times the engine stamps (lmiserve.core.stats): admitted, first and latest token, end
         self.scheduled_at: float | None = None
@@ -130,6 +137,8 @@ class Sequence:
         reason: FinishReason | None = None
         text = self._detok.add(token_id)
         error = self._advance_grammar(token_id)
+        if self._deferred is not None:
+            self._open_gate(token_id, text)
         if error is not None:
             reason = FinishReason.ERROR
         elif token_id in self._eos:
@@ -163,6 +172,16 @@ class Sequence:
         if self.grammar is None or self.grammar.accept(token_id):
             return None
         return f"the generated token {token_id} does not follow the grammar: {self.grammar.error}"
+
+    def _open_gate(self, token_id: int, text: str) -> None:
+        """Start the deferred grammar once the generated text (this token's included) holds the marker."""
+        if not text:  # a token held back by the detokenizer (part of a character): its own text
+            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        seen = self._gate_tail + text
+        if self._grammar_after in seen:
+            self.grammar, self._deferred = self._deferred, None
+        else:
+            self._gate_tail = seen[-len(self._grammar_after) :]
 
     def end(self, reason: FinishReason, error: str | None = None) -> StepEvent:
         """End without a token (error or abort)."""

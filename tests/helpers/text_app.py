@@ -468,9 +468,11 @@ def text_app(
     max_context: int = TINY_MAX_POSITIONS,
     others: Mapping[str, Any] | None = None,
     fake: FakeTextGenerator | None = None,
+    tokenizer: Any = None,
     **options: Any,
 ) -> TextApp:
-    """The app serving one LLM, `name`, over a new `FakeTextGenerator` (or `fake`) with the tiny tokenizer.
+    """The app serving one LLM, `name`, over a new `FakeTextGenerator` (or `fake`) with the tiny tokenizer
+    (or `tokenizer`, e.g. `helpers.tiny_model.build_thinking_tokenizer()`'s).
 
     `options` go to `Settings.from_options` (tgi_compat, output_formatter, api_key, max_input_len,
     max_concurrent_requests, rolling_batch, vertex_predict_route, ...); `max_input_len` and
@@ -479,7 +481,7 @@ def text_app(
     need more). `others`: more models by name, `helpers.tensor_app.NumpyModel`s (one-shot models).
     """
     settings = Settings.from_options(options)
-    tokenizer = tiny_tokenizer()
+    tokenizer = tokenizer if tokenizer is not None else tiny_tokenizer()
     if fake is None:
         fake = FakeTextGenerator(
             tokenizer,

@@ -78,6 +78,38 @@ def build_tiny_tokenizer():  # -> transformers.PreTrainedTokenizerFast
     )
 
 
+# A reasoning model's chat template (DeepSeek-R1 / Qwen3-thinking style): the generation prompt opens the
+# `<think>` block, so the output starts inside it; `enable_thinking: false` gives a closed empty block
+# instead (Qwen3's switch); `reasoning_effort` becomes a system line.
+THINK_START, THINK_END = "<think>", "</think>"
+THINKING_CHAT_TEMPLATE = (
+    "{% if reasoning_effort is defined %}<|system|>Reasoning effort: {{ reasoning_effort }}</s>{% endif %}"
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}"
+    "{% endif %}"
+)
+
+
+def build_thinking_tokenizer():  # -> transformers.PreTrainedTokenizerFast
+    """The tiny tokenizer with `<think>` and `</think>` as added (not special) tokens, as Qwen3 has them,
+    and `THINKING_CHAT_TEMPLATE`."""
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.add_tokens([THINK_START, THINK_END])
+    tokenizer.chat_template = THINKING_CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_thinking_model_dir(out_dir: str | Path) -> Path:
+    """A tiny model (random weights) with the thinking tokenizer and chat template."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_thinking_tokenizer()
+    build_tiny_model(tokenizer).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def build_tiny_model(tokenizer, kv_heads: int = 2):  # -> transformers.LlamaForCausalLM
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM

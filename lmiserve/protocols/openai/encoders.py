@@ -19,6 +19,7 @@ from lmiserve.core.errors import IncompleteGeneration, LmiServeError
 from lmiserve.core.events import Finish, FinishReason, StepEvent, Token
 from lmiserve.protocols.openai import scoring
 from lmiserve.protocols.openai.errors import DONE, RENDERER
+from lmiserve.protocols.openai.reasoning import Reasoning, Splitter
 from lmiserve.server import sse
 from lmiserve.server.textgen.sequences import Sequence, sequences
 from lmiserve.server.textgen.wire import SSE_CONTENT_TYPE, dumps
@@ -78,14 +79,18 @@ class Envelope:
         }
 
 
-def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
-    """OpenAI's ``usage``; ``prompt_tokens_details.cached_tokens``: prompt tokens the prefix cache supplied."""
-    return {
+def usage(prompt: int, completion: int, cached: int, reasoning: int | None = None) -> dict[str, Any]:
+    """OpenAI's ``usage``; ``prompt_tokens_details.cached_tokens``: prompt tokens the prefix cache supplied;
+    ``completion_tokens_details.reasoning_tokens`` with a reasoning parser (openai.reasoning)."""
+    body = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    if reasoning is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    return body
 
 
 def chat_logprob(token: Token, top: tuple[Token, ...] | None) -> dict:
@@ -146,9 +151,11 @@ def chat_body(
     logprobs: bool,
     answer: Answer = plain_answer,
     prompt_logprobs: int | None = None,
+    reasoning: Reasoning | None = None,
 ) -> bytes:
     """Non-streaming chat completion; `seqs` are the choices, best first. `prompt_logprobs`: vLLM's field
-    after `usage` (openai.scoring)."""
+    after `usage` (openai.scoring); `reasoning`: the reasoning parser (the reasoning tokens in `usage`;
+    `answer` already splits the message)."""
     choices = []
     for index, seq in enumerate(seqs):
         lp = {"content": [chat_logprob(t, top) for t, top in zip(seq.tokens, seq.top_tokens)]} if logprobs else None
@@ -164,7 +171,8 @@ def chat_body(
         )
     prompt, cached = seqs[0].finish.prompt_tokens, seqs[0].finish.cached_tokens
     completion = sum(s.finish.generated_tokens for s in seqs)
-    body = {**env.head("chat.completion"), "choices": choices, "usage": usage(prompt, completion, cached)}
+    thought = sum(reasoning.tokens(t.text for t in s.tokens) for s in seqs) if reasoning is not None else None
+    body = {**env.head("chat.completion"), "choices": choices, "usage": usage(prompt, completion, cached, thought)}
     if prompt_logprobs is not None:
         body["prompt_logprobs"] = scoring.prompt_logprobs(seqs[0].finish, prompt_logprobs)
     return dumps(body)
@@ -181,10 +189,11 @@ class ChatEncoder(_Whole):
         logprobs: bool,
         answer: Answer = plain_answer,
         prompt_logprobs: int | None = None,
+        reasoning: Reasoning | None = None,
     ):
         super().__init__()
         self.env, self.prompt, self.logprobs, self.answer = env, prompt, logprobs, answer
-        self.prompt_logprobs = prompt_logprobs
+        self.prompt_logprobs, self.reasoning = prompt_logprobs, reasoning
 
     def close(self) -> bytes:
         self._require_finished(1)
@@ -193,28 +202,40 @@ class ChatEncoder(_Whole):
         self.generated_tokens = sum(s.finish.generated_tokens for s in seqs)
         self.characters = len(self.prompt)
         return chat_body(
-            seqs, self.env, logprobs=self.logprobs, answer=self.answer, prompt_logprobs=self.prompt_logprobs
+            seqs,
+            self.env,
+            logprobs=self.logprobs,
+            answer=self.answer,
+            prompt_logprobs=self.prompt_logprobs,
+            reasoning=self.reasoning,
         )
 
 
 class ChatStreamEncoder(_Stream):
-    """One chunk per token (every delta has ``role``), an optional usage chunk, then [DONE]."""
+    """One chunk per token (every delta has ``role``), an optional usage chunk, then [DONE]. With a
+    `reasoning` parser the deltas carry the block's text as ``reasoning_content`` / ``reasoning``."""
 
-    def __init__(self, env: Envelope, *, logprobs: bool, include_usage: bool):
+    def __init__(self, env: Envelope, *, logprobs: bool, include_usage: bool, reasoning: Reasoning | None = None):
         self.env = env
         self.logprobs = logprobs
         self.include_usage = include_usage
         self.prompt_tokens = self.cached_tokens = 0
         self.completion_tokens = 0
+        self.reasoning = reasoning
+        self.splitters: dict[int, Splitter] = {}  # per choice, with a reasoning parser
 
     def on_event(self, index: int, event: StepEvent) -> bytes:
         if event.token is None:
             return b""
         finish = event.finish
         lp = {"content": [chat_logprob(event.token, event.top_tokens)]} if self.logprobs else None
+        delta: dict[str, Any] = {"role": "assistant", "content": event.token.text}
+        if self.reasoning is not None:
+            splitter = self.splitters.setdefault(event.index, self.reasoning.splitter())
+            delta = {"role": "assistant", **self.reasoning.delta(splitter, event.token.text, finish is not None)}
         choice = {
             "index": event.index,
-            "delta": {"role": "assistant", "content": event.token.text},
+            "delta": delta,
             "logprobs": lp,
             "finish_reason": finish_reason(finish) if finish else None,
             "stop_reason": stop_reason(finish),
@@ -227,7 +248,8 @@ class ChatStreamEncoder(_Stream):
     def close(self) -> bytes:
         tail = b""
         if self.include_usage:
-            body = usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+            thought = sum(s.tokens for s in self.splitters.values()) if self.reasoning is not None else None
+            body = usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens, thought)
             tail = sse.event(dumps({**self.env.head("chat.completion.chunk"), "choices": [], "usage": body}))
         return tail + DONE
 

@@ -11,6 +11,7 @@ prompt (at most ``max_client_batch_size``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -82,7 +83,7 @@ def chat(
 ) -> OpenAICall:
     check_roles(req)
     tools = tool_spec(req.tools, req.tool_choice, req.parallel_tool_calls, req.tool_prompt)
-    prompt = render_conversation(req.messages, tools, render)
+    prompt = render_conversation(req.messages, tools, _with_template_kwargs(render, req))
     scoring.check_limit("top_logprobs", req.top_logprobs, limits)
     top_n = (req.top_logprobs or 0) if req.logprobs else 0
     bias = openai_sampling.check(req)
@@ -124,6 +125,15 @@ def check_roles(req: ChatRequest) -> None:
             raise InvalidValue(
                 f"Invalid value: '{excerpt(message.role)}'. Supported values are: {allowed}.", f"messages[{i}].role"
             )
+
+
+def _with_template_kwargs(render: Render, req: ChatRequest) -> Render:
+    """`render` given vLLM's `chat_template_kwargs` and `reasoning_effort` (as the template variable of that
+    name, unless `chat_template_kwargs` sets it), when the request has them."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+    return functools.partial(render, template_kwargs=kwargs) if kwargs else render
 
 
 def completion(

@@ -14,6 +14,7 @@ from lmiserve.protocols.openai import encoders as enc
 from lmiserve.protocols.openai import parse as adapter
 from lmiserve.protocols.openai import responses
 from lmiserve.protocols.openai.errors import RENDERER
+from lmiserve.protocols.openai.reasoning import Reasoning
 from lmiserve.protocols.openai.schema import ChatRequest, CompletionRequest
 from lmiserve.protocols.openai.tool_calls import ToolChatStreamEncoder, tool_answer
 from lmiserve.server import apidoc
@@ -57,8 +58,13 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Resp
     if not model.accepts(req.model):
         raise ModelNotFound(f"The model `{excerpt(req.model or '')}` does not exist.")
     with enter(request) as slot:
+        reasoning: Reasoning | None = None
         if isinstance(req, ChatRequest):
             call = adapter.chat(req, model.limits, model.count_tokens, model.render_chat, model.service.name)
+            reasoning = Reasoning.of(model.service.settings, call.prompts[0])
+            if reasoning is not None:  # a grammar applies after the reasoning block
+                for c in call.calls:
+                    c.request.params.grammar = reasoning.grammar(c.request.params.grammar)
         else:
             call = adapter.completion(req, model.limits, model.count_tokens, model.service.name, model.decode)
         await prepare(model.engine, [c.request for c in call.calls])  # a bad grammar: 4xx before the stream
@@ -68,9 +74,13 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Resp
         if call.stream:
             stream: enc.ChatStreamEncoder | enc.CompletionStreamEncoder | ToolChatStreamEncoder
             if call.tools is not None:
-                stream = ToolChatStreamEncoder(env, logprobs=call.logprobs, include_usage=call.include_usage)
+                stream = ToolChatStreamEncoder(
+                    env, logprobs=call.logprobs, include_usage=call.include_usage, reasoning=reasoning
+                )
             elif chat:
-                stream = enc.ChatStreamEncoder(env, logprobs=call.logprobs, include_usage=call.include_usage)
+                stream = enc.ChatStreamEncoder(
+                    env, logprobs=call.logprobs, include_usage=call.include_usage, reasoning=reasoning
+                )
             else:
                 stream = enc.CompletionStreamEncoder(
                     env, logprobs=call.logprobs, n=call.calls[0].best_of, top_n=call.top_logprobs
@@ -88,7 +98,12 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Resp
         if chat:
             answer = enc.plain_answer if call.tools is None else tool_answer()
             whole = enc.ChatEncoder(
-                env, call.prompts[0], logprobs=call.logprobs, answer=answer, prompt_logprobs=call.prompt_logprobs
+                env,
+                call.prompts[0],
+                logprobs=call.logprobs,
+                answer=answer if reasoning is None else reasoning.answer(answer),
+                prompt_logprobs=call.prompt_logprobs,
+                reasoning=reasoning,
             )
         else:
             whole = enc.CompletionEncoder(

@@ -8,7 +8,7 @@ Unknown keys are accepted and ignored, each name logged once at WARNING (as vLLM
 from __future__ import annotations
 
 import logging
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
@@ -63,6 +63,10 @@ class ChatRequest(TextGenChatRequest, OpenAISampling):
     )
 
     prompt_logprobs: int | None = Field(None, ge=0, le=UINT32)  # vLLM's (openai.scoring)
+    # more variables for the chat template (vLLM's; e.g. {"enable_thinking": false}); `reasoning_effort`
+    # reaches the template as a variable too (openai.parse)
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
 
 class CompletionRequest(SamplingFields, OpenAISampling):

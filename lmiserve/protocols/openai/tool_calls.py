@@ -29,6 +29,7 @@ from lmiserve.core.errors import LmiServeError
 from lmiserve.core.events import Finish, StepEvent
 from lmiserve.protocols.openai.encoders import Answer, Envelope, chat_logprob, finish_reason, stop_reason, usage
 from lmiserve.protocols.openai.errors import DONE, RENDERER
+from lmiserve.protocols.openai.reasoning import Reasoning, Splitter
 from lmiserve.server import sse
 from lmiserve.server.textgen.sequences import Sequence
 from lmiserve.server.textgen.tools.output import Arguments, CallStart, Content, Piece, ToolOutput
@@ -69,8 +70,18 @@ class ToolChatStreamEncoder:
     content_type = SSE_CONTENT_TYPE
     streaming = True
 
-    def __init__(self, env: Envelope, *, logprobs: bool, include_usage: bool, call_ids: CallIds = new_call_id):
+    def __init__(
+        self,
+        env: Envelope,
+        *,
+        logprobs: bool,
+        include_usage: bool,
+        call_ids: CallIds = new_call_id,
+        reasoning: Reasoning | None = None,
+    ):
         self.env = env
+        self.reasoning = reasoning  # the reasoning block streams as `reasoning_content`; the calls follow it
+        self.splitters: dict[int, Splitter] = {}
         self.logprobs = logprobs
         self.include_usage = include_usage
         self.call_ids = call_ids
@@ -84,14 +95,26 @@ class ToolChatStreamEncoder:
             return b""
         output = self.outputs.setdefault(event.index, ToolOutput())
         pieces: list[Piece] = []
-        if event.token is not None and not event.token.special:
-            pieces += output.feed(event.token.text)
+        thought = ""
         finish = event.finish
+        if self.reasoning is not None:
+            splitter = self.splitters.setdefault(event.index, self.reasoning.splitter())
+            text = event.token.text if event.token is not None and not event.token.special else ""
+            thought, answer = splitter.token(text) if event.token is not None else ("", "")
+            if finish is not None:
+                more_thought, more_answer = splitter.flush()
+                thought, answer = thought + more_thought, answer + more_answer
+            if answer:
+                pieces += output.feed(answer)
+        elif event.token is not None and not event.token.special:
+            pieces += output.feed(event.token.text)
         if finish is not None:
             pieces += output.finish()
             self.prompt_tokens, self.cached_tokens = finish.prompt_tokens, finish.cached_tokens
             self.completion_tokens += finish.generated_tokens
         delta = self._delta(pieces)
+        if thought:
+            delta = {"reasoning_content": thought, "reasoning": thought, **delta}
         if not delta and finish is None and not (self.logprobs and event.token is not None):
             return b""  # nothing new to say
         if event.index not in self.started:
@@ -131,7 +154,8 @@ class ToolChatStreamEncoder:
     def close(self) -> bytes:
         tail = b""
         if self.include_usage:
-            body = usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+            thought = sum(s.tokens for s in self.splitters.values()) if self.reasoning is not None else None
+            body = usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens, thought)
             tail = sse.event(dumps({**self.env.head("chat.completion.chunk"), "choices": [], "usage": body}))
         return tail + DONE
 

@@ -3,6 +3,7 @@ the values TGI reports about it (compute type, system fingerprint)."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 from dataclasses import dataclass, field
@@ -71,13 +72,28 @@ class Served:
     def special_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def render_chat(self, messages: list[dict], *, tools: list[dict] | None = None, for_engine: bool = True) -> str:
+    def render_chat(
+        self,
+        messages: list[dict],
+        *,
+        tools: list[dict] | None = None,
+        for_engine: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
         """The chat template applied (generation prompt added, `tools` given to it when not None);
         `TemplateError` when the model has none or it fails. `for_engine`: without a leading BOS when
-        the tokenizer adds one itself (the engine tokenizes with special tokens), so it appears once."""
+        the tokenizer adds one itself (the engine tokenizes with special tokens), so it appears once.
+        `template_kwargs`: more template variables (OpenAI's `chat_template_kwargs`); `InvalidRequest`
+        when one names an argument of the template call itself (``tokenize``, ``tools``, ...)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise TemplateError("template not found")
-        extra = {} if tools is None else {"tools": tools}
+        extra: dict[str, Any] = dict(template_kwargs or {})
+        taken = extra and sorted(set(extra) & {*inspect.signature(self.tokenizer.apply_chat_template).parameters})
+        if taken:
+            names = ", ".join(taken)
+            raise InvalidRequest(f"chat_template_kwargs may not set {names}: give them as fields, if at all.")
+        if tools is not None:
+            extra["tools"] = tools
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
         except Exception as exc:  # noqa: BLE001 - jinja errors of a model's own template
