@@ -88,7 +88,8 @@ class GenerationParameters(BaseModel):
 
     @property
     def unknown(self) -> list[str]:
-        return sorted(k for k in (self.model_extra or {}) if k not in ("min_tokens", "watermark", "stream"))
+        known = ("min_tokens", "watermark", "stream", "adapter_id")  # adapter_id: lmiserve.core.adapters
+        return sorted(k for k in (self.model_extra or {}) if k not in known)
 
     @property
     def sampling(self) -> bool:

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from lmiserve.core.adapters import check_adapter
 from lmiserve.core.engine import TextGenerator
 from lmiserve.core.errors import GenerationFailed, InvalidRequest
 from lmiserve.core.events import FinishReason
@@ -51,6 +52,7 @@ class LlmTensorModel:
         """LMI parameter mapping of the request's parameters; also whether to prepend the prompt."""
         raw = {k: v for k, v in (parameters or {}).items() if k not in _NOT_GENERATION}
         params = parse_parameters(raw)
+        check_adapter(raw.get("adapter_id"), (self.name,))  # no adapters are served: an invalid request
         return to_sampling(params, self.limits, stream=False), bool(params.return_full_text)
 
     async def infer(self, request: TensorRequest) -> dict[str, np.ndarray]:

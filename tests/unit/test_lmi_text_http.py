@@ -198,6 +198,33 @@ async def test_unknown_and_null_parameters(served):
     assert served.fake.requests[-1].params.max_new_tokens == 30
 
 
+LMI_ADAPTER = "Input Parsing failed. Ensure that the request payload is valid. `{field}` names adapter `{name}`, which is not served (no adapters are loaded)"
+
+
+@pytest.mark.parametrize(
+    ("payload", "field", "name"),
+    [
+        ({"inputs": "Hello", "adapters": "my-lora"}, "adapters", "my-lora"),
+        ({"inputs": "Hello", "adapters": ["my-lora"]}, "adapters", "my-lora"),
+        ({"inputs": "Hello", "parameters": {"adapter_id": "my-lora"}}, "adapter_id", "my-lora"),
+        ({"inputs": "Hello", "stream": True, "adapters": "x\ny"}, "adapters", "x\\ny"),
+    ],
+    ids=["adapters", "adapters-list", "adapter_id", "stream-escaped"],
+)
+async def test_an_adapter_that_is_not_served_is_refused(served, payload, field, name):
+    assert_424(await post(served, payload), LMI_ADAPTER.format(field=field, name=name))
+    assert served.fake.requests == []
+
+
+async def test_no_adapter_or_the_base_model_is_the_base_model(served, caplog):
+    for payload in (
+        {"inputs": "Hello", "adapters": None, "parameters": {"max_new_tokens": 2}},
+        {"inputs": "Hello", "adapters": "", "parameters": {"adapter_id": "tiny", "max_new_tokens": 2}},
+    ):
+        assert (await post(served, payload)).status_code == 200
+    assert "adapter_id" not in caplog.text  # understood, not an unknown parameter
+
+
 # --- prompt length (max_input_len=64), the model's 256-token context ---------------------------------
 
 

@@ -994,6 +994,20 @@ async def test_a_model_that_names_nothing_served_is_404(served, route):
     assert served.fake.requests == []
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_model_that_names_an_adapter_is_404_not_the_base_model(served, stream):
+    """No LoRA adapters are served yet: `model` naming one is an unknown model, as vLLM answers it."""
+    payload = {"model": "tiny-sql-lora", "messages": MESSAGES, "stream": stream}
+    r = await post(served, "/v1/chat/completions", payload)
+    assert (r.status_code, r.content) == (
+        404,
+        error("The model `tiny-sql-lora` does not exist.", "not_found_error", "model", "model_not_found"),
+    )
+    with pytest.raises(openai.NotFoundError):
+        await sdk(served.app).completions.create(model="tiny-sql-lora", prompt="a")
+    assert served.fake.requests == []
+
+
 async def test_the_model_name_in_a_404_is_a_short_escaped_excerpt(served):
     name = "a\n" + "b" * 300
     r = await post(served, "/v1/chat/completions", {"model": name, "messages": MESSAGES})

@@ -174,3 +174,12 @@ async def test_a_model_removed_while_loading_never_starts(tiny_model_dir):
     await loading
     assert svc.status == ModelService.FAILED and svc.error == "unloaded while loading"
     assert svc.engine is None or svc.engine._task is None
+
+
+def test_an_adapter_that_is_not_served_is_an_invalid_request():
+    """KServe V2 infer, TF Serving, Vertex and SageMaker on an LLM: `adapter_id` refused, never ignored."""
+    model = LlmTensorModel(engine=None, limits=Limits(), name="tiny")  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match="`adapter_id` names adapter `my-lora`, which is not served"):
+        model.sampling({"adapter_id": "my-lora"})
+    assert model.sampling({"adapter_id": "tiny"})[0].max_new_tokens == 30  # the base model itself
+    assert model.sampling({"adapter_id": None})[0].max_new_tokens == 30

@@ -237,6 +237,26 @@ async def test_validation_errors(served, params, message):
     assert served.fake.requests == []
 
 
+ADAPTER_ERROR = "`adapter_id` names adapter `my-lora`, which is not served (no adapters are loaded)"
+
+
+async def test_an_adapter_that_is_not_served_is_a_validation_error(served):
+    """TGI itself answers an unknown adapter_id with the base model; lmiserve refuses it (no adapters yet)."""
+    payload = {"inputs": PROMPT, "parameters": {"adapter_id": "my-lora", "max_new_tokens": 2}}
+    r = await post(served, "/generate", payload)
+    assert (r.status_code, r.content) == (422, dumps(error(f"Input validation error: {ADAPTER_ERROR}", "validation")))
+    streamed = await post(served, "/generate_stream", payload)
+    assert (streamed.status_code, streamed.content) == (
+        200,
+        sse(error(f"Input validation error: {ADAPTER_ERROR}", "validation")),
+    )
+    assert (await post(served, "/", payload)).status_code == 422
+    assert served.fake.requests == []
+    for base in (None, "", "tiny", "tgi"):  # no adapter, or the base model itself
+        r = await post(served, "/generate", {**payload, "parameters": {"adapter_id": base, "max_new_tokens": 2}})
+        assert r.status_code == 200, base
+
+
 async def test_empty_and_too_long_inputs(served):
     r = await post(served, "/generate", {"inputs": ""})
     assert r.content == dumps(error("Input validation error: `inputs` cannot be empty", "validation"))
@@ -283,7 +303,7 @@ async def test_plain_text_rejections(served, path):
 
 
 async def test_lenient_stop_null_and_unknown_keys(served):
-    payload = {"inputs": PROMPT, "parameters": {"max_new_tokens": 2, "stop": None, "adapter_id": "x"}, "extra": 1}
+    payload = {"inputs": PROMPT, "parameters": {"max_new_tokens": 2, "stop": None, "adapter_id": None}, "extra": 1}
     assert (await post(served, "/generate", payload)).status_code == 200
 
 

@@ -170,6 +170,12 @@ async def test_only_the_first_sequence_is_answered(app, engine):
     assert r.status_code == 200 and r.content == event("a") + event("b")
 
 
+async def test_an_adapter_is_refused_not_answered_by_the_base_model(app):
+    for route in ("generate", "generate_stream"):
+        r = await post(app, route, {"text_input": "Hi", "parameters": {"adapter_id": "my-lora"}})
+        assert (r.status_code, r.content) == (400, b'{"error": "unknown parameter: adapter_id"}')
+
+
 async def test_request_errors(app):
     async with client(app) as http:
         for route in ("generate", "generate_stream"):

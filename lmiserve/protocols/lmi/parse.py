@@ -8,11 +8,12 @@ order (docs/protocols/lmi.md).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
 from lmiserve.core import jsondoc
+from lmiserve.core.adapters import AdapterNotFound, check_adapter
 from lmiserve.core.errors import InvalidRequest, excerpt
 from lmiserve.core.parameters import Limits, parse_parameters, to_sampling
 from lmiserve.core.request import GenerationRequest, SamplingParams
@@ -51,7 +52,15 @@ def decode_body(body: bytes, content_type: str | None, load: Callable[[], Any] |
         raise _fail(str(exc)) from None
 
 
-def parse(payload, limits: Limits, *, dynamic_batch: bool = False) -> LmiCall:
+def model_names(service: Any) -> tuple[str, ...]:
+    """The names that mean the served model itself (its name, `served_model_name`'s aliases): as an
+    adapter name, the base model."""
+    aliases = [a.strip() for a in (service.settings.served_model_name or "").split(",") if a.strip()]
+    return (service.name, *aliases)
+
+
+def parse(payload, limits: Limits, *, dynamic_batch: bool = False, names: Collection[str] = ()) -> LmiCall:
+    """`names`: `model_names` of the served model (an adapter named otherwise is refused: none are served)."""
     if not isinstance(payload, dict) or payload.get("inputs") is None:
         raise _fail(
             "Invalid request payload. Request payload should be a json object specifying the 'inputs' "
@@ -78,6 +87,7 @@ def parse(payload, limits: Limits, *, dynamic_batch: bool = False) -> LmiCall:
             f"Received payload {excerpt(repr(payload))}"
         )
     params = parse_parameters(raw_params)
+    _check_adapters(payload.get("adapters"), raw_params.get("adapter_id"), names)
     stream = bool(payload.get("stream", False))
     sampling = to_sampling(params, limits, stream)
     formatter = select_formatter_name(params.output_formatter, limits.output_formatter, stream, limits.tgi_compat)
@@ -87,6 +97,17 @@ def parse(payload, limits: Limits, *, dynamic_batch: bool = False) -> LmiCall:
         requests[0], details=params.details, return_full_text=full_text, tgi_compat=limits.tgi_compat
     )
     return LmiCall(requests, stream, formatter, options)
+
+
+def _check_adapters(adapters: Any, adapter_id: Any, names: Collection[str]) -> None:
+    """LMI's ``adapters`` (a name, or one per input) and ``parameters.adapter_id``: until adapters are
+    served, naming one is an invalid request (LMI's 424 ``Input Parsing failed``)."""
+    try:
+        for name in adapters if isinstance(adapters, list) else [adapters]:
+            check_adapter(name, names, "adapters")
+        check_adapter(adapter_id, names)
+    except AdapterNotFound as exc:
+        raise AdapterNotFound(PARSE_PREFIX + exc.message) from None
 
 
 def _copy(params: SamplingParams) -> SamplingParams:

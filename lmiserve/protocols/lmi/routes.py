@@ -36,7 +36,7 @@ from lmiserve.server.responses import raw_response
 async def rolling(request: Request, service: ModelService, payload: Any) -> Response:
     """A text-generation request on the continuous batch, answered by its output formatter."""
     engine = service.ready_generator()
-    call = lmi.parse(payload, service.limits)
+    call = lmi.parse(payload, service.limits, names=lmi.model_names(service))
     encoder = get_formatter(call.formatter, call.options)
     return await respond(request, tagged(engine.generate(call.requests[0])), encoder)
 
@@ -44,7 +44,7 @@ async def rolling(request: Request, service: ModelService, payload: Any) -> Resp
 async def dynamic_batch(request: Request, service: ModelService, payload: Any) -> Response:
     """rolling_batch=disable: each input is a request of one static batch; LMI's list schema."""
     engine = service.ready_generator()
-    call = lmi.parse(payload, service.limits, dynamic_batch=True)
+    call = lmi.parse(payload, service.limits, dynamic_batch=True, names=lmi.model_names(service))
     events = merge_tagged([engine.generate(r) for r in call.requests])
     if call.stream and service.settings.enable_streaming:
         encoder: DynamicBatchFormatter | DynamicBatchStreamFormatter = DynamicBatchStreamFormatter(len(call.requests))

@@ -19,6 +19,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from lmiserve import __version__
+from lmiserve.core.adapters import check_adapter
 from lmiserve.models.service import ModelService, default_llm
 from lmiserve.protocols.tgi import errors, responses
 from lmiserve.protocols.tgi.encoders import AnswerShape, GenerateEncoder, StreamEncoder
@@ -85,6 +86,7 @@ async def answer(request: Request, req: GenerateRequest, *, stream: bool, compat
         errors.errors_in_band(request)
     with enter(request) as slot:
         call = validate(req, model.limits, model.count_tokens, stream=stream)
+        check_adapter(req.effective_parameters().adapter_id, model.names())  # none served: 422
         await prepare(model.engine, [call.request])  # a bad grammar: 4xx before the stream
         timer.mark_validated()
         shape = AnswerShape.of(req.inputs, call)
