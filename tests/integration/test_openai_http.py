@@ -78,6 +78,27 @@ def test_chat_n_choices(client):
     assert body["usage"]["completion_tokens"] == 6
 
 
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_n_choices_stream_interleaved_on_the_real_engine(client, route):
+    first = {"messages": MESSAGES} if route.endswith("chat/completions") else {"prompt": "Deep learning is"}
+    payload = {**first, "max_tokens": 6, "n": 2, "seed": 1, "ignore_eos": True, "stream": True}
+    events = [e for e in openai_sse(client.post(route, json=payload).text) if e["choices"]]
+    order = [e["choices"][0]["index"] for e in events]
+    assert sorted(order) == [0] * 6 + [1] * 6
+    assert order.index(1) < len(order) - 1 - order[::-1].index(0)  # choice 1 streams while choice 0 does
+
+
+def test_roles_and_adapters_are_refused(client):
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].role"
+    r = client.post("/v1/chat/completions", json={"model": "tiny-lora", "messages": MESSAGES})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = client.post("/generate", json={"inputs": "Hi", "parameters": {"adapter_id": "tiny-lora"}})
+    assert r.status_code == 422 and r.json()["error_type"] == "validation"
+    r = client.post("/invocations", json={"inputs": "Hi", "adapters": "tiny-lora"})
+    assert r.status_code == 424 and "tiny-lora" in r.json()["error"]
+
+
 def test_chat_errors(client):
     r = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 5000})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
