@@ -69,6 +69,21 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # on CUDA, the share of the GPU the paged pool's default budget fills
 
 
+def _prompt_tokens_computed(plan: StepPlan, output: StepOutput) -> int:
+    """Prompt tokens the step computed for the first time (a preempted sequence's recompute, and the
+    generated tokens a recompute includes, are not prompt tokens processed again)."""
+    total = 0
+    for chunk in plan.prefill:
+        seq = chunk.seq
+        if seq.seq_id in output.errors:
+            continue
+        start, end = max(chunk.start, seq.prompt_counted), min(chunk.start + chunk.length, seq.prompt_len)
+        if end > start:
+            total += end - start
+            seq.prompt_counted = end
+    return total
+
+
 class _Handle:
     """One submitted request: its sequences and the queue their events (or its error) arrive on."""
 
@@ -384,7 +399,7 @@ class AsyncEngine:
         firsts, gaps = self._stamp(events, now)
         self.generated_tokens += len(firsts) + len(gaps)  # one of the two per token sampled
         if self._observers:
-            prompt_tokens = sum(c.length for c in plan.prefill if c.seq.seq_id not in output.errors)
+            prompt_tokens = _prompt_tokens_computed(plan, output)
             step = StepStats(
                 method="prefill" if plan.prefill else "decode",
                 duration=now - started,

@@ -228,12 +228,14 @@ class BlockScheduler:
             else:
                 match = self.pool.match_prefix(tokens, salt, max_tokens=len(tokens) - 1)
                 match_blocks, cached = match.blocks, match.num_cached_tokens
-                self._queried += len(tokens)
-                self._hits += cached
             remaining = len(tokens) - cached
             want = min(remaining, budget) if self.chunked_prefill else remaining
             if not self.pool.allocate(table, want, match_blocks):
                 break  # the pool is full: admissions wait (running sequences are never preempted for them)
+            if not seq.preemptions and not seq.params.decoder_input_details:
+                # a request's prompt is looked up once, when admitted (vLLM's counting)
+                self._queried += len(tokens)
+                self._hits += cached
             self.waiting.remove(seq)
             seq.status = SeqStatus.PREFILL
             if seq.scheduled_at is None:

@@ -55,6 +55,7 @@ class Sequence:
         self.slot: int | None = None
         self.block_table: BlockTable | None = None  # with the block scheduler: its blocks in the KV pool
         self.preemptions = 0  # times the block scheduler gave its blocks away (it then recomputes them)
+        self.prompt_counted = 0  # prompt tokens computed and counted in the stats (none counted twice)
         self.cache_salt: str | None = None  # vLLM's cache_salt: shares cached blocks only with the same salt
         self.kv_len = 0  # positions of this sequence written into the KV cache
         self.cached_tokens = 0  # prompt tokens whose KV came from the prefix cache

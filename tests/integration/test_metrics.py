@@ -225,6 +225,9 @@ def test_the_exposition_uses_tgis_and_vllms_spellings_and_buckets(metered):
         assert f"# TYPE {gauge} gauge\n" in text
     for counter in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total"):
         assert f"# TYPE {counter} counter\n" in text
+    assert "# TYPE vllm:num_preemptions_total counter\n" in text  # read from the engine at scrape time
+    labels = {"model_name": metered.name, "engine": "0"}
+    assert ("vllm:num_preemptions_total", labels, 0.0) in scrape.samples  # no preemption on a roomy pool
     assert scrape.buckets("tgi_request_duration") == [*TGI_DURATION_BUCKETS, float("inf")]
     assert scrape.buckets("vllm:time_to_first_token_seconds") == [*VLLM_TTFT_BUCKETS, float("inf")]
 

@@ -3,9 +3,10 @@
 `ModelObserver` (one per served model) is the `lmiserve.core.stats.EngineObserver` of that model's
 engine: it records what the engine reports into TGI's metrics (one server-wide set, no model label, as
 TGI serves one model) and vLLM's (labelled ``model_name`` and ``engine``, as vLLM's are). The gauges
-(batch size, queue size, KV cache use) are not kept here: `LiveCollector` reads the engines' live
-state when Prometheus scrapes. Names, types, labels and histogram buckets are those of TGI's router
-and of current vLLM (vllm/v1/metrics/loggers.py); docs/metrics.md, "The metrics", lists them.
+(batch size, queue size, KV cache use) and the preemption counter are not kept here: `LiveCollector`
+reads the engines' live state (`EngineSnapshot`) when Prometheus scrapes. Names, types, labels and
+histogram buckets are those of TGI's router and of current vLLM (vllm/v1/metrics/loggers.py);
+docs/metrics.md, "The metrics", lists them.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections import Counter as Tally
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from lmiserve.core.errors import InvalidRequest, LmiServeError, Overloaded, QueueTimeout
@@ -273,7 +274,7 @@ class ModelObserver:
 
 class LiveCollector(Collector):
     """The gauges, read from the engines when Prometheus scrapes: TGI's (summed over the served LLMs)
-    and vLLM's (per model)."""
+    and vLLM's (per model); and vLLM's preemption counter, which the engine keeps."""
 
     def __init__(self, models: Callable[[], Iterable[ModelService]], tgi: TgiMetrics, vllm: VllmMetrics) -> None:
         self._models = models
@@ -294,6 +295,9 @@ class LiveCollector(Collector):
             "Prefix cache usage: tokens held / tokens it can hold. 1 means 100 percent usage.",
             labels=labels,
         )
+        preemptions = CounterMetricFamily(
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine.", labels=labels
+        )
         size = queue = max_tokens = 0
         for service in self._models():
             engine = _generator(service)
@@ -304,6 +308,7 @@ class LiveCollector(Collector):
             running.add_metric(values, snap.running)
             waiting.add_metric(values, snap.waiting)
             kv.add_metric(values, snap.kv_usage)
+            preemptions.add_metric(values, snap.preemptions)
             if snap.prefix_cache_capacity:
                 prefix.add_metric(values, snap.prefix_cache_usage)
             size, queue, max_tokens = size + snap.running, queue + snap.waiting, max_tokens + snap.batch_max_tokens
@@ -311,6 +316,7 @@ class LiveCollector(Collector):
         yield waiting
         yield kv
         yield prefix
+        yield preemptions
         yield GaugeMetricFamily("tgi_batch_current_size", "Current batch size", value=size)
         yield GaugeMetricFamily(
             "tgi_batch_current_max_tokens", "Maximum tokens for the current batch", value=max_tokens
