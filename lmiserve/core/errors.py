@@ -26,6 +26,18 @@ class InvalidRequest(LmiServeError):
     """A payload or parameter value is invalid."""
 
 
+class ContextLengthExceeded(InvalidRequest):
+    """The prompt, or the prompt and the tokens asked for, do not fit the model's context (each protocol
+    words it its own way from the figures)."""
+
+    def __init__(self, message: str, *, input_tokens: int, max_new_tokens: int, max_total: int, max_input: int):
+        super().__init__(message)
+        self.input_tokens = input_tokens
+        self.max_new_tokens = max_new_tokens
+        self.max_total = max_total
+        self.max_input = max_input
+
+
 class InvalidInput(InvalidRequest):
     """A tensor payload does not fit the model (names, datatypes, shapes, values)."""
 

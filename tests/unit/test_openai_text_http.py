@@ -248,9 +248,11 @@ async def test_n_choices_stream_interleaved_as_they_are_generated(served, route)
     [
         (
             {"max_tokens": 5000},
-            error(
-                "`inputs` tokens + `max_new_tokens` must be <= 256. Given: 10 `inputs` tokens and 5000 `max_new_tokens`",
-                param="inputs",
+            error(  # OpenAI's words and code: clients (litellm, langchain) recognise a context overflow by them
+                "This model's maximum context length is 256 tokens. However, you requested 5010 tokens (10 in the "
+                "messages, 5000 in the completion). Please reduce the length of the messages or completion.",
+                param="messages",
+                code="context_length_exceeded",
             ),
         ),
         ({"top_p": 1.5}, error("`top_p` must be in (0, 1], got 1.5", param="top_p")),
@@ -260,6 +262,15 @@ async def test_n_choices_stream_interleaved_as_they_are_generated(served, route)
         ),
         ({"temperature": 5}, error("`temperature` must be in [0, 2], got 5", param="temperature")),
         ({"n": 17}, error("`n` must be <= 16. Given: 17", param="n")),
+        (
+            {"messages": [{"role": "user", "content": "word " * 300}]},
+            error(
+                "This model's maximum context length is 256 tokens (at most 255 in the messages). However, your "
+                "messages resulted in 606 tokens. Please reduce the length of the messages.",
+                param="messages",
+                code="context_length_exceeded",
+            ),
+        ),
         ({"response_format": {"type": "yaml"}}, None),
         ({"guided_regex": "(("}, None),
         ({"guided_regex": "a+", "guided_choice": ["b"]}, None),
@@ -275,6 +286,7 @@ async def test_n_choices_stream_interleaved_as_they_are_generated(served, route)
         "n-greedy",
         "temperature",
         "n-max",
+        "prompt-too-long",
         "format",
         "regex",
         "two",

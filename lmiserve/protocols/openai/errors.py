@@ -25,6 +25,7 @@ import re
 from typing import ClassVar, NamedTuple
 
 from lmiserve.core.errors import (
+    ContextLengthExceeded,
     GenerationFailed,
     HeadersTooLarge,
     InvalidRequest,
@@ -73,6 +74,29 @@ class InvalidValue(InvalidRequest):
         self.param = param
 
 
+class ContextWindowExceeded(InvalidRequest):
+    """The prompt (and `max_tokens`) over the model's context, in OpenAI's words and with its code
+    ``context_length_exceeded`` (clients such as litellm and langchain recognise it)."""
+
+    def __init__(self, exc: ContextLengthExceeded, param: str):
+        unit = "messages" if param == "messages" else "prompt"
+        if exc.input_tokens > exc.max_input:
+            message = (
+                f"This model's maximum context length is {exc.max_total} tokens (at most {exc.max_input} in the "
+                f"{unit}). However, your {unit} resulted in {exc.input_tokens} tokens. Please reduce the length "
+                f"of the {unit}."
+            )
+        else:
+            total = exc.input_tokens + exc.max_new_tokens
+            message = (
+                f"This model's maximum context length is {exc.max_total} tokens. However, you requested {total} "
+                f"tokens ({exc.input_tokens} in the {unit}, {exc.max_new_tokens} in the completion). Please "
+                f"reduce the length of the {unit} or completion."
+            )
+        super().__init__(message)
+        self.param = param
+
+
 class Kind(NamedTuple):
     status: int
     type: str
@@ -94,6 +118,7 @@ KINDS: dict[type[LmiServeError], Kind] = {
     Unauthorized: Kind(401, "authentication_error", "invalid_api_key", "Invalid or missing API key."),
     ModelNotFound: Kind(404, "not_found_error", "model_not_found"),
     InvalidValue: Kind(400, "invalid_request_error", "invalid_value"),
+    ContextWindowExceeded: Kind(400, "invalid_request_error", "context_length_exceeded"),
     Overloaded: Kind(429, "rate_limit_error", None, "The server is overloaded, please retry later."),
     ModelNotReady: Kind(503, "service_unavailable_error", None, "The model is not ready."),
     QueueTimeout: Kind(503, "service_unavailable_error"),
@@ -102,7 +127,7 @@ KINDS: dict[type[LmiServeError], Kind] = {
 
 def param(exc: LmiServeError) -> str | None:
     """The request field an error is about, when its message says it (else None)."""
-    if isinstance(exc, InvalidValue):
+    if isinstance(exc, (InvalidValue, ContextWindowExceeded)):
         return exc.param
     if isinstance(exc, ModelNotFound):
         return "model"

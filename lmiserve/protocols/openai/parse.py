@@ -16,11 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lmiserve.core import constraints
-from lmiserve.core.errors import InvalidRequest, excerpt
+from lmiserve.core.errors import ContextLengthExceeded, InvalidRequest, excerpt
 from lmiserve.core.grammar import Grammar
 from lmiserve.protocols.openai import sampling as openai_sampling
 from lmiserve.protocols.openai import scoring
-from lmiserve.protocols.openai.errors import InvalidValue, SuffixUnsupported, TooManyPrompts
+from lmiserve.protocols.openai.errors import ContextWindowExceeded, InvalidValue, SuffixUnsupported, TooManyPrompts
 from lmiserve.protocols.openai.schema import ChatRequest, CompletionRequest
 from lmiserve.server.textgen.errors import ToolError
 from lmiserve.server.textgen.limits import TextGenLimits
@@ -95,7 +95,11 @@ def chat(
         seed=req.seed,
         details=True,
     )
-    call = _vllm_extensions(build(prompt, params, limits, count_tokens, stream=req.stream), req)
+    try:
+        built = build(prompt, params, limits, count_tokens, stream=req.stream)
+    except ContextLengthExceeded as exc:
+        raise ContextWindowExceeded(exc, "messages") from None
+    call = _vllm_extensions(built, req)
     call.request.params.top_n_tokens = call.top_n_tokens = top_n  # limited by max_logprobs (checked above)
     scoring.chat_prompt_logprobs(call, req, limits)
     openai_sampling.apply(call.request.params, req, bias)
@@ -164,7 +168,10 @@ def completion(
             seed=req.seed,
             details=True,
         )
-        call = build(prompt.checked_text, params, limits, prompt.counter(count_tokens), stream=req.stream)
+        try:
+            call = build(prompt.checked_text, params, limits, prompt.counter(count_tokens), stream=req.stream)
+        except ContextLengthExceeded as exc:
+            raise ContextWindowExceeded(exc, "prompt") from None
         call = scoring.apply(_vllm_extensions(call, req), req, prompt, top_n)
         openai_sampling.apply(call.request.params, req, bias)
         calls.append(_with_n(call, req.n or 1, call.sampling))

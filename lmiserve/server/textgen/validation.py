@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from lmiserve.core import constraints
-from lmiserve.core.errors import InvalidRequest
+from lmiserve.core.errors import ContextLengthExceeded, InvalidRequest
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.server.textgen.limits import TextGenLimits
 from lmiserve.server.textgen.parameters import TextGenParameters
@@ -129,10 +129,19 @@ def build(
 
 def check_lengths(input_length: int, max_new: int, limits: TextGenLimits) -> None:
     """The total check first, then the input length (equal to max_input_tokens is allowed)."""
+    figures = {
+        "input_tokens": input_length,
+        "max_new_tokens": max_new,
+        "max_total": limits.max_total_tokens,
+        "max_input": limits.max_input_tokens,
+    }
     if input_length + max_new > limits.max_total_tokens:
-        raise InvalidRequest(
+        raise ContextLengthExceeded(
             f"`inputs` tokens + `max_new_tokens` must be <= {limits.max_total_tokens}. "
-            f"Given: {input_length} `inputs` tokens and {max_new} `max_new_tokens`"
+            f"Given: {input_length} `inputs` tokens and {max_new} `max_new_tokens`",
+            **figures,
         )
     if input_length > limits.max_input_tokens:
-        raise InvalidRequest(f"`inputs` must have less than {limits.max_input_tokens} tokens. Given: {input_length}")
+        raise ContextLengthExceeded(
+            f"`inputs` must have less than {limits.max_input_tokens} tokens. Given: {input_length}", **figures
+        )
