@@ -9,12 +9,12 @@ import pytest
 
 from lmiserve.core.errors import InvalidRequest, LmiServeError, TemplateError
 from lmiserve.core.grammar import Grammar
+from lmiserve.core.limits import TextGenLimits as TgiLimits
 from lmiserve.protocols.openai import parse as adapter
 from lmiserve.protocols.openai.errors import RENDERER
 from lmiserve.protocols.openai.schema import ChatRequest, CompletionRequest
-from lmiserve.server.textgen.errors import ToolError
-from lmiserve.server.textgen.limits import TextGenLimits as TgiLimits
-from lmiserve.server.textgen.served import Served
+from lmiserve.protocols.textgen.errors import ToolError
+from lmiserve.protocols.textgen.served import Served
 
 LIMITS = TgiLimits(max_input_tokens=100, max_total_tokens=200)
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 
 from lmiserve.core.errors import InvalidRequest, LmiServeError
+from lmiserve.core.limits import TextGenLimits as TgiLimits
 from lmiserve.engine.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
 from lmiserve.protocols.openai import encoders as fmt
 from lmiserve.protocols.openai import parse as adapter
 from lmiserve.protocols.openai.errors import RENDERER
 from lmiserve.protocols.openai.schema import ChatRequest, CompletionRequest
-from lmiserve.server.textgen.limits import TextGenLimits as TgiLimits
 
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "golden" / "openai"
 CREATED = 1700000000

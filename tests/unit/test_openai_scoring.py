@@ -10,12 +10,12 @@ import json
 import pytest
 import torch
 
+from lmiserve.core.limits import TextGenLimits
 from lmiserve.engine.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
 from lmiserve.protocols.openai import encoders as fmt
 from lmiserve.protocols.openai import parse as adapter
 from lmiserve.protocols.openai.schema import CompletionRequest
-from lmiserve.server.textgen.limits import TextGenLimits
 
 PROMPT = "Deep learning is a branch of machine learning"
 LIMITS = TextGenLimits(max_input_tokens=255, max_total_tokens=256)

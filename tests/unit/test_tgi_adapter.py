@@ -9,11 +9,11 @@ import pytest
 
 from lmiserve.core.errors import GenerationFailed, InvalidRequest, ModelNotReady, Overloaded
 from lmiserve.core.grammar import Grammar
+from lmiserve.core.limits import TextGenLimits as TgiLimits
+from lmiserve.protocols.textgen.generation import generate
+from lmiserve.protocols.textgen.validation import build
 from lmiserve.protocols.tgi.errors import RENDERER
 from lmiserve.protocols.tgi.schema import GenerateRequest, TgiParameters
-from lmiserve.server.textgen.generation import generate
-from lmiserve.server.textgen.limits import TextGenLimits as TgiLimits
-from lmiserve.server.textgen.validation import build
 
 LIMITS = TgiLimits(max_input_tokens=10, max_total_tokens=16)
 

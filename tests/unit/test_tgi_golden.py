@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 
 from lmiserve.core.errors import InvalidRequest
+from lmiserve.core.limits import TextGenLimits as TgiLimits
 from lmiserve.engine.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
+from lmiserve.protocols.textgen.validation import build
 from lmiserve.protocols.tgi import encoders as fmt
 from lmiserve.protocols.tgi.errors import RENDERER
 from lmiserve.protocols.tgi.schema import TgiParameters
-from lmiserve.server.textgen.limits import TextGenLimits as TgiLimits
-from lmiserve.server.textgen.validation import build
 
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "golden" / "tgi"
 PROMPT = "Deep learning is"

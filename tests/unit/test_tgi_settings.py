@@ -9,7 +9,7 @@ import pytest
 
 from lmiserve.cli import build_parser
 from lmiserve.config import ConfigError, load_settings
-from lmiserve.server.textgen.limits import limits_for as tgi_limits
+from lmiserve.core.limits import limits_for as tgi_limits
 
 
 def test_tgi_defaults():

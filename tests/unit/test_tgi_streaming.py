@@ -7,10 +7,10 @@ import asyncio
 
 from lmiserve.core.errors import Overloaded
 from lmiserve.core.events import Finish, FinishReason, StepEvent, Token
+from lmiserve.protocols.textgen.admission import Admission
 from lmiserve.protocols.tgi.errors import RENDERER
 from lmiserve.server.pipeline import DisconnectAwareStream, respond
 from lmiserve.server.sse import KEEPALIVE, keepalive
-from lmiserve.server.textgen.admission import Admission
 
 
 async def serve(response, *, disconnect: asyncio.Event | None = None) -> list[bytes]:

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from lmiserve.server.textgen.tools.output import Arguments, CallStart, Content, ToolOutput
+from lmiserve.protocols.textgen.tools.output import Arguments, CallStart, Content, ToolOutput
 
 ONE_CALL = '{"name": "get_weather", "parameters": {"city": "Pa\\"ris \\u00e9", "days": [1, 2], "x": null}}'
 TWO_CALLS = '[{"name":"a","parameters":{}}, {"name":"b","parameters":{"x":-1.5e3,"ok":true}}]'

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 
 from helpers.tiny_model import CHAT_TEMPLATE, build_tiny_tokenizer
-from lmiserve.server.textgen.chat import ChatRequest
-from lmiserve.server.textgen.errors import ToolError
-from lmiserve.server.textgen.limits import TextGenLimits
-from lmiserve.server.textgen.served import Served
-from lmiserve.server.textgen.tools.prompt import render_conversation
-from lmiserve.server.textgen.tools.spec import tool_spec
+from lmiserve.core.limits import TextGenLimits
+from lmiserve.protocols.textgen.chat import ChatRequest
+from lmiserve.protocols.textgen.errors import ToolError
+from lmiserve.protocols.textgen.served import Served
+from lmiserve.protocols.textgen.tools.prompt import render_conversation
+from lmiserve.protocols.textgen.tools.spec import tool_spec
 
 WEATHER = {
     "type": "function",

@@ -10,10 +10,10 @@ import jsonschema
 import pytest
 
 from lmiserve.protocols.openai.errors import RENDERER
-from lmiserve.server.textgen.errors import ToolError
-from lmiserve.server.textgen.tools.output import ToolOutput
-from lmiserve.server.textgen.tools.schema import MAX_PARALLEL_CALLS, output_grammar, output_schema
-from lmiserve.server.textgen.tools.spec import NO_PARAMETERS, tool_spec
+from lmiserve.protocols.textgen.errors import ToolError
+from lmiserve.protocols.textgen.tools.output import ToolOutput
+from lmiserve.protocols.textgen.tools.schema import MAX_PARALLEL_CALLS, output_grammar, output_schema
+from lmiserve.protocols.textgen.tools.spec import NO_PARAMETERS, tool_spec
 
 WEATHER = {
     "type": "function",

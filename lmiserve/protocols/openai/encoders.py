@@ -20,9 +20,9 @@ from lmiserve.core.events import Finish, FinishReason, StepEvent, Token
 from lmiserve.protocols.openai import scoring
 from lmiserve.protocols.openai.errors import DONE, RENDERER
 from lmiserve.protocols.openai.reasoning import Reasoning, Splitter
+from lmiserve.protocols.textgen.sequences import Sequence, sequences
+from lmiserve.protocols.textgen.wire import SSE_CONTENT_TYPE, dumps
 from lmiserve.server import sse
-from lmiserve.server.textgen.sequences import Sequence, sequences
-from lmiserve.server.textgen.wire import SSE_CONTENT_TYPE, dumps
 
 __all__ = [
     "DONE",

@@ -42,11 +42,11 @@ from lmiserve.core.errors import (
     UnsupportedMediaType,
 )
 from lmiserve.protocols.openai import responses
+from lmiserve.protocols.textgen.errors import ToolError
+from lmiserve.protocols.textgen.wire import dumps
 from lmiserve.server import sse
 from lmiserve.server.apidoc import JSON, Reply
 from lmiserve.server.errors import ErrorRenderer, lookup
-from lmiserve.server.textgen.errors import ToolError
-from lmiserve.server.textgen.wire import dumps
 
 DONE = b"data: [DONE]\n\n"  # the last event of every OpenAI stream
 _FIELD = re.compile(r"^`(\w+)`")  # a validation message that starts with the field it is about

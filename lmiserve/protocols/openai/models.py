@@ -13,11 +13,11 @@ from starlette.routing import BaseRoute, Route
 
 from lmiserve.models.service import ModelService
 from lmiserve.protocols.openai.errors import RENDERER
+from lmiserve.protocols.textgen.served import Served
+from lmiserve.protocols.textgen.wire import dumps
 from lmiserve.server import apidoc
 from lmiserve.server.errors import protocol_routes
 from lmiserve.server.responses import raw_response
-from lmiserve.server.textgen.served import Served
-from lmiserve.server.textgen.wire import dumps
 
 
 class ModelCard(BaseModel):

@@ -18,17 +18,17 @@ from dataclasses import dataclass, field
 from lmiserve.core import constraints
 from lmiserve.core.errors import ContextLengthExceeded, InvalidRequest, excerpt
 from lmiserve.core.grammar import Grammar
+from lmiserve.core.limits import TextGenLimits
 from lmiserve.protocols.openai import sampling as openai_sampling
 from lmiserve.protocols.openai import scoring
 from lmiserve.protocols.openai.errors import ContextWindowExceeded, InvalidValue, SuffixUnsupported, TooManyPrompts
 from lmiserve.protocols.openai.schema import ChatRequest, CompletionRequest
-from lmiserve.server.textgen.errors import ToolError
-from lmiserve.server.textgen.limits import TextGenLimits
-from lmiserve.server.textgen.parameters import TextGenParameters
-from lmiserve.server.textgen.tools.prompt import Render, render_conversation
-from lmiserve.server.textgen.tools.schema import output_grammar
-from lmiserve.server.textgen.tools.spec import ToolSpec, tool_spec
-from lmiserve.server.textgen.validation import TextGenCall, build
+from lmiserve.protocols.textgen.errors import ToolError
+from lmiserve.protocols.textgen.parameters import TextGenParameters
+from lmiserve.protocols.textgen.tools.prompt import Render, render_conversation
+from lmiserve.protocols.textgen.tools.schema import output_grammar
+from lmiserve.protocols.textgen.tools.spec import ToolSpec, tool_spec
+from lmiserve.protocols.textgen.validation import TextGenCall, build
 
 MAX_N = 16  # most sequences one request may ask the engine for
 # the message roles OpenAI (and vLLM) accept, in the order OpenAI's error message lists them

@@ -29,7 +29,7 @@ from typing import Any
 
 from lmiserve.config.settings import REASONING_PRESETS, Settings
 from lmiserve.core.grammar import Grammar
-from lmiserve.server.textgen.sequences import Sequence
+from lmiserve.protocols.textgen.sequences import Sequence
 
 _BEFORE, _INSIDE, _AFTER = "before", "inside", "after"
 

@@ -17,17 +17,17 @@ from lmiserve.protocols.openai.errors import RENDERER
 from lmiserve.protocols.openai.reasoning import Reasoning
 from lmiserve.protocols.openai.schema import ChatRequest, CompletionRequest
 from lmiserve.protocols.openai.tool_calls import ToolChatStreamEncoder, tool_answer
+from lmiserve.protocols.textgen.admission import enter
+from lmiserve.protocols.textgen.body import json_payload, parse
+from lmiserve.protocols.textgen.generation import generate as engine_events
+from lmiserve.protocols.textgen.generation import prepare
+from lmiserve.protocols.textgen.served import served
+from lmiserve.protocols.textgen.timing import Timer
+from lmiserve.protocols.textgen.wire import SSE_HEADERS
 from lmiserve.server import apidoc
 from lmiserve.server.errors import protocol_routes, rendered_by
 from lmiserve.server.pipeline import respond
 from lmiserve.server.sse import keepalive
-from lmiserve.server.textgen.admission import enter
-from lmiserve.server.textgen.body import json_payload, parse
-from lmiserve.server.textgen.generation import generate as engine_events
-from lmiserve.server.textgen.generation import prepare
-from lmiserve.server.textgen.served import served
-from lmiserve.server.textgen.timing import Timer
-from lmiserve.server.textgen.wire import SSE_HEADERS
 
 
 async def chat_completions(request: Request) -> Response:

@@ -1,5 +1,5 @@
 """OpenAI-compatible request bodies: chat completions (`ChatRequest`: the body TGI's /chat_tokenize
-reads, `lmiserve.server.textgen.chat`, with OpenAI's and vLLM's sampling fields) and completions.
+reads, `lmiserve.protocols.textgen.chat`, with OpenAI's and vLLM's sampling fields) and completions.
 
 Unknown keys are accepted and ignored, each name logged once at WARNING (as vLLM does);
 ``"stop": null`` and ``"stream_options": null`` are accepted.
@@ -13,9 +13,9 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
 from lmiserve.core.errors import excerpt
-from lmiserve.server.textgen.chat import ChatRequest as TextGenChatRequest
-from lmiserve.server.textgen.chat import Message, SamplingFields, StreamOptions
-from lmiserve.server.textgen.parameters import UINT32
+from lmiserve.protocols.textgen.chat import ChatRequest as TextGenChatRequest
+from lmiserve.protocols.textgen.chat import Message, SamplingFields, StreamOptions
+from lmiserve.protocols.textgen.parameters import UINT32
 
 __all__ = ["ChatRequest", "CompletionRequest", "Message", "StreamOptions"]
 

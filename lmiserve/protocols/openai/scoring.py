@@ -24,9 +24,9 @@ from typing import Any
 
 from lmiserve.core.errors import InvalidRequest
 from lmiserve.core.events import Finish, Token
+from lmiserve.core.limits import TextGenLimits
 from lmiserve.protocols.openai.errors import EmptyPrompt
-from lmiserve.server.textgen.limits import TextGenLimits
-from lmiserve.server.textgen.validation import TextGenCall
+from lmiserve.protocols.textgen.validation import TextGenCall
 
 LOGPROB_FLOOR = -9999.0  # vLLM's: -inf is not JSON
 

@@ -37,12 +37,12 @@ from lmiserve.core.errors import (
 )
 from lmiserve.models.service import model_service
 from lmiserve.protocols.openai import errors
+from lmiserve.protocols.textgen.body import json_payload
+from lmiserve.protocols.textgen.served import Served, served
+from lmiserve.protocols.textgen.wire import dumps
 from lmiserve.server import apidoc
 from lmiserve.server.errors import protocol_routes, rendered_by
 from lmiserve.server.responses import raw_response
-from lmiserve.server.textgen.body import json_payload
-from lmiserve.server.textgen.served import Served, served
-from lmiserve.server.textgen.wire import dumps
 
 TAG = "vLLM"
 

@@ -1,4 +1,4 @@
-"""Chat answers generated under tools (see `lmiserve.server.textgen.tools`): the generated JSON read
+"""Chat answers generated under tools (see `lmiserve.protocols.textgen.tools`): the generated JSON read
 back as OpenAI's ``tool_calls``.
 
 Whole answer: calls give ``message = {"role": "assistant", "content": null, "tool_calls": [{"id":
@@ -30,10 +30,10 @@ from lmiserve.core.events import Finish, StepEvent
 from lmiserve.protocols.openai.encoders import Answer, Envelope, chat_logprob, finish_reason, stop_reason, usage
 from lmiserve.protocols.openai.errors import DONE, RENDERER
 from lmiserve.protocols.openai.reasoning import Reasoning, Splitter
+from lmiserve.protocols.textgen.sequences import Sequence
+from lmiserve.protocols.textgen.tools.output import Arguments, CallStart, Content, Piece, ToolOutput
+from lmiserve.protocols.textgen.wire import SSE_CONTENT_TYPE, dumps
 from lmiserve.server import sse
-from lmiserve.server.textgen.sequences import Sequence
-from lmiserve.server.textgen.tools.output import Arguments, CallStart, Content, Piece, ToolOutput
-from lmiserve.server.textgen.wire import SSE_CONTENT_TYPE, dumps
 
 CallIds = Callable[[], str]
 

@@ -14,11 +14,11 @@ from typing import Any
 
 from lmiserve.core.errors import IncompleteGeneration, LmiServeError
 from lmiserve.core.events import Finish, StepEvent, Token
+from lmiserve.protocols.textgen.sequences import Sequence, sequences
+from lmiserve.protocols.textgen.validation import TextGenCall
+from lmiserve.protocols.textgen.wire import SSE_CONTENT_TYPE, dumps
 from lmiserve.protocols.tgi.errors import RENDERER
 from lmiserve.server import sse
-from lmiserve.server.textgen.sequences import Sequence, sequences
-from lmiserve.server.textgen.validation import TextGenCall
-from lmiserve.server.textgen.wire import SSE_CONTENT_TYPE, dumps
 
 __all__ = ["AnswerShape", "GenerateEncoder", "StreamEncoder", "dumps", "generate_body", "sequences", "token_obj"]
 

@@ -1,4 +1,4 @@
-"""TGI's error answers (see `lmiserve.server.textgen.errors` for the shapes it shares with the OpenAI
+"""TGI's error answers (see `lmiserve.protocols.textgen.errors` for the shapes it shares with the OpenAI
 routes), and its native streams' in-band errors.
 
 A native stream (/generate_stream, and POST / with ``stream: true``) answers every error found once
@@ -14,10 +14,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from lmiserve.core.errors import IncompleteGeneration, LmiServeError, ModelNotReady, ModelRequired
+from lmiserve.protocols.textgen.errors import TextGenRenderer
+from lmiserve.protocols.textgen.wire import SSE_CONTENT_TYPE, SSE_HEADERS, dumps
 from lmiserve.server import sse
 from lmiserve.server.responses import raw_response
-from lmiserve.server.textgen.errors import TextGenRenderer
-from lmiserve.server.textgen.wire import SSE_CONTENT_TYPE, SSE_HEADERS, dumps
 
 _IN_BAND = "tgi_errors_in_band"
 

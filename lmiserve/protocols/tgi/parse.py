@@ -1,13 +1,13 @@
 """A TGI generate request -> one validated engine call (TGI's checks, in its order, with its
-messages: `lmiserve.server.textgen.validation`)."""
+messages: `lmiserve.protocols.textgen.validation`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from lmiserve.core.limits import TextGenLimits
+from lmiserve.protocols.textgen.validation import TextGenCall, build
 from lmiserve.protocols.tgi.schema import GenerateRequest
-from lmiserve.server.textgen.limits import TextGenLimits
-from lmiserve.server.textgen.validation import TextGenCall, build
 
 
 def validate(

@@ -21,6 +21,16 @@ from starlette.routing import BaseRoute, Route
 from lmiserve import __version__
 from lmiserve.core.adapters import check_adapter
 from lmiserve.models.service import ModelService, default_llm
+from lmiserve.protocols.textgen.admission import enter
+from lmiserve.protocols.textgen.body import json_payload, parse
+from lmiserve.protocols.textgen.chat import ChatRequest
+from lmiserve.protocols.textgen.generation import generate as engine_events
+from lmiserve.protocols.textgen.generation import prepare
+from lmiserve.protocols.textgen.served import Served, ready_llm, served
+from lmiserve.protocols.textgen.timing import Timer
+from lmiserve.protocols.textgen.tools.prompt import render_conversation
+from lmiserve.protocols.textgen.tools.spec import tool_spec
+from lmiserve.protocols.textgen.wire import SSE_HEADERS, dumps
 from lmiserve.protocols.tgi import errors, responses
 from lmiserve.protocols.tgi.encoders import AnswerShape, GenerateEncoder, StreamEncoder
 from lmiserve.protocols.tgi.errors import RENDERER
@@ -31,16 +41,6 @@ from lmiserve.server.errors import protocol_routes, rendered_by
 from lmiserve.server.pipeline import respond
 from lmiserve.server.responses import raw_response
 from lmiserve.server.sse import keepalive
-from lmiserve.server.textgen.admission import enter
-from lmiserve.server.textgen.body import json_payload, parse
-from lmiserve.server.textgen.chat import ChatRequest
-from lmiserve.server.textgen.generation import generate as engine_events
-from lmiserve.server.textgen.generation import prepare
-from lmiserve.server.textgen.served import Served, ready_llm, served
-from lmiserve.server.textgen.timing import Timer
-from lmiserve.server.textgen.tools.prompt import render_conversation
-from lmiserve.server.textgen.tools.spec import tool_spec
-from lmiserve.server.textgen.wire import SSE_HEADERS, dumps
 
 UNHEALTHY = dumps({"error": "unhealthy", "error_type": "healthcheck"})
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr
 
-from lmiserve.server.textgen.parameters import TextGenParameters
+from lmiserve.protocols.textgen.parameters import TextGenParameters
 
 TgiParameters = TextGenParameters  # the ``parameters`` object
 

@@ -21,9 +21,9 @@ from prometheus_client.registry import Collector
 
 from lmiserve.core.errors import InvalidRequest, LmiServeError, Overloaded, QueueTimeout
 from lmiserve.core.events import FinishReason
+from lmiserve.core.limits import limits_for
 from lmiserve.core.stats import RequestStats, StepStats
 from lmiserve.models.service import ModelService
-from lmiserve.server.textgen.limits import limits_for
 
 ENGINE = "0"  # vLLM's engine label: lmiserve runs one engine per model
 

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
 
-from lmiserve.server.textgen.parameters import UINT32, UINT64
+from lmiserve.protocols.textgen.parameters import UINT32, UINT64
 
 
 class StreamOptions(BaseModel):

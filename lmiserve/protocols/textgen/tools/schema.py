@@ -24,7 +24,7 @@ import json
 from typing import Any
 
 from lmiserve.core.grammar import Grammar
-from lmiserve.server.textgen.tools.spec import Function, ToolSpec
+from lmiserve.protocols.textgen.tools.spec import Function, ToolSpec
 
 MAX_PARALLEL_CALLS = 8
 NO_TOOL: dict[str, Any] = {

@@ -14,9 +14,9 @@ from starlette.requests import Request
 from lmiserve import __version__
 from lmiserve.core.engine import TextGenerator
 from lmiserve.core.errors import InvalidRequest, TemplateError
+from lmiserve.core.limits import TextGenLimits, limits_for
 from lmiserve.models.bundled import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
 from lmiserve.models.service import ModelService, default_llm
-from lmiserve.server.textgen.limits import TextGenLimits, limits_for
 
 TGI_CLIENT_NAMES = ("tgi", "dummy")  # the `model` TGI's clients send to a TGI endpoint
 

@@ -42,10 +42,10 @@ from lmiserve.core.errors import (
     Unsupported,
     UnsupportedMediaType,
 )
+from lmiserve.protocols.textgen.wire import dumps
 from lmiserve.server.apidoc import JSON, STRING, TEXT, Reply
 from lmiserve.server.errors import ErrorRenderer, lookup
 from lmiserve.server.responses import raw_response
-from lmiserve.server.textgen.wire import dumps
 
 PLAIN = "text/plain; charset=utf-8"
 GENERATION_PREFIX = "Request failed during generation: "

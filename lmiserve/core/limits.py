@@ -1,4 +1,5 @@
-"""The router limits of TGI's launcher, resolved against the served model."""
+"""The text routes' request limits (TGI's router limits, OpenAI's max_logprobs), resolved against the
+served model (TGI's and OpenAI's routes apply them; the metrics size TGI's token histograms by them)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from typing import Literal
 
-from lmiserve.server.textgen.tools.json_scan import WHITESPACE, JsonScanner, Kind, Path
+from lmiserve.protocols.textgen.tools.json_scan import WHITESPACE, JsonScanner, Kind, Path
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from lmiserve.core import constraints
 from lmiserve.core.errors import ContextLengthExceeded, InvalidRequest
+from lmiserve.core.limits import TextGenLimits
 from lmiserve.core.request import GenerationRequest, SamplingParams
-from lmiserve.server.textgen.limits import TextGenLimits
-from lmiserve.server.textgen.parameters import TextGenParameters
+from lmiserve.protocols.textgen.parameters import TextGenParameters
 
 
 @dataclass

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from lmiserve.server.textgen.errors import ToolError
+from lmiserve.protocols.textgen.errors import ToolError
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 Mode = Literal["none", "auto", "required", "named"]

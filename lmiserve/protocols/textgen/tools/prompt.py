@@ -23,9 +23,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lmiserve.core.errors import TemplateError
-from lmiserve.server.textgen.chat import Message
-from lmiserve.server.textgen.errors import ToolError
-from lmiserve.server.textgen.tools.spec import NO_PARAMETERS, Function, ToolSpec
+from lmiserve.protocols.textgen.chat import Message
+from lmiserve.protocols.textgen.errors import ToolError
+from lmiserve.protocols.textgen.tools.spec import NO_PARAMETERS, Function, ToolSpec
 
 Render = Callable[..., str]  # (messages, tools=...) -> prompt text; raises TemplateError
 
