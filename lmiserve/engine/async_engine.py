@@ -16,7 +16,7 @@ import random
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from lmiserve.core.aio import cancel_and_wait
 from lmiserve.core.errors import InvalidRequest, LmiServeError, Overloaded, QueueTimeout, ShuttingDown
@@ -116,25 +116,24 @@ class AsyncEngine:
         self.config = config
         self.scheduler: Scheduler | BlockScheduler
         self.pool: BlockPool | None = None
-        pool_blocks = runner.num_blocks
-        if pool_blocks is not None:  # a paged runner: the block scheduler plans over its pool
+        options: dict[str, Any] = {
+            "chunked_prefill": not config.batch_invariant,
+            "static_batching": config.static_batching,
+            "batch_size": config.batch_size,
+            "max_batch_delay": config.max_batch_delay,
+            "queue_timeout": config.predict_timeout,
+            "prefill_floor": floor,
+        }
+        limits = (config.max_running, config.max_prefill_tokens)
+        if runner.num_blocks is not None:  # a paged runner: the block scheduler plans over its pool
             self.prefix = None
-            self.pool = BlockPool(pool_blocks, runner.block_size, enable_prefix_caching=config.prefix_cache_bytes > 0)
-            self.scheduler = BlockScheduler(
-                self.pool,
-                config.max_running,
-                config.max_prefill_tokens,
-                chunked_prefill=not config.batch_invariant,
-                static_batching=config.static_batching,
-                batch_size=config.batch_size,
-                max_batch_delay=config.max_batch_delay,
-                queue_timeout=config.predict_timeout,
-                prefill_floor=floor,
-            )
+            caching = config.prefix_cache_bytes > 0
+            self.pool = BlockPool(runner.num_blocks, runner.block_size, enable_prefix_caching=caching)
+            self.scheduler = BlockScheduler(self.pool, *limits, **options)
         else:
             blocks = runner.enable_prefix_cache(config.prefix_cache_bytes, config.prefix_block_size)
             self.prefix = PrefixIndex(blocks, config.prefix_block_size) if blocks else None
-            self.scheduler = self._slot_scheduler(config, floor)
+            self.scheduler = Scheduler(*limits, prefix=self.prefix, **options)
         self._handles: dict[int, _Handle] = {}  # seq_id -> handle
         self._ids = itertools.count(1)
         self._wakeup = asyncio.Event()
@@ -151,19 +150,6 @@ class AsyncEngine:
                 f"the prompt and max_new_tokens need the KV cache of {tokens} tokens, more than the whole "
                 f"KV cache holds ({pool.num_blocks * pool.block_size} tokens, kv_cache_memory_bytes)"
             )
-
-    def _slot_scheduler(self, config: EngineConfig, floor: int | None) -> Scheduler:
-        return Scheduler(
-            config.max_running,
-            config.max_prefill_tokens,
-            chunked_prefill=not config.batch_invariant,
-            static_batching=config.static_batching,
-            batch_size=config.batch_size,
-            max_batch_delay=config.max_batch_delay,
-            queue_timeout=config.predict_timeout,
-            prefill_floor=floor,
-            prefix=self.prefix,
-        )
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:

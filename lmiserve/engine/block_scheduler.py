@@ -31,12 +31,12 @@ the first has computed its prompt, then start from its blocks.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.engine.kv_blocks import BlockPool, BlockTable
-from lmiserve.engine.scheduler import PrefillChunk, StepOutput, StepPlan
+from lmiserve.engine.scheduler import PrefillChunk, SchedulerBase, StepOutput, StepPlan
 from lmiserve.engine.sequence import SeqStatus, Sequence
 
 
@@ -55,35 +55,13 @@ def _precedence(seq: Sequence) -> tuple[int, float, int]:
     return (seq.priority, seq.arrival, seq.seq_id)
 
 
-class BlockScheduler:
-    def __init__(
-        self,
-        pool: BlockPool,
-        max_running: int = 32,
-        max_prefill_tokens: int = 2048,
-        *,
-        chunked_prefill: bool = True,
-        static_batching: bool = False,
-        batch_size: int = 1,
-        max_batch_delay: float = 0.1,
-        queue_timeout: float | None = None,
-        prefill_floor: int | None = None,
-    ) -> None:
+class BlockScheduler(SchedulerBase):
+    def __init__(self, pool: BlockPool, max_running: int = 32, max_prefill_tokens: int = 2048, **options: Any) -> None:
+        """`options`: `SchedulerBase`'s."""
+        super().__init__(max_running, max_prefill_tokens, **options)
         self.pool = pool
-        self.max_running = max_running
-        self.max_prefill_tokens = max_prefill_tokens
-        self.chunked_prefill = chunked_prefill
-        self.static_batching = static_batching
-        self.batch_size = batch_size
-        self.max_batch_delay = max_batch_delay
-        self.queue_timeout = queue_timeout
-        self.prefill_floor = prefill_floor
         self.prefix = None  # the slot scheduler's separate prefix cache: here the pool is the cache
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self._released: list[Sequence] = []
-        self._queried = self._hits = 0
         self._budget = 0  # prompt tokens the step being planned may still take
 
     # ---- intake ----------------------------------------------------------------------------------
@@ -92,34 +70,9 @@ class BlockScheduler:
         return self.pool.never_fits(num_tokens)
 
     def add(self, seq: Sequence) -> None:
-        """Queue `seq` behind every waiting sequence of a lower or equal priority."""
-        seq.status = SeqStatus.WAITING
+        """Queue `seq` (priority order) with an empty block table."""
+        super().add(seq)
         seq.block_table = BlockTable()
-        at = len(self.waiting)
-        while at > 0 and self.waiting[at - 1].priority > seq.priority:
-            at -= 1
-        self.waiting.insert(at, seq)
-
-    def abort(self, seq: Sequence) -> None:
-        """Ask for `seq` to leave; it does at the next `schedule` (within one step)."""
-        seq.abort_requested = True
-
-    @property
-    def num_decoding(self) -> int:
-        return sum(1 for s in self.running if s.status is SeqStatus.RUNNING)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._released)
-
-    def next_wakeup(self, now: float) -> float | None:
-        """Seconds until schedule() may have something new to do while idle (batch delay, timeouts)."""
-        deadlines = []
-        first = min((s.arrival for s in self.waiting), default=None)
-        if first is not None and self.queue_timeout is not None:
-            deadlines.append(first + self.queue_timeout)
-        if self.static_batching and first is not None and not self.running:
-            deadlines.append(first + self.max_batch_delay)
-        return max(0.0, min(deadlines) - now) if deadlines else None
 
     def expire(self, now: float) -> list[Sequence]:
         """Remove and return waiting sequences that waited longer than queue_timeout (never one that
@@ -151,12 +104,6 @@ class BlockScheduler:
         plan.prefix_queried, plan.prefix_hits = self._queried, self._hits
         self._queried = self._hits = 0
         return plan, events
-
-    def _prefill_budget(self, decoding: int) -> int:
-        budget = self.max_prefill_tokens
-        if decoding and self.prefill_floor is not None:
-            budget = min(budget, max(self.prefill_floor, decoding, self.max_running - decoding))
-        return budget
 
     def _schedule_running(self, plan: StepPlan) -> None:
         """Every decoding sequence its next token, then chunks of the running prompts; a sequence that
@@ -202,15 +149,7 @@ class BlockScheduler:
     def _admit(self, plan: StepPlan, now: float) -> None:
         """Admit waiting sequences (priority order) while a slot, the budget and the blocks for their
         first chunk are there."""
-        if self.static_batching:
-            if self.running or not self.waiting:
-                return
-            full = len(self.waiting) >= self.batch_size
-            if not full and now - min(s.arrival for s in self.waiting) < self.max_batch_delay:
-                return
-            limit = min(self.batch_size, self.max_running)
-        else:
-            limit = self.max_running
+        limit = self._admission_limit(now)
         budget = self._budget
         for seq in list(self.waiting):
             if len(self.running) >= limit:

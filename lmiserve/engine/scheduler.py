@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.engine.prefix_cache import PrefixIndex, PrefixMatch
@@ -116,7 +116,10 @@ class StepOutput:
     prefix_failed: bool = False  # copying into the prefix cache failed: what it holds is no longer trusted
 
 
-class Scheduler:
+class SchedulerBase:
+    """What both schedulers share: the limits, the waiting queue in priority order, the running batch,
+    aborts, the idle wake-up, the static-batching admission rule and a step's prompt budget."""
+
     def __init__(
         self,
         max_running: int = 32,
@@ -128,7 +131,6 @@ class Scheduler:
         max_batch_delay: float = 0.1,
         queue_timeout: float | None = None,
         prefill_floor: int | None = None,
-        prefix: PrefixIndex | None = None,
     ) -> None:
         self.max_running = max_running
         self.prefill_floor = prefill_floor
@@ -139,12 +141,8 @@ class Scheduler:
         self.max_batch_delay = max_batch_delay
         self.queue_timeout = queue_timeout
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # index == slot
-        self._moves: list[tuple[int, int, int]] = []
+        self.running: list[Sequence] = []
         self._released: list[Sequence] = []
-        self.prefix = prefix
-        self._saves: list[PrefixSave] = []
-        self._loads: list[PrefixLoad] = []
         self._queried = self._hits = 0
 
     # ---- intake ----------------------------------------------------------------------------------
@@ -178,6 +176,44 @@ class Scheduler:
             deadlines.append(first + self.max_batch_delay)
         return max(0.0, min(deadlines) - now) if deadlines else None
 
+    def _admission_limit(self, now: float) -> int:
+        """How many sequences may run after admissions now: rolling, `max_running`; static (dynamic
+        batching), a batch once the running one is over and the queue is full or the delay passed, else
+        no admission (0)."""
+        if not self.static_batching:
+            return self.max_running
+        if self.running or not self.waiting:
+            return 0
+        full = len(self.waiting) >= self.batch_size
+        if not full and now - min(s.arrival for s in self.waiting) < self.max_batch_delay:
+            return 0
+        return min(self.batch_size, self.max_running)
+
+    def _prefill_budget(self, decoding: int) -> int:
+        """Prompt tokens a step may take: `max_prefill_tokens`; while `decoding` rows decode, at most
+        max(prefill_floor, decoding rows, max_running - decoding rows)."""
+        budget = self.max_prefill_tokens
+        if decoding and self.prefill_floor is not None:
+            budget = min(budget, max(self.prefill_floor, decoding, self.max_running - decoding))
+        return budget
+
+
+class Scheduler(SchedulerBase):
+    def __init__(
+        self,
+        max_running: int = 32,
+        max_prefill_tokens: int = 2048,
+        *,
+        prefix: PrefixIndex | None = None,
+        **options: Any,
+    ) -> None:
+        """`options`: `SchedulerBase`'s; `prefix`: the prefix cache's index (None: off)."""
+        super().__init__(max_running, max_prefill_tokens, **options)
+        self._moves: list[tuple[int, int, int]] = []
+        self.prefix = prefix
+        self._saves: list[PrefixSave] = []
+        self._loads: list[PrefixLoad] = []
+
     # ---- planning --------------------------------------------------------------------------------
     def schedule(self, now: float) -> tuple[StepPlan, list[tuple[Sequence, StepEvent]]]:
         """Plan the next step. Also returns events for sequences ended without a step (abort, timeout)."""
@@ -194,10 +230,7 @@ class Scheduler:
         self._moves, self._released, self._saves, self._loads = [], [], [], []
         self._queried = self._hits = 0
         plan.decode = [s for s in self.running if s.status is SeqStatus.RUNNING]
-        budget = self.max_prefill_tokens
-        if plan.decode and self.prefill_floor is not None:
-            rows = len(plan.decode)
-            budget = min(budget, max(self.prefill_floor, rows, self.max_running - rows))
+        budget = self._prefill_budget(len(plan.decode))
         for seq in self.running:
             if seq.status is not SeqStatus.PREFILL or (budget <= 0 and plan.prefill):
                 continue
@@ -222,15 +255,7 @@ class Scheduler:
         return expired
 
     def _admit(self, now: float) -> None:
-        if self.static_batching:
-            if self.running or not self.waiting:
-                return
-            full = len(self.waiting) >= self.batch_size
-            if not full and now - min(s.arrival for s in self.waiting) < self.max_batch_delay:
-                return
-            limit = min(self.batch_size, self.max_running)
-        else:
-            limit = self.max_running
+        limit = self._admission_limit(now)
         while self.waiting and len(self.running) < limit:
             seq = self.waiting.popleft()
             seq.status = SeqStatus.PREFILL
