@@ -1226,3 +1226,29 @@ async def test_priority_and_cache_salt_reach_the_engine_and_are_checked(served, 
     for bad in ({"priority": 2**40}, {"cache_salt": ""}, {"priority": "high"}):
         r = await post(served, route, {**body, **bad})
         assert r.status_code == 400 and r.json()["error"]["param"] in bad, (bad, r.text)
+
+
+async def test_chat_generation_prompt_continue_final_message_and_prompt_truncation(served):
+    """vLLM's add_generation_prompt / continue_final_message shape the rendered prompt (an open assistant
+    message is continued); truncate_prompt_tokens keeps the last N prompt tokens; both checked."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am"}]
+    body = {"max_tokens": 2, "messages": messages, "continue_final_message": True, "add_generation_prompt": False}
+    r = await post(served, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    assert served.fake.requests[-1].prompt.endswith("<|assistant|>Hello, I am")  # left open: continued
+    body = {"max_tokens": 2, "messages": messages[:1], "add_generation_prompt": False}
+    r = await post(served, "/v1/chat/completions", body)
+    assert r.status_code == 200 and served.fake.requests[-1].prompt.endswith("<|user|>Hi</s>")
+    for bad, param in (
+        ({"messages": messages, "continue_final_message": True}, None),  # with add_generation_prompt (default)
+        ({"messages": messages[:1], "continue_final_message": True, "add_generation_prompt": False}, None),
+        ({"messages": messages, "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ):
+        r = await post(served, "/v1/chat/completions", {"max_tokens": 2, **bad})
+        assert r.status_code == 400, (bad, r.text)
+        assert param is None or r.json()["error"]["param"] == param
+    count = len(served.fake.requests)
+    r = await post(served, "/v1/completions", {"prompt": "one two three four five", "truncate_prompt_tokens": 2})
+    assert r.status_code == 200 and served.fake.requests[count].params.truncate == 2
+    r = await post(served, "/v1/completions", {"prompt": "one two", "truncate_prompt_tokens": -1})
+    assert r.status_code == 200 and served.fake.requests[-1].params.truncate == 255  # the model's max input

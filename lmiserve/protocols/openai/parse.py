@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from lmiserve.core import constraints
 from lmiserve.core.errors import ContextLengthExceeded, InvalidRequest, excerpt
@@ -94,6 +95,7 @@ def chat(
         stop=req.stop or [],
         seed=req.seed,
         details=True,
+        truncate=_truncate(req, limits),
     )
     try:
         built = build(prompt, params, limits, count_tokens, stream=req.stream)
@@ -131,13 +133,41 @@ def check_roles(req: ChatRequest) -> None:
             )
 
 
+def _truncate(req: ChatRequest | CompletionRequest, limits: TextGenLimits) -> int | None:
+    """vLLM's `truncate_prompt_tokens` as the prompt tokens kept (the last ones): -1 is as many as the
+    model takes; more than it takes is a 400."""
+    value = req.truncate_prompt_tokens
+    if value is None:
+        return None
+    if value == -1:
+        return limits.max_input_tokens
+    if value == 0 or value > limits.max_input_tokens:
+        raise InvalidValue(
+            f"`truncate_prompt_tokens` must be -1 or between 1 and {limits.max_input_tokens}. Given: {value}",
+            "truncate_prompt_tokens",
+        )
+    return value
+
+
 def _with_template_kwargs(render: Render, req: ChatRequest) -> Render:
     """`render` given vLLM's `chat_template_kwargs` and `reasoning_effort` (as the template variable of that
-    name, unless `chat_template_kwargs` sets it), when the request has them."""
+    name, unless `chat_template_kwargs` sets it), `add_generation_prompt` and `continue_final_message`, when
+    the request has them."""
     kwargs = dict(req.chat_template_kwargs or {})
     if req.reasoning_effort is not None:
         kwargs.setdefault("reasoning_effort", req.reasoning_effort)
-    return functools.partial(render, template_kwargs=kwargs) if kwargs else render
+    if req.add_generation_prompt and req.continue_final_message:
+        raise InvalidRequest("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+    if req.continue_final_message and req.messages[-1].role != "assistant":
+        raise InvalidRequest("`continue_final_message` needs the last message to be the assistant's.")
+    flags: dict[str, Any] = {}
+    if not req.add_generation_prompt:
+        flags["add_generation_prompt"] = False
+    if req.continue_final_message:
+        flags["continue_final_message"] = True
+    if kwargs:
+        flags["template_kwargs"] = kwargs
+    return functools.partial(render, **flags) if flags else render
 
 
 def completion(
@@ -167,6 +197,7 @@ def completion(
             stop=req.stop or [],
             seed=req.seed,
             details=True,
+            truncate=_truncate(req, limits),
         )
         try:
             call = build(prompt.checked_text, params, limits, prompt.counter(count_tokens), stream=req.stream)

@@ -38,6 +38,8 @@ class OpenAISampling(BaseModel):
     # vLLM's: the waiting queue admits lower values first; prefix-cache blocks are shared only with requests
     # of the same salt
     priority: StrictInt = Field(0, ge=-(2**31), le=2**31 - 1)
+    # vLLM's: keep only the last N prompt tokens (-1: as many as the model takes)
+    truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1)
     cache_salt: StrictStr | None = Field(None, min_length=1, max_length=1024)
 
     @model_validator(mode="before")
@@ -67,6 +69,10 @@ class ChatRequest(TextGenChatRequest, OpenAISampling):
     # reaches the template as a variable too (openai.parse)
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    # vLLM's: end the prompt with the assistant's turn opened (default), or leave the last (assistant)
+    # message open so the answer continues it (not both)
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
 
 
 class CompletionRequest(SamplingFields, OpenAISampling):

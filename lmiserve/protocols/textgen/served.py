@@ -79,12 +79,15 @@ class Served:
         tools: list[dict] | None = None,
         for_engine: bool = True,
         template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> str:
         """The chat template applied (generation prompt added, `tools` given to it when not None);
         `TemplateError` when the model has none or it fails. `for_engine`: without a leading BOS when
         the tokenizer adds one itself (the engine tokenizes with special tokens), so it appears once.
         `template_kwargs`: more template variables (OpenAI's `chat_template_kwargs`); `InvalidRequest`
-        when one names an argument of the template call itself (``tokenize``, ``tools``, ...)."""
+        when one names an argument of the template call itself (``tokenize``, ``tools``, ...).
+        `add_generation_prompt`, `continue_final_message`: vLLM's chat fields, as transformers means them."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise TemplateError("template not found")
         extra: dict[str, Any] = dict(template_kwargs or {})
@@ -95,7 +98,11 @@ class Served:
         if tools is not None:
             extra["tools"] = tools
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+            if continue_final_message:  # transformers' flag; passed only when set (older templates lack it)
+                extra["continue_final_message"] = True
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
+            )
         except Exception as exc:  # noqa: BLE001 - jinja errors of a model's own template
             raise TemplateError(str(exc)) from None
         bos = getattr(self.tokenizer, "bos_token", None)
