@@ -119,3 +119,11 @@ def test_only_the_app_and_the_dispatcher_import_protocols(path):
     """Protocols sit on top: below them nothing imports one, except the two modules that wire them
     (`server/app.py`, the route table, and `server/invocations.py`, the /invocations dispatcher)."""
     assert not {n for n in lmiserve_modules_imported(path) if protocol_of(n)}
+
+
+def test_test_modules_have_unique_names():
+    """The test folders are not packages: two test modules of one name in different folders collide at
+    import ("import file mismatch") when one pytest run collects both."""
+    tests = PACKAGE.parent / "tests"
+    names = [p.name for p in tests.rglob("test_*.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
