@@ -259,10 +259,14 @@ class BlockScheduler(SchedulerBase):
         return events
 
     def _cache(self, seq: Sequence) -> None:
-        """Register the sequence's newly computed full blocks for sharing."""
-        if self.pool.enable_prefix_caching and seq.block_table is not None:
+        """Register the sequence's newly computed full blocks for sharing (most decode steps fill none:
+        then the token list is not built)."""
+        table = seq.block_table
+        if not self.pool.enable_prefix_caching or table is None:
+            return
+        if seq.kv_len // self.pool.block_size > len(table.block_hashes):
             tokens = (seq.prompt_ids + seq.output_ids)[: seq.kv_len]
-            self.pool.cache_full_blocks(seq.block_table, tokens, seq.cache_salt)
+            self.pool.cache_full_blocks(table, tokens, seq.cache_salt)
 
     def _remove(self, seq: Sequence) -> None:
         """Take `seq` out of the batch and give its blocks back (cached full blocks stay findable)."""

@@ -63,6 +63,11 @@ PREFILL_FLOOR = {"cpu": 16, "cuda": 256}
 
 
 def engine_config(settings: Settings) -> EngineConfig:
+    if settings.kv_cache == "paged" and "prefix_cache_size" in settings.model_fields_set:
+        log.warning(
+            "prefix_cache_size sizes the slot cache's prefix cache only: with kv_cache=paged the KV pool "
+            "(kv_cache_memory_bytes) is the prefix cache"
+        )
     static = settings.dynamic_batching
     return EngineConfig(
         max_running=settings.batch_size if static else settings.max_rolling_batch_size,

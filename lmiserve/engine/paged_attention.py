@@ -33,6 +33,7 @@ path, but must be valid block ids there (pad with 0). Spans are host integers (a
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -41,14 +42,11 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from lmiserve.engine import kv_blocks
+from lmiserve.engine import decode_attention, kv_blocks
 
-try:  # numba is a dependency; a broken install only costs speed
+# numba is a dependency; a broken install only costs speed (`available` is then False, the kernel unused)
+with contextlib.suppress(Exception):
     import numba
-except Exception:  # noqa: BLE001 - import errors of numba/llvmlite come in many types
-    _HAVE_NUMBA = False
-else:
-    _HAVE_NUMBA = True
 
 __all__ = [
     "PagedKVCache",
@@ -229,8 +227,9 @@ def _compiled_kernel() -> Callable[..., None]:
 
 
 def available(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether `compiled_decode_attention` serves a model of this dtype on this device."""
-    return _HAVE_NUMBA and device.type == "cpu" and dtype == torch.float32
+    """Whether `compiled_decode_attention` serves a model of this dtype on this device: where the slot
+    cache's compiled kernel does (numba, fp32, CPU)."""
+    return decode_attention.available(dtype, device)
 
 
 def warm_up() -> None:

@@ -267,8 +267,9 @@ class Scheduler(SchedulerBase):
 
     def _lookup(self, seq: Sequence) -> None:
         """Start a newly admitted sequence from the cached blocks its prompt begins with (not when it
-        asks for prompt logprobs: those need the logits of every prompt position)."""
-        if self.prefix is None or seq.params.decoder_input_details:
+        asks for prompt logprobs: those need the logits of every prompt position, nor with a `cache_salt`:
+        this cache has no salts, so a salted request shares nothing)."""
+        if self.prefix is None or seq.params.decoder_input_details or seq.cache_salt is not None:
             return
         found = self.prefix.match(seq.prompt_ids)
         self._queried += seq.prompt_len
@@ -279,8 +280,9 @@ class Scheduler(SchedulerBase):
             self._loads.append(PrefixLoad(seq, seq.slot, found))
 
     def _store(self, seq: Sequence, tokens: list[int]) -> None:
-        """Keep the blocks of `tokens` (whose KV `seq`'s slot holds) that the cache lacks."""
-        if self.prefix is None or seq.slot is None:
+        """Keep the blocks of `tokens` (whose KV `seq`'s slot holds) that the cache lacks (never a salted
+        request's: see `_lookup`)."""
+        if self.prefix is None or seq.slot is None or seq.cache_salt is not None:
             return
         blocks = self.prefix.store(tokens)
         if blocks:

@@ -239,3 +239,35 @@ async def test_a_failing_copy_into_the_cache_drops_it_and_no_answer_changes(tiny
         second = await run(engine, prompt)
     assert first[0] == second[0] == reference_ids(prompt, 12)
     assert first[1] == 0 and second[1] > 0 and len(calls) >= 2
+
+
+async def test_the_slot_cache_never_shares_a_salted_requests_blocks(tiny_model):
+    """The slot cache keys blocks by tokens alone: a request with a `cache_salt` neither uses nor fills
+    it (sharing nothing is the only way to honour a salt there); unsalted requests still share."""
+    prompt = SYSTEM + QUESTIONS[0]
+
+    async def cached_tokens(engine: AsyncEngine, salt: str | None) -> int:
+        request = GenerationRequest(prompt, SamplingParams(max_new_tokens=4), cache_salt=salt)
+        events = [e async for e in engine.generate(request)]
+        assert events[-1].finish is not None
+        return events[-1].finish.cached_tokens
+
+    async with engine_for(tiny_model, kv_cache="slots") as engine:
+        assert [await cached_tokens(engine, "tenant-a") for _ in range(2)] == [0, 0]
+        assert await cached_tokens(engine, None) == 0
+        assert await cached_tokens(engine, None) > 0
+        assert await cached_tokens(engine, "tenant-a") == 0
+
+
+def test_prefix_cache_size_with_the_paged_cache_is_named_at_start_up(caplog):
+    """It sizes the slot cache's prefix cache only: set with kv_cache=paged, the start-up log says so."""
+    from lmiserve.config import Settings
+    from lmiserve.engine.factory import engine_config
+
+    with caplog.at_level("WARNING", logger="lmiserve.engine.factory"):
+        engine_config(Settings.from_options({"prefix_cache_size": "1MiB"}))
+        engine_config(Settings.from_options({"prefix_cache_size": "1MiB", "kv_cache": "slots"}))
+        engine_config(Settings.from_options({}))
+    assert [r.message.split(":")[0] for r in caplog.records] == [
+        "prefix_cache_size sizes the slot cache's prefix cache only"
+    ]
