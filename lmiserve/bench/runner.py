@@ -299,7 +299,12 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
         elif soak_result is not None:
             memory = {"soak": soak_result}
         if not config.skip_baselines:
-            log("baselines in process (the server idles):")
+            if managed is not None and (config.device or "").startswith("cuda"):
+                # on a GPU the started server's KV pool holds the memory the baselines' model needs
+                managed.stop()
+                log("baselines in process (the started server is stopped: its KV pool holds the GPU):")
+            else:
+                log("baselines in process (the server idles):")
             from lmiserve.bench.baselines import run_baselines  # torch: only when needed
 
             baselines = run_baselines(config.overrides(), config.concurrency, config.max_new_tokens, log)
