@@ -1,8 +1,12 @@
-"""Logits processing and sampling, one sequence (row) at a time.
+"""Logits processing and sampling of a step's rows.
 
-Every sequence has its own `torch.Generator` seeded from its seed, so a seeded request samples the
-same tokens whatever else is in the batch. Reported logprobs are the model's own distribution
-(log-softmax of the raw logits), as TGI and vLLM report them.
+`sample_rows` samples every row of a step together: the rows that need no processing (greedy, no
+penalty, no grammar: the common case) in one batched argmax, the others each processed on the device,
+and the tokens, their logprobs and the top-N of the whole step come back to the host in ONE transfer
+(on a GPU a sync a row is what a step of many rows would wait on). Every sequence has its own
+`torch.Generator` seeded from its seed, so a seeded request samples the same tokens whatever else is
+in the batch. Reported logprobs are the model's own distribution (log-softmax of the raw logits), as
+TGI and vLLM report them.
 
 A row is processed in vLLM's order: `logit_bias` added, `bad_words` banned, the penalties (repetition:
 multiplicative over prompt and output; presence and frequency: additive over the output, OpenAI's
@@ -10,6 +14,8 @@ definition), `min_new_tokens` (EOS and stop ids banned), then the warpers when s
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -99,6 +105,84 @@ def make_generator(seed: int, device: torch.device) -> torch.Generator:
     return gen
 
 
+@dataclass
+class Row:
+    """One row of a step to sample: its parameters and tokens so far, the ids `min_new_tokens` bans,
+    its generator (sampling rows) and, for a constrained row, its logits masked by its grammar."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]
+    banned_ids: list[int]
+    generator: torch.Generator | None = None
+    masked: torch.Tensor | None = None
+
+
+def _choose(logits: torch.Tensor, row: Row) -> torch.Tensor:
+    """The chosen token of a row that needs processing or is masked, as a 0-d tensor on the device (no
+    transfer to the host)."""
+    params, source = row.params, (logits if row.masked is None else row.masked)
+    if not needs_processing(params):
+        return source.argmax()
+    processed = apply_bias(source.clone(), params)
+    words = banned_words(params, row.output_ids) if params.bad_words_ids else []
+    if words:
+        processed[words] = _NEG_INF
+    processed = apply_penalties(processed, params, row.prompt_ids, row.output_ids)
+    processed = torch.nan_to_num(processed, nan=_NEG_INF, posinf=torch.finfo(processed.dtype).max)
+    if row.banned_ids and len(row.output_ids) < params.min_new_tokens:
+        kept = processed[row.banned_ids]
+        processed[row.banned_ids] = _NEG_INF
+        if row.masked is not None and not bool(torch.isfinite(processed).any()):
+            processed[row.banned_ids] = kept  # the grammar allows nothing but ending
+    if params.do_sample:
+        probs = warp(processed, params).softmax(-1)
+        return torch.multinomial(probs, 1, generator=row.generator)[0]
+    return processed.argmax()
+
+
+def sample_rows(logits: torch.Tensor, rows: list[Row]) -> list[SampleResult | Exception]:
+    """Pick the next token of each row from its raw logits row (`logits`: float32, [len(rows), vocab]);
+    a constrained row from its `masked` copy. Logprobs are always those of the raw rows. A row whose
+    processing raises gets its exception in its place; the others are sampled. The step's tokens,
+    logprobs and top-N reach the host in one transfer."""
+    results: list[SampleResult | Exception | None] = [None] * len(rows)
+    if not rows:
+        return []
+    logprobs = logits.log_softmax(-1)
+    tokens = logits.argmax(-1)  # every row's greedy pick; rows that need more are replaced below
+    special = [i for i, row in enumerate(rows) if row.masked is not None or needs_processing(row.params)]
+    if special:
+        picked, where = [], []
+        for i in special:
+            try:
+                picked.append(_choose(logits[i], rows[i]))
+                where.append(i)
+            except Exception as exc:  # noqa: BLE001 - this row fails, the step goes on
+                results[i] = exc
+        if picked:
+            tokens = tokens.index_put((torch.tensor(where, device=tokens.device),), torch.stack(picked))
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    top_n = max(row.params.top_n_tokens for row in rows)
+    parts = [tokens.to(torch.float64), chosen.to(torch.float64)]
+    if top_n > 0:
+        top_n = min(top_n, logprobs.shape[-1])
+        values, ids = torch.topk(logprobs, top_n)
+        parts += [ids.to(torch.float64).flatten(), values.to(torch.float64).flatten()]
+    host = torch.cat(parts).tolist()  # the one transfer of the step (ids are exact in float64)
+    count = len(rows)
+    for i, row in enumerate(rows):
+        if results[i] is not None:
+            continue
+        top = None
+        if row.params.top_n_tokens > 0:
+            n, base = min(row.params.top_n_tokens, top_n), 2 * count + i * top_n
+            ids_at, values_at = base, base + count * top_n
+            top = [(int(host[ids_at + j]), host[values_at + j]) for j in range(n)]
+        results[i] = SampleResult(int(host[i]), host[count + i], top)
+    return [r for r in results if r is not None]
+
+
 def sample_row(
     logits: torch.Tensor,
     params: SamplingParams,
@@ -108,32 +192,8 @@ def sample_row(
     generator: torch.Generator | None,
     masked: torch.Tensor | None = None,
 ) -> SampleResult:
-    """Pick the next token of one sequence from its raw logits row (float32, shape [vocab]); from
-    `masked` (the same row with the tokens its grammar disallows at -inf) when it is constrained.
-    Logprobs are always those of the raw row."""
-    logprobs = logits.log_softmax(-1)
-    source = logits if masked is None else masked
-    if needs_processing(params):
-        processed = apply_bias(source.clone(), params)
-        words = banned_words(params, output_ids) if params.bad_words_ids else []
-        if words:
-            processed[words] = _NEG_INF
-        processed = apply_penalties(processed, params, prompt_ids, output_ids)
-        processed = torch.nan_to_num(processed, nan=_NEG_INF, posinf=torch.finfo(processed.dtype).max)
-        if banned_ids and len(output_ids) < params.min_new_tokens:
-            kept = processed[banned_ids]
-            processed[banned_ids] = _NEG_INF
-            if masked is not None and not bool(torch.isfinite(processed).any()):
-                processed[banned_ids] = kept  # the grammar allows nothing but ending
-        if params.do_sample:
-            probs = warp(processed, params).softmax(-1)
-            token = int(torch.multinomial(probs, 1, generator=generator).item())
-        else:
-            token = int(processed.argmax().item())
-    else:
-        token = int(source.argmax().item())
-    top = None
-    if params.top_n_tokens > 0:
-        values, ids = torch.topk(logprobs, min(params.top_n_tokens, logprobs.shape[-1]))
-        top = list(zip(ids.tolist(), values.tolist()))
-    return SampleResult(token, float(logprobs[token].item()), top)
+    """`sample_rows` of one row (`logits`: [vocab]); raises what its processing raises."""
+    result = sample_rows(logits[None], [Row(params, prompt_ids, output_ids, banned_ids, generator, masked)])[0]
+    if isinstance(result, Exception):
+        raise result
+    return result

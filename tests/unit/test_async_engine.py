@@ -272,10 +272,10 @@ def failing_sample(base: type[ModelRunner]) -> type[ModelRunner]:
     """`base` whose sampling raises for request "bad" once it has generated 3 tokens (in a batched decode step)."""
 
     class FailingSampleRunner(base):
-        def _sample(self, seq, logits, out):
+        def _row(self, seq, device, masked):
             if seq.request_id == "bad" and len(seq.output_ids) == 3:
                 raise RuntimeError("sampler exploded")
-            return super()._sample(seq, logits, out)
+            return super()._row(seq, device, masked)
 
     return FailingSampleRunner
 
@@ -312,7 +312,7 @@ async def _one_failure(engine: AsyncEngine, tiny_model, reference, message: str)
 
 
 async def test_sampling_exception_ends_only_that_sequence(tiny_model, reference):
-    # A batched decode step samples every row: an exception escaping _sample for one row must not mark
+    # A batched decode step samples every row: an exception preparing one row must not mark
     # the other decoding sequences of the batch as failed (each row is guarded on its own).
     engine = make_engine(tiny_model, runner_cls=failing_sample(FastRunner))
     await _one_failure(engine, tiny_model, reference, "sampler exploded")
@@ -323,18 +323,18 @@ async def test_sampling_exception_ends_only_that_sequence_batch_invariant(tiny_m
     await _one_failure(engine, tiny_model, reference, "sampler exploded")
 
 
-async def test_sample_row_exception_ends_only_that_sequence(tiny_model, reference, monkeypatch):
+async def test_sample_rows_exception_ends_only_that_sequence(tiny_model, reference, monkeypatch):
     import lmiserve.engine.runners.base as runner_module
 
-    real = runner_module.sample_row
+    real = runner_module.sample_rows
     bad_ids = encode(tiny_model, PROMPTS[1])
 
-    def sample_row(logits, params, prompt_ids, output_ids, banned_ids, generator):
-        if prompt_ids == bad_ids and len(output_ids) == 3:
-            raise ValueError("bad row")
-        return real(logits, params, prompt_ids, output_ids, banned_ids, generator)
+    def sample_rows(logits, rows):  # the batched sampler reports one row's failure in its place
+        results = real(logits, rows)
+        bad = [row.prompt_ids == bad_ids and len(row.output_ids) == 3 for row in rows]
+        return [ValueError("bad row") if b else result for b, result in zip(bad, results)]
 
-    monkeypatch.setattr(runner_module, "sample_row", sample_row)
+    monkeypatch.setattr(runner_module, "sample_rows", sample_rows)
     engine = make_engine(tiny_model)
     await _one_failure(engine, tiny_model, reference, "bad row")
 

@@ -17,7 +17,16 @@ from transformers.generation.logits_process import (
 )
 
 from lmiserve.core.request import SamplingParams
-from lmiserve.engine.sampling import apply_penalties, make_generator, needs_processing, sample_row, warp
+from lmiserve.engine.sampling import (
+    Row,
+    apply_penalties,
+    make_generator,
+    needs_processing,
+    sample_row,
+    sample_rows,
+    warp,
+)
+from lmiserve.engine.scheduler import SampleResult
 
 VOCAB = 32
 CPU = torch.device("cpu")
@@ -322,3 +331,57 @@ def test_min_p_and_typical_p_apply_in_transformers_order():
         if kept(ours) != kept(theirs):
             mismatches.append(seed)
     assert mismatches == []
+
+
+# --- the batched sampler: a step's rows together ---------------------------------------------------------
+
+
+def _mixed_rows(vocab: int = VOCAB) -> tuple[torch.Tensor, list[Row]]:
+    """Eight rows of every kind: plain greedy, greedy with top-N, penalised, biased, sampled (seeded),
+    masked (a grammar's copy), min_new_tokens, sampled with top-N."""
+    logits = torch.stack([logits_row(seed) for seed in range(8)])
+    masked = logits[5].clone()
+    masked[: vocab // 2] = float("-inf")
+    rows = [
+        Row(SamplingParams(), [1, 2], [3], []),
+        Row(SamplingParams(top_n_tokens=3), [1], [], []),
+        Row(SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5), [4, 5], [6, 6], []),
+        Row(SamplingParams(logit_bias={7: 50.0}), [], [], []),
+        Row(SamplingParams(do_sample=True, temperature=0.8, top_k=5), [], [], [], make_generator(11, CPU)),
+        Row(SamplingParams(), [], [], [], masked=masked),
+        Row(SamplingParams(min_new_tokens=2), [], [], [int(logits[6].argmax())]),
+        Row(SamplingParams(do_sample=True, top_n_tokens=5), [], [], [], make_generator(12, CPU)),
+    ]
+    return logits, rows
+
+
+def test_sample_rows_equals_each_row_sampled_alone():
+    logits, rows = _mixed_rows()
+    together = sample_rows(logits, rows)
+    _, again = _mixed_rows()  # fresh generators, the same seeds
+    alone = [sample_rows(logits[i][None], [row])[0] for i, row in enumerate(again)]
+    assert together == alone
+    assert together[3].token_id == 7  # the bias wins
+    assert together[5].token_id >= VOCAB // 2  # the mask holds
+    assert together[6].token_id != int(logits[6].argmax())  # banned before min_new_tokens
+    assert [t for t, _ in together[1].top or []] == torch.topk(logits[1], 3).indices.tolist()
+    assert together[0].top is None and len(together[7].top or []) == 5
+
+
+def test_a_seeded_row_samples_the_same_tokens_whatever_else_is_in_the_step():
+    logits, rows = _mixed_rows()
+    generator = make_generator(99, CPU)
+    sampled = Row(SamplingParams(do_sample=True), [], [], [], generator)
+    with_others = [sample_rows(logits, [*rows[:4], sampled, *rows[5:]])[4].token_id for _ in range(20)]
+    generator.manual_seed(99)
+    alone = [sample_rows(logits[4][None], [sampled])[0].token_id for _ in range(20)]
+    assert with_others == alone
+
+
+def test_a_row_that_fails_gets_its_exception_and_the_others_are_sampled():
+    logits, rows = _mixed_rows()
+    rows[2] = Row(SamplingParams(logit_bias={VOCAB + 5: 1.0}), [], [], [])  # an id past the vocabulary
+    results = sample_rows(logits, rows)
+    assert isinstance(results[2], IndexError)
+    assert all(isinstance(r, SampleResult) for i, r in enumerate(results) if i != 2)
+    assert isinstance(results[0], SampleResult) and results[0].token_id == int(logits[0].argmax())

@@ -19,7 +19,7 @@ import torch
 
 from lmiserve.engine.kv_cache import AttentionShape, SlotKVCache
 from lmiserve.engine.prefix_store import PrefixStore, bytes_per_token
-from lmiserve.engine.sampling import make_generator, sample_row
+from lmiserve.engine.sampling import Row, make_generator, sample_rows
 from lmiserve.engine.scheduler import PrefillChunk, PromptScores, StepOutput, StepPlan
 from lmiserve.engine.sequence import Sequence
 from lmiserve.engine.token_mask import TokenMask
@@ -144,13 +144,28 @@ class ModelRunner(ABC):
         if constrained:
             group = [seqs[i] for i in constrained]
             self._guard(group, out, self._mask_rows, group, logits, constrained, masked)
+        rows, specs = [], []
         for row, seq in enumerate(seqs):
             if seq.seq_id in out.errors:
                 continue
-            if row in masked:
-                self._guard([seq], out, self._sample, seq, logits[row], out, masked=masked[row])
+            try:
+                specs.append(self._row(seq, logits.device, masked.get(row)))
+                rows.append(row)
+            except Exception as exc:  # noqa: BLE001 - one sequence fails, the batch goes on
+                self._sampling_failed(seq, exc, out)
+        if not rows:
+            return
+        try:
+            results = sample_rows(logits if len(rows) == len(logits) else logits[rows], specs)
+        except Exception as exc:  # noqa: BLE001 - the step's rows fail, the engine goes on
+            for row in rows:
+                self._sampling_failed(seqs[row], exc, out)
+            return
+        for row, result in zip(rows, results):
+            if isinstance(result, Exception):
+                self._sampling_failed(seqs[row], result, out)
             else:
-                self._guard([seq], out, self._sample, seq, logits[row], out)
+                out.samples[seqs[row].seq_id] = result
 
     def _mask_rows(
         self, seqs: list[Sequence], logits: torch.Tensor, rows: list[int], masked: dict[int, torch.Tensor]
@@ -162,21 +177,20 @@ class ModelRunner(ABC):
         self._mask.apply(copies, [seq.grammar for seq in seqs if seq.grammar is not None])
         masked.update(zip(rows, copies))
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor, out: StepOutput, masked: torch.Tensor | None = None) -> None:
-        """Sample the next token of `seq` from its raw logits row (from `masked`, that row masked by its
-        grammar, when it has one); a failure ends only `seq`."""
-        try:
-            generator = self._generators.get(seq.seq_id)
-            if seq.params.do_sample and generator is None:
-                if seq.seed is None:
-                    raise ValueError("a sampled sequence needs a seed")
-                generator = self._generators[seq.seq_id] = make_generator(seq.seed, logits.device)
-            banned = self.eos_token_ids + seq.params.stop_token_ids if seq.params.min_new_tokens else []
-            args = (logits, seq.params, seq.prompt_ids, seq.output_ids, banned, generator)
-            out.samples[seq.seq_id] = sample_row(*args) if masked is None else sample_row(*args, masked=masked)
-        except Exception as exc:  # noqa: BLE001 - one sequence fails, the batch goes on
-            log.exception("sampling failed for %s", seq.request_id, extra={"request_id": seq.request_id})
-            out.errors[seq.seq_id] = f"exception occurred during sampling: {exc}"
+    def _row(self, seq: Sequence, device: torch.device, masked: torch.Tensor | None) -> Row:
+        """What the sampler needs of `seq` (its generator made on its first sampled token)."""
+        generator = self._generators.get(seq.seq_id)
+        if seq.params.do_sample and generator is None:
+            if seq.seed is None:
+                raise ValueError("a sampled sequence needs a seed")
+            generator = self._generators[seq.seq_id] = make_generator(seq.seed, device)
+        banned = self.eos_token_ids + seq.params.stop_token_ids if seq.params.min_new_tokens else []
+        return Row(seq.params, seq.prompt_ids, seq.output_ids, banned, generator, masked)
+
+    @staticmethod
+    def _sampling_failed(seq: Sequence, exc: Exception, out: StepOutput) -> None:
+        log.error("sampling failed for %s: %s", seq.request_id, exc, extra={"request_id": seq.request_id})
+        out.errors[seq.seq_id] = f"exception occurred during sampling: {exc}"
 
 
 def prompt_logprobs(
