@@ -31,6 +31,8 @@ from lmiserve.engine.kv_blocks import BlockPool
 from lmiserve.engine.prefix_cache import PrefixIndex
 from lmiserve.engine.scheduler import Scheduler, StepOutput, StepPlan
 from lmiserve.engine.sequence import Sequence
+from lmiserve.engine.step import BatchRunner, Executor, InProcessExecutor
+from lmiserve.engine.token_mask import TokenMask
 from lmiserve.engine.validation import PromptCodec
 
 if TYPE_CHECKING:
@@ -125,6 +127,11 @@ class AsyncEngine:
             "prefill_floor": floor,
         }
         limits = (config.max_running, config.max_prefill_tokens)
+        # a runner over a block pool runs the block scheduler's plain-data batches through an executor
+        self.executor: Executor | None = None
+        if isinstance(runner, BatchRunner) and runner.num_blocks is not None:
+            self.executor = InProcessExecutor(runner)
+        self._grammar_mask: TokenMask | None = None  # the executor's batches' grammar bitmask
         if runner.num_blocks is not None:  # a paged runner: the block scheduler plans over its pool
             self.prefix = None
             caching = config.prefix_cache_bytes > 0
@@ -349,12 +356,36 @@ class AsyncEngine:
         so stays off the HTTP event loop; the loop only delivers the events. Meanwhile the loop may only
         add to the waiting queue and flag aborts, which `update` does not touch."""
         try:
-            output = self.runner.execute(plan)
+            output = self._run(plan)
         except Exception as exc:  # noqa: BLE001 - outside the per-sequence guards: end what was running
             log.exception("engine step failed")
             message = f"exception occurred during generation: {exc}"
             output = StepOutput(errors={s.seq_id: message for s in self.scheduler.running}, prefix_failed=True)
         return output, self.scheduler.update(plan, output)
+
+    def _run(self, plan: StepPlan) -> StepOutput:
+        """The model work of `plan`: its plain-data batch through the executor, or the plan itself
+        through a slot runner."""
+        executor, batch = self.executor, plan.batch
+        if executor is None or batch is None:
+            return self.runner.execute(plan)
+        failed: dict[int, str] = {}
+        if batch.grammar_rows:
+            seqs = plan.decode + [chunk.seq for chunk in plan.prefill]  # the batch's row order
+            matchers = [seqs[i].grammar for i in batch.grammar_rows]
+            try:
+                if self._grammar_mask is None:
+                    self._grammar_mask = TokenMask(executor.vocab_size, executor.eos_token_ids)
+                batch.grammar_bitmask = self._grammar_mask.fill([m for m in matchers if m is not None]).numpy().copy()
+            except Exception as exc:  # noqa: BLE001 - the constrained rows fail, the others go on
+                log.exception("filling the grammar bitmask failed")
+                failed = {seqs[i].seq_id: f"exception occurred during sampling: {exc}" for i in batch.grammar_rows}
+                batch.grammar_rows, batch.grammar_bitmask = [], None
+        output = executor.execute(batch)
+        for seq_id, message in failed.items():
+            output.samples.pop(seq_id, None)
+            output.errors[seq_id] = message
+        return output
 
     async def _step(self) -> None:
         scheduler = self.scheduler
@@ -369,7 +400,7 @@ class AsyncEngine:
             if plan.moves or plan.released or plan.saves:
                 # frees per-sequence caches, moves slots, copies blocks into the prefix cache
                 try:
-                    idle: StepOutput = await torch_thread.run(self.runner.execute, plan)
+                    idle: StepOutput = await torch_thread.run(self._run, plan)
                 except Exception:  # noqa: BLE001 - nothing was computing; only the prefix cache is in doubt
                     log.exception("engine step failed")
                     idle = StepOutput(prefix_failed=True)

@@ -27,6 +27,10 @@ The prefix cache is the pool itself: full blocks are registered under a hash cha
 once computed, and a newly admitted sequence starts from the cached blocks its tokens begin with
 (`BlockPool.match_prefix`), shared, never copied. The ``n``/``best_of`` siblings of a request wait until
 the first has computed its prompt, then start from its blocks.
+
+Each plan also goes out as plain data (`StepPlan.batch`, a `lmiserve.engine.step.StepBatch`): what the
+executor must learn of this step (new requests, tokens to compute, blocks gained, requests finished or
+preempted), by difference from what it was told before.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.engine.kv_blocks import BlockPool, BlockTable
 from lmiserve.engine.scheduler import PrefillChunk, SchedulerBase, StepOutput, StepPlan
 from lmiserve.engine.sequence import SeqStatus, Sequence
+from lmiserve.engine.step import NewRequest, ScheduledTokens, StepBatch
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,8 @@ class BlockScheduler(SchedulerBase):
         self.prefix = None  # the slot scheduler's separate prefix cache: here the pool is the cache
         self.num_preemptions = 0
         self._budget = 0  # prompt tokens the step being planned may still take
+        self._sent: dict[int, int] = {}  # seq_id -> blocks of its table the executor has been told of
+        self._preempted: list[int] = []  # preempted since the last batch, known to the executor
 
     # ---- intake ----------------------------------------------------------------------------------
     def never_fits(self, num_tokens: int) -> bool:
@@ -96,6 +103,7 @@ class BlockScheduler(SchedulerBase):
         for seq in [s for s in self.waiting if s.abort_requested]:
             self.waiting.remove(seq)
             self._free(seq)
+            self._released.append(seq)  # a preempted one: the executor forgets it
             events.append((seq, seq.end(FinishReason.ABORT)))
         plan = StepPlan(released=self._released)
         self._released = []
@@ -103,7 +111,30 @@ class BlockScheduler(SchedulerBase):
         self._admit(plan, now)
         plan.prefix_queried, plan.prefix_hits = self._queried, self._hits
         self._queried = self._hits = 0
+        plan.batch = self._batch(plan)
         return plan, events
+
+    def _batch(self, plan: StepPlan) -> StepBatch:
+        """The plan as plain data, by difference from the batches before it."""
+        batch = StepBatch(num_decode=len(plan.decode), preempted=self._preempted)
+        self._preempted = []
+        for seq in plan.released:
+            if self._sent.pop(seq.seq_id, None) is not None:
+                batch.finished.append(seq.seq_id)
+        scheduled = [(seq, seq.kv_len, [seq.output_ids[-1]], True) for seq in plan.decode]
+        scheduled += [(c.seq, c.start, c.token_ids, c.completes_prompt) for c in plan.prefill]
+        for row, (seq, start, token_ids, sample) in enumerate(scheduled):
+            sent = self._sent.get(seq.seq_id)
+            if sent is None:
+                batch.new.append(NewRequest(seq.seq_id, seq.prompt_ids, seq.params, seq.seed))
+                sent = 0
+            blocks = self._table(seq).blocks
+            self._sent[seq.seq_id] = len(blocks)
+            details = seq.params.decoder_input_details and row >= batch.num_decode
+            batch.rows.append(ScheduledTokens(seq.seq_id, start, token_ids, blocks[sent:], sample, details))
+            if sample and seq.grammar is not None:
+                batch.grammar_rows.append(row)
+        return batch
 
     def _schedule_running(self, plan: StepPlan) -> None:
         """Every decoding sequence its next token, then chunks of the running prompts; a sequence that
@@ -212,6 +243,9 @@ class BlockScheduler(SchedulerBase):
         seq.status = SeqStatus.WAITING
         seq.preemptions += 1
         self.num_preemptions += 1
+        if seq.seq_id in self._sent:
+            self._sent[seq.seq_id] = 0
+            self._preempted.append(seq.seq_id)
         at = 0
         while at < len(self.waiting) and self.waiting[at].priority < seq.priority:
             at += 1
@@ -244,13 +278,12 @@ class BlockScheduler(SchedulerBase):
             self._cache(seq)
             sampling.append(seq)
         for seq in sampling:
-            sample = output.samples.get(seq.seq_id)
-            if seq.finished or sample is None:
-                continue
-            event = seq.on_token(sample.token_id, sample.logprob, sample.top)
-            events.append((seq, event))
-            if seq.finished:
-                self._remove(seq)
+            for sample in output.samples.get(seq.seq_id, ()) if not seq.finished else ():
+                event = seq.on_token(sample.token_id, sample.logprob, sample.top)
+                events.append((seq, event))
+                if seq.finished:
+                    self._remove(seq)
+                    break
         for seq_id, message in output.errors.items():
             failed = next((s for s in self.running if s.seq_id == seq_id), None)
             if failed is not None:

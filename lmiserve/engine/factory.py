@@ -104,7 +104,8 @@ def create_engine(
     """The engine for `loaded`; the runner strategy follows `config` unless `runner_cls` is given."""
     if config.prefill_floor == "auto":
         config = dataclasses.replace(config, prefill_floor=PREFILL_FLOOR.get(loaded.device.type, 256))
-    paged = config.kv_cache == "paged" and not config.batch_invariant and runner_cls is None
+    paged_cls = runner_cls if runner_cls is not None and issubclass(runner_cls, PagedFastRunner) else PagedFastRunner
+    paged = config.kv_cache == "paged" and not config.batch_invariant and (runner_cls in (None, paged_cls))
     if paged and runner_class(loaded.model, batch_invariant=False, fast_path=config.fast_path)[0] is FastRunner:
         num_blocks = kv_pool_blocks(loaded, config)
         log.info(
@@ -113,7 +114,7 @@ def create_engine(
             config.block_size,
             num_blocks * kv_bytes_per_block(loaded.model, config.block_size) / 2**20,
         )
-        runner: ModelRunner = PagedFastRunner(
+        runner: ModelRunner = paged_cls(
             loaded.model,
             max_slots=config.max_running,
             max_context=loaded.max_context,

@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.engine.prefix_cache import PrefixIndex, PrefixMatch
 from lmiserve.engine.sequence import SeqStatus, Sequence
+from lmiserve.engine.step import StepBatch
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,8 @@ class StepPlan:
     loads: list[PrefixLoad] = field(default_factory=list)
     prefix_queried: int = 0  # prompt tokens of the sequences admitted for this step looked up in the cache
     prefix_hits: int = 0  # of which found there
+    # the block scheduler's plan as plain data, what its executor runs (lmiserve.engine.step)
+    batch: StepBatch | None = None
 
     @property
     def has_model_work(self) -> bool:
@@ -110,7 +113,8 @@ class PromptScores(NamedTuple):
 class StepOutput:
     """What the runner computed for a plan, keyed by seq_id."""
 
-    samples: dict[int, SampleResult] = field(default_factory=dict)
+    # the tokens sampled for each sequence, in order (one, or several where a step verifies several)
+    samples: dict[int, list[SampleResult]] = field(default_factory=dict)
     prompt_logprobs: dict[int, PromptScores] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)
     prefix_failed: bool = False  # copying into the prefix cache failed: what it holds is no longer trusted
@@ -311,13 +315,12 @@ class Scheduler(SchedulerBase):
                 continue
             if seq.seq_id in output.errors:
                 continue
-            sample = output.samples.get(seq.seq_id)
-            if sample is None:
-                continue
-            event = seq.on_token(sample.token_id, sample.logprob, sample.top)
-            events.append((seq, event))
-            if seq.finished:
-                self._remove(seq)
+            for sample in output.samples.get(seq.seq_id, ()):
+                event = seq.on_token(sample.token_id, sample.logprob, sample.top)
+                events.append((seq, event))
+                if seq.finished:
+                    self._remove(seq)
+                    break
         for seq_id, message in output.errors.items():
             failed = next((s for s in self.running if s.seq_id == seq_id), None)
             if failed is not None:

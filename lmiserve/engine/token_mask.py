@@ -50,16 +50,22 @@ class TokenMask:
 
     def apply(self, logits: torch.Tensor, matchers: Sequence[GrammarMatcher]) -> None:
         """Mask `logits` ([len(matchers), vocab], float, CPU or not) in place to what each matcher allows."""
-        if not matchers:
-            return
-        bitmask = self.fill(matchers)
-        vocab = min(logits.shape[-1], self.vocab_size)
-        if sys.byteorder == "little":  # the words' bytes in token order: unpack all rows in one numpy pass
-            bits = np.unpackbits(np.invert(bitmask.numpy().view(np.uint8)), axis=-1, bitorder="little")
-            disallowed = torch.from_numpy(bits).view(torch.bool).to(logits.device, non_blocking=True)
-        else:
-            bitmask = bitmask.to(logits.device, non_blocking=True)
-            disallowed = ((bitmask.unsqueeze(-1) & _BITS.to(logits.device)) == 0).view(len(matchers), -1)
-        logits[:, :vocab].masked_fill_(disallowed[:, :vocab], _NEG_INF)
-        if logits.shape[-1] > vocab:  # logits wider than the grammar's vocabulary: never allowed
-            logits[:, vocab:] = _NEG_INF
+        if matchers:
+            apply_bitmask(logits, self.fill(matchers), self.vocab_size)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor | np.ndarray, vocab_size: int) -> None:
+    """Mask `logits` ([rows, vocab], float, CPU or not) in place to what `bitmask` ([rows, words] int32,
+    on the host; bit t of a row set = token t allowed) allows; tokens past `vocab_size` never are."""
+    words = bitmask.numpy() if isinstance(bitmask, torch.Tensor) else bitmask
+    rows = words.shape[0]
+    vocab = min(logits.shape[-1], vocab_size)
+    if sys.byteorder == "little":  # the words' bytes in token order: unpack all rows in one numpy pass
+        bits = np.unpackbits(np.invert(words.view(np.uint8)), axis=-1, bitorder="little")
+        disallowed = torch.from_numpy(bits).view(torch.bool).to(logits.device, non_blocking=True)
+    else:
+        device_words = torch.from_numpy(words).to(logits.device, non_blocking=True)
+        disallowed = ((device_words.unsqueeze(-1) & _BITS.to(logits.device)) == 0).view(rows, -1)
+    logits[:, :vocab].masked_fill_(disallowed[:, :vocab], _NEG_INF)
+    if logits.shape[-1] > vocab:  # logits wider than the grammar's vocabulary: never allowed
+        logits[:, vocab:] = _NEG_INF

@@ -234,7 +234,7 @@ class FakeRunner:
             out.errors[seq.seq_id] = self.errors.pop(seq.seq_id)
             return
         token = self.rule(seq, self.step)
-        out.samples[seq.seq_id] = SampleResult(token, -0.25)
+        out.samples[seq.seq_id] = [SampleResult(token, -0.25)]
 
 
 def run_step(

@@ -22,6 +22,7 @@ from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine.async_engine import AsyncEngine, EngineConfig
 from lmiserve.engine.factory import build_engine, create_engine
 from lmiserve.engine.runners import BatchInvariantRunner, FastRunner, ModelRunner
+from lmiserve.engine.runners.paged import PagedFastRunner
 
 PROMPTS = [
     "The quick brown fox",
@@ -325,6 +326,7 @@ async def test_sampling_exception_ends_only_that_sequence_batch_invariant(tiny_m
 
 async def test_sample_rows_exception_ends_only_that_sequence(tiny_model, reference, monkeypatch):
     import lmiserve.engine.runners.base as runner_module
+    import lmiserve.engine.runners.paged as paged_module
 
     real = runner_module.sample_rows
     bad_ids = encode(tiny_model, PROMPTS[1])
@@ -334,9 +336,40 @@ async def test_sample_rows_exception_ends_only_that_sequence(tiny_model, referen
         bad = [row.prompt_ids == bad_ids and len(row.output_ids) == 3 for row in rows]
         return [ValueError("bad row") if b else result for b, result in zip(bad, results)]
 
-    monkeypatch.setattr(runner_module, "sample_rows", sample_rows)
+    monkeypatch.setattr(runner_module, "sample_rows", sample_rows)  # the slot runners
+    monkeypatch.setattr(paged_module, "sample_rows", sample_rows)  # the paged runner's batches
     engine = make_engine(tiny_model)
     await _one_failure(engine, tiny_model, reference, "bad row")
+
+
+class FailingPagedRunner(PagedFastRunner):
+    """Over the block cache: every forward that computes request "bad"'s prompt raises, and sampling
+    its fourth token raises (the persistent batch's own bookkeeping)."""
+
+    bad_prompt: tuple[int, ...] = ()
+    fail_prefill = True
+
+    def _forward_rows(self, batch, part):
+        for i in part:
+            row = batch.rows[i]
+            bad = list(self.bad_prompt[row.start : row.start + len(row.token_ids)])
+            if self.fail_prefill and i >= batch.num_decode and row.token_ids == bad:
+                raise RuntimeError("prefill exploded")
+        return super()._forward_rows(batch, part)
+
+    def _row_of(self, request, device, masked):
+        if not self.fail_prefill and request.prompt_ids == list(self.bad_prompt) and len(request.output_ids) == 3:
+            raise RuntimeError("sampler exploded")
+        return super()._row_of(request, device, masked)
+
+
+@pytest.mark.parametrize("fail_prefill", [True, False], ids=["prefill", "sampling"])
+async def test_a_failure_in_a_paged_batch_ends_only_that_sequence(tiny_model, reference, fail_prefill):
+    runner_cls = type("Failing", (FailingPagedRunner,), {"bad_prompt": tuple(encode(tiny_model, PROMPTS[1]))})
+    runner_cls.fail_prefill = fail_prefill
+    engine = make_engine(tiny_model, runner_cls=runner_cls, kv_cache="paged")
+    assert engine.executor is not None
+    await _one_failure(engine, tiny_model, reference, "prefill exploded" if fail_prefill else "sampler exploded")
 
 
 async def test_prefill_exception_ends_only_that_sequence(tiny_model, reference):

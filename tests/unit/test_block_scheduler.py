@@ -5,6 +5,7 @@ preemption are checked against the KV contents, not only the bookkeeping."""
 
 from __future__ import annotations
 
+import pickle
 import random
 
 import pytest
@@ -15,6 +16,7 @@ from lmiserve.engine.block_scheduler import BlockScheduler
 from lmiserve.engine.kv_blocks import BlockPool
 from lmiserve.engine.scheduler import SampleResult, StepOutput, StepPlan
 from lmiserve.engine.sequence import SeqStatus, Sequence
+from lmiserve.engine.step import StepBatch
 
 
 def token_rule(seq: Sequence) -> int:
@@ -70,13 +72,59 @@ class BlockRunner:
         if seq.seq_id in self.errors:
             out.errors[seq.seq_id] = self.errors.pop(seq.seq_id)
         else:
-            out.samples[seq.seq_id] = SampleResult(token_rule(seq), -0.25)
+            out.samples[seq.seq_id] = [SampleResult(token_rule(seq), -0.25)]
+
+
+class BatchMirror:
+    """An executor that sees only the plans' plain-data batches (after a pickle round trip, as across a
+    process boundary) and keeps its own persistent batch: each request's prompt, sampled tokens and
+    block table, learnt by difference. It checks that every position a row reads or writes holds what its
+    own view says, and samples `token_rule` from that view, so its samples must equal the plan runner's."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.block_size = pool.block_size
+        self.store: list[list[int | None]] = [[None] * pool.block_size for _ in range(pool.num_blocks)]
+        self.requests: dict[int, tuple[list[int], list[int], list[int]]] = {}  # id -> prompt, output, blocks
+
+    def execute(self, batch: StepBatch) -> dict[int, int]:
+        batch = pickle.loads(pickle.dumps(batch))
+        for seq_id in batch.finished:
+            del self.requests[seq_id]
+        for seq_id in batch.preempted:
+            self.requests[seq_id][2].clear()
+        for new in batch.new:
+            assert new.seq_id not in self.requests
+            self.requests[new.seq_id] = (list(new.prompt_ids), [], [])
+        sampled = {}
+        for number, row in enumerate(batch.rows):
+            prompt_ids, output, blocks = self.requests[row.seq_id]
+            blocks.extend(row.new_blocks)
+            tokens = prompt_ids + output
+            assert row.token_ids == tokens[row.start : row.start + len(row.token_ids)]
+            assert number >= batch.num_decode or (len(row.token_ids) == 1 and row.start == len(tokens) - 1)
+            bs = self.block_size
+            for pos in range(row.start):
+                assert self.store[blocks[pos // bs]][pos % bs] == tokens[pos], f"request {row.seq_id} at {pos}"
+            for pos in range(row.start, row.start + len(row.token_ids)):
+                self.store[blocks[pos // bs]][pos % bs] = tokens[pos]
+            assert row.sample == (row.start + len(row.token_ids) == len(tokens))
+            if row.sample:
+                token = 100 + (row.seq_id * 7 + len(output) * 3) % 50  # token_rule over its own view
+                output.append(token)
+                sampled[row.seq_id] = token
+        return sampled
 
 
 def step(sched: BlockScheduler, runner: BlockRunner, now: float = 0.0):
     plan, events = sched.schedule(now)
+    if not hasattr(runner, "mirror"):
+        runner.mirror = BatchMirror(sched.pool)
+    assert plan.batch is not None
+    mirrored = runner.mirror.execute(plan.batch)
     if plan.has_model_work:
-        events = events + sched.update(plan, runner.execute(plan))
+        out = runner.execute(plan)
+        assert {i: r[0].token_id for i, r in out.samples.items()} == {i: mirrored[i] for i in out.samples}
+        events = events + sched.update(plan, out)
     tables = [s.block_table for s in sched.running if s.block_table is not None]
     sched.pool.check(tables)
     assert len(sched.running) <= sched.max_running
@@ -87,6 +135,8 @@ def drive(sched: BlockScheduler, runner: BlockRunner, limit: int = 10_000):
     events = []
     for _ in range(limit):
         if not sched.has_work():
+            mirror = getattr(runner, "mirror", None)
+            assert mirror is None or not mirror.requests, "the executor was not told every request finished"
             return events
         events += step(sched, runner)[1]
     raise AssertionError("the scheduler did not finish")

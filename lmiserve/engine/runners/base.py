@@ -165,7 +165,7 @@ class ModelRunner(ABC):
             if isinstance(result, Exception):
                 self._sampling_failed(seqs[row], result, out)
             else:
-                out.samples[seqs[row].seq_id] = result
+                out.samples[seqs[row].seq_id] = [result]
 
     def _mask_rows(
         self, seqs: list[Sequence], logits: torch.Tensor, rows: list[int], masked: dict[int, torch.Tensor]

@@ -1,0 +1,109 @@
+"""The step contract between the engine core and the model: plain data, so it can cross a process boundary.
+
+The engine core (the block scheduler, the grammar matchers, the detokenizer: everything that holds a
+`Sequence`) plans a step as a `StepBatch`: which requests are new (their prompt, sampling parameters and
+seed, sent once), which tokens of which requests to compute at which positions, the blocks each
+request's table gained since the last step, which requests left (or were preempted), and the grammar
+bitmask of the constrained rows that sample. Nothing in it holds a tokenizer, a matcher or a tensor.
+
+An `Executor` runs a batch on the model and answers with a `StepOutput` (lmiserve.engine.scheduler):
+the tokens sampled for each request (a list: a step may sample several tokens of a request, as
+speculative decoding will), prompt logprobs, and per-request errors. The executor keeps a persistent
+batch: what it was told about each request (tokens, parameters, generator, block table) stays until the
+request is finished, and every step only updates it by difference. `InProcessExecutor` runs the model in
+this process (the engine's torch thread); a tensor-parallel executor sends the same batches to its
+workers.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from lmiserve.core.request import SamplingParams
+
+if TYPE_CHECKING:
+    from lmiserve.engine.scheduler import StepOutput
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """A request the executor has not seen: sent once, kept until the request is finished."""
+
+    seq_id: int
+    prompt_ids: list[int]
+    params: SamplingParams  # plain data (its grammar is a spec; the matcher stays in the engine core)
+    seed: int | None  # a sampled request's generator is seeded from it (batch-independent streams)
+
+
+@dataclass(frozen=True)
+class ScheduledTokens:
+    """Tokens of one request to compute in this step, from position `start`."""
+
+    seq_id: int
+    start: int
+    token_ids: list[int]
+    new_blocks: list[int]  # appended to the request's block table (after a preemption: its whole table)
+    sample: bool  # the tokens reach the request's end: sample its next token
+    prompt_logprobs: bool = False  # record the logprobs of these (prompt) positions
+
+
+@dataclass
+class StepBatch:
+    """One step of the model, as plain data. `rows[:num_decode]` decode (one token each, their last
+    sampled token); the rest are chunks of prompts (or, after a preemption, of prompt and output)."""
+
+    rows: list[ScheduledTokens] = field(default_factory=list)
+    num_decode: int = 0
+    new: list[NewRequest] = field(default_factory=list)
+    finished: list[int] = field(default_factory=list)  # forget these requests (before this step)
+    preempted: list[int] = field(default_factory=list)  # their blocks were taken back (before this step)
+    # the constrained sampling rows (indexes into `rows`) and their int32 bitmask (bit t = token t allowed)
+    grammar_rows: list[int] = field(default_factory=list)
+    grammar_bitmask: np.ndarray | None = None
+
+    @property
+    def has_model_work(self) -> bool:
+        return bool(self.rows)
+
+
+class Executor(ABC):
+    """Runs step batches on one model (its KV pool of `num_blocks` blocks of `block_size` tokens)."""
+
+    num_blocks: int
+    block_size: int
+    vocab_size: int
+    eos_token_ids: list[int]
+
+    @abstractmethod
+    def execute(self, batch: StepBatch) -> StepOutput:
+        """Apply the batch's bookkeeping, compute its rows, sample; never raise for one request's failure."""
+
+
+class BatchRunner(ABC):
+    """A model runner that executes `StepBatch`es itself (runners/paged.py)."""
+
+    num_blocks: int | None
+    block_size: int
+    vocab_size: int  # the width of its logits (the grammar bitmask's tokens)
+    eos_token_ids: list[int]
+
+    @abstractmethod
+    def execute_batch(self, batch: StepBatch) -> StepOutput: ...
+
+
+class InProcessExecutor(Executor):
+    """The model in this process: each batch runs on the calling (torch) thread."""
+
+    def __init__(self, runner: BatchRunner) -> None:
+        if runner.num_blocks is None:
+            raise ValueError("an executor needs a runner over a block KV cache")
+        self.runner = runner
+        self.num_blocks, self.block_size = runner.num_blocks, runner.block_size
+        self.vocab_size, self.eos_token_ids = runner.vocab_size, runner.eos_token_ids
+
+    def execute(self, batch: StepBatch) -> StepOutput:
+        return self.runner.execute_batch(batch)
