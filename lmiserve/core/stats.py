@@ -81,6 +81,8 @@ class EngineSnapshot:
     prefix_cache_capacity: int = 0  # tokens it can hold (0: no prefix cache)
     prefix_cache_bytes: int = 0  # the memory its blocks take at most
     preemptions: int = 0  # running sequences preempted since the engine started (their KV freed, recomputed later)
+    kv_blocks: int = 0  # the paged KV pool's blocks (0: the slot layout, no pool)
+    kv_block_size: int = 0  # tokens a block
 
     @property
     def prefix_cache_usage(self) -> float:

@@ -200,6 +200,8 @@ class AsyncEngine:
             batch_slots=self.scheduler.max_running,
             generated_tokens=self.generated_tokens,
             preemptions=getattr(self.scheduler, "num_preemptions", 0),
+            kv_blocks=pool.num_blocks if pool is not None else 0,
+            kv_block_size=pool.block_size if pool is not None else 0,
             **self._prefix_figures(),
         )
 

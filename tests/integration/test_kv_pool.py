@@ -157,6 +157,8 @@ def _generate(client: httpx.Client, i: int, max_new_tokens: int = MAX_NEW_TOKENS
 def test_the_pool_is_the_size_the_budget_buys(pool_server: PoolServer):
     lines = read_log(pool_server.log)
     assert any(f"KV cache: {POOL_BLOCKS} blocks of {BLOCK_SIZE} tokens" in line for line in lines), lines[-20:]
+    info = pool_server.client.get("/info").json()  # TGI's meaning: the tokens the KV cache holds
+    assert info["max_batch_total_tokens"] == POOL_BLOCKS * BLOCK_SIZE, info
 
 
 def test_a_burst_several_times_the_pool_finishes_with_the_tokens_of_each_request_alone(pool_server: PoolServer):

@@ -212,7 +212,8 @@ async def info(request: Request) -> Response:
         "model_device_type": model.service.ready_llm().device.type,
         "max_input_length": limits.max_input_tokens,
         "waiting_served_ratio": 0.0,
-        "max_batch_total_tokens": None,
+        # TGI's meaning: the tokens the KV cache holds (the paged pool; unknown with the slot layout)
+        "max_batch_total_tokens": snap.kv_capacity if snap.kv_blocks else None,
         "max_waiting_tokens": 0,
         "max_batch_size": s.batch_size if s.dynamic_batching else s.max_rolling_batch_size,
         "prefix_caching": snap.prefix_cache_capacity > 0,

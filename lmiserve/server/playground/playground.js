@@ -230,9 +230,13 @@ function renderStats(stats) {
     const percent = kv > 0 && kv < 0.01 ? "<0.01" : kv < 10 ? kv.toFixed(2) : kv.toFixed(1);
     set("kv", `${percent}% · ${model.kv_tokens} / ${model.kv_capacity}`);
     const kvStat = card.querySelector('[data-stat="kv"]');
-    kvStat.title = model.prefix_cache_capacity
+    const pool = model.kv_blocks
+      ? `KV pool: ${model.kv_blocks} blocks of ${model.kv_block_size} tokens, ${model.preemptions} preemptions`
+      : "KV cache: slots";
+    const prefix = model.prefix_cache_capacity
       ? `prefix cache: ${model.prefix_cache_tokens} / ${model.prefix_cache_capacity} tokens`
       : "prefix cache off";
+    kvStat.title = `${pool}\n${prefix}`;
     card.querySelector(".bar.kv > i").style.width = `${kv}%`;
     const series = rates.get(model.name) ?? [];
     series.push(model.tokens_per_second);
