@@ -334,7 +334,7 @@ class AsyncEngine:
         async for event in self._drain(handle):
             by_index[event.index].append(event)
         params = handle.request.params
-        ranked = sorted(handle.seqs, key=lambda s: s.cumulative_logprob, reverse=True)
+        ranked = sorted(handle.seqs, key=_mean_logprob, reverse=True)
         keep = params.n
         events: list[StepEvent] = []
         for new_index, seq in enumerate(ranked[:keep]):
@@ -510,6 +510,12 @@ class AsyncEngine:
 def _random_seed() -> int:
     """A random non-negative signed 32-bit seed, drawn per request when the client gives none."""
     return random.SystemRandom().randrange(0, 2**31)
+
+
+def _mean_logprob(seq: Sequence) -> float:
+    """The one best-of rule, every protocol's: the highest log probability per generated token (OpenAI's
+    `best_of` and TGI's); a sequence without a token ranks last."""
+    return seq.cumulative_logprob / len(seq.output_ids) if seq.output_ids else float("-inf")
 
 
 def _reindex(event: StepEvent, index: int) -> StepEvent:

@@ -438,7 +438,7 @@ async def test_n_sequences_come_best_first(tiny_model, params):
         tokens = [e.token for e in events if e.index == index and e.token is not None]
         assert fin.generated_tokens == len(tokens)
         assert fin.generated_text == "".join(t.text for t in tokens)
-        scores.append(sum(t.logprob for t in tokens))
+        scores.append(sum(t.logprob for t in tokens) / len(tokens))  # per token: OpenAI's and TGI's rule
     assert scores[0] == max(scores)
     assert scores == sorted(scores, reverse=True)
     assert len({tuple(ids_of(events, i)) for i in range(3)}) > 1  # different seeds, different samples

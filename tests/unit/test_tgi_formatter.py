@@ -73,13 +73,13 @@ def test_stream_final_details_seed_when_sampling():
     assert last["details"] == {"finish_reason": "eos_token", "generated_tokens": 2, "seed": 7, "input_length": 2}
 
 
-def test_best_of_ranks_by_mean_logprob_and_lists_the_others():
-    # sequence 0: total -3 over 3 tokens (mean -1.0); sequence 1: total -1.6 over 1 token (mean -1.6)
+def test_best_of_keeps_the_engines_ranking_and_lists_the_others():
+    # the engine ranked them (index 0 best); the encoder never re-ranks, whatever the logprobs say
     events = [
         StepEvent(Token(1, "x", -1.0), index=0),
         StepEvent(Token(1, "x", -1.0), index=0),
         StepEvent(Token(1, "x", -1.0), finish=finish("xxx", 3, seed=11), index=0),
-        StepEvent(Token(3, "y", -1.6), finish=finish("y", 1, seed=12), index=1),
+        StepEvent(Token(3, "y", -0.5), finish=finish("y", 1, seed=12), index=1),
     ]
     seqs = fmt.sequences(events)
     body = fmt.generate_body(seqs, shape(sampling=True), special)

@@ -1,4 +1,5 @@
-"""Engine events grouped into finished sequences, as both protocols' whole answers list them."""
+"""Engine events grouped into finished sequences, as the protocols' whole answers list them: in the
+engine's order (ranked `n`/`best_of` answers come best first; the engine holds the one ranking rule)."""
 
 from __future__ import annotations
 
@@ -10,20 +11,16 @@ from lmiserve.core.events import Finish, StepEvent, Token
 
 @dataclass
 class Sequence:
-    """One generated sequence collected from its events."""
+    """One generated sequence collected from its events (not the engine's `Sequence`: what a protocol
+    answers of one)."""
 
     tokens: list[Token]
     top_tokens: list[tuple[Token, ...]]
     finish: Finish
 
-    @property
-    def mean_logprob(self) -> float:
-        lps = [t.logprob for t in self.tokens if t.logprob is not None]
-        return sum(lps) / len(lps) if lps else float("-inf")
-
 
 def sequences(events: Iterable[StepEvent]) -> list[Sequence]:
-    """The finished sequences (by event index), the best (highest mean token logprob) first; a
+    """The finished sequences in event index order (the engine's: best first when it ranked them); a
     sequence without a finish event is left out."""
     by_index: dict[int, tuple[list, list]] = {}
     finishes: dict[int, Finish] = {}
@@ -34,5 +31,4 @@ def sequences(events: Iterable[StepEvent]) -> list[Sequence]:
             tops.append(event.top_tokens or ())
         if event.finish is not None:
             finishes[event.index] = event.finish
-    seqs = [Sequence(by_index[i][0], by_index[i][1], finishes[i]) for i in sorted(finishes)]
-    return sorted(seqs, key=lambda s: s.mean_logprob, reverse=True)
+    return [Sequence(by_index[i][0], by_index[i][1], finishes[i]) for i in sorted(finishes)]
