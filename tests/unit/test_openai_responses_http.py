@@ -15,6 +15,8 @@ import json
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from helpers.text_app import Script, text_app
 from helpers.tiny_model import build_thinking_tokenizer
@@ -410,3 +412,72 @@ async def test_the_api_key_guards_every_responses_route():
             "/v1/responses", json={"input": "Hi", "max_output_tokens": 1}, headers={"Authorization": "Bearer secret"}
         )
         assert ok.status_code == 200
+
+
+# --- hostile bodies: any field replaced by any JSON value is a 2xx or a 4xx, never a 5xx --------------------------
+
+TEMPLATE = {
+    "model": "tiny",
+    "instructions": "Be brief.",
+    "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city":"Paris"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "18"},
+    ],
+    "tools": [WEATHER],
+    "tool_choice": "auto",
+    "text": {"format": {"type": "text"}},
+    "reasoning": {"effort": "low"},
+    "max_output_tokens": 3,
+    "temperature": 0.5,
+    "stream": False,
+    "store": False,
+    "metadata": {"k": "v"},
+}
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**66), max_value=2**66)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=8)
+    | st.sampled_from(["function", "message", "json_schema", "function_call", "input_text", "auto", "\ud800"]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+def _paths(value, prefix=()):
+    found = [prefix]
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found += _paths(item, (*prefix, key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found += _paths(item, (*prefix, index))
+    return found
+
+
+def _replaced(value, path, new):
+    if not path:
+        return new
+    copy = list(value) if isinstance(value, list) else dict(value)
+    copy[path[0]] = _replaced(value[path[0]], path[1:], new)
+    return copy
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+@given(path=st.sampled_from(_paths(TEMPLATE)[1:]), value=json_values, stream=st.booleans())
+async def test_any_field_replaced_is_never_a_server_error(path, value, stream):
+    """Validation, up to the engine: the fake refuses every request at once (429, or in-band in a stream), since
+    its unmasked tokens would break a tool grammar the real engine applies (the generation paths: above)."""
+    served = text_app(max_context=4096)
+    served.fake.reply(Script(error=Overloaded("Worker queue capacity exceeded")))
+    body = _replaced({**TEMPLATE, "stream": stream}, path, value)
+    async with served.client() as http:
+        r = await http.post(
+            "/v1/responses", content=json.dumps(body).encode(), headers={"content-type": "application/json"}
+        )
+    assert r.status_code < 500, (body, r.text)
+    if r.status_code >= 400:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert "Traceback" not in r.text
