@@ -103,6 +103,7 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "reasoning_parser",
             "reasoning_start",
             "reasoning_end",
+            "responses_store_size",
             "default_invocations_accept",
             "vertex_predict_route",
             "vertex_health_route",

@@ -513,6 +513,14 @@ class Settings(BaseModel):
             "parser on (with no start marker the output always starts in the reasoning)."
         ),
     )
+    responses_store_size: int = Field(
+        1000,
+        ge=0,
+        description=(
+            "OpenAI Responses API: most responses kept in memory for `previous_response_id` and "
+            "`GET /v1/responses/{id}` (least recently used dropped first); 0 stores none."
+        ),
+    )
     # --- SageMaker and Vertex AI (docs/protocols/sagemaker.md and docs/protocols/vertex.md, "Reference") ---
     default_invocations_accept: str | None = Field(
         None,

@@ -21,6 +21,7 @@ from lmiserve.models.service import ModelService
 from lmiserve.protocols.lmi import routes as lmi
 from lmiserve.protocols.lmi.errors import MANAGEMENT, frontend_error_body
 from lmiserve.protocols.openai import models as openai_models
+from lmiserve.protocols.openai import responses_api as openai_responses
 from lmiserve.protocols.openai import routes as openai
 from lmiserve.protocols.openai import tokenize as vllm_tokenize
 from lmiserve.protocols.tensor import routes as tensor
@@ -59,6 +60,7 @@ def routes(settings: Settings, metrics: Metrics | None = None) -> list[BaseRoute
         *lmi.routes(settings),
         *tgi.routes(tokenize_other=VLLM_TOKENIZE),
         *openai.routes(),
+        *openai_responses.routes(),
         *openai_models.routes(),
         *vllm_tokenize.routes(),
         *tensor.routes(),

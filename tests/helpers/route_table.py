@@ -61,6 +61,7 @@ def concrete(path: str, model: str, method: str) -> str:
         "deployed": f"{model}:predict" if method == "POST" else model,
         "rest": f"{model}:predict" if method == "POST" else model,
         "path": "anything",
+        "response_id": "resp_not_stored",
     }
     return re.sub(r"\{(\w+)(?::\w+)?\}", lambda m: values[m.group(1)], path)
 

@@ -106,6 +106,8 @@ def fillings(name: str, models: list[str]) -> list[str]:
         return ["1"]
     if name == "deployed":
         return ["2:predict", "2"]
+    if name == "response_id":  # OpenAI's stored responses (GET/DELETE only: never a target)
+        return ["resp_1"]
     raise AssertionError(f"no filling for path parameter {name!r}: add one")
 
 
@@ -211,6 +213,23 @@ COMPLETION = {
     "n": 1,
     "stream": False,
 }
+RESPONSES = {
+    "model": "tiny",
+    "instructions": "Be brief.",
+    "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "1"},
+    ],
+    "tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}],
+    "tool_choice": "auto",
+    "text": {"format": {"type": "text"}},
+    "max_output_tokens": 2,
+    "temperature": 0.5,
+    "top_p": 0.9,
+    "stream": False,
+    "store": True,
+}
 LMI = {"inputs": "Hello", "parameters": {**TGI_PARAMETERS, "output_formatter": "jsonlines"}, "stream": False}
 V2_INFER = [
     {
@@ -238,6 +257,7 @@ FAMILIES: dict[str, list[Any]] = {
     "tgi": [{"inputs": "Hi", "parameters": TGI_PARAMETERS, "stream": False}],
     "chat": [CHAT],
     "completion": [COMPLETION],
+    "responses": [RESPONSES],
     "v2_infer": V2_INFER,
     "v2_generate": [V2_GENERATE],
     "tfserving": TF_SERVING,
@@ -254,6 +274,7 @@ def family(route: str) -> list[Any]:
         ("/v1/chat/completions", "chat"),
         ("/chat_tokenize", "chat"),
         ("/v1/completions", "completion"),
+        ("/v1/responses", "responses"),
         ("/infer", "v2_infer"),
         ("/generate", "v2_generate" if route.startswith("/v2") else "tgi"),
         ("/tokenize", "tgi"),
@@ -448,6 +469,7 @@ def test_every_post_route_is_swept(llm: Served, store: Served) -> None:
         "/tokenize",
         "/v1/chat/completions",
         "/v1/completions",
+        "/v1/responses",
         "/v2/models/affine/infer",
         "/v2/models/tiny-llm/generate_stream",
         "/v2/repository/index",

@@ -9,7 +9,9 @@
   status: 413 (payload limit), 415 (not application/json), 431 (headers too large).
 - 401 ``authentication_error`` / ``invalid_api_key``: a missing or wrong API key.
 - 404 ``not_found_error`` / ``model_not_found`` (``param: "model"``): a `model` that names nothing
-  served, or a server without a text-generation model.
+  served, or a server without a text-generation model; 404 ``invalid_request_error``: a stored response
+  that does not exist (``GET``/``DELETE /v1/responses/{id}``; ``previous_response_id``, then with
+  ``param`` and ``code: "previous_response_not_found"``).
 - 429 ``rate_limit_error``: overloaded (the queue is full, every admission slot taken).
 - 503 ``service_unavailable_error``: the model is loading, failed, the server drains, or a request
   waited past ``predict_timeout`` for a slot.
@@ -32,6 +34,7 @@ from lmiserve.core.errors import (
     LmiServeError,
     ModelNotFound,
     ModelNotReady,
+    NotFound,
     Overloaded,
     PayloadTooLarge,
     QueueTimeout,
@@ -72,6 +75,10 @@ class InvalidValue(InvalidRequest):
     def __init__(self, message: str, param: str):
         super().__init__(message)
         self.param = param
+
+
+class PreviousResponseNotFound(NotFound):
+    """A `previous_response_id` that names no stored response (the Responses API)."""
 
 
 class ContextWindowExceeded(InvalidRequest):
@@ -117,6 +124,8 @@ KINDS: dict[type[LmiServeError], Kind] = {
     HeadersTooLarge: Kind(431, "invalid_request_error"),
     Unauthorized: Kind(401, "authentication_error", "invalid_api_key", "Invalid or missing API key."),
     ModelNotFound: Kind(404, "not_found_error", "model_not_found"),
+    NotFound: Kind(404, "invalid_request_error"),
+    PreviousResponseNotFound: Kind(404, "invalid_request_error", "previous_response_not_found"),
     InvalidValue: Kind(400, "invalid_request_error", "invalid_value"),
     ContextWindowExceeded: Kind(400, "invalid_request_error", "context_length_exceeded"),
     Overloaded: Kind(429, "rate_limit_error", None, "The server is overloaded, please retry later."),
@@ -131,6 +140,8 @@ def param(exc: LmiServeError) -> str | None:
         return exc.param
     if isinstance(exc, ModelNotFound):
         return "model"
+    if isinstance(exc, PreviousResponseNotFound):
+        return "previous_response_id"
     if isinstance(exc, SchemaViolation):
         found = _SCHEMA_FIELD.search(exc.message)
         return found.group(1) if found and found.group(1) != "body" else None

@@ -1,0 +1,398 @@
+"""The OpenAI Responses API request (POST /v1/responses) -> one validated engine call.
+
+- `input`: a string (one user message) or a list of items: ``message`` (``type`` may be left out;
+  roles ``user``, ``assistant``, ``system``, ``developer``; content a string or ``input_text`` /
+  ``output_text`` / ``refusal`` parts), ``function_call`` (``call_id``, ``name``, ``arguments``),
+  ``function_call_output`` (``call_id``, ``output``), and ``reasoning`` items given back (left out of
+  the prompt, as chat templates leave earlier reasoning out). `instructions` is a system message before
+  them. With `previous_response_id` the stored conversation (its input and output items, not its
+  instructions) comes first. Everything is rendered with the model's chat template, tools and tool
+  messages as on the chat route (`lmiserve.protocols.textgen.tools.prompt`); ``developer`` is given to
+  the template as ``system``.
+- `tools`: flat function tools ``{"type": "function", "name", "description"?, "parameters"?,
+  "strict"?}``; `tool_choice`: ``"auto"``, ``"none"``, ``"required"`` or ``{"type": "function",
+  "name"}``; `parallel_tool_calls`. Arguments are always generated under the tool's schema.
+- `text.format`: ``text``, ``json_object``, ``json_schema`` (``name``, ``schema``, ``strict``), through
+  the grammar engine; `reasoning.effort` reaches the chat template as ``reasoning_effort``.
+- Sampling: `temperature` (0 greedy), `top_p`, `max_output_tokens`, and the chat route's extensions
+  (`seed`, penalties, `top_k`, `min_p`, `logit_bias`, ...: `openai.sampling`).
+
+Unknown fields are accepted and logged once (the chat route's policy); fields OpenAI defines that this
+server cannot honour are a 400 naming them (`UNSUPPORTED`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field, StrictBool, StrictStr
+
+from lmiserve.core import constraints
+from lmiserve.core.errors import ContextLengthExceeded, excerpt
+from lmiserve.core.grammar import Grammar
+from lmiserve.core.limits import TextGenLimits
+from lmiserve.protocols.openai import sampling as openai_sampling
+from lmiserve.protocols.openai.errors import ContextWindowExceeded, InvalidValue
+from lmiserve.protocols.openai.schema import OpenAISampling
+from lmiserve.protocols.textgen.chat import Message
+from lmiserve.protocols.textgen.errors import ToolError
+from lmiserve.protocols.textgen.parameters import UINT32, UINT64, TextGenParameters
+from lmiserve.protocols.textgen.tools.prompt import Render, render_conversation
+from lmiserve.protocols.textgen.tools.schema import output_grammar
+from lmiserve.protocols.textgen.tools.spec import ToolSpec, tool_spec
+from lmiserve.protocols.textgen.validation import TextGenCall, build
+
+ROLES = ("user", "assistant", "system", "developer")
+TEXT_PARTS = ("input_text", "output_text", "refusal")
+METADATA_KEYS, METADATA_KEY_LENGTH, METADATA_VALUE_LENGTH = 16, 64, 512  # OpenAI's limits
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+
+
+class ResponsesRequest(OpenAISampling):
+    """The body of POST /v1/responses (OpenAI's fields, then vLLM's sampling extensions)."""
+
+    model_config = ConfigDict(
+        extra="ignore", json_schema_extra={"examples": [{"input": "Say hello.", "max_output_tokens": 8}]}
+    )
+
+    model: str | None = None
+    input: StrictStr | list[dict[str, Any]]
+    instructions: StrictStr | None = None
+    max_output_tokens: int | None = Field(None, ge=1, le=UINT32)
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = Field(None, ge=0, le=UINT64)
+    stream: StrictBool = False
+    stream_options: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: StrictBool | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    store: StrictBool = True
+    previous_response_id: StrictStr | None = None
+    metadata: dict[StrictStr, StrictStr] | None = None
+    # known, honoured only in their default meaning (see `check_unsupported`)
+    background: StrictBool | None = None
+    include: list[StrictStr] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=UINT32)
+    truncation: Literal["auto", "disabled"] | None = None
+    max_tool_calls: int | None = None
+    conversation: Any = None
+    prompt: Any = None
+    service_tier: StrictStr | None = None
+    # accepted and echoed, without effect here (no billing, the prefix cache needs no key)
+    safety_identifier: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = None
+
+
+@dataclass
+class ResponsesCall:
+    """A validated Responses request: the engine call and what the answer shows."""
+
+    call: TextGenCall
+    prompt: str
+    model: str
+    stream: bool
+    items: list[dict[str, Any]]  # the conversation: the previous response's items, then this input's
+    tools: ToolSpec | None  # active tools: the answer is read as function calls
+    echo: dict[str, Any]  # the request's parameters as the response object shows them
+
+
+def check_unsupported(req: ResponsesRequest) -> None:
+    """A 400 naming each field OpenAI defines that this server cannot honour (beyond its default)."""
+    refusals = [
+        (req.background, "background", "`background` mode is not supported: leave it out or false"),
+        (req.conversation, "conversation", "`conversation` objects are not supported: use `previous_response_id`"),
+        (req.prompt, "prompt", "reusable `prompt` templates are not supported"),
+        (req.include, "include", "`include` is not supported (no logprobs, no encrypted reasoning)"),
+        (req.top_logprobs, "top_logprobs", "`top_logprobs` is not supported on /v1/responses"),
+        (req.truncation == "auto", "truncation", '`truncation` "auto" is not supported: only "disabled"'),
+        (req.max_tool_calls is not None, "max_tool_calls", "`max_tool_calls` is not supported"),
+    ]
+    for given, name, message in refusals:
+        if given:
+            raise InvalidValue(message, name)
+    if req.service_tier not in (None, "auto", "default"):
+        raise InvalidValue('`service_tier` must be "auto" or "default" on this server', "service_tier")
+    metadata = req.metadata or {}
+    if len(metadata) > METADATA_KEYS or any(
+        len(k) > METADATA_KEY_LENGTH or len(v) > METADATA_VALUE_LENGTH for k, v in metadata.items()
+    ):
+        raise InvalidValue(
+            f"`metadata` holds at most {METADATA_KEYS} pairs, keys of at most {METADATA_KEY_LENGTH} characters "
+            f"and values of at most {METADATA_VALUE_LENGTH}",
+            "metadata",
+        )
+
+
+# --- input items ------------------------------------------------------------------------------------
+
+
+def input_items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`input` as a list of items (a string is one user message)."""
+    if isinstance(value, str):
+        return [{"type": "message", "role": "user", "content": value}]
+    return list(value)
+
+
+def _text_of(content: Any, where: str) -> str:
+    """A message's content (a string or text parts) as text; other parts are a 400."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidValue(f"`{where}` must be a string or a list of content parts", where)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in TEXT_PARTS:
+            shown = excerpt(str(kind)) if kind is not None else "a part without a type"
+            raise InvalidValue(
+                f"Content part type `{shown}` is not supported: this server takes text parts only "
+                f"({', '.join(TEXT_PARTS)})",
+                f"{where}[{j}].type",
+            )
+        text = part.get("refusal" if kind == "refusal" else "text")
+        if not isinstance(text, str):
+            raise InvalidValue(f"`{where}[{j}]` needs a string `{'refusal' if kind == 'refusal' else 'text'}`", where)
+        texts.append(text)
+    return "".join(texts)
+
+
+def _string(item: dict[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise InvalidValue(f"`{where}.{key}` must be a string", f"{where}.{key}")
+    return value
+
+
+def messages(items: list[dict[str, Any]], instructions: str | None) -> list[Message]:
+    """The conversation as chat messages (see the module docstring); a 400 naming the item at fault."""
+    out: list[Message] = []
+    if instructions:
+        out.append(Message(role="system", content=instructions))
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise InvalidValue(f"`{where}` must be an object", where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ROLES:
+                allowed = ", ".join(f"'{r}'" for r in ROLES)
+                shown = excerpt(str(role))
+                raise InvalidValue(f"Invalid value: '{shown}'. Supported values are: {allowed}.", f"{where}.role")
+            text = _text_of(item.get("content"), f"{where}.content")
+            out.append(Message(role="system" if role == "developer" else role, content=text))
+        elif kind == "function_call":
+            call = {
+                "id": _string(item, "call_id", where),
+                "type": "function",
+                "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)},
+            }
+            if out and out[-1].role == "assistant":  # calls after the assistant's text (or after calls): one turn
+                out[-1].tool_calls = [*(out[-1].tool_calls or []), call]
+            else:
+                out.append(Message(role="assistant", content=None, tool_calls=[call]))
+        elif kind == "function_call_output":
+            output = item.get("output")
+            text = output if isinstance(output, str) else _text_of(output, f"{where}.output")
+            out.append(Message(role="tool", content=text, tool_call_id=_string(item, "call_id", where)))
+        elif kind == "reasoning":
+            continue  # earlier reasoning is not shown to the model again
+        else:
+            shown = excerpt(str(kind))
+            raise InvalidValue(
+                f"Input item type `{shown}` is not supported: use message, function_call, function_call_output "
+                "or reasoning items",
+                f"{where}.type",
+            )
+    if not out:
+        raise InvalidValue("`input` must hold at least one message", "input")
+    return out
+
+
+# --- tools ------------------------------------------------------------------------------------------
+
+
+def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
+    """Flat Responses function tools in the chat shape `tool_spec` reads; other tool types are a 400."""
+    if tools is None:
+        return None
+    nested = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise InvalidValue(
+                f"Tool type `{excerpt(str(kind))}` is not supported: only `function` tools",
+                f"tools[{i}].type",
+            )
+        strict = tool.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise InvalidValue(f"`tools[{i}].strict` must be a boolean", f"tools[{i}].strict")
+        function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
+        nested.append({"type": "function", "function": function})
+    return nested
+
+
+def chat_tool_choice(choice: Any) -> Any:
+    """`tool_choice` in the chat shape `tool_spec` reads."""
+    if choice is None or choice in ("none", "auto", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise InvalidValue(
+        '`tool_choice` must be "none", "auto", "required" or {"type": "function", "name": ...}', "tool_choice"
+    )
+
+
+def echoed_tools(tools: list[Any] | None) -> list[dict[str, Any]]:
+    """The tools as the response object lists them (OpenAI's fields, `strict` defaulting to true)."""
+    return [
+        {
+            "type": "function",
+            "name": tool["name"],
+            "description": tool.get("description"),
+            "parameters": tool.get("parameters"),
+            "strict": tool.get("strict", True),
+        }
+        for tool in tools or ()
+    ]
+
+
+# --- text.format and reasoning ----------------------------------------------------------------------
+
+
+def text_format(text: dict[str, Any] | None) -> tuple[Grammar | None, dict[str, Any]]:
+    """The output constraint of `text.format`, and `text` as the response echoes it."""
+    fmt = (text or {}).get("format")
+    verbosity = (text or {}).get("verbosity")
+    if verbosity not in (None, "medium"):
+        raise InvalidValue('`text.verbosity` other than "medium" is not supported', "text.verbosity")
+    echo = {"format": {"type": "text"}, "verbosity": "medium"}
+    if fmt is None:
+        return None, echo
+    if not isinstance(fmt, dict):
+        raise InvalidValue("`text.format` must be an object", "text.format")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None, echo
+    if kind == "json_object":
+        return Grammar("json_object"), {**echo, "format": {"type": "json_object"}}
+    if kind == "json_schema":
+        name = fmt.get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidValue("`text.format.name` is required for a json_schema format", "text.format.name")
+        schema = fmt.get("schema")
+        if not isinstance(schema, dict):
+            raise InvalidValue("`text.format.schema` must be a JSON Schema object", "text.format.schema")
+        strict = fmt.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise InvalidValue("`text.format.strict` must be a boolean", "text.format.strict")
+        shown: dict[str, Any] = {"type": "json_schema", "name": name, "schema": schema, "strict": bool(strict)}
+        if isinstance(fmt.get("description"), str):
+            shown["description"] = fmt["description"]
+        return constraints.json_schema(schema, "text.format.schema"), {**echo, "format": shown}
+    raise InvalidValue(
+        f"`text.format.type` `{excerpt(str(kind))}` is not supported: text, json_object or json_schema",
+        "text.format.type",
+    )
+
+
+def reasoning_options(reasoning: dict[str, Any] | None) -> dict[str, Any]:
+    """`reasoning` as echoed ({effort, summary}); a summary can only be "auto" (none is written)."""
+    reasoning = reasoning or {}
+    effort, summary = reasoning.get("effort"), reasoning.get("summary")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise InvalidValue(f"`reasoning.effort` must be one of {', '.join(REASONING_EFFORTS)}", "reasoning.effort")
+    if summary not in (None, "auto"):
+        raise InvalidValue('`reasoning.summary` other than "auto" is not supported (no summaries)', "reasoning.summary")
+    return {"effort": effort, "summary": summary}
+
+
+# --- the call ---------------------------------------------------------------------------------------
+
+
+def _number(value: float | None, default: float) -> float:
+    return default if value is None or not math.isfinite(value) else value
+
+
+def responses_call(
+    req: ResponsesRequest,
+    history: list[dict[str, Any]],
+    limits: TextGenLimits,
+    count_tokens: Callable[[str], int],
+    render: Render,
+    served_model: str,
+    *,
+    stored: bool,
+) -> ResponsesCall:
+    """Validate `req` (after `history`, the previous response's items) into one engine call. `stored`:
+    whether the server will keep the response (the `store` echo)."""
+    check_unsupported(req)
+    bias = openai_sampling.check(req)
+    items = history + input_items(req.input)
+    conversation = messages(items, req.instructions)
+    tools = tool_spec(chat_tools(req.tools), chat_tool_choice(req.tool_choice), req.parallel_tool_calls)
+    grammar, text_echo = text_format(req.text)
+    reasoning = reasoning_options(req.reasoning)
+    if reasoning["effort"] is not None:
+        render = functools.partial(render, template_kwargs={"reasoning_effort": reasoning["effort"]})
+    prompt = render_conversation(conversation, tools, render)
+    greedy = req.temperature == 0.0
+    params = TextGenParameters(
+        do_sample=not greedy,
+        temperature=None if greedy else req.temperature,
+        top_p=None if req.top_p == 1.0 else req.top_p,
+        max_new_tokens=req.max_output_tokens,
+        seed=req.seed,
+        details=True,
+        truncate=None,
+    )
+    try:
+        call = build(prompt, params, limits, count_tokens, stream=req.stream)
+    except ContextLengthExceeded as exc:
+        raise ContextWindowExceeded(exc, "input") from None
+    sampling = call.request.params
+    sampling.include_stop_str_in_output = False
+    sampling.grammar = grammar
+    openai_sampling.apply(sampling, req, bias)
+    call.request.priority = req.priority
+    call.request.cache_salt = req.cache_salt
+    if tools.active:
+        if grammar is not None:
+            raise ToolError("Grammar and tools are mutually exclusive")
+        sampling.grammar = output_grammar(tools)
+    model = served_model if req.model in (None, "") else req.model
+    echo = {
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "max_tool_calls": None,
+        "model": model,
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "previous_response_id": req.previous_response_id,
+        "reasoning": reasoning,
+        "service_tier": "default",
+        "store": stored,
+        "temperature": _number(req.temperature, 1.0),
+        "text": text_echo,
+        "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+        "tools": echoed_tools(req.tools),
+        "top_logprobs": 0,
+        "top_p": _number(req.top_p, 1.0),
+        "truncation": "disabled",
+        "user": req.user,
+        "metadata": dict(req.metadata or {}),
+    }
+    if req.safety_identifier is not None:
+        echo["safety_identifier"] = req.safety_identifier
+    if req.prompt_cache_key is not None:
+        echo["prompt_cache_key"] = req.prompt_cache_key
+    return ResponsesCall(call, prompt, model, req.stream, items, tools if tools.active else None, echo)
