@@ -44,8 +44,10 @@ def _tiny_tokenizer(out: Path):
 
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *_WORDS, *"abcdefghijklmnopqrstuvwxyz0123456789.,!?"]
     vocab += [f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz"]
-    (out / "vocab.txt").write_text("\n".join(dict.fromkeys(vocab)) + "\n")
-    return BertTokenizerFast(vocab_file=str(out / "vocab.txt"), do_lower_case=True, model_max_length=64)
+    words = list(dict.fromkeys(vocab))
+    (out / "vocab.txt").write_text("\n".join(words) + "\n")
+    # the vocabulary itself: transformers 5's BertTokenizerFast ignores a `vocab_file` (every word [UNK])
+    return BertTokenizerFast(vocab={w: i for i, w in enumerate(words)}, do_lower_case=True, model_max_length=64)
 
 
 def build_tiny_classifier_dir(

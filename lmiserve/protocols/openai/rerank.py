@@ -26,7 +26,7 @@ import uuid
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
@@ -57,7 +57,7 @@ class RerankRequest(_Strict):
     query: StrictStr
     documents: list[StrictStr | DocumentText] = Field(description="Texts, or objects with `text`")
     top_n: int | None = Field(None, ge=0, description="Answer the best N (0 or absent: all)")
-    return_documents: bool = Field(True, description="Include each document's text in its result")
+    return_documents: StrictBool = Field(True, description="Include each document's text in its result")
 
 
 class RerankDocument(BaseModel):

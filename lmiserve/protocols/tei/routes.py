@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
@@ -46,8 +46,8 @@ class _Strict(BaseModel):
 
 class EmbedRequest(_Strict):
     inputs: StrictStr | list[StrictStr]
-    normalize: bool = Field(True, description="L2-normalise each vector")
-    truncate: bool = Field(False, description="Cut inputs longer than the model takes (else 413)")
+    normalize: StrictBool = Field(True, description="L2-normalise each vector")
+    truncate: StrictBool = Field(False, description="Cut inputs longer than the model takes (else 413)")
     truncation_direction: Direction = Field("Right", description="Which end `truncate` cuts")
     prompt_name: str | None = Field(None, description="A prompt of the model's sentence-transformers config")
     dimensions: int | None = Field(None, ge=1, description="Cut to the first N dimensions (Matryoshka models)")
@@ -56,10 +56,10 @@ class EmbedRequest(_Strict):
 class RerankRequest(_Strict):
     query: StrictStr
     texts: list[StrictStr]
-    truncate: bool = False
+    truncate: StrictBool = False
     truncation_direction: Direction = "Right"
-    raw_scores: bool = Field(False, description="The logits, not their sigmoid")
-    return_text: bool = Field(False, description="Include each text in its result")
+    raw_scores: StrictBool = Field(False, description="The logits, not their sigmoid")
+    return_text: StrictBool = Field(False, description="Include each text in its result")
 
 
 class Rank(BaseModel):
