@@ -50,9 +50,12 @@ class WrongModelKind(InvalidRequest):
     model on a rerank route, ...)."""
 
     def __init__(self, name: str, kind: str, wanted: str):
-        article = "an" if wanted[0] in "aeiou" else "a"
-        super().__init__(f"`model` {name} is a {kind} model: this route needs {article} {wanted} model.")
+        super().__init__(f"`model` {name} is {_a(kind)} {kind} model: this route needs {_a(wanted)} {wanted} model.")
         self.name, self.kind, self.wanted = name, kind, wanted
+
+
+def _a(word: str) -> str:
+    return "an" if word[:1] in ("a", "e", "i", "o", "u") else "a"
 
 
 class InputTooLong(ContextLengthExceeded):
