@@ -53,6 +53,6 @@ def test_python_examples_run_as_pasted(tmp_path: Path):
             done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
             assert done.returncode == 0, f"{PAGE}: this example failed:\n{block}\n{done.stderr[-3000:]}"
             outputs.append(done.stdout)
-    assert outputs[0].split("\n")[:2] == ["2 384 8", "384"]  # texts, dimension, tokens; langchain's vector
+    assert outputs[0].split("\n")[:2] == ["2 384 9", "384"]  # texts, dimension, tokens; langchain's vector
     assert outputs[1].strip() == "(2, 384)"
     assert re.fullmatch(r"\[0\.\d+, 0\.\d+\]\n", outputs[2])
