@@ -18,6 +18,7 @@ from starlette.types import ASGIApp
 from lmiserve.config import Settings
 from lmiserve.models.registry import ModelRegistry
 from lmiserve.models.service import ModelService
+from lmiserve.protocols.anthropic import routes as anthropic
 from lmiserve.protocols.lmi import routes as lmi
 from lmiserve.protocols.lmi.errors import MANAGEMENT, frontend_error_body
 from lmiserve.protocols.openai import models as openai_models
@@ -60,6 +61,7 @@ def routes(settings: Settings, metrics: Metrics | None = None) -> list[BaseRoute
         *tgi.routes(tokenize_other=VLLM_TOKENIZE),
         *openai.routes(),
         *openai_models.routes(),
+        *anthropic.routes(),
         *vllm_tokenize.routes(),
         *tensor.routes(),
         *protocol_routes(MANAGEMENT, [], public=openapi.routes()),
