@@ -182,9 +182,13 @@ async def test_count_tokens_counts_the_rendered_prompt(served):
     message = (await post(served, body)).json()
     r = await post(served, {k: body[k] for k in ("model", "messages", "system")}, "/v1/messages/count_tokens")
     assert r.status_code == 200 and r.json() == {"input_tokens": message["usage"]["input_tokens"]}
-    counted = (await post(served, {"model": "tiny", "messages": MESSAGES, "tools": [WEATHER]}, "/v1/messages/count_tokens")).json()
+    counted = (
+        await post(served, {"model": "tiny", "messages": MESSAGES, "tools": [WEATHER]}, "/v1/messages/count_tokens")
+    ).json()
     assert counted["input_tokens"] > r.json()["input_tokens"]  # the tools' prompt counts
-    assert "max_tokens" in error(await post(served, {"model": "tiny", "messages": MESSAGES, "max_tokens": 3}, "/v1/messages/count_tokens"), 400)
+    assert "max_tokens" in error(
+        await post(served, {"model": "tiny", "messages": MESSAGES, "max_tokens": 3}, "/v1/messages/count_tokens"), 400
+    )
 
 
 # --- tools -----------------------------------------------------------------------------------------------------------
@@ -258,7 +262,13 @@ async def test_a_tool_result_round_trip(served):
     assert message["content"] == [{"type": "text", "text": "Sunny, 18 degrees."}]
     prompt = served.fake.requests[-1].prompt
     assert prompt.index('"city": "Paris"') < prompt.index("18 degrees") < prompt.index("And tomorrow?")
-    failed = [*turns[:2], {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "no network", "is_error": True}]}]
+    failed = [
+        *turns[:2],
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "no network", "is_error": True}],
+        },
+    ]
     served.fake.reply(Script(text=" Sorry."))
     assert (await post(served, {**BODY, "messages": failed})).status_code == 200
     assert "Error: no network" in served.fake.requests[-1].prompt
@@ -285,7 +295,7 @@ async def test_thinking_blocks_with_a_reasoning_parser():
     ]
     served.fake.reply(Script(text="Let me think.</think>\n\nParis."))
     evs = events(await post(served, {**body, "stream": True}))
-    assert [e["delta"]["type"] for e in evs if e["type"] == "content_block_delta"][0] == "thinking_delta"
+    assert next(e["delta"]["type"] for e in evs if e["type"] == "content_block_delta") == "thinking_delta"
     assert normal(streamed(evs))["content"] == message["content"]
     assert "budget_tokens" in error(await post(served, {**body, "max_tokens": 8}), 400)
 
@@ -350,7 +360,9 @@ async def test_the_api_key_as_anthropic_clients_send_it():
         assert r.status_code == 200, (headers, r.text)
     for headers in ({}, {"x-api-key": "wrong"}, {"x-api-key": "S3CRET"}, {"authorization": "Bearer wrong"}):
         assert error(await post(served, BODY, headers=headers), 401, "authentication_error") == "invalid x-api-key"
-    counted = await post(served, {"model": "tiny", "messages": MESSAGES}, "/v1/messages/count_tokens", headers={"x-api-key": "s3cret"})
+    counted = await post(
+        served, {"model": "tiny", "messages": MESSAGES}, "/v1/messages/count_tokens", headers={"x-api-key": "s3cret"}
+    )
     assert counted.status_code == 200
     async with served.client() as http:  # the other protocols' routes keep Authorization only
         r = await http.post("/v1/chat/completions", json={"messages": MESSAGES}, headers={"x-api-key": "s3cret"})

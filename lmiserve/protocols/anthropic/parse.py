@@ -12,9 +12,10 @@
   text); ``disable_parallel_tool_use`` allows one call only.
 - ``temperature`` 0 is greedy; unset samples at 1.0 (Anthropic's default). ``top_p`` 1.0 and ``top_k`` 0
   are off.
-- ``thinking``: ``enabled`` needs a reasoning parser (`reasoning_parser`), whose block is answered as a
-  ``thinking`` block; ``budget_tokens`` must be below ``max_tokens`` (as Anthropic checks) and the thinking
-  is bounded by ``max_tokens`` only. Both settings reach the chat template as ``enable_thinking``.
+- ``thinking``: ``enabled`` and ``adaptive`` need a reasoning parser (`reasoning_parser`), whose block is
+  answered as a ``thinking`` block; ``budget_tokens`` must be below ``max_tokens`` (as Anthropic checks)
+  and the thinking is bounded by ``max_tokens`` only. The setting reaches the chat template as
+  ``enable_thinking`` (false for ``disabled``).
 
 Every problem is an `InvalidRequest` (400) whose message starts with the field it is about.
 """
@@ -173,7 +174,7 @@ def tools_of(req: CountTokensRequest) -> ToolSpec:
 
 def prompt(req: CountTokensRequest, render: Render, *, thinks: bool) -> Prompt:
     """The rendered prompt; `thinks`: a reasoning parser is configured (``thinking: enabled`` needs one)."""
-    if isinstance(req.thinking, ThinkingEnabled) and not thinks:
+    if req.thinking is not None and req.thinking.type != "disabled" and not thinks:
         raise InvalidRequest(
             "thinking: this server has no reasoning parser (the `reasoning_parser` setting), so it cannot "
             "tell the model's thinking from its answer"
@@ -185,7 +186,7 @@ def prompt(req: CountTokensRequest, render: Render, *, thinks: bool) -> Prompt:
         flags["add_generation_prompt"] = False
         flags["continue_final_message"] = True
     if req.thinking is not None:
-        flags["template_kwargs"] = {"enable_thinking": req.thinking.type == "enabled"}
+        flags["template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
     return Prompt(render_conversation(messages, tools, functools.partial(render, **flags) if flags else render), tools)
 
 

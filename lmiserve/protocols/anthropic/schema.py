@@ -136,13 +136,21 @@ ToolChoice = Annotated[ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolCho
 class ThinkingEnabled(_Strict):
     type: Literal["enabled"]
     budget_tokens: StrictInt = Field(ge=1, le=UINT32)  # must be below max_tokens (parse)
+    display: Literal["summarized"] | None = None  # the thinking is returned ("omitted" is not offered)
+
+
+class ThinkingAdaptive(_Strict):
+    """The model decides whether to think: as ``enabled`` here (a thinking model's template decides)."""
+
+    type: Literal["adaptive"]
+    display: Literal["summarized"] | None = None
 
 
 class ThinkingDisabled(_Strict):
     type: Literal["disabled"]
 
 
-Thinking = Annotated[ThinkingEnabled | ThinkingDisabled, Field(discriminator="type")]
+Thinking = Annotated[ThinkingEnabled | ThinkingAdaptive | ThinkingDisabled, Field(discriminator="type")]
 
 
 class Metadata(_Strict):
@@ -183,3 +191,4 @@ class MessagesRequest(CountTokensRequest):
     metadata: Metadata | None = None
     stream: StrictBool = False
     service_tier: Literal["auto", "standard_only"] | None = None  # one tier here: accepted, no effect
+    cache_control: CacheControl | None = None  # accepted, no effect: the prefix cache needs no marks
