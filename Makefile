@@ -134,7 +134,7 @@ docs: $(TEST_STAMP)
 PYTEST_WORKERS ?= auto
 test: lint docs $(TEST_STAMP) $(MLSERVER_STAMP) $(KSERVE_STAMP) $(LANGCHAIN_STAMP) $(LITELLM_STAMP) $(LM_EVAL_STAMP) \
 		chromium
-	$(BIN)/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|tokenizers|huggingface.hub|starlette|uvicorn|pydantic|openai|text-generation|numba|ruff|mypy|pytest-xdist|mkdocs) '
+	$(BIN)/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|tokenizers|huggingface.hub|starlette|uvicorn|pydantic|openai|anthropic|text-generation|numba|ruff|mypy|pytest-xdist|mkdocs) '
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --durations=30
 
 # The fast tier: unit tests and the protocols in process, no server process, no real model.

@@ -411,7 +411,8 @@ class Settings(BaseModel):
         None,
         description=(
             "When set, every route but the health and readiness probes requires "
-            "`Authorization: Bearer <key>` (401 in the protocol's shape otherwise); see SECURITY.md. "
+            "`Authorization: Bearer <key>` (the Anthropic routes also take `x-api-key: <key>`; 401 in the "
+            "protocol's shape otherwise); see SECURITY.md. "
             "Logged as `<hidden>`."
         ),
     )

@@ -18,6 +18,7 @@ from starlette.types import ASGIApp
 from lmiserve.config import Settings
 from lmiserve.models.registry import ModelRegistry
 from lmiserve.models.service import ModelService
+from lmiserve.protocols.anthropic import routes as anthropic
 from lmiserve.protocols.lmi import routes as lmi
 from lmiserve.protocols.lmi.errors import MANAGEMENT, frontend_error_body
 from lmiserve.protocols.openai import embeddings as openai_embeddings
@@ -67,6 +68,7 @@ def routes(settings: Settings, metrics: Metrics | None = None) -> list[BaseRoute
         *openai_models.routes(),
         *openai_embeddings.routes(),
         *vllm_rerank.routes(),
+        *anthropic.routes(),
         *vllm_tokenize.routes(),
         *tei.routes(),
         *tensor.routes(),

@@ -44,6 +44,7 @@ class ErrorRenderer(ABC):
 
     content_type: str = "application/json"
     protocol: str = ""  # the protocol's name in the access log: lmi, tgi, openai, kserve, ...
+    key_header: str | None = None  # a header its clients send the API key in, besides Authorization (auth.py)
 
     @abstractmethod
     def status(self, exc: LmiServeError) -> int:
@@ -83,7 +84,7 @@ def rendered_by(
         request_context.note(protocol=renderer.protocol)
         try:
             if access is not None:
-                request = admit(request, access)
+                request = admit(request, access, renderer.key_header)
             return await endpoint(request)
         except LmiServeError as exc:
             return renderer.response(exc, request)

@@ -59,9 +59,10 @@ async def read_body(request: Request, limit: int, error: Callable[[], LmiServeEr
     return b"".join(chunks)
 
 
-def admit(request: Request, access: Access) -> Request:
+def admit(request: Request, access: Access, key_header: str | None = None) -> Request:
     """`request` if it may reach its handler (raises `ShuttingDown`, `HeadersTooLarge`, `Unauthorized`
-    or `PayloadTooLarge` otherwise), with its body reader replaced by one that stops at `max_request_size`."""
+    or `PayloadTooLarge` otherwise), with its body reader replaced by one that stops at `max_request_size`.
+    `key_header`: a header that may carry the API key besides ``Authorization`` (`lmiserve.server.auth`)."""
     if access is not Access.LIVE and request.app.state.drain.active:
         raise ShuttingDown()
     settings = request.app.state.settings
@@ -69,7 +70,7 @@ def admit(request: Request, access: Access) -> Request:
     if head > settings.max_header_size:
         raise HeadersTooLarge(f"Request headers are larger than max_header_size ({settings.max_header_size} bytes)")
     if access is Access.KEY:
-        require_api_key(request)
+        require_api_key(request, key_header)
     limit = settings.max_request_size
     if declares_more_than(request, limit):
         raise too_large(limit)

@@ -45,12 +45,14 @@ from lmiserve.server.responses import raw_response
 REF = "#/components/schemas/{model}"
 VERSION = "3.1.0"
 SECURITY_SCHEME = "apiKey"
+HEADER_KEY_SCHEME = "headerKey"  # the key in a protocol's own header (ErrorRenderer.key_header: x-api-key)
 _PARAM = re.compile(r"\{(\w+)(?::\w+)?\}")
 TAGS = {  # the order of the groups in the document (and on /docs)
     "LMI": "DJL Serving LMI: /invocations (every body), /predictions, /models/{m}/invoke, /ping",
     "TGI": "Hugging Face text-generation-inference's API",
     "OpenAI": "OpenAI-compatible chat and text completions",
     "TEI": "Hugging Face text-embeddings-inference's /embed and /rerank",
+    "Anthropic": "Anthropic's Messages API (the key as `x-api-key` or `Authorization: Bearer`)",
     "KServe V2": "KServe V2 / Open Inference Protocol, with Triton's binary and generate extensions",
     "TF Serving": "TensorFlow Serving's REST API",
     "SageMaker": "Amazon SageMaker's container contract (its records go to /invocations)",
@@ -237,6 +239,8 @@ def build(routes: list[BaseRoute], *, strict: bool = True) -> dict[str, Any]:
                 }
             if getattr(endpoint, "access", None) is Access.KEY:
                 entry["security"] = [{SECURITY_SCHEME: []}]
+                if getattr(getattr(endpoint, "renderer", None), "key_header", None) == "x-api-key":
+                    entry["security"].append({HEADER_KEY_SCHEME: []})
             item[method.lower()] = entry
     doc: dict[str, Any] = {
         "openapi": VERSION,
@@ -252,7 +256,10 @@ def build(routes: list[BaseRoute], *, strict: bool = True) -> dict[str, Any]:
         "tags": [{"name": name, "description": text} for name, text in TAGS.items()],
         "paths": {path: _ordered(item) for path, item in paths.items()},
         "components": {
-            "securitySchemes": {SECURITY_SCHEME: {"type": "http", "scheme": "bearer", "description": "api_key"}}
+            "securitySchemes": {
+                SECURITY_SCHEME: {"type": "http", "scheme": "bearer", "description": "api_key"},
+                HEADER_KEY_SCHEME: {"type": "apiKey", "in": "header", "name": "x-api-key", "description": "api_key"},
+            }
         },
     }
     return schemas.resolve(doc)

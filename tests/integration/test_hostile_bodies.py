@@ -254,6 +254,23 @@ TF_SERVING = [
     {"examples": [{"x": [1.0, 2.0, 3.0, 4.0]}], "context": {}},
     {"instances": [{"b64": "SGk="}, "Hi"], "parameters": {"max_new_tokens": 2}},
 ]
+ANTHROPIC = {
+    "model": "tiny",
+    "max_tokens": 2,
+    "system": [{"type": "text", "text": "Be brief."}],
+    "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "image", "source": {"type": "url"}}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {"a": 1}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]},
+    ],
+    "tools": [{"name": "f", "input_schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}],
+    "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+    "stop_sequences": ["x"],
+    "temperature": 0.5,
+    "top_k": 3,
+    "stream": False,
+    "thinking": {"type": "disabled"},
+}
 VERTEX = {"instances": ["Hi", {"prompt": "Yo"}], "parameters": {"max_new_tokens": 2}}
 EMBEDDINGS = [
     {"model": "embed", "input": ["Hi", "Yo"], "encoding_format": "base64", "dimensions": 8, "user": "u"},
@@ -274,6 +291,7 @@ FAMILIES: dict[str, list[Any]] = {
     "v2_generate": [V2_GENERATE],
     "tfserving": TF_SERVING,
     "vertex": [VERTEX],
+    "anthropic": [ANTHROPIC, {k: v for k, v in ANTHROPIC.items() if k not in ("max_tokens", "stop_sequences")}],
     "management": [MANAGEMENT],
     "index": [{"ready": True}],
     "embeddings": EMBEDDINGS,
@@ -288,6 +306,7 @@ TEMPLATES: list[Any] = [t for family in FAMILIES.values() for t in family]
 def family(route: str) -> list[Any]:
     """The bodies a route takes (every template for a route no family names)."""
     for key, name in [
+        ("/v1/messages", "anthropic"),
         ("/v1/chat/completions", "chat"),
         ("/chat_tokenize", "chat"),
         ("/v1/completions", "completion"),
@@ -493,6 +512,8 @@ def test_every_post_route_is_swept(llm: Served, store: Served) -> None:
         "/v1/chat/completions",
         "/v1/completions",
         "/v1/responses",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
         "/v2/models/affine/infer",
         "/v2/models/tiny-llm/generate_stream",
         "/v2/repository/index",

@@ -73,7 +73,7 @@ def test_bench_imports_torch_only_in_its_baselines(path):
 
 # ---- protocols never import each other --------------------------------------------------------------
 
-PROTOCOLS = ("lmi", "tgi", "openai", "tensor", "tei")
+PROTOCOLS = ("lmi", "tgi", "openai", "anthropic", "tensor", "tei")
 
 
 def lmiserve_modules_imported(path: Path) -> set[str]:

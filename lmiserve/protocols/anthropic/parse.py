@@ -1,0 +1,254 @@
+"""Anthropic Messages requests -> the prompt (the model's chat template) and a validated engine call.
+
+- ``system`` (a string or text blocks) is the first message; each message's text blocks are joined with
+  a blank line between them. An assistant's ``tool_use`` blocks are its tool calls and a user's
+  ``tool_result`` blocks the results (``is_error``: the text is prefixed with ``Error: ``), as the chat
+  layer renders OpenAI's (`lmiserve.protocols.textgen.tools.prompt`); earlier ``thinking`` blocks are
+  left out, as chat templates leave out earlier reasoning. ``image`` and ``document`` blocks are a 400.
+- A last message from the assistant (text only) is continued, not answered: the answer goes on from its
+  text (Anthropic's prefill); like Anthropic, its text may not end with whitespace.
+- ``tools`` are generated as the chat layer generates OpenAI's (the arguments under ``input_schema``);
+  ``tool_choice`` ``auto``, ``any`` (a call of any tool), ``tool`` (that tool), ``none`` (no tool: plain
+  text); ``disable_parallel_tool_use`` allows one call only.
+- ``temperature`` 0 is greedy; unset samples at 1.0 (Anthropic's default). ``top_p`` 1.0 and ``top_k`` 0
+  are off.
+- ``thinking``: ``enabled`` and ``adaptive`` need a reasoning parser (`reasoning_parser`), whose block is
+  answered as a ``thinking`` block; ``budget_tokens`` must be below ``max_tokens`` (as Anthropic checks)
+  and the thinking is bounded by ``max_tokens`` only. The setting reaches the chat template as
+  ``enable_thinking`` (false for ``disabled``).
+
+Every problem is an `InvalidRequest` (400) whose message starts with the field it is about.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from lmiserve.core.errors import ContextLengthExceeded, InvalidRequest, excerpt
+from lmiserve.core.limits import TextGenLimits
+from lmiserve.protocols.anthropic.schema import (
+    CountTokensRequest,
+    DocumentBlock,
+    ImageBlock,
+    MessagesRequest,
+    RedactedThinkingBlock,
+    TextBlock,
+    ThinkingBlock,
+    ThinkingEnabled,
+    ToolChoiceAny,
+    ToolChoiceAuto,
+    ToolChoiceNone,
+    ToolChoiceTool,
+    ToolResultBlock,
+    ToolUseBlock,
+)
+from lmiserve.protocols.textgen.chat import Message
+from lmiserve.protocols.textgen.parameters import TextGenParameters
+from lmiserve.protocols.textgen.tools.prompt import Render, render_conversation
+from lmiserve.protocols.textgen.tools.schema import output_grammar
+from lmiserve.protocols.textgen.tools.spec import ToolSpec, tool_spec
+from lmiserve.protocols.textgen.validation import TextGenCall, build
+
+BLOCK_JOIN = "\n\n"  # between the text blocks of one message
+
+
+@dataclass
+class Prompt:
+    text: str
+    tools: ToolSpec
+
+
+@dataclass
+class AnthropicCall:
+    call: TextGenCall
+    prompt: str
+    model: str  # echoed in the answer, as Anthropic does
+    stream: bool
+    tools: ToolSpec | None  # the answer is read as tool calls (active tools only)
+
+
+def _text_of(blocks: list[Any], where: str) -> str:
+    """Text blocks' text joined; any other block (an image in a tool result) is refused."""
+    parts = []
+    for j, block in enumerate(blocks):
+        _refuse_media(block, f"{where}.{j}")
+        parts.append(block.text)
+    return BLOCK_JOIN.join(parts)
+
+
+def _refuse_media(block: Any, where: str) -> None:
+    if isinstance(block, ImageBlock | DocumentBlock):
+        raise InvalidRequest(
+            f"{where}: `{block.type}` blocks are not supported: the served model takes text only. Send the "
+            "content as text blocks."
+        )
+
+
+def system_text(system: str | list[TextBlock] | None) -> str | None:
+    if system is None or isinstance(system, str):
+        return system or None
+    return _text_of(system, "system") or None
+
+
+def conversation(req: CountTokensRequest) -> tuple[list[Message], bool]:
+    """The messages as the chat layer takes them (OpenAI's roles: user, assistant with ``tool_calls``,
+    tool), and whether the last one is an assistant's text to continue."""
+    out: list[Message] = []
+    system = system_text(req.system)
+    if system is not None:
+        out.append(Message(role="system", content=system))
+    prefill = False
+    for i, message in enumerate(req.messages):
+        where = f"messages.{i}.content"
+        last = i == len(req.messages) - 1
+        if isinstance(message.content, str):
+            out.append(Message(role=message.role, content=message.content))
+            prefill = last and message.role == "assistant"
+            continue
+        texts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        for j, block in enumerate(message.content):
+            at = f"{where}.{j}"
+            _refuse_media(block, at)
+            if isinstance(block, TextBlock):
+                texts.append(block.text)
+            elif isinstance(block, ToolUseBlock | ThinkingBlock | RedactedThinkingBlock):
+                if message.role != "assistant":
+                    raise InvalidRequest(f"{at}: `{block.type}` blocks can only be in `assistant` messages")
+                if isinstance(block, ToolUseBlock):
+                    function = {"name": block.name, "arguments": block.input}
+                    calls.append({"id": block.id, "type": "function", "function": function})
+            elif isinstance(block, ToolResultBlock):
+                if message.role != "user":
+                    raise InvalidRequest(f"{at}: `tool_result` blocks can only be in `user` messages")
+                if texts:  # text before a result stays before it
+                    out.append(Message(role="user", content=BLOCK_JOIN.join(texts)))
+                    texts = []
+                result = block.content if isinstance(block.content, str) else _text_of(block.content, f"{at}.content")
+                result = f"Error: {result}" if block.is_error else result
+                out.append(Message(role="tool", content=result, tool_call_id=block.tool_use_id))
+        if message.role == "assistant":
+            if calls and last:
+                raise InvalidRequest(
+                    f"{where}: the last message holds `tool_use` blocks: send their `tool_result` blocks in a "
+                    "`user` message after it"
+                )
+            if texts or calls:
+                out.append(Message(role="assistant", content=BLOCK_JOIN.join(texts), tool_calls=calls or None))
+                prefill = last and not calls
+        elif texts:
+            out.append(Message(role="user", content=BLOCK_JOIN.join(texts)))
+    if prefill and out[-1].text() != out[-1].text().rstrip():
+        raise InvalidRequest("messages: final assistant content cannot end with trailing whitespace")
+    return out, prefill
+
+
+def tools_of(req: CountTokensRequest) -> ToolSpec:
+    """`tools` and `tool_choice` as the chat layer's `ToolSpec` (`ToolError` for what it cannot use)."""
+    tools = None
+    if req.tools is not None:
+        tools = []
+        for i, tool in enumerate(req.tools):
+            if tool.input_schema.get("type") != "object":
+                raise InvalidRequest(f'tools.{i}.input_schema: must be a JSON Schema of an object ("type": "object")')
+            function = {"name": tool.name, "description": tool.description, "parameters": tool.input_schema}
+            tools.append({"type": "function", "function": function})
+    choice = req.tool_choice
+    if choice is None:
+        return tool_spec(tools, None, None)
+    if isinstance(choice, ToolChoiceNone):
+        return tool_spec(tools, "none", None)
+    if not tools:
+        raise InvalidRequest(f"tool_choice: `{choice.type}` needs `tools`")
+    parallel = not choice.disable_parallel_tool_use
+    if isinstance(choice, ToolChoiceAuto):
+        return tool_spec(tools, "auto", parallel)
+    if isinstance(choice, ToolChoiceAny):
+        return tool_spec(tools, "required", parallel)
+    assert isinstance(choice, ToolChoiceTool)
+    return tool_spec(tools, {"type": "function", "function": {"name": choice.name}}, parallel)
+
+
+def prompt(req: CountTokensRequest, render: Render, *, thinks: bool) -> Prompt:
+    """The rendered prompt; `thinks`: a reasoning parser is configured (``thinking: enabled`` needs one)."""
+    if req.thinking is not None and req.thinking.type != "disabled" and not thinks:
+        raise InvalidRequest(
+            "thinking: this server has no reasoning parser (the `reasoning_parser` setting), so it cannot "
+            "tell the model's thinking from its answer"
+        )
+    messages, prefill = conversation(req)
+    tools = tools_of(req)
+    flags: dict[str, Any] = {}
+    if prefill:
+        flags["add_generation_prompt"] = False
+        flags["continue_final_message"] = True
+    if req.thinking is not None:
+        flags["template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
+    return Prompt(render_conversation(messages, tools, functools.partial(render, **flags) if flags else render), tools)
+
+
+def _sampling(req: MessagesRequest) -> dict[str, Any]:
+    if req.temperature == 0.0:
+        sampling: dict[str, Any] = {"do_sample": False, "temperature": None}
+    else:
+        sampling = {"do_sample": True, "temperature": req.temperature}
+    return {
+        **sampling,
+        "top_p": None if req.top_p == 1.0 else req.top_p,
+        "top_k": req.top_k or None,
+    }
+
+
+def _stops(req: MessagesRequest, limits: TextGenLimits) -> list[str]:
+    stops = req.stop_sequences or []
+    if len(stops) > limits.max_stop_sequences:
+        raise InvalidRequest(f"stop_sequences: at most {limits.max_stop_sequences} stop sequences. Given: {len(stops)}")
+    if any(not stop.strip() for stop in stops):
+        raise InvalidRequest("stop_sequences: each stop sequence must contain non-whitespace")
+    return stops
+
+
+def _too_long(exc: ContextLengthExceeded) -> InvalidRequest:
+    if exc.input_tokens > exc.max_input:
+        return InvalidRequest(f"prompt is too long: {exc.input_tokens} tokens > {exc.max_input} maximum")
+    room = exc.max_total - exc.input_tokens
+    return InvalidRequest(
+        f"max_tokens: {exc.max_new_tokens} > {room}, which is the maximum allowed number of output tokens for "
+        f"this prompt ({exc.input_tokens} prompt tokens, {exc.max_total} tokens in all)"
+    )
+
+
+def messages(
+    req: MessagesRequest,
+    limits: TextGenLimits,
+    count_tokens: Callable[[str], int],
+    render: Render,
+    *,
+    thinks: bool,
+) -> AnthropicCall:
+    if isinstance(req.thinking, ThinkingEnabled) and req.thinking.budget_tokens >= req.max_tokens:
+        raise InvalidRequest("`max_tokens` must be greater than `thinking.budget_tokens`")
+    stops = _stops(req, limits)
+    rendered = prompt(req, render, thinks=thinks)
+    params = TextGenParameters(**_sampling(req), max_new_tokens=req.max_tokens, stop=stops, details=True)
+    try:
+        call = build(rendered.text, params, limits, count_tokens, stream=req.stream)
+    except ContextLengthExceeded as exc:
+        raise _too_long(exc) from None
+    call.request.params.include_stop_str_in_output = False  # Anthropic names it in `stop_sequence` instead
+    if rendered.tools.active:
+        call.request.params.grammar = output_grammar(rendered.tools)
+    return AnthropicCall(
+        call=call,
+        prompt=rendered.text,
+        model=req.model,
+        stream=req.stream,
+        tools=rendered.tools if rendered.tools.active else None,
+    )
+
+
+def model_not_found(name: str) -> str:
+    return f"model: {excerpt(name)}"
