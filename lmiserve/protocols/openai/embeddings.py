@@ -29,15 +29,15 @@ import functools
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from lmiserve.core.errors import GenerationFailed, ModelNotFound, SchemaViolation, excerpt
+from lmiserve.core.errors import GenerationFailed, ModelNotFound, excerpt
 from lmiserve.models import text_encoders as te
 from lmiserve.protocols.openai.errors import RENDERER, ContextWindowExceeded, InvalidValue
-from lmiserve.protocols.textgen.body import json_payload
+from lmiserve.protocols.textgen.body import json_payload, parse_strict
 from lmiserve.protocols.textgen.wire import dumps
 from lmiserve.server import apidoc
 from lmiserve.server.errors import protocol_routes
@@ -76,18 +76,6 @@ class EmbeddingList(BaseModel):
     data: list[Embedding]
     model: str
     usage: EmbeddingUsage
-
-
-def parse_strict(model: type[BaseModel], payload: Any) -> Any:
-    """`payload` as `model`; a `SchemaViolation` naming each field that does not fit."""
-    try:
-        return model.model_validate(payload)
-    except ValidationError as exc:
-        parts = []
-        for err in exc.errors():
-            where = ".".join(str(p) for p in err["loc"]) or "body"
-            parts.append(f"{where}: {'unknown field' if err['type'] == 'extra_forbidden' else err['msg']}")
-        raise SchemaViolation("; ".join(dict.fromkeys(parts))) from None
 
 
 def texts_of(value: str | list[str] | list[int] | list[list[int]]) -> list[str]:

@@ -33,9 +33,8 @@ from starlette.routing import BaseRoute, Route
 
 from lmiserve.core.errors import ModelNotFound, excerpt
 from lmiserve.models import text_encoders as te
-from lmiserve.protocols.openai.embeddings import parse_strict
 from lmiserve.protocols.openai.errors import RENDERER, ContextWindowExceeded, InvalidValue
-from lmiserve.protocols.textgen.body import json_payload
+from lmiserve.protocols.textgen.body import json_payload, parse_strict
 from lmiserve.protocols.textgen.wire import dumps
 from lmiserve.server import apidoc
 from lmiserve.server.errors import protocol_routes

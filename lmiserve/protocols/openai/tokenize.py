@@ -24,7 +24,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
@@ -37,7 +37,7 @@ from lmiserve.core.errors import (
 )
 from lmiserve.models.service import model_service
 from lmiserve.protocols.openai import errors
-from lmiserve.protocols.textgen.body import json_payload
+from lmiserve.protocols.textgen.body import json_payload, parse_strict
 from lmiserve.protocols.textgen.served import Served, served
 from lmiserve.protocols.textgen.wire import dumps
 from lmiserve.server import apidoc
@@ -101,14 +101,7 @@ RENDERER = errors.RENDERER
 def _parse(model: type[_Strict], payload: Any) -> Any:
     if isinstance(payload, dict) and "chat_template" in payload:
         raise InvalidRequest("`chat_template` is not accepted: the model's own chat template applies.")
-    try:
-        return model.model_validate(payload)
-    except ValidationError as exc:
-        parts = []
-        for err in exc.errors():
-            where = ".".join(str(p) for p in err["loc"]) or "body"
-            parts.append(f"{where}: {'unknown field' if err['type'] == 'extra_forbidden' else err['msg']}")
-        raise SchemaViolation("; ".join(parts)) from None
+    return parse_strict(model, payload)
 
 
 def _model(request: Request, name: str | None) -> Served:

@@ -22,15 +22,15 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from lmiserve.core.errors import InvalidRequest, SchemaViolation
+from lmiserve.core.errors import InvalidRequest
 from lmiserve.models import text_encoders as te
 from lmiserve.protocols.tei.errors import RENDERER, EmptyBatch
-from lmiserve.protocols.textgen.body import json_payload
+from lmiserve.protocols.textgen.body import json_payload, parse_strict
 from lmiserve.protocols.textgen.wire import dumps
 from lmiserve.server import apidoc
 from lmiserve.server.errors import protocol_routes
@@ -38,6 +38,8 @@ from lmiserve.server.responses import raw_response
 
 TAG = "TEI"
 Direction = Literal["Left", "Right", "left", "right"]
+
+DESERIALIZE = "Failed to deserialize the JSON body into the target type: "  # TGI/TEI's 422 text
 
 
 class _Strict(BaseModel):
@@ -68,21 +70,8 @@ class Rank(BaseModel):
     text: str | None = None
 
 
-def _parse(model: type[BaseModel], payload: Any) -> Any:
-    try:
-        return model.model_validate(payload)
-    except ValidationError as exc:
-        parts = []
-        for err in exc.errors():
-            where = ".".join(str(p) for p in err["loc"]) or "body"
-            parts.append(f"{where}: {'unknown field' if err['type'] == 'extra_forbidden' else err['msg']}")
-        raise SchemaViolation(
-            "Failed to deserialize the JSON body into the target type: " + "; ".join(dict.fromkeys(parts))
-        ) from None
-
-
 async def embed(request: Request) -> Response:
-    req: EmbedRequest = _parse(EmbedRequest, await json_payload(request))
+    req: EmbedRequest = parse_strict(EmbedRequest, await json_payload(request), DESERIALIZE)
     texts = [req.inputs] if isinstance(req.inputs, str) else list(req.inputs)
     if not texts:
         raise EmptyBatch("Batch is empty")
@@ -101,7 +90,7 @@ async def embed(request: Request) -> Response:
 
 
 async def rerank(request: Request) -> Response:
-    req: RerankRequest = _parse(RerankRequest, await json_payload(request))
+    req: RerankRequest = parse_strict(RerankRequest, await json_payload(request), DESERIALIZE)
     if not req.texts:
         raise EmptyBatch("`texts` cannot be empty")
     te.check_count(len(req.texts), "texts")

@@ -41,6 +41,19 @@ def parse(model: type[M], payload: Any) -> M:
         raise SchemaViolation(deserialize_message(exc)) from None
 
 
+def parse_strict(model: type[M], payload: Any, prefix: str = "") -> M:
+    """`payload` validated against `model` (whose unknown fields are refused), else `SchemaViolation`
+    naming each field that does not fit once (an unknown one as such), after `prefix`."""
+    try:
+        return model.model_validate(payload)
+    except ValidationError as exc:
+        parts = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "body"
+            parts.append(f"{where}: {'unknown field' if err['type'] == 'extra_forbidden' else err['msg']}")
+        raise SchemaViolation(prefix + "; ".join(dict.fromkeys(parts))) from None
+
+
 def deserialize_message(exc: ValidationError) -> str:
     """The pydantic error as one line, after TGI's ``Failed to deserialize ...`` prefix."""
     parts = []
