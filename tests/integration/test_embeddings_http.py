@@ -343,3 +343,10 @@ def test_wire_format_golden(tei_server, golden, path, body):
         answer["data"][0]["embedding"] = [round(float(x), 3) for x in floats]
     expected = json.loads((GOLDEN / golden).read_text())
     assert json.dumps(masked(answer)) == json.dumps(expected)  # key order included
+
+
+def test_the_model_list_names_the_embedding_and_reranker_models(oai):
+    # vLLM lists its pooling models on /v1/models; OpenAI clients (litellm, langchain) look there first
+    cards = {card.id: card for card in oai.models.list().data}
+    assert {EMBED, CLS, LAST, RERANK} <= set(cards), sorted(cards)
+    assert all((cards[name].model_extra or {}).get("max_model_len", 0) > 0 for name in (EMBED, RERANK))
