@@ -31,6 +31,7 @@ from lmiserve.engine.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
 from lmiserve.engine.fast_llama import FastLlama, unsupported_reason
 from lmiserve.engine.kv_cache import SlotKVCache
+from lmiserve.engine.paged_attention import PagedKVCache
 
 COMMON = dict(
     vocab_size=512,
@@ -104,6 +105,36 @@ def test_one_ragged_step_gives_transformers_logits(arch: str):
     torch.testing.assert_close(out[0], reference[0][-1], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out[1], reference[1][-1], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out[2], reference[2][-1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernel_chunk", [0, 64], ids=["chunks-sdpa", "chunks-kernel"])
+@torch.inference_mode()
+def test_paged_prompt_chunks_after_a_long_prefix_give_transformers_logits(kernel_chunk: int, monkeypatch):
+    """Over a block cache, a prompt computed in small chunks (each attending over the prefix in its
+    blocks: the compiled kernel for short chunks on CPU fp32, gathered SDPA otherwise) beside decode rows
+    gives each position's logits of the whole prompt run alone."""
+    monkeypatch.setattr(fast_llama, "KERNEL_CHUNK_TOKENS", kernel_chunk)
+    model = build(*ARCHS["llama"])
+    cfg = model.config
+    rng = torch.Generator().manual_seed(1)
+    long, short = (torch.randint(4, 512, (n,), generator=rng).tolist() for n in (70, 9))
+    ref_long, ref_short = (model(torch.tensor([s])).logits[0] for s in (long, short))
+    cache = PagedKVCache(cfg.num_hidden_layers, 24, 4, cfg.num_key_value_heads, 16, model.dtype, model.device)
+    fast = FastLlama(model, cache, 256)
+    long_table = [3, 7, 1, 12, 0, 9, 5, 14, 2, 11, 6, 8, 10, 16, 17, 18, 19, 20]  # 18 blocks of 4: 72 positions
+    short_table = [23, 13, 4]
+    # the short prompt but its last token, and the long one's first 40 tokens
+    out = fast.forward([], [], [(short_table, 0, short[:-1]), (long_table, 0, long[:40])], [7, 8 + 39])
+    torch.testing.assert_close(out[0], ref_short[7], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out[1], ref_long[39], rtol=1e-4, atol=1e-4)
+    # then the long prompt in chunks of 10, each beside the short one's last token (the same position
+    # every step: it writes the same key and value again and must read the same logits)
+    for start in range(40, len(long), 10):
+        chunk = long[start : start + 10]
+        keep = list(range(1 + len(chunk)))
+        out = fast.forward([short[-1]], [len(short) - 1], [(long_table, start, chunk)], keep, [short_table])
+        torch.testing.assert_close(out[0], ref_short[-1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(out[1:], ref_long[start : start + len(chunk)], rtol=1e-4, atol=1e-4)
 
 
 @torch.inference_mode()
