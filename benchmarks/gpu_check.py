@@ -46,6 +46,7 @@ ENGINE_TESTS = (
     "tests/unit/test_prefix_cache.py",
     "tests/unit/test_paged_attention.py",
     "tests/unit/test_block_scheduler.py",
+    "tests/unit/test_torch_thread.py",
     "tests/unit/test_openai_scoring.py",
     "tests/unit/test_openai_golden.py",
     "tests/unit/test_tgi_golden.py",

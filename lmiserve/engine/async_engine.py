@@ -113,6 +113,8 @@ class AsyncEngine:
         if floor == "auto":
             raise ValueError("prefill_floor 'auto' is resolved by the device (engine.factory.create_engine)")
         self.runner = runner
+        # this model's torch thread: the shared one on the CPU, its own on a GPU (engine/torch_thread.py)
+        self.thread = torch_thread.for_device(getattr(runner, "device", "cpu"), f"engine-{id(self):x}")
         self.codec = codec
         self.grammars = grammars  # compiles the grammars of constrained requests (None: unsupported)
         self.config = config
@@ -167,6 +169,7 @@ class AsyncEngine:
         """Stop the loop; requests still open end with an error instead of waiting forever."""
         await cancel_and_wait(self._task)
         self._task = None
+        self.thread.close()
         if self.grammars is not None:
             self.grammars.close()
         for seq_id in list(self._handles):
@@ -402,7 +405,7 @@ class AsyncEngine:
             if plan.moves or plan.released or plan.saves:
                 # frees per-sequence caches, moves slots, copies blocks into the prefix cache
                 try:
-                    idle: StepOutput = await torch_thread.run(self._run, plan)
+                    idle: StepOutput = await self.thread.run(self._run, plan)
                 except Exception:  # noqa: BLE001 - nothing was computing; only the prefix cache is in doubt
                     log.exception("engine step failed")
                     idle = StepOutput(prefix_failed=True)
@@ -412,7 +415,7 @@ class AsyncEngine:
                 await asyncio.wait_for(self._wakeup.wait(), scheduler.next_wakeup(time.monotonic()))
             return
         started = time.monotonic()
-        output, events = await torch_thread.run(self._execute, plan)
+        output, events = await self.thread.run(self._execute, plan)
         now = time.monotonic()
         self.steps += 1
         firsts, gaps = self._stamp(events, now)

@@ -100,6 +100,8 @@ class OneShotModel:
         self.kind = runner.kind
         self.signature = runner.signature
         self.forwards = 0  # forward passes run (observability and tests)
+        # the shared torch thread on the CPU, one of its own on a GPU (engine/torch_thread.py)
+        self.thread = torch_thread.for_device(getattr(runner, "device", "cpu"), name or f"oneshot-{id(self):x}")
         self._queue: collections.deque[_Job] = collections.deque()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -120,6 +122,7 @@ class OneShotModel:
     async def stop(self) -> None:
         await cancel_and_wait(self._task)
         self._task = None
+        self.thread.close()
         while self._queue:
             job = self._queue.popleft()
             if not job.future.done():
@@ -201,7 +204,7 @@ class OneShotModel:
         if not batch:
             return
         try:
-            outputs = await torch_thread.run(self._forward, [j.inputs for j in batch])
+            outputs = await self.thread.run(self._forward, [j.inputs for j in batch])
         except Exception as exc:  # noqa: BLE001 - answered per request below
             if len(batch) > 1:
                 log.warning("batched forward of %d requests failed (%s); running them one by one", len(batch), exc)

@@ -1,11 +1,14 @@
-"""One long-lived worker thread for the torch work of serving (engine steps and
-one-shot forwards), so the event loop stays free and the CPU thread pool is built once. Models load
-on a thread of their own that ends with the load (`run_apart`).
+"""Long-lived worker threads for the torch work of serving (engine steps and one-shot forwards), so
+the event loop stays free. Models load on a thread of their own that ends with the load (`run_apart`).
 
-Why one thread and not `asyncio.to_thread`: each OS thread that runs torch ops gets its own OpenMP
-team, and the idle team of another live thread competes with it for the cores. Measured on 2 CPU
-cores with SmolLM2-135M at batch 1: a decode step takes 26 ms on the thread that loaded the model and
-53-75 ms on any other executor thread; on this one thread it takes 26 ms.
+`for_device`: the models on the CPU share ONE thread (`run`), so the CPU thread pool is built once;
+a model on a GPU gets a thread of its own, so one model's forward (an embedding batch) never queues
+behind another's (an LLM step): the GPU runs them side by side while the host threads wait.
+
+Why one thread on the CPU and not `asyncio.to_thread` or a thread a model: each OS thread that runs
+torch ops gets its own OpenMP team, and the idle team of another live thread competes with it for the
+cores. Measured on 2 CPU cores with SmolLM2-135M at batch 1: a decode step takes 26 ms on the thread
+that loaded the model and 53-75 ms on any other executor thread; on this one thread it takes 26 ms.
 """
 
 from __future__ import annotations
@@ -17,17 +20,46 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import ParamSpec, TypeVar, TypeVarTuple, Unpack
 
+import torch
+
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 _Ts = TypeVarTuple("_Ts")
 
-_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmiserve-torch")
+
+class TorchThread:
+    """One worker thread: the torch work handed to it runs there in call order."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._executor: ThreadPoolExecutor | None = None
+
+    async def run(self, fn: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        """`await thread.run(fn, ...)`: `fn(...)` on this thread (started on first use, again after `close`)."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self.name)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+
+    def close(self) -> None:
+        """End the thread once the work handed to it is done (never the shared CPU thread)."""
+        if self is not SHARED and self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None
+
+
+SHARED = TorchThread("lmiserve-torch")  # every model on the CPU
+
+
+def for_device(device: torch.device | str, name: str) -> TorchThread:
+    """The thread for a model on `device`: the shared one on the CPU, one of its own (`name`) else."""
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    return SHARED if kind == "cpu" else TorchThread(f"lmiserve-torch-{name}")
 
 
 async def run(fn: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R:
-    """`await run(fn, ...)`: `fn(...)` on the torch thread (torch work queues there in call order)."""
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(_executor, functools.partial(fn, *args, **kwargs))
+    """`await run(fn, ...)`: `fn(...)` on the shared torch thread."""
+    return await SHARED.run(fn, *args, **kwargs)
 
 
 async def run_apart(fn: Callable[[Unpack[_Ts]], _R], *args: *_Ts) -> _R:
