@@ -326,7 +326,7 @@ async def test_sampling_exception_ends_only_that_sequence_batch_invariant(tiny_m
 
 async def test_sample_rows_exception_ends_only_that_sequence(tiny_model, reference, monkeypatch):
     import lmiserve.engine.runners.base as runner_module
-    import lmiserve.engine.runners.paged as paged_module
+    import lmiserve.engine.runners.batched as paged_module
 
     real = runner_module.sample_rows
     bad_ids = encode(tiny_model, PROMPTS[1])

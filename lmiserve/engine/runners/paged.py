@@ -15,21 +15,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lmiserve.core.request import SamplingParams
 from lmiserve.engine.kv_cache import AttentionShape
 from lmiserve.engine.paged_attention import PagedKVCache
-from lmiserve.engine.runners.base import prompt_logprobs
+from lmiserve.engine.runners.batched import PersistentBatchRunner, RequestState
 from lmiserve.engine.runners.fast import FastRunner
-from lmiserve.engine.sampling import Row, make_generator, sample_rows
-from lmiserve.engine.scheduler import StepOutput
 from lmiserve.engine.sequence import Sequence
-from lmiserve.engine.step import BatchRunner, ScheduledTokens, StepBatch
-from lmiserve.engine.token_mask import apply_bitmask
+from lmiserve.engine.step import StepBatch
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -37,19 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class _Request:
-    """What the runner keeps of one request between steps (the persistent batch's row)."""
-
-    prompt_ids: list[int]
-    params: SamplingParams
-    seed: int | None
-    output_ids: list[int] = field(default_factory=list)
-    blocks: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
-
-
-class PagedFastRunner(FastRunner, BatchRunner):
+class PagedFastRunner(FastRunner, PersistentBatchRunner):
     path = "fast"
 
     def __init__(
@@ -79,50 +62,10 @@ class PagedFastRunner(FastRunner, BatchRunner):
         )
         self.kv = kv
         self.num_blocks, self.block_size, self.kv_bytes = num_blocks, block_size, kv.nbytes
-        self._requests: dict[int, _Request] = {}
+        self._requests: dict[int, RequestState] = {}
         self.vocab_size = int(model.config.vocab_size)
 
-    # ---- the step contract (engine/step.py) ------------------------------------------------------
-    def execute_batch(self, batch: StepBatch) -> StepOutput:
-        """Apply the batch's difference to the persistent batch, run its rows as one forward, sample."""
-        with torch.inference_mode():
-            for seq_id in batch.finished:
-                self._requests.pop(seq_id, None)
-            for seq_id in batch.preempted:
-                self._requests[seq_id].blocks = []
-            for new in batch.new:
-                self._requests[new.seq_id] = _Request(list(new.prompt_ids), new.params, new.seed)
-            for row in batch.rows:
-                self._requests[row.seq_id].blocks.extend(row.new_blocks)
-            out = StepOutput()
-            if batch.rows:
-                self._run_rows(batch, list(range(len(batch.rows))), out)
-            return out
-
-    def _run_rows(self, batch: StepBatch, part: list[int], out: StepOutput) -> None:
-        """Rows `part` of the batch as one forward; if it raises, its decode rows together, then each
-        chunk alone, so only the culprit fails."""
-        try:
-            logits = self._forward_rows(batch, part)
-        except Exception as exc:  # noqa: BLE001 - find the culprit: each part alone, each failing alone
-            decode = [i for i in part if i < batch.num_decode]
-            parts = ([decode] if decode else []) + [[i] for i in part if i >= batch.num_decode]
-            if len(parts) == 1:
-                log.exception("model step failed for %d sequence(s)", len(part))
-                for i in part:
-                    out.errors[batch.rows[i].seq_id] = f"exception occurred during generation: {exc}"
-                return
-            log.exception("fused step of %d part(s) failed; re-running them one by one", len(parts))
-            for rows in parts:
-                self._run_rows(batch, rows, out)
-            return
-        self._finish_rows(batch, part, logits, out)
-
-    def _kept(self, row: ScheduledTokens) -> int:
-        """The logits rows a scheduled row keeps: every position with prompt logprobs, else the last
-        when it samples, else none."""
-        return len(row.token_ids) if row.prompt_logprobs else int(row.sample)
-
+    # ---- the step contract (engine/step.py): one forward of a batch's rows ---------------------
     def _forward_rows(self, batch: StepBatch, part: list[int]) -> torch.Tensor:
         decode = [i for i in part if i < batch.num_decode]
         keep = list(range(len(decode)))
@@ -142,92 +85,6 @@ class PagedFastRunner(FastRunner, BatchRunner):
             keep,
             decode_tables=[self._requests[r.seq_id].blocks for r in rows],
         )
-
-    def _finish_rows(self, batch: StepBatch, part: list[int], logits: torch.Tensor, out: StepOutput) -> None:
-        """Prompt logprobs, then every sampling row of `part` sampled together (the constrained ones
-        from their rows masked by the batch's grammar bitmask)."""
-        sampling: list[int] = []  # indexes into batch.rows
-        at: list[int] = []  # their logits rows
-        offset = 0
-        for i in part:
-            row = batch.rows[i]
-            kept = self._kept(row)
-            if row.prompt_logprobs:
-                request = self._requests[row.seq_id]
-                try:
-                    out.prompt_logprobs[row.seq_id] = prompt_logprobs(
-                        logits[offset : offset + kept],
-                        request.prompt_ids,
-                        row.start,
-                        row.start + len(row.token_ids),
-                        request.params.prompt_top_n,
-                    )
-                except Exception as exc:  # noqa: BLE001 - this request fails, the step goes on
-                    log.exception("prompt logprobs failed")
-                    out.errors[row.seq_id] = f"exception occurred during generation: {exc}"
-            if row.sample and row.seq_id not in out.errors:
-                sampling.append(i)
-                at.append(offset + kept - 1)
-            offset += kept
-        if not sampling:
-            return
-        rows = logits if at == list(range(len(logits))) else logits[at]
-        try:
-            masked = self._masked(batch, sampling, rows)
-        except Exception as exc:  # noqa: BLE001 - the constrained rows fail, the others are sampled
-            log.exception("masking the constrained rows failed")
-            constrained = set(batch.grammar_rows)
-            for i in sampling:
-                if i in constrained:
-                    out.errors[batch.rows[i].seq_id] = f"exception occurred during sampling: {exc}"
-            masked = {}
-        picked: list[int] = []  # positions in `sampling` that are sampled
-        specs: list[Row] = []
-        for n, i in enumerate(sampling):
-            seq_id = batch.rows[i].seq_id
-            if seq_id in out.errors:
-                continue
-            try:
-                specs.append(self._row_of(self._requests[seq_id], rows.device, masked.get(n)))
-                picked.append(n)
-            except Exception as exc:  # noqa: BLE001 - one request fails, the step goes on
-                out.errors[seq_id] = f"exception occurred during sampling: {exc}"
-        if not picked:
-            return
-        try:
-            results = sample_rows(rows if len(picked) == len(rows) else rows[picked], specs)
-        except Exception as exc:  # noqa: BLE001 - the step's sampling rows fail, the engine goes on
-            log.exception("sampling failed for %d sequence(s)", len(picked))
-            results = [exc] * len(picked)
-        for n, result in zip(picked, results):
-            seq_id = batch.rows[sampling[n]].seq_id
-            if isinstance(result, Exception):
-                out.errors[seq_id] = f"exception occurred during sampling: {result}"
-            else:
-                self._requests[seq_id].output_ids.append(result.token_id)
-                out.samples[seq_id] = [result]
-
-    def _row_of(self, request: _Request, device: torch.device, masked: torch.Tensor | None) -> Row:
-        """What the sampler needs of a request (its generator made on its first sampled token)."""
-        params = request.params
-        if params.do_sample and request.generator is None:
-            if request.seed is None:
-                raise ValueError("a sampled sequence needs a seed")
-            request.generator = make_generator(request.seed, device)
-        banned = self.eos_token_ids + params.stop_token_ids if params.min_new_tokens else []
-        return Row(params, request.prompt_ids, request.output_ids, banned, request.generator, masked)
-
-    def _masked(self, batch: StepBatch, sampling: list[int], rows: torch.Tensor) -> dict[int, torch.Tensor]:
-        """Masked copies of the constrained sampling rows (by position in `sampling`)."""
-        if batch.grammar_bitmask is None or not batch.grammar_rows:
-            return {}
-        where = {row: n for n, row in enumerate(batch.grammar_rows)}
-        picked = [(n, where[i]) for n, i in enumerate(sampling) if i in where]
-        if not picked:
-            return {}
-        copies = rows[[n for n, _ in picked]]  # advanced indexing: a copy; the raw rows stay for the logprobs
-        apply_bitmask(copies, batch.grammar_bitmask[[m for _, m in picked]], self.vocab_size)
-        return {n: copies[k] for k, (n, _) in enumerate(picked)}
 
     def _where(self, seq: Sequence) -> Any:
         return _blocks(seq)
