@@ -12,7 +12,7 @@ import torch
 from lmiserve.engine.async_engine import AsyncEngine, EngineConfig
 from lmiserve.engine.grammar_compiler import GrammarCompiler
 from lmiserve.engine.loaded import LoadedModel
-from lmiserve.engine.runners import FastRunner, ModelRunner, create_runner, runner_class
+from lmiserve.engine.runners import FastRunner, ModelRunner, create_runner, paged_generic, runner_class
 from lmiserve.engine.runners.paged import PagedFastRunner, kv_bytes_per_block
 from lmiserve.engine.tokenizer import HfTokenizer
 from lmiserve.engine.validation import PromptCodec
@@ -106,7 +106,9 @@ def create_engine(
         config = dataclasses.replace(config, prefill_floor=PREFILL_FLOOR.get(loaded.device.type, 256))
     paged_cls = runner_cls if runner_cls is not None and issubclass(runner_cls, PagedFastRunner) else PagedFastRunner
     paged = config.kv_cache == "paged" and not config.batch_invariant and (runner_cls in (None, paged_cls))
-    if paged and runner_class(loaded.model, batch_invariant=False, fast_path=config.fast_path)[0] is FastRunner:
+    strategy = runner_class(loaded.model, batch_invariant=False, fast_path=config.fast_path)[0]
+    why_not = None if strategy is FastRunner else paged_generic.unsupported_reason(loaded.model)
+    if paged and why_not is None:
         num_blocks = kv_pool_blocks(loaded, config)
         log.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
@@ -114,19 +116,31 @@ def create_engine(
             config.block_size,
             num_blocks * kv_bytes_per_block(loaded.model, config.block_size) / 2**20,
         )
-        runner: ModelRunner = paged_cls(
-            loaded.model,
-            max_slots=config.max_running,
-            max_context=loaded.max_context,
-            eos_token_ids=loaded.eos_token_ids,
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            autotune=config.cpu_autotune,
-            autotune_cache=config.autotune_cache,
-        )
+        runner: ModelRunner
+        if strategy is FastRunner:
+            runner = paged_cls(
+                loaded.model,
+                max_slots=config.max_running,
+                max_context=loaded.max_context,
+                eos_token_ids=loaded.eos_token_ids,
+                num_blocks=num_blocks,
+                block_size=config.block_size,
+                autotune=config.cpu_autotune,
+                autotune_cache=config.autotune_cache,
+            )
+        else:  # another architecture, or fast_path=false: transformers' forward over the blocks
+            log.info("model runner: generic path over the paged KV cache (transformers' attention)")
+            runner = paged_generic.PagedGenericRunner(
+                loaded.model,
+                max_slots=config.max_running,
+                max_context=loaded.max_context,
+                eos_token_ids=loaded.eos_token_ids,
+                num_blocks=num_blocks,
+                block_size=config.block_size,
+            )
     elif runner_cls is None:
         if paged:
-            log.info("KV cache: slots (the paged cache serves the fast path only)")
+            log.info("KV cache: slots (the paged cache does not serve %s)", why_not)
         runner = create_runner(
             loaded.model,
             max_slots=config.max_running,

@@ -309,6 +309,18 @@ def _write(
     value_cache.view(-1, dim).index_copy_(0, index, values.reshape(-1, dim).to(value_cache.dtype))
 
 
+def write_tokens(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    blocks: torch.Tensor,
+    offsets: torch.Tensor,
+) -> None:
+    """Store tokens' keys/values (``[tokens, kv_heads, head_dim]``) each at its (block, offset)."""
+    _write(key_cache, value_cache, keys, values, blocks, offsets)
+
+
 def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """``[..., blocks]`` block ids -> ``[..., kv_heads, blocks * block_size, head_dim]``."""
     gathered = cache[table]  # [..., blocks, kv_heads, block_size, head_dim]

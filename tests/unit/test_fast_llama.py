@@ -14,10 +14,14 @@ import dataclasses
 import pytest
 import torch
 from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    PhiConfig,
+    PhiForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -182,28 +186,50 @@ async def _serve(loaded, config: EngineConfig, tokens: int, details: bool = Fals
 
 
 @pytest.mark.parametrize(
-    "arch, config, path",
+    "arch, config, path, paged",
     [
-        ("tiny", {}, "fast"),
-        ("tiny", {"fast_path": False}, "generic"),
-        ("tiny", {"max_running": 2, "max_prefill_tokens": 3}, "fast"),  # queueing, chunks, compaction
-        ("qwen3", {}, "generic"),  # not covered: falls back by itself
-        ("qwen2_bias", {"max_prefill_tokens": 4}, "fast"),
-        ("tiny", {"batch_invariant": True}, "batch_invariant"),
+        ("tiny", {}, "fast", True),
+        ("tiny", {"fast_path": False}, "generic", True),  # transformers' forward over the blocks
+        ("tiny", {"fast_path": False, "kv_cache": "slots"}, "generic", False),
+        ("tiny", {"max_running": 2, "max_prefill_tokens": 3}, "fast", True),  # queueing, chunks, preemption-free
+        ("tiny", {"max_running": 2, "max_prefill_tokens": 3, "kv_cache": "slots"}, "fast", False),  # compaction
+        ("qwen3", {}, "generic", True),  # not covered by the fast forward: transformers' over the blocks
+        ("phi", {"max_prefill_tokens": 4}, "generic", True),
+        ("gpt2", {}, "generic", True),
+        ("qwen2_bias", {"max_prefill_tokens": 4}, "fast", True),
+        ("tiny", {"batch_invariant": True}, "batch_invariant", False),
     ],
 )
-def test_every_path_gives_generates_greedy_tokens(tiny_model, arch: str, config: dict, path: str):
+def test_every_path_gives_generates_greedy_tokens(tiny_model, arch: str, config: dict, path: str, paged: bool):
     if arch == "qwen3":
         loaded = with_model(tiny_model, build(Qwen3Config, Qwen3ForCausalLM, {}))
+    elif arch == "phi":
+        loaded = with_model(tiny_model, build(PhiConfig, PhiForCausalLM, {}))
+    elif arch == "gpt2":
+        torch.manual_seed(7)
+        gpt2 = GPT2Config(
+            vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=1, eos_token_id=2
+        )
+        loaded = with_model(tiny_model, GPT2LMHeadModel(gpt2).eval())
     elif arch != "tiny":
         loaded = with_model(tiny_model, build(*ARCHS[arch]))
     else:
         loaded = tiny_model
     engine, results = asyncio.run(_serve(loaded, EngineConfig(**config), 12))
     assert engine.runner.path == path
+    assert (engine.pool is not None) == paged
     for prompt, events in zip(PROMPTS, results):
         assert [e.token.id for e in events if e.token] == _greedy_reference(loaded, prompt, 12)
         assert events[-1].finish.reason is FinishReason.LENGTH
+
+
+def test_sliding_window_models_keep_the_slot_layout():
+    from lmiserve.engine.runners import paged_generic
+
+    assert "sliding" in (
+        paged_generic.unsupported_reason(build(MistralConfig, MistralForCausalLM, {"sliding_window": 16})) or ""
+    )
+    assert paged_generic.unsupported_reason(build(*ARCHS["mistral_no_window"])) is None
 
 
 def test_prompt_logprobs_are_the_same_on_the_fast_and_generic_paths(tiny_model):

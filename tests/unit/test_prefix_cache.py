@@ -80,8 +80,13 @@ async def run(engine: AsyncEngine, prompt: str, **params) -> tuple[list[int], in
 
 # the slot cache's prefix cache (a pool of copied blocks) on both runners, and the paged KV cache, where
 # the pool is the prefix cache (shared full blocks, never copied)
-RUNNERS = [{"fast_path": True, "kv_cache": "slots"}, {"fast_path": False}, {"fast_path": True, "kv_cache": "paged"}]
-RUNNER_IDS = ["fast", "generic", "paged"]
+RUNNERS = [
+    {"fast_path": True, "kv_cache": "slots"},
+    {"fast_path": False, "kv_cache": "slots"},
+    {"fast_path": True, "kv_cache": "paged"},
+    {"fast_path": False, "kv_cache": "paged"},  # transformers' forward over the blocks
+]
+RUNNER_IDS = ["fast", "generic", "paged", "paged-generic"]
 
 
 @pytest.mark.parametrize("runner", RUNNERS, ids=RUNNER_IDS)

@@ -1,0 +1,176 @@
+"""Any architecture over the block KV cache (Engine v2), through transformers' own paged-attention
+interface: the model's forward runs with transformers' attention functions (sdpa or eager), which
+hand each layer's new keys and values to a paged cache's ``update`` and attend over what it returns.
+
+A step packs every row's tokens into one sequence (batch 1): token t of a row sits at its position
+in that row; `BlockCacheView.update` writes the step's keys and values into the rows' blocks and
+returns, for the layer, each row's context gathered from its blocks one after the other; the step's
+4D mask lets token t of row r attend to row r's positions up to its own, nothing else. So the same
+blocks, scheduler, preemption and prefix sharing serve architectures lmiserve's own forward does not
+cover (GPT-2, Phi, ...), without a second attention implementation.
+
+Left out: models whose layers attend over sliding windows or mix attention kinds (their masks differ
+by layer); those keep the slot layout (engine/factory.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lmiserve.engine.kv_cache import AttentionShape
+from lmiserve.engine.paged_attention import PagedKVCache, gather_context, write_tokens
+from lmiserve.engine.runners.base import ModelRunner
+from lmiserve.engine.runners.batched import PersistentBatchRunner, RequestState
+from lmiserve.engine.scheduler import StepOutput, StepPlan
+from lmiserve.engine.step import StepBatch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+log = logging.getLogger(__name__)
+
+
+def _paged_cache_class() -> type:
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    return PagedAttentionCache
+
+
+def unsupported_reason(model: PreTrainedModel) -> str | None:
+    """Why `model` cannot run over the block cache through transformers' attention (None: it can)."""
+    config = model.config
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "sliding-window attention"
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and any(kind != "full_attention" for kind in layer_types):
+        return f"attention layers of kinds {sorted(set(layer_types))}"
+    if getattr(config, "is_encoder_decoder", False):
+        return "an encoder-decoder model"
+    try:
+        _paged_cache_class()
+    except ImportError:  # pragma: no cover - transformers without continuous batching
+        return "this transformers has no paged-attention cache"
+    return None
+
+
+class BlockCacheView:
+    """What a transformers attention function sees as its paged cache during one forward: `update`
+    writes the step's keys and values into the rows' blocks and returns each row's context."""
+
+    def __init__(
+        self,
+        kv: PagedKVCache,
+        write_blocks: torch.Tensor,
+        write_offsets: torch.Tensor,
+        reads: list[tuple[torch.Tensor, int]],
+    ) -> None:
+        self.kv, self.write_blocks, self.write_offsets, self.reads = kv, write_blocks, write_offsets, reads
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, kwargs: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`key_states`/`value_states`: ``[1, kv_heads, tokens, head_dim]`` of the step's tokens; returns
+        ``[1, kv_heads, sum of the rows' context lengths, head_dim]`` (row after row)."""
+        keys, values = self.kv.keys[layer_idx], self.kv.values[layer_idx]
+        write_tokens(
+            keys,
+            values,
+            key_states[0].transpose(0, 1),
+            value_states[0].transpose(0, 1),
+            self.write_blocks,
+            self.write_offsets,
+        )
+        gathered = [gather_context(keys, values, table, end) for table, end in self.reads]
+        key = torch.cat([k for k, _ in gathered], dim=1) if len(gathered) > 1 else gathered[0][0]
+        value = torch.cat([v for _, v in gathered], dim=1) if len(gathered) > 1 else gathered[0][1]
+        return key[None], value[None]
+
+
+def _view_class() -> type:
+    """`BlockCacheView` as a subclass of transformers' `PagedAttentionCache` (its attention functions
+    check the type); made once, on first use (transformers imported lazily)."""
+    global _VIEW
+    if _VIEW is None:
+        _VIEW = type("PagedBlockCacheView", (BlockCacheView, _paged_cache_class()), {})
+    return _VIEW
+
+
+_VIEW: type | None = None
+
+
+class PagedGenericRunner(ModelRunner, PersistentBatchRunner):
+    """The transformers model's own forward over the block KV cache (the generic strategy, paged)."""
+
+    path = "generic"
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        max_slots: int,
+        max_context: int,
+        eos_token_ids: Iterable[int],
+        num_blocks: int,
+        block_size: int,
+    ) -> None:
+        super().__init__(model, max_slots=max_slots, max_context=max_context, eos_token_ids=eos_token_ids)
+        shape = AttentionShape.of(model.config)
+        self.kv = PagedKVCache(
+            shape.layers, num_blocks, block_size, shape.kv_heads, shape.head_dim, model.dtype, model.device
+        )
+        self.num_blocks, self.block_size, self.kv_bytes = num_blocks, block_size, self.kv.nbytes
+        self._requests: dict[int, RequestState] = {}
+        self.vocab_size = int(model.config.vocab_size)
+
+    def _run(self, plan: StepPlan, out: StepOutput) -> None:
+        raise RuntimeError("the paged generic runner runs plain-data batches (execute_batch), not plans")
+
+    def _forward_rows(self, batch: StepBatch, part: list[int]) -> torch.Tensor:
+        dev = self.device
+        ids: list[int] = []
+        positions: list[int] = []
+        write_blocks: list[int] = []
+        reads: list[tuple[torch.Tensor, int]] = []
+        keep: list[int] = []
+        spans: list[tuple[int, int, int, int]] = []  # per row: first token, tokens, start position, key offset
+        key_offset = 0
+        bs = self.block_size
+        for i in part:
+            row = batch.rows[i]
+            blocks = self._requests[row.seq_id].blocks
+            first, count, end = len(ids), len(row.token_ids), row.start + len(row.token_ids)
+            ids.extend(row.token_ids)
+            positions.extend(range(row.start, end))
+            write_blocks.extend(blocks[p // bs] for p in range(row.start, end))
+            reads.append((torch.tensor(blocks[: -(-end // bs)], dtype=torch.long, device=dev), end))
+            spans.append((first, count, row.start, key_offset))
+            kept = self._kept(row)
+            keep.extend(range(first + count - kept, first + count))
+            key_offset += end
+        self.kv.ensure_zeroed(1 + max(write_blocks))
+        tokens = len(ids)
+        # token t of a row attends to that row's keys at positions <= its own (additive mask)
+        mask = torch.full((tokens, key_offset), float("-inf"), dtype=self.model.dtype, device=dev)
+        for first, count, start, offset in spans:
+            allowed = torch.arange(start + 1, start + count + 1, device=dev)[:, None] > torch.arange(
+                start + count, device=dev
+            )
+            mask[first : first + count, offset : offset + start + count].masked_fill_(allowed, 0.0)
+        view = _view_class()(
+            self.kv,
+            torch.tensor(write_blocks, dtype=torch.long, device=dev),
+            torch.tensor([p % bs for p in positions], dtype=torch.long, device=dev),
+            reads,
+        )
+        logits: torch.Tensor = self.model(
+            input_ids=torch.tensor([ids], device=dev),
+            position_ids=torch.tensor([positions], device=dev),
+            attention_mask=mask[None, None],
+            cache=view,
+            use_cache=False,
+        ).logits[0]
+        return logits[torch.tensor(keep, dtype=torch.long, device=dev)].float()
