@@ -332,8 +332,9 @@ class Settings(BaseModel):
         description=(
             "The KV cache: `paged` (Engine v2: a pool of blocks sized by `kv_cache_memory_bytes`, admission by "
             "free blocks, preemption when the pool runs out, prompt chunks of several requests in one step, the "
-            "prefix cache as shared blocks; every runner but the batch-invariant one, and models with sliding-window attention, which keep slots) or `slots` (one "
-            "contiguous slot a sequence). See docs/architecture.md."
+            "prefix cache as shared blocks; every runner but the batch-invariant one, and models with "
+            "sliding-window attention, which keep slots) or `slots` (one contiguous slot a sequence). See "
+            "docs/engine.md."
         ),
     )
     kv_cache_memory_bytes: ByteSize | None = Field(
