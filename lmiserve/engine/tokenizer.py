@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING
 
+from lmiserve.core.tokenizer import recall_encoding
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -14,7 +16,9 @@ class HfTokenizer:
         self.hf = tokenizer
 
     def encode(self, text: str) -> list[int]:
-        return list(self.hf(text)["input_ids"])
+        """The text's ids; those this request's validation already counted, when it is the same text."""
+        ids = recall_encoding(self.hf, text)
+        return ids if ids is not None else list(self.hf(text)["input_ids"])
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         text = self.hf.decode(ids, skip_special_tokens=skip_special_tokens)

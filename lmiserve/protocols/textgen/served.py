@@ -15,6 +15,7 @@ from lmiserve import __version__
 from lmiserve.core.engine import TextGenerator
 from lmiserve.core.errors import InvalidRequest, TemplateError
 from lmiserve.core.limits import TextGenLimits, limits_for
+from lmiserve.core.tokenizer import remember_encoding
 from lmiserve.models.bundled import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
 from lmiserve.models.service import ModelService, default_llm
 
@@ -51,8 +52,11 @@ class Served:
         return not name or name in names or "*" in names
 
     def count_tokens(self, text: str) -> int:
-        """Prompt length as the engine will see it (special tokens added)."""
-        return len(self.tokenizer(text)["input_ids"])
+        """Prompt length as the engine will see it (special tokens added); the ids are kept for the
+        engine's encoding of the same text in this request (tokenized once)."""
+        ids = list(self.tokenizer(text)["input_ids"])
+        remember_encoding(self.tokenizer, text, ids)
+        return len(ids)
 
     @property
     def vocab_size(self) -> int:
