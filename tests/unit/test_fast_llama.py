@@ -223,6 +223,26 @@ def test_every_path_gives_generates_greedy_tokens(tiny_model, arch: str, config:
         assert events[-1].finish.reason is FinishReason.LENGTH
 
 
+def test_a_model_whose_attention_ignores_the_paged_cache_keeps_the_slot_layout():
+    """A forward that never hands its keys and values to the cache would attend within the step only:
+    the start-up probe finds it and the model keeps slots."""
+    from types import SimpleNamespace
+
+    from lmiserve.engine.runners import paged_generic
+
+    config = build(*ARCHS["llama"]).config
+
+    class Ignoring(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.config, self.dtype, self.device = config, torch.float32, torch.device("cpu")
+
+        def forward(self, input_ids, **kwargs):
+            return SimpleNamespace(logits=torch.zeros(1, input_ids.shape[1], config.vocab_size))
+
+    assert "attention functions" in (paged_generic.unsupported_reason(Ignoring()) or "")
+
+
 def test_sliding_window_models_keep_the_slot_layout():
     from lmiserve.engine.runners import paged_generic
 

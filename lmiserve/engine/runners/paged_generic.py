@@ -54,6 +54,41 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
         _paged_cache_class()
     except ImportError:  # pragma: no cover - transformers without continuous batching
         return "this transformers has no paged-attention cache"
+    return _probe(model)
+
+
+def _probe(model: PreTrainedModel) -> str | None:
+    """Run two tokens through the model over a scratch pool: every attention layer must hand its keys
+    and values to the cache's `update` (an architecture whose attention does not go through
+    transformers' attention functions would silently attend within the step only)."""
+    shape = AttentionShape.of(model.config)
+    kv = PagedKVCache(shape.layers, 1, 2, shape.kv_heads, shape.head_dim, model.dtype, model.device)
+    kv.ensure_zeroed(1)
+    dev = model.device
+    table = torch.zeros(1, dtype=torch.long, device=dev)
+    view = _view_class()(kv, torch.zeros(2, dtype=torch.long, device=dev), torch.arange(2, device=dev), [(table, 2)])
+    calls: list[int] = []
+    update = view.update
+
+    def counted(key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, kwargs: dict[str, Any]) -> Any:
+        calls.append(layer_idx)
+        return update(key_states, value_states, layer_idx, kwargs)
+
+    view.update = counted
+    mask = torch.tensor([[0.0, float("-inf")], [0.0, 0.0]], dtype=model.dtype, device=dev)
+    try:
+        with torch.inference_mode():
+            model(
+                input_ids=torch.tensor([[1, 2]], device=dev),
+                position_ids=torch.arange(2, device=dev)[None],
+                attention_mask=mask[None, None],
+                cache=view,
+                use_cache=False,
+            )
+    except Exception as exc:  # noqa: BLE001 - any failure: this model keeps the slot layout
+        return f"its forward does not take a paged cache ({type(exc).__name__}: {exc})"
+    if sorted(set(calls)) != list(range(shape.layers)):
+        return "its attention does not go through transformers' attention functions"
     return None
 
 
