@@ -100,14 +100,27 @@ def _rss(pid: int) -> int:
 @pytest.fixture(scope="module")
 def pool_server(unreachable_eos_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolServer]:
     """A server of its own (its preemption counter and memory must be its own), with the small pool."""
+    yield from _pool_server(unreachable_eos_model_dir, tmp_path_factory, [])
+
+
+@pytest.fixture(scope="module")
+def generic_pool_server(
+    unreachable_eos_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[PoolServer]:
+    """The same pool under transformers' own forward (the generic runner over the blocks)."""
+    yield from _pool_server(unreachable_eos_model_dir, tmp_path_factory, ["fast_path=false"])
+
+
+def _pool_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, extra: list[str]) -> Iterator[PoolServer]:
     log = tmp_path_factory.mktemp("kv-pool") / "server.log"
     options = [
         "kv_cache=paged",
         f"kv_cache_memory_bytes={POOL_BLOCKS * BLOCK_BYTES}",
         f"block_size={BLOCK_SIZE}",
         f"max_rolling_batch_size={CONCURRENT}",
+        *extra,
     ]
-    args = ["--model-id", str(unreachable_eos_model_dir)]
+    args = ["--model-id", str(model_dir)]
     for option in options:
         args += ["-o", option]
     with (
@@ -116,7 +129,7 @@ def pool_server(unreachable_eos_model_dir: Path, tmp_path_factory: pytest.TempPa
     ):
         port = urlsplit(url).port
         assert port is not None
-        yield PoolServer(url, unreachable_eos_model_dir.name, _server_pid(port), client, log)
+        yield PoolServer(url, model_dir.name, _server_pid(port), client, log)
 
 
 def _prompt(i: int) -> str:
@@ -162,6 +175,19 @@ def test_the_pool_is_the_size_the_budget_buys(pool_server: PoolServer):
 
 
 def test_a_burst_several_times_the_pool_finishes_with_the_tokens_of_each_request_alone(pool_server: PoolServer):
+    _burst(pool_server)
+
+
+def test_the_same_burst_under_transformers_forward_over_the_blocks(generic_pool_server: PoolServer):
+    lines = read_log(generic_pool_server.log)
+    assert any("generic path over the paged KV cache" in line for line in lines), lines[-20:]
+    _burst(generic_pool_server)
+
+
+def _burst(pool_server: PoolServer) -> None:
+    """48 concurrent requests whose KV is several times the pool: each finishes with its tokens alone,
+    preempting; usage in whole blocks; every block back; RSS bounded; a request larger than the pool
+    refused at once."""
     client = pool_server.client
     alone = {}
     for i in range(CONCURRENT):
