@@ -295,20 +295,6 @@ def _flat_index(blocks: torch.Tensor, offsets: torch.Tensor, kv_heads: int, bloc
     return (blocks[:, None] * kv_heads + heads[None, :]) * block_size + offsets[:, None]
 
 
-def _write(
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    blocks: torch.Tensor,
-    offsets: torch.Tensor,
-) -> None:
-    _, kv_heads, block_size, dim = key_cache.shape
-    index = _flat_index(blocks, offsets, kv_heads, block_size).reshape(-1)
-    key_cache.view(-1, dim).index_copy_(0, index, keys.reshape(-1, dim).to(key_cache.dtype))
-    value_cache.view(-1, dim).index_copy_(0, index, values.reshape(-1, dim).to(value_cache.dtype))
-
-
 def write_tokens(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -318,7 +304,10 @@ def write_tokens(
     offsets: torch.Tensor,
 ) -> None:
     """Store tokens' keys/values (``[tokens, kv_heads, head_dim]``) each at its (block, offset)."""
-    _write(key_cache, value_cache, keys, values, blocks, offsets)
+    _, kv_heads, block_size, dim = key_cache.shape
+    index = _flat_index(blocks, offsets, kv_heads, block_size).reshape(-1)
+    key_cache.view(-1, dim).index_copy_(0, index, keys.reshape(-1, dim).to(key_cache.dtype))
+    value_cache.view(-1, dim).index_copy_(0, index, values.reshape(-1, dim).to(value_cache.dtype))
 
 
 def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -371,7 +360,7 @@ def torch_decode_attention(
         return torch.empty_like(query)
     if index is None:
         index = decode_index(block_tables, spans, key_cache.shape[2], key_cache.device)
-    _write(key_cache, value_cache, new_keys, new_values, index.write_blocks, index.write_offsets)
+    write_tokens(key_cache, value_cache, new_keys, new_values, index.write_blocks, index.write_offsets)
     keys = _gather(key_cache, index.tables)  # [R, kv_heads, width * block_size, head_dim]
     values = _gather(value_cache, index.tables)
     scores = torch.matmul(query.to(keys.dtype), keys.transpose(-1, -2)).float() * scale  # [R, kv, groups, L]
@@ -425,7 +414,7 @@ def write_chunk(
     device = key_cache.device
     positions = torch.arange(start, start + length, device=device)
     table = block_table.to(device=device, dtype=torch.long)
-    _write(key_cache, value_cache, keys, values, table[positions // block_size], positions % block_size)
+    write_tokens(key_cache, value_cache, keys, values, table[positions // block_size], positions % block_size)
 
 
 def gather_context(
