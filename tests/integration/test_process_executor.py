@@ -1,0 +1,53 @@
+"""The step contract across a process boundary: the same engine with its model executed in a child
+process (`ProcessExecutor`, the batches pickled through a pipe) gives the tokens of the in-process
+executor, a seeded sampled row's included."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import pytest
+
+from lmiserve.core.request import GenerationRequest, SamplingParams
+from lmiserve.engine.async_engine import EngineConfig
+from lmiserve.engine.factory import create_engine
+from lmiserve.engine.process_executor import ProcessExecutor, paged_fast_runner
+from lmiserve.engine.step import InProcessExecutor
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = ["The quick brown fox", "Hello world! How are you", "Numbers like 1, 2, 3"]
+
+
+async def _run(engine) -> list[list[int]]:
+    async def one(i: int, prompt: str) -> list[int]:
+        seeded = i == 2  # one sampled row: its generator lives in the executor
+        params = SamplingParams(max_new_tokens=10, ignore_eos_token=True, do_sample=seeded, seed=5 if seeded else None)
+        return [e.token.id async for e in engine.generate(GenerationRequest(prompt, params)) if e.token is not None]
+
+    return await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
+
+
+async def test_a_child_process_executes_the_same_batches_to_the_same_tokens(tiny_model, tiny_model_dir):
+    if tiny_model.device.type != "cpu":
+        pytest.skip("the child loads the model on the CPU")
+    # no prefix cache: the pool's bookkeeping is shared by both executors, its memory is each one's own
+    engine = create_engine(tiny_model, EngineConfig(max_running=4, prefix_cache_bytes=0))
+    runner = engine.runner
+    assert isinstance(engine.executor, InProcessExecutor)
+    build = functools.partial(
+        paged_fast_runner, str(tiny_model_dir), runner.num_blocks, runner.block_size, 4, "fp32", "cpu"
+    )
+    child = ProcessExecutor(build)
+    engine.start()
+    try:
+        here = await _run(engine)
+        engine.executor = child
+        there = await _run(engine)
+        assert there == here
+        assert all(len(tokens) == 10 for tokens in there)
+    finally:
+        await engine.stop()
+        child.close()
+    assert not child._process.is_alive()
