@@ -35,27 +35,10 @@ from lmiserve.config import load_settings  # noqa: E402
 from lmiserve.core.request import GenerationRequest, SamplingParams  # noqa: E402
 from lmiserve.engine import torch_thread  # noqa: E402
 from lmiserve.engine.factory import build_engine  # noqa: E402
-from lmiserve.engine.process_executor import ProcessExecutor  # noqa: E402
+from lmiserve.engine.process_executor import ProcessExecutor, paged_fast_runner  # noqa: E402
 from lmiserve.engine.runners.paged import PagedFastRunner  # noqa: E402
 from lmiserve.engine.step import InProcessExecutor  # noqa: E402
-
-
-def child_runner(overrides: dict, num_blocks: int, block_size: int) -> PagedFastRunner:
-    """Run in the child: the same model, pool and kernel choices as the parent's runner."""
-    settings = load_settings(overrides)
-    loaded = load_like_server(overrides)
-    runner = PagedFastRunner(
-        loaded.model,
-        max_slots=settings.max_rolling_batch_size,
-        max_context=loaded.max_context,
-        eos_token_ids=loaded.eos_token_ids,
-        num_blocks=num_blocks,
-        block_size=block_size,
-        autotune=settings.cpu_autotune,
-        autotune_cache=settings.autotune_cache,
-    )
-    print(f"child kernels: {runner.kernels.describe()}", file=sys.stderr, flush=True)
-    return runner
+from lmiserve.models.resolve import resolve_model_path  # noqa: E402
 
 
 def parent_engine(overrides: dict):
@@ -83,12 +66,25 @@ async def main(args: argparse.Namespace) -> dict:
     if args.model_id:
         overrides["model_id"] = args.model_id
     engine = await torch_thread.run_apart(parent_engine, overrides)
+    settings = load_settings(overrides)
     runner = engine.runner
     assert isinstance(runner, PagedFastRunner), "the bench needs the paged fast runner (a Llama-family model)"
     print(f"parent kernels: {runner.kernels.describe()}", file=sys.stderr, flush=True)
     executors = {
         "thread": InProcessExecutor(runner),
-        "process": ProcessExecutor(functools.partial(child_runner, overrides, runner.num_blocks, runner.block_size)),
+        "process": ProcessExecutor(
+            functools.partial(
+                paged_fast_runner,
+                str(resolve_model_path(settings.model_id, settings.revision, settings.model_cache_dir)),
+                runner.num_blocks,
+                runner.block_size,
+                settings.max_rolling_batch_size,
+                settings.dtype,
+                settings.device,
+                settings.cpu_autotune,
+                settings.autotune_cache,
+            )
+        ),
     }
     engine.start()
     results: dict = {name: {} for name in executors}
