@@ -271,12 +271,12 @@ def test_a_step_with_newcomers_is_one_forward(tiny_model, monkeypatch):
 
     monkeypatch.setattr(FastLlama, "forward", counted)
     engine = create_engine(tiny_model, EngineConfig())  # driven step by step, no event loop
-    sched, runner = engine.scheduler, engine.runner
+    sched = engine.scheduler
     params = SamplingParams(max_new_tokens=5, ignore_eos_token=True)
 
-    def step():
+    def step():  # the engine's own hand-over: the plan's plain-data batch through its executor
         plan, _ = sched.schedule(0.0)
-        return plan, sched.update(plan, runner.execute(plan))
+        return plan, sched.update(plan, engine._run(plan))
 
     engine.submit(GenerationRequest(PROMPTS[0], params))
     step()  # prefill the first prompt

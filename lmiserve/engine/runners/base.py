@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, ClassVar, ParamSpec
 import torch
 
 from lmiserve.engine.kv_cache import AttentionShape, SlotKVCache
+from lmiserve.engine.paged_attention import PagedKVCache
 from lmiserve.engine.prefix_store import PrefixStore, bytes_per_token
 from lmiserve.engine.sampling import Row, make_generator, sample_rows
 from lmiserve.engine.scheduler import PrefillChunk, PromptScores, StepOutput, StepPlan
@@ -26,6 +27,8 @@ from lmiserve.engine.token_mask import TokenMask
 
 if TYPE_CHECKING:
     from transformers import DynamicCache, PreTrainedModel
+
+    from lmiserve.core.request import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -179,18 +182,44 @@ class ModelRunner(ABC):
 
     def _row(self, seq: Sequence, device: torch.device, masked: torch.Tensor | None) -> Row:
         """What the sampler needs of `seq` (its generator made on its first sampled token)."""
-        generator = self._generators.get(seq.seq_id)
-        if seq.params.do_sample and generator is None:
-            if seq.seed is None:
-                raise ValueError("a sampled sequence needs a seed")
-            generator = self._generators[seq.seq_id] = make_generator(seq.seed, device)
-        banned = self.eos_token_ids + seq.params.stop_token_ids if seq.params.min_new_tokens else []
-        return Row(seq.params, seq.prompt_ids, seq.output_ids, banned, generator, masked)
+        row = sampler_row(
+            seq.params,
+            seq.prompt_ids,
+            seq.output_ids,
+            self.eos_token_ids,
+            seq.seed,
+            self._generators.get(seq.seq_id),
+            device,
+        )
+        if row.generator is not None:
+            self._generators[seq.seq_id] = row.generator
+        row.masked = masked
+        return row
 
     @staticmethod
     def _sampling_failed(seq: Sequence, exc: Exception, out: StepOutput) -> None:
         log.error("sampling failed for %s: %s", seq.request_id, exc, extra={"request_id": seq.request_id})
         out.errors[seq.seq_id] = f"exception occurred during sampling: {exc}"
+
+
+def sampler_row(
+    params: SamplingParams,
+    prompt_ids: list[int],
+    output_ids: list[int],
+    eos_token_ids: list[int],
+    seed: int | None,
+    generator: torch.Generator | None,
+    device: torch.device | None = None,
+) -> Row:
+    """What the sampler needs of one sequence: `min_new_tokens` bans the EOS and stop ids; a sampled
+    sequence's generator is made from its seed on its first token (`Row.generator`, for the caller to
+    keep) on `device`."""
+    if params.do_sample and generator is None:
+        if seed is None:
+            raise ValueError("a sampled sequence needs a seed")
+        generator = make_generator(seed, device if device is not None else torch.device("cpu"))
+    banned = eos_token_ids + params.stop_token_ids if params.min_new_tokens else []
+    return Row(params, prompt_ids, output_ids, banned, generator)
 
 
 def prompt_logprobs(
@@ -229,6 +258,12 @@ def slot_cache(model: PreTrainedModel, max_slots: int, max_context: int) -> Slot
         initial_len=min(128, max_context),
         max_len=max_context,
     )
+
+
+def paged_cache(model: PreTrainedModel, num_blocks: int, block_size: int) -> PagedKVCache:
+    """A `PagedKVCache` of `num_blocks` blocks of `block_size` tokens shaped for `model`'s attention layers."""
+    shape = AttentionShape.of(model.config)
+    return PagedKVCache(shape.layers, num_blocks, block_size, shape.kv_heads, shape.head_dim, model.dtype, model.device)
 
 
 def model_forward(

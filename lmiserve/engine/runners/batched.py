@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from lmiserve.core.request import SamplingParams
-from lmiserve.engine.runners.base import prompt_logprobs
-from lmiserve.engine.sampling import Row, make_generator, sample_rows
+from lmiserve.engine.runners.base import prompt_logprobs, sampler_row
+from lmiserve.engine.sampling import Row, sample_rows
 from lmiserve.engine.scheduler import StepOutput
 from lmiserve.engine.step import BatchRunner, ScheduledTokens, StepBatch
 from lmiserve.engine.token_mask import apply_bitmask
@@ -153,13 +153,17 @@ class PersistentBatchRunner(BatchRunner):
 
     def _row_of(self, request: RequestState, device: torch.device, masked: torch.Tensor | None) -> Row:
         """What the sampler needs of a request (its generator made on its first sampled token)."""
-        params = request.params
-        if params.do_sample and request.generator is None:
-            if request.seed is None:
-                raise ValueError("a sampled sequence needs a seed")
-            request.generator = make_generator(request.seed, device)
-        banned = self.eos_token_ids + params.stop_token_ids if params.min_new_tokens else []
-        return Row(params, request.prompt_ids, request.output_ids, banned, request.generator, masked)
+        row = sampler_row(
+            request.params,
+            request.prompt_ids,
+            request.output_ids,
+            self.eos_token_ids,
+            request.seed,
+            request.generator,
+            device,
+        )
+        request.generator, row.masked = row.generator, masked
+        return row
 
     def _masked(self, batch: StepBatch, sampling: list[int], rows: torch.Tensor) -> dict[int, torch.Tensor]:
         """Masked copies of the constrained sampling rows (by position in `sampling`)."""

@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from lmiserve.engine.kv_cache import AttentionShape
 from lmiserve.engine.paged_attention import PagedKVCache
+from lmiserve.engine.runners.base import paged_cache
 from lmiserve.engine.runners.batched import PersistentBatchRunner, RequestState
 from lmiserve.engine.runners.fast import FastRunner
-from lmiserve.engine.sequence import Sequence
+from lmiserve.engine.scheduler import StepOutput, StepPlan
 from lmiserve.engine.step import StepBatch
 
 if TYPE_CHECKING:
@@ -47,10 +48,7 @@ class PagedFastRunner(FastRunner, PersistentBatchRunner):
         autotune: bool = False,
         autotune_cache: str | None = None,
     ) -> None:
-        shape = AttentionShape.of(model.config)
-        kv = PagedKVCache(
-            shape.layers, num_blocks, block_size, shape.kv_heads, shape.head_dim, model.dtype, model.device
-        )
+        kv = paged_cache(model, num_blocks, block_size)
         super().__init__(
             model,
             max_slots=max_slots,
@@ -86,17 +84,8 @@ class PagedFastRunner(FastRunner, PersistentBatchRunner):
             decode_tables=[self._requests[r.seq_id].blocks for r in rows],
         )
 
-    def _where(self, seq: Sequence) -> Any:
-        return _blocks(seq)
-
-    def _decode_tables(self, decode: list[Sequence]) -> list[list[int]] | None:
-        return [_blocks(seq) for seq in decode]
-
-
-def _blocks(seq: Sequence) -> list[int]:
-    if seq.block_table is None:
-        raise RuntimeError(f"sequence {seq.seq_id} holds no block table")
-    return seq.block_table.blocks
+    def _run(self, plan: StepPlan, out: StepOutput) -> None:
+        raise RuntimeError("the paged fast runner runs plain-data batches (execute_batch), not plans")
 
 
 def kv_bytes_per_block(model: PreTrainedModel, block_size: int) -> int:
