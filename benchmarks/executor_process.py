@@ -2,7 +2,7 @@
 engine core into a process because of the GIL; which wins here?).
 
     .venv/bin/python benchmarks/executor_process.py [--concurrency 1,8,32] [--tokens 64] [--rounds 2]
-        [--json FILE]
+        [--model-id PATH] [-o KEY=VALUE ...] [--json FILE]
 
 Loads the bundled model (or `--model-id`) once in this process and once in a child; builds one engine
 (block scheduler, detokenizer, grammar, everything that holds a `Sequence`) and runs the same greedy
@@ -65,6 +65,9 @@ async def main(args: argparse.Namespace) -> dict:
     overrides: dict = {"enable_prefix_caching": False}
     if args.model_id:
         overrides["model_id"] = args.model_id
+    for option in args.option:  # server settings, as `lmiserve serve -o` takes them
+        key, _, value = option.partition("=")
+        overrides[key.strip()] = value.strip()
     engine = await torch_thread.run_apart(parent_engine, overrides)
     settings = load_settings(overrides)
     runner = engine.runner
@@ -83,6 +86,7 @@ async def main(args: argparse.Namespace) -> dict:
                 settings.device,
                 settings.cpu_autotune,
                 settings.autotune_cache,
+                settings.load_format,
             )
         ),
     }
@@ -111,6 +115,8 @@ async def main(args: argparse.Namespace) -> dict:
         "what": "tokens/s of one engine with its model in the engine's thread or in a child process",
         "cpu": cpu or platform.processor(),
         "cpus": os.cpu_count(),
+        "device": str(runner.device),
+        "options": overrides,
         "tokens_per_request": args.tokens,
         "tokens_per_s": {name: {c: statistics.median(v) for c, v in r.items()} for name, r in results.items()},
         "runs": results,
@@ -125,6 +131,7 @@ if __name__ == "__main__":
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("-o", "--option", action="append", default=[], help="a server setting, KEY=VALUE")
     parser.add_argument("--json", type=Path)
     arguments = parser.parse_args()
     report = asyncio.run(main(arguments))

@@ -1,6 +1,6 @@
 """The GPU check: lmiserve's engine on a CUDA device, in one run of under 8 minutes.
 
-    python benchmarks/gpu_check.py [--out DIR] [--budget SECONDS] [--skip-8b]
+    python benchmarks/gpu_check.py [--out DIR] [--budget SECONDS] [--skip-8b] [--executor]
 
 From a copy of the repository on a machine with an NVIDIA GPU, torch and transformers (the other
 dependencies can come as wheels; see benchmarks/README.md, "The GPU check"). It writes into DIR
@@ -15,7 +15,10 @@ dependencies can come as wheels; see benchmarks/README.md, "The GPU check"). It 
    against the bare forward, static ``generate()`` and transformers' continuous batching
    (``generate_batch``) on the same GPU in the same run.
 4. ``bench-8b/``: the same for Llama-3.1-8B's shape, when the GPU holds it and time is left.
-5. ``summary.json`` and ``summary.md``: what passed, tokens/s, TTFT, ITL and the ratios.
+5. ``executor-cuda.json`` and ``executor-cpu.json`` (with ``--executor``, when time is left):
+   ``benchmarks/executor_process.py``, the model in the engine's thread against a child process, for the
+   1B shape on the GPU and for SmolLM2-135M's shape on all of the machine's CPU cores.
+6. ``summary.json`` and ``summary.md``: what passed, tokens/s, TTFT, ITL and the ratios.
 
 Every step has a time limit inside ``--budget`` (default 450 s); a step that fails or runs out is
 recorded as such and the next one runs.
@@ -100,6 +103,26 @@ SHAPES: dict[str, dict[str, Any]] = {
         "head_dim": 128,
         "tie_word_embeddings": False,
     },
+}
+# SmolLM2-135M's (the bundled model's) shape, for CPU-side measurements on the GPU machine's cores
+SHAPES["135m"] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 49152,
+    "hidden_act": "silu",
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 3,
 }
 # bytes of bf16 weights (about) and what the KV cache and activations need beside them
 _PARAMS = {"1b": 1.24e9, "8b": 8.03e9}
@@ -241,6 +264,8 @@ def markdown(summary: dict[str, Any]) -> str:
         if step.get("skipped"):
             state = f"skipped ({step['skipped']})"
         extra = f" {step['counts']}" if step.get("counts") else ""
+        if step.get("tokens_per_s"):
+            extra += f" tokens/s {step['tokens_per_s']}"
         lines.append(f"- {step['step']}: {state} in {step['seconds']} s{extra}")
     for shape in ("1b", "8b"):
         bench = summary.get(f"bench_{shape}")
@@ -275,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="output folder (default benchmarks/results/gpu-check-<date>)")
     parser.add_argument("--budget", type=float, default=450.0, help="seconds for the whole check (default 450)")
     parser.add_argument("--skip-8b", action="store_true", help="bench only the 1B shape")
+    parser.add_argument("--executor", action="store_true", help="also the thread-vs-process executor bench")
     parser.add_argument("--requests-per-client", type=int, default=2, help="bench requests per client and level")
     args = parser.parse_args(argv)
     deadline = time.monotonic() + args.budget
@@ -352,6 +378,37 @@ def main(argv: list[str] | None = None) -> int:
         step = run_step(f"bench {shape}", command, out / f"bench-{shape}.log", left() - 5, env)
         summary["steps"].append(step)
         summary[f"bench_{shape}"] = bench_summary(bench_dir)
+
+    # 5. the executor: the model in the engine's thread or in a child process (issue #20 item 5)
+    if args.executor:
+        runs = (
+            ("cuda", "1b", ["-o", "device=cuda", "-o", "dtype=bf16"]),
+            ("cpu", "135m", ["-o", "device=cpu"]),
+        )
+        for device, shape, options in runs:
+            name = f"executor {device} {shape}"
+            if left() < 60:
+                summary["steps"].append(_skipped(name, "time"))
+                continue
+            model_dir = dummy_model_dir(shape, out / f"model-{shape}")
+            report = out / f"executor-{device}.json"
+            command = [
+                sys.executable,
+                str(ROOT / "benchmarks" / "executor_process.py"),
+                "--model-id",
+                str(model_dir),
+                "-o",
+                "load_format=dummy",
+                *options,
+                "--concurrency",
+                "1,8,32",
+                "--json",
+                str(report),
+            ]
+            step = run_step(name, command, out / f"executor-{device}.log", min(150.0, left() - 5), env)
+            if report.exists():
+                step["tokens_per_s"] = json.loads(report.read_text()).get("tokens_per_s")
+            summary["steps"].append(step)
 
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "summary.md").write_text(markdown(summary))

@@ -29,13 +29,14 @@ def paged_fast_runner(
     device: str = "auto",
     autotune: bool = False,
     autotune_cache: str | None = None,
+    load_format: str = "auto",
 ) -> BatchRunner:
     """A `build` for `ProcessExecutor`: the model of `model_dir` loaded as the server loads it, on the
     paged fast runner over a pool of `num_blocks` (the parent's)."""
     from lmiserve.engine.runners.paged import PagedFastRunner
     from lmiserve.models.load import load_causal_lm
 
-    loaded = load_causal_lm(model_dir, dtype=dtype, device=device)
+    loaded = load_causal_lm(model_dir, dtype=dtype, device=device, load_format=load_format)
     return PagedFastRunner(
         loaded.model,
         max_slots=max_slots,

@@ -166,11 +166,18 @@ def _load_model(path: Path, dtype: torch.dtype, common: dict[str, bool]) -> PreT
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **common)
 
 
+_DUMMY_SEED = 1234
+
+
 def _dummy_model(path: Path, dtype: torch.dtype, device: torch.device, common: dict[str, bool]) -> PreTrainedModel:
-    """The architecture of `path`'s config.json with random weights (transformers' own initialisation),
-    built directly on `device` so an 8B shape needs no host copy."""
+    """The architecture of `path`'s config.json with random weights (transformers' own initialisation,
+    seeded), built directly on `device` so an 8B shape needs no host copy."""
     config = AutoConfig.from_pretrained(path, **common)
-    with device:
+    # the same weights every time (as vLLM's dummy loader seeds its own), so two loads of one shape
+    # (a server and its baseline, two executors) compute the same tokens; the caller's RNG is untouched
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), device:
+        torch.manual_seed(_DUMMY_SEED)
         model = AutoModelForCausalLM.from_config(
             config, dtype=dtype, attn_implementation="sdpa", trust_remote_code=common["trust_remote_code"]
         )
