@@ -24,6 +24,7 @@ from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.core.grammar import Grammar
 from lmiserve.core.request import GenerationRequest
 from lmiserve.core.stats import EngineObserver, EngineSnapshot, RequestStats, SequenceStats, StepStats
+from lmiserve.core.tokenizer import tokenizing
 from lmiserve.engine import torch_thread
 from lmiserve.engine.block_scheduler import BlockScheduler
 from lmiserve.engine.grammar_compiler import CompiledGrammar, GrammarCompiler
@@ -248,17 +249,20 @@ class AsyncEngine:
             raise InvalidRequest("structured output (grammar) is not supported for this model")
         return await self.grammars.compile_async(grammar)
 
-    def submit(self, request: GenerationRequest, grammar: CompiledGrammar | None = None) -> _Handle:
+    def submit(
+        self, request: GenerationRequest, grammar: CompiledGrammar | None = None, prompt_ids: list[int] | None = None
+    ) -> _Handle:
         """Validate, tokenize and enqueue; raises InvalidRequest or Overloaded at once. A request with a
         grammar needs it compiled (`grammar`, from `prepare`'s cache when not given: compiled here on
-        a cache miss)."""
+        a cache miss); `prompt_ids`: the request already encoded (`_encode`), else encoded here."""
         arrival = time.monotonic()
         try:
             if grammar is None and request.params.grammar is not None:
                 if self.grammars is None:
                     raise InvalidRequest("structured output (grammar) is not supported for this model")
                 grammar = self.grammars.compile(request.params.grammar)
-            prompt_ids = self.codec.encode(request)
+            if prompt_ids is None:
+                prompt_ids = self.codec.encode(request)
             count = max(request.params.n, request.params.best_of)
             self._check_fits(len(prompt_ids) + request.params.max_new_tokens)
             if len(self.scheduler.waiting) + count > self.config.job_queue_size:
@@ -304,7 +308,8 @@ class AsyncEngine:
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[StepEvent, None]:
         """Events of one request. With n/best_of > 1 the sequences come whole, best first, unless the
         request is not `ranked` (then as they are generated, interleaved)."""
-        handle = self.submit(request, await self._compile(request.params.grammar))
+        grammar = await self._compile(request.params.grammar)
+        handle = self.submit(request, grammar, await self._encode(request))
         try:
             if len(handle.seqs) == 1 or (not request.ranked and request.params.n == len(handle.seqs)):
                 async for event in self._drain(handle):
@@ -314,6 +319,18 @@ class AsyncEngine:
                     yield event
         finally:
             self.abort(handle)
+
+    async def _encode(self, request: GenerationRequest) -> list[int] | None:
+        """The request's prompt ids, tokenized on the tokenizer thread (off the event loop); None when
+        encoding needs no tokenizer (ids given, or counted by this request's validation): `submit`
+        takes them then."""
+        if self.codec.tokenized(request):
+            return None
+        try:
+            return await tokenizing(self.codec.encode, request)
+        except LmiServeError as exc:
+            self._notify("on_rejected", exc)
+            raise
 
     def abort(self, handle: _Handle) -> None:
         unfinished = [seq for seq in handle.seqs if not seq.finished]

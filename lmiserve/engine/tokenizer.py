@@ -20,6 +20,10 @@ class HfTokenizer:
         ids = recall_encoding(self.hf, text)
         return ids if ids is not None else list(self.hf(text)["input_ids"])
 
+    def recalls(self, text: str) -> bool:
+        """Whether this request's validation already counted `text` (`encode` then tokenizes nothing)."""
+        return recall_encoding(self.hf, text) is not None
+
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         text = self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
         if not isinstance(text, str):  # only a batch of id lists decodes to a list

@@ -38,6 +38,16 @@ class PromptCodec:
                     found.append(ids)
         return found
 
+    def tokenized(self, request: GenerationRequest) -> bool:
+        """Whether `encode(request)` needs no tokenizing: its ids are given, or its validation counted
+        its prompt in this request (and it has no bad words to encode)."""
+        if request.params.bad_words and not request.params.bad_words_ids:
+            return False
+        if request.prompt_ids is not None:
+            return True
+        recalls = getattr(self.tokenizer, "recalls", None)
+        return bool(recalls is not None and recalls(request.prompt))
+
     def encode(self, request: GenerationRequest) -> list[int]:
         params = request.params
         bad = [i for i in params.stop_token_ids if not 0 <= i < self.vocab_size]

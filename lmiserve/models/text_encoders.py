@@ -32,6 +32,7 @@ from starlette.requests import Request
 
 from lmiserve.core import request_context
 from lmiserve.core.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, ModelNotReady, ModelRequired
+from lmiserve.core.tokenizer import tokenizing
 from lmiserve.models.service import ModelService, model_service
 
 if TYPE_CHECKING:
@@ -113,7 +114,7 @@ class TextModel:
     ) -> list[TokenRow]:
         """Token rows (off the event loop); without `truncate`, `InputTooLong` for the first row longer
         than the model takes."""
-        rows = await asyncio.to_thread(self.runner.tokenize, texts, pairs, truncate=truncate, side=side)
+        rows = await tokenizing(self.runner.tokenize, texts, pairs, truncate=truncate, side=side)
         for index, row in enumerate(rows):
             if len(row["input_ids"]) > self.max_length:
                 raise InputTooLong(index, len(row["input_ids"]), self.max_length)

@@ -299,6 +299,11 @@ def test_load_format_dummy_builds_the_config_with_random_weights(tiny_model_dir:
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(dummy_weights[q], real_weights[q])
     assert 0 < dummy_weights[q].float().std() < 1  # transformers' initialisation, not garbage memory
+    again = load_causal_lm(model_dir, dtype="bf16", device="cpu", load_format="dummy")
+    assert torch.equal(again.model.state_dict()[q], dummy_weights[q])  # seeded: the same every load
+    before = torch.random.get_rng_state()
+    load_causal_lm(model_dir, dtype="bf16", device="cpu", load_format="dummy")
+    assert torch.equal(torch.random.get_rng_state(), before)  # the caller's RNG untouched
 
 
 def test_load_errors(tmp_path: Path) -> None:

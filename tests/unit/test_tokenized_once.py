@@ -4,8 +4,16 @@ text in the same request's task, and never another task's."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import threading
 
-from lmiserve.core.tokenizer import recall_encoding, remember_encoding
+import pytest
+
+from lmiserve.core.errors import InvalidRequest
+from lmiserve.core.request import GenerationRequest, SamplingParams
+from lmiserve.core.tokenizer import recall_encoding, remember_encoding, tokenizing
+from lmiserve.engine.async_engine import EngineConfig
+from lmiserve.engine.factory import create_engine
 from lmiserve.engine.tokenizer import HfTokenizer
 
 
@@ -20,7 +28,7 @@ class Counting:
         return self.hf(text)
 
 
-def test_the_engine_reuses_the_ids_validation_counted_for_the_same_text(tiny_model):
+async def test_the_engine_reuses_the_ids_validation_counted_for_the_same_text(tiny_model):
     counting = Counting(tiny_model.tokenizer)
     engine_side = HfTokenizer(counting)  # type: ignore[arg-type]
     text = "The quick brown fox"
@@ -46,3 +54,77 @@ async def test_a_request_never_sees_another_requests_ids(tiny_model):
 
     mine, theirs = await asyncio.gather(validate(), other())
     assert mine == [9, 9, 9] and theirs is None
+
+
+def test_outside_a_task_nothing_is_remembered(tiny_model):
+    # a box set in a long-lived context (the main thread's, a server's start-up) would be every later
+    # task's: so only a task keeps one
+    remember_encoding(tiny_model.tokenizer, "Hello", [1, 2])
+    assert recall_encoding(tiny_model.tokenizer, "Hello") is None
+
+
+class Recording:
+    """A transformers tokenizer that records the thread of each call."""
+
+    def __init__(self, hf) -> None:
+        self.hf, self.threads = hf, []
+
+    def __call__(self, text, **kwargs):
+        self.threads.append(threading.current_thread().name)
+        return self.hf(text, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.hf, name)
+
+    def __len__(self) -> int:
+        return len(self.hf)
+
+
+async def test_validation_counts_on_the_tokenizer_thread_and_the_engine_reuses_its_ids(tiny_model):
+    recording = Recording(tiny_model.tokenizer)
+    text = "The quick brown fox"
+
+    def count(text: str) -> int:  # what a protocol's validation does (Served.count_tokens)
+        ids = list(recording(text)["input_ids"])
+        remember_encoding(recording, text, ids)
+        return len(ids)
+
+    length = await tokenizing(count, text)
+    assert length == len(tiny_model.tokenizer(text)["input_ids"])
+    assert recording.threads == ["lmiserve-tokenize_0"] and threading.current_thread().name == "MainThread"
+    engine_side = HfTokenizer(recording)  # type: ignore[arg-type]
+    assert engine_side.recalls(text)  # remembered in the thread, recalled by this task
+    assert engine_side.encode(text) == list(tiny_model.tokenizer(text)["input_ids"])
+    assert len(recording.threads) == 1  # not tokenized again
+
+
+async def test_the_engine_tokenizes_a_prompt_no_validation_counted_off_the_event_loop(tiny_model):
+    recording = Recording(tiny_model.tokenizer)
+    loaded = dataclasses.replace(tiny_model, tokenizer=recording)
+    engine = create_engine(loaded, EngineConfig())
+    engine.start()
+    try:
+        params = SamplingParams(max_new_tokens=3, ignore_eos_token=True)
+        events = [e async for e in engine.generate(GenerationRequest("Hello there", params))]
+    finally:
+        await engine.stop()
+    assert sum(e.token is not None for e in events) == 3
+    assert recording.threads == ["lmiserve-tokenize_0"]
+
+
+async def test_a_prompt_the_tokenizer_thread_refuses_is_a_4xx_counted_as_rejected(tiny_model):
+    engine = create_engine(tiny_model, EngineConfig(), max_input_len=4)
+    rejected = []
+
+    class Observer:
+        def on_rejected(self, exc):
+            rejected.append(exc)
+
+    engine.add_observer(Observer())  # type: ignore[arg-type]
+    engine.start()
+    try:
+        with pytest.raises(InvalidRequest, match="too long"):
+            [e async for e in engine.generate(GenerationRequest("one two three four five six seven", SamplingParams()))]
+    finally:
+        await engine.stop()
+    assert len(rejected) == 1

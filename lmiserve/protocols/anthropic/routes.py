@@ -16,6 +16,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from lmiserve.core.errors import ModelNotFound, SchemaViolation
+from lmiserve.core.tokenizer import tokenizing
 from lmiserve.protocols.anthropic import encoders as enc
 from lmiserve.protocols.anthropic import parse as adapter
 from lmiserve.protocols.anthropic import responses
@@ -72,7 +73,9 @@ async def messages(request: Request) -> Response:
     settings = model.service.settings
     with enter(request) as slot:
         thinks = markers(settings) is not None
-        call = adapter.messages(req, model.limits, model.count_tokens, model.render_chat, thinks=thinks)
+        call = await tokenizing(
+            adapter.messages, req, model.limits, model.count_tokens, model.render_chat, thinks=thinks
+        )
         reasoning = Reasoning.of(settings, call.prompt)
         if reasoning is not None:  # a tool grammar applies after the reasoning block
             call.call.request.params.grammar = reasoning.grammar(call.call.request.params.grammar)
@@ -105,8 +108,11 @@ async def count_tokens(request: Request) -> Response:
     req = parse(CountTokensRequest, await json_payload(request))
     model = _model(request, req.model)
     thinks = markers(model.service.settings) is not None
-    prompt = adapter.prompt(req, model.render_chat, thinks=thinks)
-    return raw_response(dumps({"input_tokens": model.count_tokens(prompt.text)}))
+
+    def count() -> int:
+        return model.count_tokens(adapter.prompt(req, model.render_chat, thinks=thinks).text)
+
+    return raw_response(dumps({"input_tokens": await tokenizing(count)}))
 
 
 STREAM_NOTE = (

@@ -18,6 +18,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from lmiserve.core.errors import ModelNotFound, NotFound, excerpt
+from lmiserve.core.tokenizer import tokenizing
 from lmiserve.protocols.openai.errors import RENDERER, PreviousResponseNotFound
 from lmiserve.protocols.openai.reasoning import Reasoning
 from lmiserve.protocols.openai.responses_output import Head, ResponseEncoder, ResponseStreamEncoder
@@ -54,8 +55,15 @@ async def create(request: Request) -> Response:
         history = previous.items
     with enter(request) as slot:
         stored = req.store and store.enabled
-        call = responses_call(
-            req, history, model.limits, model.count_tokens, model.render_chat, model.service.name, stored=stored
+        call = await tokenizing(
+            responses_call,
+            req,
+            history,
+            model.limits,
+            model.count_tokens,
+            model.render_chat,
+            model.service.name,
+            stored=stored,
         )
         reasoning = Reasoning.of(model.service.settings, call.prompt)
         if reasoning is not None:  # a grammar applies after the reasoning block

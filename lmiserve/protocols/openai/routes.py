@@ -10,6 +10,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from lmiserve.core.errors import ModelNotFound, excerpt
+from lmiserve.core.tokenizer import tokenizing
 from lmiserve.protocols.openai import encoders as enc
 from lmiserve.protocols.openai import parse as adapter
 from lmiserve.protocols.openai import responses
@@ -60,13 +61,17 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Resp
     with enter(request) as slot:
         reasoning: Reasoning | None = None
         if isinstance(req, ChatRequest):
-            call = adapter.chat(req, model.limits, model.count_tokens, model.render_chat, model.service.name)
+            call = await tokenizing(
+                adapter.chat, req, model.limits, model.count_tokens, model.render_chat, model.service.name
+            )
             reasoning = Reasoning.of(model.service.settings, call.prompts[0])
             if reasoning is not None:  # a grammar applies after the reasoning block
                 for c in call.calls:
                     c.request.params.grammar = reasoning.grammar(c.request.params.grammar)
         else:
-            call = adapter.completion(req, model.limits, model.count_tokens, model.service.name, model.decode)
+            call = await tokenizing(
+                adapter.completion, req, model.limits, model.count_tokens, model.service.name, model.decode
+            )
         await prepare(model.engine, [c.request for c in call.calls])  # a bad grammar: 4xx before the stream
         timer.mark_validated()
         env = enc.Envelope(call.model, model.system_fingerprint, id=enc.completion_id(chat))

@@ -35,6 +35,7 @@ from lmiserve.core.errors import (
     SchemaViolation,
     TemplateError,
 )
+from lmiserve.core.tokenizer import tokenizing
 from lmiserve.models.service import model_service
 from lmiserve.protocols.openai import errors
 from lmiserve.protocols.textgen.body import json_payload, parse_strict
@@ -184,7 +185,7 @@ async def invoke_tokenize(request: Request, payload: Any) -> Response:
     """`/tokenize` with a body in vLLM's shape (TGI's route hands it over), errors in vLLM's shape."""
 
     async def endpoint(request: Request) -> Response:
-        return raw_response(tokenize_payload(request, payload))
+        return raw_response(await tokenizing(tokenize_payload, request, payload))
 
     return await rendered_by(RENDERER, endpoint)(request)
 
@@ -196,7 +197,7 @@ async def detokenize(request: Request) -> Response:
     outside = [t for t in req.tokens if not 0 <= t < vocabulary]
     if outside:
         raise InvalidRequest(f"Token ids out of the vocabulary (0 to {vocabulary - 1}): {outside[:8]}")
-    text = model.tokenizer.decode(req.tokens, skip_special_tokens=False)
+    text = await tokenizing(model.tokenizer.decode, req.tokens, skip_special_tokens=False)
     return raw_response(dumps({"prompt": text}))
 
 

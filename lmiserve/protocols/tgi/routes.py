@@ -20,6 +20,7 @@ from starlette.routing import BaseRoute, Route
 
 from lmiserve import __version__
 from lmiserve.core.adapters import check_adapter
+from lmiserve.core.tokenizer import tokenizing
 from lmiserve.models.service import ModelService, default_llm
 from lmiserve.protocols.textgen.admission import enter
 from lmiserve.protocols.textgen.body import json_payload, parse
@@ -85,7 +86,7 @@ async def answer(request: Request, req: GenerateRequest, *, stream: bool, compat
     if stream:
         errors.errors_in_band(request)
     with enter(request) as slot:
-        call = validate(req, model.limits, model.count_tokens, stream=stream)
+        call = await tokenizing(validate, req, model.limits, model.count_tokens, stream=stream)
         check_adapter(req.effective_parameters().adapter_id, model.names())  # none served: 422
         await prepare(model.engine, [call.request])  # a bad grammar: 4xx before the stream
         timer.mark_validated()
@@ -158,7 +159,7 @@ def tokenize_route(other: OtherTokenize | None) -> Callable[[Request], Awaitable
             return await other.handler(request, payload)
         req = parse(GenerateRequest, payload)
         model = served(request)
-        return raw_response(dumps(_tokens(model.tokenizer, req.inputs, special=True)))
+        return raw_response(dumps(await tokenizing(_tokens, model.tokenizer, req.inputs, special=True)))
 
     return tokenize
 
@@ -168,9 +169,12 @@ async def chat_tokenize(request: Request) -> Response:
     req = parse(ChatRequest, await json_payload(request))
     model = served(request)
     spec = tool_spec(req.tools, req.tool_choice, req.parallel_tool_calls, req.tool_prompt)
-    text = render_conversation(req.messages, spec, functools.partial(model.render_chat, for_engine=False))
-    body = {"tokenize_response": _tokens(model.tokenizer, text, special=False), "templated_text": text}
-    return raw_response(dumps(body))
+
+    def tokenized() -> dict:
+        text = render_conversation(req.messages, spec, functools.partial(model.render_chat, for_engine=False))
+        return {"tokenize_response": _tokens(model.tokenizer, text, special=False), "templated_text": text}
+
+    return raw_response(dumps(await tokenizing(tokenized)))
 
 
 # --- health and info --------------------------------------------------------------------------------
