@@ -75,13 +75,14 @@ class _Chunk(NamedTuple):
 
 class _PagedDecode(NamedTuple):
     """The decode rows of a step over a paged cache: their block tables (``[rows, blocks]``, padded with
-    block 0 past each row's own), spans (position + 1) and, where the torch attention serves them, the
-    indexes every layer shares (built once a step)."""
+    block 0 past each row's own), spans (position + 1) and what every layer shares, built once a step:
+    for the compiled kernel its host arguments (`kernel`), else the torch attention's indexes."""
 
     rows: int
     tables: torch.Tensor
     spans: npt.NDArray[np.int64]
     shared: paged_attention.DecodeIndex | None
+    kernel: paged_attention.KernelRows | None = None
 
 
 class FastLlama:
@@ -200,7 +201,9 @@ class FastLlama:
                 if decode_tables is None or len(decode_tables) != rows:
                     raise ValueError("a paged cache needs a block table for every decode row")
                 compiled = paged_attention.available(self.dtype, dev)
-                dec = _paged_decode(decode_positions, decode_tables, self.cache.block_size, dev, compiled)
+                dec = _paged_decode(
+                    decode_positions, decode_tables, self.cache.block_size, dev, compiled, self.kv_heads
+                )
         pre = []
         offset = rows
         for key, start, chunk in prefills:
@@ -316,9 +319,12 @@ class FastLlama:
         if dec is not None:
             n = dec.rows
             query = q[:n].reshape(n, self.kv_heads, self.groups, self.head_dim)
-            out = paged_attention.paged_decode_attention(
-                query, keys, values, k[:n], v[:n], dec.tables, dec.spans, self.scale, dec.shared
-            )
+            if dec.kernel is not None:
+                out = paged_attention.kernel_decode_attention(query, keys, values, k[:n], v[:n], dec.kernel, self.scale)
+            else:
+                out = paged_attention.paged_decode_attention(
+                    query, keys, values, k[:n], v[:n], dec.tables, dec.spans, self.scale, dec.shared
+                )
             outputs.append(out.reshape(n, -1))
         compiled = paged_attention.available(keys.dtype, keys.device)
         for table, start, end, offset, mask in pre:
@@ -355,14 +361,15 @@ class FastLlama:
 
 
 def _paged_decode(
-    positions: list[int], tables: list[list[int]], block_size: int, device: torch.device, compiled: bool
+    positions: list[int], tables: list[list[int]], block_size: int, device: torch.device, compiled: bool, kv_heads: int
 ) -> _PagedDecode:
     spans = np.array(positions, dtype=np.int64) + 1
     width = max(-(-int(span) // block_size) for span in spans)
     padded = [table[:width] + [0] * (width - len(table[:width])) for table in tables]
     table = torch.tensor(padded, dtype=torch.long, device=device)
-    index = None if compiled else paged_attention.decode_index(table, spans, block_size, device)
-    return _PagedDecode(len(positions), table, spans, index)
+    if compiled:
+        return _PagedDecode(len(positions), table, spans, None, paged_attention.KernelRows.of(table, spans, kv_heads))
+    return _PagedDecode(len(positions), table, spans, paged_attention.decode_index(table, spans, block_size, device))
 
 
 # Row-positions of cache a split decode attention must save before it is worth its extra ops
