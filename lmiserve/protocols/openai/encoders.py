@@ -20,7 +20,7 @@ from lmiserve.core.events import Finish, FinishReason, StepEvent, Token
 from lmiserve.protocols.openai import scoring
 from lmiserve.protocols.openai.errors import DONE, RENDERER
 from lmiserve.protocols.openai.reasoning import Reasoning, Splitter
-from lmiserve.protocols.textgen.sequences import Sequence, sequences
+from lmiserve.protocols.textgen.sequences import GeneratedSequence, sequences
 from lmiserve.protocols.textgen.wire import SSE_CONTENT_TYPE, dumps
 from lmiserve.server import sse
 
@@ -136,16 +136,16 @@ class _Stream:
 
 
 # One choice's message and finish reason, from its sequence.
-Answer = Callable[[Sequence], tuple[dict[str, Any], str]]
+Answer = Callable[[GeneratedSequence], tuple[dict[str, Any], str]]
 
 
-def plain_answer(seq: Sequence) -> tuple[dict[str, Any], str]:
+def plain_answer(seq: GeneratedSequence) -> tuple[dict[str, Any], str]:
     """The generated text as the assistant's content."""
     return {"role": "assistant", "content": seq.finish.generated_text}, finish_reason(seq.finish)
 
 
 def chat_body(
-    seqs: list[Sequence],
+    seqs: list[GeneratedSequence],
     env: Envelope,
     *,
     logprobs: bool,
@@ -273,7 +273,7 @@ def _legacy_logprobs(tokens: list[Token], tops: list[tuple[Token, ...] | None], 
 
 
 def completion_body(
-    per_prompt: list[list[Sequence]],
+    per_prompt: list[list[GeneratedSequence]],
     prompts: list[str],
     env: Envelope,
     *,

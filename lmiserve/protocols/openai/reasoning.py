@@ -20,7 +20,7 @@ from typing import Any
 
 from lmiserve.protocols.textgen import reasoning as neutral
 from lmiserve.protocols.textgen.reasoning import Markers, Splitter, markers, opened_in
-from lmiserve.protocols.textgen.sequences import Sequence
+from lmiserve.protocols.textgen.sequences import GeneratedSequence
 
 __all__ = ["Markers", "Reasoning", "Splitter", "markers", "opened_in"]
 
@@ -32,10 +32,10 @@ class Reasoning(neutral.Reasoning):
     def answer(self, inner: Any) -> Any:
         """An `encoders.Answer` whose message gets the reasoning and whose `inner` answer reads the content."""
 
-        def answer(seq: Sequence) -> tuple[dict[str, Any], str]:
+        def answer(seq: GeneratedSequence) -> tuple[dict[str, Any], str]:
             reasoning, content = self.split(seq.finish.generated_text)
             finish = dataclasses.replace(seq.finish, generated_text=content or "")
-            message, reason = inner(Sequence(seq.tokens, seq.top_tokens, finish))
+            message, reason = inner(GeneratedSequence(seq.tokens, seq.top_tokens, finish))
             if message.get("content") == "" and content is None:
                 message["content"] = None
             message["reasoning_content"] = message["reasoning"] = reasoning

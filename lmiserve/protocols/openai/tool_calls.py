@@ -30,7 +30,7 @@ from lmiserve.core.events import Finish, StepEvent
 from lmiserve.protocols.openai.encoders import Answer, Envelope, chat_logprob, finish_reason, stop_reason, usage
 from lmiserve.protocols.openai.errors import DONE, RENDERER
 from lmiserve.protocols.openai.reasoning import Reasoning, Splitter
-from lmiserve.protocols.textgen.sequences import Sequence
+from lmiserve.protocols.textgen.sequences import GeneratedSequence
 from lmiserve.protocols.textgen.tools.output import Arguments, CallStart, Content, Piece, ToolOutput
 from lmiserve.protocols.textgen.wire import SSE_CONTENT_TYPE, dumps
 from lmiserve.server import sse
@@ -49,7 +49,7 @@ def _reason(output: ToolOutput, finish: Finish) -> str:
 def tool_answer(call_ids: CallIds = new_call_id) -> Answer:
     """The `Answer` of a tool-calling chat completion."""
 
-    def answer(seq: Sequence) -> tuple[dict[str, Any], str]:
+    def answer(seq: GeneratedSequence) -> tuple[dict[str, Any], str]:
         output = ToolOutput()
         output.feed(seq.finish.generated_text)
         output.finish()

@@ -10,7 +10,7 @@ from lmiserve.core.events import Finish, StepEvent, Token
 
 
 @dataclass
-class Sequence:
+class GeneratedSequence:
     """One generated sequence collected from its events (not the engine's `Sequence`: what a protocol
     answers of one)."""
 
@@ -19,7 +19,7 @@ class Sequence:
     finish: Finish
 
 
-def sequences(events: Iterable[StepEvent]) -> list[Sequence]:
+def sequences(events: Iterable[StepEvent]) -> list[GeneratedSequence]:
     """The finished sequences in event index order (the engine's: best first when it ranked them); a
     sequence without a finish event is left out."""
     by_index: dict[int, tuple[list, list]] = {}
@@ -31,4 +31,4 @@ def sequences(events: Iterable[StepEvent]) -> list[Sequence]:
             tops.append(event.top_tokens or ())
         if event.finish is not None:
             finishes[event.index] = event.finish
-    return [Sequence(by_index[i][0], by_index[i][1], finishes[i]) for i in sorted(finishes)]
+    return [GeneratedSequence(by_index[i][0], by_index[i][1], finishes[i]) for i in sorted(finishes)]

@@ -14,7 +14,7 @@ from typing import Any
 
 from lmiserve.core.errors import IncompleteGeneration, LmiServeError
 from lmiserve.core.events import Finish, StepEvent, Token
-from lmiserve.protocols.textgen.sequences import Sequence, sequences
+from lmiserve.protocols.textgen.sequences import GeneratedSequence, sequences
 from lmiserve.protocols.textgen.validation import TextGenCall
 from lmiserve.protocols.textgen.wire import SSE_CONTENT_TYPE, dumps
 from lmiserve.protocols.tgi.errors import RENDERER
@@ -69,11 +69,11 @@ def _prefill(finish: Finish, shape: AnswerShape) -> list[dict]:
     ]
 
 
-def _text(seq: Sequence, shape: AnswerShape) -> str:
+def _text(seq: GeneratedSequence, shape: AnswerShape) -> str:
     return (shape.prompt if shape.return_full_text else "") + seq.finish.generated_text
 
 
-def _details(seq: Sequence, shape: AnswerShape, special_text: SpecialText | None, *, best_of: bool) -> dict:
+def _details(seq: GeneratedSequence, shape: AnswerShape, special_text: SpecialText | None, *, best_of: bool) -> dict:
     out: dict[str, Any] = {}
     if best_of:
         out["generated_text"] = _text(seq, shape)
@@ -85,7 +85,7 @@ def _details(seq: Sequence, shape: AnswerShape, special_text: SpecialText | None
     return out
 
 
-def generate_body(seqs: list[Sequence], shape: AnswerShape, special_text: SpecialText | None = None) -> dict:
+def generate_body(seqs: list[GeneratedSequence], shape: AnswerShape, special_text: SpecialText | None = None) -> dict:
     """The /generate response object; `seqs` best first (the others are ``best_of_sequences``)."""
     best = seqs[0]
     body: dict[str, Any] = {"generated_text": _text(best, shape)}
@@ -117,7 +117,7 @@ class GenerateEncoder:
         self.special_text = special_text
         self.compat = compat
         self.events: list[StepEvent] = []
-        self.best: Sequence | None = None
+        self.best: GeneratedSequence | None = None
 
     def on_event(self, index: int, event: StepEvent) -> bytes:
         self.events.append(event)
