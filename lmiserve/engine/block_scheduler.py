@@ -35,6 +35,7 @@ preempted), by difference from what it was told before.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +71,9 @@ class BlockScheduler(SchedulerBase):
         self._budget = 0  # prompt tokens the step being planned may still take
         self._sent: dict[int, int] = {}  # seq_id -> blocks of its table the executor has been told of
         self._preempted: list[int] = []  # preempted since the last batch, known to the executor
+        # speculative decoding's proposer: a decoding sequence's drafts (tokens to verify after its last
+        # one); None: every decode row computes one token
+        self.proposer: Callable[[Sequence], list[int]] | None = None
 
     # ---- intake ----------------------------------------------------------------------------------
     def never_fits(self, num_tokens: int) -> bool:
@@ -121,7 +125,11 @@ class BlockScheduler(SchedulerBase):
         for seq in plan.released:
             if self._sent.pop(seq.seq_id, None) is not None:
                 batch.finished.append(seq.seq_id)
-        scheduled = [(seq, seq.kv_len, [seq.output_ids[-1]], True) for seq in plan.decode]
+        # decode rows with drafts compute several tokens: they go after the one-token rows, as chunks
+        plain = [seq for seq in plan.decode if seq.seq_id not in plan.drafts]
+        batch.num_decode = len(plain)
+        drafted = [seq for seq in plan.decode if seq.seq_id in plan.drafts]
+        scheduled = [(seq, seq.kv_len, [seq.output_ids[-1]], True) for seq in plain + drafted]
         scheduled += [(c.seq, c.start, c.token_ids, c.completes_prompt) for c in plan.prefill]
         for row, (seq, start, token_ids, sample) in enumerate(scheduled):
             sent = self._sent.get(seq.seq_id)
@@ -131,7 +139,8 @@ class BlockScheduler(SchedulerBase):
             blocks = self._table(seq).blocks
             self._sent[seq.seq_id] = len(blocks)
             details = seq.params.decoder_input_details and row >= batch.num_decode
-            batch.rows.append(ScheduledTokens(seq.seq_id, start, token_ids, blocks[sent:], sample, details))
+            drafts = plan.drafts.get(seq.seq_id, []) if row < len(plan.decode) else []
+            batch.rows.append(ScheduledTokens(seq.seq_id, start, token_ids, blocks[sent:], sample, details, drafts))
             if sample and seq.grammar is not None:
                 batch.grammar_rows.append(row)
         return batch
@@ -148,8 +157,13 @@ class BlockScheduler(SchedulerBase):
             for seq in list(queue):
                 if seq.status is not phase or seq not in self.running:
                     continue
+                drafts: list[int] = []
                 if phase is SeqStatus.RUNNING:
-                    want = 1
+                    drafts = self._drafts(seq)
+                    # the drafts' blocks only when free: never a preemption for them
+                    if drafts and not self.pool.allocate(self._table(seq), 1 + len(drafts)):
+                        drafts = []
+                    want = 0 if drafts else 1
                 else:
                     remaining = self._uncomputed(seq)
                     if budget <= 0 and (plan.prefill or plan.decode):
@@ -167,15 +181,28 @@ class BlockScheduler(SchedulerBase):
                         break
                 if seq not in self.running:
                     continue
-                if self._table(seq).num_tokens < seq.kv_len + want:
+                if self._table(seq).num_tokens < seq.kv_len + max(want, 1):
                     continue  # nothing left to preempt: it waits for a later step
                 scheduled.add(seq.seq_id)
                 if phase is SeqStatus.RUNNING:
                     plan.decode.append(seq)
+                    if drafts:
+                        plan.drafts[seq.seq_id] = drafts
                 else:
                     plan.prefill.append(TokenChunk(seq, seq.kv_len, want))
                     budget -= want
         self._budget = budget
+
+    def _drafts(self, seq: Sequence) -> list[int]:
+        """The proposer's drafts for `seq`'s next step, at most as many as its remaining tokens allow
+        (the step gives it up to one more than its drafts); none with a grammar (its matcher would have to
+        mask every draft position) or without a proposer."""
+        if self.proposer is None or seq.grammar is not None:
+            return []
+        room = seq.params.max_new_tokens - len(seq.output_ids) - 1
+        if room <= 0:
+            return []
+        return list(self.proposer(seq))[:room]
 
     def _admit(self, plan: StepPlan, now: float) -> None:
         """Admit waiting sequences (priority order) while a slot, the budget and the blocks for their
@@ -271,11 +298,15 @@ class BlockScheduler(SchedulerBase):
             if chunk.completes_prompt:
                 seq.status = SeqStatus.RUNNING
                 sampling.append(seq)
+        drafted: list[Sequence] = []
         for seq in plan.decode:
             if seq.seq_id in output.errors or seq not in self.running:
                 continue
-            seq.kv_len += 1
-            self._cache(seq)
+            if seq.seq_id in plan.drafts:
+                drafted.append(seq)  # its KV is known once its drafts are verified
+            else:
+                seq.kv_len += 1
+                self._cache(seq)
             sampling.append(seq)
         for seq in sampling:
             for sample in output.samples.get(seq.seq_id, ()) if not seq.finished else ():
@@ -284,6 +315,13 @@ class BlockScheduler(SchedulerBase):
                 if seq.finished:
                     self._remove(seq)
                     break
+        for seq in drafted:
+            if seq in self.running:
+                # computed: its last token and the accepted drafts (all the samples but the last); the
+                # rejected drafts' positions are written again by the steps to come
+                seq.kv_len += len(output.samples.get(seq.seq_id, ()))
+                self._table(seq).num_tokens = seq.kv_len
+                self._cache(seq)
         for seq_id, message in output.errors.items():
             failed = next((s for s in self.running if s.seq_id == seq_id), None)
             if failed is not None:

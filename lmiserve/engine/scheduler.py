@@ -86,6 +86,7 @@ class StepPlan:
     prefix_hits: int = 0  # of which found there
     # the block scheduler's plan as plain data, what its executor runs (lmiserve.engine.step)
     batch: StepBatch | None = None
+    drafts: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> the drafts its decode row verifies
 
     @property
     def has_model_work(self) -> bool:

@@ -7,12 +7,12 @@ request's table gained since the last step, which requests left (or were preempt
 bitmask of the constrained rows that sample. Nothing in it holds a tokenizer, a matcher or a tensor.
 
 An `Executor` runs a batch on the model and answers with a `StepOutput` (lmiserve.engine.scheduler):
-the tokens sampled for each request (a list: a step may sample several tokens of a request, as
-speculative decoding will), prompt logprobs, and per-request errors. The executor keeps a persistent
-batch: what it was told about each request (tokens, parameters, generator, block table) stays until the
-request is finished, and every step only updates it by difference. `InProcessExecutor` runs the model in
-this process (the engine's torch thread); a tensor-parallel executor sends the same batches to its
-workers.
+the tokens sampled for each request (a list: a step samples several tokens of a request whose row
+carries drafts to verify, `ScheduledTokens.draft_token_ids`), prompt logprobs, and per-request errors.
+The executor keeps a persistent batch: what it was told about each request (tokens, parameters,
+generator, block table) stays until the request is finished, and every step only updates it by
+difference. `InProcessExecutor` runs the model in this process (the engine's torch thread); a
+tensor-parallel executor sends the same batches to its workers.
 """
 
 from __future__ import annotations
@@ -49,12 +49,23 @@ class ScheduledTokens:
     new_blocks: list[int]  # appended to the request's block table (after a preemption: its whole table)
     sample: bool  # the tokens reach the request's end: sample its next token
     prompt_logprobs: bool = False  # record the logprobs of these (prompt) positions
+    # proposed tokens (speculative decoding), computed after `token_ids` and verified by the step: it
+    # samples at the last of `token_ids` and at each draft in turn and keeps each draft its sample
+    # equals, so the request gets the accepted drafts plus one token (the first sample that differs, or
+    # one after the last draft): as many samples as tokens, each from the target's own distribution
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def computed_ids(self) -> list[int]:
+        """The tokens the forward computes: `token_ids`, then the drafts."""
+        return self.token_ids + self.draft_token_ids if self.draft_token_ids else self.token_ids
 
 
 @dataclass
 class StepBatch:
     """One step of the model, as plain data. `rows[:num_decode]` decode (one token each, their last
-    sampled token); the rest are chunks of prompts (or, after a preemption, of prompt and output)."""
+    sampled token); the rest are chunks of prompts (or, after a preemption, of prompt and output) and
+    decoding rows with drafts (their last sampled token and the drafts, computed as a chunk)."""
 
     rows: list[ScheduledTokens] = field(default_factory=list)
     num_decode: int = 0

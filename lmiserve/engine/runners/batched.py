@@ -78,9 +78,10 @@ class PersistentBatchRunner(BatchRunner):
         self._finish_rows(batch, part, logits, out)
 
     def _kept(self, row: ScheduledTokens) -> int:
-        """The logits rows a scheduled row keeps: every position with prompt logprobs, else the last
-        when it samples, else none."""
-        return len(row.token_ids) if row.prompt_logprobs else int(row.sample)
+        """The logits rows a scheduled row keeps (its last positions): every position with prompt
+        logprobs, else the last when it samples, else none; and every draft's when it samples."""
+        kept = len(row.token_ids) if row.prompt_logprobs else int(row.sample)
+        return kept + len(row.draft_token_ids) if row.sample else kept
 
     @abstractmethod
     def _forward_rows(self, batch: StepBatch, part: list[int]) -> torch.Tensor:
@@ -92,6 +93,7 @@ class PersistentBatchRunner(BatchRunner):
         from their rows masked by the batch's grammar bitmask)."""
         sampling: list[int] = []  # indexes into batch.rows
         at: list[int] = []  # their logits rows
+        verifying: list[tuple[int, int]] = []  # rows with drafts: (index into batch.rows, first logits row)
         offset = 0
         for i in part:
             row = batch.rows[i]
@@ -110,9 +112,14 @@ class PersistentBatchRunner(BatchRunner):
                     log.exception("prompt logprobs failed")
                     out.errors[row.seq_id] = f"exception occurred during generation: {exc}"
             if row.sample and row.seq_id not in out.errors:
-                sampling.append(i)
-                at.append(offset + kept - 1)
+                if row.draft_token_ids:
+                    verifying.append((i, offset + kept - len(row.draft_token_ids) - 1))
+                else:
+                    sampling.append(i)
+                    at.append(offset + kept - 1)
             offset += kept
+        for i, first in verifying:
+            self._verify(batch.rows[i], logits[first : first + len(batch.rows[i].draft_token_ids) + 1], out)
         if not sampling:
             return
         rows = logits if at == list(range(len(logits))) else logits[at]
@@ -150,6 +157,32 @@ class PersistentBatchRunner(BatchRunner):
             else:
                 self._requests[seq_id].output_ids.append(result.token_id)
                 out.samples[seq_id] = [result]
+
+    def _verify(self, row: ScheduledTokens, logits: torch.Tensor, out: StepOutput) -> None:
+        """A row's drafts verified against its `logits` (one row a position: its last token's, then each
+        draft's): each position sampled in turn as the request samples (its parameters, penalties over
+        the tokens before it, its generator), a draft kept while it equals its position's sample. For a
+        greedy request the tokens are those of one token a step; a sampled one draws once a token, each
+        from the target's distribution (rejection sampling with a draft that puts all its mass on one
+        token), so a seeded stream is the same with or without drafts."""
+        request = self._requests[row.seq_id]
+        drafts = row.draft_token_ids
+        results = []
+        try:
+            for position in range(len(drafts) + 1):
+                spec = self._row_of(request, logits.device, None)
+                result = sample_rows(logits[position : position + 1], [spec])[0]
+                if isinstance(result, Exception):
+                    raise result
+                request.output_ids.append(result.token_id)
+                results.append(result)
+                if position == len(drafts) or result.token_id != drafts[position]:
+                    break
+        except Exception as exc:  # noqa: BLE001 - one request fails, the step goes on
+            log.exception("verifying drafts failed")
+            out.errors[row.seq_id] = f"exception occurred during sampling: {exc}"
+            return
+        out.samples[row.seq_id] = results
 
     def _row_of(self, request: RequestState, device: torch.device, masked: torch.Tensor | None) -> Row:
         """What the sampler needs of a request (its generator made on its first sampled token)."""

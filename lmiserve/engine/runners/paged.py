@@ -71,10 +71,11 @@ class PagedFastRunner(FastRunner, PersistentBatchRunner):
         prefills = []
         for i in part[len(decode) :]:
             row = batch.rows[i]
-            prefills.append((self._requests[row.seq_id].blocks, row.start, row.token_ids))
+            computed = row.computed_ids
+            prefills.append((self._requests[row.seq_id].blocks, row.start, computed))
             kept = self._kept(row)
-            keep.extend(range(offset + len(row.token_ids) - kept, offset + len(row.token_ids)))
-            offset += len(row.token_ids)
+            keep.extend(range(offset + len(computed) - kept, offset + len(computed)))
+            offset += len(computed)
         rows = [batch.rows[i] for i in decode]
         return self.fast.forward(
             [r.token_ids[0] for r in rows],

@@ -174,8 +174,9 @@ class PagedGenericRunner(ModelRunner, PersistentBatchRunner):
         for i in part:
             row = batch.rows[i]
             blocks = self._requests[row.seq_id].blocks
-            first, count, end = len(ids), len(row.token_ids), row.start + len(row.token_ids)
-            ids.extend(row.token_ids)
+            computed = row.computed_ids
+            first, count, end = len(ids), len(computed), row.start + len(computed)
+            ids.extend(computed)
             positions.extend(range(row.start, end))
             write_blocks.extend(blocks[p // bs] for p in range(row.start, end))
             reads.append((torch.tensor(blocks[: -(-end // bs)], dtype=torch.long, device=dev), end))
