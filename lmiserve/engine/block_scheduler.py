@@ -125,11 +125,12 @@ class BlockScheduler(SchedulerBase):
         for seq in plan.released:
             if self._sent.pop(seq.seq_id, None) is not None:
                 batch.finished.append(seq.seq_id)
-        # decode rows with drafts compute several tokens: they go after the one-token rows, as chunks
+        # decode rows with drafts compute several tokens: they go after the one-token rows, as chunks; the
+        # plan's decode list takes the batch's order (the engine core finds a row's sequence by it)
         plain = [seq for seq in plan.decode if seq.seq_id not in plan.drafts]
         batch.num_decode = len(plain)
-        drafted = [seq for seq in plan.decode if seq.seq_id in plan.drafts]
-        scheduled = [(seq, seq.kv_len, [seq.output_ids[-1]], True) for seq in plain + drafted]
+        plan.decode = plain + [seq for seq in plan.decode if seq.seq_id in plan.drafts]
+        scheduled = [(seq, seq.kv_len, [seq.output_ids[-1]], True) for seq in plan.decode]
         scheduled += [(c.seq, c.start, c.token_ids, c.completes_prompt) for c in plan.prefill]
         for row, (seq, start, token_ids, sample) in enumerate(scheduled):
             sent = self._sent.get(seq.seq_id)

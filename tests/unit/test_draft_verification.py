@@ -138,20 +138,26 @@ async def test_drafts_keep_max_new_tokens_eos_logprobs_and_penalties(tiny_model)
     assert len(tokens_of(got[0])) == 7 and got[0][-1].finish.reason is FinishReason.LENGTH
 
 
-async def test_a_grammar_row_gets_no_drafts(tiny_model):
+async def test_a_grammar_row_gets_no_drafts_and_keeps_its_mask_beside_drafted_rows(tiny_model):
     from lmiserve.core.grammar import Grammar
 
+    plain = GenerationRequest(PROMPTS[1], greedy())
+    async with engine_with(tiny_model, None) as engine:
+        expected = tokens_of(await run(engine, plain))
     asked: list[int] = []
 
     def proposer(seq: Sequence) -> list[int]:
+        assert seq.grammar is None
         asked.append(seq.seq_id)
-        return [1, 2]
+        return (seq.prompt_ids + seq.output_ids)[-3:]
 
-    params = greedy(max_new_tokens=8, grammar=Grammar("regex", "[ab]{8}"))
+    constrained = GenerationRequest(PROMPTS[0], greedy(max_new_tokens=8, grammar=Grammar("regex", "[ab]{8}")))
     async with engine_with(tiny_model, proposer) as engine:
-        events = await run(engine, GenerationRequest(PROMPTS[0], params))
+        # the drafted request first: its row is moved behind the grammar row in the batch
+        drafted, events = await asyncio.gather(run(engine, plain), run(engine, constrained))
     text = "".join(e.token.text for e in events if e.token)
-    assert set(text) <= {"a", "b"} and asked == []
+    assert len(text) == 8 and set(text) <= {"a", "b"}
+    assert tokens_of(drafted) == expected and len(set(asked)) == 1  # drafts asked for the plain request only
 
 
 async def test_a_full_pool_takes_no_blocks_for_drafts_and_never_preempts_for_them(tiny_model):
