@@ -53,6 +53,8 @@ ENGINE_TESTS = (
     "tests/unit/test_openai_scoring.py",
     "tests/unit/test_openai_golden.py",
     "tests/unit/test_tgi_golden.py",
+    "tests/unit/test_draft_verification.py",
+    "tests/unit/test_tokenized_once.py",
 )
 
 PYTEST_PLUGINS = ("-p", "pytest_asyncio.plugin", "-p", "xdist.plugin")
