@@ -136,6 +136,28 @@ class PagedKVCache:
 # ---- decode: compiled (fp32 CPU) ---------------------------------------------------------------------
 
 
+def _softmax(scores: _F32) -> None:  # pragma: no cover - compiled
+    """Each row of `scores` (``[groups, span]``) into its softmax, in place (max-subtracted, fp32)."""
+    groups, span = scores.shape
+    for g in range(groups):
+        top = scores[g, 0]
+        for j in range(1, span):
+            if scores[g, j] > top:
+                top = scores[g, j]
+        total = np.float32(0.0)
+        for j in range(span):
+            e = np.float32(math.exp(scores[g, j] - top))
+            scores[g, j] = e
+            total += e
+        inv = np.float32(1.0) / total
+        for j in range(span):
+            scores[g, j] *= inv
+
+
+if "numba" in globals():  # the kernels call it compiled, inlined (it compiles with the first of them)
+    _softmax = numba.njit(inline="always", fastmath=True, cache=True, nogil=True)(_softmax)
+
+
 def _kernel(  # pragma: no cover - compiled
     query: _F32,
     key_cache: _F32,
@@ -184,19 +206,7 @@ def _kernel(  # pragma: no cover - compiled
                             acc += q[head, g, d] * keys[head, o, d]
                         scores[h, g, base + o] = acc * scale
         for h in range(heads):
-            for g in range(groups):
-                top = scores[h, g, 0]
-                for j in range(1, span):
-                    if scores[h, g, j] > top:
-                        top = scores[h, g, j]
-                total = np.float32(0.0)
-                for j in range(span):
-                    e = np.float32(math.exp(scores[h, g, j] - top))
-                    scores[h, g, j] = e
-                    total += e
-                inv = np.float32(1.0) / total
-                for j in range(span):
-                    scores[h, g, j] *= inv
+            _softmax(scores[h])
         # each value block read once for all groups, into a local accumulator
         acc_out = np.zeros((heads, groups, dim), dtype=np.float32)
         for b in range(blocks):
@@ -254,19 +264,8 @@ def _head_kernel(  # pragma: no cover - compiled
                     for d in range(dim):
                         acc += query[row, head, g, d] * key_cache[block, head, o, d]
                     scores[g, base + o] = acc * scale
+        _softmax(scores)
         for g in range(groups):
-            top = scores[g, 0]
-            for j in range(1, span):
-                if scores[g, j] > top:
-                    top = scores[g, j]
-            total = np.float32(0.0)
-            for j in range(span):
-                e = np.float32(math.exp(scores[g, j] - top))
-                scores[g, j] = e
-                total += e
-            inv = np.float32(1.0) / total
-            for j in range(span):
-                scores[g, j] *= inv
             for d in range(dim):
                 out[row, head, g, d] = 0.0
         for b in range(blocks):
