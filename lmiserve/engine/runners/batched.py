@@ -11,8 +11,14 @@ from __future__ import annotations
 import logging
 from abc import abstractmethod
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from lmiserve.engine.paged_attention import PagedKVCache
 
 from lmiserve.core.request import SamplingParams
 from lmiserve.engine.runners.base import prompt_logprobs, sampler_row
@@ -38,9 +44,17 @@ class RequestState:
 
 class PersistentBatchRunner(BatchRunner):
     """`execute_batch` over a persistent batch; subclasses compute a part of a batch's rows
-    (`_forward_rows`) and set `_requests` ({}), `vocab_size` and `eos_token_ids`."""
+    (`_forward_rows`), set `eos_token_ids` and call `_hold_pool` with their block pool."""
 
     _requests: dict[int, RequestState]
+
+    def _hold_pool(self, model: PreTrainedModel, kv: PagedKVCache) -> None:
+        """Run over the block pool `kv`: its shape and memory, an empty persistent batch, and the width
+        of `model`'s logits."""
+        self.kv = kv
+        self.num_blocks, self.block_size, self.kv_bytes = kv.num_blocks, kv.block_size, kv.nbytes
+        self._requests = {}
+        self.vocab_size = int(model.config.vocab_size)
 
     def execute_batch(self, batch: StepBatch) -> StepOutput:
         """Apply the batch's difference to the persistent batch, run its rows as one forward, sample."""

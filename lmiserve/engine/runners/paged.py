@@ -22,7 +22,7 @@ import torch
 from lmiserve.engine.kv_cache import AttentionShape
 from lmiserve.engine.paged_attention import PagedKVCache
 from lmiserve.engine.runners.base import paged_cache
-from lmiserve.engine.runners.batched import PersistentBatchRunner, RequestState
+from lmiserve.engine.runners.batched import PersistentBatchRunner
 from lmiserve.engine.runners.fast import FastRunner
 from lmiserve.engine.scheduler import StepOutput, StepPlan
 from lmiserve.engine.step import StepBatch
@@ -58,10 +58,7 @@ class PagedFastRunner(FastRunner, PersistentBatchRunner):
             autotune_cache=autotune_cache,
             kv=kv,
         )
-        self.kv = kv
-        self.num_blocks, self.block_size, self.kv_bytes = num_blocks, block_size, kv.nbytes
-        self._requests: dict[int, RequestState] = {}
-        self.vocab_size = int(model.config.vocab_size)
+        self._hold_pool(model, kv)
 
     # ---- the step contract (engine/step.py): one forward of a batch's rows ---------------------
     def _forward_rows(self, batch: StepBatch, part: list[int]) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 from lmiserve.engine.kv_cache import AttentionShape
 from lmiserve.engine.paged_attention import PagedKVCache, gather_context, write_tokens
 from lmiserve.engine.runners.base import ModelRunner, paged_cache
-from lmiserve.engine.runners.batched import PersistentBatchRunner, RequestState
+from lmiserve.engine.runners.batched import PersistentBatchRunner
 from lmiserve.engine.scheduler import StepOutput, StepPlan
 from lmiserve.engine.step import StepBatch
 
@@ -153,10 +153,7 @@ class PagedGenericRunner(ModelRunner, PersistentBatchRunner):
         block_size: int,
     ) -> None:
         super().__init__(model, max_slots=max_slots, max_context=max_context, eos_token_ids=eos_token_ids)
-        self.kv = paged_cache(model, num_blocks, block_size)
-        self.num_blocks, self.block_size, self.kv_bytes = num_blocks, block_size, self.kv.nbytes
-        self._requests: dict[int, RequestState] = {}
-        self.vocab_size = int(model.config.vocab_size)
+        self._hold_pool(model, paged_cache(model, num_blocks, block_size))
 
     def _run(self, plan: StepPlan, out: StepOutput) -> None:
         raise RuntimeError("the paged generic runner runs plain-data batches (execute_batch), not plans")
