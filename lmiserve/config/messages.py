@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import annotated_types
-from pydantic import ByteSize
+from pydantic import BaseModel, ByteSize
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 
@@ -67,6 +67,14 @@ def _describe(error: ErrorDetails, fields: Mapping[str, FieldInfo], where: Mappi
         cause = error.get("ctx", {}).get("error")
         return f"invalid configuration: {cause if cause is not None else error['msg']}"
     suffix = f" (from {where[key]})" if key in where else ""
+    base, _ = unwrap_optional(fields[key].annotation)
+    if isinstance(base, type) and issubclass(base, BaseModel):  # an object option: what in it is wrong
+        inner = ".".join(str(part) for part in loc[1:])
+        message = str(error["msg"]).removeprefix("Value error, ")
+        if error.get("type") == "extra_forbidden":
+            message = "unknown key"
+        detail = f"{inner}: {message}" if inner else message
+        return f"invalid value {error.get('input')!r} for option {key!r}: {detail}{suffix}"
     expected = allowed_values(fields[key])
     return f"invalid value {error.get('input')!r} for option {key!r}: expected {expected}{suffix}"
 

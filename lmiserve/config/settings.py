@@ -30,6 +30,7 @@ from pydantic import (
 from lmiserve.config.errors import ConfigError
 from lmiserve.config.messages import describe_errors
 from lmiserve.config.properties import strip_option_prefix
+from lmiserve.config.speculative import SpeculativeConfig, parse_speculative_config
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,6 @@ LMI_IGNORED_KEYS = frozenset(
         "max_loras",
         "max_lora_rank",
         "max_cpu_loras",
-        "speculative_draft_model",
         "model_loading_timeout",
         "parallel_loading",
         "minWorkers",
@@ -68,6 +68,8 @@ LMI_IGNORED_KEYS = frozenset(
 
 # LMI engine names for rolling_batch; lmiserve has one continuous-batching engine ("lmi").
 LMI_ENGINE_NAMES = frozenset({"vllm", "lmi-dist", "lmi_dist", "scheduler", "trtllm", "tnx", "deepspeed"})
+
+LMI_SPECULATIVE_LENGTH = 5  # LMI's default speculative_length
 
 _TRUE = frozenset({"true", "1", "yes", "on"})
 _FALSE = frozenset({"false", "0", "no", "off"})
@@ -355,6 +357,27 @@ class Settings(BaseModel):
         description="Share of the GPU's memory lmiserve may take (LMI's and vLLM's name); sizes the paged KV pool.",
     )
     block_size: int = Field(16, ge=1, le=1024, description="Tokens a block of the paged KV cache holds (vLLM's name).")
+    # --- speculative decoding ---
+    speculative_config: SpeculativeConfig | None = Field(
+        None,
+        description=(
+            "Speculative decoding, as vLLM's JSON object: `method` (`ngram`, `draft_model`, `self_draft`), "
+            "`model`, `num_speculative_tokens`, `prompt_lookup_min`/`prompt_lookup_max`, the draft's `dtype`, "
+            "`disable_by_batch_size`, `min_acceptance_rate`. Output is unchanged: greedy token for token, "
+            "sampling from the model's own distribution. Paged KV cache only. See docs/speculative-decoding.md."
+        ),
+        json_schema_extra={"allowed": 'a JSON object, e.g. {"method": "ngram", "num_speculative_tokens": 4}'},
+    )
+    speculative_draft_model: str | None = Field(
+        None,
+        description=(
+            "LMI's older key: the draft model's directory (as `speculative_config` with `method` "
+            "`draft_model`); not with `speculative_config`."
+        ),
+    )
+    speculative_length: int | None = Field(
+        None, ge=1, le=16, description="LMI's older key: drafts a step verifies (with `speculative_draft_model`)."
+    )
     # --- output ---
     output_formatter: OutputFormatter | None = Field(
         None,
@@ -597,6 +620,11 @@ class Settings(BaseModel):
             return "lmi"
         return _WORD_ALIASES.get(info.field_name, {}).get(word, word)
 
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _parse_speculative(cls, value: Any) -> Any:
+        return parse_speculative_config(value)
+
     @field_validator("device")
     @classmethod
     def _check_device(cls, value: str) -> str:
@@ -626,7 +654,21 @@ class Settings(BaseModel):
                 )
             self.rolling_batch = "disable"
             self.sources["rolling_batch"] = f"batch_size={self.batch_size}"
+        self._fold_lmi_speculative()
         return self
+
+    def _fold_lmi_speculative(self) -> None:
+        """LMI's `speculative_draft_model` / `speculative_length` as a `speculative_config`."""
+        draft, length = self.speculative_draft_model, self.speculative_length
+        if draft is None and length is None:
+            return
+        if self.speculative_config is not None:
+            raise ValueError("give speculative_config or speculative_draft_model/speculative_length, not both")
+        if draft is None:
+            raise ValueError("speculative_length needs speculative_draft_model (or use speculative_config)")
+        self.speculative_config = SpeculativeConfig(
+            method="draft_model", model=draft, num_speculative_tokens=length or LMI_SPECULATIVE_LENGTH
+        )
 
     # ------------------------------------------------------------------ construction
 

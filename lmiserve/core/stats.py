@@ -9,7 +9,7 @@ Each request is reported once, whatever protocol carried it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from lmiserve.core.events import FinishReason
 
@@ -83,6 +83,8 @@ class EngineSnapshot:
     preemptions: int = 0  # running sequences preempted since the engine started (their KV freed, recomputed later)
     kv_blocks: int = 0  # the paged KV pool's blocks (0: the slot layout, no pool)
     kv_block_size: int = 0  # tokens a block
+    # speculative decoding's settings, state and counters (engine/speculative.py, `describe`); None: off
+    speculation: dict[str, Any] | None = None
 
     @property
     def prefix_cache_usage(self) -> float:

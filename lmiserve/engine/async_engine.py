@@ -32,6 +32,7 @@ from lmiserve.engine.kv_blocks import BlockPool
 from lmiserve.engine.prefix_cache import PrefixIndex
 from lmiserve.engine.scheduler import Scheduler, StepOutput, StepPlan
 from lmiserve.engine.sequence import Sequence
+from lmiserve.engine.speculative import SpeculationPolicy, SpeculationSettings
 from lmiserve.engine.step import BatchRunner, Executor, InProcessExecutor
 from lmiserve.engine.token_mask import TokenMask
 from lmiserve.engine.validation import PromptCodec
@@ -70,6 +71,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # the paged pool's budget; None = by device (engine/factory.py)
     block_size: int = 16  # tokens a block of the paged pool holds
     gpu_memory_utilization: float = 0.9  # on CUDA, the share of the GPU the paged pool's default budget fills
+    speculation: SpeculationSettings | None = None  # speculative decoding (engine/speculative.py)
 
 
 def _prompt_tokens_computed(plan: StepPlan, output: StepOutput) -> int:
@@ -144,6 +146,11 @@ class AsyncEngine:
             blocks = runner.enable_prefix_cache(config.prefix_cache_bytes, config.prefix_block_size)
             self.prefix = PrefixIndex(blocks, config.prefix_block_size) if blocks else None
             self.scheduler = Scheduler(*limits, prefix=self.prefix, **options)
+        self.speculation: SpeculationPolicy | None = None
+        if config.speculation is not None:
+            if not isinstance(self.scheduler, BlockScheduler) or self.executor is None:
+                raise ValueError("speculative decoding needs the paged KV cache (kv_cache=paged)")
+            self.speculation = self.scheduler.speculation = SpeculationPolicy(config.speculation)
         self._handles: dict[int, _Handle] = {}  # seq_id -> handle
         self._ids = itertools.count(1)
         self._wakeup = asyncio.Event()
@@ -206,6 +213,7 @@ class AsyncEngine:
             preemptions=getattr(self.scheduler, "num_preemptions", 0),
             kv_blocks=pool.num_blocks if pool is not None else 0,
             kv_block_size=pool.block_size if pool is not None else 0,
+            speculation=self.speculation.describe() if self.speculation is not None else None,
             **self._prefix_figures(),
         )
 

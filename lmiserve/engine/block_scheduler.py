@@ -43,6 +43,7 @@ from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.engine.kv_blocks import BlockPool, BlockTable
 from lmiserve.engine.scheduler import PrefillChunk, SchedulerBase, StepOutput, StepPlan
 from lmiserve.engine.sequence import SeqStatus, Sequence
+from lmiserve.engine.speculative import SpeculationPolicy
 from lmiserve.engine.step import NewRequest, ScheduledTokens, StepBatch
 
 
@@ -71,8 +72,10 @@ class BlockScheduler(SchedulerBase):
         self._budget = 0  # prompt tokens the step being planned may still take
         self._sent: dict[int, int] = {}  # seq_id -> blocks of its table the executor has been told of
         self._preempted: list[int] = []  # preempted since the last batch, known to the executor
-        # speculative decoding's proposer: a decoding sequence's drafts (tokens to verify after its last
-        # one); None: every decode row computes one token
+        # speculative decoding (engine/speculative.py): which rows ask for drafts after their step; the
+        # drafts come back in `StepOutput.drafts` and are verified by the next step. `proposer` (tests)
+        # drafts in the engine core instead. Neither: every decode row computes one token.
+        self.speculation: SpeculationPolicy | None = None
         self.proposer: Callable[[Sequence], list[int]] | None = None
 
     # ---- intake ----------------------------------------------------------------------------------
@@ -132,6 +135,7 @@ class BlockScheduler(SchedulerBase):
         plan.decode = plain + [seq for seq in plan.decode if seq.seq_id in plan.drafts]
         scheduled = [(seq, seq.kv_len, [seq.output_ids[-1]], True) for seq in plan.decode]
         scheduled += [(c.seq, c.start, c.token_ids, c.completes_prompt) for c in plan.prefill]
+        speculation = self.speculation
         for row, (seq, start, token_ids, sample) in enumerate(scheduled):
             sent = self._sent.get(seq.seq_id)
             if sent is None:
@@ -141,7 +145,10 @@ class BlockScheduler(SchedulerBase):
             self._sent[seq.seq_id] = len(blocks)
             details = seq.params.decoder_input_details and row >= batch.num_decode
             drafts = plan.drafts.get(seq.seq_id, []) if row < len(plan.decode) else []
-            batch.rows.append(ScheduledTokens(seq.seq_id, start, token_ids, blocks[sent:], sample, details, drafts))
+            propose = speculation.wanted(seq) if speculation is not None and sample else 0
+            batch.rows.append(
+                ScheduledTokens(seq.seq_id, start, token_ids, blocks[sent:], sample, details, drafts, propose)
+            )
             if sample and seq.grammar is not None:
                 batch.grammar_rows.append(row)
         return batch
@@ -153,6 +160,8 @@ class BlockScheduler(SchedulerBase):
         decoding = sum(1 for s in queue if s.status is SeqStatus.RUNNING)
         prefilling = len(queue) - decoding
         budget = self._prefill_budget(decoding)
+        if self.speculation is not None:
+            self.speculation.plan(decoding)
         scheduled: set[int] = set()
         for phase in (SeqStatus.RUNNING, SeqStatus.PREFILL):
             for seq in list(queue):
@@ -198,12 +207,11 @@ class BlockScheduler(SchedulerBase):
         """The proposer's drafts for `seq`'s next step, at most as many as its remaining tokens allow
         (the step gives it up to one more than its drafts); none with a grammar (its matcher would have to
         mask every draft position) or without a proposer."""
-        if self.proposer is None or seq.grammar is not None:
+        proposed, seq.drafts = (list(self.proposer(seq)) if self.proposer is not None else seq.drafts), []
+        if seq.grammar is not None:
             return []
         room = seq.params.max_new_tokens - len(seq.output_ids) - 1
-        if room <= 0:
-            return []
-        return list(self.proposer(seq))[:room]
+        return proposed[:room] if room > 0 else []
 
     def _admit(self, plan: StepPlan, now: float) -> None:
         """Admit waiting sequences (priority order) while a slot, the budget and the blocks for their
@@ -268,6 +276,7 @@ class BlockScheduler(SchedulerBase):
         self.running.remove(seq)
         self._free(seq)
         seq.kv_len = 0
+        seq.drafts = []
         seq.status = SeqStatus.WAITING
         seq.preemptions += 1
         self.num_preemptions += 1
@@ -310,6 +319,7 @@ class BlockScheduler(SchedulerBase):
                 self._cache(seq)
             sampling.append(seq)
         for seq in sampling:
+            seq.drafts = output.drafts.get(seq.seq_id, [])
             for sample in output.samples.get(seq.seq_id, ()) if not seq.finished else ():
                 event = seq.on_token(sample.token_id, sample.logprob, sample.top)
                 events.append((seq, event))
@@ -317,6 +327,9 @@ class BlockScheduler(SchedulerBase):
                     self._remove(seq)
                     break
         for seq in drafted:
+            samples = output.samples.get(seq.seq_id)
+            if self.speculation is not None and samples:
+                self.speculation.record(seq, len(plan.drafts[seq.seq_id]), len(samples) - 1)
             if seq in self.running:
                 # computed: its last token and the accepted drafts (all the samples but the last); the
                 # rejected drafts' positions are written again by the steps to come

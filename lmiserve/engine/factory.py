@@ -9,11 +9,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lmiserve.config.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE
 from lmiserve.engine.async_engine import AsyncEngine, EngineConfig
 from lmiserve.engine.grammar_compiler import GrammarCompiler
 from lmiserve.engine.loaded import LoadedModel
 from lmiserve.engine.runners import FastRunner, ModelRunner, create_runner, paged_generic, runner_class
+from lmiserve.engine.runners.batched import PersistentBatchRunner
 from lmiserve.engine.runners.paged import PagedFastRunner, kv_bytes_per_block
+from lmiserve.engine.speculative import DraftModelProposer, NgramProposer, Proposer, SpeculationSettings
 from lmiserve.engine.tokenizer import HfTokenizer
 from lmiserve.engine.validation import PromptCodec
 
@@ -55,6 +58,10 @@ def kv_pool_blocks(loaded: LoadedModel, config: EngineConfig) -> int:
     return max(1, min(budget // per_block, full_batch))
 
 
+# Rows from which speculative decoding stops drafting, by device, unless disable_by_batch_size says:
+# on CPU a step of a few rows still costs about the weights it reads (benchmarks/README.md).
+DISABLE_BY_BATCH_SIZE = {"cpu": DEFAULT_DISABLE_BY_BATCH_SIZE, "cuda": 32}
+
 # Prompt tokens a step that also decodes may take at least (it takes max(floor, decoding rows)).
 # CPU: a step's cost is ~ weight read + tokens x per-token compute; 16 extra tokens at most double
 # a 1-row decode step and add ~1/3 to a 32-row one (benchmarks/README.md, "prefill budget").
@@ -87,11 +94,34 @@ def engine_config(settings: Settings) -> EngineConfig:
         kv_cache_memory_bytes=int(settings.kv_cache_memory_bytes) if settings.kv_cache_memory_bytes else None,
         block_size=settings.block_size,
         gpu_memory_utilization=settings.gpu_memory_utilization,
+        speculation=speculation_settings(settings),
     )
 
 
-def build_engine(loaded: LoadedModel, settings: Settings) -> AsyncEngine:
-    return create_engine(loaded, engine_config(settings), max_input_len=settings.max_input_len)
+def speculation_settings(settings: Settings) -> SpeculationSettings | None:
+    """The engine's speculative decoding from `speculative_config` (None: off)."""
+    spec = settings.speculative_config
+    if spec is None:
+        return None
+    assert spec.method is not None  # completed by its validator
+    draft_name = None
+    if spec.method != "ngram":
+        target = settings.model_id or "the bundled model"
+        draft_name = f"{target} as {spec.dtype}" if spec.self_draft else f"{spec.model} ({spec.dtype})"
+    return SpeculationSettings(
+        method="ngram" if spec.method == "ngram" else "draft_model",
+        num_speculative_tokens=spec.num_speculative_tokens,
+        prompt_lookup_min=spec.prompt_lookup_min or 2,
+        prompt_lookup_max=spec.prompt_lookup_max or 5,
+        disable_by_batch_size=spec.disable_by_batch_size,
+        min_acceptance_rate=spec.min_acceptance_rate,
+        draft_name=draft_name,
+    )
+
+
+def build_engine(loaded: LoadedModel, settings: Settings, draft: LoadedModel | None = None) -> AsyncEngine:
+    """The engine of `loaded` (and of its speculative decoding's `draft` model, when it has one)."""
+    return create_engine(loaded, engine_config(settings), max_input_len=settings.max_input_len, draft=draft)
 
 
 def create_engine(
@@ -100,10 +130,16 @@ def create_engine(
     *,
     max_input_len: int | None = None,
     runner_cls: type[ModelRunner] | None = None,
+    draft: LoadedModel | None = None,
 ) -> AsyncEngine:
-    """The engine for `loaded`; the runner strategy follows `config` unless `runner_cls` is given."""
+    """The engine for `loaded`; the runner strategy follows `config` unless `runner_cls` is given;
+    `draft`: the draft model of `config.speculation` (method draft_model)."""
     if config.prefill_floor == "auto":
         config = dataclasses.replace(config, prefill_floor=PREFILL_FLOOR.get(loaded.device.type, 256))
+    spec = config.speculation
+    if spec is not None and spec.disable_by_batch_size is None:
+        limit = DISABLE_BY_BATCH_SIZE.get(loaded.device.type, 32)
+        config = dataclasses.replace(config, speculation=dataclasses.replace(spec, disable_by_batch_size=limit))
     paged_cls = runner_cls if runner_cls is not None and issubclass(runner_cls, PagedFastRunner) else PagedFastRunner
     paged = config.kv_cache == "paged" and not config.batch_invariant and (runner_cls in (None, paged_cls))
     strategy = runner_class(loaded.model, batch_invariant=False, fast_path=config.fast_path)[0]
@@ -116,28 +152,7 @@ def create_engine(
             config.block_size,
             num_blocks * kv_bytes_per_block(loaded.model, config.block_size) / 2**20,
         )
-        runner: ModelRunner
-        if strategy is FastRunner:
-            runner = paged_cls(
-                loaded.model,
-                max_slots=config.max_running,
-                max_context=loaded.max_context,
-                eos_token_ids=loaded.eos_token_ids,
-                num_blocks=num_blocks,
-                block_size=config.block_size,
-                autotune=config.cpu_autotune,
-                autotune_cache=config.autotune_cache,
-            )
-        else:  # another architecture, or fast_path=false: transformers' forward over the blocks
-            log.info("model runner: generic path over the paged KV cache (transformers' attention)")
-            runner = paged_generic.PagedGenericRunner(
-                loaded.model,
-                max_slots=config.max_running,
-                max_context=loaded.max_context,
-                eos_token_ids=loaded.eos_token_ids,
-                num_blocks=num_blocks,
-                block_size=config.block_size,
-            )
+        runner: ModelRunner = _paged_runner(loaded, config, num_blocks, paged_cls if strategy is FastRunner else None)
     elif runner_cls is None:
         if paged:
             log.info("KV cache: slots (the paged cache does not serve %s)", why_not)
@@ -166,4 +181,67 @@ def create_engine(
         vocab_size=getattr(loaded.model.config, "vocab_size", None),
     )
     grammars = GrammarCompiler(loaded.tokenizer, vocab_size=codec.vocab_size, eos_token_ids=loaded.eos_token_ids)
+    if spec is not None:
+        if not isinstance(runner, PersistentBatchRunner):
+            raise ValueError(
+                "speculative decoding needs the paged KV cache (kv_cache=paged, not batch_invariant, "
+                "an architecture the paged runners serve)"
+            )
+        runner.proposer = _proposer(loaded, config, draft)
     return AsyncEngine(runner, codec, config, grammars)
+
+
+def _paged_runner(
+    loaded: LoadedModel, config: EngineConfig, num_blocks: int, fast_cls: type[PagedFastRunner] | None
+) -> PersistentBatchRunner:
+    """The paged runner of `loaded` over a pool of `num_blocks` blocks: the fast one (`fast_cls`) or,
+    for another architecture or with fast_path=false, transformers' forward over the blocks."""
+    if fast_cls is not None:
+        return fast_cls(
+            loaded.model,
+            max_slots=config.max_running,
+            max_context=loaded.max_context,
+            eos_token_ids=loaded.eos_token_ids,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            autotune=config.cpu_autotune,
+            autotune_cache=config.autotune_cache,
+        )
+    log.info("model runner: generic path over the paged KV cache (transformers' attention)")
+    return paged_generic.PagedGenericRunner(
+        loaded.model,
+        max_slots=config.max_running,
+        max_context=loaded.max_context,
+        eos_token_ids=loaded.eos_token_ids,
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+    )
+
+
+def _proposer(loaded: LoadedModel, config: EngineConfig, draft: LoadedModel | None) -> Proposer:
+    """Speculative decoding's proposer: prompt lookup, or the draft model over a KV pool of its own
+    (as many tokens as the target's pool, for the rows that may draft at once at full context)."""
+    spec = config.speculation
+    assert spec is not None
+    if spec.method == "ngram":
+        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if draft is None:
+        raise ValueError("speculative decoding with a draft model needs the draft model loaded")
+    if draft.tokenizer.get_vocab() != loaded.tokenizer.get_vocab():
+        raise ValueError("the draft model's tokenizer differs from the model's: drafts must use the same tokens")
+    if draft.device != loaded.device:
+        raise ValueError(f"the draft model is on {draft.device}, the model on {loaded.device}")
+    rows = min(config.max_running, (spec.disable_by_batch_size or config.max_running) + 1)
+    num_blocks = min(kv_pool_blocks(loaded, config), rows * -(-draft.max_context // config.block_size))
+    fast = runner_class(draft.model, batch_invariant=False, fast_path=config.fast_path)[0] is FastRunner
+    why_not = None if fast else paged_generic.unsupported_reason(draft.model)
+    if why_not is not None:
+        raise ValueError(f"the draft model cannot run over a paged KV cache: {why_not}")
+    log.info(
+        "speculative decoding: draft model %s, KV pool of %d blocks (%.1f MiB)",
+        spec.draft_name,
+        num_blocks,
+        num_blocks * kv_bytes_per_block(draft.model, config.block_size) / 2**20,
+    )
+    draft_config = dataclasses.replace(config, cpu_autotune=False)
+    return DraftModelProposer(_paged_runner(draft, draft_config, num_blocks, PagedFastRunner if fast else None))

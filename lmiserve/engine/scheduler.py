@@ -118,6 +118,8 @@ class StepOutput:
     samples: dict[int, list[SampleResult]] = field(default_factory=dict)
     prompt_logprobs: dict[int, PromptScores] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)
+    # speculative decoding: drafts proposed for the next step (the rows that asked, `ScheduledTokens.propose`)
+    drafts: dict[int, list[int]] = field(default_factory=dict)
     prefix_failed: bool = False  # copying into the prefix cache failed: what it holds is no longer trusted
 
 

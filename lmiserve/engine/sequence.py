@@ -65,6 +65,12 @@ class Sequence:
         self.prefill_ranks: list[int | None] = []  # with params.prompt_top_n set
         self.prefill_top: list[tuple[Token, ...] | None] = []
         self.abort_requested = False
+        # speculative decoding (engine/speculative.py): the drafts proposed after its last step, its
+        # running acceptance, and how long its drafts pause after a low one
+        self.drafts: list[int] = []
+        self.spec_acceptance: float | None = None
+        self.spec_pause = 0
+        self.spec_backoff = 0
         self.grammar = grammar  # this sequence's own matcher when its output is constrained
         # `Grammar.after`: the matcher waits here (no mask) until the generated text contains that marker
         constraint = getattr(params, "grammar", None)

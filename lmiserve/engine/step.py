@@ -54,6 +54,9 @@ class ScheduledTokens:
     # equals, so the request gets the accepted drafts plus one token (the first sample that differs, or
     # one after the last draft): as many samples as tokens, each from the target's own distribution
     draft_token_ids: list[int] = field(default_factory=list)
+    # drafts to propose for the request after this step's sampling (speculative decoding; 0: none),
+    # answered in `StepOutput.drafts` for the next step to verify
+    propose: int = 0
 
     @property
     def computed_ids(self) -> list[int]:

@@ -146,7 +146,18 @@ class ModelService:
             trust_remote_code=s.trust_remote_code,
             load_format=s.load_format,
         )
-        engine = build_engine(loaded, s)
+        draft = None
+        spec = s.speculative_config
+        if spec is not None and spec.method != "ngram":
+            draft_path = self.path if spec.self_draft else resolve_model_path(spec.model, None, s.model_cache_dir)
+            draft = load_causal_lm(
+                draft_path,
+                dtype=spec.dtype,
+                device=s.device,
+                trust_remote_code=s.trust_remote_code,
+                load_format=s.load_format if spec.self_draft else "auto",
+            )
+        engine = build_engine(loaded, s, draft)
         self.attach_llm(loaded, engine)
         return engine
 

@@ -24,6 +24,7 @@ from lmiserve.core.request import SamplingParams
 from lmiserve.engine.runners.base import prompt_logprobs, sampler_row
 from lmiserve.engine.sampling import Row, sample_rows
 from lmiserve.engine.scheduler import StepOutput
+from lmiserve.engine.speculative import Proposer
 from lmiserve.engine.step import BatchRunner, ScheduledTokens, StepBatch
 from lmiserve.engine.token_mask import apply_bitmask
 
@@ -55,12 +56,15 @@ class PersistentBatchRunner(BatchRunner):
         self.num_blocks, self.block_size, self.kv_bytes = kv.num_blocks, kv.block_size, kv.nbytes
         self._requests = {}
         self.vocab_size = int(model.config.vocab_size)
+        self.proposer: Proposer | None = None  # speculative decoding's drafts (engine/speculative.py)
 
     def execute_batch(self, batch: StepBatch) -> StepOutput:
         """Apply the batch's difference to the persistent batch, run its rows as one forward, sample."""
         with torch.inference_mode():
             for seq_id in batch.finished:
                 self._requests.pop(seq_id, None)
+                if self.proposer is not None:
+                    self.proposer.forget(seq_id)
             for seq_id in batch.preempted:
                 self._requests[seq_id].blocks = []
             for new in batch.new:
@@ -70,7 +74,29 @@ class PersistentBatchRunner(BatchRunner):
             out = StepOutput()
             if batch.rows:
                 self._run_rows(batch, list(range(len(batch.rows))), out)
+                if self.proposer is not None:
+                    self._propose(batch, out)
             return out
+
+    def _propose(self, batch: StepBatch, out: StepOutput) -> None:
+        """The drafts the rows that asked for them get for the next step (none for a request whose
+        last token ends it)."""
+        assert self.proposer is not None
+        wants: dict[int, tuple[list[int], int]] = {}
+        for row in batch.rows:
+            if not row.propose or row.seq_id not in out.samples:
+                continue
+            request = self._requests[row.seq_id]
+            last, params = request.output_ids[-1], request.params
+            if last in params.stop_token_ids or (last in self.eos_token_ids and not params.ignore_eos_token):
+                continue
+            wants[row.seq_id] = (request.prompt_ids + request.output_ids, row.propose)
+        if not wants:
+            return
+        try:
+            out.drafts = self.proposer.propose(wants)
+        except Exception:  # noqa: BLE001 - no drafts this time; the requests go on
+            log.exception("proposing drafts failed")
 
     def _run_rows(self, batch: StepBatch, part: list[int], out: StepOutput) -> None:
         """Rows `part` of the batch as one forward; if it raises, its decode rows together, then each
