@@ -193,7 +193,7 @@ def create_engine(
 
 def _paged_runner(
     loaded: LoadedModel, config: EngineConfig, num_blocks: int, fast_cls: type[PagedFastRunner] | None
-) -> PersistentBatchRunner:
+) -> PagedFastRunner | paged_generic.PagedGenericRunner:
     """The paged runner of `loaded` over a pool of `num_blocks` blocks: the fast one (`fast_cls`) or,
     for another architecture or with fast_path=false, transformers' forward over the blocks."""
     if fast_cls is not None:

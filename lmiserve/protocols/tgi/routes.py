@@ -189,7 +189,7 @@ async def health(request: Request) -> Response:
 
 async def info(request: Request) -> Response:
     """TGI 3.x fields in wire order, then the legacy 2.x ones, then lmiserve's prefix cache: on or not,
-    its memory bound (bytes) and the tokens it holds at most."""
+    its memory bound (bytes) and the tokens it holds at most; then speculative decoding."""
     service = default_llm(request)
     if service.status != ModelService.READY:
         return raw_response(UNHEALTHY, 503)
@@ -223,6 +223,7 @@ async def info(request: Request) -> Response:
         "prefix_caching": snap.prefix_cache_capacity > 0,
         "prefix_cache_size": snap.prefix_cache_bytes,
         "prefix_cache_tokens": snap.prefix_cache_capacity,
+        "speculative_decoding": snap.speculation,  # its method, state, acceptance rate and counters; None: off
     }
     return raw_response(dumps(body))
 

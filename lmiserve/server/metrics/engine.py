@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -298,6 +299,7 @@ class LiveCollector(Collector):
         preemptions = CounterMetricFamily(
             "vllm:num_preemptions", "Cumulative number of preemption from the engine.", labels=labels
         )
+        spec = _SpecDecodeFamilies(labels)
         size = queue = max_tokens = 0
         for service in self._models():
             engine = _generator(service)
@@ -311,12 +313,15 @@ class LiveCollector(Collector):
             preemptions.add_metric(values, snap.preemptions)
             if snap.prefix_cache_capacity:
                 prefix.add_metric(values, snap.prefix_cache_usage)
+            if snap.speculation is not None:
+                spec.add(values, snap.speculation)
             size, queue, max_tokens = size + snap.running, queue + snap.waiting, max_tokens + snap.batch_max_tokens
         yield running
         yield waiting
         yield kv
         yield prefix
         yield preemptions
+        yield from spec.families()
         yield GaugeMetricFamily("tgi_batch_current_size", "Current batch size", value=size)
         yield GaugeMetricFamily(
             "tgi_batch_current_max_tokens", "Maximum tokens for the current batch", value=max_tokens
@@ -324,6 +329,39 @@ class LiveCollector(Collector):
         yield GaugeMetricFamily("tgi_queue_size", "Current queue size", value=queue)
         yield from self._tgi.collect()
         yield from self._vllm.time_per_output_token()
+
+
+class _SpecDecodeFamilies:
+    """vLLM's speculative decoding counters, read from the engine snapshots (engine/speculative.py)."""
+
+    def __init__(self, labels: list[str]) -> None:
+        self.drafts = CounterMetricFamily(
+            "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", labels=labels
+        )
+        self.draft_tokens = CounterMetricFamily(
+            "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", labels=labels
+        )
+        self.accepted = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", labels=labels
+        )
+        self.per_position = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            labels=[*labels, "position"],
+        )
+        self.any = False
+
+    def add(self, values: list[str], spec: dict[str, Any]) -> None:
+        self.any = True
+        self.drafts.add_metric(values, spec["num_drafts"])
+        self.draft_tokens.add_metric(values, spec["num_draft_tokens"])
+        self.accepted.add_metric(values, spec["num_accepted_tokens"])
+        for position, count in enumerate(spec["accepted_per_position"]):
+            self.per_position.add_metric([*values, str(position)], count)
+
+    def families(self) -> Iterator[Metric]:
+        if self.any:
+            yield from (self.drafts, self.draft_tokens, self.accepted, self.per_position)
 
 
 def _generator(service: ModelService):  # -> TextGenerator | None

@@ -200,6 +200,7 @@ function modelCard(name) {
     el("div", { class: "bar batch" }, el("i")),
     el("div", { class: "bar-label" }, el("span", {}, "KV cache"), el("span", { "data-stat": "kv" }, "–")),
     el("div", { class: "bar kv" }, el("i")),
+    el("div", { class: "bar-label", "data-stat-row": "speculation", hidden: "" }, el("span", {}, "speculative"), el("span", { "data-stat": "speculation" }, "–")),
     svg,
   );
 }
@@ -238,6 +239,12 @@ function renderStats(stats) {
       : "prefix cache off";
     kvStat.title = `${pool}\n${prefix}`;
     card.querySelector(".bar.kv > i").style.width = `${kv}%`;
+    const spec = model.speculation;
+    card.querySelector('[data-stat-row="speculation"]').hidden = !spec;
+    if (spec) {
+      const rate = spec.acceptance_rate === null ? "–" : `${(100 * spec.acceptance_rate).toFixed(1)}% accepted`;
+      set("speculation", `${spec.method} · ${spec.active ? rate : "off: " + spec.reason}`);
+    }
     const series = rates.get(model.name) ?? [];
     series.push(model.tokens_per_second);
     if (series.length > SPARK_POINTS) series.shift();

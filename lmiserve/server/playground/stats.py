@@ -69,6 +69,11 @@ def model_stats(service: ModelService, rates: TokenRate, now: float) -> dict[str
         prefix_cache_capacity=snap.prefix_cache_capacity,
         tokens_per_second=round(rates.rate(service.name, now, snap.generated_tokens), 1),
     )
+    if snap.speculation is not None:
+        spec = snap.speculation
+        entry["speculation"] = {
+            key: spec[key] for key in ("method", "active", "reason", "acceptance_rate", "mean_accepted_length")
+        }
     return entry
 
 
