@@ -95,7 +95,9 @@ class CpuGemm:
         if self.few_rows > 1:
             parts.append(f"few-row kernel for 2-{self.few_rows} rows")
         if self.transpose_from < NEVER:
-            parts.append(f"transposed from {self.transpose_from} rows (vocabulary from {self.vocab_transpose_from})")
+            fewer = self.few_rows + 1 if self.few_rows > 1 else 0  # the few-row kernel takes precedence
+            layers, vocab = max(self.transpose_from, fewer), max(self.vocab_transpose_from, fewer)
+            parts.append(f"transposed from {layers} rows (vocabulary from {vocab})")
         if self.pad:
             parts.append(f"rows padded to x{ROW_MULTIPLE}")
         text = ", ".join(p for p in parts if p)
