@@ -3,10 +3,12 @@
 One call runs a whole engine step: the decode rows (one token each, slots ``0..R-1``) and any
 number of prefill chunks (several tokens of one slot each) flattened into one ``[T, hidden]``
 batch. Every matrix multiply sees all T tokens at once (one weight read per step), in the shapes
-CPU BLAS runs fastest (`cpu_gemm.CpuGemm`: orientation, row blocks, rows padded to a multiple of 8).
+CPU BLAS runs fastest (`cpu_gemm.CpuGemm`: orientation, row blocks, rows padded to a multiple of 8),
+or for a few rows (a request's last token and its drafts) a compiled kernel that reads W once.
 Only attention is split: one call for all decode rows (a compiled kernel on CPU fp32,
 `decode_attention.py`; batched matmuls with GQA packed per kv head otherwise) and one per prefill
-chunk (causal over its slot's cache).
+chunk (causal over its slot's cache); over a paged cache on CPU fp32 the step's leading short chunks
+(drafts being verified, short prompt chunks) join the decode rows' call, one row a token.
 
 It reuses the loaded transformers model's weights (`llama_layout.fused_layers`: q/k/v and gate/up
 fused, the original modules pointed at their rows), so memory does not grow and the generic path
