@@ -8,6 +8,9 @@ of the loaded model per candidate and keeps the fastest:
 - few rows (timed at batch 1): `CpuGemm` row blocks or plain ``F.linear``;
 - many rows (timed at batch `LARGE_BATCH`, or the slot count if smaller): transposed products with
   rows padded to a multiple of 8, or plain ``F.linear``;
+- a few rows (timed on one sequence's chunks of `FEW_PROBES` tokens, fp32): the compiled few-row
+  kernel (`skinny_gemm`) for products of 2 to `cpu_gemm.FEW_ROWS` rows (a request's last token and
+  its drafts), for 2 to `FEW_SHORT` rows only, or the choices above;
 - decode attention (timed at both batches): the compiled kernel (fp32 only) or the torch ops.
 
 Candidates run in interleaved rounds and each keeps its fastest step (the least disturbed by other
@@ -39,7 +42,8 @@ import torch
 
 from lmiserve.core.cpu_info import cpu_info
 from lmiserve.engine import decode_attention as compiled_attention
-from lmiserve.engine.cpu_gemm import CpuGemm
+from lmiserve.engine import skinny_gemm
+from lmiserve.engine.cpu_gemm import FEW_ROWS, CpuGemm
 from lmiserve.engine.paged_attention import PagedKVCache
 
 if TYPE_CHECKING:
@@ -53,7 +57,9 @@ MIN_WEIGHTS = 50_000_000  # models with fewer weights keep the static defaults
 SMALL_REPEATS, LARGE_REPEATS = 5, 3  # timed steps per candidate (after one untimed)
 BUDGET_S = 10.0  # stop timing (and keep the static defaults) after this long
 RETRY_S = 3600.0  # a start that ran out of time is cached as static; measure again after this long
-VERSION = 1  # of the cache entries
+FEW_PROBES = (3, 8)  # chunk lengths at which the few-row kernel is timed against the BLAS choices
+FEW_SHORT = 4  # its rows when it wins at the first probe only
+VERSION = 2  # of the cache entries (2: the few-row kernel)
 BUSY_LOAD = 1.5  # 1-minute load average per logical CPU above which timings are not trusted for good
 
 
@@ -172,7 +178,7 @@ def measure(fast: FastLlama, slots: int) -> KernelChoice:
     large = min(slots, LARGE_BATCH)
     default = fast.gemm
     threads = max(2, torch.get_num_threads())
-    blocks = CpuGemm.tuned_default(threads)
+    blocks = CpuGemm.tuned_default(threads).with_(few_rows=0)
     plain = CpuGemm.plain()
     compiled_ok = compiled_attention.available(fast.dtype, fast.device)
     deadline = time.monotonic() + BUDGET_S
@@ -189,9 +195,21 @@ def measure(fast: FastLlama, slots: int) -> KernelChoice:
             tables = [[(row * 13 + j) % count for j in range(-(-(p + 1) // size))] for row, p in enumerate(positions)]
         return lambda: fast.forward(ids, positions, [], list(range(rows)), decode_tables=tables)
 
-    def race(rows: int, repeats: int, candidates: dict[str, tuple[CpuGemm, bool]]) -> dict[str, float]:
+    def chunk(tokens: int) -> Callable[[], object]:
+        """One sequence's chunk of `tokens` tokens at position ~100, every logit kept (draft verification)."""
+        start = max(0, min(100, fast.max_context - tokens))
+        key: int | list[int] = 0
+        cache = fast.cache
+        if isinstance(cache, PagedKVCache):
+            key = [(7 + j) % cache.num_blocks for j in range(-(-(start + tokens) // cache.block_size))]
+        prefills = [(key, start, [5 + i for i in range(tokens)])]
+        return lambda: fast.forward([], [], prefills, list(range(tokens)))  # type: ignore[arg-type]
+
+    def race(
+        rows: int, repeats: int, candidates: dict[str, tuple[CpuGemm, bool]], as_chunk: bool = False
+    ) -> dict[str, float]:
         best = {name: float("inf") for name in candidates}
-        run = step(rows)
+        run = chunk(rows) if as_chunk else step(rows)
         for round_ in range(repeats + 1):
             for name, (gemm, compiled) in candidates.items():
                 if time.monotonic() > deadline:
@@ -211,9 +229,19 @@ def measure(fast: FastLlama, slots: int) -> KernelChoice:
         LARGE_REPEATS,
         {"transposed": (blocks.with_(splits=splits), attention), "plain": (plain.with_(splits=splits), attention)},
     )
-    gemm = (blocks if big["transposed"] < big["plain"] else plain).with_(splits=splits)
+    gemm = (blocks if big["transposed"] < big["plain"] else plain).with_(splits=splits, few_rows=0)
     timings.update({f"b1 {k}": round(v, 2) for k, v in small.items()})
     timings.update({f"b{large} {k}": round(v, 2) for k, v in big.items()})
+    if skinny_gemm.available(fast.dtype, fast.device):
+        few = 0
+        for probe, rows_if_won in zip(FEW_PROBES, (FEW_SHORT, FEW_ROWS)):
+            few_rows = {"few-row": (gemm.with_(few_rows=FEW_ROWS), attention), "blas": (gemm, attention)}
+            won = race(probe, SMALL_REPEATS, few_rows, as_chunk=True)
+            timings.update({f"chunk {probe} {k}": round(v, 2) for k, v in won.items()})
+            if not won["few-row"] < won["blas"]:
+                break
+            few = rows_if_won
+        gemm = gemm.with_(few_rows=few)
     if compiled_ok:
         att_small = race(1, SMALL_REPEATS, {"compiled": (gemm, True), "torch": (gemm, False)})
         att_big = race(large, LARGE_REPEATS, {"compiled": (gemm, True), "torch": (gemm, False)})

@@ -9,7 +9,10 @@ loses on another (figures in benchmarks/README.md):
   2 for the vocabulary product) to the next multiple of `ROW_MULTIPLE`;
 - row blocks: fewer rows as a batched product over `splits` row blocks of W (a matrix-vector
   product ran on one core of the EPYC, the blocks on all of them: 2x at 1 row);
-- or neither: plain ``F.linear`` (oneDNN/MKL's own choice).
+- or neither: plain ``F.linear`` (oneDNN/MKL's own choice);
+- few rows (`few_rows`, fp32): products of 2 to `few_rows` rows through a compiled kernel that reads W
+  once (`skinny_gemm`), unpadded: a chunk of a few tokens (a request's last token and its drafts) then
+  costs little more than one row, where the BLAS choices above cost 1.4-3x (on the AMD EPYC).
 
 `CpuGemm.for_model` gives the static defaults (the EPYC's choices for fp32 CPU products, plain
 elsewhere); `autotune` replaces them with what measured fastest on this CPU. Weight-only int8
@@ -25,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lmiserve.engine import skinny_gemm
 from lmiserve.engine.quantize import quantized_linear
 
 TRANSPOSED_GEMM_ROWS = 8  # rows from which a product runs transposed (static default)
@@ -33,6 +37,7 @@ PAD_ROWS_FROM = 5  # layer products pad from this many rows
 VOCAB_PAD_ROWS_FROM = 2  # a vocabulary-sized product runs transposed (and pads) from 2 rows
 BIG_OUT = 8192  # output features from which a product counts as vocabulary-sized
 NEVER = 1 << 30  # a row count no step reaches: "never transposed"
+FEW_ROWS = 9  # products of 2..this many rows run through `skinny_gemm` (static default; 1 token + 8 drafts)
 
 
 @dataclass(frozen=True)
@@ -40,13 +45,15 @@ class CpuGemm:
     """The product shapes of one model. `splits` > 1: products of fewer rows than `transpose_from`
     (and than `TRANSPOSED_GEMM_ROWS`) run over that many row blocks of W; `transpose_from` /
     `vocab_transpose_from`: rows from which a product runs transposed (`NEVER`: never); `pad`: a
-    transposed product's rows are padded to a multiple of `ROW_MULTIPLE`. The default instance is
-    plain ``F.linear`` everywhere."""
+    transposed product's rows are padded to a multiple of `ROW_MULTIPLE`; `few_rows`: products of 2 to
+    this many rows (fp32 on CPU) run through `skinny_gemm` and are never padded (0: never). The default
+    instance is plain ``F.linear`` everywhere."""
 
     splits: int = 1
     transpose_from: int = NEVER
     vocab_transpose_from: int = NEVER
     pad: bool = False
+    few_rows: int = 0
 
     @classmethod
     def plain(cls) -> CpuGemm:
@@ -54,10 +61,11 @@ class CpuGemm:
 
     @classmethod
     def tuned_default(cls, threads: int | None = None) -> CpuGemm:
-        """The static CPU choice (measured on the AMD EPYC, fp32): row blocks below 8 rows, transposed
-        from 8 rows (vocabulary: from 2), rows padded."""
+        """The static CPU choice (measured on the AMD EPYC, fp32): row blocks for 1 row, the few-row
+        kernel for 2-9 rows, transposed from 10 rows (vocabulary: likewise), rows padded."""
         splits = max(2, threads if threads is not None else torch.get_num_threads())
-        return cls(splits, TRANSPOSED_GEMM_ROWS, VOCAB_PAD_ROWS_FROM, True)
+        few = FEW_ROWS if skinny_gemm.available(torch.float32, torch.device("cpu")) else 0
+        return cls(splits, TRANSPOSED_GEMM_ROWS, VOCAB_PAD_ROWS_FROM, True, few)
 
     @classmethod
     def for_model(cls, device: torch.device, dtype: torch.dtype) -> CpuGemm:
@@ -72,6 +80,7 @@ class CpuGemm:
             int(values["transpose_from"]),
             int(values["vocab_transpose_from"]),
             bool(values["pad"]),
+            int(values.get("few_rows", 0)),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -83,8 +92,12 @@ class CpuGemm:
 
     def describe(self) -> str:
         parts = [f"{self.splits} row blocks for fewer rows" if self.splits > 1 else ""]
+        if self.few_rows > 1:
+            parts.append(f"few-row kernel for 2-{self.few_rows} rows")
         if self.transpose_from < NEVER:
-            parts.append(f"transposed from {self.transpose_from} rows (vocabulary from {self.vocab_transpose_from})")
+            fewer = self.few_rows + 1 if self.few_rows > 1 else 0  # the few-row kernel takes precedence
+            layers, vocab = max(self.transpose_from, fewer), max(self.vocab_transpose_from, fewer)
+            parts.append(f"transposed from {layers} rows (vocabulary from {vocab})")
         if self.pad:
             parts.append(f"rows padded to x{ROW_MULTIPLE}")
         text = ", ".join(p for p in parts if p)
@@ -92,11 +105,11 @@ class CpuGemm:
 
     @property
     def tuned(self) -> bool:
-        return self.splits > 1 or self.transpose_from < NEVER or self.vocab_transpose_from < NEVER
+        return self.splits > 1 or self.transpose_from < NEVER or self.vocab_transpose_from < NEVER or self.few_rows > 1
 
     def row_padding(self, rows: int, pad_from: int = PAD_ROWS_FROM) -> int:
-        """Rows to add (when padding, from `pad_from` rows) up to a multiple of `ROW_MULTIPLE`."""
-        return (-rows) % ROW_MULTIPLE if self.pad and rows >= pad_from else 0
+        """Rows to add (when padding, from `pad_from` rows, past `few_rows`) up to a multiple of `ROW_MULTIPLE`."""
+        return (-rows) % ROW_MULTIPLE if self.pad and rows >= pad_from and rows > self.few_rows else 0
 
     def linear(
         self,
@@ -112,6 +125,10 @@ class CpuGemm:
             y = quantized_linear(x, weight, scales)
             return y if bias is None else y + bias
         rows, out = x.shape[0], weight.shape[0]
+        few = 2 <= rows <= self.few_rows and x.dtype == weight.dtype
+        if few and skinny_gemm.available(weight.dtype, weight.device):
+            y = skinny_gemm.linear(x, weight)
+            return y if bias is None else y + bias
         if rows >= (self.vocab_transpose_from if out > BIG_OUT else self.transpose_from):
             y = torch.mm(weight, x.t()).t()
             return y if bias is None else y + bias

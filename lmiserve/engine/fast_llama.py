@@ -3,10 +3,12 @@
 One call runs a whole engine step: the decode rows (one token each, slots ``0..R-1``) and any
 number of prefill chunks (several tokens of one slot each) flattened into one ``[T, hidden]``
 batch. Every matrix multiply sees all T tokens at once (one weight read per step), in the shapes
-CPU BLAS runs fastest (`cpu_gemm.CpuGemm`: orientation, row blocks, rows padded to a multiple of 8).
+CPU BLAS runs fastest (`cpu_gemm.CpuGemm`: orientation, row blocks, rows padded to a multiple of 8),
+or for a few rows (a request's last token and its drafts) a compiled kernel that reads W once.
 Only attention is split: one call for all decode rows (a compiled kernel on CPU fp32,
 `decode_attention.py`; batched matmuls with GQA packed per kv head otherwise) and one per prefill
-chunk (causal over its slot's cache).
+chunk (causal over its slot's cache); over a paged cache on CPU fp32 the step's leading short chunks
+(drafts being verified, short prompt chunks) join the decode rows' call, one row a token.
 
 It reuses the loaded transformers model's weights (`llama_layout.fused_layers`: q/k/v and gate/up
 fused, the original modules pointed at their rows), so memory does not grow and the generic path
@@ -29,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from lmiserve.engine import decode_attention as compiled_attention
-from lmiserve.engine import paged_attention
+from lmiserve.engine import paged_attention, skinny_gemm
 from lmiserve.engine.cpu_gemm import PAD_ROWS_FROM, VOCAB_PAD_ROWS_FROM, CpuGemm
 from lmiserve.engine.kv_cache import AttentionShape, SlotKVCache
 from lmiserve.engine.llama_layout import (
@@ -76,13 +78,18 @@ class _Chunk(NamedTuple):
 class _PagedDecode(NamedTuple):
     """The decode rows of a step over a paged cache: their block tables (``[rows, blocks]``, padded with
     block 0 past each row's own), spans (position + 1) and what every layer shares, built once a step:
-    for the compiled kernel its host arguments (`kernel`), else the torch attention's indexes."""
+    for the compiled kernel its host arguments (`kernel`), else the torch attention's indexes. With the
+    compiled kernel the step's leading short prefill chunks join as rows, one a token (`rows` counts
+    them too); `write`, then, is where every row's key and value go in a ``[-1, head_dim]`` view of a
+    layer's cache (written before the kernel runs, so that no token reads a position of its chunk
+    before it is written)."""
 
     rows: int
     tables: torch.Tensor
     spans: npt.NDArray[np.int64]
     shared: paged_attention.DecodeIndex | None
     kernel: paged_attention.KernelRows | None = None
+    write: torch.Tensor | None = None
 
 
 class FastLlama:
@@ -115,6 +122,7 @@ class FastLlama:
         self._gemm = gemm if gemm is not None else CpuGemm.for_model(self.device, self.dtype)
         self.paged = isinstance(cache, paged_attention.PagedKVCache)
         self._compiled = compiled_attention_ok and compiled_attention.available(self.dtype, self.device)
+        self._warm_gemm()
         if self._compiled:
             try:  # compiles (or loads from numba's cache) at load, not on a request
                 compiled_attention.warm_up()
@@ -139,11 +147,22 @@ class FastLlama:
     def use_kernels(self, gemm: CpuGemm, compiled: bool) -> None:
         """Run the next steps with these product shapes and (where it applies) the compiled attention."""
         self._gemm = gemm
+        self._warm_gemm()
         self._compiled = compiled and compiled_attention.available(self.dtype, self.device)
         if self._compiled:
             compiled_attention.warm_up()
             if self.paged:
                 paged_attention.warm_up()
+
+    def _warm_gemm(self) -> None:
+        """Compile the few-row product kernel at load (or on a kernel change), not on a request; if it
+        cannot be compiled, products of few rows go through BLAS instead."""
+        if self._gemm.few_rows > 1 and skinny_gemm.available(self.dtype, self.device):
+            try:
+                skinny_gemm.warm_up()
+            except Exception:  # noqa: BLE001 - a numba/llvmlite problem costs speed, not the model
+                log.exception("compiled few-row products unavailable; using BLAS")
+                self._gemm = self._gemm.with_(few_rows=0)
 
     # ---- RoPE table ------------------------------------------------------------------------------
     def _rope(self, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,6 +209,7 @@ class FastLlama:
         cos, sin = cos_table[pos][:, None], sin_table[pos][:, None]  # [T, 1, D]
         x = F.embedding(torch.tensor(ids, device=dev), self.embed)
         dec: _DecodePlan | _PagedDecode | None = None
+        short = 0  # prefill chunks computed as decode rows (paged, compiled attention)
         if isinstance(self.cache, SlotKVCache):
             self.cache.ensure_capacity(span)
             if rows:
@@ -197,16 +217,24 @@ class FastLlama:
         else:
             tables = [t for t in decode_tables or [] if t] + [key for key, _, _ in prefills if isinstance(key, list)]
             self.cache.ensure_zeroed(1 + max((max(t) for t in tables if t), default=-1))
-            if rows:
-                if decode_tables is None or len(decode_tables) != rows:
-                    raise ValueError("a paged cache needs a block table for every decode row")
-                compiled = paged_attention.available(self.dtype, dev)
+            if rows and (decode_tables is None or len(decode_tables) != rows):
+                raise ValueError("a paged cache needs a block table for every decode row")
+            compiled = paged_attention.available(self.dtype, dev)
+            kernel_positions, kernel_tables = list(decode_positions), list(decode_tables or [])
+            if compiled and CHUNKS_AS_DECODE_ROWS:  # the leading short chunks: rows of the decode kernel
+                for key, start, chunk in prefills:
+                    if len(chunk) > KERNEL_CHUNK_TOKENS or not isinstance(key, list):
+                        break
+                    kernel_positions.extend(range(start, start + len(chunk)))
+                    kernel_tables.extend([key] * len(chunk))
+                    short += 1
+            if kernel_positions:
                 dec = _paged_decode(
-                    decode_positions, decode_tables, self.cache.block_size, dev, compiled, self.kv_heads
+                    kernel_positions, kernel_tables, self.cache.block_size, dev, compiled, self.kv_heads, rows
                 )
         pre = []
-        offset = rows
-        for key, start, chunk in prefills:
+        offset = len(dec.spans) if isinstance(dec, _PagedDecode) else rows
+        for key, start, chunk in prefills[short:]:
             end = start + len(chunk)
             chunk_pos = pos[offset : offset + len(chunk)]
             mask = (torch.arange(end, device=dev)[None, :] <= chunk_pos[:, None])[None, None]
@@ -320,6 +348,10 @@ class FastLlama:
             n = dec.rows
             query = q[:n].reshape(n, self.kv_heads, self.groups, self.head_dim)
             if dec.kernel is not None:
+                if dec.write is not None:  # chunks' tokens among the rows: every key and value written first
+                    dim = self.head_dim
+                    keys.view(-1, dim).index_copy_(0, dec.write, k[:n].reshape(-1, dim))
+                    values.view(-1, dim).index_copy_(0, dec.write, v[:n].reshape(-1, dim))
                 out = paged_attention.kernel_decode_attention(query, keys, values, k[:n], v[:n], dec.kernel, self.scale)
             else:
                 out = paged_attention.paged_decode_attention(
@@ -361,14 +393,29 @@ class FastLlama:
 
 
 def _paged_decode(
-    positions: list[int], tables: list[list[int]], block_size: int, device: torch.device, compiled: bool, kv_heads: int
+    positions: list[int],
+    tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+    compiled: bool,
+    kv_heads: int,
+    decode_rows: int,
 ) -> _PagedDecode:
+    """`positions`/`tables`: the decode rows', then (compiled kernel only) those of the short chunks'
+    tokens after the first `decode_rows`."""
     spans = np.array(positions, dtype=np.int64) + 1
     width = max(-(-int(span) // block_size) for span in spans)
     padded = [table[:width] + [0] * (width - len(table[:width])) for table in tables]
     table = torch.tensor(padded, dtype=torch.long, device=device)
     if compiled:
-        return _PagedDecode(len(positions), table, spans, None, paged_attention.KernelRows.of(table, spans, kv_heads))
+        write = None
+        if len(positions) > decode_rows:
+            pos = torch.from_numpy(spans - 1).to(device)
+            rows = torch.arange(len(positions), device=device)
+            write = paged_attention.flat_index(table[rows, pos // block_size], pos % block_size, kv_heads, block_size)
+            write = write.reshape(-1)
+        kernel = paged_attention.KernelRows.of(table, spans, kv_heads)
+        return _PagedDecode(len(positions), table, spans, None, kernel, write)
     return _PagedDecode(len(positions), table, spans, paged_attention.decode_index(table, spans, block_size, device))
 
 
@@ -379,6 +426,12 @@ SPLIT_MIN_SAVING = 1000
 # (measured on SmolLM2's attention shape, 2 AMD EPYC cores: 28 tokens after 1,972 take 5.3 ms a layer
 # there against 8.9 ms gathered with SDPA; from 64 tokens SDPA wins)
 KERNEL_CHUNK_TOKENS = 32
+# over a paged cache (CPU fp32) the step's leading chunks of at most KERNEL_CHUNK_TOKENS tokens join the
+# decode rows in one kernel call a layer, their keys and values written through an index made once a
+# step (a 2-token chunk at position 200 of SmolLM2-135M: attention 10.5 -> 4.6 ms a step on the AMD
+# EPYC); False: a kernel call, a write and its index a chunk and a layer (benchmarks/verify_chunk.py's
+# "before")
+CHUNKS_AS_DECODE_ROWS = True
 
 
 def split_point(spans: list[int]) -> int | None:

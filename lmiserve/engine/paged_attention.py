@@ -52,6 +52,7 @@ __all__ = [
     "PagedKVCache",
     "available",
     "compiled_decode_attention",
+    "flat_index",
     "gather_context",
     "paged_decode_attention",
     "torch_decode_attention",
@@ -394,7 +395,7 @@ def _parts(rows: int, kv_heads: int) -> int:
 # ---- decode: torch (any dtype, any device) ------------------------------------------------------------
 
 
-def _flat_index(blocks: torch.Tensor, offsets: torch.Tensor, kv_heads: int, block_size: int) -> torch.Tensor:
+def flat_index(blocks: torch.Tensor, offsets: torch.Tensor, kv_heads: int, block_size: int) -> torch.Tensor:
     """Rows of a ``[num_blocks * kv_heads * block_size, head_dim]`` view for tokens at (block, offset):
     ``[tokens, kv_heads]``."""
     heads = torch.arange(kv_heads, device=blocks.device)
@@ -411,7 +412,7 @@ def write_tokens(
 ) -> None:
     """Store tokens' keys/values (``[tokens, kv_heads, head_dim]``) each at its (block, offset)."""
     _, kv_heads, block_size, dim = key_cache.shape
-    index = _flat_index(blocks, offsets, kv_heads, block_size).reshape(-1)
+    index = flat_index(blocks, offsets, kv_heads, block_size).reshape(-1)
     key_cache.view(-1, dim).index_copy_(0, index, keys.reshape(-1, dim).to(key_cache.dtype))
     value_cache.view(-1, dim).index_copy_(0, index, values.reshape(-1, dim).to(value_cache.dtype))
 

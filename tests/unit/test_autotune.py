@@ -32,6 +32,8 @@ CANDIDATES = {
     "blocks": CpuGemm(splits=2),
     "transposed": CpuGemm(1, 8, 2, True),
     "blocks+transposed": CpuGemm.tuned_default(2),
+    "few-row kernel": CpuGemm(few_rows=9),
+    "blocks+transposed, few-row kernel to 4": CpuGemm(2, 8, 2, True, 4),
 }
 
 
@@ -50,6 +52,8 @@ def test_static_default_is_the_epyc_choice_for_fp32_cpu_only():
     cpu = CpuGemm.for_model(torch.device("cpu"), torch.float32)
     assert cpu.splits >= 2 and (cpu.transpose_from, cpu.vocab_transpose_from, cpu.pad) == (8, 2, True)
     assert cpu.row_padding(13) == 3 and cpu.row_padding(4) == 0
+    assert cpu.few_rows == 9 and cpu.row_padding(9) == 0 and cpu.row_padding(9, pad_from=2) == 0
+    assert CpuGemm.from_dict({k: v for k, v in cpu.to_dict().items() if k != "few_rows"}).few_rows == 0  # a v1 entry
     bf16 = CpuGemm.for_model(torch.device("cpu"), torch.bfloat16)
     assert bf16 == CpuGemm.plain() and bf16.row_padding(13) == 0 and bf16.transpose_from == NEVER
     assert CpuGemm.from_dict(json.loads(json.dumps(cpu.to_dict()))) == cpu
@@ -85,6 +89,7 @@ def test_measures_once_then_reads_the_cache(tiny_model, tmp_path: Path, monkeypa
     first = autotune.choose(_fast(tiny_model), 4, path)
     assert first.source == "measured"
     assert {"b1 blocks", "b1 plain", "b4 transposed", "b4 plain"} <= set(first.timings_ms)
+    assert {"chunk 3 few-row", "chunk 3 blas"} <= set(first.timings_ms) and first.gemm.few_rows in (0, 4, 9)
     entries = json.loads(path.read_text())
     (key, entry), *_ = entries.items()
     assert cpu_info().model in key and "batch 4" in key and "float32" in key

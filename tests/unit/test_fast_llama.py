@@ -111,7 +111,7 @@ def test_one_ragged_step_gives_transformers_logits(arch: str):
     torch.testing.assert_close(out[2], reference[2][-1], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("kernel_chunk", [0, 64], ids=["chunks-sdpa", "chunks-kernel"])
+@pytest.mark.parametrize("kernel_chunk", [0, 32, 64], ids=["chunks-sdpa", "chunks-mixed", "chunks-kernel"])
 @torch.inference_mode()
 def test_paged_prompt_chunks_after_a_long_prefix_give_transformers_logits(kernel_chunk: int, monkeypatch):
     """Over a block cache, a prompt computed in small chunks (each attending over the prefix in its
@@ -340,7 +340,8 @@ def test_bf16_models_run_on_the_fast_path_close_to_transformers():
 @pytest.mark.parametrize("rows", [5, 11, 17])
 @torch.inference_mode()
 def test_decode_rows_padded_to_a_multiple_of_eight_give_each_rows_logits(rows: int, attention: str, monkeypatch):
-    """On CPU a step pads its rows (and the rows it keeps) to a multiple of 8; the padding never shows.
+    """On CPU a step pads its rows (and the rows it keeps) to a multiple of 8 (past the few rows the
+    few-row kernel takes unpadded); the padding never shows.
     Every decode attention gives each row its own logits: the compiled kernel (CPU fp32), and the torch
     path (GPU, bf16) in one pass or split (short rows in place, long rows' tails from a copy)."""
     if attention != "compiled":
@@ -356,11 +357,55 @@ def test_decode_rows_padded_to_a_multiple_of_eight_give_each_rows_logits(rows: i
     )
     fast = FastLlama(model, cache, 256)
     assert fast._compiled == (attention == "compiled")
-    assert fast._row_padding(rows, fast_llama.PAD_ROWS_FROM) == (-rows) % 8
+    padded = 0 if rows <= fast.gemm.few_rows else (-rows) % 8
+    assert fast._row_padding(rows, fast_llama.PAD_ROWS_FROM) == padded
     fast.forward([], [], [(i, 0, s[:-1]) for i, s in enumerate(seqs)], [])
     out = fast.forward([s[-1] for s in seqs], [len(s) - 1 for s in seqs], [], list(range(rows)))
     assert out.shape == (rows, cfg.vocab_size)
     torch.testing.assert_close(out, torch.stack(reference), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("as_rows", [True, False], ids=["chunks-as-decode-rows", "a-kernel-call-a-chunk"])
+@pytest.mark.parametrize("few_rows", [9, 0], ids=["few-row-kernel", "blas"])
+@torch.inference_mode()
+def test_paged_draft_chunks_give_every_positions_logits(as_rows: bool, few_rows: int, monkeypatch):
+    """Draft verification over a block cache: requests' chunks of 2-9 tokens (the last token and the
+    drafts, every logit kept) beside a decode row and behind a long prompt chunk give each position's
+    logits of the sequence run alone, whether the short chunks join the decode kernel's rows (those
+    before the long chunk) or attend a chunk at a time, and whether few-row products run through the
+    few-row kernel or BLAS."""
+    monkeypatch.setattr(fast_llama, "CHUNKS_AS_DECODE_ROWS", as_rows)
+    model = build(*ARCHS["llama"])
+    cfg = model.config
+    rng = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(4, 512, (n,), generator=rng).tolist() for n in (30, 25, 20, 50)]
+    refs = [model(torch.tensor([s])).logits[0] for s in seqs]
+    cache = PagedKVCache(cfg.num_hidden_layers, 44, 4, cfg.num_key_value_heads, 16, model.dtype, model.device)
+    fast = FastLlama(model, cache, 256)
+    fast.use_kernels(fast.gemm.with_(few_rows=few_rows), fast.compiled_attention)
+    tables = [list(range(i * 10, i * 10 + 8)) for i in range(3)] + [list(range(30, 43))]  # 4 positions a block
+    starts = [21, 23, 11]  # what each sequence has in its blocks before this step
+    fast.forward([], [], [(tables[i], 0, seqs[i][: starts[i]]) for i in range(3)], [])
+    # seq 0 decodes one token; seq 1 verifies a chunk of 2, seq 2 one of 9 (the last 9 of 20), both before
+    # seq 3's first 40 prompt tokens (a long chunk), then seq 0's next 5 tokens after it
+    out = fast.forward(
+        [seqs[0][21]],
+        [21],
+        [
+            (tables[1], 23, seqs[1][23:25]),
+            (tables[2], 11, seqs[2][11:20]),
+            (tables[3], 0, seqs[3][:40]),
+            (tables[0], 22, seqs[0][22:27]),
+        ],
+        [0, 1, 2, *range(3, 12), 12 + 39, *range(52, 57)],
+        [tables[0]],
+    )
+    assert out.shape == (1 + 2 + 9 + 1 + 5, cfg.vocab_size)
+    torch.testing.assert_close(out[0], refs[0][21], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out[1:3], refs[1][23:25], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out[3:12], refs[2][11:20], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out[12], refs[3][39], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out[13:], refs[0][22:27], rtol=1e-4, atol=1e-4)
 
 
 def test_decode_attention_splits_only_where_it_saves_reading():
