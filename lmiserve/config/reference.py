@@ -71,6 +71,9 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "kv_cache_memory_bytes",
             "gpu_memory_utilization",
             "block_size",
+            "speculative_config",
+            "speculative_draft_model",
+            "speculative_length",
         ),
     ),
     (

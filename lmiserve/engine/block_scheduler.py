@@ -207,9 +207,11 @@ class BlockScheduler(SchedulerBase):
         """The proposer's drafts for `seq`'s next step, at most as many as its remaining tokens allow
         (the step gives it up to one more than its drafts); none with a grammar (its matcher would have to
         mask every draft position) or without a proposer."""
-        proposed, seq.drafts = (list(self.proposer(seq)) if self.proposer is not None else seq.drafts), []
+        proposed, seq.drafts = seq.drafts, []
         if seq.grammar is not None:
             return []
+        if self.proposer is not None:
+            proposed = list(self.proposer(seq))
         room = seq.params.max_new_tokens - len(seq.output_ids) - 1
         return proposed[:room] if room > 0 else []
 

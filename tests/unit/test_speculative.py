@@ -215,9 +215,11 @@ async def test_drafting_turns_down_for_a_large_batch_and_for_rejected_drafts(tin
             seen.append(engine.snapshot().speculation)
             await asyncio.sleep(0.002)
         await task
+        await tokens(engine, requests[0])  # alone: drafting again
+        alone = engine.snapshot().speculation
     off = [info for info in seen if not info["active"]]
     assert off and "disable_by_batch_size" in off[0]["reason"]
-    assert seen[-1]["active"]  # the last request decodes alone: drafting again
+    assert alone["active"] and alone["reason"] is None
     # drafts that are never right: the request stops asking after a few steps
     wrong = SpeculationSettings("ngram", 4, min_acceptance_rate=0.9)
     async with engine_with(tiny_model, wrong) as engine:
