@@ -132,6 +132,14 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="completion: one prompt a request (LMI /invocations; peers /v1/completions); chat: "
         "multi-turn conversations over /v1/chat/completions; both: one after the other (default completion)",
     )
+    p.add_argument(
+        "--prompt-set",
+        choices=("general", "repeat"),
+        default="general",
+        help="the completion scenario's prompts: general (questions, stories, explanations) or repeat "
+        "(answers that repeat or edit a passage of the prompt: what speculative decoding's prompt lookup "
+        "speeds up) (default general)",
+    )
     p.add_argument("--chat-turns", type=_positive_int, default=4, help="turns of each conversation (default 4)")
     p.add_argument(
         "--chat-conversations",
@@ -187,6 +195,9 @@ def run_bench_command(args: argparse.Namespace, argv: list[str] | None = None) -
     try:
         options = [parse_override(o) for o in args.option]
         ab_options = [parse_override(o) for o in args.ab_option]
+        from lmiserve.bench.prompts import select_prompt_set
+
+        select_prompt_set(args.prompt_set)  # the servers' requests and the in-process baselines
         from lmiserve.bench.runner import BenchConfig
 
         config = BenchConfig(
@@ -215,6 +226,7 @@ def run_bench_command(args: argparse.Namespace, argv: list[str] | None = None) -
             json_schema=schema,
             json_schema_source=args.json_schema,
             scenario=args.scenario,
+            prompt_set=args.prompt_set,
             chat_turns=args.chat_turns,
             chat_conversations=args.chat_conversations,
             ab_options=ab_options,

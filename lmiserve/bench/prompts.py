@@ -46,6 +46,61 @@ PROMPTS: tuple[str, ...] = (
 
 SHORT_PROMPTS: tuple[str, ...] = tuple(p for p in PROMPTS if len(p.split()) <= 20)
 
+# `--prompt-set repeat`: requests whose answer repeats or edits a passage of the prompt (what prompt
+# lookup speeds up: extraction, edits, quoting). Written in the bundled model's chat format (ChatML), so
+# a raw completion request (LMI /invocations, a peer's /v1/completions) gets the instruct model's answer.
+_PASSAGES: tuple[tuple[str, str], ...] = (
+    ("Repeat the following paragraph exactly, word for word.", _LONG_CONTEXT),
+    (
+        "Rewrite this Python function with the variable name `total` renamed to `result`; change nothing else.",
+        "def add_all(values):\n    total = 0\n    for value in values:\n        if value is None:\n"
+        "            continue\n        total = total + value\n    return total\n\n\n"
+        "def average(values):\n    total = add_all(values)\n    count = len([v for v in values if v is not None])\n"
+        "    return total / count if count else 0.0\n",
+    ),
+    (
+        "Copy out the sentences of this text that mention the library, unchanged.",
+        _LONG_CONTEXT + "The library kept a ledger of every book lent since the day it opened, and the "
+        "librarian read a page of it aloud at the spring festival.",
+    ),
+    (
+        "Correct the spelling in this text and return the whole corrected text.",
+        "The comittee met on tuesday to discus the new budjet for the libary. Every member agreed that the "
+        "roof needed repairs before the winter, and that the childrens' reading room should stay open on "
+        "saturdays. The treasurer said the town could aford both if the market fees rose a little.",
+    ),
+    (
+        "Repeat this list in the same order, adding a full stop at the end of every line.",
+        "\n".join(
+            f"{n}. {item}"
+            for n, item in enumerate(
+                (
+                    "Check the tyres before a long drive",
+                    "Keep a spare bulb for the headlights",
+                    "Change the oil every ten thousand kilometres",
+                    "Top up the washer fluid in autumn",
+                    "Test the battery before winter",
+                    "Carry a blanket and water in the boot",
+                    "Clean the windscreen inside and out",
+                    "Replace the wiper blades once a year",
+                ),
+                start=1,
+            )
+        ),
+    ),
+)
+REPEAT_PROMPTS: tuple[str, ...] = tuple(
+    f"<|im_start|>user\n{ask}\n\n{passage}<|im_end|>\n<|im_start|>assistant\n" for ask, passage in _PASSAGES
+)
+PROMPT_SETS: dict[str, tuple[str, ...]] = {"general": PROMPTS, "repeat": REPEAT_PROMPTS}
+_active: tuple[str, ...] = PROMPTS
+
+
+def select_prompt_set(name: str) -> None:
+    """Use the prompt set `name` (`PROMPT_SETS`) for this process's requests and baselines."""
+    global _active
+    _active = PROMPT_SETS[name]
+
 
 def soak_prompt(index: int) -> str:
     """The prompt of soak request `index`: the short prompts only (about 4 to 22 tokens), in turn."""
@@ -53,8 +108,8 @@ def soak_prompt(index: int) -> str:
 
 
 def prompt_for(index: int) -> str:
-    """The `index`-th prompt of the set, cycling past the end."""
-    return PROMPTS[index % len(PROMPTS)]
+    """The `index`-th prompt of the selected set, cycling past the end."""
+    return _active[index % len(_active)]
 
 
 def client_prompt(client: int, request: int, concurrency: int) -> str:

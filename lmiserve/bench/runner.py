@@ -61,6 +61,7 @@ class BenchConfig:
     json_schema_source: str | None = None  # "builtin" or the file it came from
     mask_steps: int = 64  # steps of the in-process mask measurement per batch size
     scenario: str = "completion"  # completion, chat or both
+    prompt_set: str = "general"  # the completion scenario's prompts (bench/prompts.py, PROMPT_SETS)
     chat_turns: int = 4
     chat_conversations: int = 2  # per client and level (without --duration)
     ab_options: list[tuple[str, str]] = field(default_factory=list)  # --ab-option: a second lmiserve
@@ -352,6 +353,7 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
             "skip_baselines": config.skip_baselines,
             "json_schema": config.json_schema_source,
             "scenario": config.scenario,
+            "prompt_set": config.prompt_set,
             "chat_turns": config.chat_turns if "chat" in config.scenarios else None,
             "chat_conversations_per_client": (
                 config.chat_conversations if "chat" in config.scenarios and not config.duration else None

@@ -13,6 +13,7 @@ from lmiserve.config.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE
 from lmiserve.engine.async_engine import AsyncEngine, EngineConfig
 from lmiserve.engine.grammar_compiler import GrammarCompiler
 from lmiserve.engine.loaded import LoadedModel
+from lmiserve.engine.quantize import Int4Linear, Int8Linear, quantize_output_int8
 from lmiserve.engine.runners import FastRunner, ModelRunner, create_runner, paged_generic, runner_class
 from lmiserve.engine.runners.batched import PersistentBatchRunner
 from lmiserve.engine.runners.paged import PagedFastRunner, kv_bytes_per_block
@@ -243,5 +244,8 @@ def _proposer(loaded: LoadedModel, config: EngineConfig, draft: LoadedModel | No
         num_blocks,
         num_blocks * kv_bytes_per_block(draft.model, config.block_size) / 2**20,
     )
+    quantized = any(isinstance(m, (Int4Linear, Int8Linear)) for m in draft.model.modules())
+    if quantized and quantize_output_int8(draft.model):
+        log.info("speculative decoding: the quantized draft's output projection is int8 too")
     draft_config = dataclasses.replace(config, cpu_autotune=False)
     return DraftModelProposer(_paged_runner(draft, draft_config, num_blocks, PagedFastRunner if fast else None))

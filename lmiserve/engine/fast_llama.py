@@ -40,6 +40,7 @@ from lmiserve.engine.llama_layout import (
     fused_layers,
     unsupported_reason,
 )
+from lmiserve.engine.quantize import Int4Linear, Int8Linear
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -115,7 +116,10 @@ class FastLlama:
         self.embed = inner.embed_tokens.weight
         self.layers = fused_layers(model)  # shared by every engine on this model
         self.norm = (inner.norm.weight, inner.norm.variance_epsilon)
-        self.lm_head = llama.lm_head.weight
+        head = llama.lm_head
+        self.lm_head = head.weight
+        # an output projection quantized for a speculative draft (quantize.quantize_output_int4)
+        self.lm_head_s = head.scales if isinstance(head, (Int8Linear, Int4Linear)) else None
         self._rotary = inner.rotary_emb
         self._max_context = max_context
         self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)
@@ -259,7 +263,7 @@ class FastLlama:
         keep = keep + keep[:1] * self._row_padding(count, VOCAB_PAD_ROWS_FROM)
         if keep != list(range(x.shape[0])):
             x = x[torch.tensor(keep, dtype=torch.long, device=dev)]
-        return gemm.linear(_rms(x, self.norm), self.lm_head, None)[:count].float().contiguous()
+        return gemm.linear(_rms(x, self.norm), self.lm_head, None, self.lm_head_s)[:count].float().contiguous()
 
     def _row_padding(self, rows: int, pad_from: int) -> int:
         """Rows to add (on CPU, from `pad_from` rows) up to a multiple of 8 (`CpuGemm.row_padding`)."""
