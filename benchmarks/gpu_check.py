@@ -55,6 +55,7 @@ ENGINE_TESTS = (
     "tests/unit/test_tgi_golden.py",
     "tests/unit/test_draft_verification.py",
     "tests/unit/test_tokenized_once.py",
+    "tests/unit/test_speculative.py",
 )
 
 PYTEST_PLUGINS = ("-p", "pytest_asyncio.plugin", "-p", "xdist.plugin")
