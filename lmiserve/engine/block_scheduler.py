@@ -145,7 +145,7 @@ class BlockScheduler(SchedulerBase):
             self._sent[seq.seq_id] = len(blocks)
             details = seq.params.decoder_input_details and row >= batch.num_decode
             drafts = plan.drafts.get(seq.seq_id, []) if row < len(plan.decode) else []
-            propose = speculation.wanted(seq) if speculation is not None and sample else 0
+            propose = speculation.wanted(seq, row < len(plan.decode)) if speculation is not None and sample else 0
             batch.rows.append(
                 ScheduledTokens(seq.seq_id, start, token_ids, blocks[sent:], sample, details, drafts, propose)
             )

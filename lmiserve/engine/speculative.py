@@ -234,9 +234,13 @@ class SpeculationPolicy:
         limit = self.settings.disable_by_batch_size
         self.batch_too_large = limit is not None and decoding > limit
 
-    def wanted(self, seq: Sequence) -> int:
-        """Drafts to propose for `seq` after this step (0: none)."""
+    def wanted(self, seq: Sequence, decoding: bool = True) -> int:
+        """Drafts to propose for `seq` after this step (0: none). A draft model proposes nothing right
+        after a prompt (`decoding` False): its first call computes the whole prompt, which would delay
+        the first token; it starts at the next step."""
         if self.batch_too_large or seq.grammar is not None:
+            return 0
+        if not decoding and self.settings.method != "ngram":
             return 0
         if seq.spec_pause > 0:
             seq.spec_pause -= 1
