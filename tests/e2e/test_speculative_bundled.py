@@ -83,7 +83,10 @@ async def test_greedy_answers_equal_the_server_without_speculation(plain, specul
     assert info["num_drafts"] > 0 and info["num_accepted_tokens"] > 0
     for counter in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
         assert f"vllm:spec_decode_{counter}_total{{" in metrics
-    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="SmolLM2-135M-Instruct",position="0"}' in metrics
+    assert (
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="SmolLM2-135M-Instruct",position="0"}'
+        in metrics
+    )
 
 
 async def test_tgi_and_lmi_streams_carry_every_token(plain, speculative):
