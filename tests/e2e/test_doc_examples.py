@@ -96,8 +96,18 @@ def _embeddings(request: pytest.FixtureRequest, tmp_path: Path) -> Server:
     return Server(["--model-store", str(tmp_path / "embed-store")])
 
 
+def _speculative(request: pytest.FixtureRequest, tmp_path: Path) -> Server:
+    """docs/speculative-decoding.md's server: the bundled model with prompt lookup (the same server as
+    tests/e2e/test_speculative_bundled.py's, shared through the pool)."""
+    request.getfixturevalue("smollm_dir")
+    return Server(["-o", SPECULATIVE_CONFIG])
+
+
+SPECULATIVE_CONFIG = 'speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+
 SERVERS: dict[str, Callable[[pytest.FixtureRequest, Path], Server]] = {
     "make serve": _make_serve,
+    "speculative": _speculative,
     "dynamic-batch": _dynamic_batch,
     "api-key": _api_key,
     "store": _store,
@@ -108,6 +118,7 @@ SERVERS: dict[str, Callable[[pytest.FixtureRequest, Path], Server]] = {
 # examples of a kind shows its start command.
 START_COMMANDS = {
     "make serve": "make serve ",
+    "speculative": f".venv/bin/lmiserve serve -o '{SPECULATIVE_CONFIG}'\n",
     "dynamic-batch": ".venv/bin/lmiserve serve -o rolling_batch=disable -o batch_size=4 -o max_batch_delay=50\n",
     "api-key": "lmiserve serve --api-key s3cret ",
     "metrics-port": "lmiserve serve --metrics-port 9090\n",
@@ -169,7 +180,7 @@ def test_doc_examples_run_as_pasted(kind: str, request: pytest.FixtureRequest, t
         assert done.exit_code == 0, f"{setup}: the setup block failed:\n{done.stderr}"
     failures: list[str] = []
     with contextlib.ExitStack() as stack:
-        if kind == "make serve":  # the bundled model's defaults: the server the other e2e modules share
+        if kind in ("make serve", "speculative"):  # servers the other e2e modules share
             url = server_pool.url(server.args, env=server.env, timeout=300)
         else:
             url = stack.enter_context(run_server(server.args, env=server.env, timeout=300))
