@@ -16,18 +16,12 @@ than BLAS, so results differ from the torch path in the last bits, as two BLAS k
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-try:  # numba is a dependency; a broken install only costs speed
-    import numba
-except Exception:  # noqa: BLE001 - import errors of numba/llvmlite come in many types
-    _HAVE_NUMBA = False
-else:
-    _HAVE_NUMBA = True
+from lmiserve.engine.jit import HAVE_NUMBA, lazily_compiled, numba
 
 _F32 = npt.NDArray[np.float32]
 
@@ -77,14 +71,7 @@ def _kernel(  # pragma: no cover - compiled
                     out[row, head, g, d] += p * values[row, head, j, d]
 
 
-_compiled: Callable[..., None] | None = None
-
-
-def _compiled_kernel() -> Callable[..., None]:
-    global _compiled
-    if _compiled is None:
-        _compiled = numba.njit(fastmath=True, parallel=True, cache=True, nogil=True)(_kernel)
-    return _compiled
+_compiled_kernel = lazily_compiled(_kernel)
 
 
 def warm_up() -> None:
@@ -96,7 +83,7 @@ def warm_up() -> None:
 
 def available(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether `decode_attention` serves a model of this dtype on this device."""
-    return _HAVE_NUMBA and device.type == "cpu" and dtype == torch.float32
+    return HAVE_NUMBA and device.type == "cpu" and dtype == torch.float32
 
 
 def decode_attention(

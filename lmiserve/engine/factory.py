@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -197,26 +197,17 @@ def _paged_runner(
 ) -> PagedFastRunner | paged_generic.PagedGenericRunner:
     """The paged runner of `loaded` over a pool of `num_blocks` blocks: the fast one (`fast_cls`) or,
     for another architecture or with fast_path=false, transformers' forward over the blocks."""
+    common: dict[str, Any] = {
+        "max_slots": config.max_running,
+        "max_context": loaded.max_context,
+        "eos_token_ids": loaded.eos_token_ids,
+        "num_blocks": num_blocks,
+        "block_size": config.block_size,
+    }
     if fast_cls is not None:
-        return fast_cls(
-            loaded.model,
-            max_slots=config.max_running,
-            max_context=loaded.max_context,
-            eos_token_ids=loaded.eos_token_ids,
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            autotune=config.cpu_autotune,
-            autotune_cache=config.autotune_cache,
-        )
+        return fast_cls(loaded.model, autotune=config.cpu_autotune, autotune_cache=config.autotune_cache, **common)
     log.info("model runner: generic path over the paged KV cache (transformers' attention)")
-    return paged_generic.PagedGenericRunner(
-        loaded.model,
-        max_slots=config.max_running,
-        max_context=loaded.max_context,
-        eos_token_ids=loaded.eos_token_ids,
-        num_blocks=num_blocks,
-        block_size=config.block_size,
-    )
+    return paged_generic.PagedGenericRunner(loaded.model, **common)
 
 
 def _proposer(loaded: LoadedModel, config: EngineConfig, draft: LoadedModel | None) -> Proposer:

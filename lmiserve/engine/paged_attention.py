@@ -33,9 +33,8 @@ path, but must be valid block ids there (pad with 0). Spans are host integers (a
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -43,10 +42,7 @@ import numpy.typing as npt
 import torch
 
 from lmiserve.engine import decode_attention, kv_blocks
-
-# numba is a dependency; a broken install only costs speed (`available` is then False, the kernel unused)
-with contextlib.suppress(Exception):
-    import numba
+from lmiserve.engine.jit import lazily_compiled, numba
 
 __all__ = [
     "PagedKVCache",
@@ -155,7 +151,7 @@ def _softmax(scores: _F32) -> None:  # pragma: no cover - compiled
             scores[g, j] *= inv
 
 
-if "numba" in globals():  # the kernels call it compiled, inlined (it compiles with the first of them)
+if numba is not None:  # the kernels call it compiled, inlined (it compiles with the first of them)
     _softmax = numba.njit(inline="always", fastmath=True, cache=True, nogil=True)(_softmax)
 
 
@@ -280,22 +276,8 @@ def _head_kernel(  # pragma: no cover - compiled
                         out[row, head, g, d] += p * value_cache[block, head, o, d]
 
 
-_compiled: Callable[..., None] | None = None
-_compiled_heads: Callable[..., None] | None = None
-
-
-def _compiled_kernel() -> Callable[..., None]:
-    global _compiled
-    if _compiled is None:
-        _compiled = numba.njit(fastmath=True, parallel=True, cache=True, nogil=True)(_kernel)
-    return _compiled
-
-
-def _compiled_head_kernel() -> Callable[..., None]:
-    global _compiled_heads
-    if _compiled_heads is None:
-        _compiled_heads = numba.njit(fastmath=True, parallel=True, cache=True, nogil=True)(_head_kernel)
-    return _compiled_heads
+_compiled_kernel = lazily_compiled(_kernel)
+_compiled_head_kernel = lazily_compiled(_head_kernel)
 
 
 def available(dtype: torch.dtype, device: torch.device) -> bool:

@@ -21,18 +21,11 @@ differ from ``F.linear`` in the last bits, as two BLAS kernels do.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import numpy.typing as npt
 import torch
 
-try:  # numba is a dependency; a broken install only costs speed
-    import numba
-except Exception:  # noqa: BLE001 - import errors of numba/llvmlite come in many types
-    _HAVE_NUMBA = False
-else:
-    _HAVE_NUMBA = True
+from lmiserve.engine.jit import HAVE_NUMBA, lazily_compiled, numba
 
 _F32 = npt.NDArray[np.float32]
 
@@ -60,19 +53,12 @@ def _kernel(x: _F32, w: _F32, out: _F32) -> None:  # pragma: no cover - compiled
             out[m, n] = a
 
 
-_compiled: Callable[..., None] | None = None
-
-
-def _compiled_kernel() -> Callable[..., None]:
-    global _compiled
-    if _compiled is None:
-        _compiled = numba.njit(fastmath=True, parallel=True, cache=True, nogil=True)(_kernel)
-    return _compiled
+_compiled_kernel = lazily_compiled(_kernel)
 
 
 def available(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether `linear` serves weights of this dtype on this device."""
-    return _HAVE_NUMBA and device.type == "cpu" and dtype == torch.float32
+    return HAVE_NUMBA and device.type == "cpu" and dtype == torch.float32
 
 
 def warm_up() -> None:
