@@ -118,7 +118,7 @@ class FastLlama:
         self.norm = (inner.norm.weight, inner.norm.variance_epsilon)
         head = llama.lm_head
         self.lm_head = head.weight
-        # an output projection quantized for a speculative draft (quantize.quantize_output_int4)
+        # an output projection quantized for a speculative draft (quantize.quantize_output_int8)
         self.lm_head_s = head.scales if isinstance(head, (Int8Linear, Int4Linear)) else None
         self._rotary = inner.rotary_emb
         self._max_context = max_context
