@@ -655,6 +655,10 @@ class Settings(BaseModel):
             self.rolling_batch = "disable"
             self.sources["rolling_batch"] = f"batch_size={self.batch_size}"
         self._fold_lmi_speculative()
+        if self.speculative_config is not None and (self.kv_cache != "paged" or self.batch_invariant):
+            raise ValueError(
+                "speculative_config needs the paged KV cache: not with kv_cache=slots or batch_invariant=true"
+            )
         return self
 
     def _fold_lmi_speculative(self) -> None:

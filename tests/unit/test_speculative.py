@@ -234,3 +234,63 @@ def test_speculation_needs_the_paged_kv_cache(tiny_model):
         create_engine(tiny_model, EngineConfig(kv_cache="slots", speculation=SpeculationSettings("ngram", 3)))
     with pytest.raises(ValueError, match="draft model"):
         create_engine(tiny_model, EngineConfig(speculation=SpeculationSettings("draft_model", 3)))
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"speculative_config": '{"method": "eagle", "model": "x"}'}, "method 'eagle' is not supported"),
+        ({"speculative_config": '{"method": "ngram", "foo": 1}'}, "foo: unknown key"),
+        ({"speculative_config": '{"method": "ngram"'}, "not a JSON object"),
+        ({"speculative_config": '{"method": "ngram", "num_speculative_tokens": 0}'}, "num_speculative_tokens"),
+        ({"speculative_config": '{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}'}, "larger than"),
+        ({"speculative_config": '{"method": "draft_model"}'}, "needs a model"),
+        ({"speculative_config": '{"method": "ngram"}', "kv_cache": "slots"}, "paged KV cache"),
+        ({"speculative_length": "3"}, "needs speculative_draft_model"),
+        ({"speculative_draft_model": "/m", "speculative_config": '{"method": "ngram"}'}, "not both"),
+    ],
+)
+def test_bad_speculative_options_stop_the_start_with_one_clear_line(options, message):
+    from lmiserve.config import ConfigError, Settings
+
+    with pytest.raises(ConfigError, match=message):
+        Settings.from_options(options)
+
+
+def test_speculative_options_in_vllms_and_lmis_spellings():
+    from lmiserve.config import Settings
+
+    spec = Settings.from_options(
+        {"speculative_config": '{"method": "ngram", "prompt_lookup_max": 3}'}
+    ).speculative_config
+    assert spec is not None and (spec.method, spec.prompt_lookup_min, spec.prompt_lookup_max) == ("ngram", 2, 3)
+    lmi = Settings.from_options({"speculative_draft_model": "/opt/ml/model/draft"}).speculative_config
+    assert lmi is not None and (lmi.method, lmi.model, lmi.num_speculative_tokens) == (
+        "draft_model",
+        "/opt/ml/model/draft",
+        5,
+    )
+    own = Settings.from_options({"speculative_config": '{"method": "self_draft"}'}).speculative_config
+    assert own is not None and own.self_draft and own.dtype == "int4"
+    quantized = Settings.from_options(
+        {"speculative_config": '{"dtype": "int8", "method": "draft_model"}'}
+    ).speculative_config
+    assert quantized is not None and quantized.self_draft and quantized.dtype == "int8"
+
+
+def test_speculative_config_from_serving_properties_and_the_environment(tmp_path):
+    from lmiserve.config import load_settings
+
+    properties = tmp_path / "serving.properties"
+    properties.write_text(
+        'option.speculative_config={"method": "draft_model", "model": "/opt/ml/model/draft", "num_speculative_tokens": 3}\n'
+    )
+    spec = load_settings({}, properties, None, environ={}).speculative_config
+    assert spec is not None and (spec.method, spec.model, spec.num_speculative_tokens) == (
+        "draft_model",
+        "/opt/ml/model/draft",
+        3,
+    )
+    env = load_settings({}, None, None, environ={"OPTION_SPECULATIVE_CONFIG": '{"method": "self_draft"}'})
+    assert env.speculative_config is not None and env.speculative_config.method == "self_draft"
+    assert env.sources["speculative_config"] == "environment OPTION_SPECULATIVE_CONFIG"
