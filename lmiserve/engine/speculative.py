@@ -108,11 +108,24 @@ class NgramProposer:
 
 @dataclass
 class _DraftState:
-    """One request's KV in the draft model's pool: its block table, the tokens it holds."""
+    """One request's KV in the draft model's pool: its block table and the tokens it holds: the
+    request's first `confirmed` tokens, then the drafts it was fed back (`fed`). A request's tokens only
+    grow, so only the drafts fed back can differ from them."""
 
     table: BlockTable = field(default_factory=BlockTable)
-    tokens: list[int] = field(default_factory=list)  # the tokens whose draft KV is computed, in order
+    confirmed: int = 0
+    fed: list[int] = field(default_factory=list)
     sent: int = 0  # blocks of the table the draft runner was told of
+
+    def computed(self, tokens: list[int]) -> int:
+        """How many of `tokens` (the request's now) its KV holds, never the last (whose forward gives
+        the first draft): the confirmed ones, then the drafts fed back while the request kept them."""
+        n, end = self.confirmed, len(tokens) - 1
+        for draft in self.fed:
+            if n >= end or tokens[n] != draft:
+                break
+            n += 1
+        return min(n, end)
 
 
 _GREEDY = SamplingParams(max_new_tokens=1 << 30)
@@ -130,10 +143,15 @@ class DraftModelProposer:
         self._finished: list[int] = []  # requests the runner must forget at its next batch
 
     def forget(self, seq_id: int) -> None:
+        if self._release(seq_id):
+            self._finished.append(seq_id)  # told to the draft runner with its next batch
+
+    def _release(self, seq_id: int) -> bool:
+        """Give the request's blocks back; whether the draft runner knew it."""
         state = self._states.pop(seq_id, None)
         if state is not None:
             self.pool.free(state.table)
-            self._finished.append(seq_id)
+        return state is not None
 
     def propose(self, wants: Mapping[int, tuple[list[int], int]]) -> dict[int, list[int]]:
         batch = StepBatch(finished=self._finished)
@@ -146,20 +164,17 @@ class DraftModelProposer:
             fresh = state is None
             if state is None:
                 state = _DraftState()
-            computed = _common_prefix(state.tokens, tokens, len(tokens) - 1)
+            computed = state.computed(tokens)
             state.table.num_tokens = min(state.table.num_tokens, computed)
             # KV for the uncomputed tokens and the k - 1 drafts fed back; when the pool is full, the
             # requests that are not drafting now give theirs back first
             need = len(tokens) - computed + k - 1
             if not self.pool.allocate(state.table, need):
-                for idle in [i for i in self._states if i not in wants]:
-                    self.forget(idle)
-                batch.finished.extend(self._finished)
-                self._finished = []
+                idle = [i for i in self._states if i not in wants]
+                batch.finished.extend(i for i in idle if self._release(i))
             if not self.pool.allocate(state.table, need):
-                if not fresh:  # no room: no drafts now, a new start later
-                    self.forget(seq_id)
-                    batch.finished.append(self._finished.pop())
+                if not fresh and self._release(seq_id):  # no room: no drafts now, a new start later
+                    batch.finished.append(seq_id)
                 continue
             if fresh:
                 self._states[seq_id] = state
@@ -167,7 +182,7 @@ class DraftModelProposer:
             blocks = state.table.blocks
             chunks.append(ScheduledTokens(seq_id, computed, tokens[computed:], blocks[state.sent :], True))
             state.sent = len(blocks)
-            state.tokens = tokens
+            state.confirmed, state.fed = len(tokens), []
             todo[seq_id], ends[seq_id] = k, len(tokens)
         # one-token rows decode, longer ones go as chunks (the step contract's order)
         batch.rows = sorted(chunks, key=lambda r: len(r.token_ids) > 1)
@@ -178,8 +193,9 @@ class DraftModelProposer:
             rows = []
             for row in batch.rows:
                 samples = out.samples.get(row.seq_id)
-                if not samples:
-                    todo.pop(row.seq_id, None)  # failed: the drafts so far
+                if not samples:  # failed: the drafts so far; its KV is in doubt, so it starts afresh
+                    todo.pop(row.seq_id, None)
+                    self.forget(row.seq_id)
                     continue
                 token = samples[0].token_id
                 drafts[row.seq_id].append(token)
@@ -190,20 +206,8 @@ class DraftModelProposer:
         for seq_id, tokens in drafts.items():
             state = self._states.get(seq_id)
             if state is not None:
-                # the KV now holds the tokens and the drafts fed back (all but the last)
-                state.tokens = state.tokens + tokens[:-1]
+                state.fed = tokens[:-1]  # the KV now holds the drafts fed back (all but the last)
         return {seq_id: tokens for seq_id, tokens in drafts.items() if tokens}
-
-
-def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    """The length of the common prefix of `a` and `b`, at most `limit`."""
-    n = min(len(a), len(b), limit)
-    if a[:n] == b[:n]:
-        return n
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 @dataclass
