@@ -149,7 +149,10 @@ class AsyncEngine:
         self.speculation: SpeculationPolicy | None = None
         if config.speculation is not None:
             if not isinstance(self.scheduler, BlockScheduler) or self.executor is None:
-                raise ValueError("speculative decoding needs the paged KV cache (kv_cache=paged)")
+                raise ValueError(
+                    "speculative decoding needs the paged KV cache (kv_cache=paged, not batch_invariant, "
+                    "an architecture the paged runners serve)"
+                )
             self.speculation = self.scheduler.speculation = SpeculationPolicy(config.speculation)
         self._handles: dict[int, _Handle] = {}  # seq_id -> handle
         self._ids = itertools.count(1)

@@ -204,9 +204,9 @@ class BlockScheduler(SchedulerBase):
         self._budget = budget
 
     def _drafts(self, seq: Sequence) -> list[int]:
-        """The proposer's drafts for `seq`'s next step, at most as many as its remaining tokens allow
-        (the step gives it up to one more than its drafts); none with a grammar (its matcher would have to
-        mask every draft position) or without a proposer."""
+        """The drafts `seq`'s next step verifies (those proposed after its last step, or the engine-core
+        `proposer`'s), at most as many as its remaining tokens allow (the step gives it up to one more
+        than its drafts); none with a grammar (its matcher would have to mask every draft position)."""
         proposed, seq.drafts = seq.drafts, []
         if seq.grammar is not None:
             return []
@@ -335,7 +335,7 @@ class BlockScheduler(SchedulerBase):
             if seq in self.running:
                 # computed: its last token and the accepted drafts (all the samples but the last); the
                 # rejected drafts' positions are written again by the steps to come
-                seq.kv_len += len(output.samples.get(seq.seq_id, ()))
+                seq.kv_len += len(samples or ())
                 self._table(seq).num_tokens = seq.kv_len
                 self._cache(seq)
         for seq_id, message in output.errors.items():

@@ -104,7 +104,8 @@ def speculation_settings(settings: Settings) -> SpeculationSettings | None:
     spec = settings.speculative_config
     if spec is None:
         return None
-    assert spec.method is not None  # completed by its validator
+    # completed by its validator
+    assert spec.method is not None and spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
     draft_name = None
     if spec.method != "ngram":
         target = settings.model_id or "the bundled model"
@@ -112,8 +113,8 @@ def speculation_settings(settings: Settings) -> SpeculationSettings | None:
     return SpeculationSettings(
         method="ngram" if spec.method == "ngram" else "draft_model",
         num_speculative_tokens=spec.num_speculative_tokens,
-        prompt_lookup_min=spec.prompt_lookup_min or 2,
-        prompt_lookup_max=spec.prompt_lookup_max or 5,
+        prompt_lookup_min=spec.prompt_lookup_min,
+        prompt_lookup_max=spec.prompt_lookup_max,
         disable_by_batch_size=spec.disable_by_batch_size,
         min_acceptance_rate=spec.min_acceptance_rate,
         draft_name=draft_name,
@@ -139,7 +140,7 @@ def create_engine(
         config = dataclasses.replace(config, prefill_floor=PREFILL_FLOOR.get(loaded.device.type, 256))
     spec = config.speculation
     if spec is not None and spec.disable_by_batch_size is None:
-        limit = DISABLE_BY_BATCH_SIZE.get(loaded.device.type, 32)
+        limit = DISABLE_BY_BATCH_SIZE.get(loaded.device.type, DISABLE_BY_BATCH_SIZE["cuda"])
         config = dataclasses.replace(config, speculation=dataclasses.replace(spec, disable_by_batch_size=limit))
     paged_cls = runner_cls if runner_cls is not None and issubclass(runner_cls, PagedFastRunner) else PagedFastRunner
     paged = config.kv_cache == "paged" and not config.batch_invariant and (runner_cls in (None, paged_cls))
@@ -182,12 +183,7 @@ def create_engine(
         vocab_size=getattr(loaded.model.config, "vocab_size", None),
     )
     grammars = GrammarCompiler(loaded.tokenizer, vocab_size=codec.vocab_size, eos_token_ids=loaded.eos_token_ids)
-    if spec is not None:
-        if not isinstance(runner, PersistentBatchRunner):
-            raise ValueError(
-                "speculative decoding needs the paged KV cache (kv_cache=paged, not batch_invariant, "
-                "an architecture the paged runners serve)"
-            )
+    if spec is not None and isinstance(runner, PersistentBatchRunner):  # without one the engine refuses it
         runner.proposer = _proposer(loaded, config, draft)
     return AsyncEngine(runner, codec, config, grammars)
 
@@ -223,7 +219,8 @@ def _proposer(loaded: LoadedModel, config: EngineConfig, draft: LoadedModel | No
         raise ValueError("the draft model's tokenizer differs from the model's: drafts must use the same tokens")
     if draft.device != loaded.device:
         raise ValueError(f"the draft model is on {draft.device}, the model on {loaded.device}")
-    rows = min(config.max_running, (spec.disable_by_batch_size or config.max_running) + 1)
+    assert spec.disable_by_batch_size is not None  # resolved by the device (create_engine)
+    rows = min(config.max_running, spec.disable_by_batch_size + 1)
     num_blocks = min(kv_pool_blocks(loaded, config), rows * -(-draft.max_context // config.block_size))
     fast = runner_class(draft.model, batch_invariant=False, fast_path=config.fast_path)[0] is FastRunner
     why_not = None if fast else paged_generic.unsupported_reason(draft.model)
