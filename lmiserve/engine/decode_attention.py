@@ -26,6 +26,29 @@ from lmiserve.engine.jit import HAVE_NUMBA, lazily_compiled, numba
 _F32 = npt.NDArray[np.float32]
 
 
+def softmax_rows(scores: _F32) -> None:  # pragma: no cover - compiled
+    """Each row of `scores` (``[groups, span]``) into its softmax, in place (max-subtracted, fp32); the
+    kernels here and in paged_attention.py call it compiled and inlined."""
+    groups, span = scores.shape
+    for g in range(groups):
+        top = scores[g, 0]
+        for j in range(1, span):
+            if scores[g, j] > top:
+                top = scores[g, j]
+        total = np.float32(0.0)
+        for j in range(span):
+            e = np.float32(math.exp(scores[g, j] - top))
+            scores[g, j] = e
+            total += e
+        inv = np.float32(1.0) / total
+        for j in range(span):
+            scores[g, j] *= inv
+
+
+if numba is not None:  # compiled with the first kernel that calls it
+    softmax_rows = numba.njit(inline="always", fastmath=True, cache=True, nogil=True)(softmax_rows)
+
+
 def _kernel(  # pragma: no cover - compiled
     query: _F32,
     keys: _F32,
@@ -52,21 +75,12 @@ def _kernel(  # pragma: no cover - compiled
                 for d in range(dim):
                     acc += query[row, head, g, d] * keys[row, head, j, d]
                 scores[g, j] = acc * scale
+        softmax_rows(scores)
         for g in range(groups):
-            top = scores[g, 0]
-            for j in range(1, span):
-                if scores[g, j] > top:
-                    top = scores[g, j]
-            total = np.float32(0.0)
-            for j in range(span):
-                e = np.float32(math.exp(scores[g, j] - top))
-                scores[g, j] = e
-                total += e
-            inv = np.float32(1.0) / total
             for d in range(dim):
                 out[row, head, g, d] = 0.0
             for j in range(span):
-                p = scores[g, j] * inv
+                p = scores[g, j]
                 for d in range(dim):
                     out[row, head, g, d] += p * values[row, head, j, d]
 

@@ -33,7 +33,6 @@ path, but must be valid block ids there (pad with 0). Spans are host integers (a
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -42,6 +41,7 @@ import numpy.typing as npt
 import torch
 
 from lmiserve.engine import decode_attention, kv_blocks
+from lmiserve.engine.decode_attention import softmax_rows
 from lmiserve.engine.jit import lazily_compiled, numba
 
 __all__ = [
@@ -133,28 +133,6 @@ class PagedKVCache:
 # ---- decode: compiled (fp32 CPU) ---------------------------------------------------------------------
 
 
-def _softmax(scores: _F32) -> None:  # pragma: no cover - compiled
-    """Each row of `scores` (``[groups, span]``) into its softmax, in place (max-subtracted, fp32)."""
-    groups, span = scores.shape
-    for g in range(groups):
-        top = scores[g, 0]
-        for j in range(1, span):
-            if scores[g, j] > top:
-                top = scores[g, j]
-        total = np.float32(0.0)
-        for j in range(span):
-            e = np.float32(math.exp(scores[g, j] - top))
-            scores[g, j] = e
-            total += e
-        inv = np.float32(1.0) / total
-        for j in range(span):
-            scores[g, j] *= inv
-
-
-if numba is not None:  # the kernels call it compiled, inlined (it compiles with the first of them)
-    _softmax = numba.njit(inline="always", fastmath=True, cache=True, nogil=True)(_softmax)
-
-
 def _kernel(  # pragma: no cover - compiled
     query: _F32,
     key_cache: _F32,
@@ -203,7 +181,7 @@ def _kernel(  # pragma: no cover - compiled
                             acc += q[head, g, d] * keys[head, o, d]
                         scores[h, g, base + o] = acc * scale
         for h in range(heads):
-            _softmax(scores[h])
+            softmax_rows(scores[h])
         # each value block read once for all groups, into a local accumulator
         acc_out = np.zeros((heads, groups, dim), dtype=np.float32)
         for b in range(blocks):
@@ -261,7 +239,7 @@ def _head_kernel(  # pragma: no cover - compiled
                     for d in range(dim):
                         acc += query[row, head, g, d] * key_cache[block, head, o, d]
                     scores[g, base + o] = acc * scale
-        _softmax(scores)
+        softmax_rows(scores)
         for g in range(groups):
             for d in range(dim):
                 out[row, head, g, d] = 0.0
