@@ -84,15 +84,18 @@ class SpeculativeConfig(BaseModel):
         if self.method is None:
             self.method = "draft_model" if self.model else "ngram"
         if self.method == "ngram":
-            if self.model:
-                raise ValueError("method ngram takes no model")
+            if self.model or self.dtype != "auto":
+                raise ValueError("method ngram takes no model and no dtype: it drafts without a model")
             low, high = self.prompt_lookup_min, self.prompt_lookup_max
             low = low if low is not None else min(2, high) if high is not None else 2
             high = high if high is not None else max(5, low)
             if low > high:
                 raise ValueError(f"prompt_lookup_min ({low}) is larger than prompt_lookup_max ({high})")
             self.prompt_lookup_min, self.prompt_lookup_max = low, high
-        elif self.method == "self_draft":
+            return self
+        if self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+            raise ValueError(f"prompt_lookup_min/prompt_lookup_max are ngram's: method {self.method} has none")
+        if self.method == "self_draft":
             if self.model:
                 raise ValueError("method self_draft drafts with the target itself: give no model")
             if self.dtype == "auto":

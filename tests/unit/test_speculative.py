@@ -245,6 +245,8 @@ def test_speculation_needs_the_paged_kv_cache(tiny_model):
         ({"speculative_config": '{"method": "ngram", "num_speculative_tokens": 0}'}, "num_speculative_tokens"),
         ({"speculative_config": '{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}'}, "larger than"),
         ({"speculative_config": '{"method": "draft_model"}'}, "needs a model"),
+        ({"speculative_config": '{"method": "ngram", "dtype": "int4"}'}, "takes no model and no dtype"),
+        ({"speculative_config": '{"method": "self_draft", "prompt_lookup_max": 3}'}, "are ngram's"),
         ({"speculative_config": '{"method": "ngram"}', "kv_cache": "slots"}, "paged KV cache"),
         ({"speculative_length": "3"}, "needs speculative_draft_model"),
         ({"speculative_draft_model": "/m", "speculative_config": '{"method": "ngram"}'}, "not both"),
