@@ -104,21 +104,21 @@ def speculation_settings(settings: Settings) -> SpeculationSettings | None:
     spec = settings.speculative_config
     if spec is None:
         return None
-    # completed by its validator
-    assert spec.method is not None and spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
-    draft_name = None
-    if spec.method != "ngram":
-        target = settings.model_id or "the bundled model"
-        draft_name = f"{target} as {spec.dtype}" if spec.self_draft else f"{spec.model} ({spec.dtype})"
-    return SpeculationSettings(
-        method="ngram" if spec.method == "ngram" else "draft_model",
-        num_speculative_tokens=spec.num_speculative_tokens,
-        prompt_lookup_min=spec.prompt_lookup_min,
-        prompt_lookup_max=spec.prompt_lookup_max,
+    base = SpeculationSettings(
+        "draft_model",
+        spec.num_speculative_tokens,
         disable_by_batch_size=spec.disable_by_batch_size,
         min_acceptance_rate=spec.min_acceptance_rate,
-        draft_name=draft_name,
     )
+    if spec.method == "ngram":
+        # its bounds are completed by the validator (a draft model has none)
+        assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
+        return dataclasses.replace(
+            base, method="ngram", prompt_lookup_min=spec.prompt_lookup_min, prompt_lookup_max=spec.prompt_lookup_max
+        )
+    target = settings.model_id or "the bundled model"
+    draft_name = f"{target} as {spec.dtype}" if spec.self_draft else f"{spec.model} ({spec.dtype})"
+    return dataclasses.replace(base, draft_name=draft_name)
 
 
 def build_engine(loaded: LoadedModel, settings: Settings, draft: LoadedModel | None = None) -> AsyncEngine:

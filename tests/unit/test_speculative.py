@@ -296,3 +296,22 @@ def test_speculative_config_from_serving_properties_and_the_environment(tmp_path
     env = load_settings({}, None, None, environ={"OPTION_SPECULATIVE_CONFIG": '{"method": "self_draft"}'})
     assert env.speculative_config is not None and env.speculative_config.method == "self_draft"
     assert env.sources["speculative_config"] == "environment OPTION_SPECULATIVE_CONFIG"
+
+
+@pytest.mark.parametrize(
+    ("config", "method", "lookup", "draft_name"),
+    [
+        ('{"method": "ngram", "prompt_lookup_max": 3}', "ngram", (2, 3), None),
+        ('{"method": "self_draft"}', "draft_model", (2, 5), "the bundled model as int4"),
+        ('{"model": "/m/draft", "dtype": "bf16"}', "draft_model", (2, 5), "/m/draft (bf16)"),
+    ],
+)
+def test_the_engine_reads_each_method_from_the_settings(config, method, lookup, draft_name):
+    """What the server builds its engine from (factory.engine_config), for each method."""
+    from lmiserve.config import Settings
+    from lmiserve.engine.factory import engine_config
+
+    spec = engine_config(Settings.from_options({"speculative_config": config})).speculation
+    assert spec is not None and spec.method == method and spec.draft_name == draft_name
+    assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == lookup
+    assert spec.num_speculative_tokens == 4 and spec.disable_by_batch_size is None  # resolved by the device
