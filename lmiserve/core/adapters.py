@@ -10,13 +10,9 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from lmiserve.core.errors import InvalidRequest, excerpt
+from lmiserve.core.errors import AdapterNotFound, excerpt
 
 __all__ = ["AdapterNotFound", "check_adapter", "not_served"]
-
-
-class AdapterNotFound(InvalidRequest):
-    """A request names an adapter that is not served."""
 
 
 def not_served(name: Any, model_names: Collection[str]) -> bool:

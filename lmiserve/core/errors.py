@@ -91,6 +91,10 @@ class ModelNotFound(NotFound):
     """No model of that name is served."""
 
 
+class AdapterNotFound(NotFound):
+    """A request names a LoRA adapter that is not served."""
+
+
 class NoTextModel(ModelNotFound):
     """A text-generation route on a server that serves no LLM (only embedding or tensor models)."""
 

@@ -67,3 +67,5 @@ class GenerationRequest:
     # n > 1: False streams each sequence's events as they are generated, interleaved, indexed by sampling order
     # (OpenAI's `n`; only when n == best_of); True (TGI's and LMI's best_of) ranks them, whole, best first
     ranked: bool = True
+    # the LoRA adapter that answers (its registered name; None: the base model)
+    adapter: str | None = None

@@ -19,7 +19,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from lmiserve.core.aio import cancel_and_wait
-from lmiserve.core.errors import InvalidRequest, LmiServeError, Overloaded, QueueTimeout, ShuttingDown
+from lmiserve.core.errors import (
+    AdapterNotFound,
+    InvalidRequest,
+    LmiServeError,
+    Overloaded,
+    QueueTimeout,
+    ShuttingDown,
+    excerpt,
+)
 from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.core.grammar import Grammar
 from lmiserve.core.request import GenerationRequest
@@ -29,6 +37,8 @@ from lmiserve.engine import torch_thread
 from lmiserve.engine.block_scheduler import BlockScheduler
 from lmiserve.engine.grammar_compiler import CompiledGrammar, GrammarCompiler
 from lmiserve.engine.kv_blocks import BlockPool
+from lmiserve.engine.lora import AdapterError, LoraAdapter
+from lmiserve.engine.lora_registry import AdapterRegistry, LoraLimits, UnknownAdapter
 from lmiserve.engine.prefix_cache import PrefixIndex
 from lmiserve.engine.scheduler import Scheduler, StepOutput, StepPlan
 from lmiserve.engine.sequence import Sequence
@@ -72,6 +82,7 @@ class EngineConfig:
     block_size: int = 16  # tokens a block of the paged pool holds
     gpu_memory_utilization: float = 0.9  # on CUDA, the share of the GPU the paged pool's default budget fills
     speculation: SpeculationSettings | None = None  # speculative decoding (engine/speculative.py)
+    lora: LoraLimits | None = None  # LoRA adapters (engine/lora_registry.py; None: none served)
 
 
 def _prompt_tokens_computed(plan: StepPlan, output: StepOutput) -> int:
@@ -100,6 +111,7 @@ class _Handle:
         self.arrival = arrival
         self.unfinished = len(seqs)  # sequences whose end the engine has not delivered yet
         self.reported = False  # told the observers it ended
+        self.adapter: LoraAdapter | None = None  # its LoRA adapter, held until it ended
 
 
 class AsyncEngine:
@@ -111,7 +123,9 @@ class AsyncEngine:
         codec: PromptCodec,
         config: EngineConfig,
         grammars: GrammarCompiler | None = None,
+        adapters: AdapterRegistry | None = None,
     ) -> None:
+        """`adapters`: the LoRA adapters requests may name (`GenerationRequest.adapter`; None: none)."""
         floor = config.prefill_floor
         if floor == "auto":
             raise ValueError("prefill_floor 'auto' is resolved by the device (engine.factory.create_engine)")
@@ -154,6 +168,14 @@ class AsyncEngine:
                     "an architecture the paged runners serve)"
                 )
             self.speculation = self.scheduler.speculation = SpeculationPolicy(config.speculation)
+        self.adapters = adapters
+        if adapters is not None:
+            if not isinstance(self.scheduler, BlockScheduler) or self.executor is None:
+                raise ValueError(
+                    "LoRA adapters need the paged KV cache (kv_cache=paged, not batch_invariant, an "
+                    "architecture the paged runners serve)"
+                )
+            self.scheduler.max_loras = adapters.limits.max_loras
         self._handles: dict[int, _Handle] = {}  # seq_id -> handle
         self._ids = itertools.count(1)
         self._wakeup = asyncio.Event()
@@ -260,13 +282,70 @@ class AsyncEngine:
             raise InvalidRequest("structured output (grammar) is not supported for this model")
         return await self.grammars.compile_async(grammar)
 
+    def _acquire(self, name: str | None) -> LoraAdapter | None:
+        """The adapter a request names, held for the request (None: the base model); AdapterNotFound or
+        InvalidRequest (its files no longer load)."""
+        if name is None:
+            return None
+        if self.adapters is None:
+            raise AdapterNotFound(f"adapter `{name}` is not served: this model serves no LoRA adapters (enable_lora)")
+        try:
+            return self.adapters.acquire(name)
+        except UnknownAdapter:
+            raise AdapterNotFound(f"adapter `{excerpt(name)}` is not served") from None
+        except AdapterError as exc:
+            raise InvalidRequest(f"adapter `{name}` cannot be loaded: {exc}") from None
+
+    async def _acquire_async(self, request: GenerationRequest) -> LoraAdapter | None:
+        """`_acquire`, on a worker thread when the adapter's files must be read first."""
+        name = request.adapter
+        try:
+            if name is not None and self.adapters is not None and self.adapters.needs_load(name):
+                return await asyncio.to_thread(self._acquire, name)
+            return self._acquire(name)
+        except LmiServeError as exc:
+            self._notify("on_rejected", exc)
+            raise
+
+    def _release(self, handle: _Handle) -> None:
+        adapter, handle.adapter = handle.adapter, None
+        if adapter is not None and self.adapters is not None:
+            self.adapters.release(adapter)
+
     def submit(
-        self, request: GenerationRequest, grammar: CompiledGrammar | None = None, prompt_ids: list[int] | None = None
+        self,
+        request: GenerationRequest,
+        grammar: CompiledGrammar | None = None,
+        prompt_ids: list[int] | None = None,
+        adapter: LoraAdapter | None = None,
     ) -> _Handle:
         """Validate, tokenize and enqueue; raises InvalidRequest or Overloaded at once. A request with a
         grammar needs it compiled (`grammar`, from `prepare`'s cache when not given: compiled here on
-        a cache miss); `prompt_ids`: the request already encoded (`_encode`), else encoded here."""
+        a cache miss); `prompt_ids`: the request already encoded (`_encode`), else encoded here;
+        `adapter`: its LoRA adapter already acquired (`_acquire_async`; the handle releases it), else
+        acquired here."""
         arrival = time.monotonic()
+        try:
+            if adapter is None and request.adapter is not None:
+                adapter = self._acquire(request.adapter)
+        except LmiServeError as exc:
+            self._notify("on_rejected", exc)
+            raise
+        try:
+            return self._enqueue(request, grammar, prompt_ids, adapter, arrival)
+        except BaseException:
+            if adapter is not None and self.adapters is not None:
+                self.adapters.release(adapter)
+            raise
+
+    def _enqueue(
+        self,
+        request: GenerationRequest,
+        grammar: CompiledGrammar | None,
+        prompt_ids: list[int] | None,
+        adapter: LoraAdapter | None,
+        arrival: float,
+    ) -> _Handle:
         try:
             if grammar is None and request.params.grammar is not None:
                 if self.grammars is None:
@@ -301,8 +380,12 @@ class AsyncEngine:
             for i in range(count)
         ]
         handle = _Handle(request, seqs, arrival)
+        handle.adapter = adapter
+        # blocks computed with an adapter are shared only with requests of the same load of that adapter
+        salt = request.cache_salt if adapter is None else f"{request.cache_salt or ''}\x00lora:{adapter.id}"
         for seq in seqs:
-            seq.cache_salt = request.cache_salt
+            seq.cache_salt = salt
+            seq.adapter = adapter
             self._handles[seq.seq_id] = handle
             self.scheduler.add(seq)
         self._notify("on_submitted", len(prompt_ids), count)
@@ -320,7 +403,8 @@ class AsyncEngine:
         """Events of one request. With n/best_of > 1 the sequences come whole, best first, unless the
         request is not `ranked` (then as they are generated, interleaved)."""
         grammar = await self._compile(request.params.grammar)
-        handle = self.submit(request, grammar, await self._encode(request))
+        prompt_ids = await self._encode(request)
+        handle = self.submit(request, grammar, prompt_ids, await self._acquire_async(request))
         try:
             if len(handle.seqs) == 1 or (not request.ranked and request.params.n == len(handle.seqs)):
                 async for event in self._drain(handle):
@@ -508,10 +592,11 @@ class AsyncEngine:
             handle.queue.put_nowait(error)
 
     def _report(self, handle: _Handle, error: BaseException | None = None) -> None:
-        """Tell the observers that `handle`'s request ended (once)."""
+        """Tell the observers that `handle`'s request ended (once); its adapter is released."""
         if handle.reported:
             return
         handle.reported = True
+        self._release(handle)
         if not self._observers:
             return
         now = time.monotonic()

@@ -77,6 +77,9 @@ class BlockScheduler(SchedulerBase):
         # drafts in the engine core instead. Neither: every decode row computes one token.
         self.speculation: SpeculationPolicy | None = None
         self.proposer: Callable[[Sequence], list[int]] | None = None
+        # LoRA (engine/lora.py): distinct adapters the running batch may hold (vLLM's max_loras); a waiting
+        # request of another adapter waits, the requests behind it are admitted
+        self.max_loras = 1 << 30
 
     # ---- intake ----------------------------------------------------------------------------------
     def never_fits(self, num_tokens: int) -> bool:
@@ -139,7 +142,8 @@ class BlockScheduler(SchedulerBase):
         for row, (seq, start, token_ids, sample) in enumerate(scheduled):
             sent = self._sent.get(seq.seq_id)
             if sent is None:
-                batch.new.append(NewRequest(seq.seq_id, seq.prompt_ids, seq.params, seq.seed))
+                adapter = seq.adapter.id if seq.adapter is not None else None
+                batch.new.append(NewRequest(seq.seq_id, seq.prompt_ids, seq.params, seq.seed, adapter))
                 sent = 0
             blocks = self._table(seq).blocks
             self._sent[seq.seq_id] = len(blocks)
@@ -220,6 +224,7 @@ class BlockScheduler(SchedulerBase):
         first chunk are there."""
         limit = self._admission_limit(now)
         budget = self._budget
+        adapters = {s.adapter.id for s in self.running if s.adapter is not None}
         for seq in list(self.waiting):
             if len(self.running) >= limit:
                 break
@@ -227,6 +232,8 @@ class BlockScheduler(SchedulerBase):
                 break
             if self._waits_for_sibling(seq):
                 continue
+            if seq.adapter is not None and seq.adapter.id not in adapters and len(adapters) >= self.max_loras:
+                continue  # max_loras adapters run already: it waits for one of them to leave the batch
             tokens = seq.prompt_ids + seq.output_ids
             table = self._table(seq)
             salt = seq.cache_salt
@@ -252,6 +259,8 @@ class BlockScheduler(SchedulerBase):
             if not seq.output_ids:
                 seq.cached_tokens = cached
             self.running.append(seq)
+            if seq.adapter is not None:
+                adapters.add(seq.adapter.id)
             plan.prefill.append(TokenChunk(seq, cached, want))
             budget -= want
 

@@ -13,6 +13,8 @@ from lmiserve.config.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE
 from lmiserve.engine.async_engine import AsyncEngine, EngineConfig
 from lmiserve.engine.grammar_compiler import GrammarCompiler
 from lmiserve.engine.loaded import LoadedModel
+from lmiserve.engine.lora import FAST_PATH_MODULES
+from lmiserve.engine.lora_registry import AdapterRegistry
 from lmiserve.engine.quantize import Int4Linear, Int8Linear, quantize_output_int8
 from lmiserve.engine.runners import FastRunner, ModelRunner, create_runner, paged_generic, runner_class
 from lmiserve.engine.runners.batched import PersistentBatchRunner
@@ -185,7 +187,17 @@ def create_engine(
     grammars = GrammarCompiler(loaded.tokenizer, vocab_size=codec.vocab_size, eos_token_ids=loaded.eos_token_ids)
     if spec is not None and isinstance(runner, PersistentBatchRunner):  # without one the engine refuses it
         runner.proposer = _proposer(loaded, config, draft)
-    return AsyncEngine(runner, codec, config, grammars)
+    adapters = None
+    if config.lora is not None:
+        if not isinstance(runner, PersistentBatchRunner):
+            raise ValueError(
+                "LoRA adapters need the paged KV cache (kv_cache=paged, not batch_invariant, an architecture "
+                f"the paged runners serve{'' if why_not is None else ': not ' + why_not})"
+            )
+        modules = FAST_PATH_MODULES if isinstance(runner, PagedFastRunner) else None
+        adapters = AdapterRegistry(loaded.model, config.lora, modules=modules)
+        runner.adapter_lookup = adapters.by_id
+    return AsyncEngine(runner, codec, config, grammars, adapters)
 
 
 def _paged_runner(

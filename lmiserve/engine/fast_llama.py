@@ -40,6 +40,7 @@ from lmiserve.engine.llama_layout import (
     fused_layers,
     unsupported_reason,
 )
+from lmiserve.engine.lora import LoraBatch, LoraGroup
 from lmiserve.engine.quantize import Int4Linear, Int8Linear
 
 if TYPE_CHECKING:
@@ -190,8 +191,10 @@ class FastLlama:
         prefills: list[tuple[int, int, list[int]]] | list[tuple[list[int], int, list[int]]],
         keep: list[int],
         decode_tables: list[list[int]] | None = None,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
-        """Logits (float32, ``[len(keep), vocab]``) of the flattened tokens listed in `keep`.
+        """Logits (float32, ``[len(keep), vocab]``) of the flattened tokens listed in `keep`; `lora`: the
+        adapters of the tokens (engine/lora.py, groups named by `lora_groups`).
 
         Tokens are ordered: decode rows (row i = slot i, one token at `decode_positions[i]`), then
         each prefill chunk ``(slot, start, ids)`` in turn. Over a paged cache a row's block table stands
@@ -249,21 +252,50 @@ class FastLlama:
         for index, layer in enumerate(self.layers):
             h = _rms(x, layer.in_norm)
             qkv = gemm.linear(h, layer.qkv_w, layer.qkv_b, layer.qkv_s).contiguous()
+            if lora is not None:
+                lora.apply(f"{index}.qkv", h, qkv)
             qk = _rotate(qkv[:, : q_size + kv_size].view(-1, self.heads + self.kv_heads, self.head_dim), cos, sin)
             q, k = qk[:, : self.heads], qk[:, self.heads :]
             v = qkv[:, q_size + kv_size :].view(-1, self.kv_heads, self.head_dim)
             attn = self._attention(index, q, k, v, dec, pre, pad)
-            x = x + gemm.linear(attn, layer.o_w, layer.o_b, layer.o_s)
+            o = gemm.linear(attn, layer.o_w, layer.o_b, layer.o_s)
+            if lora is not None:
+                lora.apply(f"{index}.o", attn, o)
+            x = x + o
             h = _rms(x, layer.post_norm)
             gate_up = gemm.linear(h, layer.gate_up_w, layer.gate_up_b, layer.gate_up_s)
+            if lora is not None:
+                lora.apply(f"{index}.gate_up", h, gate_up)
             inter = layer.intermediate
             h = layer.act(gate_up[:, :inter]) * gate_up[:, inter:]
-            x = x + gemm.linear(h, layer.down_w, layer.down_b, layer.down_s)
+            down = gemm.linear(h, layer.down_w, layer.down_b, layer.down_s)
+            if lora is not None:
+                lora.apply(f"{index}.down", h, down)
+            x = x + down
         count = len(keep)
         keep = keep + keep[:1] * self._row_padding(count, VOCAB_PAD_ROWS_FROM)
         if keep != list(range(x.shape[0])):
             x = x[torch.tensor(keep, dtype=torch.long, device=dev)]
         return gemm.linear(_rms(x, self.norm), self.lm_head, None, self.lm_head_s)[:count].float().contiguous()
+
+    def lora_groups(self) -> list[LoraGroup]:
+        """The groups `forward` applies adapters to: each layer's fused q/k/v, o, fused gate/up and down
+        (``{layer}.qkv``, ...), their modules named as in the transformers model."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        groups = []
+        for index, layer in enumerate(self.layers):
+            at = f"model.layers.{index}"
+            attn, mlp, inter = f"{at}.self_attn", f"{at}.mlp", layer.intermediate
+            groups += [
+                LoraGroup(
+                    f"{index}.qkv",
+                    ((f"{attn}.q_proj", 0, q), (f"{attn}.k_proj", q, q + kv), (f"{attn}.v_proj", q + kv, q + 2 * kv)),
+                ),
+                LoraGroup(f"{index}.o", ((f"{attn}.o_proj", 0, layer.o_w.shape[0]),)),
+                LoraGroup(f"{index}.gate_up", ((f"{mlp}.gate_proj", 0, inter), (f"{mlp}.up_proj", inter, 2 * inter))),
+                LoraGroup(f"{index}.down", ((f"{mlp}.down_proj", 0, layer.down_w.shape[0]),)),
+            ]
+        return groups
 
     def _row_padding(self, rows: int, pad_from: int) -> int:
         """Rows to add (on CPU, from `pad_from` rows) up to a multiple of 8 (`CpuGemm.row_padding`)."""

@@ -7,6 +7,7 @@ tokens, and :meth:`Sequence.on_token` turns each token into the `StepEvent` clie
 from __future__ import annotations
 
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from lmiserve.core.events import Finish, FinishReason, StepEvent, Token
 from lmiserve.core.request import SamplingParams
@@ -15,6 +16,9 @@ from lmiserve.engine.detokenizer import IncrementalDetokenizer
 from lmiserve.engine.grammar_compiler import GrammarMatcher
 from lmiserve.engine.kv_blocks import BlockTable
 from lmiserve.engine.stop import StopMatcher
+
+if TYPE_CHECKING:
+    from lmiserve.engine.lora import LoraAdapter
 
 
 class SeqStatus(Enum):
@@ -57,6 +61,7 @@ class Sequence:
         self.preemptions = 0  # times the block scheduler gave its blocks away (it then recomputes them)
         self.prompt_counted = 0  # prompt tokens computed and counted in the stats (none counted twice)
         self.cache_salt: str | None = None  # vLLM's cache_salt: shares cached blocks only with the same salt
+        self.adapter: LoraAdapter | None = None  # its LoRA adapter (engine/lora.py; None: the base model)
         self.kv_len = 0  # positions of this sequence written into the KV cache
         self.cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
         self.output_ids: list[int] = []

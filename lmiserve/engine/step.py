@@ -37,6 +37,7 @@ class NewRequest:
     prompt_ids: list[int]
     params: SamplingParams  # plain data (its grammar is a spec; the matcher stays in the engine core)
     seed: int | None  # a sampled request's generator is seeded from it (batch-independent streams)
+    adapter: int | None = None  # the id of its LoRA adapter (`lora.LoraAdapter.id`; None: the base model)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from abc import abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from lmiserve.engine.paged_attention import PagedKVCache
 
 from lmiserve.core.request import SamplingParams
+from lmiserve.engine.lora import LoraAdapter, LoraBatch, LoraGroup, StackCache
 from lmiserve.engine.runners.base import prompt_logprobs, sampler_row
 from lmiserve.engine.sampling import Row, sample_rows
 from lmiserve.engine.scheduler import StepOutput
@@ -41,6 +43,7 @@ class RequestState:
     output_ids: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    adapter: LoraAdapter | None = None
 
 
 class PersistentBatchRunner(BatchRunner):
@@ -57,6 +60,28 @@ class PersistentBatchRunner(BatchRunner):
         self._requests = {}
         self.vocab_size = int(model.config.vocab_size)
         self.proposer: Proposer | None = None  # speculative decoding's drafts (engine/speculative.py)
+        # LoRA (engine/lora.py): a request's adapter by the id its NewRequest names, and the stacked
+        # matrices of the adapter sets the steps use
+        self.adapter_lookup: Callable[[int], LoraAdapter] | None = None
+        self.lora_stacks = StackCache(self.lora_groups(model))
+
+    def lora_groups(self, model: PreTrainedModel) -> list[LoraGroup]:
+        """The groups of linears this runner applies adapters to (engine/lora.py)."""
+        return []
+
+    def _lora(self, batch: StepBatch, part: list[int], tokens: list[int]) -> LoraBatch | None:
+        """The adapters of rows `part`'s tokens (`tokens`: each row's count, in `part`'s order)."""
+        if self.adapter_lookup is None:
+            return None
+        adapters = [self._requests[batch.rows[i].seq_id].adapter for i in part]
+        if all(a is None for a in adapters):
+            return None
+        per_token = [a for a, count in zip(adapters, tokens) for _ in range(count)]
+        return LoraBatch.of(per_token, self.lora_stacks, self.kv.keys[0].device, self.lora_dtype)
+
+    @property
+    def lora_dtype(self) -> torch.dtype:
+        return self.kv.keys[0].dtype
 
     def execute_batch(self, batch: StepBatch) -> StepOutput:
         """Apply the batch's difference to the persistent batch, run its rows as one forward, sample."""
@@ -68,7 +93,11 @@ class PersistentBatchRunner(BatchRunner):
             for seq_id in batch.preempted:
                 self._requests[seq_id].blocks = []
             for new in batch.new:
-                self._requests[new.seq_id] = RequestState(list(new.prompt_ids), new.params, new.seed)
+                state = self._requests[new.seq_id] = RequestState(list(new.prompt_ids), new.params, new.seed)
+                if new.adapter is not None:
+                    if self.adapter_lookup is None:
+                        raise ValueError("a request names a LoRA adapter; this runner serves none")
+                    state.adapter = self.adapter_lookup(new.adapter)
             for row in batch.rows:
                 self._requests[row.seq_id].blocks.extend(row.new_blocks)
             out = StepOutput()

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lmiserve.engine.kv_cache import AttentionShape
+from lmiserve.engine.lora import LoraGroup
 from lmiserve.engine.paged_attention import PagedKVCache
 from lmiserve.engine.runners.base import paged_cache
 from lmiserve.engine.runners.batched import PersistentBatchRunner
@@ -74,13 +75,18 @@ class PagedFastRunner(FastRunner, PersistentBatchRunner):
             keep.extend(range(offset + len(computed) - kept, offset + len(computed)))
             offset += len(computed)
         rows = [batch.rows[i] for i in decode]
+        tokens = [1] * len(decode) + [len(batch.rows[i].computed_ids) for i in part[len(decode) :]]
         return self.fast.forward(
             [r.token_ids[0] for r in rows],
             [r.start for r in rows],
             prefills,
             keep,
             decode_tables=[self._requests[r.seq_id].blocks for r in rows],
+            lora=self._lora(batch, part, tokens),
         )
+
+    def lora_groups(self, model: PreTrainedModel) -> list[LoraGroup]:
+        return self.fast.lora_groups()
 
     def _run(self, plan: StepPlan, out: StepOutput) -> None:
         raise RuntimeError("the paged fast runner runs plain-data batches (execute_batch), not plans")

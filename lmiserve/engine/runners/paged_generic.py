@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lmiserve.engine.kv_cache import AttentionShape
+from lmiserve.engine.lora import LoraBatch, LoraGroup, lora_out_features
 from lmiserve.engine.paged_attention import PagedKVCache, gather_context, write_tokens
 from lmiserve.engine.runners.base import ModelRunner, paged_cache
 from lmiserve.engine.runners.batched import PersistentBatchRunner
@@ -154,6 +155,32 @@ class PagedGenericRunner(ModelRunner, PersistentBatchRunner):
     ) -> None:
         super().__init__(model, max_slots=max_slots, max_context=max_context, eos_token_ids=eos_token_ids)
         self._hold_pool(model, paged_cache(model, num_blocks, block_size))
+        self._step_lora: LoraBatch | None = None  # the adapters of the forward running now
+        self._hooked: set[str] = set()
+
+    # ---- LoRA: a hook on each adapted linear adds the step's deltas to its output ---------------------
+    def _lora(self, batch: StepBatch, part: list[int], tokens: list[int]) -> LoraBatch | None:
+        for i in part:
+            adapter = self._requests[batch.rows[i].seq_id].adapter
+            if adapter is not None:
+                for path in adapter.modules:
+                    if path not in self._hooked:
+                        self._hook(path)
+        return super()._lora(batch, part, tokens)
+
+    def _hook(self, path: str) -> None:
+        module = self.model.get_submodule(path)
+        out = lora_out_features(module)
+        self.lora_stacks.add_group(LoraGroup(path, ((path, 0, out),)))
+
+        def add_deltas(_module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
+            lora = self._step_lora
+            if lora is not None:
+                x = args[0]
+                lora.apply(path, x.reshape(-1, x.shape[-1]), output.view(-1, output.shape[-1]))
+
+        module.register_forward_hook(add_deltas)
+        self._hooked.add(path)
 
     def _run(self, plan: StepPlan, out: StepOutput) -> None:
         raise RuntimeError("the paged generic runner runs plain-data batches (execute_batch), not plans")
@@ -196,11 +223,15 @@ class PagedGenericRunner(ModelRunner, PersistentBatchRunner):
             torch.tensor([p % bs for p in positions], dtype=torch.long, device=dev),
             reads,
         )
-        logits: torch.Tensor = self.model(
-            input_ids=torch.tensor([ids], device=dev),
-            position_ids=torch.tensor([positions], device=dev),
-            attention_mask=mask[None, None],
-            cache=view,
-            use_cache=False,
-        ).logits[0]
+        self._step_lora = self._lora(batch, part, [len(batch.rows[i].computed_ids) for i in part])
+        try:
+            logits: torch.Tensor = self.model(
+                input_ids=torch.tensor([ids], device=dev),
+                position_ids=torch.tensor([positions], device=dev),
+                attention_mask=mask[None, None],
+                cache=view,
+                use_cache=False,
+            ).logits[0]
+        finally:
+            self._step_lora = None
         return logits[torch.tensor(keep, dtype=torch.long, device=dev)].float()

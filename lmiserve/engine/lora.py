@@ -1,0 +1,408 @@
+"""LoRA adapters on one base model: read from PEFT's files, applied per row inside one batch.
+
+An adapter is PEFT's folder (`adapter_config.json` and `adapter_model.safetensors`): for each target
+linear of the base model a pair ``A [r, in]``, ``B [out, r]`` whose product, times ``alpha / r``
+(``alpha / sqrt(r)`` with rsLoRA), is added to the linear's output: ``y = W x + s B (A x)``.
+`read_adapter` checks an adapter against the served model (every target module exists and is a linear,
+every shape fits, the rank is at most `max_lora_rank`, nothing PEFT can write that lmiserve would ignore:
+DoRA, trained biases, `modules_to_save`, embedding targets) and keeps ``A`` and ``s B`` in the
+model's dtype. Nothing is merged into the base weights: rows of several adapters, and rows of none,
+share one step.
+
+A step's products are batched by adapter as punica/S-LoRA's segmented products do, shaped for few large
+calls instead of one per adapter (`LoraBatch`): for a group of linears that read the same input (the
+fast path's fused q/k/v, gate/up, or one linear of transformers' forward), every active adapter's ``A``
+rows are stacked, so one product ``x @ A_all^T`` gives every token every adapter's low-rank
+activations; a 0/1 mask keeps each token's own adapter's columns; then one product a linear with the
+stacked ``s B`` adds the deltas into the base output. The wasted work (each token's product with the
+other adapters' ``A``) is rank x adapters x in per token, a few percent of the base product for the
+usual ranks; the number of calls does not grow with the number of adapters. The stacks of one set of
+adapters are built once and reused while the set is active.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+import re
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+__all__ = [
+    "FAST_PATH_MODULES",
+    "AdapterError",
+    "LoraAdapter",
+    "LoraBatch",
+    "LoraGroup",
+    "read_adapter",
+]
+
+log = logging.getLogger(__name__)
+
+# the linears lmiserve's own Llama-family forward applies adapters to (engine/fast_llama.py)
+FAST_PATH_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+CONFIG_FILE = "adapter_config.json"
+WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+_PREFIX = "base_model.model."
+_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<part>A|B)(?:\.[^.]+)?\.weight$")
+_ids = itertools.count(1)
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be served on this model; the message says why (a 400)."""
+
+
+@dataclass(eq=False)
+class LoraAdapter:
+    """One loaded adapter: for each target module (its path in the base model) ``A [r, in]`` and the
+    scaled ``B [out, r]``, in the model's dtype on its device. `id` is new at every load (the prefix
+    cache keys blocks by it, so an adapter loaded again from other files never shares KV)."""
+
+    name: str
+    path: Path
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    rank: int  # the largest rank of its modules
+    alpha: float
+    base_model: str | None
+    load_seconds: float
+    id: int = field(default_factory=lambda: next(_ids))
+
+    @property
+    def target_modules(self) -> list[str]:
+        """The short names of the linears it adapts (``q_proj``, ...), sorted."""
+        return sorted({path.rsplit(".", 1)[-1] for path in self.modules})
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.modules.values())
+
+
+def _linear_shape(module: torch.nn.Module) -> tuple[int, int] | None:
+    """``(in, out)`` of a linear (torch's, lmiserve's int8/int4, GPT-2's Conv1D); None otherwise."""
+    if isinstance(module, torch.nn.Embedding):
+        return None
+    fan_in, fan_out = getattr(module, "in_features", None), getattr(module, "out_features", None)
+    if isinstance(fan_in, int) and isinstance(fan_out, int):
+        return fan_in, fan_out
+    weight = getattr(module, "weight", None)
+    if type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[0]), int(weight.shape[1])  # Conv1D keeps [in, out]
+    return None
+
+
+def lora_out_features(module: torch.nn.Module) -> int:
+    """The output width of a linear an adapter targets (checked by `read_adapter`)."""
+    shape = _linear_shape(module)
+    if shape is None:
+        raise ValueError(f"{type(module).__name__} is not a linear layer")
+    return shape[1]
+
+
+def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
+    """PEFT's `rank_pattern`/`alpha_pattern` lookup: the first pattern that matches the module's path
+    at a name boundary."""
+    for pattern, value in patterns.items():
+        if re.match(rf"(.*\.)?({pattern})$", module):
+            return value
+    return default
+
+
+def _read_config(folder: Path) -> dict[str, Any]:
+    file = folder / CONFIG_FILE
+    if not folder.is_dir():
+        raise AdapterError(f"adapter folder {folder} does not exist")
+    if not file.is_file():
+        raise AdapterError(f"{folder} has no {CONFIG_FILE}: not a PEFT adapter")
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise AdapterError(f"{CONFIG_FILE} of {folder.name} cannot be read: {exc}") from None
+    if not isinstance(config, dict):
+        raise AdapterError(f"{CONFIG_FILE} of {folder.name} is not a JSON object")
+    kind = str(config.get("peft_type", "LORA")).upper()
+    if kind != "LORA":
+        raise AdapterError(f"adapter {folder.name} is a {kind} adapter; only LoRA adapters are served")
+    refused = [
+        (config.get("use_dora"), "uses DoRA (use_dora)"),
+        (config.get("bias", "none") not in ("none", None), f"trains biases (bias={config.get('bias')!r})"),
+        (config.get("modules_to_save"), f"saves whole modules ({config.get('modules_to_save')})"),
+        (config.get("layer_replication"), "replicates layers (layer_replication)"),
+        (config.get("use_qalora"), "uses QALoRA"),
+    ]
+    for present, why in refused:
+        if present:
+            raise AdapterError(f"adapter {folder.name} {why}, which lmiserve does not serve")
+    return config
+
+
+def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    for name in WEIGHT_FILES:
+        file = folder / name
+        if not file.is_file():
+            continue
+        try:
+            if name.endswith(".safetensors"):
+                from safetensors.torch import load_file
+
+                return load_file(str(file))
+            loaded = torch.load(str(file), map_location="cpu", weights_only=True)  # no pickled code runs
+        except Exception as exc:  # noqa: BLE001 - a damaged file is the adapter's fault: a 400
+            raise AdapterError(f"{name} of {folder.name} cannot be read: {type(exc).__name__}: {exc}") from None
+        if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
+            raise AdapterError(f"{name} of {folder.name} is not a dictionary of tensors")
+        return loaded
+    raise AdapterError(f"{folder} has no {' or '.join(WEIGHT_FILES)}")
+
+
+def read_adapter(
+    folder: Path,
+    model: PreTrainedModel,
+    *,
+    name: str,
+    max_rank: int,
+    modules: Sequence[str] | None = None,
+) -> LoraAdapter:
+    """The LoRA adapter in `folder`, checked against `model`; `modules`: the short names of the linears
+    the serving path applies adapters to (None: any linear). AdapterError says what does not fit."""
+    started = time.perf_counter()
+    config = _read_config(folder)
+    tensors = _read_weights(folder)
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        stripped = key[len(_PREFIX) :] if key.startswith(_PREFIX) else key
+        if ".lora_embedding_" in stripped or ".lora_magnitude_vector" in stripped:
+            raise AdapterError(f"adapter {name} adapts {stripped.split('.lora_')[0]} in a way lmiserve does not serve")
+        match = _KEY.match(stripped)
+        if match is None:
+            raise AdapterError(f"adapter {name} holds tensor {key!r}, which is not a LoRA A or B matrix")
+        pairs.setdefault(match["module"], {})[match["part"]] = tensor
+    if not pairs:
+        raise AdapterError(f"adapter {name} holds no LoRA weights")
+    dtype = _activation_dtype(model)
+    device = model.device
+    base = config.get("base_model_name_or_path")
+    made_for = f" (it was made for {base})" if base else ""
+    alpha_default = float(config.get("lora_alpha", config.get("r", 8)))
+    rslora = bool(config.get("use_rslora"))
+    loaded: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    rank = 0
+    for path, pair in sorted(pairs.items()):
+        if set(pair) != {"A", "B"}:
+            raise AdapterError(f"adapter {name} has lora_{'A' if 'B' in pair else 'B'} of {path} without its pair")
+        short = path.rsplit(".", 1)[-1]
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            raise AdapterError(f"adapter {name} targets {path}, which this model does not have{made_for}") from None
+        shape = _linear_shape(module)
+        if shape is None:
+            raise AdapterError(f"adapter {name} targets {path}, which is not a linear layer")
+        if modules is not None and short not in modules:
+            raise AdapterError(
+                f"adapter {name} targets {short}; adapters on this model may target {', '.join(modules)}"
+            )
+        a, b = pair["A"], pair["B"]
+        r = int(a.shape[0]) if a.dim() == 2 else -1
+        fan_in, fan_out = shape
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != fan_in or tuple(b.shape) != (fan_out, r):
+            raise AdapterError(
+                f"adapter {name} does not fit this model{made_for}: {path} is {fan_in} -> {fan_out}, its "
+                f"LoRA matrices are {list(a.shape)} and {list(b.shape)}"
+            )
+        if r > max_rank:
+            raise AdapterError(f"adapter {name} has rank {r} (at {short}), above max_lora_rank {max_rank}")
+        alpha = float(_pattern_value(config.get("alpha_pattern") or {}, path, alpha_default))
+        scale = alpha / math.sqrt(r) if rslora else alpha / r
+        loaded[path] = (
+            a.to(device=device, dtype=dtype).contiguous(),
+            (b.to(torch.float32) * scale).to(device=device, dtype=dtype).contiguous(),
+        )
+        rank = max(rank, r)
+    return LoraAdapter(
+        name=name,
+        path=folder,
+        modules=loaded,
+        rank=rank,
+        alpha=alpha_default,
+        base_model=str(base) if base else None,
+        load_seconds=time.perf_counter() - started,
+    )
+
+
+def _activation_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of the model's activations (its embedding's; an int8/int4 model keeps float ones)."""
+    getter = getattr(model, "get_input_embeddings", None)
+    embed = getter() if callable(getter) else None
+    weight = getattr(embed, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.is_floating_point():
+        return weight.dtype
+    return next(p.dtype for p in model.parameters() if p.is_floating_point())
+
+
+# ---- one step's products -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LoraGroup:
+    """Linears that read one input and whose outputs sit side by side in one output (the fast path's
+    fused q/k/v: three parts; a linear of transformers' forward: one): each part's module path and
+    its output columns."""
+
+    key: str
+    parts: tuple[tuple[str, int, int], ...]  # (module path, first output column, end)
+
+
+@dataclass
+class _Part:
+    """One module of a group, for a set of adapters: its columns of the stacked activations, its output
+    columns, and the adapters' scaled B matrices side by side, transposed (``[sum of ranks, out]``)."""
+
+    cols: slice
+    out: slice
+    b_t: torch.Tensor
+
+
+@dataclass
+class _Stack:
+    """A group's stacked matrices for one set of adapters: every A row (``[sum of ranks, in]``), the
+    adapter (index in the set) each row belongs to, and the parts."""
+
+    a_t: torch.Tensor  # [in, sum of ranks]
+    owner: tuple[int, ...]
+    parts: list[_Part]
+
+
+def _stack(group: LoraGroup, adapters: Sequence[LoraAdapter]) -> _Stack | None:
+    """The group's matrices for `adapters` (None when none of them adapts any of its modules)."""
+    a_rows: list[torch.Tensor] = []
+    owner: list[int] = []
+    parts: list[_Part] = []
+    for path, first, end in group.parts:
+        col = len(owner)
+        bs: list[torch.Tensor] = []
+        for index, adapter in enumerate(adapters):
+            pair = adapter.modules.get(path)
+            if pair is None:
+                continue
+            a, b = pair
+            a_rows.append(a)
+            bs.append(b)
+            owner.extend([index] * a.shape[0])
+        if bs:
+            b_t = (bs[0] if len(bs) == 1 else torch.cat(bs, dim=1)).t().contiguous()
+            parts.append(_Part(slice(col, len(owner)), slice(first, end), b_t))
+    if not parts:
+        return None
+    a_t = (a_rows[0] if len(a_rows) == 1 else torch.cat(a_rows, dim=0)).t().contiguous()
+    return _Stack(a_t, tuple(owner), parts)
+
+
+class StackCache:
+    """Each group's stacks for the last few sets of adapters (built on a set's first step)."""
+
+    def __init__(self, groups: Iterable[LoraGroup], keep: int = 8) -> None:
+        self.groups = {group.key: group for group in groups}
+        self._sets: OrderedDict[tuple[int, ...], dict[str, _Stack | None]] = OrderedDict()
+        self._keep = keep
+
+    def add_group(self, group: LoraGroup) -> None:
+        if group.key not in self.groups:
+            self.groups[group.key] = group
+            self._sets.clear()
+
+    def stacks(self, adapters: Sequence[LoraAdapter]) -> dict[str, _Stack | None]:
+        key = tuple(adapter.id for adapter in adapters)
+        found = self._sets.get(key)
+        if found is None:
+            found = {name: _stack(group, adapters) for name, group in self.groups.items()}
+            self._sets[key] = found
+            while len(self._sets) > self._keep:
+                self._sets.popitem(last=False)
+        else:
+            self._sets.move_to_end(key)
+        return found
+
+    def clear(self) -> None:
+        self._sets.clear()
+
+
+class LoraBatch:
+    """The adapters of one step: which adapter each token row uses (`owners`: an index into `adapters`,
+    -1 for the base model; rows past the list, such as padding, use none) and the products that add their
+    deltas to a group's output (`apply`)."""
+
+    def __init__(
+        self,
+        adapters: Sequence[LoraAdapter],
+        owners: Sequence[int],
+        cache: StackCache,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.adapters = list(adapters)
+        self._owners = list(owners)
+        self._stacks = cache.stacks(self.adapters)
+        self._device, self._dtype = device, dtype
+        self._rows = -1
+        self._owner_t: torch.Tensor | None = None
+        self._masks: dict[tuple[int, ...], torch.Tensor | None] = {}
+        # every row uses the one adapter: no mask
+        self._uniform = len(self.adapters) == 1 and all(o == 0 for o in owners)
+
+    @staticmethod
+    def of(
+        row_adapters: Sequence[LoraAdapter | None], cache: StackCache, device: torch.device, dtype: torch.dtype
+    ) -> LoraBatch | None:
+        """The batch of these token rows' adapters (None: no row uses one)."""
+        index: dict[int, int] = {}
+        adapters: list[LoraAdapter] = []
+        owners: list[int] = []
+        for adapter in row_adapters:
+            if adapter is None:
+                owners.append(-1)
+                continue
+            at = index.get(adapter.id)
+            if at is None:
+                at = index[adapter.id] = len(adapters)
+                adapters.append(adapter)
+            owners.append(at)
+        if not adapters:
+            return None
+        return LoraBatch(adapters, owners, cache, device, dtype)
+
+    def _mask(self, owner: tuple[int, ...], rows: int) -> torch.Tensor | None:
+        if self._uniform:  # rows past the list are padding: dropped, whatever they add
+            return None
+        if rows != self._rows:
+            padded = self._owners[:rows] + [-1] * (rows - len(self._owners))
+            self._owner_t = torch.tensor(padded, device=self._device)
+            self._rows, self._masks = rows, {}
+        mask = self._masks.get(owner)
+        if mask is None:
+            assert self._owner_t is not None
+            columns = torch.tensor(owner, device=self._device)
+            mask = self._masks[owner] = (self._owner_t[:, None] == columns[None, :]).to(self._dtype)
+        return mask
+
+    def apply(self, key: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Add the adapters' deltas for group `key` to `out` (``[rows, out]``, in place) from its input
+        `x` (``[rows, in]``)."""
+        stack = self._stacks.get(key)
+        if stack is None:
+            return
+        low = torch.mm(x.to(stack.a_t.dtype), stack.a_t)
+        mask = self._mask(stack.owner, x.shape[0])
+        if mask is not None:
+            low.mul_(mask)
+        for part in stack.parts:
+            target = out[:, part.out]
+            target.addmm_(low[:, part.cols], part.b_t.to(target.dtype) if part.b_t.dtype != target.dtype else part.b_t)
