@@ -74,6 +74,12 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "speculative_config",
             "speculative_draft_model",
             "speculative_length",
+            "enable_lora",
+            "max_loras",
+            "max_lora_rank",
+            "max_cpu_loras",
+            "lora_modules",
+            "lora_adapters",
         ),
     ),
     (

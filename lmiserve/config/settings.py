@@ -28,6 +28,7 @@ from pydantic import (
 )
 
 from lmiserve.config.errors import ConfigError
+from lmiserve.config.lora import parse_lora_adapters, parse_lora_modules
 from lmiserve.config.messages import describe_errors
 from lmiserve.config.properties import strip_option_prefix
 from lmiserve.config.speculative import SpeculativeConfig, parse_speculative_config
@@ -55,10 +56,6 @@ LMI_IGNORED_KEYS = frozenset(
         "enforce_eager",
         "mpi_mode",
         "task",
-        "enable_lora",
-        "max_loras",
-        "max_lora_rank",
-        "max_cpu_loras",
         "model_loading_timeout",
         "parallel_loading",
         "minWorkers",
@@ -378,6 +375,40 @@ class Settings(BaseModel):
     speculative_length: int | None = Field(
         None, ge=1, le=16, description="LMI's older key: drafts a step verifies (with `speculative_draft_model`)."
     )
+    # --- LoRA adapters ---
+    enable_lora: bool = Field(
+        False,
+        description=(
+            "Serve LoRA adapters on the model: registered at start (`lora_modules`, `lora_adapters`, an "
+            "`adapters/` folder next to the model) or at run time (the adapters API). Implied by "
+            "`lora_modules` and `lora_adapters`. Paged KV cache only. See docs/lora.md."
+        ),
+    )
+    max_loras: int = Field(4, ge=1, le=256, description="Adapters that may run in one step (vLLM's `max_loras`).")
+    max_lora_rank: int = Field(
+        16, ge=1, le=1024, description="Highest LoRA rank an adapter may have; a higher one is refused when loaded."
+    )
+    max_cpu_loras: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Adapters kept loaded in memory (the least recently used one that no request uses and that is "
+            "not pinned is dropped, and loads again when asked for); unset = `max_loras`, never fewer."
+        ),
+    )
+    lora_modules: str | None = Field(
+        None,
+        description=(
+            "vLLM's adapters at start: `name=path` items separated by spaces or commas, or JSON objects "
+            '`{"name": ..., "path": ...}`.'
+        ),
+    )
+    lora_adapters: str | None = Field(
+        None,
+        description=(
+            "TGI's adapters at start (`LORA_ADAPTERS`): comma-separated `name=path` or `path` (named after its folder)."
+        ),
+    )
     # --- output ---
     output_formatter: OutputFormatter | None = Field(
         None,
@@ -655,11 +686,27 @@ class Settings(BaseModel):
             self.rolling_batch = "disable"
             self.sources["rolling_batch"] = f"batch_size={self.batch_size}"
         self._fold_lmi_speculative()
+        if self.lora_modules is not None or self.lora_adapters is not None:
+            self.start_adapters()  # checked here: a bad value stops the start
+            if not self.enable_lora:
+                self.enable_lora = True
+                self.sources.setdefault("enable_lora", "lora_modules" if self.lora_modules else "lora_adapters")
+        if self.enable_lora and (self.kv_cache != "paged" or self.batch_invariant):
+            raise ValueError("LoRA adapters need the paged KV cache: not with kv_cache=slots or batch_invariant=true")
         if self.speculative_config is not None and (self.kv_cache != "paged" or self.batch_invariant):
             raise ValueError(
                 "speculative_config needs the paged KV cache: not with kv_cache=slots or batch_invariant=true"
             )
         return self
+
+    def start_adapters(self) -> list[tuple[str, str]]:
+        """The adapters `lora_modules` and `lora_adapters` name, as (name, path) pairs."""
+        pairs = parse_lora_modules(self.lora_modules or "") + parse_lora_adapters(self.lora_adapters or "")
+        names = [name for name, _ in pairs]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"adapter {twice[0]!r} is named by both lora_modules and lora_adapters")
+        return pairs
 
     def _fold_lmi_speculative(self) -> None:
         """LMI's `speculative_draft_model` / `speculative_length` as a `speculative_config`."""

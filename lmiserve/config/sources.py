@@ -14,7 +14,7 @@ Environment mapping, lowest first within the environment (a later entry wins):
   ``SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT`` -> default_invocations_accept, ``SAGEMAKER_MAX_REQUEST_SIZE`` ->
   max_request_size, ``AIP_PREDICT_ROUTE`` / ``AIP_HEALTH_ROUTE`` / ``AIP_DEPLOYED_MODEL_ID`` ->
   vertex_predict_route / vertex_health_route / vertex_deployed_model_id, ``API_KEY`` -> api_key (TGI's
-  name);
+  name), ``LORA_ADAPTERS`` -> lora_adapters (TGI's);
 - ``SERVING_<NAME>`` -> ``<name>`` lower-cased (e.g. ``SERVING_JOB_QUEUE_SIZE``);
 - ``OPTION_<NAME>`` -> ``<name>`` lower-cased (e.g. ``OPTION_MAX_ROLLING_BATCH_SIZE``).
 
@@ -54,6 +54,7 @@ ENV_SHORTCUTS: tuple[tuple[str, str], ...] = (
     ("AIP_HEALTH_ROUTE", "vertex_health_route"),
     ("AIP_DEPLOYED_MODEL_ID", "vertex_deployed_model_id"),
     ("API_KEY", "api_key"),
+    ("LORA_ADAPTERS", "lora_adapters"),
 )
 _ENV_PREFIXES = ("SERVING_", "OPTION_")  # lowest priority first
 _SPECIAL_ENV_NAMES = {"OPTION_ENTRYPOINT": "entryPoint"}  # as DJL Serving spells it

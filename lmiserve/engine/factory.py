@@ -14,7 +14,7 @@ from lmiserve.engine.async_engine import AsyncEngine, EngineConfig
 from lmiserve.engine.grammar_compiler import GrammarCompiler
 from lmiserve.engine.loaded import LoadedModel
 from lmiserve.engine.lora import FAST_PATH_MODULES
-from lmiserve.engine.lora_registry import AdapterRegistry
+from lmiserve.engine.lora_registry import AdapterRegistry, LoraLimits
 from lmiserve.engine.quantize import Int4Linear, Int8Linear, quantize_output_int8
 from lmiserve.engine.runners import FastRunner, ModelRunner, create_runner, paged_generic, runner_class
 from lmiserve.engine.runners.batched import PersistentBatchRunner
@@ -98,6 +98,9 @@ def engine_config(settings: Settings) -> EngineConfig:
         block_size=settings.block_size,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         speculation=speculation_settings(settings),
+        lora=LoraLimits(settings.max_loras, settings.max_lora_rank, settings.max_cpu_loras)
+        if settings.enable_lora
+        else None,
     )
 
 

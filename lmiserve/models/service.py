@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from starlette.requests import Request
 
     from lmiserve.engine.loaded import LoadedModel
+    from lmiserve.engine.lora_registry import AdapterRegistry
     from lmiserve.engine.oneshot import TensorRunner
     from lmiserve.models.registry import ModelRegistry
 
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 # One model loads at a time: transformers' lazy imports are not safe to race from several threads,
 # and on a few CPU cores parallel loads gain nothing.
 _LOAD_LOCK = threading.Lock()
+ADAPTERS_FOLDER = "adapters"  # next to the model: LoRA adapters registered at start (LMI's layout)
 
 
 class ModelService:
@@ -94,6 +96,11 @@ class ModelService:
         if self._generator is None:
             raise Unsupported(f"Model {self.name} is a {self.kind} model; it does not generate text")
         return self._generator
+
+    @property
+    def adapters(self) -> AdapterRegistry | None:
+        """The LoRA adapters of a loaded LLM served with `enable_lora` (None otherwise)."""
+        return getattr(self._generator, "adapters", None)
 
     @property
     def tensor_model(self) -> TensorModel:
@@ -158,8 +165,31 @@ class ModelService:
                 load_format=s.load_format if spec.self_draft else "auto",
             )
         engine = build_engine(loaded, s, draft)
+        if engine.adapters is not None:
+            self._register_start_adapters(engine.adapters)
         self.attach_llm(loaded, engine)
         return engine
+
+    def _register_start_adapters(self, adapters: AdapterRegistry) -> None:
+        """The adapters named at start (`lora_modules`, `lora_adapters`) and those in the `adapters/` folder
+        next to the model (LMI's layout: one adapter a subfolder), loaded now: one that does not load stops
+        the start, naming it."""
+        adapters.reserved.add(self.name)
+        assert self.path is not None
+        pairs = self.settings.start_adapters()
+        folder = (self.path if self.path.is_dir() else self.path.parent) / ADAPTERS_FOLDER
+        if folder.is_dir():
+            named = {name for name, _ in pairs}
+            pairs += [
+                (sub.name, str(sub))
+                for sub in sorted(folder.iterdir())
+                if sub.is_dir() and (sub / "adapter_config.json").is_file() and sub.name not in named
+            ]
+        for name, path in pairs:
+            try:
+                adapters.register(name, path, preload=True)
+            except (ValueError, FileExistsError) as exc:
+                raise ValueError(f"adapter {name} ({path}) cannot be served: {exc}") from None
 
     def attach_llm(self, loaded: LoadedModel, generator: TextGenerator) -> None:
         """Serve `generator` as this LLM's engine, over `loaded` (its tokenizer, device, dtype, context):
