@@ -197,3 +197,23 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
             return _worker_scope(nodeid.split("::", 1)[0])
 
     return SharedServers(config, log)
+
+
+# ---- LoRA adapters (tests/helpers/lora_adapters.py) ----------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def lora_adapter_dirs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """PEFT LoRA adapters of the tiny model, by name (`helpers.lora_adapters.SPECS`: ``alpha`` rank 8 on
+    q/v, ``beta`` rank 4 on every linear, ``gamma`` rank 16 rsLoRA on o/gate/down/k), random with a
+    non-zero B, saved by PEFT."""
+    from helpers.lora_adapters import SPECS, make_adapter
+
+    root = tmp_path_factory.mktemp("lora-adapters")
+    return {spec.name: make_adapter(tiny_model_dir, root / spec.name, spec) for spec in SPECS}
+
+
+@pytest.fixture(scope="session")
+def lora_modules_option(lora_adapter_dirs: dict[str, Path]) -> str:
+    """`lora_modules` naming every adapter of `lora_adapter_dirs` (``alpha=/path beta=/path ...``)."""
+    return " ".join(f"{name}={path}" for name, path in lora_adapter_dirs.items())

@@ -142,6 +142,14 @@ def server(server_pool: ServerPool, tiny_model_dir: Path) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="session")
+def lora_server(server_pool: ServerPool, tiny_model_dir: Path, lora_modules_option: str) -> Iterator[Server]:
+    """The tiny model serving the LoRA adapters ``alpha``, ``beta`` and ``gamma`` (`lora_adapter_dirs`),
+    registered at start through `lora_modules`. Shared: tests must not register or unregister adapters
+    on it (start a server of their own for that)."""
+    yield from _start(tiny_model_dir, f"lora_modules={lora_modules_option}", pool=server_pool)
+
+
+@pytest.fixture(scope="session")
 def tgi_server(server_pool: ServerPool, tiny_model_dir: Path) -> Iterator[Server]:
     yield from _start(tiny_model_dir, "tgi_compat=true", pool=server_pool)
 
