@@ -183,6 +183,11 @@ def read_adapter(
         stripped = key[len(_PREFIX) :] if key.startswith(_PREFIX) else key
         if ".lora_embedding_" in stripped or ".lora_magnitude_vector" in stripped:
             raise AdapterError(f"adapter {name} adapts {stripped.split('.lora_')[0]} in a way lmiserve does not serve")
+        if stripped.endswith(".base_layer.weight"):
+            raise AdapterError(
+                f"adapter {name} holds base weights of {stripped.removesuffix('.base_layer.weight')} (PEFT saves "
+                "them for a tied output layer): lmiserve serves adapters of LoRA matrices only"
+            )
         match = _KEY.match(stripped)
         if match is None:
             raise AdapterError(f"adapter {name} holds tensor {key!r}, which is not a LoRA A or B matrix")

@@ -16,6 +16,7 @@ by layer); those keep the slot layout (engine/factory.py).
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -173,8 +174,11 @@ class PagedGenericRunner(ModelRunner, PersistentBatchRunner):
         out = lora_out_features(module)
         self.lora_stacks.add_group(LoraGroup(path, ((path, 0, out),)))
 
+        runner = weakref.ref(self)  # the hook stays on the model; it must not keep the runner alive
+
         def add_deltas(_module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
-            lora = self._step_lora
+            owner = runner()
+            lora = owner._step_lora if owner is not None else None
             if lora is not None:
                 x = args[0]
                 lora.apply(path, x.reshape(-1, x.shape[-1]), output.view(-1, output.shape[-1]))
