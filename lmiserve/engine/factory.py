@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lmiserve.config.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE
+from lmiserve.engine import lora_kernels
 from lmiserve.engine.async_engine import AsyncEngine, EngineConfig
 from lmiserve.engine.grammar_compiler import GrammarCompiler
 from lmiserve.engine.loaded import LoadedModel
@@ -199,6 +200,12 @@ def create_engine(
             )
         modules = FAST_PATH_MODULES if isinstance(runner, PagedFastRunner) else None
         adapters = AdapterRegistry(loaded.model, config.lora, modules=modules)
+        if lora_kernels.available(runner.lora_dtype, loaded.device):
+            try:  # compiles (or loads from numba's cache) at load, not on a request
+                lora_kernels.warm_up()
+            except Exception:  # noqa: BLE001 - a numba/llvmlite problem costs speed, not the adapters
+                log.exception("compiled LoRA products unavailable; using torch's")
+                runner.lora_kernels = False
         runner.adapter_lookup = adapters.by_id
     return AsyncEngine(runner, codec, config, grammars, adapters)
 

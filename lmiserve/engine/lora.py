@@ -34,7 +34,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
+
+from lmiserve.engine import lora_kernels
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -268,25 +272,67 @@ class LoraGroup:
 
 @dataclass
 class _Part:
-    """One module of a group, for a set of adapters: its columns of the stacked activations, its output
-    columns, and the adapters' scaled B matrices side by side, transposed (``[sum of ranks, out]``)."""
+    """One module of a group, for a set of adapters: its output columns, its columns of the stacked
+    activations, where each adapter's are among them (``(first, end)`` by adapter index; equal: it does
+    not adapt this module), and the adapters' scaled B matrices side by side (``[out, sum of ranks]``)."""
 
-    cols: slice
     out: slice
-    b_t: torch.Tensor
+    cols: slice
+    segments: list[tuple[int, int]]
+    b: torch.Tensor
 
 
 @dataclass
 class _Stack:
-    """A group's stacked matrices for one set of adapters: every A row (``[sum of ranks, in]``), the
-    adapter (index in the set) each row belongs to, and the parts."""
+    """A group's stacked matrices for one set of adapters: every A row (``[sum of ranks, in]``, module
+    after module, adapter after adapter), the adapter (index in the set) each row belongs to, the parts,
+    and (CPU fp32) the compiled kernels' arguments."""
 
-    a_t: torch.Tensor  # [in, sum of ranks]
+    a: torch.Tensor
     owner: tuple[int, ...]
     parts: list[_Part]
+    kernel: _KernelArgs | None = None
 
 
-def _stack(group: LoraGroup, adapters: Sequence[LoraAdapter]) -> _Stack | None:
+@dataclass
+class _KernelArgs:
+    """`lora_kernels.shrink`/`expand`'s view of a `_Stack`: A, the owner of each of its rows, and every
+    part's B rows padded to one width, with each row's part and output column and each part's
+    per-adapter column ranges."""
+
+    a: npt.NDArray[np.float32]
+    col_owner: npt.NDArray[np.int64]
+    b: npt.NDArray[np.float32]
+    row_part: npt.NDArray[np.int64]
+    row_out: npt.NDArray[np.int64]
+    seg_start: npt.NDArray[np.int64]
+    seg_end: npt.NDArray[np.int64]
+    part_first: npt.NDArray[np.int64]
+
+    @staticmethod
+    def of(stack: _Stack, adapters: int) -> _KernelArgs:
+        width = max(part.cols.stop - part.cols.start for part in stack.parts)
+        rows = sum(part.out.stop - part.out.start for part in stack.parts)
+        b = np.zeros((rows, width), dtype=np.float32)
+        row_part = np.empty(rows, dtype=np.int64)
+        row_out = np.empty(rows, dtype=np.int64)
+        seg_start = np.zeros((len(stack.parts), adapters), dtype=np.int64)
+        seg_end = np.zeros((len(stack.parts), adapters), dtype=np.int64)
+        at = 0
+        for p, part in enumerate(stack.parts):
+            n = part.out.stop - part.out.start
+            b[at : at + n, : part.cols.stop - part.cols.start] = part.b.cpu().numpy()
+            row_part[at : at + n] = p
+            row_out[at : at + n] = np.arange(part.out.start, part.out.stop)
+            for index, (start, end) in enumerate(part.segments):
+                seg_start[p, index], seg_end[p, index] = start, end
+            at += n
+        first = np.array([part.cols.start for part in stack.parts], dtype=np.int64)
+        a = np.ascontiguousarray(stack.a.cpu().numpy())
+        return _KernelArgs(a, np.array(stack.owner, dtype=np.int64), b, row_part, row_out, seg_start, seg_end, first)
+
+
+def _stack(group: LoraGroup, adapters: Sequence[LoraAdapter], kernels: bool) -> _Stack | None:
     """The group's matrices for `adapters` (None when none of them adapts any of its modules)."""
     a_rows: list[torch.Tensor] = []
     owner: list[int] = []
@@ -294,21 +340,25 @@ def _stack(group: LoraGroup, adapters: Sequence[LoraAdapter]) -> _Stack | None:
     for path, first, end in group.parts:
         col = len(owner)
         bs: list[torch.Tensor] = []
+        segments = []
         for index, adapter in enumerate(adapters):
             pair = adapter.modules.get(path)
-            if pair is None:
-                continue
-            a, b = pair
-            a_rows.append(a)
-            bs.append(b)
-            owner.extend([index] * a.shape[0])
+            start = len(owner)
+            if pair is not None:
+                a, b = pair
+                a_rows.append(a)
+                bs.append(b)
+                owner.extend([index] * a.shape[0])
+            segments.append((start, len(owner)))
         if bs:
-            b_t = (bs[0] if len(bs) == 1 else torch.cat(bs, dim=1)).t().contiguous()
-            parts.append(_Part(slice(col, len(owner)), slice(first, end), b_t))
+            b_all = bs[0] if len(bs) == 1 else torch.cat(bs, dim=1)
+            parts.append(_Part(slice(first, end), slice(col, len(owner)), segments, b_all.contiguous()))
     if not parts:
         return None
-    a_t = (a_rows[0] if len(a_rows) == 1 else torch.cat(a_rows, dim=0)).t().contiguous()
-    return _Stack(a_t, tuple(owner), parts)
+    stack = _Stack(a_rows[0] if len(a_rows) == 1 else torch.cat(a_rows, dim=0), tuple(owner), parts)
+    if kernels:
+        stack.kernel = _KernelArgs.of(stack, len(adapters))
+    return stack
 
 
 class StackCache:
@@ -324,11 +374,11 @@ class StackCache:
             self.groups[group.key] = group
             self._sets.clear()
 
-    def stacks(self, adapters: Sequence[LoraAdapter]) -> dict[str, _Stack | None]:
-        key = tuple(adapter.id for adapter in adapters)
+    def stacks(self, adapters: Sequence[LoraAdapter], kernels: bool) -> dict[str, _Stack | None]:
+        key = (*(adapter.id for adapter in adapters), kernels)
         found = self._sets.get(key)
         if found is None:
-            found = {name: _stack(group, adapters) for name, group in self.groups.items()}
+            found = {name: _stack(group, adapters, kernels) for name, group in self.groups.items()}
             self._sets[key] = found
             while len(self._sets) > self._keep:
                 self._sets.popitem(last=False)
@@ -343,7 +393,13 @@ class StackCache:
 class LoraBatch:
     """The adapters of one step: which adapter each token row uses (`owners`: an index into `adapters`,
     -1 for the base model; rows past the list, such as padding, use none) and the products that add their
-    deltas to a group's output (`apply`)."""
+    deltas to a group's output (`apply`).
+
+    Three ways, by where and how many rows: up to `lora_kernels.MAX_ROWS` rows on CPU fp32 the compiled
+    kernels (each adapter's weights read once, each token its own adapter's products); more rows (a
+    prompt chunk), each adapter's rows gathered and multiplied by its own matrices; on a GPU (or another
+    dtype) the stacked products of every token with every adapter, masked: a few large calls whatever the
+    number of adapters."""
 
     def __init__(
         self,
@@ -352,20 +408,30 @@ class LoraBatch:
         cache: StackCache,
         device: torch.device,
         dtype: torch.dtype,
+        kernels: bool = True,
     ) -> None:
+        """`kernels`: False keeps the torch products where the compiled kernels would apply."""
         self.adapters = list(adapters)
         self._owners = list(owners)
-        self._stacks = cache.stacks(self.adapters)
         self._device, self._dtype = device, dtype
+        self._cpu = device.type == "cpu"
+        self._kernels = kernels and lora_kernels.available(dtype, device)
+        self._stacks = cache.stacks(self.adapters, self._kernels)
         self._rows = -1
         self._owner_t: torch.Tensor | None = None
+        self._owner_np: npt.NDArray[np.int64] | None = None
         self._masks: dict[tuple[int, ...], torch.Tensor | None] = {}
-        # every row uses the one adapter: no mask
+        self._segments: list[tuple[int, torch.Tensor]] = []  # (adapter index, its rows), for gathering
+        # every row uses the one adapter: no mask, no gathering
         self._uniform = len(self.adapters) == 1 and all(o == 0 for o in owners)
 
     @staticmethod
     def of(
-        row_adapters: Sequence[LoraAdapter | None], cache: StackCache, device: torch.device, dtype: torch.dtype
+        row_adapters: Sequence[LoraAdapter | None],
+        cache: StackCache,
+        device: torch.device,
+        dtype: torch.dtype,
+        kernels: bool = True,
     ) -> LoraBatch | None:
         """The batch of these token rows' adapters (None: no row uses one)."""
         index: dict[int, int] = {}
@@ -382,15 +448,21 @@ class LoraBatch:
             owners.append(at)
         if not adapters:
             return None
-        return LoraBatch(adapters, owners, cache, device, dtype)
+        return LoraBatch(adapters, owners, cache, device, dtype, kernels)
 
-    def _mask(self, owner: tuple[int, ...], rows: int) -> torch.Tensor | None:
-        if self._uniform:  # rows past the list are padding: dropped, whatever they add
-            return None
-        if rows != self._rows:
-            padded = self._owners[:rows] + [-1] * (rows - len(self._owners))
-            self._owner_t = torch.tensor(padded, device=self._device)
-            self._rows, self._masks = rows, {}
+    def _for_rows(self, rows: int) -> None:
+        """The owners of `rows` token rows (padding: none), made once a step."""
+        if rows == self._rows:
+            return
+        padded = self._owners[:rows] + [-1] * (rows - len(self._owners))
+        self._rows, self._masks = rows, {}
+        self._owner_np = np.array(padded, dtype=np.int64)
+        self._owner_t = torch.tensor(padded, device=self._device)
+        self._segments = [
+            (index, torch.nonzero(self._owner_t == index).flatten()) for index in range(len(self.adapters))
+        ]
+
+    def _mask(self, owner: tuple[int, ...]) -> torch.Tensor:
         mask = self._masks.get(owner)
         if mask is None:
             assert self._owner_t is not None
@@ -404,10 +476,48 @@ class LoraBatch:
         stack = self._stacks.get(key)
         if stack is None:
             return
-        low = torch.mm(x.to(stack.a_t.dtype), stack.a_t)
-        mask = self._mask(stack.owner, x.shape[0])
-        if mask is not None:
-            low.mul_(mask)
+        rows = x.shape[0]
+        self._for_rows(rows)
+        if stack.kernel is not None and rows <= lora_kernels.MAX_ROWS:
+            args = stack.kernel
+            assert self._owner_np is not None
+            low = lora_kernels.shrink(x, args.a, args.col_owner, self._owner_np)
+            lora_kernels.expand(
+                low,
+                self._owner_np,
+                args.b,
+                args.row_part,
+                args.row_out,
+                args.seg_start,
+                args.seg_end,
+                args.part_first,
+                out,
+            )
+        elif self._cpu and not self._uniform:
+            self._apply_gathered(stack, x, out)
+        else:
+            self._apply_stacked(stack, x, out)
+
+    def _apply_stacked(self, stack: _Stack, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Every token times every adapter's A, masked to its own adapter's columns, times the B's."""
+        low = torch.mm(x.to(stack.a.dtype), stack.a.t())
+        if not self._uniform:  # rows past the list are padding: dropped, whatever they add
+            low.mul_(self._mask(stack.owner))
         for part in stack.parts:
             target = out[:, part.out]
-            target.addmm_(low[:, part.cols], part.b_t.to(target.dtype) if part.b_t.dtype != target.dtype else part.b_t)
+            target.addmm_(low[:, part.cols], part.b.t().to(target.dtype))
+
+    def _apply_gathered(self, stack: _Stack, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Each adapter's rows times its own matrices only (no product with another adapter's)."""
+        for index, rows in self._segments:
+            if rows.numel() == 0:
+                continue
+            picked = x.index_select(0, rows).to(stack.a.dtype)
+            for part in stack.parts:
+                first, end = part.segments[index]
+                if first == end:
+                    continue
+                low = torch.mm(picked, stack.a[first:end].t())
+                cols = slice(first - part.cols.start, end - part.cols.start)
+                delta = torch.mm(low, part.b[:, cols].t())
+                out[:, part.out].index_add_(0, rows, delta.to(out.dtype))

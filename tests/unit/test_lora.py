@@ -21,9 +21,10 @@ from safetensors.torch import load_file, save_file
 from helpers.lora_adapters import SPECS, AdapterSpec, make_adapter, merged_generate
 from lmiserve.core.errors import AdapterNotFound
 from lmiserve.core.request import GenerationRequest, SamplingParams
+from lmiserve.engine import lora_kernels
 from lmiserve.engine.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
-from lmiserve.engine.lora import FAST_PATH_MODULES, AdapterError, read_adapter
+from lmiserve.engine.lora import FAST_PATH_MODULES, AdapterError, LoraBatch, read_adapter
 from lmiserve.engine.lora_registry import LoraLimits
 
 PROMPTS = ["Hello there, how are", "def add(a, b):", "The quick brown fox jumps", "one two three four"]
@@ -74,9 +75,20 @@ def test_the_adapters_differ_from_the_base_model(expected):
     assert len(set(outputs)) == len(NAMES)
 
 
+@pytest.fixture(params=["kernels", "gathered", "stacked"])
+def products(request, monkeypatch) -> str:
+    """The three ways `LoraBatch` computes a step's products (CPU fp32 takes the compiled kernels up to
+    `lora_kernels.MAX_ROWS` rows, then gathers each adapter's rows; a GPU stacks them, masked)."""
+    if request.param != "kernels":
+        monkeypatch.setattr(lora_kernels, "MAX_ROWS", 0)
+    if request.param == "stacked":
+        monkeypatch.setattr(LoraBatch, "_apply_gathered", LoraBatch._apply_stacked)
+    return request.param
+
+
 @pytest.mark.parametrize("fast_path", [True, False], ids=["fast", "generic"])
 def test_greedy_output_equals_generate_with_the_adapter_merged(
-    tiny_model, lora_adapter_dirs, prompt_ids, expected, fast_path
+    tiny_model, lora_adapter_dirs, prompt_ids, expected, fast_path, products
 ):
     async def run():
         async with lora_engine(tiny_model, lora_adapter_dirs, fast_path=fast_path, max_running=32) as engine:

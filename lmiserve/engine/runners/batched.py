@@ -64,6 +64,7 @@ class PersistentBatchRunner(BatchRunner):
         # matrices of the adapter sets the steps use
         self.adapter_lookup: Callable[[int], LoraAdapter] | None = None
         self.lora_stacks = StackCache(self.lora_groups(model))
+        self.lora_kernels = True  # the compiled products where they apply (engine/lora_kernels.py)
 
     def lora_groups(self, model: PreTrainedModel) -> list[LoraGroup]:
         """The groups of linears this runner applies adapters to (engine/lora.py)."""
@@ -77,7 +78,7 @@ class PersistentBatchRunner(BatchRunner):
         if all(a is None for a in adapters):
             return None
         per_token = [a for a, count in zip(adapters, tokens) for _ in range(count)]
-        return LoraBatch.of(per_token, self.lora_stacks, self.kv.keys[0].device, self.lora_dtype)
+        return LoraBatch.of(per_token, self.lora_stacks, self.kv.keys[0].device, self.lora_dtype, self.lora_kernels)
 
     @property
     def lora_dtype(self) -> torch.dtype:
