@@ -150,6 +150,32 @@ def ab_comparison(a: Json | None, b: Json | None, options: Sequence[tuple[str, s
     }
 
 
+LORA_TARGET = 0.8  # issue #26: requests spread over 4 adapters >= 0.8x the base model's throughput
+LORA_LEVELS = (8, 32)
+
+
+def lora_targets(ab: Json | None, lora: Json | None) -> list[Json]:
+    """Tokens/s with every request on an adapter over the base model's, at concurrency 8 and 32 (--lora)."""
+    if ab is None or not lora:
+        return []
+    out = []
+    for row in ab["throughput"]:
+        if row["scenario"] != "completion" or row["concurrency"] not in LORA_LEVELS:
+            continue
+        value = row["b_over_a"]
+        out.append(
+            _target(
+                f"lora_throughput_c{row['concurrency']}",
+                f"requests over {lora['adapters']} LoRA adapters (rank {lora['rank']}, {lora['targets']}) >= "
+                f"{LORA_TARGET} x the base model's tokens/s at concurrency {row['concurrency']}",
+                LORA_TARGET,
+                value,
+                None if value is None else value >= LORA_TARGET,
+            )
+        )
+    return out
+
+
 def prefix_cache_target(ab: Json | None) -> Json | None:
     """TTFT p50 of chat turns >= 3, cache on / off (the worst concurrency); None unless B turned it off."""
     if ab is None or str(ab["b_options"].get(PREFIX_CACHE_OFF[0], "")).lower() != PREFIX_CACHE_OFF[1]:

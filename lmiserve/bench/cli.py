@@ -155,6 +155,22 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="also start a second lmiserve with this server option added (B) and run every level on both, "
         "e.g. enable_prefix_caching=false; repeatable; not with --url",
     )
+    p.add_argument(
+        "--lora",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="also start a second lmiserve serving N random LoRA adapters of the model (lora_modules) and run "
+        "every level on both, each request of the second naming the adapters in turn (completion scenario); "
+        "the report gives the ratio to the base model and each adapter's load time",
+    )
+    p.add_argument("--lora-rank", type=_positive_int, default=16, help="rank of the --lora adapters (default 16)")
+    p.add_argument(
+        "--lora-targets",
+        choices=("all", "attention", "qv"),
+        default="all",
+        help="linears the --lora adapters adapt: all seven, attention (q/k/v/o) or qv (default all)",
+    )
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the server (default 600)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take (default 600)")
     return p
@@ -179,8 +195,14 @@ def run_bench_command(args: argparse.Namespace, argv: list[str] | None = None) -
     if len(args.compare_name) > len(args.compare_url):
         print("lmiserve bench: more --compare-name than --compare-url", file=sys.stderr)
         return 2
-    if args.ab_option and args.url:
-        print("lmiserve bench: --ab-option needs a server started by the bench (not --url)", file=sys.stderr)
+    if (args.ab_option or args.lora) and args.url:
+        print("lmiserve bench: --ab-option and --lora need a server started by the bench (not --url)", file=sys.stderr)
+        return 2
+    if args.lora and args.ab_option:
+        print("lmiserve bench: --lora compares with the base model: not with --ab-option", file=sys.stderr)
+        return 2
+    if args.lora and args.scenario != "completion":
+        print("lmiserve bench: --lora runs the completion scenario", file=sys.stderr)
         return 2
     if args.duration is not None and args.duration <= 0:
         print("lmiserve bench: --duration must be > 0", file=sys.stderr)
@@ -230,6 +252,9 @@ def run_bench_command(args: argparse.Namespace, argv: list[str] | None = None) -
             chat_turns=args.chat_turns,
             chat_conversations=args.chat_conversations,
             ab_options=ab_options,
+            lora=args.lora,
+            lora_rank=args.lora_rank,
+            lora_targets=args.lora_targets,
             command=["lmiserve", *(argv if argv is not None else sys.argv[1:])],
         )
         load_settings(config.overrides())  # bad options fail here, before anything starts

@@ -17,10 +17,11 @@ grammar completes (the builtin schema cannot complete within N tokens, so it str
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import httpx
@@ -65,12 +66,16 @@ class LmiDialect:
     name: str = "lmiserve"
     kind: str = "lmi"
     json_schema: dict[str, Any] | None = None
+    adapters: list[str] = field(default_factory=list)  # LoRA adapters the requests name in turn
+    _sent: itertools.count[int] = field(default_factory=itertools.count, repr=False)
 
     async def stream(self, client: httpx.AsyncClient, prompt: str, max_new_tokens: int, record: RequestRecord) -> None:
         parameters: dict[str, Any] = {"max_new_tokens": max_new_tokens, "ignore_eos_token": True}
         if self.json_schema is not None:
             parameters["json_schema"] = self.json_schema
-        payload = {"inputs": prompt, "parameters": parameters, "stream": True}
+        payload: dict[str, Any] = {"inputs": prompt, "parameters": parameters, "stream": True}
+        if self.adapters:
+            payload["adapters"] = self.adapters[next(self._sent) % len(self.adapters)]
         async with client.stream("POST", f"{self.url}/invocations", json=payload) as response:
             if response.status_code != 200:
                 record.error = _error_text(await response.aread(), response.status_code)

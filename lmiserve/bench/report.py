@@ -12,6 +12,7 @@ from lmiserve.bench.chat_report import (
     ab_comparison,
     chat_lines,
     forward_targets,
+    lora_targets,
     peer_comparisons,
     peer_targets,
     prefix_cache_target,
@@ -186,6 +187,7 @@ def build_report(
         targets.append(extra)
     targets += forward_targets([s for s in (main, variant) if s is not None])
     targets += peer_targets(peers)
+    targets += lora_targets(ab, meta.get("settings", {}).get("lora"))
     cache = prefix_cache_target(ab)
     if cache is not None:
         targets.append(cache)

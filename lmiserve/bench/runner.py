@@ -27,6 +27,7 @@ from lmiserve.bench.clients import (
     run_soak,
 )
 from lmiserve.bench.conversations import chat_level_summary
+from lmiserve.bench.lora import LORA_TARGETS, adapter_load_times, make_adapters
 from lmiserve.bench.machine import load_average, machine_info, versions
 from lmiserve.bench.report import build_report, write_json
 from lmiserve.bench.server import ManagedServer, RssSampler
@@ -65,6 +66,10 @@ class BenchConfig:
     chat_turns: int = 4
     chat_conversations: int = 2  # per client and level (without --duration)
     ab_options: list[tuple[str, str]] = field(default_factory=list)  # --ab-option: a second lmiserve
+    # --lora N: a second lmiserve serving N random adapters (bench/lora.py), each request naming one in turn
+    lora: int = 0
+    lora_rank: int = 16
+    lora_targets: str = "all"
     command: list[str] = field(default_factory=lambda: list(sys.argv))
 
     def overrides(self) -> dict[str, object]:
@@ -256,6 +261,21 @@ def lmiserve_target(url: str, name: str, started_by_bench: bool, ab: bool = Fals
     )
 
 
+def lora_name(config: BenchConfig) -> str:
+    return f"lmiserve[{config.lora} LoRA adapters, rank {config.lora_rank}, {config.lora_targets}]"
+
+
+def _lora_adapters(config: BenchConfig, log: Log) -> dict[str, Path]:
+    """Make `config.lora` random adapters of the benchmarked model in the output folder."""
+    from lmiserve.models.bundled import bundled_model_path
+    from lmiserve.models.resolve import resolve_model_path
+
+    model_path = resolve_model_path(config.model_id, None, None) if config.model_id else bundled_model_path()
+    folder = config.output_dir / "adapters"
+    log(f"making {config.lora} LoRA adapters of rank {config.lora_rank} on {config.lora_targets} linears in {folder}")
+    return make_adapters(model_path, folder, config.lora, config.lora_rank, LORA_TARGETS[config.lora_targets])
+
+
 def ab_name(options: list[tuple[str, str]]) -> str:
     return "lmiserve[" + ",".join(f"{k}={v}" for k, v in options) + "]"
 
@@ -272,6 +292,7 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
     memory: Json | None = None
     baselines: Json | None = None
     grammar: Json | None = None
+    lora_report: Json | None = None
     try:
         if config.url:
             lmi = LmiDialect(url=config.url.rstrip("/"))
@@ -282,13 +303,26 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
             sampler = RssSampler(managed.pid).start()
             lmi = LmiDialect(url=managed.url)
         targets = [lmiserve_target(lmi.url, lmi.name, started_by_bench=managed is not None)]
-        if config.ab_options:
-            second = ManagedServer(
-                config.serve_args(config.ab_options), config.output_dir / "server-b.log", config.startup_timeout
-            )
+        adapters = _lora_adapters(config, log) if config.lora else {}
+        if config.ab_options or adapters:
+            extra = list(config.ab_options)
+            if adapters:
+                extra.append(("lora_modules", " ".join(f"{name}={path}" for name, path in adapters.items())))
+            second = ManagedServer(config.serve_args(extra), config.output_dir / "server-b.log", config.startup_timeout)
             log(f"starting {shlex.join(second.command)} (log: {second.log_path})")
             second.start()
-            targets.append(lmiserve_target(second.url, ab_name(config.ab_options), started_by_bench=True, ab=True))
+            name = ab_name(config.ab_options) if not adapters else lora_name(config)
+            target = lmiserve_target(second.url, name, started_by_bench=True, ab=True)
+            if adapters:
+                assert isinstance(target.completion, LmiDialect)
+                target.completion.adapters = list(adapters)
+                lora_report = {
+                    "adapters": config.lora,
+                    "rank": config.lora_rank,
+                    "targets": config.lora_targets,
+                    "load": adapter_load_times(second.log_path),
+                }
+            targets.append(target)
         targets += compare_targets(config)
         servers = measure_servers(targets, config, log)
         if second is not None:
@@ -359,6 +393,7 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
                 config.chat_conversations if "chat" in config.scenarios and not config.duration else None
             ),
             "ab_options": dict(config.ab_options),
+            "lora": lora_report,
         },
         "files": {
             "json": json_path.name,

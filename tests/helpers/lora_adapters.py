@@ -79,6 +79,7 @@ def merged_generate(
 
         model = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
     model.eval()
+    model.generation_config.eos_token_id = None  # as `ignore_eos_token`: EOS may be generated, and does not stop
     outputs = []
     with torch.no_grad():
         for ids in prompts:
@@ -87,7 +88,6 @@ def merged_generate(
                 attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
-                min_new_tokens=max_new_tokens,
                 pad_token_id=0,
             )
             outputs.append(out[0, len(ids) :].tolist())

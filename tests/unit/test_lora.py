@@ -324,3 +324,21 @@ def test_registry_names(tiny_model, lora_adapter_dirs):
         registry.register("a", lora_adapter_dirs["beta"])
     with pytest.raises(AdapterError):  # a lazy registration still checks that it is an adapter
         registry.register("b", lora_adapter_dirs["alpha"].parent)
+
+
+def test_speculative_decoding_verifies_with_the_adapter(tiny_model, lora_adapter_dirs, prompt_ids, expected):
+    """Drafts (prompt lookup) are verified by the model with the row's adapter: the output is unchanged."""
+    from lmiserve.engine.speculative import SpeculationSettings
+
+    spec = SpeculationSettings("ngram", 3, prompt_lookup_min=1, prompt_lookup_max=3, disable_by_batch_size=64)
+
+    async def run():
+        async with lora_engine(tiny_model, lora_adapter_dirs, speculation=spec) as engine:
+            jobs = [(name, i) for i in range(2) for name in NAMES]
+            results = await asyncio.gather(*(generate(engine, prompt_ids[i], name) for name, i in jobs))
+            return dict(zip(jobs, results)), engine.speculation.describe()
+
+    results, described = asyncio.run(run())
+    for (name, i), tokens in results.items():
+        assert tokens == expected[name][i], (name, i)
+    assert described["num_draft_tokens"] > 0

@@ -1,0 +1,88 @@
+"""`lmiserve bench --lora N`: N random LoRA adapters of the benchmarked model, written as PEFT writes
+them (`adapter_config.json`, `adapter_model.safetensors`), for a second lmiserve that serves them
+(`lora_modules`) while every request of the run names one of them in turn; and the adapters' load
+times, read from that server's log.
+
+The adapters are random (B not zero, so every product counts), of one rank, on the chosen linears of
+every layer: what a fine-tune of that rank costs to serve, whatever it learned.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["LORA_TARGETS", "adapter_load_times", "make_adapters"]
+
+LORA_TARGETS = {
+    "all": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    "attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "qv": ("q_proj", "v_proj"),
+}
+_LOADED = re.compile(r"adapter (?P<name>\S+) loaded: rank \d+, .*?, (?P<mib>[\d.]+) MiB in (?P<ms>\d+) ms")
+
+
+def make_adapters(model_path: Path, out_dir: Path, count: int, rank: int, targets: Sequence[str]) -> dict[str, Path]:
+    """`count` adapters (``lora-0`` ...) of the model in `model_path` (its config.json), in `out_dir`."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    hidden = config.hidden_size
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    shapes = {  # (in, out)
+        "q_proj": (hidden, heads * head_dim),
+        "k_proj": (hidden, kv * head_dim),
+        "v_proj": (hidden, kv * head_dim),
+        "o_proj": (heads * head_dim, hidden),
+        "gate_proj": (hidden, config.intermediate_size),
+        "up_proj": (hidden, config.intermediate_size),
+        "down_proj": (config.intermediate_size, hidden),
+    }
+    owner = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
+    out: dict[str, Path] = {}
+    for index in range(count):
+        name = f"lora-{index}"
+        folder = out_dir / name
+        folder.mkdir(parents=True, exist_ok=True)
+        generator = torch.Generator().manual_seed(1000 + index)
+        tensors = {}
+        for layer in range(config.num_hidden_layers):
+            for module in targets:
+                fan_in, fan_out = shapes[module]
+                prefix = f"base_model.model.model.layers.{layer}.{owner.get(module, 'mlp')}.{module}"
+                a = torch.randn(rank, fan_in, generator=generator) / fan_in**0.5
+                tensors[f"{prefix}.lora_A.weight"] = a.contiguous()
+                tensors[f"{prefix}.lora_B.weight"] = (
+                    torch.randn(fan_out, rank, generator=generator) * 0.01
+                ).contiguous()
+        save_file(tensors, str(folder / "adapter_model.safetensors"))
+        adapter_config = {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "r": rank,
+            "lora_alpha": 2 * rank,
+            "target_modules": list(targets),
+            "bias": "none",
+            "base_model_name_or_path": str(model_path),
+        }
+        (folder / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2), encoding="utf-8")
+        out[name] = folder
+    return out
+
+
+def adapter_load_times(server_log: Path) -> dict[str, dict[str, float]]:
+    """Each adapter's load time (ms) and size (MiB), from a server's log."""
+    found: dict[str, dict[str, float]] = {}
+    try:
+        text = server_log.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return found
+    for match in _LOADED.finditer(text):
+        found[match["name"]] = {"load_ms": float(match["ms"]), "mib": float(match["mib"])}
+    return found
