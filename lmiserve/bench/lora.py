@@ -86,3 +86,34 @@ def adapter_load_times(server_log: Path) -> dict[str, dict[str, float]]:
     for match in _LOADED.finditer(text):
         found[match["name"]] = {"load_ms": float(match["ms"]), "mib": float(match["mib"])}
     return found
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m lmiserve.bench.lora OUT_DIR``: random demo adapters of a model (default the bundled one)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m lmiserve.bench.lora",
+        description="Write random LoRA adapters of a model (PEFT's files) for trying adapters out or benchmarking.",
+    )
+    parser.add_argument("out_dir", type=Path, help="folder the adapters go into (lora-0, lora-1, ...)")
+    parser.add_argument("--model-id", help="the model's directory (default: the bundled model)")
+    parser.add_argument("--count", type=int, default=2, help="adapters to write (default 2)")
+    parser.add_argument("--rank", type=int, default=8, help="their rank (default 8)")
+    parser.add_argument("--targets", choices=sorted(LORA_TARGETS), default="all", help="linears they adapt")
+    args = parser.parse_args(argv)
+    if args.model_id:
+        model_path = Path(args.model_id)
+    else:
+        from lmiserve.models.bundled import bundled_model_path
+
+        model_path = bundled_model_path()
+    for name, folder in make_adapters(
+        model_path, args.out_dir, args.count, args.rank, LORA_TARGETS[args.targets]
+    ).items():
+        print(f"{name}: {folder}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
