@@ -399,7 +399,7 @@ class Settings(BaseModel):
     lora_modules: str | None = Field(
         None,
         description=(
-            "vLLM's adapters at start: `name=path` items separated by spaces or commas, or JSON objects "
+            "Adapters at start, as vLLM names them: `name=path` items separated by spaces or commas, or JSON objects "
             '`{"name": ..., "path": ...}`.'
         ),
     )
@@ -491,8 +491,9 @@ class Settings(BaseModel):
     enable_management_api: bool = Field(
         True,
         description=(
-            "Serve LMI's management API (`GET/POST/DELETE /models`); `false` removes those routes (404). "
-            "Registration loads only from `model_store` or `allowed_model_paths`."
+            "Serve LMI's management API (`GET/POST/DELETE /models`) and the LoRA adapters APIs (`/adapters`, "
+            "`/models/{m}/adapters`, vLLM's `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`); `false` "
+            "removes those routes (404). Registration loads only from `model_store` or `allowed_model_paths`."
         ),
     )
     model_store: str | None = Field(
@@ -505,8 +506,8 @@ class Settings(BaseModel):
     allowed_model_paths: str | None = Field(
         None,
         description=(
-            "Comma-separated directories `POST /models` may also load from; a path outside them and "
-            "`model_store` gets 403."
+            "Comma-separated directories `POST /models` (and the adapters APIs) may also load from; a path "
+            "outside them and `model_store` gets 403."
         ),
     )
     max_concurrent_requests: int = Field(

@@ -31,6 +31,7 @@ class RequestFacts:
     route: str | None = None  # the route's path template, once a route matched
     protocol: str | None = None  # the protocol that answered (the innermost route group's)
     model: str | None = None  # the model the request addressed
+    adapter: str | None = None  # the LoRA adapter it selected (or, on the adapters API, manages)
     status: int | None = None
     prompt_tokens: int | None = None
     cached_tokens: int | None = None  # of prompt_tokens, how many the prefix cache supplied
@@ -73,6 +74,7 @@ class RequestFacts:
             "route": self.route,
             "protocol": self.protocol,
             "model": self.model,
+            "adapter": self.adapter,
             "status": self.status,
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,

@@ -85,6 +85,11 @@ class EngineSnapshot:
     kv_block_size: int = 0  # tokens a block
     # speculative decoding's settings, state and counters (engine/speculative.py, `describe`); None: off
     speculation: dict[str, Any] | None = None
+    # LoRA (engine/lora_registry.py): the adapters of the running and of the waiting sequences, by name
+    # (sorted, each once), and max_loras (0: the model serves no adapters)
+    lora_running: tuple[str, ...] = ()
+    lora_waiting: tuple[str, ...] = ()
+    max_loras: int = 0
 
     @property
     def prefix_cache_usage(self) -> float:

@@ -14,7 +14,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -239,6 +239,9 @@ class AsyncEngine:
             kv_blocks=pool.num_blocks if pool is not None else 0,
             kv_block_size=pool.block_size if pool is not None else 0,
             speculation=self.speculation.describe() if self.speculation is not None else None,
+            lora_running=_adapter_names(running) if self.adapters is not None else (),
+            lora_waiting=_adapter_names(self.scheduler.waiting) if self.adapters is not None else (),
+            max_loras=self.adapters.limits.max_loras if self.adapters is not None else 0,
             **self._prefix_figures(),
         )
 
@@ -636,3 +639,8 @@ def _mean_logprob(seq: Sequence) -> float:
 
 def _reindex(event: StepEvent, index: int) -> StepEvent:
     return StepEvent(token=event.token, top_tokens=event.top_tokens, finish=event.finish, index=index)
+
+
+def _adapter_names(seqs: Iterable[Any]) -> tuple[str, ...]:
+    """The adapters of `seqs` by name, sorted, each once (vLLM's lora_requests_info)."""
+    return tuple(sorted({s.adapter.name for s in list(seqs) if s.adapter is not None}))

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
 from lmiserve.config import ConfigError, Settings
 from lmiserve.config.sources import PROPERTIES_FILE_NAME, properties_layer
+from lmiserve.core.errors import Forbidden, InvalidRequest
 from lmiserve.models.kinds import has_weights
 
 # Keys a model never inherits from the global settings: they name one model.
@@ -64,3 +66,36 @@ def model_settings(
     if name:
         options["model_name"], sources["model_name"] = name, f"model store directory {directory}"
     return Settings.from_options(options, sources)
+
+
+def allowed_path(url: object, roots: list[Path], *, what: str = "Model", param: str = "url") -> Path:
+    """The directory or file `url` (a path or a file: URL) names, if it lies under one of `roots`
+    (model_store first; a relative path is taken relative to it): what the management APIs may load
+    from (POST /models, and the adapters APIs with ``what="Adapter"``, ``param="src"``). InvalidRequest
+    for a missing or unsupported `url` or one that does not exist, Forbidden outside the roots. The root
+    check comes before any look at the file system, so a refused path reveals nothing about what
+    exists; the path is resolved first (``..`` and symbolic links), so neither leads out of a root."""
+    if not url or not str(url).strip():
+        raise InvalidRequest(f"Parameter {param} is required.")
+    url = str(url).strip()
+    parsed = urlparse(url)
+    if parsed.scheme == "file":
+        path = Path(unquote(parsed.path))
+    elif parsed.scheme in ("",) or len(parsed.scheme) == 1:  # a plain path (or a Windows drive letter)
+        path = Path(url)
+    else:
+        raise InvalidRequest(
+            f"Unsupported {param} {url}: this server loads local directories (a path or file: URL) only."
+        )
+    if not roots:
+        raise Forbidden(
+            f"{what} registration is not allowed: no model root is configured (set model_store or allowed_model_paths)."
+        )
+    if "\x00" in str(path):
+        raise InvalidRequest(f"Invalid {param} {url}")
+    path = (roots[0] / path.expanduser()).resolve()  # an absolute path replaces roots[0]
+    if not any(path == root or path.is_relative_to(root) for root in roots):
+        raise Forbidden(f"{what} path {url} is not under an allowed model root (model_store or allowed_model_paths).")
+    if not path.exists():
+        raise InvalidRequest(f"{what} directory not found: {url}")
+    return path

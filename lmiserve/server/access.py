@@ -144,10 +144,11 @@ def is_probe(facts: RequestFacts) -> bool:
 
 def write_access_line(facts: RequestFacts) -> None:
     """The request's one ``lmiserve.access`` line: logfmt text, its fields as ``extra={"access": ...}``
-    (JSON logs write them as top-level keys); the request id is the line's own (see log_setup). INFO,
-    or DEBUG for a probe."""
+    (JSON logs write them as top-level keys); the request id is the line's own (see log_setup), and the
+    text names the adapter only on requests that have one. INFO, or DEBUG for a probe."""
     fields = facts.fields()
-    text = " ".join(f"{name}={_logfmt(value)}" for name, value in fields.items() if name != "request_id")
+    shown = {name: value for name, value in fields.items() if name != "request_id" and (name != "adapter" or value)}
+    text = " ".join(f"{name}={_logfmt(value)}" for name, value in shown.items())
     level = logging.DEBUG if is_probe(facts) else logging.INFO
     ACCESS_LOG.log(level, text, extra={"access": fields, "request_id": facts.request_id})
 

@@ -65,7 +65,7 @@ def routes(settings: Settings, metrics: Metrics | None = None) -> list[BaseRoute
         *tgi.routes(tokenize_other=VLLM_TOKENIZE),
         *openai.routes(),
         *openai_responses.routes(),
-        *openai_models.routes(),
+        *openai_models.routes(settings),
         *openai_embeddings.routes(),
         *vllm_rerank.routes(),
         *anthropic.routes(),

@@ -105,6 +105,18 @@ def _speculative(request: pytest.FixtureRequest, tmp_path: Path) -> Server:
 
 SPECULATIVE_CONFIG = 'speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
 
+
+def _lora(request: pytest.FixtureRequest, tmp_path: Path) -> Server:
+    """docs/lora.md's server: the bundled model with the adapters its setup block makes in /tmp/adapters
+    (here under `tmp_path`), `sql` named at start, the folder allowed for runtime registration."""
+    request.getfixturevalue("smollm_dir")
+    adapters = tmp_path / "adapters"
+    return Server(
+        ["-o", f"lora_modules=sql={adapters}/sql", "-o", f"allowed_model_paths={adapters}"],
+        replacements={"/tmp/adapters": str(adapters)},
+    )
+
+
 SERVERS: dict[str, Callable[[pytest.FixtureRequest, Path], Server]] = {
     "make serve": _make_serve,
     "speculative": _speculative,
@@ -113,6 +125,7 @@ SERVERS: dict[str, Callable[[pytest.FixtureRequest, Path], Server]] = {
     "store": _store,
     "metrics-port": _metrics_port,
     "embeddings": _embeddings,
+    "lora": _lora,
 }
 # How the pages tell a reader to start each kind; `SERVERS` starts the same. Every page that holds
 # examples of a kind shows its start command.
@@ -123,6 +136,7 @@ START_COMMANDS = {
     "api-key": "lmiserve serve --api-key s3cret ",
     "metrics-port": "lmiserve serve --metrics-port 9090\n",
     "embeddings": ".venv/bin/lmiserve serve --model-store embed-store\n",
+    "lora": ".venv/bin/lmiserve serve -o lora_modules=sql=/tmp/adapters/sql -o allowed_model_paths=/tmp/adapters\n",
     "store": "AIP_PREDICT_ROUTE=/vertex/predict AIP_HEALTH_ROUTE=/vertex/health AIP_DEPLOYED_MODEL_ID=1234 \\\n"
     "  .venv/bin/lmiserve serve --model-store store -o allowed_model_paths=/tmp/demo\n",
 }

@@ -62,6 +62,7 @@ def concrete(path: str, model: str, method: str) -> str:
         "rest": f"{model}:predict" if method == "POST" else model,
         "path": "anything",
         "response_id": "resp_not_stored",
+        "adapter_name": "not-registered",
     }
     return re.sub(r"\{(\w+)(?::\w+)?\}", lambda m: values[m.group(1)], path)
 

@@ -40,6 +40,7 @@ from lmiserve.core.errors import (
     ModelNotFound,
     ModelNotReady,
     ModelRequired,
+    NotFound,
     Overloaded,
     PayloadTooLarge,
     QueueTimeout,
@@ -170,7 +171,9 @@ MANAGEMENT_STATUS: dict[type[LmiServeError], tuple[int, str]] = {
     Unauthorized: (401, "UnauthorizedException"),
     Forbidden: (403, "ForbiddenException"),
     ModelNotFound: (404, "ModelNotFoundException"),
+    NotFound: (404, "ResourceNotFoundException"),  # an unknown adapter (the adapters API)
     Conflict: (409, "ConflictStatusException"),
+    ModelNotReady: (503, "ServiceUnavailableException"),  # loading, failed, or the server drains
     InternalError: (500, INTERNAL),
 }
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from urllib.parse import unquote, urlparse
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -20,7 +19,6 @@ from lmiserve.config import ConfigError
 from lmiserve.core import jsondoc
 from lmiserve.core.errors import (
     Conflict,
-    Forbidden,
     InternalError,
     InvalidRequest,
     MalformedBody,
@@ -28,6 +26,7 @@ from lmiserve.core.errors import (
 )
 from lmiserve.models import DEFAULT_MODEL_NAME
 from lmiserve.models.service import ModelService
+from lmiserve.models.store import allowed_path
 from lmiserve.server.responses import raw_response
 
 # Registration options (query parameters or JSON body keys) that become model settings.
@@ -173,31 +172,8 @@ async def _registration_params(request: Request) -> dict:
 
 
 def _local_path(url, roots: list[Path]) -> Path:
-    """The model directory or file `url` names, if it lies under one of `roots` (model_store first; a
-    relative path is taken relative to it). The root check comes before any look at the file system,
-    so a refused path reveals nothing about what exists."""
-    if not url or not str(url).strip():
-        raise InvalidRequest("Parameter url is required.")
-    url = str(url).strip()
-    parsed = urlparse(url)
-    if parsed.scheme == "file":
-        path = Path(unquote(parsed.path))
-    elif parsed.scheme in ("",) or len(parsed.scheme) == 1:  # a plain path (or a Windows drive letter)
-        path = Path(url)
-    else:
-        raise InvalidRequest(f"Unsupported url {url}: this server loads local directories (a path or file: URL) only.")
-    if not roots:
-        raise Forbidden(
-            "Model registration is not allowed: no model root is configured (set model_store or allowed_model_paths)."
-        )
-    if "\x00" in str(path):
-        raise InvalidRequest(f"Invalid url {url}")
-    path = (roots[0] / path.expanduser()).resolve()  # an absolute path replaces roots[0]
-    if not any(path == root or path.is_relative_to(root) for root in roots):
-        raise Forbidden(f"Model path {url} is not under an allowed model root (model_store or allowed_model_paths).")
-    if not path.exists():
-        raise InvalidRequest(f"Model directory not found: {url}")
-    return path
+    """The model directory or file `url` names, if it lies under one of `roots` (`allowed_path`)."""
+    return allowed_path(url, roots)
 
 
 def _iso(ts: float) -> str:

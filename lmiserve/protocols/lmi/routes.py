@@ -17,7 +17,7 @@ from starlette.routing import BaseRoute, Route
 from lmiserve.config import Settings
 from lmiserve.core.aio import merge_tagged
 from lmiserve.models.service import ModelService
-from lmiserve.protocols.lmi import management, schema
+from lmiserve.protocols.lmi import adapters, management, schema
 from lmiserve.protocols.lmi import parse as lmi
 from lmiserve.protocols.lmi import tensor as lmi_tensor
 from lmiserve.protocols.lmi.errors import MANAGEMENT, RENDERER
@@ -98,6 +98,49 @@ DESCRIBE = apidoc.Operation("Describe a model", TAG, apidoc.ok("The model", apid
 UNREGISTER = apidoc.Operation(
     "Stop a model and forget it", TAG, apidoc.ok("Unregistered", apidoc.json(schema.StatusMessage))
 )
+ADAPTERS_TAG = "LMI adapters"
+_STATUS = apidoc.json(schema.StatusMessage)
+LIST_ADAPTERS = apidoc.Operation(
+    "The model's LoRA adapters, a page at a time",
+    ADAPTERS_TAG,
+    apidoc.ok("A page of adapters", apidoc.json(schema.AdapterPage)),
+    params=[
+        apidoc.Param("limit", "Adapters per page (1 to 100)", _INT),
+        apidoc.Param("next_page_token", "The first adapter of the page", _INT),
+    ],
+)
+_BOOL = {"type": "boolean"}
+REGISTER_ADAPTER = apidoc.Operation(
+    "Register a LoRA adapter from a folder under model_store / allowed_model_paths",
+    ADAPTERS_TAG,
+    apidoc.ok("Registered", _STATUS),
+    body=apidoc.json(schema.AdapterRegistration),
+    body_required=False,
+    params=[
+        apidoc.Param("name", "The adapter's name"),
+        apidoc.Param("src", "A PEFT LoRA adapter folder (a path or a file: URL)"),
+        apidoc.Param("preload", "Load its weights now (default true)", _BOOL),
+        apidoc.Param("pin", "Keep it in memory (default false)", _BOOL),
+    ],
+)
+DESCRIBE_ADAPTER = apidoc.Operation(
+    "Describe a LoRA adapter", ADAPTERS_TAG, apidoc.ok("The adapter", apidoc.json(schema.AdapterDescription))
+)
+UPDATE_ADAPTER = apidoc.Operation(
+    "Load a LoRA adapter from a new folder, or pin or unpin it",
+    ADAPTERS_TAG,
+    apidoc.ok("Updated", _STATUS),
+    body=apidoc.json(schema.AdapterUpdate),
+    body_required=False,
+    params=[
+        apidoc.Param("src", "A new folder under model_store / allowed_model_paths"),
+        apidoc.Param("pin", "Pin (true) or unpin (false) it", _BOOL),
+        apidoc.Param("preload", "With src: load its weights now (default true)", _BOOL),
+    ],
+)
+UNREGISTER_ADAPTER = apidoc.Operation(
+    "Unregister a LoRA adapter (requests running on it finish first)", ADAPTERS_TAG, apidoc.ok("Unregistered", _STATUS)
+)
 
 
 def ping_routes() -> list[BaseRoute]:
@@ -115,6 +158,8 @@ def routes(settings: Settings) -> list[BaseRoute]:
     return protocol_routes(
         MANAGEMENT,
         [
+            *adapter_routes("/models/{model_name}/adapters"),
+            *adapter_routes("/adapters"),
             doc(Route("/models", management.list_models, methods=["GET"]), LIST),
             doc(Route("/models", management.register_model, methods=["POST"]), REGISTER),
             doc(Route("/models/{model_name}", management.describe_model, methods=["GET"]), DESCRIBE),
@@ -123,3 +168,21 @@ def routes(settings: Settings) -> list[BaseRoute]:
             doc(Route("/models/{model_name}/{version}", management.unregister_model, methods=["DELETE"]), UNREGISTER),
         ],
     )
+
+
+def adapter_routes(base: str) -> list[BaseRoute]:
+    """The adapters API under `base` (``/models/{model_name}/adapters`` or ``/adapters``). They come
+    before the model routes: ``/models/{m}/{version}`` would answer ``GET /models/{m}/adapters`` and
+    ``DELETE /models/{m}/adapters`` (which answers 405 here, rather than unregister the model)."""
+    doc = apidoc.document
+    one = base + "/{adapter_name}"
+    routes: list[BaseRoute] = [
+        doc(Route(base, adapters.list_adapters, methods=["GET"]), LIST_ADAPTERS),
+        doc(Route(base, adapters.register_adapter, methods=["POST"]), REGISTER_ADAPTER),
+        doc(Route(one, adapters.describe_adapter, methods=["GET"]), DESCRIBE_ADAPTER),
+        doc(Route(one, adapters.unregister_adapter, methods=["DELETE"]), UNREGISTER_ADAPTER),
+        doc(Route(one + "/update", adapters.update_adapter, methods=["POST"]), UPDATE_ADAPTER),
+    ]
+    if base.startswith("/models/"):
+        routes.append(apidoc.hidden(Route(base, adapters.not_allowed, methods=["DELETE"])))
+    return routes

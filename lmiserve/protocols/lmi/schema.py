@@ -112,3 +112,42 @@ class Registration(BaseModel):
     device: str | None = None
     dtype: str | None = None
     model_kind: str | None = None
+
+
+class AdapterSummary(BaseModel):
+    name: str
+    src: str = Field(description="The adapter's folder")
+    pin: bool = Field(description="Pinned: never dropped from memory")
+    loaded: bool = Field(description="Its weights are in memory (else they load on its next request)")
+
+
+class AdapterPage(BaseModel):
+    nextPageToken: str | None = None  # present when more adapters follow
+    adapters: list[AdapterSummary]
+
+
+class AdapterDescription(AdapterSummary):
+    rank: int | None = Field(None, description="Its highest LoRA rank (when loaded)")
+    targetModules: list[str] | None = Field(None, description="The linears it adapts (when loaded)")
+    sizeBytes: int | None = Field(None, description="Memory its weights take (when loaded)")
+    requests: int = Field(description="Requests served since it was registered")
+    running: int = Field(description="Requests running on it now")
+    registeredAt: str
+    error: str | None = Field(None, description="Why its last load failed")
+
+
+class AdapterRegistration(BaseModel):
+    """POST .../adapters options, as query parameters or as this JSON body (the query wins)."""
+
+    name: str | None = Field(None, description="The adapter's name (requests select it by this name)")
+    src: str | None = Field(None, description="A PEFT LoRA adapter folder under model_store / allowed_model_paths")
+    preload: bool | str | None = Field(None, description="Load its weights now (default true)")
+    pin: bool | str | None = Field(None, description="Keep it in memory (default false)")
+
+
+class AdapterUpdate(BaseModel):
+    """POST .../adapters/{name}/update options, as query parameters or as this JSON body."""
+
+    src: str | None = Field(None, description="A new folder (its weights are read again)")
+    pin: bool | str | None = None
+    preload: bool | str | None = None

@@ -8,6 +8,8 @@
   unsupported option such as ``suffix``), SDK ``BadRequestError``. Body rejections keep their own
   status: 413 (payload limit), 415 (not application/json), 431 (headers too large).
 - 401 ``authentication_error`` / ``invalid_api_key``: a missing or wrong API key.
+- 403 ``permission_error``: a LoRA adapter path outside model_store and allowed_model_paths
+  (``/v1/load_lora_adapter``), SDK ``PermissionDeniedError``.
 - 404 ``not_found_error`` / ``model_not_found`` (``param: "model"``): a `model` that names nothing
   served, or a server without a text-generation model; 404 ``invalid_request_error``: a stored response
   that does not exist (``GET``/``DELETE /v1/responses/{id}``; ``previous_response_id``, then with
@@ -28,6 +30,7 @@ from typing import ClassVar, NamedTuple
 
 from lmiserve.core.errors import (
     ContextLengthExceeded,
+    Forbidden,
     GenerationFailed,
     HeadersTooLarge,
     InvalidRequest,
@@ -123,6 +126,7 @@ KINDS: dict[type[LmiServeError], Kind] = {
     UnsupportedMediaType: Kind(415, "invalid_request_error"),
     HeadersTooLarge: Kind(431, "invalid_request_error"),
     Unauthorized: Kind(401, "authentication_error", "invalid_api_key", "Invalid or missing API key."),
+    Forbidden: Kind(403, "permission_error"),
     ModelNotFound: Kind(404, "not_found_error", "model_not_found"),
     NotFound: Kind(404, "invalid_request_error"),
     PreviousResponseNotFound: Kind(404, "invalid_request_error", "previous_response_not_found"),

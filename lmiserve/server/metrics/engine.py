@@ -12,6 +12,7 @@ docs/metrics.md, "The metrics", lists them.
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -23,7 +24,7 @@ from prometheus_client.registry import Collector
 from lmiserve.core.errors import InvalidRequest, LmiServeError, Overloaded, QueueTimeout
 from lmiserve.core.events import FinishReason
 from lmiserve.core.limits import limits_for
-from lmiserve.core.stats import RequestStats, StepStats
+from lmiserve.core.stats import EngineSnapshot, RequestStats, StepStats
 from lmiserve.models.service import ModelService
 
 ENGINE = "0"  # vLLM's engine label: lmiserve runs one engine per model
@@ -300,6 +301,7 @@ class LiveCollector(Collector):
             "vllm:num_preemptions", "Cumulative number of preemption from the engine.", labels=labels
         )
         spec = _SpecDecodeFamilies(labels)
+        lora = _LoraFamilies()
         size = queue = max_tokens = 0
         for service in self._models():
             engine = _generator(service)
@@ -315,6 +317,8 @@ class LiveCollector(Collector):
                 prefix.add_metric(values, snap.prefix_cache_usage)
             if snap.speculation is not None:
                 spec.add(values, snap.speculation)
+            if snap.max_loras:
+                lora.add(service, snap)
             size, queue, max_tokens = size + snap.running, queue + snap.waiting, max_tokens + snap.batch_max_tokens
         yield running
         yield waiting
@@ -322,6 +326,7 @@ class LiveCollector(Collector):
         yield prefix
         yield preemptions
         yield from spec.families()
+        yield from lora.families()
         yield GaugeMetricFamily("tgi_batch_current_size", "Current batch size", value=size)
         yield GaugeMetricFamily(
             "tgi_batch_current_max_tokens", "Maximum tokens for the current batch", value=max_tokens
@@ -362,6 +367,59 @@ class _SpecDecodeFamilies:
     def families(self) -> Iterator[Metric]:
         if self.any:
             yield from (self.drafts, self.draft_tokens, self.accepted, self.per_position)
+
+
+class _LoraFamilies:
+    """vLLM's LoRA gauge (``vllm:lora_requests_info``: the adapters of the running and of the waiting
+    requests as label values, comma-joined; its value the time of the scrape, as vLLM sets it to the time
+    of its last update), with lmiserve's ``model_name`` label; and lmiserve's per-adapter figures, read
+    from the model's adapter registry (engine/lora_registry.py)."""
+
+    def __init__(self) -> None:
+        self.info = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters", "model_name"],
+        )
+        self.requests = CounterMetricFamily(
+            "lmiserve_lora_requests",
+            "Requests served by each LoRA adapter since it was registered.",
+            labels=["model_name", "adapter"],
+        )
+        self.running = GaugeMetricFamily(
+            "lmiserve_lora_running_requests",
+            "Requests running on each LoRA adapter now (in the batch or waiting for a place in it).",
+            labels=["model_name", "adapter"],
+        )
+        self.registered = GaugeMetricFamily(
+            "lmiserve_lora_adapters_registered", "LoRA adapters registered.", labels=["model_name"]
+        )
+        self.loaded = GaugeMetricFamily(
+            "lmiserve_lora_adapters_loaded",
+            "LoRA adapters whose weights are in memory (at most max_cpu_loras, plus those in use or pinned).",
+            labels=["model_name"],
+        )
+        self.any = False
+
+    def add(self, service: ModelService, snap: EngineSnapshot) -> None:
+        self.any = True
+        name = service.name
+        running, waiting = ",".join(snap.lora_running), ",".join(snap.lora_waiting)
+        self.info.add_metric([str(snap.max_loras), waiting, running, name], time.time())
+        registry = service.adapters
+        if registry is None:
+            return
+        in_use = registry.running()
+        entries = registry.entries()
+        for entry in entries:
+            self.requests.add_metric([name, entry.name], entry.requests)
+            self.running.add_metric([name, entry.name], in_use.get(entry.name, 0))
+        self.registered.add_metric([name], len(entries))
+        self.loaded.add_metric([name], registry.loaded_count())
+
+    def families(self) -> Iterator[Metric]:
+        if self.any:
+            yield from (self.info, self.requests, self.running, self.registered, self.loaded)
 
 
 def _generator(service: ModelService):  # -> TextGenerator | None
