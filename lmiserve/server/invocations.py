@@ -19,10 +19,14 @@ Precedence (first match wins):
    type is that of Content-Type (or ContentType), JSON when absent;
    - an LLM: JSON Lines (unless the whole body is one JSON object asking to `stream`) and CSV;
    - a one-shot model: anything but text/plain and a JSON object with `inputs` (LMI's payloads);
+   On /invocations, /predictions/... and /models/{m}/invoke, the LoRA adapter that the `adapter` query
+   parameter or SageMaker's ``X-Amzn-SageMaker-Adapter-Identifier`` header names applies to an OpenAI
+   or TGI body that names none (as its `model`, or `parameters.adapter_id`);
 4. LMI, for the model named by the path, else `model_name` from the query or a header, else
    `tfs-model-name` (on /invocations), else the default model: it must exist (404 / 400) and be
    ready (503); the body is decoded as LMI does (424 if that fails); then a one-shot model, dynamic
-   batching or the rolling batch.
+   batching or the rolling batch (each input's LoRA adapter: the body's `adapters`, else
+   `parameters.adapter_id`, else the `adapter` query parameter, else SageMaker's adapter header).
 Only steps 3 (an unknown model name) and 4 fail while decoding; LMI's renderer answers those errors.
 Every handler's errors are answered by its protocol (the OpenAI and TGI entry points answer their own).
 """
@@ -238,15 +242,30 @@ def _lmi(request: Request, body: Body) -> LmiPayload:
 
 
 async def _chat(request: Request, invocation: JsonBody) -> Response:
-    return await openai.invoke(request, invocation.doc, chat=True)
+    return await openai.invoke(request, _with_outside_adapter(request, invocation), chat=True)
 
 
 async def _completion(request: Request, invocation: JsonBody) -> Response:
-    return await openai.invoke(request, invocation.doc, chat=False)
+    return await openai.invoke(request, _with_outside_adapter(request, invocation), chat=False)
 
 
 async def _tgi_compat_body(request: Request, invocation: JsonBody) -> Response:
-    return await tgi.invoke_compat(request, invocation.doc)
+    return await tgi.invoke_compat(request, _with_outside_adapter(request, invocation))
+
+
+def _with_outside_adapter(request: Request, invocation: JsonBody) -> dict:
+    """The body, given the LoRA adapter that the `adapter` query parameter or SageMaker's adapter header
+    names when the body names none itself: as OpenAI's `model`, or TGI's `parameters.adapter_id`."""
+    outside = lmi_parse.outside_adapter(request.query_params, request.headers)
+    doc = invocation.doc
+    if outside is None:
+        return doc
+    if invocation.kind is Kind.TGI_COMPAT:
+        params = doc.get("parameters")
+        if params is None or (isinstance(params, dict) and params.get("adapter_id") in (None, "")):
+            return {**doc, "parameters": {**(params or {}), "adapter_id": outside.name}}
+        return doc
+    return {**doc, "model": outside.name} if doc.get("model") in (None, "") else doc
 
 
 async def _sagemaker_llm(request: Request, invocation: SageMakerRecords) -> Response:

@@ -66,7 +66,9 @@ def make_adapter(base_dir: Path, out_dir: Path, spec: AdapterSpec) -> Path:
     return out_dir
 
 
-def merged_generate(base_dir: Path, adapter_dir: Path | None, prompts: Sequence[list[int]], max_new_tokens: int) -> list[list[int]]:
+def merged_generate(
+    base_dir: Path, adapter_dir: Path | None, prompts: Sequence[list[int]], max_new_tokens: int
+) -> list[list[int]]:
     """Greedy `generate()` of the base model with the adapter merged by PEFT (None: the base model),
     one prompt at a time: the new token ids of each."""
     from transformers import AutoModelForCausalLM

@@ -9,9 +9,10 @@
   status: 413 (payload limit), 415 (not application/json), 431 (headers too large).
 - 401 ``authentication_error`` / ``invalid_api_key``: a missing or wrong API key.
 - 404 ``not_found_error`` / ``model_not_found`` (``param: "model"``): a `model` that names nothing
-  served, or a server without a text-generation model; 404 ``invalid_request_error``: a stored response
-  that does not exist (``GET``/``DELETE /v1/responses/{id}``; ``previous_response_id``, then with
-  ``param`` and ``code: "previous_response_not_found"``).
+  served (neither a model nor a LoRA adapter of one), or a server without a text-generation model;
+  404 ``invalid_request_error``: a stored response that does not exist (``GET``/``DELETE
+  /v1/responses/{id}``; ``previous_response_id``, then with ``param`` and ``code:
+  "previous_response_not_found"``).
 - 429 ``rate_limit_error``: overloaded (the queue is full, every admission slot taken).
 - 503 ``service_unavailable_error``: the model is loading, failed, the server drains, or a request
   waited past ``predict_timeout`` for a slot.
@@ -27,6 +28,7 @@ import re
 from typing import ClassVar, NamedTuple
 
 from lmiserve.core.errors import (
+    AdapterNotFound,
     ContextLengthExceeded,
     GenerationFailed,
     HeadersTooLarge,
@@ -43,6 +45,7 @@ from lmiserve.core.errors import (
     Unauthorized,
     Unsupported,
     UnsupportedMediaType,
+    excerpt,
 )
 from lmiserve.protocols.openai import responses
 from lmiserve.protocols.textgen.errors import ToolError
@@ -124,6 +127,7 @@ KINDS: dict[type[LmiServeError], Kind] = {
     HeadersTooLarge: Kind(431, "invalid_request_error"),
     Unauthorized: Kind(401, "authentication_error", "invalid_api_key", "Invalid or missing API key."),
     ModelNotFound: Kind(404, "not_found_error", "model_not_found"),
+    AdapterNotFound: Kind(404, "not_found_error", "model_not_found"),  # `model` names the adapter
     NotFound: Kind(404, "invalid_request_error"),
     PreviousResponseNotFound: Kind(404, "invalid_request_error", "previous_response_not_found"),
     InvalidValue: Kind(400, "invalid_request_error", "invalid_value"),
@@ -138,7 +142,7 @@ def param(exc: LmiServeError) -> str | None:
     """The request field an error is about, when its message says it (else None)."""
     if isinstance(exc, (InvalidValue, ContextWindowExceeded)):
         return exc.param
-    if isinstance(exc, ModelNotFound):
+    if isinstance(exc, (ModelNotFound, AdapterNotFound)):
         return "model"
     if isinstance(exc, PreviousResponseNotFound):
         return "previous_response_id"
@@ -182,3 +186,8 @@ class OpenAIRenderer(ErrorRenderer):
 
 
 RENDERER = OpenAIRenderer()
+
+
+def model_not_found(name: str | None) -> ModelNotFound:
+    """The 404 of a `model` that names neither the served model nor a LoRA adapter of it."""
+    return ModelNotFound(f"The model `{excerpt(name or '')}` does not exist.")
