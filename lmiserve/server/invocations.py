@@ -19,9 +19,10 @@ Precedence (first match wins):
    type is that of Content-Type (or ContentType), JSON when absent;
    - an LLM: JSON Lines (unless the whole body is one JSON object asking to `stream`) and CSV;
    - a one-shot model: anything but text/plain and a JSON object with `inputs` (LMI's payloads);
-   On /invocations, /predictions/... and /models/{m}/invoke, the LoRA adapter that the `adapter` query
-   parameter or SageMaker's ``X-Amzn-SageMaker-Adapter-Identifier`` header names applies to an OpenAI
-   or TGI body that names none (as its `model`, or `parameters.adapter_id`);
+   On these routes LMI's ways to name a LoRA adapter apply to OpenAI and TGI bodies that name none
+   themselves: the `adapter` query parameter, then SageMaker's ``X-Amzn-SageMaker-Adapter-Identifier``
+   header (as OpenAI's `model` or TGI's `parameters.adapter_id`); a TGI body's LMI `adapters` field
+   first (it wins over `parameters.adapter_id`, as in LMI's bodies);
 4. LMI, for the model named by the path, else `model_name` from the query or a header, else
    `tfs-model-name` (on /invocations), else the default model: it must exist (404 / 400) and be
    ready (503); the body is decoded as LMI does (424 if that fails); then a one-shot model, dynamic
@@ -254,18 +255,24 @@ async def _tgi_compat_body(request: Request, invocation: JsonBody) -> Response:
 
 
 def _with_outside_adapter(request: Request, invocation: JsonBody) -> dict:
-    """The body, given the LoRA adapter that the `adapter` query parameter or SageMaker's adapter header
-    names when the body names none itself: as OpenAI's `model`, or TGI's `parameters.adapter_id`."""
+    """The body, with the LoRA adapter LMI's ways name when the body's own protocol names none: OpenAI's
+    `model` from the `adapter` query parameter or SageMaker's adapter header; TGI's
+    `parameters.adapter_id` from LMI's `adapters` field (a name, or a list of one), else those two."""
     outside = lmi_parse.outside_adapter(request.query_params, request.headers)
     doc = invocation.doc
-    if outside is None:
+    if invocation.kind is not Kind.TGI_COMPAT:
+        return {**doc, "model": outside.name} if outside is not None and doc.get("model") in (None, "") else doc
+    params = doc.get("parameters")
+    if params is not None and not isinstance(params, dict):
+        return doc  # TGI's schema refuses it
+    named = doc.get("adapters")
+    if named not in (None, "", []):  # LMI's field wins, as on LMI's own bodies
+        adapter = named[0] if isinstance(named, list) and len(named) == 1 else named
+    elif (params or {}).get("adapter_id") in (None, "") and outside is not None:
+        adapter = outside.name
+    else:
         return doc
-    if invocation.kind is Kind.TGI_COMPAT:
-        params = doc.get("parameters")
-        if params is None or (isinstance(params, dict) and params.get("adapter_id") in (None, "")):
-            return {**doc, "parameters": {**(params or {}), "adapter_id": outside.name}}
-        return doc
-    return {**doc, "model": outside.name} if doc.get("model") in (None, "") else doc
+    return {**doc, "parameters": {**(params or {}), "adapter_id": adapter}}
 
 
 async def _sagemaker_llm(request: Request, invocation: SageMakerRecords) -> Response:
