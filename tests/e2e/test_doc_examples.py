@@ -103,6 +103,14 @@ def _speculative(request: pytest.FixtureRequest, tmp_path: Path) -> Server:
     return Server(["-o", SPECULATIVE_CONFIG])
 
 
+def _lora(request: pytest.FixtureRequest, tmp_path: Path) -> Server:
+    """docs/lora.md's server: the bundled model with the two adapters its setup block makes (in the
+    examples' directory, `tmp_path`)."""
+    request.getfixturevalue("smollm_dir")
+    demo = tmp_path / "adapters-demo"
+    return Server(["--lora-modules", f"sql={demo / 'sql'},chat={demo / 'chat'}"])
+
+
 SPECULATIVE_CONFIG = 'speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
 
 SERVERS: dict[str, Callable[[pytest.FixtureRequest, Path], Server]] = {
@@ -113,6 +121,7 @@ SERVERS: dict[str, Callable[[pytest.FixtureRequest, Path], Server]] = {
     "store": _store,
     "metrics-port": _metrics_port,
     "embeddings": _embeddings,
+    "lora": _lora,
 }
 # How the pages tell a reader to start each kind; `SERVERS` starts the same. Every page that holds
 # examples of a kind shows its start command.
@@ -123,6 +132,7 @@ START_COMMANDS = {
     "api-key": "lmiserve serve --api-key s3cret ",
     "metrics-port": "lmiserve serve --metrics-port 9090\n",
     "embeddings": ".venv/bin/lmiserve serve --model-store embed-store\n",
+    "lora": ".venv/bin/lmiserve serve --lora-modules sql=adapters-demo/sql,chat=adapters-demo/chat\n",
     "store": "AIP_PREDICT_ROUTE=/vertex/predict AIP_HEALTH_ROUTE=/vertex/health AIP_DEPLOYED_MODEL_ID=1234 \\\n"
     "  .venv/bin/lmiserve serve --model-store store -o allowed_model_paths=/tmp/demo\n",
 }
