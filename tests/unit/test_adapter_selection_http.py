@@ -6,10 +6,14 @@ a real server with real adapters, their outputs checked against PEFT's: tests/in
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import pytest
 
 from helpers.text_app import TextApp, text_app
+from lmiserve.core import request_context
+from lmiserve.core.adapters import resolve_adapter
+from lmiserve.core.request_context import RequestFacts
 
 ADAPTERS = {"alpha", "beta", "gamma"}
 PROMPT = "Deep learning is"
@@ -245,3 +249,44 @@ async def test_kserve_infer_adapter_id(served):
         assert r.status_code == 200 and adapters_of(served) == ["beta", "beta"]
         r = await http.post("/v2/models/tiny/infer", json={**body, "parameters": {"adapter_id": "delta"}})
     assert (r.status_code, r.content) == (404, b'{"error": "`adapter_id` names adapter `delta`, which is not served"}')
+
+
+async def test_sagemaker_json_lines_name_an_adapter_per_line(served):
+    lines = [
+        {"inputs": PROMPT, "adapters": "alpha", "parameters": {"max_new_tokens": 2}},
+        {"inputs": "Hi", "parameters": {"adapter_id": "beta", "max_new_tokens": 2}},
+        {"inputs": "Hello", "parameters": {"max_new_tokens": 2}},
+    ]
+    body = "".join(json.dumps(line) + "\n" for line in lines)
+    async with served.client() as http:
+        r = await http.post("/invocations", content=body, headers={"content-type": "application/jsonlines"})
+        assert r.status_code == 200, r.text
+        assert {(q.prompt, q.adapter) for q in served.fake.requests} == {
+            (PROMPT, "alpha"),
+            ("Hi", "beta"),
+            ("Hello", None),
+        }
+        body = json.dumps({"inputs": "Hi", "adapters": "delta"}) + "\n"
+        r = await http.post("/invocations", content=body, headers={"content-type": "application/jsonlines"})
+    assert (r.status_code, r.json()) == (
+        404,
+        {"error": "line 1: `adapters` names adapter `delta`, which is not served"},
+    )
+
+
+def test_the_selected_adapter_is_noted_for_the_access_line():
+    """`resolve_adapter` notes the adapter in the request's access facts once they have that field
+    (the access line's `adapter`); without it nothing is noted and nothing fails."""
+
+    @dataclass
+    class Facts(RequestFacts):
+        adapter: str | None = None
+
+    for facts in (Facts("r1"), RequestFacts("r2")):
+        token = request_context.bind(facts)
+        try:
+            assert resolve_adapter("alpha", ADAPTERS, ("tiny",)) == "alpha"
+            assert resolve_adapter("tiny", ADAPTERS, ("tiny",)) is None
+        finally:
+            request_context.unbind(token)
+        assert getattr(facts, "adapter", "none") == ("alpha" if isinstance(facts, Facts) else "none")
