@@ -263,9 +263,11 @@ def tensor_model(request: Request, name: str | None = None) -> TensorModel:
 
 
 def adapter_owner(request: Request, name: str) -> ModelService | None:
-    """The served LLM that has a LoRA adapter named `name` (None: no model has one)."""
+    """The served LLM that has a LoRA adapter named `name` (None: no model has one); noted as the
+    model the request addressed, as `model_service` notes it."""
     for service in _registry(request):
         adapters = service.adapters
         if adapters is not None and name in adapters:
+            request_context.note(model=service.name)
             return service
     return None
