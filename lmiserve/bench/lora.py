@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -24,8 +25,17 @@ LORA_TARGETS = {
 _LOADED = re.compile(r"adapter (?P<name>\S+) loaded: rank \d+, .*?, (?P<mib>[\d.]+) MiB in (?P<ms>\d+) ms")
 
 
-def make_adapters(model_path: Path, out_dir: Path, count: int, rank: int, targets: Sequence[str]) -> dict[str, Path]:
-    """`count` adapters (``lora-0`` ...) of the model in `model_path` (its config.json), in `out_dir`."""
+def make_adapters(
+    model_path: Path,
+    out_dir: Path,
+    count: int,
+    rank: int,
+    targets: Sequence[str],
+    names: Sequence[str] = (),
+    scale: float = 0.01,
+) -> dict[str, Path]:
+    """`count` adapters (named `names`, else ``lora-0`` ...) of the model in `model_path` (its config.json),
+    in `out_dir`; B's entries have standard deviation `scale`, each adapter its own seed (from its name)."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig
@@ -47,10 +57,10 @@ def make_adapters(model_path: Path, out_dir: Path, count: int, rank: int, target
     owner = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
     out: dict[str, Path] = {}
     for index in range(count):
-        name = f"lora-{index}"
+        name = names[index] if index < len(names) else f"lora-{index}"
         folder = out_dir / name
         folder.mkdir(parents=True, exist_ok=True)
-        generator = torch.Generator().manual_seed(1000 + index)
+        generator = torch.Generator().manual_seed(zlib.crc32(name.encode("utf-8")))
         tensors = {}
         for layer in range(config.num_hidden_layers):
             for module in targets:
@@ -59,7 +69,7 @@ def make_adapters(model_path: Path, out_dir: Path, count: int, rank: int, target
                 a = torch.randn(rank, fan_in, generator=generator) / fan_in**0.5
                 tensors[f"{prefix}.lora_A.weight"] = a.contiguous()
                 tensors[f"{prefix}.lora_B.weight"] = (
-                    torch.randn(fan_out, rank, generator=generator) * 0.01
+                    torch.randn(fan_out, rank, generator=generator) * scale
                 ).contiguous()
         save_file(tensors, str(folder / "adapter_model.safetensors"))
         adapter_config = {
@@ -98,7 +108,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("out_dir", type=Path, help="folder the adapters go into (lora-0, lora-1, ...)")
     parser.add_argument("--model-id", help="the model's directory (default: the bundled model)")
-    parser.add_argument("--count", type=int, default=2, help="adapters to write (default 2)")
+    parser.add_argument("--count", type=int, default=2, help="adapters to write (default 2, or as many as --names)")
+    parser.add_argument("--names", default="", help="their names, comma-separated (default lora-0, lora-1, ...)")
+    parser.add_argument("--scale", type=float, default=0.01, help="standard deviation of B's entries (default 0.01)")
     parser.add_argument("--rank", type=int, default=8, help="their rank (default 8)")
     parser.add_argument("--targets", choices=sorted(LORA_TARGETS), default="all", help="linears they adapt")
     args = parser.parse_args(argv)
@@ -108,9 +120,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from lmiserve.models.bundled import bundled_model_path
 
         model_path = bundled_model_path()
-    for name, folder in make_adapters(
-        model_path, args.out_dir, args.count, args.rank, LORA_TARGETS[args.targets]
-    ).items():
+    names = [n for n in args.names.split(",") if n]
+    count = len(names) or args.count
+    made = make_adapters(model_path, args.out_dir, count, args.rank, LORA_TARGETS[args.targets], names, args.scale)
+    for name, folder in made.items():
         print(f"{name}: {folder}")
     return 0
 

@@ -4,7 +4,8 @@ The one input `text_input` holds the prompts, one per element; an input of any o
 (400 naming it, as Triton does). Generation parameters come from `TensorRequest.parameters` with the LMI names
 and defaults (`max_new_tokens`, `temperature`, `do_sample`, `stop`, ...), validated by the LMI parser.
 All rows go to the engine at once, so they share its continuous batch. The output `text_output` holds
-each row's generated text (with the prompt in front when `return_full_text` is true).
+each row's generated text (with the prompt in front when `return_full_text` is true). The `adapter_id`
+parameter picks a LoRA adapter of the model for every row (404 for one that is not served).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from lmiserve.core.adapters import check_adapter
+from lmiserve.core.adapters import resolve_adapter
 from lmiserve.core.engine import TextGenerator
 from lmiserve.core.errors import GenerationFailed, InvalidRequest
 from lmiserve.core.events import FinishReason
@@ -52,17 +53,25 @@ class LlmTensorModel:
         """LMI parameter mapping of the request's parameters; also whether to prepend the prompt."""
         raw = {k: v for k, v in (parameters or {}).items() if k not in _NOT_GENERATION}
         params = parse_parameters(raw)
-        check_adapter(raw.get("adapter_id"), (self.name,))  # no adapters are served: an invalid request
         return to_sampling(params, self.limits, stream=False), bool(params.return_full_text)
+
+    def adapter(self, parameters: Mapping[str, Any] | None) -> str | None:
+        """The LoRA adapter the `adapter_id` parameter names (None: the base model, also for this model's
+        own name); `AdapterNotFound` (the protocol's 404) for one that is not served."""
+        name = (parameters or {}).get("adapter_id")
+        return resolve_adapter(name, getattr(self.engine, "adapters", None), (self.name,))
 
     async def infer(self, request: TensorRequest) -> dict[str, np.ndarray]:
         prompts = text_rows(model_input(request, self.signature, INPUT, self.name), INPUT)
         if any(not p for p in prompts):
             raise InvalidRequest(f"input '{INPUT}' holds an empty prompt")
         sampling, full_text = self.sampling(request.parameters)
+        adapter = self.adapter(request.parameters)
         requests = [
             GenerationRequest(
-                p, SamplingParams(**{**sampling.__dict__, "stop_sequences": list(sampling.stop_sequences)})
+                p,
+                SamplingParams(**{**sampling.__dict__, "stop_sequences": list(sampling.stop_sequences)}),
+                adapter=adapter,
             )
             for p in prompts
         ]

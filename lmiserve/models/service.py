@@ -260,3 +260,14 @@ def default_llm(request: Request) -> ModelService:
 def tensor_model(request: Request, name: str | None = None) -> TensorModel:
     """The `TensorModel` of the named (or default) model; ModelNotFound / ModelNotReady as they apply."""
     return model_service(request, name).tensor_model
+
+
+def adapter_owner(request: Request, name: str) -> ModelService | None:
+    """The served LLM that has a LoRA adapter named `name` (None: no model has one); noted as the
+    model the request addressed, as `model_service` notes it."""
+    for service in _registry(request):
+        adapters = service.adapters
+        if adapters is not None and name in adapters:
+            request_context.note(model=service.name)
+            return service
+    return None

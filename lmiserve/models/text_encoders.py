@@ -33,7 +33,7 @@ from starlette.requests import Request
 from lmiserve.core import request_context
 from lmiserve.core.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, ModelNotReady, ModelRequired
 from lmiserve.core.tokenizer import tokenizing
-from lmiserve.models.service import ModelService, model_service
+from lmiserve.models.service import ModelService, adapter_owner, model_service
 
 if TYPE_CHECKING:
     from lmiserve.engine.oneshot import OneShotModel
@@ -48,10 +48,11 @@ TokenRow = dict[str, list[int]]  # input_ids, and token_type_ids for pairs
 
 class WrongModelKind(InvalidRequest):
     """The addressed model is not of the kind the route needs (an LLM on /v1/embeddings, an embedding
-    model on a rerank route, ...)."""
+    model on a rerank route, a LoRA adapter of an LLM (`of`: that LLM), ...)."""
 
-    def __init__(self, name: str, kind: str, wanted: str):
-        super().__init__(f"`model` {name} is {_a(kind)} {kind} model: this route needs {_a(wanted)} {wanted} model.")
+    def __init__(self, name: str, kind: str, wanted: str, *, of: str | None = None):
+        what = f"{_a(kind)} {kind} model" if of is None else f"a LoRA adapter of the {kind} model {of}"
+        super().__init__(f"`model` {name} is {what}: this route needs {_a(wanted)} {wanted} model.")
         self.name, self.kind, self.wanted = name, kind, wanted
 
 
@@ -172,12 +173,23 @@ def reranker_model(request: Request, name: str | None) -> TextModel:
 
 
 def _model(request: Request, name: str | None, wanted: str) -> TextModel:
-    service = model_service(request, name) if name else _only(request, wanted)
+    service = _named(request, name, wanted) if name else _only(request, wanted)
     service.ready_engine()
     runner: Any = service.loaded
     if kind_of(service) != wanted or runner is None or service.engine is None:
         raise WrongModelKind(service.name, kind_of(service), wanted)
     return TextModel(service, runner, cast("OneShotModel", service.engine))
+
+
+def _named(request: Request, name: str, wanted: str) -> ModelService:
+    """The model `name` names; a LoRA adapter of an LLM is `WrongModelKind` (it is no encoder)."""
+    try:
+        return model_service(request, name)
+    except ModelNotFound:
+        owner = adapter_owner(request, name)
+        if owner is None:
+            raise
+        raise WrongModelKind(name, owner.kind, wanted, of=owner.name) from None
 
 
 def kind_of(service: ModelService) -> str:

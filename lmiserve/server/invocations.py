@@ -19,10 +19,15 @@ Precedence (first match wins):
    type is that of Content-Type (or ContentType), JSON when absent;
    - an LLM: JSON Lines (unless the whole body is one JSON object asking to `stream`) and CSV;
    - a one-shot model: anything but text/plain and a JSON object with `inputs` (LMI's payloads);
+   On these routes LMI's ways to name a LoRA adapter apply to OpenAI and TGI bodies that name none
+   themselves: the `adapter` query parameter, then SageMaker's ``X-Amzn-SageMaker-Adapter-Identifier``
+   header (as OpenAI's `model` or TGI's `parameters.adapter_id`); a TGI body's LMI `adapters` field
+   first (it wins over `parameters.adapter_id`, as in LMI's bodies);
 4. LMI, for the model named by the path, else `model_name` from the query or a header, else
    `tfs-model-name` (on /invocations), else the default model: it must exist (404 / 400) and be
    ready (503); the body is decoded as LMI does (424 if that fails); then a one-shot model, dynamic
-   batching or the rolling batch.
+   batching or the rolling batch (each input's LoRA adapter: the body's `adapters`, else
+   `parameters.adapter_id`, else the `adapter` query parameter, else SageMaker's adapter header).
 Only steps 3 (an unknown model name) and 4 fail while decoding; LMI's renderer answers those errors.
 Every handler's errors are answered by its protocol (the OpenAI and TGI entry points answer their own).
 """
@@ -238,15 +243,36 @@ def _lmi(request: Request, body: Body) -> LmiPayload:
 
 
 async def _chat(request: Request, invocation: JsonBody) -> Response:
-    return await openai.invoke(request, invocation.doc, chat=True)
+    return await openai.invoke(request, _with_outside_adapter(request, invocation), chat=True)
 
 
 async def _completion(request: Request, invocation: JsonBody) -> Response:
-    return await openai.invoke(request, invocation.doc, chat=False)
+    return await openai.invoke(request, _with_outside_adapter(request, invocation), chat=False)
 
 
 async def _tgi_compat_body(request: Request, invocation: JsonBody) -> Response:
-    return await tgi.invoke_compat(request, invocation.doc)
+    return await tgi.invoke_compat(request, _with_outside_adapter(request, invocation))
+
+
+def _with_outside_adapter(request: Request, invocation: JsonBody) -> dict:
+    """The body, with the LoRA adapter LMI's ways name when the body's own protocol names none: OpenAI's
+    `model` from the `adapter` query parameter or SageMaker's adapter header; TGI's
+    `parameters.adapter_id` from LMI's `adapters` field (a name, or a list of one), else those two."""
+    outside = lmi_parse.outside_adapter(request.query_params, request.headers)
+    doc = invocation.doc
+    if invocation.kind is not Kind.TGI_COMPAT:
+        return {**doc, "model": outside.name} if outside is not None and doc.get("model") in (None, "") else doc
+    params = doc.get("parameters")
+    if params is not None and not isinstance(params, dict):
+        return doc  # TGI's schema refuses it
+    named = doc.get("adapters")
+    if named not in (None, "", []):  # LMI's field wins, as on LMI's own bodies
+        adapter = named[0] if isinstance(named, list) and len(named) == 1 else named
+    elif (params or {}).get("adapter_id") in (None, "") and outside is not None:
+        adapter = outside.name
+    else:
+        return doc
+    return {**doc, "parameters": {**(params or {}), "adapter_id": adapter}}
 
 
 async def _sagemaker_llm(request: Request, invocation: SageMakerRecords) -> Response:

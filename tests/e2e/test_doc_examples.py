@@ -108,11 +108,11 @@ SPECULATIVE_CONFIG = 'speculative_config={"method": "ngram", "num_speculative_to
 
 def _lora(request: pytest.FixtureRequest, tmp_path: Path) -> Server:
     """docs/lora.md's server: the bundled model with the adapters its setup block makes in /tmp/adapters
-    (here under `tmp_path`), `sql` named at start, the folder allowed for runtime registration."""
+    (here under `tmp_path`), `sql` and `chat` named at start, the folder allowed for runtime registration."""
     request.getfixturevalue("smollm_dir")
     adapters = tmp_path / "adapters"
     return Server(
-        ["-o", f"lora_modules=sql={adapters}/sql", "-o", f"allowed_model_paths={adapters}"],
+        ["-o", f"lora_modules=sql={adapters}/sql,chat={adapters}/chat", "-o", f"allowed_model_paths={adapters}"],
         replacements={"/tmp/adapters": str(adapters)},
     )
 
@@ -136,7 +136,8 @@ START_COMMANDS = {
     "api-key": "lmiserve serve --api-key s3cret ",
     "metrics-port": "lmiserve serve --metrics-port 9090\n",
     "embeddings": ".venv/bin/lmiserve serve --model-store embed-store\n",
-    "lora": ".venv/bin/lmiserve serve -o lora_modules=sql=/tmp/adapters/sql -o allowed_model_paths=/tmp/adapters\n",
+    "lora": ".venv/bin/lmiserve serve -o lora_modules=sql=/tmp/adapters/sql,chat=/tmp/adapters/chat "
+    "-o allowed_model_paths=/tmp/adapters\n",
     "store": "AIP_PREDICT_ROUTE=/vertex/predict AIP_HEALTH_ROUTE=/vertex/health AIP_DEPLOYED_MODEL_ID=1234 \\\n"
     "  .venv/bin/lmiserve serve --model-store store -o allowed_model_paths=/tmp/demo\n",
 }

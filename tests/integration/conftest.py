@@ -8,6 +8,8 @@ every other test that asks for the same configuration (a start takes a few secon
 - `jsonlines_server`: ``output_formatter=jsonlines`` (and chunked prefill:
   ``max_rolling_batch_prefill_tokens=4``);
 - `dynamic_server`: ``rolling_batch=disable batch_size=4 max_batch_delay=50``;
+- `lora_server`: the LoRA adapters ``alpha``, ``beta`` and ``gamma`` (`lora_adapter_dirs`), and
+  `lora_dynamic_server`: the same under dynamic batching;
 - `small_server`: ``max_rolling_batch_size=1 job_queue_size=1`` on `endless_model_dir`, a
   copy of the tiny model with a 2**20-token context, so that one request keeps the only slot busy
   until its client goes away (the tiny model decodes ~1000 tokens/s: such a request would run for
@@ -147,6 +149,20 @@ def lora_server(server_pool: ServerPool, tiny_model_dir: Path, lora_modules_opti
     registered at start through `lora_modules`. Shared: tests must not register or unregister adapters
     on it (start a server of their own for that)."""
     yield from _start(tiny_model_dir, f"lora_modules={lora_modules_option}", pool=server_pool)
+
+
+@pytest.fixture(scope="session")
+def lora_dynamic_server(server_pool: ServerPool, tiny_model_dir: Path, lora_modules_option: str) -> Iterator[Server]:
+    """`lora_server` under dynamic batching (``rolling_batch=disable``): LMI's list of inputs, each with
+    its own adapter (``adapters``: one name per input). Shared, as `lora_server`."""
+    yield from _start(
+        tiny_model_dir,
+        f"lora_modules={lora_modules_option}",
+        "rolling_batch=disable",
+        "batch_size=4",
+        "max_batch_delay=50",
+        pool=server_pool,
+    )
 
 
 @pytest.fixture(scope="session")

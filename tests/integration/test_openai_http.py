@@ -89,14 +89,15 @@ def test_n_choices_stream_interleaved_on_the_real_engine(client, route):
 
 
 def test_roles_and_adapters_are_refused(client):
+    """A server without LoRA adapters: naming one is each protocol's 404 (never the base model's answer)."""
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "hi"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].role"
     r = client.post("/v1/chat/completions", json={"model": "tiny-lora", "messages": MESSAGES})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     r = client.post("/generate", json={"inputs": "Hi", "parameters": {"adapter_id": "tiny-lora"}})
-    assert r.status_code == 422 and r.json()["error_type"] == "validation"
+    assert r.status_code == 404 and r.json()["error_type"] == "not_found"
     r = client.post("/invocations", json={"inputs": "Hi", "adapters": "tiny-lora"})
-    assert r.status_code == 424 and "tiny-lora" in r.json()["error"]
+    assert r.status_code == 404 and r.json()["code"] == 404 and "tiny-lora" in r.json()["error"]
 
 
 def test_chat_errors(client):

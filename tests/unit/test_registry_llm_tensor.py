@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 
 from lmiserve.config import Settings
-from lmiserve.core.errors import InvalidRequest, ModelNotFound, ModelNotReady, ModelRequired, NoTextModel
+from lmiserve.core.errors import (
+    AdapterNotFound,
+    InvalidRequest,
+    ModelNotFound,
+    ModelNotReady,
+    ModelRequired,
+    NoTextModel,
+)
 from lmiserve.core.parameters import Limits
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.core.tensors import TensorRequest
@@ -176,10 +183,12 @@ async def test_a_model_removed_while_loading_never_starts(tiny_model_dir):
     assert svc.engine is None or svc.engine._task is None
 
 
-def test_an_adapter_that_is_not_served_is_an_invalid_request():
-    """KServe V2 infer, TF Serving, Vertex and SageMaker on an LLM: `adapter_id` refused, never ignored."""
+def test_an_adapter_that_is_not_served_is_not_found():
+    """KServe V2 infer, TF Serving, Vertex and SageMaker on an LLM: `adapter_id` selects a LoRA adapter;
+    one that is not served is refused (404), never answered by the base model."""
     model = LlmTensorModel(engine=None, limits=Limits(), name="tiny")  # type: ignore[arg-type]
-    with pytest.raises(InvalidRequest, match="`adapter_id` names adapter `my-lora`, which is not served"):
-        model.sampling({"adapter_id": "my-lora"})
-    assert model.sampling({"adapter_id": "tiny"})[0].max_new_tokens == 30  # the base model itself
-    assert model.sampling({"adapter_id": None})[0].max_new_tokens == 30
+    with pytest.raises(AdapterNotFound, match="`adapter_id` names adapter `my-lora`, which is not served"):
+        model.adapter({"adapter_id": "my-lora"})
+    assert model.adapter({"adapter_id": "tiny"}) is None  # the base model itself
+    assert model.adapter({"adapter_id": None}) is None
+    assert model.sampling({"adapter_id": "my-lora"})[0].max_new_tokens == 30  # not a sampling parameter

@@ -237,24 +237,23 @@ async def test_validation_errors(served, params, message):
     assert served.fake.requests == []
 
 
-ADAPTER_ERROR = "`adapter_id` names adapter `my-lora`, which is not served (no adapters are loaded)"
+ADAPTER_ERROR = "`adapter_id` names adapter `my-lora`, which is not served (this model serves no LoRA adapters)"
 
 
-async def test_an_adapter_that_is_not_served_is_a_validation_error(served):
-    """TGI itself answers an unknown adapter_id with the base model; lmiserve refuses it (no adapters yet)."""
+async def test_an_adapter_that_is_not_served_is_not_found(served):
+    """TGI itself answers an unknown adapter_id with the base model; lmiserve answers 404 ``not_found``,
+    on the stream too (checked before it starts: a response, not an in-band event). Served adapters:
+    tests/unit/test_adapter_selection_http.py."""
     payload = {"inputs": PROMPT, "parameters": {"adapter_id": "my-lora", "max_new_tokens": 2}}
-    r = await post(served, "/generate", payload)
-    assert (r.status_code, r.content) == (422, dumps(error(f"Input validation error: {ADAPTER_ERROR}", "validation")))
-    streamed = await post(served, "/generate_stream", payload)
-    assert (streamed.status_code, streamed.content) == (
-        200,
-        sse(error(f"Input validation error: {ADAPTER_ERROR}", "validation")),
-    )
-    assert (await post(served, "/", payload)).status_code == 422
+    for path in ("/generate", "/generate_stream", "/"):
+        r = await post(served, path, payload)
+        assert (r.status_code, r.headers["content-type"]) == (404, "application/json"), path
+        assert r.content == dumps(error(ADAPTER_ERROR, "not_found")), path
     assert served.fake.requests == []
     for base in (None, "", "tiny", "tgi"):  # no adapter, or the base model itself
         r = await post(served, "/generate", {**payload, "parameters": {"adapter_id": base, "max_new_tokens": 2}})
         assert r.status_code == 200, base
+        assert served.fake.requests[-1].adapter is None
 
 
 async def test_empty_and_too_long_inputs(served):

@@ -170,10 +170,31 @@ async def test_only_the_first_sequence_is_answered(app, engine):
     assert r.status_code == 200 and r.content == event("a") + event("b")
 
 
-async def test_an_adapter_is_refused_not_answered_by_the_base_model(app):
+async def test_an_adapter_is_selected_or_refused_never_answered_by_the_base_model(app, engine):
+    """`adapter_id` (or the vLLM backend's `lora_name`) selects a LoRA adapter of the model; one that is
+    not served is a 404, never the base model's answer."""
+    engine.requests = []
+    generate = engine.generate
+
+    async def recording(request):
+        engine.requests.append(request)
+        async for event in generate(request):
+            yield event
+
+    engine.generate = recording
     for route in ("generate", "generate_stream"):
-        r = await post(app, route, {"text_input": "Hi", "parameters": {"adapter_id": "my-lora"}})
-        assert (r.status_code, r.content) == (400, b'{"error": "unknown parameter: adapter_id"}')
+        for key in ("adapter_id", "lora_name"):
+            r = await post(app, route, {"text_input": "Hi", "parameters": {key: "my-lora"}})
+            message = "`adapter_id` names adapter `my-lora`, which is not served (this model serves no LoRA adapters)"
+            assert (r.status_code, r.json()) == (404, {"error": message})
+    assert engine.requests == []
+    engine.adapters = {"alpha"}
+    for route in ("generate", "generate_stream"):
+        for key in ("adapter_id", "lora_name"):
+            r = await post(app, route, {"text_input": "Hi", "parameters": {key: "alpha"}})
+            assert r.status_code == 200 and engine.requests[-1].adapter == "alpha"
+        r = await post(app, route, {"text_input": "Hi", "parameters": {"adapter_id": "llm"}})  # the model itself
+        assert r.status_code == 200 and engine.requests[-1].adapter is None
 
 
 async def test_request_errors(app):

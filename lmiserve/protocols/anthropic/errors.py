@@ -8,7 +8,8 @@ JSON), so the `anthropic` SDK raises the exception class of the status::
   block the model cannot take (``image``, ``document``), a chat template or tool that cannot be used
   (``Template error: ...``, ``Tool error: ...``), a prompt over the model's context; SDK ``BadRequestError``.
 - 401 ``authentication_error``: a missing or wrong API key (``x-api-key`` or ``Authorization: Bearer``).
-- 404 ``not_found_error``: a `model` that names nothing served, or a server without a text-generation model.
+- 404 ``not_found_error``: a `model` that names nothing served (neither a model nor a LoRA adapter of
+  one), or a server without a text-generation model.
 - 413 ``request_too_large``: a body over ``max_request_size`` or ``payload_limit``; 431 for headers over
   ``max_header_size`` (``invalid_request_error``).
 - 529 ``overloaded_error``: every admission slot is taken, or a request waited past ``predict_timeout``.
@@ -29,6 +30,7 @@ from lmiserve.core.errors import (
     LmiServeError,
     ModelNotFound,
     ModelNotReady,
+    NotFound,
     Overloaded,
     PayloadTooLarge,
     QueueTimeout,
@@ -60,6 +62,7 @@ KINDS: dict[type[LmiServeError], Kind] = {
     HeadersTooLarge: Kind(431, "invalid_request_error"),
     Unauthorized: Kind(401, "authentication_error", "invalid x-api-key"),
     ModelNotFound: Kind(404, "not_found_error"),
+    NotFound: Kind(404, "not_found_error"),  # a LoRA adapter gone between the check and the generation
     Overloaded: Kind(529, "overloaded_error", "Overloaded"),
     QueueTimeout: Kind(529, "overloaded_error"),
     ModelNotReady: Kind(503, "overloaded_error"),

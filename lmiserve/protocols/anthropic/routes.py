@@ -59,23 +59,23 @@ def parse(model: type[M], payload: Any) -> M:
         raise SchemaViolation("; ".join(unique[:MAX_ERRORS]) + more) from None
 
 
-def _model(request: Request, name: str) -> Served:
+def _model(request: Request, name: str) -> tuple[Served, str | None]:
+    """The served model and the LoRA adapter `model` names (None: the model itself); 404 otherwise."""
     model = served(request)
-    if not model.accepts(name):
-        raise ModelNotFound(adapter.model_not_found(name))
-    return model
+    return model, model.model_adapter(name, lambda: ModelNotFound(adapter.model_not_found(name)))
 
 
 async def messages(request: Request) -> Response:
     req = parse(MessagesRequest, await json_payload(request))
     timer = Timer()
-    model = _model(request, req.model)
+    model, lora = _model(request, req.model)
     settings = model.service.settings
     with enter(request) as slot:
         thinks = markers(settings) is not None
         call = await tokenizing(
             adapter.messages, req, model.limits, model.count_tokens, model.render_chat, thinks=thinks
         )
+        call.call.request.adapter = lora
         reasoning = Reasoning.of(settings, call.prompt)
         if reasoning is not None:  # a tool grammar applies after the reasoning block
             call.call.request.params.grammar = reasoning.grammar(call.call.request.params.grammar)
@@ -106,7 +106,7 @@ async def messages(request: Request) -> Response:
 
 async def count_tokens(request: Request) -> Response:
     req = parse(CountTokensRequest, await json_payload(request))
-    model = _model(request, req.model)
+    model, _ = _model(request, req.model)  # an adapter counts with its model's tokenizer
     thinks = markers(model.service.settings) is not None
 
     def count() -> int:

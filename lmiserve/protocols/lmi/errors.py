@@ -11,7 +11,8 @@ Bodies
   a failure before the first byte is answered with the compact body like every generation failure.
 
 Inference routes (`LmiErrors`): invalid requests and generation failures are 424 with the compact
-body; everything else has a front-end status and type (see `STATUS` / `TYPE`); a full job queue adds
+body; a LoRA adapter that is not served is 404 with the compact body (``"code": 404``); everything
+else has a front-end status and type (see `STATUS` / `TYPE`); a full job queue adds
 " for model: <name>" to the message when the model is known (`LmiErrors.for_model`); a body above
 max_request_size is 413 RequestEntityTooLargeException; a missing or wrong API key a bare 401 (empty
 body, as TGI answers on its /invocations).
@@ -29,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from lmiserve.core.errors import (
+    AdapterNotFound,
     Conflict,
     Forbidden,
     GenerationFailed,
@@ -110,10 +112,13 @@ STATUS: dict[type[LmiServeError], int] = {
     Unauthorized: 401,
     QueueTimeout: 400,
     ModelNotFound: 404,
+    AdapterNotFound: 404,
     ModelNotReady: 503,
     Overloaded: 503,
     IncompleteGeneration: 500,
 }
+# Not found, but about the body (a LoRA adapter it names): the compact body, with its own status.
+COMPACT: tuple[type[LmiServeError], ...] = (AdapterNotFound,)
 TYPE: dict[type[LmiServeError], str] = {
     ModelRequired: "BadRequestException",
     PayloadTooLarge: "RequestEntityTooLargeException",
@@ -141,8 +146,8 @@ class LmiErrors(ErrorRenderer):
 
     def body(self, exc: LmiServeError) -> bytes:
         status = self.status(exc)
-        if status == COMPACT_STATUS:
-            return lmi_error_body(exc.message)
+        if status == COMPACT_STATUS or isinstance(exc, COMPACT):
+            return lmi_error_body(exc.message, status)
         message = exc.message
         if isinstance(exc, Overloaded) and self.model:
             message = f"{message} for model: {self.model}"
@@ -159,6 +164,9 @@ class LmiErrors(ErrorRenderer):
     def documented(self) -> dict[int, Reply]:
         replies = {status: Reply("Error", {JSON: FrontendError}) for status in sorted({*STATUS.values(), 500})}
         replies[COMPACT_STATUS] = Reply("Invalid request or failed generation", {JSON: CompactError})
+        replies[404] = Reply(
+            "No such model (front-end shape) or LoRA adapter (compact shape)", {JSON: FrontendError | CompactError}
+        )
         replies[401] = Reply("Missing or wrong API key (no body)")
         return replies
 

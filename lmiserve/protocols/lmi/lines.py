@@ -21,7 +21,7 @@ from lmiserve.server.pipeline import failure_of, is_error_finish
 def parse_line(service: ModelService, payload: Any) -> lmi.LmiCall:
     if isinstance(payload, dict):
         payload = {k: v for k, v in payload.items() if k != "stream"}
-    return lmi.parse(payload, service.limits, names=lmi.model_names(service))
+    return lmi.parse(payload, service.limits, names=lmi.model_names(service), adapters=service.adapters)
 
 
 async def answer_line(service: ModelService, call: lmi.LmiCall) -> Any:

@@ -36,7 +36,7 @@ from lmiserve.server.responses import raw_response
 async def rolling(request: Request, service: ModelService, payload: Any) -> Response:
     """A text-generation request on the continuous batch, answered by its output formatter."""
     engine = service.ready_generator()
-    call = lmi.parse(payload, service.limits, names=lmi.model_names(service))
+    call = lmi.parse(payload, service.limits, **_adapter_args(request, service))
     encoder = get_formatter(call.formatter, call.options)
     return await respond(request, tagged(engine.generate(call.requests[0])), encoder)
 
@@ -44,7 +44,7 @@ async def rolling(request: Request, service: ModelService, payload: Any) -> Resp
 async def dynamic_batch(request: Request, service: ModelService, payload: Any) -> Response:
     """rolling_batch=disable: each input is a request of one static batch; LMI's list schema."""
     engine = service.ready_generator()
-    call = lmi.parse(payload, service.limits, dynamic_batch=True, names=lmi.model_names(service))
+    call = lmi.parse(payload, service.limits, dynamic_batch=True, **_adapter_args(request, service))
     events = merge_tagged([engine.generate(r) for r in call.requests])
     if call.stream and service.settings.enable_streaming:
         encoder: DynamicBatchFormatter | DynamicBatchStreamFormatter = DynamicBatchStreamFormatter(len(call.requests))
@@ -53,6 +53,16 @@ async def dynamic_batch(request: Request, service: ModelService, payload: Any) -
             [r.prompt for r in call.requests], return_full_text=call.options.return_full_text
         )
     return await respond(request, events, encoder)
+
+
+def _adapter_args(request: Request, service: ModelService) -> dict[str, Any]:
+    """What `lmi.parse` needs to pick each input's LoRA adapter: the model's names and adapters, and
+    the adapter the query or SageMaker's header names."""
+    return {
+        "names": lmi.model_names(service),
+        "adapters": service.adapters,
+        "adapter": lmi.outside_adapter(request.query_params, request.headers),
+    }
 
 
 async def one_shot(request: Request, service: ModelService, payload: Any) -> Response:

@@ -11,9 +11,10 @@
 - 403 ``permission_error``: a LoRA adapter path outside model_store and allowed_model_paths
   (``/v1/load_lora_adapter``), SDK ``PermissionDeniedError``.
 - 404 ``not_found_error`` / ``model_not_found`` (``param: "model"``): a `model` that names nothing
-  served, or a server without a text-generation model; 404 ``invalid_request_error``: a stored response
-  that does not exist (``GET``/``DELETE /v1/responses/{id}``; ``previous_response_id``, then with
-  ``param`` and ``code: "previous_response_not_found"``).
+  served (neither a model nor a LoRA adapter of one), or a server without a text-generation model;
+  404 ``invalid_request_error``: a stored response that does not exist (``GET``/``DELETE
+  /v1/responses/{id}``; ``previous_response_id``, then with ``param`` and ``code:
+  "previous_response_not_found"``).
 - 429 ``rate_limit_error``: overloaded (the queue is full, every admission slot taken).
 - 503 ``service_unavailable_error``: the model is loading, failed, the server drains, or a request
   waited past ``predict_timeout`` for a slot.
@@ -29,6 +30,7 @@ import re
 from typing import ClassVar, NamedTuple
 
 from lmiserve.core.errors import (
+    AdapterNotFound,
     ContextLengthExceeded,
     Forbidden,
     GenerationFailed,
@@ -46,6 +48,7 @@ from lmiserve.core.errors import (
     Unauthorized,
     Unsupported,
     UnsupportedMediaType,
+    excerpt,
 )
 from lmiserve.protocols.openai import responses
 from lmiserve.protocols.textgen.errors import ToolError
@@ -128,6 +131,7 @@ KINDS: dict[type[LmiServeError], Kind] = {
     Unauthorized: Kind(401, "authentication_error", "invalid_api_key", "Invalid or missing API key."),
     Forbidden: Kind(403, "permission_error"),
     ModelNotFound: Kind(404, "not_found_error", "model_not_found"),
+    AdapterNotFound: Kind(404, "not_found_error", "model_not_found"),  # `model` names the adapter
     NotFound: Kind(404, "invalid_request_error"),
     PreviousResponseNotFound: Kind(404, "invalid_request_error", "previous_response_not_found"),
     InvalidValue: Kind(400, "invalid_request_error", "invalid_value"),
@@ -142,7 +146,7 @@ def param(exc: LmiServeError) -> str | None:
     """The request field an error is about, when its message says it (else None)."""
     if isinstance(exc, (InvalidValue, ContextWindowExceeded)):
         return exc.param
-    if isinstance(exc, ModelNotFound):
+    if isinstance(exc, (ModelNotFound, AdapterNotFound)):
         return "model"
     if isinstance(exc, PreviousResponseNotFound):
         return "previous_response_id"
@@ -186,3 +190,8 @@ class OpenAIRenderer(ErrorRenderer):
 
 
 RENDERER = OpenAIRenderer()
+
+
+def model_not_found(name: str | None) -> ModelNotFound:
+    """The 404 of a `model` that names neither the served model nor a LoRA adapter of it."""
+    return ModelNotFound(f"The model `{excerpt(name or '')}` does not exist.")

@@ -17,9 +17,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from lmiserve.core.errors import ModelNotFound, NotFound, excerpt
+from lmiserve.core.errors import NotFound, excerpt
 from lmiserve.core.tokenizer import tokenizing
-from lmiserve.protocols.openai.errors import RENDERER, PreviousResponseNotFound
+from lmiserve.protocols.openai.errors import RENDERER, PreviousResponseNotFound, model_not_found
 from lmiserve.protocols.openai.reasoning import Reasoning
 from lmiserve.protocols.openai.responses_output import Head, ResponseEncoder, ResponseStreamEncoder
 from lmiserve.protocols.openai.responses_request import ResponsesRequest, responses_call
@@ -42,8 +42,7 @@ async def create(request: Request) -> Response:
     req = parse(ResponsesRequest, await json_payload(request))
     timer = Timer()
     model = served(request)
-    if not model.accepts(req.model):
-        raise ModelNotFound(f"The model `{excerpt(req.model or '')}` does not exist.")
+    lora = model.model_adapter(req.model, lambda: model_not_found(req.model))
     store = response_store(request)
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
@@ -65,6 +64,7 @@ async def create(request: Request) -> Response:
             model.service.name,
             stored=stored,
         )
+        call.call.request.adapter = lora  # the adapter `model` names (None: the base model)
         reasoning = Reasoning.of(model.service.settings, call.prompt)
         if reasoning is not None:  # a grammar applies after the reasoning block
             call.call.request.params.grammar = reasoning.grammar(call.call.request.params.grammar)

@@ -9,12 +9,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from lmiserve.core.errors import ModelNotFound, excerpt
 from lmiserve.core.tokenizer import tokenizing
 from lmiserve.protocols.openai import encoders as enc
 from lmiserve.protocols.openai import parse as adapter
 from lmiserve.protocols.openai import responses
-from lmiserve.protocols.openai.errors import RENDERER
+from lmiserve.protocols.openai.errors import RENDERER, model_not_found
 from lmiserve.protocols.openai.reasoning import Reasoning
 from lmiserve.protocols.openai.schema import ChatRequest, CompletionRequest
 from lmiserve.protocols.openai.tool_calls import ToolChatStreamEncoder, tool_answer
@@ -56,8 +55,7 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Resp
     chat = isinstance(req, ChatRequest)
     timer = Timer()
     model = served(request)
-    if not model.accepts(req.model):
-        raise ModelNotFound(f"The model `{excerpt(req.model or '')}` does not exist.")
+    lora = model.model_adapter(req.model, lambda: model_not_found(req.model))
     with enter(request) as slot:
         reasoning: Reasoning | None = None
         if isinstance(req, ChatRequest):
@@ -72,6 +70,10 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Resp
             call = await tokenizing(
                 adapter.completion, req, model.limits, model.count_tokens, model.service.name, model.decode
             )
+        if lora is not None:  # the adapter answers, and the response names it (vLLM's)
+            call.model = lora
+            for c in call.calls:
+                c.request.adapter = lora
         await prepare(model.engine, [c.request for c in call.calls])  # a bad grammar: 4xx before the stream
         timer.mark_validated()
         env = enc.Envelope(call.model, model.system_fingerprint, id=enc.completion_id(chat))

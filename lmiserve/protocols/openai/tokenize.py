@@ -36,7 +36,7 @@ from lmiserve.core.errors import (
     TemplateError,
 )
 from lmiserve.core.tokenizer import tokenizing
-from lmiserve.models.service import model_service
+from lmiserve.models.service import adapter_owner, model_service
 from lmiserve.protocols.openai import errors
 from lmiserve.protocols.textgen.body import json_payload, parse_strict
 from lmiserve.protocols.textgen.served import Served, served
@@ -112,7 +112,10 @@ def _model(request: Request, name: str | None) -> Served:
     try:
         service = model_service(request, name)
     except ModelNotFound:
-        raise ModelNotFound(f"The model `{name}` does not exist.") from None
+        owner = adapter_owner(request, name)  # a LoRA adapter tokenizes as its model does
+        if owner is None:
+            raise ModelNotFound(f"The model `{name}` does not exist.") from None
+        service = owner
     if not service.is_llm:
         raise InvalidRequest(f"The model `{name}` is a {service.kind} model: it does not generate text.")
     return Served.of(service)

@@ -11,6 +11,9 @@ protocols' renderers (`protocols/tgi/errors.py`, `protocols/openai/errors.py`).
   timeout included) 424 ``Request failed during generation: ...``.
 - No text-generation model served (`NoTextModel`): 404 ``{"error": "No text-generation model is
   loaded: this route needs an LLM.", "error_type": "not_found"}``.
+- An unknown LoRA adapter (`AdapterNotFound`, TGI's `parameters.adapter_id`): 404 ``{"error": "`adapter_id`
+  names adapter `x`, which is not served", "error_type": "not_found"}``, checked before a native stream
+  starts (a response, not an in-band event). TGI itself would answer with the base model.
 - `ModelRequired` (several LLMs and no way to pick one) is not answered here: it goes on to the
   application's catch-all handler.
 """
@@ -25,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from lmiserve.core.errors import (
+    AdapterNotFound,
     GenerationFailed,
     HeadersTooLarge,
     IncompleteGeneration,
@@ -77,6 +81,7 @@ SHAPES: dict[type[LmiServeError], Shape] = {
     Overloaded: Shape(429, "overloaded", fixed="Model is overloaded"),
     ModelNotReady: Shape(503, "unhealthy"),
     NoTextModel: Shape(404, "not_found"),
+    AdapterNotFound: Shape(404, "not_found"),
 }
 
 REJECTIONS: dict[type[LmiServeError], int] = {

@@ -6,18 +6,23 @@ from __future__ import annotations
 import inspect
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 
 from lmiserve import __version__
+from lmiserve.core.adapters import resolve_adapter
 from lmiserve.core.engine import TextGenerator
-from lmiserve.core.errors import InvalidRequest, TemplateError
+from lmiserve.core.errors import InvalidRequest, LmiServeError, TemplateError
 from lmiserve.core.limits import TextGenLimits, limits_for
 from lmiserve.core.tokenizer import remember_encoding
 from lmiserve.models.bundled import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
 from lmiserve.models.service import ModelService, default_llm
+
+if TYPE_CHECKING:
+    from lmiserve.engine.lora_registry import AdapterRegistry
 
 TGI_CLIENT_NAMES = ("tgi", "dummy")  # the `model` TGI's clients send to a TGI endpoint
 
@@ -50,6 +55,28 @@ class Served:
         """Whether `name` (a request's `model`; None or empty: not given) names this model."""
         names = self.names()
         return not name or name in names or "*" in names
+
+    @property
+    def adapters(self) -> AdapterRegistry | None:
+        """The model's LoRA adapters (None: served without `enable_lora`)."""
+        return self.service.adapters
+
+    def adapter(self, name: str | None, field: str = "adapter_id") -> str | None:
+        """The LoRA adapter a request's adapter field (TGI's `adapter_id`) selects: None for the base
+        model (no name, or a name of this model), else a registered adapter's name; `AdapterNotFound`
+        for another name (core/adapters.py)."""
+        return resolve_adapter(name, self.adapters, [n for n in self.names() if n != "*"], field)
+
+    def model_adapter(self, name: str | None, not_found: Callable[[], LmiServeError]) -> str | None:
+        """The LoRA adapter a request's `model` (OpenAI's, Anthropic's) selects, as vLLM reads it: None
+        when it names this model (or is not given), the adapter's name when it names a registered
+        adapter of this model (the model's own names win); `not_found()` is raised for any other name."""
+        own = [n for n in self.names() if n != "*"]
+        if name and name not in own and self.adapters is not None and name in self.adapters:
+            return resolve_adapter(name, self.adapters, own, "model")
+        if not self.accepts(name):
+            raise not_found()
+        return None
 
     def count_tokens(self, text: str) -> int:
         """Prompt length as the engine will see it (special tokens added); the ids are kept for the

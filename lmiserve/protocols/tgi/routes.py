@@ -19,7 +19,6 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from lmiserve import __version__
-from lmiserve.core.adapters import check_adapter
 from lmiserve.core.tokenizer import tokenizing
 from lmiserve.models.service import ModelService, default_llm
 from lmiserve.protocols.textgen.admission import enter
@@ -83,11 +82,13 @@ async def invoke_compat(request: Request, payload: dict) -> Response:
 async def answer(request: Request, req: GenerateRequest, *, stream: bool, compat: bool, timer: Timer) -> Response:
     """Validate, generate and answer one decoded TGI request."""
     model = served(request)
+    # the adapter first, even on a stream: an unknown one is a 404 response, not an in-band error
+    adapter = model.adapter(req.effective_parameters().adapter_id)
     if stream:
         errors.errors_in_band(request)
     with enter(request) as slot:
         call = await tokenizing(validate, req, model.limits, model.count_tokens, stream=stream)
-        check_adapter(req.effective_parameters().adapter_id, model.names())  # none served: 422
+        call.request.adapter = adapter
         await prepare(model.engine, [call.request])  # a bad grammar: 4xx before the stream
         timer.mark_validated()
         shape = AnswerShape.of(req.inputs, call)

@@ -4,7 +4,8 @@
 Request `{"id"?, "text_input": str, "parameters"?: {...}, <other keys>}`: other top-level keys join the
 parameters (`parameters` wins). Parameters by LMI's names (max_new_tokens, temperature, do_sample, stop,
 ...) or by the spellings of Triton's TensorRT-LLM and vLLM backends (`TRITON_ALIASES`: max_tokens,
-random_seed, stop_words, ignore_eos, min_length, min_tokens, exclude_input_in_output); a parameter that
+random_seed, stop_words, ignore_eos, min_length, min_tokens, exclude_input_in_output; `lora_name`, like
+`adapter_id`, picks a LoRA adapter of the model: 404 for one that is not served); a parameter that
 /generate cannot honour (`bad_words`, `end_id`, beam search, logprobs or logits outputs, more than one
 sequence, ...) or does not know is a 400 naming it, never ignored.
 Answer `{"id"?, "model_name", "model_version", "text_output"}` (the id only when the request had one).
@@ -51,6 +52,7 @@ TRITON_ALIASES = {
     "ignore_eos": "ignore_eos_token",
     "min_length": "min_new_tokens",
     "min_tokens": "min_new_tokens",
+    "lora_name": "adapter_id",  # vLLM backend's LoRA adapter
 }
 # Output switches of those backends: accepted when false, refused when true (the answer has only text).
 OUTPUT_SWITCHES = (
@@ -79,7 +81,7 @@ UNSUPPORTED = {
     "output_formatter": "/generate has its own answer shape (no output_formatter)",
 }
 _NO_OP = {"beam_width": (1,), "length_penalty": (1, 1.0), "n": (1, None), "best_of": (1,), "top_n_tokens": (0,)}
-_KNOWN = frozenset(GenerationParameters.model_fields) | {"stream"}
+_KNOWN = frozenset(GenerationParameters.model_fields) | {"stream", "adapter_id"}
 STREAM_TYPE = "text/event-stream; charset=utf-8"
 STREAM_HEADERS = {"cache-control": "no-cache"}
 # What an error finish without a message of its own says.
@@ -119,8 +121,10 @@ async def parse(request: Request) -> GenerateCall:
     if request_id is not None and not isinstance(request_id, str):
         raise SchemaViolation("'id' must be a string")
     sampling, full_text = model.sampling(params)
+    adapter = model.adapter(params)  # 404 for a LoRA adapter that is not served
     engine = svc.ready_engine()
-    return GenerateCall(svc, prompt, request_id, full_text, GenerationRequest(prompt, sampling), engine)
+    generation = GenerationRequest(prompt, sampling, adapter=adapter)
+    return GenerateCall(svc, prompt, request_id, full_text, generation, engine)
 
 
 def triton_parameters(params: dict[str, Any]) -> dict[str, Any]:

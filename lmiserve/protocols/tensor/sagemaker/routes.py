@@ -23,7 +23,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
-from lmiserve.core.errors import GenerationFailed, InvalidRequest
+from lmiserve.core.errors import AdapterNotFound, GenerationFailed, InvalidRequest
 from lmiserve.core.tensors import ModelSignature, TensorRequest
 from lmiserve.models.service import ModelService
 from lmiserve.protocols.tensor import records as tensor_records
@@ -155,6 +155,8 @@ async def _line(service: ModelService, payload: Any, index: int, lines: LineMode
         call = lines.parse_line(service, payload)
     except InvalidRequest as exc:
         raise InvalidRequest(f"line {index + 1}: {exc.message}") from None
+    except AdapterNotFound as exc:  # a LoRA adapter the line names that is not served: 404
+        raise AdapterNotFound(f"line {index + 1}: {exc.message}") from None
     try:
         return await lines.answer_line(service, call)
     except GenerationFailed as exc:
