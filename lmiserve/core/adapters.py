@@ -47,9 +47,8 @@ def resolve_adapter(
 
 
 def noted(adapter: str | None) -> str | None:
-    """`adapter`, noted in the current request's access facts (its access line's `adapter` field) when
-    those have that field; returned unchanged."""
-    facts = request_context.current()
-    if adapter is not None and facts is not None and hasattr(facts, "adapter"):
+    """`adapter`, noted in the current request's access facts (its access line's `adapter` field);
+    returned unchanged."""
+    if adapter is not None:
         request_context.note(adapter=adapter)
     return adapter

@@ -6,7 +6,6 @@ a real server with real adapters, their outputs checked against PEFT's: tests/in
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
 import pytest
 
@@ -275,18 +274,14 @@ async def test_sagemaker_json_lines_name_an_adapter_per_line(served):
 
 
 def test_the_selected_adapter_is_noted_for_the_access_line():
-    """`resolve_adapter` notes the adapter in the request's access facts once they have that field
-    (the access line's `adapter`); without it nothing is noted and nothing fails."""
-
-    @dataclass
-    class Facts(RequestFacts):
-        adapter: str | None = None
-
-    for facts in (Facts("r1"), RequestFacts("r2")):
-        token = request_context.bind(facts)
-        try:
-            assert resolve_adapter("alpha", ADAPTERS, ("tiny",)) == "alpha"
-            assert resolve_adapter("tiny", ADAPTERS, ("tiny",)) is None
-        finally:
-            request_context.unbind(token)
-        assert getattr(facts, "adapter", "none") == ("alpha" if isinstance(facts, Facts) else "none")
+    """`resolve_adapter` notes the adapter in the request's access facts (the access line's `adapter`);
+    the base model's name notes none."""
+    facts = RequestFacts("r1")
+    token = request_context.bind(facts)
+    try:
+        assert resolve_adapter("tiny", ADAPTERS, ("tiny",)) is None
+        assert facts.adapter is None
+        assert resolve_adapter("alpha", ADAPTERS, ("tiny",)) == "alpha"
+    finally:
+        request_context.unbind(token)
+    assert facts.adapter == "alpha"
