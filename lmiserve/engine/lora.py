@@ -296,40 +296,30 @@ class _Stack:
 
 @dataclass
 class _KernelArgs:
-    """`lora_kernels.shrink`/`expand`'s view of a `_Stack`: A, the owner of each of its rows, and every
-    part's B rows padded to one width, with each row's part and output column and each part's
-    per-adapter column ranges."""
+    """`lora_kernels.shrink`/`expand`'s view of a `_Stack`: A and the adapter of each of its rows; B
+    transposed, a row a column of A over the group's outputs (zero outside its part's), each part's
+    per-adapter column ranges, and the expand's tasks."""
 
     a: npt.NDArray[np.float32]
     col_owner: npt.NDArray[np.int64]
-    b: npt.NDArray[np.float32]
-    row_part: npt.NDArray[np.int64]
-    row_out: npt.NDArray[np.int64]
+    bt: npt.NDArray[np.float32]
     seg_start: npt.NDArray[np.int64]
     seg_end: npt.NDArray[np.int64]
-    part_first: npt.NDArray[np.int64]
+    tasks: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]
 
     @staticmethod
     def of(stack: _Stack, adapters: int) -> _KernelArgs:
-        width = max(part.cols.stop - part.cols.start for part in stack.parts)
-        rows = sum(part.out.stop - part.out.start for part in stack.parts)
-        b = np.zeros((rows, width), dtype=np.float32)
-        row_part = np.empty(rows, dtype=np.int64)
-        row_out = np.empty(rows, dtype=np.int64)
+        width = max(part.out.stop for part in stack.parts)
+        bt = np.zeros((len(stack.owner), width), dtype=np.float32)
         seg_start = np.zeros((len(stack.parts), adapters), dtype=np.int64)
         seg_end = np.zeros((len(stack.parts), adapters), dtype=np.int64)
-        at = 0
         for p, part in enumerate(stack.parts):
-            n = part.out.stop - part.out.start
-            b[at : at + n, : part.cols.stop - part.cols.start] = part.b.cpu().numpy()
-            row_part[at : at + n] = p
-            row_out[at : at + n] = np.arange(part.out.start, part.out.stop)
+            bt[part.cols, part.out] = part.b.t().cpu().numpy()
             for index, (start, end) in enumerate(part.segments):
                 seg_start[p, index], seg_end[p, index] = start, end
-            at += n
-        first = np.array([part.cols.start for part in stack.parts], dtype=np.int64)
+        tasks = lora_kernels.blocks([(part.out.start, part.out.stop) for part in stack.parts])
         a = np.ascontiguousarray(stack.a.cpu().numpy())
-        return _KernelArgs(a, np.array(stack.owner, dtype=np.int64), b, row_part, row_out, seg_start, seg_end, first)
+        return _KernelArgs(a, np.array(stack.owner, dtype=np.int64), bt, seg_start, seg_end, tasks)
 
 
 def _stack(group: LoraGroup, adapters: Sequence[LoraAdapter], kernels: bool) -> _Stack | None:
@@ -364,7 +354,7 @@ def _stack(group: LoraGroup, adapters: Sequence[LoraAdapter], kernels: bool) -> 
 class StackCache:
     """Each group's stacks for the last few sets of adapters (built on a set's first step)."""
 
-    def __init__(self, groups: Iterable[LoraGroup], keep: int = 8) -> None:
+    def __init__(self, groups: Iterable[LoraGroup], keep: int = 4) -> None:
         self.groups = {group.key: group for group in groups}
         self._sets: OrderedDict[tuple[int, ...], dict[str, _Stack | None]] = OrderedDict()
         self._keep = keep
@@ -482,17 +472,7 @@ class LoraBatch:
             args = stack.kernel
             assert self._owner_np is not None
             low = lora_kernels.shrink(x, args.a, args.col_owner, self._owner_np)
-            lora_kernels.expand(
-                low,
-                self._owner_np,
-                args.b,
-                args.row_part,
-                args.row_out,
-                args.seg_start,
-                args.seg_end,
-                args.part_first,
-                out,
-            )
+            lora_kernels.expand(low, self._owner_np, args.bt, args.seg_start, args.seg_end, args.tasks, out)
         elif self._cpu and not self._uniform:
             self._apply_gathered(stack, x, out)
         else:
@@ -503,6 +483,12 @@ class LoraBatch:
         low = torch.mm(x.to(stack.a.dtype), stack.a.t())
         if not self._uniform:  # rows past the list are padding: dropped, whatever they add
             low.mul_(self._mask(stack.owner))
+        self._expand(stack, low, out)
+
+    @staticmethod
+    def _expand(stack: _Stack, low: torch.Tensor, out: torch.Tensor) -> None:
+        """Add ``low @ B^T`` of each part to its output columns (`low` holds each token's own adapter's
+        activations only, zeros elsewhere: one product a part whatever the adapters)."""
         for part in stack.parts:
             target = out[:, part.out]
             target.addmm_(low[:, part.cols], part.b.t().to(target.dtype))
