@@ -164,14 +164,17 @@ def lora_targets(ab: Json | None, lora: Json | None) -> list[Json]:
             continue
         value = row["b_over_a"]
         out.append(
-            _target(
-                f"lora_throughput_c{row['concurrency']}",
-                f"requests over {lora['adapters']} LoRA adapters (rank {lora['rank']}, {lora['targets']}) >= "
-                f"{LORA_TARGET} x the base model's tokens/s at concurrency {row['concurrency']}",
-                LORA_TARGET,
-                value,
-                None if value is None else value >= LORA_TARGET,
-            )
+            {
+                **_target(
+                    f"lora_throughput_c{row['concurrency']}",
+                    f"requests over {lora['adapters']} LoRA adapters (rank {lora['rank']}, {lora['targets']}) >= "
+                    f"{LORA_TARGET} x the base model's tokens/s at concurrency {row['concurrency']}",
+                    LORA_TARGET,
+                    value,
+                    None if value is None else value >= LORA_TARGET,
+                ),
+                "issue": 26,
+            }
         )
     return out
 
@@ -246,7 +249,13 @@ def chat_lines(report: Json, table: Any) -> list[str]:
     ab = report.get("ab")
     if ab:
         opts = ",".join(f"{k}={v}" for k, v in ab["b_options"].items())
-        out += ["", f"A/B: {ab['a']} (A) against {ab['b']} (B: -o {opts}), same run:"]
+        lora = report.get("settings", {}).get("lora")
+        b_is = f"-o {opts}" if opts else "every request on an adapter" if lora else "the same options"
+        out += ["", f"A/B: {ab['a']} (A) against {ab['b']} (B: {b_is}), same run:"]
+        if lora:
+            loads = lora.get("load") or {}
+            times = ", ".join(f"{name} {v['load_ms']:.0f} ms ({v['mib']:.1f} MiB)" for name, v in loads.items())
+            out.append(f"adapter load times (server log): {times or 'not found'}")
         rows = [
             [
                 r["scenario"],

@@ -334,10 +334,10 @@ def format_table(report: Json) -> str:
             )
     out += _structured_lines(report.get("structured"))
     out += chat_lines(report, _table)
-    later = [t for t in report["targets"] if t.get("issue") == 15]
     for heading, targets in (
-        ("targets (issue #5):", [t for t in report["targets"] if t.get("issue") != 15]),
-        ("targets (issue #15):", later),
+        ("targets (issue #5):", [t for t in report["targets"] if t.get("issue") not in (15, 26)]),
+        ("targets (issue #15):", [t for t in report["targets"] if t.get("issue") == 15]),
+        ("targets (issue #26, LoRA):", [t for t in report["targets"] if t.get("issue") == 26]),
     ):
         if not targets:
             continue

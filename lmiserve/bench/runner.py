@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import shlex
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -271,7 +273,7 @@ def _lora_adapters(config: BenchConfig, log: Log) -> dict[str, Path]:
     from lmiserve.models.resolve import resolve_model_path
 
     model_path = resolve_model_path(config.model_id, None, None) if config.model_id else bundled_model_path()
-    folder = config.output_dir / "adapters"
+    folder = Path(tempfile.mkdtemp(prefix="lmiserve-bench-lora-"))  # removed at the end of the run
     log(f"making {config.lora} LoRA adapters of rank {config.lora_rank} on {config.lora_targets} linears in {folder}")
     return make_adapters(model_path, folder, config.lora, config.lora_rank, LORA_TARGETS[config.lora_targets])
 
@@ -293,6 +295,7 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
     baselines: Json | None = None
     grammar: Json | None = None
     lora_report: Json | None = None
+    adapters: dict[str, Path] = {}
     try:
         if config.url:
             lmi = LmiDialect(url=config.url.rstrip("/"))
@@ -351,6 +354,8 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
                 config.overrides(), config.json_schema, config.concurrency, config.mask_steps, log
             )
     finally:
+        if adapters:
+            shutil.rmtree(next(iter(adapters.values())).parent, ignore_errors=True)
         if sampler is not None:
             sampler.stop()
         if managed is not None:
