@@ -29,7 +29,7 @@ from lmiserve.bench.clients import (
     run_soak,
 )
 from lmiserve.bench.conversations import chat_level_summary
-from lmiserve.bench.lora import LORA_TARGETS, adapter_load_times, make_adapters
+from lmiserve.bench.lora import adapter_load_times
 from lmiserve.bench.machine import load_average, machine_info, versions
 from lmiserve.bench.report import build_report, write_json
 from lmiserve.bench.server import ManagedServer, RssSampler
@@ -68,7 +68,7 @@ class BenchConfig:
     chat_turns: int = 4
     chat_conversations: int = 2  # per client and level (without --duration)
     ab_options: list[tuple[str, str]] = field(default_factory=list)  # --ab-option: a second lmiserve
-    # --lora N: a second lmiserve serving N random adapters (bench/lora.py), each request naming one in turn
+    # --lora N: a second lmiserve serving N random adapters (models/lora_demo.py), each request naming one in turn
     lora: int = 0
     lora_rank: int = 16
     lora_targets: str = "all"
@@ -270,6 +270,7 @@ def lora_name(config: BenchConfig) -> str:
 def _lora_adapters(config: BenchConfig, log: Log) -> dict[str, Path]:
     """Make `config.lora` random adapters of the benchmarked model in the output folder."""
     from lmiserve.models.bundled import bundled_model_path
+    from lmiserve.models.lora_demo import LORA_TARGETS, make_adapters  # torch: only with --lora
     from lmiserve.models.resolve import resolve_model_path
 
     model_path = resolve_model_path(config.model_id, None, None) if config.model_id else bundled_model_path()

@@ -43,7 +43,16 @@ def test_ab_option_is_checked_before_anything_starts(tmp_path, capsys):
     assert cli.main(["bench", "--ab-option", "dtype=fp64", "--output-dir", str(tmp_path / "out")]) == 2
     assert "fp64" in capsys.readouterr().err and not (tmp_path / "out").exists()
     assert cli.main(["bench", "--url", "http://127.0.0.1:9", "--ab-option", "dtype=fp32"]) == 2
-    assert "--ab-option needs a server started by the bench" in capsys.readouterr().err
+    assert "--ab-option and --lora need a server started by the bench" in capsys.readouterr().err
+
+
+def test_lora_options_are_checked_before_anything_starts(capsys):
+    assert cli.main(["bench", "--url", "http://127.0.0.1:9", "--lora", "4"]) == 2
+    assert "need a server started by the bench" in capsys.readouterr().err
+    assert cli.main(["bench", "--lora", "4", "--ab-option", "dtype=fp32"]) == 2
+    assert "--lora compares with the base model" in capsys.readouterr().err
+    assert cli.main(["bench", "--lora", "4", "--scenario", "chat"]) == 2
+    assert "--lora runs the completion scenario" in capsys.readouterr().err
 
 
 def test_compare_names_need_urls(capsys):

@@ -342,3 +342,25 @@ def test_speculative_decoding_verifies_with_the_adapter(tiny_model, lora_adapter
     for (name, i), tokens in results.items():
         assert tokens == expected[name][i], (name, i)
     assert described["num_draft_tokens"] > 0
+
+
+def test_demo_adapters_load_and_change_the_output(tiny_model_dir, tiny_model, prompt_ids, expected, tmp_path):
+    """`lmiserve.models.lora_demo` (docs/lora.md, `lmiserve bench --lora`) writes adapters the engine
+    serves; `lmiserve.bench.lora` reads their load times from the server's log."""
+    from lmiserve.bench.lora import adapter_load_times
+    from lmiserve.models.lora_demo import LORA_TARGETS, make_adapters
+
+    made = make_adapters(tiny_model_dir, tmp_path, 2, 4, LORA_TARGETS["all"], ["x", "y"], scale=0.2)
+    assert sorted(made) == ["x", "y"]
+    adapter = read_adapter(made["x"], tiny_model.model, name="x", max_rank=16)
+    assert adapter.rank == 4 and adapter.target_modules == sorted(LORA_TARGETS["all"])
+
+    async def run():
+        async with lora_engine(tiny_model, made) as engine:
+            return [await generate(engine, prompt_ids[0], name) for name in ("x", "y")]
+
+    x, y = asyncio.run(run())
+    assert x != expected[None][0] and y != expected[None][0] and x != y
+    log = tmp_path / "server.log"
+    log.write_text("... adapter x loaded: rank 4, down_proj, gate_proj, 0.1 MiB in 3 ms\n", encoding="utf-8")
+    assert adapter_load_times(log) == {"x": {"load_ms": 3.0, "mib": 0.1}}
