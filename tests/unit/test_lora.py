@@ -364,3 +364,69 @@ def test_demo_adapters_load_and_change_the_output(tiny_model_dir, tiny_model, pr
     log = tmp_path / "server.log"
     log.write_text("... adapter x loaded: rank 4, down_proj, gate_proj, 0.1 MiB in 3 ms\n", encoding="utf-8")
     assert adapter_load_times(log) == {"x": {"load_ms": 3.0, "mib": 0.1}}
+
+
+def test_transformers_forward_applies_adapters_to_gpt2s_conv1d_layers(tiny_model, tmp_path):
+    """On the generic path any linear takes an adapter, GPT-2's Conv1D (`c_attn`, `c_fc`, `fan_in_fan_out`)
+    included: the output equals `generate()` with the adapter merged by PEFT."""
+    import dataclasses
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def base():
+        torch.manual_seed(7)
+        config = GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=256, eos_token_id=2)
+        return GPT2LMHeadModel(config).eval()
+
+    peft_model = get_peft_model(
+        base(), LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True)
+    )
+    generator = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    peft_model.save_pretrained(tmp_path / "gpt2-lora")
+    merged = peft_model.merge_and_unload()
+    merged.generation_config.eos_token_id = None
+    ids = [5, 17, 42, 99, 7]
+    with torch.no_grad():
+        reference = merged.generate(torch.tensor([ids]), max_new_tokens=TOKENS, do_sample=False, pad_token_id=0)
+    loaded = dataclasses.replace(tiny_model, model=base(), max_context=256)
+
+    async def run():
+        async with lora_engine(loaded, {"g": tmp_path / "gpt2-lora"}) as engine:
+            assert engine.runner.path == "generic"
+            return await generate(engine, ids, "g"), await generate(engine, ids, None)
+
+    adapted, plain = asyncio.run(run())
+    assert adapted == reference[0, len(ids) :].tolist()
+    assert adapted != plain
+
+
+def test_lora_options_parse_vllm_and_tgi_forms():
+    from lmiserve.config import Settings
+    from lmiserve.config.errors import ConfigError
+    from lmiserve.config.lora import parse_lora_adapters, parse_lora_modules
+    from lmiserve.config.sources import load_settings
+
+    assert parse_lora_modules('a=/x,b=/y {"name": "c", "path": "/z"}') == [("c", "/z"), ("a", "/x"), ("b", "/y")]
+    assert parse_lora_modules('[{"name": "a", "path": "/x", "base_model_name": "m"}]') == [("a", "/x")]
+    assert parse_lora_adapters("/models/sql/, chat=/models/c") == [("sql", "/models/sql/"), ("chat", "/models/c")]
+    for bad, message in [
+        ("a", "'a' is not name=path"),
+        ("a=/x a=/y", "adapter 'a' is named twice"),
+        ('[{"name": "a"}]', "needs a name and a path"),
+        ('[{"name": "a", "path": "/x", "rank": 8}]', "unknown key"),
+        ("[1,", "not valid JSON"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            parse_lora_modules(bad)
+    settings = load_settings(environ={"LORA_ADAPTERS": "sql=/adapters/sql"})
+    assert settings.enable_lora and settings.start_adapters() == [("sql", "/adapters/sql")]
+    assert not Settings().enable_lora
+    with pytest.raises(ConfigError, match="named by both lora_modules and lora_adapters"):
+        Settings.from_options({"lora_modules": "a=/x", "lora_adapters": "a=/y"})
+    with pytest.raises(ConfigError, match="LoRA adapters need the paged KV cache"):
+        Settings.from_options({"enable_lora": "true", "kv_cache": "slots"})
