@@ -448,9 +448,7 @@ class LoraBatch:
         self._rows, self._masks = rows, {}
         self._owner_np = np.array(padded, dtype=np.int64)
         self._owner_t = torch.tensor(padded, device=self._device)
-        self._segments = [
-            (index, torch.nonzero(self._owner_t == index).flatten()) for index in range(len(self.adapters))
-        ]
+        self._segments = []  # made by the first gathered product of the step
 
     def _mask(self, owner: tuple[int, ...]) -> torch.Tensor:
         mask = self._masks.get(owner)
@@ -495,6 +493,10 @@ class LoraBatch:
 
     def _apply_gathered(self, stack: _Stack, x: torch.Tensor, out: torch.Tensor) -> None:
         """Each adapter's rows times its own matrices only (no product with another adapter's)."""
+        if not self._segments:
+            assert self._owner_t is not None
+            owners = self._owner_t
+            self._segments = [(i, torch.nonzero(owners == i).flatten()) for i in range(len(self.adapters))]
         for index, rows in self._segments:
             if rows.numel() == 0:
                 continue
