@@ -9,6 +9,7 @@ STAMP := $(VENV)/.lmiserve-installed
 TEST_STAMP := $(VENV)/.lmiserve-test-installed
 BENCH_STAMP := $(VENV)/.lmiserve-bench-installed
 PORT ?= 8080
+ARGS ?=  # more `lmiserve serve` options for `make serve`: make serve ARGS='-o lora_modules=a=/path'
 
 MLSERVER_VENV := .venv-mlserver
 MLSERVER_STAMP := $(MLSERVER_VENV)/.mlserver-installed
@@ -115,7 +116,7 @@ install-lm-eval: $(LM_EVAL_STAMP)
 
 serve: $(STAMP)
 	@echo "==> starting lmiserve on port $(PORT) (the first start converts the bundled model once; Ctrl+C stops)"
-	$(BIN)/lmiserve serve --port $(PORT)
+	$(BIN)/lmiserve serve --port $(PORT) $(ARGS)
 
 # All three checks run even when one fails; the target fails if any did.
 lint: $(TEST_STAMP)
