@@ -109,6 +109,8 @@ def fillings(name: str, models: list[str]) -> list[str]:
         return ["2:predict", "2"]
     if name == "response_id":  # OpenAI's stored responses (GET/DELETE only: never a target)
         return ["resp_1"]
+    if name == "adapter_name":  # LoRA adapters (POST .../{adapter_name}/update); none is served here
+        return ["nope"]
     raise AssertionError(f"no filling for path parameter {name!r}: add one")
 
 
