@@ -14,15 +14,17 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from lmiserve.core.aio import cancel_and_wait
 from lmiserve.core.errors import (
     AdapterNotFound,
+    GenerationFailed,
     InvalidRequest,
     LmiServeError,
+    ModelNotReady,
     Overloaded,
     QueueTimeout,
     ShuttingDown,
@@ -183,6 +185,8 @@ class AsyncEngine:
         self._observers: list[EngineObserver] = []
         self.steps = 0
         self.generated_tokens = 0  # since start, for `snapshot`
+        self.failure: str | None = None  # why the engine core failed (`_die`); it serves nothing then
+        self.on_failure: list[Callable[[str], None]] = []
 
     def _check_fits(self, tokens: int) -> None:
         """A request whose KV (prompt + max new tokens) needs more blocks than the whole pool is refused."""
@@ -329,6 +333,8 @@ class AsyncEngine:
         acquired here."""
         arrival = time.monotonic()
         try:
+            if self.failure is not None:
+                raise ModelNotReady(f"The model cannot serve: {self.failure}")
             if adapter is None and request.adapter is not None:
                 adapter = self._acquire(request.adapter)
         except LmiServeError as exc:
@@ -466,9 +472,26 @@ class AsyncEngine:
                 await self._step()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - the loop must survive anything
-                log.exception("engine step failed")
-                await asyncio.sleep(0.01)
+            except Exception as exc:  # noqa: BLE001 - the engine core itself failed: its state is in doubt
+                log.exception("engine failed")
+                self._die(exc)
+                return
+
+    def _die(self, exc: Exception) -> None:
+        """The engine core failed outside the per-request guards (planning, applying a step's results):
+        every open request ends with an error (in-band on a stream that started), new ones are refused,
+        and the `on_failure` listeners are told (the service turns unhealthy; `lmiserve serve` exits
+        non-zero so that the orchestrator starts it again). A model step's failure is not this: it fails
+        the requests of the step and the engine goes on."""
+        self.failure = f"the engine failed: {type(exc).__name__}: {exc}"
+        error = GenerationFailed(f"Request failed during generation: {self.failure}")
+        for seq_id in list(self._handles):
+            self._fail_before_start(seq_id, error)
+        for listener in self.on_failure:
+            try:
+                listener(self.failure)
+            except Exception:  # noqa: BLE001 - a listener must not hide the failure from the others
+                log.exception("engine failure listener failed")
 
     def _execute(self, plan: StepPlan) -> tuple[StepOutput, list[tuple[Sequence, StepEvent]]]:
         """Run `plan` and apply its results (on the torch thread): the model step, then the scheduler's

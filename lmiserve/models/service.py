@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -55,6 +56,8 @@ class ModelService:
         self._tensor_model: TensorModel | None = None
         self._closed = False
         self.observers: list[EngineObserver] = []  # handed to the engine of an LLM when it is built
+        # told when the loaded LLM's engine fails for good (lmiserve serve exits non-zero then)
+        self.on_engine_failed: list[Callable[[ModelService], None]] = []
         self.started_at = time.time()
         self.loaded_at_startup = True
         self.name = name or settings.model_name or _initial_name(settings.model_id)
@@ -202,7 +205,17 @@ class ModelService:
         self.engine = self._generator = generator
         for observer in self.observers:
             generator.add_observer(observer)
+        listeners = getattr(generator, "on_failure", None)
+        if isinstance(listeners, list):
+            listeners.append(self._engine_failed)
         self._tensor_model = LlmTensorModel(generator, self.limits, self.name)
+
+    def _engine_failed(self, reason: str) -> None:
+        """The LLM's engine failed for good: the model is FAILED (/ping and the ready probes answer 503)."""
+        self.status, self.error = self.FAILED, reason
+        log.error("model %s: %s", self.name, reason)
+        for listener in self.on_engine_failed:
+            listener(self)
 
     def _load_oneshot(self) -> ModelEngine:
         from lmiserve.engine.oneshot import BatchConfig, OneShotModel

@@ -108,16 +108,21 @@ def create_app(
     *,
     services: list[ModelService] | None = None,
     on_startup_load_failed: Callable[[ModelService], None] | None = None,
+    on_engine_failed: Callable[[ModelService], None] | None = None,
     drain: Drain | None = None,
 ) -> Starlette:
     """One model (`service`, or one built from `settings`), or the models of a store (`services`).
 
     `on_startup_load_failed(service)` is called as soon as one of these startup models fails to load
     (`lmiserve serve` stops then: server/lifecycle.py); without it the server stays up, /ping 503.
+    `on_engine_failed(service)`: one of them served, then its engine failed for good (the same).
     `drain`: the stopping server's drain state (lmiserve.server.drain; never active without it).
     """
     if services is None:
         services = [service or ModelService(settings)]
+    if on_engine_failed is not None:
+        for each in services:
+            each.on_engine_failed.append(on_engine_failed)
     metrics = Metrics(lambda: registry)
     registry = ModelRegistry(services, observe=metrics.observer_for)
 

@@ -6,6 +6,8 @@
    answers 503 meanwhile). A startup model that fails to load stops the server, which exits
    `MODEL_LOAD_FAILED` with one line naming the model and the cause (the traceback is logged at debug
    level only). Models registered later through the management API never stop the server.
+   A startup model whose engine fails while serving (its planning or bookkeeping raised: every open
+   request ends with an error, /ping answers 503) stops the server too, which exits `ENGINE_FAILED`.
 3. **Drain**: the first SIGTERM or SIGINT asks the server to stop (`Lifecycle.request_stop`), which
    starts the drain at once (lmiserve.server.drain): every route but liveness answers 503, the
    listeners stay open, the requests in flight run on for up to `drain_timeout` seconds, then the
@@ -59,6 +61,7 @@ class ExitCode(enum.IntEnum):
     MODEL_LOAD_FAILED = 1  # a model given at startup could not be loaded
     CONFIG_ERROR = 2  # invalid option, properties file or model store (see cli.py)
     CANNOT_LISTEN = 3  # the port is in use, or binding it is not allowed
+    ENGINE_FAILED = 4  # a model's engine failed while serving (its requests ended with an error)
 
 
 class Lifecycle:
@@ -98,6 +101,15 @@ class Lifecycle:
         self.failure = f"model load failed: {service.name}: {service.error_summary}"
         self.request_stop(f"model {service.name} failed to load")
 
+    def on_engine_failed(self, service: ModelService) -> None:
+        """A model's engine failed while serving: stop the server, exit ENGINE_FAILED, so that the
+        orchestrator (SageMaker, Kubernetes) starts a fresh one."""
+        if self.stopping:
+            return
+        self.exit_code = ExitCode.ENGINE_FAILED
+        self.failure = f"engine failed: {service.name}: {service.error_summary}"
+        self.request_stop(f"the engine of model {service.name} failed")
+
     # ---- the run ------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def signal_handlers(self) -> Iterator[None]:
@@ -123,7 +135,11 @@ class Lifecycle:
                 reason = exc.strerror or str(exc)
                 return self._fail(ExitCode.CANNOT_LISTEN, f"cannot listen on {settings.host}:{settings.port}: {reason}")
             app = create_app(
-                settings, services=services, on_startup_load_failed=self.on_startup_load_failed, drain=self.drain
+                settings,
+                services=services,
+                on_startup_load_failed=self.on_startup_load_failed,
+                on_engine_failed=self.on_engine_failed,
+                drain=self.drain,
             )
             config = uvicorn.Config(
                 app,

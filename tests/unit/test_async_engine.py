@@ -530,3 +530,48 @@ async def test_a_step_that_raises_ends_its_requests_instead_of_retrying_forever(
         assert "device lost" in (final(events).error or "")
         after = await asyncio.wait_for(collect(engine, GenerationRequest(PROMPTS[1], greedy(4))), timeout=HANG_TIMEOUT)
         assert ids_of(after) == reference(encode(tiny_model, PROMPTS[1]), 4)
+
+
+async def test_an_engine_core_that_raises_ends_every_request_and_serves_no_more(tiny_model):
+    """Planning raising outside the per-request guards (a scheduler bug): the loop used to log and plan
+    again forever, the requests hanging. Now every open request ends with an error (a running stream
+    in-band, a waiting one too), the engine refuses new requests, and its failure listeners are told."""
+    from lmiserve.core.errors import GenerationFailed, ModelNotReady
+
+    engine = make_engine(tiny_model, max_running=1)
+    told: list[str] = []
+    engine.on_failure.append(told.append)
+    async with started(engine):
+        running = asyncio.create_task(collect(engine, GenerationRequest(PROMPTS[0], greedy(200))))
+        await wait_until(lambda: engine.num_running == 1)
+        waiting = asyncio.create_task(collect(engine, GenerationRequest(PROMPTS[1], greedy(4))))
+        await wait_until(lambda: engine.num_waiting == 1)
+
+        def broken(now):
+            raise RuntimeError("planner bug")
+
+        engine.scheduler.schedule = broken
+        for task in (running, waiting):
+            with pytest.raises(GenerationFailed, match="the engine failed: RuntimeError: planner bug"):
+                await asyncio.wait_for(task, timeout=HANG_TIMEOUT)
+        assert told == ["the engine failed: RuntimeError: planner bug"]
+        with pytest.raises(ModelNotReady, match="planner bug"):
+            await collect(engine, GenerationRequest(PROMPTS[2], greedy(2)))
+
+
+def test_a_failed_engine_makes_its_model_failed_and_tells_the_server(tiny_model):
+    """The service of a failed engine is FAILED (/ping and the ready probes answer 503), and the
+    listener `lmiserve serve` gives it (Lifecycle.on_engine_failed: exit 4) is called."""
+    from lmiserve.models.service import ModelService
+    from lmiserve.server.lifecycle import ExitCode, Lifecycle
+
+    service = ModelService(Settings(), name="tiny")
+    engine = make_engine(tiny_model)
+    service.attach_llm(tiny_model, engine)
+    service.status = ModelService.READY
+    lifecycle = Lifecycle()
+    service.on_engine_failed.append(lifecycle.on_engine_failed)
+    engine._die(RuntimeError("planner bug"))
+    assert (service.status, service.error) == (ModelService.FAILED, "the engine failed: RuntimeError: planner bug")
+    assert lifecycle.exit_code is ExitCode.ENGINE_FAILED
+    assert lifecycle.failure == "engine failed: tiny: the engine failed: RuntimeError: planner bug"

@@ -54,6 +54,7 @@ def test_exit_codes_are_stable():
         "MODEL_LOAD_FAILED": 1,
         "CONFIG_ERROR": 2,
         "CANNOT_LISTEN": 3,
+        "ENGINE_FAILED": 4,
     }
 
 
