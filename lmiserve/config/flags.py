@@ -40,6 +40,7 @@ SETTING_FLAGS: tuple[Flag, ...] = (
     Flag(("--model-id",), "model_id", "MODEL"),
     Flag(("--dtype",), "dtype"),
     Flag(("--device",), "device", "DEVICE"),
+    Flag(("--tensor-parallel-size", "--tensor-parallel-degree"), "tensor_parallel_degree", "N"),
     Flag(("--trust-remote-code",), "trust_remote_code"),
     Flag(("--max-rolling-batch-size", "--max-num-seqs"), "max_rolling_batch_size", "N"),
     Flag(("--enable-prefix-caching",), "enable_prefix_caching"),

@@ -42,6 +42,7 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "revision",
             "dtype",
             "device",
+            "tensor_parallel_degree",
             "load_format",
             "trust_remote_code",
             "model_kind",
@@ -427,7 +428,7 @@ def _example_unknown_cli() -> str:
 def _example_unknown_files() -> str:
     where = {
         "engine": "properties file /opt/ml/model/serving.properties",
-        "tensor_parallel_degree": "properties file /opt/ml/model/serving.properties",
+        "mpi_mode": "properties file /opt/ml/model/serving.properties",
         "max_new_token": "environment OPTION_MAX_NEW_TOKEN",
     }
     line = unknown_options_warning(dict.fromkeys(where, ""), where)

@@ -40,6 +40,7 @@ KEY_ALIASES: dict[str, str] = {
     "max_dynamic_batch_size": "batch_size",  # LMI
     "max_num_seqs": "max_rolling_batch_size",  # vLLM
     "max_model_len": "max_total_tokens",  # vLLM: prompt + output tokens
+    "tensor_parallel_size": "tensor_parallel_degree",  # vLLM
 }
 
 # LMI (DJL Serving) keys that lmiserve accepts in serving.properties and OPTION_* variables and ignores:
@@ -50,7 +51,6 @@ LMI_IGNORED_KEYS = frozenset(
     {
         "engine",
         "entryPoint",
-        "tensor_parallel_degree",
         "pipeline_parallel_degree",
         "quantize",
         "enforce_eager",
@@ -190,6 +190,15 @@ class Settings(BaseModel):
         "auto",
         description="Device: `auto` (cuda when available, else cpu), `cpu`, `cuda` or `cuda:N`.",
         json_schema_extra={"allowed": "one of auto, cpu, cuda, cuda:N"},
+    )
+    tensor_parallel_degree: str | None = Field(
+        None,
+        description=(
+            "Devices one model is split over (LMI's key; vLLM's `tensor_parallel_size`): `1`, or `max` (every "
+            "visible GPU, 1 on a CPU). lmiserve serves a model on one device: a value above 1, or `max` with "
+            "several GPUs visible, stops the start rather than serving on one device."
+        ),
+        json_schema_extra={"allowed": "a positive whole number (only 1 is served) or max"},
     )
     trust_remote_code: bool = Field(False, description="Allow a model repository to run its own Python code.")
     model_cache_dir: str | None = Field(
@@ -657,6 +666,18 @@ class Settings(BaseModel):
     def _parse_speculative(cls, value: Any) -> Any:
         return parse_speculative_config(value)
 
+    @field_validator("tensor_parallel_degree", mode="before")
+    @classmethod
+    def _check_tensor_parallel(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        text = str(value).strip().lower()
+        if text == "max":
+            return text
+        if not text.isdigit() or int(text) < 1:
+            raise ValueError("expected a positive whole number or max")
+        return str(int(text))
+
     @field_validator("device")
     @classmethod
     def _check_device(cls, value: str) -> str:
@@ -666,6 +687,12 @@ class Settings(BaseModel):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Settings:
+        degree = self.tensor_parallel_degree
+        if degree is not None and degree != "max" and int(degree) > 1:
+            raise ValueError(
+                f"tensor_parallel_degree={degree} asks for tensor parallelism over {degree} devices, which is not "
+                "supported: lmiserve serves a model on one device; set 1 (or leave it unset)"
+            )
         if self.max_new_tokens > self.max_new_tokens_limit:
             raise ValueError(
                 f"max_new_tokens={self.max_new_tokens} is larger than max_new_tokens_limit={self.max_new_tokens_limit}"

@@ -146,6 +146,7 @@ class ModelService:
         )
 
         s = self.settings
+        _check_tensor_parallel(s)
         self.path = resolve_model_path(s.model_id, s.revision, s.model_cache_dir)
         if not self._fixed_name:
             self.name = default_model_name(s.model_id, self.path)
@@ -239,6 +240,22 @@ class ModelService:
         self._closed = True
         if self.engine is not None:
             await self.engine.stop()
+
+
+def _check_tensor_parallel(settings: Settings) -> None:
+    """`tensor_parallel_degree=max` with several GPUs visible would split the model over them: lmiserve
+    serves it on one device, so it refuses rather than ignore the option (a number above 1 is refused
+    with the settings)."""
+    if settings.tensor_parallel_degree != "max" or settings.device == "cpu":
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count > 1:
+        raise ValueError(
+            f"tensor_parallel_degree=max asks for tensor parallelism over the {count} visible GPUs, which is not "
+            "supported: lmiserve serves a model on one device; set 1 (or CUDA_VISIBLE_DEVICES to one GPU)"
+        )
 
 
 def _initial_name(model_id: str | None) -> str:

@@ -100,7 +100,7 @@ def test_serve_help_lists_the_common_settings_as_flags_with_their_defaults(capsy
     out = serve_help(capsys, monkeypatch)
     for flag in SERVE_FLAGS:
         assert re.search(rf"(^|[\s\[,|]){re.escape(flag)}\b", out), flag
-    assert "--tensor-parallel-degree" not in out  # no such setting, no flag
+    assert "--pipeline-parallel-degree" not in out  # no such setting, no flag
     lines = out.splitlines()
 
     def help_of(flag: str) -> str:
@@ -169,7 +169,10 @@ def test_unknown_option_is_an_error_with_the_closest_key(capsys):
     [
         ("max-new-tokens=5", "unknown option 'max-new-tokens' (did you mean 'max_new_tokens'?)"),
         ("option.dtpye=bf16", "unknown option 'dtpye' (did you mean 'dtype'?)"),
-        ("tensor_parallel_degree=2", "unknown option 'tensor_parallel_degree' (an LMI option lmiserve does not use"),
+        (
+            "pipeline_parallel_degree=2",
+            "unknown option 'pipeline_parallel_degree' (an LMI option lmiserve does not use",
+        ),
         ("zzz=1", "unknown option 'zzz' (`lmiserve options` lists every option)"),
     ],
 )
@@ -247,14 +250,14 @@ def test_unknown_environment_keys_give_one_warning_line(monkeypatch, tmp_path):
     (tmp_path / "serving.properties").write_text(
         "engine=Python\noption.entryPoint=model.py\noption.max_rolling_batch_sise=8\n"
     )
-    monkeypatch.setenv("OPTION_TENSOR_PARALLEL_DEGREE", "2")
+    monkeypatch.setenv("OPTION_PIPELINE_PARALLEL_DEGREE", "2")
     seen = capture_serve(monkeypatch)
     assert cli.main(["serve", "--model-dir", str(tmp_path)]) == 0
     assert seen["settings"].extra == {
         "engine": "Python",
         "entryPoint": "model.py",
         "max_rolling_batch_sise": "8",
-        "tensor_parallel_degree": "2",
+        "pipeline_parallel_degree": "2",
     }
     warnings = [r.getMessage() for r in seen["held"] if r.levelno == logging.WARNING]
     assert len(warnings) == 1
@@ -263,7 +266,7 @@ def test_unknown_environment_keys_give_one_warning_line(monkeypatch, tmp_path):
     props = f"from properties file {tmp_path / 'serving.properties'}"
     assert f"'max_rolling_batch_sise' (did you mean 'max_rolling_batch_size'?; {props})" in line
     assert f"'engine' (an LMI option lmiserve does not use; {props})" in line
-    assert "'tensor_parallel_degree' (an LMI option lmiserve does not use; from environment " in line
+    assert "'pipeline_parallel_degree' (an LMI option lmiserve does not use; from environment " in line
 
 
 def test_held_warnings_are_printed_when_the_configuration_fails(monkeypatch, capsys):

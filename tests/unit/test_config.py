@@ -201,13 +201,13 @@ def test_batch_size_above_one_with_streaming_is_an_error() -> None:
 
 def test_unknown_keys_are_kept_and_logged(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="lmiserve.config"):
-        s = Settings.from_options({"engine": "Python", "option.tensor_parallel_degree": "max"})
-    assert s.extra == {"engine": "Python", "tensor_parallel_degree": "max"}
-    assert "tensor_parallel_degree" in caplog.text
+        s = Settings.from_options({"engine": "Python", "option.pipeline_parallel_degree": "max"})
+    assert s.extra == {"engine": "Python", "pipeline_parallel_degree": "max"}
+    assert "pipeline_parallel_degree" in caplog.text
 
 
 def test_unknown_keys_are_named_in_one_warning_line(caplog: pytest.LogCaptureFixture) -> None:
-    options = {"engine": "Python", "tensor_parallel_degree": "8", "max_rolling_batch_sise": "4", "zzz": "1"}
+    options = {"engine": "Python", "pipeline_parallel_degree": "8", "max_rolling_batch_sise": "4", "zzz": "1"}
     sources = {"engine": "properties file p", "max_rolling_batch_sise": "environment OPTION_MAX_ROLLING_BATCH_SISE"}
     with caplog.at_level(logging.WARNING, logger="lmiserve.config"):
         s = Settings.from_options(options, sources)
@@ -216,7 +216,7 @@ def test_unknown_keys_are_named_in_one_warning_line(caplog: pytest.LogCaptureFix
     assert record.levelno == logging.WARNING
     assert record.getMessage() == (
         "ignoring 4 unknown options: 'engine' (an LMI option lmiserve does not use; from properties file p), "
-        "'tensor_parallel_degree' (an LMI option lmiserve does not use), "
+        "'pipeline_parallel_degree' (an LMI option lmiserve does not use), "
         "'max_rolling_batch_sise' (did you mean 'max_rolling_batch_size'?; "
         "from environment OPTION_MAX_ROLLING_BATCH_SISE), 'zzz'"
     )
@@ -248,10 +248,10 @@ def test_changed_names_only_the_values_that_differ_from_their_defaults() -> None
 
 def test_unknown_command_line_keys_are_an_error_but_unknown_file_keys_are_kept(tmp_path: Path) -> None:
     props = tmp_path / "serving.properties"
-    props.write_text("option.tensor_parallel_degree=2\n")
-    assert load_settings({}, props, None, environ={}).extra == {"tensor_parallel_degree": "2"}
-    with pytest.raises(ConfigError, match=r"^unknown option 'tensor_parallel_degree' \(an LMI option"):
-        load_settings({"tensor_parallel_degree": "2"}, None, None, environ={})
+    props.write_text("option.pipeline_parallel_degree=2\n")
+    assert load_settings({}, props, None, environ={}).extra == {"pipeline_parallel_degree": "2"}
+    with pytest.raises(ConfigError, match=r"^unknown option 'pipeline_parallel_degree' \(an LMI option"):
+        load_settings({"pipeline_parallel_degree": "2"}, None, None, environ={})
     with pytest.raises(ConfigError, match=r"^unknown option 'extra' "):
         load_settings({"extra": "x"}, None, None, environ={})  # the bookkeeping fields are no keys
 
@@ -301,3 +301,14 @@ def test_configs_set_what_their_names_promise() -> None:
     assert load("jsonlines-streaming.properties").output_formatter == "jsonlines"
     cpu = load("cpu-demo.properties")
     assert cpu.model_id is None and cpu.device == "cpu" and cpu.max_rolling_batch_size <= 8
+
+
+def test_tensor_parallel_degree_is_honoured_at_one_or_refused():
+    """LMI's `tensor_parallel_degree` (vLLM's `tensor_parallel_size`, `--tensor-parallel-size`) is never
+    ignored: 1 and `max` (one device here) serve; more devices stop the start with a line saying why."""
+    assert Settings.from_options({"option.tensor_parallel_degree": "max"}).tensor_parallel_degree == "max"
+    assert Settings.from_options({"tensor_parallel_size": "1"}).tensor_parallel_degree == "1"
+    with pytest.raises(ConfigError, match=r"tensor_parallel_degree=4 asks for tensor parallelism over 4 devices"):
+        load_settings({}, None, None, environ={"OPTION_TENSOR_PARALLEL_DEGREE": "4"})
+    with pytest.raises(ConfigError, match=r"for option 'tensor_parallel_degree': expected a positive whole number"):
+        Settings.from_options({"tensor_parallel_degree": "0"})

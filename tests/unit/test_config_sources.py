@@ -112,11 +112,11 @@ def test_empty_environment_values_are_ignored(props: Path) -> None:
 def test_unrelated_and_unknown_environment_is_not_fatal() -> None:
     env = {
         "PATH": "/bin",
-        "OPTION_TENSOR_PARALLEL_DEGREE": "max",
+        "OPTION_PIPELINE_PARALLEL_DEGREE": "max",
         "OPTION_ENTRYPOINT": "djl_python.x",
     }
     s = load_settings({}, None, None, environ=env)
-    assert s.extra == {"tensor_parallel_degree": "max", "entryPoint": "djl_python.x"}
+    assert s.extra == {"pipeline_parallel_degree": "max", "entryPoint": "djl_python.x"}
     assert "path" not in s.extra
 
 

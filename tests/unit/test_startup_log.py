@@ -80,7 +80,7 @@ def messages(lines: list[str], level: str) -> list[str]:
 
 
 def test_info_log_has_the_summary_not_one_line_per_option(started, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("OPTION_TENSOR_PARALLEL_DEGREE", "4")
+    monkeypatch.setenv("OPTION_PIPELINE_PARALLEL_DEGREE", "4")
     lines = serve(["--model-id", str(tmp_path), "--port", "9100", "-o", "max_new_tokens=12"], capsys)
     info = messages(lines, "INFO")
     assert info[0] == (
@@ -94,7 +94,7 @@ def test_info_log_has_the_summary_not_one_line_per_option(started, tmp_path, mon
     assert not [line for line in lines if ": option " in line]  # the full list is for --log-level debug
     # the configuration's warning, held until logging was configured, in the log's format
     (warning,) = [line for line in lines if " WARNING " in line]
-    assert " WARNING lmiserve.config.settings: ignoring unknown option 'tensor_parallel_degree' " in warning
+    assert " WARNING lmiserve.config.settings: ignoring unknown option 'pipeline_parallel_degree' " in warning
 
 
 def test_debug_log_lists_every_option(started, capsys):
