@@ -423,21 +423,15 @@ class LoraBatch:
         dtype: torch.dtype,
         kernels: bool = True,
     ) -> LoraBatch | None:
-        """The batch of these token rows' adapters (None: no row uses one)."""
-        index: dict[int, int] = {}
-        adapters: list[LoraAdapter] = []
-        owners: list[int] = []
-        for adapter in row_adapters:
-            if adapter is None:
-                owners.append(-1)
-                continue
-            at = index.get(adapter.id)
-            if at is None:
-                at = index[adapter.id] = len(adapters)
-                adapters.append(adapter)
-            owners.append(at)
-        if not adapters:
+        """The batch of these token rows' adapters (None: no row uses one). The adapters are ordered by id,
+        so a set of adapters has one stack whatever the order of its rows (rows move between steps as
+        requests come and go; each new order would build the stacks again)."""
+        unique = {adapter.id: adapter for adapter in row_adapters if adapter is not None}
+        if not unique:
             return None
+        adapters = [unique[key] for key in sorted(unique)]
+        index = {adapter.id: at for at, adapter in enumerate(adapters)}
+        owners = [-1 if adapter is None else index[adapter.id] for adapter in row_adapters]
         return LoraBatch(adapters, owners, cache, device, dtype, kernels)
 
     def _for_rows(self, rows: int) -> None:
