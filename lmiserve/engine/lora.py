@@ -50,6 +50,7 @@ __all__ = [
     "LoraBatch",
     "LoraGroup",
     "read_adapter",
+    "read_config",
 ]
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,8 @@ def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
     return default
 
 
-def _read_config(folder: Path) -> dict[str, Any]:
+def read_config(folder: Path) -> dict[str, Any]:
+    """`folder`'s `adapter_config.json`, checked to describe a LoRA adapter lmiserve serves (AdapterError)."""
     file = folder / CONFIG_FILE
     if not folder.is_dir():
         raise AdapterError(f"adapter folder {folder} does not exist")
@@ -180,7 +182,7 @@ def read_adapter(
     """The LoRA adapter in `folder`, checked against `model`; `modules`: the short names of the linears
     the serving path applies adapters to (None: any linear). AdapterError says what does not fit."""
     started = time.perf_counter()
-    config = _read_config(folder)
+    config = read_config(folder)
     tensors = _read_weights(folder)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
@@ -376,9 +378,6 @@ class StackCache:
             self._sets.move_to_end(key)
         return found
 
-    def clear(self) -> None:
-        self._sets.clear()
-
 
 class LoraBatch:
     """The adapters of one step: which adapter each token row uses (`owners`: an index into `adapters`,
@@ -410,7 +409,7 @@ class LoraBatch:
         self._rows = -1
         self._owner_t: torch.Tensor | None = None
         self._owner_np: npt.NDArray[np.int64] | None = None
-        self._masks: dict[tuple[int, ...], torch.Tensor | None] = {}
+        self._masks: dict[tuple[int, ...], torch.Tensor] = {}
         self._segments: list[tuple[int, torch.Tensor]] = []  # (adapter index, its rows), for gathering
         # every row uses the one adapter: no mask, no gathering
         self._uniform = len(self.adapters) == 1 and all(o == 0 for o in owners)
@@ -475,13 +474,7 @@ class LoraBatch:
         low = torch.mm(x.to(stack.a.dtype), stack.a.t())
         if not self._uniform:  # rows past the list are padding: dropped, whatever they add
             low.mul_(self._mask(stack.owner))
-        self._expand(stack, low, out)
-
-    @staticmethod
-    def _expand(stack: _Stack, low: torch.Tensor, out: torch.Tensor) -> None:
-        """Add ``low @ B^T`` of each part to its output columns (`low` holds each token's own adapter's
-        activations only, zeros elsewhere: one product a part whatever the adapters)."""
-        for part in stack.parts:
+        for part in stack.parts:  # one product a part, whatever the adapters (masked columns are zero)
             target = out[:, part.out]
             target.addmm_(low[:, part.cols], part.b.t().to(target.dtype))
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lmiserve.engine.lora import AdapterError, LoraAdapter, read_adapter
+from lmiserve.engine.lora import AdapterError, LoraAdapter, read_adapter, read_config
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -130,11 +130,7 @@ class AdapterRegistry:
             if name in self._entries:
                 raise FileExistsError(f"adapter {name!r} is already registered")
         folder = Path(src).expanduser().resolve()
-        adapter = self._read(name, folder) if preload or pin else None
-        if adapter is None:
-            from lmiserve.engine.lora import _read_config  # a lazy adapter is still checked to be one
-
-            _read_config(folder)
+        adapter = self._read_or_check(name, folder, preload or pin)
         with self._lock:
             if name in self._entries:
                 raise FileExistsError(f"adapter {name!r} is already registered")
@@ -168,12 +164,7 @@ class AdapterRegistry:
         folder = entry.src
         if src is not None:
             folder = Path(src).expanduser().resolve()
-            if preload or (pin if pin is not None else entry.pinned):
-                adapter = self._read(name, folder)
-            else:
-                from lmiserve.engine.lora import _read_config
-
-                _read_config(folder)
+            adapter = self._read_or_check(name, folder, preload or (pin if pin is not None else entry.pinned))
         with self._lock:
             if src is not None:
                 entry.src, entry.loaded, entry.error = folder, adapter, None
@@ -284,6 +275,14 @@ class AdapterRegistry:
                 entry.name,
                 self.limits.kept,
             )
+
+    def _read_or_check(self, name: str, folder: Path, load: bool) -> LoraAdapter | None:
+        """The adapter in `folder`, read now (`load`), else None once the folder is checked to be a PEFT LoRA
+        adapter (its weights are read on its first request)."""
+        if load:
+            return self._read(name, folder)
+        read_config(folder)
+        return None
 
     def _read(self, name: str, folder: Path) -> LoraAdapter:
         adapter = read_adapter(folder, self.model, name=name, max_rank=self.limits.max_lora_rank, modules=self.modules)
