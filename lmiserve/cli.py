@@ -180,6 +180,17 @@ def serve(settings, services: list | None = None, held: list[logging.LogRecord] 
         if record.levelno >= logging.getLogger(record.name).getEffectiveLevel():
             logging.getLogger(record.name).handle(record)
     log = logging.getLogger("lmiserve")
+    if settings.node_rank > 0:  # a tensor-parallel node that only computes (docs/tensor-parallel.md)
+        from lmiserve.models.service import run_worker_node
+        from lmiserve.server.lifecycle import ExitCode
+
+        log.info("node %d of %d: tensor-parallel workers only (node 0 serves HTTP)", settings.node_rank, settings.nnodes)
+        try:
+            code = run_worker_node(settings)
+        except Exception as exc:  # noqa: BLE001 - one line, as a failed start of the leader says it
+            print(f"lmiserve: {exc}", file=sys.stderr, flush=True)
+            code = int(ExitCode.MODEL_LOAD_FAILED)
+        exit_process(code)
     services = services or [ModelService(settings)]
     for line in startup_summary(settings, services, version()):
         log.info("%s", line)

@@ -194,11 +194,45 @@ class Settings(BaseModel):
     tensor_parallel_degree: str | None = Field(
         None,
         description=(
-            "Devices one model is split over (LMI's key; vLLM's `tensor_parallel_size`): `1`, or `max` (every "
-            "visible GPU, 1 on a CPU). lmiserve serves a model on one device: a value above 1, or `max` with "
-            "several GPUs visible, stops the start rather than serving on one device."
+            "Devices one model is split over (LMI's key; vLLM's `tensor_parallel_size`): a number of worker "
+            "processes, one a device (GPUs with NCCL; CPU processes with gloo), each holding a shard of the "
+            "weights and of the KV cache; `max`: every visible GPU (1 on a CPU). Over several nodes it counts "
+            "the ranks of all of them. Llama-family models on the fast path (docs/tensor-parallel.md)."
         ),
-        json_schema_extra={"allowed": "a positive whole number (only 1 is served) or max"},
+        json_schema_extra={"allowed": "a positive whole number or max"},
+    )
+    nnodes: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Nodes the tensor-parallel ranks run on (vLLM's `--nnodes`; torchrun's and LeaderWorkerSet's "
+            "variables): node 0 serves HTTP, the others only compute. Every node runs the same command."
+        ),
+    )
+    node_rank: int = Field(
+        0, ge=0, description="This node's rank among `nnodes` (vLLM's `--node-rank`; 0: the leader, which serves HTTP)."
+    )
+    master_addr: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        description="Where the tensor-parallel ranks meet: the leader node's address (torchrun's MASTER_ADDR).",
+    )
+    master_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description=(
+            "The rendezvous port on `master_addr` (torchrun's MASTER_PORT); unset: a free port on one node, "
+            "29500 over several."
+        ),
+    )
+    step_timeout: float = Field(
+        300.0,
+        gt=0,
+        description=(
+            "Seconds a tensor-parallel step may take: past it the workers are taken as hung, the model turns "
+            "unhealthy and `lmiserve serve` exits (code 4) for the orchestrator to restart it."
+        ),
     )
     trust_remote_code: bool = Field(False, description="Allow a model repository to run its own Python code.")
     model_cache_dir: str | None = Field(
@@ -687,12 +721,6 @@ class Settings(BaseModel):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Settings:
-        degree = self.tensor_parallel_degree
-        if degree is not None and degree != "max" and int(degree) > 1:
-            raise ValueError(
-                f"tensor_parallel_degree={degree} asks for tensor parallelism over {degree} devices, which is not "
-                "supported: lmiserve serves a model on one device; set 1 (or leave it unset)"
-            )
         if self.max_new_tokens > self.max_new_tokens_limit:
             raise ValueError(
                 f"max_new_tokens={self.max_new_tokens} is larger than max_new_tokens_limit={self.max_new_tokens_limit}"
@@ -725,7 +753,35 @@ class Settings(BaseModel):
             raise ValueError(
                 "speculative_config needs the paged KV cache: not with kv_cache=slots or batch_invariant=true"
             )
+        self._check_parallel()
         return self
+
+    def _check_parallel(self) -> None:
+        """Tensor parallelism's options: what it does not combine with, and the nodes' arithmetic."""
+        degree = self.tensor_parallel_degree
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} must be below nnodes={self.nnodes}")
+        if degree is None or degree == "max" or int(degree) == 1:
+            if self.nnodes > 1:
+                raise ValueError(f"nnodes={self.nnodes} needs tensor_parallel_degree set to the ranks of all nodes")
+            return
+        ranks = int(degree)
+        if ranks % self.nnodes:
+            raise ValueError(f"tensor_parallel_degree={ranks} is not a multiple of nnodes={self.nnodes}")
+        refused = [
+            ("enable_lora", self.enable_lora),
+            ("kv_cache=slots", self.kv_cache != "paged"),
+            ("batch_invariant", self.batch_invariant),
+            ("dtype int8/int4", self.dtype.strip().lower() in ("int8", "int4")),
+            ("fast_path=false", not self.fast_path),
+            (
+                "speculative decoding with a draft model",
+                self.speculative_config is not None and self.speculative_config.method != "ngram",
+            ),
+        ]
+        for what, present in refused:
+            if present:
+                raise ValueError(f"tensor_parallel_degree={ranks} cannot be combined with {what}")
 
     def start_adapters(self) -> list[tuple[str, str]]:
         """The adapters `lora_modules` and `lora_adapters` name, as (name, path) pairs."""

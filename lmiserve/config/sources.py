@@ -14,7 +14,9 @@ Environment mapping, lowest first within the environment (a later entry wins):
   ``SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT`` -> default_invocations_accept, ``SAGEMAKER_MAX_REQUEST_SIZE`` ->
   max_request_size, ``AIP_PREDICT_ROUTE`` / ``AIP_HEALTH_ROUTE`` / ``AIP_DEPLOYED_MODEL_ID`` ->
   vertex_predict_route / vertex_health_route / vertex_deployed_model_id, ``API_KEY`` -> api_key (TGI's
-  name), ``LORA_ADAPTERS`` -> lora_adapters (TGI's);
+  name), ``LORA_ADAPTERS`` -> lora_adapters (TGI's), ``LWS_GROUP_SIZE`` / ``PET_NNODES`` / ``NNODES`` -> nnodes,
+  ``LWS_WORKER_INDEX`` / ``PET_NODE_RANK`` / ``NODE_RANK`` -> node_rank, ``LWS_LEADER_ADDRESS`` / ``MASTER_ADDR``
+  -> master_addr, ``MASTER_PORT`` -> master_port (LeaderWorkerSet's, torchrun's, the plain names);
 - ``SERVING_<NAME>`` -> ``<name>`` lower-cased (e.g. ``SERVING_JOB_QUEUE_SIZE``);
 - ``OPTION_<NAME>`` -> ``<name>`` lower-cased (e.g. ``OPTION_MAX_ROLLING_BATCH_SIZE``).
 
@@ -55,6 +57,15 @@ ENV_SHORTCUTS: tuple[tuple[str, str], ...] = (
     ("AIP_DEPLOYED_MODEL_ID", "vertex_deployed_model_id"),
     ("API_KEY", "api_key"),
     ("LORA_ADAPTERS", "lora_adapters"),
+    ("LWS_GROUP_SIZE", "nnodes"),  # LeaderWorkerSet, then torchrun (PET_*), then the plain names
+    ("PET_NNODES", "nnodes"),
+    ("NNODES", "nnodes"),
+    ("LWS_WORKER_INDEX", "node_rank"),
+    ("PET_NODE_RANK", "node_rank"),
+    ("NODE_RANK", "node_rank"),
+    ("LWS_LEADER_ADDRESS", "master_addr"),
+    ("MASTER_ADDR", "master_addr"),
+    ("MASTER_PORT", "master_port"),
 )
 _ENV_PREFIXES = ("SERVING_", "OPTION_")  # lowest priority first
 _SPECIAL_ENV_NAMES = {"OPTION_ENTRYPOINT": "entryPoint"}  # as DJL Serving spells it

@@ -45,7 +45,7 @@ from lmiserve.engine.prefix_cache import PrefixIndex
 from lmiserve.engine.scheduler import Scheduler, StepOutput, StepPlan
 from lmiserve.engine.sequence import Sequence
 from lmiserve.engine.speculative import SpeculationPolicy, SpeculationSettings
-from lmiserve.engine.step import BatchRunner, Executor, InProcessExecutor
+from lmiserve.engine.step import BatchRunner, Executor, ExecutorFailed, InProcessExecutor
 from lmiserve.engine.token_mask import TokenMask
 from lmiserve.engine.validation import PromptCodec
 
@@ -121,17 +121,19 @@ class AsyncEngine:
 
     def __init__(
         self,
-        runner: ModelRunner,
+        runner: ModelRunner | Executor,
         codec: PromptCodec,
         config: EngineConfig,
         grammars: GrammarCompiler | None = None,
         adapters: AdapterRegistry | None = None,
     ) -> None:
-        """`adapters`: the LoRA adapters requests may name (`GenerationRequest.adapter`; None: none)."""
+        """`runner`: the model's runner, or an executor that runs the plain-data batches elsewhere (the
+        tensor-parallel workers, engine/tp_workers.py); `adapters`: the LoRA adapters requests may name
+        (`GenerationRequest.adapter`; None: none)."""
         floor = config.prefill_floor
         if floor == "auto":
             raise ValueError("prefill_floor 'auto' is resolved by the device (engine.factory.create_engine)")
-        self.runner = runner
+        self.runner: ModelRunner | None = None if isinstance(runner, Executor) else runner
         # this model's torch thread: the shared one on the CPU, its own on a GPU (engine/torch_thread.py)
         self.thread = torch_thread.for_device(getattr(runner, "device", "cpu"), f"engine-{id(self):x}")
         self.codec = codec
@@ -149,16 +151,17 @@ class AsyncEngine:
         }
         limits = (config.max_running, config.max_prefill_tokens)
         # a runner over a block pool runs the block scheduler's plain-data batches through an executor
-        self.executor: Executor | None = None
+        self.executor: Executor | None = runner if isinstance(runner, Executor) else None
         if isinstance(runner, BatchRunner) and runner.num_blocks is not None:
             self.executor = InProcessExecutor(runner)
         self._grammar_mask: TokenMask | None = None  # the executor's batches' grammar bitmask
-        if runner.num_blocks is not None:  # a paged runner: the block scheduler plans over its pool
+        if runner.num_blocks is not None:  # a paged runner (or an executor): the block scheduler plans over its pool
             self.prefix = None
             caching = config.prefix_cache_bytes > 0
             self.pool = BlockPool(runner.num_blocks, runner.block_size, enable_prefix_caching=caching)
             self.scheduler = BlockScheduler(self.pool, *limits, **options)
         else:
+            assert not isinstance(runner, Executor)  # an executor always has a pool
             blocks = runner.enable_prefix_cache(config.prefix_cache_bytes, config.prefix_block_size)
             self.prefix = PrefixIndex(blocks, config.prefix_block_size) if blocks else None
             self.scheduler = Scheduler(*limits, prefix=self.prefix, **options)
@@ -200,12 +203,23 @@ class AsyncEngine:
     # ---- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._loop(), name="lmiserve-engine")
+            loop = asyncio.get_running_loop()
+            self._task = loop.create_task(self._loop(), name="lmiserve-engine")
+            if self.executor is not None:
+                self.executor.watch(lambda why: loop.call_soon_threadsafe(self._executor_failed, why))
+
+    def _executor_failed(self, why: str) -> None:
+        """The executor failed between steps (a worker process died): the engine fails now, not at its
+        next request."""
+        self._die(ExecutorFailed(why))
+        self._wakeup.set()
 
     async def stop(self) -> None:
         """Stop the loop; requests still open end with an error instead of waiting forever."""
         await cancel_and_wait(self._task)
         self._task = None
+        if self.executor is not None:
+            await asyncio.to_thread(self.executor.close)
         self.thread.close()
         if self.grammars is not None:
             self.grammars.close()
@@ -259,9 +273,9 @@ class AsyncEngine:
             return {
                 "prefix_cache_tokens": pool.num_cached_blocks * pool.block_size,
                 "prefix_cache_capacity": pool.num_blocks * pool.block_size,
-                "prefix_cache_bytes": self.runner.kv_bytes,
+                "prefix_cache_bytes": self.executor.kv_bytes if self.executor is not None else 0,
             }
-        store = self.runner.prefix_store
+        store = self.runner.prefix_store if self.runner is not None else None
         return {
             "prefix_cache_tokens": self.prefix.cached_tokens if self.prefix is not None else 0,
             "prefix_cache_capacity": self.prefix.capacity_tokens if self.prefix is not None else 0,
@@ -482,7 +496,9 @@ class AsyncEngine:
         every open request ends with an error (in-band on a stream that started), new ones are refused,
         and the `on_failure` listeners are told (the service turns unhealthy; `lmiserve serve` exits
         non-zero so that the orchestrator starts it again). A model step's failure is not this: it fails
-        the requests of the step and the engine goes on."""
+        the requests of the step and the engine goes on. Only the first failure counts."""
+        if self.failure is not None:
+            return
         self.failure = f"the engine failed: {type(exc).__name__}: {exc}"
         error = GenerationFailed(f"Request failed during generation: {self.failure}")
         for seq_id in list(self._handles):
@@ -500,6 +516,8 @@ class AsyncEngine:
         add to the waiting queue and flag aborts, which `update` does not touch."""
         try:
             output = self._run(plan)
+        except ExecutorFailed:
+            raise  # the engine fails (`_loop`), not the step
         except Exception as exc:  # noqa: BLE001 - outside the per-sequence guards: end what was running
             log.exception("engine step failed")
             message = f"exception occurred during generation: {exc}"
@@ -511,6 +529,7 @@ class AsyncEngine:
         through a slot runner."""
         executor, batch = self.executor, plan.batch
         if executor is None or batch is None:
+            assert self.runner is not None  # a slot runner (an executor's plans always carry a batch)
             return self.runner.execute(plan)
         failed: dict[int, str] = {}
         if batch.grammar_rows:
@@ -544,6 +563,8 @@ class AsyncEngine:
                 # frees per-sequence caches, moves slots, copies blocks into the prefix cache
                 try:
                     idle: StepOutput = await self.thread.run(self._run, plan)
+                except ExecutorFailed:
+                    raise
                 except Exception:  # noqa: BLE001 - nothing was computing; only the prefix cache is in doubt
                     log.exception("engine step failed")
                     idle = StepOutput(prefix_failed=True)

@@ -20,6 +20,8 @@ from lmiserve.engine.quantize import Int4Linear, Int8Linear, quantize_output_int
 from lmiserve.engine.runners import FastRunner, ModelRunner, create_runner, paged_generic, runner_class
 from lmiserve.engine.runners.batched import PersistentBatchRunner
 from lmiserve.engine.runners.paged import PagedFastRunner, kv_bytes_per_block
+from lmiserve.engine.tensor_parallel import unsplittable_reason
+from lmiserve.engine.tp_workers import TensorParallelExecutor, WorkerSpec, free_port
 from lmiserve.engine.speculative import DraftModelProposer, NgramProposer, Proposer, SpeculationSettings
 from lmiserve.engine.tokenizer import HfTokenizer
 from lmiserve.engine.validation import PromptCodec
@@ -142,12 +144,8 @@ def create_engine(
 ) -> AsyncEngine:
     """The engine for `loaded`; the runner strategy follows `config` unless `runner_cls` is given;
     `draft`: the draft model of `config.speculation` (method draft_model)."""
-    if config.prefill_floor == "auto":
-        config = dataclasses.replace(config, prefill_floor=PREFILL_FLOOR.get(loaded.device.type, 256))
+    config = _for_device(config, loaded.device)
     spec = config.speculation
-    if spec is not None and spec.disable_by_batch_size is None:
-        limit = DISABLE_BY_BATCH_SIZE.get(loaded.device.type, DISABLE_BY_BATCH_SIZE["cuda"])
-        config = dataclasses.replace(config, speculation=dataclasses.replace(spec, disable_by_batch_size=limit))
     paged_cls = runner_cls if runner_cls is not None and issubclass(runner_cls, PagedFastRunner) else PagedFastRunner
     paged = config.kv_cache == "paged" and not config.batch_invariant and (runner_cls in (None, paged_cls))
     strategy = runner_class(loaded.model, batch_invariant=False, fast_path=config.fast_path)[0]
@@ -181,14 +179,7 @@ def create_engine(
             max_context=loaded.max_context,
             eos_token_ids=loaded.eos_token_ids,
         )
-    codec = PromptCodec(
-        HfTokenizer(loaded.tokenizer),
-        eos_token_ids=loaded.eos_token_ids,
-        max_context=loaded.max_context,
-        max_input_len=max_input_len,
-        vocab_size=getattr(loaded.model.config, "vocab_size", None),
-    )
-    grammars = GrammarCompiler(loaded.tokenizer, vocab_size=codec.vocab_size, eos_token_ids=loaded.eos_token_ids)
+    codec, grammars = _codec(loaded, max_input_len)
     if spec is not None and isinstance(runner, PersistentBatchRunner):  # without one the engine refuses it
         runner.proposer = _proposer(loaded, config, draft)
     adapters = None
@@ -208,6 +199,91 @@ def create_engine(
                 runner.lora_kernels = False
         runner.adapter_lookup = adapters.by_id
     return AsyncEngine(runner, codec, config, grammars, adapters)
+
+
+def _codec(loaded: LoadedModel, max_input_len: int | None) -> tuple[PromptCodec, GrammarCompiler]:
+    """The prompt codec and grammar compiler of `loaded`'s tokenizer."""
+    codec = PromptCodec(
+        HfTokenizer(loaded.tokenizer),
+        eos_token_ids=loaded.eos_token_ids,
+        max_context=loaded.max_context,
+        max_input_len=max_input_len,
+        vocab_size=getattr(loaded.model.config, "vocab_size", None),
+    )
+    grammars = GrammarCompiler(loaded.tokenizer, vocab_size=codec.vocab_size, eos_token_ids=loaded.eos_token_ids)
+    return codec, grammars
+
+
+def _for_device(config: EngineConfig, device: torch.device) -> EngineConfig:
+    """`config` with what depends on the device resolved: the prefill floor, speculation's batch limit."""
+    if config.prefill_floor == "auto":
+        config = dataclasses.replace(config, prefill_floor=PREFILL_FLOOR.get(device.type, 256))
+    spec = config.speculation
+    if spec is not None and spec.disable_by_batch_size is None:
+        limit = DISABLE_BY_BATCH_SIZE.get(device.type, DISABLE_BY_BATCH_SIZE["cuda"])
+        config = dataclasses.replace(config, speculation=dataclasses.replace(spec, disable_by_batch_size=limit))
+    return config
+
+
+# ---- tensor parallelism (engine/tp_workers.py) --------------------------------------------------------
+def tensor_parallel_degree(settings: Settings, device: torch.device) -> int:
+    """The ranks `tensor_parallel_degree` asks for (`max`: the visible GPUs on CUDA, 1 on a CPU); on CUDA a
+    node must see a GPU for each of its ranks."""
+    degree = settings.tensor_parallel_degree
+    if degree is None:
+        return 1
+    visible = torch.cuda.device_count() if device.type == "cuda" else 0
+    if degree == "max":
+        return max(1, visible) * settings.nnodes if device.type == "cuda" else 1
+    ranks = int(degree)
+    local = ranks // settings.nnodes
+    if device.type == "cuda" and ranks > 1 and local > visible:
+        raise ValueError(
+            f"tensor_parallel_degree={ranks} needs {local} GPUs on each of {settings.nnodes} node(s); "
+            f"this node sees {visible}"
+        )
+    return ranks
+
+
+def worker_spec(settings: Settings, model_path: str, device: torch.device, degree: int) -> WorkerSpec:
+    """What `degree` workers of `model_path` on `device` need (the engine's options among them)."""
+    from lmiserve.models.load import resolve_dtype
+
+    config = _for_device(engine_config(settings), device)
+    local = degree // settings.nnodes
+    if config.kv_cache_memory_bytes is None and device.type == "cpu":  # the node's memory, shared by its ranks
+        config = dataclasses.replace(config, kv_cache_memory_bytes=int(available_memory() * CPU_KV_SHARE) // local)
+    if config.cpu_autotune:
+        log.warning("cpu_autotune: not with tensor parallelism; the workers use the static kernel choice")
+        config = dataclasses.replace(config, cpu_autotune=False)
+    port = settings.master_port or (29500 if settings.nnodes > 1 else free_port())
+    return WorkerSpec(
+        model_path=model_path,
+        dtype=str(resolve_dtype(settings.dtype, device)).removeprefix("torch."),
+        device=device.type,
+        load_format=settings.load_format,
+        trust_remote_code=settings.trust_remote_code,
+        world=degree,
+        config=config,
+        nnodes=settings.nnodes,
+        node_rank=settings.node_rank,
+        master_addr=settings.master_addr,
+        master_port=port,
+        step_timeout=settings.step_timeout,
+        log_level=settings.log_level.upper(),
+    )
+
+
+def build_tensor_parallel_engine(loaded: LoadedModel, settings: Settings, degree: int) -> AsyncEngine:
+    """The engine of `loaded` (its tokenizer and config; no weights: `models.load.load_model_shell`) over
+    `degree` tensor-parallel workers: the model's shape is checked here, before any worker starts."""
+    reason = unsplittable_reason(loaded.model.config, degree)
+    if reason is not None:
+        raise ValueError(reason)
+    spec = worker_spec(settings, str(loaded.path), loaded.device, degree)
+    executor = TensorParallelExecutor(spec)
+    codec, grammars = _codec(loaded, settings.max_input_len)
+    return AsyncEngine(executor, codec, spec.config, grammars)
 
 
 def _paged_runner(

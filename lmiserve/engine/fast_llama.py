@@ -42,6 +42,7 @@ from lmiserve.engine.llama_layout import (
 )
 from lmiserve.engine.lora import LoraBatch, LoraGroup
 from lmiserve.engine.quantize import Int4Linear, Int8Linear
+from lmiserve.engine.tensor_parallel import shard_of
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -126,6 +127,8 @@ class FastLlama:
         self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)
         self._gemm = gemm if gemm is not None else CpuGemm.for_model(self.device, self.dtype)
         self.paged = isinstance(cache, paged_attention.PagedKVCache)
+        # a tensor-parallel rank's shard (engine/tensor_parallel.py): its collectives; None: the whole model
+        self.tp = shard_of(model)
         self._compiled = compiled_attention_ok and compiled_attention.available(self.dtype, self.device)
         self._warm_gemm()
         if self._compiled:
@@ -214,7 +217,9 @@ class FastLlama:
         cos_table, sin_table = self._rope(span)
         pos = torch.tensor(positions, device=dev)
         cos, sin = cos_table[pos][:, None], sin_table[pos][:, None]  # [T, 1, D]
-        x = F.embedding(torch.tensor(ids, device=dev), self.embed)
+        tp = self.tp
+        token_ids = torch.tensor(ids, device=dev)
+        x = F.embedding(token_ids, self.embed) if tp is None else tp.embed(token_ids, self.embed)
         dec: _DecodePlan | _PagedDecode | None = None
         short = 0  # prefill chunks computed as decode rows (paged, compiled attention)
         if isinstance(self.cache, SlotKVCache):
@@ -261,6 +266,8 @@ class FastLlama:
             o = gemm.linear(attn, layer.o_w, layer.o_b, layer.o_s)
             if lora is not None:
                 lora.apply(f"{index}.o", attn, o)
+            if tp is not None:
+                o = tp.all_reduce(o)
             x = x + o
             h = _rms(x, layer.post_norm)
             gate_up = gemm.linear(h, layer.gate_up_w, layer.gate_up_b, layer.gate_up_s)
@@ -271,12 +278,15 @@ class FastLlama:
             down = gemm.linear(h, layer.down_w, layer.down_b, layer.down_s)
             if lora is not None:
                 lora.apply(f"{index}.down", h, down)
+            if tp is not None:
+                down = tp.all_reduce(down)
             x = x + down
         count = len(keep)
         keep = keep + keep[:1] * self._row_padding(count, VOCAB_PAD_ROWS_FROM)
         if keep != list(range(x.shape[0])):
             x = x[torch.tensor(keep, dtype=torch.long, device=dev)]
-        return gemm.linear(_rms(x, self.norm), self.lm_head, None, self.lm_head_s)[:count].float().contiguous()
+        logits = gemm.linear(_rms(x, self.norm), self.lm_head, None, self.lm_head_s)[:count].float().contiguous()
+        return logits if tp is None else tp.gather_logits(logits)
 
     def lora_groups(self) -> list[LoraGroup]:
         """The groups `forward` applies adapters to: each layer's fused q/k/v, o, fused gate/up and down

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -85,17 +86,31 @@ class StepBatch:
         return bool(self.rows)
 
 
+class ExecutorFailed(RuntimeError):
+    """The executor can run no more steps (a worker process died, or a step ran past `step_timeout`): not
+    one step's failure but the engine's (`AsyncEngine._die`)."""
+
+
 class Executor(ABC):
-    """Runs step batches on one model (its KV pool of `num_blocks` blocks of `block_size` tokens)."""
+    """Runs step batches on one model (its KV pool of `num_blocks` blocks of `block_size` tokens, of
+    `kv_bytes` in all)."""
 
     num_blocks: int
     block_size: int
     vocab_size: int
     eos_token_ids: list[int]
+    kv_bytes: int = 0
 
     @abstractmethod
     def execute(self, batch: StepBatch) -> StepOutput:
-        """Apply the batch's bookkeeping, compute its rows, sample; never raise for one request's failure."""
+        """Apply the batch's bookkeeping, compute its rows, sample; never raise for one request's failure
+        (`ExecutorFailed` when the executor itself can go on no more)."""
+
+    def watch(self, on_failure: Callable[[str], None]) -> None:
+        """Call `on_failure` (from any thread) if the executor fails between steps (a worker dies)."""
+
+    def close(self) -> None:
+        """Release what the executor holds (its worker processes)."""
 
 
 class BatchRunner(ABC):
@@ -119,6 +134,7 @@ class InProcessExecutor(Executor):
         self.runner = runner
         self.num_blocks, self.block_size = runner.num_blocks, runner.block_size
         self.vocab_size, self.eos_token_ids = runner.vocab_size, runner.eos_token_ids
+        self.kv_bytes = getattr(runner, "kv_bytes", 0)
 
     def execute(self, batch: StepBatch) -> StepOutput:
         return self.runner.execute_batch(batch)

@@ -26,7 +26,7 @@ from lmiserve.engine.quantize import (
 )
 from lmiserve.models import ModelLoadError
 
-__all__ = ["DEFAULT_MAX_CONTEXT", "LoadedModel", "load_causal_lm", "resolve_device", "resolve_dtype"]
+__all__ = ["DEFAULT_MAX_CONTEXT", "LoadedModel", "load_causal_lm", "load_model_shell", "resolve_device", "resolve_dtype"]
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +153,46 @@ def load_causal_lm(
         time.monotonic() - start,
     )
     return loaded
+
+
+def load_model_shell(
+    path: str | os.PathLike[str],
+    dtype: str = "auto",
+    device: str = "auto",
+    trust_remote_code: bool = False,
+    name: str | None = None,
+) -> LoadedModel:
+    """`path`'s tokenizer, config and generation config around a model without weights (on torch's meta
+    device): what the serving process of tensor-parallel workers needs, the weights being theirs."""
+    from transformers import GenerationConfig
+
+    path = Path(path)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    common = {"trust_remote_code": trust_remote_code, "local_files_only": True}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **common)
+        config = AutoConfig.from_pretrained(path, **common)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, ImportError) as exc:
+        raise ModelLoadError(f"could not load the model in {path}: {exc}") from exc
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
+    except OSError:
+        pass  # no generation_config.json: the config's own
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        device=torch_device,
+        dtype=torch_dtype,
+        max_context=_max_context(model, tokenizer),
+        eos_token_ids=_eos_token_ids(model, tokenizer),
+        name=name or path.name,
+        path=path,
+    )
 
 
 def _load_model(path: Path, dtype: torch.dtype, common: dict[str, bool]) -> PreTrainedModel:

@@ -138,18 +138,24 @@ class ModelService:
             return self._load_llm() if self.is_llm else self._load_oneshot()
 
     def _load_llm(self) -> ModelEngine:
-        from lmiserve.engine.factory import build_engine
+        from lmiserve.engine.factory import build_engine, build_tensor_parallel_engine, tensor_parallel_degree
         from lmiserve.models import (
             default_model_name,
             load_causal_lm,
             resolve_model_path,
         )
+        from lmiserve.models.load import load_model_shell, resolve_device
 
         s = self.settings
-        _check_tensor_parallel(s)
         self.path = resolve_model_path(s.model_id, s.revision, s.model_cache_dir)
         if not self._fixed_name:
             self.name = default_model_name(s.model_id, self.path)
+        degree = tensor_parallel_degree(s, resolve_device(s.device))
+        if degree > 1:  # the weights are the workers': this process holds the tokenizer and config
+            loaded = load_model_shell(self.path, s.dtype, s.device, s.trust_remote_code)
+            engine = build_tensor_parallel_engine(loaded, s, degree)
+            self.attach_llm(loaded, engine)
+            return engine
         loaded = load_causal_lm(
             self.path,
             dtype=s.dtype,
@@ -242,20 +248,17 @@ class ModelService:
             await self.engine.stop()
 
 
-def _check_tensor_parallel(settings: Settings) -> None:
-    """`tensor_parallel_degree=max` with several GPUs visible would split the model over them: lmiserve
-    serves it on one device, so it refuses rather than ignore the option (a number above 1 is refused
-    with the settings)."""
-    if settings.tensor_parallel_degree != "max" or settings.device == "cpu":
-        return
-    import torch
+def run_worker_node(settings: Settings) -> int:
+    """`lmiserve serve` on a node other than the leader (`node_rank` > 0): this node's tensor-parallel
+    workers only, no HTTP; the exit status of `tp_workers.run_node`."""
+    from lmiserve.engine.factory import tensor_parallel_degree, worker_spec
+    from lmiserve.engine.tp_workers import run_node
+    from lmiserve.models import resolve_model_path
+    from lmiserve.models.load import resolve_device
 
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count > 1:
-        raise ValueError(
-            f"tensor_parallel_degree=max asks for tensor parallelism over the {count} visible GPUs, which is not "
-            "supported: lmiserve serves a model on one device; set 1 (or CUDA_VISIBLE_DEVICES to one GPU)"
-        )
+    path = resolve_model_path(settings.model_id, settings.revision, settings.model_cache_dir)
+    device = resolve_device(settings.device)
+    return run_node(worker_spec(settings, str(path), device, tensor_parallel_degree(settings, device)))
 
 
 def _initial_name(model_id: str | None) -> str:

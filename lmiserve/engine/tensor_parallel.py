@@ -1,0 +1,192 @@
+"""Tensor parallelism of the fast runner's Llama-family models: which degrees a model allows, the
+shard of its weights a rank keeps, and the collectives its forward needs (torch.distributed).
+
+A rank of ``world`` keeps (Megatron's split, as vLLM's layers do):
+
+- q/k/v and gate/up *column-parallel*: the rows of its attention heads (``heads / world`` query heads and
+  their KV heads) and its slice of the intermediate size, so attention and the activation run on local
+  data;
+- o and down *row-parallel*: the matching columns; each rank's product is a partial sum, all-reduced
+  (a row-parallel bias is added by rank 0 only);
+- the embedding and the output projection *vocabulary-parallel*: rows ``[rank * part, (rank + 1) * part)``
+  of the vocabulary (the last part padded with zero rows). An embedding lookup outside a rank's rows
+  gives zeros and the all-reduce sums the one rank that has it; the output logits are all-gathered, so
+  every rank holds the whole ``[rows, vocab]`` (and samples what rank 0 samples).
+- KV heads: split when ``world`` divides them; with fewer KV heads than ranks each KV head is kept by the
+  ``world / kv_heads`` ranks whose query heads read it (replicated).
+
+Sharding edits the loaded transformers model in place (its linears point at their slices; its config
+says the local head counts), so `FastLlama` and the KV pool, which read the model and its config, run a
+shard as they run a whole model; only `FastLlama.forward` calls `TensorParallelShard`'s collectives.
+The transformers forward of a sharded model is not usable (the generic runner is not sharded).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from lmiserve.engine.llama_layout import SUPPORTED_TYPES, as_llama
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from transformers import PretrainedConfig, PreTrainedModel
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """What rank `rank` of `world` keeps: query heads ``[q_first, q_first + q_heads)``, KV heads
+    ``[kv_first, kv_first + kv_heads)``, intermediate ``[inter_first, +inter)``, vocabulary rows
+    ``[vocab_first, vocab_first + vocab_part)`` (the last part may run past the vocabulary: zero rows)."""
+
+    rank: int
+    world: int
+    head_dim: int
+    q_first: int
+    q_heads: int
+    kv_first: int
+    kv_heads: int
+    inter_first: int
+    inter: int
+    vocab: int
+    vocab_first: int
+    vocab_part: int
+
+
+def unsplittable_reason(config: PretrainedConfig, world: int) -> str | None:
+    """None when a model of `config` splits over `world` ranks, else one line saying why not."""
+    cfg: Any = config
+    model_type = getattr(cfg, "model_type", None)
+    if model_type not in SUPPORTED_TYPES:
+        return (
+            f"tensor parallelism runs the fast path's Llama-family models ({', '.join(SUPPORTED_TYPES)}); "
+            f"this model is {model_type!r}"
+        )
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    inter = int(cfg.intermediate_size)
+    if heads % world:
+        return f"tensor_parallel_degree={world} does not divide the model's {heads} attention heads"
+    if kv_heads % world and world % kv_heads:
+        return (
+            f"tensor_parallel_degree={world} neither divides the model's {kv_heads} KV heads nor is a multiple of them"
+        )
+    if inter % world:
+        return f"tensor_parallel_degree={world} does not divide the model's intermediate size {inter}"
+    return None
+
+
+def shard_plan(config: PretrainedConfig, rank: int, world: int) -> ShardPlan:
+    reason = unsplittable_reason(config, world)
+    if reason is not None:
+        raise ValueError(reason)
+    cfg: Any = config
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // heads)
+    q_heads = heads // world
+    if kv_heads >= world:
+        local_kv, kv_first = kv_heads // world, rank * (kv_heads // world)
+    else:  # replicated: the KV head of this rank's query heads
+        local_kv, kv_first = 1, (rank * q_heads) // (heads // kv_heads)
+    inter = int(cfg.intermediate_size) // world
+    vocab = int(cfg.vocab_size)
+    part = -(-vocab // world)
+    return ShardPlan(
+        rank, world, head_dim, rank * q_heads, q_heads, kv_first, local_kv, rank * inter, inter, vocab, rank * part, part
+    )
+
+
+class TensorParallelShard:
+    """A rank's collectives over its tensor-parallel group (`group`: the process group of the ranks)."""
+
+    def __init__(self, plan: ShardPlan, group: ProcessGroup | None) -> None:
+        self.plan = plan
+        self.group = group
+        self.rank, self.world = plan.rank, plan.world
+
+    def embed(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Rows of the (vocabulary-parallel) embedding `weight` for `ids`: each rank looks up the ids in
+        its rows (zeros elsewhere), the all-reduce sums them."""
+        local = ids - self.plan.vocab_first
+        inside = (local >= 0) & (local < self.plan.vocab_part)
+        x = F.embedding(local.clamp(0, self.plan.vocab_part - 1), weight)
+        x = x * inside[:, None].to(x.dtype)
+        return self.all_reduce(x)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of `x` over the ranks (in place when `x` is contiguous)."""
+        import torch.distributed as dist
+
+        x = x.contiguous()
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
+        """The whole ``[rows, vocab]`` logits from every rank's ``[rows, vocab_part]``."""
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(local) for _ in range(self.world)]
+        dist.all_gather(parts, local.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)[:, : self.plan.vocab].contiguous()
+
+
+# the shard of each sharded model (weak keys: it goes with its model)
+_SHARDS: weakref.WeakKeyDictionary[torch.nn.Module, TensorParallelShard] = weakref.WeakKeyDictionary()
+
+
+def shard_of(model: torch.nn.Module) -> TensorParallelShard | None:
+    """The shard `model` was cut to (None: a whole model)."""
+    return _SHARDS.get(model)
+
+
+def shard_model(model: PreTrainedModel, rank: int, world: int, group: ProcessGroup | None) -> TensorParallelShard:
+    """Keep rank `rank`'s share of `model`'s weights (in place; the rest is freed) and say the local head
+    counts in its config. Refused (ValueError) for a model the fast path does not run or that does not
+    split over `world` ranks."""
+    plan = shard_plan(model.config, rank, world)
+    llama = as_llama(model)  # checks the layout (and rejects what the fast path does not run)
+    d = plan.head_dim
+    q_rows = slice(plan.q_first * d, (plan.q_first + plan.q_heads) * d)
+    kv_rows = slice(plan.kv_first * d, (plan.kv_first + plan.kv_heads) * d)
+    inter = slice(plan.inter_first, plan.inter_first + plan.inter)
+    for layer in llama.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        _keep_rows(attn.q_proj, q_rows)
+        _keep_rows(attn.k_proj, kv_rows)
+        _keep_rows(attn.v_proj, kv_rows)
+        _keep_columns(attn.o_proj, q_rows, rank)
+        _keep_rows(mlp.gate_proj, inter)
+        _keep_rows(mlp.up_proj, inter)
+        _keep_columns(mlp.down_proj, inter, rank)
+    embed, head = llama.model.embed_tokens, llama.lm_head
+    tied = head.weight is embed.weight
+    embed.weight = torch.nn.Parameter(_vocab_rows(embed.weight, plan), requires_grad=False)
+    head.weight = embed.weight if tied else torch.nn.Parameter(_vocab_rows(head.weight, plan), requires_grad=False)
+    cfg: Any = model.config
+    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = plan.q_heads, plan.kv_heads, d
+    shard = _SHARDS[model] = TensorParallelShard(plan, group)
+    return shard
+
+
+def _keep_rows(linear: torch.nn.Linear, rows: slice) -> None:
+    linear.weight = torch.nn.Parameter(linear.weight.detach()[rows].clone(), requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = torch.nn.Parameter(linear.bias.detach()[rows].clone(), requires_grad=False)
+
+
+def _keep_columns(linear: torch.nn.Linear, columns: slice, rank: int) -> None:
+    linear.weight = torch.nn.Parameter(linear.weight.detach()[:, columns].contiguous(), requires_grad=False)
+    if linear.bias is not None and rank != 0:  # the partial sums are all-reduced: one rank adds the bias
+        linear.bias = None
+
+
+def _vocab_rows(weight: torch.Tensor, plan: ShardPlan) -> torch.Tensor:
+    rows = weight.detach()[plan.vocab_first : plan.vocab_first + plan.vocab_part]
+    if rows.shape[0] < plan.vocab_part:
+        rows = torch.cat([rows, rows.new_zeros(plan.vocab_part - rows.shape[0], rows.shape[1])])
+    return rows.clone()

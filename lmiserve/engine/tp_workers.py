@@ -1,0 +1,379 @@
+"""Tensor-parallel workers: one process a rank (one a device), the model's shard in each
+(engine/tensor_parallel.py), joined in a torch.distributed group (NCCL on CUDA, gloo on CPU).
+
+The engine core stays in the serving process (the leader): it plans every step as plain data
+(engine/step.py) and `TensorParallelExecutor` sends the batch to rank 0 over a pipe; rank 0 broadcasts
+it to every rank over a gloo group (`broadcast_object_list`), every rank runs it (the all-reduces and the
+logits' all-gather inside the forward), and rank 0 answers with its `StepOutput`. Every rank samples from
+the same gathered logits, so no token needs sending back to the others: the next batch carries them.
+
+Across nodes the ranks are ``node_rank * local + i``: node 0 (the leader) serves HTTP and starts its
+local ranks with this executor; every other node runs `run_node` (no HTTP) which starts its own and
+waits. They meet at ``master_addr:master_port`` (torchrun's rendezvous variables).
+
+Faults: a worker that exits, or a step that answers not within `step_timeout`, is `ExecutorFailed`
+(the engine fails, the server turns unhealthy and exits non-zero). In a worker any exception of a step
+is fatal (its ranks' collectives would no longer pair up). Workers ignore SIGINT and SIGTERM (the
+leader drains, then closes them) and exit when their parent process goes away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lmiserve.engine.runners.paged import PagedFastRunner
+from lmiserve.engine.scheduler import StepOutput
+from lmiserve.engine.step import Executor, ExecutorFailed, StepBatch
+
+if TYPE_CHECKING:
+    from lmiserve.engine.async_engine import EngineConfig
+
+log = logging.getLogger(__name__)
+
+CONTROL_TIMEOUT = timedelta(days=365)  # the batch broadcast waits as long as the server idles
+PARENT_POLL_S = 1.0  # how often a worker checks that its parent process is still there
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs to load its shard and join its group (picklable: sent to spawned
+    processes)."""
+
+    model_path: str
+    dtype: str  # resolved for the device (e.g. bfloat16 on CUDA)
+    device: str  # "cpu" or "cuda"
+    load_format: str
+    trust_remote_code: bool
+    world: int  # ranks over all nodes (tensor_parallel_degree)
+    config: EngineConfig  # block size, pool budget, speculation (ngram), ...
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    step_timeout: float = 300.0
+    log_level: str = "INFO"
+
+    @property
+    def local_world(self) -> int:
+        return self.world // self.nnodes
+
+    @property
+    def local_ranks(self) -> range:
+        return range(self.node_rank * self.local_world, (self.node_rank + 1) * self.local_world)
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for a one-node group's rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+class TensorParallelRunner(PagedFastRunner):
+    """A rank's runner: the paged fast runner over its shard, whose failures are not retried part by part
+    (a retry alone would run collectives the other ranks do not): a step that raises stops the worker."""
+
+    def _run_rows(self, batch: StepBatch, part: list[int], out: StepOutput) -> None:
+        self._finish_rows(batch, part, self._forward_rows(batch, part), out)
+
+
+# ---- the worker process ------------------------------------------------------------------------------
+def worker_main(spec: WorkerSpec, rank: int, local_rank: int, conn: Connection | None) -> None:
+    """A rank's process: join the group, load the shard, agree on the pool, then run batches until told
+    to stop (None) or until the group breaks. Rank 0 talks to the leader over `conn`."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
+    _exit_with_parent()
+    logging.basicConfig(
+        level=spec.log_level, format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s", force=True
+    )
+    if spec.device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.local_world))
+    code = 1
+    try:
+        code = _serve(spec, rank, local_rank, conn)
+    except Exception as exc:  # noqa: BLE001 - told to the leader (rank 0), logged, and the worker exits
+        log.exception("tensor-parallel worker failed")
+        _tell(conn, ("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
+    finally:
+        os._exit(code)  # no interpreter teardown: a broken group's threads must not keep the process alive
+
+
+def _serve(spec: WorkerSpec, rank: int, local_rank: int, conn: Connection | None) -> int:
+    import torch.distributed as dist
+
+    cuda = spec.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=f"tcp://{spec.master_addr}:{spec.master_port}",
+        rank=rank,
+        world_size=spec.world,
+        timeout=timedelta(seconds=spec.step_timeout),
+    )
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    error, loaded, capacity = None, None, 0
+    try:
+        loaded, capacity = _load_shard(spec, rank, local_rank)
+    except Exception as exc:  # noqa: BLE001 - gathered below: every rank stops, rank 0 says why
+        log.exception("loading the shard failed")
+        error = f"rank {rank}: {exc}"
+    statuses: list[Any] = [None] * spec.world
+    dist.all_gather_object(statuses, (error, capacity), group=control)
+    errors = [e for e, _ in statuses if e]
+    if errors:
+        _tell(conn, ("error", errors[0]))
+        return 1
+    assert loaded is not None
+    num_blocks = min(c for _, c in statuses)
+    runner = _runner(spec, loaded, num_blocks)
+    _tell(conn, ("ready", (runner.num_blocks, runner.block_size, runner.vocab_size, list(runner.eos_token_ids))))
+    log.info("rank %d of %d ready: %d KV blocks of %d tokens", rank, spec.world, num_blocks, runner.block_size)
+    while True:
+        box: list[Any] = [None]
+        if rank == 0:
+            assert conn is not None
+            with contextlib.suppress(EOFError, OSError):
+                box[0] = conn.recv()
+        dist.broadcast_object_list(box, src=0, group=control)
+        batch = box[0]
+        if batch is None:
+            break
+        output = runner.execute_batch(batch)
+        if conn is not None:
+            conn.send(("ok", output))
+    dist.destroy_process_group()
+    return 0
+
+
+def _load_shard(spec: WorkerSpec, rank: int, local_rank: int) -> tuple[Any, int]:
+    """The model loaded on the CPU, cut to this rank's shard, moved to its device; and the blocks of KV
+    its memory allows (`kv_cache_memory_bytes` per worker, else the device's share)."""
+    import torch.distributed as dist
+
+    from lmiserve.engine.factory import kv_pool_blocks
+    from lmiserve.engine.tensor_parallel import shard_model
+    from lmiserve.models.load import load_causal_lm
+
+    loaded = load_causal_lm(
+        spec.model_path,
+        dtype=spec.dtype,
+        device="cpu",
+        trust_remote_code=spec.trust_remote_code,
+        load_format=spec.load_format,
+    )
+    shard_model(loaded.model, rank, spec.world, dist.group.WORLD)
+    if spec.device == "cuda":
+        device = torch.device("cuda", local_rank)
+        loaded.model.to(device)  # type: ignore[arg-type]  # transformers' wrapped `to`
+        loaded = dataclasses.replace(loaded, device=device)
+    return loaded, kv_pool_blocks(loaded, spec.config)
+
+
+def _runner(spec: WorkerSpec, loaded: Any, num_blocks: int) -> TensorParallelRunner:
+    from lmiserve.engine.speculative import NgramProposer
+
+    config = spec.config
+    runner = TensorParallelRunner(
+        loaded.model,
+        max_slots=config.max_running,
+        max_context=loaded.max_context,
+        eos_token_ids=loaded.eos_token_ids,
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+    )
+    spec_settings = config.speculation
+    if spec_settings is not None:  # prompt lookup only (a draft model is refused with tensor parallelism)
+        runner.proposer = NgramProposer(spec_settings.prompt_lookup_min, spec_settings.prompt_lookup_max)
+    return runner
+
+
+def _tell(conn: Connection | None, message: tuple[str, Any]) -> None:
+    if conn is not None:
+        with contextlib.suppress(OSError):
+            conn.send(message)
+
+
+def _exit_with_parent() -> None:
+    """End this process when its parent goes (a crashed or killed leader leaves no worker behind)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(PARENT_POLL_S)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="lmiserve-tp-parent", daemon=True).start()
+
+
+# ---- the leader's side -----------------------------------------------------------------------------
+def _start_workers(spec: WorkerSpec, conn: Connection | None) -> list[Any]:
+    """This node's ranks as spawned processes (rank 0, on the leader's node, gets `conn`)."""
+    context = mp.get_context("spawn")
+    processes = []
+    for local_rank, rank in enumerate(spec.local_ranks):
+        process: Any = context.Process(  # type: ignore[attr-defined]
+            target=worker_main,
+            args=(spec, rank, local_rank, conn if rank == 0 else None),
+            name=f"lmiserve-tp-rank{rank}",
+            daemon=True,
+        )
+        process.start()
+        processes.append(process)
+    return processes
+
+
+def _stop(processes: list[Any], grace: float) -> None:
+    """Wait up to `grace` seconds for `processes` to end, then kill the rest; every one is reaped."""
+    deadline = time.monotonic() + grace
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join(5)
+
+
+def _exit_text(process: Any) -> str:
+    process.join(1.0)  # its sentinel is ready: the exit status comes with the reaping
+    code = process.exitcode
+    how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+    return f"tensor-parallel worker rank {process.name.removeprefix('lmiserve-tp-rank')} (pid {process.pid}) {how}"
+
+
+class TensorParallelExecutor(Executor):
+    """The leader's executor: this node's ranks as worker processes, batches through rank 0."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        if spec.node_rank != 0:
+            raise ValueError("the tensor-parallel executor runs on node 0 (the others run `run_node`)")
+        self.spec = spec
+        self._conn, child = mp.get_context("spawn").Pipe()
+        self._processes = _start_workers(spec, child)
+        child.close()
+        self._closing = False
+        self._lock = threading.Lock()  # one step at a time, and close after it
+        try:
+            kind, info = self._receive(None)
+        except ExecutorFailed as exc:
+            self.close()
+            raise ValueError(f"tensor parallelism did not start: {exc}") from None
+        if kind != "ready":
+            self.close()
+            raise ValueError(f"tensor parallelism did not start: {info}")
+        self.num_blocks, self.block_size, self.vocab_size, self.eos_token_ids = info
+        self.kv_bytes = 0  # per worker; the pool's total is not known here
+        log.info(
+            "tensor parallelism: %d ranks (%d on this node), %d KV blocks of %d tokens",
+            spec.world,
+            spec.local_world,
+            self.num_blocks,
+            self.block_size,
+        )
+
+    def _receive(self, timeout: float | None) -> tuple[str, Any]:
+        """Rank 0's next message; ExecutorFailed if a worker of this node exits first or none comes
+        within `timeout` seconds."""
+        sentinels = {process.sentinel: process for process in self._processes}
+        ready = wait([self._conn, *sentinels], timeout)
+        if self._conn in ready:
+            try:
+                message: tuple[str, Any] = self._conn.recv()
+                return message
+            except (EOFError, OSError):
+                pass
+        for key in ready:
+            if key in sentinels:
+                raise ExecutorFailed(_exit_text(sentinels[key]))
+        if not ready:
+            raise ExecutorFailed(
+                f"a step ran past step_timeout={self.spec.step_timeout:g} s (a tensor-parallel worker hangs)"
+            )
+        raise ExecutorFailed("tensor-parallel rank 0 closed its pipe")
+
+    def execute(self, batch: StepBatch) -> StepOutput:
+        with self._lock:
+            if self._closing:
+                raise ExecutorFailed("the tensor-parallel workers are closed")
+            try:
+                self._conn.send(batch)
+            except OSError as exc:
+                raise ExecutorFailed(f"tensor-parallel rank 0 is gone: {exc}") from None
+            kind, info = self._receive(self.spec.step_timeout)
+        if kind != "ok":
+            raise ExecutorFailed(info)
+        output: StepOutput = info
+        return output
+
+    def watch(self, on_failure: Callable[[str], None]) -> None:
+        def run() -> None:
+            ready = wait([process.sentinel for process in self._processes])
+            if self._closing:
+                return
+            for process in self._processes:
+                if process.sentinel in ready:
+                    on_failure(_exit_text(process))
+                    return
+
+        threading.Thread(target=run, name="lmiserve-tp-watch", daemon=True).start()
+
+    def close(self) -> None:
+        """Tell the workers to stop (after the step in flight), then reap them (killed after 10 s)."""
+        self._closing = True
+        acquired = self._lock.acquire(timeout=self.spec.step_timeout)
+        try:
+            with contextlib.suppress(OSError):
+                self._conn.send(None)
+            self._conn.close()
+        finally:
+            if acquired:
+                self._lock.release()
+        _stop(self._processes, 10.0)
+
+
+# ---- the other nodes -------------------------------------------------------------------------------
+def run_node(spec: WorkerSpec) -> int:
+    """A node other than the leader: start its ranks and wait for them. 0 when they all stopped cleanly
+    (the leader closed them) or SIGTERM/SIGINT stopped them; 4 (the engine failed) when one failed, the
+    others then killed."""
+    processes = _start_workers(spec, None)
+    stopping = threading.Event()
+    previous = {signum: signal.signal(signum, lambda *_: stopping.set()) for signum in (signal.SIGTERM, signal.SIGINT)}
+    log.info("node %d of %d: ranks %s started", spec.node_rank, spec.nnodes, list(spec.local_ranks))
+    try:
+        while not stopping.is_set() and any(process.is_alive() for process in processes):
+            wait([process.sentinel for process in processes], 1.0)
+            if any(process.exitcode not in (None, 0) for process in processes):
+                break
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if stopping.is_set() or any(process.exitcode not in (None, 0) for process in processes):
+            for process in processes:
+                if process.is_alive():
+                    process.kill()
+        _stop(processes, 10.0)
+    if stopping.is_set():
+        return 0
+    failed = [process for process in processes if process.exitcode != 0]
+    for process in failed:
+        log.error("%s", _exit_text(process))
+    return 4 if failed else 0
