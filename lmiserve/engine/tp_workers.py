@@ -103,8 +103,13 @@ def worker_main(spec: WorkerSpec, rank: int, local_rank: int, conn: Connection |
     logging.basicConfig(
         level=spec.log_level, format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s", force=True
     )
-    if spec.device == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.local_world))
+    if spec.device == "cpu":  # the node's cores shared by its ranks (torch's and the compiled kernels')
+        threads = max(1, (os.cpu_count() or 1) // spec.local_world)
+        torch.set_num_threads(threads)
+        with contextlib.suppress(ImportError, ValueError):
+            import numba
+
+            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     code = 1
     try:
         code = _serve(spec, rank, local_rank, conn)
