@@ -46,6 +46,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT = timedelta(days=365)  # the batch broadcast waits as long as the server idles
+# the group's rendezvous and the loading that follows wait this long at least for every rank (nodes and
+# their weights may come up minutes apart); a step's collectives are watched by the leader's step_timeout
+START_TIMEOUT_S = 1800.0
 PARENT_POLL_S = 1.0  # how often a worker checks that its parent process is still there
 
 
@@ -100,8 +103,11 @@ def worker_main(spec: WorkerSpec, rank: int, local_rank: int, conn: Connection |
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
     _exit_with_parent()
+    level = logging.getLevelName(spec.log_level)
     logging.basicConfig(
-        level=spec.log_level, format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s", force=True
+        level=level if isinstance(level, int) else logging.INFO,
+        format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s",
+        force=True,
     )
     if spec.device == "cpu":  # the node's cores shared by its ranks (torch's and the compiled kernels')
         threads = max(1, (os.cpu_count() or 1) // spec.local_world)
@@ -131,7 +137,7 @@ def _serve(spec: WorkerSpec, rank: int, local_rank: int, conn: Connection | None
         init_method=f"tcp://{spec.master_addr}:{spec.master_port}",
         rank=rank,
         world_size=spec.world,
-        timeout=timedelta(seconds=spec.step_timeout),
+        timeout=timedelta(seconds=max(spec.step_timeout, START_TIMEOUT_S)),
     )
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     error, loaded, capacity = None, None, 0
@@ -149,7 +155,8 @@ def _serve(spec: WorkerSpec, rank: int, local_rank: int, conn: Connection | None
     assert loaded is not None
     num_blocks = min(c for _, c in statuses)
     runner = _runner(spec, loaded, num_blocks)
-    _tell(conn, ("ready", (runner.num_blocks, runner.block_size, runner.vocab_size, list(runner.eos_token_ids))))
+    shape = (runner.num_blocks, runner.block_size, runner.vocab_size, list(runner.eos_token_ids), runner.kv_bytes)
+    _tell(conn, ("ready", shape))
     log.info("rank %d of %d ready: %d KV blocks of %d tokens", rank, spec.world, num_blocks, runner.block_size)
     while True:
         box: list[Any] = [None]
@@ -284,8 +291,8 @@ class TensorParallelExecutor(Executor):
         if kind != "ready":
             self.close()
             raise ValueError(f"tensor parallelism did not start: {info}")
-        self.num_blocks, self.block_size, self.vocab_size, self.eos_token_ids = info
-        self.kv_bytes = 0  # per worker; the pool's total is not known here
+        self.num_blocks, self.block_size, self.vocab_size, self.eos_token_ids, rank_bytes = info
+        self.kv_bytes = rank_bytes * spec.world  # every rank's pool (rank 0's shape)
         log.info(
             "tensor parallelism: %d ranks (%d on this node), %d KV blocks of %d tokens",
             spec.world,
