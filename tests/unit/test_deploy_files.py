@@ -29,7 +29,8 @@ def test_every_yaml_file_is_a_kubernetes_object():
     for path in files:
         for doc in yaml.safe_load_all(path.read_text()):
             assert isinstance(doc, dict), path
-            assert "/" in doc["apiVersion"] and doc["kind"][0].isupper(), path
+            group_version = doc["apiVersion"]  # `group/version`, or `v1` for the core group (Service)
+            assert ("/" in group_version or group_version == "v1") and doc["kind"][0].isupper(), path
             assert doc["metadata"]["name"], path
             assert isinstance(doc["spec"], dict), path
 
