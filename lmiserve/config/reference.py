@@ -196,7 +196,7 @@ every such key in one warning line, each with where it came from and the key it 
 ```
 
 These LMI keys are known and ignored on purpose in `serving.properties` and the environment (one engine,
-no Python handlers, no tensor parallelism); with `-o` they are an error like any other unknown key:
+no Python handlers, no pipeline parallelism); with `-o` they are an error like any other unknown key:
 {lmi_keys}. `OPTION_ENTRYPOINT` is read as LMI's `entryPoint`.
 """
 
