@@ -15,10 +15,14 @@ dependencies can come as wheels; see benchmarks/README.md, "The GPU check"). It 
    against the bare forward, static ``generate()`` and transformers' continuous batching
    (``generate_batch``) on the same GPU in the same run.
 4. ``bench-8b/``: the same for Llama-3.1-8B's shape, when the GPU holds it and time is left.
-5. ``executor-cuda.json`` and ``executor-cpu.json`` (with ``--executor``, when time is left):
+5. ``tp-tiny.json`` and ``tp-1b.json``: ``benchmarks/tp_parity.py``, the engine over tensor-parallel
+   workers (NCCL; 2 ranks when the machine has 2 GPUs, else 1 rank: the workers' path alone) against
+   the model in the engine's process, greedy agreement and decode tokens/s, for the tiny test model and
+   the 1B shape (bf16).
+6. ``executor-cuda.json`` and ``executor-cpu.json`` (with ``--executor``, when time is left):
    ``benchmarks/executor_process.py``, the model in the engine's thread against a child process, for the
    1B shape on the GPU and for SmolLM2-135M's shape on all of the machine's CPU cores.
-6. ``summary.json`` and ``summary.md``: what passed, tokens/s, TTFT, ITL and the ratios.
+7. ``summary.json`` and ``summary.md``: what passed, tokens/s, TTFT, ITL and the ratios.
 
 Every step has a time limit inside ``--budget`` (default 450 s); a step that fails or runs out is
 recorded as such and the next one runs.
@@ -382,7 +386,40 @@ def main(argv: list[str] | None = None) -> int:
         summary["steps"].append(step)
         summary[f"bench_{shape}"] = bench_summary(bench_dir)
 
-    # 5. the executor: the model in the engine's thread or in a child process (issue #20 item 5)
+    # 5. tensor parallelism (issue #25): the workers' path on CUDA against the model in this process
+    degree = min(2, torch.cuda.device_count())
+    for name, extra in (("tiny", []), ("1b", ["--model-id", str(out / "model-1b"), "-o", "load_format=dummy"])):
+        if left() < 60:
+            summary["steps"].append(_skipped(f"tensor parallel {name}", "time"))
+            continue
+        if name == "1b":
+            dummy_model_dir("1b", out / "model-1b")
+        report = out / f"tp-{name}.json"
+        command = [
+            sys.executable,
+            str(ROOT / "benchmarks" / "tp_parity.py"),
+            "--device",
+            "cuda",
+            "--degree",
+            str(degree),
+            "-o",
+            "dtype=bf16" if name == "1b" else "dtype=fp32",
+            "-o",
+            "kv_cache_memory_bytes=4GiB",
+            "--prompts",
+            "32",
+            "--max-new-tokens",
+            "64",
+            "--json",
+            str(report),
+            *extra,
+        ]
+        step = run_step(f"tensor parallel {name}", command, out / f"tp-{name}.log", min(120.0, left() - 5), env)
+        if report.exists():
+            step["report"] = json.loads(report.read_text())
+        summary["steps"].append(step)
+
+    # 6. the executor: the model in the engine's thread or in a child process (issue #20 item 5)
     if args.executor:
         runs = (
             ("cuda", "1b", ["-o", "device=cuda", "-o", "dtype=bf16"]),

@@ -184,7 +184,9 @@ def serve(settings, services: list | None = None, held: list[logging.LogRecord] 
         from lmiserve.models.service import run_worker_node
         from lmiserve.server.lifecycle import ExitCode
 
-        log.info("node %d of %d: tensor-parallel workers only (node 0 serves HTTP)", settings.node_rank, settings.nnodes)
+        log.info(
+            "node %d of %d: tensor-parallel workers only (node 0 serves HTTP)", settings.node_rank, settings.nnodes
+        )
         try:
             code = run_worker_node(settings)
         except Exception as exc:  # noqa: BLE001 - one line, as a failed start of the leader says it

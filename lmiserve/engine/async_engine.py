@@ -206,7 +206,11 @@ class AsyncEngine:
             loop = asyncio.get_running_loop()
             self._task = loop.create_task(self._loop(), name="lmiserve-engine")
             if self.executor is not None:
-                self.executor.watch(lambda why: loop.call_soon_threadsafe(self._executor_failed, why))
+
+                def failed(why: str) -> None:
+                    loop.call_soon_threadsafe(self._executor_failed, why)
+
+                self.executor.watch(failed)
 
     def _executor_failed(self, why: str) -> None:
         """The executor failed between steps (a worker process died): the engine fails now, not at its

@@ -20,10 +20,10 @@ from lmiserve.engine.quantize import Int4Linear, Int8Linear, quantize_output_int
 from lmiserve.engine.runners import FastRunner, ModelRunner, create_runner, paged_generic, runner_class
 from lmiserve.engine.runners.batched import PersistentBatchRunner
 from lmiserve.engine.runners.paged import PagedFastRunner, kv_bytes_per_block
-from lmiserve.engine.tensor_parallel import unsplittable_reason
-from lmiserve.engine.tp_workers import TensorParallelExecutor, WorkerSpec, free_port
 from lmiserve.engine.speculative import DraftModelProposer, NgramProposer, Proposer, SpeculationSettings
+from lmiserve.engine.tensor_parallel import unsplittable_reason
 from lmiserve.engine.tokenizer import HfTokenizer
+from lmiserve.engine.tp_workers import TensorParallelExecutor, WorkerSpec, free_port
 from lmiserve.engine.validation import PromptCodec
 
 if TYPE_CHECKING:

@@ -18,8 +18,8 @@ tensor-parallel executor sends the same batches to its workers.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -106,10 +106,10 @@ class Executor(ABC):
         """Apply the batch's bookkeeping, compute its rows, sample; never raise for one request's failure
         (`ExecutorFailed` when the executor itself can go on no more)."""
 
-    def watch(self, on_failure: Callable[[str], None]) -> None:
+    def watch(self, on_failure: Callable[[str], None]) -> None:  # noqa: B027 - most executors have nothing to watch
         """Call `on_failure` (from any thread) if the executor fails between steps (a worker dies)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - most executors hold nothing to release
         """Release what the executor holds (its worker processes)."""
 
 

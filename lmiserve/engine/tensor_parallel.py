@@ -97,7 +97,18 @@ def shard_plan(config: PretrainedConfig, rank: int, world: int) -> ShardPlan:
     vocab = int(cfg.vocab_size)
     part = -(-vocab // world)
     return ShardPlan(
-        rank, world, head_dim, rank * q_heads, q_heads, kv_first, local_kv, rank * inter, inter, vocab, rank * part, part
+        rank=rank,
+        world=world,
+        head_dim=head_dim,
+        q_first=rank * q_heads,
+        q_heads=q_heads,
+        kv_first=kv_first,
+        kv_heads=local_kv,
+        inter_first=rank * inter,
+        inter=inter,
+        vocab=vocab,
+        vocab_first=rank * part,
+        vocab_part=part,
     )
 
 
@@ -182,7 +193,7 @@ def _keep_rows(linear: torch.nn.Linear, rows: slice) -> None:
 def _keep_columns(linear: torch.nn.Linear, columns: slice, rank: int) -> None:
     linear.weight = torch.nn.Parameter(linear.weight.detach()[:, columns].contiguous(), requires_grad=False)
     if linear.bias is not None and rank != 0:  # the partial sums are all-reduced: one rank adds the bias
-        linear.bias = None
+        linear.register_parameter("bias", None)
 
 
 def _vocab_rows(weight: torch.Tensor, plan: ShardPlan) -> torch.Tensor:

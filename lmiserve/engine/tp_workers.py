@@ -115,7 +115,7 @@ def worker_main(spec: WorkerSpec, rank: int, local_rank: int, conn: Connection |
         with contextlib.suppress(ImportError, ValueError):
             import numba
 
-            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
     code = 1
     try:
         code = _serve(spec, rank, local_rank, conn)
@@ -242,7 +242,7 @@ def _start_workers(spec: WorkerSpec, conn: Connection | None) -> list[Any]:
     context = mp.get_context("spawn")
     processes = []
     for local_rank, rank in enumerate(spec.local_ranks):
-        process: Any = context.Process(  # type: ignore[attr-defined]
+        process: Any = context.Process(
             target=worker_main,
             args=(spec, rank, local_rank, conn if rank == 0 else None),
             name=f"lmiserve-tp-rank{rank}",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -26,7 +27,14 @@ from lmiserve.engine.quantize import (
 )
 from lmiserve.models import ModelLoadError
 
-__all__ = ["DEFAULT_MAX_CONTEXT", "LoadedModel", "load_causal_lm", "load_model_shell", "resolve_device", "resolve_dtype"]
+__all__ = [
+    "DEFAULT_MAX_CONTEXT",
+    "LoadedModel",
+    "load_causal_lm",
+    "load_model_shell",
+    "resolve_device",
+    "resolve_dtype",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -177,10 +185,8 @@ def load_model_shell(
             model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError, ImportError) as exc:
         raise ModelLoadError(f"could not load the model in {path}: {exc}") from exc
-    try:
+    with contextlib.suppress(OSError):  # no generation_config.json: the config's own
         model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
-    except OSError:
-        pass  # no generation_config.json: the config's own
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return LoadedModel(
