@@ -167,20 +167,12 @@ class AsyncEngine:
             self.scheduler = Scheduler(*limits, prefix=self.prefix, **options)
         self.speculation: SpeculationPolicy | None = None
         if config.speculation is not None:
-            if not isinstance(self.scheduler, BlockScheduler) or self.executor is None:
-                raise ValueError(
-                    "speculative decoding needs the paged KV cache (kv_cache=paged, not batch_invariant, "
-                    "an architecture the paged runners serve)"
-                )
-            self.speculation = self.scheduler.speculation = SpeculationPolicy(config.speculation)
+            self.speculation = self._block_scheduler("speculative decoding needs").speculation = SpeculationPolicy(
+                config.speculation
+            )
         self.adapters = adapters
         if adapters is not None:
-            if not isinstance(self.scheduler, BlockScheduler) or self.executor is None:
-                raise ValueError(
-                    "LoRA adapters need the paged KV cache (kv_cache=paged, not batch_invariant, an "
-                    "architecture the paged runners serve)"
-                )
-            self.scheduler.max_loras = adapters.limits.max_loras
+            self._block_scheduler("LoRA adapters need").max_loras = adapters.limits.max_loras
         self._handles: dict[int, _Handle] = {}  # seq_id -> handle
         self._ids = itertools.count(1)
         self._wakeup = asyncio.Event()
@@ -190,6 +182,15 @@ class AsyncEngine:
         self.generated_tokens = 0  # since start, for `snapshot`
         self.failure: str | None = None  # why the engine core failed (`_die`); it serves nothing then
         self.on_failure: list[Callable[[str], None]] = []
+
+    def _block_scheduler(self, what_needs: str) -> BlockScheduler:
+        """The block scheduler (ValueError naming `what_needs` it when the engine runs the slot layout)."""
+        if not isinstance(self.scheduler, BlockScheduler) or self.executor is None:
+            raise ValueError(
+                f"{what_needs} the paged KV cache (kv_cache=paged, not batch_invariant, an architecture the "
+                "paged runners serve)"
+            )
+        return self.scheduler
 
     def _check_fits(self, tokens: int) -> None:
         """A request whose KV (prompt + max new tokens) needs more blocks than the whole pool is refused."""
@@ -334,6 +335,9 @@ class AsyncEngine:
 
     def _release(self, handle: _Handle) -> None:
         adapter, handle.adapter = handle.adapter, None
+        self._release_adapter(adapter)
+
+    def _release_adapter(self, adapter: LoraAdapter | None) -> None:
         if adapter is not None and self.adapters is not None:
             self.adapters.release(adapter)
 
@@ -361,8 +365,7 @@ class AsyncEngine:
         try:
             return self._enqueue(request, grammar, prompt_ids, adapter, arrival)
         except BaseException:
-            if adapter is not None and self.adapters is not None:
-                self.adapters.release(adapter)
+            self._release_adapter(adapter)
             raise
 
     def _enqueue(
