@@ -157,16 +157,18 @@ class PagedGenericRunner(ModelRunner, PersistentBatchRunner):
         super().__init__(model, max_slots=max_slots, max_context=max_context, eos_token_ids=eos_token_ids)
         self._hold_pool(model, paged_cache(model, num_blocks, block_size))
         self._step_lora: LoraBatch | None = None  # the adapters of the forward running now
-        self._hooked: set[str] = set()
+        self._hooked: set[str] = set()  # the modules that have the hook
+        self._hooked_adapters: set[int] = set()  # the adapter loads whose modules all have it
 
     # ---- LoRA: a hook on each adapted linear adds the step's deltas to its output ---------------------
     def _lora(self, batch: StepBatch, part: list[int], tokens: list[int]) -> LoraBatch | None:
         for i in part:
             adapter = self._requests[batch.rows[i].seq_id].adapter
-            if adapter is not None:
+            if adapter is not None and adapter.id not in self._hooked_adapters:  # its modules, once a load
                 for path in adapter.modules:
                     if path not in self._hooked:
                         self._hook(path)
+                self._hooked_adapters.add(adapter.id)
         return super()._lora(batch, part, tokens)
 
     def _hook(self, path: str) -> None:
