@@ -135,18 +135,7 @@ def load_causal_lm(
         count = quantize_linears_int4(model)
         logger.info("int4: %d linear layers quantized (groups of 32, scale and minimum), the rest fp32", count)
 
-    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
-        tokenizer.pad_token = tokenizer.eos_token
-    loaded = LoadedModel(
-        model=model,
-        tokenizer=tokenizer,
-        device=torch_device,
-        dtype=torch_dtype,
-        max_context=_max_context(model, tokenizer),
-        eos_token_ids=_eos_token_ids(model, tokenizer),
-        name=name or path.name,
-        path=path,
-    )
+    loaded = _loaded(model, tokenizer, torch_device, torch_dtype, name or path.name, path)
     logger.info(
         "loaded %s (%s, %s on %s, context %d) in %.1f s",
         path,
@@ -187,16 +176,29 @@ def load_model_shell(
         raise ModelLoadError(f"could not load the model in {path}: {exc}") from exc
     with contextlib.suppress(OSError):  # no generation_config.json: the config's own
         model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
+    return _loaded(model, tokenizer, torch_device, torch_dtype, name or path.name, path)
+
+
+def _loaded(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    device: torch.device,
+    dtype: torch.dtype,
+    name: str,
+    path: Path,
+) -> LoadedModel:
+    """The `LoadedModel` of `model` and `tokenizer` (which pads with its end-of-sequence token when it has
+    no padding token)."""
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
-        device=torch_device,
-        dtype=torch_dtype,
+        device=device,
+        dtype=dtype,
         max_context=_max_context(model, tokenizer),
         eos_token_ids=_eos_token_ids(model, tokenizer),
-        name=name or path.name,
+        name=name,
         path=path,
     )
 
