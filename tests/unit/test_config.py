@@ -303,12 +303,21 @@ def test_configs_set_what_their_names_promise() -> None:
     assert cpu.model_id is None and cpu.device == "cpu" and cpu.max_rolling_batch_size <= 8
 
 
-def test_tensor_parallel_degree_is_honoured_at_one_or_refused():
+def test_tensor_parallel_degree_is_a_number_of_ranks_or_max():
     """LMI's `tensor_parallel_degree` (vLLM's `tensor_parallel_size`, `--tensor-parallel-size`) is never
-    ignored: 1 and `max` (one device here) serve; more devices stop the start with a line saying why."""
+    ignored: a number of ranks (any, from every source; whether the model and the devices allow it is
+    checked when the model loads) or `max` (the visible GPUs; 1 on a CPU). What tensor parallelism
+    does not serve is refused with it (tests/unit/test_tensor_parallel.py)."""
     assert Settings.from_options({"option.tensor_parallel_degree": "max"}).tensor_parallel_degree == "max"
     assert Settings.from_options({"tensor_parallel_size": "1"}).tensor_parallel_degree == "1"
-    with pytest.raises(ConfigError, match=r"tensor_parallel_degree=4 asks for tensor parallelism over 4 devices"):
-        load_settings({}, None, None, environ={"OPTION_TENSOR_PARALLEL_DEGREE": "4"})
+    settings = load_settings({}, None, None, environ={"OPTION_TENSOR_PARALLEL_DEGREE": "4"})
+    assert (settings.tensor_parallel_degree, settings.sources["tensor_parallel_degree"]) == (
+        "4",
+        "environment OPTION_TENSOR_PARALLEL_DEGREE",
+    )
+    # `max` (and 1) combine with everything: on a CPU they mean one process
+    assert Settings.from_options({"tensor_parallel_degree": "max", "enable_lora": "true"}).enable_lora
+    with pytest.raises(ConfigError, match=r"tensor_parallel_degree=4 cannot be combined with kv_cache=slots"):
+        load_settings({}, None, None, environ={"OPTION_TENSOR_PARALLEL_DEGREE": "4", "OPTION_KV_CACHE": "slots"})
     with pytest.raises(ConfigError, match=r"for option 'tensor_parallel_degree': expected a positive whole number"):
         Settings.from_options({"tensor_parallel_degree": "0"})

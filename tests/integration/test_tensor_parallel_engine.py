@@ -1,0 +1,197 @@
+"""Tensor parallelism's engine (issue #25): the tiny model split over two CPU worker processes (gloo)
+gives the tokens of the whole model in one process: greedy rows, a seeded sampled row (every rank samples
+the same gathered logits, rank 0 answers), a prompt long enough for chunked prefill, prompt logprobs and
+top tokens; with KV heads split (2 over 2 ranks) and replicated (1 KV head on both ranks); and prompt
+lookup (ngram) speculative decoding on top.
+
+Each configuration's engines run once per module (a start spawns two workers, ~4 s on two cores); the
+tests compare what they answered."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from helpers.tiny_model import build_tiny_model_dir
+from lmiserve.config import Settings
+from lmiserve.core.request import GenerationRequest, SamplingParams
+
+pytestmark = pytest.mark.integration
+
+LONG_PROMPT = "The quick brown fox jumps over the lazy dog, and then it runs back home. " * 5
+PROMPTS = ["Hello world", "The quick brown fox", "Numbers like 1, 2, 3", "once upon a time", LONG_PROMPT]
+NEW_TOKENS = 16
+LOGPROB_TOL = 1e-4  # the ranks' partial sums add in another order than the whole model's products
+
+
+@dataclass
+class Answer:
+    tokens: list[int]
+    logprobs: list[float]
+    top: list[list[int]]
+    top_logprobs: list[list[float]]
+    prefill: list[tuple[int, float | None]]
+    prefill_ranks: tuple | None
+    prefill_top: list[list[int] | None] | None
+    finish: str
+    generated_text: str
+
+
+def requests() -> list[GenerationRequest]:
+    greedy = [
+        GenerationRequest(p, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos_token=True, top_n_tokens=3))
+        for p in PROMPTS
+    ]
+    seeded = GenerationRequest(
+        "Sampling with a seed",
+        SamplingParams(
+            max_new_tokens=NEW_TOKENS, ignore_eos_token=True, do_sample=True, seed=1234, temperature=0.9, top_k=50
+        ),
+    )
+    logprobs = GenerationRequest(
+        "Prompt logprobs, please",
+        SamplingParams(max_new_tokens=4, decoder_input_details=True, prompt_top_n=3, top_n_tokens=2),
+    )
+    return [*greedy, seeded, logprobs]
+
+
+async def _collect(engine, request: GenerationRequest) -> Answer:
+    tokens, logprobs, top, top_lp = [], [], [], []
+    finish = None
+    async for event in engine.generate(request):
+        if event.token is not None:
+            tokens.append(event.token.id)
+            logprobs.append(event.token.logprob)
+        if event.top_tokens:
+            top.append([t.id for t in event.top_tokens])
+            top_lp.append([t.logprob for t in event.top_tokens])
+        if event.finish is not None:
+            finish = event.finish
+    assert finish is not None and finish.error is None, finish
+    return Answer(
+        tokens,
+        logprobs,
+        top,
+        top_lp,
+        [(t.id, t.logprob) for t in finish.prefill or ()],
+        finish.prefill_ranks,
+        [None if tops is None else [t.id for t in tops] for tops in finish.prefill_top]
+        if finish.prefill_top is not None
+        else None,
+        str(finish.reason),
+        finish.generated_text,
+    )
+
+
+SPECULATION: dict[str, dict] = {}  # the speculative engines' `describe()` after their requests, by model name
+
+
+async def _run(engine) -> list[Answer]:
+    engine.start()
+    try:  # all at once: one batch of rows at different stages (the long prompt's chunks beside decodes)
+        answers = list(await asyncio.gather(*(_collect(engine, r) for r in requests())))
+        if engine.speculation is not None:
+            SPECULATION["tp"] = engine.speculation.describe()
+        return answers
+    finally:
+        await engine.stop()
+
+
+def _answers(model_dir: Path, degree: int, **options: str) -> list[Answer]:
+    from lmiserve.engine.factory import build_engine, build_tensor_parallel_engine
+    from lmiserve.models.load import load_causal_lm, load_model_shell
+
+    # a small prefill budget: the long prompt is prefilled in chunks, beside the other rows' decodes
+    base = {"model_id": str(model_dir), "device": "cpu", "max_rolling_batch_prefill_tokens": "16", **options}
+    if degree == 1:
+        engine = build_engine(load_causal_lm(model_dir, device="cpu"), Settings.from_options(base))
+    else:
+        settings = Settings.from_options({**base, "tensor_parallel_degree": str(degree)})
+        engine = build_tensor_parallel_engine(load_model_shell(model_dir, device="cpu"), settings, degree)
+    return asyncio.run(_run(engine))
+
+
+@pytest.fixture(scope="module")
+def kv1_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with one KV head (replicated on both ranks)."""
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny-kv1") / "tiny-kv1", kv_heads=1)
+
+
+@pytest.fixture(scope="module")
+def kv2_answers(tiny_model_dir: Path) -> tuple[list[Answer], list[Answer]]:
+    return _answers(tiny_model_dir, 1), _answers(tiny_model_dir, 2)
+
+
+@pytest.fixture(scope="module")
+def kv1_answers(kv1_model_dir: Path) -> tuple[list[Answer], list[Answer]]:
+    return _answers(kv1_model_dir, 1), _answers(kv1_model_dir, 2)
+
+
+@pytest.fixture(params=["kv-split", "kv-replicated"])
+def answers(request: pytest.FixtureRequest) -> tuple[list[Answer], list[Answer]]:
+    return request.getfixturevalue("kv2_answers" if request.param == "kv-split" else "kv1_answers")
+
+
+def _close(a: list[float | None], b: list[float | None]) -> bool:
+    return len(a) == len(b) and all(
+        (x is None and y is None) or (x is not None and y is not None and math.isclose(x, y, abs_tol=LOGPROB_TOL))
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def test_greedy_rows_are_the_whole_models(answers):
+    whole, split = answers
+    for i, prompt in enumerate(PROMPTS):
+        assert split[i].tokens == whole[i].tokens, prompt[:30]
+        assert len(split[i].tokens) == NEW_TOKENS
+        assert split[i].generated_text == whole[i].generated_text
+        assert _close(split[i].logprobs, whole[i].logprobs), (split[i].logprobs, whole[i].logprobs)
+
+
+def test_the_long_prompt_takes_several_prefill_chunks(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    assert len(AutoTokenizer.from_pretrained(tiny_model_dir)(LONG_PROMPT)["input_ids"]) > 3 * 16
+
+
+def test_a_seeded_sampled_row_is_the_whole_models(answers):
+    whole, split = answers
+    seeded = len(PROMPTS)
+    assert split[seeded].tokens == whole[seeded].tokens
+    assert len(set(split[seeded].tokens)) > 1
+    assert _close(split[seeded].logprobs, whole[seeded].logprobs)
+
+
+def test_top_tokens_and_prompt_logprobs_are_the_whole_models(answers):
+    whole, split = answers
+    for i in range(len(PROMPTS)):
+        assert split[i].top == whole[i].top and all(len(t) == 3 for t in split[i].top)
+        assert all(_close(a, b) for a, b in zip(split[i].top_logprobs, whole[i].top_logprobs, strict=True))
+    last = -1
+    assert split[last].prefill and [t for t, _ in split[last].prefill] == [t for t, _ in whole[last].prefill]
+    assert _close([lp for _, lp in split[last].prefill], [lp for _, lp in whole[last].prefill])
+    assert split[last].prefill_ranks == whole[last].prefill_ranks is not None
+    assert split[last].prefill_top == whole[last].prefill_top is not None
+    assert split[last].tokens == whole[last].tokens and split[last].top == whole[last].top
+
+
+NGRAM = (
+    '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3, '
+    '"disable_by_batch_size": 64, "min_acceptance_rate": 0}'
+)
+
+
+def test_ngram_speculation_under_tensor_parallelism_gives_the_greedy_tokens(tiny_model_dir, kv2_answers):
+    """Prompt lookup drafts (repetitive prompts: most steps draft), verified on the two ranks: the same
+    greedy tokens as without speculation."""
+    whole = kv2_answers[0]
+    speculative = _answers(tiny_model_dir, 2, speculative_config=NGRAM)
+    for i, prompt in enumerate(PROMPTS):
+        assert speculative[i].tokens == whole[i].tokens, prompt[:30]
+    drafted = SPECULATION["tp"]
+    assert drafted["num_drafts"] > 0, drafted
+    assert speculative[-1].prefill and [t for t, _ in speculative[-1].prefill] == [t for t, _ in whole[-1].prefill]
