@@ -757,7 +757,8 @@ class Settings(BaseModel):
         return self
 
     def _check_parallel(self) -> None:
-        """Tensor parallelism's options: what it does not combine with, and the nodes' arithmetic."""
+        """Tensor parallelism's options: the nodes' arithmetic, and (for a number of ranks; `max` is checked
+        once the GPUs are counted, `tensor_parallel_conflict`) what it does not combine with."""
         degree = self.tensor_parallel_degree
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank={self.node_rank} must be below nnodes={self.nnodes}")
@@ -768,6 +769,12 @@ class Settings(BaseModel):
         ranks = int(degree)
         if ranks % self.nnodes:
             raise ValueError(f"tensor_parallel_degree={ranks} is not a multiple of nnodes={self.nnodes}")
+        conflict = self.tensor_parallel_conflict(ranks)
+        if conflict is not None:
+            raise ValueError(conflict)
+
+    def tensor_parallel_conflict(self, ranks: int) -> str | None:
+        """Why these settings cannot run over `ranks` tensor-parallel ranks (None: they can)."""
         refused = [
             ("enable_lora", self.enable_lora),
             ("kv_cache=slots", self.kv_cache != "paged"),
@@ -781,7 +788,8 @@ class Settings(BaseModel):
         ]
         for what, present in refused:
             if present:
-                raise ValueError(f"tensor_parallel_degree={ranks} cannot be combined with {what}")
+                return f"tensor_parallel_degree={ranks} cannot be combined with {what}"
+        return None
 
     def start_adapters(self) -> list[tuple[str, str]]:
         """The adapters `lora_modules` and `lora_adapters` name, as (name, path) pairs."""

@@ -507,7 +507,7 @@ class AsyncEngine:
         if self.failure is not None:
             return
         self.failure = f"the engine failed: {type(exc).__name__}: {exc}"
-        error = GenerationFailed(f"Request failed during generation: {self.failure}")
+        error = GenerationFailed(self.failure)  # each protocol's shape says the rest (TGI: "Request failed ...")
         for seq_id in list(self._handles):
             self._fail_before_start(seq_id, error)
         for listener in self.on_failure:

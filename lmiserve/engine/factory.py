@@ -233,8 +233,12 @@ def tensor_parallel_degree(settings: Settings, device: torch.device) -> int:
     if degree is None:
         return 1
     visible = torch.cuda.device_count() if device.type == "cuda" else 0
-    if degree == "max":
-        return max(1, visible) * settings.nnodes if device.type == "cuda" else 1
+    if degree == "max":  # one node (settings refuse max with several)
+        ranks = max(1, visible)
+        conflict = settings.tensor_parallel_conflict(ranks) if ranks > 1 else None
+        if conflict is not None:
+            raise ValueError(f"{conflict} (tensor_parallel_degree=max: the {ranks} visible GPUs)")
+        return ranks
     ranks = int(degree)
     local = ranks // settings.nnodes
     if device.type == "cuda" and ranks > 1 and local > visible:

@@ -264,9 +264,13 @@ def _stop(processes: list[Any], grace: float) -> None:
             process.join(5)
 
 
+_REAPING = threading.Lock()  # one thread reaps a worker (another's waitpid would find no child: no status)
+
+
 def _exit_text(process: Any) -> str:
-    process.join(1.0)  # its sentinel is ready: the exit status comes with the reaping
-    code = process.exitcode
+    with _REAPING:
+        process.join(1.0)  # its sentinel is ready: the exit status comes with the reaping
+        code = process.exitcode
     how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
     return f"tensor-parallel worker rank {process.name.removeprefix('lmiserve-tp-rank')} (pid {process.pid}) {how}"
 
@@ -282,10 +286,12 @@ class TensorParallelExecutor(Executor):
         self._processes = _start_workers(spec, child)
         child.close()
         self._closing = False
+        self._failed = False  # a worker died or hung: the others are killed, not asked, at close
         self._lock = threading.Lock()  # one step at a time, and close after it
         try:
             kind, info = self._receive(None)
         except ExecutorFailed as exc:
+            self._failed = True
             self.close()
             raise ValueError(f"tensor parallelism did not start: {exc}") from None
         if kind != "ready":
@@ -326,12 +332,16 @@ class TensorParallelExecutor(Executor):
             if self._closing:
                 raise ExecutorFailed("the tensor-parallel workers are closed")
             try:
-                self._conn.send(batch)
-            except OSError as exc:
-                raise ExecutorFailed(f"tensor-parallel rank 0 is gone: {exc}") from None
-            kind, info = self._receive(self.spec.step_timeout)
-        if kind != "ok":
-            raise ExecutorFailed(info)
+                try:
+                    self._conn.send(batch)
+                except OSError as exc:
+                    raise ExecutorFailed(f"tensor-parallel rank 0 is gone: {exc}") from None
+                kind, info = self._receive(self.spec.step_timeout)
+                if kind != "ok":
+                    raise ExecutorFailed(info)
+            except ExecutorFailed:
+                self._failed = True
+                raise
         output: StepOutput = info
         return output
 
@@ -340,6 +350,7 @@ class TensorParallelExecutor(Executor):
             ready = wait([process.sentinel for process in self._processes])
             if self._closing:
                 return
+            self._failed = True
             for process in self._processes:
                 if process.sentinel in ready:
                     on_failure(_exit_text(process))
@@ -348,7 +359,8 @@ class TensorParallelExecutor(Executor):
         threading.Thread(target=run, name="lmiserve-tp-watch", daemon=True).start()
 
     def close(self) -> None:
-        """Tell the workers to stop (after the step in flight), then reap them (killed after 10 s)."""
+        """Tell the workers to stop (after the step in flight), then reap them (killed after 10 s; at once
+        when the executor failed: a group with a dead or hung rank stops no other way)."""
         self._closing = True
         acquired = self._lock.acquire(timeout=self.spec.step_timeout)
         try:
@@ -358,7 +370,7 @@ class TensorParallelExecutor(Executor):
         finally:
             if acquired:
                 self._lock.release()
-        _stop(self._processes, 10.0)
+        _stop(self._processes, 0.0 if self._failed else 10.0)
 
 
 # ---- the other nodes -------------------------------------------------------------------------------
