@@ -116,6 +116,11 @@ def worker_main(spec: WorkerSpec, rank: int, local_rank: int, conn: Connection |
             import numba
 
             numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
+    # no progress bars in the workers' log (and none of tqdm's multiprocessing locks, which a worker's
+    # os._exit would leave for the resource tracker to report as leaked)
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
     code = 1
     try:
         code = _serve(spec, rank, local_rank, conn)
