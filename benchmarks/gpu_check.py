@@ -18,7 +18,8 @@ dependencies can come as wheels; see benchmarks/README.md, "The GPU check"). It 
 5. ``tp-tiny.json`` and ``tp-1b.json``: ``benchmarks/tp_parity.py``, the engine over tensor-parallel
    workers (NCCL; 2 ranks when the machine has 2 GPUs, else 1 rank: the workers' path alone) against
    the model in the engine's process, greedy agreement and decode tokens/s, for the tiny test model and
-   the 1B shape (bf16).
+   the 1B shape (bf16); with two GPUs ``tp-collectives.log`` too (``benchmarks/tp_collectives.py``: NCCL's
+   all-reduce, all-gather and the batch broadcast).
 6. ``executor-cuda.json`` and ``executor-cpu.json`` (with ``--executor``, when time is left):
    ``benchmarks/executor_process.py``, the model in the engine's thread against a child process, for the
    1B shape on the GPU and for SmolLM2-135M's shape on all of the machine's CPU cores.
@@ -417,6 +418,16 @@ def main(argv: list[str] | None = None) -> int:
         step = run_step(f"tensor parallel {name}", command, out / f"tp-{name}.log", min(120.0, left() - 5), env)
         if report.exists():
             step["report"] = json.loads(report.read_text())
+        summary["steps"].append(step)
+
+    if degree > 1 and left() > 30:  # NCCL's collectives between two GPUs
+        step = run_step(
+            "tensor parallel collectives",
+            [sys.executable, str(ROOT / "benchmarks" / "tp_collectives.py"), "--device", "cuda", "--hidden", "2048"],
+            out / "tp-collectives.log",
+            min(60.0, left() - 5),
+            env,
+        )
         summary["steps"].append(step)
 
     # 6. the executor: the model in the engine's thread or in a child process (issue #20 item 5)

@@ -80,9 +80,7 @@ def run(model_dir: str, options: dict[str, str], device: str, degree: int, promp
         torch.cuda.empty_cache()
     many = Settings.from_options({**base, "tensor_parallel_degree": str(degree)})
     shell = load_model_shell(model_dir, dtype=many.dtype, device=device)
-    parallel, parallel_s = asyncio.run(
-        _generate(build_tensor_parallel_engine(shell, many, degree), prompts, tokens)
-    )
+    parallel, parallel_s = asyncio.run(_generate(build_tensor_parallel_engine(shell, many, degree), prompts, tokens))
     first_difference = [
         next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(single, parallel)
     ]
