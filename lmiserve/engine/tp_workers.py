@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
+import re
 import signal
 import socket
 import threading
@@ -50,6 +51,7 @@ CONTROL_TIMEOUT = timedelta(days=365)  # the batch broadcast waits as long as th
 # their weights may come up minutes apart); a step's collectives are watched by the leader's step_timeout
 START_TIMEOUT_S = 1800.0
 PARENT_POLL_S = 1.0  # how often a worker checks that its parent process is still there
+HEARTBEAT_S = 5.0  # with several nodes: an empty batch after this long without a step (engine/tp_workers.py)
 
 
 @dataclass(frozen=True)
@@ -120,13 +122,13 @@ def worker_main(spec: WorkerSpec, rank: int, local_rank: int, conn: Connection |
     # os._exit would leave for the resource tracker to report as leaked)
     from transformers.utils import logging as transformers_logging
 
-    transformers_logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     code = 1
     try:
         code = _serve(spec, rank, local_rank, conn)
     except Exception as exc:  # noqa: BLE001 - told to the leader (rank 0), logged, and the worker exits
         log.exception("tensor-parallel worker failed")
-        _tell(conn, ("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
+        _tell(conn, ("error", f"rank {rank}: {type(exc).__name__}: {_summary(exc)}"))
     finally:
         os._exit(code)  # no interpreter teardown: a broken group's threads must not keep the process alive
 
@@ -222,6 +224,18 @@ def _runner(spec: WorkerSpec, loaded: Any, num_blocks: int) -> TensorParallelRun
     return runner
 
 
+_NATIVE_PLACE = re.compile(r"^\[[^\]]+\.(?:cc|cpp|h|hpp):\d+\]\s*")  # gloo's and c10's "[file.cc:553] "
+
+
+def _summary(exc: BaseException) -> str:
+    """The first line of `exc` without a native library's source place and advice (the worker's log has
+    the whole of it): "Connection closed by peer [127.0.0.1]:16015" of gloo's long message."""
+    lines = str(exc).strip().splitlines()
+    text = lines[0] if lines else ""
+    native = _NATIVE_PLACE.sub("", text)
+    return native.split(". ", 1)[0] if native != text else text
+
+
 def _tell(conn: Connection | None, message: tuple[str, Any]) -> None:
     if conn is not None:
         with contextlib.suppress(OSError):
@@ -293,6 +307,7 @@ class TensorParallelExecutor(Executor):
         self._closing = False
         self._failed = False  # a worker died or hung: the others are killed, not asked, at close
         self._lock = threading.Lock()  # one step at a time, and close after it
+        self._last_step = time.monotonic()  # when the last step (or heartbeat) ended
         try:
             kind, info = self._receive(None)
         except ExecutorFailed as exc:
@@ -347,11 +362,17 @@ class TensorParallelExecutor(Executor):
             except ExecutorFailed:
                 self._failed = True
                 raise
+            finally:
+                self._last_step = time.monotonic()
         output: StepOutput = info
         return output
 
     def watch(self, on_failure: Callable[[str], None]) -> None:
-        def run() -> None:
+        """This node's workers by their process sentinels; with several nodes, the others' by a heartbeat:
+        an empty batch every `HEARTBEAT_S` seconds without a step, which every rank receives (a rank that
+        is gone fails rank 0's broadcast; one that hangs, `step_timeout`)."""
+
+        def sentinels() -> None:
             ready = wait([process.sentinel for process in self._processes])
             if self._closing:
                 return
@@ -361,7 +382,21 @@ class TensorParallelExecutor(Executor):
                     on_failure(_exit_text(process))
                     return
 
-        threading.Thread(target=run, name="lmiserve-tp-watch", daemon=True).start()
+        def heartbeat() -> None:
+            while not self._closing:
+                time.sleep(min(1.0, HEARTBEAT_S))
+                if self._closing or time.monotonic() - self._last_step < HEARTBEAT_S:
+                    continue
+                try:
+                    self.execute(StepBatch())
+                except ExecutorFailed as exc:
+                    if not self._closing:
+                        on_failure(str(exc))
+                    return
+
+        threading.Thread(target=sentinels, name="lmiserve-tp-watch", daemon=True).start()
+        if self.spec.nnodes > 1:
+            threading.Thread(target=heartbeat, name="lmiserve-tp-heartbeat", daemon=True).start()
 
     def close(self) -> None:
         """Tell the workers to stop (after the step in flight), then reap them (killed after 10 s; at once

@@ -33,6 +33,7 @@ from helpers.serve_process import ServeProcess
 from helpers.server import free_port
 from helpers.tiny_model import ENDLESS_CONTEXT, with_context
 from helpers.waiting import wait_until
+from lmiserve.engine.tp_workers import HEARTBEAT_S
 
 pytestmark = pytest.mark.integration
 
@@ -371,6 +372,32 @@ def test_two_nodes_answer_the_whole_models_text_and_stop_with_the_leader(tiny_mo
             leader.send(signal.SIGTERM)
             assert leader.wait_exit() == 0, leader.describe()
             assert node1.wait_exit() == 0, node1.describe()
+            assert_all_gone(processes)
+        finally:
+            kill_leftovers(processes)
+
+
+def test_a_worker_of_another_node_that_dies_while_idle_fails_the_leader(tiny_model_dir):
+    """The leader watches its own node's workers by their processes and the other nodes' by a heartbeat
+    (an empty batch every HEARTBEAT_S seconds without a step): node 1's worker killed while no request
+    runs takes node 1 down (exit 4) and the leader too (exit 4, the gloo error named), nothing left."""
+    port = str(free_port())
+    common = ["--model-id", str(tiny_model_dir), *TP2]
+    common += ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port]
+    with (
+        ServeProcess([*common, "--node-rank", "1"], address=False) as node1,
+        ServeProcess([*common, "--node-rank", "0"]) as leader,
+    ):
+        leader.wait_healthy()
+        processes = [*descendants(leader.proc.pid), *descendants(node1.proc.pid)]
+        try:
+            killed = time.monotonic()
+            workers(node1.proc.pid)[0].kill()
+            assert node1.wait_exit() == 4, node1.describe()
+            assert leader.wait_exit() == 4, leader.describe()
+            assert time.monotonic() - killed < 3 * HEARTBEAT_S, "the heartbeat found the dead rank late"
+            assert "lmiserve: engine failed: tiny:" in leader.stderr()
+            assert "Connection closed by peer" in leader.stderr()
             assert_all_gone(processes)
         finally:
             kill_leftovers(processes)
