@@ -23,14 +23,16 @@ The transformers forward of a sharded model is not usable (the generic runner is
 
 from __future__ import annotations
 
+import json
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
 
-from lmiserve.engine.llama_layout import SUPPORTED_TYPES, as_llama
+from lmiserve.engine.llama_layout import SUPPORTED_TYPES, LlamaFamily
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -160,7 +162,8 @@ def shard_model(model: PreTrainedModel, rank: int, world: int, group: ProcessGro
     counts in its config. Refused (ValueError) for a model the fast path does not run or that does not
     split over `world` ranks."""
     plan = shard_plan(model.config, rank, world)
-    llama = as_llama(model)  # checks the layout (and rejects what the fast path does not run)
+    # the architecture was checked by the plan; the rest of the layout (on real weights) by FastLlama
+    llama = cast(LlamaFamily, model)
     d = plan.head_dim
     q_rows = slice(plan.q_first * d, (plan.q_first + plan.q_heads) * d)
     kv_rows = slice(plan.kv_first * d, (plan.kv_first + plan.kv_heads) * d)
@@ -175,13 +178,23 @@ def shard_model(model: PreTrainedModel, rank: int, world: int, group: ProcessGro
         _keep_rows(mlp.up_proj, inter)
         _keep_columns(mlp.down_proj, inter, rank)
     embed, head = llama.model.embed_tokens, llama.lm_head
-    tied = head.weight is embed.weight
+    tied = _tied(model)
     embed.weight = torch.nn.Parameter(_vocab_rows(embed.weight, plan), requires_grad=False)
     head.weight = embed.weight if tied else torch.nn.Parameter(_vocab_rows(head.weight, plan), requires_grad=False)
     cfg: Any = model.config
     cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = plan.q_heads, plan.kv_heads, d
     shard = _SHARDS[model] = TensorParallelShard(plan, group)
     return shard
+
+
+def _tied(model: PreTrainedModel) -> bool:
+    """Whether the output layer is the embedding (as the model ties it, or as its config says: a shell made
+    on the meta device may not be tied yet)."""
+    llama = cast(LlamaFamily, model)
+    config: Any = model.config.get_text_config()
+    return llama.lm_head.weight is llama.model.embed_tokens.weight or bool(
+        getattr(config, "tie_word_embeddings", False)
+    )
 
 
 def _keep_rows(linear: torch.nn.Linear, rows: slice) -> None:
@@ -197,7 +210,103 @@ def _keep_columns(linear: torch.nn.Linear, columns: slice, rank: int) -> None:
 
 
 def _vocab_rows(weight: torch.Tensor, plan: ShardPlan) -> torch.Tensor:
-    rows = weight.detach()[plan.vocab_first : plan.vocab_first + plan.vocab_part]
+    return _padded(weight.detach()[plan.vocab_first : plan.vocab_first + plan.vocab_part], plan).clone()
+
+
+def _padded(rows: torch.Tensor, plan: ShardPlan) -> torch.Tensor:
+    """A rank's vocabulary rows, zero rows added up to `plan.vocab_part` (the last rank's part)."""
     if rows.shape[0] < plan.vocab_part:
         rows = torch.cat([rows, rows.new_zeros(plan.vocab_part - rows.shape[0], rows.shape[1])])
-    return rows.clone()
+    return rows
+
+
+# ---- loading a shard from the checkpoint -----------------------------------------------------------------
+# how each parameter of a Llama-family layer is split (by the end of its name): rows, columns or vocabulary rows
+_ROWS_Q, _ROWS_KV, _ROWS_INTER, _COLUMNS_Q, _COLUMNS_INTER, _VOCAB = "q", "kv", "inter", "o", "down", "vocab"
+_SPLITS = {
+    "self_attn.q_proj.weight": _ROWS_Q,
+    "self_attn.q_proj.bias": _ROWS_Q,
+    "self_attn.k_proj.weight": _ROWS_KV,
+    "self_attn.k_proj.bias": _ROWS_KV,
+    "self_attn.v_proj.weight": _ROWS_KV,
+    "self_attn.v_proj.bias": _ROWS_KV,
+    "self_attn.o_proj.weight": _COLUMNS_Q,
+    "mlp.gate_proj.weight": _ROWS_INTER,
+    "mlp.gate_proj.bias": _ROWS_INTER,
+    "mlp.up_proj.weight": _ROWS_INTER,
+    "mlp.up_proj.bias": _ROWS_INTER,
+    "mlp.down_proj.weight": _COLUMNS_INTER,
+    "embed_tokens.weight": _VOCAB,
+    "lm_head.weight": _VOCAB,
+}
+
+
+def checkpoint_files(path: str | Path) -> dict[str, Path] | None:
+    """Each tensor of the safetensors checkpoint in `path` and the file it is in (None: no safetensors)."""
+    folder = Path(path)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return {name: folder / file for name, file in weight_map.items()}
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(single), framework="pt") as handle:
+        return dict.fromkeys(handle.keys(), single)
+
+
+def load_shard_weights(model: PreTrainedModel, path: str | Path) -> None:
+    """Fill the parameters of `model`, cut by `shard_model` while on the meta device (the shell of
+    `models.load.load_model_shell`), with its rank's slices read from the safetensors checkpoint in `path`:
+    each rank reads only its rows or columns of every split matrix (safetensors' slices), so no process
+    holds the whole model. ValueError when the checkpoint is not safetensors or lacks a parameter."""
+    shard = shard_of(model)
+    if shard is None:
+        raise ValueError("load_shard_weights fills a model cut by shard_model")
+    files = checkpoint_files(path)
+    if files is None:
+        raise ValueError(f"no safetensors checkpoint in {path}")
+    from safetensors import safe_open
+
+    llama = cast(LlamaFamily, model)  # cut by shard_model, which checked its architecture
+    head, embed = llama.lm_head, llama.model.embed_tokens
+    tied = _tied(model)
+    if tied:
+        head.weight = embed.weight  # one parameter, listed once (as the embedding's)
+    by_file: dict[Path, list[tuple[str, torch.nn.Parameter]]] = {}
+    for name, parameter in model.named_parameters():  # a tied output layer's weight is listed once
+        if name not in files:
+            raise ValueError(f"the checkpoint in {path} has no tensor {name}")
+        by_file.setdefault(files[name], []).append((name, parameter))
+    for file, parameters in by_file.items():
+        with safe_open(str(file), framework="pt") as handle:
+            for name, parameter in parameters:
+                loaded = _slice(handle.get_slice(name), name, shard.plan).to(parameter.dtype)
+                if tuple(loaded.shape) != tuple(parameter.shape):
+                    raise ValueError(
+                        f"{name}: the checkpoint's slice is {tuple(loaded.shape)}, not {tuple(parameter.shape)}"
+                    )
+                owner, _, attribute = name.rpartition(".")
+                setattr(model.get_submodule(owner), attribute, torch.nn.Parameter(loaded, requires_grad=False))
+    if tied:
+        head.weight = embed.weight
+
+
+def _slice(tensor: Any, name: str, plan: ShardPlan) -> torch.Tensor:
+    """This rank's part of checkpoint tensor `name` (a safetensors slice: only that part is read)."""
+    split = next((kind for suffix, kind in _SPLITS.items() if name.endswith(suffix)), None)
+    d = plan.head_dim
+    q = slice(plan.q_first * d, (plan.q_first + plan.q_heads) * d)
+    inter = slice(plan.inter_first, plan.inter_first + plan.inter)
+    where: dict[str | None, tuple[slice, ...]] = {
+        _ROWS_Q: (q,),
+        _ROWS_KV: (slice(plan.kv_first * d, (plan.kv_first + plan.kv_heads) * d),),
+        _ROWS_INTER: (inter,),
+        _COLUMNS_Q: (slice(None), q),
+        _COLUMNS_INTER: (slice(None), inter),
+        _VOCAB: (slice(plan.vocab_first, min(plan.vocab_first + plan.vocab_part, plan.vocab)),),
+    }
+    part: torch.Tensor = tensor[where.get(split, (slice(None),))]  # norms: every rank has all of them
+    return _padded(part, plan) if split == _VOCAB else part

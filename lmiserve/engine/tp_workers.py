@@ -183,22 +183,30 @@ def _serve(spec: WorkerSpec, rank: int, local_rank: int, conn: Connection | None
 
 
 def _load_shard(spec: WorkerSpec, rank: int, local_rank: int) -> tuple[Any, int]:
-    """The model loaded on the CPU, cut to this rank's shard, moved to its device; and the blocks of KV
-    its memory allows (`kv_cache_memory_bytes` per worker, else the device's share)."""
+    """This rank's shard of the model, on its device, and the blocks of KV its memory allows
+    (`kv_cache_memory_bytes` per worker, else the device's share). From a safetensors checkpoint only the
+    shard's slices are read (`load_shard_weights`); otherwise (a `dummy` model, other formats) the whole
+    model is loaded on the CPU and cut."""
     import torch.distributed as dist
 
     from lmiserve.engine.factory import kv_pool_blocks
-    from lmiserve.engine.tensor_parallel import shard_model
-    from lmiserve.models.load import load_causal_lm
+    from lmiserve.engine.tensor_parallel import checkpoint_files, load_shard_weights, shard_model
+    from lmiserve.models.load import load_causal_lm, load_model_shell
 
-    loaded = load_causal_lm(
-        spec.model_path,
-        dtype=spec.dtype,
-        device="cpu",
-        trust_remote_code=spec.trust_remote_code,
-        load_format=spec.load_format,
-    )
-    shard_model(loaded.model, rank, spec.world, dist.group.WORLD)
+    if spec.load_format != "dummy" and checkpoint_files(spec.model_path) is not None:
+        loaded = load_model_shell(spec.model_path, spec.dtype, "cpu", spec.trust_remote_code)
+        shard_model(loaded.model, rank, spec.world, dist.group.WORLD)
+        load_shard_weights(loaded.model, spec.model_path)
+        loaded.model.train(False)
+    else:
+        loaded = load_causal_lm(
+            spec.model_path,
+            dtype=spec.dtype,
+            device="cpu",
+            trust_remote_code=spec.trust_remote_code,
+            load_format=spec.load_format,
+        )
+        shard_model(loaded.model, rank, spec.world, dist.group.WORLD)
     if spec.device == "cuda":
         device = torch.device("cuda", local_rank)
         loaded.model.to(device)  # type: ignore[arg-type]  # transformers' wrapped `to`

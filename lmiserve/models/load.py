@@ -159,8 +159,11 @@ def load_model_shell(
     trust_remote_code: bool = False,
     name: str | None = None,
 ) -> LoadedModel:
-    """`path`'s tokenizer, config and generation config around a model without weights (on torch's meta
-    device): what the serving process of tensor-parallel workers needs, the weights being theirs."""
+    """`path`'s tokenizer, config and generation config around a model without weights (its parameters on
+    torch's meta device; its buffers, such as RoPE's frequencies, real): what the serving process of
+    tensor-parallel workers needs, the weights being theirs; a worker fills in its shard's
+    (`engine.tensor_parallel.load_shard_weights`). `device` and `dtype` are those the model will run in."""
+    from accelerate import init_empty_weights
     from transformers import GenerationConfig
 
     path = Path(path)
@@ -170,7 +173,7 @@ def load_model_shell(
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **common)
         config = AutoConfig.from_pretrained(path, **common)
-        with torch.device("meta"):
+        with init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError, ImportError) as exc:
         raise ModelLoadError(f"could not load the model in {path}: {exc}") from exc

@@ -15,7 +15,15 @@ import torch.nn.functional as F
 from lmiserve.config import Settings
 from lmiserve.config.errors import ConfigError
 from lmiserve.config.sources import load_settings
-from lmiserve.engine.tensor_parallel import ShardPlan, shard_model, shard_of, shard_plan, unsplittable_reason
+from lmiserve.engine.tensor_parallel import (
+    ShardPlan,
+    checkpoint_files,
+    load_shard_weights,
+    shard_model,
+    shard_of,
+    shard_plan,
+    unsplittable_reason,
+)
 
 
 def config(**overrides):
@@ -200,6 +208,59 @@ def test_the_ranks_weights_put_back_together_are_the_model(kv_heads):
         linears = [m for m in shard.modules() if isinstance(m, torch.nn.Linear)]
         assert not any(m.weight.requires_grad for m in linears)
     assert shard_of(model) is None
+
+
+def shell_of(model):
+    """`model`'s architecture with its parameters on the meta device (as `load_model_shell` makes it)."""
+    from accelerate import init_empty_weights
+    from transformers import LlamaForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        return LlamaForCausalLM(copy.deepcopy(model.config)).eval()
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "tied", "bias", "world"),
+    [(2, False, False, 2), (1, False, False, 2), (2, True, True, 2), (2, False, True, 4)],
+    ids=["kv-split", "kv-replicated", "tied-biased", "four-ranks"],
+)
+def test_a_shard_read_from_the_checkpoint_is_the_shard_cut_from_the_model(tmp_path, kv_heads, tied, bias, world):
+    """Each rank reads only its slices of the safetensors files (several, with an index) and ends with the
+    parameters and buffers a rank that loaded the whole model and cut it has, the output layer still tied."""
+    model = tiny_llama(kv_heads, tied=tied, bias=bias)
+    model.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(set(checkpoint_files(tmp_path).values())) > 1
+    for rank, cut_shard in enumerate(cut(model, world)):
+        shell = shell_of(model)
+        shard_model(shell, rank, world, None)
+        load_shard_weights(shell, tmp_path)
+        read = dict(shell.named_parameters())
+        expected = dict(cut_shard.named_parameters())
+        assert read.keys() == expected.keys()
+        for name, param in expected.items():
+            assert torch.equal(read[name], param), (rank, name)
+        assert not any(param.is_meta for param in shell.parameters())
+        assert (shell.lm_head.weight is shell.model.embed_tokens.weight) == tied
+        buffers = dict(cut_shard.named_buffers())
+        assert all(torch.equal(buffer, buffers[name]) for name, buffer in shell.named_buffers())
+
+
+def test_a_shard_is_read_only_from_safetensors_that_have_every_tensor(tmp_path):
+    model = tiny_llama()
+    shell = shell_of(model)
+    shard_model(shell, 0, 2, None)
+    with pytest.raises(ValueError, match="no safetensors checkpoint"):
+        load_shard_weights(shell, tmp_path)
+    from safetensors.torch import save_file
+
+    weights = {name: param.detach().contiguous() for name, param in model.named_parameters()}
+    del weights["model.norm.weight"]
+    save_file(weights, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"has no tensor model\.norm\.weight"):
+        load_shard_weights(shell, tmp_path)
+    with pytest.raises(ValueError, match="cut by shard_model"):
+        load_shard_weights(shell_of(model), tmp_path)
 
 
 def test_a_sharded_models_partial_products_sum_to_the_whole():
