@@ -10,7 +10,9 @@ tests compare what they answered."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +41,7 @@ class Answer:
     prefill_top: list[list[int] | None] | None
     finish: str
     generated_text: str
+    cached_tokens: int = 0
 
 
 def requests() -> list[GenerationRequest]:
@@ -84,6 +87,7 @@ async def _collect(engine, request: GenerationRequest) -> Answer:
         else None,
         str(finish.reason),
         finish.generated_text,
+        finish.cached_tokens,
     )
 
 
@@ -195,3 +199,65 @@ def test_ngram_speculation_under_tensor_parallelism_gives_the_greedy_tokens(tiny
     drafted = SPECULATION["tp"]
     assert drafted["num_drafts"] > 0, drafted
     assert speculative[-1].prefill and [t for t, _ in speculative[-1].prefill] == [t for t, _ in whole[-1].prefill]
+
+
+CACHED: dict[str, int] = {}  # prompt tokens the prefix cache supplied to the second round, by executor
+
+
+def _constrained_and_cached(engine) -> list[list[int]]:
+    """A JSON-schema-constrained request and a regex one beside free ones, then the same prompts again
+    (their prefix blocks now cached): every answer's tokens, in order."""
+    from lmiserve.core.grammar import Grammar
+
+    schema = json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
+    shared = "A shared system prompt that fills two blocks of the cache. "
+    questions = ["Hello there", "The quick brown fox", "Once upon a time"]
+
+    def batch() -> list[GenerationRequest]:
+        free = [
+            GenerationRequest(shared + p, SamplingParams(max_new_tokens=12, ignore_eos_token=True)) for p in questions
+        ]
+        return [
+            *free,
+            GenerationRequest(
+                shared + "JSON:", SamplingParams(max_new_tokens=16, grammar=Grammar("json_schema", schema))
+            ),
+            GenerationRequest(
+                shared + "Digits:", SamplingParams(max_new_tokens=6, grammar=Grammar("regex", "[0-9]{3}"))
+            ),
+        ]
+
+    async def run() -> list[list[int]]:
+        engine.start()
+        try:
+            first = await asyncio.gather(*(_collect(engine, r) for r in batch()))
+            again = await asyncio.gather(*(_collect(engine, r) for r in batch()))
+            CACHED[engine.executor.__class__.__name__] = sum(a.cached_tokens for a in again)
+            return [a.tokens for a in (*first, *again)]
+        finally:
+            await engine.stop()
+
+    return asyncio.run(run())
+
+
+def test_structured_output_and_the_prefix_cache_under_tensor_parallelism(tiny_model_dir):
+    """The grammar bitmask travels in the batch to every rank, and the prefix cache's blocks (computed by
+    every rank for its heads) are read again: the same tokens as one process, the constrained ones
+    matching their grammar."""
+    from lmiserve.engine.factory import build_engine, build_tensor_parallel_engine
+    from lmiserve.models.load import load_causal_lm, load_model_shell
+
+    base = {"model_id": str(tiny_model_dir), "device": "cpu", "enable_prefix_caching": "true"}
+    whole = _constrained_and_cached(
+        build_engine(load_causal_lm(tiny_model_dir, device="cpu"), Settings.from_options(base))
+    )
+    settings = Settings.from_options({**base, "tensor_parallel_degree": "2"})
+    engine = build_tensor_parallel_engine(load_model_shell(tiny_model_dir, device="cpu"), settings, 2)
+    parallel = _constrained_and_cached(engine)
+    assert parallel == whole
+    tokenizer = load_model_shell(tiny_model_dir, device="cpu").tokenizer
+    n = 3  # the free questions
+    assert "n" in json.loads(tokenizer.decode(parallel[n]))
+    assert re.fullmatch(r"[0-9]{3}", tokenizer.decode(parallel[n + 1]))
+    assert parallel[: n + 2] == parallel[n + 2 :]  # greedy: the cached run answers as the first did
+    assert CACHED["TensorParallelExecutor"] == CACHED["InProcessExecutor"] > 0, CACHED
