@@ -352,10 +352,12 @@ def test_a_hung_worker_fails_the_request_after_step_timeout_and_exits_4(endless_
 # ---- two nodes on one machine ---------------------------------------------------------------------------------
 
 
-def test_two_nodes_answer_the_whole_models_text_and_stop_with_the_leader(tiny_model_dir, server):
-    port = str(free_port())
-    common = ["--model-id", str(tiny_model_dir), "-o", "max_input_len=64", *TP2]
-    common += ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port]
+@contextlib.contextmanager
+def two_nodes(model_dir: Path, *options: str) -> Iterator[tuple[ServeProcess, ServeProcess, list[psutil.Process]]]:
+    """Node 1 (workers only) and the leader (node 0, HTTP) of a TP=2 group over loopback, the leader
+    healthy; and every process of both (left ones killed at the end)."""
+    common = ["--model-id", str(model_dir), *options, *TP2]
+    common += ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
     with (
         ServeProcess([*common, "--node-rank", "1"], address=False) as node1,
         ServeProcess([*common, "--node-rank", "0"]) as leader,
@@ -363,41 +365,35 @@ def test_two_nodes_answer_the_whole_models_text_and_stop_with_the_leader(tiny_mo
         leader.wait_healthy()
         processes = [*descendants(leader.proc.pid), *descendants(node1.proc.pid)]
         try:
-            assert len(workers(leader.proc.pid)) == len(workers(node1.proc.pid)) == 1
-            assert "node 1 of 2: tensor-parallel workers only" in node1.stderr()
-            with httpx.Client(base_url=leader.url, timeout=TIMEOUT, trust_env=False) as client:
-                for prompt in ("Once upon a time", "The quick brown fox"):
-                    body = {"inputs": prompt, "parameters": {"max_new_tokens": 16}}
-                    assert client.post("/invocations", json=body).json() == server.generate(prompt, max_new_tokens=16)
-            leader.send(signal.SIGTERM)
-            assert leader.wait_exit() == 0, leader.describe()
-            assert node1.wait_exit() == 0, node1.describe()
-            assert_all_gone(processes)
+            yield leader, node1, processes
         finally:
             kill_leftovers(processes)
+
+
+def test_two_nodes_answer_the_whole_models_text_and_stop_with_the_leader(tiny_model_dir, server):
+    with two_nodes(tiny_model_dir, "-o", "max_input_len=64") as (leader, node1, processes):
+        assert len(workers(leader.proc.pid)) == len(workers(node1.proc.pid)) == 1
+        assert "node 1 of 2: tensor-parallel workers only" in node1.stderr()
+        with httpx.Client(base_url=leader.url, timeout=TIMEOUT, trust_env=False) as client:
+            for prompt in ("Once upon a time", "The quick brown fox"):
+                body = {"inputs": prompt, "parameters": {"max_new_tokens": 16}}
+                assert client.post("/invocations", json=body).json() == server.generate(prompt, max_new_tokens=16)
+        leader.send(signal.SIGTERM)
+        assert leader.wait_exit() == 0, leader.describe()
+        assert node1.wait_exit() == 0, node1.describe()
+        assert_all_gone(processes)
 
 
 def test_a_worker_of_another_node_that_dies_while_idle_fails_the_leader(tiny_model_dir):
     """The leader watches its own node's workers by their processes and the other nodes' by a heartbeat
     (an empty batch every HEARTBEAT_S seconds without a step): node 1's worker killed while no request
     runs takes node 1 down (exit 4) and the leader too (exit 4, the gloo error named), nothing left."""
-    port = str(free_port())
-    common = ["--model-id", str(tiny_model_dir), *TP2]
-    common += ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port]
-    with (
-        ServeProcess([*common, "--node-rank", "1"], address=False) as node1,
-        ServeProcess([*common, "--node-rank", "0"]) as leader,
-    ):
-        leader.wait_healthy()
-        processes = [*descendants(leader.proc.pid), *descendants(node1.proc.pid)]
-        try:
-            killed = time.monotonic()
-            workers(node1.proc.pid)[0].kill()
-            assert node1.wait_exit() == 4, node1.describe()
-            assert leader.wait_exit() == 4, leader.describe()
-            assert time.monotonic() - killed < 3 * HEARTBEAT_S, "the heartbeat found the dead rank late"
-            assert "lmiserve: engine failed: tiny:" in leader.stderr()
-            assert "Connection closed by peer" in leader.stderr()
-            assert_all_gone(processes)
-        finally:
-            kill_leftovers(processes)
+    with two_nodes(tiny_model_dir) as (leader, node1, processes):
+        killed = time.monotonic()
+        workers(node1.proc.pid)[0].kill()
+        assert node1.wait_exit() == 4, node1.describe()
+        assert leader.wait_exit() == 4, leader.describe()
+        assert time.monotonic() - killed < 3 * HEARTBEAT_S, "the heartbeat found the dead rank late"
+        assert "lmiserve: engine failed: tiny:" in leader.stderr()
+        assert "Connection closed by peer" in leader.stderr()
+        assert_all_gone(processes)
