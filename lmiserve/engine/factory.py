@@ -241,6 +241,11 @@ def tensor_parallel_degree(settings: Settings, device: torch.device) -> int:
         return ranks
     ranks = int(degree)
     local = ranks // settings.nnodes
+    if device.type == "cuda" and ranks > 1 and device.index is not None:
+        raise ValueError(
+            f"tensor_parallel_degree={ranks} runs rank i on cuda:i of the visible GPUs: give device=cuda (choose "
+            f"the GPUs with CUDA_VISIBLE_DEVICES), not {device}"
+        )
     if device.type == "cuda" and ranks > 1 and local > visible:
         raise ValueError(
             f"tensor_parallel_degree={ranks} needs {local} GPUs on each of {settings.nnodes} node(s); "

@@ -478,6 +478,8 @@ def test_a_node_needs_a_gpu_for_each_of_its_ranks(monkeypatch):
     assert tensor_parallel_degree(Settings.from_options({"tensor_parallel_degree": "4", "nnodes": "2"}), cuda) == 4
     with pytest.raises(ValueError, match="tensor_parallel_degree=4 needs 4 GPUs on each of 1 node"):
         tensor_parallel_degree(Settings.from_options({"tensor_parallel_degree": "4"}), cuda)
+    with pytest.raises(ValueError, match="give device=cuda .*, not cuda:1"):
+        tensor_parallel_degree(Settings.from_options({"tensor_parallel_degree": "2"}), torch.device("cuda", 1))
 
 
 def test_worker_spec_shares_the_nodes_memory_and_picks_the_port(monkeypatch, tmp_path):
