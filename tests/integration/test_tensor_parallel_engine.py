@@ -261,3 +261,42 @@ def test_structured_output_and_the_prefix_cache_under_tensor_parallelism(tiny_mo
     assert re.fullmatch(r"[0-9]{3}", tokenizer.decode(parallel[n + 1]))
     assert parallel[: n + 2] == parallel[n + 2 :]  # greedy: the cached run answers as the first did
     assert CACHED["TensorParallelExecutor"] == CACHED["InProcessExecutor"] > 0, CACHED
+
+
+def test_preemption_under_tensor_parallelism_keeps_every_stream(tiny_model_dir, kv2_answers):
+    """A pool of 12 blocks of 4 tokens on each rank (its KV heads' half of every block) for the whole
+    burst: the scheduler preempts, the ranks drop the preempted requests' blocks and recompute them when
+    they come back, and every greedy stream is the one of an unhurried single process."""
+    from lmiserve.engine.factory import build_tensor_parallel_engine
+    from lmiserve.engine.kv_blocks import bytes_per_block
+    from lmiserve.models.load import load_model_shell
+
+    rank_block = bytes_per_block(layers=2, kv_heads=1, head_dim=16, dtype_bytes=4, block_size=4)
+    options = {
+        "model_id": str(tiny_model_dir),
+        "device": "cpu",
+        "max_rolling_batch_prefill_tokens": "16",
+        "block_size": "4",
+        "kv_cache_memory_bytes": str(12 * rank_block),
+        "tensor_parallel_degree": "2",
+    }
+    engine = build_tensor_parallel_engine(
+        load_model_shell(tiny_model_dir, device="cpu"), Settings.from_options(options), 2
+    )
+    assert engine.pool is not None and engine.pool.num_blocks == 12
+    greedy = [
+        GenerationRequest(p, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos_token=True)) for p in PROMPTS[:4]
+    ]
+
+    async def run() -> tuple[list[Answer], int]:
+        engine.start()
+        try:
+            answers = await asyncio.gather(*(_collect(engine, r) for r in greedy))
+            return list(answers), engine.snapshot().preemptions
+        finally:
+            await engine.stop()
+
+    answers, preemptions = asyncio.run(run())
+    assert preemptions > 0
+    for answer, whole in zip(answers, kv2_answers[0]):
+        assert answer.tokens == whole.tokens
