@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lmiserve.config.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE
+from lmiserve.core.request import SamplingParams
 from lmiserve.engine import lora_kernels
 from lmiserve.engine.async_engine import AsyncEngine, EngineConfig
 from lmiserve.engine.grammar_compiler import GrammarCompiler
@@ -21,6 +24,7 @@ from lmiserve.engine.runners import FastRunner, ModelRunner, create_runner, page
 from lmiserve.engine.runners.batched import PersistentBatchRunner
 from lmiserve.engine.runners.paged import PagedFastRunner, kv_bytes_per_block
 from lmiserve.engine.speculative import DraftModelProposer, NgramProposer, Proposer, SpeculationSettings
+from lmiserve.engine.step import BatchRunner, NewRequest, ScheduledTokens, StepBatch
 from lmiserve.engine.tensor_parallel import unsplittable_reason
 from lmiserve.engine.tokenizer import HfTokenizer
 from lmiserve.engine.tp_workers import TensorParallelExecutor, WorkerSpec, free_port
@@ -47,9 +51,12 @@ def available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def kv_pool_blocks(loaded: LoadedModel, config: EngineConfig) -> int:
+def kv_pool_blocks(loaded: LoadedModel, config: EngineConfig, activation_bytes: int | None = None) -> int:
     """Blocks of the paged KV pool: the budget (`kv_cache_memory_bytes`, else by device) over a block's
-    bytes, never more than `max_running` sequences at full context need, at least one."""
+    bytes, never more than `max_running` sequences at full context need, at least one. On CUDA the budget
+    is `gpu_memory_utilization` of the GPU less what is allocated (the weights) and less the activations of
+    the largest step: `activation_bytes` as profiled (`profile_step_memory`, with a margin), else a fixed
+    `GPU_ACTIVATION_RESERVE`."""
     per_block = kv_bytes_per_block(loaded.model, config.block_size)
     budget = config.kv_cache_memory_bytes
     if budget is None:
@@ -57,11 +64,70 @@ def kv_pool_blocks(loaded: LoadedModel, config: EngineConfig) -> int:
         if device.type == "cuda":
             total = torch.cuda.get_device_properties(device).total_memory
             budget = int(config.gpu_memory_utilization * total) - torch.cuda.memory_allocated(device)
-            budget -= GPU_ACTIVATION_RESERVE
+            reserve = GPU_ACTIVATION_RESERVE
+            if activation_bytes is not None:
+                reserve = int(activation_bytes * PROFILE_MARGIN) + PROFILE_SLACK
+            budget -= reserve
         else:
             budget = int(available_memory() * CPU_KV_SHARE)
     full_batch = config.max_running * -(-loaded.max_context // config.block_size)
     return max(1, min(budget // per_block, full_batch))
+
+
+# the profiled activations are grown by this factor and this many bytes (allocator fragmentation, the
+# sampler's own tensors) before the KV pool takes the rest of gpu_memory_utilization
+PROFILE_MARGIN = 1.2
+PROFILE_SLACK = 256 * 2**20
+
+
+def largest_step_tokens(config: EngineConfig, max_context: int) -> int:
+    """The most tokens one step computes: the prefill budget and a decode row for every other sequence."""
+    return min(config.max_prefill_tokens + config.max_running, max_context)
+
+
+def run_profile_step(runner_of: Callable[[int], BatchRunner], tokens: int, block_size: int) -> int:
+    """Run one step of a `tokens`-token prompt on a runner made by `runner_of(blocks)` over just enough
+    blocks, as the largest step the scheduler plans would (every layer's activations at their widest);
+    the bytes of that runner's pool. The runner is dropped after."""
+    blocks = -(-tokens // block_size)
+    runner = runner_of(blocks)
+    ids = [0] * tokens
+    params = SamplingParams(max_new_tokens=1)
+    batch = StepBatch(
+        rows=[ScheduledTokens(0, 0, ids, list(range(blocks)), sample=True)],
+        new=[NewRequest(0, ids, params, seed=0)],
+    )
+    output = runner.execute_batch(batch)
+    if output.errors:
+        raise RuntimeError(f"the profiling step failed: {next(iter(output.errors.values()))}")
+    runner.execute_batch(StepBatch(finished=[0]))
+    return int(getattr(runner, "kv_bytes", 0))
+
+
+def profile_step_memory(
+    device: torch.device, runner_of: Callable[[int], BatchRunner], tokens: int, block_size: int
+) -> int | None:
+    """On CUDA, the peak memory the largest step needs beyond what is allocated before it and beyond its
+    pool (`run_profile_step`): what the KV pool must leave free (vLLM sizes its pool after such a run).
+    None on other devices, or when the profiling step fails (logged; the fixed reserve is used)."""
+    if device.type != "cuda":
+        return None
+    try:
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        pool = run_profile_step(runner_of, tokens, block_size)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - before - pool
+    except Exception:  # noqa: BLE001 - a failed profile costs the pool's precision, not the start
+        log.exception("profiling the largest step failed; the KV pool leaves the fixed activation reserve")
+        return None
+    finally:
+        gc.collect()
+        torch.cuda.empty_cache()
+    log.info("profiled the largest step (%d tokens): %.2f GiB of activations", tokens, peak / 2**30)
+    return max(0, int(peak))
 
 
 # Rows from which speculative decoding stops drafting, by device, unless disable_by_batch_size says:
@@ -151,14 +217,24 @@ def create_engine(
     strategy = runner_class(loaded.model, batch_invariant=False, fast_path=config.fast_path)[0]
     why_not = None if strategy is FastRunner else paged_generic.unsupported_reason(loaded.model)
     if paged and why_not is None:
-        num_blocks = kv_pool_blocks(loaded, config)
+        fast_cls = paged_cls if strategy is FastRunner else None
+        activation = None
+        if config.kv_cache_memory_bytes is None:
+            quiet = dataclasses.replace(config, cpu_autotune=False)
+            activation = profile_step_memory(
+                loaded.device,
+                lambda blocks: _paged_runner(loaded, quiet, blocks, fast_cls),
+                largest_step_tokens(config, loaded.max_context),
+                config.block_size,
+            )
+        num_blocks = kv_pool_blocks(loaded, config, activation)
         log.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
             num_blocks,
             config.block_size,
             num_blocks * kv_bytes_per_block(loaded.model, config.block_size) / 2**20,
         )
-        runner: ModelRunner = _paged_runner(loaded, config, num_blocks, paged_cls if strategy is FastRunner else None)
+        runner: ModelRunner = _paged_runner(loaded, config, num_blocks, fast_cls)
     elif runner_cls is None:
         if paged:
             log.info("KV cache: slots (the paged cache does not serve %s)", why_not)

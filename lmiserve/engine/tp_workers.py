@@ -189,7 +189,7 @@ def _load_shard(spec: WorkerSpec, rank: int, local_rank: int) -> tuple[Any, int]
     model is loaded on the CPU and cut."""
     import torch.distributed as dist
 
-    from lmiserve.engine.factory import kv_pool_blocks
+    from lmiserve.engine.factory import kv_pool_blocks, largest_step_tokens, profile_step_memory
     from lmiserve.engine.tensor_parallel import checkpoint_files, load_shard_weights, shard_model
     from lmiserve.models.load import load_causal_lm, load_model_shell
 
@@ -207,11 +207,20 @@ def _load_shard(spec: WorkerSpec, rank: int, local_rank: int) -> tuple[Any, int]
             load_format=spec.load_format,
         )
         shard_model(loaded.model, rank, spec.world, dist.group.WORLD)
+    config = spec.config
+    activation = None
     if spec.device == "cuda":
         device = torch.device("cuda", local_rank)
         loaded.model.to(device)  # type: ignore[arg-type]  # transformers' wrapped `to`
         loaded = dataclasses.replace(loaded, device=device)
-    return loaded, kv_pool_blocks(loaded, spec.config)
+        if config.kv_cache_memory_bytes is None:  # every rank profiles the same step (its collectives pair up)
+            activation = profile_step_memory(
+                device,
+                lambda blocks: _runner(spec, loaded, blocks),
+                largest_step_tokens(config, loaded.max_context),
+                config.block_size,
+            )
+    return loaded, kv_pool_blocks(loaded, config, activation)
 
 
 def _runner(spec: WorkerSpec, loaded: Any, num_blocks: int) -> TensorParallelRunner:

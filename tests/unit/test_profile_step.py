@@ -1,0 +1,68 @@
+"""The profiling step that sizes the KV pool on CUDA (engine/factory.py, issue #25 point 4): the step
+itself runs on any device (here, the CPU) on both paged runners; the CUDA measurement around it runs on a
+GPU only (benchmarks/gpu_check.py); the budget's arithmetic is checked with the GPU's figures given."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lmiserve.engine import factory
+from lmiserve.engine.async_engine import EngineConfig
+from lmiserve.engine.runners.paged import PagedFastRunner, kv_bytes_per_block
+from lmiserve.engine.runners.paged_generic import PagedGenericRunner
+
+
+def _runner_of(model, cls):
+    made = []
+
+    def runner_of(blocks: int):
+        kwargs = {"max_slots": 4, "max_context": model.max_context, "eos_token_ids": model.eos_token_ids}
+        runner = cls(model.model, num_blocks=blocks, block_size=16, **kwargs)
+        made.append(runner)
+        return runner
+
+    return runner_of, made
+
+
+@pytest.mark.parametrize("cls", [PagedFastRunner, PagedGenericRunner], ids=["fast", "generic"])
+def test_the_largest_step_runs_on_a_pool_just_big_enough_and_is_forgotten(tiny_model, cls):
+    runner_of, made = _runner_of(tiny_model, cls)
+    tokens = factory.largest_step_tokens(EngineConfig(max_prefill_tokens=64, max_running=8), tiny_model.max_context)
+    assert tokens == 72
+    pool = factory.run_profile_step(runner_of, tokens, 16)
+    (runner,) = made
+    assert runner.num_blocks == 5 and pool == runner.kv_bytes > 0
+    assert runner._requests == {}  # the profiling request is gone again
+
+
+def test_the_largest_step_is_bounded_by_the_context():
+    assert factory.largest_step_tokens(EngineConfig(max_prefill_tokens=2048, max_running=32), 256) == 256
+
+
+def test_profiling_measures_on_cuda_only(tiny_model):
+    runner_of, made = _runner_of(tiny_model, PagedFastRunner)
+    assert factory.profile_step_memory(torch.device("cpu"), runner_of, 32, 16) is None
+    assert made == []  # nothing ran
+
+
+def test_the_profiled_activations_replace_the_fixed_reserve(monkeypatch, tiny_model):
+    """On CUDA the pool gets gpu_memory_utilization of the GPU less the allocated weights less the
+    activations (profiled, with their margin; else the fixed reserve)."""
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 10 * gib)
+    loaded = dataclasses.replace(tiny_model, device=torch.device("cuda"), max_context=10**9)
+    config = EngineConfig(max_running=10**9, gpu_memory_utilization=0.5)
+    per_block = kv_bytes_per_block(tiny_model.model, config.block_size)
+    fixed = factory.kv_pool_blocks(loaded, config)
+    assert fixed == (40 * gib - 10 * gib - factory.GPU_ACTIVATION_RESERVE) // per_block
+    profiled = factory.kv_pool_blocks(loaded, config, activation_bytes=5 * gib)
+    reserve = int(5 * gib * factory.PROFILE_MARGIN) + factory.PROFILE_SLACK
+    assert profiled == (40 * gib - 10 * gib - reserve) // per_block
+    assert (
+        factory.kv_pool_blocks(loaded, dataclasses.replace(config, kv_cache_memory_bytes=per_block * 7), 5 * gib) == 7
+    )
