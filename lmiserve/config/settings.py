@@ -383,9 +383,10 @@ class Settings(BaseModel):
         None,
         ge=1,
         description=(
-            "Memory of the paged KV cache's pool, per model (vLLM's name), in bytes or with a unit (`4GiB`); "
-            "unset = on CPU 25 % of the memory available at start-up, on CUDA `gpu_memory_utilization` of the "
-            "GPU less what the model took and 2 GiB for activations; never more than `max_rolling_batch_size` "
+            "Memory of the paged KV cache's pool, per model (per worker with tensor parallelism; vLLM's name), "
+            "in bytes or with a unit (`4GiB`); unset = on CPU 25 % of the memory available at start-up, on CUDA "
+            "`gpu_memory_utilization` of the GPU less what the model took and the activations of the largest "
+            "step, profiled at start; never more than `max_rolling_batch_size` "
             "sequences at full context need. A request that needs more than the whole pool answers 4xx."
         ),
         json_schema_extra={"allowed": "a size >= 1 in bytes, e.g. 4294967296 or 4GiB (or empty for unset)"},
