@@ -51,7 +51,8 @@ CONTROL_TIMEOUT = timedelta(days=365)  # the batch broadcast waits as long as th
 # their weights may come up minutes apart); a step's collectives are watched by the leader's step_timeout
 START_TIMEOUT_S = 1800.0
 PARENT_POLL_S = 1.0  # how often a worker checks that its parent process is still there
-HEARTBEAT_S = 5.0  # with several nodes: an empty batch after this long without a step (engine/tp_workers.py)
+CAUSE_WAIT_S = 0.5  # how long rank 0's error waits for another worker's exit that caused it
+HEARTBEAT_S = 5.0  # with several nodes: an empty batch after this long without a step (`watch`)
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,8 @@ def _serve(spec: WorkerSpec, rank: int, local_rank: int, conn: Connection | None
     except Exception as exc:  # noqa: BLE001 - gathered below: every rank stops, rank 0 says why
         log.exception("loading the shard failed")
         error = f"rank {rank}: {exc}"
+    if error is None:  # logged before the ranks agree: every rank's line precedes the leader's "ready"
+        log.info("rank %d of %d loaded its shard: room for %d KV blocks", rank, spec.world, capacity)
     statuses: list[Any] = [None] * spec.world
     dist.all_gather_object(statuses, (error, capacity), group=control)
     errors = [e for e, _ in statuses if e]
@@ -164,7 +167,6 @@ def _serve(spec: WorkerSpec, rank: int, local_rank: int, conn: Connection | None
     runner = _runner(spec, loaded, num_blocks)
     shape = (runner.num_blocks, runner.block_size, runner.vocab_size, list(runner.eos_token_ids), runner.kv_bytes)
     _tell(conn, ("ready", shape))
-    log.info("rank %d of %d ready: %d KV blocks of %d tokens", rank, spec.world, num_blocks, runner.block_size)
     while True:
         box: list[Any] = [None]
         if rank == 0:
@@ -289,18 +291,19 @@ def _start_workers(spec: WorkerSpec, conn: Connection | None) -> list[Any]:
     return processes
 
 
+_REAPING = threading.Lock()  # one thread reaps a worker (another's waitpid would find no child: no status)
+
+
 def _stop(processes: list[Any], grace: float) -> None:
     """Wait up to `grace` seconds for `processes` to end, then kill the rest; every one is reaped."""
     deadline = time.monotonic() + grace
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-            process.join(5)
-
-
-_REAPING = threading.Lock()  # one thread reaps a worker (another's waitpid would find no child: no status)
+    with _REAPING:
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join(5)
 
 
 def _exit_text(process: Any) -> str:
@@ -375,7 +378,7 @@ class TensorParallelExecutor(Executor):
                     raise ExecutorFailed(f"tensor-parallel rank 0 is gone: {exc}") from None
                 kind, info = self._receive(self.spec.step_timeout)
                 if kind != "ok":
-                    raise ExecutorFailed(info)
+                    raise ExecutorFailed(self._cause(info))
             except ExecutorFailed:
                 self._failed = True
                 raise
@@ -383,6 +386,14 @@ class TensorParallelExecutor(Executor):
                 self._last_step = time.monotonic()
         output: StepOutput = info
         return output
+
+    def _cause(self, error: str) -> str:
+        """Rank 0's `error`, led by the exit of another worker of this node that ended at about the same
+        time (a collective with a killed rank fails on rank 0 first: the killed rank is the cause)."""
+        others = [process for process in self._processes if process.name != "lmiserve-tp-rank0"]
+        ready = wait([process.sentinel for process in others], CAUSE_WAIT_S) if others else []
+        dead = [process for process in others if process.sentinel in ready]
+        return f"{_exit_text(dead[0])} ({error})" if dead else error
 
     def watch(self, on_failure: Callable[[str], None]) -> None:
         """This node's workers by their process sentinels; with several nodes, the others' by a heartbeat:
