@@ -120,7 +120,7 @@ class TensorParallelShard:
     def __init__(self, plan: ShardPlan, group: ProcessGroup | None) -> None:
         self.plan = plan
         self.group = group
-        self.rank, self.world = plan.rank, plan.world
+        self.world = plan.world
 
     def embed(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Rows of the (vocabulary-parallel) embedding `weight` for `ids`: each rank looks up the ids in

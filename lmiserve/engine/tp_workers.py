@@ -450,19 +450,17 @@ def run_node(spec: WorkerSpec) -> int:
     stopping = threading.Event()
     previous = {signum: signal.signal(signum, lambda *_: stopping.set()) for signum in (signal.SIGTERM, signal.SIGINT)}
     log.info("node %d of %d: ranks %s started", spec.node_rank, spec.nnodes, list(spec.local_ranks))
+
+    def one_failed() -> bool:
+        return any(process.exitcode not in (None, 0) for process in processes)
+
     try:
-        while not stopping.is_set() and any(process.is_alive() for process in processes):
+        while not stopping.is_set() and any(process.is_alive() for process in processes) and not one_failed():
             wait([process.sentinel for process in processes], 1.0)
-            if any(process.exitcode not in (None, 0) for process in processes):
-                break
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        if stopping.is_set() or any(process.exitcode not in (None, 0) for process in processes):
-            for process in processes:
-                if process.is_alive():
-                    process.kill()
-        _stop(processes, 10.0)
+        _stop(processes, 0.0 if stopping.is_set() or one_failed() else 10.0)  # the rest killed at once
     if stopping.is_set():
         return 0
     failed = [process for process in processes if process.exitcode != 0]
