@@ -69,6 +69,10 @@ def endless_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFac
 # The device of `tiny_model`: cpu, or what LMISERVE_TEST_DEVICE names (benchmarks/gpu_check.py runs the
 # engine's tests with LMISERVE_TEST_DEVICE=cuda).
 TEST_DEVICE = os.environ.get("LMISERVE_TEST_DEVICE", "cpu")
+if TEST_DEVICE == "cpu":
+    # the CUDA path's Triton attention kernel runs on CPU tensors under Triton's interpreter, which Triton
+    # reads when it is first imported (tests/unit/test_triton_attention.py)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

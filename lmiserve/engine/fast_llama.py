@@ -23,6 +23,7 @@ transformers path. Device-agnostic; tested on CPU only.
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from lmiserve.engine import decode_attention as compiled_attention
-from lmiserve.engine import paged_attention, skinny_gemm
+from lmiserve.engine import paged_attention, skinny_gemm, triton_attention
 from lmiserve.engine.cpu_gemm import PAD_ROWS_FROM, VOCAB_PAD_ROWS_FROM, CpuGemm
 from lmiserve.engine.kv_cache import AttentionShape, SlotKVCache
 from lmiserve.engine.llama_layout import (
@@ -127,6 +128,8 @@ class FastLlama:
         self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)
         self._gemm = gemm if gemm is not None else CpuGemm.for_model(self.device, self.dtype)
         self.paged = isinstance(cache, paged_attention.PagedKVCache)
+        # a paged cache on CUDA: every token's attention in one Triton kernel a layer (engine/triton_attention.py)
+        self.triton = self.paged and use_triton_attention(self.device)
         # a tensor-parallel rank's shard (engine/tensor_parallel.py): its collectives; None: the whole model
         self.tp = shard_of(model)
         self._compiled = compiled_attention_ok and compiled_attention.available(self.dtype, self.device)
@@ -220,7 +223,7 @@ class FastLlama:
         tp = self.tp
         token_ids = torch.tensor(ids, device=dev)
         x = F.embedding(token_ids, self.embed) if tp is None else tp.embed(token_ids, self.embed)
-        dec: _DecodePlan | _PagedDecode | None = None
+        dec: _DecodePlan | _PagedDecode | triton_attention.StepTiles | None = None
         short = 0  # prefill chunks computed as decode rows (paged, compiled attention)
         if isinstance(self.cache, SlotKVCache):
             self.cache.ensure_capacity(span)
@@ -231,7 +234,12 @@ class FastLlama:
             self.cache.ensure_zeroed(1 + max((max(t) for t in tables if t), default=-1))
             if rows and (decode_tables is None or len(decode_tables) != rows):
                 raise ValueError("a paged cache needs a block table for every decode row")
-            compiled = paged_attention.available(self.dtype, dev)
+            if self.triton:  # every token (decode rows and chunks) in one kernel launch a layer
+                sequences = [(table, p, 1) for table, p in zip(decode_tables or [], decode_positions, strict=True)]
+                sequences += [(key, start, len(chunk)) for key, start, chunk in prefills if isinstance(key, list)]
+                dec = triton_attention.step_tiles(sequences, self.groups, self.kv_heads, self.cache.block_size, dev)
+                prefills = []
+            compiled = not self.triton and paged_attention.available(self.dtype, dev)
             kernel_positions, kernel_tables = list(decode_positions), list(decode_tables or [])
             if compiled and CHUNKS_AS_DECODE_ROWS:  # the leading short chunks: rows of the decode kernel
                 for key, start, chunk in prefills:
@@ -240,7 +248,7 @@ class FastLlama:
                     kernel_positions.extend(range(start, start + len(chunk)))
                     kernel_tables.extend([key] * len(chunk))
                     short += 1
-            if kernel_positions:
+            if kernel_positions and not self.triton:
                 dec = _paged_decode(
                     kernel_positions, kernel_tables, self.cache.block_size, dev, compiled, self.kv_heads, rows
                 )
@@ -340,11 +348,15 @@ class FastLlama:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        dec: _DecodePlan | _PagedDecode | None,
+        dec: _DecodePlan | _PagedDecode | triton_attention.StepTiles | None,
         pre: list[_Chunk],
         pad: int,
     ) -> torch.Tensor:
         keys, values = self.cache.keys[index], self.cache.values[index]
+        if isinstance(dec, triton_attention.StepTiles):  # pad rows: in no tile, left zero
+            n = dec.tokens
+            triton_attention.write_step(keys, values, k[:n], v[:n], dec)
+            return triton_attention.paged_attention(q, keys, values, dec, self.scale).reshape(len(q), -1)
         if isinstance(dec, _PagedDecode) or (dec is None and self.paged):
             return self._paged_attention(keys, values, q, k, v, dec, pre, pad)
         outputs = []
@@ -523,6 +535,27 @@ class _DecodePlan:
             self.long_rows = torch.tensor([i for i, s in enumerate(spans) if s > cut], device=device)
             tail = torch.arange(cut, self.span, device=device)
             self.tail_mask = (tail[None, :] > pos[self.long_rows][:, None])[:, None, None, :]
+
+
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
+
+
+def use_triton_attention(device: torch.device) -> bool:
+    """Whether a paged cache's attention runs as the Triton kernel (engine/triton_attention.py), by the
+    ``LMISERVE_ATTENTION_BACKEND`` environment variable: ``auto`` (default) where it is `available` (CUDA
+    with Triton), ``torch`` never (the torch path: blocks gathered every layer; on CPU the compiled kernel),
+    ``triton`` always (an error where it cannot run; on a CPU only under Triton's interpreter, for tests)."""
+    backend = os.environ.get("LMISERVE_ATTENTION_BACKEND", "auto").strip().lower() or "auto"
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"LMISERVE_ATTENTION_BACKEND={backend!r}: expected one of {', '.join(ATTENTION_BACKENDS)}")
+    if backend == "torch":
+        return False
+    usable = triton_attention.available(device) or (device.type == "cpu" and triton_attention.interpreting())
+    if backend == "triton" and not usable:
+        raise ValueError(
+            "LMISERVE_ATTENTION_BACKEND=triton: the Triton kernel needs a CUDA device and the triton package"
+        )
+    return usable if backend == "triton" else triton_attention.available(device)
 
 
 def _repeat(x: torch.Tensor, groups: int) -> torch.Tensor:

@@ -22,12 +22,11 @@ from transformers import (
     MistralForCausalLM,
     PhiConfig,
     PhiForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
 
+from helpers.llama_variants import ARCHS, PROMPTS, build, greedy_tokens, serve_prompts
 from lmiserve.core.events import FinishReason
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine import fast_llama
@@ -36,42 +35,6 @@ from lmiserve.engine.factory import create_engine
 from lmiserve.engine.fast_llama import FastLlama, unsupported_reason
 from lmiserve.engine.kv_cache import SlotKVCache
 from lmiserve.engine.paged_attention import PagedKVCache
-
-COMMON = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    initializer_range=0.2,
-    eos_token_id=2,
-    pad_token_id=3,
-    bos_token_id=1,
-)
-ARCHS = {
-    "llama": (LlamaConfig, LlamaForCausalLM, {}),
-    "llama_scaled_rope": (
-        LlamaConfig,
-        LlamaForCausalLM,
-        {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
-    ),
-    "qwen2_bias": (Qwen2Config, Qwen2ForCausalLM, {}),
-    "mistral_no_window": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
-}
-PROMPTS = [
-    "The quick brown fox",
-    "Hello world! How are you",
-    "Deep learning is a subfield of",
-    "Numbers like 1, 2, 3",
-    "naïve café",
-]
-
-
-def build(config_cls, model_cls, extra: dict, seed: int = 7):
-    torch.manual_seed(seed)
-    return model_cls(config_cls(**COMMON, **extra)).eval()
 
 
 def with_model(loaded, model):
@@ -156,35 +119,6 @@ def test_fusing_weights_keeps_the_transformers_model_working_without_copies():
     assert fast.layers[0].qkv_w.is_contiguous()  # one [out, in] matrix (the model's own layout)
 
 
-def _greedy_reference(loaded, prompt: str, tokens: int) -> list[int]:
-    ids = torch.tensor([loaded.tokenizer(prompt).input_ids])
-    with torch.inference_mode():
-        out = loaded.model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=tokens,
-            min_new_tokens=tokens,
-            pad_token_id=3,
-        )
-    return out[0, ids.shape[1] :].tolist()
-
-
-async def _serve(loaded, config: EngineConfig, tokens: int, details: bool = False):
-    engine = create_engine(loaded, config)
-    engine.start()
-
-    async def one(i: int, prompt: str):
-        await asyncio.sleep(0.01 * i)  # later requests join a running batch
-        params = SamplingParams(max_new_tokens=tokens, ignore_eos_token=True, decoder_input_details=details)
-        return [e async for e in engine.generate(GenerationRequest(prompt, params))]
-
-    try:
-        return engine, await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
-    finally:
-        await engine.stop()
-
-
 @pytest.mark.parametrize(
     "arch, config, path, paged",
     [
@@ -215,11 +149,11 @@ def test_every_path_gives_generates_greedy_tokens(tiny_model, arch: str, config:
         loaded = with_model(tiny_model, build(*ARCHS[arch]))
     else:
         loaded = tiny_model
-    engine, results = asyncio.run(_serve(loaded, EngineConfig(**config), 12))
+    engine, results = asyncio.run(serve_prompts(loaded, EngineConfig(**config), 12))
     assert engine.runner.path == path
     assert (engine.pool is not None) == paged
     for prompt, events in zip(PROMPTS, results):
-        assert [e.token.id for e in events if e.token] == _greedy_reference(loaded, prompt, 12)
+        assert [e.token.id for e in events if e.token] == greedy_tokens(loaded, prompt, 12)
         assert events[-1].finish.reason is FinishReason.LENGTH
 
 
@@ -253,8 +187,10 @@ def test_sliding_window_models_keep_the_slot_layout():
 
 
 def test_prompt_logprobs_are_the_same_on_the_fast_and_generic_paths(tiny_model):
-    _, fast = asyncio.run(_serve(tiny_model, EngineConfig(max_prefill_tokens=4), 3, details=True))
-    _, generic = asyncio.run(_serve(tiny_model, EngineConfig(max_prefill_tokens=4, fast_path=False), 3, details=True))
+    _, fast = asyncio.run(serve_prompts(tiny_model, EngineConfig(max_prefill_tokens=4), 3, details=True))
+    _, generic = asyncio.run(
+        serve_prompts(tiny_model, EngineConfig(max_prefill_tokens=4, fast_path=False), 3, details=True)
+    )
     for a, b in zip(fast, generic):
         pa, pb = a[-1].finish.prefill, b[-1].finish.prefill
         assert [t.id for t in pa] == [t.id for t in pb] and pa[0].logprob is None
@@ -298,13 +234,13 @@ def test_a_failing_fused_forward_fails_only_the_culprit(tiny_model, monkeypatch)
         return real(self, decode_ids, decode_positions, prefills, keep, **kwargs)
 
     monkeypatch.setattr(fast_llama.FastLlama, "forward", forward)
-    _, results = asyncio.run(_serve(tiny_model, EngineConfig(), 6))
+    _, results = asyncio.run(serve_prompts(tiny_model, EngineConfig(), 6))
     for prompt, events in zip(PROMPTS, results):
         if prompt == PROMPTS[1]:
             assert events[-1].finish.reason is FinishReason.ERROR
             assert "kernel exploded" in events[-1].finish.error
         else:
-            assert [e.token.id for e in events if e.token] == _greedy_reference(tiny_model, prompt, 6)
+            assert [e.token.id for e in events if e.token] == greedy_tokens(tiny_model, prompt, 6)
 
 
 def test_engine_settings_reach_the_runner_and_the_scheduler(tiny_model):

@@ -1,0 +1,202 @@
+"""Paged attention as one Triton kernel: every token of a step (decode rows and prefill chunks alike)
+attends over its sequence's KV blocks in place, with no gather (the CUDA path of `fast_llama`).
+
+The cache is `paged_attention.PagedKVCache`'s, unchanged: per layer ``[num_blocks, kv_heads, block_size,
+head_dim]``. A step's tokens are cut into *tiles*: up to ``block_q`` consecutive tokens of one sequence (a
+decode row is one tile of one token, a prefill chunk of n tokens ``ceil(n / block_q)`` tiles). One program
+takes a (tile, kv head): its queries are the tile's tokens times the kv head's query heads (GQA packed, so
+each key and value is read once for all the heads that share it), and it walks the sequence's positions
+``0..last`` in tiles of ``BLOCK_N``, each position's address read from the block table (any block size),
+masking each query past its own position (causal within a chunk, full for a decode row). Flash-attention's
+online softmax: scores and the running sum in fp32, the products in the cache's dtype with fp32 accumulation
+(fp32 caches multiply in full fp32, not TF32), as `paged_attention.torch_decode_attention` does.
+
+The keys and values of the step's tokens are written before the kernel runs (`write_index`, one
+``index_copy_`` a layer), so a token reads its own and its chunk's earlier positions from the cache.
+
+`StepTiles` (built once a step on the host, copied to the device in one transfer) is what every layer's
+launch shares. On a CPU the same kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``, which the
+test suite sets): how the tests check it against the torch path without a GPU; far too slow to serve from.
+Triton comes with torch's CUDA wheels; without it (`available`) the CUDA path keeps the torch attention.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+__all__ = ["BLOCK_N", "StepTiles", "available", "interpreting", "paged_attention", "step_tiles", "write_step"]
+
+# positions a program reads per iteration (one tile of keys and values); a power of two, at least 16 (tl.dot)
+BLOCK_N = 32
+# query rows (tokens x query heads of one kv head) a program holds: at least 16 (tl.dot); a tile takes
+# ``BLOCK_M // groups`` tokens (rounded to a power of two), more for prefill-heavy steps
+DECODE_BLOCK_M = 16
+PREFILL_BLOCK_M = 64
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernel can serve on `device`: CUDA with Triton installed."""
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+class StepTiles(NamedTuple):
+    """One step's launch plan (device tensors): per tile its sequence, first token and token count; per
+    token its position; per sequence its block table (``[sequences, width]``, int32, padded with block 0);
+    where each token's key and value go in a ``[-1, head_dim]`` view of a layer's cache (`write`, token-major
+    then kv head)."""
+
+    tile_seq: torch.Tensor
+    tile_first: torch.Tensor
+    tile_count: torch.Tensor
+    positions: torch.Tensor
+    tables: torch.Tensor
+    write: torch.Tensor
+    block_q: int
+    tiles: int
+    tokens: int
+
+
+def step_tiles(
+    sequences: Sequence[tuple[Sequence[int], int, int]],
+    groups: int,
+    kv_heads: int,
+    block_size: int,
+    device: torch.device,
+    tile_capacity: int | None = None,
+) -> StepTiles:
+    """The plan for a step whose tokens are, in order, each sequence's ``(block table, start, count)``:
+    `count` tokens at positions ``start..start+count-1`` (a decode row: its position, 1). `tile_capacity`:
+    launch this many tiles (the rest empty: programs that return at once), for a launch whose shape must
+    not change between steps (a captured CUDA graph); default the tiles the step needs."""
+    longest = max((count for _, _, count in sequences), default=1)
+    block_m = DECODE_BLOCK_M if longest * groups <= DECODE_BLOCK_M else PREFILL_BLOCK_M
+    block_m = max(block_m, _pow2(groups))
+    block_q = max(1, block_m // _pow2(groups))
+    counts = np.array([count for _, _, count in sequences], dtype=np.int64)
+    starts = np.array([start for _, start, _ in sequences], dtype=np.int64)
+    firsts = np.concatenate(([0], np.cumsum(counts)[:-1])) if len(counts) else counts
+    tile_seq, tile_first, tile_count = [], [], []
+    for seq, (first, count) in enumerate(zip(firsts.tolist(), counts.tolist(), strict=True)):
+        for at in range(0, count, block_q):
+            tile_seq.append(seq)
+            tile_first.append(first + at)
+            tile_count.append(min(block_q, count - at))
+    tiles = len(tile_seq) if tile_capacity is None else tile_capacity
+    if tiles < len(tile_seq):
+        raise ValueError(f"{len(tile_seq)} tiles do not fit a launch of {tiles}")
+    pad = [0] * (tiles - len(tile_seq))
+    width = max((len(table) for table, _, _ in sequences), default=1) or 1
+    tables = np.zeros((max(1, len(sequences)), width), dtype=np.int32)
+    for row, (table, _, _) in enumerate(sequences):
+        tables[row, : len(table)] = table
+    token_seq = np.repeat(np.arange(len(counts)), counts)
+    positions = (np.arange(int(counts.sum())) - np.repeat(firsts, counts) + np.repeat(starts, counts)).astype(np.int64)
+    blocks = tables[token_seq, positions // block_size].astype(np.int64)
+    heads = np.arange(kv_heads, dtype=np.int64)
+    write = ((blocks[:, None] * kv_heads + heads[None, :]) * block_size + (positions % block_size)[:, None]).reshape(-1)
+    ints = np.concatenate(
+        (np.array(tile_seq + pad + tile_first + pad + tile_count + pad, dtype=np.int64), positions)
+    ).astype(np.int32)
+    # one host-to-device copy each: the tile arrays with the positions, the tables, the write index
+    packed = torch.from_numpy(ints).to(device, non_blocking=True)
+    return StepTiles(
+        packed[:tiles],
+        packed[tiles : 2 * tiles],
+        packed[2 * tiles : 3 * tiles],
+        packed[3 * tiles :],
+        torch.from_numpy(tables).to(device, non_blocking=True),
+        torch.from_numpy(write).to(device, non_blocking=True),
+        block_q,
+        tiles,
+        len(positions),
+    )
+
+
+def write_step(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: StepTiles
+) -> None:
+    """Store the step's tokens' keys and values (``[plan.tokens, kv_heads, head_dim]``) in a layer's cache."""
+    dim = key_cache.shape[-1]
+    key_cache.view(-1, dim).index_copy_(0, plan.write, keys.reshape(-1, dim).to(key_cache.dtype))
+    value_cache.view(-1, dim).index_copy_(0, plan.write, values.reshape(-1, dim).to(value_cache.dtype))
+
+
+@functools.cache
+def _kernel() -> Any:
+    import triton
+
+    from lmiserve.engine.triton_kernel import paged_attention_kernel
+
+    return triton.jit(paged_attention_kernel)
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels under its interpreter (``TRITON_INTERPRET=1`` before Triton was
+    imported): the only way the kernel runs on CPU tensors."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    import triton
+
+    return bool(triton.knobs.runtime.interpret)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    plan: StepTiles,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of the step's tokens (``query``: ``[tokens, heads, head_dim]``, in `plan`'s order) over
+    their sequences' cached positions up to their own (already written). Returns ``[tokens, heads,
+    head_dim]`` (into `out` when given; rows no tile covers are left as they were). On CPU tensors only
+    under Triton's interpreter (`interpreting`)."""
+    heads, head_dim = query.shape[1:]
+    _, kv_heads, block_size, _ = key_cache.shape
+    groups = heads // kv_heads
+    if out is None:
+        out = query.new_zeros(query.shape)
+    if query.stride(-1) != 1 or key_cache.stride(-1) != 1 or value_cache.stride() != key_cache.stride():
+        raise ValueError("query and caches must be contiguous in head_dim, the caches alike")
+    if query.device.type == "cpu" and not interpreting():
+        raise RuntimeError("the Triton attention kernel runs on CPU tensors only with TRITON_INTERPRET=1")
+    _kernel()[(plan.tiles, kv_heads)](
+        query,
+        key_cache,
+        value_cache,
+        out,
+        plan.tile_seq,
+        plan.tile_first,
+        plan.tile_count,
+        plan.positions,
+        plan.tables,
+        scale,
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+        plan.tables.stride(0),
+        GROUPS=groups,
+        GROUPS_PAD=_pow2(groups),
+        BLOCK_Q=plan.block_q,
+        HEAD_DIM=head_dim,
+        HEAD_PAD=max(16, _pow2(head_dim)),
+        BLOCK_SIZE=block_size,
+        BLOCK_N=BLOCK_N,
+        PRECISION="ieee" if key_cache.dtype == torch.float32 else "tf32",
+    )
+    return out

@@ -1,0 +1,78 @@
+"""The Triton kernel of `triton_attention` (imported only where Triton is installed; the interpreter
+patches this module's ``tl`` when it runs the kernel on a CPU)."""
+
+import triton.language as tl
+
+__all__ = ["paged_attention_kernel"]
+
+
+def paged_attention_kernel(  # pragma: no cover - runs as a Triton kernel
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    tile_seq_ptr,
+    tile_first_ptr,
+    tile_count_ptr,
+    pos_ptr,
+    table_ptr,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_ko,
+    stride_ot,
+    stride_oh,
+    stride_table,
+    GROUPS: tl.constexpr,
+    GROUPS_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    count = tl.load(tile_count_ptr + tile)
+    if count > 0:
+        seq = tl.load(tile_seq_ptr + tile)
+        first = tl.load(tile_first_ptr + tile)
+        rows = tl.arange(0, BLOCK_Q * GROUPS_PAD)
+        token = rows // GROUPS_PAD
+        group = rows % GROUPS_PAD
+        valid = (token < count) & (group < GROUPS)
+        dims = tl.arange(0, HEAD_PAD)
+        dim_ok = dims < HEAD_DIM
+        head = kv_head * GROUPS + group
+        q_at = q_ptr + (first + token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
+        q = tl.load(q_at, mask=valid[:, None] & dim_ok[None, :], other=0.0)
+        last = tl.load(pos_ptr + first + count - 1)
+        # a padding row sees what the tile's last token sees (finite; never stored)
+        pos = tl.load(pos_ptr + first + token, mask=token < count, other=0)
+        pos = tl.where(token < count, pos, last)
+        m_i = tl.full([BLOCK_Q * GROUPS_PAD], float("-inf"), dtype=tl.float32)
+        l_i = tl.full([BLOCK_Q * GROUPS_PAD], 0.0, dtype=tl.float32)
+        acc = tl.full([BLOCK_Q * GROUPS_PAD, HEAD_PAD], 0.0, dtype=tl.float32)
+        table = table_ptr + seq * stride_table
+        for start in range(0, last + 1, BLOCK_N):
+            offs = start + tl.arange(0, BLOCK_N)
+            seen = offs <= last
+            block = tl.load(table + offs // BLOCK_SIZE, mask=seen, other=0).to(tl.int64)
+            at = block * stride_kb + kv_head * stride_kh + (offs % BLOCK_SIZE) * stride_ko
+            kv_mask = seen[:, None] & dim_ok[None, :]
+            k = tl.load(k_ptr + at[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            scores = tl.where(offs[None, :] <= pos[:, None], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            p = tl.exp(scores - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + at[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        o_at = out_ptr + (first + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+        tl.store(o_at, out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & dim_ok[None, :])

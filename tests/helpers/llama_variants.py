@@ -1,0 +1,78 @@
+"""Tiny random models of the Llama-family architectures the fast forward covers, and the engine runs that
+check them against `generate()` (tests/unit/test_fast_llama.py, tests/unit/test_triton_attention.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from lmiserve.core.request import GenerationRequest, SamplingParams
+from lmiserve.engine.async_engine import EngineConfig
+from lmiserve.engine.factory import create_engine
+
+COMMON = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.2,
+    eos_token_id=2,
+    pad_token_id=3,
+    bos_token_id=1,
+)
+ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "llama_scaled_rope": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+    ),
+    "qwen2_bias": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "mistral_no_window": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+}
+PROMPTS = [
+    "The quick brown fox",
+    "Hello world! How are you",
+    "Deep learning is a subfield of",
+    "Numbers like 1, 2, 3",
+    "naïve café",
+]
+
+
+def build(config_cls, model_cls, extra: dict, seed: int = 7):
+    torch.manual_seed(seed)
+    return model_cls(config_cls(**COMMON, **extra)).eval()
+
+
+def greedy_tokens(loaded, prompt: str, tokens: int) -> list[int]:
+    ids = torch.tensor([loaded.tokenizer(prompt).input_ids], device=loaded.model.device)
+    with torch.inference_mode():
+        out = loaded.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            pad_token_id=3,
+        )
+    return out[0, ids.shape[1] :].tolist()
+
+
+async def serve_prompts(loaded, config: EngineConfig, tokens: int, details: bool = False):
+    engine = create_engine(loaded, config)
+    engine.start()
+
+    async def one(i: int, prompt: str):
+        await asyncio.sleep(0.01 * i)  # later requests join a running batch
+        params = SamplingParams(max_new_tokens=tokens, ignore_eos_token=True, decoder_input_details=details)
+        return [e async for e in engine.generate(GenerationRequest(prompt, params))]
+
+    try:
+        return engine, await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
+    finally:
+        await engine.stop()

@@ -1,0 +1,176 @@
+"""The CUDA path's paged attention kernel (engine/triton_attention.py): one Triton launch a layer for every
+token of a step, reading keys and values in place through the block tables.
+
+On a CPU the kernel runs under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1); with
+LMISERVE_TEST_DEVICE=cuda (benchmarks/gpu_check.py) the same tests run it compiled on the GPU. Each result
+is checked against attention computed directly over each token's positions, and through the fast forward
+against transformers' logits and generate()'s greedy tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from helpers.llama_variants import ARCHS, PROMPTS, build, greedy_tokens, serve_prompts  # noqa: E402
+from lmiserve.engine import fast_llama, triton_attention  # noqa: E402
+from lmiserve.engine.async_engine import EngineConfig  # noqa: E402
+from lmiserve.engine.fast_llama import FastLlama  # noqa: E402
+from lmiserve.engine.paged_attention import PagedKVCache  # noqa: E402
+
+DEVICE = torch.device(os.environ.get("LMISERVE_TEST_DEVICE", "cpu"))
+
+
+def _tables(counts: list[int], num_blocks: int, gen: torch.Generator) -> list[list[int]]:
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, taken = [], 0
+    for count in counts:
+        tables.append(order[taken : taken + count])
+        taken += count
+    return tables
+
+
+def _reference(query, key_cache, value_cache, sequences, scale):
+    """Each token over its sequence's positions ``0..its own``, in fp32, read block by block."""
+    block_size = key_cache.shape[2]
+    kv_heads = key_cache.shape[1]
+    groups = query.shape[1] // kv_heads
+    out, row = [], 0
+    for table, start, count in sequences:
+        end = start + count
+        blocks = torch.tensor(table, device=key_cache.device)[: -(-end // block_size)]
+        keys = key_cache[blocks].transpose(0, 1).reshape(kv_heads, -1, key_cache.shape[-1])[:, :end].float()
+        values = value_cache[blocks].transpose(0, 1).reshape(kv_heads, -1, key_cache.shape[-1])[:, :end].float()
+        for i in range(count):
+            visible = start + i + 1
+            q = query[row + i].float().view(kv_heads, groups, -1)
+            scores = torch.einsum("hgd,hld->hgl", q, keys[:, :visible]) * scale
+            out.append(torch.einsum("hgl,hld->hgd", scores.softmax(-1), values[:, :visible]).reshape(-1, q.shape[-1]))
+        row += count
+    return torch.stack(out)
+
+
+CASES = {
+    # kv heads, query heads a kv head, head_dim, block size, dtype
+    "mha-small-blocks": (2, 1, 16, 4, torch.float32),
+    "gqa3-smollm": (3, 3, 64, 16, torch.float32),  # groups not a power of two
+    "gqa8-dim80": (1, 8, 80, 32, torch.float32),  # head_dim not a power of two
+    "gqa2-fp16": (2, 2, 32, 8, torch.float16),
+}
+if DEVICE.type == "cuda":
+    # Triton's interpreter multiplies bf16 operands wrongly (tl.dot reads numpy's stand-in for bf16 as
+    # integers), so the bf16 kernel is checked on the GPU only (benchmarks/gpu_check.py)
+    CASES["gqa4-bf16"] = (2, 4, 64, 16, torch.bfloat16)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@torch.inference_mode()
+def test_every_token_attends_over_its_own_positions_through_the_block_table(case: str):
+    """Decode rows and prefill chunks (one shorter than a tile, one over several tiles, one starting
+    after a cached prefix) in one launch; the padding rows after the step's tokens stay zero, and so do
+    the launch's empty tiles."""
+    kv_heads, groups, dim, block_size, dtype = CASES[case]
+    gen = torch.Generator().manual_seed(3)
+    starts_counts = [(70, 1), (5, 1), (0, 37), (150, 20), (33, 3)]  # decode, decode, prompt, chunk, draft
+    needed = [-(-(s + c) // block_size) for s, c in starts_counts]
+    num_blocks = sum(needed) + 3
+    tables = _tables(needed, num_blocks, gen)
+    sequences = [(t, s, c) for t, (s, c) in zip(tables, starts_counts)]
+    tokens = sum(c for _, c in starts_counts)
+    shape = (num_blocks, kv_heads, block_size, dim)
+    key_cache = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+    value_cache = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+    query = torch.randn(tokens + 5, kv_heads * groups, dim, generator=gen).to(DEVICE, dtype)
+    new_keys = torch.randn(tokens, kv_heads, dim, generator=gen).to(DEVICE, dtype)
+    new_values = torch.randn(tokens, kv_heads, dim, generator=gen).to(DEVICE, dtype)
+    plan = triton_attention.step_tiles(sequences, groups, kv_heads, block_size, DEVICE, tile_capacity=64)
+    triton_attention.write_step(key_cache, value_cache, new_keys, new_values, plan)
+    # the step's keys and values are where the block tables put them
+    row = 0
+    for table, start, count in sequences:
+        for i in range(count):
+            p = start + i
+            torch.testing.assert_close(key_cache[table[p // block_size], :, p % block_size], new_keys[row])
+            torch.testing.assert_close(value_cache[table[p // block_size], :, p % block_size], new_values[row])
+            row += 1
+    scale = dim**-0.5
+    out = triton_attention.paged_attention(query, key_cache, value_cache, plan, scale)
+    expected = _reference(query, key_cache, value_cache, sequences, scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[:tokens].float(), expected, rtol=tol, atol=tol)
+    assert not out[tokens:].any()
+
+
+def test_a_step_of_more_tiles_than_its_launch_is_refused():
+    with pytest.raises(ValueError, match="3 tiles do not fit a launch of 2"):
+        triton_attention.step_tiles([([0], 0, 1), ([1], 0, 1), ([2], 0, 1)], 1, 1, 4, DEVICE, tile_capacity=2)
+
+
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_a_tile_holds_at_least_sixteen_query_rows(decode_only: bool):
+    """tl.dot's smallest shape: decode steps pack up to 16 rows (tokens x groups), prefill steps 64."""
+    count = 1 if decode_only else 40
+    for groups in (1, 3, 4, 8, 32):
+        plan = triton_attention.step_tiles([([0, 1, 2, 3, 4, 5, 6, 7, 8, 9], 0, count)], groups, 1, 4, DEVICE)
+        rows = plan.block_q * (1 << (groups - 1).bit_length())
+        assert rows >= 16
+        assert plan.tiles == -(-count // plan.block_q)
+
+
+@torch.inference_mode()
+def test_the_fast_forward_over_the_kernel_gives_transformers_logits(monkeypatch):
+    """The paged fast forward with the Triton backend: prompt chunks after a long prefix beside a decode
+    row, each position's logits those of the whole prompt run alone."""
+    monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "triton")
+    for arch in ("llama", "qwen2_bias"):
+        model = build(*ARCHS[arch]).to(DEVICE)
+        cfg = model.config
+        gen = torch.Generator().manual_seed(1)
+        long, short = (torch.randint(4, 512, (n,), generator=gen).tolist() for n in (70, 9))
+        ref_long, ref_short = (model(torch.tensor([s], device=DEVICE)).logits[0] for s in (long, short))
+        cache = PagedKVCache(cfg.num_hidden_layers, 24, 4, cfg.num_key_value_heads, 16, model.dtype, DEVICE)
+        fast = FastLlama(model, cache, 256)
+        assert fast.triton
+        long_table = [3, 7, 1, 12, 0, 9, 5, 14, 2, 11, 6, 8, 10, 16, 17, 18, 19, 20]
+        short_table = [23, 13, 4]
+        out = fast.forward([], [], [(short_table, 0, short[:-1]), (long_table, 0, long[:40])], [7, 8 + 39])
+        torch.testing.assert_close(out[0], ref_short[7], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(out[1], ref_long[39], rtol=1e-4, atol=1e-4)
+        for start in range(40, len(long), 15):
+            chunk = long[start : start + 15]
+            keep = list(range(1 + len(chunk)))
+            out = fast.forward([short[-1]], [len(short) - 1], [(long_table, start, chunk)], keep, [short_table])
+            torch.testing.assert_close(out[0], ref_short[-1], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(out[1:], ref_long[start : start + len(chunk)], rtol=1e-4, atol=1e-4)
+
+
+def test_the_engine_over_the_kernel_gives_generates_greedy_tokens(tiny_model, monkeypatch):
+    """Continuous batching (requests joining a running batch, prompts in chunks) with every step's
+    attention in the kernel: generate()'s greedy tokens."""
+    monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "triton")
+    engine, results = asyncio.run(serve_prompts(tiny_model, EngineConfig(max_prefill_tokens=6), 10))
+    assert engine.runner.fast.triton
+    for prompt, events in zip(PROMPTS, results):
+        assert [e.token.id for e in events if e.token] == greedy_tokens(tiny_model, prompt, 10)
+
+
+def test_the_backend_is_chosen_by_the_environment(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.delenv("LMISERVE_ATTENTION_BACKEND", raising=False)
+    assert not fast_llama.use_triton_attention(cpu)  # auto: CUDA only, never the interpreter
+    monkeypatch.setattr(triton_attention, "available", lambda device: device.type == "cuda")
+    assert fast_llama.use_triton_attention(cuda)
+    monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "torch")
+    assert not fast_llama.use_triton_attention(cuda)
+    monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "flash")
+    with pytest.raises(ValueError, match="LMISERVE_ATTENTION_BACKEND='flash': expected one of auto, triton, torch"):
+        fast_llama.use_triton_attention(cuda)
+    monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "triton")
+    monkeypatch.setattr(triton_attention, "interpreting", lambda: False)
+    with pytest.raises(ValueError, match="needs a CUDA device and the triton package"):
+        fast_llama.use_triton_attention(cpu)
