@@ -76,6 +76,7 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "kv_cache",
             "kv_cache_memory_bytes",
             "gpu_memory_utilization",
+            "enforce_eager",
             "block_size",
             "speculative_config",
             "speculative_draft_model",

@@ -53,7 +53,6 @@ LMI_IGNORED_KEYS = frozenset(
         "entryPoint",
         "pipeline_parallel_degree",
         "quantize",
-        "enforce_eager",
         "mpi_mode",
         "task",
         "model_loading_timeout",
@@ -398,6 +397,13 @@ class Settings(BaseModel):
         description="Share of the GPU's memory lmiserve may take (LMI's and vLLM's name); sizes the paged KV pool.",
     )
     block_size: int = Field(16, ge=1, le=1024, description="Tokens a block of the paged KV cache holds (vLLM's name).")
+    enforce_eager: bool = Field(
+        False,
+        description=(
+            "On CUDA, run every step eagerly: no decode steps replayed as CUDA graphs (LMI's and vLLM's name). "
+            "Graphs apply to the fast path over the paged KV cache on one GPU; see docs/engine.md."
+        ),
+    )
     # --- speculative decoding ---
     speculative_config: SpeculativeConfig | None = Field(
         None,
@@ -661,6 +667,7 @@ class Settings(BaseModel):
         "tgi_compat",
         "fast_path",
         "cpu_autotune",
+        "enforce_eager",
         "enable_management_api",
         "enable_prefix_caching",
         mode="before",

@@ -83,6 +83,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # the paged pool's budget; None = by device (engine/factory.py)
     block_size: int = 16  # tokens a block of the paged pool holds
     gpu_memory_utilization: float = 0.9  # on CUDA, the share of the GPU the paged pool's default budget fills
+    enforce_eager: bool = False  # on CUDA: no decode steps replayed as CUDA graphs (engine/cuda_graphs.py)
     speculation: SpeculationSettings | None = None  # speculative decoding (engine/speculative.py)
     lora: LoraLimits | None = None  # LoRA adapters (engine/lora_registry.py; None: none served)
 

@@ -13,7 +13,7 @@ import torch
 
 from lmiserve.config.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE
 from lmiserve.core.request import SamplingParams
-from lmiserve.engine import lora_kernels
+from lmiserve.engine import cuda_graphs, lora_kernels
 from lmiserve.engine.async_engine import AsyncEngine, EngineConfig
 from lmiserve.engine.grammar_compiler import GrammarCompiler
 from lmiserve.engine.loaded import LoadedModel
@@ -51,12 +51,14 @@ def available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def kv_pool_blocks(loaded: LoadedModel, config: EngineConfig, activation_bytes: int | None = None) -> int:
+def kv_pool_blocks(
+    loaded: LoadedModel, config: EngineConfig, activation_bytes: int | None = None, graphs: bool = False
+) -> int:
     """Blocks of the paged KV pool: the budget (`kv_cache_memory_bytes`, else by device) over a block's
     bytes, never more than `max_running` sequences at full context need, at least one. On CUDA the budget
     is `gpu_memory_utilization` of the GPU less what is allocated (the weights) and less the activations of
     the largest step: `activation_bytes` as profiled (`profile_step_memory`, with a margin), else a fixed
-    `GPU_ACTIVATION_RESERVE`."""
+    `GPU_ACTIVATION_RESERVE`; with decode `graphs`, less their memory too (`graph_pool_bytes`)."""
     per_block = kv_bytes_per_block(loaded.model, config.block_size)
     budget = config.kv_cache_memory_bytes
     if budget is None:
@@ -67,6 +69,14 @@ def kv_pool_blocks(loaded: LoadedModel, config: EngineConfig, activation_bytes: 
             reserve = GPU_ACTIVATION_RESERVE
             if activation_bytes is not None:
                 reserve = int(activation_bytes * PROFILE_MARGIN) + PROFILE_SLACK
+            if graphs:
+                reserve += graph_pool_bytes(
+                    activation_bytes or 0,
+                    largest_step_tokens(config, loaded.max_context),
+                    cuda_graphs.capture_sizes(config.max_running)[-1],
+                    int(loaded.model.config.vocab_size),
+                    loaded.model.dtype.itemsize,
+                )
             budget -= reserve
         else:
             budget = int(available_memory() * CPU_KV_SHARE)
@@ -78,6 +88,14 @@ def kv_pool_blocks(loaded: LoadedModel, config: EngineConfig, activation_bytes: 
 # sampler's own tensors) before the KV pool takes the rest of gpu_memory_utilization
 PROFILE_MARGIN = 1.2
 PROFILE_SLACK = 256 * 2**20
+
+
+def graph_pool_bytes(step_bytes: int, step_tokens: int, rows: int, vocab: int, itemsize: int) -> int:
+    """The memory the captured decode graphs keep (engine/cuda_graphs.py: one pool for all, the largest
+    capture size's step): the profiled step's activations scaled to `rows` tokens, with the margin, and
+    that step's logits (every row's, in the model's dtype and in float32)."""
+    activations = step_bytes * rows // max(1, step_tokens)
+    return int(activations * PROFILE_MARGIN) + rows * vocab * (itemsize + 4)
 
 
 def largest_step_tokens(config: EngineConfig, max_context: int) -> int:
@@ -166,6 +184,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         kv_cache_memory_bytes=int(settings.kv_cache_memory_bytes) if settings.kv_cache_memory_bytes else None,
         block_size=settings.block_size,
         gpu_memory_utilization=settings.gpu_memory_utilization,
+        enforce_eager=settings.enforce_eager,
         speculation=speculation_settings(settings),
         lora=LoraLimits(settings.max_loras, settings.max_lora_rank, settings.max_cpu_loras)
         if settings.enable_lora
@@ -227,7 +246,8 @@ def create_engine(
                 largest_step_tokens(config, loaded.max_context),
                 config.block_size,
             )
-        num_blocks = kv_pool_blocks(loaded, config, activation)
+        graphs = fast_cls is not None and cuda_graphs.wanted(loaded.device, config.enforce_eager)
+        num_blocks = kv_pool_blocks(loaded, config, activation, graphs)
         log.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
             num_blocks,
@@ -384,7 +404,13 @@ def _paged_runner(
         "block_size": config.block_size,
     }
     if fast_cls is not None:
-        return fast_cls(loaded.model, autotune=config.cpu_autotune, autotune_cache=config.autotune_cache, **common)
+        return fast_cls(
+            loaded.model,
+            autotune=config.cpu_autotune,
+            autotune_cache=config.autotune_cache,
+            enforce_eager=config.enforce_eager,
+            **common,
+        )
     log.info("model runner: generic path over the paged KV cache (transformers' attention)")
     return paged_generic.PagedGenericRunner(loaded.model, **common)
 

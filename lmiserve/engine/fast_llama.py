@@ -48,6 +48,8 @@ from lmiserve.engine.tensor_parallel import shard_of
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from lmiserve.engine.cuda_graphs import DecodeGraphs
+
 __all__ = ["PAD_ROWS_FROM", "SPLIT_MIN_SAVING", "SUPPORTED_TYPES", "FastLlama", "split_point", "unsupported_reason"]
 
 log = logging.getLogger(__name__)
@@ -130,6 +132,8 @@ class FastLlama:
         self.paged = isinstance(cache, paged_attention.PagedKVCache)
         # a paged cache on CUDA: every token's attention in one Triton kernel a layer (engine/triton_attention.py)
         self.triton = self.paged and use_triton_attention(self.device)
+        # decode steps replayed as CUDA graphs (engine/cuda_graphs.py; set by the paged runner)
+        self.graphs: DecodeGraphs | None = None
         # a tensor-parallel rank's shard (engine/tensor_parallel.py): its collectives; None: the whole model
         self.tp = shard_of(model)
         self._compiled = compiled_attention_ok and compiled_attention.available(self.dtype, self.device)
@@ -205,10 +209,15 @@ class FastLlama:
         Tokens are ordered: decode rows (row i = slot i, one token at `decode_positions[i]`), then
         each prefill chunk ``(slot, start, ids)`` in turn. Over a paged cache a row's block table stands
         for its slot: `decode_tables[i]` for decode row i, ``(block table, start, ids)`` for a chunk.
+        A step of decode rows alone, every row kept, replays a captured CUDA graph where `graphs` covers it.
         """
         dev = self.device
         gemm = self._gemm
         rows = len(decode_ids)
+        graphs = self.graphs
+        decode_only = decode_tables and not prefills and lora is None and keep == list(range(rows))
+        if graphs is not None and decode_tables and decode_only and graphs.covers(rows):
+            return graphs.run(decode_ids, decode_positions, decode_tables)
         ids = decode_ids + [t for _, _, chunk in prefills for t in chunk]
         positions = list(decode_positions)
         for _, start, chunk in prefills:
@@ -261,6 +270,39 @@ class FastLlama:
             where = torch.tensor(key, dtype=torch.long, device=dev) if isinstance(key, list) else key
             pre.append(_Chunk(where, start, end, offset, mask))
             offset += len(chunk)
+        x = self._layers(x, cos, sin, dec, pre, pad, lora)
+        count = len(keep)
+        keep = keep + keep[:1] * self._row_padding(count, VOCAB_PAD_ROWS_FROM)
+        if keep != list(range(x.shape[0])):
+            x = x[torch.tensor(keep, dtype=torch.long, device=dev)]
+        logits = gemm.linear(_rms(x, self.norm), self.lm_head, None, self.lm_head_s)[:count].float().contiguous()
+        return logits if tp is None else tp.gather_logits(logits)
+
+    def decode_body(self, ids: torch.Tensor, positions: torch.Tensor, plan: triton_attention.StepTiles) -> torch.Tensor:
+        """A step of decode rows as tensor ops alone (no host values, no host syncs: what a CUDA graph
+        captures): token `ids` at `positions` (device tensors, one a row; the RoPE table must already cover
+        them), attention through `plan`; float32 logits of every row. The whole model (not a
+        tensor-parallel shard)."""
+        x = F.embedding(ids, self.embed)
+        x = self._layers(x, self._cos[positions][:, None], self._sin[positions][:, None], plan, [], 0, None)
+        return self._gemm.linear(_rms(x, self.norm), self.lm_head, None, self.lm_head_s).float()
+
+    def rope_upto(self, positions: int) -> None:
+        """Build the RoPE table for positions ``0..positions-1`` now (a captured graph reads it in place)."""
+        self._rope(positions)
+
+    def _layers(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        dec: _DecodePlan | _PagedDecode | triton_attention.StepTiles | None,
+        pre: list[_Chunk],
+        pad: int,
+        lora: LoraBatch | None,
+    ) -> torch.Tensor:
+        """The decoder layers over the step's hidden states ``x`` (``[T, hidden]``; RoPE rows `cos`/`sin`)."""
+        tp, gemm = self.tp, self._gemm
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         for index, layer in enumerate(self.layers):
             h = _rms(x, layer.in_norm)
@@ -289,12 +331,7 @@ class FastLlama:
             if tp is not None:
                 down = tp.all_reduce(down)
             x = x + down
-        count = len(keep)
-        keep = keep + keep[:1] * self._row_padding(count, VOCAB_PAD_ROWS_FROM)
-        if keep != list(range(x.shape[0])):
-            x = x[torch.tensor(keep, dtype=torch.long, device=dev)]
-        logits = gemm.linear(_rms(x, self.norm), self.lm_head, None, self.lm_head_s)[:count].float().contiguous()
-        return logits if tp is None else tp.gather_logits(logits)
+        return x
 
     def lora_groups(self) -> list[LoraGroup]:
         """The groups `forward` applies adapters to: each layer's fused q/k/v, o, fused gate/up and down

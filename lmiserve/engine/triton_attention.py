@@ -30,7 +30,16 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["BLOCK_N", "StepTiles", "available", "interpreting", "paged_attention", "step_tiles", "write_step"]
+__all__ = [
+    "BLOCK_N",
+    "StepTiles",
+    "available",
+    "interpreting",
+    "paged_attention",
+    "step_tiles",
+    "tile_tokens",
+    "write_step",
+]
 
 # positions a program reads per iteration (one tile of keys and values); a power of two, at least 16 (tl.dot)
 BLOCK_N = 32
@@ -47,6 +56,13 @@ def available(device: torch.device) -> bool:
 
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
+
+
+def tile_tokens(groups: int, longest: int) -> int:
+    """Tokens a tile holds (``block_q``) in a step whose longest sequence has `longest` tokens: 16 query rows
+    (tokens x groups) while every sequence fits, else 64; at least one token."""
+    block_m = DECODE_BLOCK_M if longest * groups <= DECODE_BLOCK_M else PREFILL_BLOCK_M
+    return max(1, max(block_m, _pow2(groups)) // _pow2(groups))
 
 
 class StepTiles(NamedTuple):
@@ -78,10 +94,7 @@ def step_tiles(
     `count` tokens at positions ``start..start+count-1`` (a decode row: its position, 1). `tile_capacity`:
     launch this many tiles (the rest empty: programs that return at once), for a launch whose shape must
     not change between steps (a captured CUDA graph); default the tiles the step needs."""
-    longest = max((count for _, _, count in sequences), default=1)
-    block_m = DECODE_BLOCK_M if longest * groups <= DECODE_BLOCK_M else PREFILL_BLOCK_M
-    block_m = max(block_m, _pow2(groups))
-    block_q = max(1, block_m // _pow2(groups))
+    block_q = tile_tokens(groups, max((count for _, _, count in sequences), default=1))
     counts = np.array([count for _, _, count in sequences], dtype=np.int64)
     starts = np.array([start for _, start, _ in sequences], dtype=np.int64)
     firsts = np.concatenate(([0], np.cumsum(counts)[:-1])) if len(counts) else counts

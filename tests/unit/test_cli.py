@@ -278,3 +278,20 @@ def test_held_warnings_are_printed_when_the_configuration_fails(monkeypatch, cap
         "(did you mean 'max_new_tokens'?; from environment OPTION_MAX_NEW_TOKEN)"
     )
     assert err[1].startswith("lmiserve: configuration error: invalid value 'fp64' for option 'dtype'")
+
+
+def test_enforce_eager_is_an_option_not_an_ignored_lmi_key(monkeypatch):
+    """LMI's and vLLM's `enforce_eager` (no CUDA graphs) reaches the engine from the flag, -o, serving.properties
+    and OPTION_ENFORCE_EAGER, and is no longer among the LMI keys lmiserve ignores."""
+    from lmiserve.config import load_settings
+    from lmiserve.config.settings import LMI_IGNORED_KEYS
+    from lmiserve.engine.factory import engine_config
+
+    assert "enforce_eager" not in LMI_IGNORED_KEYS
+    seen = capture_serve(monkeypatch)
+    assert cli.main(["serve", "--enforce-eager"]) == 0
+    assert seen["settings"].enforce_eager
+    assert seen["settings"].sources["enforce_eager"] == "command line --enforce-eager"
+    settings = load_settings({}, None, None, environ={"OPTION_ENFORCE_EAGER": "true"})
+    assert engine_config(settings).enforce_eager
+    assert not engine_config(load_settings({}, None, None, environ={})).enforce_eager

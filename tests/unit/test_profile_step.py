@@ -66,3 +66,23 @@ def test_the_profiled_activations_replace_the_fixed_reserve(monkeypatch, tiny_mo
     assert (
         factory.kv_pool_blocks(loaded, dataclasses.replace(config, kv_cache_memory_bytes=per_block * 7), 5 * gib) == 7
     )
+
+
+def test_decode_graphs_memory_is_left_free_too(monkeypatch, tiny_model):
+    """With decode graphs (CUDA, not enforce_eager) the pool also leaves their pool free: the profiled
+    activations scaled to the largest capture size, and that step's logits."""
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 10 * gib)
+    loaded = dataclasses.replace(tiny_model, device=torch.device("cuda"), max_context=10**9)
+    config = EngineConfig(max_running=30, max_prefill_tokens=2018, gpu_memory_utilization=0.5)
+    per_block = kv_bytes_per_block(tiny_model.model, config.block_size)
+    eager = factory.kv_pool_blocks(loaded, config, activation_bytes=2048 * 2**20)
+    graphs = factory.kv_pool_blocks(loaded, config, activation_bytes=2048 * 2**20, graphs=True)
+    # a 32-row decode step (capture size for 30 rows) of a 2,048-token step's 2 GiB: 32 MiB, with the margin,
+    # and 32 rows of logits over the tiny model's 512 words in fp32 and fp32
+    graph_bytes = int(32 * 2**20 * factory.PROFILE_MARGIN) + 32 * 512 * 8
+    assert graph_bytes == factory.graph_pool_bytes(2048 * 2**20, 2048, 32, 512, 4)
+    reserve = int(2048 * 2**20 * factory.PROFILE_MARGIN) + factory.PROFILE_SLACK
+    assert eager == (40 * gib - 10 * gib - reserve) // per_block
+    assert graphs == (40 * gib - 10 * gib - reserve - graph_bytes) // per_block

@@ -52,11 +52,12 @@ class PersistentBatchRunner(BatchRunner):
 
     _requests: dict[int, RequestState]
 
-    def _hold_pool(self, model: PreTrainedModel, kv: PagedKVCache) -> None:
+    def _hold_pool(self, model: PreTrainedModel, kv: PagedKVCache, num_blocks: int | None = None) -> None:
         """Run over the block pool `kv`: its shape and memory, an empty persistent batch, and the width
-        of `model`'s logits."""
+        of `model`'s logits. `num_blocks`: the blocks sequences may hold (default all of `kv`'s; fewer
+        where the runner keeps some for itself)."""
         self.kv = kv
-        self.num_blocks, self.block_size, self.kv_bytes = kv.num_blocks, kv.block_size, kv.nbytes
+        self.num_blocks, self.block_size, self.kv_bytes = num_blocks or kv.num_blocks, kv.block_size, kv.nbytes
         self._requests = {}
         self.vocab_size = int(model.config.vocab_size)
         self.proposer: Proposer | None = None  # speculative decoding's drafts (engine/speculative.py)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lmiserve.engine import cuda_graphs
 from lmiserve.engine.kv_cache import AttentionShape
 from lmiserve.engine.lora import LoraGroup
 from lmiserve.engine.paged_attention import PagedKVCache
@@ -48,8 +49,13 @@ class PagedFastRunner(FastRunner, PersistentBatchRunner):
         block_size: int,
         autotune: bool = False,
         autotune_cache: str | None = None,
+        enforce_eager: bool = False,
     ) -> None:
-        kv = paged_cache(model, num_blocks, block_size)
+        """`enforce_eager`: no CUDA graphs for decode steps (engine/cuda_graphs.py; on CUDA they are the
+        default where they apply)."""
+        graphs = cuda_graphs.wanted(model.device, enforce_eager)
+        # with decode graphs, one block past the pool's: where their padding rows write (no sequence holds it)
+        kv = paged_cache(model, num_blocks + int(graphs), block_size)
         super().__init__(
             model,
             max_slots=max_slots,
@@ -59,7 +65,8 @@ class PagedFastRunner(FastRunner, PersistentBatchRunner):
             autotune_cache=autotune_cache,
             kv=kv,
         )
-        self._hold_pool(model, kv)
+        self.fast.graphs = cuda_graphs.for_model(self.fast, max_slots, num_blocks) if graphs else None
+        self._hold_pool(model, kv, num_blocks)
 
     # ---- the step contract (engine/step.py): one forward of a batch's rows ---------------------
     def _forward_rows(self, batch: StepBatch, part: list[int]) -> torch.Tensor:

@@ -1,0 +1,200 @@
+"""Decode steps replayed as CUDA graphs: the paged fast path on CUDA (engine/fast_llama.py).
+
+A decode step launches a few hundred small kernels (norms, products, RoPE, the attention kernel of each
+layer) whose launch costs more than their work at small batches. A step of decode rows alone (no prompt
+chunk, no LoRA adapter, every row's logits kept) is padded to the next *capture size* (1, 2, 4, 8, then
+multiples of 8 up to the batch limit, as vLLM does) and replayed from a graph captured for that size the
+first time a step of that size runs: one launch for the whole forward.
+
+A graph reads its inputs from fixed addresses: int64 device buffers hold, for the largest size, the
+token ids, positions, attention tile counts, block tables (each row's table padded to the longest a
+context can need) and the KV write index; every graph reads the front of each part. A step writes its
+rows into pinned host copies of those buffers and copies them over before the replay. Padding rows (token
+0 at position 0) write their keys and values into a block of their own, one past the pool's (the runner
+allocates it; no sequence ever holds it), and their attention is skipped (tile count 0); their logits are
+dropped. The attention is the Triton kernel's (`triton_attention`), whose loops run on device data, so
+one graph serves every context length; the RoPE table is built for the whole context before the first
+capture (`FastLlama.rope_upto`) and never reallocated.
+
+`enforce_eager` (vLLM's and LMI's option) turns graphs off. A capture that fails is logged and the
+engine goes on eagerly. Not with tensor parallelism (the all-reduces would have to be captured too) nor
+LoRA adapters (their steps run eagerly).
+
+On a CPU (``capture=False``, the tests) `run` computes the same padded step from the same buffers
+without capturing: everything but the capture itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+import torch
+
+from lmiserve.engine import triton_attention
+from lmiserve.engine.paged_attention import PagedKVCache
+
+if TYPE_CHECKING:
+    from lmiserve.engine.fast_llama import FastLlama
+
+__all__ = ["MAX_CAPTURE_SIZE", "DecodeGraphs", "capture_sizes", "for_model", "wanted"]
+
+log = logging.getLogger(__name__)
+
+# the largest decode batch captured (larger steps run eagerly; vLLM's default is 512)
+MAX_CAPTURE_SIZE = 256
+
+
+def capture_sizes(max_rows: int) -> list[int]:
+    """1, 2, 4, 8, 16, 24, ... up to the first size that holds `max_rows` (at most `MAX_CAPTURE_SIZE`)."""
+    limit = min(max(1, max_rows), MAX_CAPTURE_SIZE)
+    sizes = [1, 2, 4, *range(8, MAX_CAPTURE_SIZE + 1, 8)]
+    return [s for s in sizes if s < limit] + [next(s for s in sizes if s >= limit)]
+
+
+class _Captured(NamedTuple):
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor
+
+
+class DecodeGraphs:
+    """The captured decode graphs of one `FastLlama` (over a paged cache, Triton attention)."""
+
+    def __init__(self, fast: FastLlama, max_rows: int, scratch_block: int, capture: bool | None = None) -> None:
+        """`scratch_block`: a block of the cache no sequence holds, where padding rows write."""
+        if not fast.triton or fast.tp is not None:
+            raise ValueError("decode graphs need the Triton attention and the whole model on one device")
+        self.fast = fast
+        self.sizes = capture_sizes(max_rows)
+        self.capture = fast.device.type == "cuda" if capture is None else capture
+        cache = fast.cache
+        if not isinstance(cache, PagedKVCache):
+            raise ValueError("decode graphs need a paged KV cache")
+        self.cache = cache
+        if not 0 <= scratch_block < cache.num_blocks:
+            raise ValueError(f"scratch block {scratch_block} is not in the pool's {cache.num_blocks} blocks")
+        self.scratch_block = scratch_block
+        self.block_size = cache.block_size
+        self.kv_heads = fast.kv_heads
+        self.width = -(-fast.max_context // self.block_size)
+        largest = self.sizes[-1]
+        # (host, device) pairs: ids, positions, tile counts [largest]; tables [largest, width]; write index
+        # [largest * kv_heads]
+        shapes = ((largest,), (largest,), (largest,), (largest, self.width), (largest * self.kv_heads,))
+        self._host = [torch.zeros(shape, dtype=torch.int64, pin_memory=self.capture) for shape in shapes]
+        self._device = [torch.zeros(shape, dtype=torch.int64, device=fast.device) for shape in shapes]
+        self._rows = torch.arange(largest, dtype=torch.int64, device=fast.device)
+        self._graphs: dict[int, _Captured] = {}
+        self._pool: Any = None  # the graphs' shared memory pool (torch's handle)
+        self.failed = False
+        self.block_q = triton_attention.tile_tokens(fast.heads // fast.kv_heads, 1)
+        fast.rope_upto(fast.max_context)
+
+    def covers(self, rows: int) -> bool:
+        return not self.failed and 0 < rows <= self.sizes[-1]
+
+    def size_for(self, rows: int) -> int:
+        return next(s for s in self.sizes if s >= rows)
+
+    def _fill(self, ids: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]], size: int) -> None:
+        """The step's rows, padded to `size` (token 0 at position 0 of the scratch block), into the host
+        buffers, then copied over (the parts a graph of `size` rows reads, the tables only as wide as this
+        step's longest)."""
+        rows = len(ids)
+        host_ids, host_pos, host_counts, host_tables, host_write = (t.numpy() for t in self._host)
+        host_ids[:rows] = ids
+        host_ids[rows:size] = 0
+        host_pos[:rows] = positions
+        host_pos[rows:size] = 0
+        host_counts[:rows] = 1
+        host_counts[rows:size] = 0
+        width = max(len(t) for t in tables)
+        for row in range(rows):
+            host_tables[row, : len(tables[row])] = tables[row]
+        host_tables[rows:size, 0] = self.scratch_block
+        pos = host_pos[:size]
+        block = host_tables[np.arange(size), pos // self.block_size]
+        heads = np.arange(self.kv_heads, dtype=np.int64)
+        write = (block[:, None] * self.kv_heads + heads[None, :]) * self.block_size + (pos % self.block_size)[:, None]
+        host_write[: size * self.kv_heads] = write.reshape(-1)
+        self.cache.ensure_zeroed(1 + int(max(max(t) for t in tables)))
+        for host, device, length in zip(self._host, self._device, (size, size, size, size, size * self.kv_heads)):
+            part_host, part_device = (
+                (host[:length, :width], device[:length, :width])
+                if host.dim() == 2
+                else (host[:length], device[:length])
+            )
+            part_device.copy_(part_host, non_blocking=self.capture)
+
+    def _inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, triton_attention.StepTiles]:
+        """The fixed-address views a graph of `size` rows reads."""
+        ids, positions, counts, tables, write = self._device
+        rows = self._rows[:size]
+        plan = triton_attention.StepTiles(
+            tile_seq=rows,
+            tile_first=rows,
+            tile_count=counts[:size],
+            positions=positions[:size],
+            tables=tables[:size],
+            write=write[: size * self.kv_heads],
+            block_q=self.block_q,
+            tiles=size,
+            tokens=size,
+        )
+        return ids[:size], positions[:size], plan
+
+    def run(self, ids: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Float32 logits ``[len(ids), vocab]`` of a step of decode rows (a fresh tensor)."""
+        rows = len(ids)
+        size = self.size_for(rows)
+        self._fill(ids, positions, tables, size)
+        if not self.capture:
+            return self.fast.decode_body(*self._inputs(size))[:rows]
+        captured = self._graphs.get(size)
+        if captured is None:
+            try:
+                captured = self._capture(size)
+            except Exception:  # noqa: BLE001 - a capture problem costs speed, not the step: run eagerly
+                log.exception("capturing a CUDA graph of %d decode rows failed; decode steps run eagerly", size)
+                self.failed = True
+                return self.fast.decode_body(*self._inputs(size))[:rows]
+        captured.graph.replay()
+        return captured.logits[:rows].clone()
+
+    def _capture(self, size: int) -> _Captured:
+        """Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), then capture, into the
+        memory pool the graphs share. The step's own inputs are in the buffers: the warm-up computes the
+        step, and the capture records it without running it."""
+        inputs = self._inputs(size)
+        stream = torch.cuda.Stream(device=self.fast.device)  # type: ignore[no-untyped-call]
+        stream.wait_stream(torch.cuda.current_stream(self.fast.device))
+        with torch.cuda.stream(stream):
+            self.fast.decode_body(*inputs)
+        torch.cuda.current_stream(self.fast.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self.fast.decode_body(*inputs)
+        self._pool = graph.pool()
+        captured = self._graphs[size] = _Captured(graph, logits)
+        log.info("captured a CUDA graph of %d decode rows", size)
+        return captured
+
+
+def wanted(device: torch.device, enforce_eager: bool) -> bool:
+    """Whether a paged fast runner on `device` may capture decode graphs (it then allocates the scratch
+    block); `for_model` decides."""
+    return device.type == "cuda" and not enforce_eager
+
+
+def for_model(fast: FastLlama, max_rows: int, scratch_block: int) -> DecodeGraphs | None:
+    """The decode graphs for `fast` (on CUDA, not `enforce_eager`: `wanted`) where they apply (a paged cache
+    read by the Triton kernel, the whole model on one device), else None, with the reason logged."""
+    if not fast.triton:
+        log.info("CUDA graphs: off (they need the Triton paged attention)")
+        return None
+    if fast.tp is not None:
+        log.info("CUDA graphs: off with tensor parallelism")
+        return None
+    return DecodeGraphs(fast, max_rows, scratch_block)

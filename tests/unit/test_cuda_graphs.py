@@ -1,0 +1,153 @@
+"""Decode steps replayed as CUDA graphs (engine/cuda_graphs.py).
+
+The capture itself needs a GPU (benchmarks/gpu_check.py runs these tests on CUDA, where `DecodeGraphs`
+captures); on a CPU the same padded step runs from the same fixed buffers without capturing
+(``capture=False``): the padding, the buffers, the attention plan and the graph-shaped forward are what is
+checked here, against transformers' logits and generate()'s greedy tokens. The Triton attention runs under
+Triton's interpreter on a CPU (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from helpers.llama_variants import ARCHS, PROMPTS, build, greedy_tokens, serve_prompts  # noqa: E402
+from lmiserve.engine import cuda_graphs  # noqa: E402
+from lmiserve.engine.async_engine import EngineConfig  # noqa: E402
+from lmiserve.engine.cuda_graphs import DecodeGraphs, capture_sizes  # noqa: E402
+from lmiserve.engine.fast_llama import FastLlama  # noqa: E402
+from lmiserve.engine.paged_attention import PagedKVCache  # noqa: E402
+
+DEVICE = torch.device(os.environ.get("LMISERVE_TEST_DEVICE", "cpu"))
+CAPTURE = DEVICE.type == "cuda"
+
+
+def test_capture_sizes_cover_the_batch_limit():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(3) == [1, 2, 4]
+    assert capture_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert capture_sizes(33) == [1, 2, 4, 8, 16, 24, 32, 40]
+    assert capture_sizes(10_000)[-1] == cuda_graphs.MAX_CAPTURE_SIZE
+
+
+SCRATCH = 64  # the block past the 64 the sequences may hold: where padding rows write
+
+
+def _fast(monkeypatch, arch: str = "llama"):
+    monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "triton")
+    model = build(*ARCHS[arch]).to(DEVICE)
+    cfg = model.config
+    cache = PagedKVCache(cfg.num_hidden_layers, SCRATCH + 1, 4, cfg.num_key_value_heads, 16, model.dtype, DEVICE)
+    return model, FastLlama(model, cache, 256)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_bias"])
+@torch.inference_mode()
+def test_padded_decode_steps_give_each_rows_transformers_logits(monkeypatch, arch: str):
+    """Five sequences prefilled, then decode steps of 5, 3 and 1 rows (padded to 8, 4 and 1 rows that write
+    into the scratch block) from the fixed buffers: every row's logits are those of its whole sequence run
+    alone, and the scratch block holds the padding rows' keys (token 0 at position 0)."""
+    model, fast = _fast(monkeypatch, arch)
+    fast.graphs = DecodeGraphs(fast, 8, SCRATCH, capture=CAPTURE)
+    gen = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(4, 512, (n,), generator=gen).tolist() for n in (9, 30, 5, 17, 12)]
+    reference = [model(torch.tensor([s], device=DEVICE)).logits[0] for s in seqs]
+    tables = [list(range(i * 12, i * 12 + 12)) for i in range(5)]  # 12 blocks of 4 each: 48 positions
+    prompt = 4  # every sequence's first 4 tokens as a prompt; the rest decoded
+    fast.forward([], [], [(tables[i], 0, seqs[i][:prompt]) for i in range(5)], [])
+    for step in range(prompt, 9):
+        rows = [i for i in range(5) if step < len(seqs[i])]
+        rows = rows[: (5, 3, 1, 5, 3)[step - prompt]]
+        ids = [seqs[i][step] for i in rows]
+        out = fast.forward(ids, [step] * len(rows), [], list(range(len(rows))), [tables[i] for i in rows])
+        for row, i in enumerate(rows):
+            torch.testing.assert_close(out[row], reference[i][step], rtol=1e-4, atol=1e-4)
+        if len(rows) < 5:  # the rows left out catch up eagerly (a step of several positions a row)
+            for i in set(range(5)) - set(rows):
+                if step < len(seqs[i]):
+                    fast.forward([], [], [(tables[i], step, [seqs[i][step]])], [])
+    assert fast.graphs.sizes == [1, 2, 4, 8]
+    first_layer_keys = fast.cache.keys[0]
+    assert first_layer_keys[SCRATCH, :, 0].abs().sum() > 0
+    assert fast.cache.zeroed_blocks <= SCRATCH  # the scratch block never counts as in use
+
+
+@torch.inference_mode()
+def test_steps_a_graph_does_not_cover_run_eagerly(monkeypatch):
+    """Prompt chunks, a subset of rows kept, more rows than the largest graph: the eager forward."""
+    _, fast = _fast(monkeypatch)
+    graphs = fast.graphs = DecodeGraphs(fast, 2, SCRATCH, capture=CAPTURE)
+    runs = []
+    real_run = graphs.run
+    monkeypatch.setattr(graphs, "run", lambda *a: runs.append(len(a[0])) or real_run(*a))
+    tables = [[0, 1], [2, 3], [4, 5]]
+    fast.forward([], [], [(t, 0, [5, 6, 7]) for t in tables], [])
+    fast.forward([8, 9, 10], [3, 3, 3], [], [0, 1, 2], tables)  # 3 rows > 2
+    fast.forward([8, 9], [4, 4], [], [1], tables[:2])  # row 0's logits not kept
+    fast.forward([8], [5], [(tables[1], 5, [4, 4])], [0, 2], tables[:1])  # with a chunk
+    assert runs == []
+    fast.forward([8, 9], [6, 6], [], [0, 1], tables[:2])
+    assert runs == [2]
+
+
+@torch.inference_mode()
+def test_a_capture_that_fails_leaves_decode_steps_eager(monkeypatch, caplog):
+    """On a CPU the capture fails (no CUDA): the step is computed eagerly from the same buffers, logged,
+    and later steps take the eager forward."""
+    if CAPTURE:
+        pytest.skip("a capture on CUDA succeeds; its failure path is checked on CPU")
+    model, fast = _fast(monkeypatch)
+    graphs = fast.graphs = DecodeGraphs(fast, 4, SCRATCH, capture=False)
+    graphs.capture = True  # as on CUDA: the first step of a size captures (and here fails)
+    seq = [5, 6, 7, 8, 9]
+    reference = model(torch.tensor([seq])).logits[0]
+    fast.forward([], [], [([0, 1], 0, seq[:4])], [])
+    with caplog.at_level("ERROR"):
+        out = fast.forward([seq[4]], [4], [], [0], [[0, 1]])
+    torch.testing.assert_close(out[0], reference[4], rtol=1e-4, atol=1e-4)
+    assert graphs.failed and not graphs.covers(1)
+    assert "capturing a CUDA graph of 1 decode rows failed" in caplog.text
+
+
+def test_the_engine_replays_decode_steps_with_generates_greedy_tokens(tiny_model, monkeypatch):
+    """Continuous batching with decode steps through the graphs' buffers (captured on CUDA):
+    generate()'s greedy tokens; `enforce_eager` leaves them out."""
+    monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "triton")
+    made = []
+
+    def graphs_here(fast, max_rows, scratch_block):
+        graphs = DecodeGraphs(fast, max_rows, scratch_block, capture=CAPTURE)
+        made.append(graphs)
+        return graphs
+
+    monkeypatch.setattr(cuda_graphs, "wanted", lambda device, enforce_eager: not enforce_eager)
+    monkeypatch.setattr(cuda_graphs, "for_model", graphs_here)
+    engine, results = asyncio.run(serve_prompts(tiny_model, EngineConfig(max_prefill_tokens=8), 10))
+    assert engine.runner.fast.graphs is made[-1] is not None
+    assert engine.runner.fast.cache.num_blocks == engine.runner.num_blocks + 1  # the scratch block
+    for prompt, events in zip(PROMPTS, results):
+        assert [e.token.id for e in events if e.token] == greedy_tokens(tiny_model, prompt, 10)
+    engine, _ = asyncio.run(serve_prompts(tiny_model, EngineConfig(enforce_eager=True), 2))
+    assert engine.runner.fast.graphs is None
+    assert engine.runner.fast.cache.num_blocks == engine.runner.num_blocks
+
+
+def test_graphs_apply_on_cuda_alone(monkeypatch):
+    """`wanted` on CUDA unless enforce_eager; `for_model`: none without the Triton attention; the scratch
+    block must be in the pool."""
+    assert not cuda_graphs.wanted(torch.device("cpu"), enforce_eager=False)
+    assert cuda_graphs.wanted(torch.device("cuda"), enforce_eager=False)
+    assert not cuda_graphs.wanted(torch.device("cuda"), enforce_eager=True)
+    _, fast = _fast(monkeypatch)
+    with pytest.raises(ValueError, match="scratch block 65 is not in the pool's 65 blocks"):
+        DecodeGraphs(fast, 4, SCRATCH + 1)
+    fast.triton = False
+    assert cuda_graphs.for_model(fast, 4, SCRATCH) is None
+    with pytest.raises(ValueError, match="need the Triton attention"):
+        DecodeGraphs(fast, 4, SCRATCH)
