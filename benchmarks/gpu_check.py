@@ -15,15 +15,18 @@ dependencies can come as wheels; see benchmarks/README.md, "The GPU check"). It 
    against the bare forward, static ``generate()`` and transformers' continuous batching
    (``generate_batch``) on the same GPU in the same run.
 4. ``bench-8b/``: the same for Llama-3.1-8B's shape, when the GPU holds it and time is left.
-5. ``tp-tiny.json`` and ``tp-1b.json``: ``benchmarks/tp_parity.py``, the engine over tensor-parallel
+5. ``decode-paths-1b.json``: ``benchmarks/decode_paths.py`` on the 1B shape: decode steps as CUDA graphs,
+   the Triton paged attention launched eagerly (``enforce_eager``) and the torch attention, tokens/s at
+   concurrency 1 and 32 and whether their greedy tokens agree.
+6. ``tp-tiny.json`` and ``tp-1b.json``: ``benchmarks/tp_parity.py``, the engine over tensor-parallel
    workers (NCCL; 2 ranks when the machine has 2 GPUs, else 1 rank: the workers' path alone) against
    the model in the engine's process, greedy agreement and decode tokens/s, for the tiny test model and
    the 1B shape (bf16); with two GPUs ``tp-collectives.log`` too (``benchmarks/tp_collectives.py``: NCCL's
    all-reduce, all-gather and the batch broadcast).
-6. ``executor-cuda.json`` and ``executor-cpu.json`` (with ``--executor``, when time is left):
+7. ``executor-cuda.json`` and ``executor-cpu.json`` (with ``--executor``, when time is left):
    ``benchmarks/executor_process.py``, the model in the engine's thread against a child process, for the
    1B shape on the GPU and for SmolLM2-135M's shape on all of the machine's CPU cores.
-7. ``summary.json`` and ``summary.md``: what passed, tokens/s, TTFT, ITL and the ratios.
+8. ``summary.json`` and ``summary.md``: what passed, tokens/s, TTFT, ITL and the ratios.
 
 Every step has a time limit inside ``--budget`` (default 450 s); a step that fails or runs out is
 recorded as such and the next one runs.
@@ -61,6 +64,8 @@ ENGINE_TESTS = (
     "tests/unit/test_draft_verification.py",
     "tests/unit/test_tokenized_once.py",
     "tests/unit/test_speculative.py",
+    "tests/unit/test_triton_attention.py",
+    "tests/unit/test_cuda_graphs.py",
 )
 
 PYTEST_PLUGINS = ("-p", "pytest_asyncio.plugin", "-p", "xdist.plugin")
@@ -300,6 +305,21 @@ def markdown(summary: dict[str, Any]) -> str:
                 lv["server_over_generate_batch"],
             ]
             lines.append("| " + " | ".join("-" if c is None else str(c) for c in cells) + " |")
+    for step in summary["steps"]:
+        paths = (step.get("report") or {}).get("paths") if step["step"] == "decode paths 1b" else None
+        if not paths:
+            continue
+        lines += [
+            "",
+            "## Decode paths, 1B shape (bf16, 64 greedy tokens)",
+            "",
+            "| path | concurrency | tok/s | vs graphs | identical to graphs | graphs captured |",
+            "|---|---|---|---|---|---|",
+        ]
+        for path, levels in paths.items():
+            for level, r in levels.items():
+                cells = [path, level, r["tokens_per_s"], r["over_graphs"], f"{r['identical_to_graphs']}/{level}"]
+                lines.append("| " + " | ".join(str(c) for c in [*cells, r["graphs_captured"]]) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -387,7 +407,36 @@ def main(argv: list[str] | None = None) -> int:
         summary["steps"].append(step)
         summary[f"bench_{shape}"] = bench_summary(bench_dir)
 
-    # 5. tensor parallelism (issue #25): the workers' path on CUDA against the model in this process
+    # 5. the decode paths (issue #25): CUDA graphs over the Triton kernel, the kernel eagerly, torch attention
+    if left() < 90:
+        summary["steps"].append(_skipped("decode paths 1b", "time"))
+    else:
+        dummy_model_dir("1b", out / "model-1b")
+        report = out / "decode-paths-1b.json"
+        command = [
+            sys.executable,
+            str(ROOT / "benchmarks" / "decode_paths.py"),
+            "--model-id",
+            str(out / "model-1b"),
+            "-o",
+            "load_format=dummy",
+            "-o",
+            "dtype=bf16",
+            "-o",
+            "kv_cache_memory_bytes=8GiB",
+            "--concurrency",
+            "1,32",
+            "--max-new-tokens",
+            "64",
+            "--json",
+            str(report),
+        ]
+        step = run_step("decode paths 1b", command, out / "decode-paths-1b.log", min(150.0, left() - 60), env)
+        if report.exists():
+            step["report"] = json.loads(report.read_text())
+        summary["steps"].append(step)
+
+    # 6. tensor parallelism (issue #25): the workers' path on CUDA against the model in this process
     degree = min(2, torch.cuda.device_count())
     for name, extra in (("tiny", []), ("1b", ["--model-id", str(out / "model-1b"), "-o", "load_format=dummy"])):
         if left() < 60:
@@ -430,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         summary["steps"].append(step)
 
-    # 6. the executor: the model in the engine's thread or in a child process (issue #20 item 5)
+    # 7. the executor: the model in the engine's thread or in a child process (issue #20 item 5)
     if args.executor:
         runs = (
             ("cuda", "1b", ["-o", "device=cuda", "-o", "dtype=bf16"]),

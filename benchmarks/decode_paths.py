@@ -1,0 +1,125 @@
+"""The CUDA path's decode choices measured against each other in one run: CUDA graphs, the Triton paged
+attention kernel and the torch attention (blocks gathered every layer).
+
+    python benchmarks/decode_paths.py [--model-id DIR] [-o load_format=dummy] [--device cuda]
+                                      [--concurrency 1,32] [--max-new-tokens T] [--json FILE]
+
+The model is loaded once; for each path an engine is built over it, alone on the device, and the same
+greedy prompts run at each concurrency (a warm-up request first, which also captures the graph of one
+row): decode tokens/s of the batch, and whether every prompt's tokens equal the first path's (the
+first position where one differs otherwise). Paths:
+
+- ``graphs``: the default on CUDA, decode steps replayed as CUDA graphs over the Triton kernel;
+- ``triton``: ``enforce_eager=true``, the same kernel launched step by step;
+- ``torch``: ``enforce_eager=true`` and ``LMISERVE_ATTENTION_BACKEND=torch``, the torch attention.
+
+Without --model-id: the tests' tiny Llama model. On a CPU the Triton paths need ``TRITON_INTERPRET=1``
+(a check that the script runs, not a measurement) and no graph is captured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import gc
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.tp_parity import PROMPTS, _generate  # noqa: E402
+
+PATHS = {
+    "graphs": ("triton", False),
+    "triton": ("triton", True),
+    "torch": ("torch", True),
+}
+
+
+def run(model_dir: str, options: dict[str, str], device: str, levels: list[int], tokens: int) -> dict[str, Any]:
+    import torch
+
+    from lmiserve.config import Settings
+    from lmiserve.engine.factory import build_engine
+    from lmiserve.models.load import load_causal_lm
+
+    base = Settings.from_options({"model_id": model_dir, "device": device, **options})
+    loaded = load_causal_lm(model_dir, dtype=base.dtype, device=device, load_format=base.load_format)
+    loaded = dataclasses.replace(loaded, device=torch.device(device))
+    results: dict[str, Any] = {}
+    for path, (backend, eager) in PATHS.items():
+        os.environ["LMISERVE_ATTENTION_BACKEND"] = backend
+        settings = base.model_copy(update={"enforce_eager": eager})
+        runs = {}
+        for level in levels:
+            prompts = [PROMPTS[i % len(PROMPTS)] + ("" if i < len(PROMPTS) else f" ({i})") for i in range(level)]
+            engine = build_engine(loaded, settings)
+            outputs, seconds = asyncio.run(_generate(engine, prompts, tokens))
+            fast = getattr(engine.runner, "fast", None)
+            graphs = getattr(fast, "graphs", None)
+            runs[str(level)] = {
+                "tokens_per_s": sum(len(o) for o in outputs) / seconds,
+                "outputs": outputs,
+                "triton_attention": bool(getattr(fast, "triton", False)),
+                "graphs_captured": sorted(getattr(graphs, "_graphs", {})) if graphs is not None else None,
+            }
+            del engine
+            gc.collect()
+            if device != "cpu":
+                torch.cuda.empty_cache()
+        results[path] = runs
+    first = next(iter(results))
+    report: dict[str, Any] = {"device": device, "max_new_tokens": tokens, "paths": {}}
+    if device.startswith("cuda"):
+        report["gpu"] = torch.cuda.get_device_name(0)
+    for path, runs in results.items():
+        report["paths"][path] = {}
+        for level, run_ in runs.items():
+            reference = results[first][level]["outputs"]
+            report["paths"][path][level] = {
+                "tokens_per_s": round(run_["tokens_per_s"], 1),
+                "over_" + first: round(run_["tokens_per_s"] / results[first][level]["tokens_per_s"], 3),
+                "identical_to_" + first: sum(a == b for a, b in zip(run_["outputs"], reference)),
+                "first_difference": [
+                    next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                    for a, b in zip(run_["outputs"], reference)
+                ],
+                "triton_attention": run_["triton_attention"],
+                "graphs_captured": run_["graphs_captured"],
+            }
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-id", help="model directory (default: the tests' tiny model)")
+    parser.add_argument("-o", dest="options", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--concurrency", default="1,32", help="concurrent prompts, comma-separated")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--json", type=Path, help="write the report here too")
+    args = parser.parse_args(argv)
+    options = dict(item.split("=", 1) for item in args.options)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = args.model_id
+        if model_dir is None:
+            from tests.helpers.tiny_model import build_tiny_model_dir
+
+            model_dir = str(build_tiny_model_dir(Path(tmp) / "tiny"))
+        report = run(model_dir, options, args.device, levels, args.max_new_tokens)
+    text = json.dumps(report, indent=1)
+    print(text, flush=True)
+    if args.json is not None:
+        args.json.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
