@@ -215,8 +215,14 @@ class FastLlama:
         gemm = self._gemm
         rows = len(decode_ids)
         graphs = self.graphs
-        decode_only = decode_tables and not prefills and lora is None and keep == list(range(rows))
-        if graphs is not None and decode_tables and decode_only and graphs.covers(rows):
+        if (
+            graphs is not None
+            and decode_tables
+            and not prefills
+            and lora is None
+            and graphs.covers(rows)
+            and keep == list(range(rows))  # every row's logits kept
+        ):
             return graphs.run(decode_ids, decode_positions, decode_tables)
         ids = decode_ids + [t for _, _, chunk in prefills for t in chunk]
         positions = list(decode_positions)
