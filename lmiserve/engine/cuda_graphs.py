@@ -174,7 +174,8 @@ class DecodeGraphs:
             self.fast.decode_body(*inputs)
         torch.cuda.current_stream(self.fast.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: another model's thread on this GPU may use CUDA meanwhile without breaking the capture
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = self.fast.decode_body(*inputs)
         self._pool = graph.pool()
         captured = self._graphs[size] = _Captured(graph, logits)

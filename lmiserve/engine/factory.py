@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lmiserve.config.sources import ENV_SHORTCUTS
 from lmiserve.config.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE
 from lmiserve.core.request import SamplingParams
 from lmiserve.engine import cuda_graphs, lora_kernels
@@ -165,6 +166,17 @@ def engine_config(settings: Settings) -> EngineConfig:
             "prefix_cache_size sizes the slot cache's prefix cache only: with kv_cache=paged the KV pool "
             "(kv_cache_memory_bytes) is the prefix cache"
         )
+    degree = settings.tensor_parallel_degree
+    if degree is None or degree == "1":
+        # set on purpose (not a launcher's MASTER_ADDR/MASTER_PORT, which other tools export too)
+        launcher = {f"environment {var}" for var, _ in ENV_SHORTCUTS}
+        unused = [
+            f"{key} ({settings.sources[key]})"
+            for key in ("master_addr", "master_port", "step_timeout")
+            if key in settings.sources and settings.sources[key] not in launcher
+        ]
+        if unused:
+            log.warning("%s: only for tensor parallelism (tensor_parallel_degree > 1); ignored", ", ".join(unused))
     static = settings.dynamic_batching
     return EngineConfig(
         max_running=settings.batch_size if static else settings.max_rolling_batch_size,

@@ -500,3 +500,22 @@ def test_worker_spec_shares_the_nodes_memory_and_picks_the_port(monkeypatch, tmp
     assert two.config.cpu_autotune is False
     given = Settings.from_options({"tensor_parallel_degree": "2", "kv_cache_memory_bytes": "1000000"})
     assert factory.worker_spec(given, str(tmp_path), cpu, 2).config.kv_cache_memory_bytes == 1000000  # per worker
+
+
+def test_node_options_without_tensor_parallelism_are_named_as_ignored(caplog):
+    """master_addr, master_port and step_timeout set on purpose without tensor parallelism: one warning
+    line; a launcher's MASTER_ADDR/MASTER_PORT (torchrun, LeaderWorkerSet export them) say nothing."""
+    from lmiserve.engine.factory import engine_config
+
+    with caplog.at_level("WARNING", logger="lmiserve.engine.factory"):
+        engine_config(load_settings({}, environ={"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}))
+        assert "tensor parallelism" not in caplog.text
+        engine_config(load_settings({"step_timeout": "30"}, environ={"OPTION_MASTER_PORT": "29500"}))
+    assert (
+        "master_port (environment OPTION_MASTER_PORT), step_timeout (command line): only for tensor parallelism "
+        "(tensor_parallel_degree > 1); ignored" in caplog.text
+    )
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lmiserve.engine.factory"):
+        engine_config(load_settings({"step_timeout": "30"}, environ={"OPTION_TENSOR_PARALLEL_DEGREE": "2"}))
+    assert "ignored" not in caplog.text
