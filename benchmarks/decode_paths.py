@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import dataclasses
 import gc
-import json
 import os
 import sys
 import tempfile
@@ -33,7 +32,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.tp_parity import PROMPTS, _generate  # noqa: E402
+from benchmarks.tp_parity import PROMPTS, _generate, write_report  # noqa: E402
 
 PATHS = {
     "graphs": ("triton", False),
@@ -114,10 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 
             model_dir = str(build_tiny_model_dir(Path(tmp) / "tiny"))
         report = run(model_dir, options, args.device, levels, args.max_new_tokens)
-    text = json.dumps(report, indent=1)
-    print(text, flush=True)
-    if args.json is not None:
-        args.json.write_text(text)
+    write_report(report, args.json)
     return 0
 
 

@@ -118,11 +118,16 @@ def main(argv: list[str] | None = None) -> int:
 
             model_dir = str(build_tiny_model_dir(Path(tmp) / "tiny"))
         report = run(model_dir, options, args.device, args.degree, prompts, args.max_new_tokens)
+    write_report(report, args.json)
+    return 0
+
+
+def write_report(report: dict[str, Any], path: Path | None) -> None:
+    """Print the report as JSON, and write it to `path` too when given."""
     text = json.dumps(report, indent=1)
     print(text, flush=True)
-    if args.json is not None:
-        args.json.write_text(text)
-    return 0
+    if path is not None:
+        path.write_text(text)
 
 
 if __name__ == "__main__":
