@@ -23,7 +23,6 @@ transformers path. Device-agnostic; tested on CPU only.
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -131,7 +130,7 @@ class FastLlama:
         self._gemm = gemm if gemm is not None else CpuGemm.for_model(self.device, self.dtype)
         self.paged = isinstance(cache, paged_attention.PagedKVCache)
         # a paged cache on CUDA: every token's attention in one Triton kernel a layer (engine/triton_attention.py)
-        self.triton = self.paged and use_triton_attention(self.device)
+        self.triton = self.paged and triton_attention.chosen(self.device)
         # decode steps replayed as CUDA graphs (engine/cuda_graphs.py; set by the paged runner)
         self.graphs: DecodeGraphs | None = None
         # a tensor-parallel rank's shard (engine/tensor_parallel.py): its collectives; None: the whole model
@@ -578,27 +577,6 @@ class _DecodePlan:
             self.long_rows = torch.tensor([i for i, s in enumerate(spans) if s > cut], device=device)
             tail = torch.arange(cut, self.span, device=device)
             self.tail_mask = (tail[None, :] > pos[self.long_rows][:, None])[:, None, None, :]
-
-
-ATTENTION_BACKENDS = ("auto", "triton", "torch")
-
-
-def use_triton_attention(device: torch.device) -> bool:
-    """Whether a paged cache's attention runs as the Triton kernel (engine/triton_attention.py), by the
-    ``LMISERVE_ATTENTION_BACKEND`` environment variable: ``auto`` (default) where it is `available` (CUDA
-    with Triton), ``torch`` never (the torch path: blocks gathered every layer; on CPU the compiled kernel),
-    ``triton`` always (an error where it cannot run; on a CPU only under Triton's interpreter, for tests)."""
-    backend = os.environ.get("LMISERVE_ATTENTION_BACKEND", "auto").strip().lower() or "auto"
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"LMISERVE_ATTENTION_BACKEND={backend!r}: expected one of {', '.join(ATTENTION_BACKENDS)}")
-    if backend == "torch":
-        return False
-    usable = triton_attention.available(device) or (device.type == "cpu" and triton_attention.interpreting())
-    if backend == "triton" and not usable:
-        raise ValueError(
-            "LMISERVE_ATTENTION_BACKEND=triton: the Triton kernel needs a CUDA device and the triton package"
-        )
-    return usable if backend == "triton" else triton_attention.available(device)
 
 
 def _repeat(x: torch.Tensor, groups: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -52,6 +53,27 @@ PREFILL_BLOCK_M = 64
 def available(device: torch.device) -> bool:
     """Whether the kernel can serve on `device`: CUDA with Triton installed."""
     return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
+
+
+def chosen(device: torch.device) -> bool:
+    """Whether a paged cache's attention runs as this kernel (both paged runners), by the
+    ``LMISERVE_ATTENTION_BACKEND`` environment variable: ``auto`` (default) where it is `available` (CUDA
+    with Triton), ``torch`` never (the torch path: blocks gathered every layer; on CPU the compiled kernel),
+    ``triton`` always (an error where it cannot run; on a CPU only under Triton's interpreter, for tests)."""
+    backend = os.environ.get("LMISERVE_ATTENTION_BACKEND", "auto").strip().lower() or "auto"
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"LMISERVE_ATTENTION_BACKEND={backend!r}: expected one of {', '.join(ATTENTION_BACKENDS)}")
+    if backend == "torch":
+        return False
+    usable = available(device) or (device.type == "cpu" and interpreting())
+    if backend == "triton" and not usable:
+        raise ValueError(
+            "LMISERVE_ATTENTION_BACKEND=triton: the Triton kernel needs a CUDA device and the triton package"
+        )
+    return usable if backend == "triton" else available(device)
 
 
 def _pow2(n: int) -> int:

@@ -6,7 +6,20 @@ from __future__ import annotations
 import asyncio
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PhiConfig,
+    PhiForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine.async_engine import EngineConfig
@@ -47,6 +60,18 @@ PROMPTS = [
 def build(config_cls, model_cls, extra: dict, seed: int = 7):
     torch.manual_seed(seed)
     return model_cls(config_cls(**COMMON, **extra)).eval()
+
+
+def generic_model(arch: str):
+    """A tiny random model of an architecture lmiserve's own forward does not cover (the generic path):
+    ``qwen3``, ``phi`` or ``gpt2``, on the tiny tokenizer's 512 words."""
+    if arch == "gpt2":
+        torch.manual_seed(7)
+        config = GPT2Config(
+            vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=1, eos_token_id=2
+        )
+        return GPT2LMHeadModel(config).eval()
+    return build(*{"qwen3": (Qwen3Config, Qwen3ForCausalLM), "phi": (PhiConfig, PhiForCausalLM)}[arch], {})
 
 
 def greedy_tokens(loaded, prompt: str, tokens: int) -> list[int]:

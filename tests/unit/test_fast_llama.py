@@ -14,19 +14,15 @@ import dataclasses
 import pytest
 import torch
 from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
-    PhiConfig,
-    PhiForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
 
-from helpers.llama_variants import ARCHS, PROMPTS, build, greedy_tokens, serve_prompts
+from helpers.llama_variants import ARCHS, PROMPTS, build, generic_model, greedy_tokens, serve_prompts
 from lmiserve.core.events import FinishReason
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine import fast_llama
@@ -135,16 +131,8 @@ def test_fusing_weights_keeps_the_transformers_model_working_without_copies():
     ],
 )
 def test_every_path_gives_generates_greedy_tokens(tiny_model, arch: str, config: dict, path: str, paged: bool):
-    if arch == "qwen3":
-        loaded = with_model(tiny_model, build(Qwen3Config, Qwen3ForCausalLM, {}))
-    elif arch == "phi":
-        loaded = with_model(tiny_model, build(PhiConfig, PhiForCausalLM, {}))
-    elif arch == "gpt2":
-        torch.manual_seed(7)
-        gpt2 = GPT2Config(
-            vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=1, eos_token_id=2
-        )
-        loaded = with_model(tiny_model, GPT2LMHeadModel(gpt2).eval())
+    if arch in ("qwen3", "phi", "gpt2"):
+        loaded = with_model(tiny_model, generic_model(arch))
     elif arch != "tiny":
         loaded = with_model(tiny_model, build(*ARCHS[arch]))
     else:

@@ -10,6 +10,7 @@ against transformers' logits and generate()'s greedy tokens.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 
 import pytest
@@ -17,8 +18,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from helpers.llama_variants import ARCHS, PROMPTS, build, greedy_tokens, serve_prompts  # noqa: E402
-from lmiserve.engine import fast_llama, triton_attention  # noqa: E402
+from helpers.llama_variants import ARCHS, PROMPTS, build, generic_model, greedy_tokens, serve_prompts  # noqa: E402
+from lmiserve.engine import triton_attention  # noqa: E402
 from lmiserve.engine.async_engine import EngineConfig  # noqa: E402
 from lmiserve.engine.fast_llama import FastLlama  # noqa: E402
 from lmiserve.engine.paged_attention import PagedKVCache  # noqa: E402
@@ -162,15 +163,54 @@ def test_the_engine_over_the_kernel_gives_generates_greedy_tokens(tiny_model, mo
 def test_the_backend_is_chosen_by_the_environment(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     monkeypatch.delenv("LMISERVE_ATTENTION_BACKEND", raising=False)
-    assert not fast_llama.use_triton_attention(cpu)  # auto: CUDA only, never the interpreter
+    assert not triton_attention.chosen(cpu)  # auto: CUDA only, never the interpreter
     monkeypatch.setattr(triton_attention, "available", lambda device: device.type == "cuda")
-    assert fast_llama.use_triton_attention(cuda)
+    assert triton_attention.chosen(cuda)
     monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "torch")
-    assert not fast_llama.use_triton_attention(cuda)
+    assert not triton_attention.chosen(cuda)
     monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "flash")
     with pytest.raises(ValueError, match="LMISERVE_ATTENTION_BACKEND='flash': expected one of auto, triton, torch"):
-        fast_llama.use_triton_attention(cuda)
+        triton_attention.chosen(cuda)
     monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "triton")
     monkeypatch.setattr(triton_attention, "interpreting", lambda: False)
     with pytest.raises(ValueError, match="needs a CUDA device and the triton package"):
-        fast_llama.use_triton_attention(cpu)
+        triton_attention.chosen(cpu)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "phi", "gpt2"])
+def test_other_architectures_attend_through_the_kernel_with_generates_greedy_tokens(tiny_model, monkeypatch, arch):
+    """The generic runner (transformers' forward) with lmiserve's attention implementation: every layer's
+    keys and values written into the blocks and read in place by the kernel, no mask, no gather; the
+    model's own attention implementation is left as it was."""
+    monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "triton")
+    model = generic_model(arch).to(DEVICE)
+    before = model.config._attn_implementation
+    loaded = dataclasses.replace(tiny_model, model=model, max_context=256)
+    engine, results = asyncio.run(serve_prompts(loaded, EngineConfig(max_prefill_tokens=5), 8))
+    assert engine.runner.path == "generic" and engine.runner.kernel
+    for prompt, events in zip(PROMPTS, results):
+        assert [e.token.id for e in events if e.token] == greedy_tokens(loaded, prompt, 8)
+    assert model.config._attn_implementation == before
+
+
+@pytest.mark.parametrize("fault", ["wrong", "raises"])
+def test_a_model_the_kernel_does_not_fit_keeps_the_gather(tiny_model, monkeypatch, caplog, fault):
+    """The runner's probe at start: logits that differ from the gathered path's, or an attention call the
+    kernel cannot take, keep the model on transformers' attention over the gathered blocks."""
+    from lmiserve.engine.runners import paged_generic
+
+    monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "triton")
+
+    def broken(query, key_cache, value_cache, plan, scale, out=None):
+        if fault == "raises":
+            raise ValueError("lmiserve's paged attention kernel does not take softcap")
+        return torch.zeros_like(query)
+
+    monkeypatch.setattr(triton_attention, "paged_attention", broken)
+    loaded = dataclasses.replace(tiny_model, model=generic_model("qwen3").to(DEVICE), max_context=256)
+    with caplog.at_level("WARNING", logger=paged_generic.__name__):
+        runner = paged_generic.PagedGenericRunner(
+            loaded.model, max_slots=2, max_context=256, eos_token_ids=[2], num_blocks=16, block_size=4
+        )
+    assert not runner.kernel
+    assert "gathering" in caplog.text

@@ -9,6 +9,13 @@ returns, for the layer, each row's context gathered from its blocks one after th
 blocks, scheduler, preemption and prefix sharing serve architectures lmiserve's own forward does not
 cover (GPT-2, Phi, ...), without a second attention implementation.
 
+On CUDA (where `triton_attention.chosen`) the gather goes: for the runner's forward the model's attention
+implementation is lmiserve's (registered with transformers' `AttentionInterface`), which writes each
+layer's keys and values and runs the Triton paged kernel over the blocks in place for every token of the
+step (engine/triton_attention.py), with no mask. A model is switched to it only after a probe gives the
+same logits both ways (an architecture whose attention takes more than the kernel does, softcapping or a
+bias, keeps the gather).
+
 Left out: models whose layers attend over sliding windows or mix attention kinds (their masks differ
 by layer); those keep the slot layout (engine/factory.py).
 """
@@ -22,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lmiserve.engine import triton_attention
 from lmiserve.engine.kv_cache import AttentionShape
 from lmiserve.engine.lora import LoraBatch, LoraGroup, lora_out_features
 from lmiserve.engine.paged_attention import PagedKVCache, gather_context, write_tokens
@@ -138,6 +146,51 @@ def _view_class() -> type:
 
 _VIEW: type | None = None
 
+# lmiserve's attention implementation in transformers' AttentionInterface (`kernel_attention`)
+KERNEL_ATTENTION = "lmiserve_paged_kernel"
+
+
+class KernelStep:
+    """What lmiserve's attention implementation gets as its cache for one forward: the pool and the step's
+    launch plan (`triton_attention.StepTiles`, the step's tokens in the order of the forward's sequence)."""
+
+    def __init__(self, kv: PagedKVCache, plan: triton_attention.StepTiles) -> None:
+        self.kv, self.plan = kv, plan
+
+
+def kernel_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    cache: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract over the block pool: `query`/`key`/`value` ``[1, heads,
+    tokens, head_dim]`` of the step's tokens; the keys and values are written into their blocks, then every
+    token attends over its own row's positions up to its own (`triton_attention.paged_attention`).
+    Returns ``[1, tokens, heads, head_dim]``."""
+    if not isinstance(cache, KernelStep):
+        raise TypeError("lmiserve's paged attention runs only inside lmiserve's paged generic runner")
+    for name in ("softcap", "s_aux", "sliding_window", "position_bias"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"lmiserve's paged attention kernel does not take {name}")
+    layer = int(getattr(module, "layer_idx", -1))
+    keys, values = cache.kv.keys[layer], cache.kv.values[layer]
+    triton_attention.write_step(keys, values, key[0].transpose(0, 1), value[0].transpose(0, 1), cache.plan)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = triton_attention.paged_attention(query[0].transpose(0, 1), keys, values, cache.plan, scale)
+    return out[None], None
+
+
+def _register_kernel_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(KERNEL_ATTENTION, kernel_attention)
+
 
 class PagedGenericRunner(ModelRunner, PersistentBatchRunner):
     """The transformers model's own forward over the block KV cache (the generic strategy, paged)."""
@@ -159,6 +212,38 @@ class PagedGenericRunner(ModelRunner, PersistentBatchRunner):
         self._step_lora: LoraBatch | None = None  # the adapters of the forward running now
         self._hooked: set[str] = set()  # the modules that have the hook
         self._hooked_adapters: set[int] = set()  # the adapter loads whose modules all have it
+        shape = AttentionShape.of(model.config)
+        self._groups = shape.heads // shape.kv_heads
+        # lmiserve's attention implementation (the Triton kernel over the blocks) where it is chosen and agrees
+        self.kernel = triton_attention.chosen(self.device) and self._kernel_agrees()
+
+    def _kernel_agrees(self) -> bool:
+        """Whether the model's forward through lmiserve's attention implementation gives the logits of the
+        gathered blocks (a short prompt, then a token of it and a chunk of another beside it, over the first
+        blocks of the pool, before any request holds them)."""
+        _register_kernel_attention()
+        blocks = -(-12 // self.block_size)
+        first, second = list(range(blocks)), list(range(blocks, 2 * blocks))
+        ids = [(7 * i + 3) % max(2, self.vocab_size) for i in range(12)]
+        steps = [
+            [(first, 0, ids[:6], 6)],
+            [(first, 6, ids[6:7], 1), (second, 0, ids[:4], 4)],
+        ]
+        try:
+            for rows in steps:
+                gathered = self._forward(rows, kernel=False)
+                kernel = self._forward(rows, kernel=True)
+                if not torch.allclose(kernel, gathered, rtol=1e-2, atol=1e-2):
+                    difference = float((kernel - gathered).abs().max())
+                    log.warning(
+                        "paged attention kernel: logits differ by %.3g from the gathered path; gathering", difference
+                    )
+                    return False
+        except Exception:  # noqa: BLE001 - an architecture the kernel does not fit keeps the gather
+            log.warning("paged attention kernel: not for this model; gathering", exc_info=True)
+            return False
+        log.info("paged attention: the Triton kernel over the blocks (engine/triton_attention.py)")
+        return True
 
     # ---- LoRA: a hook on each adapted linear adds the step's deltas to its output ---------------------
     def _lora(self, batch: StepBatch, part: list[int], tokens: list[int]) -> LoraBatch | None:
@@ -192,6 +277,20 @@ class PagedGenericRunner(ModelRunner, PersistentBatchRunner):
         raise RuntimeError("the paged generic runner runs plain-data batches (execute_batch), not plans")
 
     def _forward_rows(self, batch: StepBatch, part: list[int]) -> torch.Tensor:
+        rows = []
+        for i in part:
+            row = batch.rows[i]
+            rows.append((self._requests[row.seq_id].blocks, row.start, row.computed_ids, self._kept(row)))
+        self._step_lora = self._lora(batch, part, [len(batch.rows[i].computed_ids) for i in part])
+        try:
+            return self._forward(rows, self.kernel)
+        finally:
+            self._step_lora = None
+
+    def _forward(self, rows: list[tuple[list[int], int, list[int], int]], kernel: bool) -> torch.Tensor:
+        """The float32 logits kept of one forward of `rows`, each ``(blocks, start, token ids, kept)``: the
+        ids at positions ``start..``, the last `kept` of them with their logits. `kernel`: through lmiserve's
+        attention implementation, else transformers' over the gathered blocks."""
         dev = self.device
         ids: list[int] = []
         positions: list[int] = []
@@ -201,20 +300,38 @@ class PagedGenericRunner(ModelRunner, PersistentBatchRunner):
         spans: list[tuple[int, int, int, int]] = []  # per row: first token, tokens, start position, key offset
         key_offset = 0
         bs = self.block_size
-        for i in part:
-            row = batch.rows[i]
-            blocks = self._requests[row.seq_id].blocks
-            computed = row.computed_ids
-            first, count, end = len(ids), len(computed), row.start + len(computed)
+        for blocks, start, computed, kept in rows:
+            first, count, end = len(ids), len(computed), start + len(computed)
             ids.extend(computed)
-            positions.extend(range(row.start, end))
-            write_blocks.extend(blocks[p // bs] for p in range(row.start, end))
-            reads.append((torch.tensor(blocks[: -(-end // bs)], dtype=torch.long, device=dev), end))
-            spans.append((first, count, row.start, key_offset))
-            kept = self._kept(row)
+            positions.extend(range(start, end))
+            write_blocks.extend(blocks[p // bs] for p in range(start, end))
+            if not kernel:
+                reads.append((torch.tensor(blocks[: -(-end // bs)], dtype=torch.long, device=dev), end))
+            spans.append((first, count, start, key_offset))
             keep.extend(range(first + count - kept, first + count))
             key_offset += end
         self.kv.ensure_zeroed(1 + max(write_blocks))
+        model_inputs = {
+            "input_ids": torch.tensor([ids], device=dev),
+            "position_ids": torch.tensor([positions], device=dev),
+        }
+        if kernel:
+            plan = triton_attention.step_tiles(
+                [(blocks, start, len(computed)) for blocks, start, computed, _ in rows],
+                self._groups,
+                self.kv.kv_heads,
+                bs,
+                dev,
+            )
+            config = self.model.config
+            before = config._attn_implementation_internal
+            config._attn_implementation_internal = KERNEL_ATTENTION
+            try:
+                out = self.model(**model_inputs, cache=KernelStep(self.kv, plan), use_cache=False)
+            finally:
+                config._attn_implementation_internal = before
+            logits: torch.Tensor = out.logits[0]
+            return logits[torch.tensor(keep, dtype=torch.long, device=dev)].float()
         tokens = len(ids)
         # token t of a row attends to that row's keys at positions <= its own (additive mask)
         mask = torch.full((tokens, key_offset), float("-inf"), dtype=self.model.dtype, device=dev)
@@ -229,15 +346,5 @@ class PagedGenericRunner(ModelRunner, PersistentBatchRunner):
             torch.tensor([p % bs for p in positions], dtype=torch.long, device=dev),
             reads,
         )
-        self._step_lora = self._lora(batch, part, [len(batch.rows[i].computed_ids) for i in part])
-        try:
-            logits: torch.Tensor = self.model(
-                input_ids=torch.tensor([ids], device=dev),
-                position_ids=torch.tensor([positions], device=dev),
-                attention_mask=mask[None, None],
-                cache=view,
-                use_cache=False,
-            ).logits[0]
-        finally:
-            self._step_lora = None
+        logits = self.model(**model_inputs, attention_mask=mask[None, None], cache=view, use_cache=False).logits[0]
         return logits[torch.tensor(keep, dtype=torch.long, device=dev)].float()
