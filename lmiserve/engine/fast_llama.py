@@ -130,7 +130,7 @@ class FastLlama:
         self._gemm = gemm if gemm is not None else CpuGemm.for_model(self.device, self.dtype)
         self.paged = isinstance(cache, paged_attention.PagedKVCache)
         # a paged cache on CUDA: every token's attention in one Triton kernel a layer (engine/triton_attention.py)
-        self.triton = self.paged and triton_attention.chosen(self.device)
+        self.triton = self.paged and triton_attention.chosen(self.device) and self._kernel_works()
         # decode steps replayed as CUDA graphs (engine/cuda_graphs.py; set by the paged runner)
         self.graphs: DecodeGraphs | None = None
         # a tensor-parallel rank's shard (engine/tensor_parallel.py): its collectives; None: the whole model
@@ -145,6 +145,17 @@ class FastLlama:
             except Exception:  # noqa: BLE001 - a numba/llvmlite problem costs speed, not the model
                 log.exception("compiled decode attention unavailable; using the torch path")
                 self._compiled = False
+
+    def _kernel_works(self) -> bool:
+        """The Triton attention kernel run once for this model's attention shape on its device
+        (`triton_attention.self_check`); if it fails or disagrees, the torch attention, with a warning."""
+        assert isinstance(self.cache, paged_attention.PagedKVCache)
+        why = triton_attention.self_check(
+            self.kv_heads, self.groups, self.head_dim, self.cache.block_size, self.dtype, str(self.device)
+        )
+        if why is not None:
+            log.warning("the Triton paged attention kernel is not used (%s); gathering blocks instead", why)
+        return why is None
 
     @property
     def max_context(self) -> int:

@@ -235,3 +235,46 @@ def paged_attention(
         PRECISION="ieee" if key_cache.dtype == torch.float32 else "tf32",
     )
     return out
+
+
+@functools.cache
+def self_check(
+    kv_heads: int, groups: int, head_dim: int, block_size: int, dtype: torch.dtype, device: str
+) -> str | None:
+    """Run the kernel once on this device for a model's attention shape (random keys and values in a few
+    scattered blocks; a decode row, a prompt chunk after a prefix, a short chunk) against the same attention
+    computed position by position in float32. None when it agrees; else why not (it failed to compile or
+    launch, or its numbers are off), for the caller to keep the torch attention. Once a shape a process."""
+    try:
+        gen = torch.Generator().manual_seed(0)
+        spans = [(20, 1), (9, 30), (0, 3)]  # (start, count): a decode row, a chunk after a prefix, a prompt
+        needed = [-(-(start + count) // block_size) for start, count in spans]
+        order = torch.randperm(sum(needed) + 1, generator=gen).tolist()  # the blocks scattered
+        sequences = []
+        for (start, count), blocks in zip(spans, needed, strict=True):
+            sequences.append((order[:blocks], start, count))
+            order = order[blocks:]
+        shape = (sum(needed) + 1, kv_heads, block_size, head_dim)
+        keys = torch.randn(shape, generator=gen).to(device, dtype)
+        values = torch.randn(shape, generator=gen).to(device, dtype)
+        tokens = sum(count for _, _, count in sequences)
+        query = torch.randn(tokens, kv_heads * groups, head_dim, generator=gen).to(device, dtype)
+        plan = step_tiles(sequences, groups, kv_heads, block_size, torch.device(device))
+        scale = head_dim**-0.5
+        out = paged_attention(query, keys, values, plan, scale).float()
+        expected, row = [], 0
+        for table, start, count in sequences:
+            index = torch.tensor(table, device=device)
+            k = keys[index].transpose(0, 1).reshape(kv_heads, -1, head_dim).float()
+            v = values[index].transpose(0, 1).reshape(kv_heads, -1, head_dim).float()
+            for i in range(count):
+                seen = start + i + 1
+                q = query[row + i].float().view(kv_heads, groups, head_dim)
+                probs = (torch.einsum("hgd,hld->hgl", q, k[:, :seen]) * scale).softmax(-1)
+                expected.append(torch.einsum("hgl,hld->hgd", probs, v[:, :seen]).reshape(-1, head_dim))
+            row += count
+        error = float((out - torch.stack(expected)).abs().max())
+    except Exception as exc:  # noqa: BLE001 - any failure means: not this kernel on this device
+        return f"{type(exc).__name__}: {exc}"
+    tolerance = 1e-3 if dtype == torch.float32 else 5e-2
+    return None if error <= tolerance else f"its output is {error:.3g} off the reference (tolerance {tolerance})"

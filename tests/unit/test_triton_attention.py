@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("triton")
 
 from helpers.llama_variants import ARCHS, PROMPTS, build, generic_model, greedy_tokens, serve_prompts  # noqa: E402
-from lmiserve.engine import triton_attention  # noqa: E402
+from lmiserve.engine import fast_llama, triton_attention  # noqa: E402
 from lmiserve.engine.async_engine import EngineConfig  # noqa: E402
 from lmiserve.engine.fast_llama import FastLlama  # noqa: E402
 from lmiserve.engine.paged_attention import PagedKVCache  # noqa: E402
@@ -214,3 +214,32 @@ def test_a_model_the_kernel_does_not_fit_keeps_the_gather(tiny_model, monkeypatc
         )
     assert not runner.kernel
     assert "gathering" in caplog.text
+
+
+def test_the_kernel_checks_itself_once_a_shape_before_the_fast_forward_takes_it(monkeypatch, caplog):
+    """`self_check` runs the kernel on the model's shape and device against attention position by position:
+    agreeing, the fast forward takes it; failing to run (a compile error on some GPU) or off the reference,
+    the forward keeps the torch attention, with a warning."""
+    assert triton_attention.self_check(3, 3, 64, 16, torch.float32, str(DEVICE)) is None
+    assert triton_attention.self_check(2, 2, 32, 8, torch.float16, str(DEVICE)) is None
+    monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "triton")
+    model = build(*ARCHS["llama"]).to(DEVICE)
+    cfg = model.config
+    real = triton_attention.paged_attention
+    for fault in ("raises", "wrong"):
+
+        def broken(query, key_cache, value_cache, plan, scale, out=None, fault=fault):
+            if fault == "raises":
+                raise RuntimeError("PTX compilation failed")
+            return real(query, key_cache, value_cache, plan, scale * 2, out)
+
+        monkeypatch.setattr(triton_attention, "paged_attention", broken)
+        triton_attention.self_check.cache_clear()
+        try:
+            cache = PagedKVCache(cfg.num_hidden_layers, 8, 4, cfg.num_key_value_heads, 16, model.dtype, DEVICE)
+            with caplog.at_level("WARNING", logger=fast_llama.__name__):
+                assert not FastLlama(model, cache, 256).triton
+        finally:
+            triton_attention.self_check.cache_clear()
+    assert "PTX compilation failed" in caplog.text
+    assert "off the reference" in caplog.text
