@@ -116,9 +116,7 @@ class DecodeGraphs:
         host_tables[rows:size, 0] = self.scratch_block
         pos = host_pos[:size]
         block = host_tables[np.arange(size), pos // self.block_size]
-        heads = np.arange(self.kv_heads, dtype=np.int64)
-        write = (block[:, None] * self.kv_heads + heads[None, :]) * self.block_size + (pos % self.block_size)[:, None]
-        host_write[: size * self.kv_heads] = write.reshape(-1)
+        host_write[: size * self.kv_heads] = triton_attention.token_rows(block, pos, self.kv_heads, self.block_size)
         self.cache.ensure_zeroed(1 + int(max(max(t) for t in tables)))
         for host, device, length in zip(self._host, self._device, (size, size, size, size, size * self.kv_heads)):
             part_host, part_device = (

@@ -251,7 +251,8 @@ def create_engine(
         fast_cls = paged_cls if strategy is FastRunner else None
         activation = None
         if config.kv_cache_memory_bytes is None:
-            quiet = dataclasses.replace(config, cpu_autotune=False)
+            # a prompt step alone: no autotune, no decode graphs (their buffers, scratch block and RoPE table)
+            quiet = dataclasses.replace(config, cpu_autotune=False, enforce_eager=True)
             activation = profile_step_memory(
                 loaded.device,
                 lambda blocks: _paged_runner(loaded, quiet, blocks, fast_cls),

@@ -222,7 +222,6 @@ class FastLlama:
         A step of decode rows alone, every row kept, replays a captured CUDA graph where `graphs` covers it.
         """
         dev = self.device
-        gemm = self._gemm
         rows = len(decode_ids)
         graphs = self.graphs
         if (
@@ -263,20 +262,21 @@ class FastLlama:
                 sequences = [(table, p, 1) for table, p in zip(decode_tables or [], decode_positions, strict=True)]
                 sequences += [(key, start, len(chunk)) for key, start, chunk in prefills if isinstance(key, list)]
                 dec = triton_attention.step_tiles(sequences, self.groups, self.kv_heads, self.cache.block_size, dev)
-                prefills = []
-            compiled = not self.triton and paged_attention.available(self.dtype, dev)
-            kernel_positions, kernel_tables = list(decode_positions), list(decode_tables or [])
-            if compiled and CHUNKS_AS_DECODE_ROWS:  # the leading short chunks: rows of the decode kernel
-                for key, start, chunk in prefills:
-                    if len(chunk) > KERNEL_CHUNK_TOKENS or not isinstance(key, list):
-                        break
-                    kernel_positions.extend(range(start, start + len(chunk)))
-                    kernel_tables.extend([key] * len(chunk))
-                    short += 1
-            if kernel_positions and not self.triton:
-                dec = _paged_decode(
-                    kernel_positions, kernel_tables, self.cache.block_size, dev, compiled, self.kv_heads, rows
-                )
+                short = len(prefills)  # every chunk is in the plan
+            else:
+                compiled = paged_attention.available(self.dtype, dev)
+                kernel_positions, kernel_tables = list(decode_positions), list(decode_tables or [])
+                if compiled and CHUNKS_AS_DECODE_ROWS:  # the leading short chunks: rows of the decode kernel
+                    for key, start, chunk in prefills:
+                        if len(chunk) > KERNEL_CHUNK_TOKENS or not isinstance(key, list):
+                            break
+                        kernel_positions.extend(range(start, start + len(chunk)))
+                        kernel_tables.extend([key] * len(chunk))
+                        short += 1
+                if kernel_positions:
+                    dec = _paged_decode(
+                        kernel_positions, kernel_tables, self.cache.block_size, dev, compiled, self.kv_heads, rows
+                    )
         pre = []
         offset = len(dec.spans) if isinstance(dec, _PagedDecode) else rows
         for key, start, chunk in prefills[short:]:
@@ -291,7 +291,7 @@ class FastLlama:
         keep = keep + keep[:1] * self._row_padding(count, VOCAB_PAD_ROWS_FROM)
         if keep != list(range(x.shape[0])):
             x = x[torch.tensor(keep, dtype=torch.long, device=dev)]
-        logits = gemm.linear(_rms(x, self.norm), self.lm_head, None, self.lm_head_s)[:count].float().contiguous()
+        logits = self._logits(x)[:count].float().contiguous()
         return logits if tp is None else tp.gather_logits(logits)
 
     def decode_body(self, ids: torch.Tensor, positions: torch.Tensor, plan: triton_attention.StepTiles) -> torch.Tensor:
@@ -301,7 +301,11 @@ class FastLlama:
         tensor-parallel shard)."""
         x = F.embedding(ids, self.embed)
         x = self._layers(x, self._cos[positions][:, None], self._sin[positions][:, None], plan, [], 0, None)
-        return self._gemm.linear(_rms(x, self.norm), self.lm_head, None, self.lm_head_s).float()
+        return self._logits(x).float()
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm and the output projection of hidden states ``x`` (the model's dtype)."""
+        return self._gemm.linear(_rms(x, self.norm), self.lm_head, None, self.lm_head_s)
 
     def rope_upto(self, positions: int) -> None:
         """Build the RoPE table for positions ``0..positions-1`` now (a captured graph reads it in place)."""

@@ -29,7 +29,10 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 import torch
+
+from lmiserve.engine.paged_attention import flat_index
 
 __all__ = [
     "BLOCK_N",
@@ -136,9 +139,7 @@ def step_tiles(
         tables[row, : len(table)] = table
     token_seq = np.repeat(np.arange(len(counts)), counts)
     positions = (np.arange(int(counts.sum())) - np.repeat(firsts, counts) + np.repeat(starts, counts)).astype(np.int64)
-    blocks = tables[token_seq, positions // block_size].astype(np.int64)
-    heads = np.arange(kv_heads, dtype=np.int64)
-    write = ((blocks[:, None] * kv_heads + heads[None, :]) * block_size + (positions % block_size)[:, None]).reshape(-1)
+    write = token_rows(tables[token_seq, positions // block_size], positions, kv_heads, block_size)
     ints = np.concatenate(
         (np.array(tile_seq + pad + tile_first + pad + tile_count + pad, dtype=np.int64), positions)
     ).astype(np.int32)
@@ -150,11 +151,20 @@ def step_tiles(
         packed[2 * tiles : 3 * tiles],
         packed[3 * tiles :],
         torch.from_numpy(tables).to(device, non_blocking=True),
-        torch.from_numpy(write).to(device, non_blocking=True),
+        write.to(device, non_blocking=True),
         block_q,
         tiles,
         len(positions),
     )
+
+
+def token_rows(blocks: npt.ArrayLike, positions: npt.ArrayLike, kv_heads: int, block_size: int) -> torch.Tensor:
+    """Where tokens at `positions` in these `blocks` (host arrays, one entry a token) keep their keys and
+    values: rows of a ``[-1, head_dim]`` view of a layer's cache, token-major then kv head (a CPU tensor;
+    `paged_attention.flat_index`'s layout)."""
+    blocks_t = torch.as_tensor(np.asarray(blocks, dtype=np.int64))
+    offsets = torch.as_tensor(np.asarray(positions, dtype=np.int64) % block_size)
+    return flat_index(blocks_t, offsets, kv_heads, block_size).reshape(-1)
 
 
 def write_step(

@@ -178,7 +178,9 @@ def kernel_attention(
     for name in ("softcap", "s_aux", "sliding_window", "position_bias"):
         if kwargs.get(name) is not None:
             raise ValueError(f"lmiserve's paged attention kernel does not take {name}")
-    layer = int(getattr(module, "layer_idx", -1))
+    layer = getattr(module, "layer_idx", None)
+    if not isinstance(layer, int):
+        raise ValueError("lmiserve's paged attention kernel needs the attention module's layer_idx")
     keys, values = cache.kv.keys[layer], cache.kv.values[layer]
     triton_attention.write_step(keys, values, key[0].transpose(0, 1), value[0].transpose(0, 1), cache.plan)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
