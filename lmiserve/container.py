@@ -10,9 +10,9 @@ them, lmiserve/config/sources.py) and the artifacts' location in ``AIP_STORAGE_U
   ROOT ARGS...`` when the model root holds anything (a model, a serving.properties, or both), else
   ``lmiserve serve ARGS...``, which serves the model of ``HF_MODEL_ID``/``OPTION_MODEL_ID`` or the
   bundled default. The root: ``LMISERVE_MODEL_DIR``, else ``AIP_STORAGE_URI`` when it is a local
-  directory (a path or ``file://``), else ``SM_MODEL_DIR``, else ``/opt/ml/model``. lmiserve never
-  downloads: a ``gs://`` (or any remote) ``AIP_STORAGE_URI`` is reported and not used, so Vertex's
-  artifacts must be baked into the image or mounted at the root.
+  directory (a path or ``file://``), else ``SM_MODEL_DIR``, else ``/opt/ml/model``. A ``gs://`` (or
+  ``s3://``) ``AIP_STORAGE_URI`` is the model when the root holds none: lmiserve's settings read it and
+  the model is downloaded at start (docs/models.md).
 - anything else (``bash``, ``python ...``, ``lmiserve bench ...``) runs as given.
 
 The chosen command replaces this process (exec), so SIGTERM reaches lmiserve directly: it drains and
@@ -41,10 +41,6 @@ def model_root(environ: Mapping[str, str]) -> tuple[Path, list[str]]:
         local = _local_path(storage)
         if local is not None and local.is_dir():
             return local, notes
-        notes.append(
-            f"AIP_STORAGE_URI={storage} is not a local directory and lmiserve never downloads: "
-            "bake the model into the image or mount it at the model root"
-        )
     return Path(environ.get("SM_MODEL_DIR", "").strip() or DEFAULT_MODEL_ROOT), notes
 
 
@@ -69,7 +65,13 @@ def command(argv: Sequence[str], environ: Mapping[str, str]) -> tuple[list[str],
     if has_model(root):
         notes.append(f"serving the model directory {root}")
         return [*lmiserve, "--model-dir", str(root), *args], notes
-    source = "the model of HF_MODEL_ID/OPTION_MODEL_ID" if _model_id_set(environ) else "the bundled default model"
+    storage = environ.get("AIP_STORAGE_URI", "").strip()
+    if _model_id_set(environ):
+        source = "the model of HF_MODEL_ID/OPTION_MODEL_ID"
+    elif "://" in storage and not storage.startswith("file:"):
+        source = f"the model at AIP_STORAGE_URI={storage} (downloaded at start)"
+    else:
+        source = "the bundled default model"
     notes.append(f"{root} holds no model: serving {source}")
     return [*lmiserve, *args], notes
 

@@ -40,6 +40,10 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "model_name",
             "served_model_name",
             "revision",
+            "gguf_file",
+            "download_dir",
+            "download_part_size",
+            "download_retries",
             "dtype",
             "device",
             "tensor_parallel_degree",
@@ -141,6 +145,7 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "enable_management_api",
             "model_store",
             "allowed_model_paths",
+            "allowed_model_urls",
         ),
     ),
     (
@@ -166,7 +171,8 @@ lmiserve an environment variable can override a file baked into an image. Keys m
 without LMI's `option.` prefix (`option.dtype=bf16` and `dtype=bf16` are the same key); some keys also
 have aliases, LMI's or vLLM's spelling, listed with the key. An empty value resets a key to its default;
 empty environment variables are ignored. When a model directory is given and no source sets `model_id`,
-the directory is the model (LMI's `/opt/ml/model` behaviour). Booleans accept `true/false`, `yes/no`,
+the directory is the model (LMI's `/opt/ml/model` behaviour); without one, Vertex AI's `AIP_STORAGE_URI`
+(a `gs://` URL or a path) is the model when it is set. Booleans accept `true/false`, `yes/no`,
 `on/off`, `1/0` (any case).
 
 A bad value stops the server before anything loads (exit status 2) with one line naming the key, the

@@ -149,8 +149,10 @@ class Settings(BaseModel):
     model_id: str | None = Field(
         None,
         description=(
-            "Local model directory, `.gguf` file or transformers id in the local HF cache; "
-            "unset = the bundled default model (SmolLM2-135M-Instruct)."
+            "The model: a local directory or `.gguf` file; a Hugging Face Hub id (`org/name`; `org/repo:Q4_K_M` "
+            "for one file of a GGUF repository), downloaded at start into the Hugging Face cache; or an "
+            "`s3://bucket/prefix` or `gs://bucket/prefix` URL, downloaded into `download_dir`. Unset = Vertex AI's "
+            "`AIP_STORAGE_URI` when set, else the bundled default model (SmolLM2-135M-Instruct). See docs/models.md."
         ),
     )
     model_name: str | None = Field(
@@ -166,7 +168,39 @@ class Settings(BaseModel):
             "answers 404. See docs/protocols/openai.md."
         ),
     )
-    revision: str | None = Field(None, description="Revision (branch, tag or commit) of a transformers model id.")
+    revision: str | None = Field(None, description="Revision (branch, tag or commit) of a Hugging Face Hub model id.")
+    gguf_file: str | None = Field(
+        None,
+        description=(
+            "The `.gguf` file to fetch from a Hub repository of GGUF files (`model_id=org/repo`), instead of a "
+            "`:QUANT` tag on the id; without either, a GGUF repository's Q4_K_M file (llama.cpp's default)."
+        ),
+    )
+    download_dir: str | None = Field(
+        None,
+        description=(
+            "Where `s3://` and `gs://` models are downloaded to (one directory a URL, kept between starts); unset = "
+            "the user cache dir / `lmiserve/downloads`. Hub models go to the Hugging Face cache (`HF_HOME`, "
+            "`HF_HUB_CACHE`)."
+        ),
+    )
+    download_part_size: ByteSize = Field(
+        ByteSize(16 << 20),
+        ge=4096,
+        description=(
+            "Bytes one ranged GET of a model download reads (`16MiB`; `64KiB`, `1GB` ... accepted): eight parts "
+            "download at a time, and a killed download resumes after the last part written."
+        ),
+    )
+    download_retries: int = Field(
+        4,
+        ge=0,
+        le=20,
+        description=(
+            "Attempts after the first when a model download meets a network error (no connection, a timeout, "
+            "a 429 or 5xx), waiting 1, 2, 4, ... seconds (at most 30) between them."
+        ),
+    )
     dtype: Dtype = Field(
         "auto",
         description=(
@@ -558,6 +592,15 @@ class Settings(BaseModel):
         description=(
             "Comma-separated directories `POST /models` (and the adapters APIs) may also load from; a path "
             "outside them and `model_store` gets 403."
+        ),
+    )
+    allowed_model_urls: str | None = Field(
+        None,
+        description=(
+            "Remote models and adapters the management APIs may fetch (`POST /models?url=`, the adapters APIs): "
+            "comma-separated URL prefixes such as `s3://my-bucket/models/`, `gs://my-bucket/`, `hf://my-org/` "
+            "(a Hub id `org/name` is matched as `hf://org/name`). Unset = none: a caller can never make the "
+            "server fetch a URL of its choosing. Models named at start are the operator's and need no entry."
         ),
     )
     max_concurrent_requests: int = Field(

@@ -37,6 +37,8 @@ from lmiserve.config.properties import read_properties, strip_option_prefix
 from lmiserve.config.settings import KEY_ALIASES, Settings, canonical_key, unknown_option_error
 
 PROPERTIES_FILE_NAME = "serving.properties"
+# Vertex AI's location of the model's artifacts (`gs://...`, or a local path): the model when no source names one
+STORAGE_URI_VARIABLE = "AIP_STORAGE_URI"
 
 # (environment variable, key), lowest priority first.
 ENV_SHORTCUTS: tuple[tuple[str, str], ...] = (
@@ -93,7 +95,8 @@ def load_settings(
     """Merge defaults, serving.properties, the environment and CLI overrides into Settings.
 
     ``properties_file`` is read if given (it must exist), else ``<model_dir>/serving.properties``
-    if present. With ``model_dir`` and no model_id from any source, model_id is ``model_dir``.
+    if present. With ``model_dir`` and no model_id from any source, model_id is ``model_dir``; else, with
+    Vertex AI's ``AIP_STORAGE_URI`` set and no model_id, model_id is that URI.
     ``cli_overrides`` values of ``None`` mean "not given"; an unknown key among them is an error (in
     the other sources it is kept in ``extra`` with a warning). ``cli_sources`` names where a command-line
     key came from (``command line --port``); the default is ``command line``. ``environ`` defaults to
@@ -119,8 +122,11 @@ def load_settings(
     for layer in layers:
         merged.update(layer)
     model_id = merged.get("model_id", ("", ""))[0]
+    storage_uri = (os.environ if environ is None else environ).get(STORAGE_URI_VARIABLE, "").strip()
     if model_path is not None and not str(model_id).strip():
         merged["model_id"] = (str(model_path), f"model directory {model_path}")
+    elif storage_uri and not str(model_id).strip():
+        merged["model_id"] = (storage_uri, f"environment {STORAGE_URI_VARIABLE}")
 
     options = {key: value for key, (value, _) in merged.items()}
     sources = {key: source for key, (_, source) in merged.items()}

@@ -4,7 +4,8 @@ words and answers its own way.
 
 - The model must be a loaded LLM served with `enable_lora` (else InvalidRequest, saying so).
 - Runtime registration reads only from `model_store` and `allowed_model_paths`, as `POST /models` does
-  (`store.allowed_path`: Forbidden outside them); the adapters named at start are the operator's and
+  (`store.allowed_path`: Forbidden outside them), or fetches a Hub id, `s3://` or `gs://` URL that
+  `allowed_model_urls` lists (`store.remote_source`); the adapters named at start are the operator's and
   are not checked (models/service.py).
 - An adapter that does not fit the model (rank above `max_lora_rank`, a target module it does not have
   or may not adapt, shapes of another model) is InvalidRequest with the reason (`lora.AdapterError`),
@@ -110,8 +111,20 @@ def _text(value: Any, name: str) -> str:
     return value
 
 
-def _source(src: Any, roots: list[Path], param: str) -> Path:
-    return allowed_path(_text(src, param), roots, what="Adapter", param=param)
+async def _source(src: Any, roots: list[Path], param: str, service: ModelService) -> Path:
+    """The local folder of adapter source `src`: a path under `roots`, or a Hub id / s3:// / gs:// URL that
+    `allowed_model_urls` lists, fetched now (on a worker thread)."""
+    from lmiserve.models.download import DownloadError, adapter_options, fetch
+    from lmiserve.models.store import remote_source
+
+    text = _text(src, param)
+    remote = remote_source(text, service.settings, what="Adapter")
+    if remote is None:
+        return allowed_path(text, roots, what="Adapter", param=param)
+    try:
+        return await asyncio.to_thread(fetch, remote, adapter_options(service.settings))
+    except DownloadError as exc:
+        raise InvalidRequest(f"Adapter {text} could not be downloaded: {exc}") from None
 
 
 def _check_pin(registry: AdapterRegistry, name: str) -> None:
@@ -146,7 +159,7 @@ async def register(
         raise wording.exists(name)
     if name in models or name in registry.reserved:
         raise InvalidRequest(f"Adapter name {name} is the name of a served model.")
-    folder = _source(src, roots, src_param)
+    folder = await _source(src, roots, src_param, service)
     if pin:
         _check_pin(registry, name)
     try:
@@ -175,7 +188,7 @@ async def update(
     registry = adapters_of(service)
     if name not in registry:
         raise wording.unknown(name)
-    folder = _source(src, roots, src_param) if src is not None else None
+    folder = await _source(src, roots, src_param, service) if src is not None else None
     if pin:
         _check_pin(registry, name)
     try:

@@ -104,7 +104,7 @@ def convert_gguf(gguf_path: str | os.PathLike[str], cache_dir: str | os.PathLike
         return final
 
     final.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(final.parent / f".{final.name}.lock"):
+    with exclusive_lock(final.parent / f".{final.name}.lock", waiting=f"another process is converting to {final}"):
         if _is_complete(final):  # another process converted it while we waited for the lock
             return final
         _remove_leftovers(final)
@@ -178,8 +178,9 @@ def _remove_leftovers(final: Path) -> None:
 
 
 @contextlib.contextmanager
-def _exclusive_lock(lock_path: Path) -> Iterator[None]:
-    """An exclusive advisory lock across processes (no-op where fcntl is unavailable)."""
+def exclusive_lock(lock_path: Path, *, waiting: str) -> Iterator[None]:
+    """An exclusive advisory lock across processes (no-op where fcntl is unavailable); `waiting` is logged
+    when another process holds it."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - Windows: rely on rename-wins
@@ -190,7 +191,7 @@ def _exclusive_lock(lock_path: Path) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            logger.info("another process is converting to %s; waiting for it", lock_path.parent)
+            logger.info("%s; waiting for it", waiting)
             fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             yield

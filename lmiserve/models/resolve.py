@@ -1,8 +1,8 @@
 """Turn the configured model id into a local transformers directory and a served model name.
 
-Accepted model ids: nothing (the bundled SmolLM2 default), a transformers model directory, a
-`.gguf` file (converted once into the cache), or a Hugging Face hub id that is ALREADY in the
-local HF cache. This server never downloads anything at run time.
+Accepted model ids: nothing (the bundled SmolLM2 default), a transformers model directory, a `.gguf`
+file (converted once into the cache), a Hugging Face Hub id (`org/name`, `org/repo:Q4_K_M`) or an
+`s3://` / `gs://` URL: the remote ones are fetched at start (models/download), then served as local.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import re
 from pathlib import Path
 
 from lmiserve.models import ModelLoadError, bundled
+from lmiserve.models.download import FetchOptions, fetch, scheme_of
+from lmiserve.models.download.selection import split_gguf_tag
 
 # "name" or "org/name", as the hub spells repo ids.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -23,20 +25,25 @@ def resolve_model_path(
     model_id: str | None,
     revision: str | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
+    options: FetchOptions | None = None,
 ) -> Path:
     """A local transformers directory (with config.json) for `model_id`; raise ModelLoadError if none.
 
     `cache_dir` is where converted GGUF models live (settings.model_cache_dir; default: the user
-    cache dir of lmiserve); `revision` only applies to hub ids.
+    cache dir of lmiserve); `revision` only applies to Hub ids; `options` say how a remote model is
+    fetched (default: `revision` and the defaults of FetchOptions).
     """
     if model_id is None or not model_id.strip():
         return bundled.bundled_model_path(cache_dir)
     model_id = model_id.strip()
-    if "://" in model_id:
+    if "://" in model_id and scheme_of(model_id) is None:
         raise ModelLoadError(
-            f"model id {model_id!r} is a URL; this server never downloads at run time: "
-            "download the model first and pass its directory with --model-id"
+            f"model id {model_id!r} is a URL of a scheme lmiserve does not fetch: use a Hub id (org/name), "
+            "an s3:// or gs:// URL, or a local directory"
         )
+    if scheme_of(model_id) is not None:
+        fetched = fetch(model_id, options or FetchOptions(revision=revision))
+        return bundled.convert_gguf(fetched, cache_dir) if fetched.is_file() else _check_model_dir(fetched)
     local = Path(model_id).expanduser()
     if local.is_dir():
         return _check_model_dir(local)
@@ -47,9 +54,7 @@ def resolve_model_path(
             f"model id {model_id!r} is a file but not a .gguf file; pass a transformers model "
             "directory (with config.json), a .gguf file or a hub id"
         )
-    if _looks_like_path(model_id):
-        raise ModelLoadError(f"model path {model_id!r} does not exist")
-    return _hub_snapshot(model_id, revision)
+    raise ModelLoadError(f"model path {model_id!r} does not exist")
 
 
 def default_model_name(model_id: str | None, path: str | os.PathLike[str] | None = None) -> str:
@@ -62,6 +67,8 @@ def default_model_name(model_id: str | None, path: str | os.PathLike[str] | None
     if model_id is None or not model_id.strip():
         return bundled.DEFAULT_MODEL_NAME
     model_id = model_id.strip()
+    if scheme_of(model_id) == "hf":
+        model_id = split_gguf_tag(model_id.removeprefix("hf://"))[0]
     local = Path(model_id).expanduser()
     if local.exists() or _looks_like_path(model_id):
         local = Path(os.path.abspath(local))  # not resolve(): keep a symlink's own name
@@ -87,26 +94,3 @@ def _check_model_dir(directory: Path) -> Path:
         else " (a transformers model directory needs config.json, weights and tokenizer files)"
     )
     raise ModelLoadError(f"model directory {directory} has no config.json{hint}")
-
-
-def _hub_snapshot(repo_id: str, revision: str | None) -> Path:
-    """The snapshot of `repo_id` in the local Hugging Face cache; never downloads."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
-
-    not_found = (
-        f"model {repo_id!r}{f' (revision {revision!r})' if revision else ''} was not found locally: "
-        "it is neither an existing directory nor in the local Hugging Face cache, and this server "
-        "never downloads at run time. Pre-download it (e.g. `hf download "
-        f"{repo_id}`) or pass a model directory or .gguf file with --model-id."
-    )
-    try:
-        snapshot = Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
-    except (LocalEntryNotFoundError, HFValidationError, FileNotFoundError) as exc:
-        raise ModelLoadError(not_found) from exc
-    if not (snapshot / "config.json").is_file():
-        raise ModelLoadError(
-            f"the cached snapshot of {repo_id!r} at {snapshot} has no config.json; it is incomplete "
-            "or not a transformers model. Pre-download the full model or pass a model directory."
-        )
-    return snapshot

@@ -60,6 +60,7 @@ class ModelService:
         self.on_engine_failed: list[Callable[[ModelService], None]] = []
         self.started_at = time.time()
         self.loaded_at_startup = True
+        self.download_failed = False  # the model failed to load because it could not be fetched
         self.name = name or settings.model_name or _initial_name(settings.model_id)
         self._fixed_name = bool(name or settings.model_name)
         self.kind = kind or detect_kind(settings.model_id, settings.model_kind)
@@ -123,6 +124,9 @@ class ModelService:
             self.status = self.READY
             log.info("model %s (%s) ready (%s)", self.name, self.kind, self.path)
         except Exception as exc:  # noqa: BLE001 - reported by /ping and the log
+            from lmiserve.models.download import DownloadError
+
+            self.download_failed = isinstance(exc, DownloadError)
             self.status, self.error = self.FAILED, str(exc) or type(exc).__name__
             log.error("model %s failed to load: %s", self.name, self.error_summary)
             log.debug("model %s failed to load", self.name, exc_info=exc)
@@ -134,20 +138,36 @@ class ModelService:
         return " ".join(first.split())
 
     def _load_blocking(self) -> ModelEngine:
+        model_id = self._fetch()  # outside the lock: other models load while this one downloads
         with _LOAD_LOCK:
-            return self._load_llm() if self.is_llm else self._load_oneshot()
+            return self._load_llm(model_id) if self.is_llm else self._load_oneshot(model_id)
 
-    def _load_llm(self) -> ModelEngine:
+    def _fetch(self) -> str | None:
+        """The local model of `model_id`: a Hub id or an s3:// / gs:// URL is fetched now (models/download),
+        and its kind detected from the files that came; anything else is returned as it is."""
+        from lmiserve.models.download import FetchOptions, fetch, is_remote
+        from lmiserve.models.kinds import detect_kind
+
+        s = self.settings
+        if not is_remote(s.model_id):
+            return s.model_id
+        assert s.model_id is not None
+        local = fetch(s.model_id, FetchOptions.from_settings(s))
+        self.kind = detect_kind(str(local), s.model_kind)
+        return str(local)
+
+    def _load_llm(self, model_id: str | None) -> ModelEngine:
         from lmiserve.engine.factory import build_engine, build_tensor_parallel_engine, tensor_parallel_degree
         from lmiserve.models import (
             default_model_name,
             load_causal_lm,
             resolve_model_path,
         )
+        from lmiserve.models.download import adapter_options
         from lmiserve.models.load import load_model_shell, resolve_device
 
         s = self.settings
-        self.path = resolve_model_path(s.model_id, s.revision, s.model_cache_dir)
+        self.path = resolve_model_path(model_id, s.revision, s.model_cache_dir)
         if not self._fixed_name:
             self.name = default_model_name(s.model_id, self.path)
         degree = tensor_parallel_degree(s, resolve_device(s.device))
@@ -166,7 +186,11 @@ class ModelService:
         draft = None
         spec = s.speculative_config
         if spec is not None and spec.method != "ngram":
-            draft_path = self.path if spec.self_draft else resolve_model_path(spec.model, None, s.model_cache_dir)
+            draft_path = (
+                self.path
+                if spec.self_draft
+                else resolve_model_path(spec.model, None, s.model_cache_dir, adapter_options(s))
+            )
             draft = load_causal_lm(
                 draft_path,
                 dtype=spec.dtype,
@@ -184,6 +208,8 @@ class ModelService:
         """The adapters named at start (`lora_modules`, `lora_adapters`) and those in the `adapters/` folder
         next to the model (LMI's layout: one adapter a subfolder), loaded now: one that does not load stops
         the start, naming it."""
+        from lmiserve.models.download import adapter_options, fetch, is_remote
+
         adapters.reserved.add(self.name)
         assert self.path is not None
         pairs = self.settings.start_adapters()
@@ -196,6 +222,8 @@ class ModelService:
                 if sub.is_dir() and (sub / "adapter_config.json").is_file() and sub.name not in named
             ]
         for name, path in pairs:
+            if is_remote(path):  # a Hub id, s3:// or gs:// URL: fetched now, as the model was
+                path = str(fetch(path, adapter_options(self.settings)))
             try:
                 adapters.register(name, path, preload=True)
             except (ValueError, FileExistsError) as exc:
@@ -224,12 +252,12 @@ class ModelService:
         for listener in self.on_engine_failed:
             listener(self)
 
-    def _load_oneshot(self) -> ModelEngine:
+    def _load_oneshot(self, model_id: str | None) -> ModelEngine:
         from lmiserve.engine.oneshot import BatchConfig, OneShotModel
         from lmiserve.models.tensor_models import load_runner
 
         s = self.settings
-        runner = load_runner(self.kind, s)
+        runner = load_runner(self.kind, s, model_id)
         self.path, self.loaded, self.kind = (
             runner.path,
             runner,
@@ -254,9 +282,11 @@ def run_worker_node(settings: Settings) -> int:
     from lmiserve.engine.factory import tensor_parallel_degree, worker_spec
     from lmiserve.engine.tp_workers import run_node
     from lmiserve.models import resolve_model_path
+    from lmiserve.models.download import FetchOptions
     from lmiserve.models.load import resolve_device
 
-    path = resolve_model_path(settings.model_id, settings.revision, settings.model_cache_dir)
+    options = FetchOptions.from_settings(settings)
+    path = resolve_model_path(settings.model_id, settings.revision, settings.model_cache_dir, options)
     device = resolve_device(settings.device)
     return run_node(worker_spec(settings, str(path), device, tensor_parallel_degree(settings, device)))
 

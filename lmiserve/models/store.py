@@ -35,10 +35,10 @@ def scan_store(store: str | Path) -> list[tuple[str, Path]]:
 
 
 def model_settings(
-    base: Settings, directory: Path, name: str | None = None, overrides: Mapping[str, object] | None = None
+    base: Settings, directory: Path | None, name: str | None = None, overrides: Mapping[str, object] | None = None
 ) -> Settings:
-    """Settings of the model in `directory`: `base` < its serving.properties < `overrides`."""
-    directory = Path(directory)
+    """Settings of the model in `directory`: `base` < its serving.properties < `overrides`. Without a
+    directory (a remote model: `overrides` name its `model_id`), `base` < `overrides`."""
     options: dict[str, object] = {}
     sources: dict[str, str] = {}
     for key, source in base.sources.items():
@@ -49,14 +49,14 @@ def model_settings(
         elif key in Settings.model_fields:
             options[key] = getattr(base, key)
         sources[key] = source
-    for key, (value, source) in properties_layer(None, directory).items():
+    for key, (value, source) in (properties_layer(None, Path(directory)) if directory is not None else {}).items():
         options[key], sources[key] = value, source
     for key, value in (overrides or {}).items():
         if value is not None:
             options[key], sources[key] = value, "model registration"
     model_id = str(options.get("model_id") or "").strip()
-    if (overrides or {}).get("model_id"):
-        pass  # the caller named the model file itself
+    if (overrides or {}).get("model_id") or directory is None:
+        pass  # the caller named the model file (or the remote model) itself
     elif has_weights(directory):
         options["model_id"], sources["model_id"] = str(directory), f"model directory {directory}"
     elif model_id and not model_id.startswith(("/", "~")) and (directory / model_id).exists():
@@ -64,8 +64,37 @@ def model_settings(
     elif not model_id:
         options.pop("model_id", None)
     if name:
-        options["model_name"], sources["model_name"] = name, f"model store directory {directory}"
+        options["model_name"], sources["model_name"] = (
+            name,
+            f"model store directory {directory}" if directory else "model registration",
+        )
     return Settings.from_options(options, sources)
+
+
+def remote_source(url: object, settings: Settings, *, what: str = "Model") -> str | None:
+    """The remote model `url` names (an `s3://`, `gs://` or `hf://` URL, or a Hub id `org/name` that the
+    operator allows and no local path under the model roots has), None for a local path. Forbidden for a
+    remote one outside `allowed_model_urls`: a caller must never make the server fetch a URL of its choosing."""
+    from lmiserve.models.download import allowed, scheme_of
+
+    text = str(url or "").strip()
+    if not text:
+        return None
+    scheme, sep, _ = text.partition("://")
+    if not sep:
+        roots = settings.model_roots()
+        local = roots and (roots[0] / text).exists()
+        if local or scheme_of(text) != "hf" or not allowed(text, settings.allowed_model_urls):
+            return None  # a local path: allowed_path decides
+        return text
+    if scheme.lower() not in ("s3", "gs", "hf"):
+        return None
+    if not allowed(text, settings.allowed_model_urls):
+        raise Forbidden(
+            f"{what} URL {text} is not allowed: this server fetches only what allowed_model_urls lists "
+            f"({settings.allowed_model_urls or 'nothing'})."
+        )
+    return text
 
 
 def allowed_path(url: object, roots: list[Path], *, what: str = "Model", param: str = "url") -> Path:
@@ -85,7 +114,8 @@ def allowed_path(url: object, roots: list[Path], *, what: str = "Model", param: 
         path = Path(url)
     else:
         raise InvalidRequest(
-            f"Unsupported {param} {url}: this server loads local directories (a path or file: URL) only."
+            f"Unsupported {param} {url}: this server loads local directories (a path or file: URL), and Hub ids, "
+            "s3:// and gs:// URLs that allowed_model_urls lists."
         )
     if not roots:
         raise Forbidden(

@@ -38,11 +38,13 @@ _POOLING_KEYS = (  # sentence-transformers Pooling config key -> our mode, in it
 TENSOR_DTYPES = ("BOOL", "UINT8", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32", "FP64")
 
 
-def load_runner(kind: str, settings: Settings) -> TensorRunner:
-    """The engine runner of a one-shot model described by `settings` (model_id, device, dtype, ...)."""
-    if not settings.model_id:
+def load_runner(kind: str, settings: Settings, model_id: str | None = None) -> TensorRunner:
+    """The engine runner of a one-shot model described by `settings` (model_id, device, dtype, ...);
+    `model_id`: where its files are, when not `settings.model_id` (a downloaded model's local copy)."""
+    model_id = model_id or settings.model_id
+    if not model_id:
         raise ModelLoadError(f"a {kind} model needs model_id (its directory)")
-    path = Path(settings.model_id).expanduser().resolve()
+    path = Path(model_id).expanduser().resolve()
     if not path.exists():
         raise ModelLoadError(f"model path {path} does not exist")
     if kind == "torchscript":

@@ -5,7 +5,8 @@
 2. **Serve**: uvicorn runs the app; its lifespan loads the startup models in the background (/ping
    answers 503 meanwhile). A startup model that fails to load stops the server, which exits
    `MODEL_LOAD_FAILED` with one line naming the model and the cause (the traceback is logged at debug
-   level only). Models registered later through the management API never stop the server.
+   level only); one that could not be downloaded exits `MODEL_DOWNLOAD_FAILED`. Models registered later
+   through the management API never stop the server.
    A startup model whose engine fails while serving (its planning or bookkeeping raised: every open
    request ends with an error, /ping answers 503) stops the server too, which exits `ENGINE_FAILED`.
 3. **Drain**: the first SIGTERM or SIGINT asks the server to stop (`Lifecycle.request_stop`), which
@@ -62,6 +63,7 @@ class ExitCode(enum.IntEnum):
     CONFIG_ERROR = 2  # invalid option, properties file or model store (see cli.py)
     CANNOT_LISTEN = 3  # the port is in use, or binding it is not allowed
     ENGINE_FAILED = 4  # a model's engine failed while serving (its requests ended with an error)
+    MODEL_DOWNLOAD_FAILED = 5  # a model given at startup could not be fetched (Hub, S3, GCS: docs/models.md)
 
 
 class Lifecycle:
@@ -97,8 +99,12 @@ class Lifecycle:
         """A model given at startup failed to load: stop the server, exit MODEL_LOAD_FAILED."""
         if self.stopping:  # already stopping for another reason: that reason decides the exit status
             return
-        self.exit_code = ExitCode.MODEL_LOAD_FAILED
-        self.failure = f"model load failed: {service.name}: {service.error_summary}"
+        if service.download_failed:
+            self.exit_code = ExitCode.MODEL_DOWNLOAD_FAILED
+            self.failure = f"model download failed: {service.name}: {service.error_summary}"
+        else:
+            self.exit_code = ExitCode.MODEL_LOAD_FAILED
+            self.failure = f"model load failed: {service.name}: {service.error_summary}"
         self.request_stop(f"model {service.name} failed to load")
 
     def on_engine_failed(self, service: ModelService) -> None:

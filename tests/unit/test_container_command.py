@@ -82,12 +82,14 @@ def test_the_model_root_by_precedence(tmp_path):
     assert model_root(override) == (Path("/override"), [])
 
 
-def test_a_remote_aip_storage_uri_is_reported_never_downloaded():
-    root, notes = model_root({"AIP_STORAGE_URI": "gs://bucket/model"})
-    assert root == Path(DEFAULT_MODEL_ROOT)
+def test_a_remote_aip_storage_uri_is_served_when_the_root_holds_no_model(tmp_path):
+    environ = {"AIP_STORAGE_URI": "gs://bucket/model", "SM_MODEL_DIR": str(tmp_path / "missing")}
+    assert model_root(environ) == (tmp_path / "missing", [])
+    line, notes = command(["serve"], environ)
+    assert line == LMISERVE  # lmiserve's settings read AIP_STORAGE_URI themselves
     assert notes == [
-        "AIP_STORAGE_URI=gs://bucket/model is not a local directory and lmiserve never downloads: "
-        "bake the model into the image or mount it at the model root"
+        f"{tmp_path / 'missing'} holds no model: serving the model at AIP_STORAGE_URI=gs://bucket/model "
+        "(downloaded at start)"
     ]
 
 

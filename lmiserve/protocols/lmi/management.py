@@ -30,7 +30,16 @@ from lmiserve.models.store import allowed_path
 from lmiserve.server.responses import raw_response
 
 # Registration options (query parameters or JSON body keys) that become model settings.
-SETTING_PARAMS = ("batch_size", "max_batch_delay", "job_queue_size", "device", "dtype", "model_kind")
+SETTING_PARAMS = (
+    "batch_size",
+    "max_batch_delay",
+    "job_queue_size",
+    "device",
+    "dtype",
+    "model_kind",
+    "revision",  # of a Hub model (url=org/name, with allowed_model_urls)
+    "gguf_file",
+)
 
 
 def _pretty(obj) -> bytes:
@@ -112,19 +121,27 @@ async def describe_model(request: Request) -> Response:
 
 async def register_model(request: Request) -> Response:
     """POST /models?url=...&model_name=...[&synchronous=true&batch_size=...]: load a model and serve it."""
-    from lmiserve.models.store import model_settings
+    from lmiserve.models import default_model_name
+    from lmiserve.models.store import model_settings, remote_source
 
     params = await _registration_params(request)
-    directory = _local_path(params.get("url"), request.app.state.settings.model_roots())
-    name = str(params.get("model_name") or (directory.stem if directory.is_file() else directory.name))
+    base = request.app.state.settings
+    remote = remote_source(params.get("url"), base)
+    overrides = {k: params[k] for k in SETTING_PARAMS if params.get(k) not in (None, "")}
+    directory: Path | None = None
+    if remote is not None:  # fetched when it loads (models/download), as a model named at start is
+        overrides["model_id"] = remote
+        name = str(params.get("model_name") or default_model_name(remote))
+    else:
+        directory = _local_path(params.get("url"), base.model_roots())
+        name = str(params.get("model_name") or (directory.stem if directory.is_file() else directory.name))
     registry = _registry(request)
     if name in registry:
         raise Conflict(f"Model {name} is already registered.")
-    overrides = {k: params[k] for k in SETTING_PARAMS if params.get(k) not in (None, "")}
-    if directory.is_file():  # a .pt or .gguf file: the model is the file, its folder holds the properties
+    if directory is not None and directory.is_file():  # a .pt or .gguf file: its folder holds the properties
         directory, overrides["model_id"] = directory.parent, str(directory)
     try:
-        settings = model_settings(request.app.state.settings, directory, name, overrides)
+        settings = model_settings(base, directory, name, overrides)
     except ConfigError as exc:
         raise InvalidRequest(str(exc)) from None
     if not settings.model_id:  # nothing to load: never fall back to the bundled default model
@@ -146,6 +163,8 @@ async def register_model(request: Request) -> Response:
     await service.load()
     if service.status != ModelService.READY:
         await registry.remove(name)
+        if service.download_failed:  # the URL named no model this server can fetch: the caller's to fix
+            raise InvalidRequest(f"Failed to download model {name}: {service.error_summary}")
         raise InternalError(f"Failed to load model {name}: {service.error}")
     return raw_response(_pretty({"status": f'Model "{name}" registered.'}))
 
