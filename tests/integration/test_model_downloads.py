@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from helpers.hub_server import FakeHub
+from helpers.object_stores import gcs_server, s3_server
 from helpers.serve_process import ServeProcess
 from helpers.server import REPO_ROOT, run_server
 from helpers.waiting import wait_until
@@ -159,3 +160,72 @@ def _sizes(hub: FakeHub) -> dict[str, int]:
     served = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
     served.add("chat_template.jinja")
     return {entry["path"]: entry["size"] for entry in listing if entry["path"] in served}
+
+
+def test_s3_model_serves_and_a_second_start_downloads_nothing(
+    tiny_model_dir: Path, tmp_path: Path, local_answers: list[str]
+) -> None:
+    with s3_server() as s3:
+        s3.upload_dir("models", "llm/tiny", tiny_model_dir)
+        args = ["--model-id", "s3://models/llm/tiny", "-o", f"download_dir={tmp_path / 'dl'}"]
+        with run_server(args, env=s3.env) as url:
+            assert greedy(url) == local_answers
+            models = httpx.get(f"{url}/v1/models", timeout=10).json()
+            assert [m["id"] for m in models["data"]] == ["tiny"]  # the prefix's last part, as LMI names it
+        assert s3.gets("models", "llm/tiny/model.safetensors") == 1
+        with run_server(args, env=s3.env) as url:
+            assert greedy(url) == local_answers
+        assert s3.gets("models", "llm/tiny/model.safetensors") == 1  # the cache: nothing downloaded again
+
+
+def test_vertex_aip_storage_uri_on_gcs(tiny_model_dir: Path, tmp_path: Path, local_answers: list[str]) -> None:
+    with gcs_server() as gcs:
+        gcs.upload_dir("vertex-artifacts", "model", tiny_model_dir)
+        env = {**gcs.env, "AIP_STORAGE_URI": "gs://vertex-artifacts/model", "OPTION_DOWNLOAD_DIR": str(tmp_path)}
+        with run_server([], env=env) as url:
+            assert greedy(url) == local_answers
+
+
+def test_the_management_apis_fetch_only_allowed_urls(
+    hub: FakeHub, tiny_model_dir: Path, lora_adapter_dirs: dict[str, Path], tmp_path: Path, local_answers: list[str]
+) -> None:
+    hub.add_repo("org/alpha", lora_adapter_dirs["alpha"])
+    hub.add_repo("org/beta", lora_adapter_dirs["beta"])
+    with s3_server() as s3:
+        s3.upload_dir("models", "shared/tiny", tiny_model_dir)
+        s3.upload_dir("secret", "tiny", tiny_model_dir)
+        env = {**hub_env(hub, tmp_path / "hf"), **s3.env}
+        args = [
+            "--model-id",
+            str(tiny_model_dir),
+            "-o",
+            "enable_lora=true",
+            "-o",
+            "lora_modules=hub-alpha=org/alpha",  # named at start: the operator's, fetched without a check
+            "-o",
+            "allowed_model_urls=s3://models/shared/,hf://org/beta",
+            "-o",
+            f"download_dir={tmp_path / 'dl'}",
+        ]
+        with run_server(args, env=env) as url:
+            names = [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]]
+            assert "hub-alpha" in names
+            load = {"lora_name": "hub-beta", "lora_path": "org/beta"}
+            loaded = httpx.post(f"{url}/v1/load_lora_adapter", json=load, timeout=60)
+            assert loaded.status_code == 200, loaded.text
+            other = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "a2", "lora_path": "hf://org/alpha"})
+            assert other.status_code == 403, other.text
+            completion = {"model": "hub-beta", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+            assert httpx.post(f"{url}/v1/completions", json=completion, timeout=60).status_code == 200
+            denied = httpx.post(f"{url}/models", params={"url": "s3://secret/tiny", "model_name": "x"}, timeout=60)
+            assert denied.status_code == 403, denied.text
+            assert "allowed_model_urls" in denied.text
+            assert s3.gets("secret", "tiny/model.safetensors") == 0  # refused before a byte was read
+            registered = httpx.post(
+                f"{url}/models", params={"url": "s3://models/shared/tiny", "model_name": "from-s3"}, timeout=120
+            )
+            assert registered.status_code == 200, registered.text
+            for prompt, expected in zip(PROMPTS, local_answers):
+                body = {"inputs": prompt, "parameters": {"max_new_tokens": 8, "do_sample": False}}
+                answer = httpx.post(f"{url}/predictions/from-s3", json=body, timeout=60).json()
+                assert answer["generated_text"] == expected

@@ -9,6 +9,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -47,22 +48,27 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name)
 
 
+T = TypeVar("T", S3Server, GcsServer)
+
+
+def serving_the_model(server: T, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> T:
+    """`server` holding the model as models/tiny, and this process's clients pointed at it."""
+    for name, value in server.env.items():
+        monkeypatch.setenv(name, value)
+    server.upload_dir("models", "tiny", write_model(tmp_path / "src"))
+    return server
+
+
 @pytest.fixture
 def s3(clean_env: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[S3Server]:
     with s3_server() as server:
-        for name, value in server.env.items():
-            monkeypatch.setenv(name, value)
-        server.upload_dir("models", "tiny", write_model(tmp_path / "src"))
-        yield server
+        yield serving_the_model(server, monkeypatch, tmp_path)
 
 
 @pytest.fixture
 def gcs(clean_env: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[GcsServer]:
     with gcs_server() as server:
-        for name, value in server.env.items():
-            monkeypatch.setenv(name, value)
-        server.upload_dir("models", "tiny", write_model(tmp_path / "src"))
-        yield server
+        yield serving_the_model(server, monkeypatch, tmp_path)
 
 
 @pytest.fixture

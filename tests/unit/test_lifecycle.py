@@ -55,6 +55,7 @@ def test_exit_codes_are_stable():
         "CONFIG_ERROR": 2,
         "CANNOT_LISTEN": 3,
         "ENGINE_FAILED": 4,
+        "MODEL_DOWNLOAD_FAILED": 5,
     }
 
 

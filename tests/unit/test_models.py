@@ -77,18 +77,19 @@ def test_resolve_non_gguf_file_and_url(tmp_path: Path) -> None:
     (tmp_path / "weights.bin").write_bytes(b"x")
     with pytest.raises(ModelLoadError, match="not a .gguf file"):
         resolve_model_path(str(tmp_path / "weights.bin"), None, None)
-    with pytest.raises(ModelLoadError, match="never downloads"):
-        resolve_model_path("s3://bucket/model", None, None)
+    with pytest.raises(ModelLoadError, match=r"is a URL of a scheme lmiserve does not fetch: use a Hub id"):
+        resolve_model_path("https://example.com/model", None, None)
 
 
-def test_resolve_unknown_hub_id(offline_hf_cache: Path) -> None:
+def test_resolve_unknown_hub_id_offline(offline_hf_cache: Path) -> None:
     with pytest.raises(ModelLoadError) as info:
         resolve_model_path("SomeOrg/some-model-that-is-not-cached", None, None)
-    message = str(info.value)
-    assert "'SomeOrg/some-model-that-is-not-cached' was not found locally" in message
-    assert "never downloads at run time" in message
-    assert "Pre-download it" in message and "pass a model directory" in message
-    with pytest.raises(ModelLoadError, match=r"revision 'v2'.*not found locally"):
+    assert str(info.value) == (
+        "HF_HUB_OFFLINE is set and SomeOrg/some-model-that-is-not-cached is not in the Hugging Face cache "
+        f"{offline_hf_cache}: download it first (`lmiserve download SomeOrg/some-model-that-is-not-cached`) or "
+        "unset HF_HUB_OFFLINE"
+    )
+    with pytest.raises(ModelLoadError, match=r"HF_HUB_OFFLINE is set and gpt2 \(revision 'v2'\) is not in"):
         resolve_model_path("gpt2", "v2", None)
     assert not any(offline_hf_cache.iterdir())  # nothing was downloaded
 
@@ -101,6 +102,7 @@ def test_resolve_cached_hub_id(offline_hf_cache: Path) -> None:
     snapshot = repo / "snapshots" / commit
     snapshot.mkdir(parents=True)
     (snapshot / "config.json").write_text("{}")
+    (snapshot / "model.safetensors").write_bytes(b"weights")
     assert resolve_model_path("SomeOrg/cached-model", None, None) == snapshot
 
 

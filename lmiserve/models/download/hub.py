@@ -35,7 +35,7 @@ def fetch(spec: str, options: FetchOptions) -> Path:
 
     repo_id, tag = split_gguf_tag(spec)
     revision = options.revision or "main"
-    named = f"{repo_id}{f' (revision {revision})' if options.revision else ''}"
+    named = _named(repo_id, options)
     cache = Path(constants.HF_HUB_CACHE)
     if constants.HF_HUB_OFFLINE:
         return _from_cache(repo_id, revision, tag, options, cache, reason="HF_HUB_OFFLINE is set")
@@ -166,10 +166,11 @@ def _from_cache(
     storage = cache / repo_folder_name(repo_id=repo_id, repo_type="model")
     ref = storage / "refs" / revision
     commit = ref.read_text().strip() if ref.is_file() else revision
-    named = f"{repo_id}{f' (revision {revision})' if options.revision else ''}"
+    named = _named(repo_id, options)
+    command = f"lmiserve download {repo_id}{f' --revision {revision}' if options.revision else ''}"
     missing = DownloadError(
         f"{reason + ' and ' if reason else ''}{named} is not in the Hugging Face cache {cache}: download it first "
-        f"(`lmiserve download {repo_id}`) or unset HF_HUB_OFFLINE"
+        f"(`{command}`) or unset HF_HUB_OFFLINE"
     )
     files = _cached_listing(storage, commit)
     if files is None:
@@ -186,6 +187,10 @@ def _from_cache(
                 f"file {f.name} of {repo_id} in the cache {cache} is damaged ({problem}): download it again"
             )
     return _result(folder, selected)
+
+
+def _named(repo_id: str, options: FetchOptions) -> str:
+    return f"{repo_id}{f' (revision {options.revision!r})' if options.revision else ''}"
 
 
 def _cached_listing(storage: Path, commit: str) -> list[RemoteFile] | None:
