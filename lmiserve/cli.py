@@ -197,8 +197,9 @@ def serve(settings, services: list | None = None, held: list[logging.LogRecord] 
         except Exception as exc:  # noqa: BLE001 - one line, as a failed start of the leader says it
             from lmiserve.models.download import DownloadError
 
-            print(f"lmiserve: {exc}", file=sys.stderr, flush=True)
-            failed = ExitCode.MODEL_DOWNLOAD_FAILED if isinstance(exc, DownloadError) else ExitCode.MODEL_LOAD_FAILED
+            downloading = isinstance(exc, DownloadError)
+            print(f"lmiserve: {'model download failed: ' if downloading else ''}{exc}", file=sys.stderr, flush=True)
+            failed = ExitCode.MODEL_DOWNLOAD_FAILED if downloading else ExitCode.MODEL_LOAD_FAILED
             code = int(failed)
         exit_process(code)
     services = services or [ModelService(settings)]

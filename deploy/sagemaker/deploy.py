@@ -34,6 +34,11 @@ def requests(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     environment = {"OPTION_DRAIN_TIMEOUT": "25"}  # any OPTION_<KEY> (or SERVING_<KEY>) setting goes here
     if args.model_name:
         environment["OPTION_MODEL_NAME"] = args.model_name
+    if args.model_id:  # a Hub id or s3:// URL, downloaded when the container starts (docs/models.md)
+        environment["HF_MODEL_ID"] = args.model_id
+    for item in args.env:
+        key, _, value = item.partition("=")
+        environment[key] = value
     container: dict[str, Any] = {"Image": args.image, "Environment": environment}
     if args.model_data:
         container["ModelDataUrl"] = args.model_data
@@ -48,7 +53,7 @@ def requests(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
                     "InstanceType": args.instance_type,
                     "InitialInstanceCount": args.instance_count,
                     # /ping answers 503 until the model is loaded: give a large model time
-                    "ContainerStartupHealthCheckTimeoutInSeconds": 600,
+                    "ContainerStartupHealthCheckTimeoutInSeconds": args.startup_timeout,
                     "ModelDataDownloadTimeoutInSeconds": 1200,
                 }
             ],
@@ -64,6 +69,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--name", default="lmiserve", help="model, endpoint config and endpoint name")
     parser.add_argument("--model-data", help="s3://.../model.tar.gz (omit: the model baked into the image)")
     parser.add_argument("--model-name", help="the name lmiserve reports (default: derived from the model)")
+    parser.add_argument(
+        "--model-id", help="a Hub id (org/name) or s3://bucket/prefix the container downloads at start (HF_MODEL_ID)"
+    )
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="more container environment (repeatable): HF_TOKEN=..., OPTION_DTYPE=bf16, ...",
+    )
+    parser.add_argument(
+        "--startup-timeout",
+        type=int,
+        default=600,
+        help="seconds SageMaker waits for /ping to answer 200 (a model downloaded at start needs more)",
+    )
     parser.add_argument("--instance-type", default="ml.m5.xlarge", help="e.g. ml.g5.xlarge for the CUDA image")
     parser.add_argument("--instance-count", type=int, default=1)
     parser.add_argument("--region", help="AWS region (default: the configured one)")

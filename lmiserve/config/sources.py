@@ -37,7 +37,8 @@ from lmiserve.config.properties import read_properties, strip_option_prefix
 from lmiserve.config.settings import KEY_ALIASES, Settings, canonical_key, unknown_option_error
 
 PROPERTIES_FILE_NAME = "serving.properties"
-# Vertex AI's location of the model's artifacts (`gs://...`, or a local path): the model when no source names one
+# Vertex AI's location of the model's artifacts: the model when it is a `gs://` (or `s3://`) URL and no source names
+# one (a local path is the container's model root: lmiserve/container.py)
 STORAGE_URI_VARIABLE = "AIP_STORAGE_URI"
 
 # (environment variable, key), lowest priority first.
@@ -96,7 +97,7 @@ def load_settings(
 
     ``properties_file`` is read if given (it must exist), else ``<model_dir>/serving.properties``
     if present. With ``model_dir`` and no model_id from any source, model_id is ``model_dir``; else, with
-    Vertex AI's ``AIP_STORAGE_URI`` set and no model_id, model_id is that URI.
+    Vertex AI's ``AIP_STORAGE_URI`` a ``gs://`` (or ``s3://``) URL and no model_id, model_id is that URL.
     ``cli_overrides`` values of ``None`` mean "not given"; an unknown key among them is an error (in
     the other sources it is kept in ``extra`` with a warning). ``cli_sources`` names where a command-line
     key came from (``command line --port``); the default is ``command line``. ``environ`` defaults to
@@ -125,7 +126,7 @@ def load_settings(
     storage_uri = (os.environ if environ is None else environ).get(STORAGE_URI_VARIABLE, "").strip()
     if model_path is not None and not str(model_id).strip():
         merged["model_id"] = (str(model_path), f"model directory {model_path}")
-    elif storage_uri and not str(model_id).strip():
+    elif storage_uri.startswith(("gs://", "s3://")) and not str(model_id).strip():
         merged["model_id"] = (storage_uri, f"environment {STORAGE_URI_VARIABLE}")
 
     options = {key: value for key, (value, _) in merged.items()}

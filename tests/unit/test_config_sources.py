@@ -177,3 +177,15 @@ def test_empty_cli_value_resets_to_default() -> None:
 def test_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OPTION_MAX_NEW_TOKENS", "77")
     assert load_settings({}, None, None).max_new_tokens == 77
+
+
+def test_vertex_aip_storage_uri_is_the_model_when_none_is_named(tmp_path):
+    from lmiserve.config import load_settings
+
+    gs = {"AIP_STORAGE_URI": "gs://bucket/model"}
+    settings = load_settings(environ=gs)
+    assert settings.model_id == "gs://bucket/model"
+    assert settings.sources["model_id"] == "environment AIP_STORAGE_URI"
+    assert load_settings(environ={**gs, "HF_MODEL_ID": "org/name"}).model_id == "org/name"
+    assert load_settings(model_dir=tmp_path, environ=gs).model_id == str(tmp_path)
+    assert load_settings(environ={"AIP_STORAGE_URI": str(tmp_path)}).model_id is None  # the container's model root

@@ -94,3 +94,22 @@ def test_the_dockerfile_follows_the_sagemaker_contract():
 
 def test_the_default_drain_fits_sagemakers_and_kubernetes_kill_delay():
     assert Settings().drain_timeout < 30
+
+
+def test_the_sagemaker_script_deploys_a_model_downloaded_at_start():
+    args = ["--dry-run", "--image", "1.dkr.ecr/lmiserve:1", "--role", "arn:aws:iam::1:role/r", "--name", "ep"]
+    args += ["--model-id", "meta-llama/Llama-3.2-1B-Instruct", "--env", "HF_TOKEN=hf_x", "--startup-timeout", "1800"]
+    out = subprocess.run(
+        [sys.executable, str(DEPLOY / "sagemaker" / "deploy.py"), *args], capture_output=True, text=True, check=True
+    ).stdout
+    calls = json.loads(out)
+    assert calls["create_model"]["PrimaryContainer"] == {
+        "Image": "1.dkr.ecr/lmiserve:1",
+        "Environment": {
+            "OPTION_DRAIN_TIMEOUT": "25",
+            "HF_MODEL_ID": "meta-llama/Llama-3.2-1B-Instruct",
+            "HF_TOKEN": "hf_x",
+        },
+    }
+    [variant] = calls["create_endpoint_config"]["ProductionVariants"]
+    assert variant["ContainerStartupHealthCheckTimeoutInSeconds"] == 1800

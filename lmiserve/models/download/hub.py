@@ -83,7 +83,7 @@ def _listing(repo_id: str, revision: str) -> tuple[str, list[RemoteFile]]:
 def _select(files: list[RemoteFile], repo_id: str, tag: str | None, options: FetchOptions) -> list[RemoteFile]:
     chosen = select(
         files,
-        source=f"Hub repository {repo_id}",
+        source=repo_id,
         gguf_file=options.gguf_file,
         gguf_tag=tag,
         trust_remote_code=options.trust_remote_code,

@@ -11,6 +11,7 @@ store cannot be reached and the cache holds every file of the last listing, the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -71,6 +72,7 @@ def fetch(url: str, options: FetchOptions, bucket: Bucket | None = None) -> Path
             raise
         except Exception as exc:  # noqa: BLE001 - one line, or the cache when the store cannot be reached
             if not store.transient(exc):
+                _remove_if_empty(target)
                 raise store.error(exc) from None
             if not cache.complete():
                 raise DownloadError(
@@ -138,6 +140,12 @@ class _Cache:
         tmp = self.root / f"{MANIFEST}.tmp"
         tmp.write_text(json.dumps(self.manifest, indent=1, sort_keys=True))
         os.replace(tmp, self.root / MANIFEST)
+
+
+def _remove_if_empty(target: Path) -> None:
+    """Leave no empty cache directory behind for a URL that named no model."""
+    with contextlib.suppress(OSError):
+        target.rmdir()
 
 
 def _result(target: Path, names: list[str]) -> Path:

@@ -18,14 +18,16 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from lmiserve.models import ModelLoadError
 from lmiserve.models.download import DownloadError, FetchOptions, check_disk_space, mismatch, one_line, with_retries
-from lmiserve.models.download.progress import reporting
+from lmiserve.models.download.progress import human_bytes, reporting
 from lmiserve.models.download.selection import RemoteFile
 
 logger = logging.getLogger("lmiserve.download")
+
+T = TypeVar("T")
 
 INCOMPLETE = ".incomplete"
 PART_SIZE = 16 << 20  # bytes a ranged GET reads
@@ -64,11 +66,11 @@ def download(
     resumed = sum(p.done_bytes for p in partials)
     check_disk_space(partials[0].path.parent, total - resumed, source.url)
     logger.info(
-        "downloading %d file(s) of %s (%.1f MiB)%s",
+        "downloading %d file(s) of %s (%s)%s",
         len(partials),
         source.url,
-        total / 2**20,
-        f", resuming after {resumed / 2**20:.1f} MiB downloaded before" if resumed else "",
+        human_bytes(total),
+        f", resuming after {human_bytes(resumed)} downloaded before" if resumed else "",
     )
 
     def run(job: tuple[_Partial, int]) -> None:
@@ -82,12 +84,24 @@ def download(
         )
         partial.write(part, data)
 
-    jobs = [(p, i) for p in partials for i in range(p.parts) if i not in p.done]
-    with reporting(source.url, total, lambda: sum(p.done_bytes for p in partials)):
-        _run_all(run, jobs, source)
-    for partial in partials:
-        partial.finish(source)
+    def verify(partial: _Partial) -> None:
+        digest = with_retries(
+            f"checking {partial.file.name} of {source.url}",
+            lambda: source.digest(partial.file),
+            options,
+            source.transient,
+        )
+        partial.finish(source.url, digest)
         finished(partial.file)
+
+    jobs = [(p, i) for p in partials for i in range(p.parts) if i not in p.done]
+    try:
+        with reporting(source.url, total, lambda: sum(p.done_bytes for p in partials)):
+            _run_all(run, jobs, source)
+        _run_all(verify, partials, source, workers=1)
+    finally:
+        for partial in partials:
+            partial.drop_if_empty()
 
 
 class _Partial:
@@ -144,18 +158,24 @@ class _Partial:
             self.done.add(part)
             self._save()
 
-    def finish(self, source: Source) -> None:
+    def finish(self, url: str, digest: tuple[str, str] | None) -> None:
         """Verify the fully written file and give it its name (DownloadError, the file removed, if it fails)."""
-        problem = mismatch(self.path, self.file.size, source.digest(self.file))
+        problem = mismatch(self.path, self.file.size, digest)
         if problem:
             self.path.unlink(missing_ok=True)
             self.record.unlink(missing_ok=True)
             raise DownloadError(
-                f"file {self.file.name} of {source.url} failed verification ({problem}); it was removed: start "
+                f"file {self.file.name} of {url} failed verification ({problem}); it was removed: start "
                 "again to download it anew"
             )
         os.replace(self.path, self.dest)
         self.record.unlink(missing_ok=True)
+
+    def drop_if_empty(self) -> None:
+        """Remove the placeholder of a file not one part of which was written (a download that failed at once)."""
+        if not self.done and self.path.is_file():
+            self.path.unlink(missing_ok=True)
+            self.record.unlink(missing_ok=True)
 
     def _save(self) -> None:
         tmp = self.record.with_name(self.record.name + ".tmp")
@@ -169,9 +189,10 @@ class _Partial:
         os.replace(tmp, self.record)
 
 
-def _run_all(run: Callable[[tuple[_Partial, int]], None], jobs: list[tuple[_Partial, int]], source: Source) -> None:
-    """Every job on the pool; the first failure stops the rest (the parts written are kept) and is raised."""
-    with ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="lmiserve-download") as pool:
+def _run_all(run: Callable[[T], None], jobs: list[T], source: Source, workers: int | None = None) -> None:
+    """Every job on the pool; the first failure stops the rest (the parts written are kept) and is raised:
+    one line (`source.error`) for an error of the source."""
+    with ThreadPoolExecutor(max_workers=workers or WORKERS, thread_name_prefix="lmiserve-download") as pool:
         futures = [pool.submit(run, job) for job in jobs]
         try:
             for future in futures:
