@@ -66,6 +66,10 @@ def endless_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFac
     return with_context(tiny_model_dir, tmp_path_factory.mktemp("endless") / "tiny-endless", ENDLESS_CONTEXT)
 
 
+# Servers the tests start listen for gRPC only when a test asks (`--grpc-port`): the default port, 8081, would
+# be taken by the first of the servers that run side by side.
+os.environ.setdefault("OPTION_GRPC_PORT", "0")
+
 # The device of `tiny_model`: cpu, or what LMISERVE_TEST_DEVICE names (benchmarks/gpu_check.py runs the
 # engine's tests with LMISERVE_TEST_DEVICE=cuda).
 TEST_DEVICE = os.environ.get("LMISERVE_TEST_DEVICE", "cpu")

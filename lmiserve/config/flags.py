@@ -38,6 +38,8 @@ class Flag:
 
 SETTING_FLAGS: tuple[Flag, ...] = (
     Flag(("--model-id",), "model_id", "MODEL"),
+    Flag(("--grpc-port",), "grpc_port", "PORT"),
+    Flag(("--otlp-traces-endpoint", "--otlp-endpoint"), "otlp_traces_endpoint", "URL"),
     Flag(("--dtype",), "dtype"),
     Flag(("--device",), "device", "DEVICE"),
     Flag(("--tensor-parallel-size", "--tensor-parallel-degree"), "tensor_parallel_degree", "N"),

@@ -136,7 +136,10 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         (
             "host",
             "port",
+            "grpc_port",
             "metrics_port",
+            "otlp_traces_endpoint",
+            "otlp_traces_protocol",
             "api_key",
             "log_level",
             "log_format",

@@ -78,6 +78,7 @@ _META_FIELDS = frozenset({"extra", "sources"})
 
 Dtype = Literal["auto", "fp32", "fp16", "bf16", "int8", "int4"]
 LoadFormat = Literal["auto", "safetensors", "pt", "dummy"]
+OtlpProtocol = Literal["grpc", "http/protobuf"]
 KvCacheLayout = Literal["paged", "slots"]
 ModelKind = Literal["auto", "llm", "embedding", "classifier", "regression", "torchscript"]
 RollingBatch = Literal["auto", "lmi", "disable"]
@@ -515,6 +516,32 @@ class Settings(BaseModel):
         description=(
             "Also serve `GET /metrics` (Prometheus) on this port, without the API key; `/metrics` on the "
             "serving port stays, with the key when one is set (see docs/metrics.md and SECURITY.md)."
+        ),
+    )
+    grpc_port: int = Field(
+        8081,
+        ge=0,
+        le=65535,
+        description=(
+            "Port of the Open Inference Protocol over gRPC (KServe's `grpc_predict_v2`, the service Triton "
+            "serves: `tritonclient.grpc`, KServe's `InferenceGRPCClient`), over the same models as REST; `0` = off. "
+            "See docs/protocols/kserve.md."
+        ),
+    )
+    otlp_traces_endpoint: str | None = Field(
+        None,
+        description=(
+            "Export OpenTelemetry traces of every request to this OTLP collector (vLLM's `otlp_traces_endpoint`, "
+            "TGI's `otlp_endpoint`), e.g. `http://otel-collector:4317`; also read from "
+            "`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` and `OTEL_EXPORTER_OTLP_ENDPOINT`. Unset = no tracing (and no "
+            "cost). See docs/tracing.md."
+        ),
+    )
+    otlp_traces_protocol: OtlpProtocol = Field(
+        "grpc",
+        description=(
+            "How traces reach the collector: `grpc` (OTLP/gRPC, port 4317) or `http/protobuf` (OTLP/HTTP, port "
+            "4318; `/v1/traces` is added to an endpoint without a path)."
         ),
     )
     log_level: LogLevel = Field(

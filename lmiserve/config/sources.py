@@ -16,7 +16,10 @@ Environment mapping, lowest first within the environment (a later entry wins):
   vertex_predict_route / vertex_health_route / vertex_deployed_model_id, ``API_KEY`` -> api_key (TGI's
   name), ``LORA_ADAPTERS`` -> lora_adapters (TGI's), ``LWS_GROUP_SIZE`` / ``PET_NNODES`` / ``NNODES`` -> nnodes,
   ``LWS_WORKER_INDEX`` / ``PET_NODE_RANK`` / ``NODE_RANK`` -> node_rank, ``LWS_LEADER_ADDRESS`` / ``MASTER_ADDR``
-  -> master_addr, ``MASTER_PORT`` -> master_port (LeaderWorkerSet's, torchrun's, the plain names);
+  -> master_addr, ``MASTER_PORT`` -> master_port (LeaderWorkerSet's, torchrun's, the plain names),
+  ``OTEL_EXPORTER_OTLP_ENDPOINT`` then ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` -> otlp_traces_endpoint and
+  ``OTEL_EXPORTER_OTLP_PROTOCOL`` then ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` -> otlp_traces_protocol
+  (OpenTelemetry's own);
 - ``SERVING_<NAME>`` -> ``<name>`` lower-cased (e.g. ``SERVING_JOB_QUEUE_SIZE``);
 - ``OPTION_<NAME>`` -> ``<name>`` lower-cased (e.g. ``OPTION_MAX_ROLLING_BATCH_SIZE``).
 
@@ -69,6 +72,10 @@ ENV_SHORTCUTS: tuple[tuple[str, str], ...] = (
     ("LWS_LEADER_ADDRESS", "master_addr"),
     ("MASTER_ADDR", "master_addr"),
     ("MASTER_PORT", "master_port"),
+    ("OTEL_EXPORTER_OTLP_ENDPOINT", "otlp_traces_endpoint"),  # OpenTelemetry's own, the traces' name winning
+    ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "otlp_traces_endpoint"),
+    ("OTEL_EXPORTER_OTLP_PROTOCOL", "otlp_traces_protocol"),
+    ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "otlp_traces_protocol"),
 )
 _ENV_PREFIXES = ("SERVING_", "OPTION_")  # lowest priority first
 _SPECIAL_ENV_NAMES = {"OPTION_ENTRYPOINT": "entryPoint"}  # as DJL Serving spells it
