@@ -6,6 +6,10 @@ for it (route, pipeline, model lookup, the engine's `submit`, the tasks of a str
 request id with `current_request_id()` and adds what it learns with `note(...)` or `observe(...)`.
 The engine's own loop is one task shared by every request: what it logs about a sequence names the
 sequence's `GenerationRequest.request_id`, which is this id (see lmiserve.core.request).
+
+The engine adds one `Generation` per generation request it ran for this request (`record_generation`):
+what was asked and when it was queued, admitted, got its first token and ended, which the traces'
+queue, prefill and decode spans are made of (lmiserve.server.tracing) once the request is over.
 """
 
 from __future__ import annotations
@@ -16,8 +20,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmiserve.core.events import StepEvent
+from lmiserve.core.stats import RequestStats
 
 CANCELLED = "cancelled"  # the finish reason of an answer its client left before the end
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One generation request the engine ran for the HTTP (or gRPC) request being served (an LMI dynamic
+    batch runs one per input): its settings, and its times and counts from the engine (`stats`)."""
+
+    max_new_tokens: int
+    temperature: float  # 0.0 for greedy decoding
+    top_p: float
+    stats: RequestStats
 
 
 @dataclass
@@ -41,6 +57,8 @@ class RequestFacts:
     finish_reasons: list[str] = field(default_factory=list)  # distinct, in the order seen
     completed: bool = False  # the response's last byte was handed to the server
     disconnected: bool = False  # the client went away before that
+    generations: list[Generation] = field(default_factory=list)  # what the engine ran for it, in order
+    trace_id: str | None = None  # its trace (32 hex digits) when tracing is on: the access line shows it
     _inputs: set[int] = field(default_factory=set, repr=False)
 
     def observe(self, index: int, event: StepEvent) -> None:
@@ -82,6 +100,7 @@ class RequestFacts:
             "time_to_first_token": _seconds(self.first_token - self.start) if self.first_token is not None else None,
             "total_time": _seconds(end - self.start),
             "finish_reason": self.finish_reason,
+            **({"trace_id": self.trace_id} if self.trace_id is not None else {}),
             "request_id": self.request_id,
         }
 
@@ -110,6 +129,13 @@ def current() -> RequestFacts | None:
 def current_request_id() -> str | None:
     facts = _current.get()
     return facts.request_id if facts is not None else None
+
+
+def record_generation(generation: Generation) -> None:
+    """Add a generation the engine ran to the current request's facts (no-op outside a request)."""
+    facts = _current.get()
+    if facts is not None:
+        facts.generations.append(generation)
 
 
 def note(**values: Any) -> None:

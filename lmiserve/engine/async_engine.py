@@ -18,6 +18,7 @@ from collections.abc import AsyncGenerator, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from lmiserve.core import request_context
 from lmiserve.core.aio import cancel_and_wait
 from lmiserve.core.errors import (
     AdapterNotFound,
@@ -33,6 +34,7 @@ from lmiserve.core.errors import (
 from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.core.grammar import Grammar
 from lmiserve.core.request import GenerationRequest
+from lmiserve.core.request_context import Generation
 from lmiserve.core.stats import EngineObserver, EngineSnapshot, RequestStats, SequenceStats, StepStats
 from lmiserve.core.tokenizer import tokenizing
 from lmiserve.engine import torch_thread
@@ -114,6 +116,7 @@ class _Handle:
         self.arrival = arrival
         self.unfinished = len(seqs)  # sequences whose end the engine has not delivered yet
         self.reported = False  # told the observers it ended
+        self.stats: RequestStats | None = None  # its figures, once it ended
         self.adapter: LoraAdapter | None = None  # its LoRA adapter, held until it ended
 
 
@@ -445,6 +448,18 @@ class AsyncEngine:
                     yield event
         finally:
             self.abort(handle)
+            self._record(handle)
+
+    @staticmethod
+    def _record(handle: _Handle) -> None:
+        """Add the request's settings and times to the facts of the request being served (the traces'
+        spans are made of them): its figures if it ended, else (its client left) as they stand now."""
+        if request_context.current() is None:
+            return
+        params = handle.request.params
+        stats = handle.stats if handle.stats is not None else _request_stats(handle, time.monotonic(), None)
+        temperature = params.temperature if params.do_sample else 0.0
+        request_context.record_generation(Generation(params.max_new_tokens, temperature, params.top_p, stats))
 
     async def _encode(self, request: GenerationRequest) -> list[int] | None:
         """The request's prompt ids, tokenized on the tokenizer thread (off the event loop); None when
@@ -652,30 +667,33 @@ class AsyncEngine:
             return
         handle.reported = True
         self._release(handle)
-        if not self._observers:
-            return
-        now = time.monotonic()
-        fallback = FinishReason.ABORT if error is None else FinishReason.ERROR
-        sequences = tuple(
-            SequenceStats(
-                arrival=handle.arrival,
-                scheduled=seq.scheduled_at,
-                first_token=seq.first_token_at,
-                finished=seq.finished_at if seq.finished_at is not None else now,
-                prompt_tokens=seq.prompt_len,
-                generated_tokens=len(seq.output_ids),
-                max_new_tokens=seq.params.max_new_tokens,
-                reason=seq.finish_reason if seq.finish_reason is not None else fallback,
-                cached_tokens=seq.cached_tokens,
-            )
-            for seq in handle.seqs
-        )
-        prompt_tokens = handle.seqs[0].prompt_len if handle.seqs else 0
-        self._notify("on_finished", RequestStats(handle.arrival, now, prompt_tokens, sequences, error))
+        handle.stats = _request_stats(handle, time.monotonic(), error)
+        self._notify("on_finished", handle.stats)
 
     def _timeout_text(self) -> str:
         value = self.config.predict_timeout
         return str(int(value)) if value is not None and float(value).is_integer() else str(value)
+
+
+def _request_stats(handle: _Handle, now: float, error: BaseException | None) -> RequestStats:
+    """`handle`'s request as the observers see it when it ends (a sequence not ended yet ends `now`)."""
+    fallback = FinishReason.ABORT if error is None else FinishReason.ERROR
+    sequences = tuple(
+        SequenceStats(
+            arrival=handle.arrival,
+            scheduled=seq.scheduled_at,
+            first_token=seq.first_token_at,
+            finished=seq.finished_at if seq.finished_at is not None else now,
+            prompt_tokens=seq.prompt_len,
+            generated_tokens=len(seq.output_ids),
+            max_new_tokens=seq.params.max_new_tokens,
+            reason=seq.finish_reason if seq.finish_reason is not None else fallback,
+            cached_tokens=seq.cached_tokens,
+        )
+        for seq in handle.seqs
+    )
+    prompt_tokens = handle.seqs[0].prompt_len if handle.seqs else 0
+    return RequestStats(handle.arrival, now, prompt_tokens, sequences, error)
 
 
 def _random_seed() -> int:

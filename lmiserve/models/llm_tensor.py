@@ -33,7 +33,7 @@ SIGNATURE = ModelSignature(
     outputs=(TensorSpec(OUTPUT, "BYTES", (-1,)),),
 )
 # Keys protocols put next to generation parameters; not generation parameters themselves.
-_NOT_GENERATION = frozenset({"content_type", "headers", "binary_data_output", "stream", "signature_name"})
+NOT_GENERATION = frozenset({"content_type", "headers", "binary_data_output", "stream", "signature_name"})
 
 _T = TypeVar("_T")
 
@@ -51,7 +51,7 @@ class LlmTensorModel:
 
     def sampling(self, parameters: Mapping[str, Any] | None) -> tuple[SamplingParams, bool]:
         """LMI parameter mapping of the request's parameters; also whether to prepend the prompt."""
-        raw = {k: v for k, v in (parameters or {}).items() if k not in _NOT_GENERATION}
+        raw = {k: v for k, v in (parameters or {}).items() if k not in NOT_GENERATION}
         params = parse_parameters(raw)
         return to_sampling(params, self.limits, stream=False), bool(params.return_full_text)
 

@@ -12,7 +12,9 @@ For every HTTP request it
   and LMI's ``requestId``;
 - writes one line to the ``lmiserve.access`` logger once the response is over (a stream when it ends
   or its client leaves: status 200, finish reason ``cancelled``): at INFO level, but at DEBUG for the
-  health and readiness probes and metrics scrapes (`is_probe`), which orchestrators send every few seconds.
+  health and readiness probes and metrics scrapes (`is_probe`), which orchestrators send every few seconds;
+- with tracing on (lmiserve.server.tracing), records the request's span just before that line, which
+  then names its ``trace_id``; probes and scrapes are not traced.
 
 Nothing here runs per token: the pipeline notes the first token and the finish events only.
 """
@@ -25,12 +27,15 @@ import re
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lmiserve.core import request_context
 from lmiserve.core.request_context import RequestFacts
+
+if TYPE_CHECKING:
+    from lmiserve.server.tracing import Tracing
 
 ACCESS_LOG = logging.getLogger("lmiserve.access")
 
@@ -45,6 +50,11 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
+def usable_request_id(value: str) -> bool:
+    """1 to 200 visible ASCII characters: a client's request id that is safe in a log line."""
+    return _USABLE_ID.fullmatch(value) is not None
+
+
 class RequestLog:
     """The middleware (see the module docstring). `header_key`: the request id header read first."""
 
@@ -53,11 +63,14 @@ class RequestLog:
         app: ASGIApp,
         header_key: str = REQUEST_ID,
         on_done: Callable[[RequestFacts], None] | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
-        """`on_done(facts)` is called once per request, after its access line (the request metrics)."""
+        """`on_done(facts)` is called once per request, after its access line (the request metrics);
+        `tracing`: the server's, when tracing is configured (None: off, and no cost)."""
         self.app = app
         self.header_key = header_key
         self.on_done = on_done
+        self.tracing = tracing
         names = [header_key, *ID_HEADERS]
         self._accepted = [(name.lower().encode("latin-1"), name) for name in dict.fromkeys(n.lower() for n in names)]
         self._names = {n.lower(): n for n in reversed(names)}  # as the configuration spells them
@@ -67,7 +80,7 @@ class RequestLog:
         sent = dict(headers)
         for raw, name in self._accepted:
             value = sent.get(raw, b"").decode("latin-1").strip()
-            if _USABLE_ID.fullmatch(value):
+            if usable_request_id(value):
                 return value, self._names[name]
         return new_request_id(), None
 
@@ -110,6 +123,8 @@ class RequestLog:
             facts.end = time.monotonic()
             if facts.status is None:
                 facts.status = 499 if facts.disconnected else 500
+            if self.tracing is not None and not is_probe(facts):
+                self.tracing.record_http(scope, facts)
             write_access_line(facts)
             if self.on_done is not None:
                 self.on_done(facts)
@@ -142,14 +157,15 @@ def is_probe(facts: RequestFacts) -> bool:
     return facts.route in PROBE_ROUTES or facts.protocol == "vertex"
 
 
-def write_access_line(facts: RequestFacts) -> None:
+def write_access_line(facts: RequestFacts, probe: bool | None = None) -> None:
     """The request's one ``lmiserve.access`` line: logfmt text, its fields as ``extra={"access": ...}``
     (JSON logs write them as top-level keys); the request id is the line's own (see log_setup), and the
-    text names the adapter only on requests that have one. INFO, or DEBUG for a probe."""
+    text names the adapter only on requests that have one. INFO, or DEBUG for a probe (`probe`: the
+    caller knows, e.g. gRPC's health RPCs; None: `is_probe`)."""
     fields = facts.fields()
     shown = {name: value for name, value in fields.items() if name != "request_id" and (name != "adapter" or value)}
     text = " ".join(f"{name}={_logfmt(value)}" for name, value in shown.items())
-    level = logging.DEBUG if is_probe(facts) else logging.INFO
+    level = logging.DEBUG if (is_probe(facts) if probe is None else probe) else logging.INFO
     ACCESS_LOG.log(level, text, extra={"access": fields, "request_id": facts.request_id})
 
 

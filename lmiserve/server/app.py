@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -37,6 +37,10 @@ from lmiserve.server.errors import protocol_routes
 from lmiserve.server.metrics import Metrics
 from lmiserve.server.metrics import port as metrics_port
 from lmiserve.server.responses import raw_response
+from lmiserve.server.tracing import Tracing
+
+if TYPE_CHECKING:
+    from lmiserve.server.grpc_server import AddServices
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +103,16 @@ class LmiServeApp(Starlette):
     def build_middleware_stack(self) -> ASGIApp:
         metrics = getattr(self.state, "metrics", None)  # create_app sets it; a bare LmiServeApp counts nothing
         on_done = metrics.requests.observe if metrics is not None else None
-        return RequestLog(super().build_middleware_stack(), self.state.settings.request_id_header_key, on_done)
+        tracing = getattr(self.state, "tracing", None)
+        return RequestLog(super().build_middleware_stack(), self.state.settings.request_id_header_key, on_done, tracing)
+
+
+def grpc_services() -> list[AddServices]:
+    """The services of the gRPC port (`grpc_port`, lmiserve.server.grpc_server): the Open Inference
+    Protocol's (imported only by a server that has the port)."""
+    from lmiserve.protocols.tensor.kserve.grpc.servicer import add_to_server
+
+    return [add_to_server]
 
 
 def create_app(
@@ -125,10 +138,15 @@ def create_app(
             each.on_engine_failed.append(on_engine_failed)
     metrics = Metrics(lambda: registry)
     registry = ModelRegistry(services, observe=metrics.observer_for)
+    tracing = Tracing.from_settings(settings)  # None when off: nothing of OpenTelemetry is imported
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         async with contextlib.AsyncExitStack() as stack:
+            if tracing is not None:
+                tracing.start()
+                # after the engines stopped (the spans of the streams they ended), within a few seconds
+                stack.push_async_callback(asyncio.to_thread, tracing.stop)
             if settings.metrics_port is not None:
                 host, level = settings.host, settings.log_level
                 await stack.enter_async_context(
@@ -148,6 +166,7 @@ def create_app(
     app = LmiServeApp(routes=routes(settings, metrics), lifespan=lifespan, exception_handlers=handlers)
     app.state.registry = registry
     app.state.metrics = metrics
+    app.state.tracing = tracing
     app.state.settings = settings
     app.state.drain = drain or Drain()
     return app

@@ -21,7 +21,12 @@ def key_accepted(request: Request, key_header: str | None = None) -> bool:
         return True
     if key_header is not None and key_header in request.headers:
         return hmac.compare_digest(request.headers[key_header].encode(), key.encode())
-    given = request.headers.get("authorization", "")
+    return bearer_matches(request.headers.get("authorization", ""), key)
+
+
+def bearer_matches(given: str, key: str) -> bool:
+    """Whether an ``Authorization`` value (a header, or gRPC's ``authorization`` metadata) is ``Bearer
+    <key>``: the whole value compared case-insensitively, in constant time."""
     return hmac.compare_digest(given.lower().encode(), f"bearer {key}".lower().encode())
 
 

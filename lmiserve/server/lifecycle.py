@@ -1,7 +1,8 @@
 """The life of a `lmiserve serve` process, from binding the port to its exit status.
 
 1. **Bind** the port before anything else starts (no model loads for a server that cannot listen):
-   a port in use or not allowed exits `CANNOT_LISTEN` with one line on stderr.
+   a port in use or not allowed exits `CANNOT_LISTEN` with one line on stderr; so does the gRPC port
+   (`grpc_port`, lmiserve.server.grpc_server), bound right after it and served in the same event loop.
 2. **Serve**: uvicorn runs the app; its lifespan loads the startup models in the background (/ping
    answers 503 meanwhile). A startup model that fails to load stops the server, which exits
    `MODEL_LOAD_FAILED` with one line naming the model and the cause (the traceback is logged at debug
@@ -10,9 +11,10 @@
    A startup model whose engine fails while serving (its planning or bookkeeping raised: every open
    request ends with an error, /ping answers 503) stops the server too, which exits `ENGINE_FAILED`.
 3. **Drain**: the first SIGTERM or SIGINT asks the server to stop (`Lifecycle.request_stop`), which
-   starts the drain at once (lmiserve.server.drain): every route but liveness answers 503, the
-   listeners stay open, the requests in flight run on for up to `drain_timeout` seconds, then the
-   engines stop and whatever still runs ends with an error in its protocol's shape (`_Server.drain`).
+   starts the drain at once (lmiserve.server.drain): every route but liveness answers 503 (every RPC
+   but `ServerLive` UNAVAILABLE), the listeners stay open, the requests in flight (gRPC calls too) run
+   on for up to `drain_timeout` seconds, then the engines stop and whatever still runs ends with an
+   error in its protocol's shape (`_Server.drain`); then the gRPC port closes.
 4. **Stop**: uvicorn closes the listeners and the connections, waits (`STOP_GRACE` seconds at most)
    for the responses to end, then the lifespan stops the engines; the process then exits `OK`
    (`exit_process`: without finalizing the interpreter under a model load that may still run on
@@ -42,6 +44,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import uvicorn
 
 from lmiserve.server.drain import Drain, wait_for_open_requests
+from lmiserve.server.grpc_server import GrpcServer
 
 if TYPE_CHECKING:
     from lmiserve.config import Settings
@@ -133,13 +136,22 @@ class Lifecycle:
     def serve(self, settings: Settings, services: list[ModelService]) -> int:
         """Bind, serve until stopped, and return the exit status (the failure line is on stderr)."""
         with self.signal_handlers():
-            from lmiserve.server.app import create_app  # after the handlers: a signal while importing stops too
+            # after the handlers: a signal while importing stops too
+            from lmiserve.server.app import create_app, grpc_services
 
             try:
                 sock = bind_socket(settings.host, settings.port)
             except OSError as exc:
                 reason = exc.strerror or str(exc)
                 return self._fail(ExitCode.CANNOT_LISTEN, f"cannot listen on {settings.host}:{settings.port}: {reason}")
+            if settings.grpc_port:
+                try:
+                    if settings.grpc_port == settings.port:
+                        raise OSError(f"port {settings.port} is the HTTP port")
+                    GrpcServer.probe(settings.host, settings.grpc_port)
+                except OSError as exc:
+                    sock.close()
+                    return self._fail(ExitCode.CANNOT_LISTEN, grpc_failure(settings, exc))
             app = create_app(
                 settings,
                 services=services,
@@ -156,7 +168,9 @@ class Lifecycle:
                 h11_max_incomplete_event_size=4 * settings.max_header_size,
                 timeout_graceful_shutdown=STOP_GRACE,
             )
-            self._server = _Server(config, self, settings.drain_timeout, app.state.registry.close_all)
+            registry = app.state.registry
+            grpc_server = GrpcServer(settings, registry, self.drain, grpc_services()) if settings.grpc_port else None
+            self._server = _Server(config, self, settings.drain_timeout, registry.close_all, grpc_server)
             if self.stopping:  # a signal came while starting
                 self._server.should_exit = True
             host, port = sock.getsockname()[:2]
@@ -181,11 +195,31 @@ class _Server(uvicorn.Server):
         lifecycle: Lifecycle,
         drain_timeout: float,
         stop_engines: Callable[[], Awaitable[None]],
+        grpc_server: GrpcServer | None = None,
     ) -> None:
         super().__init__(config)
         self.lifecycle = lifecycle
         self.drain_timeout = drain_timeout
         self.stop_engines = stop_engines
+        self.grpc = grpc_server
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        """The gRPC port bound and serving in this event loop before the HTTP server starts (before its
+        lifespan loads the models); closed when the server ends, however it ends."""
+        grpc = self.grpc
+        if grpc is not None:
+            try:
+                port = await grpc.start()
+            except OSError as exc:  # taken since `Lifecycle.serve` probed it
+                self.lifecycle.exit_code = ExitCode.CANNOT_LISTEN
+                self.lifecycle.failure = grpc_failure(grpc.settings, exc)
+                return
+            log.info("listening for gRPC on %s:%d", _url_host(grpc.settings.host), port)
+        try:
+            await super().serve(sockets)
+        finally:
+            if grpc is not None:
+                await grpc.stop(0)  # already stopped after the drain, unless the server ended otherwise
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -198,6 +232,8 @@ class _Server(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         log.info("stopping: %s", self.lifecycle.stop_reason or "server ended")
         await self.drain()
+        if self.grpc is not None:  # open streams end with UNAVAILABLE; a call still sending gets STOP_GRACE
+            await self.grpc.stop(STOP_GRACE)
         await super().shutdown(sockets)
 
     async def drain(self) -> None:
@@ -207,6 +243,8 @@ class _Server(uvicorn.Server):
         drain.begin()  # already begun by the stop request; the server may also end by itself
         # uvicorn's running request cycles (a stream's included); idle keep-alive connections are not among them
         in_flight = [task for task in self.server_state.tasks if not task.done()]
+        if self.grpc is not None:  # the gRPC calls, and the requests of open streams
+            in_flight += self.grpc.in_flight()
         if not in_flight:
             return
         timeout = drain.remaining(self.drain_timeout)
@@ -234,6 +272,12 @@ def startup_summary(settings: Settings, services: Sequence[ModelService], versio
         f"lmiserve {version} on {address}: {what}",
         "options not at their defaults: " + (", ".join(changed) if changed else "none"),
     ]
+
+
+def grpc_failure(settings: Settings, exc: OSError) -> str:
+    """The one line of a gRPC port that cannot be bound."""
+    reason = exc.strerror or str(exc)
+    return f"cannot listen on {settings.host}:{settings.grpc_port} (gRPC, grpc_port): {reason}"
 
 
 def exit_process(code: int) -> NoReturn:

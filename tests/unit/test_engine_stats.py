@@ -9,9 +9,11 @@ import asyncio
 import pytest
 
 from helpers.waiting import async_wait_until
+from lmiserve.core import request_context
 from lmiserve.core.errors import InvalidRequest, Overloaded, QueueTimeout
 from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.core.request import GenerationRequest, SamplingParams
+from lmiserve.core.request_context import RequestFacts
 from lmiserve.core.stats import RequestStats, StepStats
 from lmiserve.engine.async_engine import AsyncEngine, EngineConfig
 from lmiserve.engine.factory import create_engine
@@ -150,3 +152,35 @@ async def test_a_client_that_leaves_is_an_abort_and_a_queue_timeout_an_error(tin
     assert timed_out.sequences[0].scheduled is None and timed_out.sequences[0].reason is FinishReason.ERROR
     assert aborted.error is None and not aborted.succeeded
     assert aborted.sequences[0].reason is FinishReason.ABORT and aborted.sequences[0].generated_tokens >= 1
+
+
+async def test_each_generation_is_recorded_in_the_facts_of_the_request_it_ran_for(tiny_model):
+    """What the traces' spans are made of (lmiserve.server.tracing): the settings and times of every
+    generation, recorded in the facts of the request being served, also for a client that left."""
+    engine, _ = engine_with(tiny_model)
+    facts = RequestFacts("r-1")
+    engine.start()
+    try:
+        token = request_context.bind(facts)
+        try:
+            await run(engine, "The quick brown fox", max_new_tokens=3, ignore_eos_token=True)
+            params = SamplingParams(
+                max_new_tokens=50, ignore_eos_token=True, do_sample=True, temperature=0.5, top_p=0.8
+            )
+            events = engine.generate(GenerationRequest("Hello world", params))
+            await events.__anext__()  # the first token, then the client goes away
+            await events.aclose()
+        finally:
+            request_context.unbind(token)
+        await run(engine, "outside any request", max_new_tokens=2)  # recorded nowhere
+    finally:
+        await engine.stop()
+    done, left = facts.generations
+    assert (done.max_new_tokens, done.temperature, done.top_p) == (3, 0.0, 1.0)  # greedy: temperature 0
+    (seq,) = done.stats.sequences
+    assert seq.scheduled is not None and seq.first_token is not None
+    assert seq.arrival <= seq.scheduled <= seq.first_token <= seq.finished
+    assert (seq.generated_tokens, seq.reason) == (3, FinishReason.LENGTH)
+    assert (left.max_new_tokens, left.temperature, left.top_p) == (50, 0.5, 0.8)
+    (seq,) = left.stats.sequences
+    assert seq.first_token is not None and seq.reason is FinishReason.ABORT and seq.generated_tokens >= 1

@@ -58,6 +58,14 @@ def test_engine_is_free_of_http_and_protocols(path):
     assert not any(n.startswith(("lmiserve.server", "lmiserve.protocols")) for n in names)
 
 
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_only_the_exporter_imports_opentelemetry(path):
+    """Tracing off costs nothing: OpenTelemetry is imported only by server/otlp.py, which server/tracing.py
+    imports when tracing starts (the engine and core never know about it)."""
+    if path != PACKAGE / "server" / "otlp.py":
+        assert "opentelemetry" not in roots(imports_of(path))
+
+
 def test_scheduler_is_pure_python():
     for name in ("scheduler.py", "sequence.py", "detokenizer.py", "stop.py", "async_engine.py"):
         assert not roots(imports_of(PACKAGE / "engine" / name)) & HEAVY, name

@@ -13,6 +13,13 @@ Answer `{"id"?, "model_name", "model_version", "text_output"}` (the id only when
 Both go through the response pipeline. The stream's status waits for the engine's first event: a
 failure before it (validation, a full queue, a queue timeout) is an ordinary JSON error; from then on a
 failure is a last `data: {"error": msg}` event under 200. Only the first sequence (index 0) is answered.
+
+The same settings reach the LLM through `infer` (REST `/v2/models/{m}/infer`, gRPC `ModelInfer` and
+`ModelStreamInfer`): as `parameters`, or as input tensors beside `text_input`, as TensorRT-LLM ensembles
+and litellm's Triton provider send them (`max_tokens` INT32, `temperature` FP32, `stop_words` BYTES,
+...: `SETTING_INPUTS`); `infer_parameters` maps both spellings the way /generate does, refusing what it
+cannot honour with a 400 naming the field. TensorRT-LLM's empty word lists (`bad_words: [""]`,
+`stop_words: [""]`, what litellm sends) mean no words.
 """
 
 from __future__ import annotations
@@ -24,11 +31,13 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
 from lmiserve.core.errors import (
     IncompleteGeneration,
+    InvalidInput,
     InvalidRequest,
     LmiServeError,
     SchemaViolation,
@@ -36,6 +45,8 @@ from lmiserve.core.errors import (
 from lmiserve.core.events import StepEvent
 from lmiserve.core.parameters import GenerationParameters
 from lmiserve.core.request import GenerationRequest
+from lmiserve.core.tensor_io import text_rows
+from lmiserve.models.llm_tensor import INPUT, NOT_GENERATION
 from lmiserve.models.service import ModelService
 from lmiserve.protocols.tensor.kserve import parse as kserve
 from lmiserve.protocols.tensor.kserve.errors import RENDERER
@@ -69,19 +80,25 @@ OUTPUT_SWITCHES = (
     "decoder_input_details",
 )
 # Known parameters that /generate cannot honour, and why: refused unless they hold their no-op value.
-UNSUPPORTED = {
+UNSUPPORTED = {  # {route}: the route or RPC that answers (/generate, /infer, ModelInfer, ...)
     "bad_words": "bad-word filtering is not supported (no token is banned)",
     "end_id": "a custom end token is not supported; use 'stop_token_ids'",
     "pad_id": "a custom padding token is not supported",
     "beam_width": "beam search is not supported (beam_width 1 only)",
     "length_penalty": "length_penalty applies to beam search, which is not supported",
-    "top_n_tokens": "/generate answers text only; use /generate on the LMI or TGI routes for top tokens",
-    "n": "/generate answers one sequence (n 1 only)",
-    "best_of": "/generate answers one sequence (best_of 1 only)",
-    "output_formatter": "/generate has its own answer shape (no output_formatter)",
+    "top_n_tokens": "{route} answers text only; use /generate on the LMI or TGI routes for top tokens",
+    "n": "{route} answers one sequence (n 1 only)",
+    "best_of": "{route} answers one sequence (best_of 1 only)",
+    "output_formatter": "{route} has its own answer shape (no output_formatter)",
 }
 _NO_OP = {"beam_width": (1,), "length_penalty": (1, 1.0), "n": (1, None), "best_of": (1,), "top_n_tokens": (0,)}
 _KNOWN = frozenset(GenerationParameters.model_fields) | {"stream", "adapter_id"}
+# Input tensors an LLM's infer request may carry beside text_input: every setting named above.
+SETTING_INPUTS = (
+    _KNOWN | TRITON_ALIASES.keys() | set(OUTPUT_SWITCHES) | UNSUPPORTED.keys() | {"exclude_input_in_output"}
+) - {INPUT}
+# Settings that hold a list: a tensor of them gives all its elements (any other setting tensor holds one).
+LIST_SETTINGS = frozenset({"stop_words", "bad_words", "stop", "stop_sequences", "stop_token_ids"})
 STREAM_TYPE = "text/event-stream; charset=utf-8"
 STREAM_HEADERS = {"cache-control": "no-cache"}
 # What an error finish without a message of its own says.
@@ -105,19 +122,31 @@ class GenerateCall:
 async def parse(request: Request) -> GenerateCall:
     """The addressed LLM and the generation it is asked for; 400 for a bad body, 404 / 503 as for infer."""
     svc, model = ready_model(request)
+    check_llm(svc, model)
+    doc = kserve.load_header(await request.body())
+    params = doc.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise SchemaViolation("'parameters' must be a JSON object")
+    params = {**{k: v for k, v in doc.items() if k not in _OWN_KEYS}, **params}
+    return generate_call(svc, model, doc.get("text_input"), params, doc.get("id"))
+
+
+def check_llm(svc: ModelService, model: Any) -> None:
     if model.kind != "llm":
         raise InvalidRequest(
             f"model '{svc.name}' is a {model.kind} model: generate needs an LLM; use /v2/models/{svc.name}/infer"
         )
-    doc = kserve.load_header(await request.body())
-    prompt = doc.get("text_input")
+
+
+def generate_call(
+    svc: ModelService, model: Any, prompt: object, params: dict[str, Any], request_id: object, route: str = "/generate"
+) -> GenerateCall:
+    """The generation of `prompt` with `params` (LMI's or Triton's spellings) on the ready LLM `model`
+    of `svc`; `route` names the route or RPC in the refusals."""
+    check_llm(svc, model)
     if not isinstance(prompt, str) or not prompt:
         raise SchemaViolation("'text_input' must be a non-empty string")
-    params = doc.get("parameters") or {}
-    if not isinstance(params, dict):
-        raise SchemaViolation("'parameters' must be a JSON object")
-    params = triton_parameters({**{k: v for k, v in doc.items() if k not in _OWN_KEYS}, **params})
-    request_id = doc.get("id")
+    params = triton_parameters(params, route)
     if request_id is not None and not isinstance(request_id, str):
         raise SchemaViolation("'id' must be a string")
     sampling, full_text = model.sampling(params)
@@ -127,9 +156,9 @@ async def parse(request: Request) -> GenerateCall:
     return GenerateCall(svc, prompt, request_id, full_text, generation, engine)
 
 
-def triton_parameters(params: dict[str, Any]) -> dict[str, Any]:
+def triton_parameters(params: dict[str, Any], route: str = "/generate") -> dict[str, Any]:
     """`params` with Triton's spellings turned into LMI's; InvalidRequest (400) for a parameter that
-    /generate cannot honour or does not know, or two spellings of one parameter that disagree."""
+    `route` cannot honour or does not know, or two spellings of one parameter that disagree."""
     out = dict(params)
     out.pop("stream", None)  # the route says whether it streams
     for name in OUTPUT_SWITCHES:
@@ -138,25 +167,73 @@ def triton_parameters(params: dict[str, Any]) -> dict[str, Any]:
             if not isinstance(value, bool):
                 raise SchemaViolation(f"'{name}' must be a boolean")
             if value:
-                raise InvalidRequest(f"'{name}' is not supported: /generate answers text_output only")
+                raise InvalidRequest(f"'{name}' is not supported: {route} answers text_output only")
     if "exclude_input_in_output" in out:
         exclude = out.pop("exclude_input_in_output")
         if not isinstance(exclude, bool):
             raise SchemaViolation("'exclude_input_in_output' must be a boolean")
         _set(out, "exclude_input_in_output", "return_full_text", not exclude)
+    if "stop_words" in out:  # TensorRT-LLM's empty word: no word (litellm sends [""])
+        out["stop_words"] = _words(out["stop_words"])
     for alias, name in TRITON_ALIASES.items():
         if alias in out:
             _set(out, alias, name, out.pop(alias))
     for name, why in UNSUPPORTED.items():
         if name in out:
             value = out.pop(name)
-            if value in _NO_OP.get(name, ()) or (name == "bad_words" and value in ([], "", None)):
+            if value in _NO_OP.get(name, ()) or (name == "bad_words" and _words(value) in ([], None)):
                 continue
-            raise InvalidRequest(f"parameter '{name}' is not supported: {why}")
+            raise InvalidRequest(f"parameter '{name}' is not supported: {why.format(route=route)}")
     unknown = sorted(k for k in out if k not in _KNOWN)
     if unknown:
         raise InvalidRequest(f"unknown parameter{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}")
     return out
+
+
+def _words(value: Any) -> Any:
+    """A word list without TensorRT-LLM's empty words ("" alone, or "" in a list, means none)."""
+    if value == "":
+        return []
+    if isinstance(value, list):
+        return [word for word in value if word != ""]
+    return value
+
+
+def infer_parameters(parameters: dict[str, Any], tensors: dict[str, np.ndarray], route: str) -> dict[str, Any]:
+    """An LLM infer request's parameters as the LLM takes them (LMI's names): its generation settings,
+    given as `parameters` or as input `tensors` (`SETTING_INPUTS`), mapped as /generate maps them;
+    InvalidRequest naming the field for one that `route` cannot honour, does not know, or that is given
+    both ways with different values. The transport's own keys (content_type, ...) pass through."""
+    return {
+        **{k: v for k, v in parameters.items() if k in NOT_GENERATION},
+        **triton_parameters(setting_values(parameters, tensors), route),
+    }
+
+
+def setting_values(parameters: dict[str, Any], tensors: dict[str, np.ndarray]) -> dict[str, Any]:
+    """The generation settings of a request: its `parameters` but the transport's keys, and the values
+    of its setting `tensors` (one value each, or a list for `LIST_SETTINGS`)."""
+    out = {k: v for k, v in parameters.items() if k not in NOT_GENERATION or k == "stream"}
+    for name, array in tensors.items():
+        value = tensor_value(name, array)
+        if name in out and out[name] != value:
+            raise InvalidRequest(f"'{name}' is given as an input tensor and as a parameter, with different values")
+        out[name] = value
+    return out
+
+
+def tensor_value(name: str, array: np.ndarray) -> Any:
+    """The Python value of a setting tensor: text for BYTES (UTF-8), numbers, booleans; a list for
+    `LIST_SETTINGS`, else the one element it must hold."""
+    if array.dtype.kind in "OSU":
+        values: list[Any] = text_rows(array, name) if array.size else []
+    else:
+        values = np.asarray(array).reshape(-1).tolist()
+    if name in LIST_SETTINGS:
+        return values
+    if len(values) != 1:
+        raise InvalidInput(f"input '{name}' must hold one value, got {len(values)} (shape {list(array.shape)})")
+    return values[0]
 
 
 def _set(params: dict[str, Any], alias: str, name: str, value: Any) -> None:
@@ -177,10 +254,23 @@ async def generate_stream(request: Request) -> Response:
 
 
 def _events(call: GenerateCall) -> AsyncIterator[Tagged]:
-    return tagged(_first_sequence(call.engine.generate(call.request)))
+    return tagged(sequence_events(call))
 
 
-async def _first_sequence(events: AsyncGenerator[StepEvent, None]) -> AsyncIterator[StepEvent]:
+def sequence_events(call: GenerateCall) -> AsyncGenerator[StepEvent, None]:
+    """The events of the call's first sequence, up to its last (closing it aborts the generation)."""
+    return _first_sequence(call.engine.generate(call.request))
+
+
+def piece(event: StepEvent) -> str | None:
+    """The text a stream sends for `event` (None: nothing, e.g. a special token)."""
+    token = event.token
+    if token is not None and token.text and not token.special:
+        return token.text
+    return None
+
+
+async def _first_sequence(events: AsyncGenerator[StepEvent, None]) -> AsyncGenerator[StepEvent, None]:
     """The events of sequence 0 up to its last one (the other sequences' are ignored)."""
     async with aclosing(events):  # closing aborts the sequences
         async for event in events:
@@ -237,9 +327,9 @@ class Stream:
 
     def on_event(self, index: int, event: StepEvent) -> bytes:
         head = self._start()
-        token = event.token
-        if token is not None and token.text and not token.special:
-            return head + _sse(self.call.answer(token.text))
+        text = piece(event)
+        if text is not None:
+            return head + _sse(self.call.answer(text))
         return head
 
     def close(self) -> bytes:

@@ -11,7 +11,9 @@ from typing import Any
 
 from starlette.requests import Request
 
-from lmiserve.core.errors import ModelNotFound, ModelNotReady, NotFound
+from lmiserve.core import request_context
+from lmiserve.core.errors import ModelNotFound, ModelNotReady, NotFound, SchemaViolation
+from lmiserve.models.registry import ModelRegistry
 from lmiserve.models.service import ModelService, model_service
 from lmiserve.protocols.tensor.kserve.parse import VERSION
 from lmiserve.server import lookup
@@ -24,10 +26,26 @@ def resolve(request: Request) -> ModelService:
         svc = model_service(request, name)
     except ModelNotFound:
         raise ModelNotFound(f"Model {name} not found") from None
-    version = request.path_params.get("version")
+    check_version(name, request.path_params.get("version"))
+    return svc
+
+
+def find(registry: ModelRegistry, name: str, version: str | None) -> ModelService:
+    """`resolve` for a transport without a starlette request (gRPC): the model `name` of `registry`,
+    whatever its state, in the same words; `version` None or empty: the one version."""
+    if not name:
+        raise SchemaViolation("the request needs a model name")
+    svc = registry.find(name)
+    if svc is None:
+        raise ModelNotFound(f"Model {name} not found")
+    request_context.note(model=svc.name)
+    check_version(name, version or None)
+    return svc
+
+
+def check_version(name: str, version: str | None) -> None:
     if version is not None and version != VERSION:
         raise NotFound(f"Model {name} with version {version} not found")
-    return svc
 
 
 def check_ready(svc: ModelService) -> None:
@@ -38,5 +56,12 @@ def check_ready(svc: ModelService) -> None:
 def ready_model(request: Request) -> tuple[ModelService, Any]:
     """(service, TensorModel) of the addressed model, which must be ready."""
     svc = resolve(request)
+    check_ready(svc)
+    return svc, svc.tensor_model
+
+
+def ready_in(registry: ModelRegistry, name: str, version: str | None) -> tuple[ModelService, Any]:
+    """`ready_model` for a transport without a starlette request (gRPC)."""
+    svc = find(registry, name, version)
     check_ready(svc)
     return svc, svc.tensor_model

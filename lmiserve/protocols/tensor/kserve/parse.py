@@ -9,11 +9,18 @@ models decoded numpy values) and a compatible shape. Only a request-level MLServ
 names: `np` / `str` with one input for a one-input model (MLServer's request codecs call it
 `input-1`), `pd` (columns, see content_types.columns_to_inputs). Requested outputs pick and order the
 outputs; `binary_data` / `binary_data_output` choose binary output segments (default JSON).
+
+`parse_infer` takes a model-independent document: REST's JSON header and binary tail, or a gRPC
+`ModelInferRequest` turned into one (kserve/grpc/convert.py), so both transports check and word
+everything the same way. Its `settings` are the names of inputs that are not the model's tensors but
+request settings given as tensors (an LLM's `max_tokens`, `temperature`, ... as TensorRT-LLM ensembles
+take them): they are decoded like any input and handed back apart.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,23 +66,33 @@ def index_ready_only(body: bytes) -> bool:
     return isinstance(doc, dict) and doc.get("ready") is True
 
 
-def parse_infer(doc: dict, tail: bytes, model: str, signature: ModelSignature) -> tuple[TensorRequest, OutputPlan]:
+def parse_infer(
+    doc: dict, tail: bytes, model: str, signature: ModelSignature, settings: Collection[str] = ()
+) -> tuple[TensorRequest, OutputPlan, dict[str, np.ndarray]]:
+    """The model's request, how to answer it, and the inputs named in `settings` that the model does not
+    declare (request settings sent as tensors), decoded."""
     params = _params(doc.get("parameters"), "request")
     inputs = doc.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise SchemaViolation("the inference request needs a non-empty 'inputs' list")
     request_ct = params.get("content_type") if isinstance(params.get("content_type"), str) else None
-    given = _names(inputs)
+    every = _names(inputs)
+    lifted = {n for n in every if n in settings and signature.input(n) is None}
+    given = [n for n in every if n not in lifted]
     names = [t.name for t in signature.inputs]
     whole = request_ct in ("np", "str") and len(names) == 1 and len(given) == 1  # a request codec's one input
     if request_ct != "pd" and not whole:
         check_names(given, signature, model)
-    reader = binary.BinaryReader(tail)
+    reader = binary.BinaryReader(tail)  # every input in order, the lifted ones too: they own their segments
     arrays: dict[str, np.ndarray] = {}
+    setting_tensors: dict[str, np.ndarray] = {}
     typed = {}
     for item in inputs:
         name, array, has_ct = _input(item, reader, model)
-        arrays[name], typed[name] = array, has_ct
+        if name in lifted:
+            setting_tensors[name] = array
+        else:
+            arrays[name], typed[name] = array, has_ct
     reader.check_consumed(model)
     if request_ct == "pd":
         arrays = content_types.columns_to_inputs(arrays, names)
@@ -88,7 +105,7 @@ def parse_infer(doc: dict, tail: bytes, model: str, signature: ModelSignature) -
     plan = _plan(doc, params, signature, model, request_ct)
     plan.mlserver = plan.mlserver or any(typed.values())
     parameters = {k: v for k, v in params.items() if k not in _RESERVED}
-    return TensorRequest(inputs=model_inputs, parameters=parameters, outputs=plan.names), plan
+    return TensorRequest(inputs=model_inputs, parameters=parameters, outputs=plan.names), plan, setting_tensors
 
 
 def _params(value: object, where: str) -> dict:
@@ -161,11 +178,22 @@ def _plan(doc: dict, params: dict, signature: ModelSignature, model: str, reques
     return plan
 
 
-def encode_response(outputs: dict[str, np.ndarray], plan: OutputPlan, model: str) -> tuple[bytes, dict[str, str], str]:
-    """(body, extra headers, content type)."""
+@dataclass
+class Output:
+    """One output tensor as the response describes it: the array to send (after any MLServer content
+    type's encoding), its datatype and shape, and its parameters (`content_type`)."""
+
+    name: str
+    array: np.ndarray
+    datatype: str
+    parameters: dict[str, Any]
+
+
+def described_outputs(outputs: dict[str, np.ndarray], plan: OutputPlan) -> list[Output]:
+    """The outputs to answer, in order, as REST and gRPC describe them."""
     names = plan.names if plan.names is not None else list(outputs)
-    described, segments = [], []
     pandas = plan.request_content_type == "pd"
+    described = []
     for name in names:
         array = np.asarray(outputs[name])
         ct = None
@@ -175,14 +203,32 @@ def encode_response(outputs: dict[str, np.ndarray], plan: OutputPlan, model: str
             array, ct = content_types.pd_column(array)
         elif plan.mlserver:
             ct = content_types.output_content_type(array)
-        entry: dict[str, Any] = {"name": name, "datatype": datatype_of(array), "shape": list(array.shape)}
-        params: dict[str, Any] = {"content_type": ct} if ct else {}
-        if plan.binary.get(name, plan.binary_default):
-            raw = binary.encode_tensor(array)
+        described.append(Output(name, array, datatype_of(array), {"content_type": ct} if ct else {}))
+    return described
+
+
+def response_parameters(described: list[Output], plan: OutputPlan) -> dict[str, Any]:
+    """The response's own parameters: MLServer's request content type, when the request used one."""
+    if not plan.mlserver:
+        return {}
+    only = described[0].parameters.get("content_type") if len(described) == 1 else None
+    pandas = plan.request_content_type == "pd"
+    return {"content_type": "pd" if pandas else (plan.request_content_type or only or "np")}
+
+
+def encode_response(outputs: dict[str, np.ndarray], plan: OutputPlan, model: str) -> tuple[bytes, dict[str, str], str]:
+    """(body, extra headers, content type)."""
+    described, segments = [], []
+    outs = described_outputs(outputs, plan)
+    for out in outs:
+        entry: dict[str, Any] = {"name": out.name, "datatype": out.datatype, "shape": list(out.array.shape)}
+        params = dict(out.parameters)
+        if plan.binary.get(out.name, plan.binary_default):
+            raw = binary.encode_tensor(out.array)
             params["binary_data_size"] = len(raw)
             segments.append(raw)
         else:
-            entry["data"] = json_data(array)
+            entry["data"] = json_data(out.array)
         if params:
             entry["parameters"] = params
         described.append(entry)
@@ -190,8 +236,7 @@ def encode_response(outputs: dict[str, np.ndarray], plan: OutputPlan, model: str
     if plan.id is not None:
         body["id"] = plan.id
     if plan.mlserver:
-        only = described[0].get("parameters", {}).get("content_type") if len(described) == 1 else None
-        body["parameters"] = {"content_type": "pd" if pandas else (plan.request_content_type or only or "np")}
+        body["parameters"] = response_parameters(outs, plan)
     body["outputs"] = described
     header = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     if not segments:

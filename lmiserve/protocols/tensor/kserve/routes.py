@@ -16,6 +16,7 @@ from lmiserve.core.errors import ModelNotReady, NotFound
 from lmiserve.models.service import ModelService
 from lmiserve.protocols.tensor.codecs import binary
 from lmiserve.protocols.tensor.errors import TensorError, error_json
+from lmiserve.protocols.tensor.kserve import infer as inference
 from lmiserve.protocols.tensor.kserve import parse as kserve
 from lmiserve.protocols.tensor.kserve import schema
 from lmiserve.protocols.tensor.kserve.errors import READINESS, RENDERER
@@ -65,8 +66,7 @@ async def infer(request: Request) -> Response:
     svc, model = ready_model(request)
     body = binary.decompress(await request.body(), request.headers.get("content-encoding"))
     header, tail = binary.split_body(body, request.headers.get(binary.HEADER))
-    tensor_request, plan = kserve.parse_infer(kserve.load_header(header), tail, svc.name, model.signature)
-    outputs = await model.infer(tensor_request)
+    outputs, plan = await inference.infer(kserve.load_header(header), tail, svc.name, model, "/infer")
     body, headers, content_type = kserve.encode_response(outputs, plan, svc.name)
     return raw_response(body, 200, content_type, headers)
 
