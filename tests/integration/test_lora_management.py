@@ -217,12 +217,20 @@ def test_an_adapter_that_does_not_fit_is_400_saying_why(managed, folder, words):
         ({"name": "no-src"}, "Parameter src is required."),
         ({"name": " padded", "src": "alpha"}, "invalid adapter name"),
         ({"name": "x", "src": "alpha", "pin": "maybe"}, "Parameter pin must be true or false: maybe"),
-        ({"name": "x", "src": "s3://bucket/alpha"}, "Unsupported src s3://bucket/alpha"),
+        ({"name": "x", "src": "https://example.com/alpha"}, "Unsupported src https://example.com/alpha"),
     ],
 )
 def test_bad_parameters_are_400(managed, params, words):
     r = managed.client.post("/adapters", params=params)  # a relative src is under the first root
     assert words in frontend(r, 400, "BadRequestException")
+
+
+def test_a_remote_src_outside_allowed_model_urls_is_403(managed):
+    r = managed.client.post("/adapters", params={"name": "x", "src": "s3://bucket/alpha"})
+    assert frontend(r, 403, "ForbiddenException") == (
+        "Adapter URL s3://bucket/alpha is not allowed: this server fetches only what allowed_model_urls lists "
+        "(nothing)."
+    )
 
 
 def test_the_models_own_name_is_refused(managed):
