@@ -70,6 +70,15 @@ def endless_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFac
 # be taken by the first of the servers that run side by side.
 os.environ.setdefault("OPTION_GRPC_PORT", "0")
 
+
+@pytest.fixture(autouse=True)
+def _settings_as_users_get_them(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast tier (tests/unit) reads settings in process: without the session's OPTION_GRPC_PORT, so the
+    settings and their sources are what a user gets."""
+    if request.node.path.parent.name == "unit":
+        monkeypatch.delenv("OPTION_GRPC_PORT", raising=False)
+
+
 # The device of `tiny_model`: cpu, or what LMISERVE_TEST_DEVICE names (benchmarks/gpu_check.py runs the
 # engine's tests with LMISERVE_TEST_DEVICE=cuda).
 TEST_DEVICE = os.environ.get("LMISERVE_TEST_DEVICE", "cpu")
