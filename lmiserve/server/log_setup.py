@@ -21,6 +21,7 @@ import os
 from datetime import datetime, timezone
 
 from lmiserve.core.request_context import current_request_id
+from lmiserve.models.download.progress import CHATTY_LOGGERS
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s%(request_tag)s: %(message)s"
 UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi")
@@ -60,10 +61,6 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(doc, ensure_ascii=False, default=str)
 
 
-# HTTP clients that log every request at INFO (huggingface_hub's httpx2, google-cloud-storage's urllib3, boto3)
-QUIET_LOGGERS = ("httpx", "httpx2", "urllib3", "botocore", "boto3", "s3transfer", "google")
-
-
 def configure_logging(level: str, log_format: str) -> None:
     """Send every logger's lines to stderr in `log_format` ("text" or "json") at `level`; uvicorn's
     loggers propagate to the same handler (start uvicorn with ``log_config=None``)."""
@@ -79,7 +76,7 @@ def configure_logging(level: str, log_format: str) -> None:
         logger = logging.getLogger(name)
         logger.handlers.clear()
         logger.propagate = True
-    for name in QUIET_LOGGERS:  # a line a request of a model download: the download logs its own progress
+    for name in CHATTY_LOGGERS:  # a line a request of a model download: the download logs its own progress
         logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
     logging.captureWarnings(True)  # Python warnings become log lines too (logger py.warnings)
     if log_format == "json":

@@ -72,9 +72,9 @@ class FetchOptions:
     def objects_dir(self) -> Path:
         if self.download_dir is not None:
             return self.download_dir
-        import platformdirs
+        from lmiserve.models.bundled import default_cache_dir
 
-        return Path(platformdirs.user_cache_dir("lmiserve")) / "downloads"
+        return default_cache_dir() / "downloads"
 
 
 def adapter_options(settings: Settings) -> FetchOptions:

@@ -43,9 +43,10 @@ def run_download_command(args: argparse.Namespace) -> int:
     from lmiserve.config import ConfigError, load_settings, parse_override
     from lmiserve.models import ModelLoadError
     from lmiserve.models.download import FetchOptions, fetch, is_remote
+    from lmiserve.models.download.progress import CHATTY_LOGGERS
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
-    for name in ("httpx", "httpx2", "urllib3", "botocore", "boto3", "google"):  # a line a request
+    for name in CHATTY_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
     try:
         overrides: dict[str, object] = dict(parse_override(text) for text in args.option)

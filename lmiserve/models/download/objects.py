@@ -47,8 +47,7 @@ def split_url(url: str) -> tuple[str, str, str]:
     return scheme.lower(), bucket, "/".join(parts) + "/" if parts else ""
 
 
-def open_bucket(url: str, options: FetchOptions) -> Bucket:
-    scheme, bucket, prefix = split_url(url)
+def open_bucket(url: str, scheme: str, bucket: str, prefix: str) -> Bucket:
     if scheme == "s3":
         from lmiserve.models.download.s3 import S3Bucket
 
@@ -58,12 +57,12 @@ def open_bucket(url: str, options: FetchOptions) -> Bucket:
     return GcsBucket(url, bucket, prefix)
 
 
-def fetch(url: str, options: FetchOptions, bucket: Bucket | None = None) -> Path:
+def fetch(url: str, options: FetchOptions) -> Path:
     """The local directory of the model at `url` (or its `.gguf` file), downloaded now where the cache lacks it."""
     scheme, name, prefix = split_url(url)
     target = options.objects_dir() / scheme / name / prefix
     target.mkdir(parents=True, exist_ok=True)
-    store = bucket or open_bucket(url, options)
+    store = open_bucket(url, scheme, name, prefix)
     with exclusive_lock(target.parent / f".{target.name}.lock", waiting=f"another process is downloading {url}"):
         cache = _Cache(target)
         try:

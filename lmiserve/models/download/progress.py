@@ -18,6 +18,9 @@ from typing import Any
 
 logger = logging.getLogger("lmiserve.download")
 
+# HTTP clients that log every request at INFO (huggingface_hub's httpx2, google-cloud-storage's urllib3, boto3):
+# kept at WARNING wherever a download logs its own progress (`lmiserve serve`, `lmiserve download`)
+CHATTY_LOGGERS = ("httpx", "httpx2", "urllib3", "botocore", "boto3", "s3transfer", "google")
 LOG_INTERVAL = 5.0  # seconds between two log lines
 BAR_INTERVAL = 0.5  # seconds between two updates of the terminal's bar
 
