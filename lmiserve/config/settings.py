@@ -82,19 +82,83 @@ OtlpProtocol = Literal["grpc", "http/protobuf"]
 KvCacheLayout = Literal["paged", "slots"]
 ModelKind = Literal["auto", "llm", "embedding", "classifier", "regression", "torchscript"]
 RollingBatch = Literal["auto", "lmi", "disable"]
-# `reasoning_parser` presets (vLLM's names): start and end markers of the reasoning block
+# `reasoning_parser` presets (vLLM's `--reasoning-parser` names): start and end markers of the reasoning
+# block ("" start: the output always starts in it); the other spellings a family writes and the text a
+# thinking budget forces to close the block: lmiserve.protocols.textgen.reasoning
 REASONING_PRESETS: dict[str, tuple[str, str]] = {
     "deepseek_r1": ("<think>", "</think>"),
     "deepseek_v3": ("<think>", "</think>"),
     "qwen3": ("<think>", "</think>"),
     "glm45": ("<think>", "</think>"),
+    "glm47": ("<think>", "</think>"),
     "ernie45": ("<think>", "</think>"),
     "hunyuan_a13b": ("<think>", "</think>"),
     "minimax_m2": ("<think>", "</think>"),
+    "mimo": ("<think>", "</think>"),
+    "holo2": ("<think>", "</think>"),
+    "olmo3": ("<think>", "</think>"),
+    "step3": ("", "</think>"),
+    "step3p5": ("<think>", "</think>"),
     "seed_oss": ("<seed:think>", "</seed:think>"),
+    "mistral": ("[THINK]", "[/THINK]"),
+    "granite": ("Here is my thought process:", "Here is my response:"),
+    "openai_gptoss": ("<|channel|>analysis<|message|>", "<|end|>"),
 }
 ReasoningParser = Literal[
-    "deepseek_r1", "deepseek_v3", "qwen3", "glm45", "ernie45", "hunyuan_a13b", "minimax_m2", "seed_oss"
+    "deepseek_r1",
+    "deepseek_v3",
+    "qwen3",
+    "glm45",
+    "glm47",
+    "ernie45",
+    "hunyuan_a13b",
+    "minimax_m2",
+    "mimo",
+    "holo2",
+    "olmo3",
+    "step3",
+    "step3p5",
+    "seed_oss",
+    "mistral",
+    "granite",
+    "openai_gptoss",
+]
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")  # OpenAI's `reasoning_effort` values
+_UNBOUNDED = frozenset({"none", "unlimited", "unbounded", "-1"})
+
+
+def parse_effort_budgets(value: str) -> dict[str, int | None]:
+    """`reasoning_effort_budgets` ("low:1024,medium:none,...") as {effort: thinking tokens, None: no bound};
+    `none` is always 0. ValueError for a malformed list."""
+    budgets: dict[str, int | None] = {"none": 0}
+    for item in (part.strip() for part in value.split(",")):
+        if not item:
+            continue
+        effort, sep, tokens = (s.strip().lower() for s in item.partition(":"))
+        if not sep or effort not in REASONING_EFFORTS[1:]:
+            raise ValueError(f"`{item}`: each item is effort:tokens, effort one of {', '.join(REASONING_EFFORTS[1:])}")
+        if tokens in _UNBOUNDED:
+            budgets[effort] = None
+        elif tokens.isdigit():
+            budgets[effort] = int(tokens)
+        else:
+            raise ValueError(f"`{item}`: tokens is a whole number >= 0 or `none` (no bound)")
+    return budgets
+
+
+# `tool_call_parser` values (vLLM's `--tool-call-parser` names; lmiserve.protocols.textgen.tools.parsers)
+ToolCallParser = Literal[
+    "auto",
+    "json",
+    "hermes",
+    "qwen3_coder",
+    "llama3_json",
+    "llama4_pythonic",
+    "pythonic",
+    "mistral",
+    "deepseek_v3",
+    "granite",
+    "openai",
 ]
 OutputFormatter = Literal["json", "jsonlines", "sse", "tgi_compat"]
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -665,19 +729,36 @@ class Settings(BaseModel):
             "unset or larger = the model's context length. LMI routes always check against the model's context."
         ),
     )
-    max_client_batch_size: int = Field(4, ge=1, description="Most prompts in one `/v1/completions` request.")
+    max_client_batch_size: int = Field(
+        4,
+        ge=1,
+        description=(
+            "TGI's `max_client_batch_size`, reported by TGI's `/info`; OpenAI's `/v1/completions` takes up to "
+            "`max_rolling_batch_size` (vLLM's `max_num_seqs`) prompts instead."
+        ),
+    )
     payload_limit: int = Field(
         2_000_000, ge=1, description="Largest TGI/OpenAI request body in bytes; a larger one gets 413."
     )
     sse_keepalive_interval: float = Field(
         15.0, gt=0, description="Seconds without an event before a TGI/OpenAI stream sends a `:` keep-alive comment."
     )
+    strict_openai_fields: bool = Field(
+        False,
+        description=(
+            "OpenAI chat and completions: refuse (400) a request with fields the server would accept and ignore "
+            "(unknown keys, `user`, ...); off = answer it and name them in the `warnings` response header. "
+            'See docs/protocols/openai.md, "Ignored fields".'
+        ),
+    )
     reasoning_parser: ReasoningParser | None = Field(
         None,
         description=(
-            "OpenAI chat: split a reasoning model's thinking from its answer (`message.reasoning_content`); "
-            "vLLM's names: `deepseek_r1`, `qwen3`, `glm45`, ... (`<think>`/`</think>`), `seed_oss`; unset = off "
-            'unless `reasoning_end` is set. See docs/protocols/openai.md, "Reasoning models".'
+            "Chat: split a reasoning model's thinking from its answer (OpenAI's `reasoning_content`, Anthropic's "
+            "`thinking` blocks) in its family's format, by vLLM's `--reasoning-parser` names: `deepseek_r1`, "
+            "`qwen3`, `glm45`, ... (`<think>`/`</think>`), `seed_oss`, `mistral` (`[THINK]`), `granite` "
+            "(`Here is my thought process:`), `openai_gptoss` (harmony's analysis channel); unset = off unless "
+            '`reasoning_end` is set. See docs/protocols/openai.md, "Reasoning models".'
         ),
     )
     reasoning_start: str | None = Field(
@@ -688,6 +769,42 @@ class Settings(BaseModel):
         description=(
             "End marker of the reasoning block (overrides the preset's); without a preset it turns the reasoning "
             "parser on (with no start marker the output always starts in the reasoning)."
+        ),
+    )
+    reasoning_effort_budgets: str = Field(
+        "minimal:256,low:1024,medium:none,high:none",
+        description=(
+            "OpenAI's `reasoning_effort` (chat) and `reasoning.effort` (Responses) as thinking budgets, for chat "
+            "templates that do not read `reasoning_effort` themselves: `effort:tokens` items (`none`: no bound); "
+            "the engine closes the reasoning block after that many tokens. Effort `none` always turns thinking "
+            'off (budget 0). See docs/protocols/openai.md, "Reasoning models".'
+        ),
+        json_schema_extra={
+            "allowed": "comma-separated effort:tokens items (effort minimal, low, medium or high; tokens a "
+            "whole number or none)"
+        },
+    )
+    tool_call_parser: ToolCallParser = Field(
+        "auto",
+        description=(
+            "How the model writes tool calls (vLLM's `--tool-call-parser` names): `hermes`, `qwen3_coder`, "
+            "`llama3_json`, `llama4_pythonic`, `pythonic`, `mistral`, `deepseek_v3`, `granite`, `openai` (gpt-oss "
+            "harmony), or `json` (lmiserve's own format, for templates with none); `auto` picks one from the chat "
+            "template's tool-call markers and logs the pick (`/info` names it). See docs/structured-output.md."
+        ),
+    )
+    enable_auto_tool_choice: bool = Field(
+        True,
+        description=(
+            'Whether `tool_choice: "auto"` (the default with tools) lets the model call tools; false refuses it '
+            "with a 400, as vLLM does without its `--enable-auto-tool-choice`."
+        ),
+    )
+    chat_template: str | None = Field(
+        None,
+        description=(
+            "The chat template to use instead of the tokenizer's: a Jinja file's path or the template text "
+            "(vLLM's `--chat-template`)."
         ),
     )
     responses_store_size: int = Field(
@@ -761,6 +878,7 @@ class Settings(BaseModel):
         "device",
         "model_kind",
         "reasoning_parser",
+        "tool_call_parser",
         mode="before",
     )
     @classmethod
@@ -772,6 +890,12 @@ class Settings(BaseModel):
             logger.info("rolling_batch=%s: using lmiserve's continuous-batching engine", word)
             return "lmi"
         return _WORD_ALIASES.get(info.field_name, {}).get(word, word)
+
+    @field_validator("reasoning_effort_budgets")
+    @classmethod
+    def _check_effort_budgets(cls, value: str) -> str:
+        parse_effort_budgets(value)
+        return value
 
     @field_validator("speculative_config", mode="before")
     @classmethod

@@ -1,5 +1,6 @@
-"""The text routes' request limits (TGI's router limits, OpenAI's max_logprobs), resolved against the
-served model (TGI's and OpenAI's routes apply them; the metrics size TGI's token histograms by them)."""
+"""The text routes' request limits (TGI's router limits, OpenAI's max_logprobs and prompts per
+completions request), resolved against the served model (TGI's and OpenAI's routes apply them; the
+metrics size TGI's token histograms by them)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ class TextGenLimits:
     max_top_n_tokens: int = 5
     max_input_tokens: int = 1023
     max_total_tokens: int = 1024
-    max_client_batch_size: int = 4
+    max_client_batch_size: int = 4  # TGI's (its /info); OpenAI's completions take `max_prompts`
     max_logprobs: int = 20  # OpenAI's logprobs / top_logprobs and vLLM's prompt_logprobs (not TGI's)
+    max_prompts: int = 32  # prompts in one OpenAI completions request: the engine's max_num_seqs
 
 
 def limits_for(service: Any) -> TextGenLimits:
@@ -40,4 +42,5 @@ def limits_for(service: Any) -> TextGenLimits:
         max_total_tokens=total,
         max_client_batch_size=s.max_client_batch_size,
         max_logprobs=s.max_logprobs,
+        max_prompts=s.max_rolling_batch_size,
     )

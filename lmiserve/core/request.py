@@ -16,6 +16,28 @@ def _request_id() -> str:
     return current_request_id() or f"req-{next(_ids)}"
 
 
+@dataclass(frozen=True)
+class ThinkingBudget:
+    """A bound on a reasoning block, whatever protocol asked for it (Anthropic's `thinking.budget_tokens`,
+    OpenAI's `reasoning_effort`): once `tokens` tokens were generated inside the block, the engine forces
+    `close` (the end marker, or what a model family writes to end its thinking), token by token, then the
+    answer follows.
+
+    The block: the output starts inside it (`inside`: the chat template opened it), else it opens when
+    the output starts with one of `starts` (whitespace before it allowed); it ends with any of `ends`. The
+    tokens counted are those generated inside the block, after the one completing the start marker (as
+    the reasoning parser counts `reasoning_tokens`). `close_ids`: `close` as token ids, filled in by the
+    engine when it tokenizes the request.
+    """
+
+    tokens: int
+    close: str
+    ends: tuple[str, ...]
+    starts: tuple[str, ...] = ()
+    inside: bool = True
+    close_ids: tuple[int, ...] = ()
+
+
 @dataclass
 class SamplingParams:
     """Generation parameters. Names and defaults are those of LMI's request parameters."""
@@ -48,6 +70,7 @@ class SamplingParams:
     n: int = 1  # sequences returned (best first)
     best_of: int = 1  # sequences generated (>= n)
     grammar: Grammar | None = None  # constrain the output (structured output, tool calls)
+    thinking: ThinkingBudget | None = None  # bound the reasoning block (the engine forces its end)
 
     @property
     def greedy(self) -> bool:

@@ -210,13 +210,17 @@ class BlockScheduler(SchedulerBase):
     def _drafts(self, seq: Sequence) -> list[int]:
         """The drafts `seq`'s next step verifies (those proposed after its last step, or the engine-core
         `proposer`'s), at most as many as its remaining tokens allow (the step gives it up to one more
-        than its drafts); none with a grammar (its matcher would have to mask every draft position)."""
+        than its drafts) and its thinking budget allows (`Sequence.draft_limit`); none with a grammar (its
+        matcher would have to mask every draft position)."""
         proposed, seq.drafts = seq.drafts, []
         if seq.grammar is not None:
             return []
         if self.proposer is not None:
             proposed = list(self.proposer(seq))
         room = seq.params.max_new_tokens - len(seq.output_ids) - 1
+        limit = seq.draft_limit
+        if limit is not None:
+            room = min(room, limit)
         return proposed[:room] if room > 0 else []
 
     def _admit(self, plan: StepPlan, now: float) -> None:

@@ -16,6 +16,7 @@ from lmiserve.engine.detokenizer import IncrementalDetokenizer
 from lmiserve.engine.grammar_compiler import GrammarMatcher
 from lmiserve.engine.kv_blocks import BlockTable
 from lmiserve.engine.stop import StopMatcher
+from lmiserve.engine.thinking import BudgetTracker, ForcedTokens
 
 if TYPE_CHECKING:
     from lmiserve.engine.lora import LoraAdapter
@@ -76,14 +77,22 @@ class Sequence:
         self.spec_acceptance: float | None = None
         self.spec_pause = 0
         self.spec_backoff = 0
-        self.grammar = grammar  # this sequence's own matcher when its output is constrained
+        self._grammar = grammar  # this sequence's own matcher when its output is constrained
         # `Grammar.after`: the matcher waits here (no mask) until the generated text contains that marker
         constraint = getattr(params, "grammar", None)
         self._grammar_after: str = getattr(constraint, "after", "") if grammar is not None else ""
         self._deferred: GrammarMatcher | None = None
         self._gate_tail = ""  # the end of the generated text, while waiting for `_grammar_after`
         if self._grammar_after:
-            self._deferred, self.grammar = grammar, None
+            self._deferred, self._grammar = grammar, None
+        # a thinking budget (engine/thinking.py): the block followed until its budget is spent, then its
+        # closing tokens forced (masking every other token, as a grammar does)
+        budget = getattr(params, "thinking", None)
+        self._thinking: BudgetTracker | None = None
+        self._forcing: ForcedTokens | None = None
+        if budget is not None and budget.close_ids:
+            self._thinking = BudgetTracker(budget, tokenizer, prompt_ids)
+            self._force_when_spent()
         self.finish_reason: FinishReason | None = None
         # monotonic times the engine stamps (lmiserve.core.stats): admitted, first and latest token, end
         self.scheduled_at: float | None = None
@@ -116,6 +125,18 @@ class Sequence:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    @property
+    def grammar(self) -> GrammarMatcher | None:
+        """The matcher that masks this sequence's next token (None: unconstrained): the forced end of its
+        thinking while a budget forces it, else its grammar once that applies."""
+        return self._forcing if self._forcing is not None else self._grammar
+
+    @property
+    def draft_limit(self) -> int | None:
+        """The most drafts one step may verify for this sequence without passing its thinking budget
+        (None: no limit)."""
+        return self._thinking.draft_limit() if self._thinking is not None else None
+
     def token(self, token_id: int, logprob: float | None, text: str | None = None) -> Token:
         if text is None:
             text = self._tokenizer.decode([token_id], skip_special_tokens=False)
@@ -147,10 +168,19 @@ class Sequence:
         self.output_ids.append(token_id)
         self.cumulative_logprob += logprob
         reason: FinishReason | None = None
-        text = self._detok.add(token_id)
+        # a stop token's own text (a stop token id's, or EOS's where special tokens are kept) is left out
+        # unless asked (vLLM's: the detokenizer never sees it)
+        stops = token_id in self._stop_ids or token_id in self._eos
+        hidden = stops and not self.params.include_stop_str_in_output
+        text = "" if hidden else self._detok.add(token_id)
         error = self._advance_grammar(token_id)
         if self._deferred is not None:
             self._open_gate(token_id, text)
+        if self._forcing is not None and self._forcing.done:
+            self._forcing = None  # the block is closed: the answer follows
+        if self._thinking is not None:
+            self._thinking.feed(token_id)
+            self._force_when_spent()
         if error is not None:
             reason = FinishReason.ERROR
         elif token_id in self._eos:
@@ -185,13 +215,26 @@ class Sequence:
             return None
         return f"the generated token {token_id} does not follow the grammar: {self.grammar.error}"
 
+    def _force_when_spent(self) -> None:
+        """Force the closing tokens once the budget is spent, unless a grammar already constrains every
+        token (it decides); stop following a block that closed (or never opened)."""
+        thinking = self._thinking
+        if thinking is None:
+            return
+        if thinking.spent:
+            if self._grammar is None:
+                self._forcing = thinking.closing(self.output_ids)
+            self._thinking = None
+        elif not thinking.open:
+            self._thinking = None
+
     def _open_gate(self, token_id: int, text: str) -> None:
         """Start the deferred grammar once the generated text (this token's included) holds the marker."""
         if not text:  # a token held back by the detokenizer (part of a character): its own text
             text = self._tokenizer.decode([token_id], skip_special_tokens=False)
         seen = self._gate_tail + text
         if self._grammar_after in seen:
-            self.grammar, self._deferred = self._deferred, None
+            self._grammar, self._deferred = self._deferred, None
         else:
             self._gate_tail = seen[-len(self._grammar_after) :]
 

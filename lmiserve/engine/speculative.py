@@ -250,6 +250,9 @@ class SpeculationPolicy:
             seq.spec_pause -= 1
             return 0
         room = seq.params.max_new_tokens - len(seq.output_ids) - 2  # after this step's token, and one more
+        limit = seq.draft_limit  # a thinking budget: this step's token may be the block's last free one
+        if limit is not None:
+            room = min(room, limit - 1)
         return max(0, min(self.settings.num_speculative_tokens, room))
 
     def record(self, seq: Sequence, proposed: int, accepted: int) -> None:

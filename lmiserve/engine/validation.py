@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from lmiserve.core.errors import InvalidRequest
-from lmiserve.core.request import GenerationRequest
+from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.core.tokenizer import Tokenizer
 
 
@@ -38,10 +40,22 @@ class PromptCodec:
                     found.append(ids)
         return found
 
+    def marker_ids(self, text: str) -> list[int]:
+        """`text` as the ids a model generates for it: its encoding without what the tokenizer adds to
+        every text (a BOS before it, or an EOS after it)."""
+        ids, added = self.tokenizer.encode(text), self.tokenizer.encode("")
+        if added and ids[: len(added)] == added:
+            return ids[len(added) :]
+        if added and ids[-len(added) :] == added:
+            return ids[: -len(added)]
+        return ids
+
     def tokenized(self, request: GenerationRequest) -> bool:
         """Whether `encode(request)` needs no tokenizing: its ids are given, or its validation counted
-        its prompt in this request (and it has no bad words to encode)."""
+        its prompt in this request (and it has no bad words or thinking budget end to encode)."""
         if request.params.bad_words and not request.params.bad_words_ids:
+            return False
+        if _unencoded_thinking(request.params):
             return False
         if request.prompt_ids is not None:
             return True
@@ -60,6 +74,9 @@ class PromptCodec:
             )
         if params.bad_words and not params.bad_words_ids:
             params.bad_words_ids = self.bad_words_ids(params.bad_words)
+        thinking = params.thinking
+        if thinking is not None and _unencoded_thinking(params):
+            params.thinking = dataclasses.replace(thinking, close_ids=tuple(self.marker_ids(thinking.close)))
         if request.prompt_ids is not None:
             return self._check(request, self._given_ids(request.prompt_ids))
         if params.truncate is None and self.max_prompt_chars and len(request.prompt) > self.max_prompt_chars:
@@ -93,3 +110,8 @@ class PromptCodec:
                 f"the model's context length of {self.max_context} tokens"
             )
         return ids
+
+
+def _unencoded_thinking(params: SamplingParams) -> bool:
+    """A thinking budget whose closing text is not yet token ids."""
+    return params.thinking is not None and bool(params.thinking.close) and not params.thinking.close_ids

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lmiserve.config import Settings
 from lmiserve.core import request_context
@@ -22,6 +22,7 @@ from lmiserve.core.parameters import Limits
 from lmiserve.core.stats import EngineObserver
 from lmiserve.core.tensors import TensorModel
 from lmiserve.engine import torch_thread
+from lmiserve.models import ModelLoadError
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -173,6 +174,7 @@ class ModelService:
         degree = tensor_parallel_degree(s, resolve_device(s.device))
         if degree > 1:  # the weights are the workers': this process holds the tokenizer and config
             loaded = load_model_shell(self.path, s.dtype, s.device, s.trust_remote_code)
+            with_chat_template(loaded.tokenizer, s.chat_template)
             engine = build_tensor_parallel_engine(loaded, s, degree)
             self.attach_llm(loaded, engine)
             return engine
@@ -183,6 +185,7 @@ class ModelService:
             trust_remote_code=s.trust_remote_code,
             load_format=s.load_format,
         )
+        with_chat_template(loaded.tokenizer, s.chat_template)
         draft = None
         spec = s.speculative_config
         if spec is not None and spec.method != "ngram":
@@ -334,3 +337,22 @@ def adapter_owner(request: Request, name: str) -> ModelService | None:
             request_context.note(model=service.name)
             return service
     return None
+
+
+def with_chat_template(tokenizer: Any, template: str | None) -> None:
+    """The `chat_template` setting (a Jinja file's path, or the template text) in place of the tokenizer's."""
+    if not template:
+        return
+    path = Path(template).expanduser()
+    try:
+        is_file = "\n" not in template and "{" not in template and path.is_file()
+    except OSError:  # a template text too long to be a path
+        is_file = False
+    if is_file:
+        text = path.read_text(encoding="utf-8")
+    elif "{" in template:
+        text = template
+    else:
+        raise ModelLoadError(f"chat_template: {template} is neither a readable file nor a Jinja template")
+    tokenizer.chat_template = text
+    log.info("chat template from the chat_template setting (%s)", path if is_file else "its text")

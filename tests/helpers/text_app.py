@@ -6,7 +6,7 @@ Only the model is fake. The tokenizer is the real tiny test tokenizer (tests/hel
 prompt validation (`PromptCodec`), token counts, chat templates and tool prompts go through the real
 code; each generated sequence is a real `lmiserve.engine.sequence.Sequence` fed with scripted token ids,
 so detokenization, stop sequences, stop token ids, EOS, max_new_tokens, grammars (the real
-`GrammarCompiler`), seeds, prompt logprobs and top tokens produce the events the real engine would; and
+`GrammarCompiler`), thinking budgets (their forced end comes before the script goes on), seeds, prompt logprobs and top tokens produce the events the real engine would; and
 the fake is wired into `ModelService` as the real engine is (`ModelService.attach_llm`).
 
     served = text_app(tgi_compat=True)               # options as `Settings.from_options` takes them
@@ -52,6 +52,7 @@ from lmiserve.core.stats import EngineSnapshot
 from lmiserve.engine.grammar_compiler import CompiledGrammar, GrammarCompiler
 from lmiserve.engine.loaded import LoadedModel
 from lmiserve.engine.sequence import Sequence as EngineSequence
+from lmiserve.engine.thinking import ForcedTokens
 from lmiserve.engine.tokenizer import HfTokenizer
 from lmiserve.engine.validation import PromptCodec
 from lmiserve.models.service import ModelService
@@ -380,7 +381,7 @@ class FakeTextGenerator:
         self.waiting += 1
         waiting = True
         try:
-            for count, step in enumerate(self._steps(seq, own)):
+            for count, step in enumerate(_forced_first(seq, self._steps(seq, own), _word_ids(self.tokenizer))):
                 if script.hold_after is not None and count == script.hold_after and not self._released.is_set():
                     self.holding.set()
                     await self._released.wait()
@@ -419,6 +420,16 @@ class FakeTextGenerator:
         while True:
             token_id, logprob = rng.choice(words), rng.choice(DERIVED_LOGPROBS)
             yield _Step(token_id, logprob, _top(token_id, logprob, words))
+
+
+def _forced_first(seq: EngineSequence, steps: Iterator[_Step], words: Sequence[int]) -> Iterator[_Step]:
+    """`steps`, with the tokens the engine's mask forces (a thinking budget's end of the block) put before
+    the next one whenever the sequence has them due."""
+    for step in steps:
+        while isinstance(seq.grammar, ForcedTokens) and not seq.grammar.done:
+            token_id = seq.grammar.ids[seq.grammar.at]
+            yield _Step(token_id, SCRIPTED_LOGPROB, _top(token_id, SCRIPTED_LOGPROB, words))
+        yield step
 
 
 def _top(token_id: int, logprob: float, words: Sequence[int]) -> tuple[tuple[int, float], ...]:

@@ -208,7 +208,7 @@ CHAT = {
     "presence_penalty": 0.1,
     "frequency_penalty": 0.1,
     "stream": False,
-    "stream_options": {"include_usage": True},
+    "stream_options": None,  # an object without `stream` is a 400 before anything else (vLLM's rule)
 }
 COMPLETION = {
     "prompt": ["Hi", "Yo"],

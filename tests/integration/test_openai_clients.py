@@ -183,3 +183,56 @@ def test_out_of_range_sampling_fields_raise_bad_request(client, fields):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, **fields)
     assert info.value.body["param"] == next(iter(fields))
+
+
+def test_completions_stream_carries_usage_only_when_asked(client):
+    args = {"model": "tiny", "prompt": ["Deep learning is", "Hello"], "max_tokens": 3, "temperature": 0}
+    whole = client.completions.create(**args)
+    plain = list(client.completions.create(**args, stream=True))
+    assert len(plain) == 6 and all(c.choices and c.usage is None for c in plain)
+    chunks = list(client.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    assert len(chunks) == 7 and all(c.choices and c.usage is None for c in chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage  # every prompt's usage together
+
+
+def test_stream_options_without_stream_is_bad_request(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="a", max_tokens=2, stream_options={"include_usage": True})
+    assert info.value.body["param"] == "stream_options"
+    assert info.value.body["message"] == "Stream options can only be defined when `stream=True`."
+
+
+def test_ignored_fields_are_named_in_the_warnings_header(client):
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=MESSAGES, max_tokens=2, user="u-42", metadata={"team": "search"}, store=False
+    )
+    assert raw.http_response.status_code == 200 and raw.parse().choices[0].finish_reason == "length"
+    warning = raw.headers["warnings"]
+    assert warning.startswith('299 - "ignored fields: ') and warning.endswith('"')
+    assert sorted(warning.removeprefix('299 - "ignored fields: ')[:-1].split(", ")) == ["metadata", "user"]
+    raw = client.completions.with_raw_response.create(
+        model="tiny", prompt="a", max_tokens=2, stream=True, extra_body={"no_such_option": 1}
+    )
+    assert raw.headers["warnings"] == '299 - "ignored fields: no_such_option"'
+    assert [c.choices[0].finish_reason for c in raw.parse()] == [None, "length"]
+    raw = client.completions.with_raw_response.create(model="tiny", prompt="a", max_tokens=1)
+    assert "warnings" not in raw.headers
+
+
+def test_a_stop_token_s_text_is_left_out_unless_asked(client):
+    fox = 473  # " fox", forced by its logit bias
+    args = {"model": "tiny", "max_tokens": 3, "temperature": 0, "logit_bias": {str(fox): 100}}
+    cut = client.completions.create(prompt="The quick brown", **args, extra_body={"stop_token_ids": [fox]})
+    choice = cut.choices[0]
+    assert (choice.text, choice.finish_reason, choice.model_extra["stop_reason"]) == ("", "stop", fox)
+    assert cut.usage.completion_tokens == 1
+    kept = client.completions.create(
+        prompt="The quick brown", **args, extra_body={"stop_token_ids": [fox], "include_stop_str_in_output": True}
+    )
+    assert (kept.choices[0].text, kept.choices[0].finish_reason) == (" fox", "stop")
+    chat = client.chat.completions.create(messages=MESSAGES, **args, extra_body={"stop_token_ids": [fox]})
+    assert (chat.choices[0].message.content, chat.choices[0].finish_reason) == ("", "stop")
+    chunks = list(
+        client.chat.completions.create(messages=MESSAGES, **args, stream=True, extra_body={"stop_token_ids": [fox]})
+    )
+    assert [(c.choices[0].delta.content, c.choices[0].finish_reason) for c in chunks] == [("", "stop")]

@@ -152,13 +152,16 @@ def test_completions_echo_and_logprobs(client):
 
 
 def test_completions_stream(client):
-    r = client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 3, "temperature": 0, "stream": True})
-    events = openai_sse(r.text)
-    assert len(events) == 6
+    payload = {"prompt": ["a", "b"], "max_tokens": 3, "temperature": 0, "stream": True}
+    events = openai_sse(client.post("/v1/completions", json=payload).text)
+    assert len(events) == 6 and not any("usage" in e for e in events)  # only include_usage asks for it
     for index in (0, 1):
         mine = [e for e in events if e["choices"][0]["index"] == index]
         assert [e["choices"][0]["finish_reason"] for e in mine] == [None, None, "length"]
-        assert "usage" not in mine[0] and mine[-1]["usage"]["completion_tokens"] == 3
+    whole = client.post("/v1/completions", json={**payload, "stream": False}).json()
+    r = client.post("/v1/completions", json={**payload, "stream_options": {"include_usage": True}})
+    events = openai_sse(r.text)
+    assert len(events) == 7 and events[-1]["choices"] == [] and events[-1]["usage"] == whole["usage"]
 
 
 def test_completions_errors(client):
@@ -175,8 +178,22 @@ def test_completions_errors(client):
         400,
         "Suffix is not supported and can be achieved by preprocessing the prompt.",
     )
-    r = client.post("/v1/completions", json={"prompt": ["a"] * 5})
-    assert (r.status_code, r.json()) == (400, invalid("Number of prompts exceeds the maximum allowed batch size of 4"))
+    r = client.post("/v1/completions", json={"prompt": ["a"] * 32, "max_tokens": 1})  # lm-eval's batches
+    assert r.status_code == 200 and len(r.json()["choices"]) == 32
+    r = client.post("/v1/completions", json={"prompt": ["a"] * 33})
+    assert (r.status_code, r.json()) == (
+        400,
+        invalid(
+            "Number of prompts exceeds the maximum allowed batch size of 32 "
+            "(the server's max_rolling_batch_size, vLLM's max_num_seqs)"
+        ),
+    )
+    r = client.post("/v1/completions", json={"prompt": "a", "stream_options": {"include_usage": True}})
+    assert (r.status_code, r.json()["error"]["message"], r.json()["error"]["param"]) == (
+        400,
+        "Stream options can only be defined when `stream=True`.",
+        "stream_options",
+    )
 
 
 # --- /invocations dispatch --------------------------------------------------------------------------------

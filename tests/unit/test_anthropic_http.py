@@ -287,7 +287,7 @@ def thinking_tokenizer():
 async def test_thinking_blocks_with_a_reasoning_parser():
     served = text_app(tokenizer=thinking_tokenizer(), reasoning_parser="qwen3", max_context=4096)
     served.fake.reply(Script(text="Let me think.</think>\n\nParis."))
-    body = {**BODY, "max_tokens": 60, "thinking": {"type": "enabled", "budget_tokens": 8}}
+    body = {**BODY, "max_tokens": 60, "thinking": {"type": "enabled", "budget_tokens": 30}}  # more than it thinks
     message = (await post(served, body)).json()
     assert message["content"] == [
         {"type": "thinking", "thinking": "Let me think.", "signature": ""},

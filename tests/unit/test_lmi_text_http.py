@@ -519,8 +519,13 @@ async def test_stop_sequence(served, parameters, text):
 
 
 async def test_stop_token_ids_end_the_sequence(served):
+    """The stop token's text is left out unless `include_stop_str_in_output` (vLLM's, which LMI passes on)."""
     served.fake.reply(Script(text=FOX))
-    body = (await post(served, {"inputs": PROMPT, "parameters": {"stop_token_ids": [508], "details": True}})).json()
+    params = {"stop_token_ids": [508], "details": True}  # 508: " brown"
+    body = (await post(served, {"inputs": PROMPT, "parameters": params})).json()
+    assert (body["generated_text"], body["details"]["finish_reason"]) == (" the quick", "stop_sequence")
+    params["include_stop_str_in_output"] = True
+    body = (await post(served, {"inputs": PROMPT, "parameters": params})).json()
     assert (body["generated_text"], body["details"]["finish_reason"]) == (" the quick brown", "stop_sequence")
 
 

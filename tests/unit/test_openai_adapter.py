@@ -141,8 +141,10 @@ def test_openai_ranges_are_400_naming_the_field(fields, message):
 
 def test_tools_constrain_the_output_to_calls():
     call = chat(tools=[{"type": "function", "function": {"name": "f"}}])
-    grammar = call.calls[0].request.params.grammar
     assert call.tools is not None and call.tools.mode == "auto"
+    assert call.calls[0].request.params.grammar is None  # auto: the model answers or calls, nothing forces it
+    required = chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required")
+    grammar = required.calls[0].request.params.grammar
     assert grammar is not None and grammar.kind == "json_schema" and '"const": "f"' in grammar.value
     assert '"name": "f"' in call.calls[0].request.prompt  # listed for a template that does not show tools
     none = chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="none")
@@ -164,8 +166,9 @@ def test_tools_and_a_response_format_are_mutually_exclusive():
     )
     with pytest.raises(ToolError):
         chat(tools=tools, guided_regex="a+")
-    plain = chat(tools=tools, response_format={"type": "text"}).calls[0].request.params.grammar  # no constraint
-    assert plain is not None and '"const": "f"' in plain.value
+    plain = chat(tools=tools, tool_choice="required", response_format={"type": "text"})  # no constraint
+    grammar = plain.calls[0].request.params.grammar
+    assert grammar is not None and '"const": "f"' in grammar.value
     none = chat(tools=tools, tool_choice="none", response_format={"type": "json_object"})
     assert none.calls[0].request.params.grammar is not None and none.tools is None
 

@@ -54,6 +54,13 @@ CASES: dict[str, dict] = {
         "logprobs": 1,
     },
     "completion_stream.sse": {"prompt": "Deep learning is", "max_tokens": 3, "temperature": 0, "stream": True},
+    "completion_stream_usage.sse": {
+        "prompt": ["Deep learning is", "Hello"],
+        "max_tokens": 2,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    },
     "error_suffix.json": {"prompt": "Deep learning is", "suffix": "!"},
 }
 
@@ -83,7 +90,9 @@ async def render(tiny_model, payload: dict) -> bytes:
         if chat:
             stream = fmt.ChatStreamEncoder(env, logprobs=call.logprobs, include_usage=call.include_usage)
         else:
-            stream = fmt.CompletionStreamEncoder(env, logprobs=call.logprobs, top_n=call.top_logprobs)
+            stream = fmt.CompletionStreamEncoder(
+                env, logprobs=call.logprobs, top_n=call.top_logprobs, include_usage=call.include_usage
+            )
     elif chat:
         stream = fmt.ChatEncoder(env, call.prompts[0], logprobs=call.logprobs)
     else:

@@ -43,7 +43,7 @@ async def render(tiny_model, payload: dict) -> bytes:
     req = ResponsesRequest.model_validate(payload)
     call = responses_call(req, [], limits, count, render_chat, "tiny", stored=True)
     head = Head(call.echo, id=RESPONSE_ID, created_at=CREATED)
-    encoder = ResponseStreamEncoder(head, None, False) if call.stream else ResponseEncoder(head, None, False)
+    encoder = ResponseStreamEncoder(head, None, None) if call.stream else ResponseEncoder(head, None, None)
     engine = create_engine(tiny_model, EngineConfig(max_running=4))
     engine.start()
     try:

@@ -22,6 +22,7 @@ import pytest
 from helpers.tensor_app import client as tensor_client
 from helpers.tensor_app import tensor_app, text_model
 from helpers.text_app import Script, text_app
+from lmiserve.config.sources import load_settings
 from lmiserve.core.errors import InvalidRequest, ModelNotReady, Overloaded, QueueTimeout
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "openai"
@@ -579,7 +580,38 @@ async def test_completions_stream_per_prompt(served):
         mine = [e for e in events if e["choices"][0]["index"] == index]
         assert [e["choices"][0]["text"] for e in mine] == [" the", " quick", " brown"]
         assert [e["choices"][0]["finish_reason"] for e in mine] == [None, None, "length"]
-        assert "usage" not in mine[0] and mine[-1]["usage"] == usage(2, 3)
+    assert not any("usage" in e for e in events)  # only `stream_options.include_usage` asks for it (vLLM's)
+
+
+@pytest.mark.parametrize("options", [None, {}, {"include_usage": False}])
+async def test_a_completions_stream_has_no_usage_unless_asked(served, options):
+    payload = {"prompt": "a", "max_tokens": 2, "stream": True, "stream_options": options}
+    events = chunks((await post(served, "/v1/completions", payload)).content)
+    assert len(events) == 2 and all(e["choices"] and "usage" not in e for e in events)
+
+
+async def test_a_completions_stream_with_include_usage_ends_with_a_usage_chunk(served):
+    """vLLM's: with `stream_options.include_usage` a last chunk with empty `choices` and the usage of every
+    prompt and choice together, before [DONE]; whole answers count the same."""
+    served.fake.reply(Script(text=FOX))
+    payload = {"prompt": ["a", "Hello"], "max_tokens": 3, "n": 2, "temperature": 0.5, "ignore_eos": True}
+    whole = (await post(served, "/v1/completions", payload)).json()
+    options = {"include_usage": True}
+    r = await post(served, "/v1/completions", {**payload, "stream": True, "stream_options": options})
+    events = chunks(r.content)
+    assert len(events) == 2 * 2 * 3 + 1 and all(e["choices"] and "usage" not in e for e in events[:-1])
+    assert normal(dumps(events[-1])) == dumps(
+        {
+            "object": "text_completion",
+            "id": f"cmpl-{'0' * 32}",
+            "created": 1700000000,
+            "choices": [],
+            "model": "tiny",
+            "system_fingerprint": "0.1.0-native",
+            "usage": usage(2 + 2, 12),
+        }
+    )
+    assert events[-1]["usage"] == whole["usage"]
 
 
 async def test_completions_n_indexes(served):
@@ -595,8 +627,11 @@ async def test_completions_n_indexes(served):
         ({"prompt": []}, error("Empty array detected. Do not use an empty array for the prompt.")),
         ({"prompt": "a", "suffix": None}, (GOLDEN / "error_suffix.json").read_bytes()),
         (
-            {"prompt": ["a"] * 5},
-            error("Number of prompts exceeds the maximum allowed batch size of 4"),
+            {"prompt": ["a"] * 33},
+            error(
+                "Number of prompts exceeds the maximum allowed batch size of 32 "
+                "(the server's max_rolling_batch_size, vLLM's max_num_seqs)"
+            ),
         ),
         ({"prompt": [[1], []]}, error("Empty array detected. Do not use an empty array for the prompt.")),
     ],
@@ -796,7 +831,7 @@ async def test_parallel_calls_named_tool_and_content(tools):
     message = (await post(tools, "/v1/chat/completions", tool_chat(max_tokens=200))).json()["choices"][0]["message"]
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather", "get_time"]
     assert message["tool_calls"][1]["function"]["arguments"] == '{"zone":"UTC"}'
-    tools.fake.reply_once(Script(text='{"content":"It is sunny."}', eos=False))
+    tools.fake.reply_once(Script(text='{"content":"It is sunny."}'))  # auto: no grammar ends it, the model does
     choice = (await post(tools, "/v1/chat/completions", tool_chat(max_tokens=200))).json()["choices"][0]
     assert choice["message"] == {"role": "assistant", "content": "It is sunny."} and choice["finish_reason"] == "stop"
     tools.fake.reply_once(Script(text=CALL, eos=False))  # a named tool: the grammar allows that one only
@@ -1145,6 +1180,34 @@ async def test_stop_token_ids_give_the_token_id_as_stop_reason(served):
     assert served.fake.requests[0].params.stop_token_ids == [quick]
 
 
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("include", [False, True])
+async def test_a_stop_token_s_text_is_left_out_unless_asked(served, route, include):
+    """vLLM's: the stop token ends the text without its own text (whole and streamed, where the last chunk
+    carries the finish and no text), unless `include_stop_str_in_output`; it still counts as generated."""
+    served.fake.reply(Script(text=FOX))
+    chat = route == "/v1/chat/completions"
+    brown = served.fake.ids(" brown")[0]
+    payload = {
+        "stop_token_ids": [brown],
+        "temperature": 0,
+        "include_stop_str_in_output": include,
+        **({"messages": MESSAGES} if chat else {"prompt": "a"}),
+    }
+    expected = " the quick brown" if include else " the quick"
+    body = (await post(served, route, payload)).json()
+    choice = body["choices"][0]
+    text = choice["message"]["content"] if chat else choice["text"]
+    assert (text, choice["finish_reason"], choice["stop_reason"]) == (expected, "stop", brown)
+    assert body["usage"]["completion_tokens"] == 3
+    options = {"include_usage": True}
+    events = chunks((await post(served, route, {**payload, "stream": True, "stream_options": options})).content)
+    pieces = [e["choices"][0]["delta"]["content"] if chat else e["choices"][0]["text"] for e in events[:-1]]
+    assert pieces == [" the", " quick", " brown" if include else ""]
+    last = events[-2]["choices"][0]
+    assert (last["finish_reason"], last["stop_reason"], events[-1]["usage"]["completion_tokens"]) == ("stop", brown, 3)
+
+
 async def test_eos_and_length_have_no_stop_reason(served):
     served.fake.reply(Script(text=" the quick"))
     eos = (await post(served, "/v1/completions", {"prompt": "a", "temperature": 0})).json()["choices"][0]
@@ -1155,6 +1218,114 @@ async def test_eos_and_length_have_no_stop_reason(served):
         "length",
         None,
     )
+
+
+# --- stream_options, prompts per completions request, ignored fields (the `warnings` header) --------------------
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+async def test_stream_options_without_stream_is_400(served, route):
+    """vLLM's rule and message; `null` and `{}` are not "defined" (vLLM reads them so too)."""
+    first = {"messages": MESSAGES} if "chat" in route else {"prompt": "a"}
+    for options in ({"include_usage": True}, {"include_usage": False}):
+        for stream in ({}, {"stream": False}):
+            r = await post(served, route, {**first, **stream, "max_tokens": 1, "stream_options": options})
+            assert (r.status_code, r.content) == (
+                400,
+                error("Stream options can only be defined when `stream=True`.", param="stream_options"),
+            )
+    assert not served.fake.requests
+    for options in (None, {}):
+        r = await post(served, route, {**first, "max_tokens": 1, "stream_options": options})
+        assert r.status_code == 200, r.text
+    r = await post(served, route, {**first, "max_tokens": 1, "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and chunks(r.content)[-1]["choices"] == []
+
+
+async def test_completions_take_as_many_prompts_as_max_num_seqs():
+    """lm-eval sends 32 prompts or more: the limit is the engine's max_num_seqs (max_rolling_batch_size);
+    TGI's max_client_batch_size (4) stays TGI's, in its /info."""
+    served = text_app(max_num_seqs=40)
+    r = await post(served, "/v1/completions", {"prompt": [f"p{i}" for i in range(40)], "max_tokens": 1})
+    assert r.status_code == 200 and [c["index"] for c in r.json()["choices"]] == list(range(40))
+    r = await post(served, "/v1/completions", {"prompt": [[5]] * 41, "max_tokens": 1})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"].startswith("Number of prompts exceeds the maximum allowed batch size of 40 ")
+    async with served.client() as http:
+        assert (await http.get("/info")).json()["max_client_batch_size"] == 4
+
+
+def _warned(names: str) -> str:
+    return f'299 - "ignored fields: {names}"'
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_ignored_fields_are_named_in_the_warnings_header(served, route, stream):
+    first = {"messages": MESSAGES} if "chat" in route else {"prompt": "a"}
+    payload = {
+        **first,
+        "max_tokens": 1,
+        "stream": stream,
+        "metadata": {"k": "v"},  # OpenAI's, which this server does not keep
+        "user": "u-1",  # accepted, not used
+        "no_such_option": 0,
+        "service_tier": "flex",
+        "also_null": None,  # null: absent, as OpenAI reads it
+        "store": False,  # OpenAI's default: nothing asked
+        "modalities": ["text"],
+    }
+    r = await post(served, route, payload)
+    assert r.status_code == 200, r.text
+    assert r.headers["warnings"] == _warned("metadata, no_such_option, service_tier, user")
+    r = await post(served, route, {**first, "max_tokens": 1, "stream": stream, "user": None, "store": False})
+    assert r.status_code == 200 and "warnings" not in r.headers
+
+
+async def test_ignored_options_of_stream_options_and_chat_top_logprobs_are_named(served):
+    options = {"include_usage": True, "continuous_usage_stats": True, "include_obfuscation": False}
+    payload = {"prompt": "a", "max_tokens": 1, "stream": True, "stream_options": options}
+    r = await post(served, "/v1/completions", payload)
+    assert r.headers["warnings"] == _warned("stream_options.continuous_usage_stats")
+    r = await post(served, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1, "top_logprobs": 2})
+    assert r.headers["warnings"] == _warned("top_logprobs")  # counts only with `logprobs: true`
+    r = await post(
+        served, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1, "logprobs": True, "top_logprobs": 2}
+    )
+    assert "warnings" not in r.headers
+
+
+async def test_the_warnings_header_escapes_and_cuts_names(served):
+    names = {f"f{i:02}": 1 for i in range(25)}
+    odd = {'quo"te\\': 1, "caf\u00e9\n": 1, "x" * 60: 1}
+    r = await post(served, "/v1/completions", {"prompt": "a", "max_tokens": 1, **odd, **names})
+    listed = ", ".join(['quo\\"te\\\\', "caf\\u00e9\\n", "x" * 40 + "...", *names][:20])
+    assert r.headers["warnings"] == _warned(listed + " and 8 more")
+    assert r.headers["warnings"].isascii()
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions", "/invocations"])
+async def test_strict_openai_fields_refuses_ignored_fields(route):
+    served = text_app(strict_openai_fields=True)
+    first = {"prompt": "a"} if route == "/v1/completions" else {"messages": MESSAGES}
+    r = await post(served, route, {**first, "max_tokens": 1, "user": "u", "foo": 1})
+    assert (r.status_code, r.content) == (
+        400,
+        error(
+            "The following fields are not supported and would be ignored (the server's strict_openai_fields "
+            "refuses them): `foo`, `user`",
+            param="foo",
+        ),
+    )
+    assert not served.fake.requests
+    r = await post(served, route, {**first, "max_tokens": 1, "user": None, "store": False})
+    assert r.status_code == 200 and "warnings" not in r.headers
+
+
+def test_strict_openai_fields_from_the_environment():
+    assert load_settings(environ={"OPTION_STRICT_OPENAI_FIELDS": "true"}).strict_openai_fields is True
+    assert load_settings(environ={"OPTION_STRICT_OPENAI_FIELDS": "off"}).strict_openai_fields is False
+    assert load_settings(environ={}).strict_openai_fields is False
 
 
 # --- the real `openai` SDK over the in-process app: its exception classes -----------------------------------------

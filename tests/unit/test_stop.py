@@ -119,8 +119,12 @@ def test_eos_token_ends_and_is_the_last_token_with_empty_text():
     assert s.finished
 
 
-def test_eos_text_is_kept_without_skip_special_tokens():
+def test_eos_text_is_left_out_unless_asked_even_without_skip_special_tokens():
+    # vLLM's: EOS is a stop token, its text is not output (a tool parser reading special tokens never sees it)
     s = seq_with(skip_special_tokens=False)
+    fin = check_concat(feed(s, [20, EOS]))
+    assert fin.reason is FinishReason.EOS_TOKEN and fin.generated_text == "Hel"
+    s = seq_with(skip_special_tokens=False, include_stop_str_in_output=True)
     fin = check_concat(feed(s, [20, EOS]))
     assert fin.reason is FinishReason.EOS_TOKEN and fin.generated_text == "Hel</s>"
 
@@ -149,11 +153,35 @@ def test_length_ends_after_max_new_tokens():
     assert fin.reason is FinishReason.LENGTH and fin.generated_text == "Hello wor"
 
 
-def test_stop_token_id_ends_with_stop_sequence_and_keeps_its_text():
+def test_stop_token_id_ends_with_stop_sequence_and_leaves_its_text_out():
     s = seq_with(stop_token_ids=[24])
-    fin = check_concat(feed(s, [20, 21, 24, 22]))
-    assert fin.reason is FinishReason.STOP_SEQUENCE
-    assert s.output_ids == [20, 21, 24] and fin.generated_text == "Hello !"
+    events = feed(s, [20, 21, 24, 22])
+    fin = check_concat(events)
+    assert fin.reason is FinishReason.STOP_SEQUENCE and fin.stop_reason == 24
+    assert s.output_ids == [20, 21, 24] and fin.generated_text == "Hello "  # vLLM's: the token's text is out
+    assert events[-1].token.id == 24 and events[-1].token.text == "" and fin.generated_tokens == 3
+
+
+def test_stop_token_id_text_kept_when_asked():
+    s = seq_with(stop_token_ids=[24], include_stop_str_in_output=True)
+    events = feed(s, [20, 21, 24, 22])
+    fin = check_concat(events)
+    assert fin.reason is FinishReason.STOP_SEQUENCE and fin.generated_text == "Hello !"
+    assert events[-1].token.text == "!"
+
+
+def test_eos_that_is_also_a_stop_token_id_is_an_eos():
+    s = seq_with(stop_token_ids=[EOS, 24])
+    fin = check_concat(feed(s, [20, EOS]))
+    assert fin.reason is FinishReason.EOS_TOKEN and fin.stop_reason is None
+
+
+def test_stop_token_id_left_out_still_flushes_held_back_text():
+    s = seq_with(stop_sequences=["##!"], stop_token_ids=[24])
+    events = feed(s, [20, 26, 26, 24])
+    assert [e.token.text for e in events] == ["Hel", "", "", "##"]  # "##" held back, then released
+    fin = check_concat(events)
+    assert (fin.reason, fin.stop_reason, fin.generated_text) == (FinishReason.STOP_SEQUENCE, 24, "Hel##")
 
 
 def test_stop_string_spanning_tokens_is_removed():
@@ -192,7 +220,7 @@ def test_held_back_text_is_flushed_when_the_sequence_ends_otherwise(ending, reas
         assert events[2].token.text == ""  # "##" still held back
     fin = check_concat(events)
     assert fin.reason is reason
-    assert fin.generated_text == "Hel##" + ("!" if ending == [24] else "")
+    assert fin.generated_text == "Hel##"  # a stop token id's own text is left out
 
 
 def test_stop_string_completed_by_the_last_allowed_token_is_a_stop():

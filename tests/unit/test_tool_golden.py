@@ -66,7 +66,7 @@ def render(tokens: list[str], streamed: bool, *, logprobs: bool = False) -> byte
     if streamed:
         encoder = ToolChatStreamEncoder(env, logprobs=logprobs, include_usage=True, call_ids=call_ids())
     else:
-        encoder = enc.ChatEncoder(env, "prompt", logprobs=logprobs, answer=tool_answer(call_ids()))
+        encoder = enc.ChatEncoder(env, "prompt", logprobs=logprobs, answer=tool_answer(call_ids=call_ids()))
     return b"".join(encoder.on_event(0, e) for e in events(tokens)) + encoder.close()
 
 

@@ -66,7 +66,7 @@ def test_template_without_tools_gets_them_in_a_system_prompt(tokenizer):
     assert text.startswith('<|system|>You can call the following functions:\n{"name": "get_weather"')
     assert 'reply with {"name": <function name>, "parameters": <its arguments>}' in text
     assert "or with a JSON array of such objects to call several." in text
-    assert 'To answer without calling a function, reply with {"content": <your answer>}.' in text
+    assert "To answer without calling a function, reply in plain text." in text
     assert text.endswith("<|user|>Weather in Paris?</s><|assistant|>")
     system = prompt(render, [{"role": "system", "content": "Be brief."}, QUESTION], [WEATHER], "required", False)
     assert system.startswith("<|system|>Be brief.\n\nYou can call the following functions:")

@@ -29,7 +29,8 @@ from lmiserve.core.events import Finish, FinishReason, StepEvent
 from lmiserve.protocols.anthropic.errors import RENDERER, event
 from lmiserve.protocols.textgen.reasoning import Reasoning, Splitter
 from lmiserve.protocols.textgen.sequences import sequences
-from lmiserve.protocols.textgen.tools.output import Arguments, CallStart, Content, Piece, ToolOutput
+from lmiserve.protocols.textgen.tools.output import Arguments, CallStart, Content, Piece
+from lmiserve.protocols.textgen.tools.parsers import CallReader
 from lmiserve.protocols.textgen.tools.spec import ToolSpec
 from lmiserve.protocols.textgen.wire import SSE_CONTENT_TYPE, dumps
 
@@ -42,7 +43,7 @@ def tool_use_id() -> str:
     return f"toolu_{uuid.uuid4().hex[:24]}"
 
 
-def stop_reason(finish: Finish, output: ToolOutput | None) -> tuple[str, str | None]:
+def stop_reason(finish: Finish, output: CallReader | None) -> tuple[str, str | None]:
     """(``stop_reason``, ``stop_sequence``) of a finished answer."""
     if output is not None and output.calls and output.done:
         return "tool_use", None
@@ -100,7 +101,7 @@ class MessageEncoder:
         output = None
         calls: list[dict[str, Any]] = []
         if self.tools is not None:
-            output = ToolOutput()
+            output = self.tools.reader()
             output.feed(text or "")
             output.finish()
             text = output.content
@@ -141,7 +142,7 @@ class MessageStreamEncoder:
         reasoning: Reasoning | None,
     ):
         self.msg_id, self.model, self.input_tokens = msg_id, model, input_tokens
-        self.output = ToolOutput() if tools is not None else None
+        self.output: CallReader | None = tools.reader() if tools is not None else None
         self.splitter: Splitter | None = reasoning.splitter() if reasoning is not None else None
         self.started = self.pinged = False
         self.index = -1  # of the open block, else of the last one

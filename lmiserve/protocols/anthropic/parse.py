@@ -14,7 +14,8 @@
   are off.
 - ``thinking``: ``enabled`` and ``adaptive`` need a reasoning parser (`reasoning_parser`), whose block is
   answered as a ``thinking`` block; ``budget_tokens`` must be below ``max_tokens`` (as Anthropic checks)
-  and the thinking is bounded by ``max_tokens`` only. The setting reaches the chat template as
+  and bounds the thinking (`thinking_budget`: the engine closes the block after that many tokens, then
+  the model answers; ``disabled`` is a budget of 0). The setting reaches the chat template as
   ``enable_thinking`` (false for ``disabled``).
 
 Every problem is an `InvalidRequest` (400) whose message starts with the field it is about.
@@ -47,8 +48,9 @@ from lmiserve.protocols.anthropic.schema import (
 )
 from lmiserve.protocols.textgen.chat import Message
 from lmiserve.protocols.textgen.parameters import TextGenParameters
+from lmiserve.protocols.textgen.tools.parsers import ToolParser
 from lmiserve.protocols.textgen.tools.prompt import Render, render_conversation
-from lmiserve.protocols.textgen.tools.schema import output_grammar
+from lmiserve.protocols.textgen.tools.schema import apply_tools
 from lmiserve.protocols.textgen.tools.spec import ToolSpec, tool_spec
 from lmiserve.protocols.textgen.validation import TextGenCall, build
 
@@ -146,7 +148,7 @@ def conversation(req: CountTokensRequest) -> tuple[list[Message], bool]:
     return out, prefill
 
 
-def tools_of(req: CountTokensRequest) -> ToolSpec:
+def tools_of(req: CountTokensRequest, parser: ToolParser | None = None) -> ToolSpec:
     """`tools` and `tool_choice` as the chat layer's `ToolSpec` (`ToolError` for what it cannot use)."""
     tools = None
     if req.tools is not None:
@@ -158,21 +160,21 @@ def tools_of(req: CountTokensRequest) -> ToolSpec:
             tools.append({"type": "function", "function": function})
     choice = req.tool_choice
     if choice is None:
-        return tool_spec(tools, None, None)
+        return tool_spec(tools, None, None, parser=parser)
     if isinstance(choice, ToolChoiceNone):
-        return tool_spec(tools, "none", None)
+        return tool_spec(tools, "none", None, parser=parser)
     if not tools:
         raise InvalidRequest(f"tool_choice: `{choice.type}` needs `tools`")
     parallel = not choice.disable_parallel_tool_use
     if isinstance(choice, ToolChoiceAuto):
-        return tool_spec(tools, "auto", parallel)
+        return tool_spec(tools, "auto", parallel, parser=parser)
     if isinstance(choice, ToolChoiceAny):
-        return tool_spec(tools, "required", parallel)
+        return tool_spec(tools, "required", parallel, parser=parser)
     assert isinstance(choice, ToolChoiceTool)
-    return tool_spec(tools, {"type": "function", "function": {"name": choice.name}}, parallel)
+    return tool_spec(tools, {"type": "function", "function": {"name": choice.name}}, parallel, parser=parser)
 
 
-def prompt(req: CountTokensRequest, render: Render, *, thinks: bool) -> Prompt:
+def prompt(req: CountTokensRequest, render: Render, *, thinks: bool, parser: ToolParser | None = None) -> Prompt:
     """The rendered prompt; `thinks`: a reasoning parser is configured (``thinking: enabled`` needs one)."""
     if req.thinking is not None and req.thinking.type != "disabled" and not thinks:
         raise InvalidRequest(
@@ -180,7 +182,7 @@ def prompt(req: CountTokensRequest, render: Render, *, thinks: bool) -> Prompt:
             "tell the model's thinking from its answer"
         )
     messages, prefill = conversation(req)
-    tools = tools_of(req)
+    tools = tools_of(req, parser)
     flags: dict[str, Any] = {}
     if prefill:
         flags["add_generation_prompt"] = False
@@ -228,26 +230,38 @@ def messages(
     render: Render,
     *,
     thinks: bool,
+    parser: ToolParser | None = None,
 ) -> AnthropicCall:
+    """`parser`: the model's tool-call format (None: lmiserve's JSON one)."""
     if isinstance(req.thinking, ThinkingEnabled) and req.thinking.budget_tokens >= req.max_tokens:
         raise InvalidRequest("`max_tokens` must be greater than `thinking.budget_tokens`")
     stops = _stops(req, limits)
-    rendered = prompt(req, render, thinks=thinks)
+    rendered = prompt(req, render, thinks=thinks, parser=parser)
     params = TextGenParameters(**_sampling(req), max_new_tokens=req.max_tokens, stop=stops, details=True)
     try:
         call = build(rendered.text, params, limits, count_tokens, stream=req.stream)
     except ContextLengthExceeded as exc:
         raise _too_long(exc) from None
     call.request.params.include_stop_str_in_output = False  # Anthropic names it in `stop_sequence` instead
-    if rendered.tools.active:
-        call.request.params.grammar = output_grammar(rendered.tools)
+    if rendered.tools.read:
+        apply_tools(call.request.params, rendered.tools)
     return AnthropicCall(
         call=call,
         prompt=rendered.text,
         model=req.model,
         stream=req.stream,
-        tools=rendered.tools if rendered.tools.active else None,
+        tools=rendered.tools if rendered.tools.read else None,
     )
+
+
+def thinking_budget(req: MessagesRequest) -> int | None:
+    """The thinking's bound in tokens: ``enabled``'s `budget_tokens`; 0 for ``disabled`` (a template that
+    opens the block anyway has it closed at once); None (no bound) for ``adaptive`` or no `thinking`."""
+    if isinstance(req.thinking, ThinkingEnabled):
+        return req.thinking.budget_tokens
+    if req.thinking is not None and req.thinking.type == "disabled":
+        return 0
+    return None
 
 
 def model_not_found(name: str) -> str:

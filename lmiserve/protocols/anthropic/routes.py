@@ -73,12 +73,20 @@ async def messages(request: Request) -> Response:
     with enter(request) as slot:
         thinks = markers(settings) is not None
         call = await tokenizing(
-            adapter.messages, req, model.limits, model.count_tokens, model.render_chat, thinks=thinks
+            adapter.messages,
+            req,
+            model.limits,
+            model.count_tokens,
+            model.render_chat,
+            thinks=thinks,
+            parser=model.tool_parser,
         )
         call.call.request.adapter = lora
+        model.check_tools(call.tools)
         reasoning = Reasoning.of(settings, call.prompt)
-        if reasoning is not None:  # a tool grammar applies after the reasoning block
+        if reasoning is not None:  # a tool grammar applies after the reasoning block, a budget bounds it
             call.call.request.params.grammar = reasoning.grammar(call.call.request.params.grammar)
+            call.call.request.params.thinking = reasoning.budget(adapter.thinking_budget(req))
         await prepare(model.engine, [call.call.request])  # a bad tool schema: 400 before the stream
         timer.mark_validated()
         msg_id = enc.message_id()
@@ -110,7 +118,7 @@ async def count_tokens(request: Request) -> Response:
     thinks = markers(model.service.settings) is not None
 
     def count() -> int:
-        return model.count_tokens(adapter.prompt(req, model.render_chat, thinks=thinks).text)
+        return model.count_tokens(adapter.prompt(req, model.render_chat, thinks=thinks, parser=model.tool_parser).text)
 
     return raw_response(dumps({"input_tokens": await tokenizing(count)}))
 

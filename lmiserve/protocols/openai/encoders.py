@@ -360,14 +360,30 @@ class CompletionEncoder(_Whole):
 
 
 class CompletionStreamEncoder(_Stream):
-    """Per prompt and token a ``text_completion`` event (``finish_reason: null``, no ``usage`` key); the last
-    event of each prompt has the real finish reason and that prompt's usage; then [DONE]."""
+    """Per prompt and token a ``text_completion`` event (``finish_reason: null`` until the sequence's last
+    event, which has the real finish reason; no ``usage`` key); with `include_usage`
+    (``stream_options.include_usage``, as vLLM) a last event with empty ``choices`` and the usage of every
+    prompt and choice together; then [DONE]."""
 
-    def __init__(self, env: Envelope, *, logprobs: bool, n: int = 1, top_n: int = 0):
+    def __init__(self, env: Envelope, *, logprobs: bool, n: int = 1, top_n: int = 0, include_usage: bool = False):
         self.env = env
         self.logprobs = logprobs
         self.n = n
         self.top_n = top_n
+        self.include_usage = include_usage
+        self.prompt_tokens: dict[int, tuple[int, int]] = {}  # prompt index -> (prompt tokens, cached)
+        self.completion_tokens = 0
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        head = self.env.head("text_completion")  # TGI's order here: choices before model
+        return {
+            "object": head["object"],
+            "id": head["id"],
+            "created": head["created"],
+            "choices": choices,
+            "model": head["model"],
+            "system_fingerprint": head["system_fingerprint"],
+        }
 
     def on_event(self, index: int, event: StepEvent) -> bytes:
         if event.token is None:
@@ -381,18 +397,15 @@ class CompletionStreamEncoder(_Stream):
             "finish_reason": finish_reason(finish) if finish else None,
             "stop_reason": stop_reason(finish),
         }
-        head = self.env.head("text_completion")  # TGI's order here: choices before model
-        obj = {
-            "object": head["object"],
-            "id": head["id"],
-            "created": head["created"],
-            "choices": [choice],
-            "model": head["model"],
-            "system_fingerprint": head["system_fingerprint"],
-        }
         if finish is not None:
-            obj["usage"] = usage(finish.prompt_tokens, finish.generated_tokens, finish.cached_tokens)
-        return sse.event(dumps(obj))
+            self.prompt_tokens[index] = (finish.prompt_tokens, finish.cached_tokens)
+            self.completion_tokens += finish.generated_tokens
+        return sse.event(dumps(self._chunk([choice])))
 
     def close(self) -> bytes:
-        return DONE
+        if not self.include_usage:
+            return DONE
+        prompt = sum(tokens for tokens, _ in self.prompt_tokens.values())
+        cached = sum(cached for _, cached in self.prompt_tokens.values())
+        body = {**self._chunk([]), "usage": usage(prompt, self.completion_tokens, cached)}
+        return sse.event(dumps(body)) + DONE

@@ -67,7 +67,32 @@ class EmptyPrompt(InvalidRequest):
 
 
 class TooManyPrompts(InvalidRequest):
-    """More prompts in one completions request than max_client_batch_size."""
+    """More prompts in one completions request than the engine's max_num_seqs (`max_rolling_batch_size`)."""
+
+
+class FieldError(InvalidRequest):
+    """An invalid request about one field, which `param` names (OpenAI's ``param``)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+class IgnoredFields(FieldError):
+    """Fields the server would accept and ignore (openai.fields), refused under `strict_openai_fields`;
+    `param` names the first. At most 5 names are quoted (40 characters each), then how many more."""
+
+    SHOWN = 5
+
+    def __init__(self, names: list[str]):
+        shown = ", ".join(f"`{excerpt(name, 40)}`" for name in names[: self.SHOWN])
+        more = f" and {len(names) - self.SHOWN} more" if len(names) > self.SHOWN else ""
+        super().__init__(
+            f"The following fields are not supported and would be ignored (the server's strict_openai_fields "
+            f"refuses them): {shown}{more}",
+            excerpt(names[0], 40),
+        )
+        self.names = names
 
 
 class SuffixUnsupported(Unsupported):
@@ -144,7 +169,7 @@ KINDS: dict[type[LmiServeError], Kind] = {
 
 def param(exc: LmiServeError) -> str | None:
     """The request field an error is about, when its message says it (else None)."""
-    if isinstance(exc, (InvalidValue, ContextWindowExceeded)):
+    if isinstance(exc, (InvalidValue, ContextWindowExceeded, FieldError)):
         return exc.param
     if isinstance(exc, (ModelNotFound, AdapterNotFound)):
         return "model"

@@ -6,7 +6,8 @@ strings and the rest go through TGI's shared checks (`build`). Chat: the message
 tokenizer's chat template (`render`, given by the HTTP layer); ``temperature == 0`` is greedy, any other
 value or none samples; ``top_logprobs`` is the number of top tokens. ``n`` > 1 asks the engine for that
 many sampled sequences (with a ``seed``, choice i samples from ``seed + i``). Completions: one call per
-prompt (at most ``max_client_batch_size``).
+prompt (at most the engine's ``max_num_seqs``, `TextGenLimits.max_prompts`; TGI's
+``max_client_batch_size`` is TGI's own). ``stream_options`` without ``stream`` is a 400, as in vLLM.
 """
 
 from __future__ import annotations
@@ -22,12 +23,18 @@ from lmiserve.core.grammar import Grammar
 from lmiserve.core.limits import TextGenLimits
 from lmiserve.protocols.openai import sampling as openai_sampling
 from lmiserve.protocols.openai import scoring
-from lmiserve.protocols.openai.errors import ContextWindowExceeded, InvalidValue, SuffixUnsupported, TooManyPrompts
+from lmiserve.protocols.openai.errors import (
+    ContextWindowExceeded,
+    FieldError,
+    InvalidValue,
+    SuffixUnsupported,
+    TooManyPrompts,
+)
 from lmiserve.protocols.openai.schema import ChatRequest, CompletionRequest
-from lmiserve.protocols.textgen.errors import ToolError
 from lmiserve.protocols.textgen.parameters import TextGenParameters
+from lmiserve.protocols.textgen.tools.parsers import ToolParser
 from lmiserve.protocols.textgen.tools.prompt import Render, render_conversation
-from lmiserve.protocols.textgen.tools.schema import output_grammar
+from lmiserve.protocols.textgen.tools.schema import apply_tools
 from lmiserve.protocols.textgen.tools.spec import ToolSpec, tool_spec
 from lmiserve.protocols.textgen.validation import TextGenCall, build
 
@@ -81,9 +88,12 @@ def chat(
     count_tokens: Callable[[str], int],
     render: Render,
     served_model: str,
+    parser: ToolParser | None = None,
 ) -> OpenAICall:
+    """`parser`: the model's tool-call format (None: lmiserve's JSON one)."""
+    check_stream_options(req)
     check_roles(req)
-    tools = tool_spec(req.tools, req.tool_choice, req.parallel_tool_calls, req.tool_prompt)
+    tools = tool_spec(req.tools, req.tool_choice, req.parallel_tool_calls, req.tool_prompt, parser)
     prompt = render_conversation(req.messages, tools, _with_template_kwargs(render, req))
     scoring.check_limit("top_logprobs", req.top_logprobs, limits)
     top_n = (req.top_logprobs or 0) if req.logprobs else 0
@@ -106,13 +116,11 @@ def chat(
     scoring.chat_prompt_logprobs(call, req, limits)
     openai_sampling.apply(call.request.params, req, bias)
     call = _with_n(call, req.n or 1, call.sampling)
-    if tools.active:
-        if call.request.params.grammar is not None:  # response_format / guided_*: TGI's message
-            raise ToolError("Grammar and tools are mutually exclusive")
-        call.request.params.grammar = output_grammar(tools)
+    if tools.read:
+        apply_tools(call.request.params, tools)
     return OpenAICall(
         calls=[call],
-        tools=tools if tools.active else None,
+        tools=tools if tools.read else None,
         model=_response_model(req.model, served_model),
         stream=req.stream,
         include_usage=req.include_usage,
@@ -121,6 +129,13 @@ def chat(
         prompts=[prompt],
         prompt_logprobs=req.prompt_logprobs,
     )
+
+
+def check_stream_options(req: ChatRequest | CompletionRequest) -> None:
+    """vLLM's 400 for `stream_options` on a request that does not stream (``null`` and ``{}`` are not
+    "defined", as vLLM reads them)."""
+    if req.stream_options_defined and not req.stream:
+        raise FieldError("Stream options can only be defined when `stream=True`.", "stream_options")
 
 
 def check_roles(req: ChatRequest) -> None:
@@ -151,11 +166,13 @@ def _truncate(req: ChatRequest | CompletionRequest, limits: TextGenLimits) -> in
 
 def _with_template_kwargs(render: Render, req: ChatRequest) -> Render:
     """`render` given vLLM's `chat_template_kwargs` and `reasoning_effort` (as the template variable of that
-    name, unless `chat_template_kwargs` sets it), `add_generation_prompt` and `continue_final_message`, when
-    the request has them."""
+    name, unless `chat_template_kwargs` sets it; ``none`` also as ``enable_thinking: false``),
+    `add_generation_prompt` and `continue_final_message`, when the request has them."""
     kwargs = dict(req.chat_template_kwargs or {})
     if req.reasoning_effort is not None:
         kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+        if req.reasoning_effort == "none":  # thinking off, as Qwen3's templates read it
+            kwargs.setdefault("enable_thinking", False)
     if req.add_generation_prompt and req.continue_final_message:
         raise InvalidRequest("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
     if req.continue_final_message and req.messages[-1].role != "assistant":
@@ -178,12 +195,14 @@ def completion(
     decode: scoring.Decode | None = None,
 ) -> OpenAICall:
     """`decode`: token ids -> text, for prompts given as token ids (openai.scoring)."""
+    check_stream_options(req)
     prompts = scoring.prompts(req.prompt, decode)
     if "suffix" in req.model_fields_set:
         raise SuffixUnsupported("Suffix is not supported and can be achieved by preprocessing the prompt.")
-    if len(prompts) > limits.max_client_batch_size:
+    if len(prompts) > limits.max_prompts:
         raise TooManyPrompts(
-            f"Number of prompts exceeds the maximum allowed batch size of {limits.max_client_batch_size}"
+            f"Number of prompts exceeds the maximum allowed batch size of {limits.max_prompts} "
+            "(the server's max_rolling_batch_size, vLLM's max_num_seqs)"
         )
     scoring.check(req, limits)
     top_n = req.logprobs or 0

@@ -106,7 +106,8 @@ class CompletionChoice(BaseModel):
 
 
 class Completion(BaseModel):
-    """A completion, and each event of a completion stream (whose last event per prompt has `usage`)."""
+    """A completion, and each event of a completion stream (no `usage`, except the last event with
+    `stream_options.include_usage`: empty `choices` and the usage)."""
 
     object: str  # text_completion
     id: str

@@ -28,6 +28,7 @@ from lmiserve.protocols.textgen.admission import enter
 from lmiserve.protocols.textgen.body import json_payload, parse
 from lmiserve.protocols.textgen.generation import generate as engine_events
 from lmiserve.protocols.textgen.generation import prepare
+from lmiserve.protocols.textgen.reasoning import effort_budget
 from lmiserve.protocols.textgen.served import served
 from lmiserve.protocols.textgen.timing import Timer
 from lmiserve.protocols.textgen.wire import SSE_HEADERS, dumps
@@ -63,11 +64,17 @@ async def create(request: Request) -> Response:
             model.render_chat,
             model.service.name,
             stored=stored,
+            parser=model.tool_parser,
         )
         call.call.request.adapter = lora  # the adapter `model` names (None: the base model)
+        model.check_tools(call.tools)
         reasoning = Reasoning.of(model.service.settings, call.prompt)
-        if reasoning is not None:  # a grammar applies after the reasoning block
-            call.call.request.params.grammar = reasoning.grammar(call.call.request.params.grammar)
+        if reasoning is not None:  # a grammar applies after the reasoning block, a budget bounds it
+            params = call.call.request.params
+            params.grammar = reasoning.grammar(params.grammar)
+            effort = call.echo["reasoning"]["effort"]
+            template = getattr(model.tokenizer, "chat_template", None)
+            params.thinking = reasoning.budget(effort_budget(model.service.settings, effort, template))
         await prepare(model.engine, [call.call.request])  # a bad grammar: 4xx before the stream
         timer.mark_validated()
 
@@ -76,7 +83,7 @@ async def create(request: Request) -> Response:
                 store.put(Stored(response, call.items + output))
 
         head = Head(call.echo)
-        tools = call.tools is not None
+        tools = call.tools
         events = engine_events(model.engine, [call.call.request])
         if call.stream:
             return await respond(

@@ -42,7 +42,9 @@ from lmiserve.core.events import Finish, FinishReason, StepEvent
 from lmiserve.protocols.openai.errors import RENDERER
 from lmiserve.protocols.openai.reasoning import Reasoning, Splitter
 from lmiserve.protocols.openai.tool_calls import new_call_id
-from lmiserve.protocols.textgen.tools.output import Arguments, CallStart, Content, Piece, ToolOutput
+from lmiserve.protocols.textgen.tools.output import Arguments, CallStart, Content, Piece
+from lmiserve.protocols.textgen.tools.parsers import CallReader
+from lmiserve.protocols.textgen.tools.spec import ToolSpec
 from lmiserve.protocols.textgen.wire import SSE_CONTENT_TYPE, dumps
 
 Event = dict[str, Any]
@@ -110,12 +112,14 @@ def usage(finish: Finish, reasoning_tokens: int) -> dict[str, Any]:
 class OutputBuilder:
     """One sequence's text, token by token, as output items and the stream events that build them."""
 
-    def __init__(self, reasoning: Reasoning | None, tools: bool, call_ids: Callable[[], str] = new_call_id):
+    def __init__(self, reasoning: Reasoning | None, tools: ToolSpec | None, call_ids: Callable[[], str] | None = None):
         self.items: list[dict[str, Any]] = []
         self.events: list[Event] = []  # not yet taken (`take`)
         self.splitter: Splitter | None = reasoning.splitter() if reasoning is not None else None
-        self.tools = ToolOutput() if tools else None
-        self.call_ids = call_ids
+        self.tools: CallReader | None = tools.reader() if tools is not None else None
+        self.call_ids = call_ids or (tools.format.call_id if tools is not None else new_call_id)
+        # the format's markers are special tokens (`[TOOL_CALLS]`): their text is read too
+        self.special = tools is not None and tools.format.reads_special_tokens
         self._reasoning: dict[str, Any] | None = None  # the open reasoning item
         self._message: dict[str, Any] | None = None  # the open message item
         self._calls: dict[int, dict[str, Any]] = {}  # the tool output's call index -> its item
@@ -133,11 +137,15 @@ class OutputBuilder:
     def token(self, text: str, special: bool) -> None:
         """One generated token's text."""
         if self.splitter is not None:
-            thought, answer = self.splitter.token("" if special and self.tools is not None else text)
+            thought, answer = self.splitter.token(self._readable(text, special))
             self._thought(thought)
         else:
-            answer = "" if special and self.tools is not None else text
+            answer = self._readable(text, special)
         self._answer(answer)
+
+    def _readable(self, text: str, special: bool) -> str:
+        """A token's text as the answer's reader takes it (a special token's only when the format has some)."""
+        return "" if special and self.tools is not None and not self.special else text
 
     def finish(self, incomplete: bool) -> None:
         """The sequence ended: what was held back, then every open item closed."""
@@ -305,7 +313,9 @@ Finished = Callable[[dict[str, Any], list[dict[str, Any]]], None]  # (response o
 
 
 class _Base:
-    def __init__(self, head: Head, reasoning: Reasoning | None, tools: bool, on_finished: Finished | None = None):
+    def __init__(
+        self, head: Head, reasoning: Reasoning | None, tools: ToolSpec | None, on_finished: Finished | None = None
+    ):
         self.head = head
         self.builder = OutputBuilder(reasoning, tools)
         self.on_finished = on_finished
@@ -364,7 +374,9 @@ class ResponseStreamEncoder(_Base):
     content_type = SSE_CONTENT_TYPE
     streaming = True
 
-    def __init__(self, head: Head, reasoning: Reasoning | None, tools: bool, on_finished: Finished | None = None):
+    def __init__(
+        self, head: Head, reasoning: Reasoning | None, tools: ToolSpec | None, on_finished: Finished | None = None
+    ):
         super().__init__(head, reasoning, tools, on_finished)
         self.sequence = 0
         self.started = self.ended = False

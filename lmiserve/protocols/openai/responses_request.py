@@ -13,7 +13,8 @@
   "strict"?}``; `tool_choice`: ``"auto"``, ``"none"``, ``"required"`` or ``{"type": "function",
   "name"}``; `parallel_tool_calls`. Arguments are always generated under the tool's schema.
 - `text.format`: ``text``, ``json_object``, ``json_schema`` (``name``, ``schema``, ``strict``), through
-  the grammar engine; `reasoning.effort` reaches the chat template as ``reasoning_effort``.
+  the grammar engine; `reasoning.effort` reaches the chat template as ``reasoning_effort`` (``none`` also
+  as ``enable_thinking: false``) and bounds the thinking (`textgen.reasoning.effort_budget`).
 - Sampling: `temperature` (0 greedy), `top_p`, `max_output_tokens`, and the chat route's extensions
   (`seed`, penalties, `top_k`, `min_p`, `logit_bias`, ...: `openai.sampling`).
 
@@ -39,10 +40,10 @@ from lmiserve.protocols.openai import sampling as openai_sampling
 from lmiserve.protocols.openai.errors import ContextWindowExceeded, InvalidValue
 from lmiserve.protocols.openai.schema import OpenAISampling
 from lmiserve.protocols.textgen.chat import Message
-from lmiserve.protocols.textgen.errors import ToolError
 from lmiserve.protocols.textgen.parameters import UINT32, UINT64, TextGenParameters
+from lmiserve.protocols.textgen.tools.parsers import ToolParser
 from lmiserve.protocols.textgen.tools.prompt import Render, render_conversation
-from lmiserve.protocols.textgen.tools.schema import output_grammar
+from lmiserve.protocols.textgen.tools.schema import apply_tools
 from lmiserve.protocols.textgen.tools.spec import ToolSpec, tool_spec
 from lmiserve.protocols.textgen.validation import TextGenCall, build
 
@@ -333,6 +334,7 @@ def responses_call(
     served_model: str,
     *,
     stored: bool,
+    parser: ToolParser | None = None,
 ) -> ResponsesCall:
     """Validate `req` (after `history`, the previous response's items) into one engine call. `stored`:
     whether the server will keep the response (the `store` echo)."""
@@ -340,11 +342,14 @@ def responses_call(
     bias = openai_sampling.check(req)
     items = history + input_items(req.input)
     conversation = messages(items, req.instructions)
-    tools = tool_spec(chat_tools(req.tools), chat_tool_choice(req.tool_choice), req.parallel_tool_calls)
+    tools = tool_spec(chat_tools(req.tools), chat_tool_choice(req.tool_choice), req.parallel_tool_calls, parser=parser)
     grammar, text_echo = text_format(req.text)
     reasoning = reasoning_options(req.reasoning)
     if reasoning["effort"] is not None:
-        render = functools.partial(render, template_kwargs={"reasoning_effort": reasoning["effort"]})
+        template_kwargs: dict[str, Any] = {"reasoning_effort": reasoning["effort"]}
+        if reasoning["effort"] == "none":  # thinking off, as Qwen3's templates read it
+            template_kwargs["enable_thinking"] = False
+        render = functools.partial(render, template_kwargs=template_kwargs)
     prompt = render_conversation(conversation, tools, render)
     greedy = req.temperature == 0.0
     params = TextGenParameters(
@@ -366,10 +371,8 @@ def responses_call(
     openai_sampling.apply(sampling, req, bias)
     call.request.priority = req.priority
     call.request.cache_salt = req.cache_salt
-    if tools.active:
-        if grammar is not None:
-            raise ToolError("Grammar and tools are mutually exclusive")
-        sampling.grammar = output_grammar(tools)
+    if tools.read:
+        apply_tools(sampling, tools)
     model = served_model if req.model in (None, "") else req.model
     echo = {
         "instructions": req.instructions,
@@ -395,4 +398,4 @@ def responses_call(
         echo["safety_identifier"] = req.safety_identifier
     if req.prompt_cache_key is not None:
         echo["prompt_cache_key"] = req.prompt_cache_key
-    return ResponsesCall(call, prompt, model, req.stream, items, tools if tools.active else None, echo)
+    return ResponsesCall(call, prompt, model, req.stream, items, tools if tools.read else None, echo)

@@ -1,5 +1,7 @@
 """OpenAI-compatible routes: POST /v1/chat/completions and /v1/completions. Errors are answered by
-`errors.RENDERER`: before a stream starts as ordinary responses, after it in-band."""
+`errors.RENDERER`: before a stream starts as ordinary responses, after it in-band. Fields the request
+gives and the server ignores are named in the answer's `warnings` header, or refused with a 400 under
+`strict_openai_fields` (openai.fields)."""
 
 from __future__ import annotations
 
@@ -11,9 +13,9 @@ from starlette.routing import BaseRoute, Route
 
 from lmiserve.core.tokenizer import tokenizing
 from lmiserve.protocols.openai import encoders as enc
+from lmiserve.protocols.openai import fields, responses
 from lmiserve.protocols.openai import parse as adapter
-from lmiserve.protocols.openai import responses
-from lmiserve.protocols.openai.errors import RENDERER, model_not_found
+from lmiserve.protocols.openai.errors import RENDERER, IgnoredFields, model_not_found
 from lmiserve.protocols.openai.reasoning import Reasoning
 from lmiserve.protocols.openai.schema import ChatRequest, CompletionRequest
 from lmiserve.protocols.openai.tool_calls import ToolChatStreamEncoder, tool_answer
@@ -21,6 +23,7 @@ from lmiserve.protocols.textgen.admission import enter
 from lmiserve.protocols.textgen.body import json_payload, parse
 from lmiserve.protocols.textgen.generation import generate as engine_events
 from lmiserve.protocols.textgen.generation import prepare
+from lmiserve.protocols.textgen.reasoning import effort_budget
 from lmiserve.protocols.textgen.served import served
 from lmiserve.protocols.textgen.timing import Timer
 from lmiserve.protocols.textgen.wire import SSE_HEADERS
@@ -55,17 +58,31 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Resp
     chat = isinstance(req, ChatRequest)
     timer = Timer()
     model = served(request)
+    ignored = req.ignored_fields
+    if ignored and model.service.settings.strict_openai_fields:
+        raise IgnoredFields(ignored)
+    warnings = fields.headers(ignored)
     lora = model.model_adapter(req.model, lambda: model_not_found(req.model))
     with enter(request) as slot:
         reasoning: Reasoning | None = None
         if isinstance(req, ChatRequest):
             call = await tokenizing(
-                adapter.chat, req, model.limits, model.count_tokens, model.render_chat, model.service.name
+                adapter.chat,
+                req,
+                model.limits,
+                model.count_tokens,
+                model.render_chat,
+                model.service.name,
+                model.tool_parser,
             )
+            model.check_tools(call.tools)
             reasoning = Reasoning.of(model.service.settings, call.prompts[0])
-            if reasoning is not None:  # a grammar applies after the reasoning block
+            if reasoning is not None:  # a grammar applies after the reasoning block, a budget bounds it
+                template = getattr(model.tokenizer, "chat_template", None)
+                effort = effort_budget(model.service.settings, req.reasoning_effort, template)
                 for c in call.calls:
                     c.request.params.grammar = reasoning.grammar(c.request.params.grammar)
+                    c.request.params.thinking = reasoning.budget(effort)
         else:
             call = await tokenizing(
                 adapter.completion, req, model.limits, model.count_tokens, model.service.name, model.decode
@@ -82,7 +99,11 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Resp
             stream: enc.ChatStreamEncoder | enc.CompletionStreamEncoder | ToolChatStreamEncoder
             if call.tools is not None:
                 stream = ToolChatStreamEncoder(
-                    env, logprobs=call.logprobs, include_usage=call.include_usage, reasoning=reasoning
+                    env,
+                    logprobs=call.logprobs,
+                    include_usage=call.include_usage,
+                    reasoning=reasoning,
+                    tools=call.tools,
                 )
             elif chat:
                 stream = enc.ChatStreamEncoder(
@@ -90,20 +111,24 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Resp
                 )
             else:
                 stream = enc.CompletionStreamEncoder(
-                    env, logprobs=call.logprobs, n=call.calls[0].best_of, top_n=call.top_logprobs
+                    env,
+                    logprobs=call.logprobs,
+                    n=call.calls[0].best_of,
+                    top_n=call.top_logprobs,
+                    include_usage=call.include_usage,
                 )
             return await respond(
                 request,
                 events,
                 stream,
-                headers={**SSE_HEADERS, "x-compute-type": model.compute_type},
+                headers={**SSE_HEADERS, "x-compute-type": model.compute_type, **warnings},
                 in_band=True,
                 heartbeat=keepalive(model.service.settings.sse_keepalive_interval),
                 on_close=slot.release,
             )
         whole: enc.ChatEncoder | enc.CompletionEncoder
         if chat:
-            answer = enc.plain_answer if call.tools is None else tool_answer()
+            answer = enc.plain_answer if call.tools is None else tool_answer(call.tools)
             whole = enc.ChatEncoder(
                 env,
                 call.prompts[0],
@@ -124,7 +149,8 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Resp
             )
 
         def headers() -> dict[str, str]:
-            return timer.headers(model.compute_type, whole.characters, whole.prompt_tokens, whole.generated_tokens)
+            timing = timer.headers(model.compute_type, whole.characters, whole.prompt_tokens, whole.generated_tokens)
+            return {**timing, **warnings}
 
         return await respond(request, timer.watch(events), whole, headers=headers, on_close=slot.release)
 

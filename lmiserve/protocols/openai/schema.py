@@ -1,7 +1,8 @@
 """OpenAI-compatible request bodies: chat completions (`ChatRequest`: the body TGI's /chat_tokenize
 reads, `lmiserve.protocols.textgen.chat`, with OpenAI's and vLLM's sampling fields) and completions.
 
-Unknown keys are accepted and ignored, each name logged once at WARNING (as vLLM does);
+Unknown keys are accepted and ignored, each name logged once at WARNING (as vLLM does), and named with
+the other ignored fields in the answer's `warnings` header (`ignored_fields`; lmiserve.protocols.openai.fields);
 ``"stop": null`` and ``"stream_options": null`` are accepted.
 """
 
@@ -10,9 +11,20 @@ from __future__ import annotations
 import logging
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    model_validator,
+)
 
 from lmiserve.core.errors import excerpt
+from lmiserve.protocols.openai.fields import unknown_fields
 from lmiserve.protocols.textgen.chat import ChatRequest as TextGenChatRequest
 from lmiserve.protocols.textgen.chat import Message, SamplingFields, StreamOptions
 from lmiserve.protocols.textgen.parameters import UINT32
@@ -24,10 +36,12 @@ _WARNED_MAX = 1000  # field names remembered (then each further unknown name is 
 
 
 class OpenAISampling(BaseModel):
-    """OpenAI's and vLLM's sampling fields beyond TGI's (meaning and ranges: `openai.sampling`), and
-    the unknown-field warning."""
+    """OpenAI's and vLLM's sampling fields beyond TGI's (meaning and ranges: `openai.sampling`), the
+    unknown-field warning, and what the body held beyond the schema (`ignored_fields`)."""
 
     _warned: ClassVar[set[str]] = set()
+    _unknown: list[str] = PrivateAttr(default_factory=list)  # openai.fields.unknown_fields of the body
+    _stream_options_defined: bool = PrivateAttr(False)  # vLLM's test: a non-empty `stream_options` object
 
     top_k: int | None = None
     min_p: float | None = None
@@ -57,6 +71,26 @@ class OpenAISampling(BaseModel):
                     log.debug("ignoring unknown request field %s", excerpt(name))
         return data
 
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_unknown(cls, data: Any, handler: ModelWrapValidatorHandler[Any]) -> Any:
+        model = handler(data)
+        if isinstance(data, dict) and isinstance(model, OpenAISampling):
+            model._unknown = unknown_fields(data, cls.model_fields)
+            model._stream_options_defined = bool(data.get("stream_options"))
+        return model
+
+    @property
+    def stream_options_defined(self) -> bool:
+        """Whether `stream_options` was given as a non-empty object (vLLM refuses it without `stream`)."""
+        return self._stream_options_defined
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        """The fields given a value that the server does nothing with (openai.fields): the unknown keys,
+        in the body's order, then the known fields that are accepted and not used."""
+        return self._unknown + (["user"] if self.user is not None else [])
+
 
 class ChatRequest(TextGenChatRequest, OpenAISampling):
     model_config = ConfigDict(
@@ -73,6 +107,12 @@ class ChatRequest(TextGenChatRequest, OpenAISampling):
     # message open so the answer continues it (not both)
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        """`OpenAISampling.ignored_fields`, and `top_logprobs` without `logprobs: true` (it counts only with it)."""
+        unused_top = ["top_logprobs"] if self.top_logprobs and not self.logprobs else []
+        return super().ignored_fields + unused_top
 
 
 class CompletionRequest(SamplingFields, OpenAISampling):

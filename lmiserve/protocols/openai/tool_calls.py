@@ -32,6 +32,8 @@ from lmiserve.protocols.openai.errors import DONE, RENDERER
 from lmiserve.protocols.openai.reasoning import Reasoning, Splitter
 from lmiserve.protocols.textgen.sequences import GeneratedSequence
 from lmiserve.protocols.textgen.tools.output import Arguments, CallStart, Content, Piece, ToolOutput
+from lmiserve.protocols.textgen.tools.parsers import CallReader
+from lmiserve.protocols.textgen.tools.spec import ToolSpec
 from lmiserve.protocols.textgen.wire import SSE_CONTENT_TYPE, dumps
 from lmiserve.server import sse
 
@@ -42,21 +44,33 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _reason(output: ToolOutput, finish: Finish) -> str:
+def _reason(output: CallReader, finish: Finish) -> str:
     return "tool_calls" if output.calls and output.done else finish_reason(finish)
 
 
-def tool_answer(call_ids: CallIds = new_call_id) -> Answer:
-    """The `Answer` of a tool-calling chat completion."""
+def _reader(tools: ToolSpec | None) -> CallReader:
+    return tools.reader() if tools is not None else ToolOutput()
+
+
+def _call_ids(tools: ToolSpec | None, call_ids: CallIds | None) -> CallIds:
+    """Ids as given (tests), else as the model's format makes them (Mistral's templates want 9 characters)."""
+    if call_ids is not None:
+        return call_ids
+    return tools.format.call_id if tools is not None else new_call_id
+
+
+def tool_answer(tools: ToolSpec | None = None, call_ids: CallIds | None = None) -> Answer:
+    """The `Answer` of a tool-calling chat completion, read in `tools`' call format."""
+    ids = _call_ids(tools, call_ids)
 
     def answer(seq: GeneratedSequence) -> tuple[dict[str, Any], str]:
-        output = ToolOutput()
+        output = _reader(tools)
         output.feed(seq.finish.generated_text)
         output.finish()
         message: dict[str, Any] = {"role": "assistant", "content": output.content}
         if output.calls:
             message["tool_calls"] = [
-                {"id": call_ids(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                {"id": ids(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                 for c in output.calls
             ]
         return message, _reason(output, seq.finish)
@@ -76,16 +90,20 @@ class ToolChatStreamEncoder:
         *,
         logprobs: bool,
         include_usage: bool,
-        call_ids: CallIds = new_call_id,
+        call_ids: CallIds | None = None,
         reasoning: Reasoning | None = None,
+        tools: ToolSpec | None = None,
     ):
         self.env = env
         self.reasoning = reasoning  # the reasoning block streams as `reasoning_content`; the calls follow it
         self.splitters: dict[int, Splitter] = {}
         self.logprobs = logprobs
         self.include_usage = include_usage
-        self.call_ids = call_ids
-        self.outputs: dict[int, ToolOutput] = {}  # per choice
+        self.tools = tools
+        self.call_ids = _call_ids(tools, call_ids)
+        # the format's markers are special tokens (`[TOOL_CALLS]`): their text is read too
+        self.special = tools is not None and tools.format.reads_special_tokens
+        self.outputs: dict[int, CallReader] = {}  # per choice
         self.started: set[int] = set()  # choices whose first chunk (with the role) was sent
         self.prompt_tokens = self.cached_tokens = 0
         self.completion_tokens = 0
@@ -93,21 +111,23 @@ class ToolChatStreamEncoder:
     def on_event(self, index: int, event: StepEvent) -> bytes:
         if event.token is None and event.finish is None:
             return b""
-        output = self.outputs.setdefault(event.index, ToolOutput())
+        output = self.outputs.get(event.index)
+        if output is None:
+            output = self.outputs[event.index] = _reader(self.tools)
         pieces: list[Piece] = []
         thought = ""
         finish = event.finish
+        token_text = event.token.text if event.token is not None and (self.special or not event.token.special) else ""
         if self.reasoning is not None:
             splitter = self.splitters.setdefault(event.index, self.reasoning.splitter())
-            text = event.token.text if event.token is not None and not event.token.special else ""
-            thought, answer = splitter.token(text) if event.token is not None else ("", "")
+            thought, answer = splitter.token(token_text) if event.token is not None else ("", "")
             if finish is not None:
                 more_thought, more_answer = splitter.flush()
                 thought, answer = thought + more_thought, answer + more_answer
             if answer:
                 pieces += output.feed(answer)
-        elif event.token is not None and not event.token.special:
-            pieces += output.feed(event.token.text)
+        elif token_text:
+            pieces += output.feed(token_text)
         if finish is not None:
             pieces += output.finish()
             self.prompt_tokens, self.cached_tokens = finish.prompt_tokens, finish.cached_tokens

@@ -2,7 +2,13 @@
 protocol (OpenAI's `reasoning_content`, Anthropic's `thinking` blocks); each protocol writes the two
 parts its own way (`lmiserve.protocols.openai.reasoning`, `lmiserve.protocols.anthropic.encoders`).
 
-The parser is configured by the settings `reasoning_parser`, `reasoning_start` and `reasoning_end`.
+The parser is configured by the settings `reasoning_parser`, `reasoning_start` and `reasoning_end`. A
+preset (vLLM's `--reasoning-parser` names, `REASONING_PRESETS`) gives a family's markers: ``<think>`` /
+``</think>`` (DeepSeek-R1, Qwen3, GLM-4.5, ...), ``[THINK]`` / ``[/THINK]`` (Magistral), Granite 3.2's
+``Here is my thought process:`` / ``Here is my response:`` (``Here's`` read as well, as vLLM reads it),
+gpt-oss's analysis channel (``<|channel|>analysis<|message|>`` … ``<|end|>``: what follows, the final
+channel's header and answer, is the content, for the harmony tool parser `openai` to read; the markers are
+special tokens, whose text reaches the splitter only when the request keeps special tokens in its output).
 ``tokens`` counts the tokens generated inside the block (those after the start marker up to the one
 that completes the end marker).
 
@@ -16,6 +22,11 @@ leading whitespace after the block is dropped from the content.
 A JSON-schema or tool grammar starts after the end marker when the output starts in the reasoning
 (`Grammar.after`: the engine applies the constraint from the token after the one completing the marker);
 otherwise it applies from the first token, so the model does not think.
+
+A thinking budget (`Reasoning.budget`: Anthropic's `thinking.budget_tokens`, OpenAI's `reasoning_effort`
+through `effort_budget`) becomes the engine's `ThinkingBudget`: after that many tokens inside the block the
+engine forces the family's closing text (`Markers.close`: the end marker; for gpt-oss also the final
+channel's header), then the model answers (lmiserve/engine/thinking.py).
 """
 
 from __future__ import annotations
@@ -25,31 +36,87 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Self
 
-from lmiserve.config.settings import REASONING_PRESETS, Settings
+from lmiserve.config.settings import REASONING_PRESETS, Settings, parse_effort_budgets
 from lmiserve.core.grammar import Grammar
+from lmiserve.core.request import ThinkingBudget
 
 _BEFORE, _INSIDE, _AFTER = "before", "inside", "after"
+
+# the other spellings of a preset's (start, end) markers that its family writes (vLLM's granite parser
+# reads "Here's" too, seen from quantized Granite models)
+OTHER_MARKERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "granite": (("Here's my thought process:",), ("Here's my response:",)),
+}
+# what a thinking budget forces to close a preset's block when more than its end marker: gpt-oss ends
+# its analysis message and opens the final channel, where the answer goes
+CLOSE: dict[str, str] = {
+    "openai_gptoss": "<|end|><|start|>assistant<|channel|>final<|message|>",
+}
 
 
 @dataclass(frozen=True)
 class Markers:
     start: str
     end: str
+    other_starts: tuple[str, ...] = ()  # other spellings of the markers the model may write
+    other_ends: tuple[str, ...] = ()
+    close: str = ""  # what a thinking budget forces to close the block ("": the end marker)
+
+    @property
+    def starts(self) -> tuple[str, ...]:
+        return (self.start, *self.other_starts) if self.start else ()
+
+    @property
+    def ends(self) -> tuple[str, ...]:
+        return (self.end, *self.other_ends)
 
 
 def markers(settings: Settings) -> Markers | None:
     """The configured markers: the preset's, each overridden by `reasoning_start` / `reasoning_end`;
     None when no reasoning parser is configured."""
-    preset = REASONING_PRESETS.get(settings.reasoning_parser or "")
+    name = settings.reasoning_parser or ""
+    preset = REASONING_PRESETS.get(name)
+    others = OTHER_MARKERS.get(name, ((), ()))
     start = settings.reasoning_start or (preset[0] if preset else "")
     end = settings.reasoning_end or (preset[1] if preset else "")
-    return Markers(start, end) if end else None
+    if not end:
+        return None
+    return Markers(
+        start,
+        end,
+        other_starts=() if settings.reasoning_start else others[0],
+        other_ends=() if settings.reasoning_end else others[1],
+        close="" if settings.reasoning_end else CLOSE.get(name, ""),
+    )
 
 
 def opened_in(prompt: str, marks: Markers) -> bool:
     """Whether the output starts inside the block: the prompt ends inside an open one (the template
     opened it for the model), or there is no start marker (only an end marker is configured)."""
-    return not marks.start or prompt.rfind(marks.start) > prompt.rfind(marks.end)
+    if not marks.start:
+        return True
+    return max(prompt.rfind(s) for s in marks.starts) > max(prompt.rfind(e) for e in marks.ends)
+
+
+def reads_effort(chat_template: object) -> bool:
+    """Whether a chat template (the tokenizer's `chat_template`: a text, or named texts) reads the
+    `reasoning_effort` variable itself (gpt-oss's writes ``Reasoning: low`` into its system message)."""
+    if isinstance(chat_template, dict):
+        return any(reads_effort(text) for text in chat_template.values())
+    return isinstance(chat_template, str) and "reasoning_effort" in chat_template
+
+
+def effort_budget(settings: Settings, effort: str | None, chat_template: object) -> int | None:
+    """The thinking budget of OpenAI's `reasoning_effort` (None: no bound): ``none`` is 0 (thinking off);
+    another effort is the `reasoning_effort_budgets` setting's, unless the chat template reads
+    `reasoning_effort` itself (the model then thinks as its template asks)."""
+    if effort is None:
+        return None
+    if effort == "none":
+        return 0
+    if reads_effort(chat_template):
+        return None
+    return parse_effort_budgets(settings.reasoning_effort_budgets).get(effort)
 
 
 def _partial(text: str, marker: str) -> int:
@@ -58,6 +125,16 @@ def _partial(text: str, marker: str) -> int:
         if marker.startswith(text[-n:]):
             return n
     return 0
+
+
+def _first(text: str, marks: tuple[str, ...]) -> tuple[int, str]:
+    """Where the first of `marks` in `text` starts (the longest of those starting there), and which;
+    -1 when none is there."""
+    found = [(at, -len(m), m) for m in marks if (at := text.find(m)) >= 0]
+    if not found:
+        return -1, ""
+    at, _, mark = min(found)
+    return at, mark
 
 
 class Splitter:
@@ -80,23 +157,25 @@ class Splitter:
     def feed(self, text: str) -> tuple[str, str]:
         buf, self.held = self.held + text, ""
         reasoning = content = ""
+        starts, ends = self.marks.starts, self.marks.ends
         while buf:
             if self.state == _BEFORE:
                 stripped = buf.lstrip()
-                if stripped.startswith(self.marks.start):
-                    buf, self.state, self.block = stripped[len(self.marks.start) :], _INSIDE, True
+                start = next((s for s in starts if stripped.startswith(s)), None)
+                if start is not None:
+                    buf, self.state, self.block = stripped[len(start) :], _INSIDE, True
                     continue
-                if self.marks.start.startswith(stripped):  # only whitespace and maybe a marker's start
+                if any(s.startswith(stripped) for s in starts):  # only whitespace and maybe a marker's start
                     self.held = buf
                     break
                 self.state = _AFTER
             elif self.state == _INSIDE:
-                at = buf.find(self.marks.end)
+                at, end = _first(buf, ends)
                 if at >= 0:
                     reasoning += buf[:at]
-                    buf, self.state, self.strip = buf[at + len(self.marks.end) :], _AFTER, True
+                    buf, self.state, self.strip = buf[at + len(end) :], _AFTER, True
                     continue
-                keep = _partial(buf, self.marks.end)
+                keep = max(_partial(buf, e) for e in ends)
                 reasoning, self.held = reasoning + buf[: len(buf) - keep], buf[len(buf) - keep :]
                 break
             else:
@@ -151,3 +230,16 @@ class Reasoning:
         if grammar is None or not self.inside:
             return grammar
         return dataclasses.replace(grammar, after=self.marks.end)
+
+    def budget(self, tokens: int | None) -> ThinkingBudget | None:
+        """The engine's bound on this block: `tokens` generated inside it, then its closing text forced
+        (None: no bound)."""
+        if tokens is None:
+            return None
+        return ThinkingBudget(
+            tokens=tokens,
+            close=self.marks.close or self.marks.end,
+            ends=self.marks.ends,
+            starts=self.marks.starts,
+            inside=self.inside,
+        )

@@ -20,6 +20,8 @@ from lmiserve.core.limits import TextGenLimits, limits_for
 from lmiserve.core.tokenizer import remember_encoding
 from lmiserve.models.bundled import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
 from lmiserve.models.service import ModelService, default_llm
+from lmiserve.protocols.textgen.tools.parsers import ToolParser, for_tokenizer
+from lmiserve.protocols.textgen.tools.spec import ToolSpec
 
 if TYPE_CHECKING:
     from lmiserve.engine.lora_registry import AdapterRegistry
@@ -99,6 +101,20 @@ class Served:
         if bad:
             raise InvalidRequest(f"Token id {bad[0]} is out of vocabulary (0..{size - 1})")
         return str(self.tokenizer.decode([i for i in ids if i < len(self.tokenizer)], skip_special_tokens=True))
+
+    @property
+    def tool_parser(self) -> ToolParser:
+        """How the model writes tool calls (the `tool_call_parser` setting; `auto`: from its chat template)."""
+        return for_tokenizer(self.service.settings.tool_call_parser, self.tokenizer, self.service.name)
+
+    def check_tools(self, tools: ToolSpec | None) -> None:
+        """`InvalidRequest` for ``tool_choice: "auto"`` when the server was started with
+        `enable_auto_tool_choice` false (vLLM refuses it without its flag)."""
+        if tools is not None and tools.mode == "auto" and not self.service.settings.enable_auto_tool_choice:
+            raise InvalidRequest(
+                '"auto" tool choice is off on this server (enable_auto_tool_choice=false): '
+                'use "required", "none" or a named function'
+            )
 
     def special_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -169,7 +169,7 @@ async def chat_tokenize(request: Request) -> Response:
     """The chat template applied to the messages of a chat request, and its tokens."""
     req = parse(ChatRequest, await json_payload(request))
     model = served(request)
-    spec = tool_spec(req.tools, req.tool_choice, req.parallel_tool_calls, req.tool_prompt)
+    spec = tool_spec(req.tools, req.tool_choice, req.parallel_tool_calls, req.tool_prompt, model.tool_parser)
 
     def tokenized() -> dict:
         text = render_conversation(req.messages, spec, functools.partial(model.render_chat, for_engine=False))
@@ -225,6 +225,7 @@ async def info(request: Request) -> Response:
         "prefix_cache_size": snap.prefix_cache_bytes,
         "prefix_cache_tokens": snap.prefix_cache_capacity,
         "speculative_decoding": snap.speculation,  # its method, state, acceptance rate and counters; None: off
+        "tool_call_parser": model.tool_parser.name,  # how tool calls are read (`auto`: the template's format)
     }
     return raw_response(dumps(body))
 

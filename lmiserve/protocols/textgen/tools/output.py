@@ -89,6 +89,8 @@ class ToolOutput:
             return self.text
         if self.mode == "content":
             return "".join(self._content)
+        if not self.calls and (self._scanner.failed or self._scanner.done):
+            return self.text  # JSON that is not calls (a free ``auto`` answer): text, as written
         return None
 
     # --- reading ------------------------------------------------------------------------------------

@@ -2,8 +2,12 @@
 
 - Tool definitions go to the template as transformers' ``tools`` when the template shows them (found
   by rendering a probe tool and looking for its name); otherwise they are listed in a system prompt.
-  Either way the system prompt gets a short instruction on the answer format (or TGI's `tool_prompt`).
-  With ``tool_choice: "none"`` the model sees no tools at all.
+- With lmiserve's JSON format (`ToolSpec.native` false: the template has no call format of its own) the
+  system prompt also gets a short instruction on that format (or TGI's `tool_prompt`). A model with its
+  own format (a `tool_call_parser` other than ``json``) gets no instruction: its template teaches it
+  (TGI's `tool_prompt` is still added when given).
+- ``tool_choice: "none"`` hides nothing: a template that shows tools still gets them (as OpenAI and vLLM
+  do), and nothing is instructed or parsed. With lmiserve's JSON format the model then sees no tools.
 - Assistant messages with ``tool_calls`` and ``role: "tool"`` results go to the template as they are
   (arguments as objects, the result with its ``tool_call_id`` and function ``name``) when a probe
   conversation shows the template renders them; otherwise a call becomes the assistant's text in the
@@ -42,6 +46,8 @@ def instruction(spec: ToolSpec, *, list_tools: bool) -> str:
         parts.append(f"You can call the following functions:\n{listing}")
     if spec.prompt is not None:
         parts.append(spec.prompt)
+    elif spec.native:
+        pass  # the template teaches the model its own format
     elif spec.mode == "named":
         name = spec.functions[0].name
         parts.append(f'Call the function {name}: reply with {{"name": "{name}", "parameters": <its arguments>}}.')
@@ -49,7 +55,7 @@ def instruction(spec: ToolSpec, *, list_tools: bool) -> str:
         text = 'To call a function, reply with {"name": <function name>, "parameters": <its arguments>}'
         text += ", or with a JSON array of such objects to call several." if spec.parallel else "."
         if spec.mode == "auto":
-            text += ' To answer without calling a function, reply with {"content": <your answer>}.'
+            text += " To answer without calling a function, reply in plain text."
         parts.append(text)
     return "\n\n".join(parts)
 
@@ -57,18 +63,20 @@ def instruction(spec: ToolSpec, *, list_tools: bool) -> str:
 def render_conversation(messages: Sequence[Message], spec: ToolSpec, render: Render) -> str:
     """The prompt of a chat request (see the module docstring)."""
     has_tool_messages = any(m.tool_calls or m.role == "tool" for m in messages)
-    if not spec.active and not has_tool_messages:
+    shown = bool(spec.functions) and spec.native and spec.mode == "none"  # "none" hides nothing
+    if not spec.active and not has_tool_messages and not shown:
         return render([{"role": m.role, "content": m.text()} for m in messages])
     native_calls, native_results = _renders_tool_messages(render) if has_tool_messages else (False, False)
-    native_tools = spec.active and _shows_tools(render)
+    native_tools = (spec.active or shown) and _shows_tools(render)
     attempts = [(native_calls, native_results, native_tools, "system"), (False, False, False, "system")]
     if spec.active:
         attempts.append((False, False, False, "user"))
     error: TemplateError | None = None
     for calls, results, tools, place in dict.fromkeys(attempts):
         conversation = _conversation(messages, native_calls=calls, native_results=results)
-        if spec.active:
-            _instruct(conversation, instruction(spec, list_tools=not tools), place)
+        text = instruction(spec, list_tools=not tools) if spec.active else ""
+        if text:
+            _instruct(conversation, text, place)
         try:
             if tools:
                 return render(conversation, tools=[f.definition() for f in spec.functions])

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from lmiserve.protocols.textgen.errors import ToolError
+
+if TYPE_CHECKING:
+    from lmiserve.protocols.textgen.tools.parsers import CallReader, ToolParser
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 Mode = Literal["none", "auto", "required", "named"]
@@ -52,33 +55,66 @@ class ToolSpec:
     mode: Mode = "none"
     parallel: bool = False
     prompt: str | None = None  # TGI's `tool_prompt`: replaces the default instruction
+    parser: ToolParser | None = None  # the model's call format (None: lmiserve's JSON format, `json`)
 
     @property
     def active(self) -> bool:
-        """The output is constrained to tool calls (or, for ``auto``, text wrapped as a JSON object)."""
+        """The answer is read for tool calls: ``auto``, ``required`` or a named function, with tools."""
         return self.mode != "none" and bool(self.functions)
+
+    @property
+    def format(self) -> ToolParser:
+        """The parser of the model's call format."""
+        if self.parser is not None:
+            return self.parser
+        from lmiserve.protocols.textgen.tools.parsers import tool_parser
+
+        return tool_parser("json")
+
+    @property
+    def read(self) -> bool:
+        """The answer is read in the format: tools are active, or the format writes every answer
+        (harmony's channels)."""
+        return self.active or self.format.reads_every_answer
+
+    @property
+    def native(self) -> bool:
+        """The model has a call format of its own (its chat template's), not lmiserve's JSON one."""
+        return self.format.name != "json"
+
+    def reader(self) -> CallReader:
+        """A reader of one generated answer (one per choice)."""
+        return self.format.reader(self.functions)
 
     def function(self, name: str) -> Function | None:
         return next((f for f in self.functions if f.name == name), None)
 
 
-def tool_spec(tools: Any, tool_choice: Any, parallel_tool_calls: Any, tool_prompt: str | None = None) -> ToolSpec:
-    """The validated tool fields of one chat request (raw JSON values as the request carried them)."""
+def tool_spec(
+    tools: Any,
+    tool_choice: Any,
+    parallel_tool_calls: Any,
+    tool_prompt: str | None = None,
+    parser: ToolParser | None = None,
+) -> ToolSpec:
+    """The validated tool fields of one chat request (raw JSON values as the request carried them);
+    `parser`: the model's call format (None: lmiserve's JSON one)."""
     functions = _functions(tools)
     if tool_choice is None:
-        return ToolSpec(functions, "auto" if functions else "none", _parallel(parallel_tool_calls), tool_prompt)
+        mode: Mode = "auto" if functions else "none"
+        return ToolSpec(functions, mode, _parallel(parallel_tool_calls), tool_prompt, parser)
     name = _named(tool_choice)
     if name is None:
-        mode: Mode = tool_choice
+        mode = tool_choice
         if mode != "none" and not functions:
             raise ToolError(f'`tool_choice` "{mode}" needs `tools`')
-        return ToolSpec(functions, mode, _parallel(parallel_tool_calls) and mode != "none", tool_prompt)
+        return ToolSpec(functions, mode, _parallel(parallel_tool_calls) and mode != "none", tool_prompt, parser)
     if not functions:
         raise ToolError("`tool_choice` names a function but the request has no `tools`")
     chosen = next((f for f in functions if f.name == name), None)
     if chosen is None:
         raise ToolError(f"Tool with name {name} not found")
-    return ToolSpec([chosen], "named", False, tool_prompt)
+    return ToolSpec([chosen], "named", False, tool_prompt, parser)
 
 
 def _parallel(value: Any) -> bool:

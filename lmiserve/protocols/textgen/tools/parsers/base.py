@@ -87,6 +87,13 @@ class ToolParser(ABC):
     template_markers: ClassVar[tuple[str, ...]] = ()
     # the markers are special tokens in the family's tokenizers: the reader needs their text
     reads_special_tokens: ClassVar[bool] = False
+    # every answer is written in the format, with tools or not (gpt-oss's harmony channels): always read
+    reads_every_answer: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        # how a grammar matches a marker: the serving layer sets it from the model's tokenizer (a marker
+        # that is one special token is matched as that token)
+        self.lit: Literal_ = text_literal
 
     @abstractmethod
     def parse(self, text: str, *, final: bool, functions: Sequence[Function] = ()) -> Parsed:
@@ -198,9 +205,15 @@ def call_object_schema(function: Function, name_key: str = "name", arguments_key
     }
 
 
+# between JSON tokens at most one space (`{"name": "f"}` as the families write it): free whitespace lets a
+# weak model loop on newlines inside a call
+JSON_WHITESPACE = {"whitespace_pattern": " ?"}
+
+
 def lark_json(schema: dict[str, Any]) -> str:
-    """A Lark expression for a JSON value valid under `schema`."""
-    return "%json" + json.dumps(schema, ensure_ascii=False)
+    """A Lark expression for a JSON value valid under `schema` (at most one space between its tokens)."""
+    options = {**JSON_WHITESPACE, **schema.get("x-guidance", {})}
+    return "%json" + json.dumps({**schema, "x-guidance": options}, ensure_ascii=False)
 
 
 def lark_one_of(expressions: Sequence[str]) -> str:
