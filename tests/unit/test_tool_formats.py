@@ -188,3 +188,35 @@ async def test_auto_can_be_switched_off_as_in_vllm():
     assert r.status_code == 400 and "enable_auto_tool_choice" in r.json()["error"]["message"]
     served.fake.reply(Script(text='{"name":"get_weather","parameters":{"city":"Paris","unit":"celsius"}}', eos=False))
     assert (await post(served, "/v1/chat/completions", chat(tool_choice="required", max_tokens=100))).status_code == 200
+
+
+HARMONY_TOKENS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>"]
+
+
+@functools.cache
+def harmony_tokenizer():
+    """The tiny tokenizer with gpt-oss's special tokens and a template showing its channels."""
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": HARMONY_TOKENS})
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endfor %}"
+        "{# <|channel|>commentary, <|channel|>final<|message|> #}<|start|>assistant"
+    )
+    return tokenizer
+
+
+async def test_gpt_oss_channels_are_read_with_tools_or_not():
+    served = text_app(tokenizer=harmony_tokenizer(), max_context=4096, reasoning_parser="openai_gptoss")
+    analysis = "<|channel|>analysis<|message|>The user greets me.<|end|>"
+    served.fake.reply_once(Script(text=f"{analysis}<|start|>assistant<|channel|>final<|message|>Hello!"))
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 100}
+    choice = (await post(served, "/v1/chat/completions", body)).json()["choices"][0]
+    assert served.fake.requests[-1].params.skip_special_tokens is False  # the channels are special tokens
+    assert choice["message"]["content"] == "Hello!"
+    assert choice["message"]["reasoning_content"] == "The user greets me."
+    call = '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+    served.fake.reply_once(Script(text=f'{analysis}{call}{{"city": "Paris", "unit": "celsius"}}<|call|>'))
+    choice = (await post(served, "/v1/chat/completions", chat(max_tokens=200))).json()["choices"][0]
+    [made] = choice["message"]["tool_calls"]
+    assert made["function"]["name"] == "get_weather" and json.loads(made["function"]["arguments"])["city"] == "Paris"
+    assert choice["finish_reason"] == "tool_calls" and not choice["message"]["content"]

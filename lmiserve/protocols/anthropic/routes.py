@@ -85,8 +85,7 @@ async def messages(request: Request) -> Response:
         model.check_tools(call.tools)
         reasoning = Reasoning.of(settings, call.prompt)
         if reasoning is not None:  # a tool grammar applies after the reasoning block, a budget bounds it
-            call.call.request.params.grammar = reasoning.grammar(call.call.request.params.grammar)
-            call.call.request.params.thinking = reasoning.budget(adapter.thinking_budget(req))
+            reasoning.apply(call.call.request.params, adapter.thinking_budget(req), model.tokenizer)
         await prepare(model.engine, [call.call.request])  # a bad tool schema: 400 before the stream
         timer.mark_validated()
         msg_id = enc.message_id()

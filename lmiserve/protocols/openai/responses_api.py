@@ -70,11 +70,10 @@ async def create(request: Request) -> Response:
         model.check_tools(call.tools)
         reasoning = Reasoning.of(model.service.settings, call.prompt)
         if reasoning is not None:  # a grammar applies after the reasoning block, a budget bounds it
-            params = call.call.request.params
-            params.grammar = reasoning.grammar(params.grammar)
             effort = call.echo["reasoning"]["effort"]
             template = getattr(model.tokenizer, "chat_template", None)
-            params.thinking = reasoning.budget(effort_budget(model.service.settings, effort, template))
+            budget = effort_budget(model.service.settings, effort, template)
+            reasoning.apply(call.call.request.params, budget, model.tokenizer)
         await prepare(model.engine, [call.call.request])  # a bad grammar: 4xx before the stream
         timer.mark_validated()
 

@@ -81,8 +81,7 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Resp
                 template = getattr(model.tokenizer, "chat_template", None)
                 effort = effort_budget(model.service.settings, req.reasoning_effort, template)
                 for c in call.calls:
-                    c.request.params.grammar = reasoning.grammar(c.request.params.grammar)
-                    c.request.params.thinking = reasoning.budget(effort)
+                    reasoning.apply(c.request.params, effort, model.tokenizer)
         else:
             call = await tokenizing(
                 adapter.completion, req, model.limits, model.count_tokens, model.service.name, model.decode

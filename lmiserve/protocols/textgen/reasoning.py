@@ -34,11 +34,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Self
+from typing import Any, Self
 
 from lmiserve.config.settings import REASONING_PRESETS, Settings, parse_effort_budgets
 from lmiserve.core.grammar import Grammar
-from lmiserve.core.request import ThinkingBudget
+from lmiserve.core.request import SamplingParams, ThinkingBudget
 
 _BEFORE, _INSIDE, _AFTER = "before", "inside", "after"
 
@@ -230,6 +230,17 @@ class Reasoning:
         if grammar is None or not self.inside:
             return grammar
         return dataclasses.replace(grammar, after=self.marks.end)
+
+    def apply(self, params: SamplingParams, tokens: int | None, tokenizer: Any) -> None:
+        """What the block asks of one request's generation: its grammar after the block, its budget of
+        `tokens` (None: none), and the text of special tokens kept when a marker is one (gpt-oss's
+        channels, Magistral's ``[THINK]``), so the block can be read at all."""
+        params.grammar = self.grammar(params.grammar)
+        params.thinking = self.budget(tokens)
+        decoder = getattr(tokenizer, "added_tokens_decoder", {})
+        special = [str(t) for t in decoder.values() if getattr(t, "special", False) and str(t)]
+        if any(token in marker for token in special for marker in (*self.marks.starts, *self.marks.ends)):
+            params.skip_special_tokens = False
 
     def budget(self, tokens: int | None) -> ThinkingBudget | None:
         """The engine's bound on this block: `tokens` generated inside it, then its closing text forced
