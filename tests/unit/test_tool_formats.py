@@ -214,7 +214,7 @@ async def test_gpt_oss_channels_are_read_with_tools_or_not():
     assert served.fake.requests[-1].params.skip_special_tokens is False  # the channels are special tokens
     assert choice["message"]["content"] == "Hello!"
     assert choice["message"]["reasoning_content"] == "The user greets me."
-    call = '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+    call = "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
     served.fake.reply_once(Script(text=f'{analysis}{call}{{"city": "Paris", "unit": "celsius"}}<|call|>'))
     choice = (await post(served, "/v1/chat/completions", chat(max_tokens=200))).json()["choices"][0]
     [made] = choice["message"]["tool_calls"]
