@@ -45,7 +45,7 @@ def run(model_dir: str, options: dict[str, str], device: str, levels: list[int],
     import torch
 
     from lmiserve.config import Settings
-    from lmiserve.engine.factory import build_engine
+    from lmiserve.models.compose import build_engine
     from lmiserve.models.load import load_causal_lm
 
     base = Settings.from_options({"model_id": model_dir, "device": device, **options})

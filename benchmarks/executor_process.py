@@ -34,10 +34,11 @@ from lmiserve.bench.prompts import PROMPTS  # noqa: E402
 from lmiserve.config import load_settings  # noqa: E402
 from lmiserve.core.request import GenerationRequest, SamplingParams  # noqa: E402
 from lmiserve.engine import torch_thread  # noqa: E402
-from lmiserve.engine.factory import build_engine  # noqa: E402
 from lmiserve.engine.process_executor import ProcessExecutor, paged_fast_runner  # noqa: E402
 from lmiserve.engine.runners.paged import PagedFastRunner  # noqa: E402
 from lmiserve.engine.step import InProcessExecutor  # noqa: E402
+from lmiserve.models.compose import build_engine  # noqa: E402
+from lmiserve.models.load import load_causal_lm  # noqa: E402
 from lmiserve.models.resolve import resolve_model_path  # noqa: E402
 
 
@@ -78,15 +79,18 @@ async def main(args: argparse.Namespace) -> dict:
         "process": ProcessExecutor(
             functools.partial(
                 paged_fast_runner,
-                str(resolve_model_path(settings.model_id, settings.revision, settings.model_cache_dir)),
+                functools.partial(
+                    load_causal_lm,
+                    str(resolve_model_path(settings.model_id, settings.revision, settings.model_cache_dir)),
+                    dtype=settings.dtype,
+                    device=settings.device,
+                    load_format=settings.load_format,
+                ),
                 runner.num_blocks,
                 runner.block_size,
                 settings.max_rolling_batch_size,
-                settings.dtype,
-                settings.device,
                 settings.cpu_autotune,
                 settings.autotune_cache,
-                settings.load_format,
             )
         ),
     }

@@ -66,6 +66,7 @@ ENGINE_TESTS = (
     "tests/unit/test_speculative.py",
     "tests/unit/test_triton_attention.py",
     "tests/unit/test_cuda_graphs.py",
+    "tests/unit/test_sliding_window.py",
 )
 
 PYTEST_PLUGINS = ("-p", "pytest_asyncio.plugin", "-p", "xdist.plugin")

@@ -25,8 +25,8 @@ import torch
 
 from lmiserve.config import Settings
 from lmiserve.core import GenerationRequest, SamplingParams
-from lmiserve.engine.factory import build_engine
 from lmiserve.models import load_causal_lm, resolve_model_path
+from lmiserve.models.compose import build_engine
 
 TOPICS = [
     "the sea",

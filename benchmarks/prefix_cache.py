@@ -34,8 +34,9 @@ import torch
 from lmiserve.config.settings import Settings
 from lmiserve.core import GenerationRequest, SamplingParams
 from lmiserve.engine import torch_thread
-from lmiserve.engine.factory import create_engine, engine_config
+from lmiserve.engine.factory import create_engine
 from lmiserve.models import load_causal_lm, resolve_model_path
+from lmiserve.models.compose import engine_config
 
 SYSTEM = (
     "You are a friendly and knowledgeable assistant for a small travel agency. Answer the customer's "

@@ -63,7 +63,7 @@ def run(model_dir: str, options: dict[str, str], device: str, degree: int, promp
     import torch
 
     from lmiserve.config import Settings
-    from lmiserve.engine.factory import build_engine, build_tensor_parallel_engine
+    from lmiserve.models.compose import build_engine, build_tensor_parallel_engine
     from lmiserve.models.load import load_causal_lm, load_model_shell
 
     base = {"model_id": model_dir, "device": device, **options}

@@ -43,9 +43,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 from lmiserve.config.settings import Settings
 from lmiserve.engine import fast_llama
 from lmiserve.engine.cpu_gemm import CpuGemm
-from lmiserve.engine.factory import create_engine, engine_config
+from lmiserve.engine.factory import create_engine
 from lmiserve.engine.runners.paged import PagedFastRunner
 from lmiserve.models import load_causal_lm, resolve_model_path
+from lmiserve.models.compose import engine_config
 
 
 def cpu_model() -> str:

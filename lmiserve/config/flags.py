@@ -50,6 +50,7 @@ SETTING_FLAGS: tuple[Flag, ...] = (
     Flag(("--step-timeout",), "step_timeout", "SECONDS"),
     Flag(("--trust-remote-code",), "trust_remote_code"),
     Flag(("--max-rolling-batch-size", "--max-num-seqs"), "max_rolling_batch_size", "N"),
+    Flag(("--max-num-batched-tokens",), "max_num_batched_tokens", "N"),
     Flag(("--enable-prefix-caching",), "enable_prefix_caching"),
     Flag(("--enforce-eager",), "enforce_eager"),
     Flag(("--max-new-tokens",), "max_new_tokens", "N"),

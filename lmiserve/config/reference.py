@@ -65,6 +65,7 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "rolling_batch",
             "max_rolling_batch_size",
             "max_rolling_batch_prefill_tokens",
+            "max_num_batched_tokens",
             "prefill_tokens_while_decoding",
             "job_queue_size",
             "predict_timeout",

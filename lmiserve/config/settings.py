@@ -390,7 +390,24 @@ class Settings(BaseModel):
         description=("Most sequences generated together (vLLM's `max_num_seqs`); further requests wait in the queue."),
     )
     max_rolling_batch_prefill_tokens: int = Field(
-        2048, ge=1, description="Most prompt tokens prefilled in one engine step."
+        2048,
+        ge=1,
+        description=(
+            "Most prompt tokens prefilled in one engine step (the prompt side of the step's budget; "
+            "`max_num_batched_tokens` bounds the whole step)."
+        ),
+    )
+    max_num_batched_tokens: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Most tokens one engine step computes, decoding streams included (vLLM's name and counting): "
+            "each decoding stream's token (and its speculative drafts) counts first, prompt chunks fill "
+            "the rest, within `max_rolling_batch_prefill_tokens` (the stricter bound wins). At least "
+            "`max_rolling_batch_size` (`batch_size` under dynamic batching), or the server refuses to start. "
+            "Unset = no bound but the prompt budget (a step is then at most "
+            "`max_rolling_batch_prefill_tokens` + `max_rolling_batch_size` tokens)."
+        ),
     )
     prefill_tokens_while_decoding: int | None = Field(
         None,
@@ -472,9 +489,9 @@ class Settings(BaseModel):
         description=(
             "The KV cache: `paged` (Engine v2: a pool of blocks sized by `kv_cache_memory_bytes`, admission by "
             "free blocks, preemption when the pool runs out, prompt chunks of several requests in one step, the "
-            "prefix cache as shared blocks; every runner but the batch-invariant one, and models with "
-            "sliding-window attention, which keep slots) or `slots` (one contiguous slot a sequence). See "
-            "docs/engine.md."
+            "prefix cache as shared blocks, sliding-window attention; every runner but the batch-invariant one, "
+            "which keeps slots) or `slots` (one contiguous slot a sequence; it refuses sliding-window models). "
+            "See docs/engine.md."
         ),
     )
     kv_cache_memory_bytes: ByteSize | None = Field(
@@ -944,6 +961,7 @@ class Settings(BaseModel):
             self.rolling_batch = "disable"
             self.sources["rolling_batch"] = f"batch_size={self.batch_size}"
         self._fold_lmi_speculative()
+        self._check_step_budget()
         if self.lora_modules is not None or self.lora_adapters is not None:
             self.start_adapters()  # checked here: a bad value stops the start
             if not self.enable_lora:
@@ -957,6 +975,20 @@ class Settings(BaseModel):
             )
         self._check_parallel()
         return self
+
+    def _check_step_budget(self) -> None:
+        """A step's token budget must hold a decode row of every sequence that may run (vLLM refuses it too)."""
+        budget = self.max_num_batched_tokens
+        if self.dynamic_batching:
+            running, limit = self.batch_size, f"batch_size={self.batch_size}"
+        else:
+            running = self.max_rolling_batch_size
+            limit = f"max_rolling_batch_size={running} (vLLM's max_num_seqs)"
+        if budget is not None and budget < running:
+            raise ValueError(
+                f"max_num_batched_tokens={budget} is smaller than {limit}: a step must hold a token of every "
+                "running sequence"
+            )
 
     def _check_parallel(self) -> None:
         """Tensor parallelism's options: the nodes' arithmetic, and (for a number of ranks; `max` is checked

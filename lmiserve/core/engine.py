@@ -40,9 +40,10 @@ class TextGenerator(ModelEngine, Protocol):
         ...
 
     async def prepare(self, request: GenerationRequest) -> None:
-        """Do what can fail before generation starts (compile the request's grammar, cached, off the
-        engine thread); raises InvalidRequest. `generate` does it too: a protocol calls this first
-        when it must answer a bad request before its response starts (a stream's 200)."""
+        """Do what can refuse the request itself before generation starts (compile its grammar, cached,
+        off the engine thread; encode and check its prompt; check that its prompt and max_new_tokens
+        fit the KV cache at all); raises InvalidRequest. `generate` does it too: a protocol calls this
+        first when it must answer a bad request before its response starts (a stream's 200)."""
         ...
 
     @property

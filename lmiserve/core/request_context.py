@@ -14,7 +14,9 @@ queue, prefill and decode spans are made of (lmiserve.server.tracing) once the r
 
 from __future__ import annotations
 
+import re
 import time
+import uuid
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +25,16 @@ from lmiserve.core.events import StepEvent
 from lmiserve.core.stats import RequestStats
 
 CANCELLED = "cancelled"  # the finish reason of an answer its client left before the end
+_USABLE_ID = re.compile(r"[!-~]{1,200}")  # no spaces or control characters: safe in a log line
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def usable_request_id(value: str) -> bool:
+    """1 to 200 visible ASCII characters: a client's request id that is safe in a log line."""
+    return _USABLE_ID.fullmatch(value) is not None
 
 
 @dataclass(frozen=True)

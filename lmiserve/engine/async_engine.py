@@ -44,10 +44,10 @@ from lmiserve.engine.kv_blocks import BlockPool
 from lmiserve.engine.lora import AdapterError, LoraAdapter
 from lmiserve.engine.lora_registry import AdapterRegistry, LoraLimits, UnknownAdapter
 from lmiserve.engine.prefix_cache import PrefixIndex
-from lmiserve.engine.scheduler import Scheduler, StepOutput, StepPlan
+from lmiserve.engine.scheduler import Scheduler, StepPlan
 from lmiserve.engine.sequence import Sequence
 from lmiserve.engine.speculative import SpeculationPolicy, SpeculationSettings
-from lmiserve.engine.step import BatchRunner, Executor, ExecutorFailed, InProcessExecutor
+from lmiserve.engine.step import BatchRunner, Executor, ExecutorFailed, InProcessExecutor, StepOutput
 from lmiserve.engine.token_mask import TokenMask
 from lmiserve.engine.validation import PromptCodec
 
@@ -64,6 +64,8 @@ PREFIX_BLOCK_SIZE = 16
 class EngineConfig:
     max_running: int = 32
     max_prefill_tokens: int = 2048
+    # tokens a step computes, decode rows included (vLLM's max_num_batched_tokens; None = no such bound)
+    max_step_tokens: int | None = None
     job_queue_size: int = 1000
     predict_timeout: float | None = 120.0
     static_batching: bool = False
@@ -152,6 +154,7 @@ class AsyncEngine:
             "max_batch_delay": config.max_batch_delay,
             "queue_timeout": config.predict_timeout,
             "prefill_floor": floor,
+            "max_step_tokens": config.max_step_tokens,
         }
         limits = (config.max_running, config.max_prefill_tokens)
         # a runner over a block pool runs the block scheduler's plain-data batches through an executor
@@ -300,10 +303,22 @@ class AsyncEngine:
 
     # ---- requests ----------------------------------------------------------------------------------
     async def prepare(self, request: GenerationRequest) -> None:
-        """Compile the request's grammar, if it has one, off the engine thread (cached): a grammar that
-        does not compile raises InvalidRequest here, before anything is generated. `generate` does it
-        too; a protocol calls this first to answer a bad grammar before its response starts."""
+        """Refuse here, before anything is generated, what `submit` would refuse of the request itself:
+        its grammar is compiled off the engine thread (cached; InvalidRequest when it does not compile),
+        its prompt encoded and checked (the context length, ids outside the vocabulary) and its KV, prompt
+        plus max_new_tokens, checked against the whole pool (`_check_fits`). `generate` does it all
+        again, from the caches (the grammar's, and this request's encoding of its prompt: tokenized
+        once); a protocol calls this first to answer such a request with its 4xx before its response
+        (a stream's 200) starts."""
         await self._compile(request.params.grammar)
+        prompt_ids = await self._encode(request)
+        try:
+            if prompt_ids is None:  # given as ids, or this request's encoding is remembered: no tokenizing
+                prompt_ids = self.codec.encode(request)
+            self._check_fits(len(prompt_ids) + request.params.max_new_tokens)
+        except LmiServeError as exc:
+            self._notify("on_rejected", exc)
+            raise
 
     async def _compile(self, grammar: Grammar | None) -> CompiledGrammar | None:
         if grammar is None:

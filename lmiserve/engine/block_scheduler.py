@@ -10,8 +10,10 @@ for a decoding sequence (its last sampled token), a chunk of its prompt for a pr
 sequence's computed tokens reach its end, the step samples its next token. Chunks of several prompts
 share a step, so a long prompt no longer holds up a short one behind it: a step first gives every
 decoding sequence its token, then fills its prompt budget (``max_prefill_tokens``; while sequences decode,
-``max(prefill_floor, decoding rows, max_running - decoding rows)`` as the slot scheduler bounds it)
-with chunks of the running prompts, then with newly admitted ones. While other prompts wait, a running
+``max(prefill_floor, decoding rows, max_running - decoding rows)`` as the slot scheduler bounds it; with a
+step budget, ``max_step_tokens`` (vLLM's max_num_batched_tokens), at most what the decode rows leave of
+it, a row counting its token and its drafts; the stricter bound wins) with chunks of the running
+prompts, then with newly admitted ones. While other prompts wait, a running
 prompt's chunk takes at most half the budget, so a short prompt behind a long one starts at the next step.
 
 Memory: a sequence's `BlockTable` grows by the blocks its scheduled tokens need, taken from the pool
@@ -41,10 +43,10 @@ from typing import Any
 
 from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.engine.kv_blocks import BlockPool, BlockTable
-from lmiserve.engine.scheduler import PrefillChunk, SchedulerBase, StepOutput, StepPlan
+from lmiserve.engine.scheduler import PrefillChunk, SchedulerBase, StepPlan
 from lmiserve.engine.sequence import SeqStatus, Sequence
 from lmiserve.engine.speculative import SpeculationPolicy
-from lmiserve.engine.step import NewRequest, ScheduledTokens, StepBatch
+from lmiserve.engine.step import NewRequest, ScheduledTokens, StepBatch, StepOutput
 
 
 @dataclass(frozen=True)
@@ -163,20 +165,29 @@ class BlockScheduler(SchedulerBase):
         queue = sorted(self.running, key=_precedence)
         decoding = sum(1 for s in queue if s.status is SeqStatus.RUNNING)
         prefilling = len(queue) - decoding
-        budget = self._prefill_budget(decoding)
+        budget = 0
+        # the step's budget beyond one token a decode row: what drafts may take (None: no step budget)
+        spare = None if self.max_step_tokens is None else self.max_step_tokens - decoding
+        decode_tokens = 0  # tokens of the decode rows scheduled, drafts included
         if self.speculation is not None:
             self.speculation.plan(decoding)
         scheduled: set[int] = set()
         for phase in (SeqStatus.RUNNING, SeqStatus.PREFILL):
+            if phase is SeqStatus.PREFILL:  # the prompt side: what the decode rows leave of the step
+                budget = self._prefill_budget(decoding, decode_tokens)
             for seq in list(queue):
                 if seq.status is not phase or seq not in self.running:
                     continue
                 drafts: list[int] = []
                 if phase is SeqStatus.RUNNING:
                     drafts = self._drafts(seq)
+                    if spare is not None:  # drafts count in the step's budget too (vLLM's counting)
+                        drafts = drafts[: max(spare, 0)]
                     # the drafts' blocks only when free: never a preemption for them
                     if drafts and not self.pool.allocate(self._table(seq), 1 + len(drafts)):
                         drafts = []
+                    if spare is not None:
+                        spare -= len(drafts)
                     want = 0 if drafts else 1
                 else:
                     remaining = self._uncomputed(seq)
@@ -200,6 +211,7 @@ class BlockScheduler(SchedulerBase):
                 scheduled.add(seq.seq_id)
                 if phase is SeqStatus.RUNNING:
                     plan.decode.append(seq)
+                    decode_tokens += 1 + len(drafts)
                     if drafts:
                         plan.drafts[seq.seq_id] = drafts
                 else:

@@ -1,4 +1,6 @@
-"""Build the engine for a loaded model from the server settings."""
+"""Build the engine of a loaded model from an `EngineConfig`: the runner (paged fast, paged generic or a
+slot runner), the KV pool sized for the device, the prompt codec, speculative decoding's proposer and the
+LoRA adapters. Plain values only: the settings are read above the engine (models/compose.py)."""
 
 from __future__ import annotations
 
@@ -7,32 +9,26 @@ import gc
 import logging
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from lmiserve.config.sources import ENV_SHORTCUTS
-from lmiserve.config.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE
 from lmiserve.core.request import SamplingParams
 from lmiserve.engine import cuda_graphs, lora_kernels
 from lmiserve.engine.async_engine import AsyncEngine, EngineConfig
+from lmiserve.engine.attention_window import slot_refusal
 from lmiserve.engine.grammar_compiler import GrammarCompiler
 from lmiserve.engine.loaded import LoadedModel
 from lmiserve.engine.lora import FAST_PATH_MODULES
-from lmiserve.engine.lora_registry import AdapterRegistry, LoraLimits
+from lmiserve.engine.lora_registry import AdapterRegistry
 from lmiserve.engine.quantize import Int4Linear, Int8Linear, quantize_output_int8
 from lmiserve.engine.runners import FastRunner, ModelRunner, create_runner, paged_generic, runner_class
 from lmiserve.engine.runners.batched import PersistentBatchRunner
 from lmiserve.engine.runners.paged import PagedFastRunner, kv_bytes_per_block
-from lmiserve.engine.speculative import DraftModelProposer, NgramProposer, Proposer, SpeculationSettings
+from lmiserve.engine.speculative import DraftModelProposer, NgramProposer, Proposer
 from lmiserve.engine.step import BatchRunner, NewRequest, ScheduledTokens, StepBatch
-from lmiserve.engine.tensor_parallel import unsplittable_reason
 from lmiserve.engine.tokenizer import HfTokenizer
-from lmiserve.engine.tp_workers import TensorParallelExecutor, WorkerSpec, free_port
 from lmiserve.engine.validation import PromptCodec
-
-if TYPE_CHECKING:
-    from lmiserve.config import Settings
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +96,12 @@ def graph_pool_bytes(step_bytes: int, step_tokens: int, rows: int, vocab: int, i
 
 
 def largest_step_tokens(config: EngineConfig, max_context: int) -> int:
-    """The most tokens one step computes: the prefill budget and a decode row for every other sequence."""
-    return min(config.max_prefill_tokens + config.max_running, max_context)
+    """The most tokens one step computes: the prefill budget and a decode row for every other sequence,
+    within the step's budget (`max_step_tokens`) when one is set."""
+    tokens = config.max_prefill_tokens + config.max_running
+    if config.max_step_tokens is not None:
+        tokens = min(tokens, config.max_step_tokens)
+    return min(tokens, max_context)
 
 
 def run_profile_step(runner_of: Callable[[int], BatchRunner], tokens: int, block_size: int) -> int:
@@ -151,84 +151,14 @@ def profile_step_memory(
 
 # Rows from which speculative decoding stops drafting, by device, unless disable_by_batch_size says:
 # on CPU a step of a few rows still costs about the weights it reads (benchmarks/README.md).
-DISABLE_BY_BATCH_SIZE = {"cpu": DEFAULT_DISABLE_BY_BATCH_SIZE, "cuda": 32}
+# (`speculative_config`'s help in config/speculative.py says the same: tests/unit/test_speculative.py)
+DISABLE_BY_BATCH_SIZE = {"cpu": 4, "cuda": 32}
 
 # Prompt tokens a step that also decodes may take at least (it takes max(floor, decoding rows)).
 # CPU: a step's cost is ~ weight read + tokens x per-token compute; 16 extra tokens at most double
 # a 1-row decode step and add ~1/3 to a 32-row one (benchmarks/README.md, "prefill budget").
 # GPU: a step costs about the same up to hundreds of tokens (not measured here).
 PREFILL_FLOOR = {"cpu": 16, "cuda": 256}
-
-
-def engine_config(settings: Settings) -> EngineConfig:
-    if settings.kv_cache == "paged" and "prefix_cache_size" in settings.model_fields_set:
-        log.warning(
-            "prefix_cache_size sizes the slot cache's prefix cache only: with kv_cache=paged the KV pool "
-            "(kv_cache_memory_bytes) is the prefix cache"
-        )
-    degree = settings.tensor_parallel_degree
-    if degree is None or degree == "1":
-        # set on purpose (not a launcher's MASTER_ADDR/MASTER_PORT, which other tools export too)
-        launcher = {f"environment {var}" for var, _ in ENV_SHORTCUTS}
-        unused = [
-            f"{key} ({settings.sources[key]})"
-            for key in ("master_addr", "master_port", "step_timeout")
-            if key in settings.sources and settings.sources[key] not in launcher
-        ]
-        if unused:
-            log.warning("%s: only for tensor parallelism (tensor_parallel_degree > 1); ignored", ", ".join(unused))
-    static = settings.dynamic_batching
-    return EngineConfig(
-        max_running=settings.batch_size if static else settings.max_rolling_batch_size,
-        max_prefill_tokens=settings.max_rolling_batch_prefill_tokens,
-        job_queue_size=settings.job_queue_size,
-        predict_timeout=settings.predict_timeout,
-        static_batching=static,
-        batch_size=settings.batch_size,
-        max_batch_delay=settings.max_batch_delay / 1000.0,
-        batch_invariant=settings.batch_invariant,
-        fast_path=settings.fast_path,
-        cpu_autotune=settings.cpu_autotune,
-        autotune_cache=settings.autotune_cache,
-        prefill_floor=settings.prefill_tokens_while_decoding or "auto",
-        prefix_cache_bytes=int(settings.prefix_cache_size) if settings.enable_prefix_caching else 0,
-        kv_cache=settings.kv_cache,
-        kv_cache_memory_bytes=int(settings.kv_cache_memory_bytes) if settings.kv_cache_memory_bytes else None,
-        block_size=settings.block_size,
-        gpu_memory_utilization=settings.gpu_memory_utilization,
-        enforce_eager=settings.enforce_eager,
-        speculation=speculation_settings(settings),
-        lora=LoraLimits(settings.max_loras, settings.max_lora_rank, settings.max_cpu_loras)
-        if settings.enable_lora
-        else None,
-    )
-
-
-def speculation_settings(settings: Settings) -> SpeculationSettings | None:
-    """The engine's speculative decoding from `speculative_config` (None: off)."""
-    spec = settings.speculative_config
-    if spec is None:
-        return None
-    base = SpeculationSettings(
-        "draft_model",
-        spec.num_speculative_tokens,
-        disable_by_batch_size=spec.disable_by_batch_size,
-        min_acceptance_rate=spec.min_acceptance_rate,
-    )
-    if spec.method == "ngram":
-        # its bounds are completed by the validator (a draft model has none)
-        assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
-        return dataclasses.replace(
-            base, method="ngram", prompt_lookup_min=spec.prompt_lookup_min, prompt_lookup_max=spec.prompt_lookup_max
-        )
-    target = settings.model_id or "the bundled model"
-    draft_name = f"{target} as {spec.dtype}" if spec.self_draft else f"{spec.model} ({spec.dtype})"
-    return dataclasses.replace(base, draft_name=draft_name)
-
-
-def build_engine(loaded: LoadedModel, settings: Settings, draft: LoadedModel | None = None) -> AsyncEngine:
-    """The engine of `loaded` (and of its speculative decoding's `draft` model, when it has one)."""
-    return create_engine(loaded, engine_config(settings), max_input_len=settings.max_input_len, draft=draft)
 
 
 def create_engine(
@@ -245,7 +175,7 @@ def create_engine(
     spec = config.speculation
     paged_cls = runner_cls if runner_cls is not None and issubclass(runner_cls, PagedFastRunner) else PagedFastRunner
     paged = config.kv_cache == "paged" and not config.batch_invariant and (runner_cls in (None, paged_cls))
-    strategy = runner_class(loaded.model, batch_invariant=False, fast_path=config.fast_path)[0]
+    strategy = runner_class(loaded.model, batch_invariant=False, fast_path=config.fast_path, paged=True)[0]
     why_not = None if strategy is FastRunner else paged_generic.unsupported_reason(loaded.model)
     if paged and why_not is None:
         fast_cls = paged_cls if strategy is FastRunner else None
@@ -269,6 +199,9 @@ def create_engine(
         )
         runner: ModelRunner = _paged_runner(loaded, config, num_blocks, fast_cls)
     elif runner_cls is None:
+        refusal = None if config.batch_invariant else slot_refusal(loaded.model.config, why_not if paged else None)
+        if refusal is not None:
+            raise ValueError(refusal)
         if paged:
             log.info("KV cache: slots (the paged cache does not serve %s)", why_not)
         runner = create_runner(
@@ -288,7 +221,7 @@ def create_engine(
             max_context=loaded.max_context,
             eos_token_ids=loaded.eos_token_ids,
         )
-    codec, grammars = _codec(loaded, max_input_len)
+    codec, grammars = prompt_codec(loaded, max_input_len)
     if spec is not None and isinstance(runner, PersistentBatchRunner):  # without one the engine refuses it
         runner.proposer = _proposer(loaded, config, draft)
     adapters = None
@@ -310,7 +243,7 @@ def create_engine(
     return AsyncEngine(runner, codec, config, grammars, adapters)
 
 
-def _codec(loaded: LoadedModel, max_input_len: int | None) -> tuple[PromptCodec, GrammarCompiler]:
+def prompt_codec(loaded: LoadedModel, max_input_len: int | None) -> tuple[PromptCodec, GrammarCompiler]:
     """The prompt codec and grammar compiler of `loaded`'s tokenizer."""
     codec = PromptCodec(
         HfTokenizer(loaded.tokenizer),
@@ -334,74 +267,18 @@ def _for_device(config: EngineConfig, device: torch.device) -> EngineConfig:
     return config
 
 
-# ---- tensor parallelism (engine/tp_workers.py) --------------------------------------------------------
-def tensor_parallel_degree(settings: Settings, device: torch.device) -> int:
-    """The ranks `tensor_parallel_degree` asks for (`max`: the visible GPUs on CUDA, 1 on a CPU); on CUDA a
-    node must see a GPU for each of its ranks."""
-    degree = settings.tensor_parallel_degree
-    if degree is None:
-        return 1
-    visible = torch.cuda.device_count() if device.type == "cuda" else 0
-    if degree == "max":  # one node (settings refuse max with several)
-        ranks = max(1, visible)
-        conflict = settings.tensor_parallel_conflict(ranks) if ranks > 1 else None
-        if conflict is not None:
-            raise ValueError(f"{conflict} (tensor_parallel_degree=max: the {ranks} visible GPUs)")
-        return ranks
-    ranks = int(degree)
-    local = ranks // settings.nnodes
-    if device.type == "cuda" and ranks > 1 and device.index is not None:
-        raise ValueError(
-            f"tensor_parallel_degree={ranks} runs rank i on cuda:i of the visible GPUs: give device=cuda (choose "
-            f"the GPUs with CUDA_VISIBLE_DEVICES), not {device}"
-        )
-    if device.type == "cuda" and ranks > 1 and local > visible:
-        raise ValueError(
-            f"tensor_parallel_degree={ranks} needs {local} GPUs on each of {settings.nnodes} node(s); "
-            f"this node sees {visible}"
-        )
-    return ranks
-
-
-def worker_spec(settings: Settings, model_path: str, device: torch.device, degree: int) -> WorkerSpec:
-    """What `degree` workers of `model_path` on `device` need (the engine's options among them)."""
-    from lmiserve.models.load import resolve_dtype
-
-    config = _for_device(engine_config(settings), device)
-    local = degree // settings.nnodes
+def worker_config(config: EngineConfig, device: torch.device, local_ranks: int) -> EngineConfig:
+    """`config` as each of a node's `local_ranks` tensor-parallel workers on `device` runs it: resolved for
+    the device, the node's memory shared by its ranks on a CPU (unless `kv_cache_memory_bytes` says), no
+    CPU autotune (the workers use the static kernel choice)."""
+    config = _for_device(config, device)
     if config.kv_cache_memory_bytes is None and device.type == "cpu":  # the node's memory, shared by its ranks
-        config = dataclasses.replace(config, kv_cache_memory_bytes=int(available_memory() * CPU_KV_SHARE) // local)
+        share = int(available_memory() * CPU_KV_SHARE) // local_ranks
+        config = dataclasses.replace(config, kv_cache_memory_bytes=share)
     if config.cpu_autotune:
         log.warning("cpu_autotune: not with tensor parallelism; the workers use the static kernel choice")
         config = dataclasses.replace(config, cpu_autotune=False)
-    port = settings.master_port or (29500 if settings.nnodes > 1 else free_port())
-    return WorkerSpec(
-        model_path=model_path,
-        dtype=str(resolve_dtype(settings.dtype, device)).removeprefix("torch."),
-        device=device.type,
-        load_format=settings.load_format,
-        trust_remote_code=settings.trust_remote_code,
-        world=degree,
-        config=config,
-        nnodes=settings.nnodes,
-        node_rank=settings.node_rank,
-        master_addr=settings.master_addr,
-        master_port=port,
-        step_timeout=settings.step_timeout,
-        log_level=settings.log_level.upper(),
-    )
-
-
-def build_tensor_parallel_engine(loaded: LoadedModel, settings: Settings, degree: int) -> AsyncEngine:
-    """The engine of `loaded` (its tokenizer and config; no weights: `models.load.load_model_shell`) over
-    `degree` tensor-parallel workers: the model's shape is checked here, before any worker starts."""
-    reason = unsplittable_reason(loaded.model.config, degree)
-    if reason is not None:
-        raise ValueError(reason)
-    spec = worker_spec(settings, str(loaded.path), loaded.device, degree)
-    executor = TensorParallelExecutor(spec)
-    codec, grammars = _codec(loaded, settings.max_input_len)
-    return AsyncEngine(executor, codec, spec.config, grammars)
+    return config
 
 
 def _paged_runner(
@@ -444,7 +321,7 @@ def _proposer(loaded: LoadedModel, config: EngineConfig, draft: LoadedModel | No
     assert spec.disable_by_batch_size is not None  # resolved by the device (create_engine)
     rows = min(config.max_running, spec.disable_by_batch_size + 1)
     num_blocks = min(kv_pool_blocks(loaded, config), rows * -(-draft.max_context // config.block_size))
-    fast = runner_class(draft.model, batch_invariant=False, fast_path=config.fast_path)[0] is FastRunner
+    fast = runner_class(draft.model, batch_invariant=False, fast_path=config.fast_path, paged=True)[0] is FastRunner
     why_not = None if fast else paged_generic.unsupported_reason(draft.model)
     if why_not is not None:
         raise ValueError(f"the draft model cannot run over a paged KV cache: {why_not}")

@@ -23,15 +23,16 @@ transformers path. Device-agnostic; tested on CPU only.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
+from lmiserve.engine import attention_window, paged_attention, skinny_gemm, triton_attention
 from lmiserve.engine import decode_attention as compiled_attention
-from lmiserve.engine import paged_attention, skinny_gemm, triton_attention
 from lmiserve.engine.cpu_gemm import PAD_ROWS_FROM, VOCAB_PAD_ROWS_FROM, CpuGemm
 from lmiserve.engine.kv_cache import AttentionShape, SlotKVCache
 from lmiserve.engine.llama_layout import (
@@ -46,8 +47,6 @@ from lmiserve.engine.tensor_parallel import shard_of
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
-
-    from lmiserve.engine.cuda_graphs import DecodeGraphs
 
 __all__ = ["PAD_ROWS_FROM", "SPLIT_MIN_SAVING", "SUPPORTED_TYPES", "FastLlama", "split_point", "unsupported_reason"]
 
@@ -69,15 +68,30 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
 
 
+class DecodeReplay(Protocol):
+    """What the forward asks of the decode steps captured as CUDA graphs (engine/cuda_graphs.py's
+    `DecodeGraphs`, which builds on this module: this one never imports it)."""
+
+    def covers(self, rows: int) -> bool:
+        """A step of `rows` decode rows replays a captured graph."""
+        ...
+
+    def run(self, ids: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Float32 logits ``[len(ids), vocab]`` of a step of decode rows."""
+        ...
+
+
 class _Chunk(NamedTuple):
     """A prefill chunk of one step: its slot (or, over a paged cache, its block table as a tensor),
-    positions ``start..end-1``, first row in the batch and causal mask over ``[0, end)``."""
+    positions ``start..end-1``, first row in the batch and causal mask over ``[0, end)`` (and that of the
+    model's sliding-window layers, engine/attention_window.py)."""
 
     slot: int | torch.Tensor
     start: int
     end: int
     offset: int
     mask: torch.Tensor
+    window_mask: torch.Tensor | None = None
 
 
 class _PagedDecode(NamedTuple):
@@ -108,9 +122,11 @@ class FastLlama:
     ) -> None:
         """`gemm`: the product shapes (default `CpuGemm.for_model`); `compiled_attention_ok`: False keeps
         the torch decode attention where the compiled kernel would apply (`autotune` decides both)."""
-        llama = as_llama(model)
+        self.paged = isinstance(cache, paged_attention.PagedKVCache)
+        llama = as_llama(model, windows=self.paged)  # a sliding window only over blocks
         inner = llama.model
         self.cache = cache
+        self.windows = attention_window.layer_windows(model.config)  # each layer's (None: the whole context)
         self.device = model.device
         self.dtype = model.dtype
         shape = AttentionShape.of(model.config)
@@ -128,11 +144,10 @@ class FastLlama:
         self._max_context = max_context
         self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)
         self._gemm = gemm if gemm is not None else CpuGemm.for_model(self.device, self.dtype)
-        self.paged = isinstance(cache, paged_attention.PagedKVCache)
         # a paged cache on CUDA: every token's attention in one Triton kernel a layer (engine/triton_attention.py)
         self.triton = self.paged and triton_attention.chosen(self.device) and self._kernel_works()
         # decode steps replayed as CUDA graphs (engine/cuda_graphs.py; set by the paged runner)
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: DecodeReplay | None = None
         # a tensor-parallel rank's shard (engine/tensor_parallel.py): its collectives; None: the whole model
         self.tp = shard_of(model)
         self._compiled = compiled_attention_ok and compiled_attention.available(self.dtype, self.device)
@@ -282,9 +297,9 @@ class FastLlama:
         for key, start, chunk in prefills[short:]:
             end = start + len(chunk)
             chunk_pos = pos[offset : offset + len(chunk)]
-            mask = (torch.arange(end, device=dev)[None, :] <= chunk_pos[:, None])[None, None]
+            masks = attention_window.chunk_masks(chunk_pos, end, self.windows)
             where = torch.tensor(key, dtype=torch.long, device=dev) if isinstance(key, list) else key
-            pre.append(_Chunk(where, start, end, offset, mask))
+            pre.append(_Chunk(where, start, end, offset, *masks))
             offset += len(chunk)
         x = self._layers(x, cos, sin, dec, pre, pad, lora)
         count = len(keep)
@@ -413,9 +428,10 @@ class FastLlama:
         if isinstance(dec, triton_attention.StepTiles):  # pad rows: in no tile, left zero
             n = dec.tokens
             triton_attention.write_step(keys, values, k[:n], v[:n], dec)
-            return triton_attention.paged_attention(q, keys, values, dec, self.scale).reshape(len(q), -1)
+            out = triton_attention.paged_attention(q, keys, values, dec, self.scale, window=self.windows[index])
+            return out.reshape(len(q), -1)
         if isinstance(dec, _PagedDecode) or (dec is None and self.paged):
-            return self._paged_attention(keys, values, q, k, v, dec, pre, pad)
+            return self._paged_attention(keys, values, q, k, v, dec, pre, pad, self.windows[index])
         outputs = []
         if dec is not None:
             n = dec.rows
@@ -427,7 +443,7 @@ class FastLlama:
                 keys.view(-1, self.head_dim).index_copy_(0, dec.write_index, k[:n].reshape(-1, self.head_dim))
                 values.view(-1, self.head_dim).index_copy_(0, dec.write_index, v[:n].reshape(-1, self.head_dim))
                 outputs.append(self._decode_attention(query, keys, values, dec).reshape(n, -1))
-        for slot, start, end, offset, mask in pre:
+        for slot, start, end, offset, mask, _ in pre:
             assert isinstance(slot, int)
             length = end - start
             keys[slot, :, start:end] = k[offset : offset + length].transpose(0, 1)
@@ -451,13 +467,14 @@ class FastLlama:
         dec: _PagedDecode | None,
         pre: list[_Chunk],
         pad: int,
+        window: int | None,
     ) -> torch.Tensor:
         """`_attention` over a paged cache (engine/paged_attention.py): the decode rows in one call that
         writes and attends through their block tables (the compiled kernel on CPU fp32), each prefill
         chunk written into its blocks and attending over its positions: a short chunk (at most
         `KERNEL_CHUNK_TOKENS` tokens, CPU fp32) through the same compiled kernel, each of its tokens a row
         that reads the blocks in place up to its own position; a longer one over its positions gathered
-        from the blocks, with SDPA."""
+        from the blocks, with SDPA; a sliding-window layer's `window` in each."""
         outputs = []
         if dec is not None:
             n = dec.rows
@@ -467,14 +484,16 @@ class FastLlama:
                     dim = self.head_dim
                     keys.view(-1, dim).index_copy_(0, dec.write, k[:n].reshape(-1, dim))
                     values.view(-1, dim).index_copy_(0, dec.write, v[:n].reshape(-1, dim))
-                out = paged_attention.kernel_decode_attention(query, keys, values, k[:n], v[:n], dec.kernel, self.scale)
+                out = paged_attention.kernel_decode_attention(
+                    query, keys, values, k[:n], v[:n], dec.kernel, self.scale, window
+                )
             else:
                 out = paged_attention.paged_decode_attention(
-                    query, keys, values, k[:n], v[:n], dec.tables, dec.spans, self.scale, dec.shared
+                    query, keys, values, k[:n], v[:n], dec.tables, dec.spans, self.scale, dec.shared, window
                 )
             outputs.append(out.reshape(n, -1))
         compiled = paged_attention.available(keys.dtype, keys.device)
-        for table, start, end, offset, mask in pre:
+        for table, start, end, offset, mask, window_mask in pre:
             assert isinstance(table, torch.Tensor)
             length = end - start
             paged_attention.write_chunk(
@@ -493,6 +512,7 @@ class FastLlama:
                     table[None].expand(length, -1),
                     np.arange(start + 1, end + 1, dtype=np.int64),
                     self.scale,
+                    window=window,
                 )
                 outputs.append(out.reshape(length, -1))
                 continue
@@ -500,7 +520,8 @@ class FastLlama:
             query = q[offset : offset + length].transpose(0, 1)[None]
             key = _repeat(context_k[None], self.groups)
             value = _repeat(context_v[None], self.groups)
-            out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=self.scale)
+            seen = mask if window is None else window_mask
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=seen, scale=self.scale)
             outputs.append(out.transpose(1, 2).reshape(length, -1))
         if pad:
             outputs.append(q.new_zeros(pad, self.heads * self.head_dim))

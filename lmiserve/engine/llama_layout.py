@@ -1,11 +1,12 @@
 """The module layout of the Llama-family transformers models `FastLlama` runs, the check that a
 model has it (`unsupported_reason`), and its layers' weights fused for one product per step.
 
-Covers llama, mistral (without a sliding window) and qwen2 (biases; without sliding window), with
-the RoPE types whose table does not depend on the sequence length. Layer linears may be float,
-weight-only int8 (`quantize.Int8Linear`, ``dtype=int8``: the fused matrices hold int8 rows and one
-scale per row) or int4 (`quantize.Int4Linear`, ``dtype=int4``: packed rows and ``[groups, rows, 2]``
-scales and zeros).
+Covers llama, mistral and qwen2 (biases), with the RoPE types whose table does not depend on the sequence
+length; a sliding window (Mistral's ``sliding_window``, Qwen2's ``use_sliding_window`` from
+``max_window_layers`` on) only over the paged KV cache, whose attention applies it
+(engine/attention_window.py). Layer linears may be float, weight-only int8 (`quantize.Int8Linear`,
+``dtype=int8``: the fused matrices hold int8 rows and one scale per row) or int4 (`quantize.Int4Linear`,
+``dtype=int4``: packed rows and ``[groups, rows, 2]`` scales and zeros).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
+from lmiserve.engine.attention_window import has_window, unsupported_kinds
 from lmiserve.engine.quantize import INT4_ROW_BLOCK, Int4Linear, Int8Linear
 
 if TYPE_CHECKING:
@@ -70,17 +72,19 @@ class LlamaFamily(Protocol):
     lm_head: torch.nn.Linear
 
 
-def unsupported_reason(model: PreTrainedModel) -> str | None:
-    """None when `FastLlama` can run `model`, else a short reason for the log."""
+def unsupported_reason(model: PreTrainedModel, *, windows: bool = False) -> str | None:
+    """None when `FastLlama` can run `model`, else a short reason for the log. `windows`: over the paged
+    KV cache, whose attention applies sliding windows (the slot cache's does not)."""
     cfg = model.config
     if cfg.model_type not in SUPPORTED_TYPES:
         return f"model type {cfg.model_type!r} is not one of {', '.join(SUPPORTED_TYPES)}"
     if getattr(cfg, "pretraining_tp", 1) != 1:
         return "pretraining_tp != 1"
-    if getattr(cfg, "sliding_window", None) is not None and (
-        cfg.model_type == "mistral" or getattr(cfg, "use_sliding_window", False)
-    ):
-        return "sliding-window attention"
+    kinds = unsupported_kinds(cfg)
+    if kinds is not None:
+        return kinds
+    if not windows and has_window(cfg):
+        return "sliding-window attention (the paged KV cache serves it, not slots)"
     inner = getattr(model, "model", None)
     rope = getattr(inner, "rotary_emb", None)
     if rope is None or getattr(rope, "rope_type", "default") not in _STATIC_ROPE:
@@ -110,9 +114,10 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
     return None
 
 
-def as_llama(model: PreTrainedModel) -> LlamaFamily:
-    """`model` seen through its Llama-family layout; ValueError when it does not have it."""
-    reason = unsupported_reason(model)
+def as_llama(model: PreTrainedModel, *, windows: bool = False) -> LlamaFamily:
+    """`model` seen through its Llama-family layout; ValueError when it does not have it (`windows`: as
+    `unsupported_reason`'s)."""
+    reason = unsupported_reason(model, windows=windows)
     if reason is not None:
         raise ValueError(f"FastLlama cannot run this model: {reason}")
     return cast(LlamaFamily, model)  # the layout was just checked
@@ -146,7 +151,7 @@ def fused_layers(model: PreTrainedModel) -> list[FusedLayer]:
     """The fused layers of `model` (fused at the first call; ValueError if it is not Llama-family)."""
     layers = _FUSED.get(model)
     if layers is None:
-        layers = _FUSED[model] = [FusedLayer(layer) for layer in as_llama(model).model.layers]
+        layers = _FUSED[model] = [FusedLayer(layer) for layer in as_llama(model, windows=True).model.layers]
     return layers
 
 

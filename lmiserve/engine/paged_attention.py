@@ -22,6 +22,9 @@ cache fits in L3. The cost is per discontinuity of the stream (~100 ns a block j
 indirection: software prefetch (llvm.prefetch, 1-6 blocks ahead) and huge pages did not change it;
 reading a row's blocks whole (all its kv heads, `_kernel`'s ``parts == 1``) took ~10-20 % off.
 
+A `window` (a sliding-window layer, engine/attention_window.py) limits a row to its last `window`
+positions: the kernel starts at the window's first block and position, the torch path masks the rest.
+
 Prefill: `write_chunk` stores a chunk's keys/values, `gather_context` reads a sequence's positions
 ``0..end-1`` back as ``[kv_heads, end, head_dim]`` for the chunk's causal SDPA (the caller repeats kv
 heads for GQA and builds the mask, as `fast_llama` does).
@@ -41,6 +44,7 @@ import numpy.typing as npt
 import torch
 
 from lmiserve.engine import decode_attention, kv_blocks
+from lmiserve.engine.attention_window import hidden_outside
 from lmiserve.engine.decode_attention import softmax_rows
 from lmiserve.engine.jit import lazily_compiled, numba
 
@@ -142,6 +146,7 @@ def _kernel(  # pragma: no cover - compiled
     block_tables: _I64,
     spans: _I64,
     scale: np.float32,
+    window: int,
     parts: int,
     out: _F32,
 ) -> None:
@@ -149,7 +154,7 @@ def _kernel(  # pragma: no cover - compiled
     kv_heads // parts)``. With ``parts == 1`` a task reads each block of its row whole (all its heads'
     keys, then values: ``kv_heads * block_size * head_dim`` contiguous values), which memory streams
     better than one head's ``block_size * head_dim`` at a time; with few rows, more parts keep every
-    thread busy."""
+    thread busy. `window` > 0: a row attends over its last `window` positions only (engine/attention_window.py)."""
     rows, kv_heads, groups, dim = query.shape
     block_size = key_cache.shape[2]
     for task in numba.prange(rows * parts):
@@ -166,33 +171,34 @@ def _kernel(  # pragma: no cover - compiled
                 key_cache[last_block, first + h, last_offset, d] = new_keys[row, first + h, d]
                 value_cache[last_block, first + h, last_offset, d] = new_values[row, first + h, d]
         blocks = (span + block_size - 1) // block_size
+        lo = span - window if window > 0 and window < span else 0  # the first position the row sees
         q = query[row]
-        scores = np.empty((heads, groups, span), dtype=np.float32)
-        for b in range(blocks):
+        scores = np.empty((heads, groups, span - lo), dtype=np.float32)
+        for b in range(lo // block_size, blocks):
             keys = key_cache[block_tables[row, b]]  # [kv_heads, block_size, dim] view: simpler addressing
             base = b * block_size
             count = min(block_size, span - base)
             for h in range(heads):
                 head = first + h
-                for o in range(count):
+                for o in range(max(0, lo - base), count):
                     for g in range(groups):
                         acc = np.float32(0.0)
                         for d in range(dim):
                             acc += q[head, g, d] * keys[head, o, d]
-                        scores[h, g, base + o] = acc * scale
+                        scores[h, g, base + o - lo] = acc * scale
         for h in range(heads):
             softmax_rows(scores[h])
         # each value block read once for all groups, into a local accumulator
         acc_out = np.zeros((heads, groups, dim), dtype=np.float32)
-        for b in range(blocks):
+        for b in range(lo // block_size, blocks):
             values = value_cache[block_tables[row, b]]
             base = b * block_size
             count = min(block_size, span - base)
             for h in range(heads):
                 head = first + h
-                for o in range(count):
+                for o in range(max(0, lo - base), count):
                     for g in range(groups):
-                        p = scores[h, g, base + o]
+                        p = scores[h, g, base + o - lo]
                         for d in range(dim):
                             acc_out[h, g, d] += p * values[head, o, d]
         for h in range(heads):
@@ -210,6 +216,7 @@ def _head_kernel(  # pragma: no cover - compiled
     block_tables: _I64,
     spans: _I64,
     scale: np.float32,
+    window: int,
     out: _F32,
 ) -> None:
     """`_kernel` with one task per (row, kv head), the layout few rows take (``parts == kv_heads``):
@@ -228,28 +235,29 @@ def _head_kernel(  # pragma: no cover - compiled
             key_cache[last_block, head, last_offset, d] = new_keys[row, head, d]
             value_cache[last_block, head, last_offset, d] = new_values[row, head, d]
         blocks = (span + block_size - 1) // block_size
-        scores = np.empty((groups, span), dtype=np.float32)
-        for b in range(blocks):
+        lo = span - window if window > 0 and window < span else 0  # the first position the row sees
+        scores = np.empty((groups, span - lo), dtype=np.float32)
+        for b in range(lo // block_size, blocks):
             block = block_tables[row, b]
             base = b * block_size
             count = min(block_size, span - base)
-            for o in range(count):
+            for o in range(max(0, lo - base), count):
                 for g in range(groups):
                     acc = np.float32(0.0)
                     for d in range(dim):
                         acc += query[row, head, g, d] * key_cache[block, head, o, d]
-                    scores[g, base + o] = acc * scale
+                    scores[g, base + o - lo] = acc * scale
         softmax_rows(scores)
         for g in range(groups):
             for d in range(dim):
                 out[row, head, g, d] = 0.0
-        for b in range(blocks):
+        for b in range(lo // block_size, blocks):
             block = block_tables[row, b]
             base = b * block_size
             count = min(block_size, span - base)
-            for o in range(count):
+            for o in range(max(0, lo - base), count):
                 for g in range(groups):
-                    p = scores[g, base + o]
+                    p = scores[g, base + o - lo]
                     for d in range(dim):
                         out[row, head, g, d] += p * value_cache[block, head, o, d]
 
@@ -307,6 +315,7 @@ def kernel_decode_attention(
     new_values: torch.Tensor,
     rows: KernelRows,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """`compiled_decode_attention` with the step's host arguments made once (`KernelRows`): a task a
     (row, kv head) through `_head_kernel`, else `rows.parts` tasks a row through `_kernel`."""
@@ -320,6 +329,7 @@ def kernel_decode_attention(
         rows.tables,
         rows.spans,
         np.float32(scale),
+        window or 0,
     )
     if rows.parts == query.shape[1]:
         _compiled_head_kernel()(*arrays, out.numpy())
@@ -338,13 +348,14 @@ def compiled_decode_attention(
     spans: npt.ArrayLike,
     scale: float,
     parts: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """`paged_decode_attention` as one numba kernel: fp32 CPU tensors, caches contiguous. `parts`: tasks
     per row (1: whole rows, ``kv_heads``: one head each; default by the row count, see `_kernel`)."""
     rows = KernelRows.of(block_tables, spans, query.shape[1])
     if parts is not None:
         rows = rows._replace(parts=parts)
-    return kernel_decode_attention(query, key_cache, value_cache, new_keys, new_values, rows, scale)
+    return kernel_decode_attention(query, key_cache, value_cache, new_keys, new_values, rows, scale, window)
 
 
 def _parts(rows: int, kv_heads: int) -> int:
@@ -393,6 +404,7 @@ class DecodeIndex(NamedTuple):
     write_blocks: torch.Tensor  # [R]
     write_offsets: torch.Tensor  # [R]
     hidden: torch.Tensor  # [R, 1, 1, width * block_size], True past the row's span
+    spans: torch.Tensor  # [R]
 
 
 def decode_index(
@@ -406,7 +418,7 @@ def decode_index(
     last = span_t - 1
     rows = torch.arange(len(host), device=device)
     hidden = torch.arange(width * block_size, device=device)[None, :] >= span_t[:, None]
-    return DecodeIndex(tables, tables[rows, last // block_size], last % block_size, hidden[:, None, None, :])
+    return DecodeIndex(tables, tables[rows, last // block_size], last % block_size, hidden[:, None, None, :], span_t)
 
 
 def torch_decode_attention(
@@ -419,10 +431,11 @@ def torch_decode_attention(
     spans: npt.ArrayLike,
     scale: float,
     index: DecodeIndex | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """`paged_decode_attention` with torch ops: matmuls in the cache dtype, softmax in fp32. Reads the
-    first ``ceil(max(spans) / block_size)`` columns of `block_tables` for every row (masked past its span).
-    `index`: the step's `decode_index` (else built here)."""
+    first ``ceil(max(spans) / block_size)`` columns of `block_tables` for every row (masked past its span,
+    and before its `window`). `index`: the step's `decode_index` (else built here)."""
     if len(query) == 0:
         return torch.empty_like(query)
     if index is None:
@@ -431,7 +444,7 @@ def torch_decode_attention(
     keys = _gather(key_cache, index.tables)  # [R, kv_heads, width * block_size, head_dim]
     values = _gather(value_cache, index.tables)
     scores = torch.matmul(query.to(keys.dtype), keys.transpose(-1, -2)).float() * scale  # [R, kv, groups, L]
-    scores.masked_fill_(index.hidden, float("-inf"))
+    scores.masked_fill_(hidden_outside(index.spans, index.hidden, window), float("-inf"))
     out = torch.matmul(scores.softmax(-1).to(values.dtype), values)
     return out.to(query.dtype)
 
@@ -446,18 +459,20 @@ def paged_decode_attention(
     spans: npt.ArrayLike,
     scale: float,
     index: DecodeIndex | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Rows ``0..R-1``: write ``new_keys``/``new_values`` (``[R, kv_heads, head_dim]``) at position
     ``p = spans[r] - 1`` of row r (block ``block_tables[r, p // block_size]``, offset ``p % block_size``)
     in the layer caches (``[num_blocks, kv_heads, block_size, head_dim]``), then attend ``query``
-    (``[R, kv_heads, groups, head_dim]``) over positions ``0..spans[r]-1`` through the block table.
-    Returns ``[R, kv_heads, groups, head_dim]``. The compiled kernel where `available`, torch otherwise."""
+    (``[R, kv_heads, groups, head_dim]``) over positions ``0..spans[r]-1`` (the last `window` of them when
+    given) through the block table. Returns ``[R, kv_heads, groups, head_dim]``. The compiled kernel where
+    `available`, torch otherwise."""
     if available(key_cache.dtype, key_cache.device):
         return compiled_decode_attention(
-            query, key_cache, value_cache, new_keys, new_values, block_tables, spans, scale
+            query, key_cache, value_cache, new_keys, new_values, block_tables, spans, scale, window=window
         )
     return torch_decode_attention(
-        query, key_cache, value_cache, new_keys, new_values, block_tables, spans, scale, index
+        query, key_cache, value_cache, new_keys, new_values, block_tables, spans, scale, index, window
     )
 
 

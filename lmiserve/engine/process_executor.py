@@ -4,8 +4,9 @@ matchers, detokenizer, the HTTP loop) and the model's Python no longer share one
 
 Experimental: `benchmarks/executor_process.py` measures it against the in-process executor (the
 engine's design note has the figures); the server does not use it. The child builds its runner with
-`build`, a picklable callable run there (so the model loads in the child); the parent must build the
-same pool (`num_blocks`, `block_size`) for its scheduler.
+`build`, a picklable callable run there (so the model loads in the child: `paged_fast_runner` takes the
+loader from the caller, e.g. a `functools.partial` of `lmiserve.models.load.load_causal_lm`); the parent
+must build the same pool (`num_blocks`, `block_size`) for its scheduler.
 """
 
 from __future__ import annotations
@@ -14,29 +15,28 @@ import contextlib
 import multiprocessing as mp
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from lmiserve.engine.scheduler import StepOutput
-from lmiserve.engine.step import BatchRunner, Executor, StepBatch
+from lmiserve.engine.step import BatchRunner, Executor, StepBatch, StepOutput
+
+if TYPE_CHECKING:
+    from lmiserve.engine.loaded import LoadedModel
 
 
 def paged_fast_runner(
-    model_dir: str,
+    load: Callable[[], LoadedModel],
     num_blocks: int,
     block_size: int,
     max_slots: int,
-    dtype: str = "auto",
-    device: str = "auto",
     autotune: bool = False,
     autotune_cache: str | None = None,
-    load_format: str = "auto",
 ) -> BatchRunner:
-    """A `build` for `ProcessExecutor`: the model of `model_dir` loaded as the server loads it, on the
-    paged fast runner over a pool of `num_blocks` (the parent's)."""
+    """A `build` for `ProcessExecutor`: the model `load()` loads (picklable: a `functools.partial` of
+    `lmiserve.models.load.load_causal_lm`, the model loaded as the server loads it), on the paged fast
+    runner over a pool of `num_blocks` (the parent's)."""
     from lmiserve.engine.runners.paged import PagedFastRunner
-    from lmiserve.models.load import load_causal_lm
 
-    loaded = load_causal_lm(model_dir, dtype=dtype, device=device, load_format=load_format)
+    loaded = load()
     return PagedFastRunner(
         loaded.model,
         max_slots=max_slots,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from lmiserve.core.request import SamplingParams
-from lmiserve.engine.scheduler import SampleResult
+from lmiserve.engine.step import SampleResult
 
 _NEG_INF = float("-inf")
 

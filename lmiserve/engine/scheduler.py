@@ -12,7 +12,8 @@ step takes at most ``max(prefill_floor, decoding rows, max_running - decoding ro
 (when ``prefill_floor`` is set): a step carries no more rows than a full batch or twice its decoding
 rows, so no stream waits longer for a token than it would in a full batch or twice its current
 step, and a batch that is still filling admits prompts quickly (benchmarks/README.md has the
-measurements).
+measurements). With a step budget (``max_step_tokens``, vLLM's max_num_batched_tokens) each decode row
+costs one token of it and prompt chunks take at most the rest.
 
 Prefix cache (`prefix`, a `PrefixIndex`): a sequence admitted into the batch starts with the
 cached blocks its prompt begins with (`StepPlan.loads`: the runner copies them into its slot; at least
@@ -29,12 +30,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.engine.prefix_cache import PrefixIndex, PrefixMatch
 from lmiserve.engine.sequence import SeqStatus, Sequence
-from lmiserve.engine.step import StepBatch
+from lmiserve.engine.step import StepBatch, StepOutput
 
 
 @dataclass(frozen=True)
@@ -93,36 +94,6 @@ class StepPlan:
         return bool(self.prefill or self.decode)
 
 
-@dataclass
-class SampleResult:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] | None = None
-
-
-class PromptScores(NamedTuple):
-    """The logprobs of a chunk's prompt tokens: from position `start`, each token's logprob (the prompt's
-    first token has none); with `prompt_top_n`, each token's rank and the top-N (id, logprob) there."""
-
-    start: int
-    logprobs: list[float | None]
-    ranks: list[int | None] | None = None
-    tops: list[list[tuple[int, float]] | None] | None = None
-
-
-@dataclass
-class StepOutput:
-    """What the runner computed for a plan, keyed by seq_id."""
-
-    # the tokens sampled for each sequence, in order (one, or several where a step verifies several)
-    samples: dict[int, list[SampleResult]] = field(default_factory=dict)
-    prompt_logprobs: dict[int, PromptScores] = field(default_factory=dict)
-    errors: dict[int, str] = field(default_factory=dict)
-    # speculative decoding: drafts proposed for the next step (the rows that asked, `ScheduledTokens.propose`)
-    drafts: dict[int, list[int]] = field(default_factory=dict)
-    prefix_failed: bool = False  # copying into the prefix cache failed: what it holds is no longer trusted
-
-
 class SchedulerBase:
     """What both schedulers share: the limits, the waiting queue in priority order, the running batch,
     aborts, the idle wake-up, the static-batching admission rule and a step's prompt budget."""
@@ -138,10 +109,13 @@ class SchedulerBase:
         max_batch_delay: float = 0.1,
         queue_timeout: float | None = None,
         prefill_floor: int | None = None,
+        max_step_tokens: int | None = None,
     ) -> None:
         self.max_running = max_running
         self.prefill_floor = prefill_floor
         self.max_prefill_tokens = max_prefill_tokens
+        # the step's budget, decode rows included (vLLM's max_num_batched_tokens): None, none
+        self.max_step_tokens = max_step_tokens
         self.chunked_prefill = chunked_prefill
         self.static_batching = static_batching
         self.batch_size = batch_size
@@ -196,12 +170,16 @@ class SchedulerBase:
             return 0
         return min(self.batch_size, self.max_running)
 
-    def _prefill_budget(self, decoding: int) -> int:
+    def _prefill_budget(self, decoding: int, decode_tokens: int | None = None) -> int:
         """Prompt tokens a step may take: `max_prefill_tokens`; while `decoding` rows decode, at most
-        max(prefill_floor, decoding rows, max_running - decoding rows)."""
+        max(prefill_floor, decoding rows, max_running - decoding rows); with a step budget
+        (`max_step_tokens`), at most what the decode rows leave of it (`decode_tokens`, default one a
+        row: vLLM's counting). The stricter bound wins."""
         budget = self.max_prefill_tokens
         if decoding and self.prefill_floor is not None:
             budget = min(budget, max(self.prefill_floor, decoding, self.max_running - decoding))
+        if self.max_step_tokens is not None:
+            budget = min(budget, self.max_step_tokens - (decoding if decode_tokens is None else decode_tokens))
         return budget
 
 
@@ -239,7 +217,7 @@ class Scheduler(SchedulerBase):
         plan.decode = [s for s in self.running if s.status is SeqStatus.RUNNING]
         budget = self._prefill_budget(len(plan.decode))
         for seq in self.running:
-            if seq.status is not SeqStatus.PREFILL or (budget <= 0 and plan.prefill):
+            if seq.status is not SeqStatus.PREFILL or (budget <= 0 and (plan.prefill or plan.decode)):
                 continue
             remaining = seq.prefill_remaining
             length = min(remaining, budget) if self.chunked_prefill else remaining

@@ -6,7 +6,7 @@ seed, sent once), which tokens of which requests to compute at which positions, 
 request's table gained since the last step, which requests left (or were preempted), and the grammar
 bitmask of the constrained rows that sample. Nothing in it holds a tokenizer, a matcher or a tensor.
 
-An `Executor` runs a batch on the model and answers with a `StepOutput` (lmiserve.engine.scheduler):
+An `Executor` runs a batch on the model and answers with a `StepOutput` (below):
 the tokens sampled for each request (a list: a step samples several tokens of a request whose row
 carries drafts to verify, `ScheduledTokens.draft_token_ids`), prompt logprobs, and per-request errors.
 The executor keeps a persistent batch: what it was told about each request (tokens, parameters,
@@ -20,14 +20,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import numpy as np
 
 from lmiserve.core.request import SamplingParams
-
-if TYPE_CHECKING:
-    from lmiserve.engine.scheduler import StepOutput
 
 
 @dataclass(frozen=True)
@@ -84,6 +81,38 @@ class StepBatch:
     @property
     def has_model_work(self) -> bool:
         return bool(self.rows)
+
+
+@dataclass
+class SampleResult:
+    """A token sampled for a request, its logprob and, with `top_n_tokens`, the top (id, logprob) pairs."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] | None = None
+
+
+class PromptScores(NamedTuple):
+    """The logprobs of a chunk's prompt tokens: from position `start`, each token's logprob (the prompt's
+    first token has none); with `prompt_top_n`, each token's rank and the top-N (id, logprob) there."""
+
+    start: int
+    logprobs: list[float | None]
+    ranks: list[int | None] | None = None
+    tops: list[list[tuple[int, float]] | None] | None = None
+
+
+@dataclass
+class StepOutput:
+    """What the executor computed for a batch (a plan), keyed by seq_id."""
+
+    # the tokens sampled for each sequence, in order (one, or several where a step verifies several)
+    samples: dict[int, list[SampleResult]] = field(default_factory=dict)
+    prompt_logprobs: dict[int, PromptScores] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)
+    # speculative decoding: drafts proposed for the next step (the rows that asked, `ScheduledTokens.propose`)
+    drafts: dict[int, list[int]] = field(default_factory=dict)
+    prefix_failed: bool = False  # copying into the prefix cache failed: what it holds is no longer trusted
 
 
 class ExecutorFailed(RuntimeError):

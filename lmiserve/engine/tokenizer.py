@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING
 
-from lmiserve.core.tokenizer import recall_encoding
+from lmiserve.core.tokenizer import recall_encoding, remember_encoding
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -16,9 +16,14 @@ class HfTokenizer:
         self.hf = tokenizer
 
     def encode(self, text: str) -> list[int]:
-        """The text's ids; those this request's validation already counted, when it is the same text."""
+        """The text's ids; those this request's validation already counted, when it is the same text.
+        What it tokenizes is remembered for the request too (`AsyncEngine.prepare` encodes before
+        `generate` does: the prompt is tokenized once)."""
         ids = recall_encoding(self.hf, text)
-        return ids if ids is not None else list(self.hf(text)["input_ids"])
+        if ids is None:
+            ids = list(self.hf(text)["input_ids"])
+            remember_encoding(self.hf, text, ids)
+        return ids
 
     def recalls(self, text: str) -> bool:
         """Whether this request's validation already counted `text` (`encode` then tokenizes nothing)."""

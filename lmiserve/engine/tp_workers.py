@@ -33,16 +33,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from lmiserve.engine.runners.paged import PagedFastRunner
-from lmiserve.engine.scheduler import StepOutput
-from lmiserve.engine.step import Executor, ExecutorFailed, StepBatch
+from lmiserve.engine.step import Executor, ExecutorFailed, StepBatch, StepOutput
 
 if TYPE_CHECKING:
     from lmiserve.engine.async_engine import EngineConfig
+    from lmiserve.engine.loaded import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,21 @@ START_TIMEOUT_S = 1800.0
 PARENT_POLL_S = 1.0  # how often a worker checks that its parent process is still there
 CAUSE_WAIT_S = 0.5  # how long rank 0's error waits for another worker's exit that caused it
 HEARTBEAT_S = 5.0  # with several nodes: an empty batch after this long without a step (`watch`)
+
+
+class LoadModel(Protocol):
+    """Loads the whole model, weights included (`lmiserve.models.load.load_causal_lm`)."""
+
+    def __call__(
+        self, path: str, *, dtype: str, device: str, trust_remote_code: bool, load_format: str
+    ) -> LoadedModel: ...
+
+
+class LoadShell(Protocol):
+    """Loads the model's tokenizer and config around a model without weights
+    (`lmiserve.models.load.load_model_shell`)."""
+
+    def __call__(self, path: str, *, dtype: str, device: str, trust_remote_code: bool) -> LoadedModel: ...
 
 
 @dataclass(frozen=True)
@@ -67,6 +82,10 @@ class WorkerSpec:
     trust_remote_code: bool
     world: int  # ranks over all nodes (tensor_parallel_degree)
     config: EngineConfig  # block size, pool budget, speculation (ngram), ...
+    # how a worker reads the model, handed down from above the engine (models/compose.py passes
+    # models/load.py's functions: module-level, so the spawned workers unpickle them by name)
+    load_model: LoadModel
+    load_shell: LoadShell
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -193,15 +212,16 @@ def _load_shard(spec: WorkerSpec, rank: int, local_rank: int) -> tuple[Any, int]
 
     from lmiserve.engine.factory import kv_pool_blocks, largest_step_tokens, profile_step_memory
     from lmiserve.engine.tensor_parallel import checkpoint_files, load_shard_weights, shard_model
-    from lmiserve.models.load import load_causal_lm, load_model_shell
 
     if spec.load_format != "dummy" and checkpoint_files(spec.model_path) is not None:
-        loaded = load_model_shell(spec.model_path, spec.dtype, "cpu", spec.trust_remote_code)
+        loaded = spec.load_shell(
+            spec.model_path, dtype=spec.dtype, device="cpu", trust_remote_code=spec.trust_remote_code
+        )
         shard_model(loaded.model, rank, spec.world, dist.group.WORLD)
         load_shard_weights(loaded.model, spec.model_path)
         loaded.model.train(False)
     else:
-        loaded = load_causal_lm(
+        loaded = spec.load_model(
             spec.model_path,
             dtype=spec.dtype,
             device="cpu",

@@ -7,7 +7,9 @@ decode row is one tile of one token, a prefill chunk of n tokens ``ceil(n / bloc
 takes a (tile, kv head): its queries are the tile's tokens times the kv head's query heads (GQA packed, so
 each key and value is read once for all the heads that share it), and it walks the sequence's positions
 ``0..last`` in tiles of ``BLOCK_N``, each position's address read from the block table (any block size),
-masking each query past its own position (causal within a chunk, full for a decode row). Flash-attention's
+masking each query past its own position (causal within a chunk, full for a decode row); in a sliding-window
+layer (`window`) it starts at the tile's window and masks each query's positions before its own window
+(engine/attention_window.py). Flash-attention's
 online softmax: scores and the running sum in fp32, the products in the cache's dtype with fp32 accumulation
 (fp32 caches multiply in full fp32, not TF32), as `paged_attention.torch_decode_attention` does.
 
@@ -202,11 +204,12 @@ def paged_attention(
     plan: StepTiles,
     scale: float,
     out: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of the step's tokens (``query``: ``[tokens, heads, head_dim]``, in `plan`'s order) over
-    their sequences' cached positions up to their own (already written). Returns ``[tokens, heads,
-    head_dim]`` (into `out` when given; rows no tile covers are left as they were). On CPU tensors only
-    under Triton's interpreter (`interpreting`)."""
+    their sequences' cached positions up to their own (already written), the last `window` of them for a
+    sliding-window layer. Returns ``[tokens, heads, head_dim]`` (into `out` when given; rows no tile covers
+    are left as they were). On CPU tensors only under Triton's interpreter (`interpreting`)."""
     heads, head_dim = query.shape[1:]
     _, kv_heads, block_size, _ = key_cache.shape
     groups = heads // kv_heads
@@ -227,6 +230,7 @@ def paged_attention(
         plan.positions,
         plan.tables,
         scale,
+        window or 0,
         query.stride(0),
         query.stride(1),
         key_cache.stride(0),

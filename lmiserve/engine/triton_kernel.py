@@ -17,6 +17,7 @@ def paged_attention_kernel(  # pragma: no cover - runs as a Triton kernel
     pos_ptr,
     table_ptr,
     scale,
+    window,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -57,7 +58,12 @@ def paged_attention_kernel(  # pragma: no cover - runs as a Triton kernel
         l_i = tl.full([BLOCK_Q * GROUPS_PAD], 0.0, dtype=tl.float32)
         acc = tl.full([BLOCK_Q * GROUPS_PAD, HEAD_PAD], 0.0, dtype=tl.float32)
         table = table_ptr + seq * stride_table
-        for start in range(0, last + 1, BLOCK_N):
+        # a sliding window (window > 0): each query sees positions (pos - window, pos]; the loop starts at the
+        # BLOCK_N tile of the tile's first token's first position
+        lowest = tl.load(pos_ptr + first) - window + 1
+        begin = tl.where(window > 0, tl.maximum(lowest, 0), 0) // BLOCK_N * BLOCK_N
+        floor = tl.where(window > 0, pos - window, -1)
+        for start in range(begin, last + 1, BLOCK_N):
             offs = start + tl.arange(0, BLOCK_N)
             seen = offs <= last
             block = tl.load(table + offs // BLOCK_SIZE, mask=seen, other=0).to(tl.int64)
@@ -65,10 +71,12 @@ def paged_attention_kernel(  # pragma: no cover - runs as a Triton kernel
             kv_mask = seen[:, None] & dim_ok[None, :]
             k = tl.load(k_ptr + at[:, None] + dims[None, :], mask=kv_mask, other=0.0)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            scores = tl.where(offs[None, :] <= pos[:, None], scores, float("-inf"))
+            scores = tl.where((offs[None, :] <= pos[:, None]) & (offs[None, :] > floor[:, None]), scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
-            p = tl.exp(scores - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
+            # a row that has seen no position yet (before its window) keeps m = -inf: subtract 0 instead
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(scores - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + at[:, None] + dims[None, :], mask=kv_mask, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)

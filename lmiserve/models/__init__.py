@@ -9,10 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-
-class ModelLoadError(RuntimeError):
-    """The model could not be located, converted or loaded; the message says what to do."""
-
+from lmiserve.models.errors import ModelLoadError
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers only
     from lmiserve.models.bundled import DEFAULT_GGUF_FILE as DEFAULT_GGUF_FILE

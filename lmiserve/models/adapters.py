@@ -25,12 +25,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lmiserve.core.errors import AdapterNotFound, Conflict, InvalidRequest, LmiServeError
-from lmiserve.models.service import ModelService, default_llm, model_service
+from lmiserve.models.service import ModelService
 from lmiserve.models.store import allowed_path
 
 if TYPE_CHECKING:
-    from starlette.requests import Request
-
     from lmiserve.engine.lora_registry import AdapterEntry, AdapterRegistry
 
 __all__ = [
@@ -40,7 +38,6 @@ __all__ = [
     "describe",
     "entry",
     "flag",
-    "lora_service",
     "register",
     "unregister",
     "update",
@@ -64,17 +61,6 @@ class Wording:
 
 
 LMI = Wording()
-
-
-def lora_service(request: Request, name: str | None = None) -> ModelService:
-    """The model whose adapters a request manages: `name`'s (ModelNotFound), else the one model served
-    with LoRA adapters, else the served LLM (ModelRequired when several could be meant)."""
-    if name:
-        return model_service(request, name)
-    with_lora = [s for s in request.app.state.registry if s.adapters is not None]
-    if len(with_lora) == 1:
-        return model_service(request, with_lora[0].name)
-    return default_llm(request)
 
 
 def adapters_of(service: ModelService) -> AdapterRegistry:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from lmiserve.models import ModelLoadError
+from lmiserve.models.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from lmiserve.engine.quantize import (
     quantize_linears,
     quantize_linears_int4,
 )
-from lmiserve.models import ModelLoadError
+from lmiserve.models.errors import ModelLoadError
 
 __all__ = [
     "DEFAULT_MAX_CONTEXT",
@@ -210,7 +210,8 @@ def _load_model(path: Path, dtype: torch.dtype, common: dict[str, bool]) -> PreT
     try:
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **common)
     except ValueError as exc:
-        if "sdpa" not in str(exc).lower():
+        message = str(exc).lower()  # transformers names it "sdpa" or "scaled_dot_product_attention" (Gemma 2)
+        if "sdpa" not in message and "scaled_dot_product_attention" not in message:
             raise
         # Some (remote-code) architectures do not implement SDPA: fall back to their default.
         logger.warning("%s does not support SDPA attention; using its default attention", path)

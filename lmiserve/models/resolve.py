@@ -11,9 +11,10 @@ import os
 import re
 from pathlib import Path
 
-from lmiserve.models import ModelLoadError, bundled
+from lmiserve.models import bundled
 from lmiserve.models.download import FetchOptions, fetch, scheme_of
 from lmiserve.models.download.selection import split_gguf_tag
+from lmiserve.models.errors import ModelLoadError
 
 # "name" or "org/name", as the hub spells repo ids.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")

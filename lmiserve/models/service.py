@@ -15,22 +15,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lmiserve.config import Settings
-from lmiserve.core import request_context
 from lmiserve.core.engine import ModelEngine, TextGenerator
 from lmiserve.core.errors import ModelNotReady, Unsupported
 from lmiserve.core.parameters import Limits
 from lmiserve.core.stats import EngineObserver
 from lmiserve.core.tensors import TensorModel
 from lmiserve.engine import torch_thread
-from lmiserve.models import ModelLoadError
+from lmiserve.models.errors import ModelLoadError
 
 if TYPE_CHECKING:
-    from starlette.requests import Request
-
     from lmiserve.engine.loaded import LoadedModel
     from lmiserve.engine.lora_registry import AdapterRegistry
     from lmiserve.engine.oneshot import TensorRunner
-    from lmiserve.models.registry import ModelRegistry
 
 log = logging.getLogger(__name__)
 
@@ -158,12 +154,12 @@ class ModelService:
         return str(local)
 
     def _load_llm(self, model_id: str | None) -> ModelEngine:
-        from lmiserve.engine.factory import build_engine, build_tensor_parallel_engine, tensor_parallel_degree
         from lmiserve.models import (
             default_model_name,
             load_causal_lm,
             resolve_model_path,
         )
+        from lmiserve.models.compose import build_engine, build_tensor_parallel_engine, tensor_parallel_degree
         from lmiserve.models.download import adapter_options
         from lmiserve.models.load import load_model_shell, resolve_device
 
@@ -282,9 +278,9 @@ class ModelService:
 def run_worker_node(settings: Settings) -> int:
     """`lmiserve serve` on a node other than the leader (`node_rank` > 0): this node's tensor-parallel
     workers only, no HTTP; the exit status of `tp_workers.run_node`."""
-    from lmiserve.engine.factory import tensor_parallel_degree, worker_spec
     from lmiserve.engine.tp_workers import run_node
     from lmiserve.models import resolve_model_path
+    from lmiserve.models.compose import tensor_parallel_degree, worker_spec
     from lmiserve.models.download import FetchOptions
     from lmiserve.models.load import resolve_device
 
@@ -298,45 +294,6 @@ def _initial_name(model_id: str | None) -> str:
     from lmiserve.models import default_model_name
 
     return default_model_name(model_id, None)
-
-
-def _registry(request: Request) -> ModelRegistry:
-    registry: ModelRegistry = request.app.state.registry
-    return registry
-
-
-def model_service(request: Request, name: str | None = None) -> ModelService:
-    """The model a request addresses by name, else the default one; ModelNotFound for an unknown name.
-
-    Every route resolves its model through here (or `default_llm` / `tensor_model`), so how models are
-    held is one place (models/registry.py).
-    """
-    service = _registry(request).get(name) if name else _registry(request).default()
-    request_context.note(model=service.name)
-    return service
-
-
-def default_llm(request: Request) -> ModelService:
-    """The generative model that name-less routes (TGI, OpenAI, plain /invocations) talk to."""
-    service = _registry(request).default_llm()
-    request_context.note(model=service.name)
-    return service
-
-
-def tensor_model(request: Request, name: str | None = None) -> TensorModel:
-    """The `TensorModel` of the named (or default) model; ModelNotFound / ModelNotReady as they apply."""
-    return model_service(request, name).tensor_model
-
-
-def adapter_owner(request: Request, name: str) -> ModelService | None:
-    """The served LLM that has a LoRA adapter named `name` (None: no model has one); noted as the
-    model the request addressed, as `model_service` notes it."""
-    for service in _registry(request):
-        adapters = service.adapters
-        if adapters is not None and name in adapters:
-            request_context.note(model=service.name)
-            return service
-    return None
 
 
 def with_chat_template(tokenizer: Any, template: str | None) -> None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from lmiserve.config import Settings
 from lmiserve.core.tensors import ModelSignature, TensorSpec
-from lmiserve.models import ModelLoadError
+from lmiserve.models.errors import ModelLoadError
 from lmiserve.models.kinds import torchscript_file
 
 if TYPE_CHECKING:

@@ -4,9 +4,10 @@ requests and words its own answers and errors; what they compute is here, once, 
 one-shot batcher the tensor protocols use (engine/text_runners.py, engine/oneshot.py), so a text gets
 the same pooling, normalisation and numbers whichever route carried it.
 
-- `embedding_model(request, name)`, `reranker_model(request, name)`: the named served model, or the
-  only one of that kind when no name is given (`ModelNotFound`, `ModelRequired`, `WrongModelKind`,
-  `ModelNotReady` otherwise). A reranker is a sequence classifier with a one-label head (a
+- `text_model(service, wanted)`, `only_of_kind(services, wanted)`: a served model as an embedding model
+  or reranker, and the only one of that kind (`ModelNotFound`, `ModelRequired`, `WrongModelKind`,
+  `ModelNotReady` otherwise); a request finds its model with `lmiserve.server.lookup.embedding_model`
+  and `reranker_model`. A reranker is a sequence classifier with a one-label head (a
   sentence-transformers CrossEncoder, or any ``num_labels == 1`` ``*ForSequenceClassification``).
 - `TextModel.tokenize`: token rows with the model's special tokens, texts or (query, document) pairs,
   cut to the model's length from either side, or checked against it (`InputTooLong`).
@@ -28,12 +29,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
-from starlette.requests import Request
 
-from lmiserve.core import request_context
 from lmiserve.core.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, ModelNotReady, ModelRequired
 from lmiserve.core.tokenizer import tokenizing
-from lmiserve.models.service import ModelService, adapter_owner, model_service
+from lmiserve.models.service import ModelService
 
 if TYPE_CHECKING:
     from lmiserve.engine.oneshot import OneShotModel
@@ -164,32 +163,14 @@ def check_count(count: int, what: str) -> None:
 # ---- finding the model ---------------------------------------------------------------------------------
 
 
-def embedding_model(request: Request, name: str | None) -> TextModel:
-    return _model(request, name, EMBEDDING)
-
-
-def reranker_model(request: Request, name: str | None) -> TextModel:
-    return _model(request, name, RERANKER)
-
-
-def _model(request: Request, name: str | None, wanted: str) -> TextModel:
-    service = _named(request, name, wanted) if name else _only(request, wanted)
+def text_model(service: ModelService, wanted: str) -> TextModel:
+    """`service` as a `TextModel` of the `wanted` kind (`WrongModelKind` when it is another kind;
+    ModelNotReady while it loads). How a request finds the service: server/lookup.py."""
     service.ready_engine()
     runner: Any = service.loaded
     if kind_of(service) != wanted or runner is None or service.engine is None:
         raise WrongModelKind(service.name, kind_of(service), wanted)
     return TextModel(service, runner, cast("OneShotModel", service.engine))
-
-
-def _named(request: Request, name: str, wanted: str) -> ModelService:
-    """The model `name` names; a LoRA adapter of an LLM is `WrongModelKind` (it is no encoder)."""
-    try:
-        return model_service(request, name)
-    except ModelNotFound:
-        owner = adapter_owner(request, name)
-        if owner is None:
-            raise
-        raise WrongModelKind(name, owner.kind, wanted, of=owner.name) from None
 
 
 def kind_of(service: ModelService) -> str:
@@ -200,10 +181,9 @@ def kind_of(service: ModelService) -> str:
     return service.kind
 
 
-def _only(request: Request, wanted: str) -> ModelService:
+def only_of_kind(served: list[ModelService], wanted: str) -> ModelService:
     """The one served model of the `wanted` kind; with one model served that is of another kind, that
     one (the caller answers `WrongModelKind`)."""
-    served: list[ModelService] = list(request.app.state.registry)
     fits = [s for s in served if kind_of(s) == wanted]
     if not fits:
         if any(s.status == ModelService.PENDING and s.kind in (EMBEDDING, "classifier") for s in served):
@@ -215,7 +195,6 @@ def _only(request: Request, wanted: str) -> ModelService:
     if len(fits) > 1:
         names = ", ".join(sorted(s.name for s in fits))
         raise ModelRequired(f"Several {wanted} models are served ({names}): name one in `model`.")
-    request_context.note(model=fits[0].name)
     return fits[0]
 
 

@@ -25,14 +25,13 @@ import json
 import logging
 import re
 import time
-import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lmiserve.core import request_context
-from lmiserve.core.request_context import RequestFacts
+from lmiserve.core.request_context import RequestFacts, new_request_id, usable_request_id
 
 if TYPE_CHECKING:
     from lmiserve.server.tracing import Tracing
@@ -42,17 +41,7 @@ ACCESS_LOG = logging.getLogger("lmiserve.access")
 REQUEST_ID = "X-Request-Id"
 LMI_REQUEST_ID = "requestId"  # LMI's response header: the client's request id, when it sent one
 ID_HEADERS = (REQUEST_ID, "X-Amzn-SageMaker-Inference-Id", "X-Amzn-RequestId")
-_USABLE_ID = re.compile(r"[!-~]{1,200}")  # no spaces or control characters: safe in a log line
 _BARE = re.compile(r"[^\s\"=]+")
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex
-
-
-def usable_request_id(value: str) -> bool:
-    """1 to 200 visible ASCII characters: a client's request id that is safe in a log line."""
-    return _USABLE_ID.fullmatch(value) is not None
 
 
 class RequestLog:

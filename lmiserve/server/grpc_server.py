@@ -31,10 +31,11 @@ import grpc
 
 from lmiserve.core import request_context
 from lmiserve.core.errors import InternalError, LmiServeError, ShuttingDown, Unauthorized
-from lmiserve.core.request_context import RequestFacts
+from lmiserve.core.request_context import RequestFacts, new_request_id, usable_request_id
 from lmiserve.server import tracing
-from lmiserve.server.access import ID_HEADERS, new_request_id, usable_request_id, write_access_line
+from lmiserve.server.access import ID_HEADERS, write_access_line
 from lmiserve.server.auth import bearer_matches
+from lmiserve.server.sockets import bind_socket
 
 if TYPE_CHECKING:
     from lmiserve.config import Settings
@@ -244,8 +245,6 @@ class GrpcServer:
     def probe(host: str, port: int) -> None:
         """Bind host:port once and let it go: OSError (with the system's reason) when it cannot be bound,
         before any model loads and before grpc logs a failure of its own."""
-        from lmiserve.server.lifecycle import bind_socket
-
         bind_socket(host, port).close()
 
     async def start(self) -> int:

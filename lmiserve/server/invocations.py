@@ -46,7 +46,7 @@ from starlette.routing import BaseRoute, Route
 
 from lmiserve.core import jsondoc
 from lmiserve.core.errors import LmiServeError, ModelNotFound
-from lmiserve.models.service import ModelService, model_service
+from lmiserve.models.service import ModelService
 from lmiserve.protocols.lmi import lines as lmi_lines
 from lmiserve.protocols.lmi import parse as lmi_parse
 from lmiserve.protocols.lmi import routes as lmi
@@ -66,6 +66,7 @@ from lmiserve.protocols.tgi import routes as tgi
 from lmiserve.protocols.tgi.errors import RENDERER as TGI_ERRORS
 from lmiserve.server import apidoc
 from lmiserve.server.errors import ErrorRenderer, protocol_routes, rendered_by
+from lmiserve.server.lookup import model_service
 from lmiserve.server.responses import raw_response
 
 

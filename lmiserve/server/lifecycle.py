@@ -45,6 +45,7 @@ import uvicorn
 
 from lmiserve.server.drain import Drain, wait_for_open_requests
 from lmiserve.server.grpc_server import GrpcServer
+from lmiserve.server.sockets import bind_socket
 
 if TYPE_CHECKING:
     from lmiserve.config import Settings
@@ -301,24 +302,6 @@ def force_exit(signum: int) -> None:
     with contextlib.suppress(OSError):  # os.write: safe inside a signal handler, unlike print/logging
         os.write(2, f"lmiserve: {name} while stopping: exiting now\n".encode())
     os._exit(128 + signum)
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening-ready TCP socket bound to host:port (as uvicorn binds it); OSError if it cannot be.
-
-    The protocol is named (IPPROTO_TCP, not 0): asyncio sets TCP_NODELAY only on accepted sockets whose
-    protocol says TCP, and without it every answer on a kept-alive connection waited ~40 ms for the
-    client's delayed ACK (Nagle's algorithm holding the body back behind the head)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(True)
-    return sock
 
 
 def _url_host(host: Any) -> str:

@@ -21,7 +21,6 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
 from opentelemetry import trace
@@ -32,9 +31,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from lmiserve import __version__
-
-if TYPE_CHECKING:
-    from lmiserve.server.tracing import AttributeValue, Phase
+from lmiserve.server.spans import AttributeValue, Phase
 
 log = logging.getLogger(__name__)
 

@@ -25,20 +25,17 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lmiserve.core import request_context
-from lmiserve.core.request_context import CANCELLED, RequestFacts
-from lmiserve.server.access import new_request_id, usable_request_id
+from lmiserve.core.request_context import CANCELLED, RequestFacts, new_request_id, usable_request_id
+from lmiserve.server.spans import AttributeValue, Phase
 
 if TYPE_CHECKING:
     from lmiserve.config import Settings
     from lmiserve.server.otlp import Exporting
 
 log = logging.getLogger(__name__)
-
-AttributeValue = str | bool | int | float | list[str]
 
 # The GenAI semantic conventions' names (opentelemetry-semantic-conventions 0.66b2, gen_ai_attributes)
 GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
@@ -60,16 +57,6 @@ REQUEST_ID = "lmiserve.request_id"
 GRPC_SERVER_ERRORS = frozenset({2, 4, 12, 13, 14, 15})
 
 _TRACE_HEADERS = {b"traceparent": "traceparent", b"tracestate": "tracestate"}
-
-
-@dataclass(frozen=True)
-class Phase:
-    """A child span: one phase of the request in the engine (times are `time.monotonic()`)."""
-
-    name: str  # "queue", "prefill" or "decode"
-    start: float
-    end: float
-    attributes: dict[str, AttributeValue]
 
 
 # ---- what a span carries (pure functions of the request's facts) -------------------------------------

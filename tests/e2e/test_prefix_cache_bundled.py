@@ -10,7 +10,7 @@ import pytest
 from lmiserve.config import Settings
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine.async_engine import AsyncEngine
-from lmiserve.engine.factory import build_engine
+from lmiserve.models.compose import build_engine
 
 pytestmark = pytest.mark.e2e
 

@@ -31,7 +31,7 @@ async def _greedy(engine) -> list[list[int]]:
 
 
 def test_tp2_is_refused_with_one_line(smollm_dir):
-    from lmiserve.engine.factory import build_tensor_parallel_engine
+    from lmiserve.models.compose import build_tensor_parallel_engine
     from lmiserve.models.load import load_model_shell
 
     settings = Settings.from_options({"model_id": str(smollm_dir), "device": "cpu", "tensor_parallel_degree": "2"})
@@ -40,7 +40,7 @@ def test_tp2_is_refused_with_one_line(smollm_dir):
 
 
 def test_tp3_greedy_tokens_are_the_whole_models(smollm_dir, smollm_model):
-    from lmiserve.engine.factory import build_engine, build_tensor_parallel_engine
+    from lmiserve.models.compose import build_engine, build_tensor_parallel_engine
     from lmiserve.models.load import load_model_shell
 
     options = {"model_id": str(smollm_dir), "device": "cpu", "dtype": "fp32"}

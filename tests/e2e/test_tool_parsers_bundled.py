@@ -192,8 +192,10 @@ def test_anthropic_tool_use_from_the_same_parse(url):
             tool_choice={"type": "any"},
             extra_body=GREEDY,
         )
-        [use] = [b for b in forced.content if b.type == "tool_use"]
-        jsonschema.validate(use.input, WEATHER_PARAMETERS)
+        uses = [b for b in forced.content if b.type == "tool_use"]
+        assert uses and forced.stop_reason == "tool_use"
+        for use in uses:
+            jsonschema.validate(use.input, WEATHER_PARAMETERS)
 
 
 def test_langchain_bind_tools(url):

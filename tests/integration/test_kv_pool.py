@@ -301,3 +301,55 @@ def test_preemptions_count_no_prompt_token_twice(pool_server: PoolServer):
     expected_prompt, expected_queries, _ = moved(first, alone)
     assert (prompt_tokens, queries) == (expected_prompt, expected_queries)
     assert hits <= queries
+
+
+_MESSAGES = [{"role": "user", "content": "Hello"}]
+_TOO_MANY = POOL_BLOCKS * BLOCK_SIZE  # new tokens: with any prompt more than the whole pool
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "shape"),
+    [
+        ("/v1/completions", {"prompt": "Hello", "max_tokens": _TOO_MANY}, 400, {"error"}),
+        ("/v1/chat/completions", {"messages": _MESSAGES, "max_tokens": _TOO_MANY}, 400, {"error"}),
+        ("/v1/messages", {"messages": _MESSAGES, "max_tokens": _TOO_MANY}, 400, {"type", "error"}),
+        ("/v1/responses", {"input": "Hello", "max_output_tokens": _TOO_MANY}, 400, {"error"}),
+        ("/invocations", TOO_LARGE, 424, {"error", "code"}),  # LMI: its compact 424
+    ],
+    ids=["openai-completions", "openai-chat", "anthropic", "responses", "lmi"],
+)
+def test_a_streamed_request_larger_than_the_pool_gets_the_same_4xx_as_the_whole_one(
+    pool_server: PoolServer, path, body, status, shape
+):
+    """Issue 36, point 7: the streamed form of a request that never fits the pool is refused before its
+    stream starts, with its protocol's 4xx and the body the whole form gets, not a 200 and an error event."""
+    client = pool_server.client
+    body = {"model": pool_server.name, **body} if path.startswith("/v1/") else body
+    whole = client.post(path, json=body)
+    assert whole.status_code == status, whole.text
+    assert "more than the whole KV cache holds" in whole.text
+    started = time.monotonic()
+    with client.stream("POST", path, json={**body, "stream": True}) as streamed:
+        streamed.read()
+    assert time.monotonic() - started < REFUSED_WITHIN
+    assert streamed.status_code == status, streamed.text
+    assert not streamed.headers["content-type"].startswith("text/event-stream"), streamed.headers
+    assert streamed.json() == whole.json()
+    assert set(streamed.json()) == shape, streamed.json()
+
+
+def test_a_tgi_stream_larger_than_the_pool_is_refused_before_anything_is_queued(pool_server: PoolServer):
+    """TGI's native stream answers every invalid request in-band under 200 (as TGI does: one error event,
+    no token, as for a bad grammar), the whole form 422; both now before anything is queued."""
+    client = pool_server.client
+    before = pool_server.metrics()
+    with client.stream("POST", "/generate_stream", json=TOO_LARGE) as streamed:
+        lines = [line for line in streamed.iter_lines() if line.startswith("data:")]
+    assert streamed.status_code == 200
+    (event,) = [json.loads(line[len("data:") :]) for line in lines]
+    assert event["error_type"] == "validation" and "more than the whole KV cache holds" in event["error"], event
+    whole = client.post("/generate", json=TOO_LARGE)
+    assert whole.status_code == 422 and whole.json() == event
+    after = pool_server.metrics()
+    assert after["vllm:num_requests_waiting"] == 0
+    assert after["vllm:prompt_tokens_total"] == before["vllm:prompt_tokens_total"]  # nothing ran

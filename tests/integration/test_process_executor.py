@@ -14,6 +14,7 @@ from lmiserve.engine.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
 from lmiserve.engine.process_executor import ProcessExecutor, paged_fast_runner
 from lmiserve.engine.step import InProcessExecutor
+from lmiserve.models.load import load_causal_lm
 
 pytestmark = pytest.mark.integration
 
@@ -36,9 +37,8 @@ async def test_a_child_process_executes_the_same_batches_to_the_same_tokens(tiny
     engine = create_engine(tiny_model, EngineConfig(max_running=4, prefix_cache_bytes=0))
     runner = engine.runner
     assert isinstance(engine.executor, InProcessExecutor)
-    build = functools.partial(
-        paged_fast_runner, str(tiny_model_dir), runner.num_blocks, runner.block_size, 4, "fp32", "cpu"
-    )
+    load = functools.partial(load_causal_lm, str(tiny_model_dir), dtype="fp32", device="cpu")
+    build = functools.partial(paged_fast_runner, load, runner.num_blocks, runner.block_size, 4)
     child = ProcessExecutor(build)
     engine.start()
     try:

@@ -106,7 +106,7 @@ async def _run(engine) -> list[Answer]:
 
 
 def _answers(model_dir: Path, degree: int, **options: str) -> list[Answer]:
-    from lmiserve.engine.factory import build_engine, build_tensor_parallel_engine
+    from lmiserve.models.compose import build_engine, build_tensor_parallel_engine
     from lmiserve.models.load import load_causal_lm, load_model_shell
 
     # a small prefill budget: the long prompt is prefilled in chunks, beside the other rows' decodes
@@ -244,7 +244,7 @@ def test_structured_output_and_the_prefix_cache_under_tensor_parallelism(tiny_mo
     """The grammar bitmask travels in the batch to every rank, and the prefix cache's blocks (computed by
     every rank for its heads) are read again: the same tokens as one process, the constrained ones
     matching their grammar."""
-    from lmiserve.engine.factory import build_engine, build_tensor_parallel_engine
+    from lmiserve.models.compose import build_engine, build_tensor_parallel_engine
     from lmiserve.models.load import load_causal_lm, load_model_shell
 
     base = {"model_id": str(tiny_model_dir), "device": "cpu", "enable_prefix_caching": "true"}
@@ -267,8 +267,8 @@ def test_preemption_under_tensor_parallelism_keeps_every_stream(tiny_model_dir, 
     """A pool of 12 blocks of 4 tokens on each rank (its KV heads' half of every block) for the whole
     burst: the scheduler preempts, the ranks drop the preempted requests' blocks and recompute them when
     they come back, and every greedy stream is the one of an unhurried single process."""
-    from lmiserve.engine.factory import build_tensor_parallel_engine
     from lmiserve.engine.kv_blocks import bytes_per_block
+    from lmiserve.models.compose import build_tensor_parallel_engine
     from lmiserve.models.load import load_model_shell
 
     rank_block = bytes_per_block(layers=2, kv_heads=1, head_dim=16, dtype_bytes=4, block_size=4)

@@ -17,8 +17,9 @@ from collections.abc import Sequence as Seq
 
 from lmiserve.core.events import StepEvent
 from lmiserve.core.request import SamplingParams
-from lmiserve.engine.scheduler import SampleResult, Scheduler, StepOutput, StepPlan
+from lmiserve.engine.scheduler import Scheduler, StepPlan
 from lmiserve.engine.sequence import SeqStatus, Sequence
+from lmiserve.engine.step import SampleResult, StepOutput
 
 EOS = 2
 BOS = 1

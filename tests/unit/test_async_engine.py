@@ -20,9 +20,10 @@ from lmiserve.core.errors import InvalidRequest, Overloaded, QueueTimeout
 from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine.async_engine import AsyncEngine, EngineConfig
-from lmiserve.engine.factory import build_engine, create_engine
+from lmiserve.engine.factory import create_engine
 from lmiserve.engine.runners import BatchInvariantRunner, FastRunner, ModelRunner
 from lmiserve.engine.runners.paged import PagedFastRunner
+from lmiserve.models.compose import build_engine
 
 PROMPTS = [
     "The quick brown fox",
@@ -112,8 +113,20 @@ def encode(loaded, prompt: str) -> list[int]:
         {"kv_cache": "paged", "max_running": 3, "max_prefill_tokens": 5, "block_size": 4},
         # a pool of 12 blocks of 4 tokens for prompts of ~10 and 12 new tokens: preemption
         {"kv_cache": "paged", "kv_cache_memory_bytes": 12 * 4 * 2 * 2 * 16 * 2 * 4, "block_size": 4},
+        # a step budget (max_num_batched_tokens) a few tokens above the decode rows
+        {"kv_cache": "paged", "max_running": 3, "max_step_tokens": 5, "block_size": 4},
+        {"kv_cache": "slots", "max_running": 3, "max_step_tokens": 4},
     ],
-    ids=["batched", "batch_invariant", "small_batch_chunked", "paged", "paged_chunked", "paged_preempting"],
+    ids=[
+        "batched",
+        "batch_invariant",
+        "small_batch_chunked",
+        "paged",
+        "paged_chunked",
+        "paged_preempting",
+        "paged_step_budget",
+        "slots_step_budget",
+    ],
 )
 async def test_concurrent_greedy_equals_generate(tiny_model, reference, config):
     engine = make_engine(tiny_model, **config)

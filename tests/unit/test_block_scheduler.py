@@ -14,9 +14,9 @@ from fakes import make_seq
 from lmiserve.core.events import FinishReason
 from lmiserve.engine.block_scheduler import BlockScheduler
 from lmiserve.engine.kv_blocks import BlockPool
-from lmiserve.engine.scheduler import SampleResult, StepOutput, StepPlan
+from lmiserve.engine.scheduler import StepPlan
 from lmiserve.engine.sequence import SeqStatus, Sequence
-from lmiserve.engine.step import StepBatch
+from lmiserve.engine.step import SampleResult, StepBatch, StepOutput
 
 
 def token_rule(seq: Sequence) -> int:
@@ -128,7 +128,15 @@ def step(sched: BlockScheduler, runner: BlockRunner, now: float = 0.0):
     tables = [s.block_table for s in sched.running if s.block_table is not None]
     sched.pool.check(tables)
     assert len(sched.running) <= sched.max_running
+    if sched.max_step_tokens is not None:  # the step's budget holds, decode rows included
+        assert step_tokens(plan) <= sched.max_step_tokens, plan
     return plan, events
+
+
+def step_tokens(plan: StepPlan) -> int:
+    """Tokens the step computes: a decode row's token and its drafts, the prompt chunks."""
+    drafts = sum(len(d) for d in plan.drafts.values())
+    return len(plan.decode) + drafts + sum(c.length for c in plan.prefill)
 
 
 def drive(sched: BlockScheduler, runner: BlockRunner, limit: int = 10_000):
@@ -198,6 +206,62 @@ def test_decoding_rows_come_first_and_prompt_chunks_fill_the_rest_of_the_budget(
     assert [(c.seq, c.start, c.length) for c in plan.prefill] == [(waiting[0], 0, 15), (waiting[1], 0, 5)]
     plan, _ = step(sched, runner)
     assert [(c.seq, c.start, c.length) for c in plan.prefill] == [(waiting[1], 5, 10), (waiting[2], 0, 10)]
+
+
+def _decoding(sched: BlockScheduler, runner: BlockRunner, count: int) -> list[Sequence]:
+    """`count` short sequences, decoding (their prompts computed, a token sampled)."""
+    seqs = [make_seq(prompt(4, 20 + i), max_new_tokens=50, ignore_eos_token=True) for i in range(count)]
+    for seq in seqs:
+        sched.add(seq)
+    while any(seq.status is not SeqStatus.RUNNING for seq in seqs):
+        step(sched, runner)
+    return seqs
+
+
+@pytest.mark.parametrize(("budget", "prefill", "chunk"), [(10, 64, 6), (40, 64, 36), (40, 5, 5), (None, 20, 20)])
+def test_a_step_budget_counts_every_decode_row_and_prompt_chunks_take_the_rest(budget, prefill, chunk):
+    """vLLM's max_num_batched_tokens: a step of N decode rows and a long prompt takes at most budget - N
+    prompt tokens; max_prefill_tokens still bounds the prompt side (the stricter wins); without a step
+    budget the prompt side is max_prefill_tokens, as before."""
+    sched = BlockScheduler(
+        BlockPool(512, 16), max_running=8, max_prefill_tokens=prefill, prefill_floor=None, max_step_tokens=budget
+    )
+    runner = BlockRunner(sched)
+    decoding = _decoding(sched, runner, 4)
+    long = make_seq(prompt(600, 40), max_new_tokens=2, ignore_eos_token=True)
+    sched.add(long)
+    for _ in range(3):  # admitted, then prefilled chunk by chunk beside the four decode rows
+        plan, _ = step(sched, runner)
+        assert plan.decode == decoding
+        assert [(c.seq, c.length) for c in plan.prefill] == [(long, chunk)]
+    drive(sched, runner)
+    assert long.output_ids == expected_tokens(long, 2)
+    for seq in decoding:
+        assert seq.output_ids == expected_tokens(seq, 50)
+
+
+def test_with_a_step_budget_a_prompt_alone_takes_the_whole_budget():
+    sched = BlockScheduler(BlockPool(512, 16), max_running=8, max_prefill_tokens=2048, max_step_tokens=100)
+    runner = BlockRunner(sched)
+    long = make_seq(prompt(300), max_new_tokens=1)
+    sched.add(long)
+    plan, _ = step(sched, runner)
+    assert not plan.decode and [c.length for c in plan.prefill] == [100]
+
+
+def test_drafts_count_in_the_step_budget():
+    """A decode row verifying drafts computes its token and its drafts: they count in the budget, cut
+    to what it leaves (every row keeps its own token); a prompt then gets only what remains."""
+    sched = BlockScheduler(BlockPool(512, 16), max_running=8, max_prefill_tokens=64, max_step_tokens=7)
+    runner = BlockRunner(sched)
+    decoding = _decoding(sched, runner, 4)
+    sched.add(make_seq(prompt(100, 40), max_new_tokens=2))
+    sched.proposer = lambda seq: [1, 2, 3, 4, 5]
+    plan, _ = sched.schedule(0.0)
+    assert plan.decode and set(plan.decode) == set(decoding)
+    assert sum(len(d) for d in plan.drafts.values()) == 3  # 7 - 4 rows
+    assert not plan.prefill  # the decode rows and their drafts fill the step
+    assert step_tokens(plan) == 7
 
 
 def test_preemption_when_the_pool_runs_out_keeps_every_stream_unchanged():
@@ -321,6 +385,8 @@ def test_random_traffic_with_a_small_pool_keeps_contents_and_streams_right(seed:
     rng = random.Random(seed)
     pool = BlockPool(rng.choice([12, 20, 40]), rng.choice([2, 4, 8]), enable_prefix_caching=rng.random() < 0.7)
     sched = BlockScheduler(pool, max_running=rng.choice([2, 4, 6]), max_prefill_tokens=rng.choice([4, 9, 32]))
+    # a step budget (max_num_batched_tokens) on half the seeds, drawn apart so the traffic stays the same
+    sched.max_step_tokens = random.Random(-seed).choice([None, sched.max_running + 1, 2 * sched.max_running, 20])
     runner = BlockRunner(sched)
     heads = [prompt(rng.randint(1, 12), rng.randint(10, 30)) for _ in range(3)]
     seqs: list[Sequence] = []

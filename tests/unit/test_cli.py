@@ -73,6 +73,7 @@ SERVE_FLAGS = [
     "--max-model-len",
     "--max-rolling-batch-size",
     "--max-num-seqs",
+    "--max-num-batched-tokens",
     "--enable-prefix-caching",
     "--no-enable-prefix-caching",
     "--max-new-tokens",
@@ -189,6 +190,45 @@ def test_aliases_are_known_options(monkeypatch):
     assert (settings.max_rolling_batch_size, settings.max_total_tokens) == (4, 100)
 
 
+def test_max_num_batched_tokens_is_the_steps_token_budget_by_every_spelling(monkeypatch, tmp_path, capsys):
+    """vLLM's max_num_batched_tokens is a setting of its own (no longer an unknown option): the flag, -o,
+    OPTION_ and serving.properties all set it, and it reaches the engine as the step's budget beside
+    LMI's prompt-side max_rolling_batch_prefill_tokens."""
+    from lmiserve.config import load_settings
+    from lmiserve.models.compose import engine_config
+
+    seen = capture_serve(monkeypatch)
+    assert cli.main(["serve", "--max-num-batched-tokens", "512", "--max-num-seqs", "16"]) == 0
+    settings = seen["settings"]
+    assert settings.max_num_batched_tokens == 512
+    assert settings.sources["max_num_batched_tokens"] == "command line --max-num-batched-tokens"
+    config = engine_config(settings)
+    assert (config.max_step_tokens, config.max_prefill_tokens, config.max_running) == (512, 2048, 16)
+    assert cli.main(["serve", "-o", "max_num_batched_tokens=64"]) == 0
+    assert seen["settings"].max_num_batched_tokens == 64
+    env = load_settings({}, None, None, environ={"OPTION_MAX_NUM_BATCHED_TOKENS": "256"})
+    assert (env.max_num_batched_tokens, env.sources["max_num_batched_tokens"]) == (
+        256,
+        "environment OPTION_MAX_NUM_BATCHED_TOKENS",
+    )
+    properties = tmp_path / "serving.properties"
+    properties.write_text("option.max_num_batched_tokens=128\noption.max_rolling_batch_prefill_tokens=64\n")
+    from_file = load_settings({}, properties, None, environ={})
+    assert (from_file.max_num_batched_tokens, from_file.max_rolling_batch_prefill_tokens) == (128, 64)
+    assert load_settings({}, None, None, environ={}).max_num_batched_tokens is None  # unset: no step budget
+    assert engine_config(load_settings({}, None, None, environ={})).max_step_tokens is None
+
+
+def test_a_step_budget_below_max_num_seqs_refuses_to_start_with_one_line(capsys):
+    assert cli.main(["serve", "--max-num-batched-tokens", "8", "--max-num-seqs", "16"]) == 2
+    assert capsys.readouterr().err == (
+        "lmiserve: configuration error: invalid configuration: max_num_batched_tokens=8 is smaller than "
+        "max_rolling_batch_size=16 (vLLM's max_num_seqs): a step must hold a token of every running sequence\n"
+    )
+    assert cli.main(["serve", "-o", "max_num_batched_tokens=2", "-o", "batch_size=4"]) == 2  # dynamic batching
+    assert "max_num_batched_tokens=2 is smaller than batch_size=4" in capsys.readouterr().err
+
+
 def capture_serve(monkeypatch) -> dict:
     """Replace `cli.serve` (which would start the server) by one that keeps what it was given."""
     seen: dict = {}
@@ -285,7 +325,7 @@ def test_enforce_eager_is_an_option_not_an_ignored_lmi_key(monkeypatch):
     and OPTION_ENFORCE_EAGER, and is no longer among the LMI keys lmiserve ignores."""
     from lmiserve.config import load_settings
     from lmiserve.config.settings import LMI_IGNORED_KEYS
-    from lmiserve.engine.factory import engine_config
+    from lmiserve.models.compose import engine_config
 
     assert "enforce_eager" not in LMI_IGNORED_KEYS
     seen = capture_serve(monkeypatch)

@@ -165,12 +165,13 @@ def test_a_model_whose_attention_ignores_the_paged_cache_keeps_the_slot_layout()
     assert "attention functions" in (paged_generic.unsupported_reason(Ignoring()) or "")
 
 
-def test_sliding_window_models_keep_the_slot_layout():
+def test_sliding_window_models_are_served_over_blocks_not_slots():
+    """Their attention applies the window over the paged cache only (tests/unit/test_sliding_window.py)."""
     from lmiserve.engine.runners import paged_generic
 
-    assert "sliding" in (
-        paged_generic.unsupported_reason(build(MistralConfig, MistralForCausalLM, {"sliding_window": 16})) or ""
-    )
+    windowed = build(MistralConfig, MistralForCausalLM, {"sliding_window": 16})
+    assert paged_generic.unsupported_reason(windowed) is None
+    assert unsupported_reason(windowed, windows=True) is None
     assert paged_generic.unsupported_reason(build(*ARCHS["mistral_no_window"])) is None
 
 
@@ -233,7 +234,8 @@ def test_a_failing_fused_forward_fails_only_the_culprit(tiny_model, monkeypatch)
 
 def test_engine_settings_reach_the_runner_and_the_scheduler(tiny_model):
     from lmiserve.config import Settings
-    from lmiserve.engine.factory import PREFILL_FLOOR, build_engine
+    from lmiserve.engine.factory import PREFILL_FLOOR
+    from lmiserve.models.compose import build_engine
 
     default = build_engine(tiny_model, Settings())
     assert default.runner.path == "fast"

@@ -1,9 +1,14 @@
-"""The dependency direction of ARCHITECTURE.md: core imports nothing of ours; only engine and models
-import torch/transformers; the engine knows nothing of HTTP, adapters or formatters."""
+"""The dependency direction of docs/architecture.md: core and config import nothing of ours; the engine
+imports only core (no settings, no model loading, no HTTP, no protocols); only engine and models import
+torch/transformers; models import no HTTP framework; no import circle anywhere.
+
+Every import statement of a module counts: at the top, inside a function (a lazy import) and under
+`if TYPE_CHECKING:` (a type-only import still ties the files together for a reader)."""
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,17 +18,39 @@ HEAVY = {"torch", "transformers"}
 HTTP = {"starlette", "uvicorn", "sse_starlette"}
 
 
+def module_name(path: Path) -> str:
+    """The dotted name of a module of the package (``lmiserve.models`` for models/__init__.py)."""
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_statements(path: Path) -> Iterator[tuple[str, list[str]]]:
+    """Every import statement of `path`, wherever it is (module level, a function, a class, an
+    ``if TYPE_CHECKING:`` block): ``(module, names)``, names empty for ``import module``. A relative
+    import is resolved against `path`'s package."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, []
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                package = module_name(path).split(".")
+                if path.name != "__init__.py":
+                    package = package[:-1]
+                package = package[: len(package) - (node.level - 1)]
+                module = ".".join([*package, module] if module else package)
+            yield module, [alias.name for alias in node.names]
+
+
 def imports_of(path: Path, *, members: bool = False) -> set[str]:
     """Dotted names of the modules `path` imports; with `members`, ``from x import y`` also counts as
     ``x.y`` (y may be a module)."""
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-            if members:
-                names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    for module, members_of in import_statements(path):
+        names.add(module)
+        if members:
+            names.update(f"{module}.{name}" for name in members_of)
     return names
 
 
@@ -51,11 +78,27 @@ def test_only_engine_and_models_import_torch(path):
     assert not roots(imports_of(path)) & HEAVY
 
 
-@pytest.mark.parametrize("path", modules("engine"), ids=lambda p: p.name)
-def test_engine_is_free_of_http_and_protocols(path):
+@pytest.mark.parametrize("path", modules("config"), ids=lambda p: p.name)
+def test_config_imports_nothing_of_ours(path):
+    """The settings are read by everything above the engine and know nothing of it."""
+    assert all(n.startswith("lmiserve.config") for n in imports_of(path) if n.startswith("lmiserve")), path
+
+
+@pytest.mark.parametrize("path", modules("engine"), ids=lambda p: str(p.relative_to(PACKAGE / "engine")))
+def test_engine_imports_only_core(path):
+    """The engine takes plain values: no settings (`lmiserve.config`: the composition above it,
+    models/compose.py, turns them into an `EngineConfig`), no model loading (`lmiserve.models`: a loaded
+    model, or a loader, is handed down), no HTTP, no protocols, no server."""
     names = imports_of(path)
     assert not roots(names) & HTTP
-    assert not any(n.startswith(("lmiserve.server", "lmiserve.protocols")) for n in names)
+    ours = {n for n in names if n.startswith("lmiserve")}
+    assert all(n.startswith(("lmiserve.core", "lmiserve.engine")) for n in ours), sorted(ours)
+
+
+@pytest.mark.parametrize("path", modules("models"), ids=lambda p: str(p.relative_to(PACKAGE / "models")))
+def test_models_import_no_http(path):
+    """Finding a request's model is the server's (server/lookup.py): `models/` takes names, not requests."""
+    assert not roots(imports_of(path)) & HTTP
 
 
 @pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
@@ -127,6 +170,82 @@ def test_only_the_app_and_the_dispatcher_import_protocols(path):
     """Protocols sit on top: below them nothing imports one, except the two modules that wire them
     (`server/app.py`, the route table, and `server/invocations.py`, the /invocations dispatcher)."""
     assert not {n for n in lmiserve_modules_imported(path) if protocol_of(n)}
+
+
+# ---- no import circle ----------------------------------------------------------------------------------
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def edges_of(path: Path) -> set[str]:
+    """The lmiserve modules `path` imports: ``from pkg import name`` is the module ``pkg.name`` when there
+    is one, else ``pkg`` (its __init__.py); ``import a.b.c`` the longest of a.b.c, a.b, a that is a
+    module. The parent packages Python imports on the way are not counted (every submodule has them)."""
+    targets: set[str] = set()
+    for module, names in import_statements(path):
+        if not module.startswith("lmiserve"):
+            continue
+        found = [f"{module}.{n}" if f"{module}.{n}" in MODULES else module for n in names] or [module]
+        for name in found:
+            parts = name.split(".")
+            while parts and ".".join(parts) not in MODULES:
+                parts.pop()
+            targets.add(".".join(parts))
+    return targets - {module_name(path), ""}
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return circles
+
+
+def test_import_circles_are_found():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
+    assert import_circles(graph) == [["a", "b", "c"]]
+    assert import_circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_edges_count_lazy_type_only_and_submodule_imports():
+    edges = edges_of(PACKAGE / "engine" / "cuda_graphs.py")
+    assert "lmiserve.engine.triton_attention" in edges  # `from lmiserve.engine import triton_attention`
+    assert "lmiserve.engine" not in edges  # ... which is no import of engine/__init__.py's names
+    assert "lmiserve.engine.fast_llama" in edges  # under `if TYPE_CHECKING:`
+
+
+def test_no_import_circles():
+    """No module imports, through any chain of imports of any kind, one that imports it: the package reads
+    bottom up. A circle is broken by moving what both need into the lower module, or a new small one."""
+    graph = {name: edges_of(path) for name, path in MODULES.items()}
+    circles = import_circles(graph)
+    described = ["; ".join(f"{a} -> {b}" for a in circle for b in sorted(graph[a] & set(circle))) for circle in circles]
+    assert not circles, "\n".join(described)
 
 
 def test_test_modules_have_unique_names():

@@ -12,7 +12,8 @@ import pytest
 from lmiserve.config import Settings
 from lmiserve.models.registry import ModelRegistry
 from lmiserve.models.service import ModelService
-from lmiserve.server.lifecycle import ExitCode, Lifecycle, bind_socket
+from lmiserve.server.lifecycle import ExitCode, Lifecycle
+from lmiserve.server.sockets import bind_socket
 
 
 def failed_service(name: str, error: str) -> ModelService:

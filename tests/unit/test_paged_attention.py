@@ -101,8 +101,8 @@ def test_decode_writes_each_rows_new_key_and_value_then_attends_over_its_own_pos
 
 def test_the_dispatcher_picks_the_kernel_for_fp32_cpu_and_torch_otherwise(monkeypatch: pytest.MonkeyPatch):
     calls: list[str] = []
-    monkeypatch.setattr(paged_attention, "compiled_decode_attention", lambda *a: calls.append("compiled"))
-    monkeypatch.setattr(paged_attention, "torch_decode_attention", lambda *a: calls.append("torch"))
+    monkeypatch.setattr(paged_attention, "compiled_decode_attention", lambda *a, **k: calls.append("compiled"))
+    monkeypatch.setattr(paged_attention, "torch_decode_attention", lambda *a, **k: calls.append("torch"))
     for dtype in (torch.float32, torch.bfloat16):
         cache = torch.zeros(1, 1, 4, DIM, dtype=dtype)
         paged_attention.paged_decode_attention(cache, cache, cache, cache, cache, cache, [1], 1.0)

@@ -267,9 +267,9 @@ async def test_the_slot_cache_never_shares_a_salted_requests_blocks(tiny_model):
 def test_prefix_cache_size_with_the_paged_cache_is_named_at_start_up(caplog):
     """It sizes the slot cache's prefix cache only: set with kv_cache=paged, the start-up log says so."""
     from lmiserve.config import Settings
-    from lmiserve.engine.factory import engine_config
+    from lmiserve.models.compose import engine_config
 
-    with caplog.at_level("WARNING", logger="lmiserve.engine.factory"):
+    with caplog.at_level("WARNING", logger="lmiserve.models.compose"):
         engine_config(Settings.from_options({"prefix_cache_size": "1MiB"}))
         engine_config(Settings.from_options({"prefix_cache_size": "1MiB", "kv_cache": "slots"}))
         engine_config(Settings.from_options({}))

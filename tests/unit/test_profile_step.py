@@ -43,6 +43,12 @@ def test_the_largest_step_is_bounded_by_the_context():
     assert factory.largest_step_tokens(EngineConfig(max_prefill_tokens=2048, max_running=32), 256) == 256
 
 
+def test_the_largest_step_is_bounded_by_the_step_budget():
+    """max_num_batched_tokens: the profiled step is no larger than any step the scheduler plans."""
+    config = EngineConfig(max_prefill_tokens=2048, max_running=32, max_step_tokens=512)
+    assert factory.largest_step_tokens(config, 8192) == 512
+
+
 def test_profiling_measures_on_cuda_only(tiny_model):
     runner_of, made = _runner_of(tiny_model, PagedFastRunner)
     assert factory.profile_step_memory(torch.device("cpu"), runner_of, 32, 16) is None

@@ -26,7 +26,7 @@ from lmiserve.engine.sampling import (
     sample_rows,
     warp,
 )
-from lmiserve.engine.scheduler import SampleResult
+from lmiserve.engine.step import SampleResult
 
 VOCAB = 32
 CPU = torch.device("cpu")

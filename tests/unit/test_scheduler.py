@@ -564,3 +564,22 @@ def test_a_step_that_decodes_carries_at_most_a_full_batch_or_twice_its_decoding_
     plan, _ = small.schedule(0.0)
     assert [c.length for c in plan.prefill] == [4]  # the floor: max(4, 1, 2 - 1)
     assert Scheduler(max_prefill_tokens=100).prefill_floor is None  # unbounded unless asked
+
+
+def test_the_slot_scheduler_counts_decode_rows_in_the_step_budget():
+    """kv_cache=slots honours max_num_batched_tokens the same way: N decode rows leave budget - N prompt
+    tokens, and the streams stay what they are alone."""
+    sched = Scheduler(max_running=8, max_prefill_tokens=64, max_step_tokens=10)
+    runner = FakeRunner(sched)
+    decoding = [make_seq(prompt(3, 20 + i), max_new_tokens=30, ignore_eos_token=True) for i in range(4)]
+    for seq in decoding:
+        sched.add(seq)
+    while any(seq.status is not SeqStatus.RUNNING for seq in decoding):
+        run_step(sched, runner)
+    long = make_seq(prompt(50), max_new_tokens=2, ignore_eos_token=True)
+    sched.add(long)
+    for _ in range(3):
+        plan, _ = run_step(sched, runner)
+        assert len(plan.decode) == 4 and [(c.seq, c.length) for c in plan.prefill] == [(long, 6)]
+    drive(sched, runner)
+    assert long.finished and all(seq.finished for seq in decoding)

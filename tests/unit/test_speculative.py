@@ -307,11 +307,22 @@ def test_speculative_config_from_serving_properties_and_the_environment(tmp_path
     ],
 )
 def test_the_engine_reads_each_method_from_the_settings(config, method, lookup, draft_name):
-    """What the server builds its engine from (factory.engine_config), for each method."""
+    """What the server builds its engine from (compose.engine_config), for each method."""
     from lmiserve.config import Settings
-    from lmiserve.engine.factory import engine_config
+    from lmiserve.models.compose import engine_config
 
     spec = engine_config(Settings.from_options({"speculative_config": config})).speculation
     assert spec is not None and spec.method == method and spec.draft_name == draft_name
     assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == lookup
     assert spec.num_speculative_tokens == 4 and spec.disable_by_batch_size is None  # resolved by the device
+
+
+def test_the_settings_help_names_the_engines_device_defaults():
+    """`disable_by_batch_size` left out is resolved by the engine (factory.DISABLE_BY_BATCH_SIZE, which
+    imports no settings); the setting's help says the same numbers."""
+    from lmiserve.config.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
+    from lmiserve.engine.factory import DISABLE_BY_BATCH_SIZE
+
+    assert DISABLE_BY_BATCH_SIZE["cpu"] == DEFAULT_DISABLE_BY_BATCH_SIZE
+    help_text = SpeculativeConfig.model_fields["disable_by_batch_size"].description
+    assert f"{DISABLE_BY_BATCH_SIZE['cpu']} on CPU, {DISABLE_BY_BATCH_SIZE['cuda']} on a GPU" in (help_text or "")

@@ -439,7 +439,7 @@ def test_what_tensor_parallelism_serves_is_accepted(options):
 
 
 def test_degree_max_is_one_on_a_cpu_and_refuses_nothing_there():
-    from lmiserve.engine.factory import tensor_parallel_degree
+    from lmiserve.models.compose import tensor_parallel_degree
 
     cpu = torch.device("cpu")
     for options in ({"tensor_parallel_degree": "max"}, {"tensor_parallel_degree": "max", "enable_lora": "true"}):
@@ -453,7 +453,7 @@ def test_degree_max_on_several_gpus_refuses_what_tensor_parallelism_cannot_serve
     ``tensor_parallel_degree=2`` refuses (LoRA, the slot cache, int8, ...) must be refused too, not
     silently dropped by the tensor-parallel engine (which has no adapters, pages its cache and loads the
     workers' weights in the dtype it is given)."""
-    from lmiserve.engine.factory import tensor_parallel_degree
+    from lmiserve.models.compose import tensor_parallel_degree
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     cuda = torch.device("cuda")
@@ -471,7 +471,7 @@ def test_degree_max_on_several_gpus_refuses_what_tensor_parallelism_cannot_serve
 
 
 def test_a_node_needs_a_gpu_for_each_of_its_ranks(monkeypatch):
-    from lmiserve.engine.factory import tensor_parallel_degree
+    from lmiserve.models.compose import tensor_parallel_degree
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     cuda = torch.device("cuda")
@@ -484,30 +484,34 @@ def test_a_node_needs_a_gpu_for_each_of_its_ranks(monkeypatch):
 
 def test_worker_spec_shares_the_nodes_memory_and_picks_the_port(monkeypatch, tmp_path):
     from lmiserve.engine import factory
+    from lmiserve.models import compose
+    from lmiserve.models.load import load_causal_lm, load_model_shell
 
     monkeypatch.setattr(factory, "available_memory", lambda: 8 * 2**30)
     cpu = torch.device("cpu")
-    one = factory.worker_spec(Settings.from_options({"tensor_parallel_degree": "2"}), str(tmp_path), cpu, 2)
+    one = compose.worker_spec(Settings.from_options({"tensor_parallel_degree": "2"}), str(tmp_path), cpu, 2)
     assert (one.world, one.nnodes, one.local_world, list(one.local_ranks)) == (2, 1, 2, [0, 1])
     assert one.config.kv_cache_memory_bytes == 2 * 2**30 // 2  # a quarter of the memory, shared by 2 ranks
     assert one.master_port != 29500 and 1 <= one.master_port <= 65535  # a free port of its own
     assert one.dtype == "float32" and one.device == "cpu" and one.step_timeout == 300.0
+    # the workers load the model as the server does (the engine imports no model loading of its own)
+    assert (one.load_model, one.load_shell) == (load_causal_lm, load_model_shell)
     settings = Settings.from_options(
         {"tensor_parallel_degree": "4", "nnodes": "2", "node_rank": "1", "step_timeout": "7", "cpu_autotune": "true"}
     )
-    two = factory.worker_spec(settings, str(tmp_path), cpu, 4)
+    two = compose.worker_spec(settings, str(tmp_path), cpu, 4)
     assert (two.local_world, list(two.local_ranks), two.master_port, two.step_timeout) == (2, [2, 3], 29500, 7.0)
     assert two.config.cpu_autotune is False
     given = Settings.from_options({"tensor_parallel_degree": "2", "kv_cache_memory_bytes": "1000000"})
-    assert factory.worker_spec(given, str(tmp_path), cpu, 2).config.kv_cache_memory_bytes == 1000000  # per worker
+    assert compose.worker_spec(given, str(tmp_path), cpu, 2).config.kv_cache_memory_bytes == 1000000  # per worker
 
 
 def test_node_options_without_tensor_parallelism_are_named_as_ignored(caplog):
     """master_addr, master_port and step_timeout set on purpose without tensor parallelism: one warning
     line; a launcher's MASTER_ADDR/MASTER_PORT (torchrun, LeaderWorkerSet export them) say nothing."""
-    from lmiserve.engine.factory import engine_config
+    from lmiserve.models.compose import engine_config
 
-    with caplog.at_level("WARNING", logger="lmiserve.engine.factory"):
+    with caplog.at_level("WARNING", logger="lmiserve.models.compose"):
         engine_config(load_settings({}, environ={"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}))
         assert "tensor parallelism" not in caplog.text
         engine_config(load_settings({"step_timeout": "30"}, environ={"OPTION_MASTER_PORT": "29500"}))
@@ -516,6 +520,6 @@ def test_node_options_without_tensor_parallelism_are_named_as_ignored(caplog):
         "(tensor_parallel_degree > 1); ignored" in caplog.text
     )
     caplog.clear()
-    with caplog.at_level("WARNING", logger="lmiserve.engine.factory"):
+    with caplog.at_level("WARNING", logger="lmiserve.models.compose"):
         engine_config(load_settings({"step_timeout": "30"}, environ={"OPTION_TENSOR_PARALLEL_DEGREE": "2"}))
     assert "ignored" not in caplog.text

@@ -128,3 +128,52 @@ async def test_a_prompt_the_tokenizer_thread_refuses_is_a_4xx_counted_as_rejecte
     finally:
         await engine.stop()
     assert len(rejected) == 1
+
+
+async def test_prepare_refuses_what_submit_would_and_generate_tokenizes_nothing_again(tiny_model):
+    """`prepare` (what a protocol calls before a stream's 200) encodes and checks the request as `submit`
+    would: a prompt and max_new_tokens larger than the whole KV pool is refused there, counted as
+    rejected once; a request it accepts is not tokenized again by `generate`."""
+    recording = Recording(tiny_model.tokenizer)
+    loaded = dataclasses.replace(tiny_model, tokenizer=recording)
+    config = EngineConfig(kv_cache="paged", block_size=4, kv_cache_memory_bytes=8 * 4 * 2 * 2 * 16 * 2 * 4)
+    engine = create_engine(loaded, config)
+    assert engine.pool is not None and engine.pool.num_blocks == 8  # 32 tokens
+    rejected, submitted = [], []
+
+    class Observer:
+        def on_rejected(self, exc):
+            rejected.append(exc)
+
+        def on_submitted(self, prompt_tokens, sequences):
+            submitted.append(prompt_tokens)
+
+        def on_step(self, step):
+            pass
+
+        def on_finished(self, request):
+            pass
+
+    engine.add_observer(Observer())
+    engine.start()
+    try:
+        too_large = GenerationRequest("Hello there", SamplingParams(max_new_tokens=30))
+        with pytest.raises(InvalidRequest, match="more than the whole KV cache holds"):
+            await engine.prepare(too_large)
+        assert len(rejected) == 1 and engine.num_waiting == 0
+        request = GenerationRequest("Good morning", SamplingParams(max_new_tokens=3, ignore_eos_token=True))
+        await engine.prepare(request)
+        events = [e async for e in engine.generate(request)]
+    finally:
+        await engine.stop()
+    assert sum(e.token is not None for e in events) == 3
+    assert len(recording.threads) == 2  # the refused prompt, then the accepted one once
+    assert len(rejected) == 1 and len(submitted) == 1
+
+
+async def test_prepare_refuses_a_prompt_beyond_the_context_on_the_slot_layout(tiny_model):
+    engine = create_engine(tiny_model, EngineConfig(kv_cache="slots"))
+    assert engine.pool is None
+    request = GenerationRequest("Hello there", SamplingParams(max_new_tokens=tiny_model.max_context))
+    with pytest.raises(InvalidRequest, match="context length"):
+        await engine.prepare(request)

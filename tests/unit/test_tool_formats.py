@@ -20,8 +20,7 @@ from lmiserve.core.grammar import Grammar
 from lmiserve.protocols.textgen.chat import Message
 from lmiserve.protocols.textgen.tools.parsers import NAMES, detect, for_tokenizer, token_literal, tool_parser
 from lmiserve.protocols.textgen.tools.prompt import render_conversation
-from lmiserve.protocols.textgen.tools.schema import tool_grammar
-from lmiserve.protocols.textgen.tools.spec import tool_spec
+from lmiserve.protocols.textgen.tools.spec import tool_grammar, tool_spec
 
 HERMES = (Path(__file__).resolve().parents[1] / "helpers" / "chat_templates" / "hermes.jinja").read_text()
 WEATHER = {

@@ -32,13 +32,13 @@ log = logging.getLogger(__name__)
 
 
 def runner_class(
-    model: PreTrainedModel, *, batch_invariant: bool, fast_path: bool
+    model: PreTrainedModel, *, batch_invariant: bool, fast_path: bool, paged: bool = False
 ) -> tuple[type[ModelRunner], str | None]:
     """The strategy for `model`, and why it is not the fast one (None when it is, or when the batch-
-    invariant one was asked for)."""
+    invariant one was asked for); `paged`: over the paged KV cache (which serves sliding windows)."""
     if batch_invariant:
         return BatchInvariantRunner, None
-    reason = unsupported_reason(model) if fast_path else "fast_path is off"
+    reason = unsupported_reason(model, windows=paged) if fast_path else "fast_path is off"
     return (FastRunner, None) if reason is None else (GenericRunner, reason)
 
 

@@ -21,8 +21,9 @@ from lmiserve.engine.kv_cache import AttentionShape, SlotKVCache
 from lmiserve.engine.paged_attention import PagedKVCache
 from lmiserve.engine.prefix_store import PrefixStore, bytes_per_token
 from lmiserve.engine.sampling import Row, make_generator, sample_rows
-from lmiserve.engine.scheduler import PrefillChunk, PromptScores, StepOutput, StepPlan
+from lmiserve.engine.scheduler import PrefillChunk, StepPlan
 from lmiserve.engine.sequence import Sequence
+from lmiserve.engine.step import PromptScores, StepOutput
 from lmiserve.engine.token_mask import TokenMask
 
 if TYPE_CHECKING:

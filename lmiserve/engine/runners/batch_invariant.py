@@ -16,8 +16,9 @@ import torch
 from transformers import DynamicCache
 
 from lmiserve.engine.runners.base import ModelRunner, model_forward
-from lmiserve.engine.scheduler import PrefillChunk, StepOutput, StepPlan
+from lmiserve.engine.scheduler import PrefillChunk, StepPlan
 from lmiserve.engine.sequence import Sequence
+from lmiserve.engine.step import StepOutput
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -25,9 +25,8 @@ from lmiserve.core.request import SamplingParams
 from lmiserve.engine.lora import LoraAdapter, LoraBatch, LoraGroup, StackCache
 from lmiserve.engine.runners.base import prompt_logprobs, sampler_row
 from lmiserve.engine.sampling import Row, sample_rows
-from lmiserve.engine.scheduler import StepOutput
 from lmiserve.engine.speculative import Proposer
-from lmiserve.engine.step import BatchRunner, ScheduledTokens, StepBatch
+from lmiserve.engine.step import BatchRunner, ScheduledTokens, StepBatch, StepOutput
 from lmiserve.engine.token_mask import apply_bitmask
 
 log = logging.getLogger(__name__)

@@ -19,8 +19,9 @@ from lmiserve.engine.fast_llama import FastLlama
 from lmiserve.engine.kv_cache import SlotKVCache
 from lmiserve.engine.paged_attention import PagedKVCache
 from lmiserve.engine.runners.base import ModelRunner, slot_cache, slot_of
-from lmiserve.engine.scheduler import PrefillChunk, StepOutput, StepPlan
+from lmiserve.engine.scheduler import PrefillChunk, StepPlan
 from lmiserve.engine.sequence import Sequence
+from lmiserve.engine.step import StepOutput
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

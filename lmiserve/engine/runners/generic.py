@@ -13,8 +13,9 @@ import torch
 
 from lmiserve.engine.kv_cache import SlotKVCache
 from lmiserve.engine.runners.base import ModelRunner, model_forward, slot_cache, slot_of
-from lmiserve.engine.scheduler import PrefillChunk, StepOutput, StepPlan
+from lmiserve.engine.scheduler import PrefillChunk, StepPlan
 from lmiserve.engine.sequence import Sequence
+from lmiserve.engine.step import StepOutput
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -26,8 +26,8 @@ from lmiserve.engine.paged_attention import PagedKVCache
 from lmiserve.engine.runners.base import paged_cache
 from lmiserve.engine.runners.batched import PersistentBatchRunner
 from lmiserve.engine.runners.fast import FastRunner
-from lmiserve.engine.scheduler import StepOutput, StepPlan
-from lmiserve.engine.step import StepBatch
+from lmiserve.engine.scheduler import StepPlan
+from lmiserve.engine.step import StepBatch, StepOutput
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -16,8 +16,11 @@ step (engine/triton_attention.py), with no mask. A model is switched to it only 
 same logits both ways (an architecture whose attention takes more than the kernel does, softcapping or a
 bias, keeps the gather).
 
-Left out: models whose layers attend over sliding windows or mix attention kinds (their masks differ
-by layer); those keep the slot layout (engine/factory.py).
+Sliding windows (Mistral's ``sliding_window``, Qwen2's ``use_sliding_window``, Gemma 3's sliding layers
+between full ones): the step's mask has each windowed layer's window in, given to the model's forward
+as one mask or one a layer kind, as its own forward takes them (`attention_window.step_mask`); the kernel
+takes the window transformers passes its layer. Left out: layers of other kinds (chunked, linear, ...),
+which keep the slot layout (engine/factory.py).
 """
 
 from __future__ import annotations
@@ -29,14 +32,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lmiserve.engine import triton_attention
+from lmiserve.engine import attention_window, triton_attention
 from lmiserve.engine.kv_cache import AttentionShape
 from lmiserve.engine.lora import LoraBatch, LoraGroup, lora_out_features
 from lmiserve.engine.paged_attention import PagedKVCache, gather_context, write_tokens
 from lmiserve.engine.runners.base import ModelRunner, paged_cache
 from lmiserve.engine.runners.batched import PersistentBatchRunner
-from lmiserve.engine.scheduler import StepOutput, StepPlan
-from lmiserve.engine.step import StepBatch
+from lmiserve.engine.scheduler import StepPlan
+from lmiserve.engine.step import StepBatch, StepOutput
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -53,11 +56,9 @@ def _paged_cache_class() -> type:
 def unsupported_reason(model: PreTrainedModel) -> str | None:
     """Why `model` cannot run over the block cache through transformers' attention (None: it can)."""
     config = model.config
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        return "sliding-window attention"
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types and any(kind != "full_attention" for kind in layer_types):
-        return f"attention layers of kinds {sorted(set(layer_types))}"
+    kinds = attention_window.unsupported_kinds(config)
+    if kinds is not None:
+        return kinds
     if getattr(config, "is_encoder_decoder", False):
         return "an encoder-decoder model"
     try:
@@ -85,13 +86,13 @@ def _probe(model: PreTrainedModel) -> str | None:
         return update(key_states, value_states, layer_idx, kwargs)
 
     view.update = counted
-    mask = torch.tensor([[0.0, float("-inf")], [0.0, 0.0]], dtype=model.dtype, device=dev)
+    mask = attention_window.step_mask(model.config, [(0, 2, 0, 0)], 2, 2, model.dtype, dev)  # as the runner's
     try:
         with torch.inference_mode():
             model(
                 input_ids=torch.tensor([[1, 2]], device=dev),
                 position_ids=torch.arange(2, device=dev)[None],
-                attention_mask=mask[None, None],
+                attention_mask=mask,
                 cache=view,
                 use_cache=False,
             )
@@ -175,16 +176,17 @@ def kernel_attention(
     Returns ``[1, tokens, heads, head_dim]``."""
     if not isinstance(cache, KernelStep):
         raise TypeError("lmiserve's paged attention runs only inside lmiserve's paged generic runner")
-    for name in ("softcap", "s_aux", "sliding_window", "position_bias"):
+    for name in ("softcap", "s_aux", "position_bias"):
         if kwargs.get(name) is not None:
             raise ValueError(f"lmiserve's paged attention kernel does not take {name}")
+    window = kwargs.get("sliding_window")
     layer = getattr(module, "layer_idx", None)
     if not isinstance(layer, int):
         raise ValueError("lmiserve's paged attention kernel needs the attention module's layer_idx")
     keys, values = cache.kv.keys[layer], cache.kv.values[layer]
     triton_attention.write_step(keys, values, key[0].transpose(0, 1), value[0].transpose(0, 1), cache.plan)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = triton_attention.paged_attention(query[0].transpose(0, 1), keys, values, cache.plan, scale)
+    out = triton_attention.paged_attention(query[0].transpose(0, 1), keys, values, cache.plan, scale, window=window)
     return out[None], None
 
 
@@ -334,19 +336,13 @@ class PagedGenericRunner(ModelRunner, PersistentBatchRunner):
                 config._attn_implementation_internal = before
             logits: torch.Tensor = out.logits[0]
             return logits[torch.tensor(keep, dtype=torch.long, device=dev)].float()
-        tokens = len(ids)
-        # token t of a row attends to that row's keys at positions <= its own (additive mask)
-        mask = torch.full((tokens, key_offset), float("-inf"), dtype=self.model.dtype, device=dev)
-        for first, count, start, offset in spans:
-            allowed = torch.arange(start + 1, start + count + 1, device=dev)[:, None] > torch.arange(
-                start + count, device=dev
-            )
-            mask[first : first + count, offset : offset + start + count].masked_fill_(allowed, 0.0)
+        # token t of a row attends to that row's keys at positions <= its own (within a layer's window)
+        mask = attention_window.step_mask(self.model.config, spans, len(ids), key_offset, self.model.dtype, dev)
         view = _view_class()(
             self.kv,
             torch.tensor(write_blocks, dtype=torch.long, device=dev),
             torch.tensor([p % bs for p in positions], dtype=torch.long, device=dev),
             reads,
         )
-        logits = self.model(**model_inputs, attention_mask=mask[None, None], cache=view, use_cache=False).logits[0]
+        logits = self.model(**model_inputs, attention_mask=mask, cache=view, use_cache=False).logits[0]
         return logits[torch.tensor(keep, dtype=torch.long, device=dev)].float()

@@ -41,9 +41,9 @@ def add_download_parser(sub: Any) -> None:
 
 def run_download_command(args: argparse.Namespace) -> int:
     from lmiserve.config import ConfigError, load_settings, parse_override
-    from lmiserve.models import ModelLoadError
     from lmiserve.models.download import FetchOptions, fetch, is_remote
     from lmiserve.models.download.progress import CHATTY_LOGGERS
+    from lmiserve.models.errors import ModelLoadError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     for name in CHATTY_LOGGERS:

@@ -9,7 +9,7 @@ import base64
 import os
 from typing import Any
 
-from lmiserve.models.download import DownloadError
+from lmiserve.models.download.common import DownloadError
 from lmiserve.models.download.selection import RemoteFile
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from lmiserve.models.bundled import exclusive_lock
-from lmiserve.models.download import DownloadError, FetchOptions, mismatch, one_line, with_retries
+from lmiserve.models.download.common import DownloadError, FetchOptions, mismatch, one_line, with_retries
 from lmiserve.models.download.parts import download
 from lmiserve.models.download.selection import RemoteFile, select, split_gguf_tag
 

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
 
-from lmiserve.models import ModelLoadError
 from lmiserve.models.bundled import exclusive_lock
-from lmiserve.models.download import DownloadError, FetchOptions, one_line, with_retries
+from lmiserve.models.download.common import DownloadError, FetchOptions, one_line, with_retries
 from lmiserve.models.download.parts import Source, download
 from lmiserve.models.download.selection import RemoteFile, select
+from lmiserve.models.errors import ModelLoadError
 
 logger = logging.getLogger("lmiserve.download")
 

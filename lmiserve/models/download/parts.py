@@ -20,10 +20,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol, TypeVar
 
-from lmiserve.models import ModelLoadError
-from lmiserve.models.download import DownloadError, FetchOptions, check_disk_space, mismatch, one_line, with_retries
+from lmiserve.models.download.common import (
+    DownloadError,
+    FetchOptions,
+    check_disk_space,
+    mismatch,
+    one_line,
+    with_retries,
+)
 from lmiserve.models.download.progress import human_bytes, reporting
 from lmiserve.models.download.selection import RemoteFile
+from lmiserve.models.errors import ModelLoadError
 
 logger = logging.getLogger("lmiserve.download")
 

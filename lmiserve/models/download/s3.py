@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from lmiserve.models.download import DownloadError
+from lmiserve.models.download.common import DownloadError
 from lmiserve.models.download.selection import RemoteFile
 
 _MD5 = re.compile(r"^[0-9a-f]{32}$")

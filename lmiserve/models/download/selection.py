@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from lmiserve.models.download import DownloadError
+from lmiserve.models.download.common import DownloadError
 
 # llama.cpp's default when `-hf org/repo` names no quantization
 DEFAULT_GGUF_TAG = "Q4_K_M"

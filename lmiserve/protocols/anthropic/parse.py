@@ -50,8 +50,7 @@ from lmiserve.protocols.textgen.chat import Message
 from lmiserve.protocols.textgen.parameters import TextGenParameters
 from lmiserve.protocols.textgen.tools.parsers import ToolParser
 from lmiserve.protocols.textgen.tools.prompt import Render, render_conversation
-from lmiserve.protocols.textgen.tools.schema import apply_tools
-from lmiserve.protocols.textgen.tools.spec import ToolSpec, tool_spec
+from lmiserve.protocols.textgen.tools.spec import ToolSpec, apply_tools, tool_spec
 from lmiserve.protocols.textgen.validation import TextGenCall, build
 
 BLOCK_JOIN = "\n\n"  # between the text blocks of one message

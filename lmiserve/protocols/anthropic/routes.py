@@ -86,7 +86,7 @@ async def messages(request: Request) -> Response:
         reasoning = Reasoning.of(settings, call.prompt)
         if reasoning is not None:  # a tool grammar applies after the reasoning block, a budget bounds it
             reasoning.apply(call.call.request.params, adapter.thinking_budget(req), model.tokenizer)
-        await prepare(model.engine, [call.call.request])  # a bad tool schema: 400 before the stream
+        await prepare(model.engine, [call.call.request])  # a bad tool schema, too large: 400 before the stream
         timer.mark_validated()
         msg_id = enc.message_id()
         events = engine_events(model.engine, [call.call.request])

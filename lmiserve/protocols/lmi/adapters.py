@@ -25,12 +25,13 @@ from lmiserve.core import request_context
 from lmiserve.models import adapters
 from lmiserve.models.service import ModelService
 from lmiserve.protocols.lmi.management import _int_param, _iso, _pretty, _registration_params
+from lmiserve.server import lookup
 from lmiserve.server.responses import raw_response
 
 
 def _service(request: Request) -> ModelService:
     """The model of ``/models/{model_name}/adapters...``; without a name, the one served with adapters."""
-    return adapters.lora_service(request, request.path_params.get("model_name"))
+    return lookup.lora_service(request, request.path_params.get("model_name"))
 
 
 def _adapter_name(request: Request) -> str:

@@ -39,7 +39,7 @@ from lmiserve.models import text_encoders as te
 from lmiserve.protocols.openai.errors import RENDERER, ContextWindowExceeded, InvalidValue
 from lmiserve.protocols.textgen.body import json_payload, parse_strict
 from lmiserve.protocols.textgen.wire import dumps
-from lmiserve.server import apidoc
+from lmiserve.server import apidoc, lookup
 from lmiserve.server.errors import protocol_routes
 from lmiserve.server.responses import raw_response
 
@@ -119,7 +119,7 @@ def _decode(ids: list[int]) -> str:
 
 def _model(request: Request, name: str | None) -> te.TextModel:
     try:
-        return te.embedding_model(request, name)
+        return lookup.embedding_model(request, name)
     except ModelNotFound:
         if name is None:
             raise

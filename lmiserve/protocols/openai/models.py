@@ -25,7 +25,7 @@ from lmiserve.protocols.openai.errors import RENDERER
 from lmiserve.protocols.textgen.body import json_payload, parse
 from lmiserve.protocols.textgen.served import Served
 from lmiserve.protocols.textgen.wire import dumps
-from lmiserve.server import apidoc
+from lmiserve.server import apidoc, lookup
 from lmiserve.server.errors import protocol_routes
 from lmiserve.server.responses import raw_response
 
@@ -101,7 +101,7 @@ async def load_lora_adapter(request: Request) -> Response:
     if not req.lora_name or not req.lora_path:
         raise InvalidRequest("Both 'lora_name' and 'lora_path' must be provided.")
     request_context.note(adapter=req.lora_name)
-    service = adapters.lora_service(request)
+    service = lookup.lora_service(request)
     roots = request.app.state.settings.model_roots()
     if req.load_inplace and req.lora_name in adapters.adapters_of(service):
         name = req.lora_name
@@ -127,7 +127,7 @@ async def unload_lora_adapter(request: Request) -> Response:
     if not req.lora_name:
         raise InvalidRequest("'lora_name' needs to be provided to unload a LoRA adapter.")
     request_context.note(adapter=req.lora_name)
-    adapters.unregister(adapters.lora_service(request), req.lora_name, wording=VLLM)
+    adapters.unregister(lookup.lora_service(request), req.lora_name, wording=VLLM)
     return _text(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
 

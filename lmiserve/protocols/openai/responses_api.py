@@ -74,7 +74,7 @@ async def create(request: Request) -> Response:
             template = getattr(model.tokenizer, "chat_template", None)
             budget = effort_budget(model.service.settings, effort, template)
             reasoning.apply(call.call.request.params, budget, model.tokenizer)
-        await prepare(model.engine, [call.call.request])  # a bad grammar: 4xx before the stream
+        await prepare(model.engine, [call.call.request])  # bad grammar, too large: 4xx before the stream
         timer.mark_validated()
 
         def keep(response: dict[str, Any], output: list[dict[str, Any]]) -> None:

@@ -43,8 +43,7 @@ from lmiserve.protocols.textgen.chat import Message
 from lmiserve.protocols.textgen.parameters import UINT32, UINT64, TextGenParameters
 from lmiserve.protocols.textgen.tools.parsers import ToolParser
 from lmiserve.protocols.textgen.tools.prompt import Render, render_conversation
-from lmiserve.protocols.textgen.tools.schema import apply_tools
-from lmiserve.protocols.textgen.tools.spec import ToolSpec, tool_spec
+from lmiserve.protocols.textgen.tools.spec import ToolSpec, apply_tools, tool_spec
 from lmiserve.protocols.textgen.validation import TextGenCall, build
 
 ROLES = ("user", "assistant", "system", "developer")

@@ -90,7 +90,7 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Resp
             call.model = lora
             for c in call.calls:
                 c.request.adapter = lora
-        await prepare(model.engine, [c.request for c in call.calls])  # a bad grammar: 4xx before the stream
+        await prepare(model.engine, [c.request for c in call.calls])  # bad grammar, too large: 4xx before the stream
         timer.mark_validated()
         env = enc.Envelope(call.model, model.system_fingerprint, id=enc.completion_id(chat))
         events = engine_events(model.engine, [c.request for c in call.calls])

@@ -36,13 +36,13 @@ from lmiserve.core.errors import (
     TemplateError,
 )
 from lmiserve.core.tokenizer import tokenizing
-from lmiserve.models.service import adapter_owner, model_service
 from lmiserve.protocols.openai import errors
 from lmiserve.protocols.textgen.body import json_payload, parse_strict
 from lmiserve.protocols.textgen.served import Served, served
 from lmiserve.protocols.textgen.wire import dumps
 from lmiserve.server import apidoc
 from lmiserve.server.errors import protocol_routes, rendered_by
+from lmiserve.server.lookup import adapter_owner, model_service
 from lmiserve.server.responses import raw_response
 
 TAG = "vLLM"

@@ -32,7 +32,7 @@ from lmiserve.models import text_encoders as te
 from lmiserve.protocols.tei.errors import RENDERER, EmptyBatch
 from lmiserve.protocols.textgen.body import json_payload, parse_strict
 from lmiserve.protocols.textgen.wire import dumps
-from lmiserve.server import apidoc
+from lmiserve.server import apidoc, lookup
 from lmiserve.server.errors import protocol_routes
 from lmiserve.server.responses import raw_response
 
@@ -76,7 +76,7 @@ async def embed(request: Request) -> Response:
     if not texts:
         raise EmptyBatch("Batch is empty")
     te.check_count(len(texts), "inputs")
-    model = te.embedding_model(request, None)
+    model = lookup.embedding_model(request, None)
     te.check_dimensions(model, req.dimensions)
     if req.prompt_name is not None:
         prompts: dict[str, str] = getattr(model.runner, "prompts", {})
@@ -94,7 +94,7 @@ async def rerank(request: Request) -> Response:
     if not req.texts:
         raise EmptyBatch("`texts` cannot be empty")
     te.check_count(len(req.texts), "texts")
-    model = te.reranker_model(request, None)
+    model = lookup.reranker_model(request, None)
     side = req.truncation_direction.lower()
     rows = await model.tokenize([req.query] * len(req.texts), req.texts, truncate=req.truncate, side=side)
     logits = await te.scores(model, rows)

@@ -11,11 +11,13 @@ from lmiserve.server.pipeline import Tagged, merge_tagged, tagged
 
 
 async def prepare(engine: Any, requests: Sequence[GenerationRequest]) -> None:
-    """Compile the requests' grammars (cached, off the engine thread) before the response starts, so a
-    bad grammar (malformed schema, invalid regex) is answered with the protocol's 4xx, not in-band."""
+    """What the engine refuses of a request itself, found before the response starts (`TextGenerator.prepare`):
+    a bad grammar (malformed schema, invalid regex), a prompt the engine refuses, a request whose prompt
+    and max_new_tokens never fit the KV pool. A streamed request then gets the protocol's answer to an
+    invalid request (its 4xx; a TGI native stream's in-band error), as the whole one does, not a 200
+    and an error event."""
     for request in requests:
-        if request.params.grammar is not None:
-            await engine.prepare(request)
+        await engine.prepare(request)
 
 
 def generate(engine: Any, requests: Sequence[GenerationRequest]) -> AsyncIterator[Tagged]:

@@ -19,9 +19,10 @@ from lmiserve.core.errors import InvalidRequest, LmiServeError, TemplateError
 from lmiserve.core.limits import TextGenLimits, limits_for
 from lmiserve.core.tokenizer import remember_encoding
 from lmiserve.models.bundled import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
-from lmiserve.models.service import ModelService, default_llm
+from lmiserve.models.service import ModelService
 from lmiserve.protocols.textgen.tools.parsers import ToolParser, for_tokenizer
 from lmiserve.protocols.textgen.tools.spec import ToolSpec
+from lmiserve.server.lookup import default_llm
 
 if TYPE_CHECKING:
     from lmiserve.engine.lora_registry import AdapterRegistry

@@ -20,7 +20,7 @@ from starlette.routing import BaseRoute, Route
 
 from lmiserve import __version__
 from lmiserve.core.tokenizer import tokenizing
-from lmiserve.models.service import ModelService, default_llm
+from lmiserve.models.service import ModelService
 from lmiserve.protocols.textgen.admission import enter
 from lmiserve.protocols.textgen.body import json_payload, parse
 from lmiserve.protocols.textgen.chat import ChatRequest
@@ -38,6 +38,7 @@ from lmiserve.protocols.tgi.parse import validate
 from lmiserve.protocols.tgi.schema import GenerateRequest
 from lmiserve.server import apidoc
 from lmiserve.server.errors import protocol_routes, rendered_by
+from lmiserve.server.lookup import default_llm
 from lmiserve.server.pipeline import respond
 from lmiserve.server.responses import raw_response
 from lmiserve.server.sse import keepalive
@@ -89,7 +90,7 @@ async def answer(request: Request, req: GenerateRequest, *, stream: bool, compat
     with enter(request) as slot:
         call = await tokenizing(validate, req, model.limits, model.count_tokens, stream=stream)
         call.request.adapter = adapter
-        await prepare(model.engine, [call.request])  # a bad grammar: 4xx before the stream
+        await prepare(model.engine, [call.request])  # refused (bad grammar, too large) before the stream
         timer.mark_validated()
         shape = AnswerShape.of(req.inputs, call)
         events = engine_events(model.engine, [call.request])

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from lmiserve.server.lifecycle import bind_socket
+from lmiserve.server.sockets import bind_socket
 
 log = logging.getLogger(__name__)
 

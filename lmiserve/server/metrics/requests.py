@@ -4,7 +4,7 @@
 (lmiserve.core.request_context) that `lmiserve.server.access.RequestLog` keeps: its time from arrival
 to the last byte of its response (a stream included), its status, and what the route layer noted: the
 protocol (the route group's renderer, `server.errors.rendered_by`) and the model
-(`models.service.model_service` / `default_llm`). A request no route took (404) counts
+(`server.lookup.model_service` / `default_llm`). A request no route took (404) counts
 under protocol ``none``; one that named no model, or an unknown one, under model ``""``.
 """
 

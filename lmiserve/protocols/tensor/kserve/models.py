@@ -14,7 +14,7 @@ from starlette.requests import Request
 from lmiserve.core import request_context
 from lmiserve.core.errors import ModelNotFound, ModelNotReady, NotFound, SchemaViolation
 from lmiserve.models.registry import ModelRegistry
-from lmiserve.models.service import ModelService, model_service
+from lmiserve.models.service import ModelService
 from lmiserve.protocols.tensor.kserve.parse import VERSION
 from lmiserve.server import lookup
 
@@ -23,7 +23,7 @@ def resolve(request: Request) -> ModelService:
     """The addressed model's service, whatever its state."""
     name = request.path_params["model"]
     try:
-        svc = model_service(request, name)
+        svc = lookup.model_service(request, name)
     except ModelNotFound:
         raise ModelNotFound(f"Model {name} not found") from None
     check_version(name, request.path_params.get("version"))

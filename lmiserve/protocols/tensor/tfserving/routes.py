@@ -13,13 +13,14 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from lmiserve.core.errors import InvalidRequest, ModelNotFound
-from lmiserve.models.service import ModelService, model_service
+from lmiserve.models.service import ModelService
 from lmiserve.protocols.tensor.codecs.tfjson import parse_document
 from lmiserve.protocols.tensor.tfserving import parse as tfserving
 from lmiserve.protocols.tensor.tfserving import schema
 from lmiserve.protocols.tensor.tfserving.errors import RENDERER
 from lmiserve.server import apidoc
 from lmiserve.server.errors import protocol_routes
+from lmiserve.server.lookup import model_service
 from lmiserve.server.responses import raw_response
 
 _EXAMINED = ("signature_name", "instances", "inputs", "examples", "context", "parameters")  # other keys are ignored

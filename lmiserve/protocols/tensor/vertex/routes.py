@@ -16,7 +16,6 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from lmiserve.core.errors import ModelNotReady, NotFound
-from lmiserve.models.service import model_service
 from lmiserve.protocols.tensor.vertex import parse as vertex
 from lmiserve.protocols.tensor.vertex import schema
 from lmiserve.protocols.tensor.vertex.errors import RENDERER
@@ -31,7 +30,7 @@ def _deployed_id(request: Request) -> str:
 
 
 async def predict(request: Request) -> Response:
-    svc = model_service(request, request.query_params.get("model_name"))
+    svc = lookup.model_service(request, request.query_params.get("model_name"))
     model = svc.tensor_model
     tensor_request, count = vertex.parse(await request.body(), model.signature, svc.name)
     outputs = await model.infer(tensor_request)

@@ -29,7 +29,8 @@ from typing import Any
 from lmiserve.core.errors import TemplateError
 from lmiserve.protocols.textgen.chat import Message
 from lmiserve.protocols.textgen.errors import ToolError
-from lmiserve.protocols.textgen.tools.spec import NO_PARAMETERS, Function, ToolSpec
+from lmiserve.protocols.textgen.tools.functions import NO_PARAMETERS, Function
+from lmiserve.protocols.textgen.tools.spec import ToolSpec
 
 Render = Callable[..., str]  # (messages, tools=...) -> prompt text; raises TemplateError
 

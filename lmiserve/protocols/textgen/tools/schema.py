@@ -24,9 +24,7 @@ import json
 from typing import Any
 
 from lmiserve.core.grammar import Grammar
-from lmiserve.core.request import SamplingParams
-from lmiserve.protocols.textgen.errors import ToolError
-from lmiserve.protocols.textgen.tools.spec import Function, ToolSpec
+from lmiserve.protocols.textgen.tools.functions import Function, ToolChoice
 
 MAX_PARALLEL_CALLS = 8
 NO_TOOL: dict[str, Any] = {
@@ -65,7 +63,7 @@ def _one_of(options: list[dict[str, Any]]) -> dict[str, Any]:
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def output_schema(spec: ToolSpec) -> dict[str, Any]:
+def output_schema(spec: ToolChoice) -> dict[str, Any]:
     """The schema of the whole answer (`spec` must be active)."""
     if not spec.active:
         raise ValueError("no tool can be called")
@@ -78,26 +76,5 @@ def output_schema(spec: ToolSpec) -> dict[str, Any]:
     return _one_of(options)
 
 
-def output_grammar(spec: ToolSpec) -> Grammar:
+def output_grammar(spec: ToolChoice) -> Grammar:
     return Grammar("json_schema", json.dumps(output_schema(spec), ensure_ascii=False))
-
-
-def tool_grammar(spec: ToolSpec) -> Grammar | None:
-    """The constraint a request's tools put on its answer, in the model's own call format: ``required``
-    and a named function must call (`ToolParser.grammar`); ``auto`` and ``none`` leave the model free."""
-    if not spec.active or spec.mode == "auto":
-        return None
-    parser = spec.format
-    return parser.grammar(spec, parser.lit)
-
-
-def apply_tools(params: SamplingParams, tools: ToolSpec) -> None:
-    """What tools ask of generation when the answer is read (`ToolSpec.read`): ``required`` and a named
-    function generate under the call format's grammar (never beside another constraint: TGI's
-    message); a format whose markers are special tokens keeps their text in the output."""
-    if tools.active:
-        if params.grammar is not None:  # response_format / guided_* / text.format
-            raise ToolError("Grammar and tools are mutually exclusive")
-        params.grammar = tool_grammar(tools)
-    if tools.read and tools.format.reads_special_tokens:
-        params.skip_special_tokens = False

@@ -15,35 +15,16 @@ Every problem raises `ToolError` (TGI's 422 ``tool_error``) before anything is g
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
+from lmiserve.core.grammar import Grammar
+from lmiserve.core.request import SamplingParams
 from lmiserve.protocols.textgen.errors import ToolError
+from lmiserve.protocols.textgen.tools.functions import NAME, NO_PARAMETERS, Function, Mode
+from lmiserve.protocols.textgen.tools.parsers import CallReader, ToolParser, tool_parser
 
-if TYPE_CHECKING:
-    from lmiserve.protocols.textgen.tools.parsers import CallReader, ToolParser
-
-NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
-Mode = Literal["none", "auto", "required", "named"]
-NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
-
-
-@dataclass(frozen=True)
-class Function:
-    """One tool: its name, description and the JSON Schema of its arguments (an object schema)."""
-
-    name: str
-    description: str | None
-    parameters: dict[str, Any]
-
-    def definition(self) -> dict[str, Any]:
-        """The tool as chat templates and the tool prompt show it (OpenAI's shape)."""
-        function: dict[str, Any] = {"name": self.name}
-        if self.description:
-            function["description"] = self.description
-        function["parameters"] = self.parameters
-        return {"type": "function", "function": function}
+__all__ = ["NO_PARAMETERS", "Function", "ToolSpec", "apply_tools", "tool_grammar", "tool_spec"]
 
 
 @dataclass(frozen=True)
@@ -67,8 +48,6 @@ class ToolSpec:
         """The parser of the model's call format."""
         if self.parser is not None:
             return self.parser
-        from lmiserve.protocols.textgen.tools.parsers import tool_parser
-
         return tool_parser("json")
 
     @property
@@ -88,6 +67,27 @@ class ToolSpec:
 
     def function(self, name: str) -> Function | None:
         return next((f for f in self.functions if f.name == name), None)
+
+
+def tool_grammar(spec: ToolSpec) -> Grammar | None:
+    """The constraint a request's tools put on its answer, in the model's own call format: ``required``
+    and a named function must call (`ToolParser.grammar`); ``auto`` and ``none`` leave the model free."""
+    if not spec.active or spec.mode == "auto":
+        return None
+    parser = spec.format
+    return parser.grammar(spec, parser.lit)
+
+
+def apply_tools(params: SamplingParams, tools: ToolSpec) -> None:
+    """What tools ask of generation when the answer is read (`ToolSpec.read`): ``required`` and a named
+    function generate under the call format's grammar (never beside another constraint: TGI's
+    message); a format whose markers are special tokens keeps their text in the output."""
+    if tools.active:
+        if params.grammar is not None:  # response_format / guided_* / text.format
+            raise ToolError("Grammar and tools are mutually exclusive")
+        params.grammar = tool_grammar(tools)
+    if tools.read and tools.format.reads_special_tokens:
+        params.skip_special_tokens = False
 
 
 def tool_spec(

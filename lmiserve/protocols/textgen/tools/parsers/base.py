@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from lmiserve.core.grammar import Grammar
+from lmiserve.protocols.textgen.tools.functions import Function, ToolChoice
 from lmiserve.protocols.textgen.tools.output import Arguments, Call, CallStart, Content, Piece
 from lmiserve.protocols.textgen.tools.schema import MAX_PARALLEL_CALLS, arguments_schema
-from lmiserve.protocols.textgen.tools.spec import Function, ToolSpec
 
 Literal_ = Callable[[str], str]  # marker text -> a Lark expression matching it
 
@@ -100,7 +100,7 @@ class ToolParser(ABC):
         """What `text` (the whole output so far) says; see the module docstring."""
 
     @abstractmethod
-    def grammar(self, spec: ToolSpec, lit: Literal_ = text_literal) -> Grammar:
+    def grammar(self, spec: ToolChoice, lit: Literal_ = text_literal) -> Grammar:
         """The constraint for ``required`` (one or more calls of `spec.functions`, one when not
         `spec.parallel`) and ``named`` (one call of `spec.functions[0]`)."""
 
@@ -220,7 +220,7 @@ def lark_one_of(expressions: Sequence[str]) -> str:
     return expressions[0] if len(expressions) == 1 else "(" + " | ".join(expressions) + ")"
 
 
-def repeat_calls(call: str, separator: str, spec: ToolSpec) -> str:
+def repeat_calls(call: str, separator: str, spec: ToolChoice) -> str:
     """`call` once, or 1 to `MAX_PARALLEL_CALLS` times with `separator` between when `spec` allows
     several (a Lark expression)."""
     if not spec.parallel or spec.mode == "named":

@@ -18,10 +18,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from lmiserve.protocols.textgen.tools.functions import ToolChoice
 from lmiserve.protocols.textgen.tools.json_scan import WHITESPACE, JsonScanner, Kind, Path
 from lmiserve.protocols.textgen.tools.parsers.base import Parsed, PartialCall, held_back, lark_json
 from lmiserve.protocols.textgen.tools.schema import MAX_PARALLEL_CALLS
-from lmiserve.protocols.textgen.tools.spec import ToolSpec
 
 ARGUMENT_KEYS = ("arguments", "parameters")
 OPTIONAL_WS = r"/[ \t\r\n]*/"  # a Lark expression: optional whitespace
@@ -309,7 +309,7 @@ def json_block(scan: JsonCalls, final: bool, close: str | None = None) -> Block 
     return Block(scan.calls(complete=False), None)
 
 
-def array_grammar(calls: Sequence[dict[str, Any]], spec: ToolSpec) -> str:
+def array_grammar(calls: Sequence[dict[str, Any]], spec: ToolChoice) -> str:
     """A Lark expression for a JSON array of calls valid under one of `calls` (schemas): 1 to
     `MAX_PARALLEL_CALLS` of them when `spec` allows several, else exactly one."""
     several = spec.parallel and spec.mode != "named"

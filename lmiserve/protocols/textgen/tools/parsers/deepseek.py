@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from lmiserve.core.grammar import Grammar
+from lmiserve.protocols.textgen.tools.functions import Function, ToolChoice
 from lmiserve.protocols.textgen.tools.parsers.base import (
     Literal_,
     Parsed,
@@ -34,7 +35,6 @@ from lmiserve.protocols.textgen.tools.parsers.base import (
     text_literal,
 )
 from lmiserve.protocols.textgen.tools.schema import arguments_schema
-from lmiserve.protocols.textgen.tools.spec import Function, ToolSpec
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"  # noqa: RUF001
 CALLS_END = "<｜tool▁calls▁end｜>"  # noqa: RUF001
@@ -72,7 +72,7 @@ class DeepSeekV3Parser(ToolParser):
             return Parsed(text)
         return Parsed(before + text[at:], good)
 
-    def grammar(self, spec: ToolSpec, lit: Literal_ = text_literal) -> Grammar:
+    def grammar(self, spec: ToolChoice, lit: Literal_ = text_literal) -> Grammar:
         functions = spec.functions[:1] if spec.mode == "named" else spec.functions
         rules: dict[str, str] = {}
         names = []

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from lmiserve.core.grammar import Grammar
+from lmiserve.protocols.textgen.tools.functions import Function, ToolChoice
 from lmiserve.protocols.textgen.tools.parsers.base import (
     Literal_,
     Parsed,
@@ -30,7 +31,6 @@ from lmiserve.protocols.textgen.tools.parsers.blocks import (
     read_json,
     skip_ws,
 )
-from lmiserve.protocols.textgen.tools.spec import Function, ToolSpec
 
 MARKER = "<|tool_call|>"
 MARKERS = (MARKER, "<tool_call>")
@@ -44,7 +44,7 @@ class GraniteParser(ToolParser):
     def parse(self, text: str, *, final: bool, functions: Sequence[Function] = ()) -> Parsed:
         return read_blocks(text, final=final, markers=MARKERS, read_block=_block)
 
-    def grammar(self, spec: ToolSpec, lit: Literal_ = text_literal) -> Grammar:
+    def grammar(self, spec: ToolChoice, lit: Literal_ = text_literal) -> Grammar:
         calls = array_grammar([call_object_schema(f) for f in spec.functions], spec)
         return lark_grammar(f"{OPTIONAL_WS} {lit(MARKER)} {OPTIONAL_WS} {calls}")
 

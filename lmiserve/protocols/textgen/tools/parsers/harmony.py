@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from lmiserve.core.grammar import Grammar
+from lmiserve.protocols.textgen.tools.functions import Function, ToolChoice
 from lmiserve.protocols.textgen.tools.parsers.base import (
     Literal_,
     Parsed,
@@ -47,7 +48,6 @@ from lmiserve.protocols.textgen.tools.parsers.base import (
     text_literal,
 )
 from lmiserve.protocols.textgen.tools.schema import arguments_schema
-from lmiserve.protocols.textgen.tools.spec import Function, ToolSpec
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
@@ -100,7 +100,7 @@ class HarmonyParser(ToolParser):
             calls.append(call)
         return Parsed("\n".join(parts), calls)
 
-    def grammar(self, spec: ToolSpec, lit: Literal_ = text_literal) -> Grammar:
+    def grammar(self, spec: ToolChoice, lit: Literal_ = text_literal) -> Grammar:
         functions = spec.functions[:1] if spec.mode == "named" else spec.functions
         rules: dict[str, str] = {}
         for i, function in enumerate(functions):

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from lmiserve.core.grammar import Grammar
+from lmiserve.protocols.textgen.tools.functions import Function, ToolChoice
 from lmiserve.protocols.textgen.tools.parsers.base import (
     Literal_,
     Parsed,
@@ -34,7 +35,6 @@ from lmiserve.protocols.textgen.tools.parsers.blocks import (
     read_json,
     skip_ws,
 )
-from lmiserve.protocols.textgen.tools.spec import Function, ToolSpec
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 NEWLINE = '"\\n"'  # a Lark literal
@@ -48,7 +48,7 @@ class HermesParser(ToolParser):
     def parse(self, text: str, *, final: bool, functions: Sequence[Function] = ()) -> Parsed:
         return read_blocks(text, final=final, markers=(OPEN,), read_block=_block)
 
-    def grammar(self, spec: ToolSpec, lit: Literal_ = text_literal) -> Grammar:
+    def grammar(self, spec: ToolChoice, lit: Literal_ = text_literal) -> Grammar:
         call = lark_one_of([lark_json(call_object_schema(f)) for f in spec.functions])
         block = f'{lit(OPEN)} "\\n" {call} "\\n" {lit(CLOSE)}'
         return lark_grammar(f"{OPTIONAL_WS} {repeat_calls('call', NEWLINE, spec)}", {"call": block})

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from lmiserve.core.grammar import Grammar
+from lmiserve.protocols.textgen.tools.functions import Function, ToolChoice
 from lmiserve.protocols.textgen.tools.output import ToolOutput
 from lmiserve.protocols.textgen.tools.parsers.base import (
     CallReader,
@@ -20,7 +21,6 @@ from lmiserve.protocols.textgen.tools.parsers.base import (
     text_literal,
 )
 from lmiserve.protocols.textgen.tools.schema import output_grammar
-from lmiserve.protocols.textgen.tools.spec import Function, ToolSpec
 
 
 class JsonParser(ToolParser):
@@ -37,5 +37,5 @@ class JsonParser(ToolParser):
         calls = [PartialCall(c.name, c.arguments or "", True) for c in output.calls]
         return Parsed(output.content or "", calls)
 
-    def grammar(self, spec: ToolSpec, lit: Literal_ = text_literal) -> Grammar:
+    def grammar(self, spec: ToolChoice, lit: Literal_ = text_literal) -> Grammar:
         return output_grammar(spec)

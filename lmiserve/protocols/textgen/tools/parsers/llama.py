@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from lmiserve.core.grammar import Grammar
+from lmiserve.protocols.textgen.tools.functions import Function, ToolChoice
 from lmiserve.protocols.textgen.tools.parsers.base import (
     Literal_,
     Parsed,
@@ -27,7 +28,6 @@ from lmiserve.protocols.textgen.tools.parsers.base import (
     text_literal,
 )
 from lmiserve.protocols.textgen.tools.parsers.blocks import OPTIONAL_WS, read_json, skip_ws
-from lmiserve.protocols.textgen.tools.spec import Function, ToolSpec
 
 PYTHON_TAG = "<|python_tag|>"
 SEPARATOR = ";"
@@ -70,7 +70,7 @@ class Llama3JsonParser(ToolParser):
                 return Parsed(text[end:], calls)
         return Parsed("", calls)
 
-    def grammar(self, spec: ToolSpec, lit: Literal_ = text_literal) -> Grammar:
+    def grammar(self, spec: ToolChoice, lit: Literal_ = text_literal) -> Grammar:
         call = lark_one_of([lark_json(call_object_schema(f, arguments_key="parameters")) for f in spec.functions])
         start = f"{OPTIONAL_WS} ({lit(PYTHON_TAG)})? {repeat_calls('call', GRAMMAR_SEPARATOR, spec)}"
         return lark_grammar(start, {"call": call})

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from lmiserve.core.grammar import Grammar
+from lmiserve.protocols.textgen.tools.functions import Function, ToolChoice
 from lmiserve.protocols.textgen.tools.parsers.base import (
     Literal_,
     Parsed,
@@ -40,7 +41,6 @@ from lmiserve.protocols.textgen.tools.parsers.blocks import (
     skip_ws,
 )
 from lmiserve.protocols.textgen.tools.schema import MAX_PARALLEL_CALLS, arguments_schema
-from lmiserve.protocols.textgen.tools.spec import Function, ToolSpec
 
 MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
 NAME_CHARS = frozenset(string.ascii_letters + string.digits + "_-.")
@@ -56,7 +56,7 @@ class MistralParser(ToolParser):
     def parse(self, text: str, *, final: bool, functions: Sequence[Function] = ()) -> Parsed:
         return read_blocks(text, final=final, markers=(MARKER,), read_block=_block)
 
-    def grammar(self, spec: ToolSpec, lit: Literal_ = text_literal) -> Grammar:
+    def grammar(self, spec: ToolChoice, lit: Literal_ = text_literal) -> Grammar:
         args = lit(ARGS)
         if args.startswith('"'):  # no [ARGS] token: v0.3's array
             calls = array_grammar([call_object_schema(f) for f in spec.functions], spec)

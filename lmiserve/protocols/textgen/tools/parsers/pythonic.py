@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from lmiserve.core.grammar import Grammar
+from lmiserve.protocols.textgen.tools.functions import Function, ToolChoice
 from lmiserve.protocols.textgen.tools.parsers.base import (
     Literal_,
     Parsed,
@@ -33,7 +34,6 @@ from lmiserve.protocols.textgen.tools.parsers.base import (
     text_literal,
 )
 from lmiserve.protocols.textgen.tools.parsers.pythonic_grammar import KEY, pythonic_grammar
-from lmiserve.protocols.textgen.tools.spec import Function, ToolSpec
 
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 _NAME = re.compile(r"[A-Za-z_][\w.\-]*")  # a function name (OpenAI's names may hold '-')
@@ -85,7 +85,7 @@ class PythonicParser(ToolParser):
             return ""
         return rest
 
-    def grammar(self, spec: ToolSpec, lit: Literal_ = text_literal) -> Grammar:
+    def grammar(self, spec: ToolChoice, lit: Literal_ = text_literal) -> Grammar:
         return pythonic_grammar(spec, None)
 
 
@@ -97,7 +97,7 @@ class Llama4PythonicParser(PythonicParser):
     reads_special_tokens = True
     wrapper = (PYTHON_START, PYTHON_END)
 
-    def grammar(self, spec: ToolSpec, lit: Literal_ = text_literal) -> Grammar:
+    def grammar(self, spec: ToolChoice, lit: Literal_ = text_literal) -> Grammar:
         return pythonic_grammar(spec, (lit(PYTHON_START), lit(PYTHON_END)))
 
 

@@ -26,6 +26,7 @@ import re
 from typing import Any
 
 from lmiserve.core.grammar import Grammar
+from lmiserve.protocols.textgen.tools.functions import ToolChoice
 from lmiserve.protocols.textgen.tools.parsers.base import (
     lark_grammar,
     lark_json,
@@ -34,7 +35,6 @@ from lmiserve.protocols.textgen.tools.parsers.base import (
     text_literal,
 )
 from lmiserve.protocols.textgen.tools.schema import arguments_schema
-from lmiserve.protocols.textgen.tools.spec import ToolSpec
 
 KEY = re.compile(r"[^\s=,()\[\]{}'\"]+")  # a keyword argument's name, as the parser reads it
 _SAFE_TYPES = ("string", "number", "integer", "array", "object")
@@ -43,7 +43,7 @@ _STRING = lark_json({"type": "string"})
 _NUMBER = lark_json({"type": "number"})
 
 
-def pythonic_grammar(spec: ToolSpec, wrapper: tuple[str, str] | None) -> Grammar:
+def pythonic_grammar(spec: ToolChoice, wrapper: tuple[str, str] | None) -> Grammar:
     """The list of calls, between `wrapper` (the Lark expressions of its markers) or without when None."""
     rules = _Rules()
     functions = spec.functions[:1] if spec.mode == "named" else spec.functions

@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from lmiserve.core.grammar import Grammar
+from lmiserve.protocols.textgen.tools.functions import Function, ToolChoice
 from lmiserve.protocols.textgen.tools.json_scan import WHITESPACE
 from lmiserve.protocols.textgen.tools.parsers.base import (
     Literal_,
@@ -41,7 +42,6 @@ from lmiserve.protocols.textgen.tools.parsers.base import (
 )
 from lmiserve.protocols.textgen.tools.parsers.blocks import OPTIONAL_WS, Block, closing, read_blocks, skip_ws
 from lmiserve.protocols.textgen.tools.schema import arguments_schema
-from lmiserve.protocols.textgen.tools.spec import Function, ToolSpec
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION, FUNCTION_END = "<function=", "</function>"
@@ -94,7 +94,7 @@ class Qwen3CoderParser(ToolParser):
 
         return read_blocks(text, final=final, markers=(OPEN, FUNCTION), read_block=block)
 
-    def grammar(self, spec: ToolSpec, lit: Literal_ = text_literal) -> Grammar:
+    def grammar(self, spec: ToolChoice, lit: Literal_ = text_literal) -> Grammar:
         rules: dict[str, str] = {}
         close = lit(PARAMETER_END)
         if close.startswith('"'):  # the marker is text: the value ends at its first newline + marker

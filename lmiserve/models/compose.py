@@ -1,0 +1,170 @@
+"""The engine of a served model, from the settings: the composition above the engine.
+
+The engine (lmiserve/engine/) takes plain values: a `LoadedModel`, an `EngineConfig`, a `WorkerSpec`
+whose loaders its tensor-parallel workers call. Here the settings (lmiserve.config) and the model loading
+(models/load.py) meet it: `engine_config` reads the settings into an `EngineConfig` (warning about those
+that do not apply), `build_engine` builds the engine of a loaded model, `build_tensor_parallel_engine`
+the engine over tensor-parallel workers, `worker_spec` what those workers need (`lmiserve serve` on a
+node other than the leader runs them alone: `models.service.run_worker_node`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from lmiserve.config.sources import ENV_SHORTCUTS
+from lmiserve.engine.async_engine import AsyncEngine, EngineConfig
+from lmiserve.engine.factory import create_engine, prompt_codec, worker_config
+from lmiserve.engine.lora_registry import LoraLimits
+from lmiserve.engine.speculative import SpeculationSettings
+from lmiserve.engine.tensor_parallel import unsplittable_reason
+from lmiserve.engine.tp_workers import TensorParallelExecutor, WorkerSpec, free_port
+from lmiserve.models.load import load_causal_lm, load_model_shell, resolve_dtype
+
+if TYPE_CHECKING:
+    from lmiserve.config import Settings
+    from lmiserve.engine.loaded import LoadedModel
+
+log = logging.getLogger(__name__)
+
+
+def engine_config(settings: Settings) -> EngineConfig:
+    """The engine's options from the settings (what depends on the device is resolved by `create_engine`)."""
+    if settings.kv_cache == "paged" and "prefix_cache_size" in settings.model_fields_set:
+        log.warning(
+            "prefix_cache_size sizes the slot cache's prefix cache only: with kv_cache=paged the KV pool "
+            "(kv_cache_memory_bytes) is the prefix cache"
+        )
+    degree = settings.tensor_parallel_degree
+    if degree is None or degree == "1":
+        # set on purpose (not a launcher's MASTER_ADDR/MASTER_PORT, which other tools export too)
+        launcher = {f"environment {var}" for var, _ in ENV_SHORTCUTS}
+        unused = [
+            f"{key} ({settings.sources[key]})"
+            for key in ("master_addr", "master_port", "step_timeout")
+            if key in settings.sources and settings.sources[key] not in launcher
+        ]
+        if unused:
+            log.warning("%s: only for tensor parallelism (tensor_parallel_degree > 1); ignored", ", ".join(unused))
+    static = settings.dynamic_batching
+    return EngineConfig(
+        max_running=settings.batch_size if static else settings.max_rolling_batch_size,
+        max_prefill_tokens=settings.max_rolling_batch_prefill_tokens,
+        max_step_tokens=settings.max_num_batched_tokens,
+        job_queue_size=settings.job_queue_size,
+        predict_timeout=settings.predict_timeout,
+        static_batching=static,
+        batch_size=settings.batch_size,
+        max_batch_delay=settings.max_batch_delay / 1000.0,
+        batch_invariant=settings.batch_invariant,
+        fast_path=settings.fast_path,
+        cpu_autotune=settings.cpu_autotune,
+        autotune_cache=settings.autotune_cache,
+        prefill_floor=settings.prefill_tokens_while_decoding or "auto",
+        prefix_cache_bytes=int(settings.prefix_cache_size) if settings.enable_prefix_caching else 0,
+        kv_cache=settings.kv_cache,
+        kv_cache_memory_bytes=int(settings.kv_cache_memory_bytes) if settings.kv_cache_memory_bytes else None,
+        block_size=settings.block_size,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        enforce_eager=settings.enforce_eager,
+        speculation=speculation_settings(settings),
+        lora=LoraLimits(settings.max_loras, settings.max_lora_rank, settings.max_cpu_loras)
+        if settings.enable_lora
+        else None,
+    )
+
+
+def speculation_settings(settings: Settings) -> SpeculationSettings | None:
+    """The engine's speculative decoding from `speculative_config` (None: off)."""
+    spec = settings.speculative_config
+    if spec is None:
+        return None
+    base = SpeculationSettings(
+        "draft_model",
+        spec.num_speculative_tokens,
+        disable_by_batch_size=spec.disable_by_batch_size,
+        min_acceptance_rate=spec.min_acceptance_rate,
+    )
+    if spec.method == "ngram":
+        # its bounds are completed by the validator (a draft model has none)
+        assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
+        return dataclasses.replace(
+            base, method="ngram", prompt_lookup_min=spec.prompt_lookup_min, prompt_lookup_max=spec.prompt_lookup_max
+        )
+    target = settings.model_id or "the bundled model"
+    draft_name = f"{target} as {spec.dtype}" if spec.self_draft else f"{spec.model} ({spec.dtype})"
+    return dataclasses.replace(base, draft_name=draft_name)
+
+
+def build_engine(loaded: LoadedModel, settings: Settings, draft: LoadedModel | None = None) -> AsyncEngine:
+    """The engine of `loaded` (and of its speculative decoding's `draft` model, when it has one)."""
+    return create_engine(loaded, engine_config(settings), max_input_len=settings.max_input_len, draft=draft)
+
+
+# ---- tensor parallelism (engine/tp_workers.py) --------------------------------------------------------
+def tensor_parallel_degree(settings: Settings, device: torch.device) -> int:
+    """The ranks `tensor_parallel_degree` asks for (`max`: the visible GPUs on CUDA, 1 on a CPU); on CUDA a
+    node must see a GPU for each of its ranks."""
+    degree = settings.tensor_parallel_degree
+    if degree is None:
+        return 1
+    visible = torch.cuda.device_count() if device.type == "cuda" else 0
+    if degree == "max":  # one node (settings refuse max with several)
+        ranks = max(1, visible)
+        conflict = settings.tensor_parallel_conflict(ranks) if ranks > 1 else None
+        if conflict is not None:
+            raise ValueError(f"{conflict} (tensor_parallel_degree=max: the {ranks} visible GPUs)")
+        return ranks
+    ranks = int(degree)
+    local = ranks // settings.nnodes
+    if device.type == "cuda" and ranks > 1 and device.index is not None:
+        raise ValueError(
+            f"tensor_parallel_degree={ranks} runs rank i on cuda:i of the visible GPUs: give device=cuda (choose "
+            f"the GPUs with CUDA_VISIBLE_DEVICES), not {device}"
+        )
+    if device.type == "cuda" and ranks > 1 and local > visible:
+        raise ValueError(
+            f"tensor_parallel_degree={ranks} needs {local} GPUs on each of {settings.nnodes} node(s); "
+            f"this node sees {visible}"
+        )
+    return ranks
+
+
+def worker_spec(settings: Settings, model_path: str, device: torch.device, degree: int) -> WorkerSpec:
+    """What `degree` workers of `model_path` on `device` need (the engine's options among them, and the
+    loaders they read the model with)."""
+    config = worker_config(engine_config(settings), device, degree // settings.nnodes)
+    port = settings.master_port or (29500 if settings.nnodes > 1 else free_port())
+    return WorkerSpec(
+        model_path=model_path,
+        dtype=str(resolve_dtype(settings.dtype, device)).removeprefix("torch."),
+        device=device.type,
+        load_format=settings.load_format,
+        trust_remote_code=settings.trust_remote_code,
+        world=degree,
+        config=config,
+        load_model=load_causal_lm,
+        load_shell=load_model_shell,
+        nnodes=settings.nnodes,
+        node_rank=settings.node_rank,
+        master_addr=settings.master_addr,
+        master_port=port,
+        step_timeout=settings.step_timeout,
+        log_level=settings.log_level.upper(),
+    )
+
+
+def build_tensor_parallel_engine(loaded: LoadedModel, settings: Settings, degree: int) -> AsyncEngine:
+    """The engine of `loaded` (its tokenizer and config; no weights: `models.load.load_model_shell`) over
+    `degree` tensor-parallel workers: the model's shape is checked here, before any worker starts."""
+    reason = unsplittable_reason(loaded.model.config, degree)
+    if reason is not None:
+        raise ValueError(reason)
+    spec = worker_spec(settings, str(loaded.path), loaded.device, degree)
+    executor = TensorParallelExecutor(spec)
+    codec, grammars = prompt_codec(loaded, settings.max_input_len)
+    return AsyncEngine(executor, codec, spec.config, grammars)
