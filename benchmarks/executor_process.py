@@ -7,7 +7,7 @@ engine core into a process because of the GIL; which wins here?).
 Loads the bundled model (or `--model-id`) once in this process and once in a child; builds one engine
 (block scheduler, detokenizer, grammar, everything that holds a `Sequence`) and runs the same greedy
 requests with its model executed (a) in process, on the engine's torch thread (`InProcessExecutor`, what
-the server does) and (b) in the child process (`lmiserve.engine.process_executor.ProcessExecutor`: the
+the server does) and (b) in the child process (`benchmarks/process_executor.py`'s `ProcessExecutor`: the
 step contract's plain-data batches pickled through a pipe), alternating, each level `--rounds` times.
 Reports tokens/s per level and whether both gave the same tokens.
 """
@@ -29,12 +29,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.process_executor import ProcessExecutor, paged_fast_runner  # noqa: E402
 from lmiserve.bench.baselines import load_like_server  # noqa: E402
 from lmiserve.bench.prompts import PROMPTS  # noqa: E402
 from lmiserve.config import load_settings  # noqa: E402
 from lmiserve.core.request import GenerationRequest, SamplingParams  # noqa: E402
 from lmiserve.engine import torch_thread  # noqa: E402
-from lmiserve.engine.process_executor import ProcessExecutor, paged_fast_runner  # noqa: E402
 from lmiserve.engine.runners.paged import PagedFastRunner  # noqa: E402
 from lmiserve.engine.step import InProcessExecutor  # noqa: E402
 from lmiserve.models.compose import build_engine  # noqa: E402

@@ -166,19 +166,17 @@ def create_engine(
     config: EngineConfig,
     *,
     max_input_len: int | None = None,
-    runner_cls: type[ModelRunner] | None = None,
     draft: LoadedModel | None = None,
 ) -> AsyncEngine:
-    """The engine for `loaded`; the runner strategy follows `config` unless `runner_cls` is given;
+    """The engine for `loaded`; the runner strategy follows `config`;
     `draft`: the draft model of `config.speculation` (method draft_model)."""
     config = _for_device(config, loaded.device)
     spec = config.speculation
-    paged_cls = runner_cls if runner_cls is not None and issubclass(runner_cls, PagedFastRunner) else PagedFastRunner
-    paged = config.kv_cache == "paged" and not config.batch_invariant and (runner_cls in (None, paged_cls))
+    paged = config.kv_cache == "paged" and not config.batch_invariant
     strategy = runner_class(loaded.model, batch_invariant=False, fast_path=config.fast_path, paged=True)[0]
     why_not = None if strategy is FastRunner else paged_generic.unsupported_reason(loaded.model)
     if paged and why_not is None:
-        fast_cls = paged_cls if strategy is FastRunner else None
+        fast_cls = PagedFastRunner if strategy is FastRunner else None
         activation = None
         if config.kv_cache_memory_bytes is None:
             # a prompt step alone: no autotune, no decode graphs (their buffers, scratch block and RoPE table)
@@ -198,7 +196,7 @@ def create_engine(
             num_blocks * kv_bytes_per_block(loaded.model, config.block_size) / 2**20,
         )
         runner: ModelRunner = _paged_runner(loaded, config, num_blocks, fast_cls)
-    elif runner_cls is None:
+    else:
         refusal = None if config.batch_invariant else slot_refusal(loaded.model.config, why_not if paged else None)
         if refusal is not None:
             raise ValueError(refusal)
@@ -213,13 +211,6 @@ def create_engine(
             fast_path=config.fast_path,
             autotune=config.cpu_autotune,
             autotune_cache=config.autotune_cache,
-        )
-    else:
-        runner = runner_cls(
-            loaded.model,
-            max_slots=config.max_running,
-            max_context=loaded.max_context,
-            eos_token_ids=loaded.eos_token_ids,
         )
     codec, grammars = prompt_codec(loaded, max_input_len)
     if spec is not None and isinstance(runner, PersistentBatchRunner):  # without one the engine refuses it

@@ -1,23 +1,26 @@
 """The step contract across a process boundary: the same engine with its model executed in a child
 process (`ProcessExecutor`, the batches pickled through a pipe) gives the tokens of the in-process
-executor, a seeded sampled row's included."""
+executor, a seeded sampled row's included. `ProcessExecutor` is the benchmark's
+(benchmarks/process_executor.py, measured by benchmarks/executor_process.py), not the package's."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import importlib
+from pathlib import Path
 
 import pytest
 
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
-from lmiserve.engine.process_executor import ProcessExecutor, paged_fast_runner
 from lmiserve.engine.step import InProcessExecutor
 from lmiserve.models.load import load_causal_lm
 
 pytestmark = pytest.mark.integration
 
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["The quick brown fox", "Hello world! How are you", "Numbers like 1, 2, 3"]
 
 
@@ -30,9 +33,13 @@ async def _run(engine) -> list[list[int]]:
     return await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
 
 
-async def test_a_child_process_executes_the_same_batches_to_the_same_tokens(tiny_model, tiny_model_dir):
+async def test_a_child_process_executes_the_same_batches_to_the_same_tokens(tiny_model, tiny_model_dir, monkeypatch):
     if tiny_model.device.type != "cpu":
         pytest.skip("the child loads the model on the CPU")
+    # the spawned child unpickles its entry point by module name: the repository root on its sys.path
+    monkeypatch.syspath_prepend(str(ROOT))
+    process_executor = importlib.import_module("benchmarks.process_executor")
+    ProcessExecutor, paged_fast_runner = process_executor.ProcessExecutor, process_executor.paged_fast_runner
     # no prefix cache: the pool's bookkeeping is shared by both executors, its memory is each one's own
     engine = create_engine(tiny_model, EngineConfig(max_running=4, prefix_cache_bytes=0))
     runner = engine.runner

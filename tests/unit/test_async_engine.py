@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 
 import pytest
@@ -20,7 +21,7 @@ from lmiserve.core.errors import InvalidRequest, Overloaded, QueueTimeout
 from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine.async_engine import AsyncEngine, EngineConfig
-from lmiserve.engine.factory import create_engine
+from lmiserve.engine.factory import PREFILL_FLOOR, create_engine, kv_pool_blocks, prompt_codec
 from lmiserve.engine.runners import BatchInvariantRunner, FastRunner, ModelRunner
 from lmiserve.engine.runners.paged import PagedFastRunner
 from lmiserve.models.compose import build_engine
@@ -40,7 +41,31 @@ NEW_TOKENS = 20
 
 
 def make_engine(loaded, *, runner_cls: type[ModelRunner] | None = None, max_input_len=None, **config) -> AsyncEngine:
-    return create_engine(loaded, EngineConfig(**config), max_input_len=max_input_len, runner_cls=runner_cls)
+    """The engine `create_engine` builds for `config`, or, given `runner_cls` (a test's fake or instrumented
+    runner), one on a runner of that class: over the paged KV pool `create_engine` would size if it is a
+    `PagedFastRunner`, else over slots."""
+    engine_config = EngineConfig(**config)
+    if runner_cls is None:
+        return create_engine(loaded, engine_config, max_input_len=max_input_len)
+    if engine_config.prefill_floor == "auto":
+        floor = PREFILL_FLOOR.get(loaded.device.type, PREFILL_FLOOR["cuda"])
+        engine_config = dataclasses.replace(engine_config, prefill_floor=floor)
+    extra: dict = {}
+    if issubclass(runner_cls, PagedFastRunner):
+        extra = {
+            "num_blocks": kv_pool_blocks(loaded, engine_config),
+            "block_size": engine_config.block_size,
+            "enforce_eager": engine_config.enforce_eager,
+        }
+    runner = runner_cls(
+        loaded.model,
+        max_slots=engine_config.max_running,
+        max_context=loaded.max_context,
+        eos_token_ids=loaded.eos_token_ids,
+        **extra,
+    )
+    codec, grammars = prompt_codec(loaded, max_input_len)
+    return AsyncEngine(runner, codec, engine_config, grammars)
 
 
 @contextlib.asynccontextmanager

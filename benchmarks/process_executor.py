@@ -2,8 +2,10 @@
 through a pipe (pickled) and its `StepOutput`s come back, so the engine core (scheduler, grammar
 matchers, detokenizer, the HTTP loop) and the model's Python no longer share one GIL.
 
-Experimental: `benchmarks/executor_process.py` measures it against the in-process executor (the
-engine's design note has the figures); the server does not use it. The child builds its runner with
+A benchmark's executor, not part of the package: `benchmarks/executor_process.py` measures it against
+the in-process executor (docs/engine.md, "Thread, not process, for the engine core", has the figures); the
+server keeps the model on the engine's thread. Importable as `benchmarks.process_executor` with the
+repository root on `sys.path` (a spawned child must import it by that name). The child builds its runner with
 `build`, a picklable callable run there (so the model loads in the child: `paged_fast_runner` takes the
 loader from the caller, e.g. a `functools.partial` of `lmiserve.models.load.load_causal_lm`); the parent
 must build the same pool (`num_blocks`, `block_size`) for its scheduler.
