@@ -25,6 +25,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from helpers.client_venvs import LANGCHAIN_STAMP, missing
+
 pytestmark = pytest.mark.e2e  # the slowest tier: real servers, and two clients in venvs of their own
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,16 +51,6 @@ WEATHER_TOOL = {
         },
     },
 }
-
-
-def missing(path: Path, target: str) -> None:
-    """Skip (outside make) or fail (under `make test`, which installs it) when a client's venv is missing."""
-    if path.exists():
-        return
-    message = f"{path.relative_to(REPO)} is missing: run `make {target}`"
-    if os.environ.get("MAKELEVEL"):
-        raise RuntimeError(message)
-    pytest.skip(message)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +78,7 @@ def chat_model(smollm_url, smollm_name):
     try:
         from langchain_openai import ChatOpenAI
     except ImportError:
-        missing(REPO / ".venv" / ".langchain-installed", "install-langchain")
+        missing(LANGCHAIN_STAMP, "install-langchain")
         raise
     return ChatOpenAI(
         base_url=f"{smollm_url}/v1", api_key="none", model=smollm_name, temperature=0, max_tokens=24, max_retries=0

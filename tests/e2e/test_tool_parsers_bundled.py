@@ -23,6 +23,8 @@ import jsonschema
 import openai
 import pytest
 
+from helpers.client_venvs import LANGCHAIN_STAMP, missing
+
 pytestmark = pytest.mark.e2e
 
 HERMES = Path(__file__).resolve().parents[1] / "helpers" / "chat_templates" / "hermes.jinja"
@@ -199,7 +201,11 @@ def test_anthropic_tool_use_from_the_same_parse(url):
 
 
 def test_langchain_bind_tools(url):
-    langchain_openai = pytest.importorskip("langchain_openai")
+    try:
+        import langchain_openai
+    except ImportError:
+        missing(LANGCHAIN_STAMP, "install-langchain")  # fails under `make test`, which installs it
+        raise
     from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 
     history: list = []
