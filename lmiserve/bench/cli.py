@@ -220,7 +220,7 @@ def run_bench_command(args: argparse.Namespace, argv: list[str] | None = None) -
         from lmiserve.bench.prompts import select_prompt_set
 
         select_prompt_set(args.prompt_set)  # the servers' requests and the in-process baselines
-        from lmiserve.bench.runner import BenchConfig
+        from lmiserve.bench.config import BenchConfig
 
         config = BenchConfig(
             model_id=args.model_id,
@@ -264,8 +264,9 @@ def run_bench_command(args: argparse.Namespace, argv: list[str] | None = None) -
         print(f"lmiserve bench: configuration error: {exc}", file=sys.stderr)
         return 2
 
+    from lmiserve.bench.clients import BenchError
     from lmiserve.bench.report import format_table
-    from lmiserve.bench.runner import BenchError, all_requests_ok, run
+    from lmiserve.bench.runner import all_requests_ok, run
 
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)

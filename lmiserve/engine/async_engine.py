@@ -16,7 +16,7 @@ import random
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from lmiserve.core import request_context
 from lmiserve.core.aio import cancel_and_wait
@@ -43,21 +43,14 @@ from lmiserve.engine.grammar_compiler import CompiledGrammar, GrammarCompiler
 from lmiserve.engine.kv_blocks import BlockPool
 from lmiserve.engine.lora import AdapterError, LoraAdapter
 from lmiserve.engine.lora_registry import AdapterRegistry, LoraLimits, UnknownAdapter
-from lmiserve.engine.prefix_cache import PrefixIndex
-from lmiserve.engine.scheduler import Scheduler, StepPlan
+from lmiserve.engine.scheduler import StepPlan
 from lmiserve.engine.sequence import Sequence
 from lmiserve.engine.speculative import SpeculationPolicy, SpeculationSettings
 from lmiserve.engine.step import BatchRunner, Executor, ExecutorFailed, InProcessExecutor, StepOutput
 from lmiserve.engine.token_mask import TokenMask
 from lmiserve.engine.validation import PromptCodec
 
-if TYPE_CHECKING:
-    from lmiserve.engine.runners.base import ModelRunner
-
 log = logging.getLogger(__name__)
-
-DEFAULT_PREFIX_CACHE_BYTES = 512 * 2**20
-PREFIX_BLOCK_SIZE = 16
 
 
 @dataclass
@@ -78,12 +71,9 @@ class EngineConfig:
     # prompt tokens a step that also decodes may take: max(this, decoding rows, max_running - decoding rows);
     # None = no extra bound; "auto" = by device (engine/factory.py)
     prefill_floor: int | Literal["auto"] | None = "auto"
-    # prefix cache: most bytes its KV blocks take (0 = off) and tokens per block
-    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES
-    prefix_block_size: int = PREFIX_BLOCK_SIZE
-    # the KV cache: "paged" (a pool of blocks under a memory budget, the block scheduler; the fast path)
-    # or "slots" (one contiguous slot a sequence; every runner)
-    kv_cache: Literal["paged", "slots"] = "paged"
+    # prefix caching: a prompt starts from the pool's blocks of an earlier one with the same head (the KV
+    # pool is the cache; never with batch_invariant)
+    enable_prefix_caching: bool = True
     kv_cache_memory_bytes: int | None = None  # the paged pool's budget; None = by device (engine/factory.py)
     block_size: int = 16  # tokens a block of the paged pool holds
     gpu_memory_utilization: float = 0.9  # on CUDA, the share of the GPU the paged pool's default budget fills
@@ -127,26 +117,23 @@ class AsyncEngine:
 
     def __init__(
         self,
-        runner: ModelRunner | Executor,
+        runner: BatchRunner | Executor,
         codec: PromptCodec,
         config: EngineConfig,
         grammars: GrammarCompiler | None = None,
         adapters: AdapterRegistry | None = None,
     ) -> None:
-        """`runner`: the model's runner, or an executor that runs the plain-data batches elsewhere (the
-        tensor-parallel workers, engine/tp_workers.py); `adapters`: the LoRA adapters requests may name
-        (`GenerationRequest.adapter`; None: none)."""
+        """`runner`: the model's runner (run in this process), or an executor that runs the plain-data
+        batches elsewhere (the tensor-parallel workers, engine/tp_workers.py); `adapters`: the LoRA
+        adapters requests may name (`GenerationRequest.adapter`; None: none)."""
         floor = config.prefill_floor
         if floor == "auto":
             raise ValueError("prefill_floor 'auto' is resolved by the device (engine.factory.create_engine)")
-        self.runner: ModelRunner | None = None if isinstance(runner, Executor) else runner
         # this model's torch thread: the shared one on the CPU, its own on a GPU (engine/torch_thread.py)
         self.thread = torch_thread.for_device(getattr(runner, "device", "cpu"), f"engine-{id(self):x}")
         self.codec = codec
         self.grammars = grammars  # compiles the grammars of constrained requests (None: unsupported)
         self.config = config
-        self.scheduler: Scheduler | BlockScheduler
-        self.pool: BlockPool | None = None
         options: dict[str, Any] = {
             "chunked_prefill": not config.batch_invariant,
             "static_batching": config.static_batching,
@@ -156,30 +143,18 @@ class AsyncEngine:
             "prefill_floor": floor,
             "max_step_tokens": config.max_step_tokens,
         }
-        limits = (config.max_running, config.max_prefill_tokens)
-        # a runner over a block pool runs the block scheduler's plain-data batches through an executor
-        self.executor: Executor | None = runner if isinstance(runner, Executor) else None
-        if isinstance(runner, BatchRunner) and runner.num_blocks is not None:
-            self.executor = InProcessExecutor(runner)
+        self.executor = runner if isinstance(runner, Executor) else InProcessExecutor(runner)
         self._grammar_mask: TokenMask | None = None  # the executor's batches' grammar bitmask
-        if runner.num_blocks is not None:  # a paged runner (or an executor): the block scheduler plans over its pool
-            self.prefix = None
-            caching = config.prefix_cache_bytes > 0
-            self.pool = BlockPool(runner.num_blocks, runner.block_size, enable_prefix_caching=caching)
-            self.scheduler = BlockScheduler(self.pool, *limits, **options)
-        else:
-            assert not isinstance(runner, Executor)  # an executor always has a pool
-            blocks = runner.enable_prefix_cache(config.prefix_cache_bytes, config.prefix_block_size)
-            self.prefix = PrefixIndex(blocks, config.prefix_block_size) if blocks else None
-            self.scheduler = Scheduler(*limits, prefix=self.prefix, **options)
+        # blocks computed in another step's shapes round differently: no sharing when batch-invariant
+        caching = config.enable_prefix_caching and not config.batch_invariant
+        self.pool = BlockPool(runner.num_blocks, runner.block_size, enable_prefix_caching=caching)
+        self.scheduler = BlockScheduler(self.pool, config.max_running, config.max_prefill_tokens, **options)
         self.speculation: SpeculationPolicy | None = None
         if config.speculation is not None:
-            self.speculation = self._block_scheduler("speculative decoding needs").speculation = SpeculationPolicy(
-                config.speculation
-            )
+            self.speculation = self.scheduler.speculation = SpeculationPolicy(config.speculation)
         self.adapters = adapters
         if adapters is not None:
-            self._block_scheduler("LoRA adapters need").max_loras = adapters.limits.max_loras
+            self.scheduler.max_loras = adapters.limits.max_loras
         self._handles: dict[int, _Handle] = {}  # seq_id -> handle
         self._ids = itertools.count(1)
         self._wakeup = asyncio.Event()
@@ -190,19 +165,15 @@ class AsyncEngine:
         self.failure: str | None = None  # why the engine core failed (`_die`); it serves nothing then
         self.on_failure: list[Callable[[str], None]] = []
 
-    def _block_scheduler(self, what_needs: str) -> BlockScheduler:
-        """The block scheduler (ValueError naming `what_needs` it when the engine runs the slot layout)."""
-        if not isinstance(self.scheduler, BlockScheduler) or self.executor is None:
-            raise ValueError(
-                f"{what_needs} the paged KV cache (kv_cache=paged, not batch_invariant, an architecture the "
-                "paged runners serve)"
-            )
-        return self.scheduler
+    @property
+    def runner(self) -> BatchRunner | None:
+        """The model's runner when it runs in this process (None: the executor runs it elsewhere)."""
+        return self.executor.runner if isinstance(self.executor, InProcessExecutor) else None
 
     def _check_fits(self, tokens: int) -> None:
         """A request whose KV (prompt + max new tokens) needs more blocks than the whole pool is refused."""
         pool = self.pool
-        if pool is not None and pool.never_fits(tokens):
+        if pool.never_fits(tokens):
             raise InvalidRequest(
                 f"the prompt and max_new_tokens need the KV cache of {tokens} tokens, more than the whole "
                 f"KV cache holds ({pool.num_blocks * pool.block_size} tokens, kv_cache_memory_bytes)"
@@ -213,12 +184,11 @@ class AsyncEngine:
         if self._task is None:
             loop = asyncio.get_running_loop()
             self._task = loop.create_task(self._loop(), name="lmiserve-engine")
-            if self.executor is not None:
 
-                def failed(why: str) -> None:
-                    loop.call_soon_threadsafe(self._executor_failed, why)
+            def failed(why: str) -> None:
+                loop.call_soon_threadsafe(self._executor_failed, why)
 
-                self.executor.watch(failed)
+            self.executor.watch(failed)
 
     def _executor_failed(self, why: str) -> None:
         """The executor failed between steps (a worker process died): the engine fails now, not at its
@@ -230,8 +200,7 @@ class AsyncEngine:
         """Stop the loop; requests still open end with an error instead of waiting forever."""
         await cancel_and_wait(self._task)
         self._task = None
-        if self.executor is not None:
-            await asyncio.to_thread(self.executor.close)
+        await asyncio.to_thread(self.executor.close)
         self.thread.close()
         if self.grammars is not None:
             self.grammars.close()
@@ -252,11 +221,8 @@ class AsyncEngine:
 
     def snapshot(self) -> EngineSnapshot:
         running = self.scheduler.running
-        pool = self.pool
-        if pool is not None:  # vLLM's meaning: blocks in use / the pool
-            kv_tokens, kv_capacity = pool.num_used_blocks * pool.block_size, pool.num_blocks * pool.block_size
-        else:
-            kv_tokens, kv_capacity = sum(s.kv_len for s in running), self.scheduler.max_running * self.codec.max_context
+        pool = self.pool  # vLLM's meaning: blocks in use / the pool
+        kv_tokens, kv_capacity = pool.num_used_blocks * pool.block_size, pool.num_blocks * pool.block_size
         return EngineSnapshot(
             running=len(running),
             waiting=len(self.scheduler.waiting),
@@ -266,8 +232,8 @@ class AsyncEngine:
             batch_slots=self.scheduler.max_running,
             generated_tokens=self.generated_tokens,
             preemptions=getattr(self.scheduler, "num_preemptions", 0),
-            kv_blocks=pool.num_blocks if pool is not None else 0,
-            kv_block_size=pool.block_size if pool is not None else 0,
+            kv_blocks=pool.num_blocks,
+            kv_block_size=pool.block_size,
             speculation=self.speculation.describe() if self.speculation is not None else None,
             lora_running=_adapter_names(running) if self.adapters is not None else (),
             lora_waiting=_adapter_names(self.scheduler.waiting) if self.adapters is not None else (),
@@ -276,22 +242,15 @@ class AsyncEngine:
         )
 
     def _prefix_figures(self) -> dict[str, int]:
-        """What the prefix cache holds and can hold, in tokens, and its memory: with a paged pool, its
-        registered blocks of the whole pool (the pool is the cache)."""
+        """What the prefix cache holds and can hold, in tokens, and its memory: its registered blocks of
+        the whole pool (the pool is the cache)."""
         pool = self.pool
-        if pool is not None:
-            if not pool.enable_prefix_caching:
-                return {"prefix_cache_tokens": 0, "prefix_cache_capacity": 0, "prefix_cache_bytes": 0}
-            return {
-                "prefix_cache_tokens": pool.num_cached_blocks * pool.block_size,
-                "prefix_cache_capacity": pool.num_blocks * pool.block_size,
-                "prefix_cache_bytes": self.executor.kv_bytes if self.executor is not None else 0,
-            }
-        store = self.runner.prefix_store if self.runner is not None else None
+        if not pool.enable_prefix_caching:
+            return {"prefix_cache_tokens": 0, "prefix_cache_capacity": 0, "prefix_cache_bytes": 0}
         return {
-            "prefix_cache_tokens": self.prefix.cached_tokens if self.prefix is not None else 0,
-            "prefix_cache_capacity": self.prefix.capacity_tokens if self.prefix is not None else 0,
-            "prefix_cache_bytes": store.nbytes if store is not None else 0,
+            "prefix_cache_tokens": pool.num_cached_blocks * pool.block_size,
+            "prefix_cache_capacity": pool.num_blocks * pool.block_size,
+            "prefix_cache_bytes": self.executor.kv_bytes,
         }
 
     def _notify(self, method: str, *args: object) -> None:
@@ -559,16 +518,13 @@ class AsyncEngine:
         except Exception as exc:  # noqa: BLE001 - outside the per-sequence guards: end what was running
             log.exception("engine step failed")
             message = f"exception occurred during generation: {exc}"
-            output = StepOutput(errors={s.seq_id: message for s in self.scheduler.running}, prefix_failed=True)
+            output = StepOutput(errors={s.seq_id: message for s in self.scheduler.running})
         return output, self.scheduler.update(plan, output)
 
     def _run(self, plan: StepPlan) -> StepOutput:
-        """The model work of `plan`: its plain-data batch through the executor, or the plan itself
-        through a slot runner."""
+        """The model work of `plan`: its plain-data batch through the executor (the constrained rows'
+        grammar bitmask filled first)."""
         executor, batch = self.executor, plan.batch
-        if executor is None or batch is None:
-            assert self.runner is not None  # a slot runner (an executor's plans always carry a batch)
-            return self.runner.execute(plan)
         failed: dict[int, str] = {}
         if batch.grammar_rows:
             seqs = plan.decode + [chunk.seq for chunk in plan.prefill]  # the batch's row order
@@ -581,6 +537,8 @@ class AsyncEngine:
                 log.exception("filling the grammar bitmask failed")
                 failed = {seqs[i].seq_id: f"exception occurred during sampling: {exc}" for i in batch.grammar_rows}
                 batch.grammar_rows, batch.grammar_bitmask = [], None
+        if self.adapters is not None:  # the adapter loads let go: the runner's side forgets them
+            batch.dropped_adapters = self.adapters.take_dropped()
         output = executor.execute(batch)
         for seq_id, message in failed.items():
             output.samples.pop(seq_id, None)
@@ -597,17 +555,13 @@ class AsyncEngine:
         self._stamp(events, now)  # aborts: no tokens
         self._deliver(events)
         if not plan.has_model_work:
-            if plan.moves or plan.released or plan.saves:
-                # frees per-sequence caches, moves slots, copies blocks into the prefix cache
+            if plan.batch.finished or plan.batch.preempted:  # the executor forgets what it kept of them
                 try:
-                    idle: StepOutput = await self.thread.run(self._run, plan)
+                    await self.thread.run(self._run, plan)
                 except ExecutorFailed:
                     raise
-                except Exception:  # noqa: BLE001 - nothing was computing; only the prefix cache is in doubt
+                except Exception:  # noqa: BLE001 - nothing was computing
                     log.exception("engine step failed")
-                    idle = StepOutput(prefix_failed=True)
-                if idle.prefix_failed and self.prefix is not None:
-                    self.prefix.clear()  # blocks planned in it may not have been written
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), scheduler.next_wakeup(time.monotonic()))
             return

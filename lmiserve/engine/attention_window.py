@@ -14,8 +14,8 @@ Every attention over the paged KV cache takes the window of its layer: the compi
 torch decode path (engine/paged_attention.py), the prefill chunks' SDPA masks (engine/fast_llama.py), the
 Triton kernel (engine/triton_attention.py) and transformers' own attention on the generic runner, whose
 per-layer-kind masks `step_mask` builds (engine/runners/paged_generic.py). Blocks wholly before every
-layer's window stay allocated (masked, not freed). The slot layout applies no window: a windowed model is
-served over blocks (or batch-invariant), never over slots (engine/factory.py).
+layer's window stay allocated (masked, not freed); the batch-invariant runner runs transformers' forward,
+which applies the windows itself.
 """
 
 from __future__ import annotations
@@ -29,11 +29,9 @@ __all__ = [
     "FULL",
     "SLIDING",
     "chunk_masks",
-    "has_window",
     "hidden_outside",
     "layer_windows",
     "model_window",
-    "slot_refusal",
     "step_mask",
     "unsupported_kinds",
     "visible",
@@ -73,10 +71,6 @@ def model_window(config: Any) -> int | None:
     return next((w for w in layer_windows(config) if w is not None), None)
 
 
-def has_window(config: Any) -> bool:
-    return model_window(config) is not None
-
-
 def unsupported_kinds(config: Any) -> str | None:
     """Why the paged attention cannot mask `config`'s layers as transformers does (None: it can): layer
     kinds other than full and sliding attention (chunked, linear, ...), or a bidirectional window."""
@@ -86,19 +80,6 @@ def unsupported_kinds(config: Any) -> str | None:
     if getattr(config, "use_bidirectional_attention", False):
         return "bidirectional attention"
     return None
-
-
-def slot_refusal(config: Any, paged_reason: str | None) -> str | None:
-    """Why the slot KV cache must not serve a model of `config` (None: it may): its attention applies no
-    window, so a windowed model would attend over the whole context; `paged_reason`: why the paged cache
-    does not serve it either (when it was asked for)."""
-    if not has_window(config):
-        return None
-    why = f"; the paged KV cache does not serve this model either: {paged_reason}" if paged_reason else ""
-    return (
-        "this model has sliding-window attention, which the slot KV cache does not apply (it would attend over "
-        f"the whole context): serve it with kv_cache=paged (the default) or batch_invariant=true{why}"
-    )
 
 
 def visible(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None) -> torch.Tensor:

@@ -6,7 +6,7 @@ the same choices lost (benchmarks/README.md). So at start-up the fast runner tim
 of the loaded model per candidate and keeps the fastest:
 
 - few rows (timed at batch 1): `CpuGemm` row blocks or plain ``F.linear``;
-- many rows (timed at batch `LARGE_BATCH`, or the slot count if smaller): transposed products with
+- many rows (timed at batch `LARGE_BATCH`, or the most rows a step runs if smaller): transposed products with
   rows padded to a multiple of 8, or plain ``F.linear``;
 - a few rows (timed on one sequence's chunks of `FEW_PROBES` tokens, fp32): the compiled few-row
   kernel (`skinny_gemm`) for products of 2 to `cpu_gemm.FEW_ROWS` rows (a request's last token and
@@ -15,7 +15,7 @@ of the loaded model per candidate and keeps the fastest:
 
 Candidates run in interleaved rounds and each keeps its fastest step (the least disturbed by other
 work on a shared machine). Timing uses the runner's own cache at positions up to ~200 over whatever
-the slots hold (no request is running yet, and a sequence only ever reads positions it wrote).
+the pool's blocks hold (no request is running yet, and a sequence only ever reads positions it wrote).
 Every choice computes the same function up to the kernels' summation order (the greedy-parity tests
 run on every path), so autotuning never changes a result beyond that.
 
@@ -41,14 +41,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lmiserve.core.cpu_info import cpu_info
-from lmiserve.engine import decode_attention as compiled_attention
+from lmiserve.engine import paged_attention as compiled_attention
 from lmiserve.engine import skinny_gemm
 from lmiserve.engine.cpu_gemm import FEW_ROWS, CpuGemm
-from lmiserve.engine.paged_attention import PagedKVCache
 
 if TYPE_CHECKING:
-    from lmiserve.engine.paged_attention import PagedKVCache
-from lmiserve.engine.fast_llama import FastLlama
+    from lmiserve.engine.fast_llama import FastLlama
 
 log = logging.getLogger(__name__)
 
@@ -188,22 +186,17 @@ def measure(fast: FastLlama, slots: int) -> KernelChoice:
         top = max(1, fast.max_context - 1)  # never past the model's context
         positions = [min(top, 32 + (i * 131) % 160) for i in range(rows)] if rows > 1 else [min(top, 100)]
         ids = [5 + i for i in range(rows)]
-        tables = None
-        cache = fast.cache
-        if isinstance(cache, PagedKVCache):  # before any request: any blocks of the pool will do
-            size, count = cache.block_size, cache.num_blocks
-            tables = [[(row * 13 + j) % count for j in range(-(-(p + 1) // size))] for row, p in enumerate(positions)]
+        size, count = fast.cache.block_size, fast.cache.num_blocks  # before any request: any blocks will do
+        tables = [[(row * 13 + j) % count for j in range(-(-(p + 1) // size))] for row, p in enumerate(positions)]
         return lambda: fast.forward(ids, positions, [], list(range(rows)), decode_tables=tables)
 
     def chunk(tokens: int) -> Callable[[], object]:
         """One sequence's chunk of `tokens` tokens at position ~100, every logit kept (draft verification)."""
         start = max(0, min(100, fast.max_context - tokens))
-        key: int | list[int] = 0
         cache = fast.cache
-        if isinstance(cache, PagedKVCache):
-            key = [(7 + j) % cache.num_blocks for j in range(-(-(start + tokens) // cache.block_size))]
+        key = [(7 + j) % cache.num_blocks for j in range(-(-(start + tokens) // cache.block_size))]
         prefills = [(key, start, [5 + i for i in range(tokens)])]
-        return lambda: fast.forward([], [], prefills, list(range(tokens)))  # type: ignore[arg-type]
+        return lambda: fast.forward([], [], prefills, list(range(tokens)))
 
     def race(
         rows: int, repeats: int, candidates: dict[str, tuple[CpuGemm, bool]], as_chunk: bool = False

@@ -144,7 +144,7 @@ class BlockScheduler(SchedulerBase):
         for row, (seq, start, token_ids, sample) in enumerate(scheduled):
             sent = self._sent.get(seq.seq_id)
             if sent is None:
-                adapter = seq.adapter.id if seq.adapter is not None else None
+                adapter = seq.adapter.ref if seq.adapter is not None else None
                 batch.new.append(NewRequest(seq.seq_id, seq.prompt_ids, seq.params, seq.seed, adapter))
                 sent = 0
             blocks = self._table(seq).blocks

@@ -1,5 +1,5 @@
-"""Build the engine of a loaded model from an `EngineConfig`: the runner (paged fast, paged generic or a
-slot runner), the KV pool sized for the device, the prompt codec, speculative decoding's proposer and the
+"""Build the engine of a loaded model from an `EngineConfig`: the runner (fast, generic or batch-invariant,
+all over the paged KV pool), the pool sized for the device, the prompt codec, speculative decoding's proposer and the
 LoRA adapters. Plain values only: the settings are read above the engine (models/compose.py)."""
 
 from __future__ import annotations
@@ -8,23 +8,23 @@ import dataclasses
 import gc
 import logging
 import os
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 
 from lmiserve.core.request import SamplingParams
 from lmiserve.engine import cuda_graphs, lora_kernels
 from lmiserve.engine.async_engine import AsyncEngine, EngineConfig
-from lmiserve.engine.attention_window import slot_refusal
 from lmiserve.engine.grammar_compiler import GrammarCompiler
+from lmiserve.engine.kv_cache import kv_bytes_per_block
 from lmiserve.engine.loaded import LoadedModel
-from lmiserve.engine.lora import FAST_PATH_MODULES
+from lmiserve.engine.lora import FAST_PATH_MODULES, LoraAdapter
+from lmiserve.engine.lora_manager import LoraManager
 from lmiserve.engine.lora_registry import AdapterRegistry
 from lmiserve.engine.quantize import Int4Linear, Int8Linear, quantize_output_int8
-from lmiserve.engine.runners import FastRunner, ModelRunner, create_runner, paged_generic, runner_class
+from lmiserve.engine.runners import fast_reason, paged_generic
 from lmiserve.engine.runners.batched import PersistentBatchRunner
-from lmiserve.engine.runners.paged import PagedFastRunner, kv_bytes_per_block
+from lmiserve.engine.runners.paged import PagedFastRunner
 from lmiserve.engine.speculative import DraftModelProposer, NgramProposer, Proposer
 from lmiserve.engine.step import BatchRunner, NewRequest, ScheduledTokens, StepBatch
 from lmiserve.engine.tokenizer import HfTokenizer
@@ -172,66 +172,63 @@ def create_engine(
     `draft`: the draft model of `config.speculation` (method draft_model)."""
     config = _for_device(config, loaded.device)
     spec = config.speculation
-    paged = config.kv_cache == "paged" and not config.batch_invariant
-    strategy = runner_class(loaded.model, batch_invariant=False, fast_path=config.fast_path, paged=True)[0]
-    why_not = None if strategy is FastRunner else paged_generic.unsupported_reason(loaded.model)
-    if paged and why_not is None:
-        fast_cls = PagedFastRunner if strategy is FastRunner else None
-        activation = None
-        if config.kv_cache_memory_bytes is None:
-            # a prompt step alone: no autotune, no decode graphs (their buffers, scratch block and RoPE table)
-            quiet = dataclasses.replace(config, cpu_autotune=False, enforce_eager=True)
-            activation = profile_step_memory(
-                loaded.device,
-                lambda blocks: _paged_runner(loaded, quiet, blocks, fast_cls),
-                largest_step_tokens(config, loaded.max_context),
-                config.block_size,
-            )
-        graphs = fast_cls is not None and cuda_graphs.wanted(loaded.device, config.enforce_eager)
-        num_blocks = kv_pool_blocks(loaded, config, activation, graphs)
-        log.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB)",
-            num_blocks,
-            config.block_size,
-            num_blocks * kv_bytes_per_block(loaded.model, config.block_size) / 2**20,
-        )
-        runner: ModelRunner = _paged_runner(loaded, config, num_blocks, fast_cls)
-    else:
-        refusal = None if config.batch_invariant else slot_refusal(loaded.model.config, why_not if paged else None)
+    why_not = fast_reason(loaded.model, fast_path=config.fast_path)
+    fast_cls = PagedFastRunner if why_not is None and not config.batch_invariant else None
+    if fast_cls is None:
+        refusal = paged_generic.unsupported_reason(loaded.model)
         if refusal is not None:
-            raise ValueError(refusal)
-        if paged:
-            log.info("KV cache: slots (the paged cache does not serve %s)", why_not)
-        runner = create_runner(
-            loaded.model,
-            max_slots=config.max_running,
-            max_context=loaded.max_context,
-            eos_token_ids=loaded.eos_token_ids,
-            batch_invariant=config.batch_invariant,
-            fast_path=config.fast_path,
-            autotune=config.cpu_autotune,
-            autotune_cache=config.autotune_cache,
+            mine = "" if why_not is None else f"; lmiserve's own forward does not either: {why_not}"
+            raise ValueError(f"this model cannot be served: transformers' forward over the KV blocks: {refusal}{mine}")
+        if not config.batch_invariant:
+            log.info("model runner: generic path (%s)", why_not)
+    activation = None
+    if config.kv_cache_memory_bytes is None:
+        # a prompt step alone: no autotune, no decode graphs (their buffers, scratch block and RoPE table)
+        quiet = dataclasses.replace(config, cpu_autotune=False, enforce_eager=True)
+        activation = profile_step_memory(
+            loaded.device,
+            lambda blocks: _paged_runner(loaded, quiet, blocks, fast_cls),
+            largest_step_tokens(config, loaded.max_context),
+            config.block_size,
         )
+    graphs = fast_cls is not None and cuda_graphs.wanted(loaded.device, config.enforce_eager)
+    num_blocks = kv_pool_blocks(loaded, config, activation, graphs)
+    log.info(
+        "KV cache: %d blocks of %d tokens (%.1f MiB)",
+        num_blocks,
+        config.block_size,
+        num_blocks * kv_bytes_per_block(loaded.model, config.block_size) / 2**20,
+    )
+    runner = _paged_runner(loaded, config, num_blocks, fast_cls)
     codec, grammars = prompt_codec(loaded, max_input_len)
-    if spec is not None and isinstance(runner, PersistentBatchRunner):  # without one the engine refuses it
+    if spec is not None:
         runner.proposer = _proposer(loaded, config, draft)
     adapters = None
     if config.lora is not None:
-        if not isinstance(runner, PersistentBatchRunner):
-            raise ValueError(
-                "LoRA adapters need the paged KV cache (kv_cache=paged, not batch_invariant, an architecture "
-                f"the paged runners serve{'' if why_not is None else ': not ' + why_not})"
-            )
         modules = FAST_PATH_MODULES if isinstance(runner, PagedFastRunner) else None
-        adapters = AdapterRegistry(loaded.model, config.lora, modules=modules)
-        if lora_kernels.available(runner.lora_dtype, loaded.device):
-            try:  # compiles (or loads from numba's cache) at load, not on a request
-                lora_kernels.warm_up()
-            except Exception:  # noqa: BLE001 - a numba/llvmlite problem costs speed, not the adapters
-                log.exception("compiled LoRA products unavailable; using torch's")
-                runner.lora_kernels = False
-        runner.adapter_lookup = adapters.by_id
+        manager = attach_lora(runner, config.lora.max_lora_rank, modules)
+        # the registry reads adapters through the runner's manager: one read, one copy of the weights
+        adapters = AdapterRegistry(loaded.model, config.lora, modules=modules, loader=manager.load)
     return AsyncEngine(runner, codec, config, grammars, adapters)
+
+
+def attach_lora(
+    runner: PersistentBatchRunner,
+    max_rank: int,
+    modules: Sequence[str] | None,
+    shard: Callable[[LoraAdapter], LoraAdapter] | None = None,
+) -> LoraManager:
+    """Serve LoRA adapters on `runner`: a `LoraManager` beside it (adapters of rank up to `max_rank` on
+    the linears `modules` names, None: any; `shard`: what a tensor-parallel rank keeps of one), and the
+    compiled LoRA products compiled now where they apply."""
+    manager = runner.lora = LoraManager(runner.model, max_rank, modules, shard)
+    if lora_kernels.available(runner.lora_dtype, runner.device):
+        try:  # compiles (or loads from numba's cache) at load, not on a request
+            lora_kernels.warm_up()
+        except Exception:  # noqa: BLE001 - a numba/llvmlite problem costs speed, not the adapters
+            log.exception("compiled LoRA products unavailable; using torch's")
+            runner.lora_kernels = False
+    return manager
 
 
 def prompt_codec(loaded: LoadedModel, max_input_len: int | None) -> tuple[PromptCodec, GrammarCompiler]:
@@ -275,25 +272,27 @@ def worker_config(config: EngineConfig, device: torch.device, local_ranks: int) 
 def _paged_runner(
     loaded: LoadedModel, config: EngineConfig, num_blocks: int, fast_cls: type[PagedFastRunner] | None
 ) -> PagedFastRunner | paged_generic.PagedGenericRunner:
-    """The paged runner of `loaded` over a pool of `num_blocks` blocks: the fast one (`fast_cls`) or,
-    for another architecture or with fast_path=false, transformers' forward over the blocks."""
-    common: dict[str, Any] = {
-        "max_slots": config.max_running,
-        "max_context": loaded.max_context,
-        "eos_token_ids": loaded.eos_token_ids,
-        "num_blocks": num_blocks,
-        "block_size": config.block_size,
-    }
+    """The runner of `loaded` over a pool of `num_blocks` blocks: the fast one (`fast_cls`) or, for another
+    architecture, with fast_path=false or batch_invariant, transformers' forward over the blocks."""
     if fast_cls is not None:
         return fast_cls(
             loaded.model,
+            max_slots=config.max_running,
+            max_context=loaded.max_context,
+            eos_token_ids=loaded.eos_token_ids,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
             autotune=config.cpu_autotune,
             autotune_cache=config.autotune_cache,
             enforce_eager=config.enforce_eager,
-            **common,
         )
-    log.info("model runner: generic path over the paged KV cache (transformers' attention)")
-    return paged_generic.PagedGenericRunner(loaded.model, **common)
+    return paged_generic.PagedGenericRunner(
+        loaded.model,
+        eos_token_ids=loaded.eos_token_ids,
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        alone=config.batch_invariant,
+    )
 
 
 def _proposer(loaded: LoadedModel, config: EngineConfig, draft: LoadedModel | None) -> Proposer:
@@ -312,7 +311,7 @@ def _proposer(loaded: LoadedModel, config: EngineConfig, draft: LoadedModel | No
     assert spec.disable_by_batch_size is not None  # resolved by the device (create_engine)
     rows = min(config.max_running, spec.disable_by_batch_size + 1)
     num_blocks = min(kv_pool_blocks(loaded, config), rows * -(-draft.max_context // config.block_size))
-    fast = runner_class(draft.model, batch_invariant=False, fast_path=config.fast_path, paged=True)[0] is FastRunner
+    fast = fast_reason(draft.model, fast_path=config.fast_path) is None
     why_not = None if fast else paged_generic.unsupported_reason(draft.model)
     if why_not is not None:
         raise ValueError(f"the draft model cannot run over a paged KV cache: {why_not}")

@@ -1,14 +1,15 @@
-"""A lean forward pass for Llama-family decoders over the slot KV cache, on ragged batches.
+"""A lean forward pass for Llama-family decoders over the paged KV cache, on ragged batches.
 
-One call runs a whole engine step: the decode rows (one token each, slots ``0..R-1``) and any
-number of prefill chunks (several tokens of one slot each) flattened into one ``[T, hidden]``
+One call runs a whole engine step: the decode rows (one token each) and any number of prefill
+chunks (several tokens of one sequence each), each reading and writing its KV through its block
+table (engine/paged_attention.py), flattened into one ``[T, hidden]``
 batch. Every matrix multiply sees all T tokens at once (one weight read per step), in the shapes
 CPU BLAS runs fastest (`cpu_gemm.CpuGemm`: orientation, row blocks, rows padded to a multiple of 8),
 or for a few rows (a request's last token and its drafts) a compiled kernel that reads W once.
-Only attention is split: one call for all decode rows (a compiled kernel on CPU fp32,
-`decode_attention.py`; batched matmuls with GQA packed per kv head otherwise) and one per prefill
-chunk (causal over its slot's cache); over a paged cache on CPU fp32 the step's leading short chunks
-(drafts being verified, short prompt chunks) join the decode rows' call, one row a token.
+Only attention is split: on CUDA one Triton kernel a layer for every token (engine/triton_attention.py);
+elsewhere one call for all decode rows (a compiled kernel on CPU fp32; torch ops over the gathered
+blocks otherwise) and one per prefill chunk (causal over its positions); on CPU fp32 the step's leading
+short chunks (drafts being verified, short prompt chunks) join the decode rows' call, one row a token.
 
 It reuses the loaded transformers model's weights (`llama_layout.fused_layers`: q/k/v and gate/up
 fused, the original modules pointed at their rows), so memory does not grow and the generic path
@@ -32,9 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from lmiserve.engine import attention_window, paged_attention, skinny_gemm, triton_attention
-from lmiserve.engine import decode_attention as compiled_attention
 from lmiserve.engine.cpu_gemm import PAD_ROWS_FROM, VOCAB_PAD_ROWS_FROM, CpuGemm
-from lmiserve.engine.kv_cache import AttentionShape, SlotKVCache
+from lmiserve.engine.kv_cache import AttentionShape
 from lmiserve.engine.llama_layout import (
     SUPPORTED_TYPES,
     as_llama,
@@ -48,7 +48,7 @@ from lmiserve.engine.tensor_parallel import shard_of
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["PAD_ROWS_FROM", "SPLIT_MIN_SAVING", "SUPPORTED_TYPES", "FastLlama", "split_point", "unsupported_reason"]
+__all__ = ["PAD_ROWS_FROM", "SUPPORTED_TYPES", "FastLlama", "unsupported_reason"]
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +82,11 @@ class DecodeReplay(Protocol):
 
 
 class _Chunk(NamedTuple):
-    """A prefill chunk of one step: its slot (or, over a paged cache, its block table as a tensor),
-    positions ``start..end-1``, first row in the batch and causal mask over ``[0, end)`` (and that of the
-    model's sliding-window layers, engine/attention_window.py)."""
+    """A prefill chunk of one step: its block table (a tensor), positions ``start..end-1``, first row in
+    the batch and causal mask over ``[0, end)`` (and that of the model's sliding-window layers,
+    engine/attention_window.py)."""
 
-    slot: int | torch.Tensor
+    table: torch.Tensor
     start: int
     end: int
     offset: int
@@ -95,7 +95,7 @@ class _Chunk(NamedTuple):
 
 
 class _PagedDecode(NamedTuple):
-    """The decode rows of a step over a paged cache: their block tables (``[rows, blocks]``, padded with
+    """The decode rows of a step: their block tables (``[rows, blocks]``, padded with
     block 0 past each row's own), spans (position + 1) and what every layer shares, built once a step:
     for the compiled kernel its host arguments (`kernel`), else the torch attention's indexes. With the
     compiled kernel the step's leading short prefill chunks join as rows, one a token (`rows` counts
@@ -115,15 +115,14 @@ class FastLlama:
     def __init__(
         self,
         model: PreTrainedModel,
-        cache: SlotKVCache | paged_attention.PagedKVCache,
+        cache: paged_attention.PagedKVCache,
         max_context: int,
         gemm: CpuGemm | None = None,
         compiled_attention_ok: bool = True,
     ) -> None:
         """`gemm`: the product shapes (default `CpuGemm.for_model`); `compiled_attention_ok`: False keeps
         the torch decode attention where the compiled kernel would apply (`autotune` decides both)."""
-        self.paged = isinstance(cache, paged_attention.PagedKVCache)
-        llama = as_llama(model, windows=self.paged)  # a sliding window only over blocks
+        llama = as_llama(model)
         inner = llama.model
         self.cache = cache
         self.windows = attention_window.layer_windows(model.config)  # each layer's (None: the whole context)
@@ -145,18 +144,16 @@ class FastLlama:
         self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)
         self._gemm = gemm if gemm is not None else CpuGemm.for_model(self.device, self.dtype)
         # a paged cache on CUDA: every token's attention in one Triton kernel a layer (engine/triton_attention.py)
-        self.triton = self.paged and triton_attention.chosen(self.device) and self._kernel_works()
+        self.triton = triton_attention.chosen(self.device) and self._kernel_works()
         # decode steps replayed as CUDA graphs (engine/cuda_graphs.py; set by the paged runner)
         self.graphs: DecodeReplay | None = None
         # a tensor-parallel rank's shard (engine/tensor_parallel.py): its collectives; None: the whole model
         self.tp = shard_of(model)
-        self._compiled = compiled_attention_ok and compiled_attention.available(self.dtype, self.device)
+        self._compiled = compiled_attention_ok and paged_attention.available(self.dtype, self.device)
         self._warm_gemm()
         if self._compiled:
             try:  # compiles (or loads from numba's cache) at load, not on a request
-                compiled_attention.warm_up()
-                if self.paged:
-                    paged_attention.warm_up()
+                paged_attention.warm_up()
             except Exception:  # noqa: BLE001 - a numba/llvmlite problem costs speed, not the model
                 log.exception("compiled decode attention unavailable; using the torch path")
                 self._compiled = False
@@ -164,7 +161,6 @@ class FastLlama:
     def _kernel_works(self) -> bool:
         """The Triton attention kernel run once for this model's attention shape on its device
         (`triton_attention.self_check`); if it fails or disagrees, the torch attention, with a warning."""
-        assert isinstance(self.cache, paged_attention.PagedKVCache)
         why = triton_attention.self_check(
             self.kv_heads, self.groups, self.head_dim, self.cache.block_size, self.dtype, str(self.device)
         )
@@ -188,11 +184,9 @@ class FastLlama:
         """Run the next steps with these product shapes and (where it applies) the compiled attention."""
         self._gemm = gemm
         self._warm_gemm()
-        self._compiled = compiled and compiled_attention.available(self.dtype, self.device)
+        self._compiled = compiled and paged_attention.available(self.dtype, self.device)
         if self._compiled:
-            compiled_attention.warm_up()
-            if self.paged:
-                paged_attention.warm_up()
+            paged_attention.warm_up()
 
     def _warm_gemm(self) -> None:
         """Compile the few-row product kernel at load (or on a kernel change), not on a request; if it
@@ -223,7 +217,7 @@ class FastLlama:
         self,
         decode_ids: list[int],
         decode_positions: list[int],
-        prefills: list[tuple[int, int, list[int]]] | list[tuple[list[int], int, list[int]]],
+        prefills: list[tuple[list[int], int, list[int]]],
         keep: list[int],
         decode_tables: list[list[int]] | None = None,
         lora: LoraBatch | None = None,
@@ -231,9 +225,8 @@ class FastLlama:
         """Logits (float32, ``[len(keep), vocab]``) of the flattened tokens listed in `keep`; `lora`: the
         adapters of the tokens (engine/lora.py, groups named by `lora_groups`).
 
-        Tokens are ordered: decode rows (row i = slot i, one token at `decode_positions[i]`), then
-        each prefill chunk ``(slot, start, ids)`` in turn. Over a paged cache a row's block table stands
-        for its slot: `decode_tables[i]` for decode row i, ``(block table, start, ids)`` for a chunk.
+        Tokens are ordered: decode rows (row i: one token at `decode_positions[i]`, its block table
+        `decode_tables[i]`), then each prefill chunk ``(block table, start, ids)`` in turn.
         A step of decode rows alone, every row kept, replays a captured CUDA graph where `graphs` covers it.
         """
         dev = self.device
@@ -262,43 +255,38 @@ class FastLlama:
         tp = self.tp
         token_ids = torch.tensor(ids, device=dev)
         x = F.embedding(token_ids, self.embed) if tp is None else tp.embed(token_ids, self.embed)
-        dec: _DecodePlan | _PagedDecode | triton_attention.StepTiles | None = None
-        short = 0  # prefill chunks computed as decode rows (paged, compiled attention)
-        if isinstance(self.cache, SlotKVCache):
-            self.cache.ensure_capacity(span)
-            if rows:
-                dec = _DecodePlan(decode_positions, self.cache.capacity, self.kv_heads, dev, self._compiled)
+        dec: _PagedDecode | triton_attention.StepTiles | None = None
+        short = 0  # prefill chunks computed as decode rows (compiled attention) or in the Triton plan
+        tables = [t for t in decode_tables or [] if t] + [key for key, _, _ in prefills]
+        self.cache.ensure_zeroed(1 + max((max(t) for t in tables if t), default=-1))
+        if rows and (decode_tables is None or len(decode_tables) != rows):
+            raise ValueError("every decode row needs its block table")
+        if self.triton:  # every token (decode rows and chunks) in one kernel launch a layer
+            sequences = [(table, p, 1) for table, p in zip(decode_tables or [], decode_positions, strict=True)]
+            sequences += [(key, start, len(chunk)) for key, start, chunk in prefills]
+            dec = triton_attention.step_tiles(sequences, self.groups, self.kv_heads, self.cache.block_size, dev)
+            short = len(prefills)  # every chunk is in the plan
         else:
-            tables = [t for t in decode_tables or [] if t] + [key for key, _, _ in prefills if isinstance(key, list)]
-            self.cache.ensure_zeroed(1 + max((max(t) for t in tables if t), default=-1))
-            if rows and (decode_tables is None or len(decode_tables) != rows):
-                raise ValueError("a paged cache needs a block table for every decode row")
-            if self.triton:  # every token (decode rows and chunks) in one kernel launch a layer
-                sequences = [(table, p, 1) for table, p in zip(decode_tables or [], decode_positions, strict=True)]
-                sequences += [(key, start, len(chunk)) for key, start, chunk in prefills if isinstance(key, list)]
-                dec = triton_attention.step_tiles(sequences, self.groups, self.kv_heads, self.cache.block_size, dev)
-                short = len(prefills)  # every chunk is in the plan
-            else:
-                compiled = paged_attention.available(self.dtype, dev)
-                kernel_positions, kernel_tables = list(decode_positions), list(decode_tables or [])
-                if compiled and CHUNKS_AS_DECODE_ROWS:  # the leading short chunks: rows of the decode kernel
-                    for key, start, chunk in prefills:
-                        if len(chunk) > KERNEL_CHUNK_TOKENS or not isinstance(key, list):
-                            break
-                        kernel_positions.extend(range(start, start + len(chunk)))
-                        kernel_tables.extend([key] * len(chunk))
-                        short += 1
-                if kernel_positions:
-                    dec = _paged_decode(
-                        kernel_positions, kernel_tables, self.cache.block_size, dev, compiled, self.kv_heads, rows
-                    )
+            compiled = self._compiled
+            kernel_positions, kernel_tables = list(decode_positions), list(decode_tables or [])
+            if compiled and CHUNKS_AS_DECODE_ROWS:  # the leading short chunks: rows of the decode kernel
+                for key, start, chunk in prefills:
+                    if len(chunk) > KERNEL_CHUNK_TOKENS:
+                        break
+                    kernel_positions.extend(range(start, start + len(chunk)))
+                    kernel_tables.extend([key] * len(chunk))
+                    short += 1
+            if kernel_positions:
+                dec = _paged_decode(
+                    kernel_positions, kernel_tables, self.cache.block_size, dev, compiled, self.kv_heads, rows
+                )
         pre = []
         offset = len(dec.spans) if isinstance(dec, _PagedDecode) else rows
         for key, start, chunk in prefills[short:]:
             end = start + len(chunk)
             chunk_pos = pos[offset : offset + len(chunk)]
             masks = attention_window.chunk_masks(chunk_pos, end, self.windows)
-            where = torch.tensor(key, dtype=torch.long, device=dev) if isinstance(key, list) else key
+            where = torch.tensor(key, dtype=torch.long, device=dev)
             pre.append(_Chunk(where, start, end, offset, *masks))
             offset += len(chunk)
         x = self._layers(x, cos, sin, dec, pre, pad, lora)
@@ -331,7 +319,7 @@ class FastLlama:
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        dec: _DecodePlan | _PagedDecode | triton_attention.StepTiles | None,
+        dec: _PagedDecode | triton_attention.StepTiles | None,
         pre: list[_Chunk],
         pad: int,
         lora: LoraBatch | None,
@@ -391,36 +379,13 @@ class FastLlama:
         """Rows to add (on CPU, from `pad_from` rows) up to a multiple of 8 (`CpuGemm.row_padding`)."""
         return self._gemm.row_padding(rows, pad_from)
 
-    def _decode_attention(
-        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, dec: _DecodePlan
-    ) -> torch.Tensor:
-        """One query token per row (GQA packed per kv head: ``[rows, kv_heads, groups, head_dim]``) over
-        its slot's cache, as plain batched matmuls (for a handful of queries per row SDPA's CPU kernel
-        costs ~10x more). Softmax in fp32 (a no-op for fp32 models). With a split (`_DecodePlan`) the
-        rows share positions ``[0, cut)`` read in place and only the long rows read ``[cut, span)``,
-        from a copy of just those rows: one softmax over both parts, two partial products summed."""
-        n, cut = dec.rows, dec.cut
-        scores = torch.matmul(query, keys[:n, :, :cut].transpose(-1, -2)).float() * self.scale
-        scores.masked_fill_(dec.mask, float("-inf"))
-        if dec.long_rows is None:
-            return torch.matmul(scores.softmax(-1).to(values.dtype), values[:n, :, :cut])
-        long_rows, span = dec.long_rows, dec.span
-        tail = torch.matmul(query[long_rows], keys[long_rows, :, cut:span].transpose(-1, -2)).float() * self.scale
-        tail.masked_fill_(dec.tail_mask, float("-inf"))
-        joint = torch.cat([scores[long_rows], tail], dim=-1).softmax(-1).to(values.dtype)
-        probs = scores.softmax(-1).to(values.dtype)
-        probs[long_rows] = joint[..., :cut]
-        out = torch.matmul(probs, values[:n, :, :cut])
-        out[long_rows] += torch.matmul(joint[..., cut:], values[long_rows, :, cut:span])
-        return out
-
     def _attention(
         self,
         index: int,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        dec: _DecodePlan | _PagedDecode | triton_attention.StepTiles | None,
+        dec: _PagedDecode | triton_attention.StepTiles | None,
         pre: list[_Chunk],
         pad: int,
     ) -> torch.Tensor:
@@ -430,32 +395,7 @@ class FastLlama:
             triton_attention.write_step(keys, values, k[:n], v[:n], dec)
             out = triton_attention.paged_attention(q, keys, values, dec, self.scale, window=self.windows[index])
             return out.reshape(len(q), -1)
-        if isinstance(dec, _PagedDecode) or (dec is None and self.paged):
-            return self._paged_attention(keys, values, q, k, v, dec, pre, pad, self.windows[index])
-        outputs = []
-        if dec is not None:
-            n = dec.rows
-            query = q[:n].reshape(n, self.kv_heads, self.groups, self.head_dim)
-            if dec.spans is not None:  # CPU fp32: one compiled kernel writes and attends
-                out = compiled_attention.decode_attention(query, keys, values, k[:n], v[:n], dec.spans, self.scale)
-                outputs.append(out.reshape(n, -1))
-            else:
-                keys.view(-1, self.head_dim).index_copy_(0, dec.write_index, k[:n].reshape(-1, self.head_dim))
-                values.view(-1, self.head_dim).index_copy_(0, dec.write_index, v[:n].reshape(-1, self.head_dim))
-                outputs.append(self._decode_attention(query, keys, values, dec).reshape(n, -1))
-        for slot, start, end, offset, mask, _ in pre:
-            assert isinstance(slot, int)
-            length = end - start
-            keys[slot, :, start:end] = k[offset : offset + length].transpose(0, 1)
-            values[slot, :, start:end] = v[offset : offset + length].transpose(0, 1)
-            query = q[offset : offset + length].transpose(0, 1)[None]
-            key = _repeat(keys[slot : slot + 1, :, :end], self.groups)
-            value = _repeat(values[slot : slot + 1, :, :end], self.groups)
-            out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=self.scale)
-            outputs.append(out.transpose(1, 2).reshape(length, -1))
-        if pad:
-            outputs.append(q.new_zeros(pad, self.heads * self.head_dim))
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        return self._paged_attention(keys, values, q, k, v, dec, pre, pad, self.windows[index])
 
     def _paged_attention(
         self,
@@ -469,7 +409,7 @@ class FastLlama:
         pad: int,
         window: int | None,
     ) -> torch.Tensor:
-        """`_attention` over a paged cache (engine/paged_attention.py): the decode rows in one call that
+        """`_attention` through the block tables (engine/paged_attention.py): the decode rows in one call that
         writes and attends through their block tables (the compiled kernel on CPU fp32), each prefill
         chunk written into its blocks and attending over its positions: a short chunk (at most
         `KERNEL_CHUNK_TOKENS` tokens, CPU fp32) through the same compiled kernel, each of its tokens a row
@@ -492,9 +432,8 @@ class FastLlama:
                     query, keys, values, k[:n], v[:n], dec.tables, dec.spans, self.scale, dec.shared, window
                 )
             outputs.append(out.reshape(n, -1))
-        compiled = paged_attention.available(keys.dtype, keys.device)
+        compiled = self._compiled
         for table, start, end, offset, mask, window_mask in pre:
-            assert isinstance(table, torch.Tensor)
             length = end - start
             paged_attention.write_chunk(
                 keys, values, k[offset : offset + length], v[offset : offset + length], table, start
@@ -555,9 +494,6 @@ def _paged_decode(
     return _PagedDecode(len(positions), table, spans, paged_attention.decode_index(table, spans, block_size, device))
 
 
-# Row-positions of cache a split decode attention must save before it is worth its extra ops
-# (about 1,000 row-positions' worth of reading on 2 CPU cores).
-SPLIT_MIN_SAVING = 1000
 # a paged prefill chunk of at most this many tokens attends through the compiled decode kernel on CPU fp32
 # (measured on SmolLM2's attention shape, 2 AMD EPYC cores: 28 tokens after 1,972 take 5.3 ms a layer
 # there against 8.9 ms gathered with SDPA; from 64 tokens SDPA wins)
@@ -568,51 +504,6 @@ KERNEL_CHUNK_TOKENS = 32
 # EPYC); False: a kernel call, a write and its index a chunk and a layer (benchmarks/verify_chunk.py's
 # "before")
 CHUNKS_AS_DECODE_ROWS = True
-
-
-def split_point(spans: list[int]) -> int | None:
-    """Where decode attention over rows of these cache spans splits: every row reads positions
-    ``[0, cut)`` in place (the rows shorter than the cut masked), the rows longer than the cut read
-    ``[cut, max span)`` from a copy of just those rows (copy + read: twice the cost per position).
-    None when one pass over ``[0, max span)`` costs at most `SPLIT_MIN_SAVING` more; with a few long rows
-    in a batch of short ones (a long prompt among chat turns) the split reads a fraction of it."""
-    rows, span = len(spans), max(spans)
-    best, cut_at = rows * span - SPLIT_MIN_SAVING, None
-    for cut in sorted(set(spans))[:-1]:
-        longer = sum(1 for s in spans if s > cut)
-        cost = rows * cut + 2 * longer * (span - cut)
-        if cost < best:
-            best, cut_at = cost, cut
-    return cut_at
-
-
-class _DecodePlan:
-    """What every layer's decode attention of one step shares: the rows' cache write index and the
-    masks of the (possibly split, see `split_point`) read; for the compiled kernel only each row's span."""
-
-    def __init__(
-        self, positions: list[int], capacity: int, kv_heads: int, device: torch.device, compiled: bool
-    ) -> None:
-        self.rows = rows = len(positions)
-        # the compiled kernel (decode_attention.py) needs only each row's span
-        self.spans: npt.NDArray[np.int64] | None = np.array(positions, dtype=np.int64) + 1 if compiled else None
-        if compiled:
-            return
-        pos = torch.tensor(positions, device=device)
-        slots = torch.arange(rows, device=device)
-        heads = torch.arange(kv_heads, device=device)
-        # flat row of (slot r, kv head h, position p) in a [slots * heads * capacity, head_dim] view
-        self.write_index = ((slots[:, None] * kv_heads + heads[None, :]) * capacity + pos[:, None]).reshape(-1)
-        spans = [p + 1 for p in positions]
-        self.span = max(spans)
-        cut = split_point(spans)
-        self.cut = self.span if cut is None else cut
-        self.mask = (torch.arange(self.cut, device=device)[None, :] > pos[:, None])[:, None, None, :]  # True = hidden
-        self.long_rows: torch.Tensor | None = None
-        if cut is not None:
-            self.long_rows = torch.tensor([i for i, s in enumerate(spans) if s > cut], device=device)
-            tail = torch.arange(cut, self.span, device=device)
-            self.tail_mask = (tail[None, :] > pos[self.long_rows][:, None])[:, None, None, :]
 
 
 def _repeat(x: torch.Tensor, groups: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
-from lmiserve.engine.attention_window import has_window, unsupported_kinds
+from lmiserve.engine.attention_window import unsupported_kinds
 from lmiserve.engine.quantize import INT4_ROW_BLOCK, Int4Linear, Int8Linear
 
 if TYPE_CHECKING:
@@ -72,9 +72,8 @@ class LlamaFamily(Protocol):
     lm_head: torch.nn.Linear
 
 
-def unsupported_reason(model: PreTrainedModel, *, windows: bool = False) -> str | None:
-    """None when `FastLlama` can run `model`, else a short reason for the log. `windows`: over the paged
-    KV cache, whose attention applies sliding windows (the slot cache's does not)."""
+def unsupported_reason(model: PreTrainedModel) -> str | None:
+    """None when `FastLlama` can run `model`, else a short reason for the log."""
     cfg = model.config
     if cfg.model_type not in SUPPORTED_TYPES:
         return f"model type {cfg.model_type!r} is not one of {', '.join(SUPPORTED_TYPES)}"
@@ -83,8 +82,6 @@ def unsupported_reason(model: PreTrainedModel, *, windows: bool = False) -> str 
     kinds = unsupported_kinds(cfg)
     if kinds is not None:
         return kinds
-    if not windows and has_window(cfg):
-        return "sliding-window attention (the paged KV cache serves it, not slots)"
     inner = getattr(model, "model", None)
     rope = getattr(inner, "rotary_emb", None)
     if rope is None or getattr(rope, "rope_type", "default") not in _STATIC_ROPE:
@@ -114,10 +111,9 @@ def unsupported_reason(model: PreTrainedModel, *, windows: bool = False) -> str 
     return None
 
 
-def as_llama(model: PreTrainedModel, *, windows: bool = False) -> LlamaFamily:
-    """`model` seen through its Llama-family layout; ValueError when it does not have it (`windows`: as
-    `unsupported_reason`'s)."""
-    reason = unsupported_reason(model, windows=windows)
+def as_llama(model: PreTrainedModel) -> LlamaFamily:
+    """`model` seen through its Llama-family layout; ValueError when it does not have it."""
+    reason = unsupported_reason(model)
     if reason is not None:
         raise ValueError(f"FastLlama cannot run this model: {reason}")
     return cast(LlamaFamily, model)  # the layout was just checked
@@ -151,7 +147,7 @@ def fused_layers(model: PreTrainedModel) -> list[FusedLayer]:
     """The fused layers of `model` (fused at the first call; ValueError if it is not Llama-family)."""
     layers = _FUSED.get(model)
     if layers is None:
-        layers = _FUSED[model] = [FusedLayer(layer) for layer in as_llama(model, windows=True).model.layers]
+        layers = _FUSED[model] = [FusedLayer(layer) for layer in as_llama(model).model.layers]
     return layers
 
 

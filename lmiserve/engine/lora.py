@@ -39,6 +39,7 @@ import numpy.typing as npt
 import torch
 
 from lmiserve.engine import lora_kernels
+from lmiserve.engine.step import AdapterRef
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -91,6 +92,11 @@ class LoraAdapter:
     @property
     def nbytes(self) -> int:
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.modules.values())
+
+    @property
+    def ref(self) -> AdapterRef:
+        """This load as the step contract names it (engine/step.py): the runner's side reads it by itself."""
+        return AdapterRef(self.name, self.id, str(self.path))
 
 
 def _linear_shape(module: torch.nn.Module) -> tuple[int, int] | None:

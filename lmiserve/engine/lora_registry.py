@@ -10,6 +10,13 @@ use is never dropped, and unregistering it (or updating it from another source) 
 that hold it finish on the weights they started with. Every load is a new `LoraAdapter` (a new id), so
 the prefix cache never shares blocks between two loads.
 
+The registry reads an adapter through its `loader` (default: `lora.read_adapter` on `model`): in the
+engine's own process the runner's `lora_manager.LoraManager.load`, so the runner finds the weights the
+registry read; over tensor-parallel workers the model is a shell without weights (its parameters on the
+meta device) and the registry's loads are checks and bookkeeping, each rank reading its shard of a load
+when a step first names it. Either way the runner's side learns which loads the registry let go
+(`take_dropped`, sent as a step's `dropped_adapters`) and forgets them.
+
 Thread-safe: registration and loading happen on worker threads (`asyncio.to_thread`), requests
 acquire on the event loop, the model's thread reads weights through the `LoraAdapter` objects.
 """
@@ -25,6 +32,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lmiserve.engine.lora import AdapterError, LoraAdapter, read_adapter, read_config
+
+Loader = Callable[[str, Path], LoraAdapter]  # (name, folder) -> a new load of the adapter
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -75,7 +84,7 @@ class AdapterEntry:
 
 class AdapterRegistry:
     """The adapters of one model (`model`, the base), served through the paths that apply `modules`
-    (None: any linear)."""
+    (None: any linear); `loader` reads an adapter (default: `lora.read_adapter` on `model`)."""
 
     def __init__(
         self,
@@ -84,14 +93,17 @@ class AdapterRegistry:
         *,
         modules: Sequence[str] | None = None,
         reserved_names: Sequence[str] = (),
+        loader: Loader | None = None,
     ) -> None:
         self.model = model
         self.limits = limits
         self.modules = tuple(modules) if modules is not None else None
         self.reserved = set(reserved_names)  # the served model's own names: never an adapter's
+        self._loader = loader
         self._entries: dict[str, AdapterEntry] = {}
         self._refs: dict[int, int] = {}  # LoraAdapter.id -> requests holding it
-        self._held: dict[int, LoraAdapter] = {}  # the adapters requests hold, by id (`by_id`)
+        self._held: dict[int, LoraAdapter] = {}  # the adapters requests hold, by id
+        self._dropped: list[int] = []  # loads let go since `take_dropped` (the runner's side forgets them)
         self._lock = threading.RLock()
         self._loading: dict[str, threading.Lock] = {}
         self.listeners: list[Callable[[str, str], None]] = []  # (event, name): "registered", "unregistered"
@@ -133,6 +145,8 @@ class AdapterRegistry:
         adapter = self._read_or_check(name, folder, preload or pin)
         with self._lock:
             if name in self._entries:
+                if adapter is not None:
+                    self._dropped.append(adapter.id)
                 raise FileExistsError(f"adapter {name!r} is already registered")
             entry = AdapterEntry(name, folder, pinned=pin, loaded=adapter)
             if adapter is not None:
@@ -167,7 +181,11 @@ class AdapterRegistry:
             adapter = self._read_or_check(name, folder, preload or (pin if pin is not None else entry.pinned))
         with self._lock:
             if src is not None:
+                before = entry.loaded
                 entry.src, entry.loaded, entry.error = folder, adapter, None
+                self._drop_if_unused(before)
+                if self._entries.get(name) is not entry:  # unregistered meanwhile
+                    self._drop_if_unused(adapter)
             if pin is not None:
                 entry.pinned = pin
             self._evict()
@@ -177,6 +195,8 @@ class AdapterRegistry:
         """Forget adapter `name` (UnknownAdapter); requests running on it finish first, on its weights."""
         with self._lock:
             entry = self._entries.pop(name, None)
+            if entry is not None:
+                self._drop_if_unused(entry.loaded)  # else when its last request ends (`release`)
         if entry is None:
             raise UnknownAdapter(name)
         log.info("adapter %s unregistered", name)
@@ -229,12 +249,23 @@ class AdapterRegistry:
             else:
                 self._refs.pop(adapter.id, None)
                 self._held.pop(adapter.id, None)
+                self._drop_if_unused(adapter)  # unregistered, updated or unloaded while it ran
                 self._evict()
 
-    def by_id(self, adapter_id: int) -> LoraAdapter:
-        """A held adapter by its id (what the step contract names); KeyError when no request holds it."""
+    def take_dropped(self) -> list[int]:
+        """The ids of the loads let go since the last call: no request holds them and no entry keeps them
+        (unloaded past `max_cpu_loras`, unregistered, updated from other files), so no request will name
+        them again; the engine sends them to the runner's side (`StepBatch.dropped_adapters`)."""
         with self._lock:
-            return self._held[adapter_id]
+            dropped, self._dropped = self._dropped, []
+            return dropped
+
+    def _drop_if_unused(self, adapter: LoraAdapter | None) -> None:
+        if adapter is None or self._refs.get(adapter.id):
+            return
+        if any(entry.loaded is adapter for entry in self._entries.values()):
+            return
+        self._dropped.append(adapter.id)
 
     def running(self) -> dict[str, int]:
         """Requests holding each adapter now, by name (several loads of one name added up)."""
@@ -269,6 +300,7 @@ class AdapterRegistry:
             if entry.pinned or adapter is None or self._refs.get(adapter.id):
                 continue
             entry.loaded = None
+            self._dropped.append(adapter.id)
             excess -= 1
             log.info(
                 "adapter %s unloaded from memory (max_cpu_loras %d); it loads again when asked for",
@@ -285,7 +317,12 @@ class AdapterRegistry:
         return None
 
     def _read(self, name: str, folder: Path) -> LoraAdapter:
-        adapter = read_adapter(folder, self.model, name=name, max_rank=self.limits.max_lora_rank, modules=self.modules)
+        if self._loader is not None:
+            adapter = self._loader(name, folder)
+        else:
+            adapter = read_adapter(
+                folder, self.model, name=name, max_rank=self.limits.max_lora_rank, modules=self.modules
+            )
         log.info(
             "adapter %s loaded: rank %d, %s, %.1f MiB in %.0f ms",
             name,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from lmiserve.core.request import SamplingParams
-from lmiserve.engine.step import SampleResult
+from lmiserve.engine.step import PromptScores, SampleResult
 
 _NEG_INF = float("-inf")
 
@@ -197,3 +197,46 @@ def sample_row(
     if isinstance(result, Exception):
         raise result
     return result
+
+
+def sampler_row(
+    params: SamplingParams,
+    prompt_ids: list[int],
+    output_ids: list[int],
+    eos_token_ids: list[int],
+    seed: int | None,
+    generator: torch.Generator | None,
+    device: torch.device | None = None,
+) -> Row:
+    """What the sampler needs of one sequence: `min_new_tokens` bans the EOS and stop ids; a sampled
+    sequence's generator is made from its seed on its first token (`Row.generator`, for the caller to
+    keep) on `device`."""
+    if params.do_sample and generator is None:
+        if seed is None:
+            raise ValueError("a sampled sequence needs a seed")
+        generator = make_generator(seed, device if device is not None else torch.device("cpu"))
+    banned = eos_token_ids + params.stop_token_ids if params.min_new_tokens else []
+    return Row(params, prompt_ids, output_ids, banned, generator)
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, prompt_ids: list[int], start: int, end: int, top_n: int | None = None
+) -> PromptScores:
+    """Logprob of each prompt token given the ones before it, from the logits rows of prompt positions
+    ``start..end-1``; the first prompt token has none. With `top_n` (not None) also each token's rank (1 +
+    the number of tokens the model found more likely) and the `top_n` most likely tokens at its position."""
+    targets = prompt_ids[start + 1 : min(end + 1, len(prompt_ids))]
+    logprobs = logits[: len(targets)].log_softmax(-1)
+    chosen = logprobs[torch.arange(len(targets)), torch.tensor(targets, dtype=torch.long)]
+    values: list[float | None] = chosen.tolist()
+    ranks: list[int | None] | None = None
+    tops: list[list[tuple[int, float]] | None] | None = None
+    if top_n is not None:
+        ranks = ((logprobs > chosen[:, None]).sum(-1) + 1).tolist()
+        best, ids = torch.topk(logprobs, min(top_n, logprobs.shape[-1]))
+        tops = [list(zip(row_ids, row_values)) for row_ids, row_values in zip(ids.tolist(), best.tolist())]
+    if start == 0:
+        return PromptScores(
+            0, [None, *values], None if ranks is None else [None, *ranks], None if tops is None else [None, *tops]
+        )
+    return PromptScores(start + 1, values, ranks, tops)

@@ -4,7 +4,9 @@ The engine core (the block scheduler, the grammar matchers, the detokenizer: eve
 `Sequence`) plans a step as a `StepBatch`: which requests are new (their prompt, sampling parameters and
 seed, sent once), which tokens of which requests to compute at which positions, the blocks each
 request's table gained since the last step, which requests left (or were preempted), and the grammar
-bitmask of the constrained rows that sample. Nothing in it holds a tokenizer, a matcher or a tensor.
+bitmask of the constrained rows that sample. Nothing in it holds a tokenizer, a matcher or a tensor: a
+request's LoRA adapter is named by its name, load id and folder (`AdapterRef`), and the runner's side
+reads its weights itself (engine/lora_manager.py; in every tensor-parallel rank, its shard of them).
 
 An `Executor` runs a batch on the model and answers with a `StepOutput` (below):
 the tokens sampled for each request (a list: a step samples several tokens of a request whose row
@@ -28,6 +30,18 @@ from lmiserve.core.request import SamplingParams
 
 
 @dataclass(frozen=True)
+class AdapterRef:
+    """A LoRA adapter as the step contract names it: one load of adapter `name` (`id`, new at every load
+    of the engine's registry, engine/lora_registry.py) from PEFT's folder `path`. The runner's side reads
+    the weights from `path` itself (`lora_manager.LoraManager`) and keeps them under `id` until a batch's
+    `dropped_adapters` names it."""
+
+    name: str
+    id: int
+    path: str
+
+
+@dataclass(frozen=True)
 class NewRequest:
     """A request the executor has not seen: sent once, kept until the request is finished."""
 
@@ -35,7 +49,7 @@ class NewRequest:
     prompt_ids: list[int]
     params: SamplingParams  # plain data (its grammar is a spec; the matcher stays in the engine core)
     seed: int | None  # a sampled request's generator is seeded from it (batch-independent streams)
-    adapter: int | None = None  # the id of its LoRA adapter (`lora.LoraAdapter.id`; None: the base model)
+    adapter: AdapterRef | None = None  # its LoRA adapter (None: the base model)
 
 
 @dataclass(frozen=True)
@@ -74,6 +88,9 @@ class StepBatch:
     new: list[NewRequest] = field(default_factory=list)
     finished: list[int] = field(default_factory=list)  # forget these requests (before this step)
     preempted: list[int] = field(default_factory=list)  # their blocks were taken back (before this step)
+    # adapter loads (`AdapterRef.id`) the engine's registry let go: no request uses them and none will;
+    # the runner's side forgets their weights (before this step)
+    dropped_adapters: list[int] = field(default_factory=list)
     # the constrained sampling rows (indexes into `rows`) and their int32 bitmask (bit t = token t allowed)
     grammar_rows: list[int] = field(default_factory=list)
     grammar_bitmask: np.ndarray | None = None
@@ -112,7 +129,6 @@ class StepOutput:
     errors: dict[int, str] = field(default_factory=dict)
     # speculative decoding: drafts proposed for the next step (the rows that asked, `ScheduledTokens.propose`)
     drafts: dict[int, list[int]] = field(default_factory=dict)
-    prefix_failed: bool = False  # copying into the prefix cache failed: what it holds is no longer trusted
 
 
 class ExecutorFailed(RuntimeError):
@@ -145,7 +161,7 @@ class Executor(ABC):
 class BatchRunner(ABC):
     """A model runner that executes `StepBatch`es itself (runners/paged.py)."""
 
-    num_blocks: int | None
+    num_blocks: int
     block_size: int
     vocab_size: int  # the width of its logits (the grammar bitmask's tokens)
     eos_token_ids: list[int]
@@ -158,8 +174,6 @@ class InProcessExecutor(Executor):
     """The model in this process: each batch runs on the calling (torch) thread."""
 
     def __init__(self, runner: BatchRunner) -> None:
-        if runner.num_blocks is None:
-            raise ValueError("an executor needs a runner over a block KV cache")
         self.runner = runner
         self.num_blocks, self.block_size = runner.num_blocks, runner.block_size
         self.vocab_size, self.eos_token_ids = runner.vocab_size, runner.eos_token_ids

@@ -15,6 +15,9 @@ A rank of ``world`` keeps (Megatron's split, as vLLM's layers do):
 - KV heads: split when ``world`` divides them; with fewer KV heads than ranks each KV head is kept by the
   ``world / kv_heads`` ranks whose query heads read it (replicated).
 
+A LoRA adapter is cut as the linears it adapts (`shard_adapter`): B's output rows of a column-parallel
+linear, A's input columns of a row-parallel one (its partial products summed by the same all-reduce).
+
 Sharding edits the loaded transformers model in place (its linears point at their slices; its config
 says the local head counts), so `FastLlama` and the KV pool, which read the model and its config, run a
 shard as they run a whole model; only `FastLlama.forward` calls `TensorParallelShard`'s collectives.
@@ -23,6 +26,7 @@ The transformers forward of a sharded model is not usable (the generic runner is
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import weakref
 from dataclasses import dataclass
@@ -37,6 +41,8 @@ from lmiserve.engine.llama_layout import SUPPORTED_TYPES, LlamaFamily
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from transformers import PretrainedConfig, PreTrainedModel
+
+    from lmiserve.engine.lora import LoraAdapter
 
 
 @dataclass(frozen=True)
@@ -218,6 +224,45 @@ def _padded(rows: torch.Tensor, plan: ShardPlan) -> torch.Tensor:
     if rows.shape[0] < plan.vocab_part:
         rows = torch.cat([rows, rows.new_zeros(plan.vocab_part - rows.shape[0], rows.shape[1])])
     return rows
+
+
+# ---- a LoRA adapter's shard ----------------------------------------------------------------------------------
+def shard_adapter(adapter: LoraAdapter, model: torch.nn.Module) -> LoraAdapter:
+    """What a rank of `model` (cut by `shard_model`) keeps of `adapter` (read whole, ``A [r, in]`` and the
+    scaled ``B [out, r]`` of each module), cut as the base linears are: column-parallel q/k/v and gate/up
+    keep the rows of B of their output rows (each rank's delta is its rows of the whole delta); row-parallel
+    o and down keep the columns of A of their input columns (each rank's delta ``B (A_rank x_rank)`` is a
+    partial sum, which the forward's all-reduce adds with the base product's). ValueError for a module
+    the fast path's layers do not have, or when a cut does not match the rank's linear."""
+    shard = shard_of(model)
+    if shard is None:
+        raise ValueError("shard_adapter cuts an adapter for a model cut by shard_model")
+    plan = shard.plan
+    d = plan.head_dim
+    q = slice(plan.q_first * d, (plan.q_first + plan.q_heads) * d)
+    kv = slice(plan.kv_first * d, (plan.kv_first + plan.kv_heads) * d)
+    inter = slice(plan.inter_first, plan.inter_first + plan.inter)
+    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": inter, "up_proj": inter}
+    columns = {"o_proj": q, "down_proj": inter}
+    cut: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for path, (a, b) in adapter.modules.items():
+        short = path.rsplit(".", 1)[-1]
+        weight = model.get_submodule(path).weight
+        if short in rows:
+            a, b = a, b[rows[short]].contiguous()
+            fits = b.shape[0] == weight.shape[0]
+        elif short in columns:
+            a, b = a[:, columns[short]].contiguous(), b
+            fits = a.shape[1] == weight.shape[1]
+        else:
+            raise ValueError(f"adapter {adapter.name} adapts {path}, which tensor parallelism does not shard")
+        if not fits:
+            raise ValueError(
+                f"adapter {adapter.name}: the shard of {path} is {list(a.shape)} and {list(b.shape)}, the rank's "
+                f"linear {list(weight.shape)}"
+            )
+        cut[path] = (a, b)
+    return dataclasses.replace(adapter, modules=cut)
 
 
 # ---- loading a shard from the checkpoint -----------------------------------------------------------------

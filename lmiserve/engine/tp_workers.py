@@ -11,6 +11,12 @@ Across nodes the ranks are ``node_rank * local + i``: node 0 (the leader) serves
 local ranks with this executor; every other node runs `run_node` (no HTTP) which starts its own and
 waits. They meet at ``master_addr:master_port`` (torchrun's rendezvous variables).
 
+LoRA: the leader's adapter registry checks and counts adapters against the model's shell (no weights);
+a batch names a new request's adapter by its name, load id and folder (`step.AdapterRef`), and every rank
+reads its shard of that load from the folder on the first batch that names it (`lora_manager.LoraManager`,
+`tensor_parallel.shard_adapter`), forgetting it when a batch's `dropped_adapters` says. So an adapter's
+folder must be readable at the same path by every rank (on several nodes: a shared file system).
+
 Faults: a worker that exits, or a step that answers not within `step_timeout`, is `ExecutorFailed`
 (the engine fails, the server turns unhealthy and exits non-zero). In a worker any exception of a step
 is fatal (its ranks' collectives would no longer pair up). Workers ignore SIGINT and SIGTERM (the
@@ -261,6 +267,13 @@ def _runner(spec: WorkerSpec, loaded: Any, num_blocks: int) -> TensorParallelRun
     spec_settings = config.speculation
     if spec_settings is not None:  # prompt lookup only (a draft model is refused with tensor parallelism)
         runner.proposer = NgramProposer(spec_settings.prompt_lookup_min, spec_settings.prompt_lookup_max)
+    if config.lora is not None:  # each rank reads its shard of an adapter when a batch first names it
+        from lmiserve.engine.factory import attach_lora
+        from lmiserve.engine.lora import FAST_PATH_MODULES
+        from lmiserve.engine.tensor_parallel import shard_adapter
+
+        model = loaded.model
+        attach_lora(runner, config.lora.max_lora_rank, FAST_PATH_MODULES, lambda adapter: shard_adapter(adapter, model))
     return runner
 
 

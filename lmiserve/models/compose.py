@@ -19,7 +19,8 @@ import torch
 from lmiserve.config.sources import ENV_SHORTCUTS
 from lmiserve.engine.async_engine import AsyncEngine, EngineConfig
 from lmiserve.engine.factory import create_engine, prompt_codec, worker_config
-from lmiserve.engine.lora_registry import LoraLimits
+from lmiserve.engine.lora import FAST_PATH_MODULES
+from lmiserve.engine.lora_registry import AdapterRegistry, LoraLimits
 from lmiserve.engine.speculative import SpeculationSettings
 from lmiserve.engine.tensor_parallel import unsplittable_reason
 from lmiserve.engine.tp_workers import TensorParallelExecutor, WorkerSpec, free_port
@@ -34,10 +35,10 @@ log = logging.getLogger(__name__)
 
 def engine_config(settings: Settings) -> EngineConfig:
     """The engine's options from the settings (what depends on the device is resolved by `create_engine`)."""
-    if settings.kv_cache == "paged" and "prefix_cache_size" in settings.model_fields_set:
+    if "prefix_cache_size" in settings.model_fields_set:
         log.warning(
-            "prefix_cache_size sizes the slot cache's prefix cache only: with kv_cache=paged the KV pool "
-            "(kv_cache_memory_bytes) is the prefix cache"
+            "prefix_cache_size sizes the slot cache's prefix cache only: the slot cache is gone, the paged KV "
+            "pool (kv_cache_memory_bytes) is the prefix cache"
         )
     degree = settings.tensor_parallel_degree
     if degree is None or degree == "1":
@@ -65,8 +66,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         cpu_autotune=settings.cpu_autotune,
         autotune_cache=settings.autotune_cache,
         prefill_floor=settings.prefill_tokens_while_decoding or "auto",
-        prefix_cache_bytes=int(settings.prefix_cache_size) if settings.enable_prefix_caching else 0,
-        kv_cache=settings.kv_cache,
+        enable_prefix_caching=settings.enable_prefix_caching,
         kv_cache_memory_bytes=int(settings.kv_cache_memory_bytes) if settings.kv_cache_memory_bytes else None,
         block_size=settings.block_size,
         gpu_memory_utilization=settings.gpu_memory_utilization,
@@ -160,11 +160,16 @@ def worker_spec(settings: Settings, model_path: str, device: torch.device, degre
 
 def build_tensor_parallel_engine(loaded: LoadedModel, settings: Settings, degree: int) -> AsyncEngine:
     """The engine of `loaded` (its tokenizer and config; no weights: `models.load.load_model_shell`) over
-    `degree` tensor-parallel workers: the model's shape is checked here, before any worker starts."""
+    `degree` tensor-parallel workers: the model's shape is checked here, before any worker starts. With
+    `enable_lora` its adapter registry checks adapters against the shell (their weights are the workers':
+    each rank reads its shard of one, engine/tp_workers.py)."""
     reason = unsplittable_reason(loaded.model.config, degree)
     if reason is not None:
         raise ValueError(reason)
     spec = worker_spec(settings, str(loaded.path), loaded.device, degree)
+    adapters = None
+    if spec.config.lora is not None:
+        adapters = AdapterRegistry(loaded.model, spec.config.lora, modules=FAST_PATH_MODULES)
     executor = TensorParallelExecutor(spec)
     codec, grammars = prompt_codec(loaded, settings.max_input_len)
-    return AsyncEngine(executor, codec, spec.config, grammars)
+    return AsyncEngine(executor, codec, spec.config, grammars, adapters)

@@ -172,6 +172,13 @@ class ModelService:
             loaded = load_model_shell(self.path, s.dtype, s.device, s.trust_remote_code)
             with_chat_template(loaded.tokenizer, s.chat_template)
             engine = build_tensor_parallel_engine(loaded, s, degree)
+            if engine.adapters is not None:
+                try:
+                    self._register_start_adapters(engine.adapters)
+                except BaseException:
+                    assert engine.executor is not None
+                    engine.executor.close()  # the workers started: stop them
+                    raise
             self.attach_llm(loaded, engine)
             return engine
         loaded = load_causal_lm(

@@ -44,17 +44,12 @@ async def conversation(engine: AsyncEngine, tokenizer) -> list[tuple[list[int], 
     return turns
 
 
-@pytest.mark.parametrize("kv_cache", ["paged", "slots"])
-async def test_multi_turn_chat_gives_the_same_tokens_with_and_without_the_prefix_cache(smollm_model, kv_cache):
-    """paged: the pool's shared blocks are the cache; slots: the separate pool of copied blocks."""
+async def test_multi_turn_chat_gives_the_same_tokens_with_and_without_the_prefix_cache(smollm_model):
+    """The pool's shared blocks are the cache."""
     tokenizer = smollm_model.tokenizer
-    on = build_engine(smollm_model, Settings.from_options({"kv_cache": kv_cache}))
-    off = build_engine(smollm_model, Settings.from_options({"kv_cache": kv_cache, "enable_prefix_caching": "false"}))
-    if kv_cache == "paged":
-        assert on.pool is not None and off.pool is not None
-        assert on.pool.enable_prefix_caching and not off.pool.enable_prefix_caching
-    else:
-        assert on.prefix is not None and off.prefix is None
+    on = build_engine(smollm_model, Settings.from_options({}))
+    off = build_engine(smollm_model, Settings.from_options({"enable_prefix_caching": "false"}))
+    assert on.pool.enable_prefix_caching and not off.pool.enable_prefix_caching
     cached = await conversation(on, tokenizer)
     plain = await conversation(off, tokenizer)
     assert [ids for ids, _, _ in cached] == [ids for ids, _, _ in plain]

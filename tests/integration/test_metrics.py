@@ -21,7 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from helpers.server import free_port, run_server
 from helpers.tiny_model import ENDLESS_CONTEXT
 from helpers.waiting import HANG_TIMEOUT, wait_until
-from lmiserve.server.metrics.engine import TGI_DURATION_BUCKETS, VLLM_TTFT_BUCKETS
+from lmiserve.server.metrics.tgi import TGI_DURATION_BUCKETS
+from lmiserve.server.metrics.vllm import VLLM_TTFT_BUCKETS
 
 KEY = "metrics-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -41,7 +41,7 @@ async def test_a_child_process_executes_the_same_batches_to_the_same_tokens(tiny
     process_executor = importlib.import_module("benchmarks.process_executor")
     ProcessExecutor, paged_fast_runner = process_executor.ProcessExecutor, process_executor.paged_fast_runner
     # no prefix cache: the pool's bookkeeping is shared by both executors, its memory is each one's own
-    engine = create_engine(tiny_model, EngineConfig(max_running=4, prefix_cache_bytes=0))
+    engine = create_engine(tiny_model, EngineConfig(max_running=4, enable_prefix_caching=False))
     runner = engine.runner
     assert isinstance(engine.executor, InProcessExecutor)
     load = functools.partial(load_causal_lm, str(tiny_model_dir), dtype="fp32", device="cpu")

@@ -22,8 +22,9 @@ from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine.async_engine import AsyncEngine, EngineConfig
 from lmiserve.engine.factory import PREFILL_FLOOR, create_engine, kv_pool_blocks, prompt_codec
-from lmiserve.engine.runners import BatchInvariantRunner, FastRunner, ModelRunner
+from lmiserve.engine.runners.batched import PersistentBatchRunner
 from lmiserve.engine.runners.paged import PagedFastRunner
+from lmiserve.engine.runners.paged_generic import PagedGenericRunner
 from lmiserve.models.compose import build_engine
 
 PROMPTS = [
@@ -40,30 +41,34 @@ NEW_TOKENS = 20
 # --- helpers -------------------------------------------------------------------------------------------
 
 
-def make_engine(loaded, *, runner_cls: type[ModelRunner] | None = None, max_input_len=None, **config) -> AsyncEngine:
-    """The engine `create_engine` builds for `config`, or, given `runner_cls` (a test's fake or instrumented
-    runner), one on a runner of that class: over the paged KV pool `create_engine` would size if it is a
-    `PagedFastRunner`, else over slots."""
+def make_engine(
+    loaded, *, runner_cls: type[PersistentBatchRunner] | None = None, max_input_len=None, **config
+) -> AsyncEngine:
+    """The engine `create_engine` builds for `config`, or, given `runner_cls` (a test's instrumented
+    `PagedFastRunner` or `PagedGenericRunner`), one on a runner of that class over the KV pool
+    `create_engine` would size."""
     engine_config = EngineConfig(**config)
     if runner_cls is None:
         return create_engine(loaded, engine_config, max_input_len=max_input_len)
     if engine_config.prefill_floor == "auto":
         floor = PREFILL_FLOOR.get(loaded.device.type, PREFILL_FLOOR["cuda"])
         engine_config = dataclasses.replace(engine_config, prefill_floor=floor)
-    extra: dict = {}
+    pool = {"num_blocks": kv_pool_blocks(loaded, engine_config), "block_size": engine_config.block_size}
+    runner: PersistentBatchRunner
     if issubclass(runner_cls, PagedFastRunner):
-        extra = {
-            "num_blocks": kv_pool_blocks(loaded, engine_config),
-            "block_size": engine_config.block_size,
-            "enforce_eager": engine_config.enforce_eager,
-        }
-    runner = runner_cls(
-        loaded.model,
-        max_slots=engine_config.max_running,
-        max_context=loaded.max_context,
-        eos_token_ids=loaded.eos_token_ids,
-        **extra,
-    )
+        runner = runner_cls(
+            loaded.model,
+            max_slots=engine_config.max_running,
+            max_context=loaded.max_context,
+            eos_token_ids=loaded.eos_token_ids,
+            enforce_eager=engine_config.enforce_eager,
+            **pool,
+        )
+    else:
+        assert issubclass(runner_cls, PagedGenericRunner)
+        runner = runner_cls(
+            loaded.model, eos_token_ids=loaded.eos_token_ids, alone=engine_config.batch_invariant, **pool
+        )
     codec, grammars = prompt_codec(loaded, max_input_len)
     return AsyncEngine(runner, codec, engine_config, grammars)
 
@@ -104,14 +109,14 @@ async def wait_until(predicate, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.001)
 
 
-class SlowRunner(FastRunner):
-    """Every step takes at least `delay` seconds, so a request can hold its slot for a while."""
+class SlowRunner(PagedFastRunner):
+    """Every step takes at least `delay` seconds, so a request can hold its place in the batch for a while."""
 
     delay = 0.02
 
-    def execute(self, plan):
+    def execute_batch(self, batch):
         time.sleep(self.delay)
-        return super().execute(plan)
+        return super().execute_batch(batch)
 
 
 @pytest.fixture(scope="module")
@@ -133,24 +138,26 @@ def encode(loaded, prompt: str) -> list[int]:
     [
         {},
         {"batch_invariant": True},
-        {"max_running": 3, "max_prefill_tokens": 5},  # queueing, chunked prefill, slot compaction
-        {"kv_cache": "paged"},
-        {"kv_cache": "paged", "max_running": 3, "max_prefill_tokens": 5, "block_size": 4},
+        {"batch_invariant": True, "max_running": 3, "block_size": 4},
+        {"fast_path": False, "max_running": 3, "max_prefill_tokens": 5},
+        {"max_running": 3, "max_prefill_tokens": 5},  # queueing, chunked prefill
+        {"max_running": 3, "max_prefill_tokens": 5, "block_size": 4},
         # a pool of 12 blocks of 4 tokens for prompts of ~10 and 12 new tokens: preemption
-        {"kv_cache": "paged", "kv_cache_memory_bytes": 12 * 4 * 2 * 2 * 16 * 2 * 4, "block_size": 4},
+        {"kv_cache_memory_bytes": 12 * 4 * 2 * 2 * 16 * 2 * 4, "block_size": 4},
         # a step budget (max_num_batched_tokens) a few tokens above the decode rows
-        {"kv_cache": "paged", "max_running": 3, "max_step_tokens": 5, "block_size": 4},
-        {"kv_cache": "slots", "max_running": 3, "max_step_tokens": 4},
+        {"max_running": 3, "max_step_tokens": 5, "block_size": 4},
+        {"max_running": 3, "max_step_tokens": 4},
     ],
     ids=[
         "batched",
         "batch_invariant",
+        "batch_invariant_queueing",
+        "generic_chunked",
         "small_batch_chunked",
-        "paged",
-        "paged_chunked",
-        "paged_preempting",
-        "paged_step_budget",
-        "slots_step_budget",
+        "chunked_small_blocks",
+        "preempting",
+        "step_budget",
+        "step_budget_tight",
     ],
 )
 async def test_concurrent_greedy_equals_generate(tiny_model, reference, config):
@@ -307,25 +314,17 @@ async def test_cancelling_a_waiting_request_removes_it_from_the_queue(tiny_model
 # --- one request's failure ----------------------------------------------------------------------------
 
 
-def failing_sample(base: type[ModelRunner]) -> type[ModelRunner]:
-    """`base` whose sampling raises for request "bad" once it has generated 3 tokens (in a batched decode step)."""
+def failing_sample(base: type[PersistentBatchRunner], bad_prompt: list[int]) -> type[PersistentBatchRunner]:
+    """`base` whose sampling raises for the request of `bad_prompt` once it has generated 3 tokens (in a
+    batched decode step)."""
 
-    class FailingSampleRunner(base):
-        def _row(self, seq, device, masked):
-            if seq.request_id == "bad" and len(seq.output_ids) == 3:
+    class FailingSampleRunner(base):  # type: ignore[valid-type,misc]
+        def _row_of(self, request, device, masked):
+            if request.prompt_ids == bad_prompt and len(request.output_ids) == 3:
                 raise RuntimeError("sampler exploded")
-            return super()._row(seq, device, masked)
+            return super()._row_of(request, device, masked)
 
     return FailingSampleRunner
-
-
-class FailingPrefillRunner(FastRunner):
-    """Every forward pass that prefills request "bad"'s prompt raises."""
-
-    def _forward(self, step):
-        if any(chunk.seq.request_id == "bad" for chunk in step.chunks):
-            raise RuntimeError("prefill exploded")
-        return super()._forward(step)
 
 
 async def _one_failure(engine: AsyncEngine, tiny_model, reference, message: str):
@@ -350,23 +349,19 @@ async def _one_failure(engine: AsyncEngine, tiny_model, reference, message: str)
         assert engine.num_running == 0
 
 
-async def test_sampling_exception_ends_only_that_sequence(tiny_model, reference):
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["generic", "batch_invariant"])
+async def test_sampling_exception_ends_only_that_sequence(tiny_model, reference, batch_invariant):
     # A batched decode step samples every row: an exception preparing one row must not mark
     # the other decoding sequences of the batch as failed (each row is guarded on its own).
-    engine = make_engine(tiny_model, runner_cls=failing_sample(FastRunner))
-    await _one_failure(engine, tiny_model, reference, "sampler exploded")
-
-
-async def test_sampling_exception_ends_only_that_sequence_batch_invariant(tiny_model, reference):
-    engine = make_engine(tiny_model, runner_cls=failing_sample(BatchInvariantRunner), batch_invariant=True)
+    runner_cls = failing_sample(PagedGenericRunner, encode(tiny_model, PROMPTS[1]))
+    engine = make_engine(tiny_model, runner_cls=runner_cls, batch_invariant=batch_invariant)
     await _one_failure(engine, tiny_model, reference, "sampler exploded")
 
 
 async def test_sample_rows_exception_ends_only_that_sequence(tiny_model, reference, monkeypatch):
-    import lmiserve.engine.runners.base as runner_module
     import lmiserve.engine.runners.batched as paged_module
 
-    real = runner_module.sample_rows
+    real = paged_module.sample_rows
     bad_ids = encode(tiny_model, PROMPTS[1])
 
     def sample_rows(logits, rows):  # the batched sampler reports one row's failure in its place
@@ -374,8 +369,7 @@ async def test_sample_rows_exception_ends_only_that_sequence(tiny_model, referen
         bad = [row.prompt_ids == bad_ids and len(row.output_ids) == 3 for row in rows]
         return [ValueError("bad row") if b else result for b, result in zip(bad, results)]
 
-    monkeypatch.setattr(runner_module, "sample_rows", sample_rows)  # the slot runners
-    monkeypatch.setattr(paged_module, "sample_rows", sample_rows)  # the paged runner's batches
+    monkeypatch.setattr(paged_module, "sample_rows", sample_rows)
     engine = make_engine(tiny_model)
     await _one_failure(engine, tiny_model, reference, "bad row")
 
@@ -405,14 +399,8 @@ class FailingPagedRunner(PagedFastRunner):
 async def test_a_failure_in_a_paged_batch_ends_only_that_sequence(tiny_model, reference, fail_prefill):
     runner_cls = type("Failing", (FailingPagedRunner,), {"bad_prompt": tuple(encode(tiny_model, PROMPTS[1]))})
     runner_cls.fail_prefill = fail_prefill
-    engine = make_engine(tiny_model, runner_cls=runner_cls, kv_cache="paged")
-    assert engine.executor is not None
+    engine = make_engine(tiny_model, runner_cls=runner_cls)
     await _one_failure(engine, tiny_model, reference, "prefill exploded" if fail_prefill else "sampler exploded")
-
-
-async def test_prefill_exception_ends_only_that_sequence(tiny_model, reference):
-    engine = make_engine(tiny_model, runner_cls=FailingPrefillRunner)
-    await _one_failure(engine, tiny_model, reference, "prefill exploded")
 
 
 # --- prompt length -----------------------------------------------------------------------------------------
@@ -542,21 +530,25 @@ async def test_unseeded_requests_report_the_seed_they_used(tiny_model):
 # --- a failing model step ----------------------------------------------------------------------------
 
 
-class FailingStepRunner(FastRunner):
-    """`execute` itself raises (outside the per-sequence guards) whenever request "poison" is in the plan."""
+class FailingStepRunner(PagedFastRunner):
+    """`execute_batch` itself raises (outside the per-request guards) whenever the request of prompt
+    `poison` is in the batch."""
 
-    def execute(self, plan):
-        if any(c.seq.request_id == "poison" for c in plan.prefill) or any(
-            s.request_id == "poison" for s in plan.decode
+    poison: tuple[int, ...] = ()
+
+    def execute_batch(self, batch):
+        if any(list(new.prompt_ids) == list(self.poison) for new in batch.new) or any(
+            row.seq_id in self._requests and self._requests[row.seq_id].prompt_ids == list(self.poison) for row in batch.rows
         ):
             raise RuntimeError("device lost")
-        return super().execute(plan)
+        return super().execute_batch(batch)
 
 
 async def test_a_step_that_raises_ends_its_requests_instead_of_retrying_forever(tiny_model, reference):
     # AsyncEngine._loop catches the exception and runs _step again: the scheduler was never told, so
     # it plans the very same step, which fails again, forever; the request never gets a final event.
-    engine = make_engine(tiny_model, runner_cls=FailingStepRunner)
+    runner_cls = type("Poisoned", (FailingStepRunner,), {"poison": tuple(encode(tiny_model, PROMPTS[0]))})
+    engine = make_engine(tiny_model, runner_cls=runner_cls)
     async with started(engine):
         try:
             events = await asyncio.wait_for(

@@ -18,7 +18,7 @@ from lmiserve.engine.async_engine import EngineConfig
 from lmiserve.engine.cpu_gemm import BIG_OUT, NEVER, CpuGemm
 from lmiserve.engine.factory import create_engine
 from lmiserve.engine.fast_llama import FastLlama
-from lmiserve.engine.runners.base import slot_cache
+from lmiserve.engine.kv_cache import paged_cache
 
 
 @pytest.fixture(autouse=True)
@@ -71,7 +71,8 @@ def test_cpuinfo_gives_the_model_and_the_kernel_flags():
 
 
 def _fast(loaded) -> FastLlama:
-    return FastLlama(loaded.model, slot_cache(loaded.model, 4, 256), 256)
+    """The fast forward over a pool of 4 sequences' blocks at 256 positions (the autotune's steps take any)."""
+    return FastLlama(loaded.model, paged_cache(loaded.model, 4 * 256 // 16, 16), 256)
 
 
 def test_small_models_keep_the_static_choice(tiny_model, tmp_path: Path):

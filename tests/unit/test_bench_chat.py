@@ -13,6 +13,7 @@ from lmiserve.bench.chat_report import (
     peer_targets,
     prefix_cache_target,
 )
+from lmiserve.bench.config import BenchConfig
 from lmiserve.bench.conversations import (
     FOLLOW_UPS,
     SYSTEM_PROMPT,
@@ -25,7 +26,6 @@ from lmiserve.bench.conversations import (
 )
 from lmiserve.bench.prompts import prompt_for
 from lmiserve.bench.report import build_report, format_table
-from lmiserve.bench.runner import BenchConfig
 from lmiserve.bench.stats import RequestRecord
 
 # --- conversations ---------------------------------------------------------------------------------

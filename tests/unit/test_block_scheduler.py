@@ -1,167 +1,21 @@
 """The block scheduler as a pure state machine (no torch), driven with a fake runner over a simulated
 block pool: each block is a list of token ids. Before every step the runner checks that every scheduled
 sequence finds its own tokens ``all_ids[:kv_len]`` through its block table, so sharing, eviction and
-preemption are checked against the KV contents, not only the bookkeeping."""
+preemption are checked against the KV contents, not only the bookkeeping (the runner and the step
+helpers are in block_harness.py; the request lifecycle is in test_block_scheduler_lifecycle.py)."""
 
 from __future__ import annotations
 
-import pickle
 import random
 
 import pytest
+from block_harness import BlockRunner, drive, expected_tokens, prompt, start_decoding, step, step_tokens
 from fakes import make_seq
 
 from lmiserve.core.events import FinishReason
 from lmiserve.engine.block_scheduler import BlockScheduler
 from lmiserve.engine.kv_blocks import BlockPool
-from lmiserve.engine.scheduler import StepPlan
-from lmiserve.engine.sequence import SeqStatus, Sequence
-from lmiserve.engine.step import SampleResult, StepBatch, StepOutput
-
-
-def token_rule(seq: Sequence) -> int:
-    """The next token depends only on the sequence and its length: batching cannot change it."""
-    return 100 + (seq.seq_id * 7 + len(seq.output_ids) * 3) % 50
-
-
-class BlockRunner:
-    def __init__(self, sched: BlockScheduler) -> None:
-        self.sched = sched
-        pool = sched.pool
-        self.store: list[list[int | None]] = [[None] * pool.block_size for _ in range(pool.num_blocks)]
-        self.steps: list[StepPlan] = []
-        self.errors: dict[int, str] = {}
-
-    def _check(self, seq: Sequence, upto: int) -> None:
-        bs, table = self.sched.pool.block_size, seq.block_table
-        assert table is not None
-        tokens = seq.all_ids
-        for pos in range(upto):
-            got = self.store[table.blocks[pos // bs]][pos % bs]
-            assert got == tokens[pos], f"seq {seq.seq_id} position {pos}: {got} != {tokens[pos]}"
-
-    def _write(self, seq: Sequence, pos: int) -> None:
-        bs, table = self.sched.pool.block_size, seq.block_table
-        assert table is not None and pos < table.num_tokens
-        self.store[table.blocks[pos // bs]][pos % bs] = seq.all_ids[pos]
-
-    def execute(self, plan: StepPlan) -> StepOutput:
-        self.steps.append(plan)
-        out = StepOutput()
-        seen = set()
-        for seq in plan.decode:
-            assert seq.status is SeqStatus.RUNNING and seq.kv_len == len(seq.all_ids) - 1
-            self._check(seq, seq.kv_len)
-            self._write(seq, seq.kv_len)
-            seen.add(seq.seq_id)
-            self._sample(seq, out)
-        for chunk in plan.prefill:
-            seq = chunk.seq
-            assert seq.seq_id not in seen, "a sequence twice in one step"
-            seen.add(seq.seq_id)
-            assert chunk.start == seq.kv_len and chunk.length > 0
-            assert chunk.start + chunk.length <= len(seq.all_ids)
-            self._check(seq, chunk.start)
-            for pos in range(chunk.start, chunk.start + chunk.length):
-                self._write(seq, pos)
-            if chunk.completes_prompt:
-                self._sample(seq, out)
-        return out
-
-    def _sample(self, seq: Sequence, out: StepOutput) -> None:
-        if seq.seq_id in self.errors:
-            out.errors[seq.seq_id] = self.errors.pop(seq.seq_id)
-        else:
-            out.samples[seq.seq_id] = [SampleResult(token_rule(seq), -0.25)]
-
-
-class BatchMirror:
-    """An executor that sees only the plans' plain-data batches (after a pickle round trip, as across a
-    process boundary) and keeps its own persistent batch: each request's prompt, sampled tokens and
-    block table, learnt by difference. It checks that every position a row reads or writes holds what its
-    own view says, and samples `token_rule` from that view, so its samples must equal the plan runner's."""
-
-    def __init__(self, pool: BlockPool) -> None:
-        self.block_size = pool.block_size
-        self.store: list[list[int | None]] = [[None] * pool.block_size for _ in range(pool.num_blocks)]
-        self.requests: dict[int, tuple[list[int], list[int], list[int]]] = {}  # id -> prompt, output, blocks
-
-    def execute(self, batch: StepBatch) -> dict[int, int]:
-        batch = pickle.loads(pickle.dumps(batch))
-        for seq_id in batch.finished:
-            del self.requests[seq_id]
-        for seq_id in batch.preempted:
-            self.requests[seq_id][2].clear()
-        for new in batch.new:
-            assert new.seq_id not in self.requests
-            self.requests[new.seq_id] = (list(new.prompt_ids), [], [])
-        sampled = {}
-        for number, row in enumerate(batch.rows):
-            prompt_ids, output, blocks = self.requests[row.seq_id]
-            blocks.extend(row.new_blocks)
-            tokens = prompt_ids + output
-            assert row.token_ids == tokens[row.start : row.start + len(row.token_ids)]
-            assert number >= batch.num_decode or (len(row.token_ids) == 1 and row.start == len(tokens) - 1)
-            bs = self.block_size
-            for pos in range(row.start):
-                assert self.store[blocks[pos // bs]][pos % bs] == tokens[pos], f"request {row.seq_id} at {pos}"
-            for pos in range(row.start, row.start + len(row.token_ids)):
-                self.store[blocks[pos // bs]][pos % bs] = tokens[pos]
-            assert row.sample == (row.start + len(row.token_ids) == len(tokens))
-            if row.sample:
-                token = 100 + (row.seq_id * 7 + len(output) * 3) % 50  # token_rule over its own view
-                output.append(token)
-                sampled[row.seq_id] = token
-        return sampled
-
-
-def step(sched: BlockScheduler, runner: BlockRunner, now: float = 0.0):
-    plan, events = sched.schedule(now)
-    if not hasattr(runner, "mirror"):
-        runner.mirror = BatchMirror(sched.pool)
-    assert plan.batch is not None
-    mirrored = runner.mirror.execute(plan.batch)
-    if plan.has_model_work:
-        out = runner.execute(plan)
-        assert {i: r[0].token_id for i, r in out.samples.items()} == {i: mirrored[i] for i in out.samples}
-        events = events + sched.update(plan, out)
-    tables = [s.block_table for s in sched.running if s.block_table is not None]
-    sched.pool.check(tables)
-    assert len(sched.running) <= sched.max_running
-    if sched.max_step_tokens is not None:  # the step's budget holds, decode rows included
-        assert step_tokens(plan) <= sched.max_step_tokens, plan
-    return plan, events
-
-
-def step_tokens(plan: StepPlan) -> int:
-    """Tokens the step computes: a decode row's token and its drafts, the prompt chunks."""
-    drafts = sum(len(d) for d in plan.drafts.values())
-    return len(plan.decode) + drafts + sum(c.length for c in plan.prefill)
-
-
-def drive(sched: BlockScheduler, runner: BlockRunner, limit: int = 10_000):
-    events = []
-    for _ in range(limit):
-        if not sched.has_work():
-            mirror = getattr(runner, "mirror", None)
-            assert mirror is None or not mirror.requests, "the executor was not told every request finished"
-            return events
-        events += step(sched, runner)[1]
-    raise AssertionError("the scheduler did not finish")
-
-
-def expected_tokens(seq: Sequence, count: int) -> list[int]:
-    """What `token_rule` yields for `seq` over `count` tokens, whatever the batch."""
-    probe = make_seq(list(seq.prompt_ids), max_new_tokens=count, ignore_eos_token=True, seq_id=seq.seq_id)
-    out = []
-    for _ in range(count):
-        out.append(token_rule(probe))
-        probe.output_ids.append(out[-1])
-    return out
-
-
-def prompt(n: int, base: int = 10) -> list[int]:
-    return [base + i % 80 for i in range(n)]
+from lmiserve.engine.sequence import Sequence
 
 
 def test_sequences_finish_and_every_block_comes_back():
@@ -208,16 +62,6 @@ def test_decoding_rows_come_first_and_prompt_chunks_fill_the_rest_of_the_budget(
     assert [(c.seq, c.start, c.length) for c in plan.prefill] == [(waiting[1], 5, 10), (waiting[2], 0, 10)]
 
 
-def _decoding(sched: BlockScheduler, runner: BlockRunner, count: int) -> list[Sequence]:
-    """`count` short sequences, decoding (their prompts computed, a token sampled)."""
-    seqs = [make_seq(prompt(4, 20 + i), max_new_tokens=50, ignore_eos_token=True) for i in range(count)]
-    for seq in seqs:
-        sched.add(seq)
-    while any(seq.status is not SeqStatus.RUNNING for seq in seqs):
-        step(sched, runner)
-    return seqs
-
-
 @pytest.mark.parametrize(("budget", "prefill", "chunk"), [(10, 64, 6), (40, 64, 36), (40, 5, 5), (None, 20, 20)])
 def test_a_step_budget_counts_every_decode_row_and_prompt_chunks_take_the_rest(budget, prefill, chunk):
     """vLLM's max_num_batched_tokens: a step of N decode rows and a long prompt takes at most budget - N
@@ -227,7 +71,7 @@ def test_a_step_budget_counts_every_decode_row_and_prompt_chunks_take_the_rest(b
         BlockPool(512, 16), max_running=8, max_prefill_tokens=prefill, prefill_floor=None, max_step_tokens=budget
     )
     runner = BlockRunner(sched)
-    decoding = _decoding(sched, runner, 4)
+    decoding = start_decoding(sched, runner, 4)
     long = make_seq(prompt(600, 40), max_new_tokens=2, ignore_eos_token=True)
     sched.add(long)
     for _ in range(3):  # admitted, then prefilled chunk by chunk beside the four decode rows
@@ -254,7 +98,7 @@ def test_drafts_count_in_the_step_budget():
     to what it leaves (every row keeps its own token); a prompt then gets only what remains."""
     sched = BlockScheduler(BlockPool(512, 16), max_running=8, max_prefill_tokens=64, max_step_tokens=7)
     runner = BlockRunner(sched)
-    decoding = _decoding(sched, runner, 4)
+    decoding = start_decoding(sched, runner, 4)
     sched.add(make_seq(prompt(100, 40), max_new_tokens=2))
     sched.proposer = lambda seq: [1, 2, 3, 4, 5]
     plan, _ = sched.schedule(0.0)

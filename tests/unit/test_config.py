@@ -317,7 +317,34 @@ def test_tensor_parallel_degree_is_a_number_of_ranks_or_max():
     )
     # `max` (and 1) combine with everything: on a CPU they mean one process
     assert Settings.from_options({"tensor_parallel_degree": "max", "enable_lora": "true"}).enable_lora
-    with pytest.raises(ConfigError, match=r"tensor_parallel_degree=4 cannot be combined with kv_cache=slots"):
-        load_settings({}, None, None, environ={"OPTION_TENSOR_PARALLEL_DEGREE": "4", "OPTION_KV_CACHE": "slots"})
+    with pytest.raises(ConfigError, match=r"tensor_parallel_degree=4 cannot be combined with batch_invariant"):
+        load_settings({}, None, None, environ={"OPTION_TENSOR_PARALLEL_DEGREE": "4", "OPTION_BATCH_INVARIANT": "true"})
     with pytest.raises(ConfigError, match=r"for option 'tensor_parallel_degree': expected a positive whole number"):
         Settings.from_options({"tensor_parallel_degree": "0"})
+
+
+def test_kv_cache_slots_is_refused_with_one_line() -> None:
+    """The slot KV cache is gone: `kv_cache=slots` stops the start with one line saying what serves
+    instead (and where the value came from), whatever else is set; `paged` is the only value."""
+    slots = (
+        "kv_cache=slots is no longer served: the paged KV cache serves every model "
+        "(batch_invariant=true gives generate()'s output bit for bit)"
+    )
+    with pytest.raises(ConfigError) as refused:
+        load_settings({}, None, None, environ={"OPTION_KV_CACHE": "slots", "OPTION_TENSOR_PARALLEL_DEGREE": "4"})
+    assert str(refused.value) == f"invalid configuration: {slots} (from environment OPTION_KV_CACHE)"
+    for value in ("slots", " Slots "):
+        with pytest.raises(ConfigError) as refused:
+            Settings.from_options({"kv_cache": value, "batch_invariant": "true", "enable_lora": "true"})
+        assert str(refused.value) == f"invalid configuration: {slots}"
+    with pytest.raises(ValueError, match=r"kv_cache=slots is no longer served"):  # built directly too
+        Settings(kv_cache="slots")
+    with pytest.raises(ConfigError, match=r"for option 'kv_cache': expected paged"):
+        Settings.from_options({"kv_cache": "blocks"})
+    assert Settings().kv_cache == Settings.from_options({"kv_cache": "paged"}).kv_cache == "paged"
+    # what the paged KV cache alone serves is still refused with batch_invariant (its runner is not paged)
+    with pytest.raises(ConfigError, match=r"LoRA adapters need the paged KV cache: not with batch_invariant=true"):
+        Settings.from_options({"enable_lora": "true", "batch_invariant": "true"})
+    with pytest.raises(ConfigError, match=r"speculative_config needs the paged KV cache: not with batch_invariant"):
+        Settings.from_options({"speculative_config": '{"method": "ngram"}', "batch_invariant": "true"})
+    assert Settings.from_options({"enable_lora": "true", "speculative_config": '{"method": "ngram"}'}).enable_lora

@@ -29,7 +29,7 @@ from lmiserve.engine import fast_llama
 from lmiserve.engine.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
 from lmiserve.engine.fast_llama import FastLlama, unsupported_reason
-from lmiserve.engine.kv_cache import SlotKVCache
+from lmiserve.engine.kv_cache import paged_cache
 from lmiserve.engine.paged_attention import PagedKVCache
 
 
@@ -41,7 +41,8 @@ def test_which_models_the_fast_path_covers():
     for name, (cfg, cls, extra) in ARCHS.items():
         assert unsupported_reason(build(cfg, cls, extra)) is None, name
     assert "qwen3" in unsupported_reason(build(Qwen3Config, Qwen3ForCausalLM, {}))
-    assert "sliding" in unsupported_reason(build(MistralConfig, MistralForCausalLM, {"sliding_window": 16}))
+    # sliding windows: the paged attention applies them (tests/unit/test_sliding_window.py)
+    assert unsupported_reason(build(MistralConfig, MistralForCausalLM, {"sliding_window": 16})) is None
     dynamic = {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}
     assert "RoPE" in unsupported_reason(build(LlamaConfig, LlamaForCausalLM, dynamic))
 
@@ -49,22 +50,28 @@ def test_which_models_the_fast_path_covers():
 @pytest.mark.parametrize("arch", list(ARCHS))
 @torch.inference_mode()
 def test_one_ragged_step_gives_transformers_logits(arch: str):
-    """Decode rows and prefill chunks of other slots in one forward equal each sequence run alone."""
+    """Decode rows and prefill chunks of other sequences in one forward, each through its own blocks
+    (scattered in the pool), equal each sequence run alone."""
     model = build(*ARCHS[arch])
     cfg = model.config
     rng = torch.Generator().manual_seed(0)
     seqs = [torch.randint(4, 512, (n,), generator=rng).tolist() for n in (9, 14, 6)]
     reference = [model(torch.tensor([s])).logits[0] for s in seqs]
-    cache = SlotKVCache(
-        cfg.num_hidden_layers, 3, cfg.num_key_value_heads, 16, model.dtype, model.device, initial_len=4, max_len=256
-    )  # starts short: the forward grows it
+    cache = PagedKVCache(cfg.num_hidden_layers, 12, 4, cfg.num_key_value_heads, 16, model.dtype, model.device)
     fast = FastLlama(model, cache, 256)
-    # step 1: prefill slot 0 fully (keeping every row), the first 5 tokens of slot 1
-    out = fast.forward([], [], [(0, 0, seqs[0][:-1]), (1, 0, seqs[1][:5])], list(range(8 + 5)))
+    tables = [[5, 0, 8], [2, 11, 1, 9], [4, 7]]  # 4 positions a block: 9, 14 and 6 positions
+    # step 1: prefill sequence 0 but its last token (keeping every row), the first 5 tokens of sequence 1
+    out = fast.forward([], [], [(tables[0], 0, seqs[0][:-1]), (tables[1], 0, seqs[1][:5])], list(range(8 + 5)))
     torch.testing.assert_close(out[:8], reference[0][:8], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out[8:], reference[1][:5], rtol=1e-4, atol=1e-4)
-    # step 2: slot 0 decodes its last token while slot 1 finishes its prompt and slot 2 starts
-    out = fast.forward([seqs[0][-1]], [8], [(1, 5, seqs[1][5:]), (2, 0, seqs[2])], [0, 9, 10 + 5])
+    # step 2: sequence 0 decodes its last token while sequence 1 finishes its prompt and sequence 2 starts
+    out = fast.forward(
+        [seqs[0][-1]],
+        [8],
+        [(tables[1], 5, seqs[1][5:]), (tables[2], 0, seqs[2])],
+        [0, 9, 10 + 5],
+        decode_tables=[tables[0]],
+    )
     torch.testing.assert_close(out[0], reference[0][-1], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out[1], reference[1][-1], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out[2], reference[2][-1], rtol=1e-4, atol=1e-4)
@@ -106,8 +113,7 @@ def test_fusing_weights_keeps_the_transformers_model_working_without_copies():
     ids = torch.tensor([[5, 6, 7, 8]])
     before = model(ids).logits
     params_before = sum(p.numel() for p in model.parameters())
-    cache = SlotKVCache(2, 1, 2, 16, model.dtype, model.device, initial_len=8, max_len=256)
-    fast = FastLlama(model, cache, 256)
+    fast = FastLlama(model, paged_cache(model, 4, 4), 256)
     torch.testing.assert_close(model(ids).logits, before, rtol=1e-5, atol=1e-5)  # same math, other GEMM layout
     assert sum(p.numel() for p in model.parameters()) == params_before
     attn = model.model.layers[0].self_attn
@@ -116,21 +122,20 @@ def test_fusing_weights_keeps_the_transformers_model_working_without_copies():
 
 
 @pytest.mark.parametrize(
-    "arch, config, path, paged",
+    "arch, config, path",
     [
-        ("tiny", {}, "fast", True),
-        ("tiny", {"fast_path": False}, "generic", True),  # transformers' forward over the blocks
-        ("tiny", {"fast_path": False, "kv_cache": "slots"}, "generic", False),
-        ("tiny", {"max_running": 2, "max_prefill_tokens": 3}, "fast", True),  # queueing, chunks, preemption-free
-        ("tiny", {"max_running": 2, "max_prefill_tokens": 3, "kv_cache": "slots"}, "fast", False),  # compaction
-        ("qwen3", {}, "generic", True),  # not covered by the fast forward: transformers' over the blocks
-        ("phi", {"max_prefill_tokens": 4}, "generic", True),
-        ("gpt2", {}, "generic", True),
-        ("qwen2_bias", {"max_prefill_tokens": 4}, "fast", True),
-        ("tiny", {"batch_invariant": True}, "batch_invariant", False),
+        ("tiny", {}, "fast"),
+        ("tiny", {"fast_path": False}, "generic"),  # transformers' forward over the blocks
+        ("tiny", {"max_running": 2, "max_prefill_tokens": 3}, "fast"),  # queueing, chunks, preemption-free
+        ("tiny", {"max_running": 2, "max_prefill_tokens": 3, "fast_path": False}, "generic"),
+        ("qwen3", {}, "generic"),  # not covered by the fast forward: transformers' over the blocks
+        ("phi", {"max_prefill_tokens": 4}, "generic"),
+        ("gpt2", {}, "generic"),
+        ("qwen2_bias", {"max_prefill_tokens": 4}, "fast"),
+        ("tiny", {"batch_invariant": True}, "batch_invariant"),  # each row alone, over its blocks
     ],
 )
-def test_every_path_gives_generates_greedy_tokens(tiny_model, arch: str, config: dict, path: str, paged: bool):
+def test_every_path_gives_generates_greedy_tokens(tiny_model, arch: str, config: dict, path: str):
     if arch in ("qwen3", "phi", "gpt2"):
         loaded = with_model(tiny_model, generic_model(arch))
     elif arch != "tiny":
@@ -139,15 +144,15 @@ def test_every_path_gives_generates_greedy_tokens(tiny_model, arch: str, config:
         loaded = tiny_model
     engine, results = asyncio.run(serve_prompts(loaded, EngineConfig(**config), 12))
     assert engine.runner.path == path
-    assert (engine.pool is not None) == paged
+    assert engine.pool.num_blocks == engine.runner.num_blocks  # the scheduler's pool books the runner's blocks
     for prompt, events in zip(PROMPTS, results):
         assert [e.token.id for e in events if e.token] == greedy_tokens(loaded, prompt, 12)
         assert events[-1].finish.reason is FinishReason.LENGTH
 
 
-def test_a_model_whose_attention_ignores_the_paged_cache_keeps_the_slot_layout():
+def test_a_model_whose_attention_ignores_the_paged_cache_is_refused(tiny_model):
     """A forward that never hands its keys and values to the cache would attend within the step only:
-    the start-up probe finds it and the model keeps slots."""
+    the start-up probe finds it and the engine refuses the model (there is no other KV layout)."""
     from types import SimpleNamespace
 
     from lmiserve.engine.runners import paged_generic
@@ -163,15 +168,17 @@ def test_a_model_whose_attention_ignores_the_paged_cache_keeps_the_slot_layout()
             return SimpleNamespace(logits=torch.zeros(1, input_ids.shape[1], config.vocab_size))
 
     assert "attention functions" in (paged_generic.unsupported_reason(Ignoring()) or "")
+    with pytest.raises(ValueError, match="cannot be served.*attention functions"):
+        create_engine(with_model(tiny_model, Ignoring()), EngineConfig(fast_path=False))
 
 
-def test_sliding_window_models_are_served_over_blocks_not_slots():
+def test_sliding_window_models_are_served_over_blocks():
     """Their attention applies the window over the paged cache only (tests/unit/test_sliding_window.py)."""
     from lmiserve.engine.runners import paged_generic
 
     windowed = build(MistralConfig, MistralForCausalLM, {"sliding_window": 16})
     assert paged_generic.unsupported_reason(windowed) is None
-    assert unsupported_reason(windowed, windows=True) is None
+    assert unsupported_reason(windowed) is None
     assert paged_generic.unsupported_reason(build(*ARCHS["mistral_no_window"])) is None
 
 
@@ -253,40 +260,42 @@ def test_bf16_models_run_on_the_fast_path_close_to_transformers():
     model = build(*ARCHS["llama"]).to(torch.bfloat16)
     ids = [5, 9, 17, 33, 65, 129, 257, 300]
     reference = model(torch.tensor([ids])).logits[0].float()
-    cache = SlotKVCache(2, 1, 2, 16, torch.bfloat16, model.device, initial_len=4, max_len=256)
+    cache = paged_cache(model, 4, 4)
     fast = FastLlama(model, cache, 256)
-    fast.forward([], [], [(0, 0, ids[:-1])], [])
-    out = fast.forward([ids[-1]], [len(ids) - 1], [], [0])
+    table = [3, 1]  # 4 positions a block: 8 positions
+    fast.forward([], [], [(table, 0, ids[:-1])], [])
+    out = fast.forward([ids[-1]], [len(ids) - 1], [], [0], decode_tables=[table])
     assert out.dtype == torch.float32 and cache.keys[0].dtype == torch.bfloat16
     assert int(out[0].argmax()) == int(reference[-1].argmax())
     torch.testing.assert_close(out[0], reference[-1], rtol=0.05, atol=0.1)
 
 
-@pytest.mark.parametrize("attention", ["compiled", "torch-one-pass", "torch-split"])
+@pytest.mark.parametrize("attention", ["compiled", "torch"])
 @pytest.mark.parametrize("rows", [5, 11, 17])
 @torch.inference_mode()
 def test_decode_rows_padded_to_a_multiple_of_eight_give_each_rows_logits(rows: int, attention: str, monkeypatch):
     """On CPU a step pads its rows (and the rows it keeps) to a multiple of 8 (past the few rows the
     few-row kernel takes unpadded); the padding never shows.
-    Every decode attention gives each row its own logits: the compiled kernel (CPU fp32), and the torch
-    path (GPU, bf16) in one pass or split (short rows in place, long rows' tails from a copy)."""
+    Every decode attention over the blocks gives each row its own logits: the compiled kernel (CPU fp32)
+    and the torch path (GPU, bf16: a gather of the rows' blocks, masked past each row's span)."""
     if attention != "compiled":
-        monkeypatch.setattr(fast_llama.compiled_attention, "available", lambda dtype, device: False)
-    monkeypatch.setattr(fast_llama, "SPLIT_MIN_SAVING", -(10**9) if attention == "torch-split" else 10**9)
+        monkeypatch.setattr(fast_llama.paged_attention, "available", lambda dtype, device: False)
     model = build(*ARCHS["llama"])
     cfg = model.config
     rng = torch.Generator().manual_seed(1)
     seqs = [torch.randint(4, 512, (3 + i % 7,), generator=rng).tolist() for i in range(rows)]
     reference = [model(torch.tensor([s])).logits[0, -1] for s in seqs]
-    cache = SlotKVCache(
-        cfg.num_hidden_layers, rows, cfg.num_key_value_heads, 16, model.dtype, model.device, initial_len=4, max_len=256
-    )
+    cache = PagedKVCache(cfg.num_hidden_layers, 3 * rows, 4, cfg.num_key_value_heads, 16, model.dtype, model.device)
     fast = FastLlama(model, cache, 256)
     assert fast._compiled == (attention == "compiled")
     padded = 0 if rows <= fast.gemm.few_rows else (-rows) % 8
     assert fast._row_padding(rows, fast_llama.PAD_ROWS_FROM) == padded
-    fast.forward([], [], [(i, 0, s[:-1]) for i, s in enumerate(seqs)], [])
-    out = fast.forward([s[-1] for s in seqs], [len(s) - 1 for s in seqs], [], list(range(rows)))
+    # at most 9 positions a row: 3 blocks of 4, row i's in reverse order from the end of the pool
+    tables = [[3 * rows - 1 - 3 * i - j for j in range(3)] for i in range(rows)]
+    fast.forward([], [], [(tables[i], 0, s[:-1]) for i, s in enumerate(seqs)], [])
+    out = fast.forward(
+        [s[-1] for s in seqs], [len(s) - 1 for s in seqs], [], list(range(rows)), decode_tables=tables
+    )
     assert out.shape == (rows, cfg.vocab_size)
     torch.testing.assert_close(out, torch.stack(reference), rtol=1e-4, atol=1e-4)
 
@@ -334,63 +343,17 @@ def test_paged_draft_chunks_give_every_positions_logits(as_rows: bool, few_rows:
     torch.testing.assert_close(out[13:], refs[0][22:27], rtol=1e-4, atol=1e-4)
 
 
-def test_decode_attention_splits_only_where_it_saves_reading():
-    assert fast_llama.split_point([40] * 16) is None  # one length: nothing to save
-    assert fast_llama.split_point([30 + i for i in range(8)]) is None  # saving below the threshold
-    assert fast_llama.split_point([60] * 30 + [400, 420]) == 60  # two long prompts among short turns
-    spans = [
-        21,
-        25,
-        30,
-        33,
-        35,
-        38,
-        42,
-        47,
-        56,
-        69,
-        72,
-        73,
-        82,
-        87,
-        88,
-        91,
-        96,
-        106,
-        115,
-        118,
-        119,
-        120,
-        123,
-        125,
-        126,
-        129,
-        155,
-        159,
-        226,
-        239,
-        261,
-        348,
-    ]  # the bench's mix at concurrency 32
-    cut = fast_llama.split_point(spans)
-    cost = len(spans) * cut + 2 * sum(1 for s in spans if s > cut) * (max(spans) - cut)
-    assert cut == 159 and cost < 0.7 * len(spans) * max(spans)
-
-
 @torch.inference_mode()
 def test_a_kernel_that_cannot_compile_falls_back_to_the_torch_attention(monkeypatch):
     def broken():
         raise RuntimeError("no LLVM here")
 
-    monkeypatch.setattr(fast_llama.compiled_attention, "warm_up", broken)
+    monkeypatch.setattr(fast_llama.paged_attention, "warm_up", broken)
     model = build(*ARCHS["llama"])
-    cfg = model.config
-    cache = SlotKVCache(
-        cfg.num_hidden_layers, 2, cfg.num_key_value_heads, 16, model.dtype, model.device, initial_len=8, max_len=64
-    )
-    fast = FastLlama(model, cache, 64)
+    fast = FastLlama(model, paged_cache(model, 4, 2), 64)
     assert not fast._compiled
-    fast.forward([], [], [(0, 0, [5, 6, 7]), (1, 0, [8, 9])], [])
-    out = fast.forward([8, 10], [3, 2], [], [0, 1])
+    tables = [[2, 0], [1, 3]]  # 2 positions a block
+    fast.forward([], [], [(tables[0], 0, [5, 6, 7]), (tables[1], 0, [8, 9])], [])
+    out = fast.forward([8, 10], [3, 2], [], [0, 1], decode_tables=tables)
     reference = model(torch.tensor([[5, 6, 7, 8]])).logits[0, -1]
     torch.testing.assert_close(out[0], reference, rtol=1e-4, atol=1e-4)

@@ -229,11 +229,6 @@ def test_unknown_adapters_are_refused_by_name(tiny_model, lora_adapter_dirs, pro
     asyncio.run(run())
 
 
-def test_lora_needs_the_paged_cache(tiny_model):
-    with pytest.raises(ValueError, match="paged KV cache"):
-        create_engine(tiny_model, EngineConfig(lora=LoraLimits(), kv_cache="slots"))
-
-
 # ---- adapters that do not fit ------------------------------------------------------------------------
 def _copy(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
@@ -428,5 +423,5 @@ def test_lora_options_parse_vllm_and_tgi_forms():
     assert not Settings().enable_lora
     with pytest.raises(ConfigError, match="named by both lora_modules and lora_adapters"):
         Settings.from_options({"lora_modules": "a=/x", "lora_adapters": "a=/y"})
-    with pytest.raises(ConfigError, match="LoRA adapters need the paged KV cache"):
-        Settings.from_options({"enable_lora": "true", "kv_cache": "slots"})
+    with pytest.raises(ConfigError, match="batch_invariant"):
+        Settings.from_options({"enable_lora": "true", "batch_invariant": "true"})

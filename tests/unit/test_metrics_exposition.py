@@ -10,8 +10,8 @@ from lmiserve.config import ConfigError, load_settings
 from lmiserve.core.errors import GenerationFailed, InvalidRequest, ModelNotReady, Overloaded, QueueTimeout
 from lmiserve.core.events import FinishReason
 from lmiserve.core.stats import RequestStats, SequenceStats
-from lmiserve.server.metrics.engine import TgiMetrics, tgi_error
 from lmiserve.server.metrics.scrape import exposition
+from lmiserve.server.metrics.tgi import TgiMetrics, tgi_error
 
 
 def test_tgi_counters_keep_their_name_and_others_get_total():

@@ -19,6 +19,8 @@ from lmiserve.engine.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
 from lmiserve.protocols.openai import encoders as fmt
 from lmiserve.protocols.openai import parse as adapter
+from lmiserve.protocols.openai.chat_encoders import ChatEncoder, ChatStreamEncoder
+from lmiserve.protocols.openai.completion_encoders import CompletionEncoder, CompletionStreamEncoder
 from lmiserve.protocols.openai.errors import RENDERER
 from lmiserve.protocols.openai.schema import ChatRequest, CompletionRequest
 
@@ -86,17 +88,17 @@ async def render(tiny_model, payload: dict) -> bytes:
     finally:
         await engine.stop()
     if call.stream:
-        stream: fmt.ChatStreamEncoder | fmt.CompletionStreamEncoder
+        stream: ChatStreamEncoder | CompletionStreamEncoder
         if chat:
-            stream = fmt.ChatStreamEncoder(env, logprobs=call.logprobs, include_usage=call.include_usage)
+            stream = ChatStreamEncoder(env, logprobs=call.logprobs, include_usage=call.include_usage)
         else:
-            stream = fmt.CompletionStreamEncoder(
+            stream = CompletionStreamEncoder(
                 env, logprobs=call.logprobs, top_n=call.top_logprobs, include_usage=call.include_usage
             )
     elif chat:
-        stream = fmt.ChatEncoder(env, call.prompts[0], logprobs=call.logprobs)
+        stream = ChatEncoder(env, call.prompts[0], logprobs=call.logprobs)
     else:
-        stream = fmt.CompletionEncoder(
+        stream = CompletionEncoder(
             env,
             call.prompts,
             logprobs=call.logprobs,

@@ -15,6 +15,7 @@ from lmiserve.engine.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
 from lmiserve.protocols.openai import encoders as fmt
 from lmiserve.protocols.openai import parse as adapter
+from lmiserve.protocols.openai.completion_encoders import CompletionEncoder
 from lmiserve.protocols.openai.schema import CompletionRequest
 
 PROMPT = "Deep learning is a branch of machine learning"
@@ -39,7 +40,7 @@ async def complete(tiny_model, payload: dict, config: EngineConfig) -> dict:
         per_call = [[e async for e in engine.generate(c.request)] for c in call.calls]
     finally:
         await engine.stop()
-    encoder = fmt.CompletionEncoder(
+    encoder = CompletionEncoder(
         fmt.Envelope("tiny", "x"),
         call.prompts,
         logprobs=call.logprobs,

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 
-from fakes import FakeRunner, drive, make_seq, run_step
+from block_harness import BlockRunner, drive, step
+from fakes import make_seq
 
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine.async_engine import EngineConfig
+from lmiserve.engine.block_scheduler import BlockScheduler
 from lmiserve.engine.factory import create_engine
-from lmiserve.engine.scheduler import Scheduler
+from lmiserve.engine.kv_blocks import BlockPool
 
 
 def with_priority(priority: int, arrival: float):
@@ -19,31 +21,33 @@ def with_priority(priority: int, arrival: float):
 
 
 def test_waiting_queue_admits_lower_priority_values_first_and_equal_ones_in_arrival_order():
-    sched = Scheduler(max_running=1)
-    runner = FakeRunner(sched)
+    sched = BlockScheduler(BlockPool(64, 4), max_running=1)
+    runner = BlockRunner(sched)
     a, b, c, d, e = (with_priority(p, t) for p, t in ((0, 1.0), (5, 2.0), (-1, 3.0), (0, 4.0), (5, 5.0)))
     for seq in (a, b, c, d, e):
         sched.add(seq)
     assert list(sched.waiting) == [c, a, d, b, e]
     admitted = []
     while sched.has_work():
-        plan, _ = run_step(sched, runner)
+        plan, _ = step(sched, runner)
         admitted += [chunk.seq for chunk in plan.prefill]
     assert admitted == [c, a, d, b, e]
 
 
 def test_without_priorities_the_queue_stays_first_come_first_served():
-    sched = Scheduler(max_running=2)
+    sched = BlockScheduler(BlockPool(64, 4), max_running=2)
     seqs = [make_seq(max_new_tokens=2, arrival=float(i)) for i in range(5)]
     for seq in seqs:
         sched.add(seq)
     assert list(sched.waiting) == seqs
-    drive(sched, FakeRunner(sched))
+    drive(sched, BlockRunner(sched))
     assert all(s.finished for s in seqs)
 
 
 def test_queue_timeout_and_batch_delay_count_from_the_earliest_arrival_not_the_head():
-    sched = Scheduler(max_running=1, static_batching=True, batch_size=4, max_batch_delay=0.5, queue_timeout=10.0)
+    sched = BlockScheduler(
+        BlockPool(64, 4), max_running=1, static_batching=True, batch_size=4, max_batch_delay=0.5, queue_timeout=10.0
+    )
     sched.add(with_priority(0, arrival=100.0))
     sched.add(with_priority(-3, arrival=101.0))  # goes to the head, arrived later
     assert abs(sched.next_wakeup(100.2) - 0.3) < 1e-9  # the batch delay of the earliest arrival

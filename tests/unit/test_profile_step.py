@@ -12,7 +12,8 @@ import torch
 
 from lmiserve.engine import factory
 from lmiserve.engine.async_engine import EngineConfig
-from lmiserve.engine.runners.paged import PagedFastRunner, kv_bytes_per_block
+from lmiserve.engine.kv_cache import kv_bytes_per_block
+from lmiserve.engine.runners.paged import PagedFastRunner
 from lmiserve.engine.runners.paged_generic import PagedGenericRunner
 
 
@@ -20,7 +21,9 @@ def _runner_of(model, cls):
     made = []
 
     def runner_of(blocks: int):
-        kwargs = {"max_slots": 4, "max_context": model.max_context, "eos_token_ids": model.eos_token_ids}
+        kwargs = {"eos_token_ids": model.eos_token_ids}
+        if cls is PagedFastRunner:
+            kwargs |= {"max_slots": 4, "max_context": model.max_context}
         runner = cls(model.model, num_blocks=blocks, block_size=16, **kwargs)
         made.append(runner)
         return runner

@@ -320,17 +320,15 @@ def test_the_decode_kernels_attend_over_the_window_only(parts: int):
         torch.testing.assert_close(torch_out[row], expected, rtol=1e-5, atol=1e-5)
 
 
-def test_the_slot_cache_refuses_a_windowed_model(mistral):
-    with pytest.raises(ValueError, match="sliding-window attention.*kv_cache=paged"):
-        create_engine(mistral, EngineConfig(kv_cache="slots"))
+def test_batch_invariant_serves_a_windowed_model_as_generate_does(mistral):
     prompt = _prompt(mistral, 59)
     (results, _) = asyncio.run(_serve(mistral, EngineConfig(batch_invariant=True), [prompt]))
     assert results[0][0] == _reference(mistral, prompt)  # generate's own attention, one sequence at a time
 
 
 def test_gemma2_is_refused_at_start_not_served_with_the_wrong_attention(tmp_path):
-    """Gemma 2 runs transformers' eager attention (soft-capped logits, no SDPA): neither KV layout can apply
-    its windows, so the engine says so at start (batch_invariant=true serves it with transformers' masks)."""
+    """Gemma 2 runs transformers' eager attention (soft-capped logits, no SDPA), which does not go through
+    the KV blocks' attention: the engine says so at start, batch-invariant or not."""
     tokenizer = build_tiny_tokenizer()
     config = Gemma2Config(
         vocab_size=len(tokenizer), **{**COMMON, "num_hidden_layers": 3, "head_dim": 16, "tie_word_embeddings": False}
@@ -339,5 +337,6 @@ def test_gemma2_is_refused_at_start_not_served_with_the_wrong_attention(tmp_path
     Gemma2ForCausalLM(config).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     loaded = load_causal_lm(tmp_path, dtype="fp32", device=DEVICE)  # loads (eager attention), then:
-    with pytest.raises(ValueError, match="batch_invariant=true"):
-        create_engine(loaded, EngineConfig())
+    for config in (EngineConfig(), EngineConfig(batch_invariant=True)):
+        with pytest.raises(ValueError, match="cannot be served.*attention functions.*'gemma2'"):
+            create_engine(loaded, config)

@@ -230,8 +230,6 @@ async def test_drafting_turns_down_for_a_large_batch_and_for_rejected_drafts(tin
 
 
 def test_speculation_needs_the_paged_kv_cache(tiny_model):
-    with pytest.raises(ValueError, match="paged KV cache"):
-        create_engine(tiny_model, EngineConfig(kv_cache="slots", speculation=SpeculationSettings("ngram", 3)))
     with pytest.raises(ValueError, match="draft model"):
         create_engine(tiny_model, EngineConfig(speculation=SpeculationSettings("draft_model", 3)))
 
@@ -247,7 +245,6 @@ def test_speculation_needs_the_paged_kv_cache(tiny_model):
         ({"speculative_config": '{"method": "draft_model"}'}, "needs a model"),
         ({"speculative_config": '{"method": "ngram", "dtype": "int4"}'}, "takes no model and no dtype"),
         ({"speculative_config": '{"method": "self_draft", "prompt_lookup_max": 3}'}, "are ngram's"),
-        ({"speculative_config": '{"method": "ngram"}', "kv_cache": "slots"}, "paged KV cache"),
         ({"speculative_length": "3"}, "needs speculative_draft_model"),
         ({"speculative_draft_model": "/m", "speculative_config": '{"method": "ngram"}'}, "not both"),
     ],

@@ -318,6 +318,116 @@ def test_shard_model_refuses_what_does_not_split():
     assert shard_of(model) is None and model.model.layers[0].self_attn.q_proj.weight.shape == (64, 64)
 
 
+# ---- LoRA adapters: each rank's shard (issue #36) ------------------------------------------------------------
+
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def random_adapter(model, rank: int = 4, seed: int = 3):
+    """A LoRA adapter of every projection of `model` (A and the scaled B, random), as `read_adapter` keeps one."""
+    from pathlib import Path
+
+    from lmiserve.engine.lora import LoraAdapter
+
+    generator = torch.Generator().manual_seed(seed)
+    modules = {}
+    for i in range(len(model.model.layers)):
+        for short in LORA_MODULES:
+            group = "mlp" if short in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            path = f"model.layers.{i}.{group}.{short}"
+            linear = model.get_submodule(path)
+            a = torch.randn(rank, linear.in_features, generator=generator) / linear.in_features**0.5
+            modules[path] = (a, torch.randn(linear.out_features, rank, generator=generator))
+    return LoraAdapter("x", Path("/nowhere"), modules, rank, 8.0, None, 0.0)
+
+
+def rank_slices(shard) -> dict[str, slice]:
+    """The rows (column-parallel) or input columns (row-parallel) of each projection a rank keeps."""
+    plan = shard_of(shard).plan
+    d = plan.head_dim
+    q = slice(plan.q_first * d, (plan.q_first + plan.q_heads) * d)
+    kv = slice(plan.kv_first * d, (plan.kv_first + plan.kv_heads) * d)
+    inter = slice(plan.inter_first, plan.inter_first + plan.inter)
+    return {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": q, "gate_proj": inter, "up_proj": inter,
+            "down_proj": inter}  # fmt: skip
+
+
+@pytest.mark.parametrize(("kv_heads", "world"), [(2, 2), (1, 2), (2, 4)], ids=["kv-split", "kv-replicated", "four"])
+def test_the_ranks_adapter_shards_give_the_merged_models_products(kv_heads, world):
+    """`shard_adapter` cuts B's rows of a column-parallel projection and A's input columns of a row-parallel
+    one: each rank's product plus its delta is its rows of the merged linear's product (q/k/v, gate/up; a
+    replicated KV head's whole), or a partial sum that, summed over the ranks as the all-reduce does, is the
+    merged linear's product (o, down)."""
+    from lmiserve.engine.tensor_parallel import shard_adapter
+
+    model = tiny_llama(kv_heads)
+    adapter = random_adapter(model)
+    shards = cut(model, world)
+    pieces = [shard_adapter(adapter, shard) for shard in shards]
+    assert all(piece.id == adapter.id and piece.name == adapter.name for piece in pieces)
+    torch.manual_seed(2)
+    with torch.inference_mode():
+        for path, (a, b) in adapter.modules.items():
+            short = path.rsplit(".", 1)[-1]
+            linear = model.get_submodule(path)
+            x = torch.randn(5, linear.in_features)
+            merged = linear(x) + x @ a.T @ b.T  # W x + s B A x: the PEFT-merged linear
+            outputs = []
+            for shard, piece in zip(shards, pieces, strict=True):
+                part, (a_r, b_r) = rank_slices(shard)[short], piece.modules[path]
+                x_r = x[:, part] if short in ROW_PARALLEL else x
+                outputs.append(shard.get_submodule(path)(x_r) + x_r @ a_r.T @ b_r.T)
+                if short not in ROW_PARALLEL:
+                    torch.testing.assert_close(outputs[-1], merged[:, part], rtol=1e-5, atol=1e-5)
+                    assert torch.equal(a_r, a) and b_r.shape[0] == part.stop - part.start
+                else:
+                    assert torch.equal(b_r, b) and a_r.shape[1] == part.stop - part.start
+            if short in ROW_PARALLEL:
+                torch.testing.assert_close(sum(outputs), merged, rtol=1e-5, atol=1e-5)
+
+
+def test_a_rank_reads_its_shard_of_a_peft_adapter(tiny_model_dir, lora_adapter_dirs):
+    """A rank's `LoraManager` reads a PEFT folder against its cut model (checked against the whole linears'
+    shapes) and keeps its shard under the load id the step names."""
+    from transformers import AutoModelForCausalLM
+
+    from lmiserve.engine.lora import FAST_PATH_MODULES, read_adapter
+    from lmiserve.engine.lora_manager import LoraManager
+    from lmiserve.engine.step import AdapterRef
+    from lmiserve.engine.tensor_parallel import shard_adapter
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    whole = read_adapter(lora_adapter_dirs["beta"], model, name="beta", max_rank=16)
+    ref = AdapterRef("beta", 77, str(lora_adapter_dirs["beta"]))
+    for shard in cut(model, 2):
+        manager = LoraManager(shard, 16, FAST_PATH_MODULES, lambda adapter, shard=shard: shard_adapter(adapter, shard))
+        got = manager.get(ref)
+        expected = shard_adapter(whole, shard)
+        assert got.id == 77 and manager.get(ref) is got and manager.kept() == [77]
+        assert got.modules.keys() == expected.modules.keys() == whole.modules.keys()
+        for path, (a, b) in expected.modules.items():
+            assert torch.equal(got.modules[path][0], a) and torch.equal(got.modules[path][1], b), path
+        assert got.nbytes < whole.nbytes
+        manager.drop([77])
+        assert manager.kept() == []
+
+
+def test_shard_adapter_refuses_what_it_cannot_cut():
+    import dataclasses
+
+    from lmiserve.engine.tensor_parallel import shard_adapter
+
+    model = tiny_llama()
+    adapter = random_adapter(model)
+    with pytest.raises(ValueError, match="cut by shard_model"):
+        shard_adapter(adapter, model)
+    shard = cut(model, 2)[0]
+    head = {"lm_head": (torch.zeros(4, 64), torch.zeros(509, 4))}
+    with pytest.raises(ValueError, match="adapts lm_head, which tensor parallelism does not shard"):
+        shard_adapter(dataclasses.replace(adapter, modules=head), shard)
+
+
 # ---- settings ---------------------------------------------------------------------------------------------
 
 
@@ -383,7 +493,6 @@ def test_node_variables_map_to_settings(environ, expected):
     [
         ({"enable_lora": "true"}, "tensor_parallel_degree=2 cannot be combined with enable_lora"),
         ({"lora_modules": "a=/nowhere"}, "tensor_parallel_degree=2 cannot be combined with enable_lora"),
-        ({"kv_cache": "slots"}, "tensor_parallel_degree=2 cannot be combined with kv_cache=slots"),
         ({"batch_invariant": "true"}, "tensor_parallel_degree=2 cannot be combined with batch_invariant"),
         ({"dtype": "int8"}, "tensor_parallel_degree=2 cannot be combined with dtype int8/int4"),
         ({"dtype": "int4"}, "tensor_parallel_degree=2 cannot be combined with dtype int8/int4"),
@@ -431,7 +540,7 @@ def test_node_options_without_tensor_parallelism_are_refused(options, message):
         {"tensor_parallel_degree": "2", "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3}'},
         {"tensor_parallel_degree": "2", "dtype": "bf16", "enable_prefix_caching": "true"},
         {"tensor_parallel_degree": "1", "enable_lora": "true", "dtype": "int8", "fast_path": "false"},
-        {"tensor_parallel_degree": "1", "kv_cache": "slots", "batch_invariant": "true"},
+        {"tensor_parallel_degree": "1", "batch_invariant": "true"},
     ],
 )
 def test_what_tensor_parallelism_serves_is_accepted(options):
@@ -460,7 +569,6 @@ def test_degree_max_on_several_gpus_refuses_what_tensor_parallelism_cannot_serve
     assert tensor_parallel_degree(Settings.from_options({"tensor_parallel_degree": "max"}), cuda) == 2
     for option, what in [
         ("enable_lora=true", "enable_lora"),
-        ("kv_cache=slots", "kv_cache=slots"),
         ("dtype=int8", "dtype int8/int4"),
         ("fast_path=false", "fast_path=false"),
     ]:

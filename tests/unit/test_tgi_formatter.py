@@ -10,6 +10,7 @@ import pytest
 from lmiserve.core.errors import IncompleteGeneration
 from lmiserve.core.events import Finish, FinishReason, StepEvent, Token
 from lmiserve.protocols.openai import encoders as ofmt
+from lmiserve.protocols.openai.chat_encoders import ChatStreamEncoder
 from lmiserve.protocols.tgi import encoders as fmt
 
 
@@ -112,7 +113,7 @@ def test_openai_finish_reasons():
 
 def test_chat_stream_special_token_is_empty_content_with_role():
     env = ofmt.Envelope("m", "fp", 5)
-    stream = ofmt.ChatStreamEncoder(env, logprobs=False, include_usage=True)
+    stream = ChatStreamEncoder(env, logprobs=False, include_usage=True)
     chunks = b"".join(stream.on_event(0, e) for e in EVENTS) + stream.close()
     events = [c for c in chunks.split(b"\n\n") if c]
     assert events[-1] == b"data: [DONE]"

@@ -125,13 +125,13 @@ def _hf(tokenizer):
 # --- the engine ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kv_cache", ["paged", "slots"])
+@pytest.mark.parametrize("runner", [{}, {"batch_invariant": True}], ids=["batched", "batch_invariant"])
 @pytest.mark.parametrize("tokens", [0, 1, 5])
 async def test_the_end_is_forced_after_exactly_n_thinking_tokens_then_the_answer_follows(
-    thinking_model, prompt, ids, kv_cache, tokens
+    thinking_model, prompt, ids, runner, tokens
 ):
     _, end = ids
-    async with engine_of(thinking_model, kv_cache=kv_cache) as engine:
+    async with engine_of(thinking_model, **runner) as engine:
         free, _ = await generated(engine, GenerationRequest(prompt, params(None)))
         out, text = await generated(engine, GenerationRequest(prompt, params(tokens)))
     assert end not in free[:tokens]  # the random model does not close the block by itself

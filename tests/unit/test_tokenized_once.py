@@ -136,7 +136,7 @@ async def test_prepare_refuses_what_submit_would_and_generate_tokenizes_nothing_
     rejected once; a request it accepts is not tokenized again by `generate`."""
     recording = Recording(tiny_model.tokenizer)
     loaded = dataclasses.replace(tiny_model, tokenizer=recording)
-    config = EngineConfig(kv_cache="paged", block_size=4, kv_cache_memory_bytes=8 * 4 * 2 * 2 * 16 * 2 * 4)
+    config = EngineConfig(block_size=4, kv_cache_memory_bytes=8 * 4 * 2 * 2 * 16 * 2 * 4)
     engine = create_engine(loaded, config)
     assert engine.pool is not None and engine.pool.num_blocks == 8  # 32 tokens
     rejected, submitted = [], []
@@ -171,9 +171,8 @@ async def test_prepare_refuses_what_submit_would_and_generate_tokenizes_nothing_
     assert len(rejected) == 1 and len(submitted) == 1
 
 
-async def test_prepare_refuses_a_prompt_beyond_the_context_on_the_slot_layout(tiny_model):
-    engine = create_engine(tiny_model, EngineConfig(kv_cache="slots"))
-    assert engine.pool is None
+async def test_prepare_refuses_a_prompt_beyond_the_context_batch_invariant(tiny_model):
+    engine = create_engine(tiny_model, EngineConfig(batch_invariant=True))
     request = GenerationRequest("Hello there", SamplingParams(max_new_tokens=tiny_model.max_context))
     with pytest.raises(InvalidRequest, match="context length"):
         await engine.prepare(request)

@@ -17,6 +17,7 @@ from openai.types.chat import ChatCompletionChunk
 
 from lmiserve.core.events import Finish, FinishReason, StepEvent, Token
 from lmiserve.protocols.openai import encoders as enc
+from lmiserve.protocols.openai.chat_encoders import ChatEncoder
 from lmiserve.protocols.openai.tool_calls import ToolChatStreamEncoder, tool_answer
 
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "golden" / "openai_tools"
@@ -62,11 +63,11 @@ def call_ids():
 
 def render(tokens: list[str], streamed: bool, *, logprobs: bool = False) -> bytes:
     env = enc.Envelope("tiny", "0.1.0-native", CREATED)
-    encoder: ToolChatStreamEncoder | enc.ChatEncoder
+    encoder: ToolChatStreamEncoder | ChatEncoder
     if streamed:
         encoder = ToolChatStreamEncoder(env, logprobs=logprobs, include_usage=True, call_ids=call_ids())
     else:
-        encoder = enc.ChatEncoder(env, "prompt", logprobs=logprobs, answer=tool_answer(call_ids=call_ids()))
+        encoder = ChatEncoder(env, "prompt", logprobs=logprobs, answer=tool_answer(call_ids=call_ids()))
     return b"".join(encoder.on_event(0, e) for e in events(tokens)) + encoder.close()
 
 

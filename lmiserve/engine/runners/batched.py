@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -19,14 +19,14 @@ import torch
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from lmiserve.engine.lora_manager import LoraManager
     from lmiserve.engine.paged_attention import PagedKVCache
 
 from lmiserve.core.request import SamplingParams
 from lmiserve.engine.lora import LoraAdapter, LoraBatch, LoraGroup, StackCache
-from lmiserve.engine.runners.base import prompt_logprobs, sampler_row
-from lmiserve.engine.sampling import Row, sample_rows
+from lmiserve.engine.sampling import Row, prompt_logprobs, sample_rows, sampler_row
 from lmiserve.engine.speculative import Proposer
-from lmiserve.engine.step import BatchRunner, ScheduledTokens, StepBatch, StepOutput
+from lmiserve.engine.step import AdapterRef, BatchRunner, ScheduledTokens, StepBatch, StepOutput
 from lmiserve.engine.token_mask import apply_bitmask
 
 log = logging.getLogger(__name__)
@@ -47,22 +47,27 @@ class RequestState:
 
 class PersistentBatchRunner(BatchRunner):
     """`execute_batch` over a persistent batch; subclasses compute a part of a batch's rows
-    (`_forward_rows`), set `eos_token_ids` and call `_hold_pool` with their block pool."""
+    (`_forward_rows`)."""
 
-    _requests: dict[int, RequestState]
+    path: str  # the strategy, for the log: "fast", "generic" or "batch_invariant"
 
-    def _hold_pool(self, model: PreTrainedModel, kv: PagedKVCache, num_blocks: int | None = None) -> None:
-        """Run over the block pool `kv`: its shape and memory, an empty persistent batch, and the width
-        of `model`'s logits. `num_blocks`: the blocks sequences may hold (default all of `kv`'s; fewer
-        where the runner keeps some for itself)."""
+    def __init__(
+        self, model: PreTrainedModel, eos_token_ids: Iterable[int], kv: PagedKVCache, num_blocks: int | None = None
+    ) -> None:
+        """Run `model` over the block pool `kv`: its shape and memory, an empty persistent batch, and the
+        width of `model`'s logits. `num_blocks`: the blocks sequences may hold (default all of `kv`'s;
+        fewer where the runner keeps some for itself)."""
+        self.model = model
+        self.device = model.device
+        self.eos_token_ids = sorted(eos_token_ids)
         self.kv = kv
         self.num_blocks, self.block_size, self.kv_bytes = num_blocks or kv.num_blocks, kv.block_size, kv.nbytes
-        self._requests = {}
+        self._requests: dict[int, RequestState] = {}
         self.vocab_size = int(model.config.vocab_size)
         self.proposer: Proposer | None = None  # speculative decoding's drafts (engine/speculative.py)
-        # LoRA (engine/lora.py): a request's adapter by the id its NewRequest names, and the stacked
-        # matrices of the adapter sets the steps use
-        self.adapter_lookup: Callable[[int], LoraAdapter] | None = None
+        # LoRA (engine/lora.py): the adapters' weights by the load a NewRequest names (None: this runner
+        # serves none), and the stacked matrices of the adapter sets the steps use
+        self.lora: LoraManager | None = None
         self.lora_stacks = StackCache(self.lora_groups(model))
         self.lora_kernels = True  # the compiled products where they apply (engine/lora_kernels.py)
 
@@ -72,7 +77,7 @@ class PersistentBatchRunner(BatchRunner):
 
     def _lora(self, batch: StepBatch, part: list[int], tokens: list[int]) -> LoraBatch | None:
         """The adapters of rows `part`'s tokens (`tokens`: each row's count, in `part`'s order)."""
-        if self.adapter_lookup is None:
+        if self.lora is None:
             return None
         adapters = [self._requests[batch.rows[i].seq_id].adapter for i in part]
         if all(a is None for a in adapters):
@@ -93,20 +98,33 @@ class PersistentBatchRunner(BatchRunner):
                     self.proposer.forget(seq_id)
             for seq_id in batch.preempted:
                 self._requests[seq_id].blocks = []
+            if batch.dropped_adapters and self.lora is not None:
+                self.lora.drop(batch.dropped_adapters)
+            out = StepOutput()
             for new in batch.new:
                 state = self._requests[new.seq_id] = RequestState(list(new.prompt_ids), new.params, new.seed)
                 if new.adapter is not None:
-                    if self.adapter_lookup is None:
-                        raise ValueError("a request names a LoRA adapter; this runner serves none")
-                    state.adapter = self.adapter_lookup(new.adapter)
+                    self._adapter_of(new.seq_id, new.adapter, state, out)
             for row in batch.rows:
                 self._requests[row.seq_id].blocks.extend(row.new_blocks)
-            out = StepOutput()
-            if batch.rows:
-                self._run_rows(batch, list(range(len(batch.rows))), out)
+            rows = [i for i, row in enumerate(batch.rows) if row.seq_id not in out.errors]
+            if rows:
+                self._run_rows(batch, rows, out)
                 if self.proposer is not None:
                     self._propose(batch, out)
             return out
+
+    def _adapter_of(self, seq_id: int, ref: AdapterRef, state: RequestState, out: StepOutput) -> None:
+        """The weights of a new request's adapter (`self.lora` reads them on the first request of a load);
+        when they do not load, the request fails (its rows are not run), the step goes on."""
+        if self.lora is None:
+            out.errors[seq_id] = f"adapter `{ref.name}`: this model runner serves no LoRA adapters"
+            return
+        try:
+            state.adapter = self.lora.get(ref)
+        except Exception as exc:  # noqa: BLE001 - its files changed or went away: this request fails
+            log.exception("adapter %s (load %d) cannot be read from %s", ref.name, ref.id, ref.path)
+            out.errors[seq_id] = f"adapter `{ref.name}` cannot be loaded: {exc}"
 
     def _propose(self, batch: StepBatch, out: StepOutput) -> None:
         """The drafts the rows that asked for them get for the next step (none for a request whose

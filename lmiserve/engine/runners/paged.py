@@ -14,20 +14,19 @@ other's memory. Nothing is ever copied between sequences: shared prefix blocks a
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
 
+from lmiserve.engine import autotune as kernel_autotune
 from lmiserve.engine import cuda_graphs
-from lmiserve.engine.kv_cache import AttentionShape
+from lmiserve.engine.fast_llama import FastLlama
+from lmiserve.engine.kv_cache import paged_cache
 from lmiserve.engine.lora import LoraGroup
-from lmiserve.engine.paged_attention import PagedKVCache
-from lmiserve.engine.runners.base import paged_cache
 from lmiserve.engine.runners.batched import PersistentBatchRunner
-from lmiserve.engine.runners.fast import FastRunner
-from lmiserve.engine.scheduler import StepPlan
-from lmiserve.engine.step import StepBatch, StepOutput
+from lmiserve.engine.step import StepBatch
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -35,7 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class PagedFastRunner(FastRunner, PersistentBatchRunner):
+class PagedFastRunner(PersistentBatchRunner):
     path = "fast"
 
     def __init__(
@@ -51,22 +50,22 @@ class PagedFastRunner(FastRunner, PersistentBatchRunner):
         autotune_cache: str | None = None,
         enforce_eager: bool = False,
     ) -> None:
-        """`enforce_eager`: no CUDA graphs for decode steps (engine/cuda_graphs.py; on CUDA they are the
+        """`max_slots`: the most rows a step runs; `autotune`: time the CPU kernel choices at start-up (or
+        read them from `autotune_cache`, engine/autotune.py), otherwise the static defaults;
+        `enforce_eager`: no CUDA graphs for decode steps (engine/cuda_graphs.py; on CUDA they are the
         default where they apply)."""
         graphs = cuda_graphs.wanted(model.device, enforce_eager)
         # with decode graphs, one block past the pool's: where their padding rows write (no sequence holds it)
         kv = paged_cache(model, num_blocks + int(graphs), block_size)
-        super().__init__(
-            model,
-            max_slots=max_slots,
-            max_context=max_context,
-            eos_token_ids=eos_token_ids,
-            autotune=autotune,
-            autotune_cache=autotune_cache,
-            kv=kv,
-        )
+        self.fast = FastLlama(model, kv, max_context)
+        if autotune:
+            start = time.monotonic()
+            self.kernels = kernel_autotune.choose(self.fast, max_slots, autotune_cache)
+            log.info("CPU kernels (%.1f s): %s", time.monotonic() - start, self.kernels.describe())
+        else:
+            self.kernels = kernel_autotune.KernelChoice(self.fast.gemm, self.fast.compiled_attention, "static")
         self.fast.graphs = cuda_graphs.for_model(self.fast, max_slots, num_blocks) if graphs else None
-        self._hold_pool(model, kv, num_blocks)
+        super().__init__(model, eos_token_ids, kv, num_blocks)
 
     # ---- the step contract (engine/step.py): one forward of a batch's rows ---------------------
     def _forward_rows(self, batch: StepBatch, part: list[int]) -> torch.Tensor:
@@ -94,12 +93,3 @@ class PagedFastRunner(FastRunner, PersistentBatchRunner):
 
     def lora_groups(self, model: PreTrainedModel) -> list[LoraGroup]:
         return self.fast.lora_groups()
-
-    def _run(self, plan: StepPlan, out: StepOutput) -> None:
-        raise RuntimeError("the paged fast runner runs plain-data batches (execute_batch), not plans")
-
-
-def kv_bytes_per_block(model: PreTrainedModel, block_size: int) -> int:
-    """The memory of one block of `model`'s KV (every layer, K and V, in the model's dtype)."""
-    shape = AttentionShape.of(model.config)
-    return PagedKVCache.bytes_per_block(shape.layers, block_size, shape.kv_heads, shape.head_dim, model.dtype)

@@ -20,7 +20,12 @@ Sliding windows (Mistral's ``sliding_window``, Qwen2's ``use_sliding_window``, G
 between full ones): the step's mask has each windowed layer's window in, given to the model's forward
 as one mask or one a layer kind, as its own forward takes them (`attention_window.step_mask`); the kernel
 takes the window transformers passes its layer. Left out: layers of other kinds (chunked, linear, ...),
-which keep the slot layout (engine/factory.py).
+which the engine refuses at start (`unsupported_reason`).
+
+Batch-invariant (`alone=True`, `batch_invariant=true`): each row runs in a forward of its own, its prompt
+whole (the scheduler does not chunk it), over its blocks gathered (no kernel): the shapes and the ops of
+`model.generate` for that sequence alone, so its greedy output equals generate()'s bit for bit whatever
+else runs, at the cost of batching throughput.
 """
 
 from __future__ import annotations
@@ -33,13 +38,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lmiserve.engine import attention_window, triton_attention
-from lmiserve.engine.kv_cache import AttentionShape
+from lmiserve.engine.kv_cache import AttentionShape, paged_cache
 from lmiserve.engine.lora import LoraBatch, LoraGroup, lora_out_features
 from lmiserve.engine.paged_attention import PagedKVCache, gather_context, write_tokens
-from lmiserve.engine.runners.base import ModelRunner, paged_cache
 from lmiserve.engine.runners.batched import PersistentBatchRunner
-from lmiserve.engine.scheduler import StepPlan
-from lmiserve.engine.step import StepBatch, StepOutput
+from lmiserve.engine.step import StepBatch
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -196,30 +199,29 @@ def _register_kernel_attention() -> None:
     AttentionInterface.register(KERNEL_ATTENTION, kernel_attention)
 
 
-class PagedGenericRunner(ModelRunner, PersistentBatchRunner):
-    """The transformers model's own forward over the block KV cache (the generic strategy, paged)."""
-
-    path = "generic"
+class PagedGenericRunner(PersistentBatchRunner):
+    """The transformers model's own forward over the block KV cache (the generic strategy; with `alone`,
+    the batch-invariant one)."""
 
     def __init__(
         self,
         model: PreTrainedModel,
         *,
-        max_slots: int,
-        max_context: int,
         eos_token_ids: Iterable[int],
         num_blocks: int,
         block_size: int,
+        alone: bool = False,
     ) -> None:
-        super().__init__(model, max_slots=max_slots, max_context=max_context, eos_token_ids=eos_token_ids)
-        self._hold_pool(model, paged_cache(model, num_blocks, block_size))
+        super().__init__(model, eos_token_ids, paged_cache(model, num_blocks, block_size))
+        self.alone = alone
+        self.path = "batch_invariant" if alone else "generic"
         self._step_lora: LoraBatch | None = None  # the adapters of the forward running now
         self._hooked: set[str] = set()  # the modules that have the hook
         self._hooked_adapters: set[int] = set()  # the adapter loads whose modules all have it
         shape = AttentionShape.of(model.config)
         self._groups = shape.heads // shape.kv_heads
         # lmiserve's attention implementation (the Triton kernel over the blocks) where it is chosen and agrees
-        self.kernel = triton_attention.chosen(self.device) and self._kernel_agrees()
+        self.kernel = not alone and triton_attention.chosen(self.device) and self._kernel_agrees()
 
     def _kernel_agrees(self) -> bool:
         """Whether the model's forward through lmiserve's attention implementation gives the logits of the
@@ -277,17 +279,22 @@ class PagedGenericRunner(ModelRunner, PersistentBatchRunner):
         module.register_forward_hook(add_deltas)
         self._hooked.add(path)
 
-    def _run(self, plan: StepPlan, out: StepOutput) -> None:
-        raise RuntimeError("the paged generic runner runs plain-data batches (execute_batch), not plans")
-
     def _forward_rows(self, batch: StepBatch, part: list[int]) -> torch.Tensor:
         rows = []
         for i in part:
             row = batch.rows[i]
             rows.append((self._requests[row.seq_id].blocks, row.start, row.computed_ids, self._kept(row)))
+        if self.alone:  # each row in a forward of its own: generate()'s shapes
+            return torch.cat([self._forward_lora(batch, [i], [row], False) for i, row in zip(part, rows)])
+        return self._forward_lora(batch, part, rows, self.kernel)
+
+    def _forward_lora(
+        self, batch: StepBatch, part: list[int], rows: list[tuple[list[int], int, list[int], int]], kernel: bool
+    ) -> torch.Tensor:
+        """`_forward` of `rows` (rows `part` of the batch) with their adapters' deltas added."""
         self._step_lora = self._lora(batch, part, [len(batch.rows[i].computed_ids) for i in part])
         try:
-            return self._forward(rows, self.kernel)
+            return self._forward(rows, kernel)
         finally:
             self._step_lora = None
 

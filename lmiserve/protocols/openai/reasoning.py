@@ -30,7 +30,7 @@ class Reasoning(neutral.Reasoning):
     """The neutral parser (`lmiserve.protocols.textgen.reasoning`) with OpenAI's message and delta fields."""
 
     def answer(self, inner: Any) -> Any:
-        """An `encoders.Answer` whose message gets the reasoning and whose `inner` answer reads the content."""
+        """A `chat_encoders.Answer` whose message gets the reasoning and whose `inner` answer reads the content."""
 
         def answer(seq: GeneratedSequence) -> tuple[dict[str, Any], str]:
             reasoning, content = self.split(seq.finish.generated_text)

@@ -1,6 +1,6 @@
 """The OpenAI routes' answers as pydantic models, for the API document (`lmiserve.server.openapi`): the
-encoders (`encoders.py`) write the bytes; these describe them, and the schemathesis test checks that
-they agree."""
+encoders (`chat_encoders.py`, `completion_encoders.py`) write the bytes; these describe them, and the
+schemathesis test checks that they agree."""
 
 from __future__ import annotations
 

@@ -12,9 +12,11 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from lmiserve.core.tokenizer import tokenizing
-from lmiserve.protocols.openai import encoders as enc
 from lmiserve.protocols.openai import fields, responses
 from lmiserve.protocols.openai import parse as adapter
+from lmiserve.protocols.openai.chat_encoders import ChatEncoder, ChatStreamEncoder, plain_answer
+from lmiserve.protocols.openai.completion_encoders import CompletionEncoder, CompletionStreamEncoder
+from lmiserve.protocols.openai.encoders import Envelope, completion_id
 from lmiserve.protocols.openai.errors import RENDERER, IgnoredFields, model_not_found
 from lmiserve.protocols.openai.reasoning import Reasoning
 from lmiserve.protocols.openai.schema import ChatRequest, CompletionRequest
@@ -92,10 +94,10 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Resp
                 c.request.adapter = lora
         await prepare(model.engine, [c.request for c in call.calls])  # bad grammar, too large: 4xx before the stream
         timer.mark_validated()
-        env = enc.Envelope(call.model, model.system_fingerprint, id=enc.completion_id(chat))
+        env = Envelope(call.model, model.system_fingerprint, id=completion_id(chat))
         events = engine_events(model.engine, [c.request for c in call.calls])
         if call.stream:
-            stream: enc.ChatStreamEncoder | enc.CompletionStreamEncoder | ToolChatStreamEncoder
+            stream: ChatStreamEncoder | CompletionStreamEncoder | ToolChatStreamEncoder
             if call.tools is not None:
                 stream = ToolChatStreamEncoder(
                     env,
@@ -105,11 +107,11 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Resp
                     tools=call.tools,
                 )
             elif chat:
-                stream = enc.ChatStreamEncoder(
+                stream = ChatStreamEncoder(
                     env, logprobs=call.logprobs, include_usage=call.include_usage, reasoning=reasoning
                 )
             else:
-                stream = enc.CompletionStreamEncoder(
+                stream = CompletionStreamEncoder(
                     env,
                     logprobs=call.logprobs,
                     n=call.calls[0].best_of,
@@ -125,10 +127,10 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Resp
                 heartbeat=keepalive(model.service.settings.sse_keepalive_interval),
                 on_close=slot.release,
             )
-        whole: enc.ChatEncoder | enc.CompletionEncoder
+        whole: ChatEncoder | CompletionEncoder
         if chat:
-            answer = enc.plain_answer if call.tools is None else tool_answer(call.tools)
-            whole = enc.ChatEncoder(
+            answer = plain_answer if call.tools is None else tool_answer(call.tools)
+            whole = ChatEncoder(
                 env,
                 call.prompts[0],
                 logprobs=call.logprobs,
@@ -137,7 +139,7 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Resp
                 reasoning=reasoning,
             )
         else:
-            whole = enc.CompletionEncoder(
+            whole = CompletionEncoder(
                 env,
                 call.prompts,
                 logprobs=call.logprobs,

@@ -27,7 +27,8 @@ from typing import Any
 
 from lmiserve.core.errors import LmiServeError
 from lmiserve.core.events import Finish, StepEvent
-from lmiserve.protocols.openai.encoders import Answer, Envelope, chat_logprob, finish_reason, stop_reason, usage
+from lmiserve.protocols.openai.chat_encoders import Answer, chat_logprob
+from lmiserve.protocols.openai.encoders import Envelope, finish_reason, stop_reason, usage
 from lmiserve.protocols.openai.errors import DONE, RENDERER
 from lmiserve.protocols.openai.reasoning import Reasoning, Splitter
 from lmiserve.protocols.textgen.sequences import GeneratedSequence

@@ -19,9 +19,12 @@ from starlette.routing import BaseRoute
 from lmiserve.core.stats import EngineObserver
 from lmiserve.models.service import ModelService
 from lmiserve.server.metrics import scrape
-from lmiserve.server.metrics.engine import LiveCollector, ModelObserver, TgiMetrics, VllmMetrics
+from lmiserve.server.metrics.live import LiveCollector
 from lmiserve.server.metrics.loop_lag import LoopLag
+from lmiserve.server.metrics.observer import ModelObserver
 from lmiserve.server.metrics.requests import RequestCollectors
+from lmiserve.server.metrics.tgi import TgiMetrics
+from lmiserve.server.metrics.vllm import VllmMetrics
 
 __all__ = ["Metrics"]
 

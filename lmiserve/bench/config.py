@@ -1,0 +1,65 @@
+"""What one `lmiserve bench` run is asked to do (`BenchConfig`, filled by bench/cli.py from the
+command line): the servers, the levels, the scenarios and the options of the lmiserve it starts."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class BenchConfig:
+    model_id: str | None = None
+    url: str | None = None
+    compare: list[tuple[str, str]] = field(default_factory=list)  # (name, url)
+    compare_model: str | None = None
+    concurrency: list[int] = field(default_factory=lambda: [1, 8, 32])
+    max_new_tokens: int = 128
+    requests_per_client: int = 2
+    duration: float | None = None
+    warmup: int = 1
+    output_dir: Path = Path("bench-results")
+    device: str | None = None
+    dtype: str | None = None
+    skip_baselines: bool = False
+    options: list[tuple[str, str]] = field(default_factory=list)  # -o KEY=VALUE, parsed
+    soak_requests: int = 0
+    soak_max_new_tokens: int = 16
+    startup_timeout: float = 600.0
+    request_timeout: float = 600.0
+    json_schema: dict[str, Any] | None = None  # --json-schema: every level also runs constrained
+    json_schema_source: str | None = None  # "builtin" or the file it came from
+    mask_steps: int = 64  # steps of the in-process mask measurement per batch size
+    scenario: str = "completion"  # completion, chat or both
+    prompt_set: str = "general"  # the completion scenario's prompts (bench/prompts.py, PROMPT_SETS)
+    chat_turns: int = 4
+    chat_conversations: int = 2  # per client and level (without --duration)
+    ab_options: list[tuple[str, str]] = field(default_factory=list)  # --ab-option: a second lmiserve
+    # --lora N: a second lmiserve serving N random adapters (models/lora_demo.py), each request naming one in turn
+    lora: int = 0
+    lora_rank: int = 16
+    lora_targets: str = "all"
+    command: list[str] = field(default_factory=lambda: list(sys.argv))
+
+    def overrides(self) -> dict[str, object]:
+        """Settings overrides the server gets, and the baselines load the model with."""
+        out: dict[str, object] = dict(self.options)
+        for key in ("model_id", "device", "dtype"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+    def serve_args(self, extra: list[tuple[str, str]] | None = None) -> list[str]:
+        args = ["--model-id", self.model_id] if self.model_id else []
+        for key in ("device", "dtype"):
+            if getattr(self, key) is not None:
+                args += ["-o", f"{key}={getattr(self, key)}"]
+        for key, value in [*self.options, *(extra or [])]:
+            args += ["-o", f"{key}={value}"]
+        return args
+
+    @property
+    def scenarios(self) -> list[str]:
+        return ["completion", "chat"] if self.scenario == "both" else [self.scenario]

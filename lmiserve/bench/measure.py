@@ -1,0 +1,151 @@
+"""The measurements of one `lmiserve bench` run against its servers: every scenario and concurrency level
+on every server in turn (`measure_servers`), and the soak with the started server's memory (`soak`)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from lmiserve.bench.chat import ChatDialect, probe_chat, run_chat_level
+from lmiserve.bench.clients import Dialect, OpenAIDialect, constrained, probe, run_level, run_soak
+from lmiserve.bench.config import BenchConfig
+from lmiserve.bench.conversations import chat_level_summary
+from lmiserve.bench.server import RssSampler
+from lmiserve.bench.stats import level_summary
+from lmiserve.bench.structured import compare_levels
+from lmiserve.bench.targets import Target
+
+Json = dict[str, Any]
+Log = Callable[[str], None]
+
+
+def _measure_level(dialect: Dialect, concurrency: int, config: BenchConfig, log: Log, label: str) -> Json:
+    records, elapsed = asyncio.run(
+        run_level(
+            dialect,
+            concurrency,
+            config.max_new_tokens,
+            requests_per_client=config.requests_per_client,
+            duration=config.duration,
+            warmup=config.warmup,
+            request_timeout=config.request_timeout,
+        )
+    )
+    level = level_summary(concurrency, records, elapsed)
+    log(
+        f"  concurrency {concurrency:>3}{label}: {level['output_tokens_per_s']} tokens/s, "
+        f"TTFT p50 {level['ttft_ms']['p50']} ms, ITL p50/p99 {level['itl_ms']['p50']}/{level['itl_ms']['p99']} ms, "
+        f"{level['requests']} requests ({level['failed_requests']} failed, {level['token_count_errors']} wrong "
+        f"token counts) in {elapsed:.1f} s"
+    )
+    for error in level["errors"]:
+        log(f"    error: {error}")
+    return level
+
+
+def _measure_chat_level(dialect: ChatDialect, concurrency: int, config: BenchConfig, log: Log, label: str) -> Json:
+    records, elapsed = asyncio.run(
+        run_chat_level(
+            dialect,
+            concurrency,
+            config.max_new_tokens,
+            turns=config.chat_turns,
+            conversations_per_client=config.chat_conversations,
+            duration=config.duration,
+            warmup=config.warmup,
+            request_timeout=config.request_timeout,
+        )
+    )
+    level = chat_level_summary(concurrency, records, elapsed)
+    log(
+        f"  concurrency {concurrency:>3}{label} (chat): {level['output_tokens_per_s']} tokens/s, TTFT p50 turn 1 "
+        f"{level['ttft_p50_turn1_ms']} ms, turns >= 3 {level['ttft_p50_late_turns_ms']} ms, "
+        f"{level['requests']} requests ({level['failed_requests']} failed, {level['token_count_errors']} wrong "
+        f"token counts) in {elapsed:.1f} s"
+    )
+    for error in level["errors"]:
+        log(f"    error: {error}")
+    return level
+
+
+def measure_servers(targets: list[Target], config: BenchConfig, log: Log) -> list[Json]:
+    """Probe every server, then every scenario and concurrency level, the servers in turn at each level
+    (so that they see the same machine load as closely as a shared machine allows); with a JSON schema
+    each completion level runs twice in a row on a server, unconstrained then constrained."""
+    servers: list[Json] = []
+    schema_dialects: list[Dialect | None] = []
+    for target in targets:
+        if "completion" in config.scenarios:
+            dialect = target.completion
+            log(f"{target.name} ({dialect.kind}) at {dialect.url}: probe request")
+            asyncio.run(probe(dialect))
+        if "chat" in config.scenarios:
+            log(f"{target.name} (chat) at {target.chat.url}: probe request")
+            asyncio.run(probe_chat(target.chat))
+        schema = None
+        if config.json_schema is not None and "completion" in config.scenarios:
+            schema = constrained(target.completion, config.json_schema)
+            asyncio.run(probe(schema))  # a schema the server refuses fails here, before the levels
+        schema_dialects.append(schema)
+        server: Json = {
+            "name": target.name,
+            "url": target.completion.url,
+            "kind": target.completion.kind,
+            "started_by_bench": target.started_by_bench,
+            "levels": [],
+        }
+        if target.ab:
+            server["ab"] = True
+        if schema is not None:
+            server["constrained_levels"] = []
+        if "chat" in config.scenarios:
+            server["chat_levels"] = []
+        servers.append(server)
+    for scenario in config.scenarios:
+        for c in config.concurrency:
+            for target, server, schema in zip(targets, servers, schema_dialects):
+                label = f" [{target.name}]"
+                if scenario == "chat":
+                    server["chat_levels"].append(_measure_chat_level(target.chat, c, config, log, label))
+                    continue
+                server["levels"].append(_measure_level(target.completion, c, config, log, label))
+                if schema is not None:
+                    constrained_level = _measure_level(schema, c, config, log, label + " (JSON schema)")
+                    server["constrained_levels"].append(constrained_level)
+    for target, server in zip(targets, servers):
+        if "constrained_levels" in server:
+            server["constrained_over_unconstrained"] = compare_levels(server["levels"], server["constrained_levels"])
+        if isinstance(target.completion, OpenAIDialect):
+            server["model"] = target.completion.model or target.chat.model
+    return servers
+
+
+def soak(dialect: Dialect, sampler: RssSampler | None, config: BenchConfig, log: Log) -> Json:
+    concurrency = max(config.concurrency)
+    log(f"soak: {config.soak_requests} requests x {config.soak_max_new_tokens} tokens at concurrency {concurrency}")
+    before = sampler.read() if sampler else None
+    first_sample = len(sampler.samples) if sampler else 0
+    records, elapsed = asyncio.run(
+        run_soak(dialect, concurrency, config.soak_requests, config.soak_max_new_tokens, config.request_timeout)
+    )
+    after = sampler.read() if sampler else None
+    during = [rss for _, rss in sampler.samples[first_sample:]] if sampler else []
+
+    def mib(size: int | None) -> float | None:
+        return None if size is None else round(size / 2**20, 1)
+
+    result = {
+        "requests": len(records),
+        "concurrency": concurrency,
+        "max_new_tokens": config.soak_max_new_tokens,
+        "elapsed_s": round(elapsed, 2),
+        "failed_requests": sum(1 for r in records if r.error is not None),
+        "token_count_errors": sum(1 for r in records if r.error is None and not r.count_ok),
+        "rss_before_mib": mib(before),
+        "rss_after_mib": mib(after),
+        "rss_max_mib": mib(max(during)) if during else None,
+        "drift_pct": round((after - before) / before * 100, 2) if before and after else None,
+    }
+    log(f"  RSS {result['rss_before_mib']} -> {result['rss_after_mib']} MiB (drift {result['drift_pct']} %)")
+    return result

@@ -1,0 +1,184 @@
+"""The engine's settings: continuous or dynamic batching, the step budgets, the request queue, the
+runner (fast path, batch invariance, CPU autotune), the prefix cache and the paged KV cache."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import ByteSize, Field, model_validator
+
+from lmiserve.config.settings_types import FieldGroup, KvCacheLayout, RollingBatch
+
+# The one line a start with the slot KV cache stops with.
+SLOTS_REFUSED = (
+    "kv_cache=slots is no longer served: the paged KV cache serves every model "
+    "(batch_invariant=true gives generate()'s output bit for bit)"
+)
+
+
+class EngineFields(FieldGroup):
+    """How requests share the engine, and its caches."""
+
+    rolling_batch: RollingBatch = Field(
+        "auto",
+        description=(
+            "`auto` or `lmi` = continuous batching, `disable` = dynamic batching; "
+            "LMI engine names (`vllm`, `lmi-dist`, `scheduler`, ...) mean `lmi`."
+        ),
+        json_schema_extra={
+            "allowed": "one of auto, lmi, disable (or an LMI engine name: vllm, lmi-dist, scheduler, trtllm, tnx)"
+        },
+    )
+    max_rolling_batch_size: int = Field(
+        32,
+        ge=1,
+        description=("Most sequences generated together (vLLM's `max_num_seqs`); further requests wait in the queue."),
+    )
+    max_rolling_batch_prefill_tokens: int = Field(
+        2048,
+        ge=1,
+        description=(
+            "Most prompt tokens prefilled in one engine step (the prompt side of the step's budget; "
+            "`max_num_batched_tokens` bounds the whole step)."
+        ),
+    )
+    max_num_batched_tokens: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Most tokens one engine step computes, decoding streams included (vLLM's name and counting): "
+            "each decoding stream's token (and its speculative drafts) counts first, prompt chunks fill "
+            "the rest, within `max_rolling_batch_prefill_tokens` (the stricter bound wins). At least "
+            "`max_rolling_batch_size` (`batch_size` under dynamic batching), or the server refuses to start. "
+            "Unset = no bound but the prompt budget (a step is then at most "
+            "`max_rolling_batch_prefill_tokens` + `max_rolling_batch_size` tokens)."
+        ),
+    )
+    prefill_tokens_while_decoding: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "While streams decode, a step prefills at most max(this, decoding streams, "
+            "`max_rolling_batch_size` - decoding streams) prompt tokens (within "
+            "`max_rolling_batch_prefill_tokens`): a step carries no more rows than a full batch or twice its "
+            "decoding rows, so admitting prompts never stalls running streams for long, and a batch that is "
+            "still filling admits them quickly. Unset = 16 on CPU, 256 on GPU."
+        ),
+    )
+    max_input_len: int | None = Field(
+        None,
+        ge=1,
+        description="Longest accepted prompt in tokens, on every route; unset = the model's context length.",
+    )
+    max_new_tokens: int = Field(30, ge=1, description="`max_new_tokens` of requests that give none.")
+    max_new_tokens_limit: int = Field(
+        4096,
+        ge=1,
+        description=(
+            "Largest `max_new_tokens` a request may ask for; a request above it is rejected. "
+            "`max_new_tokens` may not be larger."
+        ),
+    )
+    job_queue_size: int = Field(
+        1000, ge=1, description="Requests that may wait for a batch slot; beyond it the server answers 503."
+    )
+    batch_size: int = Field(1, ge=1, description="Dynamic batch size; `> 1` forces `rolling_batch=disable`.")
+    max_batch_delay: int = Field(100, ge=0, description="Milliseconds dynamic batching waits for a batch to fill.")
+    predict_timeout: float = Field(
+        120.0, gt=0, description="Seconds a request may wait for a free batch slot before it fails."
+    )
+    enable_streaming: bool = Field(
+        False, description="Streaming in dynamic-batch mode (LMI's deprecated option; needs `batch_size=1`)."
+    )
+    batch_invariant: bool = Field(
+        False,
+        description="Run each sequence's forward pass alone so greedy output equals `model.generate` exactly.",
+    )
+    fast_path: bool = Field(
+        True,
+        description=(
+            "Run llama/mistral/qwen2 models with lmiserve's own fused forward (one pass per engine step); "
+            "`false` forces the generic transformers path. Other models always use the generic path."
+        ),
+    )
+    cpu_autotune: bool = Field(
+        True,
+        description=(
+            "Time the fast path's CPU kernel choices (product shapes, decode attention) at start-up and "
+            "keep the fastest, cached per CPU and model in `autotune_cache`; `false` keeps the static defaults."
+        ),
+    )
+    autotune_cache: str | None = Field(
+        None,
+        description="JSON file of the CPU autotune results; unset = the user cache dir / `lmiserve/autotune.json`.",
+    )
+    enable_prefix_caching: bool = Field(
+        True,
+        description=(
+            "Keep the KV of computed prompts and answers (in blocks of 16 tokens) and reuse it for later "
+            "prompts that start with them (multi-turn chat, a shared system prompt): only the rest is "
+            "prefilled. Not with `batch_invariant`. See docs/performance/prefix-cache.md."
+        ),
+    )
+    prefix_cache_size: ByteSize = Field(
+        ByteSize(512 * 2**20),
+        ge=0,
+        description=(
+            "Most memory the prefix cache's KV blocks take, per model, in bytes (`536870912`) or with a unit "
+            "(`512MiB`, `2GB`); least recently used blocks are evicted. `0` turns the cache off."
+        ),
+        json_schema_extra={"allowed": "a size >= 0 in bytes, e.g. 536870912, 512MiB or 2GB"},
+    )
+    kv_cache: KvCacheLayout = Field(
+        "paged",
+        description=(
+            "The KV cache: `paged`, the only one (Engine v2: a pool of blocks sized by `kv_cache_memory_bytes`, "
+            "admission by free blocks, preemption when the pool runs out, prompt chunks of several requests in "
+            "one step, the prefix cache as shared blocks, sliding-window attention). `slots`, the slot KV cache, "
+            "is no longer served and stops the start; `batch_invariant=true` gives `generate()`'s output bit for "
+            "bit. See docs/engine.md."
+        ),
+        json_schema_extra={"allowed": "paged"},
+    )
+    kv_cache_memory_bytes: ByteSize | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Memory of the paged KV cache's pool, per model (per worker with tensor parallelism; vLLM's name), "
+            "in bytes or with a unit (`4GiB`); unset = on CPU 25 % of the memory available at start-up, on CUDA "
+            "`gpu_memory_utilization` of the GPU less what the model took and the activations of the largest "
+            "step, profiled at start; never more than `max_rolling_batch_size` "
+            "sequences at full context need. A request that needs more than the whole pool answers 4xx."
+        ),
+        json_schema_extra={"allowed": "a size >= 1 in bytes, e.g. 4294967296 or 4GiB (or empty for unset)"},
+    )
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0.0,
+        le=1.0,
+        description="Share of the GPU's memory lmiserve may take (LMI's and vLLM's name); sizes the paged KV pool.",
+    )
+    block_size: int = Field(16, ge=1, le=1024, description="Tokens a block of the paged KV cache holds (vLLM's name).")
+    enforce_eager: bool = Field(
+        False,
+        description=(
+            "On CUDA, run every step eagerly: no decode steps replayed as CUDA graphs (LMI's and vLLM's name). "
+            "Graphs apply to the fast path over the paged KV cache on one GPU; see docs/engine.md."
+        ),
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_slots(cls, data: Any) -> Any:
+        """`kv_cache=slots` (the slot KV cache, removed) stops the start with one line, before any other check."""
+        if isinstance(data, Mapping) and str(data.get("kv_cache", "")).strip().lower() == "slots":
+            sources = data.get("sources")
+            source = sources.get("kv_cache") if isinstance(sources, Mapping) else None
+            raise ValueError(SLOTS_REFUSED + (f" (from {source})" if source else ""))
+        return data
+
+    @property
+    def dynamic_batching(self) -> bool:
+        """True when requests are batched statically (LMI's non-rolling mode), not continuously."""
+        return self.rolling_batch == "disable" or self.batch_size > 1

@@ -1,0 +1,158 @@
+"""The settings of the model: what is served, where it comes from, how it is loaded, its kind and (for
+TorchScript) its tensors. Tensor parallelism's settings, which sit between them in the reference, are
+in settings_parallel.py."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from pydantic import ByteSize, Field, field_validator
+
+from lmiserve.config.settings_types import Dtype, FieldGroup, LoadFormat, ModelKind
+
+_CUDA_DEVICE = re.compile(r"cuda(:\d+)?")
+
+
+class ModelFields(FieldGroup):
+    """What is served and how its weights are fetched and loaded."""
+
+    model_id: str | None = Field(
+        None,
+        description=(
+            "The model: a local directory or `.gguf` file; a Hugging Face Hub id (`org/name`; `org/repo:Q4_K_M` "
+            "for one file of a GGUF repository), downloaded at start into the Hugging Face cache; or an "
+            "`s3://bucket/prefix` or `gs://bucket/prefix` URL, downloaded into `download_dir`. Unset = Vertex AI's "
+            "`AIP_STORAGE_URI` when set, else the bundled default model (SmolLM2-135M-Instruct). See docs/models.md."
+        ),
+    )
+    model_name: str | None = Field(
+        None, description="Model name reported by `/models` and `/ping`; unset = derived from `model_id`."
+    )
+    served_model_name: str | None = Field(
+        None,
+        description=(
+            "Other names the OpenAI routes accept as `model`, comma-separated (as vLLM's "
+            "`--served-model-name`); `*` accepts any name. Always accepted: the model's name, no `model` "
+            "at all, `tgi` and `dummy` (what TGI's clients send), and for the bundled default model "
+            "`SmolLM2`, `smollm`, `smollm2` and `HuggingFaceTB/SmolLM2-135M-Instruct`; any other `model` "
+            "answers 404. See docs/protocols/openai.md."
+        ),
+    )
+    revision: str | None = Field(None, description="Revision (branch, tag or commit) of a Hugging Face Hub model id.")
+    gguf_file: str | None = Field(
+        None,
+        description=(
+            "The `.gguf` file to fetch from a Hub repository of GGUF files (`model_id=org/repo`), instead of a "
+            "`:QUANT` tag on the id; without either, a GGUF repository's Q4_K_M file (llama.cpp's default)."
+        ),
+    )
+    download_dir: str | None = Field(
+        None,
+        description=(
+            "Where `s3://` and `gs://` models are downloaded to (one directory a URL, kept between starts); unset = "
+            "the user cache dir / `lmiserve/downloads`. Hub models go to the Hugging Face cache (`HF_HOME`, "
+            "`HF_HUB_CACHE`)."
+        ),
+    )
+    download_part_size: ByteSize = Field(
+        ByteSize(16 << 20),
+        ge=4096,
+        description=(
+            "Bytes one ranged GET of a model download reads (`16MiB`; `64KiB`, `1GB` ... accepted): eight parts "
+            "download at a time, and a killed download resumes after the last part written."
+        ),
+    )
+    download_retries: int = Field(
+        4,
+        ge=0,
+        le=20,
+        description=(
+            "Attempts after the first when a model download meets a network error (no connection, a timeout, "
+            "a 429 or 5xx), waiting 1, 2, 4, ... seconds (at most 30) between them."
+        ),
+    )
+    dtype: Dtype = Field(
+        "auto",
+        description=(
+            "Weights and compute dtype: `auto` (fp32 on CPU, bf16/fp16 on GPU), `fp32`, `fp16`, `bf16`, `int8` "
+            "(CPU: weight-only int8 linear layers, bf16 activations and KV cache) or `int4` (CPU: linear "
+            "layers in 4-bit groups of 32 as GGUF Q4_1, fp32 activations and KV cache; the fastest single "
+            "stream). `float32`, `float16`, `half` and `bfloat16` are accepted too. See "
+            "docs/performance/dtypes.md."
+        ),
+    )
+    load_format: LoadFormat = Field(
+        "auto",
+        description=(
+            "`auto` (or `safetensors`, `pt`): the weights in the model directory; `dummy` (vLLM's name): "
+            "random weights from the directory's `config.json` (and its tokenizer), so memory and speed of "
+            "a 1B or 8B shape can be measured without its weights. The output of a `dummy` model is noise."
+        ),
+    )
+    device: str = Field(
+        "auto",
+        description="Device: `auto` (cuda when available, else cpu), `cpu`, `cuda` or `cuda:N`.",
+        json_schema_extra={"allowed": "one of auto, cpu, cuda, cuda:N"},
+    )
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        if value in ("auto", "cpu") or _CUDA_DEVICE.fullmatch(value):
+            return value
+        raise ValueError("unknown device")
+
+
+class ModelKindFields(FieldGroup):
+    """The model's kind, where converted models are kept, and a TorchScript model's inputs and outputs."""
+
+    trust_remote_code: bool = Field(False, description="Allow a model repository to run its own Python code.")
+    model_cache_dir: str | None = Field(
+        None,
+        description="Where the bundled GGUF model is converted to; unset = the user cache dir / `lmiserve`.",
+    )
+    model_kind: ModelKind = Field(
+        "auto",
+        description=(
+            "`auto` (detected from the model files), `llm`, `embedding`, `classifier` (`regression`: a "
+            "classifier with one label) or `torchscript`."
+        ),
+    )
+    input_names: str | None = Field(
+        None,
+        description=(
+            "TorchScript inputs, comma-separated in the order `forward()` takes them; unset = one input `input__0`."
+        ),
+    )
+    input_dtypes: str | None = Field(
+        None, description="V2 datatypes of the TorchScript inputs, comma-separated; unset = `FP32` each."
+    )
+    input_shapes: str | None = Field(
+        None,
+        description=(
+            "Shapes of the TorchScript inputs: `;` between inputs, `,` between dims, `-1` = any size "
+            "(e.g. `-1,4;-1`); unset = `-1` each."
+        ),
+    )
+    output_names: str | None = Field(
+        None,
+        description=(
+            "Names of the TorchScript outputs, comma-separated in the order `forward()` returns them; "
+            "unset = `output__0`, `output__1`, ..."
+        ),
+    )
+    output_dtypes: str | None = Field(
+        None, description="V2 datatypes of the TorchScript outputs, comma-separated; unset = `FP32` each."
+    )
+    output_shapes: str | None = Field(
+        None, description="Shapes of the TorchScript outputs, like `input_shapes`; unset = `-1` each."
+    )
+
+    def resolved_model_cache_dir(self) -> Path:
+        """``model_cache_dir``, or the platform's user cache dir / lmiserve."""
+        if self.model_cache_dir:
+            return Path(self.model_cache_dir).expanduser()
+        import platformdirs
+
+        return Path(platformdirs.user_cache_dir("lmiserve"))
