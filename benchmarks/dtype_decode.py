@@ -6,7 +6,8 @@ forward of the same dtype, interleaved, in one process.
 
 For each batch size every (dtype, forward) pair runs one decode step in turn, `--steps` rounds, so
 load from other work on a shared machine hits all of them alike. The fast forward decodes rows at
-the positions `lmiserve bench`'s prompts reach (33..192) with the kernels the server would pick
+the positions `lmiserve bench`'s prompts reach (33..192), each row through its own blocks of a paged KV
+pool (`BLOCK_SIZE` tokens a block, as the server's default), with the kernels the server would pick
 (`--kernels autotune`: measured now, without the cache; `static`: the built-in defaults; `both`:
 both, as "fast <dtype> static" and "fast <dtype>"); the bare
 forward is the model's own forward over a `DynamicCache` prefilled with 100 tokens per row (what
@@ -27,13 +28,18 @@ from transformers import DynamicCache
 
 from lmiserve.core.cpu_info import cpu_info
 from lmiserve.engine import autotune
-from lmiserve.engine.fast_llama import FastLlama
-from lmiserve.engine.runners.base import slot_cache
+from lmiserve.engine.attention.paged import paged_cache
+from lmiserve.engine.fast_llama import FastLlama, StepInputs
 from lmiserve.models import load_causal_lm, resolve_model_path
+
+BLOCK_SIZE = 16
+ROW_POSITIONS = 256  # a row's blocks in the pool: past the 192 positions a step reaches
 
 
 def fast_forward(loaded, slots: int, kernels: str) -> tuple[FastLlama, str]:
-    fast = FastLlama(loaded.model, slot_cache(loaded.model, slots, 2048), 2048)
+    """The fast forward over a pool of `slots` rows' blocks; its kernels measured now or the static ones."""
+    cache = paged_cache(loaded.model, slots * ROW_POSITIONS // BLOCK_SIZE, BLOCK_SIZE)
+    fast = FastLlama(loaded.model, cache, 2048)
     choice = autotune.measure(fast, slots) if kernels == "autotune" else None
     return fast, choice.describe() if choice else "static"
 
@@ -41,7 +47,10 @@ def fast_forward(loaded, slots: int, kernels: str) -> tuple[FastLlama, str]:
 def fast_step(fast: FastLlama, rows: int):
     positions = [32 + (i * 131) % 160 for i in range(rows)] if rows > 1 else [100]
     ids = [5 + i for i in range(rows)]
-    return lambda: fast.forward(ids, positions, [], list(range(rows)))
+    per_row = ROW_POSITIONS // BLOCK_SIZE
+    tables = [[row * per_row + j for j in range(p // BLOCK_SIZE + 1)] for row, p in enumerate(positions)]
+    inputs = StepInputs(ids, positions, tables, keep=list(range(rows)))
+    return lambda: fast.forward(inputs)
 
 
 def bare_step(loaded, rows: int):

@@ -1,5 +1,5 @@
-"""Decode attention over the block KV cache (engine/paged_attention.py) against the slot kernel
-(engine/decode_attention.py): one layer's call, SmolLM2-135M's attention shape by default.
+"""Decode attention over the block KV cache (engine/attention/paged.py) against the slot kernel
+(engine/attention/cpu_kernel.py): one layer's call, SmolLM2-135M's attention shape by default.
 
     .venv/bin/python benchmarks/paged_attention.py [--rows 32] [--block-size 16] [--calls 200]
 
@@ -18,7 +18,8 @@ import time
 import numpy as np
 import torch
 
-from lmiserve.engine import decode_attention, paged_attention
+from lmiserve.engine.attention import cpu_kernel as decode_attention
+from lmiserve.engine.attention import paged as paged_attention
 
 
 def main() -> None:
@@ -73,12 +74,12 @@ def main() -> None:
     slot_ks, slot_vs = [slot_k.clone() for _ in layers], [slot_v.clone() for _ in layers]
     pool_ks, pool_vs = [pool_k.clone() for _ in layers], [pool_v.clone() for _ in layers]
     decode_attention.warm_up()
-    paged_attention.warm_up()
+    cpu_kernel.warm_up()
     candidates = {
         "slot (decode_attention)": lambda i: decode_attention.decode_attention(
             query, slot_ks[i], slot_vs[i], new_k, new_v, spans, scale
         ),
-        "paged (numba)": lambda i: paged_attention.compiled_decode_attention(
+        "paged (numba)": lambda i: cpu_kernel.compiled_decode_attention(
             query, pool_ks[i], pool_vs[i], new_k, new_v, tables, spans, scale, args.parts
         ),
     }

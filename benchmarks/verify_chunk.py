@@ -15,7 +15,7 @@ bundled model (or --model-id) in fp32 on CPU into the engine's runner as `lmiser
 
 With --compare every shape also runs as the runner did before few-row steps were tuned (the "before"
 column: ``CpuGemm.few_rows`` off, so BLAS products with rows padded to 8 from 5 rows (vocabulary: from
-2), and ``fast_llama.CHUNKS_AS_DECODE_ROWS`` off, so a kernel call a short chunk and a layer), alternating
+2), and ``backends.CHUNKS_AS_DECODE_ROWS`` off, so a kernel call a short chunk and a layer), alternating
 with the runner's own (the "after" column), in the same rounds; with --no-autotune both use the static
 CPU defaults (the AMD EPYC's choices), else the autotuned ones. Prints medians (ms), the spread
 (interquartile range as % of the median) and the ratio of each median to ``decode 1``'s of the same
@@ -40,8 +40,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's lmiserve, not an installed one
 
+from lmiserve.engine.fast_llama import StepInputs
 from lmiserve.config.settings import Settings
-from lmiserve.engine import fast_llama
+from lmiserve.engine.attention import backends
 from lmiserve.engine.cpu_gemm import CpuGemm
 from lmiserve.engine.factory import create_engine
 from lmiserve.engine.runners.paged import PagedFastRunner
@@ -77,13 +78,15 @@ def shapes(runner: PagedFastRunner, args: argparse.Namespace) -> dict[str, Calla
         positions = [context + (i * 7) % 24 for i in range(rows)]
         tables = [table(i, p + 1) for i, p in enumerate(positions)]
         ids = [100 + i for i in range(rows)]
-        return lambda: fast.forward(ids, positions, [], list(range(rows)), decode_tables=tables)
+        return lambda: fast.forward(
+            StepInputs(decode_ids=ids, decode_positions=positions, decode_tables=tables, keep=list(range(rows)))
+        )
 
     def chunk(n: int, start: int, keep_all: bool) -> Callable[[], torch.Tensor]:
         ids = [200 + i for i in range(n)]
         keep = list(range(n)) if keep_all else [n - 1]
         prefills = [(table(40, start + n), start, ids)]
-        return lambda: fast.forward([], [], prefills, keep)
+        return lambda: fast.forward(StepInputs(chunks=prefills, keep=keep))
 
     out: dict[str, Callable[[], torch.Tensor]] = {"decode 1": decode(1)}
     out.update({f"chunk {n}": chunk(n, context, True) for n in args.chunks})
@@ -116,7 +119,7 @@ def main(args: argparse.Namespace) -> dict:
     for run in runs.values():  # warm-up: numba compiles, RoPE table, first-touch of the blocks
         for gemm, compiled, rows in kernels.values():
             fast.use_kernels(gemm, compiled)
-            fast_llama.CHUNKS_AS_DECODE_ROWS = rows
+            backends.CHUNKS_AS_DECODE_ROWS = rows
             run()
     deadline = time.monotonic() + args.max_seconds
     rounds = 0
@@ -128,13 +131,13 @@ def main(args: argparse.Namespace) -> dict:
                 continue
             for label, (gemm, compiled, rows) in kernels.items():
                 fast.use_kernels(gemm, compiled)
-                fast_llama.CHUNKS_AS_DECODE_ROWS = rows
+                backends.CHUNKS_AS_DECODE_ROWS = rows
                 start = time.perf_counter()
                 run()
                 times[label][name].append((time.perf_counter() - start) * 1000)
         rounds += 1
     fast.use_kernels(*after[:2])
-    fast_llama.CHUNKS_AS_DECODE_ROWS = True
+    backends.CHUNKS_AS_DECODE_ROWS = True
     base = {label: statistics.median(times[label]["decode 1"]) for label in kernels}
     header = f"{'shape':<12}" + "".join(f"{label + ' ms':>14}{'iqr %':>7}{'x dec1':>8}" for label in kernels)
     if args.compare:

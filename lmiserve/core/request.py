@@ -38,9 +38,10 @@ class ThinkingBudget:
     close_ids: tuple[int, ...] = ()
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
-    """Generation parameters. Names and defaults are those of LMI's request parameters."""
+    """Generation parameters. Names and defaults are those of LMI's request parameters. Immutable: a
+    protocol builds them once, with every field it sets; a variant is derived (`dataclasses.replace`)."""
 
     do_sample: bool = False
     seed: int | None = None
@@ -61,7 +62,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)  # added to the logits (OpenAI's logit_bias)
     bad_words: list[str] = field(default_factory=list)  # vLLM's: never generated (the engine tokenizes them)
-    bad_words_ids: list[list[int]] = field(default_factory=list)  # bad_words as token ids, set by the engine
+    bad_words_ids: list[list[int]] = field(default_factory=list)  # bad_words as token ids, derived by the engine
     truncate: int | None = None  # keep only the last N prompt tokens
     decoder_input_details: bool = False  # prompt-token logprobs
     # with decoder_input_details: also each prompt token's rank and the N most likely tokens at its position
@@ -77,8 +78,12 @@ class SamplingParams:
         return not self.do_sample
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerationRequest:
+    """What the engine runs, as a protocol's parse step builds it: complete (its adapter, grammar, top
+    tokens and every other field given at construction) and immutable; the engine derives the variant it
+    runs (`dataclasses.replace`)."""
+
     prompt: str
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = field(default_factory=_request_id)

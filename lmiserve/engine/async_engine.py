@@ -77,7 +77,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # the paged pool's budget; None = by device (engine/factory.py)
     block_size: int = 16  # tokens a block of the paged pool holds
     gpu_memory_utilization: float = 0.9  # on CUDA, the share of the GPU the paged pool's default budget fills
-    enforce_eager: bool = False  # on CUDA: no decode steps replayed as CUDA graphs (engine/cuda_graphs.py)
+    enforce_eager: bool = False  # on CUDA: no decode steps replayed as CUDA graphs (engine/attention/cuda_graphs.py)
     speculation: SpeculationSettings | None = None  # speculative decoding (engine/speculative.py)
     lora: LoraLimits | None = None  # LoRA adapters (engine/lora_registry.py; None: none served)
 
@@ -270,7 +270,7 @@ class AsyncEngine:
         once); a protocol calls this first to answer such a request with its 4xx before its response
         (a stream's 200) starts."""
         await self._compile(request.params.grammar)
-        prompt_ids = await self._encode(request)
+        _, prompt_ids = await self._encode(request)
         try:
             if prompt_ids is None:  # given as ids, or this request's encoding is remembered: no tokenizing
                 prompt_ids = self.codec.encode(request)
@@ -361,6 +361,7 @@ class AsyncEngine:
                 grammar = self.grammars.compile(request.params.grammar)
             if prompt_ids is None:
                 prompt_ids = self.codec.encode(request)
+            request = self.codec.runnable(request)  # its bad words and thinking end as ids (done by `_encode`)
             count = max(request.params.n, request.params.best_of)
             self._check_fits(len(prompt_ids) + request.params.max_new_tokens)
             if len(self.scheduler.waiting) + count > self.config.job_queue_size:
@@ -411,7 +412,7 @@ class AsyncEngine:
         """Events of one request. With n/best_of > 1 the sequences come whole, best first, unless the
         request is not `ranked` (then as they are generated, interleaved)."""
         grammar = await self._compile(request.params.grammar)
-        prompt_ids = await self._encode(request)
+        request, prompt_ids = await self._encode(request)
         handle = self.submit(request, grammar, prompt_ids, await self._acquire_async(request))
         try:
             if len(handle.seqs) == 1 or (not request.ranked and request.params.n == len(handle.seqs)):
@@ -435,14 +436,14 @@ class AsyncEngine:
         temperature = params.temperature if params.do_sample else 0.0
         request_context.record_generation(Generation(params.max_new_tokens, temperature, params.top_p, stats))
 
-    async def _encode(self, request: GenerationRequest) -> list[int] | None:
-        """The request's prompt ids, tokenized on the tokenizer thread (off the event loop); None when
-        encoding needs no tokenizer (ids given, or counted by this request's validation): `submit`
-        takes them then."""
+    async def _encode(self, request: GenerationRequest) -> tuple[GenerationRequest, list[int] | None]:
+        """The request as the engine runs it (`PromptCodec.runnable`) and its prompt ids, tokenized on the
+        tokenizer thread (off the event loop); the ids None when encoding needs no tokenizer (ids given, or
+        counted by this request's validation): `submit` takes them then."""
         if self.codec.tokenized(request):
-            return None
+            return request, None
         try:
-            return await tokenizing(self.codec.encode, request)
+            return await tokenizing(self.codec.encode_request, request)
         except LmiServeError as exc:
             self._notify("on_rejected", exc)
             raise

@@ -41,9 +41,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lmiserve.core.cpu_info import cpu_info
-from lmiserve.engine import paged_attention as compiled_attention
 from lmiserve.engine import skinny_gemm
+from lmiserve.engine.attention import cpu_kernel as compiled_attention
 from lmiserve.engine.cpu_gemm import FEW_ROWS, CpuGemm
+from lmiserve.engine.fast_llama import StepInputs
 
 if TYPE_CHECKING:
     from lmiserve.engine.fast_llama import FastLlama
@@ -188,15 +189,16 @@ def measure(fast: FastLlama, slots: int) -> KernelChoice:
         ids = [5 + i for i in range(rows)]
         size, count = fast.cache.block_size, fast.cache.num_blocks  # before any request: any blocks will do
         tables = [[(row * 13 + j) % count for j in range(-(-(p + 1) // size))] for row, p in enumerate(positions)]
-        return lambda: fast.forward(ids, positions, [], list(range(rows)), decode_tables=tables)
+        inputs = StepInputs(ids, positions, tables, keep=list(range(rows)))
+        return lambda: fast.forward(inputs)
 
     def chunk(tokens: int) -> Callable[[], object]:
         """One sequence's chunk of `tokens` tokens at position ~100, every logit kept (draft verification)."""
         start = max(0, min(100, fast.max_context - tokens))
         cache = fast.cache
         key = [(7 + j) % cache.num_blocks for j in range(-(-(start + tokens) // cache.block_size))]
-        prefills = [(key, start, [5 + i for i in range(tokens)])]
-        return lambda: fast.forward([], [], prefills, list(range(tokens)))
+        inputs = StepInputs(chunks=[(key, start, [5 + i for i in range(tokens)])], keep=list(range(tokens)))
+        return lambda: fast.forward(inputs)
 
     def race(
         rows: int, repeats: int, candidates: dict[str, tuple[CpuGemm, bool]], as_chunk: bool = False

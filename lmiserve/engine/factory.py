@@ -13,10 +13,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from lmiserve.core.request import SamplingParams
-from lmiserve.engine import cuda_graphs, lora_kernels
+from lmiserve.engine import lora_kernels
 from lmiserve.engine.async_engine import AsyncEngine, EngineConfig
+from lmiserve.engine.attention import cuda_graphs
+from lmiserve.engine.attention.paged import kv_bytes_per_block
 from lmiserve.engine.grammar_compiler import GrammarCompiler
-from lmiserve.engine.kv_cache import kv_bytes_per_block
 from lmiserve.engine.loaded import LoadedModel
 from lmiserve.engine.lora import FAST_PATH_MODULES, LoraAdapter
 from lmiserve.engine.lora_manager import LoraManager
@@ -88,7 +89,7 @@ PROFILE_SLACK = 256 * 2**20
 
 
 def graph_pool_bytes(step_bytes: int, step_tokens: int, rows: int, vocab: int, itemsize: int) -> int:
-    """The memory the captured decode graphs keep (engine/cuda_graphs.py: one pool for all, the largest
+    """The memory the captured decode graphs keep (engine/attention/cuda_graphs.py: one pool for all, the largest
     capture size's step): the profiled step's activations scaled to `rows` tokens, with the margin, and
     that step's logits (every row's, in the model's dtype and in float32)."""
     activations = step_bytes * rows // max(1, step_tokens)

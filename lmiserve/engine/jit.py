@@ -1,4 +1,4 @@
-"""numba, the compiler of the CPU kernels (engine/decode_attention.py, paged_attention.py,
+"""numba, the compiler of the CPU kernels (engine/attention/cpu_kernel.py, paged_attention.py,
 skinny_gemm.py), imported once. numba is a dependency; a broken install only costs speed: `HAVE_NUMBA`
 is then False and the kernels are not used."""
 

@@ -4,7 +4,7 @@ model has it (`unsupported_reason`), and its layers' weights fused for one produ
 Covers llama, mistral and qwen2 (biases), with the RoPE types whose table does not depend on the sequence
 length; a sliding window (Mistral's ``sliding_window``, Qwen2's ``use_sliding_window`` from
 ``max_window_layers`` on) only over the paged KV cache, whose attention applies it
-(engine/attention_window.py). Layer linears may be float, weight-only int8 (`quantize.Int8Linear`,
+(engine/attention/windows.py). Layer linears may be float, weight-only int8 (`quantize.Int8Linear`,
 ``dtype=int8``: the fused matrices hold int8 rows and one scale per row) or int4 (`quantize.Int4Linear`,
 ``dtype=int4``: packed rows and ``[groups, rows, 2]`` scales and zeros).
 """
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
-from lmiserve.engine.attention_window import unsupported_kinds
+from lmiserve.engine.attention.windows import unsupported_kinds
 from lmiserve.engine.quantize import INT4_ROW_BLOCK, Int4Linear, Int8Linear
 
 if TYPE_CHECKING:

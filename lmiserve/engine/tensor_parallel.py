@@ -247,7 +247,7 @@ def shard_adapter(adapter: LoraAdapter, model: torch.nn.Module) -> LoraAdapter:
     cut: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for path, (a, b) in adapter.modules.items():
         short = path.rsplit(".", 1)[-1]
-        weight = model.get_submodule(path).weight
+        weight = cast(torch.nn.Linear, model.get_submodule(path)).weight
         if short in rows:
             a, b = a, b[rows[short]].contiguous()
             fits = b.shape[0] == weight.shape[0]

@@ -262,7 +262,7 @@ def _runner(spec: WorkerSpec, loaded: Any, num_blocks: int) -> TensorParallelRun
         eos_token_ids=loaded.eos_token_ids,
         num_blocks=num_blocks,
         block_size=config.block_size,
-        enforce_eager=True,  # no decode graphs over tensor parallelism (engine/cuda_graphs.py)
+        enforce_eager=True,  # no decode graphs over tensor parallelism (engine/attention/cuda_graphs.py)
     )
     spec_settings = config.speculation
     if spec_settings is not None:  # prompt lookup only (a draft model is refused with tensor parallelism)

@@ -52,7 +52,7 @@ class PromptCodec:
 
     def tokenized(self, request: GenerationRequest) -> bool:
         """Whether `encode(request)` needs no tokenizing: its ids are given, or its validation counted
-        its prompt in this request (and it has no bad words or thinking budget end to encode)."""
+        its prompt in this request (and `encoded_params` has no bad words or thinking budget end to encode)."""
         if request.params.bad_words and not request.params.bad_words_ids:
             return False
         if _unencoded_thinking(request.params):
@@ -61,6 +61,28 @@ class PromptCodec:
             return True
         recalls = getattr(self.tokenizer, "recalls", None)
         return bool(recalls is not None and recalls(request.prompt))
+
+    def encoded_params(self, params: SamplingParams) -> SamplingParams:
+        """`params` as the engine runs them (the request's are immutable: a variant): its bad words as
+        token ids, its thinking budget's closing text as ids; `params` itself when nothing is to encode."""
+        bad_words_ids, thinking = params.bad_words_ids, params.thinking
+        if params.bad_words and not bad_words_ids:
+            bad_words_ids = self.bad_words_ids(params.bad_words)
+        if thinking is not None and _unencoded_thinking(params):
+            thinking = dataclasses.replace(thinking, close_ids=tuple(self.marker_ids(thinking.close)))
+        if bad_words_ids is params.bad_words_ids and thinking is params.thinking:
+            return params
+        return dataclasses.replace(params, bad_words_ids=bad_words_ids, thinking=thinking)
+
+    def runnable(self, request: GenerationRequest) -> GenerationRequest:
+        """`request` with its `encoded_params` (the request itself when nothing is to encode)."""
+        params = self.encoded_params(request.params)
+        return request if params is request.params else dataclasses.replace(request, params=params)
+
+    def encode_request(self, request: GenerationRequest) -> tuple[GenerationRequest, list[int]]:
+        """All the tokenizing a request needs, in one go: its prompt ids (`encode`) and `runnable(request)`."""
+        ids = self.encode(request)
+        return self.runnable(request), ids
 
     def encode(self, request: GenerationRequest) -> list[int]:
         params = request.params
@@ -72,11 +94,6 @@ class PromptCodec:
             raise InvalidRequest(
                 f"`logit_bias` token ids {sorted(bad)[:10]} are outside the vocabulary (0..{self.vocab_size - 1})"
             )
-        if params.bad_words and not params.bad_words_ids:
-            params.bad_words_ids = self.bad_words_ids(params.bad_words)
-        thinking = params.thinking
-        if thinking is not None and _unencoded_thinking(params):
-            params.thinking = dataclasses.replace(thinking, close_ids=tuple(self.marker_ids(thinking.close)))
         if request.prompt_ids is not None:
             return self._check(request, self._given_ids(request.prompt_ids))
         if params.truncate is None and self.max_prompt_chars and len(request.prompt) > self.max_prompt_chars:

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from lmiserve.core.adapters import resolve_adapter
+from lmiserve.core.adapters import Source, select_adapter
 from lmiserve.core.engine import TextGenerator
 from lmiserve.core.errors import GenerationFailed, InvalidRequest
 from lmiserve.core.events import FinishReason
@@ -58,8 +58,8 @@ class LlmTensorModel:
     def adapter(self, parameters: Mapping[str, Any] | None) -> str | None:
         """The LoRA adapter the `adapter_id` parameter names (None: the base model, also for this model's
         own name); `AdapterNotFound` (the protocol's 404) for one that is not served."""
-        name = (parameters or {}).get("adapter_id")
-        return resolve_adapter(name, getattr(self.engine, "adapters", None), (self.name,))
+        source = Source("adapter_id", (parameters or {}).get("adapter_id"))
+        return select_adapter([source], getattr(self.engine, "adapters", None), (self.name,))
 
     async def infer(self, request: TensorRequest) -> dict[str, np.ndarray]:
         prompts = text_rows(model_input(request, self.signature, INPUT, self.name), INPUT)
@@ -67,14 +67,7 @@ class LlmTensorModel:
             raise InvalidRequest(f"input '{INPUT}' holds an empty prompt")
         sampling, full_text = self.sampling(request.parameters)
         adapter = self.adapter(request.parameters)
-        requests = [
-            GenerationRequest(
-                p,
-                SamplingParams(**{**sampling.__dict__, "stop_sequences": list(sampling.stop_sequences)}),
-                adapter=adapter,
-            )
-            for p in prompts
-        ]
+        requests = [GenerationRequest(p, sampling, adapter=adapter) for p in prompts]  # immutable: shared
         texts = await _all_or_nothing([self._complete(r) for r in requests])
         if full_text:
             texts = [p + t for p, t in zip(prompts, texts)]

@@ -18,6 +18,7 @@ from starlette.types import ASGIApp
 from lmiserve.config import Settings
 from lmiserve.models.registry import ModelRegistry
 from lmiserve.models.service import ModelService
+from lmiserve.protocols import invocations
 from lmiserve.protocols.anthropic import routes as anthropic
 from lmiserve.protocols.lmi import routes as lmi
 from lmiserve.protocols.lmi.errors import MANAGEMENT, frontend_error_body
@@ -30,7 +31,7 @@ from lmiserve.protocols.openai import tokenize as vllm_tokenize
 from lmiserve.protocols.tei import routes as tei
 from lmiserve.protocols.tensor import routes as tensor
 from lmiserve.protocols.tgi import routes as tgi
-from lmiserve.server import invocations, openapi, playground
+from lmiserve.server import openapi, playground
 from lmiserve.server.access import RequestLog
 from lmiserve.server.drain import Drain
 from lmiserve.server.errors import protocol_routes

@@ -47,7 +47,7 @@ from lmiserve.config import Settings
 from lmiserve.core.aio import merge_tagged
 from lmiserve.core.errors import Overloaded
 from lmiserve.core.events import FinishReason, StepEvent
-from lmiserve.core.request import GenerationRequest
+from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.core.stats import EngineSnapshot
 from lmiserve.engine.grammar_compiler import CompiledGrammar, GrammarCompiler
 from lmiserve.engine.loaded import LoadedModel
@@ -206,6 +206,7 @@ class FakeTextGenerator:
         self.requests: list[GenerationRequest] = []  # every request `generate` was called with, in order
         self.prepared: list[GenerationRequest] = []  # every request `prepare` was called with
         self.encoded: list[list[int]] = []  # the prompt token ids of every request that passed validation
+        self.ran: list[SamplingParams] = []  # the parameters its sequences ran with (`PromptCodec.encoded_params`)
         self.closed: list[str] = []  # request ids whose event iterator was closed (or ran out)
         self.aborted: list[str] = []  # of those, the ones closed before every sequence had its final event
         self.observers: list[Any] = []  # kept, never called: the fake reports no statistics
@@ -306,9 +307,10 @@ class FakeTextGenerator:
     ) -> AsyncGenerator[StepEvent, None]:
         """The engine's `submit` then its events: one sequence streams, several come whole, best first (not
         `ranked`: interleaved as they are generated)."""
-        params = request.params
         compiled = await self._compile(request)
         prompt_ids = self.codec.encode(request)
+        params = self.codec.encoded_params(request.params)  # as the engine runs them: bad words as ids, ...
+        self.ran.append(params)
         self.encoded.append(prompt_ids)
         if self.waiting + state.sequences > self.job_queue_size:
             raise Overloaded("Worker queue capacity exceeded")

@@ -300,3 +300,63 @@ def test_preemption_under_tensor_parallelism_keeps_every_stream(tiny_model_dir, 
     assert preemptions > 0
     for answer, whole in zip(answers, kv2_answers[0]):
         assert answer.tokens == whole.tokens
+
+
+# ---- LoRA adapters over the ranks (issue #36) -----------------------------------------------------------------
+
+LORA_TOKENS = 12
+LORA_PROMPTS = ["Hello there, how are", "def add(a, b):", "one two three four"]
+
+
+def test_lora_adapters_over_two_ranks_give_the_merged_models_tokens(tiny_model_dir, lora_adapter_dirs):
+    """A TP=2 server's model (`lora_modules` at start, through `ModelService` as `lmiserve serve` loads it):
+    each rank reads its shard of an adapter when a step first names a load of it, and the greedy tokens of
+    every adapter, and of the base model, alone and all in one batch, are `generate()`'s with the adapter
+    merged by PEFT. With ``max_cpu_loras=2`` and three adapters the leader unloads and loads again, and the
+    ranks forget what it unloaded."""
+    from helpers.lora_adapters import merged_generate
+    from lmiserve.models.service import ModelService
+
+    modules = " ".join(f"{name}={path}" for name, path in lora_adapter_dirs.items())
+    settings = Settings.from_options(
+        {
+            "model_id": str(tiny_model_dir),
+            "device": "cpu",
+            "tensor_parallel_degree": "2",
+            "lora_modules": modules,
+            "max_loras": "2",
+            "max_cpu_loras": "2",
+        }
+    )
+    names = [None, *lora_adapter_dirs]
+    service = ModelService(settings)
+
+    async def run():
+        await service.load()
+        assert service.status == ModelService.READY, service.error
+        engine = service.engine
+        assert engine.adapters is not None and sorted(engine.adapters.names()) == sorted(lora_adapter_dirs)
+        assert engine.adapters.loaded_count() == 2  # the third was unloaded at start
+        ids = [service.loaded.tokenizer(p)["input_ids"] for p in LORA_PROMPTS]
+
+        async def one(i: int, name: str | None) -> list[int]:
+            params = SamplingParams(max_new_tokens=LORA_TOKENS, ignore_eos_token=True)
+            request = GenerationRequest("", params, prompt_ids=ids[i], adapter=name)
+            return [e.token.id async for e in engine.generate(request) if e.token is not None]
+
+        try:
+            alone = {(name, 0): await one(0, name) for name in names}
+            jobs = [(name, i) for i in range(len(ids)) for name in names]
+            mixed = dict(zip(jobs, await asyncio.gather(*(one(i, name) for name, i in jobs)), strict=True))
+            return ids, alone, mixed
+        finally:
+            await service.close()
+
+    ids, alone, mixed = asyncio.run(run())
+    expected = {
+        name: merged_generate(tiny_model_dir, lora_adapter_dirs[name] if name else None, ids, LORA_TOKENS)
+        for name in names
+    }
+    assert len({tuple(expected[name][0]) for name in names}) == len(names)  # every adapter changes the output
+    for (name, i), tokens in [*alone.items(), *mixed.items()]:
+        assert tokens == expected[name][i], (name, i)

@@ -47,7 +47,7 @@ async def render(tiny_model, payload: dict) -> bytes:
     count = lambda text: len(tokenizer(text)["input_ids"])  # noqa: E731
     render_chat = lambda m: tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)  # noqa: E731
     try:
-        call = adapter.messages(parse(MessagesRequest, payload), limits, count, render_chat, thinks=False)
+        call = adapter.messages(parse(MessagesRequest, payload), limits, count, render_chat)
     except LmiServeError as exc:
         return RENDERER.body(exc)
     msg_id = enc.message_id()

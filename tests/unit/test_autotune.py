@@ -18,7 +18,7 @@ from lmiserve.engine.async_engine import EngineConfig
 from lmiserve.engine.cpu_gemm import BIG_OUT, NEVER, CpuGemm
 from lmiserve.engine.factory import create_engine
 from lmiserve.engine.fast_llama import FastLlama
-from lmiserve.engine.kv_cache import paged_cache
+from lmiserve.engine.attention.paged import paged_cache
 
 
 @pytest.fixture(autouse=True)

@@ -362,7 +362,7 @@ def test_error_wins_over_a_sample_for_the_same_sequence():
     assert a.seq_id in out.samples
     out.errors[a.seq_id] = "late failure"
     events = sched.update(plan, out)
-    assert len(events) == 1 and events[0][1].finish.reason is FinishReason.ERROR
+    assert [(ev.token, ev.finish and ev.finish.reason) for _, ev in events] == [(None, FinishReason.ERROR)]
     assert a.output_ids == []
 
 

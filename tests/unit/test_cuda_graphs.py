@@ -1,4 +1,4 @@
-"""Decode steps replayed as CUDA graphs (engine/cuda_graphs.py).
+"""Decode steps replayed as CUDA graphs (engine/attention/cuda_graphs.py).
 
 The capture itself needs a GPU (benchmarks/gpu_check.py runs these tests on CUDA, where `DecodeGraphs`
 captures); on a CPU the same padded step runs from the same fixed buffers without capturing
@@ -18,11 +18,15 @@ import torch
 pytest.importorskip("triton")
 
 from helpers.llama_variants import ARCHS, PROMPTS, build, greedy_tokens, serve_prompts  # noqa: E402
-from lmiserve.engine import cuda_graphs  # noqa: E402
 from lmiserve.engine.async_engine import EngineConfig  # noqa: E402
-from lmiserve.engine.cuda_graphs import DecodeGraphs, capture_sizes  # noqa: E402
-from lmiserve.engine.fast_llama import FastLlama  # noqa: E402
-from lmiserve.engine.paged_attention import PagedKVCache  # noqa: E402
+from lmiserve.engine.attention import cuda_graphs  # noqa: E402
+from lmiserve.engine.attention.backends import TorchBackend  # noqa: E402
+from lmiserve.engine.attention.cuda_graphs import DecodeGraphs, capture_sizes  # noqa: E402
+from lmiserve.engine.attention.paged import PagedKVCache  # noqa: E402
+from lmiserve.engine.fast_llama import (
+    FastLlama,  # noqa: E402
+    StepInputs,
+)
 
 DEVICE = torch.device(os.environ.get("LMISERVE_TEST_DEVICE", "cpu"))
 CAPTURE = DEVICE.type == "cuda"
@@ -60,18 +64,25 @@ def test_padded_decode_steps_give_each_rows_transformers_logits(monkeypatch, arc
     reference = [model(torch.tensor([s], device=DEVICE)).logits[0] for s in seqs]
     tables = [list(range(i * 12, i * 12 + 12)) for i in range(5)]  # 12 blocks of 4 each: 48 positions
     prompt = 4  # every sequence's first 4 tokens as a prompt; the rest decoded
-    fast.forward([], [], [(tables[i], 0, seqs[i][:prompt]) for i in range(5)], [])
+    fast.forward(StepInputs(chunks=[(tables[i], 0, seqs[i][:prompt]) for i in range(5)]))
     for step in range(prompt, 9):
         rows = [i for i in range(5) if step < len(seqs[i])]
         rows = rows[: (5, 3, 1, 5, 3)[step - prompt]]
         ids = [seqs[i][step] for i in rows]
-        out = fast.forward(ids, [step] * len(rows), [], list(range(len(rows))), [tables[i] for i in rows])
+        out = fast.forward(
+            StepInputs(
+                decode_ids=ids,
+                decode_positions=[step] * len(rows),
+                decode_tables=[tables[i] for i in rows],
+                keep=list(range(len(rows))),
+            )
+        )
         for row, i in enumerate(rows):
             torch.testing.assert_close(out[row], reference[i][step], rtol=1e-4, atol=1e-4)
         if len(rows) < 5:  # the rows left out catch up eagerly (a step of several positions a row)
             for i in set(range(5)) - set(rows):
                 if step < len(seqs[i]):
-                    fast.forward([], [], [(tables[i], step, [seqs[i][step]])], [])
+                    fast.forward(StepInputs(chunks=[(tables[i], step, [seqs[i][step]])]))
     assert fast.graphs.sizes == [1, 2, 4, 8]
     first_layer_keys = fast.cache.keys[0]
     assert first_layer_keys[SCRATCH, :, 0].abs().sum() > 0
@@ -87,12 +98,20 @@ def test_steps_a_graph_does_not_cover_run_eagerly(monkeypatch):
     real_run = graphs.run
     monkeypatch.setattr(graphs, "run", lambda *a: runs.append(len(a[0])) or real_run(*a))
     tables = [[0, 1], [2, 3], [4, 5]]
-    fast.forward([], [], [(t, 0, [5, 6, 7]) for t in tables], [])
-    fast.forward([8, 9, 10], [3, 3, 3], [], [0, 1, 2], tables)  # 3 rows > 2
-    fast.forward([8, 9], [4, 4], [], [1], tables[:2])  # row 0's logits not kept
-    fast.forward([8], [5], [(tables[1], 5, [4, 4])], [0, 2], tables[:1])  # with a chunk
+    fast.forward(StepInputs(chunks=[(t, 0, [5, 6, 7]) for t in tables]))
+    fast.forward(
+        StepInputs(decode_ids=[8, 9, 10], decode_positions=[3, 3, 3], decode_tables=tables, keep=[0, 1, 2])
+    )  # 3 rows > 2
+    fast.forward(
+        StepInputs(decode_ids=[8, 9], decode_positions=[4, 4], decode_tables=tables[:2], keep=[1])
+    )  # row 0's logits not kept
+    fast.forward(
+        StepInputs(
+            decode_ids=[8], decode_positions=[5], decode_tables=tables[:1], chunks=[(tables[1], 5, [4, 4])], keep=[0, 2]
+        )
+    )  # with a chunk
     assert runs == []
-    fast.forward([8, 9], [6, 6], [], [0, 1], tables[:2])
+    fast.forward(StepInputs(decode_ids=[8, 9], decode_positions=[6, 6], decode_tables=tables[:2], keep=[0, 1]))
     assert runs == [2]
 
 
@@ -107,9 +126,9 @@ def test_a_capture_that_fails_leaves_decode_steps_eager(monkeypatch, caplog):
     graphs.capture = True  # as on CUDA: the first step of a size captures (and here fails)
     seq = [5, 6, 7, 8, 9]
     reference = model(torch.tensor([seq])).logits[0]
-    fast.forward([], [], [([0, 1], 0, seq[:4])], [])
+    fast.forward(StepInputs(chunks=[([0, 1], 0, seq[:4])]))
     with caplog.at_level("ERROR"):
-        out = fast.forward([seq[4]], [4], [], [0], [[0, 1]])
+        out = fast.forward(StepInputs(decode_ids=[seq[4]], decode_positions=[4], decode_tables=[[0, 1]], keep=[0]))
     torch.testing.assert_close(out[0], reference[4], rtol=1e-4, atol=1e-4)
     assert graphs.failed and not graphs.covers(1)
     assert "capturing a CUDA graph of 1 decode rows failed" in caplog.text
@@ -147,7 +166,7 @@ def test_graphs_apply_on_cuda_alone(monkeypatch):
     _, fast = _fast(monkeypatch)
     with pytest.raises(ValueError, match="scratch block 65 is not in the pool's 65 blocks"):
         DecodeGraphs(fast, 4, SCRATCH + 1)
-    fast.triton = False
+    fast.attention = TorchBackend(fast.cache, fast.heads, fast.windows)
     assert cuda_graphs.for_model(fast, 4, SCRATCH) is None
     with pytest.raises(ValueError, match="need the Triton attention"):
         DecodeGraphs(fast, 4, SCRATCH)

@@ -176,6 +176,6 @@ async def test_a_full_pool_takes_no_blocks_for_drafts_and_never_preempts_for_the
 
 
 def _pool_bytes(loaded, blocks: int) -> int:
-    from lmiserve.engine.kv_cache import kv_bytes_per_block
+    from lmiserve.engine.attention.paged import kv_bytes_per_block
 
     return blocks * kv_bytes_per_block(loaded.model, 16)

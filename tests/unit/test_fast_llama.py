@@ -29,8 +29,8 @@ from lmiserve.engine import fast_llama
 from lmiserve.engine.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
 from lmiserve.engine.fast_llama import FastLlama, unsupported_reason
-from lmiserve.engine.kv_cache import paged_cache
-from lmiserve.engine.paged_attention import PagedKVCache
+from lmiserve.engine.attention.paged import paged_cache
+from lmiserve.engine.attention.paged import PagedKVCache
 
 
 def with_model(loaded, model):

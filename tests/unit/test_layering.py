@@ -163,14 +163,26 @@ def test_textgen_is_owned_by_no_protocol(path):
         p
         for layer in ("server", "models", "config", "engine", "core")
         for p in modules(layer)
-        if p.name not in ("app.py", "invocations.py")
+        if p != PACKAGE / "server" / "app.py"
     ],
     ids=lambda p: f"{p.parent.name}/{p.name}",
 )
-def test_only_the_app_and_the_dispatcher_import_protocols(path):
-    """Protocols sit on top: below them nothing imports one, except the two modules that wire them
-    (`server/app.py`, the route table, and `server/invocations.py`, the /invocations dispatcher)."""
+def test_only_the_app_imports_protocols(path):
+    """Protocols sit on top: below them nothing imports one, except the route table that wires them
+    (`server/app.py`). The /invocations dispatcher, which wires several, lives with them
+    (`protocols/invocations.py`)."""
     assert not {n for n in lmiserve_modules_imported(path) if protocol_of(n)}
+
+
+DISPATCHER = "lmiserve.protocols.invocations"
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_only_the_app_imports_the_dispatcher(path):
+    """The /invocations dispatcher sits above the protocols it dispatches to (none imports it); only the
+    route table (`server/app.py`) does."""
+    if path != PACKAGE / "server" / "app.py":
+        assert DISPATCHER not in lmiserve_modules_imported(path)
 
 
 # ---- no import circle ----------------------------------------------------------------------------------
@@ -234,9 +246,9 @@ def test_import_circles_are_found():
 
 
 def test_edges_count_lazy_type_only_and_submodule_imports():
-    edges = edges_of(PACKAGE / "engine" / "cuda_graphs.py")
-    assert "lmiserve.engine.triton_attention" in edges  # `from lmiserve.engine import triton_attention`
-    assert "lmiserve.engine" not in edges  # ... which is no import of engine/__init__.py's names
+    edges = edges_of(PACKAGE / "engine" / "attention" / "cuda_graphs.py")
+    assert "lmiserve.engine.attention.triton_ops" in edges  # `from lmiserve.engine.attention import triton_ops`
+    assert "lmiserve.engine.attention" not in edges  # ... which is no import of attention/__init__.py's names
     assert "lmiserve.engine.fast_llama" in edges  # under `if TYPE_CHECKING:`
 
 

@@ -206,7 +206,8 @@ async def test_sampling_fields_reach_the_engine(served):
     p = served.fake.requests[0].params
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.5, 1.0)
     assert (p.top_k, p.min_p, p.logit_bias, p.skip_special_tokens) == (0, 0.2, {5: -100.0}, False)
-    assert p.bad_words == ["fox"] and p.bad_words_ids  # tokenized by the engine
+    assert p.bad_words == ["fox"] and not p.bad_words_ids  # the request as built: the engine tokenizes them
+    assert served.fake.ran[0].bad_words_ids  # for the parameters its sequences run with
 
 
 async def test_unknown_fields_are_accepted_and_logged_once_per_name(served, caplog):

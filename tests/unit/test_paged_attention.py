@@ -1,4 +1,4 @@
-"""Attention over the block KV cache (engine/paged_attention.py) against plain contiguous attention."""
+"""Attention over the block KV cache (engine/attention/paged.py) against plain contiguous attention."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from lmiserve.engine import paged_attention
-from lmiserve.engine.paged_attention import PagedKVCache
+from lmiserve.engine.attention import cpu_kernel
+from lmiserve.engine.attention import paged as paged_attention
+from lmiserve.engine.attention.paged import PagedKVCache
 
 DIM = 16
 
@@ -56,10 +57,10 @@ def _torch_with_step_index(query, key_cache, value_cache, new_keys, new_values, 
 
 
 IMPLEMENTATIONS = {
-    "compiled": (paged_attention.compiled_decode_attention, torch.float32, 1e-5),
+    "compiled": (cpu_kernel.compiled_decode_attention, torch.float32, 1e-5),
     # tasks of whole rows, and of a split of each row's kv heads (3 heads: 1 + 2)
-    "compiled-rows": (functools.partial(paged_attention.compiled_decode_attention, parts=1), torch.float32, 1e-5),
-    "compiled-split": (functools.partial(paged_attention.compiled_decode_attention, parts=2), torch.float32, 1e-5),
+    "compiled-rows": (functools.partial(cpu_kernel.compiled_decode_attention, parts=1), torch.float32, 1e-5),
+    "compiled-split": (functools.partial(cpu_kernel.compiled_decode_attention, parts=2), torch.float32, 1e-5),
     "torch-fp32": (paged_attention.torch_decode_attention, torch.float32, 1e-5),
     "torch-bf16": (paged_attention.torch_decode_attention, torch.bfloat16, 2e-2),
     "torch-step-index": (_torch_with_step_index, torch.float32, 1e-5),
@@ -101,15 +102,15 @@ def test_decode_writes_each_rows_new_key_and_value_then_attends_over_its_own_pos
 
 def test_the_dispatcher_picks_the_kernel_for_fp32_cpu_and_torch_otherwise(monkeypatch: pytest.MonkeyPatch):
     calls: list[str] = []
-    monkeypatch.setattr(paged_attention, "compiled_decode_attention", lambda *a, **k: calls.append("compiled"))
+    monkeypatch.setattr(cpu_kernel, "compiled_decode_attention", lambda *a, **k: calls.append("compiled"))
     monkeypatch.setattr(paged_attention, "torch_decode_attention", lambda *a, **k: calls.append("torch"))
     for dtype in (torch.float32, torch.bfloat16):
         cache = torch.zeros(1, 1, 4, DIM, dtype=dtype)
         paged_attention.paged_decode_attention(cache, cache, cache, cache, cache, cache, [1], 1.0)
     assert calls == ["compiled", "torch"]
-    assert paged_attention.available(torch.float32, torch.device("cpu"))
-    assert not paged_attention.available(torch.bfloat16, torch.device("cpu"))
-    assert not paged_attention.available(torch.float32, torch.device("cuda"))
+    assert cpu_kernel.available(torch.float32, torch.device("cpu"))
+    assert not cpu_kernel.available(torch.bfloat16, torch.device("cpu"))
+    assert not cpu_kernel.available(torch.float32, torch.device("cuda"))
 
 
 @pytest.mark.parametrize("impl", ["compiled", "torch-fp32"])

@@ -12,7 +12,7 @@ import torch
 
 from lmiserve.engine import factory
 from lmiserve.engine.async_engine import EngineConfig
-from lmiserve.engine.kv_cache import kv_bytes_per_block
+from lmiserve.engine.attention.paged import kv_bytes_per_block
 from lmiserve.engine.runners.paged import PagedFastRunner
 from lmiserve.engine.runners.paged_generic import PagedGenericRunner
 

@@ -60,14 +60,22 @@ def test_a_truncated_prompt_is_tokenized_whatever_its_length(codec):
 
 def test_bad_words_are_tokenized_without_special_tokens(codec):
     req = request("hello", bad_words=["fox", " brown fox"])
-    codec.encode(req)
+    runnable, ids = codec.encode_request(req)
+    assert ids == codec.encode(req) and not req.params.bad_words_ids  # the request stays as built
     hf = codec.tokenizer.hf
     special = set(hf.all_special_ids) | {2}
-    assert req.params.bad_words_ids
-    for ids in req.params.bad_words_ids:
+    params = runnable.params
+    assert params.bad_words_ids and runnable.request_id == req.request_id
+    for ids in params.bad_words_ids:
         assert ids and not set(ids) & special
-    assert [i for i in hf("fox")["input_ids"] if i not in special] in req.params.bad_words_ids
-    assert [i for i in hf("brown fox")["input_ids"] if i not in special] in req.params.bad_words_ids
+    assert [i for i in hf("fox")["input_ids"] if i not in special] in params.bad_words_ids
+    assert [i for i in hf("brown fox")["input_ids"] if i not in special] in params.bad_words_ids
+    assert codec.runnable(runnable) is runnable  # nothing left to encode
+
+
+def test_a_request_with_nothing_to_encode_runs_as_it_is(codec):
+    req = request("hello")
+    assert codec.runnable(req) is req and codec.encoded_params(req.params) is req.params
 
 
 def test_logit_bias_ids_outside_the_vocabulary_are_refused(codec):

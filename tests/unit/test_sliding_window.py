@@ -1,4 +1,4 @@
-"""Sliding-window attention over the paged KV cache (engine/attention_window.py): a layer with window W lets
+"""Sliding-window attention over the paged KV cache (engine/attention/windows.py): a layer with window W lets
 the token at position q see positions q-W+1..q only, as transformers' masks do.
 
 Tiny seeded models saved and loaded as a user's would be (`load_causal_lm`), each with a window of 16 and
@@ -33,8 +33,10 @@ from transformers import (
 
 from helpers.tiny_model import build_tiny_tokenizer
 from lmiserve.core.request import GenerationRequest, SamplingParams
-from lmiserve.engine import attention_window, paged_attention
 from lmiserve.engine.async_engine import EngineConfig
+from lmiserve.engine.attention import cpu_kernel
+from lmiserve.engine.attention import paged as paged_attention
+from lmiserve.engine.attention import windows as attention_window
 from lmiserve.engine.factory import create_engine
 from lmiserve.engine.runners.paged import PagedFastRunner
 from lmiserve.engine.runners.paged_generic import PagedGenericRunner
@@ -223,7 +225,7 @@ def test_a_prefix_cache_hit_reads_the_window_from_shared_blocks(windowed):
 def test_the_torch_attention_applies_the_window(mistral, monkeypatch):
     """Where neither kernel applies (the compiled one: fp32 CPU; Triton: CUDA): the torch decode path and SDPA
     for chunks."""
-    monkeypatch.setattr(paged_attention, "available", lambda dtype, device: False)
+    monkeypatch.setattr(cpu_kernel, "available", lambda dtype, device: False)
     monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "torch")
     prompts = [_prompt(mistral, 59), _prompt(mistral, 21, skip=3)]
     results, engine = asyncio.run(_serve(mistral, EngineConfig(max_prefill_tokens=8), prompts))
@@ -234,7 +236,7 @@ def test_the_torch_attention_applies_the_window(mistral, monkeypatch):
 
 def test_the_triton_kernel_applies_the_window(mistral, monkeypatch):
     pytest.importorskip("triton")
-    from lmiserve.engine import triton_attention
+    from lmiserve.engine.attention import triton_ops as triton_attention
 
     monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "triton")
     if not triton_attention.chosen(mistral.device):
@@ -254,7 +256,7 @@ def test_the_triton_kernel_masks_each_token_before_its_window(dtype: torch.dtype
     """Tiles whose tokens' windows start in different key tiles (a 50-token chunk), a decode row, a chunk
     shorter than the window, against attention computed directly over each token's window."""
     pytest.importorskip("triton")
-    from lmiserve.engine import triton_attention
+    from lmiserve.engine.attention import triton_ops as triton_attention
 
     if not (triton_attention.available(torch.device("cuda")) or triton_attention.interpreting()):
         pytest.skip("the Triton kernel needs CUDA or its interpreter")
@@ -307,7 +309,7 @@ def test_the_decode_kernels_attend_over_the_window_only(parts: int):
     )
     args = (tables, np.array(spans), 0.3)
     torch_keys, torch_values = keys.clone(), values.clone()
-    compiled = paged_attention.compiled_decode_attention(query, keys, values, new_k, new_v, *args, parts, window=window)
+    compiled = cpu_kernel.compiled_decode_attention(query, keys, values, new_k, new_v, *args, parts, window=window)
     torch_out = paged_attention.torch_decode_attention(
         query, torch_keys, torch_values, new_k, new_v, *args, window=window
     )

@@ -491,8 +491,6 @@ def test_node_variables_map_to_settings(environ, expected):
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"enable_lora": "true"}, "tensor_parallel_degree=2 cannot be combined with enable_lora"),
-        ({"lora_modules": "a=/nowhere"}, "tensor_parallel_degree=2 cannot be combined with enable_lora"),
         ({"batch_invariant": "true"}, "tensor_parallel_degree=2 cannot be combined with batch_invariant"),
         ({"dtype": "int8"}, "tensor_parallel_degree=2 cannot be combined with dtype int8/int4"),
         ({"dtype": "int4"}, "tensor_parallel_degree=2 cannot be combined with dtype int8/int4"),
@@ -540,6 +538,8 @@ def test_node_options_without_tensor_parallelism_are_refused(options, message):
         {"tensor_parallel_degree": "2", "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3}'},
         {"tensor_parallel_degree": "2", "dtype": "bf16", "enable_prefix_caching": "true"},
         {"tensor_parallel_degree": "1", "enable_lora": "true", "dtype": "int8", "fast_path": "false"},
+        {"tensor_parallel_degree": "2", "enable_lora": "true", "max_loras": "2"},  # each rank its adapters' shard
+        {"tensor_parallel_degree": "3", "lora_modules": "a=/nowhere"},
         {"tensor_parallel_degree": "1", "batch_invariant": "true"},
     ],
 )
@@ -559,16 +559,17 @@ def test_degree_max_is_one_on_a_cpu_and_refuses_nothing_there():
 
 def test_degree_max_on_several_gpus_refuses_what_tensor_parallelism_cannot_serve(monkeypatch):
     """`max` is checked when it resolves: on a node with 2 GPUs it means 2 ranks, so what a
-    ``tensor_parallel_degree=2`` refuses (LoRA, the slot cache, int8, ...) must be refused too, not
-    silently dropped by the tensor-parallel engine (which has no adapters, pages its cache and loads the
-    workers' weights in the dtype it is given)."""
+    ``tensor_parallel_degree=2`` refuses (int8, fast_path=false, ...) must be refused too, not silently
+    dropped by the tensor-parallel engine (which loads the workers' weights in the dtype it is given); LoRA
+    is served over the ranks."""
     from lmiserve.models.compose import tensor_parallel_degree
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     cuda = torch.device("cuda")
     assert tensor_parallel_degree(Settings.from_options({"tensor_parallel_degree": "max"}), cuda) == 2
+    settings = Settings.from_options({"tensor_parallel_degree": "max", "enable_lora": "true"})
+    assert tensor_parallel_degree(settings, cuda) == 2  # adapters are served over the ranks
     for option, what in [
-        ("enable_lora=true", "enable_lora"),
         ("dtype=int8", "dtype int8/int4"),
         ("fast_path=false", "fast_path=false"),
     ]:

@@ -1,4 +1,4 @@
-"""The CUDA path's paged attention kernel (engine/triton_attention.py): one Triton launch a layer for every
+"""The CUDA path's paged attention kernel (engine/attention/triton_ops.py): one Triton launch a layer for every
 token of a step, reading keys and values in place through the block tables.
 
 On a CPU the kernel runs under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1); with
@@ -19,10 +19,14 @@ import torch
 pytest.importorskip("triton")
 
 from helpers.llama_variants import ARCHS, PROMPTS, build, generic_model, greedy_tokens, serve_prompts  # noqa: E402
-from lmiserve.engine import fast_llama, triton_attention  # noqa: E402
+from lmiserve.engine import fast_llama  # noqa: E402
 from lmiserve.engine.async_engine import EngineConfig  # noqa: E402
-from lmiserve.engine.fast_llama import FastLlama  # noqa: E402
-from lmiserve.engine.paged_attention import PagedKVCache  # noqa: E402
+from lmiserve.engine.attention import triton_ops as triton_attention  # noqa: E402
+from lmiserve.engine.attention.paged import PagedKVCache  # noqa: E402
+from lmiserve.engine.fast_llama import (
+    FastLlama,  # noqa: E402
+    StepInputs,
+)
 
 DEVICE = torch.device(os.environ.get("LMISERVE_TEST_DEVICE", "cpu"))
 
@@ -139,13 +143,23 @@ def test_the_fast_forward_over_the_kernel_gives_transformers_logits(monkeypatch)
         assert fast.triton
         long_table = [3, 7, 1, 12, 0, 9, 5, 14, 2, 11, 6, 8, 10, 16, 17, 18, 19, 20]
         short_table = [23, 13, 4]
-        out = fast.forward([], [], [(short_table, 0, short[:-1]), (long_table, 0, long[:40])], [7, 8 + 39])
+        out = fast.forward(
+            StepInputs(chunks=[(short_table, 0, short[:-1]), (long_table, 0, long[:40])], keep=[7, 8 + 39])
+        )
         torch.testing.assert_close(out[0], ref_short[7], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(out[1], ref_long[39], rtol=1e-4, atol=1e-4)
         for start in range(40, len(long), 15):
             chunk = long[start : start + 15]
             keep = list(range(1 + len(chunk)))
-            out = fast.forward([short[-1]], [len(short) - 1], [(long_table, start, chunk)], keep, [short_table])
+            out = fast.forward(
+                StepInputs(
+                    decode_ids=[short[-1]],
+                    decode_positions=[len(short) - 1],
+                    decode_tables=[short_table],
+                    chunks=[(long_table, start, chunk)],
+                    keep=keep,
+                )
+            )
             torch.testing.assert_close(out[0], ref_short[-1], rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(out[1:], ref_long[start : start + len(chunk)], rtol=1e-4, atol=1e-4)
 
@@ -196,7 +210,9 @@ def test_other_architectures_attend_through_the_kernel_with_generates_greedy_tok
 @pytest.mark.parametrize("fault", ["wrong", "raises"])
 def test_a_model_the_kernel_does_not_fit_keeps_the_gather(tiny_model, monkeypatch, caplog, fault):
     """The runner's probe at start: logits that differ from the gathered path's, or an attention call the
-    kernel cannot take, keep the model on transformers' attention over the gathered blocks."""
+    kernel cannot take, keep the model off the Triton backend (on transformers' attention over the gathered
+    blocks, or the compiled CPU kernel where that one agrees)."""
+    from lmiserve.engine.attention.backends import TritonBackend
     from lmiserve.engine.runners import paged_generic
 
     monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "triton")
@@ -209,10 +225,8 @@ def test_a_model_the_kernel_does_not_fit_keeps_the_gather(tiny_model, monkeypatc
     monkeypatch.setattr(triton_attention, "paged_attention", broken)
     loaded = dataclasses.replace(tiny_model, model=generic_model("qwen3").to(DEVICE), max_context=256)
     with caplog.at_level("WARNING", logger=paged_generic.__name__):
-        runner = paged_generic.PagedGenericRunner(
-            loaded.model, max_slots=2, max_context=256, eos_token_ids=[2], num_blocks=16, block_size=4
-        )
-    assert not runner.kernel
+        runner = paged_generic.PagedGenericRunner(loaded.model, eos_token_ids=[2], num_blocks=16, block_size=4)
+    assert not isinstance(runner.attention, TritonBackend)
     assert "gathering" in caplog.text
 
 

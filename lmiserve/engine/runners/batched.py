@@ -19,8 +19,8 @@ import torch
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from lmiserve.engine.attention.paged import PagedKVCache
     from lmiserve.engine.lora_manager import LoraManager
-    from lmiserve.engine.paged_attention import PagedKVCache
 
 from lmiserve.core.request import SamplingParams
 from lmiserve.engine.lora import LoraAdapter, LoraBatch, LoraGroup, StackCache

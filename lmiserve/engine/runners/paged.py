@@ -1,6 +1,6 @@
 """The fast strategy over a block KV cache (Engine v2): lmiserve's own Llama-family forward
 (engine/fast_llama.py) reading and writing each sequence's KV through its block table
-(engine/paged_attention.py), planned by the block scheduler (engine/block_scheduler.py).
+(engine/attention/paged.py), planned by the block scheduler (engine/block_scheduler.py).
 
 It runs the step contract's plain-data batches (engine/step.py, `execute_batch`) and keeps the
 persistent batch: for each request it was told of, its prompt, sampled tokens, parameters, generator
@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from lmiserve.engine import autotune as kernel_autotune
-from lmiserve.engine import cuda_graphs
-from lmiserve.engine.fast_llama import FastLlama
-from lmiserve.engine.kv_cache import paged_cache
+from lmiserve.engine.attention import cuda_graphs
+from lmiserve.engine.attention.paged import paged_cache
+from lmiserve.engine.fast_llama import FastLlama, StepInputs
 from lmiserve.engine.lora import LoraGroup
 from lmiserve.engine.runners.batched import PersistentBatchRunner
 from lmiserve.engine.step import StepBatch
@@ -52,7 +52,7 @@ class PagedFastRunner(PersistentBatchRunner):
     ) -> None:
         """`max_slots`: the most rows a step runs; `autotune`: time the CPU kernel choices at start-up (or
         read them from `autotune_cache`, engine/autotune.py), otherwise the static defaults;
-        `enforce_eager`: no CUDA graphs for decode steps (engine/cuda_graphs.py; on CUDA they are the
+        `enforce_eager`: no CUDA graphs for decode steps (engine/attention/cuda_graphs.py; on CUDA they are the
         default where they apply)."""
         graphs = cuda_graphs.wanted(model.device, enforce_eager)
         # with decode graphs, one block past the pool's: where their padding rows write (no sequence holds it)
@@ -83,12 +83,14 @@ class PagedFastRunner(PersistentBatchRunner):
         rows = [batch.rows[i] for i in decode]
         tokens = [1] * len(decode) + [len(batch.rows[i].computed_ids) for i in part[len(decode) :]]
         return self.fast.forward(
-            [r.token_ids[0] for r in rows],
-            [r.start for r in rows],
-            prefills,
-            keep,
-            decode_tables=[self._requests[r.seq_id].blocks for r in rows],
-            lora=self._lora(batch, part, tokens),
+            StepInputs(
+                [r.token_ids[0] for r in rows],
+                [r.start for r in rows],
+                [self._requests[r.seq_id].blocks for r in rows],
+                prefills,
+                keep,
+                self._lora(batch, part, tokens),
+            )
         )
 
     def lora_groups(self, model: PreTrainedModel) -> list[LoraGroup]:

@@ -12,7 +12,7 @@ cover (GPT-2, Phi, ...), without a second attention implementation.
 On CUDA (where `triton_attention.chosen`) the gather goes: for the runner's forward the model's attention
 implementation is lmiserve's (registered with transformers' `AttentionInterface`), which writes each
 layer's keys and values and runs the Triton paged kernel over the blocks in place for every token of the
-step (engine/triton_attention.py), with no mask. A model is switched to it only after a probe gives the
+step (engine/attention/triton_ops.py), with no mask. A model is switched to it only after a probe gives the
 same logits both ways (an architecture whose attention takes more than the kernel does, softcapping or a
 bias, keeps the gather).
 
@@ -37,10 +37,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lmiserve.engine import attention_window, triton_attention
-from lmiserve.engine.kv_cache import AttentionShape, paged_cache
+from lmiserve.engine.attention import backends
+from lmiserve.engine.attention import windows as attention_window
+from lmiserve.engine.attention.backends import AttentionBackend, SeqTokens
+from lmiserve.engine.attention.paged import AttentionShape, PagedKVCache, gather_context, paged_cache, write_tokens
 from lmiserve.engine.lora import LoraBatch, LoraGroup, lora_out_features
-from lmiserve.engine.paged_attention import PagedKVCache, gather_context, write_tokens
 from lmiserve.engine.runners.batched import PersistentBatchRunner
 from lmiserve.engine.step import StepBatch
 
@@ -150,19 +151,19 @@ def _view_class() -> type:
 
 _VIEW: type | None = None
 
-# lmiserve's attention implementation in transformers' AttentionInterface (`kernel_attention`)
-KERNEL_ATTENTION = "lmiserve_paged_kernel"
+# lmiserve's attention implementation in transformers' AttentionInterface (`backend_attention`)
+BACKEND_ATTENTION = "lmiserve_paged_backend"
 
 
-class KernelStep:
-    """What lmiserve's attention implementation gets as its cache for one forward: the pool and the step's
-    launch plan (`triton_attention.StepTiles`, the step's tokens in the order of the forward's sequence)."""
+class BackendStep:
+    """What lmiserve's attention implementation gets as its cache for one forward: the attention backend
+    (engine/attention/backends.py) and its metadata for the step's tokens, in the forward's order."""
 
-    def __init__(self, kv: PagedKVCache, plan: triton_attention.StepTiles) -> None:
-        self.kv, self.plan = kv, plan
+    def __init__(self, backend: AttentionBackend, meta: Any) -> None:
+        self.backend, self.meta = backend, meta
 
 
-def kernel_attention(
+def backend_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -174,29 +175,31 @@ def kernel_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract over the block pool: `query`/`key`/`value` ``[1, heads,
-    tokens, head_dim]`` of the step's tokens; the keys and values are written into their blocks, then every
-    token attends over its own row's positions up to its own (`triton_attention.paged_attention`).
-    Returns ``[1, tokens, heads, head_dim]``."""
-    if not isinstance(cache, KernelStep):
+    tokens, head_dim]`` of the step's tokens; the backend stores the keys and values in their blocks, then
+    every token attends over its own row's positions up to its own. Returns ``[1, tokens, heads,
+    head_dim]``. What the backend does not apply (softcapping, sinks, a position bias, another window than
+    the layer's) raises: the runner's probe then keeps transformers' own attention over gathered blocks."""
+    if not isinstance(cache, BackendStep):
         raise TypeError("lmiserve's paged attention runs only inside lmiserve's paged generic runner")
     for name in ("softcap", "s_aux", "position_bias"):
         if kwargs.get(name) is not None:
-            raise ValueError(f"lmiserve's paged attention kernel does not take {name}")
-    window = kwargs.get("sliding_window")
+            raise ValueError(f"lmiserve's paged attention does not take {name}")
     layer = getattr(module, "layer_idx", None)
     if not isinstance(layer, int):
-        raise ValueError("lmiserve's paged attention kernel needs the attention module's layer_idx")
-    keys, values = cache.kv.keys[layer], cache.kv.values[layer]
-    triton_attention.write_step(keys, values, key[0].transpose(0, 1), value[0].transpose(0, 1), cache.plan)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = triton_attention.paged_attention(query[0].transpose(0, 1), keys, values, cache.plan, scale, window=window)
-    return out[None], None
+        raise ValueError("lmiserve's paged attention needs the attention module's layer_idx")
+    backend = cache.backend
+    if kwargs.get("sliding_window") != backend.windows[layer]:
+        raise ValueError(f"layer {layer}'s window is not the one its config gives")
+    tokens, heads, dim = query.shape[2], query.shape[1], query.shape[3]
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    out = backend.forward(layer, q, k, v, cache.meta, scale=scaling)
+    return out.view(tokens, heads, dim)[None], None
 
 
-def _register_kernel_attention() -> None:
+def _register_backend_attention() -> None:
     from transformers import AttentionInterface
 
-    AttentionInterface.register(KERNEL_ATTENTION, kernel_attention)
+    AttentionInterface.register(BACKEND_ATTENTION, backend_attention)
 
 
 class PagedGenericRunner(PersistentBatchRunner):
@@ -219,15 +222,25 @@ class PagedGenericRunner(PersistentBatchRunner):
         self._hooked: set[str] = set()  # the modules that have the hook
         self._hooked_adapters: set[int] = set()  # the adapter loads whose modules all have it
         shape = AttentionShape.of(model.config)
-        self._groups = shape.heads // shape.kv_heads
-        # lmiserve's attention implementation (the Triton kernel over the blocks) where it is chosen and agrees
-        self.kernel = not alone and triton_attention.chosen(self.device) and self._kernel_agrees()
+        # lmiserve's attention backend over the blocks (Triton, the compiled CPU kernel) where one applies and
+        # agrees with transformers' own attention; None: transformers' attention over the gathered blocks
+        self.attention: AttentionBackend | None = None
+        if not alone:
+            layer_windows = attention_window.layer_windows(model.config)
+            backend = backends.choose(self.kv, shape.heads, layer_windows)
+            if not isinstance(backend, backends.TorchBackend) or backend.compiled:
+                self.attention = backend if self._backend_agrees(backend) else None
 
-    def _kernel_agrees(self) -> bool:
-        """Whether the model's forward through lmiserve's attention implementation gives the logits of the
-        gathered blocks (a short prompt, then a token of it and a chunk of another beside it, over the first
-        blocks of the pool, before any request holds them)."""
-        _register_kernel_attention()
+    @property
+    def kernel(self) -> bool:
+        """Whether the forward runs lmiserve's attention backend (else transformers' over gathered blocks)."""
+        return self.attention is not None
+
+    def _backend_agrees(self, backend: AttentionBackend) -> bool:
+        """Whether the model's forward through `backend` gives the logits of the gathered blocks (a short
+        prompt, then a token of it and a chunk of another beside it, over the first blocks of the pool,
+        before any request holds them)."""
+        _register_backend_attention()
         blocks = -(-12 // self.block_size)
         first, second = list(range(blocks)), list(range(blocks, 2 * blocks))
         ids = [(7 * i + 3) % max(2, self.vocab_size) for i in range(12)]
@@ -237,18 +250,20 @@ class PagedGenericRunner(PersistentBatchRunner):
         ]
         try:
             for rows in steps:
-                gathered = self._forward(rows, kernel=False)
-                kernel = self._forward(rows, kernel=True)
-                if not torch.allclose(kernel, gathered, rtol=1e-2, atol=1e-2):
-                    difference = float((kernel - gathered).abs().max())
+                gathered = self._forward(rows, None)
+                through = self._forward(rows, backend)
+                if not torch.allclose(through, gathered, rtol=1e-2, atol=1e-2):
+                    difference = float((through - gathered).abs().max())
                     log.warning(
-                        "paged attention kernel: logits differ by %.3g from the gathered path; gathering", difference
+                        "paged attention backend %s: logits differ by %.3g from the gathered path; gathering",
+                        backend.name,
+                        difference,
                     )
                     return False
-        except Exception:  # noqa: BLE001 - an architecture the kernel does not fit keeps the gather
-            log.warning("paged attention kernel: not for this model; gathering", exc_info=True)
+        except Exception:  # noqa: BLE001 - an architecture the backend does not fit keeps the gather
+            log.warning("paged attention backend %s: not for this model; gathering", backend.name, exc_info=True)
             return False
-        log.info("paged attention: the Triton kernel over the blocks (engine/triton_attention.py)")
+        log.info("paged attention: the %s backend over the blocks (engine/attention/backends.py)", backend.name)
         return True
 
     # ---- LoRA: a hook on each adapted linear adds the step's deltas to its output ---------------------
@@ -285,23 +300,29 @@ class PagedGenericRunner(PersistentBatchRunner):
             row = batch.rows[i]
             rows.append((self._requests[row.seq_id].blocks, row.start, row.computed_ids, self._kept(row)))
         if self.alone:  # each row in a forward of its own: generate()'s shapes
-            return torch.cat([self._forward_lora(batch, [i], [row], False) for i, row in zip(part, rows)])
-        return self._forward_lora(batch, part, rows, self.kernel)
+            return torch.cat([self._forward_lora(batch, [i], [row], None) for i, row in zip(part, rows)])
+        return self._forward_lora(batch, part, rows, self.attention)
 
     def _forward_lora(
-        self, batch: StepBatch, part: list[int], rows: list[tuple[list[int], int, list[int], int]], kernel: bool
+        self,
+        batch: StepBatch,
+        part: list[int],
+        rows: list[tuple[list[int], int, list[int], int]],
+        backend: AttentionBackend | None,
     ) -> torch.Tensor:
         """`_forward` of `rows` (rows `part` of the batch) with their adapters' deltas added."""
         self._step_lora = self._lora(batch, part, [len(batch.rows[i].computed_ids) for i in part])
         try:
-            return self._forward(rows, kernel)
+            return self._forward(rows, backend)
         finally:
             self._step_lora = None
 
-    def _forward(self, rows: list[tuple[list[int], int, list[int], int]], kernel: bool) -> torch.Tensor:
+    def _forward(
+        self, rows: list[tuple[list[int], int, list[int], int]], backend: AttentionBackend | None
+    ) -> torch.Tensor:
         """The float32 logits kept of one forward of `rows`, each ``(blocks, start, token ids, kept)``: the
-        ids at positions ``start..``, the last `kept` of them with their logits. `kernel`: through lmiserve's
-        attention implementation, else transformers' over the gathered blocks."""
+        ids at positions ``start..``, the last `kept` of them with their logits. `backend`: through lmiserve's
+        attention backend, else transformers' attention over the gathered blocks."""
         dev = self.device
         ids: list[int] = []
         positions: list[int] = []
@@ -316,7 +337,7 @@ class PagedGenericRunner(PersistentBatchRunner):
             ids.extend(computed)
             positions.extend(range(start, end))
             write_blocks.extend(blocks[p // bs] for p in range(start, end))
-            if not kernel:
+            if backend is None:
                 reads.append((torch.tensor(blocks[: -(-end // bs)], dtype=torch.long, device=dev), end))
             spans.append((first, count, start, key_offset))
             keep.extend(range(first + count - kept, first + count))
@@ -326,19 +347,15 @@ class PagedGenericRunner(PersistentBatchRunner):
             "input_ids": torch.tensor([ids], device=dev),
             "position_ids": torch.tensor([positions], device=dev),
         }
-        if kernel:
-            plan = triton_attention.step_tiles(
-                [(blocks, start, len(computed)) for blocks, start, computed, _ in rows],
-                self._groups,
-                self.kv.kv_heads,
-                bs,
-                dev,
-            )
+        if backend is not None:
+            seqs = [SeqTokens(blocks, start, len(computed)) for blocks, start, computed, _ in rows]
+            decode_rows = next((i for i, seq in enumerate(seqs) if seq.count != 1), len(seqs))
+            meta = backend.plan(seqs, decode_rows, 0)
             config = self.model.config
             before = config._attn_implementation_internal
-            config._attn_implementation_internal = KERNEL_ATTENTION
+            config._attn_implementation_internal = BACKEND_ATTENTION
             try:
-                out = self.model(**model_inputs, cache=KernelStep(self.kv, plan), use_cache=False)
+                out = self.model(**model_inputs, cache=BackendStep(backend, meta), use_cache=False)
             finally:
                 config._attn_implementation_internal = before
             logits: torch.Tensor = out.logits[0]

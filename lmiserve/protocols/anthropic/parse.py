@@ -48,10 +48,11 @@ from lmiserve.protocols.anthropic.schema import (
 )
 from lmiserve.protocols.textgen.chat import Message
 from lmiserve.protocols.textgen.parameters import TextGenParameters
+from lmiserve.protocols.textgen.reasoning import Reasoning, Thinking
 from lmiserve.protocols.textgen.tools.parsers import ToolParser
 from lmiserve.protocols.textgen.tools.prompt import Render, render_conversation
-from lmiserve.protocols.textgen.tools.spec import ToolSpec, apply_tools, tool_spec
-from lmiserve.protocols.textgen.validation import TextGenCall, build
+from lmiserve.protocols.textgen.tools.spec import ToolSpec, tool_fields, tool_spec
+from lmiserve.protocols.textgen.validation import TextGenCall, check
 
 BLOCK_JOIN = "\n\n"  # between the text blocks of one message
 
@@ -69,6 +70,7 @@ class AnthropicCall:
     model: str  # echoed in the answer, as Anthropic does
     stream: bool
     tools: ToolSpec | None  # the answer is read as tool calls (active tools only)
+    reasoning: Reasoning | None = None  # the answer's thinking is read (a reasoning parser)
 
 
 def _text_of(blocks: list[Any], where: str) -> str:
@@ -228,28 +230,36 @@ def messages(
     count_tokens: Callable[[str], int],
     render: Render,
     *,
-    thinks: bool,
+    thinking: Thinking[Reasoning] | None = None,
     parser: ToolParser | None = None,
+    adapter: str | None = None,
 ) -> AnthropicCall:
-    """`parser`: the model's tool-call format (None: lmiserve's JSON one)."""
+    """`thinking`: the model's reasoning parser (None: none); `parser`: the model's tool-call format (None:
+    lmiserve's JSON one); `adapter`: the LoRA adapter that answers (None: the base model)."""
     if isinstance(req.thinking, ThinkingEnabled) and req.thinking.budget_tokens >= req.max_tokens:
         raise InvalidRequest("`max_tokens` must be greater than `thinking.budget_tokens`")
     stops = _stops(req, limits)
-    rendered = prompt(req, render, thinks=thinks, parser=parser)
+    rendered = prompt(req, render, thinks=thinking is not None, parser=parser)
     params = TextGenParameters(**_sampling(req), max_new_tokens=req.max_tokens, stop=stops, details=True)
     try:
-        call = build(rendered.text, params, limits, count_tokens, stream=req.stream)
+        checked = check(rendered.text, params, limits, count_tokens, stream=req.stream)
     except ContextLengthExceeded as exc:
         raise _too_long(exc) from None
-    call.request.params.include_stop_str_in_output = False  # Anthropic names it in `stop_sequence` instead
+    fields: dict[str, Any] = {"include_stop_str_in_output": False}  # Anthropic names it in `stop_sequence`
     if rendered.tools.read:
-        apply_tools(call.request.params, rendered.tools)
+        fields.update(tool_fields(rendered.tools, checked.params.grammar))
+    reasoning = None
+    if thinking is not None:  # a tool grammar applies after the reasoning block, a budget bounds it
+        reasoning = thinking.reasoning(rendered.text)
+        grammar = fields.get("grammar", checked.params.grammar)
+        fields.update(thinking.sampling(reasoning, grammar, thinking_budget(req)))
     return AnthropicCall(
-        call=call,
+        call=checked.call(adapter=adapter, **fields),
         prompt=rendered.text,
         model=req.model,
         stream=req.stream,
         tools=rendered.tools if rendered.tools.read else None,
+        reasoning=reasoning,
     )
 
 

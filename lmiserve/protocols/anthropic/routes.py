@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
+from lmiserve.core.adapters import Source
 from lmiserve.core.errors import ModelNotFound, SchemaViolation
 from lmiserve.core.tokenizer import tokenizing
 from lmiserve.protocols.anthropic import encoders as enc
@@ -26,7 +27,7 @@ from lmiserve.protocols.textgen.admission import enter
 from lmiserve.protocols.textgen.body import json_payload
 from lmiserve.protocols.textgen.generation import generate as engine_events
 from lmiserve.protocols.textgen.generation import prepare
-from lmiserve.protocols.textgen.reasoning import Reasoning, markers
+from lmiserve.protocols.textgen.reasoning import Reasoning, Thinking, markers
 from lmiserve.protocols.textgen.served import Served, served
 from lmiserve.protocols.textgen.timing import Timer
 from lmiserve.protocols.textgen.wire import SSE_HEADERS, dumps
@@ -62,7 +63,9 @@ def parse(model: type[M], payload: Any) -> M:
 def _model(request: Request, name: str) -> tuple[Served, str | None]:
     """The served model and the LoRA adapter `model` names (None: the model itself); 404 otherwise."""
     model = served(request)
-    return model, model.model_adapter(name, lambda: ModelNotFound(adapter.model_not_found(name)))
+    return model, model.model_adapter(
+        Source("model", name), not_found=lambda n: ModelNotFound(adapter.model_not_found(n))
+    )
 
 
 async def messages(request: Request) -> Response:
@@ -71,21 +74,18 @@ async def messages(request: Request) -> Response:
     model, lora = _model(request, req.model)
     settings = model.service.settings
     with enter(request) as slot:
-        thinks = markers(settings) is not None
         call = await tokenizing(
             adapter.messages,
             req,
             model.limits,
             model.count_tokens,
             model.render_chat,
-            thinks=thinks,
+            thinking=Thinking.of(Reasoning, settings, model.tokenizer),
             parser=model.tool_parser,
+            adapter=lora,
         )
-        call.call.request.adapter = lora
         model.check_tools(call.tools)
-        reasoning = Reasoning.of(settings, call.prompt)
-        if reasoning is not None:  # a tool grammar applies after the reasoning block, a budget bounds it
-            reasoning.apply(call.call.request.params, adapter.thinking_budget(req), model.tokenizer)
+        reasoning = call.reasoning
         await prepare(model.engine, [call.call.request])  # a bad tool schema, too large: 400 before the stream
         timer.mark_validated()
         msg_id = enc.message_id()

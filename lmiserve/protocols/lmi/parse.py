@@ -9,30 +9,22 @@ order (docs/protocols/lmi.md). A LoRA adapter that is not served is `AdapterNotF
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Container, Mapping
+from collections.abc import Callable, Collection, Container
 from dataclasses import dataclass
 from typing import Any
 
 from lmiserve.core import jsondoc
-from lmiserve.core.adapters import noted, resolve_adapter
+from lmiserve.core.adapters import NOWHERE, Elsewhere, Source, noted, select_adapter
 from lmiserve.core.errors import InvalidRequest, excerpt
 from lmiserve.core.parameters import Limits, parse_parameters, to_sampling
-from lmiserve.core.request import GenerationRequest, SamplingParams
+from lmiserve.core.request import GenerationRequest
 from lmiserve.protocols.lmi.formatters import FormatOptions, select_formatter_name
 
 log = logging.getLogger(__name__)
 
 PARSE_PREFIX = "Input Parsing failed. Ensure that the request payload is valid. "
 ADAPTER_QUERY = "adapter"  # /invocations?adapter=NAME (LMI reads an `adapter` property of the request)
-SAGEMAKER_ADAPTER_HEADER = "X-Amzn-SageMaker-Adapter-Identifier"
-
-
-@dataclass(frozen=True)
-class Outside:
-    """An adapter named outside the body: `field` says where (the query parameter or the header)."""
-
-    field: str
-    name: str
+SAGEMAKER_ADAPTER_HEADER = "X-Amzn-SageMaker-Adapter-Identifier"  # an inference component of an adapter
 
 
 @dataclass
@@ -77,10 +69,11 @@ def parse(
     dynamic_batch: bool = False,
     names: Collection[str] = (),
     adapters: Container[str] | None = None,
-    adapter: Outside | None = None,
+    elsewhere: Elsewhere = NOWHERE,
 ) -> LmiCall:
     """`names`: `model_names` of the served model (as an adapter name, the base model); `adapters`: its
-    LoRA adapters (None: it serves none); `adapter`: the adapter named outside the body (`outside_adapter`)."""
+    LoRA adapters (None: it serves none); `elsewhere`: where the request names an adapter outside the body
+    (the `adapter` query parameter, then SageMaker's header: `ADAPTER_QUERY`, `SAGEMAKER_ADAPTER_HEADER`)."""
     if not isinstance(payload, dict) or payload.get("inputs") is None:
         raise _fail(
             "Invalid request payload. Request payload should be a json object specifying the 'inputs' "
@@ -107,12 +100,12 @@ def parse(
             f"Received payload {excerpt(repr(payload))}"
         )
     params = parse_parameters(raw_params)
-    chosen = _adapters(payload.get("adapters"), raw_params.get("adapter_id"), adapter, len(prompts), names, adapters)
+    chosen = _adapters(payload.get("adapters"), raw_params.get("adapter_id"), elsewhere, len(prompts), names, adapters)
     stream = bool(payload.get("stream", False))
     sampling = to_sampling(params, limits, stream)
     formatter = select_formatter_name(params.output_formatter, limits.output_formatter, stream, limits.tgi_compat)
-    requests = [
-        GenerationRequest(prompt, _copy(sampling), priority=params.priority, adapter=name)
+    requests = [  # immutable: one `sampling` for all
+        GenerationRequest(prompt, sampling, priority=params.priority, adapter=name)
         for prompt, name in zip(prompts, chosen)
     ]
     full_text = params.return_full_text if params.return_full_text is not None else dynamic_batch
@@ -122,28 +115,25 @@ def parse(
     return LmiCall(requests, stream, formatter, options)
 
 
-def outside_adapter(query: Mapping[str, str], headers: Mapping[str, str]) -> Outside | None:
-    """The adapter a request names outside its body, and where: the `adapter` query parameter, else
-    SageMaker's `X-Amzn-SageMaker-Adapter-Identifier` header (an inference component of an adapter);
-    None if neither names one."""
-    if query.get(ADAPTER_QUERY):
-        return Outside(ADAPTER_QUERY, query[ADAPTER_QUERY])
-    if headers.get(SAGEMAKER_ADAPTER_HEADER):
-        return Outside(SAGEMAKER_ADAPTER_HEADER, headers[SAGEMAKER_ADAPTER_HEADER])
-    return None
+def adapters_source(value: Any) -> Source:
+    """The body's ``adapters`` field as the source of the adapter of a request of one input: a name, or a
+    list of one (an empty list names none; a longer one is no name)."""
+    if isinstance(value, list) and len(value) <= 1:
+        return Source("adapters", value[0] if value else None)
+    return Source("adapters", value)
 
 
 def _adapters(
     body: Any,
     adapter_id: Any,
-    outside: Outside | None,
+    elsewhere: Elsewhere,
     count: int,
     names: Collection[str],
     adapters: Container[str] | None,
 ) -> list[str | None]:
     """The adapter of each of `count` inputs (None: the base model). The first source that names one
     wins: the body's ``adapters`` (a name for every input, or a list of one per input), then
-    ``parameters.adapter_id``, then `outside` (the query parameter, then SageMaker's header). Unknown
+    ``parameters.adapter_id``, then `elsewhere` (the query parameter, then SageMaker's header). Unknown
     names are `AdapterNotFound` (LMI's 404); a list of the wrong length or a value that is not a name
     LMI's 424."""
     try:
@@ -152,15 +142,10 @@ def _adapters(
                 raise _fail(
                     f"Number of adapters is not equal to the number of inputs ({len(body)} adapters, {count} inputs)"
                 )
-            chosen = [resolve_adapter(name, adapters, names, "adapters") for name in body]
-        elif body not in (None, "", []):
-            chosen = [resolve_adapter(body, adapters, names, "adapters")] * count
-        elif adapter_id not in (None, ""):
-            chosen = [resolve_adapter(adapter_id, adapters, names, "adapter_id")] * count
-        elif outside is not None:
-            chosen = [resolve_adapter(outside.name, adapters, names, outside.field)] * count
+            chosen = [select_adapter([Source("adapters", name)], adapters, names) for name in body]
         else:
-            chosen = [None] * count
+            sources = elsewhere.around(adapters_source(body), Source("adapter_id", adapter_id))
+            chosen = [select_adapter(sources, adapters, names)] * count
     except InvalidRequest as exc:
         if exc.message.startswith(PARSE_PREFIX):
             raise
@@ -168,7 +153,3 @@ def _adapters(
     distinct = sorted({name for name in chosen if name is not None})
     noted(",".join(distinct) or None)
     return chosen
-
-
-def _copy(params: SamplingParams) -> SamplingParams:
-    return SamplingParams(**{**params.__dict__, "stop_sequences": list(params.stop_sequences)})

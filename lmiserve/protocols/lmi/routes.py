@@ -1,8 +1,9 @@
 """LMI's inference handlers and its route table (health and management).
 
 The inference routes (/invocations, /predictions/{m}[/{v}], /models/{m}/invoke) are decoded by
-`lmiserve.server.invocations`, which calls a handler here with the addressed model and the decoded
-payload; errors are raised and answered by `lmiserve.protocols.lmi.errors` (LmiErrors).
+`lmiserve.protocols.invocations`, which calls a handler here with the addressed model, the decoded
+payload and where the request names a LoRA adapter outside its body; errors are raised and answered by
+`lmiserve.protocols.lmi.errors` (LmiErrors).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from lmiserve.config import Settings
+from lmiserve.core.adapters import NOWHERE, Elsewhere
 from lmiserve.core.aio import merge_tagged
 from lmiserve.models.service import ModelService
 from lmiserve.protocols.lmi import adapters, management, schema
@@ -33,18 +35,20 @@ from lmiserve.server.pipeline import respond, tagged
 from lmiserve.server.responses import raw_response
 
 
-async def rolling(request: Request, service: ModelService, payload: Any) -> Response:
+async def rolling(request: Request, service: ModelService, payload: Any, elsewhere: Elsewhere = NOWHERE) -> Response:
     """A text-generation request on the continuous batch, answered by its output formatter."""
     engine = service.ready_generator()
-    call = lmi.parse(payload, service.limits, **_adapter_args(request, service))
+    call = lmi.parse(payload, service.limits, **_adapter_args(service, elsewhere))
     encoder = get_formatter(call.formatter, call.options)
     return await respond(request, tagged(engine.generate(call.requests[0])), encoder)
 
 
-async def dynamic_batch(request: Request, service: ModelService, payload: Any) -> Response:
+async def dynamic_batch(
+    request: Request, service: ModelService, payload: Any, elsewhere: Elsewhere = NOWHERE
+) -> Response:
     """rolling_batch=disable: each input is a request of one static batch; LMI's list schema."""
     engine = service.ready_generator()
-    call = lmi.parse(payload, service.limits, dynamic_batch=True, **_adapter_args(request, service))
+    call = lmi.parse(payload, service.limits, dynamic_batch=True, **_adapter_args(service, elsewhere))
     events = merge_tagged([engine.generate(r) for r in call.requests])
     if call.stream and service.settings.enable_streaming:
         encoder: DynamicBatchFormatter | DynamicBatchStreamFormatter = DynamicBatchStreamFormatter(len(call.requests))
@@ -55,17 +59,13 @@ async def dynamic_batch(request: Request, service: ModelService, payload: Any) -
     return await respond(request, events, encoder)
 
 
-def _adapter_args(request: Request, service: ModelService) -> dict[str, Any]:
+def _adapter_args(service: ModelService, elsewhere: Elsewhere) -> dict[str, Any]:
     """What `lmi.parse` needs to pick each input's LoRA adapter: the model's names and adapters, and
-    the adapter the query or SageMaker's header names."""
-    return {
-        "names": lmi.model_names(service),
-        "adapters": service.adapters,
-        "adapter": lmi.outside_adapter(request.query_params, request.headers),
-    }
+    where the request names one outside its body (the query parameter, SageMaker's header)."""
+    return {"names": lmi.model_names(service), "adapters": service.adapters, "elsewhere": elsewhere}
 
 
-async def one_shot(request: Request, service: ModelService, payload: Any) -> Response:
+async def one_shot(request: Request, service: ModelService, payload: Any, elsewhere: Elsewhere = NOWHERE) -> Response:
     """A one-shot model (embedding, classifier, TorchScript) on LMI's routes: JSON in, JSON out."""
     model = service.tensor_model
     outputs = await model.infer(lmi_tensor.to_tensor_request(payload, model))

@@ -30,12 +30,14 @@ from lmiserve.protocols.openai.errors import (
     SuffixUnsupported,
     TooManyPrompts,
 )
+from lmiserve.protocols.openai.reasoning import Reasoning
 from lmiserve.protocols.openai.schema import ChatRequest, CompletionRequest
 from lmiserve.protocols.textgen.parameters import TextGenParameters
+from lmiserve.protocols.textgen.reasoning import Thinking
 from lmiserve.protocols.textgen.tools.parsers import ToolParser
 from lmiserve.protocols.textgen.tools.prompt import Render, render_conversation
-from lmiserve.protocols.textgen.tools.spec import ToolSpec, apply_tools, tool_spec
-from lmiserve.protocols.textgen.validation import TextGenCall, build
+from lmiserve.protocols.textgen.tools.spec import ToolSpec, tool_fields, tool_spec
+from lmiserve.protocols.textgen.validation import Checked, TextGenCall, check
 
 MAX_N = 16  # most sequences one request may ask the engine for
 # the message roles OpenAI (and vLLM) accept, in the order OpenAI's error message lists them
@@ -55,6 +57,7 @@ class OpenAICall:
     score_only: bool = False  # completions `max_tokens: 0` with `echo`: nothing generated is answered
     prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs` (openai.scoring)
     tools: ToolSpec | None = None  # the answer is read as tool calls (chat with active tools)
+    reasoning: Reasoning | None = None  # the answer's reasoning block is read (chat, a reasoning parser)
 
 
 def _sampling(temperature: float | None) -> dict:
@@ -68,17 +71,23 @@ def _top_p(value: float | None) -> float | None:
     return None if value == 1.0 else value
 
 
-def _with_n(call: TextGenCall, n: int, sampling: bool) -> TextGenCall:
+def _n(n: int, sampling: bool) -> dict[str, Any]:
+    """`n` as the engine's fields: that many sequences, not ranked (OpenAI's choices each stream as they
+    are generated)."""
     if n == 1:
-        return call
+        return {}
     if n > MAX_N:
         raise InvalidRequest(f"`n` must be <= {MAX_N}. Given: {n}")
     if not sampling:
         raise InvalidRequest("`n` > 1 requires sampling (a `temperature` other than 0)")
-    call.request.params.n = call.request.params.best_of = n
-    call.request.ranked = False  # OpenAI's choices are not ranked: each streams as it is generated
-    call.best_of = n
-    return call
+    return {"n": n, "best_of": n}
+
+
+def _call(checked: Checked, req: ChatRequest | CompletionRequest, adapter: str | None, **fields: Any) -> TextGenCall:
+    """The engine request, built once: TGI's checked fields, `fields`, vLLM's scheduling fields (`priority`,
+    `cache_salt`) and the adapter; with `n` (`_n`) its sequences are not ranked."""
+    ranked = "n" not in fields
+    return checked.call(adapter=adapter, priority=req.priority, cache_salt=req.cache_salt, ranked=ranked, **fields)
 
 
 def chat(
@@ -88,8 +97,14 @@ def chat(
     render: Render,
     served_model: str,
     parser: ToolParser | None = None,
+    *,
+    adapter: str | None = None,
+    model_name: str | None = None,
+    thinking: Thinking[Reasoning] | None = None,
 ) -> OpenAICall:
-    """`parser`: the model's tool-call format (None: lmiserve's JSON one)."""
+    """`parser`: the model's tool-call format (None: lmiserve's JSON one); `adapter`: the LoRA adapter that
+    answers (and the model the answer names); `model_name`: the model the request names (None: its
+    `model`); `thinking`: the model's reasoning parser (None: none)."""
     check_stream_options(req)
     check_roles(req)
     tools = tool_spec(req.tools, req.tool_choice, req.parallel_tool_calls, req.tool_prompt, parser)
@@ -107,20 +122,25 @@ def chat(
         truncate=_truncate(req, limits),
     )
     try:
-        built = build(prompt, params, limits, count_tokens, stream=req.stream)
+        checked = check(prompt, params, limits, count_tokens, stream=req.stream)
     except ContextLengthExceeded as exc:
         raise ContextWindowExceeded(exc, "messages") from None
-    call = _vllm_extensions(built, req)
-    call.request.params.top_n_tokens = call.top_n_tokens = top_n  # limited by max_logprobs (checked above)
-    scoring.chat_prompt_logprobs(call, req, limits)
-    openai_sampling.apply(call.request.params, req, bias)
-    call = _with_n(call, req.n or 1, call.sampling)
+    fields = _vllm_fields(checked, req)
+    fields["top_n_tokens"] = top_n  # limited by max_logprobs (checked above)
+    fields.update(scoring.chat_prompt_logprobs(req, limits))
+    fields.update(openai_sampling.fields(req, bias))
+    fields.update(_n(req.n or 1, checked.sampling))
     if tools.read:
-        apply_tools(call.request.params, tools)
+        fields.update(tool_fields(tools, fields["grammar"]))
+    reasoning = None
+    if thinking is not None:  # a grammar applies after the reasoning block, a budget bounds it
+        reasoning = thinking.reasoning(prompt)
+        fields.update(thinking.sampling(reasoning, fields["grammar"], thinking.effort_budget(req.reasoning_effort)))
     return OpenAICall(
-        calls=[call],
+        calls=[_call(checked, req, adapter, **fields)],
         tools=tools if tools.read else None,
-        model=_response_model(req.model, served_model),
+        reasoning=reasoning,
+        model=adapter or _response_model(req.model if model_name is None else model_name, served_model),
         stream=req.stream,
         include_usage=req.include_usage,
         logprobs=bool(req.logprobs),
@@ -192,8 +212,11 @@ def completion(
     count_tokens: Callable[[str], int],
     served_model: str,
     decode: scoring.Decode | None = None,
+    *,
+    adapter: str | None = None,
 ) -> OpenAICall:
-    """`decode`: token ids -> text, for prompts given as token ids (openai.scoring)."""
+    """`decode`: token ids -> text, for prompts given as token ids (openai.scoring); `adapter`: the LoRA
+    adapter that answers (and the model the answer names)."""
     check_stream_options(req)
     prompts = scoring.prompts(req.prompt, decode)
     if "suffix" in req.model_fields_set:
@@ -218,15 +241,17 @@ def completion(
             truncate=_truncate(req, limits),
         )
         try:
-            call = build(prompt.checked_text, params, limits, prompt.counter(count_tokens), stream=req.stream)
+            checked = check(prompt.checked_text, params, limits, prompt.counter(count_tokens), stream=req.stream)
         except ContextLengthExceeded as exc:
             raise ContextWindowExceeded(exc, "prompt") from None
-        call = scoring.apply(_vllm_extensions(call, req), req, prompt, top_n)
-        openai_sampling.apply(call.request.params, req, bias)
-        calls.append(_with_n(call, req.n or 1, call.sampling))
+        fields = {**_vllm_fields(checked, req), **scoring.logprob_fields(req, top_n)}
+        fields.update(openai_sampling.fields(req, bias))
+        fields.update(_n(req.n or 1, checked.sampling))
+        ids = {} if prompt.ids is None else {"prompt": prompt.text, "prompt_ids": list(prompt.ids)}
+        calls.append(_call(checked, req, adapter, **ids, **fields))
     return OpenAICall(
         calls=calls,
-        model=served_model,  # completions never echo the requested model
+        model=adapter or served_model,  # completions never echo the requested model (an adapter's name, vLLM's)
         stream=req.stream,
         include_usage=req.include_usage,
         logprobs=req.logprobs is not None,
@@ -242,20 +267,18 @@ def _response_model(requested: str | None, served: str) -> str:
     return served if requested in (None, "", "tgi") else requested
 
 
-def _vllm_extensions(call: TextGenCall, req: ChatRequest | CompletionRequest) -> TextGenCall:
+def _vllm_fields(checked: Checked, req: ChatRequest | CompletionRequest) -> dict[str, Any]:
     """vLLM's `ignore_eos` and `min_tokens` (benchmark clients use them to force exactly N tokens), its
-    scheduling fields (`priority`, `cache_salt`), its
     stop fields (`include_stop_str_in_output`: OpenAI leaves the stop string out; `stop_token_ids`), and
-    the output constraint: `response_format` or vLLM's `guided_*` / `structured_outputs` (one at most)."""
-    params = call.request.params
-    params.include_stop_str_in_output = req.include_stop_str_in_output
-    params.stop_token_ids = list(req.stop_token_ids or ())
-    params.ignore_eos_token = req.ignore_eos
-    params.min_new_tokens = min(req.min_tokens, params.max_new_tokens)
-    params.grammar = output_constraint(req)
-    call.request.priority = req.priority
-    call.request.cache_salt = req.cache_salt
-    return call
+    the output constraint: `response_format` or vLLM's `guided_*` / `structured_outputs` (one at most),
+    as the engine's `SamplingParams` fields. (Its scheduling fields, `priority` and `cache_salt`: `_call`.)"""
+    return {
+        "include_stop_str_in_output": req.include_stop_str_in_output,
+        "stop_token_ids": list(req.stop_token_ids or ()),
+        "ignore_eos_token": req.ignore_eos,
+        "min_new_tokens": min(req.min_tokens, checked.params.max_new_tokens),
+        "grammar": output_constraint(req),
+    }
 
 
 def output_constraint(req: ChatRequest | CompletionRequest) -> Grammar | None:

@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
+from lmiserve.core.adapters import Source
 from lmiserve.core.errors import NotFound, excerpt
 from lmiserve.core.tokenizer import tokenizing
 from lmiserve.protocols.openai.errors import RENDERER, PreviousResponseNotFound, model_not_found
@@ -28,7 +29,7 @@ from lmiserve.protocols.textgen.admission import enter
 from lmiserve.protocols.textgen.body import json_payload, parse
 from lmiserve.protocols.textgen.generation import generate as engine_events
 from lmiserve.protocols.textgen.generation import prepare
-from lmiserve.protocols.textgen.reasoning import effort_budget
+from lmiserve.protocols.textgen.reasoning import Thinking
 from lmiserve.protocols.textgen.served import served
 from lmiserve.protocols.textgen.timing import Timer
 from lmiserve.protocols.textgen.wire import SSE_HEADERS, dumps
@@ -43,7 +44,7 @@ async def create(request: Request) -> Response:
     req = parse(ResponsesRequest, await json_payload(request))
     timer = Timer()
     model = served(request)
-    lora = model.model_adapter(req.model, lambda: model_not_found(req.model))
+    lora = model.model_adapter(Source("model", req.model), not_found=model_not_found)
     store = response_store(request)
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
@@ -65,15 +66,11 @@ async def create(request: Request) -> Response:
             model.service.name,
             stored=stored,
             parser=model.tool_parser,
+            adapter=lora,  # the adapter `model` names (None: the base model)
+            thinking=Thinking.of(Reasoning, model.service.settings, model.tokenizer),
         )
-        call.call.request.adapter = lora  # the adapter `model` names (None: the base model)
         model.check_tools(call.tools)
-        reasoning = Reasoning.of(model.service.settings, call.prompt)
-        if reasoning is not None:  # a grammar applies after the reasoning block, a budget bounds it
-            effort = call.echo["reasoning"]["effort"]
-            template = getattr(model.tokenizer, "chat_template", None)
-            budget = effort_budget(model.service.settings, effort, template)
-            reasoning.apply(call.call.request.params, budget, model.tokenizer)
+        reasoning = call.reasoning
         await prepare(model.engine, [call.call.request])  # bad grammar, too large: 4xx before the stream
         timer.mark_validated()
 

@@ -1,6 +1,6 @@
 """The OpenAI Responses API request (POST /v1/responses) -> one validated engine call.
 
-- `input`: a string (one user message) or a list of items: ``message`` (``type`` may be left out;
+- `input` (`responses_input`): a string (one user message) or a list of items: ``message`` (``type`` may be left out;
   roles ``user``, ``assistant``, ``system``, ``developer``; content a string or ``input_text`` /
   ``output_text`` / ``refusal`` parts), ``function_call`` (``call_id``, ``name``, ``arguments``),
   ``function_call_output`` (``call_id``, ``output``), and ``reasoning`` items given back (left out of
@@ -38,16 +38,16 @@ from lmiserve.core.grammar import Grammar
 from lmiserve.core.limits import TextGenLimits
 from lmiserve.protocols.openai import sampling as openai_sampling
 from lmiserve.protocols.openai.errors import ContextWindowExceeded, InvalidValue
+from lmiserve.protocols.openai.reasoning import Reasoning
+from lmiserve.protocols.openai.responses_input import input_items, messages
 from lmiserve.protocols.openai.schema import OpenAISampling
-from lmiserve.protocols.textgen.chat import Message
 from lmiserve.protocols.textgen.parameters import UINT32, UINT64, TextGenParameters
+from lmiserve.protocols.textgen.reasoning import Thinking
 from lmiserve.protocols.textgen.tools.parsers import ToolParser
 from lmiserve.protocols.textgen.tools.prompt import Render, render_conversation
-from lmiserve.protocols.textgen.tools.spec import ToolSpec, apply_tools, tool_spec
-from lmiserve.protocols.textgen.validation import TextGenCall, build
+from lmiserve.protocols.textgen.tools.spec import ToolSpec, tool_fields, tool_spec
+from lmiserve.protocols.textgen.validation import TextGenCall, check
 
-ROLES = ("user", "assistant", "system", "developer")
-TEXT_PARTS = ("input_text", "output_text", "refusal")
 METADATA_KEYS, METADATA_KEY_LENGTH, METADATA_VALUE_LENGTH = 16, 64, 512  # OpenAI's limits
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 
@@ -104,6 +104,7 @@ class ResponsesCall:
     items: list[dict[str, Any]]  # the conversation: the previous response's items, then this input's
     tools: ToolSpec | None  # active tools: the answer is read as function calls
     echo: dict[str, Any]  # the request's parameters as the response object shows them
+    reasoning: Reasoning | None = None  # the answer's reasoning block is read (a reasoning parser)
 
 
 def check_unsupported(req: ResponsesRequest) -> None:
@@ -131,92 +132,6 @@ def check_unsupported(req: ResponsesRequest) -> None:
             f"and values of at most {METADATA_VALUE_LENGTH}",
             "metadata",
         )
-
-
-# --- input items ------------------------------------------------------------------------------------
-
-
-def input_items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`input` as a list of items (a string is one user message)."""
-    if isinstance(value, str):
-        return [{"type": "message", "role": "user", "content": value}]
-    return list(value)
-
-
-def _text_of(content: Any, where: str) -> str:
-    """A message's content (a string or text parts) as text; other parts are a 400."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise InvalidValue(f"`{where}` must be a string or a list of content parts", where)
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in TEXT_PARTS:
-            shown = excerpt(str(kind)) if kind is not None else "a part without a type"
-            raise InvalidValue(
-                f"Content part type `{shown}` is not supported: this server takes text parts only "
-                f"({', '.join(TEXT_PARTS)})",
-                f"{where}[{j}].type",
-            )
-        text = part.get("refusal" if kind == "refusal" else "text")
-        if not isinstance(text, str):
-            raise InvalidValue(f"`{where}[{j}]` needs a string `{'refusal' if kind == 'refusal' else 'text'}`", where)
-        texts.append(text)
-    return "".join(texts)
-
-
-def _string(item: dict[str, Any], key: str, where: str) -> str:
-    value = item.get(key)
-    if not isinstance(value, str):
-        raise InvalidValue(f"`{where}.{key}` must be a string", f"{where}.{key}")
-    return value
-
-
-def messages(items: list[dict[str, Any]], instructions: str | None) -> list[Message]:
-    """The conversation as chat messages (see the module docstring); a 400 naming the item at fault."""
-    out: list[Message] = []
-    if instructions:
-        out.append(Message(role="system", content=instructions))
-    for i, item in enumerate(items):
-        where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise InvalidValue(f"`{where}` must be an object", where)
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            if role not in ROLES:
-                allowed = ", ".join(f"'{r}'" for r in ROLES)
-                shown = excerpt(str(role))
-                raise InvalidValue(f"Invalid value: '{shown}'. Supported values are: {allowed}.", f"{where}.role")
-            text = _text_of(item.get("content"), f"{where}.content")
-            out.append(Message(role="system" if role == "developer" else role, content=text))
-        elif kind == "function_call":
-            call = {
-                "id": _string(item, "call_id", where),
-                "type": "function",
-                "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)},
-            }
-            if out and out[-1].role == "assistant":  # calls after the assistant's text (or after calls): one turn
-                out[-1].tool_calls = [*(out[-1].tool_calls or []), call]
-            else:
-                out.append(Message(role="assistant", content=None, tool_calls=[call]))
-        elif kind == "function_call_output":
-            output = item.get("output")
-            text = output if isinstance(output, str) else _text_of(output, f"{where}.output")
-            out.append(Message(role="tool", content=text, tool_call_id=_string(item, "call_id", where)))
-        elif kind == "reasoning":
-            continue  # earlier reasoning is not shown to the model again
-        else:
-            shown = excerpt(str(kind))
-            raise InvalidValue(
-                f"Input item type `{shown}` is not supported: use message, function_call, function_call_output "
-                "or reasoning items",
-                f"{where}.type",
-            )
-    if not out:
-        raise InvalidValue("`input` must hold at least one message", "input")
-    return out
 
 
 # --- tools ------------------------------------------------------------------------------------------
@@ -334,9 +249,12 @@ def responses_call(
     *,
     stored: bool,
     parser: ToolParser | None = None,
+    adapter: str | None = None,
+    thinking: Thinking[Reasoning] | None = None,
 ) -> ResponsesCall:
-    """Validate `req` (after `history`, the previous response's items) into one engine call. `stored`:
-    whether the server will keep the response (the `store` echo)."""
+    """Validate `req` (after `history`, the previous response's items) into one engine call, for the LoRA
+    `adapter` (None: the base model) and the model's reasoning parser (`thinking`). `stored`: whether the
+    server will keep the response (the `store` echo)."""
     check_unsupported(req)
     bias = openai_sampling.check(req)
     items = history + input_items(req.input)
@@ -361,17 +279,17 @@ def responses_call(
         truncate=None,
     )
     try:
-        call = build(prompt, params, limits, count_tokens, stream=req.stream)
+        checked = check(prompt, params, limits, count_tokens, stream=req.stream)
     except ContextLengthExceeded as exc:
         raise ContextWindowExceeded(exc, "input") from None
-    sampling = call.request.params
-    sampling.include_stop_str_in_output = False
-    sampling.grammar = grammar
-    openai_sampling.apply(sampling, req, bias)
-    call.request.priority = req.priority
-    call.request.cache_salt = req.cache_salt
+    fields = {"include_stop_str_in_output": False, "grammar": grammar, **openai_sampling.fields(req, bias)}
     if tools.read:
-        apply_tools(sampling, tools)
+        fields.update(tool_fields(tools, grammar))
+    block = None  # the reasoning parser's
+    if thinking is not None:  # a grammar applies after the reasoning block, a budget bounds it
+        block = thinking.reasoning(prompt)
+        fields.update(thinking.sampling(block, fields["grammar"], thinking.effort_budget(reasoning["effort"])))
+    call = checked.call(adapter=adapter, priority=req.priority, cache_salt=req.cache_salt, **fields)
     model = served_model if req.model in (None, "") else req.model
     echo = {
         "instructions": req.instructions,
@@ -397,4 +315,4 @@ def responses_call(
         echo["safety_identifier"] = req.safety_identifier
     if req.prompt_cache_key is not None:
         echo["prompt_cache_key"] = req.prompt_cache_key
-    return ResponsesCall(call, prompt, model, req.stream, items, tools if tools.read else None, echo)
+    return ResponsesCall(call, prompt, model, req.stream, items, tools if tools.read else None, echo, block)

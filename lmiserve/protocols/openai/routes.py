@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
+from lmiserve.core.adapters import NOWHERE, Elsewhere, Source, first_named
 from lmiserve.core.tokenizer import tokenizing
 from lmiserve.protocols.openai import fields, responses
 from lmiserve.protocols.openai import parse as adapter
@@ -25,7 +26,7 @@ from lmiserve.protocols.textgen.admission import enter
 from lmiserve.protocols.textgen.body import json_payload, parse
 from lmiserve.protocols.textgen.generation import generate as engine_events
 from lmiserve.protocols.textgen.generation import prepare
-from lmiserve.protocols.textgen.reasoning import effort_budget
+from lmiserve.protocols.textgen.reasoning import Thinking
 from lmiserve.protocols.textgen.served import served
 from lmiserve.protocols.textgen.timing import Timer
 from lmiserve.protocols.textgen.wire import SSE_HEADERS
@@ -43,19 +44,20 @@ async def completions(request: Request) -> Response:
     return await answer(request, parse(CompletionRequest, await json_payload(request)))
 
 
-async def invoke(request: Request, payload: dict, *, chat: bool) -> Response:
+async def invoke(request: Request, payload: dict, *, chat: bool, elsewhere: Elsewhere = NOWHERE) -> Response:
     """An already decoded chat (`chat=True`) or completion body answered as the routes answer it (the
-    /invocations dispatcher; API key checked by the caller), errors in these routes' shapes."""
+    /invocations dispatcher; API key checked by the caller), errors in these routes' shapes. `elsewhere`:
+    the model (a LoRA adapter) the request names outside its body, which a body naming none takes."""
 
     async def endpoint(request: Request) -> Response:
         if chat:
-            return await answer(request, parse(ChatRequest, payload))
-        return await answer(request, parse(CompletionRequest, payload))
+            return await answer(request, parse(ChatRequest, payload), elsewhere)
+        return await answer(request, parse(CompletionRequest, payload), elsewhere)
 
     return await rendered_by(RENDERER, endpoint)(request)
 
 
-async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Response:
+async def answer(request: Request, req: ChatRequest | CompletionRequest, elsewhere: Elsewhere = NOWHERE) -> Response:
     """Validate, generate and answer one decoded request."""
     chat = isinstance(req, ChatRequest)
     timer = Timer()
@@ -64,10 +66,12 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Resp
     if ignored and model.service.settings.strict_openai_fields:
         raise IgnoredFields(ignored)
     warnings = fields.headers(ignored)
-    lora = model.model_adapter(req.model, lambda: model_not_found(req.model))
+    sources = elsewhere.around(Source("model", req.model))  # on /invocations also ?adapter=, SageMaker's header
+    lora = model.model_adapter(*sources, not_found=model_not_found)  # the adapter answers (vLLM's)
+    named = first_named(sources)
     with enter(request) as slot:
-        reasoning: Reasoning | None = None
         if isinstance(req, ChatRequest):
+            thinking = Thinking.of(Reasoning, model.service.settings, model.tokenizer)
             call = await tokenizing(
                 adapter.chat,
                 req,
@@ -76,22 +80,22 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest) -> Resp
                 model.render_chat,
                 model.service.name,
                 model.tool_parser,
+                adapter=lora,
+                model_name=named.value if named is not None else None,
+                thinking=thinking,
             )
             model.check_tools(call.tools)
-            reasoning = Reasoning.of(model.service.settings, call.prompts[0])
-            if reasoning is not None:  # a grammar applies after the reasoning block, a budget bounds it
-                template = getattr(model.tokenizer, "chat_template", None)
-                effort = effort_budget(model.service.settings, req.reasoning_effort, template)
-                for c in call.calls:
-                    reasoning.apply(c.request.params, effort, model.tokenizer)
         else:
             call = await tokenizing(
-                adapter.completion, req, model.limits, model.count_tokens, model.service.name, model.decode
+                adapter.completion,
+                req,
+                model.limits,
+                model.count_tokens,
+                model.service.name,
+                model.decode,
+                adapter=lora,
             )
-        if lora is not None:  # the adapter answers, and the response names it (vLLM's)
-            call.model = lora
-            for c in call.calls:
-                c.request.adapter = lora
+        reasoning = call.reasoning
         await prepare(model.engine, [c.request for c in call.calls])  # bad grammar, too large: 4xx before the stream
         timer.mark_validated()
         env = Envelope(call.model, model.system_fingerprint, id=completion_id(chat))

@@ -1,5 +1,5 @@
 """OpenAI's sampling parameters with OpenAI's meaning (vLLM's for its extensions): their ranges, checked
-before anything else with a 400 naming the field, and their values set on the engine's `SamplingParams`.
+before anything else with a 400 naming the field, and their values as the engine's `SamplingParams` fields.
 
 - ``temperature`` 0..2 (0: greedy; absent: 1), ``top_p`` in (0, 1], ``n`` >= 1.
 - ``presence_penalty`` and ``frequency_penalty`` -2..2, additive on the logits of the tokens generated
@@ -20,7 +20,6 @@ import math
 from typing import Any
 
 from lmiserve.core.errors import InvalidRequest
-from lmiserve.core.request import SamplingParams
 
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's: each bias within -100..100
 
@@ -67,13 +66,15 @@ def logit_bias(raw: dict[str, float] | None) -> dict[int, float]:
     return bias
 
 
-def apply(params: SamplingParams, req: Any, bias: dict[int, float]) -> None:
-    """The request's sampling fields on the engine's parameters (after `check`)."""
-    params.presence_penalty = req.presence_penalty or 0.0
-    params.frequency_penalty = req.frequency_penalty or 0.0
-    params.repetition_penalty = req.repetition_penalty if req.repetition_penalty is not None else 1.0
-    params.top_k = max(req.top_k or 0, 0)
-    params.min_p = req.min_p or 0.0
-    params.logit_bias = bias
-    params.bad_words = list(req.bad_words or ())
-    params.skip_special_tokens = req.skip_special_tokens
+def fields(req: Any, bias: dict[int, float]) -> dict[str, Any]:
+    """The request's sampling fields as the engine's `SamplingParams` fields (after `check`)."""
+    return {
+        "presence_penalty": req.presence_penalty or 0.0,
+        "frequency_penalty": req.frequency_penalty or 0.0,
+        "repetition_penalty": req.repetition_penalty if req.repetition_penalty is not None else 1.0,
+        "top_k": max(req.top_k or 0, 0),
+        "min_p": req.min_p or 0.0,
+        "logit_bias": bias,
+        "bad_words": list(req.bad_words or ()),
+        "skip_special_tokens": req.skip_special_tokens,
+    }

@@ -26,7 +26,6 @@ from lmiserve.core.errors import InvalidRequest
 from lmiserve.core.events import Finish, Token
 from lmiserve.core.limits import TextGenLimits
 from lmiserve.protocols.openai.errors import EmptyPrompt
-from lmiserve.protocols.textgen.validation import TextGenCall
 
 LOGPROB_FLOOR = -9999.0  # vLLM's: -inf is not JSON
 
@@ -96,16 +95,15 @@ def check(req: Any, limits: TextGenLimits) -> None:
         raise InvalidRequest("`prompt_logprobs` is not supported when streaming")
 
 
-def chat_prompt_logprobs(call: TextGenCall, req: Any, limits: TextGenLimits) -> None:
-    """vLLM's `prompt_logprobs` on chat: the rendered prompt's tokens scored (not with `stream`)."""
+def chat_prompt_logprobs(req: Any, limits: TextGenLimits) -> dict[str, Any]:
+    """vLLM's `prompt_logprobs` on chat: the rendered prompt's tokens scored (not with `stream`), as the
+    engine's `SamplingParams` fields."""
     if req.prompt_logprobs is None:
-        return
+        return {}
     check_limit("prompt_logprobs", req.prompt_logprobs, limits)
     if req.stream:
         raise InvalidRequest("`prompt_logprobs` is not supported when streaming")
-    params = call.request.params
-    params.decoder_input_details = call.decoder_input_details = True
-    params.prompt_top_n = req.prompt_logprobs
+    return {"decoder_input_details": True, "prompt_top_n": req.prompt_logprobs}
 
 
 def max_new_tokens(req: Any) -> int | None:
@@ -113,22 +111,16 @@ def max_new_tokens(req: Any) -> int | None:
     return 1 if score_only(req) else req.max_tokens
 
 
-def apply(call: TextGenCall, req: Any, prompt: Prompt, top_n: int) -> TextGenCall:
-    """Set on the built call what TGI's checks do not know: the token ids, the top-N of each generated
-    token (the limit is `max_logprobs`, checked before) and of each prompt position."""
-    params = call.request.params
-    params.top_n_tokens = call.top_n_tokens = top_n
-    if prompt.ids is not None:
-        call.request.prompt_ids = list(prompt.ids)
-        call.request.prompt = prompt.text
-        call.input_length = len(prompt.ids)
+def logprob_fields(req: Any, top_n: int) -> dict[str, Any]:
+    """What TGI's checks do not know of a completions request, as the engine's `SamplingParams` fields:
+    the top-N of each generated token (the limit is `max_logprobs`, checked before) and of each prompt
+    position. (A prompt of token ids is the request's `prompt_ids`: `Prompt.ids`.)"""
+    fields: dict[str, Any] = {"top_n_tokens": top_n, "prompt_top_n": None}
     echo_scores = bool(req.echo) and req.logprobs is not None and not req.stream
     if echo_scores or req.prompt_logprobs is not None:
-        params.decoder_input_details = call.decoder_input_details = True
-        params.prompt_top_n = max((req.logprobs or 0) if echo_scores else 0, req.prompt_logprobs or 0)
-    else:
-        params.prompt_top_n = None
-    return call
+        fields["decoder_input_details"] = True
+        fields["prompt_top_n"] = max((req.logprobs or 0) if echo_scores else 0, req.prompt_logprobs or 0)
+    return fields
 
 
 # --- rendering ------------------------------------------------------------------------------------------

@@ -34,11 +34,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any, Generic, Self, TypeVar
 
 from lmiserve.config.settings import REASONING_PRESETS, Settings, parse_effort_budgets
 from lmiserve.core.grammar import Grammar
-from lmiserve.core.request import SamplingParams, ThinkingBudget
+from lmiserve.core.request import ThinkingBudget
 
 _BEFORE, _INSIDE, _AFTER = "before", "inside", "after"
 
@@ -231,16 +231,14 @@ class Reasoning:
             return grammar
         return dataclasses.replace(grammar, after=self.marks.end)
 
-    def apply(self, params: SamplingParams, tokens: int | None, tokenizer: Any) -> None:
-        """What the block asks of one request's generation: its grammar after the block, its budget of
-        `tokens` (None: none), and the text of special tokens kept when a marker is one (gpt-oss's
-        channels, Magistral's ``[THINK]``), so the block can be read at all."""
-        params.grammar = self.grammar(params.grammar)
-        params.thinking = self.budget(tokens)
-        decoder = getattr(tokenizer, "added_tokens_decoder", {})
-        special = [str(t) for t in decoder.values() if getattr(t, "special", False) and str(t)]
-        if any(token in marker for token in special for marker in (*self.marks.starts, *self.marks.ends)):
-            params.skip_special_tokens = False
+    def sampling(self, grammar: Grammar | None, tokens: int | None, *, keep_special: bool) -> dict[str, Any]:
+        """What the block asks of one request's generation, as `SamplingParams` fields: its `grammar` after
+        the block, its budget of `tokens` (None: none), and the text of special tokens kept when a marker
+        is one (`keep_special`: gpt-oss's channels, Magistral's ``[THINK]``), so the block can be read."""
+        fields: dict[str, Any] = {"grammar": self.grammar(grammar), "thinking": self.budget(tokens)}
+        if keep_special:
+            fields["skip_special_tokens"] = False
+        return fields
 
     def budget(self, tokens: int | None) -> ThinkingBudget | None:
         """The engine's bound on this block: `tokens` generated inside it, then its closing text forced
@@ -254,3 +252,44 @@ class Reasoning:
             starts=self.marks.starts,
             inside=self.inside,
         )
+
+
+R = TypeVar("R", bound=Reasoning)
+
+
+@dataclass(frozen=True)
+class Thinking(Generic[R]):
+    """A configured reasoning parser as a chat request's parse step applies it, once the prompt is rendered
+    (where the block starts depends on it): `kind`, the `Reasoning` that reads the answer (a protocol's
+    own); the settings and chat template a `reasoning_effort` budget depends on; `keep_special`: a marker
+    is a special token (the output keeps special tokens' text)."""
+
+    kind: type[R]
+    settings: Settings
+    template: object
+    keep_special: bool
+
+    @classmethod
+    def of(cls, kind: type[R], settings: Settings, tokenizer: Any) -> Thinking[R] | None:
+        """None when no reasoning parser is configured."""
+        marks = markers(settings)
+        if marks is None:
+            return None
+        decoder = getattr(tokenizer, "added_tokens_decoder", {})
+        special = [str(t) for t in decoder.values() if getattr(t, "special", False) and str(t)]
+        keep = any(token in marker for token in special for marker in (*marks.starts, *marks.ends))
+        return cls(kind, settings, getattr(tokenizer, "chat_template", None), keep)
+
+    def reasoning(self, prompt: str) -> R:
+        """The parser of the answer to `prompt` (the rendered prompt tells whether it starts inside the block)."""
+        marks = markers(self.settings)
+        assert marks is not None  # `of` made this only with a parser configured
+        return self.kind(marks, opened_in(prompt, marks))
+
+    def effort_budget(self, effort: str | None) -> int | None:
+        """The budget of OpenAI's `reasoning_effort` (`effort_budget`)."""
+        return effort_budget(self.settings, effort, self.template)
+
+    def sampling(self, reasoning: Reasoning, grammar: Grammar | None, tokens: int | None) -> dict[str, Any]:
+        """`Reasoning.sampling` for this model."""
+        return reasoning.sampling(grammar, tokens, keep_special=self.keep_special)

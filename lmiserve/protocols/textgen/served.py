@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 
 from lmiserve import __version__
-from lmiserve.core.adapters import resolve_adapter
+from lmiserve.core.adapters import Source, select_adapter
 from lmiserve.core.engine import TextGenerator
 from lmiserve.core.errors import InvalidRequest, LmiServeError, TemplateError
 from lmiserve.core.limits import TextGenLimits, limits_for
@@ -64,22 +64,27 @@ class Served:
         """The model's LoRA adapters (None: served without `enable_lora`)."""
         return self.service.adapters
 
-    def adapter(self, name: str | None, field: str = "adapter_id") -> str | None:
-        """The LoRA adapter a request's adapter field (TGI's `adapter_id`) selects: None for the base
-        model (no name, or a name of this model), else a registered adapter's name; `AdapterNotFound`
-        for another name (core/adapters.py)."""
-        return resolve_adapter(name, self.adapters, [n for n in self.names() if n != "*"], field)
+    def adapter(self, *sources: Source) -> str | None:
+        """The LoRA adapter a request's adapter fields (TGI's `adapter_id`, ...; highest precedence first)
+        select: None for the base model (no name, or a name of this model), else a registered adapter's
+        name; `AdapterNotFound` for another name (`select_adapter`)."""
+        return select_adapter(sources, self.adapters, self._own())
 
-    def model_adapter(self, name: str | None, not_found: Callable[[], LmiServeError]) -> str | None:
-        """The LoRA adapter a request's `model` (OpenAI's, Anthropic's) selects, as vLLM reads it: None
-        when it names this model (or is not given), the adapter's name when it names a registered
-        adapter of this model (the model's own names win); `not_found()` is raised for any other name."""
-        own = [n for n in self.names() if n != "*"]
-        if name and name not in own and self.adapters is not None and name in self.adapters:
-            return resolve_adapter(name, self.adapters, own, "model")
-        if not self.accepts(name):
-            raise not_found()
-        return None
+    def model_adapter(self, *sources: Source, not_found: Callable[[str], LmiServeError]) -> str | None:
+        """The LoRA adapter a request's `model` (OpenAI's, Anthropic's; `sources`: where the request names
+        it, highest precedence first) selects, as vLLM reads it: None when it names this model (or is not
+        given), the adapter's name when it names a registered adapter of this model (the model's own names
+        win); `not_found(name)` is raised for any other name."""
+
+        def other(name: str) -> str | None:
+            if not self.accepts(name):
+                raise not_found(name)
+            return None  # a wildcard served name (`*`): the base model
+
+        return select_adapter(sources, self.adapters, self._own(), other=other)
+
+    def _own(self) -> list[str]:
+        return [n for n in self.names() if n != "*"]
 
     def count_tokens(self, text: str) -> int:
         """Prompt length as the engine will see it (special tokens added); the ids are kept for the

@@ -7,8 +7,10 @@ validated here too.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from lmiserve.core import constraints
 from lmiserve.core.errors import ContextLengthExceeded, InvalidRequest
@@ -17,18 +19,68 @@ from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.protocols.textgen.parameters import TextGenParameters
 
 
-@dataclass
+@dataclass(frozen=True)
 class TextGenCall:
-    """A validated request: what the engine runs and what the answer must show."""
+    """A validated request: what the engine runs (complete, immutable) and what the answer must show."""
 
     request: GenerationRequest
     details: bool
-    decoder_input_details: bool
     return_full_text: bool
-    best_of: int
-    top_n_tokens: int
     input_length: int
     sampling: bool
+
+    @property
+    def best_of(self) -> int:
+        return self.request.params.best_of
+
+    @property
+    def top_n_tokens(self) -> int:
+        return self.request.params.top_n_tokens
+
+    @property
+    def decoder_input_details(self) -> bool:
+        return self.request.params.decoder_input_details
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A request that passed TGI's checks: the engine's parameters as TGI's fields give them (`params`)
+    and what the answer shows. `call` builds the engine request, once, with what the protocol adds."""
+
+    inputs: str
+    params: SamplingParams
+    priority: int
+    details: bool
+    return_full_text: bool
+    input_length: int
+    sampling: bool
+
+    def call(
+        self,
+        *,
+        adapter: str | None = None,
+        prompt: str | None = None,
+        prompt_ids: list[int] | None = None,
+        priority: int | None = None,
+        cache_salt: str | None = None,
+        ranked: bool = True,
+        **sampling: Any,
+    ) -> TextGenCall:
+        """The validated call: the engine request built with the LoRA adapter that answers (None: the base
+        model), the prompt as token ids (`prompt`: their text), the scheduling fields, and `sampling`: the
+        `SamplingParams` fields the protocol sets beyond TGI's (OpenAI's penalties, its grammar, ...)."""
+        params = dataclasses.replace(self.params, **sampling) if sampling else self.params
+        request = GenerationRequest(
+            self.inputs if prompt is None else prompt,
+            params,
+            priority=self.priority if priority is None else priority,
+            cache_salt=cache_salt,
+            prompt_ids=prompt_ids,
+            ranked=ranked,
+            adapter=adapter,
+        )
+        length = self.input_length if prompt_ids is None else len(prompt_ids)
+        return TextGenCall(request, self.details, self.return_full_text, length, self.sampling)
 
 
 def build(
@@ -38,8 +90,21 @@ def build(
     count_tokens: Callable[[str], int],
     *,
     stream: bool,
+    adapter: str | None = None,
 ) -> TextGenCall:
-    """Validate in TGI's order (the first failing check wins) and build the engine request. An unset
+    """`check`, then the engine request built with nothing more than TGI's fields and the LoRA `adapter`."""
+    return check(inputs, params, limits, count_tokens, stream=stream).call(adapter=adapter)
+
+
+def check(
+    inputs: str,
+    params: TextGenParameters,
+    limits: TextGenLimits,
+    count_tokens: Callable[[str], int],
+    *,
+    stream: bool,
+) -> Checked:
+    """Validate in TGI's order (the first failing check wins); the engine's parameters. An unset
     `return_full_text` means false."""
     p = params
     best_of = 1 if p.best_of is None else p.best_of
@@ -115,13 +180,12 @@ def build(
         grammar=grammar,
     )
     full_text = p.return_full_text if p.return_full_text is not None else False
-    return TextGenCall(
-        request=GenerationRequest(inputs, sampling_params, priority=p.priority or 0),
+    return Checked(
+        inputs=inputs,
+        params=sampling_params,
+        priority=p.priority or 0,
         details=p.details or p.decoder_input_details,
-        decoder_input_details=p.decoder_input_details,
         return_full_text=full_text,
-        best_of=best_of,
-        top_n_tokens=top_n,
         input_length=input_length,
         sampling=sampling,
     )

@@ -19,6 +19,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from lmiserve import __version__
+from lmiserve.core.adapters import NOWHERE, Elsewhere, Source
 from lmiserve.core.tokenizer import tokenizing
 from lmiserve.models.service import ModelService
 from lmiserve.protocols.textgen.admission import enter
@@ -44,6 +45,7 @@ from lmiserve.server.responses import raw_response
 from lmiserve.server.sse import keepalive
 
 UNHEALTHY = dumps({"error": "unhealthy", "error_type": "healthcheck"})
+ADAPTER_ID = "adapter_id"  # the field of `parameters` that names the LoRA adapter
 
 
 async def generate(request: Request) -> Response:
@@ -68,28 +70,38 @@ async def _generate(request: Request, *, stream: bool | None) -> Response:
     )
 
 
-async def invoke_compat(request: Request, payload: dict) -> Response:
+async def invoke_compat(request: Request, payload: dict, elsewhere: Elsewhere = NOWHERE) -> Response:
     """An already decoded body answered like POST / (the /invocations dispatcher, API key checked),
-    errors in TGI's shapes."""
+    errors in TGI's shapes. `elsewhere`: the LoRA adapter the request names outside `parameters.adapter_id`
+    (LMI's `adapters` field before it, the `adapter` query parameter and SageMaker's header after it)."""
 
     async def compat(request: Request) -> Response:
         timer = Timer()
         req = parse(GenerateRequest, payload)
-        return await answer(request, req, stream=req.stream, compat=True, timer=timer)
+        return await answer(request, req, stream=req.stream, compat=True, timer=timer, elsewhere=elsewhere)
 
     return await rendered_by(RENDERER, compat)(request)
 
 
-async def answer(request: Request, req: GenerateRequest, *, stream: bool, compat: bool, timer: Timer) -> Response:
+async def answer(
+    request: Request,
+    req: GenerateRequest,
+    *,
+    stream: bool,
+    compat: bool,
+    timer: Timer,
+    elsewhere: Elsewhere = NOWHERE,
+) -> Response:
     """Validate, generate and answer one decoded TGI request."""
     model = served(request)
-    # the adapter first, even on a stream: an unknown one is a 404 response, not an in-band error
-    adapter = model.adapter(req.effective_parameters().adapter_id)
+    # the adapter first, even on a stream: an unknown one is a 404 response, not an in-band error; TGI's
+    # message names its own field, whichever source named the adapter
+    sources = elsewhere.around(Source(ADAPTER_ID, req.effective_parameters().adapter_id))
+    adapter = model.adapter(*(Source(ADAPTER_ID, source.value) for source in sources))
     if stream:
         errors.errors_in_band(request)
     with enter(request) as slot:
-        call = await tokenizing(validate, req, model.limits, model.count_tokens, stream=stream)
-        call.request.adapter = adapter
+        call = await tokenizing(validate, req, model.limits, model.count_tokens, stream=stream, adapter=adapter)
         await prepare(model.engine, [call.request])  # refused (bad grammar, too large) before the stream
         timer.mark_validated()
         shape = AnswerShape.of(req.inputs, call)

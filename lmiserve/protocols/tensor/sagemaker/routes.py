@@ -1,6 +1,6 @@
 """SageMaker's /invocations: records in JSON, JSON Lines or CSV, answered in the negotiated type.
 
-`lmiserve.server.invocations` decides which /invocations requests are SageMaker's (its media types
+`lmiserve.protocols.invocations` decides which /invocations requests are SageMaker's (its media types
 and one-shot models; LMI's own payloads stay LMI's) and calls `invoke_llm` or `invoke_tensor` with the
 addressed model and the request's `Records`:
 - a one-shot model takes JSON records (a list, a scalar, several top-level values, or a TF Serving

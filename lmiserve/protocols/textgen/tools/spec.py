@@ -19,12 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmiserve.core.grammar import Grammar
-from lmiserve.core.request import SamplingParams
 from lmiserve.protocols.textgen.errors import ToolError
 from lmiserve.protocols.textgen.tools.functions import NAME, NO_PARAMETERS, Function, Mode
 from lmiserve.protocols.textgen.tools.parsers import CallReader, ToolParser, tool_parser
 
-__all__ = ["NO_PARAMETERS", "Function", "ToolSpec", "apply_tools", "tool_grammar", "tool_spec"]
+__all__ = ["NO_PARAMETERS", "Function", "ToolSpec", "tool_fields", "tool_grammar", "tool_spec"]
 
 
 @dataclass(frozen=True)
@@ -78,16 +77,19 @@ def tool_grammar(spec: ToolSpec) -> Grammar | None:
     return parser.grammar(spec, parser.lit)
 
 
-def apply_tools(params: SamplingParams, tools: ToolSpec) -> None:
-    """What tools ask of generation when the answer is read (`ToolSpec.read`): ``required`` and a named
-    function generate under the call format's grammar (never beside another constraint: TGI's
-    message); a format whose markers are special tokens keeps their text in the output."""
+def tool_fields(tools: ToolSpec, grammar: Grammar | None) -> dict[str, Any]:
+    """What tools ask of generation when the answer is read (`ToolSpec.read`), as `SamplingParams` fields:
+    ``required`` and a named function generate under the call format's grammar (never beside another
+    constraint, the request's `grammar`: TGI's message); a format whose markers are special tokens keeps
+    their text in the output."""
+    fields: dict[str, Any] = {}
     if tools.active:
-        if params.grammar is not None:  # response_format / guided_* / text.format
+        if grammar is not None:  # response_format / guided_* / text.format
             raise ToolError("Grammar and tools are mutually exclusive")
-        params.grammar = tool_grammar(tools)
+        fields["grammar"] = tool_grammar(tools)
     if tools.read and tools.format.reads_special_tokens:
-        params.skip_special_tokens = False
+        fields["skip_special_tokens"] = False
+    return fields
 
 
 def tool_spec(

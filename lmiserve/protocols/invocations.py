@@ -21,8 +21,9 @@ Precedence (first match wins):
    - a one-shot model: anything but text/plain and a JSON object with `inputs` (LMI's payloads);
    On these routes LMI's ways to name a LoRA adapter apply to OpenAI and TGI bodies that name none
    themselves: the `adapter` query parameter, then SageMaker's ``X-Amzn-SageMaker-Adapter-Identifier``
-   header (as OpenAI's `model` or TGI's `parameters.adapter_id`); a TGI body's LMI `adapters` field
-   first (it wins over `parameters.adapter_id`, as in LMI's bodies);
+   header (read as OpenAI's `model` or TGI's `parameters.adapter_id`); a TGI body's LMI `adapters` field
+   first (it wins over `parameters.adapter_id`, as in LMI's bodies). `decode` finds them once
+   (`Elsewhere`) and the handler's protocol picks the adapter (`select_adapter`); no body is rewritten;
 4. LMI, for the model named by the path, else `model_name` from the query or a header, else
    `tfs-model-name` (on /invocations), else the default model: it must exist (404 / 400) and be
    ready (503); the body is decoded as LMI does (424 if that fails); then a one-shot model, dynamic
@@ -45,6 +46,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from lmiserve.core import jsondoc
+from lmiserve.core.adapters import Elsewhere, Source
 from lmiserve.core.errors import LmiServeError, ModelNotFound
 from lmiserve.models.service import ModelService
 from lmiserve.protocols.lmi import lines as lmi_lines
@@ -83,10 +85,11 @@ class Kind(Enum):
 
 @dataclass(frozen=True)
 class JsonBody:
-    """An OpenAI or TGI request: the body's JSON object."""
+    """An OpenAI or TGI request: the body's JSON object, and where it names a LoRA adapter outside it."""
 
     kind: Kind  # CHAT, COMPLETION or TGI_COMPAT
     doc: dict
+    elsewhere: Elsewhere
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,7 @@ class LmiPayload:
     kind: Kind  # LMI_ROLLING, LMI_DYNAMIC_BATCH or LMI_TENSOR
     service: ModelService
     payload: Any
+    elsewhere: Elsewhere  # the adapter the query parameter or SageMaker's header names
 
 
 Invocation = JsonBody | SageMakerRecords | LmiPayload
@@ -157,16 +161,26 @@ async def decode(request: Request) -> Invocation:
         doc = body.json_or_none()
         if isinstance(doc, dict):
             if "messages" in doc:
-                return JsonBody(Kind.CHAT, doc)
+                return JsonBody(Kind.CHAT, doc, _elsewhere(request))
             if "prompt" in doc and "inputs" not in doc:
-                return JsonBody(Kind.COMPLETION, doc)
+                return JsonBody(Kind.COMPLETION, doc, _elsewhere(request))
             if "inputs" in doc and _tgi_compat(request, doc):
-                return JsonBody(Kind.TGI_COMPAT, doc)
+                return JsonBody(
+                    Kind.TGI_COMPAT, doc, _elsewhere(request, lmi_parse.adapters_source(doc.get("adapters")))
+                )
     if request.url.path == "/invocations":
         found = _sagemaker(request, body)
         if found is not None:
             return found
     return _lmi(request, body)
+
+
+def _elsewhere(request: Request, first: Source | None = None) -> Elsewhere:
+    """Where the request names a LoRA adapter outside its protocol's field: `first` before it (LMI's
+    `adapters` on a TGI body), then the `adapter` query parameter and SageMaker's adapter header after it."""
+    query = Source(lmi_parse.ADAPTER_QUERY, request.query_params.get(lmi_parse.ADAPTER_QUERY))
+    header = Source(lmi_parse.SAGEMAKER_ADAPTER_HEADER, request.headers.get(lmi_parse.SAGEMAKER_ADAPTER_HEADER))
+    return Elsewhere(first, (query, header))
 
 
 def _json_post(request: Request) -> bool:
@@ -235,7 +249,7 @@ def _lmi(request: Request, body: Body) -> LmiPayload:
         kind = Kind.LMI_DYNAMIC_BATCH
     else:
         kind = Kind.LMI_ROLLING
-    return LmiPayload(kind, service, payload)
+    return LmiPayload(kind, service, payload, _elsewhere(request))
 
 
 # ---- the handlers of each kind ---------------------------------------------------------------------
@@ -244,36 +258,15 @@ def _lmi(request: Request, body: Body) -> LmiPayload:
 
 
 async def _chat(request: Request, invocation: JsonBody) -> Response:
-    return await openai.invoke(request, _with_outside_adapter(request, invocation), chat=True)
+    return await openai.invoke(request, invocation.doc, chat=True, elsewhere=invocation.elsewhere)
 
 
 async def _completion(request: Request, invocation: JsonBody) -> Response:
-    return await openai.invoke(request, _with_outside_adapter(request, invocation), chat=False)
+    return await openai.invoke(request, invocation.doc, chat=False, elsewhere=invocation.elsewhere)
 
 
 async def _tgi_compat_body(request: Request, invocation: JsonBody) -> Response:
-    return await tgi.invoke_compat(request, _with_outside_adapter(request, invocation))
-
-
-def _with_outside_adapter(request: Request, invocation: JsonBody) -> dict:
-    """The body, with the LoRA adapter LMI's ways name when the body's own protocol names none: OpenAI's
-    `model` from the `adapter` query parameter or SageMaker's adapter header; TGI's
-    `parameters.adapter_id` from LMI's `adapters` field (a name, or a list of one), else those two."""
-    outside = lmi_parse.outside_adapter(request.query_params, request.headers)
-    doc = invocation.doc
-    if invocation.kind is not Kind.TGI_COMPAT:
-        return {**doc, "model": outside.name} if outside is not None and doc.get("model") in (None, "") else doc
-    params = doc.get("parameters")
-    if params is not None and not isinstance(params, dict):
-        return doc  # TGI's schema refuses it
-    named = doc.get("adapters")
-    if named not in (None, "", []):  # LMI's field wins, as on LMI's own bodies
-        adapter = named[0] if isinstance(named, list) and len(named) == 1 else named
-    elif (params or {}).get("adapter_id") in (None, "") and outside is not None:
-        adapter = outside.name
-    else:
-        return doc
-    return {**doc, "parameters": {**(params or {}), "adapter_id": adapter}}
+    return await tgi.invoke_compat(request, invocation.doc, invocation.elsewhere)
 
 
 async def _sagemaker_llm(request: Request, invocation: SageMakerRecords) -> Response:
@@ -288,12 +281,12 @@ async def _sagemaker_tensor(request: Request, invocation: SageMakerRecords) -> R
     return await _rendered(request, SAGEMAKER_ERRORS, answer)
 
 
-LmiHandler = Callable[[Request, ModelService, Any], Awaitable[Response]]
+LmiHandler = Callable[[Request, ModelService, Any, Elsewhere], Awaitable[Response]]
 
 
 def _lmi_handler(handler: LmiHandler) -> Callable[[Request, LmiPayload], Awaitable[Response]]:
     async def run(request: Request, invocation: LmiPayload) -> Response:
-        answer = functools.partial(handler, request, invocation.service, invocation.payload)
+        answer = functools.partial(handler, request, invocation.service, invocation.payload, invocation.elsewhere)
         return await _rendered(request, LMI_ERRORS.for_model(invocation.service.name), answer)
 
     return run

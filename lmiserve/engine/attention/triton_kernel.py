@@ -1,4 +1,4 @@
-"""The Triton kernel of `triton_attention` (imported only where Triton is installed; the interpreter
+"""The Triton kernel of `triton_ops` (imported only where Triton is installed; the interpreter
 patches this module's ``tl`` when it runs the kernel on a CPU)."""
 
 import triton.language as tl

@@ -12,7 +12,8 @@ context can need) and the KV write index; every graph reads the front of each pa
 rows into pinned host copies of those buffers and copies them over before the replay. Padding rows (token
 0 at position 0) write their keys and values into a block of their own, one past the pool's (the runner
 allocates it; no sequence ever holds it), and their attention is skipped (tile count 0); their logits are
-dropped. The attention is the Triton kernel's (`triton_attention`), whose loops run on device data, so
+dropped. The attention is the Triton backend's (attention/backends.py), whose metadata the graphs make from
+their own buffers (`TritonBackend.graph_plan`) and whose kernel's loops run on device data, so
 one graph serves every context length; the RoPE table is built for the whole context before the first
 capture (`FastLlama.rope_upto`) and never reallocated.
 
@@ -33,8 +34,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import torch
 
-from lmiserve.engine import triton_attention
-from lmiserve.engine.paged_attention import PagedKVCache
+from lmiserve.engine.attention import triton_ops as triton_attention
+from lmiserve.engine.attention.backends import TritonBackend
+from lmiserve.engine.attention.paged import PagedKVCache
 
 if TYPE_CHECKING:
     from lmiserve.engine.fast_llama import FastLlama
@@ -89,7 +91,6 @@ class DecodeGraphs:
         self._graphs: dict[int, _Captured] = {}
         self._pool: Any = None  # the graphs' shared memory pool (torch's handle)
         self.failed = False
-        self.block_q = triton_attention.tile_tokens(fast.heads // fast.kv_heads, 1)
         fast.rope_upto(fast.max_context)
 
     def covers(self, rows: int) -> bool:
@@ -127,21 +128,15 @@ class DecodeGraphs:
             part_device.copy_(part_host, non_blocking=self.capture)
 
     def _inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, triton_attention.StepTiles]:
-        """The fixed-address views a graph of `size` rows reads."""
+        """The fixed-address views a graph of `size` rows reads, and the attention backend's metadata made
+        from them."""
         ids, positions, counts, tables, write = self._device
-        rows = self._rows[:size]
-        plan = triton_attention.StepTiles(
-            tile_seq=rows,
-            tile_first=rows,
-            tile_count=counts[:size],
-            positions=positions[:size],
-            tables=tables[:size],
-            write=write[: size * self.kv_heads],
-            block_q=self.block_q,
-            tiles=size,
-            tokens=size,
+        attention = self.fast.attention
+        assert isinstance(attention, TritonBackend)
+        meta = attention.graph_plan(
+            self._rows[:size], counts[:size], positions[:size], tables[:size], write[: size * self.kv_heads]
         )
-        return ids[:size], positions[:size], plan
+        return ids[:size], positions[:size], meta
 
     def run(self, ids: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]]) -> torch.Tensor:
         """Float32 logits ``[len(ids), vocab]`` of a step of decode rows (a fresh tensor)."""

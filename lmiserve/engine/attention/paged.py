@@ -3,26 +3,18 @@
 The KV memory is one pool of ``num_blocks`` blocks of ``block_size`` token slots (the allocator is
 `kv_blocks.BlockPool`). Per layer, keys and values are each one tensor ``[num_blocks, kv_heads,
 block_size, head_dim]``: a block's tokens of one head are contiguous (``block_size * head_dim`` values),
-so a read walks each row's blocks in order and, inside a block, the same inner loop as the slot cache.
+so a read walks each row's blocks in order.
 The token at position ``p`` of a sequence lives at offset ``p % block_size`` of block
 ``block_table[p // block_size]``.
 
 Decode (`paged_decode_attention`): each row writes its new key/value at position ``spans[r] - 1`` and
 its query heads (GQA packed per kv head, ``[rows, kv_heads, groups, head_dim]``) attend over positions
-``0..spans[r]-1`` through its block table. Two implementations with that contract: a compiled numba
-kernel for fp32 on CPU (the slot kernel of `decode_attention.py` with the position -> block indirection;
-`available` says when it applies) and torch ops for every other dtype and device (a flat `index_copy_`
-write, a gather of the rows' blocks, a masked fp32 softmax).
+``0..spans[r]-1`` through its block table. Two implementations with that contract: the compiled numba
+kernel for fp32 on CPU (attention/cpu_kernel.py; `cpu_kernel.available` says when it applies) and torch
+ops for every other dtype and device (a flat `index_copy_` write, a gather of the rows' blocks, a masked
+fp32 softmax).
 
-Speed (benchmarks/paged_attention.py: 32 rows of spans 70..591, SmolLM2-135M's 3 kv heads x 3 groups x
-64, blocks scattered at random, each call's cache read from memory; a shared 2-vCPU AMD EPYC, fastest of
-200 calls): the slot kernel 1.7-1.8 ms a layer on one thread, this kernel 2.5-2.8 ms with block_size 16
-(~1.5x; 2 threads: 1.26 vs 1.89 ms), ~1.15x with block_size 64, and faster than the slot kernel when the
-cache fits in L3. The cost is per discontinuity of the stream (~100 ns a block jump), not the
-indirection: software prefetch (llvm.prefetch, 1-6 blocks ahead) and huge pages did not change it;
-reading a row's blocks whole (all its kv heads, `_kernel`'s ``parts == 1``) took ~10-20 % off.
-
-A `window` (a sliding-window layer, engine/attention_window.py) limits a row to its last `window`
+A `window` (a sliding-window layer, engine/attention/windows.py) limits a row to its last `window`
 positions: the kernel starts at the window's first block and position, the torch path masks the rest.
 
 Prefill: `write_chunk` stores a chunk's keys/values, `gather_context` reads a sequence's positions
@@ -37,31 +29,63 @@ path, but must be valid block ids there (pad with 0). Spans are host integers (a
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-from lmiserve.engine import decode_attention, kv_blocks
-from lmiserve.engine.attention_window import hidden_outside
-from lmiserve.engine.decode_attention import softmax_rows
-from lmiserve.engine.jit import lazily_compiled, numba
+from lmiserve.engine import kv_blocks
+from lmiserve.engine.attention import cpu_kernel
+from lmiserve.engine.attention.windows import hidden_outside
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedModel
 
 __all__ = [
+    "AttentionShape",
     "PagedKVCache",
-    "available",
-    "compiled_decode_attention",
     "flat_index",
     "gather_context",
+    "kv_bytes_per_block",
+    "paged_cache",
     "paged_decode_attention",
     "torch_decode_attention",
-    "warm_up",
     "write_chunk",
 ]
 
-_F32 = npt.NDArray[np.float32]
 _I64 = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """The attention dimensions of a model, which shape its KV cache."""
+
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, config: PreTrainedConfig) -> AttentionShape:
+        cfg: Any = config  # the attribute names are the architecture's (transformers declares none of them)
+        heads = int(cfg.num_attention_heads)
+        head_dim = getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        return cls(int(cfg.num_hidden_layers), heads, int(kv_heads), int(head_dim))
+
+
+def paged_cache(model: PreTrainedModel, num_blocks: int, block_size: int) -> PagedKVCache:
+    """A `PagedKVCache` of `num_blocks` blocks of `block_size` tokens shaped for `model`'s attention layers."""
+    shape = AttentionShape.of(model.config)
+    return PagedKVCache(shape.layers, num_blocks, block_size, shape.kv_heads, shape.head_dim, model.dtype, model.device)
+
+
+def kv_bytes_per_block(model: PreTrainedModel, block_size: int) -> int:
+    """The memory of one block of `model`'s KV (every layer, K and V, in the model's dtype)."""
+    shape = AttentionShape.of(model.config)
+    return PagedKVCache.bytes_per_block(shape.layers, block_size, shape.kv_heads, shape.head_dim, model.dtype)
 
 
 class PagedKVCache:
@@ -134,235 +158,6 @@ class PagedKVCache:
             cache.index_copy_(0, dst, cache.index_select(0, src))
 
 
-# ---- decode: compiled (fp32 CPU) ---------------------------------------------------------------------
-
-
-def _kernel(  # pragma: no cover - compiled
-    query: _F32,
-    key_cache: _F32,
-    value_cache: _F32,
-    new_keys: _F32,
-    new_values: _F32,
-    block_tables: _I64,
-    spans: _I64,
-    scale: np.float32,
-    window: int,
-    parts: int,
-    out: _F32,
-) -> None:
-    """One task per (row, part): part ``i`` of `parts` takes kv heads ``[i * kv_heads // parts, (i + 1) *
-    kv_heads // parts)``. With ``parts == 1`` a task reads each block of its row whole (all its heads'
-    keys, then values: ``kv_heads * block_size * head_dim`` contiguous values), which memory streams
-    better than one head's ``block_size * head_dim`` at a time; with few rows, more parts keep every
-    thread busy. `window` > 0: a row attends over its last `window` positions only (engine/attention_window.py)."""
-    rows, kv_heads, groups, dim = query.shape
-    block_size = key_cache.shape[2]
-    for task in numba.prange(rows * parts):
-        row = task // parts
-        part = task % parts
-        first = part * kv_heads // parts
-        heads = (part + 1) * kv_heads // parts - first
-        span = spans[row]
-        last = span - 1
-        last_block = block_tables[row, last // block_size]
-        last_offset = last % block_size
-        for h in range(heads):
-            for d in range(dim):
-                key_cache[last_block, first + h, last_offset, d] = new_keys[row, first + h, d]
-                value_cache[last_block, first + h, last_offset, d] = new_values[row, first + h, d]
-        blocks = (span + block_size - 1) // block_size
-        lo = span - window if window > 0 and window < span else 0  # the first position the row sees
-        q = query[row]
-        scores = np.empty((heads, groups, span - lo), dtype=np.float32)
-        for b in range(lo // block_size, blocks):
-            keys = key_cache[block_tables[row, b]]  # [kv_heads, block_size, dim] view: simpler addressing
-            base = b * block_size
-            count = min(block_size, span - base)
-            for h in range(heads):
-                head = first + h
-                for o in range(max(0, lo - base), count):
-                    for g in range(groups):
-                        acc = np.float32(0.0)
-                        for d in range(dim):
-                            acc += q[head, g, d] * keys[head, o, d]
-                        scores[h, g, base + o - lo] = acc * scale
-        for h in range(heads):
-            softmax_rows(scores[h])
-        # each value block read once for all groups, into a local accumulator
-        acc_out = np.zeros((heads, groups, dim), dtype=np.float32)
-        for b in range(lo // block_size, blocks):
-            values = value_cache[block_tables[row, b]]
-            base = b * block_size
-            count = min(block_size, span - base)
-            for h in range(heads):
-                head = first + h
-                for o in range(max(0, lo - base), count):
-                    for g in range(groups):
-                        p = scores[h, g, base + o - lo]
-                        for d in range(dim):
-                            acc_out[h, g, d] += p * values[head, o, d]
-        for h in range(heads):
-            for g in range(groups):
-                for d in range(dim):
-                    out[row, first + h, g, d] = acc_out[h, g, d]
-
-
-def _head_kernel(  # pragma: no cover - compiled
-    query: _F32,
-    key_cache: _F32,
-    value_cache: _F32,
-    new_keys: _F32,
-    new_values: _F32,
-    block_tables: _I64,
-    spans: _I64,
-    scale: np.float32,
-    window: int,
-    out: _F32,
-) -> None:
-    """`_kernel` with one task per (row, kv head), the layout few rows take (``parts == kv_heads``):
-    the same arithmetic in the same order, addressed per head, with the output accumulated in place
-    (no per-task accumulator), which at one row and a short context is a tenth of the kernel's time."""
-    rows, kv_heads, groups, dim = query.shape
-    block_size = key_cache.shape[2]
-    for task in numba.prange(rows * kv_heads):
-        row = task // kv_heads
-        head = task % kv_heads
-        span = spans[row]
-        last = span - 1
-        last_block = block_tables[row, last // block_size]
-        last_offset = last % block_size
-        for d in range(dim):
-            key_cache[last_block, head, last_offset, d] = new_keys[row, head, d]
-            value_cache[last_block, head, last_offset, d] = new_values[row, head, d]
-        blocks = (span + block_size - 1) // block_size
-        lo = span - window if window > 0 and window < span else 0  # the first position the row sees
-        scores = np.empty((groups, span - lo), dtype=np.float32)
-        for b in range(lo // block_size, blocks):
-            block = block_tables[row, b]
-            base = b * block_size
-            count = min(block_size, span - base)
-            for o in range(max(0, lo - base), count):
-                for g in range(groups):
-                    acc = np.float32(0.0)
-                    for d in range(dim):
-                        acc += query[row, head, g, d] * key_cache[block, head, o, d]
-                    scores[g, base + o - lo] = acc * scale
-        softmax_rows(scores)
-        for g in range(groups):
-            for d in range(dim):
-                out[row, head, g, d] = 0.0
-        for b in range(lo // block_size, blocks):
-            block = block_tables[row, b]
-            base = b * block_size
-            count = min(block_size, span - base)
-            for o in range(max(0, lo - base), count):
-                for g in range(groups):
-                    p = scores[g, base + o - lo]
-                    for d in range(dim):
-                        out[row, head, g, d] += p * value_cache[block, head, o, d]
-
-
-_compiled_kernel = lazily_compiled(_kernel)
-_compiled_head_kernel = lazily_compiled(_head_kernel)
-
-
-def available(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether `compiled_decode_attention` serves a model of this dtype on this device: where the slot
-    cache's compiled kernel does (numba, fp32, CPU)."""
-    return decode_attention.available(dtype, device)
-
-
-def warm_up() -> None:
-    """Compile the kernels (a few seconds; later processes load them from numba's cache)."""
-    cache = torch.zeros(2, 2, 2, 8)
-    for parts in (1, 2):  # whole rows (`_kernel`), a task a kv head (`_head_kernel`)
-        compiled_decode_attention(
-            torch.zeros(1, 2, 1, 8),
-            cache,
-            cache.clone(),
-            torch.zeros(1, 2, 8),
-            torch.zeros(1, 2, 8),
-            torch.tensor([[1]]),
-            np.array([2], dtype=np.int64),
-            1.0,
-            parts,
-        )
-
-
-def _host_spans(spans: npt.ArrayLike) -> _I64:
-    return np.ascontiguousarray(spans, dtype=np.int64)
-
-
-class KernelRows(NamedTuple):
-    """The compiled kernel's per-step arguments, made once for every layer of a step: the rows' block
-    tables and spans as host arrays and the tasks per row (`_parts`)."""
-
-    tables: _I64
-    spans: _I64
-    parts: int
-
-    @classmethod
-    def of(cls, block_tables: torch.Tensor, spans: npt.ArrayLike, kv_heads: int) -> KernelRows:
-        tables = np.ascontiguousarray(block_tables.to(torch.int64).numpy())
-        return cls(tables, _host_spans(spans), _parts(tables.shape[0], kv_heads))
-
-
-def kernel_decode_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    new_keys: torch.Tensor,
-    new_values: torch.Tensor,
-    rows: KernelRows,
-    scale: float,
-    window: int | None = None,
-) -> torch.Tensor:
-    """`compiled_decode_attention` with the step's host arguments made once (`KernelRows`): a task a
-    (row, kv head) through `_head_kernel`, else `rows.parts` tasks a row through `_kernel`."""
-    out = torch.empty_like(query)
-    arrays = (
-        query.contiguous().numpy(),
-        key_cache.numpy(),
-        value_cache.numpy(),
-        new_keys.contiguous().numpy(),
-        new_values.contiguous().numpy(),
-        rows.tables,
-        rows.spans,
-        np.float32(scale),
-        window or 0,
-    )
-    if rows.parts == query.shape[1]:
-        _compiled_head_kernel()(*arrays, out.numpy())
-    else:
-        _compiled_kernel()(*arrays, rows.parts, out.numpy())
-    return out
-
-
-def compiled_decode_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    new_keys: torch.Tensor,
-    new_values: torch.Tensor,
-    block_tables: torch.Tensor,
-    spans: npt.ArrayLike,
-    scale: float,
-    parts: int | None = None,
-    window: int | None = None,
-) -> torch.Tensor:
-    """`paged_decode_attention` as one numba kernel: fp32 CPU tensors, caches contiguous. `parts`: tasks
-    per row (1: whole rows, ``kv_heads``: one head each; default by the row count, see `_kernel`)."""
-    rows = KernelRows.of(block_tables, spans, query.shape[1])
-    if parts is not None:
-        rows = rows._replace(parts=parts)
-    return kernel_decode_attention(query, key_cache, value_cache, new_keys, new_values, rows, scale, window)
-
-
-def _parts(rows: int, kv_heads: int) -> int:
-    """Whole rows per task while there are at least 4 rows a thread, else one kv head per task."""
-    return 1 if rows >= 4 * numba.get_num_threads() else kv_heads
-
-
 # ---- decode: torch (any dtype, any device) ------------------------------------------------------------
 
 
@@ -411,7 +206,7 @@ def decode_index(
     block_tables: torch.Tensor, spans: npt.ArrayLike, block_size: int, device: torch.device
 ) -> DecodeIndex:
     """The step's `DecodeIndex` (one host-to-device copy of the spans a step, not one a layer)."""
-    host = _host_spans(spans)
+    host = np.ascontiguousarray(spans, dtype=np.int64)
     span_t = torch.from_numpy(host).to(device)
     width = -(-int(host.max()) // block_size)
     tables = block_tables.to(device=device, dtype=torch.long)[:, :width]
@@ -466,9 +261,9 @@ def paged_decode_attention(
     in the layer caches (``[num_blocks, kv_heads, block_size, head_dim]``), then attend ``query``
     (``[R, kv_heads, groups, head_dim]``) over positions ``0..spans[r]-1`` (the last `window` of them when
     given) through the block table. Returns ``[R, kv_heads, groups, head_dim]``. The compiled kernel where
-    `available`, torch otherwise."""
-    if available(key_cache.dtype, key_cache.device):
-        return compiled_decode_attention(
+    `cpu_kernel.available`, torch otherwise."""
+    if cpu_kernel.available(key_cache.dtype, key_cache.device):
+        return cpu_kernel.compiled_decode_attention(
             query, key_cache, value_cache, new_keys, new_values, block_tables, spans, scale, window=window
         )
     return torch_decode_attention(

@@ -9,7 +9,7 @@ each key and value is read once for all the heads that share it), and it walks t
 ``0..last`` in tiles of ``BLOCK_N``, each position's address read from the block table (any block size),
 masking each query past its own position (causal within a chunk, full for a decode row); in a sliding-window
 layer (`window`) it starts at the tile's window and masks each query's positions before its own window
-(engine/attention_window.py). Flash-attention's
+(engine/attention/windows.py). Flash-attention's
 online softmax: scores and the running sum in fp32, the products in the cache's dtype with fp32 accumulation
 (fp32 caches multiply in full fp32, not TF32), as `paged_attention.torch_decode_attention` does.
 
@@ -34,7 +34,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from lmiserve.engine.paged_attention import flat_index
+from lmiserve.engine.attention.paged import flat_index
 
 __all__ = [
     "BLOCK_N",
@@ -182,7 +182,7 @@ def write_step(
 def _kernel() -> Any:
     import triton
 
-    from lmiserve.engine.triton_kernel import paged_attention_kernel
+    from lmiserve.engine.attention.triton_kernel import paged_attention_kernel
 
     return triton.jit(paged_attention_kernel)
 

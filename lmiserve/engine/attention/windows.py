@@ -11,8 +11,8 @@ its own and the ``W - 1`` before it. Which layers have one (`layer_windows`):
   unless ``use_sliding_window`` is False.
 
 Every attention over the paged KV cache takes the window of its layer: the compiled CPU kernel and the
-torch decode path (engine/paged_attention.py), the prefill chunks' SDPA masks (engine/fast_llama.py), the
-Triton kernel (engine/triton_attention.py) and transformers' own attention on the generic runner, whose
+torch decode path (engine/attention/paged.py), the prefill chunks' SDPA masks (engine/fast_llama.py), the
+Triton kernel (engine/attention/triton_ops.py) and transformers' own attention on the generic runner, whose
 per-layer-kind masks `step_mask` builds (engine/runners/paged_generic.py). Blocks wholly before every
 layer's window stay allocated (masked, not freed); the batch-invariant runner runs transformers' forward,
 which applies the windows itself.

@@ -1,0 +1,344 @@
+"""Attention backends: how a step's attention runs over the paged KV cache, one interface for every kernel.
+
+A backend builds its per-step metadata once (`plan`, from the step's sequences: each one's block table,
+first position and token count, decode rows first) and then runs every layer with it (`forward(layer, q,
+k, v, meta)`: it stores the step's keys and values through the block tables and returns each token's
+attention over its own sequence's positions up to its own, within the layer's sliding window). Both model
+forwards run through a backend: lmiserve's own (engine/fast_llama.py) and transformers' model on the
+generic runner (runners/paged_generic.py registers `backend_attention` as an attention implementation).
+
+- `TritonBackend` (CUDA): every token of the step, decode rows and prompt chunks alike, in one Triton
+  kernel launch a layer (attention/triton_ops.py), reading the blocks in place. Its metadata can also be
+  made from fixed device buffers (`graph_plan`), which the captured CUDA graphs own (attention/cuda_graphs.py).
+- `CpuKernelBackend` (CPU, fp32, numba): the decode rows and the step's leading short prompt chunks (drafts
+  being verified, short chunks; one row a token) in one compiled kernel call a layer
+  (attention/cpu_kernel.py); a longer chunk gathers its positions and runs SDPA.
+- `TorchBackend` (any device and dtype): the decode rows gather their blocks and attend with batched matmuls
+  (masked fp32 softmax), each chunk gathers its positions and runs SDPA.
+
+`choose` picks one for a model's attention shape on its device; a new kernel is a new backend here.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+import torch
+import torch.nn.functional as F
+
+from lmiserve.engine.attention import cpu_kernel, triton_ops, windows
+from lmiserve.engine.attention.paged import (
+    DecodeIndex,
+    PagedKVCache,
+    decode_index,
+    flat_index,
+    gather_context,
+    paged_decode_attention,
+    write_chunk,
+)
+
+__all__ = [
+    "KERNEL_CHUNK_TOKENS",
+    "AttentionBackend",
+    "CpuKernelBackend",
+    "SeqTokens",
+    "TorchBackend",
+    "TritonBackend",
+    "choose",
+]
+
+log = logging.getLogger(__name__)
+
+# a prefill chunk of at most this many tokens attends through the compiled decode kernel on CPU fp32
+# (measured on SmolLM2's attention shape, 2 AMD EPYC cores: 28 tokens after 1,972 take 5.3 ms a layer
+# there against 8.9 ms gathered with SDPA; from 64 tokens SDPA wins)
+KERNEL_CHUNK_TOKENS = 32
+# the step's leading chunks of at most KERNEL_CHUNK_TOKENS tokens join the decode rows in one kernel call a
+# layer, their keys and values written through an index made once a step (a 2-token chunk at position 200
+# of SmolLM2-135M: attention 10.5 -> 4.6 ms a step on the AMD EPYC); False: a kernel call, a write and its
+# index a chunk and a layer (benchmarks/verify_chunk.py's "before")
+CHUNKS_AS_DECODE_ROWS = True
+
+
+@dataclass(frozen=True)
+class SeqTokens:
+    """One sequence's tokens of a step, in the step's token order: `count` tokens at positions
+    ``start..start+count-1``, read and written through `table` (its block table)."""
+
+    table: Sequence[int]
+    start: int
+    count: int
+
+
+class AttentionBackend(ABC):
+    """One attention implementation over a `PagedKVCache`, for a model's attention shape."""
+
+    name: ClassVar[str]
+
+    def __init__(self, cache: PagedKVCache, heads: int, layer_windows: Sequence[int | None]) -> None:
+        """`layer_windows`: each layer's sliding window (None: the whole context; attention/windows.py)."""
+        self.cache = cache
+        self.heads, self.kv_heads, self.head_dim = heads, cache.kv_heads, cache.head_dim
+        self.groups = heads // cache.kv_heads
+        self.scale = self.head_dim**-0.5
+        self.windows = tuple(layer_windows)
+
+    @abstractmethod
+    def plan(self, seqs: Sequence[SeqTokens], decode_rows: int, pad: int) -> Any:
+        """The step's metadata, shared by every layer: `seqs` in the step's token order (the first
+        `decode_rows` of them one token each), then `pad` padding tokens (they attend nothing; their
+        output rows are zero or ignored)."""
+
+    @abstractmethod
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any, scale: float | None = None
+    ) -> torch.Tensor:
+        """Layer `layer`'s attention of the step's tokens: `q` ``[T, heads, head_dim]``, `k`/`v` ``[T,
+        kv_heads, head_dim]`` (stored in the cache first); ``[T, heads * head_dim]``. `scale`: of the
+        scores (default ``head_dim ** -0.5``)."""
+
+    def _ensure(self, seqs: Sequence[SeqTokens]) -> None:
+        """Every block the step touches is zeroed (`PagedKVCache.ensure_zeroed`) before it is read."""
+        top = max((max(s.table) for s in seqs if s.table), default=-1)
+        self.cache.ensure_zeroed(1 + top)
+
+
+# ---- Triton (CUDA) ---------------------------------------------------------------------------------------
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+
+    def plan(self, seqs: Sequence[SeqTokens], decode_rows: int, pad: int) -> triton_ops.StepTiles:
+        self._ensure(seqs)
+        sequences = [(s.table, s.start, s.count) for s in seqs]
+        return triton_ops.step_tiles(sequences, self.groups, self.kv_heads, self.cache.block_size, self.cache.device)
+
+    def graph_plan(
+        self,
+        rows: torch.Tensor,
+        counts: torch.Tensor,
+        positions: torch.Tensor,
+        tables: torch.Tensor,
+        write: torch.Tensor,
+    ) -> triton_ops.StepTiles:
+        """The metadata of a step of ``len(rows)`` decode rows read from fixed device buffers (a captured
+        CUDA graph's, which its owner fills before each replay): each row its own tile (`rows`: 0..n-1),
+        its token count (0 for a padding row), position, block table and KV write index."""
+        size = len(rows)
+        block_q = triton_ops.tile_tokens(self.groups, 1)
+        return triton_ops.StepTiles(rows, rows, counts, positions, tables, write, block_q, size, size)
+
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: triton_ops.StepTiles,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        keys, values = self.cache.keys[layer], self.cache.values[layer]
+        n = meta.tokens  # padding rows: in no tile, left zero
+        triton_ops.write_step(keys, values, k[:n], v[:n], meta)
+        scale = self.scale if scale is None else scale
+        out = triton_ops.paged_attention(q, keys, values, meta, scale, window=self.windows[layer])
+        return out.reshape(len(q), -1)
+
+
+# ---- torch ops and the compiled CPU kernel -----------------------------------------------------------------
+
+
+class _Chunk(NamedTuple):
+    """A prefill chunk of one step: its block table (a tensor), positions ``start..end-1``, first row in
+    the batch and causal mask over ``[0, end)`` (and that of the model's sliding-window layers)."""
+
+    table: torch.Tensor
+    start: int
+    end: int
+    offset: int
+    mask: torch.Tensor
+    window_mask: torch.Tensor | None = None
+
+
+class _Decode(NamedTuple):
+    """The decode rows of a step: their block tables (``[rows, blocks]``, padded with block 0 past each
+    row's own), spans (position + 1) and what every layer shares: for the compiled kernel its host arguments
+    (`kernel`), else the torch attention's indexes. With the compiled kernel the step's leading short
+    prefill chunks join as rows, one a token (`rows` counts them too); `write`, then, is where every row's
+    key and value go in a ``[-1, head_dim]`` view of a layer's cache (written before the kernel runs, so
+    that no token reads a position of its chunk before it is written)."""
+
+    rows: int
+    tables: torch.Tensor
+    spans: npt.NDArray[np.int64]
+    shared: DecodeIndex | None
+    kernel: cpu_kernel.KernelRows | None = None
+    write: torch.Tensor | None = None
+
+
+class _BlockStep(NamedTuple):
+    decode: _Decode | None
+    chunks: list[_Chunk]
+    pad: int
+
+
+class TorchBackend(AttentionBackend):
+    """The decode rows through torch ops over their gathered blocks, each chunk with SDPA."""
+
+    name = "torch"
+    compiled = False  # the CPU kernel's rows and chunks
+
+    def plan(self, seqs: Sequence[SeqTokens], decode_rows: int, pad: int) -> _BlockStep:
+        self._ensure(seqs)
+        dev = self.cache.device
+        positions = [s.start for s in seqs[:decode_rows]]
+        tables = [list(s.table) for s in seqs[:decode_rows]]
+        chunks = list(seqs[decode_rows:])
+        short = 0
+        if self.compiled and CHUNKS_AS_DECODE_ROWS:  # the leading short chunks: rows of the decode kernel
+            for seq in chunks:
+                if seq.count > KERNEL_CHUNK_TOKENS:
+                    break
+                positions.extend(range(seq.start, seq.start + seq.count))
+                tables.extend([list(seq.table)] * seq.count)
+                short += 1
+        decode = self._decode(positions, tables, decode_rows) if positions else None
+        offset = len(positions)
+        planned = []
+        for seq in chunks[short:]:
+            end = seq.start + seq.count
+            chunk_pos = torch.arange(seq.start, end, device=dev)
+            masks = windows.chunk_masks(chunk_pos, end, self.windows)
+            table = torch.tensor(list(seq.table), dtype=torch.long, device=dev)
+            planned.append(_Chunk(table, seq.start, end, offset, *masks))
+            offset += seq.count
+        return _BlockStep(decode, planned, pad)
+
+    def _decode(self, positions: list[int], tables: list[list[int]], decode_rows: int) -> _Decode:
+        """`positions`/`tables`: the decode rows', then (compiled kernel only) those of the short chunks'
+        tokens after the first `decode_rows`."""
+        device, block_size = self.cache.device, self.cache.block_size
+        spans = np.array(positions, dtype=np.int64) + 1
+        width = max(-(-int(span) // block_size) for span in spans)
+        padded = [table[:width] + [0] * (width - len(table[:width])) for table in tables]
+        table = torch.tensor(padded, dtype=torch.long, device=device)
+        if self.compiled:
+            write = None
+            if len(positions) > decode_rows:
+                pos = torch.from_numpy(spans - 1).to(device)
+                rows = torch.arange(len(positions), device=device)
+                write = flat_index(table[rows, pos // block_size], pos % block_size, self.kv_heads, block_size)
+                write = write.reshape(-1)
+            kernel = cpu_kernel.KernelRows.of(table, spans, self.kv_heads)
+            return _Decode(len(positions), table, spans, None, kernel, write)
+        return _Decode(len(positions), table, spans, decode_index(table, spans, block_size, device))
+
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: _BlockStep,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """The decode rows in one call that writes and attends through their block tables, each prefill
+        chunk written into its blocks and attending over its positions: a short chunk (at most
+        `KERNEL_CHUNK_TOKENS` tokens, the compiled kernel) through the same kernel, each of its tokens a row
+        that reads the blocks in place up to its own position; a longer one over its positions gathered
+        from the blocks, with SDPA; a sliding-window layer's window in each."""
+        keys, values = self.cache.keys[layer], self.cache.values[layer]
+        window = self.windows[layer]
+        scale = self.scale if scale is None else scale
+        outputs = []
+        dec = meta.decode
+        if dec is not None:
+            n = dec.rows
+            query = q[:n].reshape(n, self.kv_heads, self.groups, self.head_dim)
+            if dec.kernel is not None:
+                if dec.write is not None:  # chunks' tokens among the rows: every key and value written first
+                    dim = self.head_dim
+                    keys.view(-1, dim).index_copy_(0, dec.write, k[:n].reshape(-1, dim))
+                    values.view(-1, dim).index_copy_(0, dec.write, v[:n].reshape(-1, dim))
+                out = cpu_kernel.kernel_decode_attention(query, keys, values, k[:n], v[:n], dec.kernel, scale, window)
+            else:
+                out = paged_decode_attention(
+                    query, keys, values, k[:n], v[:n], dec.tables, dec.spans, scale, dec.shared, window
+                )
+            outputs.append(out.reshape(n, -1))
+        for table, start, end, offset, mask, window_mask in meta.chunks:
+            length = end - start
+            write_chunk(keys, values, k[offset : offset + length], v[offset : offset + length], table, start)
+            if self.compiled and length <= KERNEL_CHUNK_TOKENS:
+                # the chunk is written: each token attends over positions up to its own (it writes its
+                # own key and value again, the same numbers, so no row reads a position not yet written)
+                query = q[offset : offset + length].reshape(length, self.kv_heads, self.groups, self.head_dim)
+                out = cpu_kernel.compiled_decode_attention(
+                    query,
+                    keys,
+                    values,
+                    k[offset : offset + length],
+                    v[offset : offset + length],
+                    table[None].expand(length, -1),
+                    np.arange(start + 1, end + 1, dtype=np.int64),
+                    scale,
+                    window=window,
+                )
+                outputs.append(out.reshape(length, -1))
+                continue
+            context_k, context_v = gather_context(keys, values, table, end)
+            query = q[offset : offset + length].transpose(0, 1)[None]
+            key = _repeat(context_k[None], self.groups)
+            value = _repeat(context_v[None], self.groups)
+            seen = mask if window is None else window_mask
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=seen, scale=scale)
+            outputs.append(out.transpose(1, 2).reshape(length, -1))
+        if meta.pad:
+            outputs.append(q.new_zeros(meta.pad, self.heads * self.head_dim))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+class CpuKernelBackend(TorchBackend):
+    """The decode rows and the leading short chunks through the compiled CPU kernel (fp32, numba)."""
+
+    name = "cpu_kernel"
+    compiled = True
+
+
+def _repeat(x: torch.Tensor, groups: int) -> torch.Tensor:
+    if groups == 1:
+        return x
+    b, heads, length, dim = x.shape
+    return x[:, :, None].expand(b, heads, groups, length, dim).reshape(b, heads * groups, length, dim)
+
+
+# ---- the choice -----------------------------------------------------------------------------------------
+
+
+def choose(
+    cache: PagedKVCache, heads: int, layer_windows: Sequence[int | None], *, compiled_ok: bool = True
+) -> AttentionBackend:
+    """The backend for a model's attention shape over `cache`: Triton where `triton_ops.chosen` (CUDA, or
+    as the option says) and its self-check agrees for this shape, else the compiled CPU kernel where it
+    applies (fp32 on CPU, numba; `compiled_ok`: not ruled out by the kernel autotune), else torch ops."""
+    if triton_ops.chosen(cache.device):
+        why = triton_ops.self_check(
+            cache.kv_heads, heads // cache.kv_heads, cache.head_dim, cache.block_size, cache.dtype, str(cache.device)
+        )
+        if why is None:
+            return TritonBackend(cache, heads, layer_windows)
+        log.warning("the Triton paged attention kernel is not used (%s); gathering blocks instead", why)
+    if compiled_ok and cpu_kernel.available(cache.dtype, cache.device):
+        try:  # compiles (or loads from numba's cache) at load, not on a request
+            cpu_kernel.warm_up()
+            return CpuKernelBackend(cache, heads, layer_windows)
+        except Exception:  # noqa: BLE001 - a numba/llvmlite problem costs speed, not the model
+            log.exception("compiled CPU attention unavailable; using torch ops")
+    return TorchBackend(cache, heads, layer_windows)

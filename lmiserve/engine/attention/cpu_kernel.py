@@ -1,0 +1,282 @@
+"""The compiled CPU attention (numba, fp32): each row's new key and value written through its block table,
+then its query heads attend over exactly its own positions (the last `window` of them in a sliding-window
+layer), reading the blocks in place.
+
+Why: in a decode step every row has one query token per head and its own context length. As torch ops
+that is batched matmuls over the longest row's span (padding included), masking and a softmax: ~20 ops a
+layer that read the cache at about half the memory bandwidth. These kernels read each row's keys and
+values once, for its own length only, in one call a layer. The CPU attention backend
+(attention/backends.py) runs its decode rows and short prompt chunks through them.
+
+Float32 CPU tensors only (what numba compiles for); `available(...)` says when they apply, and the torch
+ops (attention/paged.py) serve everything else. Numerics: fp32 accumulation in another order than BLAS,
+so results differ from the torch path in the last bits, as two BLAS kernels do.
+
+Speed (benchmarks/paged_attention.py: 32 rows of spans 70..591, SmolLM2-135M's 3 kv heads x 3 groups x
+64, blocks scattered at random; a shared 2-vCPU AMD EPYC): 2.5-2.8 ms a layer on one thread with
+block_size 16, ~1.15x faster with block_size 64. The cost is per discontinuity of the stream (~100 ns a
+block jump), not the indirection; reading a row's blocks whole (all its kv heads, `_kernel`'s
+``parts == 1``) took ~10-20 % off.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from lmiserve.engine.jit import HAVE_NUMBA, lazily_compiled, numba
+
+_F32 = npt.NDArray[np.float32]
+_I64 = npt.NDArray[np.int64]
+
+
+def softmax_rows(scores: _F32) -> None:  # pragma: no cover - compiled
+    """Each row of `scores` (``[groups, span]``) into its softmax, in place (max-subtracted, fp32); the
+    kernels below call it compiled and inlined."""
+    groups, span = scores.shape
+    for g in range(groups):
+        top = scores[g, 0]
+        for j in range(1, span):
+            if scores[g, j] > top:
+                top = scores[g, j]
+        total = np.float32(0.0)
+        for j in range(span):
+            e = np.float32(math.exp(scores[g, j] - top))
+            scores[g, j] = e
+            total += e
+        inv = np.float32(1.0) / total
+        for j in range(span):
+            scores[g, j] *= inv
+
+
+if numba is not None:  # compiled with the first kernel that calls it
+    softmax_rows = numba.njit(inline="always", fastmath=True, cache=True, nogil=True)(softmax_rows)
+
+
+def _kernel(  # pragma: no cover - compiled
+    query: _F32,
+    key_cache: _F32,
+    value_cache: _F32,
+    new_keys: _F32,
+    new_values: _F32,
+    block_tables: _I64,
+    spans: _I64,
+    scale: np.float32,
+    window: int,
+    parts: int,
+    out: _F32,
+) -> None:
+    """One task per (row, part): part ``i`` of `parts` takes kv heads ``[i * kv_heads // parts, (i + 1) *
+    kv_heads // parts)``. With ``parts == 1`` a task reads each block of its row whole (all its heads'
+    keys, then values: ``kv_heads * block_size * head_dim`` contiguous values), which memory streams
+    better than one head's ``block_size * head_dim`` at a time; with few rows, more parts keep every
+    thread busy. `window` > 0: a row attends over its last `window` positions only (engine/attention/windows.py)."""
+    rows, kv_heads, groups, dim = query.shape
+    block_size = key_cache.shape[2]
+    for task in numba.prange(rows * parts):
+        row = task // parts
+        part = task % parts
+        first = part * kv_heads // parts
+        heads = (part + 1) * kv_heads // parts - first
+        span = spans[row]
+        last = span - 1
+        last_block = block_tables[row, last // block_size]
+        last_offset = last % block_size
+        for h in range(heads):
+            for d in range(dim):
+                key_cache[last_block, first + h, last_offset, d] = new_keys[row, first + h, d]
+                value_cache[last_block, first + h, last_offset, d] = new_values[row, first + h, d]
+        blocks = (span + block_size - 1) // block_size
+        lo = span - window if window > 0 and window < span else 0  # the first position the row sees
+        q = query[row]
+        scores = np.empty((heads, groups, span - lo), dtype=np.float32)
+        for b in range(lo // block_size, blocks):
+            keys = key_cache[block_tables[row, b]]  # [kv_heads, block_size, dim] view: simpler addressing
+            base = b * block_size
+            count = min(block_size, span - base)
+            for h in range(heads):
+                head = first + h
+                for o in range(max(0, lo - base), count):
+                    for g in range(groups):
+                        acc = np.float32(0.0)
+                        for d in range(dim):
+                            acc += q[head, g, d] * keys[head, o, d]
+                        scores[h, g, base + o - lo] = acc * scale
+        for h in range(heads):
+            softmax_rows(scores[h])
+        # each value block read once for all groups, into a local accumulator
+        acc_out = np.zeros((heads, groups, dim), dtype=np.float32)
+        for b in range(lo // block_size, blocks):
+            values = value_cache[block_tables[row, b]]
+            base = b * block_size
+            count = min(block_size, span - base)
+            for h in range(heads):
+                head = first + h
+                for o in range(max(0, lo - base), count):
+                    for g in range(groups):
+                        p = scores[h, g, base + o - lo]
+                        for d in range(dim):
+                            acc_out[h, g, d] += p * values[head, o, d]
+        for h in range(heads):
+            for g in range(groups):
+                for d in range(dim):
+                    out[row, first + h, g, d] = acc_out[h, g, d]
+
+
+def _head_kernel(  # pragma: no cover - compiled
+    query: _F32,
+    key_cache: _F32,
+    value_cache: _F32,
+    new_keys: _F32,
+    new_values: _F32,
+    block_tables: _I64,
+    spans: _I64,
+    scale: np.float32,
+    window: int,
+    out: _F32,
+) -> None:
+    """`_kernel` with one task per (row, kv head), the layout few rows take (``parts == kv_heads``):
+    the same arithmetic in the same order, addressed per head, with the output accumulated in place
+    (no per-task accumulator), which at one row and a short context is a tenth of the kernel's time."""
+    rows, kv_heads, groups, dim = query.shape
+    block_size = key_cache.shape[2]
+    for task in numba.prange(rows * kv_heads):
+        row = task // kv_heads
+        head = task % kv_heads
+        span = spans[row]
+        last = span - 1
+        last_block = block_tables[row, last // block_size]
+        last_offset = last % block_size
+        for d in range(dim):
+            key_cache[last_block, head, last_offset, d] = new_keys[row, head, d]
+            value_cache[last_block, head, last_offset, d] = new_values[row, head, d]
+        blocks = (span + block_size - 1) // block_size
+        lo = span - window if window > 0 and window < span else 0  # the first position the row sees
+        scores = np.empty((groups, span - lo), dtype=np.float32)
+        for b in range(lo // block_size, blocks):
+            block = block_tables[row, b]
+            base = b * block_size
+            count = min(block_size, span - base)
+            for o in range(max(0, lo - base), count):
+                for g in range(groups):
+                    acc = np.float32(0.0)
+                    for d in range(dim):
+                        acc += query[row, head, g, d] * key_cache[block, head, o, d]
+                    scores[g, base + o - lo] = acc * scale
+        softmax_rows(scores)
+        for g in range(groups):
+            for d in range(dim):
+                out[row, head, g, d] = 0.0
+        for b in range(lo // block_size, blocks):
+            block = block_tables[row, b]
+            base = b * block_size
+            count = min(block_size, span - base)
+            for o in range(max(0, lo - base), count):
+                for g in range(groups):
+                    p = scores[g, base + o - lo]
+                    for d in range(dim):
+                        out[row, head, g, d] += p * value_cache[block, head, o, d]
+
+
+_compiled_kernel = lazily_compiled(_kernel)
+_compiled_head_kernel = lazily_compiled(_head_kernel)
+
+
+def available(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the compiled kernels serve a model of this dtype on this device (numba, fp32, CPU)."""
+    return HAVE_NUMBA and device.type == "cpu" and dtype == torch.float32
+
+
+def warm_up() -> None:
+    """Compile the kernels (a few seconds; later processes load them from numba's cache)."""
+    cache = torch.zeros(2, 2, 2, 8)
+    for parts in (1, 2):  # whole rows (`_kernel`), a task a kv head (`_head_kernel`)
+        compiled_decode_attention(
+            torch.zeros(1, 2, 1, 8),
+            cache,
+            cache.clone(),
+            torch.zeros(1, 2, 8),
+            torch.zeros(1, 2, 8),
+            torch.tensor([[1]]),
+            np.array([2], dtype=np.int64),
+            1.0,
+            parts,
+        )
+
+
+def _host_spans(spans: npt.ArrayLike) -> _I64:
+    return np.ascontiguousarray(spans, dtype=np.int64)
+
+
+class KernelRows(NamedTuple):
+    """The compiled kernel's per-step arguments, made once for every layer of a step: the rows' block
+    tables and spans as host arrays and the tasks per row (`_parts`)."""
+
+    tables: _I64
+    spans: _I64
+    parts: int
+
+    @classmethod
+    def of(cls, block_tables: torch.Tensor, spans: npt.ArrayLike, kv_heads: int) -> KernelRows:
+        tables = np.ascontiguousarray(block_tables.to(torch.int64).numpy())
+        return cls(tables, _host_spans(spans), _parts(tables.shape[0], kv_heads))
+
+
+def kernel_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    new_keys: torch.Tensor,
+    new_values: torch.Tensor,
+    rows: KernelRows,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """`compiled_decode_attention` with the step's host arguments made once (`KernelRows`): a task a
+    (row, kv head) through `_head_kernel`, else `rows.parts` tasks a row through `_kernel`."""
+    out = torch.empty_like(query)
+    arrays = (
+        query.contiguous().numpy(),
+        key_cache.numpy(),
+        value_cache.numpy(),
+        new_keys.contiguous().numpy(),
+        new_values.contiguous().numpy(),
+        rows.tables,
+        rows.spans,
+        np.float32(scale),
+        window or 0,
+    )
+    if rows.parts == query.shape[1]:
+        _compiled_head_kernel()(*arrays, out.numpy())
+    else:
+        _compiled_kernel()(*arrays, rows.parts, out.numpy())
+    return out
+
+
+def compiled_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    new_keys: torch.Tensor,
+    new_values: torch.Tensor,
+    block_tables: torch.Tensor,
+    spans: npt.ArrayLike,
+    scale: float,
+    parts: int | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """`paged_decode_attention` as one numba kernel: fp32 CPU tensors, caches contiguous. `parts`: tasks
+    per row (1: whole rows, ``kv_heads``: one head each; default by the row count, see `_kernel`)."""
+    rows = KernelRows.of(block_tables, spans, query.shape[1])
+    if parts is not None:
+        rows = rows._replace(parts=parts)
+    return kernel_decode_attention(query, key_cache, value_cache, new_keys, new_values, rows, scale, window)
+
+
+def _parts(rows: int, kv_heads: int) -> int:
+    """Whole rows per task while there are at least 4 rows a thread, else one kv head per task."""
+    return 1 if rows >= 4 * numba.get_num_threads() else kv_heads
