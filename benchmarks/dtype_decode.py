@@ -36,11 +36,11 @@ BLOCK_SIZE = 16
 ROW_POSITIONS = 256  # a row's blocks in the pool: past the 192 positions a step reaches
 
 
-def fast_forward(loaded, slots: int, kernels: str) -> tuple[FastLlama, str]:
-    """The fast forward over a pool of `slots` rows' blocks; its kernels measured now or the static ones."""
-    cache = paged_cache(loaded.model, slots * ROW_POSITIONS // BLOCK_SIZE, BLOCK_SIZE)
+def fast_forward(loaded, rows: int, kernels: str) -> tuple[FastLlama, str]:
+    """The fast forward over a pool of `rows` rows' blocks; its kernels measured now or the static ones."""
+    cache = paged_cache(loaded.model, rows * ROW_POSITIONS // BLOCK_SIZE, BLOCK_SIZE)
     fast = FastLlama(loaded.model, cache, 2048)
-    choice = autotune.measure(fast, slots) if kernels == "autotune" else None
+    choice = autotune.measure(fast, rows) if kernels == "autotune" else None
     return fast, choice.describe() if choice else "static"
 
 

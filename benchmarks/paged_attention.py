@@ -1,12 +1,14 @@
-"""Decode attention over the block KV cache (engine/attention/paged.py) against the slot kernel
-(engine/attention/cpu_kernel.py): one layer's call, SmolLM2-135M's attention shape by default.
+"""Decode attention over the block KV cache: the compiled CPU kernel (engine/attention/cpu_kernel.py) and,
+with `--torch`, the torch ops (engine/attention/paged.py, fp32 and bf16): one layer's call, SmolLM2-135M's
+attention shape by default.
 
-    .venv/bin/python benchmarks/paged_attention.py [--rows 32] [--block-size 16] [--calls 200]
+    .venv/bin/python benchmarks/paged_attention.py [--rows 32] [--block-size 16] [--calls 200] [--torch]
 
-Both kernels read the same values (the paged pool holds each row's positions in randomly scattered
-blocks), each call another layer's copy (`--layers`) so that it reads from memory as a forward pass
-does; the calls alternate so that a noisy machine slows both alike. Prints the median and the fastest call
-(on a shared machine the minimum is the steadier comparison).
+Every candidate reads the same values (each row's positions in randomly scattered blocks of the pool), each
+call another layer's copy (`--layers`) so that it reads from memory as a forward pass does; the calls
+alternate so that a noisy machine slows all alike. Prints the median and the fastest call (on a shared
+machine the minimum is the steadier comparison), each against the compiled kernel's, and each output's
+largest difference from the torch fp32 path's.
 """
 
 from __future__ import annotations
@@ -15,11 +17,9 @@ import argparse
 import statistics
 import time
 
-import numpy as np
 import torch
 
-from lmiserve.engine.attention import cpu_kernel as decode_attention
-from lmiserve.engine.attention import paged as paged_attention
+from lmiserve.engine.attention import cpu_kernel, paged
 
 
 def main() -> None:
@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--parts", type=int, default=None, help="the paged kernel's tasks per row (default: its choice)"
+        "--parts", type=int, default=None, help="the compiled kernel's tasks per row (default: its choice)"
     )
     parser.add_argument(
         "--layers",
@@ -46,53 +46,43 @@ def main() -> None:
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(args.seed)
     rows, heads, groups, dim, bs = args.rows, args.kv_heads, args.groups, args.head_dim, args.block_size
-    spans = torch.randint(args.min_span, args.max_span + 1, (rows,), generator=gen).numpy().astype(np.int64)
-    capacity = -(-int(spans.max()) // bs) * bs
-    slot_k = torch.randn(rows, heads, capacity, dim, generator=gen)
-    slot_v = torch.randn(rows, heads, capacity, dim, generator=gen)
+    spans = torch.randint(args.min_span, args.max_span + 1, (rows,), generator=gen).numpy().astype("int64")
     layers = range(args.layers)
 
     needed = [-(-int(s) // bs) for s in spans]
     num_blocks = sum(needed) + 64
     order = torch.randperm(num_blocks, generator=gen)
     tables = torch.zeros(rows, max(needed), dtype=torch.int64)
-    pool_k = torch.zeros(num_blocks, heads, bs, dim)
-    pool_v = torch.zeros(num_blocks, heads, bs, dim)
     taken = 0
     for row, count in enumerate(needed):
-        blocks = order[taken : taken + count]
+        tables[row, :count] = order[taken : taken + count]
         taken += count
-        tables[row, :count] = blocks
-        pool_k[blocks] = slot_k[row, :, : count * bs].reshape(heads, count, bs, dim).transpose(0, 1)
-        pool_v[blocks] = slot_v[row, :, : count * bs].reshape(heads, count, bs, dim).transpose(0, 1)
+    pool_k = torch.randn(num_blocks, heads, bs, dim, generator=gen)
+    pool_v = torch.randn(num_blocks, heads, bs, dim, generator=gen)
 
     query = torch.randn(rows, heads, groups, dim, generator=gen)
     new_k = torch.randn(rows, heads, dim, generator=gen)
     new_v = torch.randn(rows, heads, dim, generator=gen)
     scale = dim**-0.5
 
-    slot_ks, slot_vs = [slot_k.clone() for _ in layers], [slot_v.clone() for _ in layers]
     pool_ks, pool_vs = [pool_k.clone() for _ in layers], [pool_v.clone() for _ in layers]
-    decode_attention.warm_up()
     cpu_kernel.warm_up()
+    kernel = "paged (numba)"
     candidates = {
-        "slot (decode_attention)": lambda i: decode_attention.decode_attention(
-            query, slot_ks[i], slot_vs[i], new_k, new_v, spans, scale
-        ),
-        "paged (numba)": lambda i: cpu_kernel.compiled_decode_attention(
+        kernel: lambda i: cpu_kernel.compiled_decode_attention(
             query, pool_ks[i], pool_vs[i], new_k, new_v, tables, spans, scale, args.parts
         ),
     }
     if args.torch:
         bf = [t.bfloat16() for t in (query, pool_k, pool_v, new_k, new_v)]
-        candidates["paged (torch fp32)"] = lambda i: paged_attention.torch_decode_attention(
+        candidates["paged (torch fp32)"] = lambda i: paged.torch_decode_attention(
             query, pool_ks[i], pool_vs[i], new_k, new_v, tables, spans, scale
         )
-        candidates["paged (torch bf16)"] = lambda i: paged_attention.torch_decode_attention(
+        candidates["paged (torch bf16)"] = lambda i: paged.torch_decode_attention(
             bf[0], bf[1], bf[2], bf[3], bf[4], tables, spans, scale
         )
+    reference = paged.torch_decode_attention(query, pool_k.clone(), pool_v.clone(), new_k, new_v, tables, spans, scale)
     outs = {name: fn(0) for name, fn in candidates.items()}
-    reference = outs["slot (decode_attention)"]
     times: dict[str, list[float]] = {name: [] for name in candidates}
     for call in range(args.calls):
         for name, fn in candidates.items():
@@ -103,14 +93,14 @@ def main() -> None:
     print(
         f"rows {rows}, spans {int(spans.min())}..{int(spans.max())} (sum {positions}), kv_heads {heads}, "
         f"groups {groups}, head_dim {dim}, block_size {bs}, layers {args.layers}, "
-        f"numba threads {paged_attention.numba.get_num_threads()}"
+        f"numba threads {cpu_kernel.numba.get_num_threads()}"
     )
-    base = times["slot (decode_attention)"]
+    base = times[kernel]
     for name, samples in times.items():
         median, fastest = statistics.median(samples), min(samples)
         diff = (outs[name].float() - reference).abs().max().item()
         print(
-            f"{name:24s} median {median * 1e6:8.1f} us ({median / statistics.median(base):5.2f}x slot)"
+            f"{name:24s} median {median * 1e6:8.1f} us ({median / statistics.median(base):5.2f}x numba)"
             f"  min {fastest * 1e6:8.1f} us ({fastest / min(base):5.2f}x)  max |diff| {diff:.1e}"
         )
 

@@ -26,7 +26,7 @@ from lmiserve.models.errors import ModelLoadError
 if TYPE_CHECKING:
     from lmiserve.engine.loaded import LoadedModel
     from lmiserve.engine.lora_registry import AdapterRegistry
-    from lmiserve.engine.oneshot import TensorRunner
+    from lmiserve.oneshot.batcher import TensorRunner
 
 log = logging.getLogger(__name__)
 
@@ -259,8 +259,8 @@ class ModelService:
             listener(self)
 
     def _load_oneshot(self, model_id: str | None) -> ModelEngine:
-        from lmiserve.engine.oneshot import BatchConfig, OneShotModel
         from lmiserve.models.tensor_models import load_runner
+        from lmiserve.oneshot.batcher import BatchConfig, OneShotModel
 
         s = self.settings
         runner = load_runner(self.kind, s, model_id)

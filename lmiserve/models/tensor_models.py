@@ -22,9 +22,9 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from lmiserve.engine.oneshot import TensorRunner
-    from lmiserve.engine.text_runners import ClassifierRunner, EmbeddingRunner, Pooling
-    from lmiserve.engine.torchscript_runner import TorchScriptRunner
+    from lmiserve.oneshot.batcher import TensorRunner
+    from lmiserve.oneshot.text import ClassifierRunner, EmbeddingRunner, Pooling
+    from lmiserve.oneshot.torchscript import TorchScriptRunner
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def load_runner(kind: str, settings: Settings, model_id: str | None = None) -> T
 
 def read_pooling(path: Path) -> Pooling:
     """The Pooling (mode) and Normalize steps of a sentence-transformers directory; mean without one."""
-    from lmiserve.engine.text_runners import Pooling
+    from lmiserve.oneshot.text import Pooling
 
     modules = _json(path / "modules.json", default=[])
     mode, normalize = "mean", False
@@ -76,7 +76,7 @@ def read_pooling(path: Path) -> Pooling:
                 mode = chosen[0] if chosen else "mean"
         elif kind.endswith(".Normalize"):
             normalize = True
-    from lmiserve.engine.text_runners import POOLING_MODES
+    from lmiserve.oneshot.text import POOLING_MODES
 
     if mode not in POOLING_MODES:
         raise ModelLoadError(f"{path}: pooling mode {mode!r} is not supported (supported: {', '.join(POOLING_MODES)})")
@@ -86,7 +86,7 @@ def read_pooling(path: Path) -> Pooling:
 def load_embedding(path: Path, settings: Settings) -> EmbeddingRunner:
     from transformers import AutoModel
 
-    from lmiserve.engine.text_runners import EmbeddingRunner
+    from lmiserve.oneshot.text import EmbeddingRunner
 
     pooling = read_pooling(path)
     model, tokenizer, device = _load_transformers(AutoModel.from_pretrained, path, settings)
@@ -146,7 +146,7 @@ def read_matryoshka(path: Path, dim: int) -> tuple[int, ...] | None:
 def load_classifier(path: Path, settings: Settings) -> ClassifierRunner:
     from transformers import AutoModelForSequenceClassification
 
-    from lmiserve.engine.text_runners import ClassifierRunner
+    from lmiserve.oneshot.text import ClassifierRunner
 
     model, tokenizer, device = _load_transformers(AutoModelForSequenceClassification.from_pretrained, path, settings)
     return ClassifierRunner(model, tokenizer, path=path, device=device, max_length=_max_length(model, tokenizer, None))
@@ -155,8 +155,8 @@ def load_classifier(path: Path, settings: Settings) -> ClassifierRunner:
 def load_torchscript(path: Path, settings: Settings) -> TorchScriptRunner:
     import torch
 
-    from lmiserve.engine.torchscript_runner import TorchScriptRunner
     from lmiserve.models.load import resolve_device
+    from lmiserve.oneshot.torchscript import TorchScriptRunner
 
     file = torchscript_file(path)
     if file is None:

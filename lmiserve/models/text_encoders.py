@@ -1,7 +1,7 @@
 """Embedding and reranker (cross-encoder) models as the text routes use them: OpenAI's /v1/embeddings,
 TEI's /embed and /rerank, the Jina/Cohere rerank and vLLM score routes. Each protocol parses its own
 requests and words its own answers and errors; what they compute is here, once, on the runner and the
-one-shot batcher the tensor protocols use (engine/text_runners.py, engine/oneshot.py), so a text gets
+one-shot batcher the tensor protocols use (oneshot/text.py, oneshot/batcher.py), so a text gets
 the same pooling, normalisation and numbers whichever route carried it.
 
 - `text_model(service, wanted)`, `only_of_kind(services, wanted)`: a served model as an embedding model
@@ -35,8 +35,8 @@ from lmiserve.core.tokenizer import tokenizing
 from lmiserve.models.service import ModelService
 
 if TYPE_CHECKING:
-    from lmiserve.engine.oneshot import OneShotModel
-    from lmiserve.engine.text_runners import ClassifierRunner, EmbeddingRunner
+    from lmiserve.oneshot.batcher import OneShotModel
+    from lmiserve.oneshot.text import ClassifierRunner, EmbeddingRunner
 
 EMBEDDING, RERANKER = "embedding", "reranker"
 MAX_INPUTS = 2048  # most texts (or documents) in one request: OpenAI's limit for embeddings
@@ -122,7 +122,7 @@ class TextModel:
 
     async def run(self, rows: Sequence[TokenRow], extra: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         """The runner's outputs for token rows (and per-row `extra` inputs), through the batcher."""
-        from lmiserve.engine.text_runners import TOKEN_TYPES, TOKENS
+        from lmiserve.oneshot.text import TOKEN_TYPES, TOKENS
 
         size = max(self.engine.config.batch_size, CHUNK_ROWS)
         jobs = []
@@ -215,7 +215,7 @@ async def embed(
     model: TextModel, rows: Sequence[TokenRow], *, normalize: bool, dimensions: int | None = None
 ) -> np.ndarray:
     """FP32 [rows, dim] (or [rows, dimensions]); `check_dimensions` first."""
-    from lmiserve.engine.text_runners import NORMALIZE
+    from lmiserve.oneshot.text import NORMALIZE
 
     runner = cast("EmbeddingRunner", model.runner)
     cut = dimensions is not None and dimensions != runner.dim

@@ -15,10 +15,10 @@ from lmiserve.core.cpu_info import KERNEL_FLAGS, cpu_info, parse_cpuinfo
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine import autotune
 from lmiserve.engine.async_engine import EngineConfig
+from lmiserve.engine.attention.paged import paged_cache
 from lmiserve.engine.cpu_gemm import BIG_OUT, NEVER, CpuGemm
 from lmiserve.engine.factory import create_engine
 from lmiserve.engine.fast_llama import FastLlama
-from lmiserve.engine.attention.paged import paged_cache
 
 
 @pytest.fixture(autouse=True)

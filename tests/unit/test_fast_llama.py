@@ -27,10 +27,10 @@ from lmiserve.core.events import FinishReason
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine import fast_llama
 from lmiserve.engine.async_engine import EngineConfig
+from lmiserve.engine.attention import backends, cpu_kernel
+from lmiserve.engine.attention.paged import PagedKVCache, paged_cache
 from lmiserve.engine.factory import create_engine
-from lmiserve.engine.fast_llama import FastLlama, unsupported_reason
-from lmiserve.engine.attention.paged import paged_cache
-from lmiserve.engine.attention.paged import PagedKVCache
+from lmiserve.engine.fast_llama import FastLlama, StepInputs, unsupported_reason
 
 
 def with_model(loaded, model):
@@ -61,16 +61,20 @@ def test_one_ragged_step_gives_transformers_logits(arch: str):
     fast = FastLlama(model, cache, 256)
     tables = [[5, 0, 8], [2, 11, 1, 9], [4, 7]]  # 4 positions a block: 9, 14 and 6 positions
     # step 1: prefill sequence 0 but its last token (keeping every row), the first 5 tokens of sequence 1
-    out = fast.forward([], [], [(tables[0], 0, seqs[0][:-1]), (tables[1], 0, seqs[1][:5])], list(range(8 + 5)))
+    out = fast.forward(
+        StepInputs(chunks=[(tables[0], 0, seqs[0][:-1]), (tables[1], 0, seqs[1][:5])], keep=[*range(13)])
+    )
     torch.testing.assert_close(out[:8], reference[0][:8], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out[8:], reference[1][:5], rtol=1e-4, atol=1e-4)
     # step 2: sequence 0 decodes its last token while sequence 1 finishes its prompt and sequence 2 starts
     out = fast.forward(
-        [seqs[0][-1]],
-        [8],
-        [(tables[1], 5, seqs[1][5:]), (tables[2], 0, seqs[2])],
-        [0, 9, 10 + 5],
-        decode_tables=[tables[0]],
+        StepInputs(
+            [seqs[0][-1]],
+            [8],
+            [tables[0]],
+            chunks=[(tables[1], 5, seqs[1][5:]), (tables[2], 0, seqs[2])],
+            keep=[0, 9, 10 + 5],
+        )
     )
     torch.testing.assert_close(out[0], reference[0][-1], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out[1], reference[1][-1], rtol=1e-4, atol=1e-4)
@@ -83,7 +87,7 @@ def test_paged_prompt_chunks_after_a_long_prefix_give_transformers_logits(kernel
     """Over a block cache, a prompt computed in small chunks (each attending over the prefix in its
     blocks: the compiled kernel for short chunks on CPU fp32, gathered SDPA otherwise) beside decode rows
     gives each position's logits of the whole prompt run alone."""
-    monkeypatch.setattr(fast_llama, "KERNEL_CHUNK_TOKENS", kernel_chunk)
+    monkeypatch.setattr(backends, "KERNEL_CHUNK_TOKENS", kernel_chunk)
     model = build(*ARCHS["llama"])
     cfg = model.config
     rng = torch.Generator().manual_seed(1)
@@ -94,7 +98,7 @@ def test_paged_prompt_chunks_after_a_long_prefix_give_transformers_logits(kernel
     long_table = [3, 7, 1, 12, 0, 9, 5, 14, 2, 11, 6, 8, 10, 16, 17, 18, 19, 20]  # 18 blocks of 4: 72 positions
     short_table = [23, 13, 4]
     # the short prompt but its last token, and the long one's first 40 tokens
-    out = fast.forward([], [], [(short_table, 0, short[:-1]), (long_table, 0, long[:40])], [7, 8 + 39])
+    out = fast.forward(StepInputs(chunks=[(short_table, 0, short[:-1]), (long_table, 0, long[:40])], keep=[7, 8 + 39]))
     torch.testing.assert_close(out[0], ref_short[7], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out[1], ref_long[39], rtol=1e-4, atol=1e-4)
     # then the long prompt in chunks of 10, each beside the short one's last token (the same position
@@ -102,7 +106,8 @@ def test_paged_prompt_chunks_after_a_long_prefix_give_transformers_logits(kernel
     for start in range(40, len(long), 10):
         chunk = long[start : start + 10]
         keep = list(range(1 + len(chunk)))
-        out = fast.forward([short[-1]], [len(short) - 1], [(long_table, start, chunk)], keep, [short_table])
+        step = StepInputs([short[-1]], [len(short) - 1], [short_table], chunks=[(long_table, start, chunk)], keep=keep)
+        out = fast.forward(step)
         torch.testing.assert_close(out[0], ref_short[-1], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(out[1:], ref_long[start : start + len(chunk)], rtol=1e-4, atol=1e-4)
 
@@ -197,9 +202,9 @@ def test_a_step_with_newcomers_is_one_forward(tiny_model, monkeypatch):
     calls = []
     real = FastLlama.forward
 
-    def counted(self, decode_ids, decode_positions, prefills, keep, **kwargs):
-        calls.append((len(decode_ids), len(prefills)))
-        return real(self, decode_ids, decode_positions, prefills, keep, **kwargs)
+    def counted(self, step: StepInputs):
+        calls.append((len(step.decode_ids), len(step.chunks)))
+        return real(self, step)
 
     monkeypatch.setattr(FastLlama, "forward", counted)
     engine = create_engine(tiny_model, EngineConfig())  # driven step by step, no event loop
@@ -224,10 +229,10 @@ def test_a_failing_fused_forward_fails_only_the_culprit(tiny_model, monkeypatch)
     bad_ids = tiny_model.tokenizer(PROMPTS[1]).input_ids
     real = FastLlama.forward
 
-    def forward(self, decode_ids, decode_positions, prefills, keep, **kwargs):
-        if any(chunk == bad_ids[start : start + len(chunk)] for _, start, chunk in prefills):
+    def forward(self, step: StepInputs):
+        if any(chunk == bad_ids[start : start + len(chunk)] for _, start, chunk in step.chunks):
             raise RuntimeError("kernel exploded")
-        return real(self, decode_ids, decode_positions, prefills, keep, **kwargs)
+        return real(self, step)
 
     monkeypatch.setattr(fast_llama.FastLlama, "forward", forward)
     _, results = asyncio.run(serve_prompts(tiny_model, EngineConfig(), 6))
@@ -263,8 +268,8 @@ def test_bf16_models_run_on_the_fast_path_close_to_transformers():
     cache = paged_cache(model, 4, 4)
     fast = FastLlama(model, cache, 256)
     table = [3, 1]  # 4 positions a block: 8 positions
-    fast.forward([], [], [(table, 0, ids[:-1])], [])
-    out = fast.forward([ids[-1]], [len(ids) - 1], [], [0], decode_tables=[table])
+    fast.forward(StepInputs(chunks=[(table, 0, ids[:-1])]))
+    out = fast.forward(StepInputs([ids[-1]], [len(ids) - 1], [table], keep=[0]))
     assert out.dtype == torch.float32 and cache.keys[0].dtype == torch.bfloat16
     assert int(out[0].argmax()) == int(reference[-1].argmax())
     torch.testing.assert_close(out[0], reference[-1], rtol=0.05, atol=0.1)
@@ -273,29 +278,25 @@ def test_bf16_models_run_on_the_fast_path_close_to_transformers():
 @pytest.mark.parametrize("attention", ["compiled", "torch"])
 @pytest.mark.parametrize("rows", [5, 11, 17])
 @torch.inference_mode()
-def test_decode_rows_padded_to_a_multiple_of_eight_give_each_rows_logits(rows: int, attention: str, monkeypatch):
+def test_decode_rows_padded_to_a_multiple_of_eight_give_each_rows_logits(rows: int, attention: str):
     """On CPU a step pads its rows (and the rows it keeps) to a multiple of 8 (past the few rows the
     few-row kernel takes unpadded); the padding never shows.
     Every decode attention over the blocks gives each row its own logits: the compiled kernel (CPU fp32)
     and the torch path (GPU, bf16: a gather of the rows' blocks, masked past each row's span)."""
-    if attention != "compiled":
-        monkeypatch.setattr(fast_llama.paged_attention, "available", lambda dtype, device: False)
     model = build(*ARCHS["llama"])
     cfg = model.config
     rng = torch.Generator().manual_seed(1)
     seqs = [torch.randint(4, 512, (3 + i % 7,), generator=rng).tolist() for i in range(rows)]
     reference = [model(torch.tensor([s])).logits[0, -1] for s in seqs]
     cache = PagedKVCache(cfg.num_hidden_layers, 3 * rows, 4, cfg.num_key_value_heads, 16, model.dtype, model.device)
-    fast = FastLlama(model, cache, 256)
-    assert fast._compiled == (attention == "compiled")
+    fast = FastLlama(model, cache, 256, compiled_attention_ok=attention == "compiled")
+    assert fast.compiled_attention == (attention == "compiled")
     padded = 0 if rows <= fast.gemm.few_rows else (-rows) % 8
     assert fast._row_padding(rows, fast_llama.PAD_ROWS_FROM) == padded
     # at most 9 positions a row: 3 blocks of 4, row i's in reverse order from the end of the pool
     tables = [[3 * rows - 1 - 3 * i - j for j in range(3)] for i in range(rows)]
-    fast.forward([], [], [(tables[i], 0, s[:-1]) for i, s in enumerate(seqs)], [])
-    out = fast.forward(
-        [s[-1] for s in seqs], [len(s) - 1 for s in seqs], [], list(range(rows)), decode_tables=tables
-    )
+    fast.forward(StepInputs(chunks=[(tables[i], 0, s[:-1]) for i, s in enumerate(seqs)]))
+    out = fast.forward(StepInputs([s[-1] for s in seqs], [len(s) - 1 for s in seqs], tables, keep=[*range(rows)]))
     assert out.shape == (rows, cfg.vocab_size)
     torch.testing.assert_close(out, torch.stack(reference), rtol=1e-4, atol=1e-4)
 
@@ -309,7 +310,7 @@ def test_paged_draft_chunks_give_every_positions_logits(as_rows: bool, few_rows:
     logits of the sequence run alone, whether the short chunks join the decode kernel's rows (those
     before the long chunk) or attend a chunk at a time, and whether few-row products run through the
     few-row kernel or BLAS."""
-    monkeypatch.setattr(fast_llama, "CHUNKS_AS_DECODE_ROWS", as_rows)
+    monkeypatch.setattr(backends, "CHUNKS_AS_DECODE_ROWS", as_rows)
     model = build(*ARCHS["llama"])
     cfg = model.config
     rng = torch.Generator().manual_seed(2)
@@ -320,20 +321,22 @@ def test_paged_draft_chunks_give_every_positions_logits(as_rows: bool, few_rows:
     fast.use_kernels(fast.gemm.with_(few_rows=few_rows), fast.compiled_attention)
     tables = [list(range(i * 10, i * 10 + 8)) for i in range(3)] + [list(range(30, 43))]  # 4 positions a block
     starts = [21, 23, 11]  # what each sequence has in its blocks before this step
-    fast.forward([], [], [(tables[i], 0, seqs[i][: starts[i]]) for i in range(3)], [])
+    fast.forward(StepInputs(chunks=[(tables[i], 0, seqs[i][: starts[i]]) for i in range(3)]))
     # seq 0 decodes one token; seq 1 verifies a chunk of 2, seq 2 one of 9 (the last 9 of 20), both before
     # seq 3's first 40 prompt tokens (a long chunk), then seq 0's next 5 tokens after it
     out = fast.forward(
-        [seqs[0][21]],
-        [21],
-        [
-            (tables[1], 23, seqs[1][23:25]),
-            (tables[2], 11, seqs[2][11:20]),
-            (tables[3], 0, seqs[3][:40]),
-            (tables[0], 22, seqs[0][22:27]),
-        ],
-        [0, 1, 2, *range(3, 12), 12 + 39, *range(52, 57)],
-        [tables[0]],
+        StepInputs(
+            [seqs[0][21]],
+            [21],
+            [tables[0]],
+            chunks=[
+                (tables[1], 23, seqs[1][23:25]),
+                (tables[2], 11, seqs[2][11:20]),
+                (tables[3], 0, seqs[3][:40]),
+                (tables[0], 22, seqs[0][22:27]),
+            ],
+            keep=[0, 1, 2, *range(3, 12), 12 + 39, *range(52, 57)],
+        )
     )
     assert out.shape == (1 + 2 + 9 + 1 + 5, cfg.vocab_size)
     torch.testing.assert_close(out[0], refs[0][21], rtol=1e-4, atol=1e-4)
@@ -348,12 +351,12 @@ def test_a_kernel_that_cannot_compile_falls_back_to_the_torch_attention(monkeypa
     def broken():
         raise RuntimeError("no LLVM here")
 
-    monkeypatch.setattr(fast_llama.paged_attention, "warm_up", broken)
+    monkeypatch.setattr(cpu_kernel, "warm_up", broken)
     model = build(*ARCHS["llama"])
     fast = FastLlama(model, paged_cache(model, 4, 2), 64)
-    assert not fast._compiled
+    assert not fast.compiled_attention and isinstance(fast.attention, backends.TorchBackend)
     tables = [[2, 0], [1, 3]]  # 2 positions a block
-    fast.forward([], [], [(tables[0], 0, [5, 6, 7]), (tables[1], 0, [8, 9])], [])
-    out = fast.forward([8, 10], [3, 2], [], [0, 1], decode_tables=tables)
+    fast.forward(StepInputs(chunks=[(tables[0], 0, [5, 6, 7]), (tables[1], 0, [8, 9])]))
+    out = fast.forward(StepInputs([8, 10], [3, 2], tables, keep=[0, 1]))
     reference = model(torch.tensor([[5, 6, 7, 8]])).logits[0, -1]
     torch.testing.assert_close(out[0], reference, rtol=1e-4, atol=1e-4)

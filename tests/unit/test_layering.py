@@ -96,6 +96,17 @@ def test_engine_imports_only_core(path):
     assert all(n.startswith(("lmiserve.core", "lmiserve.engine")) for n in ours), sorted(ours)
 
 
+@pytest.mark.parametrize("path", modules("oneshot"), ids=lambda p: str(p.relative_to(PACKAGE / "oneshot")))
+def test_oneshot_imports_only_core_and_the_torch_thread(path):
+    """The one-forward models' batcher beside the LLM engine: plain values from core, the model's torch
+    thread shared with the engine (engine/torch_thread.py), nothing of the engine's generation."""
+    names = imports_of(path)
+    assert not roots(names) & HTTP
+    ours = {n for n in names if n.startswith("lmiserve")}
+    allowed = ("lmiserve.core", "lmiserve.oneshot", "lmiserve.engine.torch_thread")
+    assert all(n.startswith(allowed) for n in ours), sorted(ours)
+
+
 @pytest.mark.parametrize("path", modules("models"), ids=lambda p: str(p.relative_to(PACKAGE / "models")))
 def test_models_import_no_http(path):
     """Finding a request's model is the server's (server/lookup.py): `models/` takes names, not requests."""

@@ -14,8 +14,8 @@ from helpers.greedy import greedy_reference
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.core.stats import StepStats
 from lmiserve.engine.async_engine import AsyncEngine, EngineConfig
-from lmiserve.engine.factory import create_engine
 from lmiserve.engine.attention.paged import kv_bytes_per_block
+from lmiserve.engine.factory import create_engine
 
 SYSTEM = "The server streams tokens to the client as soon as they are generated. " * 2
 QUESTIONS = [

@@ -34,7 +34,7 @@ from lmiserve.core.errors import (
 )
 from lmiserve.core.tensor_io import check_names, select_outputs
 from lmiserve.core.tensors import ModelSignature, TensorRequest
-from lmiserve.engine import torch_thread
+from lmiserve.engine.torch_thread import for_device
 
 if TYPE_CHECKING:
     import torch
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 
 class TensorRunner(Protocol):
-    """A one-shot model: embeddings, classifier, TorchScript (engine/text_runners.py, torchscript_runner.py)."""
+    """A one-shot model: embeddings, classifier, TorchScript (oneshot/text.py, torchscript_runner.py)."""
 
     @property
     def kind(self) -> str: ...
@@ -101,7 +101,7 @@ class OneShotModel:
         self.signature = runner.signature
         self.forwards = 0  # forward passes run (observability and tests)
         # the shared torch thread on the CPU, one of its own on a GPU (engine/torch_thread.py)
-        self.thread = torch_thread.for_device(getattr(runner, "device", "cpu"), name or f"oneshot-{id(self):x}")
+        self.thread = for_device(getattr(runner, "device", "cpu"), name or f"oneshot-{id(self):x}")
         self._queue: collections.deque[_Job] = collections.deque()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
