@@ -125,8 +125,8 @@ class EngineFields(FieldGroup):
         ByteSize(512 * 2**20),
         ge=0,
         description=(
-            "Most memory the prefix cache's KV blocks take, per model, in bytes (`536870912`) or with a unit "
-            "(`512MiB`, `2GB`); least recently used blocks are evicted. `0` turns the cache off."
+            "Accepted for older configurations and ignored (with a warning at start): the KV pool is the prefix "
+            "cache (size it with `kv_cache_memory_bytes`; turn caching off with `enable_prefix_caching=false`)."
         ),
         json_schema_extra={"allowed": "a size >= 0 in bytes, e.g. 536870912, 512MiB or 2GB"},
     )

@@ -10,8 +10,11 @@ updated from other files, once no request holds them): the manager forgets them 
 what the registry keeps, and `max_cpu_loras` bounds every rank's memory as it bounds the engine's.
 
 In the engine's own process the registry reads adapters through the runner's manager (`load`, passed as
-the registry's loader): one read and one copy of the weights, which `get` then finds kept. A
-tensor-parallel rank reads an adapter on the first batch that names a load of it.
+the registry's loader): one read and one copy of the weights, which `get` then finds. Those the manager
+holds weakly: they live as long as the registry or a request holds them, so an adapter the registry
+unloads frees its memory at once, not at the next step (registering many adapters at start, beyond
+`max_cpu_loras`, holds no more than `max_cpu_loras` of them). A tensor-parallel rank reads an adapter on
+the first batch that names a load of it and holds it until a batch drops it.
 
 Thread-safe: the registry loads on worker threads, the runner reads on the model's thread.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -53,22 +57,23 @@ class LoraManager:
         self.max_rank = max_rank
         self.modules = tuple(modules) if modules is not None else None
         self.shard = shard
-        self._kept: dict[int, LoraAdapter] = {}
+        self._kept: dict[int, LoraAdapter] = {}  # loads read by `get`: held until dropped
+        self._lent: weakref.WeakValueDictionary[int, LoraAdapter] = weakref.WeakValueDictionary()  # by `load`
         self._lock = threading.Lock()
 
     def load(self, name: str, folder: Path) -> LoraAdapter:
-        """Adapter `name` read from `folder` now, as a new load (a new id), kept until dropped
-        (`lora.AdapterError`: it does not fit the model)."""
+        """Adapter `name` read from `folder` now, as a new load (a new id), for the caller to hold (the
+        registry): `get` finds it while anyone does (`lora.AdapterError`: it does not fit the model)."""
         adapter = self._read(name, folder)
         with self._lock:
-            self._kept[adapter.id] = adapter
+            self._lent[adapter.id] = adapter
         return adapter
 
     def get(self, ref: AdapterRef) -> LoraAdapter:
         """The weights of load `ref`: kept, else read from its folder now and kept under its id
         (`lora.AdapterError`, OSError: its files no longer load)."""
         with self._lock:
-            found = self._kept.get(ref.id)
+            found = self._kept.get(ref.id) or self._lent.get(ref.id)
         if found is not None:
             return found
         adapter = dataclasses.replace(self._read(ref.name, Path(ref.path)), id=ref.id)
@@ -89,11 +94,12 @@ class LoraManager:
         with self._lock:
             for adapter_id in ids:
                 self._kept.pop(adapter_id, None)
+                self._lent.pop(adapter_id, None)
 
     def kept(self) -> list[int]:
-        """The ids of the loads kept now."""
+        """The ids of the loads `get` finds now (without reading)."""
         with self._lock:
-            return sorted(self._kept)
+            return sorted({*self._kept, *self._lent.keys()})
 
     def _read(self, name: str, folder: Path) -> LoraAdapter:
         adapter = read_adapter(folder, self.model, name=name, max_rank=self.max_rank, modules=self.modules)

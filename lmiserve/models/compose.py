@@ -37,8 +37,8 @@ def engine_config(settings: Settings) -> EngineConfig:
     """The engine's options from the settings (what depends on the device is resolved by `create_engine`)."""
     if "prefix_cache_size" in settings.model_fields_set:
         log.warning(
-            "prefix_cache_size sizes the slot cache's prefix cache only: the slot cache is gone, the paged KV "
-            "pool (kv_cache_memory_bytes) is the prefix cache"
+            "prefix_cache_size is ignored: the KV pool (kv_cache_memory_bytes) is the prefix cache "
+            "(enable_prefix_caching=false turns it off)"
         )
     degree = settings.tensor_parallel_degree
     if degree is None or degree == "1":

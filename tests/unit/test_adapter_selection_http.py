@@ -235,6 +235,24 @@ async def test_invocations_header_applies_to_openai_and_tgi_bodies():
     assert adapters_of(served) == ["beta", "gamma", "beta", None, "alpha", "gamma", "gamma"]
 
 
+async def test_invocations_pass_the_adapter_as_a_value_without_rewriting_the_body():
+    """The dispatcher hands the protocol the adapter named outside the body; the body reaches it as sent: a
+    TGI body without `parameters` keeps TGI's default for it (sampling). An unknown name is the protocol's
+    404, as if its own field named it (TGI's `adapter_id`, OpenAI's `model`)."""
+    served = with_adapters(tgi_compat=True)
+    async with served.client() as http:
+        r = await http.post("/invocations", json={"inputs": PROMPT}, headers={SAGEMAKER: "beta"})
+        assert r.status_code == 200
+        assert served.fake.requests[-1].adapter == "beta" and served.fake.requests[-1].params.do_sample
+        r = await http.post("/invocations", json={"inputs": PROMPT}, params={"adapter": "delta"})
+        assert (
+            r.content == b'{"error":"`adapter_id` names adapter `delta`, which is not served","error_type":"not_found"}'
+        )
+        r = await http.post("/invocations", json={"messages": MESSAGES}, headers={SAGEMAKER: "delta"})
+        assert (r.status_code, r.json()["error"]["message"]) == (404, "The model `delta` does not exist.")
+    assert len(served.fake.requests) == 1
+
+
 # --- tensor protocols ----------------------------------------------------------------------------------------
 
 

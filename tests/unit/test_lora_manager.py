@@ -2,11 +2,13 @@
 folder: `step.AdapterRef`), the runner's `LoraManager` reads and keeps the weights by that id, and the
 registry tells it, through each batch's `dropped_adapters`, which loads it let go (unloaded past
 `max_cpu_loras`, unregistered, updated from other files, once no request holds them), so the runner's side
-keeps what the registry keeps. In one process the registry reads through the manager: one copy."""
+keeps what the registry keeps. In one process the registry reads through the manager: one copy, which the
+manager holds only while the registry or a request does."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import pickle
 import shutil
 
@@ -53,8 +55,12 @@ def test_the_registry_names_the_loads_it_lets_go(tiny_model, lora_adapter_dirs):
     assert alpha is not None and manager.get(alpha.ref) is alpha  # read once, through the manager
     beta = registry.register("beta", lora_adapter_dirs["beta"]).loaded
     assert beta is not None
-    assert registry.take_dropped() == [alpha.id]  # unloaded past max_cpu_loras
+    alpha_id = alpha.id
+    assert registry.take_dropped() == [alpha_id]  # unloaded past max_cpu_loras
     assert registry.take_dropped() == []
+    del alpha
+    gc.collect()
+    assert manager.kept() == [beta.id]  # its memory went with the registry's hold, before any step
     held = registry.acquire("beta")
     registry.unregister("beta")
     assert registry.take_dropped() == []  # a request still runs on it
@@ -97,24 +103,34 @@ def test_the_runner_fails_only_the_request_whose_adapter_does_not_load(tiny_mode
 
 
 def test_the_engine_sends_the_dropped_loads_to_the_runner(tiny_model, lora_adapter_dirs):
+    """With ``max_cpu_loras=1`` each adapter's load unloads the other's: the next batch drops it."""
+
     async def run():
         limits = LoraLimits(max_loras=1, max_cpu_loras=1)
         engine = create_engine(tiny_model, EngineConfig(lora=limits, cpu_autotune=False))
-        registry, manager = engine.adapters, engine.executor.runner.lora
+        runner = engine.executor.runner
         for name in ("alpha", "beta"):
-            await asyncio.to_thread(registry.register, name, lora_adapter_dirs[name], preload=False)
+            await asyncio.to_thread(engine.adapters.register, name, lora_adapter_dirs[name], preload=False)
+        refs, dropped = [], []
+        execute = runner.execute_batch
+
+        def spy(batch):
+            refs.extend(new.adapter for new in batch.new if new.adapter is not None)
+            dropped.extend(batch.dropped_adapters)
+            return execute(batch)
+
+        runner.execute_batch = spy
         engine.start()
         try:
             params = SamplingParams(max_new_tokens=3, ignore_eos_token=True)
-            seen = []
             for name in ("alpha", "beta", "alpha"):
                 request = GenerationRequest("", params, prompt_ids=[5, 6, 7], adapter=name)
                 _ = [e async for e in engine.generate(request)]
-                seen.append(list(manager.kept()))
-            return seen, registry.get("alpha").loaded.id
+            return refs, dropped
         finally:
             await engine.stop()
 
-    seen, alpha = asyncio.run(run())
-    assert all(len(kept) <= 2 for kept in seen)  # the one loaded, and at most one let go since the last step
-    assert seen[-1][-1] == alpha
+    refs, dropped = asyncio.run(run())
+    assert [ref.name for ref in refs] == ["alpha", "beta", "alpha"]
+    assert len({ref.id for ref in refs}) == 3  # alpha loaded again: a new load
+    assert dropped == [refs[0].id, refs[1].id]

@@ -216,7 +216,7 @@ async def test_salted_requests_share_blocks_with_the_same_salt_only(tiny_model, 
 
 
 def test_prefix_cache_size_is_named_at_start_up(caplog):
-    """It sized the slot cache's prefix cache only (gone): set, the start-up log says so; the pool is the cache."""
+    """It sized the slot cache's prefix cache (gone): set, the start-up log says it is ignored; the pool is the cache."""
     from lmiserve.config import Settings
     from lmiserve.models.compose import engine_config
 
@@ -224,5 +224,5 @@ def test_prefix_cache_size_is_named_at_start_up(caplog):
         engine_config(Settings.from_options({"prefix_cache_size": "1MiB"}))
         engine_config(Settings.from_options({}))
     assert [r.message.split(":")[0] for r in caplog.records] == [
-        "prefix_cache_size sizes the slot cache's prefix cache only"
+        "prefix_cache_size is ignored"
     ]

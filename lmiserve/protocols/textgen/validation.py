@@ -2,7 +2,8 @@
 
 Every failure raises `InvalidRequest` with the detail only; the protocols' renderers add TGI's
 ``Input validation error: `` prefix. OpenAI requests are mapped onto `TextGenParameters` and
-validated here too.
+validated here too. `check` validates; `Checked.call` then builds the engine request once, immutable,
+with what the protocol adds (the adapter, OpenAI's fields, a grammar, ...); `build` does both for TGI.
 """
 
 from __future__ import annotations
