@@ -36,7 +36,7 @@ from lmiserve.config import load_settings  # noqa: E402
 from lmiserve.core.request import GenerationRequest, SamplingParams  # noqa: E402
 from lmiserve.engine import torch_thread  # noqa: E402
 from lmiserve.engine.runners.paged import PagedFastRunner  # noqa: E402
-from lmiserve.engine.step import InProcessExecutor  # noqa: E402
+from lmiserve.engine.in_process import InProcessExecutor  # noqa: E402
 from lmiserve.models.compose import build_engine  # noqa: E402
 from lmiserve.models.load import load_causal_lm  # noqa: E402
 from lmiserve.models.resolve import resolve_model_path  # noqa: E402

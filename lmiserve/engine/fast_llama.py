@@ -42,7 +42,7 @@ from lmiserve.engine.llama_layout import (
     fused_layers,
     unsupported_reason,
 )
-from lmiserve.engine.lora import LoraBatch, LoraGroup
+from lmiserve.engine.lora_batch import LoraBatch, LoraGroup
 from lmiserve.engine.quantize import Int4Linear, Int8Linear
 from lmiserve.engine.tensor_parallel import shard_of
 

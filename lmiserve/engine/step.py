@@ -168,16 +168,3 @@ class BatchRunner(ABC):
 
     @abstractmethod
     def execute_batch(self, batch: StepBatch) -> StepOutput: ...
-
-
-class InProcessExecutor(Executor):
-    """The model in this process: each batch runs on the calling (torch) thread."""
-
-    def __init__(self, runner: BatchRunner) -> None:
-        self.runner = runner
-        self.num_blocks, self.block_size = runner.num_blocks, runner.block_size
-        self.vocab_size, self.eos_token_ids = runner.vocab_size, runner.eos_token_ids
-        self.kv_bytes = getattr(runner, "kv_bytes", 0)
-
-    def execute(self, batch: StepBatch) -> StepOutput:
-        return self.runner.execute_batch(batch)

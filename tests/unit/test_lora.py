@@ -24,7 +24,8 @@ from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine import lora_kernels
 from lmiserve.engine.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
-from lmiserve.engine.lora import FAST_PATH_MODULES, AdapterError, LoraBatch, read_adapter
+from lmiserve.engine.lora import FAST_PATH_MODULES, AdapterError, read_adapter
+from lmiserve.engine.lora_batch import LoraBatch
 from lmiserve.engine.lora_registry import LoraLimits
 
 PROMPTS = ["Hello there, how are", "def add(a, b):", "The quick brown fox jumps", "one two three four"]

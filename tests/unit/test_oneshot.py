@@ -14,9 +14,9 @@ from helpers.waiting import async_wait_until
 from lmiserve.config import Settings
 from lmiserve.core.errors import GenerationFailed, InvalidRequest, ModelNotReady, Overloaded
 from lmiserve.core.tensors import ModelSignature, TensorRequest, TensorSpec
-from lmiserve.oneshot.batcher import BatchConfig, OneShotModel
 from lmiserve.models.service import ModelService
 from lmiserve.models.store import model_settings
+from lmiserve.oneshot.batcher import BatchConfig, OneShotModel
 
 
 class DoublingRunner:

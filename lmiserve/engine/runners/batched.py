@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from lmiserve.engine.lora_manager import LoraManager
 
 from lmiserve.core.request import SamplingParams
-from lmiserve.engine.lora import LoraAdapter, LoraBatch, LoraGroup, StackCache
+from lmiserve.engine.lora import LoraAdapter
+from lmiserve.engine.lora_batch import LoraBatch, LoraGroup, StackCache
 from lmiserve.engine.sampling import Row, prompt_logprobs, sample_rows, sampler_row
 from lmiserve.engine.speculative import Proposer
 from lmiserve.engine.step import AdapterRef, BatchRunner, ScheduledTokens, StepBatch, StepOutput

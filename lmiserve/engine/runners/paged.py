@@ -24,7 +24,7 @@ from lmiserve.engine import autotune as kernel_autotune
 from lmiserve.engine.attention import cuda_graphs
 from lmiserve.engine.attention.paged import paged_cache
 from lmiserve.engine.fast_llama import FastLlama, StepInputs
-from lmiserve.engine.lora import LoraGroup
+from lmiserve.engine.lora_batch import LoraGroup
 from lmiserve.engine.runners.batched import PersistentBatchRunner
 from lmiserve.engine.step import StepBatch
 

@@ -41,7 +41,8 @@ from lmiserve.engine.attention import backends
 from lmiserve.engine.attention import windows as attention_window
 from lmiserve.engine.attention.backends import AttentionBackend, SeqTokens
 from lmiserve.engine.attention.paged import AttentionShape, PagedKVCache, gather_context, paged_cache, write_tokens
-from lmiserve.engine.lora import LoraBatch, LoraGroup, lora_out_features
+from lmiserve.engine.lora import lora_out_features
+from lmiserve.engine.lora_batch import LoraBatch, LoraGroup
 from lmiserve.engine.runners.batched import PersistentBatchRunner
 from lmiserve.engine.step import StepBatch
 
