@@ -27,9 +27,9 @@ import torch
 from transformers import DynamicCache
 
 from lmiserve.core.cpu_info import cpu_info
-from lmiserve.engine import autotune
+from lmiserve.engine.model import autotune
 from lmiserve.engine.attention.paged import paged_cache
-from lmiserve.engine.fast_llama import FastLlama, StepInputs
+from lmiserve.engine.model.fast_llama import FastLlama, StepInputs
 from lmiserve.models import load_causal_lm, resolve_model_path
 
 BLOCK_SIZE = 16

@@ -34,7 +34,7 @@ import torch
 from transformers import DynamicCache
 
 from lmiserve.core import GenerationRequest, SamplingParams
-from lmiserve.engine.async_engine import EngineConfig
+from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
 from lmiserve.models import load_causal_lm, resolve_model_path
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from lmiserve.engine.step import BatchRunner, Executor, StepBatch, StepOutput
+from lmiserve.engine.core.step import BatchRunner, Executor, StepBatch, StepOutput
 
 if TYPE_CHECKING:
     from lmiserve.engine.loaded import LoadedModel
@@ -36,7 +36,7 @@ def paged_fast_runner(
     """A `build` for `ProcessExecutor`: the model `load()` loads (picklable: a `functools.partial` of
     `lmiserve.models.load.load_causal_lm`, the model loaded as the server loads it), on the paged fast
     runner over a pool of `num_blocks` (the parent's)."""
-    from lmiserve.engine.runners.paged import PagedFastRunner
+    from lmiserve.engine.runner.fast import PagedFastRunner
 
     loaded = load()
     return PagedFastRunner(

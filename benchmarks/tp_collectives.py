@@ -1,6 +1,6 @@
 """What a tensor-parallel step's collectives cost on this machine: `--degree` processes (gloo on CPU, NCCL
 on CUDA) time an all-reduce of a ``[rows, hidden]`` activation (two a layer), the logits' all-gather and
-the step batch's `broadcast_object_list` (one a step), as the workers run them (engine/tp_workers.py).
+the step batch's `broadcast_object_list` (one a step), as the workers run them (engine/executors/tensor_parallel.py).
 
     python benchmarks/tp_collectives.py [--degree 2] [--device cpu|cuda] [--rows 8] [--hidden 896]
                                         [--vocab 49152] [--iterations 300]

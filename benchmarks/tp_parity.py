@@ -4,7 +4,7 @@
                                    [--degree N] [--prompts K] [--max-new-tokens T] [--json FILE]
 
 The same prompts run on the engine of one device (the model in this process) and on the engine over
-`--degree` tensor-parallel workers (engine/tp_workers.py), one after the other, each alone on the
+`--degree` tensor-parallel workers (engine/executors/tensor_parallel.py), one after the other, each alone on the
 machine: greedy tokens are compared prompt by prompt (how many agree in full, and the first position
 where any other differs) and the decode throughput of the concurrent batch is reported for both.
 Without --model-id: the tests' tiny Llama model (tests/helpers/tiny_model.py), built in a temporary

@@ -9,7 +9,7 @@ bundled model (or --model-id) in fp32 on CPU into the engine's runner as `lmiser
 
 - ``decode 1``: one decode row at position --context;
 - ``chunk n``: one prefill chunk of n tokens (n in --chunks) starting at --context, all n logits kept
-  (how runners/paged.py sends a row with drafts);
+  (how runner/fast.py sends a row with drafts);
 - ``decode 8`` / ``decode 32``: that many decode rows around --context;
 - ``prefill n`` (n in --prefills): one prompt chunk of n tokens from position 0, its last logits kept.
 
@@ -40,12 +40,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's lmiserve, not an installed one
 
-from lmiserve.engine.fast_llama import StepInputs
+from lmiserve.engine.model.fast_llama import StepInputs
 from lmiserve.config.settings import Settings
 from lmiserve.engine.attention import backends
-from lmiserve.engine.cpu_gemm import CpuGemm
+from lmiserve.engine.model.cpu_gemm import CpuGemm
 from lmiserve.engine.factory import create_engine
-from lmiserve.engine.runners.paged import PagedFastRunner
+from lmiserve.engine.runner.fast import PagedFastRunner
 from lmiserve.models import load_causal_lm, resolve_model_path
 from lmiserve.models.compose import engine_config
 

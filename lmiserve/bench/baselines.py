@@ -224,8 +224,8 @@ def measure_grammar(
     """Compile times and per-step mask cost of `schema` on the served model's tokenizer (see
     `lmiserve.bench.structured`). Loads the model as the server does (tokenizer, vocabulary, EOS)."""
     from lmiserve.core.grammar import Grammar
-    from lmiserve.engine.grammar_compiler import GrammarCompiler
-    from lmiserve.engine.token_mask import TokenMask
+    from lmiserve.engine.text.grammar_compiler import GrammarCompiler
+    from lmiserve.engine.text.token_mask import TokenMask
 
     loaded = load_like_server(overrides)
     vocab = int(getattr(loaded.model.config, "vocab_size", None) or len(loaded.tokenizer))

@@ -166,7 +166,7 @@ class CheckedSettings(
 
     def tensor_parallel_conflict(self, ranks: int) -> str | None:
         """Why these settings cannot run over `ranks` tensor-parallel ranks (None: they can)."""
-        refused = [  # LoRA adapters are served: each rank keeps its shard of them (engine/tp_workers.py)
+        refused = [  # LoRA adapters are served: each rank keeps its shard of them (engine/executors/tensor_parallel.py)
             ("batch_invariant", self.batch_invariant),
             ("dtype int8/int4", self.dtype.strip().lower() in ("int8", "int4")),
             ("fast_path=false", not self.fast_path),

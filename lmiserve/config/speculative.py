@@ -1,6 +1,6 @@
 """`speculative_config`: speculative decoding's options in vLLM's shape (a JSON object), and LMI's older
 `speculative_draft_model` / `speculative_length` folded into it. The engine's own settings are
-`lmiserve.engine.speculative.SpeculationSettings`; docs/speculative-decoding.md is the user's guide."""
+`lmiserve.engine.speculative.proposers.SpeculationSettings`; docs/speculative-decoding.md is the user's guide."""
 
 from __future__ import annotations
 

@@ -83,9 +83,9 @@ class EngineSnapshot:
     preemptions: int = 0  # running sequences preempted since the engine started (their KV freed, recomputed later)
     kv_blocks: int = 0  # the paged KV pool's blocks (0: the slot layout, no pool)
     kv_block_size: int = 0  # tokens a block
-    # speculative decoding's settings, state and counters (engine/speculative.py, `describe`); None: off
+    # speculative decoding's settings, state and counters (engine/speculative/proposers.py, `describe`); None: off
     speculation: dict[str, Any] | None = None
-    # LoRA (engine/lora_registry.py): the adapters of the running and of the waiting sequences, by name
+    # LoRA (engine/lora/registry.py): the adapters of the running and of the waiting sequences, by name
     # (sorted, each once), and max_loras (0: the model serves no adapters)
     lora_running: tuple[str, ...] = ()
     lora_waiting: tuple[str, ...] = ()

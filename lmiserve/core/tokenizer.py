@@ -1,6 +1,6 @@
 """The tokenizer operations the engine uses, whatever implements them.
 
-A transformers tokenizer is adapted to this protocol by `lmiserve.engine.tokenizer.HfTokenizer`;
+A transformers tokenizer is adapted to this protocol by `lmiserve.engine.text.tokenizer.HfTokenizer`;
 tests use small fakes.
 """
 

@@ -13,23 +13,23 @@ from collections.abc import Callable, Sequence
 import torch
 
 from lmiserve.core.request import SamplingParams
-from lmiserve.engine import lora_kernels
-from lmiserve.engine.async_engine import AsyncEngine, EngineConfig
 from lmiserve.engine.attention import cuda_graphs
 from lmiserve.engine.attention.paged import kv_bytes_per_block
-from lmiserve.engine.grammar_compiler import GrammarCompiler
+from lmiserve.engine.core.async_engine import AsyncEngine, EngineConfig
+from lmiserve.engine.core.step import BatchRunner, NewRequest, ScheduledTokens, StepBatch
 from lmiserve.engine.loaded import LoadedModel
-from lmiserve.engine.lora import FAST_PATH_MODULES, LoraAdapter
-from lmiserve.engine.lora_manager import LoraManager
-from lmiserve.engine.lora_registry import AdapterRegistry
-from lmiserve.engine.quantize import Int4Linear, Int8Linear, quantize_output_int8
-from lmiserve.engine.runners import fast_reason, paged_generic
-from lmiserve.engine.runners.batched import PersistentBatchRunner
-from lmiserve.engine.runners.paged import PagedFastRunner
-from lmiserve.engine.speculative import DraftModelProposer, NgramProposer, Proposer
-from lmiserve.engine.step import BatchRunner, NewRequest, ScheduledTokens, StepBatch
-from lmiserve.engine.tokenizer import HfTokenizer
-from lmiserve.engine.validation import PromptCodec
+from lmiserve.engine.lora import kernels as lora_kernels
+from lmiserve.engine.lora.adapters import FAST_PATH_MODULES, LoraAdapter
+from lmiserve.engine.lora.manager import LoraManager
+from lmiserve.engine.lora.registry import AdapterRegistry
+from lmiserve.engine.model.quantize import Int4Linear, Int8Linear, quantize_output_int8
+from lmiserve.engine.runner import fast_reason, generic
+from lmiserve.engine.runner.fast import PagedFastRunner
+from lmiserve.engine.runner.persistent_batch import PersistentBatchRunner
+from lmiserve.engine.speculative.proposers import DraftModelProposer, NgramProposer, Proposer
+from lmiserve.engine.text.grammar_compiler import GrammarCompiler
+from lmiserve.engine.text.tokenizer import HfTokenizer
+from lmiserve.engine.text.validation import PromptCodec
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ def create_engine(
     why_not = fast_reason(loaded.model, fast_path=config.fast_path)
     fast_cls = PagedFastRunner if why_not is None and not config.batch_invariant else None
     if fast_cls is None:
-        refusal = paged_generic.unsupported_reason(loaded.model)
+        refusal = generic.unsupported_reason(loaded.model)
         if refusal is not None:
             mine = "" if why_not is None else f"; lmiserve's own forward does not either: {why_not}"
             raise ValueError(f"this model cannot be served: transformers' forward over the KV blocks: {refusal}{mine}")
@@ -272,7 +272,7 @@ def worker_config(config: EngineConfig, device: torch.device, local_ranks: int) 
 
 def _paged_runner(
     loaded: LoadedModel, config: EngineConfig, num_blocks: int, fast_cls: type[PagedFastRunner] | None
-) -> PagedFastRunner | paged_generic.PagedGenericRunner:
+) -> PagedFastRunner | generic.PagedGenericRunner:
     """The runner of `loaded` over a pool of `num_blocks` blocks: the fast one (`fast_cls`) or, for another
     architecture, with fast_path=false or batch_invariant, transformers' forward over the blocks."""
     if fast_cls is not None:
@@ -287,7 +287,7 @@ def _paged_runner(
             autotune_cache=config.autotune_cache,
             enforce_eager=config.enforce_eager,
         )
-    return paged_generic.PagedGenericRunner(
+    return generic.PagedGenericRunner(
         loaded.model,
         eos_token_ids=loaded.eos_token_ids,
         num_blocks=num_blocks,
@@ -313,7 +313,7 @@ def _proposer(loaded: LoadedModel, config: EngineConfig, draft: LoadedModel | No
     rows = min(config.max_running, spec.disable_by_batch_size + 1)
     num_blocks = min(kv_pool_blocks(loaded, config), rows * -(-draft.max_context // config.block_size))
     fast = fast_reason(draft.model, fast_path=config.fast_path) is None
-    why_not = None if fast else paged_generic.unsupported_reason(draft.model)
+    why_not = None if fast else generic.unsupported_reason(draft.model)
     if why_not is not None:
         raise ValueError(f"the draft model cannot run over a paged KV cache: {why_not}")
     log.info(

@@ -1,5 +1,5 @@
-"""numba, the compiler of the CPU kernels (engine/attention/cpu_kernel.py, paged_attention.py,
-skinny_gemm.py), imported once. numba is a dependency; a broken install only costs speed: `HAVE_NUMBA`
+"""numba, the compiler of the CPU kernels (engine/attention/cpu_kernel.py, engine/lora/kernels.py,
+engine/model/skinny_gemm.py), imported once. numba is a dependency; a broken install only costs speed: `HAVE_NUMBA`
 is then False and the kernels are not used."""
 
 from __future__ import annotations

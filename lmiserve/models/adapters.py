@@ -29,7 +29,7 @@ from lmiserve.models.service import ModelService
 from lmiserve.models.store import allowed_path
 
 if TYPE_CHECKING:
-    from lmiserve.engine.lora_registry import AdapterEntry, AdapterRegistry
+    from lmiserve.engine.lora.registry import AdapterEntry, AdapterRegistry
 
 __all__ = [
     "LMI",
@@ -169,7 +169,7 @@ async def update(
 ) -> AdapterEntry:
     """Change adapter `name`'s source (read again; requests running on the old weights finish on them)
     or its pinning."""
-    from lmiserve.engine.lora_registry import UnknownAdapter
+    from lmiserve.engine.lora.registry import UnknownAdapter
 
     registry = adapters_of(service)
     if name not in registry:
@@ -187,7 +187,7 @@ async def update(
 
 def unregister(service: ModelService, name: str, *, wording: Wording = LMI) -> AdapterEntry:
     """Forget adapter `name`; the requests running on it finish first, on its weights."""
-    from lmiserve.engine.lora_registry import UnknownAdapter
+    from lmiserve.engine.lora.registry import UnknownAdapter
 
     registry = adapters_of(service)
     try:

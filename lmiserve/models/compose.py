@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from lmiserve.config.sources import ENV_SHORTCUTS
-from lmiserve.engine.async_engine import AsyncEngine, EngineConfig
+from lmiserve.engine.core.async_engine import AsyncEngine, EngineConfig
+from lmiserve.engine.executors.tensor_parallel import TensorParallelExecutor, WorkerSpec, free_port
 from lmiserve.engine.factory import create_engine, prompt_codec, worker_config
-from lmiserve.engine.lora import FAST_PATH_MODULES
-from lmiserve.engine.lora_registry import AdapterRegistry, LoraLimits
-from lmiserve.engine.speculative import SpeculationSettings
-from lmiserve.engine.tensor_parallel import unsplittable_reason
-from lmiserve.engine.tp_workers import TensorParallelExecutor, WorkerSpec, free_port
+from lmiserve.engine.lora.adapters import FAST_PATH_MODULES
+from lmiserve.engine.lora.registry import AdapterRegistry, LoraLimits
+from lmiserve.engine.model.sharding import unsplittable_reason
+from lmiserve.engine.speculative.proposers import SpeculationSettings
 from lmiserve.models.load import load_causal_lm, load_model_shell, resolve_dtype
 
 if TYPE_CHECKING:
@@ -105,7 +105,7 @@ def build_engine(loaded: LoadedModel, settings: Settings, draft: LoadedModel | N
     return create_engine(loaded, engine_config(settings), max_input_len=settings.max_input_len, draft=draft)
 
 
-# ---- tensor parallelism (engine/tp_workers.py) --------------------------------------------------------
+# ---- tensor parallelism (engine/executors/tensor_parallel.py) --------------------------------------------------------
 def tensor_parallel_degree(settings: Settings, device: torch.device) -> int:
     """The ranks `tensor_parallel_degree` asks for (`max`: the visible GPUs on CUDA, 1 on a CPU); on CUDA a
     node must see a GPU for each of its ranks."""
@@ -162,7 +162,7 @@ def build_tensor_parallel_engine(loaded: LoadedModel, settings: Settings, degree
     """The engine of `loaded` (its tokenizer and config; no weights: `models.load.load_model_shell`) over
     `degree` tensor-parallel workers: the model's shape is checked here, before any worker starts. With
     `enable_lora` its adapter registry checks adapters against the shell (their weights are the workers':
-    each rank reads its shard of one, engine/tp_workers.py)."""
+    each rank reads its shard of one, engine/executors/tensor_parallel.py)."""
     reason = unsplittable_reason(loaded.model.config, degree)
     if reason is not None:
         raise ValueError(reason)

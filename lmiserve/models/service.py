@@ -25,7 +25,7 @@ from lmiserve.models.errors import ModelLoadError
 
 if TYPE_CHECKING:
     from lmiserve.engine.loaded import LoadedModel
-    from lmiserve.engine.lora_registry import AdapterRegistry
+    from lmiserve.engine.lora.registry import AdapterRegistry
     from lmiserve.oneshot.batcher import TensorRunner
 
 log = logging.getLogger(__name__)
@@ -284,8 +284,8 @@ class ModelService:
 
 def run_worker_node(settings: Settings) -> int:
     """`lmiserve serve` on a node other than the leader (`node_rank` > 0): this node's tensor-parallel
-    workers only, no HTTP; the exit status of `tp_workers.run_node`."""
-    from lmiserve.engine.tp_workers import run_node
+    workers only, no HTTP; the exit status of `executors.tensor_parallel.run_node`."""
+    from lmiserve.engine.executors.tensor_parallel import run_node
     from lmiserve.models import resolve_model_path
     from lmiserve.models.compose import tensor_parallel_degree, worker_spec
     from lmiserve.models.download import FetchOptions

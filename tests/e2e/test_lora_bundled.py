@@ -14,9 +14,9 @@ from openai import AsyncOpenAI
 
 from helpers.lora_adapters import AdapterSpec, make_adapter, merged_generate
 from lmiserve.core.request import GenerationRequest, SamplingParams
-from lmiserve.engine.async_engine import EngineConfig
+from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
-from lmiserve.engine.lora_registry import LoraLimits
+from lmiserve.engine.lora.registry import LoraLimits
 
 pytestmark = pytest.mark.e2e
 

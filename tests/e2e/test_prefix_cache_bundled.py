@@ -9,7 +9,7 @@ import pytest
 
 from lmiserve.config import Settings
 from lmiserve.core.request import GenerationRequest, SamplingParams
-from lmiserve.engine.async_engine import AsyncEngine
+from lmiserve.engine.core.async_engine import AsyncEngine
 from lmiserve.models.compose import build_engine
 
 pytestmark = pytest.mark.e2e

@@ -13,7 +13,7 @@ import pytest
 from lmiserve.core.events import FinishReason
 from lmiserve.core.grammar import Grammar
 from lmiserve.core.request import GenerationRequest, SamplingParams
-from lmiserve.engine.async_engine import EngineConfig
+from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
 
 pytestmark = pytest.mark.e2e

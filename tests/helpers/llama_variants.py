@@ -22,7 +22,7 @@ from transformers import (
 )
 
 from lmiserve.core.request import GenerationRequest, SamplingParams
-from lmiserve.engine.async_engine import EngineConfig
+from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
 
 COMMON = dict(

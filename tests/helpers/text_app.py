@@ -4,7 +4,7 @@ loading weights or starting a server. The integration tests run the same protoco
 
 Only the model is fake. The tokenizer is the real tiny test tokenizer (tests/helpers/tiny_model.py), so
 prompt validation (`PromptCodec`), token counts, chat templates and tool prompts go through the real
-code; each generated sequence is a real `lmiserve.engine.sequence.Sequence` fed with scripted token ids,
+code; each generated sequence is a real `lmiserve.engine.core.sequence.Sequence` fed with scripted token ids,
 so detokenization, stop sequences, stop token ids, EOS, max_new_tokens, grammars (the real
 `GrammarCompiler`), thinking budgets (their forced end comes before the script goes on), seeds, prompt logprobs and top tokens produce the events the real engine would; and
 the fake is wired into `ModelService` as the real engine is (`ModelService.attach_llm`).
@@ -49,12 +49,12 @@ from lmiserve.core.errors import Overloaded
 from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.core.stats import EngineSnapshot
-from lmiserve.engine.grammar_compiler import CompiledGrammar, GrammarCompiler
+from lmiserve.engine.core.sequence import Sequence as EngineSequence
 from lmiserve.engine.loaded import LoadedModel
-from lmiserve.engine.sequence import Sequence as EngineSequence
-from lmiserve.engine.thinking import ForcedTokens
-from lmiserve.engine.tokenizer import HfTokenizer
-from lmiserve.engine.validation import PromptCodec
+from lmiserve.engine.text.grammar_compiler import CompiledGrammar, GrammarCompiler
+from lmiserve.engine.text.thinking import ForcedTokens
+from lmiserve.engine.text.tokenizer import HfTokenizer
+from lmiserve.engine.text.validation import PromptCodec
 from lmiserve.models.service import ModelService
 from lmiserve.server.app import create_app
 

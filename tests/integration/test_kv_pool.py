@@ -26,7 +26,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from helpers.server import read_log, run_server
-from lmiserve.engine.kv_blocks import bytes_per_block
+from lmiserve.engine.core.kv_blocks import bytes_per_block
 
 BLOCK_SIZE = 4
 POOL_BLOCKS = 16  # 64 tokens: a request below needs 8 or 9 blocks, the burst together 25 times the pool

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from lmiserve.core.request import GenerationRequest, SamplingParams
-from lmiserve.engine.async_engine import EngineConfig
+from lmiserve.engine.core.async_engine import EngineConfig
+from lmiserve.engine.executors.in_process import InProcessExecutor
 from lmiserve.engine.factory import create_engine
-from lmiserve.engine.in_process import InProcessExecutor
 from lmiserve.models.load import load_causal_lm
 
 pytestmark = pytest.mark.integration

@@ -267,7 +267,7 @@ def test_preemption_under_tensor_parallelism_keeps_every_stream(tiny_model_dir, 
     """A pool of 12 blocks of 4 tokens on each rank (its KV heads' half of every block) for the whole
     burst: the scheduler preempts, the ranks drop the preempted requests' blocks and recompute them when
     they come back, and every greedy stream is the one of an unhurried single process."""
-    from lmiserve.engine.kv_blocks import bytes_per_block
+    from lmiserve.engine.core.kv_blocks import bytes_per_block
     from lmiserve.models.compose import build_tensor_parallel_engine
     from lmiserve.models.load import load_model_shell
 

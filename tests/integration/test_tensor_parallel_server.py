@@ -33,7 +33,7 @@ from helpers.serve_process import ServeProcess
 from helpers.server import free_port
 from helpers.tiny_model import ENDLESS_CONTEXT, with_context
 from helpers.waiting import wait_until
-from lmiserve.engine.tp_workers import HEARTBEAT_S
+from lmiserve.engine.executors.tensor_parallel import HEARTBEAT_S
 
 pytestmark = pytest.mark.integration
 

@@ -18,11 +18,11 @@ from collections.abc import Callable
 
 from fakes import make_seq
 
-from lmiserve.engine.block_scheduler import BlockScheduler
-from lmiserve.engine.kv_blocks import BlockPool
-from lmiserve.engine.scheduler import StepPlan
-from lmiserve.engine.sequence import SeqStatus, Sequence
-from lmiserve.engine.step import SampleResult, StepBatch, StepOutput
+from lmiserve.engine.core.block_scheduler import BlockScheduler
+from lmiserve.engine.core.kv_blocks import BlockPool
+from lmiserve.engine.core.scheduler import StepPlan
+from lmiserve.engine.core.sequence import SeqStatus, Sequence
+from lmiserve.engine.core.step import SampleResult, StepBatch, StepOutput
 
 # A sampling rule: (seq_id, tokens generated so far) -> the next token id.
 TokenRule = Callable[[int, int], int]

@@ -16,7 +16,7 @@ from collections.abc import Sequence as Seq
 
 from lmiserve.core.events import StepEvent
 from lmiserve.core.request import SamplingParams
-from lmiserve.engine.sequence import Sequence
+from lmiserve.engine.core.sequence import Sequence
 
 EOS = 2
 BOS = 1

@@ -14,7 +14,7 @@ import pytest
 
 from lmiserve.core.errors import LmiServeError
 from lmiserve.core.limits import TextGenLimits
-from lmiserve.engine.async_engine import EngineConfig
+from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
 from lmiserve.protocols.anthropic import encoders as enc
 from lmiserve.protocols.anthropic import parse as adapter

@@ -20,11 +20,11 @@ from lmiserve.config import Settings
 from lmiserve.core.errors import InvalidRequest, Overloaded, QueueTimeout
 from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.core.request import GenerationRequest, SamplingParams
-from lmiserve.engine.async_engine import AsyncEngine, EngineConfig
+from lmiserve.engine.core.async_engine import AsyncEngine, EngineConfig
 from lmiserve.engine.factory import PREFILL_FLOOR, create_engine, kv_pool_blocks, prompt_codec
-from lmiserve.engine.runners.batched import PersistentBatchRunner
-from lmiserve.engine.runners.paged import PagedFastRunner
-from lmiserve.engine.runners.paged_generic import PagedGenericRunner
+from lmiserve.engine.runner.fast import PagedFastRunner
+from lmiserve.engine.runner.generic import PagedGenericRunner
+from lmiserve.engine.runner.persistent_batch import PersistentBatchRunner
 from lmiserve.models.compose import build_engine
 
 PROMPTS = [
@@ -359,7 +359,7 @@ async def test_sampling_exception_ends_only_that_sequence(tiny_model, reference,
 
 
 async def test_sample_rows_exception_ends_only_that_sequence(tiny_model, reference, monkeypatch):
-    import lmiserve.engine.runners.batched as paged_module
+    import lmiserve.engine.runner.persistent_batch as paged_module
 
     real = paged_module.sample_rows
     bad_ids = encode(tiny_model, PROMPTS[1])
@@ -538,7 +538,8 @@ class FailingStepRunner(PagedFastRunner):
 
     def execute_batch(self, batch):
         if any(list(new.prompt_ids) == list(self.poison) for new in batch.new) or any(
-            row.seq_id in self._requests and self._requests[row.seq_id].prompt_ids == list(self.poison) for row in batch.rows
+            row.seq_id in self._requests and self._requests[row.seq_id].prompt_ids == list(self.poison)
+            for row in batch.rows
         ):
             raise RuntimeError("device lost")
         return super().execute_batch(batch)

@@ -1,5 +1,5 @@
-"""The start-up CPU autotune (engine/autotune.py), the product shapes it chooses among
-(engine/cpu_gemm.py) and the CPU description it is keyed by (core/cpu_info.py)."""
+"""The start-up CPU autotune (engine/model/autotune.py), the product shapes it chooses among
+(engine/model/cpu_gemm.py) and the CPU description it is keyed by (core/cpu_info.py)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import torch.nn.functional as F
 
 from lmiserve.core.cpu_info import KERNEL_FLAGS, cpu_info, parse_cpuinfo
 from lmiserve.core.request import GenerationRequest, SamplingParams
-from lmiserve.engine import autotune
-from lmiserve.engine.async_engine import EngineConfig
 from lmiserve.engine.attention.paged import paged_cache
-from lmiserve.engine.cpu_gemm import BIG_OUT, NEVER, CpuGemm
+from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
-from lmiserve.engine.fast_llama import FastLlama
+from lmiserve.engine.model import autotune
+from lmiserve.engine.model.cpu_gemm import BIG_OUT, NEVER, CpuGemm
+from lmiserve.engine.model.fast_llama import FastLlama
 
 
 @pytest.fixture(autouse=True)

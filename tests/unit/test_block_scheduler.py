@@ -13,9 +13,9 @@ from block_harness import BlockRunner, drive, expected_tokens, prompt, start_dec
 from fakes import make_seq
 
 from lmiserve.core.events import FinishReason
-from lmiserve.engine.block_scheduler import BlockScheduler
-from lmiserve.engine.kv_blocks import BlockPool
-from lmiserve.engine.sequence import Sequence
+from lmiserve.engine.core.block_scheduler import BlockScheduler
+from lmiserve.engine.core.kv_blocks import BlockPool
+from lmiserve.engine.core.sequence import Sequence
 
 
 def test_sequences_finish_and_every_block_comes_back():

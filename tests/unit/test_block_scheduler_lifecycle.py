@@ -14,9 +14,9 @@ from block_harness import BlockRunner, drive, expected_tokens, next_token, promp
 from fakes import EOS, FakeTokenizer, make_seq
 
 from lmiserve.core.events import FinishReason
-from lmiserve.engine.block_scheduler import BlockScheduler
-from lmiserve.engine.kv_blocks import BlockPool
-from lmiserve.engine.sequence import SeqStatus
+from lmiserve.engine.core.block_scheduler import BlockScheduler
+from lmiserve.engine.core.kv_blocks import BlockPool
+from lmiserve.engine.core.sequence import SeqStatus
 
 
 def scheduler(max_running: int = 32, max_prefill_tokens: int = 2048, blocks: int = 256, **options) -> BlockScheduler:

@@ -18,12 +18,12 @@ import torch
 pytest.importorskip("triton")
 
 from helpers.llama_variants import ARCHS, PROMPTS, build, greedy_tokens, serve_prompts  # noqa: E402
-from lmiserve.engine.async_engine import EngineConfig  # noqa: E402
 from lmiserve.engine.attention import cuda_graphs  # noqa: E402
 from lmiserve.engine.attention.backends import TorchBackend  # noqa: E402
 from lmiserve.engine.attention.cuda_graphs import DecodeGraphs, capture_sizes  # noqa: E402
 from lmiserve.engine.attention.paged import PagedKVCache  # noqa: E402
-from lmiserve.engine.fast_llama import (
+from lmiserve.engine.core.async_engine import EngineConfig  # noqa: E402
+from lmiserve.engine.model.fast_llama import (
     FastLlama,  # noqa: E402
     StepInputs,
 )

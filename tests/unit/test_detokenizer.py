@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from fakes import EOS, ByteTokenizer
 
-from lmiserve.engine.detokenizer import IncrementalDetokenizer
+from lmiserve.engine.text.detokenizer import IncrementalDetokenizer
 
 SAMPLE = "héllo wörld — naïve café 日本語 🎉"
 REPLACEMENT = "\ufffd"

@@ -14,10 +14,10 @@ import pytest
 
 from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.core.request import GenerationRequest, SamplingParams
-from lmiserve.engine.async_engine import AsyncEngine, EngineConfig
-from lmiserve.engine.block_scheduler import BlockScheduler
+from lmiserve.engine.core.async_engine import AsyncEngine, EngineConfig
+from lmiserve.engine.core.block_scheduler import BlockScheduler
+from lmiserve.engine.core.sequence import Sequence
 from lmiserve.engine.factory import create_engine
-from lmiserve.engine.sequence import Sequence
 
 PROMPTS = ["The quick brown fox", "Hello world! How are you", "Numbers like 1, 2, 3", "naïve café"]
 TOKENS = 24

@@ -19,10 +19,10 @@ import torch
 
 from helpers.tiny_model import build_tiny_model_dir, build_unreachable_eos_model_dir
 from lmiserve.core.request import GenerationRequest, SamplingParams
-from lmiserve.engine.async_engine import EngineConfig
+from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
-from lmiserve.engine.fast_llama import unsupported_reason
-from lmiserve.engine.quantize import (
+from lmiserve.engine.model.fast_llama import unsupported_reason
+from lmiserve.engine.model.quantize import (
     INT4_GROUP,
     Int4Linear,
     Int8Linear,

@@ -15,7 +15,7 @@ from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.core.request_context import RequestFacts
 from lmiserve.core.stats import RequestStats, StepStats
-from lmiserve.engine.async_engine import AsyncEngine, EngineConfig
+from lmiserve.engine.core.async_engine import AsyncEngine, EngineConfig
 from lmiserve.engine.factory import create_engine
 
 

@@ -1,4 +1,4 @@
-"""The fast Llama-family forward (engine/fast_llama.py) and how the runner picks it.
+"""The fast Llama-family forward (engine/model/fast_llama.py) and how the runner picks it.
 
 Tiny random models of each covered architecture (and one it does not cover) share the tiny
 tokenizer. The fast forward must give transformers' logits; the engine must pick the fast path
@@ -25,12 +25,12 @@ from transformers import (
 from helpers.llama_variants import ARCHS, PROMPTS, build, generic_model, greedy_tokens, serve_prompts
 from lmiserve.core.events import FinishReason
 from lmiserve.core.request import GenerationRequest, SamplingParams
-from lmiserve.engine import fast_llama
-from lmiserve.engine.async_engine import EngineConfig
 from lmiserve.engine.attention import backends, cpu_kernel
 from lmiserve.engine.attention.paged import PagedKVCache, paged_cache
+from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
-from lmiserve.engine.fast_llama import FastLlama, StepInputs, unsupported_reason
+from lmiserve.engine.model import fast_llama
+from lmiserve.engine.model.fast_llama import FastLlama, StepInputs, unsupported_reason
 
 
 def with_model(loaded, model):
@@ -160,7 +160,7 @@ def test_a_model_whose_attention_ignores_the_paged_cache_is_refused(tiny_model):
     the start-up probe finds it and the engine refuses the model (there is no other KV layout)."""
     from types import SimpleNamespace
 
-    from lmiserve.engine.runners import paged_generic
+    from lmiserve.engine.runner import generic as paged_generic
 
     config = build(*ARCHS["llama"]).config
 
@@ -179,7 +179,7 @@ def test_a_model_whose_attention_ignores_the_paged_cache_is_refused(tiny_model):
 
 def test_sliding_window_models_are_served_over_blocks():
     """Their attention applies the window over the paged cache only (tests/unit/test_sliding_window.py)."""
-    from lmiserve.engine.runners import paged_generic
+    from lmiserve.engine.runner import generic as paged_generic
 
     windowed = build(MistralConfig, MistralForCausalLM, {"sliding_window": 16})
     assert paged_generic.unsupported_reason(windowed) is None

@@ -17,8 +17,8 @@ from lmiserve.core.errors import InvalidRequest
 from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.core.grammar import Grammar
 from lmiserve.core.request import GenerationRequest, SamplingParams
-from lmiserve.engine.grammar_compiler import GrammarCompiler
-from lmiserve.engine.token_mask import TokenMask
+from lmiserve.engine.text.grammar_compiler import GrammarCompiler
+from lmiserve.engine.text.token_mask import TokenMask
 
 SCHEMA = {
     "type": "object",

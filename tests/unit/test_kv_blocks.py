@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, multiple, precondition, rule
 
-from lmiserve.engine.kv_blocks import (
+from lmiserve.engine.core.kv_blocks import (
     BlockPool,
     BlockTable,
     PrefixMatch,

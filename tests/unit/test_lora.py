@@ -1,4 +1,4 @@
-"""LoRA adapters in the engine (engine/lora.py, engine/lora_registry.py): greedy output through the engine
+"""LoRA adapters in the engine (engine/lora/adapters.py, engine/lora/registry.py): greedy output through the engine
 equals `generate()` of the base model with the adapter merged by PEFT, token for token, for adapters
 of different ranks and target modules, each alone and with rows of three adapters and of the base model
 in one batch, on both paged runners (lmiserve's fast forward and transformers' forward); at most
@@ -21,12 +21,12 @@ from safetensors.torch import load_file, save_file
 from helpers.lora_adapters import SPECS, AdapterSpec, make_adapter, merged_generate
 from lmiserve.core.errors import AdapterNotFound
 from lmiserve.core.request import GenerationRequest, SamplingParams
-from lmiserve.engine import lora_kernels
-from lmiserve.engine.async_engine import EngineConfig
+from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
-from lmiserve.engine.lora import FAST_PATH_MODULES, AdapterError, read_adapter
-from lmiserve.engine.lora_batch import LoraBatch
-from lmiserve.engine.lora_registry import LoraLimits
+from lmiserve.engine.lora import kernels as lora_kernels
+from lmiserve.engine.lora.adapters import FAST_PATH_MODULES, AdapterError, read_adapter
+from lmiserve.engine.lora.batch import LoraBatch
+from lmiserve.engine.lora.registry import LoraLimits
 
 PROMPTS = ["Hello there, how are", "def add(a, b):", "The quick brown fox jumps", "one two three four"]
 TOKENS = 12
@@ -324,7 +324,7 @@ def test_registry_names(tiny_model, lora_adapter_dirs):
 
 def test_speculative_decoding_verifies_with_the_adapter(tiny_model, lora_adapter_dirs, prompt_ids, expected):
     """Drafts (prompt lookup) are verified by the model with the row's adapter: the output is unchanged."""
-    from lmiserve.engine.speculative import SpeculationSettings
+    from lmiserve.engine.speculative.proposers import SpeculationSettings
 
     spec = SpeculationSettings("ngram", 3, prompt_lookup_min=1, prompt_lookup_max=3, disable_by_batch_size=64)
 

@@ -15,12 +15,12 @@ import shutil
 import pytest
 
 from lmiserve.core.request import GenerationRequest, SamplingParams
-from lmiserve.engine.async_engine import EngineConfig
+from lmiserve.engine.core.async_engine import EngineConfig
+from lmiserve.engine.core.step import AdapterRef, NewRequest, ScheduledTokens, StepBatch
 from lmiserve.engine.factory import create_engine
-from lmiserve.engine.lora import FAST_PATH_MODULES, AdapterError
-from lmiserve.engine.lora_manager import LoraManager
-from lmiserve.engine.lora_registry import AdapterRegistry, LoraLimits
-from lmiserve.engine.step import AdapterRef, NewRequest, ScheduledTokens, StepBatch
+from lmiserve.engine.lora.adapters import FAST_PATH_MODULES, AdapterError
+from lmiserve.engine.lora.manager import LoraManager
+from lmiserve.engine.lora.registry import AdapterRegistry, LoraLimits
 
 
 def test_an_adapter_ref_is_plain_data(tiny_model, lora_adapter_dirs):

@@ -12,9 +12,9 @@ import pytest
 from lmiserve.config import Settings
 from lmiserve.core.errors import AdapterNotFound, Conflict, InvalidRequest
 from lmiserve.core.request import GenerationRequest, SamplingParams
-from lmiserve.engine.async_engine import AsyncEngine, EngineConfig
+from lmiserve.engine.core.async_engine import AsyncEngine, EngineConfig
 from lmiserve.engine.factory import create_engine
-from lmiserve.engine.lora_registry import LoraLimits
+from lmiserve.engine.lora.registry import LoraLimits
 from lmiserve.models import adapters
 from lmiserve.models.service import ModelService
 

@@ -15,7 +15,7 @@ import pytest
 
 from lmiserve.core.errors import InvalidRequest, LmiServeError
 from lmiserve.core.limits import TextGenLimits as TgiLimits
-from lmiserve.engine.async_engine import EngineConfig
+from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
 from lmiserve.protocols.openai import encoders as fmt
 from lmiserve.protocols.openai import parse as adapter

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from lmiserve.core.limits import TextGenLimits
-from lmiserve.engine.async_engine import EngineConfig
+from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
 from lmiserve.protocols.openai.responses_output import Head, ResponseEncoder, ResponseStreamEncoder
 from lmiserve.protocols.openai.responses_request import ResponsesRequest, responses_call

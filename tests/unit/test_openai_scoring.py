@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lmiserve.core.limits import TextGenLimits
-from lmiserve.engine.async_engine import EngineConfig
+from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
 from lmiserve.protocols.openai import encoders as fmt
 from lmiserve.protocols.openai import parse as adapter

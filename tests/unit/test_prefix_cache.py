@@ -1,4 +1,4 @@
-"""The prefix cache (the paged KV pool's shared blocks, engine/kv_blocks.py) in the engine on the tiny
+"""The prefix cache (the paged KV pool's shared blocks, engine/core/kv_blocks.py) in the engine on the tiny
 random Llama, fast and generic runners: greedy tokens identical with the cache and without it (and to
 `model.generate`), what it reports, a small pool evicting while staying right, salts never shared.
 The pool's hash chain and eviction order as a state machine: tests/unit/test_kv_blocks.py."""
@@ -13,8 +13,8 @@ import pytest
 from helpers.greedy import greedy_reference
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.core.stats import StepStats
-from lmiserve.engine.async_engine import AsyncEngine, EngineConfig
 from lmiserve.engine.attention.paged import kv_bytes_per_block
+from lmiserve.engine.core.async_engine import AsyncEngine, EngineConfig
 from lmiserve.engine.factory import create_engine
 
 SYSTEM = "The server streams tokens to the client as soon as they are generated. " * 2
@@ -223,6 +223,4 @@ def test_prefix_cache_size_is_named_at_start_up(caplog):
     with caplog.at_level("WARNING", logger="lmiserve.models.compose"):
         engine_config(Settings.from_options({"prefix_cache_size": "1MiB"}))
         engine_config(Settings.from_options({}))
-    assert [r.message.split(":")[0] for r in caplog.records] == [
-        "prefix_cache_size is ignored"
-    ]
+    assert [r.message.split(":")[0] for r in caplog.records] == ["prefix_cache_size is ignored"]

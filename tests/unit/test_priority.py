@@ -8,10 +8,10 @@ from block_harness import BlockRunner, drive, step
 from fakes import make_seq
 
 from lmiserve.core.request import GenerationRequest, SamplingParams
-from lmiserve.engine.async_engine import EngineConfig
-from lmiserve.engine.block_scheduler import BlockScheduler
+from lmiserve.engine.core.async_engine import EngineConfig
+from lmiserve.engine.core.block_scheduler import BlockScheduler
+from lmiserve.engine.core.kv_blocks import BlockPool
 from lmiserve.engine.factory import create_engine
-from lmiserve.engine.kv_blocks import BlockPool
 
 
 def with_priority(priority: int, arrival: float):

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from lmiserve.engine import factory
-from lmiserve.engine.async_engine import EngineConfig
 from lmiserve.engine.attention.paged import kv_bytes_per_block
-from lmiserve.engine.runners.paged import PagedFastRunner
-from lmiserve.engine.runners.paged_generic import PagedGenericRunner
+from lmiserve.engine.core.async_engine import EngineConfig
+from lmiserve.engine.runner.fast import PagedFastRunner
+from lmiserve.engine.runner.generic import PagedGenericRunner
 
 
 def _runner_of(model, cls):

@@ -9,8 +9,8 @@ from transformers import AutoTokenizer
 
 from lmiserve.core.errors import InvalidRequest
 from lmiserve.core.request import GenerationRequest, SamplingParams
-from lmiserve.engine.tokenizer import HfTokenizer
-from lmiserve.engine.validation import PromptCodec
+from lmiserve.engine.text.tokenizer import HfTokenizer
+from lmiserve.engine.text.validation import PromptCodec
 
 
 class CountingTokenizer(HfTokenizer):

@@ -20,7 +20,7 @@ from lmiserve.core.errors import (
 from lmiserve.core.parameters import Limits
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.core.tensors import TensorRequest
-from lmiserve.engine.async_engine import EngineConfig
+from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
 from lmiserve.models.llm_tensor import LlmTensorModel
 from lmiserve.models.registry import ModelRegistry

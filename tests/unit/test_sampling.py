@@ -17,7 +17,8 @@ from transformers.generation.logits_process import (
 )
 
 from lmiserve.core.request import SamplingParams
-from lmiserve.engine.sampling import (
+from lmiserve.engine.core.step import SampleResult
+from lmiserve.engine.runner.sampling import (
     Row,
     apply_penalties,
     make_generator,
@@ -26,7 +27,6 @@ from lmiserve.engine.sampling import (
     sample_rows,
     warp,
 )
-from lmiserve.engine.step import SampleResult
 
 VOCAB = 32
 CPU = torch.device("cpu")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from lmiserve.core.request import GenerationRequest, SamplingParams
-from lmiserve.engine.async_engine import EngineConfig
+from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "seeded_tokens.json"

@@ -1,4 +1,4 @@
-"""The compiled few-row product kernel (engine/skinny_gemm.py) and its routing in `CpuGemm`."""
+"""The compiled few-row product kernel (engine/model/skinny_gemm.py) and its routing in `CpuGemm`."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmiserve.engine import skinny_gemm
-from lmiserve.engine.cpu_gemm import CpuGemm
+from lmiserve.engine.model import skinny_gemm
+from lmiserve.engine.model.cpu_gemm import CpuGemm
 
 pytestmark = pytest.mark.skipif(
     not skinny_gemm.available(torch.float32, torch.device("cpu")), reason="numba is not usable here"

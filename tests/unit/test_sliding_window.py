@@ -33,14 +33,14 @@ from transformers import (
 
 from helpers.tiny_model import build_tiny_tokenizer
 from lmiserve.core.request import GenerationRequest, SamplingParams
-from lmiserve.engine.async_engine import EngineConfig
 from lmiserve.engine.attention import cpu_kernel
 from lmiserve.engine.attention import paged as paged_attention
 from lmiserve.engine.attention import windows as attention_window
+from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
-from lmiserve.engine.runners.paged import PagedFastRunner
-from lmiserve.engine.runners.paged_generic import PagedGenericRunner
-from lmiserve.engine.speculative import SpeculationSettings
+from lmiserve.engine.runner.fast import PagedFastRunner
+from lmiserve.engine.runner.generic import PagedGenericRunner
+from lmiserve.engine.speculative.proposers import SpeculationSettings
 from lmiserve.models.load import LoadedModel, load_causal_lm
 
 # benchmarks/gpu_check.py runs these on the GPU (LMISERVE_TEST_DEVICE=cuda: the Triton kernel, CUDA graphs)

@@ -1,4 +1,4 @@
-"""Speculative decoding (engine/speculative.py): each proposer (prompt lookup, a draft model with the
+"""Speculative decoding (engine/speculative/proposers.py): each proposer (prompt lookup, a draft model with the
 same tokenizer, the target quantized to int4 as its own draft) leaves the output unchanged: greedy
 token for token, alone and eight at once, on both paged runners; seeded sampling draw for draw; and
 sampled tokens keep the target's distribution (a goodness-of-fit test against the model's own
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from lmiserve.core.request import GenerationRequest, SamplingParams
-from lmiserve.engine.async_engine import AsyncEngine, EngineConfig
+from lmiserve.engine.core.async_engine import AsyncEngine, EngineConfig
 from lmiserve.engine.factory import create_engine
-from lmiserve.engine.speculative import SpeculationSettings, ngram_drafts
+from lmiserve.engine.speculative.proposers import SpeculationSettings, ngram_drafts
 from lmiserve.models.load import LoadedModel, load_causal_lm
 
 PROMPTS = [

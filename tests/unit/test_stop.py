@@ -10,7 +10,7 @@ import pytest
 from fakes import EOS, ByteTokenizer, FakeTokenizer, feed, make_seq
 
 from lmiserve.core.events import FinishReason
-from lmiserve.engine.stop import StopMatcher
+from lmiserve.engine.text.stop import StopMatcher
 
 # --- StopMatcher --------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from lmiserve.config import Settings
 from lmiserve.config.errors import ConfigError
 from lmiserve.config.sources import load_settings
-from lmiserve.engine.tensor_parallel import (
+from lmiserve.engine.model.sharding import (
     ShardPlan,
     checkpoint_files,
     load_shard_weights,
@@ -328,7 +328,7 @@ def random_adapter(model, rank: int = 4, seed: int = 3):
     """A LoRA adapter of every projection of `model` (A and the scaled B, random), as `read_adapter` keeps one."""
     from pathlib import Path
 
-    from lmiserve.engine.lora import LoraAdapter
+    from lmiserve.engine.lora.adapters import LoraAdapter
 
     generator = torch.Generator().manual_seed(seed)
     modules = {}
@@ -359,7 +359,7 @@ def test_the_ranks_adapter_shards_give_the_merged_models_products(kv_heads, worl
     one: each rank's product plus its delta is its rows of the merged linear's product (q/k/v, gate/up; a
     replicated KV head's whole), or a partial sum that, summed over the ranks as the all-reduce does, is the
     merged linear's product (o, down)."""
-    from lmiserve.engine.tensor_parallel import shard_adapter
+    from lmiserve.engine.model.sharding import shard_adapter
 
     model = tiny_llama(kv_heads)
     adapter = random_adapter(model)
@@ -392,10 +392,10 @@ def test_a_rank_reads_its_shard_of_a_peft_adapter(tiny_model_dir, lora_adapter_d
     shapes) and keeps its shard under the load id the step names."""
     from transformers import AutoModelForCausalLM
 
-    from lmiserve.engine.lora import FAST_PATH_MODULES, read_adapter
-    from lmiserve.engine.lora_manager import LoraManager
-    from lmiserve.engine.step import AdapterRef
-    from lmiserve.engine.tensor_parallel import shard_adapter
+    from lmiserve.engine.core.step import AdapterRef
+    from lmiserve.engine.lora.adapters import FAST_PATH_MODULES, read_adapter
+    from lmiserve.engine.lora.manager import LoraManager
+    from lmiserve.engine.model.sharding import shard_adapter
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     whole = read_adapter(lora_adapter_dirs["beta"], model, name="beta", max_rank=16)
@@ -416,7 +416,7 @@ def test_a_rank_reads_its_shard_of_a_peft_adapter(tiny_model_dir, lora_adapter_d
 def test_shard_adapter_refuses_what_it_cannot_cut():
     import dataclasses
 
-    from lmiserve.engine.tensor_parallel import shard_adapter
+    from lmiserve.engine.model.sharding import shard_adapter
 
     model = tiny_llama()
     adapter = random_adapter(model)

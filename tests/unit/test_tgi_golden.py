@@ -15,7 +15,7 @@ import pytest
 
 from lmiserve.core.errors import InvalidRequest
 from lmiserve.core.limits import TextGenLimits as TgiLimits
-from lmiserve.engine.async_engine import EngineConfig
+from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
 from lmiserve.protocols.textgen.validation import build
 from lmiserve.protocols.tgi import encoders as fmt

@@ -1,4 +1,4 @@
-"""The thinking budget in the engine (engine/thinking.py, `SamplingParams.thinking`), on the tiny random
+"""The thinking budget in the engine (engine/text/thinking.py, `SamplingParams.thinking`), on the tiny random
 model whose chat template opens `<think>` (`thinking_model_dir`): after exactly N tokens inside the block
 the closing tokens are forced and the answer follows; budget 0 closes a block the template opened at
 once; a block the model opens itself is counted from its start marker; a multi-token closing text is
@@ -18,11 +18,11 @@ import pytest
 from helpers.tiny_model import THINK_END, THINK_START
 from lmiserve.core.grammar import Grammar
 from lmiserve.core.request import GenerationRequest, SamplingParams, ThinkingBudget
-from lmiserve.engine.async_engine import EngineConfig
+from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
-from lmiserve.engine.speculative import SpeculationSettings
-from lmiserve.engine.thinking import BudgetTracker, ForcedTokens
-from lmiserve.engine.token_mask import TokenMask
+from lmiserve.engine.speculative.proposers import SpeculationSettings
+from lmiserve.engine.text.thinking import BudgetTracker, ForcedTokens
+from lmiserve.engine.text.token_mask import TokenMask
 from lmiserve.models.load import LoadedModel, load_causal_lm
 from lmiserve.protocols.textgen.reasoning import Markers, Reasoning
 
@@ -117,7 +117,7 @@ def test_the_tracker_counts_as_the_reasoning_parser_does(thinking_model, ids):
 
 
 def _hf(tokenizer):
-    from lmiserve.engine.tokenizer import HfTokenizer
+    from lmiserve.engine.text.tokenizer import HfTokenizer
 
     return HfTokenizer(tokenizer)
 
@@ -217,7 +217,7 @@ async def test_speculative_decoding_caps_its_drafts_at_the_budget(thinking_model
 async def test_drafts_that_would_think_past_the_budget_are_cut_at_it(thinking_model, prompt, ids):
     """Drafts of the model's unbounded thinking, every one right: a step verifies only as many as the
     budget has left, so the block still ends after exactly N tokens."""
-    from lmiserve.engine.block_scheduler import BlockScheduler
+    from lmiserve.engine.core.block_scheduler import BlockScheduler
 
     _, end = ids
     budgets = (0, 1, 4, 9)

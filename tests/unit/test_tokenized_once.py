@@ -12,9 +12,9 @@ import pytest
 from lmiserve.core.errors import InvalidRequest
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.core.tokenizer import recall_encoding, remember_encoding, tokenizing
-from lmiserve.engine.async_engine import EngineConfig
+from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
-from lmiserve.engine.tokenizer import HfTokenizer
+from lmiserve.engine.text.tokenizer import HfTokenizer
 
 
 class Counting:

@@ -40,7 +40,7 @@ async def test_a_gpu_models_work_does_not_wait_for_another_models():
 
 
 def test_engines_take_the_thread_of_their_device(tiny_model):
-    from lmiserve.engine.async_engine import EngineConfig
+    from lmiserve.engine.core.async_engine import EngineConfig
     from lmiserve.engine.factory import create_engine
 
     engine = create_engine(tiny_model, EngineConfig())

@@ -19,11 +19,11 @@ import torch
 pytest.importorskip("triton")
 
 from helpers.llama_variants import ARCHS, PROMPTS, build, generic_model, greedy_tokens, serve_prompts  # noqa: E402
-from lmiserve.engine import fast_llama  # noqa: E402
-from lmiserve.engine.async_engine import EngineConfig  # noqa: E402
 from lmiserve.engine.attention import triton_ops as triton_attention  # noqa: E402
 from lmiserve.engine.attention.paged import PagedKVCache  # noqa: E402
-from lmiserve.engine.fast_llama import (
+from lmiserve.engine.core.async_engine import EngineConfig  # noqa: E402
+from lmiserve.engine.model import fast_llama  # noqa: E402
+from lmiserve.engine.model.fast_llama import (
     FastLlama,  # noqa: E402
     StepInputs,
 )
@@ -213,7 +213,7 @@ def test_a_model_the_kernel_does_not_fit_keeps_the_gather(tiny_model, monkeypatc
     kernel cannot take, keep the model off the Triton backend (on transformers' attention over the gathered
     blocks, or the compiled CPU kernel where that one agrees)."""
     from lmiserve.engine.attention.backends import TritonBackend
-    from lmiserve.engine.runners import paged_generic
+    from lmiserve.engine.runner import generic as paged_generic
 
     monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "triton")
 

@@ -4,8 +4,8 @@ A backend builds its per-step metadata once (`plan`, from the step's sequences: 
 first position and token count, decode rows first) and then runs every layer with it (`forward(layer, q,
 k, v, meta)`: it stores the step's keys and values through the block tables and returns each token's
 attention over its own sequence's positions up to its own, within the layer's sliding window). Both model
-forwards run through a backend: lmiserve's own (engine/fast_llama.py) and transformers' model on the
-generic runner (runners/paged_generic.py registers `backend_attention` as an attention implementation).
+forwards run through a backend: lmiserve's own (engine/model/fast_llama.py) and transformers' model on the
+generic runner (runner/generic.py registers `backend_attention` as an attention implementation).
 
 - `TritonBackend` (CUDA): every token of the step, decode rows and prompt chunks alike, in one Triton
   kernel launch a layer (attention/triton_ops.py), reading the blocks in place. Its metadata can also be

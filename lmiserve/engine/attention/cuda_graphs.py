@@ -1,4 +1,4 @@
-"""Decode steps replayed as CUDA graphs: the paged fast path on CUDA (engine/fast_llama.py).
+"""Decode steps replayed as CUDA graphs: the paged fast path on CUDA (engine/model/fast_llama.py).
 
 A decode step launches a few hundred small kernels (norms, products, RoPE, the attention kernel of each
 layer) whose launch costs more than their work at small batches. A step of decode rows alone (no prompt
@@ -39,7 +39,7 @@ from lmiserve.engine.attention.backends import TritonBackend
 from lmiserve.engine.attention.paged import PagedKVCache
 
 if TYPE_CHECKING:
-    from lmiserve.engine.fast_llama import FastLlama
+    from lmiserve.engine.model.fast_llama import FastLlama
 
 __all__ = ["MAX_CAPTURE_SIZE", "DecodeGraphs", "capture_sizes", "for_model", "wanted"]
 

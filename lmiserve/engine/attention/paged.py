@@ -36,9 +36,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from lmiserve.engine import kv_blocks
 from lmiserve.engine.attention import cpu_kernel
 from lmiserve.engine.attention.windows import hidden_outside
+from lmiserve.engine.core import kv_blocks
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedModel

@@ -1,7 +1,7 @@
 """Paged attention as one Triton kernel: every token of a step (decode rows and prefill chunks alike)
 attends over its sequence's KV blocks in place, with no gather (the CUDA path of `fast_llama`).
 
-The cache is `paged_attention.PagedKVCache`'s, unchanged: per layer ``[num_blocks, kv_heads, block_size,
+The cache is `paged.PagedKVCache`'s, unchanged: per layer ``[num_blocks, kv_heads, block_size,
 head_dim]``. A step's tokens are cut into *tiles*: up to ``block_q`` consecutive tokens of one sequence (a
 decode row is one tile of one token, a prefill chunk of n tokens ``ceil(n / block_q)`` tiles). One program
 takes a (tile, kv head): its queries are the tile's tokens times the kv head's query heads (GQA packed, so
@@ -11,7 +11,7 @@ masking each query past its own position (causal within a chunk, full for a deco
 layer (`window`) it starts at the tile's window and masks each query's positions before its own window
 (engine/attention/windows.py). Flash-attention's
 online softmax: scores and the running sum in fp32, the products in the cache's dtype with fp32 accumulation
-(fp32 caches multiply in full fp32, not TF32), as `paged_attention.torch_decode_attention` does.
+(fp32 caches multiply in full fp32, not TF32), as `paged.torch_decode_attention` does.
 
 The keys and values of the step's tokens are written before the kernel runs (`write_index`, one
 ``index_copy_`` a layer), so a token reads its own and its chunk's earlier positions from the cache.
@@ -163,7 +163,7 @@ def step_tiles(
 def token_rows(blocks: npt.ArrayLike, positions: npt.ArrayLike, kv_heads: int, block_size: int) -> torch.Tensor:
     """Where tokens at `positions` in these `blocks` (host arrays, one entry a token) keep their keys and
     values: rows of a ``[-1, head_dim]`` view of a layer's cache, token-major then kv head (a CPU tensor;
-    `paged_attention.flat_index`'s layout)."""
+    `paged.flat_index`'s layout)."""
     blocks_t = torch.as_tensor(np.asarray(blocks, dtype=np.int64))
     offsets = torch.as_tensor(np.asarray(positions, dtype=np.int64) % block_size)
     return flat_index(blocks_t, offsets, kv_heads, block_size).reshape(-1)

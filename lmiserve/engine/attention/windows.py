@@ -11,9 +11,9 @@ its own and the ``W - 1`` before it. Which layers have one (`layer_windows`):
   unless ``use_sliding_window`` is False.
 
 Every attention over the paged KV cache takes the window of its layer: the compiled CPU kernel and the
-torch decode path (engine/attention/paged.py), the prefill chunks' SDPA masks (engine/fast_llama.py), the
+torch decode path (engine/attention/paged.py), the prefill chunks' SDPA masks (engine/model/fast_llama.py), the
 Triton kernel (engine/attention/triton_ops.py) and transformers' own attention on the generic runner, whose
-per-layer-kind masks `step_mask` builds (engine/runners/paged_generic.py). Blocks wholly before every
+per-layer-kind masks `step_mask` builds (engine/runner/generic.py). Blocks wholly before every
 layer's window stay allocated (masked, not freed); the batch-invariant runner runs transformers' forward,
 which applies the windows itself.
 """
@@ -111,7 +111,7 @@ def step_mask(
     dtype: torch.dtype,
     device: torch.device,
 ) -> torch.Tensor | dict[str, torch.Tensor]:
-    """The additive mask(s) of one forward of packed rows (engine/runners/paged_generic.py): ``[1, 1,
+    """The additive mask(s) of one forward of packed rows (engine/runner/generic.py): ``[1, 1,
     tokens, keys]``, 0 where token t of a row sees a key of the same row, -inf elsewhere. `spans`: each row's
     (first token, tokens, start position, first key). For a model with windowed layers the window is in:
     one mask when every layer has it and the model takes one (Mistral), else one a layer kind, as the

@@ -26,7 +26,7 @@ otherwise it applies from the first token, so the model does not think.
 A thinking budget (`Reasoning.budget`: Anthropic's `thinking.budget_tokens`, OpenAI's `reasoning_effort`
 through `effort_budget`) becomes the engine's `ThinkingBudget`: after that many tokens inside the block the
 engine forces the family's closing text (`Markers.close`: the end marker; for gpt-oss also the final
-channel's header), then the model answers (lmiserve/engine/thinking.py).
+channel's header), then the model answers (lmiserve/engine/text/thinking.py).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from lmiserve.protocols.textgen.tools.spec import ToolSpec
 from lmiserve.server.lookup import default_llm
 
 if TYPE_CHECKING:
-    from lmiserve.engine.lora_registry import AdapterRegistry
+    from lmiserve.engine.lora.registry import AdapterRegistry
 
 TGI_CLIENT_NAMES = ("tgi", "dummy")  # the `model` TGI's clients send to a TGI endpoint
 

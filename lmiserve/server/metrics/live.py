@@ -84,7 +84,7 @@ class LiveCollector(Collector):
 
 
 class _SpecDecodeFamilies:
-    """vLLM's speculative decoding counters, read from the engine snapshots (engine/speculative.py)."""
+    """vLLM's speculative decoding counters, read from the engine snapshots (engine/speculative/proposers.py)."""
 
     def __init__(self, labels: list[str]) -> None:
         self.drafts = CounterMetricFamily(
@@ -120,7 +120,7 @@ class _LoraFamilies:
     """vLLM's LoRA gauge (``vllm:lora_requests_info``: the adapters of the running and of the waiting
     requests as label values, comma-joined; its value the time of the scrape, as vLLM sets it to the time
     of its last update), with lmiserve's ``model_name`` label; and lmiserve's per-adapter figures, read
-    from the model's adapter registry (engine/lora_registry.py)."""
+    from the model's adapter registry (engine/lora/registry.py)."""
 
     def __init__(self) -> None:
         self.info = GaugeMetricFamily(

@@ -1,0 +1,309 @@
+"""The engine core: the scheduler over the KV block pool, the executor that runs each step's plain-data
+batch, and the asyncio loop between them. One background task plans a step, runs it (and the scheduler's
+update of its results) on the model's torch thread and delivers the events to each request's queue; one
+request's failure reaches that request only, and a failure of the core itself ends every request and
+tells the `on_failure` listeners. `AsyncEngine` (core/async_engine.py) takes the requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from lmiserve.core.aio import cancel_and_wait
+from lmiserve.core.errors import GenerationFailed, InvalidRequest, QueueTimeout, ShuttingDown
+from lmiserve.core.events import FinishReason, StepEvent
+from lmiserve.core.stats import EngineObserver, StepStats
+from lmiserve.engine import torch_thread
+from lmiserve.engine.core.block_scheduler import BlockScheduler
+from lmiserve.engine.core.config import EngineConfig
+from lmiserve.engine.core.handles import RequestHandle, prompt_tokens_computed, request_stats
+from lmiserve.engine.core.kv_blocks import BlockPool
+from lmiserve.engine.core.scheduler import StepPlan
+from lmiserve.engine.core.sequence import Sequence
+from lmiserve.engine.core.step import BatchRunner, Executor, ExecutorFailed, StepOutput
+from lmiserve.engine.executors.in_process import InProcessExecutor
+from lmiserve.engine.lora.registry import AdapterRegistry
+from lmiserve.engine.speculative.proposers import SpeculationPolicy
+from lmiserve.engine.text.token_mask import TokenMask
+
+log = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """The scheduler, the executor and the loop of one loaded LLM (requests: `AsyncEngine`)."""
+
+    def __init__(
+        self, runner: BatchRunner | Executor, config: EngineConfig, adapters: AdapterRegistry | None = None
+    ) -> None:
+        """`runner`: the model's runner (run in this process), or an executor that runs the plain-data
+        batches elsewhere (the tensor-parallel workers, engine/executors/tensor_parallel.py); `adapters`: the LoRA
+        adapters requests may name (their loads let go are told to the executor each step)."""
+        floor = config.prefill_floor
+        if floor == "auto":
+            raise ValueError("prefill_floor 'auto' is resolved by the device (engine.factory.create_engine)")
+        # this model's torch thread: the shared one on the CPU, its own on a GPU (engine/torch_thread.py)
+        self.thread = torch_thread.for_device(getattr(runner, "device", "cpu"), f"engine-{id(self):x}")
+        self.config = config
+        options: dict[str, Any] = {
+            "chunked_prefill": not config.batch_invariant,
+            "static_batching": config.static_batching,
+            "batch_size": config.batch_size,
+            "max_batch_delay": config.max_batch_delay,
+            "queue_timeout": config.predict_timeout,
+            "prefill_floor": floor,
+            "max_step_tokens": config.max_step_tokens,
+        }
+        self.executor = runner if isinstance(runner, Executor) else InProcessExecutor(runner)
+        self._grammar_mask: TokenMask | None = None  # the executor's batches' grammar bitmask
+        # blocks computed in another step's shapes round differently: no sharing when batch-invariant
+        caching = config.enable_prefix_caching and not config.batch_invariant
+        self.pool = BlockPool(runner.num_blocks, runner.block_size, enable_prefix_caching=caching)
+        self.scheduler = BlockScheduler(self.pool, config.max_running, config.max_prefill_tokens, **options)
+        self.speculation: SpeculationPolicy | None = None
+        if config.speculation is not None:
+            self.speculation = self.scheduler.speculation = SpeculationPolicy(config.speculation)
+        self.adapters = adapters
+        if adapters is not None:
+            self.scheduler.max_loras = adapters.limits.max_loras
+        self._handles: dict[int, RequestHandle] = {}  # seq_id -> handle
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._observers: list[EngineObserver] = []
+        self.steps = 0
+        self.generated_tokens = 0  # since start, for `snapshot`
+        self.failure: str | None = None  # why the engine core failed (`_die`); it serves nothing then
+        self.on_failure: list[Callable[[str], None]] = []
+
+    @property
+    def runner(self) -> BatchRunner | None:
+        """The model's runner when it runs in this process (None: the executor runs it elsewhere)."""
+        return self.executor.runner if isinstance(self.executor, InProcessExecutor) else None
+
+    def _check_fits(self, tokens: int) -> None:
+        """A request whose KV (prompt + max new tokens) needs more blocks than the whole pool is refused."""
+        pool = self.pool
+        if pool.never_fits(tokens):
+            raise InvalidRequest(
+                f"the prompt and max_new_tokens need the KV cache of {tokens} tokens, more than the whole "
+                f"KV cache holds ({pool.num_blocks * pool.block_size} tokens, kv_cache_memory_bytes)"
+            )
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._task is None:
+            loop = asyncio.get_running_loop()
+            self._task = loop.create_task(self._loop(), name="lmiserve-engine")
+
+            def failed(why: str) -> None:
+                loop.call_soon_threadsafe(self._executor_failed, why)
+
+            self.executor.watch(failed)
+
+    def _executor_failed(self, why: str) -> None:
+        """The executor failed between steps (a worker process died): the engine fails now, not at its
+        next request."""
+        self._die(ExecutorFailed(why))
+        self._wakeup.set()
+
+    async def stop(self) -> None:
+        """Stop the loop; requests still open end with an error instead of waiting forever."""
+        await cancel_and_wait(self._task)
+        self._task = None
+        await asyncio.to_thread(self.executor.close)
+        self.thread.close()
+        for seq_id in list(self._handles):
+            self._fail_before_start(seq_id, ShuttingDown())
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    # ---- observers (lmiserve.core.stats) -------------------------------------------------------------
+    def add_observer(self, observer: EngineObserver) -> None:
+        self._observers.append(observer)
+
+    def _notify(self, method: str, *args: object) -> None:
+        for observer in self._observers:
+            try:
+                getattr(observer, method)(*args)
+            except Exception:  # noqa: BLE001 - a failing observer must not fail requests or the loop
+                log.exception("engine observer %s.%s failed", type(observer).__name__, method)
+
+    def _release(self, handle: RequestHandle) -> None:
+        """What a request held until it ended is given back (`AsyncEngine`: its LoRA adapter)."""
+
+    # ---- the loop ----------------------------------------------------------------------------------
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self._step()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the engine core itself failed: its state is in doubt
+                log.exception("engine failed")
+                self._die(exc)
+                return
+
+    def _die(self, exc: Exception) -> None:
+        """The engine core failed outside the per-request guards (planning, applying a step's results):
+        every open request ends with an error (in-band on a stream that started), new ones are refused,
+        and the `on_failure` listeners are told (the service turns unhealthy; `lmiserve serve` exits
+        non-zero so that the orchestrator starts it again). A model step's failure is not this: it fails
+        the requests of the step and the engine goes on. Only the first failure counts."""
+        if self.failure is not None:
+            return
+        self.failure = f"the engine failed: {type(exc).__name__}: {exc}"
+        error = GenerationFailed(self.failure)  # each protocol's shape says the rest (TGI: "Request failed ...")
+        for seq_id in list(self._handles):
+            self._fail_before_start(seq_id, error)
+        for listener in self.on_failure:
+            try:
+                listener(self.failure)
+            except Exception:  # noqa: BLE001 - a listener must not hide the failure from the others
+                log.exception("engine failure listener failed")
+
+    def _execute(self, plan: StepPlan) -> tuple[StepOutput, list[tuple[Sequence, StepEvent]]]:
+        """Run `plan` and apply its results (on the torch thread): the model step, then the scheduler's
+        update, whose per-token work (detokenizing, stop strings, grammar matchers, building the events)
+        so stays off the HTTP event loop; the loop only delivers the events. Meanwhile the loop may only
+        add to the waiting queue and flag aborts, which `update` does not touch."""
+        try:
+            output = self._run(plan)
+        except ExecutorFailed:
+            raise  # the engine fails (`_loop`), not the step
+        except Exception as exc:  # noqa: BLE001 - outside the per-sequence guards: end what was running
+            log.exception("engine step failed")
+            message = f"exception occurred during generation: {exc}"
+            output = StepOutput(errors={s.seq_id: message for s in self.scheduler.running})
+        return output, self.scheduler.update(plan, output)
+
+    def _run(self, plan: StepPlan) -> StepOutput:
+        """The model work of `plan`: its plain-data batch through the executor (the constrained rows'
+        grammar bitmask filled first)."""
+        executor, batch = self.executor, plan.batch
+        failed: dict[int, str] = {}
+        if batch.grammar_rows:
+            seqs = plan.decode + [chunk.seq for chunk in plan.prefill]  # the batch's row order
+            matchers = [seqs[i].grammar for i in batch.grammar_rows]
+            try:
+                if self._grammar_mask is None:
+                    self._grammar_mask = TokenMask(executor.vocab_size, executor.eos_token_ids)
+                batch.grammar_bitmask = self._grammar_mask.fill([m for m in matchers if m is not None]).numpy().copy()
+            except Exception as exc:  # noqa: BLE001 - the constrained rows fail, the others go on
+                log.exception("filling the grammar bitmask failed")
+                failed = {seqs[i].seq_id: f"exception occurred during sampling: {exc}" for i in batch.grammar_rows}
+                batch.grammar_rows, batch.grammar_bitmask = [], None
+        if self.adapters is not None:  # the adapter loads let go: the runner's side forgets them
+            batch.dropped_adapters = self.adapters.take_dropped()
+        output = executor.execute(batch)
+        for seq_id, message in failed.items():
+            output.samples.pop(seq_id, None)
+            output.errors[seq_id] = message
+        return output
+
+    async def _step(self) -> None:
+        scheduler = self.scheduler
+        self._wakeup.clear()
+        now = time.monotonic()
+        for seq in scheduler.expire(now):
+            self._fail_before_start(seq.seq_id, QueueTimeout(f"Time out in: {self._timeout_text()}"))
+        plan, events = scheduler.schedule(now)
+        self._stamp(events, now)  # aborts: no tokens
+        self._deliver(events)
+        if not plan.has_model_work:
+            if plan.batch.finished or plan.batch.preempted:  # the executor forgets what it kept of them
+                try:
+                    await self.thread.run(self._run, plan)
+                except ExecutorFailed:
+                    raise
+                except Exception:  # noqa: BLE001 - nothing was computing
+                    log.exception("engine step failed")
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), scheduler.next_wakeup(time.monotonic()))
+            return
+        started = time.monotonic()
+        output, events = await self.thread.run(self._execute, plan)
+        now = time.monotonic()
+        self.steps += 1
+        firsts, gaps = self._stamp(events, now)
+        self.generated_tokens += len(firsts) + len(gaps)  # one of the two per token sampled
+        if self._observers:
+            prompt_tokens = prompt_tokens_computed(plan, output)
+            step = StepStats(
+                method="prefill" if plan.prefill else "decode",
+                duration=now - started,
+                rows=len(plan.decode) + len(plan.prefill),
+                prompt_tokens=prompt_tokens,
+                generated_tokens=len(firsts) + len(gaps),
+                first_token_latencies=firsts,
+                inter_token_latencies=gaps,
+                prefix_queried_tokens=plan.prefix_queried,
+                prefix_hit_tokens=plan.prefix_hits,
+            )
+            self._notify("on_step", step)
+        self._deliver(events)
+
+    @staticmethod
+    def _stamp(events: list[tuple[Sequence, StepEvent]], now: float) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Record when each sequence got a token or ended; this step's times to first token and
+        inter-token latencies."""
+        firsts, gaps = [], []
+        for seq, event in events:
+            if event.token is not None:
+                if seq.last_token_at is None:
+                    seq.first_token_at = now
+                    firsts.append(now - seq.arrival)
+                else:
+                    gaps.append(now - seq.last_token_at)
+                seq.last_token_at = now
+            if event.finish is not None:
+                seq.finished_at = now
+        return tuple(firsts), tuple(gaps)
+
+    def _deliver(self, events: list[tuple[Sequence, StepEvent]]) -> None:
+        for seq, event in events:
+            handle = self._handles.get(seq.seq_id)
+            if handle is None:
+                continue
+            if event.finish is not None:
+                del self._handles[seq.seq_id]
+                handle.unfinished -= 1
+                if handle.unfinished == 0:
+                    self._report(handle)
+                if event.finish.reason is FinishReason.ABORT:
+                    continue
+                log.debug(
+                    "finished: %s after %d token(s)",
+                    event.finish.reason.value,
+                    event.finish.generated_tokens,
+                    extra={"request_id": seq.request_id},
+                )
+            handle.queue.put_nowait(event)
+
+    def _fail_before_start(self, seq_id: int, error: BaseException) -> None:
+        handle = self._handles.pop(seq_id, None)
+        if handle is not None:
+            self._report(handle, error)
+            handle.queue.put_nowait(error)
+
+    def _report(self, handle: RequestHandle, error: BaseException | None = None) -> None:
+        """Tell the observers that `handle`'s request ended (once); its adapter is released."""
+        if handle.reported:
+            return
+        handle.reported = True
+        self._release(handle)
+        handle.stats = request_stats(handle, time.monotonic(), error)
+        self._notify("on_finished", handle.stats)
+
+    def _timeout_text(self) -> str:
+        value = self.config.predict_timeout
+        return str(int(value)) if value is not None and float(value).is_integer() else str(value)

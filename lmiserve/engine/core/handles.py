@@ -1,0 +1,88 @@
+"""A submitted request as the engine keeps it (`RequestHandle`: its sequences and the queue their events
+arrive on), and the figures and rankings made of its sequences."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterable
+from typing import Any
+
+from lmiserve.core.events import FinishReason, StepEvent
+from lmiserve.core.request import GenerationRequest
+from lmiserve.core.stats import RequestStats, SequenceStats
+from lmiserve.engine.core.scheduler import StepPlan
+from lmiserve.engine.core.sequence import Sequence
+from lmiserve.engine.core.step import StepOutput
+from lmiserve.engine.lora.adapters import LoraAdapter
+
+
+class RequestHandle:
+    """One submitted request: its sequences and the queue their events (or its error) arrive on."""
+
+    def __init__(self, request: GenerationRequest, seqs: list[Sequence], arrival: float) -> None:
+        self.request = request
+        self.seqs = seqs
+        self.queue: asyncio.Queue[StepEvent | BaseException] = asyncio.Queue()
+        self.open = len(seqs)  # sequences whose end the consumer has not read yet
+        self.arrival = arrival
+        self.unfinished = len(seqs)  # sequences whose end the engine has not delivered yet
+        self.reported = False  # told the observers it ended
+        self.stats: RequestStats | None = None  # its figures, once it ended
+        self.adapter: LoraAdapter | None = None  # its LoRA adapter, held until it ended
+
+
+def prompt_tokens_computed(plan: StepPlan, output: StepOutput) -> int:
+    """Prompt tokens the step computed for the first time (a preempted sequence's recompute, and the
+    generated tokens a recompute includes, are not prompt tokens processed again)."""
+    total = 0
+    for chunk in plan.prefill:
+        seq = chunk.seq
+        if seq.seq_id in output.errors:
+            continue
+        start, end = max(chunk.start, seq.prompt_counted), min(chunk.start + chunk.length, seq.prompt_len)
+        if end > start:
+            total += end - start
+            seq.prompt_counted = end
+    return total
+
+
+def request_stats(handle: RequestHandle, now: float, error: BaseException | None) -> RequestStats:
+    """`handle`'s request as the observers see it when it ends (a sequence not ended yet ends `now`)."""
+    fallback = FinishReason.ABORT if error is None else FinishReason.ERROR
+    sequences = tuple(
+        SequenceStats(
+            arrival=handle.arrival,
+            scheduled=seq.scheduled_at,
+            first_token=seq.first_token_at,
+            finished=seq.finished_at if seq.finished_at is not None else now,
+            prompt_tokens=seq.prompt_len,
+            generated_tokens=len(seq.output_ids),
+            max_new_tokens=seq.params.max_new_tokens,
+            reason=seq.finish_reason if seq.finish_reason is not None else fallback,
+            cached_tokens=seq.cached_tokens,
+        )
+        for seq in handle.seqs
+    )
+    prompt_tokens = handle.seqs[0].prompt_len if handle.seqs else 0
+    return RequestStats(handle.arrival, now, prompt_tokens, sequences, error)
+
+
+def random_seed() -> int:
+    """A random non-negative signed 32-bit seed, drawn per request when the client gives none."""
+    return random.SystemRandom().randrange(0, 2**31)
+
+
+def mean_logprob(seq: Sequence) -> float:
+    """The one best-of rule, every protocol's: the highest log probability per generated token (OpenAI's
+    `best_of` and TGI's); a sequence without a token ranks last."""
+    return seq.cumulative_logprob / len(seq.output_ids) if seq.output_ids else float("-inf")
+
+
+def reindex(event: StepEvent, index: int) -> StepEvent:
+    return StepEvent(token=event.token, top_tokens=event.top_tokens, finish=event.finish, index=index)
+
+
+def adapter_names(seqs: Iterable[Any]) -> tuple[str, ...]:
+    """The adapters of `seqs` by name, sorted, each once (vLLM's lora_requests_info)."""
+    return tuple(sorted({s.adapter.name for s in list(seqs) if s.adapter is not None}))

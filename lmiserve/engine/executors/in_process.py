@@ -1,0 +1,19 @@
+"""The in-process executor: the model's runner in this process, each batch run on the calling thread (the
+model's torch thread, engine/torch_thread.py). The other executor: engine/executors/tensor_parallel.py."""
+
+from __future__ import annotations
+
+from lmiserve.engine.core.step import BatchRunner, Executor, StepBatch, StepOutput
+
+
+class InProcessExecutor(Executor):
+    """The model in this process: each batch runs on the calling (torch) thread."""
+
+    def __init__(self, runner: BatchRunner) -> None:
+        self.runner = runner
+        self.num_blocks, self.block_size = runner.num_blocks, runner.block_size
+        self.vocab_size, self.eos_token_ids = runner.vocab_size, runner.eos_token_ids
+        self.kv_bytes = getattr(runner, "kv_bytes", 0)
+
+    def execute(self, batch: StepBatch) -> StepOutput:
+        return self.runner.execute_batch(batch)

@@ -1,0 +1,285 @@
+"""A tensor-parallel worker process: one a rank (one a device), the model's shard in it
+(engine/model/sharding.py), joined in a torch.distributed group (NCCL on CUDA, gloo on CPU); rank 0 receives
+each step's plain-data batch from the leader (engine/executors/tensor_parallel.py's `TensorParallelExecutor`) and
+broadcasts it to every rank over a gloo group; every rank runs it and rank 0 answers with its `StepOutput`.
+
+LoRA: a batch names a new request's adapter by its name, load id and folder (`step.AdapterRef`), and every
+rank reads its shard of that load from the folder on the first batch that names it
+(`lora.manager.LoraManager`, `model.sharding.shard_adapter`), forgetting it when a batch's
+`dropped_adapters` says.
+
+In a worker any exception of a step is fatal (its ranks' collectives would no longer pair up). Workers
+ignore SIGINT and SIGTERM (the leader drains, then closes them) and exit when their parent process goes
+away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import re
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from lmiserve.engine.core.step import StepBatch, StepOutput
+from lmiserve.engine.runner.fast import PagedFastRunner
+
+if TYPE_CHECKING:
+    from lmiserve.engine.core.async_engine import EngineConfig
+    from lmiserve.engine.loaded import LoadedModel
+
+log = logging.getLogger(__name__)
+
+CONTROL_TIMEOUT = timedelta(days=365)  # the batch broadcast waits as long as the server idles
+# the group's rendezvous and the loading that follows wait this long at least for every rank (nodes and
+# their weights may come up minutes apart); a step's collectives are watched by the leader's step_timeout
+START_TIMEOUT_S = 1800.0
+PARENT_POLL_S = 1.0  # how often a worker checks that its parent process is still there
+
+
+class LoadModel(Protocol):
+    """Loads the whole model, weights included (`lmiserve.models.load.load_causal_lm`)."""
+
+    def __call__(
+        self, path: str, *, dtype: str, device: str, trust_remote_code: bool, load_format: str
+    ) -> LoadedModel: ...
+
+
+class LoadShell(Protocol):
+    """Loads the model's tokenizer and config around a model without weights
+    (`lmiserve.models.load.load_model_shell`)."""
+
+    def __call__(self, path: str, *, dtype: str, device: str, trust_remote_code: bool) -> LoadedModel: ...
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs to load its shard and join its group (picklable: sent to spawned
+    processes)."""
+
+    model_path: str
+    dtype: str  # resolved for the device (e.g. bfloat16 on CUDA)
+    device: str  # "cpu" or "cuda"
+    load_format: str
+    trust_remote_code: bool
+    world: int  # ranks over all nodes (tensor_parallel_degree)
+    config: EngineConfig  # block size, pool budget, speculation (ngram), ...
+    # how a worker reads the model, handed down from above the engine (models/compose.py passes
+    # models/load.py's functions: module-level, so the spawned workers unpickle them by name)
+    load_model: LoadModel
+    load_shell: LoadShell
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    step_timeout: float = 300.0
+    log_level: str = "INFO"
+
+    @property
+    def local_world(self) -> int:
+        return self.world // self.nnodes
+
+    @property
+    def local_ranks(self) -> range:
+        return range(self.node_rank * self.local_world, (self.node_rank + 1) * self.local_world)
+
+
+class TensorParallelRunner(PagedFastRunner):
+    """A rank's runner: the paged fast runner over its shard, whose failures are not retried part by part
+    (a retry alone would run collectives the other ranks do not): a step that raises stops the worker."""
+
+    def _run_rows(self, batch: StepBatch, part: list[int], out: StepOutput) -> None:
+        self._finish_rows(batch, part, self._forward_rows(batch, part), out)
+
+
+# ---- the worker process ------------------------------------------------------------------------------
+def worker_main(spec: WorkerSpec, rank: int, local_rank: int, conn: Connection | None) -> None:
+    """A rank's process: join the group, load the shard, agree on the pool, then run batches until told
+    to stop (None) or until the group breaks. Rank 0 talks to the leader over `conn`."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
+    _exit_with_parent()
+    level = logging.getLevelName(spec.log_level)
+    logging.basicConfig(
+        level=level if isinstance(level, int) else logging.INFO,
+        format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s",
+        force=True,
+    )
+    if spec.device == "cpu":  # the node's cores shared by its ranks (torch's and the compiled kernels')
+        threads = max(1, (os.cpu_count() or 1) // spec.local_world)
+        torch.set_num_threads(threads)
+        with contextlib.suppress(ImportError, ValueError):
+            import numba
+
+            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
+    # no progress bars in the workers' log (and none of tqdm's multiprocessing locks, which a worker's
+    # os._exit would leave for the resource tracker to report as leaked)
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    code = 1
+    try:
+        code = _serve(spec, rank, local_rank, conn)
+    except Exception as exc:  # noqa: BLE001 - told to the leader (rank 0), logged, and the worker exits
+        log.exception("tensor-parallel worker failed")
+        _tell(conn, ("error", f"rank {rank}: {type(exc).__name__}: {_summary(exc)}"))
+    finally:
+        os._exit(code)  # no interpreter teardown: a broken group's threads must not keep the process alive
+
+
+def _serve(spec: WorkerSpec, rank: int, local_rank: int, conn: Connection | None) -> int:
+    import torch.distributed as dist
+
+    cuda = spec.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=f"tcp://{spec.master_addr}:{spec.master_port}",
+        rank=rank,
+        world_size=spec.world,
+        timeout=timedelta(seconds=max(spec.step_timeout, START_TIMEOUT_S)),
+    )
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    error, loaded, capacity = None, None, 0
+    try:
+        loaded, capacity = _load_shard(spec, rank, local_rank)
+    except Exception as exc:  # noqa: BLE001 - gathered below: every rank stops, rank 0 says why
+        log.exception("loading the shard failed")
+        error = f"rank {rank}: {exc}"
+    if error is None:  # logged before the ranks agree: every rank's line precedes the leader's "ready"
+        log.info("rank %d of %d loaded its shard: room for %d KV blocks", rank, spec.world, capacity)
+    statuses: list[Any] = [None] * spec.world
+    dist.all_gather_object(statuses, (error, capacity), group=control)
+    errors = [e for e, _ in statuses if e]
+    if errors:
+        _tell(conn, ("error", errors[0]))
+        return 1
+    assert loaded is not None
+    num_blocks = min(c for _, c in statuses)
+    runner = _runner(spec, loaded, num_blocks)
+    shape = (runner.num_blocks, runner.block_size, runner.vocab_size, list(runner.eos_token_ids), runner.kv_bytes)
+    _tell(conn, ("ready", shape))
+    while True:
+        box: list[Any] = [None]
+        if rank == 0:
+            assert conn is not None
+            with contextlib.suppress(EOFError, OSError):
+                box[0] = conn.recv()
+        dist.broadcast_object_list(box, src=0, group=control)
+        batch = box[0]
+        if batch is None:
+            break
+        output = runner.execute_batch(batch)
+        if conn is not None:
+            conn.send(("ok", output))
+    dist.destroy_process_group()
+    return 0
+
+
+def _load_shard(spec: WorkerSpec, rank: int, local_rank: int) -> tuple[Any, int]:
+    """This rank's shard of the model, on its device, and the blocks of KV its memory allows
+    (`kv_cache_memory_bytes` per worker, else the device's share). From a safetensors checkpoint only the
+    shard's slices are read (`load_shard_weights`); otherwise (a `dummy` model, other formats) the whole
+    model is loaded on the CPU and cut."""
+    import torch.distributed as dist
+
+    from lmiserve.engine.factory import kv_pool_blocks, largest_step_tokens, profile_step_memory
+    from lmiserve.engine.model.sharding import checkpoint_files, load_shard_weights, shard_model
+
+    if spec.load_format != "dummy" and checkpoint_files(spec.model_path) is not None:
+        loaded = spec.load_shell(
+            spec.model_path, dtype=spec.dtype, device="cpu", trust_remote_code=spec.trust_remote_code
+        )
+        shard_model(loaded.model, rank, spec.world, dist.group.WORLD)
+        load_shard_weights(loaded.model, spec.model_path)
+        loaded.model.train(False)
+    else:
+        loaded = spec.load_model(
+            spec.model_path,
+            dtype=spec.dtype,
+            device="cpu",
+            trust_remote_code=spec.trust_remote_code,
+            load_format=spec.load_format,
+        )
+        shard_model(loaded.model, rank, spec.world, dist.group.WORLD)
+    config = spec.config
+    activation = None
+    if spec.device == "cuda":
+        device = torch.device("cuda", local_rank)
+        loaded.model.to(device)  # type: ignore[arg-type]  # transformers' wrapped `to`
+        loaded = dataclasses.replace(loaded, device=device)
+        if config.kv_cache_memory_bytes is None:  # every rank profiles the same step (its collectives pair up)
+            activation = profile_step_memory(
+                device,
+                lambda blocks: _runner(spec, loaded, blocks),
+                largest_step_tokens(config, loaded.max_context),
+                config.block_size,
+            )
+    return loaded, kv_pool_blocks(loaded, config, activation)
+
+
+def _runner(spec: WorkerSpec, loaded: Any, num_blocks: int) -> TensorParallelRunner:
+    from lmiserve.engine.speculative.proposers import NgramProposer
+
+    config = spec.config
+    runner = TensorParallelRunner(
+        loaded.model,
+        max_slots=config.max_running,
+        max_context=loaded.max_context,
+        eos_token_ids=loaded.eos_token_ids,
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        enforce_eager=True,  # no decode graphs over tensor parallelism (engine/attention/cuda_graphs.py)
+    )
+    spec_settings = config.speculation
+    if spec_settings is not None:  # prompt lookup only (a draft model is refused with tensor parallelism)
+        runner.proposer = NgramProposer(spec_settings.prompt_lookup_min, spec_settings.prompt_lookup_max)
+    if config.lora is not None:  # each rank reads its shard of an adapter when a batch first names it
+        from lmiserve.engine.factory import attach_lora
+        from lmiserve.engine.lora.adapters import FAST_PATH_MODULES
+        from lmiserve.engine.model.sharding import shard_adapter
+
+        model = loaded.model
+        attach_lora(runner, config.lora.max_lora_rank, FAST_PATH_MODULES, lambda adapter: shard_adapter(adapter, model))
+    return runner
+
+
+_NATIVE_PLACE = re.compile(r"^\[[^\]]+\.(?:cc|cpp|h|hpp):\d+\]\s*")  # gloo's and c10's "[file.cc:553] "
+
+
+def _summary(exc: BaseException) -> str:
+    """The first line of `exc` without a native library's source place and advice (the worker's log has
+    the whole of it): "Connection closed by peer [127.0.0.1]:16015" of gloo's long message."""
+    lines = str(exc).strip().splitlines()
+    text = lines[0] if lines else ""
+    native = _NATIVE_PLACE.sub("", text)
+    return native.split(". ", 1)[0] if native != text else text
+
+
+def _tell(conn: Connection | None, message: tuple[str, Any]) -> None:
+    if conn is not None:
+        with contextlib.suppress(OSError):
+            conn.send(message)
+
+
+def _exit_with_parent() -> None:
+    """End this process when its parent goes (a crashed or killed leader leaves no worker behind)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(PARENT_POLL_S)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="lmiserve-tp-parent", daemon=True).start()

@@ -1,0 +1,316 @@
+"""A lean forward pass for Llama-family decoders over the paged KV cache, on ragged batches.
+
+One call runs a whole engine step: the decode rows (one token each) and any number of prefill
+chunks (several tokens of one sequence each), each reading and writing its KV through its block
+table (engine/attention/paged.py), flattened into one ``[T, hidden]``
+batch. Every matrix multiply sees all T tokens at once (one weight read per step), in the shapes
+CPU BLAS runs fastest (`cpu_gemm.CpuGemm`: orientation, row blocks, rows padded to a multiple of 8),
+or for a few rows (a request's last token and its drafts) a compiled kernel that reads W once.
+Attention runs through the model's attention backend (engine/attention/backends.py: Triton on CUDA, the
+compiled kernel on CPU fp32, torch ops otherwise), whose metadata is planned once a step from the step's
+inputs (`StepInputs`, one object: the decode rows, the prompt chunks, the rows kept, the adapters).
+
+It reuses the loaded transformers model's weights (`llama_layout.fused_layers`: q/k/v and gate/up
+fused, the original modules pointed at their rows), so memory does not grow and the generic path
+keeps working. RoPE comes from a table built with the model's own rotary module. The math mirrors
+transformers' Llama modules op for op (RMSNorm in fp32, rotate-half RoPE, softmax attention), so
+the result differs from the generic path only where a kernel's summation order changes rounding.
+
+Models outside the Llama family: `unsupported_reason` says why and the engine uses the generic
+transformers path. Device-agnostic; tested on CPU only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from lmiserve.engine.attention import backends, cpu_kernel
+from lmiserve.engine.attention import windows as attention_window
+from lmiserve.engine.attention.backends import SeqTokens
+from lmiserve.engine.attention.paged import AttentionShape, PagedKVCache
+from lmiserve.engine.lora.batch import LoraBatch, LoraGroup
+from lmiserve.engine.model import skinny_gemm
+from lmiserve.engine.model.cpu_gemm import PAD_ROWS_FROM, VOCAB_PAD_ROWS_FROM, CpuGemm
+from lmiserve.engine.model.llama_layout import (
+    SUPPORTED_TYPES,
+    as_llama,
+    fused_layers,
+    unsupported_reason,
+)
+from lmiserve.engine.model.quantize import Int4Linear, Int8Linear
+from lmiserve.engine.model.sharding import shard_of
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+__all__ = ["PAD_ROWS_FROM", "SUPPORTED_TYPES", "FastLlama", "StepInputs", "unsupported_reason"]
+
+log = logging.getLogger(__name__)
+
+
+def _rms(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
+    weight, eps = norm
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """transformers' ``x * cos + rotate_half(x) * sin`` with the sign folded into the table
+    (``(-a) * b == a * (-b)`` exactly, so the values are bit-identical, one op fewer)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
+
+
+class DecodeReplay(Protocol):
+    """What the forward asks of the decode steps captured as CUDA graphs (engine/attention/cuda_graphs.py's
+    `DecodeGraphs`, which builds on this module: this one never imports it)."""
+
+    def covers(self, rows: int) -> bool:
+        """A step of `rows` decode rows replays a captured graph."""
+        ...
+
+    def run(self, ids: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Float32 logits ``[len(ids), vocab]`` of a step of decode rows."""
+        ...
+
+
+@dataclass
+class StepInputs:
+    """One step of the fast forward. Tokens are ordered: the decode rows (row i: token `decode_ids[i]` at
+    `decode_positions[i]`, its block table `decode_tables[i]`), then each prompt chunk ``(block table,
+    start, token ids)`` in turn; `keep`: the flattened token rows whose logits are returned; `lora`: the
+    adapters of the tokens (engine/lora/adapters.py, groups named by `FastLlama.lora_groups`)."""
+
+    decode_ids: list[int] = field(default_factory=list)
+    decode_positions: list[int] = field(default_factory=list)
+    decode_tables: list[list[int]] = field(default_factory=list)
+    chunks: list[tuple[list[int], int, list[int]]] = field(default_factory=list)
+    keep: list[int] = field(default_factory=list)
+    lora: LoraBatch | None = None
+
+
+class FastLlama:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        cache: PagedKVCache,
+        max_context: int,
+        gemm: CpuGemm | None = None,
+        compiled_attention_ok: bool = True,
+    ) -> None:
+        """`gemm`: the product shapes (default `CpuGemm.for_model`); `compiled_attention_ok`: False keeps
+        the torch attention backend where the compiled kernel's would apply (`autotune` decides both)."""
+        llama = as_llama(model)
+        inner = llama.model
+        self.cache = cache
+        self.windows = attention_window.layer_windows(model.config)  # each layer's (None: the whole context)
+        self.device = model.device
+        self.dtype = model.dtype
+        shape = AttentionShape.of(model.config)
+        self.heads, self.kv_heads, self.head_dim = shape.heads, shape.kv_heads, shape.head_dim
+        self.groups = self.heads // self.kv_heads
+        self.embed = inner.embed_tokens.weight
+        self.layers = fused_layers(model)  # shared by every engine on this model
+        self.norm = (inner.norm.weight, inner.norm.variance_epsilon)
+        head = llama.lm_head
+        self.lm_head = head.weight
+        # an output projection quantized for a speculative draft (quantize.quantize_output_int8)
+        self.lm_head_s = head.scales if isinstance(head, (Int8Linear, Int4Linear)) else None
+        self._rotary = inner.rotary_emb
+        self._max_context = max_context
+        self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)
+        self._gemm = gemm if gemm is not None else CpuGemm.for_model(self.device, self.dtype)
+        # the step's attention (engine/attention/backends.py): Triton on CUDA, the compiled kernel on CPU fp32
+        self.attention: backends.AttentionBackend = backends.choose(
+            cache, self.heads, self.windows, compiled_ok=compiled_attention_ok
+        )
+        # decode steps replayed as CUDA graphs (engine/attention/cuda_graphs.py; set by the paged runner)
+        self.graphs: DecodeReplay | None = None
+        # a tensor-parallel rank's shard (engine/model/sharding.py): its collectives; None: the whole model
+        self.tp = shard_of(model)
+        self._warm_gemm()
+
+    @property
+    def max_context(self) -> int:
+        return self._max_context
+
+    @property
+    def gemm(self) -> CpuGemm:
+        return self._gemm
+
+    @property
+    def compiled_attention(self) -> bool:
+        return isinstance(self.attention, backends.CpuKernelBackend)
+
+    @property
+    def triton(self) -> bool:
+        return isinstance(self.attention, backends.TritonBackend)
+
+    def use_kernels(self, gemm: CpuGemm, compiled: bool) -> None:
+        """Run the next steps with these product shapes and (where it applies, not on Triton's backend)
+        the compiled CPU attention, else the torch one."""
+        self._gemm = gemm
+        self._warm_gemm()
+        if self.triton:
+            return
+        if compiled and cpu_kernel.available(self.dtype, self.device):
+            cpu_kernel.warm_up()
+            self.attention = backends.CpuKernelBackend(self.cache, self.heads, self.windows)
+        else:
+            self.attention = backends.TorchBackend(self.cache, self.heads, self.windows)
+
+    def _warm_gemm(self) -> None:
+        """Compile the few-row product kernel at load (or on a kernel change), not on a request; if it
+        cannot be compiled, products of few rows go through BLAS instead."""
+        if self._gemm.few_rows > 1 and skinny_gemm.available(self.dtype, self.device):
+            try:
+                skinny_gemm.warm_up()
+            except Exception:  # noqa: BLE001 - a numba/llvmlite problem costs speed, not the model
+                log.exception("compiled few-row products unavailable; using BLAS")
+                self._gemm = self._gemm.with_(few_rows=0)
+
+    # ---- RoPE table ------------------------------------------------------------------------------
+    def _rope(self, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
+        have = self._cos.shape[0]
+        if upto > have:
+            new = max(upto, min(max(2 * have, 256), max(self._max_context, upto)))
+            positions = torch.arange(have, new, device=self.device)[None]
+            probe = torch.empty(0, dtype=self.dtype, device=self.device)
+            cos, sin = self._rotary(probe, positions)
+            half = self.head_dim // 2
+            signed = torch.cat((-sin[0][:, :half], sin[0][:, half:]), dim=-1)
+            self._cos = torch.cat([self._cos, cos[0]])
+            self._sin = torch.cat([self._sin, signed])
+        return self._cos, self._sin
+
+    # ---- one step ----------------------------------------------------------------------------------
+    def forward(self, step: StepInputs) -> torch.Tensor:
+        """Logits (float32, ``[len(step.keep), vocab]``) of the step's flattened tokens listed in `keep`.
+        A step of decode rows alone, every row kept, no adapter, replays a captured CUDA graph where
+        `graphs` covers it."""
+        dev = self.device
+        rows = len(step.decode_ids)
+        if rows != len(step.decode_tables) or rows != len(step.decode_positions):
+            raise ValueError("every decode row needs its position and its block table")
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and rows
+            and not step.chunks
+            and step.lora is None
+            and graphs.covers(rows)
+            and step.keep == list(range(rows))  # every row's logits kept
+        ):
+            return graphs.run(step.decode_ids, step.decode_positions, step.decode_tables)
+        ids = step.decode_ids + [t for _, _, chunk in step.chunks for t in chunk]
+        positions = list(step.decode_positions)
+        for _, start, chunk in step.chunks:
+            positions.extend(range(start, start + len(chunk)))
+        pad = self._row_padding(len(ids), PAD_ROWS_FROM)  # token 0 at position 0, attends nothing, dropped
+        ids += [0] * pad
+        positions += [0] * pad
+        cos_table, sin_table = self._rope(max(positions) + 1)
+        pos = torch.tensor(positions, device=dev)
+        cos, sin = cos_table[pos][:, None], sin_table[pos][:, None]  # [T, 1, D]
+        tp = self.tp
+        token_ids = torch.tensor(ids, device=dev)
+        x = F.embedding(token_ids, self.embed) if tp is None else tp.embed(token_ids, self.embed)
+        seqs = [SeqTokens(t, p, 1) for t, p in zip(step.decode_tables, step.decode_positions, strict=True)]
+        seqs += [SeqTokens(table, start, len(chunk)) for table, start, chunk in step.chunks]
+        meta = self.attention.plan(seqs, rows, pad)
+        keep = step.keep
+        x = self._layers(x, cos, sin, meta, step.lora)
+        count = len(keep)
+        keep = keep + keep[:1] * self._row_padding(count, VOCAB_PAD_ROWS_FROM)
+        if keep != list(range(x.shape[0])):
+            x = x[torch.tensor(keep, dtype=torch.long, device=dev)]
+        logits = self._logits(x)[:count].float().contiguous()
+        return logits if tp is None else tp.gather_logits(logits)
+
+    def decode_body(self, ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
+        """A step of decode rows as tensor ops alone (no host values, no host syncs: what a CUDA graph
+        captures): token `ids` at `positions` (device tensors, one a row; the RoPE table must already cover
+        them), attention with the backend's metadata `meta` (made from the graph's buffers); float32
+        logits of every row. The whole model (not a tensor-parallel shard)."""
+        x = F.embedding(ids, self.embed)
+        x = self._layers(x, self._cos[positions][:, None], self._sin[positions][:, None], meta, None)
+        return self._logits(x).float()
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm and the output projection of hidden states ``x`` (the model's dtype)."""
+        return self._gemm.linear(_rms(x, self.norm), self.lm_head, None, self.lm_head_s)
+
+    def rope_upto(self, positions: int) -> None:
+        """Build the RoPE table for positions ``0..positions-1`` now (a captured graph reads it in place)."""
+        self._rope(positions)
+
+    def _layers(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: Any,
+        lora: LoraBatch | None,
+    ) -> torch.Tensor:
+        """The decoder layers over the step's hidden states ``x`` (``[T, hidden]``; RoPE rows `cos`/`sin`)."""
+        tp, gemm = self.tp, self._gemm
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        for index, layer in enumerate(self.layers):
+            h = _rms(x, layer.in_norm)
+            qkv = gemm.linear(h, layer.qkv_w, layer.qkv_b, layer.qkv_s).contiguous()
+            if lora is not None:
+                lora.apply(f"{index}.qkv", h, qkv)
+            qk = _rotate(qkv[:, : q_size + kv_size].view(-1, self.heads + self.kv_heads, self.head_dim), cos, sin)
+            q, k = qk[:, : self.heads], qk[:, self.heads :]
+            v = qkv[:, q_size + kv_size :].view(-1, self.kv_heads, self.head_dim)
+            attn = self.attention.forward(index, q, k, v, meta)
+            o = gemm.linear(attn, layer.o_w, layer.o_b, layer.o_s)
+            if lora is not None:
+                lora.apply(f"{index}.o", attn, o)
+            if tp is not None:
+                o = tp.all_reduce(o)
+            x = x + o
+            h = _rms(x, layer.post_norm)
+            gate_up = gemm.linear(h, layer.gate_up_w, layer.gate_up_b, layer.gate_up_s)
+            if lora is not None:
+                lora.apply(f"{index}.gate_up", h, gate_up)
+            inter = layer.intermediate
+            h = layer.act(gate_up[:, :inter]) * gate_up[:, inter:]
+            down = gemm.linear(h, layer.down_w, layer.down_b, layer.down_s)
+            if lora is not None:
+                lora.apply(f"{index}.down", h, down)
+            if tp is not None:
+                down = tp.all_reduce(down)
+            x = x + down
+        return x
+
+    def lora_groups(self) -> list[LoraGroup]:
+        """The groups `forward` applies adapters to: each layer's fused q/k/v, o, fused gate/up and down
+        (``{layer}.qkv``, ...), their modules named as in the transformers model."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        groups = []
+        for index, layer in enumerate(self.layers):
+            at = f"model.layers.{index}"
+            attn, mlp, inter = f"{at}.self_attn", f"{at}.mlp", layer.intermediate
+            groups += [
+                LoraGroup(
+                    f"{index}.qkv",
+                    ((f"{attn}.q_proj", 0, q), (f"{attn}.k_proj", q, q + kv), (f"{attn}.v_proj", q + kv, q + 2 * kv)),
+                ),
+                LoraGroup(f"{index}.o", ((f"{attn}.o_proj", 0, layer.o_w.shape[0]),)),
+                LoraGroup(f"{index}.gate_up", ((f"{mlp}.gate_proj", 0, inter), (f"{mlp}.up_proj", inter, 2 * inter))),
+                LoraGroup(f"{index}.down", ((f"{mlp}.down_proj", 0, layer.down_w.shape[0]),)),
+            ]
+        return groups
+
+    def _row_padding(self, rows: int, pad_from: int) -> int:
+        """Rows to add (on CPU, from `pad_from` rows) up to a multiple of 8 (`CpuGemm.row_padding`)."""
+        return self._gemm.row_padding(rows, pad_from)

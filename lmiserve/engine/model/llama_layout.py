@@ -1,0 +1,189 @@
+"""The module layout of the Llama-family transformers models `FastLlama` runs, the check that a
+model has it (`unsupported_reason`), and its layers' weights fused for one product per step.
+
+Covers llama, mistral and qwen2 (biases), with the RoPE types whose table does not depend on the sequence
+length; a sliding window (Mistral's ``sliding_window``, Qwen2's ``use_sliding_window`` from
+``max_window_layers`` on) only over the paged KV cache, whose attention applies it
+(engine/attention/windows.py). Layer linears may be float, weight-only int8 (`quantize.Int8Linear`,
+``dtype=int8``: the fused matrices hold int8 rows and one scale per row) or int4 (`quantize.Int4Linear`,
+``dtype=int4``: packed rows and ``[groups, rows, 2]`` scales and zeros).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol, cast
+
+import torch
+
+from lmiserve.engine.attention.windows import unsupported_kinds
+from lmiserve.engine.model.quantize import INT4_ROW_BLOCK, Int4Linear, Int8Linear
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+_STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+
+
+# ---- the layout (what `unsupported_reason` checks) -------------------------------------------------
+class Norm(Protocol):  # RMSNorm
+    weight: torch.Tensor
+    variance_epsilon: float
+
+
+class Attention(Protocol):
+    q_proj: torch.nn.Linear
+    k_proj: torch.nn.Linear
+    v_proj: torch.nn.Linear
+    o_proj: torch.nn.Linear
+
+
+class Mlp(Protocol):
+    gate_proj: torch.nn.Linear
+    up_proj: torch.nn.Linear
+    down_proj: torch.nn.Linear
+    act_fn: Callable[[torch.Tensor], torch.Tensor]
+
+
+class DecoderLayer(Protocol):
+    self_attn: Attention
+    mlp: Mlp
+    input_layernorm: Norm
+    post_attention_layernorm: Norm
+
+
+class Rotary(Protocol):
+    rope_type: str
+
+    def __call__(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class Decoder(Protocol):
+    embed_tokens: torch.nn.Embedding
+    layers: Sequence[DecoderLayer]
+    norm: Norm
+    rotary_emb: Rotary
+
+
+class LlamaFamily(Protocol):
+    model: Decoder
+    lm_head: torch.nn.Linear
+
+
+def unsupported_reason(model: PreTrainedModel) -> str | None:
+    """None when `FastLlama` can run `model`, else a short reason for the log."""
+    cfg = model.config
+    if cfg.model_type not in SUPPORTED_TYPES:
+        return f"model type {cfg.model_type!r} is not one of {', '.join(SUPPORTED_TYPES)}"
+    if getattr(cfg, "pretraining_tp", 1) != 1:
+        return "pretraining_tp != 1"
+    kinds = unsupported_kinds(cfg)
+    if kinds is not None:
+        return kinds
+    inner = getattr(model, "model", None)
+    rope = getattr(inner, "rotary_emb", None)
+    if rope is None or getattr(rope, "rope_type", "default") not in _STATIC_ROPE:
+        return f"RoPE type {getattr(rope, 'rope_type', None)!r}"
+    if getattr(model, "lm_head", None) is None or getattr(model.lm_head, "bias", None) is not None:
+        return "no plain lm_head"
+    for layer in getattr(inner, "layers", []):
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        names = [(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")] + [
+            (mlp, n) for n in ("gate_proj", "up_proj", "down_proj")
+        ]
+        for owner, name in names:
+            module = getattr(owner, name, None)
+            weight = getattr(module, "weight", None)
+            if not isinstance(weight, torch.Tensor) or weight.is_meta:
+                return f"layer module {name} is not a plain linear"
+            if not weight.is_floating_point() and not isinstance(module, (Int8Linear, Int4Linear)):
+                return f"layer module {name} is not a plain floating-point, int8 or int4 linear"
+        for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+            owner = attn if group[0] == "q_proj" else mlp
+            modules = [getattr(owner, n) for n in group]
+            if len({type(m) for m in modules}) > 1:
+                return f"{'/'.join(group)} are not all of one kind (float, int8 or int4)"
+            if isinstance(modules[0], Int4Linear) and any(m.out_features % INT4_ROW_BLOCK for m in modules[:-1]):
+                # packed int4 rows concatenate only after whole blocks of rows (quantize.INT4_ROW_BLOCK)
+                return f"int4 {'/'.join(group)} outputs are not multiples of {INT4_ROW_BLOCK}"
+    return None
+
+
+def as_llama(model: PreTrainedModel) -> LlamaFamily:
+    """`model` seen through its Llama-family layout; ValueError when it does not have it."""
+    reason = unsupported_reason(model)
+    if reason is not None:
+        raise ValueError(f"FastLlama cannot run this model: {reason}")
+    return cast(LlamaFamily, model)  # the layout was just checked
+
+
+# ---- fused weights -------------------------------------------------------------------------------
+class FusedLayer:
+    """One decoder layer's weights as `FastLlama` reads them: q/k/v and gate/up fused into one
+    matrix each (in the model's own ``[out, in]`` layout). For int8 and int4 layers each matrix has
+    its scales (`*_s`, see `_fuse`); None for float layers."""
+
+    def __init__(self, layer: DecoderLayer) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.qkv_w, self.qkv_b, self.qkv_s = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.gate_up_w, self.gate_up_b, self.gate_up_s = _fuse([mlp.gate_proj, mlp.up_proj])
+        self.o_w, self.o_b, self.o_s = _fuse([attn.o_proj])
+        self.down_w, self.down_b, self.down_s = _fuse([mlp.down_proj])
+        self.act = mlp.act_fn
+        self.in_norm = (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
+        self.post_norm = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
+        self.intermediate = mlp.gate_proj.weight.shape[0]
+
+
+# The fused layers of each model, fused once: fusing points the model's modules at rows of the fused
+# weights, so a later engine on the same model shares them (fusing again would copy every weight).
+# Weak keys: an entry goes with its model (the layers reference its tensors, not the model).
+_FUSED: weakref.WeakKeyDictionary[torch.nn.Module, list[FusedLayer]] = weakref.WeakKeyDictionary()
+
+
+def fused_layers(model: PreTrainedModel) -> list[FusedLayer]:
+    """The fused layers of `model` (fused at the first call; ValueError if it is not Llama-family)."""
+    layers = _FUSED.get(model)
+    if layers is None:
+        layers = _FUSED[model] = [FusedLayer(layer) for layer in as_llama(model).model.layers]
+    return layers
+
+
+def _fuse(
+    modules: list[torch.nn.Linear],
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One weight for several linears that read the same input (``[sum of out, in]``, contiguous,
+    the model's own output-major layout), its bias and the scales of quantized linears: int8 rows'
+    scales ``[out]``, int4 groups' scales and zeros ``[groups, out, 2]`` (int4 rows are packed in whole
+    blocks of `INT4_ROW_BLOCK` rows, so packed matrices whose rows fill whole blocks concatenate;
+    `unsupported_reason` checks it). Each module is pointed at its rows (an int4 module
+    keeps its own contiguous scales: the kernel reads them as contiguous), so memory does not grow and
+    the transformers forward keeps working on the same storage."""
+    weights = [m.weight.detach() for m in modules]
+    stored = weights[0].contiguous() if len(weights) == 1 else torch.cat(weights, dim=0)
+    int4 = all(isinstance(m, Int4Linear) for m in modules)
+    quantized = [cast(Int8Linear | Int4Linear, m) for m in modules if isinstance(m, (Int8Linear, Int4Linear))]
+    if quantized and len(quantized) != len(modules):
+        raise ValueError("mixed quantized and float linears")
+    scales = torch.cat([m.scales for m in quantized], dim=1 if int4 else 0) if quantized else None
+    biases: list[torch.Tensor | None] = [m.bias for m in modules]
+    present = [b.detach() for b in biases if b is not None]
+    bias = torch.cat(present, dim=0) if len(present) == len(biases) else None
+    if present and bias is None:
+        raise ValueError("mixed biases")
+    row = 0
+    for m in modules:
+        n = m.weight.shape[0]
+        if isinstance(m, (Int8Linear, Int4Linear)):
+            m.weight = stored[row : row + n]
+            m.bias = None if bias is None else bias[row : row + n]
+            if isinstance(m, Int8Linear) and scales is not None:
+                m.scales = scales[row : row + n]  # an int4 module keeps its own contiguous scales
+        else:
+            m.weight = torch.nn.Parameter(stored[row : row + n], requires_grad=False)
+            if bias is not None:
+                m.bias = torch.nn.Parameter(bias[row : row + n], requires_grad=False)
+        row += n
+    return stored, bias, scales

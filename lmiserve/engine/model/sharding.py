@@ -1,0 +1,357 @@
+"""Tensor parallelism of the fast runner's Llama-family models: which degrees a model allows, the
+shard of its weights a rank keeps, and the collectives its forward needs (torch.distributed).
+
+A rank of ``world`` keeps (Megatron's split, as vLLM's layers do):
+
+- q/k/v and gate/up *column-parallel*: the rows of its attention heads (``heads / world`` query heads and
+  their KV heads) and its slice of the intermediate size, so attention and the activation run on local
+  data;
+- o and down *row-parallel*: the matching columns; each rank's product is a partial sum, all-reduced
+  (a row-parallel bias is added by rank 0 only);
+- the embedding and the output projection *vocabulary-parallel*: rows ``[rank * part, (rank + 1) * part)``
+  of the vocabulary (the last part padded with zero rows). An embedding lookup outside a rank's rows
+  gives zeros and the all-reduce sums the one rank that has it; the output logits are all-gathered, so
+  every rank holds the whole ``[rows, vocab]`` (and samples what rank 0 samples).
+- KV heads: split when ``world`` divides them; with fewer KV heads than ranks each KV head is kept by the
+  ``world / kv_heads`` ranks whose query heads read it (replicated).
+
+A LoRA adapter is cut as the linears it adapts (`shard_adapter`): B's output rows of a column-parallel
+linear, A's input columns of a row-parallel one (its partial products summed by the same all-reduce).
+
+Sharding edits the loaded transformers model in place (its linears point at their slices; its config
+says the local head counts), so `FastLlama` and the KV pool, which read the model and its config, run a
+shard as they run a whole model; only `FastLlama.forward` calls `TensorParallelShard`'s collectives.
+The transformers forward of a sharded model is not usable (the generic runner is not sharded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+import torch.nn.functional as F
+
+from lmiserve.engine.model.llama_layout import SUPPORTED_TYPES, LlamaFamily
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    from lmiserve.engine.lora.adapters import LoraAdapter
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """What rank `rank` of `world` keeps: query heads ``[q_first, q_first + q_heads)``, KV heads
+    ``[kv_first, kv_first + kv_heads)``, intermediate ``[inter_first, +inter)``, vocabulary rows
+    ``[vocab_first, vocab_first + vocab_part)`` (the last part may run past the vocabulary: zero rows)."""
+
+    rank: int
+    world: int
+    head_dim: int
+    q_first: int
+    q_heads: int
+    kv_first: int
+    kv_heads: int
+    inter_first: int
+    inter: int
+    vocab: int
+    vocab_first: int
+    vocab_part: int
+
+
+def unsplittable_reason(config: PretrainedConfig, world: int) -> str | None:
+    """None when a model of `config` splits over `world` ranks, else one line saying why not."""
+    cfg: Any = config
+    model_type = getattr(cfg, "model_type", None)
+    if model_type not in SUPPORTED_TYPES:
+        return (
+            f"tensor parallelism runs the fast path's Llama-family models ({', '.join(SUPPORTED_TYPES)}); "
+            f"this model is {model_type!r}"
+        )
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    inter = int(cfg.intermediate_size)
+    if heads % world:
+        return f"tensor_parallel_degree={world} does not divide the model's {heads} attention heads"
+    if kv_heads % world and world % kv_heads:
+        return (
+            f"tensor_parallel_degree={world} neither divides the model's {kv_heads} KV heads nor is a multiple of them"
+        )
+    if inter % world:
+        return f"tensor_parallel_degree={world} does not divide the model's intermediate size {inter}"
+    return None
+
+
+def shard_plan(config: PretrainedConfig, rank: int, world: int) -> ShardPlan:
+    reason = unsplittable_reason(config, world)
+    if reason is not None:
+        raise ValueError(reason)
+    cfg: Any = config
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // heads)
+    q_heads = heads // world
+    if kv_heads >= world:
+        local_kv, kv_first = kv_heads // world, rank * (kv_heads // world)
+    else:  # replicated: the KV head of this rank's query heads
+        local_kv, kv_first = 1, (rank * q_heads) // (heads // kv_heads)
+    inter = int(cfg.intermediate_size) // world
+    vocab = int(cfg.vocab_size)
+    part = -(-vocab // world)
+    return ShardPlan(
+        rank=rank,
+        world=world,
+        head_dim=head_dim,
+        q_first=rank * q_heads,
+        q_heads=q_heads,
+        kv_first=kv_first,
+        kv_heads=local_kv,
+        inter_first=rank * inter,
+        inter=inter,
+        vocab=vocab,
+        vocab_first=rank * part,
+        vocab_part=part,
+    )
+
+
+class TensorParallelShard:
+    """A rank's collectives over its tensor-parallel group (`group`: the process group of the ranks)."""
+
+    def __init__(self, plan: ShardPlan, group: ProcessGroup | None) -> None:
+        self.plan = plan
+        self.group = group
+        self.world = plan.world
+
+    def embed(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Rows of the (vocabulary-parallel) embedding `weight` for `ids`: each rank looks up the ids in
+        its rows (zeros elsewhere), the all-reduce sums them."""
+        local = ids - self.plan.vocab_first
+        inside = (local >= 0) & (local < self.plan.vocab_part)
+        x = F.embedding(local.clamp(0, self.plan.vocab_part - 1), weight)
+        x = x * inside[:, None].to(x.dtype)
+        return self.all_reduce(x)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of `x` over the ranks (in place when `x` is contiguous)."""
+        import torch.distributed as dist
+
+        x = x.contiguous()
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
+        """The whole ``[rows, vocab]`` logits from every rank's ``[rows, vocab_part]``."""
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(local) for _ in range(self.world)]
+        dist.all_gather(parts, local.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)[:, : self.plan.vocab].contiguous()
+
+
+# the shard of each sharded model (weak keys: it goes with its model)
+_SHARDS: weakref.WeakKeyDictionary[torch.nn.Module, TensorParallelShard] = weakref.WeakKeyDictionary()
+
+
+def shard_of(model: torch.nn.Module) -> TensorParallelShard | None:
+    """The shard `model` was cut to (None: a whole model)."""
+    return _SHARDS.get(model)
+
+
+def shard_model(model: PreTrainedModel, rank: int, world: int, group: ProcessGroup | None) -> TensorParallelShard:
+    """Keep rank `rank`'s share of `model`'s weights (in place; the rest is freed) and say the local head
+    counts in its config. Refused (ValueError) for a model the fast path does not run or that does not
+    split over `world` ranks."""
+    plan = shard_plan(model.config, rank, world)
+    # the architecture was checked by the plan; the rest of the layout (on real weights) by FastLlama
+    llama = cast(LlamaFamily, model)
+    d = plan.head_dim
+    q_rows = slice(plan.q_first * d, (plan.q_first + plan.q_heads) * d)
+    kv_rows = slice(plan.kv_first * d, (plan.kv_first + plan.kv_heads) * d)
+    inter = slice(plan.inter_first, plan.inter_first + plan.inter)
+    for layer in llama.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        _keep_rows(attn.q_proj, q_rows)
+        _keep_rows(attn.k_proj, kv_rows)
+        _keep_rows(attn.v_proj, kv_rows)
+        _keep_columns(attn.o_proj, q_rows, rank)
+        _keep_rows(mlp.gate_proj, inter)
+        _keep_rows(mlp.up_proj, inter)
+        _keep_columns(mlp.down_proj, inter, rank)
+    embed, head = llama.model.embed_tokens, llama.lm_head
+    tied = _tied(model)
+    embed.weight = torch.nn.Parameter(_vocab_rows(embed.weight, plan), requires_grad=False)
+    head.weight = embed.weight if tied else torch.nn.Parameter(_vocab_rows(head.weight, plan), requires_grad=False)
+    cfg: Any = model.config
+    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = plan.q_heads, plan.kv_heads, d
+    shard = _SHARDS[model] = TensorParallelShard(plan, group)
+    return shard
+
+
+def _tied(model: PreTrainedModel) -> bool:
+    """Whether the output layer is the embedding (as the model ties it, or as its config says: a shell made
+    on the meta device may not be tied yet)."""
+    llama = cast(LlamaFamily, model)
+    config: Any = model.config.get_text_config()
+    return llama.lm_head.weight is llama.model.embed_tokens.weight or bool(
+        getattr(config, "tie_word_embeddings", False)
+    )
+
+
+def _keep_rows(linear: torch.nn.Linear, rows: slice) -> None:
+    linear.weight = torch.nn.Parameter(linear.weight.detach()[rows].clone(), requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = torch.nn.Parameter(linear.bias.detach()[rows].clone(), requires_grad=False)
+
+
+def _keep_columns(linear: torch.nn.Linear, columns: slice, rank: int) -> None:
+    linear.weight = torch.nn.Parameter(linear.weight.detach()[:, columns].contiguous(), requires_grad=False)
+    if linear.bias is not None and rank != 0:  # the partial sums are all-reduced: one rank adds the bias
+        linear.register_parameter("bias", None)
+
+
+def _vocab_rows(weight: torch.Tensor, plan: ShardPlan) -> torch.Tensor:
+    return _padded(weight.detach()[plan.vocab_first : plan.vocab_first + plan.vocab_part], plan).clone()
+
+
+def _padded(rows: torch.Tensor, plan: ShardPlan) -> torch.Tensor:
+    """A rank's vocabulary rows, zero rows added up to `plan.vocab_part` (the last rank's part)."""
+    if rows.shape[0] < plan.vocab_part:
+        rows = torch.cat([rows, rows.new_zeros(plan.vocab_part - rows.shape[0], rows.shape[1])])
+    return rows
+
+
+# ---- a LoRA adapter's shard ----------------------------------------------------------------------------------
+def shard_adapter(adapter: LoraAdapter, model: torch.nn.Module) -> LoraAdapter:
+    """What a rank of `model` (cut by `shard_model`) keeps of `adapter` (read whole, ``A [r, in]`` and the
+    scaled ``B [out, r]`` of each module), cut as the base linears are: column-parallel q/k/v and gate/up
+    keep the rows of B of their output rows (each rank's delta is its rows of the whole delta); row-parallel
+    o and down keep the columns of A of their input columns (each rank's delta ``B (A_rank x_rank)`` is a
+    partial sum, which the forward's all-reduce adds with the base product's). ValueError for a module
+    the fast path's layers do not have, or when a cut does not match the rank's linear."""
+    shard = shard_of(model)
+    if shard is None:
+        raise ValueError("shard_adapter cuts an adapter for a model cut by shard_model")
+    plan = shard.plan
+    d = plan.head_dim
+    q = slice(plan.q_first * d, (plan.q_first + plan.q_heads) * d)
+    kv = slice(plan.kv_first * d, (plan.kv_first + plan.kv_heads) * d)
+    inter = slice(plan.inter_first, plan.inter_first + plan.inter)
+    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": inter, "up_proj": inter}
+    columns = {"o_proj": q, "down_proj": inter}
+    cut: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for path, (a, b) in adapter.modules.items():
+        short = path.rsplit(".", 1)[-1]
+        weight = cast(torch.nn.Linear, model.get_submodule(path)).weight
+        if short in rows:
+            a, b = a, b[rows[short]].contiguous()
+            fits = b.shape[0] == weight.shape[0]
+        elif short in columns:
+            a, b = a[:, columns[short]].contiguous(), b
+            fits = a.shape[1] == weight.shape[1]
+        else:
+            raise ValueError(f"adapter {adapter.name} adapts {path}, which tensor parallelism does not shard")
+        if not fits:
+            raise ValueError(
+                f"adapter {adapter.name}: the shard of {path} is {list(a.shape)} and {list(b.shape)}, the rank's "
+                f"linear {list(weight.shape)}"
+            )
+        cut[path] = (a, b)
+    return dataclasses.replace(adapter, modules=cut)
+
+
+# ---- loading a shard from the checkpoint -----------------------------------------------------------------
+# how each parameter of a Llama-family layer is split (by the end of its name): rows, columns or vocabulary rows
+_ROWS_Q, _ROWS_KV, _ROWS_INTER, _COLUMNS_Q, _COLUMNS_INTER, _VOCAB = "q", "kv", "inter", "o", "down", "vocab"
+_SPLITS = {
+    "self_attn.q_proj.weight": _ROWS_Q,
+    "self_attn.q_proj.bias": _ROWS_Q,
+    "self_attn.k_proj.weight": _ROWS_KV,
+    "self_attn.k_proj.bias": _ROWS_KV,
+    "self_attn.v_proj.weight": _ROWS_KV,
+    "self_attn.v_proj.bias": _ROWS_KV,
+    "self_attn.o_proj.weight": _COLUMNS_Q,
+    "mlp.gate_proj.weight": _ROWS_INTER,
+    "mlp.gate_proj.bias": _ROWS_INTER,
+    "mlp.up_proj.weight": _ROWS_INTER,
+    "mlp.up_proj.bias": _ROWS_INTER,
+    "mlp.down_proj.weight": _COLUMNS_INTER,
+    "embed_tokens.weight": _VOCAB,
+    "lm_head.weight": _VOCAB,
+}
+
+
+def checkpoint_files(path: str | Path) -> dict[str, Path] | None:
+    """Each tensor of the safetensors checkpoint in `path` and the file it is in (None: no safetensors)."""
+    folder = Path(path)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return {name: folder / file for name, file in weight_map.items()}
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(single), framework="pt") as handle:
+        return dict.fromkeys(handle.keys(), single)
+
+
+def load_shard_weights(model: PreTrainedModel, path: str | Path) -> None:
+    """Fill the parameters of `model`, cut by `shard_model` while on the meta device (the shell of
+    `models.load.load_model_shell`), with its rank's slices read from the safetensors checkpoint in `path`:
+    each rank reads only its rows or columns of every split matrix (safetensors' slices), so no process
+    holds the whole model. ValueError when the checkpoint is not safetensors or lacks a parameter."""
+    shard = shard_of(model)
+    if shard is None:
+        raise ValueError("load_shard_weights fills a model cut by shard_model")
+    files = checkpoint_files(path)
+    if files is None:
+        raise ValueError(f"no safetensors checkpoint in {path}")
+    from safetensors import safe_open
+
+    llama = cast(LlamaFamily, model)  # cut by shard_model, which checked its architecture
+    head, embed = llama.lm_head, llama.model.embed_tokens
+    tied = _tied(model)
+    if tied:
+        head.weight = embed.weight  # one parameter, listed once (as the embedding's)
+    by_file: dict[Path, list[tuple[str, torch.nn.Parameter]]] = {}
+    for name, parameter in model.named_parameters():  # a tied output layer's weight is listed once
+        if name not in files:
+            raise ValueError(f"the checkpoint in {path} has no tensor {name}")
+        by_file.setdefault(files[name], []).append((name, parameter))
+    for file, parameters in by_file.items():
+        with safe_open(str(file), framework="pt") as handle:
+            for name, parameter in parameters:
+                loaded = _slice(handle.get_slice(name), name, shard.plan).to(parameter.dtype)
+                if tuple(loaded.shape) != tuple(parameter.shape):
+                    raise ValueError(
+                        f"{name}: the checkpoint's slice is {tuple(loaded.shape)}, not {tuple(parameter.shape)}"
+                    )
+                owner, _, attribute = name.rpartition(".")
+                setattr(model.get_submodule(owner), attribute, torch.nn.Parameter(loaded, requires_grad=False))
+    if tied:
+        head.weight = embed.weight
+
+
+def _slice(tensor: Any, name: str, plan: ShardPlan) -> torch.Tensor:
+    """This rank's part of checkpoint tensor `name` (a safetensors slice: only that part is read)."""
+    split = next((kind for suffix, kind in _SPLITS.items() if name.endswith(suffix)), None)
+    d = plan.head_dim
+    q = slice(plan.q_first * d, (plan.q_first + plan.q_heads) * d)
+    inter = slice(plan.inter_first, plan.inter_first + plan.inter)
+    where: dict[str | None, tuple[slice, ...]] = {
+        _ROWS_Q: (q,),
+        _ROWS_KV: (slice(plan.kv_first * d, (plan.kv_first + plan.kv_heads) * d),),
+        _ROWS_INTER: (inter,),
+        _COLUMNS_Q: (slice(None), q),
+        _COLUMNS_INTER: (slice(None), inter),
+        _VOCAB: (slice(plan.vocab_first, min(plan.vocab_first + plan.vocab_part, plan.vocab)),),
+    }
+    part: torch.Tensor = tensor[where.get(split, (slice(None),))]  # norms: every rank has all of them
+    return _padded(part, plan) if split == _VOCAB else part

@@ -1,0 +1,28 @@
+"""Model runners: how a step's plain-data batch (engine/core/step.py) runs on the model, over the paged KV pool.
+
+- fast (`PagedFastRunner`, runner/fast.py; default where supported): lmiserve's own Llama-family forward
+  (engine/model/fast_llama.py), the whole step as ONE ragged forward pass.
+- generic (`PagedGenericRunner`, runner/generic.py: any other architecture, or `fast_path=False`):
+  the transformers model's own forward, its attention over the same blocks.
+- batch-invariant (`PagedGenericRunner(alone=True)`, `batch_invariant=true`): each row runs alone through
+  the transformers model, its prompt whole, as `model.generate` would, so greedy output equals it bit for
+  bit whatever else runs.
+
+Both keep the persistent batch of runner/persistent_batch.py; `fast_reason` says whether the fast one serves a model.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lmiserve.engine.model.llama_layout import unsupported_reason
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+__all__ = ["fast_reason"]
+
+
+def fast_reason(model: PreTrainedModel, *, fast_path: bool) -> str | None:
+    """Why lmiserve's own forward does not serve `model` (None: it does)."""
+    return unsupported_reason(model) if fast_path else "fast_path is off"

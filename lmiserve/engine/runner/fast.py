@@ -1,0 +1,97 @@
+"""The fast strategy over a block KV cache (Engine v2): lmiserve's own Llama-family forward
+(engine/model/fast_llama.py) reading and writing each sequence's KV through its block table
+(engine/attention/paged.py), planned by the block scheduler (engine/core/block_scheduler.py).
+
+It runs the step contract's plain-data batches (engine/core/step.py, `execute_batch`) and keeps the
+persistent batch: for each request it was told of, its prompt, sampled tokens, parameters, generator
+and block table, updated by each batch's difference and forgotten when the request is finished.
+
+The pool of blocks is sized at start-up from a memory budget (`kv_cache_memory_bytes`); the scheduler's
+`BlockPool` and this runner's `PagedKVCache` have the same number of blocks, the one bookkeeping the
+other's memory. Nothing is ever copied between sequences: shared prefix blocks are read in place.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+
+from lmiserve.engine.attention import cuda_graphs
+from lmiserve.engine.attention.paged import paged_cache
+from lmiserve.engine.core.step import StepBatch
+from lmiserve.engine.lora.batch import LoraGroup
+from lmiserve.engine.model import autotune as kernel_autotune
+from lmiserve.engine.model.fast_llama import FastLlama, StepInputs
+from lmiserve.engine.runner.persistent_batch import PersistentBatchRunner
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+log = logging.getLogger(__name__)
+
+
+class PagedFastRunner(PersistentBatchRunner):
+    path = "fast"
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        max_slots: int,
+        max_context: int,
+        eos_token_ids: Iterable[int],
+        num_blocks: int,
+        block_size: int,
+        autotune: bool = False,
+        autotune_cache: str | None = None,
+        enforce_eager: bool = False,
+    ) -> None:
+        """`max_slots`: the most rows a step runs; `autotune`: time the CPU kernel choices at start-up (or
+        read them from `autotune_cache`, engine/model/autotune.py), otherwise the static defaults;
+        `enforce_eager`: no CUDA graphs for decode steps (engine/attention/cuda_graphs.py; on CUDA they are the
+        default where they apply)."""
+        graphs = cuda_graphs.wanted(model.device, enforce_eager)
+        # with decode graphs, one block past the pool's: where their padding rows write (no sequence holds it)
+        kv = paged_cache(model, num_blocks + int(graphs), block_size)
+        self.fast = FastLlama(model, kv, max_context)
+        if autotune:
+            start = time.monotonic()
+            self.kernels = kernel_autotune.choose(self.fast, max_slots, autotune_cache)
+            log.info("CPU kernels (%.1f s): %s", time.monotonic() - start, self.kernels.describe())
+        else:
+            self.kernels = kernel_autotune.KernelChoice(self.fast.gemm, self.fast.compiled_attention, "static")
+        self.fast.graphs = cuda_graphs.for_model(self.fast, max_slots, num_blocks) if graphs else None
+        super().__init__(model, eos_token_ids, kv, num_blocks)
+
+    # ---- the step contract (engine/core/step.py): one forward of a batch's rows ---------------------
+    def _forward_rows(self, batch: StepBatch, part: list[int]) -> torch.Tensor:
+        decode = [i for i in part if i < batch.num_decode]
+        keep = list(range(len(decode)))
+        offset = len(decode)
+        prefills = []
+        for i in part[len(decode) :]:
+            row = batch.rows[i]
+            computed = row.computed_ids
+            prefills.append((self._requests[row.seq_id].blocks, row.start, computed))
+            kept = self._kept(row)
+            keep.extend(range(offset + len(computed) - kept, offset + len(computed)))
+            offset += len(computed)
+        rows = [batch.rows[i] for i in decode]
+        tokens = [1] * len(decode) + [len(batch.rows[i].computed_ids) for i in part[len(decode) :]]
+        return self.fast.forward(
+            StepInputs(
+                [r.token_ids[0] for r in rows],
+                [r.start for r in rows],
+                [self._requests[r.seq_id].blocks for r in rows],
+                prefills,
+                keep,
+                self._lora(batch, part, tokens),
+            )
+        )
+
+    def lora_groups(self, model: PreTrainedModel) -> list[LoraGroup]:
+        return self.fast.lora_groups()

@@ -1,0 +1,300 @@
+"""The persistent batch of a runner that executes the step contract's plain-data batches
+(engine/core/step.py): for each request it was told of, its prompt, sampled tokens, parameters, generator
+and block table, updated by each batch's difference and forgotten when the request is finished; a
+batch's rows run as one forward (a subclass's `_forward_rows`), then every sampling row is sampled
+together. A forward that raises is run again in parts (the decode rows together, each chunk alone), so
+only the culprit fails.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from lmiserve.engine.attention.paged import PagedKVCache
+    from lmiserve.engine.lora.manager import LoraManager
+
+from lmiserve.core.request import SamplingParams
+from lmiserve.engine.core.step import AdapterRef, BatchRunner, ScheduledTokens, StepBatch, StepOutput
+from lmiserve.engine.lora.adapters import LoraAdapter
+from lmiserve.engine.lora.batch import LoraBatch, LoraGroup, StackCache
+from lmiserve.engine.runner.sampling import Row, prompt_logprobs, sample_rows, sampler_row
+from lmiserve.engine.speculative.proposers import Proposer
+from lmiserve.engine.text.token_mask import apply_bitmask
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestState:
+    """What the runner keeps of one request between steps (the persistent batch's row)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int | None
+    output_ids: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    adapter: LoraAdapter | None = None
+
+
+class PersistentBatchRunner(BatchRunner):
+    """`execute_batch` over a persistent batch; subclasses compute a part of a batch's rows
+    (`_forward_rows`)."""
+
+    path: str  # the strategy, for the log: "fast", "generic" or "batch_invariant"
+
+    def __init__(
+        self, model: PreTrainedModel, eos_token_ids: Iterable[int], kv: PagedKVCache, num_blocks: int | None = None
+    ) -> None:
+        """Run `model` over the block pool `kv`: its shape and memory, an empty persistent batch, and the
+        width of `model`'s logits. `num_blocks`: the blocks sequences may hold (default all of `kv`'s;
+        fewer where the runner keeps some for itself)."""
+        self.model = model
+        self.device = model.device
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.kv = kv
+        self.num_blocks, self.block_size, self.kv_bytes = num_blocks or kv.num_blocks, kv.block_size, kv.nbytes
+        self._requests: dict[int, RequestState] = {}
+        self.vocab_size = int(model.config.vocab_size)
+        self.proposer: Proposer | None = None  # speculative decoding's drafts (engine/speculative/proposers.py)
+        # LoRA (engine/lora/adapters.py): the adapters' weights by the load a NewRequest names (None: this runner
+        # serves none), and the stacked matrices of the adapter sets the steps use
+        self.lora: LoraManager | None = None
+        self.lora_stacks = StackCache(self.lora_groups(model))
+        self.lora_kernels = True  # the compiled products where they apply (engine/lora/kernels.py)
+
+    def lora_groups(self, model: PreTrainedModel) -> list[LoraGroup]:
+        """The groups of linears this runner applies adapters to (engine/lora/adapters.py)."""
+        return []
+
+    def _lora(self, batch: StepBatch, part: list[int], tokens: list[int]) -> LoraBatch | None:
+        """The adapters of rows `part`'s tokens (`tokens`: each row's count, in `part`'s order)."""
+        if self.lora is None:
+            return None
+        adapters = [self._requests[batch.rows[i].seq_id].adapter for i in part]
+        if all(a is None for a in adapters):
+            return None
+        per_token = [a for a, count in zip(adapters, tokens) for _ in range(count)]
+        return LoraBatch.of(per_token, self.lora_stacks, self.kv.keys[0].device, self.lora_dtype, self.lora_kernels)
+
+    @property
+    def lora_dtype(self) -> torch.dtype:
+        return self.kv.keys[0].dtype
+
+    def execute_batch(self, batch: StepBatch) -> StepOutput:
+        """Apply the batch's difference to the persistent batch, run its rows as one forward, sample."""
+        with torch.inference_mode():
+            for seq_id in batch.finished:
+                self._requests.pop(seq_id, None)
+                if self.proposer is not None:
+                    self.proposer.forget(seq_id)
+            for seq_id in batch.preempted:
+                self._requests[seq_id].blocks = []
+            if batch.dropped_adapters and self.lora is not None:
+                self.lora.drop(batch.dropped_adapters)
+            out = StepOutput()
+            for new in batch.new:
+                state = self._requests[new.seq_id] = RequestState(list(new.prompt_ids), new.params, new.seed)
+                if new.adapter is not None:
+                    self._adapter_of(new.seq_id, new.adapter, state, out)
+            for row in batch.rows:
+                self._requests[row.seq_id].blocks.extend(row.new_blocks)
+            rows = [i for i, row in enumerate(batch.rows) if row.seq_id not in out.errors]
+            if rows:
+                self._run_rows(batch, rows, out)
+                if self.proposer is not None:
+                    self._propose(batch, out)
+            return out
+
+    def _adapter_of(self, seq_id: int, ref: AdapterRef, state: RequestState, out: StepOutput) -> None:
+        """The weights of a new request's adapter (`self.lora` reads them on the first request of a load);
+        when they do not load, the request fails (its rows are not run), the step goes on."""
+        if self.lora is None:
+            out.errors[seq_id] = f"adapter `{ref.name}`: this model runner serves no LoRA adapters"
+            return
+        try:
+            state.adapter = self.lora.get(ref)
+        except Exception as exc:  # noqa: BLE001 - its files changed or went away: this request fails
+            log.exception("adapter %s (load %d) cannot be read from %s", ref.name, ref.id, ref.path)
+            out.errors[seq_id] = f"adapter `{ref.name}` cannot be loaded: {exc}"
+
+    def _propose(self, batch: StepBatch, out: StepOutput) -> None:
+        """The drafts the rows that asked for them get for the next step (none for a request whose
+        last token ends it)."""
+        assert self.proposer is not None
+        wants: dict[int, tuple[list[int], int]] = {}
+        for row in batch.rows:
+            if not row.propose or row.seq_id not in out.samples:
+                continue
+            request = self._requests[row.seq_id]
+            last, params = request.output_ids[-1], request.params
+            if last in params.stop_token_ids or (last in self.eos_token_ids and not params.ignore_eos_token):
+                continue
+            wants[row.seq_id] = (request.prompt_ids + request.output_ids, row.propose)
+        if not wants:
+            return
+        try:
+            out.drafts = self.proposer.propose(wants)
+        except Exception:  # noqa: BLE001 - no drafts this time; the requests go on
+            log.exception("proposing drafts failed")
+
+    def _run_rows(self, batch: StepBatch, part: list[int], out: StepOutput) -> None:
+        """Rows `part` of the batch as one forward; if it raises, its decode rows together, then each
+        chunk alone, so only the culprit fails."""
+        try:
+            logits = self._forward_rows(batch, part)
+        except Exception as exc:  # noqa: BLE001 - find the culprit: each part alone, each failing alone
+            decode = [i for i in part if i < batch.num_decode]
+            parts = ([decode] if decode else []) + [[i] for i in part if i >= batch.num_decode]
+            if len(parts) == 1:
+                log.exception("model step failed for %d sequence(s)", len(part))
+                for i in part:
+                    out.errors[batch.rows[i].seq_id] = f"exception occurred during generation: {exc}"
+                return
+            log.exception("fused step of %d part(s) failed; re-running them one by one", len(parts))
+            for rows in parts:
+                self._run_rows(batch, rows, out)
+            return
+        self._finish_rows(batch, part, logits, out)
+
+    def _kept(self, row: ScheduledTokens) -> int:
+        """The logits rows a scheduled row keeps (its last positions): every position with prompt
+        logprobs, else the last when it samples, else none; and every draft's when it samples."""
+        kept = len(row.token_ids) if row.prompt_logprobs else int(row.sample)
+        return kept + len(row.draft_token_ids) if row.sample else kept
+
+    @abstractmethod
+    def _forward_rows(self, batch: StepBatch, part: list[int]) -> torch.Tensor:
+        """The kept logits rows of rows `part` of the batch (every decode row; per chunk `_kept`'s
+        last positions), in `part`'s order."""
+
+    def _finish_rows(self, batch: StepBatch, part: list[int], logits: torch.Tensor, out: StepOutput) -> None:
+        """Prompt logprobs, then every sampling row of `part` sampled together (the constrained ones
+        from their rows masked by the batch's grammar bitmask)."""
+        sampling: list[int] = []  # indexes into batch.rows
+        at: list[int] = []  # their logits rows
+        verifying: list[tuple[int, int]] = []  # rows with drafts: (index into batch.rows, first logits row)
+        offset = 0
+        for i in part:
+            row = batch.rows[i]
+            kept = self._kept(row)
+            if row.prompt_logprobs:
+                request = self._requests[row.seq_id]
+                try:
+                    out.prompt_logprobs[row.seq_id] = prompt_logprobs(
+                        logits[offset : offset + kept],
+                        request.prompt_ids,
+                        row.start,
+                        row.start + len(row.token_ids),
+                        request.params.prompt_top_n,
+                    )
+                except Exception as exc:  # noqa: BLE001 - this request fails, the step goes on
+                    log.exception("prompt logprobs failed")
+                    out.errors[row.seq_id] = f"exception occurred during generation: {exc}"
+            if row.sample and row.seq_id not in out.errors:
+                if row.draft_token_ids:
+                    verifying.append((i, offset + kept - len(row.draft_token_ids) - 1))
+                else:
+                    sampling.append(i)
+                    at.append(offset + kept - 1)
+            offset += kept
+        for i, first in verifying:
+            self._verify(batch.rows[i], logits[first : first + len(batch.rows[i].draft_token_ids) + 1], out)
+        if not sampling:
+            return
+        rows = logits if at == list(range(len(logits))) else logits[at]
+        try:
+            masked = self._masked(batch, sampling, rows)
+        except Exception as exc:  # noqa: BLE001 - the constrained rows fail, the others are sampled
+            log.exception("masking the constrained rows failed")
+            constrained = set(batch.grammar_rows)
+            for i in sampling:
+                if i in constrained:
+                    out.errors[batch.rows[i].seq_id] = f"exception occurred during sampling: {exc}"
+            masked = {}
+        picked: list[int] = []  # positions in `sampling` that are sampled
+        specs: list[Row] = []
+        for n, i in enumerate(sampling):
+            seq_id = batch.rows[i].seq_id
+            if seq_id in out.errors:
+                continue
+            try:
+                specs.append(self._row_of(self._requests[seq_id], rows.device, masked.get(n)))
+                picked.append(n)
+            except Exception as exc:  # noqa: BLE001 - one request fails, the step goes on
+                out.errors[seq_id] = f"exception occurred during sampling: {exc}"
+        if not picked:
+            return
+        try:
+            results = sample_rows(rows if len(picked) == len(rows) else rows[picked], specs)
+        except Exception as exc:  # noqa: BLE001 - the step's sampling rows fail, the engine goes on
+            log.exception("sampling failed for %d sequence(s)", len(picked))
+            results = [exc] * len(picked)
+        for n, result in zip(picked, results):
+            seq_id = batch.rows[sampling[n]].seq_id
+            if isinstance(result, Exception):
+                out.errors[seq_id] = f"exception occurred during sampling: {result}"
+            else:
+                self._requests[seq_id].output_ids.append(result.token_id)
+                out.samples[seq_id] = [result]
+
+    def _verify(self, row: ScheduledTokens, logits: torch.Tensor, out: StepOutput) -> None:
+        """A row's drafts verified against its `logits` (one row a position: its last token's, then each
+        draft's): each position sampled in turn as the request samples (its parameters, penalties over
+        the tokens before it, its generator), a draft kept while it equals its position's sample. For a
+        greedy request the tokens are those of one token a step; a sampled one draws once a token, each
+        from the target's distribution (rejection sampling with a draft that puts all its mass on one
+        token), so a seeded stream is the same with or without drafts."""
+        request = self._requests[row.seq_id]
+        drafts = row.draft_token_ids
+        results = []
+        try:
+            for position in range(len(drafts) + 1):
+                spec = self._row_of(request, logits.device, None)
+                result = sample_rows(logits[position : position + 1], [spec])[0]
+                if isinstance(result, Exception):
+                    raise result
+                request.output_ids.append(result.token_id)
+                results.append(result)
+                if position == len(drafts) or result.token_id != drafts[position]:
+                    break
+        except Exception as exc:  # noqa: BLE001 - one request fails, the step goes on
+            log.exception("verifying drafts failed")
+            out.errors[row.seq_id] = f"exception occurred during sampling: {exc}"
+            return
+        out.samples[row.seq_id] = results
+
+    def _row_of(self, request: RequestState, device: torch.device, masked: torch.Tensor | None) -> Row:
+        """What the sampler needs of a request (its generator made on its first sampled token)."""
+        row = sampler_row(
+            request.params,
+            request.prompt_ids,
+            request.output_ids,
+            self.eos_token_ids,
+            request.seed,
+            request.generator,
+            device,
+        )
+        request.generator, row.masked = row.generator, masked
+        return row
+
+    def _masked(self, batch: StepBatch, sampling: list[int], rows: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Masked copies of the constrained sampling rows (by position in `sampling`)."""
+        if batch.grammar_bitmask is None or not batch.grammar_rows:
+            return {}
+        where = {row: n for n, row in enumerate(batch.grammar_rows)}
+        picked = [(n, where[i]) for n, i in enumerate(sampling) if i in where]
+        if not picked:
+            return {}
+        copies = rows[[n for n, _ in picked]]  # advanced indexing: a copy; the raw rows stay for the logprobs
+        apply_bitmask(copies, batch.grammar_bitmask[[m for _, m in picked]], self.vocab_size)
+        return {n: copies[k] for k, (n, _) in enumerate(picked)}

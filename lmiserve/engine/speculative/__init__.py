@@ -1,0 +1,2 @@
+"""Speculative decoding: when rows draft (`SpeculationPolicy`) and who proposes the drafts (`proposers`:
+prompt lookup, a draft model)."""
