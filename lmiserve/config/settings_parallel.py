@@ -83,7 +83,7 @@ class SpeculativeFields(FieldGroup):
             "Speculative decoding, as vLLM's JSON object: `method` (`ngram`, `draft_model`, `self_draft`), "
             "`model`, `num_speculative_tokens`, `prompt_lookup_min`/`prompt_lookup_max`, the draft's `dtype`, "
             "`disable_by_batch_size`, `min_acceptance_rate`. Output is unchanged: greedy token for token, "
-            "sampling from the model's own distribution. Paged KV cache only. See docs/speculative-decoding.md."
+            "sampling from the model's own distribution. Not with batch_invariant. See docs/speculative-decoding.md."
         ),
         json_schema_extra={"allowed": 'a JSON object, e.g. {"method": "ngram", "num_speculative_tokens": 4}'},
     )
@@ -125,7 +125,7 @@ class LoraFields(FieldGroup):
         description=(
             "Serve LoRA adapters on the model: registered at start (`lora_modules`, `lora_adapters`, an "
             "`adapters/` folder next to the model) or at run time (the adapters API). Implied by "
-            "`lora_modules` and `lora_adapters`. Paged KV cache only. See docs/lora.md."
+            "`lora_modules` and `lora_adapters`. Not with batch_invariant. See docs/lora.md."
         ),
     )
     max_loras: int = Field(4, ge=1, le=256, description="Adapters that may run in one step (vLLM's `max_loras`).")

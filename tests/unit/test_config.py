@@ -343,8 +343,8 @@ def test_kv_cache_slots_is_refused_with_one_line() -> None:
         Settings.from_options({"kv_cache": "blocks"})
     assert Settings().kv_cache == Settings.from_options({"kv_cache": "paged"}).kv_cache == "paged"
     # what the paged KV cache alone serves is still refused with batch_invariant (its runner is not paged)
-    with pytest.raises(ConfigError, match=r"LoRA adapters need the paged KV cache: not with batch_invariant=true"):
+    with pytest.raises(ConfigError, match=r"LoRA adapters are not served with batch_invariant=true"):
         Settings.from_options({"enable_lora": "true", "batch_invariant": "true"})
-    with pytest.raises(ConfigError, match=r"speculative_config needs the paged KV cache: not with batch_invariant"):
+    with pytest.raises(ConfigError, match=r"speculative_config is not served with batch_invariant=true"):
         Settings.from_options({"speculative_config": '{"method": "ngram"}', "batch_invariant": "true"})
     assert Settings.from_options({"enable_lora": "true", "speculative_config": '{"method": "ngram"}'}).enable_lora
