@@ -127,9 +127,13 @@ class CheckedSettings(
                 self.enable_lora = True
                 self.sources.setdefault("enable_lora", "lora_modules" if self.lora_modules else "lora_adapters")
         if self.enable_lora and self.batch_invariant:
-            raise ValueError("LoRA adapters are not served with batch_invariant=true (it runs each request alone, as generate())")
+            raise ValueError(
+                "LoRA adapters are not served with batch_invariant=true (it runs each request alone, as generate())"
+            )
         if self.speculative_config is not None and self.batch_invariant:
-            raise ValueError("speculative_config is not served with batch_invariant=true (it runs each request alone, as generate())")
+            raise ValueError(
+                "speculative_config is not served with batch_invariant=true (it runs each request alone, as generate())"
+            )
         self._check_parallel()
         return self
 
