@@ -181,7 +181,7 @@ def create_engine(
             mine = "" if why_not is None else f"; lmiserve's own forward does not either: {why_not}"
             raise ValueError(f"this model cannot be served: transformers' forward over the KV blocks: {refusal}{mine}")
         if not config.batch_invariant:
-            log.info("model runner: generic path (%s)", why_not)
+            log.info("model runner: generic path over the paged KV cache (transformers' forward; %s)", why_not)
     activation = None
     if config.kv_cache_memory_bytes is None:
         # a prompt step alone: no autotune, no decode graphs (their buffers, scratch block and RoPE table)

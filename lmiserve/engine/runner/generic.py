@@ -237,6 +237,7 @@ class PagedGenericRunner(PersistentBatchRunner):
         """Whether the forward runs lmiserve's attention backend (else transformers' over gathered blocks)."""
         return self.attention is not None
 
+    @torch.inference_mode()
     def _backend_agrees(self, backend: AttentionBackend) -> bool:
         """Whether the model's forward through `backend` gives the logits of the gathered blocks (a short
         prompt, then a token of it and a chunk of another beside it, over the first blocks of the pool,
