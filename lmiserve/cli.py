@@ -18,6 +18,7 @@ from lmiserve.bench.cli import add_bench_parser, run_bench_command
 from lmiserve.config import ConfigError, load_settings, parse_override
 from lmiserve.config.flags import add_setting_flags, flag_values
 from lmiserve.config.reference import group_of, option_docs, render_markdown, render_text, search
+from lmiserve.core import threads
 from lmiserve.models.download.command import add_download_parser, run_download_command
 
 SERVE_EPILOG = """\
@@ -99,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             settings = load_settings(
                 overrides, properties_file=args.properties, model_dir=args.model_dir, cli_sources=labels
             )
+            # OpenMP reads its thread count and wait policy once, when torch is first imported (below)
+            threads.prepare_environment(threads.choose(settings.num_threads))
             services = store_services(settings, settings.model_store) if settings.model_store else None
         except ConfigError as exc:
             for record in held:
@@ -208,6 +211,7 @@ def serve(settings, services: list | None = None, held: list[logging.LogRecord] 
     for line in settings.summary():
         log.debug("option %s", line)
     log.info("playground: %s", playground_url(settings))
+    threads.configure(settings.num_threads)  # the count `main` prepared (the same inputs), applied and logged
     exit_process(Lifecycle().serve(settings, services))
 
 

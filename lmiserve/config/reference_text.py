@@ -50,6 +50,7 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "fast_path",
             "cpu_autotune",
             "autotune_cache",
+            "num_threads",
             "enable_prefix_caching",
             "prefix_cache_size",
             "kv_cache",

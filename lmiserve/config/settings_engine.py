@@ -113,6 +113,16 @@ class EngineFields(FieldGroup):
         None,
         description="JSON file of the CPU autotune results; unset = the user cache dir / `lmiserve/autotune.json`.",
     )
+    num_threads: int | None = Field(
+        None,
+        ge=0,
+        description=(
+            "CPU threads for torch and the compiled kernels (llama.cpp's `-t`). Unset or 0 = `OMP_NUM_THREADS` "
+            "if set, else the smallest of the affinity mask, the cgroup CPU quota (`cpu.max`, "
+            "`cpu.cfs_quota_us`) and the physical cores. Waiting threads sleep instead of spinning unless "
+            "`OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` is set. See docs/performance/threads.md."
+        ),
+    )
     enable_prefix_caching: bool = Field(
         True,
         description=(

@@ -3,7 +3,9 @@ a one-time GGUF -> transformers conversion cache usable for any `.gguf` file.
 
 The converted directory is keyed by the GGUF's name, size and a hash of its first MiB, written to
 a temporary sibling directory and renamed into place only when complete, under an exclusive file
-lock, so killed or concurrent conversions never leave (or read) a half-written cache.
+lock, so killed or concurrent conversions never leave (or read) a half-written cache. A converted
+directory records its source file in `lmiserve_gguf.json` (`dtype=int4` serves that file's own codes:
+`gguf_codes.gguf_quant_forms`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -32,6 +35,8 @@ DEFAULT_MODEL_ALIASES = ("SmolLM2", "smollm", "smollm2", "HuggingFaceTB/SmolLM2-
 _GGUF_MAGIC = b"GGUF"
 _HASH_BYTES = 1 << 20
 _CACHE_SUBDIR = "gguf"
+# in a converted directory: {"gguf_path": the GGUF file it was converted from, "gguf_cache_key": its key}
+GGUF_SOURCE_FILE = "lmiserve_gguf.json"
 
 
 def default_cache_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
@@ -101,11 +106,13 @@ def convert_gguf(gguf_path: str | os.PathLike[str], cache_dir: str | os.PathLike
     final = converted_dir(path, cache_dir)
     if _is_complete(final):
         logger.debug("using cached conversion %s of %s", final, path)
+        _record_source(final, path, final.name)
         return final
 
     final.parent.mkdir(parents=True, exist_ok=True)
     with exclusive_lock(final.parent / f".{final.name}.lock", waiting=f"another process is converting to {final}"):
         if _is_complete(final):  # another process converted it while we waited for the lock
+            _record_source(final, path, final.name)
             return final
         _remove_leftovers(final)
         logger.info(
@@ -119,6 +126,7 @@ def convert_gguf(gguf_path: str | os.PathLike[str], cache_dir: str | os.PathLike
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
         try:
             _convert_into(path, tmp)
+            _record_source(tmp, path, final.name)
             tmp.chmod(0o755)  # mkdtemp makes it 0700
             _publish(tmp, final)
         except Exception as exc:
@@ -130,7 +138,31 @@ def convert_gguf(gguf_path: str | os.PathLike[str], cache_dir: str | os.PathLike
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         logger.info("converted %s in %.1f s; cached at %s", path.name, time.monotonic() - start, final)
+    _record_source(final, path, final.name)  # when another process's copy won the rename: this path
     return final
+
+
+def _record_source(directory: Path, gguf_path: Path, key: str) -> None:
+    """Write `directory`'s GGUF_SOURCE_FILE unless it already names `gguf_path` (a cache converted
+    before it existed, or the same file found at another path, gets it now); best effort, atomic."""
+    record = {"gguf_path": str(gguf_path), "gguf_cache_key": key}
+    target = directory / GGUF_SOURCE_FILE
+    with contextlib.suppress(OSError, ValueError):
+        if json.loads(target.read_text(encoding="utf-8")) == record:
+            return
+    tmp: Path | None = None
+    try:
+        fd, name = tempfile.mkstemp(prefix=f".{GGUF_SOURCE_FILE}.", dir=directory)
+        tmp = Path(name)
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(json.dumps(record, indent=2) + "\n")
+        tmp.chmod(0o644)  # mkstemp makes it 0600
+        os.replace(tmp, target)
+    except OSError as exc:  # a read-only cache: int4 then re-quantizes the converted weights
+        logger.debug("could not record the source of %s in %s: %s", directory, target, exc)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
 
 
 def _convert_into(gguf_path: Path, out_dir: Path) -> None:

@@ -5,6 +5,7 @@ warnings, in the log's own format. The server itself is not started (Lifecycle.s
 from __future__ import annotations
 
 import json
+import re
 import logging
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -91,6 +92,8 @@ def test_info_log_has_the_summary_not_one_line_per_option(started, tmp_path, mon
         "max_new_tokens=12 (command line -o), port=9100 (command line --port)"
     )
     assert info[2].startswith("playground: http://localhost:9100/")
+    # the threads torch and the compiled kernels use, and why (core/threads.py)
+    assert re.fullmatch(r"threads: \d+ \(the smallest of: \d+ CPUs in the affinity mask, .*\); OpenMP wait policy: .+", info[3])
     assert not [line for line in lines if ": option " in line]  # the full list is for --log-level debug
     # the configuration's warning, held until logging was configured, in the log's format
     (warning,) = [line for line in lines if " WARNING " in line]

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from lmiserve.core import threads as cpu_threads
 from lmiserve.engine.core.step import StepBatch, StepOutput
 from lmiserve.engine.runner.fast import PagedFastRunner
 
@@ -114,13 +115,8 @@ def worker_main(spec: WorkerSpec, rank: int, local_rank: int, conn: Connection |
         format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s",
         force=True,
     )
-    if spec.device == "cpu":  # the node's cores shared by its ranks (torch's and the compiled kernels')
-        threads = max(1, (os.cpu_count() or 1) // spec.local_world)
-        torch.set_num_threads(threads)
-        with contextlib.suppress(ImportError, ValueError):
-            import numba
-
-            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
+    if spec.device == "cpu":  # the threads the node may use (core/threads.py) shared by its ranks
+        cpu_threads.apply(max(1, cpu_threads.choose().threads // spec.local_world))
     # no progress bars in the workers' log (and none of tqdm's multiprocessing locks, which a worker's
     # os._exit would leave for the resource tracker to report as leaked)
     from transformers.utils import logging as transformers_logging
