@@ -27,9 +27,10 @@
 #
 #   LEVELS          concurrencies of MODE=levels             (default "1 8 32")
 #   TOKENS          forced new tokens per request            (default 64)
-#   THREADS         threads of llama-server (-t, -tb)        (default: nproc; lmiserve picks its own)
-#   CG_THREADS      llama-server threads in the cgroup run   (default $THREADS, what a server sees in a
-#                   `--cpus 1` container; lmiserve then gets OMP_NUM_THREADS only when this is 1)
+#   THREADS         threads of llama-server (-t, -tb)        (default: nproc; lmiserve picks its own from
+#                                                             the affinity mask and a cgroup CPU quota)
+#   CG_THREADS      llama-server threads in the cgroup run   (default $THREADS: what a server sees in a
+#                   `--cpus 1` container; when 1, lmiserve also gets OMP_NUM_THREADS=1)
 #   BUSY_CORE       core of the busy loop in MODE=busy       (default 1)
 #   LMISERVE        the lmiserve command                     (default: the repository's .venv/bin/lmiserve,
 #                                                             else lmiserve on PATH)
@@ -182,8 +183,8 @@ start_lmiserve() {
   local tag=$1; shift
   local port; port=$(free_port)
   LMI_URL=http://127.0.0.1:$port
-  "$@" "$LMISERVE" serve --model-id "$GGUF" --dtype int4 --host 127.0.0.1 --port "$port" --grpc-port 0 \
-    >"$OUT/lmiserve-$tag.log" 2>&1 &
+  "$@" "$LMISERVE" serve --model-id "$GGUF" --dtype int4 --device cpu --host 127.0.0.1 --port "$port" \
+    --grpc-port 0 >"$OUT/lmiserve-$tag.log" 2>&1 &
   LMI_PID=$!
   log "lmiserve ($tag) pid $LMI_PID at $LMI_URL"
   wait_ready "$LMI_URL" /ping "$LMI_PID" lmiserve
@@ -210,8 +211,8 @@ bench() {
   log "bench $run: concurrency $c, $TOKENS forced tokens"
   { date -u; uptime; } >"$OUT/$run/load.txt"
   "$@" "$LMISERVE" bench --url "$LMI_URL" --compare-url "$CPP_URL" --compare-name llama-server \
-    --concurrency "$c" --max-new-tokens "$TOKENS" --skip-baselines --output-dir "$OUT/$run" \
-    "${BENCH_ARGS[@]}" 2>&1 | tee "$OUT/$run/bench.txt" || STATUS=1
+    --concurrency "$c" --max-new-tokens "$TOKENS" --skip-baselines --device cpu --dtype int4 \
+    --output-dir "$OUT/$run" "${BENCH_ARGS[@]}" 2>&1 | tee "$OUT/$run/bench.txt" || STATUS=1
   uptime >>"$OUT/$run/load.txt"
   RUNS+=("$run")
 }

@@ -23,9 +23,9 @@ from lmiserve.engine.model.quantize import (
     int4_available,
     int8_available,
     quantize_linears,
-    quantize_linears_int4,
 )
 from lmiserve.models.errors import ModelLoadError
+from lmiserve.models.int4_load import quantize_int4
 
 __all__ = [
     "DEFAULT_MAX_CONTEXT",
@@ -132,8 +132,7 @@ def load_causal_lm(
         count = quantize_linears(model, torch_dtype)
         logger.info("int8: %d linear layers quantized (per-channel symmetric), activations in bf16", count)
     if int4:
-        count = quantize_linears_int4(model)
-        logger.info("int4: %d linear layers quantized (groups of 32, scale and minimum), the rest fp32", count)
+        logger.info("%s", quantize_int4(model, path))
 
     loaded = _loaded(model, tokenizer, torch_device, torch_dtype, name or path.name, path)
     logger.info(

@@ -24,6 +24,7 @@ from lmiserve.engine.factory import create_engine
 from lmiserve.engine.model.fast_llama import unsupported_reason
 from lmiserve.engine.model.quantize import (
     INT4_GROUP,
+    INT4_ROW_BLOCK,
     Int4Linear,
     Int8Linear,
     int4_codes,
@@ -107,21 +108,22 @@ def test_int4_finds_the_codes_of_a_q4_1_weight_again_exactly():
     torch.testing.assert_close(lows, low, rtol=0, atol=0)
 
 
-def test_the_int4_product_is_the_q4_1_product_within_bf16_rounding():
+def test_the_int4_product_is_the_q4_1_product_in_fp32():
     weight, q, scale, low = _q4_1(48, 96)
     linear = torch.nn.Linear(96, 48, bias=True)
     with torch.no_grad():
         linear.weight.copy_(weight)
     module = Int4Linear.from_linear(linear)
-    # the only loss: the kernel's bf16 scale and zero (zero = min + 8 * scale), and its bf16 output
-    bf16 = lambda t: t.bfloat16().float().repeat_interleave(INT4_GROUP, dim=1)  # noqa: E731
-    expected_weight = (q.float() - 8) * bf16(scale) + bf16(low + 8 * scale)
-    torch.testing.assert_close(module.dequantized(), expected_weight, rtol=2**-8, atol=1e-6)
+    # the Q4_1 codes, scales and minimums exactly (fp32: no bf16 rounding), products in fp32
+    codes, scales, lows = module.codes()
+    assert torch.equal(codes.long(), q.long()) and torch.equal(lows, low)
+    torch.testing.assert_close(scales, scale, rtol=1e-6, atol=0)
+    torch.testing.assert_close(module.dequantized(), weight, rtol=1e-6, atol=1e-7)
     x = torch.randn(3, 5, 96)
     y = module(x)
     assert y.shape == (3, 5, 48) and y.dtype == torch.float32  # in and out in the caller's dtype
-    expected = x.bfloat16().float() @ weight.T + linear.bias.detach()
-    torch.testing.assert_close(y, expected, rtol=0.02, atol=0.05)
+    expected = x @ weight.T + linear.bias.detach()
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -163,9 +165,11 @@ def test_int4_loads_on_cpu_and_runs_the_fast_path_in_fp32(int4_model_dir: Path):
     layer = engine.runner.fast.layers[0]
     assert layer.gate_up_w.dtype == torch.uint8 and layer.gate_up_s is not None
     mlp = loaded.model.model.layers[0].mlp
-    assert layer.gate_up_s.shape == (64 // INT4_GROUP, 2 * mlp.gate_proj.out_features, 2)
-    # the modules read rows of the fused packed matrix (an int4 row's packing is its own)
-    assert mlp.up_proj.weight.data_ptr() == layer.gate_up_w[mlp.gate_proj.out_features :].data_ptr()
+    blocks = mlp.gate_proj.out_features // INT4_ROW_BLOCK
+    assert layer.gate_up_s.shape == (2 * blocks, 64 // INT4_GROUP * 2 * INT4_ROW_BLOCK)
+    # the modules read blocks of rows of the fused matrices (int4 weights are stored in blocks of rows)
+    assert mlp.up_proj.weight.data_ptr() == layer.gate_up_w[blocks:].data_ptr()
+    assert mlp.up_proj.scales.data_ptr() == layer.gate_up_s[blocks:].data_ptr()
     x = torch.randn(2, 64)
     fused = engine.runner.fast.gemm.linear(x, layer.gate_up_w, layer.gate_up_b, layer.gate_up_s)
     assert torch.equal(fused, torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], dim=-1))
@@ -177,9 +181,14 @@ def test_int4_groups_that_cannot_fuse_take_the_generic_path(tiny_model_dir: Path
     attn = loaded.model.model.layers[0].self_attn
     attn.k_proj = Int4Linear.from_linear(attn.k_proj)
     assert "not all of one kind" in (unsupported_reason(loaded.model) or "")
-    # k_proj has 32 outputs (2 kv heads): packed int4 q/k/v rows would not concatenate
+    # k_proj has 32 outputs (2 kv heads): whole blocks of 16 rows, so int4 q/k/v concatenate
     loaded = load_causal_lm(tiny_model_dir, dtype="int4", device="cpu")
-    assert "not multiples of 64" in (unsupported_reason(loaded.model) or "")
+    assert unsupported_reason(loaded.model) is None
+    # an int4 linear whose outputs end in a partial block of rows does not (an MLP 40 wide)
+    mlp = loaded.model.model.layers[0].mlp
+    mlp.gate_proj, mlp.up_proj = (Int4Linear.from_linear(torch.nn.Linear(mlp.gate_proj.in_features, 40)) for _ in "ab")
+    mlp.down_proj = torch.nn.Linear(40, mlp.down_proj.out_features)
+    assert "not a multiple of 16" in (unsupported_reason(loaded.model) or "")
     assert create_engine(loaded, EngineConfig()).runner.path == "generic"
 
 

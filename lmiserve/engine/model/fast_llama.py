@@ -43,7 +43,7 @@ from lmiserve.engine.model.llama_layout import (
     fused_layers,
     unsupported_reason,
 )
-from lmiserve.engine.model.quantize import Int4Linear, Int8Linear
+from lmiserve.engine.model.quantize import Int4Linear, Int8Linear, Q8Linear
 from lmiserve.engine.model.sharding import shard_of
 
 if TYPE_CHECKING:
@@ -122,8 +122,10 @@ class FastLlama:
         self.norm = (inner.norm.weight, inner.norm.variance_epsilon)
         head = llama.lm_head
         self.lm_head = head.weight
-        # an output projection quantized for a speculative draft (quantize.quantize_output_int8)
-        self.lm_head_s = head.scales if isinstance(head, (Int8Linear, Int4Linear)) else None
+        # a quantized output projection: a speculative draft's (quantize.quantize_output_int8), an int4
+        # model's q8 (quantize.install_output_q8: blocks of 16 rows, the last one maybe padded)
+        self.lm_head_s = head.scales if isinstance(head, (Int8Linear, Int4Linear, Q8Linear)) else None
+        self._vocab = int(getattr(head, "out_features", head.weight.shape[0]))
         self._rotary = inner.rotary_emb
         self._max_context = max_context
         self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)
@@ -246,7 +248,8 @@ class FastLlama:
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm and the output projection of hidden states ``x`` (the model's dtype)."""
-        return self._gemm.linear(_rms(x, self.norm), self.lm_head, None, self.lm_head_s)
+        logits = self._gemm.linear(_rms(x, self.norm), self.lm_head, None, self.lm_head_s)
+        return logits if logits.shape[-1] == self._vocab else logits[..., : self._vocab]
 
     def rope_upto(self, positions: int) -> None:
         """Build the RoPE table for positions ``0..positions-1`` now (a captured graph reads it in place)."""

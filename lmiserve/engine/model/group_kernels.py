@@ -39,7 +39,7 @@ from lmiserve.engine.jit import HAVE_NUMBA, numba
 
 LANES = 16  # output rows per block (one 512-bit vector of fp32)
 Q4_GROUP = 32
-ROW_TILE = 4  # rows of x one kernel call accumulates (registers: 2 per row)
+ROW_TILE = 4  # rows of x one kernel call accumulates (2-4 registers a row; 8 spilled registers)
 
 _F32 = npt.NDArray[np.float32]
 
@@ -57,7 +57,7 @@ def _pad_rows(t: torch.Tensor) -> torch.Tensor:
 def pack_q4(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The blocked q4 layout of codes (0..15, ``[N, K]`` any int type) with fp32 ``scale`` and ``low``
     (``[N, K/32]``): ``(codes uint8 [N/16, K*8], scales fp32 [N/16, K])``."""
-    n, k = codes.shape
+    k = codes.shape[1]
     if k % Q4_GROUP:
         raise ValueError(f"q4 inputs must be a multiple of {Q4_GROUP}, got {k}")
     c = _pad_rows(codes.to(torch.uint8)).view(-1, LANES, k // Q4_GROUP, 2, Q4_GROUP // 2)
@@ -97,26 +97,47 @@ def unpack_q8(packed: torch.Tensor, scales: torch.Tensor, n: int) -> tuple[torch
 
 
 # ---- the kernels ------------------------------------------------------------------------------------
-def _tile_intrinsic(kind: str, rows: int, group: int) -> Any:  # pragma: no cover - compiled
-    """An intrinsic ``tile(codes, c_at, scales, s_at, x, x_at, out, o_at, inner, N)``: one row block's
-    16 outputs for `rows` rows of x (``x.flat[x_at + m * inner + k]``, results to ``out.flat[o_at + m * N
-    + l]``), codes from ``codes.flat[c_at]``, scales from ``scales.flat[s_at]``. LLVM IR: a loop over
-    the groups of `group` inputs, unrolled within a group."""
+def _tile_intrinsic(kind: str, group: int) -> Any:  # pragma: no cover - compiled
+    """An intrinsic ``tile(codes, c_at, scales, s_at, x, m0, out, o_at, n, rows)``: one row block's 16
+    outputs for rows ``m0 .. m0 + rows`` (1 to `ROW_TILE`, a switch over compiled tiles) of x (``[M, K]``
+    contiguous), results to ``out.flat[o_at + (m0 + m) * n + l]``; codes from ``codes.flat[c_at]``,
+    scales from ``scales.flat[s_at]``. LLVM IR: a loop over the groups of `group` inputs, unrolled within
+    a group: per input the 16 weights dequantized once (fp32) and multiplied into each row's sums
+    (`chains` independent vectors a row, for the FMA latency), summed and stored at the end."""
     from llvmlite import ir
     from numba import types
     from numba.extending import intrinsic
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        codes_v, c_at, scales_v, s_at, x_v, x_at, out_v, o_at, inner, n_out = args
+        rows_v = args[-1]
+        exit_block = builder.append_basic_block("tile_end")
+        switch = builder.switch(rows_v, exit_block)
+        for rows in range(1, ROW_TILE + 1):
+            case = builder.append_basic_block(f"rows{rows}")
+            switch.add_case(ir.Constant(rows_v.type, rows), case)
+            builder.position_at_end(case)
+            emit(context, builder, signature, args, rows)
+            builder.branch(exit_block)
+        builder.position_at_end(exit_block)
+        return context.get_dummy_value()
+
+    def emit(context: Any, builder: Any, signature: Any, args: Any, rows: int) -> None:
+        chains = 4 if rows <= 2 else 2  # independent sums per row (FMA latency at few rows)
+        codes_v, c_at, scales_v, s_at, x_v, m0, out_v, o_at, n_out = args[:-1]
         arr = signature.args
         cp = context.make_array(arr[0])(context, builder, codes_v).data
         sp = context.make_array(arr[2])(context, builder, scales_v).data
-        xp = context.make_array(arr[4])(context, builder, x_v).data
+        xa = context.make_array(arr[4])(context, builder, x_v)
+        xp = xa.data
         op = context.make_array(arr[6])(context, builder, out_v).data
+        inner = builder.extract_value(xa.shape, 1)
         i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
         vi8, vi32, vf = ir.VectorType(ir.IntType(8), LANES), ir.VectorType(i32, LANES), ir.VectorType(f32, LANES)
         zero = ir.Constant(vf, [0.0] * LANES)
         fast = ("fast",)
+
+        def c64(v: int) -> Any:
+            return ir.Constant(i64, v)
 
         def splat(v: Any) -> Any:
             u = builder.insert_element(ir.Constant(vf, ir.Undefined), v, ir.Constant(i32, 0))
@@ -128,108 +149,89 @@ def _tile_intrinsic(kind: str, rows: int, group: int) -> Any:  # pragma: no cove
         def fma(a: Any, b: Any, c: Any) -> Any:
             return builder.fadd(builder.fmul(a, b, flags=fast), c, flags=fast)
 
-        groups = builder.sdiv(inner, ir.Constant(i64, group))
+        groups = builder.sdiv(inner, c64(group))
         entry = builder.block
         loop = builder.append_basic_block("groups")
         done = builder.append_basic_block("done")
         builder.branch(loop)
         builder.position_at_end(loop)
         g = builder.phi(i64)
-        g.add_incoming(ir.Constant(i64, 0), entry)
-        accs = [builder.phi(vf) for _ in range(2 * rows)]
-        for a in accs:
-            a.add_incoming(zero, entry)
-        acc = list(accs)
-        k0 = builder.mul(g, ir.Constant(i64, group))
+        g.add_incoming(c64(0), entry)
+        phis = [[builder.phi(vf) for _ in range(chains)] for _ in range(rows)]
+        for row in phis:
+            for phi in row:
+                phi.add_incoming(zero, entry)
+        acc = [list(row) for row in phis]
+        k0 = builder.mul(g, c64(group))
+        xrows = [builder.add(builder.mul(builder.add(m0, c64(m)), inner), k0) for m in range(rows)]
         if kind == "q4":
-            sv = vload(sp, builder.add(s_at, builder.mul(g, ir.Constant(i64, 2 * LANES))), vf, 4)
-            lv = vload(sp, builder.add(s_at, builder.add(builder.mul(g, ir.Constant(i64, 2 * LANES)), ir.Constant(i64, LANES))), vf, 4)
-            cbase = builder.add(c_at, builder.mul(g, ir.Constant(i64, group // 2 * LANES)))
+            sv = vload(sp, builder.add(s_at, builder.mul(g, c64(2 * LANES))), vf, 4)
+            lv = vload(sp, builder.add(s_at, builder.add(builder.mul(g, c64(2 * LANES)), c64(LANES))), vf, 4)
+            cbase = builder.add(c_at, builder.mul(g, c64(group // 2 * LANES)))
             for j in range(group // 2):
-                b = builder.zext(vload(cp, builder.add(cbase, ir.Constant(i64, j * LANES)), vi8, 1), vi32)
+                b = builder.zext(vload(cp, builder.add(cbase, c64(j * LANES)), vi8, 1), vi32)
                 lo = fma(builder.uitofp(builder.and_(b, ir.Constant(vi32, [15] * LANES)), vf), sv, lv)
                 hi = fma(builder.uitofp(builder.lshr(b, ir.Constant(vi32, [4] * LANES)), vf), sv, lv)
                 for m in range(rows):
-                    xrow = builder.add(x_at, builder.add(k0, ir.Constant(i64, 0)))
-                    xrow = builder.add(xrow, builder.mul(inner, ir.Constant(i64, m)))
-                    x0 = builder.load(builder.gep(xp, [builder.add(xrow, ir.Constant(i64, j))]))
-                    x1 = builder.load(builder.gep(xp, [builder.add(xrow, ir.Constant(i64, j + group // 2))]))
-                    acc[2 * m] = fma(lo, splat(x0), acc[2 * m])
-                    acc[2 * m + 1] = fma(hi, splat(x1), acc[2 * m + 1])
+                    x0 = builder.load(builder.gep(xp, [builder.add(xrows[m], c64(j))]))
+                    x1 = builder.load(builder.gep(xp, [builder.add(xrows[m], c64(j + group // 2))]))
+                    c = (2 * j) % chains
+                    acc[m][c] = fma(lo, splat(x0), acc[m][c])
+                    acc[m][c + 1] = fma(hi, splat(x1), acc[m][c + 1])
         else:
-            sv = vload(sp, builder.add(s_at, builder.mul(g, ir.Constant(i64, LANES))), vf, 4)
-            cbase = builder.add(c_at, builder.mul(k0, ir.Constant(i64, LANES)))
+            sv = vload(sp, builder.add(s_at, builder.mul(g, c64(LANES))), vf, 4)
+            cbase = builder.add(c_at, builder.mul(k0, c64(LANES)))
             for j in range(group):
-                w = builder.sitofp(vload(cp, builder.add(cbase, ir.Constant(i64, j * LANES)), vi8, 1), vf)
-                w = builder.fmul(w, sv, flags=fast)
+                w = builder.fmul(
+                    builder.sitofp(vload(cp, builder.add(cbase, c64(j * LANES)), vi8, 1), vf), sv, flags=fast
+                )
                 for m in range(rows):
-                    xrow = builder.add(builder.add(x_at, k0), builder.mul(inner, ir.Constant(i64, m)))
-                    xv = builder.load(builder.gep(xp, [builder.add(xrow, ir.Constant(i64, j))]))
-                    acc[2 * m + j % 2] = fma(w, splat(xv), acc[2 * m + j % 2])
+                    xv = builder.load(builder.gep(xp, [builder.add(xrows[m], c64(j))]))
+                    acc[m][j % chains] = fma(w, splat(xv), acc[m][j % chains])
         body_end = builder.block
-        g_next = builder.add(g, ir.Constant(i64, 1))
+        g_next = builder.add(g, c64(1))
         g.add_incoming(g_next, body_end)
-        for phi, value in zip(accs, acc):
-            phi.add_incoming(value, body_end)
+        for phi_row, acc_row in zip(phis, acc):
+            for phi, value in zip(phi_row, acc_row):
+                phi.add_incoming(value, body_end)
         builder.cbranch(builder.icmp_signed("<", g_next, groups), loop, done)
         builder.position_at_end(done)
         for m in range(rows):
-            total = builder.fadd(acc[2 * m], acc[2 * m + 1], flags=fast)
-            at = builder.add(o_at, builder.mul(n_out, ir.Constant(i64, m)))
+            total = acc[m][0]
+            for part in acc[m][1:]:
+                total = builder.fadd(total, part, flags=fast)
+            at = builder.add(o_at, builder.mul(n_out, builder.add(m0, c64(m))))
             builder.store(total, builder.bitcast(builder.gep(op, [at]), vf.as_pointer()), align=4)
-        return context.get_dummy_value()
 
-    def typer(typingctx, codes, c_at, scales, s_at, x, x_at, out, o_at, inner, n_out):  # type: ignore[no-untyped-def]
-        return types.void(codes, c_at, scales, s_at, x, x_at, out, o_at, inner, n_out), codegen
+    def typer(typingctx, codes, c_at, scales, s_at, x, m0, out, o_at, n_out, rows):  # type: ignore[no-untyped-def]
+        return types.void(codes, c_at, scales, s_at, x, m0, out, o_at, n_out, rows), codegen
 
-    typer.__name__ = f"{kind}_tile_{rows}_{group}"
+    typer.__name__ = f"{kind}_tile_{group}"
     return intrinsic(typer)
 
 
 if HAVE_NUMBA:
-    _q4_1, _q4_2, _q4_3, _q4_4 = (_tile_intrinsic("q4", r, Q4_GROUP) for r in (1, 2, 3, 4))
-    _q8a_1, _q8a_2, _q8a_3, _q8a_4 = (_tile_intrinsic("q8", r, 32) for r in (1, 2, 3, 4))
-    _q8b_1, _q8b_2, _q8b_3, _q8b_4 = (_tile_intrinsic("q8", r, 16) for r in (1, 2, 3, 4))
+    _q4_tile = _tile_intrinsic("q4", Q4_GROUP)
+    _q8_tile_32 = _tile_intrinsic("q8", 32)
+    _q8_tile_16 = _tile_intrinsic("q8", 16)
 
 
-def _driver(kind: int, x: _F32, codes: Any, scales: _F32, out: _F32) -> None:  # pragma: no cover - compiled
+def _driver(kind: int, x: _F32, codes: Any, scales: _F32, out: _F32) -> None:  # pragma: no cover
     """``out[m, 16 b + l]`` for every row block b (split among the threads) and row m of x, in tiles of
     up to `ROW_TILE` rows. kind 0: q4, 1: q8 with groups of 32, 2: q8 with groups of 16."""
-    rows, inner = x.shape
+    rows = x.shape[0]
     blocks = codes.shape[0]
     n = blocks * LANES
     for b in numba.prange(blocks):
         c_at, s_at, m = b * codes.shape[1], b * scales.shape[1], 0
         while m < rows:
             t = min(rows - m, ROW_TILE)
-            x_at, o_at = m * inner, m * n + b * LANES
             if kind == 0:
-                if t == 4:
-                    _q4_4(codes, c_at, scales, s_at, x, x_at, out, o_at, inner, n)
-                elif t == 3:
-                    _q4_3(codes, c_at, scales, s_at, x, x_at, out, o_at, inner, n)
-                elif t == 2:
-                    _q4_2(codes, c_at, scales, s_at, x, x_at, out, o_at, inner, n)
-                else:
-                    _q4_1(codes, c_at, scales, s_at, x, x_at, out, o_at, inner, n)
+                _q4_tile(codes, c_at, scales, s_at, x, m, out, b * LANES, n, t)
             elif kind == 1:
-                if t == 4:
-                    _q8a_4(codes, c_at, scales, s_at, x, x_at, out, o_at, inner, n)
-                elif t == 3:
-                    _q8a_3(codes, c_at, scales, s_at, x, x_at, out, o_at, inner, n)
-                elif t == 2:
-                    _q8a_2(codes, c_at, scales, s_at, x, x_at, out, o_at, inner, n)
-                else:
-                    _q8a_1(codes, c_at, scales, s_at, x, x_at, out, o_at, inner, n)
+                _q8_tile_32(codes, c_at, scales, s_at, x, m, out, b * LANES, n, t)
             else:
-                if t == 4:
-                    _q8b_4(codes, c_at, scales, s_at, x, x_at, out, o_at, inner, n)
-                elif t == 3:
-                    _q8b_3(codes, c_at, scales, s_at, x, x_at, out, o_at, inner, n)
-                elif t == 2:
-                    _q8b_2(codes, c_at, scales, s_at, x, x_at, out, o_at, inner, n)
-                else:
-                    _q8b_1(codes, c_at, scales, s_at, x, x_at, out, o_at, inner, n)
+                _q8_tile_16(codes, c_at, scales, s_at, x, m, out, b * LANES, n, t)
             m += t
 
 
@@ -244,7 +246,7 @@ def available() -> bool:
 
 
 def _run(kind: int, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
-    flat = x.reshape(-1, x.shape[-1])
+    flat = x.detach().reshape(-1, x.shape[-1])  # no autograd through the kernel (inference only)
     if flat.dtype != torch.float32 or not flat.is_contiguous():
         flat = flat.float().contiguous()
     out = torch.empty(flat.shape[0], codes.shape[0] * LANES, dtype=torch.float32)

@@ -6,7 +6,7 @@ length; a sliding window (Mistral's ``sliding_window``, Qwen2's ``use_sliding_wi
 ``max_window_layers`` on) only over the paged KV cache, whose attention applies it
 (engine/attention/windows.py). Layer linears may be float, weight-only int8 (`quantize.Int8Linear`,
 ``dtype=int8``: the fused matrices hold int8 rows and one scale per row) or int4 (`quantize.Int4Linear`,
-``dtype=int4``: packed rows and ``[groups, rows, 2]`` scales and zeros).
+``dtype=int4``: blocks of 16 rows of codes and of scales and minimums, `group_kernels`).
 """
 
 from __future__ import annotations
@@ -100,14 +100,14 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
                 return f"layer module {name} is not a plain linear"
             if not weight.is_floating_point() and not isinstance(module, (Int8Linear, Int4Linear)):
                 return f"layer module {name} is not a plain floating-point, int8 or int4 linear"
+            if isinstance(module, Int4Linear) and module.out_features % INT4_ROW_BLOCK:
+                # int4 rows are stored in blocks of rows (quantize.INT4_ROW_BLOCK): a partial block would pad outputs
+                return f"int4 {name} outputs are not a multiple of {INT4_ROW_BLOCK}"
         for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
             owner = attn if group[0] == "q_proj" else mlp
             modules = [getattr(owner, n) for n in group]
             if len({type(m) for m in modules}) > 1:
                 return f"{'/'.join(group)} are not all of one kind (float, int8 or int4)"
-            if isinstance(modules[0], Int4Linear) and any(m.out_features % INT4_ROW_BLOCK for m in modules[:-1]):
-                # packed int4 rows concatenate only after whole blocks of rows (quantize.INT4_ROW_BLOCK)
-                return f"int4 {'/'.join(group)} outputs are not multiples of {INT4_ROW_BLOCK}"
     return None
 
 
@@ -134,7 +134,7 @@ class FusedLayer:
         self.act = mlp.act_fn
         self.in_norm = (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
         self.post_norm = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
-        self.intermediate = mlp.gate_proj.weight.shape[0]
+        self.intermediate = int(getattr(mlp.gate_proj, "out_features", mlp.gate_proj.weight.shape[0]))
 
 
 # The fused layers of each model, fused once: fusing points the model's modules at rows of the fused
@@ -156,34 +156,33 @@ def _fuse(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One weight for several linears that read the same input (``[sum of out, in]``, contiguous,
     the model's own output-major layout), its bias and the scales of quantized linears: int8 rows'
-    scales ``[out]``, int4 groups' scales and zeros ``[groups, out, 2]`` (int4 rows are packed in whole
-    blocks of `INT4_ROW_BLOCK` rows, so packed matrices whose rows fill whole blocks concatenate;
-    `unsupported_reason` checks it). Each module is pointed at its rows (an int4 module
-    keeps its own contiguous scales: the kernel reads them as contiguous), so memory does not grow and
-    the transformers forward keeps working on the same storage."""
+    scales ``[out]``, int4 blocks' scales and minimums ``[out / 16, in]`` (int4 weights are stored in
+    blocks of `INT4_ROW_BLOCK` output rows, `group_kernels`, so matrices whose rows fill whole blocks
+    concatenate; `unsupported_reason` checks it). Each module is pointed at its rows (blocks), so memory
+    does not grow and the transformers forward keeps working on the same storage."""
     weights = [m.weight.detach() for m in modules]
     stored = weights[0].contiguous() if len(weights) == 1 else torch.cat(weights, dim=0)
-    int4 = all(isinstance(m, Int4Linear) for m in modules)
     quantized = [cast(Int8Linear | Int4Linear, m) for m in modules if isinstance(m, (Int8Linear, Int4Linear))]
     if quantized and len(quantized) != len(modules):
         raise ValueError("mixed quantized and float linears")
-    scales = torch.cat([m.scales for m in quantized], dim=1 if int4 else 0) if quantized else None
+    scales = torch.cat([m.scales for m in quantized], dim=0) if quantized else None
     biases: list[torch.Tensor | None] = [m.bias for m in modules]
     present = [b.detach() for b in biases if b is not None]
     bias = torch.cat(present, dim=0) if len(present) == len(biases) else None
     if present and bias is None:
         raise ValueError("mixed biases")
-    row = 0
+    row = out = 0  # the module's first stored row (an int4 block) and first output
     for m in modules:
-        n = m.weight.shape[0]
+        n, outputs = m.weight.shape[0], int(getattr(m, "out_features", m.weight.shape[0]))
         if isinstance(m, (Int8Linear, Int4Linear)):
             m.weight = stored[row : row + n]
-            m.bias = None if bias is None else bias[row : row + n]
-            if isinstance(m, Int8Linear) and scales is not None:
-                m.scales = scales[row : row + n]  # an int4 module keeps its own contiguous scales
+            m.bias = None if bias is None else bias[out : out + outputs]
+            if scales is not None:
+                m.scales = scales[row : row + n]
         else:
             m.weight = torch.nn.Parameter(stored[row : row + n], requires_grad=False)
             if bias is not None:
                 m.bias = torch.nn.Parameter(bias[row : row + n], requires_grad=False)
         row += n
+        out += outputs
     return stored, bias, scales

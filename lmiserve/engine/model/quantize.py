@@ -2,11 +2,14 @@
 
 - ``dtype=int8``: per-output-channel symmetric int8 weights, products in bf16
   (``torch.ops.aten._weight_int8pack_mm``); the rest of the model runs in bf16.
-- ``dtype=int4``: 4-bit weights in groups of 32 inputs with a scale and a minimum each, the layout
-  of GGUF's Q4_1 (``torch.ops.aten._weight_int4pack_mm_for_cpu``). The rest of the model (embeddings,
-  norms, attention, KV cache, output projection) stays fp32; only the products' inputs and outputs
-  pass through bf16, the one type the kernel runs fast. Quantizing a model that was Q4_1 (the bundled
-  GGUF) finds its 4-bit codes again exactly: only the scales and minimums round to bf16.
+- ``dtype=int4``: 4-bit weights in groups of 32 inputs with a fp32 scale and minimum each (GGUF's
+  Q4_1), products in fp32 through lmiserve's compiled kernel (`group_kernels.q4_linear`, which reads
+  the weights once for all rows). The rest of the model (embeddings, norms, attention, KV cache,
+  output projection) stays fp32. Quantizing a model that was Q4_1 (the bundled GGUF) finds its 4-bit
+  codes again exactly; `Int4Linear.from_codes` takes a file's own codes, scales and minimums.
+- `Q8Linear`: int8 codes with a fp32 scale per group of 32 (or 16) inputs (GGUF's Q8_0), fp32
+  products (`group_kernels.q8_linear`): an int4 model's output projection (`quantize_output_q8`,
+  `install_output_q8`).
 
 Why: decoding a few rows reads every weight once a step, so at small batches a step costs about the
 bytes it reads. int8 weights are a quarter of fp32's (half of bf16's), int4 an eighth. The output
@@ -18,8 +21,9 @@ int8: for each output row ``scale = max|w| / 127`` and ``q = round(w / scale)`` 
 accumulation and rounds the result to bf16. The kernel needs ``in_features`` a multiple of 16 (it
 crashes otherwise, torch 2.13): other linears are left in bf16.
 
-int4: `int4_codes` (Q4_1's rule), packed by torch for its kernel; inputs a multiple of 32, outputs a
-multiple of 16, others left fp32. The packing works on blocks of `INT4_ROW_BLOCK` output rows.
+int4: `int4_codes` (Q4_1's rule), stored in `group_kernels`' blocked layout (blocks of
+`INT4_ROW_BLOCK` = 16 output rows; a partial last block is padded); inputs a multiple of 32, others
+left fp32.
 
 `quantize_linears` / `quantize_linears_int4` swap the model's `torch.nn.Linear` modules for
 `Int8Linear` / `Int4Linear` in place, so the transformers forward (`generate`, the generic runner)
@@ -32,12 +36,14 @@ from collections.abc import Callable
 
 import torch
 
+from lmiserve.engine.model import group_kernels
+from lmiserve.engine.model.group_kernels import LANES, pack_q4, pack_q8, q4_linear, q8_linear, unpack_q4, unpack_q8
+
 INT8_COMPUTE_DTYPE = torch.bfloat16  # what the int8 kernel multiplies with (and the model's other weights)
 _K_MULTIPLE = 16  # the kernel's inner dimension must be a multiple of this
 INT4_GROUP = 32  # inputs per int4 scale/minimum (GGUF Q4_1's block)
-INT4_KERNEL_DTYPE = torch.bfloat16  # the int4 kernel is fast in bf16 only (fp32/fp16 run a slow reference path)
-_INT4_OUT_MULTIPLE = 16  # the kernel's output rows must be a multiple of this
-INT4_ROW_BLOCK = 64  # the CPU packing packs 64 output rows at a time (a partial last block differently)
+INT4_ROW_BLOCK = LANES  # int4 and q8 weights are stored in blocks of this many output rows
+Q8_GROUP = 32  # inputs per q8 scale (GGUF Q8_0's block)
 
 
 def int8_available() -> bool:
@@ -60,19 +66,8 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> 
 
 
 def int4_available() -> bool:
-    """Whether this torch has the weight-only int4 CPU kernel."""
-    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
-
-
-def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Groups of `INT4_GROUP` inputs of a ``[out, in]`` weight as 4-bit codes with a scale and a
-    minimum each (GGUF Q4_1: ``scale = (max - min) / 15``, ``q = round((w - min) / scale)``):
-    ``(packed uint8 [out, in / 2], scales_and_zeros bf16 [in / 32, out, 2])`` in the kernel's form,
-    whose value is ``(q - 8) * scale + zero`` with ``zero = min + 8 * scale``."""
-    q, scale, low = int4_codes(weight)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
-    zero = low + 8.0 * scale
-    return packed, torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(INT4_KERNEL_DTYPE)
+    """Whether the int4 (and q8) CPU kernels can run (`group_kernels`: numba)."""
+    return group_kernels.available()
 
 
 def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -87,20 +82,19 @@ def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return q.view(out, inputs), scale, low
 
 
-def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
-    """``x @ W.T`` for a 2-D `x` with int4 weights (`quantize_int4`), in bf16, returned in x's dtype."""
-    group = x.shape[-1] // scales_and_zeros.shape[0]
-    y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
-        x.to(INT4_KERNEL_DTYPE).contiguous(), packed, group, scales_and_zeros
-    )
-    return y.to(x.dtype)
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T`` (fp32) for a 2-D `x` with int4 weights in `group_kernels`' blocked layout (every row
+    of the blocks: a padded last block's zero rows too)."""
+    return q4_linear(x, packed, scales)
 
 
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The product of a quantized weight, by its storage: int8 rows (`int8_linear`) or packed int4
-    (uint8, `int4_linear`)."""
+    """The product of a quantized weight, by its storage: blocked int4 (uint8, `int4_linear`), blocked
+    q8 (int8 with 2-D fp32 group scales, `group_kernels.q8_linear`), or int8 rows (`int8_linear`)."""
     if weight.dtype == torch.uint8:
         return int4_linear(x, weight, scales)
+    if scales.dim() == 2:
+        return q8_linear(x, weight, scales)
     # int8 products run in the scales' dtype (bf16): a float32 input (a draft's output projection) too
     return int8_linear(x if x.dtype == scales.dtype else x.to(scales.dtype), weight, scales)
 
@@ -140,32 +134,55 @@ class Int8Linear(torch.nn.Module):
 
 
 class Int4Linear(torch.nn.Module):
-    """A linear layer with int4 weights in groups of 32 inputs (`quantize_int4`); input and output in
-    the caller's dtype (the product itself in bf16).
+    """A linear layer with int4 weights in groups of 32 inputs, each with a fp32 scale and minimum
+    (GGUF Q4_1, ``w = code * scale + min``), in `group_kernels`' blocked layout: `weight` uint8 codes
+    ``[ceil(out / 16), in * 8]`` and `scales` fp32 ``[ceil(out / 16), in]`` (`group_kernels.pack_q4`).
+    Input in any float dtype, product and output fp32.
 
-    `weight` (packed uint8 ``[out, in / 2]``), `scales` (``[in / 32, out, 2]``, contiguous) and `bias`
-    are plain attributes, as in `Int8Linear`."""
+    `weight`, `scales` and `bias` are plain attributes (the fast path points them at row blocks of
+    fused matrices, as it does with `torch.nn.Linear` parameters)."""
 
-    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, in_features: int) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None,
+        in_features: int,
+        out_features: int | None = None,
+    ) -> None:
         super().__init__()
-        self.in_features, self.out_features = in_features, weight.shape[0]
+        self.in_features = in_features
+        self.out_features = weight.shape[0] * LANES if out_features is None else out_features
         self.weight = weight
         self.scales = scales
         self.bias = bias
 
     @classmethod
+    def from_codes(
+        cls, codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> Int4Linear:
+        """From 4-bit codes (0..15, ``[out, in]``, any int type; a GGUF file's own) and fp32 ``scale`` /
+        ``low`` (``[out, in / 32]``): ``w = code * scale + low``, taken as is."""
+        packed, scales = pack_q4(codes, scale, low)
+        return cls(packed, scales, None if bias is None else bias.detach().float(), codes.shape[1], codes.shape[0])
+
+    @classmethod
     def from_linear(cls, linear: torch.nn.Linear) -> Int4Linear:
-        packed, scales = quantize_int4(linear.weight)
-        bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(packed, scales, bias, linear.in_features)
+        codes, scale, low = int4_codes(linear.weight)
+        return cls.from_codes(codes, scale, low, None if linear.bias is None else linear.bias.detach().clone())
+
+    def codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(codes uint8 [out, in], scale fp32 [out, in / 32], low fp32 [out, in / 32])``."""
+        return unpack_q4(self.weight, self.scales, self.out_features)
 
     def dequantized(self) -> torch.Tensor:
         """The weight the product uses, as a float matrix (for tests and comparisons)."""
-        eye = torch.eye(self.in_features, dtype=INT4_KERNEL_DTYPE)
-        return int4_linear(eye, self.weight, self.scales).float().t().contiguous()
+        codes, scale, low = self.codes()
+        w = codes.float().view(self.out_features, -1, INT4_GROUP) * scale[..., None] + low[..., None]
+        return w.view(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = int4_linear(x.reshape(-1, self.in_features), self.weight, self.scales)
+        y = q4_linear(x.reshape(-1, self.in_features), self.weight, self.scales, self.out_features)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
@@ -174,6 +191,52 @@ class Int4Linear(torch.nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, int4 weights (groups of {INT4_GROUP})"
         )
+
+
+class Q8Linear(torch.nn.Module):
+    """A linear layer with int8 weights and a fp32 scale per group of 16 or 32 inputs (GGUF Q8_0:
+    32; ``w = code * scale``) in `group_kernels`' blocked layout: `weight` int8 ``[ceil(out / 16), in *
+    16]``, `scales` fp32 ``[ceil(out / 16), in / group * 16]`` (`group_kernels.pack_q8`). Input in any
+    float dtype, product and output fp32. No bias."""
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = weight
+        self.scales = scales
+        self.bias = None
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor) -> Q8Linear:
+        """From int8 codes ``[out, in]`` (a GGUF file's own) and fp32 scales ``[out, in / group]``."""
+        packed, scales = pack_q8(codes, scale)
+        return cls(packed, scales, codes.shape[1], codes.shape[0])
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear | torch.Tensor, group: int = Q8_GROUP) -> Q8Linear:
+        """Q8_0's rule per group of `group` inputs: ``scale = max|w| / 127``, ``code = round(w / scale)``."""
+        w = (linear.weight if isinstance(linear, torch.nn.Linear) else linear).detach().float()
+        groups = w.view(w.shape[0], -1, group)
+        scale = groups.abs().amax(dim=-1) / 127.0
+        inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+        codes = torch.round(groups * inverse[..., None]).clamp(-127, 127).to(torch.int8)
+        return cls.from_codes(codes.view_as(w), scale)
+
+    def codes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(codes int8 [out, in], scale fp32 [out, in / group])``."""
+        return unpack_q8(self.weight, self.scales, self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        codes, scale = self.codes()
+        return (codes.float().view(self.out_features, scale.shape[1], -1) * scale[..., None]).view(codes.shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = q8_linear(x.reshape(-1, self.in_features), self.weight, self.scales, self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        group = self.in_features * LANES // self.scales.shape[1]
+        return f"in_features={self.in_features}, out_features={self.out_features}, q8 weights (groups of {group})"
 
 
 def quantize_linears(model: torch.nn.Module, dtype: torch.dtype = INT8_COMPUTE_DTYPE) -> int:
@@ -193,16 +256,11 @@ def quantize_linears(model: torch.nn.Module, dtype: torch.dtype = INT8_COMPUTE_D
 
 def quantize_linears_int4(model: torch.nn.Module) -> int:
     """Replace (in place) every `torch.nn.Linear` of `model` except its output embedding with an
-    `Int4Linear`; the rest of the model keeps its dtype. Linears whose sizes the kernel does not take
-    (inputs not a multiple of 32, outputs not a multiple of 16) stay float. Returns how many were
-    quantized."""
+    `Int4Linear`; the rest of the model keeps its dtype. Linears whose inputs are not a multiple of 32
+    stay float. Returns how many were quantized."""
     if not int4_available():
-        raise RuntimeError("this torch has no weight-only int4 CPU kernel (torch.ops.aten._weight_int4pack_mm_for_cpu)")
-    return _replace_linears(
-        model,
-        lambda m: m.in_features % INT4_GROUP == 0 and m.out_features % _INT4_OUT_MULTIPLE == 0,
-        Int4Linear.from_linear,
-    )
+        raise RuntimeError("dtype int4 needs numba (lmiserve's int4 CPU kernel)")
+    return _replace_linears(model, lambda m: m.in_features % INT4_GROUP == 0, Int4Linear.from_linear)
 
 
 def quantize_output_int8(model: torch.nn.Module) -> bool:
@@ -221,6 +279,32 @@ def quantize_output_int8(model: torch.nn.Module) -> bool:
     if config is not None:
         config.tie_word_embeddings = False
     model.set_output_embeddings(Int8Linear.from_linear(head))  # type: ignore[operator]
+    return True
+
+
+def install_output_q8(model: torch.nn.Module, codes: torch.Tensor, scale: torch.Tensor) -> Q8Linear:
+    """Make a `Q8Linear` of int8 `codes` ``[vocab, hidden]`` and fp32 `scale` ``[vocab, hidden /
+    group]`` (a GGUF file's Q8_0 token embedding) `model`'s output projection, untied from the input
+    embeddings (which keep their weights). In an int4 model the vocabulary matrix is the largest
+    product of a decode step (SmolLM2-135M: 113 MB in fp32, 30 MB in q8)."""
+    head = Q8Linear.from_codes(codes, scale)
+    config = getattr(model, "config", None)
+    if config is not None:
+        config.tie_word_embeddings = False
+    model.set_output_embeddings(head)  # type: ignore[operator]
+    return head
+
+
+def quantize_output_q8(model: torch.nn.Module, group: int = Q8_GROUP) -> bool:
+    """Replace (in place) `model`'s output projection with a `Q8Linear` (Q8_0's rule per group of
+    `group` inputs), untied from the input embeddings. False (nothing changed) when the projection is
+    not a plain bias-free linear with inputs a multiple of `group`, or the kernel cannot run."""
+    get_output = getattr(model, "get_output_embeddings", None)
+    head = get_output() if callable(get_output) else None
+    if type(head) is not torch.nn.Linear or head.bias is not None or head.in_features % group or not int4_available():
+        return False
+    quantized = Q8Linear.from_linear(head, group)
+    install_output_q8(model, *quantized.codes())
     return True
 
 
