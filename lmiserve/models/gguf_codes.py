@@ -15,6 +15,9 @@ keep the converted fp32 weights. Only architectures whose tensor names and layou
 (llama, qwen2: the engine's fast path) are read; for llama, the rows of attn_q/attn_k are
 un-permuted as transformers' GGUF loader does (quantization groups run along the inputs, so
 permuting output rows keeps every group whole).
+
+The file is read by `gguf_file` (its header and tensor table, in milliseconds); a form is decoded from
+the memory-mapped blocks when it is looked up (`QuantForms`), so a loader holds one at a time.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -34,8 +37,9 @@ import torch
 
 from lmiserve.models.bundled import GGUF_SOURCE_FILE, gguf_cache_key
 from lmiserve.models.errors import ModelLoadError
+from lmiserve.models.gguf_file import GGUFFile, GGUFTensorInfo, read_gguf
 
-__all__ = ["Q4Form", "Q8Form", "gguf_quant_forms", "read_quant_forms"]
+__all__ = ["Q4Form", "Q8Form", "QuantForms", "gguf_quant_forms", "read_quant_forms"]
 
 logger = logging.getLogger(__name__)
 
@@ -242,17 +246,12 @@ def _permuted(form: QuantForm, index: np.ndarray) -> QuantForm:
     return Q8Form(form.codes[rows], form.scale[rows], minimum, form.qtype)
 
 
-def _field(reader: Any, key: str) -> Any:
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
-
-
-def _rope_heads(reader: Any, arch: str, name: str) -> int | None:
+def _rope_heads(fields: dict[str, Any], arch: str, name: str) -> int | None:
     """The head count transformers un-permutes `name`'s rows by (llama's attn_q/attn_k), else None. As in
     transformers, a file without both head counts is loaded unpermuted."""
     if arch != "llama" or not (".attn_q." in name or ".attn_k." in name):
         return None
-    heads, kv_heads = _field(reader, "llama.attention.head_count"), _field(reader, "llama.attention.head_count_kv")
+    heads, kv_heads = fields.get("llama.attention.head_count"), fields.get("llama.attention.head_count_kv")
     if heads is None or kv_heads is None:
         return None
     if not isinstance(heads, int) or not isinstance(kv_heads, int):
@@ -260,47 +259,65 @@ def _rope_heads(reader: Any, arch: str, name: str) -> int | None:
     return heads if ".attn_q." in name else kv_heads
 
 
-def read_quant_forms(gguf_path: str | os.PathLike[str]) -> dict[str, QuantForm] | None:
+class QuantForms(Mapping[str, QuantForm]):
+    """A file's forms by transformers parameter name, each decoded from the file when looked up (not
+    kept: a 7B Q4_K_M's codes unpacked to a byte each would be 7 GB at once)."""
+
+    def __init__(self, file: GGUFFile, entries: dict[str, tuple[GGUFTensorInfo, int | None]]) -> None:
+        self.file, self._entries = file, entries  # name -> (tensor, heads to un-permute its rows by)
+
+    def gguf_name(self, name: str) -> str:
+        """The file's tensor `name`'s form comes from (`token_embd.weight` for a tied `lm_head.weight`)."""
+        return self._entries[name][0].name
+
+    def __getitem__(self, name: str) -> QuantForm:
+        tensor, heads = self._entries[name]
+        form = decode_blocks(self.file.blocks(tensor), tensor.type_name)
+        assert form is not None  # only decodable tensors are entries
+        return form if heads is None else _permuted(form, unpermute_rows(form.codes.shape[0], heads))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def read_quant_forms(gguf_path: str | os.PathLike[str]) -> QuantForms | None:
     """The forms of `gguf_path`'s quantized weights by transformers parameter name, as transformers'
     GGUF loader lays them out; None (serve the converted floats) for an architecture not read here.
-    A tied output (no `output.weight`) is `lm_head.weight` too, the same form as the embeddings'."""
-    from gguf import GGUFReader
-
+    A tied output (no `output.weight`) is `lm_head.weight` too, the form of the embeddings' tensor."""
     start = time.monotonic()
-    reader = GGUFReader(gguf_path)
-    arch = _field(reader, "general.architecture")
+    file = read_gguf(gguf_path)
+    arch = file.fields.get("general.architecture")
     if arch not in _ARCHITECTURES:
         logger.info("GGUF codes: architecture %r is not one of %s; int4 re-quantizes its weights", arch, _ARCHITECTURES)
         return None
-    forms: dict[str, QuantForm] = {}
+    entries: dict[str, tuple[GGUFTensorInfo, int | None]] = {}
     used: Counter[str] = Counter()
     floats: Counter[str] = Counter()
-    for tensor in reader.tensors:
-        name, qtype = hf_name(tensor.name), tensor.tensor_type.name
+    for tensor in file.tensors:
+        name, qtype = hf_name(tensor.name), tensor.type_name
         if name is None:
             continue
-        form = decode_blocks(tensor.data, qtype)
-        if form is None:
+        if qtype not in _DECODERS or len(tensor.dims) != 2:
             floats[qtype] += 1
             continue
-        heads = _rope_heads(reader, arch, tensor.name)
-        if heads is not None:
-            form = _permuted(form, unpermute_rows(form.codes.shape[0], heads))
-        forms[name] = form
+        entries[name] = (tensor, _rope_heads(file.fields, arch, tensor.name))
         used[qtype] += 1
-    if "output.weight" not in {t.name for t in reader.tensors} and "model.embed_tokens.weight" in forms:
-        forms["lm_head.weight"] = forms["model.embed_tokens.weight"]
+    if "output.weight" not in {t.name for t in file.tensors} and "model.embed_tokens.weight" in entries:
+        entries["lm_head.weight"] = entries["model.embed_tokens.weight"]
     logger.info(
-        "GGUF codes: read %s of %s in %.1f s%s",
+        "GGUF codes: indexed %s of %s in %.2f s%s",
         ", ".join(f"{n} {t}" for t, n in sorted(used.items())) or "no weights",
         Path(gguf_path).name,
         time.monotonic() - start,
         "; float (converted) weights for " + ", ".join(f"{n} {t}" for t, n in sorted(floats.items())) if floats else "",
     )
-    return forms
+    return QuantForms(file, entries)
 
 
-def gguf_quant_forms(model_dir: str | os.PathLike[str]) -> dict[str, QuantForm] | None:
+def gguf_quant_forms(model_dir: str | os.PathLike[str]) -> QuantForms | None:
     """The GGUF codes of a directory `convert_gguf` made (it records its source file in
     `lmiserve_gguf.json`); None for any other directory, or when the source file is gone or changed, or
     its architecture is not read here: then the converted fp32 weights are all there is."""

@@ -25,7 +25,7 @@ from lmiserve.engine.model.quantize import (
     quantize_linears,
 )
 from lmiserve.models.errors import ModelLoadError
-from lmiserve.models.int4_load import quantize_int4
+from lmiserve.models.int4_load import load_int4_from_codes, quantize_int4
 
 __all__ = [
     "DEFAULT_MAX_CONTEXT",
@@ -120,8 +120,12 @@ def load_causal_lm(
         tokenizer = AutoTokenizer.from_pretrained(path, **common)
         # int8: quantized from fp32 weights (the scales are then exact), the rest cast to bf16 after
         load_dtype = torch.float32 if int8 else torch_dtype
+        # int4 of a GGUF's codes: built without the fp32 linears the codes replace (None: no codes)
+        from_codes = load_int4_from_codes(path, trust_remote_code) if int4 and load_format != "dummy" else None
         if load_format == "dummy":
             model = _dummy_model(path, load_dtype, torch_device, common)
+        elif from_codes is not None:
+            model = from_codes[0]  # type: ignore[assignment]  # AutoModelForCausalLM's, typed as a Module
         else:
             model = _load_model(path, load_dtype, common)
     except (OSError, ValueError, KeyError, ImportError) as exc:
@@ -132,7 +136,7 @@ def load_causal_lm(
         count = quantize_linears(model, torch_dtype)
         logger.info("int8: %d linear layers quantized (per-channel symmetric), activations in bf16", count)
     if int4:
-        logger.info("%s", quantize_int4(model, path))
+        logger.info("%s", from_codes[1] if from_codes is not None else quantize_int4(model, path))
 
     loaded = _loaded(model, tokenizer, torch_device, torch_dtype, name or path.name, path)
     logger.info(

@@ -18,36 +18,16 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 
+from helpers.gguf_files import HIDDEN, LAYER_TYPES, random_blocks, transformers_weights, write_gguf
 from lmiserve.models import bundled
 from lmiserve.models.gguf_codes import Q4Form, Q8Form, decode_blocks, gguf_quant_forms, hf_name, read_quant_forms
 
 Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 Q8_TYPES = ("Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K")
 NUMPY_QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
-FP16_FIELDS = {  # byte offsets of every block's fp16 fields (d, and m or dmin)
-    "Q4_0": (0,),
-    "Q4_1": (0, 2),
-    "Q5_0": (0,),
-    "Q5_1": (0, 2),
-    "Q8_0": (0,),
-    "Q4_K": (0, 2),
-    "Q5_K": (0, 2),
-    "Q6_K": (208,),
-}
 GROUP = {"Q6_K": 16}  # every other type: groups of 32
-
-
-def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """Valid random raw blocks uint8 [rows, bytes per row]: random bytes, finite random fp16 fields."""
-    rng = np.random.default_rng(seed)
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
-    blocks = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
-    for offset in FP16_FIELDS[qtype]:
-        values = (rng.standard_normal((rows, cols // block, 1)) * 0.01).astype(np.float16)
-        blocks[..., offset : offset + 2] = values.view(np.uint8)
-    return blocks.reshape(rows, -1)
 
 
 def quantized(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -126,66 +106,12 @@ def test_names() -> None:
 
 # ---- whole files, against what transformers' GGUF loader makes of them ---------------------------------
 
-HIDDEN, FFN, VOCAB, HEADS, KV_HEADS = 256, 512, 64, 4, 2
-LAYER_TYPES = {  # one layer using every type; Q4_K_M files mix Q4_K, Q6_K (and Q5_0, Q8_0 for odd shapes)
-    "attn_q": ("Q4_K", HIDDEN, HIDDEN),
-    "attn_k": ("Q4_1", KV_HEADS * HIDDEN // HEADS, HIDDEN),
-    "attn_v": ("Q6_K", KV_HEADS * HIDDEN // HEADS, HIDDEN),
-    "attn_output": ("Q5_0", HIDDEN, HIDDEN),
-    "ffn_gate": ("Q4_0", FFN, HIDDEN),
-    "ffn_up": ("Q5_K", FFN, HIDDEN),
-    "ffn_down": ("Q5_1", HIDDEN, FFN),
-}
-
-
-def write_gguf(path: Path, arch: str, *, output: str | None = None) -> Path:
-    """A one-layer model of `arch` with quantized weights of every type (`output`: the type of an untied
-    output.weight; None: tied to the Q8_0 token_embd)."""
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(1)
-    writer.add_context_length(128)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(VOCAB)
-    writer.add_tensor(
-        "token_embd.weight", random_blocks("Q8_0", VOCAB, HIDDEN, seed=1), raw_dtype=GGMLQuantizationType.Q8_0
-    )
-    for seed, (name, (qtype, rows, cols)) in enumerate(LAYER_TYPES.items(), start=2):
-        blocks = random_blocks(qtype, rows, cols, seed=seed)
-        writer.add_tensor(f"blk.0.{name}.weight", blocks, raw_dtype=GGMLQuantizationType[qtype])
-    for norm in ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight"):
-        writer.add_tensor(norm, np.ones(HIDDEN, dtype=np.float32))
-    if output is not None:
-        writer.add_tensor(
-            "output.weight", random_blocks(output, VOCAB, HIDDEN, seed=9), raw_dtype=GGMLQuantizationType[output]
-        )
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
-def transformers_weights(path: Path, arch: str) -> dict[str, torch.Tensor]:
-    """The fp32 weights transformers' GGUF loader reads from `path` (renamed, llama's q/k un-permuted)."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    config = AutoConfig.for_model(**load_gguf_checkpoint(path)["config"])
-    with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(config)
-    return load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
-
 
 @pytest.mark.parametrize(("arch", "output"), [("llama", None), ("qwen2", "Q6_K")])
 def test_file_forms_equal_what_transformers_loads(tmp_path: Path, arch: str, output: str | None) -> None:
     path = write_gguf(tmp_path / f"{arch}.gguf", arch, output=output)
     forms = read_quant_forms(path)
-    want = transformers_weights(path, arch)
+    want = transformers_weights(path)
     assert forms is not None
     expected = {hf_name(f"blk.0.{n}.weight") for n in LAYER_TYPES} | {"model.embed_tokens.weight", "lm_head.weight"}
     assert set(forms) == expected
@@ -193,7 +119,7 @@ def test_file_forms_equal_what_transformers_loads(tmp_path: Path, arch: str, out
         source = "model.embed_tokens.weight" if name == "lm_head.weight" and output is None else name
         assert_same(form.dequantize(), want[source])
     if output is None:
-        assert forms["lm_head.weight"] is forms["model.embed_tokens.weight"]
+        assert forms.gguf_name("lm_head.weight") == "token_embd.weight"
     else:
         assert forms["lm_head.weight"].qtype == output
     q_rows = forms["model.layers.0.self_attn.q_proj.weight"].codes
@@ -262,7 +188,7 @@ def test_bundled_codes_equal_the_converted_weights(smollm_dir: Path) -> None:
     assert len(linears) == 30 * 7 and set(linears) <= set(forms)
     assert {forms[n].qtype for n in linears} == {"Q4_1"} and isinstance(forms[linears[0]], Q4Form)
     assert forms["model.embed_tokens.weight"].qtype == "Q8_0"
-    assert forms["lm_head.weight"] is forms["model.embed_tokens.weight"]  # tied
+    assert forms.gguf_name("lm_head.weight") == "token_embd.weight"  # tied
     for name in [*linears, "model.embed_tokens.weight"]:
         assert_same(forms[name].dequantize(), converted[name])
     assert took < 60, took

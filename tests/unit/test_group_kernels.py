@@ -15,6 +15,7 @@ from lmiserve.engine.model.quantize import (
     Q8Linear,
     install_output_q8,
     int4_codes,
+    quantize_linears_int4,
     quantize_output_q8,
     quantized_linear,
 )
@@ -116,8 +117,9 @@ def test_a_q8_output_projection_serves_the_fast_path(tiny_model_dir: Path):
     from lmiserve.engine.model.fast_llama import _rms
     from lmiserve.models.load import load_causal_lm
 
-    loaded = load_causal_lm(tiny_model_dir, dtype="int4", device="cpu")
+    loaded = load_causal_lm(tiny_model_dir, dtype="fp32", device="cpu")
     model = loaded.model
+    assert quantize_linears_int4(model) > 0
     embed = model.model.embed_tokens.weight.detach().clone()
     reference = Q8Linear.from_linear(model.lm_head)
     assert quantize_output_q8(model)
