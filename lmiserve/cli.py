@@ -174,6 +174,18 @@ def store_services(settings, store: str) -> list:
     return services
 
 
+def start_threads(option: int | None, log: logging.Logger) -> None:
+    """Apply and log the thread count `main` prepared before torch was imported (core/threads.py); unless
+    the user named it, the CPU thread lowers it while other processes take cores (engine/cpu_threads.py)."""
+    from lmiserve.engine import cpu_threads, torch_thread
+
+    choice = threads.prepared(option)
+    cpu_threads.apply(choice.threads)
+    torch_thread.GOVERN = not choice.given
+    follows = "fixed" if choice.given else "lowered while other processes take the CPUs"
+    log.info("threads: %d (%s; %s); OpenMP wait: %s", choice.threads, choice.reason, follows, choice.wait_policy)
+
+
 def serve(settings, services: list | None = None, held: list[logging.LogRecord] | None = None) -> NoReturn:
     """Serve until stopped, then exit the process with a `lmiserve.server.lifecycle.ExitCode` (see
     docs/shutdown.md, "Signals and exit codes"). `held`: log records of the configuration, logged once logging is
@@ -211,7 +223,7 @@ def serve(settings, services: list | None = None, held: list[logging.LogRecord] 
     for line in settings.summary():
         log.debug("option %s", line)
     log.info("playground: %s", playground_url(settings))
-    threads.configure(settings.num_threads)  # the count `main` prepared (the same inputs), applied and logged
+    start_threads(settings.num_threads, log)
     exit_process(Lifecycle().serve(settings, services))
 
 

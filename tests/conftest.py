@@ -78,7 +78,7 @@ def _settings_as_users_get_them(request: pytest.FixtureRequest, monkeypatch: pyt
     if request.node.path.parent.name == "unit":
         monkeypatch.delenv("OPTION_GRPC_PORT", raising=False)
         # `lmiserve serve` run in process (cli.main) sets OpenMP's environment (core/threads.py): undone after
-        for name in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        for name in ("OMP_NUM_THREADS", "GOMP_SPINCOUNT", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
             monkeypatch.setenv(name, os.environ[name]) if name in os.environ else monkeypatch.delenv(name, raising=False)
 
 

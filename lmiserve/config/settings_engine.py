@@ -119,8 +119,9 @@ class EngineFields(FieldGroup):
         description=(
             "CPU threads for torch and the compiled kernels (llama.cpp's `-t`). Unset or 0 = `OMP_NUM_THREADS` "
             "if set, else the smallest of the affinity mask, the cgroup CPU quota (`cpu.max`, "
-            "`cpu.cfs_quota_us`) and the physical cores. Waiting threads sleep instead of spinning unless "
-            "`OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` is set. See docs/performance/threads.md."
+            "`cpu.cfs_quota_us`) and the physical cores, lowered while other processes take those CPUs. "
+            "OpenMP threads spin briefly, then sleep (`GOMP_SPINCOUNT=10000`) unless `OMP_WAIT_POLICY` or "
+            "`GOMP_SPINCOUNT` is set. See docs/performance/threads.md."
         ),
     )
     enable_prefix_caching: bool = Field(

@@ -17,17 +17,19 @@ unless the `num_threads` option, else ``OMP_NUM_THREADS``, names a count.
 
 The wait policy: an OpenMP thread that reaches a barrier first spins (GNU OpenMP: 300,000 rounds by
 default) before it sleeps. On an idle machine that saves a wake-up; on a shared one the spinning thread
-holds the core the late thread needs (one busy neighbour on a 2-core machine cut a 2-thread decode to a
-fifth). Unless the user set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``, lmiserve sets ``OMP_WAIT_POLICY=
-PASSIVE`` (a waiting thread sleeps at once) before torch is imported: measured in benchmarks/README.md
-("Threads"). The environment is read once, when OpenMP starts: `prepare_environment` must run before
-the first ``import torch`` of the process; `apply` (torch's and numba's counts) may run any time.
+holds the core the late thread needs. Sleeping at once (``OMP_WAIT_POLICY=PASSIVE``) costs a wake-up at
+every one of a step's ~200 parallel regions (a 1-row int4 step 1.4-1.8x slower on the idle AMD EPYC). So
+unless the user set ``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT`` or ``KMP_BLOCKTIME``, lmiserve sets
+``GOMP_SPINCOUNT=10000``: a thread spins a few microseconds (a step's gaps between regions), then
+sleeps. A neighbour that takes a core for good is `engine/cpu_threads.py`'s to handle (it lowers the
+count while the neighbour runs). Measured in benchmarks/README.md ("Threads"). The environment is read
+once, when OpenMP starts: `prepare_environment` must run before the first ``import torch`` of the
+process; the engine applies the count (`engine.cpu_threads.apply`) any time.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import os
 import sys
@@ -35,12 +37,11 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
-log = logging.getLogger(__name__)
-
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_CGROUP = Path("/proc/self/cgroup")
 SYS_CPU = Path("/sys/devices/system/cpu")
-WAIT_POLICY = "PASSIVE"  # what `prepare_environment` sets when the user chose no wait policy
+SPIN_COUNT = "10000"  # GOMP_SPINCOUNT `prepare_environment` sets when the user chose no wait policy
+OPTION_REASON, OMP_REASON = "the num_threads option", "OMP_NUM_THREADS"
 WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 
 
@@ -50,7 +51,12 @@ class ThreadChoice:
 
     threads: int
     reason: str
-    wait_policy: str  # what OpenMP's waiting threads do ("PASSIVE", the user's setting, or "default")
+    wait_policy: str  # what OpenMP's waiting threads do ("GOMP_SPINCOUNT=10000", the user's setting, or "default")
+
+    @property
+    def given(self) -> bool:
+        """Whether the user named the count (the option or OMP_NUM_THREADS): then it stays as given."""
+        return self.reason in (OPTION_REASON, OMP_REASON)
 
 
 def affinity_cpus() -> set[int] | None:
@@ -151,10 +157,10 @@ def choose(
     env = os.environ if env is None else env
     wait = next((f"{k}={env[k]}" for k in WAIT_VARIABLES if env.get(k)), "default")
     if option:
-        return ThreadChoice(option, "the num_threads option", wait)
+        return ThreadChoice(option, OPTION_REASON, wait)
     omp = env.get("OMP_NUM_THREADS", "").split(",")[0].strip()
     if omp.isdigit() and int(omp) > 0:
-        return ThreadChoice(int(omp), "OMP_NUM_THREADS", wait)
+        return ThreadChoice(int(omp), OMP_REASON, wait)
     if detect:
         cpus = affinity_cpus() if cpus is None else cpus
         quota = cgroup_quota() if quota is None else quota
@@ -176,8 +182,8 @@ def choose(
 
 
 def prepare_environment(choice: ThreadChoice, env: MutableMapping[str, str] | None = None) -> ThreadChoice:
-    """Before torch and numba are imported: OpenMP's and numba's thread counts, and the passive wait
-    policy unless the user chose one. Returns the choice with the wait policy it set (when torch was
+    """Before torch and numba are imported: OpenMP's and numba's thread counts, and a bounded spin
+    (`SPIN_COUNT`) unless the user chose a wait policy. Returns the choice with the wait policy it set (when torch was
     imported already, the wait policy can no longer change and the returned choice says so)."""
     global _prepared
     env = os.environ if env is None else env
@@ -189,35 +195,23 @@ def prepare_environment(choice: ThreadChoice, env: MutableMapping[str, str] | No
         if "torch" in sys.modules and env is os.environ:
             choice = ThreadChoice(choice.threads, choice.reason, "default (torch was imported before it could be set)")
         else:
-            env["OMP_WAIT_POLICY"] = WAIT_POLICY
-            choice = ThreadChoice(choice.threads, choice.reason, WAIT_POLICY)
+            env["GOMP_SPINCOUNT"] = SPIN_COUNT
+            choice = ThreadChoice(choice.threads, choice.reason, f"GOMP_SPINCOUNT={SPIN_COUNT}")
     if env is os.environ:
         _prepared = choice
     return choice
 
 
-def apply(threads: int) -> None:
-    """Set torch's intra-op threads and numba's (the compiled kernels') to `threads`."""
-    import torch
-
-    torch.set_num_threads(threads)
-    with contextlib.suppress(ImportError, ValueError):
-        import numba
-
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
-
-
 _prepared: ThreadChoice | None = None  # what `prepare_environment` set in this process's environment
 
 
-def configure(option: int | None = None) -> ThreadChoice:
-    """Choose, prepare the environment (unless `prepare_environment` did, earlier in this process) and
-    apply: what `lmiserve serve` does at start. Logs the choice."""
+def prepared(option: int | None = None) -> ThreadChoice:
+    """The choice `prepare_environment` made earlier in this process for this `option`, else a new one
+    prepared now (what `lmiserve serve` applies and logs once logging is set up)."""
     global _prepared
-    prepared, _prepared = _prepared, None
-    same = prepared is not None and (not option or prepared.threads == option)
-    choice = prepared if prepared is not None and same else prepare_environment(choose(option))
+    earlier, _prepared = _prepared, None
+    if earlier is not None and (not option or earlier.threads == option):
+        return earlier
+    choice = prepare_environment(choose(option))
     _prepared = None
-    apply(choice.threads)
-    log.info("threads: %d (%s); OpenMP wait policy: %s", choice.threads, choice.reason, choice.wait_policy)
     return choice

@@ -22,24 +22,40 @@ from typing import ParamSpec, TypeVar, TypeVarTuple, Unpack
 
 import torch
 
+from lmiserve.engine.cpu_threads import ThreadGovernor
+
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 _Ts = TypeVarTuple("_Ts")
 
 
 class TorchThread:
-    """One worker thread: the torch work handed to it runs there in call order."""
+    """One worker thread: the torch work handed to it runs there in call order. `governed`: its thread
+    count follows what other processes leave of the CPUs (`cpu_threads.ThreadGovernor`, while `GOVERN`)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, governed: bool = False) -> None:
         self.name = name
         self._executor: ThreadPoolExecutor | None = None
+        self._governed = governed
+        self._governor: ThreadGovernor | None = None
+        self._looked = False
 
     async def run(self, fn: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R:
         """`await thread.run(fn, ...)`: `fn(...)` on this thread (started on first use, again after `close`)."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self.name)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+        call = functools.partial(fn, *args, **kwargs)
+        if self._governed and GOVERN:
+            call = functools.partial(self._governed_call, call)
+        return await loop.run_in_executor(self._executor, call)
+
+    def _governed_call(self, call: Callable[[], _R]) -> _R:
+        if not self._looked:  # on this thread: torch's and numba's counts are per thread
+            self._governor, self._looked = ThreadGovernor.for_this_process(), True
+        if self._governor is not None:
+            self._governor.tick()
+        return call()
 
     def close(self) -> None:
         """End the thread once the work handed to it is done (never the shared CPU thread)."""
@@ -48,7 +64,8 @@ class TorchThread:
             self._executor = None
 
 
-SHARED = TorchThread("lmiserve-torch")  # every model on the CPU
+GOVERN = True  # False: the thread count stays what the start chose (`num_threads` or OMP_NUM_THREADS given)
+SHARED = TorchThread("lmiserve-torch", governed=True)  # every model on the CPU
 
 
 def for_device(device: torch.device | str, name: str) -> TorchThread:

@@ -93,7 +93,11 @@ def test_info_log_has_the_summary_not_one_line_per_option(started, tmp_path, mon
     )
     assert info[2].startswith("playground: http://localhost:9100/")
     # the threads torch and the compiled kernels use, and why (core/threads.py)
-    assert re.fullmatch(r"threads: \d+ \(the smallest of: \d+ CPUs in the affinity mask, .*\); OpenMP wait policy: .+", info[3])
+    assert re.fullmatch(
+        r"threads: \d+ \(the smallest of: \d+ CPUs in the affinity mask, .*; lowered while other processes take "
+        r"the CPUs\); OpenMP wait: .+",
+        info[3],
+    )
     assert not [line for line in lines if ": option " in line]  # the full list is for --log-level debug
     # the configuration's warning, held until logging was configured, in the log's format
     (warning,) = [line for line in lines if " WARNING " in line]

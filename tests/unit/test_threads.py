@@ -80,30 +80,34 @@ def test_physical_cores_count_sibling_sets_among_the_allowed_cpus(tmp_path):
     assert threads.physical_cores(set(), tmp_path) is None
 
 
-def test_prepare_environment_sets_the_counts_and_the_passive_wait_policy():
+def test_prepare_environment_sets_the_counts_and_a_bounded_spin():
     env: dict[str, str] = {}
     choice = threads.prepare_environment(threads.ThreadChoice(2, "x", "default"), env)
-    assert env == {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2", "NUMBA_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}
-    assert choice.wait_policy == "PASSIVE"
+    assert env == {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2", "NUMBA_NUM_THREADS": "2", "GOMP_SPINCOUNT": "10000"}
+    assert choice.wait_policy == "GOMP_SPINCOUNT=10000"
+    assert not choice.given and threads.choose(3, env, detect=False).given
+    assert threads.choose(None, env, detect=False).given  # OMP_NUM_THREADS (here the one just set)
 
 
 def test_a_wait_policy_the_user_set_is_kept():
-    env = {"GOMP_SPINCOUNT": "10000", "NUMBA_NUM_THREADS": "8"}
+    env = {"OMP_WAIT_POLICY": "ACTIVE", "NUMBA_NUM_THREADS": "8"}
     choice = threads.choose(None, env, cpus={0, 1}, detect=False)
-    assert choice.wait_policy == "GOMP_SPINCOUNT=10000"
+    assert choice.wait_policy == "OMP_WAIT_POLICY=ACTIVE"
     threads.prepare_environment(choice, env)
-    assert "OMP_WAIT_POLICY" not in env and env["GOMP_SPINCOUNT"] == "10000"
+    assert "GOMP_SPINCOUNT" not in env and env["OMP_WAIT_POLICY"] == "ACTIVE"
     assert env["NUMBA_NUM_THREADS"] == "8"  # the user's pool size is theirs
 
 
 CHILD = """
 import json, os, sys
 from lmiserve.core import threads
-choice = threads.configure(None)
+choice = threads.prepared(None)
+from lmiserve.engine.cpu_threads import apply
+apply(choice.threads)
 import numba, torch
 print(json.dumps({"threads": choice.threads, "reason": choice.reason, "wait": choice.wait_policy,
                   "torch": torch.get_num_threads(), "numba": numba.get_num_threads(),
-                  "omp_wait": os.environ.get("OMP_WAIT_POLICY")}))
+                  "spin": os.environ.get("GOMP_SPINCOUNT")}))
 """
 
 
@@ -124,7 +128,7 @@ def test_a_process_pinned_to_one_cpu_runs_one_thread_everywhere():
     result = run_child(["taskset", "-c", str(min(os.sched_getaffinity(0)))])
     assert result["threads"] == result["torch"] == result["numba"] == 1
     assert result["reason"].startswith("the smallest of: 1 CPUs in the affinity mask")
-    assert result["wait"] == result["omp_wait"] == "PASSIVE"
+    assert result["wait"] == "GOMP_SPINCOUNT=10000" and result["spin"] == "10000"
 
 
 def test_omp_num_threads_is_honoured_in_a_fresh_process():

@@ -94,7 +94,7 @@ def cache_key(fast: FastLlama, slots: int) -> str:
         weights = str(fast.dtype).removeprefix("torch.")
     shape = (
         f"layers={len(fast.layers)},hidden={fast.embed.shape[1]},inter={layer.intermediate},"
-        f"heads={fast.heads}/{fast.kv_heads}x{fast.head_dim},vocab={fast.lm_head.shape[0]}"
+        f"heads={fast.heads}/{fast.kv_heads}x{fast.head_dim},vocab={fast.vocab}"
     )
     return (
         f"v{VERSION}|{cpu.model}|{' '.join(cpu.flags)}|torch {torch.__version__} x{torch.get_num_threads()}|"

@@ -125,7 +125,7 @@ class FastLlama:
         # a quantized output projection: a speculative draft's (quantize.quantize_output_int8), an int4
         # model's q8 (quantize.install_output_q8: blocks of 16 rows, the last one maybe padded)
         self.lm_head_s = head.scales if isinstance(head, (Int8Linear, Int4Linear, Q8Linear)) else None
-        self._vocab = int(getattr(head, "out_features", head.weight.shape[0]))
+        self.vocab = int(getattr(head, "out_features", head.weight.shape[0]))  # the logits' width
         self._rotary = inner.rotary_emb
         self._max_context = max_context
         self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)
@@ -249,7 +249,7 @@ class FastLlama:
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm and the output projection of hidden states ``x`` (the model's dtype)."""
         logits = self._gemm.linear(_rms(x, self.norm), self.lm_head, None, self.lm_head_s)
-        return logits if logits.shape[-1] == self._vocab else logits[..., : self._vocab]
+        return logits if logits.shape[-1] == self.vocab else logits[..., : self.vocab]
 
     def rope_upto(self, positions: int) -> None:
         """Build the RoPE table for positions ``0..positions-1`` now (a captured graph reads it in place)."""

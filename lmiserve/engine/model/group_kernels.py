@@ -26,10 +26,15 @@ group)``. The conversion is shared by the rows and no horizontal sums are needed
 throughout; the group's ``sum(code * x)`` in 2-4 partial sums, scaled once (not ``w = code * scale +
 min`` per weight): results differ from a float ``x @ W.T`` in the last bits, as two BLAS kernels do.
 
-Measured (AMD EPYC Zen4, 2 threads; SmolLM2-135M's 120 layer products, weights from memory; ms for
-1/2/4/8/16 rows): torch's int4 kernel with its bf16 round trips 4.8/5.5/7.5/12.5/22.9, this q4 4.1/
-4.7/6.7/12.2/21.6 (before the per-group sums: 4.8/5.3/7.3/12.8/22.1). The q8 output projection
-(49152x576): 0.70 ms at 1 row (45 GB/s) against 3.3 ms in fp32 through `cpu_gemm`.
+Measured (AMD EPYC Zen4, 2 threads; SmolLM2-135M's 120 layer products, weights from memory, ms for
+1/2/4/8/9/16/32 rows): torch's int4 kernel with its bf16 round trips 4.95/5.94/7.83/13.7/18.9/23.9/
+47.0, this q4 kernel 4.22/5.08/6.96/12.2/14.1/20.9/36.7; at 128 and 512 rows (3072x576) it also beats
+fp32 BLAS on the dequantized matrix (2.3 vs 3.7 ms, 9.4 vs 13.2): it runs near the FMA peak, so every
+row count goes through it. The q8 output projection (49152x576) at 1/2/8 rows: 0.70/0.83/3.1 ms (45
+GB/s at 1 row) against 3.3/3.5/5.2 ms in fp32 through `cpu_gemm`. Per call ~8 us are fixed (the
+parallel region's start, the numpy views). Tried and slower: per-weight dequantization (``code *
+scale + min`` then ``w * x``: 20% slower at 1 row), 4 codes a 32-bit lane instead of the byte loads,
+8 rows a tile (register spills), 8 partial sums a row.
 """
 
 from __future__ import annotations
@@ -45,16 +50,12 @@ from lmiserve.engine.jit import HAVE_NUMBA, numba
 
 LANES = 16  # output rows per block (one 512-bit vector of fp32)
 Q4_GROUP = 32
-ROW_TILE = 4  # rows of x one kernel call accumulates (2-4 registers a row; 8 spilled registers)
+ROW_TILE = 4  # rows of x one kernel call accumulates (3-5 vector registers a row; 8 rows spilled)
 
 _F32 = npt.NDArray[np.float32]
 
 
 # ---- layout -----------------------------------------------------------------------------------------
-def _blocks(n: int) -> int:
-    return -(-n // LANES)
-
-
 def _pad_rows(t: torch.Tensor) -> torch.Tensor:
     pad = (-t.shape[0]) % LANES
     return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t

@@ -1,20 +1,23 @@
-"""Weight-only quantized linear layers on CPU, through torch's own kernels (no extra package):
+"""Weight-only quantized linear layers on CPU: int8 through torch's own kernel, int4 and q8 through
+lmiserve's compiled ones (`group_kernels`, numba):
 
 - ``dtype=int8``: per-output-channel symmetric int8 weights, products in bf16
   (``torch.ops.aten._weight_int8pack_mm``); the rest of the model runs in bf16.
 - ``dtype=int4``: 4-bit weights in groups of 32 inputs with a fp32 scale and minimum each (GGUF's
   Q4_1), products in fp32 through lmiserve's compiled kernel (`group_kernels.q4_linear`, which reads
-  the weights once for all rows). The rest of the model (embeddings, norms, attention, KV cache,
-  output projection) stays fp32. Quantizing a model that was Q4_1 (the bundled GGUF) finds its 4-bit
-  codes again exactly; `Int4Linear.from_codes` takes a file's own codes, scales and minimums.
+  the weights once for all rows). The rest of the model (embeddings, norms, attention, KV cache)
+  stays fp32; the output projection is fp32 or `Q8Linear` (models/int4_load.py). Quantizing a model
+  that was Q4_1 (the bundled GGUF) finds its 4-bit codes again exactly; `Int4Linear.from_codes`
+  takes a file's own codes, scales and minimums.
 - `Q8Linear`: int8 codes with a fp32 scale per group of 32 (or 16) inputs (GGUF's Q8_0), fp32
   products (`group_kernels.q8_linear`): an int4 model's output projection (`quantize_output_q8`,
   `install_output_q8`).
 
 Why: decoding a few rows reads every weight once a step, so at small batches a step costs about the
-bytes it reads. int8 weights are a quarter of fp32's (half of bf16's), int4 an eighth. The output
-projection is never quantized (the vocabulary matrix is tied to the embeddings in most small models;
-quantizing it changes the logits the most).
+bytes it reads. int8 weights are a quarter of fp32's (half of bf16's), int4 an eighth. `quantize_linears`
+and `quantize_linears_int4` leave the output projection float (the vocabulary matrix is tied to the
+embeddings in most small models); an int4 model's is made `Q8Linear` separately, untied (8 bits: what
+llama.cpp's quantizers keep for it), and a draft's int8 (`quantize_output_int8`).
 
 int8: for each output row ``scale = max|w| / 127`` and ``q = round(w / scale)`` clamped to
 ``[-127, 127]`` (symmetric, no zero point); the kernel computes ``x @ (q * scale).T`` with fp32
