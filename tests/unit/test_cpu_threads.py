@@ -93,10 +93,7 @@ def test_never_below_one_or_above_the_start_up_count():
 def test_busy_seconds_read_only_the_allowed_cpus(tmp_path):
     stat = tmp_path / "stat"
     stat.write_text(
-        "cpu  30 0 0 900 0 0 0 0 0 0\n"
-        "cpu0 10 1 2 300 50 3 4 5 0 0\n"
-        "cpu1 100 0 0 300 0 0 0 0 0 0\n"
-        "intr 1 2 3\n"
+        "cpu  30 0 0 900 0 0 0 0 0 0\ncpu0 10 1 2 300 50 3 4 5 0 0\ncpu1 100 0 0 300 0 0 0 0 0 0\nintr 1 2 3\n"
     )
     hz = os.sysconf("SC_CLK_TCK")
     assert cpu_threads.busy_seconds({0}, stat) == pytest.approx((10 + 1 + 2 + 3 + 4 + 5) / hz)  # not idle, iowait

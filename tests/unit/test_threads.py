@@ -149,9 +149,31 @@ def test_a_real_cgroup_quota_of_one_cpu_gives_one_thread():
     try:
         (group / "cpu.cfs_period_us").write_text("100000")
         (group / "cpu.cfs_quota_us").write_text("100000")
-        script = f"echo $$ > {group}/cgroup.procs && exec \"$@\""
+        script = f'echo $$ > {group}/cgroup.procs && exec "$@"'
         result = run_child(["sh", "-c", script, "sh"])
         assert result["threads"] == result["torch"] == 1
         assert "a cgroup quota of 1 CPUs" in result["reason"]
     finally:
         group.rmdir()
+
+
+def test_the_kernels_run_on_tbb_where_it_is_installed():
+    """numba's OpenMP layer launches 2.5x slower from the engine's thread than from the main thread
+    (engine/jit.py); with the tbb package installed (a dependency on x86-64) the kernels use TBB."""
+    from importlib import metadata
+
+    from lmiserve.engine import jit
+
+    try:
+        metadata.version("tbb")
+    except metadata.PackageNotFoundError:
+        pytest.skip("tbb is not installed here")
+    if os.environ.get("NUMBA_THREADING_LAYER"):
+        pytest.skip("the user's NUMBA_THREADING_LAYER is kept")
+    assert jit.THREADING_LAYER == "tbb"
+    import torch
+
+    from lmiserve.engine.model import skinny_gemm
+
+    skinny_gemm.linear(torch.ones(2, 8), torch.ones(4, 8))
+    assert jit.numba.threading_layer() == "tbb"

@@ -58,7 +58,7 @@ BUDGET_S = 10.0  # stop timing (and keep the static defaults) after this long
 RETRY_S = 3600.0  # a start that ran out of time is cached as static; measure again after this long
 FEW_PROBES = (3, 8)  # chunk lengths at which the few-row kernel is timed against the BLAS choices
 FEW_SHORT = 4  # its rows when it wins at the first probe only
-VERSION = 2  # of the cache entries (2: the few-row kernel)
+VERSION = 3  # of the cache entries (2: the few-row kernel; 3: group-quantized int4/q8 kernels on TBB)
 BUSY_LOAD = 1.5  # 1-minute load average per logical CPU above which timings are not trusted for good
 
 
