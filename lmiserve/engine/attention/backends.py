@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
@@ -310,6 +310,31 @@ class CpuKernelBackend(TorchBackend):
 
     name = "cpu_kernel"
     compiled = True
+
+    def decode_kernel(self, meta: _BlockStep) -> Callable[[int, Any, Any, Any, Any], None] | None:
+        """For a step of decode rows alone through the kernel's one-task-a-kv-head form: a call
+        ``(layer, query, new_keys, new_values, out)`` on C-contiguous fp32 numpy arrays (``[rows, kv_heads,
+        groups, dim]``, ``[rows, kv_heads, dim]`` twice, `out` as `query`) that does what `forward` does
+        without its per-call tensors and views (engine/model/q4_decode.py); None for any other step."""
+        dec = meta.decode
+        if dec is None or dec.kernel is None or dec.write is not None or meta.chunks or meta.pad:
+            return None
+        rows = dec.kernel
+        if rows.parts != self.kv_heads:
+            return None
+        kernel, keys, values, windows = (
+            cpu_kernel.compiled_head_kernel(),
+            self.cache.keys,
+            self.cache.values,
+            self.windows,
+        )
+        tables, spans, scale = rows.tables, rows.spans, np.float32(self.scale)
+
+        def call(layer: int, query: Any, new_keys: Any, new_values: Any, out: Any) -> None:
+            key_cache, value_cache = keys[layer].numpy(), values[layer].numpy()
+            kernel(query, key_cache, value_cache, new_keys, new_values, tables, spans, scale, windows[layer] or 0, out)
+
+        return call
 
 
 def _repeat(x: torch.Tensor, groups: int) -> torch.Tensor:

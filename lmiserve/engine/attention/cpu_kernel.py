@@ -22,6 +22,7 @@ block jump), not the indirection; reading a row's blocks whole (all its kv heads
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -184,6 +185,12 @@ def _head_kernel(  # pragma: no cover - compiled
 
 _compiled_kernel = lazily_compiled(_kernel)
 _compiled_head_kernel = lazily_compiled(_head_kernel)
+
+
+def compiled_head_kernel() -> Callable[..., None]:
+    """`_head_kernel` compiled: ``(query, key_cache, value_cache, new_keys, new_values, tables, spans,
+    scale, window, out)`` on numpy arrays (`kernel_decode_attention`'s, made by its caller)."""
+    return _compiled_head_kernel()
 
 
 def available(dtype: torch.dtype, device: torch.device) -> bool:

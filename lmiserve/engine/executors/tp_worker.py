@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from lmiserve.core import threads as cpu_threads
+from lmiserve.core import threads
 from lmiserve.engine.core.step import StepBatch, StepOutput
+from lmiserve.engine.cpu_threads import apply as apply_threads
 from lmiserve.engine.runner.fast import PagedFastRunner
 
 if TYPE_CHECKING:
@@ -116,7 +117,7 @@ def worker_main(spec: WorkerSpec, rank: int, local_rank: int, conn: Connection |
         force=True,
     )
     if spec.device == "cpu":  # the threads the node may use (core/threads.py) shared by its ranks
-        cpu_threads.apply(max(1, cpu_threads.choose().threads // spec.local_world))
+        apply_threads(max(1, threads.choose().threads // spec.local_world))
     # no progress bars in the workers' log (and none of tqdm's multiprocessing locks, which a worker's
     # os._exit would leave for the resource tracker to report as leaked)
     from transformers.utils import logging as transformers_logging

@@ -9,6 +9,8 @@ or for a few rows (a request's last token and its drafts) a compiled kernel that
 Attention runs through the model's attention backend (engine/attention/backends.py: Triton on CUDA, the
 compiled kernel on CPU fp32, torch ops otherwise), whose metadata is planned once a step from the step's
 inputs (`StepInputs`, one object: the decode rows, the prompt chunks, the rows kept, the adapters).
+An int4 model's steps of a few rows without adapters run their layers through engine/model/q4_decode.py
+(four kernel calls a layer, the RMS norms, SiLU and residual adds folded into the kernels).
 
 It reuses the loaded transformers model's weights (`llama_layout.fused_layers`: q/k/v and gate/up
 fused, the original modules pointed at their rows), so memory does not grow and the generic path
@@ -35,7 +37,7 @@ from lmiserve.engine.attention import windows as attention_window
 from lmiserve.engine.attention.backends import SeqTokens
 from lmiserve.engine.attention.paged import AttentionShape, PagedKVCache
 from lmiserve.engine.lora.batch import LoraBatch, LoraGroup
-from lmiserve.engine.model import skinny_gemm
+from lmiserve.engine.model import q4_decode, skinny_gemm
 from lmiserve.engine.model.cpu_gemm import PAD_ROWS_FROM, VOCAB_PAD_ROWS_FROM, CpuGemm
 from lmiserve.engine.model.llama_layout import (
     SUPPORTED_TYPES,
@@ -138,6 +140,11 @@ class FastLlama:
         self.graphs: DecodeReplay | None = None
         # a tensor-parallel rank's shard (engine/model/sharding.py): its collectives; None: the whole model
         self.tp = shard_of(model)
+        # an int4 model's layers in few kernel calls (engine/model/q4_decode.py), the whole model on CPU fp32
+        self.packed: q4_decode.PackedLayers | None = None
+        if self.tp is None and self.dtype == torch.float32:
+            dims = (self.heads, self.kv_heads, self.head_dim)
+            self.packed = q4_decode.PackedLayers.of(self.layers, dims, self.norm, (self.lm_head, self.lm_head_s))
         self._warm_gemm()
 
     @property
@@ -248,7 +255,10 @@ class FastLlama:
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm and the output projection of hidden states ``x`` (the model's dtype)."""
-        logits = self._gemm.linear(_rms(x, self.norm), self.lm_head, None, self.lm_head_s)
+        packed = self.packed
+        logits = packed.logits(x) if packed is not None and x.shape[0] <= q4_decode.MAX_ROWS else None
+        if logits is None:
+            logits = self._gemm.linear(_rms(x, self.norm), self.lm_head, None, self.lm_head_s)
         return logits if logits.shape[-1] == self.vocab else logits[..., : self.vocab]
 
     def rope_upto(self, positions: int) -> None:
@@ -264,6 +274,9 @@ class FastLlama:
         lora: LoraBatch | None,
     ) -> torch.Tensor:
         """The decoder layers over the step's hidden states ``x`` (``[T, hidden]``; RoPE rows `cos`/`sin`)."""
+        packed = self.packed
+        if packed is not None and lora is None and x.shape[0] <= q4_decode.MAX_ROWS:
+            return packed.run(x, cos, sin, meta, self.attention)
         tp, gemm = self.tp, self._gemm
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         for index, layer in enumerate(self.layers):

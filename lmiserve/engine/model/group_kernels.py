@@ -32,9 +32,11 @@ Measured (AMD EPYC Zen4, 2 threads; SmolLM2-135M's 120 layer products, weights f
 fp32 BLAS on the dequantized matrix (2.3 vs 3.7 ms, 9.4 vs 13.2): it runs near the FMA peak, so every
 row count goes through it. The q8 output projection (49152x576) at 1/2/8 rows: 0.70/0.83/3.1 ms (45
 GB/s at 1 row) against 3.3/3.5/5.2 ms in fp32 through `cpu_gemm`. Per call ~8 us are fixed (the
-parallel region's start, the numpy views). Tried and slower: per-weight dequantization (``code *
-scale + min`` then ``w * x``: 20% slower at 1 row), 4 codes a 32-bit lane instead of the byte loads,
-8 rows a tile (register spills), 8 partial sums a row.
+parallel region's start, the numpy views). `Packed` (weights' numpy views made once) also forms the
+input in the call (`PRE_RMS`: the RMS norm, `PRE_SILU_MUL`: ``silu(gate) * up``) and can add the
+output to what ``out`` holds (the residual): engine/model/q4_decode.py's layers. Tried and slower:
+per-weight dequantization (``code * scale + min`` then ``w * x``: 20% slower at 1 row), 4 codes a
+32-bit lane instead of the byte loads, 8 rows a tile (register spills), 8 partial sums a row.
 """
 
 from __future__ import annotations
@@ -51,8 +53,10 @@ from lmiserve.engine.jit import HAVE_NUMBA, numba
 LANES = 16  # output rows per block (one 512-bit vector of fp32)
 Q4_GROUP = 32
 ROW_TILE = 4  # rows of x one kernel call accumulates (3-5 vector registers a row; 8 rows spilled)
+PRE_NONE, PRE_RMS, PRE_SILU_MUL = 0, 1, 2  # the kernel's input: x, x's RMS norm, silu(gate) * up of x
 
 _F32 = npt.NDArray[np.float32]
+_NO_NORM = np.zeros(0, dtype=np.float32)
 
 
 # ---- layout -----------------------------------------------------------------------------------------
@@ -105,13 +109,14 @@ def unpack_q8(packed: torch.Tensor, scales: torch.Tensor, n: int) -> tuple[torch
 
 # ---- the kernels ------------------------------------------------------------------------------------
 def _tile_intrinsic(kind: str, group: int) -> Any:  # pragma: no cover - compiled
-    """An intrinsic ``tile(codes, c_at, scales, s_at, x, xs, m0, out, o_at, n, rows)``: one row block's
-    16 outputs for rows ``m0 .. m0 + rows`` (1 to `ROW_TILE`, a switch over compiled tiles) of x (``[M,
-    K]`` contiguous; `xs` ``[M, K/32]`` its group sums, q4 only), results to ``out.flat[o_at + (m0 + m)
-    * n + l]``; codes from ``codes.flat[c_at]``, scales from ``scales.flat[s_at]``. LLVM IR: a loop over
-    the groups of `group` inputs, unrolled within a group: per input the 16 codes converted to fp32 once
-    and multiplied into each row's group sums (`chains` independent vectors a row, for the FMA
-    latency); per group ``acc += sum * scale (+ min * xs)``."""
+    """An intrinsic ``tile(codes, c_at, scales, s_at, x, xs, m0, out, o_at, n, add, rows)``: one row
+    block's 16 outputs for rows ``m0 .. m0 + rows`` (1 to `ROW_TILE`, a switch over compiled tiles) of x
+    (``[M, K]`` contiguous; `xs` ``[M, K/32]`` its group sums, q4 only), results to ``out.flat[o_at + (m0
+    + m) * n + l]`` (added to what is there when `add` is nonzero); codes from ``codes.flat[c_at]``,
+    scales from ``scales.flat[s_at]``. LLVM IR: a loop over the groups of `group` inputs, unrolled within
+    a group: per input the 16 codes converted to fp32 once and multiplied into each row's group sums
+    (`chains` independent vectors a row, for the FMA latency); per group ``acc += sum * scale (+ min *
+    xs)``."""
     from llvmlite import ir
     from numba import types
     from numba.extending import intrinsic
@@ -131,7 +136,7 @@ def _tile_intrinsic(kind: str, group: int) -> Any:  # pragma: no cover - compile
 
     def emit(context: Any, builder: Any, signature: Any, args: Any, rows: int) -> None:
         chains = 4 if rows <= 2 else 2  # independent sums per row (FMA latency at few rows)
-        codes_v, c_at, scales_v, s_at, x_v, xs_v, m0, out_v, o_at, n_out = args[:-1]
+        codes_v, c_at, scales_v, s_at, x_v, xs_v, m0, out_v, o_at, n_out, add_v = args[:-1]
         arr = signature.args
         cp = context.make_array(arr[0])(context, builder, codes_v).data
         sp = context.make_array(arr[2])(context, builder, scales_v).data
@@ -211,12 +216,20 @@ def _tile_intrinsic(kind: str, group: int) -> Any:  # pragma: no cover - compile
             phi.add_incoming(value, body_end)
         builder.cbranch(builder.icmp_signed("<", g_next, groups), loop, done)
         builder.position_at_end(done)
+        outs = []
         for m in range(rows):
             at = builder.add(o_at, builder.mul(n_out, builder.add(m0, c64(m))))
-            builder.store(acc[m], builder.bitcast(builder.gep(op, [at]), vf.as_pointer()), align=4)
+            outs.append(builder.bitcast(builder.gep(op, [at]), vf.as_pointer()))
+        with builder.if_else(builder.icmp_signed("!=", add_v, ir.Constant(add_v.type, 0))) as (added, stored):
+            with added:  # the residual add (``x + o``): one fp32 add, as torch's
+                for m in range(rows):
+                    builder.store(builder.fadd(builder.load(outs[m], align=4), acc[m]), outs[m], align=4)
+            with stored:
+                for m in range(rows):
+                    builder.store(acc[m], outs[m], align=4)
 
-    def typer(typingctx, codes, c_at, scales, s_at, x, xs, m0, out, o_at, n_out, rows):  # type: ignore[no-untyped-def]
-        return types.void(codes, c_at, scales, s_at, x, xs, m0, out, o_at, n_out, rows), codegen
+    def typer(typingctx, codes, c_at, scales, s_at, x, xs, m0, out, o_at, n_out, add, rows):  # type: ignore[no-untyped-def]
+        return types.void(codes, c_at, scales, s_at, x, xs, m0, out, o_at, n_out, add, rows), codegen
 
     typer.__name__ = f"{kind}_tile_{group}"
     return intrinsic(typer)
@@ -228,37 +241,63 @@ if HAVE_NUMBA:
     _q8_tile_16 = _tile_intrinsic("q8", 16)
 
 
-def _driver(kind: int, x: _F32, codes: Any, scales: _F32, out: _F32) -> None:  # pragma: no cover
-    """``out[m, 16 b + l]`` for every row block b (split among the threads) and row m of x, in tiles of
-    up to `ROW_TILE` rows. kind 0: q4, 1: q8 with groups of 32, 2: q8 with groups of 16."""
-    rows, inner = x.shape
+def _driver(
+    kind: int, pre: int, x: _F32, norm: _F32, eps: float, codes: Any, scales: _F32, out: _F32, add: int
+) -> None:  # pragma: no cover
+    """``out[m, 16 b + l]`` (`add` nonzero: ``+=``) for every row block b (split among the threads) and
+    row m of the input, in tiles of up to `ROW_TILE` rows. kind 0: q4, 1: q8 with groups of 32, 2: q8
+    with groups of 16. The input, formed once per call (`PRE_*`): x itself; x's RMS norm with weight
+    `norm` and `eps`; ``silu(gate) * up`` of x ``[M, 2K]`` (gate the first K columns)."""
+    rows = x.shape[0]
     blocks = codes.shape[0]
     n = blocks * LANES
+    inner = codes.shape[1] * 2 // LANES if kind == 0 else codes.shape[1] // LANES
+    xin = x
+    if pre != PRE_NONE:  # plain loops: an array expression here would be a parallel region of its own
+        xin = np.empty((rows, inner), dtype=np.float32)
+        one = np.float32(1.0)
+        for m in range(rows):
+            if pre == PRE_RMS:
+                total = np.float32(0.0)
+                for k in range(inner):
+                    total += x[m, k] * x[m, k]
+                r = one / np.sqrt(total / np.float32(inner) + np.float32(eps))
+                for k in range(inner):
+                    xin[m, k] = norm[k] * (x[m, k] * r)
+            else:
+                for k in range(inner):
+                    g = x[m, k]
+                    xin[m, k] = g / (one + np.exp(-g)) * x[m, inner + k]
     groups = inner // Q4_GROUP if kind == 0 else 1
-    xs = np.empty((rows, groups), dtype=np.float32)  # q4: the group sums of x (for the minimums)
-    for m in range(rows):  # plain loops: an array expression here would be a parallel region of its own
+    xs = np.empty((rows, groups), dtype=np.float32)  # q4: the group sums of the input (for the minimums)
+    for m in range(rows):
         for g in range(groups):
             total = np.float32(0.0)
             if kind == 0:
                 for k in range(g * Q4_GROUP, (g + 1) * Q4_GROUP):
-                    total += x[m, k]
+                    total += xin[m, k]
             xs[m, g] = total
     for b in numba.prange(blocks):
         c_at, s_at, m = b * codes.shape[1], b * scales.shape[1], 0
         while m < rows:
             t = min(rows - m, ROW_TILE)
             if kind == 0:
-                _q4_tile(codes, c_at, scales, s_at, x, xs, m, out, b * LANES, n, t)
+                _q4_tile(codes, c_at, scales, s_at, xin, xs, m, out, b * LANES, n, add, t)
             elif kind == 1:
-                _q8_tile_32(codes, c_at, scales, s_at, x, xs, m, out, b * LANES, n, t)
+                _q8_tile_32(codes, c_at, scales, s_at, xin, xs, m, out, b * LANES, n, add, t)
             else:
-                _q8_tile_16(codes, c_at, scales, s_at, x, xs, m, out, b * LANES, n, t)
+                _q8_tile_16(codes, c_at, scales, s_at, xin, xs, m, out, b * LANES, n, add, t)
             m += t
+
+
+# sums reassociated (vectorized), no approximate division, square root or exp (the RMS norm and SiLU
+# keep torch's fp32 formula; only the order of the mean's sum differs)
+_FASTMATH = {"reassoc", "nsz", "contract"}
 
 
 @functools.cache
 def _compiled() -> Any:
-    return numba.njit(fastmath=True, parallel=True, cache=True, nogil=True)(_driver)
+    return numba.njit(fastmath=_FASTMATH, parallel=True, cache=True, nogil=True)(_driver)
 
 
 def available() -> bool:
@@ -271,8 +310,36 @@ def _run(kind: int, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
     if flat.dtype != torch.float32 or not flat.is_contiguous():
         flat = flat.float().contiguous()
     out = torch.empty(flat.shape[0], codes.shape[0] * LANES, dtype=torch.float32)
-    _compiled()(kind, flat.numpy(), codes.numpy(), scales.numpy(), out.numpy())
+    _compiled()(kind, PRE_NONE, flat.numpy(), _NO_NORM, 0.0, codes.numpy(), scales.numpy(), out.numpy(), 0)
     return out if out.shape[1] == n else out[:, :n].contiguous()
+
+
+class Packed:
+    """A blocked q4 or q8 weight (`pack_q4` / `pack_q8`) as numpy views made once (weights do not change
+    after load), called on numpy fp32 inputs with the input formed in the kernel (`PRE_*`): the per-call
+    cost of `q4_linear` (the views, the checks) without the tensors. The RMS norm's mean is summed in
+    another order than torch's (the last bits may differ, as between BLAS kernels); the rest is the same
+    fp32 formula (``weight * (x * rsqrt(mean(x^2) + eps))``, ``silu(g) * u``)."""
+
+    __slots__ = ("codes", "inner", "kind", "n", "scales")
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        if codes.dtype == torch.uint8:
+            self.kind, self.inner = 0, codes.shape[1] * 2 // LANES
+        else:
+            group = codes.shape[1] // scales.shape[1]
+            if group not in (16, 32):
+                raise ValueError(f"q8 groups of {group} inputs: the kernel takes 16 or 32")
+            self.kind, self.inner = 1 if group == 32 else 2, codes.shape[1] // LANES
+        self.codes, self.scales = codes.detach().contiguous().numpy(), scales.detach().contiguous().numpy()
+        self.n = codes.shape[0] * LANES  # every row of the blocks
+
+    def __call__(
+        self, x: _F32, out: _F32, pre: int = 0, norm: _F32 | None = None, eps: float = 0.0, add: bool = False
+    ) -> None:
+        """``out[:, :n] (+)= input @ W.T`` for a C-contiguous fp32 ``x`` (``[M, K]``, ``[M, 2K]`` for
+        `PRE_SILU_MUL`) and ``out`` (``[M, n]``)."""
+        _compiled()(self.kind, pre, x, _NO_NORM if norm is None else norm, eps, self.codes, self.scales, out, int(add))
 
 
 def q4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int | None = None) -> torch.Tensor:
