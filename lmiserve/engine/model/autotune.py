@@ -48,6 +48,7 @@ from lmiserve.engine.model.fast_llama import StepInputs
 
 if TYPE_CHECKING:
     from lmiserve.engine.model.fast_llama import FastLlama
+    from lmiserve.engine.model.llama_layout import Part
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +89,7 @@ def cache_key(fast: FastLlama, slots: int) -> str:
     """CPU model and kernel flags, torch version and threads, model shape and weight kind, batch."""
     cpu = cpu_info()
     layer = fast.layers[0]
-    if layer.qkv_s is not None:
-        weights = "int4" if layer.qkv_w.dtype == torch.uint8 else "int8"
-    else:
-        weights = str(fast.dtype).removeprefix("torch.")
+    weights = "+".join(sorted({_weight_kind(part, fast.dtype) for part in layer.parts()}))
     shape = (
         f"layers={len(fast.layers)},hidden={fast.embed.shape[1]},inter={layer.intermediate},"
         f"heads={fast.heads}/{fast.kv_heads}x{fast.head_dim},vocab={fast.vocab}"
@@ -102,11 +100,18 @@ def cache_key(fast: FastLlama, slots: int) -> str:
     )
 
 
+def _weight_kind(part: Part, dtype: torch.dtype) -> str:
+    """A product's weights: int4, q8 (int8 with group scales), int8 (rows) or the model's float dtype."""
+    if part.scales is None:
+        return str(dtype).removeprefix("torch.")
+    if part.weight.dtype == torch.uint8:
+        return "int4"
+    return "q8" if part.scales.dim() == 2 else "int8"
+
+
 def model_weights(fast: FastLlama) -> int:
     """How many weights the fast forward reads (layer matrices, embeddings, output projection)."""
-    per_layer = sum(
-        w.numel() for layer in fast.layers[:1] for w in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w)
-    )
+    per_layer = sum(part.weight.numel() for layer in fast.layers[:1] for part in layer.parts())
     return per_layer * len(fast.layers) + fast.embed.numel() + fast.lm_head.numel()
 
 

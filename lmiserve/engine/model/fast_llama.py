@@ -13,10 +13,11 @@ An int4 model's steps of a few rows without adapters run their layers through en
 (four kernel calls a layer, the RMS norms, SiLU and residual adds folded into the kernels).
 
 It reuses the loaded transformers model's weights (`llama_layout.fused_layers`: q/k/v and gate/up
-fused, the original modules pointed at their rows), so memory does not grow and the generic path
-keeps working. RoPE comes from a table built with the model's own rotary module. The math mirrors
-transformers' Llama modules op for op (RMSNorm in fp32, rotate-half RoPE, softmax attention), so
-the result differs from the generic path only where a kernel's summation order changes rounding.
+fused, the original modules pointed at their rows; an int4 group mixing int4 and q8 linears as parts
+whose products are concatenated), so memory does not grow and the generic path keeps working. RoPE
+comes from a table built with the model's own rotary module. The math mirrors transformers' Llama
+modules op for op (RMSNorm in fp32, rotate-half RoPE, softmax attention), so the result differs
+from the generic path only where a kernel's summation order changes rounding.
 
 Models outside the Llama family: `unsupported_reason` says why and the engine uses the generic
 transformers path. Device-agnostic; tested on CPU only.
@@ -41,6 +42,7 @@ from lmiserve.engine.model import q4_decode, skinny_gemm
 from lmiserve.engine.model.cpu_gemm import PAD_ROWS_FROM, VOCAB_PAD_ROWS_FROM, CpuGemm
 from lmiserve.engine.model.llama_layout import (
     SUPPORTED_TYPES,
+    Part,
     as_llama,
     fused_layers,
     unsupported_reason,
@@ -69,6 +71,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     (``(-a) * b == a * (-b)`` exactly, so the values are bit-identical, one op fewer)."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
+
+
+def _product(gemm: CpuGemm, x: torch.Tensor, parts: Sequence[Part]) -> torch.Tensor:
+    """A fused group's product (q/k/v, gate/up): one product, or (a group of an int4 model mixing int4
+    and q8 linears) its parts' products concatenated along the features."""
+    if len(parts) == 1:
+        weight, bias, scales, _ = parts[0]
+        return gemm.linear(x, weight, bias, scales)
+    return torch.cat([gemm.linear(x, p.weight, p.bias, p.scales)[:, : p.outputs] for p in parts], dim=-1)
 
 
 class DecodeReplay(Protocol):
@@ -281,7 +292,7 @@ class FastLlama:
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         for index, layer in enumerate(self.layers):
             h = _rms(x, layer.in_norm)
-            qkv = gemm.linear(h, layer.qkv_w, layer.qkv_b, layer.qkv_s).contiguous()
+            qkv = _product(gemm, h, layer.qkv).contiguous()
             if lora is not None:
                 lora.apply(f"{index}.qkv", h, qkv)
             qk = _rotate(qkv[:, : q_size + kv_size].view(-1, self.heads + self.kv_heads, self.head_dim), cos, sin)
@@ -295,7 +306,7 @@ class FastLlama:
                 o = tp.all_reduce(o)
             x = x + o
             h = _rms(x, layer.post_norm)
-            gate_up = gemm.linear(h, layer.gate_up_w, layer.gate_up_b, layer.gate_up_s)
+            gate_up = _product(gemm, h, layer.gate_up)
             if lora is not None:
                 lora.apply(f"{index}.gate_up", h, gate_up)
             inter = layer.intermediate
@@ -321,9 +332,9 @@ class FastLlama:
                     f"{index}.qkv",
                     ((f"{attn}.q_proj", 0, q), (f"{attn}.k_proj", q, q + kv), (f"{attn}.v_proj", q + kv, q + 2 * kv)),
                 ),
-                LoraGroup(f"{index}.o", ((f"{attn}.o_proj", 0, layer.o_w.shape[0]),)),
+                LoraGroup(f"{index}.o", ((f"{attn}.o_proj", 0, layer.hidden),)),
                 LoraGroup(f"{index}.gate_up", ((f"{mlp}.gate_proj", 0, inter), (f"{mlp}.up_proj", inter, 2 * inter))),
-                LoraGroup(f"{index}.down", ((f"{mlp}.down_proj", 0, layer.down_w.shape[0]),)),
+                LoraGroup(f"{index}.down", ((f"{mlp}.down_proj", 0, layer.hidden),)),
             ]
         return groups
 

@@ -5,26 +5,31 @@ Covers llama, mistral and qwen2 (biases), with the RoPE types whose table does n
 length; a sliding window (Mistral's ``sliding_window``, Qwen2's ``use_sliding_window`` from
 ``max_window_layers`` on) only over the paged KV cache, whose attention applies it
 (engine/attention/windows.py). Layer linears may be float, weight-only int8 (`quantize.Int8Linear`,
-``dtype=int8``: the fused matrices hold int8 rows and one scale per row) or int4 (`quantize.Int4Linear`,
-``dtype=int4``: blocks of 16 rows of codes and of scales and minimums, `group_kernels`).
+``dtype=int8``: the fused matrices hold int8 rows and one scale per row), or at ``dtype=int4`` any mix of
+int4 (`quantize.Int4Linear`: blocks of 16 rows of codes and of scales and minimums, `group_kernels`) and
+q8 (`quantize.Q8Linear`: int8 codes with a scale per group of 16 or 32 inputs, a GGUF file's Q8_0, Q6_K
+and Q5_0 tensors): a Q4_K_M file's attn_v and half its ffn_down are Q6_K. A fused group (q/k/v,
+gate/up) whose linears are not all of one kind keeps its parts (`Part`: each run of linears of one kind
+fused), whose products the forward concatenates; no weight is re-quantized.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
 
 import torch
 
 from lmiserve.engine.attention.windows import unsupported_kinds
-from lmiserve.engine.model.quantize import INT4_ROW_BLOCK, Int4Linear, Int8Linear
+from lmiserve.engine.model.quantize import INT4_ROW_BLOCK, Int4Linear, Int8Linear, Q8Linear
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+_QUANTIZED = (Int8Linear, Int4Linear, Q8Linear)
 
 
 # ---- the layout (what `unsupported_reason` checks) -------------------------------------------------
@@ -98,17 +103,26 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
             weight = getattr(module, "weight", None)
             if not isinstance(weight, torch.Tensor) or weight.is_meta:
                 return f"layer module {name} is not a plain linear"
-            if not weight.is_floating_point() and not isinstance(module, (Int8Linear, Int4Linear)):
-                return f"layer module {name} is not a plain floating-point, int8 or int4 linear"
-            if isinstance(module, Int4Linear) and module.out_features % INT4_ROW_BLOCK:
-                # int4 rows are stored in blocks of rows (quantize.INT4_ROW_BLOCK): a partial block would pad outputs
-                return f"int4 {name} outputs are not a multiple of {INT4_ROW_BLOCK}"
+            if not weight.is_floating_point() and not isinstance(module, _QUANTIZED):
+                return f"layer module {name} is not a plain floating-point, int8, int4 or q8 linear"
+            if isinstance(module, (Int4Linear, Q8Linear)) and module.out_features % INT4_ROW_BLOCK:
+                # int4 and q8 rows are stored in blocks of rows (quantize.INT4_ROW_BLOCK): a partial block pads outputs
+                kind = "int4" if isinstance(module, Int4Linear) else "q8"
+                return f"{kind} {name} outputs are not a multiple of {INT4_ROW_BLOCK}"
+            if isinstance(module, Q8Linear) and _q8_group(module) not in (16, 32):
+                return f"q8 {name} has groups of {_q8_group(module)} inputs (the kernel takes 16 or 32)"
         for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
             owner = attn if group[0] == "q_proj" else mlp
             modules = [getattr(owner, n) for n in group]
-            if len({type(m) for m in modules}) > 1:
-                return f"{'/'.join(group)} are not all of one kind (float, int8 or int4)"
+            grouped = all(isinstance(m, (Int4Linear, Q8Linear)) for m in modules)  # any mix: kept as parts
+            if len({type(m) for m in modules}) > 1 and not grouped:
+                return f"{'/'.join(group)} are not all of one kind (float, int8, or int4 and q8)"
     return None
+
+
+def _q8_group(module: Q8Linear) -> int:
+    """Inputs per scale of a q8 linear (its scales: ``[blocks, in / group * 16]``)."""
+    return module.in_features * INT4_ROW_BLOCK // module.scales.shape[1]
 
 
 def as_llama(model: PreTrainedModel) -> LlamaFamily:
@@ -120,21 +134,75 @@ def as_llama(model: PreTrainedModel) -> LlamaFamily:
 
 
 # ---- fused weights -------------------------------------------------------------------------------
+class Part(NamedTuple):
+    """One product of a layer: a (fused) weight in the model's ``[out, in]`` layout (int4 and q8: blocks
+    of 16 rows), its bias, its scales (None: float) and its output features."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    scales: torch.Tensor | None
+    outputs: int
+
+
 class FusedLayer:
     """One decoder layer's weights as `FastLlama` reads them: q/k/v and gate/up fused into one
-    matrix each (in the model's own ``[out, in]`` layout). For int8 and int4 layers each matrix has
-    its scales (`*_s`, see `_fuse`); None for float layers."""
+    matrix each (in the model's own ``[out, in]`` layout). For int8, int4 and q8 layers each matrix has
+    its scales (`*_s`, see `_fuse`); None for float layers. A group of an int4 model whose linears mix
+    int4 and q8 (a Q4_K_M file's q/k/v: attn_v is Q6_K) keeps its parts (`qkv`, `gate_up`: each run of
+    one kind fused; `qkv_w` and the like are those of a group of one part only)."""
 
     def __init__(self, layer: DecoderLayer) -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv_w, self.qkv_b, self.qkv_s = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.gate_up_w, self.gate_up_b, self.gate_up_s = _fuse([mlp.gate_proj, mlp.up_proj])
+        self.qkv = _fuse_runs([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.gate_up = _fuse_runs([mlp.gate_proj, mlp.up_proj])
         self.o_w, self.o_b, self.o_s = _fuse([attn.o_proj])
         self.down_w, self.down_b, self.down_s = _fuse([mlp.down_proj])
         self.act = mlp.act_fn
         self.in_norm = (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
         self.post_norm = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
         self.intermediate = int(getattr(mlp.gate_proj, "out_features", mlp.gate_proj.weight.shape[0]))
+        self.hidden = int(getattr(attn.o_proj, "out_features", attn.o_proj.weight.shape[0]))  # o's and down's outputs
+
+    @property
+    def fused(self) -> bool:
+        """Whether q/k/v and gate/up are one product each (every group's linears of one kind)."""
+        return len(self.qkv) == 1 and len(self.gate_up) == 1
+
+    def parts(self) -> list[Part]:
+        """Every product of the layer (the weights a step reads)."""
+        o = Part(self.o_w, self.o_b, self.o_s, self.hidden)
+        down = Part(self.down_w, self.down_b, self.down_s, self.hidden)
+        return [*self.qkv, o, *self.gate_up, down]
+
+    @property
+    def qkv_w(self) -> torch.Tensor:
+        return _one(self.qkv).weight
+
+    @property
+    def qkv_b(self) -> torch.Tensor | None:
+        return _one(self.qkv).bias
+
+    @property
+    def qkv_s(self) -> torch.Tensor | None:
+        return _one(self.qkv).scales
+
+    @property
+    def gate_up_w(self) -> torch.Tensor:
+        return _one(self.gate_up).weight
+
+    @property
+    def gate_up_b(self) -> torch.Tensor | None:
+        return _one(self.gate_up).bias
+
+    @property
+    def gate_up_s(self) -> torch.Tensor | None:
+        return _one(self.gate_up).scales
+
+
+def _one(parts: tuple[Part, ...]) -> Part:
+    if len(parts) != 1:
+        raise ValueError("this group's linears are of several kinds: it has no one fused matrix (see `parts`)")
+    return parts[0]
 
 
 # The fused layers of each model, fused once: fusing points the model's modules at rows of the fused
@@ -151,18 +219,45 @@ def fused_layers(model: PreTrainedModel) -> list[FusedLayer]:
     return layers
 
 
+def _kind(module: torch.nn.Module) -> object:
+    """What fuses with what: float linears of one dtype, int8 rows, int4 blocks, q8 blocks of one group."""
+    if isinstance(module, Q8Linear):
+        return Q8Linear, _q8_group(module)
+    if isinstance(module, (Int8Linear, Int4Linear)):
+        return type(module)
+    return cast(torch.nn.Linear, module).weight.dtype
+
+
+def _fuse_runs(modules: list[torch.nn.Linear]) -> tuple[Part, ...]:
+    """`modules` (which read the same input) as products whose outputs, concatenated, are theirs in
+    order: each run of consecutive linears of one kind (`_kind`) fused by `_fuse` (one part when they
+    are all of one kind)."""
+    runs: list[list[torch.nn.Linear]] = []
+    for m in modules:
+        if runs and _kind(runs[-1][0]) == _kind(m):
+            runs[-1].append(m)
+        else:
+            runs.append([m])
+    parts = []
+    for run in runs:
+        outputs = sum(int(getattr(m, "out_features", m.weight.shape[0])) for m in run)
+        parts.append(Part(*_fuse(run), outputs))
+    return tuple(parts)
+
+
 def _fuse(
     modules: list[torch.nn.Linear],
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One weight for several linears that read the same input (``[sum of out, in]``, contiguous,
-    the model's own output-major layout), its bias and the scales of quantized linears: int8 rows'
-    scales ``[out]``, int4 blocks' scales and minimums ``[out / 16, in]`` (int4 weights are stored in
-    blocks of `INT4_ROW_BLOCK` output rows, `group_kernels`, so matrices whose rows fill whole blocks
+    the model's own output-major layout), its bias and the scales of quantized linears (all of one
+    kind): int8 rows' scales ``[out]``, int4 blocks' scales and minimums ``[out / 16, in]``, q8 blocks'
+    scales ``[out / 16, in / group * 16]`` (int4 and q8 weights are stored in blocks of
+    `INT4_ROW_BLOCK` output rows, `group_kernels`, so matrices whose rows fill whole blocks
     concatenate; `unsupported_reason` checks it). Each module is pointed at its rows (blocks), so memory
     does not grow and the transformers forward keeps working on the same storage."""
     weights = [m.weight.detach() for m in modules]
     stored = weights[0].contiguous() if len(weights) == 1 else torch.cat(weights, dim=0)
-    quantized = [cast(Int8Linear | Int4Linear, m) for m in modules if isinstance(m, (Int8Linear, Int4Linear))]
+    quantized = [cast(Int8Linear | Int4Linear | Q8Linear, m) for m in modules if isinstance(m, _QUANTIZED)]
     if quantized and len(quantized) != len(modules):
         raise ValueError("mixed quantized and float linears")
     scales = torch.cat([m.scales for m in quantized], dim=0) if quantized else None
@@ -174,7 +269,7 @@ def _fuse(
     row = out = 0  # the module's first stored row (an int4 block) and first output
     for m in modules:
         n, outputs = m.weight.shape[0], int(getattr(m, "out_features", m.weight.shape[0]))
-        if isinstance(m, (Int8Linear, Int4Linear)):
+        if isinstance(m, _QUANTIZED):
             m.weight = stored[row : row + n]
             m.bias = None if bias is None else bias[out : out + outputs]
             if scales is not None:

@@ -11,7 +11,8 @@ lmiserve's compiled ones (`group_kernels`, numba):
   takes a file's own codes, scales and minimums.
 - `Q8Linear`: int8 codes with a fp32 scale per group of 32 (or 16) inputs (GGUF's Q8_0), fp32
   products (`group_kernels.q8_linear`): an int4 model's output projection (`quantize_output_q8`,
-  `install_output_q8`).
+  `install_output_q8`), and its layer linears a GGUF file holds as Q8_0, Q6_K or Q5_0
+  (models/int4_load.py; the fast forward runs any mix of int4 and q8 layer linears).
 
 Why: decoding a few rows reads every weight once a step, so at small batches a step costs about the
 bytes it reads. int8 weights are a quarter of fp32's (half of bf16's), int4 an eighth. `quantize_linears`
