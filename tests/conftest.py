@@ -79,9 +79,10 @@ def _settings_as_users_get_them(request: pytest.FixtureRequest, monkeypatch: pyt
         monkeypatch.delenv("OPTION_GRPC_PORT", raising=False)
         # `lmiserve serve` run in process (cli.main) sets OpenMP's environment (core/threads.py): undone after
         for name in ("OMP_NUM_THREADS", "GOMP_SPINCOUNT", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
-            monkeypatch.setenv(name, os.environ[name]) if name in os.environ else monkeypatch.delenv(
-                name, raising=False
-            )
+            was = os.environ.get(name)
+            monkeypatch.setenv(name, was or "")  # records the value (or its absence) to restore it after
+            if was is None:
+                monkeypatch.delenv(name)
 
 
 # The device of `tiny_model`: cpu, or what LMISERVE_TEST_DEVICE names (benchmarks/gpu_check.py runs the
