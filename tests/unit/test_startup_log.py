@@ -5,8 +5,8 @@ warnings, in the log's own format. The server itself is not started (Lifecycle.s
 from __future__ import annotations
 
 import json
-import re
 import logging
+import re
 from collections.abc import Iterator
 from types import SimpleNamespace
 
