@@ -45,6 +45,7 @@ from lmiserve.engine.model.llama_layout import (
     Part,
     as_llama,
     fused_layers,
+    outputs_of,
     unsupported_reason,
 )
 from lmiserve.engine.model.quantize import Int4Linear, Int8Linear, Q8Linear
@@ -138,7 +139,7 @@ class FastLlama:
         # a quantized output projection: a speculative draft's (quantize.quantize_output_int8), an int4
         # model's q8 (quantize.install_output_q8: blocks of 16 rows, the last one maybe padded)
         self.lm_head_s = head.scales if isinstance(head, (Int8Linear, Int4Linear, Q8Linear)) else None
-        self.vocab = int(getattr(head, "out_features", head.weight.shape[0]))  # the logits' width
+        self.vocab = outputs_of(head)  # the logits' width
         self._rotary = inner.rotary_emb
         self._max_context = max_context
         self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)

@@ -77,6 +77,14 @@ class LlamaFamily(Protocol):
     lm_head: torch.nn.Linear
 
 
+def outputs_of(module: torch.nn.Module) -> int:
+    """A linear's output features: a float linear's weight rows (tensor parallelism slices the weight and
+    leaves `out_features` as it was), a quantized one's `out_features` (its rows are blocks of 16)."""
+    if isinstance(module, torch.nn.Linear):
+        return int(module.weight.shape[0])
+    return int(module.out_features)  # type: ignore[arg-type]
+
+
 def unsupported_reason(model: PreTrainedModel) -> str | None:
     """None when `FastLlama` can run `model`, else a short reason for the log."""
     cfg = model.config
@@ -160,8 +168,8 @@ class FusedLayer:
         self.act = mlp.act_fn
         self.in_norm = (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
         self.post_norm = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
-        self.intermediate = int(getattr(mlp.gate_proj, "out_features", mlp.gate_proj.weight.shape[0]))
-        self.hidden = int(getattr(attn.o_proj, "out_features", attn.o_proj.weight.shape[0]))  # o's and down's outputs
+        self.intermediate = outputs_of(mlp.gate_proj)
+        self.hidden = outputs_of(attn.o_proj)  # o's and down's outputs
 
     @property
     def fused(self) -> bool:
@@ -240,7 +248,7 @@ def _fuse_runs(modules: list[torch.nn.Linear]) -> tuple[Part, ...]:
             runs.append([m])
     parts = []
     for run in runs:
-        outputs = sum(int(getattr(m, "out_features", m.weight.shape[0])) for m in run)
+        outputs = sum(outputs_of(m) for m in run)
         parts.append(Part(*_fuse(run), outputs))
     return tuple(parts)
 
@@ -268,7 +276,7 @@ def _fuse(
         raise ValueError("mixed biases")
     row = out = 0  # the module's first stored row (an int4 block) and first output
     for m in modules:
-        n, outputs = m.weight.shape[0], int(getattr(m, "out_features", m.weight.shape[0]))
+        n, outputs = m.weight.shape[0], outputs_of(m)
         if isinstance(m, _QUANTIZED):
             m.weight = stored[row : row + n]
             m.bias = None if bias is None else bias[out : out + outputs]
