@@ -29,6 +29,13 @@ def free_port(host: str = HOST) -> int:
         return int(sock.getsockname()[1])
 
 
+def no_grpc(serve_args: Sequence[str]) -> list[str]:
+    """`--grpc-port 0` (gRPC off) unless the arguments or the environment name a gRPC port: the bench
+    speaks HTTP, and a second server (`--ab-option`) would find the first on the default port 8081."""
+    named = any(a == "--grpc-port" or a.startswith(("--grpc-port=", "grpc_port=")) for a in serve_args)
+    return [] if named or "OPTION_GRPC_PORT" in os.environ else ["--grpc-port", "0"]
+
+
 class ManagedServer:
     """`python -m lmiserve serve <args> --host 127.0.0.1 --port <free>`, output to `log_path`."""
 
@@ -41,6 +48,7 @@ class ManagedServer:
             "lmiserve",
             "serve",
             *serve_args,
+            *no_grpc(serve_args),
             "--host",
             HOST,
             "--port",

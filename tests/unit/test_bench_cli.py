@@ -131,3 +131,17 @@ def test_serving_and_help_never_import_the_bench_dependencies():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_servers_the_bench_starts_leave_the_grpc_port_alone(tmp_path, monkeypatch):
+    """Two servers of one run (`--ab-option`) would both take gRPC's default port 8081: the bench turns
+    gRPC off unless the user named a port (an argument or OPTION_GRPC_PORT)."""
+    from lmiserve.bench.server import ManagedServer
+
+    monkeypatch.delenv("OPTION_GRPC_PORT", raising=False)
+    command = ManagedServer(["--dtype", "fp32"], tmp_path / "log").command
+    assert command[command.index("--grpc-port") + 1] == "0"
+    assert "0" not in ManagedServer(["-o", "grpc_port=9001"], tmp_path / "log").command
+    assert ManagedServer(["--grpc-port", "9001"], tmp_path / "log").command.count("--grpc-port") == 1
+    monkeypatch.setenv("OPTION_GRPC_PORT", "9002")
+    assert "--grpc-port" not in ManagedServer([], tmp_path / "log").command
