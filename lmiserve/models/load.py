@@ -113,7 +113,7 @@ def load_causal_lm(
     if int8 and (torch_device.type != "cpu" or not int8_available()):
         raise ModelLoadError("dtype int8 (weight-only int8) runs on CPU only, with torch's int8 kernel")
     if int4 and (torch_device.type != "cpu" or not int4_available()):
-        raise ModelLoadError("dtype int4 (weight-only int4) runs on CPU only, with torch's int4 kernel")
+        raise ModelLoadError("dtype int4 (weight-only int4) runs on CPU only, with lmiserve's compiled kernels (numba)")
     start = time.monotonic()
     common = {"trust_remote_code": trust_remote_code, "local_files_only": True}
     try:
