@@ -6,6 +6,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from lmiserve.core.grammar import Grammar
+from lmiserve.core.media import Image
 from lmiserve.core.request_context import current_request_id
 
 _ids = itertools.count(1)
@@ -97,3 +98,6 @@ class GenerationRequest:
     ranked: bool = True
     # the LoRA adapter that answers (its registered name; None: the base model)
     adapter: str | None = None
+    # a vision-language model's images (lmiserve/core/media.py), decoded, in the order of the image
+    # placeholders the prompt's chat template wrote; the engine gives them to the model's processor
+    images: tuple[Image, ...] = ()
