@@ -31,7 +31,10 @@ from helpers.tiny_model import (  # noqa: E402
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from helpers.server_pool import ServerPool
+    from helpers.tiny_vlm import TinyVlmDirs
     from lmiserve.models.load import LoadedModel
 
 
@@ -117,6 +120,25 @@ def smollm_model(smollm_dir: Path) -> LoadedModel:
     from lmiserve.models.load import load_causal_lm
 
     return load_causal_lm(smollm_dir, dtype="fp32", device="cpu", name="SmolLM2-135M-Instruct")
+
+
+# ---- tiny vision-language models (tests/helpers/tiny_vlm.py) ---------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dirs(tmp_path_factory: pytest.TempPathFactory) -> TinyVlmDirs:
+    """family -> a saved tiny random VLM of that family (``helpers.tiny_vlm.FAMILIES``: llava, llava_next,
+    qwen2_vl, qwen2_5_vl, qwen3_vl, idefics3, gemma3) with its processor, each built the first time a test
+    asks for it (about a second) and named ``tiny-<family>`` (``tiny-qwen2-vl``), the name it is served as."""
+    from helpers.tiny_vlm import TinyVlmDirs
+
+    return TinyVlmDirs(tmp_path_factory.mktemp("tiny-vlms"))
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(tiny_vlm_dirs: TinyVlmDirs) -> Callable[[str], Path]:
+    """`tiny_vlm_dir(family)`: the directory of `tiny_vlm_dirs[family]`, built on first use."""
+    return tiny_vlm_dirs.__getitem__
 
 
 # ---- one-shot model kinds (tests/helpers/tensor_models.py) -------------------------------------------

@@ -36,17 +36,23 @@ def _axis(ax: Any, title: str, ylabel: str, concurrencies: list[int]) -> None:  
     ax.grid(True, alpha=0.3)
 
 
+def _levels(server: Json) -> list[Json]:
+    """The completion levels, or the vision scenario's when it ran alone."""
+    levels: list[Json] = server["levels"] or server.get("vision_levels") or []
+    return levels
+
+
 def draw_chart(report: Json, path: Path) -> Path:
     """Write the chart of `report` to `path` (PNG) and return the path."""
     fig = Figure(figsize=(16, 5.2), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     throughput, ttft, itl = fig.subplots(1, 3)
-    concurrencies = sorted({lv["concurrency"] for s in report["servers"] for lv in s["levels"]})
+    concurrencies = sorted({lv["concurrency"] for s in report["servers"] for lv in _levels(s)})
     colors = ["tab:blue", "tab:orange", "tab:purple", "tab:brown", "tab:pink", "tab:olive"]
 
     for i, server in enumerate(report["servers"]):
         color = colors[i % len(colors)]
-        levels = server["levels"]
+        levels = _levels(server)
         x, y = _series(levels, lambda lv: lv["output_tokens_per_s"])
         throughput.plot(x, y, "o-", color=color, label=server["name"])
         for ax, key in ((ttft, "ttft_ms"), (itl, "itl_ms")):
@@ -56,11 +62,12 @@ def draw_chart(report: Json, path: Path) -> Path:
             ax.plot(x, y, "s--", color=color, label=f"{server['name']} p99")
 
     baselines = report.get("baselines") or {}
+    vision = {} if baselines.get("generate") else report.get("vision_baselines") or {}
     for kind, key, label, style in (
         ("forward", "decode_tokens_per_s", "bare forward (decode, in process)", "^:"),
-        ("generate", "tokens_per_s", "model.generate static batch", "v:"),
+        ("generate", "tokens_per_s", "model.generate static batch" + (" (images)" if vision else ""), "v:"),
     ):
-        rows = baselines.get(kind) or []
+        rows = baselines.get(kind) or vision.get(kind) or []
         points = [(r["batch_size"], r[key]) for r in rows if r.get(key) is not None]
         if points:
             throughput.plot(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +44,7 @@ class ChatDialect:
         self.model = self.model or await first_model_id(client, self.url) or "default"
         return self.model
 
-    def payload(self, messages: list[dict[str, str]], max_new_tokens: int) -> dict[str, Any]:
+    def payload(self, messages: list[dict[str, Any]], max_new_tokens: int) -> dict[str, Any]:
         return {
             "model": self.model or "default",
             "messages": messages,
@@ -56,7 +57,7 @@ class ChatDialect:
         }
 
     async def stream(
-        self, client: httpx.AsyncClient, messages: list[dict[str, str]], max_new_tokens: int, record: RequestRecord
+        self, client: httpx.AsyncClient, messages: list[dict[str, Any]], max_new_tokens: int, record: RequestRecord
     ) -> None:
         """Send one chat request and fill `record` (token times, text, usage, error)."""
         body = self.payload(messages, max_new_tokens)
@@ -124,10 +125,12 @@ async def run_chat_level(
     duration: float | None = None,
     warmup: int = 1,
     request_timeout: float = 600.0,
+    conversation: Callable[[int], Conversation] = Conversation,
 ) -> tuple[list[RequestRecord], float]:
     """Closed loop: `concurrency` clients, each running `conversations_per_client` conversations of
     `turns` turns (with `duration`: conversations until `duration` seconds after the last client's
-    warm-up, stopping mid-conversation at the deadline). A client stops at its first failed request."""
+    warm-up, stopping mid-conversation at the deadline). A client stops at its first failed request.
+    `conversation` makes conversation number k (the vision scenario's: a one-turn request with image k)."""
     records: list[RequestRecord] = []
     warmed = asyncio.Event()
     state = {"left": concurrency, "at": time.perf_counter()}
@@ -144,7 +147,7 @@ async def run_chat_level(
         index = 0
         for w in range(warmup):
             tokens = stagger(client_id, concurrency, max_new_tokens) if w == 0 else max_new_tokens
-            conv = Conversation(WARMUP_CONVERSATIONS + client_id + w * concurrency)
+            conv = conversation(WARMUP_CONVERSATIONS + client_id + w * concurrency)
             record = await chat_request(dialect, client, conv, tokens, client_id=client_id, index=index, warmup=True)
             records.append(record)
             index += 1
@@ -154,7 +157,7 @@ async def run_chat_level(
                 return
         conv_index = 0
         while duration is not None or conv_index < conversations_per_client:
-            conv = Conversation(conversation_number(client_id, conv_index, concurrency))
+            conv = conversation(conversation_number(client_id, conv_index, concurrency))
             for _ in range(turns):
                 now = time.perf_counter()
                 if duration is not None and warmed.is_set() and now >= state["at"] + duration:
@@ -175,11 +178,13 @@ async def run_chat_level(
     return records, time.perf_counter() - start
 
 
-async def probe_chat(dialect: ChatDialect, max_new_tokens: int = 4) -> RequestRecord:
+async def probe_chat(
+    dialect: ChatDialect, max_new_tokens: int = 4, conversation: Callable[[int], Conversation] = Conversation
+) -> RequestRecord:
     """One short chat request before the levels: fails fast (BenchError) if the server cannot serve."""
     async with make_client(1, 120.0) as client:
         await dialect.resolve_model(client)
-        record = await chat_request(dialect, client, Conversation(WARMUP_CONVERSATIONS - 1), max_new_tokens)
+        record = await chat_request(dialect, client, conversation(WARMUP_CONVERSATIONS - 1), max_new_tokens)
     if record.error is not None:
         raise BenchError(f"{dialect.name} at {dialect.url} failed a chat probe request: {record.error}")
     return record

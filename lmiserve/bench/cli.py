@@ -24,7 +24,11 @@ with the bundled SmolLM2-135M (fp32).
 well): a shared system prompt, every turn resending the whole history, figures per turn index.
 --ab-option KEY=VALUE starts a second lmiserve with that server option added (for instance
 enable_prefix_caching=false) and runs every level on both, reporting B / A throughput and the chat
-TTFT of turns >= 3, A / B."""
+TTFT of turns >= 3, A / B.
+
+--scenario vision (a vision-language model) sends one 640x480 image and a question a request over
+/v1/chat/completions, at concurrency 1 and 8 unless --concurrency says otherwise, and compares with
+model.generate on the same images (pixel inputs from the model's processor) in the same run."""
 
 
 def _int_list(text: str) -> list[int]:
@@ -78,9 +82,8 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument(
         "--concurrency",
         type=_int_list,
-        default=[1, 8, 32],
         metavar="C1,C2,...",
-        help="closed-loop client counts, also the baselines' batch sizes (default 1,8,32)",
+        help="closed-loop client counts, also the baselines' batch sizes (default 1,8,32; 1,8 with --scenario vision)",
     )
     p.add_argument("--max-new-tokens", type=_positive_int, default=128, help="tokens forced per request (default 128)")
     amount = p.add_mutually_exclusive_group()
@@ -127,10 +130,11 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     p.add_argument(
         "--scenario",
-        choices=("completion", "chat", "both"),
+        choices=("completion", "chat", "both", "vision"),
         default="completion",
         help="completion: one prompt a request (LMI /invocations; peers /v1/completions); chat: "
-        "multi-turn conversations over /v1/chat/completions; both: one after the other (default completion)",
+        "multi-turn conversations over /v1/chat/completions; both: one after the other; vision: one image "
+        "and a question a request over /v1/chat/completions (a vision-language model) (default completion)",
     )
     p.add_argument(
         "--prompt-set",
@@ -230,7 +234,7 @@ def run_bench_command(args: argparse.Namespace, argv: list[str] | None = None) -
                 for i, url in enumerate(args.compare_url)
             ],
             compare_model=args.compare_model,
-            concurrency=args.concurrency,
+            concurrency=args.concurrency or ([1, 8] if args.scenario == "vision" else [1, 8, 32]),
             max_new_tokens=args.max_new_tokens,
             requests_per_client=args.requests_per_client or 2,
             duration=args.duration,

@@ -15,6 +15,7 @@ from lmiserve.bench.server import RssSampler
 from lmiserve.bench.stats import level_summary
 from lmiserve.bench.structured import compare_levels
 from lmiserve.bench.targets import Target
+from lmiserve.bench.vision import PROBE_NUMBER, VisionRequest, level_numbers, prepare_images
 
 Json = dict[str, Any]
 Log = Callable[[str], None]
@@ -69,6 +70,38 @@ def _measure_chat_level(dialect: ChatDialect, concurrency: int, config: BenchCon
     return level
 
 
+def _measure_vision_level(dialect: ChatDialect, concurrency: int, config: BenchConfig, log: Log, label: str) -> Json:
+    """A level of one-image chat requests (bench/vision.py): the completion scenario's figures, plus the
+    mean prompt tokens the server reported (the image's tokens among them)."""
+    if config.duration is None:
+        prepare_images(level_numbers(concurrency, config.requests_per_client, config.warmup))
+    records, elapsed = asyncio.run(
+        run_chat_level(
+            dialect,
+            concurrency,
+            config.max_new_tokens,
+            turns=1,
+            conversations_per_client=config.requests_per_client,
+            duration=config.duration,
+            warmup=config.warmup,
+            request_timeout=config.request_timeout,
+            conversation=VisionRequest,
+        )
+    )
+    level = level_summary(concurrency, records, elapsed)
+    prompt = [r.prompt_tokens for r in records if not r.warmup and r.prompt_tokens is not None]
+    level["prompt_tokens_mean"] = round(sum(prompt) / len(prompt), 1) if prompt else None
+    log(
+        f"  concurrency {concurrency:>3}{label} (vision): {level['output_tokens_per_s']} tokens/s, "
+        f"TTFT p50 {level['ttft_ms']['p50']} ms, prompt {level['prompt_tokens_mean']} tokens, "
+        f"{level['requests']} requests ({level['failed_requests']} failed, {level['token_count_errors']} wrong "
+        f"token counts) in {elapsed:.1f} s"
+    )
+    for error in level["errors"]:
+        log(f"    error: {error}")
+    return level
+
+
 def measure_servers(targets: list[Target], config: BenchConfig, log: Log) -> list[Json]:
     """Probe every server, then every scenario and concurrency level, the servers in turn at each level
     (so that they see the same machine load as closely as a shared machine allows); with a JSON schema
@@ -83,6 +116,10 @@ def measure_servers(targets: list[Target], config: BenchConfig, log: Log) -> lis
         if "chat" in config.scenarios:
             log(f"{target.name} (chat) at {target.chat.url}: probe request")
             asyncio.run(probe_chat(target.chat))
+        if "vision" in config.scenarios:
+            log(f"{target.name} (vision) at {target.chat.url}: probe request")
+            prepare_images([PROBE_NUMBER])
+            asyncio.run(probe_chat(target.chat, conversation=VisionRequest))
         schema = None
         if config.json_schema is not None and "completion" in config.scenarios:
             schema = constrained(target.completion, config.json_schema)
@@ -101,6 +138,8 @@ def measure_servers(targets: list[Target], config: BenchConfig, log: Log) -> lis
             server["constrained_levels"] = []
         if "chat" in config.scenarios:
             server["chat_levels"] = []
+        if "vision" in config.scenarios:
+            server["vision_levels"] = []
         servers.append(server)
     for scenario in config.scenarios:
         for c in config.concurrency:
@@ -108,6 +147,9 @@ def measure_servers(targets: list[Target], config: BenchConfig, log: Log) -> lis
                 label = f" [{target.name}]"
                 if scenario == "chat":
                     server["chat_levels"].append(_measure_chat_level(target.chat, c, config, log, label))
+                    continue
+                if scenario == "vision":
+                    server["vision_levels"].append(_measure_vision_level(target.chat, c, config, log, label))
                     continue
                 server["levels"].append(_measure_level(target.completion, c, config, log, label))
                 if schema is not None:

@@ -19,6 +19,7 @@ from lmiserve.bench.chat_report import (
 )
 from lmiserve.bench.stats import ratio
 from lmiserve.bench.structured import structured_target
+from lmiserve.bench.vision_report import add_vision_ratios, vision_lines
 
 SCHEMA = "lmiserve-bench/1"
 Json = dict[str, Any]
@@ -146,6 +147,7 @@ def evaluate_targets(server: Json | None, memory: Json | None) -> list[Json]:
         *(server or {}).get("levels", ()),
         *(server or {}).get("constrained_levels", ()),
         *(server or {}).get("chat_levels", ()),
+        *(server or {}).get("vision_levels", ()),
     ]
     wrong = sum(lv["token_count_errors"] + lv["failed_requests"] for lv in all_levels)
     targets.append(
@@ -167,13 +169,16 @@ def build_report(
     memory: Json | None,
     structured: Json | None = None,
     ab_options: Sequence[tuple[str, str]] = (),
+    vision_baselines: Json | None = None,
 ) -> Json:
     """The whole report: `meta` (command, machine, versions, model, settings...) plus figures;
     `structured` (with --json-schema: the schema, compile times, mask cost) gets the lmiserve
-    server's constrained/unconstrained comparison. The first `lmi` server is lmiserve (A); a server
-    with `"ab": true` is the second lmiserve of --ab-option (B); the other kinds are peers."""
+    server's constrained/unconstrained comparison; `vision_baselines` (--scenario vision: generate() on
+    the same images) the vision levels' ratios. The first `lmi` server is lmiserve (A); a server with
+    `"ab": true` is the second lmiserve of --ab-option (B); the other kinds are peers."""
     for server in servers:
         server["ratios"] = ratios(server["levels"], baselines)
+    add_vision_ratios(servers, vision_baselines)
     main = next((s for s in servers if s.get("kind") == "lmi" and not s.get("ab")), None)
     variant = next((s for s in servers if s.get("ab")), None)
     others = [s for s in servers if s.get("kind") != "lmi"]
@@ -196,6 +201,7 @@ def build_report(
         **meta,
         "servers": servers,
         "baselines": baselines,
+        "vision_baselines": vision_baselines,
         "memory": memory,
         "structured": structured,
         "peers": peers,
@@ -295,7 +301,7 @@ def format_table(report: Json) -> str:
         "decode rate / model.generate at batch = concurrency)",
     ]
     baselines = report.get("baselines")
-    if baselines:
+    if baselines and baselines.get("forward"):
         out += [
             "",
             f"baselines in process ({baselines.get('device')}, {baselines.get('dtype')}, "
@@ -334,6 +340,7 @@ def format_table(report: Json) -> str:
             )
     out += _structured_lines(report.get("structured"))
     out += chat_lines(report, _table)
+    out += vision_lines(report, _table)
     for heading, targets in (
         ("targets (issue #5):", [t for t in report["targets"] if t.get("issue") not in (15, 26)]),
         ("targets (issue #15):", [t for t in report["targets"] if t.get("issue") == 15]),

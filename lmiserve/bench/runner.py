@@ -22,6 +22,7 @@ from lmiserve.bench.measure import measure_servers, soak
 from lmiserve.bench.report import build_report, write_json
 from lmiserve.bench.server import ManagedServer, RssSampler
 from lmiserve.bench.targets import ab_name, compare_targets, lmiserve_target, lora_name
+from lmiserve.bench.vision import IMAGE_SIZE
 
 Json = dict[str, Any]
 Log = Callable[[str], None]
@@ -50,6 +51,7 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
     servers: list[Json] = []
     memory: Json | None = None
     baselines: Json | None = None
+    vision_baselines: Json | None = None
     grammar: Json | None = None
     lora_report: Json | None = None
     adapters: dict[str, Path] = {}
@@ -100,9 +102,16 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
                 log("baselines in process (the started server is stopped: its KV pool holds the GPU):")
             else:
                 log("baselines in process (the server idles):")
-            from lmiserve.bench.baselines import run_baselines  # torch: only when needed
+            if {"completion", "chat"} & set(config.scenarios):
+                from lmiserve.bench.baselines import run_baselines  # torch: only when needed
 
-            baselines = run_baselines(config.overrides(), config.concurrency, config.max_new_tokens, log)
+                baselines = run_baselines(config.overrides(), config.concurrency, config.max_new_tokens, log)
+            if "vision" in config.scenarios:
+                from lmiserve.bench.baselines_vision import run_vision_baselines  # torch: only when needed
+
+                vision_baselines = run_vision_baselines(
+                    config.overrides(), config.concurrency, config.max_new_tokens, log
+                )
         if config.json_schema is not None:
             log("grammar figures in process (the server idles):")
             from lmiserve.bench.baselines import measure_grammar  # torch: only when needed
@@ -123,19 +132,20 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
     from lmiserve.models.resolve import default_model_name
 
     json_path, png_path = config.output_dir / "bench.json", config.output_dir / "bench.png"
+    loaded_info = baselines or vision_baselines or {}  # what the baselines loaded: device, dtype, path
     meta = {
         "started_at": started.isoformat(timespec="seconds"),
         "duration_s": round(time.monotonic() - t0, 1),
         "command": shlex.join(config.command),
         "machine": {**machine_info(), "load_average_start": load_at_start, "load_average_end": load_average()},
         "versions": versions(),
-        "device": (baselines or {}).get("device") or config.device or "auto",
-        "dtype": (baselines or {}).get("dtype") or config.dtype or "auto",
+        "device": loaded_info.get("device") or config.device or "auto",
+        "dtype": loaded_info.get("dtype") or config.dtype or "auto",
         "dtype_setting": config.dtype or "auto",  # as asked (int8 computes in bfloat16)
         "model": {
             "id": config.model_id,
             "name": default_model_name(config.model_id),
-            "path": (baselines or {}).get("model_path"),
+            "path": loaded_info.get("model_path"),
         },
         "settings": {
             "concurrency": config.concurrency,
@@ -154,6 +164,7 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
             "chat_conversations_per_client": (
                 config.chat_conversations if "chat" in config.scenarios and not config.duration else None
             ),
+            "vision_image_size": list(IMAGE_SIZE) if "vision" in config.scenarios else None,
             "ab_options": dict(config.ab_options),
             "lora": lora_report,
         },
@@ -167,7 +178,7 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
     structured = None
     if config.json_schema is not None:
         structured = {"source": config.json_schema_source, "schema": config.json_schema, **(grammar or {})}
-    report = build_report(meta, servers, baselines, memory, structured, config.ab_options)
+    report = build_report(meta, servers, baselines, memory, structured, config.ab_options, vision_baselines)
     write_json(report, json_path)
     draw_chart(report, png_path)
     return report, json_path, png_path
@@ -175,7 +186,10 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
 
 def all_requests_ok(report: Json) -> bool:
     levels = [
-        lv for s in report["servers"] for lv in s["levels"] + s.get("constrained_levels", []) + s.get("chat_levels", [])
+        lv
+        for s in report["servers"]
+        for key in ("levels", "constrained_levels", "chat_levels", "vision_levels")
+        for lv in s.get(key, [])
     ]
     soak_result = (report.get("memory") or {}).get("soak") or {}
     return all(lv["failed_requests"] == 0 and lv["token_count_errors"] == 0 for lv in levels) and not (

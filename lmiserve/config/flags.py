@@ -70,6 +70,8 @@ SETTING_FLAGS: tuple[Flag, ...] = (
     Flag(("--lora-adapters",), "lora_adapters", "NAME=PATH"),
     Flag(("--max-loras",), "max_loras", "N"),
     Flag(("--max-lora-rank",), "max_lora_rank", "N"),
+    Flag(("--limit-mm-per-prompt",), "limit_mm_per_prompt", "N"),
+    Flag(("--allowed-media-domains",), "allowed_media_domains", "HOSTS"),
     Flag(("--model-store",), "model_store", "DIR"),
     Flag(("--api-key",), "api_key", "KEY"),
     Flag(("--host",), "host", "HOST"),

@@ -112,6 +112,19 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         ),
     ),
     (
+        "Vision",
+        "Images in chat requests (docs/vision.md): how many and how large, and which http(s) image URLs the "
+        "server may fetch.",
+        (
+            "limit_mm_per_prompt",
+            "max_image_bytes",
+            "max_image_pixels",
+            "allowed_media_domains",
+            "allow_private_media_urls",
+            "media_fetch_timeout",
+        ),
+    ),
+    (
         "Server and security",
         "Where the server listens, who may call it, what it logs, how it stops, which models it may load.",
         (

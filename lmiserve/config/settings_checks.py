@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from lmiserve.config.settings_engine import EngineFields
+from lmiserve.config.settings_media import MediaFields
 from lmiserve.config.settings_model import ModelFields, ModelKindFields
 from lmiserve.config.settings_parallel import LoraFields, SpeculativeFields, TensorParallelFields
 from lmiserve.config.settings_routes import OutputFields, RouteFields
@@ -25,6 +26,7 @@ logger = logging.getLogger("lmiserve.config.settings")
 # fields last. The groups are listed last to first so the keys keep their order (model_id first, the
 # bookkeeping `extra` and `sources` last): `Settings.option_keys()` and the start-up log follow it.
 class CheckedSettings(
+    MediaFields,
     RouteFields,
     ServerFields,
     OutputFields,
@@ -61,6 +63,7 @@ class CheckedSettings(
         "enforce_eager",
         "enable_management_api",
         "enable_prefix_caching",
+        "allow_private_media_urls",
         mode="before",
     )
     @classmethod

@@ -41,7 +41,8 @@ class Image:
     @property
     def size(self) -> tuple[int, int]:
         """(width, height)."""
-        return tuple(self.pixels.size)  # type: ignore[return-value]
+        width, height = self.pixels.size
+        return int(width), int(height)
 
 
 @dataclass(frozen=True)

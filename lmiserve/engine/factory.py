@@ -26,8 +26,10 @@ from lmiserve.engine.model.quantize import Int4Linear, Int8Linear, quantize_outp
 from lmiserve.engine.runner import fast_reason, generic
 from lmiserve.engine.runner.fast import PagedFastRunner
 from lmiserve.engine.runner.persistent_batch import PersistentBatchRunner
+from lmiserve.engine.runner.vision import PagedVisionRunner, bidirectional_images, image_token_id, is_vision_model
 from lmiserve.engine.speculative.proposers import DraftModelProposer, NgramProposer, Proposer
 from lmiserve.engine.text.grammar_compiler import GrammarCompiler
+from lmiserve.engine.text.images import ImageCodec
 from lmiserve.engine.text.tokenizer import HfTokenizer
 from lmiserve.engine.text.validation import PromptCodec
 
@@ -173,7 +175,10 @@ def create_engine(
     `draft`: the draft model of `config.speculation` (method draft_model)."""
     config = _for_device(config, loaded.device)
     spec = config.speculation
-    why_not = fast_reason(loaded.model, fast_path=config.fast_path)
+    vision = is_vision_model(loaded.model)
+    why_not = "a vision-language model" if vision else fast_reason(loaded.model, fast_path=config.fast_path)
+    if vision and spec is not None:
+        raise ValueError("speculative decoding is not served with a vision-language model")
     fast_cls = PagedFastRunner if why_not is None and not config.batch_invariant else None
     if fast_cls is None:
         refusal = generic.unsupported_reason(loaded.model)
@@ -239,10 +244,21 @@ def prompt_codec(loaded: LoadedModel, max_input_len: int | None) -> tuple[Prompt
         eos_token_ids=loaded.eos_token_ids,
         max_context=loaded.max_context,
         max_input_len=max_input_len,
-        vocab_size=getattr(loaded.model.config, "vocab_size", None),
+        vocab_size=getattr(loaded.model.config.get_text_config(), "vocab_size", None),
+        images=_image_codec(loaded),
+        name=loaded.name,
     )
     grammars = GrammarCompiler(loaded.tokenizer, vocab_size=codec.vocab_size, eos_token_ids=loaded.eos_token_ids)
     return codec, grammars
+
+
+def _image_codec(loaded: LoadedModel) -> ImageCodec | None:
+    """A vision-language model's processor as the prompt codec's (None: a text model, or a VLM loaded
+    without its processor: its requests with images are refused)."""
+    processor = getattr(loaded, "processor", None)
+    if processor is None or not is_vision_model(loaded.model):
+        return None
+    return ImageCodec(processor, image_token_id(loaded.model), atomic=bidirectional_images(loaded.model))
 
 
 def _for_device(config: EngineConfig, device: torch.device) -> EngineConfig:
@@ -287,7 +303,8 @@ def _paged_runner(
             autotune_cache=config.autotune_cache,
             enforce_eager=config.enforce_eager,
         )
-    return generic.PagedGenericRunner(
+    runner_cls = PagedVisionRunner if is_vision_model(loaded.model) else generic.PagedGenericRunner
+    return runner_cls(
         loaded.model,
         eos_token_ids=loaded.eos_token_ids,
         num_blocks=num_blocks,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -23,3 +23,6 @@ class LoadedModel:
     eos_token_ids: set[int]
     name: str
     path: Path
+    # A vision-language model's processor (transformers' ProcessorMixin: image processor + `tokenizer` +
+    # the expansion of image placeholders into image tokens); None: a text model.
+    processor: Any | None = None

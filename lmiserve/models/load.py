@@ -7,11 +7,13 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -26,6 +28,7 @@ from lmiserve.engine.model.quantize import (
 )
 from lmiserve.models.errors import ModelLoadError
 from lmiserve.models.int4_load import load_int4_from_codes, quantize_int4
+from lmiserve.models.vision import is_vision_config, load_processor
 
 __all__ = [
     "DEFAULT_MAX_CONTEXT",
@@ -104,7 +107,10 @@ def load_causal_lm(
     load_format: str = "auto",
 ) -> LoadedModel:
     """Load model and tokenizer from the local directory `path` (never downloads). `load_format`
-    `dummy`: random weights from the directory's config instead of its weights (vLLM's `dummy`)."""
+    `dummy`: random weights from the directory's config instead of its weights (vLLM's `dummy`).
+
+    A vision-language model (a config with a vision tower) loads with AutoModelForImageTextToText and its
+    processor (on the PIL image backend: models/vision.py), whose tokenizer is the model's tokenizer."""
     path = Path(path)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
@@ -116,18 +122,26 @@ def load_causal_lm(
         raise ModelLoadError("dtype int4 (weight-only int4) runs on CPU only, with lmiserve's compiled kernels (numba)")
     start = time.monotonic()
     common = {"trust_remote_code": trust_remote_code, "local_files_only": True}
+    processor = None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **common)
+        config = AutoConfig.from_pretrained(path, **common)
+        auto_class: Any = AutoModelForCausalLM
+        if is_vision_config(config):
+            auto_class = AutoModelForImageTextToText
+            processor = load_processor(path, config, trust_remote_code)
+            tokenizer = processor.tokenizer
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(path, **common)
         # int8: quantized from fp32 weights (the scales are then exact), the rest cast to bf16 after
         load_dtype = torch.float32 if int8 else torch_dtype
         # int4 of a GGUF's codes: built without the fp32 linears the codes replace (None: no codes)
         from_codes = load_int4_from_codes(path, trust_remote_code) if int4 and load_format != "dummy" else None
         if load_format == "dummy":
-            model = _dummy_model(path, load_dtype, torch_device, common)
+            model = _dummy_model(path, load_dtype, torch_device, common, auto_class)
         elif from_codes is not None:
             model = from_codes[0]  # type: ignore[assignment]  # AutoModelForCausalLM's, typed as a Module
         else:
-            model = _load_model(path, load_dtype, common)
+            model = _load_model(path, load_dtype, common, auto_class)
     except (OSError, ValueError, KeyError, ImportError) as exc:
         raise ModelLoadError(f"could not load the model in {path}: {exc}") from exc
     model.to(torch_device)  # type: ignore[arg-type]  # transformers wraps `to` with @wraps(Module.to): the stub wants `self` again
@@ -138,7 +152,7 @@ def load_causal_lm(
     if int4:
         logger.info("%s", from_codes[1] if from_codes is not None else quantize_int4(model, path))
 
-    loaded = _loaded(model, tokenizer, torch_device, torch_dtype, name or path.name, path)
+    loaded = _loaded(model, tokenizer, torch_device, torch_dtype, name or path.name, path, processor)
     logger.info(
         "loaded %s (%s, %s on %s, context %d) in %.1f s",
         path,
@@ -192,9 +206,10 @@ def _loaded(
     dtype: torch.dtype,
     name: str,
     path: Path,
+    processor: Any | None = None,
 ) -> LoadedModel:
     """The `LoadedModel` of `model` and `tokenizer` (which pads with its end-of-sequence token when it has
-    no padding token)."""
+    no padding token); `processor`: a vision-language model's (its tokenizer is `tokenizer`)."""
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return LoadedModel(
@@ -206,25 +221,35 @@ def _loaded(
         eos_token_ids=_eos_token_ids(model, tokenizer),
         name=name,
         path=path,
+        processor=processor,
     )
 
 
-def _load_model(path: Path, dtype: torch.dtype, common: dict[str, bool]) -> PreTrainedModel:
+def _load_model(
+    path: Path, dtype: torch.dtype, common: dict[str, bool], auto_class: Any = AutoModelForCausalLM
+) -> PreTrainedModel:
+    """`path`'s model by `auto_class` (AutoModelForCausalLM, or AutoModelForImageTextToText for a VLM)."""
     try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **common)
+        return auto_class.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **common)
     except ValueError as exc:
         message = str(exc).lower()  # transformers names it "sdpa" or "scaled_dot_product_attention" (Gemma 2)
         if "sdpa" not in message and "scaled_dot_product_attention" not in message:
             raise
         # Some (remote-code) architectures do not implement SDPA: fall back to their default.
         logger.warning("%s does not support SDPA attention; using its default attention", path)
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **common)
+        return auto_class.from_pretrained(path, dtype=dtype, **common)
 
 
 _DUMMY_SEED = 20260526  # any fixed seed (not a test fixture's, so a dummy never equals a saved model)
 
 
-def _dummy_model(path: Path, dtype: torch.dtype, device: torch.device, common: dict[str, bool]) -> PreTrainedModel:
+def _dummy_model(
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    common: dict[str, bool],
+    auto_class: Any = AutoModelForCausalLM,
+) -> PreTrainedModel:
     """The architecture of `path`'s config.json with random weights (transformers' own initialisation,
     seeded), built directly on `device` so an 8B shape needs no host copy."""
     config = AutoConfig.from_pretrained(path, **common)
@@ -233,7 +258,7 @@ def _dummy_model(path: Path, dtype: torch.dtype, device: torch.device, common: d
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), device:
         torch.manual_seed(_DUMMY_SEED)
-        model = AutoModelForCausalLM.from_config(
+        model = auto_class.from_config(
             config, dtype=dtype, attn_implementation="sdpa", trust_remote_code=common["trust_remote_code"]
         )
     logger.warning("load_format=dummy: %s has random weights; its output is noise", path)

@@ -240,6 +240,7 @@ class ModelService:
         what loading does once the model is in memory (the observers of the metrics are added to it, the
         tensor protocols get its `LlmTensorModel`). The status is left as it is: `load` sets READY once
         the engine started. Tests attach a fake generator over a real tokenizer this way."""
+        from lmiserve.media import media_limits
         from lmiserve.models.llm_tensor import LlmTensorModel
 
         self.loaded = self._llm = loaded
@@ -249,7 +250,9 @@ class ModelService:
         listeners = getattr(generator, "on_failure", None)
         if isinstance(listeners, list):
             listeners.append(self._engine_failed)
-        self._tensor_model = LlmTensorModel(generator, self.limits, self.name)
+        processor = getattr(loaded, "processor", None)  # a vision-language model's: the `image` input
+        media = media_limits(self.settings) if processor is not None else None
+        self._tensor_model = LlmTensorModel(generator, self.limits, self.name, processor=processor, media=media)
 
     def _engine_failed(self, reason: str) -> None:
         """The LLM's engine failed for good: the model is FAILED (/ping and the ready probes answer 503)."""

@@ -38,8 +38,22 @@ class FakeEngine:
 
 
 class FakeService:
-    def __init__(self, name: str, status: str = "READY", *, is_llm: bool = True, engine: FakeEngine | None = None):
+    def __init__(
+        self,
+        name: str,
+        status: str = "READY",
+        *,
+        is_llm: bool = True,
+        engine: FakeEngine | None = None,
+        processor: object | None = None,
+    ):
         self.name, self.status, self.is_llm, self.engine = name, status, is_llm, engine
+        self.processor = processor  # a vision-language model's
+        self.settings = Settings(max_image_bytes="5MiB", limit_mm_per_prompt=2)
+
+    def ready_llm(self) -> FakeService:  # a LoadedModel's `processor`
+        self.ready_generator()
+        return self
 
     def ready_generator(self) -> FakeEngine:
         from lmiserve.core.errors import ModelNotReady
@@ -77,10 +91,19 @@ def test_snapshot_lists_llms_and_only_the_status_of_those_not_ready():
                 "prefix_cache_tokens": 0,
                 "prefix_cache_capacity": 0,
                 "tokens_per_second": 0.0,
+                "vision": False,
             },
             {"name": "loading", "status": "pending"},
         ]
     }
+
+
+def test_a_vision_language_model_says_it_takes_images_and_how_large():
+    snap = EngineSnapshot(
+        running=0, waiting=0, batch_max_tokens=9, kv_tokens=0, kv_capacity=10, batch_slots=1, generated_tokens=0
+    )
+    (entry,) = snapshot([FakeService("vlm", engine=FakeEngine(snap), processor=object())], TokenRate())["models"]  # type: ignore[list-item]
+    assert entry["vision"] is True and entry["max_image_bytes"] == 5 * 2**20 and entry["max_images"] == 2
 
 
 async def test_the_stream_sends_events_at_its_interval_and_ends_after_its_lifetime():

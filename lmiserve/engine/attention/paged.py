@@ -70,6 +70,8 @@ class AttentionShape:
     @classmethod
     def of(cls, config: PreTrainedConfig) -> AttentionShape:
         cfg: Any = config  # the attribute names are the architecture's (transformers declares none of them)
+        if callable(getattr(cfg, "get_text_config", None)):  # a vision-language model: its decoder's
+            cfg = cfg.get_text_config()
         heads = int(cfg.num_attention_heads)
         head_dim = getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads

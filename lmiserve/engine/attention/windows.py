@@ -42,7 +42,14 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 _ONE_MASK_TYPES = ("mistral", "mixtral", "ministral3")
 
 
+def text_config(config: Any) -> Any:
+    """The decoder's config: a vision-language model's text config, else `config` itself."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
 def _layer_types(config: Any) -> list[str] | None:
+    config = text_config(config)
     kinds = getattr(config, "layer_types", None)
     if not kinds or getattr(config, "model_type", None) in _ONE_MASK_TYPES:
         return None
@@ -50,6 +57,7 @@ def _layer_types(config: Any) -> list[str] | None:
 
 
 def _window(config: Any) -> int | None:
+    config = text_config(config)
     if getattr(config, "use_sliding_window", True) is False:
         return None
     window = getattr(config, "sliding_window", None)
@@ -58,7 +66,7 @@ def _window(config: Any) -> int | None:
 
 def layer_windows(config: Any) -> tuple[int | None, ...]:
     """Each decoder layer's window (None: the whole context), as transformers applies it."""
-    layers = int(config.num_hidden_layers)
+    layers = int(text_config(config).num_hidden_layers)
     window = _window(config)
     kinds = _layer_types(config)
     if kinds is None:
@@ -77,7 +85,7 @@ def unsupported_kinds(config: Any) -> str | None:
     kinds = _layer_types(config)
     if kinds is not None and set(kinds) - {FULL, SLIDING}:
         return f"attention layers of kinds {sorted(set(kinds))}"
-    if getattr(config, "use_bidirectional_attention", False):
+    if getattr(text_config(config), "use_bidirectional_attention", False):
         return "bidirectional attention"
     return None
 

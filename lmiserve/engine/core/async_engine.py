@@ -239,9 +239,11 @@ class AsyncEngine(EngineCore):
         handle.adapter = adapter
         # blocks computed with an adapter are shared only with requests of the same load of that adapter
         salt = request.cache_salt if adapter is None else f"{request.cache_salt or ''}\x00lora:{adapter.id}"
+        images = getattr(prompt_ids, "images", None)  # a VLM prompt's images (engine/text/images.py)
         for seq in seqs:
             seq.cache_salt = salt
             seq.adapter = adapter
+            seq.images = images
             self._handles[seq.seq_id] = handle
             self.scheduler.add(seq)
         self._notify("on_submitted", len(prompt_ids), count)

@@ -47,6 +47,7 @@ from lmiserve.engine.core.scheduler import PrefillChunk, SchedulerBase, StepPlan
 from lmiserve.engine.core.sequence import SeqStatus, Sequence
 from lmiserve.engine.core.step import NewRequest, ScheduledTokens, StepBatch, StepOutput
 from lmiserve.engine.speculative.proposers import SpeculationPolicy
+from lmiserve.engine.text.images import chunk_length
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,7 @@ class BlockScheduler(SchedulerBase):
             sent = self._sent.get(seq.seq_id)
             if sent is None:
                 adapter = seq.adapter.ref if seq.adapter is not None else None
-                batch.new.append(NewRequest(seq.seq_id, seq.prompt_ids, seq.params, seq.seed, adapter))
+                batch.new.append(NewRequest(seq.seq_id, seq.prompt_ids, seq.params, seq.seed, adapter, seq.images))
                 sent = 0
             blocks = self._table(seq).blocks
             self._sent[seq.seq_id] = len(blocks)
@@ -196,6 +197,7 @@ class BlockScheduler(SchedulerBase):
                     # while other prompts wait, one prompt's chunk takes at most half the budget
                     share = budget // 2 if self.waiting or prefilling > 1 else budget
                     want = min(remaining, max(share, 1)) if self.chunked_prefill else remaining
+                    want = chunk_length(seq.images, seq.kv_len, want)  # an image never split where it must not be
                 while not self.pool.allocate(self._table(seq), want):
                     victim = next((s for s in reversed(queue) if s.seq_id not in scheduled), None)
                     if victim is None:
@@ -257,10 +259,11 @@ class BlockScheduler(SchedulerBase):
                 match_blocks: tuple[int, ...] = ()  # prompt logprobs need the logits of every position
                 cached = 0
             else:
-                match = self.pool.match_prefix(tokens, salt, max_tokens=len(tokens) - 1)
+                spans = seq.images.spans if seq.images is not None else None
+                match = self.pool.match_prefix(tokens, salt, max_tokens=len(tokens) - 1, images=spans)
                 match_blocks, cached = match.blocks, match.num_cached_tokens
             remaining = len(tokens) - cached
-            want = min(remaining, budget) if self.chunked_prefill else remaining
+            want = chunk_length(seq.images, cached, min(remaining, budget) if self.chunked_prefill else remaining)
             if not self.pool.allocate(table, want, match_blocks):
                 break  # the pool is full: admissions wait (running sequences are never preempted for them)
             if not seq.preemptions and not seq.params.decoder_input_details:
@@ -378,7 +381,7 @@ class BlockScheduler(SchedulerBase):
             return
         if seq.kv_len // self.pool.block_size > len(table.block_hashes):
             tokens = (seq.prompt_ids + seq.output_ids)[: seq.kv_len]
-            self.pool.cache_full_blocks(table, tokens, seq.cache_salt)
+            self.pool.cache_full_blocks(table, tokens, seq.cache_salt, seq.images.spans if seq.images else None)
 
     def _remove(self, seq: Sequence) -> None:
         """Take `seq` out of the batch and give its blocks back (cached full blocks stay findable)."""

@@ -46,6 +46,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from lmiserve.engine.text.images import ImageSpan, span_digests
+
 __all__ = [
     "BlockPool",
     "BlockTable",
@@ -56,6 +58,7 @@ __all__ = [
     "root_hash",
 ]
 
+Spans = Sequence[ImageSpan] | None  # a VLM prompt's image spans (their digests key the blocks they fall in)
 _DIGEST_SIZE = 32
 _ROOT = hashlib.blake2b(b"lmiserve.kv_blocks.root", digest_size=_DIGEST_SIZE).digest()
 
@@ -68,11 +71,14 @@ def root_hash(salt: str | None = None) -> bytes:
     return hashlib.blake2b(b"lmiserve.kv_blocks.salt\x00" + salt.encode("utf-8"), digest_size=_DIGEST_SIZE).digest()
 
 
-def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+def block_hash(parent: bytes, tokens: Sequence[int], images: Sequence[str] = ()) -> bytes:
     """The chain hash of a full block: BLAKE2b of its parent's hash and its token ids (signed 64-bit,
-    little-endian; the parent is fixed-length, so the encoding is unambiguous)."""
+    little-endian; the parent is fixed-length, so the encoding is unambiguous), then the digests of the
+    images whose tokens the block holds (a VLM's prompt: the same ids stand for any image of a size)."""
     digest = hashlib.blake2b(parent, digest_size=_DIGEST_SIZE)
     digest.update(struct.pack(f"<{len(tokens)}q", *tokens))
+    for image in images:
+        digest.update(b"\x00image:" + image.encode("ascii", "replace"))
     return digest.digest()
 
 
@@ -172,14 +178,15 @@ class BlockPool:
     # ---- the prefix cache ----------------------------------------------------------------------------
 
     def match_prefix(
-        self, tokens: Sequence[int], salt: str | None = None, max_tokens: int | None = None
+        self, tokens: Sequence[int], salt: str | None = None, max_tokens: int | None = None, images: Spans = None
     ) -> PrefixMatch:
         """The longest head of `tokens` held by cached full blocks (under `salt`), at most `max_tokens`
         tokens long (a scheduler passes ``len(tokens) - 1``, so one token is left to compute for logits).
 
         Counts ``len(tokens)`` queried tokens and the matched ones as hits (with prefix caching off: an
         empty match, nothing counted). Share the blocks by passing them to `allocate` before anything
-        else allocates (an allocation may evict them; `allocate` refuses blocks no longer cached)."""
+        else allocates (an allocation may evict them; `allocate` refuses blocks no longer cached). `images`: a
+        VLM prompt's image spans, whose digests key the blocks their tokens fall in."""
         if not self.enable_prefix_caching:
             return PrefixMatch((), 0)
         limit = len(tokens) if max_tokens is None else max(0, min(max_tokens, len(tokens)))
@@ -187,7 +194,7 @@ class BlockPool:
         blocks: list[int] = []
         parent = root_hash(salt)
         for start in range(0, limit - bs + 1, bs):
-            parent = block_hash(parent, tokens[start : start + bs])
+            parent = block_hash(parent, tokens[start : start + bs], span_digests(images, start, start + bs))
             block = self._index.get(parent)
             if block is None:
                 break
@@ -197,7 +204,9 @@ class BlockPool:
         self.prefix_cache_hits += cached
         return PrefixMatch(tuple(blocks), cached)
 
-    def cache_full_blocks(self, table: BlockTable, tokens: Sequence[int], salt: str | None = None) -> int:
+    def cache_full_blocks(
+        self, table: BlockTable, tokens: Sequence[int], salt: str | None = None, images: Spans = None
+    ) -> int:
         """Register the table's full blocks among `tokens` (the head of its tokens whose KV is now
         computed) that are not registered yet, so later requests can share them. Returns how many blocks
         got a new hash (a hash another block already holds is not registered twice)."""
@@ -210,7 +219,7 @@ class BlockPool:
         parent = hashes[-1] if hashes else root_hash(salt)
         registered = 0
         for i in range(len(hashes), len(tokens) // bs):
-            parent = block_hash(parent, tokens[i * bs : (i + 1) * bs])
+            parent = block_hash(parent, tokens[i * bs : (i + 1) * bs], span_digests(images, i * bs, (i + 1) * bs))
             hashes.append(parent)
             block = table.blocks[i]
             if self._hash[block] is None and parent not in self._index:

@@ -20,6 +20,7 @@ from lmiserve.engine.text.thinking import BudgetTracker, ForcedTokens
 
 if TYPE_CHECKING:
     from lmiserve.engine.lora.adapters import LoraAdapter
+    from lmiserve.engine.text.images import ImageInputs
 
 
 class SeqStatus(Enum):
@@ -63,6 +64,7 @@ class Sequence:
         self.prompt_counted = 0  # prompt tokens computed and counted in the stats (none counted twice)
         self.cache_salt: str | None = None  # vLLM's cache_salt: shares cached blocks only with the same salt
         self.adapter: LoraAdapter | None = None  # its LoRA adapter (engine/lora/adapters.py; None: the base model)
+        self.images: ImageInputs | None = None  # a VLM prompt's images (engine/text/images.py; None: text only)
         self.kv_len = 0  # positions of this sequence written into the KV cache
         self.cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
         self.output_ids: list[int] = []

@@ -27,6 +27,7 @@ from typing import NamedTuple
 import numpy as np
 
 from lmiserve.core.request import SamplingParams
+from lmiserve.engine.text.images import ImageInputs
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ class NewRequest:
     params: SamplingParams  # plain data (its grammar is a spec; the matcher stays in the engine core)
     seed: int | None  # a sampled request's generator is seeded from it (batch-independent streams)
     adapter: AdapterRef | None = None  # its LoRA adapter (None: the base model)
+    # a vision-language model's prompt: its images' processor tensors (numpy) and token spans (None: text)
+    images: ImageInputs | None = None
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+Span = tuple[int, int, int, int]  # a row of a step's packed tokens: first token, tokens, start position, first key
+
 
 def _paged_cache_class() -> type:
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
@@ -331,7 +333,7 @@ class PagedGenericRunner(PersistentBatchRunner):
         write_blocks: list[int] = []
         reads: list[tuple[torch.Tensor, int]] = []
         keep: list[int] = []
-        spans: list[tuple[int, int, int, int]] = []  # per row: first token, tokens, start position, key offset
+        spans: list[Span] = []  # per row: first token, tokens, start position, key offset
         key_offset = 0
         bs = self.block_size
         for blocks, start, computed, kept in rows:
@@ -345,30 +347,42 @@ class PagedGenericRunner(PersistentBatchRunner):
             keep.extend(range(first + count - kept, first + count))
             key_offset += end
         self.kv.ensure_zeroed(1 + max(write_blocks))
-        model_inputs = {
-            "input_ids": torch.tensor([ids], device=dev),
-            "position_ids": torch.tensor([positions], device=dev),
-        }
+        model_inputs = self._model_inputs(ids, positions, spans)
         if backend is not None:
             seqs = [SeqTokens(blocks, start, len(computed)) for blocks, start, computed, _ in rows]
             decode_rows = next((i for i, seq in enumerate(seqs) if seq.count != 1), len(seqs))
             meta = backend.plan(seqs, decode_rows, 0)
-            config = self.model.config
+            config = attention_window.text_config(self.model.config)
             before = config._attn_implementation_internal
             config._attn_implementation_internal = BACKEND_ATTENTION
             try:
-                out = self.model(**model_inputs, cache=BackendStep(backend, meta), use_cache=False)
+                logits = self._logits(model_inputs, cache=BackendStep(backend, meta))
             finally:
                 config._attn_implementation_internal = before
-            logits: torch.Tensor = out.logits[0]
             return logits[torch.tensor(keep, dtype=torch.long, device=dev)].float()
         # token t of a row attends to that row's keys at positions <= its own (within a layer's window)
-        mask = attention_window.step_mask(self.model.config, spans, len(ids), key_offset, self.model.dtype, dev)
+        mask = self._mask(spans, len(ids), key_offset)
         view = _view_class()(
             self.kv,
             torch.tensor(write_blocks, dtype=torch.long, device=dev),
             torch.tensor([p % bs for p in positions], dtype=torch.long, device=dev),
             reads,
         )
-        logits = self.model(**model_inputs, attention_mask=mask, cache=view, use_cache=False).logits[0]
+        logits = self._logits(model_inputs, attention_mask=mask, cache=view)
         return logits[torch.tensor(keep, dtype=torch.long, device=dev)].float()
+
+    # ---- what a vision-language model's runner changes (runner/vision.py) ----------------------------
+    def _model_inputs(self, ids: list[int], positions: list[int], spans: list[Span]) -> dict[str, Any]:
+        """The forward's inputs for the step's packed tokens (`spans`: each row's first token, tokens,
+        start position and first key)."""
+        dev = self.device
+        return {"input_ids": torch.tensor([ids], device=dev), "position_ids": torch.tensor([positions], device=dev)}
+
+    def _mask(self, spans: list[Span], tokens: int, keys: int) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The step's attention mask(s) over the gathered keys (`attention_window.step_mask`)."""
+        return attention_window.step_mask(self.model.config, spans, tokens, keys, self.model.dtype, self.device)
+
+    def _logits(self, model_inputs: dict[str, Any], **kwargs: Any) -> torch.Tensor:
+        """``[tokens, vocab]``: the model's logits of the step's tokens."""
+        logits: torch.Tensor = self.model(**model_inputs, **kwargs, use_cache=False).logits[0]
+        return logits

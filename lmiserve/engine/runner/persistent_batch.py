@@ -12,7 +12,7 @@ import logging
 from abc import abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,11 +23,13 @@ if TYPE_CHECKING:
     from lmiserve.engine.lora.manager import LoraManager
 
 from lmiserve.core.request import SamplingParams
+from lmiserve.engine.attention.windows import text_config
 from lmiserve.engine.core.step import AdapterRef, BatchRunner, ScheduledTokens, StepBatch, StepOutput
 from lmiserve.engine.lora.adapters import LoraAdapter
 from lmiserve.engine.lora.batch import LoraBatch, LoraGroup, StackCache
 from lmiserve.engine.runner.sampling import Row, prompt_logprobs, sample_rows, sampler_row
 from lmiserve.engine.speculative.proposers import Proposer
+from lmiserve.engine.text.images import ImageInputs
 from lmiserve.engine.text.token_mask import apply_bitmask
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,7 @@ class RequestState:
     blocks: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     adapter: LoraAdapter | None = None
+    images: Any = None  # a VLM prompt's image features, kept across preemptions (runner/vision.py)
 
 
 class PersistentBatchRunner(BatchRunner):
@@ -64,7 +67,7 @@ class PersistentBatchRunner(BatchRunner):
         self.kv = kv
         self.num_blocks, self.block_size, self.kv_bytes = num_blocks or kv.num_blocks, kv.block_size, kv.nbytes
         self._requests: dict[int, RequestState] = {}
-        self.vocab_size = int(model.config.vocab_size)
+        self.vocab_size = int(text_config(model.config).vocab_size)
         self.proposer: Proposer | None = None  # speculative decoding's drafts (engine/speculative/proposers.py)
         # LoRA (engine/lora/adapters.py): the adapters' weights by the load a NewRequest names (None: this runner
         # serves none), and the stacked matrices of the adapter sets the steps use
@@ -106,6 +109,8 @@ class PersistentBatchRunner(BatchRunner):
                 state = self._requests[new.seq_id] = RequestState(list(new.prompt_ids), new.params, new.seed)
                 if new.adapter is not None:
                     self._adapter_of(new.seq_id, new.adapter, state, out)
+                if new.images is not None:
+                    self._images_of(new.seq_id, new.images, state, out)
             for row in batch.rows:
                 self._requests[row.seq_id].blocks.extend(row.new_blocks)
             rows = [i for i, row in enumerate(batch.rows) if row.seq_id not in out.errors]
@@ -126,6 +131,10 @@ class PersistentBatchRunner(BatchRunner):
         except Exception as exc:  # noqa: BLE001 - its files changed or went away: this request fails
             log.exception("adapter %s (load %d) cannot be read from %s", ref.name, ref.id, ref.path)
             out.errors[seq_id] = f"adapter `{ref.name}` cannot be loaded: {exc}"
+
+    def _images_of(self, seq_id: int, images: ImageInputs, state: RequestState, out: StepOutput) -> None:
+        """A new request's images: this runner serves none (a VLM's runner encodes them, runner/vision.py)."""
+        out.errors[seq_id] = "this model runner serves no images"
 
     def _propose(self, batch: StepBatch, out: StepOutput) -> None:
         """The drafts the rows that asked for them get for the next step (none for a request whose

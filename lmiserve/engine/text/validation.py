@@ -7,6 +7,7 @@ import dataclasses
 from lmiserve.core.errors import InvalidRequest
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.core.tokenizer import Tokenizer
+from lmiserve.engine.text.images import ImageCodec
 
 
 class PromptCodec:
@@ -18,8 +19,14 @@ class PromptCodec:
         max_context: int,
         max_input_len: int | None = None,
         vocab_size: int | None = None,
+        images: ImageCodec | None = None,
+        name: str = "this model",
     ) -> None:
+        """`images`: the processor of a vision-language model (None: a request with images is refused,
+        naming the model, `name`)."""
         self.tokenizer = tokenizer
+        self.images = images
+        self.name = name
         self.vocab_size = vocab_size or len(tokenizer)
         self.eos_token_ids = set(eos_token_ids)
         self.special_token_ids = set(tokenizer.all_special_ids) | self.eos_token_ids
@@ -56,6 +63,8 @@ class PromptCodec:
         if request.params.bad_words and not request.params.bad_words_ids:
             return False
         if _unencoded_thinking(request.params):
+            return False
+        if request.images:  # the processor expands the image placeholders: never the counted ids
             return False
         if request.prompt_ids is not None:
             return True
@@ -94,6 +103,8 @@ class PromptCodec:
             raise InvalidRequest(
                 f"`logit_bias` token ids {sorted(bad)[:10]} are outside the vocabulary (0..{self.vocab_size - 1})"
             )
+        if request.images:
+            return self._check(request, self._with_images(request))
         if request.prompt_ids is not None:
             return self._check(request, self._given_ids(request.prompt_ids))
         if params.truncate is None and self.max_prompt_chars and len(request.prompt) > self.max_prompt_chars:
@@ -102,6 +113,16 @@ class PromptCodec:
                 f"long and exceeds limit of {self.max_input_len}"
             )
         return self._check(request, self.tokenizer.encode(request.prompt))
+
+    def _with_images(self, request: GenerationRequest) -> list[int]:
+        """The prompt's ids with its images' tokens (a `PromptIds` carrying its `ImageInputs`)."""
+        if self.images is None:
+            raise InvalidRequest(f"model `{self.name}` does not take images: it is not a vision-language model")
+        if request.prompt_ids is not None:
+            raise InvalidRequest("a prompt given as token ids cannot carry images")
+        if request.params.truncate is not None:
+            raise InvalidRequest("`truncate` cannot cut a prompt with images")
+        return self.images.encode(request.prompt, request.images)
 
     def _given_ids(self, ids: list[int]) -> list[int]:
         """A prompt given as token ids, used as they are; `InvalidRequest` for one outside the vocabulary."""

@@ -4,7 +4,9 @@
   a blank line between them. An assistant's ``tool_use`` blocks are its tool calls and a user's
   ``tool_result`` blocks the results (``is_error``: the text is prefixed with ``Error: ``), as the chat
   layer renders OpenAI's (`lmiserve.protocols.textgen.tools.prompt`); earlier ``thinking`` blocks are
-  left out, as chat templates leave out earlier reasoning. ``image`` and ``document`` blocks are a 400.
+  left out, as chat templates leave out earlier reasoning. A user's ``image`` blocks (``base64`` or
+  ``url`` sources) are its images, for a vision model (`image_sources`; a 400 naming the model
+  otherwise); ``document`` blocks, and images anywhere else, are a 400.
 - A last message from the assistant (text only) is continued, not answered: the answer goes on from its
   text (Anthropic's prefill); like Anthropic, its text may not end with whitespace.
 - ``tools`` are generated as the chat layer generates OpenAI's (the arguments under ``input_schema``);
@@ -30,6 +32,7 @@ from typing import Any
 
 from lmiserve.core.errors import ContextLengthExceeded, InvalidRequest, excerpt
 from lmiserve.core.limits import TextGenLimits
+from lmiserve.core.media import Image, ImageSource
 from lmiserve.protocols.anthropic.schema import (
     CountTokensRequest,
     DocumentBlock,
@@ -46,6 +49,7 @@ from lmiserve.protocols.anthropic.schema import (
     ToolResultBlock,
     ToolUseBlock,
 )
+from lmiserve.protocols.textgen import images
 from lmiserve.protocols.textgen.chat import Message
 from lmiserve.protocols.textgen.parameters import TextGenParameters
 from lmiserve.protocols.textgen.reasoning import Reasoning, Thinking
@@ -83,11 +87,49 @@ def _text_of(blocks: list[Any], where: str) -> str:
 
 
 def _refuse_media(block: Any, where: str) -> None:
-    if isinstance(block, ImageBlock | DocumentBlock):
+    if isinstance(block, ImageBlock):
+        raise InvalidRequest(f"{where}: `image` blocks are taken in `user` messages only (not here)")
+    if isinstance(block, DocumentBlock):
         raise InvalidRequest(
-            f"{where}: `{block.type}` blocks are not supported: the served model takes text only. Send the "
-            "content as text blocks."
+            f"{where}: `document` blocks are not supported: the served model takes text and images only. Send "
+            "the content as text blocks."
         )
+
+
+def _joined(pieces: list[str]) -> str:
+    """A user message's blocks as one text: text blocks with a blank line between them, an image's mark
+    next to its neighbours (the chat template places the image)."""
+    out = ""
+    for i, piece in enumerate(pieces):
+        if i and piece != images.MARK and pieces[i - 1] != images.MARK:
+            out += BLOCK_JOIN
+        out += piece
+    return out
+
+
+def image_sources(req: CountTokensRequest) -> list[ImageSource]:
+    """The ``image`` blocks' sources, in the order `conversation` writes their marks: ``{"type":
+    "base64", "media_type", "data"}`` or ``{"type": "url", "url"}`` (a ``file`` source is a 400: this
+    server keeps no files)."""
+    sources: list[ImageSource] = []
+    for i, message in enumerate(req.messages):
+        if isinstance(message.content, str) or message.role != "user":
+            continue
+        for j, block in enumerate(message.content):
+            if isinstance(block, ImageBlock):
+                sources.append(_source(block.source, f"messages.{i}.content.{j}.source"))
+    return sources
+
+
+def _source(source: dict[str, Any], where: str) -> ImageSource:
+    kind = source.get("type")
+    if kind == "base64":
+        return images.base64_source(source.get("data"), source.get("media_type"), where)
+    if kind == "url":
+        return images.url_source(source.get("url"), f"{where}.url")
+    if kind == "file":
+        raise InvalidRequest(f"{where}: `file` image sources are not supported (this server keeps no files)")
+    raise InvalidRequest(f"{where}.type: must be `base64` or `url`. Given: {excerpt(str(kind))}")
 
 
 def system_text(system: str | list[TextBlock] | None) -> str | None:
@@ -115,6 +157,9 @@ def conversation(req: CountTokensRequest) -> tuple[list[Message], bool]:
         calls: list[dict[str, Any]] = []
         for j, block in enumerate(message.content):
             at = f"{where}.{j}"
+            if isinstance(block, ImageBlock) and message.role == "user":
+                texts.append(images.MARK)  # `image_sources` gives its image, in the same order
+                continue
             _refuse_media(block, at)
             if isinstance(block, TextBlock):
                 texts.append(block.text)
@@ -128,7 +173,7 @@ def conversation(req: CountTokensRequest) -> tuple[list[Message], bool]:
                 if message.role != "user":
                     raise InvalidRequest(f"{at}: `tool_result` blocks can only be in `user` messages")
                 if texts:  # text before a result stays before it
-                    out.append(Message(role="user", content=BLOCK_JOIN.join(texts)))
+                    out.append(Message(role="user", content=_joined(texts)))
                     texts = []
                 result = block.content if isinstance(block.content, str) else _text_of(block.content, f"{at}.content")
                 result = f"Error: {result}" if block.is_error else result
@@ -143,7 +188,7 @@ def conversation(req: CountTokensRequest) -> tuple[list[Message], bool]:
                 out.append(Message(role="assistant", content=BLOCK_JOIN.join(texts), tool_calls=calls or None))
                 prefill = last and not calls
         elif texts:
-            out.append(Message(role="user", content=BLOCK_JOIN.join(texts)))
+            out.append(Message(role="user", content=_joined(texts)))
     if prefill and out[-1].text() != out[-1].text().rstrip():
         raise InvalidRequest("messages: final assistant content cannot end with trailing whitespace")
     return out, prefill
@@ -233,9 +278,11 @@ def messages(
     thinking: Thinking[Reasoning] | None = None,
     parser: ToolParser | None = None,
     adapter: str | None = None,
+    images: tuple[Image, ...] = (),
 ) -> AnthropicCall:
     """`thinking`: the model's reasoning parser (None: none); `parser`: the model's tool-call format (None:
-    lmiserve's JSON one); `adapter`: the LoRA adapter that answers (None: the base model)."""
+    lmiserve's JSON one); `adapter`: the LoRA adapter that answers (None: the base model); `images`: the
+    image blocks' images, loaded (`count_tokens` counts their tokens)."""
     if isinstance(req.thinking, ThinkingEnabled) and req.thinking.budget_tokens >= req.max_tokens:
         raise InvalidRequest("`max_tokens` must be greater than `thinking.budget_tokens`")
     stops = _stops(req, limits)
@@ -254,7 +301,7 @@ def messages(
         grammar = fields.get("grammar", checked.params.grammar)
         fields.update(thinking.sampling(reasoning, grammar, thinking_budget(req)))
     return AnthropicCall(
-        call=checked.call(adapter=adapter, **fields),
+        call=checked.call(adapter=adapter, images=images, **fields),
         prompt=rendered.text,
         model=req.model,
         stream=req.stream,

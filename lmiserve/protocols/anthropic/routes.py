@@ -74,15 +74,17 @@ async def messages(request: Request) -> Response:
     model, lora = _model(request, req.model)
     settings = model.service.settings
     with enter(request) as slot:
+        images = await model.load_images(adapter.image_sources(req))  # 400 for a model without vision
         call = await tokenizing(
             adapter.messages,
             req,
             model.limits,
-            model.count_tokens,
+            model.counter(images),
             model.render_chat,
             thinking=Thinking.of(Reasoning, settings, model.tokenizer),
             parser=model.tool_parser,
             adapter=lora,
+            images=images,
         )
         model.check_tools(call.tools)
         reasoning = call.reasoning
@@ -115,9 +117,11 @@ async def count_tokens(request: Request) -> Response:
     req = parse(CountTokensRequest, await json_payload(request))
     model, _ = _model(request, req.model)  # an adapter counts with its model's tokenizer
     thinks = markers(model.service.settings) is not None
+    images = await model.load_images(adapter.image_sources(req))  # counted as the tokens they become
 
     def count() -> int:
-        return model.count_tokens(adapter.prompt(req, model.render_chat, thinks=thinks, parser=model.tool_parser).text)
+        text = adapter.prompt(req, model.render_chat, thinks=thinks, parser=model.tool_parser).text
+        return model.counter(images)(text)
 
     return raw_response(dumps({"input_tokens": await tokenizing(count)}))
 

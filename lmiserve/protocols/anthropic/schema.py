@@ -37,7 +37,7 @@ class TextBlock(_Strict):
 
 
 class ImageBlock(_Strict):
-    """Read so that it can be refused with a clear message (the served models take text only)."""
+    """An image (a vision model's input; `parse.image_sources` reads its `source`)."""
 
     type: Literal["image"]
     source: dict[str, Any]

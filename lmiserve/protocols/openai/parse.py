@@ -21,6 +21,7 @@ from lmiserve.core import constraints
 from lmiserve.core.errors import ContextLengthExceeded, InvalidRequest, excerpt
 from lmiserve.core.grammar import Grammar
 from lmiserve.core.limits import TextGenLimits
+from lmiserve.core.media import Image
 from lmiserve.protocols.openai import sampling as openai_sampling
 from lmiserve.protocols.openai import scoring
 from lmiserve.protocols.openai.errors import (
@@ -83,11 +84,20 @@ def _n(n: int, sampling: bool) -> dict[str, Any]:
     return {"n": n, "best_of": n}
 
 
-def _call(checked: Checked, req: ChatRequest | CompletionRequest, adapter: str | None, **fields: Any) -> TextGenCall:
+def _call(
+    checked: Checked,
+    req: ChatRequest | CompletionRequest,
+    adapter: str | None,
+    *,
+    images: tuple[Image, ...] = (),
+    **fields: Any,
+) -> TextGenCall:
     """The engine request, built once: TGI's checked fields, `fields`, vLLM's scheduling fields (`priority`,
     `cache_salt`) and the adapter; with `n` (`_n`) its sequences are not ranked."""
     ranked = "n" not in fields
-    return checked.call(adapter=adapter, priority=req.priority, cache_salt=req.cache_salt, ranked=ranked, **fields)
+    return checked.call(
+        adapter=adapter, priority=req.priority, cache_salt=req.cache_salt, ranked=ranked, images=images, **fields
+    )
 
 
 def chat(
@@ -101,10 +111,12 @@ def chat(
     adapter: str | None = None,
     model_name: str | None = None,
     thinking: Thinking[Reasoning] | None = None,
+    images: tuple[Image, ...] = (),
 ) -> OpenAICall:
     """`parser`: the model's tool-call format (None: lmiserve's JSON one); `adapter`: the LoRA adapter that
     answers (and the model the answer names); `model_name`: the model the request names (None: its
-    `model`); `thinking`: the model's reasoning parser (None: none)."""
+    `model`); `thinking`: the model's reasoning parser (None: none); `images`: the messages' images,
+    loaded (`count_tokens` counts their tokens)."""
     check_stream_options(req)
     check_roles(req)
     tools = tool_spec(req.tools, req.tool_choice, req.parallel_tool_calls, req.tool_prompt, parser)
@@ -137,7 +149,7 @@ def chat(
         reasoning = thinking.reasoning(prompt)
         fields.update(thinking.sampling(reasoning, fields["grammar"], thinking.effort_budget(req.reasoning_effort)))
     return OpenAICall(
-        calls=[_call(checked, req, adapter, **fields)],
+        calls=[_call(checked, req, adapter, images=images, **fields)],
         tools=tools if tools.read else None,
         reasoning=reasoning,
         model=adapter or _response_model(req.model if model_name is None else model_name, served_model),
@@ -247,7 +259,7 @@ def completion(
         fields = {**_vllm_fields(checked, req), **scoring.logprob_fields(req, top_n)}
         fields.update(openai_sampling.fields(req, bias))
         fields.update(_n(req.n or 1, checked.sampling))
-        ids = {} if prompt.ids is None else {"prompt": prompt.text, "prompt_ids": list(prompt.ids)}
+        ids: dict[str, Any] = {} if prompt.ids is None else {"prompt": prompt.text, "prompt_ids": list(prompt.ids)}
         calls.append(_call(checked, req, adapter, **ids, **fields))
     return OpenAICall(
         calls=calls,

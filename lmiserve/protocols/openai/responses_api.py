@@ -22,6 +22,7 @@ from lmiserve.core.errors import NotFound, excerpt
 from lmiserve.core.tokenizer import tokenizing
 from lmiserve.protocols.openai.errors import RENDERER, PreviousResponseNotFound, model_not_found
 from lmiserve.protocols.openai.reasoning import Reasoning
+from lmiserve.protocols.openai.responses_input import image_sources, input_items
 from lmiserve.protocols.openai.responses_output import Head, ResponseEncoder, ResponseStreamEncoder
 from lmiserve.protocols.openai.responses_request import ResponsesRequest, responses_call
 from lmiserve.protocols.openai.responses_store import Stored, response_store
@@ -56,18 +57,20 @@ async def create(request: Request) -> Response:
         history = previous.items
     with enter(request) as slot:
         stored = req.store and store.enabled
+        images = await model.load_images(image_sources(history + input_items(req.input)))
         call = await tokenizing(
             responses_call,
             req,
             history,
             model.limits,
-            model.count_tokens,
+            model.counter(images),
             model.render_chat,
             model.service.name,
             stored=stored,
             parser=model.tool_parser,
             adapter=lora,  # the adapter `model` names (None: the base model)
             thinking=Thinking.of(Reasoning, model.service.settings, model.tokenizer),
+            images=images,
         )
         model.check_tools(call.tools)
         reasoning = call.reasoning

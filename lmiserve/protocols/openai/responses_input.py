@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from lmiserve.core.errors import excerpt
+from lmiserve.core.errors import InvalidRequest, excerpt
+from lmiserve.core.media import ImageSource
 from lmiserve.protocols.openai.errors import InvalidValue
+from lmiserve.protocols.textgen import images
 from lmiserve.protocols.textgen.chat import Message
 
 ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text", "refusal")
+IMAGE_PART = "input_image"  # {"type": "input_image", "image_url": "data:..." | "https://...", "detail"?: ...}
 
 
 def input_items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -33,11 +36,14 @@ def _text_of(content: Any, where: str) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == IMAGE_PART:
+            texts.append(images.MARK)  # `image_sources` gives its image, in the same order
+            continue
         if kind not in TEXT_PARTS:
             shown = excerpt(str(kind)) if kind is not None else "a part without a type"
             raise InvalidValue(
-                f"Content part type `{shown}` is not supported: this server takes text parts only "
-                f"({', '.join(TEXT_PARTS)})",
+                f"Content part type `{shown}` is not supported: this server takes "
+                f"{', '.join(TEXT_PARTS)} and {IMAGE_PART} parts",
                 f"{where}[{j}].type",
             )
         text = part.get("refusal" if kind == "refusal" else "text")
@@ -98,3 +104,34 @@ def messages(items: list[dict[str, Any]], instructions: str | None) -> list[Mess
     if not out:
         raise InvalidValue("`input` must hold at least one message", "input")
     return out
+
+
+def image_sources(items: list[Any]) -> list[ImageSource]:
+    """The ``input_image`` parts' sources, in the order `messages` writes their marks (a message's
+    content, a ``function_call_output``'s output parts); ``file_id`` (an uploaded file) is a 400: this
+    server keeps no files. Malformed items are left to `messages`."""
+    sources: list[ImageSource] = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            continue
+        kind = item.get("type", "message")
+        key = "content" if kind == "message" else "output" if kind == "function_call_output" else None
+        parts = item.get(key) if key is not None else None
+        if not isinstance(parts, list):
+            continue
+        for j, part in enumerate(parts):
+            if not isinstance(part, dict) or part.get("type") != IMAGE_PART:
+                continue
+            where = f"input[{i}].{key}[{j}]"
+            url = part.get("image_url")
+            if url is None and part.get("file_id") is not None:
+                raise InvalidValue(
+                    "`file_id` images are not supported: this server keeps no files; give `image_url` (a data: "
+                    "or http(s) URL)",
+                    f"{where}.file_id",
+                )
+            try:
+                sources.append(images.url_source(url, f"{where}.image_url"))
+            except InvalidRequest as exc:
+                raise InvalidValue(exc.message, f"{where}.image_url") from None
+    return sources

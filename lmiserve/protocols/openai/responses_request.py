@@ -36,6 +36,7 @@ from lmiserve.core import constraints
 from lmiserve.core.errors import ContextLengthExceeded, excerpt
 from lmiserve.core.grammar import Grammar
 from lmiserve.core.limits import TextGenLimits
+from lmiserve.core.media import Image
 from lmiserve.protocols.openai import sampling as openai_sampling
 from lmiserve.protocols.openai.errors import ContextWindowExceeded, InvalidValue
 from lmiserve.protocols.openai.reasoning import Reasoning
@@ -251,10 +252,12 @@ def responses_call(
     parser: ToolParser | None = None,
     adapter: str | None = None,
     thinking: Thinking[Reasoning] | None = None,
+    images: tuple[Image, ...] = (),
 ) -> ResponsesCall:
     """Validate `req` (after `history`, the previous response's items) into one engine call, for the LoRA
     `adapter` (None: the base model) and the model's reasoning parser (`thinking`). `stored`: whether the
-    server will keep the response (the `store` echo)."""
+    server will keep the response (the `store` echo). `images`: the ``input_image`` parts' images, loaded
+    (`count_tokens` counts their tokens)."""
     check_unsupported(req)
     bias = openai_sampling.check(req)
     items = history + input_items(req.input)
@@ -289,7 +292,7 @@ def responses_call(
     if thinking is not None:  # a grammar applies after the reasoning block, a budget bounds it
         block = thinking.reasoning(prompt)
         fields.update(thinking.sampling(block, fields["grammar"], thinking.effort_budget(reasoning["effort"])))
-    call = checked.call(adapter=adapter, priority=req.priority, cache_salt=req.cache_salt, **fields)
+    call = checked.call(adapter=adapter, priority=req.priority, cache_salt=req.cache_salt, images=images, **fields)
     model = served_model if req.model in (None, "") else req.model
     echo = {
         "instructions": req.instructions,

@@ -72,17 +72,19 @@ async def answer(request: Request, req: ChatRequest | CompletionRequest, elsewhe
     with enter(request) as slot:
         if isinstance(req, ChatRequest):
             thinking = Thinking.of(Reasoning, model.service.settings, model.tokenizer)
+            images = await model.load_images(req.image_sources())  # 400 for a model without vision
             call = await tokenizing(
                 adapter.chat,
                 req,
                 model.limits,
-                model.count_tokens,
+                model.counter(images),
                 model.render_chat,
                 model.service.name,
                 model.tool_parser,
                 adapter=lora,
                 model_name=named.value if named is not None else None,
                 thinking=thinking,
+                images=images,
             )
             model.check_tools(call.tools)
         else:

@@ -35,8 +35,10 @@ from lmiserve.core.errors import (
     SchemaViolation,
     TemplateError,
 )
+from lmiserve.core.media import Image, ImageSource
 from lmiserve.core.tokenizer import tokenizing
 from lmiserve.protocols.openai import errors
+from lmiserve.protocols.textgen import images as vision
 from lmiserve.protocols.textgen.body import json_payload, parse_strict
 from lmiserve.protocols.textgen.served import Served, served
 from lmiserve.protocols.textgen.wire import dumps
@@ -122,15 +124,35 @@ def _model(request: Request, name: str | None) -> Served:
 
 
 def _text_of(content: Any) -> Any:
-    """A message's content: a string, or the text of OpenAI's content parts."""
+    """A message's content: a string, or the text of OpenAI's content parts (an ``image_url`` part: an
+    image's mark, for a vision model's template)."""
     if isinstance(content, list):
         texts = []
         for part in content:
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                texts.append(vision.MARK)
+                continue
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise SchemaViolation("messages: content parts must be {'type': 'text', 'text': str}")
+                raise SchemaViolation(
+                    "messages: content parts must be {'type': 'text', 'text': str} or {'type': 'image_url', ...}"
+                )
             texts.append(part["text"])
         return "".join(texts)
     return content
+
+
+def image_sources(payload: Any) -> list[ImageSource]:
+    """The ``image_url`` parts' sources of a chat body's messages, in order (none for other bodies)."""
+    messages = payload.get("messages") if isinstance(payload, dict) else None
+    sources: list[ImageSource] = []
+    for i, message in enumerate(messages if isinstance(messages, list) else []):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                value = part.get("image_url")
+                url = value.get("url") if isinstance(value, dict) else value
+                sources.append(vision.url_source(url, f"messages[{i}].content[{j}].image_url"))
+    return sources
 
 
 def _chat_text(model: Served, req: TokenizeChatRequest) -> str:
@@ -141,11 +163,16 @@ def _chat_text(model: Served, req: TokenizeChatRequest) -> str:
         if not isinstance(message.get("role"), str):
             raise SchemaViolation(f"messages.{i}.role: a string is required")
         messages.append({**message, "content": _text_of(message.get("content"))})
-    tokenizer = model.tokenizer
+    tokenizer: Any = model.tokenizer
+    processor = model.processor
+    if processor is not None and getattr(processor, "chat_template", None):  # a vision model's template
+        tokenizer, messages = processor, vision.template_messages(messages)
+    elif vision.has_marks(messages):
+        raise vision.no_vision(model.service.name)
     if not getattr(tokenizer, "chat_template", None):
         raise TemplateError("The model has no chat template.")
     extra: dict[str, Any] = dict(req.chat_template_kwargs or {})
-    taken = sorted(set(extra) & set(inspect.signature(tokenizer.apply_chat_template).parameters))
+    taken = sorted(set(extra) & set(inspect.signature(model.tokenizer.apply_chat_template).parameters))
     if taken:
         raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(taken)}: give them as fields, if at all.")
     if req.tools is not None:
@@ -163,8 +190,9 @@ def _chat_text(model: Served, req: TokenizeChatRequest) -> str:
     return str(text)
 
 
-def tokenize_payload(request: Request, payload: Any) -> bytes:
-    """vLLM's tokenize answer for a decoded body."""
+def tokenize_payload(request: Request, payload: Any, images: tuple[Image, ...] = ()) -> bytes:
+    """vLLM's tokenize answer for a decoded body; `images`: its messages' images, loaded (their tokens
+    counted, as the processor expands them)."""
     if isinstance(payload, dict) and "prompt" in payload and "messages" in payload:
         raise SchemaViolation("Give either `prompt` or `messages`, not both.")
     if not isinstance(payload, dict) or ("prompt" not in payload and "messages" not in payload):
@@ -178,7 +206,10 @@ def tokenize_payload(request: Request, payload: Any) -> bytes:
         chat: TokenizeChatRequest = _parse(TokenizeChatRequest, payload)
         model = _model(request, chat.model)
         req, text = chat, _chat_text(model, chat)
-    ids = [int(i) for i in model.tokenizer(text, add_special_tokens=req.add_special_tokens)["input_ids"]]
+    if images:
+        ids = model.encode_with_images(text, images, special=req.add_special_tokens)
+    else:
+        ids = [int(i) for i in model.tokenizer(text, add_special_tokens=req.add_special_tokens)["input_ids"]]
     strs = [str(s) for s in model.tokenizer.convert_ids_to_tokens(ids)] if req.return_token_strs else None
     body = {"count": len(ids), "max_model_len": model.limits.max_total_tokens, "tokens": ids, "token_strs": strs}
     return dumps(body)
@@ -188,7 +219,12 @@ async def invoke_tokenize(request: Request, payload: Any) -> Response:
     """`/tokenize` with a body in vLLM's shape (TGI's route hands it over), errors in vLLM's shape."""
 
     async def endpoint(request: Request) -> Response:
-        return raw_response(await tokenizing(tokenize_payload, request, payload))
+        sources = image_sources(payload)
+        images: tuple[Image, ...] = ()
+        if sources:  # the model the body names loads them (400 naming it when it takes no images)
+            name = payload.get("model")
+            images = await _model(request, name if isinstance(name, str) else None).load_images(sources)
+        return raw_response(await tokenizing(tokenize_payload, request, payload, images))
 
     return await rendered_by(RENDERER, endpoint)(request)
 

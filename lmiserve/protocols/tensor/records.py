@@ -3,7 +3,8 @@
 A record is the instance for a single-input model (a string for text models, a number list for numeric
 ones), or an object naming the inputs. For a single-input model an object with one key, the input's
 name or a conventional record key (`RECORD_KEYS`: SageMaker's `{"features": [...]}`, `{"prompt": "..."}`),
-is its value, so records may mix forms; any other key is an input the model does not declare (400). Predictions are
+is its value, so records may mix forms; any other key is an input the model does not declare (400). A model with
+optional inputs beside one required one (a vision LLM's `image`) takes `{"prompt": ..., "image": ...}`. Predictions are
 per record: the row of the one output, or an object of every output's row; NaN and infinities -> null.
 """
 
@@ -26,10 +27,40 @@ RECORD_KEYS = ("features", "prompt", "text", "inputs")
 def to_request(records: list, signature: ModelSignature, model: str, parameters: dict | None = None) -> TensorRequest:
     if not records:
         raise InvalidInput("no instances in the request")
+    decoded = signature
     if len(signature.inputs) == 1:
         records = [_unwrap(r, signature, model) for r in records]
-    arrays = tftensor.decode_instances(records, signature)
+    elif len(signature.required) == 1:
+        records, decoded = _with_optional(records, signature, model)
+    arrays = tftensor.decode_instances(records, decoded)
     return TensorRequest(inputs=conform(arrays, signature, model), parameters=dict(parameters or {}))
+
+
+def _with_optional(records: list, signature: ModelSignature, model: str) -> tuple[list, ModelSignature]:
+    """Records of a model with one required input and optional ones (a vision LLM's `image`): each
+    record the required input's value as a one-input model's record gives it, or an object of it (under
+    its name or a `RECORD_KEYS` key) and optional inputs; every record gives the same optional inputs.
+    The records as objects, and the signature of the inputs they give."""
+    (required,) = signature.required
+    optional = {t.name for t in signature.inputs if t.optional}
+    out: list[dict] = []
+    for record in records:
+        extra: dict = {}
+        if isinstance(record, dict) and not tftensor.is_b64(record) and optional & set(record):
+            extra = {k: v for k, v in record.items() if k in optional}
+            rest = {k: v for k, v in record.items() if k not in optional}
+            if len(rest) != 1:
+                names = ", ".join(sorted(rest)) or "none"
+                raise InvalidInput(f"an instance must give one input for '{required.name}' (given: {names})")
+            record = rest
+        out.append({required.name: _unwrap(record, ModelSignature((required,), signature.outputs), model), **extra})
+    given = set(out[0]) - {required.name}
+    if any(set(record) - {required.name} != given for record in out):
+        raise InvalidInput(
+            f"every instance must give the same inputs ({', '.join(sorted(given)) or 'none'} beside the text)"
+        )
+    inputs = tuple(t for t in signature.inputs if t.name == required.name or t.name in given)
+    return out, ModelSignature(inputs, signature.outputs)
 
 
 def _unwrap(record: object, signature: ModelSignature, model: str) -> object:

@@ -11,7 +11,11 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
 
+from lmiserve.core.media import ImageSource
+from lmiserve.protocols.textgen import images
 from lmiserve.protocols.textgen.parameters import UINT32, UINT64
+
+IMAGE_PARTS = ("image_url",)  # OpenAI's image content part
 
 
 class StreamOptions(BaseModel):
@@ -30,16 +34,32 @@ class Message(BaseModel):
     tool_call_id: str | None = None  # role "tool": the call this is the result of
 
     def text(self) -> str:
-        """Content as text; image parts become ``![](url)`` as in TGI."""
+        """Content as text; an image part is an image's mark (`images.MARK`: a vision model's template
+        gets an image there; `image_sources` gives the images in the same order)."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         parts = []
         for part in self.content:
             if part.get("type") == "text":
                 parts.append(str(part.get("text", "")))
-            elif part.get("type") == "image_url":
-                parts.append(f"![]({(part.get('image_url') or {}).get('url', '')})")
+            elif part.get("type") in IMAGE_PARTS:
+                parts.append(images.MARK)
         return "".join(parts)
+
+    def image_sources(self, where: str) -> list[ImageSource]:
+        """The image parts' sources, in order: OpenAI's ``{"type": "image_url", "image_url": {"url": ...,
+        "detail"?: ...}}`` (or the URL as a string, as vLLM takes it); `InvalidRequest` naming `where`."""
+        if not isinstance(self.content, list):
+            return []
+        sources = []
+        for j, part in enumerate(self.content):
+            if part.get("type") not in IMAGE_PARTS:
+                continue
+            at = f"{where}.content[{j}].image_url"
+            value = part.get("image_url")
+            url = value.get("url") if isinstance(value, dict) else value
+            sources.append(images.url_source(url, at))
+        return sources
 
 
 class SamplingFields(BaseModel):
@@ -101,3 +121,7 @@ class ChatRequest(SamplingFields):
     def template_messages(self) -> list[dict[str, str]]:
         """The messages as the chat template takes them."""
         return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def image_sources(self) -> list[ImageSource]:
+        """Every message's image parts' sources, in the order their marks appear in the messages."""
+        return [s for i, m in enumerate(self.messages) for s in m.image_sources(f"messages[{i}]")]

@@ -17,9 +17,11 @@ from lmiserve.core.adapters import Source, select_adapter
 from lmiserve.core.engine import TextGenerator
 from lmiserve.core.errors import InvalidRequest, LmiServeError, TemplateError
 from lmiserve.core.limits import TextGenLimits, limits_for
+from lmiserve.core.media import Image, ImageSource
 from lmiserve.core.tokenizer import remember_encoding
 from lmiserve.models.bundled import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
 from lmiserve.models.service import ModelService
+from lmiserve.protocols.textgen import images as vision
 from lmiserve.protocols.textgen.tools.parsers import ToolParser, for_tokenizer
 from lmiserve.protocols.textgen.tools.spec import ToolSpec
 from lmiserve.server.lookup import default_llm
@@ -86,6 +88,49 @@ class Served:
     def _own(self) -> list[str]:
         return [n for n in self.names() if n != "*"]
 
+    @property
+    def processor(self) -> Any:
+        """A vision-language model's processor (its chat template, its image placeholders); None for a
+        text model."""
+        return getattr(self.service.ready_llm(), "processor", None)
+
+    @property
+    def takes_images(self) -> bool:
+        return self.processor is not None
+
+    async def load_images(self, sources: list[ImageSource]) -> tuple[Image, ...]:
+        """A request's images, fetched and decoded (`vision.load`: 400 naming the model when it takes none)."""
+        return await vision.load(self.service.settings, self.service.name, self.takes_images, sources)
+
+    def counter(self, images: tuple[Image, ...]) -> Callable[[str], int]:
+        """`count_tokens`, or with `images` the length of the prompt the processor expands (each image's
+        placeholder as the image tokens it becomes)."""
+        if not images:
+            return self.count_tokens
+        return lambda text: len(self.encode_with_images(text, images))
+
+    def encode_with_images(self, text: str, images: tuple[Image, ...], *, special: bool = True) -> list[int]:
+        """The prompt's ids with its images' tokens, as the processor makes them (`special`: special tokens
+        added, as the engine encodes); `InvalidRequest` when the text's placeholders do not match the images."""
+        processor = self.processor
+        if processor is None:
+            raise vision.no_vision(self.service.name)
+        pixels = [[image.pixels for image in images]]  # one prompt's images (as the engine's ImageCodec)
+        try:
+            out = processor(text=[text], images=pixels, add_special_tokens=special, return_tensors="np")
+        except (ValueError, TypeError, IndexError) as exc:  # placeholders and images disagree, and the like
+            raise InvalidRequest(f"the images do not fit the prompt: {str(exc)[:300]}") from None
+        return [int(i) for i in out["input_ids"][0].tolist()]
+
+    def image_prompt(self, text: str) -> str:
+        """A raw prompt's image marks (TGI's markdown images in `inputs`) as the placeholder the model's
+        chat template writes for an image; `text` itself when it has none."""
+        if vision.MARK not in text:
+            return text
+        if self.processor is None:
+            raise vision.no_vision(self.service.name)
+        return text.replace(vision.MARK, vision.placeholder(self.processor))
+
     def count_tokens(self, text: str) -> int:
         """Prompt length as the engine will see it (special tokens added); the ids are kept for the
         engine's encoding of the same text in this request (tokenized once)."""
@@ -141,7 +186,15 @@ class Served:
         `template_kwargs`: more template variables (OpenAI's `chat_template_kwargs`); `InvalidRequest`
         when one names an argument of the template call itself (``tokenize``, ``tools``, ...).
         `add_generation_prompt`, `continue_final_message`: vLLM's chat fields, as transformers means them."""
-        if not getattr(self.tokenizer, "chat_template", None):
+        processor = self.processor
+        if processor is None and vision.has_marks(messages):
+            raise vision.no_vision(self.service.name)
+        templater = processor if processor is not None and getattr(processor, "chat_template", None) else None
+        if templater is not None:  # a vision model: its processor's template, content as parts
+            messages = vision.template_messages(messages)
+        else:
+            templater = self.tokenizer
+        if not getattr(templater, "chat_template", None):
             raise TemplateError("template not found")
         extra: dict[str, Any] = dict(template_kwargs or {})
         taken = extra and sorted(set(extra) & {*inspect.signature(self.tokenizer.apply_chat_template).parameters})
@@ -153,7 +206,7 @@ class Served:
         try:
             if continue_final_message:  # transformers' flag; passed only when set (older templates lack it)
                 extra["continue_final_message"] = True
-            text = self.tokenizer.apply_chat_template(
+            text = templater.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
             )
         except Exception as exc:  # noqa: BLE001 - jinja errors of a model's own template

@@ -16,6 +16,7 @@ from typing import Any
 from lmiserve.core import constraints
 from lmiserve.core.errors import ContextLengthExceeded, InvalidRequest
 from lmiserve.core.limits import TextGenLimits
+from lmiserve.core.media import Image
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.protocols.textgen.parameters import TextGenParameters
 
@@ -65,11 +66,13 @@ class Checked:
         priority: int | None = None,
         cache_salt: str | None = None,
         ranked: bool = True,
+        images: tuple[Image, ...] = (),
         **sampling: Any,
     ) -> TextGenCall:
         """The validated call: the engine request built with the LoRA adapter that answers (None: the base
         model), the prompt as token ids (`prompt`: their text), the scheduling fields, and `sampling`: the
-        `SamplingParams` fields the protocol sets beyond TGI's (OpenAI's penalties, its grammar, ...)."""
+        `SamplingParams` fields the protocol sets beyond TGI's (OpenAI's penalties, its grammar, ...);
+        `images`: a vision model's images, in the order of the prompt's image placeholders."""
         params = dataclasses.replace(self.params, **sampling) if sampling else self.params
         request = GenerationRequest(
             self.inputs if prompt is None else prompt,
@@ -79,6 +82,7 @@ class Checked:
             prompt_ids=prompt_ids,
             ranked=ranked,
             adapter=adapter,
+            images=images,
         )
         length = self.input_length if prompt_ids is None else len(prompt_ids)
         return TextGenCall(request, self.details, self.return_full_text, length, self.sampling)

@@ -20,8 +20,10 @@ from starlette.routing import BaseRoute, Route
 
 from lmiserve import __version__
 from lmiserve.core.adapters import NOWHERE, Elsewhere, Source
+from lmiserve.core.media import Image
 from lmiserve.core.tokenizer import tokenizing
 from lmiserve.models.service import ModelService
+from lmiserve.protocols.textgen import images as vision
 from lmiserve.protocols.textgen.admission import enter
 from lmiserve.protocols.textgen.body import json_payload, parse
 from lmiserve.protocols.textgen.chat import ChatRequest
@@ -101,7 +103,17 @@ async def answer(
     if stream:
         errors.errors_in_band(request)
     with enter(request) as slot:
-        call = await tokenizing(validate, req, model.limits, model.count_tokens, stream=stream, adapter=adapter)
+        prompt, images = await _with_images(model, req.inputs)
+        call = await tokenizing(
+            validate,
+            req,
+            model.limits,
+            model.counter(images),
+            stream=stream,
+            adapter=adapter,
+            prompt=prompt,
+            images=images,
+        )
         await prepare(model.engine, [call.request])  # refused (bad grammar, too large) before the stream
         timer.mark_validated()
         shape = AnswerShape.of(req.inputs, call)
@@ -131,6 +143,19 @@ async def answer(
         return await respond(request, timer.watch(events), encoder, headers=timing_headers, on_close=slot.release)
 
 
+async def _with_images(model: Served, inputs: str) -> tuple[str | None, tuple[Image, ...]]:
+    """A vision model's markdown images in `inputs` (TGI's ``![](url)``), loaded: the prompt with the
+    model's image placeholders in their place, and the images (None, none: `inputs` as it is; a text
+    model reads markdown as text, as TGI does)."""
+    if not model.takes_images:
+        return None, ()
+    text, sources = vision.markdown(inputs)
+    if not sources:
+        return None, ()
+    images = await model.load_images(sources)
+    return model.image_prompt(text), images
+
+
 # --- tokenizing -------------------------------------------------------------------------------------
 
 
@@ -140,6 +165,19 @@ def _byte_offsets(text: str, offsets: list[tuple[int, int]]) -> list[tuple[int, 
     for ch in text:
         starts.append(starts[-1] + len(ch.encode()))
     return [(starts[a], starts[b]) for a, b in offsets]
+
+
+def _image_tokens(model: Served, text: str, images: tuple[Image, ...], *, special: bool = True) -> list[dict]:
+    """The tokens of a prompt with images, as the processor expands it (each image's tokens included):
+    each token's text decoded alone, its offsets those of its text in the joined texts (the expanded
+    prompt is not the text the client sent)."""
+    out, at = [], 0
+    for token_id in model.encode_with_images(text, images, special=special):
+        piece = model.special_text(token_id)
+        size = len(piece.encode())
+        out.append({"id": token_id, "text": piece, "start": at, "stop": at + size})
+        at += size
+    return out
 
 
 def _tokens(tokenizer, text: str, *, special: bool) -> list[dict]:
@@ -173,6 +211,9 @@ def tokenize_route(other: OtherTokenize | None) -> Callable[[Request], Awaitable
             return await other.handler(request, payload)
         req = parse(GenerateRequest, payload)
         model = served(request)
+        prompt, images = await _with_images(model, req.inputs)
+        if prompt is not None:
+            return raw_response(dumps(await tokenizing(_image_tokens, model, prompt, images)))
         return raw_response(dumps(await tokenizing(_tokens, model.tokenizer, req.inputs, special=True)))
 
     return tokenize
@@ -183,9 +224,13 @@ async def chat_tokenize(request: Request) -> Response:
     req = parse(ChatRequest, await json_payload(request))
     model = served(request)
     spec = tool_spec(req.tools, req.tool_choice, req.parallel_tool_calls, req.tool_prompt, model.tool_parser)
+    images = await model.load_images(req.image_sources())  # 400 for a model without vision
 
     def tokenized() -> dict:
         text = render_conversation(req.messages, spec, functools.partial(model.render_chat, for_engine=False))
+        if images:  # the image tokens counted (the template's text keeps one placeholder per image)
+            tokens = _image_tokens(model, text, images, special=False)
+            return {"tokenize_response": tokens, "templated_text": text}
         return {"tokenize_response": _tokens(model.tokenizer, text, special=False), "templated_text": text}
 
     return raw_response(dumps(await tokenizing(tokenized)))

@@ -5,9 +5,12 @@
 
 const KEY_STORAGE = "lmiserve.apiKey";
 const SPARK_POINTS = 60; // tokens/s samples the sparkline shows (~30 s at 2 updates/s)
+const IMAGE_TYPES = ["image/png", "image/jpeg", "image/webp", "image/gif"];
 
 const $ = (id) => document.getElementById(id);
 let conversation = []; // the turns sent with each request: {role, content}; Clear starts a new one
+let vision = null; // {maxBytes, maxImages} while the served model takes images (stats' `vision`); null: it does not
+let attached = null; // the image the next message sends: {url (a data: URL), name}
 const rates = new Map(); // model name -> recent tokens/s values
 let chatAbort = null;
 let statsAbort = null;
@@ -64,12 +67,19 @@ const sleep = (ms) =>
 
 // ---- chat ---------------------------------------------------------------------------------------
 
-function addMessage(kind, text) {
+function addMessage(kind, text, image = null) {
   const hint = document.querySelector("#messages > .hint");
   if (hint) hint.remove();
   const el = document.createElement("div");
   el.className = `msg ${kind}`;
   el.textContent = text;
+  if (image) {
+    const thumb = document.createElement("img");
+    thumb.className = "thumb";
+    thumb.src = image.url;
+    thumb.alt = image.name;
+    el.prepend(thumb);
+  }
   $("messages").append(el);
   scrollDown();
   return el;
@@ -106,10 +116,64 @@ function busy(on) {
   $("stop").disabled = !on;
 }
 
+// ---- an attached image (shown only while the served model takes images) -----------------------------
+
+function megabytes(bytes) {
+  return `${(bytes / 1024 / 1024).toFixed(1)} MB`;
+}
+
+function setVision(model) {
+  vision = model ? { maxBytes: model.max_image_bytes, maxImages: model.max_images } : null;
+  $("attach").hidden = !vision;
+  if (!vision) detach();
+}
+
+function detach() {
+  attached = null;
+  $("attachment").hidden = true;
+  $("attachment-thumb").removeAttribute("src");
+  $("image").value = "";
+}
+
+function attach(file) {
+  if (!file || !vision) return;
+  if (!IMAGE_TYPES.includes(file.type)) {
+    addMessage("error", `${file.name || "The file"} is not a PNG, JPEG, WebP or GIF image.`);
+    return;
+  }
+  if (file.size > vision.maxBytes) {
+    addMessage("error", `${file.name || "The image"} is ${megabytes(file.size)}: the server takes images up to ${megabytes(vision.maxBytes)} (max_image_bytes).`);
+    return;
+  }
+  const reader = new FileReader();
+  reader.addEventListener("load", () => {
+    attached = { url: reader.result, name: file.name || "pasted image" };
+    $("attachment-thumb").src = attached.url;
+    $("attachment-name").textContent = `${attached.name} (${megabytes(file.size)})`;
+    $("attachment").hidden = false;
+  });
+  reader.addEventListener("error", () => addMessage("error", `${file.name || "The image"} could not be read.`));
+  reader.readAsDataURL(file);
+}
+
+function imageFile(items) {
+  for (const item of items ?? []) {
+    const file = item instanceof File ? item : item.kind === "file" ? item.getAsFile() : null;
+    if (file && file.type.startsWith("image/")) return file;
+  }
+  return null;
+}
+
+// ---- sending ------------------------------------------------------------------------------------
+
 async function send(text) {
   const turns = conversation;
-  turns.push({ role: "user", content: text });
-  addMessage("user", text);
+  const image = attached;
+  detach();
+  const content = image ? [{ type: "image_url", image_url: { url: image.url } }] : text;
+  if (image && text) content.push({ type: "text", text });
+  turns.push({ role: "user", content });
+  addMessage("user", text, image);
   const reply = addMessage("assistant streaming", "");
   const body = document.createTextNode("");
   reply.append(body);
@@ -207,6 +271,7 @@ function modelCard(name) {
 
 function renderStats(stats) {
   const box = $("models");
+  setVision(stats.models.find((m) => m.vision));
   if (!stats.models.length) {
     box.replaceChildren(el("p", { class: "hint" }, "No text-generation model is served."));
     return;
@@ -295,7 +360,7 @@ function init() {
   $("composer").addEventListener("submit", (event) => {
     event.preventDefault();
     const text = $("prompt").value.trim();
-    if (!text || chatAbort) return;
+    if ((!text && !attached) || chatAbort) return;
     $("prompt").value = "";
     send(text);
   });
@@ -306,9 +371,32 @@ function init() {
     }
   });
   $("stop").addEventListener("click", () => chatAbort?.abort());
+  $("attach").addEventListener("click", () => $("image").click());
+  $("image").addEventListener("change", () => attach($("image").files[0]));
+  $("detach").addEventListener("click", detach);
+  $("prompt").addEventListener("paste", (event) => {
+    const file = vision && imageFile(event.clipboardData?.items);
+    if (!file) return; // text: pasted as usual
+    event.preventDefault();
+    attach(file);
+  });
+  const composer = $("composer");
+  composer.addEventListener("dragover", (event) => {
+    if (!vision || !event.dataTransfer?.types.includes("Files")) return;
+    event.preventDefault();
+    composer.classList.add("dropping");
+  });
+  composer.addEventListener("dragleave", () => composer.classList.remove("dropping"));
+  composer.addEventListener("drop", (event) => {
+    composer.classList.remove("dropping");
+    if (!vision) return;
+    event.preventDefault();
+    attach(imageFile(event.dataTransfer?.files));
+  });
   $("clear").addEventListener("click", () => {
     chatAbort?.abort();
     conversation = [];
+    detach();
     $("messages").replaceChildren();
     $("usage").textContent = "";
   });

@@ -1,9 +1,11 @@
 """The live state of the served LLMs for the playground's batch panel, as a server-sent event stream.
 
 Each event is one JSON object, ``{"models": [...]}``, one entry per LLM: its status, the running and
-waiting sequences, the batch's slots, the KV cache in use, and the tokens it generated per second over
-the last few seconds. It is read from the engines' neutral snapshot (`lmiserve.core.stats`), the same
-one the Prometheus gauges read; the engines know nothing of this stream.
+waiting sequences, the batch's slots, the KV cache in use, the tokens it generated per second over
+the last few seconds, and whether it takes images (``vision``: a vision-language model, with the
+server's ``max_image_bytes`` and ``max_images``; the page offers to attach an image only then). It is
+read from the engines' neutral snapshot (`lmiserve.core.stats`), the same one the Prometheus gauges
+read; the engines know nothing of this stream.
 
 A stream ends by itself after `STREAM_SECONDS` (the page reconnects at once), so an open browser tab
 never keeps a stopping server waiting for its connection to close for longer than that.
@@ -68,7 +70,11 @@ def model_stats(service: ModelService, rates: TokenRate, now: float) -> dict[str
         prefix_cache_tokens=snap.prefix_cache_tokens,
         prefix_cache_capacity=snap.prefix_cache_capacity,
         tokens_per_second=round(rates.rate(service.name, now, snap.generated_tokens), 1),
+        vision=service.ready_llm().processor is not None,
     )
+    if entry["vision"]:
+        entry["max_image_bytes"] = int(service.settings.max_image_bytes)
+        entry["max_images"] = int(service.settings.limit_mm_per_prompt)
     if snap.speculation is not None:
         spec = snap.speculation
         entry["speculation"] = {

@@ -1,13 +1,15 @@
 """Triton's generate extension for LLMs: `/v2/models/{m}/generate` answers one JSON object,
 `/generate_stream` answers SSE `data:` events, one per generated piece of text.
 
-Request `{"id"?, "text_input": str, "parameters"?: {...}, <other keys>}`: other top-level keys join the
-parameters (`parameters` wins). Parameters by LMI's names (max_new_tokens, temperature, do_sample, stop,
-...) or by the spellings of Triton's TensorRT-LLM and vLLM backends (`TRITON_ALIASES`: max_tokens,
-random_seed, stop_words, ignore_eos, min_length, min_tokens, exclude_input_in_output; `lora_name`, like
-`adapter_id`, picks a LoRA adapter of the model: 404 for one that is not served); a parameter that
-/generate cannot honour (`bad_words`, `end_id`, beam search, logprobs or logits outputs, more than one
-sequence, ...) or does not know is a 400 naming it, never ignored.
+Request `{"id"?, "text_input": str, "image"?: str | [str], "parameters"?: {...}, <other keys>}`: other
+top-level keys join the parameters (`parameters` wins); `image` (a vision model's: base64, or a data: or
+http(s) URL) is placed as the LLM's `image` input places it (lmiserve/models/llm_tensor.py).
+Parameters by LMI's names (max_new_tokens, temperature, do_sample, stop, ...) or by the spellings of
+Triton's TensorRT-LLM and vLLM backends (`TRITON_ALIASES`: max_tokens, random_seed, stop_words,
+ignore_eos, min_length, min_tokens, exclude_input_in_output; `lora_name`, like `adapter_id`, picks a
+LoRA adapter of the model: 404 for one that is not served); a parameter that /generate cannot honour
+(`bad_words`, `end_id`, beam search, logprobs or logits outputs, more than one sequence, ...) or does
+not know is a 400 naming it, never ignored.
 Answer `{"id"?, "model_name", "model_version", "text_output"}` (the id only when the request had one).
 
 Both go through the response pipeline. The stream's status waits for the engine's first event: a
@@ -43,10 +45,11 @@ from lmiserve.core.errors import (
     SchemaViolation,
 )
 from lmiserve.core.events import StepEvent
+from lmiserve.core.media import Image
 from lmiserve.core.parameters import GenerationParameters
 from lmiserve.core.request import GenerationRequest
 from lmiserve.core.tensor_io import text_rows
-from lmiserve.models.llm_tensor import INPUT, NOT_GENERATION
+from lmiserve.models.llm_tensor import IMAGE, INPUT, NOT_GENERATION
 from lmiserve.models.service import ModelService
 from lmiserve.protocols.tensor.kserve import parse as kserve
 from lmiserve.protocols.tensor.kserve.errors import RENDERER
@@ -54,7 +57,7 @@ from lmiserve.protocols.tensor.kserve.models import ready_model
 from lmiserve.server import sse
 from lmiserve.server.pipeline import Tagged, is_error_finish, respond, tagged
 
-_OWN_KEYS = ("id", "text_input", "parameters", "model_name")
+_OWN_KEYS = ("id", "text_input", "parameters", "model_name", IMAGE)
 # Triton backends' spellings (TensorRT-LLM's inputs, vLLM's SamplingParams) -> LMI's names.
 TRITON_ALIASES = {
     "max_tokens": "max_new_tokens",
@@ -128,7 +131,22 @@ async def parse(request: Request) -> GenerateCall:
     if not isinstance(params, dict):
         raise SchemaViolation("'parameters' must be a JSON object")
     params = {**{k: v for k, v in doc.items() if k not in _OWN_KEYS}, **params}
-    return generate_call(svc, model, doc.get("text_input"), params, doc.get("id"))
+    images = await request_images(model, doc.get(IMAGE))
+    return generate_call(svc, model, doc.get("text_input"), params, doc.get("id"), images=images)
+
+
+async def request_images(model: Any, value: Any) -> tuple[Image, ...]:
+    """A vision model's images for one prompt: `image` (a string: base64 or a data: or http(s) URL, or a
+    list of them; None: none), loaded; a 400 naming the model when it takes none."""
+    if value is None:
+        return ()
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, str) for v in values):
+        raise SchemaViolation(f"'{IMAGE}' must be a string (base64, or a data: or http(s) URL) or a list of them")
+    array = np.empty(len(values), dtype=object)
+    array[:] = values
+    (images,) = await model.images(array, 1)
+    return tuple(images)
 
 
 def check_llm(svc: ModelService, model: Any) -> None:
@@ -139,10 +157,17 @@ def check_llm(svc: ModelService, model: Any) -> None:
 
 
 def generate_call(
-    svc: ModelService, model: Any, prompt: object, params: dict[str, Any], request_id: object, route: str = "/generate"
+    svc: ModelService,
+    model: Any,
+    prompt: object,
+    params: dict[str, Any],
+    request_id: object,
+    route: str = "/generate",
+    *,
+    images: tuple[Image, ...] = (),
 ) -> GenerateCall:
     """The generation of `prompt` with `params` (LMI's or Triton's spellings) on the ready LLM `model`
-    of `svc`; `route` names the route or RPC in the refusals."""
+    of `svc`; `route` names the route or RPC in the refusals; `images`: a vision model's, loaded."""
     check_llm(svc, model)
     if not isinstance(prompt, str) or not prompt:
         raise SchemaViolation("'text_input' must be a non-empty string")
@@ -152,7 +177,8 @@ def generate_call(
     sampling, full_text = model.sampling(params)
     adapter = model.adapter(params)  # 404 for a LoRA adapter that is not served
     engine = svc.ready_engine()
-    generation = GenerationRequest(prompt, sampling, adapter=adapter)
+    text = model.prompt(prompt, images) if images else prompt  # the images' placeholders in place
+    generation = GenerationRequest(text, sampling, adapter=adapter, images=images)
     return GenerateCall(svc, prompt, request_id, full_text, generation, engine)
 
 

@@ -37,7 +37,7 @@ from lmiserve.core.errors import (
 )
 from lmiserve.core.request_context import RequestFacts
 from lmiserve.core.tensor_io import bytes_column, text_rows
-from lmiserve.models.llm_tensor import INPUT, OUTPUT
+from lmiserve.models.llm_tensor import IMAGE, INPUT, OUTPUT
 from lmiserve.protocols.tensor.kserve import generate
 from lmiserve.protocols.tensor.kserve import infer as inference
 from lmiserve.protocols.tensor.kserve import parse as kserve
@@ -159,7 +159,8 @@ class StreamInfer:
         prompts = text_rows(tensor_request.inputs[INPUT], INPUT)
         if len(prompts) != 1:
             raise InvalidInput(f"{ROUTE} streams the generation of one prompt: input '{INPUT}' holds {len(prompts)}")
-        call = generate.generate_call(svc, model, prompts[0], settings, request.id or None, ROUTE)
+        images = await model.images(tensor_request.inputs.get(IMAGE), 1)  # a vision model's `image` input
+        call = generate.generate_call(svc, model, prompts[0], settings, request.id or None, ROUTE, images=images[0])
 
         def send(text: str, final: bool) -> None:
             outputs = {OUTPUT: bytes_column([text])}

@@ -1,0 +1,74 @@
+"""Where a vision-language model's prompt text takes its images (docs/vision.md): duck-typed calls on the
+model's processor (transformers' ProcessorMixin), shared by the protocols and the tensor model.
+
+`placeholder` is what the processor's chat template writes for one image; `raw_prompt` puts a raw
+prompt's images in place (KServe's and Vertex's ``text_input`` beside an ``image`` input).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any
+
+from lmiserve.core.errors import InvalidRequest
+
+_PLACEHOLDERS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def placeholder(processor: Any) -> str:
+    """What the processor's chat template writes for one image (``<image>``, Qwen2-VL's
+    ``<|vision_start|><|image_pad|><|vision_end|>``, Gemma 3's ``<start_of_image>``, ...): a user turn
+    with an image rendered against one with an empty text, the text that differs; else the processor's
+    `image_token`."""
+    with contextlib.suppress(KeyError, TypeError):
+        return _PLACEHOLDERS[processor]
+    found = ""
+    try:
+        with_image = _render(processor, [{"type": "image"}])
+        without = _render(processor, [{"type": "text", "text": ""}])
+        shorter = min(len(with_image), len(without))
+        start = 0
+        while start < shorter and with_image[start] == without[start]:
+            start += 1
+        end = 0
+        while end < shorter - start and with_image[-1 - end] == without[-1 - end]:
+            end += 1
+        found = with_image[start : len(with_image) - end].strip(" ")
+    except Exception:  # noqa: BLE001 - a template that cannot render the probe: the processor's attribute
+        found = ""
+    if not found:
+        found = str(getattr(processor, "image_token", "") or "<image>")
+    with contextlib.suppress(TypeError):  # a processor that takes no weak reference: not remembered
+        _PLACEHOLDERS[processor] = found
+    return found
+
+
+def _render(processor: Any, content: list[dict[str, Any]]) -> str:
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=False
+    )
+    return str(text)
+
+
+def markers(processor: Any) -> tuple[str, ...]:
+    """The texts that stand for an image in a raw prompt: `placeholder`, and the processor's own image
+    token (and Gemma 3's begin-of-image token), which it expands."""
+    found = [placeholder(processor)]
+    for name in ("boi_token", "image_token"):
+        value = getattr(processor, name, None)
+        if isinstance(value, str) and value and value not in found:
+            found.append(value)
+    return tuple(found)
+
+
+def raw_prompt(prompt: str, count: int, processor: Any) -> str:
+    """A raw prompt with `count` images: as it is when it holds an image placeholder of the model (the
+    processor matches them with the images), else the placeholders put first, one per image."""
+    if not count:
+        return prompt
+    if processor is None:
+        raise InvalidRequest("this model does not take images: it is not a vision-language model")
+    if any(marker in prompt for marker in markers(processor)):
+        return prompt
+    return placeholder(processor) * count + prompt

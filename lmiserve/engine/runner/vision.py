@@ -1,0 +1,250 @@
+"""A vision-language model over the block KV cache: transformers' forward of the VLM, its prompt's image
+tokens fed the image encoder's features (docs/engine.md, "Vision-language models").
+
+- **The encoder runs once per image, at admission.** A `NewRequest` carries its images as plain data
+  (engine/text/images.py: the processor's tensors and the spans of the image tokens); the runner runs the
+  family's own ``get_image_features`` on them (as the VLM's forward calls it) and keeps the features in
+  the request's state, which a preemption leaves in place: the recompute takes the kept features.
+- **Every step runs on embeddings**: the language model's embeddings of the step's tokens, the image
+  features placed at the image-token positions the step covers (a chunk may begin or end inside an
+  image), through the VLM's own forward with ``inputs_embeds`` (Qwen3-VL: its language model and head,
+  which take the DeepStack features of the same positions).
+- **M-RoPE** (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): the prompt's 3-D positions come from the model's
+  ``get_rope_index`` at admission; a generated token at position p takes p + the prompt's rope delta, as
+  ``generate()`` does. The forward gets ``[4, 1, tokens]`` position ids (the 1-D positions first, as
+  transformers' packed form); the KV blocks keep the 1-D positions.
+- **Bidirectional image attention** (Gemma 3, where transformers' prefill lets an image's tokens see each
+  other): the step's mask opens each image's block; such a step runs over the gathered blocks (not the
+  kernel), and the scheduler never ends a chunk inside such an image (`ImageInputs.atomic`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lmiserve.engine.attention.backends import AttentionBackend
+from lmiserve.engine.core.step import StepBatch, StepOutput
+from lmiserve.engine.runner.generic import PagedGenericRunner, Span
+from lmiserve.engine.runner.persistent_batch import RequestState
+from lmiserve.engine.text.images import ImageInputs, ImageSpan
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ImageFeatures", "PagedVisionRunner", "bidirectional_images", "image_token_id", "is_vision_model"]
+
+
+def is_vision_model(model: PreTrainedModel) -> bool:
+    """Whether `model` is a vision-language model this runner serves (its base model encodes images)."""
+    inner = getattr(model, "model", None)
+    return callable(getattr(inner, "get_image_features", None)) and hasattr(model.config, "vision_config")
+
+
+@dataclass
+class ImageFeatures:
+    """A request's image features as the runner keeps them (its state's `images`)."""
+
+    rows: torch.Tensor  # [prompt tokens] the feature row of each prompt position, -1 for a text token
+    features: torch.Tensor  # [image tokens, hidden], in prompt order
+    deepstack: list[torch.Tensor] | None  # Qwen3-VL: a [image tokens, hidden] a DeepStack layer
+    mrope: torch.Tensor | None  # [3, prompt tokens]: M-RoPE positions (None: the model has none)
+    delta: int  # M-RoPE: a generated token's position offset (the prompt's rope delta)
+    spans: tuple[ImageSpan, ...]  # the atomic spans (bidirectional attention), else none
+
+
+def _named(function: Callable[..., Any], tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The `tensors` that `function` names among its parameters."""
+    params = inspect.signature(function).parameters
+    return {k: v for k, v in tensors.items() if k in params and params[k].kind is not inspect.Parameter.VAR_KEYWORD}
+
+
+class PagedVisionRunner(PagedGenericRunner):
+    """`PagedGenericRunner` for a vision-language model: image features at admission, embeddings a step."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        eos_token_ids: Iterable[int],
+        num_blocks: int,
+        block_size: int,
+        alone: bool = False,
+    ) -> None:
+        self.inner: Any = model.model  # the VLM's base model: get_image_features, get_rope_index
+        self.mrope = callable(getattr(self.inner, "get_rope_index", None))
+        language = getattr(self.inner, "language_model", None)
+        self.deepstack = callable(getattr(language, "_deepstack_process", None))
+        self._step: list[RequestState] = []  # the rows' requests of the forward running now
+        super().__init__(model, eos_token_ids=eos_token_ids, num_blocks=num_blocks, block_size=block_size, alone=alone)
+
+    # ---- admission: the image encoder, once per request --------------------------------------------
+    def _images_of(self, seq_id: int, images: ImageInputs, state: RequestState, out: StepOutput) -> None:
+        try:
+            state.images = self._encode(state.prompt_ids, images)
+        except Exception as exc:  # noqa: BLE001 - this request fails, the step goes on
+            log.exception("encoding the images of a request failed")
+            out.errors[seq_id] = f"the images could not be encoded: {exc}"
+
+    def _encode(self, prompt_ids: list[int], images: ImageInputs) -> ImageFeatures:
+        dev, dtype = self.device, self.model.dtype
+        tensors = {
+            k: torch.from_numpy(v).to(dev, dtype if v.dtype.kind == "f" else None) for k, v in images.tensors.items()
+        }
+        out = self.inner.get_image_features(**_named(self.inner.get_image_features, tensors), return_dict=True)
+        features = _flat(out.pooler_output)
+        ids = torch.tensor(prompt_ids, device=dev)
+        is_image = ids == images.image_token_id
+        if int(is_image.sum()) != features.shape[0]:
+            raise ValueError(f"{int(is_image.sum())} image tokens for {features.shape[0]} image features")
+        rows = torch.where(is_image, torch.cumsum(is_image, 0) - 1, -1)
+        deepstack = getattr(out, "deepstack_features", None) if self.deepstack else None
+        mrope, delta = None, 0
+        if self.mrope:
+            given = {**tensors, "mm_token_type_ids": tensors.get("mm_token_type_ids", is_image.int()[None])}
+            positions, deltas = self.inner.get_rope_index(ids[None], **_named(self.inner.get_rope_index, given))
+            mrope, delta = positions[:, 0].to(dev), int(deltas.reshape(-1)[0])
+        return ImageFeatures(
+            rows,
+            features,
+            [_flat(layer) for layer in deepstack] if deepstack else None,
+            mrope,
+            delta,
+            images.spans if images.atomic else (),
+        )
+
+    # ---- each step: embeddings with the features in ------------------------------------------------
+    def _forward_lora(
+        self,
+        batch: StepBatch,
+        part: list[int],
+        rows: list[tuple[list[int], int, list[int], int]],
+        backend: AttentionBackend | None,
+    ) -> torch.Tensor:
+        self._step = [self._requests[batch.rows[i].seq_id] for i in part]
+        try:
+            if backend is not None and any(self._opens(s, r[1], len(r[2])) for s, r in zip(self._step, rows)):
+                backend = None  # an image's tokens attend both ways: the gathered path's mask says so
+            return super()._forward_lora(batch, part, rows, backend)
+        finally:
+            self._step = []
+
+    @staticmethod
+    def _opens(state: RequestState, start: int, count: int) -> bool:
+        """Whether the row's tokens meet an image whose tokens attend to each other both ways."""
+        features = state.images
+        return features is not None and any(s.offset < start + count and s.end > start for s in features.spans)
+
+    def _model_inputs(self, ids: list[int], positions: list[int], spans: list[Span]) -> dict[str, Any]:
+        if not self._step:  # the start-up probes: text
+            return super()._model_inputs(ids, positions, spans)
+        dev = self.device
+        tokens = torch.tensor(ids, device=dev)
+        at: list[torch.Tensor] = []  # the step's image-token indexes, row after row
+        take: list[tuple[ImageFeatures, torch.Tensor]] = []  # and their feature rows
+        for state, (first, count, start, _) in zip(self._step, spans):
+            features = state.images
+            if features is None:
+                continue
+            end = min(start + count, features.rows.numel())
+            if end <= start:
+                continue
+            found = features.rows[start:end]
+            hit = (found >= 0).nonzero().squeeze(1)
+            if hit.numel():
+                at.append(first + hit)
+                take.append((features, found[hit]))
+        index = torch.cat(at) if at else None
+        if index is not None:
+            tokens[index] = 0  # its embedding is replaced (an image token may lie outside the vocabulary)
+        embeds = self.model.get_input_embeddings()(tokens[None])
+        inputs: dict[str, Any] = {"inputs_embeds": embeds}
+        if index is not None:
+            embeds[0, index] = torch.cat([f.features[r] for f, r in take]).to(embeds.dtype)
+        if self.deepstack:
+            inputs["visual_pos_masks"] = None
+            inputs["deepstack_visual_embeds"] = None
+            if index is not None:
+                mask = torch.zeros(1, len(ids), dtype=torch.bool, device=dev)
+                mask[0, index] = True
+                layers = len(take[0][0].deepstack or [])
+                inputs["visual_pos_masks"] = mask
+                inputs["deepstack_visual_embeds"] = [
+                    torch.cat([f.deepstack[layer][r] for f, r in take if f.deepstack]).to(embeds.dtype)
+                    for layer in range(layers)
+                ]
+        inputs["position_ids"] = self._positions(positions, spans)
+        return inputs
+
+    def _positions(self, positions: list[int], spans: list[Span]) -> torch.Tensor:
+        """``[1, tokens]``; with M-RoPE ``[4, 1, tokens]``: the 1-D positions, then the three M-RoPE rows
+        (an image prompt's from `get_rope_index`, past its prompt position + its delta; text: the 1-D)."""
+        flat = torch.tensor(positions, device=self.device)
+        if not self.mrope:
+            return flat[None]
+        three = flat[None].repeat(3, 1)
+        for state, (first, count, start, _) in zip(self._step, spans):
+            features = state.images
+            if features is None or features.mrope is None:
+                continue
+            span = torch.arange(start, start + count, device=self.device)
+            length = features.mrope.shape[1]
+            inside = span < length
+            three[:, first : first + count] = torch.where(
+                inside, features.mrope[:, span.clamp(max=length - 1)], span + features.delta
+            )
+        return torch.cat([flat[None], three])[:, None, :]
+
+    def _mask(self, spans: list[Span], tokens: int, keys: int) -> torch.Tensor | dict[str, torch.Tensor]:
+        mask = super()._mask(spans, tokens, keys)
+        if not self._step:
+            return mask
+        masks = list(mask.values()) if isinstance(mask, dict) else [mask]
+        for state, (first, count, start, offset) in zip(self._step, spans):
+            features = state.images
+            for image in features.spans if features is not None else ():
+                q0, q1 = max(image.offset, start), min(image.end, start + count)
+                if q0 >= q1:
+                    continue
+                for m in masks:  # an image's tokens see each other (keys up to the chunk's end)
+                    m[0, 0, first + q0 - start : first + q1 - start, offset + image.offset : offset + q1] = 0.0
+        return mask
+
+    def _logits(self, model_inputs: dict[str, Any], **kwargs: Any) -> torch.Tensor:
+        if not self.deepstack or "inputs_embeds" not in model_inputs:
+            return super()._logits(model_inputs, **kwargs)
+        # Qwen3-VL's forward makes its DeepStack inputs itself: its language model takes the step's
+        hidden = self.inner.language_model(**model_inputs, **kwargs, use_cache=False).last_hidden_state
+        logits: torch.Tensor = self.model.lm_head(hidden)[0]
+        return logits
+
+
+def _flat(pooled: Any) -> torch.Tensor:
+    """``[image tokens, hidden]`` from a ``get_image_features`` output (a tensor, or one a image)."""
+    parts = list(pooled) if isinstance(pooled, (list, tuple)) else [pooled]
+    return torch.cat([p.reshape(-1, p.shape[-1]) for p in parts])
+
+
+def image_token_id(model: PreTrainedModel) -> int:
+    """The id of the token a VLM's image features replace, whatever the family calls it."""
+    for name in ("image_token_id", "image_token_index"):
+        value = getattr(model.config, name, None)
+        if isinstance(value, int):
+            return value
+    raise ValueError(f"{type(model.config).__name__} names no image token")
+
+
+# families whose prefill lets an image's tokens attend to each other both ways (transformers' token_type_ids)
+_BIDIRECTIONAL_IMAGES = ("gemma3",)
+
+
+def bidirectional_images(model: PreTrainedModel) -> bool:
+    """Whether `model`'s image tokens attend to each other both ways (a chunk must not split an image)."""
+    return getattr(model.config, "model_type", None) in _BIDIRECTIONAL_IMAGES
