@@ -1,8 +1,8 @@
 """The report's chat scenario, peer and A/B sections (issue #15), and their lines in the table.
 
 - `peer_comparisons`: lmiserve's tokens/s over each other server's at the same concurrency, per
-  scenario (completion: LMI /invocations against the peer's /v1/completions; chat: both over
-  /v1/chat/completions), and the targets: concurrency 1 >= 1 x the peer, the highest concurrency
+  scenario (completion: LMI /invocations against the peer's /v1/completions; chat and vision: both
+  over /v1/chat/completions), and the targets: concurrency 1 >= 1 x the peer, the highest concurrency
   >= 8 at >= 2 x the peer's aggregate.
 - `ab_comparison`: with `--ab-option KEY=VALUE` the bench ran a second lmiserve with those options
   (B) beside the first (A): tokens/s B / A per level and the chat scenario's TTFT p50 of turns >= 3,
@@ -41,7 +41,7 @@ def peer_comparisons(main: Json | None, peers: Sequence[Json]) -> list[Json]:
     if main is None:
         return out
     for peer in peers:
-        for scenario, key in (("completion", "levels"), ("chat", "chat_levels")):
+        for scenario, key in (("completion", "levels"), ("chat", "chat_levels"), ("vision", "vision_levels")):
             mine, theirs = _rates(main.get(key, ())), _rates(peer.get(key, ()))
             rows = [
                 {
@@ -129,7 +129,7 @@ def ab_comparison(a: Json | None, b: Json | None, options: Sequence[tuple[str, s
     if a is None or b is None:
         return None
     throughput = []
-    for scenario, key in (("completion", "levels"), ("chat", "chat_levels")):
+    for scenario, key in (("completion", "levels"), ("chat", "chat_levels"), ("vision", "vision_levels")):
         rates_a, rates_b = _rates(a.get(key, ())), _rates(b.get(key, ()))
         for c in sorted(set(rates_a) & set(rates_b)):
             throughput.append(

@@ -295,11 +295,12 @@ def format_table(report: Json) -> str:
                     ok,
                 ]
             )
-    out += [
-        *_table(header, rows),
-        "(latencies in ms; vs fwd / vs gen = server tokens/s over the bare forward "
-        "decode rate / model.generate at batch = concurrency)",
-    ]
+    if rows or not any(server.get("vision_levels") for server in report["servers"]):  # not a vision run alone
+        out += [
+            *_table(header, rows),
+            "(latencies in ms; vs fwd / vs gen = server tokens/s over the bare forward "
+            "decode rate / model.generate at batch = concurrency)",
+        ]
     baselines = report.get("baselines")
     if baselines and baselines.get("forward"):
         out += [

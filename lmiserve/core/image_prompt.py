@@ -13,28 +13,25 @@ from typing import Any
 
 from lmiserve.core.errors import InvalidRequest
 
+_PROBE = "lmiserve-probe-text"
 _PLACEHOLDERS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
 
 def placeholder(processor: Any) -> str:
     """What the processor's chat template writes for one image (``<image>``, Qwen2-VL's
     ``<|vision_start|><|image_pad|><|vision_end|>``, Gemma 3's ``<start_of_image>``, ...): a user turn
-    with an image rendered against one with an empty text, the text that differs; else the processor's
-    `image_token`."""
+    with an image rendered against one with a probe text, what stands where the text stood; else the
+    processor's `image_token`."""
     with contextlib.suppress(KeyError, TypeError):
         return _PLACEHOLDERS[processor]
     found = ""
-    try:
+    try:  # the template renders the user turn as prefix + content + suffix: an image's content is the answer
         with_image = _render(processor, [{"type": "image"}])
-        without = _render(processor, [{"type": "text", "text": ""}])
-        shorter = min(len(with_image), len(without))
-        start = 0
-        while start < shorter and with_image[start] == without[start]:
-            start += 1
-        end = 0
-        while end < shorter - start and with_image[-1 - end] == without[-1 - end]:
-            end += 1
-        found = with_image[start : len(with_image) - end].strip(" ")
+        with_text = _render(processor, [{"type": "text", "text": _PROBE}])
+        at = with_text.find(_PROBE)
+        prefix, suffix = with_text[:at], with_text[at + len(_PROBE) :]
+        if at >= 0 and with_image.startswith(prefix) and with_image.endswith(suffix):
+            found = with_image[len(prefix) : len(with_image) - len(suffix)].strip(" ")
     except Exception:  # noqa: BLE001 - a template that cannot render the probe: the processor's attribute
         found = ""
     if not found:

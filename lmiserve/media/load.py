@@ -57,7 +57,8 @@ async def load_image(source: ImageSource, limits: MediaLimits, index: int = 1) -
     url = (source.url or "").strip()
     if not url:
         raise InvalidRequest(f"image {index} has neither a URL nor data")
-    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    head, colon, _ = url[:16].partition(":")  # (a data: URL may be megabytes long: not copied here)
+    scheme = head.lower() if colon else ""
     if scheme == "data":
         check_media_type(source.media_type, index)
         return await asyncio.to_thread(_decode_data_url, url, limits, index)

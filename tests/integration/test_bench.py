@@ -555,3 +555,45 @@ def test_bench_json_schema_refused(lmi_url, tmp_path):
         assert result.returncode == 2 and message in result.stderr
     result = run_bench("--url", lmi_url, "--json-schema", str(tmp_path / "missing.json"), cwd=tmp_path)
     assert result.returncode == 2 and "cannot read the JSON schema file" in result.stderr
+
+
+def test_bench_vision_scenario_on_a_tiny_vlm(tiny_vlm_dir, openai_url, tmp_path):
+    """One image a request at concurrency 1 and 8 (the default with --scenario vision) on a tiny Qwen2-VL,
+    a peer beside it, and generate() with pixel inputs in the same run."""
+    out = tmp_path / "vision"
+    result = run_bench(
+        "--model-id",
+        str(tiny_vlm_dir("qwen2_vl")),
+        "--scenario",
+        "vision",
+        "--max-new-tokens",
+        "4",
+        "--requests-per-client",
+        "1",
+        "--device",
+        "cpu",
+        "--compare-url",
+        openai_url,
+        "--compare-name",
+        "peer",
+        "--output-dir",
+        str(out),
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads((out / "bench.json").read_text())
+    assert report["settings"]["scenario"] == "vision" and report["settings"]["concurrency"] == [1, 8]
+    assert report["settings"]["vision_image_size"] == [640, 480] and report["baselines"] is None
+    for server in report["servers"]:
+        assert server["levels"] == [] and [lv["concurrency"] for lv in server["vision_levels"]] == [1, 8]
+        for lv in server["vision_levels"]:
+            assert lv["failed_requests"] == 0 and lv["token_count_errors"] == 0
+            assert lv["tokens_received"] == lv["tokens_expected"] and lv["prompt_tokens_mean"] > 0
+    lmiserve = report["servers"][0]
+    assert [r["server_over_generate"] > 0 for r in lmiserve["vision_ratios"]] == [True, True]
+    generate = report["vision_baselines"]["generate"]
+    assert [(g["batch_size"], g["tokens"], g["batched"]) for g in generate] == [(1, 4, True), (8, 32, True)]
+    assert {t["id"]: t for t in report["targets"]}["exact_tokens"]["passed"] is True
+    assert [(p["peer"], p["scenario"]) for p in report["peers"]] == [("peer", "vision")]
+    assert "vision scenario (one 640x480 PNG a request" in result.stdout
+    assert "generate() with pixel inputs" in result.stdout

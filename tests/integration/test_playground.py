@@ -1,7 +1,9 @@
 """The playground on a real server: the page and its files (open, same-origin only), the stats stream
 (needs the key; the engine's live state), and the page itself in a real headless Chromium (Debian's
 `chromium` driven by playwright): it loads, a message streams into it token by token while the batch
-panel shows the running request, Stop ends it and the panel shows 0 again.
+panel shows the running request, Stop ends it and the panel shows 0 again. On a tiny vision-language
+model the page offers to attach an image (file, paste or drop), shows it as a thumbnail, sends it as an
+`image_url` data URL and refuses one over the server's `max_image_bytes`; a text model hides the control.
 
 The server runs the tiny model with a 2**20-token context and an end-of-sequence token it can never
 sample (`model_dir`), so a chat asking for a million tokens streams for many minutes, whatever the
@@ -11,6 +13,8 @@ The screenshot in docs/getting-started.md ("The playground") is taken on the bun
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
 import re
@@ -21,10 +25,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from PIL import Image
 
 from helpers.browser import headless_chromium, open_page
 from helpers.server import REPO_ROOT, free_port, run_server
 from helpers.tiny_model import ENDLESS_CONTEXT, with_context
+from helpers.tiny_vlm import tiny_image
 from helpers.waiting import wait_until
 
 KEY = "playground-key"
@@ -259,3 +265,114 @@ def test_json_output_sends_response_format_and_shows_what_the_server_answers(pag
         message = error_body if isinstance(error_body, str) else error_body["message"]
         error = page.locator(".msg.error").inner_text()
         assert error.startswith(str(direct.status_code)) and message in error
+
+
+# --- an image, on a vision-language model --------------------------------------------------------------
+
+VLM_MAX_IMAGE_BYTES = 64 * 1024  # the VLM server's max_image_bytes: the page's cap follows it
+
+
+def png(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def vlm_url(tiny_vlm_dir) -> Iterator[str]:
+    args = ["--model-id", str(tiny_vlm_dir("qwen2_vl")), "-o", f"max_image_bytes={VLM_MAX_IMAGE_BYTES}"]
+    with run_server(args, timeout=300) as base:
+        yield base
+
+
+@pytest.fixture
+def vlm_page(browser, vlm_url: str) -> Iterator[object]:
+    with open_page(browser, f"{vlm_url}/playground") as page:
+        yield page
+
+
+@pytest.mark.e2e  # a real browser
+def test_a_text_model_offers_no_image(page):
+    set_key(page, KEY)
+    page.locator('#connection[data-state="live"]').wait_for()
+    wait_until(lambda: stat(page, "status") == "ready", "the panel shows the model")
+    assert page.locator("#attach").is_hidden() and page.locator("#attachment").is_hidden()
+
+
+@pytest.mark.e2e  # a real browser
+def test_an_attached_image_is_shown_removable_and_sent_as_an_image_url_part(vlm_page):
+    page = vlm_page
+    page.locator("#attach").wait_for()  # shown once the stats say the model takes images
+    image = png(tiny_image(7, (48, 40)))
+    file = {"name": "shapes.png", "mimeType": "image/png", "buffer": image}
+
+    page.set_input_files("#image", files=[file])
+    page.locator("#attachment img").wait_for()
+    assert "shapes.png" in page.locator("#attachment-name").inner_text()
+    page.click("#detach")  # removable before sending
+    assert page.locator("#attachment").is_hidden()
+
+    page.set_input_files("#image", files=[file])
+    page.locator("#attachment img").wait_for()
+    requests: list[dict] = []
+    page.on("request", lambda r: r.url.endswith("/v1/chat/completions") and requests.append(r.post_data_json))
+    page.fill("#max_tokens", "8")
+    page.fill("#prompt", "What is in this picture?")
+    page.press("#prompt", "Enter")
+    page.locator(".msg.user img.thumb").wait_for()  # the transcript shows the image sent
+    assert page.locator("#attachment").is_hidden()  # sent: the next message has no image
+    page.locator(".streaming").wait_for(state="detached", timeout=120_000)
+    page.locator("#send:enabled").wait_for()
+    assert page.locator(".msg.error").count() == 0  # the server took the image and answered
+
+    (sent,) = requests
+    user = sent["messages"][-1]
+    part, text = user["content"]
+    assert user["role"] == "user" and text == {"type": "text", "text": "What is in this picture?"}
+    assert part["type"] == "image_url"
+    assert part["image_url"]["url"] == "data:image/png;base64," + base64.b64encode(image).decode()
+    thumb = page.locator(".msg.user img.thumb").get_attribute("src")
+    assert thumb == part["image_url"]["url"]
+
+
+@pytest.mark.e2e  # a real browser
+def test_an_image_over_the_servers_limit_is_refused_in_the_page(vlm_page):
+    page = vlm_page
+    page.locator("#attach").wait_for()
+    large = png(tiny_image(3, (400, 300)))  # noise: far over 64 KB
+    assert len(large) > VLM_MAX_IMAGE_BYTES
+    page.set_input_files("#image", files=[{"name": "big.png", "mimeType": "image/png", "buffer": large}])
+    error = page.locator(".msg.error").inner_text()
+    assert error.startswith("big.png is ") and "the server takes images up to 64 KB (max_image_bytes)" in error
+    assert page.locator("#attachment").is_hidden()
+    page.set_input_files("#image", files=[{"name": "notes.txt", "mimeType": "text/plain", "buffer": b"hello"}])
+    page.locator(".msg.error", has_text="notes.txt is not a PNG, JPEG, WebP or GIF image.").wait_for()
+    assert page.locator("#attachment").is_hidden()
+
+
+DATA_TRANSFER = """(b64) => {
+  const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+  const transfer = new DataTransfer();
+  transfer.items.add(new File([bytes], "clipboard.png", { type: "image/png" }));
+  return transfer;
+}"""
+
+
+@pytest.mark.e2e  # a real browser
+def test_an_image_can_be_pasted_or_dropped(vlm_page):
+    page = vlm_page
+    page.locator("#attach").wait_for()
+    b64 = base64.b64encode(png(tiny_image(5, (48, 40)))).decode()
+    page.dispatch_event("#composer", "drop", {"dataTransfer": page.evaluate_handle(DATA_TRANSFER, b64)})
+    page.locator("#attachment img").wait_for()
+    assert page.locator("#attachment-thumb").get_attribute("src") == f"data:image/png;base64,{b64}"
+    page.click("#detach")
+
+    page.evaluate(
+        f"(b64) => document.getElementById('prompt').dispatchEvent(new ClipboardEvent('paste', "
+        f"{{ clipboardData: ({DATA_TRANSFER})(b64), bubbles: true, cancelable: true }}))",
+        b64,
+    )
+    page.locator("#attachment img").wait_for()
+    assert page.locator("#attachment-thumb").get_attribute("src") == f"data:image/png;base64,{b64}"
+    assert page.input_value("#prompt") == ""  # the image is attached, not pasted as text

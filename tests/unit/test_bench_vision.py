@@ -16,7 +16,7 @@ import pytest
 from matplotlib.image import imread
 from PIL import Image
 
-from helpers.tiny_vlm import build_tiny_vlm_dir, load_tiny_vlm
+from helpers.tiny_vlm import load_tiny_vlm
 from lmiserve import cli
 from lmiserve.bench import chat as bench_chat
 from lmiserve.bench.chart import draw_chart
@@ -206,12 +206,12 @@ def test_the_vision_scenario_runs_at_1_and_8_by_default(monkeypatch, tmp_path, c
 
 
 @pytest.fixture(scope="module", params=["llava", "qwen2_vl"])
-def tiny_vlm(request, tmp_path_factory) -> object:
+def tiny_vlm(request, tiny_vlm_dir) -> object:
     import torch
 
     from lmiserve.engine.loaded import LoadedModel
 
-    path = build_tiny_vlm_dir(request.param, tmp_path_factory.mktemp(request.param) / request.param)
+    path = tiny_vlm_dir(request.param)
     model, processor = load_tiny_vlm(str(path))
     return LoadedModel(
         model=model,
@@ -275,10 +275,10 @@ def test_a_text_model_has_no_vision_baseline(tiny_vlm):
         processor_inputs(text_only, [0])
 
 
-def test_the_baselines_load_the_model_as_the_server_does(tmp_path):
+def test_the_baselines_load_the_model_as_the_server_does(tiny_vlm_dir):
     from lmiserve.bench.baselines_vision import run_vision_baselines
 
-    path = build_tiny_vlm_dir("qwen2_vl", tmp_path / "qwen2_vl")
+    path = tiny_vlm_dir("qwen2_vl")
     logged: list[str] = []
     result = run_vision_baselines({"model_id": str(path), "device": "cpu"}, [1, 2], 3, logged.append, (64, 48))
     assert result["image_size"] == [64, 48] and result["device"] == "cpu"

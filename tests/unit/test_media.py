@@ -184,6 +184,19 @@ def test_other_formats_are_refused_without_trying_a_decoder(data):
     assert "is not a PNG, JPEG, GIF, WebP or BMP image" in refused(ImageSource(data=data))
 
 
+def test_only_the_sniffed_formats_plugin_reads_the_bytes(monkeypatch):
+    asked = []
+    real_open = PILImage.open
+
+    def spy(fp, mode="r", formats=None):
+        asked.append(formats)
+        return real_open(fp, mode, formats)
+
+    monkeypatch.setattr(PILImage, "open", spy)
+    load(ImageSource(data=solid()), ImageSource(data=encode(PILImage.new("RGB", (2, 2)), "JPEG")))
+    assert sorted(asked) == [["JPEG"], ["PNG"]]
+
+
 @pytest.mark.parametrize("fmt", ["PNG", "JPEG", "GIF", "WEBP"])
 def test_truncated_files_are_refused(fmt):
     noise = PILImage.effect_noise((128, 128), 64).convert("RGB")
@@ -238,9 +251,9 @@ def test_palette_greyscale_and_16_bit_images_become_rgb():
     assert load(ImageSource(data=encode(transparent, transparency=0)))[0].pixels.getpixel((0, 0)) == (255, 255, 255)
     grey = PILImage.new("L", (1, 1), 77)
     assert load(ImageSource(data=encode(grey)))[0].pixels.getpixel((0, 0)) == (77, 77, 77)
-    deep = PILImage.new("I;16", (1, 1), 65535)
+    deep = PILImage.new("I;16", (1, 1), 0x8000)  # scaled to 8 bits: 128, not clipped to 255
     (image,) = load(ImageSource(data=encode(deep)))
-    assert image.pixels.mode == "RGB" and image.pixels.getpixel((0, 0)) == (255, 255, 255)
+    assert image.pixels.mode == "RGB" and image.pixels.getpixel((0, 0)) == (128, 128, 128)
     cmyk = PILImage.new("CMYK", (1, 1), (0, 0, 0, 0))
     assert load(ImageSource(data=encode(cmyk, "JPEG")))[0].pixels.getpixel((0, 0)) == (255, 255, 255)
     one_bit = PILImage.new("1", (3, 3), 1)

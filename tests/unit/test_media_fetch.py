@@ -77,6 +77,16 @@ class Handler(BaseHTTPRequestHandler):
                 time.sleep(0.02)
         elif path == "/big":  # no Content-Length: read until the connection closes
             self.send(200, BIG)
+        elif path == "/endless":  # no Content-Length, and no end: only a cut-off stops reading it
+            self.send_response(200)
+            self.end_headers()
+            chunk = PNG + bytes(65536)
+            try:
+                for _ in range(100_000):
+                    self.wfile.write(chunk)
+                    time.sleep(0.001)
+            except OSError:
+                pass
         elif path == "/declares-big":
             self.send_response(200)
             self.send_header("Content-Length", str(10**9))
@@ -281,6 +291,10 @@ def test_a_slow_server_hits_the_timeout(server):
 def test_a_body_over_the_cap_is_cut_off(server):
     limits = MediaLimits(allowed_domains=("127.0.0.1",), allow_private=True, max_image_bytes=len(BIG) // 4)
     assert "max_image_bytes" in refused(server.url("/big"), limits)
+    limits = MediaLimits(allowed_domains=("127.0.0.1",), allow_private=True, max_image_bytes=10**6, fetch_timeout=2.0)
+    started = time.monotonic()
+    assert "max_image_bytes" in refused(server.url("/endless"), limits)  # not the timeout
+    assert time.monotonic() - started < 1.5
     assert fetch_one(server.url("/big")).size == (200, 200)
 
 

@@ -119,7 +119,7 @@ function busy(on) {
 // ---- an attached image (shown only while the served model takes images) -----------------------------
 
 function megabytes(bytes) {
-  return `${(bytes / 1024 / 1024).toFixed(1)} MB`;
+  return bytes < 1024 * 1024 ? `${Math.ceil(bytes / 1024)} KB` : `${(bytes / 1024 / 1024).toFixed(1)} MB`;
 }
 
 function setVision(model) {
