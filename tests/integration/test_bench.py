@@ -569,7 +569,7 @@ def test_bench_vision_scenario_on_a_tiny_vlm(tiny_vlm_dir, openai_url, tmp_path)
         "--max-new-tokens",
         "4",
         "--requests-per-client",
-        "1",
+        "2",
         "--device",
         "cpu",
         "--compare-url",
@@ -590,7 +590,8 @@ def test_bench_vision_scenario_on_a_tiny_vlm(tiny_vlm_dir, openai_url, tmp_path)
             assert lv["failed_requests"] == 0 and lv["token_count_errors"] == 0
             assert lv["tokens_received"] == lv["tokens_expected"] and lv["prompt_tokens_mean"] > 0
     lmiserve = report["servers"][0]
-    assert [r["server_over_generate"] > 0 for r in lmiserve["vision_ratios"]] == [True, True]
+    ratios = lmiserve["vision_ratios"]
+    assert all(r["server_over_generate"] is not None and r["server_over_generate"] > 0 for r in ratios), ratios
     generate = report["vision_baselines"]["generate"]
     assert [(g["batch_size"], g["tokens"], g["batched"]) for g in generate] == [(1, 4, True), (8, 32, True)]
     assert {t["id"]: t for t in report["targets"]}["exact_tokens"]["passed"] is True

@@ -33,9 +33,12 @@ CASES: dict[str, dict] = {
         **BASE,
         "messages": [*MESSAGES, {"role": "assistant", "content": "A kind of"}, {"role": "user", "content": "More?"}],
     },
-    "error_image.json": {
+    "error_image.json": {  # an image outside a user message (a text model's refusal is the route's)
         **BASE,
-        "messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "x"}}]}],
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": [{"type": "image", "source": {"type": "url", "url": "https://h/a.png"}}]},
+        ],
     },
     "error_schema.json": {"model": "tiny", "messages": MESSAGES, "temperature": 3},
 }

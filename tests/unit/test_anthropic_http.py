@@ -325,7 +325,7 @@ async def test_thinking_needs_a_reasoning_parser(served):
         ({"messages": [{"role": "user", "content": "word " * 5000}]}, "prompt is too long: "),
         (
             {"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "x"}}]}]},
-            "messages.0.content.0: `image` blocks are not supported: the served model takes text only",
+            "messages.0.content.0.source.url: an image URL must be a data: URL or an http(s) URL",
         ),
         (
             {"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "1", "name": "f", "input": {}}]}]},

@@ -351,7 +351,7 @@ async def test_the_store_is_bounded_and_store_false_keeps_nothing():
         ({"input": [{"role": "wizard", "content": "hi"}]}, "input[0].role"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-            "input[0].content[0].type",
+            "input[0].content[0].image_url",
         ),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
         ({"input": [{"type": "function_call", "name": "f"}]}, "input[0].call_id"),

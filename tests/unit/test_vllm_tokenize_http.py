@@ -94,7 +94,12 @@ async def test_messages(served):
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
             400,
-            "messages: content parts must be {'type': 'text', 'text': str}",
+            "messages[0].content[0].image_url: an image URL (a non-empty string) is required",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
+            400,
+            "messages: content parts must be {'type': 'text', 'text': str} or {'type': 'image_url', ...}",
         ),
         (
             {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True},

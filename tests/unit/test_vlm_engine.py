@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from helpers.tiny_vlm import FAMILIES, load_tiny_vlm, reference_inputs
-from helpers.vlm_serving import chat, config, image_of, processed, prompt_of, reference, same, serve
+from helpers.vlm_serving import TOKENS, chat, config, image_of, processed, prompt_of, reference, same, serve
 from lmiserve.core.errors import InvalidRequest
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine.attention.paged import kv_bytes_per_block
@@ -20,6 +21,7 @@ from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
 from lmiserve.engine.loaded import LoadedModel
 from lmiserve.engine.runner.vision import PagedVisionRunner, image_token_id
+from lmiserve.engine.speculative.proposers import SpeculationSettings
 from lmiserve.models.load import load_causal_lm
 
 
@@ -113,3 +115,59 @@ def test_prompt_logprobs_equal_the_models_forward(vlm, chunk):
 
     got = asyncio.run(prompt_logprobs())
     assert torch.allclose(got, expected, atol=1e-4), (family, float((got - expected).abs().max()))
+
+
+def test_batch_invariant_serves_images_as_generate_does(vlm):
+    family, path, loaded = vlm
+    requests = [
+        (prompt_of(loaded, chat("Describe the picture.")), (image_of(5),)),
+        (prompt_of(loaded, [{"role": "user", "content": [{"type": "text", "text": "Hi!"}]}]), ()),
+    ]
+    results, _ = asyncio.run(serve(loaded, config(batch_invariant=True), requests))
+    assert same(results, [reference(path, *r) for r in requests]), family
+
+
+def test_two_images_in_one_prompt(vlm):
+    family, path, loaded = vlm
+    request = (prompt_of(loaded, chat("Compare the two pictures.", images=2)), (image_of(6), image_of(7, (56, 40))))
+    (result,), _ = asyncio.run(serve(loaded, config(max_prefill_tokens=7), [request]))
+    assert same([result], [reference(path, *request)]), family
+
+
+def test_speculative_decoding_is_refused_at_start(vlm):
+    _, _, loaded = vlm
+    with pytest.raises(ValueError, match="vision-language"):
+        create_engine(loaded, config(speculation=SpeculationSettings("ngram", 3)))
+
+
+def test_an_image_that_fails_to_encode_fails_its_request_only(vlm, monkeypatch):
+    family, _, loaded = vlm
+    engine = create_engine(loaded, config())
+    runner = engine.runner
+    assert isinstance(runner, PagedVisionRunner)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the vision tower broke")
+
+    monkeypatch.setattr(runner.inner, "get_image_features", broken)
+    text = (prompt_of(loaded, [{"role": "user", "content": [{"type": "text", "text": "Hello!"}]}]), ())
+    image = (prompt_of(loaded, chat("Describe the picture.")), (image_of(1),))
+
+    async def run() -> list[Any]:
+        engine.start()
+        params = SamplingParams(max_new_tokens=TOKENS, ignore_eos_token=True)
+        try:
+            outs = await asyncio.gather(
+                *(collect(engine.generate(GenerationRequest(p, params, images=im))) for p, im in (image, text))
+            )
+        finally:
+            await engine.stop()
+        return [events[-1].finish for events in outs]
+
+    failed, served = asyncio.run(run())
+    assert failed.error is not None and "the vision tower broke" in failed.error
+    assert served.error is None and served.generated_tokens == TOKENS, family
+
+
+async def collect(events: Any) -> list[Any]:
+    return [e async for e in events]

@@ -5,13 +5,20 @@ misses from its first image block on; the hash chain and the salt keep their mea
 from __future__ import annotations
 
 import asyncio
+import pickle
 from pathlib import Path
 
+import numpy as np
 import pytest
+from block_harness import BlockRunner, step
+from block_harness import prompt as harness_prompt
+from fakes import make_seq
 
 from helpers.tiny_vlm import FAMILIES
 from helpers.vlm_serving import chat, config, image_of, processed, prompt_of, reference, same, serve
+from lmiserve.engine.core.block_scheduler import BlockScheduler
 from lmiserve.engine.core.kv_blocks import BlockPool, BlockTable, block_hash, root_hash
+from lmiserve.engine.factory import create_engine
 from lmiserve.engine.loaded import LoadedModel
 from lmiserve.engine.runner.vision import image_token_id
 from lmiserve.engine.text.images import ImageInputs, ImageSpan, chunk_length, span_digests
@@ -78,3 +85,48 @@ def test_a_chunk_never_ends_inside_an_atomic_image():
     assert chunk_length(atomic, 26, 5) == 5
     plain = ImageInputs({}, 9, (ImageSpan(10, 16, "x"),))
     assert chunk_length(plain, 5, 8) == 8 and chunk_length(None, 5, 8) == 8
+
+
+def test_a_second_image_that_differs_misses_from_its_own_blocks(vlm):
+    family, path, loaded = vlm
+    prompt = prompt_of(loaded, chat("Compare the two pictures.", images=2))
+    first, second = (image_of(7), image_of(8)), (image_of(7), image_of(9))
+    ids = processed(loaded, prompt, first)
+    assert ids == processed(loaded, prompt, second)
+    token = image_token_id(loaded.model)
+    spans = engine_spans(loaded, prompt, first)
+    results, _ = asyncio.run(
+        serve(loaded, config(block_size=BLOCK), [(prompt, first), (prompt, second)], one_by_one=True)
+    )
+    # the blocks before the first block that holds the second image's tokens are shared (Idefics3's tiles
+    # make one span of both images: only the text before them)
+    assert results[1][1] == spans[-1].offset // BLOCK * BLOCK, (family, [(s.offset, s.length) for s in spans])
+    assert len(spans) == 2 or family == "idefics3"
+    assert ids.count(token) > 0
+    assert same(results, [reference(path, prompt, first), reference(path, prompt, second)]), family
+
+
+def engine_spans(loaded: LoadedModel, prompt: str, images) -> tuple[ImageSpan, ...]:
+    codec = create_engine(loaded, config()).codec
+    assert codec.images is not None
+    found = codec.images.encode(prompt, images).images
+    assert found is not None
+    return found.spans
+
+
+def test_the_scheduler_never_ends_a_chunk_inside_an_atomic_image_and_sends_the_images():
+    pool = BlockPool(32, block_size=4)
+    sched = BlockScheduler(pool, max_prefill_tokens=5, prefill_floor=None)
+    runner = BlockRunner(sched)
+    images = ImageInputs({"pixel_values": np.zeros((1, 3, 2, 2), np.float32)}, 9, (ImageSpan(7, 9, "x"),), atomic=True)
+    seq = make_seq(harness_prompt(24), max_new_tokens=3)
+    seq.images = images
+    sched.add(seq)
+    ends, sent = [], []
+    while sched.has_work():
+        plan, _ = step(sched, runner)
+        ends += [c.start + c.length for c in plan.prefill]
+        sent += [new.images for new in plan.batch.new]
+    assert ends == [5, 7, 16, 21, 24]  # 7..15 in one chunk, past the budget
+    assert sent == [images]
+    assert pickle.loads(pickle.dumps(images)).spans == images.spans

@@ -216,6 +216,9 @@ class AsyncEngine(EngineCore):
         except LmiServeError as exc:
             self._notify("on_rejected", exc)
             raise
+        images = getattr(prompt_ids, "images", None)  # a VLM prompt's images (engine/text/images.py)
+        if images is not None:
+            prompt_ids = list(prompt_ids)  # the sequences keep them apart from the ids
         base_seed = request.params.seed if request.params.seed is not None else random_seed()
         seqs = [
             Sequence(
@@ -239,7 +242,6 @@ class AsyncEngine(EngineCore):
         handle.adapter = adapter
         # blocks computed with an adapter are shared only with requests of the same load of that adapter
         salt = request.cache_salt if adapter is None else f"{request.cache_salt or ''}\x00lora:{adapter.id}"
-        images = getattr(prompt_ids, "images", None)  # a VLM prompt's images (engine/text/images.py)
         for seq in seqs:
             seq.cache_salt = salt
             seq.adapter = adapter

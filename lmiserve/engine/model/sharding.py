@@ -70,6 +70,8 @@ def unsplittable_reason(config: PretrainedConfig, world: int) -> str | None:
     """None when a model of `config` splits over `world` ranks, else one line saying why not."""
     cfg: Any = config
     model_type = getattr(cfg, "model_type", None)
+    if getattr(cfg, "vision_config", None) is not None:
+        return f"tensor parallelism does not serve vision-language models (this model is {model_type!r})"
     if model_type not in SUPPORTED_TYPES:
         return (
             f"tensor parallelism runs the fast path's Llama-family models ({', '.join(SUPPORTED_TYPES)}); "

@@ -12,6 +12,7 @@ other both ways (Gemma 3) has its spans `atomic`: the scheduler never ends a chu
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,7 @@ from lmiserve.core.media import Image
 
 __all__ = ["ImageCodec", "ImageInputs", "ImageSpan", "PromptIds", "span_digests"]
 
+_RECENT = 8  # prompts with images whose processing `ImageCodec` keeps (`prepare`, then `generate`)
 # processor outputs that are not the image encoder's (the ids are the prompt's; masks are the runner's)
 _NOT_IMAGE_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
@@ -82,6 +84,8 @@ class ImageCodec:
         self.placeholder: str | None = placeholder
         # Gemma 3's template writes its begin-of-image marker, which the processor expands
         self.boi: str | None = getattr(processor, "boi_token", None)
+        # the last few prompts processed (a protocol's `prepare` encodes before `generate` does again)
+        self._recent: OrderedDict[tuple[str, tuple[str, ...]], PromptIds] = OrderedDict()
 
     def placeholders(self, prompt: str) -> int | None:
         """How many images `prompt` has room for (None: unknown)."""
@@ -91,6 +95,17 @@ class ImageCodec:
     def encode(self, prompt: str, images: Sequence[Image]) -> PromptIds:
         """The prompt's ids with its images' tokens expanded, carrying its `ImageInputs`;
         `InvalidRequest` when the images do not match the prompt's placeholders."""
+        key = (prompt, tuple(image.digest for image in images))
+        recent = self._recent.get(key)
+        if recent is None:
+            recent = self._recent[key] = self._process(prompt, images)
+            while len(self._recent) > _RECENT:
+                self._recent.popitem(last=False)
+        prompt_ids = PromptIds(recent)
+        prompt_ids.images = recent.images
+        return prompt_ids
+
+    def _process(self, prompt: str, images: Sequence[Image]) -> PromptIds:
         wanted = self.placeholders(prompt)
         if wanted is not None and wanted != len(images):
             raise InvalidRequest(

@@ -69,7 +69,8 @@ def _unwrap(record: object, signature: ModelSignature, model: str) -> object:
         if key not in RECORD_KEYS:
             check_names([key], signature, model)
         return value
-    if isinstance(record, dict) and not tftensor.is_b64(record):  # an input it lacks (a text LLM's `image`)
+    if isinstance(record, dict) and not tftensor.is_b64(record) and any(k in RECORD_KEYS for k in record):
+        # a record's text beside an input the model lacks (a text LLM's `image`): name that input
         unexpected = [k for k in record if k not in RECORD_KEYS and signature.input(k) is None]
         if unexpected:
             check_names(unexpected, signature, model)

@@ -41,12 +41,15 @@ class Served:
     limits: TextGenLimits
     tokenizer: Any
     started: float = field(default_factory=time.monotonic)
+    # a vision-language model's processor (its chat template, its image placeholders); None: a text model
+    processor: Any = None
 
     @classmethod
     def of(cls, service: ModelService) -> Served:
         """`service` as a text generator; raises ModelNotReady while it loads or after it failed."""
         engine = service.ready_generator()
-        return cls(service, engine, limits_for(service), service.ready_llm().tokenizer)
+        llm = service.ready_llm()
+        return cls(service, engine, limits_for(service), llm.tokenizer, processor=getattr(llm, "processor", None))
 
     def names(self) -> tuple[str, ...]:
         """The names a request's `model` may give this model: its own, `served_model_name`'s aliases, the
@@ -87,12 +90,6 @@ class Served:
 
     def _own(self) -> list[str]:
         return [n for n in self.names() if n != "*"]
-
-    @property
-    def processor(self) -> Any:
-        """A vision-language model's processor (its chat template, its image placeholders); None for a
-        text model."""
-        return getattr(self.service.ready_llm(), "processor", None)
 
     @property
     def takes_images(self) -> bool:
