@@ -8,8 +8,7 @@ RGB, the digest), limits.py (the settings).
 """
 
 from lmiserve.media.decode import decode_image
-from lmiserve.media.fetch import fetch_image
 from lmiserve.media.limits import media_limits
 from lmiserve.media.load import check_count, load_image, load_images
 
-__all__ = ["check_count", "decode_image", "fetch_image", "load_image", "load_images", "media_limits"]
+__all__ = ["check_count", "decode_image", "load_image", "load_images", "media_limits"]

@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from lmiserve.core.errors import InvalidRequest
 from lmiserve.core.media import Image, ImageSource, MediaLimits
 from lmiserve.media.decode import decode_image, too_large
-from lmiserve.media.fetch import fetch_image
 
 _URL_SAFE = str.maketrans("-_", "+/")
 
@@ -63,6 +62,8 @@ async def load_image(source: ImageSource, limits: MediaLimits, index: int = 1) -
         check_media_type(source.media_type, index)
         return await asyncio.to_thread(_decode_data_url, url, limits, index)
     if scheme in ("http", "https"):
+        from lmiserve.media.fetch import fetch_image  # httpx, imported only when a server fetches an image
+
         data = await fetch_image(url, limits, index)
         return await asyncio.to_thread(decode_image, data, limits, index)
     shown = f"{scheme[:20]}: URLs" if scheme else "this URL"
