@@ -117,6 +117,16 @@ def _lora(request: pytest.FixtureRequest, tmp_path: Path) -> Server:
     )
 
 
+def _vision(request: pytest.FixtureRequest, tmp_path: Path) -> Server:
+    """docs/vision.md's server: a tiny random Idefics3 (SmolVLM's architecture, processor and chat
+    template; tests/helpers/tiny_vlm.py) in place of the page's SmolVLM-256M-Instruct, served under the
+    page's name."""
+    from helpers.tiny_vlm import build_tiny_vlm_dir
+
+    model = build_tiny_vlm_dir("idefics3", tmp_path / "SmolVLM-256M-Instruct")
+    return Server(["--model-id", str(model), "-o", "model_name=smolvlm"])
+
+
 SERVERS: dict[str, Callable[[pytest.FixtureRequest, Path], Server]] = {
     "make serve": _make_serve,
     "speculative": _speculative,
@@ -126,6 +136,7 @@ SERVERS: dict[str, Callable[[pytest.FixtureRequest, Path], Server]] = {
     "metrics-port": _metrics_port,
     "embeddings": _embeddings,
     "lora": _lora,
+    "vision": _vision,
 }
 # How the pages tell a reader to start each kind; `SERVERS` starts the same. Every page that holds
 # examples of a kind shows its start command.
@@ -138,6 +149,7 @@ START_COMMANDS = {
     "embeddings": ".venv/bin/lmiserve serve --model-store embed-store\n",
     "lora": ".venv/bin/lmiserve serve -o lora_modules=sql=/tmp/adapters/sql,chat=/tmp/adapters/chat "
     "-o allowed_model_paths=/tmp/adapters\n",
+    "vision": ".venv/bin/lmiserve serve --model-id HuggingFaceTB/SmolVLM-256M-Instruct -o model_name=smolvlm\n",
     "store": "AIP_PREDICT_ROUTE=/vertex/predict AIP_HEALTH_ROUTE=/vertex/health AIP_DEPLOYED_MODEL_ID=1234 \\\n"
     "  .venv/bin/lmiserve serve --model-store store -o allowed_model_paths=/tmp/demo\n",
 }

@@ -21,9 +21,13 @@ from typing import Any
 
 import anthropic
 import httpx
+import numpy as np
 import openai
 import pytest
+import tritonclient.grpc as triton
 from huggingface_hub import InferenceClient
+
+from helpers.server import free_port
 
 KEY = "vision-test-key"
 MODEL = "vlm"  # its served name (KServe addresses it by its directory name)
@@ -73,6 +77,9 @@ def hostile(name: str) -> tuple[bytes, str]:
     return (bomb() if data is None else data), media_type
 
 
+GRPC_PORT = free_port()  # the module's server's gRPC port (the default 8081 may be another server's)
+
+
 @pytest.fixture(scope="module")
 def vlm(server_pool, tiny_vlm_dir) -> str:
     path = tiny_vlm_dir(FAMILY)
@@ -85,6 +92,8 @@ def vlm(server_pool, tiny_vlm_dir) -> str:
         "limit_mm_per_prompt=2",
         "-o",
         f"served_model_name={MODEL}",
+        "--grpc-port",
+        str(GRPC_PORT),
     ]
     return server_pool.url(args, timeout=300)
 
@@ -266,6 +275,27 @@ def test_kserve_infer_and_generate_with_an_image(http, name):
     assert infer(A) == infer(A) != infer(B)
     r = http.post(f"/v2/models/{name}/generate", json={"text_input": PROMPT, "image": data_url(A), "max_tokens": 8})
     assert r.status_code == 200 and r.json()["text_output"] == infer(A), r.text
+
+
+def test_kserve_grpc_infer_with_image_bytes(http, name):
+    """gRPC ModelInfer (tritonclient): the `image` input holding the PNG file's own bytes."""
+
+    def infer(data: bytes) -> str:
+        text = triton.InferInput("text_input", [1], "BYTES")
+        text.set_data_from_numpy(np.array([PROMPT.encode()], dtype=object))
+        image = triton.InferInput("image", [1], "BYTES")
+        image.set_data_from_numpy(np.array([data], dtype=object))
+        auth = {"authorization": f"Bearer {KEY}"}
+        with triton.InferenceServerClient(f"127.0.0.1:{GRPC_PORT}") as client:
+            result = client.infer(name, [text, image], parameters={"max_new_tokens": 8}, headers=auth)
+        return result.as_numpy("text_output")[0].decode()
+
+    over_http = http.post(
+        f"/v2/models/{name}/generate", json={"text_input": PROMPT, "image": b64(A), "max_tokens": 8}
+    ).json()["text_output"]
+    assert infer(A) == over_http != infer(B)
+    with pytest.raises(Exception, match="image"):
+        infer(b"not an image at all, \xff\xfe")
 
 
 def test_vertex_instances_with_an_image(http):
