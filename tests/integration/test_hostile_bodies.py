@@ -1,9 +1,11 @@
 """Hostile bodies on every POST/PUT route of the route table, on real servers: never a 5xx, never a hang,
 never a Python internal in the answer.
 
-Two servers: `llm` (the tiny LLM alone, TGI-compatible /invocations, Vertex AI routes from the
-environment) and `store` (a model store: the tiny LLM, a TorchScript one-shot model, a tiny embedding
-model and a tiny reranker, so the embedding, rerank and score routes reach their models). The targets
+Three servers: `llm` (the tiny LLM alone, TGI-compatible /invocations, Vertex AI routes from the
+environment), `store` (a model store: the tiny LLM, a TorchScript one-shot model, a tiny embedding
+model and a tiny reranker, so the embedding, rerank and score routes reach their models) and `vlm` (a
+tiny Qwen2-VL: every route that takes images gets hostile images -- corrupt, truncated, SVG, a
+decompression bomb, URLs it must not fetch, too many -- and image-bearing bodies mutated at random). The targets
 are every POST/PUT route of `lmiserve.server.app.routes` (Mounts walked), path parameters filled with
 the served model names and with names that are not served. Each target gets
 - the known pitfalls (hand-written): 10,000-level nesting, lone surrogates, NaN/Infinity, huge
@@ -17,6 +19,7 @@ The examples are derandomized and no example database is kept, so a run is repro
 
 from __future__ import annotations
 
+import base64
 import itertools
 import json
 import re
@@ -572,3 +575,153 @@ def sweep(served: Served, data: st.DataObject) -> None:
     body = data.draw(bodies(route), label="body")
     sent = data.draw(headers(), label="headers")
     post(served, target, body, sent)
+
+
+# ---- a vision-language model: bodies with images, and hostile images (issue #40) ------------------------
+
+
+def _image_bytes(kind: str) -> bytes:
+    """A small real PNG (`png`), or a hostile image: corrupt, truncated, an SVG, a decompression bomb
+    (a PNG that declares 400 million pixels), text."""
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    if kind == "bomb":
+        Image.new("1", (20000, 20000)).save(out, format="PNG")
+        return out.getvalue()
+    Image.new("RGB", (24, 16), (200, 40, 10)).save(out, format="PNG")
+    png = out.getvalue()
+    return {
+        "png": png,
+        "corrupt": png[:16] + b"\x00garbage" * 8,
+        "truncated": png[: len(png) // 2],
+        "svg": b'<svg xmlns="http://www.w3.org/2000/svg" width="9" height="9"/>',
+        "text": b"not an image",
+    }[kind]
+
+
+def vision_families(image: bytes, media_type: str = "image/png", url: str | None = None) -> dict[str, list[Any]]:
+    """The bodies of every route that takes images, each carrying `image` (or the image at `url`)."""
+    encoded = base64.b64encode(image).decode()
+    url = url or f"data:{media_type};base64,{encoded}"
+    chat = {
+        "model": "tiny",
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Hi"}, {"type": "image_url", "image_url": {"url": url}}],
+            }
+        ],
+        "max_tokens": 2,
+    }
+    source = (
+        {"type": "base64", "media_type": media_type, "data": encoded}
+        if url.startswith("data:")
+        else {"type": "url", "url": url}
+    )
+    anthropic = {
+        "model": "tiny",
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": [{"type": "image", "source": source}]}],
+    }
+    text = {"name": "text_input", "datatype": "BYTES", "shape": [1], "data": ["Hi"]}
+    image_input = {
+        "name": "image",
+        "datatype": "BYTES",
+        "shape": [1],
+        "data": [encoded if url.startswith("data:") else url],
+    }
+    return {
+        "invocations": [chat],
+        "chat": [chat],
+        "anthropic": [anthropic],
+        "responses": [
+            {
+                "input": [{"role": "user", "content": [{"type": "input_image", "image_url": url}]}],
+                "max_output_tokens": 2,
+            }
+        ],
+        "tgi": [{"inputs": f"![]({url}) Hi", "parameters": {"max_new_tokens": 2}}],
+        "v2_infer": [{"inputs": [text, image_input], "parameters": {"max_new_tokens": 2}}],
+        "v2_generate": [{"text_input": "Hi", "image": image_input["data"][0], "parameters": {"max_new_tokens": 2}}],
+        "vertex": [
+            {"instances": [{"prompt": "Hi", "image": image_input["data"][0]}], "parameters": {"max_new_tokens": 2}}
+        ],
+    }
+
+
+def vision_family(route: str, families: dict[str, list[Any]]) -> list[Any] | None:
+    """The image-bearing bodies of `route` (None: it takes no images)."""
+    for templates in FAMILIES.values():
+        if family(route) is templates:
+            name = next(k for k, v in FAMILIES.items() if v is templates)
+            return families.get(name)
+    return None
+
+
+VISION_LIMITS = ["-o", "max_new_tokens=4", "-o", "max_input_tokens=256", "-o", "max_total_tokens=264"]
+
+
+@pytest.fixture(scope="module")
+def vlm(tiny_vlm_dir) -> Iterator[Served]:
+    options = ["-o", "model_name=tiny", "-o", "tgi_compat=true", "-o", "limit_mm_per_prompt=2", *VISION_LIMITS]
+    args = ["--model-id", str(tiny_vlm_dir("qwen2_vl")), "--grpc-port", "0", *options]
+    with run_server(args, env=VERTEX_ENV, timeout=300) as url:
+        with httpx.Client(base_url=url, timeout=TIMEOUT, trust_env=False) as client:
+            found = targets(["tiny"], vertex_predict_route="/vertex/predict")
+            taking = [t for t in found if vision_family(t.route, vision_families(b"")) is not None]
+            yield Served(client, taking, ["tiny"])
+
+
+HOSTILE_IMAGES = ["corrupt", "truncated", "svg", "bomb", "text"]
+HOSTILE_URLS = ["http://127.0.0.1:1/a.png", "http://169.254.169.254/latest", "file:///etc/passwd", "data:,x"]
+
+
+def test_hostile_images_on_every_route_that_takes_images(vlm: Served) -> None:
+    """Each hostile image (and URL the server must not fetch, and one image too many) on every route that
+    takes images: a 4xx (TGI's stream: its in-band validation error), never a 5xx, no internals."""
+    routes = {t.route for t in vlm.targets}
+    for route in ("/v1/chat/completions", "/v1/responses", "/v1/messages", "/generate", "/invocations", "/tokenize"):
+        assert route in routes, route
+    assert {"/v2/models/{model}/infer", "/v2/models/{model}/generate", "/vertex/predict"} <= routes
+    cases = [vision_families(_image_bytes(k), "image/svg+xml" if k == "svg" else "image/png") for k in HOSTILE_IMAGES]
+    cases += [vision_families(b"", url=url) for url in HOSTILE_URLS]
+    for target in representatives(vlm.targets):
+        for families in cases:
+            for body in vision_family(target.route, families) or []:
+                what = f"{target.method} {target.path} {dumps(body)[:200]!r}"
+                response = vlm.client.request(
+                    target.method, target.path, content=dumps(body), headers={"content-type": "application/json"}
+                )
+                check(response, what)
+                refused = response.status_code >= 400 or '"error"' in response.text
+                assert refused, f"{what} -> {response.status_code} {response.text[:300]}"
+    chat = vision_families(_image_bytes("png"))["chat"][0]
+    parts = chat["messages"][0]["content"]
+    too_many = {**chat, "messages": [{"role": "user", "content": parts + [parts[1]] * 2}]}
+    response = vlm.client.post("/v1/chat/completions", json=too_many)
+    assert response.status_code == 400 and "limit_mm_per_prompt" in response.text, response.text
+    assert vlm.client.get("/ping").status_code == 200
+
+
+@st.composite
+def vision_bodies(draw: st.DrawFn, route: str) -> bytes:
+    templates = vision_family(route, vision_families(_image_bytes("png"))) or TEMPLATES
+    return draw(st.one_of(mutated(templates), truncated(templates), deeply_nested(templates)))
+
+
+@settings(
+    max_examples=80,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+)
+@given(data=st.data())
+def test_random_bodies_with_images(vlm: Served, data: st.DataObject) -> None:
+    """Image-bearing bodies with one value replaced by a random one, truncated or deeply nested."""
+    route = data.draw(st.sampled_from(sorted({t.route for t in vlm.targets})), label="route")
+    target = data.draw(st.sampled_from([t for t in vlm.targets if t.route == route]), label="target")
+    post(vlm, target, data.draw(vision_bodies(route), label="body"), {"content-type": "application/json"})

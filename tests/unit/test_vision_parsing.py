@@ -56,12 +56,6 @@ def test_base64_source_is_a_data_url_for_the_loader():
         images.base64_source("QUJD", "image/png;base64,AAAA", "w")
 
 
-def test_encoded_source_takes_urls_or_base64():
-    assert images.encoded_source(DATA, "i").url == DATA
-    assert images.encoded_source(b"https://h/a.png", "i").url == "https://h/a.png"
-    assert images.encoded_source("QUJD", "i").url == "data:image/*;base64,QUJD"
-
-
 def test_markdown_images_become_marks_in_order():
     text, sources = images.markdown("Look: ![a cat](https://h/cat.png) and ![](data:image/png;base64,QUJD)!")
     assert text == f"Look: {MARK} and {MARK}!"

@@ -29,7 +29,6 @@ from lmiserve.media import load_images, media_limits
 __all__ = [
     "MARK",
     "base64_source",
-    "encoded_source",
     "has_marks",
     "load",
     "markdown",
@@ -66,15 +65,6 @@ def base64_source(data: Any, media_type: Any, where: str) -> ImageSource:
     if media_type is not None and (not isinstance(media_type, str) or "," in media_type or ";" in media_type):
         raise InvalidRequest(f"{where}: media_type must be an image media type such as image/png")
     return ImageSource(url=f"data:{media_type or 'image/*'};base64,{data}")
-
-
-def encoded_source(value: Any, where: str) -> ImageSource:
-    """An image given as one string: a data or http(s) URL, else base64 of the file (KServe's, Vertex's)."""
-    if isinstance(value, bytes):
-        value = value.decode("utf-8", errors="replace")
-    if isinstance(value, str) and re.match(r"^(data|https?):", value.strip(), re.IGNORECASE):
-        return url_source(value, where)
-    return base64_source(value, None, where)
 
 
 def markdown(text: str) -> tuple[str, list[ImageSource]]:
