@@ -86,6 +86,20 @@ def test_images_to_a_text_model_are_refused_naming_it(vlm):
         engine.codec.encode(request)
 
 
+def test_an_image_placeholder_without_an_image_is_refused(vlm):
+    """A text-only prompt holding the model's image token (its placeholder typed as text, or given as ids)
+    would reach the model with no features behind it: a 400, not a forward over a bare placeholder."""
+    _, _, loaded = vlm
+    engine = create_engine(loaded, config())
+    token = image_token_id(loaded.model)
+    text = loaded.tokenizer.decode([token])
+    with pytest.raises(InvalidRequest, match="image token"):
+        engine.codec.encode(GenerationRequest(prompt=f"Look: {text} here"))
+    with pytest.raises(InvalidRequest, match="image token"):
+        engine.codec.encode(GenerationRequest(prompt="", prompt_ids=[1, token, 2]))
+    assert engine.codec.encode(GenerationRequest(prompt="Look: no image here"))
+
+
 @pytest.mark.parametrize("chunk", [2048, 5])
 def test_prompt_logprobs_equal_the_models_forward(vlm, chunk):
     """Every prompt position's logits as transformers' forward gives them on the processor's output (the

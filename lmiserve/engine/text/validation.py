@@ -106,13 +106,23 @@ class PromptCodec:
         if request.images:
             return self._check(request, self._with_images(request))
         if request.prompt_ids is not None:
-            return self._check(request, self._given_ids(request.prompt_ids))
+            return self._check(request, self._no_image_tokens(self._given_ids(request.prompt_ids)))
         if params.truncate is None and self.max_prompt_chars and len(request.prompt) > self.max_prompt_chars:
             raise InvalidRequest(
                 f"Input prompt ({len(request.prompt)} characters: more than {self.max_input_len} tokens) is too "
                 f"long and exceeds limit of {self.max_input_len}"
             )
-        return self._check(request, self.tokenizer.encode(request.prompt))
+        return self._check(request, self._no_image_tokens(self.tokenizer.encode(request.prompt)))
+
+    def _no_image_tokens(self, ids: list[int]) -> list[int]:
+        """`ids` of a prompt without images; `InvalidRequest` when a vision-language model's image token is
+        among them (its image placeholder written as text: no image features would stand behind it)."""
+        if self.images is not None and self.images.image_token_id in ids:
+            shown = f" (`{self.images.placeholder}`)" if self.images.placeholder else ""
+            raise InvalidRequest(
+                f"the prompt holds the model's image token{shown} but no image: send images as image parts"
+            )
+        return ids
 
     def _with_images(self, request: GenerationRequest) -> list[int]:
         """The prompt's ids with its images' tokens (a `PromptIds` carrying its `ImageInputs`)."""
