@@ -361,3 +361,84 @@ def test_a_text_model_refuses_images_naming_it(server):
     assert r.status_code == 400 and f"'{model}' does not take images" in r.json()["error"]["message"], r.text
     r = server.post({"text_input": "hi", "image": b64(A)}, path=f"/v2/models/{model}/generate")
     assert r.status_code == 400 and f"'{model}' does not take images" in r.json()["error"], r.text
+
+
+# ---- http(s) images from an allowed host -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def image_host() -> Iterator[str]:
+    """A local HTTP server: /a.png (image A), /moved (a redirect to /a.png), /away (a redirect to a host
+    not allowed)."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            if self.path == "/a.png":
+                self.send_response(200)
+                self.send_header("Content-Type", "image/png")
+                self.send_header("Content-Length", str(len(A)))
+                self.end_headers()
+                self.wfile.write(A)
+                return
+            target = {"/moved": "/a.png", "/away": "http://example.com/a.png"}.get(self.path)
+            self.send_response(302 if target else 404)
+            if target:
+                self.send_header("Location", target)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture(scope="module")
+def fetching(server_pool, tiny_vlm_dir) -> str:
+    """The same model, allowed to fetch images from 127.0.0.1 (a private address, so allowed too)."""
+    args = ["--model-id", str(tiny_vlm_dir(FAMILY)), "-o", f"served_model_name={MODEL}", "--grpc-port", "0"]
+    args += ["-o", "allowed_media_domains=127.0.0.1", "-o", "allow_private_media_urls=true"]
+    return server_pool.url(args, timeout=300)
+
+
+def test_http_images_from_an_allowed_host(fetching, image_host):
+    """An allowed host's image answers as the same image sent as a data URL (OpenAI chat, Anthropic's url
+    source), a redirect within the host is followed, a redirect to a host not allowed is a 400."""
+    with openai.OpenAI(base_url=f"{fetching}/v1", api_key="-", max_retries=0, timeout=TIMEOUT) as oai:
+
+        def ask(url: str):
+            messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, PROMPT_PART]}]
+            return oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+
+        inline, fetched, moved = ask(data_url(A)), ask(f"{image_host}/a.png"), ask(f"{image_host}/moved")
+        assert fetched.choices[0].message.content == inline.choices[0].message.content
+        assert moved.choices[0].message.content == inline.choices[0].message.content
+        assert fetched.usage.prompt_tokens == inline.usage.prompt_tokens
+        with pytest.raises(openai.BadRequestError, match="allowed_media_domains"):
+            ask(f"{image_host}/away")
+        with pytest.raises(openai.BadRequestError, match="404"):
+            ask(f"{image_host}/missing.png")
+    with anthropic.Anthropic(base_url=fetching, api_key="-", max_retries=0, timeout=TIMEOUT) as claude:
+        block = {"type": "image", "source": {"type": "url", "url": f"{image_host}/a.png"}}
+        by_url = claude.messages.create(
+            model=MODEL,
+            max_tokens=8,
+            extra_body={"temperature": 0},
+            messages=[{"role": "user", "content": [block, PROMPT_PART]}],
+        )
+        by_data = claude.messages.create(
+            model=MODEL, max_tokens=8, extra_body={"temperature": 0}, messages=anthropic_message(A)
+        )
+        assert by_url.content[0].text == by_data.content[0].text  # type: ignore[union-attr]
+
+
+PROMPT_PART = {"type": "text", "text": PROMPT}
