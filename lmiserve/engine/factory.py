@@ -29,7 +29,7 @@ from lmiserve.engine.runner.persistent_batch import PersistentBatchRunner
 from lmiserve.engine.runner.vision import PagedVisionRunner, bidirectional_images, image_token_id, is_vision_model
 from lmiserve.engine.speculative.proposers import DraftModelProposer, NgramProposer, Proposer
 from lmiserve.engine.text.grammar_compiler import GrammarCompiler
-from lmiserve.engine.text.images import ImageCodec
+from lmiserve.engine.text.images import ImageCodec, PromptIds, probe_prompt
 from lmiserve.engine.text.tokenizer import HfTokenizer
 from lmiserve.engine.text.validation import PromptCodec
 
@@ -107,17 +107,21 @@ def largest_step_tokens(config: EngineConfig, max_context: int) -> int:
     return min(tokens, max_context)
 
 
-def run_profile_step(runner_of: Callable[[int], BatchRunner], tokens: int, block_size: int) -> int:
+def run_profile_step(
+    runner_of: Callable[[int], BatchRunner], tokens: int, block_size: int, prompt: PromptIds | None = None
+) -> int:
     """Run one step of a `tokens`-token prompt on a runner made by `runner_of(blocks)` over just enough
     blocks, as the largest step the scheduler plans would (every layer's activations at their widest);
-    the bytes of that runner's pool. The runner is dropped after."""
-    blocks = -(-tokens // block_size)
+    the bytes of that runner's pool. The runner is dropped after. `prompt`: a vision-language model's
+    prompt with an image instead (`text.images.probe_prompt`): its image encoder runs at admission."""
+    ids = list(prompt) if prompt is not None else [0] * tokens
+    blocks = -(-len(ids) // block_size)
     runner = runner_of(blocks)
-    ids = [0] * tokens
     params = SamplingParams(max_new_tokens=1)
+    images = prompt.images if prompt is not None else None
     batch = StepBatch(
         rows=[ScheduledTokens(0, 0, ids, list(range(blocks)), sample=True)],
-        new=[NewRequest(0, ids, params, seed=0)],
+        new=[NewRequest(0, ids, params, seed=0, images=images)],
     )
     output = runner.execute_batch(batch)
     if output.errors:
@@ -127,28 +131,37 @@ def run_profile_step(runner_of: Callable[[int], BatchRunner], tokens: int, block
 
 
 def profile_step_memory(
-    device: torch.device, runner_of: Callable[[int], BatchRunner], tokens: int, block_size: int
+    device: torch.device,
+    runner_of: Callable[[int], BatchRunner],
+    tokens: int,
+    block_size: int,
+    image_prompt: PromptIds | None = None,
 ) -> int | None:
     """On CUDA, the peak memory the largest step needs beyond what is allocated before it and beyond its
     pool (`run_profile_step`): what the KV pool must leave free (vLLM sizes its pool after such a run).
-    None on other devices, or when the profiling step fails (logged; the fixed reserve is used)."""
+    `image_prompt`: a VLM's step with an image is profiled too (its encoder's activations, its features),
+    the larger peak kept. None on other devices, or when the profiling step fails (logged; the fixed
+    reserve is used)."""
     if device.type != "cuda":
         return None
-    try:
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        pool = run_profile_step(runner_of, tokens, block_size)
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - before - pool
-    except Exception:  # noqa: BLE001 - a failed profile costs the pool's precision, not the start
-        log.exception("profiling the largest step failed; the KV pool leaves the fixed activation reserve")
-        return None
-    finally:
-        gc.collect()
-        torch.cuda.empty_cache()
-    log.info("profiled the largest step (%d tokens): %.2f GiB of activations", tokens, peak / 2**30)
+    peak = 0
+    for prompt in (None, image_prompt) if image_prompt is not None else (None,):
+        try:
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+            pool = run_profile_step(runner_of, tokens, block_size, prompt)
+            torch.cuda.synchronize(device)
+            peak = max(peak, torch.cuda.max_memory_allocated(device) - before - pool)
+        except Exception:  # noqa: BLE001 - a failed profile costs the pool's precision, not the start
+            log.exception("profiling the largest step failed; the KV pool leaves the fixed activation reserve")
+            return None
+        finally:
+            gc.collect()
+            torch.cuda.empty_cache()
+    what = f"{tokens} tokens" + (f", and {len(image_prompt)} with an image" if image_prompt is not None else "")
+    log.info("profiled the largest step (%s): %.2f GiB of activations", what, peak / 2**30)
     return max(0, int(peak))
 
 
@@ -191,11 +204,13 @@ def create_engine(
     if config.kv_cache_memory_bytes is None:
         # a prompt step alone: no autotune, no decode graphs (their buffers, scratch block and RoPE table)
         quiet = dataclasses.replace(config, cpu_autotune=False, enforce_eager=True)
+        images = _image_codec(loaded) if loaded.device.type == "cuda" else None
         activation = profile_step_memory(
             loaded.device,
             lambda blocks: _paged_runner(loaded, quiet, blocks, fast_cls),
             largest_step_tokens(config, loaded.max_context),
             config.block_size,
+            probe_prompt(images) if images is not None else None,
         )
     graphs = fast_cls is not None and cuda_graphs.wanted(loaded.device, config.enforce_eager)
     num_blocks = kv_pool_blocks(loaded, config, activation, graphs)

@@ -185,3 +185,30 @@ def test_an_image_that_fails_to_encode_fails_its_request_only(vlm, monkeypatch):
 
 async def collect(events: Any) -> list[Any]:
     return [e async for e in events]
+
+
+def test_the_memory_profile_runs_the_image_encoder(vlm):
+    """On CUDA the KV pool is sized after the largest step's peak: a VLM's profile also runs a step with a
+    1024 x 1024 image (its encoder and features in the peak). The same step runs here on CPU: the image
+    reaches the encoder (its tokens are in the prompt) and the step answers without error."""
+    from lmiserve.engine.factory import _image_codec, _paged_runner, run_profile_step
+    from lmiserve.engine.text.images import probe_prompt
+
+    _, _, loaded = vlm
+    codec = _image_codec(loaded)
+    assert codec is not None
+    prompt = probe_prompt(codec)
+    assert prompt is not None and prompt.images is not None
+    assert prompt.count(image_token_id(loaded.model)) > 0
+    encoded: list[int] = []
+    original = PagedVisionRunner._encode
+
+    def counted(self, prompt_ids, images):
+        encoded.append(len(prompt_ids))
+        return original(self, prompt_ids, images)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PagedVisionRunner, "_encode", counted)
+        pool = run_profile_step(lambda blocks: _paged_runner(loaded, config(), blocks, None), 64, 16, prompt)
+    assert encoded == [len(prompt)] and pool > 0
+

@@ -22,7 +22,7 @@ import numpy as np
 from lmiserve.core.errors import InvalidRequest
 from lmiserve.core.media import Image
 
-__all__ = ["ImageCodec", "ImageInputs", "ImageSpan", "PromptIds", "span_digests"]
+__all__ = ["ImageCodec", "ImageInputs", "ImageSpan", "PromptIds", "probe_prompt", "span_digests"]
 
 _RECENT = 8  # prompts with images whose processing `ImageCodec` keeps (`prepare`, then `generate`)
 # processor outputs that are not the image encoder's (the ids are the prompt's; masks are the runner's)
@@ -140,6 +140,26 @@ class ImageCodec:
         if len(runs) == len(digests):
             return tuple(ImageSpan(a, b - a, d) for (a, b), d in zip(runs, digests))
         return (ImageSpan(runs[0][0], runs[-1][1] - runs[0][0], "+".join(digests)),)
+
+
+# the side of the image a VLM's memory profile runs its encoder on (the processor resizes it as it does a client's)
+PROBE_SIDE = 1024
+
+
+def probe_prompt(codec: ImageCodec, side: int = PROBE_SIDE) -> PromptIds | None:
+    """A prompt holding one `side` x `side` image, as a client's would reach the runner: what the engine's
+    memory profile runs, so the image encoder's activations and features are in the measured peak
+    (None: the processor did not take it)."""
+    from PIL import Image as PILImage
+
+    marker = codec.boi or codec.placeholder
+    if not marker:
+        return None
+    image = Image(PILImage.new("RGB", (side, side), (128, 128, 128)), digest="memory-profile")
+    try:
+        return codec.encode(f"{marker}Describe the image.", [image])
+    except InvalidRequest:
+        return None
 
 
 def chunk_length(images: ImageInputs | None, start: int, want: int) -> int:
