@@ -211,4 +211,3 @@ def test_the_memory_profile_runs_the_image_encoder(vlm):
         patch.setattr(PagedVisionRunner, "_encode", counted)
         pool = run_profile_step(lambda blocks: _paged_runner(loaded, config(), blocks, None), 64, 16, prompt)
     assert encoded == [len(prompt)] and pool > 0
-
