@@ -67,6 +67,7 @@ ENGINE_TESTS = (
     "tests/unit/test_triton_attention.py",
     "tests/unit/test_cuda_graphs.py",
     "tests/unit/test_sliding_window.py",
+    "tests/unit/test_kv_fp8.py",
 )
 
 PYTEST_PLUGINS = ("-p", "pytest_asyncio.plugin", "-p", "xdist.plugin")
@@ -435,6 +436,33 @@ def main(argv: list[str] | None = None) -> int:
         step = run_step("decode paths 1b", command, out / "decode-paths-1b.log", min(150.0, left() - 60), env)
         if report.exists():
             step["report"] = json.loads(report.read_text())
+        summary["steps"].append(step)
+
+    # 5b. the fp8 KV cache (issue 39 item 3): SmolLM2 in bf16 with auto, fp8_e4m3 and fp8_e5m2 pools (perplexity,
+    # greedy agreement, blocks a pool holds) through the Triton kernel's fp8 form
+    if left() < 90:
+        summary["steps"].append(_skipped("fp8 kv", "time"))
+    else:
+        fp8_dir = out / "fp8-kv"
+        command = [
+            sys.executable,
+            str(ROOT / "benchmarks" / "kv_fp8_quality.py"),
+            "--device",
+            "cuda",
+            "--dtype",
+            "bf16",
+            "--prompts",
+            "16",
+            "--out",
+            str(fp8_dir),
+        ]
+        step = run_step("fp8 kv", command, out / "fp8-kv.log", min(120.0, left() - 60), env)
+        report = fp8_dir / "kv_fp8_quality-bf16-cuda.json"
+        if report.exists():
+            fp8 = json.loads(report.read_text())
+            for entry in fp8["results"]:
+                entry.pop("greedy_outputs", None)
+            summary["fp8_kv"] = fp8
         summary["steps"].append(step)
 
     # 6. tensor parallelism (issue #25): the workers' path on CUDA against the model in this process

@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import ByteSize, Field, model_validator
 
-from lmiserve.config.settings_types import FieldGroup, KvCacheLayout, RollingBatch
+from lmiserve.config.settings_types import FieldGroup, KvCacheDtype, KvCacheLayout, RollingBatch
 
 # The one line a start with the slot KV cache stops with.
 SLOTS_REFUSED = (
@@ -160,7 +160,9 @@ class EngineFields(FieldGroup):
             "in bytes or with a unit (`4GiB`); unset = on CPU 25 % of the memory available at start-up, on CUDA "
             "`gpu_memory_utilization` of the GPU less what the model took and the activations of the largest "
             "step, profiled at start; never more than `max_rolling_batch_size` "
-            "sequences at full context need. A request that needs more than the whole pool answers 4xx."
+            "sequences at full context need. With a draft model (`speculative_config`) it holds the draft's "
+            "pool too: the draft gets the blocks of the rows that may draft at once, the model the rest. A "
+            "request that needs more than the whole pool answers 4xx."
         ),
         json_schema_extra={"allowed": "a size >= 1 in bytes, e.g. 4294967296 or 4GiB (or empty for unset)"},
     )
@@ -171,6 +173,18 @@ class EngineFields(FieldGroup):
         description="Share of the GPU's memory lmiserve may take (LMI's and vLLM's name); sizes the paged KV pool.",
     )
     block_size: int = Field(16, ge=1, le=1024, description="Tokens a block of the paged KV cache holds (vLLM's name).")
+    kv_cache_dtype: KvCacheDtype = Field(
+        "auto",
+        description=(
+            "What the paged KV cache stores (vLLM's name): `auto` = the model's dtype; `fp8` (= `fp8_e4m3`) or "
+            "`fp8_e5m2` = one byte an element, so the same memory holds twice the blocks of bf16 (four times "
+            "fp32). Keys and values are divided by a per-layer scale and clamped when written, cast back and "
+            "multiplied when read; the scales are the checkpoint's `k_scale`/`v_scale` (or `kv_scale`) where it "
+            "has them, else 1.0. Costs a little accuracy (docs/engine.md); on CPU it runs the torch attention, "
+            "not the compiled kernel. Not with tensor parallelism."
+        ),
+        json_schema_extra={"allowed": "one of auto, fp8, fp8_e4m3, fp8_e5m2"},
+    )
     enforce_eager: bool = Field(
         False,
         description=(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pydantic import ByteSize, Field, field_validator
 
-from lmiserve.config.settings_types import Dtype, FieldGroup, LoadFormat, ModelKind
+from lmiserve.config.settings_types import Dtype, FieldGroup, LoadFormat, ModelKind, Quantize
 
 _CUDA_DEVICE = re.compile(r"cuda(:\d+)?")
 
@@ -80,6 +80,18 @@ class ModelFields(FieldGroup):
             "layers in 4-bit groups of 32 as GGUF Q4_1, fp32 activations and KV cache; the fastest single "
             "stream). `float32`, `float16`, `half` and `bfloat16` are accepted too. See "
             "docs/performance/dtypes.md."
+        ),
+    )
+    quantize: Quantize | None = Field(
+        None,
+        description=(
+            "Quantized weights (LMI's and TGI's option): `fp8`, `awq` or `gptq`. Unset = what the checkpoint's "
+            "`config.json` says (`quantization_config`: compressed-tensors or FBGEMM fp8, AWQ or GPTQ 4-bit, "
+            "read by lmiserve itself). Set, it must name the checkpoint's format, else the start stops with one "
+            "line; `fp8` on a float checkpoint quantizes its linears to fp8 per output channel at load (vLLM's "
+            "dynamic fp8). fp8 products run on CUDA GPUs of compute capability 8.9+ (`torch._scaled_mm`); "
+            "elsewhere the weights are de-quantized once at load. On CPU, AWQ and GPTQ with groups of 32n "
+            "run on the int4 kernel. See docs/performance/dtypes.md."
         ),
     )
     load_format: LoadFormat = Field(

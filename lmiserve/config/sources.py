@@ -14,7 +14,8 @@ Environment mapping, lowest first within the environment (a later entry wins):
   ``SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT`` -> default_invocations_accept, ``SAGEMAKER_MAX_REQUEST_SIZE`` ->
   max_request_size, ``AIP_PREDICT_ROUTE`` / ``AIP_HEALTH_ROUTE`` / ``AIP_DEPLOYED_MODEL_ID`` ->
   vertex_predict_route / vertex_health_route / vertex_deployed_model_id, ``API_KEY`` -> api_key (TGI's
-  name), ``LORA_ADAPTERS`` -> lora_adapters (TGI's), ``LWS_GROUP_SIZE`` / ``PET_NNODES`` / ``NNODES`` -> nnodes,
+  name), ``LORA_ADAPTERS`` -> lora_adapters (TGI's), ``HF_MODEL_QUANTIZE`` then ``QUANTIZE`` -> quantize
+  (SageMaker's TGI, TGI's), ``LWS_GROUP_SIZE`` / ``PET_NNODES`` / ``NNODES`` -> nnodes,
   ``LWS_WORKER_INDEX`` / ``PET_NODE_RANK`` / ``NODE_RANK`` -> node_rank, ``LWS_LEADER_ADDRESS`` / ``MASTER_ADDR``
   -> master_addr, ``MASTER_PORT`` -> master_port (LeaderWorkerSet's, torchrun's, the plain names),
   ``OTEL_EXPORTER_OTLP_ENDPOINT`` then ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` -> otlp_traces_endpoint and
@@ -63,6 +64,8 @@ ENV_SHORTCUTS: tuple[tuple[str, str], ...] = (
     ("AIP_DEPLOYED_MODEL_ID", "vertex_deployed_model_id"),
     ("API_KEY", "api_key"),
     ("LORA_ADAPTERS", "lora_adapters"),
+    ("HF_MODEL_QUANTIZE", "quantize"),  # SageMaker's TGI containers, then TGI's own
+    ("QUANTIZE", "quantize"),
     ("LWS_GROUP_SIZE", "nnodes"),  # LeaderWorkerSet, then torchrun (PET_*), then the plain names
     ("PET_NNODES", "nnodes"),
     ("NNODES", "nnodes"),

@@ -14,7 +14,7 @@ KEY_ALIASES: dict[str, str] = {
 }
 
 # LMI (DJL Serving) keys that lmiserve accepts in serving.properties and OPTION_* variables and ignores:
-# they choose another engine's features (parallelism, quantization, LoRA, Python handlers). They are kept
+# they choose another engine's features (parallelism, LoRA, Python handlers). They are kept
 # in ``extra`` and named in the start-up warning; on the command line (-o) they are an error, like any
 # unknown key.
 LMI_IGNORED_KEYS = frozenset(
@@ -22,7 +22,6 @@ LMI_IGNORED_KEYS = frozenset(
         "engine",
         "entryPoint",
         "pipeline_parallel_degree",
-        "quantize",
         "mpi_mode",
         "task",
         "model_loading_timeout",

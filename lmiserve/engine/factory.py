@@ -7,14 +7,14 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
-import os
 from collections.abc import Callable, Sequence
 
 import torch
 
 from lmiserve.core.request import SamplingParams
-from lmiserve.engine.attention import cuda_graphs
-from lmiserve.engine.attention.paged import kv_bytes_per_block
+from lmiserve.engine.attention import cuda_graphs, kv_quant
+from lmiserve.engine.attention.kv_quant import KvFormat
+from lmiserve.engine.attention.paged import AttentionShape, kv_bytes_per_block
 from lmiserve.engine.core.async_engine import AsyncEngine, EngineConfig
 from lmiserve.engine.core.step import BatchRunner, NewRequest, ScheduledTokens, StepBatch
 from lmiserve.engine.loaded import LoadedModel
@@ -23,88 +23,31 @@ from lmiserve.engine.lora.adapters import FAST_PATH_MODULES, LoraAdapter
 from lmiserve.engine.lora.manager import LoraManager
 from lmiserve.engine.lora.registry import AdapterRegistry
 from lmiserve.engine.model.quantize import Int4Linear, Int8Linear, quantize_output_int8
+from lmiserve.engine.pool_plan import (  # noqa: F401 - the pool's sizing, used from here by callers and tests
+    CPU_KV_SHARE,
+    GPU_ACTIVATION_RESERVE,
+    PROFILE_MARGIN,
+    PROFILE_SLACK,
+    DraftNeeds,
+    MemoryReader,
+    available_memory,
+    graph_pool_bytes,
+    kv_pool_blocks,
+    largest_step_tokens,
+    plan_pools,
+    report_draft_pool,
+)
 from lmiserve.engine.runner import fast_reason, generic
 from lmiserve.engine.runner.fast import PagedFastRunner
 from lmiserve.engine.runner.persistent_batch import PersistentBatchRunner
 from lmiserve.engine.runner.vision import PagedVisionRunner, bidirectional_images, image_token_id, is_vision_model
-from lmiserve.engine.speculative.proposers import DraftModelProposer, NgramProposer, Proposer
+from lmiserve.engine.speculative.proposers import DraftModelProposer, NgramProposer
 from lmiserve.engine.text.grammar_compiler import GrammarCompiler
 from lmiserve.engine.text.images import ImageCodec, PromptIds, probe_prompt
 from lmiserve.engine.text.tokenizer import HfTokenizer
 from lmiserve.engine.text.validation import PromptCodec
 
 log = logging.getLogger(__name__)
-
-CPU_KV_SHARE = 0.25  # of the memory available at start-up: the paged KV pool's default budget on CPU
-GPU_ACTIVATION_RESERVE = 2 * 2**30  # bytes left for activations beside the paged KV pool on CUDA
-
-
-def available_memory() -> int:
-    """Bytes of RAM available now (Linux's MemAvailable; elsewhere the physical memory)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def kv_pool_blocks(
-    loaded: LoadedModel, config: EngineConfig, activation_bytes: int | None = None, graphs: bool = False
-) -> int:
-    """Blocks of the paged KV pool: the budget (`kv_cache_memory_bytes`, else by device) over a block's
-    bytes, never more than `max_running` sequences at full context need, at least one. On CUDA the budget
-    is `gpu_memory_utilization` of the GPU less what is allocated (the weights) and less the activations of
-    the largest step: `activation_bytes` as profiled (`profile_step_memory`, with a margin), else a fixed
-    `GPU_ACTIVATION_RESERVE`; with decode `graphs`, less their memory too (`graph_pool_bytes`)."""
-    per_block = kv_bytes_per_block(loaded.model, config.block_size)
-    budget = config.kv_cache_memory_bytes
-    if budget is None:
-        device = loaded.device
-        if device.type == "cuda":
-            total = torch.cuda.get_device_properties(device).total_memory
-            budget = int(config.gpu_memory_utilization * total) - torch.cuda.memory_allocated(device)
-            reserve = GPU_ACTIVATION_RESERVE
-            if activation_bytes is not None:
-                reserve = int(activation_bytes * PROFILE_MARGIN) + PROFILE_SLACK
-            if graphs:
-                reserve += graph_pool_bytes(
-                    activation_bytes or 0,
-                    largest_step_tokens(config, loaded.max_context),
-                    cuda_graphs.capture_sizes(config.max_running)[-1],
-                    int(loaded.model.config.vocab_size),
-                    loaded.model.dtype.itemsize,
-                )
-            budget -= reserve
-        else:
-            budget = int(available_memory() * CPU_KV_SHARE)
-    full_batch = config.max_running * -(-loaded.max_context // config.block_size)
-    return max(1, min(budget // per_block, full_batch))
-
-
-# the profiled activations are grown by this factor and this many bytes (allocator fragmentation, the
-# sampler's own tensors) before the KV pool takes the rest of gpu_memory_utilization
-PROFILE_MARGIN = 1.2
-PROFILE_SLACK = 256 * 2**20
-
-
-def graph_pool_bytes(step_bytes: int, step_tokens: int, rows: int, vocab: int, itemsize: int) -> int:
-    """The memory the captured decode graphs keep (engine/attention/cuda_graphs.py: one pool for all, the largest
-    capture size's step): the profiled step's activations scaled to `rows` tokens, with the margin, and
-    that step's logits (every row's, in the model's dtype and in float32)."""
-    activations = step_bytes * rows // max(1, step_tokens)
-    return int(activations * PROFILE_MARGIN) + rows * vocab * (itemsize + 4)
-
-
-def largest_step_tokens(config: EngineConfig, max_context: int) -> int:
-    """The most tokens one step computes: the prefill budget and a decode row for every other sequence,
-    within the step's budget (`max_step_tokens`) when one is set."""
-    tokens = config.max_prefill_tokens + config.max_running
-    if config.max_step_tokens is not None:
-        tokens = min(tokens, config.max_step_tokens)
-    return min(tokens, max_context)
 
 
 def run_profile_step(
@@ -183,9 +126,11 @@ def create_engine(
     *,
     max_input_len: int | None = None,
     draft: LoadedModel | None = None,
+    memory: MemoryReader | None = None,
 ) -> AsyncEngine:
     """The engine for `loaded`; the runner strategy follows `config`;
-    `draft`: the draft model of `config.speculation` (method draft_model)."""
+    `draft`: the draft model of `config.speculation` (method draft_model), its KV pool planned with the
+    model's (engine/pool_plan.py); `memory`: reads the device's free bytes in place of the device."""
     config = _for_device(config, loaded.device)
     spec = config.speculation
     vision = is_vision_model(loaded.model)
@@ -200,7 +145,9 @@ def create_engine(
             raise ValueError(f"this model cannot be served: transformers' forward over the KV blocks: {refusal}{mine}")
         if not config.batch_invariant:
             log.info("model runner: generic path over the paged KV cache (transformers' forward; %s)", why_not)
-    activation = None
+    drafting = spec is not None and spec.method != "ngram"
+    draft_cls = _draft_runner_class(loaded, config, draft) if drafting else None
+    activation = draft_activation = None
     if config.kv_cache_memory_bytes is None:
         # a prompt step alone: no autotune, no decode graphs (their buffers, scratch block and RoPE table)
         quiet = dataclasses.replace(config, cpu_autotune=False, enforce_eager=True)
@@ -212,18 +159,35 @@ def create_engine(
             config.block_size,
             probe_prompt(images) if images is not None else None,
         )
+        if drafting and draft is not None:  # the draft's largest step, profiled too: both are reserved
+            drafter = draft
+            draft_activation = profile_step_memory(
+                drafter.device,
+                lambda blocks: _paged_runner(drafter, quiet, blocks, draft_cls),
+                largest_step_tokens(config, drafter.max_context),
+                config.block_size,
+            )
     graphs = fast_cls is not None and cuda_graphs.wanted(loaded.device, config.enforce_eager)
-    num_blocks = kv_pool_blocks(loaded, config, activation, graphs)
+    needs = None
+    if drafting and draft is not None:
+        draft_graphs = draft_cls is not None and cuda_graphs.wanted(draft.device, config.enforce_eager)
+        needs = DraftNeeds(draft, _draft_rows(config), draft_activation, draft_graphs)
+    plan = plan_pools(loaded, config, activation, graphs, needs, memory)
     log.info(
-        "KV cache: %d blocks of %d tokens (%.1f MiB)",
-        num_blocks,
+        "KV cache: %d blocks of %d tokens (%.1f MiB, %s)",
+        plan.blocks,
         config.block_size,
-        num_blocks * kv_bytes_per_block(loaded.model, config.block_size) / 2**20,
+        plan.blocks * kv_bytes_per_block(loaded.model, config.block_size, config.kv_cache_dtype) / 2**20,
+        kv_quant.storage_dtype(config.kv_cache_dtype, loaded.model.dtype),
     )
-    runner = _paged_runner(loaded, config, num_blocks, fast_cls)
+    runner = _paged_runner(loaded, config, plan.blocks, fast_cls)
     codec, grammars = prompt_codec(loaded, max_input_len)
-    if spec is not None:
-        runner.proposer = _proposer(loaded, config, draft)
+    if spec is not None and needs is None:
+        runner.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    elif spec is not None and needs is not None:
+        report_draft_pool(plan, needs, config, loaded.max_context, spec.num_speculative_tokens)
+        draft_config = dataclasses.replace(config, cpu_autotune=False)
+        runner.proposer = DraftModelProposer(_paged_runner(needs.loaded, draft_config, plan.draft_blocks, draft_cls))
     adapters = None
     if config.lora is not None:
         modules = FAST_PATH_MODULES if isinstance(runner, PagedFastRunner) else None
@@ -305,7 +269,10 @@ def _paged_runner(
     loaded: LoadedModel, config: EngineConfig, num_blocks: int, fast_cls: type[PagedFastRunner] | None
 ) -> PagedFastRunner | generic.PagedGenericRunner:
     """The runner of `loaded` over a pool of `num_blocks` blocks: the fast one (`fast_cls`) or, for another
-    architecture, with fast_path=false or batch_invariant, transformers' forward over the blocks."""
+    architecture, with fast_path=false or batch_invariant, transformers' forward over the blocks. The pool
+    stores `kv_cache_dtype` (an fp8 one with the checkpoint's KV scales, engine/attention/kv_quant.py)."""
+    layers = AttentionShape.of(loaded.model.config).layers
+    kv_format = KvFormat.of(config.kv_cache_dtype, loaded.path, layers)
     if fast_cls is not None:
         return fast_cls(
             loaded.model,
@@ -317,6 +284,7 @@ def _paged_runner(
             autotune=config.cpu_autotune,
             autotune_cache=config.autotune_cache,
             enforce_eager=config.enforce_eager,
+            kv_format=kv_format,
         )
     runner_cls = PagedVisionRunner if is_vision_model(loaded.model) else generic.PagedGenericRunner
     return runner_cls(
@@ -325,37 +293,36 @@ def _paged_runner(
         num_blocks=num_blocks,
         block_size=config.block_size,
         alone=config.batch_invariant,
+        kv_format=kv_format,
     )
 
 
-def _proposer(loaded: LoadedModel, config: EngineConfig, draft: LoadedModel | None) -> Proposer:
-    """Speculative decoding's proposer: prompt lookup, or the draft model over a KV pool of its own
-    (as many tokens as the target's pool, for the rows that may draft at once at full context)."""
+def _draft_rows(config: EngineConfig) -> int:
+    """The rows that may draft at once: one past the batch size that turns drafting off, at most `max_running`."""
+    spec = config.speculation
+    assert spec is not None and spec.disable_by_batch_size is not None  # resolved by the device (create_engine)
+    return min(config.max_running, spec.disable_by_batch_size + 1)
+
+
+def _draft_runner_class(
+    loaded: LoadedModel, config: EngineConfig, draft: LoadedModel | None
+) -> type[PagedFastRunner] | None:
+    """The fast runner class when the draft model runs lmiserve's forward (None: transformers' over the
+    blocks); a draft that cannot be served stops the start. Its int8 output projection when quantized."""
     spec = config.speculation
     assert spec is not None
-    if spec.method == "ngram":
-        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     if draft is None:
         raise ValueError("speculative decoding with a draft model needs the draft model loaded")
     if draft.tokenizer.get_vocab() != loaded.tokenizer.get_vocab():
         raise ValueError("the draft model's tokenizer differs from the model's: drafts must use the same tokens")
     if draft.device != loaded.device:
         raise ValueError(f"the draft model is on {draft.device}, the model on {loaded.device}")
-    assert spec.disable_by_batch_size is not None  # resolved by the device (create_engine)
-    rows = min(config.max_running, spec.disable_by_batch_size + 1)
-    num_blocks = min(kv_pool_blocks(loaded, config), rows * -(-draft.max_context // config.block_size))
     fast = fast_reason(draft.model, fast_path=config.fast_path) is None
     why_not = None if fast else generic.unsupported_reason(draft.model)
     if why_not is not None:
         raise ValueError(f"the draft model cannot run over a paged KV cache: {why_not}")
-    log.info(
-        "speculative decoding: draft model %s, KV pool of %d blocks (%.1f MiB)",
-        spec.draft_name,
-        num_blocks,
-        num_blocks * kv_bytes_per_block(draft.model, config.block_size) / 2**20,
-    )
+    log.info("speculative decoding: draft model %s", spec.draft_name)
     quantized = any(isinstance(m, (Int4Linear, Int8Linear)) for m in draft.model.modules())
     if quantized and quantize_output_int8(draft.model):
         log.info("speculative decoding: the quantized draft's output projection is int8 too")
-    draft_config = dataclasses.replace(config, cpu_autotune=False)
-    return DraftModelProposer(_paged_runner(draft, draft_config, num_blocks, PagedFastRunner if fast else None))
+    return PagedFastRunner if fast else None

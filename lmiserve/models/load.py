@@ -28,6 +28,7 @@ from lmiserve.engine.model.quantize import (
 )
 from lmiserve.models.errors import ModelLoadError
 from lmiserve.models.int4_load import load_int4_from_codes, quantize_int4
+from lmiserve.models.quantized_load import checkpoint_quantization, load_quantized, quantize_fp8_dynamic
 from lmiserve.models.vision import is_vision_config, load_processor
 
 __all__ = [
@@ -105,9 +106,12 @@ def load_causal_lm(
     trust_remote_code: bool = False,
     name: str | None = None,
     load_format: str = "auto",
+    quantize: str | None = None,
 ) -> LoadedModel:
     """Load model and tokenizer from the local directory `path` (never downloads). `load_format`
     `dummy`: random weights from the directory's config instead of its weights (vLLM's `dummy`).
+    `quantize` (fp8, awq, gptq; None: what the checkpoint holds): a quantized checkpoint's format, which
+    must be the one its config.json names, or fp8 made at load from float weights (models/quantized_load.py).
 
     A vision-language model (a config with a vision tower) loads with AutoModelForImageTextToText and its
     processor (on the PIL image backend: models/vision.py), whose tokenizer is the model's tokenizer."""
@@ -120,11 +124,17 @@ def load_causal_lm(
         raise ModelLoadError("dtype int8 (weight-only int8) runs on CPU only, with torch's int8 kernel")
     if int4 and (torch_device.type != "cpu" or not int4_available()):
         raise ModelLoadError("dtype int4 (weight-only int4) runs on CPU only, with lmiserve's compiled kernels (numba)")
+    quant = checkpoint_quantization(path, quantize, load_format)
+    if quant is not None and (int8 or int4):
+        raise ModelLoadError(f"dtype {spec} does not combine with quantize {quant.method}: leave dtype auto")
     start = time.monotonic()
     common = {"trust_remote_code": trust_remote_code, "local_files_only": True}
     processor = None
+    quant_summary = None
     try:
         config = AutoConfig.from_pretrained(path, **common)
+        if quant is not None and is_vision_config(config):
+            raise ModelLoadError(f"quantize {quant.method} is not supported for vision-language models yet")
         auto_class: Any = AutoModelForCausalLM
         if is_vision_config(config):
             auto_class = AutoModelForImageTextToText
@@ -140,6 +150,8 @@ def load_causal_lm(
             model = _dummy_model(path, load_dtype, torch_device, common, auto_class)
         elif from_codes is not None:
             model = from_codes[0]  # type: ignore[assignment]  # AutoModelForCausalLM's, typed as a Module
+        elif quant is not None and not quant.dynamic:
+            model, quant_summary = load_quantized(path, quant, torch_dtype, torch_device, trust_remote_code)  # type: ignore[assignment]
         else:
             model = _load_model(path, load_dtype, common, auto_class)
     except (OSError, ValueError, KeyError, ImportError) as exc:
@@ -151,6 +163,10 @@ def load_causal_lm(
         logger.info("int8: %d linear layers quantized (per-channel symmetric), activations in bf16", count)
     if int4:
         logger.info("%s", from_codes[1] if from_codes is not None else quantize_int4(model, path))
+    if quant is not None and quant.dynamic:
+        quant_summary = quantize_fp8_dynamic(model, torch_dtype, torch_device)
+    if quant_summary is not None:
+        logger.info("quantize: %s", quant_summary)
 
     loaded = _loaded(model, tokenizer, torch_device, torch_dtype, name or path.name, path, processor)
     logger.info(
@@ -186,6 +202,8 @@ def load_model_shell(
     path = Path(path)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
+    if checkpoint_quantization(path, None) is not None:
+        raise ModelLoadError(f"{path.name} is a quantized checkpoint: tensor parallelism does not shard those yet")
     common = {"trust_remote_code": trust_remote_code, "local_files_only": True}
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **common)

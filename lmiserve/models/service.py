@@ -169,6 +169,8 @@ class ModelService:
             self.name = default_model_name(s.model_id, self.path)
         degree = tensor_parallel_degree(s, resolve_device(s.device))
         if degree > 1:  # the weights are the workers': this process holds the tokenizer and config
+            if s.quantize is not None:
+                raise ModelLoadError(f"quantize={s.quantize} does not combine with tensor parallelism yet")
             loaded = load_model_shell(self.path, s.dtype, s.device, s.trust_remote_code)
             with_chat_template(loaded.tokenizer, s.chat_template)
             engine = build_tensor_parallel_engine(loaded, s, degree)
@@ -187,6 +189,7 @@ class ModelService:
             device=s.device,
             trust_remote_code=s.trust_remote_code,
             load_format=s.load_format,
+            quantize=s.quantize,
         )
         with_chat_template(loaded.tokenizer, s.chat_template)
         draft = None

@@ -17,10 +17,16 @@ generic runner (runner/generic.py registers `backend_attention` as an attention 
   (masked fp32 softmax), each chunk gathers its positions and runs SDPA.
 
 `choose` picks one for a model's attention shape on its device; a new kernel is a new backend here.
+
+An fp8 pool (`kv_cache_dtype`, attention/kv_quant.py): every backend quantizes what it writes and
+dequantizes what it reads with the layer's scales (`cache.scales`). Triton loads the fp8 blocks and casts
+them in the kernel (not yet run on a GPU; its self-check runs in fp8 first and keeps the torch path if it
+disagrees); the compiled CPU kernel reads fp32 only, so on a CPU an fp8 pool runs the torch backend.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -146,9 +152,10 @@ class TritonBackend(AttentionBackend):
     ) -> torch.Tensor:
         keys, values = self.cache.keys[layer], self.cache.values[layer]
         n = meta.tokens  # padding rows: in no tile, left zero
-        triton_ops.write_step(keys, values, k[:n], v[:n], meta)
+        scales = self.cache.scales[layer]
+        triton_ops.write_step(keys, values, k[:n], v[:n], meta, scales)
         scale = self.scale if scale is None else scale
-        out = triton_ops.paged_attention(q, keys, values, meta, scale, window=self.windows[layer])
+        out = triton_ops.paged_attention(q, keys, values, meta, scale, window=self.windows[layer], kv_scales=scales)
         return out.reshape(len(q), -1)
 
 
@@ -257,6 +264,7 @@ class TorchBackend(AttentionBackend):
         keys, values = self.cache.keys[layer], self.cache.values[layer]
         window = self.windows[layer]
         scale = self.scale if scale is None else scale
+        scales = self.cache.scales[layer]  # an fp8 pool's (the compiled kernel never reads one)
         outputs = []
         dec = meta.decode
         if dec is not None:
@@ -270,12 +278,12 @@ class TorchBackend(AttentionBackend):
                 out = cpu_kernel.kernel_decode_attention(query, keys, values, k[:n], v[:n], dec.kernel, scale, window)
             else:
                 out = paged_decode_attention(
-                    query, keys, values, k[:n], v[:n], dec.tables, dec.spans, scale, dec.shared, window
+                    query, keys, values, k[:n], v[:n], dec.tables, dec.spans, scale, dec.shared, window, scales
                 )
             outputs.append(out.reshape(n, -1))
         for table, start, end, offset, mask, window_mask in meta.chunks:
             length = end - start
-            write_chunk(keys, values, k[offset : offset + length], v[offset : offset + length], table, start)
+            write_chunk(keys, values, k[offset : offset + length], v[offset : offset + length], table, start, scales)
             if self.compiled and length <= KERNEL_CHUNK_TOKENS:
                 # the chunk is written: each token attends over positions up to its own (it writes its
                 # own key and value again, the same numbers, so no row reads a position not yet written)
@@ -293,7 +301,7 @@ class TorchBackend(AttentionBackend):
                 )
                 outputs.append(out.reshape(length, -1))
                 continue
-            context_k, context_v = gather_context(keys, values, table, end)
+            context_k, context_v = gather_context(keys, values, table, end, q.dtype, scales)
             query = q[offset : offset + length].transpose(0, 1)[None]
             key = _repeat(context_k[None], self.groups)
             value = _repeat(context_v[None], self.groups)
@@ -310,6 +318,11 @@ class CpuKernelBackend(TorchBackend):
 
     name = "cpu_kernel"
     compiled = True
+
+    def __init__(self, cache: PagedKVCache, heads: int, layer_windows: Sequence[int | None]) -> None:
+        if not cpu_kernel.available(cache.kv_dtype, cache.device):
+            raise ValueError(f"the compiled CPU attention reads fp32 CPU caches, not {cache.kv_dtype}")
+        super().__init__(cache, heads, layer_windows)
 
     def decode_kernel(self, meta: _BlockStep) -> Callable[[int, Any, Any, Any, Any], None] | None:
         """For a step of decode rows alone through the kernel's one-task-a-kv-head form: a call
@@ -337,6 +350,12 @@ class CpuKernelBackend(TorchBackend):
         return call
 
 
+@functools.cache
+def _log_fp8_fallback(kv_dtype: torch.dtype) -> None:
+    """Once a process: an fp8 pool on CPU fp32 runs the torch attention, not the compiled kernel."""
+    log.info("KV cache in %s: the compiled CPU attention reads fp32 only; blocks are gathered with torch ops", kv_dtype)
+
+
 def _repeat(x: torch.Tensor, groups: int) -> torch.Tensor:
     if groups == 1:
         return x
@@ -354,13 +373,15 @@ def choose(
     as the option says) and its self-check agrees for this shape, else the compiled CPU kernel where it
     applies (fp32 on CPU, numba; `compiled_ok`: not ruled out by the kernel autotune), else torch ops."""
     if triton_ops.chosen(cache.device):
-        why = triton_ops.self_check(
-            cache.kv_heads, heads // cache.kv_heads, cache.head_dim, cache.block_size, cache.dtype, str(cache.device)
-        )
+        kv_dtype = cache.kv_dtype if cache.quantized else None
+        shape = (cache.kv_heads, heads // cache.kv_heads, cache.head_dim, cache.block_size)
+        why = triton_ops.self_check(*shape, cache.dtype, str(cache.device), kv_dtype)
         if why is None:
             return TritonBackend(cache, heads, layer_windows)
         log.warning("the Triton paged attention kernel is not used (%s); gathering blocks instead", why)
-    if compiled_ok and cpu_kernel.available(cache.dtype, cache.device):
+    if compiled_ok and cache.quantized and cpu_kernel.available(cache.dtype, cache.device):
+        _log_fp8_fallback(cache.kv_dtype)
+    if compiled_ok and cpu_kernel.available(cache.kv_dtype, cache.device):
         try:  # compiles (or loads from numba's cache) at load, not on a request
             cpu_kernel.warm_up()
             return CpuKernelBackend(cache, heads, layer_windows)

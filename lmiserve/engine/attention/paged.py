@@ -24,6 +24,11 @@ heads for GQA and builds the mask, as `fast_llama` does).
 Block tables are int tensors on the cache's device (``[rows, max_blocks]`` for decode, ``[blocks]`` for
 one sequence); entries past what a row's span needs are never read by the kernel and masked by the torch
 path, but must be valid block ids there (pad with 0). Spans are host integers (a numpy array).
+
+An fp8 pool (`kv_cache_dtype`, attention/kv_quant.py) stores keys and values in one byte: writes quantize
+(``x / scale``, clamped, cast), reads dequantize (cast to the compute dtype, times the scale); `scales` is
+the layer's (key, value) pair (1.0 for a pool in the model's dtype). The compiled kernel reads fp32 only, so
+an fp8 pool always takes the torch path here.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from lmiserve.engine.attention import cpu_kernel
+from lmiserve.engine.attention import cpu_kernel, kv_quant
+from lmiserve.engine.attention.kv_quant import UNIT, KvFormat
 from lmiserve.engine.attention.windows import hidden_outside
 from lmiserve.engine.core import kv_blocks
 
@@ -78,16 +84,32 @@ class AttentionShape:
         return cls(int(cfg.num_hidden_layers), heads, int(kv_heads), int(head_dim))
 
 
-def paged_cache(model: PreTrainedModel, num_blocks: int, block_size: int) -> PagedKVCache:
-    """A `PagedKVCache` of `num_blocks` blocks of `block_size` tokens shaped for `model`'s attention layers."""
+def paged_cache(
+    model: PreTrainedModel, num_blocks: int, block_size: int, kv_format: KvFormat | None = None
+) -> PagedKVCache:
+    """A `PagedKVCache` of `num_blocks` blocks of `block_size` tokens shaped for `model`'s attention layers,
+    stored as `kv_format` says (default: in the model's dtype)."""
     shape = AttentionShape.of(model.config)
-    return PagedKVCache(shape.layers, num_blocks, block_size, shape.kv_heads, shape.head_dim, model.dtype, model.device)
+    fmt = kv_format or KvFormat()
+    return PagedKVCache(
+        shape.layers,
+        num_blocks,
+        block_size,
+        shape.kv_heads,
+        shape.head_dim,
+        model.dtype,
+        model.device,
+        kv_dtype=fmt.dtype(model.dtype),
+        scales=fmt.layer_scales(shape.layers),
+    )
 
 
-def kv_bytes_per_block(model: PreTrainedModel, block_size: int) -> int:
-    """The memory of one block of `model`'s KV (every layer, K and V, in the model's dtype)."""
+def kv_bytes_per_block(model: PreTrainedModel, block_size: int, kv_cache_dtype: str = "auto") -> int:
+    """The memory of one block of `model`'s KV (every layer, K and V, in the pool's element type: the
+    model's dtype, or one byte for an fp8 `kv_cache_dtype`)."""
     shape = AttentionShape.of(model.config)
-    return PagedKVCache.bytes_per_block(shape.layers, block_size, shape.kv_heads, shape.head_dim, model.dtype)
+    dtype = kv_quant.storage_dtype(kv_cache_dtype, model.dtype)
+    return PagedKVCache.bytes_per_block(shape.layers, block_size, shape.kv_heads, shape.head_dim, dtype)
 
 
 class PagedKVCache:
@@ -98,7 +120,10 @@ class PagedKVCache:
     pool sized from a memory budget costs nothing at start-up and commits memory as blocks come into
     use. Blocks below `zeroed_blocks` hold zeros or what was written there; a caller raises the mark past
     every block id of a step before the step writes or reads (the torch path reads whole blocks, masked,
-    so every value in a block it reads must be finite)."""
+    so every value in a block it reads must be finite).
+
+    `dtype` is the compute dtype (the model's); `kv_dtype` what the pool stores (default `dtype`; an fp8
+    type for `kv_cache_dtype=fp8`, attention/kv_quant.py), with each layer's (key, value) `scales`."""
 
     def __init__(
         self,
@@ -109,6 +134,9 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        *,
+        kv_dtype: torch.dtype | None = None,
+        scales: Sequence[tuple[float, float]] | None = None,
     ) -> None:
         if min(num_layers, num_blocks, block_size, kv_heads, head_dim) < 1:
             raise ValueError("num_layers, num_blocks, block_size, kv_heads and head_dim must be positive")
@@ -118,10 +146,14 @@ class PagedKVCache:
         self.kv_heads = kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
+        self.kv_dtype = dtype if kv_dtype is None else kv_dtype
+        self.scales = list(scales) if scales is not None else [UNIT] * num_layers
+        if len(self.scales) != num_layers:
+            raise ValueError(f"{len(self.scales)} KV scales for {num_layers} layers")
         self.device = torch.device(device)
         shape = (num_blocks, kv_heads, block_size, head_dim)
-        self.keys = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.values = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.keys = [torch.empty(shape, dtype=self.kv_dtype, device=self.device) for _ in range(num_layers)]
+        self.values = [torch.empty(shape, dtype=self.kv_dtype, device=self.device) for _ in range(num_layers)]
         self.zeroed_blocks = 0
 
     def ensure_zeroed(self, count: int) -> None:
@@ -143,9 +175,14 @@ class PagedKVCache:
         return kv_blocks.bytes_per_block(num_layers, kv_heads, head_dim, itemsize, block_size)
 
     @property
+    def quantized(self) -> bool:
+        """Whether the pool stores fp8 (`kv_cache_dtype=fp8...`): reads dequantize, writes quantize."""
+        return kv_quant.is_fp8(self.kv_dtype)
+
+    @property
     def nbytes(self) -> int:
         return self.num_blocks * self.bytes_per_block(
-            self.num_layers, self.block_size, self.kv_heads, self.head_dim, self.dtype
+            self.num_layers, self.block_size, self.kv_heads, self.head_dim, self.kv_dtype
         )
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
@@ -157,7 +194,7 @@ class PagedKVCache:
         src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
         for cache in (*self.keys, *self.values):
-            cache.index_copy_(0, dst, cache.index_select(0, src))
+            kv_quant.index_store(cache, dst, cache.index_select(0, src))
 
 
 # ---- decode: torch (any dtype, any device) ------------------------------------------------------------
@@ -177,12 +214,14 @@ def write_tokens(
     values: torch.Tensor,
     blocks: torch.Tensor,
     offsets: torch.Tensor,
+    scales: tuple[float, float] = UNIT,
 ) -> None:
-    """Store tokens' keys/values (``[tokens, kv_heads, head_dim]``) each at its (block, offset)."""
+    """Store tokens' keys/values (``[tokens, kv_heads, head_dim]``) each at its (block, offset) (quantized
+    with the layer's `scales` in an fp8 pool)."""
     _, kv_heads, block_size, dim = key_cache.shape
     index = flat_index(blocks, offsets, kv_heads, block_size).reshape(-1)
-    key_cache.view(-1, dim).index_copy_(0, index, keys.reshape(-1, dim).to(key_cache.dtype))
-    value_cache.view(-1, dim).index_copy_(0, index, values.reshape(-1, dim).to(value_cache.dtype))
+    kv_quant.store(key_cache.view(-1, dim), index, keys.reshape(-1, dim), scales[0])
+    kv_quant.store(value_cache.view(-1, dim), index, values.reshape(-1, dim), scales[1])
 
 
 def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -229,20 +268,28 @@ def torch_decode_attention(
     scale: float,
     index: DecodeIndex | None = None,
     window: int | None = None,
+    scales: tuple[float, float] = UNIT,
 ) -> torch.Tensor:
-    """`paged_decode_attention` with torch ops: matmuls in the cache dtype, softmax in fp32. Reads the
-    first ``ceil(max(spans) / block_size)`` columns of `block_tables` for every row (masked past its span,
-    and before its `window`). `index`: the step's `decode_index` (else built here)."""
+    """`paged_decode_attention` with torch ops: matmuls in the cache dtype (an fp8 cache's blocks cast to
+    the query's dtype, its key scale folded into the scores' and its value scale applied to the output),
+    softmax in fp32. Reads the first ``ceil(max(spans) / block_size)`` columns of `block_tables` for every
+    row (masked past its span, and before its `window`). `index`: the step's `decode_index` (else built here)."""
     if len(query) == 0:
         return torch.empty_like(query)
     if index is None:
         index = decode_index(block_tables, spans, key_cache.shape[2], key_cache.device)
-    write_tokens(key_cache, value_cache, new_keys, new_values, index.write_blocks, index.write_offsets)
+    write_tokens(key_cache, value_cache, new_keys, new_values, index.write_blocks, index.write_offsets, scales)
     keys = _gather(key_cache, index.tables)  # [R, kv_heads, width * block_size, head_dim]
     values = _gather(value_cache, index.tables)
+    quantized = kv_quant.is_fp8(keys.dtype)
+    if quantized:  # the scales are applied to the scores and the output, not to every gathered value
+        keys, values = keys.to(query.dtype), values.to(query.dtype)
+        scale = scale * scales[0]
     scores = torch.matmul(query.to(keys.dtype), keys.transpose(-1, -2)).float() * scale  # [R, kv, groups, L]
     scores.masked_fill_(hidden_outside(index.spans, index.hidden, window), float("-inf"))
     out = torch.matmul(scores.softmax(-1).to(values.dtype), values)
+    if quantized and scales[1] != 1.0:
+        out = out * scales[1]
     return out.to(query.dtype)
 
 
@@ -257,19 +304,21 @@ def paged_decode_attention(
     scale: float,
     index: DecodeIndex | None = None,
     window: int | None = None,
+    scales: tuple[float, float] = UNIT,
 ) -> torch.Tensor:
     """Rows ``0..R-1``: write ``new_keys``/``new_values`` (``[R, kv_heads, head_dim]``) at position
     ``p = spans[r] - 1`` of row r (block ``block_tables[r, p // block_size]``, offset ``p % block_size``)
     in the layer caches (``[num_blocks, kv_heads, block_size, head_dim]``), then attend ``query``
     (``[R, kv_heads, groups, head_dim]``) over positions ``0..spans[r]-1`` (the last `window` of them when
     given) through the block table. Returns ``[R, kv_heads, groups, head_dim]``. The compiled kernel where
-    `cpu_kernel.available`, torch otherwise."""
+    `cpu_kernel.available` (an fp32 cache, so never an fp8 one), torch otherwise. `scales`: the layer's
+    (key, value) scales of an fp8 cache."""
     if cpu_kernel.available(key_cache.dtype, key_cache.device):
         return cpu_kernel.compiled_decode_attention(
             query, key_cache, value_cache, new_keys, new_values, block_tables, spans, scale, window=window
         )
     return torch_decode_attention(
-        query, key_cache, value_cache, new_keys, new_values, block_tables, spans, scale, index, window
+        query, key_cache, value_cache, new_keys, new_values, block_tables, spans, scale, index, window, scales
     )
 
 
@@ -283,9 +332,10 @@ def write_chunk(
     values: torch.Tensor,
     block_table: torch.Tensor,
     start: int,
+    scales: tuple[float, float] = UNIT,
 ) -> None:
     """Store a chunk's keys/values (``[length, kv_heads, head_dim]``) at positions ``start..start+length-1``
-    of the sequence whose blocks are `block_table` (``[blocks]``)."""
+    of the sequence whose blocks are `block_table` (``[blocks]``; quantized with `scales` in an fp8 pool)."""
     length = keys.shape[0]
     if length == 0:
         return
@@ -293,14 +343,25 @@ def write_chunk(
     device = key_cache.device
     positions = torch.arange(start, start + length, device=device)
     table = block_table.to(device=device, dtype=torch.long)
-    write_tokens(key_cache, value_cache, keys, values, table[positions // block_size], positions % block_size)
+    write_tokens(key_cache, value_cache, keys, values, table[positions // block_size], positions % block_size, scales)
 
 
 def gather_context(
-    key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor, end: int
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    end: int,
+    dtype: torch.dtype | None = None,
+    scales: tuple[float, float] = UNIT,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions ``0..end-1`` of the sequence whose blocks are `block_table`, as (keys, values), each
-    ``[kv_heads, end, head_dim]`` (fresh tensors, not views of the cache)."""
+    ``[kv_heads, end, head_dim]`` (fresh tensors, not views of the cache). An fp8 cache's are dequantized
+    to `dtype` (required then) with the layer's `scales`."""
     block_size = key_cache.shape[2]
     table = block_table.to(device=key_cache.device, dtype=torch.long)[: -(-end // block_size)]
-    return _gather(key_cache, table)[:, :end], _gather(value_cache, table)[:, :end]
+    keys, values = _gather(key_cache, table)[:, :end], _gather(value_cache, table)[:, :end]
+    if kv_quant.is_fp8(key_cache.dtype):
+        if dtype is None:
+            raise ValueError("an fp8 KV cache is read back in a compute dtype: pass dtype")
+        keys, values = kv_quant.dequantize(keys, dtype, scales[0]), kv_quant.dequantize(values, dtype, scales[1])
+    return keys, values

@@ -17,6 +17,7 @@ def paged_attention_kernel(  # pragma: no cover - runs as a Triton kernel
     pos_ptr,
     table_ptr,
     scale,
+    v_scale,
     window,
     stride_qt,
     stride_qh,
@@ -34,6 +35,7 @@ def paged_attention_kernel(  # pragma: no cover - runs as a Triton kernel
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -70,6 +72,8 @@ def paged_attention_kernel(  # pragma: no cover - runs as a Triton kernel
             at = block * stride_kb + kv_head * stride_kh + (offs % BLOCK_SIZE) * stride_ko
             kv_mask = seen[:, None] & dim_ok[None, :]
             k = tl.load(k_ptr + at[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+            if KV_FP8:  # an fp8 cache: cast to the queries' dtype (its key scale is folded into `scale`)
+                k = k.to(q.dtype)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             scores = tl.where((offs[None, :] <= pos[:, None]) & (offs[None, :] > floor[:, None]), scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -79,8 +83,12 @@ def paged_attention_kernel(  # pragma: no cover - runs as a Triton kernel
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + at[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+            if KV_FP8:
+                v = v.to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         out = acc / l_i[:, None]
+        if KV_FP8:  # an fp8 cache's value scale (1.0 otherwise, and not applied)
+            out = out * v_scale
         o_at = out_ptr + (first + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
         tl.store(o_at, out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & dim_ok[None, :])

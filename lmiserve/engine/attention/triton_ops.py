@@ -20,6 +20,11 @@ The keys and values of the step's tokens are written before the kernel runs (`wr
 launch shares. On a CPU the same kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``, which the
 test suite sets): how the tests check it against the torch path without a GPU; far too slow to serve from.
 Triton comes with torch's CUDA wheels; without it (`available`) the CUDA path keeps the torch attention.
+
+An fp8 cache (attention/kv_quant.py): `write_step` quantizes with the layer's scales; the kernel loads the
+fp8 keys and values, casts them to the query's dtype and applies the key scale to the scores and the value
+scale to the output. Not yet run on a GPU (only under the interpreter, in the tests): `self_check` runs the
+fp8 form first on the device and the backend keeps the torch path if it fails or disagrees.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from lmiserve.engine.attention import kv_quant
+from lmiserve.engine.attention.kv_quant import UNIT
 from lmiserve.engine.attention.paged import flat_index
 
 __all__ = [
@@ -170,12 +177,18 @@ def token_rows(blocks: npt.ArrayLike, positions: npt.ArrayLike, kv_heads: int, b
 
 
 def write_step(
-    key_cache: torch.Tensor, value_cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: StepTiles
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    plan: StepTiles,
+    scales: tuple[float, float] = UNIT,
 ) -> None:
-    """Store the step's tokens' keys and values (``[plan.tokens, kv_heads, head_dim]``) in a layer's cache."""
+    """Store the step's tokens' keys and values (``[plan.tokens, kv_heads, head_dim]``) in a layer's cache
+    (quantized with the layer's `scales` in an fp8 cache)."""
     dim = key_cache.shape[-1]
-    key_cache.view(-1, dim).index_copy_(0, plan.write, keys.reshape(-1, dim).to(key_cache.dtype))
-    value_cache.view(-1, dim).index_copy_(0, plan.write, values.reshape(-1, dim).to(value_cache.dtype))
+    kv_quant.store(key_cache.view(-1, dim), plan.write, keys.reshape(-1, dim), scales[0])
+    kv_quant.store(value_cache.view(-1, dim), plan.write, values.reshape(-1, dim), scales[1])
 
 
 @functools.cache
@@ -205,11 +218,13 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     window: int | None = None,
+    kv_scales: tuple[float, float] = UNIT,
 ) -> torch.Tensor:
     """Attention of the step's tokens (``query``: ``[tokens, heads, head_dim]``, in `plan`'s order) over
     their sequences' cached positions up to their own (already written), the last `window` of them for a
     sliding-window layer. Returns ``[tokens, heads, head_dim]`` (into `out` when given; rows no tile covers
-    are left as they were). On CPU tensors only under Triton's interpreter (`interpreting`)."""
+    are left as they were). On CPU tensors only under Triton's interpreter (`interpreting`). An fp8 cache
+    is cast to the query's dtype in the kernel, with `kv_scales` (the layer's key and value scales)."""
     heads, head_dim = query.shape[1:]
     _, kv_heads, block_size, _ = key_cache.shape
     groups = heads // kv_heads
@@ -219,6 +234,7 @@ def paged_attention(
         raise ValueError("query and caches must be contiguous in head_dim, the caches alike")
     if query.device.type == "cpu" and not interpreting():
         raise RuntimeError("the Triton attention kernel runs on CPU tensors only with TRITON_INTERPRET=1")
+    quantized = kv_quant.is_fp8(key_cache.dtype)
     _kernel()[(plan.tiles, kv_heads)](
         query,
         key_cache,
@@ -229,7 +245,8 @@ def paged_attention(
         plan.tile_count,
         plan.positions,
         plan.tables,
-        scale,
+        scale * kv_scales[0] if quantized else scale,
+        kv_scales[1] if quantized else 1.0,
         window or 0,
         query.stride(0),
         query.stride(1),
@@ -246,19 +263,27 @@ def paged_attention(
         HEAD_PAD=max(16, _pow2(head_dim)),
         BLOCK_SIZE=block_size,
         BLOCK_N=BLOCK_N,
-        PRECISION="ieee" if key_cache.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if (query.dtype if quantized else key_cache.dtype) == torch.float32 else "tf32",
+        KV_FP8=quantized,
     )
     return out
 
 
 @functools.cache
 def self_check(
-    kv_heads: int, groups: int, head_dim: int, block_size: int, dtype: torch.dtype, device: str
+    kv_heads: int,
+    groups: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: str,
+    kv_dtype: torch.dtype | None = None,
 ) -> str | None:
     """Run the kernel once on this device for a model's attention shape (random keys and values in a few
     scattered blocks; a decode row, a prompt chunk after a prefix, a short chunk) against the same attention
     computed position by position in float32. None when it agrees; else why not (it failed to compile or
-    launch, or its numbers are off), for the caller to keep the torch attention. Once a shape a process."""
+    launch, or its numbers are off), for the caller to keep the torch attention. Once a shape a process.
+    `kv_dtype`: an fp8 cache's type (stored with scales 0.5 and 2, which the reference applies too)."""
     try:
         gen = torch.Generator().manual_seed(0)
         spans = [(20, 1), (9, 30), (0, 3)]  # (start, count): a decode row, a chunk after a prefix, a prompt
@@ -269,18 +294,24 @@ def self_check(
             sequences.append((order[:blocks], start, count))
             order = order[blocks:]
         shape = (sum(needed) + 1, kv_heads, block_size, head_dim)
-        keys = torch.randn(shape, generator=gen).to(device, dtype)
-        values = torch.randn(shape, generator=gen).to(device, dtype)
+        stored = kv_dtype or dtype
+        scales = (0.5, 2.0) if kv_dtype is not None else UNIT
+        keys = kv_quant.quantize(torch.randn(shape, generator=gen), stored, scales[0]).to(device)
+        values = kv_quant.quantize(torch.randn(shape, generator=gen), stored, scales[1]).to(device)
         tokens = sum(count for _, _, count in sequences)
         query = torch.randn(tokens, kv_heads * groups, head_dim, generator=gen).to(device, dtype)
         plan = step_tiles(sequences, groups, kv_heads, block_size, torch.device(device))
         scale = head_dim**-0.5
-        out = paged_attention(query, keys, values, plan, scale).float()
+        if kv_dtype is None:  # the model's dtype: the call as before fp8 caches
+            out = paged_attention(query, keys, values, plan, scale).float()
+        else:
+            out = paged_attention(query, keys, values, plan, scale, kv_scales=scales).float()
         expected, row = [], 0
         for table, start, count in sequences:
             index = torch.tensor(table, device=device)
-            k = keys[index].transpose(0, 1).reshape(kv_heads, -1, head_dim).float()
-            v = values[index].transpose(0, 1).reshape(kv_heads, -1, head_dim).float()
+            k = kv_quant.dequantize(keys[index], torch.float32, scales[0]).transpose(0, 1)
+            v = kv_quant.dequantize(values[index], torch.float32, scales[1]).transpose(0, 1)
+            k, v = k.reshape(kv_heads, -1, head_dim), v.reshape(kv_heads, -1, head_dim)
             for i in range(count):
                 seen = start + i + 1
                 q = query[row + i].float().view(kv_heads, groups, head_dim)

@@ -173,11 +173,14 @@ class BlockScheduler(SchedulerBase):
         if self.speculation is not None:
             self.speculation.plan(decoding)
         scheduled: set[int] = set()
+        # `self.running` by id: a list's `in` would scan it for every row (quadratic in the batch); only a
+        # preemption below takes a sequence out of it
+        running = {s.seq_id for s in queue}
         for phase in (SeqStatus.RUNNING, SeqStatus.PREFILL):
             if phase is SeqStatus.PREFILL:  # the prompt side: what the decode rows leave of the step
                 budget = self._prefill_budget(decoding, decode_tokens)
             for seq in list(queue):
-                if seq.status is not phase or seq not in self.running:
+                if seq.status is not phase or seq.seq_id not in running:
                     continue
                 drafts: list[int] = []
                 if phase is SeqStatus.RUNNING:
@@ -204,9 +207,10 @@ class BlockScheduler(SchedulerBase):
                         break
                     queue.remove(victim)
                     self._preempt(victim)
+                    running.discard(victim.seq_id)
                     if victim is seq:
                         break
-                if seq not in self.running:
+                if seq.seq_id not in running:
                     continue
                 if self._table(seq).num_tokens < seq.kv_len + max(want, 1):
                     continue  # nothing left to preempt: it waits for a later step

@@ -32,6 +32,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kv_cache_memory_bytes: int | None = None  # the paged pool's budget; None = by device (engine/factory.py)
     block_size: int = 16  # tokens a block of the paged pool holds
+    # what the paged pool stores: "auto" (the model's dtype), "fp8" = "fp8_e4m3", "fp8_e5m2" (attention/kv_quant.py)
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9  # on CUDA, the share of the GPU the paged pool's default budget fills
     enforce_eager: bool = False  # on CUDA: no decode steps replayed as CUDA graphs (engine/attention/cuda_graphs.py)
     speculation: SpeculationSettings | None = None  # speculative decoding (engine/speculative/proposers.py)

@@ -184,7 +184,7 @@ def measure(fast: FastLlama, slots: int) -> KernelChoice:
     threads = max(2, torch.get_num_threads())
     blocks = CpuGemm.tuned_default(threads).with_(few_rows=0)
     plain = CpuGemm.plain()
-    compiled_ok = compiled_attention.available(fast.dtype, fast.device)
+    compiled_ok = compiled_attention.available(fast.cache.kv_dtype, fast.device)  # an fp8 pool: torch only
     deadline = time.monotonic() + BUDGET_S
     timings: dict[str, float] = {}
 

@@ -182,7 +182,7 @@ class FastLlama:
         self._warm_gemm()
         if self.triton:
             return
-        if compiled and cpu_kernel.available(self.dtype, self.device):
+        if compiled and cpu_kernel.available(self.cache.kv_dtype, self.device):  # never an fp8 pool
             cpu_kernel.warm_up()
             self.attention = backends.CpuKernelBackend(self.cache, self.heads, self.windows)
         else:

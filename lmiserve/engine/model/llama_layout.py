@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
 import torch
 
 from lmiserve.engine.attention.windows import unsupported_kinds
+from lmiserve.engine.model.quant_formats import Fp8Linear
 from lmiserve.engine.model.quantize import INT4_ROW_BLOCK, Int4Linear, Int8Linear, Q8Linear
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
-_QUANTIZED = (Int8Linear, Int4Linear, Q8Linear)
+_QUANTIZED = (Int8Linear, Int4Linear, Q8Linear, Fp8Linear)  # Fp8Linear: fp8 rows, fused as int8's
 
 
 # ---- the layout (what `unsupported_reason` checks) -------------------------------------------------
@@ -231,7 +232,7 @@ def _kind(module: torch.nn.Module) -> object:
     """What fuses with what: float linears of one dtype, int8 rows, int4 blocks, q8 blocks of one group."""
     if isinstance(module, Q8Linear):
         return Q8Linear, _q8_group(module)
-    if isinstance(module, (Int8Linear, Int4Linear)):
+    if isinstance(module, (Int8Linear, Int4Linear, Fp8Linear)):
         return type(module)
     return cast(torch.nn.Linear, module).weight.dtype
 

@@ -41,6 +41,7 @@ from collections.abc import Callable
 import torch
 
 from lmiserve.engine.model import group_kernels
+from lmiserve.engine.model.fp8_ops import fp8_linear
 from lmiserve.engine.model.group_kernels import LANES, pack_q4, pack_q8, q4_linear, q8_linear, unpack_q4, unpack_q8
 
 INT8_COMPUTE_DTYPE = torch.bfloat16  # what the int8 kernel multiplies with (and the model's other weights)
@@ -93,10 +94,13 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> 
 
 
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The product of a quantized weight, by its storage: blocked int4 (uint8, `int4_linear`), blocked
-    q8 (int8 with 2-D fp32 group scales, `group_kernels.q8_linear`), or int8 rows (`int8_linear`)."""
+    """The product of a quantized weight, by its storage: blocked int4 (uint8, `int4_linear`), fp8 rows
+    (`quant_formats.fp8_linear`), blocked q8 (int8 with 2-D fp32 group scales, `group_kernels.q8_linear`),
+    or int8 rows (`int8_linear`)."""
     if weight.dtype == torch.uint8:
         return int4_linear(x, weight, scales)
+    if weight.dtype == torch.float8_e4m3fn:  # quant_formats.Fp8Linear's rows
+        return fp8_linear(x, weight, scales)
     if scales.dim() == 2:
         return q8_linear(x, weight, scales)
     # int8 products run in the scales' dtype (bf16): a float32 input (a draft's output projection) too

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lmiserve.engine.attention import cuda_graphs
+from lmiserve.engine.attention.kv_quant import KvFormat
 from lmiserve.engine.attention.paged import paged_cache
 from lmiserve.engine.core.step import StepBatch
 from lmiserve.engine.lora.batch import LoraGroup
@@ -49,14 +50,16 @@ class PagedFastRunner(PersistentBatchRunner):
         autotune: bool = False,
         autotune_cache: str | None = None,
         enforce_eager: bool = False,
+        kv_format: KvFormat | None = None,
     ) -> None:
         """`max_slots`: the most rows a step runs; `autotune`: time the CPU kernel choices at start-up (or
         read them from `autotune_cache`, engine/model/autotune.py), otherwise the static defaults;
         `enforce_eager`: no CUDA graphs for decode steps (engine/attention/cuda_graphs.py; on CUDA they are the
-        default where they apply)."""
+        default where they apply); `kv_format`: how the pool stores keys and values (default the model's
+        dtype; `kv_cache_dtype=fp8`, engine/attention/kv_quant.py)."""
         graphs = cuda_graphs.wanted(model.device, enforce_eager)
         # with decode graphs, one block past the pool's: where their padding rows write (no sequence holds it)
-        kv = paged_cache(model, num_blocks + int(graphs), block_size)
+        kv = paged_cache(model, num_blocks + int(graphs), block_size, kv_format)
         self.fast = FastLlama(model, kv, max_context)
         if autotune:
             start = time.monotonic()

@@ -40,6 +40,7 @@ import torch
 from lmiserve.engine.attention import backends
 from lmiserve.engine.attention import windows as attention_window
 from lmiserve.engine.attention.backends import AttentionBackend, SeqTokens
+from lmiserve.engine.attention.kv_quant import KvFormat
 from lmiserve.engine.attention.paged import AttentionShape, PagedKVCache, gather_context, paged_cache, write_tokens
 from lmiserve.engine.core.step import StepBatch
 from lmiserve.engine.lora.adapters import lora_out_features
@@ -129,6 +130,7 @@ class BlockCacheView:
         """`key_states`/`value_states`: ``[1, kv_heads, tokens, head_dim]`` of the step's tokens; returns
         ``[1, kv_heads, sum of the rows' context lengths, head_dim]`` (row after row)."""
         keys, values = self.kv.keys[layer_idx], self.kv.values[layer_idx]
+        scales = self.kv.scales[layer_idx]  # an fp8 pool's (engine/attention/kv_quant.py)
         write_tokens(
             keys,
             values,
@@ -136,8 +138,10 @@ class BlockCacheView:
             value_states[0].transpose(0, 1),
             self.write_blocks,
             self.write_offsets,
+            scales,
         )
-        gathered = [gather_context(keys, values, table, end) for table, end in self.reads]
+        dtype = key_states.dtype
+        gathered = [gather_context(keys, values, table, end, dtype, scales) for table, end in self.reads]
         key = torch.cat([k for k, _ in gathered], dim=1) if len(gathered) > 1 else gathered[0][0]
         value = torch.cat([v for _, v in gathered], dim=1) if len(gathered) > 1 else gathered[0][1]
         return key[None], value[None]
@@ -217,8 +221,9 @@ class PagedGenericRunner(PersistentBatchRunner):
         num_blocks: int,
         block_size: int,
         alone: bool = False,
+        kv_format: KvFormat | None = None,
     ) -> None:
-        super().__init__(model, eos_token_ids, paged_cache(model, num_blocks, block_size))
+        super().__init__(model, eos_token_ids, paged_cache(model, num_blocks, block_size, kv_format))
         self.alone = alone
         self.path = "batch_invariant" if alone else "generic"
         self._step_lora: LoraBatch | None = None  # the adapters of the forward running now

@@ -91,7 +91,7 @@ class PersistentBatchRunner(BatchRunner):
 
     @property
     def lora_dtype(self) -> torch.dtype:
-        return self.kv.keys[0].dtype
+        return self.kv.dtype  # the compute dtype (an fp8 pool stores another)
 
     def execute_batch(self, batch: StepBatch) -> StepOutput:
         """Apply the batch's difference to the persistent batch, run its rows as one forward, sample."""

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lmiserve.engine.attention.backends import AttentionBackend
+from lmiserve.engine.attention.kv_quant import KvFormat
 from lmiserve.engine.core.step import StepBatch, StepOutput
 from lmiserve.engine.runner.generic import PagedGenericRunner, Span
 from lmiserve.engine.runner.persistent_batch import RequestState
@@ -77,13 +78,21 @@ class PagedVisionRunner(PagedGenericRunner):
         num_blocks: int,
         block_size: int,
         alone: bool = False,
+        kv_format: KvFormat | None = None,
     ) -> None:
         self.inner: Any = model.model  # the VLM's base model: get_image_features, get_rope_index
         self.mrope = callable(getattr(self.inner, "get_rope_index", None))
         language = getattr(self.inner, "language_model", None)
         self.deepstack = callable(getattr(language, "_deepstack_process", None))
         self._step: list[RequestState] = []  # the rows' requests of the forward running now
-        super().__init__(model, eos_token_ids=eos_token_ids, num_blocks=num_blocks, block_size=block_size, alone=alone)
+        super().__init__(
+            model,
+            eos_token_ids=eos_token_ids,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            alone=alone,
+            kv_format=kv_format,
+        )
 
     # ---- admission: the image encoder, once per request --------------------------------------------
     def _images_of(self, seq_id: int, images: ImageInputs, state: RequestState, out: StepOutput) -> None:

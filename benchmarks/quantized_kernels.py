@@ -1,0 +1,114 @@
+"""The quantized products on a GPU (issue 39, item 2): time and error of one linear of an 8B shape in
+bf16 (`F.linear`), fp8 (`quant_formats.Fp8Linear`: `torch._scaled_mm`, activations to fp8 per row) and
+4-bit (`int4_triton.Int4TritonLinear`, groups of 128), at a few row counts. WRITTEN FOR A GPU SESSION,
+NOT YET RUN ON A GPU.
+
+    .venv/bin/python benchmarks/quantized_kernels.py [--rows 1,16,128] [--out DIR]   # CUDA
+    TRITON_INTERPRET=1 .venv/bin/python benchmarks/quantized_kernels.py --smoke      # CPU: checks it runs
+
+Per shape (Llama-3-8B's q/o projection 4096x4096, gate+up 4096->28672, down 14336->4096) and row count:
+the median time of `--iters` calls (CUDA events), the bytes of weights read per call and the bandwidth
+that makes, and the error against the bf16 product of the de-quantized weight (max |diff| / max |ref|).
+Prints a table; with --out writes ``quantized_kernels.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from lmiserve.engine.model import int4_triton
+from lmiserve.engine.model.quant_formats import Fp8Linear, Int4Parts, fp8_scaled_mm_supported, quantize_fp8
+from lmiserve.models.quant_pack import rtn_int4
+
+SHAPES = {"qo_4096x4096": (4096, 4096), "gate_up_4096x28672": (28672, 4096), "down_14336x4096": (4096, 14336)}
+SMOKE_SHAPES = {"smoke_256x128": (256, 128)}
+
+
+def timed(fn: Callable[[], torch.Tensor], iters: int, cuda: bool) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return round(((got.float() - want.float()).abs().max() / want.float().abs().max()).item(), 5)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="1,16,128")
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (fp8 via CPU _scaled_mm)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available() and not args.smoke
+    if not cuda and not args.smoke:
+        raise SystemExit("needs a CUDA GPU (or --smoke on CPU)")
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    results = []
+    for name, (out, inputs) in (SHAPES if cuda else SMOKE_SHAPES).items():
+        torch.manual_seed(0)
+        weight = torch.randn(out, inputs) * 0.02
+        group = 128
+        g_idx = torch.arange(inputs) // group
+        codes, scale, zero = rtn_int4(weight, g_idx, inputs // group)
+        parts = Int4Parts(codes.to(torch.uint8), scale.float(), zero, g_idx)
+        int4_dense = parts.dequantize().to(device, dtype)
+        q, s = quantize_fp8(weight)
+        fp8 = Fp8Linear(q.to(device), s.to(device), None)
+        fp8_dense = fp8.dequantized().to(dtype)
+        int4 = int4_triton.Int4TritonLinear.from_parts(codes, scale.float(), zero, g_idx, None, dtype, device)
+        dense = weight.to(device, dtype)
+        for rows in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(rows, inputs, device=device, dtype=dtype)
+            row: dict[str, object] = {"shape": name, "rows": rows}
+            kinds = {
+                "bf16": (lambda x=x, w=dense: torch.nn.functional.linear(x, w), out * inputs * 2, x @ dense.t()),
+                "fp8": (lambda x=x, m=fp8: m(x), out * inputs, x @ fp8_dense.t()),
+                "int4_triton": (lambda x=x, m=int4: m(x), out * inputs // 2, x @ int4_dense.t()),
+            }
+            for kind, (fn, weight_bytes, want) in kinds.items():
+                if kind == "fp8" and cuda and not fp8_scaled_mm_supported(device):
+                    row[kind] = "not supported on this GPU (compute capability < 8.9)"
+                    continue
+                seconds = timed(fn, args.iters if cuda else 2, cuda)
+                row[kind] = {
+                    "us": round(seconds * 1e6, 1),
+                    "GB_per_s": round(weight_bytes / seconds / 1e9, 1),
+                    "error": error(fn(), want),
+                }
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    report = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu (smoke)",
+        "torch": torch.__version__,
+        "results": results,
+    }
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "quantized_kernels.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,429 @@
+"""Where a decode step's time goes on the host (issue #39): a tiny model at 1, 32 and 128 decode rows through
+the whole engine (the scheduler, the runner, the update), so that the Python around the model shows.
+
+    python benchmarks/step_host_cost.py [--model-id DIR] [--device cpu] [--dtype fp32] [--rows 1,32,128]
+                                        [--paths fast,generic] [--steps 100] [--out DIR] [--profile]
+                                        [--no-drain] [--compare-before N --before-scheduler FILE]
+
+For each path (``fast``: lmiserve's forward; ``generic``: transformers' forward over the blocks) and each
+row count, an engine (`create_engine`) runs that many greedy requests at once; once they all decode, each
+step's spans are timed with `time.perf_counter` by wrapping the engine's own functions:
+
+- ``plan``: the scheduler's planning and the step's `StepBatch` (`BlockScheduler.schedule`);
+- ``batch update``: the runner's persistent batch taking the step's difference (`execute_batch` less its
+  rows' forward and sampling);
+- ``inputs``: the forward's host side: the ids, positions, RoPE rows, block tables and kept rows as tensors
+  (`_forward_rows` less the model and the attention metadata);
+- ``metadata``: the attention backend's per-step plan (`attention.plan`);
+- ``model``: the layers and the logits (the fast path's `_layers` and `_logits`; the generic path's
+  transformers forward, `_logits`);
+- ``sampling``: every row sampled (`_finish_rows`);
+- ``update``: the scheduler's update: tokens appended, detokenized, stop checks, the events
+  (`scheduler.update`);
+- ``deliver``: the step's events stamped and put on their streams' queues (`_stamp`, `_deliver`);
+- ``hop``: from the step handed to the torch thread (`run_in_executor`) until it runs there, and from its
+  end until the event loop takes the result up: thread wake-ups, and the event loop's other work meanwhile
+  (the streams' consumers; ``--no-drain``: none, the events stay queued);
+- ``event loop`` (CPU time only): the event loop thread's CPU time in the step less its spans (``plan``,
+  ``deliver``): the streams' consumers and asyncio;
+- ``loop``: the rest of the step's period (from one step's start to the next's, less the above): the
+  engine loop's own code and the time the torch thread waits for the GIL or a core.
+
+The host's share is the period less ``model``. Each span's CPU time on the thread that runs it
+(`time.thread_time`) is reported too: on a busy machine the wall times carry other processes' turns,
+the CPU times do not. ``--profile`` also writes, for the largest row count, a
+cProfile of the torch thread's side of the steps (`_execute`) and of the planning, and a torch profiler
+table (``record_function`` spans), in ``--out``. Without --model-id: the tests' tiny Llama (2 layers, hidden
+64, vocab 512, fp32), built in a temporary directory. ``--device cuda`` (NOT RUN ON A GPU yet): the spans
+are host time; the model's is its kernel launches, and the wait for the GPU lands in the span that
+synchronizes (sampling's one transfer of the step's tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import functools
+import importlib.util
+import io
+import json
+import os
+import platform
+import pstats
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+SPANS = ["plan", "batch update", "inputs", "metadata", "model", "sampling", "update", "deliver", "hop", "loop"]
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world! How are you today?",
+    "Large language models predict the next token.",
+    "Numbers like 1, 2, 3, 42 and 2024 appear in text too.",
+]
+
+
+BEFORE: dict[str, Any] = {"schedule_running": None}  # --before-scheduler's planning
+
+
+def load_function(path: Path, cls: str, name: str) -> Any:
+    """`cls.name` of the module at `path` (an earlier version of one of lmiserve's modules)."""
+    spec = importlib.util.spec_from_file_location(f"before_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(getattr(module, cls), name)
+
+
+class Spans:
+    """Per-step sums of the wrapped functions' times (`current`, while a counted step runs)."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, float] | None = None
+        self.torch_profiling = False
+
+    def wrap(self, owner: Any, name: str, label: str) -> None:
+        """Replace `owner.name` (an instance's method) by a timed call adding to `label`."""
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start, cpu = time.perf_counter(), time.thread_time()
+            try:
+                if self.torch_profiling:
+                    import torch
+
+                    with torch.profiler.record_function(label):
+                        return original(*args, **kwargs)
+                return original(*args, **kwargs)
+            finally:
+                if self.current is not None:
+                    self.current[label] = self.current.get(label, 0.0) + time.perf_counter() - start
+                    key = f"cpu {label}"  # this thread's CPU time: what a busy machine's preemptions leave out
+                    self.current[key] = self.current.get(key, 0.0) + time.thread_time() - cpu
+
+        setattr(owner, name, timed)
+
+
+def instrument(engine: Any, spans: Spans) -> None:
+    """Wrap the engine's functions (the module's doc says which)."""
+    runner = engine.runner
+    spans.wrap(engine.scheduler, "schedule", "plan")
+    spans.wrap(engine.scheduler, "update", "update")
+    spans.wrap(engine, "_execute", "_execute")
+    spans.wrap(engine, "_deliver", "deliver")
+    spans.wrap(engine, "_stamp", "deliver")
+    spans.wrap(runner, "execute_batch", "_execute_batch")
+    spans.wrap(runner, "_run_rows", "_run_rows")
+    spans.wrap(runner, "_forward_rows", "_forward_rows")
+    spans.wrap(runner, "_finish_rows", "sampling")
+    fast = getattr(runner, "fast", None)
+    if fast is not None:
+        spans.wrap(fast, "_layers", "model")
+        spans.wrap(fast, "_logits", "model")
+        spans.wrap(fast.attention, "plan", "metadata")
+    else:
+        spans.wrap(runner, "_logits", "model")
+        spans.wrap(runner.attention, "plan", "metadata")
+
+
+def breakdown(raw: dict[str, float], period: float, prefix: str = "") -> dict[str, float]:
+    """The module doc's spans (seconds) of one step from the wrapped functions' sums; ``loop`` is the rest
+    of the period, so the spans add up to it. `prefix` "cpu ": the calling threads' CPU times of the spans
+    instead (no hop, no loop)."""
+
+    def get(label: str) -> float:
+        return raw.get(prefix + label, 0.0)
+
+    forward, model, metadata = get("_forward_rows"), get("model"), get("metadata")
+    spans = {
+        "plan": get("plan"),
+        "batch update": get("_execute_batch") - get("_run_rows"),
+        "inputs": forward - model - metadata,
+        "metadata": metadata,
+        "model": model,
+        "sampling": get("sampling"),
+        "update": get("update"),
+        "deliver": get("deliver"),
+    }
+    if prefix:
+        return {prefix + k: v for k, v in spans.items()}
+    return spans | {"hop": get("hop"), "loop": period - sum(spans.values()) - get("hop")}
+
+
+async def measure(
+    loaded: Any,
+    path: str,
+    rows: int,
+    steps: int,
+    warmup: int,
+    profile_dir: Path | None,
+    drain: bool = True,
+    before: bool = False,
+) -> dict:
+    """One engine at `rows` decode rows: the mean spans of `steps` decode steps after `warmup` ones (the
+    slowest and the fastest tenth left out)."""
+    from lmiserve.core.request import GenerationRequest, SamplingParams
+    from lmiserve.engine.core.async_engine import EngineConfig
+    from lmiserve.engine.factory import create_engine
+
+    config = EngineConfig(max_running=rows, max_prefill_tokens=max(64, 16 * rows), fast_path=path == "fast")
+    engine = create_engine(loaded, config)
+    if before:  # as before issue #39's host fixes: transformers' decode (engine/text/tokenizer.py) and the
+        engine.codec.tokenizer._direct = None  # type: ignore[attr-defined]
+        if BEFORE["schedule_running"] is not None:  # planning of --before-scheduler's file
+            engine.scheduler._schedule_running = types.MethodType(BEFORE["schedule_running"], engine.scheduler)  # type: ignore[method-assign]
+    spans = Spans()
+    instrument(engine, spans)
+    periods: list[dict[str, float]] = []
+    state: dict[str, Any] = {"decode_steps": 0, "start": 0.0, "cpu": 0.0, "raw": {}, "counted": False}
+    cprofiles = {"torch thread": cProfile.Profile(), "plan": cProfile.Profile()} if profile_dir else {}
+    torch_prof = None
+    total = warmup + steps
+
+    original_step, original_schedule, original_execute = engine._step, engine.scheduler.schedule, engine._execute
+    # (with `profile_dir` the spans are not the figures: cProfile slows the Python it watches)
+
+    def schedule(now: float) -> Any:
+        profiling = state["decode_steps"] >= warmup and cprofiles
+        if profiling:
+            cprofiles["plan"].enable()
+        plan, events = original_schedule(now)
+        if profiling:
+            cprofiles["plan"].disable()
+        state["handed"] = time.perf_counter()  # the step goes to the torch thread
+        state["decoding"] = len(plan.decode) == rows and not plan.prefill
+        return plan, events
+
+    def execute(plan: Any) -> Any:
+        nonlocal torch_prof
+        arrived = time.perf_counter()
+        state["raw"]["hop"] = state["raw"].get("hop", 0.0) + arrived - state.pop("handed", arrived)
+        profiling = state.get("decoding") and state["decode_steps"] >= warmup and cprofiles
+        if profiling and torch_prof is None and profile_dir is not None:  # on the torch thread: its ops
+            import torch
+
+            torch_prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            torch_prof.__enter__()
+            spans.torch_profiling = True
+        if profiling:
+            cprofiles["torch thread"].enable()
+        try:
+            return original_execute(plan)
+        finally:
+            if profiling:
+                cprofiles["torch thread"].disable()
+            state["returned"] = time.perf_counter()
+            if spans.torch_profiling and state["decode_steps"] >= warmup + 10 and torch_prof is not None:
+                spans.torch_profiling = False
+                torch_prof.__exit__(None, None, None)
+                assert profile_dir is not None
+                (profile_dir / f"torch-{path}-{rows}.txt").write_text(
+                    torch_prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+                )
+
+    original_stamp = engine._stamp
+
+    def stamp(events: Any, now: float) -> Any:  # the first call after the step: back on the event loop
+        back = time.perf_counter()
+        state["raw"]["hop"] = state["raw"].get("hop", 0.0) + back - state.pop("returned", back)
+        return original_stamp(events, now)
+
+    engine.scheduler.schedule, engine._execute, engine._stamp = schedule, execute, stamp  # type: ignore[method-assign]
+
+    async def step() -> None:
+        now, cpu = time.perf_counter(), time.thread_time()
+        if state["counted"]:
+            period, raw = now - state["start"], state["raw"]
+            # the event loop thread's CPU time of the step, less its spans: the streams' consumers, asyncio
+            other = cpu - state["cpu"] - raw.get("cpu plan", 0.0) - raw.get("cpu deliver", 0.0)
+            periods.append(
+                breakdown(raw, period) | breakdown(raw, period, "cpu ") | {"period": period, "cpu event loop": other}
+            )
+        state["cpu"] = cpu
+        counted = warmup <= state["decode_steps"] < total
+        state["start"], state["raw"], state["counted"] = now, {}, False
+        spans.current = state["raw"]
+        await original_step()
+        if state.get("decoding"):
+            state["counted"] = counted
+            state["decode_steps"] += 1
+
+    engine._step = step  # type: ignore[method-assign]
+
+    async def consume(i: int) -> int:
+        prompt = PROMPTS[i % len(PROMPTS)] + ("" if i < len(PROMPTS) else f" ({i})")
+        request = GenerationRequest(prompt, SamplingParams(max_new_tokens=total + 40, ignore_eos_token=True))
+        if drain:
+            return len([e async for e in engine.generate(request) if e.token is not None])
+        handle = engine.submit(request)  # nobody reads its queue until it ends
+        while not handle.seqs[0].finished:
+            await asyncio.sleep(0.05)
+        return handle.queue.qsize()
+
+    engine.start()
+    started = time.perf_counter()
+    try:
+        await asyncio.gather(*(consume(i) for i in range(rows)))
+    finally:
+        await engine.stop()
+    wall = time.perf_counter() - started
+    if profile_dir is not None:
+        for name, prof in cprofiles.items():
+            text = io.StringIO()
+            stats = pstats.Stats(prof, stream=text)
+            stats.sort_stats("tottime").print_stats(30)
+            stats.sort_stats("cumulative").print_stats(30)
+            slug = name.replace(" ", "-")
+            (profile_dir / f"cprofile-{path}-{rows}-{slug}.txt").write_text(text.getvalue())
+    counted = sorted(periods[:steps], key=lambda p: p["period"])
+    trim = len(counted) // 10  # the slowest and fastest tenth of the steps dropped: a busy machine's outliers
+    kept = counted[trim : len(counted) - trim] or counted
+    mean = {k: statistics.fmean(p[k] for p in kept) for k in kept[0]}
+    host = mean["period"] - mean["model"]
+    return {
+        "path": path + ("" if drain else ", no drain") + (", before" if before else ""),
+        "rows": rows,
+        "steps": len(counted),
+        "ms": {k: round(v * 1e3, 4) for k, v in mean.items() if not k.startswith("cpu ")},
+        "cpu_ms": {k[4:]: round(v * 1e3, 4) for k, v in mean.items() if k.startswith("cpu ")},
+        "median_period_ms": round(statistics.median(p["period"] for p in counted) * 1e3, 4),
+        "host_ms": round(host * 1e3, 4),
+        "host_share": round(host / mean["period"], 4),
+        "share": {k: round(mean[k] / mean["period"], 4) for k in SPANS},
+        "tokens_per_s": round(rows / mean["period"], 1),
+        "wall_s": round(wall, 2),
+    }
+
+
+def table(results: list[dict]) -> str:
+    head = "| path | rows | step ms | model ms | host ms (share) | " + " | ".join(SPANS[:4] + SPANS[5:]) + " | tok/s |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in results:
+        ms, share = r["ms"], r["share"]
+        cells = [f"{ms[k]:.3f} ({100 * share[k]:.0f} %)" for k in SPANS if k != "model"]
+        lines.append(
+            f"| {r['path']} | {r['rows']} | {ms['period']:.3f} | {ms['model']:.3f} | "
+            f"{r['host_ms']:.3f} ({100 * r['host_share']:.0f} %) | " + " | ".join(cells) + f" | {r['tokens_per_s']} |"
+        )
+    return "\n".join(lines)
+
+
+def cpu_table(results: list[dict]) -> str:
+    """The host spans' CPU time (the calling thread's: the model's OpenMP workers not counted), and the
+    event loop thread's other work (the streams' consumers, asyncio)."""
+    spans = [k for k in SPANS if k not in ("model", "hop", "loop")] + ["event loop"]
+    head = "| path | rows | " + " | ".join(spans) + " | sum |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in results:
+        cpu = r["cpu_ms"]
+        cells = [f"{cpu[k]:.3f}" for k in spans]
+        lines.append(f"| {r['path']} | {r['rows']} | " + " | ".join(cells) + f" | {sum(cpu[k] for k in spans):.3f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-id", help="a model directory (default: the tests' tiny Llama)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (there the model's span is its launches)")
+    parser.add_argument("--dtype", default="fp32")
+    parser.add_argument("--rows", default="1,32,128")
+    parser.add_argument("--paths", default="fast,generic")
+    parser.add_argument("--steps", type=int, default=100, help="decode steps measured per run")
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--no-drain", action="store_true", help="also each path at the largest row count, undrained")
+    parser.add_argument(
+        "--compare-before",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N pairs of runs at the largest row count: as before issue #39's host fixes, then as now",
+    )
+    parser.add_argument(
+        "--before-scheduler",
+        type=Path,
+        help="an earlier engine/core/block_scheduler.py (git show REF:PATH > FILE): its planning in the before runs",
+    )
+    parser.add_argument("--profile", action="store_true", help="cProfile and torch profiler of the largest row count")
+    parser.add_argument("--out", type=Path, help="a directory for summary.json, summary.md and the profiles")
+    args = parser.parse_args()
+
+    from lmiserve.core import threads
+
+    # as `lmiserve serve` does before torch is imported: the thread count, and OpenMP's bounded spin
+    wait = threads.prepare_environment(threads.choose(None)).wait_policy
+    import torch
+
+    if args.before_scheduler is not None:
+        BEFORE["schedule_running"] = load_function(args.before_scheduler, "BlockScheduler", "_schedule_running")
+
+    from lmiserve.models.load import load_causal_lm
+
+    with ExitStack() as stack:
+        model_dir = args.model_id
+        if model_dir is None:
+            from helpers.tiny_model import build_tiny_model_dir
+
+            model_dir = str(build_tiny_model_dir(Path(stack.enter_context(tempfile.TemporaryDirectory())) / "tiny"))
+        loaded = load_causal_lm(model_dir, dtype=args.dtype, device=args.device)
+        rows_list = [int(r) for r in args.rows.split(",")]
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+        results = []
+
+        def run(path: str, rows: int, **options: Any) -> None:
+            result = asyncio.run(measure(loaded, path, rows, args.steps, args.warmup, None, **options))
+            print(json.dumps(result), flush=True)
+            results.append(result)
+
+        load_before = os.getloadavg()
+        for path in args.paths.split(","):
+            for rows in rows_list:
+                run(path, rows)
+            for _ in range(args.compare_before):  # after and before in turns, so drift hits both alike
+                run(path, max(rows_list), before=True)
+                run(path, max(rows_list))
+            if args.no_drain:
+                run(path, max(rows_list), drain=False)
+            if args.profile and args.out is not None:  # a run of its own: the profilers slow what they watch
+                asyncio.run(measure(loaded, path, max(rows_list), min(args.steps, 20), args.warmup, args.out))
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+            if line.startswith("Model name")
+        ),
+        platform.processor(),
+    )
+    env = {
+        "cpu": cpu,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "openmp_wait": wait,
+        "python": platform.python_version(),
+        "load_average_before_after": [load_before[0], os.getloadavg()[0]],
+    }
+    summary = (
+        table(results)
+        + "\n\nCPU time of the host spans (ms a step, the thread that runs each):\n\n"
+        + cpu_table(results)
+    )
+    print(summary)
+    if args.out is not None:
+        (args.out / "summary.json").write_text(json.dumps({"env": env, "argv": sys.argv, "results": results}, indent=1))
+        (args.out / "summary.md").write_text(f"{env}\n\n{summary}\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""fp8 weights' arithmetic (issue #39), below `quantize` and `quant_formats`: per-channel quantization
+(vLLM's dynamic fp8), de-quantization, and the product through ``torch._scaled_mm`` with activations
+quantized per row. NOT RUN ON A GPU: `fp8_linear` has run only on torch's CPU ``_scaled_mm`` (tests)."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["FP8_MAX", "dequantize_fp8", "fp8_linear", "quantize_fp8"]
+
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+
+
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``weight * scale`` in fp32 ``[out, in]``: `scale` per channel (``[out]`` or ``[out, 1]``) or per tensor."""
+    s = scale.float().reshape(-1)
+    return weight.float() * (s[:, None] if s.numel() > 1 else s)
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel fp8 of a float weight (vLLM's dynamic fp8): ``scale = max|w| / 448`` (fp32
+    ``[out]``), ``q = w / scale`` rounded to ``float8_e4m3fn``."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x @ (weight * scales[:, None]).T`` for a 2-D `x`, fp8 `weight` ``[out, in]`` and fp32 `scales`
+    ``[out]``: `x` quantized to fp8 per row (``max|x| / 448``), one ``torch._scaled_mm`` with row-wise
+    scales (bf16 out, as Hopper's row-wise fp8 GEMM requires), rows padded to a multiple of 16."""
+    rows = x.shape[0]
+    xf = x.float()
+    x_scale = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    xq = (xf / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    pad = (-rows) % 16
+    if pad:
+        xq = torch.nn.functional.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(torch.float8_e4m3fn)
+        x_scale = torch.nn.functional.pad(x_scale, (0, 0, 0, pad), value=1.0)
+    y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scales.view(1, -1), out_dtype=torch.bfloat16)
+    return y[:rows].to(x.dtype)

@@ -1,0 +1,115 @@
+"""A Triton kernel for AWQ/GPTQ 4-bit weights on CUDA (issue #39): ``y = x @ W.T`` with
+``W[o, i] = (code - zero[g(i), o]) * scale[g(i), o]``, de-quantized tile by tile in registers (the weight
+is read as 4-bit codes, never written out in bf16).
+
+NOT RUN ON A GPU. It has run only under Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1``, the
+tests), which proves the indexing and the arithmetic, not the speed. It is not wired into loading:
+`quant_formats.int4_module` de-quantizes AWQ/GPTQ to bf16 on CUDA until a GPU session has measured this
+kernel against that (set `USE_ON_CUDA` to try it; `benchmarks/gpu_check.py` is where to measure).
+
+Layout (`Int4TritonLinear.from_parts`): ``qweight`` int32 ``[in / 8, out]`` (GPTQ's: 8 consecutive inputs
+a word, nibble k = input 8r + k), ``scales`` ``[groups, out]`` and ``zeros`` ``[groups, out]`` in fp32
+(zeros as numbers of steps), ``g_idx`` int32 ``[in]`` (any order: GPTQ's ``desc_act`` too).
+Tiles: `BLOCK_M` rows x `BLOCK_N` outputs, `BLOCK_K` inputs a step, fp32 accumulation."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+try:
+    import triton
+except ImportError:  # pragma: no cover - triton ships with CUDA torch wheels
+    triton = None
+
+USE_ON_CUDA = False  # flip once a GPU session has measured it against de-quantized bf16 products
+
+__all__ = ["USE_ON_CUDA", "Int4TritonLinear", "available", "int4_matmul"]
+
+
+def available() -> bool:
+    return triton is not None
+
+
+@functools.cache
+def _kernel() -> Any:
+    from lmiserve.engine.model.int4_triton_kernel import int4_matmul_kernel
+
+    return triton.jit(int4_matmul_kernel)
+
+
+def int4_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    g_idx: torch.Tensor,
+    block_m: int = 16,
+    block_n: int = 64,
+    block_k: int = 32,
+) -> torch.Tensor:
+    """``x @ W.T`` for a 2-D `x` ``[M, K]`` and the 4-bit weight of `Int4TritonLinear`'s layout."""
+    if triton is None:
+        raise RuntimeError("the int4 Triton kernel needs triton")
+    x = x.contiguous()
+    rows, inputs = x.shape
+    outputs = qweight.shape[1]
+    y = torch.empty(rows, outputs, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(outputs, block_n))
+    _kernel()[grid](
+        x, qweight, scales, zeros, g_idx, y, rows, outputs, inputs, x.stride(0), y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    )  # fmt: skip
+    return y
+
+
+class Int4TritonLinear(torch.nn.Module):
+    """A 4-bit AWQ/GPTQ linear for CUDA on `int4_matmul` (NOT RUN ON A GPU). Its tensors are plain
+    attributes (`qweight`, `scales`, `zeros`, `g_idx`) and it has no `weight`, so the fast path leaves a
+    model of them to the generic runner."""
+
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        g_idx: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = g_idx.shape[0], qweight.shape[1]
+        self.qweight, self.scales, self.zeros, self.g_idx, self.bias = qweight, scales, zeros, g_idx, bias
+
+    @classmethod
+    def from_parts(
+        cls,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor,
+        g_idx: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> Int4TritonLinear:
+        """From codes ``[out, in]``, scale and zero ``[out, groups]`` (`quant_formats.Int4Parts`)."""
+        nibbles = codes.t().to(torch.int64).reshape(-1, 8, codes.shape[0])  # [in / 8, 8, out]
+        words = (nibbles << (torch.arange(8, device=codes.device) * 4)[None, :, None]).sum(1)
+        words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+        return cls(
+            words.to(device),
+            scale.t().contiguous().to(device, torch.float32),  # fp32: a fp16 scale exactly (bf16 would round it)
+            zero.t().contiguous().to(device, torch.float32),
+            g_idx.to(device, torch.int32),
+            None if bias is None else bias.detach().to(device, dtype),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = int4_matmul(x.reshape(-1, self.in_features), self.qweight, self.scales, self.zeros, self.g_idx)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, 4-bit (Triton; not run on a GPU)"

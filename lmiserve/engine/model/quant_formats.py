@@ -1,0 +1,213 @@
+"""The published quantized-checkpoint formats as lmiserve's linears (issue #39): fp8 (compressed-tensors'
+``float-quantized`` and FBGEMM fp8) and 4-bit AWQ (GEMM packing) and GPTQ.
+
+fp8: a ``float8_e4m3fn`` weight ``[out, in]`` with a fp32 scale per output channel (``[out, 1]``) or per
+tensor (one value), ``w = weight * scale``. `Fp8Linear` keeps the fp8 weight and multiplies through
+``torch._scaled_mm`` with the activations quantized to fp8 per row (token) at each call, as vLLM and
+FBGEMM do (a checkpoint's static ``input_scale`` is not used). It is built on CUDA with compute
+capability 8.9 or more (Ada, Hopper); elsewhere `fp8_module` de-quantizes the weight once, at load,
+into a plain linear of the compute dtype (exact in fp32), so a CPU serves fp8 checkpoints correctly
+(without the memory saving). NOT RUN ON A GPU: the `_scaled_mm` path has only run on CPU (torch's CPU
+`_scaled_mm`, in the tests); its speed on Hopper is for a GPU session to measure.
+
+4-bit: both formats store codes 0..15 with, per group of `group_size` inputs, a fp16 scale and an
+integer zero point: ``w[o, i] = (code[o, i] - zero[o, g(i)]) * scale[o, g(i)]``.
+- AWQ (AutoAWQ's ``WQLinear_GEMM``): ``qweight`` int32 ``[in, out / 8]`` whose word packs 8 outputs in the
+  order ``[0, 2, 4, 6, 1, 3, 5, 7]`` (nibble ``k`` holds output ``AWQ_ORDER[k]``), ``qzeros`` int32
+  ``[in / group, out / 8]`` packed the same way, ``scales`` ``[in / group, out]``; ``g(i) = i // group``.
+- GPTQ (AutoGPTQ / optimum, ``checkpoint_format`` ``gptq``): ``qweight`` int32 ``[in / 8, out]`` packing 8
+  inputs in order (nibble ``k`` of row ``r``: input ``8 r + k``), ``qzeros`` int32 ``[groups, out / 8]``
+  packing 8 outputs in order and storing ``zero - 1`` (the v1 convention; ``gptq_v2`` stores ``zero``),
+  ``scales`` ``[groups, out]``, ``g_idx`` int32 ``[in]`` (``g(i)``; not sorted with ``desc_act``).
+
+`int4_module` makes the layer: on CPU, with fp32 compute and groups of consecutive inputs whose size is
+a multiple of 32, lmiserve's `Int4Linear` (GGUF Q4_1's ``w = code * scale + min`` per group of 32: each
+group of 128 is 4 groups of 32 with the same ``scale`` and ``min = -zero * scale``; exact, since
+``(code - zero) * scale`` of a fp16 scale is exact in fp32 either way), which the fast path runs with the
+compiled int4 kernel. Otherwise (``desc_act`` orders, other group sizes, bf16/fp16 compute, CUDA) the
+weight is de-quantized once at load into a plain linear: on CUDA that is a first correct step (bf16
+products, no memory saving). `int4_triton` holds a Triton kernel on the codes (checked under Triton's CPU
+interpreter, NOT RUN ON A GPU), used on CUDA only with ``int4_triton.USE_ON_CUDA`` until a GPU session
+has measured it (`benchmarks/quantized_kernels.py`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lmiserve.engine.model import int4_triton
+from lmiserve.engine.model.fp8_ops import FP8_MAX, dequantize_fp8, fp8_linear, quantize_fp8
+from lmiserve.engine.model.quantize import INT4_GROUP, Int4Linear, int4_available
+
+__all__ = [
+    "AWQ_ORDER",
+    "FP8_MAX",
+    "Fp8Linear",
+    "Int4Parts",
+    "dequantize_fp8",
+    "fp8_linear",
+    "fp8_module",
+    "fp8_scaled_mm_supported",
+    "int4_module",
+    "quantize_fp8",
+    "unpack_awq",
+    "unpack_gptq",
+]
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble k of an AWQ word holds output AWQ_ORDER[k] of its 8
+_AWQ_NIBBLE_OF = tuple(AWQ_ORDER.index(k) for k in range(8))  # output k's nibble: (0, 4, 1, 5, 2, 6, 3, 7)
+_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+
+
+def _nibbles(words: torch.Tensor) -> torch.Tensor:
+    """int32 words ``[..., n]`` as their 8 nibbles ``[..., n, 8]`` (nibble k = bits 4k..4k+3), int32 0..15."""
+    return (words.to(torch.int32)[..., None] >> _SHIFTS.to(words.device)) & 0xF
+
+
+@dataclass
+class Int4Parts:
+    """A 4-bit weight unpacked: ``codes`` uint8 ``[out, in]``, ``scale`` fp32 and ``zero`` int32
+    ``[out, groups]``, ``g_idx`` int64 ``[in]`` (the group of each input)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    g_idx: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        """``(code - zero[g]) * scale[g]`` in fp32 ``[out, in]`` (exact for fp16 scales)."""
+        zero = self.zero[:, self.g_idx].float()
+        return (self.codes.float() - zero) * self.scale[:, self.g_idx]
+
+    def group_size(self) -> int | None:
+        """The size of the groups when every group is a run of consecutive inputs (``g(i) = i // size``)."""
+        inputs, groups = self.codes.shape[1], self.scale.shape[1]
+        if inputs % groups:
+            return None
+        size = inputs // groups
+        expected = torch.arange(inputs, device=self.g_idx.device) // size
+        return size if torch.equal(self.g_idx, expected) else None
+
+
+def unpack_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> Int4Parts:
+    """AWQ GEMM tensors (`qweight` ``[in, out / 8]``, `qzeros` ``[in / group, out / 8]``, `scales` ``[in /
+    group, out]``) as codes ``[out, in]`` and ``[out, groups]`` scales and zeros."""
+    order = list(_AWQ_NIBBLE_OF)
+    codes = _nibbles(qweight)[..., order].reshape(qweight.shape[0], -1)  # [in, out]
+    zeros = _nibbles(qzeros)[..., order].reshape(qzeros.shape[0], -1)  # [groups, out]
+    inputs = codes.shape[0]
+    group = inputs if group_size <= 0 else group_size
+    g_idx = torch.arange(inputs, device=codes.device) // group
+    codes_oi = codes.t().to(torch.uint8).contiguous()
+    return Int4Parts(codes_oi, scales.t().float().contiguous(), zeros.t().contiguous(), g_idx)
+
+
+def unpack_gptq(
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor | None,
+    group_size: int,
+    v1_zeros: bool = True,
+) -> Int4Parts:
+    """GPTQ tensors (`qweight` ``[in / 8, out]``, `qzeros` ``[groups, out / 8]``, `scales` ``[groups, out]``,
+    `g_idx` ``[in]`` or None for ``i // group_size``) as codes ``[out, in]`` and ``[out, groups]`` scales and
+    zeros; `v1_zeros`: the stored zeros are ``zero - 1`` (``checkpoint_format`` ``gptq``)."""
+    codes = _nibbles(qweight).permute(0, 2, 1).reshape(-1, qweight.shape[1])  # [in, out]
+    zeros = _nibbles(qzeros).reshape(qzeros.shape[0], -1)  # [groups, out]
+    if v1_zeros:
+        zeros = zeros + 1  # v1 stores zero - 1; read as AutoGPTQ and vLLM do (nibble + 1: zeros 1..16)
+    inputs = codes.shape[0]
+    if g_idx is None:
+        group = inputs if group_size <= 0 else group_size
+        g_idx = torch.arange(inputs, device=codes.device) // group
+    return Int4Parts(
+        codes.t().to(torch.uint8).contiguous(), scales.t().float().contiguous(), zeros.t().contiguous(), g_idx.long()
+    )
+
+
+def int4_module(
+    parts: Int4Parts, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device
+) -> torch.nn.Module:
+    """The layer of a 4-bit weight: `Int4Linear` on CPU when it computes in fp32 and its groups are runs
+    of a multiple of 32 inputs (exact: see the module's docstring), else a plain linear of `dtype` with the
+    weight de-quantized once (CUDA's first correct step; NOT RUN ON A GPU)."""
+    size = parts.group_size()
+    if (
+        device.type == "cpu"
+        and dtype == torch.float32
+        and size is not None
+        and size % INT4_GROUP == 0
+        and int4_available()
+    ):
+        repeat = size // INT4_GROUP
+        scale = parts.scale.repeat_interleave(repeat, dim=1)
+        low = (-parts.zero.float() * parts.scale).repeat_interleave(repeat, dim=1)
+        return Int4Linear.from_codes(parts.codes, scale, low, bias)
+    if device.type == "cuda" and int4_triton.USE_ON_CUDA and int4_triton.available():  # NOT RUN ON A GPU
+        return int4_triton.Int4TritonLinear.from_parts(
+            parts.codes, parts.scale, parts.zero, parts.g_idx, bias, dtype, device
+        )
+    return _plain_linear(parts.dequantize(), bias, dtype, device)
+
+
+def fp8_scaled_mm_supported(device: torch.device) -> bool:
+    """Whether `Fp8Linear`'s fp8 product runs on `device`: CUDA with compute capability 8.9 or more."""
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+class Fp8Linear(torch.nn.Module):
+    """A linear layer with a ``float8_e4m3fn`` weight ``[out, in]`` and fp32 per-channel `scales` ``[out]``
+    (`fp8_linear`; output in the input's dtype). `weight`, `scales` and `bias` are plain attributes (not
+    parameters: ``Module.to(dtype)`` would cast fp8), so the fast path fuses them as it does int8 rows."""
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight
+        self.scales = scales
+        self.bias = bias
+
+    def dequantized(self) -> torch.Tensor:
+        return dequantize_fp8(self.weight, self.scales)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = fp8_linear(x.reshape(-1, self.in_features), self.weight, self.scales)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 weights (per channel)"
+
+
+def fp8_module(
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    force_fp8: bool = False,
+) -> torch.nn.Module:
+    """The layer of an fp8 weight: `Fp8Linear` where `fp8_scaled_mm_supported` (or `force_fp8`: tests on
+    CPU), else a plain linear of `dtype` with the weight de-quantized once, at load."""
+    if force_fp8 or fp8_scaled_mm_supported(device):
+        channel = scale.float().reshape(-1).expand(weight.shape[0]).contiguous()  # per tensor: every row's
+        b = None if bias is None else bias.detach().to(device, dtype)
+        return Fp8Linear(weight.to(device), channel.to(device), b)
+    return _plain_linear(dequantize_fp8(weight, scale), bias, dtype, device)
+
+
+def _plain_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device
+) -> torch.nn.Linear:
+    out, inputs = weight.shape
+    with torch.device("meta"):
+        linear = torch.nn.Linear(inputs, out, bias=bias is not None)
+    linear.weight = torch.nn.Parameter(weight.to(device, dtype), requires_grad=False)
+    if bias is not None:
+        linear.bias = torch.nn.Parameter(bias.detach().to(device, dtype), requires_grad=False)
+    return linear

@@ -1,0 +1,191 @@
+"""The memory plan of the paged KV pools: the model's pool and, with speculative decoding's draft model, the
+draft's own pool, planned together from one budget (engine/factory.py builds them; issue #39 item 4).
+
+The budget is `kv_cache_memory_bytes` when set (both pools together, as vLLM's counts the draft's layers in
+its KV cache); else on CUDA `gpu_memory_utilization` of the GPU less what is allocated (the weights of
+both models) less the profiled activations of both models' largest steps (and their decode graphs'
+memory); on a CPU `CPU_KV_SHARE` of the memory available. The draft's pool gets the blocks of the rows
+that may draft at once at full context (never more tokens than the model's pool), the model's the rest.
+`memory` reads the device's free bytes in place of the device (a test simulates a bounded GPU with it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from lmiserve.engine.attention import cuda_graphs
+from lmiserve.engine.attention.paged import kv_bytes_per_block
+from lmiserve.engine.core.async_engine import EngineConfig
+from lmiserve.engine.loaded import LoadedModel
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+log = logging.getLogger(__name__)
+
+CPU_KV_SHARE = 0.25  # of the memory available at start-up: the paged KV pools' default budget on CPU
+GPU_ACTIVATION_RESERVE = 2 * 2**30  # bytes left for activations beside the paged KV pool on CUDA
+
+# the profiled activations are grown by this factor and this many bytes (allocator fragmentation, the
+# sampler's own tensors) before the KV pool takes the rest of gpu_memory_utilization
+PROFILE_MARGIN = 1.2
+PROFILE_SLACK = 256 * 2**20
+
+# bytes the KV pools and the activations may take on a device now (replaces reading the device)
+MemoryReader = Callable[[torch.device], int]
+
+
+def available_memory() -> int:
+    """Bytes of RAM available now (Linux's MemAvailable; elsewhere the physical memory)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def graph_pool_bytes(step_bytes: int, step_tokens: int, rows: int, vocab: int, itemsize: int) -> int:
+    """The memory the captured decode graphs keep (engine/attention/cuda_graphs.py: one pool for all, the largest
+    capture size's step): the profiled step's activations scaled to `rows` tokens, with the margin, and
+    that step's logits (every row's, in the model's dtype and in float32)."""
+    activations = step_bytes * rows // max(1, step_tokens)
+    return int(activations * PROFILE_MARGIN) + rows * vocab * (itemsize + 4)
+
+
+def largest_step_tokens(config: EngineConfig, max_context: int) -> int:
+    """The most tokens one step computes: the prefill budget and a decode row for every other sequence,
+    within the step's budget (`max_step_tokens`) when one is set."""
+    tokens = config.max_prefill_tokens + config.max_running
+    if config.max_step_tokens is not None:
+        tokens = min(tokens, config.max_step_tokens)
+    return min(tokens, max_context)
+
+
+def block_bytes(model: PreTrainedModel, config: EngineConfig) -> int:
+    """The bytes of one block of `model`'s KV in a pool of `config` (its block size, its KV dtype)."""
+    return kv_bytes_per_block(model, config.block_size, config.kv_cache_dtype)
+
+
+def free_memory(device: torch.device, config: EngineConfig) -> int:
+    """What the KV pools and the activations may take on `device` now: on CUDA `gpu_memory_utilization`
+    of the GPU less what is allocated, elsewhere `CPU_KV_SHARE` of the memory available."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        return int(config.gpu_memory_utilization * total) - torch.cuda.memory_allocated(device)
+    return int(available_memory() * CPU_KV_SHARE)
+
+
+def activation_reserve(loaded: LoadedModel, config: EngineConfig, activation_bytes: int | None, graphs: bool) -> int:
+    """On CUDA, the bytes `loaded`'s steps need beside its pool: `activation_bytes` as profiled, with a
+    margin (else the fixed `GPU_ACTIVATION_RESERVE`), and with decode `graphs` their memory; 0 elsewhere."""
+    if loaded.device.type != "cuda":
+        return 0
+    reserve = GPU_ACTIVATION_RESERVE
+    if activation_bytes is not None:
+        reserve = int(activation_bytes * PROFILE_MARGIN) + PROFILE_SLACK
+    if graphs:
+        reserve += graph_pool_bytes(
+            activation_bytes or 0,
+            largest_step_tokens(config, loaded.max_context),
+            cuda_graphs.capture_sizes(config.max_running)[-1],
+            int(loaded.model.config.vocab_size),
+            loaded.model.dtype.itemsize,
+        )
+    return reserve
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftNeeds:
+    """The draft model of a plan: the model, its profiled activations, whether it captures decode graphs,
+    and the rows that may draft at once."""
+
+    loaded: LoadedModel
+    rows: int
+    activation_bytes: int | None = None
+    graphs: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolPlan:
+    """Blocks of the model's pool and of the draft's (0: no draft), and the bytes they shared."""
+
+    blocks: int
+    draft_blocks: int
+    budget: int
+
+
+def plan_pools(
+    loaded: LoadedModel,
+    config: EngineConfig,
+    activation_bytes: int | None = None,
+    graphs: bool = False,
+    draft: DraftNeeds | None = None,
+    memory: MemoryReader | None = None,
+) -> PoolPlan:
+    """The blocks of `loaded`'s pool and of the `draft`'s from one budget (the module's doc), read once
+    before either pool exists. The model's pool never holds more than `max_running` sequences at full
+    context; the draft's never more than its rows at full context nor more tokens than the model's."""
+    per_block = block_bytes(loaded.model, config)
+    budget = config.kv_cache_memory_bytes
+    if budget is None:
+        budget = (memory or (lambda device: free_memory(device, config)))(loaded.device)
+        budget -= activation_reserve(loaded, config, activation_bytes, graphs)
+        if draft is not None:
+            budget -= activation_reserve(draft.loaded, config, draft.activation_bytes, draft.graphs)
+    full_batch = config.max_running * -(-loaded.max_context // config.block_size)
+    if draft is None:
+        return PoolPlan(max(1, min(budget // per_block, full_batch)), 0, budget)
+    draft_per_block = block_bytes(draft.loaded.model, config)
+    context = min(loaded.max_context, draft.loaded.max_context)
+    draft_full = draft.rows * -(-context // config.block_size)
+    shared = budget // (per_block + draft_per_block)  # as many blocks each, while the draft needs them
+    if shared <= draft_full:
+        blocks = draft_blocks = shared
+    else:
+        draft_blocks, blocks = draft_full, (budget - draft_full * draft_per_block) // per_block
+    blocks = max(1, min(blocks, full_batch))
+    return PoolPlan(blocks, max(1, min(draft_blocks, blocks)), budget)
+
+
+def kv_pool_blocks(
+    loaded: LoadedModel,
+    config: EngineConfig,
+    activation_bytes: int | None = None,
+    graphs: bool = False,
+    memory: MemoryReader | None = None,
+) -> int:
+    """Blocks of the paged KV pool of a model without a draft (`plan_pools`): the budget over a block's
+    bytes, never more than `max_running` sequences at full context need, at least one."""
+    return plan_pools(loaded, config, activation_bytes, graphs, memory=memory).blocks
+
+
+def report_draft_pool(plan: PoolPlan, draft: DraftNeeds, config: EngineConfig, context: int, drafts: int) -> None:
+    """Log the draft's pool, and warn when it holds fewer tokens than one request at full `context` with
+    its `drafts` (its longer requests get no drafts: a budget too small, never silent)."""
+    tokens = plan.draft_blocks * config.block_size
+    log.info(
+        "speculative decoding: the draft model's KV pool: %d blocks (%.1f MiB, %d tokens) for %d rows that may "
+        "draft at once",
+        plan.draft_blocks,
+        plan.draft_blocks * block_bytes(draft.loaded.model, config) / 2**20,
+        tokens,
+        draft.rows,
+    )
+    one_request = min(context, draft.loaded.max_context) + drafts
+    if tokens < one_request:
+        log.warning(
+            "speculative decoding: the draft model's KV pool holds %d tokens, less than one request at full "
+            "context (%d): requests longer than that get no drafts; give the pools more memory "
+            "(gpu_memory_utilization, kv_cache_memory_bytes) or lower max_model_len",
+            tokens,
+            one_request,
+        )

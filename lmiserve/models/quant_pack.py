@@ -1,0 +1,152 @@
+"""Write a float model as a quantized checkpoint of the published formats (issue #39): what the tests
+and `benchmarks/quantized_quality.py` load back. The quantization is plain round-to-nearest (RTN): no
+calibration, no AWQ activation-aware scaling, no GPTQ error feedback; only the storage is the formats'.
+
+- ``fp8-channel`` / ``fp8-tensor``: compressed-tensors ``float-quantized`` (``weight`` float8_e4m3fn,
+  ``weight_scale`` fp32 ``[out, 1]`` or ``[1]``, ``scale = max|w| / 448``), as llm-compressor writes it.
+- ``fbgemm-fp8``: transformers' FBGEMM fp8 (``weight_scale`` ``[out, 1]``).
+- ``awq``: AutoAWQ's GEMM packing (`quant_formats.AWQ_ORDER`), asymmetric 4-bit per group over the
+  group's own minimum and maximum (AutoAWQ's RTN rule).
+- ``gptq``: AutoGPTQ's v1 packing (zeros stored minus one), asymmetric over a range that reaches 0
+  (GPTQ's quantizer, without its error feedback), ``desc_act`` false; with
+  `act_order` a permuted ``g_idx`` (groups of inputs that are not consecutive, as ``desc_act`` makes).
+
+The output projection (and embeddings, norms) stay float, as the tools leave them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmiserve.engine.model.quant_formats import AWQ_ORDER, quantize_fp8
+
+__all__ = ["FORMATS", "rtn_int4", "write_quantized"]
+
+FORMATS = ("fp8-channel", "fp8-tensor", "fbgemm-fp8", "awq", "gptq")
+
+
+def rtn_int4(
+    weight: torch.Tensor, g_idx: torch.Tensor, groups: int, min_zero: int = 0, include_zero: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit RTN of ``[out, in]`` over the groups `g_idx` names: ``(codes int32 [out, in],
+    scale fp16 [out, groups], zero int32 [out, groups])`` with ``w ~ (code - zero) * scale``; zeros at
+    least `min_zero` (1 for GPTQ v1, which stores ``zero - 1``). `include_zero`: each group's range
+    reaches 0 (GPTQ's quantizer does so; AutoAWQ's RTN takes the group's own minimum and maximum)."""
+    w = weight.detach().float()
+    out = w.shape[0]
+    high = torch.full((out, groups), -torch.inf).scatter_reduce(1, g_idx.expand(out, -1), w, "amax")
+    low = torch.full((out, groups), torch.inf).scatter_reduce(1, g_idx.expand(out, -1), w, "amin")
+    if include_zero:
+        low, high = low.clamp(max=0), high.clamp(min=0)
+    scale = ((high - low) / 15).clamp(min=1e-6).half()
+    zero = torch.round(-low / scale.float()).clamp(min_zero, 15).to(torch.int32)
+    codes = torch.round(w / scale.float()[:, g_idx]) + zero[:, g_idx]
+    return codes.clamp(0, 15).to(torch.int32), scale, zero
+
+
+def _pack8(nibbles: torch.Tensor) -> torch.Tensor:
+    """``[..., 8]`` values 0..15 as one int32 word each (nibble k at bits 4k), two's complement kept."""
+    words = (nibbles.long() << (torch.arange(8) * 4)).sum(-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def _awq_tensors(weight: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
+    inputs = weight.shape[1]
+    codes, scale, zero = rtn_int4(weight, torch.arange(inputs) // group, inputs // group, include_zero=False)
+    order = list(AWQ_ORDER)
+    qweight = _pack8(codes.t().reshape(inputs, -1, 8)[..., order])  # [in, out / 8]
+    qzeros = _pack8(zero.t().reshape(zero.shape[1], -1, 8)[..., order])  # [groups, out / 8]
+    return {"qweight": qweight, "qzeros": qzeros, "scales": scale.t().contiguous()}
+
+
+def _gptq_tensors(weight: torch.Tensor, group: int, act_order: bool) -> dict[str, torch.Tensor]:
+    inputs = weight.shape[1]
+    g_idx = torch.arange(inputs) // group
+    if act_order:  # groups of inputs taken in another order (what desc_act stores)
+        g_idx = g_idx[torch.randperm(inputs, generator=torch.Generator().manual_seed(inputs))]
+    codes, scale, zero = rtn_int4(weight, g_idx, inputs // group, min_zero=1)
+    qweight = _pack8(codes.t().reshape(inputs // 8, 8, -1).permute(0, 2, 1))  # [in / 8, out]
+    qzeros = _pack8((zero.t() - 1).reshape(zero.shape[1], -1, 8))  # [groups, out / 8], v1: zero - 1
+    return {"qweight": qweight, "qzeros": qzeros, "scales": scale.t().contiguous(), "g_idx": g_idx.to(torch.int32)}
+
+
+def _fp8_tensors(weight: torch.Tensor, per_tensor: bool) -> dict[str, torch.Tensor]:
+    w = weight.detach().float()
+    if per_tensor:
+        scale = (w.abs().max() / 448.0).clamp(min=1e-12).reshape(1)
+        q = (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        return {"weight": q, "weight_scale": scale}
+    q, channel = quantize_fp8(w)
+    return {"weight": q, "weight_scale": channel[:, None].contiguous()}
+
+
+def _config(fmt: str, group: int, act_order: bool) -> dict[str, object]:
+    if fmt.startswith("fp8"):
+        strategy = "tensor" if fmt == "fp8-tensor" else "channel"
+        return {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "quantization_status": "compressed",
+            "ignore": ["lm_head"],
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True},
+                    "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True},
+                }
+            },
+        }
+    if fmt == "fbgemm-fp8":
+        return {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0, "modules_to_not_convert": ["lm_head"]}
+    if fmt == "awq":
+        return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
+    return {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": group,
+        "desc_act": act_order,
+        "sym": False,
+        "checkpoint_format": "gptq",
+    }
+
+
+def write_quantized(
+    model: Any, out_dir: Path, fmt: str, group: int = 128, act_order: bool = False
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Save `model` (a transformers causal LM) into `out_dir` as a `fmt` checkpoint (``config.json``
+    with its ``quantization_config``, ``model.safetensors``); the tokenizer is the caller's. Returns the
+    quantized tensors written, by linear name."""
+    from safetensors.torch import save_file
+
+    if fmt not in FORMATS:
+        raise ValueError(f"format {fmt!r}: one of {', '.join(FORMATS)}")
+    head = model.get_output_embeddings()
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    written: dict[str, dict[str, torch.Tensor]] = {}
+    for name, module in model.named_modules():
+        if type(module) is not torch.nn.Linear or module is head:
+            continue
+        weight = module.weight.detach().cpu()
+        if fmt.startswith("fp8") or fmt == "fbgemm-fp8":
+            tensors = _fp8_tensors(weight, fmt == "fp8-tensor")
+        elif fmt == "awq":
+            tensors = _awq_tensors(weight, group)
+        else:
+            tensors = _gptq_tensors(weight, group, act_order)
+        state.pop(f"{name}.weight")
+        state.update({f"{name}.{k}": v for k, v in tensors.items()})
+        written[name] = tensors
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config["quantization_config"] = _config(fmt, group, act_order)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, default=str), encoding="utf-8")
+    generation = getattr(model, "generation_config", None)
+    if generation is not None:
+        generation.save_pretrained(out_dir)
+    return written

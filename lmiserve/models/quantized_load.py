@@ -1,0 +1,231 @@
+"""Quantized checkpoints (issue #39): which format a model directory holds (its ``config.json``'s
+``quantization_config``), checked against the user's ``quantize`` option, and the model built from the
+checkpoint's own tensors by lmiserve (no compressed-tensors, AutoAWQ or GPTQ package needed).
+
+Formats (`engine/model/quant_formats.py` says how each is stored and run):
+- ``quant_method: compressed-tensors`` whose weights are 8-bit floats, per channel or per tensor
+  (``weight``, ``weight_scale``, an ``input_scale`` ignored: activations are quantized per token);
+  ``quant_method: fbgemm_fp8`` (per channel); ``quant_method: fp8`` without blocks (AutoFP8 / vLLM's,
+  per tensor): ``quantize=fp8``.
+- ``quant_method: awq``, 4 bits, GEMM packing, with zero points: ``quantize=awq``.
+- ``quant_method: gptq``, 4 bits (``checkpoint_format`` ``gptq``, or ``gptq_v2``), any ``desc_act``:
+  ``quantize=gptq``.
+- ``quantize=fp8`` on a float checkpoint: its linears (not the output projection) quantized to fp8 per
+  output channel at load (vLLM's dynamic fp8).
+
+Anything else (another method, other bits, block-wise fp8, a ``quantize`` that is not the checkpoint's)
+is refused with one line (`ModelLoadError`)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmiserve.engine.model.quant_formats import (
+    fp8_module,
+    int4_module,
+    quantize_fp8,
+    unpack_awq,
+    unpack_gptq,
+)
+from lmiserve.engine.model.quantize import Int4Linear, _replace_linears
+from lmiserve.models.errors import ModelLoadError
+from lmiserve.models.int4_load import _meta_tensors, _Safetensors, _safetensors_names
+
+__all__ = ["QUANTIZE_METHODS", "QuantSpec", "checkpoint_quantization", "load_quantized", "quantize_fp8_dynamic"]
+
+logger = logging.getLogger(__name__)
+
+QUANTIZE_METHODS = ("fp8", "awq", "gptq")
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """A checkpoint's quantization: `method` (fp8, awq, gptq), `source` (the checkpoint's
+    ``quant_method``, or ``dynamic``: fp8 made at load from float weights), the 4-bit `group_size`
+    (-1: one group per row) and whether GPTQ's stored zeros are ``zero - 1`` (`v1_zeros`)."""
+
+    method: str
+    source: str
+    group_size: int = -1
+    v1_zeros: bool = True
+
+    @property
+    def dynamic(self) -> bool:
+        return self.source == "dynamic"
+
+
+def checkpoint_quantization(path: Path, quantize: str | None, load_format: str = "auto") -> QuantSpec | None:
+    """What `path` holds and `quantize` asks, as one `QuantSpec` (None: a float model, run as it is); a
+    `ModelLoadError` of one line when they disagree or the format is not one lmiserve reads."""
+    quantize = (quantize or "").strip().lower() or None
+    if quantize is not None and quantize not in QUANTIZE_METHODS:
+        raise ModelLoadError(f"quantize={quantize} is not supported: use fp8, awq or gptq (or leave it unset)")
+    config = _config_json(path)
+    qc = config.get("quantization_config") or config.get("text_config", {}).get("quantization_config")
+    if load_format == "dummy":
+        if quantize in (None, "fp8"):
+            return QuantSpec("fp8", "dynamic") if quantize else None
+        raise ModelLoadError(f"quantize={quantize} needs the checkpoint's weights: load_format=dummy runs only fp8")
+    if not qc:
+        if quantize is None or quantize == "fp8":
+            return QuantSpec("fp8", "dynamic") if quantize else None
+        raise ModelLoadError(
+            f"quantize={quantize}: {path.name} is not a {quantize.upper()} checkpoint (no quantization_config "
+            "in its config.json); only quantize=fp8 quantizes a float checkpoint at load"
+        )
+    spec = _spec(qc)
+    if quantize is not None and quantize != spec.method:
+        raise ModelLoadError(
+            f"quantize={quantize}, but {path.name} is a {spec.method} checkpoint ({spec.source}): "
+            f"set quantize={spec.method} or leave it unset"
+        )
+    return spec
+
+
+def _spec(qc: dict[str, Any]) -> QuantSpec:
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "compressed-tensors":
+        weights = [g.get("weights") or {} for g in (qc.get("config_groups") or {}).values()]
+        kinds = {(w.get("type"), w.get("num_bits"), w.get("strategy")) for w in weights}
+        if not kinds or any(k[:2] != ("float", 8) or k[2] not in ("channel", "tensor") for k in kinds):
+            raise ModelLoadError(
+                f"compressed-tensors weights {sorted(map(str, kinds))} are not supported: lmiserve reads "
+                "8-bit float weights per channel or per tensor"
+            )
+        return QuantSpec("fp8", method)
+    if method == "fbgemm_fp8":
+        return QuantSpec("fp8", method)
+    if method == "fp8":
+        if qc.get("weight_block_size"):
+            raise ModelLoadError("block-wise fp8 checkpoints (weight_block_size) are not supported yet")
+        return QuantSpec("fp8", method)
+    if method in ("awq", "gptq"):
+        bits = qc.get("bits", qc.get("w_bit"))
+        group = int(qc.get("group_size", qc.get("q_group_size", -1)) or -1)
+        if bits != 4:
+            raise ModelLoadError(f"{method} with {bits} bits is not supported: lmiserve reads 4-bit {method}")
+        if method == "awq":
+            version = str(qc.get("version", "gemm")).lower()
+            if version != "gemm" or qc.get("zero_point", True) is False:
+                raise ModelLoadError(f"awq version {version!r} without GEMM packing and zero points is not supported")
+            return QuantSpec("awq", method, group)
+        fmt = str(qc.get("checkpoint_format", "gptq")).lower()
+        if fmt not in ("gptq", "gptq_v2"):
+            raise ModelLoadError(f"gptq checkpoint_format {fmt!r} is not supported: use gptq or gptq_v2")
+        return QuantSpec("gptq", method, group, v1_zeros=fmt == "gptq")
+    raise ModelLoadError(
+        f"quant_method {method or None!r} is not supported: lmiserve reads compressed-tensors fp8, fbgemm_fp8, "
+        "awq and gptq"
+    )
+
+
+def _config_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def load_quantized(
+    path: Path, spec: QuantSpec, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False
+) -> tuple[torch.nn.Module, str]:
+    """The model of the quantized checkpoint `path` computing in `dtype` on `device` and an account of
+    its linears: the architecture on the meta device, each linear the checkpoint stores quantized made
+    from its tensors (`quant_formats`), the other tensors read as they are."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    stored = _safetensors_names(path)
+    if stored is None:
+        raise ModelLoadError(f"{path.name}: a {spec.method} checkpoint needs its weights as safetensors")
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # lmiserve builds the linears; transformers' quantizers are not used
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation="sdpa", trust_remote_code=trust_remote_code
+        )
+    model.tie_weights()
+    with contextlib.suppress(OSError):
+        model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
+    model.config.name_or_path = str(path)
+    kinds: Counter[str] = Counter()
+    with _Safetensors(stored) as files:
+        targets = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+        for name in targets:
+            made = _linear_of(files, stored, name, spec, dtype, device)
+            if made is None:
+                continue
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, made)
+            kinds[_kind_name(made)] += 1
+        if not kinds:
+            raise ModelLoadError(f"{path.name}: its config says {spec.source}, but no linear has quantized tensors")
+        files.fill(model)  # embeddings, norms, the output projection and any linear stored float
+    left = [name for name, _ in _meta_tensors(model)]
+    if left:
+        raise ModelLoadError(f"{path.name}: {', '.join(left[:5])} left without values")
+    account = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
+    return model, f"{spec.method} checkpoint ({spec.source}): {account}"
+
+
+def _linear_of(
+    files: _Safetensors, stored: dict[str, Path], name: str, spec: QuantSpec, dtype: torch.dtype, device: torch.device
+) -> torch.nn.Module | None:
+    """The layer of the linear `name` from its quantized tensors; None when the checkpoint stores it float."""
+
+    def get(key: str) -> torch.Tensor | None:
+        return files.tensor(f"{name}.{key}") if f"{name}.{key}" in stored else None
+
+    bias = get("bias")
+    if spec.method == "fp8":
+        scale = get("weight_scale")
+        if scale is None:
+            return None
+        weight = files.tensor(f"{name}.weight")
+        if weight.dtype != torch.float8_e4m3fn:
+            raise ModelLoadError(f"{name}.weight is {weight.dtype}, not float8_e4m3fn")
+        return fp8_module(weight, scale, bias, dtype, device)
+    qweight = get("qweight")
+    if qweight is None:
+        return None
+    qzeros, scales = files.tensor(f"{name}.qzeros"), files.tensor(f"{name}.scales")
+    if spec.method == "awq":
+        parts = unpack_awq(qweight, qzeros, scales, spec.group_size)
+    else:
+        parts = unpack_gptq(qweight, qzeros, scales, get("g_idx"), spec.group_size, spec.v1_zeros)
+    return int4_module(parts, bias, dtype, device)
+
+
+def _kind_name(module: torch.nn.Module) -> str:
+    if isinstance(module, Int4Linear):
+        return "on the int4 kernel"
+    if type(module) is torch.nn.Linear:
+        return f"de-quantized to {str(module.weight.dtype).removeprefix('torch.')}"
+    return "fp8 (_scaled_mm)"
+
+
+def quantize_fp8_dynamic(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> str:
+    """`quantize=fp8` on a float model: every linear but the output projection quantized to fp8 per
+    output channel (`quant_formats.quantize_fp8`), then `fp8_module` (fp8 products where the device has
+    them, else de-quantized once into `dtype`). An account of what was done."""
+    kinds: Counter[str] = Counter()
+
+    def make(linear: torch.nn.Linear) -> torch.nn.Module:
+        weight, scale = quantize_fp8(linear.weight)
+        made = fp8_module(weight, scale, linear.bias, dtype, device)
+        kinds[_kind_name(made)] += 1
+        return made
+
+    _replace_linears(model, lambda m: True, make)
+    account = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
+    return f"fp8 quantized at load, per output channel: {account}"

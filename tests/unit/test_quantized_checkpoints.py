@@ -1,0 +1,307 @@
+"""Quantized checkpoints (issue #39): fp8 (compressed-tensors per channel and per tensor, FBGEMM fp8), AWQ
+and GPTQ 4-bit, written from a tiny random Llama by `models.quant_pack`, loaded by `load_causal_lm`.
+
+The reference de-quantization here is written from the formats' published unpacking (AutoAWQ's
+`unpack_awq` + `reverse_awq_order`, AutoGPTQ's `wf` shifts with ``zeros + 1``, compressed-tensors'
+``weight * weight_scale``), independently of `quant_formats`; every linear must equal it exactly (fp32),
+and the engine's greedy tokens must equal transformers' forward on the de-quantized float model."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from helpers.tiny_model import build_tiny_tokenizer
+from lmiserve.core.request import GenerationRequest, SamplingParams
+from lmiserve.engine.core.async_engine import EngineConfig
+from lmiserve.engine.factory import create_engine
+from lmiserve.engine.model.quant_formats import Fp8Linear, fp8_module, quantize_fp8, unpack_awq, unpack_gptq
+from lmiserve.engine.model.quantize import Int4Linear, int4_available
+from lmiserve.models.errors import ModelLoadError
+from lmiserve.models.load import load_causal_lm
+from lmiserve.models.quant_pack import write_quantized
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+CASES = {  # id: (quant_pack format, act_order, group)
+    "fp8-channel": ("fp8-channel", False, 0),
+    "fp8-tensor": ("fp8-tensor", False, 0),
+    "fbgemm-fp8": ("fbgemm-fp8", False, 0),
+    "awq-g128": ("awq", False, 128),
+    "gptq-g128": ("gptq", False, 128),
+    "gptq-g64-desc-act": ("gptq", True, 64),
+}
+
+
+def tiny_llama() -> tuple[LlamaForCausalLM, object]:
+    tokenizer = build_tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.1,  # peaked logits: greedy tokens do not tie
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(39)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    model, tokenizer = tiny_llama()
+    dirs = {}
+    root = tmp_path_factory.mktemp("quantized")
+    model.save_pretrained(root / "float")
+    tokenizer.save_pretrained(root / "float")  # type: ignore[attr-defined]
+    dirs["float"] = root / "float"
+    for case, (fmt, act_order, group) in CASES.items():
+        write_quantized(model, root / case, fmt, group=group or 128, act_order=act_order)
+        tokenizer.save_pretrained(root / case)  # type: ignore[attr-defined]
+        dirs[case] = root / case
+    return dirs
+
+
+# --- the published unpacking, written out as the reference -------------------------------------------------
+
+
+def ref_awq(t: dict[str, torch.Tensor], group: int) -> torch.Tensor:
+    shifts = torch.arange(0, 32, 4)
+    w = (t["qweight"][:, :, None] >> shifts[None, None, :]).view(t["qweight"].shape[0], -1)
+    z = (t["qzeros"][:, :, None] >> shifts[None, None, :]).view(t["qzeros"].shape[0], -1)
+    reverse = torch.arange(w.shape[-1]).view(-1, 8)[:, [0, 4, 1, 5, 2, 6, 3, 7]].view(-1)  # reverse_awq_order
+    w, z = w[:, reverse] & 0xF, z[:, reverse] & 0xF
+    z = z.repeat_interleave(group, dim=0)
+    s = t["scales"].float().repeat_interleave(group, dim=0)
+    return ((w - z).float() * s).t()  # [in, out] -> the linear's [out, in]
+
+
+def ref_gptq(t: dict[str, torch.Tensor]) -> torch.Tensor:
+    wf = torch.arange(0, 32, 4, dtype=torch.int32)
+    zeros = (t["qzeros"][:, :, None] >> wf[None, None, :]) & 0xF
+    zeros = (zeros + 1).reshape(t["scales"].shape)  # v1 checkpoints store zero - 1
+    weight = (t["qweight"][:, None, :] >> wf[None, :, None]) & 0xF
+    weight = weight.reshape(-1, weight.shape[-1])  # [in, out]
+    g = t["g_idx"].long()
+    return (t["scales"].float()[g] * (weight - zeros[g]).float()).t()
+
+
+def ref_fp8(t: dict[str, torch.Tensor]) -> torch.Tensor:
+    return t["weight"].float() * t["weight_scale"].float()
+
+
+def reference(case: str, t: dict[str, torch.Tensor]) -> torch.Tensor:
+    fmt, _, group = CASES[case]
+    return ref_awq(t, group) if fmt == "awq" else ref_gptq(t) if fmt == "gptq" else ref_fp8(t)
+
+
+def stored(path: Path) -> dict[str, dict[str, torch.Tensor]]:
+    flat = load_file(str(path / "model.safetensors"))
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in flat.items():
+        name, _, part = key.rpartition(".")
+        out.setdefault(name, {})[part] = value
+    return out
+
+
+def dequantized_float_model(checkpoint: Path, case: str) -> LlamaForCausalLM:
+    model, _ = tiny_llama()
+    tensors = stored(checkpoint)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.rpartition(".")[2] in LINEARS:
+                module.weight.copy_(reference(case, tensors[name]))
+    return model
+
+
+# --- the tests -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["awq-g128", "gptq-g128", "gptq-g64-desc-act"])
+def test_the_packer_round_trips_through_the_published_unpacking(checkpoints: dict[str, Path], case: str) -> None:
+    """What quant_pack writes, the reference formulas read as RTN of the float weights (within half a step)."""
+    model, _ = tiny_llama()
+    tensors = stored(checkpoints[case])
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] not in LINEARS:
+            continue
+        t = tensors[name]
+        want = reference(case, t)
+        step = t["scales"].float().max().item()
+        assert (want - module.weight.detach()).abs().max().item() <= step / 2 + 1e-6, name
+        fmt, _, group = CASES[case]
+        parts = (
+            unpack_awq(t["qweight"], t["qzeros"], t["scales"], group)
+            if fmt == "awq"
+            else unpack_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], group)
+        )
+        assert torch.equal(parts.dequantize(), want), name
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_format_loads_with_every_linear_equal_to_the_reference(checkpoints: dict[str, Path], case: str) -> None:
+    loaded = load_causal_lm(checkpoints[case], device="cpu")
+    tensors = stored(checkpoints[case])
+    fmt, act_order, _ = CASES[case]
+    for name, module in loaded.model.named_modules():
+        if name.rpartition(".")[2] not in LINEARS:
+            continue
+        on_kernel = fmt in ("awq", "gptq") and not act_order and int4_available()
+        assert isinstance(module, Int4Linear if on_kernel else torch.nn.Linear), (name, type(module))
+        got = module.dequantized() if isinstance(module, Int4Linear) else module.weight.detach()
+        assert got.dtype == torch.float32 and torch.equal(got, reference(case, tensors[name])), name
+    assert type(loaded.model.lm_head) is torch.nn.Linear
+
+
+def engine_tokens(loaded, prompts: list[list[int]], tokens: int) -> tuple[str, list[list[int]]]:
+    async def serve() -> tuple[str, list[list[int]]]:
+        engine = create_engine(loaded, EngineConfig())
+        engine.start()
+
+        async def one(i: int, ids: list[int]) -> list[int]:
+            await asyncio.sleep(0.01 * i)  # later requests join a running batch
+            request = GenerationRequest(
+                "", SamplingParams(max_new_tokens=tokens, ignore_eos_token=True), prompt_ids=ids
+            )
+            return [e.token.id async for e in engine.generate(request) if e.token]
+
+        try:
+            return engine.runner.path, await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        finally:
+            await engine.stop()
+
+    return asyncio.run(serve())
+
+
+PROMPTS = [[1, 5, 9, 17, 33], [4, 60, 2, 11], [8, 8, 30, 45, 12, 19, 50]]
+
+
+def greedy(model: torch.nn.Module, ids: list[int], tokens: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False, pad_token_id=0)  # type: ignore[operator]
+    return out[0, len(ids) :].tolist()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_engine_decodes_what_transformers_decodes_with_the_dequantized_weights(
+    checkpoints: dict[str, Path], case: str
+) -> None:
+    loaded = load_causal_lm(checkpoints[case], device="cpu")
+    path, results = engine_tokens(loaded, PROMPTS, 12)
+    assert path == "fast"
+    reference_model = dequantized_float_model(checkpoints[case], case)
+    for ids, got in zip(PROMPTS, results, strict=True):
+        assert got == greedy(reference_model, ids, 12), ids
+
+
+def test_fp8_linears_run_scaled_mm_on_the_fast_path(checkpoints: dict[str, Path]) -> None:
+    """`Fp8Linear` (what a Hopper GPU gets) through torch's CPU `_scaled_mm`: fused by the fast path, the
+    engine's greedy tokens equal transformers' forward on the same layers."""
+    loaded = load_causal_lm(checkpoints["float"], device="cpu", dtype="bf16")
+    for name, module in list(loaded.model.named_modules()):
+        if name.rpartition(".")[2] in LINEARS:
+            parent, _, child = name.rpartition(".")
+            weight, scale = quantize_fp8(module.weight)
+            made = fp8_module(weight, scale, None, torch.bfloat16, loaded.device, force_fp8=True)
+            setattr(loaded.model.get_submodule(parent), child, made)
+    assert isinstance(loaded.model.model.layers[0].self_attn.q_proj, Fp8Linear)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    layer = loaded.model.model.layers[0].mlp.up_proj
+    want = x.float() @ layer.dequantized().t()
+    torch.testing.assert_close(layer(x).float(), want, rtol=0.1, atol=0.1 * want.abs().max().item())
+    path, results = engine_tokens(loaded, PROMPTS, 8)
+    assert path == "fast"
+    for ids, got in zip(PROMPTS, results, strict=True):
+        assert got == greedy(loaded.model, ids, 8), ids
+
+
+def test_quantize_fp8_on_a_float_checkpoint_quantizes_per_channel_at_load(checkpoints: dict[str, Path]) -> None:
+    loaded = load_causal_lm(checkpoints["float"], device="cpu", quantize="fp8")
+    original, _ = tiny_llama()
+    for name, module in original.named_modules():
+        if name.rpartition(".")[2] in LINEARS:
+            q, scale = quantize_fp8(module.weight)
+            got = loaded.model.get_submodule(name).weight
+            assert torch.equal(got, q.float() * scale[:, None]), name
+    assert torch.equal(loaded.model.lm_head.weight, original.lm_head.weight)  # the output projection stays float
+
+
+@pytest.mark.parametrize(
+    ("case", "quantize", "says"),
+    [
+        ("gptq-g128", "awq", "quantize=awq, but gptq-g128 is a gptq checkpoint"),
+        ("awq-g128", "fp8", "quantize=fp8, but awq-g128 is a awq checkpoint"),
+        ("fp8-channel", "gptq", "is a fp8 checkpoint (compressed-tensors)"),
+        ("float", "awq", "quantize=awq: float is not a AWQ checkpoint"),
+    ],
+)
+def test_a_quantize_that_is_not_the_checkpoints_is_refused_in_one_line(
+    checkpoints: dict[str, Path], case: str, quantize: str, says: str
+) -> None:
+    with pytest.raises(ModelLoadError) as error:
+        load_causal_lm(checkpoints[case], device="cpu", quantize=quantize)
+    assert says in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_matching_quantize_is_honoured_and_int4_dtype_refused(checkpoints: dict[str, Path]) -> None:
+    loaded = load_causal_lm(checkpoints["gptq-g128"], device="cpu", quantize="gptq")
+    assert isinstance(loaded.model.model.layers[0].mlp.down_proj, Int4Linear if int4_available() else torch.nn.Linear)
+    with pytest.raises(ModelLoadError, match="does not combine with quantize awq"):
+        load_causal_lm(checkpoints["awq-g128"], device="cpu", dtype="int4")
+
+
+def test_the_quantize_option_takes_fp8_awq_gptq_and_refuses_others_in_one_line() -> None:
+    from lmiserve.config.errors import ConfigError
+    from lmiserve.config.sources import load_settings
+
+    assert load_settings({"quantize": "awq"}, environ={}).quantize == "awq"
+    assert load_settings({}, environ={}).quantize is None
+    assert load_settings(environ={"OPTION_QUANTIZE": "fp8"}).quantize == "fp8"
+    with pytest.raises(ConfigError) as error:
+        load_settings({"quantize": "bitsandbytes"}, environ={})
+    assert "quantize" in str(error.value) and "fp8" in str(error.value)
+
+
+@pytest.mark.parametrize("act_order", [False, True], ids=["groups-in-order", "desc-act"])
+def test_the_cuda_int4_triton_kernel_computes_the_dequantized_product_under_the_interpreter(act_order: bool) -> None:
+    """`int4_triton` (CUDA's AWQ/GPTQ kernel, not run on a GPU) under Triton's CPU interpreter: the
+    product of the codes equals fp32's product of the reference de-quantized weight."""
+    import os
+
+    from lmiserve.engine.model import int4_triton
+    from lmiserve.models.quant_pack import rtn_int4
+
+    if not int4_triton.available() or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py on CPU)")
+    torch.manual_seed(3)
+    out, inputs, group = 80, 96, 32
+    weight = torch.randn(out, inputs)
+    g_idx = torch.arange(inputs) // group
+    if act_order:
+        g_idx = g_idx[torch.randperm(inputs)]
+    codes, scale, zero = rtn_int4(weight, g_idx, inputs // group)
+    dense = (codes - zero[:, g_idx]).float() * scale.float()[:, g_idx]
+    layer = int4_triton.Int4TritonLinear.from_parts(
+        codes, scale.float(), zero, g_idx, None, torch.float32, torch.device("cpu")
+    )
+    x = torch.randn(5, inputs)
+    torch.testing.assert_close(layer(x), x @ dense.t(), rtol=1e-5, atol=1e-4)
+
+
+def test_a_dummy_load_takes_quantize_fp8_and_refuses_the_4_bit_formats(checkpoints: dict[str, Path]) -> None:
+    """load_format=dummy (the GPU check's 8B shape without weights) with quantize=fp8: random weights in fp8."""
+    loaded = load_causal_lm(checkpoints["float"], device="cpu", load_format="dummy", quantize="fp8")
+    q_proj = loaded.model.model.layers[0].self_attn.q_proj
+    q, scale = quantize_fp8(q_proj.weight)
+    assert torch.equal(q_proj.weight, q.float() * scale[:, None])
+    with pytest.raises(ModelLoadError, match="load_format=dummy runs only fp8"):
+        load_causal_lm(checkpoints["float"], device="cpu", load_format="dummy", quantize="gptq")
