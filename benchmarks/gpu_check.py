@@ -26,7 +26,11 @@ dependencies can come as wheels; see benchmarks/README.md, "The GPU check"). It 
 7. ``executor-cuda.json`` and ``executor-cpu.json`` (with ``--executor``, when time is left):
    ``benchmarks/executor_process.py``, the model in the engine's thread against a child process, for the
    1B shape on the GPU and for SmolLM2-135M's shape on all of the machine's CPU cores.
-8. ``summary.json`` and ``summary.md``: what passed, tokens/s, TTFT, ITL and the ratios.
+8. ``summary.json`` and ``summary.md``: what passed, tokens/s, TTFT, ITL and the ratios; with issue 39's
+   entries: ``decode_paths`` (step 5's report), ``fp8_kv`` (``benchmarks/kv_fp8_quality.py`` on CUDA: the
+   fp8 KV cache's perplexity, agreement and blocks) and ``quantized`` (``fp8_bench``: ``quantize=fp8`` at
+   one stream on the largest shape benched, ``over_bf16`` its tokens/s over that shape's bf16 level 1;
+   ``quality``: ``benchmarks/quantized_quality.py`` on CUDA, each format's perplexity and agreement).
 
 Every step has a time limit inside ``--budget`` (default 450 s); a step that fails or runs out is
 recorded as such and the next one runs.
@@ -41,6 +45,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -265,6 +270,48 @@ def bench_summary(bench_dir: Path) -> dict[str, Any] | None:
     return {"levels": levels, "baselines_error": (report.get("meta") or {}).get("baselines_error")}
 
 
+def quantized_step(
+    out: Path, env: dict[str, str], summary: dict[str, Any], left: Callable[[], float]
+) -> dict[str, Any]:
+    """fp8 weights' tokens/s at one stream on the largest shape benched in bf16 (`over_bf16`: the issue's
+    target is 1.4x on the 8B shape), then `quantized_quality.py` on CUDA; the steps go into `summary`."""
+    result: dict[str, Any] = {}
+    shape = next((s for s in ("8b", "1b") if (summary.get(f"bench_{s}") or {}).get("levels")), None)
+    if shape is None or left() < 150:
+        summary["steps"].append(_skipped("quantized fp8 bench", "time" if shape else "no bf16 bench to compare"))
+    else:
+        bench_dir = out / f"bench-{shape}-fp8"
+        command = [
+            sys.executable, "-m", "lmiserve", "bench", "--model-id", str(out / f"model-{shape}"),
+            "-o", "load_format=dummy", "-o", "quantize=fp8", "--device", "cuda", "--dtype", "bf16",
+            "--concurrency", "1", "--max-new-tokens", "128", "--requests-per-client", "2",
+            "--skip-baselines", "--output-dir", str(bench_dir),
+        ]  # fmt: skip
+        step = run_step(f"quantized fp8 bench {shape}", command, out / f"bench-{shape}-fp8.log", left() - 90, env)
+        summary["steps"].append(step)
+        fp8 = bench_summary(bench_dir)
+        bf16 = summary[f"bench_{shape}"]["levels"][0]
+        if fp8 and fp8["levels"]:
+            level = fp8["levels"][0]
+            ratio = level["tokens_per_s"] / bf16["tokens_per_s"] if bf16.get("tokens_per_s") else None
+            result["fp8_bench"] = {"shape": shape, **level, "bf16_tokens_per_s": bf16["tokens_per_s"]}
+            result["fp8_bench"]["over_bf16"] = ratio
+    if left() < 90:
+        summary["steps"].append(_skipped("quantized quality", "time"))
+        return result
+    quality_dir = out / "quantized-quality"
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "quantized_quality.py"), "--device", "cuda",
+        "--prompts", "16", "--tokens", "32", "--out", str(quality_dir),
+    ]  # fmt: skip
+    step = run_step("quantized quality", command, out / "quantized-quality.log", min(150.0, left() - 30), env)
+    summary["steps"].append(step)
+    report = quality_dir / "quantized_quality.json"
+    if report.exists():
+        result["quality"] = json.loads(report.read_text()).get("formats")
+    return result
+
+
 def markdown(summary: dict[str, Any]) -> str:
     env = summary["env"]
     lines = [
@@ -435,8 +482,13 @@ def main(argv: list[str] | None = None) -> int:
         ]
         step = run_step("decode paths 1b", command, out / "decode-paths-1b.log", min(150.0, left() - 60), env)
         if report.exists():
-            step["report"] = json.loads(report.read_text())
+            step["report"] = summary["decode_paths"] = json.loads(report.read_text())
         summary["steps"].append(step)
+
+    # 5a. quantized weights (issue 39 item 2): fp8 weights (quantize=fp8 of the dummy bf16 weights, Fp8Linear's
+    # _scaled_mm) at one stream on the largest shape benched, against that shape's bf16 level 1; then each
+    # format's perplexity and greedy agreement on SmolLM2 (benchmarks/quantized_quality.py)
+    summary["quantized"] = quantized_step(out, env, summary, left)
 
     # 5b. the fp8 KV cache (issue 39 item 3): SmolLM2 in bf16 with auto, fp8_e4m3 and fp8_e5m2 pools (perplexity,
     # greedy agreement, blocks a pool holds) through the Triton kernel's fp8 form

@@ -44,3 +44,38 @@ def test_summary_of_the_recorded_h200_run_renders(gpu_check):
     text = gpu_check.markdown(summary)
     assert "NVIDIA H200" in text and "## 1B shape" in text and "## 8B shape" in text
     assert "| 128 | 2720.5 |" in text
+
+
+def test_quantized_step_reports_fp8_over_bf16_and_the_quality(gpu_check, tmp_path, monkeypatch):
+    """The `quantized` entry of summary.json (issue 39): the fp8 bench's level 1 over the bf16 bench's on the
+    largest shape benched, and quantized_quality.py's formats. The steps themselves need a GPU: here each
+    writes what the real one writes (a bench.json as `lmiserve bench` does, the quality report)."""
+    calls: list[list[str]] = []
+
+    def fake_step(name, command, log_path, timeout, env):
+        calls.append(command)
+        out = Path(command[command.index("--output-dir" if "--output-dir" in command else "--out") + 1])
+        out.mkdir(parents=True)
+        if "bench" in name:
+            level = {
+                "concurrency": 1,
+                "output_tokens_per_s": 150.0,
+                "ttft_ms": {"p50": 20.0},
+                "itl_ms": {"p50": 6.0, "p99": 7.0},
+                "failed_requests": 0,
+                "token_count_errors": 0,
+            }
+            (out / "bench.json").write_text(json.dumps({"servers": [{"levels": [level]}]}))
+        else:
+            (out / "quantized_quality.json").write_text(json.dumps({"formats": {"fp8-channel": {"perplexity": 9.5}}}))
+        return {"name": name, "ok": True}
+
+    monkeypatch.setattr(gpu_check, "run_step", fake_step)
+    summary = {"steps": [], "bench_8b": {"levels": [{"concurrency": 1, "tokens_per_s": 100.0}]}}
+    result = gpu_check.quantized_step(tmp_path, {}, summary, lambda: 400.0)
+    assert result["fp8_bench"]["shape"] == "8b" and result["fp8_bench"]["over_bf16"] == 1.5
+    assert result["quality"] == {"fp8-channel": {"perplexity": 9.5}}
+    assert "quantize=fp8" in calls[0] and "load_format=dummy" in calls[0] and "--skip-baselines" in calls[0]
+    assert "--device" in calls[1] and calls[1][calls[1].index("--device") + 1] == "cuda"
+    skipped = gpu_check.quantized_step(tmp_path / "none", {}, {"steps": []}, lambda: 400.0)
+    assert "fp8_bench" not in skipped  # no bf16 bench to compare with: the fp8 bench is skipped, said so
