@@ -32,6 +32,16 @@ if TYPE_CHECKING:
     from lmiserve.models.load import LoadedModel
 
 
+def run_info(loaded: LoadedModel) -> dict[str, Any]:
+    """Where a baseline ran: the device, dtype, model folder and torch's threads (each report's `info`)."""
+    return {
+        "device": str(loaded.device),
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "model_path": str(loaded.path),
+        "threads": torch.get_num_threads(),
+    }
+
+
 def load_like_server(overrides: Mapping[str, Any]) -> LoadedModel:
     """The `LoadedModel` the server would load with these settings overrides (-o options etc.)."""
     from lmiserve.config import load_settings
@@ -185,12 +195,7 @@ def run_baselines(
     continuous batching (`generate_batch`) too; frees the model after."""
     loaded = load_like_server(overrides)
     try:
-        info = {
-            "device": str(loaded.device),
-            "dtype": str(loaded.dtype).removeprefix("torch."),
-            "model_path": str(loaded.path),
-            "threads": torch.get_num_threads(),
-        }
+        info = run_info(loaded)
         forward_decode(loaded, batch_prompts(1), 2)
         forward, generate, continuous = [], [], []
         hf_continuous = loaded.device.type == "cuda" and hasattr(loaded.model, "generate_batch")

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lmiserve.bench.baselines import load_like_server
+from lmiserve.bench.baselines import load_like_server, run_info
 from lmiserve.bench.vision import IMAGE_SIZE, draw_image, question
 
 if TYPE_CHECKING:
@@ -140,13 +140,7 @@ def run_vision_baselines(
     the model after."""
     loaded = load_like_server(overrides)
     try:
-        info = {
-            "device": str(loaded.device),
-            "dtype": str(loaded.dtype).removeprefix("torch."),
-            "model_path": str(loaded.path),
-            "threads": torch.get_num_threads(),
-            "image_size": list(size),
-        }
+        info = {**run_info(loaded), "image_size": list(size)}
         _generate(loaded, processor_inputs(loaded, [0], size), 2)
         rows = []
         for batch in batch_sizes:
