@@ -53,6 +53,7 @@ SETTING_FLAGS: tuple[Flag, ...] = (
     Flag(("--max-num-batched-tokens",), "max_num_batched_tokens", "N"),
     Flag(("--enable-prefix-caching",), "enable_prefix_caching"),
     Flag(("--enforce-eager",), "enforce_eager"),
+    Flag(("--async-scheduling",), "async_scheduling"),
     Flag(("--kv-cache-dtype",), "kv_cache_dtype"),
     Flag(("--max-new-tokens",), "max_new_tokens", "N"),
     Flag(

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from lmiserve.config.errors import ConfigError
 from lmiserve.config.flags import SETTING_FLAGS, flags_of
-from lmiserve.config.messages import allowed_values, default_text, plain_text
+from lmiserve.config.messages import allowed_values, default_text, plain_text, unwrap_optional
 from lmiserve.config.reference_text import ENVIRONMENT, EXAMPLES, FLAGS, GROUPS, INTRO, STARTUP, UNKNOWN_KEYS
 from lmiserve.config.settings import Settings, unknown_options_warning
 from lmiserve.config.sources import ENV_SHORTCUTS, environment_names, load_settings
@@ -177,7 +177,7 @@ def _flag_table() -> str:
     for flag in SETTING_FLAGS:
         field = Settings.model_fields[flag.key]
         names = ", ".join(f"`{name}`" for name in flag.names)
-        if field.annotation is bool:
+        if unwrap_optional(field.annotation)[0] is bool:  # a switch (flags.py `_Switch`)
             names += ", " + ", ".join(f"`--no-{name[2:]}`" for name in flag.names)
         key = f"[`{flag.key}`](#{_anchor(group_of(flag.key))})"
         lines.append(f"| {names} | {key} | {_md_default(default_text(field))} |")

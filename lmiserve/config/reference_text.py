@@ -58,6 +58,7 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "kv_cache_memory_bytes",
             "gpu_memory_utilization",
             "enforce_eager",
+            "async_scheduling",
             "block_size",
             "kv_cache_dtype",
             "speculative_config",

@@ -61,6 +61,7 @@ class CheckedSettings(
         "fast_path",
         "cpu_autotune",
         "enforce_eager",
+        "async_scheduling",
         "enable_management_api",
         "enable_prefix_caching",
         "allow_private_media_urls",

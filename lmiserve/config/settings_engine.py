@@ -185,6 +185,17 @@ class EngineFields(FieldGroup):
         ),
         json_schema_extra={"allowed": "one of auto, fp8, fp8_e4m3, fp8_e5m2"},
     )
+    async_scheduling: bool | None = Field(
+        None,
+        description=(
+            "Overlap scheduling (vLLM's `--async-scheduling`): the next step is planned and queued while one runs, "
+            "and a step's tokens are detokenized, checked for stops and streamed while the next one runs. Unset: "
+            "on for a model on a GPU, off on the CPU (where the model and the host share the cores: measured in "
+            "benchmarks/README.md). Output is the same either way; a request that stops computes one step more. "
+            "Steps with grammars, thinking budgets or speculative decoding are planned after the step before "
+            "them. See docs/engine.md."
+        ),
+    )
     enforce_eager: bool = Field(
         False,
         description=(

@@ -2,19 +2,45 @@
 model's processor (transformers' ProcessorMixin), shared by the protocols and the tensor model.
 
 `placeholder` is what the processor's chat template writes for one image; `raw_prompt` puts a raw
-prompt's images in place (KServe's and Vertex's ``text_input`` beside an ``image`` input).
+prompt's images in place (KServe's and Vertex's ``text_input`` beside an ``image`` input). `encoder`
+is the engine's encoder of the processor's prompts (engine/text/images.py's `ImageCodec.encode`,
+registered with `register_encoder` when the engine's codec is made): a protocol counts a prompt's tokens
+with it, so the processor runs once a request (the engine's own encoding of the prompt recalls it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from lmiserve.core.errors import InvalidRequest
+from lmiserve.core.media import Image
 
 _PROBE = "lmiserve-probe-text"
 _PLACEHOLDERS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+# a prompt with its images -> its token ids, each image's placeholder expanded (`InvalidRequest` when they
+# do not fit)
+ImageEncoder = Callable[[str, Sequence[Image]], list[int]]
+# processor -> the engine's encoder of its prompts, both held weakly (the engine's codec holds the processor)
+_ENCODERS: weakref.WeakKeyDictionary[Any, weakref.WeakMethod[ImageEncoder]] = weakref.WeakKeyDictionary()
+
+
+def register_encoder(processor: Any, encode: ImageEncoder) -> None:
+    """`encode` (a bound method: the engine's codec's) as the encoder of `processor`'s prompts with images,
+    until its object is gone (the last registered wins)."""
+    with contextlib.suppress(TypeError):  # a processor that takes no weak reference: none registered
+        _ENCODERS[processor] = weakref.WeakMethod(encode)
+
+
+def encoder(processor: Any) -> ImageEncoder | None:
+    """The engine's encoder of `processor`'s prompts with images: what the engine runs (its processor
+    output kept for the request's own encoding); None when no engine encodes them."""
+    with contextlib.suppress(KeyError, TypeError):
+        return _ENCODERS[processor]()
+    return None
 
 
 def placeholder(processor: Any) -> str:

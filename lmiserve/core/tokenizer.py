@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from typing import ParamSpec, Protocol, TypeVar
@@ -22,7 +22,9 @@ _R = TypeVar("_R")
 # request's task sees only its own box, and the tokenizer thread (`tokenizing`) fills the box of the
 # task that handed it the work (a context is copied into a thread; the box in it is the same object).
 # (The box holds the tokenizer itself beside the ids, so its id is not reused while the entry lives.)
-_Box = dict[tuple[int, str], tuple[object, tuple[int, ...]]]
+# A vision-language model's prompt with images is kept the same way (`remember`, `recall`): its
+# processor's output, counted by the protocol through the engine's codec, is the engine's encoding.
+_Box = dict[tuple[int, Hashable], tuple[object, object]]
 _encodings: ContextVar[_Box | None] = ContextVar("lmiserve_encodings", default=None)
 _BOX_LIMIT = 64  # a request with more prompts than this re-tokenizes the oldest
 
@@ -53,17 +55,28 @@ def _in_task() -> bool:
 
 def remember_encoding(tokenizer: object, text: str, ids: list[int]) -> None:
     """Record the ids `tokenizer` (the transformers tokenizer object) gave `text`, for this request."""
-    box = _box()
-    if len(box) >= _BOX_LIMIT:
-        del box[next(iter(box))]
-    box[(id(tokenizer), text)] = (tokenizer, tuple(ids))
+    remember(tokenizer, text, tuple(ids))
 
 
 def recall_encoding(tokenizer: object, text: str) -> list[int] | None:
     """The ids this request recorded for exactly `text` with the same `tokenizer`, else None."""
+    ids = recall(tokenizer, text)
+    return list(ids) if isinstance(ids, tuple) else None
+
+
+def remember(owner: object, key: Hashable, value: object) -> None:
+    """Record `value`, what `owner` (a tokenizer, a processor) made of `key`, for this request."""
+    box = _box()
+    if len(box) >= _BOX_LIMIT:
+        del box[next(iter(box))]
+    box[(id(owner), key)] = (owner, value)
+
+
+def recall(owner: object, key: Hashable) -> object | None:
+    """What this request recorded for exactly `key` with the same `owner`, else None."""
     box = _encodings.get()
-    entry = box.get((id(tokenizer), text)) if box is not None else None
-    return list(entry[1]) if entry is not None and entry[0] is tokenizer else None
+    entry = box.get((id(owner), key)) if box is not None else None
+    return entry[1] if entry is not None and entry[0] is owner else None
 
 
 async def tokenizing(fn: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R:

@@ -241,9 +241,13 @@ def _image_codec(loaded: LoadedModel) -> ImageCodec | None:
 
 
 def _for_device(config: EngineConfig, device: torch.device) -> EngineConfig:
-    """`config` with what depends on the device resolved: the prefill floor, speculation's batch limit."""
+    """`config` with what depends on the device resolved: the prefill floor, speculation's batch limit,
+    overlap scheduling (on a GPU, where the host waits for the device; off on the CPU, where the model and
+    the host share the cores: benchmarks/README.md "Overlap scheduling")."""
     if config.prefill_floor == "auto":
         config = dataclasses.replace(config, prefill_floor=PREFILL_FLOOR.get(device.type, 256))
+    if config.async_scheduling is None:
+        config = dataclasses.replace(config, async_scheduling=device.type == "cuda")
     spec = config.speculation
     if spec is not None and spec.disable_by_batch_size is None:
         limit = DISABLE_BY_BATCH_SIZE.get(device.type, DISABLE_BY_BATCH_SIZE["cuda"])

@@ -42,13 +42,18 @@ class TorchThread:
 
     async def run(self, fn: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R:
         """`await thread.run(fn, ...)`: `fn(...)` on this thread (started on first use, again after `close`)."""
+        return await self.submit(fn, *args, **kwargs)
+
+    def submit(self, fn: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> asyncio.Future[_R]:
+        """Queue `fn(...)` on this thread now (behind the calls queued before it) and return its future,
+        so that the caller goes on meanwhile (the engine core plans a step while the one before it runs)."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self.name)
         loop = asyncio.get_running_loop()
         call = functools.partial(fn, *args, **kwargs)
         if self._governed and GOVERN:
             call = functools.partial(self._governed_call, call)
-        return await loop.run_in_executor(self._executor, call)
+        return loop.run_in_executor(self._executor, call)
 
     def _governed_call(self, call: Callable[[], _R]) -> _R:
         if not self._looked:  # on this thread: torch's and numba's counts are per thread

@@ -160,8 +160,9 @@ def encode(loaded, prompt: str) -> list[int]:
         "step_budget_tight",
     ],
 )
-async def test_concurrent_greedy_equals_generate(tiny_model, reference, config):
-    engine = make_engine(tiny_model, **config)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["", "overlapped"])
+async def test_concurrent_greedy_equals_generate(tiny_model, reference, config, async_scheduling):
+    engine = make_engine(tiny_model, async_scheduling=async_scheduling, **config)
     # different lengths so sequences leave the batch at different steps
     lengths = [NEW_TOKENS - 3 * (i % 3) for i in range(len(PROMPTS))]
     async with started(engine):
@@ -174,6 +175,8 @@ async def test_concurrent_greedy_equals_generate(tiny_model, reference, config):
         assert engine.num_running == 0 and engine.num_waiting == 0
     if "kv_cache_memory_bytes" in config:  # the pool holds less than the batch needs: some were preempted
         assert engine.scheduler.num_preemptions > 0
+    # overlapped: most steps were planned while the one before them ran
+    assert engine.steps_ahead > engine.steps // 2 if async_scheduling else engine.steps_ahead == 0
     for prompt, n, events in zip(PROMPTS, lengths, results):
         expected = reference(encode(tiny_model, prompt), n)
         assert ids_of(events) == expected, prompt
@@ -578,7 +581,7 @@ async def test_an_engine_core_that_raises_ends_every_request_and_serves_no_more(
         waiting = asyncio.create_task(collect(engine, GenerationRequest(PROMPTS[1], greedy(4))))
         await wait_until(lambda: engine.num_waiting == 1)
 
-        def broken(now):
+        def broken(now, **_):
             raise RuntimeError("planner bug")
 
         engine.scheduler.schedule = broken

@@ -42,10 +42,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmiserve.core.events import FinishReason, StepEvent
+from lmiserve.engine.core.executor_view import ExecutorView
 from lmiserve.engine.core.kv_blocks import BlockPool, BlockTable
 from lmiserve.engine.core.scheduler import PrefillChunk, SchedulerBase, StepPlan
 from lmiserve.engine.core.sequence import SeqStatus, Sequence
-from lmiserve.engine.core.step import NewRequest, ScheduledTokens, StepBatch, StepOutput
+from lmiserve.engine.core.step import StepOutput
 from lmiserve.engine.speculative.proposers import SpeculationPolicy
 from lmiserve.engine.text.images import chunk_length
 
@@ -73,8 +74,8 @@ class BlockScheduler(SchedulerBase):
         self.prefix = None  # the slot scheduler's separate prefix cache: here the pool is the cache
         self.num_preemptions = 0
         self._budget = 0  # prompt tokens the step being planned may still take
-        self._sent: dict[int, int] = {}  # seq_id -> blocks of its table the executor has been told of
-        self._preempted: list[int] = []  # preempted since the last batch, known to the executor
+        self._ahead = False  # the step being planned runs after one whose results are not applied yet
+        self.told = ExecutorView()  # what the executor was told: each plan goes out by difference from it
         # speculative decoding (engine/speculative/proposers.py): which rows ask for drafts after their step; the
         # drafts come back in `StepOutput.drafts` and are verified by the next step. `proposer` (tests)
         # drafts in the engine core instead. Neither: every decode row computes one token.
@@ -107,8 +108,24 @@ class BlockScheduler(SchedulerBase):
         return expired
 
     # ---- planning --------------------------------------------------------------------------------
-    def schedule(self, now: float) -> tuple[StepPlan, list[tuple[Sequence, StepEvent]]]:
-        """Plan the next step. Also returns events for sequences ended without a step (abort)."""
+    def can_plan_ahead(self) -> bool:
+        """Whether the next step may be planned while the step before it runs (`schedule(ahead=True)`):
+        not with speculative decoding (a step's drafts come from the step before it) nor while a sequence's
+        next token may be masked (its mask follows the token before it)."""
+        if self.speculation is not None or self.proposer is not None:
+            return False
+        return not any(s.may_constrain for s in self.running) and not any(s.may_constrain for s in self.waiting)
+
+    def schedule(self, now: float, ahead: bool = False) -> tuple[StepPlan, list[tuple[Sequence, StepEvent]]]:
+        """Plan the next step. Also returns events for sequences ended without a step (abort).
+
+        `ahead`: the step before it is still running (overlap scheduling, `can_plan_ahead`): a sequence
+        that step samples decodes the token it will sample (`PENDING_TOKEN`, which the executor reads from
+        its own persistent batch), unless that token is its last by length; nothing is preempted (a
+        sequence that finds no free block waits for a later step, planned when nothing runs). A sequence
+        that turns out to end with that token (a stop) has one step computed in vain, whose token
+        `update` drops."""
+        self._ahead = ahead
         events: list[tuple[Sequence, StepEvent]] = []
         for seq in [s for s in self.running if s.abort_requested]:
             events.append((seq, seq.end(FinishReason.ABORT)))
@@ -124,47 +141,14 @@ class BlockScheduler(SchedulerBase):
         self._admit(plan, now)
         plan.prefix_queried, plan.prefix_hits = self._queried, self._hits
         self._queried = self._hits = 0
-        plan.batch = self._batch(plan)
+        plan.batch = self.told.batch(plan, self.speculation)
         return plan, events
-
-    def _batch(self, plan: StepPlan) -> StepBatch:
-        """The plan as plain data, by difference from the batches before it."""
-        batch = StepBatch(num_decode=len(plan.decode), preempted=self._preempted)
-        self._preempted = []
-        for seq in plan.released:
-            if self._sent.pop(seq.seq_id, None) is not None:
-                batch.finished.append(seq.seq_id)
-        # decode rows with drafts compute several tokens: they go after the one-token rows, as chunks; the
-        # plan's decode list takes the batch's order (the engine core finds a row's sequence by it)
-        plain = [seq for seq in plan.decode if seq.seq_id not in plan.drafts]
-        batch.num_decode = len(plain)
-        plan.decode = plain + [seq for seq in plan.decode if seq.seq_id in plan.drafts]
-        scheduled = [(seq, seq.kv_len, [seq.output_ids[-1]], True) for seq in plan.decode]
-        scheduled += [(c.seq, c.start, c.token_ids, c.completes_prompt) for c in plan.prefill]
-        speculation = self.speculation
-        for row, (seq, start, token_ids, sample) in enumerate(scheduled):
-            sent = self._sent.get(seq.seq_id)
-            if sent is None:
-                adapter = seq.adapter.ref if seq.adapter is not None else None
-                batch.new.append(NewRequest(seq.seq_id, seq.prompt_ids, seq.params, seq.seed, adapter, seq.images))
-                sent = 0
-            blocks = self._table(seq).blocks
-            self._sent[seq.seq_id] = len(blocks)
-            details = seq.params.decoder_input_details and row >= batch.num_decode
-            drafts = plan.drafts.get(seq.seq_id, []) if row < len(plan.decode) else []
-            propose = speculation.wanted(seq, row < len(plan.decode)) if speculation is not None and sample else 0
-            batch.rows.append(
-                ScheduledTokens(seq.seq_id, start, token_ids, blocks[sent:], sample, details, drafts, propose)
-            )
-            if sample and seq.grammar is not None:
-                batch.grammar_rows.append(row)
-        return batch
 
     def _schedule_running(self, plan: StepPlan) -> None:
         """Every decoding sequence its next token, then chunks of the running prompts; a sequence that
         needs a block when none is free preempts the running sequence of least precedence."""
         queue = sorted(self.running, key=_precedence)
-        decoding = sum(1 for s in queue if s.status is SeqStatus.RUNNING)
+        decoding = sum(1 for s in queue if s.decoding)
         prefilling = len(queue) - decoding
         budget = 0
         # the step's budget beyond one token a decode row: what drafts may take (None: no step budget)
@@ -180,10 +164,12 @@ class BlockScheduler(SchedulerBase):
             if phase is SeqStatus.PREFILL:  # the prompt side: what the decode rows leave of the step
                 budget = self._prefill_budget(decoding, decode_tokens)
             for seq in list(queue):
-                if seq.status is not phase or seq.seq_id not in running:
+                if (SeqStatus.RUNNING if seq.decoding else seq.status) is not phase or seq.seq_id not in running:
                     continue
                 drafts: list[int] = []
                 if phase is SeqStatus.RUNNING:
+                    if len(seq.output_ids) + seq.inflight_samples >= seq.params.max_new_tokens:
+                        continue  # the step in flight samples its last token
                     drafts = self._drafts(seq)
                     if spare is not None:  # drafts count in the step's budget too (vLLM's counting)
                         drafts = drafts[: max(spare, 0)]
@@ -200,8 +186,10 @@ class BlockScheduler(SchedulerBase):
                     # while other prompts wait, one prompt's chunk takes at most half the budget
                     share = budget // 2 if self.waiting or prefilling > 1 else budget
                     want = min(remaining, max(share, 1)) if self.chunked_prefill else remaining
-                    want = chunk_length(seq.images, seq.kv_len, want)  # an image never split where it must not be
+                    want = chunk_length(seq.images, seq.kv_next, want)  # an image never split where it must not be
                 while not self.pool.allocate(self._table(seq), want):
+                    if self._ahead:
+                        break  # never a preemption while a step runs: it waits for a step planned after it
                     victim = next((s for s in reversed(queue) if s.seq_id not in scheduled), None)
                     if victim is None:
                         break
@@ -212,7 +200,7 @@ class BlockScheduler(SchedulerBase):
                         break
                 if seq.seq_id not in running:
                     continue
-                if self._table(seq).num_tokens < seq.kv_len + max(want, 1):
+                if self._table(seq).num_tokens < seq.kv_next + max(want, 1):
                     continue  # nothing left to preempt: it waits for a later step
                 scheduled.add(seq.seq_id)
                 if phase is SeqStatus.RUNNING:
@@ -221,7 +209,7 @@ class BlockScheduler(SchedulerBase):
                     if drafts:
                         plan.drafts[seq.seq_id] = drafts
                 else:
-                    plan.prefill.append(TokenChunk(seq, seq.kv_len, want))
+                    plan.prefill.append(TokenChunk(seq, seq.kv_next, want))
                     budget -= want
         self._budget = budget
 
@@ -296,7 +284,7 @@ class BlockScheduler(SchedulerBase):
 
     @staticmethod
     def _uncomputed(seq: Sequence) -> int:
-        return len(seq.prompt_ids) + len(seq.output_ids) - seq.kv_len
+        return len(seq.prompt_ids) + len(seq.output_ids) - seq.kv_next
 
     @staticmethod
     def _table(seq: Sequence) -> BlockTable:
@@ -309,14 +297,12 @@ class BlockScheduler(SchedulerBase):
         """Give `seq`'s blocks back; it waits again at the head of its priority, its tokens kept."""
         self.running.remove(seq)
         self._free(seq)
-        seq.kv_len = 0
+        seq.kv_len = seq.inflight_tokens = seq.inflight_samples = 0  # (nothing of it runs: never ahead)
         seq.drafts = []
         seq.status = SeqStatus.WAITING
         seq.preemptions += 1
         self.num_preemptions += 1
-        if seq.seq_id in self._sent:
-            self._sent[seq.seq_id] = 0
-            self._preempted.append(seq.seq_id)
+        self.told.preempted(seq)
         at = 0
         while at < len(self.waiting) and self.waiting[at].priority < seq.priority:
             at += 1
@@ -328,11 +314,20 @@ class BlockScheduler(SchedulerBase):
 
     # ---- results ---------------------------------------------------------------------------------
     def update(self, plan: StepPlan, output: StepOutput) -> list[tuple[Sequence, StepEvent]]:
+        """Apply a step's results (a step planned ahead of it may be running meanwhile): the sequences'
+        computed positions, their sampled tokens (the events), the finished ones out of the batch."""
         events: list[tuple[Sequence, StepEvent]] = []
         sampling: list[Sequence] = []
+        for seq in plan.decode:
+            seq.inflight_tokens -= 1
+            seq.inflight_samples -= 1
+        for chunk in plan.prefill:
+            chunk.seq.inflight_tokens -= chunk.length
+            chunk.seq.inflight_samples -= chunk.completes_prompt
+        running = {s.seq_id for s in self.running}
         for chunk in plan.prefill:
             seq = chunk.seq
-            if seq.seq_id in output.errors or seq not in self.running:
+            if seq.seq_id in output.errors or seq.seq_id not in running:
                 continue
             seq.kv_len = chunk.start + chunk.length
             scores = output.prompt_logprobs.get(seq.seq_id)
@@ -344,7 +339,7 @@ class BlockScheduler(SchedulerBase):
                 sampling.append(seq)
         drafted: list[Sequence] = []
         for seq in plan.decode:
-            if seq.seq_id in output.errors or seq not in self.running:
+            if seq.seq_id in output.errors or seq.seq_id not in running:
                 continue
             if seq.seq_id in plan.drafts:
                 drafted.append(seq)  # its KV is known once its drafts are verified

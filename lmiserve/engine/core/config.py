@@ -35,6 +35,9 @@ class EngineConfig:
     # what the paged pool stores: "auto" (the model's dtype), "fp8" = "fp8_e4m3", "fp8_e5m2" (attention/kv_quant.py)
     kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9  # on CUDA, the share of the GPU the paged pool's default budget fills
+    # overlap scheduling: the next step planned and queued while one runs, its results applied meanwhile
+    # (engine/core/engine_core.py); None = by device (engine/factory.py)
+    async_scheduling: bool | None = None
     enforce_eager: bool = False  # on CUDA: no decode steps replayed as CUDA graphs (engine/attention/cuda_graphs.py)
     speculation: SpeculationSettings | None = None  # speculative decoding (engine/speculative/proposers.py)
     lora: LoraLimits | None = None  # LoRA adapters (engine/lora/registry.py; None: none served)

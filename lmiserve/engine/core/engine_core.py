@@ -12,6 +12,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from lmiserve.core.aio import cancel_and_wait
@@ -32,6 +33,15 @@ from lmiserve.engine.speculative.proposers import SpeculationPolicy
 from lmiserve.engine.text.token_mask import TokenMask
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _InFlight:
+    """A step handed to the torch thread whose results are not applied yet (overlap scheduling)."""
+
+    plan: StepPlan
+    output: asyncio.Future[StepOutput]
+    submitted: float
 
 
 class EngineCore:
@@ -78,6 +88,11 @@ class EngineCore:
         self.generated_tokens = 0  # since start, for `snapshot`
         self.failure: str | None = None  # why the engine core failed (`_die`); it serves nothing then
         self.on_failure: list[Callable[[str], None]] = []
+        # overlap scheduling: the next step is planned and queued while this one runs (`_step`)
+        self.async_scheduling = bool(config.async_scheduling)
+        self._ahead: _InFlight | None = None  # the step planned ahead, queued behind the running one
+        self._last_done = 0.0  # when the last step's results came back (a queued step's start)
+        self.steps_ahead = 0  # model steps planned while the step before them ran
 
     @property
     def runner(self) -> BatchRunner | None:
@@ -114,6 +129,10 @@ class EngineCore:
         """Stop the loop; requests still open end with an error instead of waiting forever."""
         await cancel_and_wait(self._task)
         self._task = None
+        if self._ahead is not None:  # a step queued on the torch thread: it ends before the executor closes
+            with contextlib.suppress(Exception):
+                await self._ahead.output
+            self._ahead = None
         await asyncio.to_thread(self.executor.close)
         self.thread.close()
         for seq_id in list(self._handles):
@@ -186,6 +205,18 @@ class EngineCore:
             output = StepOutput(errors={s.seq_id: message for s in self.scheduler.running})
         return output, self.scheduler.update(plan, output)
 
+    def _run_guarded(self, plan: StepPlan) -> StepOutput:
+        """`_run` on the torch thread for a step whose results the loop applies (overlap scheduling): a
+        failure outside the per-request guards fails the step's requests, not the engine."""
+        try:
+            return self._run(plan)
+        except ExecutorFailed:
+            raise
+        except Exception as exc:  # noqa: BLE001 - outside the per-sequence guards: end the step's requests
+            log.exception("engine step failed")
+            message = f"exception occurred during generation: {exc}"
+            return StepOutput(errors={row.seq_id: message for row in plan.batch.rows})
+
     def _run(self, plan: StepPlan) -> StepOutput:
         """The model work of `plan`: its plain-data batch through the executor (the constrained rows'
         grammar bitmask filled first)."""
@@ -210,15 +241,24 @@ class EngineCore:
             output.errors[seq_id] = message
         return output
 
-    async def _step(self) -> None:
-        scheduler = self.scheduler
-        self._wakeup.clear()
+    def _plan(self, ahead: bool = False) -> StepPlan:
+        """Plan the next step (`ahead`: while the one before it runs); the requests that timed out in the
+        queue or were aborted end now."""
         now = time.monotonic()
-        for seq in scheduler.expire(now):
+        for seq in self.scheduler.expire(now):
             self._fail_before_start(seq.seq_id, QueueTimeout(f"Time out in: {self._timeout_text()}"))
-        plan, events = scheduler.schedule(now)
+        plan, events = self.scheduler.schedule(now, ahead=True) if ahead else self.scheduler.schedule(now)
         self._stamp(events, now)  # aborts: no tokens
         self._deliver(events)
+        return plan
+
+    async def _step(self) -> None:
+        if self.async_scheduling:
+            await self._step_overlapped()
+            return
+        scheduler = self.scheduler
+        self._wakeup.clear()
+        plan = self._plan()
         if not plan.has_model_work:
             if plan.batch.finished or plan.batch.preempted:  # the executor forgets what it kept of them
                 try:
@@ -232,7 +272,39 @@ class EngineCore:
             return
         started = time.monotonic()
         output, events = await self.thread.run(self._execute, plan)
-        now = time.monotonic()
+        self._finish_step(plan, output, events, started)
+
+    async def _step_overlapped(self) -> None:
+        """One step with overlap scheduling: the step planned ahead (or, when none was, one planned now)
+        runs on the torch thread while the loop plans the step after it and queues it there (when the
+        scheduler allows: `BlockScheduler.can_plan_ahead`), then applies this step's results and delivers
+        its events while the queued step runs. So the host's planning and the per-token work of a step
+        (detokenizing, stop strings, the events) overlap the model's next step instead of following it."""
+        current, self._ahead = self._ahead, None
+        if current is None:
+            self._wakeup.clear()
+            plan = self._plan()
+            if not plan.has_model_work and not (plan.batch.finished or plan.batch.preempted):
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wakeup.wait(), self.scheduler.next_wakeup(time.monotonic()))
+                return
+            current = _InFlight(plan, self.thread.submit(self._run_guarded, plan), time.monotonic())
+        if current.plan.has_model_work and self.scheduler.can_plan_ahead():
+            ahead = self._plan(ahead=True)
+            if ahead.has_model_work or ahead.batch.finished or ahead.batch.preempted:
+                self._ahead = _InFlight(ahead, self.thread.submit(self._run_guarded, ahead), time.monotonic())
+                self.steps_ahead += ahead.has_model_work
+        output = await current.output
+        if not current.plan.has_model_work:  # the executor only forgot requests
+            return
+        events = self.scheduler.update(current.plan, output)
+        self._finish_step(current.plan, output, events, max(current.submitted, self._last_done))
+
+    def _finish_step(
+        self, plan: StepPlan, output: StepOutput, events: list[tuple[Sequence, StepEvent]], started: float
+    ) -> None:
+        """A model step's results applied: its events stamped and delivered, the observers told."""
+        now = self._last_done = time.monotonic()
         self.steps += 1
         firsts, gaps = self._stamp(events, now)
         self.generated_tokens += len(firsts) + len(gaps)  # one of the two per token sampled

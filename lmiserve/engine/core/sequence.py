@@ -66,6 +66,10 @@ class Sequence:
         self.adapter: LoraAdapter | None = None  # its LoRA adapter (engine/lora/adapters.py; None: the base model)
         self.images: ImageInputs | None = None  # a VLM prompt's images (engine/text/images.py; None: text only)
         self.kv_len = 0  # positions of this sequence written into the KV cache
+        # planned in steps whose results are not applied yet (overlap scheduling plans a step while the one
+        # before it runs): KV positions, and tokens those steps sample (engine/core/block_scheduler.py)
+        self.inflight_tokens = 0
+        self.inflight_samples = 0
         self.cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
         self.output_ids: list[int] = []
         self.cumulative_logprob = 0.0
@@ -114,6 +118,27 @@ class Sequence:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def kv_next(self) -> int:
+        """The first position no planned step computes: where this sequence's next step starts."""
+        return self.kv_len + self.inflight_tokens
+
+    @property
+    def decoding(self) -> bool:
+        """Whether its next step decodes: it runs, or the prompt's last chunk is in flight."""
+        return self.status is SeqStatus.RUNNING or (self.status is SeqStatus.PREFILL and self.inflight_samples > 0)
+
+    @property
+    def may_constrain(self) -> bool:
+        """Whether a token may be masked (a grammar, one waiting for its marker, or a thinking budget): its
+        next step's mask then depends on the token before it, so that step is never planned ahead."""
+        return (
+            self._grammar is not None
+            or self._deferred is not None
+            or self._forcing is not None
+            or self._thinking is not None
+        )
 
     @property
     def prefill_remaining(self) -> int:

@@ -55,6 +55,11 @@ class NewRequest:
     images: ImageInputs | None = None
 
 
+# a decode row's token when it was planned before the step that samples it had run (overlap scheduling):
+# the executor takes the request's last sampled token from its persistent batch
+PENDING_TOKEN = -1
+
+
 @dataclass(frozen=True)
 class ScheduledTokens:
     """Tokens of one request to compute in this step, from position `start`."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from abc import abstractmethod
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 from lmiserve.core.request import SamplingParams
 from lmiserve.engine.attention.windows import text_config
-from lmiserve.engine.core.step import AdapterRef, BatchRunner, ScheduledTokens, StepBatch, StepOutput
+from lmiserve.engine.core.step import PENDING_TOKEN, AdapterRef, BatchRunner, ScheduledTokens, StepBatch, StepOutput
 from lmiserve.engine.lora.adapters import LoraAdapter
 from lmiserve.engine.lora.batch import LoraBatch, LoraGroup, StackCache
 from lmiserve.engine.runner.sampling import Row, prompt_logprobs, sample_rows, sampler_row
@@ -111,8 +111,11 @@ class PersistentBatchRunner(BatchRunner):
                     self._adapter_of(new.seq_id, new.adapter, state, out)
                 if new.images is not None:
                     self._images_of(new.seq_id, new.images, state, out)
-            for row in batch.rows:
-                self._requests[row.seq_id].blocks.extend(row.new_blocks)
+            for n, row in enumerate(batch.rows):
+                state = self._requests[row.seq_id]
+                state.blocks.extend(row.new_blocks)
+                if row.token_ids[0] == PENDING_TOKEN:  # planned before its token was sampled: the last one
+                    batch.rows[n] = replace(row, token_ids=[(state.output_ids or state.prompt_ids)[-1]])
             rows = [i for i, row in enumerate(batch.rows) if row.seq_id not in out.errors]
             if rows:
                 self._run_rows(batch, rows, out)

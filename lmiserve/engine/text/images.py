@@ -8,6 +8,10 @@ and the family's tensors (``pixel_values``, ``image_grid_thw``, ``image_sizes``,
 each image's tokens lie in the prompt and carries the image's digest: the prefix cache keys the blocks
 those tokens fall in by it (engine/core/kv_blocks.py), and a model whose image tokens attend to each
 other both ways (Gemma 3) has its spans `atomic`: the scheduler never ends a chunk inside one.
+
+The codec is its processor's registered encoder (`core.image_prompt.encoder`): a protocol counts a
+prompt's tokens with it, and its output is kept for the request (`core.tokenizer.remember`), so the
+processor runs once a request.
 """
 
 from __future__ import annotations
@@ -19,12 +23,14 @@ from typing import Any
 
 import numpy as np
 
+from lmiserve.core import image_prompt
 from lmiserve.core.errors import InvalidRequest
 from lmiserve.core.media import Image
+from lmiserve.core.tokenizer import recall, remember
 
 __all__ = ["ImageCodec", "ImageInputs", "ImageSpan", "PromptIds", "probe_prompt", "span_digests"]
 
-_RECENT = 8  # prompts with images whose processing `ImageCodec` keeps (`prepare`, then `generate`)
+_RECENT = 8  # prompts with images whose processing `ImageCodec` keeps (beside each request's own)
 # processor outputs that are not the image encoder's (the ids are the prompt's; masks are the runner's)
 _NOT_IMAGE_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
@@ -79,13 +85,17 @@ class ImageCodec:
         self.image_token_id = int(image_token_id)
         self.atomic = atomic
         tokenizer = getattr(processor, "tokenizer", None)
-        # the placeholder the chat template writes (before the processor expands it)
+        # the image token the processor expands, one an image (not `core.image_prompt.placeholder`, the
+        # chat template's text for an image: Qwen2-VL's wraps this token in its vision start and end,
+        # LLaVA-NeXT's adds a newline; a raw prompt may hold the bare token)
         placeholder = getattr(processor, "image_token", None) or getattr(tokenizer, "image_token", None)
         self.placeholder: str | None = placeholder
         # Gemma 3's template writes its begin-of-image marker, which the processor expands
         self.boi: str | None = getattr(processor, "boi_token", None)
-        # the last few prompts processed (a protocol's `prepare` encodes before `generate` does again)
+        # the last few prompts processed, whichever request (each request also keeps its own: a protocol
+        # counts its prompt, then the engine's `prepare` and `generate` encode it)
         self._recent: OrderedDict[tuple[str, tuple[str, ...]], PromptIds] = OrderedDict()
+        image_prompt.register_encoder(processor, self.encode)
 
     def placeholders(self, prompt: str) -> int | None:
         """How many images `prompt` has room for (None: unknown)."""
@@ -94,13 +104,18 @@ class ImageCodec:
 
     def encode(self, prompt: str, images: Sequence[Image]) -> PromptIds:
         """The prompt's ids with its images' tokens expanded, carrying its `ImageInputs`;
-        `InvalidRequest` when the images do not match the prompt's placeholders."""
+        `InvalidRequest` when the images do not match the prompt's placeholders. What this request
+        encoded already (its protocol's count, `prepare`), or one of the last few prompts, is not
+        processed again."""
         key = (prompt, tuple(image.digest for image in images))
-        recent = self._recent.get(key)
-        if recent is None:
-            recent = self._recent[key] = self._process(prompt, images)
-            while len(self._recent) > _RECENT:
-                self._recent.popitem(last=False)
+        recent = recall(self.processor, ("images", key))
+        if not isinstance(recent, PromptIds):
+            recent = self._recent.get(key)
+            if recent is None:
+                recent = self._recent[key] = self._process(prompt, images)
+                while len(self._recent) > _RECENT:
+                    self._recent.popitem(last=False)
+            remember(self.processor, ("images", key), recent)
         prompt_ids = PromptIds(recent)
         prompt_ids.images = recent.images
         return prompt_ids
@@ -114,7 +129,7 @@ class ImageCodec:
         try:
             out = self.processor(text=[prompt], images=[[image.pixels for image in images]], return_tensors="np")
         except (ValueError, TypeError, IndexError) as exc:
-            raise InvalidRequest(f"the images do not fit the prompt: {exc}") from None
+            raise InvalidRequest(f"the images do not fit the prompt: {str(exc)[:300]}") from None
         ids = [int(i) for i in np.asarray(out["input_ids"])[0]]
         tensors = {k: np.asarray(v) for k, v in out.items() if k not in _NOT_IMAGE_INPUTS and v is not None}
         digests = tuple(image.digest for image in images)

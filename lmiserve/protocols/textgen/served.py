@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 
 from lmiserve import __version__
+from lmiserve.core import image_prompt
 from lmiserve.core.adapters import Source, select_adapter
 from lmiserve.core.engine import TextGenerator
 from lmiserve.core.errors import InvalidRequest, LmiServeError, TemplateError
@@ -108,10 +109,15 @@ class Served:
 
     def encode_with_images(self, text: str, images: tuple[Image, ...], *, special: bool = True) -> list[int]:
         """The prompt's ids with its images' tokens, as the processor makes them (`special`: special tokens
-        added, as the engine encodes); `InvalidRequest` when the text's placeholders do not match the images."""
+        added, as the engine encodes); `InvalidRequest` when the text's placeholders do not match the images.
+        With special tokens, the engine's encoder's (`image_prompt.encoder`, when the engine has one): the
+        engine's encoding of the same prompt in this request reuses its output (the processor runs once)."""
         processor = self.processor
         if processor is None:
             raise vision.no_vision(self.service.name)
+        encode = image_prompt.encoder(processor) if special else None
+        if encode is not None:
+            return list(encode(text, images))
         pixels = [[image.pixels for image in images]]  # one prompt's images (as the engine's ImageCodec)
         try:
             out = processor(text=[text], images=pixels, add_special_tokens=special, return_tensors="np")

@@ -1,0 +1,170 @@
+"""Overlap scheduling against the serial loop (issue #39 item 1), in one run, in turns: the engine
+(`create_engine`) with `async_scheduling` off and on, at 1, 32 and 128 greedy streams.
+
+    python benchmarks/overlap_scheduling.py [--model-id DIR] [--device cpu] [--dtype fp32]
+                                            [--rows 1,32,128] [--new-tokens 128] [--turns 3] [--out DIR]
+
+Each run submits `rows` requests at once (`ignore_eos`, `--new-tokens` each) and reads every stream to
+its end. The figure is the decode rate once every stream has its first token: the tokens that came after
+the last first token, over the time from it to the last token (so the prompts' prefill, the same in both,
+is left out). Off and on run in turns (`--turns` pairs, drift hits both alike); the ratio is on / off of
+the turns' medians. Every run's tokens must equal the first run's (greedy: overlap changes no token), and
+the share of the steps planned ahead is reported (`EngineCore.steps_ahead`). Without --model-id: the
+tests' tiny Llama (2 layers, hidden 64, vocab 512, fp32), where the host's Python is most of a step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world! How are you today?",
+    "Large language models predict the next token.",
+    "Numbers like 1, 2, 3, 42 and 2024 appear in text too.",
+]
+
+
+async def measure(loaded: Any, rows: int, new_tokens: int, overlap: bool) -> dict[str, Any]:
+    """One engine, `rows` streams at once: the decode rate after the last first token, and the tokens."""
+    from lmiserve.core.request import GenerationRequest, SamplingParams
+    from lmiserve.engine.core.async_engine import EngineConfig
+    from lmiserve.engine.factory import create_engine
+
+    config = EngineConfig(max_running=rows, max_prefill_tokens=max(64, 16 * rows), async_scheduling=overlap)
+    engine = create_engine(loaded, config)
+    firsts: list[float] = []
+    stamps: list[list[float]] = []
+
+    async def consume(i: int) -> list[int]:
+        prompt = PROMPTS[i % len(PROMPTS)] + ("" if i < len(PROMPTS) else f" ({i})")
+        request = GenerationRequest(prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos_token=True))
+        ids, times = [], []
+        async for event in engine.generate(request):
+            if event.token is not None:
+                ids.append(event.token.id)
+                times.append(time.perf_counter())
+        firsts.append(times[0])
+        stamps.append(times)
+        return ids
+
+    engine.start()
+    try:
+        tokens = await asyncio.gather(*(consume(i) for i in range(rows)))
+    finally:
+        await engine.stop()
+    start = max(firsts)
+    end = max(t[-1] for t in stamps)
+    after = sum(1 for times in stamps for t in times if t > start)
+    return {
+        "rows": rows,
+        "overlap": overlap,
+        "tokens_per_s": round(after / (end - start), 1) if end > start else None,
+        "steps": engine.steps,
+        "steps_ahead_share": round(engine.steps_ahead / max(engine.steps, 1), 3),
+        "tokens": tokens,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-id", help="a model directory (default: the tests' tiny Llama)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="fp32")
+    parser.add_argument("--rows", default="1,32,128")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--turns", type=int, default=3, help="off/on pairs per row count")
+    parser.add_argument("--out", type=Path, help="a directory for summary.json and summary.md")
+    args = parser.parse_args()
+
+    from lmiserve.core import threads
+
+    wait = threads.prepare_environment(threads.choose(None)).wait_policy  # as `lmiserve serve` does
+    import torch
+
+    from lmiserve.models.load import load_causal_lm
+
+    results: list[dict[str, Any]] = []
+    load_before = os.getloadavg()
+    with ExitStack() as stack:
+        model_dir = args.model_id
+        if model_dir is None:
+            from helpers.tiny_model import build_tiny_model_dir
+
+            model_dir = str(build_tiny_model_dir(Path(stack.enter_context(tempfile.TemporaryDirectory())) / "tiny"))
+        loaded = load_causal_lm(model_dir, dtype=args.dtype, device=args.device)
+        for rows in [int(r) for r in args.rows.split(",")]:
+            asyncio.run(measure(loaded, rows, 8, False))  # warm-up: shapes, caches
+            runs = [
+                asyncio.run(measure(loaded, rows, args.new_tokens, overlap))
+                for _ in range(args.turns)
+                for overlap in (False, True)
+            ]
+            reference = runs[0]["tokens"]
+            same = all(r["tokens"] == reference for r in runs)
+            off = statistics.median(r["tokens_per_s"] for r in runs if not r["overlap"])
+            on = statistics.median(r["tokens_per_s"] for r in runs if r["overlap"])
+            result = {
+                "rows": rows,
+                "off_tokens_per_s": off,
+                "on_tokens_per_s": on,
+                "ratio": round(on / off, 3),
+                "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in runs],
+                "same_tokens": same,
+                "steps_ahead_share": statistics.median(r["steps_ahead_share"] for r in runs if r["overlap"]),
+            }
+            print(json.dumps(result), flush=True)
+            results.append(result)
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+            if line.startswith("Model name")
+        ),
+        platform.processor(),
+    )
+    env = {
+        "cpu": cpu,
+        "device": args.device,
+        "model": args.model_id or "tiny Llama (tests)",
+        "dtype": args.dtype,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "openmp_wait": wait,
+        "load_average_before_after": [load_before[0], os.getloadavg()[0]],
+    }
+    lines = [
+        "| rows | serial tok/s | overlapped tok/s | ratio | steps planned ahead | same tokens |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['rows']} | {r['off_tokens_per_s']} | {r['on_tokens_per_s']} | {r['ratio']:.2f}x | "
+            f"{100 * r['steps_ahead_share']:.0f} % | {'yes' if r['same_tokens'] else 'NO'} |"
+        )
+    summary = "\n".join(lines)
+    print(summary)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "summary.json").write_text(json.dumps({"env": env, "argv": sys.argv, "results": results}, indent=1))
+        (args.out / "summary.md").write_text(f"{env}\n\n{summary}\n")
+
+
+if __name__ == "__main__":
+    main()
