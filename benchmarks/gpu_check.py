@@ -30,7 +30,9 @@ dependencies can come as wheels; see benchmarks/README.md, "The GPU check"). It 
    entries: ``decode_paths`` (step 5's report), ``fp8_kv`` (``benchmarks/kv_fp8_quality.py`` on CUDA: the
    fp8 KV cache's perplexity, agreement and blocks) and ``quantized`` (``fp8_bench``: ``quantize=fp8`` at
    one stream on the largest shape benched, ``over_bf16`` its tokens/s over that shape's bf16 level 1;
-   ``quality``: ``benchmarks/quantized_quality.py`` on CUDA, each format's perplexity and agreement).
+   ``quality``: ``benchmarks/quantized_quality.py`` on CUDA, each format's perplexity and agreement) and
+   ``overlap`` (``benchmarks/overlap_scheduling.py`` on the 1B shape: ``async_scheduling`` off and on in
+   turns at 1, 32 and 128 streams, tokens/s, the ratio, whether the tokens agree).
 
 Every step has a time limit inside ``--budget`` (default 450 s); a step that fails or runs out is
 recorded as such and the next one runs.
@@ -369,6 +371,18 @@ def markdown(summary: dict[str, Any]) -> str:
             for level, r in levels.items():
                 cells = [path, level, r["tokens_per_s"], r["over_graphs"], f"{r['identical_to_graphs']}/{level}"]
                 lines.append("| " + " | ".join(str(c) for c in [*cells, r["graphs_captured"]]) + " |")
+    if summary.get("overlap"):
+        lines += [
+            "",
+            "## Overlap scheduling, 1B shape (bf16, 128 forced tokens, decode rate after the last first token)",
+            "",
+            "| streams | serial tok/s | overlapped tok/s | ratio | steps planned ahead | same tokens |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in summary["overlap"]:
+            cells = [r["rows"], r["off_tokens_per_s"], r["on_tokens_per_s"], r["ratio"]]
+            cells += [r["steps_ahead_share"], r["same_tokens"]]
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -483,6 +497,40 @@ def main(argv: list[str] | None = None) -> int:
         step = run_step("decode paths 1b", command, out / "decode-paths-1b.log", min(150.0, left() - 60), env)
         if report.exists():
             step["report"] = summary["decode_paths"] = json.loads(report.read_text())
+        summary["steps"].append(step)
+
+    # 5c. overlap scheduling (issue 39 item 1): the 1B shape's engine with async_scheduling off and on, in turns
+    if left() < 120:
+        summary["steps"].append(_skipped("overlap scheduling 1b", "time"))
+    else:
+        dummy_model_dir("1b", out / "model-1b")
+        overlap_dir = out / "overlap-1b"
+        command = [
+            sys.executable,
+            str(ROOT / "benchmarks" / "overlap_scheduling.py"),
+            "--model-id",
+            str(out / "model-1b"),
+            "--load-format",
+            "dummy",
+            "--device",
+            "cuda",
+            "--dtype",
+            "bf16",
+            "--kv-cache-memory-bytes",
+            str(8 << 30),
+            "--rows",
+            "1,32,128",
+            "--new-tokens",
+            "128",
+            "--turns",
+            "1",
+            "--out",
+            str(overlap_dir),
+        ]
+        step = run_step("overlap scheduling 1b", command, out / "overlap-1b.log", min(120.0, left() - 60), env)
+        if (overlap_dir / "summary.json").exists():
+            results = json.loads((overlap_dir / "summary.json").read_text())["results"]
+            summary["overlap"] = [{k: v for k, v in r.items() if k != "runs"} for r in results]
         summary["steps"].append(step)
 
     # 5a. quantized weights (issue 39 item 2): fp8 weights (quantize=fp8 of the dummy bf16 weights, Fp8Linear's

@@ -2,6 +2,7 @@
 (`create_engine`) with `async_scheduling` off and on, at 1, 32 and 128 greedy streams.
 
     python benchmarks/overlap_scheduling.py [--model-id DIR] [--device cpu] [--dtype fp32]
+                                            [--load-format auto|dummy] [--kv-cache-memory-bytes N]
                                             [--rows 1,32,128] [--new-tokens 128] [--turns 3] [--out DIR]
 
 Each run submits `rows` requests at once (`ignore_eos`, `--new-tokens` each) and reads every stream to
@@ -41,13 +42,18 @@ PROMPTS = [
 ]
 
 
-async def measure(loaded: Any, rows: int, new_tokens: int, overlap: bool) -> dict[str, Any]:
+async def measure(loaded: Any, rows: int, new_tokens: int, overlap: bool, kv_bytes: int | None) -> dict[str, Any]:
     """One engine, `rows` streams at once: the decode rate after the last first token, and the tokens."""
     from lmiserve.core.request import GenerationRequest, SamplingParams
     from lmiserve.engine.core.async_engine import EngineConfig
     from lmiserve.engine.factory import create_engine
 
-    config = EngineConfig(max_running=rows, max_prefill_tokens=max(64, 16 * rows), async_scheduling=overlap)
+    config = EngineConfig(
+        max_running=rows,
+        max_prefill_tokens=max(64, 16 * rows),
+        async_scheduling=overlap,
+        kv_cache_memory_bytes=kv_bytes,
+    )
     engine = create_engine(loaded, config)
     firsts: list[float] = []
     stamps: list[list[float]] = []
@@ -87,6 +93,8 @@ def main() -> None:
     parser.add_argument("--model-id", help="a model directory (default: the tests' tiny Llama)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="fp32")
+    parser.add_argument("--load-format", default="auto", help="dummy: random weights (a shape's config alone)")
+    parser.add_argument("--kv-cache-memory-bytes", type=int, help="the KV pool's budget (default: by device)")
     parser.add_argument("--rows", default="1,32,128")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--turns", type=int, default=3, help="off/on pairs per row count")
@@ -108,11 +116,12 @@ def main() -> None:
             from helpers.tiny_model import build_tiny_model_dir
 
             model_dir = str(build_tiny_model_dir(Path(stack.enter_context(tempfile.TemporaryDirectory())) / "tiny"))
-        loaded = load_causal_lm(model_dir, dtype=args.dtype, device=args.device)
+        loaded = load_causal_lm(model_dir, dtype=args.dtype, device=args.device, load_format=args.load_format)
+        kv = args.kv_cache_memory_bytes
         for rows in [int(r) for r in args.rows.split(",")]:
-            asyncio.run(measure(loaded, rows, 8, False))  # warm-up: shapes, caches
+            asyncio.run(measure(loaded, rows, 8, False, kv))  # warm-up: shapes, caches
             runs = [
-                asyncio.run(measure(loaded, rows, args.new_tokens, overlap))
+                asyncio.run(measure(loaded, rows, args.new_tokens, overlap, kv))
                 for _ in range(args.turns)
                 for overlap in (False, True)
             ]

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from collections.abc import Callable
 
@@ -22,7 +23,7 @@ from lmiserve.engine.core.block_scheduler import BlockScheduler
 from lmiserve.engine.core.kv_blocks import BlockPool
 from lmiserve.engine.core.scheduler import StepPlan
 from lmiserve.engine.core.sequence import SeqStatus, Sequence
-from lmiserve.engine.core.step import SampleResult, StepBatch, StepOutput
+from lmiserve.engine.core.step import PENDING_TOKEN, SampleResult, StepBatch, StepOutput
 
 # A sampling rule: (seq_id, tokens generated so far) -> the next token id.
 TokenRule = Callable[[int, int], int]
@@ -122,6 +123,9 @@ class BatchMirror:
             prompt_ids, output, blocks = self.requests[row.seq_id]
             blocks.extend(row.new_blocks)
             tokens = prompt_ids + output
+            if row.token_ids == [PENDING_TOKEN]:  # planned ahead of its token's sampling: the last one
+                assert number < batch.num_decode and output
+                row = dataclasses.replace(row, token_ids=[output[-1]])
             assert row.token_ids == tokens[row.start : row.start + len(row.token_ids)]
             assert number >= batch.num_decode or (len(row.token_ids) == 1 and row.start == len(tokens) - 1)
             bs = self.block_size
