@@ -88,6 +88,19 @@ async def measure(loaded: Any, rows: int, new_tokens: int, overlap: bool, kv_byt
     }
 
 
+def table(results: list[dict[str, Any]]) -> str:
+    lines = [
+        "| rows | serial tok/s | overlapped tok/s | ratio | steps planned ahead | same tokens |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['rows']} | {r['off_tokens_per_s']:.1f} | {r['on_tokens_per_s']:.1f} | {r['ratio']:.2f}x | "
+            f"{100 * r['steps_ahead_share']:.0f} % | {'yes' if r['same_tokens'] else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-id", help="a model directory (default: the tests' tiny Llama)")
@@ -127,8 +140,8 @@ def main() -> None:
             ]
             reference = runs[0]["tokens"]
             same = all(r["tokens"] == reference for r in runs)
-            off = statistics.median(r["tokens_per_s"] for r in runs if not r["overlap"])
-            on = statistics.median(r["tokens_per_s"] for r in runs if r["overlap"])
+            off = round(statistics.median(r["tokens_per_s"] for r in runs if not r["overlap"]), 1)
+            on = round(statistics.median(r["tokens_per_s"] for r in runs if r["overlap"]), 1)
             result = {
                 "rows": rows,
                 "off_tokens_per_s": off,
@@ -158,16 +171,7 @@ def main() -> None:
         "openmp_wait": wait,
         "load_average_before_after": [load_before[0], os.getloadavg()[0]],
     }
-    lines = [
-        "| rows | serial tok/s | overlapped tok/s | ratio | steps planned ahead | same tokens |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        lines.append(
-            f"| {r['rows']} | {r['off_tokens_per_s']} | {r['on_tokens_per_s']} | {r['ratio']:.2f}x | "
-            f"{100 * r['steps_ahead_share']:.0f} % | {'yes' if r['same_tokens'] else 'NO'} |"
-        )
-    summary = "\n".join(lines)
+    summary = table(results)
     print(summary)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

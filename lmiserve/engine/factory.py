@@ -194,7 +194,18 @@ def create_engine(
         manager = attach_lora(runner, config.lora.max_lora_rank, modules)
         # the registry reads adapters through the runner's manager: one read, one copy of the weights
         adapters = AdapterRegistry(loaded.model, config.lora, modules=modules, loader=manager.load)
-    return AsyncEngine(runner, codec, config, grammars, adapters)
+    engine = AsyncEngine(runner, codec, config, grammars, adapters)
+    engine.warmup_rows = decode_rows(runner, config.max_running)
+    return engine
+
+
+def decode_rows(runner: PersistentBatchRunner, max_running: int) -> tuple[int, ...]:
+    """The decode row counts a warm-up runs (engine/core/warmup.py): each CUDA graph's size (a step of
+    up to `max_running` rows), else one row, a multiple of 16 and the most rows (the Triton kernels'
+    specializations)."""
+    graphs = getattr(getattr(runner, "fast", None), "graphs", None)
+    sizes = graphs.sizes if graphs is not None else (1, 16, max_running)
+    return tuple(sorted({min(size, max_running) for size in sizes}))
 
 
 def attach_lora(
@@ -248,6 +259,8 @@ def _for_device(config: EngineConfig, device: torch.device) -> EngineConfig:
         config = dataclasses.replace(config, prefill_floor=PREFILL_FLOOR.get(device.type, 256))
     if config.async_scheduling is None:
         config = dataclasses.replace(config, async_scheduling=device.type == "cuda")
+    if config.warmup is None:  # on a GPU a new shape compiles kernels and captures a graph (engine/core/warmup.py)
+        config = dataclasses.replace(config, warmup=device.type == "cuda")
     spec = config.speculation
     if spec is not None and spec.disable_by_batch_size is None:
         limit = DISABLE_BY_BATCH_SIZE.get(device.type, DISABLE_BY_BATCH_SIZE["cuda"])

@@ -112,12 +112,17 @@ class ModelService:
         return self._tensor_model
 
     async def load(self) -> None:
+        from lmiserve.engine.core.async_engine import AsyncEngine
+        from lmiserve.engine.core.warmup import warm_up
+
         try:
             engine = await torch_thread.run_apart(self._load_blocking)
             if self._closed:  # unregistered while loading: never start
                 self.status, self.error = self.FAILED, "unloaded while loading"
                 return
             engine.start()
+            if isinstance(engine, AsyncEngine):  # on a GPU: each shape run once before the first request
+                await warm_up(engine)
             self.status = self.READY
             log.info("model %s (%s) ready (%s)", self.name, self.kind, self.path)
         except Exception as exc:  # noqa: BLE001 - reported by /ping and the log

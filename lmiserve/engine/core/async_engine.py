@@ -65,6 +65,7 @@ class AsyncEngine(EngineCore):
         self.codec = codec
         self.grammars = grammars  # compiles the grammars of constrained requests (None: unsupported)
         self._ids = itertools.count(1)
+        self.warmup_rows: tuple[int, ...] = (1,)  # the decode row counts a warm-up runs (engine/core/warmup.py)
 
     async def stop(self) -> None:
         """Stop the loop (requests still open end with an error) and the grammar compiler."""
@@ -306,6 +307,10 @@ class AsyncEngine(EngineCore):
         if unfinished:
             log.debug("aborted: %d sequence(s)", len(unfinished), extra={"request_id": handle.request.request_id})
         self._wakeup.set()
+
+    def events(self, handle: RequestHandle) -> AsyncGenerator[StepEvent, None]:
+        """The events of a request `submit` queued (of one sequence), to its end."""
+        return self._drain(handle)
 
     async def _drain(self, handle: RequestHandle) -> AsyncGenerator[StepEvent, None]:
         while handle.open:

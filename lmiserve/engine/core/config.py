@@ -38,6 +38,8 @@ class EngineConfig:
     # overlap scheduling: the next step planned and queued while one runs, its results applied meanwhile
     # (engine/core/engine_core.py); None = by device (engine/factory.py)
     async_scheduling: bool | None = None
+    # before serving, run each prompt and decode shape once (engine/core/warmup.py); None = by device (on CUDA)
+    warmup: bool | None = None
     enforce_eager: bool = False  # on CUDA: no decode steps replayed as CUDA graphs (engine/attention/cuda_graphs.py)
     speculation: SpeculationSettings | None = None  # speculative decoding (engine/speculative/proposers.py)
     lora: LoraLimits | None = None  # LoRA adapters (engine/lora/registry.py; None: none served)

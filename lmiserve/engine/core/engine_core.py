@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,6 +149,15 @@ class EngineCore:
     # ---- observers (lmiserve.core.stats) -------------------------------------------------------------
     def add_observer(self, observer: EngineObserver) -> None:
         self._observers.append(observer)
+
+    @contextlib.contextmanager
+    def unobserved(self) -> Iterator[None]:
+        """The observers see nothing of what runs meanwhile (the engine's own warm-up, engine/core/warmup.py)."""
+        observers, self._observers = self._observers, []
+        try:
+            yield
+        finally:
+            self._observers = observers + self._observers
 
     def _notify(self, method: str, *args: object) -> None:
         for observer in self._observers:

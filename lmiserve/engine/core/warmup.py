@@ -1,0 +1,92 @@
+"""The model warmed up before it serves (`EngineConfig.warmup`; on a GPU by default): no request pays for
+a shape the model has not run yet.
+
+On a GPU the first step of a new shape costs far more than the step: Triton compiles its kernels for the
+arguments it specializes on (a count of 1, one divisible by 16, any other), cuBLAS picks its kernels, and
+a decode step of a new row count is captured as a CUDA graph (engine/attention/cuda_graphs.py). The GPU
+checks before this measured a time to first token of 0.4-0.8 s at one stream against 50-100 ms at 32: the
+first requests paid for those. So, once the engine runs and before the model is reported ready
+(models/service.py), `warm_up` sends it:
+
+1. one request a prompt length of `PROMPT_LENGTHS` (each below the context), alone: its prefill (in the
+   prompt budget's chunks) and a decode step;
+2. for each decode row count the runner distinguishes (`AsyncEngine.warmup_rows`: every CUDA graph size up
+   to `max_rolling_batch_size`, set by engine/factory.py), that many requests at once, whose decode steps
+   run that many rows (so each graph is captured now).
+
+The requests are the engine's own (token ids, greedy, a salt of their own, so no real prompt shares their
+cached blocks); the observers (metrics, stats) do not see them and the engine's counters start from zero
+after them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from lmiserve.core.request import GenerationRequest, SamplingParams
+from lmiserve.engine.core.async_engine import AsyncEngine
+from lmiserve.engine.core.handles import RequestHandle
+
+log = logging.getLogger(__name__)
+
+# prompt lengths warmed: 1, either side of a multiple of 16, the prompt kernel's tiles (64) and longer
+PROMPT_LENGTHS = (1, 15, 16, 17, 64, 100, 256, 1000)
+NEW_TOKENS = 3  # a prefill's token, then two decode steps
+
+
+@dataclass(frozen=True)
+class WarmUp:
+    """What a warm-up ran."""
+
+    prompt_lengths: tuple[int, ...]
+    decode_rows: tuple[int, ...]
+    seconds: float
+
+
+async def warm_up(engine: AsyncEngine) -> WarmUp | None:
+    """Warm `engine` up (running) if its config asks (`EngineConfig.warmup`); None if not."""
+    if not engine.config.warmup:
+        return None
+    start = time.monotonic()
+    vocab = max(engine.executor.vocab_size, 1)
+    codec = engine.codec
+    fits = [n for n in PROMPT_LENGTHS if n + NEW_TOKENS <= codec.max_context and n <= codec.max_input_len]
+    lengths = tuple(n for n in fits if not engine.pool.never_fits(n + NEW_TOKENS))
+    limit = engine.config.max_running
+    rows = tuple(sorted({min(r, limit) for r in engine.warmup_rows if r > 0}))
+    count = 0
+
+    async def run(length: int, requests: int) -> None:
+        """`requests` requests of `length` prompt tokens, submitted at once (so that their steps run together)."""
+        nonlocal count
+        handles = []
+        for _ in range(requests):
+            count += 1
+            ids = [(7 * i + count) % vocab for i in range(length)]
+            params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos_token=True)
+            request = GenerationRequest("", params, cache_salt=f"lmiserve-warmup-{count}", prompt_ids=ids)
+            handles.append(engine.submit(request))
+        await asyncio.gather(*(_finish(engine, handle) for handle in handles))
+
+    with engine.unobserved():
+        for length in lengths:
+            await run(length, 1)
+        for size in rows:
+            await run(2, size)
+    engine.steps = engine.steps_ahead = engine.generated_tokens = 0
+    done = WarmUp(lengths, rows, round(time.monotonic() - start, 3))
+    log.info(
+        "warmed up in %.1f s: prompts of %s tokens, decode steps of %s rows",
+        done.seconds,
+        ", ".join(map(str, lengths)),
+        ", ".join(map(str, rows)),
+    )
+    return done
+
+
+async def _finish(engine: AsyncEngine, handle: RequestHandle) -> None:
+    async for _ in engine.events(handle):
+        pass

@@ -1,0 +1,97 @@
+"""The warm-up before serving (engine/core/warmup.py): on a GPU by default, run here on the CPU with
+`warmup=True` through the same engine: every prompt length and decode row count it promises is run, the
+observers see none of it, and the engine is left as it was (counters at zero, no blocks held, output
+unchanged)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from helpers.greedy import greedy_reference
+from lmiserve.core.request import GenerationRequest, SamplingParams
+from lmiserve.core.stats import EngineObserver
+from lmiserve.engine.core.async_engine import EngineConfig
+from lmiserve.engine.core.warmup import PROMPT_LENGTHS, warm_up
+from lmiserve.engine.factory import _for_device, create_engine, decode_rows
+
+
+class Recorder(EngineObserver):
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def on_submitted(self, prompt_tokens: int, sequences: int) -> None:
+        self.calls.append("submitted")
+
+    def on_step(self, step) -> None:
+        self.calls.append("step")
+
+    def on_finished(self, request) -> None:
+        self.calls.append("finished")
+
+
+async def test_warm_up_runs_every_shape_unseen_and_leaves_the_engine_as_it_was(tiny_model):
+    engine = create_engine(tiny_model, EngineConfig(max_running=8, warmup=True, max_prefill_tokens=128))
+    runner = engine.runner
+    assert runner is not None
+    seen: list[tuple[int, int]] = []  # (decode rows, prompt tokens) of each step
+    original = runner.execute_batch
+
+    def recording(batch):
+        prompt = sum(len(row.token_ids) for row in batch.rows[batch.num_decode :])
+        seen.append((batch.num_decode, prompt))
+        return original(batch)
+
+    runner.execute_batch = recording  # type: ignore[method-assign]
+    recorder = Recorder()
+    engine.add_observer(recorder)
+    engine.start()
+    try:
+        done = await warm_up(engine)
+        assert done is not None
+        assert done.decode_rows == decode_rows(runner, 8) == (1, 8)
+        assert done.prompt_lengths == tuple(n for n in PROMPT_LENGTHS if n + 3 <= tiny_model.max_context)
+        # every prompt length prefilled (in chunks of the prompt budget), every row count decoded in one step
+        prompt_steps = {p for _, p in seen}
+        for length in done.prompt_lengths:
+            assert min(length, 128) in prompt_steps
+        assert {1, 8} <= {rows for rows, _ in seen}
+        assert recorder.calls == []
+        assert engine.steps == engine.generated_tokens == engine.steps_ahead == 0
+        assert engine.num_running == engine.num_waiting == 0 and engine.pool.num_used_blocks == 0
+        # serving after it: the observers see the requests, the output is generate()'s
+        prompt = "The quick brown fox"
+        ids = list(tiny_model.tokenizer(prompt)["input_ids"])
+        events = [e async for e in engine.generate(GenerationRequest(prompt, SamplingParams(max_new_tokens=12)))]
+        assert [e.token.id for e in events if e.token is not None] == greedy_reference(tiny_model)(ids, 12)
+        assert "submitted" in recorder.calls and "finished" in recorder.calls
+    finally:
+        await engine.stop()
+
+
+async def test_no_warm_up_unless_asked(tiny_model):
+    engine = create_engine(tiny_model, EngineConfig())
+    assert engine.config.warmup is False  # on the CPU (a GPU: on)
+    engine.start()
+    try:
+        assert await warm_up(engine) is None
+        assert engine.steps == 0
+    finally:
+        await engine.stop()
+
+
+def test_a_gpu_warms_up_and_overlaps_by_default_a_cpu_does_neither():
+    gpu, cpu = _for_device(EngineConfig(), torch.device("cuda")), _for_device(EngineConfig(), torch.device("cpu"))
+    assert gpu.warmup is True and gpu.async_scheduling is True
+    assert cpu.warmup is False and cpu.async_scheduling is False
+    given = _for_device(EngineConfig(warmup=False, async_scheduling=False), torch.device("cuda"))
+    assert given.warmup is False and given.async_scheduling is False
+
+
+def test_decode_rows_are_the_graph_sizes_up_to_the_batch_limit():
+    graphs = SimpleNamespace(sizes=[1, 2, 4, 8, 16, 24, 32, 40])
+    runner = SimpleNamespace(fast=SimpleNamespace(graphs=graphs))
+    assert decode_rows(runner, 33) == (1, 2, 4, 8, 16, 24, 32, 33)  # type: ignore[arg-type]
+    assert decode_rows(SimpleNamespace(), 32) == (1, 16, 32)  # type: ignore[arg-type]
+    assert decode_rows(SimpleNamespace(), 4) == (1, 4)  # type: ignore[arg-type]
