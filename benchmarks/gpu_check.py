@@ -75,6 +75,8 @@ ENGINE_TESTS = (
     "tests/unit/test_cuda_graphs.py",
     "tests/unit/test_sliding_window.py",
     "tests/unit/test_kv_fp8.py",
+    "tests/unit/test_overlap_scheduling.py",
+    "tests/unit/test_warmup.py",
 )
 
 PYTEST_PLUGINS = ("-p", "pytest_asyncio.plugin", "-p", "xdist.plugin")

@@ -263,10 +263,12 @@ def test_structured_output_and_the_prefix_cache_under_tensor_parallelism(tiny_mo
     assert CACHED["TensorParallelExecutor"] == CACHED["InProcessExecutor"] > 0, CACHED
 
 
-def test_preemption_under_tensor_parallelism_keeps_every_stream(tiny_model_dir, kv2_answers):
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
+def test_preemption_under_tensor_parallelism_keeps_every_stream(tiny_model_dir, kv2_answers, overlap):
     """A pool of 12 blocks of 4 tokens on each rank (its KV heads' half of every block) for the whole
     burst: the scheduler preempts, the ranks drop the preempted requests' blocks and recompute them when
-    they come back, and every greedy stream is the one of an unhurried single process."""
+    they come back, and every greedy stream is the one of an unhurried single process; with overlap
+    scheduling too (each rank takes a pending row's token from its own persistent batch)."""
     from lmiserve.engine.core.kv_blocks import bytes_per_block
     from lmiserve.models.compose import build_tensor_parallel_engine
     from lmiserve.models.load import load_model_shell
@@ -279,6 +281,7 @@ def test_preemption_under_tensor_parallelism_keeps_every_stream(tiny_model_dir, 
         "block_size": "4",
         "kv_cache_memory_bytes": str(12 * rank_block),
         "tensor_parallel_degree": "2",
+        "async_scheduling": str(overlap).lower(),
     }
     engine = build_tensor_parallel_engine(
         load_model_shell(tiny_model_dir, device="cpu"), Settings.from_options(options), 2
@@ -298,6 +301,7 @@ def test_preemption_under_tensor_parallelism_keeps_every_stream(tiny_model_dir, 
 
     answers, preemptions = asyncio.run(run())
     assert preemptions > 0
+    assert (engine.steps_ahead > 0) is overlap
     for answer, whole in zip(answers, kv2_answers[0]):
         assert answer.tokens == whole.tokens
 
