@@ -44,6 +44,10 @@ class _InFlight:
     submitted: float
 
 
+def _nothing() -> None:
+    """Run on the torch thread after the work queued there (`EngineCore.stop` waits for it)."""
+
+
 class EngineCore:
     """The scheduler, the executor and the loop of one loaded LLM (requests: `AsyncEngine`)."""
 
@@ -91,6 +95,7 @@ class EngineCore:
         # overlap scheduling: the next step is planned and queued while this one runs (`_step`)
         self.async_scheduling = bool(config.async_scheduling)
         self._ahead: _InFlight | None = None  # the step planned ahead, queued behind the running one
+        self._current: _InFlight | None = None  # the step whose results the loop waits for
         self._last_done = 0.0  # when the last step's results came back (a queued step's start)
         self.steps_ahead = 0  # model steps planned while the step before them ran
 
@@ -129,10 +134,10 @@ class EngineCore:
         """Stop the loop; requests still open end with an error instead of waiting forever."""
         await cancel_and_wait(self._task)
         self._task = None
-        if self._ahead is not None:  # a step queued on the torch thread: it ends before the executor closes
-            with contextlib.suppress(Exception):
-                await self._ahead.output
-            self._ahead = None
+        if self._current is not None or self._ahead is not None:
+            # the steps handed to the torch thread end (or, not started, never run) before the executor closes
+            await self.thread.run(_nothing)
+        self._current = self._ahead = None
         await asyncio.to_thread(self.executor.close)
         self.thread.close()
         for seq_id in list(self._handles):
@@ -303,7 +308,9 @@ class EngineCore:
             if ahead.has_model_work or ahead.batch.finished or ahead.batch.preempted:
                 self._ahead = _InFlight(ahead, self.thread.submit(self._run_guarded, ahead), time.monotonic())
                 self.steps_ahead += ahead.has_model_work
+        self._current = current
         output = await current.output
+        self._current = None
         if not current.plan.has_model_work:  # the executor only forgot requests
             return
         events = self.scheduler.update(current.plan, output)
