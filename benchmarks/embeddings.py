@@ -31,6 +31,7 @@ from pathlib import Path
 
 import httpx
 import torch
+from machine import cpu_model  # benchmarks/machine.py: the script's folder is on sys.path
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = (
@@ -48,14 +49,6 @@ def minilm_dir() -> Path:
 
 def texts(n: int = 48) -> list[str]:
     return [" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(8 + i % 17)) + f" ({i})" for i in range(n)]
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor() or "unknown"
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
 
 
 def rate(fn: Callable[[list[str]], object], batch: int, seconds: float, pool: list[str]) -> float:

@@ -24,12 +24,11 @@ import argparse
 import asyncio
 import json
 import math
-import platform
-import subprocess
 import time
 from pathlib import Path
 
 import torch
+from machine import cpu_model  # benchmarks/machine.py: the script's folder is on sys.path
 
 from lmiserve.core import GenerationRequest, SamplingParams
 from lmiserve.engine.core.async_engine import AsyncEngine, EngineConfig
@@ -55,17 +54,6 @@ def prompts(count: int, tokenizer) -> list[str]:
     ]
     chat = [[{"role": "user", "content": t}] for t in texts]
     return [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in chat]
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor() or "unknown"
-    for line in out.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 async def text_scores(engine: AsyncEngine, ids: list[int]) -> tuple[list[float], list[int]]:

@@ -34,7 +34,6 @@ import datetime as dt
 import itertools
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from machine import cpu_model  # benchmarks/machine.py: the script's folder is on sys.path
 
 from lmiserve.bench.machine import load_average, machine_info, versions
 from lmiserve.bench.prompts import _LONG_CONTEXT, SHORT_PROMPTS
@@ -302,17 +302,6 @@ def parse_url(text: str) -> tuple[str, str]:
     if not sep:
         raise argparse.ArgumentTypeError(f"expected NAME=URL, got {text!r}")
     return name, url.rstrip("/")
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return str(machine_info().get("cpu"))
 
 
 def print_table(results: dict[str, Any]) -> None:

@@ -20,9 +20,7 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -153,14 +151,9 @@ def main() -> None:
             }
             print(json.dumps(result), flush=True)
             results.append(result)
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-            if line.startswith("Model name")
-        ),
-        platform.processor(),
-    )
+    from machine import cpu_model
+
+    cpu = cpu_model()
     env = {
         "cpu": cpu,
         "device": args.device,

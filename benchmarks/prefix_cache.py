@@ -24,12 +24,11 @@ import asyncio
 import dataclasses
 import json
 import os
-import platform
 import statistics
-import subprocess
 import time
 
 import torch
+from machine import cpu_model  # benchmarks/machine.py: the script's folder is on sys.path
 
 from lmiserve.config.settings import Settings
 from lmiserve.core import GenerationRequest, SamplingParams
@@ -180,14 +179,6 @@ async def soak(loaded, cache_bytes: int, requests: int) -> dict:
         }
     finally:
         await engine.stop()
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "")
-    except OSError:
-        return platform.processor()
 
 
 async def main() -> None:

@@ -52,7 +52,6 @@ import os
 import platform
 import pstats
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -398,14 +397,9 @@ def main() -> None:
                 run(path, max(rows_list), drain=False)
             if args.profile and args.out is not None:  # a run of its own: the profilers slow what they watch
                 asyncio.run(measure(loaded, path, max(rows_list), min(args.steps, 20), args.warmup, args.out))
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-            if line.startswith("Model name")
-        ),
-        platform.processor(),
-    )
+    from machine import cpu_model
+
+    cpu = cpu_model()
     env = {
         "cpu": cpu,
         "torch": torch.__version__,
