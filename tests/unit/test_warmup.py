@@ -97,3 +97,31 @@ def test_decode_rows_are_the_graph_sizes_up_to_the_batch_limit():
     assert decode_rows(runner, 33) == (1, 2, 4, 8, 16, 24, 32, 33)  # type: ignore[arg-type]
     assert decode_rows(SimpleNamespace(), 32) == (1, 16, 32)  # type: ignore[arg-type]
     assert decode_rows(SimpleNamespace(), 4) == (1, 4)  # type: ignore[arg-type]
+
+
+async def test_a_vision_language_model_warms_up_on_ordinary_words(tiny_vlm_dir):
+    """The warm-up's prompts are ordinary words: never the image token (a prompt that holds it without
+    an image is refused), so a VLM warms up whole."""
+    from lmiserve.models.load import load_causal_lm
+
+    loaded = load_causal_lm(tiny_vlm_dir("qwen2_vl"), dtype="fp32", device="cpu")
+    engine = create_engine(loaded, EngineConfig(max_running=4, warmup=True))
+    seen: list[int] = []
+    new: list = []
+    original = engine.executor.execute
+
+    def recording(batch):
+        seen.extend(token for row in batch.rows[batch.num_decode :] for token in row.token_ids)  # prompts
+        new.extend(batch.new)
+        return original(batch)
+
+    engine.executor.execute = recording  # type: ignore[method-assign]
+    engine.start()
+    try:
+        done = await warm_up(engine)
+    finally:
+        await engine.stop()
+    assert done is not None and done.prompt_lengths and done.decode_rows == (1, 4)
+    special = engine.codec.special_token_ids
+    assert seen and not special & set(seen)  # the prompts: words only
+    assert len(new) == len(done.prompt_lengths) + sum(done.decode_rows)  # every request ran
