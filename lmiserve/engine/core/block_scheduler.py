@@ -219,6 +219,8 @@ class BlockScheduler(SchedulerBase):
         than its drafts) and its thinking budget allows (`Sequence.draft_limit`); none with a grammar (its
         matcher would have to mask every draft position)."""
         proposed, seq.drafts = seq.drafts, []
+        if not proposed and self.proposer is None:
+            return []  # nothing proposed (no speculative decoding: every step)
         if seq.grammar is not None:
             return []
         if self.proposer is not None:

@@ -248,6 +248,10 @@ class BlockPool:
         when the free blocks (less the cached ones this would take out of the evictable ones) are too few."""
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if not cached_blocks and table.num_tokens + num_new_tokens <= len(table.blocks) * self.block_size:
+            table.num_tokens += num_new_tokens  # its last block has room (most decode steps): no block taken
+            self._tick += 1
+            return True
         if cached_blocks:
             self._check_shareable(table, cached_blocks)
         total = table.num_tokens + len(cached_blocks) * self.block_size + num_new_tokens
