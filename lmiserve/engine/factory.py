@@ -196,6 +196,11 @@ def create_engine(
         adapters = AdapterRegistry(loaded.model, config.lora, modules=modules, loader=manager.load)
     engine = AsyncEngine(runner, codec, config, grammars, adapters)
     engine.warmup_rows = decode_rows(runner, config.max_running)
+    log.info(
+        "engine: overlap scheduling %s, warm-up before serving %s (async_scheduling; docs/engine.md)",
+        "on" if config.async_scheduling else "off",
+        "on" if config.warmup else "off",
+    )
     return engine
 
 
