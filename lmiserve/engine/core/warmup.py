@@ -4,8 +4,9 @@ a shape the model has not run yet.
 On a GPU the first step of a new shape costs far more than the step: Triton compiles its kernels for the
 arguments it specializes on (a count of 1, one divisible by 16, any other), cuBLAS picks its kernels, and
 a decode step of a new row count is captured as a CUDA graph (engine/attention/cuda_graphs.py). The GPU
-checks before this measured a time to first token of 0.4-0.8 s at one stream against 50-100 ms at 32: the
-first requests paid for those. So, once the engine runs and before the model is reported ready
+checks before this measured a time to first token of 0.4-0.8 s at one stream (the first level, after one
+short probe request) against 50-100 ms at 32: most likely the first requests' new prompt shapes paying for
+those (not yet confirmed on a GPU). So, once the engine runs and before the model is reported ready
 (models/service.py), `warm_up` sends it:
 
 1. one request a prompt length of `PROMPT_LENGTHS` (each below the context), alone: its prefill (in the
