@@ -194,11 +194,11 @@ async def measure(
     original_step, original_schedule, original_execute = engine._step, engine.scheduler.schedule, engine._execute
     # (with `profile_dir` the spans are not the figures: cProfile slows the Python it watches)
 
-    def schedule(now: float) -> Any:
+    def schedule(now: float, ahead: bool = False) -> Any:
         profiling = state["decode_steps"] >= warmup and cprofiles
         if profiling:
             cprofiles["plan"].enable()
-        plan, events = original_schedule(now)
+        plan, events = original_schedule(now, ahead=ahead)
         if profiling:
             cprofiles["plan"].disable()
         state["handed"] = time.perf_counter()  # the step goes to the torch thread

@@ -14,7 +14,7 @@ import torch
 from lmiserve.core.request import SamplingParams
 from lmiserve.engine.attention import cuda_graphs, kv_quant
 from lmiserve.engine.attention.kv_quant import KvFormat
-from lmiserve.engine.attention.paged import AttentionShape, kv_bytes_per_block
+from lmiserve.engine.attention.paged import AttentionShape
 from lmiserve.engine.core.async_engine import AsyncEngine, EngineConfig
 from lmiserve.engine.core.step import BatchRunner, NewRequest, ScheduledTokens, StepBatch
 from lmiserve.engine.loaded import LoadedModel
@@ -23,16 +23,12 @@ from lmiserve.engine.lora.adapters import FAST_PATH_MODULES, LoraAdapter
 from lmiserve.engine.lora.manager import LoraManager
 from lmiserve.engine.lora.registry import AdapterRegistry
 from lmiserve.engine.model.quantize import Int4Linear, Int8Linear, quantize_output_int8
-from lmiserve.engine.pool_plan import (  # noqa: F401 - the pool's sizing, used from here by callers and tests
+from lmiserve.engine.pool_plan import (
     CPU_KV_SHARE,
-    GPU_ACTIVATION_RESERVE,
-    PROFILE_MARGIN,
-    PROFILE_SLACK,
     DraftNeeds,
     MemoryReader,
     available_memory,
-    graph_pool_bytes,
-    kv_pool_blocks,
+    block_bytes,
     largest_step_tokens,
     plan_pools,
     report_draft_pool,
@@ -177,7 +173,7 @@ def create_engine(
         "KV cache: %d blocks of %d tokens (%.1f MiB, %s)",
         plan.blocks,
         config.block_size,
-        plan.blocks * kv_bytes_per_block(loaded.model, config.block_size, config.kv_cache_dtype) / 2**20,
+        plan.blocks * block_bytes(loaded.model, config) / 2**20,
         kv_quant.storage_dtype(config.kv_cache_dtype, loaded.model.dtype),
     )
     runner = _paged_runner(loaded, config, plan.blocks, fast_cls)

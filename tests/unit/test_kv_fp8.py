@@ -6,7 +6,6 @@ preemption over an fp8 pool, and the setting. Quality on SmolLM2: benchmarks/kv_
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import os
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.engines import running_engine
 from lmiserve.config import ConfigError, Settings, load_settings
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine.attention import backends, kv_quant, triton_ops
@@ -196,16 +196,6 @@ def test_the_triton_kernel_reads_fp8_blocks(kv_dtype, dtype):
 # ---- the engine ---------------------------------------------------------------------------------------------
 
 
-@contextlib.asynccontextmanager
-async def engine_for(loaded, **config):
-    engine = create_engine(loaded, EngineConfig(**config))
-    engine.start()
-    try:
-        yield engine
-    finally:
-        await engine.stop()
-
-
 async def greedy(engine, prompt: str, tokens: int = 16) -> list[int]:
     request = GenerationRequest(prompt, SamplingParams(max_new_tokens=tokens))
     return [e.token.id for e in [e async for e in engine.generate(request)] if e.token is not None]
@@ -248,7 +238,7 @@ async def test_both_runners_serve_over_an_fp8_pool_deterministically(tiny_model,
     """lmiserve's forward and transformers' over an fp8 pool: every request makes its tokens, the same ones
     twice. (The tiny random model's near-uniform logits say nothing of quality: SmolLM2's test below.)"""
     for name in ("fp8", "fp8_e5m2"):
-        async with engine_for(tiny_model, kv_cache_dtype=name, **runner) as engine:
+        async with running_engine(tiny_model, kv_cache_dtype=name, **runner) as engine:
             assert engine.runner.kv.quantized and engine.runner.kv.keys[0].dtype == kv_quant.storage_dtype(name, E4M3)
             first = [await greedy(engine, p) for p in PROMPTS]
             assert first == [await greedy(engine, p) for p in PROMPTS]
@@ -274,7 +264,7 @@ async def test_smollm2_over_an_fp8_pool_keeps_its_perplexity_and_next_token_choi
     ids = smollm_model.tokenizer(text)["input_ids"][:400]
     scores = {}
     for name in ("auto", "fp8_e4m3", "fp8_e5m2"):
-        async with engine_for(smollm_model, kv_cache_dtype=name, max_prefill_tokens=128) as engine:
+        async with running_engine(smollm_model, kv_cache_dtype=name, max_prefill_tokens=128) as engine:
             scores[name] = await _text_scores(engine, ids)
     auto_ppl, auto_top = scores["auto"]
     for name in ("fp8_e4m3", "fp8_e5m2"):
@@ -296,10 +286,10 @@ async def test_the_engine_over_the_triton_kernel_reads_an_fp8_pool_as_the_torch_
     over the same kind of pool."""
     config = {"kv_cache_dtype": "fp8", "max_prefill_tokens": 6, **runner}
     monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "torch")
-    async with engine_for(tiny_model, **config) as engine:
+    async with running_engine(tiny_model, **config) as engine:
         gathered = await asyncio.gather(*(greedy(engine, p, 8) for p in PROMPTS))
     monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "triton")
-    async with engine_for(tiny_model, **config) as engine:
+    async with running_engine(tiny_model, **config) as engine:
         attention = engine.runner.fast.attention if runner["fast_path"] else engine.runner.attention
         assert isinstance(attention, backends.TritonBackend)
         kernel = await asyncio.gather(*(greedy(engine, p, 8) for p in PROMPTS))
@@ -310,9 +300,9 @@ async def test_the_prefix_cache_over_an_fp8_pool_gives_a_fresh_engines_tokens(ti
     """Blocks shared from an earlier prompt hold the same fp8 bytes a fresh prefill writes."""
     system = "The server streams tokens to the client as soon as they are generated. " * 2
     prompts = [system + p for p in PROMPTS] * 2
-    async with engine_for(tiny_model, kv_cache_dtype="fp8", enable_prefix_caching=False, block_size=4) as engine:
+    async with running_engine(tiny_model, kv_cache_dtype="fp8", enable_prefix_caching=False, block_size=4) as engine:
         plain = [await greedy(engine, p) for p in prompts]
-    async with engine_for(tiny_model, kv_cache_dtype="fp8", block_size=4) as engine:
+    async with running_engine(tiny_model, kv_cache_dtype="fp8", block_size=4) as engine:
         cached = [await greedy(engine, p) for p in prompts]
         assert engine.snapshot().prefix_cache_tokens > 0
     assert cached == plain
@@ -324,10 +314,10 @@ async def test_preemption_over_a_small_fp8_pool_finishes_every_request(tiny_mode
     that never preempts."""
     prompts = [p + " and then" for p in PROMPTS] * 2
     per_block = kv_bytes_per_block(tiny_model.model, 4, "fp8")
-    async with engine_for(tiny_model, kv_cache_dtype="fp8", block_size=4, enable_prefix_caching=False) as engine:
+    async with running_engine(tiny_model, kv_cache_dtype="fp8", block_size=4, enable_prefix_caching=False) as engine:
         roomy = await asyncio.gather(*(greedy(engine, p, 24) for p in prompts))
     small = {"kv_cache_memory_bytes": per_block * 24, "block_size": 4, "enable_prefix_caching": False}
-    async with engine_for(tiny_model, kv_cache_dtype="fp8", **small) as engine:
+    async with running_engine(tiny_model, kv_cache_dtype="fp8", **small) as engine:
         assert engine.runner.num_blocks == 24
         tight = await asyncio.gather(*(greedy(engine, p, 24) for p in prompts))
         preempted = engine.snapshot().preemptions

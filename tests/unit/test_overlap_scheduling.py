@@ -15,14 +15,13 @@ import pytest
 from block_harness import BatchMirror, expected_tokens, next_token, prompt
 from fakes import EOS, make_seq
 
+from helpers.engines import running_engine
 from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.core.request import GenerationRequest, SamplingParams
-from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.core.block_scheduler import BlockScheduler
 from lmiserve.engine.core.kv_blocks import BlockPool
 from lmiserve.engine.core.scheduler import StepPlan
 from lmiserve.engine.core.step import PENDING_TOKEN, SampleResult, StepOutput
-from lmiserve.engine.factory import create_engine
 
 # --- the scheduler, overlapped --------------------------------------------------------------------------
 
@@ -134,9 +133,11 @@ PROMPTS = ["The quick brown fox", "Hello world! How are you", "Deep learning is 
 
 
 async def _outputs(loaded, overlap: bool, params: list[SamplingParams], abort_first: bool = False):
-    engine = create_engine(loaded, EngineConfig(max_running=8, async_scheduling=overlap))
-    engine.start()
+    async with running_engine(loaded, max_running=8, async_scheduling=overlap) as engine:
+        return await _run_all(engine, params, abort_first), engine.steps_ahead
 
+
+async def _run_all(engine, params: list[SamplingParams], abort_first: bool) -> list[list[StepEvent]]:
     async def one(i: int) -> list[StepEvent]:
         events = []
         async for event in engine.generate(GenerationRequest(PROMPTS[i % len(PROMPTS)], params[i])):
@@ -145,17 +146,14 @@ async def _outputs(loaded, overlap: bool, params: list[SamplingParams], abort_fi
                 break  # the client goes away: the request is aborted
         return events
 
-    try:
-        results = await asyncio.gather(*(one(i) for i in range(len(params))))
-        for _ in range(200):  # the aborted request leaves within a step or two
-            if engine.num_running == 0:
-                break
-            await asyncio.sleep(0.01)
-        assert engine.num_running == 0 and engine.num_waiting == 0
-        assert engine.pool.num_used_blocks == 0
-    finally:
-        await engine.stop()
-    return results, engine.steps_ahead
+    results = await asyncio.gather(*(one(i) for i in range(len(params))))
+    for _ in range(200):  # the aborted request leaves within a step or two
+        if engine.num_running == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.num_running == 0 and engine.num_waiting == 0
+    assert engine.pool.num_used_blocks == 0
+    return results
 
 
 def _summary(events: list[StepEvent]):

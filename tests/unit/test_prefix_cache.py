@@ -6,16 +6,15 @@ The pool's hash chain and eviction order as a state machine: tests/unit/test_kv_
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import pytest
 
+from helpers.engines import running_engine
 from helpers.greedy import greedy_reference
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.core.stats import StepStats
 from lmiserve.engine.attention.paged import kv_bytes_per_block
-from lmiserve.engine.core.async_engine import AsyncEngine, EngineConfig
-from lmiserve.engine.factory import create_engine
+from lmiserve.engine.core.async_engine import AsyncEngine
 
 SYSTEM = "The server streams tokens to the client as soon as they are generated. " * 2
 QUESTIONS = [
@@ -26,16 +25,6 @@ QUESTIONS = [
 
 
 # --- the engine ---------------------------------------------------------------------------------------
-
-
-@contextlib.asynccontextmanager
-async def engine_for(loaded, **config):
-    engine = create_engine(loaded, EngineConfig(**config))
-    engine.start()
-    try:
-        yield engine
-    finally:
-        await engine.stop()
 
 
 async def run(engine: AsyncEngine, prompt: str, **params) -> tuple[list[int], int]:
@@ -70,9 +59,9 @@ async def test_multi_turn_greedy_tokens_are_identical_with_and_without_the_cache
             messages.append({"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)})
         return results
 
-    async with engine_for(tiny_model, enable_prefix_caching=False, **runner) as engine:
+    async with running_engine(tiny_model, enable_prefix_caching=False, **runner) as engine:
         plain = await chat(engine)
-    async with engine_for(tiny_model, **runner) as engine:
+    async with running_engine(tiny_model, **runner) as engine:
         cached = await chat(engine)
     assert [ids for ids, _ in cached] == [ids for ids, _ in plain]
     assert [hits for _, hits in plain] == [0, 0, 0]
@@ -92,7 +81,7 @@ async def test_partial_and_full_matches_give_the_tokens_of_a_fresh_engine(tiny_m
         SYSTEM[:40] + "Numbers like 1, 2, 3",  # diverges early
         base + " and more",  # extends the first
     ]
-    async with engine_for(tiny_model, block_size=4, **runner) as engine:
+    async with running_engine(tiny_model, block_size=4, **runner) as engine:
         results = [await run(engine, p) for p in prompts]
     for prompt, (ids, _) in zip(prompts, results, strict=True):
         assert ids == reference_ids(prompt, 12), prompt
@@ -111,9 +100,9 @@ async def test_a_small_pool_evicts_keeps_memory_bounded_and_tokens_right(tiny_mo
     system prompt's head staying), and every answer is still generate's."""
     blocks, per_block = 16, kv_bytes_per_block(tiny_model.model, 4)
     prompts = [SYSTEM + q for q in QUESTIONS] * 3
-    async with engine_for(tiny_model, block_size=4, **runner) as engine:  # a pool that keeps everything
+    async with running_engine(tiny_model, block_size=4, **runner) as engine:  # a pool that keeps everything
         roomy = [(await run(engine, p))[1] for p in prompts]
-    async with engine_for(tiny_model, block_size=4, kv_cache_memory_bytes=per_block * blocks, **runner) as engine:
+    async with running_engine(tiny_model, block_size=4, kv_cache_memory_bytes=per_block * blocks, **runner) as engine:
         assert engine.pool.num_blocks == engine.runner.num_blocks == blocks
         hits = []
         for prompt in prompts:
@@ -143,7 +132,7 @@ async def test_concurrent_requests_sharing_a_prefix(tiny_model, runner, referenc
         def on_submitted(self, prompt_tokens: int, sequences: int) -> None: ...
         def on_finished(self, request: object) -> None: ...
 
-    async with engine_for(tiny_model, max_running=4, max_prefill_tokens=24, **runner) as engine:
+    async with running_engine(tiny_model, max_running=4, max_prefill_tokens=24, **runner) as engine:
         engine.add_observer(Steps())  # type: ignore[arg-type]
         await run(engine, prompts[0])  # the shared system prompt is cached
         results = await asyncio.gather(*(run(engine, p, max_new_tokens=10) for p in prompts))
@@ -157,9 +146,9 @@ async def test_concurrent_requests_sharing_a_prefix(tiny_model, runner, referenc
 async def test_seeded_sampling_is_unchanged_by_the_cache(tiny_model):
     params = dict(do_sample=True, seed=4321, temperature=0.9, top_k=50, max_new_tokens=16)
     prompt = SYSTEM + QUESTIONS[1]
-    async with engine_for(tiny_model, enable_prefix_caching=False) as engine:
+    async with running_engine(tiny_model, enable_prefix_caching=False) as engine:
         plain = await run(engine, prompt, **params)
-    async with engine_for(tiny_model) as engine:
+    async with running_engine(tiny_model) as engine:
         first = await run(engine, prompt, **params)
         again = await run(engine, prompt, **params)
     assert again[1] > 0
@@ -167,7 +156,7 @@ async def test_seeded_sampling_is_unchanged_by_the_cache(tiny_model):
 
 
 async def test_prompt_logprobs_requests_do_not_use_the_cache(tiny_model):
-    async with engine_for(tiny_model) as engine:
+    async with running_engine(tiny_model) as engine:
         await run(engine, SYSTEM)
         events = [
             e
@@ -182,7 +171,7 @@ async def test_prompt_logprobs_requests_do_not_use_the_cache(tiny_model):
 
 async def test_batch_invariant_has_no_prefix_cache(tiny_model):
     """Blocks computed in another step's shapes round differently: a batch-invariant engine shares none."""
-    async with engine_for(tiny_model, batch_invariant=True) as engine:
+    async with running_engine(tiny_model, batch_invariant=True) as engine:
         assert engine.runner.path == "batch_invariant" and not engine.pool.enable_prefix_caching
         assert engine.snapshot().prefix_cache_capacity == 0
         assert [(await run(engine, SYSTEM))[1] for _ in range(2)] == [0, 0]
@@ -207,7 +196,7 @@ async def test_salted_requests_share_blocks_with_the_same_salt_only(tiny_model, 
         assert events[-1].finish is not None
         return events[-1].finish.cached_tokens
 
-    async with engine_for(tiny_model) as engine:
+    async with running_engine(tiny_model) as engine:
         assert await cached_tokens(engine, "tenant-a") == 0
         assert await cached_tokens(engine, "tenant-a") > 0
         assert await cached_tokens(engine, None) == 0

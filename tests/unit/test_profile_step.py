@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lmiserve.engine import factory
+from lmiserve.engine import factory, pool_plan
 from lmiserve.engine.attention.paged import kv_bytes_per_block
 from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.runner.fast import PagedFastRunner
@@ -34,7 +34,7 @@ def _runner_of(model, cls):
 @pytest.mark.parametrize("cls", [PagedFastRunner, PagedGenericRunner], ids=["fast", "generic"])
 def test_the_largest_step_runs_on_a_pool_just_big_enough_and_is_forgotten(tiny_model, cls):
     runner_of, made = _runner_of(tiny_model, cls)
-    tokens = factory.largest_step_tokens(EngineConfig(max_prefill_tokens=64, max_running=8), tiny_model.max_context)
+    tokens = pool_plan.largest_step_tokens(EngineConfig(max_prefill_tokens=64, max_running=8), tiny_model.max_context)
     assert tokens == 72
     pool = factory.run_profile_step(runner_of, tokens, 16)
     (runner,) = made
@@ -43,13 +43,13 @@ def test_the_largest_step_runs_on_a_pool_just_big_enough_and_is_forgotten(tiny_m
 
 
 def test_the_largest_step_is_bounded_by_the_context():
-    assert factory.largest_step_tokens(EngineConfig(max_prefill_tokens=2048, max_running=32), 256) == 256
+    assert pool_plan.largest_step_tokens(EngineConfig(max_prefill_tokens=2048, max_running=32), 256) == 256
 
 
 def test_the_largest_step_is_bounded_by_the_step_budget():
     """max_num_batched_tokens: the profiled step is no larger than any step the scheduler plans."""
     config = EngineConfig(max_prefill_tokens=2048, max_running=32, max_step_tokens=512)
-    assert factory.largest_step_tokens(config, 8192) == 512
+    assert pool_plan.largest_step_tokens(config, 8192) == 512
 
 
 def test_profiling_measures_on_cuda_only(tiny_model):
@@ -67,13 +67,13 @@ def test_the_profiled_activations_replace_the_fixed_reserve(monkeypatch, tiny_mo
     loaded = dataclasses.replace(tiny_model, device=torch.device("cuda"), max_context=10**9)
     config = EngineConfig(max_running=10**9, gpu_memory_utilization=0.5)
     per_block = kv_bytes_per_block(tiny_model.model, config.block_size)
-    fixed = factory.kv_pool_blocks(loaded, config)
-    assert fixed == (40 * gib - 10 * gib - factory.GPU_ACTIVATION_RESERVE) // per_block
-    profiled = factory.kv_pool_blocks(loaded, config, activation_bytes=5 * gib)
-    reserve = int(5 * gib * factory.PROFILE_MARGIN) + factory.PROFILE_SLACK
+    fixed = pool_plan.kv_pool_blocks(loaded, config)
+    assert fixed == (40 * gib - 10 * gib - pool_plan.GPU_ACTIVATION_RESERVE) // per_block
+    profiled = pool_plan.kv_pool_blocks(loaded, config, activation_bytes=5 * gib)
+    reserve = int(5 * gib * pool_plan.PROFILE_MARGIN) + pool_plan.PROFILE_SLACK
     assert profiled == (40 * gib - 10 * gib - reserve) // per_block
     assert (
-        factory.kv_pool_blocks(loaded, dataclasses.replace(config, kv_cache_memory_bytes=per_block * 7), 5 * gib) == 7
+        pool_plan.kv_pool_blocks(loaded, dataclasses.replace(config, kv_cache_memory_bytes=per_block * 7), 5 * gib) == 7
     )
 
 
@@ -86,12 +86,12 @@ def test_decode_graphs_memory_is_left_free_too(monkeypatch, tiny_model):
     loaded = dataclasses.replace(tiny_model, device=torch.device("cuda"), max_context=10**9)
     config = EngineConfig(max_running=30, max_prefill_tokens=2018, gpu_memory_utilization=0.5)
     per_block = kv_bytes_per_block(tiny_model.model, config.block_size)
-    eager = factory.kv_pool_blocks(loaded, config, activation_bytes=2048 * 2**20)
-    graphs = factory.kv_pool_blocks(loaded, config, activation_bytes=2048 * 2**20, graphs=True)
+    eager = pool_plan.kv_pool_blocks(loaded, config, activation_bytes=2048 * 2**20)
+    graphs = pool_plan.kv_pool_blocks(loaded, config, activation_bytes=2048 * 2**20, graphs=True)
     # a 32-row decode step (capture size for 30 rows) of a 2,048-token step's 2 GiB: 32 MiB, with the margin,
     # and 32 rows of logits over the tiny model's 512 words in fp32 and fp32
-    graph_bytes = int(32 * 2**20 * factory.PROFILE_MARGIN) + 32 * 512 * 8
-    assert graph_bytes == factory.graph_pool_bytes(2048 * 2**20, 2048, 32, 512, 4)
-    reserve = int(2048 * 2**20 * factory.PROFILE_MARGIN) + factory.PROFILE_SLACK
+    graph_bytes = int(32 * 2**20 * pool_plan.PROFILE_MARGIN) + 32 * 512 * 8
+    assert graph_bytes == pool_plan.graph_pool_bytes(2048 * 2**20, 2048, 32, 512, 4)
+    reserve = int(2048 * 2**20 * pool_plan.PROFILE_MARGIN) + pool_plan.PROFILE_SLACK
     assert eager == (40 * gib - 10 * gib - reserve) // per_block
     assert graphs == (40 * gib - 10 * gib - reserve - graph_bytes) // per_block

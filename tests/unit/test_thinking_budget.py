@@ -9,12 +9,12 @@ the same tokens. The protocols' side: tests/unit/test_reasoning_presets.py."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import re
 
 import pytest
 
+from helpers.engines import running_engine
 from helpers.tiny_model import THINK_END, THINK_START
 from lmiserve.core.grammar import Grammar
 from lmiserve.core.request import GenerationRequest, SamplingParams, ThinkingBudget
@@ -56,16 +56,6 @@ def params(tokens: int | None, max_new_tokens: int = 24, **kw) -> SamplingParams
     """Greedy, `max_new_tokens` whatever EOS; a budget of `tokens` (None: none) unless `thinking` is given."""
     kw.setdefault("thinking", budget(tokens) if tokens is not None else None)
     return SamplingParams(max_new_tokens=max_new_tokens, ignore_eos_token=True, **kw)
-
-
-@contextlib.asynccontextmanager
-async def engine_of(loaded, **config):
-    engine = create_engine(loaded, EngineConfig(**config))
-    engine.start()
-    try:
-        yield engine
-    finally:
-        await engine.stop()
 
 
 async def generated(engine, request: GenerationRequest) -> tuple[list[int], str]:
@@ -131,7 +121,7 @@ async def test_the_end_is_forced_after_exactly_n_thinking_tokens_then_the_answer
     thinking_model, prompt, ids, runner, tokens
 ):
     _, end = ids
-    async with engine_of(thinking_model, **runner) as engine:
+    async with running_engine(thinking_model, **runner) as engine:
         free, _ = await generated(engine, GenerationRequest(prompt, params(None)))
         out, text = await generated(engine, GenerationRequest(prompt, params(tokens)))
     assert end not in free[:tokens]  # the random model does not close the block by itself
@@ -151,7 +141,7 @@ async def test_a_block_the_model_opens_is_counted_from_its_start_marker(thinking
     )
     # pushed to open a block: every free token is `<think>`; the first opens it, two more are counted
     request = GenerationRequest(plain, params(2, logit_bias={start: 100.0}, thinking=budget(2, inside=False)))
-    async with engine_of(thinking_model) as engine:
+    async with running_engine(thinking_model) as engine:
         out, _ = await generated(engine, request)
     assert out[:4] == [start, start, start, end]
     assert out[4] == start  # the answer: the bias still pushes `<think>`, as text now
@@ -161,7 +151,7 @@ async def test_a_closing_text_of_several_tokens_is_forced_whole(thinking_model, 
     close = THINK_END + "\n\nAnswer:"
     closing = thinking_model.tokenizer.encode(close, add_special_tokens=False)
     assert len(closing) > 2
-    async with engine_of(thinking_model) as engine:
+    async with running_engine(thinking_model) as engine:
         out, text = await generated(engine, GenerationRequest(prompt, params(3, thinking=budget(3, close=close))))
     assert out[3 : 3 + len(closing)] == closing
     assert "</think>\n\nAnswer:" in text
@@ -171,7 +161,7 @@ async def test_a_grammar_after_the_block_applies_after_the_forced_end(thinking_m
     _, end = ids
     grammar = Grammar("regex", "[0-9]{4}", after=THINK_END)
     request = GenerationRequest(prompt, SamplingParams(max_new_tokens=40, grammar=grammar, thinking=budget(4)))
-    async with engine_of(thinking_model) as engine:
+    async with running_engine(thinking_model) as engine:
         out, text = await generated(engine, request)
     assert out[4] == end
     _, answer = text.split(THINK_END, 1)
@@ -181,7 +171,7 @@ async def test_a_grammar_after_the_block_applies_after_the_forced_end(thinking_m
 async def test_a_batch_of_budgets_with_chunked_prefill_and_n(thinking_model, prompt, ids):
     _, end = ids
     budgets = [0, 2, 7, 3]
-    async with engine_of(thinking_model, max_prefill_tokens=8, prefill_floor=None) as engine:
+    async with running_engine(thinking_model, max_prefill_tokens=8, prefill_floor=None) as engine:
         results = await asyncio.gather(
             *(generated(engine, GenerationRequest(prompt, params(n, max_new_tokens=16))) for n in budgets)
         )
@@ -201,10 +191,10 @@ async def test_a_batch_of_budgets_with_chunked_prefill_and_n(thinking_model, pro
 async def test_speculative_decoding_caps_its_drafts_at_the_budget(thinking_model, prompt, ids):
     _, end = ids
     requests = [GenerationRequest(prompt, params(n, max_new_tokens=32)) for n in (0, 1, 3, 6, 11)]
-    async with engine_of(thinking_model) as engine:
+    async with running_engine(thinking_model) as engine:
         expected = [await generated(engine, r) for r in requests]
     spec = SpeculationSettings("ngram", 4, prompt_lookup_min=1, prompt_lookup_max=3, min_acceptance_rate=0.0)
-    async with engine_of(thinking_model, speculation=spec) as engine:
+    async with running_engine(thinking_model, speculation=spec) as engine:
         alone = [await generated(engine, r) for r in requests]
         together = await asyncio.gather(*(generated(engine, r) for r in requests))
         info = engine.snapshot().speculation
@@ -221,7 +211,7 @@ async def test_drafts_that_would_think_past_the_budget_are_cut_at_it(thinking_mo
 
     _, end = ids
     budgets = (0, 1, 4, 9)
-    async with engine_of(thinking_model) as engine:
+    async with running_engine(thinking_model) as engine:
         free, _ = await generated(engine, GenerationRequest(prompt, params(None, max_new_tokens=32)))
         expected = [await generated(engine, GenerationRequest(prompt, params(n, max_new_tokens=32))) for n in budgets]
     assert end not in free[:9]

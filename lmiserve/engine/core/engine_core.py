@@ -209,27 +209,24 @@ class EngineCore:
         update, whose per-token work (detokenizing, stop strings, grammar matchers, building the events)
         so stays off the HTTP event loop; the loop only delivers the events. Meanwhile the loop may only
         add to the waiting queue and flag aborts, which `update` does not touch."""
-        try:
-            output = self._run(plan)
-        except ExecutorFailed:
-            raise  # the engine fails (`_loop`), not the step
-        except Exception as exc:  # noqa: BLE001 - outside the per-sequence guards: end what was running
-            log.exception("engine step failed")
-            message = f"exception occurred during generation: {exc}"
-            output = StepOutput(errors={s.seq_id: message for s in self.scheduler.running})
+        output = self._run_guarded(plan, every_running=True)
         return output, self.scheduler.update(plan, output)
 
-    def _run_guarded(self, plan: StepPlan) -> StepOutput:
-        """`_run` on the torch thread for a step whose results the loop applies (overlap scheduling): a
-        failure outside the per-request guards fails the step's requests, not the engine."""
+    def _run_guarded(self, plan: StepPlan, every_running: bool = False) -> StepOutput:
+        """`_run`, where a failure outside the per-request guards fails requests, not the engine: the step's
+        (overlap scheduling, whose loop applies the results meanwhile), or with `every_running` every
+        running one (the serial loop, on the torch thread). An `ExecutorFailed` fails the engine (`_loop`)."""
         try:
             return self._run(plan)
         except ExecutorFailed:
             raise
-        except Exception as exc:  # noqa: BLE001 - outside the per-sequence guards: end the step's requests
+        except Exception as exc:  # noqa: BLE001 - outside the per-sequence guards
             log.exception("engine step failed")
             message = f"exception occurred during generation: {exc}"
-            return StepOutput(errors={row.seq_id: message for row in plan.batch.rows})
+            failed = (
+                [s.seq_id for s in self.scheduler.running] if every_running else [r.seq_id for r in plan.batch.rows]
+            )
+            return StepOutput(errors=dict.fromkeys(failed, message))
 
     def _run(self, plan: StepPlan) -> StepOutput:
         """The model work of `plan`: its plain-data batch through the executor (the constrained rows'
@@ -261,7 +258,7 @@ class EngineCore:
         now = time.monotonic()
         for seq in self.scheduler.expire(now):
             self._fail_before_start(seq.seq_id, QueueTimeout(f"Time out in: {self._timeout_text()}"))
-        plan, events = self.scheduler.schedule(now, ahead=True) if ahead else self.scheduler.schedule(now)
+        plan, events = self.scheduler.schedule(now, ahead=ahead)
         self._stamp(events, now)  # aborts: no tokens
         self._deliver(events)
         return plan

@@ -17,13 +17,18 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return weight.float() * (s[:, None] if s.numel() > 1 else s)
 
 
+def _rows_to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of a 2-D fp32 `x` in fp8 over its own range: ``scale = max|row| / 448`` (``[rows, 1]``, at
+    least fp32's smallest normal), ``q = x / scale`` clamped and rounded to ``float8_e4m3fn``."""
+    scale = (x.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-output-channel fp8 of a float weight (vLLM's dynamic fp8): ``scale = max|w| / 448`` (fp32
     ``[out]``), ``q = w / scale`` rounded to ``float8_e4m3fn``."""
-    w = weight.detach().float()
-    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-    q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale
+    q, scale = _rows_to_fp8(weight.detach().float())
+    return q, scale[:, 0]
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -31,9 +36,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> t
     ``[out]``: `x` quantized to fp8 per row (``max|x| / 448``), one ``torch._scaled_mm`` with row-wise
     scales (bf16 out, as Hopper's row-wise fp8 GEMM requires), rows padded to a multiple of 16."""
     rows = x.shape[0]
-    xf = x.float()
-    x_scale = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-    xq = (xf / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    xq, x_scale = _rows_to_fp8(x.float())
     pad = (-rows) % 16
     if pad:
         xq = torch.nn.functional.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(torch.float8_e4m3fn)
