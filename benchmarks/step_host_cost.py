@@ -181,8 +181,9 @@ async def measure(
     engine = create_engine(loaded, config)
     if before:  # as before issue #39's host fixes: transformers' decode (engine/text/tokenizer.py) and the
         engine.codec.tokenizer._direct = None  # type: ignore[attr-defined]
-        if BEFORE["schedule_running"] is not None:  # planning of --before-scheduler's file
-            engine.scheduler._schedule_running = types.MethodType(BEFORE["schedule_running"], engine.scheduler)  # type: ignore[method-assign]
+        if BEFORE["schedule_running"] is not None:  # planning of --before-scheduler's file (serial steps only)
+            before = types.MethodType(BEFORE["schedule_running"], engine.scheduler)
+            engine.scheduler._schedule_running = lambda plan, ahead=False: before(plan)  # type: ignore[method-assign]
     spans = Spans()
     instrument(engine, spans)
     periods: list[dict[str, float]] = []

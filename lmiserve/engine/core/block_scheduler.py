@@ -74,7 +74,6 @@ class BlockScheduler(SchedulerBase):
         self.prefix = None  # the slot scheduler's separate prefix cache: here the pool is the cache
         self.num_preemptions = 0
         self._budget = 0  # prompt tokens the step being planned may still take
-        self._ahead = False  # the step being planned runs after one whose results are not applied yet
         self.told = ExecutorView()  # what the executor was told: each plan goes out by difference from it
         # speculative decoding (engine/speculative/proposers.py): which rows ask for drafts after their step; the
         # drafts come back in `StepOutput.drafts` and are verified by the next step. `proposer` (tests)
@@ -125,7 +124,6 @@ class BlockScheduler(SchedulerBase):
         sequence that finds no free block waits for a later step, planned when nothing runs). A sequence
         that turns out to end with that token (a stop) has one step computed in vain, whose token
         `update` drops."""
-        self._ahead = ahead
         events: list[tuple[Sequence, StepEvent]] = []
         for seq in [s for s in self.running if s.abort_requested]:
             events.append((seq, seq.end(FinishReason.ABORT)))
@@ -137,14 +135,14 @@ class BlockScheduler(SchedulerBase):
             events.append((seq, seq.end(FinishReason.ABORT)))
         plan = StepPlan(released=self._released)
         self._released = []
-        self._schedule_running(plan)
+        self._schedule_running(plan, ahead)
         self._admit(plan, now)
         plan.prefix_queried, plan.prefix_hits = self._queried, self._hits
         self._queried = self._hits = 0
         plan.batch = self.told.batch(plan, self.speculation)
         return plan, events
 
-    def _schedule_running(self, plan: StepPlan) -> None:
+    def _schedule_running(self, plan: StepPlan, ahead: bool = False) -> None:
         """Every decoding sequence its next token, then chunks of the running prompts; a sequence that
         needs a block when none is free preempts the running sequence of least precedence."""
         queue = sorted(self.running, key=_precedence)
@@ -188,7 +186,7 @@ class BlockScheduler(SchedulerBase):
                     want = min(remaining, max(share, 1)) if self.chunked_prefill else remaining
                     want = chunk_length(seq.images, seq.kv_next, want)  # an image never split where it must not be
                 while not self.pool.allocate(self._table(seq), want):
-                    if self._ahead:
+                    if ahead:
                         break  # never a preemption while a step runs: it waits for a step planned after it
                     victim = next((s for s in reversed(queue) if s.seq_id not in scheduled), None)
                     if victim is None:
