@@ -51,6 +51,11 @@ def engine_config(settings: Settings) -> EngineConfig:
         ]
         if unused:
             log.warning("%s: only for tensor parallelism (tensor_parallel_degree > 1); ignored", ", ".join(unused))
+    if settings.async_scheduling and settings.speculative_config is not None:
+        log.warning(
+            "async_scheduling=true with speculative_config: each step is planned after the step before it "
+            "(its drafts come from that step); overlap scheduling does not apply"
+        )
     static = settings.dynamic_batching
     return EngineConfig(
         max_running=settings.batch_size if static else settings.max_rolling_batch_size,

@@ -183,3 +183,18 @@ async def test_an_abort_mid_stream_frees_its_blocks(tiny_model):
     assert len([e for e in results[0] if e.token is not None]) == 3
     assert [len([e for e in r if e.token is not None]) for r in results[1:]] == [40, 40]
     assert ahead > 0
+
+
+def test_async_scheduling_with_speculative_decoding_is_named_at_start_up(caplog):
+    """Speculative decoding plans each step after the one before it: `async_scheduling=true` beside it is
+    named in the start-up log, not dropped silently."""
+    from lmiserve.config import Settings
+    from lmiserve.models.compose import engine_config
+
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    with caplog.at_level("WARNING", logger="lmiserve.models.compose"):
+        config = engine_config(Settings.from_options({"async_scheduling": "true", "speculative_config": spec}))
+        engine_config(Settings.from_options({"async_scheduling": "true"}))
+        engine_config(Settings.from_options({"speculative_config": spec}))
+    assert config.async_scheduling is True
+    assert [r.message.split(":")[0] for r in caplog.records] == ["async_scheduling=true with speculative_config"]
