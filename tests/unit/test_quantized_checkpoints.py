@@ -4,11 +4,16 @@ and GPTQ 4-bit, written from a tiny random Llama by `models.quant_pack`, loaded 
 The reference de-quantization here is written from the formats' published unpacking (AutoAWQ's
 `unpack_awq` + `reverse_awq_order`, AutoGPTQ's `wf` shifts with ``zeros + 1``, compressed-tensors'
 ``weight * weight_scale``), independently of `quant_formats`; every linear must equal it exactly (fp32),
-and the engine's greedy tokens must equal transformers' forward on the de-quantized float model."""
+and the engine's greedy tokens must equal transformers' forward on the de-quantized float model.
+
+The tests of `on the test device` run on LMISERVE_TEST_DEVICE in bf16 (benchmarks/gpu_check.py runs this file
+with it set to cuda: fp8 through `torch._scaled_mm` on Hopper, AWQ/GPTQ de-quantized or through the Triton
+int4 kernel)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
@@ -20,12 +25,21 @@ from helpers.tiny_model import build_tiny_tokenizer
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
-from lmiserve.engine.model.quant_formats import Fp8Linear, fp8_module, quantize_fp8, unpack_awq, unpack_gptq
+from lmiserve.engine.model import int4_triton
+from lmiserve.engine.model.quant_formats import (
+    Fp8Linear,
+    fp8_module,
+    fp8_scaled_mm_supported,
+    quantize_fp8,
+    unpack_awq,
+    unpack_gptq,
+)
 from lmiserve.engine.model.quantize import Int4Linear, int4_available
 from lmiserve.models.errors import ModelLoadError
 from lmiserve.models.load import load_causal_lm
 from lmiserve.models.quant_pack import write_quantized
 
+DEVICE = torch.device(os.environ.get("LMISERVE_TEST_DEVICE", "cpu"))
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CASES = {  # id: (quant_pack format, act_order, group)
     "fp8-channel": ("fp8-channel", False, 0),
@@ -186,8 +200,9 @@ PROMPTS = [[1, 5, 9, 17, 33], [4, 60, 2, 11], [8, 8, 30, 45, 12, 19, 50]]
 
 
 def greedy(model: torch.nn.Module, ids: list[int], tokens: int) -> list[int]:
+    device = model.get_input_embeddings().weight.device  # type: ignore[operator]
     with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False, pad_token_id=0)  # type: ignore[operator]
+        out = model.generate(torch.tensor([ids], device=device), max_new_tokens=tokens, do_sample=False, pad_token_id=0)  # type: ignore[operator]
     return out[0, len(ids) :].tolist()
 
 
@@ -305,3 +320,55 @@ def test_a_dummy_load_takes_quantize_fp8_and_refuses_the_4_bit_formats(checkpoin
     assert torch.equal(q_proj.weight, q.float() * scale[:, None])
     with pytest.raises(ModelLoadError, match="load_format=dummy runs only fp8"):
         load_causal_lm(checkpoints["float"], device="cpu", load_format="dummy", quantize="gptq")
+
+
+@pytest.mark.parametrize(
+    ("case", "int4_kernel"),
+    [(case, False) for case in CASES] + [("awq-g128", True), ("gptq-g64-desc-act", True)],
+    ids=[*CASES, "awq-g128-triton", "gptq-g64-desc-act-triton"],
+)
+def test_on_the_test_device_each_format_serves_in_bf16(
+    checkpoints: dict[str, Path], case: str, int4_kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each format in bf16 on the test device: every linear's product is the reference de-quantized
+    weight's within bf16's (and fp8 activations') rounding, and the engine's greedy tokens are transformers'
+    forward's over the same layers. fp8 runs `Fp8Linear` exactly where `_scaled_mm` takes fp8 (compute
+    capability 8.9+); `-triton`: AWQ/GPTQ through the Triton int4 kernel, on CUDA (`int4_triton.USE_ON_CUDA`;
+    on a CPU its interpreter test above covers it)."""
+    if int4_kernel:
+        if DEVICE.type != "cuda" or not int4_triton.available():
+            pytest.skip("the Triton int4 kernel serves on CUDA only")
+        monkeypatch.setattr(int4_triton, "USE_ON_CUDA", True)
+    loaded = load_causal_lm(checkpoints[case], device=str(DEVICE), dtype="bf16")
+    tensors = stored(checkpoints[case])
+    fp8 = CASES[case][0] in ("fp8-channel", "fp8-tensor", "fbgemm-fp8")
+    generator = torch.Generator().manual_seed(5)
+    for name, module in loaded.model.named_modules():
+        if name.rpartition(".")[2] not in LINEARS:
+            continue
+        if fp8:
+            assert isinstance(module, Fp8Linear) == fp8_scaled_mm_supported(DEVICE), (name, type(module))
+        if int4_kernel:
+            assert isinstance(module, int4_triton.Int4TritonLinear), (name, type(module))
+        weight = reference(case, tensors[name])
+        x = torch.randn(3, weight.shape[1], generator=generator).to(DEVICE, torch.bfloat16)
+        want = x.float() @ weight.to(DEVICE).t()
+        got = module(x).float()
+        torch.testing.assert_close(got, want, rtol=0.05, atol=0.05 * want.abs().max().item(), msg=name)
+    path, results = engine_tokens(loaded, PROMPTS, 8)
+    assert path == "fast"
+    for ids, got_ids in zip(PROMPTS, results, strict=True):
+        gaps = greedy_gaps(loaded.model, ids, got_ids)
+        assert max(gaps) <= 0.02, (ids, gaps)
+
+
+def greedy_gaps(model: torch.nn.Module, ids: list[int], got: list[int]) -> list[float]:
+    """For each token the engine chose, how far below the best logit transformers' forward over the same
+    layers puts it (teacher-forced on the engine's own output, as a share of the step's logit range): 0 where
+    the engine took transformers' greedy token, a rounding's worth where bf16 breaks a near tie otherwise."""
+    device = model.get_input_embeddings().weight.device  # type: ignore[operator]
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids + got], device=device)).logits[0, len(ids) - 1 : -1].float()  # type: ignore[operator]
+    chosen = logits.gather(1, torch.tensor(got, device=device)[:, None])[:, 0]
+    spread = logits.max(-1).values - logits.min(-1).values
+    return ((logits.max(-1).values - chosen) / spread).tolist()
