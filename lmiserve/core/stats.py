@@ -90,6 +90,8 @@ class EngineSnapshot:
     lora_running: tuple[str, ...] = ()
     lora_waiting: tuple[str, ...] = ()
     max_loras: int = 0
+    model_steps: int = 0  # model steps run since the engine started (its warm-up not counted)
+    steps_planned_ahead: int = 0  # of which planned while the step before them ran (overlap scheduling)
 
     @property
     def prefix_cache_usage(self) -> float:

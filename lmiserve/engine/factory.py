@@ -190,8 +190,7 @@ def create_engine(
         manager = attach_lora(runner, config.lora.max_lora_rank, modules)
         # the registry reads adapters through the runner's manager: one read, one copy of the weights
         adapters = AdapterRegistry(loaded.model, config.lora, modules=modules, loader=manager.load)
-    engine = AsyncEngine(runner, codec, config, grammars, adapters)
-    engine.warmup_rows = decode_rows(runner, config.max_running)
+    engine = AsyncEngine(runner, codec, config, grammars, adapters, decode_rows(runner, config.max_running))
     log.info(
         "engine: overlap scheduling %s, warm-up before serving %s (async_scheduling; docs/engine.md)",
         "on" if config.async_scheduling else "off",

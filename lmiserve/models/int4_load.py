@@ -115,7 +115,7 @@ def load_int4_from_codes(path: Path, trust_remote_code: bool = False) -> tuple[t
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     forms = gguf_quant_forms(path)
-    stored = _safetensors_names(path)
+    stored = safetensors_names(path)
     if forms is None or stored is None:
         return None
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
@@ -124,23 +124,23 @@ def load_int4_from_codes(path: Path, trust_remote_code: bool = False) -> tuple[t
             config, dtype=torch.float32, attn_implementation="sdpa", trust_remote_code=trust_remote_code
         )
     model.tie_weights()  # as from_pretrained does (transformers 5's from_config leaves them apart)
-    missing = [name for name, _ in _meta_tensors(model) if name not in stored]
+    missing = [name for name, _ in meta_tensors(model) if name not in stored]
     if missing:
         logger.warning("int4: %s lacks %s; loading its fp32 weights first", path, ", ".join(missing[:5]))
         return None
     with contextlib.suppress(OSError):  # no generation_config.json: the config's own
         model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
     model.config.name_or_path = str(path)
-    with _Safetensors(stored) as files:
+    with SafetensorsFiles(stored) as files:
         files.fill(model, keep_linear_weights=True)  # biases, norms, embeddings
         summary = quantize_int4(model, path, forms, fill=files.fill)
-    left = [name for name, _ in _meta_tensors(model)]
+    left = [name for name, _ in meta_tensors(model)]
     if left:
         raise ValueError(f"int4: {', '.join(left[:5])} left without values")
     return model, summary
 
 
-def _meta_tensors(model: torch.nn.Module, keep_linear_weights: bool = False) -> list[tuple[str, torch.Tensor]]:
+def meta_tensors(model: torch.nn.Module, keep_linear_weights: bool = False) -> list[tuple[str, torch.Tensor]]:
     """`model`'s parameters and buffers on the meta device, by first name (tied ones once); with
     `keep_linear_weights`, not the weights held only by plain linears (the codes may replace them)."""
     holders: dict[int, list[tuple[torch.nn.Module, str, torch.Tensor]]] = {}
@@ -156,7 +156,7 @@ def _meta_tensors(model: torch.nn.Module, keep_linear_weights: bool = False) -> 
     return found
 
 
-def _safetensors_names(path: Path) -> dict[str, Path] | None:
+def safetensors_names(path: Path) -> dict[str, Path] | None:
     """Tensor name -> the safetensors file of `path` that holds it; None without safetensors."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -174,7 +174,7 @@ def _safetensors_names(path: Path) -> dict[str, Path] | None:
     return names
 
 
-class _Safetensors(contextlib.ExitStack):
+class SafetensorsFiles(contextlib.ExitStack):
     """The directory's safetensors, opened once each, filling a meta model's tensors by name."""
 
     def __init__(self, stored: dict[str, Path]) -> None:
@@ -194,7 +194,7 @@ class _Safetensors(contextlib.ExitStack):
         """Give `model`'s meta tensors (all, or all but plain linears' weights) the stored values, tied
         ones (an input and output embedding) staying one tensor."""
         replaced: dict[int, torch.Tensor] = {}
-        for name, meta in _meta_tensors(model, keep_linear_weights):
+        for name, meta in meta_tensors(model, keep_linear_weights):
             value = self.tensor(name).to(meta.dtype)
             if isinstance(meta, torch.nn.Parameter):
                 value = torch.nn.Parameter(value, requires_grad=meta.requires_grad)

@@ -35,9 +35,9 @@ from lmiserve.engine.model.quant_formats import (
     unpack_awq,
     unpack_gptq,
 )
-from lmiserve.engine.model.quantize import Int4Linear, _replace_linears
+from lmiserve.engine.model.quantize import Int4Linear, replace_linears
 from lmiserve.models.errors import ModelLoadError
-from lmiserve.models.int4_load import _meta_tensors, _Safetensors, _safetensors_names
+from lmiserve.models.int4_load import SafetensorsFiles, meta_tensors, safetensors_names
 
 __all__ = ["QUANTIZE_METHODS", "QuantSpec", "checkpoint_quantization", "load_quantized", "quantize_fp8_dynamic"]
 
@@ -144,7 +144,7 @@ def load_quantized(
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    stored = _safetensors_names(path)
+    stored = safetensors_names(path)
     if stored is None:
         raise ModelLoadError(f"{path.name}: a {spec.method} checkpoint needs its weights as safetensors")
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
@@ -159,7 +159,7 @@ def load_quantized(
         model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
     model.config.name_or_path = str(path)
     kinds: Counter[str] = Counter()
-    with _Safetensors(stored) as files:
+    with SafetensorsFiles(stored) as files:
         targets = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
         for name in targets:
             made = _linear_of(files, stored, name, spec, dtype, device)
@@ -171,7 +171,7 @@ def load_quantized(
         if not kinds:
             raise ModelLoadError(f"{path.name}: its config says {spec.source}, but no linear has quantized tensors")
         files.fill(model)  # embeddings, norms, the output projection and any linear stored float
-    left = [name for name, _ in _meta_tensors(model)]
+    left = [name for name, _ in meta_tensors(model)]
     if left:
         raise ModelLoadError(f"{path.name}: {', '.join(left[:5])} left without values")
     account = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
@@ -179,7 +179,12 @@ def load_quantized(
 
 
 def _linear_of(
-    files: _Safetensors, stored: dict[str, Path], name: str, spec: QuantSpec, dtype: torch.dtype, device: torch.device
+    files: SafetensorsFiles,
+    stored: dict[str, Path],
+    name: str,
+    spec: QuantSpec,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> torch.nn.Module | None:
     """The layer of the linear `name` from its quantized tensors; None when the checkpoint stores it float."""
 
@@ -226,6 +231,6 @@ def quantize_fp8_dynamic(model: torch.nn.Module, dtype: torch.dtype, device: tor
         kinds[_kind_name(made)] += 1
         return made
 
-    _replace_linears(model, lambda m: True, make)
+    replace_linears(model, lambda m: True, make)
     account = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
     return f"fp8 quantized at load, per output channel: {account}"

@@ -53,9 +53,9 @@ def test_every_step_runs_to_its_end(rehearsal):
 
 def test_the_benches_report_every_level_against_generate(rehearsal):
     summary, _, _ = rehearsal
-    for shape in ("1b", "8b"):
+    for shape, concurrency in (("1b", [1, 4]), ("8b", [1])):  # the 8B shape at one stream: its bandwidth share
         levels = summary[f"bench_{shape}"]["levels"]
-        assert [level["concurrency"] for level in levels] == [1, 4]
+        assert [level["concurrency"] for level in levels] == concurrency
         for level in levels:
             assert level["failed"] == 0 and level["wrong_token_counts"] == 0, level
             assert level["tokens_per_s"] > 0 and level["generate_tokens_per_s"] > 0

@@ -229,6 +229,10 @@ def test_the_exposition_uses_tgis_and_vllms_spellings_and_buckets(metered):
     assert "# TYPE vllm:num_preemptions_total counter\n" in text  # read from the engine at scrape time
     labels = {"model_name": metered.name, "engine": "0"}
     assert ("vllm:num_preemptions_total", labels, 0.0) in scrape.samples  # no preemption on a roomy pool
+    # the engine's steps (on the CPU serially: none planned ahead; async_scheduling is off there by default)
+    steps = [value for name, got, value in scrape.samples if name == "lmiserve_engine_steps_total" and got == labels]
+    assert steps and steps[0] >= 2  # the prompt's step and the second token's
+    assert ("lmiserve_engine_steps_planned_ahead_total", labels, 0.0) in scrape.samples
     assert scrape.buckets("tgi_request_duration") == [*TGI_DURATION_BUCKETS, float("inf")]
     assert scrape.buckets("vllm:time_to_first_token_seconds") == [*VLLM_TTFT_BUCKETS, float("inf")]
 

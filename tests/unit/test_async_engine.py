@@ -178,6 +178,8 @@ async def test_concurrent_greedy_equals_generate(tiny_model, reference, config, 
         assert engine.scheduler.num_preemptions > 0
     # overlapped: most steps were planned while the one before them ran
     assert engine.steps_ahead > engine.steps // 2 if async_scheduling else engine.steps_ahead == 0
+    snap = engine.snapshot()  # what /metrics reads (lmiserve_engine_steps[_planned_ahead]_total)
+    assert (snap.model_steps, snap.steps_planned_ahead) == (engine.steps, engine.steps_ahead)
     for prompt, n, events in zip(PROMPTS, lengths, results):
         expected = reference(encode(tiny_model, prompt), n)
         assert ids_of(events) == expected, prompt

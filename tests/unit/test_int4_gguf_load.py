@@ -33,8 +33,10 @@ FROM_CODES = {"q_proj", "k_proj", "o_proj", "gate_proj"}
 def both_ways(tmp_path: Path, arch: str, output: str | None, monkeypatch: pytest.MonkeyPatch):
     converted = write_converted_dir(write_gguf(tmp_path / f"{arch}.gguf", arch, output=output), tmp_path / "conv")
     read: list[str] = []
-    tensor = int4_load._Safetensors.tensor
-    monkeypatch.setattr(int4_load._Safetensors, "tensor", lambda self, name: read.append(name) or tensor(self, name))
+    tensor = int4_load.SafetensorsFiles.tensor
+    monkeypatch.setattr(
+        int4_load.SafetensorsFiles, "tensor", lambda self, name: read.append(name) or tensor(self, name)
+    )
     skeleton = load_causal_lm(converted, dtype="int4", device="cpu").model
     monkeypatch.setattr(load, "load_int4_from_codes", lambda *args: None)
     full = load_causal_lm(converted, dtype="int4", device="cpu").model

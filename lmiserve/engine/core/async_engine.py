@@ -57,15 +57,17 @@ class AsyncEngine(EngineCore):
         config: EngineConfig,
         grammars: GrammarCompiler | None = None,
         adapters: AdapterRegistry | None = None,
+        warmup_rows: tuple[int, ...] = (1,),
     ) -> None:
         """`runner`: the model's runner (run in this process), or an executor that runs the plain-data
         batches elsewhere (the tensor-parallel workers, engine/executors/tensor_parallel.py); `adapters`: the LoRA
-        adapters requests may name (`GenerationRequest.adapter`; None: none)."""
+        adapters requests may name (`GenerationRequest.adapter`; None: none); `warmup_rows`: the decode row
+        counts the runner distinguishes (its CUDA graph sizes), each of which a warm-up runs (engine/core/warmup.py)."""
         super().__init__(runner, config, adapters)
         self.codec = codec
         self.grammars = grammars  # compiles the grammars of constrained requests (None: unsupported)
         self._ids = itertools.count(1)
-        self.warmup_rows: tuple[int, ...] = (1,)  # the decode row counts a warm-up runs (engine/core/warmup.py)
+        self.warmup_rows = warmup_rows
 
     async def stop(self) -> None:
         """Stop the loop (requests still open end with an error) and the grammar compiler."""
@@ -87,6 +89,8 @@ class AsyncEngine(EngineCore):
             batch_slots=self.scheduler.max_running,
             generated_tokens=self.generated_tokens,
             preemptions=getattr(self.scheduler, "num_preemptions", 0),
+            model_steps=self.steps,
+            steps_planned_ahead=self.steps_ahead,
             kv_blocks=pool.num_blocks,
             kv_block_size=pool.block_size,
             speculation=self.speculation.describe() if self.speculation is not None else None,

@@ -253,7 +253,7 @@ def quantize_linears(model: torch.nn.Module, dtype: torch.dtype = INT8_COMPUTE_D
     input size the kernel does not take stay float. Returns how many were quantized."""
     if not int8_available():
         raise RuntimeError("this torch has no weight-only int8 kernel (torch.ops.aten._weight_int8pack_mm)")
-    count = _replace_linears(
+    count = replace_linears(
         model,
         lambda m: m.in_features % _K_MULTIPLE == 0,
         lambda m: Int8Linear.from_linear(m, dtype),
@@ -268,7 +268,7 @@ def quantize_linears_int4(model: torch.nn.Module) -> int:
     stay float. Returns how many were quantized."""
     if not int4_available():
         raise RuntimeError("dtype int4 needs numba (lmiserve's int4 CPU kernel)")
-    return _replace_linears(model, lambda m: m.in_features % INT4_GROUP == 0, Int4Linear.from_linear)
+    return replace_linears(model, lambda m: m.in_features % INT4_GROUP == 0, Int4Linear.from_linear)
 
 
 def quantize_output_int8(model: torch.nn.Module) -> bool:
@@ -316,7 +316,7 @@ def quantize_output_q8(model: torch.nn.Module, group: int = Q8_GROUP) -> bool:
     return True
 
 
-def _replace_linears(
+def replace_linears(
     model: torch.nn.Module,
     takes: Callable[[torch.nn.Linear], bool],
     make: Callable[[torch.nn.Linear], torch.nn.Module],

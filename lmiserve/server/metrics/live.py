@@ -47,6 +47,14 @@ class LiveCollector(Collector):
         preemptions = CounterMetricFamily(
             "vllm:num_preemptions", "Cumulative number of preemption from the engine.", labels=labels
         )
+        steps = CounterMetricFamily(
+            "lmiserve_engine_steps", "Model steps the engine ran (a batch's forward and sampling).", labels=labels
+        )
+        ahead = CounterMetricFamily(
+            "lmiserve_engine_steps_planned_ahead",
+            "Model steps planned while the step before them ran (overlap scheduling, async_scheduling).",
+            labels=labels,
+        )
         spec = _SpecDecodeFamilies(labels)
         lora = _LoraFamilies()
         size = queue = max_tokens = 0
@@ -60,6 +68,8 @@ class LiveCollector(Collector):
             waiting.add_metric(values, snap.waiting)
             kv.add_metric(values, snap.kv_usage)
             preemptions.add_metric(values, snap.preemptions)
+            steps.add_metric(values, snap.model_steps)
+            ahead.add_metric(values, snap.steps_planned_ahead)
             if snap.prefix_cache_capacity:
                 prefix.add_metric(values, snap.prefix_cache_usage)
             if snap.speculation is not None:
@@ -72,6 +82,8 @@ class LiveCollector(Collector):
         yield kv
         yield prefix
         yield preemptions
+        yield steps
+        yield ahead
         yield from spec.families()
         yield from lora.families()
         yield GaugeMetricFamily("tgi_batch_current_size", "Current batch size", value=size)
