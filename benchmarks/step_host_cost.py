@@ -1,8 +1,8 @@
 """Where a decode step's time goes on the host (issue #39): a tiny model at 1, 32 and 128 decode rows through
 the whole engine (the scheduler, the runner, the update), so that the Python around the model shows.
 
-    python benchmarks/step_host_cost.py [--model-id DIR] [--device cpu] [--dtype fp32] [--rows 1,32,128]
-                                        [--paths fast,generic] [--steps 100] [--out DIR] [--profile]
+    python benchmarks/step_host_cost.py [--model-id DIR [--load-format dummy]] [--device cpu] [--dtype fp32]
+                                        [--rows 1,32,128] [--paths fast,generic] [--steps 100] [--out DIR] [--profile]
                                         [--no-drain] [--compare-before N --before-scheduler FILE]
 
 For each path (``fast``: lmiserve's forward; ``generic``: transformers' forward over the blocks) and each
@@ -177,7 +177,10 @@ async def measure(
     from lmiserve.engine.core.async_engine import EngineConfig
     from lmiserve.engine.factory import create_engine
 
-    config = EngineConfig(max_running=rows, max_prefill_tokens=max(64, 16 * rows), fast_path=path == "fast")
+    # the serial loop (its spans are what is timed; benchmarks/overlap_scheduling.py times the overlapped one)
+    config = EngineConfig(
+        max_running=rows, max_prefill_tokens=max(64, 16 * rows), fast_path=path == "fast", async_scheduling=False
+    )
     engine = create_engine(loaded, config)
     if before:  # as before issue #39's host fixes: transformers' decode (engine/text/tokenizer.py) and the
         engine.codec.tokenizer._direct = None  # type: ignore[attr-defined]
@@ -214,7 +217,10 @@ async def measure(
         if profiling and torch_prof is None and profile_dir is not None:  # on the torch thread: its ops
             import torch
 
-            torch_prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if loaded.device.type == "cuda":  # the kernels too: where the GPU's time goes
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            torch_prof = torch.profiler.profile(activities=activities)
             torch_prof.__enter__()
             spans.torch_profiling = True
         if profiling:
@@ -229,9 +235,14 @@ async def measure(
                 spans.torch_profiling = False
                 torch_prof.__exit__(None, None, None)
                 assert profile_dir is not None
+                averages = torch_prof.key_averages()
                 (profile_dir / f"torch-{path}-{rows}.txt").write_text(
-                    torch_prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+                    averages.table(sort_by="self_cpu_time_total", row_limit=40)
                 )
+                if loaded.device.type == "cuda":
+                    (profile_dir / f"torch-{path}-{rows}-cuda.txt").write_text(
+                        averages.table(sort_by="self_cuda_time_total", row_limit=40)
+                    )
 
     original_stamp = engine._stamp
 
@@ -338,6 +349,7 @@ def main() -> None:
     parser.add_argument("--model-id", help="a model directory (default: the tests' tiny Llama)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (there the model's span is its launches)")
     parser.add_argument("--dtype", default="fp32")
+    parser.add_argument("--load-format", default="auto", help="dummy: random weights (a shape's config alone)")
     parser.add_argument("--rows", default="1,32,128")
     parser.add_argument("--paths", default="fast,generic")
     parser.add_argument("--steps", type=int, default=100, help="decode steps measured per run")
@@ -376,7 +388,7 @@ def main() -> None:
             from helpers.tiny_model import build_tiny_model_dir
 
             model_dir = str(build_tiny_model_dir(Path(stack.enter_context(tempfile.TemporaryDirectory())) / "tiny"))
-        loaded = load_causal_lm(model_dir, dtype=args.dtype, device=args.device)
+        loaded = load_causal_lm(model_dir, dtype=args.dtype, device=args.device, load_format=args.load_format)
         rows_list = [int(r) for r in args.rows.split(",")]
         if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)

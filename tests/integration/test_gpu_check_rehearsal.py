@@ -34,11 +34,12 @@ def test_every_step_runs_to_its_end(rehearsal):
         "engine tests on cpu",
         "bench 1b",
         "bench 8b",
-        "decode paths 1b",
-        "overlap scheduling 1b",
         "quantized fp8 bench 8b",
         "quantized kernels",
         "quantized quality",
+        "decode paths 1b",
+        "overlap scheduling 1b",
+        "step profile 1b",
         "fp8 kv",
         "tensor parallel tiny",
         "tensor parallel 1b",
@@ -77,6 +78,8 @@ def test_issue_39_entries_are_filled(rehearsal):
     quality = summary["quantized"]["quality"]
     assert {"bf16", "fp8-channel", "fp8-tensor", "fp8-dynamic", "awq", "gptq"} <= set(quality)
     assert all(r["perplexity"] > 1 for r in quality.values())
+    profile = summary["step_profile"]
+    assert [r["rows"] for r in profile] == [1, 4] and all(r["ms"]["model"] > 0 for r in profile)
     kv = {r["kv_cache_dtype"]: r for r in summary["fp8_kv"]["results"]}
     assert set(kv) == {"auto", "fp8_e4m3", "fp8_e5m2"}
     assert kv["fp8_e4m3"]["pool_blocks"] == 2 * kv["auto"]["pool_blocks"]  # bf16 -> fp8 doubles the pool
@@ -94,5 +97,6 @@ def test_summary_md_renders_every_table(rehearsal):
         "## Quantized products, one linear",
         "## Quantized formats' quality",
         "## fp8 KV cache",
+        "## A decode step's time, 1B shape",
     ):
         assert heading in text, heading
