@@ -17,8 +17,12 @@ each format by `lmiserve.models.quant_pack` and loaded back by `load_causal_lm` 
   activation-aware scaling, no GPTQ error feedback; published AWQ/GPTQ checkpoints quantized with
   calibration should do at least as well.
 
-On a CPU, fp8 weights are de-quantized once at load (fp32 products): the figures are fp8's accuracy,
-not its speed; AWQ/GPTQ run on lmiserve's int4 kernel. The tokens/s are one short run each on a shared
+On a CPU, fp8 weights are de-quantized once at load (fp32 products): the figures are fp8's weights'
+accuracy, not its speed; AWQ/GPTQ run on lmiserve's int4 kernel. ``--fp8-products`` (with ``--dtype
+bf16``) computes the fp8 formats as a GPU of compute capability 8.9+ does, on the CPU: `Fp8Linear`, the
+activations quantized to fp8 per row and one ``torch._scaled_mm`` (torch's CPU kernel), against the model
+in bf16: the quality a Hopper GPU serves, which the GPU check cannot measure there (the model does not
+travel to the device machine). The tokens/s are one short run each on a shared
 machine: a rough figure, not a measurement of the formats' speed. Reported per format:
 - perplexity of benchmarks/texts/pride_and_prejudice_ch1.txt (Austen, 1813, public domain), one forward
   of the whole text (transformers' forward over the loaded layers);
@@ -126,6 +130,11 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=64)
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (fp8 then runs Fp8Linear's _scaled_mm)")
+    parser.add_argument("--dtype", default=None, help="the reference model's dtype (default fp32 on CPU, bf16 on CUDA)")
+    parser.add_argument(
+        "--fp8-products", action="store_true",
+        help="on a CPU: fp8 formats through Fp8Linear (activations to fp8, torch._scaled_mm), as on Hopper",
+    )  # fmt: skip
     parser.add_argument(
         "--int4-kernel", choices=("dequantized", "triton"), default="dequantized",
         help="on CUDA: AWQ/GPTQ de-quantized to bf16 at load (the default) or int4_triton's kernel",
@@ -137,9 +146,16 @@ def main() -> None:
 
         int4_triton.USE_ON_CUDA = True
     device = args.device
+    dtype = args.dtype or ("fp32" if device == "cpu" else "bf16")
+    if args.fp8_products:
+        if dtype != "bf16":
+            raise SystemExit("--fp8-products computes in bf16, as Fp8Linear on a GPU does: add --dtype bf16")
+        from lmiserve.engine.model import quant_formats
+
+        quant_formats.fp8_scaled_mm_supported = lambda device: True  # type: ignore[assignment]
 
     path = resolve_model_path(args.model_id, None, None)
-    base = load_causal_lm(path, dtype="fp32" if device == "cpu" else "bf16", device=device)
+    base = load_causal_lm(path, dtype=dtype, device=device)
     texts = prompts(args.prompts, base.tokenizer)
     ids = torch.tensor(base.tokenizer(TEXT.read_text(encoding="utf-8")).input_ids, device=base.device)
     t0 = time.time()
@@ -161,12 +177,12 @@ def main() -> None:
                     continue
                 loaded = load_causal_lm(path, dtype="bf16", device=device)
             elif fmt == "fp8-dynamic":
-                loaded = load_causal_lm(path, dtype="auto", device=device, quantize="fp8")
+                loaded = load_causal_lm(path, dtype=dtype, device=device, quantize="fp8")
             else:
                 out = Path(tmp) / fmt
                 write_quantized(base.model, out, fmt, group=args.group)
                 base.tokenizer.save_pretrained(out)
-                loaded = load_causal_lm(out, device=device)
+                loaded = load_causal_lm(out, dtype=dtype, device=device)
             kinds = sorted({type(m).__name__ for n, m in loaded.model.named_modules() if n.endswith("proj")})
             got, rate = asyncio.run(served(loaded, texts, args.tokens, args.concurrency))
             rows[fmt] = {
@@ -182,6 +198,8 @@ def main() -> None:
         "cpu": cpu_model(),
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
         "int4_kernel_on_cuda": args.int4_kernel,
+        "dtype": dtype,
+        "fp8_products": "Fp8Linear (fp8 activations, torch._scaled_mm)" if args.fp8_products else "by device",
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "text": f"benchmarks/texts/{TEXT.name} ({len(ids)} tokens)",
