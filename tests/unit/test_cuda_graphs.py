@@ -157,6 +157,54 @@ def test_the_engine_replays_decode_steps_with_generates_greedy_tokens(tiny_model
     assert engine.runner.fast.cache.num_blocks == engine.runner.num_blocks
 
 
+async def test_graphs_with_overlap_scheduling_after_a_warm_up_give_generates_greedy_tokens(tiny_model, monkeypatch):
+    """The GPU's defaults together: decode steps through the graphs' buffers, each planned while the step
+    before it runs (its rows' tokens `PENDING_TOKEN`, resolved by the runner before the graph's inputs are
+    filled), after a warm-up that ran every graph size up to the batch limit (captured there on CUDA)."""
+    from lmiserve.core.request import GenerationRequest, SamplingParams
+    from lmiserve.engine.core.warmup import warm_up
+    from lmiserve.engine.factory import create_engine
+
+    monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "triton")
+    made: list[DecodeGraphs] = []
+    sizes_run: list[int] = []
+
+    def graphs_here(fast, max_rows, scratch_block):
+        graphs = DecodeGraphs(fast, max_rows, scratch_block, capture=CAPTURE)
+        original = graphs.run
+
+        def run(ids, positions, tables):
+            sizes_run.append(graphs.size_for(len(ids)))
+            return original(ids, positions, tables)
+
+        graphs.run = run  # type: ignore[method-assign]
+        made.append(graphs)
+        return graphs
+
+    monkeypatch.setattr(cuda_graphs, "wanted", lambda device, enforce_eager: not enforce_eager)
+    monkeypatch.setattr(cuda_graphs, "for_model", graphs_here)
+    config = EngineConfig(max_running=6, max_prefill_tokens=8, async_scheduling=True, warmup=True)
+    engine = create_engine(tiny_model, config)
+    engine.start()
+    try:
+        done = await warm_up(engine)
+        assert done is not None and set(done.decode_rows) == {1, 2, 4, 6}
+        assert set(sizes_run) == set(made[-1].sizes) == {1, 2, 4, 8}  # every graph size ran (6 rows: size 8)
+        sizes_run.clear()
+
+        async def one(i: int, prompt: str) -> list[int]:
+            await asyncio.sleep(0.01 * i)  # later requests join a running batch
+            params = SamplingParams(max_new_tokens=10, ignore_eos_token=True)
+            return [e.token.id async for e in engine.generate(GenerationRequest(prompt, params)) if e.token]
+
+        results = await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
+    finally:
+        await engine.stop()
+    assert sizes_run and engine.steps_ahead > engine.steps // 2
+    for prompt, tokens in zip(PROMPTS, results, strict=True):
+        assert tokens == greedy_tokens(tiny_model, prompt, 10), prompt
+
+
 def test_graphs_apply_on_cuda_alone(monkeypatch):
     """`wanted` on CUDA unless enforce_eager; `for_model`: none without the Triton attention; the scratch
     block must be in the pool."""
