@@ -42,6 +42,10 @@ for name in sys.argv[1:]:
     print(f"{name}=={metadata.version(name)}")
 PYEOF
 )
+if [ "${#pins[@]}" -ne "${#PACKAGES[@]}" ]; then
+  echo "gpu_kit: $PY lacks some of: ${PACKAGES[*]} (run \`make test\` once to build .venv)" >&2
+  exit 1
+fi
 
 rm -rf "$DEST" && mkdir -p "$DEST"
 tag="${PYTHON_VERSION/./}"
