@@ -257,6 +257,13 @@ def dummy_model_dir(shape: str, out: Path, scale: Scale | None = None) -> Path:
     return out
 
 
+def _in_process_bench(script: str, model_dir: Path, scale: Scale) -> list[str]:
+    """The head of the command of a benchmark script that loads a model in its own process with
+    `--model-id --load-format --device --dtype` (overlap_scheduling.py, step_host_cost.py): bf16 dummy weights."""
+    return [sys.executable, str(ROOT / "benchmarks" / script), "--model-id", str(model_dir), "--load-format", "dummy",
+            "--device", scale.device, "--dtype", "bf16"]  # fmt: skip
+
+
 def run_step(name: str, command: list[str], log_path: Path, timeout: float, env: dict[str, str]) -> dict[str, Any]:
     _log(f"{name}: {' '.join(command)} (at most {timeout:.0f} s)")
     start = time.monotonic()
@@ -567,6 +574,14 @@ def main(argv: list[str] | None = None) -> int:
     def left() -> float:
         return deadline - time.monotonic()
 
+    models: dict[str, Path] = {}
+
+    def model(shape: str) -> Path:
+        """The dummy model directory of `shape`, written once a run."""
+        if shape not in models:
+            models[shape] = dummy_model_dir(shape, out / f"model-{shape}", scale)
+        return models[shape]
+
     # 2. the engine's tests on cuda (a rehearsal collects them: they run on the CPU in every test run)
     # only the plugins the suite needs (a GPU image's own pytest plugins may not match this pytest)
     test_env = {**env, "LMISERVE_TEST_DEVICE": scale.device, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
@@ -596,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
         if _PARAMS[shape] * 2 * 2.5 > memory:  # weights twice (server, baselines one at a time) + KV
             summary["steps"].append(_skipped(f"bench {shape}", "memory"))
             continue
-        model_dir = dummy_model_dir(shape, out / f"model-{shape}", scale)
+        model_dir = model(shape)
         bench_dir = out / f"bench-{shape}"
         command = [
             sys.executable,
@@ -637,13 +652,12 @@ def main(argv: list[str] | None = None) -> int:
     if left() < 90:
         summary["steps"].append(_skipped("decode paths 1b", "time"))
     else:
-        dummy_model_dir("1b", out / "model-1b", scale)
         report = out / "decode-paths-1b.json"
         command = [
             sys.executable,
             str(ROOT / "benchmarks" / "decode_paths.py"),
             "--model-id",
-            str(out / "model-1b"),
+            str(model("1b")),
             "-o",
             "load_format=dummy",
             "-o",
@@ -668,19 +682,9 @@ def main(argv: list[str] | None = None) -> int:
     if left() < 120:
         summary["steps"].append(_skipped("overlap scheduling 1b", "time"))
     else:
-        dummy_model_dir("1b", out / "model-1b", scale)
         overlap_dir = out / "overlap-1b"
         command = [
-            sys.executable,
-            str(ROOT / "benchmarks" / "overlap_scheduling.py"),
-            "--model-id",
-            str(out / "model-1b"),
-            "--load-format",
-            "dummy",
-            "--device",
-            scale.device,
-            "--dtype",
-            "bf16",
+            *_in_process_bench("overlap_scheduling.py", model("1b"), scale),
             "--kv-cache-memory-bytes",
             scale.pick(str(8 << 30), str(64 << 20)),
             "--rows",
@@ -703,19 +707,9 @@ def main(argv: list[str] | None = None) -> int:
     if left() < 90:
         summary["steps"].append(_skipped("step profile 1b", "time"))
     else:
-        dummy_model_dir("1b", out / "model-1b", scale)
         profile_dir = out / "step-profile-1b"
         command = [
-            sys.executable,
-            str(ROOT / "benchmarks" / "step_host_cost.py"),
-            "--model-id",
-            str(out / "model-1b"),
-            "--load-format",
-            "dummy",
-            "--device",
-            scale.device,
-            "--dtype",
-            "bf16",
+            *_in_process_bench("step_host_cost.py", model("1b"), scale),
             "--rows",
             scale.pick("1,32,128", "1,4"),
             "--paths",
@@ -766,12 +760,11 @@ def main(argv: list[str] | None = None) -> int:
 
     # 10. tensor parallelism (issue #25): the workers' path on CUDA against the model in this process
     degree = 1 if scale.rehearsal else min(2, torch.cuda.device_count())
-    for name, extra in (("tiny", []), ("1b", ["--model-id", str(out / "model-1b"), "-o", "load_format=dummy"])):
+    for name in ("tiny", "1b"):
         if left() < 60:
             summary["steps"].append(_skipped(f"tensor parallel {name}", "time"))
             continue
-        if name == "1b":
-            dummy_model_dir("1b", out / "model-1b", scale)
+        extra = ["--model-id", str(model("1b")), "-o", "load_format=dummy"] if name == "1b" else []
         report = out / f"tp-{name}.json"
         command = [
             sys.executable,
@@ -820,7 +813,7 @@ def main(argv: list[str] | None = None) -> int:
             if left() < 60:
                 summary["steps"].append(_skipped(name, "time"))
                 continue
-            model_dir = dummy_model_dir(shape, out / f"model-{shape}", scale)
+            model_dir = model(shape)
             report = out / f"executor-{device}.json"
             command = [
                 sys.executable,

@@ -200,9 +200,8 @@ PROMPTS = [[1, 5, 9, 17, 33], [4, 60, 2, 11], [8, 8, 30, 45, 12, 19, 50]]
 
 
 def greedy(model: torch.nn.Module, ids: list[int], tokens: int) -> list[int]:
-    device = model.get_input_embeddings().weight.device  # type: ignore[operator]
     with torch.inference_mode():
-        out = model.generate(torch.tensor([ids], device=device), max_new_tokens=tokens, do_sample=False, pad_token_id=0)  # type: ignore[operator]
+        out = model.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False, pad_token_id=0)  # type: ignore[operator]
     return out[0, len(ids) :].tolist()
 
 
@@ -370,5 +369,5 @@ def greedy_gaps(model: torch.nn.Module, ids: list[int], got: list[int]) -> list[
     with torch.inference_mode():
         logits = model(torch.tensor([ids + got], device=device)).logits[0, len(ids) - 1 : -1].float()  # type: ignore[operator]
     chosen = logits.gather(1, torch.tensor(got, device=device)[:, None])[:, 0]
-    spread = logits.max(-1).values - logits.min(-1).values
-    return ((logits.max(-1).values - chosen) / spread).tolist()
+    best = logits.max(-1).values
+    return ((best - chosen) / (best - logits.min(-1).values)).tolist()
