@@ -142,6 +142,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(HERE / "results" / "issue39-quantized-2026-11-29"))
     args = parser.parse_args()
     if args.int4_kernel == "triton":
+        if not args.device.startswith("cuda"):  # on a CPU AWQ/GPTQ run lmiserve's int4 kernel whatever it says
+            raise SystemExit("--int4-kernel triton chooses CUDA's 4-bit product: add --device cuda")
         from lmiserve.engine.model import int4_triton
 
         int4_triton.USE_ON_CUDA = True
