@@ -12,7 +12,8 @@
 # safetensors, accelerate, huggingface_hub, jinja2, pillow, httpx, grpcio, protobuf, prometheus-client, tqdm,
 # pytest and pytest-xdist; not starlette, uvicorn, pydantic, gguf, llguidance, platformdirs nor
 # pytest-asyncio nor jsonschema (the structured-output tests check outputs with it), and transformers,
-# tokenizers and pytest at other versions (or unknown ones).
+# tokenizers, pytest and peft (the LoRA graph tests make their adapters with it) at other versions (or
+# unknown ones).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,6 +27,7 @@ PACKAGES=(
   gguf llguidance platformdirs
   pytest pluggy iniconfig pytest-asyncio
   jsonschema jsonschema-specifications referencing rpds-py
+  peft
 )
 LIMIT_MIB=64  # what one device call carries: the working tree and the carried paths together
 PY="${VENV_PYTHON:-.venv/bin/python}"

@@ -23,6 +23,7 @@ from lmiserve.engine.attention import cuda_graphs
 from lmiserve.engine.attention.paged import kv_bytes_per_block
 from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.loaded import LoadedModel
+from lmiserve.engine.lora import slots as lora_slots
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -86,7 +87,8 @@ def free_memory(device: torch.device, config: EngineConfig) -> int:
 
 def activation_reserve(loaded: LoadedModel, config: EngineConfig, activation_bytes: int | None, graphs: bool) -> int:
     """On CUDA, the bytes `loaded`'s steps need beside its pool: `activation_bytes` as profiled, with a
-    margin (else the fixed `GPU_ACTIVATION_RESERVE`), and with decode `graphs` their memory; 0 elsewhere."""
+    margin (else the fixed `GPU_ACTIVATION_RESERVE`), and with decode `graphs` their memory (and that of
+    their LoRA slots when adapters are served); 0 elsewhere."""
     if loaded.device.type != "cuda":
         return 0
     reserve = GPU_ACTIVATION_RESERVE
@@ -100,6 +102,8 @@ def activation_reserve(loaded: LoadedModel, config: EngineConfig, activation_byt
             int(loaded.model.config.vocab_size),
             loaded.model.dtype.itemsize,
         )
+        if config.lora is not None:  # the adapters' slots the graphs read (engine/lora/slots.py)
+            reserve += lora_slots.slot_bytes(loaded.model, config.lora.max_loras, config.lora.max_lora_rank)
     return reserve
 
 

@@ -173,9 +173,9 @@ async def test_graphs_with_overlap_scheduling_after_a_warm_up_give_generates_gre
         graphs = DecodeGraphs(fast, max_rows, scratch_block, capture=CAPTURE)
         original = graphs.run
 
-        def run(ids, positions, tables):
+        def run(ids, positions, tables, lora=None):
             sizes_run.append(graphs.size_for(len(ids)))
-            return original(ids, positions, tables)
+            return original(ids, positions, tables, lora)
 
         graphs.run = run  # type: ignore[method-assign]
         made.append(graphs)

@@ -17,9 +17,13 @@ their own buffers (`TritonBackend.graph_plan`) and whose kernel's loops run on d
 one graph serves every context length; the RoPE table is built for the whole context before the first
 capture (`FastLlama.rope_upto`) and never reallocated.
 
+With LoRA adapters configured (`carry_lora`, before the first capture), every graph also computes the
+products of `max_loras` fixed adapter slots (engine/lora/slots.py): a step's adapters are copied into slots
+(when not there already) and each row's slot is one more input buffer, so decode steps with adapters replay
+the same graphs; a step with more adapters than slots, or the graphs without slots, runs eagerly.
+
 `enforce_eager` (vLLM's and LMI's option) turns graphs off. A capture that fails is logged and the
-engine goes on eagerly. Not with tensor parallelism (the all-reduces would have to be captured too) nor
-LoRA adapters (their steps run eagerly).
+engine goes on eagerly. Not with tensor parallelism (the all-reduces would have to be captured too).
 
 On a CPU (``capture=False``, the tests) `run` computes the same padded step from the same buffers
 without capturing: everything but the capture itself.
@@ -37,8 +41,10 @@ import torch
 from lmiserve.engine.attention import triton_ops as triton_attention
 from lmiserve.engine.attention.backends import TritonBackend
 from lmiserve.engine.attention.paged import PagedKVCache
+from lmiserve.engine.lora.slots import NO_SLOT, LoraSlots
 
 if TYPE_CHECKING:
+    from lmiserve.engine.lora.batch import LoraBatch
     from lmiserve.engine.model.fast_llama import FastLlama
 
 __all__ = ["MAX_CAPTURE_SIZE", "DecodeGraphs", "capture_sizes", "for_model", "wanted"]
@@ -91,9 +97,20 @@ class DecodeGraphs:
         self._graphs: dict[int, _Captured] = {}
         self._pool: Any = None  # the graphs' shared memory pool (torch's handle)
         self.failed = False
+        self.lora: LoraSlots | None = None  # the adapters' slots every graph computes (`carry_lora`)
         fast.rope_upto(fast.max_context)
 
-    def covers(self, rows: int) -> bool:
+    def carry_lora(self, slots: int, rank: int) -> LoraSlots:
+        """From now on every graph computes the products of `slots` LoRA adapters of rank up to `rank`
+        (engine/lora/slots.py); before the first capture."""
+        if self._graphs:
+            raise RuntimeError("LoRA slots must be given to the decode graphs before the first capture")
+        self.lora = LoraSlots(self.fast.lora_groups(), slots, rank, self.sizes[-1], self.fast.device, self.fast.dtype)
+        return self.lora
+
+    def covers(self, rows: int, lora: LoraBatch | None = None) -> bool:
+        if lora is not None and (self.lora is None or len(lora.adapters) > self.lora.slots):
+            return False
         return not self.failed and 0 < rows <= self.sizes[-1]
 
     def size_for(self, rows: int) -> int:
@@ -127,22 +144,41 @@ class DecodeGraphs:
             )
             part_device.copy_(part_host, non_blocking=self.capture)
 
-    def _inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, triton_attention.StepTiles]:
-        """The fixed-address views a graph of `size` rows reads, and the attention backend's metadata made
-        from them."""
+    def _fill_lora(self, lora: LoraBatch | None, rows: int, size: int) -> None:
+        """Each row's adapter slot (placing the step's adapters in slots first) into the slots' row buffer."""
+        slots = self.lora
+        if slots is None:
+            return
+        if lora is None:
+            slots.set_rows([], size)
+            return
+        placed = slots.place(lora.adapters)
+        slots.set_rows([placed[owner] if owner >= 0 else NO_SLOT for owner in lora.owners[:rows]], size)
+
+    def _inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, triton_attention.StepTiles, LoraSlots | None]:
+        """The fixed-address views a graph of `size` rows reads, the attention backend's metadata made
+        from them, and the adapters' slots."""
         ids, positions, counts, tables, write = self._device
         attention = self.fast.attention
         assert isinstance(attention, TritonBackend)
         meta = attention.graph_plan(
             self._rows[:size], counts[:size], positions[:size], tables[:size], write[: size * self.kv_heads]
         )
-        return ids[:size], positions[:size], meta
+        return ids[:size], positions[:size], meta, self.lora
 
-    def run(self, ids: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Float32 logits ``[len(ids), vocab]`` of a step of decode rows (a fresh tensor)."""
+    def run(
+        self,
+        ids: Sequence[int],
+        positions: Sequence[int],
+        tables: Sequence[Sequence[int]],
+        lora: LoraBatch | None = None,
+    ) -> torch.Tensor:
+        """Float32 logits ``[len(ids), vocab]`` of a step of decode rows (a fresh tensor), with the
+        adapters of `lora` (its token rows: these rows; only where `covers` says so)."""
         rows = len(ids)
         size = self.size_for(rows)
         self._fill(ids, positions, tables, size)
+        self._fill_lora(lora, rows, size)
         if not self.capture:
             return self.fast.decode_body(*self._inputs(size))[:rows]
         captured = self._graphs.get(size)

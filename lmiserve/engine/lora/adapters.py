@@ -36,6 +36,7 @@ __all__ = [
     "FAST_PATH_MODULES",
     "AdapterError",
     "LoraAdapter",
+    "linear_shape",
     "read_adapter",
     "read_config",
 ]
@@ -85,7 +86,7 @@ class LoraAdapter:
         return AdapterRef(self.name, self.id, str(self.path))
 
 
-def _linear_shape(module: torch.nn.Module) -> tuple[int, int] | None:
+def linear_shape(module: torch.nn.Module) -> tuple[int, int] | None:
     """``(in, out)`` of a linear (torch's, lmiserve's int8/int4, GPT-2's Conv1D); None otherwise."""
     if isinstance(module, torch.nn.Embedding):
         return None
@@ -100,7 +101,7 @@ def _linear_shape(module: torch.nn.Module) -> tuple[int, int] | None:
 
 def lora_out_features(module: torch.nn.Module) -> int:
     """The output width of a linear an adapter targets (checked by `read_adapter`)."""
-    shape = _linear_shape(module)
+    shape = linear_shape(module)
     if shape is None:
         raise ValueError(f"{type(module).__name__} is not a linear layer")
     return shape[1]
@@ -208,7 +209,7 @@ def read_adapter(
             module = model.get_submodule(path)
         except AttributeError:
             raise AdapterError(f"adapter {name} targets {path}, which this model does not have{made_for}") from None
-        shape = _linear_shape(module)
+        shape = linear_shape(module)
         if shape is None:
             raise AdapterError(f"adapter {name} targets {path}, which is not a linear layer")
         if modules is not None and short not in modules:

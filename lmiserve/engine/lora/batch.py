@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -22,7 +23,7 @@ import torch
 from lmiserve.engine.lora import kernels as lora_kernels
 from lmiserve.engine.lora.adapters import LoraAdapter
 
-__all__ = ["LoraBatch", "LoraGroup", "StackCache"]
+__all__ = ["LoraBatch", "LoraGroup", "LoraProducts", "StackCache"]
 
 
 # ---- one step's products -------------------------------------------------------------------------
@@ -34,6 +35,15 @@ class LoraGroup:
 
     key: str
     parts: tuple[tuple[str, int, int], ...]  # (module path, first output column, end)
+    inputs: int = 0  # the width of the input the parts read (0: not said; the fixed slots need it)
+
+
+class LoraProducts(Protocol):
+    """What a forward asks of a step's adapters (`LoraBatch`, or engine/lora/slots.py's fixed slots)."""
+
+    def apply(self, key: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Add the adapters' deltas for group `key` to `out` (``[rows, out]``, in place) from its input `x`."""
+        ...
 
 
 @dataclass
@@ -196,6 +206,11 @@ class LoraBatch:
         index = {adapter.id: at for at, adapter in enumerate(adapters)}
         owners = [-1 if adapter is None else index[adapter.id] for adapter in row_adapters]
         return LoraBatch(adapters, owners, cache, device, dtype, kernels)
+
+    @property
+    def owners(self) -> list[int]:
+        """Each token row's adapter (an index into `adapters`; -1: the base model)."""
+        return self._owners
 
     def _for_rows(self, rows: int) -> None:
         """The owners of `rows` token rows (padding: none), made once a step."""

@@ -37,7 +37,8 @@ from lmiserve.engine.attention import backends, cpu_kernel
 from lmiserve.engine.attention import windows as attention_window
 from lmiserve.engine.attention.backends import SeqTokens
 from lmiserve.engine.attention.paged import AttentionShape, PagedKVCache
-from lmiserve.engine.lora.batch import LoraBatch, LoraGroup
+from lmiserve.engine.lora.batch import LoraBatch, LoraGroup, LoraProducts
+from lmiserve.engine.lora.slots import LoraSlots
 from lmiserve.engine.model import q4_decode, skinny_gemm
 from lmiserve.engine.model.cpu_gemm import PAD_ROWS_FROM, VOCAB_PAD_ROWS_FROM, CpuGemm
 from lmiserve.engine.model.llama_layout import (
@@ -87,11 +88,13 @@ class DecodeReplay(Protocol):
     """What the forward asks of the decode steps captured as CUDA graphs (engine/attention/cuda_graphs.py's
     `DecodeGraphs`, which builds on this module: this one never imports it)."""
 
-    def covers(self, rows: int) -> bool:
-        """A step of `rows` decode rows replays a captured graph."""
+    def covers(self, rows: int, lora: LoraBatch | None) -> bool:
+        """A step of `rows` decode rows (with the adapters `lora`) replays a captured graph."""
         ...
 
-    def run(self, ids: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]]) -> torch.Tensor:
+    def run(
+        self, ids: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]], lora: LoraBatch | None
+    ) -> torch.Tensor:
         """Float32 logits ``[len(ids), vocab]`` of a step of decode rows."""
         ...
 
@@ -215,8 +218,8 @@ class FastLlama:
     # ---- one step ----------------------------------------------------------------------------------
     def forward(self, step: StepInputs) -> torch.Tensor:
         """Logits (float32, ``[len(step.keep), vocab]``) of the step's flattened tokens listed in `keep`.
-        A step of decode rows alone, every row kept, no adapter, replays a captured CUDA graph where
-        `graphs` covers it."""
+        A step of decode rows alone, every row kept, replays a captured CUDA graph where `graphs` covers
+        it (with adapters: where the graphs carry LoRA slots)."""
         dev = self.device
         rows = len(step.decode_ids)
         if rows != len(step.decode_tables) or rows != len(step.decode_positions):
@@ -226,11 +229,10 @@ class FastLlama:
             graphs is not None
             and rows
             and not step.chunks
-            and step.lora is None
-            and graphs.covers(rows)
+            and graphs.covers(rows, step.lora)
             and step.keep == list(range(rows))  # every row's logits kept
         ):
-            return graphs.run(step.decode_ids, step.decode_positions, step.decode_tables)
+            return graphs.run(step.decode_ids, step.decode_positions, step.decode_tables, step.lora)
         ids = step.decode_ids + [t for _, _, chunk in step.chunks for t in chunk]
         positions = list(step.decode_positions)
         for _, start, chunk in step.chunks:
@@ -256,13 +258,17 @@ class FastLlama:
         logits = self._logits(x)[:count].float().contiguous()
         return logits if tp is None else tp.gather_logits(logits)
 
-    def decode_body(self, ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
+    def decode_body(
+        self, ids: torch.Tensor, positions: torch.Tensor, meta: Any, lora: LoraSlots | None = None
+    ) -> torch.Tensor:
         """A step of decode rows as tensor ops alone (no host values, no host syncs: what a CUDA graph
         captures): token `ids` at `positions` (device tensors, one a row; the RoPE table must already cover
-        them), attention with the backend's metadata `meta` (made from the graph's buffers); float32
-        logits of every row. The whole model (not a tensor-parallel shard)."""
+        them), attention with the backend's metadata `meta` (made from the graph's buffers), the adapters
+        of the rows' `lora` slots (engine/lora/slots.py); float32 logits of every row. The whole model (not
+        a tensor-parallel shard)."""
         x = F.embedding(ids, self.embed)
-        x = self._layers(x, self._cos[positions][:, None], self._sin[positions][:, None], meta, None)
+        products = lora.products(len(ids)) if lora is not None else None
+        x = self._layers(x, self._cos[positions][:, None], self._sin[positions][:, None], meta, products)
         return self._logits(x).float()
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -283,7 +289,7 @@ class FastLlama:
         cos: torch.Tensor,
         sin: torch.Tensor,
         meta: Any,
-        lora: LoraBatch | None,
+        lora: LoraProducts | None,
     ) -> torch.Tensor:
         """The decoder layers over the step's hidden states ``x`` (``[T, hidden]``; RoPE rows `cos`/`sin`)."""
         packed = self.packed
@@ -327,15 +333,18 @@ class FastLlama:
         groups = []
         for index, layer in enumerate(self.layers):
             at = f"model.layers.{index}"
-            attn, mlp, inter = f"{at}.self_attn", f"{at}.mlp", layer.intermediate
+            attn, mlp, inter, hidden = f"{at}.self_attn", f"{at}.mlp", layer.intermediate, layer.hidden
             groups += [
                 LoraGroup(
                     f"{index}.qkv",
                     ((f"{attn}.q_proj", 0, q), (f"{attn}.k_proj", q, q + kv), (f"{attn}.v_proj", q + kv, q + 2 * kv)),
+                    hidden,
                 ),
-                LoraGroup(f"{index}.o", ((f"{attn}.o_proj", 0, layer.hidden),)),
-                LoraGroup(f"{index}.gate_up", ((f"{mlp}.gate_proj", 0, inter), (f"{mlp}.up_proj", inter, 2 * inter))),
-                LoraGroup(f"{index}.down", ((f"{mlp}.down_proj", 0, layer.hidden),)),
+                LoraGroup(f"{index}.o", ((f"{attn}.o_proj", 0, hidden),), q),
+                LoraGroup(
+                    f"{index}.gate_up", ((f"{mlp}.gate_proj", 0, inter), (f"{mlp}.up_proj", inter, 2 * inter)), hidden
+                ),
+                LoraGroup(f"{index}.down", ((f"{mlp}.down_proj", 0, hidden),), inter),
             ]
         return groups
 
