@@ -3,6 +3,7 @@ attention kernel and the torch attention (blocks gathered every layer).
 
     python benchmarks/decode_paths.py [--model-id DIR] [-o load_format=dummy] [--device cuda]
                                       [--concurrency 1,32] [--max-new-tokens T] [--json FILE]
+                                      [--paths graphs,triton,torch] [--lora N]
 
 The model is loaded once; for each path an engine is built over it, alone on the device, and the same
 greedy prompts run at each concurrency (a warm-up request first, which also captures the graph of one
@@ -12,6 +13,11 @@ first position where one differs otherwise). Paths:
 - ``graphs``: the default on CUDA, decode steps replayed as CUDA graphs over the Triton kernel;
 - ``triton``: ``enforce_eager=true``, the same kernel launched step by step;
 - ``torch``: ``enforce_eager=true`` and ``LMISERVE_ATTENTION_BACKEND=torch``, the torch attention.
+
+``--lora N``: the engines serve N random LoRA adapters of rank 16 on every linear
+(lmiserve/models/lora_demo.py) and the prompts name them in turn, one in N + 1 none: with ``graphs`` the
+decode steps with adapters replay the graphs over fixed adapter slots (engine/lora/slots.py), with
+``triton`` they run eagerly with the stacked products (engine/lora/batch.py).
 
 Without --model-id: the tests' tiny Llama model. On a CPU the Triton paths need ``TRITON_INTERPRET=1``
 (a check that the script runs, not a measurement) and no graph is captured.
@@ -41,25 +47,42 @@ PATHS = {
 }
 
 
-def run(model_dir: str, options: dict[str, str], device: str, levels: list[int], tokens: int) -> dict[str, Any]:
+def run(
+    model_dir: str,
+    options: dict[str, str],
+    device: str,
+    levels: list[int],
+    tokens: int,
+    paths: list[str] | None = None,
+    adapters: dict[str, Path] | None = None,
+) -> dict[str, Any]:
+    """Each of `paths` (default all) at each level; with `adapters` (name: folder) served and named by the
+    prompts in turn (one in ``len(adapters) + 1`` the base model)."""
     import torch
 
     from lmiserve.config import Settings
     from lmiserve.models.compose import build_engine
     from lmiserve.models.load import load_causal_lm
 
+    if adapters:
+        options = {**options, "enable_lora": "true", "max_loras": str(len(adapters))}
+    names: list[str | None] = [*(adapters or {}), None]
     base = Settings.from_options({"model_id": model_dir, "device": device, **options})
     loaded = load_causal_lm(model_dir, dtype=base.dtype, device=device, load_format=base.load_format)
     loaded = dataclasses.replace(loaded, device=torch.device(device))
     results: dict[str, Any] = {}
-    for path, (backend, eager) in PATHS.items():
+    for path in paths or list(PATHS):
+        backend, eager = PATHS[path]
         os.environ["LMISERVE_ATTENTION_BACKEND"] = backend
         settings = base.model_copy(update={"enforce_eager": eager})
         runs = {}
         for level in levels:
             prompts = [PROMPTS[i % len(PROMPTS)] + ("" if i < len(PROMPTS) else f" ({i})") for i in range(level)]
             engine = build_engine(loaded, settings)
-            outputs, seconds = asyncio.run(_generate(engine, prompts, tokens))
+            for name, folder in (adapters or {}).items():
+                engine.adapters.register(name, folder)
+            on = [names[i % len(names)] for i in range(level)] if adapters else None
+            outputs, seconds = asyncio.run(_generate(engine, prompts, tokens, on))
             fast = getattr(engine.runner, "fast", None)
             graphs = getattr(fast, "graphs", None)
             runs[str(level)] = {
@@ -74,7 +97,8 @@ def run(model_dir: str, options: dict[str, str], device: str, levels: list[int],
                 torch.cuda.empty_cache()
         results[path] = runs
     first = next(iter(results))
-    report: dict[str, Any] = {"device": device, "max_new_tokens": tokens, "paths": {}}
+    report: dict[str, Any] = {"device": device, "max_new_tokens": tokens, "lora_adapters": len(adapters or {})}
+    report["paths"] = {}
     if device.startswith("cuda"):
         report["gpu"] = torch.cuda.get_device_name(0)
     for path, runs in results.items():
@@ -103,16 +127,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default="1,32", help="concurrent prompts, comma-separated")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--json", type=Path, help="write the report here too")
+    parser.add_argument("--paths", default=",".join(PATHS), help="the paths to run, comma-separated (default all)")
+    parser.add_argument("--lora", type=int, default=0, metavar="N", help="serve N random LoRA adapters (rank 16)")
     args = parser.parse_args(argv)
     options = dict(item.split("=", 1) for item in args.options)
     levels = [int(c) for c in args.concurrency.split(",")]
+    paths = args.paths.split(",")
+    if unknown := [p for p in paths if p not in PATHS]:
+        parser.error(f"unknown path(s) {', '.join(unknown)}; the paths: {', '.join(PATHS)}")
+    if args.lora < 0:
+        parser.error("--lora takes a count of adapters (0: none)")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model_id
         if model_dir is None:
             from tests.helpers.tiny_model import build_tiny_model_dir
 
             model_dir = str(build_tiny_model_dir(Path(tmp) / "tiny"))
-        report = run(model_dir, options, args.device, levels, args.max_new_tokens)
+        adapters = None
+        if args.lora:
+            from lmiserve.models.lora_demo import LORA_TARGETS, make_adapters
+
+            adapters = make_adapters(Path(model_dir), Path(tmp) / "adapters", args.lora, 16, LORA_TARGETS["all"])
+        report = run(model_dir, options, args.device, levels, args.max_new_tokens, paths, adapters)
     write_report(report, args.json)
     return 0
 

