@@ -124,7 +124,8 @@ def test_the_slots_bytes_are_what_the_pool_plan_reserves(fast, tiny_model):
 def expected(tiny_model, tiny_model_dir, lora_adapter_dirs) -> dict[str | None, list[list[int]]]:
     ids = [tiny_model.tokenizer(p)["input_ids"] for p in PROMPTS]
     return {
-        name: merged_generate(tiny_model_dir, lora_adapter_dirs[name] if name else None, ids, TOKENS, DEVICE) for name in NAMES
+        name: merged_generate(tiny_model_dir, lora_adapter_dirs[name] if name else None, ids, TOKENS, DEVICE)
+        for name in NAMES
     }
 
 
