@@ -17,6 +17,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from helpers.decode_graphs import graphs_on_the_test_device  # noqa: E402
 from helpers.llama_variants import ARCHS, PROMPTS, build, greedy_tokens, serve_prompts  # noqa: E402
 from lmiserve.engine.attention import cuda_graphs  # noqa: E402
 from lmiserve.engine.attention.backends import TorchBackend  # noqa: E402
@@ -137,16 +138,7 @@ def test_a_capture_that_fails_leaves_decode_steps_eager(monkeypatch, caplog):
 def test_the_engine_replays_decode_steps_with_generates_greedy_tokens(tiny_model, monkeypatch):
     """Continuous batching with decode steps through the graphs' buffers (captured on CUDA):
     generate()'s greedy tokens; `enforce_eager` leaves them out."""
-    monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "triton")
-    made = []
-
-    def graphs_here(fast, max_rows, scratch_block):
-        graphs = DecodeGraphs(fast, max_rows, scratch_block, capture=CAPTURE)
-        made.append(graphs)
-        return graphs
-
-    monkeypatch.setattr(cuda_graphs, "wanted", lambda device, enforce_eager: not enforce_eager)
-    monkeypatch.setattr(cuda_graphs, "for_model", graphs_here)
+    made = graphs_on_the_test_device(monkeypatch).made
     engine, results = asyncio.run(serve_prompts(tiny_model, EngineConfig(max_prefill_tokens=8), 10))
     assert engine.runner.fast.graphs is made[-1] is not None
     assert engine.runner.fast.cache.num_blocks == engine.runner.num_blocks + 1  # the scratch block
@@ -165,32 +157,16 @@ async def test_graphs_with_overlap_scheduling_after_a_warm_up_give_generates_gre
     from lmiserve.engine.core.warmup import warm_up
     from lmiserve.engine.factory import create_engine
 
-    monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "triton")
-    made: list[DecodeGraphs] = []
-    sizes_run: list[int] = []
-
-    def graphs_here(fast, max_rows, scratch_block):
-        graphs = DecodeGraphs(fast, max_rows, scratch_block, capture=CAPTURE)
-        original = graphs.run
-
-        def run(ids, positions, tables, lora=None):
-            sizes_run.append(graphs.size_for(len(ids)))
-            return original(ids, positions, tables, lora)
-
-        graphs.run = run  # type: ignore[method-assign]
-        made.append(graphs)
-        return graphs
-
-    monkeypatch.setattr(cuda_graphs, "wanted", lambda device, enforce_eager: not enforce_eager)
-    monkeypatch.setattr(cuda_graphs, "for_model", graphs_here)
+    record = graphs_on_the_test_device(monkeypatch)
+    made, steps = record.made, record.steps
     config = EngineConfig(max_running=6, max_prefill_tokens=8, async_scheduling=True, warmup=True)
     engine = create_engine(tiny_model, config)
     engine.start()
     try:
         done = await warm_up(engine)
         assert done is not None and set(done.decode_rows) == {1, 2, 4, 6}
-        assert set(sizes_run) == set(made[-1].sizes) == {1, 2, 4, 8}  # every graph size ran (6 rows: size 8)
-        sizes_run.clear()
+        assert {size for size, _ in steps} == set(made[-1].sizes) == {1, 2, 4, 8}  # 6 rows: size 8
+        steps.clear()
 
         async def one(i: int, prompt: str) -> list[int]:
             await asyncio.sleep(0.01 * i)  # later requests join a running batch
@@ -200,7 +176,7 @@ async def test_graphs_with_overlap_scheduling_after_a_warm_up_give_generates_gre
         results = await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
     finally:
         await engine.stop()
-    assert sizes_run and engine.steps_ahead > engine.steps // 2
+    assert steps and engine.steps_ahead > engine.steps // 2
     for prompt, tokens in zip(PROMPTS, results, strict=True):
         assert tokens == greedy_tokens(tiny_model, prompt, 10), prompt
 

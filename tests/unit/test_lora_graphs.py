@@ -19,9 +19,9 @@ import torch
 
 pytest.importorskip("triton")
 
+from helpers.decode_graphs import graphs_on_the_test_device  # noqa: E402
 from helpers.lora_adapters import SPECS, merged_generate  # noqa: E402
 from lmiserve.core.request import GenerationRequest, SamplingParams  # noqa: E402
-from lmiserve.engine.attention import cuda_graphs  # noqa: E402
 from lmiserve.engine.attention.cuda_graphs import DecodeGraphs  # noqa: E402
 from lmiserve.engine.attention.paged import PagedKVCache  # noqa: E402
 from lmiserve.engine.core.async_engine import EngineConfig  # noqa: E402
@@ -34,7 +34,6 @@ from lmiserve.engine.model.fast_llama import FastLlama  # noqa: E402
 from lmiserve.engine.pool_plan import activation_reserve  # noqa: E402
 
 DEVICE = torch.device(os.environ.get("LMISERVE_TEST_DEVICE", "cpu"))
-CAPTURE = DEVICE.type == "cuda"
 PROMPTS = ["Hello there, how are", "def add(a, b):", "The quick brown fox jumps"]
 TOKENS = 10
 NAMES = [None, *(spec.name for spec in SPECS)]
@@ -133,25 +132,7 @@ def test_the_engine_replays_decode_steps_with_adapters(tiny_model, lora_adapter_
     """Requests of three adapters and of the base model, two slots (`max_loras=2`): decode steps with
     adapters run through the graphs' slots, and every request gets `generate()`'s greedy tokens with its
     adapter merged."""
-    monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "triton")
-    made: list[DecodeGraphs] = []
-    with_adapters: list[int] = []
-
-    def graphs_here(fast, max_rows, scratch_block):
-        graphs = DecodeGraphs(fast, max_rows, scratch_block, capture=CAPTURE)
-        original = graphs.run
-
-        def run(ids, positions, tables, lora=None):
-            if lora is not None:
-                with_adapters.append(len(lora.adapters))
-            return original(ids, positions, tables, lora)
-
-        graphs.run = run  # type: ignore[method-assign]
-        made.append(graphs)
-        return graphs
-
-    monkeypatch.setattr(cuda_graphs, "wanted", lambda device, enforce_eager: not enforce_eager)
-    monkeypatch.setattr(cuda_graphs, "for_model", graphs_here)
+    record = graphs_on_the_test_device(monkeypatch)
     config = EngineConfig(lora=LoraLimits(max_loras=2), cpu_autotune=False, max_running=8, max_prefill_tokens=8)
 
     async def run_all() -> dict[tuple[str | None, int], list[int]]:
@@ -175,9 +156,9 @@ def test_the_engine_replays_decode_steps_with_adapters(tiny_model, lora_adapter_
             await engine.stop()
 
     results = asyncio.run(run_all())
-    graphs = made[-1]
+    graphs = record.made[-1]
     assert graphs.lora is not None and graphs.lora.slots == 2 and graphs.lora.rank == 16
-    assert with_adapters and max(with_adapters) == 2  # steps of two adapters replayed
+    assert max(adapters for _, adapters in record.steps) == 2  # steps of two adapters replayed
     assert len({h for h in graphs.lora.holders() if h is not None}) == 2
     for (name, i), tokens in results.items():
         assert tokens == expected[name][i], (name, i)

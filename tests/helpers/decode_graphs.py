@@ -1,0 +1,47 @@
+"""Engines built with decode graphs on the test device (engine/attention/cuda_graphs.py): captured on CUDA,
+on a CPU the same fixed buffers run without a capture; each step they replay recorded."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from lmiserve.engine.attention import cuda_graphs
+from lmiserve.engine.attention.cuda_graphs import DecodeGraphs
+
+CAPTURE = torch.device(os.environ.get("LMISERVE_TEST_DEVICE", "cpu")).type == "cuda"
+
+
+@dataclass
+class GraphsMade:
+    """The decode graphs the engines took (the last: the last engine's) and, for each step they ran, its
+    graph size and the number of LoRA adapters in it (0: none)."""
+
+    made: list[DecodeGraphs] = field(default_factory=list)
+    steps: list[tuple[int, int]] = field(default_factory=list)
+
+
+def graphs_on_the_test_device(monkeypatch: pytest.MonkeyPatch) -> GraphsMade:
+    """From now on (in this test) engines built on the fast path take decode graphs unless `enforce_eager`,
+    with the Triton attention (in Triton's interpreter on a CPU)."""
+    monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "triton")
+    record = GraphsMade()
+
+    def graphs_here(fast, max_rows: int, scratch_block: int) -> DecodeGraphs:  # noqa: ANN001 - FastLlama
+        graphs = DecodeGraphs(fast, max_rows, scratch_block, capture=CAPTURE)
+        original = graphs.run
+
+        def run(ids, positions, tables, lora=None):  # noqa: ANN001, ANN202 - DecodeGraphs.run's
+            record.steps.append((graphs.size_for(len(ids)), 0 if lora is None else len(lora.adapters)))
+            return original(ids, positions, tables, lora)
+
+        graphs.run = run  # type: ignore[method-assign]
+        record.made.append(graphs)
+        return graphs
+
+    monkeypatch.setattr(cuda_graphs, "wanted", lambda device, enforce_eager: not enforce_eager)
+    monkeypatch.setattr(cuda_graphs, "for_model", graphs_here)
+    return record
