@@ -32,7 +32,7 @@ import torch
 from lmiserve.engine.lora.adapters import FAST_PATH_MODULES, LoraAdapter, linear_shape
 from lmiserve.engine.lora.batch import LoraGroup
 
-__all__ = ["LoraSlots", "SlotProducts", "slot_bytes"]
+__all__ = ["NO_SLOT", "LoraSlots", "SlotProducts", "slot_bytes"]
 
 NO_SLOT = -1  # a row of the base model (or padding): its mask is zero
 
@@ -75,7 +75,7 @@ class LoraSlots:
             raise ValueError("LoRA slots need at least one slot of rank 1")
         self.slots, self.rank, self.dtype = slots, rank, dtype
         width = slots * rank
-        self._groups: dict[str, _Group] = {}
+        self.groups: dict[str, _Group] = {}  # by group key
         for group in groups:
             if group.inputs < 1:
                 raise ValueError(f"LoRA group {group.key} does not say its input width")
@@ -84,7 +84,7 @@ class LoraSlots:
                 (slice(first, end), torch.zeros(end - first, width, dtype=dtype, device=device))
                 for _, first, end in group.parts
             ]
-            self._groups[group.key] = _Group(tuple(path for path, _, _ in group.parts), a, b)
+            self.groups[group.key] = _Group(tuple(path for path, _, _ in group.parts), a, b)
         # the slot each column of a part's low-rank activations belongs to; each row's slot (fixed addresses)
         self.column_slots = torch.arange(slots, device=device).repeat_interleave(rank)
         self.row_slots = torch.full((max_rows,), NO_SLOT, dtype=torch.int64, device=device)
@@ -95,7 +95,7 @@ class LoraSlots:
 
     @property
     def nbytes(self) -> int:
-        return sum(g.a.nbytes + sum(b.nbytes for _, b in g.b) for g in self._groups.values())
+        return sum(g.a.nbytes + sum(b.nbytes for _, b in g.b) for g in self.groups.values())
 
     def holders(self) -> list[int | None]:
         """The adapter id in each slot (None: empty)."""
@@ -139,7 +139,7 @@ class LoraSlots:
             raise ValueError(f"adapter {adapter.name} has rank {adapter.rank}, the LoRA slots {self.rank}")
         self._holder[slot] = None  # a failed copy leaves the slot empty, not half another adapter's
         rank, width = self.rank, self.slots * self.rank
-        for group in self._groups.values():
+        for group in self.groups.values():
             for part, (path, (_, b)) in enumerate(zip(group.paths, group.b, strict=True)):
                 a_rows = group.a[part * width + slot * rank : part * width + (slot + 1) * rank]
                 b_cols = b[:, slot * rank : (slot + 1) * rank]
@@ -171,7 +171,7 @@ class SlotProducts:
         self._mask = (row_slots[:, None] == slots.column_slots[None, :]).to(slots.dtype)  # [rows, slots x rank]
 
     def apply(self, key: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        group = self._slots._groups.get(key)
+        group = self._slots.groups.get(key)
         if group is None:
             return
         rows = x.shape[0]
