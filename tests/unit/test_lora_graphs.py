@@ -29,7 +29,7 @@ from lmiserve.engine.factory import create_engine  # noqa: E402
 from lmiserve.engine.lora.adapters import LoraAdapter, read_adapter  # noqa: E402
 from lmiserve.engine.lora.batch import LoraBatch, StackCache  # noqa: E402
 from lmiserve.engine.lora.registry import LoraLimits  # noqa: E402
-from lmiserve.engine.lora.slots import NO_SLOT, LoraSlots, slot_bytes  # noqa: E402
+from lmiserve.engine.lora.slots import LoraSlots, slot_bytes  # noqa: E402
 from lmiserve.engine.model.fast_llama import FastLlama  # noqa: E402
 from lmiserve.engine.pool_plan import activation_reserve  # noqa: E402
 
@@ -60,9 +60,8 @@ def _check_products(fast: FastLlama, slots: LoraSlots, row_adapters: list[LoraAd
     groups = fast.lora_groups()
     reference = LoraBatch.of(row_adapters, StackCache(groups), DEVICE, fast.dtype, kernels=False)
     assert reference is not None
-    placed = slots.place(reference.adapters)
-    slots.set_rows([placed[o] if o >= 0 else NO_SLOT for o in reference.owners], len(row_adapters) + padding)
     rows = len(row_adapters) + padding
+    slots.set_step(reference, len(row_adapters), rows)
     products = slots.products(rows)
     generator = torch.Generator(device="cpu").manual_seed(5)
     for group in groups:

@@ -41,7 +41,7 @@ import torch
 from lmiserve.engine.attention import triton_ops as triton_attention
 from lmiserve.engine.attention.backends import TritonBackend
 from lmiserve.engine.attention.paged import PagedKVCache
-from lmiserve.engine.lora.slots import NO_SLOT, LoraSlots
+from lmiserve.engine.lora.slots import LoraSlots
 
 if TYPE_CHECKING:
     from lmiserve.engine.lora.batch import LoraBatch
@@ -100,13 +100,12 @@ class DecodeGraphs:
         self.lora: LoraSlots | None = None  # the adapters' slots every graph computes (`carry_lora`)
         fast.rope_upto(fast.max_context)
 
-    def carry_lora(self, slots: int, rank: int) -> LoraSlots:
+    def carry_lora(self, slots: int, rank: int) -> None:
         """From now on every graph computes the products of `slots` LoRA adapters of rank up to `rank`
         (engine/lora/slots.py); before the first capture."""
         if self._graphs:
             raise RuntimeError("LoRA slots must be given to the decode graphs before the first capture")
         self.lora = LoraSlots(self.fast.lora_groups(), slots, rank, self.sizes[-1], self.fast.device, self.fast.dtype)
-        return self.lora
 
     def covers(self, rows: int, lora: LoraBatch | None = None) -> bool:
         if lora is not None and (self.lora is None or len(lora.adapters) > self.lora.slots):
@@ -144,17 +143,6 @@ class DecodeGraphs:
             )
             part_device.copy_(part_host, non_blocking=self.capture)
 
-    def _fill_lora(self, lora: LoraBatch | None, rows: int, size: int) -> None:
-        """Each row's adapter slot (placing the step's adapters in slots first) into the slots' row buffer."""
-        slots = self.lora
-        if slots is None:
-            return
-        if lora is None:
-            slots.set_rows([], size)
-            return
-        placed = slots.place(lora.adapters)
-        slots.set_rows([placed[owner] if owner >= 0 else NO_SLOT for owner in lora.owners[:rows]], size)
-
     def _inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, triton_attention.StepTiles, LoraSlots | None]:
         """The fixed-address views a graph of `size` rows reads, the attention backend's metadata made
         from them, and the adapters' slots."""
@@ -178,7 +166,8 @@ class DecodeGraphs:
         rows = len(ids)
         size = self.size_for(rows)
         self._fill(ids, positions, tables, size)
-        self._fill_lora(lora, rows, size)
+        if self.lora is not None:
+            self.lora.set_step(lora, rows, size)
         if not self.capture:
             return self.fast.decode_body(*self._inputs(size))[:rows]
         captured = self._graphs.get(size)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from lmiserve.engine.lora.adapters import FAST_PATH_MODULES, LoraAdapter, linear_shape
-from lmiserve.engine.lora.batch import LoraGroup
+from lmiserve.engine.lora.batch import LoraBatch, LoraGroup
 
 __all__ = ["NO_SLOT", "LoraSlots", "SlotProducts", "slot_bytes"]
 
@@ -118,12 +118,18 @@ class LoraSlots:
             placed.append(slot)
         return placed
 
-    def set_rows(self, slots: Sequence[int], size: int) -> None:
-        """The slot of each of a step's rows (`NO_SLOT`: none), the rest of its `size` rows none, copied
-        into `row_slots` (asynchronously from pinned memory on CUDA, as the graphs' other inputs)."""
+    def set_step(self, lora: LoraBatch | None, rows: int, size: int) -> None:
+        """A step of `rows` rows padded to `size`, with the adapters of `lora` (its token rows: these rows;
+        None: none): its adapters placed in slots, then each row's slot (`NO_SLOT`: none, as every padding
+        row) copied into `row_slots` (asynchronously from pinned memory on CUDA, as the graphs' other
+        inputs)."""
         host = self._host_rows.numpy()
-        host[: len(slots)] = slots
-        host[len(slots) : size] = NO_SLOT
+        if lora is None:
+            host[:size] = NO_SLOT
+        else:
+            placed = self.place(lora.adapters)
+            host[:rows] = [placed[owner] if owner >= 0 else NO_SLOT for owner in lora.owners[:rows]]
+            host[rows:size] = NO_SLOT
         self.row_slots[:size].copy_(self._host_rows[:size], non_blocking=self._host_rows.is_pinned())
 
     def _free(self, keep: set[int]) -> int:
