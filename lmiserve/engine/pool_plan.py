@@ -57,9 +57,10 @@ def available_memory() -> int:
 def graph_pool_bytes(step_bytes: int, step_tokens: int, rows: int, vocab: int, itemsize: int) -> int:
     """The memory the captured decode graphs keep (engine/attention/cuda_graphs.py: one pool for all, the largest
     capture size's step): the profiled step's activations scaled to `rows` tokens, with the margin, and
-    that step's logits (every row's, in the model's dtype and in float32)."""
+    that step's logits (every row's, in the model's dtype and in float32) and their log-softmax (the
+    greedy pick each graph computes)."""
     activations = step_bytes * rows // max(1, step_tokens)
-    return int(activations * PROFILE_MARGIN) + rows * vocab * (itemsize + 4)
+    return int(activations * PROFILE_MARGIN) + rows * vocab * (itemsize + 8)
 
 
 def largest_step_tokens(config: EngineConfig, max_context: int) -> int:

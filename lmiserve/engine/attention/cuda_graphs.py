@@ -6,16 +6,24 @@ chunk, no LoRA adapter, every row's logits kept) is padded to the next *capture 
 multiples of 8 up to the batch limit, as vLLM does) and replayed from a graph captured for that size the
 first time a step of that size runs: one launch for the whole forward.
 
-A graph reads its inputs from fixed addresses: int64 device buffers hold, for the largest size, the
-token ids, positions, attention tile counts, block tables (each row's table padded to the longest a
-context can need) and the KV write index; every graph reads the front of each part. A step writes its
-rows into pinned host copies of those buffers and copies them over before the replay. Padding rows (token
-0 at position 0) write their keys and values into a block of their own, one past the pool's (the runner
-allocates it; no sequence ever holds it), and their attention is skipped (tile count 0); their logits are
-dropped. The attention is the Triton backend's (attention/backends.py), whose metadata the graphs make from
-their own buffers (`TritonBackend.graph_plan`) and whose kernel's loops run on device data, so
-one graph serves every context length; the RoPE table is built for the whole context before the first
-capture (`FastLlama.rope_upto`) and never reallocated.
+A graph reads its inputs from fixed addresses: two int64 device buffers hold, for the largest size, one
+the token ids, positions, attention tile counts and KV write index, the other the block tables (each
+row's table padded to the longest a context can need); every graph reads the front of each part. A step
+writes its rows into pinned host copies of the two and copies them over (two copies) before the replay.
+The host tables persist from step to step: a row that holds the same sequence's table as the step before
+(the same list: a request's block list only ever grows, or is replaced, runner/persistent_batch.py) gets
+only its new blocks written, so a steady batch costs a few numpy writes a step, not one table a row.
+Padding rows (token 0 at position 0) write their keys and values into a block of their own, one past the
+pool's (the runner allocates it; no sequence ever holds it), and their attention is skipped (tile count
+0); their logits are dropped. The attention is the Triton backend's (attention/backends.py), whose
+metadata the graphs make from their own buffers (`TritonBackend.graph_plan`) and whose kernel's loops run
+on device data, so one graph serves every context length; the RoPE table is built for the whole context
+before the first capture (`FastLlama.rope_upto`) and never reallocated.
+
+Sampling is in the graph too: each graph also computes every row's greedy token and its logprob
+(`sampling.greedy_pick`), which the runner takes as the step's one transfer when every row samples
+greedily without top-N (`greedy_of`): nothing runs between the replay and that transfer. Other steps
+sample from the logits, which stay in the graph's output until the next replay.
 
 With LoRA adapters configured (`carry_lora`, before the first capture), every graph also computes the
 products of `max_loras` fixed adapter slots (engine/lora/slots.py): a step's adapters are copied into slots
@@ -42,6 +50,7 @@ from lmiserve.engine.attention import triton_ops as triton_attention
 from lmiserve.engine.attention.backends import TritonBackend
 from lmiserve.engine.attention.paged import PagedKVCache
 from lmiserve.engine.lora.slots import LoraSlots
+from lmiserve.engine.runner.sampling import greedy_pick
 
 if TYPE_CHECKING:
     from lmiserve.engine.lora.batch import LoraBatch
@@ -65,6 +74,7 @@ def capture_sizes(max_rows: int) -> list[int]:
 class _Captured(NamedTuple):
     graph: torch.cuda.CUDAGraph
     logits: torch.Tensor
+    greedy: torch.Tensor  # `greedy_pick` of the logits
 
 
 class DecodeGraphs:
@@ -88,12 +98,20 @@ class DecodeGraphs:
         self.kv_heads = fast.kv_heads
         self.width = -(-fast.max_context // self.block_size)
         largest = self.sizes[-1]
-        # (host, device) pairs: ids, positions, tile counts [largest]; tables [largest, width]; write index
-        # [largest * kv_heads]
-        shapes = ((largest,), (largest,), (largest,), (largest, self.width), (largest * self.kv_heads,))
-        self._host = [torch.zeros(shape, dtype=torch.int64, pin_memory=self.capture) for shape in shapes]
-        self._device = [torch.zeros(shape, dtype=torch.int64, device=fast.device) for shape in shapes]
+        # (host, device) pairs: ids, positions, tile counts [largest each], then the write index [largest *
+        # kv_heads], packed; the tables [largest, width]
+        packed, tables = (3 * largest + largest * self.kv_heads,), (largest, self.width)
+        self._host = [torch.zeros(shape, dtype=torch.int64, pin_memory=self.capture) for shape in (packed, tables)]
+        self._device = [torch.zeros(shape, dtype=torch.int64, device=fast.device) for shape in (packed, tables)]
         self._rows = torch.arange(largest, dtype=torch.int64, device=fast.device)
+        self._host_parts = [t.numpy() for t in self._parts(self._host[0])]  # ids, positions, counts, write
+        self._host_tables = self._host[1].numpy()
+        # what each row of the host tables holds: the list it was written from (None: padding or nothing),
+        # how many of its blocks, and the largest block id among them
+        self._held: list[Sequence[int] | None] = [None] * largest
+        self._written = np.zeros(largest, dtype=np.int64)
+        self._largest_block = np.zeros(largest, dtype=np.int64)
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # the last step's (logits, greedy pick)
         self._graphs: dict[int, _Captured] = {}
         self._pool: Any = None  # the graphs' shared memory pool (torch's handle)
         self.failed = False
@@ -115,38 +133,58 @@ class DecodeGraphs:
     def size_for(self, rows: int) -> int:
         return next(s for s in self.sizes if s >= rows)
 
+    def _parts(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The ids, positions, tile counts and write index in a packed buffer (host or device)."""
+        largest = self.sizes[-1]
+        return packed[:largest], packed[largest : 2 * largest], packed[2 * largest : 3 * largest], packed[3 * largest :]
+
+    def _fill_tables(self, tables: Sequence[Sequence[int]], size: int) -> int:
+        """The step's block tables into the host tables, row by row only past what the row already holds
+        of the same list; the padding rows read the scratch block. Returns the widest table's length."""
+        host = self._host_tables
+        held, written, largest = self._held, self._written, self._largest_block
+        width = 0
+        for row, table in enumerate(tables):
+            length, start = len(table), int(written[row])
+            if held[row] is not table or length < start:  # another sequence's table (or one replaced)
+                held[row], start, written[row], largest[row] = table, 0, 0, -1
+            if length > start:
+                new = table[start:]
+                host[row, start:length] = new
+                largest[row] = max(int(largest[row]), max(new))
+                written[row] = length
+            width = max(width, length)
+        rows = len(tables)
+        held[rows:size] = [None] * (size - rows)
+        host[rows:size, 0] = self.scratch_block
+        return width
+
     def _fill(self, ids: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]], size: int) -> None:
         """The step's rows, padded to `size` (token 0 at position 0 of the scratch block), into the host
-        buffers, then copied over (the parts a graph of `size` rows reads, the tables only as wide as this
-        step's longest)."""
+        buffers, then copied over: the packed part a graph of `size` rows reads, and the tables only as wide
+        as this step's longest."""
         rows = len(ids)
-        host_ids, host_pos, host_counts, host_tables, host_write = (t.numpy() for t in self._host)
+        host_ids, host_pos, host_counts, host_write = self._host_parts
         host_ids[:rows] = ids
         host_ids[rows:size] = 0
         host_pos[:rows] = positions
         host_pos[rows:size] = 0
         host_counts[:rows] = 1
         host_counts[rows:size] = 0
-        width = max(len(t) for t in tables)
-        for row in range(rows):
-            host_tables[row, : len(tables[row])] = tables[row]
-        host_tables[rows:size, 0] = self.scratch_block
+        width = self._fill_tables(tables, size)
         pos = host_pos[:size]
-        block = host_tables[np.arange(size), pos // self.block_size]
+        block = self._host_tables[np.arange(size), pos // self.block_size]
         host_write[: size * self.kv_heads] = triton_attention.token_rows(block, pos, self.kv_heads, self.block_size)
-        self.cache.ensure_zeroed(1 + int(max(max(t) for t in tables)))
-        for host, device, length in zip(self._host, self._device, (size, size, size, size, size * self.kv_heads)):
-            part_host, part_device = (
-                (host[:length, :width], device[:length, :width])
-                if host.dim() == 2
-                else (host[:length], device[:length])
-            )
-            part_device.copy_(part_host, non_blocking=self.capture)
+        self.cache.ensure_zeroed(1 + int(self._largest_block[:rows].max()))
+        packed = 3 * self.sizes[-1] + size * self.kv_heads
+        self._device[0][:packed].copy_(self._host[0][:packed], non_blocking=self.capture)
+        self._device[1][:size, :width].copy_(self._host[1][:size, :width], non_blocking=self.capture)
 
     def _inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, triton_attention.StepTiles, LoraSlots | None]:
         """The fixed-address views a graph of `size` rows reads, the attention backend's metadata made
         from them, and the adapters' slots."""
-        ids, positions, counts, tables, write = self._device
+        ids, positions, counts, write = self._parts(self._device[0])
+        tables = self._device[1]
         attention = self.fast.attention
         assert isinstance(attention, TritonBackend)
         meta = attention.graph_plan(
@@ -161,42 +199,54 @@ class DecodeGraphs:
         tables: Sequence[Sequence[int]],
         lora: LoraBatch | None = None,
     ) -> torch.Tensor:
-        """Float32 logits ``[len(ids), vocab]`` of a step of decode rows (a fresh tensor), with the
-        adapters of `lora` (its token rows: these rows; only where `covers` says so)."""
+        """Float32 logits ``[len(ids), vocab]`` of a step of decode rows, with the adapters of `lora` (its
+        token rows: these rows; only where `covers` says so). The logits are the graph's output, valid
+        until the next step; `greedy_of` gives their greedy pick."""
         rows = len(ids)
         size = self.size_for(rows)
         self._fill(ids, positions, tables, size)
         if self.lora is not None:
             self.lora.set_step(lora, rows, size)
-        if not self.capture:
-            return self.fast.decode_body(*self._inputs(size))[:rows]
         captured = self._graphs.get(size)
-        if captured is None:
+        if captured is None and self.capture and not self.failed:
             try:
                 captured = self._capture(size)
             except Exception:  # noqa: BLE001 - a capture problem costs speed, not the step: run eagerly
                 log.exception("capturing a CUDA graph of %d decode rows failed; decode steps run eagerly", size)
                 self.failed = True
-                return self.fast.decode_body(*self._inputs(size))[:rows]
-        captured.graph.replay()
-        return captured.logits[:rows].clone()
+        if captured is None:  # on a CPU (the tests), or the capture failed: the same step, not captured
+            logits, greedy = self._step(size)
+        else:
+            captured.graph.replay()
+            logits, greedy = captured.logits, captured.greedy
+        self._last = (logits[:rows], greedy[:rows])
+        return self._last[0]
+
+    def greedy_of(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """The greedy pick (`sampling.greedy_pick`, ``[rows, 2]``) computed with `logits` when they are
+        the last step's output, else None."""
+        return self._last[1] if self._last is not None and self._last[0] is logits else None
+
+    def _step(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a graph of `size` rows computes: the logits and their greedy pick."""
+        logits = self.fast.decode_body(*self._inputs(size))
+        return logits, greedy_pick(logits)
 
     def _capture(self, size: int) -> _Captured:
         """Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), then capture, into the
         memory pool the graphs share. The step's own inputs are in the buffers: the warm-up computes the
         step, and the capture records it without running it."""
-        inputs = self._inputs(size)
         stream = torch.cuda.Stream(device=self.fast.device)  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream(self.fast.device))
         with torch.cuda.stream(stream):
-            self.fast.decode_body(*inputs)
+            self._step(size)
         torch.cuda.current_stream(self.fast.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: another model's thread on this GPU may use CUDA meanwhile without breaking the capture
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits = self.fast.decode_body(*inputs)
+            logits, greedy = self._step(size)
         self._pool = graph.pool()
-        captured = self._graphs[size] = _Captured(graph, logits)
+        captured = self._graphs[size] = _Captured(graph, logits, greedy)
         log.info("captured a CUDA graph of %d decode rows", size)
         return captured
 

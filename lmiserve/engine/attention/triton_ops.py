@@ -41,7 +41,6 @@ import torch
 
 from lmiserve.engine.attention import kv_quant
 from lmiserve.engine.attention.kv_quant import UNIT
-from lmiserve.engine.attention.paged import flat_index
 
 __all__ = [
     "BLOCK_N",
@@ -171,9 +170,10 @@ def token_rows(blocks: npt.ArrayLike, positions: npt.ArrayLike, kv_heads: int, b
     """Where tokens at `positions` in these `blocks` (host arrays, one entry a token) keep their keys and
     values: rows of a ``[-1, head_dim]`` view of a layer's cache, token-major then kv head (a CPU tensor;
     `paged.flat_index`'s layout)."""
-    blocks_t = torch.as_tensor(np.asarray(blocks, dtype=np.int64))
-    offsets = torch.as_tensor(np.asarray(positions, dtype=np.int64) % block_size)
-    return flat_index(blocks_t, offsets, kv_heads, block_size).reshape(-1)
+    offsets = np.asarray(positions, dtype=np.int64) % block_size
+    heads = np.arange(kv_heads, dtype=np.int64)
+    rows = (np.asarray(blocks, dtype=np.int64)[:, None] * kv_heads + heads[None, :]) * block_size + offsets[:, None]
+    return torch.from_numpy(rows.reshape(-1))  # numpy: a few microseconds a step less than torch's small ops
 
 
 def write_step(

@@ -67,7 +67,8 @@ class PagedFastRunner(PersistentBatchRunner):
             log.info("CPU kernels (%.1f s): %s", time.monotonic() - start, self.kernels.describe())
         else:
             self.kernels = kernel_autotune.KernelChoice(self.fast.gemm, self.fast.compiled_attention, "static")
-        self.fast.graphs = cuda_graphs.for_model(self.fast, max_slots, num_blocks) if graphs else None
+        self.graphs = cuda_graphs.for_model(self.fast, max_slots, num_blocks) if graphs else None
+        self.fast.graphs = self.graphs
         super().__init__(model, eos_token_ids, kv, num_blocks)
 
     # ---- the step contract (engine/core/step.py): one forward of a batch's rows ---------------------
@@ -95,6 +96,9 @@ class PagedFastRunner(PersistentBatchRunner):
                 self._lora(batch, part, tokens),
             )
         )
+
+    def _greedy_of(self, logits: torch.Tensor) -> torch.Tensor | None:
+        return self.graphs.greedy_of(logits) if self.graphs is not None else None
 
     def lora_groups(self, model: PreTrainedModel) -> list[LoraGroup]:
         return self.fast.lora_groups()

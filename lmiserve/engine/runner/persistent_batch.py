@@ -43,7 +43,7 @@ class RequestState:
     params: SamplingParams
     seed: int | None
     output_ids: list[int] = field(default_factory=list)
-    blocks: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)  # only ever extended, or replaced (the graphs rely on it)
     generator: torch.Generator | None = None
     adapter: LoraAdapter | None = None
     images: Any = None  # a VLM prompt's image features, kept across preemptions (runner/vision.py)
@@ -189,6 +189,11 @@ class PersistentBatchRunner(BatchRunner):
         """The kept logits rows of rows `part` of the batch (every decode row; per chunk `_kept`'s
         last positions), in `part`'s order."""
 
+    def _greedy_of(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """The greedy pick of `logits` (`sampling.greedy_pick`) where the forward computed it with them
+        (a decode step replayed from a CUDA graph, runner/fast.py), else None."""
+        return None
+
     def _finish_rows(self, batch: StepBatch, part: list[int], logits: torch.Tensor, out: StepOutput) -> None:
         """Prompt logprobs, then every sampling row of `part` sampled together (the constrained ones
         from their rows masked by the batch's grammar bitmask)."""
@@ -224,6 +229,7 @@ class PersistentBatchRunner(BatchRunner):
         if not sampling:
             return
         rows = logits if at == list(range(len(logits))) else logits[at]
+        greedy = self._greedy_of(logits) if rows is logits else None
         try:
             masked = self._masked(batch, sampling, rows)
         except Exception as exc:  # noqa: BLE001 - the constrained rows fail, the others are sampled
@@ -247,7 +253,10 @@ class PersistentBatchRunner(BatchRunner):
         if not picked:
             return
         try:
-            results = sample_rows(rows if len(picked) == len(rows) else rows[picked], specs)
+            if len(picked) == len(rows):
+                results = sample_rows(rows, specs, greedy)
+            else:
+                results = sample_rows(rows[picked], specs, None if greedy is None else greedy[picked])
         except Exception as exc:  # noqa: BLE001 - the step's sampling rows fail, the engine goes on
             log.exception("sampling failed for %d sequence(s)", len(picked))
             results = [exc] * len(picked)

@@ -141,17 +141,32 @@ def _choose(logits: torch.Tensor, row: Row) -> torch.Tensor:
     return processed.argmax()
 
 
-def sample_rows(logits: torch.Tensor, rows: list[Row]) -> list[SampleResult | Exception]:
+def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's greedy token and its logprob, float64 ``[rows, 2]`` (ids are exact in float64): the
+    sampling of a step whose rows are all plain greedy, computed on the device as `sample_rows` computes
+    it (the CUDA graphs compute it inside each decode graph, engine/attention/cuda_graphs.py)."""
+    tokens = logits.argmax(-1, keepdim=True)
+    chosen = logits.log_softmax(-1).gather(1, tokens)
+    return torch.cat((tokens.to(torch.float64), chosen.to(torch.float64)), dim=1)
+
+
+def sample_rows(
+    logits: torch.Tensor, rows: list[Row], greedy: torch.Tensor | None = None
+) -> list[SampleResult | Exception]:
     """Pick the next token of each row from its raw logits row (`logits`: float32, [len(rows), vocab]);
     a constrained row from its `masked` copy. Logprobs are always those of the raw rows. A row whose
     processing raises gets its exception in its place; the others are sampled. The step's tokens,
-    logprobs and top-N reach the host in one transfer."""
+    logprobs and top-N reach the host in one transfer. `greedy`: `greedy_pick` of these logits, already
+    computed on the device; when every row is plain greedy without top-N, it is the step's one transfer
+    and nothing else runs."""
     results: list[SampleResult | Exception | None] = [None] * len(rows)
     if not rows:
         return []
+    special = [i for i, row in enumerate(rows) if row.masked is not None or needs_processing(row.params)]
+    if greedy is not None and not special and all(row.params.top_n_tokens == 0 for row in rows):
+        return [SampleResult(int(token), logprob, None) for token, logprob in greedy.tolist()]
     logprobs = logits.log_softmax(-1)
     tokens = logits.argmax(-1)  # every row's greedy pick; rows that need more are replaced below
-    special = [i for i, row in enumerate(rows) if row.masked is not None or needs_processing(row.params)]
     if special:
         picked, where = [], []
         for i in special:

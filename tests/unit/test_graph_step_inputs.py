@@ -1,0 +1,140 @@
+"""The host side of a decode step replayed from a CUDA graph (engine/attention/cuda_graphs.py): the block
+tables persist in the host buffer and only what changed is written; each graph computes the rows' greedy
+pick, which the runner takes as the step's sampling when every row is plain greedy (runner/sampling.py).
+On a CPU the same buffers run without a capture (captured where LMISERVE_TEST_DEVICE is cuda)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from helpers.decode_graphs import CAPTURE, graphs_on_the_test_device  # noqa: E402
+from helpers.llama_variants import ARCHS, PROMPTS, build, greedy_tokens  # noqa: E402
+from lmiserve.core.request import GenerationRequest, SamplingParams  # noqa: E402
+from lmiserve.engine.attention.cuda_graphs import DecodeGraphs  # noqa: E402
+from lmiserve.engine.attention.paged import PagedKVCache  # noqa: E402
+from lmiserve.engine.core.async_engine import EngineConfig  # noqa: E402
+from lmiserve.engine.factory import create_engine  # noqa: E402
+from lmiserve.engine.model.fast_llama import FastLlama  # noqa: E402
+from lmiserve.engine.runner import persistent_batch  # noqa: E402
+from lmiserve.engine.runner.sampling import Row, greedy_pick, sample_rows  # noqa: E402
+
+DEVICE = torch.device(os.environ.get("LMISERVE_TEST_DEVICE", "cpu"))
+SCRATCH = 40  # the pool's last block: where padding rows write
+
+
+def _row(**params: object) -> Row:
+    return Row(SamplingParams(**params), [1, 2], [3], [], torch.Generator().manual_seed(1))  # type: ignore[arg-type]
+
+
+def test_the_greedy_pick_is_what_sample_rows_computes_and_serves_plain_greedy_rows_alone():
+    """`greedy_pick` gives `sample_rows`' tokens and logprobs exactly; given to `sample_rows` it is the
+    result when every row is plain greedy, and is ignored with a processed row or a top-N."""
+    logits = torch.randn(5, 512, generator=torch.Generator().manual_seed(0))
+    pick = greedy_pick(logits)
+    plain = [_row() for _ in range(5)]
+    computed = sample_rows(logits, plain)
+    assert [(r.token_id, r.logprob) for r in computed] == [(int(t), lp) for t, lp in pick.tolist()]
+    other = pick.clone()
+    other[:, 0] = (other[:, 0] + 1) % 512  # not these logits' pick: shows which one a result came from
+    assert [r.token_id for r in sample_rows(logits, plain, other)] == [int(t) for t in other[:, 0]]
+    for special in (_row(repetition_penalty=1.3), _row(top_n_tokens=2), _row(do_sample=True, temperature=0.7)):
+        results = sample_rows(logits, [*plain[:4], special], other)
+        assert [r.token_id for r in results[:4]] == [r.token_id for r in computed[:4]]  # type: ignore[union-attr]
+
+
+@pytest.fixture()
+def graphs(monkeypatch) -> DecodeGraphs:
+    monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "triton")
+    model = build(*ARCHS["llama"]).to(DEVICE)
+    cfg = model.config
+    cache = PagedKVCache(cfg.num_hidden_layers, SCRATCH + 1, 4, cfg.num_key_value_heads, 16, model.dtype, DEVICE)
+    fast = FastLlama(model, cache, 64)
+    fast.graphs = DecodeGraphs(fast, 4, SCRATCH, capture=CAPTURE)
+    return fast.graphs
+
+
+def test_block_tables_persist_and_only_what_changed_is_written(graphs):
+    """Steps of decode rows through `_fill`: the device tables always hold each row's table (padding rows
+    the scratch block); a row that keeps its sequence's list gets only its new blocks written (a value
+    planted in its host row survives), a row given another list (another sequence, rows shifted, a table
+    replaced after a preemption) is written whole."""
+    host, device = graphs._host[1].numpy(), graphs._device[1]
+
+    def step(tables: list[list[int]], planted: int | None = None) -> None:
+        rows, size = len(tables), graphs.size_for(len(tables))
+        graphs._fill([5] * rows, [4 * len(t) - 1 for t in tables], tables, size)
+        for row, table in enumerate(tables):
+            expected = [33, *table[1:]] if row == planted else table
+            assert device[row, : len(table)].tolist() == expected, row
+        assert device[rows:size, 0].tolist() == [SCRATCH] * (size - rows)
+        assert graphs.cache.zeroed_blocks >= 1 + max(max(t) for t in tables)
+
+    a, b, c = [0, 1], [2], [3, 4, 5]
+    step([a, b, c])  # size 4: one padding row
+    host[0, 0] = 33  # planted: row 0 keeps list `a`, so it is not rewritten
+    b.append(6)
+    step([a, b, c], planted=0)
+    assert host[1, :2].tolist() == [2, 6]
+    host[0, 0] = 0  # `a` as it is
+    replaced = [7, 8]  # `a` after a preemption: a new list, the same length
+    step([replaced, b, c])
+    step([b, c])  # rows shift: row 0 now holds `b`, row 1 `c`
+    step([c, b, [9], [10, 11, 12]])  # a longer table into a shorter one's row and back
+    host[1, 0] = 33
+    step([c])  # one row: rows 1.. are left out, not padding
+    step([c, b], planted=1)  # row 1 was left holding `b`: it still does, not rewritten
+
+
+def test_the_engine_samples_plain_greedy_steps_from_the_graphs_pick(tiny_model, monkeypatch):
+    """Greedy requests through the graphs' buffers, one asking for logprobs only and one for the top 3 at
+    each token: generate()'s tokens, the logprobs those of transformers' logits; steps of plain greedy
+    rows took the graph's pick, steps with the top-N row sampled from the logits."""
+    made = graphs_on_the_test_device(monkeypatch).made
+    used: list[bool] = []
+    original = persistent_batch.sample_rows
+
+    def recording(logits, rows, greedy=None):  # noqa: ANN001, ANN202 - sample_rows'
+        used.append(greedy is not None and all(r.params.top_n_tokens == 0 for r in rows))
+        return original(logits, rows, greedy)
+
+    monkeypatch.setattr(persistent_batch, "sample_rows", recording)
+    engine = create_engine(tiny_model, EngineConfig(max_prefill_tokens=8))
+
+    async def one(prompt: str, top_n: int, tokens: int) -> list:
+        params = SamplingParams(max_new_tokens=tokens, ignore_eos_token=True, top_n_tokens=top_n)
+        return [e async for e in engine.generate(GenerationRequest(prompt, params)) if e.token]
+
+    async def both() -> list[list]:
+        engine.start()
+        try:
+            return await asyncio.gather(one(PROMPTS[0], 0, 12), one(PROMPTS[1], 3, 4))
+        finally:
+            await engine.stop()
+
+    plain, top = asyncio.run(both())
+    assert made and True in used and False in used
+    for prompt, events in ((PROMPTS[0], plain), (PROMPTS[1], top)):
+        tokens = [e.token.id for e in events]
+        assert tokens == greedy_tokens(tiny_model, prompt, len(tokens)), prompt
+        ids = torch.tensor([tiny_model.tokenizer(prompt).input_ids + tokens], device=tiny_model.model.device)
+        with torch.inference_mode():
+            reference = tiny_model.model(ids).logits[0, -len(tokens) - 1 : -1].float().log_softmax(-1)
+        expected = reference.gather(1, torch.tensor(tokens, device=ids.device)[:, None])[:, 0].tolist()
+        assert [e.token.logprob for e in events] == pytest.approx(expected, abs=1e-4), prompt
+    assert all(len(e.top_tokens) == 3 for e in top)
+
+
+def test_the_write_index_is_the_caches_row_layout():
+    """`token_rows` (numpy, on the host) gives the rows `paged.flat_index` (torch) gives."""
+    from lmiserve.engine.attention.paged import flat_index
+    from lmiserve.engine.attention.triton_ops import token_rows
+
+    blocks, positions = [3, 0, 7, 7], [13, 2, 28, 31]
+    expected = flat_index(torch.tensor(blocks), torch.tensor(positions) % 4, 2, 4).reshape(-1)
+    assert token_rows(blocks, positions, 2, 4).tolist() == expected.tolist()
