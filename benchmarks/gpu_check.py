@@ -95,6 +95,7 @@ ENGINE_TESTS = (
     "tests/unit/test_triton_attention.py",
     "tests/unit/test_cuda_graphs.py",
     "tests/unit/test_lora_graphs.py",
+    "tests/unit/test_graph_step_inputs.py",
     "tests/unit/test_sliding_window.py",
     "tests/unit/test_kv_fp8.py",
     "tests/unit/test_overlap_scheduling.py",

@@ -3,7 +3,7 @@
 write index, block tables) and copy them to the device, at 1, 32 and 128 rows of long contexts.
 
     python benchmarks/graph_inputs.py [--rows 1,32,128] [--blocks 64] [--steps 400] [--churn 16]
-                                      [--before FILE] [--turns 3] [--device cpu] [--out DIR]
+                                      [--before FILE] [--turns 3] [--label NAME] [--device cpu] [--out DIR]
 
 A steady decode batch: each row a sequence whose table holds `--blocks` blocks (of 16 tokens), one
 position further each step, a block more every 16 steps (the rows staggered); every `--churn` steps one
@@ -95,6 +95,7 @@ def main() -> None:
     parser.add_argument("--churn", type=int, default=16, help="a sequence replaced every N steps (0: never)")
     parser.add_argument("--before", type=Path, help="an earlier cuda_graphs.py to time in turns")
     parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--label", default="this checkout", help="what the tables call this checkout's timings")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -117,7 +118,7 @@ def main() -> None:
     cfg = model.config
     context = (args.blocks + args.steps // BLOCK + 2) * BLOCK
     num_blocks = max(rows_list) * (args.blocks + args.steps // BLOCK + 2) + 2
-    kinds = {"after": graphs_class(None)} | ({"before": graphs_class(args.before)} if args.before else {})
+    kinds = {args.label: graphs_class(None)} | ({"before": graphs_class(args.before)} if args.before else {})
     results: dict[str, dict[int, list[tuple[float, float]]]] = {kind: {r: [] for r in rows_list} for kind in kinds}
     for _ in range(args.turns):
         for kind, cls in kinds.items():

@@ -10,7 +10,7 @@ row count, an engine (`create_engine`) runs that many greedy requests at once; o
 step's spans are timed with `time.perf_counter` by wrapping the engine's own functions:
 
 - ``plan``: the scheduler's planning and the step's `StepBatch` (`BlockScheduler.schedule`);
-- ``batch update``: the runner's persistent batch taking the step's difference (`execute_batch` less its
+- ``batch update``: the runner's persistent batch taking the step's difference (`launch_batch` less its
   rows' forward and sampling);
 - ``inputs``: the forward's host side: the ids, positions, RoPE rows, block tables and kept rows as tensors
   (`_forward_rows` less the model and the attention metadata);
@@ -123,7 +123,7 @@ def instrument(engine: Any, spans: Spans) -> None:
     spans.wrap(engine, "_execute", "_execute")
     spans.wrap(engine, "_deliver", "deliver")
     spans.wrap(engine, "_stamp", "deliver")
-    spans.wrap(runner, "execute_batch", "_execute_batch")
+    spans.wrap(runner, "launch_batch", "_execute_batch")
     spans.wrap(runner, "_run_rows", "_run_rows")
     spans.wrap(runner, "_forward_rows", "_forward_rows")
     spans.wrap(runner, "_finish_rows", "sampling")

@@ -18,10 +18,11 @@ CAPTURE = torch.device(os.environ.get("LMISERVE_TEST_DEVICE", "cpu")).type == "c
 @dataclass
 class GraphsMade:
     """The decode graphs the engines took (the last: the last engine's) and, for each step they ran, its
-    graph size and the number of LoRA adapters in it (0: none)."""
+    graph size and the number of LoRA adapters in it (0: none); how many steps chained."""
 
     made: list[DecodeGraphs] = field(default_factory=list)
     steps: list[tuple[int, int]] = field(default_factory=list)
+    chained: int = 0  # steps whose rows took their inputs from the step before on the device
 
 
 def graphs_on_the_test_device(monkeypatch: pytest.MonkeyPatch) -> GraphsMade:
@@ -34,9 +35,10 @@ def graphs_on_the_test_device(monkeypatch: pytest.MonkeyPatch) -> GraphsMade:
         graphs = DecodeGraphs(fast, max_rows, scratch_block, capture=CAPTURE)
         original = graphs.run
 
-        def run(ids, positions, tables, lora=None):  # noqa: ANN001, ANN202 - DecodeGraphs.run's
+        def run(ids, positions, tables, lora=None, sources=None):  # noqa: ANN001, ANN202 - DecodeGraphs.run's
             record.steps.append((graphs.size_for(len(ids)), 0 if lora is None else len(lora.adapters)))
-            return original(ids, positions, tables, lora)
+            record.chained += sources is not None
+            return original(ids, positions, tables, lora, sources)
 
         graphs.run = run  # type: ignore[method-assign]
         record.made.append(graphs)

@@ -115,9 +115,9 @@ class SlowRunner(PagedFastRunner):
 
     delay = 0.02
 
-    def execute_batch(self, batch):
+    def launch_batch(self, batch):
         time.sleep(self.delay)
-        return super().execute_batch(batch)
+        return super().launch_batch(batch)
 
 
 @pytest.fixture(scope="module")
@@ -537,18 +537,18 @@ async def test_unseeded_requests_report_the_seed_they_used(tiny_model):
 
 
 class FailingStepRunner(PagedFastRunner):
-    """`execute_batch` itself raises (outside the per-request guards) whenever the request of prompt
+    """`launch_batch` itself raises (outside the per-request guards) whenever the request of prompt
     `poison` is in the batch."""
 
     poison: tuple[int, ...] = ()
 
-    def execute_batch(self, batch):
+    def launch_batch(self, batch):
         if any(list(new.prompt_ids) == list(self.poison) for new in batch.new) or any(
             row.seq_id in self._requests and self._requests[row.seq_id].prompt_ids == list(self.poison)
             for row in batch.rows
         ):
             raise RuntimeError("device lost")
-        return super().execute_batch(batch)
+        return super().launch_batch(batch)
 
 
 async def test_a_step_that_raises_ends_its_requests_instead_of_retrying_forever(tiny_model, reference):

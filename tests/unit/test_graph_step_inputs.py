@@ -22,7 +22,7 @@ from lmiserve.engine.core.async_engine import EngineConfig  # noqa: E402
 from lmiserve.engine.factory import create_engine  # noqa: E402
 from lmiserve.engine.model.fast_llama import FastLlama  # noqa: E402
 from lmiserve.engine.runner import persistent_batch  # noqa: E402
-from lmiserve.engine.runner.sampling import Row, greedy_pick, sample_rows  # noqa: E402
+from lmiserve.engine.runner.sampling import Row, greedy_pick, plain_greedy, sample_rows  # noqa: E402
 
 DEVICE = torch.device(os.environ.get("LMISERVE_TEST_DEVICE", "cpu"))
 SCRATCH = 40  # the pool's last block: where padding rows write
@@ -32,20 +32,15 @@ def _row(**params: object) -> Row:
     return Row(SamplingParams(**params), [1, 2], [3], [], torch.Generator().manual_seed(1))  # type: ignore[arg-type]
 
 
-def test_the_greedy_pick_is_what_sample_rows_computes_and_serves_plain_greedy_rows_alone():
-    """`greedy_pick` gives `sample_rows`' tokens and logprobs exactly; given to `sample_rows` it is the
-    result when every row is plain greedy, and is ignored with a processed row or a top-N."""
+def test_the_greedy_pick_is_what_sample_rows_computes_for_plain_greedy_rows():
+    """`greedy_pick` gives `sample_rows`' tokens and logprobs exactly; `plain_greedy` tells the rows it
+    serves (no processing, no top-N)."""
     logits = torch.randn(5, 512, generator=torch.Generator().manual_seed(0))
-    pick = greedy_pick(logits)
-    plain = [_row() for _ in range(5)]
-    computed = sample_rows(logits, plain)
-    assert [(r.token_id, r.logprob) for r in computed] == [(int(t), lp) for t, lp in pick.tolist()]
-    other = pick.clone()
-    other[:, 0] = (other[:, 0] + 1) % 512  # not these logits' pick: shows which one a result came from
-    assert [r.token_id for r in sample_rows(logits, plain, other)] == [int(t) for t in other[:, 0]]
-    for special in (_row(repetition_penalty=1.3), _row(top_n_tokens=2), _row(do_sample=True, temperature=0.7)):
-        results = sample_rows(logits, [*plain[:4], special], other)
-        assert [r.token_id for r in results[:4]] == [r.token_id for r in computed[:4]]  # type: ignore[union-attr]
+    computed = sample_rows(logits, [_row() for _ in range(5)])
+    assert [(r.token_id, r.logprob) for r in computed] == [(int(t), lp) for t, lp in greedy_pick(logits).tolist()]
+    assert plain_greedy(SamplingParams())
+    for params in ({"repetition_penalty": 1.3}, {"top_n_tokens": 2}, {"do_sample": True}, {"min_new_tokens": 2}):
+        assert not plain_greedy(SamplingParams(**params)), params  # type: ignore[arg-type]
 
 
 @pytest.fixture()
@@ -94,17 +89,21 @@ def test_block_tables_persist_and_only_what_changed_is_written(graphs):
 def test_the_engine_samples_plain_greedy_steps_from_the_graphs_pick(tiny_model, monkeypatch):
     """Greedy requests through the graphs' buffers, one asking for logprobs only and one for the top 3 at
     each token: generate()'s tokens, the logprobs those of transformers' logits; steps of plain greedy
-    rows took the graph's pick, steps with the top-N row sampled from the logits."""
+    rows took the graph's pick (sent to the host), steps with the top-N row sampled from the logits."""
     made = graphs_on_the_test_device(monkeypatch).made
-    used: list[bool] = []
+    sampled: list[int] = []  # rows of each step sampled from the logits
     original = persistent_batch.sample_rows
 
-    def recording(logits, rows, greedy=None):  # noqa: ANN001, ANN202 - sample_rows'
-        used.append(greedy is not None and all(r.params.top_n_tokens == 0 for r in rows))
-        return original(logits, rows, greedy)
+    def recording(logits, rows):  # noqa: ANN001, ANN202 - sample_rows'
+        sampled.append(len(rows))
+        return original(logits, rows)
 
     monkeypatch.setattr(persistent_batch, "sample_rows", recording)
     engine = create_engine(tiny_model, EngineConfig(max_prefill_tokens=8))
+    graphs = engine.runner.graphs
+    sent: list[int] = []  # rows of each step whose picks were sent
+    send = graphs.send
+    graphs.send = lambda greedy: sent.append(len(greedy)) or send(greedy)  # type: ignore[method-assign]
 
     async def one(prompt: str, top_n: int, tokens: int) -> list:
         params = SamplingParams(max_new_tokens=tokens, ignore_eos_token=True, top_n_tokens=top_n)
@@ -118,7 +117,7 @@ def test_the_engine_samples_plain_greedy_steps_from_the_graphs_pick(tiny_model, 
             await engine.stop()
 
     plain, top = asyncio.run(both())
-    assert made and True in used and False in used
+    assert made and sent and 2 in sampled  # the top-N row's steps: from the logits
     for prompt, events in ((PROMPTS[0], plain), (PROMPTS[1], top)):
         tokens = [e.token.id for e in events]
         assert tokens == greedy_tokens(tiny_model, prompt, len(tokens)), prompt
@@ -138,3 +137,35 @@ def test_the_write_index_is_the_caches_row_layout():
     blocks, positions = [3, 0, 7, 7], [13, 2, 28, 31]
     expected = flat_index(torch.tensor(blocks), torch.tensor(positions) % 4, 2, 4).reshape(-1)
     assert token_rows(blocks, positions, 2, 4).tolist() == expected.tolist()
+
+
+async def test_overlapped_steps_chain_on_the_device_and_give_generates_tokens(tiny_model, monkeypatch):
+    """Overlap scheduling with the graphs: a step of plain greedy rows is launched with its tokens in
+    flight, the next step takes them as its rows' inputs on the device (chained) before the first is
+    collected. Requests join and leave meanwhile: one ends at a stop token nobody could foresee (its row in
+    the chained step computed in vain), one asks for the top 2 (its steps sample on the host, so the step
+    after them is not chained). Every request's tokens are generate()'s; nothing stays in flight."""
+    record = graphs_on_the_test_device(monkeypatch)
+    engine = create_engine(tiny_model, EngineConfig(max_running=6, max_prefill_tokens=8, async_scheduling=True))
+    runner = engine.runner
+    expected = [greedy_tokens(tiny_model, prompt, 12) for prompt in PROMPTS[:4]]
+    stop = expected[1][4]  # request 1 ends at its 5th token (or before, where it comes earlier)
+    cut = expected[1].index(stop) + 1
+
+    async def one(i: int, after: int, tokens: int = 12, **params: object) -> list[int]:
+        while engine.steps < after:  # later requests join a running batch
+            await asyncio.sleep(0.001)
+        params = {"max_new_tokens": tokens, "ignore_eos_token": True, **params}
+        request = GenerationRequest(PROMPTS[i], SamplingParams(**params))  # type: ignore[arg-type]
+        return [e.token.id async for e in engine.generate(request) if e.token]
+
+    engine.start()
+    try:
+        results = await asyncio.gather(
+            one(0, 0), one(1, 0, stop_token_ids=[stop]), one(2, 4, 3, top_n_tokens=2), one(3, 9)
+        )
+    finally:
+        await engine.stop()
+    assert results == [expected[0], expected[1][:cut], expected[2][:3], expected[3]]
+    assert record.chained > 0 and engine.steps_ahead > 0
+    assert runner.in_flight.last is None  # every launched step was collected

@@ -114,14 +114,14 @@ def test_a_step_runs_at_most_max_loras_adapters(tiny_model, lora_adapter_dirs, p
     async def run():
         async with lora_engine(tiny_model, lora_adapter_dirs, LoraLimits(max_loras=1), max_running=16) as engine:
             runner = engine.runner
-            execute = runner.execute_batch
+            execute = runner.launch_batch
 
             def spy(batch):
                 out = execute(batch)
                 seen.append({a.id for r in batch.rows if (a := runner._requests[r.seq_id].adapter) is not None})
                 return out
 
-            runner.execute_batch = spy
+            runner.launch_batch = spy
             jobs = [(name, i) for i in range(2) for name in (None, "alpha", "beta")]
             results = await asyncio.gather(*(generate(engine, prompt_ids[i], name) for name, i in jobs))
             return dict(zip(jobs, results))

@@ -112,14 +112,14 @@ def test_the_engine_sends_the_dropped_loads_to_the_runner(tiny_model, lora_adapt
         for name in ("alpha", "beta"):
             await asyncio.to_thread(engine.adapters.register, name, lora_adapter_dirs[name], preload=False)
         refs, dropped = [], []
-        execute = runner.execute_batch
+        execute = runner.launch_batch
 
         def spy(batch):
             refs.extend(new.adapter for new in batch.new if new.adapter is not None)
             dropped.extend(batch.dropped_adapters)
             return execute(batch)
 
-        runner.execute_batch = spy
+        runner.launch_batch = spy
         engine.start()
         try:
             params = SamplingParams(max_new_tokens=3, ignore_eos_token=True)

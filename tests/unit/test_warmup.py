@@ -36,14 +36,14 @@ async def test_warm_up_runs_every_shape_unseen_and_leaves_the_engine_as_it_was(t
     runner = engine.runner
     assert runner is not None
     seen: list[tuple[int, int]] = []  # (decode rows, prompt tokens) of each step
-    original = runner.execute_batch
+    original = runner.launch_batch
 
     def recording(batch):
         prompt = sum(len(row.token_ids) for row in batch.rows[batch.num_decode :])
         seen.append((batch.num_decode, prompt))
         return original(batch)
 
-    runner.execute_batch = recording  # type: ignore[method-assign]
+    runner.launch_batch = recording  # type: ignore[method-assign]
     recorder = Recorder()
     engine.add_observer(recorder)
     engine.start()
@@ -108,14 +108,14 @@ async def test_a_vision_language_model_warms_up_on_ordinary_words(tiny_vlm_dir):
     engine = create_engine(loaded, EngineConfig(max_running=4, warmup=True))
     seen: list[int] = []
     new: list = []
-    original = engine.executor.execute
+    original = engine.executor.launch
 
     def recording(batch):
         seen.extend(token for row in batch.rows[batch.num_decode :] for token in row.token_ids)  # prompts
         new.extend(batch.new)
         return original(batch)
 
-    engine.executor.execute = recording  # type: ignore[method-assign]
+    engine.executor.launch = recording  # type: ignore[method-assign]
     engine.start()
     try:
         done = await warm_up(engine)

@@ -40,7 +40,7 @@ without capturing: everything but the capture itself.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -98,14 +98,20 @@ class DecodeGraphs:
         self.kv_heads = fast.kv_heads
         self.width = -(-fast.max_context // self.block_size)
         largest = self.sizes[-1]
-        # (host, device) pairs: ids, positions, tile counts [largest each], then the write index [largest *
-        # kv_heads], packed; the tables [largest, width]
-        packed, tables = (3 * largest + largest * self.kv_heads,), (largest, self.width)
+        # (host, device) pairs: ids, positions, tile counts, sources [largest each], then the write index
+        # [largest * kv_heads], packed; the tables [largest, width]
+        packed, tables = (4 * largest + largest * self.kv_heads,), (largest, self.width)
         self._host = [torch.zeros(shape, dtype=torch.int64, pin_memory=self.capture) for shape in (packed, tables)]
         self._device = [torch.zeros(shape, dtype=torch.int64, device=fast.device) for shape in (packed, tables)]
         self._rows = torch.arange(largest, dtype=torch.int64, device=fast.device)
-        self._host_parts = [t.numpy() for t in self._parts(self._host[0])]  # ids, positions, counts, write
+        self._host_parts = [t.numpy() for t in self._parts(self._host[0])]  # ids, positions, counts, sources, write
         self._host_tables = self._host[1].numpy()
+        self._sent: torch.cuda.Event | None = None  # the last step's inputs copied: the host buffers are free
+        # each graph's greedy tokens, where the next step's chained rows read their inputs (`run`'s sources)
+        self._last_tokens = torch.zeros(largest, dtype=torch.int64, device=fast.device)
+        # the greedy picks' transfers to the host: two buffers (a step's picks may wait while the next runs)
+        self._picks_host = [torch.zeros((largest, 2), dtype=torch.float64, pin_memory=self.capture) for _ in range(2)]
+        self._picks_turn = 0
         # what each row of the host tables holds: the list it was written from (None: padding or nothing),
         # how many of its blocks, and the largest block id among them
         self._held: list[Sequence[int] | None] = [None] * largest
@@ -133,10 +139,10 @@ class DecodeGraphs:
     def size_for(self, rows: int) -> int:
         return next(s for s in self.sizes if s >= rows)
 
-    def _parts(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The ids, positions, tile counts and write index in a packed buffer (host or device)."""
+    def _parts(self, packed: torch.Tensor) -> list[torch.Tensor]:
+        """The ids, positions, tile counts, sources and write index in a packed buffer (host or device)."""
         largest = self.sizes[-1]
-        return packed[:largest], packed[largest : 2 * largest], packed[2 * largest : 3 * largest], packed[3 * largest :]
+        return [*(packed[i * largest : (i + 1) * largest] for i in range(4)), packed[4 * largest :]]
 
     def _fill_tables(self, tables: Sequence[Sequence[int]], size: int) -> int:
         """The step's block tables into the host tables, row by row only past what the row already holds
@@ -159,12 +165,25 @@ class DecodeGraphs:
         host[rows:size, 0] = self.scratch_block
         return width
 
-    def _fill(self, ids: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]], size: int) -> None:
+    def _fill(
+        self,
+        ids: Sequence[int],
+        positions: Sequence[int],
+        tables: Sequence[Sequence[int]],
+        size: int,
+        sources: Sequence[int] | None = None,
+    ) -> None:
         """The step's rows, padded to `size` (token 0 at position 0 of the scratch block), into the host
         buffers, then copied over: the packed part a graph of `size` rows reads, and the tables only as wide
-        as this step's longest."""
+        as this step's longest. (The copies of the step before may still be under way when a step chains:
+        the buffers are written once they are done.)"""
+        if self._sent is not None:
+            self._sent.synchronize()
         rows = len(ids)
-        host_ids, host_pos, host_counts, host_write = self._host_parts
+        host_ids, host_pos, host_counts, host_sources, host_write = self._host_parts
+        host_sources[:size] = -1
+        if sources is not None:
+            host_sources[:rows] = sources
         host_ids[:rows] = ids
         host_ids[rows:size] = 0
         host_pos[:rows] = positions
@@ -176,21 +195,26 @@ class DecodeGraphs:
         block = self._host_tables[np.arange(size), pos // self.block_size]
         host_write[: size * self.kv_heads] = triton_attention.token_rows(block, pos, self.kv_heads, self.block_size)
         self.cache.ensure_zeroed(1 + int(self._largest_block[:rows].max()))
-        packed = 3 * self.sizes[-1] + size * self.kv_heads
+        packed = 4 * self.sizes[-1] + size * self.kv_heads
         self._device[0][:packed].copy_(self._host[0][:packed], non_blocking=self.capture)
         self._device[1][:size, :width].copy_(self._host[1][:size, :width], non_blocking=self.capture)
+        if self.fast.device.type == "cuda":
+            self._sent = self._sent or torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._sent.record()
 
     def _inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, triton_attention.StepTiles, LoraSlots | None]:
-        """The fixed-address views a graph of `size` rows reads, the attention backend's metadata made
-        from them, and the adapters' slots."""
-        ids, positions, counts, write = self._parts(self._device[0])
+        """The fixed-address views a graph of `size` rows reads (a chained row's token id from the last
+        graph's greedy tokens), the attention backend's metadata made from them, and the adapters' slots."""
+        ids, positions, counts, sources, write = self._parts(self._device[0])
+        ids, sources = ids[:size], sources[:size]
+        ids = torch.where(sources >= 0, self._last_tokens[sources.clamp(min=0)], ids)
         tables = self._device[1]
         attention = self.fast.attention
         assert isinstance(attention, TritonBackend)
         meta = attention.graph_plan(
             self._rows[:size], counts[:size], positions[:size], tables[:size], write[: size * self.kv_heads]
         )
-        return ids[:size], positions[:size], meta, self.lora
+        return ids, positions[:size], meta, self.lora
 
     def run(
         self,
@@ -198,13 +222,15 @@ class DecodeGraphs:
         positions: Sequence[int],
         tables: Sequence[Sequence[int]],
         lora: LoraBatch | None = None,
+        sources: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Float32 logits ``[len(ids), vocab]`` of a step of decode rows, with the adapters of `lora` (its
-        token rows: these rows; only where `covers` says so). The logits are the graph's output, valid
+        token rows: these rows; only where `covers` says so); `sources`: each row's row in the last step
+        whose greedy token is its input, on the device (-1: `ids`'). The logits are the graph's output, valid
         until the next step; `greedy_of` gives their greedy pick."""
         rows = len(ids)
         size = self.size_for(rows)
-        self._fill(ids, positions, tables, size)
+        self._fill(ids, positions, tables, size, sources)
         if self.lora is not None:
             self.lora.set_step(lora, rows, size)
         captured = self._graphs.get(size)
@@ -227,19 +253,42 @@ class DecodeGraphs:
         the last step's output, else None."""
         return self._last[1] if self._last is not None and self._last[0] is logits else None
 
+    def send(self, greedy: torch.Tensor) -> Callable[[], list[list[float]]]:
+        """Start the transfer of a step's greedy picks (`greedy_of`'s) to the host; the call returned
+        waits for them and gives their rows (``[[token, logprob], ...]``)."""
+        host = self._picks_host[self._picks_turn][: len(greedy)]
+        self._picks_turn ^= 1
+        host.copy_(greedy, non_blocking=self.capture)
+        if self.fast.device.type != "cuda":
+            return host.tolist
+        arrived = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        arrived.record()
+
+        def receive() -> list[list[float]]:
+            arrived.synchronize()
+            return host.tolist()
+
+        return receive
+
     def _step(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """What a graph of `size` rows computes: the logits and their greedy pick."""
+        """What a graph of `size` rows computes: the logits and their greedy pick (whose tokens the next
+        step's chained rows read)."""
         logits = self.fast.decode_body(*self._inputs(size))
-        return logits, greedy_pick(logits)
+        greedy = greedy_pick(logits)
+        self._last_tokens[:size].copy_(greedy[:, 0])
+        return logits, greedy
 
     def _capture(self, size: int) -> _Captured:
         """Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), then capture, into the
         memory pool the graphs share. The step's own inputs are in the buffers: the warm-up computes the
-        step, and the capture records it without running it."""
+        step, and the capture records it without running it; the last greedy tokens the warm-up overwrote
+        are put back for the replay that follows (a chained row's input)."""
+        last_tokens = self._last_tokens.clone()
         stream = torch.cuda.Stream(device=self.fast.device)  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream(self.fast.device))
         with torch.cuda.stream(stream):
             self._step(size)
+            self._last_tokens.copy_(last_tokens)
         torch.cuda.current_stream(self.fast.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: another model's thread on this GPU may use CUDA meanwhile without breaking the capture

@@ -22,11 +22,11 @@ from lmiserve.core.stats import EngineObserver, StepStats
 from lmiserve.engine import torch_thread
 from lmiserve.engine.core.block_scheduler import BlockScheduler
 from lmiserve.engine.core.config import EngineConfig
-from lmiserve.engine.core.handles import RequestHandle, prompt_tokens_computed, request_stats
+from lmiserve.engine.core.handles import RequestHandle, prompt_tokens_computed, request_stats, stamp_events
 from lmiserve.engine.core.kv_blocks import BlockPool
 from lmiserve.engine.core.scheduler import StepPlan
 from lmiserve.engine.core.sequence import Sequence
-from lmiserve.engine.core.step import BatchRunner, Executor, ExecutorFailed, StepOutput
+from lmiserve.engine.core.step import BatchRunner, Executor, ExecutorFailed, Launched, StepOutput
 from lmiserve.engine.executors.in_process import InProcessExecutor
 from lmiserve.engine.lora.registry import AdapterRegistry
 from lmiserve.engine.speculative.proposers import SpeculationPolicy
@@ -40,7 +40,7 @@ class _InFlight:
     """A step handed to the torch thread whose results are not applied yet (overlap scheduling)."""
 
     plan: StepPlan
-    output: asyncio.Future[StepOutput]
+    launched: asyncio.Future[Launched]
     submitted: float
 
 
@@ -213,23 +213,35 @@ class EngineCore:
         return output, self.scheduler.update(plan, output)
 
     def _run_guarded(self, plan: StepPlan, every_running: bool = False) -> StepOutput:
-        """`_run`, where a failure outside the per-request guards fails requests, not the engine: the step's
-        (overlap scheduling, whose loop applies the results meanwhile), or with `every_running` every
-        running one (the serial loop, on the torch thread). An `ExecutorFailed` fails the engine (`_loop`)."""
+        """The model work of `plan`, where a failure outside the per-request guards fails requests, not the
+        engine: the step's (overlap scheduling), or with `every_running` every running one (the serial loop,
+        on the torch thread). An `ExecutorFailed` fails the engine (`_loop`)."""
+        return self._collect_guarded(plan, self._launch_guarded(plan, every_running), every_running)
+
+    def _launch_guarded(self, plan: StepPlan, every_running: bool = False) -> Launched:
         try:
-            return self._run(plan)
+            return self._launch(plan)
         except ExecutorFailed:
             raise
         except Exception as exc:  # noqa: BLE001 - outside the per-sequence guards
-            log.exception("engine step failed")
-            message = f"exception occurred during generation: {exc}"
-            failed = (
-                [s.seq_id for s in self.scheduler.running] if every_running else [r.seq_id for r in plan.batch.rows]
-            )
-            return StepOutput(errors=dict.fromkeys(failed, message))
+            return Launched(self._step_failed(plan, exc, every_running))
 
-    def _run(self, plan: StepPlan) -> StepOutput:
-        """The model work of `plan`: its plain-data batch through the executor (the constrained rows'
+    def _collect_guarded(self, plan: StepPlan, launched: Launched, every_running: bool = False) -> StepOutput:
+        try:
+            return self.executor.collect(launched) if launched.pending is not None else launched.output
+        except ExecutorFailed:
+            raise
+        except Exception as exc:  # noqa: BLE001 - outside the per-sequence guards
+            return self._step_failed(plan, exc, every_running)
+
+    def _step_failed(self, plan: StepPlan, exc: Exception, every_running: bool) -> StepOutput:
+        log.exception("engine step failed", exc_info=exc)
+        message = f"exception occurred during generation: {exc}"
+        failed = [s.seq_id for s in self.scheduler.running] if every_running else [r.seq_id for r in plan.batch.rows]
+        return StepOutput(errors=dict.fromkeys(failed, message))
+
+    def _launch(self, plan: StepPlan) -> Launched:
+        """The model work of `plan`: its plain-data batch handed to the executor (the constrained rows'
         grammar bitmask filled first)."""
         executor, batch = self.executor, plan.batch
         failed: dict[int, str] = {}
@@ -246,11 +258,11 @@ class EngineCore:
                 batch.grammar_rows, batch.grammar_bitmask = [], None
         if self.adapters is not None:  # the adapter loads let go: the runner's side forgets them
             batch.dropped_adapters = self.adapters.take_dropped()
-        output = executor.execute(batch)
-        for seq_id, message in failed.items():
-            output.samples.pop(seq_id, None)
-            output.errors[seq_id] = message
-        return output
+        launched = executor.launch(batch)
+        for seq_id, message in failed.items():  # (rows with a grammar are never in flight: complete)
+            launched.output.samples.pop(seq_id, None)
+            launched.output.errors[seq_id] = message
+        return launched
 
     def _plan(self, ahead: bool = False) -> StepPlan:
         """Plan the next step (`ahead`: while the one before it runs); the requests that timed out in the
@@ -273,7 +285,7 @@ class EngineCore:
         if not plan.has_model_work:
             if plan.batch.finished or plan.batch.preempted:  # the executor forgets what it kept of them
                 try:
-                    await self.thread.run(self._run, plan)
+                    await self.thread.run(self._launch, plan)
                 except ExecutorFailed:
                     raise
                 except Exception:  # noqa: BLE001 - nothing was computing
@@ -290,7 +302,9 @@ class EngineCore:
         runs on the torch thread while the loop plans the step after it and queues it there (when the
         scheduler allows: `BlockScheduler.can_plan_ahead`), then applies this step's results and delivers
         its events while the queued step runs. So the host's planning and the per-token work of a step
-        (detokenizing, stop strings, the events) overlap the model's next step instead of following it."""
+        (detokenizing, stop strings, the events) overlap the model's next step instead of following it.
+        A step launched with its tokens still on their way (`Launched.pending`) is collected after the queued
+        step is launched (which takes them on the device): the device runs on without waiting for the host."""
         current, self._ahead = self._ahead, None
         if current is None:
             self._wakeup.clear()
@@ -299,14 +313,17 @@ class EngineCore:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._wakeup.wait(), self.scheduler.next_wakeup(time.monotonic()))
                 return
-            current = _InFlight(plan, self.thread.submit(self._run_guarded, plan), time.monotonic())
+            current = _InFlight(plan, self.thread.submit(self._launch_guarded, plan), time.monotonic())
         if current.plan.has_model_work and self.scheduler.can_plan_ahead():
             ahead = self._plan(ahead=True)
             if ahead.has_model_work or ahead.batch.finished or ahead.batch.preempted:
-                self._ahead = _InFlight(ahead, self.thread.submit(self._run_guarded, ahead), time.monotonic())
+                self._ahead = _InFlight(ahead, self.thread.submit(self._launch_guarded, ahead), time.monotonic())
                 self.steps_ahead += ahead.has_model_work
         self._current = current
-        output = await current.output
+        launched = await current.launched
+        output = launched.output
+        if launched.pending is not None:
+            output = await self.thread.submit(self._collect_guarded, current.plan, launched)
         self._current = None
         if not current.plan.has_model_work:  # the executor only forgot requests
             return
@@ -337,22 +354,7 @@ class EngineCore:
             self._notify("on_step", step)
         self._deliver(events)
 
-    @staticmethod
-    def _stamp(events: list[tuple[Sequence, StepEvent]], now: float) -> tuple[tuple[float, ...], tuple[float, ...]]:
-        """Record when each sequence got a token or ended; this step's times to first token and
-        inter-token latencies."""
-        firsts, gaps = [], []
-        for seq, event in events:
-            if event.token is not None:
-                if seq.last_token_at is None:
-                    seq.first_token_at = now
-                    firsts.append(now - seq.arrival)
-                else:
-                    gaps.append(now - seq.last_token_at)
-                seq.last_token_at = now
-            if event.finish is not None:
-                seq.finished_at = now
-        return tuple(firsts), tuple(gaps)
+    _stamp = staticmethod(stamp_events)
 
     def _deliver(self, events: list[tuple[Sequence, StepEvent]]) -> None:
         for seq, event in events:

@@ -86,3 +86,20 @@ def reindex(event: StepEvent, index: int) -> StepEvent:
 def adapter_names(seqs: Iterable[Any]) -> tuple[str, ...]:
     """The adapters of `seqs` by name, sorted, each once (vLLM's lora_requests_info)."""
     return tuple(sorted({s.adapter.name for s in list(seqs) if s.adapter is not None}))
+
+
+def stamp_events(events: list[tuple[Sequence, StepEvent]], now: float) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Record when each sequence got a token or ended; this step's times to first token and
+    inter-token latencies."""
+    firsts, gaps = [], []
+    for seq, event in events:
+        if event.token is not None:
+            if seq.last_token_at is None:
+                seq.first_token_at = now
+                firsts.append(now - seq.arrival)
+            else:
+                gaps.append(now - seq.last_token_at)
+            seq.last_token_at = now
+        if event.finish is not None:
+            seq.finished_at = now
+    return tuple(firsts), tuple(gaps)

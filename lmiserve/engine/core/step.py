@@ -22,7 +22,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -139,6 +139,15 @@ class StepOutput:
     drafts: dict[int, list[int]] = field(default_factory=dict)
 
 
+@dataclass
+class Launched:
+    """A batch handed to the model (`Executor.launch`): its output, complete unless `pending` (its sampled
+    tokens are still on their way from the device; `Executor.collect` waits for them)."""
+
+    output: StepOutput
+    pending: Any = None  # the runner's handle of the transfer in flight (None: the output is complete)
+
+
 class ExecutorFailed(RuntimeError):
     """The executor can run no more steps (a worker process died, or a step ran past `step_timeout`): not
     one step's failure but the engine's (`AsyncEngine._die`)."""
@@ -159,6 +168,17 @@ class Executor(ABC):
         """Apply the batch's bookkeeping, compute its rows, sample; never raise for one request's failure
         (`ExecutorFailed` when the executor itself can go on no more)."""
 
+    def launch(self, batch: StepBatch) -> Launched:
+        """`execute`, except that the step's sampled tokens may still be on their way from the device when
+        it returns (overlap scheduling: the next batch can be launched before they arrive, and may take
+        them as its rows' inputs on the device); by default the whole step."""
+        return Launched(self.execute(batch))
+
+    def collect(self, launched: Launched) -> StepOutput:
+        """The complete output of a launched batch (waiting for its tokens; the batches launched before
+        it are complete too)."""
+        return launched.output
+
     def watch(self, on_failure: Callable[[str], None]) -> None:  # noqa: B027 - most executors have nothing to watch
         """Call `on_failure` (from any thread) if the executor fails between steps (a worker dies)."""
 
@@ -176,3 +196,11 @@ class BatchRunner(ABC):
 
     @abstractmethod
     def execute_batch(self, batch: StepBatch) -> StepOutput: ...
+
+    def launch_batch(self, batch: StepBatch) -> Launched:
+        """`Executor.launch` in this process (by default the whole step)."""
+        return Launched(self.execute_batch(batch))
+
+    def collect(self, launched: Launched) -> StepOutput:
+        """`Executor.collect` in this process."""
+        return launched.output

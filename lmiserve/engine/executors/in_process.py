@@ -3,7 +3,7 @@ model's torch thread, engine/torch_thread.py). The other executor: engine/execut
 
 from __future__ import annotations
 
-from lmiserve.engine.core.step import BatchRunner, Executor, StepBatch, StepOutput
+from lmiserve.engine.core.step import BatchRunner, Executor, Launched, StepBatch, StepOutput
 
 
 class InProcessExecutor(Executor):
@@ -17,3 +17,9 @@ class InProcessExecutor(Executor):
 
     def execute(self, batch: StepBatch) -> StepOutput:
         return self.runner.execute_batch(batch)
+
+    def launch(self, batch: StepBatch) -> Launched:
+        return self.runner.launch_batch(batch)
+
+    def collect(self, launched: Launched) -> StepOutput:
+        return self.runner.collect(launched)

@@ -93,9 +93,14 @@ class DecodeReplay(Protocol):
         ...
 
     def run(
-        self, ids: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]], lora: LoraBatch | None
+        self,
+        ids: Sequence[int],
+        positions: Sequence[int],
+        tables: Sequence[Sequence[int]],
+        lora: LoraBatch | None,
+        sources: Sequence[int] | None,
     ) -> torch.Tensor:
-        """Float32 logits ``[len(ids), vocab]`` of a step of decode rows."""
+        """Float32 logits ``[len(ids), vocab]`` of a step of decode rows (`sources`: `StepInputs`')."""
         ...
 
 
@@ -104,7 +109,9 @@ class StepInputs:
     """One step of the fast forward. Tokens are ordered: the decode rows (row i: token `decode_ids[i]` at
     `decode_positions[i]`, its block table `decode_tables[i]`), then each prompt chunk ``(block table,
     start, token ids)`` in turn; `keep`: the flattened token rows whose logits are returned; `lora`: the
-    adapters of the tokens (engine/lora/adapters.py, groups named by `FastLlama.lora_groups`)."""
+    adapters of the tokens (engine/lora/adapters.py, groups named by `FastLlama.lora_groups`);
+    `decode_sources`: for each decode row, the row of the last decode graph's step whose greedy token is its
+    input, on the device (-1: `decode_ids`'; only a step the graphs replay)."""
 
     decode_ids: list[int] = field(default_factory=list)
     decode_positions: list[int] = field(default_factory=list)
@@ -112,6 +119,7 @@ class StepInputs:
     chunks: list[tuple[list[int], int, list[int]]] = field(default_factory=list)
     keep: list[int] = field(default_factory=list)
     lora: LoraBatch | None = None
+    decode_sources: list[int] | None = None
 
 
 class FastLlama:
@@ -232,7 +240,11 @@ class FastLlama:
             and graphs.covers(rows, step.lora)
             and step.keep == list(range(rows))  # every row's logits kept
         ):
-            return graphs.run(step.decode_ids, step.decode_positions, step.decode_tables, step.lora)
+            return graphs.run(
+                step.decode_ids, step.decode_positions, step.decode_tables, step.lora, step.decode_sources
+            )
+        if step.decode_sources is not None:
+            raise ValueError("decode rows whose inputs are on the device need a step the decode graphs replay")
         ids = step.decode_ids + [t for _, _, chunk in step.chunks for t in chunk]
         positions = list(step.decode_positions)
         for _, start, chunk in step.chunks:

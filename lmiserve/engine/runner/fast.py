@@ -16,18 +16,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lmiserve.engine.attention import cuda_graphs
 from lmiserve.engine.attention.kv_quant import KvFormat
 from lmiserve.engine.attention.paged import paged_cache
-from lmiserve.engine.core.step import StepBatch
+from lmiserve.engine.core.step import PENDING_TOKEN, StepBatch
 from lmiserve.engine.lora.batch import LoraGroup
 from lmiserve.engine.model import autotune as kernel_autotune
 from lmiserve.engine.model.fast_llama import FastLlama, StepInputs
 from lmiserve.engine.runner.persistent_batch import PersistentBatchRunner
+from lmiserve.engine.runner.sampling import plain_greedy
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -86,16 +87,40 @@ class PagedFastRunner(PersistentBatchRunner):
             offset += len(computed)
         rows = [batch.rows[i] for i in decode]
         tokens = [1] * len(decode) + [len(batch.rows[i].computed_ids) for i in part[len(decode) :]]
+        chained = self._chained
         return self.fast.forward(
             StepInputs(
-                [r.token_ids[0] for r in rows],
+                [max(0, r.token_ids[0]) for r in rows],  # (a chained row's input is on the device)
                 [r.start for r in rows],
                 [self._requests[r.seq_id].blocks for r in rows],
                 prefills,
                 keep,
                 self._lora(batch, part, tokens),
+                [chained.get(r.seq_id, -1) for r in rows] if chained else None,
             )
         )
+
+    def _chain_from(self, batch: StepBatch) -> dict[int, int] | None:
+        """A step of decode rows alone, every one plain greedy, that the graphs (without LoRA slots) replay
+        chains from the last step in flight when that step ran every row whose token it waits for."""
+        last, graphs, rows = self.in_flight.last, self.graphs, batch.rows
+        if last is None or graphs is None or graphs.lora is not None or not graphs.covers(len(rows)):
+            return None
+        if batch.new or batch.preempted or batch.grammar_rows or self.proposer is not None:
+            return None
+        if batch.num_decode != len(rows) or any(r.draft_token_ids or r.prompt_logprobs for r in rows):
+            return None
+        if not all(r.seq_id in self._requests and plain_greedy(self._requests[r.seq_id].params) for r in rows):
+            return None
+        row_of = {seq_id: n for n, seq_id in enumerate(last.seq_ids)}
+        waiting = [r.seq_id for r in rows if r.token_ids[0] == PENDING_TOKEN]
+        if not all(seq_id in row_of for seq_id in waiting):
+            return None
+        return {seq_id: row_of[seq_id] for seq_id in waiting}
+
+    def _send_greedy(self, greedy: torch.Tensor) -> Any:
+        assert self.graphs is not None  # (greedy picks come from the graphs)
+        return self.graphs.send(greedy)
 
     def _greedy_of(self, logits: torch.Tensor) -> torch.Tensor | None:
         return self.graphs.greedy_of(logits) if self.graphs is not None else None

@@ -24,10 +24,19 @@ if TYPE_CHECKING:
 
 from lmiserve.core.request import SamplingParams
 from lmiserve.engine.attention.windows import text_config
-from lmiserve.engine.core.step import PENDING_TOKEN, AdapterRef, BatchRunner, ScheduledTokens, StepBatch, StepOutput
+from lmiserve.engine.core.step import (
+    PENDING_TOKEN,
+    AdapterRef,
+    BatchRunner,
+    Launched,
+    ScheduledTokens,
+    StepBatch,
+    StepOutput,
+)
 from lmiserve.engine.lora.adapters import LoraAdapter
 from lmiserve.engine.lora.batch import LoraBatch, LoraGroup, StackCache
-from lmiserve.engine.runner.sampling import Row, prompt_logprobs, sample_rows, sampler_row
+from lmiserve.engine.runner.in_flight import StepsInFlight
+from lmiserve.engine.runner.sampling import Row, plain_greedy, prompt_logprobs, sample_rows, sampler_row
 from lmiserve.engine.speculative.proposers import Proposer
 from lmiserve.engine.text.images import ImageInputs
 from lmiserve.engine.text.token_mask import apply_bitmask
@@ -67,6 +76,10 @@ class PersistentBatchRunner(BatchRunner):
         self.kv = kv
         self.num_blocks, self.block_size, self.kv_bytes = num_blocks or kv.num_blocks, kv.block_size, kv.nbytes
         self._requests: dict[int, RequestState] = {}
+        # steps launched with their tokens on the way (runner/in_flight.py), and for the step being launched
+        # the rows that take their input from the last of them: seq_id -> that step's row
+        self.in_flight = StepsInFlight(self._append_token)
+        self._chained: dict[int, int] = {}
         self.vocab_size = int(text_config(model.config).vocab_size)
         self.proposer: Proposer | None = None  # speculative decoding's drafts (engine/speculative/proposers.py)
         # LoRA (engine/lora/adapters.py): the adapters' weights by the load a NewRequest names (None: this runner
@@ -95,7 +108,35 @@ class PersistentBatchRunner(BatchRunner):
 
     def execute_batch(self, batch: StepBatch) -> StepOutput:
         """Apply the batch's difference to the persistent batch, run its rows as one forward, sample."""
+        return self.collect(self.launch_batch(batch))
+
+    def collect(self, launched: Launched) -> StepOutput:
+        if launched.pending is not None:
+            self.in_flight.receive(upto=launched.pending)
+        return launched.output
+
+    def _append_token(self, seq_id: int, token: int) -> None:
+        state = self._requests.get(seq_id)
+        if state is not None:  # (a request forgotten meanwhile: its token was computed in vain)
+            state.output_ids.append(token)
+
+    def _chain_from(self, batch: StepBatch) -> dict[int, int] | None:
+        """For a batch that can run before the last step in flight is received: its rows whose input is
+        that step's token, by seq_id, with their row there (None: receive every step first)."""
+        return None
+
+    def _send_greedy(self, greedy: torch.Tensor) -> Any:
+        """Start the transfer of a step's greedy picks (`sampling.greedy_pick`) to the host; returns the
+        call that waits for them."""
+        picks = greedy.tolist()
+        return lambda: picks
+
+    def launch_batch(self, batch: StepBatch) -> Launched:
+        """`execute_batch`, where a step of plain greedy rows may return with its tokens in flight."""
         with torch.inference_mode():
+            chained = self._chain_from(batch)
+            self.in_flight.receive(keep_last=chained is not None)
+            self._chained = chained or {}
             for seq_id in batch.finished:
                 self._requests.pop(seq_id, None)
                 if self.proposer is not None:
@@ -114,14 +155,17 @@ class PersistentBatchRunner(BatchRunner):
             for n, row in enumerate(batch.rows):
                 state = self._requests[row.seq_id]
                 state.blocks.extend(row.new_blocks)
-                if row.token_ids[0] == PENDING_TOKEN:  # planned before its token was sampled: the last one
+                if row.token_ids[0] == PENDING_TOKEN and row.seq_id not in self._chained:
+                    # planned before its token was sampled: the last one (a chained row's is on the device)
                     batch.rows[n] = replace(row, token_ids=[(state.output_ids or state.prompt_ids)[-1]])
             rows = [i for i, row in enumerate(batch.rows) if row.seq_id not in out.errors]
             if rows:
                 self._run_rows(batch, rows, out)
                 if self.proposer is not None:
                     self._propose(batch, out)
-            return out
+            self._chained = {}
+            last = self.in_flight.last
+            return Launched(out, last if last is not None and last.out is out else None)
 
     def _adapter_of(self, seq_id: int, ref: AdapterRef, state: RequestState, out: StepOutput) -> None:
         """The weights of a new request's adapter (`self.lora` reads them on the first request of a load);
@@ -143,6 +187,7 @@ class PersistentBatchRunner(BatchRunner):
         """The drafts the rows that asked for them get for the next step (none for a request whose
         last token ends it)."""
         assert self.proposer is not None
+        self.in_flight.receive()  # the drafts follow the tokens just sampled
         wants: dict[int, tuple[list[int], int]] = {}
         for row in batch.rows:
             if not row.propose or row.seq_id not in out.samples:
@@ -252,11 +297,13 @@ class PersistentBatchRunner(BatchRunner):
                 out.errors[seq_id] = f"exception occurred during sampling: {exc}"
         if not picked:
             return
+        plain = all(spec.masked is None and plain_greedy(spec.params) for spec in specs)
+        if greedy is not None and plain and len(picked) == len(rows):
+            self.in_flight.add(out, [batch.rows[i].seq_id for i in sampling], self._send_greedy(greedy))
+            return  # the tokens are on their way: `collect` (or the next step) receives them
+        self.in_flight.receive()  # this step's tokens follow theirs
         try:
-            if len(picked) == len(rows):
-                results = sample_rows(rows, specs, greedy)
-            else:
-                results = sample_rows(rows[picked], specs, None if greedy is None else greedy[picked])
+            results = sample_rows(rows if len(picked) == len(rows) else rows[picked], specs)
         except Exception as exc:  # noqa: BLE001 - the step's sampling rows fail, the engine goes on
             log.exception("sampling failed for %d sequence(s)", len(picked))
             results = [exc] * len(picked)

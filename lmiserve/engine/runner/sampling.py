@@ -37,6 +37,12 @@ def needs_processing(params: SamplingParams) -> bool:
     )
 
 
+def plain_greedy(params: SamplingParams) -> bool:
+    """Greedy with nothing to process and no top-N: the token is the argmax, its logprob the only one
+    reported (`greedy_pick` samples such rows)."""
+    return not needs_processing(params) and params.top_n_tokens == 0
+
+
 def apply_bias(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """OpenAI's `logit_bias`: each value added to its token's logit (in place)."""
     if params.logit_bias:
@@ -144,27 +150,22 @@ def _choose(logits: torch.Tensor, row: Row) -> torch.Tensor:
 def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
     """Each row's greedy token and its logprob, float64 ``[rows, 2]`` (ids are exact in float64): the
     sampling of a step whose rows are all plain greedy, computed on the device as `sample_rows` computes
-    it (the CUDA graphs compute it inside each decode graph, engine/attention/cuda_graphs.py)."""
+    it (the CUDA graphs compute it inside each decode graph, engine/attention/cuda_graphs.py, and the
+    runner takes it as the step's one transfer: runner/in_flight.py)."""
     tokens = logits.argmax(-1, keepdim=True)
     chosen = logits.log_softmax(-1).gather(1, tokens)
     return torch.cat((tokens.to(torch.float64), chosen.to(torch.float64)), dim=1)
 
 
-def sample_rows(
-    logits: torch.Tensor, rows: list[Row], greedy: torch.Tensor | None = None
-) -> list[SampleResult | Exception]:
+def sample_rows(logits: torch.Tensor, rows: list[Row]) -> list[SampleResult | Exception]:
     """Pick the next token of each row from its raw logits row (`logits`: float32, [len(rows), vocab]);
     a constrained row from its `masked` copy. Logprobs are always those of the raw rows. A row whose
     processing raises gets its exception in its place; the others are sampled. The step's tokens,
-    logprobs and top-N reach the host in one transfer. `greedy`: `greedy_pick` of these logits, already
-    computed on the device; when every row is plain greedy without top-N, it is the step's one transfer
-    and nothing else runs."""
+    logprobs and top-N reach the host in one transfer."""
     results: list[SampleResult | Exception | None] = [None] * len(rows)
     if not rows:
         return []
     special = [i for i, row in enumerate(rows) if row.masked is not None or needs_processing(row.params)]
-    if greedy is not None and not special and all(row.params.top_n_tokens == 0 for row in rows):
-        return [SampleResult(int(token), logprob, None) for token, logprob in greedy.tolist()]
     logprobs = logits.log_softmax(-1)
     tokens = logits.argmax(-1)  # every row's greedy pick; rows that need more are replaced below
     if special:
