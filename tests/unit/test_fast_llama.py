@@ -213,7 +213,7 @@ def test_a_step_with_newcomers_is_one_forward(tiny_model, monkeypatch):
 
     def step():  # the engine's own hand-over: the plan's plain-data batch through its executor
         plan, _ = sched.schedule(0.0)
-        return plan, sched.update(plan, engine._run(plan))
+        return plan, sched.update(plan, engine.executor.collect(engine._launch(plan)))
 
     engine.submit(GenerationRequest(PROMPTS[0], params))
     step()  # prefill the first prompt
