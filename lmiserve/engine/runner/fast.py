@@ -90,7 +90,7 @@ class PagedFastRunner(PersistentBatchRunner):
         chained = self._chained
         return self.fast.forward(
             StepInputs(
-                [max(0, r.token_ids[0]) for r in rows],  # (a chained row's input is on the device)
+                [0 if r.seq_id in chained else r.token_ids[0] for r in rows],  # (chained: on the device)
                 [r.start for r in rows],
                 [self._requests[r.seq_id].blocks for r in rows],
                 prefills,
