@@ -188,9 +188,9 @@ def create_engine(
     if config.lora is not None:
         modules = FAST_PATH_MODULES if isinstance(runner, PagedFastRunner) else None
         manager = attach_lora(runner, config.lora.max_lora_rank, modules)
-        replay = runner.fast.graphs if isinstance(runner, PagedFastRunner) else None
-        if isinstance(replay, cuda_graphs.DecodeGraphs):  # decode steps with adapters replay the graphs too
-            replay.carry_lora(config.lora.max_loras, config.lora.max_lora_rank)
+        decode_graphs = runner.graphs if isinstance(runner, PagedFastRunner) else None
+        if decode_graphs is not None:  # decode steps with adapters replay the graphs too
+            decode_graphs.carry_lora(config.lora.max_loras, config.lora.max_lora_rank)
         # the registry reads adapters through the runner's manager: one read, one copy of the weights
         adapters = AdapterRegistry(loaded.model, config.lora, modules=modules, loader=manager.load)
     engine = AsyncEngine(runner, codec, config, grammars, adapters, decode_rows(runner, config.max_running))

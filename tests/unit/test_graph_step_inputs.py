@@ -102,8 +102,15 @@ def test_the_engine_samples_plain_greedy_steps_from_the_graphs_pick(tiny_model, 
     engine = create_engine(tiny_model, EngineConfig(max_prefill_tokens=8))
     graphs = engine.runner.graphs
     sent: list[int] = []  # rows of each step whose picks were sent
-    send = graphs.send
-    graphs.send = lambda greedy: sent.append(len(greedy)) or send(greedy)  # type: ignore[method-assign]
+    send_pick = graphs.send_pick
+
+    def recording_send(logits):  # noqa: ANN001, ANN202 - DecodeGraphs.send_pick's
+        receive = send_pick(logits)
+        if receive is not None:
+            sent.append(len(logits))
+        return receive
+
+    graphs.send_pick = recording_send  # type: ignore[method-assign]
 
     async def one(prompt: str, top_n: int, tokens: int) -> list:
         params = SamplingParams(max_new_tokens=tokens, ignore_eos_token=True, top_n_tokens=top_n)

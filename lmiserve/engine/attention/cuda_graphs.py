@@ -22,7 +22,7 @@ before the first capture (`FastLlama.rope_upto`) and never reallocated.
 
 Sampling is in the graph too: each graph also computes every row's greedy token and its logprob
 (`sampling.greedy_pick`), which the runner takes as the step's one transfer when every row samples
-greedily without top-N (`greedy_of`): nothing runs between the replay and that transfer. Other steps
+greedily without top-N (`send_pick`): nothing runs between the replay and that transfer. Other steps
 sample from the logits, which stay in the graph's output until the next replay.
 
 With LoRA adapters configured (`carry_lora`, before the first capture), every graph also computes the
@@ -227,7 +227,7 @@ class DecodeGraphs:
         """Float32 logits ``[len(ids), vocab]`` of a step of decode rows, with the adapters of `lora` (its
         token rows: these rows; only where `covers` says so); `sources`: each row's row in the last step
         whose greedy token is its input, on the device (-1: `ids`'). The logits are the graph's output, valid
-        until the next step; `greedy_of` gives their greedy pick."""
+        until the next step; `send_pick` sends their greedy pick."""
         rows = len(ids)
         size = self.size_for(rows)
         self._fill(ids, positions, tables, size, sources)
@@ -248,14 +248,13 @@ class DecodeGraphs:
         self._last = (logits[:rows], greedy[:rows])
         return self._last[0]
 
-    def greedy_of(self, logits: torch.Tensor) -> torch.Tensor | None:
-        """The greedy pick (`sampling.greedy_pick`, ``[rows, 2]``) computed with `logits` when they are
-        the last step's output, else None."""
-        return self._last[1] if self._last is not None and self._last[0] is logits else None
-
-    def send(self, greedy: torch.Tensor) -> Callable[[], list[list[float]]]:
-        """Start the transfer of a step's greedy picks (`greedy_of`'s) to the host; the call returned
-        waits for them and gives their rows (``[[token, logprob], ...]``)."""
+    def send_pick(self, logits: torch.Tensor) -> Callable[[], list[list[float]]] | None:
+        """When `logits` are the last step's output: start the transfer of the greedy pick computed with
+        them (`sampling.greedy_pick`) to the host, and return the call that waits for it and gives its rows
+        (``[[token, logprob], ...]``); else None."""
+        if self._last is None or self._last[0] is not logits:
+            return None
+        greedy = self._last[1]
         host = self._picks_host[self._picks_turn][: len(greedy)]
         self._picks_turn ^= 1
         host.copy_(greedy, non_blocking=self.capture)

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -118,12 +118,8 @@ class PagedFastRunner(PersistentBatchRunner):
             return None
         return {seq_id: row_of[seq_id] for seq_id in waiting}
 
-    def _send_greedy(self, greedy: torch.Tensor) -> Any:
-        assert self.graphs is not None  # (greedy picks come from the graphs)
-        return self.graphs.send(greedy)
-
-    def _greedy_of(self, logits: torch.Tensor) -> torch.Tensor | None:
-        return self.graphs.greedy_of(logits) if self.graphs is not None else None
+    def _send_pick(self, logits: torch.Tensor) -> Callable[[], list[list[float]]] | None:
+        return self.graphs.send_pick(logits) if self.graphs is not None else None
 
     def lora_groups(self, model: PreTrainedModel) -> list[LoraGroup]:
         return self.fast.lora_groups()

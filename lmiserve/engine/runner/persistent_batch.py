@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from abc import abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -125,12 +125,6 @@ class PersistentBatchRunner(BatchRunner):
         that step's token, by seq_id, with their row there (None: receive every step first)."""
         return None
 
-    def _send_greedy(self, greedy: torch.Tensor) -> Any:
-        """Start the transfer of a step's greedy picks (`sampling.greedy_pick`) to the host; returns the
-        call that waits for them."""
-        picks = greedy.tolist()
-        return lambda: picks
-
     def launch_batch(self, batch: StepBatch) -> Launched:
         """`execute_batch`, where a step of plain greedy rows may return with its tokens in flight."""
         with torch.inference_mode():
@@ -163,7 +157,6 @@ class PersistentBatchRunner(BatchRunner):
                 self._run_rows(batch, rows, out)
                 if self.proposer is not None:
                     self._propose(batch, out)
-            self._chained = {}
             last = self.in_flight.last
             return Launched(out, last if last is not None and last.out is out else None)
 
@@ -234,9 +227,10 @@ class PersistentBatchRunner(BatchRunner):
         """The kept logits rows of rows `part` of the batch (every decode row; per chunk `_kept`'s
         last positions), in `part`'s order."""
 
-    def _greedy_of(self, logits: torch.Tensor) -> torch.Tensor | None:
-        """The greedy pick of `logits` (`sampling.greedy_pick`) where the forward computed it with them
-        (a decode step replayed from a CUDA graph, runner/fast.py), else None."""
+    def _send_pick(self, logits: torch.Tensor) -> Callable[[], list[list[float]]] | None:
+        """Where the forward computed the greedy pick of `logits` with them (`sampling.greedy_pick`: a decode
+        step replayed from a CUDA graph, runner/fast.py), start its transfer to the host and return the
+        call that waits for it; else None."""
         return None
 
     def _finish_rows(self, batch: StepBatch, part: list[int], logits: torch.Tensor, out: StepOutput) -> None:
@@ -274,7 +268,6 @@ class PersistentBatchRunner(BatchRunner):
         if not sampling:
             return
         rows = logits if at == list(range(len(logits))) else logits[at]
-        greedy = self._greedy_of(logits) if rows is logits else None
         try:
             masked = self._masked(batch, sampling, rows)
         except Exception as exc:  # noqa: BLE001 - the constrained rows fail, the others are sampled
@@ -298,8 +291,9 @@ class PersistentBatchRunner(BatchRunner):
         if not picked:
             return
         plain = all(spec.masked is None and plain_greedy(spec.params) for spec in specs)
-        if greedy is not None and plain and len(picked) == len(rows):
-            self.in_flight.add(out, [batch.rows[i].seq_id for i in sampling], self._send_greedy(greedy))
+        receive = self._send_pick(logits) if plain and rows is logits and len(picked) == len(rows) else None
+        if receive is not None:
+            self.in_flight.add(out, [batch.rows[i].seq_id for i in sampling], receive)
             return  # the tokens are on their way: `collect` (or the next step) receives them
         self.in_flight.receive()  # this step's tokens follow theirs
         try:
