@@ -142,6 +142,7 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "log_format",
             "request_id_header_key",
             "drain_timeout",
+            "keep_alive_timeout",
             "enable_management_api",
             "model_store",
             "allowed_model_paths",

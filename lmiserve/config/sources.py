@@ -20,7 +20,8 @@ Environment mapping, lowest first within the environment (a later entry wins):
   -> master_addr, ``MASTER_PORT`` -> master_port (LeaderWorkerSet's, torchrun's, the plain names),
   ``OTEL_EXPORTER_OTLP_ENDPOINT`` then ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` -> otlp_traces_endpoint and
   ``OTEL_EXPORTER_OTLP_PROTOCOL`` then ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` -> otlp_traces_protocol
-  (OpenTelemetry's own), ``VLLM_IMAGE_FETCH_TIMEOUT`` -> media_fetch_timeout (vLLM's);
+  (OpenTelemetry's own), ``VLLM_IMAGE_FETCH_TIMEOUT`` -> media_fetch_timeout and
+  ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` -> keep_alive_timeout (vLLM's);
 - ``SERVING_<NAME>`` -> ``<name>`` lower-cased (e.g. ``SERVING_JOB_QUEUE_SIZE``);
 - ``OPTION_<NAME>`` -> ``<name>`` lower-cased (e.g. ``OPTION_MAX_ROLLING_BATCH_SIZE``).
 
@@ -80,6 +81,7 @@ ENV_SHORTCUTS: tuple[tuple[str, str], ...] = (
     ("OTEL_EXPORTER_OTLP_PROTOCOL", "otlp_traces_protocol"),
     ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "otlp_traces_protocol"),
     ("VLLM_IMAGE_FETCH_TIMEOUT", "media_fetch_timeout"),  # vLLM's
+    ("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "keep_alive_timeout"),  # vLLM's
 )
 _ENV_PREFIXES = ("SERVING_", "OPTION_")  # lowest priority first
 _SPECIAL_ENV_NAMES = {"OPTION_ENTRYPOINT": "entryPoint"}  # as DJL Serving spells it

@@ -168,6 +168,7 @@ class Lifecycle:
                 # a far bound on buffering a request head; lmiserve.server.guard checks max_header_size exactly
                 h11_max_incomplete_event_size=4 * settings.max_header_size,
                 timeout_graceful_shutdown=STOP_GRACE,
+                timeout_keep_alive=settings.keep_alive_timeout,
             )
             registry = app.state.registry
             grpc_server = GrpcServer(settings, registry, self.drain, grpc_services()) if settings.grpc_port else None
