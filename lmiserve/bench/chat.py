@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from lmiserve.bench.clients import BenchError, first_model_id, make_client, stagger, stream_openai
+from lmiserve.bench.clients import BenchError, first_model_id, make_client, stagger, stream_clients, stream_openai
 from lmiserve.bench.conversations import Conversation, conversation_number
 from lmiserve.bench.stats import RequestRecord
 
@@ -171,10 +171,10 @@ async def run_chat_level(
                     return
             conv_index += 1
 
-    async with make_client(concurrency, request_timeout) as client:
-        await dialect.resolve_model(client)  # a server answers only for a model it serves
+    async with stream_clients(concurrency, request_timeout) as clients:
+        await dialect.resolve_model(clients[0])  # a server answers only for a model it serves
         start = time.perf_counter()
-        await asyncio.gather(*(client_loop(client, c) for c in range(concurrency)))
+        await asyncio.gather(*(client_loop(clients[c], c) for c in range(concurrency)))
     return records, time.perf_counter() - start
 
 

@@ -17,10 +17,13 @@ grammar completes (the builtin schema cannot complete within N tokens, so it str
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import itertools
 import json
+import ssl
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -200,11 +203,28 @@ def constrained(dialect: Dialect, schema: dict[str, Any]) -> Dialect:
     return replace(dialect, json_schema=schema)  # type: ignore[type-var]
 
 
+@functools.cache
+def _ssl_context() -> ssl.SSLContext:
+    """httpx's default context, made once: every new client would load the CA bundle again (~20 ms)."""
+    return httpx.create_ssl_context()
+
+
 def make_client(concurrency: int, request_timeout: float = DEFAULT_REQUEST_TIMEOUT) -> httpx.AsyncClient:
-    """One connection per client of the level (plus spares); never through a proxy."""
+    """A client with `concurrency` kept-alive connections (plus spares); never through a proxy."""
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     timeout = httpx.Timeout(connect=30.0, read=request_timeout, write=60.0, pool=None)
-    return httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
+    return httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False, verify=_ssl_context())
+
+
+@contextlib.asynccontextmanager
+async def stream_clients(concurrency: int, request_timeout: float) -> AsyncIterator[list[httpx.AsyncClient]]:
+    """One client of one kept-alive connection for each closed-loop client of a level, not one client
+    pooling `concurrency` connections: httpcore's pool scans all its connections for every request it
+    assigns and every response it ends, so at 128 streams the bench's own CPU tripled and its requests
+    reached the server so slowly that the engine ran ~5 rows a step instead of 128 (benchmarks/README.md,
+    "The benchmark's own client")."""
+    async with contextlib.AsyncExitStack() as stack:
+        yield [await stack.enter_async_context(make_client(1, request_timeout)) for _ in range(concurrency)]
 
 
 async def one_request(
@@ -297,11 +317,11 @@ async def run_level(
                 return
             index += 1
 
-    async with make_client(concurrency, request_timeout) as client:
+    async with stream_clients(concurrency, request_timeout) as clients:
         if isinstance(dialect, OpenAIDialect):
-            await dialect.resolve_model(client)  # a server answers only for a model it serves
+            await dialect.resolve_model(clients[0])  # a server answers only for a model it serves
         start = time.perf_counter()
-        await asyncio.gather(*(client_loop(client, c) for c in range(concurrency)))
+        await asyncio.gather(*(client_loop(clients[c], c) for c in range(concurrency)))
     return records, time.perf_counter() - start
 
 
@@ -337,9 +357,9 @@ async def run_soak(
             if record.error is not None:
                 return
 
-    async with make_client(concurrency, request_timeout) as client:
+    async with stream_clients(concurrency, request_timeout) as clients:
         if isinstance(dialect, OpenAIDialect):
-            await dialect.resolve_model(client)  # a server answers only for a model it serves
+            await dialect.resolve_model(clients[0])  # a server answers only for a model it serves
         start = time.perf_counter()
-        await asyncio.gather(*(client_loop(client, c) for c in range(concurrency)))
+        await asyncio.gather(*(client_loop(clients[c], c) for c in range(concurrency)))
     return records, time.perf_counter() - start

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -17,6 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import uvicorn
 from starlette.applications import Starlette
@@ -289,6 +291,28 @@ async def test_chat_scenario_against_lmiserve(lmi_url):
     assert [t["turn"] for t in level["turns"]] == [1, 2, 3]
     assert level["failed_requests"] == 0 and level["token_count_errors"] == 0
     assert level["late_over_turn1"] is not None
+
+
+def decode_steps(url: str) -> float:
+    """The engine's decode steps so far (TGI's forward-duration histogram, `method="decode"`: absent before
+    the first)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    found = re.search(r'^tgi_batch_forward_duration_count\{method="decode"\} (\S+)$', text, re.M)
+    return float(found.group(1)) if found is not None else 0.0
+
+
+def test_128_streams_reach_the_server_together(long_model_dir):
+    """The bench's clients each keep their own connection (`stream_clients`): through one httpx pool of 128
+    connections the requests reached the server one by one (httpcore scans its whole pool for each request
+    and each response), so the engine ran ~5 rows a step and the level measured the client."""
+    with run_server(["--model-id", str(long_model_dir), "-o", "max_rolling_batch_size=128"]) as url:
+        dialect = LmiDialect(url=url)
+        before = decode_steps(url)
+        records, _ = asyncio.run(run_level(dialect, 128, 24, requests_per_client=2, warmup=1))
+        steps = decode_steps(url) - before
+    assert all(r.error is None and r.count_ok for r in records), [r.error for r in records if r.error]
+    tokens = sum(len(r.token_times) for r in records)
+    assert tokens / steps >= 32, f"{tokens} tokens in {steps:.0f} decode steps"
 
 
 def run_bench(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
