@@ -323,6 +323,7 @@ def bench_summary(bench_dir: Path) -> dict[str, Any] | None:
                 "itl_ms_p99": level["itl_ms"]["p99"],
                 "failed": level["failed_requests"],
                 "wrong_token_counts": level["token_count_errors"],
+                "client_busy": level.get("client_busy"),  # near 1: the bench's one client process was the limit
                 "generate_tokens_per_s": r.get("generate_tokens_per_s"),
                 "generate_batch_tokens_per_s": r.get("continuous_tokens_per_s"),
                 "forward_decode_tokens_per_s": r.get("forward_decode_tokens_per_s"),

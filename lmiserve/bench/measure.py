@@ -4,7 +4,8 @@ on every server in turn (`measure_servers`), and the soak with the started serve
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from lmiserve.bench.chat import ChatDialect, probe_chat, run_chat_level
@@ -19,10 +20,29 @@ from lmiserve.bench.vision import PROBE_NUMBER, VisionRequest, level_numbers, pr
 
 Json = dict[str, Any]
 Log = Callable[[str], None]
+Records = tuple[list[Any], float]
+
+CLIENT_BOUND = 0.9  # of one core: a level whose client was this busy may have measured the client
+
+
+def _run_clients(level: Coroutine[Any, Any, Records]) -> tuple[list[Any], float, float]:
+    """A level's records, its wall time and the CPU seconds this process (the clients) used meanwhile."""
+    cpu = time.process_time()
+    records, elapsed = asyncio.run(level)
+    return records, elapsed, time.process_time() - cpu
+
+
+def client_cost(level: Json, cpu: float, elapsed: float) -> str:
+    """The clients' CPU in the level's figures (`client_cpu_s`, `client_busy`: the share of one core over the
+    level; one asyncio process reads every stream, so near 1 the level measured the client); a note for the
+    log line when it is."""
+    busy = cpu / elapsed if elapsed > 0 else 0.0
+    level["client_cpu_s"], level["client_busy"] = round(cpu, 3), round(busy, 3)
+    return f"; the client used {busy:.0%} of a core: this level may measure the client" if busy >= CLIENT_BOUND else ""
 
 
 def _measure_level(dialect: Dialect, concurrency: int, config: BenchConfig, log: Log, label: str) -> Json:
-    records, elapsed = asyncio.run(
+    records, elapsed, cpu = _run_clients(
         run_level(
             dialect,
             concurrency,
@@ -34,11 +54,12 @@ def _measure_level(dialect: Dialect, concurrency: int, config: BenchConfig, log:
         )
     )
     level = level_summary(concurrency, records, elapsed)
+    note = client_cost(level, cpu, elapsed)
     log(
         f"  concurrency {concurrency:>3}{label}: {level['output_tokens_per_s']} tokens/s, "
         f"TTFT p50 {level['ttft_ms']['p50']} ms, ITL p50/p99 {level['itl_ms']['p50']}/{level['itl_ms']['p99']} ms, "
         f"{level['requests']} requests ({level['failed_requests']} failed, {level['token_count_errors']} wrong "
-        f"token counts) in {elapsed:.1f} s"
+        f"token counts) in {elapsed:.1f} s{note}"
     )
     for error in level["errors"]:
         log(f"    error: {error}")
@@ -46,7 +67,7 @@ def _measure_level(dialect: Dialect, concurrency: int, config: BenchConfig, log:
 
 
 def _measure_chat_level(dialect: ChatDialect, concurrency: int, config: BenchConfig, log: Log, label: str) -> Json:
-    records, elapsed = asyncio.run(
+    records, elapsed, cpu = _run_clients(
         run_chat_level(
             dialect,
             concurrency,
@@ -59,11 +80,12 @@ def _measure_chat_level(dialect: ChatDialect, concurrency: int, config: BenchCon
         )
     )
     level = chat_level_summary(concurrency, records, elapsed)
+    note = client_cost(level, cpu, elapsed)
     log(
         f"  concurrency {concurrency:>3}{label} (chat): {level['output_tokens_per_s']} tokens/s, TTFT p50 turn 1 "
         f"{level['ttft_p50_turn1_ms']} ms, turns >= 3 {level['ttft_p50_late_turns_ms']} ms, "
         f"{level['requests']} requests ({level['failed_requests']} failed, {level['token_count_errors']} wrong "
-        f"token counts) in {elapsed:.1f} s"
+        f"token counts) in {elapsed:.1f} s{note}"
     )
     for error in level["errors"]:
         log(f"    error: {error}")
@@ -75,7 +97,7 @@ def _measure_vision_level(dialect: ChatDialect, concurrency: int, config: BenchC
     mean prompt tokens the server reported (the image's tokens among them)."""
     if config.duration is None:
         prepare_images(level_numbers(concurrency, config.requests_per_client, config.warmup))
-    records, elapsed = asyncio.run(
+    records, elapsed, cpu = _run_clients(
         run_chat_level(
             dialect,
             concurrency,
@@ -91,11 +113,12 @@ def _measure_vision_level(dialect: ChatDialect, concurrency: int, config: BenchC
     level = level_summary(concurrency, records, elapsed)
     prompt = [r.prompt_tokens for r in records if not r.warmup and r.prompt_tokens is not None]
     level["prompt_tokens_mean"] = round(sum(prompt) / len(prompt), 1) if prompt else None
+    note = client_cost(level, cpu, elapsed)
     log(
         f"  concurrency {concurrency:>3}{label} (vision): {level['output_tokens_per_s']} tokens/s, "
         f"TTFT p50 {level['ttft_ms']['p50']} ms, prompt {level['prompt_tokens_mean']} tokens, "
         f"{level['requests']} requests ({level['failed_requests']} failed, {level['token_count_errors']} wrong "
-        f"token counts) in {elapsed:.1f} s"
+        f"token counts) in {elapsed:.1f} s{note}"
     )
     for error in level["errors"]:
         log(f"    error: {error}")

@@ -345,6 +345,10 @@ def test_bench_url_mode_without_baselines(lmi_url, tmp_path):
     assert report["settings"]["url"] == lmi_url and report["files"]["server_log"] is None
     (level,) = report["servers"][0]["levels"]
     assert level["tokens_expected"] == level["tokens_received"] and level["token_count_errors"] == 0
+    # the clients' CPU over the level (the summary rounds both figures to the ms)
+    assert level["client_cpu_s"] > 0 and level["client_busy"] == pytest.approx(
+        level["client_cpu_s"] / level["elapsed_s"], abs=0.05
+    )
     assert report["servers"][0]["ratios"][0]["server_over_forward"] is None
     assert (out / "bench.png").stat().st_size > 0
 

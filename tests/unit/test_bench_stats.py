@@ -130,3 +130,14 @@ def test_prompt_schedule_is_fixed_and_varied():
     lengths = sorted(len(p.split()) for p in PROMPTS)
     assert lengths[0] <= 5 and lengths[-1] >= 150 and len(set(lengths)) >= 10
     assert all(len(p.split()) <= 20 for p in SHORT_PROMPTS) and soak_prompt(len(SHORT_PROMPTS)) == SHORT_PROMPTS[0]
+
+
+def test_a_level_reports_its_clients_cpu_and_says_when_it_measured_the_client():
+    from lmiserve.bench.measure import CLIENT_BOUND, client_cost
+
+    level: dict = {}
+    assert client_cost(level, 1.0, 4.0) == ""
+    assert level == {"client_cpu_s": 1.0, "client_busy": 0.25}
+    note = client_cost(level, 3.8, 4.0)
+    assert level["client_busy"] == 0.95 >= CLIENT_BOUND
+    assert note == "; the client used 95% of a core: this level may measure the client"
