@@ -126,14 +126,17 @@ async def run_chat_level(
     warmup: int = 1,
     request_timeout: float = 600.0,
     conversation: Callable[[int], Conversation] = Conversation,
+    share: tuple[int, int] = (0, 1),
 ) -> tuple[list[RequestRecord], float]:
     """Closed loop: `concurrency` clients, each running `conversations_per_client` conversations of
     `turns` turns (with `duration`: conversations until `duration` seconds after the last client's
     warm-up, stopping mid-conversation at the deadline). A client stops at its first failed request.
-    `conversation` makes conversation number k (the vision scenario's: a one-turn request with image k)."""
+    `conversation` makes conversation number k (the vision scenario's: a one-turn request with image k).
+    ``share=(n, N)``: only the clients c with c % N == n run here (bench/client_processes.py)."""
     records: list[RequestRecord] = []
+    ids = range(share[0], concurrency, share[1])
     warmed = asyncio.Event()
-    state = {"left": concurrency, "at": time.perf_counter()}
+    state = {"left": len(ids), "at": time.perf_counter()}
     if warmup == 0:
         warmed.set()
 
@@ -171,10 +174,11 @@ async def run_chat_level(
                     return
             conv_index += 1
 
-    async with stream_clients(concurrency, request_timeout) as clients:
-        await dialect.resolve_model(clients[0])  # a server answers only for a model it serves
+    async with stream_clients(len(ids), request_timeout) as clients:
+        if clients:
+            await dialect.resolve_model(clients[0])  # a server answers only for a model it serves
         start = time.perf_counter()
-        await asyncio.gather(*(client_loop(clients[c], c) for c in range(concurrency)))
+        await asyncio.gather(*(client_loop(client, c) for client, c in zip(clients, ids, strict=True)))
     return records, time.perf_counter() - start
 
 

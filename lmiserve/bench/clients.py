@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import itertools
 import json
 import ssl
 import time
@@ -70,7 +69,7 @@ class LmiDialect:
     kind: str = "lmi"
     json_schema: dict[str, Any] | None = None
     adapters: list[str] = field(default_factory=list)  # LoRA adapters the requests name in turn
-    _sent: itertools.count[int] = field(default_factory=itertools.count, repr=False)
+    _sent: int = field(default=0, repr=False)  # requests sent (a plain int: the dialect goes to client processes)
 
     async def stream(self, client: httpx.AsyncClient, prompt: str, max_new_tokens: int, record: RequestRecord) -> None:
         parameters: dict[str, Any] = {"max_new_tokens": max_new_tokens, "ignore_eos_token": True}
@@ -78,7 +77,8 @@ class LmiDialect:
             parameters["json_schema"] = self.json_schema
         payload: dict[str, Any] = {"inputs": prompt, "parameters": parameters, "stream": True}
         if self.adapters:
-            payload["adapters"] = self.adapters[next(self._sent) % len(self.adapters)]
+            payload["adapters"] = self.adapters[self._sent % len(self.adapters)]
+            self._sent += 1
         async with client.stream("POST", f"{self.url}/invocations", json=payload) as response:
             if response.status_code != 200:
                 record.error = _error_text(await response.aread(), response.status_code)
@@ -270,17 +270,20 @@ async def run_level(
     duration: float | None = None,
     warmup: int = 1,
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+    share: tuple[int, int] = (0, 1),
 ) -> tuple[list[RequestRecord], float]:
     """Closed loop: `concurrency` clients, each sending its next request when the last one ended.
 
     Each client sends `warmup` warm-up requests (see `stagger`) then `requests_per_client`
     measured ones, or, with `duration`, measured requests until `duration` seconds after the
     last client finished its warm-up. A client stops at its first failed request.
-    Returns the records of every request and the level's wall time.
+    Returns the records of every request and the level's wall time. ``share=(n, N)``: only the
+    clients c with c % N == n run here (process n of N, bench/client_processes.py).
     """
     records: list[RequestRecord] = []
+    ids = range(share[0], concurrency, share[1])
     warmed = asyncio.Event()
-    warm_state = {"left": concurrency, "at": 0.0}
+    warm_state = {"left": len(ids), "at": 0.0}
     if warmup == 0:
         warmed.set()
         warm_state["at"] = time.perf_counter()
@@ -317,11 +320,11 @@ async def run_level(
                 return
             index += 1
 
-    async with stream_clients(concurrency, request_timeout) as clients:
-        if isinstance(dialect, OpenAIDialect):
+    async with stream_clients(len(ids), request_timeout) as clients:
+        if isinstance(dialect, OpenAIDialect) and clients:
             await dialect.resolve_model(clients[0])  # a server answers only for a model it serves
         start = time.perf_counter()
-        await asyncio.gather(*(client_loop(clients[c], c) for c in range(concurrency)))
+        await asyncio.gather(*(client_loop(client, c) for client, c in zip(clients, ids, strict=True)))
     return records, time.perf_counter() - start
 
 

@@ -20,6 +20,7 @@ class BenchConfig:
     requests_per_client: int = 2
     duration: float | None = None
     warmup: int = 1
+    client_processes: int = 1  # processes the clients of a level are split over (bench/client_processes.py)
     output_dir: Path = Path("bench-results")
     device: str | None = None
     dtype: str | None = None

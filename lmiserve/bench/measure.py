@@ -4,11 +4,11 @@ on every server in turn (`measure_servers`), and the soak with the started serve
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from typing import Any
 
 from lmiserve.bench.chat import ChatDialect, probe_chat, run_chat_level
+from lmiserve.bench.client_processes import ClientRun, run_clients
 from lmiserve.bench.clients import Dialect, OpenAIDialect, constrained, probe, run_level, run_soak
 from lmiserve.bench.config import BenchConfig
 from lmiserve.bench.conversations import chat_level_summary
@@ -20,41 +20,40 @@ from lmiserve.bench.vision import PROBE_NUMBER, VisionRequest, level_numbers, pr
 
 Json = dict[str, Any]
 Log = Callable[[str], None]
-Records = tuple[list[Any], float]
-
-CLIENT_BOUND = 0.9  # of one core: a level whose client was this busy may have measured the client
+CLIENT_BOUND = 0.9  # of one core: a level whose busiest client process was this busy may have measured it
 
 
-def _run_clients(level: Coroutine[Any, Any, Records]) -> tuple[list[Any], float, float]:
-    """A level's records, its wall time and the CPU seconds this process (the clients) used meanwhile."""
-    cpu = time.process_time()
-    records, elapsed = asyncio.run(level)
-    return records, elapsed, time.process_time() - cpu
+def client_cost(level: Json, run: ClientRun, processes: int) -> str:
+    """The clients' CPU in the level's figures (`client_processes`, `client_cpu_s`, and `client_busy`: the
+    busiest client process's share of one core over the level; near 1, the level measured the client); a
+    note for the log line when it is."""
+    level["client_processes"] = processes
+    level["client_cpu_s"], level["client_busy"] = round(run.cpu, 3), round(run.busy, 3)
+    if run.busy < CLIENT_BOUND:
+        return ""
+    return f"; a client process used {run.busy:.0%} of a core: this level may measure the client (--client-processes)"
 
 
-def client_cost(level: Json, cpu: float, elapsed: float) -> str:
-    """The clients' CPU in the level's figures (`client_cpu_s`, `client_busy`: the share of one core over the
-    level; one asyncio process reads every stream, so near 1 the level measured the client); a note for the
-    log line when it is."""
-    busy = cpu / elapsed if elapsed > 0 else 0.0
-    level["client_cpu_s"], level["client_busy"] = round(cpu, 3), round(busy, 3)
-    return f"; the client used {busy:.0%} of a core: this level may measure the client" if busy >= CLIENT_BOUND else ""
+def _processes(config: BenchConfig, concurrency: int) -> int:
+    return max(1, min(config.client_processes, concurrency))
 
 
 def _measure_level(dialect: Dialect, concurrency: int, config: BenchConfig, log: Log, label: str) -> Json:
-    records, elapsed, cpu = _run_clients(
-        run_level(
-            dialect,
-            concurrency,
-            config.max_new_tokens,
-            requests_per_client=config.requests_per_client,
-            duration=config.duration,
-            warmup=config.warmup,
-            request_timeout=config.request_timeout,
-        )
+    processes = _processes(config, concurrency)
+    run = run_clients(
+        run_level,
+        processes,
+        dialect,
+        concurrency,
+        config.max_new_tokens,
+        requests_per_client=config.requests_per_client,
+        duration=config.duration,
+        warmup=config.warmup,
+        request_timeout=config.request_timeout,
     )
+    records, elapsed = run.records, run.elapsed
     level = level_summary(concurrency, records, elapsed)
-    note = client_cost(level, cpu, elapsed)
+    note = client_cost(level, run, processes)
     log(
         f"  concurrency {concurrency:>3}{label}: {level['output_tokens_per_s']} tokens/s, "
         f"TTFT p50 {level['ttft_ms']['p50']} ms, ITL p50/p99 {level['itl_ms']['p50']}/{level['itl_ms']['p99']} ms, "
@@ -67,20 +66,22 @@ def _measure_level(dialect: Dialect, concurrency: int, config: BenchConfig, log:
 
 
 def _measure_chat_level(dialect: ChatDialect, concurrency: int, config: BenchConfig, log: Log, label: str) -> Json:
-    records, elapsed, cpu = _run_clients(
-        run_chat_level(
-            dialect,
-            concurrency,
-            config.max_new_tokens,
-            turns=config.chat_turns,
-            conversations_per_client=config.chat_conversations,
-            duration=config.duration,
-            warmup=config.warmup,
-            request_timeout=config.request_timeout,
-        )
+    processes = _processes(config, concurrency)
+    run = run_clients(
+        run_chat_level,
+        processes,
+        dialect,
+        concurrency,
+        config.max_new_tokens,
+        turns=config.chat_turns,
+        conversations_per_client=config.chat_conversations,
+        duration=config.duration,
+        warmup=config.warmup,
+        request_timeout=config.request_timeout,
     )
+    records, elapsed = run.records, run.elapsed
     level = chat_level_summary(concurrency, records, elapsed)
-    note = client_cost(level, cpu, elapsed)
+    note = client_cost(level, run, processes)
     log(
         f"  concurrency {concurrency:>3}{label} (chat): {level['output_tokens_per_s']} tokens/s, TTFT p50 turn 1 "
         f"{level['ttft_p50_turn1_ms']} ms, turns >= 3 {level['ttft_p50_late_turns_ms']} ms, "
@@ -97,23 +98,24 @@ def _measure_vision_level(dialect: ChatDialect, concurrency: int, config: BenchC
     mean prompt tokens the server reported (the image's tokens among them)."""
     if config.duration is None:
         prepare_images(level_numbers(concurrency, config.requests_per_client, config.warmup))
-    records, elapsed, cpu = _run_clients(
-        run_chat_level(
-            dialect,
-            concurrency,
-            config.max_new_tokens,
-            turns=1,
-            conversations_per_client=config.requests_per_client,
-            duration=config.duration,
-            warmup=config.warmup,
-            request_timeout=config.request_timeout,
-            conversation=VisionRequest,
-        )
+    run = run_clients(  # in this process, where the images were encoded (the CLI refuses --client-processes)
+        run_chat_level,
+        1,
+        dialect,
+        concurrency,
+        config.max_new_tokens,
+        turns=1,
+        conversations_per_client=config.requests_per_client,
+        duration=config.duration,
+        warmup=config.warmup,
+        request_timeout=config.request_timeout,
+        conversation=VisionRequest,
     )
+    records, elapsed = run.records, run.elapsed
     level = level_summary(concurrency, records, elapsed)
     prompt = [r.prompt_tokens for r in records if not r.warmup and r.prompt_tokens is not None]
     level["prompt_tokens_mean"] = round(sum(prompt) / len(prompt), 1) if prompt else None
-    note = client_cost(level, cpu, elapsed)
+    note = client_cost(level, run, 1)
     log(
         f"  concurrency {concurrency:>3}{label} (vision): {level['output_tokens_per_s']} tokens/s, "
         f"TTFT p50 {level['ttft_ms']['p50']} ms, prompt {level['prompt_tokens_mean']} tokens, "

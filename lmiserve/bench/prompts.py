@@ -102,6 +102,11 @@ def select_prompt_set(name: str) -> None:
     _active = PROMPT_SETS[name]
 
 
+def active_prompt_set() -> str:
+    """The name of the prompt set this process uses (`select_prompt_set`)."""
+    return next(name for name, prompts in PROMPT_SETS.items() if prompts is _active)
+
+
 def soak_prompt(index: int) -> str:
     """The prompt of soak request `index`: the short prompts only (about 4 to 22 tokens), in turn."""
     return SHORT_PROMPTS[index % len(SHORT_PROMPTS)]

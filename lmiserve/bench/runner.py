@@ -153,6 +153,7 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
             "requests_per_client": None if config.duration else config.requests_per_client,
             "duration_s": config.duration,
             "warmup_requests_per_client": config.warmup,
+            "client_processes": config.client_processes,
             "server_options": dict(config.options),
             "url": config.url,
             "soak_requests": config.soak_requests,

@@ -28,7 +28,8 @@ from starlette.routing import Route
 
 from helpers.server import free_port, run_server
 from lmiserve.bench.chat import ChatDialect, probe_chat, run_chat_level
-from lmiserve.bench.clients import BenchError, LmiDialect, OpenAIDialect, probe, run_level, run_soak
+from lmiserve.bench.client_processes import run_clients
+from lmiserve.bench.clients import BenchError, LmiDialect, OpenAIDialect, probe, run_level, run_soak, stagger
 from lmiserve.bench.conversations import SYSTEM_PROMPT, chat_level_summary
 from lmiserve.bench.stats import level_summary
 
@@ -268,6 +269,28 @@ async def test_lmi_dialect_forces_exactly_n_tokens(lmi_url):
     assert level["ttft_ms"]["count"] == 8 and level["itl_ms"]["p99"] >= level["itl_ms"]["p50"] > 0
 
 
+async def test_a_share_of_the_clients_runs_only_its_own(lmi_url):
+    records, _ = await run_level(LmiDialect(url=lmi_url), 4, 6, requests_per_client=1, warmup=1, share=(1, 2))
+    assert sorted({r.client for r in records}) == [1, 3] and len(records) == 4
+    assert sorted(r.expected_tokens for r in records if r.warmup) == [stagger(1, 4, 6), stagger(3, 4, 6)]
+
+
+def test_clients_split_over_processes_do_what_one_process_does(lmi_url):
+    """Two spawned client processes: the level's clients, their staggered warm-ups and every token, merged."""
+    run = run_clients(run_level, 2, LmiDialect(url=lmi_url), 4, 6, requests_per_client=2, warmup=1)
+    assert [(r.client, r.index) for r in run.records] == [(c, i) for c in range(4) for i in range(3)]
+    assert all(r.error is None and r.count_ok for r in run.records), [r.error for r in run.records]
+    assert [r.expected_tokens for r in run.records if r.warmup] == [stagger(c, 4, 6) for c in range(4)]
+    assert run.elapsed > 0 and run.cpu > 0 and run.busy > 0
+    level = level_summary(4, run.records, run.elapsed)
+    assert level["token_count_errors"] == 0 and level["failed_requests"] == 0 and level["ttft_ms"]["count"] == 8
+
+
+def test_a_client_process_that_fails_fails_the_bench(lmi_url):
+    with pytest.raises(BenchError, match=r"client process \d of 2 failed: TypeError"):
+        run_clients(run_level, 2, LmiDialect(url=lmi_url), 2, 4, no_such_option=1)
+
+
 async def test_lmi_soak_and_server_errors(lmi_url):
     dialect = LmiDialect(url=lmi_url)
     records, _ = await run_soak(dialect, 3, 10, 3)
@@ -335,6 +358,8 @@ def test_bench_url_mode_without_baselines(lmi_url, tmp_path):
         "--max-new-tokens",
         "4",
         "--skip-baselines",
+        "--client-processes",
+        "2",
         "--output-dir",
         str(out),
         cwd=tmp_path,
@@ -342,13 +367,13 @@ def test_bench_url_mode_without_baselines(lmi_url, tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads((out / "bench.json").read_text())
     assert report["baselines"] is None and report["memory"] is None
+    assert report["settings"]["client_processes"] == 2
     assert report["settings"]["url"] == lmi_url and report["files"]["server_log"] is None
     (level,) = report["servers"][0]["levels"]
     assert level["tokens_expected"] == level["tokens_received"] and level["token_count_errors"] == 0
-    # the clients' CPU over the level (the summary rounds both figures to the ms)
-    assert level["client_cpu_s"] > 0 and level["client_busy"] == pytest.approx(
-        level["client_cpu_s"] / level["elapsed_s"], abs=0.05
-    )
+    assert level["client_processes"] == 2 and level["requests"] == 2 * 3  # two clients, each its own process
+    # the clients' CPU (both processes') and the busier process's share of a core (at most its CPU over the level)
+    assert level["client_cpu_s"] > 0 and 0 < level["client_busy"] <= level["client_cpu_s"] / level["elapsed_s"] + 0.05
     assert report["servers"][0]["ratios"][0]["server_over_forward"] is None
     assert (out / "bench.png").stat().st_size > 0
 

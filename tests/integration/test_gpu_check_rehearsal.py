@@ -62,6 +62,8 @@ def test_the_benches_report_every_level_against_generate(rehearsal):
             assert level["failed"] == 0 and level["wrong_token_counts"] == 0, level
             assert level["tokens_per_s"] > 0 and level["generate_tokens_per_s"] > 0
             assert level["server_over_generate"] is not None
+            # the clients split over processes (2 in the rehearsal; 4 on the GPU), one a stream at most
+            assert level["client_processes"] == min(2, level["concurrency"]) and level["client_busy"] > 0
 
 
 def test_issue_39_entries_are_filled(rehearsal):

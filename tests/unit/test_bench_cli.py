@@ -18,6 +18,7 @@ from lmiserve import cli
         (["--scenario", "dialogue"], "invalid choice"),
         (["--chat-turns", "0"], ">= 1"),
         (["--chat-conversations", "0"], ">= 1"),
+        (["--client-processes", "0"], ">= 1"),
     ],
 )
 def test_bad_arguments_exit_2(argv, expected, capsys):
@@ -25,6 +26,12 @@ def test_bad_arguments_exit_2(argv, expected, capsys):
         cli.main(["bench", *argv])
     assert exc.value.code == 2
     assert expected in capsys.readouterr().err
+
+
+def test_the_vision_scenario_refuses_client_processes(tmp_path, capsys):
+    argv = ["bench", "--scenario", "vision", "--client-processes", "2", "--output-dir", str(tmp_path / "out")]
+    assert cli.main(argv) == 2
+    assert "--client-processes: the vision scenario runs its clients in one process" in capsys.readouterr().err
 
 
 def test_bad_server_option_is_a_configuration_error(tmp_path, capsys):

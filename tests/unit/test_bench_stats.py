@@ -133,11 +133,12 @@ def test_prompt_schedule_is_fixed_and_varied():
 
 
 def test_a_level_reports_its_clients_cpu_and_says_when_it_measured_the_client():
+    from lmiserve.bench.client_processes import ClientRun
     from lmiserve.bench.measure import CLIENT_BOUND, client_cost
 
     level: dict = {}
-    assert client_cost(level, 1.0, 4.0) == ""
-    assert level == {"client_cpu_s": 1.0, "client_busy": 0.25}
-    note = client_cost(level, 3.8, 4.0)
-    assert level["client_busy"] == 0.95 >= CLIENT_BOUND
-    assert note == "; the client used 95% of a core: this level may measure the client"
+    assert client_cost(level, ClientRun([], 4.0, 1.0, 0.25), 1) == ""
+    assert level == {"client_processes": 1, "client_cpu_s": 1.0, "client_busy": 0.25}
+    note = client_cost(level, ClientRun([], 4.0, 5.0, 0.95), 2)
+    assert level == {"client_processes": 2, "client_cpu_s": 5.0, "client_busy": 0.95} and CLIENT_BOUND <= 0.95
+    assert note == "; a client process used 95% of a core: this level may measure the client (--client-processes)"
