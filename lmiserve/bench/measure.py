@@ -38,19 +38,15 @@ def _processes(config: BenchConfig, concurrency: int) -> int:
     return max(1, min(config.client_processes, concurrency))
 
 
+def _timing(config: BenchConfig) -> Json:
+    """How long every scenario's level runs its clients: the measured time, the warm-up, a request's limit."""
+    return {"duration": config.duration, "warmup": config.warmup, "request_timeout": config.request_timeout}
+
+
 def _measure_level(dialect: Dialect, concurrency: int, config: BenchConfig, log: Log, label: str) -> Json:
     processes = _processes(config, concurrency)
-    run = run_clients(
-        run_level,
-        processes,
-        dialect,
-        concurrency,
-        config.max_new_tokens,
-        requests_per_client=config.requests_per_client,
-        duration=config.duration,
-        warmup=config.warmup,
-        request_timeout=config.request_timeout,
-    )
+    limits = {"requests_per_client": config.requests_per_client, **_timing(config)}
+    run = run_clients(run_level, processes, dialect, concurrency, config.max_new_tokens, **limits)
     records, elapsed = run.records, run.elapsed
     level = level_summary(concurrency, records, elapsed)
     note = client_cost(level, run, processes)
@@ -67,18 +63,8 @@ def _measure_level(dialect: Dialect, concurrency: int, config: BenchConfig, log:
 
 def _measure_chat_level(dialect: ChatDialect, concurrency: int, config: BenchConfig, log: Log, label: str) -> Json:
     processes = _processes(config, concurrency)
-    run = run_clients(
-        run_chat_level,
-        processes,
-        dialect,
-        concurrency,
-        config.max_new_tokens,
-        turns=config.chat_turns,
-        conversations_per_client=config.chat_conversations,
-        duration=config.duration,
-        warmup=config.warmup,
-        request_timeout=config.request_timeout,
-    )
+    limits = {"turns": config.chat_turns, "conversations_per_client": config.chat_conversations, **_timing(config)}
+    run = run_clients(run_chat_level, processes, dialect, concurrency, config.max_new_tokens, **limits)
     records, elapsed = run.records, run.elapsed
     level = chat_level_summary(concurrency, records, elapsed)
     note = client_cost(level, run, processes)
@@ -98,19 +84,9 @@ def _measure_vision_level(dialect: ChatDialect, concurrency: int, config: BenchC
     mean prompt tokens the server reported (the image's tokens among them)."""
     if config.duration is None:
         prepare_images(level_numbers(concurrency, config.requests_per_client, config.warmup))
-    run = run_clients(  # in this process, where the images were encoded (the CLI refuses --client-processes)
-        run_chat_level,
-        1,
-        dialect,
-        concurrency,
-        config.max_new_tokens,
-        turns=1,
-        conversations_per_client=config.requests_per_client,
-        duration=config.duration,
-        warmup=config.warmup,
-        request_timeout=config.request_timeout,
-        conversation=VisionRequest,
-    )
+    limits = {"turns": 1, "conversations_per_client": config.requests_per_client, "conversation": VisionRequest}
+    # in this process, where the images were encoded (the CLI refuses --client-processes)
+    run = run_clients(run_chat_level, 1, dialect, concurrency, config.max_new_tokens, **limits, **_timing(config))
     records, elapsed = run.records, run.elapsed
     level = level_summary(concurrency, records, elapsed)
     prompt = [r.prompt_tokens for r in records if not r.warmup and r.prompt_tokens is not None]
