@@ -431,8 +431,8 @@ def markdown(summary: dict[str, Any]) -> str:
             f"## {shape.upper()} shape (load_format=dummy, bf16), 128 forced tokens",
             "",
             "| concurrency | lmiserve tok/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms | generate() tok/s "
-            "| generate_batch tok/s | vs generate | vs generate_batch |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| generate_batch tok/s | vs generate | vs generate_batch | client busy (processes) |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for lv in bench["levels"]:
             cells = [
@@ -445,6 +445,8 @@ def markdown(summary: dict[str, Any]) -> str:
                 lv["generate_batch_tokens_per_s"],
                 lv["server_over_generate"],
                 lv["server_over_generate_batch"],
+                # the busiest bench client process's share of a core: near 1, the level measured the client
+                None if lv.get("client_busy") is None else f"{lv['client_busy']} ({lv.get('client_processes')})",
             ]
             lines.append("| " + " | ".join("-" if c is None else str(c) for c in cells) + " |")
     headings = {

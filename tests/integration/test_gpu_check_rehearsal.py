@@ -108,3 +108,4 @@ def test_summary_md_renders_every_table(rehearsal):
         "## A decode step's time, 1B shape",
     ):
         assert heading in text, heading
+    assert "| client busy (processes) |" in text and " (2) |" in text  # the 4-stream level's two client processes
