@@ -47,9 +47,7 @@ def run_clients(run: LevelRun, processes: int, *args: Any, **kwargs: Any) -> Cli
     """`run(*args, **kwargs)` (`run_level`, `run_chat_level`) here, or over `processes` processes, each
     passed ``share=(n, processes)``; a process that fails or dies fails the bench (BenchError)."""
     if processes <= 1:
-        cpu = time.process_time()
-        records, elapsed = asyncio.run(run(*args, **kwargs))
-        cpu = time.process_time() - cpu
+        records, elapsed, cpu = _timed(run, args, kwargs)
         return ClientRun(records, elapsed, cpu, _share(cpu, elapsed))
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(processes)
@@ -71,7 +69,7 @@ def run_clients(run: LevelRun, processes: int, *args: Any, **kwargs: Any) -> Cli
             try:
                 n, outcome = results.get(timeout=1.0)
             except queue.Empty:
-                dead = [w.name for n, w in enumerate(workers) if n not in got and w.exitcode not in (None, 0)]
+                dead = [w.name for k, w in enumerate(workers) if k not in got and w.exitcode not in (None, 0)]
                 if dead:
                     raise BenchError(f"client process {dead[0]} died without its records") from None
                 continue
@@ -92,6 +90,13 @@ def run_clients(run: LevelRun, processes: int, *args: Any, **kwargs: Any) -> Cli
     )
 
 
+def _timed(run: LevelRun, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[RequestRecord], float, float]:
+    """`run`'s records and wall time, and the CPU seconds this process used meanwhile."""
+    cpu = time.process_time()
+    records, elapsed = asyncio.run(run(*args, **kwargs))
+    return records, elapsed, time.process_time() - cpu
+
+
 def _client_process(
     n: int,
     processes: int,
@@ -107,8 +112,6 @@ def _client_process(
     try:
         select_prompt_set(prompt_set)
         barrier.wait(timeout=START_TIMEOUT)
-        cpu = time.process_time()
-        records, elapsed = asyncio.run(run(*args, share=(n, processes), **kwargs))
-        results.put((n, (records, elapsed, time.process_time() - cpu)))
+        results.put((n, _timed(run, args, {**kwargs, "share": (n, processes)})))
     except BaseException as exc:  # noqa: BLE001 - the parent raises it as a BenchError
         results.put((n, f"{type(exc).__name__}: {exc}"[:500]))

@@ -82,7 +82,8 @@ class ServerFields(FieldGroup):
         65,
         ge=1,
         description=(
-            "Seconds the server keeps an idle kept-alive HTTP connection open (uvicorn's `timeout_keep_alive`; "
+            "Seconds the server keeps an idle kept-alive HTTP connection open, on the serving port and `metrics_port` "
+            "(uvicorn's `timeout_keep_alive`; "
             "vLLM's `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`). Longer than a load balancer's or a client pool's idle timeout "
             "(AWS ALB 60 s, httpx 5 s), so the client, not the server, closes idle connections: a server that closes "
             "first races a request the client sends on the same connection, which then fails with a reset."

@@ -149,9 +149,9 @@ def create_app(
                 # after the engines stopped (the spans of the streams they ended), within a few seconds
                 stack.push_async_callback(asyncio.to_thread, tracing.stop)
             if settings.metrics_port is not None:
-                host, level = settings.host, settings.log_level
+                host, level, idle = settings.host, settings.log_level, settings.keep_alive_timeout
                 await stack.enter_async_context(
-                    metrics_port.serving(metrics.response, host, settings.metrics_port, level)
+                    metrics_port.serving(metrics.response, host, settings.metrics_port, level, idle)
                 )
             loading = asyncio.create_task(registry.load_all(on_failed=on_startup_load_failed))
             lag = asyncio.create_task(metrics.loop_lag.watch())

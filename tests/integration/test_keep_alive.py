@@ -15,15 +15,16 @@ import time
 import pytest
 
 from helpers.serve_process import HANG_TIMEOUT, ServeProcess
+from helpers.server import free_port
 from lmiserve.config import ConfigError, Settings
 from lmiserve.config.sources import load_settings
 
 
-def idle_until_closed(url_host: str, port: int) -> float:
+def idle_until_closed(url_host: str, port: int, path: str = "/ping") -> float:
     """Seconds from a kept-alive answer on a fresh connection until the server closes that connection."""
     conn = http.client.HTTPConnection(url_host, port, timeout=HANG_TIMEOUT)
     try:
-        conn.request("GET", "/ping")
+        conn.request("GET", path)
         response = conn.getresponse()
         response.read()
         assert response.status == 200
@@ -37,10 +38,13 @@ def idle_until_closed(url_host: str, port: int) -> float:
 
 
 def test_an_idle_connection_is_closed_after_keep_alive_timeout(tiny_model_dir):
-    with ServeProcess(["--model-id", str(tiny_model_dir), "-o", "keep_alive_timeout=1", "-o", "grpc_port=0"]) as server:
+    """On the serving port and on `metrics_port` (a uvicorn server of its own) alike."""
+    metrics = free_port("127.0.0.1")
+    options = ["keep_alive_timeout=1", "grpc_port=0", f"metrics_port={metrics}"]
+    with ServeProcess(["--model-id", str(tiny_model_dir), *(a for o in options for a in ("-o", o))]) as server:
         server.wait_healthy()
-        waited = idle_until_closed(server.host, server.port)
-    assert 0.8 <= waited < 4, waited  # uvicorn's own 5 s would be the option ignored
+        waited = [idle_until_closed(server.host, server.port), idle_until_closed(server.host, metrics, "/metrics")]
+    assert all(0.8 <= w < 4 for w in waited), waited  # uvicorn's own 5 s would be the option ignored
 
 
 def test_the_default_outlasts_load_balancers_and_client_pools():

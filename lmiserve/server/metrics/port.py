@@ -44,10 +44,15 @@ def metrics_app(answer: Callable[[], Response]) -> Starlette:
 
 
 @contextlib.asynccontextmanager
-async def serving(answer: Callable[[], Response], host: str, port: int, log_level: str) -> AsyncIterator[None]:
-    """Serve `answer` at ``GET /metrics`` on host:port while the block runs."""
+async def serving(
+    answer: Callable[[], Response], host: str, port: int, log_level: str, keep_alive: int
+) -> AsyncIterator[None]:
+    """Serve `answer` at ``GET /metrics`` on host:port while the block runs (idle kept-alive connections
+    closed after `keep_alive` seconds, as the main port's)."""
     sock = bind_socket(host, port)  # the main port's binding (TCP_NODELAY on its connections)
-    config = uvicorn.Config(metrics_app(answer), lifespan="off", access_log=False, log_level=log_level)
+    config = uvicorn.Config(
+        metrics_app(answer), lifespan="off", access_log=False, log_level=log_level, timeout_keep_alive=keep_alive
+    )
     server = _Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]), name="lmiserve-metrics-port")
     log.info("metrics on http://%s:%d/metrics", host, port)
