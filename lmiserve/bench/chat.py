@@ -18,12 +18,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from lmiserve.bench.clients import BenchError, first_model_id, make_client, stagger, stream_clients, stream_openai
+from lmiserve.bench.clients import first_model_id, make_client, probe_failed, stagger, stream_clients, stream_openai
 from lmiserve.bench.conversations import Conversation, conversation_number
 from lmiserve.bench.stats import RequestRecord
 
@@ -38,6 +38,7 @@ class ChatDialect:
     name: str
     model: str | None = None
     kind: str = "openai-chat"
+    api_key: str | None = field(default=None, repr=False)
 
     async def resolve_model(self, client: httpx.AsyncClient) -> str:
         """The configured model, else the first id of ``GET /v1/models``, else "default"."""
@@ -174,7 +175,7 @@ async def run_chat_level(
                     return
             conv_index += 1
 
-    async with stream_clients(len(ids), request_timeout) as clients:
+    async with stream_clients(len(ids), request_timeout, dialect.api_key) as clients:
         if clients:
             await dialect.resolve_model(clients[0])  # a server answers only for a model it serves
         start = time.perf_counter()
@@ -186,9 +187,9 @@ async def probe_chat(
     dialect: ChatDialect, max_new_tokens: int = 4, conversation: Callable[[int], Conversation] = Conversation
 ) -> RequestRecord:
     """One short chat request before the levels: fails fast (BenchError) if the server cannot serve."""
-    async with make_client(1, 120.0) as client:
+    async with make_client(1, 120.0, dialect.api_key) as client:
         await dialect.resolve_model(client)
         record = await chat_request(dialect, client, conversation(WARMUP_CONVERSATIONS - 1), max_new_tokens)
     if record.error is not None:
-        raise BenchError(f"{dialect.name} at {dialect.url} failed a chat probe request: {record.error}")
+        raise probe_failed(dialect, "a chat probe request", record.error)
     return record

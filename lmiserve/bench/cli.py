@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -64,6 +65,14 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     p.add_argument("--model-id", help="model for the started server and the baselines (default: the bundled model)")
     p.add_argument("--url", help="benchmark this running lmiserve (LMI /invocations) instead of starting one")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY") or None,
+        metavar="KEY",
+        help="the servers' API key, sent as 'Authorization: Bearer KEY' to --url and every --compare-url "
+        "(default: the OPENAI_API_KEY environment variable; a server the bench starts with -o api_key=KEY "
+        "gets it without this); never written to bench.json or the log",
+    )
     p.add_argument(
         "--compare-url",
         action="append",
@@ -243,6 +252,7 @@ def run_bench_command(args: argparse.Namespace, argv: list[str] | None = None) -
         config = BenchConfig(
             model_id=args.model_id,
             url=args.url,
+            api_key=args.api_key,
             compare=[
                 (args.compare_name[i] if i < len(args.compare_name) else "", url)
                 for i, url in enumerate(args.compare_url)

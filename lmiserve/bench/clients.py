@@ -38,9 +38,15 @@ class BenchError(RuntimeError):
     """The benchmark cannot go on (server unreachable, wrong answers); the message says why."""
 
 
-class Dialect(Protocol):
+class Reached(Protocol):
+    """A server the bench sends requests to, in any dialect."""
+
     name: str
     url: str
+    api_key: str | None  # sent as a bearer token on every request (the server's API key)
+
+
+class Dialect(Reached, Protocol):
     kind: str
     json_schema: dict[str, Any] | None
 
@@ -50,7 +56,7 @@ class Dialect(Protocol):
 
 def _error_text(response_body: bytes, status: int) -> str:
     text = response_body.decode("utf-8", errors="replace").strip().replace("\n", " ")
-    return f"HTTP {status}: {text[:300]}"
+    return f"HTTP {status}: {text[:300]}" if text else f"HTTP {status} (no body)"
 
 
 def _sse_payload(line: str) -> str | None:
@@ -69,6 +75,7 @@ class LmiDialect:
     kind: str = "lmi"
     json_schema: dict[str, Any] | None = None
     adapters: list[str] = field(default_factory=list)  # LoRA adapters the requests name in turn
+    api_key: str | None = field(default=None, repr=False)
     _sent: int = field(default=0, repr=False)  # requests sent (a plain int: the dialect goes to client processes)
 
     async def stream(self, client: httpx.AsyncClient, prompt: str, max_new_tokens: int, record: RequestRecord) -> None:
@@ -113,6 +120,7 @@ class OpenAIDialect:
     model: str | None = None
     kind: str = "openai"
     json_schema: dict[str, Any] | None = None
+    api_key: str | None = field(default=None, repr=False)
 
     async def resolve_model(self, client: httpx.AsyncClient) -> str:
         """The configured model, else the first id of ``GET /v1/models``, else "default"."""
@@ -136,6 +144,13 @@ class OpenAIDialect:
                 "json_schema": {"name": "bench", "schema": self.json_schema},
             }
         await stream_openai(client, f"{self.url}/v1/completions", payload, record, _read_completion_chunk)
+
+
+async def served_model(url: str, api_key: str | None = None) -> str | None:
+    """The first model an OpenAI-compatible server at `url` lists (``GET /v1/models``), None when it
+    lists none or cannot be asked."""
+    async with make_client(1, 30.0, api_key) as client:
+        return await first_model_id(client, url)
 
 
 async def first_model_id(client: httpx.AsyncClient, url: str) -> str | None:
@@ -209,22 +224,28 @@ def _ssl_context() -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
-def make_client(concurrency: int, request_timeout: float = DEFAULT_REQUEST_TIMEOUT) -> httpx.AsyncClient:
-    """A client with `concurrency` kept-alive connections (plus spares); never through a proxy."""
+def make_client(
+    concurrency: int, request_timeout: float = DEFAULT_REQUEST_TIMEOUT, api_key: str | None = None
+) -> httpx.AsyncClient:
+    """A client with `concurrency` kept-alive connections (plus spares); never through a proxy; with
+    `api_key`, every request it sends carries ``Authorization: Bearer <api_key>``."""
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     timeout = httpx.Timeout(connect=30.0, read=request_timeout, write=60.0, pool=None)
-    return httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False, verify=_ssl_context())
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else None
+    return httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers, trust_env=False, verify=_ssl_context())
 
 
 @contextlib.asynccontextmanager
-async def stream_clients(concurrency: int, request_timeout: float) -> AsyncIterator[list[httpx.AsyncClient]]:
+async def stream_clients(
+    concurrency: int, request_timeout: float, api_key: str | None = None
+) -> AsyncIterator[list[httpx.AsyncClient]]:
     """One client of one kept-alive connection for each closed-loop client of a level, not one client
     pooling `concurrency` connections: httpcore's pool scans all its connections for every request it
     assigns and every response it ends, so at 128 streams the bench's own CPU tripled and its requests
     reached the server so slowly that the engine ran ~5 rows a step instead of 128 (benchmarks/README.md,
     "The benchmark's own client")."""
     async with contextlib.AsyncExitStack() as stack:
-        yield [await stack.enter_async_context(make_client(1, request_timeout)) for _ in range(concurrency)]
+        yield [await stack.enter_async_context(make_client(1, request_timeout, api_key)) for _ in range(concurrency)]
 
 
 async def one_request(
@@ -320,7 +341,7 @@ async def run_level(
                 return
             index += 1
 
-    async with stream_clients(len(ids), request_timeout) as clients:
+    async with stream_clients(len(ids), request_timeout, dialect.api_key) as clients:
         if isinstance(dialect, OpenAIDialect) and clients:
             await dialect.resolve_model(clients[0])  # a server answers only for a model it serves
         start = time.perf_counter()
@@ -330,13 +351,21 @@ async def run_level(
 
 async def probe(dialect: Dialect, max_new_tokens: int = 4) -> RequestRecord:
     """One short request before the levels: fails fast (BenchError) if the server cannot serve."""
-    async with make_client(1, 120.0) as client:
+    async with make_client(1, 120.0, dialect.api_key) as client:
         if isinstance(dialect, OpenAIDialect):
             await dialect.resolve_model(client)
         record = await one_request(dialect, client, client_prompt(0, 0, 1), max_new_tokens)
     if record.error is not None:
-        raise BenchError(f"{dialect.name} at {dialect.url} failed a probe request: {record.error}")
+        raise probe_failed(dialect, "a probe request", record.error)
     return record
+
+
+def probe_failed(dialect: Reached, what: str, error: str) -> BenchError:
+    """The error of a failed probe; a refusal for want of a key says how to give one."""
+    hint = ""
+    if error.startswith(("HTTP 401", "HTTP 403")):
+        hint = " (a wrong API key? --api-key KEY)" if dialect.api_key else " (it wants an API key: --api-key KEY)"
+    return BenchError(f"{dialect.name} at {dialect.url} failed {what}: {error}{hint}")
 
 
 async def run_soak(
@@ -360,7 +389,7 @@ async def run_soak(
             if record.error is not None:
                 return
 
-    async with stream_clients(concurrency, request_timeout) as clients:
+    async with stream_clients(concurrency, request_timeout, dialect.api_key) as clients:
         if isinstance(dialect, OpenAIDialect):
             await dialect.resolve_model(clients[0])  # a server answers only for a model it serves
         start = time.perf_counter()

@@ -8,11 +8,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lmiserve.config.settings import canonical_key
+
 
 @dataclass
 class BenchConfig:
     model_id: str | None = None
     url: str | None = None
+    api_key: str | None = None  # --api-key: sent as a bearer token to every server the bench reaches
     compare: list[tuple[str, str]] = field(default_factory=list)  # (name, url)
     compare_model: str | None = None
     concurrency: list[int] = field(default_factory=lambda: [1, 8, 32])
@@ -62,5 +65,54 @@ class BenchConfig:
         return args
 
     @property
+    def client_api_key(self) -> str | None:
+        """The key of the lmiserve under test: --api-key, else the `-o api_key=...` the bench starts it with."""
+        return self.api_key or dict(self.options).get("api_key") or None
+
+    @property
     def scenarios(self) -> list[str]:
         return ["completion", "chat"] if self.scenario == "both" else [self.scenario]
+
+
+HIDDEN = "<hidden>"
+_OPTION_FLAGS = ("-o", "--option", "--ab-option")  # the flags that take a server option KEY=VALUE
+SECRET_OPTIONS = ("api_key",)  # server options (-o KEY=VALUE) whose values a report or a log never shows
+
+
+def _secret_flag(flag: str) -> bool:
+    """`--api-key`, or an abbreviation of it that argparse takes for it (`--api`)."""
+    return flag.startswith("--ap") and "--api-key".startswith(flag)
+
+
+def _secret_option(text: str) -> bool:
+    key, eq, _ = text.partition("=")
+    return bool(eq) and canonical_key(key) in SECRET_OPTIONS
+
+
+def hidden_options(options: list[tuple[str, str]]) -> dict[str, str]:
+    """`options` as a mapping for a report, each secret's value hidden."""
+    return {key: HIDDEN if key in SECRET_OPTIONS else value for key, value in options}
+
+
+def redacted(args: list[str]) -> list[str]:
+    """A command line as a report or a log shows it: the values of `--api-key` and of `-o api_key=...`
+    hidden, in each spelling argparse takes (`--api-key K`, `--api-key=K`, `-o api_key=K`,
+    `--option=api_key=K`, `-oapi_key=K`; the same for `--ab-option`)."""
+    out: list[str] = []
+    for n, arg in enumerate(args):
+        before = args[n - 1] if n else ""
+        flag, eq, rest = arg.partition("=")
+        whole_value = (
+            (_secret_flag(flag) and bool(eq))  # --api-key=K
+            or (before in _OPTION_FLAGS and _secret_option(arg))  # -o api_key=K
+            or (arg.startswith("-o") and not arg.startswith("--") and _secret_option(arg[2:]))  # -oapi_key=K
+        )
+        if _secret_flag(before) and "=" not in before:  # --api-key K
+            out.append(HIDDEN)
+        elif whole_value:
+            out.append(f"{flag}={HIDDEN}")
+        elif flag in _OPTION_FLAGS and _secret_option(rest):  # --option=api_key=K
+            out.append(f"{flag}={rest.partition('=')[0]}={HIDDEN}")
+        else:
+            out.append(arg)
+    return out

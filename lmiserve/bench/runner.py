@@ -4,6 +4,7 @@ asked: bench/config.py; the servers: bench/targets.py; the measurements: bench/m
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import shlex
 import shutil
@@ -14,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from lmiserve.bench.chart import draw_chart
-from lmiserve.bench.clients import LmiDialect
-from lmiserve.bench.config import BenchConfig
+from lmiserve.bench.clients import LmiDialect, served_model
+from lmiserve.bench.config import HIDDEN, BenchConfig, hidden_options, redacted
 from lmiserve.bench.lora import adapter_load_times
 from lmiserve.bench.machine import load_average, machine_info, versions
 from lmiserve.bench.measure import measure_servers, soak
@@ -55,26 +56,29 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
     grammar: Json | None = None
     lora_report: Json | None = None
     adapters: dict[str, Path] = {}
+    served: str | None = None  # --url without --model-id: the model the server says it serves
     try:
         if config.url:
-            lmi = LmiDialect(url=config.url.rstrip("/"))
+            lmi = LmiDialect(url=config.url.rstrip("/"), api_key=config.client_api_key)
+            if config.model_id is None:
+                served = asyncio.run(served_model(lmi.url, lmi.api_key))
         else:
             managed = ManagedServer(config.serve_args(), config.output_dir / "server.log", config.startup_timeout)
-            log(f"starting {shlex.join(managed.command)} (log: {managed.log_path})")
+            log(f"starting {shlex.join(redacted(managed.command))} (log: {managed.log_path})")
             managed.start()
             sampler = RssSampler(managed.pid).start()
-            lmi = LmiDialect(url=managed.url)
-        targets = [lmiserve_target(lmi.url, lmi.name, started_by_bench=managed is not None)]
+            lmi = LmiDialect(url=managed.url, api_key=config.client_api_key)
+        targets = [lmiserve_target(lmi.url, lmi.name, started_by_bench=managed is not None, api_key=lmi.api_key)]
         adapters = _lora_adapters(config, log) if config.lora else {}
         if config.ab_options or adapters:
             extra = list(config.ab_options)
             if adapters:
                 extra.append(("lora_modules", " ".join(f"{name}={path}" for name, path in adapters.items())))
             second = ManagedServer(config.serve_args(extra), config.output_dir / "server-b.log", config.startup_timeout)
-            log(f"starting {shlex.join(second.command)} (log: {second.log_path})")
+            log(f"starting {shlex.join(redacted(second.command))} (log: {second.log_path})")
             second.start()
             name = ab_name(config.ab_options) if not adapters else lora_name(config)
-            target = lmiserve_target(second.url, name, started_by_bench=True, ab=True)
+            target = lmiserve_target(second.url, name, started_by_bench=True, ab=True, api_key=lmi.api_key)
             if adapters:
                 assert isinstance(target.completion, LmiDialect)
                 target.completion.adapters = list(adapters)
@@ -136,7 +140,7 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
     meta = {
         "started_at": started.isoformat(timespec="seconds"),
         "duration_s": round(time.monotonic() - t0, 1),
-        "command": shlex.join(config.command),
+        "command": shlex.join(redacted(config.command)),
         "machine": {**machine_info(), "load_average_start": load_at_start, "load_average_end": load_average()},
         "versions": versions(),
         "device": loaded_info.get("device") or config.device or "auto",
@@ -144,7 +148,7 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
         "dtype_setting": config.dtype or "auto",  # as asked (int8 computes in bfloat16)
         "model": {
             "id": config.model_id,
-            "name": default_model_name(config.model_id),
+            "name": (served or "?") if config.url and config.model_id is None else default_model_name(config.model_id),
             "path": loaded_info.get("model_path"),
         },
         "settings": {
@@ -154,8 +158,9 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
             "duration_s": config.duration,
             "warmup_requests_per_client": config.warmup,
             "client_processes": config.client_processes,
-            "server_options": dict(config.options),
+            "server_options": hidden_options(config.options),
             "url": config.url,
+            "api_key": HIDDEN if config.api_key else None,
             "soak_requests": config.soak_requests,
             "skip_baselines": config.skip_baselines,
             "json_schema": config.json_schema_source,
@@ -166,7 +171,7 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
                 config.chat_conversations if "chat" in config.scenarios and not config.duration else None
             ),
             "vision_image_size": list(IMAGE_SIZE) if "vision" in config.scenarios else None,
-            "ab_options": dict(config.ab_options),
+            "ab_options": hidden_options(config.ab_options),
             "lora": lora_report,
         },
         "files": {
@@ -179,7 +184,9 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
     structured = None
     if config.json_schema is not None:
         structured = {"source": config.json_schema_source, "schema": config.json_schema, **(grammar or {})}
-    report = build_report(meta, servers, baselines, memory, structured, config.ab_options, vision_baselines)
+    report = build_report(
+        meta, servers, baselines, memory, structured, list(hidden_options(config.ab_options).items()), vision_baselines
+    )
     write_json(report, json_path)
     draw_chart(report, png_path)
     return report, json_path, png_path

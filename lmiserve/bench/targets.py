@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 from lmiserve.bench.chat import ChatDialect
 from lmiserve.bench.clients import Dialect, LmiDialect, OpenAIDialect
-from lmiserve.bench.config import BenchConfig
+from lmiserve.bench.config import BenchConfig, hidden_options
 
 
 @dataclass
@@ -31,18 +31,20 @@ def compare_targets(config: BenchConfig) -> list[Target]:
         out.append(
             Target(
                 name=name,
-                completion=OpenAIDialect(url=base, name=name, model=config.compare_model),
-                chat=ChatDialect(url=base, name=name, model=config.compare_model),
+                completion=OpenAIDialect(url=base, name=name, model=config.compare_model, api_key=config.api_key),
+                chat=ChatDialect(url=base, name=name, model=config.compare_model, api_key=config.api_key),
             )
         )
     return out
 
 
-def lmiserve_target(url: str, name: str, started_by_bench: bool, ab: bool = False) -> Target:
+def lmiserve_target(
+    url: str, name: str, started_by_bench: bool, ab: bool = False, api_key: str | None = None
+) -> Target:
     return Target(
         name=name,
-        completion=LmiDialect(url=url, name=name),
-        chat=ChatDialect(url=url, name=name),
+        completion=LmiDialect(url=url, name=name, api_key=api_key),
+        chat=ChatDialect(url=url, name=name, api_key=api_key),
         started_by_bench=started_by_bench,
         ab=ab,
     )
@@ -53,4 +55,4 @@ def lora_name(config: BenchConfig) -> str:
 
 
 def ab_name(options: list[tuple[str, str]]) -> str:
-    return "lmiserve[" + ",".join(f"{k}={v}" for k, v in options) + "]"
+    return "lmiserve[" + ",".join(f"{k}={v}" for k, v in hidden_options(options).items()) + "]"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 import re
 import subprocess
 import sys
@@ -338,17 +339,21 @@ def test_128_streams_reach_the_server_together(long_model_dir):
     assert tokens / steps >= 32, f"{tokens} tokens in {steps:.0f} decode steps"
 
 
-def run_bench(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def run_bench(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`lmiserve bench ARGS` in a process of its own, without the caller's OPENAI_API_KEY (the bench's
+    default key), with `env` added."""
+    environ = {k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}
     return subprocess.run(
         [sys.executable, "-m", "lmiserve", "bench", *args],
         capture_output=True,
         text=True,
         timeout=BENCH_TIMEOUT,
         cwd=cwd,
+        env={**environ, **(env or {})},
     )
 
 
-def test_bench_url_mode_without_baselines(lmi_url, tmp_path):
+def test_bench_url_mode_without_baselines(lmi_url, long_model_dir, tmp_path):
     out = tmp_path / "url"
     result = run_bench(
         "--url",
@@ -369,6 +374,8 @@ def test_bench_url_mode_without_baselines(lmi_url, tmp_path):
     assert report["baselines"] is None and report["memory"] is None
     assert report["settings"]["client_processes"] == 2
     assert report["settings"]["url"] == lmi_url and report["files"]["server_log"] is None
+    # no --model-id: the model is the one the server lists, not the bundled model's name
+    assert report["model"] == {"id": None, "name": long_model_dir.name, "path": None}
     (level,) = report["servers"][0]["levels"]
     assert level["tokens_expected"] == level["tokens_received"] and level["token_count_errors"] == 0
     assert level["client_processes"] == 2 and level["requests"] == 2 * 3  # two clients, each its own process
@@ -376,6 +383,50 @@ def test_bench_url_mode_without_baselines(lmi_url, tmp_path):
     assert level["client_cpu_s"] > 0 and 0 < level["client_busy"] <= level["client_cpu_s"] / level["elapsed_s"] + 0.05
     assert report["servers"][0]["ratios"][0]["server_over_forward"] is None
     assert (out / "bench.png").stat().st_size > 0
+
+
+SECRET = "bench-secret-7f3a"
+
+
+@pytest.fixture(scope="module")
+def guarded_url(long_model_dir: Path) -> Iterator[str]:
+    with run_server(["--model-id", str(long_model_dir), "--api-key", SECRET, "-o", "max_rolling_batch_size=4"]) as url:
+        yield url
+
+
+def test_bench_url_mode_against_a_server_with_an_api_key(guarded_url, long_model_dir, tmp_path):
+    """Every request of every phase (probes, both scenarios, the soak, the model lookup) carries the key;
+    the key is written nowhere; without it the bench stops at its probe with one line that says why."""
+    args = ("--url", guarded_url, "--concurrency", "2", "--max-new-tokens", "3", "--skip-baselines")
+    refused = run_bench(*args, "--output-dir", str(tmp_path / "no-key"), cwd=tmp_path)
+    assert refused.returncode == 1 and not (tmp_path / "no-key" / "bench.json").exists()
+    assert refused.stderr.splitlines()[-1] == (
+        f"lmiserve bench: lmiserve at {guarded_url} failed a probe request: HTTP 401 (no body)"
+        " (it wants an API key: --api-key KEY)"
+    )
+    wrong = run_bench(*args, "--api-key", "nope", "--output-dir", str(tmp_path / "wrong"), cwd=tmp_path)
+    assert wrong.returncode == 1 and wrong.stderr.splitlines()[-1].endswith("(a wrong API key? --api-key KEY)")
+
+    out = tmp_path / "key"
+    scenarios = ("--scenario", "both", "--chat-turns", "2", "--chat-conversations", "1", "--soak-requests", "3")
+    result = run_bench(*args, *scenarios, "--api-key", SECRET, "--output-dir", str(out), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    text = (out / "bench.json").read_text()
+    assert SECRET not in text and SECRET not in result.stdout + result.stderr
+    report = json.loads(text)
+    assert report["command"].startswith(f"lmiserve bench --url {guarded_url} --concurrency 2")
+    assert "--api-key '<hidden>'" in report["command"] and report["settings"]["api_key"] == "<hidden>"
+    assert report["model"]["name"] == long_model_dir.name  # /v1/models, asked with the key
+    (server,) = report["servers"]
+    (level,), (chat,) = server["levels"], server["chat_levels"]
+    assert level["failed_requests"] == chat["failed_requests"] == 0
+    assert level["tokens_received"] == level["tokens_expected"] and chat["tokens_received"] == chat["tokens_expected"]
+    assert report["memory"]["soak"]["requests"] == 3 and report["memory"]["soak"]["failed_requests"] == 0
+
+    # OpenAI's environment variable, as vLLM's benchmark reads it
+    from_env = run_bench(*args, "--output-dir", str(tmp_path / "env"), cwd=tmp_path, env={"OPENAI_API_KEY": SECRET})
+    assert from_env.returncode == 0, from_env.stderr
+    assert SECRET not in (tmp_path / "env" / "bench.json").read_text()
 
 
 # --- the whole command -----------------------------------------------------------------------------
@@ -500,10 +551,13 @@ def test_bench_chat_scenario_with_a_peer(lmi_url, openai_url, tmp_path):
 
 
 def test_bench_ab_runs_a_second_lmiserve(long_model_dir, tmp_path):
+    """Both servers the bench starts (with an API key: its clients send it, no report or log shows it)."""
     out = tmp_path / "ab"
     result = run_bench(
         "--model-id",
         str(long_model_dir),
+        "-o",
+        f"api_key={SECRET}",
         "--scenario",
         "chat",
         "--ab-option",
@@ -533,6 +587,11 @@ def test_bench_ab_runs_a_second_lmiserve(long_model_dir, tmp_path):
     assert ab["late_turn_ttft"][0]["a_over_b"] > 0
     assert "prefix_cache_chat_ttft" not in {t["id"] for t in report["targets"]}  # B did not turn it off
     assert (out / "server-b.log").stat().st_size > 0 and report["files"]["server_b_log"] == "server-b.log"
+    assert report["settings"]["server_options"] == {"api_key": "<hidden>"} and report["settings"]["api_key"] is None
+    assert f"-o 'api_key={SECRET}'" not in report["command"] and "-o 'api_key=<hidden>'" in report["command"]
+    logs = [result.stderr, (out / "server.log").read_text(), (out / "server-b.log").read_text()]
+    assert sum("api_key=<hidden>" in line for line in result.stderr.splitlines() if "starting" in line) == 2
+    assert all(SECRET not in text for text in [*logs, (out / "bench.json").read_text()])
 
 
 # --- --json-schema: every level also constrained ---------------------------------------------------

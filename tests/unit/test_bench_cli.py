@@ -97,6 +97,8 @@ def test_help_lists_the_options(capsys):
         "--chat-turns",
         "--chat-conversations",
         "--ab-option",
+        "--api-key",
+        "--client-processes",
     ):
         assert option in out, option
 
@@ -152,3 +154,25 @@ def test_servers_the_bench_starts_leave_the_grpc_port_alone(tmp_path, monkeypatc
     assert ManagedServer(["--grpc-port", "9001"], tmp_path / "log").command.count("--grpc-port") == 1
     monkeypatch.setenv("OPTION_GRPC_PORT", "9002")
     assert "--grpc-port" not in ManagedServer([], tmp_path / "log").command
+
+
+@pytest.mark.parametrize(
+    ("args", "shown"),
+    [
+        (["--api-key", "K", "--url", "u"], ["--api-key", "<hidden>", "--url", "u"]),
+        (["--api-key=K"], ["--api-key=<hidden>"]),
+        (["--api", "K"], ["--api", "<hidden>"]),  # argparse takes the abbreviation
+        (["-o", "api_key=K", "-o", "max_new_tokens=4"], ["-o", "api_key=<hidden>", "-o", "max_new_tokens=4"]),
+        (["--option", "option.api_key=K"], ["--option", "option.api_key=<hidden>"]),
+        (["--option=api_key=K"], ["--option=api_key=<hidden>"]),
+        (["-oapi_key=K"], ["-oapi_key=<hidden>"]),
+        (["--ab-option", "api_key=K"], ["--ab-option", "api_key=<hidden>"]),
+        (["--ab-option", "max_rolling_batch_size=2"], ["--ab-option", "max_rolling_batch_size=2"]),
+        (["--model-id", "api_key=K"], ["--model-id", "api_key=K"]),  # not an option's value: shown
+    ],
+)
+def test_the_api_key_is_hidden_in_every_spelling(args, shown):
+    from lmiserve.bench.config import hidden_options, redacted
+
+    assert redacted(["lmiserve", "bench", *args]) == ["lmiserve", "bench", *shown]
+    assert hidden_options([("api_key", "K"), ("dtype", "bf16")]) == {"api_key": "<hidden>", "dtype": "bf16"}
