@@ -101,7 +101,9 @@ def _mock_chat_server(seen: list[dict]) -> httpx.MockTransport:
 def test_a_vision_level_sends_every_request_its_own_image(monkeypatch):
     seen: list[dict] = []
     transport = _mock_chat_server(seen)
-    monkeypatch.setattr(bench_clients, "make_client", lambda c, t=600.0: httpx.AsyncClient(transport=transport))
+    monkeypatch.setattr(
+        bench_clients, "make_client", lambda c, t=600.0, key=None: httpx.AsyncClient(transport=transport)
+    )
     dialect = ChatDialect(url="http://vlm", name="vlm")
     records, elapsed = asyncio.run(
         run_chat_level(dialect, 2, 5, turns=1, conversations_per_client=2, warmup=1, conversation=VisionRequest)
