@@ -55,6 +55,7 @@ SETTING_FLAGS: tuple[Flag, ...] = (
     Flag(("--enforce-eager",), "enforce_eager"),
     Flag(("--async-scheduling",), "async_scheduling"),
     Flag(("--kv-cache-dtype",), "kv_cache_dtype"),
+    Flag(("--quantize", "--quantization"), "quantize", note="TGI's and vLLM's flags:"),
     Flag(("--max-new-tokens",), "max_new_tokens", "N"),
     Flag(
         ("--max-model-len",),

@@ -88,6 +88,7 @@ class CheckedSettings(
         "reasoning_parser",
         "tool_call_parser",
         "kv_cache_dtype",
+        "quantize",
         mode="before",
     )
     @classmethod

@@ -85,7 +85,8 @@ class ModelFields(FieldGroup):
     quantize: Quantize | None = Field(
         None,
         description=(
-            "Quantized weights (LMI's and TGI's option): `fp8`, `awq` or `gptq`. Unset = what the checkpoint's "
+            "Quantized weights (LMI's and TGI's option; vLLM's `quantization`, whose `awq_marlin` and `gptq_marlin` "
+            "are taken as `awq` and `gptq`): `fp8`, `awq` or `gptq`. Unset = what the checkpoint's "
             "`config.json` says (`quantization_config`: compressed-tensors or FBGEMM fp8, AWQ or GPTQ 4-bit, "
             "read by lmiserve itself). Set, it must name the checkpoint's format, else the start stops with one "
             "line; `fp8` on a float checkpoint quantizes its linears to fp8 per output channel at load (vLLM's "

@@ -11,6 +11,7 @@ KEY_ALIASES: dict[str, str] = {
     "max_num_seqs": "max_rolling_batch_size",  # vLLM
     "max_model_len": "max_total_tokens",  # vLLM: prompt + output tokens
     "tensor_parallel_size": "tensor_parallel_degree",  # vLLM
+    "quantization": "quantize",  # vLLM (LMI and TGI: quantize)
 }
 
 # LMI (DJL Serving) keys that lmiserve accepts in serving.properties and OPTION_* variables and ignores:
@@ -42,6 +43,8 @@ FALSE_WORDS = frozenset({"false", "0", "no", "off"})
 WORD_ALIASES: dict[str | None, dict[str, str]] = {
     "dtype": {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16"},
     "log_level": {"warn": "warning"},
+    # vLLM's names of its Marlin kernels for the same AWQ and GPTQ checkpoints
+    "quantize": {"awq_marlin": "awq", "gptq_marlin": "gptq"},
 }
 
 

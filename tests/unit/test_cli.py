@@ -86,6 +86,8 @@ SERVE_FLAGS = [
     "--log-level",
     "--log-format",
     "--trust-remote-code",
+    "--quantize",
+    "--quantization",
 ]
 
 
@@ -188,6 +190,28 @@ def test_aliases_are_known_options(monkeypatch):
     assert cli.main(["serve", "-o", "max_num_seqs=4", "-o", "option.max_model_len=100"]) == 0
     settings = seen["settings"]
     assert (settings.max_rolling_batch_size, settings.max_total_tokens) == (4, 100)
+
+
+def test_quantize_by_tgis_and_vllms_spellings(monkeypatch, capsys):
+    """TGI's --quantize, vLLM's --quantization (and -o / OPTION_ quantization, its awq_marlin and gptq_marlin
+    the same checkpoints' formats) all set quantize; a format lmiserve does not read stops with one line."""
+    from lmiserve.config import load_settings
+
+    seen = capture_serve(monkeypatch)
+    for argv, expected in (
+        (["--quantize", "fp8"], ("fp8", "command line --quantize")),
+        (["--quantization", "awq_marlin"], ("awq", "command line --quantization")),
+        (["-o", "quantization=GPTQ_Marlin"], ("gptq", "command line -o")),
+    ):
+        assert cli.main(["serve", *argv]) == 0
+        assert (seen["settings"].quantize, seen["settings"].sources["quantize"]) == expected
+    env = load_settings({}, None, None, environ={"OPTION_QUANTIZATION": "awq"})
+    assert (env.quantize, env.sources["quantize"]) == ("awq", "environment OPTION_QUANTIZATION")
+    assert cli.main(["serve", "--quantization", "bitsandbytes"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.count("\n") == 1 and "invalid value 'bitsandbytes' for option 'quantize': expected one of fp8, awq" in err
+    )
 
 
 def test_max_num_batched_tokens_is_the_steps_token_budget_by_every_spelling(monkeypatch, tmp_path, capsys):

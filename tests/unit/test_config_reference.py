@@ -121,7 +121,8 @@ def test_environment_variables_are_listed_winner_first(key: str) -> None:
 def test_aliases_are_listed_and_work() -> None:
     for alias, key in KEY_ALIASES.items():
         assert f"`{alias}`" in PAGE_TEXT
-        value = "7"  # tensor_parallel_size=7: seven ranks (the model and the devices are checked at load)
+        # tensor_parallel_size=7: seven ranks (the model and the devices are checked at load); a word for a word
+        value = {"quantize": "awq"}.get(key, "7")
         assert str(getattr(load_settings({alias: value}, environ={}), key)) == value
 
 
