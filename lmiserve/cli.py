@@ -55,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=SERVE_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    serve.add_argument(
+        "model",
+        nargs="?",
+        metavar="MODEL",
+        help="the model to serve, as in vLLM's `vllm serve MODEL` (the same as --model-id)",
+    )
     where = serve.add_argument_group("configuration sources")
     where.add_argument("--model-dir", help="directory holding serving.properties and/or weights (like /opt/ml/model)")
     where.add_argument("--properties", metavar="FILE", help="a serving.properties file")
@@ -95,6 +101,11 @@ def main(argv: list[str] | None = None) -> int:
                 key, value = parse_override(text)
                 overrides[key], labels[key] = value, "command line -o"
             values, sources = flag_values(args)  # a flag beats -o for the same key
+            if args.model is not None:  # vLLM's positional MODEL
+                if values.get("model_id", args.model) != args.model:
+                    flag = sources["model_id"].removeprefix("command line ")
+                    raise ConfigError(f"two models: MODEL {args.model} and {flag} {values['model_id']}")
+                values["model_id"], sources["model_id"] = args.model, "command line MODEL"
             overrides.update(values)
             labels.update(sources)
             settings = load_settings(

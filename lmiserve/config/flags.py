@@ -34,10 +34,14 @@ class Flag:
     key: str
     metavar: str | None = None
     note: str = ""  # put before the setting's description in --help
+    many: bool = False  # takes one or more values (vLLM's `--served-model-name a b`), joined by commas
 
 
 SETTING_FLAGS: tuple[Flag, ...] = (
-    Flag(("--model-id",), "model_id", "MODEL"),
+    Flag(("--model-id", "--model"), "model_id", "MODEL"),
+    Flag(("--revision",), "revision", "REV"),
+    Flag(("--load-format",), "load_format"),
+    Flag(("--served-model-name",), "served_model_name", "NAME", many=True),
     Flag(("--grpc-port",), "grpc_port", "PORT"),
     Flag(("--otlp-traces-endpoint", "--otlp-endpoint"), "otlp_traces_endpoint", "URL"),
     Flag(("--dtype",), "dtype"),
@@ -55,8 +59,13 @@ SETTING_FLAGS: tuple[Flag, ...] = (
     Flag(("--enforce-eager",), "enforce_eager"),
     Flag(("--async-scheduling",), "async_scheduling"),
     Flag(("--kv-cache-dtype",), "kv_cache_dtype"),
+    Flag(("--gpu-memory-utilization",), "gpu_memory_utilization", "SHARE"),
+    Flag(("--kv-cache-memory-bytes",), "kv_cache_memory_bytes", "BYTES"),
+    Flag(("--block-size",), "block_size", "N"),
+    Flag(("--speculative-config",), "speculative_config", "JSON"),
     Flag(("--quantize", "--quantization"), "quantize", note="TGI's and vLLM's flags:"),
     Flag(("--max-new-tokens",), "max_new_tokens", "N"),
+    Flag(("--max-logprobs",), "max_logprobs", "N"),
     Flag(
         ("--max-model-len",),
         "max_total_tokens",
@@ -110,7 +119,14 @@ def add_setting_flags(
         else:
             choices = typing.get_args(base) if typing.get_origin(base) is Literal else ()
             metavar = "{" + ",".join(str(c) for c in choices) + "}" if choices else flag.metavar
-            groups[title].add_argument(*flag.names, dest=flag.key, action=_Value, metavar=metavar, help=help_text)
+            groups[title].add_argument(
+                *flag.names,
+                dest=flag.key,
+                action=_Value,
+                metavar=metavar,
+                nargs="+" if flag.many else None,
+                help=help_text,
+            )
 
 
 def first_sentence(text: str) -> str:
@@ -150,7 +166,8 @@ class _Value(argparse.Action):
         values: str | Sequence[Any] | None,
         option_string: str | None = None,
     ) -> None:
-        setattr(namespace, self.dest, values)
+        text = ",".join(values) if isinstance(values, list) else values  # a flag of `many` values
+        setattr(namespace, self.dest, text)
         _note(namespace, self.dest, option_string)
 
 

@@ -224,6 +224,10 @@ FLAGS = """\
 `lmiserve serve` takes these settings as flags of their own; any other key is `-o KEY=VALUE`
 (repeatable). A flag is the same source as `-o`, checked the same way (`--port http` fails like
 `-o port=http`), and beats `-o` for the same key. Booleans take `--name` or `--no-name`.
+vLLM's command line works as it is: `lmiserve serve MODEL` takes the model as `vllm serve MODEL` does (the
+same as `--model-id`; giving two different models is an error), and vLLM's flags of the settings lmiserve
+shares are flags here too (`--gpu-memory-utilization`, `--max-num-seqs`, `--quantization`,
+`--served-model-name a b`: several names, as `served_model_name=a,b`).
 
 {flags}
 

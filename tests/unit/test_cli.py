@@ -88,6 +88,15 @@ SERVE_FLAGS = [
     "--trust-remote-code",
     "--quantize",
     "--quantization",
+    "--model",
+    "--served-model-name",
+    "--gpu-memory-utilization",
+    "--kv-cache-memory-bytes",
+    "--block-size",
+    "--load-format",
+    "--revision",
+    "--max-logprobs",
+    "--speculative-config",
 ]
 
 
@@ -190,6 +199,52 @@ def test_aliases_are_known_options(monkeypatch):
     assert cli.main(["serve", "-o", "max_num_seqs=4", "-o", "option.max_model_len=100"]) == 0
     settings = seen["settings"]
     assert (settings.max_rolling_batch_size, settings.max_total_tokens) == (4, 100)
+
+
+def test_a_vllm_serve_command_line_is_understood(monkeypatch, capsys):
+    """`vllm serve MODEL --flags` with `lmiserve serve` in front: the positional model (or --model), and
+    vLLM's flags of settings lmiserve shares, each as `-o` would set it."""
+    seen = capture_serve(monkeypatch)
+    argv = [
+        "serve",
+        "/models/llama",
+        "--served-model-name",
+        "llama",
+        "my-llama",
+        "--gpu-memory-utilization",
+        "0.85",
+        "--kv-cache-memory-bytes",
+        "4GiB",
+        "--block-size",
+        "32",
+        "--load-format",
+        "dummy",
+        "--revision",
+        "v2",
+        "--max-logprobs",
+        "5",
+        "--speculative-config",
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}',
+    ]
+    assert cli.main(argv) == 0
+    settings = seen["settings"]
+    assert settings.model_id == "/models/llama" and settings.sources["model_id"] == "command line MODEL"
+    assert settings.served_model_name == "llama,my-llama"
+    assert settings.sources["served_model_name"] == "command line --served-model-name"
+    assert (settings.gpu_memory_utilization, settings.kv_cache_memory_bytes, settings.block_size) == (0.85, 4 << 30, 32)
+    assert (settings.load_format, settings.revision, settings.max_logprobs) == ("dummy", "v2", 5)
+    assert settings.speculative_config is not None
+    assert cli.main(["serve", "--model", "/models/qwen"]) == 0
+    assert (
+        seen["settings"].model_id == "/models/qwen" and seen["settings"].sources["model_id"] == "command line --model"
+    )
+    assert cli.main(["serve", "/models/llama", "--model-id", "/models/llama"]) == 0  # the same model twice: fine
+    assert cli.main(["serve", "/models/llama", "--model-id", "/models/qwen"]) == 2
+    assert capsys.readouterr().err.endswith(
+        "lmiserve: configuration error: two models: MODEL /models/llama and --model-id /models/qwen\n"
+    )
+    assert cli.main(["serve", "--gpu-memory-utilization", "1.5"]) == 2  # validated as -o would be
+    assert "gpu_memory_utilization" in capsys.readouterr().err
 
 
 def test_quantize_by_tgis_and_vllms_spellings(monkeypatch, capsys):
