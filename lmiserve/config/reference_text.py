@@ -59,6 +59,7 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "gpu_memory_utilization",
             "enforce_eager",
             "async_scheduling",
+            "stream_interval",
             "block_size",
             "kv_cache_dtype",
             "speculative_config",

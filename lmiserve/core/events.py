@@ -7,7 +7,7 @@ without an event carrying `finish` is an error, not a silent truncation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 
@@ -53,3 +53,6 @@ class StepEvent:
     top_tokens: tuple[Token, ...] | None = None
     finish: Finish | None = None
     index: int = 0
+    # more events of this sequence follow at once (a speculative step's tokens, `stream_interval`): a streamed
+    # response writes them together, with the first event that does not say so
+    burst: bool = field(default=False, compare=False)

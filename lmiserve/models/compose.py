@@ -74,6 +74,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         enable_prefix_caching=settings.enable_prefix_caching,
         kv_cache_memory_bytes=int(settings.kv_cache_memory_bytes) if settings.kv_cache_memory_bytes else None,
         block_size=settings.block_size,
+        stream_interval=settings.stream_interval,
         kv_cache_dtype=settings.kv_cache_dtype,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         enforce_eager=settings.enforce_eager,

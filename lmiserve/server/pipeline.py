@@ -342,23 +342,31 @@ async def _streamed(
 
 
 async def _in_band_chunks(events: AsyncIterator[Tagged], encoder: Encoder) -> AsyncIterator[bytes]:
-    """Encode a live event stream; any failure becomes the encoder's in-band error, the last chunk."""
+    """Encode a live event stream; any failure becomes the encoder's in-band error, the last chunk. The
+    chunks of a `burst` (events the engine delivered at once) go out as one, with the first event after it."""
+    burst: list[bytes] = []
     try:
         async for index, event in events:
             if is_error_finish(event):
-                yield encoder.error(failure_of(event))
+                yield b"".join([*burst, encoder.error(failure_of(event))])
                 return
             chunk = encoder.on_event(index, event)
+            if event.burst:
+                burst.append(chunk)
+                continue
+            if burst:
+                chunk = b"".join([*burst, chunk])
+                burst.clear()
             if chunk:
                 yield chunk
         tail = encoder.close()
-        if tail:
-            yield tail
+        if tail or burst:
+            yield b"".join([*burst, tail])
     except LmiServeError as exc:
-        yield encoder.error(exc)
+        yield b"".join([*burst, encoder.error(exc)])
     except Exception as exc:  # noqa: BLE001 - the unforeseen still ends the stream with an error event
         log.exception("stream failed")
-        yield encoder.error(GenerationFailed(str(exc) or type(exc).__name__))
+        yield b"".join([*burst, encoder.error(GenerationFailed(str(exc) or type(exc).__name__))])
     finally:
         await _aclose(events)
 

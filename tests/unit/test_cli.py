@@ -97,6 +97,7 @@ SERVE_FLAGS = [
     "--revision",
     "--max-logprobs",
     "--speculative-config",
+    "--stream-interval",
 ]
 
 

@@ -41,5 +41,6 @@ class EngineConfig:
     # before serving, run each prompt and decode shape once (engine/core/warmup.py); None = by device (on CUDA)
     warmup: bool | None = None
     enforce_eager: bool = False  # on CUDA: no decode steps replayed as CUDA graphs (engine/attention/cuda_graphs.py)
+    stream_interval: int = 1  # a sequence's tokens delivered N at a time, its first at once (handles.py)
     speculation: SpeculationSettings | None = None  # speculative decoding (engine/speculative/proposers.py)
     lora: LoraLimits | None = None  # LoRA adapters (engine/lora/registry.py; None: none served)

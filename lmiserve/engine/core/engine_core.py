@@ -357,30 +357,34 @@ class EngineCore:
     _stamp = staticmethod(stamp_events)
 
     def _deliver(self, events: list[tuple[Sequence, StepEvent]]) -> None:
-        for seq, event in events:
+        """Each event onto its request's queue, or held for `stream_interval` (`RequestHandle.offer`)."""
+        interval = self.config.stream_interval
+        for n, (seq, event) in enumerate(events):
             handle = self._handles.get(seq.seq_id)
             if handle is None:
                 continue
-            if event.finish is not None:
-                del self._handles[seq.seq_id]
-                handle.unfinished -= 1
-                if handle.unfinished == 0:
-                    self._report(handle)
-                if event.finish.reason is FinishReason.ABORT:
-                    continue
-                log.debug(
-                    "finished: %s after %d token(s)",
-                    event.finish.reason.value,
-                    event.finish.generated_tokens,
-                    extra={"request_id": seq.request_id},
-                )
-            handle.queue.put_nowait(event)
+            if event.finish is None:  # `more`: the sequence's next token is in this step too (drafts)
+                handle.offer(seq.seq_id, event, interval, more=n + 1 < len(events) and events[n + 1][0] is seq)
+                continue
+            del self._handles[seq.seq_id]
+            handle.unfinished -= 1
+            if handle.unfinished == 0:
+                self._report(handle)
+            if event.finish.reason is FinishReason.ABORT:
+                continue
+            log.debug(
+                "finished: %s after %d token(s)",
+                event.finish.reason.value,
+                event.finish.generated_tokens,
+                extra={"request_id": seq.request_id},
+            )
+            handle.deliver(seq.seq_id, event)
 
     def _fail_before_start(self, seq_id: int, error: BaseException) -> None:
         handle = self._handles.pop(seq_id, None)
         if handle is not None:
             self._report(handle, error)
-            handle.queue.put_nowait(error)
+            handle.fail(error)
 
     def _report(self, handle: RequestHandle, error: BaseException | None = None) -> None:
         """Tell the observers that `handle`'s request ended (once); its adapter is released."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 from lmiserve.core.events import FinishReason, StepEvent
@@ -30,6 +31,39 @@ class RequestHandle:
         self.reported = False  # told the observers it ended
         self.stats: RequestStats | None = None  # its figures, once it ended
         self.adapter: LoraAdapter | None = None  # its LoRA adapter, held until it ended
+        self.held: dict[int, list[StepEvent]] = {}  # per sequence, events kept for its next write (stream_interval)
+
+    def offer(self, seq_id: int, event: StepEvent, interval: int, more: bool = False) -> None:
+        """A sequence's unfinished `event`: delivered with the ones held before it, or (`interval` > 1) held
+        to go with its next ones, unless it is the sequence's first token (at once: the time to first token
+        is not the interval's) or it completes a group of `interval` tokens."""
+        if interval > 1:
+            held = self.held.get(seq_id)
+            if held is None:
+                self.held[seq_id] = []
+            elif len(held) + 1 < interval:
+                held.append(event)
+                return
+            more = False  # the sequence's next event is held: it goes with a later one
+        self.deliver(seq_id, event, more)
+
+    def deliver(self, seq_id: int, event: StepEvent, more: bool = False) -> None:
+        """Put `event` on the queue after the sequence's held events; every event but the last of them says
+        `burst` (with `more`, `event` too: the caller delivers more of the sequence's at once)."""
+        held = self.held.get(seq_id)
+        if held:
+            for kept in held:
+                self.queue.put_nowait(replace(kept, burst=True))
+            held.clear()
+        self.queue.put_nowait(replace(event, burst=True) if more else event)
+
+    def fail(self, error: BaseException) -> None:
+        """End the request with `error`, after the events it held (the tokens a client gets before it)."""
+        for held in self.held.values():
+            for kept in held:
+                self.queue.put_nowait(replace(kept, burst=True))
+            held.clear()
+        self.queue.put_nowait(error)
 
 
 def prompt_tokens_computed(plan: StepPlan, output: StepOutput) -> int:
