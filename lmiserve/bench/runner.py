@@ -78,7 +78,8 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
             log(f"starting {shlex.join(redacted(second.command))} (log: {second.log_path})")
             second.start()
             name = ab_name(config.ab_options) if not adapters else lora_name(config)
-            target = lmiserve_target(second.url, name, started_by_bench=True, ab=True, api_key=lmi.api_key)
+            key = dict(config.ab_options).get("api_key") or lmi.api_key  # --ab-option api_key=... is B's own
+            target = lmiserve_target(second.url, name, started_by_bench=True, ab=True, api_key=key)
             if adapters:
                 assert isinstance(target.completion, LmiDialect)
                 target.completion.adapters = list(adapters)

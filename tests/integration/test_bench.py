@@ -551,7 +551,8 @@ def test_bench_chat_scenario_with_a_peer(lmi_url, openai_url, tmp_path):
 
 
 def test_bench_ab_runs_a_second_lmiserve(long_model_dir, tmp_path):
-    """Both servers the bench starts (with an API key: its clients send it, no report or log shows it)."""
+    """Both servers the bench starts, each with an API key (B its own, by --ab-option): the clients send each
+    server its key, and no report or log shows either."""
     out = tmp_path / "ab"
     result = run_bench(
         "--model-id",
@@ -562,6 +563,8 @@ def test_bench_ab_runs_a_second_lmiserve(long_model_dir, tmp_path):
         "chat",
         "--ab-option",
         "max_rolling_batch_size=2",
+        "--ab-option",
+        "api_key=b-secret-91c0",
         "--concurrency",
         "1",
         "--chat-turns",
@@ -579,10 +582,13 @@ def test_bench_ab_runs_a_second_lmiserve(long_model_dir, tmp_path):
     )
     assert result.returncode == 0, result.stderr
     report = json.loads((out / "bench.json").read_text())
-    assert [s["name"] for s in report["servers"]] == ["lmiserve", "lmiserve[max_rolling_batch_size=2]"]
+    assert [s["name"] for s in report["servers"]] == [
+        "lmiserve",
+        "lmiserve[max_rolling_batch_size=2,api_key=<hidden>]",
+    ]
     assert report["servers"][1]["ab"] is True and report["peers"] == []
     ab = report["ab"]
-    assert ab["b_options"] == {"max_rolling_batch_size": "2"}
+    assert ab["b_options"] == {"max_rolling_batch_size": "2", "api_key": "<hidden>"}
     assert [(r["scenario"], r["concurrency"]) for r in ab["throughput"]] == [("chat", 1)]
     assert ab["late_turn_ttft"][0]["a_over_b"] > 0
     assert "prefix_cache_chat_ttft" not in {t["id"] for t in report["targets"]}  # B did not turn it off
@@ -591,7 +597,8 @@ def test_bench_ab_runs_a_second_lmiserve(long_model_dir, tmp_path):
     assert f"-o 'api_key={SECRET}'" not in report["command"] and "-o 'api_key=<hidden>'" in report["command"]
     logs = [result.stderr, (out / "server.log").read_text(), (out / "server-b.log").read_text()]
     assert sum("api_key=<hidden>" in line for line in result.stderr.splitlines() if "starting" in line) == 2
-    assert all(SECRET not in text for text in [*logs, (out / "bench.json").read_text()])
+    texts = [*logs, (out / "bench.json").read_text(), result.stdout]
+    assert all(SECRET not in text and "b-secret-91c0" not in text for text in texts)
 
 
 # --- --json-schema: every level also constrained ---------------------------------------------------
