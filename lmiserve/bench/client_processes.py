@@ -47,8 +47,8 @@ def run_clients(run: LevelRun, processes: int, *args: Any, **kwargs: Any) -> Cli
     """`run(*args, **kwargs)` (`run_level`, `run_chat_level`) here, or over `processes` processes, each
     passed ``share=(n, processes)``; a process that fails or dies fails the bench (BenchError)."""
     if processes <= 1:
-        records, elapsed, cpu = _timed(run, args, kwargs)
-        return ClientRun(records, elapsed, cpu, _share(cpu, elapsed))
+        records, elapsed, cpu, window = _timed(run, args, kwargs)
+        return ClientRun(records, elapsed, cpu, _share(cpu, window))
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(processes)
     results = context.Queue()
@@ -63,7 +63,7 @@ def run_clients(run: LevelRun, processes: int, *args: Any, **kwargs: Any) -> Cli
     ]
     for worker in workers:
         worker.start()
-    got: dict[int, tuple[list[RequestRecord], float, float]] = {}
+    got: dict[int, tuple[list[RequestRecord], float, float, float]] = {}
     try:
         while len(got) < processes:
             try:
@@ -81,20 +81,24 @@ def run_clients(run: LevelRun, processes: int, *args: Any, **kwargs: Any) -> Cli
             worker.join(timeout=10.0)
             if worker.is_alive():
                 worker.kill()
-    records = sorted((r for part, _, _ in got.values() for r in part), key=lambda r: (r.client, r.index))
+    records = sorted((r for part, *_ in got.values() for r in part), key=lambda r: (r.client, r.index))
     return ClientRun(
         records,
-        max(elapsed for _, elapsed, _ in got.values()),
-        sum(cpu for _, _, cpu in got.values()),
-        max(_share(cpu, elapsed) for _, elapsed, cpu in got.values()),
+        max(elapsed for _, elapsed, _, _ in got.values()),
+        sum(cpu for _, _, cpu, _ in got.values()),
+        max(_share(cpu, window) for _, _, cpu, window in got.values()),
     )
 
 
-def _timed(run: LevelRun, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[RequestRecord], float, float]:
-    """`run`'s records and wall time, and the CPU seconds this process used meanwhile."""
-    cpu = time.process_time()
+def _timed(
+    run: LevelRun, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[list[RequestRecord], float, float, float]:
+    """`run`'s records and wall time (its clients' window), the CPU seconds this process used for it and the
+    wall time they were used in (the window with the clients' set-up: a process's share of a core is CPU over
+    the same time; over the window alone a short level showed more than one core)."""
+    cpu, start = time.process_time(), time.perf_counter()
     records, elapsed = asyncio.run(run(*args, **kwargs))
-    return records, elapsed, time.process_time() - cpu
+    return records, elapsed, time.process_time() - cpu, time.perf_counter() - start
 
 
 def _client_process(
@@ -107,7 +111,7 @@ def _client_process(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> None:
-    """Process `n`: its share of the clients, started with the others; ``(n, (records, elapsed, cpu))``
+    """Process `n`: its share of the clients, started with the others; ``(n, (records, elapsed, cpu, wall))``
     or ``(n, "what failed")`` on `results`."""
     try:
         select_prompt_set(prompt_set)

@@ -379,8 +379,9 @@ def test_bench_url_mode_without_baselines(lmi_url, long_model_dir, tmp_path):
     (level,) = report["servers"][0]["levels"]
     assert level["tokens_expected"] == level["tokens_received"] and level["token_count_errors"] == 0
     assert level["client_processes"] == 2 and level["requests"] == 2 * 3  # two clients, each its own process
-    # the clients' CPU (both processes') and the busier process's share of a core (at most its CPU over the level)
-    assert level["client_cpu_s"] > 0 and 0 < level["client_busy"] <= level["client_cpu_s"] / level["elapsed_s"] + 0.05
+    # the clients' CPU (both processes') and the busier process's share of a core: its CPU over the same
+    # time (a level of 0.2 s once showed 1.04, the clients' set-up's CPU over the level's window alone)
+    assert level["client_cpu_s"] > 0 and 0 < level["client_busy"] <= 1.0
     assert report["servers"][0]["ratios"][0]["server_over_forward"] is None
     assert (out / "bench.png").stat().st_size > 0
 
