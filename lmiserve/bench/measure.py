@@ -25,7 +25,7 @@ CLIENT_BOUND = 0.9  # of one core: a level whose busiest client process was this
 
 def client_cost(level: Json, run: ClientRun, processes: int) -> str:
     """The clients' CPU in the level's figures (`client_processes`, `client_cpu_s`, and `client_busy`: the
-    busiest client process's share of one core over the level; near 1, the level measured the client); a
+    busiest client process's share of one core while it ran its clients; near 1, the level measured the client); a
     note for the log line when it is."""
     level["client_processes"] = processes
     level["client_cpu_s"], level["client_busy"] = round(run.cpu, 3), round(run.busy, 3)
