@@ -8,7 +8,7 @@ them, lmiserve/config/sources.py) and the artifacts' location in ``AIP_STORAGE_U
 
 - ``serve [ARGS...]`` (also no command, or one starting with ``-``): ``lmiserve serve --model-dir
   ROOT ARGS...`` when the model root holds anything (a model, a serving.properties, or both), else
-  ``lmiserve serve ARGS...``, which serves the model of ``HF_MODEL_ID``/``OPTION_MODEL_ID`` or the
+  ``lmiserve serve ARGS...``, which serves the model of ``HF_MODEL_ID``/``OPTION_MODEL_ID``/``MODEL_ID`` or the
   bundled default. The root: ``LMISERVE_MODEL_DIR``, else ``AIP_STORAGE_URI`` when it is a local
   directory (a path or ``file://``), else ``SM_MODEL_DIR``, else ``/opt/ml/model``. A ``gs://`` (or
   ``s3://``) ``AIP_STORAGE_URI`` is the model when the root holds none: lmiserve's settings read it and
@@ -59,7 +59,7 @@ def command(argv: Sequence[str], environ: Mapping[str, str]) -> tuple[list[str],
     elif args and not args[0].startswith("-"):
         return args, []  # another command: run as given
     lmiserve = [sys.executable, "-m", "lmiserve", "serve"]
-    if "--model-dir" in args or "--model-id" in args or "--model-store" in args:
+    if any(flag in args for flag in ("--model-dir", "--model-id", "--model", "--model-store")):
         return [*lmiserve, *args], []
     root, notes = model_root(environ)
     if has_model(root):
@@ -67,7 +67,7 @@ def command(argv: Sequence[str], environ: Mapping[str, str]) -> tuple[list[str],
         return [*lmiserve, "--model-dir", str(root), *args], notes
     storage = environ.get("AIP_STORAGE_URI", "").strip()
     if _model_id_set(environ):
-        source = "the model of HF_MODEL_ID/OPTION_MODEL_ID"
+        source = "the model of HF_MODEL_ID/OPTION_MODEL_ID/MODEL_ID"
     elif "://" in storage and not storage.startswith("file:"):
         source = f"the model at AIP_STORAGE_URI={storage} (downloaded at start)"
     else:
@@ -95,7 +95,8 @@ def _local_path(uri: str) -> Path | None:
 
 
 def _model_id_set(environ: Mapping[str, str]) -> bool:
-    return any(environ.get(name, "").strip() for name in ("HF_MODEL_ID", "OPTION_MODEL_ID", "SERVING_MODEL_ID"))
+    names = ("HF_MODEL_ID", "OPTION_MODEL_ID", "SERVING_MODEL_ID", "MODEL_ID")
+    return any(environ.get(name, "").strip() for name in names)
 
 
 if __name__ == "__main__":

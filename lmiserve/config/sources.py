@@ -6,7 +6,9 @@ twelve-factor order so a deployment can override a baked-in file.)
 
 Environment mapping, lowest first within the environment (a later entry wins):
 
-- shortcuts, in ``ENV_SHORTCUTS`` order: ``HF_MODEL_ID`` -> model_id, ``HF_REVISION`` -> revision,
+- shortcuts, in ``ENV_SHORTCUTS`` order: ``MODEL_ID`` (TGI's) then ``HF_MODEL_ID`` -> model_id, ``HF_REVISION`` ->
+  revision, ``MAX_INPUT_LENGTH`` then ``MAX_INPUT_TOKENS`` -> max_input_tokens, ``MAX_TOTAL_TOKENS`` ->
+  max_total_tokens, ``NUM_SHARD`` -> tensor_parallel_degree (TGI's launcher),
   ``HF_MODEL_TRUST_REMOTE_CODE`` -> trust_remote_code, ``MAX_BATCH_SIZE`` -> max_rolling_batch_size,
   ``MAX_BATCH_PREFILL_TOKENS`` -> max_rolling_batch_prefill_tokens, ``MAX_CONCURRENT_REQUESTS`` ->
   job_queue_size, ``SAGEMAKER_MODEL_SERVER_TIMEOUT_SECONDS`` then ``PREDICT_TIMEOUT`` -> predict_timeout,
@@ -48,8 +50,13 @@ STORAGE_URI_VARIABLE = "AIP_STORAGE_URI"
 
 # (environment variable, key), lowest priority first.
 ENV_SHORTCUTS: tuple[tuple[str, str], ...] = (
+    ("MODEL_ID", "model_id"),  # TGI's launcher, then SageMaker's and lmiserve's own
     ("HF_MODEL_ID", "model_id"),
     ("HF_REVISION", "revision"),
+    ("MAX_INPUT_LENGTH", "max_input_tokens"),  # TGI's older name, then its own
+    ("MAX_INPUT_TOKENS", "max_input_tokens"),
+    ("MAX_TOTAL_TOKENS", "max_total_tokens"),  # TGI's
+    ("NUM_SHARD", "tensor_parallel_degree"),  # TGI's shards: tensor-parallel ranks
     ("HF_MODEL_TRUST_REMOTE_CODE", "trust_remote_code"),
     ("MAX_BATCH_SIZE", "max_rolling_batch_size"),
     ("MAX_BATCH_PREFILL_TOKENS", "max_rolling_batch_prefill_tokens"),

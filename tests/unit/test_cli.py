@@ -98,6 +98,9 @@ SERVE_FLAGS = [
     "--max-logprobs",
     "--speculative-config",
     "--stream-interval",
+    "--num-shard",
+    "--max-total-tokens",
+    "--max-input-tokens",
 ]
 
 
@@ -246,6 +249,17 @@ def test_a_vllm_serve_command_line_is_understood(monkeypatch, capsys):
     )
     assert cli.main(["serve", "--gpu-memory-utilization", "1.5"]) == 2  # validated as -o would be
     assert "gpu_memory_utilization" in capsys.readouterr().err
+
+
+def test_a_tgi_launcher_command_line_is_understood(monkeypatch):
+    """`text-generation-launcher`'s flags with `lmiserve serve` in front."""
+    seen = capture_serve(monkeypatch)
+    argv = ["--model-id", "/models/llama", "--num-shard", "2", "--max-input-tokens", "4000"]
+    assert cli.main(["serve", *argv, "--max-total-tokens", "4096", "--quantize", "awq"]) == 0
+    settings = seen["settings"]
+    assert (settings.model_id, settings.tensor_parallel_degree, settings.quantize) == ("/models/llama", "2", "awq")
+    assert (settings.max_input_tokens, settings.max_total_tokens) == (4000, 4096)
+    assert settings.sources["tensor_parallel_degree"] == "command line --num-shard"
 
 
 def test_quantize_by_tgis_and_vllms_spellings(monkeypatch, capsys):

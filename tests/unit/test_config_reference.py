@@ -83,7 +83,7 @@ def test_the_page_states_defaults_values_and_sources_from_the_code() -> None:
     assert docs["enable_prefix_caching"].default == "true"
     assert docs["batch_size"].aliases == ("max_dynamic_batch_size",)
     assert docs["max_rolling_batch_size"].flags == ("--max-rolling-batch-size", "--max-num-seqs")
-    assert docs["max_total_tokens"].flags == ("--max-model-len",)
+    assert docs["max_total_tokens"].flags == ("--max-model-len", "--max-total-tokens")
     row = next(line for line in PAGE_TEXT.splitlines() if line.startswith("| `port`"))
     assert "`SAGEMAKER_BIND_TO_PORT`, `AIP_HTTP_PORT`" in row and "| `8080` |" in row
     # the two old tables disagreed; the code decides: 431 in the protocol's shape, and int4 exists

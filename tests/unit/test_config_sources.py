@@ -97,6 +97,13 @@ def test_option_env_beats_shortcuts() -> None:
         ({"OPTION_ROLLING_BATCH": "vllm"}, "rolling_batch", "lmi"),
         ({"SERVING_BATCH_SIZE": "4"}, "rolling_batch", "disable"),
         ({"OPTION_MAX_DYNAMIC_BATCH_SIZE": "3"}, "batch_size", 3),
+        # TGI's launcher's variables (a TGI deployment's environment, unchanged)
+        ({"MODEL_ID": "/models/tgi"}, "model_id", "/models/tgi"),
+        ({"MODEL_ID": "/models/tgi", "HF_MODEL_ID": "/models/sagemaker"}, "model_id", "/models/sagemaker"),
+        ({"MAX_INPUT_LENGTH": "1000"}, "max_input_tokens", 1000),
+        ({"MAX_INPUT_LENGTH": "1000", "MAX_INPUT_TOKENS": "2000"}, "max_input_tokens", 2000),
+        ({"MAX_TOTAL_TOKENS": "4096"}, "max_total_tokens", 4096),
+        ({"NUM_SHARD": "2"}, "tensor_parallel_degree", "2"),
     ],
 )
 def test_environment_mapping(env: dict[str, str], key: str, expected: object) -> None:

@@ -43,7 +43,7 @@ def test_arguments_after_serve_or_options_alone_go_to_lmiserve_serve(root):
     assert command(["--log-level", "debug"], env)[0] == [*LMISERVE, "--model-dir", str(root), "--log-level", "debug"]
 
 
-@pytest.mark.parametrize("flag", ["--model-id", "--model-dir", "--model-store"])
+@pytest.mark.parametrize("flag", ["--model-id", "--model", "--model-dir", "--model-store"])
 def test_a_model_given_on_the_command_line_wins_over_the_root(root, flag):
     line, _ = command(["serve", flag, "/models/x"], {"SM_MODEL_DIR": str(root)})
     assert line == [*LMISERVE, flag, "/models/x"]
@@ -65,10 +65,12 @@ def test_an_empty_or_missing_root_serves_the_bundled_model(tmp_path):
         assert notes == [f"{root} holds no model: serving the bundled default model"]
 
 
-def test_an_empty_root_with_hf_model_id_serves_that_model(tmp_path):
-    line, notes = command(["serve"], {"SM_MODEL_DIR": str(tmp_path / "missing"), "HF_MODEL_ID": "/models/llama"})
-    assert line == LMISERVE  # lmiserve's settings read HF_MODEL_ID themselves
-    assert notes == [f"{tmp_path / 'missing'} holds no model: serving the model of HF_MODEL_ID/OPTION_MODEL_ID"]
+@pytest.mark.parametrize("variable", ["HF_MODEL_ID", "MODEL_ID"])  # SageMaker's, TGI's
+def test_an_empty_root_with_a_model_id_variable_serves_that_model(tmp_path, variable):
+    line, notes = command(["serve"], {"SM_MODEL_DIR": str(tmp_path / "missing"), variable: "/models/llama"})
+    assert line == LMISERVE  # lmiserve's settings read the variable themselves
+    source = "the model of HF_MODEL_ID/OPTION_MODEL_ID/MODEL_ID"
+    assert notes == [f"{tmp_path / 'missing'} holds no model: serving {source}"]
 
 
 def test_the_model_root_by_precedence(tmp_path):
