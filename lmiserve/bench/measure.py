@@ -43,21 +43,28 @@ def _timing(config: BenchConfig) -> Json:
     return {"duration": config.duration, "warmup": config.warmup, "request_timeout": config.request_timeout}
 
 
+def _report(log: Log, level: Json, run: ClientRun, processes: int, head: str) -> None:
+    """A level's log line (`head`, then what every scenario says: requests, failures, time, the clients'
+    cost) and its errors; the clients' cost goes into `level` (`client_cost`)."""
+    note = client_cost(level, run, processes)
+    log(
+        f"{head}{level['requests']} requests ({level['failed_requests']} failed, {level['token_count_errors']} "
+        f"wrong token counts) in {run.elapsed:.1f} s{note}"
+    )
+    for error in level["errors"]:
+        log(f"    error: {error}")
+
+
 def _measure_level(dialect: Dialect, concurrency: int, config: BenchConfig, log: Log, label: str) -> Json:
     processes = _processes(config, concurrency)
     limits = {"requests_per_client": config.requests_per_client, **_timing(config)}
     run = run_clients(run_level, processes, dialect, concurrency, config.max_new_tokens, **limits)
-    records, elapsed = run.records, run.elapsed
-    level = level_summary(concurrency, records, elapsed)
-    note = client_cost(level, run, processes)
-    log(
+    level = level_summary(concurrency, run.records, run.elapsed)
+    head = (
         f"  concurrency {concurrency:>3}{label}: {level['output_tokens_per_s']} tokens/s, "
         f"TTFT p50 {level['ttft_ms']['p50']} ms, ITL p50/p99 {level['itl_ms']['p50']}/{level['itl_ms']['p99']} ms, "
-        f"{level['requests']} requests ({level['failed_requests']} failed, {level['token_count_errors']} wrong "
-        f"token counts) in {elapsed:.1f} s{note}"
     )
-    for error in level["errors"]:
-        log(f"    error: {error}")
+    _report(log, level, run, processes, head)
     return level
 
 
@@ -65,17 +72,12 @@ def _measure_chat_level(dialect: ChatDialect, concurrency: int, config: BenchCon
     processes = _processes(config, concurrency)
     limits = {"turns": config.chat_turns, "conversations_per_client": config.chat_conversations, **_timing(config)}
     run = run_clients(run_chat_level, processes, dialect, concurrency, config.max_new_tokens, **limits)
-    records, elapsed = run.records, run.elapsed
-    level = chat_level_summary(concurrency, records, elapsed)
-    note = client_cost(level, run, processes)
-    log(
+    level = chat_level_summary(concurrency, run.records, run.elapsed)
+    head = (
         f"  concurrency {concurrency:>3}{label} (chat): {level['output_tokens_per_s']} tokens/s, TTFT p50 turn 1 "
         f"{level['ttft_p50_turn1_ms']} ms, turns >= 3 {level['ttft_p50_late_turns_ms']} ms, "
-        f"{level['requests']} requests ({level['failed_requests']} failed, {level['token_count_errors']} wrong "
-        f"token counts) in {elapsed:.1f} s{note}"
     )
-    for error in level["errors"]:
-        log(f"    error: {error}")
+    _report(log, level, run, processes, head)
     return level
 
 
@@ -87,19 +89,14 @@ def _measure_vision_level(dialect: ChatDialect, concurrency: int, config: BenchC
     limits = {"turns": 1, "conversations_per_client": config.requests_per_client, "conversation": VisionRequest}
     # in this process, where the images were encoded (the CLI refuses --client-processes)
     run = run_clients(run_chat_level, 1, dialect, concurrency, config.max_new_tokens, **limits, **_timing(config))
-    records, elapsed = run.records, run.elapsed
-    level = level_summary(concurrency, records, elapsed)
-    prompt = [r.prompt_tokens for r in records if not r.warmup and r.prompt_tokens is not None]
+    level = level_summary(concurrency, run.records, run.elapsed)
+    prompt = [r.prompt_tokens for r in run.records if not r.warmup and r.prompt_tokens is not None]
     level["prompt_tokens_mean"] = round(sum(prompt) / len(prompt), 1) if prompt else None
-    note = client_cost(level, run, 1)
-    log(
+    head = (
         f"  concurrency {concurrency:>3}{label} (vision): {level['output_tokens_per_s']} tokens/s, "
         f"TTFT p50 {level['ttft_ms']['p50']} ms, prompt {level['prompt_tokens_mean']} tokens, "
-        f"{level['requests']} requests ({level['failed_requests']} failed, {level['token_count_errors']} wrong "
-        f"token counts) in {elapsed:.1f} s{note}"
     )
-    for error in level["errors"]:
-        log(f"    error: {error}")
+    _report(log, level, run, 1, head)
     return level
 
 

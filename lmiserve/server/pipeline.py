@@ -345,28 +345,32 @@ async def _in_band_chunks(events: AsyncIterator[Tagged], encoder: Encoder) -> As
     """Encode a live event stream; any failure becomes the encoder's in-band error, the last chunk. The
     chunks of a `burst` (events the engine delivered at once) go out as one, with the first event after it."""
     burst: list[bytes] = []
+
+    def after_burst(chunk: bytes) -> bytes:
+        """`chunk` with the burst's chunks before it (the burst then empty)."""
+        if not burst:
+            return chunk
+        joined = b"".join([*burst, chunk])
+        burst.clear()
+        return joined
+
     try:
         async for index, event in events:
             if is_error_finish(event):
-                yield b"".join([*burst, encoder.error(failure_of(event))])
+                yield after_burst(encoder.error(failure_of(event)))
                 return
             chunk = encoder.on_event(index, event)
             if event.burst:
                 burst.append(chunk)
-                continue
-            if burst:
-                chunk = b"".join([*burst, chunk])
-                burst.clear()
-            if chunk:
+            elif chunk := after_burst(chunk):
                 yield chunk
-        tail = encoder.close()
-        if tail or burst:
-            yield b"".join([*burst, tail])
+        if tail := after_burst(encoder.close()):
+            yield tail
     except LmiServeError as exc:
-        yield b"".join([*burst, encoder.error(exc)])
+        yield after_burst(encoder.error(exc))
     except Exception as exc:  # noqa: BLE001 - the unforeseen still ends the stream with an error event
         log.exception("stream failed")
-        yield b"".join([*burst, encoder.error(GenerationFailed(str(exc) or type(exc).__name__))])
+        yield after_burst(encoder.error(GenerationFailed(str(exc) or type(exc).__name__)))
     finally:
         await _aclose(events)
 

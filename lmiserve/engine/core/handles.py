@@ -50,20 +50,21 @@ class RequestHandle:
     def deliver(self, seq_id: int, event: StepEvent, more: bool = False) -> None:
         """Put `event` on the queue after the sequence's held events; every event but the last of them says
         `burst` (with `more`, `event` too: the caller delivers more of the sequence's at once)."""
-        held = self.held.get(seq_id)
-        if held:
-            for kept in held:
-                self.queue.put_nowait(replace(kept, burst=True))
-            held.clear()
+        self._release(self.held.get(seq_id))
         self.queue.put_nowait(replace(event, burst=True) if more else event)
 
     def fail(self, error: BaseException) -> None:
         """End the request with `error`, after the events it held (the tokens a client gets before it)."""
         for held in self.held.values():
+            self._release(held)
+        self.queue.put_nowait(error)
+
+    def _release(self, held: list[StepEvent] | None) -> None:
+        """Queue a sequence's held events, each saying `burst` (what the caller queues next ends the write)."""
+        if held:
             for kept in held:
                 self.queue.put_nowait(replace(kept, burst=True))
             held.clear()
-        self.queue.put_nowait(error)
 
 
 def prompt_tokens_computed(plan: StepPlan, output: StepOutput) -> int:
