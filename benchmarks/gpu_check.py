@@ -507,14 +507,16 @@ def _quantized_lines(quantized: dict[str, Any]) -> list[str]:
     kernels = quantized.get("kernels")
     if kernels:
         lines += ["", "## Quantized products, one linear (benchmarks/quantized_kernels.py)", ""]
-        lines += ["| shape | rows | kind | us | weight GB/s | error vs bf16 |", "|---|---|---|---|---|---|"]
+        lines += ["| shape | rows | kind | us eager | us in a graph | weight GB/s in a graph | error vs bf16 |"]
+        lines += ["|---|---|---|---|---|---|---|"]
         for r in kernels:
             for kind in ("bf16", "fp8", "int4_triton"):
                 cell = r.get(kind)
                 if isinstance(cell, dict):
-                    lines.append(_row([r["shape"], r["rows"], kind, cell["us"], cell["GB_per_s"], cell["error"]]))
+                    times = [cell["us"], cell.get("graph_us"), cell.get("graph_GB_per_s")]
+                    lines.append(_row([r["shape"], r["rows"], kind, *times, cell["error"]]))
                 elif cell is not None:
-                    lines.append(_row([r["shape"], r["rows"], kind, cell, None, None]))
+                    lines.append(_row([r["shape"], r["rows"], kind, cell, None, None, None]))
     quality = quantized.get("quality")
     if quality:
         lines += ["", "## Quantized formats' quality (SmolLM2-135M, benchmarks/quantized_quality.py)", ""]

@@ -1,14 +1,16 @@
 """The quantized products on a GPU (issue 39, item 2): time and error of one linear of an 8B shape in
 bf16 (`F.linear`), fp8 (`quant_formats.Fp8Linear`: `torch._scaled_mm`, activations to fp8 per row) and
-4-bit (`int4_triton.Int4TritonLinear`, groups of 128), at a few row counts. WRITTEN FOR A GPU SESSION,
-NOT YET RUN ON A GPU.
+4-bit (`int4_triton.Int4TritonLinear`, groups of 128), at a few row counts. Run on an H200 on 2026-11-29
+(benchmarks/results/gpu-check-2026-11-29-h200/round2/kernels.log; benchmarks/README.md has the table).
 
     .venv/bin/python benchmarks/quantized_kernels.py [--rows 1,16,128] [--out DIR]   # CUDA
     TRITON_INTERPRET=1 .venv/bin/python benchmarks/quantized_kernels.py --smoke      # CPU: checks it runs
 
 Per shape (Llama-3-8B's q/o projection 4096x4096, gate+up 4096->28672, down 14336->4096) and row count:
-the median time of `--iters` calls (CUDA events), the bytes of weights read per call and the bandwidth
-that makes, and the error against the bf16 product of the de-quantized weight (max |diff| / max |ref|).
+the median time of `--iters` calls (CUDA events: eager, each call's launches included), the same call
+replayed from a CUDA graph as the decode graphs run it (`graph_us`: the GPU's time alone), the bytes of
+weights read per call and the bandwidth each makes, and the error against the bf16 product of the
+de-quantized weight (max |diff| / max |ref|).
 Prints a table; with --out writes ``quantized_kernels.json``.
 """
 
@@ -48,6 +50,35 @@ def timed(fn: Callable[[], torch.Tensor], iters: int, cuda: bool) -> float:
             fn()
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def graph_timed(fn: Callable[[], torch.Tensor], iters: int) -> float | None:
+    """On CUDA, one call of `fn` as the decode graphs run it: `iters` calls captured in one CUDA graph and
+    replayed, the replay's time over `iters` (the GPU's time alone: no launches, no host); None where the
+    capture fails."""
+    try:
+        stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()  # type: ignore[no-untyped-call]
+        with torch.cuda.graph(graph):
+            for _ in range(iters):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        return float(start.elapsed_time(end)) / 1e3 / (5 * iters)
+    except Exception as exc:  # noqa: BLE001 - reported as not captured
+        print(f"capture failed: {type(exc).__name__}: {exc}", flush=True)
+        return None
 
 
 def error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -98,6 +129,10 @@ def main() -> None:
                     "GB_per_s": round(weight_bytes / seconds / 1e9, 1),
                     "error": error(fn(), want),
                 }
+                graphed = graph_timed(fn, 20) if cuda else None
+                if graphed is not None:  # the GPU's time alone ("us" above: eager, its launches included)
+                    graph_gbs = round(weight_bytes / graphed / 1e9, 1)
+                    row[kind].update(graph_us=round(graphed * 1e6, 1), graph_GB_per_s=graph_gbs)
             results.append(row)
             print(json.dumps(row), flush=True)
     report = {

@@ -64,6 +64,21 @@ class BenchConfig:
             args += ["-o", f"{key}={value}"]
         return args
 
+    def shared_gpu(self) -> list[tuple[str, str]]:
+        """The option that lets the two servers of --ab-option or --lora share one GPU: each gets
+        `SHARED_GPU_UTILIZATION` of it (the default 0.9 each does not fit two: the second runs out of memory
+        at start); none on a CPU, or where an option of A's or B's already sizes the pools."""
+        if not (self.ab_options or self.lora):
+            return []
+        if {canonical_key(k) for k, _ in [*self.options, *self.ab_options]} & POOL_SIZE_OPTIONS:
+            return []
+        device = str(self.overrides().get("device", "auto"))
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return [("gpu_memory_utilization", str(SHARED_GPU_UTILIZATION))] if device.startswith("cuda") else []
+
     @property
     def client_api_key(self) -> str | None:
         """The key of the lmiserve under test: --api-key, else the `-o api_key=...` the bench starts it with."""
@@ -73,6 +88,9 @@ class BenchConfig:
     def scenarios(self) -> list[str]:
         return ["completion", "chat"] if self.scenario == "both" else [self.scenario]
 
+
+SHARED_GPU_UTILIZATION = 0.44  # of one GPU, each of two servers the bench starts (BenchConfig.shared_gpu)
+POOL_SIZE_OPTIONS = frozenset({"gpu_memory_utilization", "kv_cache_memory_bytes"})
 
 HIDDEN = "<hidden>"
 _OPTION_FLAGS = ("-o", "--option", "--ab-option")  # the flags that take a server option KEY=VALUE

@@ -63,7 +63,10 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
             if config.model_id is None:
                 served = asyncio.run(served_model(lmi.url, lmi.api_key))
         else:
-            managed = ManagedServer(config.serve_args(), config.output_dir / "server.log", config.startup_timeout)
+            shared = config.shared_gpu()  # a second server on the same GPU: each gets part of it
+            if shared:
+                log(f"two servers on one GPU: each starts with -o {shared[0][0]}={shared[0][1]}")
+            managed = ManagedServer(config.serve_args(shared), config.output_dir / "server.log", config.startup_timeout)
             log(f"starting {shlex.join(redacted(managed.command))} (log: {managed.log_path})")
             managed.start()
             sampler = RssSampler(managed.pid).start()
@@ -71,7 +74,7 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
         targets = [lmiserve_target(lmi.url, lmi.name, started_by_bench=managed is not None, api_key=lmi.api_key)]
         adapters = _lora_adapters(config, log) if config.lora else {}
         if config.ab_options or adapters:
-            extra = list(config.ab_options)
+            extra = [*config.shared_gpu(), *config.ab_options]
             if adapters:
                 extra.append(("lora_modules", " ".join(f"{name}={path}" for name, path in adapters.items())))
             second = ManagedServer(config.serve_args(extra), config.output_dir / "server-b.log", config.startup_timeout)

@@ -146,10 +146,13 @@ def plan_pools(
         budget -= activation_reserve(loaded, config, activation_bytes, graphs)
         if draft is not None:
             budget -= activation_reserve(draft.loaded, config, draft.activation_bytes, draft.graphs)
+    # with decode graphs a pool has one block more, where their padding rows write (runner/fast.py)
+    budget -= per_block * int(graphs)
     full_batch = config.max_running * -(-loaded.max_context // config.block_size)
     if draft is None:
         return PoolPlan(max(1, min(budget // per_block, full_batch)), 0, budget)
     draft_per_block = block_bytes(draft.loaded.model, config)
+    budget -= draft_per_block * int(draft.graphs)
     context = min(loaded.max_context, draft.loaded.max_context)
     draft_full = draft.rows * -(-context // config.block_size)
     shared = budget // (per_block + draft_per_block)  # as many blocks each, while the draft needs them

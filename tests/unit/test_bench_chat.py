@@ -302,6 +302,21 @@ def test_failed_chat_levels_fail_the_exact_tokens_target():
 # --- configuration and machine ---------------------------------------------------------------------
 
 
+def test_two_servers_the_bench_starts_on_one_gpu_each_get_part_of_it():
+    """--ab-option and --lora start a second server: on a GPU each gets `SHARED_GPU_UTILIZATION` of it (two at
+    the default 0.9 ran out of memory on an H200), unless an option already sizes the pools; a CPU's default
+    budget is shared already."""
+    share = [("gpu_memory_utilization", "0.44")]
+    ab = [("stream_interval", "8")]
+    assert BenchConfig(model_id="m", device="cuda", ab_options=ab).shared_gpu() == share
+    assert BenchConfig(model_id="m", options=[("device", "cuda:0")], lora=2).shared_gpu() == share
+    assert BenchConfig(model_id="m", device="cuda").shared_gpu() == []  # one server
+    assert BenchConfig(model_id="m", device="cpu", ab_options=ab).shared_gpu() == []
+    for sized in ([("gpu_memory_utilization", "0.3")], [("option.kv_cache_memory_bytes", "4GiB")]):
+        assert BenchConfig(model_id="m", device="cuda", options=sized, ab_options=ab).shared_gpu() == []
+        assert BenchConfig(model_id="m", device="cuda", ab_options=[*ab, *sized]).shared_gpu() == []
+
+
 def test_scenarios_and_second_server_arguments():
     config = BenchConfig(model_id="m", options=[("max_rolling_batch_size", "8")], dtype="fp32", scenario="both")
     assert config.scenarios == ["completion", "chat"]

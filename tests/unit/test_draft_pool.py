@@ -18,6 +18,7 @@ import torch
 
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine import pool_plan
+from lmiserve.engine.attention import cuda_graphs
 from lmiserve.engine.attention.paged import kv_bytes_per_block
 from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
@@ -130,6 +131,18 @@ def test_a_tight_budget_is_shared_block_for_block(tiny_model, same_draft):
     assert (plan.blocks, plan.draft_blocks) == (25, 25)
 
 
+def test_each_pools_decode_graphs_padding_block_is_inside_the_budget(tiny_model, same_draft):
+    """With decode graphs (CUDA) a runner's pool has one block more than it plans, where padding rows write
+    (runner/fast.py): both pools' padding blocks come out of `kv_cache_memory_bytes` (an H200 found the
+    model's pool one block over its budget)."""
+    per_block = kv_bytes_per_block(tiny_model.model, 16)
+    config = EngineConfig(max_running=8, kv_cache_memory_bytes=51 * per_block)
+    needs = pool_plan.DraftNeeds(same_draft, rows=5, graphs=True)
+    plan = pool_plan.plan_pools(tiny_model, config, graphs=True, draft=needs)
+    assert (plan.blocks, plan.draft_blocks) == (24, 24)  # and the two padding blocks: 50 of the 51
+    assert pool_plan.kv_pool_blocks(tiny_model, config, graphs=True) == 50
+
+
 def test_with_room_the_cpu_pools_are_as_before(tiny_model, same_draft):
     """The CPU's default budget is ample for the tiny model: the model's pool holds max_running sequences at
     full context and the draft's its rows at full context, as before the joint plan."""
@@ -145,6 +158,8 @@ def test_a_draft_pool_too_small_for_one_request_is_a_warning(tiny_model, same_dr
     config = EngineConfig(max_running=4, kv_cache_memory_bytes=6 * per_block, speculation=_speculation())
     with caplog.at_level(logging.INFO, logger="lmiserve.engine.pool_plan"):
         engine = create_engine(tiny_model, config, draft=same_draft)
-    assert engine.runner.proposer.runner.num_blocks == 3
+    # on CUDA each pool's decode graphs have a padding block of their own, inside the budget
+    blocks = 3 - int(cuda_graphs.wanted(tiny_model.device, False))
+    assert engine.runner.proposer.runner.num_blocks == blocks
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert any("holds 48 tokens, less than one request at full context" in w for w in warnings), warnings
+    assert any(f"holds {16 * blocks} tokens, less than one request at full context" in w for w in warnings), warnings
