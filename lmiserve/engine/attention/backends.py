@@ -20,7 +20,7 @@ generic runner (runner/generic.py registers `backend_attention` as an attention 
 
 An fp8 pool (`kv_cache_dtype`, attention/kv_quant.py): every backend quantizes what it writes and
 dequantizes what it reads with the layer's scales (`cache.scales`). Triton loads the fp8 blocks and casts
-them in the kernel (not yet run on a GPU; its self-check runs in fp8 first and keeps the torch path if it
+them in the kernel (checked on an H200; its self-check runs in fp8 first and keeps the torch path if it
 disagrees); the compiled CPU kernel reads fp32 only, so on a CPU an fp8 pool runs the torch backend.
 """
 

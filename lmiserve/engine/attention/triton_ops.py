@@ -23,8 +23,9 @@ Triton comes with torch's CUDA wheels; without it (`available`) the CUDA path ke
 
 An fp8 cache (attention/kv_quant.py): `write_step` quantizes with the layer's scales; the kernel loads the
 fp8 keys and values, casts them to the query's dtype and applies the key scale to the scores and the value
-scale to the output. Not yet run on a GPU (only under the interpreter, in the tests): `self_check` runs the
-fp8 form first on the device and the backend keeps the torch path if it fails or disagrees.
+scale to the output. On an H200 (2026-11-29) its self-check agreed with the reference in fp32, fp16 and
+bf16 (tests/unit/test_kv_fp8.py on CUDA): `self_check` runs the fp8 form first on the device and the
+backend keeps the torch path if it fails or disagrees.
 """
 
 from __future__ import annotations

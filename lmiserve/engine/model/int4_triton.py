@@ -2,10 +2,11 @@
 ``W[o, i] = (code - zero[g(i), o]) * scale[g(i), o]``, de-quantized tile by tile in registers (the weight
 is read as 4-bit codes, never written out in bf16).
 
-NOT RUN ON A GPU. It has run only under Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1``, the
-tests), which proves the indexing and the arithmetic, not the speed. It is not wired into loading:
-`quant_formats.int4_module` de-quantizes AWQ/GPTQ to bf16 on CUDA until a GPU session has measured this
-kernel against that (set `USE_ON_CUDA` to try it; `benchmarks/gpu_check.py` is where to measure).
+Measured on an H200 (2026-11-29, benchmarks/README.md): correct (the engine tests pass on CUDA with it),
+but slow: 30-95 GB/s of weights replayed in a CUDA graph, against 2.4-3.9 TB/s for bf16 products of
+the de-quantized weight (10-30x the time at one row, ~28x at 128 rows). So it is not wired into loading:
+`quant_formats.int4_module` de-quantizes AWQ/GPTQ to bf16 on CUDA (`USE_ON_CUDA` stays False; set it to
+try the kernel). A fast 4-bit product needs a Marlin-style kernel (codes pre-shuffled for the tensor cores).
 
 Layout (`Int4TritonLinear.from_parts`): ``qweight`` int32 ``[in / 8, out]`` (GPTQ's: 8 consecutive inputs
 a word, nibble k = input 8r + k), ``scales`` ``[groups, out]`` and ``zeros`` ``[groups, out]`` in fp32
@@ -24,7 +25,7 @@ try:
 except ImportError:  # pragma: no cover - triton ships with CUDA torch wheels
     triton = None
 
-USE_ON_CUDA = False  # flip once a GPU session has measured it against de-quantized bf16 products
+USE_ON_CUDA = False  # measured on an H200: 10-30x slower than the de-quantized bf16 products (module doc)
 
 __all__ = ["USE_ON_CUDA", "Int4TritonLinear", "available", "int4_matmul"]
 
@@ -66,7 +67,7 @@ def int4_matmul(
 
 
 class Int4TritonLinear(torch.nn.Module):
-    """A 4-bit AWQ/GPTQ linear for CUDA on `int4_matmul` (NOT RUN ON A GPU). Its tensors are plain
+    """A 4-bit AWQ/GPTQ linear for CUDA on `int4_matmul` (slow: see the module's doc). Its tensors are plain
     attributes (`qweight`, `scales`, `zeros`, `g_idx`) and it has no `weight`, so the fast path leaves a
     model of them to the generic runner."""
 
@@ -112,4 +113,4 @@ class Int4TritonLinear(torch.nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, 4-bit (Triton; not run on a GPU)"
+        return f"in_features={self.in_features}, out_features={self.out_features}, 4-bit (Triton)"

@@ -1,5 +1,5 @@
 """The Triton kernel of `int4_triton` (imported only where Triton is installed; the interpreter patches
-this module's ``tl`` when it runs the kernel on a CPU). NOT RUN ON A GPU."""
+this module's ``tl`` when it runs the kernel on a CPU). Run on an H200: correct, slow (`int4_triton`'s doc)."""
 
 import triton.language as tl
 

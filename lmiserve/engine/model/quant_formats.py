@@ -7,8 +7,8 @@ tensor (one value), ``w = weight * scale``. `Fp8Linear` keeps the fp8 weight and
 FBGEMM do (a checkpoint's static ``input_scale`` is not used). It is built on CUDA with compute
 capability 8.9 or more (Ada, Hopper); elsewhere `fp8_module` de-quantizes the weight once, at load,
 into a plain linear of the compute dtype (exact in fp32), so a CPU serves fp8 checkpoints correctly
-(without the memory saving). NOT RUN ON A GPU: the `_scaled_mm` path has only run on CPU (torch's CPU
-`_scaled_mm`, in the tests); its speed on Hopper is for a GPU session to measure.
+(without the memory saving). On an H200 (2026-11-29) the `_scaled_mm` path is correct and halves the
+weights' memory, but decodes the 8B shape at 0.74x bf16's tokens/s at one stream (fp8_ops.py's doc).
 
 4-bit: both formats store codes 0..15 with, per group of `group_size` inputs, a fp16 scale and an
 integer zero point: ``w[o, i] = (code[o, i] - zero[o, g(i)]) * scale[o, g(i)]``.
@@ -26,9 +26,9 @@ group of 128 is 4 groups of 32 with the same ``scale`` and ``min = -zero * scale
 ``(code - zero) * scale`` of a fp16 scale is exact in fp32 either way), which the fast path runs with the
 compiled int4 kernel. Otherwise (``desc_act`` orders, other group sizes, bf16/fp16 compute, CUDA) the
 weight is de-quantized once at load into a plain linear: on CUDA that is a first correct step (bf16
-products, no memory saving). `int4_triton` holds a Triton kernel on the codes (checked under Triton's CPU
-interpreter, NOT RUN ON A GPU), used on CUDA only with ``int4_triton.USE_ON_CUDA`` until a GPU session
-has measured it (`benchmarks/quantized_kernels.py`)."""
+products, no memory saving). `int4_triton` holds a Triton kernel on the codes, correct on an H200 but
+10-30x slower there than the de-quantized bf16 products (`benchmarks/quantized_kernels.py`), so it is used
+only with ``int4_triton.USE_ON_CUDA``."""
 
 from __future__ import annotations
 
@@ -132,7 +132,7 @@ def int4_module(
 ) -> torch.nn.Module:
     """The layer of a 4-bit weight: `Int4Linear` on CPU when it computes in fp32 and its groups are runs
     of a multiple of 32 inputs (exact: see the module's docstring), else a plain linear of `dtype` with the
-    weight de-quantized once (CUDA's first correct step; NOT RUN ON A GPU)."""
+    weight de-quantized once (on CUDA: faster than `int4_triton`'s kernel, measured on an H200)."""
     size = parts.group_size()
     if (
         device.type == "cpu"
@@ -145,7 +145,7 @@ def int4_module(
         scale = parts.scale.repeat_interleave(repeat, dim=1)
         low = (-parts.zero.float() * parts.scale).repeat_interleave(repeat, dim=1)
         return Int4Linear.from_codes(parts.codes, scale, low, bias)
-    if device.type == "cuda" and int4_triton.USE_ON_CUDA and int4_triton.available():  # NOT RUN ON A GPU
+    if device.type == "cuda" and int4_triton.USE_ON_CUDA and int4_triton.available():  # slow: opt-in
         return int4_triton.Int4TritonLinear.from_parts(
             parts.codes, parts.scale, parts.zero, parts.g_idx, bias, dtype, device
         )
