@@ -59,6 +59,11 @@ def load_like_server(overrides: Mapping[str, Any]) -> LoadedModel:
     )
 
 
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA GPU (for the bench's torch-free modules: `BenchConfig.shared_gpu`)."""
+    return torch.cuda.is_available()
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

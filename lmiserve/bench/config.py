@@ -74,9 +74,9 @@ class BenchConfig:
             return []
         device = str(self.overrides().get("device", "auto"))
         if device == "auto":
-            import torch
+            from lmiserve.bench.baselines import cuda_available  # torch, imported only here
 
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+            device = "cuda" if cuda_available() else "cpu"
         return [("gpu_memory_utilization", str(SHARED_GPU_UTILIZATION))] if device.startswith("cuda") else []
 
     @property
