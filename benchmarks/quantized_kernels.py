@@ -1,6 +1,7 @@
 """The quantized products on a GPU (issue 39, item 2): time and error of one linear of an 8B shape in
 bf16 (`F.linear`), fp8 (`quant_formats.Fp8Linear`: `torch._scaled_mm`, activations to fp8 per row) and
-4-bit (`int4_triton.Int4TritonLinear`, groups of 128), at a few row counts. Run on an H200 on 2026-11-29
+4-bit (`int4_triton.Int4TritonLinear`, groups of 128), at a few row counts; on a GPU with fp8, where
+`Fp8Linear`'s time goes (`fp8_variants`). Run on an H200 on 2026-11-29
 (benchmarks/results/gpu-check-2026-11-29-h200/round2/kernels.log; benchmarks/README.md has the table).
 
     .venv/bin/python benchmarks/quantized_kernels.py [--rows 1,16,128] [--out DIR]   # CUDA
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 
 from lmiserve.engine.model import int4_triton
+from lmiserve.engine.model.fp8_ops import fp8_linear, rows_to_fp8
 from lmiserve.engine.model.quant_formats import Fp8Linear, Int4Parts, fp8_scaled_mm_supported, quantize_fp8
 from lmiserve.models.quant_pack import rtn_int4
 
@@ -81,6 +83,41 @@ def graph_timed(fn: Callable[[], torch.Tensor], iters: int) -> float | None:
         return None
 
 
+def fp8_variants(
+    x: torch.Tensor,
+    fp8: Fp8Linear,
+    quantize_rows: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    want: torch.Tensor,
+) -> dict[str, tuple[Callable[[], torch.Tensor], int, torch.Tensor | None]]:
+    """Where `Fp8Linear`'s time goes (issue 39: fp8 decoded at 0.74x bf16 on an H200): its activation
+    quantization compiled (`fp8_compiled_quant`), and the product alone on activations quantized beforehand,
+    with row-wise scales as `Fp8Linear` runs it (`fp8_gemm_rowwise`) and with one scale each
+    (`fp8_gemm_tensorwise`, cuBLAS's fp8 path; its output is unscaled, so no error is reported)."""
+    weight_bytes = fp8.weight.numel()
+    rows = x.shape[0]
+    xq, x_scale = rows_to_fp8(x.float())
+    pad = (-rows) % 16
+    xq = torch.nn.functional.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(torch.float8_e4m3fn)
+    x_scale = torch.nn.functional.pad(x_scale, (0, 0, 0, pad), value=1.0)
+    one = torch.ones((), device=x.device)
+    w, scales = fp8.weight, fp8.scales.view(1, -1)
+
+    def compiled() -> torch.Tensor:
+        return fp8_linear(x, fp8.weight, fp8.scales, quantize_rows)
+
+    def rowwise() -> torch.Tensor:
+        return torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=scales, out_dtype=torch.bfloat16)[:rows]
+
+    def tensorwise() -> torch.Tensor:
+        return torch._scaled_mm(xq, w.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)[:rows]
+
+    return {
+        "fp8_compiled_quant": (compiled, weight_bytes, want),
+        "fp8_gemm_rowwise": (rowwise, weight_bytes, want),
+        "fp8_gemm_tensorwise": (tensorwise, weight_bytes, None),
+    }
+
+
 def error(got: torch.Tensor, want: torch.Tensor) -> float:
     return round(((got.float() - want.float()).abs().max() / want.float().abs().max()).item(), 5)
 
@@ -111,23 +148,31 @@ def main() -> None:
         fp8_dense = fp8.dequantized().to(dtype)
         int4 = int4_triton.Int4TritonLinear.from_parts(codes, scale.float(), zero, g_idx, None, dtype, device)
         dense = weight.to(device, dtype)
+        # the activations' quantization compiled into fused kernels (one variant below)
+        quantize_rows = torch.compile(rows_to_fp8, dynamic=False) if cuda else rows_to_fp8
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, inputs, device=device, dtype=dtype)
             row: dict[str, object] = {"shape": name, "rows": rows}
-            kinds = {
+            kinds: dict[str, tuple[Callable[[], torch.Tensor], int, torch.Tensor | None]] = {
                 "bf16": (lambda x=x, w=dense: torch.nn.functional.linear(x, w), out * inputs * 2, x @ dense.t()),
                 "fp8": (lambda x=x, m=fp8: m(x), out * inputs, x @ fp8_dense.t()),
                 "int4_triton": (lambda x=x, m=int4: m(x), out * inputs // 2, x @ int4_dense.t()),
             }
+            if cuda and fp8_scaled_mm_supported(device):
+                kinds.update(fp8_variants(x, fp8, quantize_rows, x @ fp8_dense.t()))
             for kind, (fn, weight_bytes, want) in kinds.items():
                 if kind == "fp8" and cuda and not fp8_scaled_mm_supported(device):
                     row[kind] = "not supported on this GPU (compute capability < 8.9)"
                     continue
-                seconds = timed(fn, args.iters if cuda else 2, cuda)
+                try:
+                    seconds = timed(fn, args.iters if cuda else 2, cuda)
+                except Exception as exc:  # noqa: BLE001 - a variant this torch or GPU refuses: said so
+                    row[kind] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+                    continue
                 row[kind] = {
                     "us": round(seconds * 1e6, 1),
                     "GB_per_s": round(weight_bytes / seconds / 1e9, 1),
-                    "error": error(fn(), want),
+                    "error": error(fn(), want) if want is not None else None,
                 }
                 graphed = graph_timed(fn, 20) if cuda else None
                 if graphed is not None:  # the GPU's time alone ("us" above: eager, its launches included)

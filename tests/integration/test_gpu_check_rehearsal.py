@@ -109,3 +109,46 @@ def test_summary_md_renders_every_table(rehearsal):
     ):
         assert heading in text, heading
     assert "| client busy (processes) |" in text and " (2) |" in text  # the 4-stream level's two client processes
+
+
+def test_steps_chooses_what_runs_and_a_terminated_check_still_writes_its_summary(tmp_path):
+    """--steps runs the steps a session still lacks (the others are recorded as not chosen); a check that
+    a device call's limit terminates (SIGTERM) still leaves summary.json and summary.md with what ran."""
+    command = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--rehearse"]
+    chosen = tmp_path / "chosen"
+    proc = subprocess.run(
+        [*command, "--steps", "step-profile", "--out", str(chosen)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    steps = {step["step"]: step for step in json.loads((chosen / "summary.json").read_text())["steps"]}
+    assert steps["step profile 1b"]["exit"] == 0 and not steps["step profile 1b"].get("skipped")
+    for name in ("engine tests on cpu", "bench 1b", "bench 8b", "decode paths 1b", "tensor parallel"):
+        assert steps[name]["skipped"] == "not in --steps", steps[name]
+    bad = subprocess.run([*command, "--steps", "bench,nope"], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert bad.returncode == 2 and "unknown --steps bench, nope" in bad.stderr
+
+    stopped = tmp_path / "stopped"
+    check = subprocess.Popen(
+        [*command, "--steps", "bench-1b", "--out", str(stopped)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert check.stdout is not None
+    for line in check.stdout:  # the step has started: the check is inside it
+        if "bench 1b:" in line:
+            break
+    check.terminate()
+    check.wait(timeout=120)
+    summary = json.loads((stopped / "summary.json").read_text())
+    assert summary["rehearsal"] is True and "env" in summary
+    assert (stopped / "summary.md").read_text().startswith("#")
+    # and the bench it was running, and the server that bench started, ended with it
+    left = subprocess.run(["pgrep", "-f", str(stopped)], capture_output=True, text=True, check=False)
+    assert left.stdout.strip() == "", left.stdout

@@ -7,9 +7,11 @@ stream decodes at 0.74x bf16."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-__all__ = ["FP8_MAX", "dequantize_fp8", "fp8_linear", "quantize_fp8"]
+__all__ = ["FP8_MAX", "dequantize_fp8", "fp8_linear", "quantize_fp8", "rows_to_fp8"]
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 
@@ -20,7 +22,7 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return weight.float() * (s[:, None] if s.numel() > 1 else s)
 
 
-def _rows_to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rows_to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row of a 2-D fp32 `x` in fp8 over its own range: ``scale = max|row| / 448`` (``[rows, 1]``, at
     least fp32's smallest normal), ``q = x / scale`` clamped and rounded to ``float8_e4m3fn``."""
     scale = (x.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
@@ -30,16 +32,22 @@ def _rows_to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-output-channel fp8 of a float weight (vLLM's dynamic fp8): ``scale = max|w| / 448`` (fp32
     ``[out]``), ``q = w / scale`` rounded to ``float8_e4m3fn``."""
-    q, scale = _rows_to_fp8(weight.detach().float())
+    q, scale = rows_to_fp8(weight.detach().float())
     return q, scale[:, 0]
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    quantize_rows: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = rows_to_fp8,
+) -> torch.Tensor:
     """``x @ (weight * scales[:, None]).T`` for a 2-D `x`, fp8 `weight` ``[out, in]`` and fp32 `scales`
-    ``[out]``: `x` quantized to fp8 per row (``max|x| / 448``), one ``torch._scaled_mm`` with row-wise
-    scales (bf16 out, as Hopper's row-wise fp8 GEMM requires), rows padded to a multiple of 16."""
+    ``[out]``: `x` quantized to fp8 per row (``max|x| / 448``; `quantize_rows`, which a benchmark replaces by
+    a compiled one), one ``torch._scaled_mm`` with row-wise scales (bf16 out, as Hopper's row-wise fp8 GEMM
+    requires), rows padded to a multiple of 16."""
     rows = x.shape[0]
-    xq, x_scale = _rows_to_fp8(x.float())
+    xq, x_scale = quantize_rows(x.float())
     pad = (-rows) % 16
     if pad:
         xq = torch.nn.functional.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(torch.float8_e4m3fn)
