@@ -57,13 +57,14 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
     lora_report: Json | None = None
     adapters: dict[str, Path] = {}
     served: str | None = None  # --url without --model-id: the model the server says it serves
+    shared: list[tuple[str, str]] = []  # a second server on the same GPU: each gets part of it
     try:
         if config.url:
             lmi = LmiDialect(url=config.url.rstrip("/"), api_key=config.client_api_key)
             if config.model_id is None:
                 served = asyncio.run(served_model(lmi.url, lmi.api_key))
         else:
-            shared = config.shared_gpu()  # a second server on the same GPU: each gets part of it
+            shared = config.shared_gpu()
             if shared:
                 log(f"two servers on one GPU: each starts with -o {shared[0][0]}={shared[0][1]}")
             managed = ManagedServer(config.serve_args(shared), config.output_dir / "server.log", config.startup_timeout)
@@ -74,7 +75,7 @@ def run(config: BenchConfig, log: Log) -> tuple[Json, Path, Path]:
         targets = [lmiserve_target(lmi.url, lmi.name, started_by_bench=managed is not None, api_key=lmi.api_key)]
         adapters = _lora_adapters(config, log) if config.lora else {}
         if config.ab_options or adapters:
-            extra = [*config.shared_gpu(), *config.ab_options]
+            extra = [*shared, *config.ab_options]
             if adapters:
                 extra.append(("lora_modules", " ".join(f"{name}={path}" for name, path in adapters.items())))
             second = ManagedServer(config.serve_args(extra), config.output_dir / "server-b.log", config.startup_timeout)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from lmiserve.bench import baselines
 from lmiserve.bench.chat import ChatDialect, read_chunk
 from lmiserve.bench.chat_report import (
     ab_comparison,
@@ -302,7 +303,7 @@ def test_failed_chat_levels_fail_the_exact_tokens_target():
 # --- configuration and machine ---------------------------------------------------------------------
 
 
-def test_two_servers_the_bench_starts_on_one_gpu_each_get_part_of_it():
+def test_two_servers_the_bench_starts_on_one_gpu_each_get_part_of_it(monkeypatch):
     """--ab-option and --lora start a second server: on a GPU each gets `SHARED_GPU_UTILIZATION` of it (two at
     the default 0.9 ran out of memory on an H200), unless an option already sizes the pools; a CPU's default
     budget is shared already."""
@@ -312,6 +313,9 @@ def test_two_servers_the_bench_starts_on_one_gpu_each_get_part_of_it():
     assert BenchConfig(model_id="m", options=[("device", "cuda:0")], lora=2).shared_gpu() == share
     assert BenchConfig(model_id="m", device="cuda").shared_gpu() == []  # one server
     assert BenchConfig(model_id="m", device="cpu", ab_options=ab).shared_gpu() == []
+    for seen in (True, False):  # device auto: where torch sees a GPU
+        monkeypatch.setattr(baselines, "cuda_available", lambda seen=seen: seen)
+        assert BenchConfig(model_id="m", ab_options=ab).shared_gpu() == (share if seen else [])
     for sized in ([("gpu_memory_utilization", "0.3")], [("option.kv_cache_memory_bytes", "4GiB")]):
         assert BenchConfig(model_id="m", device="cuda", options=sized, ab_options=ab).shared_gpu() == []
         assert BenchConfig(model_id="m", device="cuda", ab_options=[*ab, *sized]).shared_gpu() == []
