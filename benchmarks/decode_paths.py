@@ -3,7 +3,7 @@ attention kernel and the torch attention (blocks gathered every layer).
 
     python benchmarks/decode_paths.py [--model-id DIR] [-o load_format=dummy] [--device cuda]
                                       [--concurrency 1,32] [--max-new-tokens T] [--json FILE]
-                                      [--paths graphs,triton,torch] [--lora N]
+                                      [--paths graphs,graphs-fused,triton,torch] [--lora N]
 
 The model is loaded once; for each path an engine is built over it, alone on the device, and the same
 greedy prompts run at each concurrency (a warm-up request first, which also captures the graph of one
@@ -11,6 +11,8 @@ row): decode tokens/s of the batch, and whether every prompt's tokens equal the 
 first position where one differs otherwise). Paths:
 
 - ``graphs``: the default on CUDA, decode steps replayed as CUDA graphs over the Triton kernel;
+- ``graphs-fused``: the same with the residual adds, RMS norms and SiLU products in Triton kernels
+  (engine/model/fused_norm.py, `USE_ON_CUDA`; on a CPU the kernels stay off: the ``graphs`` path again);
 - ``triton``: ``enforce_eager=true``, the same kernel launched step by step;
 - ``torch``: ``enforce_eager=true`` and ``LMISERVE_ATTENTION_BACKEND=torch``, the torch attention.
 
@@ -40,10 +42,11 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.tp_parity import PROMPTS, _generate, write_report  # noqa: E402
 
-PATHS = {
-    "graphs": ("triton", False),
-    "triton": ("triton", True),
-    "torch": ("torch", True),
+PATHS = {  # the attention backend, enforce_eager, engine/model/fused_norm.py's kernels
+    "graphs": ("triton", False, False),
+    "graphs-fused": ("triton", False, True),
+    "triton": ("triton", True, False),
+    "torch": ("torch", True, False),
 }
 
 
@@ -61,6 +64,7 @@ def run(
     import torch
 
     from lmiserve.config import Settings
+    from lmiserve.engine.model import fused_norm
     from lmiserve.models.compose import build_engine
     from lmiserve.models.load import load_causal_lm
 
@@ -72,8 +76,9 @@ def run(
     loaded = dataclasses.replace(loaded, device=torch.device(device))
     results: dict[str, Any] = {}
     for path in paths or list(PATHS):
-        backend, eager = PATHS[path]
+        backend, eager, fused = PATHS[path]
         os.environ["LMISERVE_ATTENTION_BACKEND"] = backend
+        fused_norm.USE_ON_CUDA = fused  # read when an engine's forward is built
         settings = base.model_copy(update={"enforce_eager": eager})
         runs = {}
         for level in levels:

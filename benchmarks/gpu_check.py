@@ -87,6 +87,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ENGINE_TESTS = (
     "tests/unit/test_async_engine.py",
     "tests/unit/test_fast_llama.py",
+    "tests/unit/test_fused_norm.py",
     "tests/unit/test_sampling_pinned.py",
     "tests/unit/test_engine_stats.py",
     "tests/unit/test_grammar_engine.py",

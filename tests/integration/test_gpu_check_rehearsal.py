@@ -69,7 +69,7 @@ def test_the_benches_report_every_level_against_generate(rehearsal):
 def test_issue_39_entries_are_filled(rehearsal):
     summary, _, _ = rehearsal
     paths = summary["decode_paths"]["paths"]
-    assert set(paths) == {"graphs", "triton", "torch"}
+    assert set(paths) == {"graphs", "graphs-fused", "triton", "torch"}
     for path in paths.values():
         assert {level: r["identical_to_graphs"] for level, r in path.items()} == {"1": 1, "2": 2}
     lora = summary["decode_paths_lora"]

@@ -39,7 +39,7 @@ from lmiserve.engine.attention.backends import SeqTokens
 from lmiserve.engine.attention.paged import AttentionShape, PagedKVCache
 from lmiserve.engine.lora.batch import LoraBatch, LoraGroup, LoraProducts
 from lmiserve.engine.lora.slots import LoraSlots
-from lmiserve.engine.model import q4_decode, skinny_gemm
+from lmiserve.engine.model import fused_norm, q4_decode, skinny_gemm
 from lmiserve.engine.model.cpu_gemm import PAD_ROWS_FROM, VOCAB_PAD_ROWS_FROM, CpuGemm
 from lmiserve.engine.model.llama_layout import (
     SUPPORTED_TYPES,
@@ -168,7 +168,16 @@ class FastLlama:
         if self.tp is None and self.dtype == torch.float32:
             dims = (self.heads, self.kv_heads, self.head_dim)
             self.packed = q4_decode.PackedLayers.of(self.layers, dims, self.norm, (self.lm_head, self.lm_head_s))
+        # residual adds with RMS norms, and SiLU with its product, in one kernel each (fused_norm.py; CUDA)
+        self.fused_elementwise = fused_norm.wanted(self.device) and self.silu_layers
         self._warm_gemm()
+
+    @property
+    def silu_layers(self) -> bool:
+        """Whether every layer's activation is SiLU (what `fused_norm.silu_mul` computes), by its values."""
+        probe = torch.linspace(-4.0, 4.0, 17, device=self.device, dtype=self.dtype)
+        silu = torch.nn.functional.silu(probe)
+        return all(torch.equal(layer.act(probe), silu) for layer in self.layers)
 
     @property
     def max_context(self) -> int:
@@ -307,10 +316,14 @@ class FastLlama:
         packed = self.packed
         if packed is not None and lora is None and x.shape[0] <= q4_decode.MAX_ROWS:
             return packed.run(x, cos, sin, meta, self.attention)
-        tp, gemm = self.tp, self._gemm
+        tp, gemm, fused = self.tp, self._gemm, self.fused_elementwise
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        residual: torch.Tensor | None = None  # fused: the last layer's output, added with the next norm
         for index, layer in enumerate(self.layers):
-            h = _rms(x, layer.in_norm)
+            if fused:
+                x, h = fused_norm.add_rms_norm(x, residual, *layer.in_norm)
+            else:
+                h = _rms(x, layer.in_norm)
             qkv = _product(gemm, h, layer.qkv).contiguous()
             if lora is not None:
                 lora.apply(f"{index}.qkv", h, qkv)
@@ -323,20 +336,26 @@ class FastLlama:
                 lora.apply(f"{index}.o", attn, o)
             if tp is not None:
                 o = tp.all_reduce(o)
-            x = x + o
-            h = _rms(x, layer.post_norm)
+            if fused:
+                x, h = fused_norm.add_rms_norm(x, o, *layer.post_norm)
+            else:
+                x = x + o
+                h = _rms(x, layer.post_norm)
             gate_up = _product(gemm, h, layer.gate_up)
             if lora is not None:
                 lora.apply(f"{index}.gate_up", h, gate_up)
             inter = layer.intermediate
-            h = layer.act(gate_up[:, :inter]) * gate_up[:, inter:]
+            h = fused_norm.silu_mul(gate_up, inter) if fused else layer.act(gate_up[:, :inter]) * gate_up[:, inter:]
             down = gemm.linear(h, layer.down_w, layer.down_b, layer.down_s)
             if lora is not None:
                 lora.apply(f"{index}.down", h, down)
             if tp is not None:
                 down = tp.all_reduce(down)
-            x = x + down
-        return x
+            if fused:
+                residual = down
+            else:
+                x = x + down
+        return x if residual is None else x + residual
 
     def lora_groups(self) -> list[LoraGroup]:
         """The groups `forward` applies adapters to: each layer's fused q/k/v, o, fused gate/up and down

@@ -1,0 +1,79 @@
+"""A decode step's element-wise work in fewer kernels on CUDA (issue #39): the residual add with the next
+RMS norm in one Triton kernel a row (`add_rms_norm`), SiLU with the product of the gate and up halves in
+one (`silu_mul`).
+
+Why: on an H200 the 8B shape's step at one stream spent 1.5-1.9 ms of its 5.6-6.1 ms outside the matrix
+products (benchmarks/README.md, "The GPU check on an NVIDIA H200"): `FastLlama._layers` runs about 27
+small kernels a layer (an RMS norm is eight: the cast, square, mean, add, rsqrt, product, cast back and the
+weight), each a few microseconds even replayed from a CUDA graph. With these two kernels a layer runs
+about 10 fewer (two norms with their adds: 2 kernels instead of 18; SiLU and the product: 1 instead of 2).
+
+The arithmetic is transformers' (LlamaRMSNorm: fp32 statistics, the normalized row rounded to the model's
+dtype, then the weight; the residual add and SiLU rounded to the model's dtype where eager rounds them);
+only the order of the sum of squares differs, so bf16 results can differ by a rounding.
+
+NOT MEASURED ON A GPU YET: `USE_ON_CUDA` is off until `benchmarks/decode_paths.py`'s `graphs-fused` path
+(the GPU check's decode paths step) has measured it against the unfused graphs. The tests run the kernels
+under Triton's interpreter on CPU tensors (`FastLlama.fused_elementwise`), against the unfused forward.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+try:
+    import triton
+except ImportError:  # pragma: no cover - triton ships with CUDA torch wheels
+    triton = None
+
+USE_ON_CUDA = False  # on once a GPU run of decode_paths.py's graphs-fused path has shown it faster
+
+__all__ = ["USE_ON_CUDA", "add_rms_norm", "available", "silu_mul", "wanted"]
+
+SILU_BLOCK = 1024
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def wanted(device: torch.device) -> bool:
+    """Whether the fast forward on `device` runs these kernels: CUDA, with `USE_ON_CUDA` and Triton."""
+    return USE_ON_CUDA and device.type == "cuda" and available()
+
+
+@functools.cache
+def _kernels() -> Any:
+    from lmiserve.engine.model import fused_norm_kernel
+
+    return triton.jit(fused_norm_kernel.add_rms_norm_kernel), triton.jit(fused_norm_kernel.silu_mul_kernel)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x + residual`` (`x` itself without a residual) and its RMS norm with `weight`, for 2-D rows of the
+    model's dtype: ``(x', weight * rms(x'))`` in one kernel a row."""
+    x = x.contiguous()
+    rows, width = x.shape
+    h = torch.empty_like(x)
+    out_x = x if residual is None else torch.empty_like(x)
+    r = x if residual is None else residual.contiguous()
+    block = triton.next_power_of_2(width)
+    _kernels()[0][(rows,)](
+        x, r, weight, out_x, h, width, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
+        num_warps=min(16, max(1, block // 512)),
+    )  # fmt: skip
+    return out_x, h
+
+
+def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    """``silu(gate_up[:, :inter]) * gate_up[:, inter:]`` for 2-D rows (the fused gate/up product)."""
+    gate_up = gate_up.contiguous()
+    rows = gate_up.shape[0]
+    out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
+    _kernels()[1][(rows, triton.cdiv(inter, SILU_BLOCK))](gate_up, out, inter, BLOCK=SILU_BLOCK)
+    return out

@@ -1,0 +1,48 @@
+"""The Triton kernels of `fused_norm` (imported only where Triton is installed; the interpreter patches this
+module's ``tl`` when it runs them on a CPU)."""
+
+import triton.language as tl
+
+__all__ = ["add_rms_norm_kernel", "silu_mul_kernel"]
+
+
+def add_rms_norm_kernel(  # pragma: no cover - runs as a Triton kernel
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    out_x_ptr,
+    h_ptr,
+    N,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0)
+    dtype = x.dtype
+    if HAS_RESIDUAL:  # the residual add, rounded to the model's dtype as `x + o` is
+        r = tl.load(r_ptr + row * N + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        tl.store(out_x_ptr + row * N + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    h = (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)).to(dtype)  # transformers' LlamaRMSNorm
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    tl.store(h_ptr + row * N + cols, (w.to(tl.float32) * h.to(tl.float32)).to(dtype), mask=mask)
+
+
+def silu_mul_kernel(  # pragma: no cover - runs as a Triton kernel
+    g_ptr,
+    out_ptr,
+    INTER,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < INTER
+    a = tl.load(g_ptr + row * 2 * INTER + cols, mask=mask, other=0.0)
+    b = tl.load(g_ptr + row * 2 * INTER + INTER + cols, mask=mask, other=0.0)
+    af = a.to(tl.float32)
+    s = (af / (1.0 + tl.exp(-af))).to(b.dtype)  # SiLU in the model's dtype, as `act(gate)` rounds it
+    tl.store(out_ptr + row * INTER + cols, (s.to(tl.float32) * b.to(tl.float32)).to(b.dtype), mask=mask)

@@ -1,0 +1,76 @@
+"""engine/model/fused_norm.py: the residual add with the RMS norm, and SiLU with its product, each one Triton
+kernel (on CUDA; here under Triton's interpreter, as tests/conftest.py sets it on a CPU), against the
+eager ops `FastLlama` runs without them, and the fast forward with them against `generate()`."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import torch
+
+from helpers.llama_variants import PROMPTS, greedy_tokens, serve_prompts
+from lmiserve.core.events import FinishReason
+from lmiserve.engine.attention import triton_ops
+from lmiserve.engine.attention.paged import paged_cache
+from lmiserve.engine.core.async_engine import EngineConfig
+from lmiserve.engine.model import fast_llama, fused_norm
+
+DEVICE = torch.device(os.environ.get("LMISERVE_TEST_DEVICE", "cpu"))
+pytestmark = pytest.mark.skipif(
+    not fused_norm.available() or not (DEVICE.type == "cuda" or triton_ops.interpreting()),
+    reason="the kernels run on CUDA, or on a CPU under Triton's interpreter",
+)
+# bf16 arithmetic is wrong under the interpreter: checked on a GPU
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+
+
+def close(dtype: torch.dtype) -> dict[str, float]:
+    """Within a rounding of the dtype (the sum of squares is added in another order)."""
+    return {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+
+
+def rows(width: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return torch.randn(5, width, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("width", [64, 96])  # a power of two, and a row the block masks
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_is_the_residual_add_then_transformers_rms_norm(dtype, width):
+    x, residual = rows(width, dtype, 0), rows(width, dtype, 1)
+    weight = (1 + 0.1 * rows(width, torch.float32, 2)[0]).to(dtype)
+    added, h = fused_norm.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(added, x + residual)  # the add rounds to the dtype as eager's does
+    torch.testing.assert_close(h, fast_llama._rms(x + residual, (weight, 1e-5)), **close(dtype))
+    same, h = fused_norm.add_rms_norm(x, None, weight, 1e-5)  # a model's first layer: no residual yet
+    assert torch.equal(same, x)
+    torch.testing.assert_close(h, fast_llama._rms(x, (weight, 1e-5)), **close(dtype))
+
+
+@pytest.mark.parametrize("inter", [48, 1500])  # inside one block, and across two with a masked tail
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_is_silu_of_the_gate_times_the_up_half(dtype, inter):
+    gate_up = rows(2 * inter, dtype, 3)
+    want = torch.nn.SiLU()(gate_up[:, :inter]) * gate_up[:, inter:]
+    torch.testing.assert_close(fused_norm.silu_mul(gate_up, inter), want, **close(dtype))
+
+
+def test_the_fast_forward_with_the_fused_kernels_gives_generates_greedy_tokens(tiny_model, monkeypatch):
+    """Every layer's norms with their residual adds and its SiLU product through the kernels (what
+    `USE_ON_CUDA` turns on), continuous batching with requests joining: `generate()`'s greedy tokens."""
+    monkeypatch.setattr(fused_norm, "wanted", lambda device: True)
+    engine, results = asyncio.run(serve_prompts(tiny_model, EngineConfig(), 12))
+    assert engine.runner.path == "fast" and engine.runner.fast.fused_elementwise
+    for prompt, events in zip(PROMPTS, results, strict=True):
+        assert [e.token.id for e in events if e.token] == greedy_tokens(tiny_model, prompt, 12), prompt
+        assert events[-1].finish.reason is FinishReason.LENGTH
+
+
+def test_a_model_whose_activation_is_not_silu_keeps_the_eager_ops(tiny_model, monkeypatch):
+    """`silu_mul` computes SiLU: a model of another activation (GELU here) does not take the kernels."""
+    monkeypatch.setattr(fused_norm, "wanted", lambda device: True)
+    layer = fast_llama.fused_layers(tiny_model.model)[0]  # the layers every forward of this model shares
+    monkeypatch.setattr(layer, "act", torch.nn.GELU())
+    fast = fast_llama.FastLlama(tiny_model.model, paged_cache(tiny_model.model, 4, 16), 64)
+    assert not fast.fused_elementwise
