@@ -67,7 +67,8 @@ def test_quantized_step_reports_fp8_over_bf16_and_the_quality(gpu_check, tmp_pat
             }
             (out / "bench.json").write_text(json.dumps({"servers": [{"levels": [level]}]}))
         elif "kernels" in name:
-            row = {"shape": "qo_4096x4096", "rows": 1, "fp8": {"us": 9.0, "GB_per_s": 1800.0, "error": 0.01}}
+            fp8 = {"us": 9.0, "GB_per_s": 1800.0, "error": 0.01, "graph_us": 5.0, "graph_GB_per_s": 3200.0}
+            row = {"shape": "qo_4096x4096", "rows": 1, "fp8": fp8}
             (out / "quantized_kernels.json").write_text(json.dumps({"results": [row]}))
         else:
             (out / "quantized_quality.json").write_text(json.dumps({"formats": {"fp8-channel": {"perplexity": 9.5}}}))
@@ -84,7 +85,7 @@ def test_quantized_step_reports_fp8_over_bf16_and_the_quality(gpu_check, tmp_pat
     assert calls[1][1].endswith("quantized_kernels.py") and "--smoke" not in calls[1]
     assert "--device" in calls[2] and calls[2][calls[2].index("--device") + 1] == "cuda"
     text = gpu_check.markdown({"env": {}, "steps": [], "quantized": result})
-    assert "| qo_4096x4096 | 1 | fp8 | 9.0 | 1800.0 | 0.01 |" in text
+    assert "| qo_4096x4096 | 1 | fp8 | 9.0 | 5.0 | 3200.0 | 0.01 |" in text  # eager, then replayed in a graph
     skipped = gpu_check.quantized_step(tmp_path / "none", {}, {"steps": []}, lambda: 400.0)
     assert "fp8_bench" not in skipped  # no bf16 bench to compare with: the fp8 bench is skipped, said so
 
