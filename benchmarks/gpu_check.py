@@ -295,10 +295,16 @@ def run_step(name: str, command: list[str], log_path: Path, timeout: float, env:
     start = time.monotonic()
     with log_path.open("w") as log:
         # its own process group: a step that runs out (or a check that is stopped) ends with what it started
-        proc = subprocess.Popen(
-            command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        _STOP["starting"] = True  # a SIGTERM now waits until the step's process exists (`on_stop`)
         try:
+            proc = subprocess.Popen(
+                command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        finally:
+            _STOP["starting"] = False
+        try:
+            if _STOP["pending"]:
+                sys.exit(143)
             rc: int | None = proc.wait(timeout=max(timeout, 1))
         except subprocess.TimeoutExpired:
             rc = None
@@ -314,6 +320,18 @@ def run_step(name: str, command: list[str], log_path: Path, timeout: float, env:
     return {"step": name, "exit": rc, "timed_out": rc is None, "seconds": seconds, "log": log_path.name}
 
 
+_STOP = {"starting": False, "pending": False}
+
+
+def on_stop(signum: int, frame: object) -> None:
+    """SIGTERM (a device call's limit): exit, the summary written at exit (`main`); while a step's process
+    is being started, once it has started (so that `run_step` ends its process group with it)."""
+    if _STOP["starting"]:
+        _STOP["pending"] = True
+        return
+    sys.exit(143)
+
+
 def stop_group(proc: subprocess.Popen[bytes]) -> None:
     """SIGTERM to a step's process group (a bench and the server it started: each stops cleanly), then
     SIGKILL to what is left of it after 10 s."""
@@ -324,8 +342,13 @@ def stop_group(proc: subprocess.Popen[bytes]) -> None:
             return
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=grace)
-        if sig == signal.SIGTERM:
-            time.sleep(1.0)  # the leader has gone; its children finish their own stop
+        end = time.monotonic() + (1.0 if sig == signal.SIGTERM else grace)
+        while time.monotonic() < end:  # the leader has gone: its children finish their own stop, or die
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
 
 
 def _skipped(name: str, why: str) -> dict[str, Any]:
@@ -644,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
             (out / "summary.md").write_text(f"# GPU check (partial: {type(exc).__name__}: {exc})\n")
 
     atexit.register(write_summary)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a device call's limit: still write the summary
+    signal.signal(signal.SIGTERM, on_stop)  # a device call's limit: still write the summary
 
     def wanted(key: str, name: str) -> bool:
         """Whether --steps runs step `key` (recorded as skipped when it does not)."""

