@@ -675,6 +675,16 @@ def main(argv: list[str] | None = None) -> int:
             summary["steps"].append(_skipped(name, "not in --steps"))
         return key in chosen
 
+    def ready(key: str, name: str, need: float, missing: str | None = None) -> bool:
+        """Whether step `key` (`name`) runs now: chosen (`wanted`), nothing it needs `missing` (the reason
+        otherwise) and `need` seconds left; each refusal recorded as the step skipped, with why."""
+        if not wanted(key, name):
+            return False
+        why = missing or ("time" if left() < need else None)
+        if why is not None:
+            summary["steps"].append(_skipped(name, why))
+        return why is None
+
     models: dict[str, Path] = {}
 
     def model(shape: str) -> Path:
@@ -757,10 +767,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def decode_paths(name: str, entry: str, limit: float, extra: list[str]) -> None:
         """`benchmarks/decode_paths.py` on the 1B shape (step `name`, report `summary[entry]`)."""
-        if not wanted("lora-paths" if extra else "decode-paths", name):
-            return
-        if left() < limit * 0.6:
-            summary["steps"].append(_skipped(name, "time"))
+        if not ready("lora-paths" if extra else "decode-paths", name, limit * 0.6):
             return
         stem = name.replace(" ", "-")
         report = out / f"{stem}.json"
@@ -794,11 +801,7 @@ def main(argv: list[str] | None = None) -> int:
     decode_paths("decode paths 1b", "decode_paths", 150.0, [])
 
     # 7. overlap scheduling (issue 39 item 1): the 1B shape's engine with async_scheduling off and on, in turns
-    if not wanted("overlap", "overlap scheduling 1b"):
-        pass
-    elif left() < 120:
-        summary["steps"].append(_skipped("overlap scheduling 1b", "time"))
-    else:
+    if ready("overlap", "overlap scheduling 1b", 120):
         overlap_dir = out / "overlap-1b"
         command = [
             *_in_process_bench("overlap_scheduling.py", model("1b"), scale),
@@ -821,11 +824,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # 8. where a decode step's time goes (issue 39 item 1): benchmarks/step_host_cost.py on the 1B shape, the serial
     # loop's spans at 1, 32 and 128 rows and, at 128, the torch profiler's CPU and CUDA tables
-    if not wanted("step-profile", "step profile 1b"):
-        pass
-    elif left() < 90:
-        summary["steps"].append(_skipped("step profile 1b", "time"))
-    else:
+    if ready("step-profile", "step profile 1b", 90):
         profile_dir = out / "step-profile-1b"
         command = [
             *_in_process_bench("step_host_cost.py", model("1b"), scale),
@@ -849,13 +848,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # 9. the fp8 KV cache (issue 39 item 3): SmolLM2 in bf16 with auto, fp8_e4m3 and fp8_e5m2 pools (perplexity,
     # greedy agreement, blocks a pool holds) through the Triton kernel's fp8 form
-    if not wanted("fp8-kv", "fp8 kv"):
-        pass
-    elif not has_bundled_model():
-        summary["steps"].append(_skipped("fp8 kv", NO_BUNDLED_MODEL))
-    elif left() < 90:
-        summary["steps"].append(_skipped("fp8 kv", "time"))
-    else:
+    if ready("fp8-kv", "fp8 kv", 90, None if has_bundled_model() else NO_BUNDLED_MODEL):
         fp8_dir = out / "fp8-kv"
         command = [
             sys.executable,
