@@ -59,6 +59,7 @@ SETTING_FLAGS: tuple[Flag, ...] = (
     Flag(("--enforce-eager",), "enforce_eager"),
     Flag(("--async-scheduling",), "async_scheduling"),
     Flag(("--stream-interval",), "stream_interval", "N"),
+    Flag(("--engine-process",), "engine_process"),
     Flag(("--kv-cache-dtype",), "kv_cache_dtype"),
     Flag(("--gpu-memory-utilization",), "gpu_memory_utilization", "SHARE"),
     Flag(("--kv-cache-memory-bytes",), "kv_cache_memory_bytes", "BYTES"),

@@ -60,6 +60,7 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "enforce_eager",
             "async_scheduling",
             "stream_interval",
+            "engine_process",
             "block_size",
             "kv_cache_dtype",
             "speculative_config",

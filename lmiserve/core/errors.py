@@ -18,6 +18,18 @@ class LmiServeError(Exception):
         super().__init__(message)
         self.message = message
 
+    def __reduce__(self) -> tuple[object, ...]:
+        """Pickled as its class, message and attributes, whatever its constructor takes (an error crosses
+        from the engine's process to the server's: engine/process/)."""
+        return (_rebuild, (type(self), self.message, dict(self.__dict__)))
+
+
+def _rebuild(cls: type[LmiServeError], message: str, state: dict[str, object]) -> LmiServeError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    error.__dict__.update(state)
+    return error
+
 
 # ---- the request is wrong (client errors) ------------------------------------------------------------
 

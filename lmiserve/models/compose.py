@@ -4,15 +4,17 @@ The engine (lmiserve/engine/) takes plain values: a `LoadedModel`, an `EngineCon
 whose loaders its tensor-parallel workers call. Here the settings (lmiserve.config) and the model loading
 (models/load.py) meet it: `engine_config` reads the settings into an `EngineConfig` (warning about those
 that do not apply), `build_engine` builds the engine of a loaded model, `build_tensor_parallel_engine`
-the engine over tensor-parallel workers, `worker_spec` what those workers need (`lmiserve serve` on a
-node other than the leader runs them alone: `models.service.run_worker_node`).
+the engine over tensor-parallel workers, `load_llm` the model and its engine in the process that runs
+them (the server's, or its engine process: models/engine_process.py), `worker_spec` what those workers
+need (`lmiserve serve` on a node other than the leader runs them alone: `models.service.run_worker_node`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +26,7 @@ from lmiserve.engine.lora.adapters import FAST_PATH_MODULES
 from lmiserve.engine.lora.registry import AdapterRegistry, LoraLimits
 from lmiserve.engine.model.sharding import unsplittable_reason
 from lmiserve.engine.speculative.proposers import SpeculationSettings
+from lmiserve.models.errors import ModelLoadError
 from lmiserve.models.load import load_causal_lm, load_model_shell, resolve_dtype
 
 if TYPE_CHECKING:
@@ -181,3 +184,54 @@ def build_tensor_parallel_engine(loaded: LoadedModel, settings: Settings, degree
     executor = TensorParallelExecutor(spec)
     codec, grammars = prompt_codec(loaded, settings.max_input_len)
     return AsyncEngine(executor, codec, spec.config, grammars, adapters)
+
+
+def load_llm(settings: Settings, path: Path) -> tuple[LoadedModel, AsyncEngine]:
+    """The LLM in `path` loaded on its device, with its draft model when speculative decoding has one, and
+    its engine (not started): what serving it takes in the process that runs it."""
+    from lmiserve.models import resolve_model_path
+    from lmiserve.models.download import adapter_options
+
+    s = settings
+    loaded = load_causal_lm(
+        path,
+        dtype=s.dtype,
+        device=s.device,
+        trust_remote_code=s.trust_remote_code,
+        load_format=s.load_format,
+        quantize=s.quantize,
+    )
+    with_chat_template(loaded.tokenizer, s.chat_template)
+    draft = None
+    spec = s.speculative_config
+    if spec is not None and spec.method != "ngram":
+        draft_path = (
+            path if spec.self_draft else resolve_model_path(spec.model, None, s.model_cache_dir, adapter_options(s))
+        )
+        draft = load_causal_lm(
+            draft_path,
+            dtype=spec.dtype,
+            device=s.device,
+            trust_remote_code=s.trust_remote_code,
+            load_format=s.load_format if spec.self_draft else "auto",
+        )
+    return loaded, build_engine(loaded, s, draft)
+
+
+def with_chat_template(tokenizer: Any, template: str | None) -> None:
+    """The `chat_template` setting (a Jinja file's path, or the template text) in place of the tokenizer's."""
+    if not template:
+        return
+    path = Path(template).expanduser()
+    try:
+        is_file = "\n" not in template and "{" not in template and path.is_file()
+    except OSError:  # a template text too long to be a path
+        is_file = False
+    if is_file:
+        text = path.read_text(encoding="utf-8")
+    elif "{" in template:
+        text = template
+    else:
+        raise ModelLoadError(f"chat_template: {template} is neither a readable file nor a Jinja template")
+    tokenizer.chat_template = text
+    log.info("chat template from the chat_template setting (%s)", path if is_file else "its text")

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from lmiserve.config import Settings
 from lmiserve.core.engine import ModelEngine, TextGenerator
@@ -159,13 +159,13 @@ class ModelService:
         return str(local)
 
     def _load_llm(self, model_id: str | None) -> ModelEngine:
-        from lmiserve.models import (
-            default_model_name,
-            load_causal_lm,
-            resolve_model_path,
+        from lmiserve.models import default_model_name, resolve_model_path
+        from lmiserve.models.compose import (
+            build_tensor_parallel_engine,
+            load_llm,
+            tensor_parallel_degree,
+            with_chat_template,
         )
-        from lmiserve.models.compose import build_engine, build_tensor_parallel_engine, tensor_parallel_degree
-        from lmiserve.models.download import adapter_options
         from lmiserve.models.load import load_model_shell, resolve_device
 
         s = self.settings
@@ -188,31 +188,13 @@ class ModelService:
                     raise
             self.attach_llm(loaded, engine)
             return engine
-        loaded = load_causal_lm(
-            self.path,
-            dtype=s.dtype,
-            device=s.device,
-            trust_remote_code=s.trust_remote_code,
-            load_format=s.load_format,
-            quantize=s.quantize,
-        )
-        with_chat_template(loaded.tokenizer, s.chat_template)
-        draft = None
-        spec = s.speculative_config
-        if spec is not None and spec.method != "ngram":
-            draft_path = (
-                self.path
-                if spec.self_draft
-                else resolve_model_path(spec.model, None, s.model_cache_dir, adapter_options(s))
-            )
-            draft = load_causal_lm(
-                draft_path,
-                dtype=spec.dtype,
-                device=s.device,
-                trust_remote_code=s.trust_remote_code,
-                load_format=s.load_format if spec.self_draft else "auto",
-            )
-        engine = build_engine(loaded, s, draft)
+        if s.engine_process:  # the engine core in a process of its own (engine/process/)
+            from lmiserve.models.engine_process import start_engine_process
+
+            loaded, client = start_engine_process(s, self.path)
+            self.attach_llm(loaded, client)
+            return client
+        loaded, engine = load_llm(s, self.path)
         if engine.adapters is not None:
             self._register_start_adapters(engine.adapters)
         self.attach_llm(loaded, engine)
@@ -312,22 +294,3 @@ def _initial_name(model_id: str | None) -> str:
     from lmiserve.models import default_model_name
 
     return default_model_name(model_id, None)
-
-
-def with_chat_template(tokenizer: Any, template: str | None) -> None:
-    """The `chat_template` setting (a Jinja file's path, or the template text) in place of the tokenizer's."""
-    if not template:
-        return
-    path = Path(template).expanduser()
-    try:
-        is_file = "\n" not in template and "{" not in template and path.is_file()
-    except OSError:  # a template text too long to be a path
-        is_file = False
-    if is_file:
-        text = path.read_text(encoding="utf-8")
-    elif "{" in template:
-        text = template
-    else:
-        raise ModelLoadError(f"chat_template: {template} is neither a readable file nor a Jinja template")
-    tokenizer.chat_template = text
-    log.info("chat template from the chat_template setting (%s)", path if is_file else "its text")

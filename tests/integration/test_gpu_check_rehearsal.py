@@ -39,6 +39,7 @@ def test_every_step_runs_to_its_end(rehearsal):
         "quantized kernels",
         "quantized quality",
         "decode paths 1b",
+        "engine process 1b",
         "overlap scheduling 1b",
         "step profile 1b",
         "fp8 kv",
@@ -77,6 +78,8 @@ def test_issue_39_entries_are_filled(rehearsal):
     assert lora["lora_adapters"] == 4 and set(lora["paths"]) == {"graphs", "triton"}
     for path in lora["paths"].values():
         assert {level: r["identical_to_graphs"] for level, r in path.items()} == {"1": 1, "2": 2}
+    engine_process = summary["engine_process"]["4"]
+    assert engine_process["ratio"] > 0 and engine_process["engine_process"]["us_cpu_per_token_median"] > 0
     assert [r["rows"] for r in summary["overlap"]] == [1, 4]
     assert all(r["same_tokens"] for r in summary["overlap"])
     fp8_bench = summary["quantized"]["fp8_bench"]
@@ -101,6 +104,7 @@ def test_summary_md_renders_every_table(rehearsal):
         "## 8B shape",
         "## Decode paths, 1B shape",
         "## Decode paths with 4 LoRA adapters",
+        "## The engine in its own process, 1B shape",
         "## Overlap scheduling, 1B shape",
         "## fp8 weights (quantize=fp8), 8B shape",
         "## Quantized products, one linear",

@@ -98,6 +98,7 @@ SERVE_FLAGS = [
     "--max-logprobs",
     "--speculative-config",
     "--stream-interval",
+    "--engine-process",
     "--num-shard",
     "--max-total-tokens",
     "--max-input-tokens",

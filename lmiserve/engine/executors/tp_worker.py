@@ -109,7 +109,7 @@ def worker_main(spec: WorkerSpec, rank: int, local_rank: int, conn: Connection |
     to stop (None) or until the group breaks. Rank 0 talks to the leader over `conn`."""
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
-    _exit_with_parent()
+    exit_with_parent()
     level = logging.getLevelName(spec.log_level)
     logging.basicConfig(
         level=level if isinstance(level, int) else logging.INFO,
@@ -270,7 +270,7 @@ def _tell(conn: Connection | None, message: tuple[str, Any]) -> None:
             conn.send(message)
 
 
-def _exit_with_parent() -> None:
+def exit_with_parent() -> None:
     """End this process when its parent goes (a crashed or killed leader leaves no worker behind)."""
     parent = os.getppid()
 

@@ -1,0 +1,198 @@
+"""The serving process's side of `engine_process`: the `TextGenerator` (lmiserve.core.engine) of an engine
+that runs in a process of its own (host.py), the protocols unchanged.
+
+A thread reads the engine's messages (one a step) and hands each to the event loop, which puts every event on
+its request's queue, tells the observers (metrics) what the engine told its own, and keeps the engine's last
+`snapshot`. A request's iteration closed early aborts it there; the engine process exiting fails every open
+request and tells the `on_failure` listeners, as an engine failure does in one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import threading
+from collections.abc import AsyncGenerator, Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from lmiserve.core import request_context
+from lmiserve.core.errors import GenerationFailed, ModelNotReady, ShuttingDown
+from lmiserve.core.events import StepEvent
+from lmiserve.core.request import GenerationRequest
+from lmiserve.core.stats import EngineObserver, EngineSnapshot
+from lmiserve.engine.process.wire import Ended
+
+log = logging.getLogger(__name__)
+
+STOP_GRACE_S = 30.0  # how long `stop` waits for the engine process to end its requests and exit
+
+
+class EngineProcessClient:
+    """The engine in `process`, over `conn` (its `snapshot` as the engine's last message gave it)."""
+
+    adapters = None  # LoRA adapters are served by the engine in this process only (settings refuse both)
+
+    def __init__(self, process: Any, conn: Connection, snapshot: EngineSnapshot) -> None:
+        self.process, self._conn = process, conn
+        self._snapshot = snapshot
+        self._observers: list[EngineObserver] = []
+        self.on_failure: list[Callable[[str], None]] = []
+        self.failure: str | None = None
+        self._queues: dict[int, asyncio.Queue[Any]] = {}
+        self._calls: dict[int, asyncio.Future[None]] = {}
+        self._ids = itertools.count(1)
+        self._send_lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            threading.Thread(target=self._read, name="lmiserve-engine-client", daemon=True).start()
+
+    async def stop(self) -> None:
+        """The engine ends its open requests (ShuttingDown) and its process exits; killed if it does not."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self._send(("stop",))
+        await asyncio.to_thread(self.process.join, STOP_GRACE_S)
+        if self.process.is_alive():
+            log.warning("the engine process did not stop within %.0f s: killed", STOP_GRACE_S)
+            self.process.kill()
+            await asyncio.to_thread(self.process.join, 5.0)
+        self._end_all(ShuttingDown())
+        self._conn.close()
+
+    @property
+    def num_waiting(self) -> int:
+        return self._snapshot.waiting
+
+    @property
+    def num_running(self) -> int:
+        return self._snapshot.running
+
+    def snapshot(self) -> EngineSnapshot:
+        return self._snapshot
+
+    def add_observer(self, observer: EngineObserver) -> None:
+        self._observers.append(observer)
+
+    # ---- requests ----------------------------------------------------------------------------------
+    async def prepare(self, request: GenerationRequest) -> None:
+        self._check()
+        assert self._loop is not None, "start() first"
+        call = next(self._ids)
+        self._calls[call] = reply = self._loop.create_future()
+        self._send(("prepare", call, request))
+        await reply
+
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[StepEvent, None]:
+        self._check()
+        rid = next(self._ids)
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._queues[rid] = queue
+        self._send(("generate", rid, request))
+        ended = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    ended = True
+                    raise item
+                if isinstance(item, Ended):
+                    ended = True
+                    for generation in item.generations:
+                        request_context.record_generation(generation)
+                    return
+                yield item
+        finally:
+            self._queues.pop(rid, None)
+            if not ended:  # its client went away: the engine forgets it
+                self._send(("abort", rid))
+
+    def _check(self) -> None:
+        if self.failure is not None:
+            raise ModelNotReady(f"The model cannot serve: {self.failure}")
+        if self._stopping:
+            raise ShuttingDown()
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        with self._send_lock, contextlib.suppress(OSError, EOFError, ValueError):  # gone: `_lost` says so
+            self._conn.send(message)
+
+    # ---- from the engine process ----------------------------------------------------------------------
+    def _read(self) -> None:
+        loop = self._loop
+        assert loop is not None
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            loop.call_soon_threadsafe(self._dispatch, message)
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(self._lost)
+
+    def _dispatch(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "batch":
+            _, items, observed, self._snapshot = message
+            for method, args in observed:
+                self._notify(method, args)
+            for rid, item in items:
+                queue = self._queues.get(rid)
+                if queue is not None:
+                    queue.put_nowait(item)
+        elif kind == "reply":
+            _, call, error = message
+            reply = self._calls.pop(call, None)
+            if reply is not None and not reply.done():
+                if error is None:
+                    reply.set_result(None)
+                else:
+                    reply.set_exception(error)
+        elif kind == "failure":
+            self._fail(message[1])
+
+    def _notify(self, method: str, args: tuple[Any, ...]) -> None:
+        for observer in self._observers:
+            try:
+                getattr(observer, method)(*args)
+            except Exception:  # noqa: BLE001 - a failing observer must not fail requests
+                log.exception("engine observer %s.%s failed", type(observer).__name__, method)
+
+    def _lost(self) -> None:
+        """The pipe closed: unless `stop` asked for it, the engine process died."""
+        if self._stopping:
+            return
+        self.process.join(1.0)
+        code = self.process.exitcode
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        self._fail(f"the engine process (pid {self.process.pid}) {how}")
+
+    def _fail(self, why: str) -> None:
+        """The engine failed for good: every open request ends with an error, new ones are refused, and
+        the `on_failure` listeners are told (only the first failure counts)."""
+        if self.failure is not None:
+            return
+        self.failure = why
+        log.error("%s", why)
+        self._end_all(GenerationFailed(why if why.startswith("the engine failed") else f"the engine failed: {why}"))
+        for listener in self.on_failure:
+            try:
+                listener(why)
+            except Exception:  # noqa: BLE001 - a listener must not hide the failure from the others
+                log.exception("engine failure listener failed")
+
+    def _end_all(self, error: BaseException) -> None:
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+        for reply in self._calls.values():
+            if not reply.done():
+                reply.set_exception(error)
+        self._calls.clear()

@@ -1,0 +1,152 @@
+"""The engine's side of `engine_process`: one engine served over a pipe to the serving process (client.py).
+
+A thread reads the serving process's messages and hands them to this process's event loop, where each
+request is a task iterating `engine.generate`, exactly as the protocols do in one process. What the tasks
+and the observers get during one turn of the loop is sent as one message: one a step. The engine's
+scheduling, detokenizing and model steps so take none of the serving process's CPU or GIL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from dataclasses import replace
+from multiprocessing.connection import Connection
+from typing import Any
+
+from lmiserve.core import request_context
+from lmiserve.core.request import GenerationRequest
+from lmiserve.core.stats import RequestStats, StepStats
+from lmiserve.engine.core.async_engine import AsyncEngine
+from lmiserve.engine.process.wire import Ended, portable
+
+log = logging.getLogger(__name__)
+
+
+class _Forward:
+    """The engine's observer here: each call is queued for the serving process's observers."""
+
+    def __init__(self, host: Host) -> None:
+        self.host = host
+
+    def on_rejected(self, error: BaseException) -> None:
+        self.host.observed("on_rejected", (portable(error),))
+
+    def on_submitted(self, prompt_tokens: int, sequences: int) -> None:
+        self.host.observed("on_submitted", (prompt_tokens, sequences))
+
+    def on_step(self, step: StepStats) -> None:
+        self.host.observed("on_step", (step,))
+
+    def on_finished(self, request: RequestStats) -> None:
+        if request.error is not None:
+            request = replace(request, error=portable(request.error))
+        self.host.observed("on_finished", (request,))
+
+
+class Host:
+    """Serves `engine` (started, on this loop) over `conn` until told to stop or the serving process goes."""
+
+    def __init__(self, engine: AsyncEngine, conn: Connection) -> None:
+        self.engine, self.conn = engine, conn
+        self.loop = asyncio.get_running_loop()
+        self.tasks: dict[int, asyncio.Task[None]] = {}
+        self._items: list[tuple[int, Any]] = []
+        self._observed: list[tuple[str, tuple[Any, ...]]] = []
+        self._flushing = False
+        self._stop = asyncio.Event()
+        self._send_lock = threading.Lock()
+        engine.add_observer(_Forward(self))
+        engine.on_failure.append(self._failed)
+
+    async def serve(self) -> None:
+        threading.Thread(target=self._read, name="lmiserve-engine-pipe", daemon=True).start()
+        await self._stop.wait()
+        await self.engine.stop()  # the requests still open end with ShuttingDown, sent below
+        tasks = list(self.tasks.values())
+        if tasks:
+            await asyncio.wait(tasks, timeout=5.0)
+        self._flush()
+
+    def _failed(self, why: str) -> None:
+        self._flush()  # the events the engine delivered before it failed go first
+        self._send(("failure", why))
+
+    # ---- from the serving process ------------------------------------------------------------------
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):  # the serving process went away
+                break
+            self.loop.call_soon_threadsafe(self._handle, message)
+            if message[0] == "stop":
+                return
+        self.loop.call_soon_threadsafe(self._stop.set)
+
+    def _handle(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "generate":
+            _, rid, request = message
+            self.tasks[rid] = self.loop.create_task(self._generate(rid, request))
+        elif kind == "abort":
+            task = self.tasks.get(message[1])
+            if task is not None:
+                task.cancel()
+        elif kind == "prepare":
+            _, call, request = message
+            self.loop.create_task(self._prepare(call, request))
+        elif kind == "stop":
+            self._stop.set()
+
+    async def _generate(self, rid: int, request: GenerationRequest) -> None:
+        facts = request_context.RequestFacts(request.request_id or str(rid))
+        request_context.bind(facts)  # this task's context: the engine records what it ran here
+        try:
+            async for event in self.engine.generate(request):
+                self._put(rid, event)
+            self._put(rid, Ended(tuple(facts.generations)))
+        except asyncio.CancelledError:  # aborted: the serving process waits for nothing more
+            pass
+        except Exception as exc:  # noqa: BLE001 - the request's error, raised there from its iteration
+            self._put(rid, portable(exc))
+        finally:
+            self.tasks.pop(rid, None)
+
+    async def _prepare(self, call: int, request: GenerationRequest) -> None:
+        error: BaseException | None = None
+        try:
+            await self.engine.prepare(request)
+        except Exception as exc:  # noqa: BLE001 - raised by the serving process's `prepare`
+            error = portable(exc)
+        self._send(("reply", call, error))
+
+    # ---- to the serving process ----------------------------------------------------------------------
+    def observed(self, method: str, args: tuple[Any, ...]) -> None:
+        self._observed.append((method, args))
+        self._schedule()
+
+    def _put(self, rid: int, item: Any) -> None:
+        self._items.append((rid, item))
+        self._schedule()
+
+    def _schedule(self) -> None:
+        """Flush two turns of the loop from now: a step's observers are told before its events are
+        delivered, and the requests' tasks take their events in the turn after that (one message a step)."""
+        if not self._flushing:
+            self._flushing = True
+            self.loop.call_soon(self.loop.call_soon, self._flush)
+
+    def _flush(self) -> None:
+        self._flushing = False
+        if not self._items and not self._observed:
+            return
+        items, self._items = self._items, []
+        observed, self._observed = self._observed, []
+        self._send(("batch", items, observed, self.engine.snapshot()))
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        with self._send_lock, contextlib.suppress(OSError, EOFError):  # the serving process is gone
+            self.conn.send(message)

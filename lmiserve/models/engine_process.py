@@ -1,0 +1,133 @@
+"""`engine_process`: the LLM and its engine core (scheduler, detokenizing, model steps) in a process of their
+own, as vLLM's engine-core process, so that the serving process's event loop (HTTP, protocols, streaming)
+and the engine do not share one GIL. The serving process keeps what the protocols read of the model (its
+tokenizer, config, processor) and talks to the engine through `engine.process.client.EngineProcessClient`.
+
+The engine process loads the model exactly as one process would (`compose.load_llm`), starts and warms up
+its engine, then sends what the serving process needs of the model and serves the pipe until it is told to
+stop (after the server drained) or its parent goes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import signal
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lmiserve.config import Settings
+from lmiserve.core import threads
+from lmiserve.engine import torch_thread
+from lmiserve.engine.process.client import EngineProcessClient
+from lmiserve.engine.process.wire import portable
+from lmiserve.models.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from lmiserve.engine.loaded import LoadedModel
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 3600.0  # loading a large model and warming up its engine may take long; its exit does not wait
+
+
+class ModelView:
+    """What the serving process holds of the model in place of its weights: its configs."""
+
+    def __init__(self, config: Any, generation_config: Any) -> None:
+        self.config, self.generation_config = config, generation_config
+
+
+def start_engine_process(settings: Settings, path: Path) -> tuple[LoadedModel, EngineProcessClient]:
+    """Start the engine process of the LLM in `path` and wait until it serves (ModelLoadError with its
+    reason when it does not); the model as the serving process sees it, and the engine's client."""
+    from lmiserve.engine.loaded import LoadedModel
+
+    context = mp.get_context("spawn")
+    conn, child = context.Pipe()
+    process: Any = context.Process(
+        target=engine_main,
+        args=(settings, str(path), child, torch_thread.GOVERN),
+        name="lmiserve-engine",
+        daemon=True,
+    )
+    process.start()
+    child.close()
+    ready = wait([conn, process.sentinel], START_TIMEOUT_S)
+    message: tuple[Any, ...] = ("failed", "it did not start within the time allowed")
+    if conn in ready:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            message = ("failed", "it exited while starting")
+    elif ready:
+        message = ("failed", f"it exited with code {process.exitcode} while starting")
+    if message[0] != "ready":
+        if process.is_alive():
+            process.kill()
+        process.join(5.0)
+        conn.close()
+        raise ModelLoadError(f"the engine process did not start: {message[1]}")
+    _, view, snapshot = message
+    model: Any = ModelView(view["config"], view["generation_config"])  # in place of the PreTrainedModel
+    loaded = LoadedModel(model=model, **view["fields"])
+    log.info("engine process pid %d serves %s", process.pid, loaded.name)
+    return loaded, EngineProcessClient(process, conn, snapshot)
+
+
+def engine_main(settings: Settings, path: str, conn: Connection, govern: bool) -> None:
+    """The engine process: load, start, warm up, tell the serving process, serve. It ignores SIGINT and
+    SIGTERM (the server drains first, then stops it) and exits when its parent goes."""
+    from lmiserve.engine.cpu_threads import apply as apply_threads
+    from lmiserve.engine.executors.tp_worker import exit_with_parent
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
+    exit_with_parent()
+    level = logging.getLevelName(settings.log_level.upper())
+    logging.basicConfig(
+        level=level if isinstance(level, int) else logging.INFO,
+        format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s",
+        force=True,
+    )
+    apply_threads(threads.choose(settings.num_threads).threads)
+    torch_thread.GOVERN = govern
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    asyncio.run(_serve(settings, Path(path), conn))
+
+
+async def _serve(settings: Settings, path: Path, conn: Connection) -> None:
+    from lmiserve.engine.core.warmup import warm_up
+    from lmiserve.engine.process.host import Host
+    from lmiserve.models.compose import load_llm
+
+    try:
+        loaded, engine = await torch_thread.run_apart(load_llm, settings, path)
+        engine.start()
+        await warm_up(engine)
+    except Exception as exc:  # noqa: BLE001 - the serving process reports it and the model is FAILED
+        log.debug("the engine failed to start", exc_info=exc)
+        conn.send(("failed", f"{type(exc).__name__}: {portable(exc)}"))
+        return
+    conn.send(("ready", _view(loaded), engine.snapshot()))
+    await Host(engine, conn).serve()
+
+
+def _view(loaded: LoadedModel) -> dict[str, Any]:
+    """What the serving process needs of `loaded` (picklable: no weights)."""
+    model = loaded.model
+    fields = {
+        "tokenizer": loaded.tokenizer,
+        "device": loaded.device,
+        "dtype": loaded.dtype,
+        "max_context": loaded.max_context,
+        "eos_token_ids": loaded.eos_token_ids,
+        "name": loaded.name,
+        "path": loaded.path,
+        "processor": loaded.processor,
+    }
+    return {"config": model.config, "generation_config": getattr(model, "generation_config", None), "fields": fields}

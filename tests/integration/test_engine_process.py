@@ -1,0 +1,197 @@
+"""`engine_process=true`: the engine core in a process of its own (engine/process/, models/engine_process.py).
+
+Against the shared in-process `server` (the same options): the same greedy, seeded and constrained output on
+every protocol, the same 4xx for a bad request; the metrics see the engine process's tokens; a client that
+leaves aborts its request there; SIGTERM stops both processes; the engine process dying fails the server
+(503, exit 4, nothing left); what it does not combine with is refused with one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from helpers.serve_process import ServeProcess
+from helpers.waiting import wait_until
+from lmiserve.config import ConfigError, Settings
+
+
+@pytest.fixture(scope="module")
+def process_server(server_pool, tiny_model_dir: Path) -> Iterator[str]:
+    """The `server` fixture's options, with the engine in its own process."""
+    yield server_pool.url(["--model-id", str(tiny_model_dir), "-o", "max_input_len=64", "-o", "engine_process=true"])
+
+
+def children(pid: int) -> list[int]:
+    """The processes `pid` spawned with multiprocessing (not its resource tracker)."""
+    found = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return [c for c in found if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat").read_text() if Path(f"/proc/{pid}/stat").exists() else ""
+    return bool(stat) and stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+REQUESTS = [
+    ("/v1/completions", {"model": "tiny", "prompt": "Hello there", "max_tokens": 12, "temperature": 0}),
+    (
+        "/v1/completions",
+        {"model": "tiny", "prompt": "Hello", "max_tokens": 8, "temperature": 1, "n": 2, "best_of": 3, "seed": 5},
+    ),
+    (
+        "/v1/completions",
+        {
+            "model": "tiny",
+            "prompt": "Hi",
+            "max_tokens": 10,
+            "temperature": 0,
+            "response_format": {"type": "json_object"},
+        },
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 6,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 2,
+        },
+    ),
+    ("/generate", {"inputs": "The quick brown fox", "parameters": {"max_new_tokens": 9, "details": True}}),
+    ("/invocations", {"inputs": "Once upon", "parameters": {"max_new_tokens": 7, "do_sample": True, "seed": 3}}),
+]
+
+
+def answer(url: str, path: str, body: dict) -> object:
+    response = httpx.post(f"{url}{path}", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    for key in ("id", "created"):  # per response
+        if isinstance(data, dict):
+            data.pop(key, None)
+    if isinstance(data, dict) and isinstance(data.get("details"), dict):
+        data["details"].pop("prefill", None)
+    return data
+
+
+@pytest.mark.parametrize(("path", "body"), REQUESTS, ids=[f"{p}-{i}" for i, (p, _) in enumerate(REQUESTS)])
+def test_answers_equal_the_in_process_engines(server, process_server, path, body):
+    assert answer(process_server, path, body) == answer(server.url, path, body)
+
+
+def test_a_stream_equals_the_in_process_engines(server, process_server):
+    body = {"model": "tiny", "prompt": "Streams", "max_tokens": 10, "temperature": 0, "stream": True}
+
+    def texts(url: str) -> list[str]:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            lines = [line for line in response.iter_lines() if line.startswith("data: {")]
+        return [json.loads(line[6:])["choices"][0]["text"] for line in lines]
+
+    streamed = texts(process_server)
+    assert len(streamed) >= 10
+    assert streamed == texts(server.url)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"model": "tiny", "prompt": "Hello there", "max_tokens": 2000}),  # ContextLengthExceeded
+        (
+            "/generate",
+            {"inputs": "Hello", "parameters": {"max_new_tokens": 5, "grammar": {"type": "regex", "value": "("}}},
+        ),
+        ("/invocations", {"inputs": "word " * 100, "parameters": {"max_new_tokens": 5}}),  # over max_input_len
+    ],
+)
+def test_a_bad_request_gets_the_same_4xx(server, process_server, path, body):
+    ours = httpx.post(f"{process_server}{path}", json=body, timeout=60)
+    theirs = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+    assert 400 <= ours.status_code < 500, ours.text
+    assert (ours.status_code, ours.json()) == (theirs.status_code, theirs.json())
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and labels in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_the_metrics_count_the_engine_processs_work(process_server):
+    before = metric(process_server, "vllm:generation_tokens_total")
+    gaps = metric(process_server, "vllm:inter_token_latency_seconds_count")
+    answer(process_server, "/v1/completions", {"model": "tiny", "prompt": "Count", "max_tokens": 5, "temperature": 0})
+    assert metric(process_server, "vllm:generation_tokens_total") == before + 5
+    assert metric(process_server, "vllm:inter_token_latency_seconds_count") == gaps + 4  # each step's statistics
+    assert metric(process_server, "vllm:num_requests_running") == 0  # the engine's snapshot
+
+
+@pytest.fixture(scope="module")
+def endless(endless_model_dir: Path) -> Iterator[ServeProcess]:
+    """The tiny model with a 2**20-token context in an engine process: a request runs until its client leaves."""
+    with ServeProcess(
+        ["--model-id", str(endless_model_dir), "-o", "engine_process=true", "-o", "grpc_port=0"]
+    ) as served:
+        served.wait_healthy()
+        yield served
+
+
+def test_a_client_that_leaves_aborts_its_request_in_the_engine_process(endless):
+    aborted = metric(endless.url, "vllm:request_success_total", 'finished_reason="abort"')
+    body = {"inputs": "Go on", "parameters": {"max_new_tokens": 4000, "ignore_eos_token": True}, "stream": True}
+    with httpx.stream("POST", f"{endless.url}/invocations", json=body, timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        lines = response.iter_lines()
+        for _ in range(5):
+            next(lines)
+        assert metric(endless.url, "vllm:num_requests_running") == 1
+    wait_until(lambda: metric(endless.url, "vllm:num_requests_running") == 0, "the request left the batch", timeout=30)
+    wait_until(
+        lambda: metric(endless.url, "vllm:request_success_total", 'finished_reason="abort"') == aborted + 1,
+        "the abort is counted",
+        timeout=30,
+    )
+
+
+def test_sigterm_stops_the_server_and_its_engine_process(endless):
+    engine = children(endless.proc.pid)
+    assert len(engine) == 1, engine
+    endless.send(signal.SIGTERM)
+    assert endless.wait_exit() == 0, endless.describe()
+    wait_until(lambda: not alive(engine[0]), "the engine process exited", timeout=30)
+
+
+def test_the_engine_process_dying_fails_the_server(tiny_model_dir):
+    with ServeProcess(["--model-id", str(tiny_model_dir), "-o", "engine_process=true", "-o", "grpc_port=0"]) as served:
+        served.wait_healthy()
+        (engine,) = children(served.proc.pid)
+        os.kill(engine, signal.SIGKILL)
+        assert served.wait_exit() == 4, served.describe()  # ENGINE_FAILED
+        assert f"the engine process (pid {engine}) was killed by signal 9" in served.stderr()
+
+
+@pytest.mark.parametrize(
+    ("options", "refused"),
+    [
+        ({"enable_lora": "true"}, "engine_process=true cannot be combined with enable_lora yet"),
+        ({"tensor_parallel_degree": "2"}, "engine_process=true cannot be combined with tensor_parallel_degree yet"),
+    ],
+)
+def test_what_it_does_not_combine_with_is_refused(options, refused):
+    with pytest.raises(ConfigError, match=refused):
+        Settings.from_options({"engine_process": "true", **options})
