@@ -43,12 +43,12 @@ dependencies can come as wheels; see benchmarks/README.md, "The GPU check"). It 
    ``engine_process`` (``benchmarks/engine_process.py`` on the 1B shape: a server with ``engine_process=true``
    and one without, in turns at 32 and 128 streams: tokens/s, the ratio, each server's CPU a token).
 
-The steps run in the order of issue 39's targets: the tests, the benches (1B, then 8B at one stream), fp8
-weights, the decode paths, the engine in its own process, overlap scheduling, the step profile, the fp8 KV
+The steps run in the order of issue 39's targets: the tests, the benches (1B, then 8B at one stream), the
+engine in its own process, fp8 weights, the decode paths, overlap scheduling, the step profile, the fp8 KV
 cache, the decode paths with LoRA adapters, tensor parallelism.
 Every step has a time limit inside ``--budget`` (default 450 s); a step that fails or runs out is
 recorded as such and the next one runs. ``--steps`` runs some of them (`STEP_KEYS`: tests, bench-1b,
-bench-8b, quantized, decode-paths, engine-process, overlap, step-profile, fp8-kv, lora-paths,
+bench-8b, engine-process, quantized, decode-paths, overlap, step-profile, fp8-kv, lora-paths,
 tensor-parallel), so a
 session can spend its minutes on what an earlier check left unmeasured. ``summary.json`` and ``summary.md``
 are written however the check ends (its last step timed out, SIGINT or SIGTERM from a device call's
@@ -122,9 +122,9 @@ STEP_KEYS = (
     "tests",
     "bench-1b",
     "bench-8b",
+    "engine-process",
     "quantized",
     "decode-paths",
-    "engine-process",
     "overlap",
     "step-profile",
     "fp8-kv",
@@ -774,6 +774,22 @@ def main(argv: list[str] | None = None) -> int:
         summary["steps"].append(step)
         summary[f"bench_{shape}"] = bench_summary(bench_dir)
 
+    # 4b. the engine core in its own process (engine_process) against in process: the 1B shape at 32 and 128 streams,
+    # the two servers (each 0.44 of the GPU) in turns, tokens/s and each process's CPU a token
+    if ready("engine-process", "engine process 1b", 150):
+        report = out / "engine-process-1b" / "engine_process.json"
+        command = [
+            sys.executable, str(ROOT / "benchmarks" / "engine_process.py"), "--model-id", str(model("1b")),
+            "-o", "load_format=dummy", "-o", "dtype=bf16", "-o", f"device={scale.device}",
+            "-o", scale.pick("gpu_memory_utilization=0.44", "kv_cache_memory_bytes=64MiB"),
+            "--concurrency", scale.pick("32,128", "4"), "--tokens", scale.pick("128", "8"), "--rounds", "1",
+            "--client-processes", scale.pick("4", "2"), "--json", str(report),
+        ]  # fmt: skip
+        step = run_step("engine process 1b", command, out / "engine-process-1b.log", min(150.0, left() - 60), env)
+        if report.exists():
+            summary["engine_process"] = json.loads(report.read_text())["summary"]
+        summary["steps"].append(step)
+
     # 5. quantized weights (issue 39 item 2): fp8 weights (quantize=fp8 of the dummy bf16 weights, Fp8Linear's
     # _scaled_mm) at one stream on the largest shape benched, against that shape's bf16 level 1 (run now, while
     # it is fresh); the products alone (quantized_kernels.py); then each format's perplexity and greedy agreement
@@ -815,22 +831,6 @@ def main(argv: list[str] | None = None) -> int:
 
     # 6. the decode paths (issue #25): CUDA graphs over the Triton kernel, the kernel eagerly, torch attention
     decode_paths("decode paths 1b", "decode_paths", 150.0, [])
-
-    # 6b. the engine core in its own process (engine_process) against in process: the 1B shape at 32 and 128 streams,
-    # the two servers (each 0.44 of the GPU) in turns, tokens/s and each process's CPU a token
-    if ready("engine-process", "engine process 1b", 150):
-        report = out / "engine-process-1b" / "engine_process.json"
-        command = [
-            sys.executable, str(ROOT / "benchmarks" / "engine_process.py"), "--model-id", str(model("1b")),
-            "-o", "load_format=dummy", "-o", "dtype=bf16", "-o", f"device={scale.device}",
-            "-o", scale.pick("gpu_memory_utilization=0.44", "kv_cache_memory_bytes=64MiB"),
-            "--concurrency", scale.pick("32,128", "4"), "--tokens", scale.pick("128", "8"), "--rounds", "1",
-            "--client-processes", scale.pick("4", "2"), "--json", str(report),
-        ]  # fmt: skip
-        step = run_step("engine process 1b", command, out / "engine-process-1b.log", min(150.0, left() - 60), env)
-        if report.exists():
-            summary["engine_process"] = json.loads(report.read_text())["summary"]
-        summary["steps"].append(step)
 
     # 7. overlap scheduling (issue 39 item 1): the 1B shape's engine with async_scheduling off and on, in turns
     if ready("overlap", "overlap scheduling 1b", 120):

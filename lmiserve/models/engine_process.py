@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
+import pickle
 import signal
+import time
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,8 +24,10 @@ from lmiserve.config import Settings
 from lmiserve.core import threads
 from lmiserve.engine import torch_thread
 from lmiserve.engine.process.client import EngineProcessClient
-from lmiserve.engine.process.wire import portable
+from lmiserve.engine.process.wire import PipeLogHandler, PipeSender, emit_forwarded, portable
+from lmiserve.models.compose import with_chat_template
 from lmiserve.models.errors import ModelLoadError
+from lmiserve.models.vision import load_processor
 
 if TYPE_CHECKING:
     from lmiserve.engine.loaded import LoadedModel
@@ -55,15 +59,7 @@ def start_engine_process(settings: Settings, path: Path) -> tuple[LoadedModel, E
     )
     process.start()
     child.close()
-    ready = wait([conn, process.sentinel], START_TIMEOUT_S)
-    message: tuple[Any, ...] = ("failed", "it did not start within the time allowed")
-    if conn in ready:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            message = ("failed", "it exited while starting")
-    elif ready:
-        message = ("failed", f"it exited with code {process.exitcode} while starting")
+    message = _first_message(conn, process)
     if message[0] != "ready":
         if process.is_alive():
             process.kill()
@@ -72,9 +68,36 @@ def start_engine_process(settings: Settings, path: Path) -> tuple[LoadedModel, E
         raise ModelLoadError(f"the engine process did not start: {message[1]}")
     _, view, snapshot = message
     model: Any = ModelView(view["config"], view["generation_config"])  # in place of the PreTrainedModel
-    loaded = LoadedModel(model=model, **view["fields"])
+    fields = view["fields"]
+    if view["vision"]:  # a processor does not pickle: this process builds its own, as the engine's did
+        fields["processor"] = load_processor(path, view["config"], settings.trust_remote_code)
+        fields["tokenizer"] = fields["processor"].tokenizer
+        with_chat_template(fields["tokenizer"], settings.chat_template)
+    loaded = LoadedModel(model=model, **fields)
     log.info("engine process pid %d serves %s", process.pid, loaded.name)
     return loaded, EngineProcessClient(process, conn, snapshot)
+
+
+def _first_message(conn: Connection, process: Any) -> tuple[Any, ...]:
+    """The engine process's "ready" or "failed" (its log records before it are logged here)."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        waited = wait([conn, process.sentinel], max(0.0, deadline - time.monotonic()))
+        if conn not in waited:
+            if waited:
+                return ("failed", f"it exited with code {process.exitcode} while starting")
+            return ("failed", "it did not start within the time allowed")
+        try:
+            message: tuple[Any, ...] = conn.recv()
+        except (EOFError, OSError):
+            process.join(5.0)
+            return ("failed", f"it exited with code {process.exitcode} while starting")
+        if message[0] == "ready_pickled":  # pickled in the engine process first, to report what fails to
+            ready: tuple[Any, ...] = pickle.loads(message[1])
+            return ready
+        if message[0] != "log":
+            return message
+        emit_forwarded(message[1])
 
 
 def engine_main(settings: Settings, path: str, conn: Connection, govern: bool) -> None:
@@ -86,21 +109,21 @@ def engine_main(settings: Settings, path: str, conn: Connection, govern: bool) -
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
     exit_with_parent()
+    sender = PipeSender(conn)
     level = logging.getLevelName(settings.log_level.upper())
+    # the records go to the serving process, which writes them as its own (log_format, request ids)
     logging.basicConfig(
-        level=level if isinstance(level, int) else logging.INFO,
-        format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s",
-        force=True,
+        level=level if isinstance(level, int) else logging.INFO, handlers=[PipeLogHandler(sender)], force=True
     )
     apply_threads(threads.choose(settings.num_threads).threads)
     torch_thread.GOVERN = govern
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()
-    asyncio.run(_serve(settings, Path(path), conn))
+    asyncio.run(_serve(settings, Path(path), conn, sender))
 
 
-async def _serve(settings: Settings, path: Path, conn: Connection) -> None:
+async def _serve(settings: Settings, path: Path, conn: Connection, sender: PipeSender) -> None:
     from lmiserve.engine.core.warmup import warm_up
     from lmiserve.engine.process.host import Host
     from lmiserve.models.compose import load_llm
@@ -111,10 +134,15 @@ async def _serve(settings: Settings, path: Path, conn: Connection) -> None:
         await warm_up(engine)
     except Exception as exc:  # noqa: BLE001 - the serving process reports it and the model is FAILED
         log.debug("the engine failed to start", exc_info=exc)
-        conn.send(("failed", f"{type(exc).__name__}: {portable(exc)}"))
+        sender.send(("failed", f"{type(exc).__name__}: {portable(exc)}"))
         return
-    conn.send(("ready", _view(loaded), engine.snapshot()))
-    await Host(engine, conn).serve()
+    try:
+        ready = pickle.dumps(("ready", _view(loaded), engine.snapshot()))
+    except Exception as exc:  # noqa: BLE001 - what the serving process needs of the model does not pickle
+        sender.send(("failed", f"the model's tokenizer or config cannot be sent to the server: {exc}"))
+        return
+    sender.send(("ready_pickled", ready))
+    await Host(engine, conn, sender).serve()
 
 
 def _view(loaded: LoadedModel) -> dict[str, Any]:
@@ -128,6 +156,6 @@ def _view(loaded: LoadedModel) -> dict[str, Any]:
         "eos_token_ids": loaded.eos_token_ids,
         "name": loaded.name,
         "path": loaded.path,
-        "processor": loaded.processor,
     }
-    return {"config": model.config, "generation_config": getattr(model, "generation_config", None), "fields": fields}
+    config, generation = model.config, getattr(model, "generation_config", None)
+    return {"config": config, "generation_config": generation, "fields": fields, "vision": loaded.processor is not None}

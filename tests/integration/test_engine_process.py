@@ -144,9 +144,8 @@ def test_the_metrics_count_the_engine_processs_work(process_server):
 @pytest.fixture(scope="module")
 def endless(endless_model_dir: Path) -> Iterator[ServeProcess]:
     """The tiny model with a 2**20-token context in an engine process: a request runs until its client leaves."""
-    with ServeProcess(
-        ["--model-id", str(endless_model_dir), "-o", "engine_process=true", "-o", "grpc_port=0"]
-    ) as served:
+    options = ["engine_process=true", "grpc_port=0", "log_level=debug", "log_format=json"]
+    with ServeProcess(["--model-id", str(endless_model_dir), *[a for o in options for a in ("-o", o)]]) as served:
         served.wait_healthy()
         yield served
 
@@ -166,6 +165,29 @@ def test_a_client_that_leaves_aborts_its_request_in_the_engine_process(endless):
         "the abort is counted",
         timeout=30,
     )
+
+
+def test_the_engine_processs_log_lines_are_written_by_the_server(endless):
+    """One stream, one format: the engine process's records come out of the server in its JSON lines, with
+    the request's id on the engine's lines about it."""
+    body = {"inputs": "Log me", "parameters": {"max_new_tokens": 3}}
+    response = httpx.post(f"{endless.url}/invocations", json=body, headers={"x-request-id": "ep-log-1"}, timeout=60)
+    assert response.status_code == 200
+
+    def lines() -> list[dict]:
+        return [json.loads(line) for line in endless.stderr_lines() if line.startswith("{")]
+
+    def engine_line() -> bool:
+        return any(
+            d["logger"] == "lmiserve.engine.core.async_engine"
+            and d["message"].startswith("queued:")
+            and d.get("request_id") == "ep-log-1"
+            for d in lines()
+        )
+
+    wait_until(engine_line, "the engine's line about the request", timeout=30)
+    assert any(d["logger"] == "lmiserve.engine.factory" and d["message"].startswith("KV cache:") for d in lines())
+    assert not [line for line in endless.stderr_lines() if "INFO:lmiserve" in line]  # no second format inside
 
 
 def test_sigterm_stops_the_server_and_its_engine_process(endless):

@@ -15,6 +15,7 @@ import itertools
 import logging
 import threading
 from collections.abc import AsyncGenerator, Callable
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -23,11 +24,18 @@ from lmiserve.core.errors import GenerationFailed, ModelNotReady, ShuttingDown
 from lmiserve.core.events import StepEvent
 from lmiserve.core.request import GenerationRequest
 from lmiserve.core.stats import EngineObserver, EngineSnapshot
-from lmiserve.engine.process.wire import Ended
+from lmiserve.engine.process.wire import Ended, emit_forwarded
 
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 30.0  # how long `stop` waits for the engine process to end its requests and exit
+MAX_GROUP = 64  # messages (steps) handed to the loop at once at most
+
+
+def _record(ended: Ended) -> None:
+    """What the engine ran for the request, added to the facts of the request being served (its spans)."""
+    for generation in ended.generations:
+        request_context.record_generation(generation)
 
 
 class EngineProcessClient:
@@ -106,12 +114,17 @@ class EngineProcessClient:
                     raise item
                 if isinstance(item, Ended):
                     ended = True
-                    for generation in item.generations:
-                        request_context.record_generation(generation)
+                    _record(item)
                     return
                 yield item
         finally:
             self._queues.pop(rid, None)
+            while not ended and not queue.empty():  # read to its last event: its end came in the same message
+                item = queue.get_nowait()
+                if isinstance(item, (Ended, BaseException)):
+                    ended = True
+                    if isinstance(item, Ended):
+                        _record(item)
             if not ended:  # its client went away: the engine forgets it
                 self._send(("abort", rid))
 
@@ -127,37 +140,54 @@ class EngineProcessClient:
 
     # ---- from the engine process ----------------------------------------------------------------------
     def _read(self) -> None:
+        """Hand the engine's messages to the loop: every one waiting when the loop is behind, at once
+        (`_dispatch`), so that a stream's tokens of several steps go out in one write."""
         loop = self._loop
         assert loop is not None
         while True:
             try:
-                message = self._conn.recv()
+                messages = [self._conn.recv()]
+                while len(messages) < MAX_GROUP and self._conn.poll():
+                    messages.append(self._conn.recv())
             except (EOFError, OSError):
                 break
-            loop.call_soon_threadsafe(self._dispatch, message)
+            loop.call_soon_threadsafe(self._dispatch, messages)
         if not loop.is_closed():
             loop.call_soon_threadsafe(self._lost)
 
-    def _dispatch(self, message: tuple[Any, ...]) -> None:
-        kind = message[0]
-        if kind == "batch":
-            _, items, observed, self._snapshot = message
-            for method, args in observed:
-                self._notify(method, args)
-            for rid, item in items:
-                queue = self._queues.get(rid)
-                if queue is not None:
-                    queue.put_nowait(item)
-        elif kind == "reply":
-            _, call, error = message
-            reply = self._calls.pop(call, None)
-            if reply is not None and not reply.done():
-                if error is None:
-                    reply.set_result(None)
-                else:
-                    reply.set_exception(error)
-        elif kind == "failure":
-            self._fail(message[1])
+    def _dispatch(self, messages: list[tuple[Any, ...]]) -> None:
+        """The engine's messages, in order. A request's events of several steps here are one burst (each but
+        its last says `burst`: the response pipeline writes them together)."""
+        delivered: dict[int, list[Any]] = {}
+        for message in messages:
+            kind = message[0]
+            if kind == "batch":
+                _, items, observed, self._snapshot = message
+                for method, args in observed:
+                    self._notify(method, args)
+                for rid, item in items:
+                    delivered.setdefault(rid, []).append(item)
+            elif kind == "reply":
+                _, call, error = message
+                reply = self._calls.pop(call, None)
+                if reply is not None and not reply.done():
+                    if error is None:
+                        reply.set_result(None)
+                    else:
+                        reply.set_exception(error)
+            elif kind == "log":
+                emit_forwarded(message[1])
+            elif kind == "failure":
+                self._fail(message[1])
+        for rid, items in delivered.items():
+            queue = self._queues.get(rid)
+            if queue is None:
+                continue
+            last = len(items) - 1
+            for n, item in enumerate(items):
+                if n < last and isinstance(item, StepEvent) and isinstance(items[n + 1], StepEvent):
+                    item = replace(item, burst=True)
+                queue.put_nowait(item)
 
     def _notify(self, method: str, args: tuple[Any, ...]) -> None:
         for observer in self._observers:

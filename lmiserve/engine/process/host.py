@@ -9,7 +9,6 @@ scheduling, detokenizing and model steps so take none of the serving process's C
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 from dataclasses import replace
@@ -20,7 +19,7 @@ from lmiserve.core import request_context
 from lmiserve.core.request import GenerationRequest
 from lmiserve.core.stats import RequestStats, StepStats
 from lmiserve.engine.core.async_engine import AsyncEngine
-from lmiserve.engine.process.wire import Ended, portable
+from lmiserve.engine.process.wire import Ended, PipeSender, portable
 
 log = logging.getLogger(__name__)
 
@@ -47,17 +46,17 @@ class _Forward:
 
 
 class Host:
-    """Serves `engine` (started, on this loop) over `conn` until told to stop or the serving process goes."""
+    """Serves `engine` (started, on this loop) over `conn` until told to stop or the serving process goes;
+    `sender` sends on `conn` (shared with the process's log handler)."""
 
-    def __init__(self, engine: AsyncEngine, conn: Connection) -> None:
-        self.engine, self.conn = engine, conn
+    def __init__(self, engine: AsyncEngine, conn: Connection, sender: PipeSender) -> None:
+        self.engine, self.conn, self.sender = engine, conn, sender
         self.loop = asyncio.get_running_loop()
         self.tasks: dict[int, asyncio.Task[None]] = {}
         self._items: list[tuple[int, Any]] = []
         self._observed: list[tuple[str, tuple[Any, ...]]] = []
         self._flushing = False
         self._stop = asyncio.Event()
-        self._send_lock = threading.Lock()
         engine.add_observer(_Forward(self))
         engine.on_failure.append(self._failed)
 
@@ -148,5 +147,4 @@ class Host:
         self._send(("batch", items, observed, self.engine.snapshot()))
 
     def _send(self, message: tuple[Any, ...]) -> None:
-        with self._send_lock, contextlib.suppress(OSError, EOFError):  # the serving process is gone
-            self.conn.send(message)
+        self.sender.send(message)
