@@ -117,8 +117,9 @@ class ModelService:
 
         try:
             engine = await torch_thread.run_apart(self._load_blocking)
-            if self._closed:  # unregistered while loading: never start
+            if self._closed:  # unregistered while loading: never start (an engine process is stopped)
                 self.status, self.error = self.FAILED, "unloaded while loading"
+                await engine.stop()
                 return
             engine.start()
             if isinstance(engine, AsyncEngine):  # on a GPU: each shape run once before the first request

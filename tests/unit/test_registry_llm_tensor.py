@@ -183,6 +183,17 @@ async def test_a_model_removed_while_loading_never_starts(tiny_model_dir):
     assert svc.engine is None or svc.engine._task is None
 
 
+async def test_a_model_removed_while_its_engine_process_starts_leaves_no_process(tiny_model_dir):
+    registry = ModelRegistry([service("tiny", str(tiny_model_dir), engine_process="true", grpc_port="0")])
+    svc = registry.get("tiny")
+    loading = asyncio.ensure_future(svc.load())
+    await asyncio.sleep(0)
+    await registry.remove("tiny")
+    await loading
+    assert svc.status == ModelService.FAILED and svc.error == "unloaded while loading"
+    assert svc.engine is not None and not svc.engine.process.is_alive()
+
+
 def test_an_adapter_that_is_not_served_is_not_found():
     """KServe V2 infer, TF Serving, Vertex and SageMaker on an LLM: `adapter_id` selects a LoRA adapter;
     one that is not served is refused (404), never answered by the base model."""
