@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lmiserve.config import Settings
-from lmiserve.core import threads
+from lmiserve.core import heap, threads
 from lmiserve.engine import torch_thread
 from lmiserve.engine.process.client import EngineProcessClient
 from lmiserve.engine.process.wire import PipeLogHandler, PipeSender, emit_forwarded, portable
@@ -141,6 +141,7 @@ async def _serve(settings: Settings, path: Path, conn: Connection, sender: PipeS
     except Exception as exc:  # noqa: BLE001 - what the serving process needs of the model does not pickle
         sender.send(("failed", f"the model's tokenizer or config cannot be sent to the server: {exc}"))
         return
+    heap.freeze()  # the engine process's model and engine, out of the collector's way (core/heap.py)
     sender.send(("ready_pickled", ready))
     await Host(engine, conn, sender).serve()
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lmiserve.config import Settings
+from lmiserve.core import heap
 from lmiserve.core.engine import ModelEngine, TextGenerator
 from lmiserve.core.errors import ModelNotReady, Unsupported
 from lmiserve.core.parameters import Limits
@@ -124,6 +125,7 @@ class ModelService:
             engine.start()
             if isinstance(engine, AsyncEngine):  # on a GPU: each shape run once before the first request
                 await warm_up(engine)
+            heap.freeze()  # what loading left alive stays out of the collector's way (core/heap.py)
             self.status = self.READY
             log.info("model %s (%s) ready (%s)", self.name, self.kind, self.path)
         except Exception as exc:  # noqa: BLE001 - reported by /ping and the log
@@ -274,6 +276,7 @@ class ModelService:
         self._closed = True
         if self.engine is not None:
             await self.engine.stop()
+        heap.thaw()  # what this model held may now be collected (core/heap.py)
 
 
 def run_worker_node(settings: Settings) -> int:
