@@ -6,7 +6,7 @@ CPU each process spends a streamed token, the two servers measured in turns (ABB
 
 Starts `lmiserve serve` twice on `--model-id` (the same options, `max_rolling_batch_size` = the largest
 concurrency; one with `engine_process=true`), then per level and round runs `lmiserve bench --url ...
---skip-baselines` against each in ABBA order. The CPU is read from /proc for each server's process and its
+--skip-baselines` against each in ABBA order. The CPU is read (psutil) for each server's process and its
 children (the engine process), the tokens from each server's /metrics. A host-bound level (a tiny model at
 128 streams: the Python work a token is visible) shows what the process split buys where the GIL, not the
 model, limits the server.
@@ -15,11 +15,11 @@ model, limits the server.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,63 +27,45 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
+
 ROOT = Path(__file__).resolve().parent.parent
-TICKS = os.sysconf("SC_CLK_TCK")
+sys.path.insert(0, str(ROOT))
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+from lmiserve.bench.server import ManagedServer  # noqa: E402
 
 
 def cpu_seconds(pid: int) -> dict[str, float]:
-    """utime + stime of `pid` (server) and of its child processes together (children: the engine process)."""
-    out: dict[str, float] = {}
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    for name, p in [("server", pid)] + [("children", int(c)) for c in children]:
-        try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        except FileNotFoundError:
-            continue
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / TICKS
+    """User + system CPU of the server `pid` and, together, of its child processes (the engine process)."""
+    server = psutil.Process(pid)
+    out = {"server": sum(server.cpu_times()[:2])}
+    children = 0.0
+    for child in server.children():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            children += sum(child.cpu_times()[:2])
+    if children:
+        out["children"] = children
     return out
 
 
-def tokens(port: int) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+def tokens(url: str) -> float:
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
     found = re.search(r"^vllm:generation_tokens_total\{[^}]*\} ([0-9.e+]+)$", text, re.M)
     return float(found.group(1)) if found else 0.0
 
 
-def start(model_id: str, options: list[str], log: Path) -> tuple[subprocess.Popen[bytes], int]:
-    port, grpc = free_port(), free_port()
-    args = [sys.executable, "-m", "lmiserve", "serve", "--model-id", model_id, "--port", str(port)]
-    for option in [*options, f"grpc_port={grpc}"]:
-        args += ["-o", option]
-    process = subprocess.Popen(args, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=2).status == 200:
-                return process, port
-        except OSError:
-            time.sleep(0.5)
-    process.kill()
-    raise SystemExit(f"server did not start: {log}")
-
-
-def run_level(port: int, pid: int, level: int, args: argparse.Namespace, out: Path) -> dict:
-    c0, t0, w0 = cpu_seconds(pid), tokens(port), time.monotonic()
+def run_level(server: ManagedServer, level: int, args: argparse.Namespace, out: Path) -> dict:
+    pid, url = server.pid, server.url
+    c0, t0, w0 = cpu_seconds(pid), tokens(url), time.monotonic()
     bench = subprocess.run(
-        [sys.executable, "-m", "lmiserve", "bench", "--url", f"http://127.0.0.1:{port}", "--skip-baselines",
+        [sys.executable, "-m", "lmiserve", "bench", "--url", url, "--skip-baselines",
          "--soak-requests", "0", "--concurrency", str(level), "--max-new-tokens", str(args.tokens),
          "--requests-per-client", str(args.requests_per_client), "--client-processes", str(args.client_processes),
          "--output-dir", str(out)],
         capture_output=True, text=True, cwd=ROOT,
     )  # fmt: skip
     wall = time.monotonic() - w0
-    c1, t1 = cpu_seconds(pid), tokens(port)
+    c1, t1 = cpu_seconds(pid), tokens(url)
     if bench.returncode != 0:
         raise SystemExit(f"bench failed: {bench.stderr[-2000:]}")
     record = json.loads((out / "bench.json").read_text())
@@ -122,21 +104,17 @@ def main() -> None:
     out = Path(args.json).parent if args.json else Path("/tmp/engine-process-bench")
     out.mkdir(parents=True, exist_ok=True)
     common = [f"max_rolling_batch_size={max(levels)}", *args.option]
-    servers = {}
-    for name, extra in (("in_process", []), ("engine_process", ["engine_process=true"])):
-        servers[name] = start(args.model_id, common + extra, out / f"server-{name}.log")
     results: dict[str, dict[str, list[dict]]] = {}
-    try:
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for name, extra in (("in_process", []), ("engine_process", ["engine_process=true"])):
+            serve_args = ["--model-id", args.model_id, *[a for o in common + extra for a in ("-o", o)]]
+            servers[name] = stack.enter_context(ManagedServer(serve_args, out / f"server-{name}.log"))
         for level in levels:
             for name in ("in_process", "engine_process", "engine_process", "in_process") * args.rounds:
-                process, port = servers[name]
-                row = run_level(port, process.pid, level, args, out / f"bench-{name}")
+                row = run_level(servers[name], level, args, out / f"bench-{name}")
                 results.setdefault(str(level), {}).setdefault(name, []).append(row)
                 print(level, name, json.dumps(row), flush=True)
-    finally:
-        for process, _ in servers.values():
-            process.terminate()
-            process.wait(60)
     summary = {}
     for level, by in results.items():
         summary[level] = {

@@ -8,6 +8,8 @@ Each request is reported once, whatever protocol carried it.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -118,3 +120,24 @@ class EngineObserver(Protocol):
     def on_finished(self, request: RequestStats) -> None:
         """A request accepted earlier ended: finished, failed or aborted."""
         ...
+
+
+_log = logging.getLogger("lmiserve.engine")
+
+
+def notify(observers: Iterable[EngineObserver], method: str, *args: object) -> None:
+    """Call `method` of each observer; one that fails is logged and must not fail requests or the engine."""
+    for observer in observers:
+        try:
+            getattr(observer, method)(*args)
+        except Exception:  # noqa: BLE001 - a failing observer must not fail requests or the loop
+            _log.exception("engine observer %s.%s failed", type(observer).__name__, method)
+
+
+def tell_failure(listeners: Iterable[Callable[[str], None]], why: str) -> None:
+    """Tell each `on_failure` listener why the engine failed; one that fails does not hide it from the others."""
+    for listener in listeners:
+        try:
+            listener(why)
+        except Exception:  # noqa: BLE001 - a listener must not hide the failure from the others
+            _log.exception("engine failure listener failed")

@@ -14,7 +14,6 @@ import asyncio
 import logging
 import multiprocessing as mp
 import pickle
-import signal
 import time
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -101,25 +100,14 @@ def _first_message(conn: Connection, process: Any) -> tuple[Any, ...]:
 
 
 def engine_main(settings: Settings, path: str, conn: Connection, govern: bool) -> None:
-    """The engine process: load, start, warm up, tell the serving process, serve. It ignores SIGINT and
-    SIGTERM (the server drains first, then stops it) and exits when its parent goes."""
-    from lmiserve.engine.cpu_threads import apply as apply_threads
-    from lmiserve.engine.executors.tp_worker import exit_with_parent
+    """The engine process: load, start, warm up, tell the serving process, serve. As every child of the
+    server (engine/child_process.py) it ignores SIGINT and SIGTERM and exits when its parent goes."""
+    from lmiserve.engine.child_process import start_child
 
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, signal.SIG_IGN)
-    exit_with_parent()
     sender = PipeSender(conn)
-    level = logging.getLevelName(settings.log_level.upper())
     # the records go to the serving process, which writes them as its own (log_format, request ids)
-    logging.basicConfig(
-        level=level if isinstance(level, int) else logging.INFO, handlers=[PipeLogHandler(sender)], force=True
-    )
-    apply_threads(threads.choose(settings.num_threads).threads)
+    start_child(settings.log_level, threads.choose(settings.num_threads).threads, handlers=[PipeLogHandler(sender)])
     torch_thread.GOVERN = govern
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.disable_progress_bar()
     asyncio.run(_serve(settings, Path(path), conn, sender))
 
 

@@ -172,25 +172,25 @@ async def test_service_loads_the_llm_and_exposes_its_tensor_model(tiny_model_dir
         await svc.close()
 
 
-async def test_a_model_removed_while_loading_never_starts(tiny_model_dir):
-    registry = ModelRegistry([service("tiny", str(tiny_model_dir))])
+async def removed_while_loading(tiny_model_dir, **options) -> ModelService:
+    """The service of the tiny model, removed from its registry while it loads (its load awaited)."""
+    registry = ModelRegistry([service("tiny", str(tiny_model_dir), **options)])
     svc = registry.get("tiny")
     loading = asyncio.ensure_future(svc.load())
     await asyncio.sleep(0)
     await registry.remove("tiny")
     await loading
     assert svc.status == ModelService.FAILED and svc.error == "unloaded while loading"
+    return svc
+
+
+async def test_a_model_removed_while_loading_never_starts(tiny_model_dir):
+    svc = await removed_while_loading(tiny_model_dir)
     assert svc.engine is None or svc.engine._task is None
 
 
 async def test_a_model_removed_while_its_engine_process_starts_leaves_no_process(tiny_model_dir):
-    registry = ModelRegistry([service("tiny", str(tiny_model_dir), engine_process="true", grpc_port="0")])
-    svc = registry.get("tiny")
-    loading = asyncio.ensure_future(svc.load())
-    await asyncio.sleep(0)
-    await registry.remove("tiny")
-    await loading
-    assert svc.status == ModelService.FAILED and svc.error == "unloaded while loading"
+    svc = await removed_while_loading(tiny_model_dir, engine_process="true", grpc_port="0")
     assert svc.engine is not None and not svc.engine.process.is_alive()
 
 

@@ -18,7 +18,7 @@ from typing import Any
 from lmiserve.core.aio import cancel_and_wait
 from lmiserve.core.errors import GenerationFailed, InvalidRequest, QueueTimeout, ShuttingDown
 from lmiserve.core.events import FinishReason, StepEvent
-from lmiserve.core.stats import EngineObserver, StepStats
+from lmiserve.core.stats import EngineObserver, StepStats, notify, tell_failure
 from lmiserve.engine import torch_thread
 from lmiserve.engine.core.block_scheduler import BlockScheduler
 from lmiserve.engine.core.config import EngineConfig
@@ -165,11 +165,7 @@ class EngineCore:
             self._observers = observers + self._observers
 
     def _notify(self, method: str, *args: object) -> None:
-        for observer in self._observers:
-            try:
-                getattr(observer, method)(*args)
-            except Exception:  # noqa: BLE001 - a failing observer must not fail requests or the loop
-                log.exception("engine observer %s.%s failed", type(observer).__name__, method)
+        notify(self._observers, method, *args)
 
     def _release(self, handle: RequestHandle) -> None:
         """What a request held until it ended is given back (`AsyncEngine`: its LoRA adapter)."""
@@ -198,11 +194,7 @@ class EngineCore:
         error = GenerationFailed(self.failure)  # each protocol's shape says the rest (TGI: "Request failed ...")
         for seq_id in list(self._handles):
             self._fail_before_start(seq_id, error)
-        for listener in self.on_failure:
-            try:
-                listener(self.failure)
-            except Exception:  # noqa: BLE001 - a listener must not hide the failure from the others
-                log.exception("engine failure listener failed")
+        tell_failure(self.on_failure, self.failure)
 
     def _execute(self, plan: StepPlan) -> tuple[StepOutput, list[tuple[Sequence, StepEvent]]]:
         """Run `plan` and apply its results (on the torch thread): the model step, then the scheduler's

@@ -20,9 +20,6 @@ import dataclasses
 import logging
 import os
 import re
-import signal
-import threading
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -31,8 +28,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from lmiserve.core import threads
+from lmiserve.engine.child_process import start_child
 from lmiserve.engine.core.step import StepBatch, StepOutput
-from lmiserve.engine.cpu_threads import apply as apply_threads
 from lmiserve.engine.runner.fast import PagedFastRunner
 
 if TYPE_CHECKING:
@@ -45,7 +42,6 @@ CONTROL_TIMEOUT = timedelta(days=365)  # the batch broadcast waits as long as th
 # the group's rendezvous and the loading that follows wait this long at least for every rank (nodes and
 # their weights may come up minutes apart); a step's collectives are watched by the leader's step_timeout
 START_TIMEOUT_S = 1800.0
-PARENT_POLL_S = 1.0  # how often a worker checks that its parent process is still there
 
 
 class LoadModel(Protocol):
@@ -107,22 +103,12 @@ class TensorParallelRunner(PagedFastRunner):
 def worker_main(spec: WorkerSpec, rank: int, local_rank: int, conn: Connection | None) -> None:
     """A rank's process: join the group, load the shard, agree on the pool, then run batches until told
     to stop (None) or until the group breaks. Rank 0 talks to the leader over `conn`."""
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, signal.SIG_IGN)
-    exit_with_parent()
-    level = logging.getLevelName(spec.log_level)
-    logging.basicConfig(
-        level=level if isinstance(level, int) else logging.INFO,
+    cpu = spec.device == "cpu"  # the threads the node may use (core/threads.py) shared by its ranks
+    start_child(
+        spec.log_level,
+        max(1, threads.choose().threads // spec.local_world) if cpu else None,
         format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s",
-        force=True,
     )
-    if spec.device == "cpu":  # the threads the node may use (core/threads.py) shared by its ranks
-        apply_threads(max(1, threads.choose().threads // spec.local_world))
-    # no progress bars in the workers' log (and none of tqdm's multiprocessing locks, which a worker's
-    # os._exit would leave for the resource tracker to report as leaked)
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     code = 1
     try:
         code = _serve(spec, rank, local_rank, conn)
@@ -268,16 +254,3 @@ def _tell(conn: Connection | None, message: tuple[str, Any]) -> None:
     if conn is not None:
         with contextlib.suppress(OSError):
             conn.send(message)
-
-
-def exit_with_parent() -> None:
-    """End this process when its parent goes (a crashed or killed leader leaves no worker behind)."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while True:
-            time.sleep(PARENT_POLL_S)
-            if os.getppid() != parent:
-                os._exit(1)
-
-    threading.Thread(target=watch, name="lmiserve-tp-parent", daemon=True).start()

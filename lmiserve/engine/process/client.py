@@ -10,7 +10,6 @@ request and tells the `on_failure` listeners, as an engine failure does in one p
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import threading
@@ -23,8 +22,8 @@ from lmiserve.core import request_context
 from lmiserve.core.errors import GenerationFailed, ModelNotReady, ShuttingDown
 from lmiserve.core.events import StepEvent
 from lmiserve.core.request import GenerationRequest
-from lmiserve.core.stats import EngineObserver, EngineSnapshot
-from lmiserve.engine.process.wire import Ended, emit_forwarded
+from lmiserve.core.stats import EngineObserver, EngineSnapshot, notify, tell_failure
+from lmiserve.engine.process.wire import Ended, PipeSender, emit_forwarded
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +51,7 @@ class EngineProcessClient:
         self._queues: dict[int, asyncio.Queue[Any]] = {}
         self._calls: dict[int, asyncio.Future[None]] = {}
         self._ids = itertools.count(1)
-        self._send_lock = threading.Lock()
+        self._sender = PipeSender(conn)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
 
@@ -135,8 +134,7 @@ class EngineProcessClient:
             raise ShuttingDown()
 
     def _send(self, message: tuple[Any, ...]) -> None:
-        with self._send_lock, contextlib.suppress(OSError, EOFError, ValueError):  # gone: `_lost` says so
-            self._conn.send(message)
+        self._sender.send(message)  # the engine process gone: `_lost` says so
 
     # ---- from the engine process ----------------------------------------------------------------------
     def _read(self) -> None:
@@ -164,7 +162,7 @@ class EngineProcessClient:
             if kind == "batch":
                 _, items, observed, self._snapshot = message
                 for method, args in observed:
-                    self._notify(method, args)
+                    notify(self._observers, method, *args)
                 for rid, item in items:
                     delivered.setdefault(rid, []).append(item)
             elif kind == "reply":
@@ -189,13 +187,6 @@ class EngineProcessClient:
                     item = replace(item, burst=True)
                 queue.put_nowait(item)
 
-    def _notify(self, method: str, args: tuple[Any, ...]) -> None:
-        for observer in self._observers:
-            try:
-                getattr(observer, method)(*args)
-            except Exception:  # noqa: BLE001 - a failing observer must not fail requests
-                log.exception("engine observer %s.%s failed", type(observer).__name__, method)
-
     def _lost(self) -> None:
         """The pipe closed: unless `stop` asked for it, the engine process died."""
         if self._stopping:
@@ -203,21 +194,18 @@ class EngineProcessClient:
         self.process.join(1.0)
         code = self.process.exitcode
         how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-        self._fail(f"the engine process (pid {self.process.pid}) {how}")
+        why = f"the engine process (pid {self.process.pid}) {how}"
+        self._fail(why, f"the engine failed: {why}")
 
-    def _fail(self, why: str) -> None:
-        """The engine failed for good: every open request ends with an error, new ones are refused, and
-        the `on_failure` listeners are told (only the first failure counts)."""
+    def _fail(self, why: str, error: str | None = None) -> None:
+        """The engine failed for good: every open request ends with `error` (default: `why`), new ones are
+        refused, and the `on_failure` listeners are told `why` (only the first failure counts)."""
         if self.failure is not None:
             return
         self.failure = why
         log.error("%s", why)
-        self._end_all(GenerationFailed(why if why.startswith("the engine failed") else f"the engine failed: {why}"))
-        for listener in self.on_failure:
-            try:
-                listener(why)
-            except Exception:  # noqa: BLE001 - a listener must not hide the failure from the others
-                log.exception("engine failure listener failed")
+        self._end_all(GenerationFailed(error or why))
+        tell_failure(self.on_failure, why)
 
     def _end_all(self, error: BaseException) -> None:
         for queue in self._queues.values():
