@@ -259,6 +259,10 @@ class ModelService:
         from lmiserve.oneshot.batcher import BatchConfig, OneShotModel
 
         s = self.settings
+        if s.engine_process:  # said, not silently dropped: only a generative model's engine has a process
+            log.warning(
+                "engine_process applies to LLMs: the %s model %s runs in the server's process", self.kind, self.name
+            )
         runner = load_runner(self.kind, s, model_id)
         self.path, self.loaded, self.kind = (
             runner.path,

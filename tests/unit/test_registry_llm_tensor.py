@@ -203,3 +203,18 @@ def test_an_adapter_that_is_not_served_is_not_found():
     assert model.adapter({"adapter_id": "tiny"}) is None  # the base model itself
     assert model.adapter({"adapter_id": None}) is None
     assert model.sampling({"adapter_id": "my-lora"})[0].max_new_tokens == 30  # not a sampling parameter
+
+
+async def test_engine_process_on_a_one_shot_model_is_said_not_dropped(torchscript_dir, caplog):
+    """`engine_process` is the LLM engine's: a one-shot model served with it runs in the server's process,
+    and the log says so."""
+    svc = service("affine", str(torchscript_dir), engine_process="true")
+    with caplog.at_level("WARNING", logger="lmiserve.models.service"):
+        await svc.load()
+    try:
+        assert svc.status == ModelService.READY, svc.error
+        assert (
+            "engine_process applies to LLMs: the torchscript model affine runs in the server's process" in caplog.text
+        )
+    finally:
+        await svc.close()
