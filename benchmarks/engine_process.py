@@ -2,12 +2,15 @@
 CPU each process spends a streamed token, the two servers measured in turns (ABBA) in one run.
 
     .venv/bin/python benchmarks/engine_process.py --model-id DIR [--concurrency 128] [--tokens 128]
-        [--requests-per-client 2] [--rounds 2] [--client-processes N] [-o KEY=VALUE ...] [--json FILE]
+        [--requests-per-client 2] [--rounds 2] [--client-processes N] [-o KEY=VALUE ...] [--json FILE] [--probe]
 
 Starts `lmiserve serve` twice on `--model-id` (the same options, `max_rolling_batch_size` = the largest
 concurrency; one with `engine_process=true`), then per level and round runs `lmiserve bench --url ...
 --skip-baselines` against each in ABBA order. The CPU is read (psutil) for each server's process and its
-children (the engine process), the tokens from each server's /metrics. A host-bound level (a tiny model at
+children (the engine process), the tokens and the engine's own time to first token (`engine_ttft_ms_mean`,
+from its arrival in the engine) from each server's /metrics; with `--probe` a light client's time to first
+token beside the bench's (`probe_ttft_ms_p50`: the bench's one-process client reading 128 streams adds its
+own lag to its `ttft_ms_p50` on a small machine). A host-bound level (a tiny model at
 128 streams: the Python work a token is visible) shows what the process split buys where the GIL, not the
 model, limits the server.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import http.client
 import json
 import os
 import platform
@@ -23,6 +27,7 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -48,15 +53,49 @@ def cpu_seconds(pid: int) -> dict[str, float]:
     return out
 
 
-def tokens(url: str) -> float:
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
-    found = re.search(r"^vllm:generation_tokens_total\{[^}]*\} ([0-9.e+]+)$", text, re.M)
+def metric(text: str, name: str) -> float:
+    found = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M)
     return float(found.group(1)) if found else 0.0
+
+
+def counters(url: str) -> dict[str, float]:
+    """The server's generated tokens, and its engine's time-to-first-token histogram's sum and count."""
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    names = (
+        "vllm:generation_tokens_total",
+        "vllm:time_to_first_token_seconds_sum",
+        "vllm:time_to_first_token_seconds_count",
+    )
+    return {name: metric(text, name) for name in names}
+
+
+def probe(port: int, stop: threading.Event, samples: list[tuple[float, float]]) -> None:
+    """One light client beside the bench's: a streamed 8-token LMI request at a time (a blocking socket, no
+    event loop of its own to fall behind), its time to the first token recorded with when it was sent."""
+    body = json.dumps({"inputs": "The capital of France is", "stream": True,
+                       "parameters": {"max_new_tokens": 8, "ignore_eos_token": True}})  # fmt: skip
+    while not stop.is_set():
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        sent = time.monotonic()
+        connection.request("POST", "/invocations", body, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        first = None
+        for line in response:
+            if first is None and b'"token"' in line:
+                first = time.monotonic() - sent
+        connection.close()
+        if first is not None:
+            samples.append((sent, first))
+        stop.wait(0.05)
 
 
 def run_level(server: ManagedServer, level: int, args: argparse.Namespace, out: Path) -> dict:
     pid, url = server.pid, server.url
-    c0, t0, w0 = cpu_seconds(pid), tokens(url), time.monotonic()
+    stop, samples = threading.Event(), []
+    prober = threading.Thread(target=probe, args=(server.port, stop, samples), daemon=True)
+    c0, m0, w0 = cpu_seconds(pid), counters(url), time.monotonic()
+    if args.probe:
+        prober.start()
     bench = subprocess.run(
         [sys.executable, "-m", "lmiserve", "bench", "--url", url, "--skip-baselines",
          "--soak-requests", "0", "--concurrency", str(level), "--max-new-tokens", str(args.tokens),
@@ -65,16 +104,25 @@ def run_level(server: ManagedServer, level: int, args: argparse.Namespace, out: 
         capture_output=True, text=True, cwd=ROOT,
     )  # fmt: skip
     wall = time.monotonic() - w0
-    c1, t1 = cpu_seconds(pid), tokens(url)
+    stop.set()
+    if args.probe:
+        prober.join()
+    c1, m1 = cpu_seconds(pid), counters(url)
     if bench.returncode != 0:
         raise SystemExit(f"bench failed: {bench.stderr[-2000:]}")
     record = json.loads((out / "bench.json").read_text())
     row = next(r for r in record["servers"][0]["levels"] if r["concurrency"] == level)
-    n = t1 - t0
+    n = m1["vllm:generation_tokens_total"] - m0["vllm:generation_tokens_total"]
+    firsts = m1["vllm:time_to_first_token_seconds_count"] - m0["vllm:time_to_first_token_seconds_count"]
+    ttft_sum = m1["vllm:time_to_first_token_seconds_sum"] - m0["vllm:time_to_first_token_seconds_sum"]
     cpu = {k: c1.get(k, 0.0) - c0.get(k, 0.0) for k in c1}
+    # the probe's samples of the middle 60 % of the run: the bench's clients all streaming (not its start-up)
+    steady = [1e3 * ttft for sent, ttft in samples if w0 + 0.2 * wall <= sent <= w0 + 0.8 * wall]
     return {
         "tokens_per_s": row["output_tokens_per_s"],
         "ttft_ms_p50": row["ttft_ms"]["p50"],
+        "engine_ttft_ms_mean": round(1e3 * ttft_sum / firsts, 1) if firsts else None,
+        **({"probe_ttft_ms_p50": round(statistics.median(steady), 1), "probe_samples": len(steady)} if steady else {}),
         "itl_ms_p50": row["itl_ms"]["p50"],
         "failed": row["failed_requests"] + row["token_count_errors"],
         "tokens": n,
@@ -82,6 +130,15 @@ def run_level(server: ManagedServer, level: int, args: argparse.Namespace, out: 
         "us_cpu_per_token": {k: round(1e6 * v / n, 1) for k, v in cpu.items()},
         "us_cpu_per_token_total": round(1e6 * sum(cpu.values()) / n, 1),
     }
+
+
+TTFT_KEYS = ("ttft_ms_p50", "engine_ttft_ms_mean", "probe_ttft_ms_p50")
+
+
+def median_of(rows: list[dict], key: str) -> float | None:
+    """The median of `key` over the runs that have it (the probe's only with --probe), None when none has."""
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return round(statistics.median(values), 1) if values else None
 
 
 def lscpu_model() -> str:
@@ -99,6 +156,10 @@ def main() -> None:
     parser.add_argument("--client-processes", type=int, default=1)
     parser.add_argument("-o", "--option", action="append", default=[])
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--probe", action="store_true",
+        help="a light client beside the bench's: its time to first token under the load (probe_ttft_ms_p50)",
+    )  # fmt: skip
     args = parser.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
     out = Path(args.json).parent if args.json else Path("/tmp/engine-process-bench")
@@ -121,6 +182,7 @@ def main() -> None:
             name: {
                 "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in rows),
                 "us_cpu_per_token_median": statistics.median(r["us_cpu_per_token_total"] for r in rows),
+                **{f"{key}_median": median_of(rows, key) for key in TTFT_KEYS},
             }
             for name, rows in by.items()
         }

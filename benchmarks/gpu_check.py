@@ -553,13 +553,14 @@ def markdown(summary: dict[str, Any]) -> str:
             "",
             "## The engine in its own process, 1B shape (bf16, 128 forced tokens; the two servers in turns)",
             "",
-            "| streams | in process tok/s | engine process tok/s | ratio | CPU us a token (in, engine process) |",
-            "|---|---|---|---|---|",
+            "| streams | in process tok/s | engine process tok/s | ratio | CPU us a token (in, engine process) "
+            "| TTFT p50 ms: bench (in, engine process) | engine's mean | a light client's p50 |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for level, r in summary["engine_process"].items():
             a, b = r["in_process"], r["engine_process"]
-            cpu = f"{a['us_cpu_per_token_median']}, {b['us_cpu_per_token_median']}"
-            lines.append(_row([level, a["tokens_per_s_median"], b["tokens_per_s_median"], r["ratio"], cpu]))
+            cells = [f"{a.get(k)}, {b.get(k)}" for k in ("us_cpu_per_token_median", *TTFT_MEDIANS)]
+            lines.append(_row([level, a["tokens_per_s_median"], b["tokens_per_s_median"], r["ratio"], *cells]))
     lines += _quantized_lines(summary.get("quantized") or {}) + _fp8_kv_lines(summary.get("fp8_kv") or {})
     lines += _step_profile_lines(summary.get("step_profile") or [])
     return "\n".join(lines) + "\n"
@@ -590,11 +591,12 @@ def _quantized_lines(quantized: dict[str, Any]) -> list[str]:
         lines += ["| shape | rows | kind | us eager | us in a graph | weight GB/s in a graph | error vs bf16 |"]
         lines += ["|---|---|---|---|---|---|---|"]
         for r in kernels:
-            for kind in ("bf16", "fp8", "fp8_compiled_quant", "fp8_gemm_rowwise", "fp8_gemm_tensorwise", "int4_triton"):
+            for kind in KERNEL_KINDS:
                 cell = r.get(kind)
                 if isinstance(cell, dict):
                     times = [cell["us"], cell.get("graph_us"), cell.get("graph_GB_per_s")]
-                    lines.append(_row([r["shape"], r["rows"], kind, *times, cell["error"]]))
+                    name = f"{kind} ({r['fp8_gemv_tile']})" if kind == "fp8_gemv" else kind
+                    lines.append(_row([r["shape"], r["rows"], name, *times, cell["error"]]))
                 elif cell is not None:
                     lines.append(_row([r["shape"], r["rows"], kind, cell, None, None, None]))
     quality = quantized.get("quality")
@@ -605,6 +607,18 @@ def _quantized_lines(quantized: dict[str, Any]) -> list[str]:
             cells = [name, r.get("perplexity"), r.get("sequences_equal"), r.get("decode_tokens_per_s")]
             lines.append(_row([*cells, ", ".join(r.get("layer_linears", ()))]))
     return lines
+
+
+TTFT_MEDIANS = ("ttft_ms_p50_median", "engine_ttft_ms_mean_median", "probe_ttft_ms_p50_median")
+KERNEL_KINDS = (
+    "bf16",
+    "fp8",
+    "fp8_gemv",
+    "fp8_compiled_quant",
+    "fp8_gemm_rowwise",
+    "fp8_gemm_tensorwise",
+    "int4_triton",
+)
 
 
 def _step_profile_lines(results: list[dict[str, Any]]) -> list[str]:
@@ -783,7 +797,7 @@ def main(argv: list[str] | None = None) -> int:
             "-o", "load_format=dummy", "-o", "dtype=bf16", "-o", f"device={scale.device}",
             "-o", scale.pick("gpu_memory_utilization=0.44", "kv_cache_memory_bytes=64MiB"),
             "--concurrency", scale.pick("32,128", "4"), "--tokens", scale.pick("128", "8"), "--rounds", "1",
-            "--client-processes", scale.pick("4", "2"), "--json", str(report),
+            "--client-processes", scale.pick("4", "2"), "--probe", "--json", str(report),
         ]  # fmt: skip
         step = run_step("engine process 1b", command, out / "engine-process-1b.log", min(150.0, left() - 60), env)
         if report.exists():

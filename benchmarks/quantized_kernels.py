@@ -1,7 +1,8 @@
 """The quantized products on a GPU (issue 39, item 2): time and error of one linear of an 8B shape in
-bf16 (`F.linear`), fp8 (`quant_formats.Fp8Linear`: `torch._scaled_mm`, activations to fp8 per row) and
-4-bit (`int4_triton.Int4TritonLinear`, groups of 128), at a few row counts; on a GPU with fp8, where
-`Fp8Linear`'s time goes (`fp8_variants`). Run on an H200 on 2026-11-29
+bf16 (`F.linear`), fp8 (`quant_formats.Fp8Linear` as the engine runs it: `fp8_gemv`'s choice at up to 16
+rows, else `torch._scaled_mm` with activations to fp8 per row), the fastest tile of `fp8_gemv`'s weight-only
+Triton kernel (`fp8_gemv`, up to 16 rows) and 4-bit (`int4_triton.Int4TritonLinear`, groups of 128), at a
+few row counts; on a GPU with fp8, where `_scaled_mm`'s time goes (`fp8_variants`). Run on an H200 on 2026-11-29
 (benchmarks/results/gpu-check-2026-11-29-h200/round2/kernels.log; benchmarks/README.md has the table).
 
     .venv/bin/python benchmarks/quantized_kernels.py [--rows 1,16,128] [--out DIR]   # CUDA
@@ -18,6 +19,7 @@ Prints a table; with --out writes ``quantized_kernels.json``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from lmiserve.engine.model import int4_triton
+from lmiserve.engine.model import fp8_gemv, int4_triton
 from lmiserve.engine.model.fp8_ops import fp8_linear, rows_to_fp8
 from lmiserve.engine.model.quant_formats import Fp8Linear, Int4Parts, fp8_scaled_mm_supported, quantize_fp8
 from lmiserve.models.quant_pack import rtn_int4
@@ -118,6 +120,25 @@ def fp8_variants(
     }
 
 
+def fastest_gemv_tile(x: torch.Tensor, fp8: Fp8Linear, iters: int, cuda: bool) -> fp8_gemv.Config | None:
+    """The fastest of `fp8_gemv.CANDIDATES` for `x`'s rows (replayed in a CUDA graph where one captures),
+    None where none runs."""
+    best: tuple[float, fp8_gemv.Config] | None = None
+    for config in fp8_gemv.CANDIDATES[fp8_gemv.bucket(x.shape[0])]:
+
+        def call(c: fp8_gemv.Config = config) -> torch.Tensor:
+            return fp8_gemv.fp8_gemv(x, fp8.weight, fp8.scales, c)
+
+        try:
+            seconds = (graph_timed(call, iters) if cuda else None) or timed(call, iters if cuda else 1, cuda)
+        except Exception as exc:  # noqa: BLE001 - a tile this GPU or Triton refuses: the others compete
+            print(f"fp8_gemv {config} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            continue
+        if best is None or seconds < best[0]:
+            best = (seconds, config)
+    return None if best is None else best[1]
+
+
 def error(got: torch.Tensor, want: torch.Tensor) -> float:
     return round(((got.float() - want.float()).abs().max() / want.float().abs().max()).item(), 5)
 
@@ -158,10 +179,16 @@ def main() -> None:
                 "fp8": (lambda x=x, m=fp8: m(x), out * inputs, x @ fp8_dense.t()),
                 "int4_triton": (lambda x=x, m=int4: m(x), out * inputs // 2, x @ int4_dense.t()),
             }
+            if rows <= fp8_gemv.MAX_ROWS and fp8_gemv.available():
+                tile = fastest_gemv_tile(x, fp8, 20, cuda)
+                if tile is not None:
+                    row["fp8_gemv_tile"] = str(tile)
+                    gemv = functools.partial(fp8_gemv.fp8_gemv, x, fp8.weight, fp8.scales, tile)
+                    kinds["fp8_gemv"] = (gemv, out * inputs, x @ fp8_dense.t())
             if cuda and fp8_scaled_mm_supported(device):
                 kinds.update(fp8_variants(x, fp8, quantize_rows, x @ fp8_dense.t()))
             for kind, (fn, weight_bytes, want) in kinds.items():
-                if kind == "fp8" and cuda and not fp8_scaled_mm_supported(device):
+                if kind in ("fp8", "fp8_gemv") and cuda and not fp8_scaled_mm_supported(device):
                     row[kind] = "not supported on this GPU (compute capability < 8.9)"
                     continue
                 try:
@@ -183,6 +210,9 @@ def main() -> None:
     report = {
         "device": torch.cuda.get_device_name() if cuda else "cpu (smoke)",
         "torch": torch.__version__,
+        "fp8_gemv_chosen": {
+            f"{k[1]}x{k[2]} rows {k[3]} {k[4]}": str(v) if v else "_scaled_mm" for k, v in fp8_gemv.chosen().items()
+        },
         "results": results,
     }
     if args.out:

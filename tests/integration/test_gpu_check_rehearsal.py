@@ -86,6 +86,8 @@ def test_issue_39_entries_are_filled(rehearsal):
     assert fp8_bench["shape"] == "8b" and fp8_bench["failed"] == 0 and fp8_bench["over_bf16"] > 0
     kernels = summary["quantized"]["kernels"]
     assert kernels and all(r[kind]["error"] < 0.05 for r in kernels for kind in ("bf16", "fp8", "int4_triton"))
+    decode_rows = [r for r in kernels if r["rows"] <= 16]  # the weight-only fp8 kernel's rows
+    assert decode_rows and all(r["fp8_gemv"]["error"] < 0.01 and r["fp8_gemv_tile"] for r in decode_rows)
     quality = summary["quantized"]["quality"]
     assert {"bf16", "fp8-channel", "fp8-tensor", "fp8-dynamic", "awq", "gptq"} <= set(quality)
     assert all(r["perplexity"] > 1 for r in quality.values())

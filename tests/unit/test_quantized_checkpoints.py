@@ -243,6 +243,40 @@ def test_fp8_linears_run_scaled_mm_on_the_fast_path(checkpoints: dict[str, Path]
             assert max(greedy_gaps(loaded.model, ids, got)) <= 0.02, ids
 
 
+def test_fp8_linears_on_the_triton_decode_kernel_decode_what_transformers_decodes_dequantized(
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every product of the fast path through `fp8_gemv`'s weight-only kernel (what a GPU chooses for decode
+    rows where it measures faster), under Triton's interpreter on CPU tensors, prompts too (`MAX_ROWS`
+    raised): fp32 activations, so the engine's greedy tokens are the de-quantized float model's."""
+    from lmiserve.engine.model import fp8_gemv
+
+    if not fp8_gemv.available() or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py on CPU)")
+    monkeypatch.setattr(fp8_gemv, "INTERPRETED_ON_CPU", True)
+    monkeypatch.setattr(fp8_gemv, "MAX_ROWS", 64)
+    monkeypatch.setattr(fp8_gemv, "_chosen", {})
+    tile = fp8_gemv.Config(False, 1, 32, 128)
+    monkeypatch.setattr(fp8_gemv, "choose", lambda x, *_: tile if x.shape[0] <= 64 else None)
+    case = "fp8-channel"
+    loaded = load_causal_lm(checkpoints[case], device="cpu", dtype="fp32")
+    tensors = stored(checkpoints[case])
+    for name, _ in list(loaded.model.named_modules()):
+        if name.rpartition(".")[2] in LINEARS:
+            parent, _, child = name.rpartition(".")
+            t = tensors[name]
+            made = fp8_module(t["weight"], t["weight_scale"], None, torch.float32, loaded.device, force_fp8=True)
+            setattr(loaded.model.get_submodule(parent), child, made)
+    ran: list[int] = []
+    kernel = fp8_gemv.fp8_gemv
+    monkeypatch.setattr(fp8_gemv, "fp8_gemv", lambda x, *rest: ran.append(x.shape[0]) or kernel(x, *rest))
+    path, results = engine_tokens(loaded, PROMPTS, 8)
+    assert path == "fast" and ran and max(ran) >= len(PROMPTS[-1])  # decode rows and a prompt's rows
+    reference_model = dequantized_float_model(checkpoints[case], case)
+    for ids, got in zip(PROMPTS, results, strict=True):
+        assert got == greedy(reference_model, ids, 8), ids
+
+
 def test_quantize_fp8_on_a_float_checkpoint_quantizes_per_channel_at_load(checkpoints: dict[str, Path]) -> None:
     loaded = load_causal_lm(checkpoints["float"], device="cpu", quantize="fp8")
     original, _ = tiny_llama()

@@ -1,17 +1,21 @@
 """fp8 weights' arithmetic (issue #39), below `quantize` and `quant_formats`: per-channel quantization
-(vLLM's dynamic fp8), de-quantization, and the product through ``torch._scaled_mm`` with activations
-quantized per row. Measured on an H200 (2026-11-29, benchmarks/README.md): correct, but slower than bf16
-at decode sizes: in a CUDA graph the per-row quantization adds ~20 us a product, and torch's row-wise
-``_scaled_mm`` reads 0.5-1.9 TB/s of fp8 weights where bf16 reads 2.4-3.9 TB/s; the 8B shape at one
-stream decodes at 0.74x bf16."""
+(vLLM's dynamic fp8), de-quantization, and the product: up to `fp8_gemv.MAX_ROWS` rows on a GPU through
+`fp8_gemv`'s weight-only Triton kernel where it measures faster, else through ``torch._scaled_mm`` with
+activations quantized per row. ``_scaled_mm`` alone, measured on an H200 (2026-11-29, benchmarks/README.md),
+was correct but slower than bf16 at decode sizes: in a CUDA graph the per-row quantization adds ~20 us a
+product, and torch's row-wise ``_scaled_mm`` reads 0.5-1.9 TB/s of fp8 weights where bf16 reads 2.4-3.9
+TB/s; the 8B shape at one stream decoded at 0.74x bf16."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 
-__all__ = ["FP8_MAX", "dequantize_fp8", "fp8_linear", "quantize_fp8", "rows_to_fp8"]
+from lmiserve.engine.model import fp8_gemv
+
+__all__ = ["FP8_MAX", "dequantize_fp8", "fp8_linear", "quantize_fp8", "rows_to_fp8", "scaled_product"]
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 
@@ -43,9 +47,25 @@ def fp8_linear(
     quantize_rows: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = rows_to_fp8,
 ) -> torch.Tensor:
     """``x @ (weight * scales[:, None]).T`` for a 2-D `x`, fp8 `weight` ``[out, in]`` and fp32 `scales`
-    ``[out]``: `x` quantized to fp8 per row (``max|x| / 448``; `quantize_rows`, which a benchmark replaces by
-    a compiled one), one ``torch._scaled_mm`` with row-wise scales (bf16 out, as Hopper's row-wise fp8 GEMM
-    requires), rows padded to a multiple of 16."""
+    ``[out]``: a few rows through `fp8_gemv` where it is chosen (measured faster on this GPU), else
+    `scaled_product`."""
+    if x.shape[0] <= fp8_gemv.MAX_ROWS:
+        product = functools.partial(scaled_product, weight=weight, scales=scales, quantize_rows=quantize_rows)
+        config = fp8_gemv.choose(x, weight, scales, product)
+        if config is not None:
+            return fp8_gemv.fp8_gemv(x, weight, scales, config)
+    return scaled_product(x, weight, scales, quantize_rows)
+
+
+def scaled_product(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    quantize_rows: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = rows_to_fp8,
+) -> torch.Tensor:
+    """`fp8_linear` through ``torch._scaled_mm``: `x` quantized to fp8 per row (``max|x| / 448``;
+    `quantize_rows`, which a benchmark replaces by a compiled one), one ``torch._scaled_mm`` with row-wise
+    scales (bf16 out, as Hopper's row-wise fp8 GEMM requires), rows padded to a multiple of 16."""
     rows = x.shape[0]
     xq, x_scale = quantize_rows(x.float())
     pad = (-rows) % 16

@@ -1,0 +1,218 @@
+"""fp8 weights times a few rows on a GPU (issue #39: fp8 must decode faster than bf16): a Triton kernel that
+reads the ``float8_e4m3fn`` weight once and widens it in registers (`fp8_gemv_kernel`), so a decode step of
+1 to `MAX_ROWS` rows reads half of bf16's bytes and quantizes no activations.
+
+Why: ``torch._scaled_mm`` (`fp8_ops`) needs the activations in fp8 too. At decode sizes that costs kernels
+of its own (~20 us a product in a CUDA graph on an H200) and its row-wise product read 0.5-1.9 TB/s of
+weights where bf16 read 2.4-3.9 TB/s: the 8B shape decoded at 0.74x bf16. A weight-only product has
+neither cost; prefill (more rows) keeps ``_scaled_mm``, where fp8's tensor cores pay.
+
+Which one runs is measured, not assumed (a kernel tuned on one GPU can lose on another): the first product
+of each weight shape and row bucket (1, 2-4, 5-16 rows; `bucket`) outside a CUDA-graph capture times every
+candidate tile (`CANDIDATES`) and ``_scaled_mm`` on a random probe, checks each candidate against the
+de-quantized product (`TOLERANCE`: a kernel this GPU or Triton miscompiles is dropped, never served), and
+keeps the fastest, logged once. The decode graphs' eager warm-up before each capture (cuda_graphs.py) is
+such a product, so the graphs record the choice. The times are of calls in a row between two CUDA events:
+the GPU's time where the GPU is the bottleneck, each call's launches included where it is not (eager).
+
+`ENABLED` turns the kernel off (``_scaled_mm`` everywhere); `INTERPRETED_ON_CPU` lets the tests choose it
+for CPU tensors under Triton's interpreter (tests/unit/test_fp8_gemv.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+try:
+    import triton
+except ImportError:  # pragma: no cover - triton ships with CUDA torch wheels
+    triton = None
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CANDIDATES", "ENABLED", "MAX_ROWS", "Config", "available", "bucket", "choose", "chosen", "fp8_gemv"]
+
+MAX_ROWS = 16  # more rows: ``_scaled_mm`` (the tensor cores' fp8 product pays)
+ENABLED = True
+INTERPRETED_ON_CPU = False
+TOLERANCE = 2e-2  # max |candidate - de-quantized product| / max |product| (bf16's rounding is ~4e-3)
+REPEATS = 20  # calls timed per candidate on CUDA (after one untimed: Triton compiles)
+
+
+@dataclass(frozen=True)
+class Config:
+    """One tile of the kernel: `use_dot` (tensor cores, 16-row tiles) or per-row sums (1-4 rows)."""
+
+    use_dot: bool
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __str__(self) -> str:
+        kind = "dot" if self.use_dot else "sum"
+        return f"{kind} {self.block_m}x{self.block_n}x{self.block_k} warps={self.num_warps} stages={self.num_stages}"
+
+
+def bucket(rows: int) -> int:
+    """The row count a choice is measured at and kept for: 1, 4 (2-4 rows) or 16 (5-16 rows)."""
+    return 1 if rows <= 1 else 4 if rows <= 4 else 16
+
+
+# the sum tiles keep at most 64 products a thread in registers (rows x outputs x inputs / threads)
+CANDIDATES: dict[int, tuple[Config, ...]] = {
+    1: (
+        Config(False, 1, 16, 256),
+        Config(False, 1, 32, 256),
+        Config(False, 1, 16, 512),
+        Config(False, 1, 32, 512, num_warps=8),
+        Config(False, 1, 64, 256, num_warps=8),
+        Config(True, 16, 32, 128),
+    ),
+    4: (
+        Config(False, 4, 16, 128),
+        Config(False, 4, 32, 128, num_warps=8),
+        Config(False, 4, 16, 256, num_warps=8),
+        Config(True, 16, 32, 128),
+        Config(True, 16, 32, 256),
+    ),
+    16: (
+        Config(True, 16, 16, 128),
+        Config(True, 16, 32, 128),
+        Config(True, 16, 32, 256),
+        Config(True, 16, 64, 128),
+        Config(True, 16, 64, 256, num_warps=8),
+    ),
+}
+
+_chosen: dict[tuple[Any, ...], Config | None] = {}  # (device, N, K, bucket, dtype) -> the kernel's tile or None
+
+
+def available() -> bool:
+    return triton is not None
+
+
+@functools.cache
+def _kernel() -> Any:
+    from lmiserve.engine.model.fp8_gemv_kernel import fp8_gemv_kernel
+
+    return triton.jit(fp8_gemv_kernel)
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, config: Config) -> torch.Tensor:
+    """``(x @ weight.T) * scales`` in `x`'s dtype, for a 2-D `x` ``[M, K]``, a contiguous ``float8_e4m3fn``
+    `weight` ``[N, K]`` and fp32 `scales` ``[N]`` (one per output channel)."""
+    if triton is None:
+        raise RuntimeError("the fp8 Triton kernel needs triton")
+    x = x.contiguous()
+    rows, inputs = x.shape
+    outputs = weight.shape[0]
+    y = torch.empty(rows, outputs, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(outputs, config.block_n), triton.cdiv(rows, config.block_m))
+    _kernel()[grid](
+        x, weight.view(torch.uint8), scales, y, rows, outputs, inputs, x.stride(0), y.stride(0),
+        EVEN_K=inputs % config.block_k == 0, USE_DOT=config.use_dot,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    return y
+
+
+def chosen() -> dict[tuple[Any, ...], Config | None]:
+    """The choices made so far (the GPU check reports them)."""
+    return dict(_chosen)
+
+
+def choose(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, other: Callable[[torch.Tensor], torch.Tensor]
+) -> Config | None:
+    """The kernel's tile for ``x @ weight.T`` (None: `other`, the ``_scaled_mm`` product, runs), measured
+    the first time a shape and row bucket comes (module doc); inside a CUDA-graph capture, an unmeasured
+    shape gets `other` (nothing can be timed there)."""
+    rows = x.shape[0]
+    if rows > MAX_ROWS or not ENABLED or triton is None or not weight.is_contiguous():
+        return None
+    if not (x.is_cuda or INTERPRETED_ON_CPU):
+        return None
+    key = (x.device, *weight.shape, bucket(rows), x.dtype)
+    if key in _chosen:
+        return _chosen[key]
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    choice = _chosen[key] = _measure(key, weight, scales, other)
+    return choice
+
+
+def _measure(
+    key: tuple[Any, ...], weight: torch.Tensor, scales: torch.Tensor, other: Callable[[torch.Tensor], torch.Tensor]
+) -> Config | None:
+    device, outputs, inputs, rows, dtype = key
+    generator = torch.Generator(device=device).manual_seed(0)
+    probe = torch.randn(rows, inputs, generator=generator, device=device).to(dtype)
+    want = _reference(probe, weight, scales)
+    scale = want.abs().max().item() or 1.0
+    times: dict[Config | None, float] = {}
+    try:
+        times[None] = _time(lambda: other(probe), device)
+    except Exception as exc:  # noqa: BLE001 - this torch or GPU refuses `other` here: the kernel is the only product
+        log.debug("the fp8 product through _scaled_mm failed: %s", exc)
+    refused: list[str] = []
+    for config in CANDIDATES[rows]:
+        try:
+            got = fp8_gemv(probe, weight, scales, config)
+            gap = (got.float() - want).abs().max().item() / scale
+            if not gap <= TOLERANCE:  # (NaN too)
+                refused.append(f"{config}: off by {gap:.3g}")
+                continue
+            times[config] = _time(functools.partial(fp8_gemv, probe, weight, scales, config), device)
+        except Exception as exc:  # noqa: BLE001 - a tile this GPU or Triton cannot compile: the others compete
+            refused.append(f"{config}: {type(exc).__name__}: {str(exc)[:120]}")
+    if refused:
+        log.warning("fp8 Triton tiles refused for [%d x %d] at %d rows: %s", outputs, inputs, rows, "; ".join(refused))
+    if not times:
+        return None
+    best = min(times, key=times.__getitem__)
+    fastest = min((c for c in times if c is not None), key=times.__getitem__, default=None)
+    log.info(
+        "fp8 products [%d x %d] at %d row(s): %s (Triton %s: %.1f us; torch._scaled_mm: %s)",
+        outputs, inputs, rows, "Triton" if best is not None else "torch._scaled_mm", fastest,
+        1e6 * times[fastest] if fastest is not None else float("nan"),
+        f"{1e6 * times[None]:.1f} us" if None in times else "failed",
+    )  # fmt: skip
+    return best
+
+
+def _reference(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x @ (weight * scales).T`` in fp32, a slice of outputs at a time (no fp32 copy of a large weight)."""
+    x = x.float()
+    parts = []
+    for start in range(0, weight.shape[0], 4096):
+        w = weight[start : start + 4096].float() * scales[start : start + 4096, None].float()
+        parts.append(x @ w.t())
+    return torch.cat(parts, dim=1)
+
+
+def _time(call: Callable[[], object], device: torch.device) -> float:
+    """Seconds a call: `REPEATS` in a row between CUDA events after one untimed; on a CPU one, timed."""
+    call()
+    if device.type != "cuda":
+        started = time.perf_counter()
+        call()
+        return time.perf_counter() - started
+    torch.cuda.synchronize(device)
+    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    start.record()
+    for _ in range(REPEATS):
+        call()
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end)) / 1e3 / REPEATS
