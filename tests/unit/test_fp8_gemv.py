@@ -134,3 +134,20 @@ def test_a_kernel_that_computes_wrong_is_refused_and_scaled_mm_serves(
     x = torch.randn(1, 64)
     assert fp8_gemv.choose(x, weight, scale, lambda x: scaled_product(x, weight, scale)) is None
     assert "fp8 Triton tiles refused for [32 x 64] at 1 rows" in caplog.text and "off by" in caplog.text
+
+
+def test_a_measurement_that_fails_leaves_scaled_mm_serving_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Measuring needs memory for its probe and reference: a failure there (a full GPU) never fails the step."""
+
+    def out_of_memory(*_: object) -> torch.Tensor:
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(fp8_gemv, "INTERPRETED_ON_CPU", True)
+    monkeypatch.setattr(fp8_gemv, "_reference", out_of_memory)
+    weight, scale, _ = fp8_weight(32, 64, seed=5)
+    x = torch.randn(1, 64)
+    torch.testing.assert_close(fp8_linear(x, weight, scale), scaled_product(x, weight, scale))
+    assert "measuring the fp8 Triton kernel for [32 x 64] failed (CUDA out of memory)" in caplog.text
+    assert list(fp8_gemv.chosen().values()) == [None]  # not measured again at every product

@@ -147,7 +147,14 @@ def choose(
         return _chosen[key]
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
-    choice = _chosen[key] = _measure(key, weight, scales, other)
+    try:
+        choice = _measure(key, weight, scales, other)
+    except Exception as exc:  # noqa: BLE001 - measuring failed (memory, the GPU): the product serves regardless
+        log.warning(
+            "measuring the fp8 Triton kernel for [%d x %d] failed (%s): torch._scaled_mm serves", *weight.shape, exc
+        )
+        choice = None
+    _chosen[key] = choice
     return choice
 
 
@@ -181,11 +188,11 @@ def _measure(
         return None
     best = min(times, key=times.__getitem__)
     fastest = min((c for c in times if c is not None), key=times.__getitem__, default=None)
+    kernel = f"{fastest} {1e6 * times[fastest]:.1f} us" if fastest is not None else "refused"
+    product = f"{1e6 * times[None]:.1f} us" if None in times else "failed"
     log.info(
-        "fp8 products [%d x %d] at %d row(s): %s (Triton %s: %.1f us; torch._scaled_mm: %s)",
-        outputs, inputs, rows, "Triton" if best is not None else "torch._scaled_mm", fastest,
-        1e6 * times[fastest] if fastest is not None else float("nan"),
-        f"{1e6 * times[None]:.1f} us" if None in times else "failed",
+        "fp8 products [%d x %d] at %d row(s) run on %s (the Triton kernel: %s; torch._scaled_mm: %s)",
+        outputs, inputs, rows, "the Triton kernel" if best is not None else "torch._scaled_mm", kernel, product,
     )  # fmt: skip
     return best
 
@@ -194,8 +201,8 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> t
     """``x @ (weight * scales).T`` in fp32, a slice of outputs at a time (no fp32 copy of a large weight)."""
     x = x.float()
     parts = []
-    for start in range(0, weight.shape[0], 4096):
-        w = weight[start : start + 4096].float() * scales[start : start + 4096, None].float()
+    for start in range(0, weight.shape[0], 1024):
+        w = weight[start : start + 1024].float() * scales[start : start + 1024, None].float()
         parts.append(x @ w.t())
     return torch.cat(parts, dim=1)
 
