@@ -11,7 +11,7 @@ row): decode tokens/s of the batch, and whether every prompt's tokens equal the 
 first position where one differs otherwise). Paths:
 
 - ``graphs``: the default on CUDA, decode steps replayed as CUDA graphs over the Triton kernel;
-- ``graphs-fused``: the same with the residual adds, RMS norms and SiLU products in Triton kernels
+- ``graphs-fused``: the same with the residual adds, RMS norms, rotary embeddings and SiLU products in Triton kernels
   (engine/model/fused_norm.py, `USE_ON_CUDA`; on a CPU the kernels stay off: the ``graphs`` path again);
 - ``triton``: ``enforce_eager=true``, the same kernel launched step by step;
 - ``torch``: ``enforce_eager=true`` and ``LMISERVE_ATTENTION_BACKEND=torch``, the torch attention.

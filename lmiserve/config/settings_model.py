@@ -93,8 +93,9 @@ class ModelFields(FieldGroup):
             "dynamic fp8). fp8 products run on CUDA GPUs of compute capability 8.9+, with half the weights' "
             "memory: up to 16 rows (decode) through a weight-only Triton kernel where it times faster than "
             "`torch._scaled_mm` at start, else `torch._scaled_mm` (alone, 0.74x bf16's tokens/s at one stream "
-            "on an H200, 8B); elsewhere the weights are de-quantized once at load. AWQ and GPTQ are de-quantized to bf16 at load on CUDA; on "
-            "CPU, with groups of 32n, they run on the int4 kernel. See docs/performance/dtypes.md."
+            "on an H200, 8B); elsewhere the weights are de-quantized once at load. AWQ and GPTQ are "
+            "de-quantized to bf16 at load on CUDA; on CPU, with groups of 32n, they run on the int4 kernel. See "
+            "docs/performance/dtypes.md."
         ),
     )
     load_format: LoadFormat = Field(

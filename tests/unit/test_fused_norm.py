@@ -56,8 +56,28 @@ def test_silu_mul_is_silu_of_the_gate_times_the_up_half(dtype, inter):
     torch.testing.assert_close(fused_norm.silu_mul(gate_up, inter), want, **close(dtype))
 
 
+@pytest.mark.parametrize("head_dim", [16, 24])  # a power of two, and a half the block masks
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_is_the_eager_rotation_of_the_q_and_k_heads(dtype, head_dim):
+    """The q and k heads of a fused q/k/v row (the v heads after them untouched), each row at its own
+    position: the eager ops' values, rounded as they round them."""
+    heads, kv_heads, tokens = 4, 2, 5
+    qkv = rows((heads + 2 * kv_heads) * head_dim, dtype, 4)[:tokens]
+    angles = torch.arange(tokens)[:, None] * (0.1 + torch.arange(head_dim // 2))[None, :]
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)[:, None].to(DEVICE, dtype)
+    sin = torch.cat([-angles.sin(), angles.sin()], dim=-1)[:, None].to(DEVICE, dtype)
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
+    want = fast_llama._rotate(qk, cos, sin)
+    got = fused_norm.rope(qkv, cos, sin, heads + kv_heads, head_dim)
+    assert got.shape == want.shape and got.dtype == dtype
+    if DEVICE.type == "cpu":  # the interpreter rounds as the eager ops do: the same values
+        assert torch.equal(got, want)
+    else:  # a GPU may fuse a product into its sum (fp32)
+        torch.testing.assert_close(got, want, **close(dtype))
+
+
 def test_the_fast_forward_with_the_fused_kernels_gives_generates_greedy_tokens(tiny_model, monkeypatch):
-    """Every layer's norms with their residual adds and its SiLU product through the kernels (what
+    """Every layer's norms with their residual adds, its rotary embedding and its SiLU product through the kernels (what
     `USE_ON_CUDA` turns on), continuous batching with requests joining: `generate()`'s greedy tokens."""
     monkeypatch.setattr(fused_norm, "wanted", lambda device: True)
     engine, results = asyncio.run(serve_prompts(tiny_model, EngineConfig(), 12))

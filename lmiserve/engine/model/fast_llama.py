@@ -327,7 +327,10 @@ class FastLlama:
             qkv = _product(gemm, h, layer.qkv).contiguous()
             if lora is not None:
                 lora.apply(f"{index}.qkv", h, qkv)
-            qk = _rotate(qkv[:, : q_size + kv_size].view(-1, self.heads + self.kv_heads, self.head_dim), cos, sin)
+            if fused:
+                qk = fused_norm.rope(qkv, cos, sin, self.heads + self.kv_heads, self.head_dim)
+            else:
+                qk = _rotate(qkv[:, : q_size + kv_size].view(-1, self.heads + self.kv_heads, self.head_dim), cos, sin)
             q, k = qk[:, : self.heads], qk[:, self.heads :]
             v = qkv[:, q_size + kv_size :].view(-1, self.kv_heads, self.head_dim)
             attn = self.attention.forward(index, q, k, v, meta)

@@ -1,12 +1,13 @@
 """A decode step's element-wise work in fewer kernels on CUDA (issue #39): the residual add with the next
 RMS norm in one Triton kernel a row (`add_rms_norm`), SiLU with the product of the gate and up halves in
-one (`silu_mul`).
+one (`silu_mul`), the rotary embedding of q's and k's heads in one (`rope`).
 
 Why: on an H200 the 8B shape's step at one stream spent 1.5-1.9 ms of its 5.6-6.1 ms outside the matrix
 products (benchmarks/README.md, "The GPU check on an NVIDIA H200"): `FastLlama._layers` runs about 27
 small kernels a layer (an RMS norm is eight: the cast, square, mean, add, rsqrt, product, cast back and the
-weight), each a few microseconds even replayed from a CUDA graph. With these two kernels a layer runs
-about 10 fewer (two norms with their adds: 2 kernels instead of 18; SiLU and the product: 1 instead of 2).
+weight), each a few microseconds even replayed from a CUDA graph. With these kernels a layer runs about 13
+fewer (two norms with their adds: 2 kernels instead of 18; SiLU and the product: 1 instead of 2; the
+rotary embedding: 1 instead of 4, the half-swap's concatenation, two products and their sum).
 
 The arithmetic is transformers' (LlamaRMSNorm: fp32 statistics, the normalized row rounded to the model's
 dtype, then the weight; the residual add and SiLU rounded to the model's dtype where eager rounds them);
@@ -31,7 +32,7 @@ except ImportError:  # pragma: no cover - triton ships with CUDA torch wheels
 
 USE_ON_CUDA = False  # on once a GPU run of decode_paths.py's graphs-fused path has shown it faster
 
-__all__ = ["USE_ON_CUDA", "add_rms_norm", "available", "silu_mul", "wanted"]
+__all__ = ["USE_ON_CUDA", "add_rms_norm", "available", "rope", "silu_mul", "wanted"]
 
 SILU_BLOCK = 1024
 
@@ -49,7 +50,11 @@ def wanted(device: torch.device) -> bool:
 def _kernels() -> Any:
     from lmiserve.engine.model import fused_norm_kernel
 
-    return triton.jit(fused_norm_kernel.add_rms_norm_kernel), triton.jit(fused_norm_kernel.silu_mul_kernel)
+    return (
+        triton.jit(fused_norm_kernel.add_rms_norm_kernel),
+        triton.jit(fused_norm_kernel.silu_mul_kernel),
+        triton.jit(fused_norm_kernel.rope_kernel),
+    )
 
 
 def add_rms_norm(
@@ -76,4 +81,19 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     rows = gate_up.shape[0]
     out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
     _kernels()[1][(rows, triton.cdiv(inter, SILU_BLOCK))](gate_up, out, inter, BLOCK=SILU_BLOCK)
+    return out
+
+
+def rope(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """The rotary embedding of the first `heads` heads (q's and k's) of each row of `qkv` (``[T, width]``,
+    heads of `head_dim` side by side), as `fast_llama._rotate` computes it from the rows' `cos` and
+    `signed_sin` (``[T, 1, head_dim]`` or ``[T, head_dim]``): ``[T, heads, head_dim]``, in one kernel."""
+    qkv = qkv.contiguous()
+    tokens = qkv.shape[0]
+    cos, signed_sin = cos.reshape(tokens, head_dim).contiguous(), signed_sin.reshape(tokens, head_dim).contiguous()
+    out = torch.empty(tokens, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    half = head_dim // 2
+    _kernels()[2][(tokens, heads)](
+        qkv, cos, signed_sin, out, qkv.shape[1], heads, head_dim, half, BLOCK=triton.next_power_of_2(half)
+    )
     return out

@@ -3,7 +3,7 @@ module's ``tl`` when it runs them on a CPU)."""
 
 import triton.language as tl
 
-__all__ = ["add_rms_norm_kernel", "silu_mul_kernel"]
+__all__ = ["add_rms_norm_kernel", "rope_kernel", "silu_mul_kernel"]
 
 
 def add_rms_norm_kernel(  # pragma: no cover - runs as a Triton kernel
@@ -46,3 +46,37 @@ def silu_mul_kernel(  # pragma: no cover - runs as a Triton kernel
     af = a.to(tl.float32)
     s = (af / (1.0 + tl.exp(-af))).to(b.dtype)  # SiLU in the model's dtype, as `act(gate)` rounds it
     tl.store(out_ptr + row * INTER + cols, (s.to(tl.float32) * b.to(tl.float32)).to(b.dtype), mask=mask)
+
+
+def rope_kernel(  # pragma: no cover - runs as a Triton kernel
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    ROW,
+    HEADS,
+    D,
+    HALF,
+    BLOCK: tl.constexpr,
+):
+    # one program a (token, head) of the q and k heads: ``x * cos + rotate_half(x) * signed_sin`` with each
+    # product and the sum rounded to the model's dtype, as the eager ops round them
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < HALF
+    base = x_ptr + token * ROW + head * D
+    x1 = tl.load(base + cols, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF + cols, mask=mask, other=0.0)
+    dtype = x1.dtype
+    c1 = tl.load(cos_ptr + token * D + cols, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + token * D + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + token * D + cols, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + token * D + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    first = (a * c1).to(dtype).to(tl.float32) + (b * s1).to(dtype).to(tl.float32)
+    second = (b * c2).to(dtype).to(tl.float32) + (a * s2).to(dtype).to(tl.float32)
+    out = out_ptr + (token * HEADS + head) * D
+    tl.store(out + cols, first.to(dtype), mask=mask)
+    tl.store(out + HALF + cols, second.to(dtype), mask=mask)
