@@ -8,9 +8,9 @@ weights where bf16 read 2.4-3.9 TB/s: the 8B shape decoded at 0.74x bf16. A weig
 neither cost; prefill (more rows) keeps ``_scaled_mm``, where fp8's tensor cores pay.
 
 Which one runs is measured, not assumed (a kernel tuned on one GPU can lose on another): the first product
-of each weight shape and row bucket (1, 2-4, 5-16 rows; `bucket`) outside a CUDA-graph capture times every
-candidate tile (`CANDIDATES`) and ``_scaled_mm`` on a random probe, checks each candidate against the
-de-quantized product (`TOLERANCE`: a kernel this GPU or Triton miscompiles is dropped, never served), and
+of each weight shape and row bucket (1, 2-4, 5-16 rows; `bucket`) outside a CUDA-graph capture times the
+bucket's four candidate tiles (`CANDIDATES`) and ``_scaled_mm`` on a random probe, checks each tile against
+the de-quantized product (`TOLERANCE`: a kernel this GPU or Triton miscompiles is dropped, never served), and
 keeps the fastest, logged once. The decode graphs' eager warm-up before each capture (cuda_graphs.py) is
 such a product, so the graphs record the choice. The times are of calls in a row between two CUDA events:
 the GPU's time where the GPU is the bottleneck, each call's launches included where it is not (eager).
@@ -67,19 +67,17 @@ def bucket(rows: int) -> int:
     return 1 if rows <= 1 else 4 if rows <= 4 else 16
 
 
-# the sum tiles keep at most 64 products a thread in registers (rows x outputs x inputs / threads)
+# the sum tiles keep at most 64 products a thread in registers (rows x outputs x inputs / threads); tiles are
+# shared between buckets where they can serve both, so that a first start compiles 9 (Triton caches them)
 CANDIDATES: dict[int, tuple[Config, ...]] = {
     1: (
         Config(False, 1, 16, 256),
         Config(False, 1, 32, 256),
         Config(False, 1, 16, 512),
-        Config(False, 1, 32, 512, num_warps=8),
-        Config(False, 1, 64, 256, num_warps=8),
         Config(True, 16, 32, 128),
     ),
     4: (
         Config(False, 4, 16, 128),
-        Config(False, 4, 32, 128, num_warps=8),
         Config(False, 4, 16, 256, num_warps=8),
         Config(True, 16, 32, 128),
         Config(True, 16, 32, 256),
@@ -89,7 +87,6 @@ CANDIDATES: dict[int, tuple[Config, ...]] = {
         Config(True, 16, 32, 128),
         Config(True, 16, 32, 256),
         Config(True, 16, 64, 128),
-        Config(True, 16, 64, 256, num_warps=8),
     ),
 }
 
