@@ -2,8 +2,10 @@
 a shape the model has not run yet.
 
 On a GPU the first step of a new shape costs far more than the step: Triton compiles its kernels for the
-arguments it specializes on (a count of 1, one divisible by 16, any other), cuBLAS picks its kernels, and
-a decode step of a new row count is captured as a CUDA graph (engine/attention/cuda_graphs.py). The GPU
+arguments it specializes on (a count of 1, one divisible by 16, any other), cuBLAS picks its kernels, a
+decode step of a new row count is captured as a CUDA graph (engine/attention/cuda_graphs.py), and with fp8
+weights the first product of 1, 2-4 and 5-16 rows times the weight-only kernel's tiles against
+``_scaled_mm`` (engine/model/fp8_gemv.py). The GPU
 checks before this measured a time to first token of 0.4-0.8 s at one stream (the first level, after one
 short probe request) against 50-100 ms at 32: most likely the first requests' new prompt shapes paying for
 those (not yet confirmed on a GPU). So, once the engine runs and before the model is reported ready
