@@ -164,9 +164,6 @@ class CheckedSettings(
             return
         if self.enable_lora:
             raise ValueError("engine_process=true cannot be combined with enable_lora yet")
-        degree = self.tensor_parallel_degree
-        if degree is not None and (degree == "max" or int(degree) > 1):
-            raise ValueError("engine_process=true cannot be combined with tensor_parallel_degree yet")
 
     def _check_parallel(self) -> None:
         """Tensor parallelism's options: the nodes' arithmetic, and (for a number of ranks; `max` is checked

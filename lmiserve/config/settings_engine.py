@@ -213,8 +213,8 @@ class EngineFields(FieldGroup):
             "Run the LLM and its engine core (scheduling, detokenizing, the model's steps) in a process of their "
             "own, as vLLM's engine-core process: the server's event loop (HTTP, protocols, streaming) and the "
             "engine then no longer share one Python GIL, which limits many concurrent streams on a fast GPU. "
-            "Output is the same; each step's events cross a pipe. Not combined with LoRA adapters or tensor "
-            "parallelism. See docs/engine.md."
+            "Output is the same; each step's events cross a pipe. With tensor parallelism the ranks are the "
+            "engine process's children. Not combined with LoRA adapters. See docs/engine.md."
         ),
     )
     enforce_eager: bool = Field(

@@ -5,7 +5,8 @@ whose loaders its tensor-parallel workers call. Here the settings (lmiserve.conf
 (models/load.py) meet it: `engine_config` reads the settings into an `EngineConfig` (warning about those
 that do not apply), `build_engine` builds the engine of a loaded model, `build_tensor_parallel_engine`
 the engine over tensor-parallel workers, `load_llm` the model and its engine in the process that runs
-them (the server's, or its engine process: models/engine_process.py), `worker_spec` what those workers
+them (the server's, or its engine process: models/engine_process.py; `load_tensor_parallel_llm` the same
+over tensor-parallel workers, `load_any_llm` whichever the settings ask for), `worker_spec` what those workers
 need (`lmiserve serve` on a node other than the leader runs them alone: `models.service.run_worker_node`).
 """
 
@@ -184,6 +185,25 @@ def build_tensor_parallel_engine(loaded: LoadedModel, settings: Settings, degree
     executor = TensorParallelExecutor(spec)
     codec, grammars = prompt_codec(loaded, settings.max_input_len)
     return AsyncEngine(executor, codec, spec.config, grammars, adapters)
+
+
+def load_tensor_parallel_llm(settings: Settings, path: Path, degree: int) -> tuple[LoadedModel, AsyncEngine]:
+    """The LLM in `path` over `degree` tensor-parallel workers (started here): this process holds the
+    model's shell (its tokenizer and config, no weights) and the engine (not started)."""
+    s = settings
+    if s.quantize is not None:
+        raise ModelLoadError(f"quantize={s.quantize} does not combine with tensor parallelism yet")
+    loaded = load_model_shell(path, s.dtype, s.device, s.trust_remote_code)
+    with_chat_template(loaded.tokenizer, s.chat_template)
+    return loaded, build_tensor_parallel_engine(loaded, s, degree)
+
+
+def load_any_llm(settings: Settings, path: Path) -> tuple[LoadedModel, AsyncEngine]:
+    """`load_tensor_parallel_llm` where the settings ask for more than one rank, else `load_llm`."""
+    from lmiserve.models.load import resolve_device
+
+    degree = tensor_parallel_degree(settings, resolve_device(settings.device))
+    return load_tensor_parallel_llm(settings, path, degree) if degree > 1 else load_llm(settings, path)
 
 
 def load_llm(settings: Settings, path: Path) -> tuple[LoadedModel, AsyncEngine]:

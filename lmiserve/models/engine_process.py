@@ -11,6 +11,7 @@ stop (after the server drained) or its parent goes.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import multiprocessing as mp
 import pickle
@@ -54,9 +55,10 @@ def start_engine_process(settings: Settings, path: Path) -> tuple[LoadedModel, E
         target=engine_main,
         args=(settings, str(path), child, torch_thread.GOVERN),
         name="lmiserve-engine",
-        daemon=True,
+        daemon=False,  # a daemonic process may not start processes: its tensor-parallel ranks
     )
     process.start()
+    atexit.register(_kill_if_alive, process)  # at exit multiprocessing would wait for it: it waits for us
     child.close()
     message = _first_message(conn, process)
     if message[0] != "ready":
@@ -99,6 +101,14 @@ def _first_message(conn: Connection, process: Any) -> tuple[Any, ...]:
         emit_forwarded(message[1])
 
 
+def _kill_if_alive(process: Any) -> None:
+    """The serving process exits with its engine process still running (a failed start, an exit that did
+    not stop the engine): it is killed, as a daemonic process would be (it ignores SIGTERM)."""
+    if process.is_alive():
+        process.kill()
+        process.join(5.0)
+
+
 def engine_main(settings: Settings, path: str, conn: Connection, govern: bool) -> None:
     """The engine process: load, start, warm up, tell the serving process, serve. As every child of the
     server (engine/child_process.py) it ignores SIGINT and SIGTERM and exits when its parent goes."""
@@ -114,10 +124,10 @@ def engine_main(settings: Settings, path: str, conn: Connection, govern: bool) -
 async def _serve(settings: Settings, path: Path, conn: Connection, sender: PipeSender) -> None:
     from lmiserve.engine.core.warmup import warm_up
     from lmiserve.engine.process.host import Host
-    from lmiserve.models.compose import load_llm
+    from lmiserve.models.compose import load_any_llm
 
-    try:
-        loaded, engine = await torch_thread.run_apart(load_llm, settings, path)
+    try:  # the model, or its shell with tensor-parallel workers (this process's children) holding the weights
+        loaded, engine = await torch_thread.run_apart(load_any_llm, settings, path)
         engine.start()
         await warm_up(engine)
     except Exception as exc:  # noqa: BLE001 - the serving process reports it and the model is FAILED

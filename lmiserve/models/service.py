@@ -22,7 +22,6 @@ from lmiserve.core.parameters import Limits
 from lmiserve.core.stats import EngineObserver
 from lmiserve.core.tensors import TensorModel
 from lmiserve.engine import torch_thread
-from lmiserve.models.errors import ModelLoadError
 
 if TYPE_CHECKING:
     from lmiserve.engine.loaded import LoadedModel
@@ -163,25 +162,22 @@ class ModelService:
 
     def _load_llm(self, model_id: str | None) -> ModelEngine:
         from lmiserve.models import default_model_name, resolve_model_path
-        from lmiserve.models.compose import (
-            build_tensor_parallel_engine,
-            load_llm,
-            tensor_parallel_degree,
-            with_chat_template,
-        )
-        from lmiserve.models.load import load_model_shell, resolve_device
+        from lmiserve.models.compose import load_llm, load_tensor_parallel_llm, tensor_parallel_degree
+        from lmiserve.models.load import resolve_device
 
         s = self.settings
         self.path = resolve_model_path(model_id, s.revision, s.model_cache_dir)
         if not self._fixed_name:
             self.name = default_model_name(s.model_id, self.path)
+        if s.engine_process:  # the engine core in a process of its own (engine/process/), its workers too
+            from lmiserve.models.engine_process import start_engine_process
+
+            loaded, client = start_engine_process(s, self.path)
+            self.attach_llm(loaded, client)
+            return client
         degree = tensor_parallel_degree(s, resolve_device(s.device))
         if degree > 1:  # the weights are the workers': this process holds the tokenizer and config
-            if s.quantize is not None:
-                raise ModelLoadError(f"quantize={s.quantize} does not combine with tensor parallelism yet")
-            loaded = load_model_shell(self.path, s.dtype, s.device, s.trust_remote_code)
-            with_chat_template(loaded.tokenizer, s.chat_template)
-            engine = build_tensor_parallel_engine(loaded, s, degree)
+            loaded, engine = load_tensor_parallel_llm(s, self.path, degree)
             if engine.adapters is not None:
                 try:
                     self._register_start_adapters(engine.adapters)
@@ -191,12 +187,6 @@ class ModelService:
                     raise
             self.attach_llm(loaded, engine)
             return engine
-        if s.engine_process:  # the engine core in a process of its own (engine/process/)
-            from lmiserve.models.engine_process import start_engine_process
-
-            loaded, client = start_engine_process(s, self.path)
-            self.attach_llm(loaded, client)
-            return client
         loaded, engine = load_llm(s, self.path)
         if engine.adapters is not None:
             self._register_start_adapters(engine.adapters)

@@ -3,7 +3,8 @@
 Against the shared in-process `server` (the same options): the same greedy, seeded and constrained output on
 every protocol, the same 4xx for a bad request; the metrics see the engine process's tokens; a client that
 leaves aborts its request there; SIGTERM stops both processes; the engine process dying fails the server
-(503, exit 4, nothing left); what it does not combine with is refused with one line."""
+(503, exit 4, nothing left); with tensor parallelism its ranks are the engine process's children (the same
+answers, SIGTERM and a dead rank end them all); what it does not combine with is refused with one line."""
 
 from __future__ import annotations
 
@@ -207,13 +208,51 @@ def test_the_engine_process_dying_fails_the_server(tiny_model_dir):
         assert f"the engine process (pid {engine}) was killed by signal 9" in served.stderr()
 
 
-@pytest.mark.parametrize(
-    ("options", "refused"),
-    [
-        ({"enable_lora": "true"}, "engine_process=true cannot be combined with enable_lora yet"),
-        ({"tensor_parallel_degree": "2"}, "engine_process=true cannot be combined with tensor_parallel_degree yet"),
-    ],
-)
-def test_what_it_does_not_combine_with_is_refused(options, refused):
-    with pytest.raises(ConfigError, match=refused):
-        Settings.from_options({"engine_process": "true", **options})
+def test_what_it_does_not_combine_with_is_refused():
+    with pytest.raises(ConfigError, match="engine_process=true cannot be combined with enable_lora yet"):
+        Settings.from_options({"engine_process": "true", "enable_lora": "true"})
+
+
+# ---- with tensor parallelism: the ranks are the engine process's children ------------------------------------
+
+TP2 = ["--tensor-parallel-size", "2", "--device", "cpu"]
+GREEDY = [REQUESTS[0], ("/generate", {"inputs": "The quick brown fox", "parameters": {"max_new_tokens": 9}})]
+
+
+@pytest.fixture(scope="module")
+def tp_process(tiny_model_dir: Path) -> Iterator[ServeProcess]:
+    """The `server` fixture's options over two tensor-parallel ranks, under an engine process."""
+    options = ["max_input_len=64", "engine_process=true", "grpc_port=0"]
+    with ServeProcess(["--model-id", str(tiny_model_dir), *[a for o in options for a in ("-o", o)], *TP2]) as served:
+        served.wait_healthy()
+        yield served
+
+
+def test_tensor_parallel_ranks_are_the_engine_processs_children_and_answer_the_same(server, tp_process):
+    (engine,) = children(tp_process.proc.pid)
+    assert len(children(engine)) == 2, "the two ranks, spawned by the engine process"
+    assert "tensor parallelism: 2 ranks (2 on this node)" in tp_process.stderr()
+    for path, body in GREEDY:  # greedy: the ranks' partial sums round otherwise, the tokens do not change
+        assert answer(tp_process.url, path, body) == answer(server.url, path, body)
+
+
+def test_sigterm_stops_the_engine_process_and_its_ranks(tp_process):
+    (engine,) = children(tp_process.proc.pid)
+    ranks = children(engine)
+    tp_process.send(signal.SIGTERM)
+    assert tp_process.wait_exit() == 0, tp_process.describe()
+    wait_until(
+        lambda: not any(alive(p) for p in [engine, *ranks]), "the engine process and its ranks exited", timeout=30
+    )
+
+
+def test_a_rank_that_dies_fails_the_server_through_the_engine_process(tiny_model_dir):
+    with ServeProcess(
+        ["--model-id", str(tiny_model_dir), "-o", "engine_process=true", "-o", "grpc_port=0", *TP2]
+    ) as served:
+        served.wait_healthy()
+        (engine,) = children(served.proc.pid)
+        rank = children(engine)[-1]
+        os.kill(rank, signal.SIGKILL)
+        assert served.wait_exit() == 4, served.describe()  # ENGINE_FAILED
+        wait_until(lambda: not alive(engine), "the engine process exited", timeout=30)
