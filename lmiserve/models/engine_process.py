@@ -16,6 +16,7 @@ import logging
 import multiprocessing as mp
 import pickle
 import time
+import weakref
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -58,7 +59,7 @@ def start_engine_process(settings: Settings, path: Path) -> tuple[LoadedModel, E
         daemon=False,  # a daemonic process may not start processes: its tensor-parallel ranks
     )
     process.start()
-    atexit.register(_kill_if_alive, process)  # at exit multiprocessing would wait for it: it waits for us
+    _STARTED.add(process)  # at exit multiprocessing would wait for it, and it waits for us: `_kill_left`
     child.close()
     message = _first_message(conn, process)
     if message[0] != "ready":
@@ -101,12 +102,17 @@ def _first_message(conn: Connection, process: Any) -> tuple[Any, ...]:
         emit_forwarded(message[1])
 
 
-def _kill_if_alive(process: Any) -> None:
-    """The serving process exits with its engine process still running (a failed start, an exit that did
+_STARTED: weakref.WeakSet[Any] = weakref.WeakSet()  # the engine processes this process started
+
+
+@atexit.register
+def _kill_left() -> None:
+    """The serving process exits with an engine process still running (a failed start, an exit that did
     not stop the engine): it is killed, as a daemonic process would be (it ignores SIGTERM)."""
-    if process.is_alive():
-        process.kill()
-        process.join(5.0)
+    for process in list(_STARTED):
+        if process.is_alive():
+            process.kill()
+            process.join(5.0)
 
 
 def engine_main(settings: Settings, path: str, conn: Connection, govern: bool) -> None:
