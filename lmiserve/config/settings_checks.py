@@ -141,7 +141,6 @@ class CheckedSettings(
                 "speculative_config is not served with batch_invariant=true (it runs each request alone, as generate())"
             )
         self._check_parallel()
-        self._check_engine_process()
         return self
 
     def _check_step_budget(self) -> None:
@@ -157,13 +156,6 @@ class CheckedSettings(
                 f"max_num_batched_tokens={budget} is smaller than {limit}: a step must hold a token of every "
                 "running sequence"
             )
-
-    def _check_engine_process(self) -> None:
-        """What the engine in a process of its own does not serve yet (engine/process/): one line each."""
-        if not self.engine_process:
-            return
-        if self.enable_lora:
-            raise ValueError("engine_process=true cannot be combined with enable_lora yet")
 
     def _check_parallel(self) -> None:
         """Tensor parallelism's options: the nodes' arithmetic, and (for a number of ranks; `max` is checked

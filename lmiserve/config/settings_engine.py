@@ -214,7 +214,8 @@ class EngineFields(FieldGroup):
             "own, as vLLM's engine-core process: the server's event loop (HTTP, protocols, streaming) and the "
             "engine then no longer share one Python GIL, which limits many concurrent streams on a fast GPU. "
             "Output is the same; each step's events cross a pipe. With tensor parallelism the ranks are the "
-            "engine process's children. Not combined with LoRA adapters. See docs/engine.md."
+            "engine process's children; with LoRA the adapter registry is the engine process's. See "
+            "docs/engine.md."
         ),
     )
     enforce_eager: bool = Field(

@@ -29,7 +29,7 @@ from lmiserve.models.service import ModelService
 from lmiserve.models.store import allowed_path
 
 if TYPE_CHECKING:
-    from lmiserve.engine.lora.registry import AdapterEntry, AdapterRegistry
+    from lmiserve.engine.lora.registry import AdapterEntry, Adapters
 
 __all__ = [
     "LMI",
@@ -63,7 +63,7 @@ class Wording:
 LMI = Wording()
 
 
-def adapters_of(service: ModelService) -> AdapterRegistry:
+def adapters_of(service: ModelService) -> Adapters:
     """The adapters of `service` (ModelNotReady while it loads; InvalidRequest when it serves none)."""
     service.ready_engine()
     registry = service.adapters
@@ -113,7 +113,7 @@ async def _source(src: Any, roots: list[Path], param: str, service: ModelService
         raise InvalidRequest(f"Adapter {text} could not be downloaded: {exc}") from None
 
 
-def _check_pin(registry: AdapterRegistry, name: str) -> None:
+def _check_pin(registry: Adapters, name: str) -> None:
     """Pinned adapters never leave memory: at most `max_cpu_loras` of them, so that room is left."""
     pinned = [e.name for e in registry.entries() if e.pinned and e.name != name]
     kept = registry.limits.kept
@@ -204,7 +204,7 @@ def entry(service: ModelService, name: str, *, wording: Wording = LMI) -> Adapte
     return found
 
 
-def describe(registry: AdapterRegistry, found: AdapterEntry) -> dict[str, Any]:
+def describe(registry: Adapters, found: AdapterEntry) -> dict[str, Any]:
     """What is known of a registered adapter: loaded or not, and when loaded its rank, targets, size."""
     loaded = found.loaded
     return {

@@ -24,7 +24,7 @@ from lmiserve.engine.core.async_engine import AsyncEngine, EngineConfig
 from lmiserve.engine.executors.tensor_parallel import TensorParallelExecutor, WorkerSpec, free_port
 from lmiserve.engine.factory import create_engine, prompt_codec, worker_config
 from lmiserve.engine.lora.adapters import FAST_PATH_MODULES
-from lmiserve.engine.lora.registry import AdapterRegistry, LoraLimits
+from lmiserve.engine.lora.registry import AdapterRegistry, Adapters, LoraLimits
 from lmiserve.engine.model.sharding import unsplittable_reason
 from lmiserve.engine.speculative.proposers import SpeculationSettings
 from lmiserve.models.errors import ModelLoadError
@@ -185,6 +185,35 @@ def build_tensor_parallel_engine(loaded: LoadedModel, settings: Settings, degree
     executor = TensorParallelExecutor(spec)
     codec, grammars = prompt_codec(loaded, settings.max_input_len)
     return AsyncEngine(executor, codec, spec.config, grammars, adapters)
+
+
+ADAPTERS_FOLDER = "adapters"  # next to the model: LoRA adapters registered at start (LMI's layout)
+
+
+def register_start_adapters(adapters: Adapters, settings: Settings, path: Path, name: str) -> None:
+    """The adapters named at start (`lora_modules`, `lora_adapters`) and those in the `adapters/` folder
+    next to the model in `path` (LMI's layout: one adapter a subfolder), loaded now, the model's `name`
+    reserved: one that does not load stops the start, naming it. In the process that holds the registry
+    (the server's, or its engine process)."""
+    from lmiserve.models.download import adapter_options, fetch, is_remote
+
+    adapters.reserved.add(name)
+    pairs = settings.start_adapters()
+    folder = (path if path.is_dir() else path.parent) / ADAPTERS_FOLDER
+    if folder.is_dir():
+        named = {n for n, _ in pairs}
+        pairs += [
+            (sub.name, str(sub))
+            for sub in sorted(folder.iterdir())
+            if sub.is_dir() and (sub / "adapter_config.json").is_file() and sub.name not in named
+        ]
+    for adapter, source in pairs:
+        if is_remote(source):  # a Hub id, s3:// or gs:// URL: fetched now, as the model was
+            source = str(fetch(source, adapter_options(settings)))
+        try:
+            adapters.register(adapter, source, preload=True)
+        except (ValueError, FileExistsError) as exc:
+            raise ValueError(f"adapter {adapter} ({source}) cannot be served: {exc}") from None
 
 
 def load_tensor_parallel_llm(settings: Settings, path: Path, degree: int) -> tuple[LoadedModel, AsyncEngine]:

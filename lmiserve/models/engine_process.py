@@ -45,7 +45,7 @@ class ModelView:
         self.config, self.generation_config = config, generation_config
 
 
-def start_engine_process(settings: Settings, path: Path) -> tuple[LoadedModel, EngineProcessClient]:
+def start_engine_process(settings: Settings, path: Path, name: str) -> tuple[LoadedModel, EngineProcessClient]:
     """Start the engine process of the LLM in `path` and wait until it serves (ModelLoadError with its
     reason when it does not); the model as the serving process sees it, and the engine's client."""
     from lmiserve.engine.loaded import LoadedModel
@@ -54,7 +54,7 @@ def start_engine_process(settings: Settings, path: Path) -> tuple[LoadedModel, E
     conn, child = context.Pipe()
     process: Any = context.Process(
         target=engine_main,
-        args=(settings, str(path), child, torch_thread.GOVERN),
+        args=(settings, str(path), name, child, torch_thread.GOVERN),
         name="lmiserve-engine",
         daemon=False,  # a daemonic process may not start processes: its tensor-parallel ranks
     )
@@ -67,6 +67,8 @@ def start_engine_process(settings: Settings, path: Path) -> tuple[LoadedModel, E
             process.kill()
         process.join(5.0)
         conn.close()
+        if len(message) > 2 and isinstance(message[2], Exception):  # what loading raised there, as in one process
+            raise message[2]
         raise ModelLoadError(f"the engine process did not start: {message[1]}")
     _, view, snapshot = message
     model: Any = ModelView(view["config"], view["generation_config"])  # in place of the PreTrainedModel
@@ -77,7 +79,7 @@ def start_engine_process(settings: Settings, path: Path) -> tuple[LoadedModel, E
         with_chat_template(fields["tokenizer"], settings.chat_template)
     loaded = LoadedModel(model=model, **fields)
     log.info("engine process pid %d serves %s", process.pid, loaded.name)
-    return loaded, EngineProcessClient(process, conn, snapshot)
+    return loaded, EngineProcessClient(process, conn, snapshot, view["adapters"])
 
 
 def _first_message(conn: Connection, process: Any) -> tuple[Any, ...]:
@@ -115,7 +117,7 @@ def _kill_left() -> None:
             process.join(5.0)
 
 
-def engine_main(settings: Settings, path: str, conn: Connection, govern: bool) -> None:
+def engine_main(settings: Settings, path: str, name: str, conn: Connection, govern: bool) -> None:
     """The engine process: load, start, warm up, tell the serving process, serve. As every child of the
     server (engine/child_process.py) it ignores SIGINT and SIGTERM and exits when its parent goes."""
     from lmiserve.engine.child_process import start_child
@@ -124,24 +126,32 @@ def engine_main(settings: Settings, path: str, conn: Connection, govern: bool) -
     # the records go to the serving process, which writes them as its own (log_format, request ids)
     start_child(settings.log_level, threads.choose(settings.num_threads).threads, handlers=[PipeLogHandler(sender)])
     torch_thread.GOVERN = govern
-    asyncio.run(_serve(settings, Path(path), conn, sender))
+    asyncio.run(_serve(settings, Path(path), name, conn, sender))
 
 
-async def _serve(settings: Settings, path: Path, conn: Connection, sender: PipeSender) -> None:
+async def _serve(settings: Settings, path: Path, name: str, conn: Connection, sender: PipeSender) -> None:
     from lmiserve.engine.core.warmup import warm_up
+    from lmiserve.engine.process.adapters import mirror_of
     from lmiserve.engine.process.host import Host
-    from lmiserve.models.compose import load_any_llm
+    from lmiserve.models.compose import load_any_llm, register_start_adapters
 
     try:  # the model, or its shell with tensor-parallel workers (this process's children) holding the weights
         loaded, engine = await torch_thread.run_apart(load_any_llm, settings, path)
+        if engine.adapters is not None:  # LoRA: the registry is this process's (engine/process/adapters.py)
+            await asyncio.to_thread(register_start_adapters, engine.adapters, settings, path, name)
         engine.start()
         await warm_up(engine)
     except Exception as exc:  # noqa: BLE001 - the serving process reports it and the model is FAILED
         log.debug("the engine failed to start", exc_info=exc)
-        sender.send(("failed", f"{type(exc).__name__}: {portable(exc)}"))
+        sender.send(("failed", f"{type(exc).__name__}: {exc}", portable(exc)))
         return
     try:
-        ready = pickle.dumps(("ready", _view(loaded), engine.snapshot()))
+        view = _view(loaded)
+        registry = engine.adapters  # LoRA: the registry's limits and mirror (engine/process/adapters.py)
+        view["adapters"] = (
+            (registry.limits, mirror_of(registry), set(registry.reserved)) if registry is not None else None
+        )
+        ready = pickle.dumps(("ready", view, engine.snapshot()))
     except Exception as exc:  # noqa: BLE001 - what the serving process needs of the model does not pickle
         sender.send(("failed", f"the model's tokenizer or config cannot be sent to the server: {exc}"))
         return

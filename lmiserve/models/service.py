@@ -25,7 +25,7 @@ from lmiserve.engine import torch_thread
 
 if TYPE_CHECKING:
     from lmiserve.engine.loaded import LoadedModel
-    from lmiserve.engine.lora.registry import AdapterRegistry
+    from lmiserve.engine.lora.registry import Adapters
     from lmiserve.oneshot.batcher import TensorRunner
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,6 @@ log = logging.getLogger(__name__)
 # One model loads at a time: transformers' lazy imports are not safe to race from several threads,
 # and on a few CPU cores parallel loads gain nothing.
 _LOAD_LOCK = threading.Lock()
-ADAPTERS_FOLDER = "adapters"  # next to the model: LoRA adapters registered at start (LMI's layout)
 
 
 class ModelService:
@@ -99,7 +98,7 @@ class ModelService:
         return self._generator
 
     @property
-    def adapters(self) -> AdapterRegistry | None:
+    def adapters(self) -> Adapters | None:
         """The LoRA adapters of a loaded LLM served with `enable_lora` (None otherwise)."""
         return getattr(self._generator, "adapters", None)
 
@@ -172,7 +171,7 @@ class ModelService:
         if s.engine_process:  # the engine core in a process of its own (engine/process/), its workers too
             from lmiserve.models.engine_process import start_engine_process
 
-            loaded, client = start_engine_process(s, self.path)
+            loaded, client = start_engine_process(s, self.path, self.name)  # its adapters registered there
             self.attach_llm(loaded, client)
             return client
         degree = tensor_parallel_degree(s, resolve_device(s.device))
@@ -193,30 +192,11 @@ class ModelService:
         self.attach_llm(loaded, engine)
         return engine
 
-    def _register_start_adapters(self, adapters: AdapterRegistry) -> None:
-        """The adapters named at start (`lora_modules`, `lora_adapters`) and those in the `adapters/` folder
-        next to the model (LMI's layout: one adapter a subfolder), loaded now: one that does not load stops
-        the start, naming it."""
-        from lmiserve.models.download import adapter_options, fetch, is_remote
+    def _register_start_adapters(self, adapters: Adapters) -> None:
+        from lmiserve.models.compose import register_start_adapters
 
-        adapters.reserved.add(self.name)
         assert self.path is not None
-        pairs = self.settings.start_adapters()
-        folder = (self.path if self.path.is_dir() else self.path.parent) / ADAPTERS_FOLDER
-        if folder.is_dir():
-            named = {name for name, _ in pairs}
-            pairs += [
-                (sub.name, str(sub))
-                for sub in sorted(folder.iterdir())
-                if sub.is_dir() and (sub / "adapter_config.json").is_file() and sub.name not in named
-            ]
-        for name, path in pairs:
-            if is_remote(path):  # a Hub id, s3:// or gs:// URL: fetched now, as the model was
-                path = str(fetch(path, adapter_options(self.settings)))
-            try:
-                adapters.register(name, path, preload=True)
-            except (ValueError, FileExistsError) as exc:
-                raise ValueError(f"adapter {name} ({path}) cannot be served: {exc}") from None
+        register_start_adapters(adapters, self.settings, self.path, self.name)
 
     def attach_llm(self, loaded: LoadedModel, generator: TextGenerator) -> None:
         """Serve `generator` as this LLM's engine, over `loaded` (its tokenizer, device, dtype, context):

@@ -4,7 +4,8 @@ Against the shared in-process `server` (the same options): the same greedy, seed
 every protocol, the same 4xx for a bad request; the metrics see the engine process's tokens; a client that
 leaves aborts its request there; SIGTERM stops both processes; the engine process dying fails the server
 (503, exit 4, nothing left); with tensor parallelism its ranks are the engine process's children (the same
-answers, SIGTERM and a dead rank end them all); what it does not combine with is refused with one line."""
+answers, SIGTERM and a dead rank end them all); with LoRA adapters the registry is the engine process's and
+the adapter routes answer from its mirror (the same answers, listing, run-time changes and start errors)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ import httpx
 import pytest
 
 from helpers.serve_process import ServeProcess
+from helpers.server import run_server
 from helpers.waiting import wait_until
-from lmiserve.config import ConfigError, Settings
 
 
 @pytest.fixture(scope="module")
@@ -208,9 +209,83 @@ def test_the_engine_process_dying_fails_the_server(tiny_model_dir):
         assert f"the engine process (pid {engine}) was killed by signal 9" in served.stderr()
 
 
-def test_what_it_does_not_combine_with_is_refused():
-    with pytest.raises(ConfigError, match="engine_process=true cannot be combined with enable_lora yet"):
-        Settings.from_options({"engine_process": "true", "enable_lora": "true"})
+# ---- with LoRA adapters: the registry is the engine process's, the routes the server's ------------------------
+
+
+@pytest.fixture(scope="module")
+def lora_process(tiny_model_dir: Path, lora_modules_option: str, lora_adapter_dirs: dict[str, Path]) -> Iterator[str]:
+    """`lora_server`'s adapters (named at start) with the engine in its own process; adapters under
+    `allowed_model_paths` may be registered at run time (this module's own server)."""
+    allowed = lora_adapter_dirs["alpha"].parent
+    options = [f"lora_modules={lora_modules_option}", "engine_process=true", f"allowed_model_paths={allowed}"]
+    with run_server(["--model-id", str(tiny_model_dir), *[a for o in options for a in ("-o", o)]]) as url:
+        yield url
+
+
+ADAPTED = [
+    ("/v1/completions", {"model": "alpha", "prompt": "Hello there", "max_tokens": 10, "temperature": 0}),
+    ("/generate", {"inputs": "The quick brown fox", "parameters": {"max_new_tokens": 9, "adapter_id": "beta"}}),
+    ("/invocations", {"inputs": "Once upon", "adapters": "gamma", "parameters": {"max_new_tokens": 8}}),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), ADAPTED, ids=[p for p, _ in ADAPTED])
+def test_an_adapters_answers_equal_the_in_process_engines(lora_server, lora_process, path, body):
+    assert answer(lora_process, path, body) == answer(lora_server.url, path, body)
+
+
+def test_the_adapters_named_at_start_are_listed_as_in_one_process(lora_server, lora_process):
+    def cards(url: str) -> list[tuple[str, str]]:
+        data = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
+        return sorted((c["id"], c.get("parent", "")) for c in data)
+
+    assert cards(lora_process) == cards(lora_server.url)
+    assert {"alpha", "beta", "gamma"} <= {name for name, _ in cards(lora_process)}
+
+
+def test_adapters_registered_used_described_and_unregistered_at_run_time(lora_process, lora_adapter_dirs):
+    """LMI's adapters API against the engine process's registry: the mirror follows each change and the
+    requests an adapter served; an unknown one is the protocol's 404."""
+    base = "/models/tiny/adapters"
+    with httpx.Client(base_url=lora_process, timeout=60, trust_env=False) as c:
+        src = str(lora_adapter_dirs["alpha"])
+        registered = c.post(base, params={"name": "late", "src": src})
+        assert registered.status_code == 200, registered.text
+        assert {"name": "late", "src": src, "pin": False, "loaded": True} in c.get(base).json()["adapters"]
+        again = c.post(base, params={"name": "late", "src": src})
+        assert again.status_code == 409, again.text  # the engine's FileExistsError, LMI's Conflict
+        for _ in range(2):
+            done = c.post(
+                "/invocations", json={"inputs": "Hi", "adapters": "late", "parameters": {"max_new_tokens": 3}}
+            )
+            assert done.status_code == 200, done.text
+        wait_until(lambda: c.get(f"{base}/late").json()["requests"] == 2, "the mirror counts the requests", timeout=30)
+        described = c.get(f"{base}/late").json()
+        assert (described["rank"], described["targetModules"], described["running"]) == (8, ["q_proj", "v_proj"], 0)
+        assert c.delete(f"{base}/late").status_code == 200
+        assert c.get(f"{base}/late").status_code == 404
+        gone = c.post("/invocations", json={"inputs": "Hi", "adapters": "late", "parameters": {"max_new_tokens": 3}})
+        assert gone.status_code == 404, gone.text
+        bad = c.post(base, params={"name": "tiny", "src": src})  # the model's own name
+        assert bad.status_code == 400, bad.text
+
+
+def test_an_adapter_that_does_not_load_at_start_fails_as_in_one_process(tiny_model_dir, tmp_path):
+    missing = tmp_path / "nowhere"
+    with ServeProcess(
+        [
+            "--model-id",
+            str(tiny_model_dir),
+            "-o",
+            f"lora_modules=x={missing}",
+            "-o",
+            "engine_process=true",
+            "-o",
+            "grpc_port=0",
+        ]
+    ) as served:
+        assert served.wait_exit() == 1, served.describe()
+        assert f"adapter x ({missing}) cannot be served: adapter folder {missing} does not exist" in served.stderr()
 
 
 # ---- with tensor parallelism: the ranks are the engine process's children ------------------------------------

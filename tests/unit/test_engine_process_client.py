@@ -56,10 +56,10 @@ async def test_a_request_goes_to_the_engine_and_its_events_come_back(pair):
     first = asyncio.ensure_future(anext(stream))
     kind, rid, sent = await read(engine)
     assert (kind, sent.prompt) == ("generate", "Hi")
-    engine.send(("batch", [(rid, event("a"))], [], snapshot(running=1)))
+    engine.send(("batch", [(rid, event("a"))], [], snapshot(running=1), None))
     assert (await first).token.text == "a"
     assert client.num_running == 1  # the engine's snapshot, with each message
-    engine.send(("batch", [(rid, event("b")), (rid, Ended(()))], [], snapshot()))
+    engine.send(("batch", [(rid, event("b")), (rid, Ended(()))], [], snapshot(), None))
     assert [e.token.text async for e in stream] == ["b"]
     assert client.num_running == 0
 
@@ -73,7 +73,8 @@ async def test_steps_that_wait_together_go_out_as_one_burst(pair):
     rid = next(iter(client._queues))
     # three steps' messages read at once (the loop was behind): one write of the stream's tokens
     client._dispatch(
-        [("batch", [(rid, event(t))], [], snapshot()) for t in "xyz"] + [("batch", [(rid, Ended(()))], [], snapshot())]
+        [("batch", [(rid, event(t))], [], snapshot(), None) for t in "xyz"]
+        + [("batch", [(rid, Ended(()))], [], snapshot(), None)]
     )
     events = [await first] + [e async for e in stream]
     assert [(e.token.text, e.burst) for e in events] == [("x", True), ("y", True), ("z", False)]
@@ -85,7 +86,7 @@ async def test_a_client_that_leaves_aborts_its_request(pair):
     stream = client.generate(GenerationRequest(prompt="Hi"))
     first = asyncio.ensure_future(anext(stream))
     _, rid, _ = await read(engine)
-    engine.send(("batch", [(rid, event("a"))], [], snapshot()))
+    engine.send(("batch", [(rid, event("a"))], [], snapshot(), None))
     await first
     await stream.aclose()
     assert await read(engine) == ("abort", rid)
@@ -112,7 +113,7 @@ async def test_observers_see_what_the_engine_told_them_in_order(pair):
 
     client.add_observer(Observer())
     client.start()
-    engine.send(("batch", [], [("on_submitted", (3, 1)), ("on_finished", ("stats",))], snapshot()))
+    engine.send(("batch", [], [("on_submitted", (3, 1)), ("on_finished", ("stats",))], snapshot(), None))
     await asyncio.wait_for(_until(lambda: len(seen) == 2), 10)
     assert seen == [("on_submitted", (3, 1)), ("on_finished", ("stats",))]
 
@@ -153,7 +154,7 @@ async def test_a_consumer_that_stops_at_the_last_event_ends_the_request_there(pa
     first = asyncio.ensure_future(anext(stream))
     _, rid, _ = await read(engine)
     generation = Generation(4, 0.0, 1.0, RequestStats(1.0, 2.0, 3, ()))
-    engine.send(("batch", [(rid, event("last")), (rid, Ended((generation,)))], [], snapshot()))
+    engine.send(("batch", [(rid, event("last")), (rid, Ended((generation,)))], [], snapshot(), None))
     assert (await first).token.text == "last"
     await stream.aclose()
     assert facts.generations == [generation]

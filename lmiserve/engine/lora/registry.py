@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from lmiserve.engine.lora.adapters import AdapterError, LoraAdapter, read_adapter, read_config
 
@@ -38,7 +38,7 @@ Loader = Callable[[str, Path], LoraAdapter]  # (name, folder) -> a new load of t
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["AdapterEntry", "AdapterRegistry", "LoraLimits", "UnknownAdapter"]
+__all__ = ["AdapterEntry", "AdapterRegistry", "Adapters", "LoraLimits", "UnknownAdapter"]
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,27 @@ class AdapterEntry:
         return self.loaded is not None
 
 
+class Adapters(Protocol):
+    """A model's adapters as the server's routes and lookups use them: the `AdapterRegistry` itself in the
+    engine's process, its mirror in the server's with `engine_process` (engine/process/adapters.py)."""
+
+    limits: LoraLimits
+    reserved: set[str]
+
+    def names(self) -> list[str]: ...
+    def get(self, name: str) -> AdapterEntry | None: ...
+    def entries(self) -> list[AdapterEntry]: ...
+    def __contains__(self, name: object) -> bool: ...
+    def in_use(self, name: str) -> int: ...
+    def running(self) -> dict[str, int]: ...
+    def loaded_count(self) -> int: ...
+    def register(self, name: str, src: str | Path, *, preload: bool = True, pin: bool = False) -> AdapterEntry: ...
+    def update(
+        self, name: str, *, src: str | Path | None = None, pin: bool | None = None, preload: bool = True
+    ) -> AdapterEntry: ...
+    def unregister(self, name: str) -> AdapterEntry: ...
+
+
 class AdapterRegistry:
     """The adapters of one model (`model`, the base), served through the paths that apply `modules`
     (None: any linear); `loader` reads an adapter (default: `lora.read_adapter` on `model`)."""
@@ -107,6 +128,7 @@ class AdapterRegistry:
         self._lock = threading.RLock()
         self._loading: dict[str, threading.Lock] = {}
         self.listeners: list[Callable[[str, str], None]] = []  # (event, name): "registered", "unregistered"
+        self.version = 0  # counts the changes of what `entries`, `running` and `loaded_count` say
 
     # ---- what is registered ------------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -153,6 +175,7 @@ class AdapterRegistry:
                 entry.last_used = time.monotonic()
             self._entries[name] = entry
             self._evict()
+            self.version += 1
         log.info(
             "adapter %s registered from %s%s%s",
             name,
@@ -189,6 +212,7 @@ class AdapterRegistry:
             if pin is not None:
                 entry.pinned = pin
             self._evict()
+            self.version += 1
         return entry
 
     def unregister(self, name: str) -> AdapterEntry:
@@ -197,6 +221,7 @@ class AdapterRegistry:
             entry = self._entries.pop(name, None)
             if entry is not None:
                 self._drop_if_unused(entry.loaded)  # else when its last request ends (`release`)
+                self.version += 1
         if entry is None:
             raise UnknownAdapter(name)
         log.info("adapter %s unregistered", name)
@@ -225,7 +250,9 @@ class AdapterRegistry:
                 try:
                     adapter = self._read(name, folder)
                 except AdapterError as exc:
-                    entry.error = str(exc)
+                    with self._lock:
+                        entry.error = str(exc)
+                        self.version += 1
                     raise
                 with self._lock:
                     if self._entries.get(name) is entry and entry.src == folder:
@@ -243,6 +270,7 @@ class AdapterRegistry:
 
     def release(self, adapter: LoraAdapter) -> None:
         with self._lock:
+            self.version += 1
             left = self._refs.get(adapter.id, 0) - 1
             if left > 0:
                 self._refs[adapter.id] = left
@@ -276,6 +304,7 @@ class AdapterRegistry:
             return counts
 
     def _hold(self, entry: AdapterEntry, adapter: LoraAdapter) -> LoraAdapter:
+        self.version += 1  # (under the lock, as every caller holds it; a load it holds is counted here too)
         self._refs[adapter.id] = self._refs.get(adapter.id, 0) + 1
         self._held[adapter.id] = adapter
         entry.last_used = time.monotonic()

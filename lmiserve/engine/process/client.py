@@ -23,6 +23,8 @@ from lmiserve.core.errors import GenerationFailed, ModelNotReady, ShuttingDown
 from lmiserve.core.events import StepEvent
 from lmiserve.core.request import GenerationRequest
 from lmiserve.core.stats import EngineObserver, EngineSnapshot, notify, tell_failure
+from lmiserve.engine.lora.registry import LoraLimits
+from lmiserve.engine.process.adapters import Mirror, RemoteAdapters
 from lmiserve.engine.process.wire import Ended, PipeSender, emit_forwarded
 
 log = logging.getLogger(__name__)
@@ -38,11 +40,16 @@ def _record(ended: Ended) -> None:
 
 
 class EngineProcessClient:
-    """The engine in `process`, over `conn` (its `snapshot` as the engine's last message gave it)."""
+    """The engine in `process`, over `conn` (its `snapshot` as the engine's last message gave it); with LoRA
+    adapters, `adapters` is its registry's `(limits, mirror, reserved names)` (process/adapters.py)."""
 
-    adapters = None  # LoRA adapters are served by the engine in this process only (settings refuse both)
-
-    def __init__(self, process: Any, conn: Connection, snapshot: EngineSnapshot) -> None:
+    def __init__(
+        self,
+        process: Any,
+        conn: Connection,
+        snapshot: EngineSnapshot,
+        adapters: tuple[LoraLimits, Mirror, set[str]] | None = None,
+    ) -> None:
         self.process, self._conn = process, conn
         self._snapshot = snapshot
         self._observers: list[EngineObserver] = []
@@ -54,6 +61,7 @@ class EngineProcessClient:
         self._sender = PipeSender(conn)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
+        self.adapters = RemoteAdapters(self._send, *adapters) if adapters is not None else None
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -149,7 +157,12 @@ class EngineProcessClient:
                     messages.append(self._conn.recv())
             except (EOFError, OSError):
                 break
-            loop.call_soon_threadsafe(self._dispatch, messages)
+            if self.adapters is not None:  # answers to the adapters' calls here: a route may wait on the loop
+                for message in [m for m in messages if m[0] == "adapters_reply"]:
+                    self.adapters.answered(*message[1:])
+                    messages.remove(message)
+            if messages:
+                loop.call_soon_threadsafe(self._dispatch, messages)
         if not loop.is_closed():
             loop.call_soon_threadsafe(self._lost)
 
@@ -160,7 +173,9 @@ class EngineProcessClient:
         for message in messages:
             kind = message[0]
             if kind == "batch":
-                _, items, observed, self._snapshot = message
+                _, items, observed, self._snapshot, mirror = message
+                if mirror is not None and self.adapters is not None:
+                    self.adapters.mirror(mirror)
                 for method, args in observed:
                     notify(self._observers, method, *args)
                 for rid, item in items:
@@ -208,6 +223,8 @@ class EngineProcessClient:
         tell_failure(self.on_failure, why)
 
     def _end_all(self, error: BaseException) -> None:
+        if self.adapters is not None:
+            self.adapters.fail(str(error) or type(error).__name__)
         for queue in self._queues.values():
             queue.put_nowait(error)
         for reply in self._calls.values():

@@ -16,9 +16,11 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from lmiserve.core import request_context
+from lmiserve.core.errors import GenerationFailed
 from lmiserve.core.request import GenerationRequest
 from lmiserve.core.stats import RequestStats, StepStats
 from lmiserve.engine.core.async_engine import AsyncEngine
+from lmiserve.engine.process import adapters
 from lmiserve.engine.process.wire import Ended, PipeSender, portable
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,7 @@ class Host:
         self._items: list[tuple[int, Any]] = []
         self._observed: list[tuple[str, tuple[Any, ...]]] = []
         self._flushing = False
+        self._adapters_version = -1 if engine.adapters is None else engine.adapters.version  # the mirror sent
         self._stop = asyncio.Event()
         engine.add_observer(_Forward(self))
         engine.on_failure.append(self._failed)
@@ -97,6 +100,8 @@ class Host:
         elif kind == "prepare":
             _, call, request = message
             self.loop.create_task(self._prepare(call, request))
+        elif kind == "adapters":
+            self.loop.create_task(self._adapters_call(*message[1:]))
         elif kind == "stop":
             self._stop.set()
 
@@ -122,6 +127,21 @@ class Host:
             error = portable(exc)
         self._send(("reply", call, error))
 
+    async def _adapters_call(self, number: int, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A change to the adapter registry (process/adapters.py), on a worker thread (it may read files);
+        the answer carries the registry's mirror as the change left it."""
+        registry = self.engine.adapters
+        result: Any
+        if registry is None:
+            result = GenerationFailed("this model serves no LoRA adapters")
+        else:
+            try:
+                result = await asyncio.to_thread(adapters.call, registry, method, args, kwargs)
+            except Exception as exc:  # noqa: BLE001 - raised by the serving process's call
+                result = portable(exc)
+        mirror = adapters.mirror_of(registry) if registry is not None else adapters.Mirror()
+        self._send(("adapters_reply", number, result, mirror))
+
     # ---- to the serving process ----------------------------------------------------------------------
     def observed(self, method: str, args: tuple[Any, ...]) -> None:
         self._observed.append((method, args))
@@ -144,7 +164,11 @@ class Host:
             return
         items, self._items = self._items, []
         observed, self._observed = self._observed, []
-        self._send(("batch", items, observed, self.engine.snapshot()))
+        registry, mirror = self.engine.adapters, None
+        if registry is not None and registry.version != self._adapters_version:  # requests took or freed adapters
+            mirror = adapters.mirror_of(registry)
+            self._adapters_version = mirror.version
+        self._send(("batch", items, observed, self.engine.snapshot(), mirror))
 
     def _send(self, message: tuple[Any, ...]) -> None:
         self.sender.send(message)

@@ -1,11 +1,13 @@
 """What crosses the pipe between the serving process (client.py) and the engine's (host.py).
 
 Serving process -> engine: ``("generate", rid, request)``, ``("abort", rid)``, ``("prepare", call, request)``,
-``("stop",)``. Engine -> serving process: ``("batch", items, observed, snapshot)`` (each ``(rid, item)`` an
-event, an `Ended` or the request's error; `observed` the observers' calls, in order), ``("reply", call,
-error or None)``, ``("failure", why)``, ``("log", record)`` (the engine process's log records, written by
-the serving process's logging: one format, one stream). One batch a step: what one step delivers goes in
-one message.
+``("adapters", call, method, args, kwargs)`` (a change to the LoRA registry: process/adapters.py),
+``("stop",)``. Engine -> serving process: ``("batch", items, observed, snapshot, adapters)`` (each ``(rid,
+item)`` an event, an `Ended` or the request's error; `observed` the observers' calls, in order; `adapters`
+the LoRA registry's mirror when it changed, else None), ``("reply", call, error or None)``,
+``("adapters_reply", call, result or error, mirror)``, ``("failure", why)``, ``("log", record)`` (the engine
+process's log records, written by the serving process's logging: one format, one stream). One batch a step:
+what one step delivers goes in one message.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from lmiserve.protocols.textgen.tools.spec import ToolSpec
 from lmiserve.server.lookup import default_llm
 
 if TYPE_CHECKING:
-    from lmiserve.engine.lora.registry import AdapterRegistry
+    from lmiserve.engine.lora.registry import Adapters
 
 TGI_CLIENT_NAMES = ("tgi", "dummy")  # the `model` TGI's clients send to a TGI endpoint
 
@@ -66,7 +66,7 @@ class Served:
         return not name or name in names or "*" in names
 
     @property
-    def adapters(self) -> AdapterRegistry | None:
+    def adapters(self) -> Adapters | None:
         """The model's LoRA adapters (None: served without `enable_lora`)."""
         return self.service.adapters
 
