@@ -123,13 +123,11 @@ def test_a_kernel_that_computes_wrong_is_refused_and_scaled_mm_serves(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The self-check: however fast, a tile whose product is off (a GPU or Triton miscompiling it) is never
-    chosen, and the refusal is logged."""
-    import triton
-
-    from helpers.wrong_fp8_kernel import wrong_fp8_gemv_kernel
-
+    chosen, and the refusal is logged. Here every tile disagrees with the check's de-quantized product by 2x
+    (as a kernel that lost a scale would)."""
+    reference = fp8_gemv._reference
     monkeypatch.setattr(fp8_gemv, "INTERPRETED_ON_CPU", True)
-    monkeypatch.setattr(fp8_gemv, "_kernel", lambda: triton.jit(wrong_fp8_gemv_kernel))
+    monkeypatch.setattr(fp8_gemv, "_reference", lambda *args: 2 * reference(*args))
     weight, scale, _ = fp8_weight(32, 64, seed=4)
     x = torch.randn(1, 64)
     assert fp8_gemv.choose(x, weight, scale, lambda x: scaled_product(x, weight, scale)) is None
