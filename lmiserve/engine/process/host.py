@@ -139,7 +139,10 @@ class Host:
                 result = await asyncio.to_thread(adapters.call, registry, method, args, kwargs)
             except Exception as exc:  # noqa: BLE001 - raised by the serving process's call
                 result = portable(exc)
-        mirror = adapters.mirror_of(registry) if registry is not None else adapters.Mirror()
+        mirror = adapters.Mirror()
+        if registry is not None:
+            mirror = adapters.mirror_of(registry)
+            self._adapters_version = mirror.version
         self._send(("adapters_reply", number, result, mirror))
 
     # ---- to the serving process ----------------------------------------------------------------------
