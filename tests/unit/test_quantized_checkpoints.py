@@ -324,10 +324,15 @@ def test_the_quantize_option_takes_fp8_awq_gptq_and_refuses_others_in_one_line()
     assert "quantize" in str(error.value) and "fp8" in str(error.value)
 
 
+@pytest.mark.parametrize("group", [32, 16], ids=["a-tile-a-group", "groups-inside-a-tile"])
 @pytest.mark.parametrize("act_order", [False, True], ids=["groups-in-order", "desc-act"])
-def test_the_cuda_int4_triton_kernel_computes_the_dequantized_product_under_the_interpreter(act_order: bool) -> None:
+def test_the_cuda_int4_triton_kernel_computes_the_dequantized_product_under_the_interpreter(
+    act_order: bool, group: int
+) -> None:
     """`int4_triton` (CUDA's AWQ/GPTQ kernel, not run on a GPU) under Triton's CPU interpreter: the
-    product of the codes equals fp32's product of the reference de-quantized weight."""
+    product of the codes equals fp32's product of the reference de-quantized weight, whether a tile reads
+    one row of scales (groups of a multiple of its inputs; act-order's once stored in group order) or
+    gathers one an input (smaller groups)."""
     import os
 
     from lmiserve.engine.model import int4_triton
@@ -336,7 +341,7 @@ def test_the_cuda_int4_triton_kernel_computes_the_dequantized_product_under_the_
     if not int4_triton.available() or os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py on CPU)")
     torch.manual_seed(3)
-    out, inputs, group = 80, 96, 32
+    out, inputs = 80, 96
     weight = torch.randn(out, inputs)
     g_idx = torch.arange(inputs) // group
     if act_order:
@@ -346,6 +351,7 @@ def test_the_cuda_int4_triton_kernel_computes_the_dequantized_product_under_the_
     layer = int4_triton.Int4TritonLinear.from_parts(
         codes, scale.float(), zero, g_idx, None, torch.float32, torch.device("cpu")
     )
+    assert (layer.group, layer.order is not None) == (group if group % int4_triton.GROUP_TILE == 0 else 0, act_order)
     x = torch.randn(5, inputs)
     torch.testing.assert_close(layer(x), x @ dense.t(), rtol=1e-5, atol=1e-4)
 

@@ -18,10 +18,13 @@ def int4_matmul_kernel(  # pragma: no cover - runs as a Triton kernel
     K,
     stride_xm,
     stride_ym,
+    GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    # GROUP > 0: the inputs' groups are contiguous runs of GROUP (a multiple of BLOCK_K), so a tile's scales
+    # and zeros are one row of each; GROUP == 0: any `g_idx`, a scale and a zero gathered per input
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -37,10 +40,16 @@ def int4_matmul_kernel(  # pragma: no cover - runs as a Triton kernel
         wmask = k_ok[:, None] & (offs_n[None, :] < N)
         words = tl.load(q_ptr + (k // 8)[:, None] * N + offs_n[None, :], mask=wmask, other=0)
         codes = (words >> ((k % 8) * 4)[:, None]) & 0xF
-        g = tl.load(g_ptr + k, mask=k_ok, other=0)
-        scale = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=wmask, other=0.0).to(tl.float32)
-        zero = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=wmask, other=0.0).to(tl.float32)
-        w = (codes.to(tl.float32) - zero) * scale  # [BLOCK_K, BLOCK_N]
+        if GROUP > 0:
+            group = k0 // GROUP
+            scale = tl.load(s_ptr + group * N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+            zero = tl.load(z_ptr + group * N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+            w = (codes.to(tl.float32) - zero[None, :]) * scale[None, :]  # [BLOCK_K, BLOCK_N]
+        else:
+            g = tl.load(g_ptr + k, mask=k_ok, other=0)
+            scale = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=wmask, other=0.0).to(tl.float32)
+            zero = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=wmask, other=0.0).to(tl.float32)
+            w = (codes.to(tl.float32) - zero) * scale  # [BLOCK_K, BLOCK_N]
         acc += tl.dot(x, w.to(x.dtype))  # bf16/fp16 x: tensor cores; fp32 accumulation
     y = acc.to(y_ptr.dtype.element_ty)
     tl.store(
