@@ -5,8 +5,9 @@ whose loaders its tensor-parallel workers call. Here the settings (lmiserve.conf
 (models/load.py) meet it: `engine_config` reads the settings into an `EngineConfig` (warning about those
 that do not apply), `build_engine` builds the engine of a loaded model, `build_tensor_parallel_engine`
 the engine over tensor-parallel workers, `load_llm` the model and its engine in the process that runs
-them (the server's, or its engine process: models/engine_process.py; `load_tensor_parallel_llm` the same
-over tensor-parallel workers, `load_any_llm` whichever the settings ask for), `worker_spec` what those workers
+them (`load_tensor_parallel_llm` the same over tensor-parallel workers; `load_served_llm` whichever the
+settings ask for, its start adapters registered, in the server's process or its engine process:
+models/engine_process.py), `worker_spec` what those workers
 need (`lmiserve serve` on a node other than the leader runs them alone: `models.service.run_worker_node`).
 """
 
@@ -24,7 +25,7 @@ from lmiserve.engine.core.async_engine import AsyncEngine, EngineConfig
 from lmiserve.engine.executors.tensor_parallel import TensorParallelExecutor, WorkerSpec, free_port
 from lmiserve.engine.factory import create_engine, prompt_codec, worker_config
 from lmiserve.engine.lora.adapters import FAST_PATH_MODULES
-from lmiserve.engine.lora.registry import AdapterRegistry, Adapters, LoraLimits
+from lmiserve.engine.lora.registry import AdapterRegistry, LoraLimits
 from lmiserve.engine.model.sharding import unsplittable_reason
 from lmiserve.engine.speculative.proposers import SpeculationSettings
 from lmiserve.models.errors import ModelLoadError
@@ -190,11 +191,10 @@ def build_tensor_parallel_engine(loaded: LoadedModel, settings: Settings, degree
 ADAPTERS_FOLDER = "adapters"  # next to the model: LoRA adapters registered at start (LMI's layout)
 
 
-def register_start_adapters(adapters: Adapters, settings: Settings, path: Path, name: str) -> None:
+def register_start_adapters(adapters: AdapterRegistry, settings: Settings, path: Path, name: str) -> None:
     """The adapters named at start (`lora_modules`, `lora_adapters`) and those in the `adapters/` folder
     next to the model in `path` (LMI's layout: one adapter a subfolder), loaded now, the model's `name`
-    reserved: one that does not load stops the start, naming it. In the process that holds the registry
-    (the server's, or its engine process)."""
+    reserved: one that does not load stops the start, naming it."""
     from lmiserve.models.download import adapter_options, fetch, is_remote
 
     adapters.reserved.add(name)
@@ -227,12 +227,22 @@ def load_tensor_parallel_llm(settings: Settings, path: Path, degree: int) -> tup
     return loaded, build_tensor_parallel_engine(loaded, s, degree)
 
 
-def load_any_llm(settings: Settings, path: Path) -> tuple[LoadedModel, AsyncEngine]:
-    """`load_tensor_parallel_llm` where the settings ask for more than one rank, else `load_llm`."""
+def load_served_llm(settings: Settings, path: Path, name: str) -> tuple[LoadedModel, AsyncEngine]:
+    """The LLM in `path` as it is served, in the process that runs its engine (the server's, or its engine
+    process): over tensor-parallel workers where the settings ask for more than one rank
+    (`load_tensor_parallel_llm`), else `load_llm`; with LoRA, the adapters named at start registered and the
+    model's `name` reserved (`register_start_adapters`)."""
     from lmiserve.models.load import resolve_device
 
     degree = tensor_parallel_degree(settings, resolve_device(settings.device))
-    return load_tensor_parallel_llm(settings, path, degree) if degree > 1 else load_llm(settings, path)
+    loaded, engine = load_tensor_parallel_llm(settings, path, degree) if degree > 1 else load_llm(settings, path)
+    if engine.adapters is not None:
+        try:
+            register_start_adapters(engine.adapters, settings, path, name)
+        except BaseException:
+            engine.executor.close()  # tensor-parallel workers started: stop them
+            raise
+    return loaded, engine
 
 
 def load_llm(settings: Settings, path: Path) -> tuple[LoadedModel, AsyncEngine]:

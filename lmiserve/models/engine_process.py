@@ -133,12 +133,12 @@ async def _serve(settings: Settings, path: Path, name: str, conn: Connection, se
     from lmiserve.engine.core.warmup import warm_up
     from lmiserve.engine.process.adapters import mirror_of
     from lmiserve.engine.process.host import Host
-    from lmiserve.models.compose import load_any_llm, register_start_adapters
+    from lmiserve.models.compose import load_served_llm
 
-    try:  # the model, or its shell with tensor-parallel workers (this process's children) holding the weights
-        loaded, engine = await torch_thread.run_apart(load_any_llm, settings, path)
-        if engine.adapters is not None:  # LoRA: the registry is this process's (engine/process/adapters.py)
-            await asyncio.to_thread(register_start_adapters, engine.adapters, settings, path, name)
+    # the model, or its shell with tensor-parallel workers (this process's children) holding the weights; the
+    # LoRA registry is this process's (engine/process/adapters.py)
+    try:
+        loaded, engine = await torch_thread.run_apart(load_served_llm, settings, path, name)
         engine.start()
         await warm_up(engine)
     except Exception as exc:  # noqa: BLE001 - the serving process reports it and the model is FAILED

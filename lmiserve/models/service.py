@@ -161,8 +161,7 @@ class ModelService:
 
     def _load_llm(self, model_id: str | None) -> ModelEngine:
         from lmiserve.models import default_model_name, resolve_model_path
-        from lmiserve.models.compose import load_llm, load_tensor_parallel_llm, tensor_parallel_degree
-        from lmiserve.models.load import resolve_device
+        from lmiserve.models.compose import load_served_llm
 
         s = self.settings
         self.path = resolve_model_path(model_id, s.revision, s.model_cache_dir)
@@ -174,29 +173,9 @@ class ModelService:
             loaded, client = start_engine_process(s, self.path, self.name)  # its adapters registered there
             self.attach_llm(loaded, client)
             return client
-        degree = tensor_parallel_degree(s, resolve_device(s.device))
-        if degree > 1:  # the weights are the workers': this process holds the tokenizer and config
-            loaded, engine = load_tensor_parallel_llm(s, self.path, degree)
-            if engine.adapters is not None:
-                try:
-                    self._register_start_adapters(engine.adapters)
-                except BaseException:
-                    assert engine.executor is not None
-                    engine.executor.close()  # the workers started: stop them
-                    raise
-            self.attach_llm(loaded, engine)
-            return engine
-        loaded, engine = load_llm(s, self.path)
-        if engine.adapters is not None:
-            self._register_start_adapters(engine.adapters)
+        loaded, engine = load_served_llm(s, self.path, self.name)
         self.attach_llm(loaded, engine)
         return engine
-
-    def _register_start_adapters(self, adapters: Adapters) -> None:
-        from lmiserve.models.compose import register_start_adapters
-
-        assert self.path is not None
-        register_start_adapters(adapters, self.settings, self.path, self.name)
 
     def attach_llm(self, loaded: LoadedModel, generator: TextGenerator) -> None:
         """Serve `generator` as this LLM's engine, over `loaded` (its tokenizer, device, dtype, context):

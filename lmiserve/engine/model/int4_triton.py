@@ -34,7 +34,7 @@ except ImportError:  # pragma: no cover - triton ships with CUDA torch wheels
 USE_ON_CUDA = False  # measured on an H200: 10-30x slower than the de-quantized bf16 products (module doc)
 GROUP_TILE = 32  # `int4_matmul`'s block_k: groups of a multiple of it read their scales once a tile
 
-__all__ = ["USE_ON_CUDA", "Int4TritonLinear", "available", "int4_matmul"]
+__all__ = ["USE_ON_CUDA", "Int4TritonLinear", "available", "contiguous_group_size", "int4_matmul"]
 
 
 def available() -> bool:
@@ -77,6 +77,17 @@ def int4_matmul(
     return y
 
 
+def contiguous_group_size(g_idx: torch.Tensor, groups: int) -> int | None:
+    """The size of the groups when every one of the `groups` is a run of consecutive inputs
+    (``g_idx[i] = i // size``), else None."""
+    inputs = g_idx.shape[0]
+    if not groups or inputs % groups:
+        return None
+    size = inputs // groups
+    expected = torch.arange(inputs, device=g_idx.device) // size
+    return size if torch.equal(g_idx.long(), expected) else None
+
+
 class Int4TritonLinear(torch.nn.Module):
     """A 4-bit AWQ/GPTQ linear for CUDA on `int4_matmul` (slow: see the module's doc). Its tensors are plain
     attributes (`qweight`, `scales`, `zeros`, `g_idx`) and it has no `weight`, so the fast path leaves a
@@ -117,10 +128,7 @@ class Int4TritonLinear(torch.nn.Module):
         if bool((g_idx[1:] < g_idx[:-1]).any()):
             order = torch.argsort(g_idx, stable=True)
             codes, g_idx = codes[:, order], g_idx[order]
-        groups = scale.shape[1]
-        size = g_idx.shape[0] // groups if groups and g_idx.shape[0] % groups == 0 else 0
-        uniform = size > 0 and size % GROUP_TILE == 0
-        uniform = uniform and torch.equal(g_idx.long().cpu(), torch.arange(g_idx.shape[0]) // size)
+        size = contiguous_group_size(g_idx, scale.shape[1]) or 0
         nibbles = codes.t().to(torch.int64).reshape(-1, 8, codes.shape[0])  # [in / 8, 8, out]
         words = (nibbles << (torch.arange(8, device=codes.device) * 4)[None, :, None]).sum(1)
         words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
@@ -131,7 +139,7 @@ class Int4TritonLinear(torch.nn.Module):
             g_idx.to(device, torch.int32),
             None if bias is None else bias.detach().to(device, dtype),
             order=None if order is None else order.to(device),
-            group=size if uniform else 0,
+            group=size if size % GROUP_TILE == 0 else 0,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

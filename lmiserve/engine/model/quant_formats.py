@@ -82,12 +82,7 @@ class Int4Parts:
 
     def group_size(self) -> int | None:
         """The size of the groups when every group is a run of consecutive inputs (``g(i) = i // size``)."""
-        inputs, groups = self.codes.shape[1], self.scale.shape[1]
-        if inputs % groups:
-            return None
-        size = inputs // groups
-        expected = torch.arange(inputs, device=self.g_idx.device) // size
-        return size if torch.equal(self.g_idx, expected) else None
+        return int4_triton.contiguous_group_size(self.g_idx, self.scale.shape[1])
 
 
 def unpack_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> Int4Parts:

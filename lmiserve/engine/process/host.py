@@ -16,10 +16,10 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from lmiserve.core import request_context
-from lmiserve.core.errors import GenerationFailed
 from lmiserve.core.request import GenerationRequest
 from lmiserve.core.stats import RequestStats, StepStats
 from lmiserve.engine.core.async_engine import AsyncEngine
+from lmiserve.engine.lora.registry import AdapterRegistry
 from lmiserve.engine.process import adapters
 from lmiserve.engine.process.wire import Ended, PipeSender, portable
 
@@ -130,20 +130,14 @@ class Host:
     async def _adapters_call(self, number: int, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A change to the adapter registry (process/adapters.py), on a worker thread (it may read files);
         the answer carries the registry's mirror as the change left it."""
-        registry = self.engine.adapters
+        registry = self.engine.adapters  # (the serving process calls only when the ready message had it)
+        assert registry is not None
         result: Any
-        if registry is None:
-            result = GenerationFailed("this model serves no LoRA adapters")
-        else:
-            try:
-                result = await asyncio.to_thread(adapters.call, registry, method, args, kwargs)
-            except Exception as exc:  # noqa: BLE001 - raised by the serving process's call
-                result = portable(exc)
-        mirror = adapters.Mirror()
-        if registry is not None:
-            mirror = adapters.mirror_of(registry)
-            self._adapters_version = mirror.version
-        self._send(("adapters_reply", number, result, mirror))
+        try:
+            result = await asyncio.to_thread(adapters.call, registry, method, args, kwargs)
+        except Exception as exc:  # noqa: BLE001 - raised by the serving process's call
+            result = portable(exc)
+        self._send(("adapters_reply", number, result, self._mirror(registry)))
 
     # ---- to the serving process ----------------------------------------------------------------------
     def observed(self, method: str, args: tuple[Any, ...]) -> None:
@@ -169,9 +163,14 @@ class Host:
         observed, self._observed = self._observed, []
         registry, mirror = self.engine.adapters, None
         if registry is not None and registry.version != self._adapters_version:  # requests took or freed adapters
-            mirror = adapters.mirror_of(registry)
-            self._adapters_version = mirror.version
+            mirror = self._mirror(registry)
         self._send(("batch", items, observed, self.engine.snapshot(), mirror))
+
+    def _mirror(self, registry: AdapterRegistry) -> adapters.Mirror:
+        """The registry's mirror for the serving process, its version noted as sent."""
+        mirror = adapters.mirror_of(registry)
+        self._adapters_version = mirror.version
+        return mirror
 
     def _send(self, message: tuple[Any, ...]) -> None:
         self.sender.send(message)
