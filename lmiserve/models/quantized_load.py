@@ -28,7 +28,9 @@ from typing import Any
 
 import torch
 
+from lmiserve.engine.model.int4_triton import Int4TritonLinear
 from lmiserve.engine.model.quant_formats import (
+    Int4Parts,
     fp8_module,
     int4_module,
     quantize_fp8,
@@ -38,18 +40,28 @@ from lmiserve.engine.model.quant_formats import (
 from lmiserve.engine.model.quantize import Int4Linear, replace_linears
 from lmiserve.models.errors import ModelLoadError
 from lmiserve.models.int4_load import SafetensorsFiles, meta_tensors, safetensors_names
+from lmiserve.models.quant_pack import rtn_int4
 
-__all__ = ["QUANTIZE_METHODS", "QuantSpec", "checkpoint_quantization", "load_quantized", "quantize_fp8_dynamic"]
+__all__ = [
+    "QUANTIZE_METHODS",
+    "QuantSpec",
+    "checkpoint_quantization",
+    "load_quantized",
+    "quantize_fp8_dynamic",
+    "quantize_int4_dummy",
+]
 
 logger = logging.getLogger(__name__)
 
 QUANTIZE_METHODS = ("fp8", "awq", "gptq")
+DUMMY_GROUP = 128  # load_format=dummy with quantize=awq|gptq: groups of this many inputs (AWQ's and GPTQ's usual)
 
 
 @dataclass(frozen=True)
 class QuantSpec:
     """A checkpoint's quantization: `method` (fp8, awq, gptq), `source` (the checkpoint's
-    ``quant_method``, or ``dynamic``: fp8 made at load from float weights), the 4-bit `group_size`
+    ``quant_method``; ``dynamic``: fp8 made at load from float weights; ``dummy``: 4-bit codes made at load
+    from `load_format=dummy`'s random weights, `quantize_int4_dummy`), the 4-bit `group_size`
     (-1: one group per row) and whether GPTQ's stored zeros are ``zero - 1`` (`v1_zeros`)."""
 
     method: str
@@ -70,10 +82,10 @@ def checkpoint_quantization(path: Path, quantize: str | None, load_format: str =
         raise ModelLoadError(f"quantize={quantize} is not supported: use fp8, awq or gptq (or leave it unset)")
     config = _config_json(path)
     qc = config.get("quantization_config") or config.get("text_config", {}).get("quantization_config")
-    if load_format == "dummy":
-        if quantize in (None, "fp8"):
-            return QuantSpec("fp8", "dynamic") if quantize else None
-        raise ModelLoadError(f"quantize={quantize} needs the checkpoint's weights: load_format=dummy runs only fp8")
+    if load_format == "dummy":  # random weights, quantized at load (a benchmark's model of a shape)
+        if quantize is None:
+            return None
+        return QuantSpec("fp8", "dynamic") if quantize == "fp8" else QuantSpec(quantize, "dummy", DUMMY_GROUP)
     if not qc:
         if quantize is None or quantize == "fp8":
             return QuantSpec("fp8", "dynamic") if quantize else None
@@ -214,6 +226,8 @@ def _linear_of(
 def _kind_name(module: torch.nn.Module) -> str:
     if isinstance(module, Int4Linear):
         return "on the int4 kernel"
+    if isinstance(module, Int4TritonLinear):
+        return "on the Triton int4 kernel"
     if type(module) is torch.nn.Linear:
         return f"de-quantized to {str(module.weight.dtype).removeprefix('torch.')}"
     return "fp8 (_scaled_mm)"
@@ -234,3 +248,25 @@ def quantize_fp8_dynamic(model: torch.nn.Module, dtype: torch.dtype, device: tor
     replace_linears(model, lambda m: True, make)
     account = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
     return f"fp8 quantized at load, per output channel: {account}"
+
+
+def quantize_int4_dummy(model: torch.nn.Module, spec: QuantSpec, dtype: torch.dtype, device: torch.device) -> str:
+    """`load_format=dummy` with `quantize=awq|gptq` (a benchmark's 4-bit model of a shape, as vLLM's dummy
+    loader makes one): every linear but the output projection rounded to 4-bit codes (RTN, groups of
+    `spec.group_size` consecutive inputs, or one group a row where that does not divide them) and made as
+    a checkpoint's would be (`int4_module`). An account of what was done."""
+    kinds: Counter[str] = Counter()
+
+    def make(linear: torch.nn.Linear) -> torch.nn.Module:
+        weight = linear.weight.detach()
+        inputs = weight.shape[1]
+        group = spec.group_size if inputs % spec.group_size == 0 else inputs
+        g_idx = torch.arange(inputs, device=weight.device) // group
+        codes, scale, zero = rtn_int4(weight, g_idx, inputs // group)
+        made = int4_module(Int4Parts(codes.to(torch.uint8), scale.float(), zero, g_idx), linear.bias, dtype, device)
+        kinds[_kind_name(made)] += 1
+        return made
+
+    replace_linears(model, lambda m: True, make)
+    account = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
+    return f"{spec.method} codes made at load from random weights (load_format=dummy): {account}"

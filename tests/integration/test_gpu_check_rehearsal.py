@@ -37,6 +37,7 @@ def test_every_step_runs_to_its_end(rehearsal):
         "bench 8b",
         "engine process 1b",
         "quantized fp8 bench 8b",
+        "quantized int4 bench 8b",
         "quantized kernels",
         "quantized quality",
         "decode paths 1b",
@@ -82,10 +83,12 @@ def test_issue_39_entries_are_filled(rehearsal):
     assert engine_process["ratio"] > 0 and engine_process["engine_process"]["us_cpu_per_token_median"] > 0
     assert [r["rows"] for r in summary["overlap"]] == [1, 4]
     assert all(r["same_tokens"] for r in summary["overlap"])
-    fp8_bench = summary["quantized"]["fp8_bench"]
-    assert fp8_bench["shape"] == "8b" and fp8_bench["failed"] == 0 and fp8_bench["over_bf16"] > 0
+    for kind in ("fp8", "int4"):
+        bench = summary["quantized"][f"{kind}_bench"]
+        assert bench["shape"] == "8b" and bench["failed"] == 0 and bench["over_bf16"] > 0
     kernels = summary["quantized"]["kernels"]
     assert kernels and all(r[kind]["error"] < 0.05 for r in kernels for kind in ("bf16", "fp8", "int4_triton"))
+    assert all(r["int4_tile"].startswith(("sum", "dot")) for r in kernels)  # measured, as the engine would
     decode_rows = [r for r in kernels if r["rows"] <= 16]  # the weight-only fp8 kernel's rows
     assert decode_rows and all(r["fp8_gemv"]["error"] < 0.01 and r["fp8_gemv_tile"] for r in decode_rows)
     quality = summary["quantized"]["quality"]

@@ -50,14 +50,17 @@ def test_summary_of_the_recorded_h200_run_renders(gpu_check):
     assert "| 128 | 2720.5 |" in text
 
 
-def test_quantized_step_reports_fp8_over_bf16_and_the_quality(gpu_check, tmp_path, monkeypatch):
-    """The `quantized` entry of summary.json (issue 39): the fp8 bench's level 1 over the bf16 bench's on the
-    largest shape benched, and quantized_quality.py's formats. The steps themselves need a GPU: here each
-    writes what the real one writes (a bench.json as `lmiserve bench` does, the quality report)."""
+def test_quantized_step_reports_fp8_and_int4_over_bf16_and_the_quality(gpu_check, tmp_path, monkeypatch):
+    """The `quantized` entry of summary.json (issue 39): the fp8 and 4-bit benches' level 1 over the bf16
+    bench's on the largest shape benched (4-bit: AWQ codes on the Triton kernel, switched on by the step's
+    environment), and quantized_quality.py's formats. The steps themselves need a GPU: here each writes what
+    the real one writes (a bench.json as `lmiserve bench` does, the quality report)."""
     calls: list[list[str]] = []
+    envs: list[dict[str, str]] = []
 
     def fake_step(name, command, log_path, timeout, env):
         calls.append(command)
+        envs.append(env)
         out = Path(command[command.index("--output-dir" if "--output-dir" in command else "--out") + 1])
         out.mkdir(parents=True)
         if "bench" in name:
@@ -83,15 +86,18 @@ def test_quantized_step_reports_fp8_over_bf16_and_the_quality(gpu_check, tmp_pat
     summary = {"steps": [], "bench_8b": {"levels": [{"concurrency": 1, "tokens_per_s": 100.0}]}}
     result = gpu_check.quantized_step(tmp_path, {}, summary, lambda: 400.0)
     assert result["fp8_bench"]["shape"] == "8b" and result["fp8_bench"]["over_bf16"] == 1.5
+    assert result["int4_bench"]["shape"] == "8b" and result["int4_bench"]["over_bf16"] == 1.5
     assert result["kernels"][0]["fp8"]["GB_per_s"] == 1800.0
     assert result["quality"] == {"fp8-channel": {"perplexity": 9.5}}
     assert "quantize=fp8" in calls[0] and "load_format=dummy" in calls[0] and "--skip-baselines" in calls[0]
-    assert calls[1][1].endswith("quantized_kernels.py") and "--smoke" not in calls[1]
-    assert "--device" in calls[2] and calls[2][calls[2].index("--device") + 1] == "cuda"
+    assert "quantize=awq" in calls[1] and "load_format=dummy" in calls[1]
+    assert envs[1]["LMISERVE_USE_TRITON_INT4"] == "1" and "LMISERVE_USE_TRITON_INT4" not in envs[0]
+    assert calls[2][1].endswith("quantized_kernels.py") and "--smoke" not in calls[2]
+    assert "--device" in calls[3] and calls[3][calls[3].index("--device") + 1] == "cuda"
     text = gpu_check.markdown({"env": {}, "steps": [], "quantized": result})
     assert "| qo_4096x4096 | 1 | fp8 | 9.0 | 5.0 | 3200.0 | 0.01 |" in text  # eager, then replayed in a graph
     skipped = gpu_check.quantized_step(tmp_path / "none", {}, {"steps": []}, lambda: 400.0)
-    assert "fp8_bench" not in skipped  # no bf16 bench to compare with: the fp8 bench is skipped, said so
+    assert "fp8_bench" not in skipped and "int4_bench" not in skipped  # no bf16 bench to compare with: skipped
 
 
 def test_without_the_bundled_model_the_quality_steps_are_skipped_and_said_why(gpu_check, tmp_path, monkeypatch):

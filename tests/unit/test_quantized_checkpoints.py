@@ -37,7 +37,7 @@ from lmiserve.engine.model.quant_formats import (
 from lmiserve.engine.model.quantize import Int4Linear, int4_available
 from lmiserve.models.errors import ModelLoadError
 from lmiserve.models.load import load_causal_lm
-from lmiserve.models.quant_pack import write_quantized
+from lmiserve.models.quant_pack import rtn_int4, write_quantized
 
 DEVICE = torch.device(os.environ.get("LMISERVE_TEST_DEVICE", "cpu"))
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -256,8 +256,11 @@ def test_fp8_linears_on_the_triton_decode_kernel_decode_what_transformers_decode
     monkeypatch.setattr(fp8_gemv, "INTERPRETED_ON_CPU", True)
     monkeypatch.setattr(fp8_gemv, "MAX_ROWS", 64)
     monkeypatch.setattr(fp8_gemv, "_chosen", {})
-    tile = fp8_gemv.Config(False, 1, 32, 128)
-    monkeypatch.setattr(fp8_gemv, "choose", lambda x, *_: tile if x.shape[0] <= 64 else None)
+    one, more = (
+        fp8_gemv.Config(False, 1, 256, 128),
+        fp8_gemv.Config(True, 16, 256, 128),
+    )  # few programs: the interpreter
+    monkeypatch.setattr(fp8_gemv, "choose", lambda x, *_: None if x.shape[0] > 64 else one if x.shape[0] == 1 else more)
     case = "fp8-channel"
     loaded = load_causal_lm(checkpoints[case], device="cpu", dtype="fp32")
     tensors = stored(checkpoints[case])
@@ -324,46 +327,76 @@ def test_the_quantize_option_takes_fp8_awq_gptq_and_refuses_others_in_one_line()
     assert "quantize" in str(error.value) and "fp8" in str(error.value)
 
 
-@pytest.mark.parametrize("group", [32, 16], ids=["a-tile-a-group", "groups-inside-a-tile"])
-@pytest.mark.parametrize("act_order", [False, True], ids=["groups-in-order", "desc-act"])
-def test_the_cuda_int4_triton_kernel_computes_the_dequantized_product_under_the_interpreter(
-    act_order: bool, group: int
+@pytest.mark.parametrize("case", ["awq-g128", "gptq-g64-desc-act"])
+def test_awq_and_gptq_on_the_triton_int4_kernel_decode_what_transformers_decodes_dequantized(
+    checkpoints: dict[str, Path], case: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`int4_triton` (CUDA's AWQ/GPTQ kernel, not run on a GPU) under Triton's CPU interpreter: the
-    product of the codes equals fp32's product of the reference de-quantized weight, whether a tile reads
-    one row of scales (groups of a multiple of its inputs; act-order's once stored in group order) or
-    gathers one an input (smaller groups)."""
-    import os
-
-    from lmiserve.engine.model import int4_triton
-    from lmiserve.models.quant_pack import rtn_int4
+    """CUDA's AWQ/GPTQ layers (`int4_triton.Int4TritonLinear`, made here on CPU tensors from the checkpoint's
+    parts as `quant_formats.int4_module` makes them on CUDA) under Triton's interpreter: the fast path fuses
+    q/k/v and gate/up into one product each (act-order's too: they share the order of their inputs), runs
+    every product on the kernel, decode rows and prompts, and the engine's greedy tokens are those of
+    transformers' forward on the de-quantized float model (fp32 activations)."""
+    from lmiserve.engine.model.llama_layout import fused_layers
 
     if not int4_triton.available() or os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py on CPU)")
-    torch.manual_seed(3)
-    out, inputs = 80, 96
-    weight = torch.randn(out, inputs)
-    g_idx = torch.arange(inputs) // group
-    if act_order:
-        g_idx = g_idx[torch.randperm(inputs)]
-    codes, scale, zero = rtn_int4(weight, g_idx, inputs // group)
-    dense = (codes - zero[:, g_idx]).float() * scale.float()[:, g_idx]
-    layer = int4_triton.Int4TritonLinear.from_parts(
-        codes, scale.float(), zero, g_idx, None, torch.float32, torch.device("cpu")
-    )
-    assert (layer.group, layer.order is not None) == (group if group % int4_triton.GROUP_TILE == 0 else 0, act_order)
-    x = torch.randn(5, inputs)
-    torch.testing.assert_close(layer(x), x @ dense.t(), rtol=1e-5, atol=1e-4)
+    monkeypatch.setattr(int4_triton, "_chosen", {})
+    wide = int4_triton.Config(False, 1, 256, 64), int4_triton.Config(True, 16, 256, 64)  # few programs: the
+    monkeypatch.setattr(
+        int4_triton, "CANDIDATES", {1: wide[:1], 4: wide[1:], 16: wide[1:], 64: wide[1:]}
+    )  # interpreter
+    loaded = load_causal_lm(checkpoints[case], device="cpu", dtype="fp32")
+    tensors = stored(checkpoints[case])
+    fmt, _, group = CASES[case]
+    for name, _ in list(loaded.model.named_modules()):
+        if name.rpartition(".")[2] in LINEARS:
+            t = tensors[name]
+            parts = (
+                unpack_awq(t["qweight"], t["qzeros"], t["scales"], group)
+                if fmt == "awq"
+                else unpack_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], group)
+            )
+            made = int4_triton.Int4TritonLinear.from_parts(
+                parts.codes, parts.scale, parts.zero, parts.g_idx, None, torch.float32, loaded.device
+            )
+            parent, _, child = name.rpartition(".")
+            setattr(loaded.model.get_submodule(parent), child, made)
+    ran: list[int] = []
+    kernel = int4_triton.int4_gemm
+    monkeypatch.setattr(int4_triton, "int4_gemm", lambda x, *rest: ran.append(x.shape[0]) or kernel(x, *rest))
+    path, results = engine_tokens(loaded, PROMPTS, 8)
+    assert path == "fast" and all(layer.fused for layer in fused_layers(loaded.model))
+    assert min(ran) <= len(PROMPTS) and max(ran) >= len(PROMPTS[-1])  # decode rows and a prompt's rows
+    reference_model = dequantized_float_model(checkpoints[case], case)
+    for ids, got in zip(PROMPTS, results, strict=True):
+        assert got == greedy(reference_model, ids, 8), ids
 
 
-def test_a_dummy_load_takes_quantize_fp8_and_refuses_the_4_bit_formats(checkpoints: dict[str, Path]) -> None:
+def test_a_dummy_load_takes_quantize_fp8(checkpoints: dict[str, Path]) -> None:
     """load_format=dummy (the GPU check's 8B shape without weights) with quantize=fp8: random weights in fp8."""
     loaded = load_causal_lm(checkpoints["float"], device="cpu", load_format="dummy", quantize="fp8")
     q_proj = loaded.model.model.layers[0].self_attn.q_proj
     q, scale = quantize_fp8(q_proj.weight)
     assert torch.equal(q_proj.weight, q.float() * scale[:, None])
-    with pytest.raises(ModelLoadError, match="load_format=dummy runs only fp8"):
-        load_causal_lm(checkpoints["float"], device="cpu", load_format="dummy", quantize="gptq")
+
+
+@pytest.mark.parametrize("quantize", ["awq", "gptq"])
+def test_a_dummy_load_with_quantize_awq_or_gptq_rounds_the_random_weights_to_4_bit_codes(
+    checkpoints: dict[str, Path], quantize: str
+) -> None:
+    """load_format=dummy with a 4-bit format (the GPU check's 4-bit bench of the 8B shape): the random
+    linears rounded to 4 bits in groups of 128 and made as a checkpoint's (fp32 on CPU: `Int4Linear` where
+    its kernel runs), each within half a step of the float weight it replaces; the output projection stays."""
+    float_model = load_causal_lm(checkpoints["float"], device="cpu", load_format="dummy").model
+    loaded = load_causal_lm(checkpoints["float"], device="cpu", load_format="dummy", quantize=quantize)
+    for name, module in loaded.model.named_modules():
+        if name.rpartition(".")[2] not in LINEARS:
+            continue
+        assert isinstance(module, Int4Linear if int4_available() else torch.nn.Linear), (name, type(module))
+        got = module.dequantized() if isinstance(module, Int4Linear) else module.weight.detach()
+        want = float_model.get_submodule(name).weight.detach()
+        assert 0 < (got - want).abs().max().item() <= 1.01 * (want.max() - want.min()).item() / 30, name
+    assert type(loaded.model.lm_head) is torch.nn.Linear
 
 
 @pytest.mark.parametrize(
@@ -400,7 +433,7 @@ def test_on_the_test_device_each_format_serves_in_bf16(
         got = module(x).float()
         torch.testing.assert_close(got, want, rtol=0.05, atol=0.05 * want.abs().max().item(), msg=name)
     path, results = engine_tokens(loaded, PROMPTS, 8)
-    assert path == ("generic" if int4_kernel else "fast")  # the fast path does not fuse `Int4TritonLinear`
+    assert path == "fast"
     for ids, got_ids in zip(PROMPTS, results, strict=True):
         gaps = greedy_gaps(loaded.model, ids, got_ids)
         assert max(gaps) <= 0.02, (ids, gaps)
@@ -416,3 +449,27 @@ def greedy_gaps(model: torch.nn.Module, ids: list[int], got: list[int]) -> list[
     chosen = logits.gather(1, torch.tensor(got, device=device)[:, None])[:, 0]
     best = logits.max(-1).values
     return ((best - chosen) / (best - logits.min(-1).values)).tolist()
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int4-triton"])
+def test_tensor_parallelism_refuses_a_checkpoints_fp8_or_4_bit_layers(checkpoints: dict[str, Path], kind: str) -> None:
+    """A shard cuts a linear's weight rows or columns, not its scales: a model of `Fp8Linear` (an fp8
+    checkpoint on Hopper) or `Int4TritonLinear` (AWQ/GPTQ on the Triton kernel) is refused in one line,
+    never served with another rank's scales."""
+    from lmiserve.engine.model.sharding import shard_model
+
+    loaded = load_causal_lm(checkpoints["float"], device="cpu")
+    q_proj = loaded.model.model.layers[0].self_attn.q_proj
+    weight = q_proj.weight.detach()
+    if kind == "fp8":
+        q, scale = quantize_fp8(weight)
+        made = fp8_module(q, scale, None, torch.float32, loaded.device, force_fp8=True)
+    else:
+        g_idx = torch.arange(weight.shape[1]) // 128
+        codes, scale, zero = rtn_int4(weight, g_idx, weight.shape[1] // 128)
+        made = int4_triton.Int4TritonLinear.from_parts(
+            codes, scale.float(), zero, g_idx, None, torch.float32, loaded.device
+        )
+    loaded.model.model.layers[0].self_attn.q_proj = made
+    with pytest.raises(ValueError, match="shards float models: this one has quantized linears"):
+        shard_model(loaded.model, 0, 2, None)

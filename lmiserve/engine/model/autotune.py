@@ -45,6 +45,7 @@ from lmiserve.engine.attention import cpu_kernel as compiled_attention
 from lmiserve.engine.model import skinny_gemm
 from lmiserve.engine.model.cpu_gemm import FEW_ROWS, CpuGemm
 from lmiserve.engine.model.fast_llama import StepInputs
+from lmiserve.engine.model.int4_triton import Int4Scales
 
 if TYPE_CHECKING:
     from lmiserve.engine.model.fast_llama import FastLlama
@@ -104,7 +105,7 @@ def _weight_kind(part: Part, dtype: torch.dtype) -> str:
     """A product's weights: int4, q8 (int8 with group scales), int8 (rows) or the model's float dtype."""
     if part.scales is None:
         return str(dtype).removeprefix("torch.")
-    if part.weight.dtype == torch.uint8:
+    if part.weight.dtype == torch.uint8 or isinstance(part.scales, Int4Scales):
         return "int4"
     return "q8" if part.scales.dim() == 2 else "int8"
 

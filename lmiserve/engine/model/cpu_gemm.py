@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from lmiserve.engine.model import skinny_gemm
+from lmiserve.engine.model.int4_triton import Int4Scales
 from lmiserve.engine.model.quantize import quantized_linear
 
 TRANSPOSED_GEMM_ROWS = 8  # rows from which a product runs transposed (static default)
@@ -116,9 +117,10 @@ class CpuGemm:
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-        scales: torch.Tensor | None = None,
+        scales: torch.Tensor | Int4Scales | None = None,
     ) -> torch.Tensor:
-        """``x @ weight.T + bias`` for ``weight`` ``[out, in]`` (int8 with its row `scales`, or float).
+        """``x @ weight.T + bias`` for ``weight`` ``[out, in]`` (int8 with its row `scales`, or float; AWQ/GPTQ
+        codes with their `Int4Scales`).
         A transposed product returns a transposed view (``[rows, out]`` with strides ``(1, rows)``):
         the next `linear` takes it as is (its transpose is contiguous) and element-wise ops accept it."""
         if scales is not None:

@@ -10,8 +10,8 @@ neither cost; prefill (more rows) keeps ``_scaled_mm``, where fp8's tensor cores
 Which one runs is measured, not assumed (a kernel tuned on one GPU can lose on another): the first product
 of each weight shape and row bucket (1, 2-4, 5-16 rows; `bucket`) outside a CUDA-graph capture times the
 bucket's four candidate tiles (`CANDIDATES`) and ``_scaled_mm`` on a random probe, checks each tile against
-the de-quantized product (`TOLERANCE`: a kernel this GPU or Triton miscompiles is dropped, never served), and
-keeps the fastest, logged once. The decode graphs' eager warm-up before each capture (cuda_graphs.py) is
+the de-quantized product (`kernel_choice.pick`: a tile this GPU or Triton miscompiles is dropped, never
+served), and keeps the fastest, logged once. The decode graphs' eager warm-up before each capture (cuda_graphs.py) is
 such a product, so the graphs record the choice. The times are of calls in a row between two CUDA events:
 the GPU's time where the GPU is the bottleneck, each call's launches included where it is not (eager).
 
@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from lmiserve.engine.model import kernel_choice
 
 try:
     import triton
@@ -42,8 +43,6 @@ __all__ = ["CANDIDATES", "ENABLED", "MAX_ROWS", "Config", "available", "bucket",
 MAX_ROWS = 16  # more rows: ``_scaled_mm`` (the tensor cores' fp8 product pays)
 ENABLED = True
 INTERPRETED_ON_CPU = False
-TOLERANCE = 2e-2  # max |candidate - de-quantized product| / max |product| (bf16's rounding is ~4e-3)
-REPEATS = 20  # calls timed per candidate on CUDA (after one untimed: Triton compiles)
 
 
 @dataclass(frozen=True)
@@ -161,37 +160,16 @@ def _measure(
     device, outputs, inputs, rows, dtype = key
     generator = torch.Generator(device=device).manual_seed(0)
     probe = torch.randn(rows, inputs, generator=generator, device=device).to(dtype)
-    want = _reference(probe, weight, scales)
-    scale = want.abs().max().item() or 1.0
-    times: dict[Config | None, float] = {}
-    try:
-        times[None] = _time(lambda: other(probe), device)
-    except Exception as exc:  # noqa: BLE001 - this torch or GPU refuses `other` here: the kernel is the only product
-        log.debug("the fp8 product through _scaled_mm failed: %s", exc)
-    refused: list[str] = []
-    for config in CANDIDATES[rows]:
-        try:
-            got = fp8_gemv(probe, weight, scales, config)
-            gap = (got.float() - want).abs().max().item() / scale
-            if not gap <= TOLERANCE:  # (NaN too)
-                refused.append(f"{config}: off by {gap:.3g}")
-                continue
-            times[config] = _time(functools.partial(fp8_gemv, probe, weight, scales, config), device)
-        except Exception as exc:  # noqa: BLE001 - a tile this GPU or Triton cannot compile: the others compete
-            refused.append(f"{config}: {type(exc).__name__}: {str(exc)[:120]}")
-    if refused:
-        log.warning("fp8 Triton tiles refused for [%d x %d] at %d rows: %s", outputs, inputs, rows, "; ".join(refused))
-    if not times:
-        return None
-    best = min(times, key=times.__getitem__)
-    fastest = min((c for c in times if c is not None), key=times.__getitem__, default=None)
-    kernel = f"{fastest} {1e6 * times[fastest]:.1f} us" if fastest is not None else "refused"
-    product = f"{1e6 * times[None]:.1f} us" if None in times else "failed"
-    log.info(
-        "fp8 products [%d x %d] at %d row(s) run on %s (the Triton kernel: %s; torch._scaled_mm: %s)",
-        outputs, inputs, rows, "the Triton kernel" if best is not None else "torch._scaled_mm", kernel, product,
-    )  # fmt: skip
-    return best
+    return kernel_choice.pick(
+        log,
+        "fp8",
+        (outputs, inputs, rows),
+        CANDIDATES[rows],
+        lambda config: fp8_gemv(probe, weight, scales, config),
+        _reference(probe, weight, scales),
+        device,
+        ("torch._scaled_mm", lambda: other(probe)),
+    )
 
 
 def _reference(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -202,21 +180,3 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> t
         w = weight[start : start + 1024].float() * scales[start : start + 1024, None].float()
         parts.append(x @ w.t())
     return torch.cat(parts, dim=1)
-
-
-def _time(call: Callable[[], object], device: torch.device) -> float:
-    """Seconds a call: `REPEATS` in a row between CUDA events after one untimed; on a CPU one, timed."""
-    call()
-    if device.type != "cuda":
-        started = time.perf_counter()
-        call()
-        return time.perf_counter() - started
-    torch.cuda.synchronize(device)
-    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    start.record()
-    for _ in range(REPEATS):
-        call()
-    end.record()
-    end.synchronize()
-    return float(start.elapsed_time(end)) / 1e3 / REPEATS

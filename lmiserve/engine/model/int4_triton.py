@@ -1,113 +1,292 @@
-"""A Triton kernel for AWQ/GPTQ 4-bit weights on CUDA (issue #39): ``y = x @ W.T`` with
-``W[o, i] = (code - zero[g(i), o]) * scale[g(i), o]``, de-quantized tile by tile in registers (the weight
-is read as 4-bit codes, never written out in bf16).
+"""AWQ/GPTQ 4-bit weights on CUDA (issue #39): ``y = x @ W.T`` with ``W[n, k] = (code - zero[g(k), n]) *
+scale[g(k), n]`` in one Triton kernel (`int4_triton_kernel`) that reads the codes once, as int32 words, and
+unpacks them in registers: the weight is never written out in bf16, so a model takes a quarter of bf16's
+memory and a decode step reads a quarter of its bytes.
 
-Measured on an H200 (2026-11-29, benchmarks/README.md): correct (the engine tests pass on CUDA with it),
-but slow: 30-95 GB/s of weights replayed in a CUDA graph, against 2.4-3.9 TB/s for bf16 products of
-the de-quantized weight (10-30x the time at one row, ~28x at 128 rows). So it is not wired into loading:
-`quant_formats.int4_module` de-quantizes AWQ/GPTQ to bf16 on CUDA (`USE_ON_CUDA` stays False; set it to
-try the kernel). A fast 4-bit product needs a Marlin-style kernel (codes pre-shuffled for the tensor cores).
+History. The first kernel (one tile shape, the codes laid out ``[in / 8, out]``, a fp32 scale and zero read
+per input through ``g_idx``) was correct on an H200 but 10-30x slower than the de-quantized bf16 products
+(30-95 GB/s of weights, 2026-11-29, benchmarks/README.md), so AWQ/GPTQ are de-quantized to bf16 on CUDA
+(`quant_formats.int4_module`) unless `USE_ON_CUDA` is set (``LMISERVE_USE_TRITON_INT4=1`` in the environment,
+as vLLM's ``VLLM_USE_TRITON_AWQ``; the GPU check's 4-bit bench sets it). This kernel (2026-11-30, not yet run
+on a GPU):
 
-Since that run (2026-11-30, not yet measured on a GPU): that kernel read a fp32 scale and zero for every
-input of a tile (``[BLOCK_K, BLOCK_N]`` gathers through ``g_idx``), 16x the bytes of the codes themselves.
-Groups that are contiguous runs of a multiple of `GROUP_TILE` inputs (AWQ's, GPTQ's; act-order's once its
-inputs are stored in group order, the activations' columns taken in that order at each call) now read one
-row of scales and zeros a tile (`GROUP`); other layouts keep the per-input gathers.
+- the codes are ``[out, in / 8]`` (a tile is `BLOCK_N` runs of `BLOCK_K` / 2 bytes, and q/k/v or gate/up
+  fuse by concatenating rows, as the fast path fuses every other weight: `llama_layout`);
+- the groups must be runs of a multiple of `GROUP_TILE` consecutive inputs (AWQ's and GPTQ's groups;
+  GPTQ's act-order too, once its inputs are stored in group order: the kernel reads the activations'
+  columns in that order, `order`). A tile's inputs share one group, whose scale and zero are applied once
+  to the tile's sums (``scale * (sum x code - zero * sum x)``): one row of scales a tile, not one an input;
+- tiles of per-row sums for 1-4 rows and of tensor-core products for more (`CANDIDATES`), chosen per
+  weight shape and row bucket by measuring them on the GPU that serves, each checked against the
+  de-quantized product first (`kernel_choice.pick`; a tile off by more than its tolerance never serves).
+  If none passes, or a CUDA-graph capture meets a shape not measured before it, the product is computed from
+  the weight de-quantized a slice at a time (`dequantized_product`: correct, slow, logged).
 
-Layout (`Int4TritonLinear.from_parts`): ``qweight`` int32 ``[in / 8, out]`` (GPTQ's: 8 consecutive inputs
-a word, nibble k = input 8r + k), ``scales`` ``[groups, out]`` and ``zeros`` ``[groups, out]`` in fp32
-(zeros as numbers of steps), ``g_idx`` int32 ``[in]`` (any order: GPTQ's ``desc_act`` too).
-Tiles: `BLOCK_M` rows x `BLOCK_N` outputs, `BLOCK_K` inputs a step, fp32 accumulation."""
+Layout (`Int4TritonLinear.from_parts`): ``weight`` int32 ``[out, in / 8]`` (nibble j of word r: input
+8r + j of the stored order), `Int4Scales`: ``scales`` and ``zeros`` fp32 ``[groups, out]`` (zeros as
+numbers of steps; a view of a fused tensor keeps its row stride), ``order`` int32 ``[in]`` or None.
+`MEASURED_ON_CPU` lets the tests measure tiles of CPU tensors under Triton's interpreter; unmeasured CPU
+tensors (the tests) run each bucket's first tile.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
+
+from lmiserve.engine.model import kernel_choice
 
 try:
     import triton
 except ImportError:  # pragma: no cover - triton ships with CUDA torch wheels
     triton = None
 
-USE_ON_CUDA = False  # measured on an H200: 10-30x slower than the de-quantized bf16 products (module doc)
-GROUP_TILE = 32  # `int4_matmul`'s block_k: groups of a multiple of it read their scales once a tile
+log = logging.getLogger(__name__)
 
-__all__ = ["USE_ON_CUDA", "Int4TritonLinear", "available", "contiguous_group_size", "int4_matmul"]
+# AWQ/GPTQ de-quantized to bf16 on CUDA until this kernel is measured there (module doc); the GPU check's
+# 4-bit bench sets LMISERVE_USE_TRITON_INT4=1 (as vLLM's VLLM_USE_TRITON_AWQ picks its Triton AWQ kernel)
+USE_ON_CUDA = os.environ.get("LMISERVE_USE_TRITON_INT4", "") == "1"
+MEASURED_ON_CPU = False
+GROUP_TILE = 32  # the smallest tile's inputs: groups of a multiple of it are served
+SLICE = 1024  # outputs de-quantized at a time by `dequantized_product`
+
+__all__ = [
+    "CANDIDATES",
+    "GROUP_TILE",
+    "USE_ON_CUDA",
+    "Config",
+    "Int4Scales",
+    "Int4TritonLinear",
+    "available",
+    "bucket",
+    "chosen",
+    "dequantized_product",
+    "group_layout",
+    "int4_gemm",
+    "int4_linear",
+]
 
 
 def available() -> bool:
     return triton is not None
 
 
+@dataclass(frozen=True)
+class Config:
+    """One tile: `use_dot` (tensor cores) or per-row sums; `block_k` at most the group's size (`fitted`)."""
+
+    use_dot: bool
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def fitted(self, group: int) -> Config:
+        """This tile with its `block_k` halved until it divides `group` (a multiple of `GROUP_TILE`)."""
+        block_k = self.block_k
+        while group % block_k:
+            block_k //= 2
+        return self if block_k == self.block_k else dataclasses.replace(self, block_k=block_k)
+
+    def __str__(self) -> str:
+        kind = "dot" if self.use_dot else "sum"
+        return f"{kind} {self.block_m}x{self.block_n}x{self.block_k} warps={self.num_warps} stages={self.num_stages}"
+
+
+def bucket(rows: int) -> int:
+    """The row count a choice is measured at and kept for: 1, 4 (2-4 rows), 16 (5-16) or 64 (more)."""
+    return 1 if rows <= 1 else 4 if rows <= 4 else 16 if rows <= 16 else 64
+
+
+# the sum tiles keep at most 64 products a thread in registers (rows x outputs x inputs / threads)
+CANDIDATES: dict[int, tuple[Config, ...]] = {
+    1: (
+        Config(False, 1, 32, 128),
+        Config(False, 1, 64, 128),
+        Config(False, 1, 16, 256),
+        Config(False, 1, 64, 256, num_warps=8),
+    ),
+    4: (
+        Config(False, 4, 16, 128),
+        Config(False, 4, 32, 64),
+        Config(True, 16, 32, 128),
+        Config(True, 16, 64, 64),
+    ),
+    16: (
+        Config(True, 16, 32, 128),
+        Config(True, 16, 64, 64),
+        Config(True, 16, 64, 128),
+        Config(True, 16, 128, 64, num_warps=8),
+    ),
+    64: (
+        Config(True, 32, 64, 64),
+        Config(True, 64, 64, 64),
+        Config(True, 64, 128, 32, num_warps=8),
+        Config(True, 32, 128, 64, num_warps=8),
+    ),
+}
+
+
+class Int4Scales(NamedTuple):
+    """What a 4-bit weight's codes need besides themselves: ``scales`` and ``zeros`` fp32 ``[groups, out]``
+    (row stride kept: a view of fused ones), the activations' column `order` (act-order; None: in order) and
+    the groups' size `group` (a multiple of `GROUP_TILE`)."""
+
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    order: torch.Tensor | None
+    group: int
+
+
 @functools.cache
 def _kernel() -> Any:
-    from lmiserve.engine.model.int4_triton_kernel import int4_matmul_kernel
+    from lmiserve.engine.model.int4_triton_kernel import int4_gemm_kernel
 
-    return triton.jit(int4_matmul_kernel)
+    return triton.jit(int4_gemm_kernel)
 
 
-def int4_matmul(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor,
-    g_idx: torch.Tensor,
-    block_m: int = 16,
-    block_n: int = 64,
-    block_k: int = GROUP_TILE,
-    group: int = 0,
-) -> torch.Tensor:
-    """``x @ W.T`` for a 2-D `x` ``[M, K]`` and the 4-bit weight of `Int4TritonLinear`'s layout; `group` > 0
-    (a multiple of `block_k`): the inputs' groups are contiguous runs of that many (`g_idx` unread)."""
-    if group % block_k:
-        raise ValueError(f"a group of {group} inputs is not a multiple of the kernel's {block_k}")
+def int4_gemm(x: torch.Tensor, weight: torch.Tensor, parts: Int4Scales, config: Config) -> torch.Tensor:
+    """``x @ W.T`` in `x`'s dtype for a 2-D `x` ``[M, K]`` and a 4-bit weight (codes ``[N, K / 8]``, `parts`),
+    with the tile `config` (its `block_k` must divide the groups)."""
     if triton is None:
         raise RuntimeError("the int4 Triton kernel needs triton")
+    if parts.group % config.block_k:
+        raise ValueError(f"groups of {parts.group} inputs are not a multiple of the tile's {config.block_k}")
     x = x.contiguous()
     rows, inputs = x.shape
-    outputs = qweight.shape[1]
+    outputs = weight.shape[0]
     y = torch.empty(rows, outputs, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(rows, block_m), triton.cdiv(outputs, block_n))
+    order = parts.order if parts.order is not None else weight  # (unread without HAS_ORDER)
+    grid = (triton.cdiv(outputs, config.block_n), triton.cdiv(rows, config.block_m))
     _kernel()[grid](
-        x, qweight, scales, zeros, g_idx, y, rows, outputs, inputs, x.stride(0), y.stride(0),
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        x, weight, parts.scales, parts.zeros, order, y, rows, outputs, inputs, x.stride(0), y.stride(0),
+        parts.scales.stride(0), GROUP=parts.group, HAS_ORDER=parts.order is not None, USE_DOT=config.use_dot,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return y
 
 
-def contiguous_group_size(g_idx: torch.Tensor, groups: int) -> int | None:
-    """The size of the groups when every one of the `groups` is a run of consecutive inputs
-    (``g_idx[i] = i // size``), else None."""
+def dequantized_product(x: torch.Tensor, weight: torch.Tensor, parts: Int4Scales) -> torch.Tensor:
+    """``x @ W.T`` computed in fp32 from the weight de-quantized `SLICE` outputs at a time (no whole copy of
+    it): the tiles' reference, and the product where no tile serves."""
+    inputs = weight.shape[1] * 8
+    cols = x.float()
+    if parts.order is not None:
+        cols = cols.index_select(1, parts.order.long())
+    groups = torch.arange(inputs, device=x.device) // parts.group
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=x.device)
+    pieces = []
+    for start in range(0, weight.shape[0], SLICE):
+        words = weight[start : start + SLICE]
+        codes = ((words[:, :, None] >> shifts) & 0xF).reshape(words.shape[0], inputs).float()
+        zeros = parts.zeros[:, start : start + SLICE].t()[:, groups]
+        scales = parts.scales[:, start : start + SLICE].t()[:, groups]
+        pieces.append(cols @ ((codes - zeros) * scales).t())
+    return torch.cat(pieces, dim=1).to(x.dtype)
+
+
+_chosen: dict[tuple[Any, ...], Config | None] = {}  # (device, N, K, group, act-order, bucket, dtype) -> tile
+
+
+def chosen() -> dict[tuple[Any, ...], Config | None]:
+    """The choices made so far (the GPU check reports them; None: `dequantized_product`)."""
+    return dict(_chosen)
+
+
+def choose(x: torch.Tensor, weight: torch.Tensor, parts: Int4Scales) -> Config | None:
+    """The tile for ``x @ W.T`` (None: `dequantized_product`), measured the first time a shape and row bucket
+    comes outside a CUDA-graph capture (module doc)."""
+    rows = bucket(x.shape[0])
+    key = (x.device, weight.shape[0], weight.shape[1] * 8, parts.group, parts.order is not None, rows, x.dtype)
+    if key in _chosen:
+        return _chosen[key]
+    candidates = tuple(dict.fromkeys(c.fitted(parts.group) for c in CANDIDATES[rows]))
+    if not (x.is_cuda or MEASURED_ON_CPU):
+        return candidates[0]
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        log.warning(
+            "int4 products [%d x %d] at %d rows first met in a CUDA graph's capture: de-quantized a slice at a "
+            "time (slow)", weight.shape[0], key[2], x.shape[0],
+        )  # fmt: skip
+        return None
+    try:
+        choice = _measure(key, weight, parts, candidates)
+    except Exception as exc:  # noqa: BLE001 - measuring failed (memory, the GPU): the first tile, unchecked
+        log.warning("measuring the int4 Triton kernel for [%d x %d] failed (%s): its first tile serves", *key[1:3], exc)
+        choice = candidates[0]
+    _chosen[key] = choice
+    return choice
+
+
+def _measure(
+    key: tuple[Any, ...], weight: torch.Tensor, parts: Int4Scales, candidates: tuple[Config, ...]
+) -> Config | None:
+    device, outputs, inputs, _, _, rows, dtype = key
+    generator = torch.Generator(device=device).manual_seed(0)
+    probe = torch.randn(rows, inputs, generator=generator, device=device).to(dtype)
+    return kernel_choice.pick(
+        log,
+        "int4",
+        (outputs, inputs, rows),
+        candidates,
+        lambda config: int4_gemm(probe, weight, parts, config),
+        dequantized_product(probe.float(), weight, parts),
+        device,
+        ("the de-quantized product", lambda: None),
+        time_baseline=False,
+    )
+
+
+def int4_linear(x: torch.Tensor, weight: torch.Tensor, parts: Int4Scales) -> torch.Tensor:
+    """``x @ W.T`` for a 2-D `x`: the measured tile (`choose`), or `dequantized_product` where none serves."""
+    config = choose(x, weight, parts)
+    if config is None:
+        return dequantized_product(x, weight, parts)
+    return int4_gemm(x, weight, parts, config)
+
+
+def group_layout(g_idx: torch.Tensor, groups: int) -> tuple[torch.Tensor | None, int | None]:
+    """How the kernel can read a weight whose input i is in group ``g_idx[i]``: the inputs' `order` that
+    makes every group a run of consecutive inputs (None: they already are; GPTQ's act-order: sorted by
+    group), and those runs' size, or None when the groups are not runs of one size (then `order` is None)."""
+    order = None
+    if bool((g_idx[1:] < g_idx[:-1]).any()):
+        order = torch.argsort(g_idx, stable=True)
+        g_idx = g_idx[order]
     inputs = g_idx.shape[0]
     if not groups or inputs % groups:
-        return None
+        return None, None
     size = inputs // groups
     expected = torch.arange(inputs, device=g_idx.device) // size
-    return size if torch.equal(g_idx.long(), expected) else None
+    if not torch.equal(g_idx.long(), expected):
+        return None, None
+    return order, size
 
 
 class Int4TritonLinear(torch.nn.Module):
-    """A 4-bit AWQ/GPTQ linear for CUDA on `int4_matmul` (slow: see the module's doc). Its tensors are plain
-    attributes (`qweight`, `scales`, `zeros`, `g_idx`) and it has no `weight`, so the fast path leaves a
-    model of them to the generic runner."""
+    """A 4-bit AWQ/GPTQ linear on `int4_linear`: `weight` the codes, int32 ``[out, in / 8]``, and `scales` its
+    `Int4Scales` (plain attributes, as `quantize.Int8Linear`'s: the fast path points them at rows of the
+    fused q/k/v and gate/up weights, `llama_layout`)."""
 
-    def __init__(
-        self,
-        qweight: torch.Tensor,
-        scales: torch.Tensor,
-        zeros: torch.Tensor,
-        g_idx: torch.Tensor,
-        bias: torch.Tensor | None,
-        order: torch.Tensor | None = None,
-        group: int = 0,
-    ) -> None:
+    def __init__(self, weight: torch.Tensor, scales: Int4Scales, bias: torch.Tensor | None, in_features: int) -> None:
         super().__init__()
-        self.in_features, self.out_features = g_idx.shape[0], qweight.shape[1]
-        self.qweight, self.scales, self.zeros, self.g_idx, self.bias = qweight, scales, zeros, g_idx, bias
-        self.order = order  # GPTQ's act-order: the inputs in group order (the codes' rows are stored so)
-        self.group = group  # the groups' size once in order (0: not uniform, a scale gathered per input)
+        self.in_features, self.out_features = in_features, weight.shape[0]
+        self.weight, self.scales, self.bias = weight, scales, bias
+
+    @staticmethod
+    def servable(g_idx: torch.Tensor, groups: int) -> bool:
+        """Whether the kernel reads a weight of these groups: runs of a multiple of `GROUP_TILE` inputs, in
+        order or once sorted (`group_layout`)."""
+        size = group_layout(g_idx, groups)[1]
+        return size is not None and size % GROUP_TILE == 0
 
     @classmethod
     def from_parts(
@@ -120,33 +299,29 @@ class Int4TritonLinear(torch.nn.Module):
         dtype: torch.dtype,
         device: torch.device,
     ) -> Int4TritonLinear:
-        """From codes ``[out, in]``, scale and zero ``[out, groups]`` (`quant_formats.Int4Parts`). Inputs
-        whose groups are not in order (GPTQ's act-order) are stored in group order, and each call takes the
-        activations' columns in that order: the groups are then contiguous runs, whose scales and zeros the
-        kernel reads once a tile instead of once an input."""
-        order = None
-        if bool((g_idx[1:] < g_idx[:-1]).any()):
-            order = torch.argsort(g_idx, stable=True)
-            codes, g_idx = codes[:, order], g_idx[order]
-        size = contiguous_group_size(g_idx, scale.shape[1]) or 0
-        nibbles = codes.t().to(torch.int64).reshape(-1, 8, codes.shape[0])  # [in / 8, 8, out]
-        words = (nibbles << (torch.arange(8, device=codes.device) * 4)[None, :, None]).sum(1)
+        """From codes ``[out, in]``, scale and zero ``[out, groups]`` (`quant_formats.Int4Parts`) whose groups
+        are `servable` (ValueError otherwise). Act-order inputs are stored in group order; each call reads
+        the activations' columns in that order."""
+        order, size = group_layout(g_idx, scale.shape[1])
+        if size is None or size % GROUP_TILE:
+            raise ValueError(f"the int4 kernel reads groups of a multiple of {GROUP_TILE} consecutive inputs")
+        if order is not None:
+            codes = codes[:, order]
+        out, inputs = codes.shape
+        nibbles = codes.to(torch.int64).reshape(out, inputs // 8, 8)
+        words = (nibbles << (torch.arange(8, device=codes.device) * 4)).sum(-1)
         words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
-        return cls(
-            words.to(device),
+        parts = Int4Scales(
             scale.t().contiguous().to(device, torch.float32),  # fp32: a fp16 scale exactly (bf16 would round it)
             zero.t().contiguous().to(device, torch.float32),
-            g_idx.to(device, torch.int32),
-            None if bias is None else bias.detach().to(device, dtype),
-            order=None if order is None else order.to(device),
-            group=size if size % GROUP_TILE == 0 else 0,
+            None if order is None else order.to(device, torch.int32),
+            size,
         )
+        b = None if bias is None else bias.detach().to(device, dtype)
+        return cls(words.contiguous().to(device), parts, b, inputs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if self.order is not None:
-            rows = rows.index_select(1, self.order)
-        y = int4_matmul(rows, self.qweight, self.scales, self.zeros, self.g_idx, group=self.group)
+        y = int4_linear(x.reshape(-1, self.in_features), self.weight, self.scales)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)

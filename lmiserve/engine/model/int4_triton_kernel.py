@@ -1,57 +1,65 @@
-"""The Triton kernel of `int4_triton` (imported only where Triton is installed; the interpreter patches
-this module's ``tl`` when it runs the kernel on a CPU). Run on an H200: correct, slow (`int4_triton`'s doc)."""
+"""The Triton kernel of `int4_triton` (imported only where Triton is installed; the interpreter runs it on a
+CPU in the tests): ``y = x @ W.T`` for a 4-bit AWQ/GPTQ weight ``W[n, k] = (code - zero[g, n]) * scale[g,
+n]`` with groups of `GROUP` consecutive inputs, the codes read once as int32 words and unpacked in
+registers (no de-quantized copy of the weight anywhere)."""
 
 import triton.language as tl
 
-__all__ = ["int4_matmul_kernel"]
+__all__ = ["int4_gemm_kernel"]
 
 
-def int4_matmul_kernel(  # pragma: no cover - runs as a Triton kernel
+def int4_gemm_kernel(  # pragma: no cover - runs as a Triton kernel
     x_ptr,
     q_ptr,
     s_ptr,
     z_ptr,
-    g_ptr,
+    o_ptr,
     y_ptr,
     M,
     N,
     K,
     stride_xm,
     stride_ym,
+    stride_s,
     GROUP: tl.constexpr,
+    HAS_ORDER: tl.constexpr,
+    USE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # GROUP > 0: the inputs' groups are contiguous runs of GROUP (a multiple of BLOCK_K), so a tile's scales
-    # and zeros are one row of each; GROUP == 0: any `g_idx`, a scale and a zero gathered per input
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    # one program: BLOCK_N outputs of BLOCK_M rows over the whole of K. The codes are [N, K / 8] int32 words
+    # (nibble j of word r: input 8r + j), so a tile is BLOCK_N runs of BLOCK_K / 2 bytes. GROUP is a multiple
+    # of BLOCK_K: a tile's inputs share one group, whose scale and zero are applied once to the tile's sums,
+    #   sum_k x_k (code_k - zero) scale = scale (sum_k x_k code_k - zero sum_k x_k).
+    # HAS_ORDER (GPTQ's act-order): input k of the stored codes is column order[k] of x.
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = tl.arange(0, BLOCK_K // 8)
     offs_k = tl.arange(0, BLOCK_K)
+    shifts = tl.arange(0, 8) * 4
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    q_rows = q_ptr + offs_n[:, None].to(tl.int64) * (K // 8)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
-        k_ok = k < K
-        x = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=(offs_m[:, None] < M) & k_ok[None, :], other=0.0
-        )
-        wmask = k_ok[:, None] & (offs_n[None, :] < N)
-        words = tl.load(q_ptr + (k // 8)[:, None] * N + offs_n[None, :], mask=wmask, other=0)
-        codes = (words >> ((k % 8) * 4)[:, None]) & 0xF
-        if GROUP > 0:
-            group = k0 // GROUP
-            scale = tl.load(s_ptr + group * N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-            zero = tl.load(z_ptr + group * N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-            w = (codes.to(tl.float32) - zero[None, :]) * scale[None, :]  # [BLOCK_K, BLOCK_N]
-        else:
-            g = tl.load(g_ptr + k, mask=k_ok, other=0)
-            scale = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=wmask, other=0.0).to(tl.float32)
-            zero = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=wmask, other=0.0).to(tl.float32)
-            w = (codes.to(tl.float32) - zero) * scale  # [BLOCK_K, BLOCK_N]
-        acc += tl.dot(x, w.to(x.dtype))  # bf16/fp16 x: tensor cores; fp32 accumulation
+        if HAS_ORDER:
+            k = tl.load(o_ptr + k)
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
+        words = tl.load(q_rows + (k0 // 8 + offs_w)[None, :], mask=n_ok[:, None], other=0)  # [BLOCK_N, BLOCK_K/8]
+        codes = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K))
+        if USE_DOT:  # 16 rows or more a tile: the tensor cores, codes 0..15 exact in the activations' dtype
+            sums = tl.dot(x, tl.trans(codes.to(x.dtype)))
+        else:  # 1 to 4 rows: products and a sum per row in fp32
+            sums = tl.sum(x.to(tl.float32)[:, None, :] * codes.to(tl.float32)[None, :, :], axis=2)
+        group = k0 // GROUP
+        scale = tl.load(s_ptr + group * stride_s + offs_n, mask=n_ok, other=0.0)
+        zero = tl.load(z_ptr + group * stride_s + offs_n, mask=n_ok, other=0.0)
+        x_sum = tl.sum(x.to(tl.float32), axis=1)
+        acc += (sums - x_sum[:, None] * zero[None, :]) * scale[None, :]
     y = acc.to(y_ptr.dtype.element_ty)
-    tl.store(
-        y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N)
-    )
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=m_ok[:, None] & n_ok[None, :])

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
 import torch
 
 from lmiserve.engine.attention.windows import unsupported_kinds
+from lmiserve.engine.model.int4_triton import Int4Scales, Int4TritonLinear
 from lmiserve.engine.model.quant_formats import Fp8Linear
 from lmiserve.engine.model.quantize import INT4_ROW_BLOCK, Int4Linear, Int8Linear, Q8Linear
 
@@ -30,7 +31,8 @@ if TYPE_CHECKING:
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
-_QUANTIZED = (Int8Linear, Int4Linear, Q8Linear, Fp8Linear)  # Fp8Linear: fp8 rows, fused as int8's
+# Fp8Linear: fp8 rows, fused as int8's; Int4TritonLinear: AWQ/GPTQ codes on CUDA, fused by `_fuse_int4`
+_QUANTIZED = (Int8Linear, Int4Linear, Q8Linear, Fp8Linear, Int4TritonLinear)
 
 
 # ---- the layout (what `unsupported_reason` checks) -------------------------------------------------
@@ -143,13 +145,17 @@ def as_llama(model: PreTrainedModel) -> LlamaFamily:
 
 
 # ---- fused weights -------------------------------------------------------------------------------
+Scales = torch.Tensor | Int4Scales | None  # a product's scales: `_fuse`'s
+
+
 class Part(NamedTuple):
     """One product of a layer: a (fused) weight in the model's ``[out, in]`` layout (int4 and q8: blocks
-    of 16 rows), its bias, its scales (None: float) and its output features."""
+    of 16 rows; AWQ/GPTQ codes: ``[out, in / 8]`` words with their `Int4Scales`), its bias, its scales (None:
+    float) and its output features."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
-    scales: torch.Tensor | None
+    scales: Scales
     outputs: int
 
 
@@ -192,7 +198,7 @@ class FusedLayer:
         return _one(self.qkv).bias
 
     @property
-    def qkv_s(self) -> torch.Tensor | None:
+    def qkv_s(self) -> Scales:
         return _one(self.qkv).scales
 
     @property
@@ -204,7 +210,7 @@ class FusedLayer:
         return _one(self.gate_up).bias
 
     @property
-    def gate_up_s(self) -> torch.Tensor | None:
+    def gate_up_s(self) -> Scales:
         return _one(self.gate_up).scales
 
 
@@ -234,6 +240,9 @@ def _kind(module: torch.nn.Module) -> object:
         return Q8Linear, _q8_group(module)
     if isinstance(module, (Int8Linear, Int4Linear, Fp8Linear)):
         return type(module)
+    if isinstance(module, Int4TritonLinear):  # fused only with linears of the same groups and input order
+        order = module.scales.order
+        return Int4TritonLinear, module.scales.group, None if order is None else tuple(order.tolist())
     return cast(torch.nn.Linear, module).weight.dtype
 
 
@@ -254,9 +263,7 @@ def _fuse_runs(modules: list[torch.nn.Linear]) -> tuple[Part, ...]:
     return tuple(parts)
 
 
-def _fuse(
-    modules: list[torch.nn.Linear],
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def _fuse(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None, Scales]:
     """One weight for several linears that read the same input (``[sum of out, in]``, contiguous,
     the model's own output-major layout), its bias and the scales of quantized linears (all of one
     kind): int8 rows' scales ``[out]``, int4 blocks' scales and minimums ``[out / 16, in]``, q8 blocks'
@@ -264,6 +271,8 @@ def _fuse(
     `INT4_ROW_BLOCK` output rows, `group_kernels`, so matrices whose rows fill whole blocks
     concatenate; `unsupported_reason` checks it). Each module is pointed at its rows (blocks), so memory
     does not grow and the transformers forward keeps working on the same storage."""
+    if isinstance(modules[0], Int4TritonLinear):
+        return _fuse_int4(cast(list[Int4TritonLinear], modules))
     weights = [m.weight.detach() for m in modules]
     stored = weights[0].contiguous() if len(weights) == 1 else torch.cat(weights, dim=0)
     quantized = [cast(Int8Linear | Int4Linear | Q8Linear, m) for m in modules if isinstance(m, _QUANTIZED)]
@@ -290,3 +299,27 @@ def _fuse(
         row += n
         out += outputs
     return stored, bias, scales
+
+
+def _fuse_int4(modules: list[Int4TritonLinear]) -> tuple[torch.Tensor, torch.Tensor | None, Int4Scales]:
+    """`_fuse` for AWQ/GPTQ codes (`int4_triton`) of one `_kind` (the same groups and input order): the codes'
+    rows concatenated, the scales' and zeros' columns (``[groups, sum of out]``), the biases (all or
+    none); each module pointed at its rows and columns."""
+    first = modules[0].scales
+    weight = torch.cat([m.weight for m in modules], dim=0) if len(modules) > 1 else modules[0].weight
+    scales = torch.cat([m.scales.scales for m in modules], dim=1) if len(modules) > 1 else first.scales
+    zeros = torch.cat([m.scales.zeros for m in modules], dim=1) if len(modules) > 1 else first.zeros
+    biases = [m.bias for m in modules]
+    present = [b for b in biases if b is not None]
+    if present and len(present) != len(biases):
+        raise ValueError("mixed biases")
+    bias = (torch.cat(present) if len(present) > 1 else present[0]) if present else None
+    fused = Int4Scales(scales, zeros, first.order, first.group)
+    out = 0
+    for m in modules:
+        n = m.out_features
+        m.weight = weight[out : out + n]
+        m.scales = Int4Scales(scales[:, out : out + n], zeros[:, out : out + n], first.order, first.group)
+        m.bias = None if bias is None else bias[out : out + n]
+        out += n
+    return weight, bias, fused

@@ -82,7 +82,8 @@ class Int4Parts:
 
     def group_size(self) -> int | None:
         """The size of the groups when every group is a run of consecutive inputs (``g(i) = i // size``)."""
-        return int4_triton.contiguous_group_size(self.g_idx, self.scale.shape[1])
+        order, size = int4_triton.group_layout(self.g_idx, self.scale.shape[1])
+        return size if order is None else None
 
 
 def unpack_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> Int4Parts:
@@ -140,7 +141,8 @@ def int4_module(
         scale = parts.scale.repeat_interleave(repeat, dim=1)
         low = (-parts.zero.float() * parts.scale).repeat_interleave(repeat, dim=1)
         return Int4Linear.from_codes(parts.codes, scale, low, bias)
-    if device.type == "cuda" and int4_triton.USE_ON_CUDA and int4_triton.available():  # slow: opt-in
+    kernel = device.type == "cuda" and int4_triton.USE_ON_CUDA and int4_triton.available()
+    if kernel and int4_triton.Int4TritonLinear.servable(parts.g_idx, parts.scale.shape[1]):  # not yet measured
         return int4_triton.Int4TritonLinear.from_parts(
             parts.codes, parts.scale, parts.zero, parts.g_idx, bias, dtype, device
         )

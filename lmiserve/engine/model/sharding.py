@@ -36,7 +36,9 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.nn.functional as F
 
+from lmiserve.engine.model.int4_triton import Int4TritonLinear
 from lmiserve.engine.model.llama_layout import SUPPORTED_TYPES, LlamaFamily
+from lmiserve.engine.model.quant_formats import Fp8Linear
 from lmiserve.engine.model.quantize import Int4Linear, Int8Linear, Q8Linear
 
 if TYPE_CHECKING:
@@ -169,12 +171,14 @@ def shard_of(model: torch.nn.Module) -> TensorParallelShard | None:
 def shard_model(model: PreTrainedModel, rank: int, world: int, group: ProcessGroup | None) -> TensorParallelShard:
     """Keep rank `rank`'s share of `model`'s weights (in place; the rest is freed) and say the local head
     counts in its config. Refused (ValueError) for a model the fast path does not run or that does not
-    split over `world` ranks, or whose linears are quantized (int8, int4, q8: their blocked rows and
-    group scales are not cut here)."""
+    split over `world` ranks, or whose linears are quantized (int8, int4, q8, a checkpoint's fp8 or AWQ/GPTQ
+    codes: their blocked rows and scales are not cut here)."""
     plan = shard_plan(model.config, rank, world)
-    if any(isinstance(m, (Int8Linear, Int4Linear, Q8Linear)) for m in model.modules()):
+    quantized = (Int8Linear, Int4Linear, Q8Linear, Fp8Linear, Int4TritonLinear)
+    if any(isinstance(m, quantized) for m in model.modules()):
         raise ValueError(
-            "tensor parallelism shards float models: this one has int8/int4/q8 linears (dtype int8 or int4)"
+            "tensor parallelism shards float models: this one has quantized linears (dtype int8 or int4, or a "
+            "checkpoint's fp8 or AWQ/GPTQ weights)"
         )
     # the architecture was checked by the plan; the rest of the layout (on real weights) by FastLlama
     llama = cast(LlamaFamily, model)

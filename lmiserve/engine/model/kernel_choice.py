@@ -1,0 +1,97 @@
+"""Choosing a Triton kernel's tile by measuring it on the GPU that serves (issue #39): a tile tuned on one
+GPU can lose on another, and a tile a GPU or Triton miscompiles must never serve. Shared by the quantized
+products of few rows (`fp8_gemv`) and the 4-bit products (`int4_triton`).
+
+`pick` runs each candidate on a probe, refuses the ones whose result is more than `TOLERANCE` off the
+reference product (logged), times the others (and the product they would replace, `baseline`) with `time_call`,
+and returns the fastest; it logs the choice once. The callers keep the choice per weight shape and row
+bucket, measured outside CUDA-graph captures (the decode graphs' eager warm-up before each capture is such a
+call, so the graphs record the choice).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+import torch
+
+__all__ = ["REPEATS", "TOLERANCE", "pick", "time_call"]
+
+TOLERANCE = 2e-2  # max |candidate - reference| / max |reference| (bf16's rounding is ~4e-3)
+REPEATS = 20  # calls timed per candidate on CUDA (after one untimed: Triton compiles)
+
+C = TypeVar("C")
+
+
+def time_call(call: Callable[[], object], device: torch.device) -> float:
+    """Seconds a call: `REPEATS` in a row between CUDA events after one untimed (the GPU's time where the
+    GPU is the bottleneck, each call's launches included where it is not); on a CPU one call, timed."""
+    call()
+    if device.type != "cuda":
+        started = time.perf_counter()
+        call()
+        return time.perf_counter() - started
+    torch.cuda.synchronize(device)
+    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    start.record()
+    for _ in range(REPEATS):
+        call()
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end)) / 1e3 / REPEATS
+
+
+def pick(
+    log: logging.Logger,
+    what: str,
+    shape: tuple[int, int, int],
+    candidates: Iterable[C],
+    run: Callable[[C], torch.Tensor],
+    want: torch.Tensor,
+    device: torch.device,
+    baseline: tuple[str, Callable[[], object]],
+    time_baseline: bool = True,
+) -> C | None:
+    """The fastest of `candidates` (`run(candidate)` computes the probe's product) whose result is within
+    `TOLERANCE` of `want`, or None where `baseline` (``(its name, a call)``) is faster, or no candidate
+    passes. `shape` is ``(outputs, inputs, rows)`` for the log lines, which `log` writes; `time_baseline`
+    False: the baseline is only the fallback (too slow to compete), never timed."""
+    outputs, inputs, rows = shape
+    scale = want.abs().max().item() or 1.0
+    times: dict[C | None, float] = {}
+    name, call = baseline
+    if time_baseline:
+        try:
+            times[None] = time_call(call, device)
+        except Exception as exc:  # noqa: BLE001 - this torch or GPU refuses the baseline here: the kernel alone
+            log.debug("the %s product through %s failed: %s", what, name, exc)
+    refused: list[str] = []
+    for candidate in candidates:
+        try:
+            got = run(candidate)
+            gap = (got.float() - want).abs().max().item() / scale
+            if not gap <= TOLERANCE:  # (NaN too)
+                refused.append(f"{candidate}: off by {gap:.3g}")
+                continue
+            times[candidate] = time_call(lambda c=candidate: run(c), device)  # type: ignore[misc]
+        except Exception as exc:  # noqa: BLE001 - a tile this GPU or Triton cannot compile: the others compete
+            refused.append(f"{candidate}: {type(exc).__name__}: {str(exc)[:120]}")
+    if refused:
+        log.warning(
+            "%s Triton tiles refused for [%d x %d] at %d rows: %s", what, outputs, inputs, rows, "; ".join(refused)
+        )
+    if not times:
+        return None
+    best = min(times, key=times.__getitem__)
+    fastest = min((c for c in times if c is not None), key=times.__getitem__, default=None)
+    kernel = f"{fastest} {1e6 * times[fastest]:.1f} us" if fastest is not None else "refused"
+    other = f"{1e6 * times[None]:.1f} us" if None in times else ("failed" if time_baseline else "not timed")
+    log.info(
+        "%s products [%d x %d] at %d row(s) run on %s (the Triton kernel: %s; %s: %s)",
+        what, outputs, inputs, rows, "the Triton kernel" if best is not None else name, kernel, name, other,
+    )  # fmt: skip
+    return best
