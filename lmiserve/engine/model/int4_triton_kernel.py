@@ -39,7 +39,7 @@ def int4_gemm_kernel(  # pragma: no cover - runs as a Triton kernel
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_w = tl.arange(0, BLOCK_K // 8)
     offs_k = tl.arange(0, BLOCK_K)
-    shifts = tl.arange(0, 8) * 4
+    shifts = (offs_k % 8) * 4
     m_ok = offs_m < M
     n_ok = offs_n < N
     x_rows = x_ptr + offs_m[:, None] * stride_xm
@@ -51,7 +51,11 @@ def int4_gemm_kernel(  # pragma: no cover - runs as a Triton kernel
             k = tl.load(o_ptr + k)
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
         words = tl.load(q_rows + (k0 // 8 + offs_w)[None, :], mask=n_ok[:, None], other=0)  # [BLOCK_N, BLOCK_K/8]
-        codes = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K))
+        # each word repeated 8 times along K (vLLM's Triton AWQ kernel unpacks so), then nibble k % 8 of each
+        spread = tl.interleave(words, words)
+        spread = tl.interleave(spread, spread)
+        spread = tl.interleave(spread, spread)
+        codes = (spread >> shifts[None, :]) & 0xF  # [BLOCK_N, BLOCK_K]
         if USE_DOT:  # 16 rows or more a tile: the tensor cores, codes 0..15 exact in the activations' dtype
             sums = tl.dot(x, tl.trans(codes.to(x.dtype)))
         else:  # 1 to 4 rows: products and a sum per row in fp32
