@@ -232,17 +232,23 @@ def attach_lora(
 
 def prompt_codec(loaded: LoadedModel, max_input_len: int | None) -> tuple[PromptCodec, GrammarCompiler]:
     """The prompt codec and grammar compiler of `loaded`'s tokenizer."""
-    codec = PromptCodec(
+    codec = text_codec(loaded, max_input_len, _image_codec(loaded))
+    grammars = GrammarCompiler(loaded.tokenizer, vocab_size=codec.vocab_size, eos_token_ids=loaded.eos_token_ids)
+    return codec, grammars
+
+
+def text_codec(loaded: LoadedModel, max_input_len: int | None, images: ImageCodec | None = None) -> PromptCodec:
+    """The prompt codec of `loaded`'s tokenizer and limits (`images`: a vision-language model's processor);
+    the engine's, and with `engine_process` the serving process's own (engine/process/client.py)."""
+    return PromptCodec(
         HfTokenizer(loaded.tokenizer),
         eos_token_ids=loaded.eos_token_ids,
         max_context=loaded.max_context,
         max_input_len=max_input_len,
         vocab_size=getattr(loaded.model.config.get_text_config(), "vocab_size", None),
-        images=_image_codec(loaded),
+        images=images,
         name=loaded.name,
     )
-    grammars = GrammarCompiler(loaded.tokenizer, vocab_size=codec.vocab_size, eos_token_ids=loaded.eos_token_ids)
-    return codec, grammars
 
 
 def _image_codec(loaded: LoadedModel) -> ImageCodec | None:

@@ -12,7 +12,7 @@ import pytest
 
 from lmiserve.core.errors import GenerationFailed, InvalidRequest, ModelNotReady
 from lmiserve.core.events import StepEvent, Token
-from lmiserve.core.request import GenerationRequest
+from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.core.stats import EngineSnapshot
 from lmiserve.engine.process.client import EngineProcessClient
 from lmiserve.engine.process.wire import Ended
@@ -159,3 +159,75 @@ async def test_a_consumer_that_stops_at_the_last_event_ends_the_request_there(pa
     await stream.aclose()
     assert facts.generations == [generation]
     assert not await asyncio.to_thread(engine.poll, 0.2)  # no abort
+
+
+@pytest.fixture
+def coded() -> Any:
+    """A client with the model's prompt codec (a text model's, as `start_engine_process` gives it) and a pool
+    of 4 blocks of 8 tokens."""
+    from helpers.tiny_model import build_tiny_tokenizer
+    from lmiserve.engine.text.tokenizer import HfTokenizer
+    from lmiserve.engine.text.validation import PromptCodec
+
+    tokenizer = build_tiny_tokenizer()
+    codec = PromptCodec(HfTokenizer(tokenizer), eos_token_ids={tokenizer.eos_token_id}, max_context=64)
+    ours, engine = mp.get_context("spawn").Pipe()
+    pool = EngineSnapshot(0, 0, 0, 0, 32, 8, 0, kv_blocks=4, kv_block_size=8)
+    client = EngineProcessClient(FakeProcess(), ours, pool, codec=codec)
+    yield client, engine, tokenizer
+    engine.close()
+
+
+async def test_a_text_request_is_prepared_here_and_the_engine_process_gets_its_ids(coded):
+    """No `prepare` round trip to a busy engine process, and the engine process tokenizes nothing: the
+    prompt is encoded once, here (the protocol's count of it recalled), and sent with its ids."""
+    client, engine, tokenizer = coded
+    client.start()
+    request = GenerationRequest(prompt="Hello there", params=SamplingParams(max_new_tokens=4))
+    await client.prepare(request)
+    stream = client.generate(request)
+    first = asyncio.ensure_future(anext(stream))
+    kind, rid, sent = await read(engine)
+    assert kind == "generate" and sent.prompt == "Hello there"
+    assert sent.prompt_ids == tokenizer("Hello there")["input_ids"]
+    engine.send(("batch", [(rid, Ended(()))], [], snapshot(), None))
+    with pytest.raises(StopAsyncIteration):
+        await first
+
+
+async def test_a_request_whose_kv_outgrows_the_pool_is_refused_here_in_the_engines_words(coded):
+    client, engine, _ = coded
+    rejected: list[BaseException] = []
+
+    class Observer:
+        def on_rejected(self, error: BaseException) -> None:
+            rejected.append(error)
+
+    client.add_observer(Observer())
+    client.start()
+    request = GenerationRequest(prompt="Hello there", params=SamplingParams(max_new_tokens=40))
+    with pytest.raises(InvalidRequest, match=r"more than the whole KV cache holds \(32 tokens"):
+        await client.prepare(request)
+    assert len(rejected) == 1 and not engine.poll(0.1)  # counted as the engine counts it; nothing sent
+
+
+async def test_a_grammar_or_an_unprepared_prompt_is_left_to_the_engine_process(coded):
+    """A grammar is compiled (and cached) by the engine process: its prepare goes there. A prompt this request
+    never encoded goes as text: the engine process encodes it."""
+    from lmiserve.core.grammar import Grammar
+
+    client, engine, _ = coded
+    client.start()
+    grammar = GenerationRequest(prompt="Hi", params=SamplingParams(grammar=Grammar("regex", "a+")))
+    prepared = asyncio.ensure_future(client.prepare(grammar))
+    kind, call, _ = await read(engine)
+    assert kind == "prepare"
+    engine.send(("reply", call, None))
+    await prepared
+    stream = client.generate(GenerationRequest(prompt="Never counted"))
+    first = asyncio.ensure_future(anext(stream))
+    kind, rid, sent = await read(engine)
+    assert kind == "generate" and sent.prompt_ids is None
+    engine.send(("batch", [(rid, Ended(()))], [], snapshot(), None))
+    with pytest.raises(StopAsyncIteration):
+        await first

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmiserve.core.aio import cancel_and_wait
-from lmiserve.core.errors import GenerationFailed, InvalidRequest, QueueTimeout, ShuttingDown
+from lmiserve.core.errors import GenerationFailed, QueueTimeout, ShuttingDown
 from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.core.stats import EngineObserver, StepStats, notify, tell_failure
 from lmiserve.engine import torch_thread
@@ -24,6 +24,7 @@ from lmiserve.engine.core.block_scheduler import BlockScheduler
 from lmiserve.engine.core.config import EngineConfig
 from lmiserve.engine.core.handles import RequestHandle, prompt_tokens_computed, request_stats, stamp_events
 from lmiserve.engine.core.kv_blocks import BlockPool
+from lmiserve.engine.core.kv_fits import check_fits
 from lmiserve.engine.core.scheduler import StepPlan
 from lmiserve.engine.core.sequence import Sequence
 from lmiserve.engine.core.step import BatchRunner, Executor, ExecutorFailed, Launched, StepOutput
@@ -106,12 +107,7 @@ class EngineCore:
 
     def _check_fits(self, tokens: int) -> None:
         """A request whose KV (prompt + max new tokens) needs more blocks than the whole pool is refused."""
-        pool = self.pool
-        if pool.never_fits(tokens):
-            raise InvalidRequest(
-                f"the prompt and max_new_tokens need the KV cache of {tokens} tokens, more than the whole "
-                f"KV cache holds ({pool.num_blocks * pool.block_size} tokens, kv_cache_memory_bytes)"
-            )
+        check_fits(tokens, self.pool.num_blocks, self.pool.block_size)
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:

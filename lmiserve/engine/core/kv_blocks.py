@@ -46,6 +46,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from lmiserve.engine.core.kv_fits import blocks_for_tokens
 from lmiserve.engine.text.images import ImageSpan, span_digests
 
 __all__ = [
@@ -141,7 +142,7 @@ class BlockPool:
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold `num_tokens` tokens."""
-        return -(-max(0, num_tokens) // self.block_size)
+        return blocks_for_tokens(num_tokens, self.block_size)
 
     def never_fits(self, num_tokens: int) -> bool:
         """Whether a sequence of `num_tokens` tokens needs more blocks than the whole pool has."""

@@ -19,13 +19,16 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from lmiserve.core import request_context
-from lmiserve.core.errors import GenerationFailed, ModelNotReady, ShuttingDown
+from lmiserve.core.errors import GenerationFailed, LmiServeError, ModelNotReady, ShuttingDown
 from lmiserve.core.events import StepEvent
 from lmiserve.core.request import GenerationRequest
 from lmiserve.core.stats import EngineObserver, EngineSnapshot, notify, tell_failure
+from lmiserve.core.tokenizer import tokenizing
+from lmiserve.engine.core.kv_fits import check_fits
 from lmiserve.engine.lora.registry import LoraLimits
 from lmiserve.engine.process.adapters import Mirror, RemoteAdapters
 from lmiserve.engine.process.wire import Ended, PipeSender, emit_forwarded
+from lmiserve.engine.text.validation import PromptCodec
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +44,8 @@ def _record(ended: Ended) -> None:
 
 class EngineProcessClient:
     """The engine in `process`, over `conn` (its `snapshot` as the engine's last message gave it); with LoRA
-    adapters, `adapters` is its registry's `(limits, mirror, reserved names)` (process/adapters.py)."""
+    adapters, `adapters` is its registry's `(limits, mirror, reserved names)` (process/adapters.py); `codec`:
+    the model's prompt codec in this process (a text model's), which prepares and encodes requests here."""
 
     def __init__(
         self,
@@ -49,8 +53,10 @@ class EngineProcessClient:
         conn: Connection,
         snapshot: EngineSnapshot,
         adapters: tuple[LoraLimits, Mirror, set[str]] | None = None,
+        codec: PromptCodec | None = None,
     ) -> None:
         self.process, self._conn = process, conn
+        self.codec = codec
         self._snapshot = snapshot
         self._observers: list[EngineObserver] = []
         self.on_failure: list[Callable[[str], None]] = []
@@ -99,15 +105,46 @@ class EngineProcessClient:
 
     # ---- requests ----------------------------------------------------------------------------------
     async def prepare(self, request: GenerationRequest) -> None:
+        """The engine's `prepare` (its 4xx before a response starts). A text request without a grammar is
+        prepared here, with the codec: its prompt encoded (the protocol's count of it recalled: nothing is
+        tokenized again) and checked, its KV checked against the pool the snapshot gives; the engine process
+        then takes the ids (`generate`). A grammar (compiled and cached there) or images go to the engine."""
         self._check()
+        codec = self.codec
+        if codec is None or request.params.grammar is not None or request.images:
+            await self._call_prepare(request)
+            return
+        try:
+            _, ids = await tokenizing(codec.encode_request, request)
+            snapshot = self._snapshot
+            if snapshot.kv_block_size:  # (0: no paged pool)
+                check_fits(len(ids) + request.params.max_new_tokens, snapshot.kv_blocks, snapshot.kv_block_size)
+        except LmiServeError as exc:
+            notify(self._observers, "on_rejected", exc)
+            raise
+
+    async def _call_prepare(self, request: GenerationRequest) -> None:
         assert self._loop is not None, "start() first"
         call = next(self._ids)
         self._calls[call] = reply = self._loop.create_future()
         self._send(("prepare", call, request))
         await reply
 
+    def _encoded(self, request: GenerationRequest) -> GenerationRequest:
+        """`request` with its prompt's ids where this request already encoded its prompt (`prepare`, or the
+        protocol's count): the engine process tokenizes nothing; else `request` (the engine encodes it)."""
+        codec = self.codec
+        if codec is None or request.prompt_ids is not None or request.images or not codec.tokenized(request):
+            return request
+        try:
+            ids = codec.encode(request)  # recalled, and checked as the engine would
+        except LmiServeError:
+            return request  # the engine refuses it, as in one process
+        return replace(request, prompt_ids=ids)
+
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[StepEvent, None]:
         self._check()
+        request = self._encoded(request)
         rid = next(self._ids)
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._queues[rid] = queue
