@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,20 +44,7 @@ ENABLED = True
 INTERPRETED_ON_CPU = False
 
 
-@dataclass(frozen=True)
-class Config:
-    """One tile of the kernel: `use_dot` (tensor cores, 16-row tiles) or per-row sums (1-4 rows)."""
-
-    use_dot: bool
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int = 4
-    num_stages: int = 3
-
-    def __str__(self) -> str:
-        kind = "dot" if self.use_dot else "sum"
-        return f"{kind} {self.block_m}x{self.block_n}x{self.block_k} warps={self.num_warps} stages={self.num_stages}"
+Config = kernel_choice.Tile  # one tile of the kernel
 
 
 def bucket(rows: int) -> int:

@@ -31,11 +31,9 @@ tensors (the tests) run each bucket's first tile.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -77,27 +75,7 @@ def available() -> bool:
     return triton is not None
 
 
-@dataclass(frozen=True)
-class Config:
-    """One tile: `use_dot` (tensor cores) or per-row sums; `block_k` at most the group's size (`fitted`)."""
-
-    use_dot: bool
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int = 4
-    num_stages: int = 3
-
-    def fitted(self, group: int) -> Config:
-        """This tile with its `block_k` halved until it divides `group` (a multiple of `GROUP_TILE`)."""
-        block_k = self.block_k
-        while group % block_k:
-            block_k //= 2
-        return self if block_k == self.block_k else dataclasses.replace(self, block_k=block_k)
-
-    def __str__(self) -> str:
-        kind = "dot" if self.use_dot else "sum"
-        return f"{kind} {self.block_m}x{self.block_n}x{self.block_k} warps={self.num_warps} stages={self.num_stages}"
+Config = kernel_choice.Tile  # one tile of the kernel (`fitted` to the groups: `block_k` divides them)
 
 
 def bucket(rows: int) -> int:

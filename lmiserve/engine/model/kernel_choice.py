@@ -11,19 +11,45 @@ call, so the graphs record the choice).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 
-__all__ = ["REPEATS", "TOLERANCE", "pick", "time_call"]
+__all__ = ["REPEATS", "TOLERANCE", "Tile", "pick", "time_call"]
 
 TOLERANCE = 2e-2  # max |candidate - reference| / max |reference| (bf16's rounding is ~4e-3)
 REPEATS = 20  # calls timed per candidate on CUDA (after one untimed: Triton compiles)
 
 C = TypeVar("C")
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One tile of a few-rows product kernel: `use_dot` (tensor cores, 16 rows or more a tile) or per-row
+    sums (1-4 rows), `block_m` rows x `block_n` outputs, `block_k` inputs a step."""
+
+    use_dot: bool
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def fitted(self, group: int) -> Tile:
+        """This tile with its `block_k` halved until it divides `group` (a multiple of 32: AWQ/GPTQ groups)."""
+        block_k = self.block_k
+        while group % block_k:
+            block_k //= 2
+        return self if block_k == self.block_k else dataclasses.replace(self, block_k=block_k)
+
+    def __str__(self) -> str:
+        kind = "dot" if self.use_dot else "sum"
+        return f"{kind} {self.block_m}x{self.block_n}x{self.block_k} warps={self.num_warps} stages={self.num_stages}"
 
 
 def time_call(call: Callable[[], object], device: torch.device) -> float:
