@@ -416,6 +416,7 @@ def test_on_the_test_device_each_format_serves_in_bf16(
         if DEVICE.type != "cuda" or not int4_triton.available():
             pytest.skip("the Triton int4 kernel serves on CUDA only")
         monkeypatch.setattr(int4_triton, "USE_ON_CUDA", True)
+        monkeypatch.setattr(int4_triton, "_chosen", {})
     loaded = load_causal_lm(checkpoints[case], device=str(DEVICE), dtype="bf16")
     tensors = stored(checkpoints[case])
     fp8 = CASES[case][0] in ("fp8-channel", "fp8-tensor", "fbgemm-fp8")
@@ -434,6 +435,9 @@ def test_on_the_test_device_each_format_serves_in_bf16(
         torch.testing.assert_close(got, want, rtol=0.05, atol=0.05 * want.abs().max().item(), msg=name)
     path, results = engine_tokens(loaded, PROMPTS, 8)
     assert path == "fast"
+    if int4_kernel:  # every shape and row bucket served by a tile that passed its check, none de-quantized
+        chosen = int4_triton.chosen()
+        assert chosen and None not in chosen.values(), chosen
     for ids, got_ids in zip(PROMPTS, results, strict=True):
         gaps = greedy_gaps(loaded.model, ids, got_ids)
         assert max(gaps) <= 0.02, (ids, gaps)
