@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from lmiserve.engine.model.int4_triton import pack_nibbles
 from lmiserve.engine.model.quant_formats import AWQ_ORDER, quantize_fp8
 
 __all__ = ["FORMATS", "rtn_int4", "write_quantized"]
@@ -48,18 +49,12 @@ def rtn_int4(
     return codes.clamp(0, 15).to(torch.int32), scale, zero
 
 
-def _pack8(nibbles: torch.Tensor) -> torch.Tensor:
-    """``[..., 8]`` values 0..15 as one int32 word each (nibble k at bits 4k), two's complement kept."""
-    words = (nibbles.long() << (torch.arange(8) * 4)).sum(-1)
-    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
-
-
 def _awq_tensors(weight: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
     inputs = weight.shape[1]
     codes, scale, zero = rtn_int4(weight, torch.arange(inputs) // group, inputs // group, include_zero=False)
     order = list(AWQ_ORDER)
-    qweight = _pack8(codes.t().reshape(inputs, -1, 8)[..., order])  # [in, out / 8]
-    qzeros = _pack8(zero.t().reshape(zero.shape[1], -1, 8)[..., order])  # [groups, out / 8]
+    qweight = pack_nibbles(codes.t().reshape(inputs, -1, 8)[..., order])  # [in, out / 8]
+    qzeros = pack_nibbles(zero.t().reshape(zero.shape[1], -1, 8)[..., order])  # [groups, out / 8]
     return {"qweight": qweight, "qzeros": qzeros, "scales": scale.t().contiguous()}
 
 
@@ -69,8 +64,8 @@ def _gptq_tensors(weight: torch.Tensor, group: int, act_order: bool) -> dict[str
     if act_order:  # groups of inputs taken in another order (what desc_act stores)
         g_idx = g_idx[torch.randperm(inputs, generator=torch.Generator().manual_seed(inputs))]
     codes, scale, zero = rtn_int4(weight, g_idx, inputs // group, min_zero=1)
-    qweight = _pack8(codes.t().reshape(inputs // 8, 8, -1).permute(0, 2, 1))  # [in / 8, out]
-    qzeros = _pack8((zero.t() - 1).reshape(zero.shape[1], -1, 8))  # [groups, out / 8], v1: zero - 1
+    qweight = pack_nibbles(codes.t().reshape(inputs // 8, 8, -1).permute(0, 2, 1))  # [in / 8, out]
+    qzeros = pack_nibbles((zero.t() - 1).reshape(zero.shape[1], -1, 8))  # [groups, out / 8], v1: zero - 1
     return {"qweight": qweight, "qzeros": qzeros, "scales": scale.t().contiguous(), "g_idx": g_idx.to(torch.int32)}
 
 

@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -237,17 +238,12 @@ def quantize_fp8_dynamic(model: torch.nn.Module, dtype: torch.dtype, device: tor
     """`quantize=fp8` on a float model: every linear but the output projection quantized to fp8 per
     output channel (`quant_formats.quantize_fp8`), then `fp8_module` (fp8 products where the device has
     them, else de-quantized once into `dtype`). An account of what was done."""
-    kinds: Counter[str] = Counter()
 
     def make(linear: torch.nn.Linear) -> torch.nn.Module:
         weight, scale = quantize_fp8(linear.weight)
-        made = fp8_module(weight, scale, linear.bias, dtype, device)
-        kinds[_kind_name(made)] += 1
-        return made
+        return fp8_module(weight, scale, linear.bias, dtype, device)
 
-    replace_linears(model, lambda m: True, make)
-    account = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
-    return f"fp8 quantized at load, per output channel: {account}"
+    return f"fp8 quantized at load, per output channel: {_made_at_load(model, make)}"
 
 
 def quantize_int4_dummy(model: torch.nn.Module, spec: QuantSpec, dtype: torch.dtype, device: torch.device) -> str:
@@ -255,7 +251,6 @@ def quantize_int4_dummy(model: torch.nn.Module, spec: QuantSpec, dtype: torch.dt
     loader makes one): every linear but the output projection rounded to 4-bit codes (RTN, groups of
     `spec.group_size` consecutive inputs, or one group a row where that does not divide them) and made as
     a checkpoint's would be (`int4_module`). An account of what was done."""
-    kinds: Counter[str] = Counter()
 
     def make(linear: torch.nn.Linear) -> torch.nn.Module:
         weight = linear.weight.detach()
@@ -263,10 +258,20 @@ def quantize_int4_dummy(model: torch.nn.Module, spec: QuantSpec, dtype: torch.dt
         group = spec.group_size if inputs % spec.group_size == 0 else inputs
         g_idx = torch.arange(inputs, device=weight.device) // group
         codes, scale, zero = rtn_int4(weight, g_idx, inputs // group)
-        made = int4_module(Int4Parts(codes.to(torch.uint8), scale.float(), zero, g_idx), linear.bias, dtype, device)
+        return int4_module(Int4Parts(codes.to(torch.uint8), scale.float(), zero, g_idx), linear.bias, dtype, device)
+
+    account = _made_at_load(model, make)
+    return f"{spec.method} codes made at load from random weights (load_format=dummy): {account}"
+
+
+def _made_at_load(model: torch.nn.Module, make: Callable[[torch.nn.Linear], torch.nn.Module]) -> str:
+    """Every linear of `model` but the output projection replaced by `make`'s layer; how many of each kind."""
+    kinds: Counter[str] = Counter()
+
+    def counted(linear: torch.nn.Linear) -> torch.nn.Module:
+        made = make(linear)
         kinds[_kind_name(made)] += 1
         return made
 
-    replace_linears(model, lambda m: True, make)
-    account = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
-    return f"{spec.method} codes made at load from random weights (load_format=dummy): {account}"
+    replace_linears(model, lambda m: True, counted)
+    return ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))

@@ -68,6 +68,7 @@ __all__ = [
     "group_layout",
     "int4_gemm",
     "int4_linear",
+    "pack_nibbles",
 ]
 
 
@@ -218,8 +219,7 @@ def _measure(
         lambda config: int4_gemm(probe, weight, parts, config),
         dequantized_product(probe.float(), weight, parts),
         device,
-        ("the de-quantized product", lambda: None),
-        time_baseline=False,
+        ("the de-quantized product", None),
     )
 
 
@@ -229,6 +229,13 @@ def int4_linear(x: torch.Tensor, weight: torch.Tensor, parts: Int4Scales) -> tor
     if config is None:
         return dequantized_product(x, weight, parts)
     return int4_gemm(x, weight, parts, config)
+
+
+def pack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
+    """``[..., 8]`` values 0..15 as one int32 word each (nibble k at bits 4k), two's complement kept: the
+    kernel's codes, and GPTQ's and AWQ's packing (models/quant_pack.py)."""
+    words = (nibbles.long() << (torch.arange(8, device=nibbles.device) * 4)).sum(-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
 
 def group_layout(g_idx: torch.Tensor, groups: int) -> tuple[torch.Tensor | None, int | None]:
@@ -286,9 +293,7 @@ class Int4TritonLinear(torch.nn.Module):
         if order is not None:
             codes = codes[:, order]
         out, inputs = codes.shape
-        nibbles = codes.to(torch.int64).reshape(out, inputs // 8, 8)
-        words = (nibbles << (torch.arange(8, device=codes.device) * 4)).sum(-1)
-        words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+        words = pack_nibbles(codes.reshape(out, inputs // 8, 8))
         parts = Int4Scales(
             scale.t().contiguous().to(device, torch.float32),  # fp32: a fp16 scale exactly (bf16 would round it)
             zero.t().contiguous().to(device, torch.float32),

@@ -12,6 +12,7 @@ call, so the graphs record the choice).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -79,18 +80,17 @@ def pick(
     run: Callable[[C], torch.Tensor],
     want: torch.Tensor,
     device: torch.device,
-    baseline: tuple[str, Callable[[], object]],
-    time_baseline: bool = True,
+    baseline: tuple[str, Callable[[], object] | None],
 ) -> C | None:
     """The fastest of `candidates` (`run(candidate)` computes the probe's product) whose result is within
     `TOLERANCE` of `want`, or None where `baseline` (``(its name, a call)``) is faster, or no candidate
-    passes. `shape` is ``(outputs, inputs, rows)`` for the log lines, which `log` writes; `time_baseline`
-    False: the baseline is only the fallback (too slow to compete), never timed."""
+    passes. `shape` is ``(outputs, inputs, rows)`` for the log lines, which `log` writes; a baseline whose
+    call is None is only the fallback (too slow to compete), never timed."""
     outputs, inputs, rows = shape
     scale = want.abs().max().item() or 1.0
     times: dict[C | None, float] = {}
     name, call = baseline
-    if time_baseline:
+    if call is not None:
         try:
             times[None] = time_call(call, device)
         except Exception as exc:  # noqa: BLE001 - this torch or GPU refuses the baseline here: the kernel alone
@@ -103,7 +103,7 @@ def pick(
             if not gap <= TOLERANCE:  # (NaN too)
                 refused.append(f"{candidate}: off by {gap:.3g}")
                 continue
-            times[candidate] = time_call(lambda c=candidate: run(c), device)  # type: ignore[misc]
+            times[candidate] = time_call(functools.partial(run, candidate), device)
         except Exception as exc:  # noqa: BLE001 - a tile this GPU or Triton cannot compile: the others compete
             refused.append(f"{candidate}: {type(exc).__name__}: {str(exc)[:120]}")
     if refused:
@@ -115,7 +115,7 @@ def pick(
     best = min(times, key=times.__getitem__)
     fastest = min((c for c in times if c is not None), key=times.__getitem__, default=None)
     kernel = f"{fastest} {1e6 * times[fastest]:.1f} us" if fastest is not None else "refused"
-    other = f"{1e6 * times[None]:.1f} us" if None in times else ("failed" if time_baseline else "not timed")
+    other = f"{1e6 * times[None]:.1f} us" if None in times else ("failed" if call is not None else "not timed")
     log.info(
         "%s products [%d x %d] at %d row(s) run on %s (the Triton kernel: %s; %s: %s)",
         what, outputs, inputs, rows, "the Triton kernel" if best is not None else name, kernel, name, other,

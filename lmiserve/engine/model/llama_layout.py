@@ -31,8 +31,9 @@ if TYPE_CHECKING:
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
-# Fp8Linear: fp8 rows, fused as int8's; Int4TritonLinear: AWQ/GPTQ codes on CUDA, fused by `_fuse_int4`
-_QUANTIZED = (Int8Linear, Int4Linear, Q8Linear, Fp8Linear, Int4TritonLinear)
+# the quantized linears the layout takes (tensor parallelism refuses them: sharding.py); Fp8Linear: fp8 rows,
+# fused as int8's; Int4TritonLinear: AWQ/GPTQ codes on CUDA, fused by `_fuse_int4`
+QUANTIZED_LINEARS = (Int8Linear, Int4Linear, Q8Linear, Fp8Linear, Int4TritonLinear)
 
 
 # ---- the layout (what `unsupported_reason` checks) -------------------------------------------------
@@ -114,7 +115,7 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
             weight = getattr(module, "weight", None)
             if not isinstance(weight, torch.Tensor) or weight.is_meta:
                 return f"layer module {name} is not a plain linear"
-            if not weight.is_floating_point() and not isinstance(module, _QUANTIZED):
+            if not weight.is_floating_point() and not isinstance(module, QUANTIZED_LINEARS):
                 return f"layer module {name} is not a plain floating-point, int8, int4 or q8 linear"
             if isinstance(module, (Int4Linear, Q8Linear)) and module.out_features % INT4_ROW_BLOCK:
                 # int4 and q8 rows are stored in blocks of rows (quantize.INT4_ROW_BLOCK): a partial block pads outputs
@@ -275,19 +276,15 @@ def _fuse(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
         return _fuse_int4(cast(list[Int4TritonLinear], modules))
     weights = [m.weight.detach() for m in modules]
     stored = weights[0].contiguous() if len(weights) == 1 else torch.cat(weights, dim=0)
-    quantized = [cast(Int8Linear | Int4Linear | Q8Linear, m) for m in modules if isinstance(m, _QUANTIZED)]
+    quantized = [cast(Int8Linear | Int4Linear | Q8Linear, m) for m in modules if isinstance(m, QUANTIZED_LINEARS)]
     if quantized and len(quantized) != len(modules):
         raise ValueError("mixed quantized and float linears")
     scales = torch.cat([m.scales for m in quantized], dim=0) if quantized else None
-    biases: list[torch.Tensor | None] = [m.bias for m in modules]
-    present = [b.detach() for b in biases if b is not None]
-    bias = torch.cat(present, dim=0) if len(present) == len(biases) else None
-    if present and bias is None:
-        raise ValueError("mixed biases")
+    bias = _fused_bias(modules)
     row = out = 0  # the module's first stored row (an int4 block) and first output
     for m in modules:
         n, outputs = m.weight.shape[0], outputs_of(m)
-        if isinstance(m, _QUANTIZED):
+        if isinstance(m, QUANTIZED_LINEARS):
             m.weight = stored[row : row + n]
             m.bias = None if bias is None else bias[out : out + outputs]
             if scales is not None:
@@ -309,11 +306,7 @@ def _fuse_int4(modules: list[Int4TritonLinear]) -> tuple[torch.Tensor, torch.Ten
     weight = torch.cat([m.weight for m in modules], dim=0) if len(modules) > 1 else modules[0].weight
     scales = torch.cat([m.scales.scales for m in modules], dim=1) if len(modules) > 1 else first.scales
     zeros = torch.cat([m.scales.zeros for m in modules], dim=1) if len(modules) > 1 else first.zeros
-    biases = [m.bias for m in modules]
-    present = [b for b in biases if b is not None]
-    if present and len(present) != len(biases):
-        raise ValueError("mixed biases")
-    bias = (torch.cat(present) if len(present) > 1 else present[0]) if present else None
+    bias = _fused_bias(modules)
     fused = Int4Scales(scales, zeros, first.order, first.group)
     out = 0
     for m in modules:
@@ -323,3 +316,11 @@ def _fuse_int4(modules: list[Int4TritonLinear]) -> tuple[torch.Tensor, torch.Ten
         m.bias = None if bias is None else bias[out : out + n]
         out += n
     return weight, bias, fused
+
+
+def _fused_bias(modules: Sequence[torch.nn.Module]) -> torch.Tensor | None:
+    """The biases of linears fused into one product, concatenated (None: none has one; ValueError: only some)."""
+    present = [cast(torch.Tensor, m.bias).detach() for m in modules if m.bias is not None]
+    if present and len(present) != len(modules):
+        raise ValueError("mixed biases")
+    return torch.cat(present, dim=0) if present else None

@@ -36,10 +36,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.nn.functional as F
 
-from lmiserve.engine.model.int4_triton import Int4TritonLinear
-from lmiserve.engine.model.llama_layout import SUPPORTED_TYPES, LlamaFamily
-from lmiserve.engine.model.quant_formats import Fp8Linear
-from lmiserve.engine.model.quantize import Int4Linear, Int8Linear, Q8Linear
+from lmiserve.engine.model.llama_layout import QUANTIZED_LINEARS, SUPPORTED_TYPES, LlamaFamily
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -174,8 +171,7 @@ def shard_model(model: PreTrainedModel, rank: int, world: int, group: ProcessGro
     split over `world` ranks, or whose linears are quantized (int8, int4, q8, a checkpoint's fp8 or AWQ/GPTQ
     codes: their blocked rows and scales are not cut here)."""
     plan = shard_plan(model.config, rank, world)
-    quantized = (Int8Linear, Int4Linear, Q8Linear, Fp8Linear, Int4TritonLinear)
-    if any(isinstance(m, quantized) for m in model.modules()):
+    if any(isinstance(m, QUANTIZED_LINEARS) for m in model.modules()):
         raise ValueError(
             "tensor parallelism shards float models: this one has quantized linears (dtype int8 or int4, or a "
             "checkpoint's fp8 or AWQ/GPTQ weights)"

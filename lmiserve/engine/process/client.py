@@ -115,7 +115,7 @@ class EngineProcessClient:
             await self._call_prepare(request)
             return
         try:
-            _, ids = await tokenizing(codec.encode_request, request)
+            ids = await tokenizing(codec.encode, request)
             snapshot = self._snapshot
             if snapshot.kv_block_size:  # (0: no paged pool)
                 check_fits(len(ids) + request.params.max_new_tokens, snapshot.kv_blocks, snapshot.kv_block_size)
