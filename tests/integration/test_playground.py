@@ -226,6 +226,11 @@ def test_the_page_streams_a_chat_and_shows_the_batch_running_it(page, url):
     kv_tokens = int(stat(page, "kv").split("·")[1].split("/")[0])
     assert kv_tokens > 0  # the running sequence holds KV cache positions
     assert page.locator(".msg.assistant.streaming").count() == 1  # still streaming while it was looked at
+    # a long, fast stream: the page takes it in and still answers (a layout and a scroll a token froze it
+    # within seconds: its stream loop never yielded; benchmarks/playground_stream.py). The timeout only
+    # stops a hang: a loaded machine streams slower
+    wait_until(lambda: len(reply(page)) > 8_000, "the page keeps up with a long stream", timeout=120)
+    assert stat(page, "running") == "1"
 
     page.click("#stop")
     page.locator(".msg.assistant .note", has_text="(stopped)").wait_for()

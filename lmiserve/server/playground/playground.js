@@ -26,13 +26,17 @@ async function* sseData(response) {
     const { value, done } = await reader.read();
     if (done) return;
     buffer += decoder.decode(value, { stream: true }).replace(/\r/g, "");
+    // the events of one read, cut from where the last one ended: a backlog of thousands of events in one
+    // read is one pass, not a copy of the rest of the buffer an event
+    let start = 0;
     let cut;
-    while ((cut = buffer.indexOf("\n\n")) >= 0) {
-      const block = buffer.slice(0, cut);
-      buffer = buffer.slice(cut + 2);
+    while ((cut = buffer.indexOf("\n\n", start)) >= 0) {
+      const block = buffer.slice(start, cut);
+      start = cut + 2;
       const lines = block.split("\n").filter((l) => l.startsWith("data:"));
       if (lines.length) yield lines.map((l) => l.slice(5).replace(/^ /, "")).join("\n");
     }
+    buffer = buffer.slice(start);
   }
 }
 
@@ -185,6 +189,18 @@ async function send(text) {
   let chunks = 0;
   let usage = null;
   let finish = null;
+  // the pieces go into the page once a frame: a layout and a scroll per token would fall behind a fast
+  // server's stream (each one lays out the whole reply) and leave the page unresponsive while it streams
+  let pending = "";
+  let frame = 0;
+  const show = () => {
+    cancelAnimationFrame(frame);
+    frame = 0;
+    if (!pending) return;
+    body.appendData(pending);
+    pending = "";
+    scrollDown();
+  };
   try {
     const response = await fetch("/v1/chat/completions", {
       method: "POST",
@@ -204,14 +220,16 @@ async function send(text) {
       if (piece) {
         firstAt ??= performance.now();
         chunks += 1;
-        body.appendData(piece);
-        scrollDown();
+        pending += piece;
+        frame ||= requestAnimationFrame(show);
       }
       finish = choice.finish_reason ?? finish;
     }
+    show();
     turns.push({ role: "assistant", content: body.data });
     if (finish === "length") note(reply, "(stopped at max tokens)");
   } catch (error) {
+    show();
     if (error.name === "AbortError") {
       turns.push({ role: "assistant", content: body.data });
       note(reply, "(stopped)");
