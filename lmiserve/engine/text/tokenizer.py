@@ -64,6 +64,23 @@ class HfTokenizer:
             raise TypeError(f"decode of one id list returned {type(text).__name__}")
         return text
 
+    def decode_stream(self, context: list[int], skip_special_tokens: bool) -> Callable[[int], str | None] | None:
+        """The tokenizers library's incremental decoder (`tokenizers.decoders.DecodeStream`) after the ids of
+        `context`, as a function of the next id (its new text, None while held back), where `decode` is
+        the library's own (`direct_decode`); None otherwise. One call a token in the library instead of
+        two decodes (engine/text/detokenizer.py)."""
+        if self._direct is None:
+            return None
+        if context and self._direct(list(context), skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
+            return None  # a context cut inside a character: the library then repeats the context's text
+        try:
+            from tokenizers.decoders import DecodeStream
+        except ImportError:  # a tokenizers without it (before 0.21)
+            return None
+        stream = DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
+        step: Callable[[int], str | None] = functools.partial(stream.step, self.hf._tokenizer)
+        return step
+
     @property
     def all_special_ids(self) -> list[int]:
         return list(self.hf.all_special_ids or [])
