@@ -163,3 +163,17 @@ def test_a_tokenizer_decoded_through_transformers_has_no_stream():
     assert tokenizer.decode_stream([], True) is None
     texts, tail = run(tokenizer, [], [2, 3, 4], True)
     assert "".join(texts) + tail == "hello world."
+
+
+def test_a_tokenizers_without_the_streams_context_keeps_the_windows(tiny, monkeypatch):
+    """tokenizers 0.21's DecodeStream takes no context ids (lmiserve asks for tokenizers>=0.21)."""
+    import tokenizers.decoders
+
+    class Older:
+        def __init__(self, skip_special_tokens: bool = False) -> None:
+            pass
+
+    monkeypatch.setattr(tokenizers.decoders, "DecodeStream", Older)
+    assert tiny.decode_stream([1, 2], True) is None
+    ids = tiny.encode(SAMPLE)
+    assert run(tiny, ids[:4], ids[4:], True) == run(WindowsOnly(tiny), ids[:4], ids[4:], True)

@@ -75,9 +75,10 @@ class HfTokenizer:
             return None  # a context cut inside a character: the library then repeats the context's text
         try:
             from tokenizers.decoders import DecodeStream
-        except ImportError:  # a tokenizers without it (before 0.21)
+
+            stream = DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
+        except (ImportError, TypeError):  # a tokenizers without it (before 0.21) or without its context (`ids`)
             return None
-        stream = DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
         step: Callable[[int], str | None] = functools.partial(stream.step, self.hf._tokenizer)
         return step
 
