@@ -13,6 +13,10 @@ token beside the bench's (`probe_ttft_ms_p50`: the bench's one-process client re
 own lag to its `ttft_ms_p50` on a small machine). A host-bound level (a tiny model at
 128 streams: the Python work a token is visible) shows what the process split buys where the GIL, not the
 model, limits the server.
+
+`--baselines`: once both servers have stopped, static `generate()` of the same model (loaded as the servers
+load it: the `-o` options) at each level's batch size, in this process (`lmiserve.bench.baselines`, what
+`lmiserve bench` runs): each mode's tokens/s over it (`over_generate`), issue 39's ratio, in the same run.
 """
 
 from __future__ import annotations
@@ -160,6 +164,10 @@ def main() -> None:
         "--probe", action="store_true",
         help="a light client beside the bench's: its time to first token under the load (probe_ttft_ms_p50)",
     )  # fmt: skip
+    parser.add_argument(
+        "--baselines", action="store_true",
+        help="after the servers: static generate() at each level's batch, each mode's tokens/s over it",
+    )  # fmt: skip
     args = parser.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
     out = Path(args.json).parent if args.json else Path("/tmp/engine-process-bench")
@@ -208,8 +216,36 @@ def main() -> None:
         "runs": results,
         "load_average_end": os.getloadavg(),
     }
-    if args.json:
+    if args.json:  # written now: the baselines below may not finish inside a caller's time limit
         args.json.write_text(json.dumps(document, indent=1))
+    if args.baselines:
+        add_baselines(document, args, levels)
+        if args.json:
+            args.json.write_text(json.dumps(document, indent=1))
+
+
+def add_baselines(document: dict, args: argparse.Namespace, levels: list[int]) -> None:
+    """Static generate() at each level's batch (the servers have stopped: the GPU is free), and each mode's
+    tokens/s over it, into `document`'s summary."""
+    from lmiserve.bench.baselines import run_baselines  # torch: only here
+    from lmiserve.bench.report import baseline_rate
+    from lmiserve.config.sources import parse_override
+
+    overrides = {"model_id": args.model_id, **dict(parse_override(o) for o in args.option)}
+    baselines = run_baselines(overrides, levels, args.tokens, lambda line: print(line, flush=True))
+    document["baselines"] = baselines
+    for level in levels:
+        generate = baseline_rate(baselines, "generate", level)
+        entry = document["summary"][str(level)]
+        entry["generate_tokens_per_s"] = generate
+        for name in ("in_process", "engine_process"):
+            mode = entry[name]
+            mode["over_generate"] = round(mode["tokens_per_s_median"] / generate, 3) if generate else None
+        print(
+            f"concurrency {level}: generate() {generate} tok/s; over it: in process "
+            f"{entry['in_process']['over_generate']}, engine process {entry['engine_process']['over_generate']}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

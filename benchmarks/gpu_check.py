@@ -44,7 +44,8 @@ dependencies can come as wheels; see benchmarks/README.md, "The GPU check"). It 
    (``benchmarks/step_host_cost.py --profile`` on the 1B shape: the serial loop's spans a decode step at 1, 32
    and 128 rows; ``step-profile-1b/`` holds the torch profiler's CPU and CUDA tables at 128 rows) and
    ``engine_process`` (``benchmarks/engine_process.py`` on the 1B shape: a server with ``engine_process=true``
-   and one without, in turns at 32 and 128 streams: tokens/s, the ratio, each server's CPU a token).
+   and one without, in turns at 32 and 128 streams: tokens/s, the ratio, each server's CPU a token, and each
+   one's tokens/s over static ``generate()`` at the level's batch, measured after the servers stop).
 
 The steps run in the order of issue 39's targets: the tests, the benches (1B, then 8B at one stream), the
 engine in its own process, fp8 weights, the decode paths, overlap scheduling, the step profile, the fp8 KV
@@ -564,14 +565,16 @@ def markdown(summary: dict[str, Any]) -> str:
             "",
             "## The engine in its own process, 1B shape (bf16, 128 forced tokens; the two servers in turns)",
             "",
-            "| streams | in process tok/s | engine process tok/s | ratio | CPU us a token (in, engine process) "
+            "| streams | in process tok/s | engine process tok/s | ratio | `generate()` tok/s "
+            "| over `generate()` (in, engine process) | CPU us a token (in, engine process) "
             "| TTFT p50 ms: bench (in, engine process) | engine's mean | a light client's p50 |",
-            "|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for level, r in summary["engine_process"].items():
             a, b = r["in_process"], r["engine_process"]
-            cells = [f"{a.get(k)}, {b.get(k)}" for k in ("us_cpu_per_token_median", *TTFT_MEDIANS)]
-            lines.append(_row([level, a["tokens_per_s_median"], b["tokens_per_s_median"], r["ratio"], *cells]))
+            cells = [f"{a.get(k)}, {b.get(k)}" for k in ("over_generate", "us_cpu_per_token_median", *TTFT_MEDIANS)]
+            rates = [a["tokens_per_s_median"], b["tokens_per_s_median"], r["ratio"], r.get("generate_tokens_per_s")]
+            lines.append(_row([level, *rates, *cells]))
     lines += _quantized_lines(summary.get("quantized") or {}) + _fp8_kv_lines(summary.get("fp8_kv") or {})
     lines += _step_profile_lines(summary.get("step_profile") or [])
     return "\n".join(lines) + "\n"
@@ -804,16 +807,16 @@ def main(argv: list[str] | None = None) -> int:
 
     # 4b. the engine core in its own process (engine_process) against in process: the 1B shape at 32 and 128 streams,
     # the two servers (each 0.44 of the GPU) in turns, tokens/s and each process's CPU a token
-    if ready("engine-process", "engine process 1b", 150):
+    if ready("engine-process", "engine process 1b", 200):
         report = out / "engine-process-1b" / "engine_process.json"
         command = [
             sys.executable, str(ROOT / "benchmarks" / "engine_process.py"), "--model-id", str(model("1b")),
             "-o", "load_format=dummy", "-o", "dtype=bf16", "-o", f"device={scale.device}",
             "-o", scale.pick("gpu_memory_utilization=0.44", "kv_cache_memory_bytes=64MiB"),
             "--concurrency", scale.pick("32,128", "4"), "--tokens", scale.pick("128", "8"), "--rounds", "1",
-            "--client-processes", scale.pick("4", "2"), "--probe", "--json", str(report),
+            "--client-processes", scale.pick("4", "2"), "--probe", "--baselines", "--json", str(report),
         ]  # fmt: skip
-        step = run_step("engine process 1b", command, out / "engine-process-1b.log", min(150.0, left() - 60), env)
+        step = run_step("engine process 1b", command, out / "engine-process-1b.log", min(200.0, left() - 60), env)
         if report.exists():
             summary["engine_process"] = json.loads(report.read_text())["summary"]
         summary["steps"].append(step)

@@ -81,6 +81,9 @@ def test_issue_39_entries_are_filled(rehearsal):
         assert {level: r["identical_to_graphs"] for level, r in path.items()} == {"1": 1, "2": 2}
     engine_process = summary["engine_process"]["4"]
     assert engine_process["ratio"] > 0 and engine_process["engine_process"]["us_cpu_per_token_median"] > 0
+    # issue 39's 128-stream ratio in the same run: each mode over static generate() at the level's batch
+    assert engine_process["generate_tokens_per_s"] > 0
+    assert all(engine_process[mode]["over_generate"] > 0 for mode in ("in_process", "engine_process"))
     assert [r["rows"] for r in summary["overlap"]] == [1, 4]
     assert all(r["same_tokens"] for r in summary["overlap"])
     for kind in ("fp8", "int4"):
@@ -119,6 +122,7 @@ def test_summary_md_renders_every_table(rehearsal):
     ):
         assert heading in text, heading
     assert "| client busy (processes) |" in text and " (2) |" in text  # the 4-stream level's two client processes
+    assert "| over `generate()` (in, engine process) |" in text
 
 
 def test_steps_chooses_what_runs_and_a_terminated_check_still_writes_its_summary(tmp_path):
