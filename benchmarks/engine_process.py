@@ -41,6 +41,8 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from machine import cpu_model  # noqa: E402 - benchmarks/machine.py: the script's folder is on sys.path
+
 from lmiserve.bench.server import ManagedServer  # noqa: E402
 
 
@@ -145,11 +147,6 @@ def median_of(rows: list[dict], key: str) -> float | None:
     return round(statistics.median(values), 1) if values else None
 
 
-def lscpu_model() -> str:
-    text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    return text.split("Model name:")[-1].split("\n")[0].strip()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-id", required=True)
@@ -203,10 +200,7 @@ def main() -> None:
         )
     document = {
         "what": "tokens/s and CPU a token of one server with its engine in process and one with engine_process=true",
-        "cpu": subprocess.run(["lscpu"], capture_output=True, text=True)
-        .stdout.split("Model name:")[-1]
-        .split("\n")[0]
-        .strip(),
+        "cpu": cpu_model(),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "model": args.model_id,

@@ -27,6 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+from machine import cpu_model  # noqa: E402 - benchmarks/machine.py: the script's folder is on sys.path
+
 from helpers.browser import chromium_path  # noqa: E402
 from helpers.server import run_server  # noqa: E402
 from helpers.tiny_model import (  # noqa: E402
@@ -113,9 +115,7 @@ def main() -> None:
                     print(json.dumps(row), flush=True)
                     rows.append(row)
     if args.json:
-        cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        model = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "")
-        record = {"cpu": model, "machine": platform.machine(), "seconds": args.seconds, "runs": rows}
+        record = {"cpu": cpu_model(), "machine": platform.machine(), "seconds": args.seconds, "runs": rows}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
 

@@ -33,9 +33,10 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         opener = getattr(tokenizer, "decode_stream", None)
-        self._stream: Callable[[int], str | None] | None = (
-            opener(self._ids, skip_special_tokens) if opener is not None else None
-        )
+        self._stream: Callable[[int], str | None] | None = None
+        # a context cut inside a character keeps the windows: the library would repeat the context's text
+        if opener is not None and not self._decode(self._ids).endswith(_REPLACEMENT):
+            self._stream = opener(self._ids, skip_special_tokens)
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip)

@@ -71,8 +71,6 @@ class HfTokenizer:
         two decodes (engine/text/detokenizer.py)."""
         if self._direct is None:
             return None
-        if context and self._direct(list(context), skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
-            return None  # a context cut inside a character: the library then repeats the context's text
         try:
             from tokenizers.decoders import DecodeStream
 
