@@ -116,6 +116,7 @@ ENGINE_TESTS = (
     "tests/unit/test_kv_fp8.py",
     "tests/unit/test_overlap_scheduling.py",
     "tests/unit/test_warmup.py",
+    "tests/unit/test_kernel_compiles.py",
     "tests/unit/test_quantized_checkpoints.py",
     "tests/unit/test_draft_pool.py",
 )
@@ -391,8 +392,11 @@ def bench_summary(bench_dir: Path) -> dict[str, Any] | None:
                 "concurrency": level["concurrency"],
                 "tokens_per_s": level["output_tokens_per_s"],
                 "ttft_ms_p50": level["ttft_ms"]["p50"],
+                "ttft_ms_p99": level["ttft_ms"].get("p99"),
+                "ttft_ms_max": level["ttft_ms"].get("max"),
                 "itl_ms_p50": level["itl_ms"]["p50"],
                 "itl_ms_p99": level["itl_ms"]["p99"],
+                "itl_ms_max": level["itl_ms"].get("max"),
                 "failed": level["failed_requests"],
                 "wrong_token_counts": level["token_count_errors"],
                 "client_processes": level.get("client_processes"),
@@ -405,7 +409,19 @@ def bench_summary(bench_dir: Path) -> dict[str, Any] | None:
                 "server_over_forward": r.get("server_over_forward"),
             }
         )
-    return {"levels": levels, "baselines_error": (report.get("meta") or {}).get("baselines_error")}
+    return {
+        "levels": levels,
+        "baselines_error": (report.get("meta") or {}).get("baselines_error"),
+        "compiles_after_warmup": compiles_after_warmup(bench_dir / "server.log"),
+    }
+
+
+def compiles_after_warmup(server_log: Path) -> int | None:
+    """The Triton compilations a server logged after its warm-up (engine/kernel_compiles.py: each one a step
+    that waited for it, a TTFT or an inter-token gap of a few hundred ms); None without its log."""
+    if not server_log.exists():
+        return None
+    return len(re.findall(r"Triton compiled \S+ after the warm-up", server_log.read_text(errors="replace")))
 
 
 NO_BUNDLED_MODEL = (
@@ -529,6 +545,15 @@ def markdown(summary: dict[str, Any]) -> str:
                 None if lv.get("client_busy") is None else f"{lv['client_busy']} ({lv.get('client_processes')})",
             ]
             lines.append("| " + " | ".join("-" if c is None else str(c) for c in cells) + " |")
+        worst = "; ".join(
+            f"{lv['concurrency']}: {lv.get('ttft_ms_p99')} / {lv.get('ttft_ms_max')} / {lv.get('itl_ms_max')}"
+            for lv in bench["levels"]
+        )
+        lines += [
+            "",
+            f"Triton compilations after the warm-up (server.log): {bench.get('compiles_after_warmup')}. "
+            f"TTFT p99 / TTFT max / ITL max ms, by concurrency: {worst}.",
+        ]
     headings = {
         "decode paths 1b": "## Decode paths, 1B shape (bf16, 64 greedy tokens)",
         "lora decode paths 1b": "## Decode paths with 4 LoRA adapters (rank 16, every linear), 1B shape (bf16)",

@@ -125,3 +125,46 @@ async def test_a_vision_language_model_warms_up_on_ordinary_words(tiny_vlm_dir):
     special = engine.codec.special_token_ids
     assert seen and not special & set(seen)  # the prompts: words only
     assert len(new) == len(done.prompt_lengths) + sum(done.decode_rows)  # every request ran
+
+
+async def test_after_the_warm_up_no_step_launches_the_attention_kernel_in_a_kind_it_did_not_run(
+    tiny_model, monkeypatch
+):
+    """No request pays for a compilation: on a GPU Triton compiles the attention kernel once for each kind of
+    launch (each argument's specialization: an int equal to 1, divisible by 16 or neither; a pointer 16-byte
+    aligned or not), so every launch of a busy server's steps (decode rows joined by prompts of any length,
+    decode graphs and eager steps) must be of a kind the warm-up ran. Computed here, under the interpreter,
+    with Triton's own function (tests/helpers/triton_launches.py)."""
+    import asyncio
+    import random
+
+    from helpers.decode_graphs import graphs_on_the_test_device
+    from helpers.triton_launches import record_launch_keys
+    from lmiserve.engine import kernel_compiles
+    from lmiserve.engine.attention import triton_ops
+
+    graphs_on_the_test_device(monkeypatch)
+    launches = record_launch_keys(monkeypatch, [triton_ops._kernel])
+    engine = create_engine(tiny_model, EngineConfig(max_running=16, warmup=True, max_prefill_tokens=64))
+    rng = random.Random(0)
+    engine.start()
+    try:
+        await warm_up(engine)
+        warmed = launches.seen()
+        count = len(launches.launches)
+        compiled = kernel_compiles.after_warm_up()  # on CUDA, Triton's own count (0 here: nothing compiles)
+
+        async def one(i: int) -> None:
+            await asyncio.sleep(0.02 * i)  # each joins a running batch
+            ids = [rng.randrange(3, 200) for _ in range(rng.randint(1, 150))]
+            params = SamplingParams(max_new_tokens=rng.randint(1, 24), ignore_eos_token=True)
+            async for _ in engine.generate(GenerationRequest("", params, prompt_ids=ids)):
+                pass
+
+        await asyncio.gather(*(one(i) for i in range(24)))
+    finally:
+        await engine.stop()
+    assert len(launches.launches) > count + 100
+    assert 2 <= len(warmed) <= 4  # the graphs' decode rows, eager decode tiles, prefill tiles
+    assert launches.seen() - warmed == set()
+    assert kernel_compiles.after_warm_up() == compiled

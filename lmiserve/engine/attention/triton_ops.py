@@ -54,6 +54,8 @@ __all__ = [
     "write_step",
 ]
 
+# the kernel's int arguments whose values change from step to step (`_kernel`)
+STEP_DEPENDENT = ("stride_table",)
 # positions a program reads per iteration (one tile of keys and values); a power of two, at least 16 (tl.dot)
 BLOCK_N = 32
 # query rows (tokens x query heads of one kv head) a program holds: at least 16 (tl.dot); a tile takes
@@ -141,7 +143,7 @@ def step_tiles(
     tiles = len(tile_seq) if tile_capacity is None else tile_capacity
     if tiles < len(tile_seq):
         raise ValueError(f"{len(tile_seq)} tiles do not fit a launch of {tiles}")
-    pad = [0] * (tiles - len(tile_seq))
+    pad = [0] * (_aligned(tiles) - len(tile_seq))  # each array from a 16-byte boundary (`_aligned`)
     width = max((len(table) for table, _, _ in sequences), default=1) or 1
     tables = np.zeros((max(1, len(sequences)), width), dtype=np.int32)
     for row, (table, _, _) in enumerate(sequences):
@@ -154,17 +156,25 @@ def step_tiles(
     ).astype(np.int32)
     # one host-to-device copy each: the tile arrays with the positions, the tables, the write index
     packed = torch.from_numpy(ints).to(device, non_blocking=True)
+    span = _aligned(tiles)
     return StepTiles(
         packed[:tiles],
-        packed[tiles : 2 * tiles],
-        packed[2 * tiles : 3 * tiles],
-        packed[3 * tiles :],
+        packed[span : span + tiles],
+        packed[2 * span : 2 * span + tiles],
+        packed[3 * span :],
         torch.from_numpy(tables).to(device, non_blocking=True),
         write.to(device, non_blocking=True),
         block_q,
         tiles,
         len(positions),
     )
+
+
+def _aligned(count: int) -> int:
+    """`count` int32s rounded up to 16 bytes. Triton compiles a kernel once for each alignment of its pointer
+    arguments (16 bytes or not); the tile arrays of a step start at multiples of this, so every step's
+    launch has the alignments of the warm-up's (engine/core/warmup.py) and none waits for a compilation."""
+    return -(-count // 4) * 4
 
 
 def token_rows(blocks: npt.ArrayLike, positions: npt.ArrayLike, kv_heads: int, block_size: int) -> torch.Tensor:
@@ -198,7 +208,9 @@ def _kernel() -> Any:
 
     from lmiserve.engine.attention.triton_kernel import paged_attention_kernel
 
-    return triton.jit(paged_attention_kernel)
+    # the block tables' row stride is the step's widest table: not specialized (an int divisible by 16, equal
+    # to 1 or neither would each compile the kernel again, in the middle of serving)
+    return triton.jit(paged_attention_kernel, do_not_specialize=STEP_DEPENDENT)
 
 
 def interpreting() -> bool:

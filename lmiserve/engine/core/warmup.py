@@ -17,6 +17,9 @@ those (not yet confirmed on a GPU). So, once the engine runs and before the mode
    to `max_rolling_batch_size`, set by engine/factory.py), that many requests at once, whose decode steps
    run that many rows (so each graph is captured now).
 
+The launches of a step keep the kinds the warm-up ran (engine/attention/triton_ops.py); a Triton
+compilation after it is logged as a warning (engine/kernel_compiles.py).
+
 The requests are the engine's own (token ids, greedy, a salt of their own, so no real prompt shares their
 cached blocks); the observers (metrics, stats) do not see them and the engine's counters start from zero
 after them.
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 
 from lmiserve.core.errors import LmiServeError
 from lmiserve.core.request import GenerationRequest, SamplingParams
+from lmiserve.engine import kernel_compiles
 from lmiserve.engine.core.async_engine import AsyncEngine
 from lmiserve.engine.core.handles import RequestHandle
 
@@ -56,6 +60,7 @@ async def warm_up(engine: AsyncEngine) -> WarmUp | None:
     if not engine.config.warmup:
         return None
     start = time.monotonic()
+    kernel_compiles.watch()
     codec = engine.codec
     # the ids of ordinary words (never a special token, a VLM's image token among them)
     words = [i for i in codec.tokenizer.encode(_TEXT) if i not in codec.special_token_ids] or [0]
@@ -86,6 +91,7 @@ async def warm_up(engine: AsyncEngine) -> WarmUp | None:
         except LmiServeError as exc:  # a shape the engine refuses costs its first request time, not the model
             log.warning("warm-up stopped (%s); the model serves without the rest of it", exc)
     engine.steps = engine.steps_ahead = engine.generated_tokens = 0
+    kernel_compiles.warmed()  # a Triton compilation from here on is a step waiting: logged
     done = WarmUp(lengths, rows, round(time.monotonic() - start, 3))
     log.info(
         "warmed up in %.1f s: prompts of %s tokens, decode steps of %s rows",
