@@ -7,7 +7,9 @@ The warm-up (engine/core/warmup.py) runs the launches serving needs, and the lau
 from step to step (engine/attention/triton_ops.py: the values that change with the step are not
 specialized on, the arrays start aligned). Should a compilation still happen once the warm-up is done, it
 is logged as a warning, with the kernel, its arguments' kinds and the seconds it took: what a time to first
-token or an inter-token gap of that size was (``kernel_compiles.after_warm_up`` counts them).
+token or an inter-token gap of that size was (``kernel_compiles.after_warm_up`` counts them). A warm-up
+runs inside `warming`; while one runs (a model loaded at run time warms up as others serve), nothing is
+logged.
 
 Installed through Triton's own hooks (``triton.knobs.runtime.jit_cache_hook`` before a compilation,
 ``jit_post_compile_hook`` after; Triton 3.4 and later), chained to any hook already set. Nothing is
@@ -16,14 +18,15 @@ installed without Triton, under its interpreter (which compiles nothing) or on a
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["after_warm_up", "warmed", "watch"]
+__all__ = ["after_warm_up", "warming", "watch"]
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +37,8 @@ class _Watch:
     def __init__(self, before: Callable[..., Any] | None, after: Callable[..., Any] | None) -> None:
         self.previous_before, self.previous_after = before, after
         self.started: dict[str, float] = {}
-        self.warmed = False
+        self.warmed = False  # a warm-up has finished
+        self.warming = 0  # warm-ups running (a model loaded at run time warms up while others serve)
         self.after_warm_up = 0
         self.lock = threading.Lock()
 
@@ -47,7 +51,7 @@ class _Watch:
     def after(self, **info: Any) -> Any:
         with self.lock:
             began = self.started.pop(str(info.get("key")), None)
-            late = self.warmed
+            late = self.warmed and not self.warming
             if late:
                 self.after_warm_up += 1
         if late:
@@ -96,12 +100,24 @@ def watch() -> bool:
     return True
 
 
-def warmed() -> None:
-    """The warm-up is done: a compilation from now on is logged."""
-    if _watch is not None:
-        _watch.warmed = True
+@contextlib.contextmanager
+def warming() -> Iterator[None]:
+    """A warm-up runs inside: its compilations are expected. Once it ends (and while no other warm-up
+    runs), a compilation is logged."""
+    watching = _watch if watch() else None
+    if watching is None:
+        yield
+        return
+    with watching.lock:
+        watching.warming += 1
+    try:
+        yield
+    finally:
+        with watching.lock:
+            watching.warming -= 1
+            watching.warmed = True
 
 
 def after_warm_up() -> int:
-    """Compilations since `warmed` (0 when not watched)."""
+    """Compilations logged: after a warm-up, outside any (0 when not watched)."""
     return 0 if _watch is None else _watch.after_warm_up

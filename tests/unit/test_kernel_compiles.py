@@ -46,10 +46,11 @@ def runtime(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
 
 def test_a_compilation_after_the_warm_up_is_logged_with_its_kernel_and_counted(runtime, caplog):
     caplog.set_level(logging.WARNING, logger="lmiserve.engine.kernel_compiles")
-    assert kernel_compiles.watch() is True and kernel_compiles.watch() is True  # once
-    compile_once(runtime, "a")  # during the warm-up: expected, not logged
+    compile_once(runtime, "before")  # nothing watched yet
+    assert kernel_compiles.watch() is True and kernel_compiles.watch() is True  # installed once
+    with kernel_compiles.warming():
+        compile_once(runtime, "a")  # during the warm-up: expected, not logged
     assert caplog.records == [] and kernel_compiles.after_warm_up() == 0
-    kernel_compiles.warmed()
     compile_once(runtime, "b", "fp8_gemv_kernel")
     assert kernel_compiles.after_warm_up() == 1
     [record] = caplog.records
@@ -58,8 +59,14 @@ def test_a_compilation_after_the_warm_up_is_logged_with_its_kernel_and_counted(r
     assert "fp8_gemv_kernel(stride_table: i32)" in message
     # the hooks that were there first still run, and a skip they ask for is kept (nothing compiles)
     assert compile_once(runtime, "skip") is True
-    assert runtime.calls == ["before a", "after a", "before b", "after b", "before skip"]
-    assert kernel_compiles.after_warm_up() == 1
+    # a second model's warm-up (loaded at run time, while the first serves): its compilations are not logged
+    with kernel_compiles.warming():
+        compile_once(runtime, "c")
+    assert kernel_compiles.after_warm_up() == 1 and len(caplog.records) == 1
+    assert runtime.calls == [
+        "before before", "after before", "before a", "after a", "before b", "after b", "before skip",
+        "before c", "after c",
+    ]  # fmt: skip
 
 
 def test_nothing_is_watched_without_a_compiling_triton(monkeypatch):
@@ -67,7 +74,8 @@ def test_nothing_is_watched_without_a_compiling_triton(monkeypatch):
     monkeypatch.setattr(kernel_compiles, "_watch", None)
     assert kernel_compiles._knobs() is None
     assert kernel_compiles.watch() is False
-    kernel_compiles.warmed()
+    with kernel_compiles.warming():
+        pass
     assert kernel_compiles.after_warm_up() == 0
 
 
@@ -85,8 +93,8 @@ def test_on_a_gpu_tritons_own_hooks_report_a_compilation_after_the_warm_up(monke
     monkeypatch.setattr(runtime, "jit_post_compile_hook", runtime.jit_post_compile_hook)
     monkeypatch.setattr(kernel_compiles, "_watch", None)
     caplog.set_level(logging.WARNING, logger="lmiserve.engine.kernel_compiles")
-    assert kernel_compiles.watch() is True
-    kernel_compiles.warmed()
+    with kernel_compiles.warming():
+        pass
     # 3 kv heads of 3 query heads each, of 24 dims, in blocks of 8: constexprs no other test launches
     assert triton_ops.self_check(3, 3, 24, 8, torch.float32, "cuda") is None
     assert kernel_compiles.after_warm_up() >= 1

@@ -60,7 +60,6 @@ async def warm_up(engine: AsyncEngine) -> WarmUp | None:
     if not engine.config.warmup:
         return None
     start = time.monotonic()
-    kernel_compiles.watch()
     codec = engine.codec
     # the ids of ordinary words (never a special token, a VLM's image token among them)
     words = [i for i in codec.tokenizer.encode(_TEXT) if i not in codec.special_token_ids] or [0]
@@ -82,7 +81,8 @@ async def warm_up(engine: AsyncEngine) -> WarmUp | None:
             handles.append(engine.submit(request))
         await asyncio.gather(*(_finish(engine, handle) for handle in handles))
 
-    with engine.unobserved():
+    # a Triton compilation once no warm-up runs is a step waiting: logged (engine/kernel_compiles.py)
+    with engine.unobserved(), kernel_compiles.warming():
         try:
             for length in lengths:
                 await run(length, 1)
@@ -91,7 +91,6 @@ async def warm_up(engine: AsyncEngine) -> WarmUp | None:
         except LmiServeError as exc:  # a shape the engine refuses costs its first request time, not the model
             log.warning("warm-up stopped (%s); the model serves without the rest of it", exc)
     engine.steps = engine.steps_ahead = engine.generated_tokens = 0
-    kernel_compiles.warmed()  # a Triton compilation from here on is a step waiting: logged
     done = WarmUp(lengths, rows, round(time.monotonic() - start, 3))
     log.info(
         "warmed up in %.1f s: prompts of %s tokens, decode steps of %s rows",
