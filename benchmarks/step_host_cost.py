@@ -3,7 +3,7 @@ the whole engine (the scheduler, the runner, the update), so that the Python aro
 
     python benchmarks/step_host_cost.py [--model-id DIR [--load-format dummy]] [--device cpu] [--dtype fp32]
                                         [--rows 1,32,128] [--paths fast,generic] [--steps 100] [--out DIR] [--profile]
-                                        [--no-drain] [--compare-before N --before-scheduler FILE]
+                                        [--no-drain] [--compare-before N --before-scheduler FILE] [--mixed P]
 
 For each path (``fast``: lmiserve's forward; ``generic``: transformers' forward over the blocks) and each
 row count, an engine (`create_engine`) runs that many greedy requests at once; once they all decode, each
@@ -28,6 +28,12 @@ step's spans are timed with `time.perf_counter` by wrapping the engine's own fun
   ``deliver``): the streams' consumers and asyncio;
 - ``loop``: the rest of the step's period (from one step's start to the next's, less the above): the
   engine loop's own code and the time the torch thread waits for the GIL or a core.
+
+``--mixed P`` adds, at each row count, a run where prompts of P tokens keep joining the rows (one at a
+time, each ending at its first token): its figures are those of the steps that carry the rows and a
+prompt, with ``mixed_over_decode``, their period over the same run's decode-only steps'. On CUDA such a
+step runs eagerly (the decode graphs take decode rows alone): the ratio is what a prompt joining costs the
+streams it joins, the 32-stream level's ITL p99 of the GPU checks.
 
 The host's share is the period less ``model``. Each span's CPU time on the thread that runs it
 (`time.thread_time`) is reported too: on a busy machine the wall times carry other processes' turns,
@@ -170,16 +176,23 @@ async def measure(
     profile_dir: Path | None,
     drain: bool = True,
     before: bool = False,
+    mixed: int = 0,
 ) -> dict:
     """One engine at `rows` decode rows: the mean spans of `steps` decode steps after `warmup` ones (the
-    slowest and the fastest tenth left out)."""
+    slowest and the fastest tenth left out). `mixed` > 0: the same rows while prompts of that many tokens
+    keep joining (one at a time, each ending at its first token): the spans of the steps that carry the
+    rows and a prompt (on CUDA these run eagerly, the decode-only steps replay a graph), and the mean
+    decode-only step of the same run (`decode_period_ms`) for the ratio."""
     from lmiserve.core.request import GenerationRequest, SamplingParams
     from lmiserve.engine.core.async_engine import EngineConfig
     from lmiserve.engine.factory import create_engine
 
     # the serial loop (its spans are what is timed; benchmarks/overlap_scheduling.py times the overlapped one)
     config = EngineConfig(
-        max_running=rows, max_prefill_tokens=max(64, 16 * rows), fast_path=path == "fast", async_scheduling=False
+        max_running=rows + (1 if mixed else 0),
+        max_prefill_tokens=max(64, 16 * rows, mixed),
+        fast_path=path == "fast",
+        async_scheduling=False,
     )
     engine = create_engine(loaded, config)
     if before:  # as before issue #39's host fixes: transformers' decode (engine/text/tokenizer.py) and the
@@ -189,8 +202,9 @@ async def measure(
             engine.scheduler._schedule_running = lambda plan, ahead=False: before(plan)  # type: ignore[method-assign]
     spans = Spans()
     instrument(engine, spans)
-    periods: list[dict[str, float]] = []
-    state: dict[str, Any] = {"decode_steps": 0, "start": 0.0, "cpu": 0.0, "raw": {}, "counted": False}
+    periods: dict[str, list[dict[str, float]]] = {"decode": [], "mixed": []}
+    counts = {"decode": 0, "mixed": 0}  # steps of each kind so far
+    state: dict[str, Any] = {"start": 0.0, "cpu": 0.0, "raw": {}, "counted": None}
     cprofiles = {"torch thread": cProfile.Profile(), "plan": cProfile.Profile()} if profile_dir else {}
     torch_prof = None
     total = warmup + steps
@@ -198,22 +212,25 @@ async def measure(
     original_step, original_schedule, original_execute = engine._step, engine.scheduler.schedule, engine._execute
     # (with `profile_dir` the spans are not the figures: cProfile slows the Python it watches)
 
+    measured = "mixed" if mixed else "decode"  # the kind of step the figures are of
+
     def schedule(now: float, ahead: bool = False) -> Any:
-        profiling = state["decode_steps"] >= warmup and cprofiles
+        profiling = counts[measured] >= warmup and cprofiles
         if profiling:
             cprofiles["plan"].enable()
         plan, events = original_schedule(now, ahead=ahead)
         if profiling:
             cprofiles["plan"].disable()
         state["handed"] = time.perf_counter()  # the step goes to the torch thread
-        state["decoding"] = len(plan.decode) == rows and not plan.prefill
+        full = len(plan.decode) == rows
+        state["kind"] = ("mixed" if plan.prefill else "decode") if full else None
         return plan, events
 
     def execute(plan: Any) -> Any:
         nonlocal torch_prof
         arrived = time.perf_counter()
         state["raw"]["hop"] = state["raw"].get("hop", 0.0) + arrived - state.pop("handed", arrived)
-        profiling = state.get("decoding") and state["decode_steps"] >= warmup and cprofiles
+        profiling = state.get("kind") == measured and counts[measured] >= warmup and cprofiles
         if profiling and torch_prof is None and profile_dir is not None:  # on the torch thread: its ops
             import torch
 
@@ -231,16 +248,17 @@ async def measure(
             if profiling:
                 cprofiles["torch thread"].disable()
             state["returned"] = time.perf_counter()
-            if spans.torch_profiling and state["decode_steps"] >= warmup + 10 and torch_prof is not None:
+            if spans.torch_profiling and counts[measured] >= warmup + 10 and torch_prof is not None:
                 spans.torch_profiling = False
                 torch_prof.__exit__(None, None, None)
                 assert profile_dir is not None
                 averages = torch_prof.key_averages()
-                (profile_dir / f"torch-{path}-{rows}.txt").write_text(
+                slug = f"{path}-{rows}" + ("-mixed" if mixed else "")
+                (profile_dir / f"torch-{slug}.txt").write_text(
                     averages.table(sort_by="self_cpu_time_total", row_limit=40)
                 )
                 if loaded.device.type == "cuda":
-                    (profile_dir / f"torch-{path}-{rows}-cuda.txt").write_text(
+                    (profile_dir / f"torch-{slug}-cuda.txt").write_text(
                         averages.table(sort_by="self_cuda_time_total", row_limit=40)
                     )
 
@@ -255,27 +273,32 @@ async def measure(
 
     async def step() -> None:
         now, cpu = time.perf_counter(), time.thread_time()
-        if state["counted"]:
+        if state["counted"] is not None:
             period, raw = now - state["start"], state["raw"]
             # the event loop thread's CPU time of the step, less its spans: the streams' consumers, asyncio
             other = cpu - state["cpu"] - raw.get("cpu plan", 0.0) - raw.get("cpu deliver", 0.0)
-            periods.append(
+            periods[state["counted"]].append(
                 breakdown(raw, period) | breakdown(raw, period, "cpu ") | {"period": period, "cpu event loop": other}
             )
         state["cpu"] = cpu
-        counted = warmup <= state["decode_steps"] < total
-        state["start"], state["raw"], state["counted"] = now, {}, False
+        state["start"], state["raw"], state["counted"], state["kind"] = now, {}, None, None
         spans.current = state["raw"]
         await original_step()
-        if state.get("decoding"):
-            state["counted"] = counted
-            state["decode_steps"] += 1
+        kind = state["kind"]
+        if kind is not None:
+            if warmup <= counts[kind] < total:
+                state["counted"] = kind
+            counts[kind] += 1
 
     engine._step = step  # type: ignore[method-assign]
 
+    done = asyncio.Event()
+
     async def consume(i: int) -> int:
         prompt = PROMPTS[i % len(PROMPTS)] + ("" if i < len(PROMPTS) else f" ({i})")
-        request = GenerationRequest(prompt, SamplingParams(max_new_tokens=total + 40, ignore_eos_token=True))
+        # with prompts joining, about half the steps carry one: enough tokens for both kinds' counts
+        tokens = min((4 if mixed else 1) * total + 40, engine.codec.max_context - 32)
+        request = GenerationRequest(prompt, SamplingParams(max_new_tokens=tokens, ignore_eos_token=True))
         if drain:
             return len([e async for e in engine.generate(request) if e.token is not None])
         handle = engine.submit(request)  # nobody reads its queue until it ends
@@ -283,10 +306,29 @@ async def measure(
             await asyncio.sleep(0.05)
         return handle.queue.qsize()
 
+    async def join() -> None:
+        """Prompts of `mixed` tokens, one after the other (each its own salt: no cached prefix), until the
+        rows end: each ends at its first token, so the steps it is in carry the rows and its prompt."""
+        words = [i for i in engine.codec.tokenizer.encode(" ".join(PROMPTS)) if i not in engine.codec.special_token_ids]
+        number = 0
+        while not done.is_set():
+            number += 1
+            ids = [words[(5 * i + number) % len(words)] for i in range(mixed)]
+            params = SamplingParams(max_new_tokens=1, ignore_eos_token=True)
+            request = GenerationRequest("", params, prompt_ids=ids, cache_salt=f"step-host-cost-{number}")
+            async for _ in engine.generate(request):
+                pass
+
+    async def rows_then_done() -> list[int]:
+        try:
+            return await asyncio.gather(*(consume(i) for i in range(rows)))
+        finally:
+            done.set()
+
     engine.start()
     started = time.perf_counter()
     try:
-        await asyncio.gather(*(consume(i) for i in range(rows)))
+        await asyncio.gather(rows_then_done(), *([join()] if mixed else []))
     finally:
         await engine.stop()
     wall = time.perf_counter() - started
@@ -296,15 +338,32 @@ async def measure(
             stats = pstats.Stats(prof, stream=text)
             stats.sort_stats("tottime").print_stats(30)
             stats.sort_stats("cumulative").print_stats(30)
-            slug = name.replace(" ", "-")
+            slug = name.replace(" ", "-") + ("-mixed" if mixed else "")
             (profile_dir / f"cprofile-{path}-{rows}-{slug}.txt").write_text(text.getvalue())
-    counted = sorted(periods[:steps], key=lambda p: p["period"])
-    trim = len(counted) // 10  # the slowest and fastest tenth of the steps dropped: a busy machine's outliers
-    kept = counted[trim : len(counted) - trim] or counted
-    mean = {k: statistics.fmean(p[k] for p in kept) for k in kept[0]}
+
+    def trimmed(kind: str) -> tuple[list[dict[str, float]], dict[str, float]]:
+        """The counted steps of `kind` by period, and the means of their middle 80 %."""
+        counted = sorted(periods[kind][:steps], key=lambda p: p["period"])
+        trim = len(counted) // 10  # the slowest and fastest tenth of the steps dropped: a busy machine's outliers
+        kept = counted[trim : len(counted) - trim] or counted
+        return counted, {k: statistics.fmean(p[k] for p in kept) for k in kept[0]}
+
+    counted, mean = trimmed(measured)
     host = mean["period"] - mean["model"]
-    return {
-        "path": path + ("" if drain else ", no drain") + (", before" if before else ""),
+    extra: dict[str, Any] = {}
+    if mixed:
+        extra = {"prompt_tokens": mixed}
+        if periods["decode"]:
+            decode = trimmed("decode")[1]["period"]
+            extra |= {
+                "decode_period_ms": round(decode * 1e3, 4),
+                "mixed_over_decode": round(mean["period"] / decode, 3),
+            }
+    return extra | {
+        "path": path
+        + ("" if drain else ", no drain")
+        + (", before" if before else "")
+        + (f", mixed {mixed}" if mixed else ""),
         "rows": rows,
         "steps": len(counted),
         "ms": {k: round(v * 1e3, 4) for k, v in mean.items() if not k.startswith("cpu ")},
@@ -367,6 +426,13 @@ def main() -> None:
         type=Path,
         help="an earlier engine/core/block_scheduler.py (git show REF:PATH > FILE): its planning in the before runs",
     )
+    parser.add_argument(
+        "--mixed",
+        type=int,
+        default=0,
+        metavar="P",
+        help="also each row count with prompts of P tokens joining: the steps that carry one (eager on CUDA)",
+    )
     parser.add_argument("--profile", action="store_true", help="cProfile and torch profiler of the largest row count")
     parser.add_argument("--out", type=Path, help="a directory for summary.json, summary.md and the profiles")
     args = parser.parse_args()
@@ -403,6 +469,8 @@ def main() -> None:
         for path in args.paths.split(","):
             for rows in rows_list:
                 run(path, rows)
+                if args.mixed:
+                    run(path, rows, mixed=args.mixed)
             for _ in range(args.compare_before):  # after and before in turns, so drift hits both alike
                 run(path, max(rows_list), before=True)
                 run(path, max(rows_list))
@@ -410,6 +478,12 @@ def main() -> None:
                 run(path, max(rows_list), drain=False)
             if args.profile and args.out is not None:  # a run of its own: the profilers slow what they watch
                 asyncio.run(measure(loaded, path, max(rows_list), min(args.steps, 20), args.warmup, args.out))
+                if args.mixed:  # and one of the steps that carry a prompt (torch-<path>-<rows>-mixed*.txt)
+                    asyncio.run(
+                        measure(
+                            loaded, path, max(rows_list), min(args.steps, 20), args.warmup, args.out, mixed=args.mixed
+                        )
+                    )
     from machine import cpu_model
 
     cpu = cpu_model()

@@ -98,7 +98,10 @@ def test_issue_39_entries_are_filled(rehearsal):
     assert {"bf16", "fp8-channel", "fp8-tensor", "fp8-dynamic", "awq", "gptq"} <= set(quality)
     assert all(r["perplexity"] > 1 for r in quality.values())
     profile = summary["step_profile"]
-    assert [r["rows"] for r in profile] == [1, 4] and all(r["ms"]["model"] > 0 for r in profile)
+    assert [r["rows"] for r in profile] == [1, 1, 4, 4] and all(r["ms"]["model"] > 0 for r in profile)
+    # each row count's steps with a prompt joining, against its decode-only steps
+    assert [r["path"] for r in profile] == ["fast", "fast, mixed 32"] * 2
+    assert all(r["mixed_over_decode"] > 0 for r in profile[1::2])
     kv = {r["kv_cache_dtype"]: r for r in summary["fp8_kv"]["results"]}
     assert set(kv) == {"auto", "fp8_e4m3", "fp8_e5m2"}
     assert kv["fp8_e4m3"]["pool_blocks"] == 2 * kv["auto"]["pool_blocks"]  # bf16 -> fp8 doubles the pool
