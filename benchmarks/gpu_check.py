@@ -399,6 +399,8 @@ def bench_summary(bench_dir: Path) -> dict[str, Any] | None:
                 "itl_ms_p50": level["itl_ms"]["p50"],
                 "itl_ms_p99": level["itl_ms"]["p99"],
                 "itl_ms_max": level["itl_ms"].get("max"),
+                # the server's steps with prompt tokens (eager) against decode-only ones (graphs): bench/steps.py
+                "engine_steps": level.get("engine_steps"),
                 "failed": level["failed_requests"],
                 "wrong_token_counts": level["token_count_errors"],
                 "client_processes": level.get("client_processes"),
@@ -551,10 +553,17 @@ def markdown(summary: dict[str, Any]) -> str:
             f"{lv['concurrency']}: {lv.get('ttft_ms_p99')} / {lv.get('ttft_ms_max')} / {lv.get('itl_ms_max')}"
             for lv in bench["levels"]
         )
+        steps = "; ".join(
+            f"{lv['concurrency']}: {s['prefill_share']:.0%}, {s['prefill_step_ms']} / {s['decode_step_ms']} ms"
+            for lv in bench["levels"]
+            if (s := lv.get("engine_steps"))
+        )
         lines += [
             "",
             f"Triton compilations after the warm-up (server.log): {bench.get('compiles_after_warmup')}. "
-            f"TTFT p99 / TTFT max / ITL max ms, by concurrency: {worst}.",
+            f"TTFT p99 / TTFT max / ITL max ms, by concurrency: {worst}. "
+            f"The server's steps with prompt tokens (eager), their share and mean against the decode-only "
+            f"steps' (graphs), by concurrency: {steps or '-'}.",
         ]
     headings = {
         "decode paths 1b": "## Decode paths, 1B shape (bf16, 64 greedy tokens)",

@@ -14,6 +14,7 @@ from lmiserve.bench.config import BenchConfig
 from lmiserve.bench.conversations import chat_level_summary
 from lmiserve.bench.server import RssSampler
 from lmiserve.bench.stats import level_summary
+from lmiserve.bench.steps import level_steps, read_steps
 from lmiserve.bench.structured import compare_levels
 from lmiserve.bench.targets import Target
 from lmiserve.bench.vision import PROBE_NUMBER, VisionRequest, level_numbers, prepare_images
@@ -58,12 +59,19 @@ def _report(log: Log, level: Json, run: ClientRun, processes: int, head: str) ->
 def _measure_level(dialect: Dialect, concurrency: int, config: BenchConfig, log: Log, label: str) -> Json:
     processes = _processes(config, concurrency)
     limits = {"requests_per_client": config.requests_per_client, **_timing(config)}
+    before = read_steps(dialect)
     run = run_clients(run_level, processes, dialect, concurrency, config.max_new_tokens, **limits)
     level = level_summary(concurrency, run.records, run.elapsed)
+    level["engine_steps"] = steps = level_steps(before, read_steps(dialect))
     head = (
         f"  concurrency {concurrency:>3}{label}: {level['output_tokens_per_s']} tokens/s, "
         f"TTFT p50 {level['ttft_ms']['p50']} ms, ITL p50/p99 {level['itl_ms']['p50']}/{level['itl_ms']['p99']} ms, "
     )
+    if steps is not None:  # the server's steps that carried prompt tokens (eager on a GPU: bench/steps.py)
+        head += (
+            f"steps with prompts {steps['prefill_share']:.0%} ({steps['prefill_step_ms']} ms, decode-only "
+            f"{steps['decode_step_ms']} ms), "
+        )
     _report(log, level, run, processes, head)
     return level
 

@@ -382,6 +382,13 @@ def test_bench_url_mode_without_baselines(lmi_url, long_model_dir, tmp_path):
     # the clients' CPU (both processes') and the busier process's share of a core: its CPU over the same
     # time (a level of 0.2 s once showed 1.04, the clients' set-up's CPU over the level's window alone)
     assert level["client_cpu_s"] > 0 and 0 < level["client_busy"] <= 1.0
+    # the server's own steps over the level (its /metrics): each request's prompt joined one step or more
+    # (in chunks while the other client's request decodes; two prompts may share one), each of its 3 later tokens took a decode step
+    # (shared by the two clients' requests where they overlapped)
+    steps = level["engine_steps"]
+    assert steps["prefill_steps"] >= 3 and 3 <= steps["decode_steps"] <= 18  # a client's 3 in turn
+    assert 0 < steps["prefill_share"] < 1 and steps["prefill_step_ms"] > 0 and steps["decode_step_ms"] > 0
+    assert "steps with prompts" in result.stderr + result.stdout
     assert report["servers"][0]["ratios"][0]["server_over_forward"] is None
     assert (out / "bench.png").stat().st_size > 0
 
@@ -421,6 +428,7 @@ def test_bench_url_mode_against_a_server_with_an_api_key(guarded_url, long_model
     (server,) = report["servers"]
     (level,), (chat,) = server["levels"], server["chat_levels"]
     assert level["failed_requests"] == chat["failed_requests"] == 0
+    assert level["engine_steps"]["decode_steps"] > 0  # /metrics read with the key too
     assert level["tokens_received"] == level["tokens_expected"] and chat["tokens_received"] == chat["tokens_expected"]
     assert report["memory"]["soak"]["requests"] == 3 and report["memory"]["soak"]["failed_requests"] == 0
 

@@ -67,6 +67,11 @@ def test_the_benches_report_every_level_against_generate(rehearsal):
             assert level["server_over_generate"] is not None
             # the clients split over processes (2 in the rehearsal; 4 on the GPU), one a stream at most
             assert level["client_processes"] == min(2, level["concurrency"]) and level["client_busy"] > 0
+            # the server's steps over the level, from its /metrics (with prompts: eager on a GPU)
+            steps = level["engine_steps"]
+            assert steps["prefill_steps"] > 0 and steps["decode_steps"] > 0 and steps["decode_step_ms"] > 0
+        # Triton compiles nothing here (its interpreter): the count is read from the server's log all the same
+        assert summary[f"bench_{shape}"]["compiles_after_warmup"] == 0
 
 
 def test_issue_39_entries_are_filled(rehearsal):
