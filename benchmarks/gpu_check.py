@@ -50,11 +50,13 @@ dependencies can come as wheels; see benchmarks/README.md, "The GPU check"). It 
    one's tokens/s over static ``generate()`` at the level's batch, measured after the servers stop).
 
 The steps run in the order of issue 39's targets: the tests, the benches (1B, then 8B at one stream), the
-engine in its own process, fp8 weights, the decode paths, overlap scheduling, the step profile, the fp8 KV
-cache, the decode paths with LoRA adapters, tensor parallelism.
+engine in its own process, steps with prompt tokens in the decode graphs against eager (``graph_prompts``:
+``lmiserve bench --ab-option cuda_graph_prompt_tokens=64`` at 32 and 128 streams), fp8 weights, the decode
+paths, overlap scheduling, the step profile, the fp8 KV cache, the decode paths with LoRA adapters, tensor
+parallelism.
 Every step has a time limit inside ``--budget`` (default 450 s); a step that fails or runs out is
 recorded as such and the next one runs. ``--steps`` runs some of them (`STEP_KEYS`: tests, bench-1b,
-bench-8b, engine-process, quantized, decode-paths, overlap, step-profile, fp8-kv, lora-paths,
+bench-8b, engine-process, graph-prompts, quantized, decode-paths, overlap, step-profile, fp8-kv, lora-paths,
 tensor-parallel), so a
 session can spend its minutes on what an earlier check left unmeasured. ``summary.json`` and ``summary.md``
 are written however the check ends (its last step timed out, SIGINT or SIGTERM from a device call's
@@ -130,6 +132,7 @@ STEP_KEYS = (
     "bench-1b",
     "bench-8b",
     "engine-process",
+    "graph-prompts",
     "quantized",
     "decode-paths",
     "overlap",
@@ -420,6 +423,35 @@ def bench_summary(bench_dir: Path) -> dict[str, Any] | None:
     }
 
 
+def ab_summary(bench_dir: Path) -> list[dict[str, Any]] | None:
+    """Each level of a `lmiserve bench --ab-option` run: both servers' tokens/s, their ratio (B over A),
+    TTFT and ITL p50/p99, and each server's own steps (``engine_steps``: the share with prompt tokens and
+    the two kinds' means)."""
+    path = bench_dir / "bench.json"
+    if not path.exists():
+        return None
+    servers = json.loads(path.read_text()).get("servers") or []
+    if len(servers) < 2:
+        return None
+    out = []
+    for a, b in zip(servers[0]["levels"], servers[1]["levels"], strict=False):
+
+        def figures(level: dict[str, Any]) -> dict[str, Any]:
+            return {
+                "tokens_per_s": level["output_tokens_per_s"],
+                "ttft_ms": {k: level["ttft_ms"].get(k) for k in ("p50", "p99")},
+                "itl_ms": {k: level["itl_ms"].get(k) for k in ("p50", "p99")},
+                "failed": level["failed_requests"],
+                "wrong_token_counts": level["token_count_errors"],
+                "engine_steps": level.get("engine_steps"),
+            }
+
+        a_rate, b_rate = a["output_tokens_per_s"], b["output_tokens_per_s"]
+        ratio = round(b_rate / a_rate, 3) if a_rate else None
+        out.append({"concurrency": a["concurrency"], "a": figures(a), "b": figures(b), "b_over_a": ratio})
+    return out
+
+
 def compiles_after_warmup(server_log: Path) -> int | None:
     """The Triton compilations a server logged after its warm-up (engine/kernel_compiles.py: each one a step
     that waited for it, a TTFT or an inter-token gap of a few hundred ms); None without its log."""
@@ -613,6 +645,7 @@ def markdown(summary: dict[str, Any]) -> str:
             lines.append(_row([level, *rates, *cells]))
     lines += _quantized_lines(summary.get("quantized") or {}) + _fp8_kv_lines(summary.get("fp8_kv") or {})
     lines += _step_profile_lines(summary.get("step_profile") or [])
+    lines += _graph_prompts_lines(summary.get("graph_prompts") or [])
     return "\n".join(lines) + "\n"
 
 
@@ -672,6 +705,34 @@ KERNEL_KINDS = (
     "fp8_gemm_tensorwise",
     "int4_triton",
 )
+
+
+def _graph_prompts_lines(levels: list[dict[str, Any]]) -> list[str]:
+    """summary.md's table of the `graph_prompts` entry: steps with prompt tokens eager (A, the default) or
+    replaying the decode graphs (B, cuda_graph_prompt_tokens=64)."""
+    if not levels:
+        return []
+    lines = [
+        "",
+        "## Steps with prompt tokens: eager (A) or in the decode graphs (B, cuda_graph_prompt_tokens=64), 1B shape",
+        "",
+        "| streams | A tok/s | B tok/s | B over A | TTFT p50/p99 A | B | ITL p50/p99 A | B | prompt steps A | B |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def latency(x: dict[str, Any], key: str) -> str:
+        return f"{x[key]['p50']} / {x[key]['p99']}"
+
+    def steps(x: dict[str, Any]) -> str:
+        s = x.get("engine_steps")
+        return f"{s['prefill_share']:.0%}, {s['prefill_step_ms']} / {s['decode_step_ms']} ms" if s else "-"
+
+    for lv in levels:
+        a, b = lv["a"], lv["b"]
+        cells = [lv["concurrency"], a["tokens_per_s"], b["tokens_per_s"], lv["b_over_a"]]
+        cells += [latency(a, "ttft_ms"), latency(b, "ttft_ms"), latency(a, "itl_ms"), latency(b, "itl_ms")]
+        lines.append(_row([*cells, steps(a), steps(b)]))
+    return lines
 
 
 def _step_profile_lines(results: list[dict[str, Any]]) -> list[str]:
@@ -863,6 +924,22 @@ def main(argv: list[str] | None = None) -> int:
         step = run_step("engine process 1b", command, out / "engine-process-1b.log", min(200.0, left() - 60), env)
         if report.exists():
             summary["engine_process"] = json.loads(report.read_text())["summary"]
+        summary["steps"].append(step)
+
+    # 4c. steps with prompt tokens replaying the decode graphs (cuda_graph_prompt_tokens=64) against those steps
+    # run eagerly (the default): the 1B shape at 32 and 128 streams, two servers (each 0.44 of the GPU) in turns
+    # (lmiserve bench --ab-option), each level's tokens/s, latencies and the servers' own steps (bench/steps.py)
+    if ready("graph-prompts", "graph prompts 1b", 120):
+        prompts_dir = out / "graph-prompts-1b"
+        command = [
+            sys.executable, "-m", "lmiserve", "bench", "--model-id", str(model("1b")),
+            "-o", "load_format=dummy", "-o", "max_rolling_batch_size=128", "--device", scale.device, "--dtype", "bf16",
+            "--concurrency", scale.pick("32,128", "4"), "--max-new-tokens", scale.pick("128", "8"),
+            "--requests-per-client", "2", "--client-processes", scale.pick("4", "2"), "--skip-baselines",
+            "--ab-option", "cuda_graph_prompt_tokens=64", "--output-dir", str(prompts_dir),
+        ]  # fmt: skip
+        step = run_step("graph prompts 1b", command, out / "graph-prompts-1b.log", min(180.0, left() - 30), env)
+        summary["graph_prompts"] = ab_summary(prompts_dir)
         summary["steps"].append(step)
 
     # 5. quantized weights (issue 39 item 2): fp8 weights (quantize=fp8 of the dummy bf16 weights, Fp8Linear's

@@ -57,6 +57,7 @@ SETTING_FLAGS: tuple[Flag, ...] = (
     Flag(("--max-num-batched-tokens",), "max_num_batched_tokens", "N"),
     Flag(("--enable-prefix-caching",), "enable_prefix_caching"),
     Flag(("--enforce-eager",), "enforce_eager"),
+    Flag(("--cuda-graph-prompt-tokens",), "cuda_graph_prompt_tokens", "N"),
     Flag(("--async-scheduling",), "async_scheduling"),
     Flag(("--stream-interval",), "stream_interval", "N"),
     Flag(("--engine-process",), "engine_process"),

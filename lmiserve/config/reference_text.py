@@ -58,6 +58,7 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "kv_cache_memory_bytes",
             "gpu_memory_utilization",
             "enforce_eager",
+            "cuda_graph_prompt_tokens",
             "async_scheduling",
             "stream_interval",
             "engine_process",

@@ -225,6 +225,19 @@ class EngineFields(FieldGroup):
             "Graphs apply to the fast path over the paged KV cache on one GPU; see docs/engine.md."
         ),
     )
+    cuda_graph_prompt_tokens: int = Field(
+        0,
+        ge=0,
+        le=512,
+        description=(
+            "On CUDA, a step whose prompt chunks hold at most this many tokens (together) replays the decode "
+            "CUDA graphs too, each prompt token one more row (its attention over its own sequence up to its "
+            "position), instead of running eagerly: a request joining a running batch no longer turns the "
+            "batch's step eager, several times slower (more graph sizes are captured at start, up to "
+            "`max_rolling_batch_size` plus this). 0 = off: a step with prompt tokens runs eagerly. Not with "
+            "LoRA adapters in the step. Not yet measured on a GPU; see docs/engine.md."
+        ),
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -311,6 +311,7 @@ def _paged_runner(
             autotune_cache=config.autotune_cache,
             enforce_eager=config.enforce_eager,
             kv_format=kv_format,
+            graph_prompt_tokens=config.graph_prompt_tokens,
         )
     runner_cls = PagedVisionRunner if is_vision_model(loaded.model) else generic.PagedGenericRunner
     return runner_cls(

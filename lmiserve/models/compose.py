@@ -83,6 +83,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         kv_cache_dtype=settings.kv_cache_dtype,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         enforce_eager=settings.enforce_eager,
+        graph_prompt_tokens=settings.cuda_graph_prompt_tokens,
         async_scheduling=settings.async_scheduling,
         speculation=speculation_settings(settings),
         lora=LoraLimits(settings.max_loras, settings.max_lora_rank, settings.max_cpu_loras)

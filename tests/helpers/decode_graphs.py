@@ -31,8 +31,8 @@ def graphs_on_the_test_device(monkeypatch: pytest.MonkeyPatch) -> GraphsMade:
     monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "triton")
     record = GraphsMade()
 
-    def graphs_here(fast, max_rows: int, scratch_block: int) -> DecodeGraphs:  # noqa: ANN001 - FastLlama
-        graphs = DecodeGraphs(fast, max_rows, scratch_block, capture=CAPTURE)
+    def graphs_here(fast, max_rows: int, scratch_block: int, prompt_tokens: int = 0) -> DecodeGraphs:  # noqa: ANN001
+        graphs = DecodeGraphs(fast, max_rows, scratch_block, capture=CAPTURE, prompt_tokens=prompt_tokens)
         original = graphs.run
 
         def run(ids, positions, tables, lora=None, sources=None):  # noqa: ANN001, ANN202 - DecodeGraphs.run's

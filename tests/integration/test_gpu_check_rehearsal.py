@@ -36,6 +36,7 @@ def test_every_step_runs_to_its_end(rehearsal):
         "bench 1b",
         "bench 8b",
         "engine process 1b",
+        "graph prompts 1b",
         "quantized fp8 bench 8b",
         "quantized int4 bench 8b",
         "quantized kernels",
@@ -89,6 +90,10 @@ def test_issue_39_entries_are_filled(rehearsal):
     # issue 39's 128-stream ratio in the same run: each mode over static generate() at the level's batch
     assert engine_process["generate_tokens_per_s"] > 0
     assert all(engine_process[mode]["over_generate"] > 0 for mode in ("in_process", "engine_process"))
+    # steps with prompt tokens in the graphs (B) against eager (A): on a CPU both eager, only the plumbing
+    (prompts,) = summary["graph_prompts"]
+    assert prompts["concurrency"] == 4 and prompts["b_over_a"] > 0
+    assert all(prompts[s]["failed"] == 0 and prompts[s]["engine_steps"]["prefill_steps"] > 0 for s in "ab")
     assert [r["rows"] for r in summary["overlap"]] == [1, 4]
     assert all(r["same_tokens"] for r in summary["overlap"])
     for kind in ("fp8", "int4"):
@@ -121,6 +126,7 @@ def test_summary_md_renders_every_table(rehearsal):
         "## Decode paths, 1B shape",
         "## Decode paths with 4 LoRA adapters",
         "## The engine in its own process, 1B shape",
+        "## Steps with prompt tokens: eager (A) or in the decode graphs (B",
         "## Overlap scheduling, 1B shape",
         "## fp8 weights (quantize=fp8), 8B shape",
         "## Quantized products, one linear",

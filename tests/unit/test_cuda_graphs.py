@@ -135,6 +135,68 @@ def test_a_capture_that_fails_leaves_decode_steps_eager(monkeypatch, caplog):
     assert "capturing a CUDA graph of 1 decode rows failed" in caplog.text
 
 
+@torch.inference_mode()
+def test_a_step_with_prompt_chunks_replays_the_graphs_each_token_a_row(monkeypatch):
+    """`cuda_graph_prompt_tokens`: a step's prompt chunks (up to that many tokens) join its decode rows in
+    the graph, each token a row at its position over its sequence's table (all the step's keys and values
+    written before any row attends): transformers' logits for the kept rows; more tokens run eagerly."""
+    model, fast = _fast(monkeypatch)
+    graphs = fast.graphs = DecodeGraphs(fast, 2, SCRATCH, capture=CAPTURE, prompt_tokens=6)
+    assert graphs.sizes == [1, 2, 4, 8]  # 2 decode rows and 6 prompt rows at most
+    runs, eager = [], []
+    real_run, real_plan = graphs.run, fast.attention.plan
+    monkeypatch.setattr(graphs, "run", lambda *a: runs.append(len(a[0])) or real_run(*a))
+    monkeypatch.setattr(fast.attention, "plan", lambda *a: eager.append(a) or real_plan(*a))
+    a, b = [5, 6, 7, 8, 9, 10], [11, 12, 13, 14]
+    ref_a, ref_b = model(torch.tensor([a])).logits[0], model(torch.tensor([b])).logits[0]
+    # a prompt alone (its last token's logits kept), then a decode row with another prompt joining
+    out = fast.forward(StepInputs(chunks=[([0, 1], 0, a[:5])], keep=[4]))
+    torch.testing.assert_close(out[0], ref_a[4], rtol=1e-4, atol=1e-4)
+    out = fast.forward(
+        StepInputs(
+            decode_ids=[a[5]], decode_positions=[5], decode_tables=[[0, 1]], chunks=[([2, 3], 0, b[:3])], keep=[0, 3]
+        )
+    )
+    torch.testing.assert_close(out, torch.stack([ref_a[5], ref_b[2]]), rtol=1e-4, atol=1e-4)
+    # two chunks at once, one after a prefix: every row kept
+    out = fast.forward(StepInputs(chunks=[([2, 3], 3, [b[3]]), ([4, 5], 0, a[:2])], keep=[0, 1, 2]))
+    torch.testing.assert_close(out, torch.stack([ref_b[3], ref_a[0], ref_a[1]]), rtol=1e-4, atol=1e-4)
+    assert runs == [5, 4, 3] and eager == []
+    fast.forward(StepInputs(chunks=[([6, 7], 0, a)], keep=[5]))  # 6 tokens: still folded
+    fast.forward(StepInputs(decode_ids=[1], decode_positions=[6], decode_tables=[[6, 7]], chunks=[([8, 9], 0, a)]))
+    assert runs == [5, 4, 3, 6, 7] and eager == []
+    fast.forward(StepInputs(chunks=[([10, 11], 0, [*a, 1])], keep=[6]))  # 7 prompt tokens: eager
+    assert runs == [5, 4, 3, 6, 7] and len(eager) == 1
+
+
+def test_the_engine_with_prompt_rows_in_the_graphs_gives_generates_greedy_tokens(tiny_model, monkeypatch):
+    """The engine with `graph_prompt_tokens`: requests joining a running batch (prompt chunks of up to 8
+    tokens) replay the graphs with its decode rows; generate()'s greedy tokens, no step eager."""
+    from lmiserve.engine.attention.backends import TritonBackend
+    from lmiserve.engine.model import fast_llama
+
+    graphs_on_the_test_device(monkeypatch)
+    folded, eager = [], []
+    real_folded, real_plan = fast_llama.FastLlama._folded, TritonBackend.plan
+
+    def counting_folded(self, graphs, step):  # noqa: ANN001, ANN202 - FastLlama._folded's
+        folded.append(len(step.chunks))
+        return real_folded(self, graphs, step)
+
+    def counting_plan(self, seqs, decode_rows, pad):  # noqa: ANN001, ANN202 - the eager forward's plan
+        eager.append(len(seqs))
+        return real_plan(self, seqs, decode_rows, pad)
+
+    monkeypatch.setattr(fast_llama.FastLlama, "_folded", counting_folded)
+    monkeypatch.setattr(TritonBackend, "plan", counting_plan)
+    config = EngineConfig(max_prefill_tokens=8, graph_prompt_tokens=16)
+    engine, results = asyncio.run(serve_prompts(tiny_model, config, 10))
+    assert engine.runner.fast.graphs.prompt_tokens == 16
+    for prompt, events in zip(PROMPTS, results):
+        assert [e.token.id for e in events if e.token] == greedy_tokens(tiny_model, prompt, 10)
+    assert len(folded) >= len(PROMPTS) and eager == []  # every prompt's chunks went through the graphs
+
+
 def test_the_engine_replays_decode_steps_with_generates_greedy_tokens(tiny_model, monkeypatch):
     """Continuous batching with decode steps through the graphs' buffers (captured on CUDA):
     generate()'s greedy tokens; `enforce_eager` leaves them out."""

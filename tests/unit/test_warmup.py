@@ -168,3 +168,29 @@ async def test_after_the_warm_up_no_step_launches_the_attention_kernel_in_a_kind
     assert 2 <= len(warmed) <= 4  # the graphs' decode rows, eager decode tiles, prefill tiles
     assert launches.seen() - warmed == set()
     assert kernel_compiles.after_warm_up() == compiled
+
+
+async def test_with_prompt_rows_in_the_graphs_the_warm_up_captures_the_sizes_past_the_batch_limit(
+    tiny_model, monkeypatch
+):
+    """`graph_prompt_tokens`: the graphs' sizes reach the batch limit plus it; no batch of requests reaches
+    those past the limit, so the warm-up captures them from padding rows (on CUDA; on a CPU nothing is
+    captured) and the engine still serves generate()'s tokens."""
+    from helpers.decode_graphs import CAPTURE, graphs_on_the_test_device
+
+    made = graphs_on_the_test_device(monkeypatch).made
+    engine = create_engine(tiny_model, EngineConfig(max_running=6, warmup=True, graph_prompt_tokens=8))
+    engine.start()
+    try:
+        done = await warm_up(engine)
+        graphs = made[-1]
+        assert graphs.sizes == [1, 2, 4, 8, 16] and done is not None and done.decode_rows == (1, 2, 4, 6)
+        assert done.graph_sizes == ((16,) if CAPTURE else ())
+        if CAPTURE:
+            assert set(graphs._graphs) == set(graphs.sizes)
+        prompt = "The quick brown fox"
+        ids = list(tiny_model.tokenizer(prompt)["input_ids"])
+        events = [e async for e in engine.generate(GenerationRequest(prompt, SamplingParams(max_new_tokens=8)))]
+        assert [e.token.id for e in events if e.token is not None] == greedy_reference(tiny_model)(ids, 8)
+    finally:
+        await engine.stop()

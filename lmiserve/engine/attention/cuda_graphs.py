@@ -80,12 +80,22 @@ class _Captured(NamedTuple):
 class DecodeGraphs:
     """The captured decode graphs of one `FastLlama` (over a paged cache, Triton attention)."""
 
-    def __init__(self, fast: FastLlama, max_rows: int, scratch_block: int, capture: bool | None = None) -> None:
-        """`scratch_block`: a block of the cache no sequence holds, where padding rows write."""
+    def __init__(
+        self,
+        fast: FastLlama,
+        max_rows: int,
+        scratch_block: int,
+        capture: bool | None = None,
+        prompt_tokens: int = 0,
+    ) -> None:
+        """`scratch_block`: a block of the cache no sequence holds, where padding rows write; `prompt_tokens`:
+        a step's prompt chunks of up to this many tokens join its decode rows as rows of the graph
+        (`folds`), so the sizes go up to `max_rows` plus it."""
         if not fast.triton or fast.tp is not None:
             raise ValueError("decode graphs need the Triton attention and the whole model on one device")
         self.fast = fast
-        self.sizes = capture_sizes(max_rows)
+        self.prompt_tokens = max(0, prompt_tokens)
+        self.sizes = capture_sizes(max_rows + self.prompt_tokens)
         self.capture = fast.device.type == "cuda" if capture is None else capture
         cache = fast.cache
         if not isinstance(cache, PagedKVCache):
@@ -135,6 +145,32 @@ class DecodeGraphs:
         if lora is not None and (self.lora is None or len(lora.adapters) > self.lora.slots):
             return False
         return not self.failed and 0 < rows <= self.sizes[-1]
+
+    def folds(self, decode_rows: int, chunks: Sequence[tuple[Any, int, Sequence[int]]], lora: Any = None) -> bool:
+        """Whether a step of `decode_rows` decode rows and these prompt `chunks` (``(table, start, tokens)``)
+        replays a graph, each chunk token a row (`FastLlama.forward`): their tokens at most `prompt_tokens`,
+        no adapters, and the rows within the largest size."""
+        tokens = sum(len(chunk) for _, _, chunk in chunks)
+        return 0 < tokens <= self.prompt_tokens and lora is None and self.covers(decode_rows + tokens)
+
+    def capture_all(self) -> list[int]:
+        """Capture every size not captured yet (the warm-up's last part, engine/core/warmup.py: the sizes past
+        the batch limit, which only steps with prompt rows reach), each from padding rows alone; the sizes
+        captured now. On a CPU (no capture) or once a capture failed: none."""
+        done = []
+        for size in self.sizes:
+            if size in self._graphs or not self.capture or self.failed:
+                continue
+            # one row on the scratch block (token 0 at position 0, as a padding row), the rest padding
+            self._fill([0], [0], [[self.scratch_block]], size)
+            try:
+                self._capture(size)
+            except Exception:  # noqa: BLE001 - as in `run`: a capture problem costs speed, not serving
+                log.exception("capturing a CUDA graph of %d rows failed; decode steps run eagerly", size)
+                self.failed = True
+                break
+            done.append(size)
+        return done
 
     def size_for(self, rows: int) -> int:
         return next(s for s in self.sizes if s >= rows)
@@ -305,7 +341,7 @@ def wanted(device: torch.device, enforce_eager: bool) -> bool:
     return device.type == "cuda" and not enforce_eager
 
 
-def for_model(fast: FastLlama, max_rows: int, scratch_block: int) -> DecodeGraphs | None:
+def for_model(fast: FastLlama, max_rows: int, scratch_block: int, prompt_tokens: int = 0) -> DecodeGraphs | None:
     """The decode graphs for `fast` (on CUDA, not `enforce_eager`: `wanted`) where they apply (a paged cache
     read by the Triton kernel, the whole model on one device), else None, with the reason logged."""
     if not fast.triton:
@@ -314,4 +350,4 @@ def for_model(fast: FastLlama, max_rows: int, scratch_block: int) -> DecodeGraph
     if fast.tp is not None:
         log.info("CUDA graphs: off with tensor parallelism")
         return None
-    return DecodeGraphs(fast, max_rows, scratch_block)
+    return DecodeGraphs(fast, max_rows, scratch_block, prompt_tokens=prompt_tokens)

@@ -41,6 +41,9 @@ class EngineConfig:
     # before serving, run each prompt and decode shape once (engine/core/warmup.py); None = by device (on CUDA)
     warmup: bool | None = None
     enforce_eager: bool = False  # on CUDA: no decode steps replayed as CUDA graphs (engine/attention/cuda_graphs.py)
+    # on CUDA: a step's prompt chunks of up to this many tokens (together) replay the decode graphs too, each
+    # token a row (engine/attention/cuda_graphs.py); 0: a step with a prompt chunk runs eagerly
+    graph_prompt_tokens: int = 0
     stream_interval: int = 1  # a sequence's tokens delivered N at a time, its first at once (handles.py)
     speculation: SpeculationSettings | None = None  # speculative decoding (engine/speculative/proposers.py)
     lora: LoraLimits | None = None  # LoRA adapters (engine/lora/registry.py; None: none served)

@@ -15,7 +15,9 @@ those (not yet confirmed on a GPU). So, once the engine runs and before the mode
    prompt budget's chunks) and a decode step;
 2. for each decode row count the runner distinguishes (`AsyncEngine.warmup_rows`: every CUDA graph size up
    to `max_rolling_batch_size`, set by engine/factory.py), that many requests at once, whose decode steps
-   run that many rows (so each graph is captured now).
+   run that many rows (so each graph is captured now);
+3. with `cuda_graph_prompt_tokens` (steps with prompt rows replay the graphs too), the graph sizes past the
+   batch limit, which only such steps reach, captured from padding rows (`DecodeGraphs.capture_all`).
 
 The launches of a step keep the kinds the warm-up ran (engine/attention/triton_ops.py); a Triton
 compilation after it is logged as a warning (engine/kernel_compiles.py).
@@ -53,6 +55,7 @@ class WarmUp:
     prompt_lengths: tuple[int, ...]
     decode_rows: tuple[int, ...]
     seconds: float
+    graph_sizes: tuple[int, ...] = ()  # graphs captured past the batch limit, for steps with prompt rows
 
 
 async def warm_up(engine: AsyncEngine) -> WarmUp | None:
@@ -90,13 +93,20 @@ async def warm_up(engine: AsyncEngine) -> WarmUp | None:
                 await run(2, size)
         except LmiServeError as exc:  # a shape the engine refuses costs its first request time, not the model
             log.warning("warm-up stopped (%s); the model serves without the rest of it", exc)
+        # the graph sizes past the batch limit (`cuda_graph_prompt_tokens`: decode rows and prompt rows
+        # together), which no batch of requests reaches alone: captured from padding rows, on the model's thread
+        graphs = getattr(getattr(engine.runner, "fast", None), "graphs", None)
+        extra: list[int] = []
+        if graphs is not None and graphs.prompt_tokens:
+            extra = await engine.thread.run(graphs.capture_all)
     engine.steps = engine.steps_ahead = engine.generated_tokens = 0
-    done = WarmUp(lengths, rows, round(time.monotonic() - start, 3))
+    done = WarmUp(lengths, rows, round(time.monotonic() - start, 3), tuple(extra))
     log.info(
-        "warmed up in %.1f s: prompts of %s tokens, decode steps of %s rows",
+        "warmed up in %.1f s: prompts of %s tokens, decode steps of %s rows%s",
         done.seconds,
         ", ".join(map(str, lengths)),
         ", ".join(map(str, rows)),
+        f", graphs of {', '.join(map(str, extra))} rows for steps with prompt rows" if extra else "",
     )
     return done
 

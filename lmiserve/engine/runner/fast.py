@@ -52,12 +52,14 @@ class PagedFastRunner(PersistentBatchRunner):
         autotune_cache: str | None = None,
         enforce_eager: bool = False,
         kv_format: KvFormat | None = None,
+        graph_prompt_tokens: int = 0,
     ) -> None:
         """`max_slots`: the most rows a step runs; `autotune`: time the CPU kernel choices at start-up (or
         read them from `autotune_cache`, engine/model/autotune.py), otherwise the static defaults;
         `enforce_eager`: no CUDA graphs for decode steps (engine/attention/cuda_graphs.py; on CUDA they are the
         default where they apply); `kv_format`: how the pool stores keys and values (default the model's
-        dtype; `kv_cache_dtype=fp8`, engine/attention/kv_quant.py)."""
+        dtype; `kv_cache_dtype=fp8`, engine/attention/kv_quant.py); `graph_prompt_tokens`: a step's prompt
+        chunks of up to this many tokens replay the decode graphs too (their sizes reach `max_slots` plus it)."""
         graphs = cuda_graphs.wanted(model.device, enforce_eager)
         # with decode graphs, one block past the pool's: where their padding rows write (no sequence holds it)
         kv = paged_cache(model, num_blocks + int(graphs), block_size, kv_format)
@@ -68,7 +70,7 @@ class PagedFastRunner(PersistentBatchRunner):
             log.info("CPU kernels (%.1f s): %s", time.monotonic() - start, self.kernels.describe())
         else:
             self.kernels = kernel_autotune.KernelChoice(self.fast.gemm, self.fast.compiled_attention, "static")
-        self.graphs = cuda_graphs.for_model(self.fast, max_slots, num_blocks) if graphs else None
+        self.graphs = cuda_graphs.for_model(self.fast, max_slots, num_blocks, graph_prompt_tokens) if graphs else None
         self.fast.graphs = self.graphs
         super().__init__(model, eos_token_ids, kv, num_blocks)
 
