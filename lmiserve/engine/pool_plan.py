@@ -99,7 +99,8 @@ def activation_reserve(loaded: LoadedModel, config: EngineConfig, activation_byt
         reserve += graph_pool_bytes(
             activation_bytes or 0,
             largest_step_tokens(config, loaded.max_context),
-            cuda_graphs.capture_sizes(config.max_running)[-1],
+            # the largest graph: the batch limit, plus the prompt rows a step may fold in (cuda_graph_prompt_tokens)
+            cuda_graphs.capture_sizes(config.max_running + config.graph_prompt_tokens)[-1],
             int(loaded.model.config.vocab_size),
             loaded.model.dtype.itemsize,
         )

@@ -173,21 +173,22 @@ def test_the_engine_with_prompt_rows_in_the_graphs_gives_generates_greedy_tokens
     """The engine with `graph_prompt_tokens`: requests joining a running batch (prompt chunks of up to 8
     tokens) replay the graphs with its decode rows; generate()'s greedy tokens, no step eager."""
     from lmiserve.engine.attention.backends import TritonBackend
-    from lmiserve.engine.model import fast_llama
 
     graphs_on_the_test_device(monkeypatch)
     folded, eager = [], []
-    real_folded, real_plan = fast_llama.FastLlama._folded, TritonBackend.plan
+    real_folded, real_plan = DecodeGraphs.run_folded, TritonBackend.plan
 
-    def counting_folded(self, graphs, step):  # noqa: ANN001, ANN202 - FastLlama._folded's
-        folded.append(len(step.chunks))
-        return real_folded(self, graphs, step)
+    def counting_folded(self, step):  # noqa: ANN001, ANN202 - DecodeGraphs.run_folded's
+        logits = real_folded(self, step)
+        if logits is not None:
+            folded.append(len(step.chunks))
+        return logits
 
     def counting_plan(self, seqs, decode_rows, pad):  # noqa: ANN001, ANN202 - the eager forward's plan
         eager.append(len(seqs))
         return real_plan(self, seqs, decode_rows, pad)
 
-    monkeypatch.setattr(fast_llama.FastLlama, "_folded", counting_folded)
+    monkeypatch.setattr(DecodeGraphs, "run_folded", counting_folded)
     monkeypatch.setattr(TritonBackend, "plan", counting_plan)
     config = EngineConfig(max_prefill_tokens=8, graph_prompt_tokens=16)
     engine, results = asyncio.run(serve_prompts(tiny_model, config, 10))

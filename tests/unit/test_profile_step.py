@@ -96,3 +96,11 @@ def test_decode_graphs_memory_is_left_free_too(monkeypatch, tiny_model):
     assert eager == (40 * gib - 10 * gib - reserve) // per_block
     # and the graphs' padding block, one past the pool's blocks
     assert graphs == (40 * gib - 10 * gib - reserve - graph_bytes) // per_block - 1
+    # with prompt rows folded into the graphs (cuda_graph_prompt_tokens=20), the largest graph holds 30 + 20
+    # rows: 56 (a capture size), so its activations' share and logits are reserved for 56 rows
+    folded = pool_plan.kv_pool_blocks(
+        loaded, dataclasses.replace(config, graph_prompt_tokens=20), activation_bytes=2048 * 2**20, graphs=True
+    )
+    folded_bytes = pool_plan.graph_pool_bytes(2048 * 2**20, 2048, 56, 512, 4)
+    assert folded_bytes > graph_bytes
+    assert folded == (40 * gib - 10 * gib - reserve - folded_bytes) // per_block - 1

@@ -54,7 +54,7 @@ from lmiserve.engine.runner.sampling import greedy_pick
 
 if TYPE_CHECKING:
     from lmiserve.engine.lora.batch import LoraBatch
-    from lmiserve.engine.model.fast_llama import FastLlama
+    from lmiserve.engine.model.fast_llama import FastLlama, StepInputs
 
 __all__ = ["MAX_CAPTURE_SIZE", "DecodeGraphs", "capture_sizes", "for_model", "wanted"]
 
@@ -148,10 +148,30 @@ class DecodeGraphs:
 
     def folds(self, decode_rows: int, chunks: Sequence[tuple[Any, int, Sequence[int]]], lora: Any = None) -> bool:
         """Whether a step of `decode_rows` decode rows and these prompt `chunks` (``(table, start, tokens)``)
-        replays a graph, each chunk token a row (`FastLlama.forward`): their tokens at most `prompt_tokens`,
+        replays a graph, each chunk token a row (`run_folded`): their tokens at most `prompt_tokens`,
         no adapters, and the rows within the largest size."""
         tokens = sum(len(chunk) for _, _, chunk in chunks)
         return 0 < tokens <= self.prompt_tokens and lora is None and self.covers(decode_rows + tokens)
+
+    def run_folded(self, step: StepInputs) -> torch.Tensor | None:
+        """The logits of `step`'s kept rows (`StepInputs.keep`) where the step has prompt chunks that `folds`
+        takes, each chunk token one more row at its position, reading and writing through its sequence's
+        table: every key and value of the step is written before any row attends, and each row attends over
+        its sequence's positions up to its own, so a chunk's causal attention is its rows'. None otherwise
+        (the eager forward runs it)."""
+        if not self.folds(len(step.decode_ids), step.chunks, step.lora):
+            return None
+        ids, positions = list(step.decode_ids), list(step.decode_positions)
+        tables: list[Sequence[int]] = list(step.decode_tables)
+        for table, start, chunk in step.chunks:
+            ids += chunk
+            positions += range(start, start + len(chunk))
+            tables += [table] * len(chunk)
+        logits = self.run(ids, positions, tables)
+        if step.keep == list(range(len(ids))):
+            return logits
+        keep = torch.tensor(step.keep, dtype=torch.long).to(self.fast.device, non_blocking=True)
+        return logits.index_select(0, keep)
 
     def capture_all(self) -> list[int]:
         """Capture every size not captured yet (the warm-up's last part, engine/core/warmup.py: the sizes past

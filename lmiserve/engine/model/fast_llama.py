@@ -103,9 +103,8 @@ class DecodeReplay(Protocol):
         """Float32 logits ``[len(ids), vocab]`` of a step of decode rows (`sources`: `StepInputs`')."""
         ...
 
-    def folds(self, decode_rows: int, chunks: Sequence[tuple[Any, int, Sequence[int]]], lora: Any = None) -> bool:
-        """A step of `decode_rows` decode rows and these prompt `chunks` replays a graph, each chunk token
-        a row of it."""
+    def run_folded(self, step: StepInputs) -> torch.Tensor | None:
+        """The kept logits of a step with prompt chunks replayed with each chunk token a row; None if not."""
         ...
 
 
@@ -257,13 +256,10 @@ class FastLlama:
             return graphs.run(
                 step.decode_ids, step.decode_positions, step.decode_tables, step.lora, step.decode_sources
             )
-        if (
-            graphs is not None
-            and step.chunks
-            and step.decode_sources is None
-            and graphs.folds(rows, step.chunks, step.lora)
-        ):
-            return self._folded(graphs, step)
+        if graphs is not None and step.chunks and step.decode_sources is None:
+            folded = graphs.run_folded(step)
+            if folded is not None:
+                return folded
         if step.decode_sources is not None:
             raise ValueError("decode rows whose inputs are on the device need a step the decode graphs replay")
         ids = step.decode_ids + [t for _, _, chunk in step.chunks for t in chunk]
@@ -290,23 +286,6 @@ class FastLlama:
             x = x[torch.tensor(keep, dtype=torch.long, device=dev)]
         logits = self._logits(x)[:count].float().contiguous()
         return logits if tp is None else tp.gather_logits(logits)
-
-    def _folded(self, graphs: DecodeReplay, step: StepInputs) -> torch.Tensor:
-        """A step with prompt chunks replayed by the decode graphs: each chunk token one more row, at its
-        position, reading and writing through its sequence's block table. The step's keys and values are all
-        written before any row attends, and each row attends over its sequence's positions up to its own, so
-        a chunk's causal attention is its rows' (engine/attention/cuda_graphs.py). The logits of `keep`."""
-        ids, positions = list(step.decode_ids), list(step.decode_positions)
-        tables: list[Sequence[int]] = list(step.decode_tables)
-        for table, start, chunk in step.chunks:
-            ids += chunk
-            positions += range(start, start + len(chunk))
-            tables += [table] * len(chunk)
-        logits = graphs.run(ids, positions, tables, None, None)
-        if step.keep == list(range(len(ids))):
-            return logits
-        keep = torch.tensor(step.keep, dtype=torch.long).to(self.device, non_blocking=True)
-        return logits.index_select(0, keep)
 
     def decode_body(
         self, ids: torch.Tensor, positions: torch.Tensor, meta: Any, lora: LoraSlots | None = None
