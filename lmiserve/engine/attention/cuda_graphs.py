@@ -183,6 +183,8 @@ class DecodeGraphs:
                 continue
             # one row on the scratch block (token 0 at position 0, as a padding row), the rest padding
             self._fill([0], [0], [[self.scratch_block]], size)
+            if self.lora is not None:  # the base model's rows, as `run` sets them
+                self.lora.set_step(None, 1, size)
             try:
                 self._capture(size)
             except Exception:  # noqa: BLE001 - as in `run`: a capture problem costs speed, not serving
