@@ -177,6 +177,12 @@ def create_engine(
         kv_quant.storage_dtype(config.kv_cache_dtype, loaded.model.dtype),
     )
     runner = _paged_runner(loaded, config, plan.blocks, fast_cls)
+    if config.graph_prompt_tokens and getattr(getattr(runner, "fast", None), "graphs", None) is None:
+        log.warning(
+            "cuda_graph_prompt_tokens=%d has no effect here: no CUDA graphs (they need CUDA, the fast path with "
+            "the Triton attention, one GPU and no enforce_eager)",
+            config.graph_prompt_tokens,
+        )
     codec, grammars = prompt_codec(loaded, max_input_len)
     if spec is not None and needs is None:
         runner.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)

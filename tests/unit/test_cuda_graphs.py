@@ -257,3 +257,19 @@ def test_graphs_apply_on_cuda_alone(monkeypatch):
     assert cuda_graphs.for_model(fast, 4, SCRATCH) is None
     with pytest.raises(ValueError, match="need the Triton attention"):
         DecodeGraphs(fast, 4, SCRATCH)
+
+
+def test_prompt_rows_in_graphs_without_graphs_say_so(tiny_model, caplog):
+    """`cuda_graph_prompt_tokens` where no graphs are made (here: a CPU, no Triton backend asked): one
+    warning line at start, not silence."""
+    from lmiserve.engine.factory import create_engine
+
+    if CAPTURE:
+        pytest.skip("on CUDA the graphs are made")
+    with caplog.at_level("WARNING", logger="lmiserve.engine.factory"):
+        create_engine(tiny_model, EngineConfig(graph_prompt_tokens=8))
+    assert "cuda_graph_prompt_tokens=8 has no effect here: no CUDA graphs" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lmiserve.engine.factory"):
+        create_engine(tiny_model, EngineConfig())
+    assert "cuda_graph_prompt_tokens" not in caplog.text
