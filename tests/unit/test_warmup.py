@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from helpers.greedy import greedy_reference
@@ -127,14 +128,17 @@ async def test_a_vision_language_model_warms_up_on_ordinary_words(tiny_vlm_dir):
     assert len(new) == len(done.prompt_lengths) + sum(done.decode_rows)  # every request ran
 
 
+@pytest.mark.parametrize("prompt_rows", [0, 4])
 async def test_after_the_warm_up_no_step_launches_the_attention_kernel_in_a_kind_it_did_not_run(
-    tiny_model, monkeypatch
+    tiny_model, monkeypatch, prompt_rows
 ):
     """No request pays for a compilation: on a GPU Triton compiles the attention kernel once for each kind of
     launch (each argument's specialization: an int equal to 1, divisible by 16 or neither; a pointer 16-byte
     aligned or not), so every launch of a busy server's steps (decode rows joined by prompts of any length,
     decode graphs and eager steps) must be of a kind the warm-up ran. Computed here, under the interpreter,
-    with Triton's own function (tests/helpers/triton_launches.py)."""
+    with Triton's own function (tests/helpers/triton_launches.py). With prompt rows in the graphs too
+    (`graph_prompt_tokens` 4: chunks of up to 4 tokens replay the graphs, longer ones run eagerly, those of
+    5 to 8 tokens with the decode tiles, which the warm-up's steps of 2-token prompts launch)."""
     import asyncio
     import random
 
@@ -145,7 +149,8 @@ async def test_after_the_warm_up_no_step_launches_the_attention_kernel_in_a_kind
 
     graphs_on_the_test_device(monkeypatch)
     launches = record_launch_keys(monkeypatch, [triton_ops._kernel])
-    engine = create_engine(tiny_model, EngineConfig(max_running=16, warmup=True, max_prefill_tokens=64))
+    config = EngineConfig(max_running=16, warmup=True, max_prefill_tokens=64, graph_prompt_tokens=prompt_rows)
+    engine = create_engine(tiny_model, config)
     rng = random.Random(0)
     engine.start()
     try:
