@@ -423,6 +423,18 @@ def bench_summary(bench_dir: Path) -> dict[str, Any] | None:
     }
 
 
+def _ab_figures(level: dict[str, Any]) -> dict[str, Any]:
+    """One server's figures of a level in `ab_summary`."""
+    return {
+        "tokens_per_s": level["output_tokens_per_s"],
+        "ttft_ms": {k: level["ttft_ms"].get(k) for k in ("p50", "p99")},
+        "itl_ms": {k: level["itl_ms"].get(k) for k in ("p50", "p99")},
+        "failed": level["failed_requests"],
+        "wrong_token_counts": level["token_count_errors"],
+        "engine_steps": level.get("engine_steps"),
+    }
+
+
 def ab_summary(bench_dir: Path) -> list[dict[str, Any]] | None:
     """Each level of a `lmiserve bench --ab-option` run: both servers' tokens/s, their ratio (B over A),
     TTFT and ITL p50/p99, and each server's own steps (``engine_steps``: the share with prompt tokens and
@@ -435,20 +447,9 @@ def ab_summary(bench_dir: Path) -> list[dict[str, Any]] | None:
         return None
     out = []
     for a, b in zip(servers[0]["levels"], servers[1]["levels"], strict=False):
-
-        def figures(level: dict[str, Any]) -> dict[str, Any]:
-            return {
-                "tokens_per_s": level["output_tokens_per_s"],
-                "ttft_ms": {k: level["ttft_ms"].get(k) for k in ("p50", "p99")},
-                "itl_ms": {k: level["itl_ms"].get(k) for k in ("p50", "p99")},
-                "failed": level["failed_requests"],
-                "wrong_token_counts": level["token_count_errors"],
-                "engine_steps": level.get("engine_steps"),
-            }
-
         a_rate, b_rate = a["output_tokens_per_s"], b["output_tokens_per_s"]
         ratio = round(b_rate / a_rate, 3) if a_rate else None
-        out.append({"concurrency": a["concurrency"], "a": figures(a), "b": figures(b), "b_over_a": ratio})
+        out.append({"concurrency": a["concurrency"], "a": _ab_figures(a), "b": _ab_figures(b), "b_over_a": ratio})
     return out
 
 

@@ -177,7 +177,7 @@ def create_engine(
         kv_quant.storage_dtype(config.kv_cache_dtype, loaded.model.dtype),
     )
     runner = _paged_runner(loaded, config, plan.blocks, fast_cls)
-    if config.graph_prompt_tokens and getattr(getattr(runner, "fast", None), "graphs", None) is None:
+    if config.graph_prompt_tokens and cuda_graphs.of_runner(runner) is None:
         log.warning(
             "cuda_graph_prompt_tokens=%d has no effect here: no CUDA graphs (they need CUDA, the fast path with "
             "the Triton attention, one GPU and no enforce_eager)",
@@ -212,7 +212,7 @@ def decode_rows(runner: PersistentBatchRunner, max_running: int) -> tuple[int, .
     """The decode row counts a warm-up runs (engine/core/warmup.py): each CUDA graph's size (a step of
     up to `max_running` rows), else one row, a multiple of 16 and the most rows (the Triton kernels'
     specializations)."""
-    graphs = getattr(getattr(runner, "fast", None), "graphs", None)
+    graphs = cuda_graphs.of_runner(runner)
     sizes = graphs.sizes if graphs is not None else (1, 16, max_running)
     return tuple(sorted({min(size, max_running) for size in sizes}))
 

@@ -7,8 +7,10 @@ keys are computed from the same arguments with Triton's own function (`native_sp
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -25,10 +27,11 @@ class LaunchKeys:
         return {(name, key) for name, keys in self.keys.items() for key in keys}
 
 
-def record_launch_keys(monkeypatch: pytest.MonkeyPatch, cached: list[Callable[[], Any]]) -> LaunchKeys:
-    """From now on (in this test), kernels made by ``triton.jit`` record each launch's key; `cached`: the
-    ``functools.cache``'d functions that make the kernels (cleared, so they are made again through the
-    recording ``jit``)."""
+def record_launch_keys(monkeypatch: pytest.MonkeyPatch, makers: list[tuple[ModuleType, str]]) -> LaunchKeys:
+    """From now on (in this test), kernels made by ``triton.jit`` record each launch's key; `makers`: the
+    ``functools.cache``'d functions that make the kernels, as (module, name), replaced for the test by
+    fresh caches of the same functions (so the kernels are made through the recording ``jit``; the
+    originals, and their real kernels, come back after it)."""
     import triton
     from triton.backends.compiler import BaseBackend
     from triton.runtime.jit import JITFunction, native_specialize_impl
@@ -77,7 +80,6 @@ def record_launch_keys(monkeypatch: pytest.MonkeyPatch, cached: list[Callable[[]
         return Recording()
 
     monkeypatch.setattr(triton, "jit", jit)
-    for make in cached:
-        make.cache_clear()  # type: ignore[attr-defined]
-        monkeypatch.setattr(make, "cache_clear", make.cache_clear)
+    for module, name in makers:
+        monkeypatch.setattr(module, name, functools.cache(inspect.unwrap(getattr(module, name))))
     return record

@@ -148,7 +148,7 @@ async def test_after_the_warm_up_no_step_launches_the_attention_kernel_in_a_kind
     from lmiserve.engine.attention import triton_ops
 
     graphs_on_the_test_device(monkeypatch)
-    launches = record_launch_keys(monkeypatch, [triton_ops._kernel])
+    launches = record_launch_keys(monkeypatch, [(triton_ops, "_kernel")])
     config = EngineConfig(max_running=16, warmup=True, max_prefill_tokens=64, graph_prompt_tokens=prompt_rows)
     engine = create_engine(tiny_model, config)
     rng = random.Random(0)

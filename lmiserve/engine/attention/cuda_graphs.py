@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from lmiserve.engine.lora.batch import LoraBatch
     from lmiserve.engine.model.fast_llama import FastLlama, StepInputs
 
-__all__ = ["MAX_CAPTURE_SIZE", "DecodeGraphs", "capture_sizes", "for_model", "wanted"]
+__all__ = ["MAX_CAPTURE_SIZE", "DecodeGraphs", "capture_sizes", "for_model", "of_runner", "wanted"]
 
 log = logging.getLogger(__name__)
 
@@ -161,12 +161,8 @@ class DecodeGraphs:
         (the eager forward runs it)."""
         if not self.folds(len(step.decode_ids), step.chunks, step.lora):
             return None
-        ids, positions = list(step.decode_ids), list(step.decode_positions)
-        tables: list[Sequence[int]] = list(step.decode_tables)
-        for table, start, chunk in step.chunks:
-            ids += chunk
-            positions += range(start, start + len(chunk))
-            tables += [table] * len(chunk)
+        ids, positions = step.tokens()
+        tables: list[Sequence[int]] = [*step.decode_tables, *(table for table, _, chunk in step.chunks for _ in chunk)]
         logits = self.run(ids, positions, tables)
         if step.keep == list(range(len(ids))):
             return logits
@@ -177,9 +173,11 @@ class DecodeGraphs:
         """Capture every size not captured yet (the warm-up's last part, engine/core/warmup.py: the sizes past
         the batch limit, which only steps with prompt rows reach), each from padding rows alone; the sizes
         captured now. On a CPU (no capture) or once a capture failed: none."""
-        done = []
+        done: list[int] = []
+        if not self.capture or self.failed:
+            return done
         for size in self.sizes:
-            if size in self._graphs or not self.capture or self.failed:
+            if size in self._graphs:
                 continue
             # one row on the scratch block (token 0 at position 0, as a padding row), the rest padding
             self._fill([0], [0], [[self.scratch_block]], size)
@@ -355,6 +353,11 @@ class DecodeGraphs:
         captured = self._graphs[size] = _Captured(graph, logits, greedy)
         log.info("captured a CUDA graph of %d decode rows", size)
         return captured
+
+
+def of_runner(runner: object) -> DecodeGraphs | None:
+    """The decode graphs a runner replays (its fast forward's), None for a runner without them."""
+    return getattr(getattr(runner, "fast", None), "graphs", None)
 
 
 def wanted(device: torch.device, enforce_eager: bool) -> bool:

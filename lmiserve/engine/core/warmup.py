@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from lmiserve.core.errors import LmiServeError
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine import kernel_compiles
+from lmiserve.engine.attention import cuda_graphs
 from lmiserve.engine.core.async_engine import AsyncEngine
 from lmiserve.engine.core.handles import RequestHandle
 
@@ -95,7 +96,7 @@ async def warm_up(engine: AsyncEngine) -> WarmUp | None:
             log.warning("warm-up stopped (%s); the model serves without the rest of it", exc)
         # the graph sizes past the batch limit (`cuda_graph_prompt_tokens`: decode rows and prompt rows
         # together), which no batch of requests reaches alone: captured from padding rows, on the model's thread
-        graphs = getattr(getattr(engine.runner, "fast", None), "graphs", None)
+        graphs = cuda_graphs.of_runner(engine.runner)
         extra: list[int] = []
         if graphs is not None and graphs.prompt_tokens:
             extra = await engine.thread.run(graphs.capture_all)

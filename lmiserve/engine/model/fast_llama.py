@@ -125,6 +125,14 @@ class StepInputs:
     lora: LoraBatch | None = None
     decode_sources: list[int] | None = None
 
+    def tokens(self) -> tuple[list[int], list[int]]:
+        """The step's token ids and their positions, in its token order (new lists)."""
+        ids = self.decode_ids + [t for _, _, chunk in self.chunks for t in chunk]
+        positions = list(self.decode_positions)
+        for _, start, chunk in self.chunks:
+            positions.extend(range(start, start + len(chunk)))
+        return ids, positions
+
 
 class FastLlama:
     def __init__(
@@ -262,10 +270,7 @@ class FastLlama:
                 return folded
         if step.decode_sources is not None:
             raise ValueError("decode rows whose inputs are on the device need a step the decode graphs replay")
-        ids = step.decode_ids + [t for _, _, chunk in step.chunks for t in chunk]
-        positions = list(step.decode_positions)
-        for _, start, chunk in step.chunks:
-            positions.extend(range(start, start + len(chunk)))
+        ids, positions = step.tokens()
         pad = self._row_padding(len(ids), PAD_ROWS_FROM)  # token 0 at position 0, attends nothing, dropped
         ids += [0] * pad
         positions += [0] * pad
