@@ -123,6 +123,8 @@ ENGINE_TESTS = (
     "tests/unit/test_kernel_compiles.py",
     "tests/unit/test_quantized_checkpoints.py",
     "tests/unit/test_draft_pool.py",
+    "tests/unit/test_capture_hazards.py",
+    "tests/unit/test_host_copy.py",
 )
 
 PYTEST_PLUGINS = ("-p", "pytest_asyncio.plugin", "-p", "xdist.plugin")

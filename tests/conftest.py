@@ -14,7 +14,7 @@ import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -33,6 +33,7 @@ from helpers.tiny_model import (  # noqa: E402
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from helpers.capture_hazards import Hazards
     from helpers.server_pool import ServerPool
     from helpers.tiny_vlm import TinyVlmDirs
     from lmiserve.models.load import LoadedModel
@@ -86,6 +87,31 @@ def _settings_as_users_get_them(request: pytest.FixtureRequest, monkeypatch: pyt
             monkeypatch.setenv(name, was or "")  # records the value (or its absence) to restore it after
             if was is None:
                 monkeypatch.delenv(name)
+
+
+@pytest.fixture(autouse=True)
+def graph_step_hazards(request: pytest.FixtureRequest) -> Iterator[Hazards | None]:
+    """Every decode-graph step a fast-tier test runs without a capture (on a CPU) is watched for what a CUDA
+    graph cannot capture (tests/helpers/capture_hazards.py): a host sync or a tensor of host data in the step
+    fails the test, here rather than first on a GPU, where a failed capture turns every graph off. The
+    hazards found (None: not watched); a test that makes one on purpose takes them out."""
+    if request.node.path.parent.name != "unit" or TEST_DEVICE != "cpu":
+        yield None
+        return
+    from helpers import capture_hazards
+    from lmiserve.engine.attention.cuda_graphs import DecodeGraphs
+
+    hazards = capture_hazards.Hazards()
+    step = DecodeGraphs._step
+
+    def watched(self: DecodeGraphs, size: int) -> tuple[Any, Any]:
+        return capture_hazards.watch(hazards, step, self, size)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DecodeGraphs, "_step", watched)
+        yield hazards
+    found = sorted(set(hazards.found))
+    assert not found, f"the decode graphs' step would not capture on CUDA: {found}"
 
 
 # The device of `tiny_model`: cpu, or what LMISERVE_TEST_DEVICE names (benchmarks/gpu_check.py runs the

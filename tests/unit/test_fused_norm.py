@@ -76,12 +76,20 @@ def test_rope_is_the_eager_rotation_of_the_q_and_k_heads(dtype, head_dim):
         torch.testing.assert_close(got, want, **close(dtype))
 
 
-def test_the_fast_forward_with_the_fused_kernels_gives_generates_greedy_tokens(tiny_model, monkeypatch):
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_the_fast_forward_with_the_fused_kernels_gives_generates_greedy_tokens(tiny_model, monkeypatch, graphs):
     """Every layer's norms with their residual adds, its rotary embedding and its SiLU product through the kernels (what
-    `USE_ON_CUDA` turns on), continuous batching with requests joining: `generate()`'s greedy tokens."""
+    `USE_ON_CUDA` turns on), continuous batching with requests joining: `generate()`'s greedy tokens. Also with
+    the decode steps in the decode graphs, prompt rows too (the GPU check's graphs-fused path;
+    tests/conftest.py checks their steps would capture)."""
+    from helpers.decode_graphs import graphs_on_the_test_device
+
+    made = graphs_on_the_test_device(monkeypatch) if graphs else None
     monkeypatch.setattr(fused_norm, "wanted", lambda device: True)
-    engine, results = asyncio.run(serve_prompts(tiny_model, EngineConfig(), 12))
+    config = EngineConfig(graph_prompt_tokens=8 if graphs else 0)
+    engine, results = asyncio.run(serve_prompts(tiny_model, config, 12))
     assert engine.runner.path == "fast" and engine.runner.fast.fused_elementwise
+    assert made is None or made.steps  # decode steps replayed the graphs
     for prompt, events in zip(PROMPTS, results, strict=True):
         assert [e.token.id for e in events if e.token] == greedy_tokens(tiny_model, prompt, 12), prompt
         assert events[-1].finish.reason is FinishReason.LENGTH

@@ -243,16 +243,20 @@ def test_fp8_linears_run_scaled_mm_on_the_fast_path(checkpoints: dict[str, Path]
             assert max(greedy_gaps(loaded.model, ids, got)) <= 0.02, ids
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_fp8_linears_on_the_triton_decode_kernel_decode_what_transformers_decodes_dequantized(
-    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch, graphs: bool
 ) -> None:
     """Every product of the fast path through `fp8_gemv`'s weight-only kernel (what a GPU chooses for decode
     rows where it measures faster), under Triton's interpreter on CPU tensors, prompts too (`MAX_ROWS`
-    raised): fp32 activations, so the engine's greedy tokens are the de-quantized float model's."""
+    raised): fp32 activations, so the engine's greedy tokens are the de-quantized float model's. Also with
+    the decode steps in the decode graphs (as on a GPU; tests/conftest.py checks their steps would capture)."""
+    from helpers.decode_graphs import graphs_on_the_test_device
     from lmiserve.engine.model import fp8_gemv
 
     if not fp8_gemv.available() or os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py on CPU)")
+    record = graphs_on_the_test_device(monkeypatch) if graphs else None
     monkeypatch.setattr(fp8_gemv, "INTERPRETED_ON_CPU", True)
     monkeypatch.setattr(fp8_gemv, "MAX_ROWS", 64)
     monkeypatch.setattr(fp8_gemv, "_chosen", {})
@@ -275,6 +279,8 @@ def test_fp8_linears_on_the_triton_decode_kernel_decode_what_transformers_decode
     monkeypatch.setattr(fp8_gemv, "fp8_gemv", lambda x, *rest: ran.append(x.shape[0]) or kernel(x, *rest))
     path, results = engine_tokens(loaded, PROMPTS, 8)
     assert path == "fast" and ran and max(ran) >= len(PROMPTS[-1])  # decode rows and a prompt's rows
+    if record is not None:
+        assert record.steps  # decode steps replayed the graphs
     reference_model = dequantized_float_model(checkpoints[case], case)
     for ids, got in zip(PROMPTS, results, strict=True):
         assert got == greedy(reference_model, ids, 8), ids

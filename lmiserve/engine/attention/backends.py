@@ -38,6 +38,7 @@ import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
+from lmiserve.engine import host_copy
 from lmiserve.engine.attention import cpu_kernel, triton_ops, windows
 from lmiserve.engine.attention.paged import (
     DecodeIndex,
@@ -223,7 +224,7 @@ class TorchBackend(AttentionBackend):
             end = seq.start + seq.count
             chunk_pos = torch.arange(seq.start, end, device=dev)
             masks = windows.chunk_masks(chunk_pos, end, self.windows)
-            table = torch.tensor(list(seq.table), dtype=torch.long, device=dev)
+            table = host_copy.to_device(list(seq.table), dev)
             planned.append(_Chunk(table, seq.start, end, offset, *masks))
             offset += seq.count
         return _BlockStep(decode, planned, pad)
@@ -235,11 +236,11 @@ class TorchBackend(AttentionBackend):
         spans = np.array(positions, dtype=np.int64) + 1
         width = max(-(-int(span) // block_size) for span in spans)
         padded = [table[:width] + [0] * (width - len(table[:width])) for table in tables]
-        table = torch.tensor(padded, dtype=torch.long, device=device)
+        table = host_copy.to_device(padded, device)
         if self.compiled:
             write = None
             if len(positions) > decode_rows:
-                pos = torch.from_numpy(spans - 1).to(device)
+                pos = host_copy.to_device(spans - 1, device)
                 rows = torch.arange(len(positions), device=device)
                 write = flat_index(table[rows, pos // block_size], pos % block_size, self.kv_heads, block_size)
                 write = write.reshape(-1)

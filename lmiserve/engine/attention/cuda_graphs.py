@@ -34,7 +34,8 @@ the same graphs; a step with more adapters than slots, or the graphs without slo
 engine goes on eagerly. Not with tensor parallelism (the all-reduces would have to be captured too).
 
 On a CPU (``capture=False``, the tests) `run` computes the same padded step from the same buffers
-without capturing: everything but the capture itself.
+without capturing: everything but the capture itself; the tests watch that step for what a capture cannot
+hold (a host sync, a tensor of host data: tests/helpers/capture_hazards.py).
 """
 
 from __future__ import annotations

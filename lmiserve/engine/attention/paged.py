@@ -41,6 +41,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from lmiserve.engine import host_copy
 from lmiserve.engine.attention import cpu_kernel, kv_quant
 from lmiserve.engine.attention.kv_quant import UNIT, KvFormat
 from lmiserve.engine.attention.windows import hidden_outside
@@ -191,8 +192,7 @@ class PagedKVCache:
         if not pairs:
             return
         self.ensure_zeroed(1 + max(max(pair) for pair in pairs))  # a later zeroing would undo the copy
-        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
-        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
+        src, dst = host_copy.to_device([[s for s, _ in pairs], [d for _, d in pairs]], self.device)
         for cache in (*self.keys, *self.values):
             kv_quant.index_store(cache, dst, cache.index_select(0, src))
 
@@ -248,7 +248,7 @@ def decode_index(
 ) -> DecodeIndex:
     """The step's `DecodeIndex` (one host-to-device copy of the spans a step, not one a layer)."""
     host = np.ascontiguousarray(spans, dtype=np.int64)
-    span_t = torch.from_numpy(host).to(device)
+    span_t = host_copy.to_device(host, device)
     width = -(-int(host.max()) // block_size)
     tables = block_tables.to(device=device, dtype=torch.long)[:, :width]
     last = span_t - 1

@@ -40,6 +40,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from lmiserve.engine import host_copy
 from lmiserve.engine.attention import kv_quant
 from lmiserve.engine.attention.kv_quant import UNIT
 
@@ -155,15 +156,15 @@ def step_tiles(
         (np.array(tile_seq + pad + tile_first + pad + tile_count + pad, dtype=np.int64), positions)
     ).astype(np.int32)
     # one host-to-device copy each: the tile arrays with the positions, the tables, the write index
-    packed = torch.from_numpy(ints).to(device, non_blocking=True)
+    packed = host_copy.to_device(ints, device)
     span = _aligned(tiles)
     return StepTiles(
         packed[:tiles],
         packed[span : span + tiles],
         packed[2 * span : 2 * span + tiles],
         packed[3 * span :],
-        torch.from_numpy(tables).to(device, non_blocking=True),
-        write.to(device, non_blocking=True),
+        host_copy.to_device(tables, device),
+        host_copy.to_device(write, device),
         block_q,
         tiles,
         len(positions),

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from lmiserve.engine import host_copy
 from lmiserve.engine.attention import backends, cpu_kernel
 from lmiserve.engine.attention import windows as attention_window
 from lmiserve.engine.attention.backends import SeqTokens
@@ -275,10 +276,9 @@ class FastLlama:
         ids += [0] * pad
         positions += [0] * pad
         cos_table, sin_table = self._rope(max(positions) + 1)
-        pos = torch.tensor(positions, device=dev)
+        token_ids, pos = host_copy.to_device([ids, positions], dev)  # one copy, not waited for
         cos, sin = cos_table[pos][:, None], sin_table[pos][:, None]  # [T, 1, D]
         tp = self.tp
-        token_ids = torch.tensor(ids, device=dev)
         x = F.embedding(token_ids, self.embed) if tp is None else tp.embed(token_ids, self.embed)
         seqs = [SeqTokens(t, p, 1) for t, p in zip(step.decode_tables, step.decode_positions, strict=True)]
         seqs += [SeqTokens(table, start, len(chunk)) for table, start, chunk in step.chunks]
@@ -288,7 +288,7 @@ class FastLlama:
         count = len(keep)
         keep = keep + keep[:1] * self._row_padding(count, VOCAB_PAD_ROWS_FROM)
         if keep != list(range(x.shape[0])):
-            x = x[torch.tensor(keep, dtype=torch.long, device=dev)]
+            x = x[host_copy.to_device(keep, dev)]
         logits = self._logits(x)[:count].float().contiguous()
         return logits if tp is None else tp.gather_logits(logits)
 

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lmiserve.engine import host_copy
 from lmiserve.engine.attention import backends
 from lmiserve.engine.attention import windows as attention_window
 from lmiserve.engine.attention.backends import AttentionBackend, SeqTokens
@@ -347,7 +348,7 @@ class PagedGenericRunner(PersistentBatchRunner):
             positions.extend(range(start, end))
             write_blocks.extend(blocks[p // bs] for p in range(start, end))
             if backend is None:
-                reads.append((torch.tensor(blocks[: -(-end // bs)], dtype=torch.long, device=dev), end))
+                reads.append((host_copy.to_device(blocks[: -(-end // bs)], dev), end))
             spans.append((first, count, start, key_offset))
             keep.extend(range(first + count - kept, first + count))
             key_offset += end
@@ -364,24 +365,23 @@ class PagedGenericRunner(PersistentBatchRunner):
                 logits = self._logits(model_inputs, cache=BackendStep(backend, meta))
             finally:
                 config._attn_implementation_internal = before
-            return logits[torch.tensor(keep, dtype=torch.long, device=dev)].float()
+            return logits[host_copy.to_device(keep, dev)].float()
         # token t of a row attends to that row's keys at positions <= its own (within a layer's window)
         mask = self._mask(spans, len(ids), key_offset)
         view = _view_class()(
             self.kv,
-            torch.tensor(write_blocks, dtype=torch.long, device=dev),
-            torch.tensor([p % bs for p in positions], dtype=torch.long, device=dev),
+            *host_copy.to_device([write_blocks, [p % bs for p in positions]], dev),
             reads,
         )
         logits = self._logits(model_inputs, attention_mask=mask, cache=view)
-        return logits[torch.tensor(keep, dtype=torch.long, device=dev)].float()
+        return logits[host_copy.to_device(keep, dev)].float()
 
     # ---- what a vision-language model's runner changes (runner/vision.py) ----------------------------
     def _model_inputs(self, ids: list[int], positions: list[int], spans: list[Span]) -> dict[str, Any]:
         """The forward's inputs for the step's packed tokens (`spans`: each row's first token, tokens,
         start position and first key)."""
-        dev = self.device
-        return {"input_ids": torch.tensor([ids], device=dev), "position_ids": torch.tensor([positions], device=dev)}
+        both = host_copy.to_device([ids, positions], self.device)  # one copy, not waited for
+        return {"input_ids": both[:1], "position_ids": both[1:]}
 
     def _mask(self, spans: list[Span], tokens: int, keys: int) -> torch.Tensor | dict[str, torch.Tensor]:
         """The step's attention mask(s) over the gathered keys (`attention_window.step_mask`)."""
