@@ -61,3 +61,14 @@ def test_on_cuda_the_copy_comes_from_pinned_memory_without_a_wait(monkeypatch):
     got = host_copy.to_device(list(range(1000)), DEVICE)
     assert not done.query()  # the host did not wait for the products queued before the copy
     assert got.sum().item() == sum(range(1000))
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="pinning is refused on a machine without a GPU")
+def test_where_pinning_is_refused_the_values_stay_pageable_and_it_is_said_once(monkeypatch, caplog):
+    monkeypatch.setattr(host_copy, "_pinning", True)
+    with caplog.at_level("WARNING", logger="lmiserve.engine.host_copy"):
+        first = host_copy.host_tensor([1, 2, 3], pin=True)
+        second = host_copy.host_tensor(np.array([4, 5]), pin=True)
+    assert first.tolist() == [1, 2, 3] and second.tolist() == [4, 5]
+    assert not first.is_pinned() and not host_copy._pinning
+    assert [r.message.startswith("pinned host memory is refused here") for r in caplog.records] == [True]
