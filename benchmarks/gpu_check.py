@@ -858,7 +858,8 @@ def main(argv: list[str] | None = None) -> int:
             f"engine tests on {scale.device}",
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *PYTEST_PLUGINS, *collect, *ENGINE_TESTS],
             out / "pytest-cuda.log",
-            min(150.0, left() - 200),
+            # 200 s kept for the steps after it; alone (a second device call: STEPS=tests BUDGET=120) all of it
+            min(150.0, left() - (200.0 if chosen - {"tests"} else 10.0)),
             test_env,
         )
         step["counts"] = pytest_counts(out / "pytest-cuda.log")

@@ -99,23 +99,26 @@ def test_a_host_sync_slipped_into_the_decode_graphs_step_fails_the_test(tiny_mod
 
 @pytest.mark.parametrize(
     "path,backend",
-    [("fast", "triton"), ("generic", "triton"), ("generic", "torch")],
-    ids=["fast-triton", "generic-triton", "generic-torch"],
+    [("fast", "triton"), ("fast", "torch"), ("generic", "triton"), ("generic", "torch")],
+    ids=["fast-triton", "fast-torch", "generic-triton", "generic-torch"],
 )
 def test_an_eager_steps_forward_never_waits_for_the_device(tiny_model, monkeypatch, path, backend):
     """A step that runs eagerly on a GPU (a prompt chunk joining decode rows, rows whose logits are not all
     kept) copies its inputs to the device without waiting and reads nothing back: a blocking copy would make
     the host wait for all the GPU has queued (with overlap scheduling, the step before it) before it launches
-    anything. The forward of the fast path and of transformers' over the blocks (through the Triton kernel,
-    and through transformers' attention over the gathered blocks)."""
+    anything. The forward of the fast path and of transformers' over the blocks, each through the Triton
+    kernel and through the torch attention over the gathered blocks (a GPU's without Triton; not the CPU's
+    compiled kernel)."""
     import asyncio
 
     from helpers.llama_variants import serve_prompts
+    from lmiserve.engine.attention import cpu_kernel
     from lmiserve.engine.core.async_engine import EngineConfig
     from lmiserve.engine.model.fast_llama import FastLlama
     from lmiserve.engine.runner.generic import PagedGenericRunner
 
     monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", backend)
+    monkeypatch.setattr(cpu_kernel, "available", lambda dtype, device: False)  # a GPU's torch attention
     if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1" and tiny_model.device.type != "cuda":
         pytest.skip("the Triton kernel runs on CUDA, or on a CPU under the interpreter")
     owner, name = (FastLlama, "forward") if path == "fast" else (PagedGenericRunner, "_forward")
@@ -130,6 +133,8 @@ def test_an_eager_steps_forward_never_waits_for_the_device(tiny_model, monkeypat
     config = EngineConfig(fast_path=path == "fast", max_prefill_tokens=8)  # prompts in chunks beside decode rows
     engine, results = asyncio.run(serve_prompts(tiny_model, config, 6))
     assert engine.runner.path == path and len(calls) > 6 and all(results)
+    attention = engine.runner.fast.attention if path == "fast" else engine.runner.attention
+    assert (attention.name if attention is not None else "torch") == backend  # (generic: None, transformers')
     assert hazards.syncs == [], sorted(set(hazards.syncs))
 
 

@@ -7,7 +7,9 @@ checkout from before the helper existed is counted with today's:
     HAZARDS_HELPER=/path/to/tests/helpers/capture_hazards.py PYTHONPATH=. python count_host_waits.py
 
 The tests' tiny Llama, six prompts served at once with chunks of 8 prompt tokens beside decode rows (the
-steps a GPU runs eagerly), each path's forward watched.
+steps a GPU runs eagerly), each path's forward watched: lmiserve's forward and transformers' over the
+blocks, each through the Triton kernel (under its interpreter) and through the torch attention (a GPU's
+without Triton; the CPU's compiled kernel is left out).
 """
 
 import asyncio
@@ -34,7 +36,10 @@ from lmiserve.engine.runner.generic import PagedGenericRunner  # noqa: E402
 from lmiserve.models.load import load_causal_lm  # noqa: E402
 
 model = load_causal_lm(build_tiny_model_dir(Path(tempfile.mkdtemp()) / "tiny"), dtype="fp32", device="cpu")
-for path, backend in [("fast", "triton"), ("generic", "triton"), ("generic", "torch")]:
+from lmiserve.engine.attention import cpu_kernel  # noqa: E402
+
+cpu_kernel.available = lambda dtype, device: False  # a GPU's torch attention, not the CPU's compiled kernel
+for path, backend in [("fast", "triton"), ("fast", "torch"), ("generic", "triton"), ("generic", "torch")]:
     os.environ["LMISERVE_ATTENTION_BACKEND"] = backend
     owner, name = (FastLlama, "forward") if path == "fast" else (PagedGenericRunner, "_forward")
     forward = getattr(owner, name)
