@@ -58,6 +58,33 @@ def test_what_a_graph_captures_is_not_a_hazard():
     assert hazards.found == []
 
 
+COPIES = {  # host data on the device: (the copy, whether the host waits for it)
+    "torch.tensor on the device": (lambda x: x + torch.tensor([1.0, 2.0, 3.0, 4.0], device=x.device), True),
+    ".to the device": (lambda x: x + torch.tensor([1.0, 2.0, 3.0, 4.0]).to(x.device), True),
+    ".to the device, non_blocking": (
+        lambda x: x + torch.tensor([1.0, 2.0, 3.0, 4.0]).to(x.device, non_blocking=True),
+        False,
+    ),
+    "from_numpy .to the device": (lambda x: x + torch.from_numpy(np.ones(4, np.float32)).to(x.device), True),
+}
+
+
+@pytest.mark.parametrize("name", list(COPIES))
+def test_a_blocking_copy_to_the_device_is_a_wait_and_a_non_blocking_one_is_not(name):
+    """Both are host data (a capture would record the copy once); the blocking one also makes the host wait
+    (torch synchronizes the stream after it), which an eager step must not either. A tensor's own ``.to``
+    of where it already is copies nothing."""
+    copy, waits = COPIES[name]
+    hazards = Hazards()
+    x = torch.tensor([0.5, -1.0, 2.0, 3.0])
+    watch(hazards, copy, x)
+    assert hazards.host_data
+    assert bool(hazards.syncs) is waits, hazards.syncs
+    again = Hazards()
+    watch(again, lambda t: t.to(t.device) + t.to(device=t.device, dtype=torch.float64), x)
+    assert again.found == []
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="a Triton kernel under the interpreter")
 def test_a_triton_kernels_launch_under_the_interpreter_is_not_a_hazard():
     """On a GPU it is one launch a graph records; the interpreter's own host work does not count."""
