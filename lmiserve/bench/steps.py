@@ -58,9 +58,8 @@ def level_steps(before: StepCounts | None, after: StepCounts | None) -> dict[str
         return None
     delta = {}
     for method in METHODS:
-        steps = after.get(method, (0.0, 0.0))[0] - before.get(method, (0.0, 0.0))[0]
-        seconds = after.get(method, (0.0, 0.0))[1] - before.get(method, (0.0, 0.0))[1]
-        delta[method] = (round(steps), seconds)
+        now, was = after.get(method, (0.0, 0.0)), before.get(method, (0.0, 0.0))
+        delta[method] = (round(now[0] - was[0]), now[1] - was[1])
     total = delta["prefill"][0] + delta["decode"][0]
     if total <= 0:
         return None

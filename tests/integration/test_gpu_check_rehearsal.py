@@ -143,32 +143,21 @@ def test_steps_chooses_what_runs_and_a_terminated_check_still_writes_its_summary
     """--steps runs the steps a session still lacks (the others are recorded as not chosen); a check that
     a device call's limit terminates (SIGTERM) still leaves summary.json and summary.md with what ran."""
     command = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--rehearse"]
-    chosen = tmp_path / "chosen"
-    proc = subprocess.run(
-        [*command, "--steps", "step-profile", "--out", str(chosen)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    steps = {step["step"]: step for step in json.loads((chosen / "summary.json").read_text())["steps"]}
+
+    def steps_of(out: Path, timeout: float, *options: str) -> dict[str, dict]:
+        """The steps of a check run with `options` into `out`, by name (the run must exit 0)."""
+        proc = subprocess.run(
+            [*command, *options, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+        )
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        return {step["step"]: step for step in json.loads((out / "summary.json").read_text())["steps"]}
+
+    steps = steps_of(tmp_path / "chosen", 600, "--steps", "step-profile")
     assert steps["step profile 1b"]["exit"] == 0 and not steps["step profile 1b"].get("skipped")
     for name in ("engine tests on cpu", "bench 1b", "bench 8b", "decode paths 1b", "tensor parallel"):
         assert steps[name]["skipped"] == "not in --steps", steps[name]
     # the engine tests alone in a second device call's small budget (benchmarks/README.md's plan) take it all
-    alone = tmp_path / "tests-alone"
-    proc = subprocess.run(
-        [*command, "--steps", "tests", "--budget", "120", "--out", str(alone)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    steps = {step["step"]: step for step in json.loads((alone / "summary.json").read_text())["steps"]}
+    steps = steps_of(tmp_path / "tests-alone", 300, "--steps", "tests", "--budget", "120")
     assert steps["engine tests on cpu"]["exit"] == 0, steps["engine tests on cpu"]
     bad = subprocess.run([*command, "--steps", "bench,nope"], cwd=ROOT, capture_output=True, text=True, check=False)
     assert bad.returncode == 2 and "unknown --steps bench, nope" in bad.stderr

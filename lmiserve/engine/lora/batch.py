@@ -220,14 +220,14 @@ class LoraBatch:
         padded = self._owners[:rows] + [-1] * (rows - len(self._owners))
         self._rows, self._masks = rows, {}
         self._owner_np = np.array(padded, dtype=np.int64)
-        self._owner_t = host_copy.to_device(padded, self._device)
+        self._owner_t = host_copy.to_device(self._owner_np, self._device)
         self._segments = []  # made by the first gathered product of the step
 
     def _mask(self, owner: tuple[int, ...]) -> torch.Tensor:
         mask = self._masks.get(owner)
         if mask is None:
             assert self._owner_t is not None
-            columns = host_copy.to_device(list(owner), self._device)
+            columns = host_copy.to_device(owner, self._device)
             mask = self._masks[owner] = (self._owner_t[:, None] == columns[None, :]).to(self._dtype)
         return mask
 
