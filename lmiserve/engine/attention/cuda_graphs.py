@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import torch
 
+from lmiserve.engine import host_copy
 from lmiserve.engine.attention import triton_ops as triton_attention
 from lmiserve.engine.attention.backends import TritonBackend
 from lmiserve.engine.attention.paged import PagedKVCache
@@ -167,8 +168,7 @@ class DecodeGraphs:
         logits = self.run(ids, positions, tables)
         if step.keep == list(range(len(ids))):
             return logits
-        keep = torch.tensor(step.keep, dtype=torch.long).to(self.fast.device, non_blocking=True)
-        return logits.index_select(0, keep)
+        return logits.index_select(0, host_copy.to_device(step.keep, self.fast.device))
 
     def capture_all(self) -> list[int]:
         """Capture every size not captured yet (the warm-up's last part, engine/core/warmup.py: the sizes past
