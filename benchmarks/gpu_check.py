@@ -50,13 +50,14 @@ dependencies can come as wheels; see benchmarks/README.md, "The GPU check"). It 
    one's tokens/s over static ``generate()`` at the level's batch, measured after the servers stop).
 
 The steps run in the order of issue 39's targets: the tests, the benches (1B, then 8B at one stream), the
-engine in its own process, steps with prompt tokens in the decode graphs against eager (``graph_prompts``:
-``lmiserve bench --ab-option cuda_graph_prompt_tokens=64`` at 32 and 128 streams), fp8 weights, the decode
-paths, overlap scheduling, the step profile, the fp8 KV cache, the decode paths with LoRA adapters, tensor
+decode paths (whether the graphs capture, and what each path gives: before the steps that time servers over
+them), the engine in its own process, steps with prompt tokens in the decode graphs against eager
+(``graph_prompts``: ``lmiserve bench --ab-option cuda_graph_prompt_tokens=64`` at 32 and 128 streams), fp8
+weights, overlap scheduling, the step profile, the fp8 KV cache, the decode paths with LoRA adapters, tensor
 parallelism.
 Every step has a time limit inside ``--budget`` (default 450 s); a step that fails or runs out is
 recorded as such and the next one runs. ``--steps`` runs some of them (`STEP_KEYS`: tests, bench-1b,
-bench-8b, engine-process, graph-prompts, quantized, decode-paths, overlap, step-profile, fp8-kv, lora-paths,
+bench-8b, decode-paths, engine-process, graph-prompts, quantized, overlap, step-profile, fp8-kv, lora-paths,
 tensor-parallel), so a
 session can spend its minutes on what an earlier check left unmeasured. ``summary.json`` and ``summary.md``
 are written however the check ends (its last step timed out, SIGINT or SIGTERM from a device call's
@@ -133,10 +134,10 @@ STEP_KEYS = (
     "tests",
     "bench-1b",
     "bench-8b",
+    "decode-paths",
     "engine-process",
     "graph-prompts",
     "quantized",
-    "decode-paths",
     "overlap",
     "step-profile",
     "fp8-kv",
@@ -306,7 +307,12 @@ def _in_process_bench(script: str, model_dir: Path, scale: Scale) -> list[str]:
             "--device", scale.device, "--dtype", "bf16"]  # fmt: skip
 
 
-def run_step(name: str, command: list[str], log_path: Path, timeout: float, env: dict[str, str]) -> dict[str, Any]:
+def run_step(
+    name: str, command: list[str], log_path: Path, timeout: float, env: dict[str, str], interrupt: bool = False
+) -> dict[str, Any]:
+    """Run one step's `command` for at most `timeout` s, its output in `log_path`; then its process group is
+    stopped (`stop_group`; `interrupt`: SIGINT first, for pytest, which then prints what failed and the
+    counts so far)."""
     _log(f"{name}: {' '.join(command)} (at most {timeout:.0f} s)")
     start = time.monotonic()
     with log_path.open("w") as log:
@@ -324,7 +330,7 @@ def run_step(name: str, command: list[str], log_path: Path, timeout: float, env:
             rc: int | None = proc.wait(timeout=max(timeout, 1))
         except subprocess.TimeoutExpired:
             rc = None
-            stop_group(proc)
+            stop_group(proc, interrupt)
         except BaseException:
             stop_group(proc)
             raise
@@ -348,17 +354,19 @@ def on_stop(signum: int, frame: object) -> None:
     sys.exit(143)
 
 
-def stop_group(proc: subprocess.Popen[bytes]) -> None:
+def stop_group(proc: subprocess.Popen[bytes], interrupt: bool = False) -> None:
     """SIGTERM to a step's process group (a bench and the server it started: each stops cleanly), then
-    SIGKILL to what is left of it after 10 s."""
-    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+    SIGKILL to what is left of it after 10 s. `interrupt`: SIGINT first, 15 s before the SIGTERM (pytest
+    under xdist then writes the failures and the counts of the tests that ran; SIGTERM ends it silent)."""
+    signals = ((signal.SIGINT, 15.0),) if interrupt else ()
+    for sig, grace in (*signals, (signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
             return
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=grace)
-        end = time.monotonic() + (1.0 if sig == signal.SIGTERM else grace)
+        end = time.monotonic() + (grace if sig == signal.SIGKILL else 1.0)
         while time.monotonic() < end:  # the leader has gone: its children finish their own stop, or die
             try:
                 os.killpg(proc.pid, 0)
@@ -861,6 +869,7 @@ def main(argv: list[str] | None = None) -> int:
             # 200 s kept for the steps after it; alone (a second device call: STEPS=tests BUDGET=120) all of it
             min(150.0, left() - (200.0 if chosen - {"tests"} else 10.0)),
             test_env,
+            interrupt=True,  # out of time: pytest still says what failed, and how many ran
         )
         step["counts"] = pytest_counts(out / "pytest-cuda.log")
         summary["steps"].append(step)
@@ -914,6 +923,43 @@ def main(argv: list[str] | None = None) -> int:
         summary["steps"].append(step)
         summary[f"bench_{shape}"] = bench_summary(bench_dir)
 
+    def decode_paths(name: str, entry: str, limit: float, extra: list[str]) -> None:
+        """`benchmarks/decode_paths.py` on the 1B shape (step `name`, report `summary[entry]`)."""
+        if not ready("lora-paths" if extra else "decode-paths", name, limit * 0.6):
+            return
+        stem = name.replace(" ", "-")
+        report = out / f"{stem}.json"
+        command = [
+            sys.executable,
+            str(ROOT / "benchmarks" / "decode_paths.py"),
+            "--model-id",
+            str(model("1b")),
+            "-o",
+            "load_format=dummy",
+            "-o",
+            "dtype=bf16",
+            "-o",
+            scale.pick("kv_cache_memory_bytes=8GiB", "kv_cache_memory_bytes=64MiB"),
+            "--device",
+            scale.device,
+            "--concurrency",
+            scale.pick("1,32", "1,2"),
+            "--max-new-tokens",
+            scale.pick("64", "4"),
+            "--json",
+            str(report),
+            *extra,
+        ]
+        step = run_step(name, command, out / f"{stem}.log", min(limit, left() - 60), env)
+        if report.exists():
+            step["report"] = summary[entry] = json.loads(report.read_text())
+        summary["steps"].append(step)
+
+    # 4a. the decode paths (issue #25): CUDA graphs over the Triton kernel (and the fused element-wise kernels),
+    # the kernel eagerly, torch attention; before the servers' steps, which time what the graphs give: the
+    # shortest of the three that a first call runs, and whether the graphs capture at all
+    decode_paths("decode paths 1b", "decode_paths", 150.0, [])
+
     # 4b. the engine core in its own process (engine_process) against in process: the 1B shape at 32 and 128 streams,
     # the two servers (each 0.44 of the GPU) in turns, tokens/s and each process's CPU a token
     if ready("engine-process", "engine process 1b", 200):
@@ -952,41 +998,6 @@ def main(argv: list[str] | None = None) -> int:
     # on SmolLM2 (benchmarks/quantized_quality.py)
     if wanted("quantized", "quantized"):
         summary["quantized"] = quantized_step(out, env, summary, left, scale)
-
-    def decode_paths(name: str, entry: str, limit: float, extra: list[str]) -> None:
-        """`benchmarks/decode_paths.py` on the 1B shape (step `name`, report `summary[entry]`)."""
-        if not ready("lora-paths" if extra else "decode-paths", name, limit * 0.6):
-            return
-        stem = name.replace(" ", "-")
-        report = out / f"{stem}.json"
-        command = [
-            sys.executable,
-            str(ROOT / "benchmarks" / "decode_paths.py"),
-            "--model-id",
-            str(model("1b")),
-            "-o",
-            "load_format=dummy",
-            "-o",
-            "dtype=bf16",
-            "-o",
-            scale.pick("kv_cache_memory_bytes=8GiB", "kv_cache_memory_bytes=64MiB"),
-            "--device",
-            scale.device,
-            "--concurrency",
-            scale.pick("1,32", "1,2"),
-            "--max-new-tokens",
-            scale.pick("64", "4"),
-            "--json",
-            str(report),
-            *extra,
-        ]
-        step = run_step(name, command, out / f"{stem}.log", min(limit, left() - 60), env)
-        if report.exists():
-            step["report"] = summary[entry] = json.loads(report.read_text())
-        summary["steps"].append(step)
-
-    # 6. the decode paths (issue #25): CUDA graphs over the Triton kernel, the kernel eagerly, torch attention
-    decode_paths("decode paths 1b", "decode_paths", 150.0, [])
 
     # 7. overlap scheduling (issue 39 item 1): the 1B shape's engine with async_scheduling off and on, in turns
     if ready("overlap", "overlap scheduling 1b", 120):

@@ -4,11 +4,13 @@ fast-tier decode-graph step runs under, tests/conftest.py `graph_step_hazards`),
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+import lmiserve
 from helpers.capture_hazards import Hazards, watch
 
 HAZARDS = {
@@ -212,3 +214,47 @@ def test_an_eager_step_with_lora_adapters_never_waits_for_the_device(tiny_model,
     assert all(asyncio.run(run()))
     assert max(adapters) >= 2  # steps of several adapters and the base model
     assert hazards.syncs == [], sorted(set(hazards.syncs))
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl", "qwen3_vl", "gemma3"])
+def test_a_vision_models_steps_never_wait_for_the_device(tiny_vlm_dir, monkeypatch, family):
+    """A VLM's steps run eagerly (transformers' forward over the blocks, on embeddings): the step's image
+    positions and feature rows are found on the host, where each request keeps them, and reach the device
+    without a wait, as its ids and positions (M-RoPE: Qwen2-VL, Qwen3-VL's DeepStack, Gemma 3's both-ways
+    image attention). Only lmiserve's lines are held to it: Qwen3-VL's own DeepStack step indexes by a
+    boolean mask. The encoding at admission waits only where transformers' encoder does (LLaVA and Gemma 3:
+    nowhere)."""
+    import asyncio
+
+    from helpers.vlm_serving import chat, config, image_of, prompt_of, serve
+    from lmiserve.engine.attention import cpu_kernel
+    from lmiserve.engine.runner.generic import PagedGenericRunner
+    from lmiserve.engine.runner.vision import PagedVisionRunner
+    from lmiserve.models.load import load_causal_lm
+
+    monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "torch")
+    monkeypatch.setattr(cpu_kernel, "available", lambda dtype, device: False)  # a GPU's torch attention
+    watched: dict[str, Hazards] = {}
+    for owner, name in ((PagedGenericRunner, "_forward"), (PagedVisionRunner, "_encode")):
+        hazards, original = Hazards(), getattr(owner, name)
+        watched[name] = hazards
+
+        def watching(self, *args, _original=original, _hazards=hazards):  # noqa: ANN001, ANN202
+            return watch(_hazards, _original, self, *args)
+
+        monkeypatch.setattr(owner, name, watching)
+    # on the GPU check's device too (LMISERVE_TEST_DEVICE): there the copies are real
+    loaded = load_causal_lm(tiny_vlm_dir(family), dtype="fp32", device=os.environ.get("LMISERVE_TEST_DEVICE", "cpu"))
+    requests = [
+        (prompt_of(loaded, chat("Describe the picture.")), (image_of(1),)),
+        (prompt_of(loaded, [{"role": "user", "content": [{"type": "text", "text": "Hello there!"}]}]), ()),
+        (prompt_of(loaded, chat("What colour is it?")), (image_of(2, (40, 56)),)),
+    ]
+    results, _ = asyncio.run(serve(loaded, config(max_prefill_tokens=8), requests))  # chunks split images
+    assert all(tokens for tokens, _ in results)
+    ours = {path.name for path in Path(lmiserve.__file__).parent.rglob("*.py")}  # lines are named by file name
+    forward = watched["_forward"].syncs
+    assert [w for w in forward if w[1].split(":")[0] in ours] == [], sorted(set(forward))
+    assert family == "qwen3_vl" or forward == [], sorted(set(forward))
+    if family in ("llava", "gemma3"):
+        assert watched["_encode"].syncs == [], sorted(set(watched["_encode"].syncs))

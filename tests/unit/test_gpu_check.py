@@ -136,3 +136,26 @@ def test_a_sigterm_while_a_step_starts_still_ends_the_steps_process_group(gpu_ch
     assert stopped.value.code == 143
     left = subprocess.run(["pgrep", "-f", "sleep 347"], capture_output=True, text=True, check=False).stdout
     assert left.strip() == "", left
+
+
+def test_engine_tests_out_of_time_still_say_what_failed_and_how_many_ran(gpu_check, tmp_path):
+    """The engine tests' step runs pytest under xdist; out of time, it is interrupted (SIGINT) before it is
+    terminated, so its log ends with the failures so far and the counts the summary reads (a SIGTERM alone
+    ended it silent: a second device call's tests would have said nothing)."""
+    (tmp_path / "test_slow.py").write_text(
+        "import time\n"
+        "import pytest\n\n\n"
+        "@pytest.mark.parametrize('i', range(40))\n"
+        "def test_slow(i):\n"
+        "    time.sleep(0.5)\n"
+        "    assert i != 1, 'the one that fails'\n"
+    )
+    plugins = ["-p", "xdist.plugin", "-p", "no:cacheprovider"]
+    command = [sys.executable, "-m", "pytest", "-q", *plugins, "-n", "2", "-rf", str(tmp_path / "test_slow.py")]
+    env = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    step = gpu_check.run_step("slow tests", command, tmp_path / "slow.log", 8, env, interrupt=True)
+    assert step["timed_out"]
+    log = (tmp_path / "slow.log").read_text()
+    assert "AssertionError: the one that fails" in log and "FAILED " in log and "test_slow[1]" in log, log[-3000:]
+    counts = gpu_check.pytest_counts(tmp_path / "slow.log")
+    assert counts.get("failed") == 1 and 0 < counts.get("passed", 0) < 39, (counts, log[-2000:])

@@ -26,8 +26,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
+from lmiserve.engine import host_copy
 from lmiserve.engine.attention.backends import AttentionBackend
 from lmiserve.engine.attention.kv_quant import KvFormat
 from lmiserve.engine.core.step import StepBatch, StepOutput
@@ -53,7 +55,7 @@ def is_vision_model(model: PreTrainedModel) -> bool:
 class ImageFeatures:
     """A request's image features as the runner keeps them (its state's `images`)."""
 
-    rows: torch.Tensor  # [prompt tokens] the feature row of each prompt position, -1 for a text token
+    rows: np.ndarray  # [prompt tokens] the feature row of each prompt position, -1 for a text token (host)
     features: torch.Tensor  # [image tokens, hidden], in prompt order
     deepstack: list[torch.Tensor] | None  # Qwen3-VL: a [image tokens, hidden] a DeepStack layer
     mrope: torch.Tensor | None  # [3, prompt tokens]: M-RoPE positions (None: the model has none)
@@ -104,20 +106,25 @@ class PagedVisionRunner(PagedGenericRunner):
 
     def _encode(self, prompt_ids: list[int], images: ImageInputs) -> ImageFeatures:
         dev, dtype = self.device, self.model.dtype
-        tensors = {
-            k: torch.from_numpy(v).to(dev, dtype if v.dtype.kind == "f" else None) for k, v in images.tensors.items()
+        tensors = {  # copied without a wait; a float converted on the device
+            k: host_copy.to_device(v, dev).to(dtype if v.dtype.kind == "f" else None) for k, v in images.tensors.items()
         }
         out = self.inner.get_image_features(**_named(self.inner.get_image_features, tensors), return_dict=True)
         features = _flat(out.pooler_output)
-        ids = torch.tensor(prompt_ids, device=dev)
-        is_image = ids == images.image_token_id
+        # which prompt positions take which feature row: counted on the host, where the prompt is (a count on
+        # the device would make the host wait for the encoder and all queued before it)
+        is_image = np.asarray(prompt_ids) == images.image_token_id
         if int(is_image.sum()) != features.shape[0]:
             raise ValueError(f"{int(is_image.sum())} image tokens for {features.shape[0]} image features")
-        rows = torch.where(is_image, torch.cumsum(is_image, 0) - 1, -1)
+        rows = np.where(is_image, np.cumsum(is_image) - 1, -1)
         deepstack = getattr(out, "deepstack_features", None) if self.deepstack else None
         mrope, delta = None, 0
         if self.mrope:
-            given = {**tensors, "mm_token_type_ids": tensors.get("mm_token_type_ids", is_image.int()[None])}
+            ids = host_copy.to_device(prompt_ids, dev)
+            types = tensors.get("mm_token_type_ids")
+            if types is None:
+                types = host_copy.to_device(is_image.astype(np.int32)[None], dev)
+            given = {**tensors, "mm_token_type_ids": types}
             positions, deltas = self.inner.get_rope_index(ids[None], **_named(self.inner.get_rope_index, given))
             mrope, delta = positions[:, 0].to(dev), int(deltas.reshape(-1)[0])
         return ImageFeatures(
@@ -155,38 +162,44 @@ class PagedVisionRunner(PagedGenericRunner):
         if not self._step:  # the start-up probes: text
             return super()._model_inputs(ids, positions, spans)
         dev = self.device
-        tokens = torch.tensor(ids, device=dev)
-        at: list[torch.Tensor] = []  # the step's image-token indexes, row after row
-        take: list[tuple[ImageFeatures, torch.Tensor]] = []  # and their feature rows
+        # the step's image-token positions and their feature rows, found on the host (each request keeps its
+        # rows there): one copy of each to the device, none waited for
+        at: list[np.ndarray] = []  # the step's image-token indexes, row after row
+        take: list[tuple[ImageFeatures, np.ndarray]] = []  # and their feature rows
         for state, (first, count, start, _) in zip(self._step, spans):
             features = state.images
             if features is None:
                 continue
-            end = min(start + count, features.rows.numel())
-            if end <= start:
-                continue
-            found = features.rows[start:end]
-            hit = (found >= 0).nonzero().squeeze(1)
-            if hit.numel():
+            found = features.rows[start : start + count]
+            hit = np.flatnonzero(found >= 0)
+            if hit.size:
                 at.append(first + hit)
                 take.append((features, found[hit]))
-        index = torch.cat(at) if at else None
-        if index is not None:
-            tokens[index] = 0  # its embedding is replaced (an image token may lie outside the vocabulary)
+        host_ids = np.array(ids, dtype=np.int64)
+        index = None
+        take_rows: list[tuple[ImageFeatures, torch.Tensor]] = []
+        if at:
+            where = np.concatenate(at)
+            host_ids[where] = 0  # its embedding is replaced (an image token may lie outside the vocabulary)
+            both = host_copy.to_device(np.stack([where, np.concatenate([r for _, r in take])]), dev)
+            index = both[0]
+            starts = np.cumsum([0] + [len(r) for _, r in take])  # each request's part of the feature rows
+            take_rows = [(f, both[1, a:b]) for (f, _), a, b in zip(take, starts[:-1], starts[1:])]
+        tokens = host_copy.to_device(host_ids, dev)
         embeds = self.model.get_input_embeddings()(tokens[None])
         inputs: dict[str, Any] = {"inputs_embeds": embeds}
         if index is not None:
-            embeds[0, index] = torch.cat([f.features[r] for f, r in take]).to(embeds.dtype)
+            embeds[0, index] = torch.cat([f.features[r] for f, r in take_rows]).to(embeds.dtype)
         if self.deepstack:
             inputs["visual_pos_masks"] = None
             inputs["deepstack_visual_embeds"] = None
             if index is not None:
                 mask = torch.zeros(1, len(ids), dtype=torch.bool, device=dev)
                 mask[0, index] = True
-                layers = len(take[0][0].deepstack or [])
+                layers = len(take_rows[0][0].deepstack or [])
                 inputs["visual_pos_masks"] = mask
                 inputs["deepstack_visual_embeds"] = [
-                    torch.cat([f.deepstack[layer][r] for f, r in take if f.deepstack]).to(embeds.dtype)
+                    torch.cat([f.deepstack[layer][r] for f, r in take_rows if f.deepstack]).to(embeds.dtype)
                     for layer in range(layers)
                 ]
         inputs["position_ids"] = self._positions(positions, spans)
@@ -195,7 +208,7 @@ class PagedVisionRunner(PagedGenericRunner):
     def _positions(self, positions: list[int], spans: list[Span]) -> torch.Tensor:
         """``[1, tokens]``; with M-RoPE ``[4, 1, tokens]``: the 1-D positions, then the three M-RoPE rows
         (an image prompt's from `get_rope_index`, past its prompt position + its delta; text: the 1-D)."""
-        flat = torch.tensor(positions, device=self.device)
+        flat = host_copy.to_device(positions, self.device)
         if not self.mrope:
             return flat[None]
         three = flat[None].repeat(3, 1)
