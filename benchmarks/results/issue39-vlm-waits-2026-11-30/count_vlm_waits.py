@@ -1,9 +1,9 @@
 """How often a vision-language model's step makes the host wait for the device (a blocking copy to it, a
 value read back), counted on a CPU with tests/helpers/capture_hazards.py (issue #39, 2026-11-30).
 
-Run from a checkout's root; HAZARDS_HELPER names the helper to count with (default this checkout's):
+Run from a checkout's root (one that has the helper: `12d3f94` on, for the figures before):
 
-    HAZARDS_HELPER=/path/to/tests/helpers/capture_hazards.py PYTHONPATH=. python count_vlm_waits.py [FAMILY ...]
+    PYTHONPATH=. python benchmarks/results/issue39-vlm-waits-2026-11-30/count_vlm_waits.py [FAMILY ...]
 
 Each family's tiny random VLM (tests/helpers/tiny_vlm.py), three requests (two with an image, one text)
 served together with prompt chunks of 8 tokens (a chunk boundary inside an image), the torch attention
@@ -16,19 +16,14 @@ own, or transformers'.
 
 import asyncio
 import collections
-import importlib.util
 import os
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, "tests")
-helper = os.environ.get("HAZARDS_HELPER", "tests/helpers/capture_hazards.py")
-spec = importlib.util.spec_from_file_location("hazards_helper", helper)
-ch = importlib.util.module_from_spec(spec)
-sys.modules["hazards_helper"] = ch
-spec.loader.exec_module(ch)
 
+from helpers import capture_hazards as ch  # noqa: E402
 from helpers.tiny_vlm import FAMILIES, TinyVlmDirs  # noqa: E402
 from helpers.vlm_serving import chat, config, image_of, prompt_of, serve  # noqa: E402
 from lmiserve.engine.attention import cpu_kernel  # noqa: E402
