@@ -385,3 +385,22 @@ def test_a_row_that_fails_gets_its_exception_and_the_others_are_sampled():
     assert isinstance(results[2], IndexError)
     assert all(isinstance(r, SampleResult) for i, r in enumerate(results) if i != 2)
     assert isinstance(results[0], SampleResult) and results[0].token_id == int(logits[0].argmax())
+
+
+# --- a CPU's top_p (a real vocabulary: more than the 8,192 tokens its candidates look at) ------------------
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0, 4.0, 8.0], ids=["flat", "spread", "peaked", "sharp"])
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99])
+def test_top_p_from_the_likeliest_tokens_keeps_what_transformers_keeps(scale, top_p):
+    """On a CPU top_p looks at the likeliest 256, then 8,192 tokens before it sorts the vocabulary (the sort
+    costs ~5 ms a token at 49,152 tokens): the warped logits are transformers' `TopPLogitsWarper`'s bit for
+    bit (so a seed draws the same token as with the sort), whether the nucleus holds a few tokens,
+    thousands or most of the vocabulary (then the sort itself)."""
+    warper = TopPLogitsWarper(top_p)
+    for seed in range(5):
+        logits = logits_row(seed, vocab=49152, scale=scale)
+        ours = warp(logits.clone(), SamplingParams(do_sample=True, top_p=top_p))
+        theirs = warper(None, logits[None].clone())[0]
+        assert kept(ours) == kept(theirs), seed
+        assert torch.equal(ours, theirs), seed
