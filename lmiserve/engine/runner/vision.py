@@ -183,8 +183,8 @@ class PagedVisionRunner(PagedGenericRunner):
             host_ids[where] = 0  # its embedding is replaced (an image token may lie outside the vocabulary)
             both = host_copy.to_device(np.stack([where, np.concatenate([r for _, r in take])]), dev)
             index = both[0]
-            starts = np.cumsum([0] + [len(r) for _, r in take])  # each request's part of the feature rows
-            take_rows = [(f, both[1, a:b]) for (f, _), a, b in zip(take, starts[:-1], starts[1:])]
+            parts = torch.split(both[1], [len(r) for _, r in take])  # each request's part of the feature rows
+            take_rows = [(f, part) for (f, _), part in zip(take, parts)]
         tokens = host_copy.to_device(host_ids, dev)
         embeds = self.model.get_input_embeddings()(tokens[None])
         inputs: dict[str, Any] = {"inputs_embeds": embeds}
