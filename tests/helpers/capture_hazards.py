@@ -40,6 +40,10 @@ T = TypeVar("T")
 # (`item` and `is_nonzero` where inference mode keeps them whole, `_local_scalar_dense` otherwise)
 _SYNC_OPS = ("_local_scalar_dense", "item", "is_nonzero", "nonzero", "nonzero_static", "masked_select", "_unique2")
 _SYNC_OPS += ("unique_dim", "unique_consecutive")
+# `multinomial` reads two values of its input on the host before it draws (torch's one-sample path, ATen's
+# Distributions.cpp: "probability tensor contains either `inf`, `nan` or element < 0", "sum of probabilities
+# <= 0"), inside its kernel, where the watch does not see them
+_SYNC_OPS += ("multinomial",)
 # torch functions that read a value on the host or copy to the host
 _READS = {"item", "__bool__", "__int__", "__float__", "__index__", "tolist", "numpy", "cpu"}
 _MADE = {"tensor", "as_tensor"}  # a tensor of host data (with a device: also a blocking copy there)

@@ -3,10 +3,14 @@
 `sample_rows` samples every row of a step together: the rows that need no processing (greedy, no
 penalty, no grammar: the common case) in one batched argmax, the others each processed on the device,
 and the tokens, their logprobs and the top-N of the whole step come back to the host in ONE transfer
-(on a GPU a sync a row is what a step of many rows would wait on). Every sequence has its own
+(on a GPU a sync a row is what a step of many rows would wait on). Nothing else makes the host wait for
+the device: the ids a row's processing needs are copied without a wait (engine/host_copy.py), and the
+sampled rows are drawn together as `torch.multinomial` draws one token (an exponential variate a token,
+the row's probabilities divided by them, the argmax) without its two reads of the row's values on the
+host; a row that cannot be drawn from is flagged in the step's one transfer. Every sequence has its own
 `torch.Generator` seeded from its seed, so a seeded request samples the same tokens whatever else is
-in the batch. Reported logprobs are the model's own distribution (log-softmax of the raw logits), as
-TGI and vLLM report them.
+in the batch (and the tokens `torch.multinomial` drew with the same generator). Reported logprobs are
+the model's own distribution (log-softmax of the raw logits), as TGI and vLLM report them.
 
 A row is processed in vLLM's order: `logit_bias` added, `bad_words` banned, the penalties (repetition:
 multiplicative over prompt and output; presence and frequency: additive over the output, OpenAI's
@@ -15,14 +19,16 @@ definition), `min_new_tokens` (EOS and stop ids banned), then the warpers when s
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from lmiserve.core.request import SamplingParams
 from lmiserve.engine.core.step import PromptScores, SampleResult
-
-_NEG_INF = float("-inf")
+from lmiserve.engine.host_copy import to_device
+from lmiserve.engine.runner.row_threads import each_row
+from lmiserve.engine.runner.warpers import NEG_INF, warp, warp_rows
 
 
 def needs_processing(params: SamplingParams) -> bool:
@@ -46,8 +52,8 @@ def plain_greedy(params: SamplingParams) -> bool:
 def apply_bias(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """OpenAI's `logit_bias`: each value added to its token's logit (in place)."""
     if params.logit_bias:
-        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=logits.device)
-        logits[ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+        ids = to_device(list(params.logit_bias), logits.device)
+        logits[ids] += to_device(list(params.logit_bias.values()), logits.device, logits.dtype)
     return logits
 
 
@@ -66,65 +72,16 @@ def apply_penalties(
     logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]
 ) -> torch.Tensor:
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits.device)
+        seen = to_device(sorted(set(prompt_ids) | set(output_ids)), logits.device)
         scores = logits[seen]
         logits[seen] = torch.where(scores > 0, scores / params.repetition_penalty, scores * params.repetition_penalty)
     if output_ids and (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0):
-        ids, counts = torch.unique(torch.tensor(output_ids, device=logits.device), return_counts=True)
-        logits[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(logits.dtype)
+        counts = Counter(output_ids)  # on the host: `torch.unique` on the device would wait for it
+        ids = to_device(list(counts), logits.device)
+        logits[ids] -= params.presence_penalty + params.frequency_penalty * to_device(
+            list(counts.values()), logits.device, logits.dtype
+        )
     return logits
-
-
-def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """temperature, top_k, top_p, min_p, typical_p (in the order transformers applies them)."""
-    if params.temperature != 1.0:
-        logits = logits / params.temperature
-    # extreme temperatures or penalties overflow to inf: keep the ranking, stay finite
-    logits = torch.nan_to_num(logits, nan=_NEG_INF, posinf=torch.finfo(logits.dtype).max)
-    if 0 < params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, _NEG_INF)
-    if params.top_p < 1.0:
-        logits = _top_p(logits, params.top_p)
-    if params.min_p > 0.0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < params.min_p * probs.max(), _NEG_INF)
-    if params.typical_p < 1.0:
-        logp = logits.log_softmax(-1)
-        entropy = -(logp.exp() * logp).nansum()
-        shifted = (-logp - entropy).abs()
-        sorted_shift, order = torch.sort(shifted)
-        cumulative = logits.softmax(-1)[order].cumsum(-1)
-        last = min(int((cumulative < params.typical_p).sum()), logits.shape[-1] - 1)
-        remove = sorted_shift > sorted_shift[last]
-        logits = logits.masked_fill(remove.scatter(0, order, remove), _NEG_INF)
-    return logits
-
-
-def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """transformers' `TopPLogitsWarper`: the likeliest tokens whose probabilities, the less likely ones first,
-    add up to more than ``1 - top_p`` are kept (the likeliest always). On a GPU by its ascending sort of the
-    whole vocabulary; on a CPU, where that sort costs ~5 ms a token at 49,152 tokens, from the likeliest
-    tokens only (`topk` of 256, then of 8,192, until the kept ones end inside them; else the sort): a token
-    is kept while the tokens likelier than it hold less than `top_p` (in float64). The 8,192 are skipped
-    where the 256 show that they cannot hold the nucleus (a flat distribution: the sort at once)."""
-    if logits.device.type == "cpu" and logits.shape[-1] > 8192:
-        probs = logits.to(torch.float64).softmax(-1)
-        for k in (256, 8192):
-            top, ids = torch.topk(probs, k)  # sorted, the likeliest first
-            before = top.cumsum(-1) - top  # what the tokens likelier than each hold
-            kept = max(int((before < top_p).sum()), 1)
-            if kept < k:
-                keep = ids[:kept]
-                return torch.full_like(logits, _NEG_INF).index_copy_(0, keep, logits[keep])
-            held, least = float(before[-1] + top[-1]), float(top[-1])
-            if k == 256 and least > 0 and k + (top_p - held) / least > 8192:
-                break  # the tokens after these hold at most `least` each: the nucleus is longer than 8,192
-    sorted_logits, order = torch.sort(logits, descending=False)
-    cumulative = sorted_logits.softmax(-1).cumsum(-1)
-    remove = cumulative <= (1 - top_p)
-    remove[-1] = False
-    return logits.masked_fill(remove.scatter(0, order, remove), _NEG_INF)
 
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:
@@ -146,27 +103,140 @@ class Row:
     masked: torch.Tensor | None = None
 
 
-def _choose(logits: torch.Tensor, row: Row) -> torch.Tensor:
-    """The chosen token of a row that needs processing or is masked, as a 0-d tensor on the device (no
-    transfer to the host)."""
+def _processed(logits: torch.Tensor, row: Row) -> torch.Tensor:
+    """A row that needs processing: its logits (or its `masked` copy) biased, its bad words banned,
+    penalized and, before `min_new_tokens`, its EOS and stop ids banned (a new tensor, on the device)."""
     params, source = row.params, (logits if row.masked is None else row.masked)
-    if not needs_processing(params):
-        return source.argmax()
     processed = apply_bias(source.clone(), params)
     words = banned_words(params, row.output_ids) if params.bad_words_ids else []
     if words:
-        processed[words] = _NEG_INF
+        processed[to_device(words, processed.device)] = NEG_INF
     processed = apply_penalties(processed, params, row.prompt_ids, row.output_ids)
-    processed = torch.nan_to_num(processed, nan=_NEG_INF, posinf=torch.finfo(processed.dtype).max)
+    processed = torch.nan_to_num(processed, nan=NEG_INF, posinf=torch.finfo(processed.dtype).max)
     if row.banned_ids and len(row.output_ids) < params.min_new_tokens:
-        kept = processed[row.banned_ids]
-        processed[row.banned_ids] = _NEG_INF
-        if row.masked is not None and not bool(torch.isfinite(processed).any()):
-            processed[row.banned_ids] = kept  # the grammar allows nothing but ending
-    if params.do_sample:
-        probs = warp(processed, params).softmax(-1)
-        return torch.multinomial(probs, 1, generator=row.generator)[0]
-    return processed.argmax()
+        ids = to_device(row.banned_ids, processed.device)
+        kept = processed[ids]
+        processed[ids] = NEG_INF
+        if row.masked is not None:  # where the grammar allows nothing but ending, it may end (on the device)
+            processed[ids] = torch.where(torch.isfinite(processed).any(), processed[ids], kept)
+    return processed
+
+
+def _processes(row: Row) -> bool:
+    """Whether a sampled row needs more than its warpers (`_processed` of a row that does not is its
+    logits made finite)."""
+    params = row.params
+    return (
+        row.masked is not None
+        or bool(params.logit_bias)
+        or bool(params.bad_words_ids)
+        or params.repetition_penalty != 1.0
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+        or bool(row.banned_ids and len(row.output_ids) < params.min_new_tokens)
+    )
+
+
+def _at_once(device: torch.device) -> bool:
+    """Whether a step's sampled rows go through their warpers and their draw together (a GPU: a few
+    launches a step), or each row alone from its logits to its token (a CPU: a row's passes over the
+    vocabulary stay in the core's cache, where the step's rows together do not, and the rows go over the
+    engine's threads). 128 rows of 49,152 tokens at temperature 0.7 on an AMD EPYC: 227 ms a step each
+    alone against 270 at once on one thread, 147 against 214 on two
+    (benchmarks/results/issue39-sampled-syncs-2026-11-30/cpu_paths.py)."""
+    return device.type != "cpu"
+
+
+Sampled = tuple[list[int], torch.Tensor, torch.Tensor]  # the rows drawn, their tokens, whether undrawable
+
+
+def _none_drawn(logits: torch.Tensor) -> Sampled:
+    return [], logits.new_empty(0, dtype=torch.long), logits.new_empty(0, dtype=torch.bool)
+
+
+def _sampled_row_by_row(
+    logits: torch.Tensor, rows: list[Row], where: list[int], results: list[SampleResult | Exception | None]
+) -> Sampled:
+    """The sampled rows `where`, each alone (`_at_once`); a row that raises gets its error in `results`."""
+    out: list[tuple[torch.Tensor, torch.Tensor] | Exception | None] = [None] * len(where)
+
+    def one(n: int) -> None:
+        row = rows[where[n]]
+        try:
+            probs = warp(_processed(logits[where[n]], row), row.params).softmax(-1)
+            out[n] = _draw(probs[None], [row.generator])
+        except Exception as exc:  # noqa: BLE001 - this row fails, the step goes on
+            out[n] = exc
+
+    generators = [rows[i].generator for i in where]
+    if None in generators or len(set(map(id, generators))) < len(generators):
+        for n in range(len(where)):  # a generator drawn from twice: in order
+            one(n)
+    else:
+        each_row(one, len(where))
+    drawn = [(where[n], result) for n, result in enumerate(out) if isinstance(result, tuple)]
+    for n, result in enumerate(out):
+        if not isinstance(result, tuple):
+            results[where[n]] = result
+    if not drawn:
+        return _none_drawn(logits)
+    return (
+        [i for i, _ in drawn],
+        torch.cat([token for _, (token, _) in drawn]),
+        torch.cat([bad for _, (_, bad) in drawn]),
+    )
+
+
+def _sampled_at_once(
+    logits: torch.Tensor, rows: list[Row], where: list[int], results: list[SampleResult | Exception | None]
+) -> Sampled:
+    """The sampled rows `where` together (`_at_once`): each processed where it needs more than its
+    warpers, then the warpers and the draw of all of them at once."""
+    drawn: list[torch.Tensor | int] = []  # a processed row's logits; a plain row's index
+    kept = []
+    for i in where:
+        try:
+            drawn.append(_processed(logits[i], rows[i]) if _processes(rows[i]) else i)
+            kept.append(i)
+        except Exception as exc:  # noqa: BLE001 - this row fails, the step goes on
+            results[i] = exc
+    if not kept:
+        return _none_drawn(logits)
+    try:
+        probs = warp_rows(_stacked(logits, drawn), [rows[i].params for i in kept]).softmax(-1)
+        return (kept, *_draw(probs, [rows[i].generator for i in kept]))
+    except Exception as exc:  # noqa: BLE001 - the sampled rows fail, the step goes on
+        for i in kept:
+            results[i] = exc
+        return _none_drawn(logits)
+
+
+def _stacked(logits: torch.Tensor, drawn: list[torch.Tensor | int]) -> torch.Tensor:
+    """The sampled rows' logits before their warpers, in order: a processed row as `_processed` made it, a
+    plain one (an index into `logits`) made finite as `_processed` makes it, all of them at once."""
+    plain = [i for i in drawn if isinstance(i, int)]
+    if len(plain) == len(drawn) and plain == list(range(len(logits))):
+        finite = logits  # the whole step samples plainly: no gather
+    else:
+        finite = logits.index_select(0, to_device(plain, logits.device)) if plain else logits[:0]
+    finite = torch.nan_to_num(finite, nan=NEG_INF, posinf=torch.finfo(logits.dtype).max)
+    if len(plain) == len(drawn):
+        return finite
+    rows = iter(finite)
+    return torch.stack([next(rows) if isinstance(row, int) else row for row in drawn])
+
+
+def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of each row of `probs` drawn with its generator, and whether the row could not be drawn
+    from (a value not finite or negative, or all zero), both on the device. `torch.multinomial`'s draw of
+    one token (an exponential variate a token from the generator, the probabilities divided by them, the
+    argmax: the same tokens for the same generator), without its two reads of the values on the host."""
+    noise = torch.empty_like(probs)
+    for row_noise, generator in zip(noise, generators):
+        row_noise.exponential_(generator=generator)
+    total = probs.sum(-1)  # NaN with a NaN, inf with an inf: two passes, as multinomial's checks
+    valid = (total > 0) & (total < float("inf")) & (probs.amin(-1) >= 0)
+    return probs.div(noise).argmax(-1), ~valid
 
 
 def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
@@ -187,19 +257,33 @@ def sample_rows(logits: torch.Tensor, rows: list[Row]) -> list[SampleResult | Ex
     results: list[SampleResult | Exception | None] = [None] * len(rows)
     if not rows:
         return []
-    special = [i for i, row in enumerate(rows) if row.masked is not None or needs_processing(row.params)]
     logprobs = logits.log_softmax(-1)
     tokens = logits.argmax(-1)  # every row's greedy pick; rows that need more are replaced below
-    if special:
-        picked, where = [], []
-        for i in special:
-            try:
-                picked.append(_choose(logits[i], rows[i]))
+    picked, where = [], []  # processed greedy rows' tokens, and where they go
+    drawn_where: list[int] = []  # the sampled rows
+    for i, row in enumerate(rows):
+        if row.masked is None and not needs_processing(row.params):
+            continue
+        try:
+            if not needs_processing(row.params):
+                picked.append(row.masked.argmax())  # type: ignore[union-attr]
                 where.append(i)
-            except Exception as exc:  # noqa: BLE001 - this row fails, the step goes on
-                results[i] = exc
-        if picked:
-            tokens = tokens.index_put((torch.tensor(where, device=tokens.device),), torch.stack(picked))
+            elif row.params.do_sample:
+                drawn_where.append(i)  # drawn below
+            else:
+                picked.append(_processed(logits[i], row).argmax())
+                where.append(i)
+        except Exception as exc:  # noqa: BLE001 - this row fails, the step goes on
+            results[i] = exc
+    undrawable = None
+    if drawn_where:
+        sampled = _sampled_at_once if _at_once(logits.device) else _sampled_row_by_row
+        drawn_where, draws, undrawable = sampled(logits, rows, drawn_where, results)
+        if drawn_where:
+            picked.append(draws)
+    if picked:
+        values = torch.cat([pick.view(-1) for pick in picked])
+        tokens = tokens.index_put((to_device(where + drawn_where, tokens.device),), values)
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
     top_n = max(row.params.top_n_tokens for row in rows)
     parts = [tokens.to(torch.float64), chosen.to(torch.float64)]
@@ -207,8 +291,13 @@ def sample_rows(logits: torch.Tensor, rows: list[Row]) -> list[SampleResult | Ex
         top_n = min(top_n, logprobs.shape[-1])
         values, ids = torch.topk(logprobs, top_n)
         parts += [ids.to(torch.float64).flatten(), values.to(torch.float64).flatten()]
+    if undrawable is not None:
+        parts.append(undrawable.to(torch.float64))
     host = torch.cat(parts).tolist()  # the one transfer of the step (ids are exact in float64)
     count = len(rows)
+    for n, i in enumerate(drawn_where):
+        if host[len(host) - len(drawn_where) + n]:
+            results[i] = ValueError("no token can be drawn: every token's probability is zero or not finite")
     for i, row in enumerate(rows):
         if results[i] is not None:
             continue
