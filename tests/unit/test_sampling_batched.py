@@ -124,19 +124,36 @@ def test_each_row_of_a_step_samples_as_it_would_alone(vocab, at_once, two_thread
     """On a CPU, bit for bit: a seeded request samples the same tokens whatever else is in its step (at
     12,000 tokens a CPU's `top_p` goes row by row, at 512 the rows sort together), on both paths: a CPU's
     (each row alone, over two threads) and a GPU's (the rows at once). Rows in random mixes, logits with a
-    NaN, an inf and a -inf among them, in the engine's inference mode."""
+    NaN, an inf and a -inf among them, constrained rows among them, in the engine's inference mode."""
     rng = random.Random(vocab)
     for trial in range(6):
         count = rng.randint(1, 24)
         options = [rng.choice(OPTIONS) for _ in range(count)]
         logits = torch.randn(count, vocab, generator=torch.Generator().manual_seed(trial)) * rng.choice((1, 4))
         logits[0, 1], logits[-1, 2], logits[count // 2, 6] = float("nan"), float("inf"), float("-inf")
+        # constrained rows: a grammar's mask, and one that allows only the ids `min_new_tokens` bans
+        masks = {j: logits[j].masked_fill(torch.rand(vocab) < 0.9, float("-inf")) for j in range(1, count, 4)}
+        for j in range(3, count, 7):
+            options[j] = {"do_sample": j % 2 == 1, "min_new_tokens": 10, "top_p": 0.5}
+            masks[j] = torch.full((vocab,), float("-inf")).index_copy_(0, torch.tensor([0, 5]), logits[j, [0, 5]])
+
+        def rows_of(j: int, o: dict, trial: int = trial, masks: dict = masks) -> Row:
+            row = _row(o, trial * 100 + j)
+            row.masked = masks.get(j)
+            return row
+
         monkeypatch.setattr(sampling, "_at_once", lambda device: at_once)
         with torch.inference_mode():
-            together = sample_rows(logits, [_row(o, trial * 100 + j) for j, o in enumerate(options)])
+            together = sample_rows(logits, [rows_of(j, o) for j, o in enumerate(options)])
         monkeypatch.setattr(sampling, "_at_once", lambda device: False)
-        alone = [sample_rows(logits[j : j + 1], [_row(o, trial * 100 + j)])[0] for j, o in enumerate(options)]
+        alone = [sample_rows(logits[j : j + 1], [rows_of(j, o)])[0] for j, o in enumerate(options)]
         assert repr(together) == repr(alone), (trial, options)  # (a row with a NaN logit: a NaN logprob)
+        for j in range(3, count, 7):  # nothing but the banned ids allowed: the row may end
+            assert together[j].token_id in (0, 5)  # type: ignore[union-attr]
+        specs = [rows_of(j, o) for j, o in enumerate(options)]
+        processed = sampling._processed_rows(logits, specs, list(range(count)))
+        for j, row in enumerate(specs):  # the processing itself, bit for bit
+            assert torch.equal(processed[j], sampling._processed(logits[j], row)), (trial, options[j])
         params = [SamplingParams(**o) for o in options]
         warped = warp_rows(torch.nan_to_num(logits, nan=float("-inf")), params)
         for row, p, out in zip(torch.nan_to_num(logits, nan=float("-inf")), params, warped):

@@ -112,7 +112,8 @@ def _processed(logits: torch.Tensor, row: Row) -> torch.Tensor:
     if words:
         processed[to_device(words, processed.device)] = NEG_INF
     processed = apply_penalties(processed, params, row.prompt_ids, row.output_ids)
-    processed = torch.nan_to_num(processed, nan=NEG_INF, posinf=torch.finfo(processed.dtype).max)
+    # penalties may overflow to inf: keep the ranking, stay finite; a token already removed stays removed
+    processed = torch.nan_to_num(processed, nan=NEG_INF, posinf=torch.finfo(processed.dtype).max, neginf=NEG_INF)
     if row.banned_ids and len(row.output_ids) < params.min_new_tokens:
         ids = to_device(row.banned_ids, processed.device)
         kept = processed[ids]
@@ -120,21 +121,6 @@ def _processed(logits: torch.Tensor, row: Row) -> torch.Tensor:
         if row.masked is not None:  # where the grammar allows nothing but ending, it may end (on the device)
             processed[ids] = torch.where(torch.isfinite(processed).any(), processed[ids], kept)
     return processed
-
-
-def _processes(row: Row) -> bool:
-    """Whether a sampled row needs more than its warpers (`_processed` of a row that does not is its
-    logits made finite)."""
-    params = row.params
-    return (
-        row.masked is not None
-        or bool(params.logit_bias)
-        or bool(params.bad_words_ids)
-        or params.repetition_penalty != 1.0
-        or params.presence_penalty != 0.0
-        or params.frequency_penalty != 0.0
-        or bool(row.banned_ids and len(row.output_ids) < params.min_new_tokens)
-    )
 
 
 def _at_once(device: torch.device) -> bool:
@@ -190,40 +176,70 @@ def _sampled_row_by_row(
 def _sampled_at_once(
     logits: torch.Tensor, rows: list[Row], where: list[int], results: list[SampleResult | Exception | None]
 ) -> Sampled:
-    """The sampled rows `where` together (`_at_once`): each processed where it needs more than its
-    warpers, then the warpers and the draw of all of them at once."""
-    drawn: list[torch.Tensor | int] = []  # a processed row's logits; a plain row's index
-    kept = []
-    for i in where:
-        try:
-            drawn.append(_processed(logits[i], rows[i]) if _processes(rows[i]) else i)
-            kept.append(i)
-        except Exception as exc:  # noqa: BLE001 - this row fails, the step goes on
-            results[i] = exc
-    if not kept:
-        return _none_drawn(logits)
+    """The sampled rows `where` together (`_at_once`): their processing, their warpers and their draw, each
+    at once for all of them (a row's error fails them all)."""
     try:
-        probs = warp_rows(_stacked(logits, drawn), [rows[i].params for i in kept]).softmax(-1)
-        return (kept, *_draw(probs, [rows[i].generator for i in kept]))
+        probs = warp_rows(_processed_rows(logits, rows, where), [rows[i].params for i in where]).softmax(-1)
+        return (where, *_draw(probs, [rows[i].generator for i in where]))
     except Exception as exc:  # noqa: BLE001 - the sampled rows fail, the step goes on
-        for i in kept:
+        for i in where:
             results[i] = exc
         return _none_drawn(logits)
 
 
-def _stacked(logits: torch.Tensor, drawn: list[torch.Tensor | int]) -> torch.Tensor:
-    """The sampled rows' logits before their warpers, in order: a processed row as `_processed` made it, a
-    plain one (an index into `logits`) made finite as `_processed` makes it, all of them at once."""
-    plain = [i for i in drawn if isinstance(i, int)]
-    if len(plain) == len(drawn) and plain == list(range(len(logits))):
-        finite = logits  # the whole step samples plainly: no gather
-    else:
-        finite = logits.index_select(0, to_device(plain, logits.device)) if plain else logits[:0]
-    finite = torch.nan_to_num(finite, nan=NEG_INF, posinf=torch.finfo(logits.dtype).max)
-    if len(plain) == len(drawn):
-        return finite
-    rows = iter(finite)
-    return torch.stack([next(rows) if isinstance(row, int) else row for row in drawn])
+def _processed_rows(logits: torch.Tensor, rows: list[Row], where: list[int]) -> torch.Tensor:
+    """`_processed` of the rows `where` (a row that needs none: its logits made finite), all at once: each
+    step of the processing one indexed op over the (row, token) pairs of every row that has it."""
+    base = logits.index_select(0, to_device(where, logits.device))
+    masks = {j: mask for j, i in enumerate(where) if (mask := rows[i].masked) is not None}  # a grammar's rows
+    masked = list(masks)
+    if masked:
+        base[to_device(masked, base.device)] = torch.stack(list(masks.values()))
+
+    def pairs(per_row: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        at = [j for j, ids in enumerate(per_row) for _ in ids]
+        return to_device(at, base.device), to_device([t for ids in per_row for t in ids], base.device)
+
+    def values(per_row: list[list[float]]) -> torch.Tensor:
+        return to_device([v for vs in per_row for v in vs], base.device, base.dtype)
+
+    params = [rows[i].params for i in where]
+    if any(p.logit_bias for p in params):
+        at = pairs([list(p.logit_bias) for p in params])
+        base[at] += values([list(p.logit_bias.values()) for p in params])
+    words = [banned_words(rows[i].params, rows[i].output_ids) if rows[i].params.bad_words_ids else [] for i in where]
+    if any(words):
+        base[pairs(words)] = NEG_INF
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = [
+            sorted(set(rows[i].prompt_ids) | set(rows[i].output_ids)) if p.repetition_penalty != 1.0 else []
+            for i, p in zip(where, params)
+        ]
+        at, penalty = pairs(seen), values([[p.repetition_penalty] * len(ids) for p, ids in zip(params, seen)])
+        scores = base[at]
+        base[at] = torch.where(scores > 0, scores / penalty, scores * penalty)
+    counts = [
+        Counter(rows[i].output_ids) if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 else Counter()
+        for i, p in zip(where, params)
+    ]
+    if any(counts):
+        at = pairs([list(c) for c in counts])
+        presence = values([[p.presence_penalty] * len(c) for p, c in zip(params, counts)])
+        base[at] -= presence + values([[p.frequency_penalty] * len(c) for p, c in zip(params, counts)]) * values(
+            [list(c.values()) for c in counts]
+        )
+    base = torch.nan_to_num(base, nan=NEG_INF, posinf=torch.finfo(base.dtype).max, neginf=NEG_INF)  # (`_processed`)
+    banned = [rows[i].banned_ids if len(rows[i].output_ids) < rows[i].params.min_new_tokens else [] for i in where]
+    if any(banned):
+        at = pairs(banned)
+        kept = base[at]
+        base[at] = NEG_INF
+        if masked:  # where a grammar allows nothing but ending, the row may end (on the device)
+            restore = torch.zeros(len(where), dtype=torch.bool, device=base.device)
+            restore[to_device(masked, base.device)] = True
+            restore &= ~torch.isfinite(base).any(-1)
+            base[at] = torch.where(restore[at[0]], kept, base[at])
+    return base
 
 
 def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -261,6 +277,7 @@ def sample_rows(logits: torch.Tensor, rows: list[Row]) -> list[SampleResult | Ex
     tokens = logits.argmax(-1)  # every row's greedy pick; rows that need more are replaced below
     picked, where = [], []  # processed greedy rows' tokens, and where they go
     drawn_where: list[int] = []  # the sampled rows
+    at_once, greedy_where = _at_once(logits.device), []  # (processed greedy rows, at once)
     for i, row in enumerate(rows):
         if row.masked is None and not needs_processing(row.params):
             continue
@@ -270,14 +287,23 @@ def sample_rows(logits: torch.Tensor, rows: list[Row]) -> list[SampleResult | Ex
                 where.append(i)
             elif row.params.do_sample:
                 drawn_where.append(i)  # drawn below
+            elif at_once:
+                greedy_where.append(i)
             else:
                 picked.append(_processed(logits[i], row).argmax())
                 where.append(i)
         except Exception as exc:  # noqa: BLE001 - this row fails, the step goes on
             results[i] = exc
+    if greedy_where:
+        try:
+            picked.append(_processed_rows(logits, rows, greedy_where).argmax(-1))
+            where += greedy_where
+        except Exception as exc:  # noqa: BLE001 - these rows fail, the step goes on
+            for i in greedy_where:
+                results[i] = exc
     undrawable = None
     if drawn_where:
-        sampled = _sampled_at_once if _at_once(logits.device) else _sampled_row_by_row
+        sampled = _sampled_at_once if at_once else _sampled_row_by_row
         drawn_where, draws, undrawable = sampled(logits, rows, drawn_where, results)
         if drawn_where:
             picked.append(draws)
