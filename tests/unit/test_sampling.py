@@ -20,7 +20,7 @@ from lmiserve.core.request import SamplingParams
 from lmiserve.engine.core.step import SampleResult
 from lmiserve.engine.runner.sampling import (
     Row,
-    apply_penalties,
+    _processed,
     make_generator,
     needs_processing,
     sample_row,
@@ -43,6 +43,11 @@ def sample(logits, params, prompt=(), output=(), banned=(), gen=None):
 def draws(logits, params, n, seed=0) -> list[int]:
     gen = make_generator(seed, CPU)
     return [sample(logits, params, gen=gen).token_id for _ in range(n)]
+
+
+def apply_penalties(logits, params, prompt_ids, output_ids) -> torch.Tensor:
+    """A row's processing (engine/runner/sampling.py `_processed`) with penalties alone set."""
+    return _processed(logits, Row(params, list(prompt_ids), list(output_ids), []))
 
 
 def kept(processed: torch.Tensor) -> set[int]:

@@ -49,14 +49,6 @@ def plain_greedy(params: SamplingParams) -> bool:
     return not needs_processing(params) and params.top_n_tokens == 0
 
 
-def apply_bias(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """OpenAI's `logit_bias`: each value added to its token's logit (in place)."""
-    if params.logit_bias:
-        ids = to_device(list(params.logit_bias), logits.device)
-        logits[ids] += to_device(list(params.logit_bias.values()), logits.device, logits.dtype)
-    return logits
-
-
 def banned_words(params: SamplingParams, output_ids: list[int]) -> list[int]:
     """vLLM's `bad_words`: the last token of each bad word whose other tokens the output ends with (a
     one-token word is always banned)."""
@@ -66,22 +58,6 @@ def banned_words(params: SamplingParams, output_ids: list[int]) -> list[int]:
         if not prefix or (len(output_ids) >= len(prefix) and output_ids[len(output_ids) - len(prefix) :] == prefix):
             banned.append(word[-1])
     return banned
-
-
-def apply_penalties(
-    logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]
-) -> torch.Tensor:
-    if params.repetition_penalty != 1.0:
-        seen = to_device(sorted(set(prompt_ids) | set(output_ids)), logits.device)
-        scores = logits[seen]
-        logits[seen] = torch.where(scores > 0, scores / params.repetition_penalty, scores * params.repetition_penalty)
-    if output_ids and (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0):
-        counts = Counter(output_ids)  # on the host: `torch.unique` on the device would wait for it
-        ids = to_device(list(counts), logits.device)
-        logits[ids] -= params.presence_penalty + params.frequency_penalty * to_device(
-            list(counts.values()), logits.device, logits.dtype
-        )
-    return logits
 
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:
@@ -104,23 +80,8 @@ class Row:
 
 
 def _processed(logits: torch.Tensor, row: Row) -> torch.Tensor:
-    """A row that needs processing: its logits (or its `masked` copy) biased, its bad words banned,
-    penalized and, before `min_new_tokens`, its EOS and stop ids banned (a new tensor, on the device)."""
-    params, source = row.params, (logits if row.masked is None else row.masked)
-    processed = apply_bias(source.clone(), params)
-    words = banned_words(params, row.output_ids) if params.bad_words_ids else []
-    if words:
-        processed[to_device(words, processed.device)] = NEG_INF
-    processed = apply_penalties(processed, params, row.prompt_ids, row.output_ids)
-    # penalties may overflow to inf: keep the ranking, stay finite; a token already removed stays removed
-    processed = torch.nan_to_num(processed, nan=NEG_INF, posinf=torch.finfo(processed.dtype).max, neginf=NEG_INF)
-    if row.banned_ids and len(row.output_ids) < params.min_new_tokens:
-        ids = to_device(row.banned_ids, processed.device)
-        kept = processed[ids]
-        processed[ids] = NEG_INF
-        if row.masked is not None:  # where the grammar allows nothing but ending, it may end (on the device)
-            processed[ids] = torch.where(torch.isfinite(processed).any(), processed[ids], kept)
-    return processed
+    """`_processed_rows` of one row (`logits`: its [vocab] row)."""
+    return _processed_rows(logits[None], [row], [0])[0]
 
 
 def _at_once(device: torch.device) -> bool:
@@ -188,8 +149,9 @@ def _sampled_at_once(
 
 
 def _processed_rows(logits: torch.Tensor, rows: list[Row], where: list[int]) -> torch.Tensor:
-    """`_processed` of the rows `where` (a row that needs none: its logits made finite), all at once: each
-    step of the processing one indexed op over the (row, token) pairs of every row that has it."""
+    """The rows `where` (of `logits`, or a row's `masked` copy) processed, a new tensor on the device: biased,
+    their bad words banned, penalized, made finite and, before `min_new_tokens`, their EOS and stop ids
+    banned, each step one indexed op over the (row, token) pairs of every row that has it."""
     base = logits.index_select(0, to_device(where, logits.device))
     masks = {j: mask for j, i in enumerate(where) if (mask := rows[i].masked) is not None}  # a grammar's rows
     masked = list(masks)
@@ -228,7 +190,8 @@ def _processed_rows(logits: torch.Tensor, rows: list[Row], where: list[int]) -> 
         base[at] -= presence + values([[p.frequency_penalty] * len(c) for p, c in zip(params, counts)]) * values(
             [list(c.values()) for c in counts]
         )
-    base = torch.nan_to_num(base, nan=NEG_INF, posinf=torch.finfo(base.dtype).max, neginf=NEG_INF)  # (`_processed`)
+    # penalties may overflow to inf: keep the ranking, stay finite; a token already removed stays removed
+    base = torch.nan_to_num(base, nan=NEG_INF, posinf=torch.finfo(base.dtype).max, neginf=NEG_INF)
     banned = [rows[i].banned_ids if len(rows[i].output_ids) < rows[i].params.min_new_tokens else [] for i in where]
     if any(banned):
         at = pairs(banned)
