@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers.capture_hazards import Hazards, watch
 from lmiserve.core.request import SamplingParams
@@ -175,3 +176,39 @@ def test_a_steps_sampling_makes_the_host_wait_once(monkeypatch):
         results = watch(hazards, sample_rows, logits, rows)
     assert not any(isinstance(r, Exception) for r in results)
     assert [what for what, _ in hazards.syncs] == ["tolist"], hazards.syncs
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the aten ops dispatched (on a GPU, each one with a kernel is a launch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("every", [1, 3], ids=["every row", "one row in 3"])
+def test_a_steps_warpers_launch_as_many_ops_at_8_rows_as_at_64(every):
+    """Each warper is one stage for all the rows that set it, `typical_p` included: the ops of a step
+    (the GPU's: 4,096 tokens, where `top_p` sorts the rows together) do not grow with its rows, and each
+    row, its own masses among them, comes out as it would alone."""
+    kinds = [
+        {"do_sample": True, "temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.02, "typical_p": 0.9},
+        {"do_sample": True, "typical_p": 0.5},
+        {"do_sample": True, "temperature": 1.3, "typical_p": 0.99},
+    ]
+    plain = SamplingParams(do_sample=True, temperature=0.7)
+    counts = []
+    for rows in (8, 64):
+        params = [SamplingParams(**kinds[j % 3]) if j % every == 0 else plain for j in range(rows)]
+        logits = torch.randn(rows, 4096, generator=torch.Generator().manual_seed(rows)) * 3
+        ops = _Ops()
+        with ops:
+            warped = warp_rows(logits, params)
+        counts.append(ops.count)
+        for row, p, out in zip(logits, params, warped):
+            assert torch.equal(out, warp(row, p)), p
+    assert counts[0] == counts[1], counts

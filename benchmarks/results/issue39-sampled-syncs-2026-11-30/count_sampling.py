@@ -2,6 +2,7 @@
 several kinds of sampled rows (issue #39: a GPU's sampled rows).
 
     PYTHONPATH=. python benchmarks/results/issue39-sampled-syncs-2026-11-30/count_sampling.py [--repeat 5]
+        [--kinds "typical_p 0.9;typical_p 0.9, 1 row in 8"]
 
 Waits and ops are counted on a GPU's path (the rows at once, `sampling._at_once`; at 8,192 tokens, where
 `top_p` sorts as a GPU's does): waits by the capture-hazard watch (tests/helpers/capture_hazards.py), ops
@@ -47,6 +48,9 @@ KINDS: dict[str, dict[str, Any]] = {
         "bad_words_ids": [[11], [3, 4]],
         "min_new_tokens": 8,
     },
+    # (2026-12-01: `typical_p` at once on a GPU) alone, and on one row in 8 (the others at temperature 0.7)
+    "typical_p 0.9": {"do_sample": True, "typical_p": 0.9},
+    "typical_p 0.9, 1 row in 8": {"do_sample": True, "typical_p": 0.9, "every": 8},
 }
 ROWS = 128
 
@@ -62,19 +66,27 @@ class _Count(TorchDispatchMode):
 
 
 def _rows(kind: dict[str, Any]) -> list:
-    params = SamplingParams(**kind)
-    return [sampler_row(params, [1, 2, 3, 4], [3, 4, 9], [0], seed=i, generator=None) for i in range(ROWS)]
+    kind = dict(kind)
+    every = kind.pop("every", 1)  # the kind on one row in `every`, the others at temperature 0.7
+    params, other = SamplingParams(**kind), SamplingParams(do_sample=True, temperature=0.7)
+    return [
+        sampler_row(params if i % every == 0 else other, [1, 2, 3, 4], [3, 4, 9], [0], seed=i, generator=None)
+        for i in range(ROWS)
+    ]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--kinds", default=";".join(KINDS), help="the kinds to run, by name, separated by ;")
     args = parser.parse_args()
+    names = [name for name in KINDS if name in args.kinds.split(";")]
     torch.manual_seed(0)
     print("| rows (128, each) | waits a step | aten ops a row | ms a step, 2 threads | ms a step, 1 thread |")
     print("|---|---|---|---|---|")
     with torch.inference_mode():
-        for name, kind in KINDS.items():
+        for name in names:
+            kind = KINDS[name]
             hazards, count = Hazards(), _Count()
             small = torch.randn(ROWS, 8192) * 3
             cpu_path = getattr(sampling, "_at_once", None)  # (before it: one path)

@@ -22,7 +22,7 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def warp_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """`warp` of each row of `logits` ([rows, vocab]) by its own parameters, each stage once for all the
     rows (a few launches a step, not a chain a row): the rows that do not set a stage pass it unchanged, and
-    each row comes out as it would alone. `typical_p`, and on a CPU `top_p`, go row by row."""
+    each row comes out as it would alone. On a CPU `top_p` goes row by row."""
     device, dtype, vocab = logits.device, logits.dtype, logits.shape[-1]
     if any(p.temperature != 1.0 for p in params):  # a row at 1.0 divided by 1.0: unchanged
         logits = logits / to_device([p.temperature for p in params], device, dtype)[:, None]
@@ -45,22 +45,29 @@ def warp_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
         probs = logits.softmax(-1)
         floor = probs.amax(-1, keepdim=True) * to_device([p.min_p for p in params], device, dtype)[:, None]
         logits = logits.masked_fill(probs < floor, NEG_INF)
-    for row, p in zip(logits, params):
-        if p.typical_p < 1.0:
-            row.copy_(_typical_p(row, p.typical_p))
+    typical = [i for i, p in enumerate(params) if p.typical_p < 1.0]
+    if len(typical) == len(params):
+        logits = _typical_p_rows(logits, [p.typical_p for p in params])
+    elif typical:  # only the rows that set it: the others keep their logits and skip its sort
+        at = to_device(typical, device)
+        warped = _typical_p_rows(logits.index_select(0, at), [params[i].typical_p for i in typical])
+        logits = logits.index_copy(0, at, warped)
     return logits
 
 
-def _typical_p(logits: torch.Tensor, typical_p: float) -> torch.Tensor:
-    """transformers' `TypicalLogitsWarper` of one row (its cut found on the device)."""
+def _typical_p_rows(logits: torch.Tensor, typical_p: list[float]) -> torch.Tensor:
+    """transformers' `TypicalLogitsWarper` of each row of `logits` by its own `typical_p`, all at once (the
+    cuts found on the device): the tokens whose surprise is closest to the row's entropy are kept until
+    their probabilities reach `typical_p` (the one that reaches it included)."""
     logp = logits.log_softmax(-1)
-    entropy = -(logp.exp() * logp).nansum()
+    entropy = -(logp.exp() * logp).nansum(-1, keepdim=True)
     shifted = (-logp - entropy).abs()
     sorted_shift, order = torch.sort(shifted)
-    cumulative = logits.softmax(-1)[order].cumsum(-1)
-    last = (cumulative < typical_p).sum().clamp(max=logits.shape[-1] - 1)
-    remove = sorted_shift > sorted_shift.gather(0, last.view(1))
-    return logits.masked_fill(remove.scatter(0, order, remove), NEG_INF)
+    cumulative = logits.softmax(-1).gather(-1, order).cumsum(-1)
+    mass = to_device(typical_p, logits.device, logits.dtype)[:, None]
+    last = (cumulative < mass).sum(-1, keepdim=True).clamp(max=logits.shape[-1] - 1)
+    remove = sorted_shift > sorted_shift.gather(-1, last)
+    return logits.masked_fill(remove.scatter(-1, order, remove), NEG_INF)
 
 
 def _top_p_rows(logits: torch.Tensor, top_p: list[float]) -> torch.Tensor:
