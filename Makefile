@@ -121,8 +121,8 @@ serve: $(STAMP)
 # All three checks run even when one fails; the target fails if any did.
 lint: $(TEST_STAMP)
 	status=0; \
-	$(BIN)/ruff check lmiserve tests || status=1; \
-	$(BIN)/ruff format --check lmiserve tests || status=1; \
+	$(BIN)/ruff check lmiserve tests benchmarks || status=1; \
+	$(BIN)/ruff format --check lmiserve tests benchmarks || status=1; \
 	$(BIN)/mypy lmiserve || status=1; \
 	exit $$status
 

@@ -27,8 +27,8 @@ import torch
 from transformers import DynamicCache
 
 from lmiserve.core.cpu_info import cpu_info
-from lmiserve.engine.model import autotune
 from lmiserve.engine.attention.paged import paged_cache
+from lmiserve.engine.model import autotune
 from lmiserve.engine.model.fast_llama import FastLlama, StepInputs
 from lmiserve.models import load_causal_lm, resolve_model_path
 

@@ -24,21 +24,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
-import statistics
 import time
 
 import torch
+from greedy_agreement import prompts  # the same prompt set (this folder is on sys.path when run as a script)
 from transformers import DynamicCache
 
 from lmiserve.core import GenerationRequest, SamplingParams
 from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
 from lmiserve.models import load_causal_lm, resolve_model_path
-
-from greedy_agreement import prompts  # the same prompt set (this folder is on sys.path when run as a script)
 
 
 def prompt_batch(loaded, batch: int) -> torch.Tensor:
@@ -53,7 +52,7 @@ CPU_RATE: dict[str, float] = {}  # tokens per CPU-second of the last measurement
 
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] if ordered else float("nan")
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
 
 
 # ---- references ---------------------------------------------------------------------------------
@@ -127,7 +126,7 @@ async def engine_wave(loaded, path: str, concurrency: int, tokens: int, prefill_
         await engine.stop()
     generated = sum(len(r) - 1 for r in runs)
     ttft = [r[1] - r[0] for r in runs]
-    itl = [b - a for r in runs for a, b in zip(r[1:], r[2:])]
+    itl = [b - a for r in runs for a, b in itertools.pairwise(r[1:])]
     return {
         "tok_s": generated / elapsed,
         "tok_per_cpu_s": generated / cpu,
@@ -172,7 +171,7 @@ async def steady_load(loaded, path: str, clients: int, tokens: int, requests: in
         elapsed = time.perf_counter() - start
     finally:
         await engine.stop()
-    itl = [b - a for r in joined for a, b in zip(r[1:], r[2:])]
+    itl = [b - a for r in joined for a, b in itertools.pairwise(r[1:])]
     ttft = [r[1] - r[0] for r in joined]
     decode_cpu = [c for p, _, c in steps if not p]
     prefill_cpu = [c for p, _, c in steps if p]

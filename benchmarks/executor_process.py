@@ -35,8 +35,8 @@ from lmiserve.bench.prompts import PROMPTS  # noqa: E402
 from lmiserve.config import load_settings  # noqa: E402
 from lmiserve.core.request import GenerationRequest, SamplingParams  # noqa: E402
 from lmiserve.engine import torch_thread  # noqa: E402
-from lmiserve.engine.runner.fast import PagedFastRunner  # noqa: E402
 from lmiserve.engine.executors.in_process import InProcessExecutor  # noqa: E402
+from lmiserve.engine.runner.fast import PagedFastRunner  # noqa: E402
 from lmiserve.models.compose import build_engine  # noqa: E402
 from lmiserve.models.load import load_causal_lm  # noqa: E402
 from lmiserve.models.resolve import resolve_model_path  # noqa: E402

@@ -323,8 +323,9 @@ def print_table(results: dict[str, Any]) -> None:
     if any("mix" in s for s in servers.values()):
         a = results["args"]
         print(
-            f"\nmix: {a['short_clients']} short clients ({a['short_max_new_tokens']} tokens), a {a['long_tokens']}-token "
-            f"prompt every {a['long_every']} s ({a['long_max_new_tokens']} tokens), {a['duration']} s after {a['warmup']} s warm-up"
+            f"\nmix: {a['short_clients']} short clients ({a['short_max_new_tokens']} tokens), "
+            f"a {a['long_tokens']}-token prompt every {a['long_every']} s ({a['long_max_new_tokens']} tokens), "
+            f"{a['duration']} s after {a['warmup']} s warm-up"
         )
         print(
             f"{'server':<12} {'short TTFT p50/p90/p99 ms':>28} {'short ITL p50/p99 ms':>21} "

@@ -57,5 +57,6 @@ def main() -> None:
         f"{args.steps * args.rows / wall:.1f} tok/s, CPU/wall {cpu / wall:.2f}"
     )
 
+
 if __name__ == "__main__":
     main()

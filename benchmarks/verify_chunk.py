@@ -40,11 +40,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's lmiserve, not an installed one
 
-from lmiserve.engine.model.fast_llama import StepInputs
 from lmiserve.config.settings import Settings
 from lmiserve.engine.attention import backends
-from lmiserve.engine.model.cpu_gemm import CpuGemm
 from lmiserve.engine.factory import create_engine
+from lmiserve.engine.model.cpu_gemm import CpuGemm
+from lmiserve.engine.model.fast_llama import StepInputs
 from lmiserve.engine.runner.fast import PagedFastRunner
 from lmiserve.models import load_causal_lm, resolve_model_path
 from lmiserve.models.compose import engine_config
