@@ -100,6 +100,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # check, or failed there and mended), so that a run out of time (a second device call's) has run them.
 ENGINE_TESTS = (
     "tests/unit/test_sampling_batched.py",
+    "tests/unit/test_seeded_draw.py",
     "tests/unit/test_capture_hazards.py",
     "tests/unit/test_host_copy.py",
     "tests/unit/test_fused_norm.py",

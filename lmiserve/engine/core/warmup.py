@@ -22,7 +22,8 @@ those (not yet confirmed on a GPU). So, once the engine runs and before the mode
 The launches of a step keep the kinds the warm-up ran (engine/attention/triton_ops.py); a Triton
 compilation after it is logged as a warning (engine/kernel_compiles.py).
 
-The requests are the engine's own (token ids, greedy, a salt of their own, so no real prompt shares their
+The requests are the engine's own (token ids, greedy but the first, which samples so that a GPU's draw
+kernel is built too (engine/runner/seeded_draw.py), a salt of their own, so no real prompt shares their
 cached blocks); the observers (metrics, stats) do not see them and the engine's counters start from zero
 after them.
 """
@@ -73,14 +74,16 @@ async def warm_up(engine: AsyncEngine) -> WarmUp | None:
     rows = tuple(sorted({min(r, limit) for r in engine.warmup_rows if r > 0}))
     count = 0
 
-    async def run(length: int, requests: int) -> None:
+    async def run(length: int, requests: int, sampled: bool = False) -> None:
         """`requests` requests of `length` prompt tokens, submitted at once (so that their steps run together)."""
         nonlocal count
         handles = []
         for _ in range(requests):
             count += 1
             ids = [words[(7 * i + count) % len(words)] for i in range(length)]
-            params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos_token=True)
+            params = SamplingParams(
+                max_new_tokens=NEW_TOKENS, ignore_eos_token=True, do_sample=sampled, seed=count if sampled else None
+            )
             request = GenerationRequest("", params, cache_salt=f"lmiserve-warmup-{count}", prompt_ids=ids)
             handles.append(engine.submit(request))
         await asyncio.gather(*(_finish(engine, handle) for handle in handles))
@@ -89,7 +92,7 @@ async def warm_up(engine: AsyncEngine) -> WarmUp | None:
     with engine.unobserved(), kernel_compiles.warming():
         try:
             for length in lengths:
-                await run(length, 1)
+                await run(length, 1, sampled=length == lengths[0])  # the first one sampled: its draw too
             for size in rows:
                 await run(2, size)
         except LmiServeError as exc:  # a shape the engine refuses costs its first request time, not the model

@@ -9,7 +9,9 @@ sampled rows are drawn together as `torch.multinomial` draws one token (an expon
 the row's probabilities divided by them, the argmax) without its two reads of the row's values on the
 host; a row that cannot be drawn from is flagged in the step's one transfer. Every sequence has its own
 `torch.Generator` seeded from its seed, so a seeded request samples the same tokens whatever else is
-in the batch (and the tokens `torch.multinomial` drew with the same generator). Reported logprobs are
+in the batch (and the tokens `torch.multinomial` drew with the same generator). On a GPU the step's
+sampled rows are drawn in one kernel instead, each from its seed and the index of the token drawn
+(engine/runner/seeded_draw.py: batch-independent too, not torch's variates). Reported logprobs are
 the model's own distribution (log-softmax of the raw logits), as TGI and vLLM report them.
 
 A row is processed in vLLM's order: `logit_bias` added, `bad_words` banned, the penalties (repetition:
@@ -27,6 +29,7 @@ import torch
 from lmiserve.core.request import SamplingParams
 from lmiserve.engine.core.step import PromptScores, SampleResult
 from lmiserve.engine.host_copy import to_device
+from lmiserve.engine.runner import seeded_draw
 from lmiserve.engine.runner.row_threads import each_row
 from lmiserve.engine.runner.warpers import NEG_INF, warp, warp_rows
 
@@ -69,7 +72,7 @@ def make_generator(seed: int, device: torch.device) -> torch.Generator:
 @dataclass
 class Row:
     """One row of a step to sample: its parameters and tokens so far, the ids `min_new_tokens` bans,
-    its generator (sampling rows) and, for a constrained row, its logits masked by its grammar."""
+    its generator and seed (sampling rows) and, for a constrained row, its logits masked by its grammar."""
 
     params: SamplingParams
     prompt_ids: list[int]
@@ -77,6 +80,7 @@ class Row:
     banned_ids: list[int]
     generator: torch.Generator | None = None
     masked: torch.Tensor | None = None
+    seed: int | None = None  # a GPU draws the step's rows from their seeds at once (seeded_draw.py)
 
 
 def _processed(logits: torch.Tensor, row: Row) -> torch.Tensor:
@@ -141,6 +145,11 @@ def _sampled_at_once(
     at once for all of them (a row's error fails them all)."""
     try:
         probs = warp_rows(_processed_rows(logits, rows, where), [rows[i].params for i in where]).softmax(-1)
+        seeds = [seed for i in where if (seed := rows[i].seed) is not None]
+        if seeded_draw.usable(probs.device) and len(seeds) == len(where):  # (a GPU: one launch for the rows)
+            drawn = seeded_draw.draw(probs, seeds, [len(rows[i].output_ids) for i in where])
+            if drawn is not None:
+                return (where, *drawn)
         return (where, *_draw(probs, [rows[i].generator for i in where]))
     except Exception as exc:  # noqa: BLE001 - the sampled rows fail, the step goes on
         for i in where:
@@ -332,7 +341,7 @@ def sampler_row(
             raise ValueError("a sampled sequence needs a seed")
         generator = make_generator(seed, device if device is not None else torch.device("cpu"))
     banned = eos_token_ids + params.stop_token_ids if params.min_new_tokens else []
-    return Row(params, prompt_ids, output_ids, banned, generator)
+    return Row(params, prompt_ids, output_ids, banned, generator, seed=seed if params.do_sample else None)
 
 
 def prompt_logprobs(
