@@ -3,7 +3,7 @@ attention kernel and the torch attention (blocks gathered every layer).
 
     python benchmarks/decode_paths.py [--model-id DIR] [-o load_format=dummy] [--device cuda]
                                       [--concurrency 1,32] [--max-new-tokens T] [--json FILE]
-                                      [--paths graphs,graphs-fused,triton,torch] [--lora N]
+                                      [--paths graphs,graphs-fused,triton,torch,graphs-sampled,...] [--lora N]
 
 The model is loaded once; for each path an engine is built over it, alone on the device, and the same
 greedy prompts run at each concurrency (a warm-up request first, which also captures the graph of one
@@ -14,7 +14,12 @@ first position where one differs otherwise). Paths:
 - ``graphs-fused``: the same with the residual adds, RMS norms, rotary embeddings and SiLU products in Triton kernels
   (engine/model/fused_norm.py, `USE_ON_CUDA`; on a CPU the kernels stay off: the ``graphs`` path again);
 - ``triton``: ``enforce_eager=true``, the same kernel launched step by step;
-- ``torch``: ``enforce_eager=true`` and ``LMISERVE_ATTENTION_BACKEND=torch``, the torch attention.
+- ``torch``: ``enforce_eager=true`` and ``LMISERVE_ATTENTION_BACKEND=torch``, the torch attention;
+- ``graphs-sampled``: the graphs with every prompt sampled at temperature 1.0 (OpenAI's default), seeded,
+  the step's sampled rows drawn in one kernel (engine/runner/seeded_draw.py);
+- ``graphs-sampled-generators``: the same with each row drawn by its own generator (`seeded_draw.USE_ON_CUDA`
+  off: an exponential fill a row). Their tokens are compared with the first path's like the others', so
+  they differ from the greedy path's; the two sampled paths draw different tokens too (other variates).
 
 ``--lora N``: the engines serve N random LoRA adapters of rank 16 on every linear
 (lmiserve/models/lora_demo.py) and the prompts name them in turn, one in N + 1 none: with ``graphs`` the
@@ -35,18 +40,29 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.tp_parity import PROMPTS, _generate, write_report  # noqa: E402
 
-PATHS = {  # the attention backend, enforce_eager, engine/model/fused_norm.py's kernels
-    "graphs": ("triton", False, False),
-    "graphs-fused": ("triton", False, True),
-    "triton": ("triton", True, False),
-    "torch": ("torch", True, False),
+
+class Choice(NamedTuple):
+    backend: str  # LMISERVE_ATTENTION_BACKEND
+    eager: bool  # enforce_eager
+    fused: bool = False  # engine/model/fused_norm.py's kernels
+    sampled: bool = False  # the prompts sampled at temperature 1.0, seeded
+    draw_kernel: bool = True  # a sampled step's rows drawn in one kernel (engine/runner/seeded_draw.py)
+
+
+PATHS = {
+    "graphs": Choice("triton", False),
+    "graphs-fused": Choice("triton", False, fused=True),
+    "triton": Choice("triton", True),
+    "torch": Choice("torch", True),
+    "graphs-sampled": Choice("triton", False, sampled=True),
+    "graphs-sampled-generators": Choice("triton", False, sampled=True, draw_kernel=False),
 }
 
 
@@ -65,6 +81,7 @@ def run(
 
     from lmiserve.config import Settings
     from lmiserve.engine.model import fused_norm
+    from lmiserve.engine.runner import seeded_draw
     from lmiserve.models.compose import build_engine
     from lmiserve.models.load import load_causal_lm
 
@@ -76,10 +93,11 @@ def run(
     loaded = dataclasses.replace(loaded, device=torch.device(device))
     results: dict[str, Any] = {}
     for path in paths or list(PATHS):
-        backend, eager, fused = PATHS[path]
-        os.environ["LMISERVE_ATTENTION_BACKEND"] = backend
-        fused_norm.USE_ON_CUDA = fused  # read when an engine's forward is built
-        settings = base.model_copy(update={"enforce_eager": eager})
+        chosen = PATHS[path]
+        os.environ["LMISERVE_ATTENTION_BACKEND"] = chosen.backend
+        fused_norm.USE_ON_CUDA = chosen.fused  # read when an engine's forward is built
+        seeded_draw.USE_ON_CUDA = chosen.draw_kernel  # read at each sampled step
+        settings = base.model_copy(update={"enforce_eager": chosen.eager})
         runs = {}
         for level in levels:
             prompts = [PROMPTS[i % len(PROMPTS)] + ("" if i < len(PROMPTS) else f" ({i})") for i in range(level)]
@@ -87,7 +105,7 @@ def run(
             for name, folder in (adapters or {}).items():
                 engine.adapters.register(name, folder)
             on = [names[i % len(names)] for i in range(level)] if adapters else None
-            outputs, seconds = asyncio.run(_generate(engine, prompts, tokens, on))
+            outputs, seconds = asyncio.run(_generate(engine, prompts, tokens, on, chosen.sampled))
             fast = getattr(engine.runner, "fast", None)
             graphs = getattr(fast, "graphs", None)
             runs[str(level)] = {

@@ -39,14 +39,22 @@ PROMPTS = (
 
 
 async def _generate(
-    engine: Any, prompts: list[str], max_new_tokens: int, adapters: list[str | None] | None = None
+    engine: Any,
+    prompts: list[str],
+    max_new_tokens: int,
+    adapters: list[str | None] | None = None,
+    sampled: bool = False,
 ) -> tuple[list[list[int]], float]:
     """Greedy tokens of each prompt (on the LoRA adapter `adapters` names for it, None: the base model),
-    all at once after one warm-up request, and the seconds they took."""
+    all at once after one warm-up request, and the seconds they took. `sampled`: drawn at temperature 1.0
+    instead (OpenAI's default), each prompt seeded by its place."""
     from lmiserve.core.request import GenerationRequest, SamplingParams
 
+    seeds = iter(range(1, 1 << 30))
+
     async def one(prompt: str, adapter: str | None = None) -> list[int]:
-        params = SamplingParams(max_new_tokens=max_new_tokens, do_sample=False, ignore_eos_token=True)
+        sampling = {"do_sample": True, "temperature": 1.0, "seed": next(seeds)} if sampled else {"do_sample": False}
+        params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos_token=True, **sampling)
         tokens = []
         async for event in engine.generate(GenerationRequest(prompt=prompt, params=params, adapter=adapter)):
             if event.token is not None:
