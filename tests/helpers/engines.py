@@ -3,18 +3,28 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from lmiserve.engine.core.async_engine import AsyncEngine, EngineConfig
+from lmiserve.engine.core.block_scheduler import BlockScheduler
+from lmiserve.engine.core.sequence import Sequence
 from lmiserve.engine.factory import create_engine
 from lmiserve.engine.loaded import LoadedModel
 
+Proposer = Callable[[Sequence], list[int]]
+
 
 @contextlib.asynccontextmanager
-async def running_engine(loaded: LoadedModel, **config: Any) -> AsyncIterator[AsyncEngine]:
-    """`create_engine(loaded, EngineConfig(**config))`, started, stopped on leaving."""
+async def running_engine(
+    loaded: LoadedModel, proposer: Proposer | None = None, **config: Any
+) -> AsyncIterator[AsyncEngine]:
+    """`create_engine(loaded, EngineConfig(**config))`, started, stopped on leaving; `proposer`: the drafts
+    its scheduler verifies (a test's own proposer, as speculative decoding's engine-core proposer)."""
     engine = create_engine(loaded, EngineConfig(**config))
+    if proposer is not None:
+        assert isinstance(engine.scheduler, BlockScheduler)
+        engine.scheduler.proposer = proposer
     engine.start()
     try:
         yield engine

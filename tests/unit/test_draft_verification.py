@@ -7,33 +7,17 @@ wrong or mixed, alone and in a batch, on the paged fast runner and on the generi
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Callable
 
 import pytest
 
+from helpers.engines import Proposer, running_engine
 from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.core.request import GenerationRequest, SamplingParams
-from lmiserve.engine.core.async_engine import AsyncEngine, EngineConfig
-from lmiserve.engine.core.block_scheduler import BlockScheduler
+from lmiserve.engine.core.async_engine import AsyncEngine
 from lmiserve.engine.core.sequence import Sequence
-from lmiserve.engine.factory import create_engine
 
 PROMPTS = ["The quick brown fox", "Hello world! How are you", "Numbers like 1, 2, 3", "naïve café"]
 TOKENS = 24
-Proposer = Callable[[Sequence], list[int]]
-
-
-@contextlib.asynccontextmanager
-async def engine_with(loaded, proposer: Proposer | None, **config):
-    engine = create_engine(loaded, EngineConfig(**config))
-    assert isinstance(engine.scheduler, BlockScheduler)
-    engine.scheduler.proposer = proposer
-    engine.start()
-    try:
-        yield engine
-    finally:
-        await engine.stop()
 
 
 async def run(engine: AsyncEngine, request: GenerationRequest) -> list[StepEvent]:
@@ -81,7 +65,7 @@ def fast_path(request) -> bool:
 
 
 async def reference_of(loaded, requests: list[GenerationRequest], fast_path: bool) -> list[list[int]]:
-    async with engine_with(loaded, None, fast_path=fast_path) as engine:
+    async with running_engine(loaded, None, fast_path=fast_path) as engine:
         return [tokens_of(await run(engine, r)) for r in requests]
 
 
@@ -92,7 +76,7 @@ async def test_greedy_drafts_right_wrong_or_mixed_give_the_same_tokens(tiny_mode
     reference = {tuple(ids[r.prompt]): out for r, out in zip(requests, expected, strict=True)}
     vocab = len(tiny_model.tokenizer)
     for proposer in (oracle(reference), wrong(vocab), echo()):
-        async with engine_with(tiny_model, proposer, fast_path=fast_path) as engine:
+        async with running_engine(tiny_model, proposer, fast_path=fast_path) as engine:
             steps_before = engine.steps
             alone = [tokens_of(await run(engine, r)) for r in requests]
             steps_alone = engine.steps - steps_before
@@ -109,7 +93,7 @@ async def test_seeded_sampling_draws_the_same_tokens_with_drafts(tiny_model, fas
     ids = {r.prompt: tiny_model.tokenizer(r.prompt)["input_ids"] for r in requests}
     reference = {tuple(ids[r.prompt]): out for r, out in zip(requests, expected, strict=True)}
     for proposer in (oracle(reference, k=3), echo(4), wrong(len(tiny_model.tokenizer))):
-        async with engine_with(tiny_model, proposer, fast_path=fast_path) as engine:
+        async with running_engine(tiny_model, proposer, fast_path=fast_path) as engine:
             together = [tokens_of(e) for e in await asyncio.gather(*(run(engine, r) for r in requests))]
         assert together == expected
 
@@ -123,10 +107,10 @@ async def test_drafts_keep_max_new_tokens_eos_logprobs_and_penalties(tiny_model)
         greedy(repetition_penalty=1.5, presence_penalty=0.7),
     ]
     requests = [GenerationRequest(PROMPTS[i % len(PROMPTS)], params) for i, params in enumerate(cases)]
-    async with engine_with(tiny_model, None) as engine:
+    async with running_engine(tiny_model, None) as engine:
         expected = [await run(engine, r) for r in requests]
     for proposer in (echo(6), wrong(vocab, 6)):
-        async with engine_with(tiny_model, proposer) as engine:
+        async with running_engine(tiny_model, proposer) as engine:
             got = await asyncio.gather(*(run(engine, r) for r in requests))
         for want, have in zip(expected, got, strict=True):
             assert tokens_of(have) == tokens_of(want)
@@ -142,7 +126,7 @@ async def test_a_grammar_row_gets_no_drafts_and_keeps_its_mask_beside_drafted_ro
     from lmiserve.core.grammar import Grammar
 
     plain = GenerationRequest(PROMPTS[1], greedy())
-    async with engine_with(tiny_model, None) as engine:
+    async with running_engine(tiny_model, None) as engine:
         expected = tokens_of(await run(engine, plain))
     asked: list[int] = []
 
@@ -152,7 +136,7 @@ async def test_a_grammar_row_gets_no_drafts_and_keeps_its_mask_beside_drafted_ro
         return (seq.prompt_ids + seq.output_ids)[-3:]
 
     constrained = GenerationRequest(PROMPTS[0], greedy(max_new_tokens=8, grammar=Grammar("regex", "[ab]{8}")))
-    async with engine_with(tiny_model, proposer) as engine:
+    async with running_engine(tiny_model, proposer) as engine:
         # the drafted request first: its row is moved behind the grammar row in the batch
         drafted, events = await asyncio.gather(run(engine, plain), run(engine, constrained))
     text = "".join(e.token.text for e in events if e.token)
@@ -164,10 +148,10 @@ async def test_a_full_pool_takes_no_blocks_for_drafts_and_never_preempts_for_the
     # 4 blocks of 16 tokens for two requests of ~8 prompt tokens + 24 new: the pool runs full, and
     # drafts that would need a block then are dropped rather than preempting anyone
     requests = [GenerationRequest(p, greedy()) for p in PROMPTS[:2]]
-    async with engine_with(tiny_model, None, kv_cache_memory_bytes=_pool_bytes(tiny_model, 4)) as engine:
+    async with running_engine(tiny_model, None, kv_cache_memory_bytes=_pool_bytes(tiny_model, 4)) as engine:
         expected = [tokens_of(e) for e in await asyncio.gather(*(run(engine, r) for r in requests))]
         plain_preemptions = engine.scheduler.num_preemptions
-    async with engine_with(tiny_model, echo(8), kv_cache_memory_bytes=_pool_bytes(tiny_model, 4)) as engine:
+    async with running_engine(tiny_model, echo(8), kv_cache_memory_bytes=_pool_bytes(tiny_model, 4)) as engine:
         got = [tokens_of(e) for e in await asyncio.gather(*(run(engine, r) for r in requests))]
         preemptions = engine.scheduler.num_preemptions
         assert engine.scheduler.pool.num_free_blocks == engine.scheduler.pool.num_blocks  # nothing leaked

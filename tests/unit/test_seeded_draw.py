@@ -6,7 +6,6 @@ TRITON_INTERPRET), compiled on the GPU check's device (LMISERVE_TEST_DEVICE). Th
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 
@@ -14,10 +13,8 @@ import pytest
 import torch
 
 from helpers.capture_hazards import Hazards, watch
+from helpers.engines import running_engine
 from lmiserve.core.request import GenerationRequest, SamplingParams
-from lmiserve.engine.core.async_engine import EngineConfig
-from lmiserve.engine.core.block_scheduler import BlockScheduler
-from lmiserve.engine.factory import create_engine
 from lmiserve.engine.runner import sampling, seeded_draw
 from lmiserve.engine.runner.sampling import _draw, make_generator, sample_rows, sampler_row, warp_rows
 
@@ -155,18 +152,6 @@ def test_a_kernel_that_fails_is_logged_once_and_the_generators_draw(drawn_by_the
     assert [r.token_id for r in first] == expected.tolist()  # type: ignore[union-attr]
 
 
-@contextlib.asynccontextmanager
-async def _engine(loaded, proposer=None):
-    engine = create_engine(loaded, EngineConfig())
-    assert isinstance(engine.scheduler, BlockScheduler)
-    engine.scheduler.proposer = proposer
-    engine.start()
-    try:
-        yield engine
-    finally:
-        await engine.stop()
-
-
 async def _tokens(engine, request: GenerationRequest) -> list[int]:
     return [e.token.id async for e in engine.generate(request) if e.token is not None]
 
@@ -179,7 +164,7 @@ async def test_a_seeded_request_samples_the_same_tokens_alone_in_a_batch_and_wit
     the same; another seed draws others."""
     params = {"do_sample": True, "temperature": 1.2, "top_k": 50, "max_new_tokens": 12, "ignore_eos_token": True}
     request = GenerationRequest("The quick brown fox", SamplingParams(**params, seed=1234))
-    async with _engine(tiny_model) as engine:
+    async with running_engine(tiny_model) as engine:
         alone = await _tokens(engine, request)
         crowd = await asyncio.gather(
             _tokens(engine, GenerationRequest("Hello world", SamplingParams(max_new_tokens=12))),
@@ -189,7 +174,7 @@ async def test_a_seeded_request_samples_the_same_tokens_alone_in_a_batch_and_wit
         )
         other = await _tokens(engine, GenerationRequest(request.prompt, SamplingParams(**params, seed=99)))
     echo = lambda seq: (seq.prompt_ids + seq.output_ids)[-4:]  # noqa: E731 - drafts, mostly wrong
-    async with _engine(tiny_model, echo) as engine:
+    async with running_engine(tiny_model, echo) as engine:
         drafted = await _tokens(engine, request)
     assert len(alone) == 12
     assert crowd[2] == alone and drafted == alone
