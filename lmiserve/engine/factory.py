@@ -239,8 +239,14 @@ def attach_lora(
 def prompt_codec(loaded: LoadedModel, max_input_len: int | None) -> tuple[PromptCodec, GrammarCompiler]:
     """The prompt codec and grammar compiler of `loaded`'s tokenizer."""
     codec = text_codec(loaded, max_input_len, _image_codec(loaded))
-    grammars = GrammarCompiler(loaded.tokenizer, vocab_size=codec.vocab_size, eos_token_ids=loaded.eos_token_ids)
-    return codec, grammars
+    return codec, grammar_compiler(loaded, codec)
+
+
+def grammar_compiler(loaded: LoadedModel, codec: PromptCodec) -> GrammarCompiler:
+    """The grammar compiler of `loaded`'s tokenizer (its llguidance tokenizer built on the first grammar);
+    the engine's, and with `engine_process` the serving process's own, which checks a request's grammar
+    before its response starts (engine/process/client.py)."""
+    return GrammarCompiler(loaded.tokenizer, vocab_size=codec.vocab_size, eos_token_ids=loaded.eos_token_ids)
 
 
 def text_codec(loaded: LoadedModel, max_input_len: int | None, images: ImageCodec | None = None) -> PromptCodec:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from lmiserve.config import Settings
 from lmiserve.core import heap, threads
 from lmiserve.engine import torch_thread
-from lmiserve.engine.factory import text_codec
+from lmiserve.engine.factory import grammar_compiler, text_codec
 from lmiserve.engine.process.client import EngineProcessClient
 from lmiserve.engine.process.wire import PipeLogHandler, PipeSender, emit_forwarded, portable
 from lmiserve.models.compose import with_chat_template
@@ -80,9 +80,11 @@ def start_engine_process(settings: Settings, path: Path, name: str) -> tuple[Loa
         with_chat_template(fields["tokenizer"], settings.chat_template)
     loaded = LoadedModel(model=model, **fields)
     log.info("engine process pid %d serves %s", process.pid, loaded.name)
-    # a text model's prompts are encoded and checked here, the engine process given their ids
+    # a text model's prompts are encoded and checked here (their grammars compiled too), the engine process
+    # given their ids
     codec = None if view["vision"] else text_codec(loaded, settings.max_input_len)
-    return loaded, EngineProcessClient(process, conn, snapshot, view["adapters"], codec)
+    grammars = grammar_compiler(loaded, codec) if codec is not None else None
+    return loaded, EngineProcessClient(process, conn, snapshot, view["adapters"], codec, grammars)
 
 
 def _first_message(conn: Connection, process: Any) -> tuple[Any, ...]:

@@ -163,17 +163,19 @@ async def test_a_consumer_that_stops_at_the_last_event_ends_the_request_there(pa
 
 @pytest.fixture
 def coded() -> Any:
-    """A client with the model's prompt codec (a text model's, as `start_engine_process` gives it) and a pool
-    of 4 blocks of 8 tokens."""
+    """A client with the model's prompt codec and grammar compiler (a text model's, as `start_engine_process`
+    gives them) and a pool of 4 blocks of 8 tokens."""
     from helpers.tiny_model import build_tiny_tokenizer
+    from lmiserve.engine.text.grammar_compiler import GrammarCompiler
     from lmiserve.engine.text.tokenizer import HfTokenizer
     from lmiserve.engine.text.validation import PromptCodec
 
     tokenizer = build_tiny_tokenizer()
     codec = PromptCodec(HfTokenizer(tokenizer), eos_token_ids={tokenizer.eos_token_id}, max_context=64)
+    grammars = GrammarCompiler(tokenizer, vocab_size=len(tokenizer), eos_token_ids=[tokenizer.eos_token_id])
     ours, engine = mp.get_context("spawn").Pipe()
     pool = EngineSnapshot(0, 0, 0, 0, 32, 8, 0, kv_blocks=4, kv_block_size=8)
-    client = EngineProcessClient(FakeProcess(), ours, pool, codec=codec)
+    client = EngineProcessClient(FakeProcess(), ours, pool, codec=codec, grammars=grammars)
     yield client, engine, tokenizer
     engine.close()
 
@@ -211,14 +213,30 @@ async def test_a_request_whose_kv_outgrows_the_pool_is_refused_here_in_the_engin
     assert len(rejected) == 1 and not engine.poll(0.1)  # counted as the engine counts it; nothing sent
 
 
-async def test_a_grammar_or_an_unprepared_prompt_is_left_to_the_engine_process(coded):
-    """A grammar is compiled (and cached) by the engine process: its prepare goes there. A prompt this request
-    never encoded goes as text: the engine process encodes it."""
+async def test_a_grammar_is_compiled_here_and_an_unprepared_prompt_left_to_the_engine_process(coded):
+    """A grammar is compiled here (cached; the engine process compiles it again from its own cache): nothing
+    goes to a busy engine process before the stream, and a grammar the library refuses is the engine's 400,
+    counted as a rejection. A client without a compiler (a vision model's) asks the engine process. A prompt
+    this request never encoded goes as text: the engine process encodes it."""
     from lmiserve.core.grammar import Grammar
 
     client, engine, _ = coded
+    rejected: list[BaseException] = []
+
+    class Observer:
+        def on_rejected(self, error: BaseException) -> None:
+            rejected.append(error)
+
+    client.add_observer(Observer())
     client.start()
-    grammar = GenerationRequest(prompt="Hi", params=SamplingParams(grammar=Grammar("regex", "a+")))
+    grammar = GenerationRequest(prompt="Hi", params=SamplingParams(max_new_tokens=4, grammar=Grammar("regex", "a+")))
+    await asyncio.wait_for(client.prepare(grammar), 5)  # (nothing answers a call to the engine process here)
+    assert client.grammars.cached(grammar.params.grammar) is not None and not engine.poll(0.1)
+    broken = GenerationRequest(prompt="Hi", params=SamplingParams(max_new_tokens=4, grammar=Grammar("regex", "(")))
+    with pytest.raises(InvalidRequest, match="invalid regex"):
+        await client.prepare(broken)
+    assert len(rejected) == 1 and not engine.poll(0.1)
+    client.grammars = None
     prepared = asyncio.ensure_future(client.prepare(grammar))
     kind, call, _ = await read(engine)
     assert kind == "prepare"

@@ -28,6 +28,7 @@ from lmiserve.engine.core.kv_fits import check_fits
 from lmiserve.engine.lora.registry import LoraLimits
 from lmiserve.engine.process.adapters import Mirror, RemoteAdapters
 from lmiserve.engine.process.wire import Ended, PipeSender, emit_forwarded
+from lmiserve.engine.text.grammar_compiler import GrammarCompiler
 from lmiserve.engine.text.validation import PromptCodec
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,8 @@ def _record(ended: Ended) -> None:
 class EngineProcessClient:
     """The engine in `process`, over `conn` (its `snapshot` as the engine's last message gave it); with LoRA
     adapters, `adapters` is its registry's `(limits, mirror, reserved names)` (process/adapters.py); `codec`:
-    the model's prompt codec in this process (a text model's), which prepares and encodes requests here."""
+    the model's prompt codec in this process (a text model's), which prepares and encodes requests here,
+    and `grammars` its grammar compiler, which checks their grammars here."""
 
     def __init__(
         self,
@@ -54,9 +56,10 @@ class EngineProcessClient:
         snapshot: EngineSnapshot,
         adapters: tuple[LoraLimits, Mirror, set[str]] | None = None,
         codec: PromptCodec | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.process, self._conn = process, conn
-        self.codec = codec
+        self.codec, self.grammars = codec, grammars
         self._snapshot = snapshot
         self._observers: list[EngineObserver] = []
         self.on_failure: list[Callable[[str], None]] = []
@@ -88,6 +91,8 @@ class EngineProcessClient:
             await asyncio.to_thread(self.process.join, 5.0)
         self._end_all(ShuttingDown())
         self._conn.close()
+        if self.grammars is not None:
+            self.grammars.close()
 
     @property
     def num_waiting(self) -> int:
@@ -105,16 +110,20 @@ class EngineProcessClient:
 
     # ---- requests ----------------------------------------------------------------------------------
     async def prepare(self, request: GenerationRequest) -> None:
-        """The engine's `prepare` (its 4xx before a response starts). A text request without a grammar is
-        prepared here, with the codec: its prompt encoded (the protocol's count of it recalled: nothing is
-        tokenized again) and checked, its KV checked against the pool the snapshot gives; the engine process
-        then takes the ids (`generate`). A grammar (compiled and cached there) or images go to the engine."""
+        """The engine's `prepare` (its 4xx before a response starts). A text request is prepared here, with
+        the codec: its prompt encoded (the protocol's count of it recalled: nothing is tokenized again) and
+        checked, its KV checked against the pool the snapshot gives; the engine process then takes the ids
+        (`generate`). A grammar is compiled here too (cached; the engine process compiles
+        it again, from its own cache, as its requests arrive): its 4xx without a round trip to a busy engine
+        process. Images go to the engine process's `prepare`."""
         self._check()
-        codec = self.codec
-        if codec is None or request.params.grammar is not None or request.images:
+        codec, grammars, grammar = self.codec, self.grammars, request.params.grammar
+        if codec is None or request.images or (grammar is not None and grammars is None):
             await self._call_prepare(request)
             return
         try:
+            if grammar is not None and grammars is not None:
+                await grammars.compile_async(grammar)
             ids = await tokenizing(codec.encode, request)
             snapshot = self._snapshot
             if snapshot.kv_block_size:  # (0: no paged pool)
