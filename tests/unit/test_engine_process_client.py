@@ -216,8 +216,8 @@ async def test_a_request_whose_kv_outgrows_the_pool_is_refused_here_in_the_engin
 async def test_a_grammar_is_compiled_here_and_an_unprepared_prompt_left_to_the_engine_process(coded):
     """A grammar is compiled here (cached; the engine process compiles it again from its own cache): nothing
     goes to a busy engine process before the stream, and a grammar the library refuses is the engine's 400,
-    counted as a rejection. A client without a compiler (a vision model's) asks the engine process. A prompt
-    this request never encoded goes as text: the engine process encodes it."""
+    counted as a rejection. A client given no compiler (the constructor's default) asks the engine process.
+    A prompt this request never encoded goes as text: the engine process encodes it."""
     from lmiserve.core.grammar import Grammar
 
     client, engine, _ = coded
