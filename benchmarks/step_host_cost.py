@@ -4,6 +4,7 @@ the whole engine (the scheduler, the runner, the update), so that the Python aro
     python benchmarks/step_host_cost.py [--model-id DIR [--load-format dummy]] [--device cpu] [--dtype fp32]
                                         [--rows 1,32,128] [--paths fast,generic] [--steps 100] [--out DIR] [--profile]
                                         [--no-drain] [--compare-before N --before-scheduler FILE] [--mixed P]
+                                        [--graph-pick]
 
 For each path (``fast``: lmiserve's forward; ``generic``: transformers' forward over the blocks) and each
 row count, an engine (`create_engine`) runs that many greedy requests at once; once they all decode, each
@@ -28,6 +29,11 @@ step's spans are timed with `time.perf_counter` by wrapping the engine's own fun
   ``deliver``): the streams' consumers and asyncio;
 - ``loop``: the rest of the step's period (from one step's start to the next's, less the above): the
   engine loop's own code and the time the torch thread waits for the GIL or a core.
+
+``--graph-pick`` follows a GPU's greedy decode step on the host: a CUDA graph computes the step's greedy
+picks with its logits and the runner only starts their transfer (`_send_pick`); here the runner is handed
+the same call, whose pick is computed when the tokens are received (the next step's ``batch update``, or
+the collect after the step). ``sampling`` is then the host's bookkeeping of a graph's step alone.
 
 ``--mixed P`` adds, at each row count, a run where prompts of P tokens keep joining the rows (one at a
 time, each ending at its first token): its figures are those of the steps that carry the rows and a
@@ -177,6 +183,7 @@ async def measure(
     drain: bool = True,
     before: bool = False,
     mixed: int = 0,
+    graph_pick: bool = False,
 ) -> dict:
     """One engine at `rows` decode rows: the mean spans of `steps` decode steps after `warmup` ones (the
     slowest and the fastest tenth left out). `mixed` > 0: the same rows while prompts of that many tokens
@@ -195,6 +202,10 @@ async def measure(
         async_scheduling=False,
     )
     engine = create_engine(loaded, config)
+    if graph_pick:  # the module doc's --graph-pick: the picks in flight, as a decode graph's
+        from lmiserve.engine.runner.sampling import greedy_pick
+
+        engine.runner._send_pick = lambda logits: functools.partial(lambda at: greedy_pick(at).tolist(), logits)
     if before:  # as before issue #39's host fixes: transformers' decode (engine/text/tokenizer.py) and the
         engine.codec.tokenizer._direct = None  # type: ignore[attr-defined]
         if BEFORE["schedule_running"] is not None:  # planning of --before-scheduler's file (serial steps only)
@@ -363,7 +374,8 @@ async def measure(
         "path": path
         + ("" if drain else ", no drain")
         + (", before" if before else "")
-        + (f", mixed {mixed}" if mixed else ""),
+        + (f", mixed {mixed}" if mixed else "")
+        + (", graph pick" if graph_pick else ""),
         "rows": rows,
         "steps": len(counted),
         "ms": {k: round(v * 1e3, 4) for k, v in mean.items() if not k.startswith("cpu ")},
@@ -433,6 +445,9 @@ def main() -> None:
         metavar="P",
         help="also each row count with prompts of P tokens joining: the steps that carry one (eager on CUDA)",
     )
+    parser.add_argument(
+        "--graph-pick", action="store_true", help="greedy picks in flight as a CUDA graph's (a GPU's host side)"
+    )
     parser.add_argument("--profile", action="store_true", help="cProfile and torch profiler of the largest row count")
     parser.add_argument("--out", type=Path, help="a directory for summary.json, summary.md and the profiles")
     args = parser.parse_args()
@@ -461,6 +476,7 @@ def main() -> None:
         results = []
 
         def run(path: str, rows: int, **options: Any) -> None:
+            options.setdefault("graph_pick", args.graph_pick)
             result = asyncio.run(measure(loaded, path, rows, args.steps, args.warmup, None, **options))
             print(json.dumps(result), flush=True)
             results.append(result)

@@ -333,12 +333,12 @@ def failing_sample(base: type[PersistentBatchRunner], bad_prompt: list[int]) -> 
     return FailingSampleRunner
 
 
-async def _one_failure(engine: AsyncEngine, tiny_model, reference, message: str):
+async def _one_failure(engine: AsyncEngine, tiny_model, reference, message: str, **params):
     async with started(engine):
         requests = [
-            GenerationRequest(PROMPTS[0], greedy(), request_id="good-1"),
-            GenerationRequest(PROMPTS[1], greedy(), request_id="bad"),
-            GenerationRequest(PROMPTS[2], greedy(), request_id="good-2"),
+            GenerationRequest(PROMPTS[0], greedy(**params), request_id="good-1"),
+            GenerationRequest(PROMPTS[1], greedy(**params), request_id="bad"),
+            GenerationRequest(PROMPTS[2], greedy(**params), request_id="good-2"),
         ]
         results = await asyncio.gather(*(collect(engine, r) for r in requests))
         bad = results[1]
@@ -359,9 +359,10 @@ async def _one_failure(engine: AsyncEngine, tiny_model, reference, message: str)
 async def test_sampling_exception_ends_only_that_sequence(tiny_model, reference, batch_invariant):
     # A batched decode step samples every row: an exception preparing one row must not mark
     # the other decoding sequences of the batch as failed (each row is guarded on its own).
+    # (rows with a top-N: plain greedy rows make no sampler row, see the test after the next)
     runner_cls = failing_sample(PagedGenericRunner, encode(tiny_model, PROMPTS[1]))
     engine = make_engine(tiny_model, runner_cls=runner_cls, batch_invariant=batch_invariant)
-    await _one_failure(engine, tiny_model, reference, "sampler exploded")
+    await _one_failure(engine, tiny_model, reference, "sampler exploded", top_n_tokens=1)
 
 
 async def test_sample_rows_exception_ends_only_that_sequence(tiny_model, reference, monkeypatch):
@@ -379,7 +380,49 @@ async def test_sample_rows_exception_ends_only_that_sequence(tiny_model, referen
     # the host's sampler (on CUDA the decode graphs pick an all-greedy step's tokens on the device)
     monkeypatch.setattr(PagedFastRunner, "_send_pick", lambda self, logits: None)
     engine = make_engine(tiny_model)
-    await _one_failure(engine, tiny_model, reference, "bad row")
+    await _one_failure(engine, tiny_model, reference, "bad row", top_n_tokens=1)
+
+
+@pytest.mark.parametrize("runner_cls", [PagedFastRunner, PagedGenericRunner], ids=["fast", "generic"])
+async def test_plain_greedy_rows_are_picked_without_sampler_rows(tiny_model, reference, monkeypatch, runner_cls):
+    # a step whose rows all sample plain greedily takes each row's argmax at once (`_pick_greedy`): no
+    # `Row` a row is made, no `sample_rows`; the tokens are those of `generate()`
+    def refused(*args, **kwargs):
+        raise AssertionError("a plain greedy row went through the sampler")
+
+    monkeypatch.setattr(PersistentBatchRunner, "_row_of", refused)
+    monkeypatch.setattr("lmiserve.engine.runner.persistent_batch.sample_rows", refused)
+    engine = make_engine(tiny_model, runner_cls=runner_cls)
+    async with started(engine):
+        requests = [GenerationRequest(prompt, greedy()) for prompt in PROMPTS[:3]]
+        results = await asyncio.gather(*(collect(engine, r) for r in requests))
+    for request, events in zip(requests, results):
+        assert final(events).reason is not FinishReason.ERROR, final(events).error
+        assert ids_of(events) == reference(encode(tiny_model, request.prompt))
+
+
+async def test_plain_greedy_pick_failure_ends_the_step_rows_only(tiny_model, reference, monkeypatch):
+    # the at-once pick of plain greedy rows fails once: that step's rows end with the error, the engine goes on
+    import lmiserve.engine.runner.persistent_batch as paged_module
+
+    real, calls = paged_module.greedy_pick, []
+
+    def greedy_pick(logits):
+        calls.append(len(logits))
+        if len(calls) == 3:
+            raise RuntimeError("pick exploded")
+        return real(logits)
+
+    monkeypatch.setattr(paged_module, "greedy_pick", greedy_pick)
+    monkeypatch.setattr(PagedFastRunner, "_send_pick", lambda self, logits: None)
+    engine = make_engine(tiny_model)
+    async with started(engine):
+        failed = await collect(engine, GenerationRequest(PROMPTS[0], greedy()))
+        assert final(failed).reason is FinishReason.ERROR
+        assert "exception occurred during sampling: pick exploded" in final(failed).error
+        after = await collect(engine, GenerationRequest(PROMPTS[3], greedy(4)))
+        assert ids_of(after) == reference(encode(tiny_model, PROMPTS[3]), 4)
+        assert engine.num_running == 0
 
 
 class FailingPagedRunner(PagedFastRunner):
@@ -408,7 +451,10 @@ async def test_a_failure_in_a_paged_batch_ends_only_that_sequence(tiny_model, re
     runner_cls = type("Failing", (FailingPagedRunner,), {"bad_prompt": tuple(encode(tiny_model, PROMPTS[1]))})
     runner_cls.fail_prefill = fail_prefill
     engine = make_engine(tiny_model, runner_cls=runner_cls)
-    await _one_failure(engine, tiny_model, reference, "prefill exploded" if fail_prefill else "sampler exploded")
+    if fail_prefill:
+        await _one_failure(engine, tiny_model, reference, "prefill exploded")
+    else:  # (rows with a top-N: plain greedy rows make no sampler row)
+        await _one_failure(engine, tiny_model, reference, "sampler exploded", top_n_tokens=1)
 
 
 # --- prompt length -----------------------------------------------------------------------------------------

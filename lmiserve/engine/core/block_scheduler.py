@@ -146,7 +146,8 @@ class BlockScheduler(SchedulerBase):
         """Every decoding sequence its next token, then chunks of the running prompts; a sequence that
         needs a block when none is free preempts the running sequence of least precedence."""
         queue = sorted(self.running, key=_precedence)
-        decoding = sum(1 for s in queue if s.decoding)
+        decode_rows = [s for s in queue if s.decoding]
+        decoding = len(decode_rows)
         prefilling = len(queue) - decoding
         budget = 0
         # the step's budget beyond one token a decode row: what drafts may take (None: no step budget)
@@ -159,20 +160,24 @@ class BlockScheduler(SchedulerBase):
         # preemption below takes a sequence out of it
         running = {s.seq_id for s in queue}
         for phase in (SeqStatus.RUNNING, SeqStatus.PREFILL):
+            rows = decode_rows
             if phase is SeqStatus.PREFILL:  # the prompt side: what the decode rows leave of the step
                 budget = self._prefill_budget(decoding, decode_tokens)
-            for seq in list(queue):
-                if (SeqStatus.RUNNING if seq.decoding else seq.status) is not phase or seq.seq_id not in running:
-                    continue
+                rows = [s for s in queue if s.status is SeqStatus.PREFILL and not s.decoding]
+            for seq in rows:
+                if seq.seq_id not in running:
+                    continue  # preempted in this plan
                 drafts: list[int] = []
+                table = self._table(seq)
                 if phase is SeqStatus.RUNNING:
                     if len(seq.output_ids) + seq.inflight_samples >= seq.params.max_new_tokens:
                         continue  # the step in flight samples its last token
-                    drafts = self._drafts(seq)
+                    if seq.drafts or self.proposer is not None:
+                        drafts = self._drafts(seq)
                     if spare is not None:  # drafts count in the step's budget too (vLLM's counting)
                         drafts = drafts[: max(spare, 0)]
                     # the drafts' blocks only when free: never a preemption for them
-                    if drafts and not self.pool.allocate(self._table(seq), 1 + len(drafts)):
+                    if drafts and not self.pool.allocate(table, 1 + len(drafts)):
                         drafts = []
                     if spare is not None:
                         spare -= len(drafts)
@@ -185,7 +190,7 @@ class BlockScheduler(SchedulerBase):
                     share = budget // 2 if self.waiting or prefilling > 1 else budget
                     want = min(remaining, max(share, 1)) if self.chunked_prefill else remaining
                     want = chunk_length(seq.images, seq.kv_next, want)  # an image never split where it must not be
-                while not self.pool.allocate(self._table(seq), want):
+                while not self.pool.allocate(table, want):
                     if ahead:
                         break  # never a preemption while a step runs: it waits for a step planned after it
                     victim = next((s for s in reversed(queue) if s.seq_id not in scheduled), None)
@@ -198,7 +203,7 @@ class BlockScheduler(SchedulerBase):
                         break
                 if seq.seq_id not in running:
                     continue
-                if self._table(seq).num_tokens < seq.kv_next + max(want, 1):
+                if table.num_tokens < seq.kv_next + max(want, 1):
                     continue  # nothing left to preempt: it waits for a later step
                 scheduled.add(seq.seq_id)
                 if phase is SeqStatus.RUNNING:

@@ -37,6 +37,9 @@ class RequestHandle:
         """A sequence's unfinished `event`: delivered with the ones held before it, or (`interval` > 1) held
         to go with its next ones, unless it is the sequence's first token (at once: the time to first token
         is not the interval's) or it completes a group of `interval` tokens."""
+        if interval <= 1 and not more:  # (held events come only with an interval)
+            self.queue.put_nowait(event)
+            return
         if interval > 1:
             held = self.held.get(seq_id)
             if held is None:

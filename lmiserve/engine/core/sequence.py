@@ -200,7 +200,7 @@ class Sequence:
         stops = token_id in self._stop_ids or token_id in self._eos
         hidden = stops and not self.params.include_stop_str_in_output
         text = "" if hidden else self._detok.add(token_id)
-        error = self._advance_grammar(token_id)
+        error = self._advance_grammar(token_id) if self._grammar is not None or self._forcing is not None else None
         if self._deferred is not None:
             self._open_gate(token_id, text)
         if self._forcing is not None and self._forcing.done:
@@ -219,7 +219,7 @@ class Sequence:
         if stopped and reason is None:
             reason = FinishReason.STOP_SEQUENCE
             self._stop_reason = self._stop.matched
-        if reason is None and self.grammar is not None and self.grammar.is_stopped:
+        if reason is None and (grammar := self.grammar) is not None and grammar.is_stopped:
             reason = FinishReason.EOS_TOKEN  # the grammar is complete and nothing may follow
         if reason is None and len(self.output_ids) >= self.params.max_new_tokens:
             reason = FinishReason.LENGTH
@@ -229,7 +229,7 @@ class Sequence:
         self._texts.append(text)
         top_tokens = tuple(self.token(i, lp) for i, lp in top) if top is not None else None
         return StepEvent(
-            token=self.token(token_id, logprob, text),
+            token=Token(token_id, text, logprob, token_id in self._special),
             top_tokens=top_tokens,
             finish=self._finish(reason, error) if reason is not None else None,
             index=self.index,

@@ -28,7 +28,6 @@ from lmiserve.engine.lora.batch import LoraGroup
 from lmiserve.engine.model import autotune as kernel_autotune
 from lmiserve.engine.model.fast_llama import FastLlama, StepInputs
 from lmiserve.engine.runner.persistent_batch import PersistentBatchRunner
-from lmiserve.engine.runner.sampling import plain_greedy
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -112,7 +111,8 @@ class PagedFastRunner(PersistentBatchRunner):
             return None
         if batch.num_decode != len(rows) or any(r.draft_token_ids or r.prompt_logprobs for r in rows):
             return None
-        if not all(r.seq_id in self._requests and plain_greedy(self._requests[r.seq_id].params) for r in rows):
+        requests = self._requests
+        if not all(r.seq_id in requests and requests[r.seq_id].plain for r in rows):
             return None
         row_of = {seq_id: n for n, seq_id in enumerate(last.seq_ids)}
         waiting = [r.seq_id for r in rows if r.token_ids[0] == PENDING_TOKEN]

@@ -36,7 +36,14 @@ from lmiserve.engine.core.step import (
 from lmiserve.engine.lora.adapters import LoraAdapter
 from lmiserve.engine.lora.batch import LoraBatch, LoraGroup, StackCache
 from lmiserve.engine.runner.in_flight import StepsInFlight
-from lmiserve.engine.runner.sampling import Row, plain_greedy, prompt_logprobs, sample_rows, sampler_row
+from lmiserve.engine.runner.sampling import (
+    Row,
+    greedy_pick,
+    plain_greedy,
+    prompt_logprobs,
+    sample_rows,
+    sampler_row,
+)
 from lmiserve.engine.speculative.proposers import Proposer
 from lmiserve.engine.text.images import ImageInputs
 from lmiserve.engine.text.token_mask import apply_bitmask
@@ -56,6 +63,10 @@ class RequestState:
     generator: torch.Generator | None = None
     adapter: LoraAdapter | None = None
     images: Any = None  # a VLM prompt's image features, kept across preemptions (runner/vision.py)
+    plain: bool = field(init=False)  # `plain_greedy(params)`: its token is its row's argmax
+
+    def __post_init__(self) -> None:
+        self.plain = plain_greedy(self.params)
 
 
 class PersistentBatchRunner(BatchRunner):
@@ -268,6 +279,9 @@ class PersistentBatchRunner(BatchRunner):
         if not sampling:
             return
         rows = logits if at == list(range(len(logits))) else logits[at]
+        if not batch.grammar_rows and all(self._requests[batch.rows[i].seq_id].plain for i in sampling):
+            self._pick_greedy(logits, rows, [batch.rows[i].seq_id for i in sampling], out)
+            return
         try:
             masked = self._masked(batch, sampling, rows)
         except Exception as exc:  # noqa: BLE001 - the constrained rows fail, the others are sampled
@@ -290,11 +304,6 @@ class PersistentBatchRunner(BatchRunner):
                 out.errors[seq_id] = f"exception occurred during sampling: {exc}"
         if not picked:
             return
-        plain = all(spec.masked is None and plain_greedy(spec.params) for spec in specs)
-        receive = self._send_pick(logits) if plain and rows is logits and len(picked) == len(rows) else None
-        if receive is not None:
-            self.in_flight.add(out, [batch.rows[i].seq_id for i in sampling], receive)
-            return  # the tokens are on their way: `collect` (or the next step) receives them
         self.in_flight.receive()  # this step's tokens follow theirs
         try:
             results = sample_rows(rows if len(picked) == len(rows) else rows[picked], specs)
@@ -308,6 +317,17 @@ class PersistentBatchRunner(BatchRunner):
             else:
                 self._requests[seq_id].output_ids.append(result.token_id)
                 out.samples[seq_id] = [result]
+
+    def _pick_greedy(self, logits: torch.Tensor, rows: torch.Tensor, seq_ids: list[int], out: StepOutput) -> None:
+        """The rows of a step whose sampling rows all sample plain greedily (`RequestState.plain`, no grammar):
+        each its argmax and logprob (`greedy_pick`, as `sample_rows` picks them), with no `Row` made. Where the
+        forward computed the pick with the logits (a decode graph's, `_send_pick`), its transfer starts and the
+        tokens stay in flight (`collect`, or the next step, receives them); else they are received here, after
+        the steps still in flight."""
+        receive = self._send_pick(logits) if rows is logits else None
+        self.in_flight.add(out, seq_ids, receive or (lambda: greedy_pick(rows).tolist()))
+        if receive is None:
+            self.in_flight.receive()
 
     def _verify(self, row: ScheduledTokens, logits: torch.Tensor, out: StepOutput) -> None:
         """A row's drafts verified against its `logits` (one row a position: its last token's, then each
