@@ -8,7 +8,8 @@ tokens fed the image encoder's features (docs/engine.md, "Vision-language models
 - **Every step runs on embeddings**: the language model's embeddings of the step's tokens, the image
   features placed at the image-token positions the step covers (a chunk may begin or end inside an
   image), through the VLM's own forward with ``inputs_embeds`` (Qwen3-VL: its language model and head,
-  which take the DeepStack features of the same positions).
+  which take the DeepStack features of the same positions, added there by integer positions found on the
+  host: transformers' own step indexes by a boolean mask, which waits for the device).
 - **M-RoPE** (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): the prompt's 3-D positions come from the model's
   ``get_rope_index`` at admission; a generated token at position p takes p + the prompt's rope delta, as
   ``generate()`` does. The forward gets ``[4, 1, tokens]`` position ids (the 1-D positions first, as
@@ -84,9 +85,13 @@ class PagedVisionRunner(PagedGenericRunner):
     ) -> None:
         self.inner: Any = model.model  # the VLM's base model: get_image_features, get_rope_index
         self.mrope = callable(getattr(self.inner, "get_rope_index", None))
-        language = getattr(self.inner, "language_model", None)
+        language: Any = getattr(self.inner, "language_model", None)
         self.deepstack = callable(getattr(language, "_deepstack_process", None))
         self._step: list[RequestState] = []  # the rows' requests of the forward running now
+        self._deepstack_at: torch.Tensor | None = None  # the step's image positions (`_deepstack_add`)
+        if self.deepstack:
+            self._deepstack_mask = language._deepstack_process  # transformers' (by the boolean mask)
+            language._deepstack_process = self._deepstack_add
         super().__init__(
             model,
             eos_token_ids=eos_token_ids,
@@ -193,6 +198,7 @@ class PagedVisionRunner(PagedGenericRunner):
         if self.deepstack:
             inputs["visual_pos_masks"] = None
             inputs["deepstack_visual_embeds"] = None
+            self._deepstack_at = index
             if index is not None:
                 mask = torch.zeros(1, len(ids), dtype=torch.bool, device=dev)
                 mask[0, index] = True
@@ -204,6 +210,20 @@ class PagedVisionRunner(PagedGenericRunner):
                 ]
         inputs["position_ids"] = self._positions(positions, spans)
         return inputs
+
+    def _deepstack_add(
+        self, hidden_states: torch.Tensor, visual_pos_masks: torch.Tensor, visual_embeds: torch.Tensor
+    ) -> torch.Tensor:
+        """Qwen3-VL's DeepStack step (its language model's `_deepstack_process`: a layer's image features
+        added at the image positions) at the step's image positions (`_deepstack_at`, found on the host, in
+        the features' order), not by the mask: the same sums without the wait a boolean index makes."""
+        index = self._deepstack_at
+        if index is None:  # (not a step `_model_inputs` made)
+            result: torch.Tensor = self._deepstack_mask(hidden_states, visual_pos_masks, visual_embeds)
+            return result
+        hidden_states = hidden_states.clone()
+        hidden_states[0, index] = hidden_states[0, index] + visual_embeds.to(hidden_states.device, hidden_states.dtype)
+        return hidden_states
 
     def _positions(self, positions: list[int], spans: list[Span]) -> torch.Tensor:
         """``[1, tokens]``; with M-RoPE ``[4, 1, tokens]``: the 1-D positions, then the three M-RoPE rows
