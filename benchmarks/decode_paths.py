@@ -16,7 +16,11 @@ first position where one differs otherwise). Paths:
 - ``triton``: ``enforce_eager=true``, the same kernel launched step by step;
 - ``torch``: ``enforce_eager=true`` and ``LMISERVE_ATTENTION_BACKEND=torch``, the torch attention;
 - ``graphs-sampled``: the graphs with every prompt sampled at temperature 1.0 (OpenAI's default), seeded,
-  the step's sampled rows drawn in one kernel (engine/runner/seeded_draw.py);
+  sampled inside the graphs (engine/runner/graph_sampling.py: the step's one replay, its rows drawn by the
+  kernel of engine/runner/seeded_draw.py, chained into the next step on the device);
+- ``graphs-sampled-eager``: the same sampled after the graph, from its logits (`graph_sampling.USE_IN_GRAPHS`
+  off), drawn by the same kernel: the same tokens as ``graphs-sampled``, a wait and the sampler's launches
+  a step more;
 - ``graphs-sampled-generators``: the same with each row drawn by its own generator (`seeded_draw.USE_ON_CUDA`
   off: an exponential fill a row). Their tokens are compared with the first path's like the others', so
   they differ from the greedy path's; the two sampled paths draw different tokens too (other variates).
@@ -54,6 +58,7 @@ class Choice(NamedTuple):
     fused: bool = False  # engine/model/fused_norm.py's kernels
     sampled: bool = False  # the prompts sampled at temperature 1.0, seeded
     draw_kernel: bool = True  # a sampled step's rows drawn in one kernel (engine/runner/seeded_draw.py)
+    in_graph: bool = True  # a sampled decode step's rows sampled inside its graph (engine/runner/graph_sampling.py)
 
 
 PATHS = {
@@ -62,6 +67,7 @@ PATHS = {
     "triton": Choice("triton", True),
     "torch": Choice("torch", True),
     "graphs-sampled": Choice("triton", False, sampled=True),
+    "graphs-sampled-eager": Choice("triton", False, sampled=True, in_graph=False),
     "graphs-sampled-generators": Choice("triton", False, sampled=True, draw_kernel=False),
 }
 
@@ -81,7 +87,7 @@ def run(
 
     from lmiserve.config import Settings
     from lmiserve.engine.model import fused_norm
-    from lmiserve.engine.runner import seeded_draw
+    from lmiserve.engine.runner import graph_sampling, seeded_draw
     from lmiserve.models.compose import build_engine
     from lmiserve.models.load import load_causal_lm
 
@@ -97,6 +103,7 @@ def run(
         os.environ["LMISERVE_ATTENTION_BACKEND"] = chosen.backend
         fused_norm.USE_ON_CUDA = chosen.fused  # read when an engine's forward is built
         seeded_draw.USE_ON_CUDA = chosen.draw_kernel  # read at each sampled step
+        graph_sampling.USE_IN_GRAPHS = chosen.in_graph  # read at each sampled step
         settings = base.model_copy(update={"enforce_eager": chosen.eager})
         runs = {}
         for level in levels:
@@ -113,6 +120,9 @@ def run(
                 "outputs": outputs,
                 "triton_attention": bool(getattr(fast, "triton", False)),
                 "graphs_captured": sorted(getattr(graphs, "_graphs", {})) if graphs is not None else None,
+                "sampled_graphs_captured": sorted(getattr(graphs, "_sampled_graphs", {}))
+                if graphs is not None
+                else None,
             }
             del engine
             gc.collect()
@@ -138,7 +148,13 @@ def run(
                 ],
                 "triton_attention": run_["triton_attention"],
                 "graphs_captured": run_["graphs_captured"],
+                "sampled_graphs_captured": run_["sampled_graphs_captured"],
             }
+            if path == "graphs-sampled-eager" and "graphs-sampled" in results:  # the same draws, in the graph or not
+                inside = results["graphs-sampled"][level]["outputs"]
+                report["paths"][path][level]["identical_to_graphs-sampled"] = sum(
+                    a == b for a, b in zip(run_["outputs"], inside)
+                )
     return report
 
 

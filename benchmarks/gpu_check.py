@@ -101,6 +101,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ENGINE_TESTS = (
     "tests/unit/test_sampling_batched.py",
     "tests/unit/test_seeded_draw.py",
+    "tests/unit/test_graph_sampling.py",
     "tests/unit/test_capture_hazards.py",
     "tests/unit/test_host_copy.py",
     "tests/unit/test_fused_norm.py",

@@ -205,7 +205,10 @@ async def measure(
     if graph_pick:  # the module doc's --graph-pick: the picks in flight, as a decode graph's
         from lmiserve.engine.runner.sampling import greedy_pick
 
-        engine.runner._send_pick = lambda logits: functools.partial(lambda at: greedy_pick(at).tolist(), logits)
+        def send_pick(logits: Any, sampled: bool = False) -> Any:  # (greedy picks alone)
+            return None if sampled else functools.partial(lambda at: greedy_pick(at).tolist(), logits)
+
+        engine.runner._send_pick = send_pick
     if before:  # as before issue #39's host fixes: transformers' decode (engine/text/tokenizer.py) and the
         engine.codec.tokenizer._direct = None  # type: ignore[attr-defined]
         if BEFORE["schedule_running"] is not None:  # planning of --before-scheduler's file (serial steps only)

@@ -104,8 +104,8 @@ def graph_step_hazards(request: pytest.FixtureRequest) -> Iterator[Hazards | Non
     hazards = capture_hazards.Hazards()
     step = DecodeGraphs._step
 
-    def watched(self: DecodeGraphs, size: int) -> tuple[Any, Any]:
-        return capture_hazards.watch(hazards, step, self, size)
+    def watched(self: DecodeGraphs, size: int, sampled: bool = False) -> tuple[Any, Any]:
+        return capture_hazards.watch(hazards, step, self, size, sampled)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(DecodeGraphs, "_step", watched)

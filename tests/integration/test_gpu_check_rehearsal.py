@@ -78,11 +78,14 @@ def test_the_benches_report_every_level_against_generate(rehearsal):
 def test_issue_39_entries_are_filled(rehearsal):
     summary, _, _ = rehearsal
     paths = summary["decode_paths"]["paths"]
-    sampled = {"graphs-sampled", "graphs-sampled-generators"}  # (their tokens drawn, not the greedy path's)
+    # (their tokens drawn, not the greedy path's)
+    sampled = {"graphs-sampled", "graphs-sampled-eager", "graphs-sampled-generators"}
     assert set(paths) == {"graphs", "graphs-fused", "triton", "torch", *sampled}
     for name, path in paths.items():
         if name in sampled:
             assert all(r["tokens_per_s"] > 0 for r in path.values())
+            if name == "graphs-sampled-eager":  # the same draws as sampled inside the graphs
+                assert {level: r["identical_to_graphs-sampled"] for level, r in path.items()} == {"1": 1, "2": 2}
         else:
             assert {level: r["identical_to_graphs"] for level, r in path.items()} == {"1": 1, "2": 2}
     lora = summary["decode_paths_lora"]

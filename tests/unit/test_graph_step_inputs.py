@@ -104,8 +104,8 @@ def test_the_engine_samples_plain_greedy_steps_from_the_graphs_pick(tiny_model, 
     sent: list[int] = []  # rows of each step whose picks were sent
     send_pick = graphs.send_pick
 
-    def recording_send(logits):  # noqa: ANN001, ANN202 - DecodeGraphs.send_pick's
-        receive = send_pick(logits)
+    def recording_send(logits, sampled=False):  # noqa: ANN001, ANN202 - DecodeGraphs.send_pick's
+        receive = send_pick(logits, sampled)
         if receive is not None:
             sent.append(len(logits))
         return receive

@@ -1,7 +1,7 @@
 """A GPU step's sampled rows drawn in one kernel, each from its seed and the index of its token
 (engine/runner/seeded_draw.py): here under Triton's interpreter on a CPU (tests/conftest.py sets
 TRITON_INTERPRET), compiled on the GPU check's device (LMISERVE_TEST_DEVICE). The kernel is called directly
-(`seeded_draw._draw`), or the sampler and the engine are made to take it on a CPU (`usable`)."""
+(`seeded_draw.draw_keyed`), or the sampler and the engine are made to take it on a CPU (`usable`)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ DEVICE = torch.device(os.environ.get("LMISERVE_TEST_DEVICE", "cpu"))
 
 
 def kernel(probs: torch.Tensor, seeds: list[int], counts: list[int]) -> tuple[list[int], list[bool]]:
-    tokens, undrawable = seeded_draw._draw(probs.to(DEVICE), seeds, counts)
+    keys = torch.tensor(seeded_draw.seed_keys(seeds), device=DEVICE)
+    tokens, undrawable = seeded_draw.draw_keyed(probs.to(DEVICE), keys, torch.tensor(counts, device=DEVICE))
     return tokens.tolist(), undrawable.tolist()
 
 

@@ -6,36 +6,31 @@ chunk, no LoRA adapter, every row's logits kept) is padded to the next *capture 
 multiples of 8 up to the batch limit, as vLLM does) and replayed from a graph captured for that size the
 first time a step of that size runs: one launch for the whole forward.
 
-A graph reads its inputs from fixed addresses: two int64 device buffers hold, for the largest size, one
-the token ids, positions, attention tile counts and KV write index, the other the block tables (each
-row's table padded to the longest a context can need); every graph reads the front of each part. A step
-writes its rows into pinned host copies of the two and copies them over (two copies) before the replay.
-The host tables persist from step to step: a row that holds the same sequence's table as the step before
-(the same list: a request's block list only ever grows, or is replaced, runner/persistent_batch.py) gets
-only its new blocks written, so a steady batch costs a few numpy writes a step, not one table a row.
-Padding rows (token 0 at position 0) write their keys and values into a block of their own, one past the
-pool's (the runner allocates it; no sequence ever holds it), and their attention is skipped (tile count
-0); their logits are dropped. The attention is the Triton backend's (attention/backends.py), whose
-metadata the graphs make from their own buffers (`TritonBackend.graph_plan`) and whose kernel's loops run
-on device data, so one graph serves every context length; the RoPE table is built for the whole context
-before the first capture (`FastLlama.rope_upto`) and never reallocated.
+A graph reads its inputs from fixed addresses: two int64 device buffers (for the largest size) hold the
+token ids, positions, attention tile counts and KV write index, and the block tables (each row's padded to
+the longest a context can need), written into pinned host copies and copied over before the replay. A row
+that holds the same sequence's table as the step before (the same list: it only grows, or is replaced,
+runner/persistent_batch.py) gets only its new blocks written. Padding rows (token 0 at position 0) write
+into a block of their own, one past the pool's (no sequence holds it), skip their attention (tile count 0)
+and their logits are dropped. The attention is the Triton backend's, whose metadata the graphs make from
+their own buffers (`TritonBackend.graph_plan`) and whose kernel's loops run on device data, so one graph
+serves every context length; the RoPE table covers the whole context before the first capture.
 
 Sampling is in the graph too: each graph also computes every row's greedy token and its logprob
 (`sampling.greedy_pick`), which the runner takes as the step's one transfer when every row samples
-greedily without top-N (`send_pick`): nothing runs between the replay and that transfer. Other steps
-sample from the logits, which stay in the graph's output until the next replay.
+greedily without top-N (`send_pick`): nothing runs between the replay and that transfer. A step whose rows
+sample with temperature, top_k, top_p and min_p (`sample`, runner/graph_sampling.py) replays a second graph
+of its size, which samples them from their parameters' buffers; other steps sample from the logits, which
+stay in the graph's output until the next replay. A sampled graph that fails to capture leaves sampled
+steps to the eager sampler, the greedy graphs as they are.
 
 With LoRA adapters configured (`carry_lora`, before the first capture), every graph also computes the
-products of `max_loras` fixed adapter slots (engine/lora/slots.py): a step's adapters are copied into slots
-(when not there already) and each row's slot is one more input buffer, so decode steps with adapters replay
-the same graphs; a step with more adapters than slots, or the graphs without slots, runs eagerly.
+products of `max_loras` fixed adapter slots (engine/lora/slots.py), each row's slot one more input buffer;
+a step with more adapters than slots runs eagerly. `enforce_eager` (vLLM's and LMI's option) turns graphs
+off; a capture that fails is logged and the engine goes on eagerly. Not with tensor parallelism.
 
-`enforce_eager` (vLLM's and LMI's option) turns graphs off. A capture that fails is logged and the
-engine goes on eagerly. Not with tensor parallelism (the all-reduces would have to be captured too).
-
-On a CPU (``capture=False``, the tests) `run` computes the same padded step from the same buffers
-without capturing: everything but the capture itself; the tests watch that step for what a capture cannot
-hold (a host sync, a tensor of host data: tests/helpers/capture_hazards.py).
+On a CPU (``capture=False``, the tests) `run` computes the same padded step from the same buffers without
+capturing; the tests watch that step for what a capture cannot hold (tests/helpers/capture_hazards.py).
 """
 
 from __future__ import annotations
@@ -47,11 +42,15 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import torch
 
+from lmiserve.core.request import SamplingParams
 from lmiserve.engine import host_copy
 from lmiserve.engine.attention import triton_ops as triton_attention
 from lmiserve.engine.attention.backends import TritonBackend
 from lmiserve.engine.attention.paged import PagedKVCache
 from lmiserve.engine.lora.slots import LoraSlots
+from lmiserve.engine.runner import graph_sampling, seeded_draw
+from lmiserve.engine.runner.graph_sampling import GraphSampler
+from lmiserve.engine.runner.in_flight import PickTransfers
 from lmiserve.engine.runner.sampling import greedy_pick
 
 if TYPE_CHECKING:
@@ -76,7 +75,7 @@ def capture_sizes(max_rows: int) -> list[int]:
 class _Captured(NamedTuple):
     graph: torch.cuda.CUDAGraph
     logits: torch.Tensor
-    greedy: torch.Tensor  # `greedy_pick` of the logits
+    greedy: torch.Tensor  # `greedy_pick` of the logits (a sampled graph: `GraphSampler.pick`'s)
 
 
 class DecodeGraphs:
@@ -119,18 +118,19 @@ class DecodeGraphs:
         self._host_parts = [t.numpy() for t in self._parts(self._host[0])]  # ids, positions, counts, sources, write
         self._host_tables = self._host[1].numpy()
         self._sent: torch.cuda.Event | None = None  # the last step's inputs copied: the host buffers are free
-        # each graph's greedy tokens, where the next step's chained rows read their inputs (`run`'s sources)
+        # each graph's picked tokens, where the next step's chained rows read their inputs (`run`'s sources)
         self._last_tokens = torch.zeros(largest, dtype=torch.int64, device=fast.device)
-        # the greedy picks' transfers to the host: two buffers (a step's picks may wait while the next runs)
-        self._picks_host = [torch.zeros((largest, 2), dtype=torch.float64, pin_memory=self.capture) for _ in range(2)]
-        self._picks_turn = 0
+        self._picks = PickTransfers(largest * 3, self.capture)  # the picks' transfers to the host
+        self.sampler: GraphSampler | None = None  # the sampled rows' parameters (`sample`), made when first wanted
+        self._sampling = self.sampler_failed = False  # the next `run` samples in a graph; a sampled capture failed
         # what each row of the host tables holds: the list it was written from (None: padding or nothing),
         # how many of its blocks, and the largest block id among them
         self._held: list[Sequence[int] | None] = [None] * largest
         self._written = np.zeros(largest, dtype=np.int64)
         self._largest_block = np.zeros(largest, dtype=np.int64)
-        self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # the last step's (logits, greedy pick)
+        self._last: tuple[torch.Tensor, torch.Tensor, bool] | None = None  # the last step's (logits, pick, sampled)
         self._graphs: dict[int, _Captured] = {}
+        self._sampled_graphs: dict[int, _Captured] = {}
         self._pool: Any = None  # the graphs' shared memory pool (torch's handle)
         self.failed = False
         self.lora: LoraSlots | None = None  # the adapters' slots every graph computes (`carry_lora`)
@@ -142,6 +142,24 @@ class DecodeGraphs:
         if self._graphs:
             raise RuntimeError("LoRA slots must be given to the decode graphs before the first capture")
         self.lora = LoraSlots(self.fast.lora_groups(), slots, rank, self.sizes[-1], self.fast.device, self.fast.dtype)
+
+    @property
+    def samples(self) -> bool:
+        """Whether steps of sampled rows may replay sampled graphs (`sample`)."""
+        return graph_sampling.USE_IN_GRAPHS and not self.sampler_failed and seeded_draw.usable(self.fast.device)
+
+    def sample(self, rows: Sequence[tuple[SamplingParams, int | None, int]]) -> bool:
+        """The next `run`'s rows (``(params, seed, token index)`` each, all `graph_sampling.in_graph`) sample
+        inside its graph; False where they cannot (`samples`): the runner samples them from the logits."""
+        if not self.samples:
+            return False
+        if self.sampler is None:
+            self.sampler = GraphSampler(self.sizes[-1], self.fast.vocab, self.fast.device, self.capture)
+        if self._sent is not None:  # the host buffers are free once the step before's copies are done
+            self._sent.synchronize()
+        self.sampler.fill(rows, self.size_for(len(rows)))
+        self._sampling = True
+        return True
 
     def covers(self, rows: int, lora: LoraBatch | None = None) -> bool:
         if lora is not None and (self.lora is None or len(lora.adapters) > self.lora.slots):
@@ -287,54 +305,46 @@ class DecodeGraphs:
         until the next step; `send_pick` sends their greedy pick."""
         rows = len(ids)
         size = self.size_for(rows)
+        sampled, self._sampling = self._sampling, False
         self._fill(ids, positions, tables, size, sources)
         if self.lora is not None:
             self.lora.set_step(lora, rows, size)
-        captured = self._graphs.get(size)
+        captured = (self._sampled_graphs if sampled else self._graphs).get(size)
         if captured is None and self.capture and not self.failed:
             try:
-                captured = self._capture(size)
+                captured = self._capture(size, sampled)
             except Exception:  # noqa: BLE001 - a capture problem costs speed, not the step: run eagerly
-                log.exception("capturing a CUDA graph of %d decode rows failed; decode steps run eagerly", size)
-                self.failed = True
+                what = "sampled " if sampled else ""
+                log.exception("capturing a CUDA graph of %d %sdecode rows failed; they run eagerly", size, what)
+                self.sampler_failed = self.sampler_failed or sampled
+                self.failed = self.failed or not sampled
+                sampled = False
         if captured is None:  # on a CPU (the tests), or the capture failed: the same step, not captured
-            logits, greedy = self._step(size)
+            logits, pick = self._step(size, sampled)
         else:
             captured.graph.replay()
-            logits, greedy = captured.logits, captured.greedy
-        self._last = (logits[:rows], greedy[:rows])
+            logits, pick = captured.logits, captured.greedy
+        self._last = (logits[:rows], pick[:rows], sampled)
         return self._last[0]
 
-    def send_pick(self, logits: torch.Tensor) -> Callable[[], list[list[float]]] | None:
-        """When `logits` are the last step's output: start the transfer of the greedy pick computed with
-        them (`sampling.greedy_pick`) to the host, and return the call that waits for it and gives its rows
-        (``[[token, logprob], ...]``); else None."""
-        if self._last is None or self._last[0] is not logits:
+    def send_pick(self, logits: torch.Tensor, sampled: bool = False) -> Callable[[], list[list[float]]] | None:
+        """When `logits` are the last step's output, its pick greedy (`sampling.greedy_pick`) or, with
+        `sampled`, that of a sampled graph (`GraphSampler.pick`): start the pick's transfer to the host, and
+        return the call that waits for it and gives its rows (``[[token, logprob], ...]``, a sampled pick
+        with its third column: undrawable); else None."""
+        if self._last is None or self._last[0] is not logits or self._last[2] != sampled:
             return None
-        greedy = self._last[1]
-        host = self._picks_host[self._picks_turn][: len(greedy)]
-        self._picks_turn ^= 1
-        host.copy_(greedy, non_blocking=self.capture)
-        if self.fast.device.type != "cuda":
-            return host.tolist
-        arrived = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        arrived.record()
+        return self._picks.send(self._last[1])
 
-        def receive() -> list[list[float]]:
-            arrived.synchronize()
-            return host.tolist()
-
-        return receive
-
-    def _step(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """What a graph of `size` rows computes: the logits and their greedy pick (whose tokens the next
-        step's chained rows read)."""
+    def _step(self, size: int, sampled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a graph of `size` rows computes: the logits and their pick, greedy or (`sampled`) from the
+        rows' sampling buffers (whose tokens the next step's chained rows read)."""
         logits = self.fast.decode_body(*self._inputs(size))
-        greedy = greedy_pick(logits)
-        self._last_tokens[:size].copy_(greedy[:, 0])
-        return logits, greedy
+        pick = self.sampler.pick(logits) if sampled and self.sampler is not None else greedy_pick(logits)
+        self._last_tokens[:size].copy_(pick[:, 0])
+        return logits, pick
 
-    def _capture(self, size: int) -> _Captured:
+    def _capture(self, size: int, sampled: bool = False) -> _Captured:
         """Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), then capture, into the
         memory pool the graphs share. The step's own inputs are in the buffers: the warm-up computes the
         step, and the capture records it without running it; the last greedy tokens the warm-up overwrote
@@ -343,16 +353,16 @@ class DecodeGraphs:
         stream = torch.cuda.Stream(device=self.fast.device)  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream(self.fast.device))
         with torch.cuda.stream(stream):
-            self._step(size)
+            self._step(size, sampled)
             self._last_tokens.copy_(last_tokens)
         torch.cuda.current_stream(self.fast.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: another model's thread on this GPU may use CUDA meanwhile without breaking the capture
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits, greedy = self._step(size)
+            logits, greedy = self._step(size, sampled)
         self._pool = graph.pool()
-        captured = self._graphs[size] = _Captured(graph, logits, greedy)
-        log.info("captured a CUDA graph of %d decode rows", size)
+        captured = (self._sampled_graphs if sampled else self._graphs)[size] = _Captured(graph, logits, greedy)
+        log.info("captured a CUDA graph of %d %sdecode rows", size, "sampled " if sampled else "")
         return captured
 
 

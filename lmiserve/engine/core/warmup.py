@@ -15,7 +15,8 @@ those (not yet confirmed on a GPU). So, once the engine runs and before the mode
    prompt budget's chunks) and a decode step;
 2. for each decode row count the runner distinguishes (`AsyncEngine.warmup_rows`: every CUDA graph size up
    to `max_rolling_batch_size`, set by engine/factory.py), that many requests at once, whose decode steps
-   run that many rows (so each graph is captured now);
+   run that many rows (so each graph is captured now), and again sampled where the graphs sample
+   (runner/graph_sampling.py: a size's sampled graph is captured now too);
 3. with `cuda_graph_prompt_tokens` (steps with prompt rows replay the graphs too), the graph sizes past the
    batch limit, which only such steps reach, captured from padding rows (`DecodeGraphs.capture_all`).
 
@@ -93,13 +94,15 @@ async def warm_up(engine: AsyncEngine) -> WarmUp | None:
         try:
             for length in lengths:
                 await run(length, 1, sampled=length == lengths[0])  # the first one sampled: its draw too
+            graphs = cuda_graphs.of_runner(engine.runner)
             for size in rows:
                 await run(2, size)
+                if graphs is not None and graphs.samples:  # its graph that samples (runner/graph_sampling.py)
+                    await run(2, size, sampled=True)
         except LmiServeError as exc:  # a shape the engine refuses costs its first request time, not the model
             log.warning("warm-up stopped (%s); the model serves without the rest of it", exc)
         # the graph sizes past the batch limit (`cuda_graph_prompt_tokens`: decode rows and prompt rows
         # together), which no batch of requests reaches alone: captured from padding rows, on the model's thread
-        graphs = cuda_graphs.of_runner(engine.runner)
         extra: list[int] = []
         if graphs is not None and graphs.prompt_tokens:
             extra = await engine.thread.run(graphs.capture_all)

@@ -23,8 +23,8 @@ import torch
 from lmiserve.engine.attention import cuda_graphs
 from lmiserve.engine.attention.kv_quant import KvFormat
 from lmiserve.engine.attention.paged import paged_cache
-from lmiserve.engine.core.step import PENDING_TOKEN, StepBatch
-from lmiserve.engine.lora.batch import LoraGroup
+from lmiserve.engine.core.step import PENDING_TOKEN, ScheduledTokens, StepBatch
+from lmiserve.engine.lora.batch import LoraBatch, LoraGroup
 from lmiserve.engine.model import autotune as kernel_autotune
 from lmiserve.engine.model.fast_llama import FastLlama, StepInputs
 from lmiserve.engine.runner.persistent_batch import PersistentBatchRunner
@@ -89,6 +89,9 @@ class PagedFastRunner(PersistentBatchRunner):
         rows = [batch.rows[i] for i in decode]
         tokens = [1] * len(decode) + [len(batch.rows[i].computed_ids) for i in part[len(decode) :]]
         chained = self._chained
+        lora = self._lora(batch, part, tokens)
+        if not prefills and not batch.grammar_rows:
+            self._sample_in_graph(rows, lora)
         return self.fast.forward(
             StepInputs(
                 [0 if r.seq_id in chained else r.token_ids[0] for r in rows],  # (chained: on the device)
@@ -96,14 +99,31 @@ class PagedFastRunner(PersistentBatchRunner):
                 [self._requests[r.seq_id].blocks for r in rows],
                 prefills,
                 keep,
-                self._lora(batch, part, tokens),
+                lora,
                 [chained.get(r.seq_id, -1) for r in rows] if chained else None,
             )
         )
 
+    def _sample_in_graph(self, rows: list[ScheduledTokens], lora: LoraBatch | None) -> None:
+        """A step of decode rows alone that a graph replays, every row sampled with what a graph samples
+        (runner/graph_sampling.py) and not every one plain greedy: its graph samples them, each from its
+        seed and the index of its token (a chained row's token in flight counted)."""
+        graphs, requests = self.graphs, [self._requests[r.seq_id] for r in rows]
+        if graphs is None or not graphs.covers(len(rows), lora) or all(r.plain for r in requests):
+            return
+        if all(r.in_graph for r in requests):
+            chained = self._chained
+            graphs.sample(
+                [
+                    (r.params, r.seed, len(r.output_ids) + (row.seq_id in chained))
+                    for r, row in zip(requests, rows, strict=True)
+                ]
+            )
+
     def _chain_from(self, batch: StepBatch) -> dict[int, int] | None:
-        """A step of decode rows alone, every one plain greedy, that the graphs (without LoRA slots) replay
-        chains from the last step in flight when that step ran every row whose token it waits for."""
+        """A step of decode rows alone, every one plain greedy or (where the graphs sample) sampled in a
+        graph, that the graphs (without LoRA slots) replay chains from the last step in flight when that
+        step ran every row whose token it waits for."""
         last, graphs, rows = self.in_flight.last, self.graphs, batch.rows
         if last is None or graphs is None or graphs.lora is not None or not graphs.covers(len(rows)):
             return None
@@ -112,7 +132,9 @@ class PagedFastRunner(PersistentBatchRunner):
         if batch.num_decode != len(rows) or any(r.draft_token_ids or r.prompt_logprobs for r in rows):
             return None
         requests = self._requests
-        if not all(r.seq_id in requests and requests[r.seq_id].plain for r in rows):
+        if not all(r.seq_id in requests and requests[r.seq_id].in_graph for r in rows):
+            return None
+        if not all(requests[r.seq_id].plain for r in rows) and not graphs.samples:
             return None
         row_of = {seq_id: n for n, seq_id in enumerate(last.seq_ids)}
         waiting = [r.seq_id for r in rows if r.token_ids[0] == PENDING_TOKEN]
@@ -120,8 +142,8 @@ class PagedFastRunner(PersistentBatchRunner):
             return None
         return {seq_id: row_of[seq_id] for seq_id in waiting}
 
-    def _send_pick(self, logits: torch.Tensor) -> Callable[[], list[list[float]]] | None:
-        return self.graphs.send_pick(logits) if self.graphs is not None else None
+    def _send_pick(self, logits: torch.Tensor, sampled: bool = False) -> Callable[[], list[list[float]]] | None:
+        return self.graphs.send_pick(logits, sampled) if self.graphs is not None else None
 
     def lora_groups(self, model: PreTrainedModel) -> list[LoraGroup]:
         return self.fast.lora_groups()

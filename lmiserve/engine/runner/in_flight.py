@@ -15,9 +15,12 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lmiserve.engine.core.step import SampleResult, StepOutput
+import torch
 
-__all__ = ["InFlight", "StepsInFlight"]
+from lmiserve.engine.core.step import SampleResult, StepOutput
+from lmiserve.engine.runner.sampling import UNDRAWABLE
+
+__all__ = ["InFlight", "PickTransfers", "StepsInFlight"]
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +28,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class InFlight:
     """One launched step's greedy picks in flight: the output they complete, the sequences of its rows
-    in order, and the call that waits for the picks (``[[token, logprob], ...]``, a row each)."""
+    in order, and the call that waits for the picks (``[[token, logprob], ...]``, a row each; a sampled
+    graph's with a third value: the row could not be drawn from)."""
 
     out: StepOutput
     seq_ids: list[int]
@@ -70,6 +74,35 @@ class StepsInFlight:
             for seq_id in step.seq_ids:
                 step.out.errors[seq_id] = f"exception occurred during sampling: {exc}"
             return
-        for seq_id, (token, logprob) in zip(step.seq_ids, picks, strict=True):
+        for seq_id, (token, logprob, *undrawable) in zip(step.seq_ids, picks, strict=True):
+            if undrawable and undrawable[0]:  # (a sampled graph's pick: sampling.sample_rows's error)
+                step.out.errors[seq_id] = f"exception occurred during sampling: {UNDRAWABLE}"
+                continue
             step.out.samples[seq_id] = [SampleResult(int(token), logprob)]
             self._apply(seq_id, int(token))
+
+
+class PickTransfers:
+    """A decode graph's picks on their way to the host: two pinned buffers of `size` values in turns (a step's
+    picks may wait while the next step's are sent)."""
+
+    def __init__(self, size: int, pinned: bool) -> None:
+        self._host = [torch.zeros(size, dtype=torch.float64, pin_memory=pinned) for _ in range(2)]
+        self._turn = 0
+
+    def send(self, pick: torch.Tensor) -> Callable[[], list[list[float]]]:
+        """Start the copy of `pick` (``[rows, columns]`` float64, on the device) to the host; the call that
+        waits for it and gives its rows."""
+        host = self._host[self._turn][: pick.numel()].view(pick.shape)  # contiguous: copied without a wait
+        self._turn ^= 1
+        host.copy_(pick, non_blocking=host.is_pinned())
+        if pick.device.type != "cuda":
+            return host.tolist
+        arrived = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        arrived.record()
+
+        def receive() -> list[list[float]]:
+            arrived.synchronize()
+            return host.tolist()
+
+        return receive

@@ -35,6 +35,7 @@ from lmiserve.engine.core.step import (
 )
 from lmiserve.engine.lora.adapters import LoraAdapter
 from lmiserve.engine.lora.batch import LoraBatch, LoraGroup, StackCache
+from lmiserve.engine.runner.graph_sampling import in_graph
 from lmiserve.engine.runner.in_flight import StepsInFlight
 from lmiserve.engine.runner.sampling import (
     Row,
@@ -64,9 +65,10 @@ class RequestState:
     adapter: LoraAdapter | None = None
     images: Any = None  # a VLM prompt's image features, kept across preemptions (runner/vision.py)
     plain: bool = field(init=False)  # `plain_greedy(params)`: its token is its row's argmax
+    in_graph: bool = field(init=False)  # `graph_sampling.in_graph(params)`: a decode graph may sample it
 
     def __post_init__(self) -> None:
-        self.plain = plain_greedy(self.params)
+        self.plain, self.in_graph = plain_greedy(self.params), in_graph(self.params)
 
 
 class PersistentBatchRunner(BatchRunner):
@@ -238,10 +240,11 @@ class PersistentBatchRunner(BatchRunner):
         """The kept logits rows of rows `part` of the batch (every decode row; per chunk `_kept`'s
         last positions), in `part`'s order."""
 
-    def _send_pick(self, logits: torch.Tensor) -> Callable[[], list[list[float]]] | None:
+    def _send_pick(self, logits: torch.Tensor, sampled: bool = False) -> Callable[[], list[list[float]]] | None:
         """Where the forward computed the greedy pick of `logits` with them (`sampling.greedy_pick`: a decode
-        step replayed from a CUDA graph, runner/fast.py), start its transfer to the host and return the
-        call that waits for it; else None."""
+        step replayed from a CUDA graph, runner/fast.py) or, `sampled`, the rows' sampled pick (a graph that
+        samples, runner/graph_sampling.py), start its transfer to the host and return the call that waits
+        for it; else None."""
         return None
 
     def _finish_rows(self, batch: StepBatch, part: list[int], logits: torch.Tensor, out: StepOutput) -> None:
@@ -281,6 +284,10 @@ class PersistentBatchRunner(BatchRunner):
         rows = logits if at == list(range(len(logits))) else logits[at]
         if not batch.grammar_rows and all(self._requests[batch.rows[i].seq_id].plain for i in sampling):
             self._pick_greedy(logits, rows, [batch.rows[i].seq_id for i in sampling], out)
+            return
+        receive = self._send_pick(logits, sampled=True) if rows is logits and not batch.grammar_rows else None
+        if receive is not None:  # a decode graph sampled the rows (runner/graph_sampling.py): its pick in flight
+            self.in_flight.add(out, [batch.rows[i].seq_id for i in sampling], receive)
             return
         try:
             masked = self._masked(batch, sampling, rows)

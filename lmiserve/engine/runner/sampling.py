@@ -33,6 +33,8 @@ from lmiserve.engine.runner import seeded_draw
 from lmiserve.engine.runner.row_threads import each_row
 from lmiserve.engine.runner.warpers import NEG_INF, warp, warp_rows
 
+UNDRAWABLE = "no token can be drawn: every token's probability is zero or not finite"
+
 
 def needs_processing(params: SamplingParams) -> bool:
     return (
@@ -295,7 +297,7 @@ def sample_rows(logits: torch.Tensor, rows: list[Row]) -> list[SampleResult | Ex
     count = len(rows)
     for n, i in enumerate(drawn_where):
         if host[len(host) - len(drawn_where) + n]:
-            results[i] = ValueError("no token can be drawn: every token's probability is zero or not finite")
+            results[i] = ValueError(UNDRAWABLE)
     for i, row in enumerate(rows):
         if results[i] is not None:
             continue

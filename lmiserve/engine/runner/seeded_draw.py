@@ -41,7 +41,7 @@ try:
 except ImportError:  # pragma: no cover - triton ships with CUDA torch wheels
     triton = None
 
-__all__ = ["USE_ON_CUDA", "draw", "usable"]
+__all__ = ["USE_ON_CUDA", "draw", "draw_keyed", "seed_keys", "usable"]
 
 log = logging.getLogger(__name__)
 
@@ -62,24 +62,27 @@ def draw(probs: torch.Tensor, seeds: list[int], counts: list[int]) -> tuple[torc
     from; both on the device, as `sampling._draw` returns them. None where the kernel failed (logged once):
     the caller draws otherwise."""
     try:
-        return _draw(probs, seeds, counts)
+        return draw_keyed(probs, to_device(seed_keys(seeds), probs.device), to_device(counts, probs.device))
     except Exception:  # noqa: BLE001 - a Triton that cannot build the kernel costs launches, not the rows
         log.exception("the sampled rows' draw kernel failed on %s; drawing each row with its generator", probs.device)
         _failed.add(str(probs.device))
         return None
 
 
-def _draw(probs: torch.Tensor, seeds: list[int], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def seed_keys(seeds: list[int]) -> list[int]:
+    """The kernel's key of each seed: taken modulo 2**64 (as `torch.Generator.manual_seed`), as int64's bits."""
+    return [(s % 2**64) - (2**64 if s % 2**64 >= 2**63 else 0) for s in seeds]
+
+
+def draw_keyed(probs: torch.Tensor, keys: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`draw` from the rows' keys (`seed_keys`) and indexes already on the device, raising where the kernel
+    fails: nothing here reads the host (a decode graph captures it, runner/graph_sampling.py)."""
     rows, vocab = probs.shape
     block = min(BLOCK, max(16, triton.next_power_of_2(vocab)))  # (four quarters of 4 tokens at least)
     parts = max(1, min(math.ceil(vocab / block), _PROGRAMS // rows))
     span = math.ceil(math.ceil(vocab / parts) / block) * block  # whole blocks a part
     parts = math.ceil(vocab / span)
     device = probs.device
-    # a seed is taken modulo 2**64 (as `torch.Generator.manual_seed`), as int64's bits
-    seed_bits = [(s % 2**64) - (2**64 if s % 2**64 >= 2**63 else 0) for s in seeds]
-    keys = to_device(seed_bits, device)
-    index = to_device(counts, device)
     best = torch.empty(rows, parts, dtype=torch.float32, device=device)
     where = torch.empty(rows, parts, dtype=torch.int64, device=device)
     total = torch.empty(rows, parts, dtype=torch.float32, device=device)

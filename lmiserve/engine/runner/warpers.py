@@ -25,15 +25,11 @@ def warp_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
     each row comes out as it would alone. On a CPU `top_p` goes row by row."""
     device, dtype, vocab = logits.device, logits.dtype, logits.shape[-1]
     if any(p.temperature != 1.0 for p in params):  # a row at 1.0 divided by 1.0: unchanged
-        logits = logits / to_device([p.temperature for p in params], device, dtype)[:, None]
-    # extreme temperatures or penalties overflow to inf: keep the ranking, stay finite
-    logits = torch.nan_to_num(logits, nan=NEG_INF, posinf=torch.finfo(dtype).max)
+        logits = scaled(logits, to_device([p.temperature for p in params], device, dtype))
+    logits = finite(logits)
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(top_k):
-        likeliest = torch.topk(logits, max(top_k)).values  # the likeliest first
-        kth = likeliest.gather(1, to_device([max(k - 1, 0) for k in top_k], device)[:, None])
-        kth = kth.masked_fill(to_device([k == 0 for k in top_k], device, torch.bool)[:, None], NEG_INF)
-        logits = logits.masked_fill(logits < kth, NEG_INF)
+        logits = top_k_cut(logits, max(top_k), *to_device(top_k_columns(top_k), device)[:, None, :].unbind(-1))
     if any(p.top_p < 1.0 for p in params):
         if device.type == "cpu" and vocab > 8192:  # (`logits` is the stages' own tensor)
             for row, p in zip(logits, params):
@@ -42,9 +38,7 @@ def warp_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
         else:
             logits = _top_p_rows(logits, [p.top_p for p in params])
     if any(p.min_p > 0.0 for p in params):  # a row at 0.0 removes nothing
-        probs = logits.softmax(-1)
-        floor = probs.amax(-1, keepdim=True) * to_device([p.min_p for p in params], device, dtype)[:, None]
-        logits = logits.masked_fill(probs < floor, NEG_INF)
+        logits = min_p_cut(logits, to_device([p.min_p for p in params], device, dtype))
     typical = [i for i, p in enumerate(params) if p.typical_p < 1.0]
     if len(typical) == len(params):
         logits = _typical_p_rows(logits, [p.typical_p for p in params])
@@ -53,6 +47,48 @@ def warp_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
         warped = _typical_p_rows(logits.index_select(0, at), [params[i].typical_p for i in typical])
         logits = logits.index_copy(0, at, warped)
     return logits
+
+
+# the stages on device tensors of the rows' parameters (a [rows] tensor each): `warp_rows` makes them from the
+# rows' parameters, a decode graph keeps them in its buffers (runner/graph_sampling.py); the same ops either way
+
+
+def scaled(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    return logits / temperature[:, None]
+
+
+def finite(logits: torch.Tensor) -> torch.Tensor:
+    """Extreme temperatures or penalties overflow to inf: keep the ranking, stay finite."""
+    return torch.nan_to_num(logits, nan=NEG_INF, posinf=torch.finfo(logits.dtype).max)
+
+
+def top_k_columns(top_k: list[int]) -> list[list[int]]:
+    """Each row's ``[k - 1, off]`` for `top_k_cut` (`top_k` 0: off)."""
+    return [[max(k - 1, 0), int(k == 0)] for k in top_k]
+
+
+def top_k_cut(logits: torch.Tensor, largest: int, kth_at: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
+    """transformers' `TopKLogitsWarper` of each row: the tokens below its k-th likeliest removed (`kth_at`:
+    k - 1, ``[rows, 1]``; `off` ``[rows, 1]`` nonzero: the row unchanged); `largest`: at least every row's k."""
+    kth = torch.topk(logits, largest).values.gather(1, kth_at)  # the likeliest first
+    kth = kth.masked_fill(off.bool(), NEG_INF)
+    return logits.masked_fill(logits < kth, NEG_INF)
+
+
+def top_p_cut(logits: torch.Tensor, below: torch.Tensor, on: torch.Tensor) -> torch.Tensor:
+    """`_top_p`'s sort of each row by its own ``below`` (``1 - top_p``, ``[rows]``), the rows where `on`."""
+    sorted_logits, order = torch.sort(logits, descending=False)
+    cumulative = sorted_logits.softmax(-1).cumsum(-1)
+    remove = cumulative <= below[:, None]
+    remove[:, -1] = False
+    remove &= on[:, None]
+    return logits.masked_fill(remove.scatter(1, order, remove), NEG_INF)
+
+
+def min_p_cut(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """transformers' `MinPLogitsWarper` of each row (`min_p` ``[rows]``; 0.0 removes nothing)."""
+    probs = logits.softmax(-1)
+    return logits.masked_fill(probs < probs.amax(-1, keepdim=True) * min_p[:, None], NEG_INF)
 
 
 def _typical_p_rows(logits: torch.Tensor, typical_p: list[float]) -> torch.Tensor:
@@ -72,12 +108,8 @@ def _typical_p_rows(logits: torch.Tensor, typical_p: list[float]) -> torch.Tenso
 
 def _top_p_rows(logits: torch.Tensor, top_p: list[float]) -> torch.Tensor:
     """`_top_p`'s sort of each row of `logits` by its own `top_p` (rows at 1.0 unchanged), all at once."""
-    sorted_logits, order = torch.sort(logits, descending=False)
-    cumulative = sorted_logits.softmax(-1).cumsum(-1)
-    remove = cumulative <= to_device([1 - p for p in top_p], logits.device, logits.dtype)[:, None]
-    remove[:, -1] = False
-    remove &= to_device([p < 1.0 for p in top_p], logits.device, torch.bool)[:, None]
-    return logits.masked_fill(remove.scatter(1, order, remove), NEG_INF)
+    below = to_device([1 - p for p in top_p], logits.device, logits.dtype)
+    return top_p_cut(logits, below, to_device([p < 1.0 for p in top_p], logits.device, torch.bool))
 
 
 def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -1,0 +1,172 @@
+"""A decode graph's sampled rows (engine/runner/graph_sampling.py, engine/attention/cuda_graphs.py): the
+graph's pick is the eager GPU sampler's, row for row, and an engine whose decode graphs sample gives the
+tokens of one whose steps sample eagerly. On a CPU the graphs' step runs from the same buffers without a
+capture and the draw kernel under Triton's interpreter (tests/conftest.py); the sampler is made to take
+the GPU's path there (`_at_once`, `usable`). The GPU check's engine tests run this file compiled."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import torch
+
+from helpers.capture_hazards import Hazards, watch
+from helpers.decode_graphs import graphs_on_the_test_device
+from helpers.llama_variants import PROMPTS
+from lmiserve.core.request import GenerationRequest, SamplingParams
+from lmiserve.engine.core.async_engine import EngineConfig
+from lmiserve.engine.core.step import StepOutput
+from lmiserve.engine.factory import create_engine
+from lmiserve.engine.runner import sampling, seeded_draw
+from lmiserve.engine.runner.graph_sampling import GRAPH_TOP_K, GraphSampler, in_graph
+from lmiserve.engine.runner.in_flight import StepsInFlight
+from lmiserve.engine.runner.sampling import UNDRAWABLE, sample_rows, sampler_row
+
+pytest.importorskip("triton")
+
+DEVICE = torch.device(os.environ.get("LMISERVE_TEST_DEVICE", "cpu"))
+
+OPTIONS = [
+    {},  # greedy
+    {"do_sample": True},
+    {"do_sample": True, "temperature": 0.7},
+    {"do_sample": True, "top_k": 5},
+    {"do_sample": True, "top_p": 0.9},
+    {"do_sample": True, "min_p": 0.1, "temperature": 1.3},
+    {"do_sample": True, "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.02},
+    {"do_sample": True, "top_k": 100_000},  # past the vocabulary: no top_k
+]
+
+
+@pytest.fixture
+def gpu_sampler(monkeypatch):
+    """The sampler on a CPU as on a GPU: the rows at once, drawn by the kernel."""
+    monkeypatch.setattr(sampling, "_at_once", lambda device: True)
+    monkeypatch.setattr(seeded_draw, "usable", lambda device: True)
+
+
+def test_which_rows_a_graph_samples():
+    assert in_graph(SamplingParams())
+    assert all(in_graph(SamplingParams(**o)) for o in OPTIONS[1:7])
+    assert in_graph(SamplingParams(do_sample=True, top_k=GRAPH_TOP_K))
+    refused = [
+        {"top_n_tokens": 2},
+        {"repetition_penalty": 1.1},
+        {"do_sample": True, "presence_penalty": 0.5},
+        {"do_sample": True, "frequency_penalty": 0.5},
+        {"do_sample": True, "min_new_tokens": 3},
+        {"do_sample": True, "logit_bias": {3: 1.0}},
+        {"do_sample": True, "bad_words_ids": [[5]]},
+        {"do_sample": True, "typical_p": 0.9},
+        {"do_sample": True, "top_k": GRAPH_TOP_K + 1},
+    ]
+    assert not any(in_graph(SamplingParams(**o)) for o in refused)
+
+
+def _logits(rows: int, vocab: int = 700) -> torch.Tensor:
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(3)) * 3
+    if rows > 2:  # a row with tokens removed, one with a NaN
+        logits[1, 10:20] = float("-inf")
+        logits[2, 5] = float("nan")
+    return logits.to(DEVICE)
+
+
+def test_a_graphs_pick_is_the_eager_samplers_row_for_row(gpu_sampler):
+    """Every kind of row the graph samples, at several token indexes, padded to a larger graph: each row's
+    token and logprob are `sample_rows`'s (the GPU's path: warped at once, drawn by the kernel), bit for
+    bit, and those of the row sampled alone; the pick reads nothing on the host."""
+    rows, size = len(OPTIONS), 16
+    logits = _logits(size)
+    counts = [0, 3, 7, 1, 250, 9, 12, 4]
+    seeds = [100 + j for j in range(rows)]
+    params = [SamplingParams(**o) for o in OPTIONS]
+    sampler = GraphSampler(size, logits.shape[-1], DEVICE, pin=False)
+    sampler.fill(list(zip(params, seeds, counts, strict=True)), size)
+    hazards = Hazards()
+    with torch.inference_mode():
+        pick = watch(hazards, sampler.pick, logits)[:rows].tolist()
+    assert hazards.syncs == []
+    specs = [
+        sampler_row(p, [1, 2], [4] * n, [0], seed=s, generator=None, device=DEVICE)
+        for p, s, n in zip(params, seeds, counts, strict=True)
+    ]
+    eager = sample_rows(logits[:rows], specs)
+    # (repr: the NaN row's logprob is NaN on both sides)
+    assert [(int(t), repr(lp), flag) for t, lp, flag in pick] == [(r.token_id, repr(r.logprob), 0.0) for r in eager]  # type: ignore[union-attr]
+    for j in range(rows):
+        alone = sample_rows(logits[j : j + 1], specs[j : j + 1])[0]
+        assert alone.token_id == int(pick[j][0])  # type: ignore[union-attr]
+    assert int(pick[0][0]) == int(logits[0].argmax())  # the greedy row: the raw argmax
+
+
+def test_a_graphs_draw_moves_with_the_index_and_the_seed(gpu_sampler):
+    logits = _logits(1, 3000).div(20)  # flat: many tokens likely
+    params = SamplingParams(do_sample=True)
+    sampler = GraphSampler(1, logits.shape[-1], DEVICE, pin=False)
+
+    def token(seed: int, index: int) -> int:
+        sampler.fill([(params, seed, index)], 1)
+        return int(sampler.pick(logits)[0, 0])
+
+    assert len({token(1, i) for i in range(8)}) > 1
+    assert len({token(s, 0) for s in range(8)}) > 1
+    assert token(5, 3) == token(5, 3)
+
+
+def test_an_undrawable_row_in_a_graphs_pick_fails_that_row_alone():
+    applied: list[tuple[int, int]] = []
+    steps = StepsInFlight(lambda seq_id, token: applied.append((seq_id, token)))
+    out = StepOutput()
+    steps.add(out, [7, 8], lambda: [[3.0, -0.5, 0.0], [4.0, -0.25, 1.0]])
+    steps.receive()
+    assert applied == [(7, 3)] and [s.token_id for s in out.samples[7]] == [3]
+    assert out.errors == {8: f"exception occurred during sampling: {UNDRAWABLE}"}
+
+
+async def _serve(loaded, config: EngineConfig, options: list[dict]) -> list[list[int]]:
+    engine = create_engine(loaded, config)
+    engine.start()
+
+    async def one(i: int, prompt: str) -> list[int]:
+        await asyncio.sleep(0.01 * i)  # later requests join a running batch
+        params = SamplingParams(max_new_tokens=12, ignore_eos_token=True, seed=40 + i, **options[i % len(options)])
+        return [e.token.id async for e in engine.generate(GenerationRequest(prompt, params)) if e.token]
+
+    try:
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
+    finally:
+        await engine.stop()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
+async def test_an_engine_whose_graphs_sample_gives_the_eager_samplers_tokens(
+    tiny_model, monkeypatch, gpu_sampler, overlap
+):
+    """Seeded sampled requests beside greedy ones, joining a running batch: the tokens of an engine whose
+    decode graphs sample (and, overlapped, chain from the step before on the device: a chained row's draw
+    at the index of the token in flight) are those of an eager engine's sampler; the sampled graphs ran."""
+    options = [OPTIONS[2], OPTIONS[0], OPTIONS[6], OPTIONS[4]]
+    config = EngineConfig(max_running=6, max_prefill_tokens=8, async_scheduling=overlap)
+    eager = await _serve(tiny_model, EngineConfig(max_running=6, max_prefill_tokens=8, enforce_eager=True), options)
+    record = graphs_on_the_test_device(monkeypatch)
+    sampled: list[bool] = []
+
+    class Made(list):  # the graphs each engine takes (`graphs_on_the_test_device`): their sampled steps counted
+        def append(self, graphs) -> None:  # noqa: ANN001
+            sample = graphs.sample
+
+            def counted(rows):  # noqa: ANN001, ANN202
+                sampled.append(sample(rows))
+                return sampled[-1]
+
+            graphs.sample = counted
+            super().append(graphs)
+
+    record.made = Made()
+    graphed = await _serve(tiny_model, config, options)
+    assert graphed == eager
+    assert sum(sampled) >= 5  # steps whose graph sampled
+    if overlap:
+        assert record.chained > 0
