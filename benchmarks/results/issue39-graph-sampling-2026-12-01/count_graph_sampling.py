@@ -64,12 +64,13 @@ class _Launch:
         return launch
 
 
-async def serve(loaded: Any) -> None:
+async def serve(loaded: Any, sampled: bool = True) -> None:
     engine = create_engine(loaded, EngineConfig(max_running=STREAMS, max_prefill_tokens=512, async_scheduling=True))
     engine.start()
 
     async def one(i: int) -> None:
-        params = SamplingParams(max_new_tokens=TOKENS, ignore_eos_token=True, do_sample=True, top_p=0.9, seed=i)
+        options = {"do_sample": True, "top_p": 0.9} if sampled else {}
+        params = SamplingParams(max_new_tokens=TOKENS, ignore_eos_token=True, seed=i, **options)
         async for _ in engine.generate(GenerationRequest(f"Stream {i} says", params)):
             pass
 
@@ -92,7 +93,7 @@ def main() -> None:
             "| aten ops a step outside the graph | host waits a step | chained steps |"
         )
         print("|---|---|---|---|---|")
-        for in_graph in (False, True):
+        for in_graph, sampled in ((False, True), (True, True), (True, False)):
             graph_sampling.USE_IN_GRAPHS = in_graph
             steps: list[dict] = []
             launch, step = PersistentBatchRunner.launch_batch, DecodeGraphs._step
@@ -112,7 +113,7 @@ def main() -> None:
             PersistentBatchRunner.launch_batch = launch_batch
             DecodeGraphs._step = graph_step
             try:
-                asyncio.run(serve(loaded))
+                asyncio.run(serve(loaded, sampled))
             finally:
                 PersistentBatchRunner.launch_batch, DecodeGraphs._step = launch, step
             steps = steps[2:]  # the first: new requests' bookkeeping
@@ -120,7 +121,13 @@ def main() -> None:
             ops = sum(s["ops"] for s in steps) / n
             waits = sum(s["waits"] for s in steps) / n
             chained = sum(s["chained"] for s in steps)
-            name = "inside the graph" if in_graph else "after the graph (before)"
+            name = (
+                "after the graph (before)"
+                if not in_graph
+                else "inside the graph"
+                if sampled
+                else "greedy rows (for reference)"
+            )
             print(f"| {name} | {n} | {ops:.1f} | {waits:.2f} | {chained} of {n} |")
 
 
