@@ -199,3 +199,28 @@ async def test_with_prompt_rows_in_the_graphs_the_warm_up_captures_the_sizes_pas
         assert [e.token.id for e in events if e.token is not None] == greedy_reference(tiny_model)(ids, 8)
     finally:
         await engine.stop()
+
+
+async def test_a_shape_the_engine_refuses_stops_the_warm_up_and_the_model_serves(tiny_model, monkeypatch, caplog):
+    """A request the engine refuses during the warm-up (its first prompt length here) ends the warm-up with a
+    warning, not the start-up; the rest of it is skipped and the engine serves."""
+    from lmiserve.core.errors import InvalidRequest
+    from lmiserve.engine.core import warmup
+
+    engine = create_engine(tiny_model, EngineConfig(max_running=4, warmup=True, max_prefill_tokens=128))
+
+    def refused(request, *args, **kwargs):  # noqa: ANN001, ANN202
+        raise InvalidRequest("refused here")
+
+    engine.start()
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(engine, "submit", refused)
+            with caplog.at_level("WARNING", logger=warmup.__name__):
+                done = await warm_up(engine)
+        assert done is not None and "warm-up stopped (refused here)" in caplog.text
+        params = SamplingParams(max_new_tokens=3, ignore_eos_token=True)
+        tokens = [e async for e in engine.generate(GenerationRequest("Hello", params)) if e.token]
+        assert len(tokens) == 3
+    finally:
+        await engine.stop()

@@ -91,10 +91,10 @@ async def warm_up(engine: AsyncEngine) -> WarmUp | None:
 
     # a Triton compilation once no warm-up runs is a step waiting: logged (engine/kernel_compiles.py)
     with engine.unobserved(), kernel_compiles.warming():
+        graphs = cuda_graphs.of_runner(engine.runner)
         try:
             for length in lengths:
                 await run(length, 1, sampled=length == lengths[0])  # the first one sampled: its draw too
-            graphs = cuda_graphs.of_runner(engine.runner)
             for size in rows:
                 await run(2, size)
                 if graphs is not None and graphs.samples:  # its graph that samples (runner/graph_sampling.py)
