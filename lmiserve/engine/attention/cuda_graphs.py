@@ -75,7 +75,7 @@ def capture_sizes(max_rows: int) -> list[int]:
 class _Captured(NamedTuple):
     graph: torch.cuda.CUDAGraph
     logits: torch.Tensor
-    greedy: torch.Tensor  # `greedy_pick` of the logits (a sampled graph: `GraphSampler.pick`'s)
+    pick: torch.Tensor  # `greedy_pick` of the logits (a sampled graph: `GraphSampler.pick`'s)
 
 
 class DecodeGraphs:
@@ -122,7 +122,8 @@ class DecodeGraphs:
         self._last_tokens = torch.zeros(largest, dtype=torch.int64, device=fast.device)
         self._picks = PickTransfers(largest * 3, self.capture)  # the picks' transfers to the host
         self.sampler: GraphSampler | None = None  # the sampled rows' parameters (`sample`), made when first wanted
-        self._sampling = self.sampler_failed = False  # the next `run` samples in a graph; a sampled capture failed
+        self._sampling: Sequence[tuple[SamplingParams, int | None, int]] | None = None  # the next `run`'s (`sample`)
+        self.sampler_failed = False  # a sampled graph failed to capture: sampled steps sample eagerly
         # what each row of the host tables holds: the list it was written from (None: padding or nothing),
         # how many of its blocks, and the largest block id among them
         self._held: list[Sequence[int] | None] = [None] * largest
@@ -155,10 +156,7 @@ class DecodeGraphs:
             return False
         if self.sampler is None:
             self.sampler = GraphSampler(self.sizes[-1], self.fast.vocab, self.fast.device, self.capture)
-        if self._sent is not None:  # the host buffers are free once the step before's copies are done
-            self._sent.synchronize()
-        self.sampler.fill(rows, self.size_for(len(rows)))
-        self._sampling = True
+        self._sampling = rows  # written with the step's other inputs (`_fill`)
         return True
 
     def covers(self, rows: int, lora: LoraBatch | None = None) -> bool:
@@ -247,11 +245,12 @@ class DecodeGraphs:
         tables: Sequence[Sequence[int]],
         size: int,
         sources: Sequence[int] | None = None,
+        sampling: Sequence[tuple[SamplingParams, int | None, int]] | None = None,
     ) -> None:
         """The step's rows, padded to `size` (token 0 at position 0 of the scratch block), into the host
-        buffers, then copied over: the packed part a graph of `size` rows reads, and the tables only as wide
-        as this step's longest. (The copies of the step before may still be under way when a step chains:
-        the buffers are written once they are done.)"""
+        buffers, then copied over: the packed part a graph of `size` rows reads, the tables only as wide
+        as this step's longest, and the rows' `sampling` parameters (`sample`). (The copies of the step
+        before may still be under way when a step chains: the buffers are written once they are done.)"""
         if self._sent is not None:
             self._sent.synchronize()
         rows = len(ids)
@@ -273,6 +272,8 @@ class DecodeGraphs:
         packed = 4 * self.sizes[-1] + size * self.kv_heads
         self._device[0][:packed].copy_(self._host[0][:packed], non_blocking=self.capture)
         self._device[1][:size, :width].copy_(self._host[1][:size, :width], non_blocking=self.capture)
+        if sampling is not None and self.sampler is not None:
+            self.sampler.fill(sampling, size)
         if self.fast.device.type == "cuda":
             self._sent = self._sent or torch.cuda.Event()  # type: ignore[no-untyped-call]
             self._sent.record()
@@ -305,8 +306,9 @@ class DecodeGraphs:
         until the next step; `send_pick` sends their greedy pick."""
         rows = len(ids)
         size = self.size_for(rows)
-        sampled, self._sampling = self._sampling, False
-        self._fill(ids, positions, tables, size, sources)
+        sampling, self._sampling = self._sampling, None
+        sampled = sampling is not None
+        self._fill(ids, positions, tables, size, sources, sampling)
         if self.lora is not None:
             self.lora.set_step(lora, rows, size)
         captured = (self._sampled_graphs if sampled else self._graphs).get(size)
@@ -323,7 +325,7 @@ class DecodeGraphs:
             logits, pick = self._step(size, sampled)
         else:
             captured.graph.replay()
-            logits, pick = captured.logits, captured.greedy
+            logits, pick = captured.logits, captured.pick
         self._last = (logits[:rows], pick[:rows], sampled)
         return self._last[0]
 
@@ -359,9 +361,9 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         # thread_local: another model's thread on this GPU may use CUDA meanwhile without breaking the capture
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits, greedy = self._step(size, sampled)
+            logits, pick = self._step(size, sampled)
         self._pool = graph.pool()
-        captured = (self._sampled_graphs if sampled else self._graphs)[size] = _Captured(graph, logits, greedy)
+        captured = (self._sampled_graphs if sampled else self._graphs)[size] = _Captured(graph, logits, pick)
         log.info("captured a CUDA graph of %d %sdecode rows", size, "sampled " if sampled else "")
         return captured
 

@@ -200,7 +200,7 @@ class Sequence:
         stops = token_id in self._stop_ids or token_id in self._eos
         hidden = stops and not self.params.include_stop_str_in_output
         text = "" if hidden else self._detok.add(token_id)
-        error = self._advance_grammar(token_id) if self._grammar is not None or self._forcing is not None else None
+        error = self._advance_grammar(token_id)
         if self._deferred is not None:
             self._open_gate(token_id, text)
         if self._forcing is not None and self._forcing.done:
@@ -229,7 +229,7 @@ class Sequence:
         self._texts.append(text)
         top_tokens = tuple(self.token(i, lp) for i, lp in top) if top is not None else None
         return StepEvent(
-            token=Token(token_id, text, logprob, token_id in self._special),
+            token=self.token(token_id, logprob, text),
             top_tokens=top_tokens,
             finish=self._finish(reason, error) if reason is not None else None,
             index=self.index,

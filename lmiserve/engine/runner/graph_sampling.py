@@ -24,8 +24,8 @@ import torch
 
 from lmiserve.core.request import SamplingParams
 from lmiserve.engine.runner import seeded_draw
-from lmiserve.engine.runner.sampling import needs_processing
-from lmiserve.engine.runner.warpers import NEG_INF, finite, min_p_cut, scaled, top_k_columns, top_k_cut, top_p_cut
+from lmiserve.engine.runner.sampling import needs_processing, processed_finite
+from lmiserve.engine.runner.warpers import finite, min_p_cut, scaled, top_k_columns, top_k_cut, top_p_cut
 
 __all__ = ["GRAPH_TOP_K", "USE_IN_GRAPHS", "GraphSampler", "in_graph"]
 
@@ -35,8 +35,10 @@ USE_IN_GRAPHS = True  # False: a decode graph's sampled rows are sampled after i
 
 def in_graph(params: SamplingParams) -> bool:
     """Whether a row with `params` samples inside a decode graph (the module's doc)."""
-    if params.top_n_tokens or not needs_processing(params):
-        return not params.top_n_tokens  # plain greedy: yes; a top-N: the eager sampler's
+    if params.top_n_tokens:
+        return False
+    if not needs_processing(params):
+        return True  # plain greedy
     return (
         params.do_sample
         and params.repetition_penalty == 1.0
@@ -85,9 +87,8 @@ class GraphSampler:
         rows = len(logits)
         floats, ints = (t[:, :rows] for t in self._device)
         sampled = ints[5].bool()
-        # as the eager sampler: the processed rows made finite (runner/sampling.py), then the warpers' stages
-        warped = torch.nan_to_num(logits, nan=NEG_INF, posinf=torch.finfo(logits.dtype).max, neginf=NEG_INF)
-        warped = finite(scaled(warped, floats[0]))
+        # as the eager sampler: the rows made finite as processed rows are (runner/sampling.py), then the stages
+        warped = finite(scaled(processed_finite(logits), floats[0]))
         warped = top_k_cut(warped, self.width, ints[0][:, None], ints[1][:, None])
         warped = min_p_cut(top_p_cut(warped, floats[1], ints[2].bool()), floats[2])
         drawn, undrawable = seeded_draw.draw_keyed(warped.softmax(-1), ints[3], ints[4])

@@ -201,8 +201,7 @@ def _processed_rows(logits: torch.Tensor, rows: list[Row], where: list[int]) -> 
         base[at] -= presence + values([[p.frequency_penalty] * len(c) for p, c in zip(params, counts)]) * values(
             [list(c.values()) for c in counts]
         )
-    # penalties may overflow to inf: keep the ranking, stay finite; a token already removed stays removed
-    base = torch.nan_to_num(base, nan=NEG_INF, posinf=torch.finfo(base.dtype).max, neginf=NEG_INF)
+    base = processed_finite(base)
     banned = [rows[i].banned_ids if len(rows[i].output_ids) < rows[i].params.min_new_tokens else [] for i in where]
     if any(banned):
         at = pairs(banned)
@@ -214,6 +213,12 @@ def _processed_rows(logits: torch.Tensor, rows: list[Row], where: list[int]) -> 
             restore &= ~torch.isfinite(base).any(-1)
             base[at] = torch.where(restore[at[0]], kept, base[at])
     return base
+
+
+def processed_finite(logits: torch.Tensor) -> torch.Tensor:
+    """Penalties may overflow to inf: keep the ranking, stay finite; a token already removed stays removed
+    (the last of `_processed_rows`; a decode graph's sampled rows start from it, runner/graph_sampling.py)."""
+    return torch.nan_to_num(logits, nan=NEG_INF, posinf=torch.finfo(logits.dtype).max, neginf=NEG_INF)
 
 
 def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
