@@ -23,7 +23,9 @@ first position where one differs otherwise). Paths:
   a step more;
 - ``graphs-sampled-generators``: the same with each row drawn by its own generator (`seeded_draw.USE_ON_CUDA`
   off: an exponential fill a row). Their tokens are compared with the first path's like the others', so
-  they differ from the greedy path's; the two sampled paths draw different tokens too (other variates).
+  they differ from the greedy path's; the two sampled paths draw different tokens too (other variates);
+- ``graphs-sampled-top-p``: ``graphs-sampled`` with ``top_p`` 0.9: its graphs' kind with the top_k and top_p
+  stages (a sort of the vocabulary a row), where ``graphs-sampled`` replays the kind without them.
 
 ``--lora N``: the engines serve N random LoRA adapters of rank 16 on every linear
 (lmiserve/models/lora_demo.py) and the prompts name them in turn, one in N + 1 none: with ``graphs`` the
@@ -59,6 +61,7 @@ class Choice(NamedTuple):
     sampled: bool = False  # the prompts sampled at temperature 1.0, seeded
     draw_kernel: bool = True  # a sampled step's rows drawn in one kernel (engine/runner/seeded_draw.py)
     in_graph: bool = True  # a sampled decode step's rows sampled inside its graph (engine/runner/graph_sampling.py)
+    top_p: float = 1.0  # the sampled prompts' top_p
 
 
 PATHS = {
@@ -68,8 +71,17 @@ PATHS = {
     "torch": Choice("torch", True),
     "graphs-sampled": Choice("triton", False, sampled=True),
     "graphs-sampled-eager": Choice("triton", False, sampled=True, in_graph=False),
+    "graphs-sampled-top-p": Choice("triton", False, sampled=True, top_p=0.9),
     "graphs-sampled-generators": Choice("triton", False, sampled=True, draw_kernel=False),
 }
+
+
+def captured(graphs: Any, greedy: bool) -> list[Any] | None:
+    """The sizes of the greedy graphs `graphs` captured, or the ``[size, kind]`` of its sampled ones."""
+    if graphs is None:
+        return None
+    keys = sorted(getattr(graphs, "_graphs", {}))
+    return [size for size, kind in keys if kind == "greedy"] if greedy else [[s, k] for s, k in keys if k != "greedy"]
 
 
 def run(
@@ -112,17 +124,15 @@ def run(
             for name, folder in (adapters or {}).items():
                 engine.adapters.register(name, folder)
             on = [names[i % len(names)] for i in range(level)] if adapters else None
-            outputs, seconds = asyncio.run(_generate(engine, prompts, tokens, on, chosen.sampled))
+            outputs, seconds = asyncio.run(_generate(engine, prompts, tokens, on, chosen.sampled, chosen.top_p))
             fast = getattr(engine.runner, "fast", None)
             graphs = getattr(fast, "graphs", None)
             runs[str(level)] = {
                 "tokens_per_s": sum(len(o) for o in outputs) / seconds,
                 "outputs": outputs,
                 "triton_attention": bool(getattr(fast, "triton", False)),
-                "graphs_captured": sorted(getattr(graphs, "_graphs", {})) if graphs is not None else None,
-                "sampled_graphs_captured": sorted(getattr(graphs, "_sampled_graphs", {}))
-                if graphs is not None
-                else None,
+                "graphs_captured": captured(graphs, greedy=True),
+                "sampled_graphs_captured": captured(graphs, greedy=False),
             }
             del engine
             gc.collect()

@@ -44,16 +44,19 @@ async def _generate(
     max_new_tokens: int,
     adapters: list[str | None] | None = None,
     sampled: bool = False,
+    top_p: float = 1.0,
 ) -> tuple[list[list[int]], float]:
     """Greedy tokens of each prompt (on the LoRA adapter `adapters` names for it, None: the base model),
     all at once after one warm-up request, and the seconds they took. `sampled`: drawn at temperature 1.0
-    instead (OpenAI's default), each prompt seeded by its place."""
+    instead (OpenAI's default), with `top_p`, each prompt seeded by its place."""
     from lmiserve.core.request import GenerationRequest, SamplingParams
 
     seeds = iter(range(1, 1 << 30))
 
     async def one(prompt: str, adapter: str | None = None) -> list[int]:
-        sampling = {"do_sample": True, "temperature": 1.0, "seed": next(seeds)} if sampled else {"do_sample": False}
+        sampling: dict[str, Any] = {"do_sample": False}
+        if sampled:
+            sampling = {"do_sample": True, "temperature": 1.0, "top_p": top_p, "seed": next(seeds)}
         params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos_token=True, **sampling)
         tokens = []
         async for event in engine.generate(GenerationRequest(prompt=prompt, params=params, adapter=adapter)):

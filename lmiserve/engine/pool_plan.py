@@ -54,13 +54,20 @@ def available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+# the bytes a logit of the largest decode graph's step takes beside the model's own: its float32 copy in the
+# graphs' output buffer, and the pick's intermediates, a sampled graph's (runner/graph_sampling.py; its top_k and
+# top_p stages and the sort of the vocabulary: 26 B measured on a CPU, with room for the GPU sort's scratch)
+# above a greedy graph's (4 B: the log-softmax)
+GRAPH_LOGIT_BYTES = 4 + 32
+
+
 def graph_pool_bytes(step_bytes: int, step_tokens: int, rows: int, vocab: int, itemsize: int) -> int:
-    """The memory the captured decode graphs keep (engine/attention/cuda_graphs.py: one pool for all, the largest
-    capture size's step): the profiled step's activations scaled to `rows` tokens, with the margin, and
-    that step's logits (every row's, in the model's dtype and in float32) and their log-softmax (the
-    greedy pick each graph computes)."""
+    """The memory the captured decode graphs keep (engine/attention/cuda_graphs.py: one pool for all, which
+    holds the largest capture size's step, and one output buffer): the profiled step's activations scaled to
+    `rows` tokens, with the margin, and that step's logits (in the model's dtype) and what each logit takes
+    beside them (`GRAPH_LOGIT_BYTES`)."""
     activations = step_bytes * rows // max(1, step_tokens)
-    return int(activations * PROFILE_MARGIN) + rows * vocab * (itemsize + 8)
+    return int(activations * PROFILE_MARGIN) + rows * vocab * (itemsize + GRAPH_LOGIT_BYTES)
 
 
 def largest_step_tokens(config: EngineConfig, max_context: int) -> int:

@@ -23,6 +23,7 @@ class GraphsMade:
     made: list[DecodeGraphs] = field(default_factory=list)
     steps: list[tuple[int, int]] = field(default_factory=list)
     chained: int = 0  # steps whose rows took their inputs from the step before on the device
+    kinds: set[tuple[int, str]] = field(default_factory=set)  # each step's graph: its size and kind
 
 
 def graphs_on_the_test_device(monkeypatch: pytest.MonkeyPatch) -> GraphsMade:
@@ -38,6 +39,7 @@ def graphs_on_the_test_device(monkeypatch: pytest.MonkeyPatch) -> GraphsMade:
         def run(ids, positions, tables, lora=None, sources=None):  # noqa: ANN001, ANN202 - DecodeGraphs.run's
             record.steps.append((graphs.size_for(len(ids)), 0 if lora is None else len(lora.adapters)))
             record.chained += sources is not None
+            record.kinds.add((graphs.size_for(len(ids)), graphs._kind if graphs._sampling is not None else "greedy"))
             return original(ids, positions, tables, lora, sources)
 
         graphs.run = run  # type: ignore[method-assign]

@@ -79,7 +79,7 @@ def test_issue_39_entries_are_filled(rehearsal):
     summary, _, _ = rehearsal
     paths = summary["decode_paths"]["paths"]
     # (their tokens drawn, not the greedy path's)
-    sampled = {"graphs-sampled", "graphs-sampled-eager", "graphs-sampled-generators"}
+    sampled = {"graphs-sampled", "graphs-sampled-eager", "graphs-sampled-generators", "graphs-sampled-top-p"}
     assert set(paths) == {"graphs", "graphs-fused", "triton", "torch", *sampled}
     for name, path in paths.items():
         if name in sampled:

@@ -113,10 +113,10 @@ def test_a_host_sync_slipped_into_the_decode_graphs_step_fails_the_test(tiny_mod
         pytest.skip("on CUDA the capture itself is the check")
     body = FastLlama.decode_body
 
-    def synced(self, ids, positions, meta, lora=None):  # noqa: ANN001, ANN202 - FastLlama.decode_body's
+    def synced(self, ids, positions, meta, lora, out):  # noqa: ANN001, ANN202 - FastLlama.decode_body's
         if int(ids.max()) < 0:  # never true: the read is the hazard
             raise AssertionError
-        return body(self, ids, positions, meta, lora)
+        return body(self, ids, positions, meta, lora, out)
 
     graphs_on_the_test_device(monkeypatch)
     monkeypatch.setattr(FastLlama, "decode_body", synced)

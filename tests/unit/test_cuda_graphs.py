@@ -10,6 +10,7 @@ Triton's interpreter on a CPU (tests/conftest.py).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 
 import pytest
@@ -132,7 +133,40 @@ def test_a_capture_that_fails_leaves_decode_steps_eager(monkeypatch, caplog):
         out = fast.forward(StepInputs(decode_ids=[seq[4]], decode_positions=[4], decode_tables=[[0, 1]], keep=[0]))
     torch.testing.assert_close(out[0], reference[4], rtol=1e-4, atol=1e-4)
     assert graphs.failed and not graphs.covers(1)
-    assert "capturing a CUDA graph of 1 decode rows failed" in caplog.text
+    assert "capturing a CUDA graph of 1 decode rows (greedy) failed" in caplog.text
+
+
+@torch.inference_mode()
+def test_every_graph_writes_its_outputs_into_the_same_two_buffers(monkeypatch):
+    """Steps of 1 and 3 rows (graphs of 1 and 4 rows), greedy and sampled of both kinds: each step's logits
+    and pick are views of the graphs' two output buffers, so the graphs' memory pool holds no graph's
+    outputs (on CUDA, every captured graph's outputs are those views too); the logits are transformers'."""
+    from lmiserve.core.request import SamplingParams
+    from lmiserve.engine.runner import graph_sampling, seeded_draw
+
+    monkeypatch.setattr(seeded_draw, "usable", lambda device: True)  # the graphs sample (the kernel: interpreted)
+    model, fast = _fast(monkeypatch)
+    graphs = fast.graphs = DecodeGraphs(fast, 4, SCRATCH, capture=CAPTURE)
+    tables = [[0, 1], [2, 3], [4, 5]]
+    seq = [5, 6, 7, 8]
+    reference = model(torch.tensor([seq], device=DEVICE)).logits[0]
+    fast.forward(StepInputs(chunks=[(t, 0, seq[:3]) for t in tables]))
+    same = graphs._logits_out.untyped_storage().data_ptr(), graphs._pick_out.untyped_storage().data_ptr()
+    plain, top_p = SamplingParams(do_sample=True, seed=1), SamplingParams(do_sample=True, top_p=0.9, seed=1)
+    for rows, sampled in ((1, None), (3, None), (3, plain), (1, top_p)):
+        if sampled is not None:
+            assert graphs.sample([(sampled, 1, 3)] * rows)
+        step = StepInputs(decode_ids=[8] * rows, decode_positions=[3] * rows, decode_tables=tables[:rows])
+        logits = fast.forward(dataclasses.replace(step, keep=list(range(rows))))
+        torch.testing.assert_close(logits[0], reference[3], rtol=1e-4, atol=1e-4)
+        assert graphs._last is not None
+        pick = graphs._last[1]
+        assert (logits.untyped_storage().data_ptr(), pick.untyped_storage().data_ptr()) == same
+        assert pick.shape == (rows, 2 if sampled is None else 3)
+    for captured in graphs._graphs.values():  # (on CUDA)
+        assert (captured.logits.untyped_storage().data_ptr(), captured.pick.untyped_storage().data_ptr()) == same
+    if CAPTURE:
+        assert {kind for _, kind in graphs._graphs} == {"greedy", graph_sampling.SAMPLED, graph_sampling.FILTERED}
 
 
 @torch.inference_mode()

@@ -20,7 +20,7 @@ from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.core.step import StepOutput
 from lmiserve.engine.factory import create_engine
 from lmiserve.engine.runner import sampling, seeded_draw
-from lmiserve.engine.runner.graph_sampling import GRAPH_TOP_K, GraphSampler, in_graph
+from lmiserve.engine.runner.graph_sampling import FILTERED, GRAPH_TOP_K, SAMPLED, GraphSampler, in_graph, kind
 from lmiserve.engine.runner.in_flight import StepsInFlight
 from lmiserve.engine.runner.sampling import UNDRAWABLE, sample_rows, sampler_row
 
@@ -101,6 +101,49 @@ def test_a_graphs_pick_is_the_eager_samplers_row_for_row(gpu_sampler):
     assert int(pick[0][0]) == int(logits[0].argmax())  # the greedy row: the raw argmax
 
 
+def test_a_step_without_top_k_and_top_p_replays_a_graph_without_their_stages():
+    """`kind`: a step whose sampled rows set neither top_k nor top_p replays the graph without those
+    stages (no sort of the vocabulary); a greedy row's top_p (not sampled) does not count."""
+    plain = [SamplingParams(**OPTIONS[i]) for i in (0, 1, 2, 5)]
+    assert kind(plain) == SAMPLED
+    assert kind([*plain, SamplingParams(top_p=0.5, top_k=3)]) == SAMPLED  # greedy: its top_p is not used
+    for filtered in (OPTIONS[3], OPTIONS[4], OPTIONS[6], OPTIONS[7]):  # (a top_k past the vocabulary too)
+        assert kind([*plain, SamplingParams(**filtered)]) == FILTERED
+
+
+def test_the_pick_without_top_k_and_top_p_is_the_same_without_a_sort(gpu_sampler):
+    """Rows that set neither (greedy, temperature, min_p): the pick without the two stages is the one with
+    them and `sample_rows`'s, bit for bit, and runs no `topk` or `sort` (the GPU's largest sampling cost)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN202
+            self.names.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    chosen = [0, 1, 2, 5]
+    logits = _logits(8)[: len(chosen)]
+    params = [SamplingParams(**OPTIONS[i]) for i in chosen]
+    sampler = GraphSampler(8, logits.shape[-1], DEVICE, pin=False)
+    sampler.fill([(p, 7 + n, 2 * n) for n, p in enumerate(params)], 8)
+    ops = Ops()
+    with torch.inference_mode():
+        with ops:
+            light = sampler.pick(logits, filtered=False).tolist()
+        full = sampler.pick(logits).tolist()
+    assert not {"topk", "sort"} & set(ops.names), ops.names
+    specs = [
+        sampler_row(p, [1, 2], [4] * (2 * n), [0], seed=7 + n, generator=None, device=DEVICE)
+        for n, p in enumerate(params)
+    ]
+    eager = [(r.token_id, repr(r.logprob), 0.0) for r in sample_rows(logits, specs)]  # type: ignore[union-attr]
+    assert [(int(t), repr(lp), f) for t, lp, f in light] == [(int(t), repr(lp), f) for t, lp, f in full] == eager
+
+
 def test_a_graphs_draw_moves_with_the_index_and_the_seed(gpu_sampler):
     logits = _logits(1, 3000).div(20)  # flat: many tokens likely
     params = SamplingParams(do_sample=True)
@@ -140,18 +183,24 @@ async def _serve(loaded, config: EngineConfig, options: list[dict]) -> list[list
         await engine.stop()
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
+@pytest.mark.parametrize(
+    "overlap,chosen",
+    [(False, (2, 0, 6, 4)), (True, (2, 0, 6, 4)), (True, (2, 0, 5))],
+    ids=["serial", "overlapped", "overlapped-without-top-k-p"],
+)
 async def test_an_engine_whose_graphs_sample_gives_the_eager_samplers_tokens(
-    tiny_model, monkeypatch, gpu_sampler, overlap
+    tiny_model, monkeypatch, gpu_sampler, overlap, chosen
 ):
     """Seeded sampled requests beside greedy ones, joining a running batch: the tokens of an engine whose
     decode graphs sample (and, overlapped, chain from the step before on the device: a chained row's draw
-    at the index of the token in flight) are those of an eager engine's sampler; the sampled graphs ran."""
-    options = [OPTIONS[2], OPTIONS[0], OPTIONS[6], OPTIONS[4]]
+    at the index of the token in flight) are those of an eager engine's sampler; the sampled graphs ran, of
+    the kind the rows ask for (without top_k and top_p: the graph without their stages)."""
+    options = [OPTIONS[i] for i in chosen]
     config = EngineConfig(max_running=6, max_prefill_tokens=8, async_scheduling=overlap)
     eager = await _serve(tiny_model, EngineConfig(max_running=6, max_prefill_tokens=8, enforce_eager=True), options)
     record = graphs_on_the_test_device(monkeypatch)
     sampled: list[bool] = []
+    kinds: list[str] = []
 
     class Made(list):  # the graphs each engine takes (`graphs_on_the_test_device`): their sampled steps counted
         def append(self, graphs) -> None:  # noqa: ANN001
@@ -159,6 +208,7 @@ async def test_an_engine_whose_graphs_sample_gives_the_eager_samplers_tokens(
 
             def counted(rows):  # noqa: ANN001, ANN202
                 sampled.append(sample(rows))
+                kinds.append(graphs._kind)
                 return sampled[-1]
 
             graphs.sample = counted
@@ -168,5 +218,9 @@ async def test_an_engine_whose_graphs_sample_gives_the_eager_samplers_tokens(
     graphed = await _serve(tiny_model, config, options)
     assert graphed == eager
     assert sum(sampled) >= 5  # steps whose graph sampled
+    if any("top_p" in OPTIONS[i] for i in chosen):  # the steps with a top_p row and (as requests end) without
+        assert FILTERED in kinds
+    else:
+        assert set(kinds) == {SAMPLED}
     if overlap:
         assert record.chained > 0

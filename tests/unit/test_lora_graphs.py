@@ -170,6 +170,6 @@ def test_graphs_take_slots_before_their_first_capture_alone(tiny_model, monkeypa
     graphs = DecodeGraphs(FastLlama(tiny_model.model, cache, 64), 4, 7, capture=False)
     assert not graphs.covers(1, lora=object())  # type: ignore[arg-type]
     graphs.carry_lora(2, 4)
-    graphs._graphs[1] = object()  # type: ignore[assignment]
+    graphs._graphs[1, "greedy"] = object()  # type: ignore[assignment]
     with pytest.raises(RuntimeError, match="before the first capture"):
         graphs.carry_lora(2, 4)

@@ -79,7 +79,8 @@ def test_the_profiled_activations_replace_the_fixed_reserve(monkeypatch, tiny_mo
 
 def test_decode_graphs_memory_is_left_free_too(monkeypatch, tiny_model):
     """With decode graphs (CUDA, not enforce_eager) the pool also leaves their pool free: the profiled
-    activations scaled to the largest capture size, and that step's logits and their log-softmax."""
+    activations scaled to the largest capture size, and that step's logits, their float32 output buffer and
+    a sampled graph's pick."""
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * gib))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 10 * gib)
@@ -89,8 +90,9 @@ def test_decode_graphs_memory_is_left_free_too(monkeypatch, tiny_model):
     eager = pool_plan.kv_pool_blocks(loaded, config, activation_bytes=2048 * 2**20)
     graphs = pool_plan.kv_pool_blocks(loaded, config, activation_bytes=2048 * 2**20, graphs=True)
     # a 32-row decode step (capture size for 30 rows) of a 2,048-token step's 2 GiB: 32 MiB, with the margin,
-    # and 32 rows of logits over the tiny model's 512 words in fp32 and fp32, and their log-softmax
-    graph_bytes = int(32 * 2**20 * pool_plan.PROFILE_MARGIN) + 32 * 512 * 12
+    # and 32 rows of logits over the tiny model's 512 words in fp32 (its dtype), in the float32 output buffer,
+    # and a sampled pick's intermediates (32 B a logit, runner/graph_sampling.py)
+    graph_bytes = int(32 * 2**20 * pool_plan.PROFILE_MARGIN) + 32 * 512 * (4 + 4 + 32)
     assert graph_bytes == pool_plan.graph_pool_bytes(2048 * 2**20, 2048, 32, 512, 4)
     reserve = int(2048 * 2**20 * pool_plan.PROFILE_MARGIN) + pool_plan.PROFILE_SLACK
     assert eager == (40 * gib - 10 * gib - reserve) // per_block

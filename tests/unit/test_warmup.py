@@ -192,11 +192,31 @@ async def test_with_prompt_rows_in_the_graphs_the_warm_up_captures_the_sizes_pas
         assert graphs.sizes == [1, 2, 4, 8, 16] and done is not None and done.decode_rows == (1, 2, 4, 6)
         assert done.graph_sizes == ((16,) if CAPTURE else ())
         if CAPTURE:
-            assert set(graphs._graphs) == set(graphs.sizes)
+            assert {size for size, kind in graphs._graphs if kind == "greedy"} == set(graphs.sizes)
         prompt = "The quick brown fox"
         ids = list(tiny_model.tokenizer(prompt)["input_ids"])
         events = [e async for e in engine.generate(GenerationRequest(prompt, SamplingParams(max_new_tokens=8)))]
         assert [e.token.id for e in events if e.token is not None] == greedy_reference(tiny_model)(ids, 8)
+    finally:
+        await engine.stop()
+
+
+async def test_where_the_graphs_sample_the_warm_up_runs_each_size_in_both_sampled_kinds(tiny_model, monkeypatch):
+    """A GPU's graphs sample (runner/graph_sampling.py): each decode row count's graph is run greedy, sampled
+    without top_k and top_p, and sampled with them, so that the first request of each kind captures nothing."""
+    from helpers.decode_graphs import graphs_on_the_test_device
+    from lmiserve.engine.runner import graph_sampling, sampling, seeded_draw
+
+    monkeypatch.setattr(sampling, "_at_once", lambda device: True)  # the sampler as on a GPU
+    monkeypatch.setattr(seeded_draw, "usable", lambda device: True)
+    record = graphs_on_the_test_device(monkeypatch)
+    engine = create_engine(tiny_model, EngineConfig(max_running=4, warmup=True))
+    engine.start()
+    try:
+        done = await warm_up(engine)
+        assert done is not None and done.decode_rows == (1, 2, 4)
+        kinds = ("greedy", graph_sampling.SAMPLED, graph_sampling.FILTERED)
+        assert {(rows, kind) for rows in done.decode_rows for kind in kinds} <= record.kinds
     finally:
         await engine.stop()
 

@@ -3,26 +3,26 @@
 A decode step launches a few hundred small kernels (norms, products, RoPE, the attention kernel of each
 layer) whose launch costs more than their work at small batches. A step of decode rows alone (no prompt
 chunk, no LoRA adapter, every row's logits kept) is padded to the next *capture size* (1, 2, 4, 8, then
-multiples of 8 up to the batch limit, as vLLM does) and replayed from a graph captured for that size the
-first time a step of that size runs: one launch for the whole forward.
+multiples of 8 up to the batch limit, as vLLM does) and replayed from a graph captured for that size (at
+the warm-up): one launch for the whole forward.
 
 A graph reads its inputs from fixed addresses: two int64 device buffers (for the largest size) hold the
 token ids, positions, attention tile counts and KV write index, and the block tables (each row's padded to
-the longest a context can need), written into pinned host copies and copied over before the replay. A row
-that holds the same sequence's table as the step before (the same list: it only grows, or is replaced,
-runner/persistent_batch.py) gets only its new blocks written. Padding rows (token 0 at position 0) write
-into a block of their own, one past the pool's (no sequence holds it), skip their attention (tile count 0)
-and their logits are dropped. The attention is the Triton backend's, whose metadata the graphs make from
-their own buffers (`TritonBackend.graph_plan`) and whose kernel's loops run on device data, so one graph
-serves every context length; the RoPE table covers the whole context before the first capture.
+the longest a context can need), written into pinned host copies and copied over before the replay; a row
+that holds the same sequence's table as the step before gets only its new blocks written. Padding rows
+(token 0 at position 0) write into a block no sequence holds, skip their attention (tile count 0), and
+their logits are dropped. The Triton backend's metadata is made from the graphs' own buffers
+(`TritonBackend.graph_plan`) and its kernel loops on device data: one graph serves every context length.
 
-Sampling is in the graph too: each graph also computes every row's greedy token and its logprob
+Sampling is in the graph too: each graph computes every row's greedy token and its logprob
 (`sampling.greedy_pick`), which the runner takes as the step's one transfer when every row samples
-greedily without top-N (`send_pick`): nothing runs between the replay and that transfer. A step whose rows
-sample with temperature, top_k, top_p and min_p (`sample`, runner/graph_sampling.py) replays a second graph
-of its size, which samples them from their parameters' buffers; other steps sample from the logits, which
-stay in the graph's output until the next replay. A sampled graph that fails to capture leaves sampled
-steps to the eager sampler, the greedy graphs as they are.
+greedily without top-N (`send_pick`). A step whose rows sample with temperature, top_k, top_p and min_p
+(`sample`, runner/graph_sampling.py) replays a graph of its size that samples them from their parameters'
+buffers, one without top_k's and top_p's stages where no row sets them (`graph_sampling.kind`: no sort of
+the vocabulary); other steps sample from the logits. A sampled graph that fails to capture leaves sampled
+steps to the eager sampler. Every graph writes its logits and pick into the same two buffers (outside the
+graphs' memory pool), valid until the next replay: the pool keeps the largest graph's intermediates, not
+each graph's outputs (the float32 logits of every size: 0.56 GB a kind at 128 rows, a 128k vocabulary).
 
 With LoRA adapters configured (`carry_lora`, before the first capture), every graph also computes the
 products of `max_loras` fixed adapter slots (engine/lora/slots.py), each row's slot one more input buffer;
@@ -72,9 +72,12 @@ def capture_sizes(max_rows: int) -> list[int]:
     return [s for s in sizes if s < limit] + [next(s for s in sizes if s >= limit)]
 
 
+GREEDY = "greedy"  # a graph's kind (`DecodeGraphs._graphs`' keys): its rows' greedy pick, else graph_sampling.kind
+
+
 class _Captured(NamedTuple):
     graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor
+    logits: torch.Tensor  # views of the graphs' output buffers
     pick: torch.Tensor  # `greedy_pick` of the logits (a sampled graph: `GraphSampler.pick`'s)
 
 
@@ -121,8 +124,12 @@ class DecodeGraphs:
         # each graph's picked tokens, where the next step's chained rows read their inputs (`run`'s sources)
         self._last_tokens = torch.zeros(largest, dtype=torch.int64, device=fast.device)
         self._picks = PickTransfers(largest * 3, self.capture)  # the picks' transfers to the host
+        # every graph's outputs (outside the graphs' pool): the logits, and the pick ([rows, 2 or 3], packed)
+        self._logits_out = torch.empty((largest, fast.vocab), dtype=torch.float32, device=fast.device)
+        self._pick_out = torch.empty(largest * 3, dtype=torch.float64, device=fast.device)
         self.sampler: GraphSampler | None = None  # the sampled rows' parameters (`sample`), made when first wanted
         self._sampling: Sequence[tuple[SamplingParams, int | None, int]] | None = None  # the next `run`'s (`sample`)
+        self._kind = GREEDY  # the kind of graph the next `run` replays (`sample`)
         self.sampler_failed = False  # a sampled graph failed to capture: sampled steps sample eagerly
         # what each row of the host tables holds: the list it was written from (None: padding or nothing),
         # how many of its blocks, and the largest block id among them
@@ -130,16 +137,14 @@ class DecodeGraphs:
         self._written = np.zeros(largest, dtype=np.int64)
         self._largest_block = np.zeros(largest, dtype=np.int64)
         self._last: tuple[torch.Tensor, torch.Tensor, bool] | None = None  # the last step's (logits, pick, sampled)
-        self._graphs: dict[int, _Captured] = {}
-        self._sampled_graphs: dict[int, _Captured] = {}
+        self._graphs: dict[tuple[int, str], _Captured] = {}  # by size and kind
         self._pool: Any = None  # the graphs' shared memory pool (torch's handle)
         self.failed = False
         self.lora: LoraSlots | None = None  # the adapters' slots every graph computes (`carry_lora`)
         fast.rope_upto(fast.max_context)
 
     def carry_lora(self, slots: int, rank: int) -> None:
-        """From now on every graph computes the products of `slots` LoRA adapters of rank up to `rank`
-        (engine/lora/slots.py); before the first capture."""
+        """Every graph computes `slots` LoRA adapters' products (lora/slots.py), of rank <= `rank`; before capturing."""
         if self._graphs:
             raise RuntimeError("LoRA slots must be given to the decode graphs before the first capture")
         self.lora = LoraSlots(self.fast.lora_groups(), slots, rank, self.sizes[-1], self.fast.device, self.fast.dtype)
@@ -157,6 +162,7 @@ class DecodeGraphs:
         if self.sampler is None:
             self.sampler = GraphSampler(self.sizes[-1], self.fast.vocab, self.fast.device, self.capture)
         self._sampling = rows  # written with the step's other inputs (`_fill`)
+        self._kind = graph_sampling.kind(params for params, _, _ in rows)
         return True
 
     def covers(self, rows: int, lora: LoraBatch | None = None) -> bool:
@@ -194,7 +200,7 @@ class DecodeGraphs:
         if not self.capture or self.failed:
             return done
         for size in self.sizes:
-            if size in self._graphs:
+            if (size, GREEDY) in self._graphs:
                 continue
             # one row on the scratch block (token 0 at position 0, as a padding row), the rest padding
             self._fill([0], [0], [[self.scratch_block]], size)
@@ -307,26 +313,25 @@ class DecodeGraphs:
         rows = len(ids)
         size = self.size_for(rows)
         sampling, self._sampling = self._sampling, None
-        sampled = sampling is not None
+        kind, self._kind = (self._kind if sampling is not None else GREEDY), GREEDY
         self._fill(ids, positions, tables, size, sources, sampling)
         if self.lora is not None:
             self.lora.set_step(lora, rows, size)
-        captured = (self._sampled_graphs if sampled else self._graphs).get(size)
+        captured = self._graphs.get((size, kind))
         if captured is None and self.capture and not self.failed:
             try:
-                captured = self._capture(size, sampled)
+                captured = self._capture(size, kind)
             except Exception:  # noqa: BLE001 - a capture problem costs speed, not the step: run eagerly
-                what = "sampled " if sampled else ""
-                log.exception("capturing a CUDA graph of %d %sdecode rows failed; they run eagerly", size, what)
-                self.sampler_failed = self.sampler_failed or sampled
-                self.failed = self.failed or not sampled
-                sampled = False
+                log.exception("capturing a CUDA graph of %d decode rows (%s) failed; they run eagerly", size, kind)
+                self.sampler_failed = self.sampler_failed or kind != GREEDY
+                self.failed = self.failed or kind == GREEDY
+                kind = GREEDY
         if captured is None:  # on a CPU (the tests), or the capture failed: the same step, not captured
-            logits, pick = self._step(size, sampled)
+            logits, pick = self._step(size, kind)
         else:
             captured.graph.replay()
             logits, pick = captured.logits, captured.pick
-        self._last = (logits[:rows], pick[:rows], sampled)
+        self._last = (logits[:rows], pick[:rows], kind != GREEDY)
         return self._last[0]
 
     def send_pick(self, logits: torch.Tensor, sampled: bool = False) -> Callable[[], list[list[float]]] | None:
@@ -338,15 +343,19 @@ class DecodeGraphs:
             return None
         return self._picks.send(self._last[1])
 
-    def _step(self, size: int, sampled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """What a graph of `size` rows computes: the logits and their pick, greedy or (`sampled`) from the
-        rows' sampling buffers (whose tokens the next step's chained rows read)."""
-        logits = self.fast.decode_body(*self._inputs(size))
-        pick = self.sampler.pick(logits) if sampled and self.sampler is not None else greedy_pick(logits)
+    def _step(self, size: int, kind: str = GREEDY) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a graph of `size` rows and `kind` computes, into the output buffers: the logits and their
+        pick, greedy or from the rows' sampling buffers (whose tokens the next step's chained rows read)."""
+        logits = self._logits_out[:size]
+        self.fast.decode_body(*self._inputs(size), out=logits)
+        sampler = self.sampler if kind != GREEDY else None
+        pick = sampler.pick(logits, kind == graph_sampling.FILTERED) if sampler is not None else greedy_pick(logits)
+        out = self._pick_out[: pick.numel()].view(pick.shape)
+        out.copy_(pick)
         self._last_tokens[:size].copy_(pick[:, 0])
-        return logits, pick
+        return logits, out
 
-    def _capture(self, size: int, sampled: bool = False) -> _Captured:
+    def _capture(self, size: int, kind: str = GREEDY) -> _Captured:
         """Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), then capture, into the
         memory pool the graphs share. The step's own inputs are in the buffers: the warm-up computes the
         step, and the capture records it without running it; the last greedy tokens the warm-up overwrote
@@ -355,16 +364,16 @@ class DecodeGraphs:
         stream = torch.cuda.Stream(device=self.fast.device)  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream(self.fast.device))
         with torch.cuda.stream(stream):
-            self._step(size, sampled)
+            self._step(size, kind)
             self._last_tokens.copy_(last_tokens)
         torch.cuda.current_stream(self.fast.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: another model's thread on this GPU may use CUDA meanwhile without breaking the capture
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits, pick = self._step(size, sampled)
+            logits, pick = self._step(size, kind)
         self._pool = graph.pool()
-        captured = (self._sampled_graphs if sampled else self._graphs)[size] = _Captured(graph, logits, pick)
-        log.info("captured a CUDA graph of %d %sdecode rows", size, "sampled " if sampled else "")
+        captured = self._graphs[size, kind] = _Captured(graph, logits, pick)
+        log.info("captured a CUDA graph of %d decode rows (%s)", size, kind)
         return captured
 
 

@@ -75,7 +75,7 @@ async def warm_up(engine: AsyncEngine) -> WarmUp | None:
     rows = tuple(sorted({min(r, limit) for r in engine.warmup_rows if r > 0}))
     count = 0
 
-    async def run(length: int, requests: int, sampled: bool = False) -> None:
+    async def run(length: int, requests: int, sampled: bool = False, top_p: float = 1.0) -> None:
         """`requests` requests of `length` prompt tokens, submitted at once (so that their steps run together)."""
         nonlocal count
         handles = []
@@ -83,7 +83,11 @@ async def warm_up(engine: AsyncEngine) -> WarmUp | None:
             count += 1
             ids = [words[(7 * i + count) % len(words)] for i in range(length)]
             params = SamplingParams(
-                max_new_tokens=NEW_TOKENS, ignore_eos_token=True, do_sample=sampled, seed=count if sampled else None
+                max_new_tokens=NEW_TOKENS,
+                ignore_eos_token=True,
+                do_sample=sampled,
+                seed=count if sampled else None,
+                top_p=top_p,
             )
             request = GenerationRequest("", params, cache_salt=f"lmiserve-warmup-{count}", prompt_ids=ids)
             handles.append(engine.submit(request))
@@ -97,8 +101,9 @@ async def warm_up(engine: AsyncEngine) -> WarmUp | None:
                 await run(length, 1, sampled=length == lengths[0])  # the first one sampled: its draw too
             for size in rows:
                 await run(2, size)
-                if graphs is not None and graphs.samples:  # its graph that samples (runner/graph_sampling.py)
+                if graphs is not None and graphs.samples:  # its graphs that sample (runner/graph_sampling.py's kinds)
                     await run(2, size, sampled=True)
+                    await run(2, size, sampled=True, top_p=0.9)
         except LmiServeError as exc:  # a shape the engine refuses costs its first request time, not the model
             log.warning("warm-up stopped (%s); the model serves without the rest of it", exc)
         # the graph sizes past the batch limit (`cuda_graph_prompt_tokens`: decode rows and prompt rows

@@ -293,17 +293,17 @@ class FastLlama:
         return logits if tp is None else tp.gather_logits(logits)
 
     def decode_body(
-        self, ids: torch.Tensor, positions: torch.Tensor, meta: Any, lora: LoraSlots | None = None
-    ) -> torch.Tensor:
+        self, ids: torch.Tensor, positions: torch.Tensor, meta: Any, lora: LoraSlots | None, out: torch.Tensor
+    ) -> None:
         """A step of decode rows as tensor ops alone (no host values, no host syncs: what a CUDA graph
         captures): token `ids` at `positions` (device tensors, one a row; the RoPE table must already cover
         them), attention with the backend's metadata `meta` (made from the graph's buffers), the adapters
-        of the rows' `lora` slots (engine/lora/slots.py); float32 logits of every row. The whole model (not
-        a tensor-parallel shard)."""
+        of the rows' `lora` slots (engine/lora/slots.py, or None); every row's logits written, as float32,
+        into `out` (the graphs' one output buffer). The whole model (not a tensor-parallel shard)."""
         x = F.embedding(ids, self.embed)
         products = lora.products(len(ids)) if lora is not None else None
         x = self._layers(x, self._cos[positions][:, None], self._sin[positions][:, None], meta, products)
-        return self._logits(x).float()
+        out.copy_(self._logits(x))
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm and the output projection of hidden states ``x`` (the model's dtype)."""

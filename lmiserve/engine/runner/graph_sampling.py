@@ -13,11 +13,16 @@ and its draw is keyed by its seed and the index of the token (engine/runner/seed
 graph's other rows. Greedy rows take the argmax of their raw logits. The pick is ``[rows, 3]`` float64: the
 token, its logprob (the raw logits' log-softmax, as every path reports it) and whether the row could not be
 drawn from (the eager sampler's rule).
+
+A step where no sampled row sets top_k or top_p replays a graph without those two stages (`kind`: `SAMPLED`,
+not `FILTERED`), through which every row would pass unchanged: its rows get the same tokens without the
+`topk` and the sort of the vocabulary a row, on a GPU the sampler's largest cost at many rows (vLLM measured
+its PyTorch sort-based top-p at 2.3 ms a step of 128 rows of a 131k vocabulary; vllm-project/vllm#40376).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -27,10 +32,11 @@ from lmiserve.engine.runner import seeded_draw
 from lmiserve.engine.runner.sampling import needs_processing, processed_finite
 from lmiserve.engine.runner.warpers import finite, min_p_cut, scaled, top_k_columns, top_k_cut, top_p_cut
 
-__all__ = ["GRAPH_TOP_K", "USE_IN_GRAPHS", "GraphSampler", "in_graph"]
+__all__ = ["FILTERED", "GRAPH_TOP_K", "SAMPLED", "USE_IN_GRAPHS", "GraphSampler", "in_graph", "kind"]
 
 GRAPH_TOP_K = 1024  # the largest top_k a row sampled in a graph may set (the graph's `topk` is this wide)
 USE_IN_GRAPHS = True  # False: a decode graph's sampled rows are sampled after it, from its logits
+SAMPLED, FILTERED = "sampled", "sampled-top-k-p"  # a sampled graph's kinds: without top_k and top_p, with them
 
 
 def in_graph(params: SamplingParams) -> bool:
@@ -50,6 +56,13 @@ def in_graph(params: SamplingParams) -> bool:
         and params.typical_p >= 1.0
         and params.top_k <= GRAPH_TOP_K
     )
+
+
+def kind(params: Iterable[SamplingParams]) -> str:
+    """The kind of sampled graph a step of rows with `params` (all `in_graph`) replays: `FILTERED` where a
+    sampled row sets top_k or top_p, else `SAMPLED`."""
+    filtered = any(p.do_sample and (p.top_k > 0 or p.top_p < 1.0) for p in params)
+    return FILTERED if filtered else SAMPLED
 
 
 class GraphSampler:
@@ -81,16 +94,19 @@ class GraphSampler:
         for host, device in zip(self._host, self._device):  # whole (contiguous: copied without a wait), a few KB
             device.copy_(host, non_blocking=host.is_pinned())
 
-    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+    def pick(self, logits: torch.Tensor, filtered: bool = True) -> torch.Tensor:
         """Each row's token, its logprob and whether it could not be drawn, ``[rows, 3]`` float64, from the
-        buffers' first ``len(logits)`` rows: tensor ops and one kernel, nothing read on the host."""
+        buffers' first ``len(logits)`` rows: tensor ops and one kernel, nothing read on the host. Without
+        `filtered` (no row sets top_k or top_p: `kind`) their two stages are left out."""
         rows = len(logits)
         floats, ints = (t[:, :rows] for t in self._device)
         sampled = ints[5].bool()
         # as the eager sampler: the rows made finite as processed rows are (runner/sampling.py), then the stages
         warped = finite(scaled(processed_finite(logits), floats[0]))
-        warped = top_k_cut(warped, self.width, ints[0][:, None], ints[1][:, None])
-        warped = min_p_cut(top_p_cut(warped, floats[1], ints[2].bool()), floats[2])
+        if filtered:
+            warped = top_k_cut(warped, self.width, ints[0][:, None], ints[1][:, None])
+            warped = top_p_cut(warped, floats[1], ints[2].bool())
+        warped = min_p_cut(warped, floats[2])
         drawn, undrawable = seeded_draw.draw_keyed(warped.softmax(-1), ints[3], ints[4])
         tokens = torch.where(sampled, drawn, logits.argmax(-1))
         chosen = logits.log_softmax(-1).gather(1, tokens[:, None])
