@@ -36,6 +36,7 @@ from lmiserve.engine.pool_plan import (
 from lmiserve.engine.runner import fast_reason, generic
 from lmiserve.engine.runner.fast import PagedFastRunner
 from lmiserve.engine.runner.persistent_batch import PersistentBatchRunner
+from lmiserve.engine.runner.sampling import sample_profile
 from lmiserve.engine.runner.vision import PagedVisionRunner, bidirectional_images, image_token_id, is_vision_model
 from lmiserve.engine.speculative.proposers import DraftModelProposer, NgramProposer
 from lmiserve.engine.text.grammar_compiler import GrammarCompiler
@@ -47,12 +48,17 @@ log = logging.getLogger(__name__)
 
 
 def run_profile_step(
-    runner_of: Callable[[int], BatchRunner], tokens: int, block_size: int, prompt: PromptIds | None = None
+    runner_of: Callable[[int], BatchRunner],
+    tokens: int,
+    block_size: int,
+    prompt: PromptIds | None = None,
+    sampler: tuple[int, int] | None = None,
 ) -> int:
     """Run one step of a `tokens`-token prompt on a runner made by `runner_of(blocks)` over just enough
     blocks, as the largest step the scheduler plans would (every layer's activations at their widest);
     the bytes of that runner's pool. The runner is dropped after. `prompt`: a vision-language model's
-    prompt with an image instead (`text.images.probe_prompt`): its image encoder runs at admission."""
+    prompt with an image instead (`text.images.probe_prompt`): its image encoder runs at admission.
+    `sampler`: ``(rows, vocab)``, then the sampler's largest step there (`sampling.sample_profile`)."""
     ids = list(prompt) if prompt is not None else [0] * tokens
     blocks = -(-len(ids) // block_size)
     runner = runner_of(blocks)
@@ -65,6 +71,11 @@ def run_profile_step(
     output = runner.execute_batch(batch)
     if output.errors:
         raise RuntimeError(f"the profiling step failed: {next(iter(output.errors.values()))}")
+    if sampler is not None:
+        device = getattr(runner, "device", torch.device("cpu"))  # (every paged runner's model's)
+        failed = [r for r in sample_profile(*sampler, device) if isinstance(r, Exception)]
+        if failed:
+            raise RuntimeError(f"the sampler's profile failed: {failed[0]}")
     runner.execute_batch(StepBatch(finished=[0]))
     return int(getattr(runner, "kv_bytes", 0))
 
@@ -75,12 +86,13 @@ def profile_step_memory(
     tokens: int,
     block_size: int,
     image_prompt: PromptIds | None = None,
+    sampler: tuple[int, int] | None = None,
 ) -> int | None:
     """On CUDA, the peak memory the largest step needs beyond what is allocated before it and beyond its
     pool (`run_profile_step`): what the KV pool must leave free (vLLM sizes its pool after such a run).
     `image_prompt`: a VLM's step with an image is profiled too (its encoder's activations, its features),
-    the larger peak kept. None on other devices, or when the profiling step fails (logged; the fixed
-    reserve is used)."""
+    the larger peak kept; `sampler` (``(rows, vocab)``): the sampler's largest step too, after the first
+    step. None on other devices, or when the profiling step fails (logged; the fixed reserve is used)."""
     if device.type != "cuda":
         return None
     peak = 0
@@ -90,7 +102,7 @@ def profile_step_memory(
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
             before = torch.cuda.memory_allocated(device)
-            pool = run_profile_step(runner_of, tokens, block_size, prompt)
+            pool = run_profile_step(runner_of, tokens, block_size, prompt, sampler if prompt is None else None)
             torch.cuda.synchronize(device)
             peak = max(peak, torch.cuda.max_memory_allocated(device) - before - pool)
         except Exception:  # noqa: BLE001 - a failed profile costs the pool's precision, not the start
@@ -154,6 +166,7 @@ def create_engine(
             largest_step_tokens(config, loaded.max_context),
             config.block_size,
             probe_prompt(images) if images is not None else None,
+            (config.max_running, int(loaded.model.config.get_text_config().vocab_size)),
         )
         if drafting and draft is not None:  # the draft's largest step, profiled too: both are reserved
             drafter = draft

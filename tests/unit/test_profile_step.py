@@ -42,6 +42,59 @@ def test_the_largest_step_runs_on_a_pool_just_big_enough_and_is_forgotten(tiny_m
     assert runner._requests == {}  # the profiling request is gone again
 
 
+def test_the_profile_runs_the_samplers_largest_step_too(tiny_model, monkeypatch):
+    """`sampler` (the batch limit's rows, the vocabulary): after the prompt step, while its pool is still
+    held, the eager sampler runs that many rows of logits with every stage it has (vLLM's dummy sampler
+    run): its tensors are in the profile's peak. Each row is sampled (none fails)."""
+    from lmiserve.engine.runner import sampling
+
+    seen = []
+    real = sampling.sample_rows
+
+    def recorded(logits, rows):  # noqa: ANN001, ANN202
+        seen.append((tuple(logits.shape), rows))
+        results = real(logits, rows)
+        seen.append(results)
+        return results
+
+    monkeypatch.setattr(sampling, "sample_rows", recorded)
+    runner_of, made = _runner_of(tiny_model, PagedFastRunner)
+    vocab = tiny_model.model.config.vocab_size
+    factory.run_profile_step(runner_of, 40, 16, sampler=(24, vocab))
+    (runner,) = made
+    assert runner._requests == {}
+    profile = [entry for entry in seen if isinstance(entry, tuple) and entry[0] == (24, vocab)]
+    assert len(profile) == 1
+    rows = profile[0][1]
+    params = rows[0].params
+    assert all(row.params == params for row in rows) and len({row.seed for row in rows}) == 24
+    assert params.top_p < 1 and params.typical_p < 1 and params.top_k and params.min_p > 0
+    assert params.repetition_penalty != 1 and params.top_n_tokens == 20 and params.temperature != 1
+    results = seen[seen.index(profile[0]) + 1]
+    assert len(results) == 24 and not any(isinstance(r, Exception) for r in results)
+
+
+def test_on_cuda_the_profile_includes_the_sampler_and_engines_ask_for_the_batch_limits_rows(tiny_model, monkeypatch):
+    """`profile_step_memory` on CUDA (its memory readings given here): the peak over the prompt step and
+    the sampler's step, less the pool; `create_engine` asks for the batch limit's rows of the vocabulary."""
+    calls = []
+    monkeypatch.setattr(
+        factory,
+        "run_profile_step",
+        lambda runner_of, tokens, size, prompt=None, sampler=None: calls.append(sampler) or 0,
+    )
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * 2**20)
+    assert factory.profile_step_memory(torch.device("cuda"), None, 64, 16, sampler=(8, 512)) == 3 * 2**20
+    assert calls == [(8, 512)]
+    asked = []
+    monkeypatch.setattr(factory, "profile_step_memory", lambda *args: asked.append(args[-1]))
+    factory.create_engine(tiny_model, EngineConfig(max_running=6))
+    assert asked == [(6, tiny_model.model.config.vocab_size)]
+
+
 def test_the_largest_step_is_bounded_by_the_context():
     assert pool_plan.largest_step_tokens(EngineConfig(max_prefill_tokens=2048, max_running=32), 256) == 256
 

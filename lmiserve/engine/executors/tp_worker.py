@@ -208,6 +208,7 @@ def _load_shard(spec: WorkerSpec, rank: int, local_rank: int) -> tuple[Any, int]
                 lambda blocks: _runner(spec, loaded, blocks),
                 largest_step_tokens(config, loaded.max_context),
                 config.block_size,
+                sampler=(config.max_running, int(loaded.model.config.get_text_config().vocab_size)),
             )
     return loaded, kv_pool_blocks(loaded, config, activation)
 

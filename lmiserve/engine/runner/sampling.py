@@ -372,3 +372,25 @@ def prompt_logprobs(
             0, [None, *values], None if ranks is None else [None, *ranks], None if tops is None else [None, *tops]
         )
     return PromptScores(start + 1, values, ranks, tops)
+
+
+# every stage the eager sampler may run, for every row of the profiling step's sampling (`sample_profile`), and
+# OpenAI's largest top_logprobs
+PROFILE_SAMPLING = SamplingParams(
+    do_sample=True,
+    temperature=0.7,
+    top_k=50,
+    top_p=0.9,
+    min_p=0.05,
+    typical_p=0.95,
+    repetition_penalty=1.1,
+    top_n_tokens=20,
+)
+
+
+def sample_profile(rows: int, vocab: int, device: torch.device) -> list[SampleResult | Exception]:
+    """`sample_rows` over `rows` rows of `vocab` float32 logits, every row `PROFILE_SAMPLING`: the largest
+    decode step's sampling, which the KV pool leaves room for too (engine/factory.py's profile; vLLM's runs
+    its sampler over max_num_seqs rows); each row's result."""
+    specs = [sampler_row(PROFILE_SAMPLING, [1, 2], [3], [0], n, None, device) for n in range(rows)]
+    return sample_rows(torch.zeros((rows, vocab), dtype=torch.float32, device=device), specs)
