@@ -24,8 +24,8 @@ first position where one differs otherwise). Paths:
 - ``graphs-sampled-generators``: the same with each row drawn by its own generator (`seeded_draw.USE_ON_CUDA`
   off: an exponential fill a row). Their tokens are compared with the first path's like the others', so
   they differ from the greedy path's; the two sampled paths draw different tokens too (other variates);
-- ``graphs-sampled-top-p``: ``graphs-sampled`` with ``top_p`` 0.9: its graphs' kind with the top_k and top_p
-  stages (a sort of the vocabulary a row), where ``graphs-sampled`` replays the kind without them.
+- ``graphs-sampled-top-p``: ``graphs-sampled`` with ``top_p`` 0.9: its graphs' kind with the top_k, top_p and
+  min_p stages (a sort of the vocabulary a row), where ``graphs-sampled`` replays the kind without them.
 
 ``--lora N``: the engines serve N random LoRA adapters of rank 16 on every linear
 (lmiserve/models/lora_demo.py) and the prompts name them in turn, one in N + 1 none: with ``graphs`` the

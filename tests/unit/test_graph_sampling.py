@@ -102,18 +102,18 @@ def test_a_graphs_pick_is_the_eager_samplers_row_for_row(gpu_sampler):
 
 
 def test_a_step_without_top_k_and_top_p_replays_a_graph_without_their_stages():
-    """`kind`: a step whose sampled rows set neither top_k nor top_p replays the graph without those
+    """`kind`: a step whose sampled rows set no top_k, top_p or min_p replays the graph without those
     stages (no sort of the vocabulary); a greedy row's top_p (not sampled) does not count."""
-    plain = [SamplingParams(**OPTIONS[i]) for i in (0, 1, 2, 5)]
+    plain = [SamplingParams(**OPTIONS[i]) for i in (0, 1, 2)]
     assert kind(plain) == SAMPLED
-    assert kind([*plain, SamplingParams(top_p=0.5, top_k=3)]) == SAMPLED  # greedy: its top_p is not used
-    for filtered in (OPTIONS[3], OPTIONS[4], OPTIONS[6], OPTIONS[7]):  # (a top_k past the vocabulary too)
+    assert kind([*plain, SamplingParams(top_p=0.5, top_k=3, min_p=0.1)]) == SAMPLED  # greedy: not used
+    for filtered in OPTIONS[3:]:  # (a top_k past the vocabulary too)
         assert kind([*plain, SamplingParams(**filtered)]) == FILTERED
 
 
 def test_the_pick_without_top_k_and_top_p_is_the_same_without_a_sort(gpu_sampler):
-    """Rows that set neither (greedy, temperature, min_p): the pick without the two stages is the one with
-    them and `sample_rows`'s, bit for bit, and runs no `topk` or `sort` (the GPU's largest sampling cost)."""
+    """Rows that set none of them (greedy, temperatures): the pick without the stages is the one with them
+    and `sample_rows`'s, bit for bit, and runs no `topk` or `sort` (the GPU's largest sampling cost)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -125,7 +125,7 @@ def test_the_pick_without_top_k_and_top_p_is_the_same_without_a_sort(gpu_sampler
             self.names.append(func.__name__.split(".")[0])
             return func(*args, **(kwargs or {}))
 
-    chosen = [0, 1, 2, 5]
+    chosen = [0, 1, 2, 1]
     logits = _logits(8)[: len(chosen)]
     params = [SamplingParams(**OPTIONS[i]) for i in chosen]
     sampler = GraphSampler(8, logits.shape[-1], DEVICE, pin=False)
@@ -185,8 +185,8 @@ async def _serve(loaded, config: EngineConfig, options: list[dict]) -> list[list
 
 @pytest.mark.parametrize(
     "overlap,chosen",
-    [(False, (2, 0, 6, 4)), (True, (2, 0, 6, 4)), (True, (2, 0, 5))],
-    ids=["serial", "overlapped", "overlapped-without-top-k-p"],
+    [(False, (2, 0, 6, 4)), (True, (2, 0, 6, 4)), (True, (2, 0, 1))],
+    ids=["serial", "overlapped", "overlapped-temperature-only"],
 )
 async def test_an_engine_whose_graphs_sample_gives_the_eager_samplers_tokens(
     tiny_model, monkeypatch, gpu_sampler, overlap, chosen
@@ -194,7 +194,7 @@ async def test_an_engine_whose_graphs_sample_gives_the_eager_samplers_tokens(
     """Seeded sampled requests beside greedy ones, joining a running batch: the tokens of an engine whose
     decode graphs sample (and, overlapped, chain from the step before on the device: a chained row's draw
     at the index of the token in flight) are those of an eager engine's sampler; the sampled graphs ran, of
-    the kind the rows ask for (without top_k and top_p: the graph without their stages)."""
+    the kind the rows ask for (without top_k, top_p and min_p: the graph without their stages)."""
     options = [OPTIONS[i] for i in chosen]
     config = EngineConfig(max_running=6, max_prefill_tokens=8, async_scheduling=overlap)
     eager = await _serve(tiny_model, EngineConfig(max_running=6, max_prefill_tokens=8, enforce_eager=True), options)
@@ -218,7 +218,7 @@ async def test_an_engine_whose_graphs_sample_gives_the_eager_samplers_tokens(
     graphed = await _serve(tiny_model, config, options)
     assert graphed == eager
     assert sum(sampled) >= 5  # steps whose graph sampled
-    if any("top_p" in OPTIONS[i] for i in chosen):  # the steps with a top_p row and (as requests end) without
+    if any({"top_k", "top_p", "min_p"} & set(OPTIONS[i]) for i in chosen):  # (and, as requests end, without)
         assert FILTERED in kinds
     else:
         assert set(kinds) == {SAMPLED}

@@ -203,7 +203,7 @@ async def test_with_prompt_rows_in_the_graphs_the_warm_up_captures_the_sizes_pas
 
 async def test_where_the_graphs_sample_the_warm_up_runs_each_size_in_both_sampled_kinds(tiny_model, monkeypatch):
     """A GPU's graphs sample (runner/graph_sampling.py): each decode row count's graph is run greedy, sampled
-    without top_k and top_p, and sampled with them, so that the first request of each kind captures nothing."""
+    without top_k, top_p and min_p, and sampled with them: the first request of each kind captures nothing."""
     from helpers.decode_graphs import graphs_on_the_test_device
     from lmiserve.engine.runner import graph_sampling, sampling, seeded_draw
 

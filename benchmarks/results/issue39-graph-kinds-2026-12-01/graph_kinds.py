@@ -80,8 +80,8 @@ def picks(rows: int, vocab: int) -> dict:
     sampler.fill([(params, 1, 0)] * rows, rows)
     kinds = {
         "greedy": lambda: greedy_pick(logits),
-        "sampled (no top_k, top_p)": lambda: sampler.pick(logits, filtered=False),
-        "sampled-top-k-p": lambda: sampler.pick(logits, filtered=True),
+        "sampled (no top_k, top_p, min_p)": lambda: sampler.pick(logits, filtered=False),
+        "sampled-filtered": lambda: sampler.pick(logits, filtered=True),
     }
     out = {}
     for name, call in kinds.items():

@@ -14,10 +14,11 @@ graph's other rows. Greedy rows take the argmax of their raw logits. The pick is
 token, its logprob (the raw logits' log-softmax, as every path reports it) and whether the row could not be
 drawn from (the eager sampler's rule).
 
-A step where no sampled row sets top_k or top_p replays a graph without those two stages (`kind`: `SAMPLED`,
-not `FILTERED`), through which every row would pass unchanged: its rows get the same tokens without the
-`topk` and the sort of the vocabulary a row, on a GPU the sampler's largest cost at many rows (vLLM measured
-its PyTorch sort-based top-p at 2.3 ms a step of 128 rows of a 131k vocabulary; vllm-project/vllm#40376).
+A step where no sampled row sets top_k, top_p or min_p (OpenAI's defaults) replays a graph without those
+stages (`kind`: `SAMPLED`, not `FILTERED`), through which every row would pass unchanged: its rows get the
+same tokens without the `topk` and the sort of the vocabulary a row, on a GPU the sampler's largest cost at
+many rows (a table in vllm-project/vllm#40376 gives its PyTorch sort-based top-p 2.3 ms a step of 128 rows
+of a 131k vocabulary), nor min_p's softmax.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ __all__ = ["FILTERED", "GRAPH_TOP_K", "SAMPLED", "USE_IN_GRAPHS", "GraphSampler"
 
 GRAPH_TOP_K = 1024  # the largest top_k a row sampled in a graph may set (the graph's `topk` is this wide)
 USE_IN_GRAPHS = True  # False: a decode graph's sampled rows are sampled after it, from its logits
-SAMPLED, FILTERED = "sampled", "sampled-top-k-p"  # a sampled graph's kinds: without top_k and top_p, with them
+SAMPLED, FILTERED = "sampled", "sampled-filtered"  # a sampled graph's kinds: without top_k, top_p, min_p; with
 
 
 def in_graph(params: SamplingParams) -> bool:
@@ -60,8 +61,8 @@ def in_graph(params: SamplingParams) -> bool:
 
 def kind(params: Iterable[SamplingParams]) -> str:
     """The kind of sampled graph a step of rows with `params` (all `in_graph`) replays: `FILTERED` where a
-    sampled row sets top_k or top_p, else `SAMPLED`."""
-    filtered = any(p.do_sample and (p.top_k > 0 or p.top_p < 1.0) for p in params)
+    sampled row sets top_k, top_p or min_p, else `SAMPLED`."""
+    filtered = any(p.do_sample and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) for p in params)
     return FILTERED if filtered else SAMPLED
 
 
@@ -97,7 +98,7 @@ class GraphSampler:
     def pick(self, logits: torch.Tensor, filtered: bool = True) -> torch.Tensor:
         """Each row's token, its logprob and whether it could not be drawn, ``[rows, 3]`` float64, from the
         buffers' first ``len(logits)`` rows: tensor ops and one kernel, nothing read on the host. Without
-        `filtered` (no row sets top_k or top_p: `kind`) their two stages are left out."""
+        `filtered` (no row sets top_k, top_p or min_p: `kind`) their stages are left out."""
         rows = len(logits)
         floats, ints = (t[:, :rows] for t in self._device)
         sampled = ints[5].bool()
@@ -105,8 +106,7 @@ class GraphSampler:
         warped = finite(scaled(processed_finite(logits), floats[0]))
         if filtered:
             warped = top_k_cut(warped, self.width, ints[0][:, None], ints[1][:, None])
-            warped = top_p_cut(warped, floats[1], ints[2].bool())
-        warped = min_p_cut(warped, floats[2])
+            warped = min_p_cut(top_p_cut(warped, floats[1], ints[2].bool()), floats[2])
         drawn, undrawable = seeded_draw.draw_keyed(warped.softmax(-1), ints[3], ints[4])
         tokens = torch.where(sampled, drawn, logits.argmax(-1))
         chosen = logits.log_softmax(-1).gather(1, tokens[:, None])
