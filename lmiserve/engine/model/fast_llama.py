@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +37,7 @@ from lmiserve.engine.attention import backends, cpu_kernel
 from lmiserve.engine.attention import windows as attention_window
 from lmiserve.engine.attention.backends import SeqTokens
 from lmiserve.engine.attention.paged import AttentionShape, PagedKVCache
-from lmiserve.engine.lora.batch import LoraBatch, LoraGroup, LoraProducts
+from lmiserve.engine.lora.batch import LoraGroup, LoraProducts
 from lmiserve.engine.lora.slots import LoraSlots
 from lmiserve.engine.model import fused_norm, q4_decode, skinny_gemm
 from lmiserve.engine.model.cpu_gemm import PAD_ROWS_FROM, VOCAB_PAD_ROWS_FROM, CpuGemm
@@ -52,6 +51,7 @@ from lmiserve.engine.model.llama_layout import (
 )
 from lmiserve.engine.model.quantize import Int4Linear, Int8Linear, Q8Linear
 from lmiserve.engine.model.sharding import shard_of
+from lmiserve.engine.model.step_inputs import DecodeReplay, StepInputs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -83,56 +83,6 @@ def _product(gemm: CpuGemm, x: torch.Tensor, parts: Sequence[Part]) -> torch.Ten
         weight, bias, scales, _ = parts[0]
         return gemm.linear(x, weight, bias, scales)
     return torch.cat([gemm.linear(x, p.weight, p.bias, p.scales)[:, : p.outputs] for p in parts], dim=-1)
-
-
-class DecodeReplay(Protocol):
-    """What the forward asks of the decode steps captured as CUDA graphs (engine/attention/cuda_graphs.py's
-    `DecodeGraphs`, which builds on this module: this one never imports it)."""
-
-    def covers(self, rows: int, lora: LoraBatch | None) -> bool:
-        """A step of `rows` decode rows (with the adapters `lora`) replays a captured graph."""
-        ...
-
-    def run(
-        self,
-        ids: Sequence[int],
-        positions: Sequence[int],
-        tables: Sequence[Sequence[int]],
-        lora: LoraBatch | None,
-        sources: Sequence[int] | None,
-    ) -> torch.Tensor:
-        """Float32 logits ``[len(ids), vocab]`` of a step of decode rows (`sources`: `StepInputs`')."""
-        ...
-
-    def run_folded(self, step: StepInputs) -> torch.Tensor | None:
-        """The kept logits of a step with prompt chunks replayed with each chunk token a row; None if not."""
-        ...
-
-
-@dataclass
-class StepInputs:
-    """One step of the fast forward. Tokens are ordered: the decode rows (row i: token `decode_ids[i]` at
-    `decode_positions[i]`, its block table `decode_tables[i]`), then each prompt chunk ``(block table,
-    start, token ids)`` in turn; `keep`: the flattened token rows whose logits are returned; `lora`: the
-    adapters of the tokens (engine/lora/adapters.py, groups named by `FastLlama.lora_groups`);
-    `decode_sources`: for each decode row, the row of the last decode graph's step whose greedy token is its
-    input, on the device (-1: `decode_ids`'; only a step the graphs replay)."""
-
-    decode_ids: list[int] = field(default_factory=list)
-    decode_positions: list[int] = field(default_factory=list)
-    decode_tables: list[list[int]] = field(default_factory=list)
-    chunks: list[tuple[list[int], int, list[int]]] = field(default_factory=list)
-    keep: list[int] = field(default_factory=list)
-    lora: LoraBatch | None = None
-    decode_sources: list[int] | None = None
-
-    def tokens(self) -> tuple[list[int], list[int]]:
-        """The step's token ids and their positions, in its token order (new lists)."""
-        ids = self.decode_ids + [t for _, _, chunk in self.chunks for t in chunk]
-        positions = list(self.decode_positions)
-        for _, start, chunk in self.chunks:
-            positions.extend(range(start, start + len(chunk)))
-        return ids, positions
 
 
 class FastLlama:
