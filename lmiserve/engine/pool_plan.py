@@ -56,18 +56,22 @@ def available_memory() -> int:
 
 # the bytes a logit of the largest decode graph's step takes beside the model's own: its float32 copy in the
 # graphs' output buffer, and the pick's intermediates, a sampled graph's (runner/graph_sampling.py; its top_k and
-# top_p stages and the sort of the vocabulary: 26 B measured on a CPU, with room for the GPU sort's scratch)
-# above a greedy graph's (4 B: the log-softmax)
+# top_p stages and the sort of the vocabulary: 26 B measured on a CPU, with room for the GPU sort's scratch),
+# else a greedy graph's (4 B: the log-softmax; a draft model's graphs pick greedily alone)
 GRAPH_LOGIT_BYTES = 4 + 32
+GREEDY_GRAPH_LOGIT_BYTES = 4 + 4
 
 
-def graph_pool_bytes(step_bytes: int, step_tokens: int, rows: int, vocab: int, itemsize: int) -> int:
+def graph_pool_bytes(
+    step_bytes: int, step_tokens: int, rows: int, vocab: int, itemsize: int, sampled: bool = True
+) -> int:
     """The memory the captured decode graphs keep (engine/attention/cuda_graphs.py: one pool for all, which
     holds the largest capture size's step, and one output buffer): the profiled step's activations scaled to
     `rows` tokens, with the margin, and that step's logits (in the model's dtype) and what each logit takes
-    beside them (`GRAPH_LOGIT_BYTES`)."""
+    beside them (`GRAPH_LOGIT_BYTES`; without `sampled` graphs, `GREEDY_GRAPH_LOGIT_BYTES`)."""
     activations = step_bytes * rows // max(1, step_tokens)
-    return int(activations * PROFILE_MARGIN) + rows * vocab * (itemsize + GRAPH_LOGIT_BYTES)
+    beside = GRAPH_LOGIT_BYTES if sampled else GREEDY_GRAPH_LOGIT_BYTES
+    return int(activations * PROFILE_MARGIN) + rows * vocab * (itemsize + beside)
 
 
 def largest_step_tokens(config: EngineConfig, max_context: int) -> int:
@@ -93,10 +97,13 @@ def free_memory(device: torch.device, config: EngineConfig) -> int:
     return int(available_memory() * CPU_KV_SHARE)
 
 
-def activation_reserve(loaded: LoadedModel, config: EngineConfig, activation_bytes: int | None, graphs: bool) -> int:
+def activation_reserve(
+    loaded: LoadedModel, config: EngineConfig, activation_bytes: int | None, graphs: bool, sampled: bool = True
+) -> int:
     """On CUDA, the bytes `loaded`'s steps need beside its pool: `activation_bytes` as profiled, with a
     margin (else the fixed `GPU_ACTIVATION_RESERVE`), and with decode `graphs` their memory (and that of
-    their LoRA slots when adapters are served); 0 elsewhere."""
+    their LoRA slots when adapters are served), whose steps sample or (a draft model's, not `sampled`) pick
+    greedily alone; 0 elsewhere."""
     if loaded.device.type != "cuda":
         return 0
     reserve = GPU_ACTIVATION_RESERVE
@@ -110,6 +117,7 @@ def activation_reserve(loaded: LoadedModel, config: EngineConfig, activation_byt
             cuda_graphs.capture_sizes(config.max_running + config.graph_prompt_tokens)[-1],
             int(loaded.model.config.vocab_size),
             loaded.model.dtype.itemsize,
+            sampled,
         )
         if config.lora is not None:  # the adapters' slots the graphs read (engine/lora/slots.py)
             reserve += lora_slots.slot_bytes(loaded.model, config.lora.max_loras, config.lora.max_lora_rank)
@@ -153,7 +161,8 @@ def plan_pools(
         budget = (memory or (lambda device: free_memory(device, config)))(loaded.device)
         budget -= activation_reserve(loaded, config, activation_bytes, graphs)
         if draft is not None:
-            budget -= activation_reserve(draft.loaded, config, draft.activation_bytes, draft.graphs)
+            # (a draft model proposes greedily: engine/speculative/proposers.py)
+            budget -= activation_reserve(draft.loaded, config, draft.activation_bytes, draft.graphs, sampled=False)
     # with decode graphs a pool has one block more, where their padding rows write (runner/fast.py)
     budget -= per_block * int(graphs)
     full_batch = config.max_running * -(-loaded.max_context // config.block_size)

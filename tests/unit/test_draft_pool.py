@@ -122,6 +122,24 @@ def test_the_draft_gets_its_rows_at_full_context_and_the_model_the_rest(monkeypa
     assert plan.blocks * per_block + plan.draft_blocks * per_block <= plan.budget
 
 
+def test_the_drafts_decode_graphs_are_reserved_as_greedy_ones(monkeypatch, tiny_model, same_draft):
+    """A draft model proposes greedily (engine/speculative/proposers.py): its decode graphs never sample, so
+    its reserve counts a greedy pick's bytes a logit beside the output buffer, the model's a sampled one's."""
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 10 * GIB)
+    cuda = torch.device("cuda")
+    loaded = dataclasses.replace(tiny_model, device=cuda, max_context=4096)
+    draft = dataclasses.replace(same_draft, device=cuda, max_context=4096)
+    config = EngineConfig(max_running=30, gpu_memory_utilization=0.5)
+    without = pool_plan.plan_pools(loaded, config, 2 * GIB, graphs=True, draft=pool_plan.DraftNeeds(draft, 5, GIB))
+    needs = pool_plan.DraftNeeds(draft, rows=5, activation_bytes=1 * GIB, graphs=True)
+    plan = pool_plan.plan_pools(loaded, config, activation_bytes=2 * GIB, graphs=True, draft=needs)
+    vocab, itemsize = same_draft.model.config.vocab_size, same_draft.model.dtype.itemsize
+    greedy = pool_plan.graph_pool_bytes(GIB, 2048 + 30, 32, vocab, itemsize, sampled=False)
+    assert greedy < pool_plan.graph_pool_bytes(GIB, 2048 + 30, 32, vocab, itemsize)
+    assert without.budget - plan.budget == greedy + kv_bytes_per_block(same_draft.model, 16)  # (its padding block)
+
+
 def test_a_tight_budget_is_shared_block_for_block(tiny_model, same_draft):
     """Less than the draft's rows need: each pool gets as many blocks (the draft never holds more tokens
     than the model's pool), within `kv_cache_memory_bytes`, which bounds both pools together."""

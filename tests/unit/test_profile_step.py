@@ -74,6 +74,22 @@ def test_the_profile_runs_the_samplers_largest_step_too(tiny_model, monkeypatch)
     assert len(results) == 24 and not any(isinstance(r, Exception) for r in results)
 
 
+def test_a_sampler_profile_that_fails_keeps_the_steps_figure(tiny_model, monkeypatch, caplog):
+    """The sampler's profile failing (out of memory at a large batch limit and vocabulary, say) costs its
+    share of the reserve, logged, not the prompt step's measurement (the fixed reserve would replace it)."""
+
+    def fails(rows, vocab, device):  # noqa: ANN001, ANN202
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(factory, "sample_profile", fails)
+    runner_of, made = _runner_of(tiny_model, PagedFastRunner)
+    with caplog.at_level("WARNING", logger=factory.__name__):
+        pool = factory.run_profile_step(runner_of, 40, 16, sampler=(24, 512))
+    (runner,) = made
+    assert pool == runner.kv_bytes > 0 and runner._requests == {}
+    assert "profiling the sampler over 24 rows failed (CUDA out of memory)" in caplog.text
+
+
 def test_on_cuda_the_profile_includes_the_sampler_and_engines_ask_for_the_batch_limits_rows(tiny_model, monkeypatch):
     """`profile_step_memory` on CUDA (its memory readings given here): the peak over the prompt step and
     the sampler's step, less the pool; `create_engine` asks for the batch limit's rows of the vocabulary."""
