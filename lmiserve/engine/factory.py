@@ -31,6 +31,7 @@ from lmiserve.engine.pool_plan import (
     block_bytes,
     largest_step_tokens,
     plan_pools,
+    profiled_sampling,
     report_draft_pool,
 )
 from lmiserve.engine.runner import fast_reason, generic
@@ -171,7 +172,7 @@ def create_engine(
             largest_step_tokens(config, loaded.max_context),
             config.block_size,
             probe_prompt(images) if images is not None else None,
-            (config.max_running, int(loaded.model.config.get_text_config().vocab_size)),
+            profiled_sampling(loaded, config),
         )
         if drafting and draft is not None:  # the draft's largest step, profiled too: both are reserved
             drafter = draft

@@ -74,6 +74,12 @@ def graph_pool_bytes(
     return int(activations * PROFILE_MARGIN) + rows * vocab * (itemsize + beside)
 
 
+def profiled_sampling(loaded: LoadedModel, config: EngineConfig) -> tuple[int, int]:
+    """The sampler's largest step the profile runs too (`factory.run_profile_step`): the batch limit's rows
+    of the vocabulary."""
+    return config.max_running, int(loaded.model.config.get_text_config().vocab_size)
+
+
 def largest_step_tokens(config: EngineConfig, max_context: int) -> int:
     """The most tokens one step computes: the prefill budget and a decode row for every other sequence,
     within the step's budget (`max_step_tokens`) when one is set."""

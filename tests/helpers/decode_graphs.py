@@ -11,6 +11,7 @@ import torch
 
 from lmiserve.engine.attention import cuda_graphs
 from lmiserve.engine.attention.cuda_graphs import DecodeGraphs
+from lmiserve.engine.runner import graph_sampling
 
 CAPTURE = torch.device(os.environ.get("LMISERVE_TEST_DEVICE", "cpu")).type == "cuda"
 
@@ -39,7 +40,9 @@ def graphs_on_the_test_device(monkeypatch: pytest.MonkeyPatch) -> GraphsMade:
         def run(ids, positions, tables, lora=None, sources=None):  # noqa: ANN001, ANN202 - DecodeGraphs.run's
             record.steps.append((graphs.size_for(len(ids)), 0 if lora is None else len(lora.adapters)))
             record.chained += sources is not None
-            record.kinds.add((graphs.size_for(len(ids)), graphs._kind if graphs._sampling is not None else "greedy"))
+            rows = graphs._sampling
+            kind = "greedy" if rows is None else graph_sampling.kind(params for params, _, _ in rows)
+            record.kinds.add((graphs.size_for(len(ids)), kind))
             return original(ids, positions, tables, lora, sources)
 
         graphs.run = run  # type: ignore[method-assign]

@@ -208,7 +208,7 @@ async def test_an_engine_whose_graphs_sample_gives_the_eager_samplers_tokens(
 
             def counted(rows):  # noqa: ANN001, ANN202
                 sampled.append(sample(rows))
-                kinds.append(graphs._kind)
+                kinds.append(kind(params for params, _, _ in rows))
                 return sampled[-1]
 
             graphs.sample = counted

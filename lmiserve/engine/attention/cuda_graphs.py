@@ -129,7 +129,6 @@ class DecodeGraphs:
         self._pick_out = torch.empty(largest * 3, dtype=torch.float64, device=fast.device)
         self.sampler: GraphSampler | None = None  # the sampled rows' parameters (`sample`), made when first wanted
         self._sampling: Sequence[tuple[SamplingParams, int | None, int]] | None = None  # the next `run`'s (`sample`)
-        self._kind = GREEDY  # the kind of graph the next `run` replays (`sample`)
         self.sampler_failed = False  # a sampled graph failed to capture: sampled steps sample eagerly
         # what each row of the host tables holds: the list it was written from (None: padding or nothing),
         # how many of its blocks, and the largest block id among them
@@ -162,7 +161,6 @@ class DecodeGraphs:
         if self.sampler is None:
             self.sampler = GraphSampler(self.sizes[-1], self.fast.vocab, self.fast.device, self.capture)
         self._sampling = rows  # written with the step's other inputs (`_fill`)
-        self._kind = graph_sampling.kind(params for params, _, _ in rows)
         return True
 
     def covers(self, rows: int, lora: LoraBatch | None = None) -> bool:
@@ -313,7 +311,7 @@ class DecodeGraphs:
         rows = len(ids)
         size = self.size_for(rows)
         sampling, self._sampling = self._sampling, None
-        kind, self._kind = (self._kind if sampling is not None else GREEDY), GREEDY
+        kind = GREEDY if sampling is None else graph_sampling.kind(params for params, _, _ in sampling)
         self._fill(ids, positions, tables, size, sources, sampling)
         if self.lora is not None:
             self.lora.set_step(lora, rows, size)

@@ -178,7 +178,7 @@ def _load_shard(spec: WorkerSpec, rank: int, local_rank: int) -> tuple[Any, int]
 
     from lmiserve.engine.factory import profile_step_memory
     from lmiserve.engine.model.sharding import checkpoint_files, load_shard_weights, shard_model
-    from lmiserve.engine.pool_plan import kv_pool_blocks, largest_step_tokens
+    from lmiserve.engine.pool_plan import kv_pool_blocks, largest_step_tokens, profiled_sampling
 
     if spec.load_format != "dummy" and checkpoint_files(spec.model_path) is not None:
         loaded = spec.load_shell(
@@ -208,7 +208,7 @@ def _load_shard(spec: WorkerSpec, rank: int, local_rank: int) -> tuple[Any, int]
                 lambda blocks: _runner(spec, loaded, blocks),
                 largest_step_tokens(config, loaded.max_context),
                 config.block_size,
-                sampler=(config.max_running, int(loaded.model.config.get_text_config().vocab_size)),
+                sampler=profiled_sampling(loaded, config),
             )
     return loaded, kv_pool_blocks(loaded, config, activation)
 
