@@ -366,7 +366,7 @@ async def test_sampling_exception_ends_only_that_sequence(tiny_model, reference,
 
 
 async def test_sample_rows_exception_ends_only_that_sequence(tiny_model, reference, monkeypatch):
-    import lmiserve.engine.runner.persistent_batch as paged_module
+    import lmiserve.engine.runner.eager_sampling as paged_module
 
     real = paged_module.sample_rows
     bad_ids = encode(tiny_model, PROMPTS[1])
@@ -391,7 +391,7 @@ async def test_plain_greedy_rows_are_picked_without_sampler_rows(tiny_model, ref
         raise AssertionError("a plain greedy row went through the sampler")
 
     monkeypatch.setattr(PersistentBatchRunner, "_row_of", refused)
-    monkeypatch.setattr("lmiserve.engine.runner.persistent_batch.sample_rows", refused)
+    monkeypatch.setattr("lmiserve.engine.runner.eager_sampling.sample_rows", refused)
     engine = make_engine(tiny_model, runner_cls=runner_cls)
     async with started(engine):
         requests = [GenerationRequest(prompt, greedy()) for prompt in PROMPTS[:3]]

@@ -7,7 +7,9 @@ the GPU's path there (`_at_once`, `usable`). The GPU check's engine tests run th
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 
 import pytest
 import torch
@@ -15,11 +17,12 @@ import torch
 from helpers.capture_hazards import Hazards, watch
 from helpers.decode_graphs import graphs_on_the_test_device
 from helpers.llama_variants import PROMPTS
+from lmiserve.core.grammar import Grammar
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.core.step import StepOutput
 from lmiserve.engine.factory import create_engine
-from lmiserve.engine.runner import sampling, seeded_draw
+from lmiserve.engine.runner import eager_sampling, sampling, seeded_draw
 from lmiserve.engine.runner.graph_sampling import FILTERED, GRAPH_TOP_K, SAMPLED, GraphSampler, in_graph, kind
 from lmiserve.engine.runner.in_flight import StepsInFlight
 from lmiserve.engine.runner.sampling import UNDRAWABLE, sample_rows, sampler_row
@@ -224,3 +227,134 @@ async def test_an_engine_whose_graphs_sample_gives_the_eager_samplers_tokens(
         assert set(kinds) == {SAMPLED}
     if overlap:
         assert record.chained > 0
+
+
+# rows a graph cannot sample (a top-N, a penalty, a grammar's mask) beside rows it samples or picks
+MIXED = [
+    {},  # greedy
+    {"do_sample": True, "top_p": 0.9, "temperature": 0.8},
+    {"top_n_tokens": 3},  # greedy with the top 3
+    {"do_sample": True, "temperature": 0.7},
+    {"do_sample": True, "repetition_penalty": 1.3},
+    {"do_sample": True, "top_n_tokens": 2, "top_k": 20},
+]
+
+
+def _record_sent_picks(record, calls: list[tuple[str, object]]) -> None:  # noqa: ANN001
+    """The picks the graphs of the engines made from now on send, recorded in `calls` as ("sent", rows)."""
+
+    class Made(list):
+        def append(self, graphs) -> None:  # noqa: ANN001
+            send = graphs.send_pick
+
+            def sent(logits, sampled=False):  # noqa: ANN001, ANN202 - DecodeGraphs.send_pick's
+                receive = send(logits, sampled)
+                if receive is not None:
+                    calls.append(("sent", len(logits)))
+                return receive
+
+            graphs.send_pick = sent
+            super().append(graphs)
+
+    record.made = Made()
+
+
+async def _serve_detail(loaded, config: EngineConfig) -> list[list[tuple]]:
+    """`_serve`'s requests with `MIXED`'s options: each token's id, logprob and top tokens."""
+    engine = create_engine(loaded, config)
+    engine.start()
+
+    async def one(i: int, prompt: str) -> list[tuple]:
+        await asyncio.sleep(0.01 * i)
+        params = SamplingParams(max_new_tokens=12, ignore_eos_token=True, seed=40 + i, **MIXED[i % len(MIXED)])
+        return [
+            (e.token.id, e.token.logprob, [(t.id, t.logprob) for t in e.top_tokens or ()])
+            async for e in engine.generate(GenerationRequest(prompt, params))
+            if e.token
+        ]
+
+    try:
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
+    finally:
+        await engine.stop()
+
+
+async def test_rows_a_graph_cannot_sample_leave_only_themselves_to_the_eager_sampler(
+    tiny_model, monkeypatch, gpu_sampler
+):
+    """A step with rows the graph cannot sample (a top-N, a penalty) beside rows it samples and greedy ones:
+    the graph samples its rows and its pick serves them, the eager sampler takes the others alone from the
+    logits; every token, logprob and top-N is the eager engine's."""
+    config = EngineConfig(max_running=6, max_prefill_tokens=8)
+    eager = await _serve_detail(tiny_model, EngineConfig(max_running=6, max_prefill_tokens=8, enforce_eager=True))
+    record = graphs_on_the_test_device(monkeypatch)
+    calls: list[tuple[str, object]] = []  # in order: ("sent", rows of a graph's pick), ("eager", rows in_graph)
+    original = eager_sampling.sample_rows
+
+    def recording(logits, rows):  # noqa: ANN001, ANN202 - sample_rows'
+        calls.append(("eager", [in_graph(row.params) for row in rows]))
+        return original(logits, rows)
+
+    monkeypatch.setattr(eager_sampling, "sample_rows", recording)
+
+    _record_sent_picks(record, calls)
+    graphed = await _serve_detail(tiny_model, config)
+    for ours, theirs in zip(graphed, eager, strict=True):
+        assert [t[0] for t in ours] == [t[0] for t in theirs]
+        assert [t[1] for t in ours] == pytest.approx([t[1] for t in theirs], abs=1e-5)
+        assert [[i for i, _ in t[2]] for t in ours] == [[i for i, _ in t[2]] for t in theirs]
+    assert any(kind_ != "greedy" for _, kind_ in record.kinds)  # sampled graphs ran beside the eager rows
+    split = [n for n, call in enumerate(calls[:-1]) if call[0] == "sent" and calls[n + 1][0] == "eager"]
+    assert len(split) >= 3, calls  # graph steps whose pick served rows while others were sampled eagerly
+    assert all(not any(calls[n + 1][1]) for n in split)  # none of them a row the graph sampled
+    assert max(calls[n][1] for n in split) >= 4  # (steps of most of the rows)
+
+
+async def test_a_grammars_rows_leave_the_others_to_the_graph(tiny_model, monkeypatch, gpu_sampler):
+    """Constrained requests (a JSON schema, a regex) beside greedy and seeded sampled ones: the graphs sample
+    and pick the unconstrained rows, the constrained ones alone are masked and sampled from the logits; every
+    request's tokens are the eager engine's, and the constrained texts match their grammars."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    grammars = [Grammar("json_schema", json.dumps(schema)), Grammar("regex", "[0-9]{3}-[a-z]{2,6}")]
+    options = [
+        {},
+        {"grammar": grammars[0]},
+        {"do_sample": True, "seed": 11, "temperature": 0.8},
+        {"grammar": grammars[1], "do_sample": True, "seed": 2},
+        {"do_sample": True, "seed": 5, "top_p": 0.9},
+    ]
+
+    async def serve(config: EngineConfig) -> list[tuple[list[int], str]]:
+        engine = create_engine(tiny_model, config)
+        engine.start()
+
+        async def one(i: int) -> tuple[list[int], str]:
+            await asyncio.sleep(0.01 * i)
+            params = SamplingParams(max_new_tokens=40, **options[i])
+            events = [e async for e in engine.generate(GenerationRequest(PROMPTS[i], params))]
+            finish = [e.finish for e in events if e.finish is not None][-1]
+            return [e.token.id for e in events if e.token], finish.generated_text
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(len(options))))
+        finally:
+            await engine.stop()
+
+    eager = await serve(EngineConfig(max_running=5, max_prefill_tokens=8, enforce_eager=True))
+    record = graphs_on_the_test_device(monkeypatch)
+    calls: list[tuple[str, object]] = []  # in order: ("sent", rows of a graph's pick), ("eager", rows masked)
+    original = eager_sampling.sample_rows
+
+    def recording(logits, rows):  # noqa: ANN001, ANN202 - sample_rows'
+        calls.append(("eager", [row.masked is not None for row in rows]))
+        return original(logits, rows)
+
+    monkeypatch.setattr(eager_sampling, "sample_rows", recording)
+    _record_sent_picks(record, calls)
+    graphed = await serve(EngineConfig(max_running=5, max_prefill_tokens=8))
+    assert graphed == eager
+    assert json.loads(graphed[1][1])["n"] is not None and re.fullmatch("[0-9]{3}-[a-z]{2,6}", graphed[3][1])
+    assert any(kind_ != "greedy" for _, kind_ in record.kinds)  # the sampled rows' graphs ran
+    split = [n for n, call in enumerate(calls[:-1]) if call[0] == "sent" and calls[n + 1][0] == "eager"]
+    assert len(split) >= 3, calls  # graph steps whose pick served rows while the constrained ones were masked
+    assert all(all(calls[n + 1][1]) for n in split)  # those alone

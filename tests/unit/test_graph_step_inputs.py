@@ -21,7 +21,7 @@ from lmiserve.engine.attention.paged import PagedKVCache  # noqa: E402
 from lmiserve.engine.core.async_engine import EngineConfig  # noqa: E402
 from lmiserve.engine.factory import create_engine  # noqa: E402
 from lmiserve.engine.model.fast_llama import FastLlama  # noqa: E402
-from lmiserve.engine.runner import persistent_batch  # noqa: E402
+from lmiserve.engine.runner import eager_sampling  # noqa: E402
 from lmiserve.engine.runner.sampling import Row, greedy_pick, plain_greedy, sample_rows  # noqa: E402
 
 DEVICE = torch.device(os.environ.get("LMISERVE_TEST_DEVICE", "cpu"))
@@ -89,25 +89,25 @@ def test_block_tables_persist_and_only_what_changed_is_written(graphs):
 def test_the_engine_samples_plain_greedy_steps_from_the_graphs_pick(tiny_model, monkeypatch):
     """Greedy requests through the graphs' buffers, one asking for logprobs only and one for the top 3 at
     each token: generate()'s tokens, the logprobs those of transformers' logits; steps of plain greedy
-    rows took the graph's pick (sent to the host), steps with the top-N row sampled from the logits."""
+    rows took the graph's pick (sent to the host); in a graph's step with the top-N row, the plain row took
+    the pick and the top-N row alone was sampled from the logits."""
     made = graphs_on_the_test_device(monkeypatch).made
-    sampled: list[int] = []  # rows of each step sampled from the logits
-    original = persistent_batch.sample_rows
+    calls: list[tuple[str, int]] = []  # in order: ("sampled", rows sampled from the logits), ("sent", rows)
+    original = eager_sampling.sample_rows
 
     def recording(logits, rows):  # noqa: ANN001, ANN202 - sample_rows'
-        sampled.append(len(rows))
+        calls.append(("sampled", len(rows)))
         return original(logits, rows)
 
-    monkeypatch.setattr(persistent_batch, "sample_rows", recording)
+    monkeypatch.setattr(eager_sampling, "sample_rows", recording)
     engine = create_engine(tiny_model, EngineConfig(max_prefill_tokens=8))
     graphs = engine.runner.graphs
-    sent: list[int] = []  # rows of each step whose picks were sent
     send_pick = graphs.send_pick
 
     def recording_send(logits, sampled=False):  # noqa: ANN001, ANN202 - DecodeGraphs.send_pick's
         receive = send_pick(logits, sampled)
         if receive is not None:
-            sent.append(len(logits))
+            calls.append(("sent", len(logits)))
         return receive
 
     graphs.send_pick = recording_send  # type: ignore[method-assign]
@@ -124,7 +124,9 @@ def test_the_engine_samples_plain_greedy_steps_from_the_graphs_pick(tiny_model, 
             await engine.stop()
 
     plain, top = asyncio.run(both())
-    assert made and sent and 2 in sampled  # the top-N row's steps: from the logits
+    assert made and ("sent", 1) in calls  # the plain row's steps alone: the graph's pick
+    mixed = [n for n, call in enumerate(calls) if call == ("sent", 2)]  # graph steps of both rows
+    assert len(mixed) >= 2 and all(calls[n + 1] == ("sampled", 1) for n in mixed), calls
     for prompt, events in ((PROMPTS[0], plain), (PROMPTS[1], top)):
         tokens = [e.token.id for e in events]
         assert tokens == greedy_tokens(tiny_model, prompt, len(tokens)), prompt

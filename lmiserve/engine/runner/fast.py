@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lmiserve.core.request import SamplingParams
 from lmiserve.engine.attention import cuda_graphs
 from lmiserve.engine.attention.kv_quant import KvFormat
 from lmiserve.engine.attention.paged import paged_cache
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
+
+GREEDY = SamplingParams()  # what a decode graph samples for a row it does not sample: its argmax
 
 
 class PagedFastRunner(PersistentBatchRunner):
@@ -90,8 +93,8 @@ class PagedFastRunner(PersistentBatchRunner):
         tokens = [1] * len(decode) + [len(batch.rows[i].computed_ids) for i in part[len(decode) :]]
         chained = self._chained
         lora = self._lora(batch, part, tokens)
-        if not prefills and not batch.grammar_rows:
-            self._sample_in_graph(rows, lora)
+        if not prefills:
+            self._sample_in_graph(rows, lora, {batch.rows[i].seq_id for i in batch.grammar_rows})
         return self.fast.forward(
             StepInputs(
                 [0 if r.seq_id in chained else r.token_ids[0] for r in rows],  # (chained: on the device)
@@ -104,19 +107,22 @@ class PagedFastRunner(PersistentBatchRunner):
             )
         )
 
-    def _sample_in_graph(self, rows: list[ScheduledTokens], lora: LoraBatch | None) -> None:
-        """A step of decode rows alone that a graph replays, every row sampled with what a graph samples
-        (runner/graph_sampling.py) and not every one plain greedy: its graph samples them, each from its
-        seed and the index of its token (a chained row's token in flight counted)."""
+    def _sample_in_graph(self, rows: list[ScheduledTokens], lora: LoraBatch | None, grammar: set[int]) -> None:
+        """A step of decode rows alone that a graph replays, where some rows (without a grammar: the seq_ids in
+        `grammar`) sample with what a graph samples (runner/graph_sampling.py), not plain greedily: its graph
+        samples them, each from its seed and the index of its token (a chained row's token in flight
+        counted). The rest are greedy rows to it: the plain ones' picks are their argmax, the others' are
+        dropped (the eager sampler takes them from the logits: `_graph_served`)."""
         graphs, requests = self.graphs, [self._requests[r.seq_id] for r in rows]
-        if graphs is None or not graphs.covers(len(rows), lora) or all(r.plain for r in requests):
+        if graphs is None or not graphs.covers(len(rows), lora):
             return
-        if all(r.in_graph for r in requests):
+        sampled = [r.in_graph and not r.plain and row.seq_id not in grammar for r, row in zip(requests, rows)]
+        if any(sampled):
             chained = self._chained
             graphs.sample(
                 [
-                    (r.params, r.seed, len(r.output_ids) + (row.seq_id in chained))
-                    for r, row in zip(requests, rows, strict=True)
+                    (r.params, r.seed, len(r.output_ids) + (row.seq_id in chained)) if wanted else (GREEDY, None, 0)
+                    for r, row, wanted in zip(requests, rows, sampled, strict=True)
                 ]
             )
 

@@ -4,7 +4,9 @@ the step's one transfer and chains into the next step on the device, as a greedy
 
 A row samples in the graph (`in_graph`) when it is plain greedy, or sampled with temperature, top_k (up to
 `GRAPH_TOP_K`), top_p and min_p alone: no penalty, logit bias, bad words, `min_new_tokens`, typical_p or
-top-N, which stay with the eager sampler (runner/sampling.py) from the graph's logits. Its parameters are
+top-N, which stay with the eager sampler (runner/sampling.py) from the graph's logits: those rows alone, the
+step's others taking the graph's pick (runner/persistent_batch.py, `_graph_served`), where a grammar's rows
+go too. Its parameters are
 device buffers the graph reads (`GraphSampler`: written on the host, copied before the replay, as the
 graph's ids and positions), and every stage runs for every row, a row that does not set it passing through
 unchanged: the ops are the eager sampler's own (runner/warpers.py's stages, `seeded_draw.draw_keyed`), so

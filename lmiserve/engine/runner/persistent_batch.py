@@ -3,7 +3,8 @@
 and block table, updated by each batch's difference and forgotten when the request is finished; a
 batch's rows run as one forward (a subclass's `_forward_rows`), then every sampling row is sampled
 together. A forward that raises is run again in parts (the decode rows together, each chunk alone), so
-only the culprit fails.
+only the culprit fails. The rows a decode graph's pick does not serve go to the eager sampler
+(runner/eager_sampling.py).
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from __future__ import annotations
 import logging
 from abc import abstractmethod
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,7 +23,6 @@ if TYPE_CHECKING:
     from lmiserve.engine.attention.paged import PagedKVCache
     from lmiserve.engine.lora.manager import LoraManager
 
-from lmiserve.core.request import SamplingParams
 from lmiserve.engine.attention.windows import text_config
 from lmiserve.engine.core.step import (
     PENDING_TOKEN,
@@ -33,45 +33,18 @@ from lmiserve.engine.core.step import (
     StepBatch,
     StepOutput,
 )
-from lmiserve.engine.lora.adapters import LoraAdapter
 from lmiserve.engine.lora.batch import LoraBatch, LoraGroup, StackCache
-from lmiserve.engine.runner.graph_sampling import in_graph
+from lmiserve.engine.runner.eager_sampling import EagerSampling
 from lmiserve.engine.runner.in_flight import StepsInFlight
-from lmiserve.engine.runner.sampling import (
-    Row,
-    greedy_pick,
-    plain_greedy,
-    prompt_logprobs,
-    sample_rows,
-    sampler_row,
-)
+from lmiserve.engine.runner.request_state import RequestState
+from lmiserve.engine.runner.sampling import greedy_pick, prompt_logprobs
 from lmiserve.engine.speculative.proposers import Proposer
 from lmiserve.engine.text.images import ImageInputs
-from lmiserve.engine.text.token_mask import apply_bitmask
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class RequestState:
-    """What the runner keeps of one request between steps (the persistent batch's row)."""
-
-    prompt_ids: list[int]
-    params: SamplingParams
-    seed: int | None
-    output_ids: list[int] = field(default_factory=list)
-    blocks: list[int] = field(default_factory=list)  # only ever extended, or replaced (the graphs rely on it)
-    generator: torch.Generator | None = None
-    adapter: LoraAdapter | None = None
-    images: Any = None  # a VLM prompt's image features, kept across preemptions (runner/vision.py)
-    plain: bool = field(init=False)  # `plain_greedy(params)`: its token is its row's argmax
-    in_graph: bool = field(init=False)  # `graph_sampling.in_graph(params)`: a decode graph may sample it
-
-    def __post_init__(self) -> None:
-        self.plain, self.in_graph = plain_greedy(self.params), in_graph(self.params)
-
-
-class PersistentBatchRunner(BatchRunner):
+class PersistentBatchRunner(EagerSampling, BatchRunner):
     """`execute_batch` over a persistent batch; subclasses compute a part of a batch's rows
     (`_forward_rows`)."""
 
@@ -282,48 +255,45 @@ class PersistentBatchRunner(BatchRunner):
         if not sampling:
             return
         rows = logits if at == list(range(len(logits))) else logits[at]
-        if not batch.grammar_rows and all(self._requests[batch.rows[i].seq_id].plain for i in sampling):
+        grammar = set(batch.grammar_rows)
+        if not grammar and all(self._requests[batch.rows[i].seq_id].plain for i in sampling):
             self._pick_greedy(logits, rows, [batch.rows[i].seq_id for i in sampling], out)
             return
-        receive = self._send_pick(logits, sampled=True) if rows is logits and not batch.grammar_rows else None
-        if receive is not None:  # a decode graph sampled the rows (runner/graph_sampling.py): its pick in flight
+        if rows is logits:  # (every row kept, in `sampling`'s order) a decode graph's pick may serve rows
+            eager = self._graph_served(logits, batch, sampling, grammar, out)
+            if len(eager) < len(sampling):
+                sampling, rows = [sampling[n] for n in eager], logits[eager]
+        if sampling:
+            self._sample_eager(batch, sampling, rows, out)
+
+    def _graph_served(
+        self, logits: torch.Tensor, batch: StepBatch, sampling: list[int], grammar: set[int], out: StepOutput
+    ) -> list[int]:
+        """Where `logits` are a decode graph's step (`_send_pick`), the sampling rows its pick serves go in
+        flight with it: those without a grammar that sample plain greedily (every graph's pick has their
+        argmax) or, where the graph sampled (runner/fast.py), `in_graph`. So one request's top-N, penalty
+        or grammar sends its own row to the eager sampler, not the step's. The positions in `sampling` of
+        the rows left to it (all of them where no graph ran)."""
+        requests = [self._requests[batch.rows[i].seq_id] for i in sampling]
+        every = list(range(len(sampling)))
+        wanted = [n for n in every if sampling[n] not in grammar and (requests[n].plain or requests[n].in_graph)]
+        sampled, receive = True, self._send_pick(logits, sampled=True) if wanted else None
+        if receive is None and wanted:  # (not a sampled graph's: a greedy one's, or none)
+            sampled, receive = False, self._send_pick(logits)
+        if receive is None:
+            return every
+        served = [n for n in wanted if sampled or requests[n].plain]
+        if len(served) == len(sampling):
             self.in_flight.add(out, [batch.rows[i].seq_id for i in sampling], receive)
-            return
-        try:
-            masked = self._masked(batch, sampling, rows)
-        except Exception as exc:  # noqa: BLE001 - the constrained rows fail, the others are sampled
-            log.exception("masking the constrained rows failed")
-            constrained = set(batch.grammar_rows)
-            for i in sampling:
-                if i in constrained:
-                    out.errors[batch.rows[i].seq_id] = f"exception occurred during sampling: {exc}"
-            masked = {}
-        picked: list[int] = []  # positions in `sampling` that are sampled
-        specs: list[Row] = []
-        for n, i in enumerate(sampling):
-            seq_id = batch.rows[i].seq_id
-            if seq_id in out.errors:
-                continue
-            try:
-                specs.append(self._row_of(self._requests[seq_id], rows.device, masked.get(n)))
-                picked.append(n)
-            except Exception as exc:  # noqa: BLE001 - one request fails, the step goes on
-                out.errors[seq_id] = f"exception occurred during sampling: {exc}"
-        if not picked:
-            return
-        self.in_flight.receive()  # this step's tokens follow theirs
-        try:
-            results = sample_rows(rows if len(picked) == len(rows) else rows[picked], specs)
-        except Exception as exc:  # noqa: BLE001 - the step's sampling rows fail, the engine goes on
-            log.exception("sampling failed for %d sequence(s)", len(picked))
-            results = [exc] * len(picked)
-        for n, result in zip(picked, results):
-            seq_id = batch.rows[sampling[n]].seq_id
-            if isinstance(result, Exception):
-                out.errors[seq_id] = f"exception occurred during sampling: {result}"
-            else:
-                self._requests[seq_id].output_ids.append(result.token_id)
-                out.samples[seq_id] = [result]
+            return []
+
+        def served_picks() -> list[list[float]]:
+            picks = receive()
+            return [picks[n] for n in served]
+
+        self.in_flight.add(out, [batch.rows[sampling[n]].seq_id for n in served], served_picks)
+        taken = set(served)
+        return [n for n in every if n not in taken]
 
     def _pick_greedy(self, logits: torch.Tensor, rows: torch.Tensor, seq_ids: list[int], out: StepOutput) -> None:
         """The rows of a step whose sampling rows all sample plain greedily (`RequestState.plain`, no grammar):
@@ -335,55 +305,3 @@ class PersistentBatchRunner(BatchRunner):
         self.in_flight.add(out, seq_ids, receive or (lambda: greedy_pick(rows).tolist()))
         if receive is None:
             self.in_flight.receive()
-
-    def _verify(self, row: ScheduledTokens, logits: torch.Tensor, out: StepOutput) -> None:
-        """A row's drafts verified against its `logits` (one row a position: its last token's, then each
-        draft's): each position sampled in turn as the request samples (its parameters, penalties over
-        the tokens before it, its generator), a draft kept while it equals its position's sample. For a
-        greedy request the tokens are those of one token a step; a sampled one draws once a token, each
-        from the target's distribution (rejection sampling with a draft that puts all its mass on one
-        token), so a seeded stream is the same with or without drafts."""
-        request = self._requests[row.seq_id]
-        drafts = row.draft_token_ids
-        results = []
-        try:
-            for position in range(len(drafts) + 1):
-                spec = self._row_of(request, logits.device, None)
-                result = sample_rows(logits[position : position + 1], [spec])[0]
-                if isinstance(result, Exception):
-                    raise result
-                request.output_ids.append(result.token_id)
-                results.append(result)
-                if position == len(drafts) or result.token_id != drafts[position]:
-                    break
-        except Exception as exc:  # noqa: BLE001 - one request fails, the step goes on
-            log.exception("verifying drafts failed")
-            out.errors[row.seq_id] = f"exception occurred during sampling: {exc}"
-            return
-        out.samples[row.seq_id] = results
-
-    def _row_of(self, request: RequestState, device: torch.device, masked: torch.Tensor | None) -> Row:
-        """What the sampler needs of a request (its generator made on its first sampled token)."""
-        row = sampler_row(
-            request.params,
-            request.prompt_ids,
-            request.output_ids,
-            self.eos_token_ids,
-            request.seed,
-            request.generator,
-            device,
-        )
-        request.generator, row.masked = row.generator, masked
-        return row
-
-    def _masked(self, batch: StepBatch, sampling: list[int], rows: torch.Tensor) -> dict[int, torch.Tensor]:
-        """Masked copies of the constrained sampling rows (by position in `sampling`)."""
-        if batch.grammar_bitmask is None or not batch.grammar_rows:
-            return {}
-        where = {row: n for n, row in enumerate(batch.grammar_rows)}
-        picked = [(n, where[i]) for n, i in enumerate(sampling) if i in where]
-        if not picked:
-            return {}
-        copies = rows[[n for n, _ in picked]]  # advanced indexing: a copy; the raw rows stay for the logprobs
-        apply_bitmask(copies, batch.grammar_bitmask[[m for _, m in picked]], self.vocab_size)
-        return {n: copies[k] for k, (n, _) in enumerate(picked)}

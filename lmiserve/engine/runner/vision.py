@@ -35,7 +35,7 @@ from lmiserve.engine.attention.backends import AttentionBackend
 from lmiserve.engine.attention.kv_quant import KvFormat
 from lmiserve.engine.core.step import StepBatch, StepOutput
 from lmiserve.engine.runner.generic import PagedGenericRunner, Span
-from lmiserve.engine.runner.persistent_batch import RequestState
+from lmiserve.engine.runner.request_state import RequestState
 from lmiserve.engine.text.images import ImageInputs, ImageSpan
 
 if TYPE_CHECKING:

@@ -1,0 +1,36 @@
+"""What a runner keeps of one request between steps: the persistent batch's row (runner/persistent_batch.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lmiserve.core.request import SamplingParams
+from lmiserve.engine.runner.graph_sampling import in_graph
+from lmiserve.engine.runner.sampling import plain_greedy
+
+if TYPE_CHECKING:
+    from lmiserve.engine.lora.adapters import LoraAdapter
+
+__all__ = ["RequestState"]
+
+
+@dataclass
+class RequestState:
+    """What the runner keeps of one request between steps (the persistent batch's row)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int | None
+    output_ids: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)  # only ever extended, or replaced (the graphs rely on it)
+    generator: torch.Generator | None = None
+    adapter: LoraAdapter | None = None
+    images: Any = None  # a VLM prompt's image features, kept across preemptions (runner/vision.py)
+    plain: bool = field(init=False)  # `plain_greedy(params)`: its token is its row's argmax
+    in_graph: bool = field(init=False)  # `graph_sampling.in_graph(params)`: a decode graph may sample it
+
+    def __post_init__(self) -> None:
+        self.plain, self.in_graph = plain_greedy(self.params), in_graph(self.params)
