@@ -21,9 +21,10 @@ greedily without top-N (`send_pick`). A step whose rows sample with temperature,
 buffers, one without the top_k, top_p and min_p stages where no row sets them (`graph_sampling.kind`: no
 sort of the vocabulary). A row the graph cannot sample (a top-N, a penalty, a grammar's mask) is sampled
 from the logits alone; the step's other rows still take the graph's pick. A sampled graph that fails to
-capture leaves sampled rows to the eager sampler. Every graph writes its logits and pick into the same two buffers (outside the
-graphs' memory pool), valid until the next replay: the pool keeps the largest graph's intermediates, not
-each graph's outputs (the float32 logits of every size: 0.56 GB a kind at 128 rows, a 128k vocabulary).
+capture leaves sampled rows to the eager sampler. Every graph writes its logits and pick into the same two
+buffers (outside the graphs' memory pool), valid until the next replay: the pool keeps the largest graph's
+intermediates, not each graph's outputs (the float32 logits of every size: 0.56 GB a kind at 128 rows, a
+128k vocabulary).
 
 With LoRA adapters configured (`carry_lora`, before the first capture), every graph also computes the
 products of `max_loras` fixed adapter slots (engine/lora/slots.py), each row's slot one more input buffer;
