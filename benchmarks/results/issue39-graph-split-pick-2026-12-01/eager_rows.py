@@ -1,0 +1,115 @@
+"""Issue #39: what the eager sampler does, outside the decode graph, in a step of 128 rows where one row asks
+for the top 5 tokens (OpenAI's ``top_logprobs``, TGI's ``top_n_tokens``), which a graph does not compute:
+before this change every row of such a step went through it; now that row alone does and the graph's pick
+serves the others (engine/runner/persistent_batch.py, `_graph_served`).
+
+    PYTHONPATH=. python benchmarks/results/issue39-graph-split-pick-2026-12-01/eager_rows.py [--rows 128] [--vocab 8192]
+
+Two steps: the other rows greedy, or sampled (temperature 0.8, top_p 0.9, seeded). For each, the work
+outside the graph, before and after: the rows' `Row`s made (`sampler_row`) and `sample_rows` over them, on
+a GPU's path (the rows at once, `sampling._at_once`), on a CPU with one thread over random logits: the aten
+ops it dispatches (on a GPU each a kernel launch outside the graph), the sorts and top-ks among them, the
+peak bytes a logit of the tensors it holds at once, and its CPU time (the median of 5). The vocabulary is
+8,192 by default: past that a CPU's top_p goes row by row (engine/runner/warpers.py), where a GPU's sorts the
+rows at once; the ops do not depend on the vocabulary's size on the GPU's path, the bytes scale with it.
+After, the graph's own pick (inside the graph on a GPU: one replay) is tallied apart. The draw kernel is
+Triton's on a GPU: here a stand-in of one op, as in issue39-graph-kinds-2026-12-01.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE.parent / "issue39-graph-kinds-2026-12-01"))
+
+from graph_kinds import Tally  # noqa: E402
+from machine import cpu_model  # noqa: E402
+
+from lmiserve.core.request import SamplingParams  # noqa: E402
+from lmiserve.engine.runner import sampling, seeded_draw  # noqa: E402
+from lmiserve.engine.runner.graph_sampling import GraphSampler, kind  # noqa: E402
+from lmiserve.engine.runner.sampling import greedy_pick, sample_rows, sampler_row  # noqa: E402
+
+TOP_N = SamplingParams(max_new_tokens=64, top_n_tokens=5)
+
+
+def tally(call, logits_of: int) -> dict:  # noqa: ANN001
+    call()
+    counted = Tally()
+    with counted:
+        call()
+    times = []
+    for _ in range(5):
+        start = time.thread_time()
+        call()
+        times.append(time.thread_time() - start)
+    return {
+        "aten_ops": len(counted.ops),
+        "sort_or_topk": sorted(op for op in counted.ops if op in ("sort", "topk")),
+        "peak_bytes_a_logit": round(counted.peak / logits_of, 1),
+        "cpu_ms": round(statistics.median(times) * 1e3, 2),
+    }
+
+
+def eager(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """What the runner does for the rows the eager sampler takes: a `Row` each, then `sample_rows`."""
+    prompt, output = list(range(100, 160)), list(range(200, 220))
+    rows = [sampler_row(p, prompt, output, [2], 7 + n, None, logits.device) for n, p in enumerate(params)]
+    for result in sample_rows(logits, rows):
+        assert not isinstance(result, Exception), result
+
+
+def step(rows: int, vocab: int, others: SamplingParams) -> dict:
+    torch.manual_seed(0)
+    logits = torch.randn(rows, vocab) * 3
+    params = [TOP_N] + [others] * (rows - 1)
+    every = rows * vocab  # (bytes a logit of the step's: rows x vocabulary)
+    before = tally(lambda: eager(logits, params), every)
+    after = tally(lambda: eager(logits[[0]], params[:1]), every)
+    if others.do_sample:  # the graph samples the others (the top-N row is greedy to it)
+        sampler = GraphSampler(rows, vocab, torch.device("cpu"), pin=False)
+        sampler.fill([(SamplingParams(), None, 0)] + [(others, 7 + n, 20) for n in range(1, rows)], rows)
+        filtered = kind(params) == "sampled-filtered"
+        graph = tally(lambda: sampler.pick(logits, filtered), every)
+    else:
+        graph = tally(lambda: greedy_pick(logits), every)
+    return {"before: eager over every row": before, "after: eager over the top-N row": after, "graph's pick": graph}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=8192)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    sampling._at_once = lambda device: True  # the GPU's path
+    stand_in = lambda probs, keys, index: (probs.argmax(-1), torch.zeros(len(probs), dtype=torch.bool))  # noqa: E731
+    seeded_draw.draw_keyed = stand_in
+    seeded_draw.usable = lambda device: True
+    sampled = SamplingParams(max_new_tokens=64, do_sample=True, temperature=0.8, top_p=0.9, seed=1)
+    report = {
+        "cpu": cpu_model(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "rows": args.rows,
+        "vocab": args.vocab,
+        "others greedy": step(args.rows, args.vocab, SamplingParams(max_new_tokens=64)),
+        "others sampled (temperature 0.8, top_p 0.9)": step(args.rows, args.vocab, sampled),
+    }
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
