@@ -4,7 +4,7 @@ the whole engine (the scheduler, the runner, the update), so that the Python aro
     python benchmarks/step_host_cost.py [--model-id DIR [--load-format dummy]] [--device cpu] [--dtype fp32]
                                         [--rows 1,32,128] [--paths fast,generic] [--steps 100] [--out DIR] [--profile]
                                         [--no-drain] [--compare-before N --before-scheduler FILE] [--mixed P]
-                                        [--graph-pick] [--top-n-rows K]
+                                        [--graph-pick] [--top-n-rows K] [--penalty-rows K]
 
 For each path (``fast``: lmiserve's forward; ``generic``: transformers' forward over the blocks) and each
 row count, an engine (`create_engine`) runs that many greedy requests at once; once they all decode, each
@@ -36,8 +36,10 @@ the same call, whose pick is computed when the tokens are received (the next ste
 the collect after the step). ``sampling`` is then the host's bookkeeping of a graph's step alone.
 
 ``--top-n-rows K``: K of the rows also ask for the top 5 tokens at each token (OpenAI's ``top_logprobs``,
-TGI's ``top_n_tokens``), which a decode graph does not compute: with ``--graph-pick`` the step's other rows
-still take the graph's pick, those K alone go to the eager sampler (before 2026-12-01: every row of the step).
+TGI's ``top_n_tokens``); with ``--graph-pick`` they go with the graph's pick (before 2026-12-01 every row of
+such a step went to the eager sampler). ``--penalty-rows K``: K (other) rows ask for a repetition penalty
+of 1.2, which a graph does not sample: those rows alone go to the eager sampler, the others take the
+graph's pick (before 2026-12-01: every row of the step).
 
 ``--mixed P`` adds, at each row count, a run where prompts of P tokens keep joining the rows (one at a
 time, each ending at its first token): its figures are those of the steps that carry the rows and a
@@ -189,6 +191,7 @@ async def measure(
     mixed: int = 0,
     graph_pick: bool = False,
     top_n_rows: int = 0,
+    penalty_rows: int = 0,
 ) -> dict:
     """One engine at `rows` decode rows: the mean spans of `steps` decode steps after `warmup` ones (the
     slowest and the fastest tenth left out). `mixed` > 0: the same rows while prompts of that many tokens
@@ -210,8 +213,16 @@ async def measure(
     if graph_pick:  # the module doc's --graph-pick: the picks in flight, as a decode graph's
         from lmiserve.engine.runner.sampling import greedy_pick
 
-        def send_pick(logits: Any, sampled: bool = False) -> Any:  # (greedy picks alone)
-            return None if sampled else functools.partial(lambda at: greedy_pick(at).tolist(), logits)
+        def pick(at: Any, top_n: int) -> Any:
+            rows = greedy_pick(at)
+            if top_n:  # (graph_sampling.with_top_n: since 2026-12-01 the top-N go with a graph's pick)
+                from lmiserve.engine.runner.graph_sampling import with_top_n
+
+                rows = with_top_n(rows, at, top_n)
+            return rows.tolist()
+
+        def send_pick(logits: Any, sampled: bool = False, top_n: int = 0) -> Any:  # (greedy picks alone)
+            return None if sampled else functools.partial(pick, logits, top_n)
 
         engine.runner._send_pick = send_pick
     if before:  # as before issue #39's host fixes: transformers' decode (engine/text/tokenizer.py) and the
@@ -317,8 +328,11 @@ async def measure(
         prompt = PROMPTS[i % len(PROMPTS)] + ("" if i < len(PROMPTS) else f" ({i})")
         # with prompts joining, about half the steps carry one: enough tokens for both kinds' counts
         tokens = min((4 if mixed else 1) * total + 40, engine.codec.max_context - 32)
-        top_n = 5 if i < top_n_rows else 0  # (the module doc's --top-n-rows)
-        params = SamplingParams(max_new_tokens=tokens, ignore_eos_token=True, top_n_tokens=top_n)
+        top_n = 5 if i < top_n_rows else 0  # (the module doc's --top-n-rows and --penalty-rows)
+        penalty = 1.2 if top_n_rows <= i < top_n_rows + penalty_rows else 1.0
+        params = SamplingParams(
+            max_new_tokens=tokens, ignore_eos_token=True, top_n_tokens=top_n, repetition_penalty=penalty
+        )
         request = GenerationRequest(prompt, params)
         if drain:
             return len([e async for e in engine.generate(request) if e.token is not None])
@@ -386,7 +400,8 @@ async def measure(
         + (", before" if before else "")
         + (f", mixed {mixed}" if mixed else "")
         + (", graph pick" if graph_pick else "")
-        + (f", {top_n_rows} top-N rows" if top_n_rows else ""),
+        + (f", {top_n_rows} top-N rows" if top_n_rows else "")
+        + (f", {penalty_rows} penalty rows" if penalty_rows else ""),
         "rows": rows,
         "steps": len(counted),
         "ms": {k: round(v * 1e3, 4) for k, v in mean.items() if not k.startswith("cpu ")},
@@ -462,6 +477,9 @@ def main() -> None:
     parser.add_argument(
         "--top-n-rows", type=int, default=0, metavar="K", help="K of the rows ask for the top 5 tokens a token"
     )
+    parser.add_argument(
+        "--penalty-rows", type=int, default=0, metavar="K", help="K of the rows ask for a repetition penalty"
+    )
     parser.add_argument("--profile", action="store_true", help="cProfile and torch profiler of the largest row count")
     parser.add_argument("--out", type=Path, help="a directory for summary.json, summary.md and the profiles")
     args = parser.parse_args()
@@ -492,6 +510,7 @@ def main() -> None:
         def run(path: str, rows: int, **options: Any) -> None:
             options.setdefault("graph_pick", args.graph_pick)
             options.setdefault("top_n_rows", args.top_n_rows)
+            options.setdefault("penalty_rows", args.penalty_rows)
             result = asyncio.run(measure(loaded, path, rows, args.steps, args.warmup, None, **options))
             print(json.dumps(result), flush=True)
             results.append(result)

@@ -378,7 +378,7 @@ async def test_sample_rows_exception_ends_only_that_sequence(tiny_model, referen
 
     monkeypatch.setattr(paged_module, "sample_rows", sample_rows)
     # the host's sampler (on CUDA the decode graphs pick an all-greedy step's tokens on the device)
-    monkeypatch.setattr(PagedFastRunner, "_send_pick", lambda self, logits, sampled=False: None)
+    monkeypatch.setattr(PagedFastRunner, "_send_pick", lambda self, logits, sampled=False, top_n=0: None)
     engine = make_engine(tiny_model)
     await _one_failure(engine, tiny_model, reference, "bad row", top_n_tokens=1)
 
@@ -414,7 +414,7 @@ async def test_plain_greedy_pick_failure_ends_the_step_rows_only(tiny_model, ref
         return real(logits)
 
     monkeypatch.setattr(paged_module, "greedy_pick", greedy_pick)
-    monkeypatch.setattr(PagedFastRunner, "_send_pick", lambda self, logits, sampled=False: None)
+    monkeypatch.setattr(PagedFastRunner, "_send_pick", lambda self, logits, sampled=False, top_n=0: None)
     engine = make_engine(tiny_model)
     async with started(engine):
         failed = await collect(engine, GenerationRequest(PROMPTS[0], greedy()))

@@ -7,6 +7,7 @@ the GPU's path there (`_at_once`, `usable`). The GPU check's engine tests run th
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import re
@@ -23,8 +24,17 @@ from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.core.step import StepOutput
 from lmiserve.engine.factory import create_engine
 from lmiserve.engine.runner import eager_sampling, sampling, seeded_draw
-from lmiserve.engine.runner.graph_sampling import FILTERED, GRAPH_TOP_K, SAMPLED, GraphSampler, in_graph, kind
+from lmiserve.engine.runner.graph_sampling import (
+    FILTERED,
+    GRAPH_TOP_K,
+    GRAPH_TOP_N,
+    SAMPLED,
+    GraphSampler,
+    in_graph,
+    kind,
+)
 from lmiserve.engine.runner.in_flight import StepsInFlight
+from lmiserve.engine.runner.persistent_batch import PersistentBatchRunner
 from lmiserve.engine.runner.sampling import UNDRAWABLE, sample_rows, sampler_row
 
 pytest.importorskip("triton")
@@ -54,8 +64,11 @@ def test_which_rows_a_graph_samples():
     assert in_graph(SamplingParams())
     assert all(in_graph(SamplingParams(**o)) for o in OPTIONS[1:7])
     assert in_graph(SamplingParams(do_sample=True, top_k=GRAPH_TOP_K))
+    assert in_graph(SamplingParams(top_n_tokens=2)) and in_graph(
+        SamplingParams(do_sample=True, top_n_tokens=GRAPH_TOP_N)
+    )
     refused = [
-        {"top_n_tokens": 2},
+        {"top_n_tokens": GRAPH_TOP_N + 1},
         {"repetition_penalty": 1.1},
         {"do_sample": True, "presence_penalty": 0.5},
         {"do_sample": True, "frequency_penalty": 0.5},
@@ -229,52 +242,83 @@ async def test_an_engine_whose_graphs_sample_gives_the_eager_samplers_tokens(
         assert record.chained > 0
 
 
-# rows a graph cannot sample (a top-N, a penalty, a grammar's mask) beside rows it samples or picks
+# rows a graph cannot sample (a penalty, a logit bias) beside rows it samples or picks, some with a top-N
 MIXED = [
     {},  # greedy
-    {"do_sample": True, "top_p": 0.9, "temperature": 0.8},
+    {"do_sample": True, "top_p": 0.9, "temperature": 0.8, "top_n_tokens": 2},
     {"top_n_tokens": 3},  # greedy with the top 3
     {"do_sample": True, "temperature": 0.7},
     {"do_sample": True, "repetition_penalty": 1.3},
-    {"do_sample": True, "top_n_tokens": 2, "top_k": 20},
+    {"logit_bias": {5: 2.0}, "top_n_tokens": 2},
+    {"top_n_tokens": GRAPH_TOP_N + 5},  # greedy, more top-N than a graph's step gives
 ]
 
 
-def _record_sent_picks(record, calls: list[tuple[str, object]]) -> None:  # noqa: ANN001
-    """The picks the graphs of the engines made from now on send, recorded in `calls` as ("sent", rows)."""
+def _record_steps(monkeypatch, record, eager_row) -> list[list[tuple]]:  # noqa: ANN001
+    """From now on, each step's sampling (`_finish_rows`) as a list, in order: ("sent", rows) where a graph's
+    pick was sent, ("eager", [eager_row(row) for each row]) where the eager sampler sampled rows."""
+    steps: list[list[tuple]] = []
+    finish = PersistentBatchRunner._finish_rows
+
+    def finish_rows(self, *args):  # noqa: ANN001, ANN202
+        steps.append([])
+        return finish(self, *args)
+
+    original = eager_sampling.sample_rows
+
+    def recording(logits, rows):  # noqa: ANN001, ANN202 - sample_rows'
+        steps[-1].append(("eager", [eager_row(row) for row in rows]))
+        return original(logits, rows)
+
+    monkeypatch.setattr(PersistentBatchRunner, "_finish_rows", finish_rows)
+    monkeypatch.setattr(eager_sampling, "sample_rows", recording)
 
     class Made(list):
         def append(self, graphs) -> None:  # noqa: ANN001
             send = graphs.send_pick
 
-            def sent(logits, sampled=False):  # noqa: ANN001, ANN202 - DecodeGraphs.send_pick's
-                receive = send(logits, sampled)
+            def sent(logits, sampled=False, top_n=0):  # noqa: ANN001, ANN202 - DecodeGraphs.send_pick's
+                receive = send(logits, sampled, top_n)
                 if receive is not None:
-                    calls.append(("sent", len(logits)))
+                    steps[-1].append(("sent", len(logits)))
                 return receive
 
             graphs.send_pick = sent
             super().append(graphs)
 
     record.made = Made()
+    return steps
 
 
-async def _serve_detail(loaded, config: EngineConfig) -> list[list[tuple]]:
-    """`_serve`'s requests with `MIXED`'s options: each token's id, logprob and top tokens."""
+def _split(steps: list[list[tuple]]) -> list[tuple[int, list]]:
+    """The steps whose graph's pick was sent while the eager sampler sampled rows: (the pick's rows, what
+    `_record_steps` recorded of the eager rows)."""
+    out = []
+    for calls in steps:
+        sent = [c[1] for c in calls if c[0] == "sent"]
+        eager = [flag for c in calls if c[0] == "eager" for flag in c[1]]
+        if sent and eager:
+            out.append((sent[0], eager))
+    return out
+
+
+async def _serve_detail(loaded, config: EngineConfig, options: list[dict] = MIXED) -> list[list[tuple]]:
+    """A request of each of `options` (default `MIXED`), joining a running batch: each token's id, logprob and
+    top tokens."""
     engine = create_engine(loaded, config)
     engine.start()
 
-    async def one(i: int, prompt: str) -> list[tuple]:
+    async def one(i: int) -> list[tuple]:
         await asyncio.sleep(0.01 * i)
-        params = SamplingParams(max_new_tokens=12, ignore_eos_token=True, seed=40 + i, **MIXED[i % len(MIXED)])
+        params = SamplingParams(max_new_tokens=12, ignore_eos_token=True, seed=40 + i, **options[i])
         return [
             (e.token.id, e.token.logprob, [(t.id, t.logprob) for t in e.top_tokens or ()])
-            async for e in engine.generate(GenerationRequest(prompt, params))
+            async for e in engine.generate(GenerationRequest(PROMPTS[i % len(PROMPTS)], params))
             if e.token
         ]
 
     try:
-        return await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
+        return await asyncio.gather(*(one(i) for i in range(len(options))))
     finally:
         await engine.stop()
 
@@ -282,32 +326,24 @@ async def _serve_detail(loaded, config: EngineConfig) -> list[list[tuple]]:
 async def test_rows_a_graph_cannot_sample_leave_only_themselves_to_the_eager_sampler(
     tiny_model, monkeypatch, gpu_sampler
 ):
-    """A step with rows the graph cannot sample (a top-N, a penalty) beside rows it samples and greedy ones:
-    the graph samples its rows and its pick serves them, the eager sampler takes the others alone from the
-    logits; every token, logprob and top-N is the eager engine's."""
-    config = EngineConfig(max_running=6, max_prefill_tokens=8)
-    eager = await _serve_detail(tiny_model, EngineConfig(max_running=6, max_prefill_tokens=8, enforce_eager=True))
+    """A step with rows the graph cannot sample (a penalty, a logit bias, a top-N past `GRAPH_TOP_N`) beside
+    rows it samples and greedy ones, some with a top-N: the graph samples its rows and its pick serves them with their top-N, the eager
+    sampler takes the others alone from the logits; every token, logprob and top-N is the eager engine's."""
+    config = EngineConfig(max_running=8, max_prefill_tokens=8)
+    eager = await _serve_detail(tiny_model, dataclasses.replace(config, enforce_eager=True))
     record = graphs_on_the_test_device(monkeypatch)
-    calls: list[tuple[str, object]] = []  # in order: ("sent", rows of a graph's pick), ("eager", rows in_graph)
-    original = eager_sampling.sample_rows
-
-    def recording(logits, rows):  # noqa: ANN001, ANN202 - sample_rows'
-        calls.append(("eager", [in_graph(row.params) for row in rows]))
-        return original(logits, rows)
-
-    monkeypatch.setattr(eager_sampling, "sample_rows", recording)
-
-    _record_sent_picks(record, calls)
+    steps = _record_steps(monkeypatch, record, lambda row: in_graph(row.params))
     graphed = await _serve_detail(tiny_model, config)
     for ours, theirs in zip(graphed, eager, strict=True):
         assert [t[0] for t in ours] == [t[0] for t in theirs]
         assert [t[1] for t in ours] == pytest.approx([t[1] for t in theirs], abs=1e-5)
         assert [[i for i, _ in t[2]] for t in ours] == [[i for i, _ in t[2]] for t in theirs]
     assert any(kind_ != "greedy" for _, kind_ in record.kinds)  # sampled graphs ran beside the eager rows
-    split = [n for n, call in enumerate(calls[:-1]) if call[0] == "sent" and calls[n + 1][0] == "eager"]
-    assert len(split) >= 3, calls  # graph steps whose pick served rows while others were sampled eagerly
-    assert all(not any(calls[n + 1][1]) for n in split)  # none of them a row the graph sampled
-    assert max(calls[n][1] for n in split) >= 4  # (steps of most of the rows)
+    split = _split(steps)
+    assert len(split) >= 3, steps  # graph steps whose pick served rows while others were sampled eagerly
+    assert not any(flag for _, eager in split for flag in eager)  # none of them a row the graph sampled
+    assert max(rows for rows, _ in split) >= 6  # (steps of most of the rows)
+    assert [len(t[2]) for t in graphed[6]] == [GRAPH_TOP_N + 5] * 12
 
 
 async def test_a_grammars_rows_leave_the_others_to_the_graph(tiny_model, monkeypatch, gpu_sampler):
@@ -342,19 +378,36 @@ async def test_a_grammars_rows_leave_the_others_to_the_graph(tiny_model, monkeyp
 
     eager = await serve(EngineConfig(max_running=5, max_prefill_tokens=8, enforce_eager=True))
     record = graphs_on_the_test_device(monkeypatch)
-    calls: list[tuple[str, object]] = []  # in order: ("sent", rows of a graph's pick), ("eager", rows masked)
-    original = eager_sampling.sample_rows
-
-    def recording(logits, rows):  # noqa: ANN001, ANN202 - sample_rows'
-        calls.append(("eager", [row.masked is not None for row in rows]))
-        return original(logits, rows)
-
-    monkeypatch.setattr(eager_sampling, "sample_rows", recording)
-    _record_sent_picks(record, calls)
+    steps = _record_steps(monkeypatch, record, lambda row: row.masked is not None)
     graphed = await serve(EngineConfig(max_running=5, max_prefill_tokens=8))
     assert graphed == eager
     assert json.loads(graphed[1][1])["n"] is not None and re.fullmatch("[0-9]{3}-[a-z]{2,6}", graphed[3][1])
     assert any(kind_ != "greedy" for _, kind_ in record.kinds)  # the sampled rows' graphs ran
-    split = [n for n, call in enumerate(calls[:-1]) if call[0] == "sent" and calls[n + 1][0] == "eager"]
-    assert len(split) >= 3, calls  # graph steps whose pick served rows while the constrained ones were masked
-    assert all(all(calls[n + 1][1]) for n in split)  # those alone
+    split = _split(steps)
+    assert len(split) >= 3, steps  # graph steps whose pick served rows while the constrained ones were masked
+    assert all(all(eager) for _, eager in split)  # those alone
+
+
+async def test_top_n_rows_sample_in_the_graph_and_chain(tiny_model, monkeypatch, gpu_sampler):
+    """Greedy and sampled rows asking for their top-N tokens: the graphs pick and sample them, the top-N go
+    with the pick (no row reaches the eager sampler once every row decodes), the steps chain on the device,
+    and every token, logprob and top-N is the eager engine's."""
+    options = [
+        {"top_n_tokens": 3},
+        {"do_sample": True, "temperature": 0.8, "top_n_tokens": 2},
+        {},
+        {"do_sample": True, "top_p": 0.9, "top_n_tokens": GRAPH_TOP_N},
+    ]
+    config = EngineConfig(max_running=6, max_prefill_tokens=8, async_scheduling=True)
+    eager = await _serve_detail(tiny_model, dataclasses.replace(config, enforce_eager=True), options)
+    record = graphs_on_the_test_device(monkeypatch)
+    steps = _record_steps(monkeypatch, record, lambda row: row.params.top_n_tokens)
+    graphed = await _serve_detail(tiny_model, config, options)
+    for ours, theirs in zip(graphed, eager, strict=True):
+        assert [t[0] for t in ours] == [t[0] for t in theirs]
+        assert [t[1] for t in ours] == pytest.approx([t[1] for t in theirs], abs=1e-5)
+        assert [[i for i, _ in t[2]] for t in ours] == [[i for i, _ in t[2]] for t in theirs]
+        assert [v for t in ours for _, v in t[2]] == pytest.approx([v for t in theirs for _, v in t[2]], abs=1e-5)
+    assert [len(t[2]) for t in graphed[3]] == [GRAPH_TOP_N] * 12
+    assert record.chained > 0 and any(kind_ != "greedy" for _, kind_ in record.kinds)
+    assert not _split(steps) and sum(any(c[0] == "sent" for c in calls) for calls in steps) >= 8, steps

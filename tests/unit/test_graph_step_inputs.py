@@ -88,11 +88,11 @@ def test_block_tables_persist_and_only_what_changed_is_written(graphs):
 
 def test_the_engine_samples_plain_greedy_steps_from_the_graphs_pick(tiny_model, monkeypatch):
     """Greedy requests through the graphs' buffers, one asking for logprobs only and one for the top 3 at
-    each token: generate()'s tokens, the logprobs those of transformers' logits; steps of plain greedy
-    rows took the graph's pick (sent to the host); in a graph's step with the top-N row, the plain row took
-    the pick and the top-N row alone was sampled from the logits."""
+    each token: generate()'s tokens, the logprobs and top 3 those of transformers' logits; the graphs'
+    steps took the graph's pick (sent to the host), with the top 3 where the top-N row was in the step, and
+    none of their rows was sampled from the logits."""
     made = graphs_on_the_test_device(monkeypatch).made
-    calls: list[tuple[str, int]] = []  # in order: ("sampled", rows sampled from the logits), ("sent", rows)
+    calls: list[tuple] = []  # in order: ("sampled", rows sampled from the logits), ("sent", rows, top_n)
     original = eager_sampling.sample_rows
 
     def recording(logits, rows):  # noqa: ANN001, ANN202 - sample_rows'
@@ -104,10 +104,10 @@ def test_the_engine_samples_plain_greedy_steps_from_the_graphs_pick(tiny_model, 
     graphs = engine.runner.graphs
     send_pick = graphs.send_pick
 
-    def recording_send(logits, sampled=False):  # noqa: ANN001, ANN202 - DecodeGraphs.send_pick's
-        receive = send_pick(logits, sampled)
+    def recording_send(logits, sampled=False, top_n=0):  # noqa: ANN001, ANN202 - DecodeGraphs.send_pick's
+        receive = send_pick(logits, sampled, top_n)
         if receive is not None:
-            calls.append(("sent", len(logits)))
+            calls.append(("sent", len(logits), top_n))
         return receive
 
     graphs.send_pick = recording_send  # type: ignore[method-assign]
@@ -124,9 +124,10 @@ def test_the_engine_samples_plain_greedy_steps_from_the_graphs_pick(tiny_model, 
             await engine.stop()
 
     plain, top = asyncio.run(both())
-    assert made and ("sent", 1) in calls  # the plain row's steps alone: the graph's pick
-    mixed = [n for n, call in enumerate(calls) if call == ("sent", 2)]  # graph steps of both rows
-    assert len(mixed) >= 2 and all(calls[n + 1] == ("sampled", 1) for n in mixed), calls
+    assert made and ("sent", 1, 0) in calls  # the plain row's steps alone: the graph's pick
+    both_rows = [n for n, call in enumerate(calls) if call == ("sent", 2, 3)]  # graph steps of both rows
+    assert len(both_rows) >= 2 and all(calls[n + 1 : n + 2] != [("sampled", 1)] for n in both_rows), calls
+    assert not [c for c in calls if c[0] == "sampled" and c[1] == 1], calls  # (the prompt steps': both rows)
     for prompt, events in ((PROMPTS[0], plain), (PROMPTS[1], top)):
         tokens = [e.token.id for e in events]
         assert tokens == greedy_tokens(tiny_model, prompt, len(tokens)), prompt
@@ -135,7 +136,11 @@ def test_the_engine_samples_plain_greedy_steps_from_the_graphs_pick(tiny_model, 
             reference = tiny_model.model(ids).logits[0, -len(tokens) - 1 : -1].float().log_softmax(-1)
         expected = reference.gather(1, torch.tensor(tokens, device=ids.device)[:, None])[:, 0].tolist()
         assert [e.token.logprob for e in events] == pytest.approx(expected, abs=1e-4), prompt
-    assert all(len(e.top_tokens) == 3 for e in top)
+        if events is top:
+            best, best_ids = reference.topk(3)
+            assert [[t.id for t in e.top_tokens] for e in events] == best_ids.tolist()
+            ours = [t.logprob for e in events for t in e.top_tokens]
+            assert ours == pytest.approx(best.flatten().tolist(), abs=1e-4)
 
 
 def test_the_write_index_is_the_caches_row_layout():

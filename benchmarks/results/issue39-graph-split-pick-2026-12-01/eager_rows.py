@@ -1,19 +1,21 @@
-"""Issue #39: what the eager sampler does, outside the decode graph, in a step of 128 rows where one row asks
-for the top 5 tokens (OpenAI's ``top_logprobs``, TGI's ``top_n_tokens``), which a graph does not compute:
-before this change every row of such a step went through it; now that row alone does and the graph's pick
-serves the others (engine/runner/persistent_batch.py, `_graph_served`).
+"""Issue #39: what a decode step of 128 rows does outside its graph when one row asks for what the graph's
+pick did not give: its top 5 tokens (OpenAI's ``top_logprobs``, TGI's ``top_n_tokens``), or a repetition
+penalty, which a graph does not sample. Before this change every row of such a step went to the eager sampler
+(`sample_rows`) and the graph's pick was dropped. Now the graph's pick serves every row it can
+(engine/runner/persistent_batch.py, `_graph_served`): a top-N row's tokens go with the pick
+(`graph_sampling.with_top_n`, on the device, no wait), and a penalty row alone goes to the eager sampler.
 
     PYTHONPATH=. python benchmarks/results/issue39-graph-split-pick-2026-12-01/eager_rows.py [--rows 128] [--vocab 8192]
 
-Two steps: the other rows greedy, or sampled (temperature 0.8, top_p 0.9, seeded). For each, the work
-outside the graph, before and after: the rows' `Row`s made (`sampler_row`) and `sample_rows` over them, on
-a GPU's path (the rows at once, `sampling._at_once`), on a CPU with one thread over random logits: the aten
-ops it dispatches (on a GPU each a kernel launch outside the graph), the sorts and top-ks among them, the
-peak bytes a logit of the tensors it holds at once, and its CPU time (the median of 5). The vocabulary is
-8,192 by default: past that a CPU's top_p goes row by row (engine/runner/warpers.py), where a GPU's sorts the
-rows at once; the ops do not depend on the vocabulary's size on the GPU's path, the bytes scale with it.
-After, the graph's own pick (inside the graph on a GPU: one replay) is tallied apart. The draw kernel is
-Triton's on a GPU: here a stand-in of one op, as in issue39-graph-kinds-2026-12-01.
+For each step, the work outside the graph before and after (the rows' `Row`s made, `sampler_row`, and
+`sample_rows` over them; or `with_top_n`), on a GPU's path (the rows at once, `sampling._at_once`), on a CPU
+with one thread over random logits: the aten ops it dispatches (on a GPU each a kernel launch outside the
+graph), the sorts and top-ks among them, the peak bytes a logit of the tensors it holds at once, whether it
+waits for the step (the eager sampler's one transfer does), and its CPU time (the median of 5).
+The graph's own pick (one replay on a GPU) is tallied apart. The vocabulary is 8,192 by default: past that
+a CPU's top_p goes row by row (engine/runner/warpers.py), where a GPU's sorts the rows at once; the ops do
+not depend on the vocabulary's size on the GPU's path, the bytes scale with it. The draw kernel is Triton's
+on a GPU: here a stand-in of one op, as in issue39-graph-kinds-2026-12-01.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -39,13 +42,11 @@ from machine import cpu_model  # noqa: E402
 
 from lmiserve.core.request import SamplingParams  # noqa: E402
 from lmiserve.engine.runner import sampling, seeded_draw  # noqa: E402
-from lmiserve.engine.runner.graph_sampling import GraphSampler, kind  # noqa: E402
+from lmiserve.engine.runner.graph_sampling import GraphSampler, in_graph, kind, with_top_n  # noqa: E402
 from lmiserve.engine.runner.sampling import greedy_pick, sample_rows, sampler_row  # noqa: E402
 
-TOP_N = SamplingParams(max_new_tokens=64, top_n_tokens=5)
 
-
-def tally(call, logits_of: int) -> dict:  # noqa: ANN001
+def tally(call: Callable[[], object], logits_of: int) -> dict:
     call()
     counted = Tally()
     with counted:
@@ -64,28 +65,38 @@ def tally(call, logits_of: int) -> dict:  # noqa: ANN001
 
 
 def eager(logits: torch.Tensor, params: list[SamplingParams]) -> None:
-    """What the runner does for the rows the eager sampler takes: a `Row` each, then `sample_rows`."""
+    """What the runner does for the rows the eager sampler takes: a `Row` each, then `sample_rows` (whose one
+    transfer to the host waits for the step)."""
     prompt, output = list(range(100, 160)), list(range(200, 220))
     rows = [sampler_row(p, prompt, output, [2], 7 + n, None, logits.device) for n, p in enumerate(params)]
     for result in sample_rows(logits, rows):
         assert not isinstance(result, Exception), result
 
 
-def step(rows: int, vocab: int, others: SamplingParams) -> dict:
+def step(rows: int, vocab: int, odd: SamplingParams, others: SamplingParams) -> dict:
     torch.manual_seed(0)
     logits = torch.randn(rows, vocab) * 3
-    params = [TOP_N] + [others] * (rows - 1)
+    params = [odd] + [others] * (rows - 1)
     every = rows * vocab  # (bytes a logit of the step's: rows x vocabulary)
-    before = tally(lambda: eager(logits, params), every)
-    after = tally(lambda: eager(logits[[0]], params[:1]), every)
-    if others.do_sample:  # the graph samples the others (the top-N row is greedy to it)
+    sampled = others.do_sample
+    if sampled:  # the graph samples the others (the odd row is greedy to it)
         sampler = GraphSampler(rows, vocab, torch.device("cpu"), pin=False)
         sampler.fill([(SamplingParams(), None, 0)] + [(others, 7 + n, 20) for n in range(1, rows)], rows)
         filtered = kind(params) == "sampled-filtered"
-        graph = tally(lambda: sampler.pick(logits, filtered), every)
+        pick: Callable[[], torch.Tensor] = lambda: sampler.pick(logits, filtered)  # noqa: E731
     else:
-        graph = tally(lambda: greedy_pick(logits), every)
-    return {"before: eager over every row": before, "after: eager over the top-N row": after, "graph's pick": graph}
+        pick = lambda: greedy_pick(logits)  # noqa: E731
+    graph = tally(pick, every)
+    if in_graph(odd):  # the top-N go with the graph's pick
+        picked = pick()
+        after = tally(lambda: with_top_n(picked, logits, odd.top_n_tokens), every)
+        after["what"] = "with_top_n on the graph's logits (no eager sampler, no wait: the step may chain)"
+    else:
+        after = tally(lambda: eager(logits[[0]], params[:1]), every)
+        after["what"] = "the eager sampler over the odd row alone (its transfer waits for the step)"
+    before = tally(lambda: eager(logits, params), every)
+    before["what"] = "the eager sampler over every row (its transfer waits for the step)"
+    return {"before": before, "after": after, "graph's pick (inside the graph)": graph}
 
 
 def main() -> None:
@@ -98,15 +109,19 @@ def main() -> None:
     stand_in = lambda probs, keys, index: (probs.argmax(-1), torch.zeros(len(probs), dtype=torch.bool))  # noqa: E731
     seeded_draw.draw_keyed = stand_in
     seeded_draw.usable = lambda device: True
+    greedy = SamplingParams(max_new_tokens=64)
     sampled = SamplingParams(max_new_tokens=64, do_sample=True, temperature=0.8, top_p=0.9, seed=1)
+    top_n = SamplingParams(max_new_tokens=64, top_n_tokens=5)
+    penalty = SamplingParams(max_new_tokens=64, repetition_penalty=1.2)
     report = {
         "cpu": cpu_model(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "rows": args.rows,
         "vocab": args.vocab,
-        "others greedy": step(args.rows, args.vocab, SamplingParams(max_new_tokens=64)),
-        "others sampled (temperature 0.8, top_p 0.9)": step(args.rows, args.vocab, sampled),
+        "a top-5 row, the others greedy": step(args.rows, args.vocab, top_n, greedy),
+        "a top-5 row, the others sampled (temperature 0.8, top_p 0.9)": step(args.rows, args.vocab, top_n, sampled),
+        "a penalty row (1.2), the others sampled": step(args.rows, args.vocab, penalty, sampled),
     }
     print(json.dumps(report, indent=1))
 

@@ -14,17 +14,13 @@ that holds the same sequence's table as the step before gets only its new blocks
 their logits are dropped. The Triton backend's metadata is made from the graphs' own buffers
 (`TritonBackend.graph_plan`) and its kernel loops on device data: one graph serves every context length.
 
-Sampling is in the graph too: each graph computes every row's greedy token and its logprob
-(`sampling.greedy_pick`), which the runner takes as the step's one transfer when every row samples
-greedily without top-N (`send_pick`). A step whose rows sample with temperature, top_k, top_p and min_p
-(`sample`, runner/graph_sampling.py) replays a graph of its size that samples them from their parameters'
-buffers, one without the top_k, top_p and min_p stages where no row sets them (`graph_sampling.kind`: no
-sort of the vocabulary). A row the graph cannot sample (a top-N, a penalty, a grammar's mask) is sampled
-from the logits alone; the step's other rows still take the graph's pick. A sampled graph that fails to
-capture leaves sampled rows to the eager sampler. Every graph writes its logits and pick into the same two
-buffers (outside the graphs' memory pool), valid until the next replay: the pool keeps the largest graph's
-intermediates, not each graph's outputs (the float32 logits of every size: 0.56 GB a kind at 128 rows, a
-128k vocabulary).
+Sampling is in the graph too: each graph computes every row's greedy token and logprob (`sampling.greedy_pick`),
+or a sampled graph (`sample`, runner/graph_sampling.py; without the top_k, top_p and min_p stages where
+no row sets them: `graph_sampling.kind`) samples the rows from their parameters' buffers. The runner takes
+the pick, with the rows' top-N, as the step's one transfer (`send_pick`); a row the graph cannot sample (a
+penalty, a grammar's mask) is sampled from the logits alone. Every graph writes its logits and pick into
+the same two buffers (outside the graphs' pool), valid until the next replay: the pool keeps the largest
+graph's intermediates, not each graph's outputs (0.56 GB of logits a kind at 128 rows of a 128k vocabulary).
 
 With LoRA adapters configured (`carry_lora`, before the first capture), every graph also computes the
 products of `max_loras` fixed adapter slots (engine/lora/slots.py), each row's slot one more input buffer;
@@ -125,7 +121,8 @@ class DecodeGraphs:
         self._sent: torch.cuda.Event | None = None  # the last step's inputs copied: the host buffers are free
         # each graph's picked tokens, where the next step's chained rows read their inputs (`run`'s sources)
         self._last_tokens = torch.zeros(largest, dtype=torch.int64, device=fast.device)
-        self._picks = PickTransfers(largest * 3, self.capture)  # the picks' transfers to the host
+        # the picks' transfers to the host (with top-N: graph_sampling.with_top_n's columns)
+        self._picks = PickTransfers(largest * (3 + 2 * graph_sampling.GRAPH_TOP_N), self.capture)
         # every graph's outputs (outside the graphs' pool): the logits, and the pick ([rows, 2 or 3], packed)
         self._logits_out = torch.empty((largest, fast.vocab), dtype=torch.float32, device=fast.device)
         self._pick_out = torch.empty(largest * 3, dtype=torch.float64, device=fast.device)
@@ -334,14 +331,17 @@ class DecodeGraphs:
         self._last = (logits[:rows], pick[:rows], kind != GREEDY)
         return self._last[0]
 
-    def send_pick(self, logits: torch.Tensor, sampled: bool = False) -> Callable[[], list[list[float]]] | None:
-        """When `logits` are the last step's output, its pick greedy (`sampling.greedy_pick`) or, with
-        `sampled`, that of a sampled graph (`GraphSampler.pick`): start the pick's transfer to the host, and
-        return the call that waits for it and gives its rows (``[[token, logprob], ...]``, a sampled pick
-        with its third column: undrawable); else None."""
+    def send_pick(
+        self, logits: torch.Tensor, sampled: bool = False, top_n: int = 0
+    ) -> Callable[[], list[list[float]]] | None:
+        """When `logits` are the last step's output, its pick greedy (`sampling.greedy_pick`) or, `sampled`, a
+        sampled graph's (`GraphSampler.pick`), with `top_n` each row's likeliest tokens (`graph_sampling.
+        with_top_n`): start its transfer to the host; the call that waits for it and gives its rows
+        (``[[token, logprob], ...]``; a sampled pick's third column: undrawable; with top-N, `with_top_n`'s)."""
         if self._last is None or self._last[0] is not logits or self._last[2] != sampled:
             return None
-        return self._picks.send(self._last[1])
+        pick = self._last[1]
+        return self._picks.send(graph_sampling.with_top_n(pick, logits, top_n) if top_n else pick)
 
     def _step(self, size: int, kind: str = GREEDY) -> tuple[torch.Tensor, torch.Tensor]:
         """What a graph of `size` rows and `kind` computes, into the output buffers: the logits and their

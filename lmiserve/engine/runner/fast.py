@@ -109,14 +109,14 @@ class PagedFastRunner(PersistentBatchRunner):
 
     def _sample_in_graph(self, rows: list[ScheduledTokens], lora: LoraBatch | None, grammar: set[int]) -> None:
         """A step of decode rows alone that a graph replays, where some rows (without a grammar: the seq_ids in
-        `grammar`) sample with what a graph samples (runner/graph_sampling.py), not plain greedily: its graph
-        samples them, each from its seed and the index of its token (a chained row's token in flight
-        counted). The rest are greedy rows to it: the plain ones' picks are their argmax, the others' are
-        dropped (the eager sampler takes them from the logits: `_graph_served`)."""
+        `grammar`) sample (`do_sample`) with what a graph samples (runner/graph_sampling.py): its graph samples
+        them, each from its seed and the index of its token (a chained row's token in flight counted). The
+        rest are greedy rows to it: the picks of those greedy without processing are their argmax, the
+        others' are dropped (the eager sampler takes them from the logits: `_graph_served`)."""
         graphs, requests = self.graphs, [self._requests[r.seq_id] for r in rows]
         if graphs is None or not graphs.covers(len(rows), lora):
             return
-        sampled = [r.in_graph and not r.plain and row.seq_id not in grammar for r, row in zip(requests, rows)]
+        sampled = [r.in_graph and r.params.do_sample and row.seq_id not in grammar for r, row in zip(requests, rows)]
         if any(sampled):
             chained = self._chained
             graphs.sample(
@@ -127,9 +127,9 @@ class PagedFastRunner(PersistentBatchRunner):
             )
 
     def _chain_from(self, batch: StepBatch) -> dict[int, int] | None:
-        """A step of decode rows alone, every one plain greedy or (where the graphs sample) sampled in a
-        graph, that the graphs (without LoRA slots) replay chains from the last step in flight when that
-        step ran every row whose token it waits for."""
+        """A step of decode rows alone, every one greedy without processing or (where the graphs sample)
+        sampled in a graph, a top-N with either, that the graphs (without LoRA slots) replay chains from the
+        last step in flight when that step ran every row whose token it waits for."""
         last, graphs, rows = self.in_flight.last, self.graphs, batch.rows
         if last is None or graphs is None or graphs.lora is not None or not graphs.covers(len(rows)):
             return None
@@ -140,7 +140,7 @@ class PagedFastRunner(PersistentBatchRunner):
         requests = self._requests
         if not all(r.seq_id in requests and requests[r.seq_id].in_graph for r in rows):
             return None
-        if not all(requests[r.seq_id].plain for r in rows) and not graphs.samples:
+        if any(requests[r.seq_id].params.do_sample for r in rows) and not graphs.samples:
             return None
         row_of = {seq_id: n for n, seq_id in enumerate(last.seq_ids)}
         waiting = [r.seq_id for r in rows if r.token_ids[0] == PENDING_TOKEN]
@@ -148,8 +148,10 @@ class PagedFastRunner(PersistentBatchRunner):
             return None
         return {seq_id: row_of[seq_id] for seq_id in waiting}
 
-    def _send_pick(self, logits: torch.Tensor, sampled: bool = False) -> Callable[[], list[list[float]]] | None:
-        return self.graphs.send_pick(logits, sampled) if self.graphs is not None else None
+    def _send_pick(
+        self, logits: torch.Tensor, sampled: bool = False, top_n: int = 0
+    ) -> Callable[[], list[list[float]]] | None:
+        return self.graphs.send_pick(logits, sampled, top_n) if self.graphs is not None else None
 
     def lora_groups(self, model: PreTrainedModel) -> list[LoraGroup]:
         return self.fast.lora_groups()

@@ -2,19 +2,21 @@
 step captured, sampling included), so that a step of sampled rows replays one graph, sends its tokens in
 the step's one transfer and chains into the next step on the device, as a greedy step does.
 
-A row samples in the graph (`in_graph`) when it is plain greedy, or sampled with temperature, top_k (up to
-`GRAPH_TOP_K`), top_p and min_p alone: no penalty, logit bias, bad words, `min_new_tokens`, typical_p or
-top-N, which stay with the eager sampler (runner/sampling.py) from the graph's logits: those rows alone, the
-step's others taking the graph's pick (runner/persistent_batch.py, `_graph_served`), where a grammar's rows
-go too. Its parameters are
-device buffers the graph reads (`GraphSampler`: written on the host, copied before the replay, as the
-graph's ids and positions), and every stage runs for every row, a row that does not set it passing through
-unchanged: the ops are the eager sampler's own (runner/warpers.py's stages, `seeded_draw.draw_keyed`), so
-a row gets the token the eager GPU path gives it, bit for bit: its warped probabilities are its own alone,
-and its draw is keyed by its seed and the index of the token (engine/runner/seeded_draw.py), whatever the
-graph's other rows. Greedy rows take the argmax of their raw logits. The pick is ``[rows, 3]`` float64: the
-token, its logprob (the raw logits' log-softmax, as every path reports it) and whether the row could not be
-drawn from (the eager sampler's rule).
+A row samples in the graph (`in_graph`) when it is greedy without processing, or sampled with temperature,
+top_k (up to `GRAPH_TOP_K`), top_p and min_p alone, either with a top-N of up to `GRAPH_TOP_N` tokens: no
+penalty, logit bias, bad words, `min_new_tokens` or typical_p, which stay with the eager sampler
+(runner/sampling.py) from the graph's logits: those rows alone, the step's others taking the graph's pick
+(runner/persistent_batch.py, `_graph_served`), where a grammar's rows go too. Its parameters are device
+buffers the graph reads (`GraphSampler`: written on the host, copied before the replay, as the graph's ids
+and positions), and every stage runs for every row, a row that does not set it passing through unchanged:
+the ops are the eager sampler's own (runner/warpers.py's stages, `seeded_draw.draw_keyed`), so a row gets
+the token the eager GPU path gives it, bit for bit: its warped probabilities are its own alone, and its
+draw is keyed by its seed and the index of the token (engine/runner/seeded_draw.py), whatever the graph's
+other rows. Greedy rows take the argmax of their raw logits. The pick is ``[rows, 3]`` float64: the token,
+its logprob (the raw logits' log-softmax, as every path reports it) and whether the row could not be drawn
+from (the eager sampler's rule). A step with top-N rows adds each row's likeliest tokens of its raw
+logits to the pick after the replay (`with_top_n`: the eager sampler's `topk`, on the device, no wait), so
+those rows chain as the others do.
 
 A step where no sampled row sets top_k, top_p or min_p (OpenAI's defaults) replays a graph without those
 stages (`kind`: `SAMPLED`, not `FILTERED`), through which every row would pass unchanged: its rows get the
@@ -35,16 +37,27 @@ from lmiserve.engine.runner import seeded_draw
 from lmiserve.engine.runner.sampling import needs_processing, processed_finite
 from lmiserve.engine.runner.warpers import finite, min_p_cut, scaled, top_k_columns, top_k_cut, top_p_cut
 
-__all__ = ["FILTERED", "GRAPH_TOP_K", "SAMPLED", "USE_IN_GRAPHS", "GraphSampler", "in_graph", "kind"]
+__all__ = [
+    "FILTERED",
+    "GRAPH_TOP_K",
+    "GRAPH_TOP_N",
+    "SAMPLED",
+    "USE_IN_GRAPHS",
+    "GraphSampler",
+    "in_graph",
+    "kind",
+    "with_top_n",
+]
 
 GRAPH_TOP_K = 1024  # the largest top_k a row sampled in a graph may set (the graph's `topk` is this wide)
+GRAPH_TOP_N = 20  # the most top-N tokens a row takes from a graph's step (OpenAI's top_logprobs at most)
 USE_IN_GRAPHS = True  # False: a decode graph's sampled rows are sampled after it, from its logits
 SAMPLED, FILTERED = "sampled", "sampled-filtered"  # a sampled graph's kinds: without top_k, top_p, min_p; with
 
 
 def in_graph(params: SamplingParams) -> bool:
     """Whether a row with `params` samples inside a decode graph (the module's doc)."""
-    if params.top_n_tokens:
+    if params.top_n_tokens > GRAPH_TOP_N:
         return False
     if not needs_processing(params):
         return True  # plain greedy
@@ -114,3 +127,13 @@ class GraphSampler:
         chosen = logits.log_softmax(-1).gather(1, tokens[:, None])
         flags = (undrawable & sampled).to(torch.float64)[:, None]
         return torch.cat((tokens.to(torch.float64)[:, None], chosen.to(torch.float64), flags), dim=1)
+
+
+def with_top_n(pick: torch.Tensor, logits: torch.Tensor, top_n: int) -> torch.Tensor:
+    """A graph's `pick` (``[rows, 2]`` greedy, ``[rows, 3]`` sampled) and each row's `top_n` likeliest tokens of
+    its raw `logits`, as `sampling.sample_rows` takes them: ``[rows, 3 + 2 * top_n]`` float64, the token, its
+    logprob, whether it could not be drawn (0 for a greedy pick), the ids, then their logprobs. Tensor ops
+    on the device, nothing read on the host."""
+    values, ids = torch.topk(logits.log_softmax(-1), top_n)
+    flags = pick[:, 2:3] if pick.shape[1] > 2 else torch.zeros_like(pick[:, :1])
+    return torch.cat((pick[:, :2], flags, ids.to(torch.float64), values.to(torch.float64)), dim=1)

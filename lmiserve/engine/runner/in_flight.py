@@ -29,11 +29,13 @@ log = logging.getLogger(__name__)
 class InFlight:
     """One launched step's greedy picks in flight: the output they complete, the sequences of its rows
     in order, and the call that waits for the picks (``[[token, logprob], ...]``, a row each; a sampled
-    graph's with a third value: the row could not be drawn from)."""
+    graph's with a third value: the row could not be drawn from; with `top_n`, each row's top-N tokens it
+    asked for, of those after the third value: graph_sampling.with_top_n's ids, then their logprobs)."""
 
     out: StepOutput
     seq_ids: list[int]
     receive: Callable[[], list[list[float]]]
+    top_n: list[int] | None = None
     done: bool = False
 
 
@@ -49,8 +51,14 @@ class StepsInFlight:
     def last(self) -> InFlight | None:
         return self._steps[-1] if self._steps else None
 
-    def add(self, out: StepOutput, seq_ids: list[int], receive: Callable[[], list[list[float]]]) -> InFlight:
-        step = InFlight(out, seq_ids, receive)
+    def add(
+        self,
+        out: StepOutput,
+        seq_ids: list[int],
+        receive: Callable[[], list[list[float]]],
+        top_n: list[int] | None = None,
+    ) -> InFlight:
+        step = InFlight(out, seq_ids, receive, top_n)
         self._steps.append(step)
         return step
 
@@ -74,11 +82,15 @@ class StepsInFlight:
             for seq_id in step.seq_ids:
                 step.out.errors[seq_id] = f"exception occurred during sampling: {exc}"
             return
-        for seq_id, (token, logprob, *undrawable) in zip(step.seq_ids, picks, strict=True):
-            if undrawable and undrawable[0]:  # (a sampled graph's pick: sampling.sample_rows's error)
+        for n, (seq_id, (token, logprob, *rest)) in enumerate(zip(step.seq_ids, picks, strict=True)):
+            if rest and rest[0]:  # (a sampled graph's pick: sampling.sample_rows's error)
                 step.out.errors[seq_id] = f"exception occurred during sampling: {UNDRAWABLE}"
                 continue
-            step.out.samples[seq_id] = [SampleResult(int(token), logprob)]
+            top = None
+            if step.top_n is not None and step.top_n[n]:
+                width = (len(rest) - 1) // 2  # the ids, then their logprobs, after the third value
+                top = [(int(rest[1 + j]), rest[1 + width + j]) for j in range(step.top_n[n])]
+            step.out.samples[seq_id] = [SampleResult(int(token), logprob, top)]
             self._apply(seq_id, int(token))
 
 

@@ -213,11 +213,13 @@ class PersistentBatchRunner(EagerSampling, BatchRunner):
         """The kept logits rows of rows `part` of the batch (every decode row; per chunk `_kept`'s
         last positions), in `part`'s order."""
 
-    def _send_pick(self, logits: torch.Tensor, sampled: bool = False) -> Callable[[], list[list[float]]] | None:
+    def _send_pick(
+        self, logits: torch.Tensor, sampled: bool = False, top_n: int = 0
+    ) -> Callable[[], list[list[float]]] | None:
         """Where the forward computed the greedy pick of `logits` with them (`sampling.greedy_pick`: a decode
         step replayed from a CUDA graph, runner/fast.py) or, `sampled`, the rows' sampled pick (a graph that
-        samples, runner/graph_sampling.py), start its transfer to the host and return the call that waits
-        for it; else None."""
+        samples, runner/graph_sampling.py), start its transfer to the host, with `top_n` each row's likeliest
+        tokens (`graph_sampling.with_top_n`), and return the call that waits for it; else None."""
         return None
 
     def _finish_rows(self, batch: StepBatch, part: list[int], logits: torch.Tensor, out: StepOutput) -> None:
@@ -270,28 +272,30 @@ class PersistentBatchRunner(EagerSampling, BatchRunner):
         self, logits: torch.Tensor, batch: StepBatch, sampling: list[int], grammar: set[int], out: StepOutput
     ) -> list[int]:
         """Where `logits` are a decode graph's step (`_send_pick`), the sampling rows its pick serves go in
-        flight with it: those without a grammar that sample plain greedily (every graph's pick has their
-        argmax) or, where the graph sampled (runner/fast.py), `in_graph`. So one request's top-N, penalty
-        or grammar sends its own row to the eager sampler, not the step's. The positions in `sampling` of
-        the rows left to it (all of them where no graph ran)."""
+        flight with it, with their top-N: those without a grammar whose token is their argmax (any graph's
+        pick has it) or, where the graph sampled (runner/fast.py), `in_graph`. So one request's penalty or
+        grammar sends its own row to the eager sampler, not the step's. The positions in `sampling` of the
+        rows left to it (all of them where no graph ran)."""
         requests = [self._requests[batch.rows[i].seq_id] for i in sampling]
         every = list(range(len(sampling)))
-        wanted = [n for n in every if sampling[n] not in grammar and (requests[n].plain or requests[n].in_graph)]
-        sampled, receive = True, self._send_pick(logits, sampled=True) if wanted else None
+        wanted = [n for n in every if sampling[n] not in grammar and requests[n].in_graph]  # (a top-N within reach)
+        top = max((requests[n].params.top_n_tokens for n in wanted), default=0)
+        sampled, receive = True, self._send_pick(logits, True, top) if wanted else None
         if receive is None and wanted:  # (not a sampled graph's: a greedy one's, or none)
-            sampled, receive = False, self._send_pick(logits)
+            sampled, receive = False, self._send_pick(logits, False, top)
         if receive is None:
             return every
-        served = [n for n in wanted if sampled or requests[n].plain]
+        served = [n for n in wanted if sampled or requests[n].argmax]
+        tops = [requests[n].params.top_n_tokens for n in served] if top else None
         if len(served) == len(sampling):
-            self.in_flight.add(out, [batch.rows[i].seq_id for i in sampling], receive)
+            self.in_flight.add(out, [batch.rows[i].seq_id for i in sampling], receive, tops)
             return []
 
         def served_picks() -> list[list[float]]:
             picks = receive()
             return [picks[n] for n in served]
 
-        self.in_flight.add(out, [batch.rows[sampling[n]].seq_id for n in served], served_picks)
+        self.in_flight.add(out, [batch.rows[sampling[n]].seq_id for n in served], served_picks, tops)
         taken = set(served)
         return [n for n in every if n not in taken]
 

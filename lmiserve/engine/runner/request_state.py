@@ -9,7 +9,7 @@ import torch
 
 from lmiserve.core.request import SamplingParams
 from lmiserve.engine.runner.graph_sampling import in_graph
-from lmiserve.engine.runner.sampling import plain_greedy
+from lmiserve.engine.runner.sampling import needs_processing, plain_greedy
 
 if TYPE_CHECKING:
     from lmiserve.engine.lora.adapters import LoraAdapter
@@ -29,8 +29,10 @@ class RequestState:
     generator: torch.Generator | None = None
     adapter: LoraAdapter | None = None
     images: Any = None  # a VLM prompt's image features, kept across preemptions (runner/vision.py)
-    plain: bool = field(init=False)  # `plain_greedy(params)`: its token is its row's argmax
+    argmax: bool = field(init=False)  # greedy without processing: its token is its row's argmax (a top-N aside)
+    plain: bool = field(init=False)  # `plain_greedy(params)`: the argmax alone, no top-N
     in_graph: bool = field(init=False)  # `graph_sampling.in_graph(params)`: a decode graph may sample it
 
     def __post_init__(self) -> None:
-        self.plain, self.in_graph = plain_greedy(self.params), in_graph(self.params)
+        self.argmax, self.plain = not needs_processing(self.params), plain_greedy(self.params)
+        self.in_graph = in_graph(self.params)
