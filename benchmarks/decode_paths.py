@@ -25,7 +25,10 @@ first position where one differs otherwise). Paths:
   off: an exponential fill a row). Their tokens are compared with the first path's like the others', so
   they differ from the greedy path's; the two sampled paths draw different tokens too (other variates);
 - ``graphs-sampled-top-p``: ``graphs-sampled`` with ``top_p`` 0.9: its graphs' kind with the top_k, top_p and
-  min_p stages (a sort of the vocabulary a row), where ``graphs-sampled`` replays the kind without them.
+  min_p stages (a sort of the vocabulary a row), where ``graphs-sampled`` replays the kind without them;
+- ``graphs-top-n``: ``graphs`` with each token's top 5 (OpenAI's ``top_logprobs``), taken from the graph's
+  logits after the replay and sent with its pick (engine/runner/graph_sampling.py, `with_top_n`): the greedy
+  tokens of ``graphs``, a ``topk`` of the vocabulary a step more.
 
 ``--lora N``: the engines serve N random LoRA adapters of rank 16 on every linear
 (lmiserve/models/lora_demo.py) and the prompts name them in turn, one in N + 1 none: with ``graphs`` the
@@ -62,6 +65,7 @@ class Choice(NamedTuple):
     draw_kernel: bool = True  # a sampled step's rows drawn in one kernel (engine/runner/seeded_draw.py)
     in_graph: bool = True  # a sampled decode step's rows sampled inside its graph (engine/runner/graph_sampling.py)
     top_p: float = 1.0  # the sampled prompts' top_p
+    top_n: int = 0  # each token's top-N too (OpenAI's top_logprobs)
 
 
 PATHS = {
@@ -73,6 +77,7 @@ PATHS = {
     "graphs-sampled-eager": Choice("triton", False, sampled=True, in_graph=False),
     "graphs-sampled-top-p": Choice("triton", False, sampled=True, top_p=0.9),
     "graphs-sampled-generators": Choice("triton", False, sampled=True, draw_kernel=False),
+    "graphs-top-n": Choice("triton", False, top_n=5),
 }
 
 
@@ -124,7 +129,8 @@ def run(
             for name, folder in (adapters or {}).items():
                 engine.adapters.register(name, folder)
             on = [names[i % len(names)] for i in range(level)] if adapters else None
-            outputs, seconds = asyncio.run(_generate(engine, prompts, tokens, on, chosen.sampled, chosen.top_p))
+            run = _generate(engine, prompts, tokens, on, chosen.sampled, chosen.top_p, chosen.top_n)
+            outputs, seconds = asyncio.run(run)
             fast = getattr(engine.runner, "fast", None)
             graphs = getattr(fast, "graphs", None)
             runs[str(level)] = {

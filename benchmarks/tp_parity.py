@@ -45,10 +45,12 @@ async def _generate(
     adapters: list[str | None] | None = None,
     sampled: bool = False,
     top_p: float = 1.0,
+    top_n: int = 0,
 ) -> tuple[list[list[int]], float]:
     """Greedy tokens of each prompt (on the LoRA adapter `adapters` names for it, None: the base model),
     all at once after one warm-up request, and the seconds they took. `sampled`: drawn at temperature 1.0
-    instead (OpenAI's default), with `top_p`, each prompt seeded by its place."""
+    instead (OpenAI's default), with `top_p`, each prompt seeded by its place; `top_n`: each token's top-N too
+    (OpenAI's top_logprobs)."""
     from lmiserve.core.request import GenerationRequest, SamplingParams
 
     seeds = iter(range(1, 1 << 30))
@@ -57,7 +59,7 @@ async def _generate(
         sampling: dict[str, Any] = {"do_sample": False}
         if sampled:
             sampling = {"do_sample": True, "temperature": 1.0, "top_p": top_p, "seed": next(seeds)}
-        params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos_token=True, **sampling)
+        params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos_token=True, top_n_tokens=top_n, **sampling)
         tokens = []
         async for event in engine.generate(GenerationRequest(prompt=prompt, params=params, adapter=adapter)):
             if event.token is not None:

@@ -80,7 +80,7 @@ def test_issue_39_entries_are_filled(rehearsal):
     paths = summary["decode_paths"]["paths"]
     # (their tokens drawn, not the greedy path's)
     sampled = {"graphs-sampled", "graphs-sampled-eager", "graphs-sampled-generators", "graphs-sampled-top-p"}
-    assert set(paths) == {"graphs", "graphs-fused", "triton", "torch", *sampled}
+    assert set(paths) == {"graphs", "graphs-fused", "triton", "torch", "graphs-top-n", *sampled}
     for name, path in paths.items():
         if name in sampled:
             assert all(r["tokens_per_s"] > 0 for r in path.values())
