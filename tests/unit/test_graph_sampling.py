@@ -23,7 +23,7 @@ from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.core.step import StepOutput
 from lmiserve.engine.factory import create_engine
-from lmiserve.engine.runner import eager_sampling, sampling, seeded_draw
+from lmiserve.engine.runner import eager_sampling, graph_sampling, sampling, seeded_draw
 from lmiserve.engine.runner.graph_sampling import (
     FILTERED,
     GRAPH_TOP_K,
@@ -411,3 +411,26 @@ async def test_top_n_rows_sample_in_the_graph_and_chain(tiny_model, monkeypatch,
     assert [len(t[2]) for t in graphed[3]] == [GRAPH_TOP_N] * 12
     assert record.chained > 0 and any(kind_ != "greedy" for _, kind_ in record.kinds)
     assert not _split(steps) and sum(any(c[0] == "sent" for c in calls) for calls in steps) >= 8, steps
+
+
+async def test_a_failing_top_n_leaves_its_step_to_the_eager_sampler(tiny_model, monkeypatch, gpu_sampler):
+    """The top-N taken after a graph's replay fails (its memory, say) in one step: that step's rows are sampled
+    from the logits by the eager sampler, and every request gets the eager engine's tokens and top-N."""
+    options = [{"top_n_tokens": 3}, {"do_sample": True, "top_n_tokens": 2}, {}]
+    config = EngineConfig(max_running=4, max_prefill_tokens=8)
+    eager = await _serve_detail(tiny_model, dataclasses.replace(config, enforce_eager=True), options)
+    graphs_on_the_test_device(monkeypatch)
+    real, calls = graph_sampling.with_top_n, []
+
+    def failing(pick, logits, top_n):  # noqa: ANN001, ANN202 - with_top_n's
+        calls.append(top_n)
+        if len(calls) == 3:
+            raise RuntimeError("out of memory")
+        return real(pick, logits, top_n)
+
+    monkeypatch.setattr(graph_sampling, "with_top_n", failing)
+    graphed = await _serve_detail(tiny_model, config, options)
+    assert len(calls) > 3  # (the steps after it took their top-N from the graph again)
+    for ours, theirs in zip(graphed, eager, strict=True):
+        assert [t[0] for t in ours] == [t[0] for t in theirs]
+        assert [[i for i, _ in t[2]] for t in ours] == [[i for i, _ in t[2]] for t in theirs]

@@ -280,9 +280,13 @@ class PersistentBatchRunner(EagerSampling, BatchRunner):
         every = list(range(len(sampling)))
         wanted = [n for n in every if sampling[n] not in grammar and requests[n].in_graph]  # (a top-N within reach)
         top = max((requests[n].params.top_n_tokens for n in wanted), default=0)
-        sampled, receive = True, self._send_pick(logits, True, top) if wanted else None
-        if receive is None and wanted:  # (not a sampled graph's: a greedy one's, or none)
-            sampled, receive = False, self._send_pick(logits, False, top)
+        try:
+            sampled, receive = True, self._send_pick(logits, True, top) if wanted else None
+            if receive is None and wanted:  # (not a sampled graph's: a greedy one's, or none)
+                sampled, receive = False, self._send_pick(logits, False, top)
+        except Exception:  # noqa: BLE001 - e.g. the top-N's memory: the eager sampler takes every row
+            log.exception("sending a decode graph's pick failed; its rows are sampled from the logits")
+            receive = None
         if receive is None:
             return every
         served = [n for n in wanted if sampled or requests[n].argmax]
