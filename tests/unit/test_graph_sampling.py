@@ -434,3 +434,42 @@ async def test_a_failing_top_n_leaves_its_step_to_the_eager_sampler(tiny_model, 
     for ours, theirs in zip(graphed, eager, strict=True):
         assert [t[0] for t in ours] == [t[0] for t in theirs]
         assert [[i for i, _ in t[2]] for t in ours] == [[i for i, _ in t[2]] for t in theirs]
+
+
+async def test_a_step_whose_eager_rows_all_fail_ends_those_requests_alone(tiny_model, monkeypatch, gpu_sampler):
+    """Overlapped steps where the graph's pick serves some rows and the one row left to the eager sampler
+    fails before it is sampled: that request ends with the error, and the served rows' tokens are the
+    eager engine's. (The runner also receives such a step's served picks at once: a step of part of a
+    graph's rows must never be chained from; the engine does not plan a step ahead of one with such a row.)"""
+    options = [{}, {"do_sample": True, "temperature": 0.8}, {"top_n_tokens": 2}, {}]
+    config = EngineConfig(max_running=6, max_prefill_tokens=8, async_scheduling=True)
+    eager = await _serve_detail(tiny_model, dataclasses.replace(config, enforce_eager=True), options)
+    graphs_on_the_test_device(monkeypatch)
+    row_of = PersistentBatchRunner._row_of
+
+    def refusing(self, request, device, masked):  # noqa: ANN001, ANN202 - the penalty row's Row fails
+        if request.params.repetition_penalty != 1.0 and len(request.output_ids) >= 3:
+            raise RuntimeError("no Row for you")
+        return row_of(self, request, device, masked)
+
+    monkeypatch.setattr(PersistentBatchRunner, "_row_of", refusing)
+    engine = create_engine(tiny_model, config)
+    engine.start()
+
+    async def penalized() -> str | None:
+        params = SamplingParams(max_new_tokens=12, ignore_eos_token=True, repetition_penalty=1.3)
+        events = [e async for e in engine.generate(GenerationRequest(PROMPTS[4], params))]
+        return [e.finish for e in events if e.finish is not None][-1].error
+
+    async def served(i: int) -> list[int]:
+        await asyncio.sleep(0.01 * i)
+        params = SamplingParams(max_new_tokens=12, ignore_eos_token=True, seed=40 + i, **options[i])
+        request = GenerationRequest(PROMPTS[i % len(PROMPTS)], params)
+        return [e.token.id async for e in engine.generate(request) if e.token]
+
+    try:
+        error, *tokens = await asyncio.gather(penalized(), *(served(i) for i in range(len(options))))
+    finally:
+        await engine.stop()
+    assert error is not None and "no Row for you" in error
+    assert tokens == [[t[0] for t in request] for request in eager]

@@ -263,10 +263,15 @@ class PersistentBatchRunner(EagerSampling, BatchRunner):
             return
         if rows is logits:  # (every row kept, in `sampling`'s order) a decode graph's pick may serve rows
             eager = self._graph_served(logits, batch, sampling, grammar, out)
-            if len(eager) < len(sampling):
-                sampling, rows = [sampling[n] for n in eager], logits[eager]
-        if sampling:
-            self._sample_eager(batch, sampling, rows, out)
+            if not eager or len(eager) == len(sampling):  # every row in flight with the pick, or none
+                if eager:
+                    self._sample_eager(batch, sampling, rows, out)
+                return
+            self._sample_eager(batch, [sampling[n] for n in eager], logits[eager], out)
+            # (the served rows' picks are received: a step of part of a graph's rows is never chained from)
+            self.in_flight.receive()
+            return
+        self._sample_eager(batch, sampling, rows, out)
 
     def _graph_served(
         self, logits: torch.Tensor, batch: StepBatch, sampling: list[int], grammar: set[int], out: StepOutput
