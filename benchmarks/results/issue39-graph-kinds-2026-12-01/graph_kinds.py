@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -83,24 +84,27 @@ def picks(rows: int, vocab: int) -> dict:
         "sampled (no top_k, top_p, min_p)": lambda: sampler.pick(logits, filtered=False),
         "sampled-filtered": lambda: sampler.pick(logits, filtered=True),
     }
-    out = {}
-    for name, call in kinds.items():
+    return {name: measured(call, rows * vocab, 1) for name, call in kinds.items()}
+
+
+def measured(call: Callable[[], object], logits: int, digits: int) -> dict:
+    """`call` run once, then tallied, then timed: its aten ops, the sorts and top-ks among them, the peak
+    bytes it holds at once over `logits` logits, and its CPU time (the median of 5, to `digits` places)."""
+    call()
+    tally = Tally()
+    with tally:
         call()
-        tally = Tally()
-        with tally:
-            call()
-        times = []
-        for _ in range(5):
-            start = time.thread_time()
-            call()
-            times.append(time.thread_time() - start)
-        out[name] = {
-            "aten_ops": len(tally.ops),
-            "sort_or_topk": sorted(op for op in tally.ops if op in ("sort", "topk")),
-            "peak_bytes_a_logit": round(tally.peak / (rows * vocab), 1),
-            "cpu_ms": round(statistics.median(times) * 1e3, 1),
-        }
-    return out
+    times = []
+    for _ in range(5):
+        start = time.thread_time()
+        call()
+        times.append(time.thread_time() - start)
+    return {
+        "aten_ops": len(tally.ops),
+        "sort_or_topk": sorted(op for op in tally.ops if op in ("sort", "topk")),
+        "peak_bytes_a_logit": round(tally.peak / logits, 1),
+        "cpu_ms": round(statistics.median(times) * 1e3, digits),
+    }
 
 
 def pool_outputs(vocab: int) -> dict:

@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,7 +35,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE.parent / "issue39-graph-kinds-2026-12-01"))
 
-from graph_kinds import Tally  # noqa: E402
+from graph_kinds import measured  # noqa: E402
 from machine import cpu_model  # noqa: E402
 
 from lmiserve.core.request import SamplingParams  # noqa: E402
@@ -47,21 +45,7 @@ from lmiserve.engine.runner.sampling import greedy_pick, sample_rows, sampler_ro
 
 
 def tally(call: Callable[[], object], logits_of: int) -> dict:
-    call()
-    counted = Tally()
-    with counted:
-        call()
-    times = []
-    for _ in range(5):
-        start = time.thread_time()
-        call()
-        times.append(time.thread_time() - start)
-    return {
-        "aten_ops": len(counted.ops),
-        "sort_or_topk": sorted(op for op in counted.ops if op in ("sort", "topk")),
-        "peak_bytes_a_logit": round(counted.peak / logits_of, 1),
-        "cpu_ms": round(statistics.median(times) * 1e3, 2),
-    }
+    return measured(call, logits_of, 2)
 
 
 def eager(logits: torch.Tensor, params: list[SamplingParams]) -> None:
