@@ -307,3 +307,44 @@ def test_prompt_rows_in_graphs_without_graphs_say_so(tiny_model, caplog):
     with caplog.at_level("WARNING", logger="lmiserve.engine.factory"):
         create_engine(tiny_model, EngineConfig())
     assert "cuda_graph_prompt_tokens" not in caplog.text
+
+
+async def test_a_fused_step_run_again_in_parts_keeps_each_parts_picks(tiny_model, monkeypatch):
+    """A step of decode rows and two one-token prompts, each replayed from the graphs (`graph_prompt_tokens`),
+    whose fused forward fails once: run again in parts, each part's pick is sent to the host, and each
+    part's tokens are its own (the picks' two host buffers never hold a third part's), generate()'s."""
+    from lmiserve.core.request import GenerationRequest, SamplingParams
+    from lmiserve.engine.factory import create_engine
+    from lmiserve.engine.runner.fast import PagedFastRunner
+
+    graphs_on_the_test_device(monkeypatch)
+    forward, failed = PagedFastRunner._forward_rows, []
+
+    def failing_once(self, batch, part):  # noqa: ANN001, ANN202 - the first fused step of decode and prompt rows
+        if not failed and batch.num_decode and len(part) == len(batch.rows) > batch.num_decode + 1:
+            failed.append(len(part))
+            raise RuntimeError("fused forward failed")
+        return forward(self, batch, part)
+
+    monkeypatch.setattr(PagedFastRunner, "_forward_rows", failing_once)
+    engine = create_engine(tiny_model, EngineConfig(max_prefill_tokens=8, graph_prompt_tokens=16))
+    engine.start()
+    ids = tiny_model.tokenizer(PROMPTS[2]).input_ids
+
+    async def one(prompt_ids: list[int], delay: float) -> list[int]:
+        await asyncio.sleep(delay)
+        params = SamplingParams(max_new_tokens=8, ignore_eos_token=True)
+        request = GenerationRequest("", params, prompt_ids=prompt_ids)
+        return [e.token.id async for e in engine.generate(request) if e.token]
+
+    try:
+        results = await asyncio.gather(one(ids, 0), one(ids[:1], 0.2), one(ids[1:2], 0.2))
+    finally:
+        await engine.stop()
+    assert failed, "no fused step of decode rows and two prompts ran"
+    with torch.inference_mode():
+        for prompt_ids, tokens in zip((ids, ids[:1], ids[1:2]), results, strict=True):
+            expected = tiny_model.model.generate(
+                torch.tensor([prompt_ids], device=tiny_model.model.device), max_new_tokens=8, do_sample=False
+            )[0, len(prompt_ids) :].tolist()
+            assert tokens == expected

@@ -473,3 +473,21 @@ async def test_a_step_whose_eager_rows_all_fail_ends_those_requests_alone(tiny_m
         await engine.stop()
     assert error is not None and "no Row for you" in error
     assert tokens == [[t[0] for t in request] for request in eager]
+
+
+def test_a_top_n_past_the_vocabulary_from_a_graphs_pick_is_the_eager_samplers():
+    """A top-N wider than the vocabulary (a tiny model's) sent with a graph's pick: every token, as the eager
+    sampler caps it, for each row its own N."""
+    torch.manual_seed(3)
+    logits = torch.randn(2, 4)
+    packed = graph_sampling.with_top_n(sampling.greedy_pick(logits), logits, 6)
+    out, steps = StepOutput(), StepsInFlight(lambda seq_id, token: None)
+    steps.add(out, [1, 2], packed.tolist, [6, 2])
+    steps.receive()
+    rows = [sampler_row(SamplingParams(top_n_tokens=n), [1], [], [0], None, None) for n in (6, 2)]
+    eager = sample_rows(logits, rows)
+    for seq_id, expected in zip((1, 2), eager, strict=True):
+        ours = out.samples[seq_id][0]
+        assert (ours.token_id, [i for i, _ in ours.top]) == (expected.token_id, [i for i, _ in expected.top])
+        assert [v for _, v in ours.top] == pytest.approx([v for _, v in expected.top])
+    assert len(out.samples[1][0].top) == 4 and len(out.samples[2][0].top) == 2

@@ -134,6 +134,6 @@ def with_top_n(pick: torch.Tensor, logits: torch.Tensor, top_n: int) -> torch.Te
     its raw `logits`, as `sampling.sample_rows` takes them: ``[rows, 3 + 2 * top_n]`` float64, the token, its
     logprob, whether it could not be drawn (0 for a greedy pick), the ids, then their logprobs. Tensor ops
     on the device, nothing read on the host."""
-    values, ids = torch.topk(logits.log_softmax(-1), top_n)
+    values, ids = torch.topk(logits.log_softmax(-1), min(top_n, logits.shape[-1]))  # (as sample_rows caps it)
     flags = pick[:, 2:3] if pick.shape[1] > 2 else torch.zeros_like(pick[:, :1])
     return torch.cat((pick[:, :2], flags, ids.to(torch.float64), values.to(torch.float64)), dim=1)

@@ -1,12 +1,13 @@
 """Steps whose sampled tokens are still on their way from the device (overlap scheduling on a GPU).
 
-A decode step replayed from a CUDA graph whose rows all sample greedily has its tokens picked inside the
-graph (engine/attention/cuda_graphs.py); the runner starts their transfer to the host and returns
-(`Executor.launch`) without waiting. The engine core launches the next step, whose rows may take those
-tokens as their inputs on the device, and only then collects the first step (`Executor.collect`), so
-that the device runs from one step to the next while the host catches up. Until a step is received,
-the runner's persistent batch lacks its tokens: a step that needs them on the host (any step that is not
-such a chain) receives every step in flight first.
+A decode step replayed from a CUDA graph has its rows' tokens picked or sampled inside the graph, their
+top-N taken after it (engine/attention/cuda_graphs.py, runner/graph_sampling.py); for the rows the pick
+serves (every row, or those the eager sampler does not take: runner/persistent_batch.py, `_graph_served`)
+the runner starts their transfer to the host and returns (`Executor.launch`) without waiting. The engine
+core launches the next step, whose rows may take those tokens as their inputs on the device, and only then
+collects the first step (`Executor.collect`), so that the device runs from one step to the next while the
+host catches up. Until a step is received, the runner's persistent batch lacks its tokens: a step that
+needs them on the host (any step that is not such a chain) receives every step in flight first.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class InFlight:
-    """One launched step's greedy picks in flight: the output they complete, the sequences of its rows
+    """One launched step's picks in flight: the output they complete, the sequences of its rows
     in order, and the call that waits for the picks (``[[token, logprob], ...]``, a row each; a sampled
     graph's with a third value: the row could not be drawn from; with `top_n`, each row's top-N tokens it
     asked for, of those after the third value: graph_sampling.with_top_n's ids, then their logprobs)."""
@@ -89,7 +90,7 @@ class StepsInFlight:
             top = None
             if step.top_n is not None and step.top_n[n]:
                 width = (len(rest) - 1) // 2  # the ids, then their logprobs, after the third value
-                top = [(int(rest[1 + j]), rest[1 + width + j]) for j in range(step.top_n[n])]
+                top = [(int(rest[1 + j]), rest[1 + width + j]) for j in range(min(step.top_n[n], width))]
             step.out.samples[seq_id] = [SampleResult(int(token), logprob, top)]
             self._apply(seq_id, int(token))
 

@@ -198,6 +198,7 @@ class PersistentBatchRunner(EagerSampling, BatchRunner):
                 return
             log.exception("fused step of %d part(s) failed; re-running them one by one", len(parts))
             for rows in parts:
+                self.in_flight.receive()  # (a part's pick in flight: the picks' two buffers hold two at most)
                 self._run_rows(batch, rows, out)
             return
         self._finish_rows(batch, part, logits, out)
@@ -295,6 +296,8 @@ class PersistentBatchRunner(EagerSampling, BatchRunner):
         if receive is None:
             return every
         served = [n for n in wanted if sampled or requests[n].argmax]
+        if not served:  # (a greedy graph's pick, and only sampled rows wanted)
+            return every
         tops = [requests[n].params.top_n_tokens for n in served] if top else None
         if len(served) == len(sampling):
             self.in_flight.add(out, [batch.rows[i].seq_id for i in sampling], receive, tops)
