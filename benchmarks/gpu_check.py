@@ -86,6 +86,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -324,9 +325,10 @@ def run_step(
         # its own process group: a step that runs out (or a check that is stopped) ends with what it started
         _STOP["starting"] = True  # a SIGTERM now waits until the step's process exists (`on_stop`)
         try:
-            proc = subprocess.Popen(
-                command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+            with _sigint_not_ignored(interrupt):
+                proc = subprocess.Popen(
+                    command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
         finally:
             _STOP["starting"] = False
         try:
@@ -357,6 +359,23 @@ def on_stop(signum: int, frame: object) -> None:
         _STOP["pending"] = True
         return
     sys.exit(143)
+
+
+@contextlib.contextmanager
+def _sigint_not_ignored(interrupt: bool) -> Any:
+    """While a step that may be interrupted starts: SIGINT not ignored here, so that its process starts with
+    SIGINT's default (an ignored signal stays ignored across exec, a handled one does not). A check started in
+    the background by a non-interactive shell, or from a process that ignores SIGINT, ignores it: its pytest
+    would then run to its end, past the step's time, instead of writing the failures and counts so far."""
+    main = threading.current_thread() is threading.main_thread()
+    if not (interrupt and main and signal.getsignal(signal.SIGINT) == signal.SIG_IGN):
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def stop_group(proc: subprocess.Popen[bytes], interrupt: bool = False) -> None:

@@ -138,10 +138,25 @@ def test_a_sigterm_while_a_step_starts_still_ends_the_steps_process_group(gpu_ch
     assert left.strip() == "", left
 
 
-def test_engine_tests_out_of_time_still_say_what_failed_and_how_many_ran(gpu_check, tmp_path):
+@pytest.mark.parametrize("sigint_ignored", [False, True], ids=["sigint-default", "sigint-ignored-here"])
+def test_engine_tests_out_of_time_still_say_what_failed_and_how_many_ran(gpu_check, tmp_path, sigint_ignored):
     """The engine tests' step runs pytest under xdist; out of time, it is interrupted (SIGINT) before it is
     terminated, so its log ends with the failures so far and the counts the summary reads (a SIGTERM alone
-    ended it silent: a second device call's tests would have said nothing)."""
+    ended it silent: a second device call's tests would have said nothing). Also where the check's own
+    process ignores SIGINT (started in the background by a script; here, a test process whose SIGINT an
+    earlier test left ignored): its step does not inherit it, and stops part-way."""
+    previous = signal.getsignal(signal.SIGINT)
+    if sigint_ignored:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        _out_of_time_step(gpu_check, tmp_path)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert signal.getsignal(signal.SIGINT) == previous
+
+
+def _out_of_time_step(gpu_check, tmp_path) -> None:  # noqa: ANN001
+    """`test_engine_tests_out_of_time_still_say_what_failed_and_how_many_ran`'s step and its checks."""
     (tmp_path / "test_slow.py").write_text(
         "import time\n"
         "import pytest\n\n\n"
