@@ -264,14 +264,12 @@ class PersistentBatchRunner(EagerSampling, BatchRunner):
             return
         if rows is logits:  # (every row kept, in `sampling`'s order) a decode graph's pick may serve rows
             eager = self._graph_served(logits, batch, sampling, grammar, out)
-            if not eager or len(eager) == len(sampling):  # every row in flight with the pick, or none
+            if len(eager) < len(sampling):  # the pick serves some rows (or all: none left here)
                 if eager:
-                    self._sample_eager(batch, sampling, rows, out)
+                    self._sample_eager(batch, [sampling[n] for n in eager], logits[eager], out)
+                    # (the served rows' picks are received: a step of part of a graph's rows is never chained from)
+                    self.in_flight.receive()
                 return
-            self._sample_eager(batch, [sampling[n] for n in eager], logits[eager], out)
-            # (the served rows' picks are received: a step of part of a graph's rows is never chained from)
-            self.in_flight.receive()
-            return
         self._sample_eager(batch, sampling, rows, out)
 
     def _graph_served(
