@@ -11,6 +11,7 @@ import torch
 
 from lmiserve.engine.core.step import ScheduledTokens, StepBatch, StepOutput
 from lmiserve.engine.runner.in_flight import StepsInFlight
+from lmiserve.engine.runner.penalties import BookedRow, PenaltyBook, penalized
 from lmiserve.engine.runner.request_state import RequestState
 from lmiserve.engine.runner.sampling import Row, sample_rows, sampler_row
 from lmiserve.engine.text.token_mask import apply_bitmask
@@ -28,6 +29,7 @@ class EagerSampling:
     in_flight: StepsInFlight
     eos_token_ids: list[int]
     vocab_size: int
+    penalties: PenaltyBook  # the penalized requests' tokens on the device (runner/penalties.py)
 
     def _sample_eager(self, batch: StepBatch, sampling: list[int], rows: torch.Tensor, out: StepOutput) -> None:
         """The eager sampler's rows: `sampling` (indexes into batch.rows) from `rows` (theirs, in order), the
@@ -95,7 +97,8 @@ class EagerSampling:
         out.samples[row.seq_id] = results
 
     def _row_of(self, request: RequestState, device: torch.device, masked: torch.Tensor | None) -> Row:
-        """What the sampler needs of a request (its generator made on its first sampled token)."""
+        """What the sampler needs of a request (its generator made on its first sampled token; a penalized
+        one's slot in the book opened on its first row)."""
         row = sampler_row(
             request.params,
             request.prompt_ids,
@@ -106,7 +109,17 @@ class EagerSampling:
             device,
         )
         request.generator, row.masked = row.generator, masked
+        if penalized(request.params):
+            if request.penalty_slot is None:
+                request.penalty_slot = self.penalties.open(request.prompt_ids, request.output_ids)
+            row.penalty = BookedRow(self.penalties, request.penalty_slot)
         return row
+
+    def _forget(self, request: RequestState | None) -> None:
+        """A request the persistent batch no longer holds (finished, or replaced): its book slot freed."""
+        if request is not None and request.penalty_slot is not None:
+            self.penalties.close(request.penalty_slot)
+            request.penalty_slot = None
 
     def _masked(self, batch: StepBatch, sampling: list[int], rows: torch.Tensor) -> dict[int, torch.Tensor]:
         """Masked copies of the constrained sampling rows (by position in `sampling`)."""

@@ -36,6 +36,7 @@ from lmiserve.engine.core.step import (
 from lmiserve.engine.lora.batch import LoraBatch, LoraGroup, StackCache
 from lmiserve.engine.runner.eager_sampling import EagerSampling
 from lmiserve.engine.runner.in_flight import StepsInFlight
+from lmiserve.engine.runner.penalties import PenaltyBook
 from lmiserve.engine.runner.request_state import RequestState
 from lmiserve.engine.runner.sampling import greedy_pick, prompt_logprobs
 from lmiserve.engine.speculative.proposers import Proposer
@@ -62,6 +63,7 @@ class PersistentBatchRunner(EagerSampling, BatchRunner):
         self.kv = kv
         self.num_blocks, self.block_size, self.kv_bytes = num_blocks or kv.num_blocks, kv.block_size, kv.nbytes
         self._requests: dict[int, RequestState] = {}
+        self.penalties = PenaltyBook()  # the penalized requests' tokens on the device (runner/penalties.py)
         # steps launched with their tokens on the way (runner/in_flight.py), and for the step being launched
         # the rows that take their input from the last of them: seq_id -> that step's row
         self.in_flight = StepsInFlight(self._append_token)
@@ -118,7 +120,7 @@ class PersistentBatchRunner(EagerSampling, BatchRunner):
             self.in_flight.receive(keep_last=chained is not None)
             self._chained = chained or {}
             for seq_id in batch.finished:
-                self._requests.pop(seq_id, None)
+                self._forget(self._requests.pop(seq_id, None))
                 if self.proposer is not None:
                     self.proposer.forget(seq_id)
             for seq_id in batch.preempted:
@@ -127,6 +129,7 @@ class PersistentBatchRunner(EagerSampling, BatchRunner):
                 self.lora.drop(batch.dropped_adapters)
             out = StepOutput()
             for new in batch.new:
+                self._forget(self._requests.get(new.seq_id))
                 state = self._requests[new.seq_id] = RequestState(list(new.prompt_ids), new.params, new.seed)
                 if new.adapter is not None:
                     self._adapter_of(new.seq_id, new.adapter, state, out)

@@ -29,6 +29,7 @@ class RequestState:
     generator: torch.Generator | None = None
     adapter: LoraAdapter | None = None
     images: Any = None  # a VLM prompt's image features, kept across preemptions (runner/vision.py)
+    penalty_slot: int | None = None  # its slot in the runner's `PenaltyBook` (runner/penalties.py), once penalized
     argmax: bool = field(init=False)  # greedy without processing: its token is its row's argmax (a top-N aside)
     plain: bool = field(init=False)  # `plain_greedy(params)`: the argmax alone, no top-N
     in_graph: bool = field(init=False)  # `graph_sampling.in_graph(params)`: a decode graph may sample it

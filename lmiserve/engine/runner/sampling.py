@@ -16,12 +16,11 @@ the model's own distribution (log-softmax of the raw logits), as TGI and vLLM re
 
 A row is processed in vLLM's order: `logit_bias` added, `bad_words` banned, the penalties (repetition:
 multiplicative over prompt and output; presence and frequency: additive over the output, OpenAI's
-definition), `min_new_tokens` (EOS and stop ids banned), then the warpers when sampling.
+definition; runner/penalties.py), `min_new_tokens` (EOS and stop ids banned), then the warpers when sampling.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +29,7 @@ from lmiserve.core.request import SamplingParams
 from lmiserve.engine.core.step import PromptScores, SampleResult
 from lmiserve.engine.host_copy import to_device
 from lmiserve.engine.runner import seeded_draw
+from lmiserve.engine.runner.penalties import BookedRow, PenaltyBook, penalize, penalized
 from lmiserve.engine.runner.row_threads import each_row
 from lmiserve.engine.runner.warpers import NEG_INF, warp, warp_rows
 
@@ -39,9 +39,7 @@ UNDRAWABLE = "no token can be drawn: every token's probability is zero or not fi
 def needs_processing(params: SamplingParams) -> bool:
     return (
         params.do_sample
-        or params.repetition_penalty != 1.0
-        or params.presence_penalty != 0.0
-        or params.frequency_penalty != 0.0
+        or penalized(params)
         or params.min_new_tokens > 0
         or bool(params.logit_bias)
         or bool(params.bad_words_ids)
@@ -83,6 +81,7 @@ class Row:
     generator: torch.Generator | None = None
     masked: torch.Tensor | None = None
     seed: int | None = None  # a GPU draws the step's rows from their seeds at once (seeded_draw.py)
+    penalty: BookedRow | None = None  # where a book keeps its request's tokens (runner/penalties.py)
 
 
 def _processed(logits: torch.Tensor, row: Row) -> torch.Tensor:
@@ -183,23 +182,13 @@ def _processed_rows(logits: torch.Tensor, rows: list[Row], where: list[int]) -> 
     words = [banned_words(rows[i].params, rows[i].output_ids) if rows[i].params.bad_words_ids else [] for i in where]
     if any(words):
         base[pairs(words)] = NEG_INF
-    if any(p.repetition_penalty != 1.0 for p in params):
-        seen = [
-            sorted(set(rows[i].prompt_ids) | set(rows[i].output_ids)) if p.repetition_penalty != 1.0 else []
-            for i, p in zip(where, params)
-        ]
-        at, penalty = pairs(seen), values([[p.repetition_penalty] * len(ids) for p, ids in zip(params, seen)])
-        scores = base[at]
-        base[at] = torch.where(scores > 0, scores / penalty, scores * penalty)
-    counts = [
-        Counter(rows[i].output_ids) if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 else Counter()
-        for i, p in zip(where, params)
-    ]
-    if any(counts):
-        at = pairs([list(c) for c in counts])
-        presence = values([[p.presence_penalty] * len(c) for p, c in zip(params, counts)])
-        base[at] -= presence + values([[p.frequency_penalty] * len(c) for p, c in zip(params, counts)]) * values(
-            [list(c.values()) for c in counts]
+    if any(penalized(p) for p in params):
+        penalize(
+            base,
+            params,
+            [rows[i].prompt_ids for i in where],
+            [rows[i].output_ids for i in where],
+            [rows[i].penalty for i in where],
         )
     base = processed_finite(base)
     banned = [rows[i].banned_ids if len(rows[i].output_ids) < rows[i].params.min_new_tokens else [] for i in where]
@@ -391,6 +380,9 @@ PROFILE_SAMPLING = SamplingParams(
 def sample_profile(rows: int, vocab: int, device: torch.device) -> list[SampleResult | Exception]:
     """`sample_rows` over `rows` rows of `vocab` float32 logits, every row `PROFILE_SAMPLING`: the largest
     decode step's sampling, which the KV pool leaves room for too (engine/factory.py's profile; vLLM's runs
-    its sampler over max_num_seqs rows); each row's result."""
+    its sampler over max_num_seqs rows), their penalties' book included; each row's result."""
     specs = [sampler_row(PROFILE_SAMPLING, [1, 2], [3], [0], n, None, device) for n in range(rows)]
+    book = PenaltyBook()  # (as a runner's, its rows at their most: one a row)
+    for spec in specs:
+        spec.penalty = BookedRow(book, book.open(spec.prompt_ids, spec.output_ids))
     return sample_rows(torch.zeros((rows, vocab), dtype=torch.float32, device=device), specs)

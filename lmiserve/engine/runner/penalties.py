@@ -1,0 +1,342 @@
+"""The penalties of a step's rows (runner/sampling.py's `_processed_rows`): repetition (multiplicative over the
+prompt's and the output's tokens: a positive logit divided by it, a negative one multiplied), presence and
+frequency (additive over the output's tokens, OpenAI's definition: ``presence + frequency * count``).
+
+A persistent batch's runner keeps each penalized request's tokens in a `PenaltyBook`, taken once for the
+prompt and then token by token as the output grows, so that a step's penalties cost what its rows are, not
+what their contexts hold:
+
+- on a GPU, as dense device rows ``[slots, vocab]``: the tokens a request's prompt and output hold, and its
+  counts of output tokens, marked by one indexed op for the step's new tokens; a step's penalties are a few
+  ops over its penalized rows, nothing copied but their slots (vLLM counts the output tokens into a
+  ``[rows, vocab]`` table each step);
+- on a CPU, as each request's distinct tokens and its output's counts in host arrays, grown a token at a
+  time; a step's penalties index those arrays in place (on a CPU an op over a whole row of the vocabulary,
+  or its `nonzero`, costs more than the pairs a row marks).
+
+Rows without a book (`sampling.sample_row`'s callers) still give the (row, token) pairs of their set of
+tokens from the request's lists, made again each step: at 128 rows of 1,024 tokens, ~390,000 values made on
+the host and copied to the device a step (benchmarks/results/issue39-penalty-book-2026-12-01/). Every path
+gives the same values, bit for bit: the same float32 ops on the same elements.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from lmiserve.core.request import SamplingParams
+from lmiserve.engine.host_copy import to_device
+
+__all__ = ["FIRST_SLOTS", "BookedRow", "PenaltyBook", "penalize", "penalized"]
+
+FIRST_SLOTS = 8  # the dense rows' first size in requests; they double as more are penalized at once
+
+
+def penalized(params: SamplingParams) -> bool:
+    """Whether a request with `params` sets a repetition, presence or frequency penalty."""
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+
+
+class _Growing:
+    """A numpy array appended to a value at a time (its capacity doubles)."""
+
+    def __init__(self, dtype: type) -> None:
+        self.values: np.ndarray = np.empty(16, dtype=dtype)
+        self.size = 0
+
+    def append(self, value: float) -> None:
+        if self.size == len(self.values):
+            self.values = np.concatenate((self.values, np.empty_like(self.values)))
+        self.values[self.size] = value
+        self.size += 1
+
+    def view(self) -> np.ndarray:
+        return self.values[: self.size]
+
+
+@dataclass
+class _Tracked:
+    """A request's lists, and what the book took of them: its sparse marks (a CPU's), or its dense rows'."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]  # the request's own list, appended to as its tokens come
+    counted: int = 0  # how many of `output_ids` the book took
+    fresh: bool = True  # its prompt not yet taken (and, dense, its rows not yet cleared)
+    seen: set[int] = field(default_factory=set)  # sparse: the distinct tokens of prompt and output
+    seen_ids: _Growing = field(default_factory=lambda: _Growing(np.int64))
+    where: dict[int, int] = field(default_factory=dict)  # sparse: an output token's place in the counts
+    count_ids: _Growing = field(default_factory=lambda: _Growing(np.int64))
+    count_values: _Growing = field(default_factory=lambda: _Growing(np.float32))
+
+    def take(self, tokens: Sequence[int], width: int, output: bool) -> None:
+        """Sparse: `tokens` (the prompt's, or the output's new ones) marked, those past `width` left out."""
+        for token in tokens:
+            if not 0 <= token < width:
+                continue
+            if token not in self.seen:
+                self.seen.add(token)
+                self.seen_ids.append(token)
+            if output:
+                at = self.where.get(token)
+                if at is None:
+                    self.where[token] = self.count_ids.size
+                    self.count_ids.append(token)
+                    self.count_values.append(1.0)
+                else:
+                    self.count_values.values[at] += 1.0
+
+
+class PenaltyBook:
+    """Each open request's tokens, one slot a request from `open` to `close`, following the request's lists:
+    `flush` takes what they gained since (a step's tokens, from any path: a graph's pick received, the eager
+    sampler, a draft verified). On the dense path (`_dense`: a GPU) they are device rows ``[slots, vocab]``,
+    `seen` (bool: the prompt's and the output's tokens, for the repetition penalty) and `counts` (float32: the
+    output's tokens, for presence and frequency), made at the first flush on the logits' device and width,
+    grown by doubling, and let go when no request is open; else each request's marks on the host."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # (a CPU samples rows on several threads, runner/row_threads.py)
+        self._open: dict[int, _Tracked] = {}
+        self._free: list[int] = []
+        self._next = 0  # slots below it were handed out once
+        self.seen: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None
+        self._kind: tuple[torch.device, int] | None = None  # the device and width the marks were taken for
+
+    def open(self, prompt_ids: list[int], output_ids: list[int]) -> int:
+        """A slot for a request whose tokens are these lists (`output_ids` is read again at each flush)."""
+        with self._lock:
+            slot = self._free.pop() if self._free else self._next
+            self._next = max(self._next, slot + 1)
+            self._open[slot] = _Tracked(prompt_ids, output_ids)
+            return slot
+
+    def close(self, slot: int) -> None:
+        """The request of `slot` is gone (finished, or replaced); with none open, the dense rows are let go."""
+        with self._lock:
+            if self._open.pop(slot, None) is None:
+                return
+            self._free.append(slot)
+            if not self._open:
+                self._free, self._next, self.seen, self.counts = [], 0, None, None
+
+    def __len__(self) -> int:
+        """The requests open."""
+        return len(self._open)
+
+    @property
+    def slots(self) -> int:
+        """The slots the dense rows hold (0 on the sparse path, before the first flush, or once every request
+        closed)."""
+        return 0 if self.counts is None else len(self.counts)
+
+    def tracked(self, slot: int) -> _Tracked:
+        return self._open[slot]
+
+    def flush(self, device: torch.device, width: int, slots: list[int]) -> None:
+        """Bring the marks of `slots` up to their requests' lists: a new request's prompt taken, the output
+        tokens added since taken (dense: a new request's rows cleared first, then one indexed op each for
+        them together)."""
+        with self._lock:
+            if self._kind != (device, width):  # (another device or width: every request's marks taken again)
+                self._kind, self.seen, self.counts = (device, width), None, None
+                for slot, tracked in list(self._open.items()):
+                    self._open[slot] = _Tracked(tracked.prompt_ids, tracked.output_ids)
+            if _dense(device):
+                self._flush_dense(device, width, slots)
+                return
+            for slot in slots:
+                tracked = self._open[slot]
+                if tracked.fresh:
+                    tracked.take(tracked.prompt_ids, width, output=False)
+                    tracked.fresh = False
+                tracked.take(tracked.output_ids[tracked.counted :], width, output=True)
+                tracked.counted = len(tracked.output_ids)
+
+    def _flush_dense(self, device: torch.device, width: int, slots: list[int]) -> None:
+        self._fit(device, width)
+        assert self.seen is not None and self.counts is not None
+        fresh: list[int] = []
+        marks: tuple[list[int], list[int]] = ([], [])  # (slot, token) pairs: prompts' and outputs' tokens
+        added: tuple[list[int], list[int]] = ([], [])  # outputs' tokens
+        for slot in slots:
+            tracked = self._open[slot]
+            if tracked.fresh:
+                fresh.append(slot)
+                ids = set(tracked.prompt_ids)
+                marks[0].extend([slot] * len(ids))
+                marks[1].extend(ids)
+                tracked.fresh = False
+            new = tracked.output_ids[tracked.counted :]
+            if new:
+                for pairs in (marks, added):
+                    pairs[0].extend([slot] * len(new))
+                    pairs[1].extend(new)
+                tracked.counted += len(new)
+        if fresh:
+            at = to_device(fresh, device)
+            self.seen.index_fill_(0, at, False)
+            self.counts.index_fill_(0, at, 0.0)
+        if marks[0]:
+            self.seen.index_put_(self._pairs(marks, device, width), torch.tensor(True, device=device))
+        if added[0]:
+            where = self._pairs(added, device, width)
+            self.counts.index_put_(where, torch.ones(len(where[0]), device=device), accumulate=True)
+
+    def _fit(self, device: torch.device, width: int) -> None:
+        """Dense rows on `device`, `width` tokens wide, one for every slot handed out."""
+        size = self.slots
+        if size >= self._next and self.counts is not None:
+            return
+        grown = max(FIRST_SLOTS, size)
+        while grown < self._next:
+            grown *= 2
+        seen = torch.zeros((grown, width), dtype=torch.bool, device=device)
+        counts = torch.zeros((grown, width), dtype=torch.float32, device=device)
+        if self.seen is not None and self.counts is not None:
+            seen[:size], counts[:size] = self.seen, self.counts
+        self.seen, self.counts = seen, counts
+
+    @staticmethod
+    def _pairs(pairs: tuple[list[int], list[int]], device: torch.device, width: int) -> tuple[torch.Tensor, ...]:
+        slots, tokens = pairs
+        if any(t < 0 or t >= width for t in tokens):  # (an id past the logits: no logit of it to penalize)
+            kept = [(s, t) for s, t in zip(slots, tokens) if 0 <= t < width]
+            slots, tokens = [s for s, _ in kept], [t for _, t in kept]
+        return to_device(slots, device), to_device(tokens, device)
+
+
+@dataclass(frozen=True)
+class BookedRow:
+    """A row whose request's tokens a `PenaltyBook` holds, at `slot`."""
+
+    book: PenaltyBook
+    slot: int
+
+
+def penalize(
+    base: torch.Tensor,
+    params: Sequence[SamplingParams],
+    prompts: Sequence[list[int]],
+    outputs: Sequence[list[int]],
+    booked: Sequence[BookedRow | None],
+) -> None:
+    """`base`'s rows (one a row of the other arguments) penalized in place: the booked rows from their book,
+    the others from their lists."""
+    on_book = [j for j, (b, p) in enumerate(zip(booked, params)) if b is not None and penalized(p)]
+    if on_book:
+        rows = [booked[j] for j in on_book]
+        book = rows[0].book  # type: ignore[union-attr]
+        if any(b.book is not book for b in rows):  # type: ignore[union-attr]
+            raise ValueError("a step's penalized rows are kept in one book")
+        slots = [b.slot for b in rows]  # type: ignore[union-attr]
+        book.flush(base.device, base.shape[-1], slots)
+        chosen = [params[j] for j in on_book]
+        if _dense(base.device):
+            _from_rows(base, on_book, chosen, book, slots)
+        else:
+            _from_marks(base, on_book, chosen, [book.tracked(s) for s in slots])
+    if len(on_book) < len(params):
+        skip = set(on_book)
+        _from_lists(base, [p if j not in skip else SamplingParams() for j, p in enumerate(params)], prompts, outputs)
+
+
+def _dense(device: torch.device) -> bool:
+    """Whether a book keeps dense device rows (a GPU: no count read on the host, a few launches a step) or
+    each request's marks on the host (a CPU: `nonzero` is a host op there, and ops over a whole row of the
+    vocabulary cost more than the pairs it marks)."""
+    return device.type != "cpu"
+
+
+def _column(base: torch.Tensor, values: list[float]) -> torch.Tensor:
+    return to_device(values, base.device, base.dtype)[:, None]
+
+
+def _from_rows(
+    base: torch.Tensor, at: list[int], params: list[SamplingParams], book: PenaltyBook, slots: list[int]
+) -> None:
+    """The rows `at` of `base` penalized from the book's dense rows, ops over the whole rows."""
+    assert book.seen is not None and book.counts is not None
+    rows, where = to_device(at, base.device), to_device(slots, base.device)
+    sub = base.index_select(0, rows)
+    repetition = [p.repetition_penalty for p in params]
+    if any(r != 1.0 for r in repetition):
+        seen, penalty = book.seen.index_select(0, where), _column(base, repetition)
+        if any(r == 1.0 for r in repetition):
+            seen &= to_device([r != 1.0 for r in repetition], base.device, torch.bool)[:, None]
+        sub = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
+    if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
+        counts = book.counts.index_select(0, where).to(base.dtype)
+        presence = _column(base, [p.presence_penalty for p in params])
+        frequency = _column(base, [p.frequency_penalty for p in params])
+        sub = torch.where(counts > 0, sub - (presence + frequency * counts), sub)
+    base.index_copy_(0, rows, sub)
+
+
+def _from_marks(base: torch.Tensor, at: list[int], params: list[SamplingParams], marks: list[_Tracked]) -> None:
+    """The rows `at` of `base` penalized from each request's marks on the host: the (row, token) pairs of
+    `_from_lists`, without making them again."""
+
+    def pairs(per_row: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = np.repeat(np.asarray(at, dtype=np.int64), [len(ids) for ids in per_row])
+        return to_device(rows, base.device), to_device(np.concatenate(per_row), base.device)
+
+    def values(per_row: list[float], lengths: list[int]) -> torch.Tensor:  # (rounded once, as `_from_lists`)
+        return to_device(
+            torch.from_numpy(np.repeat(np.asarray(per_row, dtype=np.float64), lengths)).to(base.dtype), base.device
+        )
+
+    empty = np.empty(0, dtype=np.int64)
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = [m.seen_ids.view() if p.repetition_penalty != 1.0 else empty for p, m in zip(params, marks)]
+        where = pairs(seen)
+        penalty = values([p.repetition_penalty for p in params], [len(ids) for ids in seen])
+        scores = base[where]
+        base[where] = torch.where(scores > 0, scores / penalty, scores * penalty)
+    if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
+        on = [p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params]
+        ids = [m.count_ids.view() if o else empty for m, o in zip(marks, on)]
+        lengths = [len(i) for i in ids]
+        counts = np.concatenate([m.count_values.view() if o else np.empty(0, np.float32) for m, o in zip(marks, on)])
+        where = pairs(ids)
+        presence = values([p.presence_penalty for p in params], lengths)
+        frequency = values([p.frequency_penalty for p in params], lengths)
+        base[where] -= presence + frequency * to_device(counts, base.device).to(base.dtype)
+
+
+def _from_lists(
+    base: torch.Tensor, params: Sequence[SamplingParams], prompts: Sequence[list[int]], outputs: Sequence[list[int]]
+) -> None:
+    """Each penalized row's (row, token) pairs, from its lists, in one indexed op a penalty."""
+
+    def pairs(per_row: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        at = [j for j, ids in enumerate(per_row) for _ in ids]
+        return to_device(at, base.device), to_device([t for ids in per_row for t in ids], base.device)
+
+    def values(per_row: list[list[float]]) -> torch.Tensor:
+        return to_device([v for vs in per_row for v in vs], base.device, base.dtype)
+
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = [
+            sorted(set(prompt) | set(output)) if p.repetition_penalty != 1.0 else []
+            for p, prompt, output in zip(params, prompts, outputs)
+        ]
+        at, penalty = pairs(seen), values([[p.repetition_penalty] * len(ids) for p, ids in zip(params, seen)])
+        scores = base[at]
+        base[at] = torch.where(scores > 0, scores / penalty, scores * penalty)
+    counts = [
+        Counter(output) if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 else Counter()
+        for p, output in zip(params, outputs)
+    ]
+    if any(counts):
+        at = pairs([list(c) for c in counts])
+        presence = values([[p.presence_penalty] * len(c) for p, c in zip(params, counts)])
+        base[at] -= presence + values([[p.frequency_penalty] * len(c) for p, c in zip(params, counts)]) * values(
+            [list(c.values()) for c in counts]
+        )
