@@ -13,3 +13,10 @@ def cpu_model() -> str:
     except (OSError, subprocess.CalledProcessError):
         return platform.processor() or "unknown"
     return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
+
+
+def run_facts() -> dict[str, str]:
+    """What a result names its run by: the CPU (`cpu_model`), Python's and torch's versions."""
+    import torch
+
+    return {"cpu": cpu_model(), "python": platform.python_version(), "torch": torch.__version__}

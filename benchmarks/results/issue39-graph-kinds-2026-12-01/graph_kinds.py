@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -34,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
-from machine import cpu_model  # noqa: E402
+from machine import run_facts  # noqa: E402
 
 from lmiserve.core.request import SamplingParams  # noqa: E402
 from lmiserve.engine.attention.cuda_graphs import capture_sizes  # noqa: E402
@@ -129,9 +128,7 @@ def main() -> None:
     torch.set_num_threads(1)
     seeded_draw.draw_keyed = lambda probs, keys, index: (probs.argmax(-1), torch.zeros(len(probs), dtype=torch.bool))
     report = {
-        "cpu": cpu_model(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
+        **run_facts(),
         "rows": args.rows,
         "vocab": args.vocab,
         "picks": picks(args.rows, args.vocab),

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -36,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE.parent / "issue39-graph-kinds-2026-12-01"))
 
 from graph_kinds import measured  # noqa: E402
-from machine import cpu_model  # noqa: E402
+from machine import run_facts  # noqa: E402
 
 from lmiserve.core.request import SamplingParams  # noqa: E402
 from lmiserve.engine.runner import sampling, seeded_draw  # noqa: E402
@@ -98,9 +97,7 @@ def main() -> None:
     top_n = SamplingParams(max_new_tokens=64, top_n_tokens=5)
     penalty = SamplingParams(max_new_tokens=64, repetition_penalty=1.2)
     report = {
-        "cpu": cpu_model(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
+        **run_facts(),
         "rows": args.rows,
         "vocab": args.vocab,
         "a top-5 row, the others greedy": step(args.rows, args.vocab, top_n, greedy),
