@@ -29,7 +29,7 @@ class EagerSampling:
     in_flight: StepsInFlight
     eos_token_ids: list[int]
     vocab_size: int
-    penalties: PenaltyBook  # the penalized requests' tokens on the device (runner/penalties.py)
+    penalties: PenaltyBook  # the penalized requests' tokens (runner/penalties.py)
 
     def _sample_eager(self, batch: StepBatch, sampling: list[int], rows: torch.Tensor, out: StepOutput) -> None:
         """The eager sampler's rows: `sampling` (indexes into batch.rows) from `rows` (theirs, in order), the

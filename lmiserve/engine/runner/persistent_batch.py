@@ -63,7 +63,7 @@ class PersistentBatchRunner(EagerSampling, BatchRunner):
         self.kv = kv
         self.num_blocks, self.block_size, self.kv_bytes = num_blocks or kv.num_blocks, kv.block_size, kv.nbytes
         self._requests: dict[int, RequestState] = {}
-        self.penalties = PenaltyBook()  # the penalized requests' tokens on the device (runner/penalties.py)
+        self.penalties = PenaltyBook()  # the penalized requests' tokens (runner/penalties.py)
         # steps launched with their tokens on the way (runner/in_flight.py), and for the step being launched
         # the rows that take their input from the last of them: seq_id -> that step's row
         self.in_flight = StepsInFlight(self._append_token)
