@@ -89,9 +89,11 @@ def copied(counter: list[int]) -> Iterator[None]:
         sampling.to_device, penalties.to_device = originals  # type: ignore[assignment]
 
 
-def steps(rows: int, vocab: int, context: int, params: SamplingParams, booked: bool) -> Callable[[], None]:
-    """A step's `sample_rows` over `rows` requests of `context` tokens; each call adds a token a row first."""
-    rng = random.Random(0)
+def requests(
+    rows: int, vocab: int, context: int, params: SamplingParams, booked: bool, rng: random.Random
+) -> list[Row]:
+    """`rows` requests of `context` tokens (a fifth of them output, drawn from `rng`), in one book where
+    `booked`."""
     output = context // 5
     book = PenaltyBook()
     specs = []
@@ -107,31 +109,50 @@ def steps(rows: int, vocab: int, context: int, params: SamplingParams, booked: b
         if booked:
             spec.penalty = BookedRow(book, book.open(spec.prompt_ids, spec.output_ids))
         specs.append(spec)
-    logits = torch.randn((rows, vocab), generator=torch.Generator().manual_seed(1)) * 3
+    return specs
+
+
+def stepping(
+    specs: list[Row],
+    vocab: int,
+    logits: torch.Tensor,
+    sample: Callable[[torch.Tensor, list[Row]], object],
+    rng: random.Random,
+) -> Callable[[], None]:
+    """A step over `specs`: a token drawn from `rng` added a row, then `sample` over them; run once (the book's
+    prompts marked: once a request)."""
 
     def step() -> None:
         for spec in specs:
             spec.output_ids.append(rng.randrange(vocab))
-        for result in sample_rows(logits, specs):
-            assert not isinstance(result, Exception), result
+        sample(logits, specs)
 
-    step()  # (the book's prompts marked: once a request)
+    step()
     return step
 
 
+def sampled(logits: torch.Tensor, specs: list[Row]) -> None:
+    for result in sample_rows(logits, specs):
+        assert not isinstance(result, Exception), result
+
+
+def steps(rows: int, vocab: int, context: int, params: SamplingParams, booked: bool) -> Callable[[], None]:
+    """A step's `sample_rows` over `rows` requests of `context` tokens; each call adds a token a row first."""
+    rng = random.Random(0)
+    logits = torch.randn((rows, vocab), generator=torch.Generator().manual_seed(1)) * 3
+    return stepping(requests(rows, vocab, context, params, booked, rng), vocab, logits, sampled, rng)
+
+
 def host_side(rows: int, vocab: int, context: int, params: SamplingParams, booked: bool) -> float:
-    """`steps`' rows processed on the ``meta`` device: the host's side of the processing alone."""
-    step = steps(rows, vocab, context, params, booked)
-    cells = dict(zip(step.__code__.co_freevars, (c.cell_contents for c in step.__closure__ or ())))
-    specs, rng = cells["specs"], random.Random(1)
+    """The same requests processed on the ``meta`` device: the host's side of the processing alone."""
     logits = torch.empty((rows, vocab), device="meta")
-
-    def process() -> None:
-        for spec in specs:
-            spec.output_ids.append(rng.randrange(vocab))
-        sampling._processed_rows(logits, specs, list(range(rows)))
-
-    process()
+    process = stepping(
+        requests(rows, vocab, context, params, booked, random.Random(0)),
+        vocab,
+        logits,
+        lambda logits, specs: sampling._processed_rows(logits, specs, list(range(rows))),
+        random.Random(1),
+    )
     return timed(process)
 
 
