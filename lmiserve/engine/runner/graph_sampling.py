@@ -34,6 +34,7 @@ import torch
 
 from lmiserve.core.request import SamplingParams
 from lmiserve.engine.runner import seeded_draw
+from lmiserve.engine.runner.penalties import penalized
 from lmiserve.engine.runner.sampling import needs_processing, processed_finite
 from lmiserve.engine.runner.warpers import finite, min_p_cut, scaled, top_k_columns, top_k_cut, top_p_cut
 
@@ -63,9 +64,7 @@ def in_graph(params: SamplingParams) -> bool:
         return True  # plain greedy
     return (
         params.do_sample
-        and params.repetition_penalty == 1.0
-        and params.presence_penalty == 0.0
-        and params.frequency_penalty == 0.0
+        and not penalized(params)
         and params.min_new_tokens == 0
         and not params.logit_bias
         and not params.bad_words_ids
