@@ -14,12 +14,13 @@ from pageable memory, still without waiting. On a CPU the values are the tensor.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["host_tensor", "to_device"]
+__all__ = ["host_tensor", "row_pairs", "row_values", "to_device"]
 
 log = logging.getLogger(__name__)
 
@@ -47,3 +48,15 @@ def to_device(values: Any, device: torch.device, dtype: torch.dtype = torch.int6
     """`values` (as `host_tensor` takes them) as a tensor on `device`, copied without the host waiting for
     the device (on a CPU: the host tensor itself)."""
     return host_tensor(values, dtype, pin=device.type == "cuda").to(device, non_blocking=True)
+
+
+def row_pairs(per_row: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (row, token) pairs of each row's tokens (a logit bias's, a penalty's) as two index tensors on
+    `device`, rows numbered from 0: one indexed op reaches every row's tokens."""
+    at = [j for j, ids in enumerate(per_row) for _ in ids]
+    return to_device(at, device), to_device([t for ids in per_row for t in ids], device)
+
+
+def row_values(per_row: Sequence[Sequence[float]], like: torch.Tensor) -> torch.Tensor:
+    """Each row's values flattened, in `like`'s dtype on its device (one value a pair of `row_pairs`)."""
+    return to_device([v for vs in per_row for v in vs], like.device, like.dtype)

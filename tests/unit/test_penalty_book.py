@@ -14,7 +14,7 @@ import torch
 
 from helpers.engines import running_engine
 from lmiserve.core.request import GenerationRequest, SamplingParams
-from lmiserve.engine.runner import eager_sampling, penalties
+from lmiserve.engine.runner import penalties, request_state
 from lmiserve.engine.runner.penalties import FIRST_SLOTS, BookedRow, PenaltyBook
 from lmiserve.engine.runner.sampling import Row, _processed_rows
 
@@ -165,7 +165,7 @@ async def _engine_outputs(loaded) -> tuple[list[list[tuple[int, float]]], int]: 
 async def test_an_engine_s_penalized_requests_sample_what_the_lists_sampled(tiny_model, monkeypatch, path: str):
     booked, slots = await _engine_outputs(tiny_model)
     assert slots == 0  # every request finished: every slot closed
-    monkeypatch.setattr(eager_sampling, "penalized", lambda params: False)  # no book: the lists
+    monkeypatch.setattr(request_state, "penalized", lambda params: False)  # no book: the lists
     lists, _ = await _engine_outputs(tiny_model)
     assert [[t for t, _ in out] for out in booked] == [[t for t, _ in out] for out in lists]
     # (the logprobs are the raw logits', whose last bits follow how the two runs batched the prompts)

@@ -11,7 +11,7 @@ import torch
 
 from lmiserve.engine.core.step import ScheduledTokens, StepBatch, StepOutput
 from lmiserve.engine.runner.in_flight import StepsInFlight
-from lmiserve.engine.runner.penalties import BookedRow, PenaltyBook, penalized
+from lmiserve.engine.runner.penalties import BookedRow, PenaltyBook
 from lmiserve.engine.runner.request_state import RequestState
 from lmiserve.engine.runner.sampling import Row, sample_rows, sampler_row
 from lmiserve.engine.text.token_mask import apply_bitmask
@@ -109,7 +109,7 @@ class EagerSampling:
             device,
         )
         request.generator, row.masked = row.generator, masked
-        if penalized(request.params):
+        if request.penalized:
             if request.penalty_slot is None:
                 request.penalty_slot = self.penalties.open(request.prompt_ids, request.output_ids)
             row.penalty = BookedRow(self.penalties, request.penalty_slot)

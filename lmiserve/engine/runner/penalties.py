@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from lmiserve.core.request import SamplingParams
-from lmiserve.engine.host_copy import to_device
+from lmiserve.engine.host_copy import row_pairs, row_values, to_device
 
 __all__ = ["FIRST_SLOTS", "BookedRow", "PenaltyBook", "penalize", "penalized"]
 
@@ -61,21 +61,17 @@ class _Growing:
 
 
 @dataclass
-class _Tracked:
-    """A request's lists, and what the book took of them: its sparse marks (a CPU's), or its dense rows'."""
+class _Marks:
+    """A request's tokens on a CPU's path: its distinct tokens (prompt and output), its output's counts."""
 
-    prompt_ids: list[int]
-    output_ids: list[int]  # the request's own list, appended to as its tokens come
-    counted: int = 0  # how many of `output_ids` the book took
-    fresh: bool = True  # its prompt not yet taken (and, dense, its rows not yet cleared)
-    seen: set[int] = field(default_factory=set)  # sparse: the distinct tokens of prompt and output
+    seen: set[int] = field(default_factory=set)
     seen_ids: _Growing = field(default_factory=lambda: _Growing(np.int64))
-    where: dict[int, int] = field(default_factory=dict)  # sparse: an output token's place in the counts
+    where: dict[int, int] = field(default_factory=dict)  # an output token's place in the counts
     count_ids: _Growing = field(default_factory=lambda: _Growing(np.int64))
     count_values: _Growing = field(default_factory=lambda: _Growing(np.float32))
 
     def take(self, tokens: Sequence[int], width: int, output: bool) -> None:
-        """Sparse: `tokens` (the prompt's, or the output's new ones) marked, those past `width` left out."""
+        """`tokens` (the prompt's, or the output's new ones) marked, those past `width` left out."""
         for token in tokens:
             if not 0 <= token < width:
                 continue
@@ -90,6 +86,17 @@ class _Tracked:
                     self.count_values.append(1.0)
                 else:
                     self.count_values.values[at] += 1.0
+
+
+@dataclass
+class _Tracked:
+    """A request's lists, and what the book took of them: into its `marks` (a CPU's), or its dense rows."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]  # the request's own list, appended to as its tokens come
+    counted: int = 0  # how many of `output_ids` the book took
+    fresh: bool = True  # its prompt not yet taken (and, dense, its rows not yet cleared)
+    marks: _Marks | None = None  # the CPU's path: made at its first flush
 
 
 class PenaltyBook:
@@ -136,8 +143,11 @@ class PenaltyBook:
         closed)."""
         return 0 if self.counts is None else len(self.counts)
 
-    def tracked(self, slot: int) -> _Tracked:
-        return self._open[slot]
+    def marks(self, slot: int) -> _Marks:
+        """The CPU path's marks of `slot` (taken by `flush`)."""
+        marks = self._open[slot].marks
+        assert marks is not None, "flushed on the sparse path first"
+        return marks
 
     def flush(self, device: torch.device, width: int, slots: list[int]) -> None:
         """Bring the marks of `slots` up to their requests' lists: a new request's prompt taken, the output
@@ -153,10 +163,12 @@ class PenaltyBook:
                 return
             for slot in slots:
                 tracked = self._open[slot]
+                if tracked.marks is None:
+                    tracked.marks = _Marks()
                 if tracked.fresh:
-                    tracked.take(tracked.prompt_ids, width, output=False)
+                    tracked.marks.take(tracked.prompt_ids, width, output=False)
                     tracked.fresh = False
-                tracked.take(tracked.output_ids[tracked.counted :], width, output=True)
+                tracked.marks.take(tracked.output_ids[tracked.counted :], width, output=True)
                 tracked.counted = len(tracked.output_ids)
 
     def _flush_dense(self, device: torch.device, width: int, slots: list[int]) -> None:
@@ -241,7 +253,7 @@ def penalize(
         if _dense(base.device):
             _from_rows(base, on_book, chosen, book, slots)
         else:
-            _from_marks(base, on_book, chosen, [book.tracked(s) for s in slots])
+            _from_marks(base, on_book, chosen, [book.marks(s) for s in slots])
     if len(on_book) < len(params):
         skip = set(on_book)
         _from_lists(base, [p if j not in skip else SamplingParams() for j, p in enumerate(params)], prompts, outputs)
@@ -279,7 +291,7 @@ def _from_rows(
     base.index_copy_(0, rows, sub)
 
 
-def _from_marks(base: torch.Tensor, at: list[int], params: list[SamplingParams], marks: list[_Tracked]) -> None:
+def _from_marks(base: torch.Tensor, at: list[int], params: list[SamplingParams], marks: list[_Marks]) -> None:
     """The rows `at` of `base` penalized from each request's marks on the host: the (row, token) pairs of
     `_from_lists`, without making them again."""
 
@@ -314,20 +326,13 @@ def _from_lists(
     base: torch.Tensor, params: Sequence[SamplingParams], prompts: Sequence[list[int]], outputs: Sequence[list[int]]
 ) -> None:
     """Each penalized row's (row, token) pairs, from its lists, in one indexed op a penalty."""
-
-    def pairs(per_row: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        at = [j for j, ids in enumerate(per_row) for _ in ids]
-        return to_device(at, base.device), to_device([t for ids in per_row for t in ids], base.device)
-
-    def values(per_row: list[list[float]]) -> torch.Tensor:
-        return to_device([v for vs in per_row for v in vs], base.device, base.dtype)
-
     if any(p.repetition_penalty != 1.0 for p in params):
         seen = [
             sorted(set(prompt) | set(output)) if p.repetition_penalty != 1.0 else []
             for p, prompt, output in zip(params, prompts, outputs)
         ]
-        at, penalty = pairs(seen), values([[p.repetition_penalty] * len(ids) for p, ids in zip(params, seen)])
+        at = row_pairs(seen, base.device)
+        penalty = row_values([[p.repetition_penalty] * len(ids) for p, ids in zip(params, seen)], base)
         scores = base[at]
         base[at] = torch.where(scores > 0, scores / penalty, scores * penalty)
     counts = [
@@ -335,8 +340,7 @@ def _from_lists(
         for p, output in zip(params, outputs)
     ]
     if any(counts):
-        at = pairs([list(c) for c in counts])
-        presence = values([[p.presence_penalty] * len(c) for p, c in zip(params, counts)])
-        base[at] -= presence + values([[p.frequency_penalty] * len(c) for p, c in zip(params, counts)]) * values(
-            [list(c.values()) for c in counts]
-        )
+        at = row_pairs([list(c) for c in counts], base.device)
+        presence = row_values([[p.presence_penalty] * len(c) for p, c in zip(params, counts)], base)
+        frequency = row_values([[p.frequency_penalty] * len(c) for p, c in zip(params, counts)], base)
+        base[at] -= presence + frequency * row_values([list(c.values()) for c in counts], base)

@@ -9,6 +9,7 @@ import torch
 
 from lmiserve.core.request import SamplingParams
 from lmiserve.engine.runner.graph_sampling import in_graph
+from lmiserve.engine.runner.penalties import penalized
 from lmiserve.engine.runner.sampling import needs_processing, plain_greedy
 
 if TYPE_CHECKING:
@@ -33,7 +34,8 @@ class RequestState:
     argmax: bool = field(init=False)  # greedy without processing: its token is its row's argmax (a top-N aside)
     plain: bool = field(init=False)  # `plain_greedy(params)`: the argmax alone, no top-N
     in_graph: bool = field(init=False)  # `graph_sampling.in_graph(params)`: a decode graph may sample it
+    penalized: bool = field(init=False)  # `penalties.penalized(params)`: its rows are penalized from the book
 
     def __post_init__(self) -> None:
         self.argmax, self.plain = not needs_processing(self.params), plain_greedy(self.params)
-        self.in_graph = in_graph(self.params)
+        self.in_graph, self.penalized = in_graph(self.params), penalized(self.params)

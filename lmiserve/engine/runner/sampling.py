@@ -27,7 +27,7 @@ import torch
 
 from lmiserve.core.request import SamplingParams
 from lmiserve.engine.core.step import PromptScores, SampleResult
-from lmiserve.engine.host_copy import to_device
+from lmiserve.engine.host_copy import row_pairs, row_values, to_device
 from lmiserve.engine.runner import seeded_draw
 from lmiserve.engine.runner.penalties import BookedRow, PenaltyBook, penalize, penalized
 from lmiserve.engine.runner.row_threads import each_row
@@ -168,20 +168,13 @@ def _processed_rows(logits: torch.Tensor, rows: list[Row], where: list[int]) -> 
     if masked:
         base[to_device(masked, base.device)] = torch.stack(list(masks.values()))
 
-    def pairs(per_row: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        at = [j for j, ids in enumerate(per_row) for _ in ids]
-        return to_device(at, base.device), to_device([t for ids in per_row for t in ids], base.device)
-
-    def values(per_row: list[list[float]]) -> torch.Tensor:
-        return to_device([v for vs in per_row for v in vs], base.device, base.dtype)
-
     params = [rows[i].params for i in where]
     if any(p.logit_bias for p in params):
-        at = pairs([list(p.logit_bias) for p in params])
-        base[at] += values([list(p.logit_bias.values()) for p in params])
+        at = row_pairs([list(p.logit_bias) for p in params], base.device)
+        base[at] += row_values([list(p.logit_bias.values()) for p in params], base)
     words = [banned_words(rows[i].params, rows[i].output_ids) if rows[i].params.bad_words_ids else [] for i in where]
     if any(words):
-        base[pairs(words)] = NEG_INF
+        base[row_pairs(words, base.device)] = NEG_INF
     if any(penalized(p) for p in params):
         penalize(
             base,
@@ -193,7 +186,7 @@ def _processed_rows(logits: torch.Tensor, rows: list[Row], where: list[int]) -> 
     base = processed_finite(base)
     banned = [rows[i].banned_ids if len(rows[i].output_ids) < rows[i].params.min_new_tokens else [] for i in where]
     if any(banned):
-        at = pairs(banned)
+        at = row_pairs(banned, base.device)
         kept = base[at]
         base[at] = NEG_INF
         if masked:  # where a grammar allows nothing but ending, the row may end (on the device)
