@@ -92,6 +92,9 @@ def _where() -> str:
 
 
 def _bool_index(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """An index (the second argument, or `indices`) that is or holds a boolean mask; a boolean value put
+    (``index_put_(indices, values)``, ``x[i] = mask``) is not one."""
+
     def masks(value: Any) -> bool:
         if isinstance(value, torch.Tensor):
             return value.dtype == torch.bool
@@ -99,7 +102,7 @@ def _bool_index(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
             return any(masks(v) for v in value)
         return False
 
-    return any(masks(a) for a in args[1:]) or any(masks(v) for v in kwargs.values())
+    return (len(args) > 1 and masks(args[1])) or masks(kwargs.get("indices"))
 
 
 def _blocking_copy(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], host: dict[int, Any]) -> bool:

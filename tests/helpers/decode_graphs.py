@@ -41,7 +41,7 @@ def graphs_on_the_test_device(monkeypatch: pytest.MonkeyPatch) -> GraphsMade:
             record.steps.append((graphs.size_for(len(ids)), 0 if lora is None else len(lora.adapters)))
             record.chained += sources is not None
             rows = graphs._sampling
-            kind = "greedy" if rows is None else graph_sampling.kind(params for params, _, _ in rows)
+            kind = "greedy" if rows is None else graph_sampling.kind(row[0] for row in rows[0])
             record.kinds.add((graphs.size_for(len(ids)), kind))
             return original(ids, positions, tables, lora, sources)
 

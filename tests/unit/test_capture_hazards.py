@@ -52,6 +52,9 @@ def test_what_a_graph_captures_is_not_a_hazard():
         y = y.index_select(0, index) + x[index]  # gathers by device indices
         out = torch.empty(4, 4)
         out.copy_(torch.where(x > 0, x, -x))  # a mask used as a value, not an index
+        marks = torch.zeros(4, 4, dtype=torch.bool)
+        marks.index_put_((index, index), torch.ones((), dtype=torch.bool))  # a boolean put: a value, not an index
+        marks[index] = x[index] > 0
         return torch.repeat_interleave(out.flatten(), 2, output_size=32) + y.sum() + x.shape[0]
 
     hazards = Hazards()

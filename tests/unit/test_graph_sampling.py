@@ -23,7 +23,7 @@ from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.core.step import StepOutput
 from lmiserve.engine.factory import create_engine
-from lmiserve.engine.runner import eager_sampling, graph_sampling, sampling, seeded_draw
+from lmiserve.engine.runner import eager_sampling, graph_sampling, penalties, sampling, seeded_draw
 from lmiserve.engine.runner.graph_sampling import (
     FILTERED,
     GRAPH_TOP_K,
@@ -55,23 +55,30 @@ OPTIONS = [
 
 @pytest.fixture
 def gpu_sampler(monkeypatch):
-    """The sampler on a CPU as on a GPU: the rows at once, drawn by the kernel."""
+    """The sampler on a CPU as on a GPU: the rows at once, drawn by the kernel, the penalties' dense rows."""
     monkeypatch.setattr(sampling, "_at_once", lambda device: True)
+    monkeypatch.setattr(penalties, "_dense", lambda device: True)
     monkeypatch.setattr(seeded_draw, "usable", lambda device: True)
 
 
-def test_which_rows_a_graph_samples():
+def test_which_rows_a_graph_samples(monkeypatch):
     assert in_graph(SamplingParams())
     assert all(in_graph(SamplingParams(**o)) for o in OPTIONS[1:7])
     assert in_graph(SamplingParams(do_sample=True, top_k=GRAPH_TOP_K))
     assert in_graph(SamplingParams(top_n_tokens=2)) and in_graph(
         SamplingParams(do_sample=True, top_n_tokens=GRAPH_TOP_N)
     )
+    penalized = [
+        {"repetition_penalty": 1.1},
+        {"frequency_penalty": 0.5, "top_n_tokens": 2},
+        {"do_sample": True, "presence_penalty": 0.5, "top_p": 0.9},
+        {"do_sample": True, "frequency_penalty": 0.5},
+    ]
+    assert all(in_graph(SamplingParams(**o)) for o in penalized)
     refused = [
         {"top_n_tokens": GRAPH_TOP_N + 1},
-        {"repetition_penalty": 1.1},
-        {"do_sample": True, "presence_penalty": 0.5},
-        {"do_sample": True, "frequency_penalty": 0.5},
+        {"repetition_penalty": 1.1, "top_n_tokens": GRAPH_TOP_N + 1},
+        {"repetition_penalty": 1.1, "min_new_tokens": 3},
         {"do_sample": True, "min_new_tokens": 3},
         {"do_sample": True, "logit_bias": {3: 1.0}},
         {"do_sample": True, "bad_words_ids": [[5]]},
@@ -79,6 +86,8 @@ def test_which_rows_a_graph_samples():
         {"do_sample": True, "top_k": GRAPH_TOP_K + 1},
     ]
     assert not any(in_graph(SamplingParams(**o)) for o in refused)
+    monkeypatch.setattr(graph_sampling, "PENALTIES_IN_GRAPHS", False)
+    assert not any(in_graph(SamplingParams(**o)) for o in penalized)
 
 
 def _logits(rows: int, vocab: int = 700) -> torch.Tensor:
@@ -99,7 +108,7 @@ def test_a_graphs_pick_is_the_eager_samplers_row_for_row(gpu_sampler):
     seeds = [100 + j for j in range(rows)]
     params = [SamplingParams(**o) for o in OPTIONS]
     sampler = GraphSampler(size, logits.shape[-1], DEVICE, pin=False)
-    sampler.fill(list(zip(params, seeds, counts, strict=True)), size)
+    sampler.fill([(p, s, n, None) for p, s, n in zip(params, seeds, counts, strict=True)], size)
     hazards = Hazards()
     with torch.inference_mode():
         pick = watch(hazards, sampler.pick, logits)[:rows].tolist()
@@ -145,7 +154,7 @@ def test_the_pick_without_top_k_and_top_p_is_the_same_without_a_sort(gpu_sampler
     logits = _logits(8)[: len(chosen)]
     params = [SamplingParams(**OPTIONS[i]) for i in chosen]
     sampler = GraphSampler(8, logits.shape[-1], DEVICE, pin=False)
-    sampler.fill([(p, 7 + n, 2 * n) for n, p in enumerate(params)], 8)
+    sampler.fill([(p, 7 + n, 2 * n, None) for n, p in enumerate(params)], 8)
     ops = Ops()
     with torch.inference_mode():
         with ops:
@@ -166,7 +175,7 @@ def test_a_graphs_draw_moves_with_the_index_and_the_seed(gpu_sampler):
     sampler = GraphSampler(1, logits.shape[-1], DEVICE, pin=False)
 
     def token(seed: int, index: int) -> int:
-        sampler.fill([(params, seed, index)], 1)
+        sampler.fill([(params, seed, index, None)], 1)
         return int(sampler.pick(logits)[0, 0])
 
     assert len({token(1, i) for i in range(8)}) > 1
@@ -222,9 +231,9 @@ async def test_an_engine_whose_graphs_sample_gives_the_eager_samplers_tokens(
         def append(self, graphs) -> None:  # noqa: ANN001
             sample = graphs.sample
 
-            def counted(rows):  # noqa: ANN001, ANN202
-                sampled.append(sample(rows))
-                kinds.append(kind(params for params, _, _ in rows))
+            def counted(rows, book=None):  # noqa: ANN001, ANN202
+                sampled.append(sample(rows, book))
+                kinds.append(kind(row[0] for row in rows))
                 return sampled[-1]
 
             graphs.sample = counted
@@ -242,7 +251,8 @@ async def test_an_engine_whose_graphs_sample_gives_the_eager_samplers_tokens(
         assert record.chained > 0
 
 
-# rows a graph cannot sample (a penalty, a logit bias) beside rows it samples or picks, some with a top-N
+# rows a graph cannot sample (a logit bias, a top-N past its reach) beside rows it samples (a penalty's too)
+# or picks, some with a top-N
 MIXED = [
     {},  # greedy
     {"do_sample": True, "top_p": 0.9, "temperature": 0.8, "top_n_tokens": 2},
@@ -326,7 +336,7 @@ async def _serve_detail(loaded, config: EngineConfig, options: list[dict] = MIXE
 async def test_rows_a_graph_cannot_sample_leave_only_themselves_to_the_eager_sampler(
     tiny_model, monkeypatch, gpu_sampler
 ):
-    """A step with rows the graph cannot sample (a penalty, a logit bias, a top-N past `GRAPH_TOP_N`) beside
+    """A step with rows the graph cannot sample (a logit bias, a top-N past `GRAPH_TOP_N`) beside
     rows it samples and greedy ones, some with a top-N: the graph samples its rows and its pick serves them with their top-N, the eager
     sampler takes the others alone from the logits; every token, logprob and top-N is the eager engine's."""
     config = EngineConfig(max_running=8, max_prefill_tokens=8)

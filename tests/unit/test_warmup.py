@@ -203,20 +203,25 @@ async def test_with_prompt_rows_in_the_graphs_the_warm_up_captures_the_sizes_pas
 
 async def test_where_the_graphs_sample_the_warm_up_runs_each_size_in_both_sampled_kinds(tiny_model, monkeypatch):
     """A GPU's graphs sample (runner/graph_sampling.py): each decode row count's graph is run greedy, sampled
-    without top_k, top_p and min_p, and sampled with them: the first request of each kind captures nothing."""
+    without top_k, top_p and min_p, and sampled with them, each of those with a penalty too: the first request
+    of each kind captures nothing, and the penalties' rows a penalized graph reads hold the batch limit."""
     from helpers.decode_graphs import graphs_on_the_test_device
-    from lmiserve.engine.runner import graph_sampling, sampling, seeded_draw
+    from lmiserve.engine.runner import graph_sampling, penalties, sampling, seeded_draw
 
     monkeypatch.setattr(sampling, "_at_once", lambda device: True)  # the sampler as on a GPU
     monkeypatch.setattr(seeded_draw, "usable", lambda device: True)
+    monkeypatch.setattr(penalties, "_dense", lambda device: True)
     record = graphs_on_the_test_device(monkeypatch)
     engine = create_engine(tiny_model, EngineConfig(max_running=4, warmup=True))
     engine.start()
     try:
         done = await warm_up(engine)
         assert done is not None and done.decode_rows == (1, 2, 4)
-        kinds = ("greedy", graph_sampling.SAMPLED, graph_sampling.FILTERED)
+        kinds = ["greedy", graph_sampling.SAMPLED, graph_sampling.FILTERED]
+        kinds += [kind + graph_sampling.PENALIZED for kind in kinds[1:]]
         assert {(rows, kind) for rows in done.decode_rows for kind in kinds} <= record.kinds
+        book = engine.runner.penalties  # type: ignore[attr-defined]
+        assert book.pinned and book.slots >= 4 + 1
     finally:
         await engine.stop()
 

@@ -15,11 +15,11 @@ their logits are dropped. The Triton backend's metadata is made from the graphs'
 (`TritonBackend.graph_plan`) and its kernel loops on device data: one graph serves every context length.
 
 Sampling is in the graph too: each graph computes every row's greedy token and logprob (`sampling.greedy_pick`),
-or a sampled graph (`sample`, runner/graph_sampling.py; without the top_k, top_p and min_p stages where
-no row sets them: `graph_sampling.kind`) samples the rows from their parameters' buffers. The runner takes
-the pick, with the rows' top-N, as the step's one transfer (`send_pick`); a row the graph cannot sample (a
-penalty, a grammar's mask) is sampled from the logits alone. Every graph writes its logits and pick into
-the same two buffers (outside the graphs' pool), valid until the next replay: the pool keeps the largest
+or a sampled graph (`sample`, runner/graph_sampling.py, of `graph_sampling.kind`) samples and penalizes the
+rows from their parameters' buffers and the runner's `PenaltyBook` (`penalties_ran`). The runner takes the
+pick, with the rows' top-N, as the step's one transfer (`send_pick`); a row the graph cannot sample (a logit
+bias, a grammar's mask) is sampled from the logits alone. Every graph writes its logits and pick into the
+same two buffers (outside the graphs' pool), valid until the next replay: the pool keeps the largest
 graph's intermediates, not each graph's outputs (0.56 GB of logits a kind at 128 rows of a 128k vocabulary).
 
 With LoRA adapters configured (`carry_lora`, before the first capture), every graph also computes the
@@ -40,20 +40,20 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import torch
 
-from lmiserve.core.request import SamplingParams
 from lmiserve.engine import host_copy
 from lmiserve.engine.attention import triton_ops as triton_attention
 from lmiserve.engine.attention.backends import TritonBackend
 from lmiserve.engine.attention.paged import PagedKVCache
 from lmiserve.engine.lora.slots import LoraSlots
 from lmiserve.engine.runner import graph_sampling, seeded_draw
-from lmiserve.engine.runner.graph_sampling import GraphSampler
+from lmiserve.engine.runner.graph_sampling import GraphRow, GraphSampler
 from lmiserve.engine.runner.in_flight import PickTransfers
 from lmiserve.engine.runner.sampling import greedy_pick
 
 if TYPE_CHECKING:
     from lmiserve.engine.lora.batch import LoraBatch
     from lmiserve.engine.model.fast_llama import FastLlama, StepInputs
+    from lmiserve.engine.runner.penalties import PenaltyBook
 
 __all__ = ["MAX_CAPTURE_SIZE", "DecodeGraphs", "capture_sizes", "for_model", "of_runner", "wanted"]
 
@@ -110,8 +110,7 @@ class DecodeGraphs:
         self.kv_heads = fast.kv_heads
         self.width = -(-fast.max_context // self.block_size)
         largest = self.sizes[-1]
-        # (host, device) pairs: ids, positions, tile counts, sources [largest each], then the write index
-        # [largest * kv_heads], packed; the tables [largest, width]
+        # (host, device) pairs: ids, positions, tile counts, sources, write index [largest * kv_heads]; tables
         packed, tables = (4 * largest + largest * self.kv_heads,), (largest, self.width)
         self._host = [torch.zeros(shape, dtype=torch.int64, pin_memory=self.capture) for shape in (packed, tables)]
         self._device = [torch.zeros(shape, dtype=torch.int64, device=fast.device) for shape in (packed, tables)]
@@ -127,10 +126,10 @@ class DecodeGraphs:
         self._logits_out = torch.empty((largest, fast.vocab), dtype=torch.float32, device=fast.device)
         self._pick_out = torch.empty(largest * 3, dtype=torch.float64, device=fast.device)
         self.sampler: GraphSampler | None = None  # the sampled rows' parameters (`sample`), made when first wanted
-        self._sampling: Sequence[tuple[SamplingParams, int | None, int]] | None = None  # the next `run`'s (`sample`)
+        self._sampling: tuple[Sequence[GraphRow], PenaltyBook | None] | None = None  # the next `run`'s (`sample`)
+        self.penalties_ran = False  # the last `run` penalized its rows in the book (marked their input tokens)
         self.sampler_failed = False  # a sampled graph failed to capture: sampled steps sample eagerly
-        # what each row of the host tables holds: the list it was written from (None: padding or nothing),
-        # how many of its blocks, and the largest block id among them
+        # each host table row's list written from (None: padding), how many of its blocks, its largest block id
         self._held: list[Sequence[int] | None] = [None] * largest
         self._written = np.zeros(largest, dtype=np.int64)
         self._largest_block = np.zeros(largest, dtype=np.int64)
@@ -152,14 +151,14 @@ class DecodeGraphs:
         """Whether steps of sampled rows may replay sampled graphs (`sample`)."""
         return graph_sampling.USE_IN_GRAPHS and not self.sampler_failed and seeded_draw.usable(self.fast.device)
 
-    def sample(self, rows: Sequence[tuple[SamplingParams, int | None, int]]) -> bool:
-        """The next `run`'s rows (``(params, seed, token index)`` each, all `graph_sampling.in_graph`) sample
-        inside its graph; False where they cannot (`samples`): the runner samples them from the logits."""
+    def sample(self, rows: Sequence[GraphRow], book: PenaltyBook | None = None) -> bool:
+        """The next `run`'s rows (``(params, seed, token index, book slot)`` each, all `graph_sampling.in_graph`)
+        sample inside its graph; False where they cannot (`samples`): the runner samples them from the logits."""
         if not self.samples:
             return False
         if self.sampler is None:
             self.sampler = GraphSampler(self.sizes[-1], self.fast.vocab, self.fast.device, self.capture)
-        self._sampling = rows  # written with the step's other inputs (`_fill`)
+        self._sampling = rows, book  # written with the step's other inputs (`_fill`)
         return True
 
     def covers(self, rows: int, lora: LoraBatch | None = None) -> bool:
@@ -175,11 +174,9 @@ class DecodeGraphs:
         return 0 < tokens <= self.prompt_tokens and lora is None and self.covers(decode_rows + tokens)
 
     def run_folded(self, step: StepInputs) -> torch.Tensor | None:
-        """The logits of `step`'s kept rows (`StepInputs.keep`) where the step has prompt chunks that `folds`
-        takes, each chunk token one more row at its position, reading and writing through its sequence's
-        table: every key and value of the step is written before any row attends, and each row attends over
-        its sequence's positions up to its own, so a chunk's causal attention is its rows'. None otherwise
-        (the eager forward runs it)."""
+        """The logits of `step`'s kept rows (`StepInputs.keep`) where `folds` takes its prompt chunks, each chunk
+        token a row at its position, through its sequence's table: every key and value is written before any
+        row attends over its positions up to its own (a chunk's causal attention). None otherwise (eager)."""
         if not self.folds(len(step.decode_ids), step.chunks, step.lora):
             return None
         ids, positions = step.tokens()
@@ -190,9 +187,8 @@ class DecodeGraphs:
         return logits.index_select(0, host_copy.to_device(step.keep, self.fast.device))
 
     def capture_all(self) -> list[int]:
-        """Capture every size not captured yet (the warm-up's last part, engine/core/warmup.py: the sizes past
-        the batch limit, which only steps with prompt rows reach), each from padding rows alone; the sizes
-        captured now. On a CPU (no capture) or once a capture failed: none."""
+        """Capture every size not captured yet (the warm-up's last part, engine/core/warmup.py: sizes past the
+        batch limit only prompt rows reach) from padding rows; the sizes captured (none on a CPU, or once failed)."""
         done: list[int] = []
         if not self.capture or self.failed:
             return done
@@ -248,7 +244,7 @@ class DecodeGraphs:
         tables: Sequence[Sequence[int]],
         size: int,
         sources: Sequence[int] | None = None,
-        sampling: Sequence[tuple[SamplingParams, int | None, int]] | None = None,
+        sampling: tuple[Sequence[GraphRow], PenaltyBook | None] | None = None,
     ) -> None:
         """The step's rows, padded to `size` (token 0 at position 0 of the scratch block), into the host
         buffers, then copied over: the packed part a graph of `size` rows reads, the tables only as wide
@@ -276,7 +272,7 @@ class DecodeGraphs:
         self._device[0][:packed].copy_(self._host[0][:packed], non_blocking=self.capture)
         self._device[1][:size, :width].copy_(self._host[1][:size, :width], non_blocking=self.capture)
         if sampling is not None and self.sampler is not None:
-            self.sampler.fill(sampling, size)
+            self.sampler.fill(sampling[0], size, sampling[1])
         if self.fast.device.type == "cuda":
             self._sent = self._sent or torch.cuda.Event()  # type: ignore[no-untyped-call]
             self._sent.record()
@@ -310,7 +306,9 @@ class DecodeGraphs:
         rows = len(ids)
         size = self.size_for(rows)
         sampling, self._sampling = self._sampling, None
-        kind = GREEDY if sampling is None else graph_sampling.kind(params for params, _, _ in sampling)
+        kind = GREEDY if sampling is None else graph_sampling.kind(row[0] for row in sampling[0])
+        if sampling is not None and sampling[1] is not None and self.sampler and self.sampler.moved(kind, sampling[1]):
+            self._graphs = {key: graph for key, graph in self._graphs.items() if not graph_sampling.stages(key[1])[1]}
         self._fill(ids, positions, tables, size, sources, sampling)
         if self.lora is not None:
             self.lora.set_step(lora, rows, size)
@@ -329,6 +327,7 @@ class DecodeGraphs:
             captured.graph.replay()
             logits, pick = captured.logits, captured.pick
         self._last = (logits[:rows], pick[:rows], kind != GREEDY)
+        self.penalties_ran = graph_sampling.stages(kind)[1]
         return self._last[0]
 
     def send_pick(
@@ -346,10 +345,11 @@ class DecodeGraphs:
     def _step(self, size: int, kind: str = GREEDY) -> tuple[torch.Tensor, torch.Tensor]:
         """What a graph of `size` rows and `kind` computes, into the output buffers: the logits and their
         pick, greedy or from the rows' sampling buffers (whose tokens the next step's chained rows read)."""
-        logits = self._logits_out[:size]
-        self.fast.decode_body(*self._inputs(size), out=logits)
+        logits, (ids, positions, meta, lora) = self._logits_out[:size], self._inputs(size)
+        self.fast.decode_body(ids, positions, meta, lora, out=logits)
+        filtered, penalized = graph_sampling.stages(kind)
         sampler = self.sampler if kind != GREEDY else None
-        pick = sampler.pick(logits, kind == graph_sampling.FILTERED) if sampler is not None else greedy_pick(logits)
+        pick = greedy_pick(logits) if sampler is None else sampler.pick(logits, filtered, ids if penalized else None)
         out = self._pick_out[: pick.numel()].view(pick.shape)
         out.copy_(pick)
         self._last_tokens[:size].copy_(pick[:, 0])

@@ -16,7 +16,8 @@ those (not yet confirmed on a GPU). So, once the engine runs and before the mode
 2. for each decode row count the runner distinguishes (`AsyncEngine.warmup_rows`: every CUDA graph size up
    to `max_rolling_batch_size`, set by engine/factory.py), that many requests at once, whose decode steps
    run that many rows (so each graph is captured now), and again sampled where the graphs sample
-   (runner/graph_sampling.py: a size's sampled graph is captured now too);
+   (runner/graph_sampling.py: a size's sampled graphs are captured now too, with a repetition penalty too:
+   the graphs that penalize);
 3. with `cuda_graph_prompt_tokens` (steps with prompt rows replay the graphs too), the graph sizes past the
    batch limit, which only such steps reach, captured from padding rows (`DecodeGraphs.capture_all`).
 
@@ -42,6 +43,7 @@ from lmiserve.engine import kernel_compiles
 from lmiserve.engine.attention import cuda_graphs
 from lmiserve.engine.core.async_engine import AsyncEngine
 from lmiserve.engine.core.handles import RequestHandle
+from lmiserve.engine.runner import graph_sampling
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +77,7 @@ async def warm_up(engine: AsyncEngine) -> WarmUp | None:
     rows = tuple(sorted({min(r, limit) for r in engine.warmup_rows if r > 0}))
     count = 0
 
-    async def run(length: int, requests: int, sampled: bool = False, top_p: float = 1.0) -> None:
+    async def run(length: int, requests: int, sampled: bool = False, top_p: float = 1.0, penalty: float = 1.0) -> None:
         """`requests` requests of `length` prompt tokens, submitted at once (so that their steps run together)."""
         nonlocal count
         handles = []
@@ -88,6 +90,7 @@ async def warm_up(engine: AsyncEngine) -> WarmUp | None:
                 do_sample=sampled,
                 seed=count if sampled else None,
                 top_p=top_p,
+                repetition_penalty=penalty,
             )
             request = GenerationRequest("", params, cache_salt=f"lmiserve-warmup-{count}", prompt_ids=ids)
             handles.append(engine.submit(request))
@@ -104,6 +107,9 @@ async def warm_up(engine: AsyncEngine) -> WarmUp | None:
                 if graphs is not None and graphs.samples:  # its graphs that sample (runner/graph_sampling.py's kinds)
                     await run(2, size, sampled=True)
                     await run(2, size, sampled=True, top_p=0.9)
+                    if graph_sampling.PENALTIES_IN_GRAPHS:  # (and those that penalize too)
+                        await run(2, size, sampled=True, penalty=1.1)
+                        await run(2, size, sampled=True, top_p=0.9, penalty=1.1)
         except LmiServeError as exc:  # a shape the engine refuses costs its first request time, not the model
             log.warning("warm-up stopped (%s); the model serves without the rest of it", exc)
         # the graph sizes past the batch limit (`cuda_graph_prompt_tokens`: decode rows and prompt rows

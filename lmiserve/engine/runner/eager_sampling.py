@@ -110,10 +110,14 @@ class EagerSampling:
         )
         request.generator, row.masked = row.generator, masked
         if request.penalized:
-            if request.penalty_slot is None:
-                request.penalty_slot = self.penalties.open(request.prompt_ids, request.output_ids)
-            row.penalty = BookedRow(self.penalties, request.penalty_slot)
+            row.penalty = BookedRow(self.penalties, self._penalty_slot(request))
         return row
+
+    def _penalty_slot(self, request: RequestState) -> int:
+        """A penalized request's slot in the book, opened on its first sampled row (eager or in a graph)."""
+        if request.penalty_slot is None:
+            request.penalty_slot = self.penalties.open(request.prompt_ids, request.output_ids)
+        return request.penalty_slot
 
     def _forget(self, request: RequestState | None) -> None:
         """A request the persistent batch no longer holds (finished, or replaced): its book slot freed."""

@@ -73,6 +73,7 @@ class PagedFastRunner(PersistentBatchRunner):
         else:
             self.kernels = kernel_autotune.KernelChoice(self.fast.gemm, self.fast.compiled_attention, "static")
         self.graphs = cuda_graphs.for_model(self.fast, max_slots, num_blocks, graph_prompt_tokens) if graphs else None
+        self.max_slots = max_slots
         self.fast.graphs = self.graphs
         super().__init__(model, eos_token_ids, kv, num_blocks)
 
@@ -93,9 +94,10 @@ class PagedFastRunner(PersistentBatchRunner):
         tokens = [1] * len(decode) + [len(batch.rows[i].computed_ids) for i in part[len(decode) :]]
         chained = self._chained
         lora = self._lora(batch, part, tokens)
+        self._graph_sampled, marks = set(), []
         if not prefills:
-            self._sample_in_graph(rows, lora, {batch.rows[i].seq_id for i in batch.grammar_rows})
-        return self.fast.forward(
+            marks = self._sample_in_graph(rows, lora, {batch.rows[i].seq_id for i in batch.grammar_rows})
+        logits = self.fast.forward(
             StepInputs(
                 [0 if r.seq_id in chained else r.token_ids[0] for r in rows],  # (chained: on the device)
                 [r.start for r in rows],
@@ -106,25 +108,41 @@ class PagedFastRunner(PersistentBatchRunner):
                 [chained.get(r.seq_id, -1) for r in rows] if chained else None,
             )
         )
+        if marks and self.graphs is not None and self.graphs.penalties_ran:  # (its graph marked their input tokens)
+            self.penalties.taken_by_graph(marks)
+        return logits
 
-    def _sample_in_graph(self, rows: list[ScheduledTokens], lora: LoraBatch | None, grammar: set[int]) -> None:
+    def _sample_in_graph(self, rows: list[ScheduledTokens], lora: LoraBatch | None, grammar: set[int]) -> list[int]:
         """A step of decode rows alone that a graph replays, where some rows (without a grammar: the seq_ids in
-        `grammar`) sample (`do_sample`) with what a graph samples (runner/graph_sampling.py): its graph samples
-        them, each from its seed and the index of its token (a chained row's token in flight counted). The
-        rest are greedy rows to it: the picks of those greedy without processing are their argmax, the
-        others' are dropped (the eager sampler takes them from the logits: `_graph_served`)."""
-        graphs, requests = self.graphs, [self._requests[r.seq_id] for r in rows]
+        `grammar`) sample or are penalized with what a graph does (runner/graph_sampling.py): its graph samples
+        them (`_graph_sampled`), each from its seed and the index of its token (a chained row's token in flight
+        counted), a penalized one from its book slot, flushed up to the input token the graph marks. The rest
+        are greedy rows to it: the picks of those greedy without processing are their argmax, the others' are
+        dropped (the eager sampler takes them from the logits: `_graph_served`). The book slots to count as
+        marked if the graph penalized."""
+        graphs, requests, book = self.graphs, [self._requests[r.seq_id] for r in rows], self.penalties
         if graphs is None or not graphs.covers(len(rows), lora):
-            return
-        sampled = [r.in_graph and r.params.do_sample and row.seq_id not in grammar for r, row in zip(requests, rows)]
-        if any(sampled):
-            chained = self._chained
-            graphs.sample(
-                [
-                    (r.params, r.seed, len(r.output_ids) + (row.seq_id in chained)) if wanted else (GREEDY, None, 0)
-                    for r, row, wanted in zip(requests, rows, sampled, strict=True)
-                ]
-            )
+            return []
+        chained, device = self._chained, self.fast.device
+        indexes = [len(r.output_ids) + (row.seq_id in chained) for r, row in zip(requests, rows)]
+        taken = [r.in_graph and row.seq_id not in grammar for r, row in zip(requests, rows)]
+        slots: dict[int, int] = {}  # penalized rows' book slots, by row
+        if book.dense(device) and any(r.penalized and t for r, t in zip(requests, taken)):
+            book.pin(self.max_slots)
+            slots = {n: self._penalty_slot(r) for n, (r, t) in enumerate(zip(requests, taken)) if r.penalized and t}
+            book.flush(device, self.fast.vocab, list(slots.values()), [indexes[n] - 1 for n in slots])
+            # (the graph marks each input token; one before it not on the host is never expected: eager then)
+            slots = {n: slot for n, slot in slots.items() if book.taken(slot) == indexes[n] - 1}
+        wanted = [
+            (r.params, r.seed, indexes[n], slots.get(n))
+            if taken[n] and (n in slots if r.penalized else r.params.do_sample)
+            else None
+            for n, r in enumerate(requests)
+        ]
+        if not any(wanted) or not graphs.sample([w or (GREEDY, None, 0, None) for w in wanted], book):
+            return []
+        self._graph_sampled = {row.seq_id for row, w in zip(rows, wanted) if w}
+        return [w[3] for w in wanted if w and w[3] is not None]
 
     def _chain_from(self, batch: StepBatch) -> dict[int, int] | None:
         """A step of decode rows alone, every one greedy without processing or (where the graphs sample)
@@ -140,7 +158,7 @@ class PagedFastRunner(PersistentBatchRunner):
         requests = self._requests
         if not all(r.seq_id in requests and requests[r.seq_id].in_graph for r in rows):
             return None
-        if any(requests[r.seq_id].params.do_sample for r in rows) and not graphs.samples:
+        if not all(requests[r.seq_id].argmax for r in rows) and not graphs.samples:
             return None
         row_of = {seq_id: n for n, seq_id in enumerate(last.seq_ids)}
         waiting = [r.seq_id for r in rows if r.token_ids[0] == PENDING_TOKEN]

@@ -2,11 +2,21 @@
 step captured, sampling included), so that a step of sampled rows replays one graph, sends its tokens in
 the step's one transfer and chains into the next step on the device, as a greedy step does.
 
-A row samples in the graph (`in_graph`) when it is greedy without processing, or sampled with temperature,
-top_k (up to `GRAPH_TOP_K`), top_p and min_p alone, either with a top-N of up to `GRAPH_TOP_N` tokens: no
-penalty, logit bias, bad words, `min_new_tokens` or typical_p, which stay with the eager sampler
-(runner/sampling.py) from the graph's logits: those rows alone, the step's others taking the graph's pick
-(runner/persistent_batch.py, `_graph_served`), where a grammar's rows go too. Its parameters are device
+A row samples in the graph (`in_graph`) when it is greedy, or sampled with temperature, top_k (up to
+`GRAPH_TOP_K`), top_p and min_p alone, either with a repetition, presence or frequency penalty or none, and
+a top-N of up to `GRAPH_TOP_N` tokens: no logit bias, bad words, `min_new_tokens` or typical_p, which stay
+with the eager sampler (runner/sampling.py) from the graph's logits: those rows alone, the step's others
+taking the graph's pick (runner/persistent_batch.py, `_graph_served`), where a grammar's rows go too.
+
+A penalized row's graph reads its request's dense rows in the runner's `PenaltyBook` (runner/penalties.py,
+pinned: fixed addresses), through the slot the graph's buffers give it (the rows without a penalty read the
+book's scratch row, which changes nothing), and marks there its input token first: the request's last
+output token, whichever path sampled it (a graph's pick chained on the device, or the eager sampler), so
+the book's host side takes each output token up to the one before (`PenaltyBook.flush`'s `upto`) and counts
+the graph's one (`taken_by_graph`) once the graph ran. The penalties are the eager dense path's ops
+(`penalties.dense_penalized`); a greedy penalized row takes the argmax of its processed logits, as the
+eager sampler does. A graph of such a step is its own kind (`PENALIZED`), captured again when the book's rows
+were allocated anew (their growth past the slots pinned). Its parameters are device
 buffers the graph reads (`GraphSampler`: written on the host, copied before the replay, as the graph's ids
 and positions), and every stage runs for every row, a row that does not set it passing through unchanged:
 the ops are the eager sampler's own (runner/warpers.py's stages, `seeded_draw.draw_keyed`), so a row gets
@@ -34,7 +44,7 @@ import torch
 
 from lmiserve.core.request import SamplingParams
 from lmiserve.engine.runner import seeded_draw
-from lmiserve.engine.runner.penalties import penalized
+from lmiserve.engine.runner.penalties import PenaltyBook, dense_penalized, penalized
 from lmiserve.engine.runner.sampling import needs_processing, processed_finite
 from lmiserve.engine.runner.warpers import finite, min_p_cut, scaled, top_k_columns, top_k_cut, top_p_cut
 
@@ -42,18 +52,25 @@ __all__ = [
     "FILTERED",
     "GRAPH_TOP_K",
     "GRAPH_TOP_N",
+    "PENALIZED",
+    "PENALTIES_IN_GRAPHS",
     "SAMPLED",
     "USE_IN_GRAPHS",
+    "GraphRow",
     "GraphSampler",
     "in_graph",
     "kind",
+    "stages",
     "with_top_n",
 ]
 
 GRAPH_TOP_K = 1024  # the largest top_k a row sampled in a graph may set (the graph's `topk` is this wide)
 GRAPH_TOP_N = 20  # the most top-N tokens a row takes from a graph's step (OpenAI's top_logprobs at most)
 USE_IN_GRAPHS = True  # False: a decode graph's sampled rows are sampled after it, from its logits
+PENALTIES_IN_GRAPHS = True  # False: a penalized row is sampled after its decode graph, from its logits
 SAMPLED, FILTERED = "sampled", "sampled-filtered"  # a sampled graph's kinds: without top_k, top_p, min_p; with
+PENALIZED = "+penalized"  # a sampled kind's suffix: its rows' penalties too, read from the book
+GraphRow = tuple[SamplingParams, int | None, int, int | None]  # a row a graph samples: `GraphSampler.fill`'s
 
 
 def in_graph(params: SamplingParams) -> bool:
@@ -62,22 +79,25 @@ def in_graph(params: SamplingParams) -> bool:
         return False
     if not needs_processing(params):
         return True  # plain greedy
-    return (
-        params.do_sample
-        and not penalized(params)
-        and params.min_new_tokens == 0
-        and not params.logit_bias
-        and not params.bad_words_ids
-        and params.typical_p >= 1.0
-        and params.top_k <= GRAPH_TOP_K
-    )
+    if penalized(params) and not PENALTIES_IN_GRAPHS:
+        return False
+    if params.min_new_tokens > 0 or params.logit_bias or params.bad_words_ids:
+        return False
+    return not params.do_sample or (params.typical_p >= 1.0 and params.top_k <= GRAPH_TOP_K)
 
 
 def kind(params: Iterable[SamplingParams]) -> str:
     """The kind of sampled graph a step of rows with `params` (all `in_graph`) replays: `FILTERED` where a
-    sampled row sets top_k, top_p or min_p, else `SAMPLED`."""
+    sampled row sets top_k, top_p or min_p, else `SAMPLED`; with `PENALIZED` after it where a row is
+    penalized."""
+    params = list(params)
     filtered = any(p.do_sample and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) for p in params)
-    return FILTERED if filtered else SAMPLED
+    return (FILTERED if filtered else SAMPLED) + (PENALIZED if any(penalized(p) for p in params) else "")
+
+
+def stages(kind: str) -> tuple[bool, bool]:
+    """Whether a sampled graph of `kind` has the top_k, top_p and min_p stages, and the penalties."""
+    return kind.startswith(FILTERED), kind.endswith(PENALIZED)
 
 
 class GraphSampler:
@@ -86,46 +106,94 @@ class GraphSampler:
 
     def __init__(self, largest: int, vocab: int, device: torch.device, pin: bool) -> None:
         self.vocab, self.width = vocab, min(GRAPH_TOP_K, vocab)
-        # floats: temperature, 1 - top_p, min_p; ints: k - 1, top_k off, top_p on, seed key, token index, sampled
+        # floats: temperature, 1 - top_p, min_p, repetition, presence, frequency penalties;
+        # ints: k - 1, top_k off, top_p on, seed key, token index, sampled, the book's slot
         self._host = (
-            torch.ones((3, largest), dtype=torch.float32, pin_memory=pin),
-            torch.zeros((6, largest), dtype=torch.int64, pin_memory=pin),
+            torch.ones((6, largest), dtype=torch.float32, pin_memory=pin),
+            torch.zeros((7, largest), dtype=torch.int64, pin_memory=pin),
         )
         self._device = tuple(torch.zeros_like(t, device=device) for t in self._host)
         self._floats, self._ints = (t.numpy() for t in self._host)  # written with numpy: no torch op a row
+        self.book: PenaltyBook | None = None  # whose dense rows a penalized graph reads (`fill`)
+        self._version = 0  # the version of the book's rows that the penalized graphs captured read (`moved`)
+        self._true = torch.ones((), dtype=torch.bool, device=device)  # (a graph makes no tensor from the host)
 
-    def fill(self, rows: Sequence[tuple[SamplingParams, int | None, int]], size: int) -> None:
-        """The rows' ``(params, seed, index)`` (`index`: the tokens the row's sequence has, those of a step
-        still in flight included), padded to `size` greedy rows, copied to the device without a wait."""
-        floats, ints = [[1.0, 0.0, 0.0]] * size, [[0, 1, 0, 0, 0, 0]] * size  # greedy: every stage off
-        for n, (params, seed, index) in enumerate(rows):
+    def fill(self, rows: Sequence[GraphRow], size: int, book: PenaltyBook | None = None) -> None:
+        """The rows' ``(params, seed, index, slot)`` (`index`: the tokens the row's sequence has, those of a
+        step still in flight included; `slot`: a penalized row's in `book`, pinned and flushed), padded to
+        `size` greedy rows, copied to the device without a wait."""
+        scratch = book.scratch if book is not None and book.pinned else 0
+        floats = [[1.0, 0.0, 0.0, 1.0, 0.0, 0.0]] * size  # greedy: every stage off
+        ints = [[0, 1, 0, 0, 0, 0, scratch]] * size
+        for n, (params, seed, index, slot) in enumerate(rows):
+            penalties = [params.repetition_penalty, params.presence_penalty, params.frequency_penalty]
             if params.do_sample:
                 k = params.top_k if 0 < params.top_k < self.vocab else 0
                 key = seeded_draw.seed_keys([seed if seed is not None else 0])[0]
-                floats[n] = [params.temperature, 1 - params.top_p, params.min_p]
-                ints[n] = [*top_k_columns([k])[0], int(params.top_p < 1.0), key, index, 1]
+                floats[n] = [params.temperature, 1 - params.top_p, params.min_p, *penalties]
+                ints[n] = [*top_k_columns([k])[0], int(params.top_p < 1.0), key, index, 1, scratch]
+            elif slot is not None:
+                floats[n] = [1.0, 0.0, 0.0, *penalties]
+                ints[n] = [0, 1, 0, 0, 0, 0, scratch]
+            if slot is not None:
+                ints[n][6] = slot
+            else:
+                floats[n][3:] = [1.0, 0.0, 0.0]
+        self.book = book
         self._floats[:, :size] = np.array(floats, dtype=np.float32).T
         self._ints[:, :size] = np.array(ints, dtype=np.int64).T
         for host, device in zip(self._host, self._device):  # whole (contiguous: copied without a wait), a few KB
             device.copy_(host, non_blocking=host.is_pinned())
 
-    def pick(self, logits: torch.Tensor, filtered: bool = True) -> torch.Tensor:
+    def moved(self, kind: str, book: PenaltyBook) -> bool:
+        """Whether a graph of `kind` penalizes from rows of `book` that were allocated anew since the graphs
+        of its kind were captured (which must be captured again)."""
+        if not stages(kind)[1] or book.version == self._version:
+            return False
+        self._version = book.version
+        return True
+
+    def pick(self, logits: torch.Tensor, filtered: bool = True, inputs: torch.Tensor | None = None) -> torch.Tensor:
         """Each row's token, its logprob and whether it could not be drawn, ``[rows, 3]`` float64, from the
         buffers' first ``len(logits)`` rows: tensor ops and one kernel, nothing read on the host. Without
-        `filtered` (no row sets top_k, top_p or min_p: `kind`) their stages are left out."""
+        `filtered` (no row sets top_k, top_p or min_p: `kind`) their stages are left out; with the step's
+        `inputs` (its rows' token ids, a `PENALIZED` kind's) they are marked in the book and the rows penalized."""
         rows = len(logits)
         floats, ints = (t[:, :rows] for t in self._device)
         sampled = ints[5].bool()
-        # as the eager sampler: the rows made finite as processed rows are (runner/sampling.py), then the stages
-        warped = finite(scaled(processed_finite(logits), floats[0]))
+        # as the eager sampler: the rows processed (penalized, made finite: runner/sampling.py), then the stages
+        processed = processed_finite(logits if inputs is None else self._penalized(logits, inputs, floats, ints[6]))
+        best = processed.argmax(-1) if inputs is not None else None  # (a penalized greedy row's, as the eager one's)
+        warped = finite(scaled(processed, floats[0]))
+        del processed  # (the pick's memory: `pool_plan.GRAPH_LOGIT_BYTES`)
         if filtered:
             warped = top_k_cut(warped, self.width, ints[0][:, None], ints[1][:, None])
             warped = min_p_cut(top_p_cut(warped, floats[1], ints[2].bool()), floats[2])
         drawn, undrawable = seeded_draw.draw_keyed(warped.softmax(-1), ints[3], ints[4])
-        tokens = torch.where(sampled, drawn, logits.argmax(-1))
+        del warped
+        greedy = logits.argmax(-1)
+        if best is not None:
+            greedy = torch.where((floats[3] != 1.0) | (floats[4] != 0.0) | (floats[5] != 0.0), best, greedy)
+        tokens = torch.where(sampled, drawn, greedy)
         chosen = logits.log_softmax(-1).gather(1, tokens[:, None])
         flags = (undrawable & sampled).to(torch.float64)[:, None]
         return torch.cat((tokens.to(torch.float64)[:, None], chosen.to(torch.float64), flags), dim=1)
+
+    def _penalized(
+        self, logits: torch.Tensor, inputs: torch.Tensor, floats: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        """Each row's input token marked in its slot of the book's dense rows (the scratch row's, for rows
+        without a penalty: those rows alone share a slot), then the rows penalized from their slots."""
+        book = self.book
+        assert book is not None and book.seen is not None and book.counts is not None
+        book.seen.index_put_((slots, inputs), self._true)
+        book.counts.index_put_((slots, inputs), book.counts[slots, inputs] + 1)
+        columns = floats[3][:, None], floats[4][:, None], floats[5][:, None]
+        seen = book.seen.index_select(0, slots)
+        seen &= (floats[3] != 1.0)[:, None]
+        logits = dense_penalized(logits, seen, None, *columns)
+        del seen  # (the pick's memory: one stage's rows at a time)
+        return dense_penalized(logits, None, book.counts.index_select(0, slots), *columns)
 
 
 def with_top_n(pick: torch.Tensor, logits: torch.Tensor, top_n: int) -> torch.Tensor:

@@ -33,7 +33,7 @@ import torch
 from lmiserve.core.request import SamplingParams
 from lmiserve.engine.host_copy import row_pairs, row_values, to_device
 
-__all__ = ["FIRST_SLOTS", "BookedRow", "PenaltyBook", "penalize", "penalized"]
+__all__ = ["FIRST_SLOTS", "BookedRow", "PenaltyBook", "dense_penalized", "penalize", "penalized"]
 
 FIRST_SLOTS = 8  # the dense rows' first size in requests; they double as more are penalized at once
 
@@ -115,6 +115,9 @@ class PenaltyBook:
         self.seen: torch.Tensor | None = None
         self.counts: torch.Tensor | None = None
         self._kind: tuple[torch.device, int] | None = None  # the device and width the marks were taken for
+        self.pinned = False  # a decode graph reads the dense rows (`pin`)
+        self._least = 0  # the requests the pinned rows hold at least
+        self.version = 0  # counts the dense rows' allocations (a graph that read older ones is captured again)
 
     def open(self, prompt_ids: list[int], output_ids: list[int]) -> int:
         """A slot for a request whose tokens are these lists (`output_ids` is read again at each flush)."""
@@ -131,11 +134,41 @@ class PenaltyBook:
                 return
             self._free.append(slot)
             if not self._open:
-                self._free, self._next, self.seen, self.counts = [], 0, None, None
+                self._free, self._next = [], 0
+                if not self.pinned:
+                    self.seen, self.counts = None, None
 
     def __len__(self) -> int:
         """The requests open."""
         return len(self._open)
+
+    @staticmethod
+    def dense(device: torch.device) -> bool:
+        """Whether the book keeps dense rows for logits on `device` (which a decode graph reads)."""
+        return _dense(device)
+
+    def pin(self, least: int = 0) -> None:
+        """From now on the dense rows stay (a decode graph captured their addresses: runner/graph_sampling.py),
+        made for `least` requests at least (a step's most rows: no growth as a batch fills up), with one row
+        past the slots handed out, `scratch`, that the graph's rows without a penalty read and write; a new
+        allocation (growth) changes `version`."""
+        with self._lock:
+            self.pinned, self._least = True, max(self._least, least)
+
+    @property
+    def scratch(self) -> int:
+        """The pinned rows' last row: never a request's."""
+        return self.slots - 1
+
+    def taken(self, slot: int) -> int:
+        """How many of the output's tokens of `slot` are marked (by `flush`, or by a graph: `taken_by_graph`)."""
+        return self._open[slot].counted
+
+    def taken_by_graph(self, slots: list[int]) -> None:
+        """A decode graph marked the next output token of each of `slots` in the dense rows (its input token)."""
+        with self._lock:
+            for slot in slots:
+                self._open[slot].counted += 1
 
     @property
     def slots(self) -> int:
@@ -149,17 +182,17 @@ class PenaltyBook:
         assert marks is not None, "flushed on the sparse path first"
         return marks
 
-    def flush(self, device: torch.device, width: int, slots: list[int]) -> None:
+    def flush(self, device: torch.device, width: int, slots: list[int], upto: list[int] | None = None) -> None:
         """Bring the marks of `slots` up to their requests' lists: a new request's prompt taken, the output
         tokens added since taken (dense: a new request's rows cleared first, then one indexed op each for
-        them together)."""
+        them together), each slot's up to its output's `upto` tokens where given (dense only)."""
         with self._lock:
             if self._kind != (device, width):  # (another device or width: every request's marks taken again)
                 self._kind, self.seen, self.counts = (device, width), None, None
                 for slot, tracked in list(self._open.items()):
                     self._open[slot] = _Tracked(tracked.prompt_ids, tracked.output_ids)
             if _dense(device):
-                self._flush_dense(device, width, slots)
+                self._flush_dense(device, width, slots, upto)
                 return
             for slot in slots:
                 tracked = self._open[slot]
@@ -171,13 +204,13 @@ class PenaltyBook:
                 tracked.marks.take(tracked.output_ids[tracked.counted :], width, output=True)
                 tracked.counted = len(tracked.output_ids)
 
-    def _flush_dense(self, device: torch.device, width: int, slots: list[int]) -> None:
+    def _flush_dense(self, device: torch.device, width: int, slots: list[int], upto: list[int] | None) -> None:
         self._fit(device, width)
         assert self.seen is not None and self.counts is not None
         fresh: list[int] = []
         marks: tuple[list[int], list[int]] = ([], [])  # (slot, token) pairs: prompts' and outputs' tokens
         added: tuple[list[int], list[int]] = ([], [])  # outputs' tokens
-        for slot in slots:
+        for n, slot in enumerate(slots):
             tracked = self._open[slot]
             if tracked.fresh:
                 fresh.append(slot)
@@ -185,7 +218,7 @@ class PenaltyBook:
                 marks[0].extend([slot] * len(ids))
                 marks[1].extend(ids)
                 tracked.fresh = False
-            new = tracked.output_ids[tracked.counted :]
+            new = tracked.output_ids[tracked.counted : None if upto is None else upto[n]]
             if new:
                 for pairs in (marks, added):
                     pairs[0].extend([slot] * len(new))
@@ -202,13 +235,16 @@ class PenaltyBook:
             self.counts.index_put_(where, torch.ones(len(where[0]), device=device), accumulate=True)
 
     def _fit(self, device: torch.device, width: int) -> None:
-        """Dense rows on `device`, `width` tokens wide, one for every slot handed out."""
-        size = self.slots
-        if size >= self._next and self.counts is not None:
+        """Dense rows on `device`, `width` tokens wide, one for every slot handed out (pinned: and `scratch`)."""
+        size, wanted = self.slots, max(self._next, self._least) + int(self.pinned)
+        if size >= wanted and self.counts is not None:
             return
         grown = max(FIRST_SLOTS, size)
-        while grown < self._next:
+        while grown < wanted:
             grown *= 2
+        if self.pinned and self._next <= self._least:  # (a step's most rows and the scratch row: no more)
+            grown = max(size, wanted)
+        self.version += 1
         seen = torch.zeros((grown, width), dtype=torch.bool, device=device)
         counts = torch.zeros((grown, width), dtype=torch.float32, device=device)
         if self.seen is not None and self.counts is not None:
@@ -276,19 +312,44 @@ def _from_rows(
     """The rows `at` of `base` penalized from the book's dense rows, ops over the whole rows."""
     assert book.seen is not None and book.counts is not None
     rows, where = to_device(at, base.device), to_device(slots, base.device)
-    sub = base.index_select(0, rows)
+    seen = counts = None
     repetition = [p.repetition_penalty for p in params]
     if any(r != 1.0 for r in repetition):
-        seen, penalty = book.seen.index_select(0, where), _column(base, repetition)
+        seen = book.seen.index_select(0, where)
         if any(r == 1.0 for r in repetition):
             seen &= to_device([r != 1.0 for r in repetition], base.device, torch.bool)[:, None]
-        sub = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
     if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
         counts = book.counts.index_select(0, where).to(base.dtype)
-        presence = _column(base, [p.presence_penalty for p in params])
-        frequency = _column(base, [p.frequency_penalty for p in params])
-        sub = torch.where(counts > 0, sub - (presence + frequency * counts), sub)
-    base.index_copy_(0, rows, sub)
+    columns = (_column(base, [getattr(p, name) for p in params]) for name in _COLUMNS)
+    base.index_copy_(0, rows, dense_penalized(base.index_select(0, rows), seen, counts, *columns))
+
+
+_COLUMNS = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+def dense_penalized(
+    logits: torch.Tensor,
+    seen: torch.Tensor | None,
+    counts: torch.Tensor | None,
+    repetition: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+) -> torch.Tensor:
+    """`logits` (rows of the vocabulary) penalized from their dense rows, a new tensor: `seen` (bool, where the
+    repetition penalty applies; None: nowhere), `counts` (a copy of the output's counts in `logits`' dtype,
+    which it overwrites; None: no presence or frequency penalty), and the penalties, a column each (a decode
+    graph's rows too: runner/graph_sampling.py). The lists' ops (`_from_lists`), a few rows of the vocabulary
+    held at once (as a graph's pick holds them: `pool_plan.GRAPH_LOGIT_BYTES`)."""
+    if seen is not None:
+        penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+        logits = torch.where(seen, penalized, logits, out=penalized)
+    if counts is not None:
+        applies = counts > 0
+        penalty = counts.mul_(frequency).add_(presence)  # (presence + frequency * counts: the same bits)
+        penalized = logits - penalty
+        del penalty, counts
+        logits = torch.where(applies, penalized, logits, out=penalized)
+    return logits
 
 
 def _from_marks(base: torch.Tensor, at: list[int], params: list[SamplingParams], marks: list[_Marks]) -> None:

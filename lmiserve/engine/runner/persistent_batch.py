@@ -68,6 +68,7 @@ class PersistentBatchRunner(EagerSampling, BatchRunner):
         # the rows that take their input from the last of them: seq_id -> that step's row
         self.in_flight = StepsInFlight(self._append_token)
         self._chained: dict[int, int] = {}
+        self._graph_sampled: set[int] = set()  # the step's rows its decode graph samples (runner/fast.py)
         self.vocab_size = int(text_config(model.config).vocab_size)
         self.proposer: Proposer | None = None  # speculative decoding's drafts (engine/speculative/proposers.py)
         # LoRA (engine/lora/adapters.py): the adapters' weights by the load a NewRequest names (None: this runner
@@ -285,7 +286,14 @@ class PersistentBatchRunner(EagerSampling, BatchRunner):
         rows left to it (all of them where no graph ran)."""
         requests = [self._requests[batch.rows[i].seq_id] for i in sampling]
         every = list(range(len(sampling)))
-        wanted = [n for n in every if sampling[n] not in grammar and requests[n].in_graph]  # (a top-N within reach)
+        graphed = self._graph_sampled
+        wanted = [  # (a top-N within reach)
+            n
+            for n in every
+            if sampling[n] not in grammar
+            and requests[n].in_graph
+            and (requests[n].argmax or batch.rows[sampling[n]].seq_id in graphed)
+        ]
         top = max((requests[n].params.top_n_tokens for n in wanted), default=0)
         try:
             sampled, receive = True, self._send_pick(logits, True, top) if wanted else None
