@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import platform
 import subprocess
+from pathlib import Path
+from typing import Any
 
 
 def cpu_model() -> str:
@@ -20,3 +23,11 @@ def run_facts() -> dict[str, str]:
     import torch
 
     return {"cpu": cpu_model(), "python": platform.python_version(), "torch": torch.__version__}
+
+
+def write_report(out: Path | None, **fields: Any) -> dict[str, Any]:
+    """A result's report: the run's facts (`run_facts`) and `fields`, written as JSON to `out` where given."""
+    report = {**run_facts(), **fields}
+    if out is not None:
+        out.write_text(json.dumps(report, indent=1) + "\n")
+    return report

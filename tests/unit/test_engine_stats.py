@@ -5,6 +5,7 @@ tokens the requests produced, refusals and failures reported as such, and the li
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -125,6 +126,13 @@ async def test_refusals_are_reported_and_never_finish(tiny_model):
 
 async def test_a_client_that_leaves_is_an_abort_and_a_queue_timeout_an_error(tiny_model):
     engine, seen = engine_with(tiny_model, max_running=1, predict_timeout=0.2)
+    launch = engine.runner.launch_batch  # type: ignore[attr-defined]
+
+    def slower(batch):  # noqa: ANN001, ANN202 - a step of 5 ms at least: the long request outlasts the timeout
+        time.sleep(0.005)  # (the tiny model's 254 tokens took 0.15 s on an AMD EPYC: less than the timeout)
+        return launch(batch)
+
+    engine.runner.launch_batch = slower  # type: ignore[attr-defined]
     engine.start()
     try:
         most = tiny_model.max_context - prompt_len(tiny_model, "Hello")

@@ -43,7 +43,7 @@ sys.path.insert(0, str(HERE.parent / "issue39-graph-kinds-2026-12-01"))
 sys.path.insert(0, str(HERE.parent / "issue39-penalty-book-2026-12-01"))
 
 from graph_kinds import Tally, measured  # noqa: E402
-from machine import run_facts  # noqa: E402
+from machine import write_report  # noqa: E402
 from penalty_rows import KINDS, copied, gpu_path, host_side, requests  # noqa: E402
 
 from lmiserve.core.request import SamplingParams  # noqa: E402
@@ -170,17 +170,15 @@ def main() -> None:
             }
             print(json.dumps(entry), flush=True)
             results.append(entry)
-    report = {
-        **run_facts(),
-        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "rows": args.rows,
-        "vocab": args.vocab,
-        "context": args.context,
-        "penalties_in_graphs": graph_sampling.PENALTIES_IN_GRAPHS,
-        "results": results,
-    }
-    if args.out is not None:
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    write_report(
+        args.out,
+        when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        rows=args.rows,
+        vocab=args.vocab,
+        context=args.context,
+        penalties_in_graphs=graph_sampling.PENALTIES_IN_GRAPHS,
+        results=results,
+    )
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE.parent / "issue39-graph-kinds-2026-12-01"))
 
 from graph_kinds import Tally  # noqa: E402
-from machine import run_facts  # noqa: E402
+from machine import write_report  # noqa: E402
 
 from lmiserve.core.request import SamplingParams  # noqa: E402
 from lmiserve.engine.runner import penalties, sampling  # noqa: E402
@@ -198,14 +198,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     results = measure(args.rows, args.vocab, [int(c) for c in args.contexts.split(",")])
-    report = {
-        **run_facts(),
-        "rows": args.rows,
-        "vocab": args.vocab,
-        "results": results,
-    }
-    if args.out is not None:
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    write_report(args.out, rows=args.rows, vocab=args.vocab, results=results)
 
 
 if __name__ == "__main__":

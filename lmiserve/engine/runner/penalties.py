@@ -11,8 +11,11 @@ what their contexts hold:
   ops over its penalized rows, nothing copied but their slots (vLLM counts the output tokens into a
   ``[rows, vocab]`` table each step);
 - on a CPU, as each request's distinct tokens and its output's counts in host arrays, grown a token at a
-  time; a step's penalties index those arrays in place (on a CPU an op over a whole row of the vocabulary,
-  or its `nonzero`, costs more than the pairs a row marks).
+  time; a step's penalties index those arrays in place (runner/penalty_marks.py: on a CPU an op over a
+  whole row of the vocabulary, or its `nonzero`, costs more than the pairs a row marks).
+
+A decode graph reads the dense rows too, pinned for it (`pin`), and marks its rows' input tokens there
+(runner/graph_sampling.py: `flush`'s `upto`, `taken_by_graph`).
 
 Rows without a book (`sampling.sample_row`'s callers) still give the (row, token) pairs of their set of
 tokens from the request's lists, made again each step: at 128 rows of 1,024 tokens, ~390,000 values made on
@@ -25,13 +28,13 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from lmiserve.core.request import SamplingParams
 from lmiserve.engine.host_copy import row_pairs, row_values, to_device
+from lmiserve.engine.runner.penalty_marks import Marks, from_marks
 
 __all__ = ["FIRST_SLOTS", "BookedRow", "PenaltyBook", "dense_penalized", "penalize", "penalized"]
 
@@ -43,51 +46,6 @@ def penalized(params: SamplingParams) -> bool:
     return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
 
-class _Growing:
-    """A numpy array appended to a value at a time (its capacity doubles)."""
-
-    def __init__(self, dtype: type) -> None:
-        self.values: np.ndarray = np.empty(16, dtype=dtype)
-        self.size = 0
-
-    def append(self, value: float) -> None:
-        if self.size == len(self.values):
-            self.values = np.concatenate((self.values, np.empty_like(self.values)))
-        self.values[self.size] = value
-        self.size += 1
-
-    def view(self) -> np.ndarray:
-        return self.values[: self.size]
-
-
-@dataclass
-class _Marks:
-    """A request's tokens on a CPU's path: its distinct tokens (prompt and output), its output's counts."""
-
-    seen: set[int] = field(default_factory=set)
-    seen_ids: _Growing = field(default_factory=lambda: _Growing(np.int64))
-    where: dict[int, int] = field(default_factory=dict)  # an output token's place in the counts
-    count_ids: _Growing = field(default_factory=lambda: _Growing(np.int64))
-    count_values: _Growing = field(default_factory=lambda: _Growing(np.float32))
-
-    def take(self, tokens: Sequence[int], width: int, output: bool) -> None:
-        """`tokens` (the prompt's, or the output's new ones) marked, those past `width` left out."""
-        for token in tokens:
-            if not 0 <= token < width:
-                continue
-            if token not in self.seen:
-                self.seen.add(token)
-                self.seen_ids.append(token)
-            if output:
-                at = self.where.get(token)
-                if at is None:
-                    self.where[token] = self.count_ids.size
-                    self.count_ids.append(token)
-                    self.count_values.append(1.0)
-                else:
-                    self.count_values.values[at] += 1.0
-
-
 @dataclass
 class _Tracked:
     """A request's lists, and what the book took of them: into its `marks` (a CPU's), or its dense rows."""
@@ -96,7 +54,7 @@ class _Tracked:
     output_ids: list[int]  # the request's own list, appended to as its tokens come
     counted: int = 0  # how many of `output_ids` the book took
     fresh: bool = True  # its prompt not yet taken (and, dense, its rows not yet cleared)
-    marks: _Marks | None = None  # the CPU's path: made at its first flush
+    marks: Marks | None = None  # the CPU's path: made at its first flush
 
 
 class PenaltyBook:
@@ -176,7 +134,7 @@ class PenaltyBook:
         closed)."""
         return 0 if self.counts is None else len(self.counts)
 
-    def marks(self, slot: int) -> _Marks:
+    def marks(self, slot: int) -> Marks:
         """The CPU path's marks of `slot` (taken by `flush`)."""
         marks = self._open[slot].marks
         assert marks is not None, "flushed on the sparse path first"
@@ -197,7 +155,7 @@ class PenaltyBook:
             for slot in slots:
                 tracked = self._open[slot]
                 if tracked.marks is None:
-                    tracked.marks = _Marks()
+                    tracked.marks = Marks()
                 if tracked.fresh:
                     tracked.marks.take(tracked.prompt_ids, width, output=False)
                     tracked.fresh = False
@@ -289,7 +247,7 @@ def penalize(
         if _dense(base.device):
             _from_rows(base, on_book, chosen, book, slots)
         else:
-            _from_marks(base, on_book, chosen, [book.marks(s) for s in slots])
+            from_marks(base, on_book, chosen, [book.marks(s) for s in slots])
     if len(on_book) < len(params):
         skip = set(on_book)
         _from_lists(base, [p if j not in skip else SamplingParams() for j, p in enumerate(params)], prompts, outputs)
@@ -350,37 +308,6 @@ def dense_penalized(
         del penalty, counts
         logits = torch.where(applies, penalized, logits, out=penalized)
     return logits
-
-
-def _from_marks(base: torch.Tensor, at: list[int], params: list[SamplingParams], marks: list[_Marks]) -> None:
-    """The rows `at` of `base` penalized from each request's marks on the host: the (row, token) pairs of
-    `_from_lists`, without making them again."""
-
-    def pairs(per_row: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = np.repeat(np.asarray(at, dtype=np.int64), [len(ids) for ids in per_row])
-        return to_device(rows, base.device), to_device(np.concatenate(per_row), base.device)
-
-    def values(per_row: list[float], lengths: list[int]) -> torch.Tensor:  # (rounded once, as `_from_lists`)
-        return to_device(
-            torch.from_numpy(np.repeat(np.asarray(per_row, dtype=np.float64), lengths)).to(base.dtype), base.device
-        )
-
-    empty = np.empty(0, dtype=np.int64)
-    if any(p.repetition_penalty != 1.0 for p in params):
-        seen = [m.seen_ids.view() if p.repetition_penalty != 1.0 else empty for p, m in zip(params, marks)]
-        where = pairs(seen)
-        penalty = values([p.repetition_penalty for p in params], [len(ids) for ids in seen])
-        scores = base[where]
-        base[where] = torch.where(scores > 0, scores / penalty, scores * penalty)
-    if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
-        on = [p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params]
-        ids = [m.count_ids.view() if o else empty for m, o in zip(marks, on)]
-        lengths = [len(i) for i in ids]
-        counts = np.concatenate([m.count_values.view() if o else np.empty(0, np.float32) for m, o in zip(marks, on)])
-        where = pairs(ids)
-        presence = values([p.presence_penalty for p in params], lengths)
-        frequency = values([p.frequency_penalty for p in params], lengths)
-        base[where] -= presence + frequency * to_device(counts, base.device).to(base.dtype)
 
 
 def _from_lists(
