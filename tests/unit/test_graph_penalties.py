@@ -20,6 +20,7 @@ import torch
 from helpers.capture_hazards import Hazards, watch
 from helpers.decode_graphs import graphs_on_the_test_device
 from lmiserve.core.request import GenerationRequest, SamplingParams
+from lmiserve.engine.attention.cuda_graphs import DecodeGraphs, _Captured
 from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
 from lmiserve.engine.runner import eager_sampling, penalties, sampling, seeded_draw
@@ -238,3 +239,44 @@ async def test_graphs_that_stop_sampling_midway_leave_the_book_right(tiny_model,
     graphed, _ = await _serve(tiny_model, config)
     _same(graphed, eager)
     assert sum(steps) == 3 and len(steps) > 6  # penalized graphs ran, then greedy graphs alone
+
+
+async def test_a_captures_warm_up_leaves_the_book_as_its_replay_finds_it(tiny_model, monkeypatch, gpu_sampler):
+    """On CUDA a new graph's step is computed twice: once by the capture's warm-up, then by the replay that
+    follows the capture (which records without running). So the warm-up's marks in the book are put back, and
+    each input token is counted once. Played on a CPU: each new graph's warm-up (`_warm_up`), then its step as
+    the replay; every token is the eager engine's."""
+    config = EngineConfig(max_running=12, max_prefill_tokens=8, async_scheduling=True)
+    eager, _ = await _serve(tiny_model, dataclasses.replace(config, enforce_eager=True))
+    record = graphs_on_the_test_device(monkeypatch)
+    captured: list[tuple[int, str]] = []
+
+    def played(self, size: int, kind: str) -> _Captured:  # noqa: ANN001 - DecodeGraphs._capture's
+        self._warm_up(size, kind)
+        columns = 2 if kind == "greedy" else 3
+        replay = type("Replay", (), {"replay": lambda _: self._step(size, kind)})()
+        pick = self._pick_out[: size * columns].view(size, columns)
+        captured.append((size, kind))
+        self._graphs[size, kind] = _Captured(replay, self._logits_out[:size], pick)
+        return self._graphs[size, kind]
+
+    class Made(list):
+        def append(self, graphs) -> None:  # noqa: ANN001
+            graphs.sampler = GraphSampler(graphs.sizes[-1], graphs.fast.vocab, graphs.fast.device, pin=False)
+            graphs.capture = True  # (its buffers made unpinned: played on a CPU)
+            super().append(graphs)
+
+    record.made = Made()
+    monkeypatch.setattr(DecodeGraphs, "_capture", played)
+    counted: list[tuple[float, int]] = []  # after each penalized graph: a slot's marked output tokens, its count
+    taken_by_graph = PenaltyBook.taken_by_graph
+
+    def checked(book, slots):  # noqa: ANN001, ANN202
+        taken_by_graph(book, slots)
+        counted.extend((float(book.counts[slot].sum()), book.taken(slot)) for slot in slots)
+
+    monkeypatch.setattr(PenaltyBook, "taken_by_graph", checked)
+    graphed, _ = await _serve(tiny_model, config)
+    _same(graphed, eager)
+    assert any(kind_.endswith(PENALIZED) for _, kind_ in captured), captured
+    assert len(counted) > 50 and all(marked == taken for marked, taken in counted), counted

@@ -25,14 +25,14 @@ graph's intermediates, not each graph's outputs (0.56 GB of logits a kind at 128
 With LoRA adapters configured (`carry_lora`, before the first capture), every graph also computes the
 products of `max_loras` fixed adapter slots (engine/lora/slots.py), each row's slot one more input buffer;
 a step with more adapters than slots runs eagerly. `enforce_eager` (vLLM's and LMI's option) turns graphs
-off; a capture that fails is logged and the engine goes on eagerly. Not with tensor parallelism.
-
-On a CPU (``capture=False``, the tests) `run` computes the same padded step from the same buffers without
-capturing; the tests watch that step for what a capture cannot hold (tests/helpers/capture_hazards.py).
+off; a capture that fails is logged and the engine goes on eagerly. Not with tensor parallelism. On a CPU
+(``capture=False``, the tests) `run` computes the same padded step from the same buffers without capturing,
+watched for what a capture cannot hold (tests/helpers/capture_hazards.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -167,9 +167,8 @@ class DecodeGraphs:
         return not self.failed and 0 < rows <= self.sizes[-1]
 
     def folds(self, decode_rows: int, chunks: Sequence[tuple[Any, int, Sequence[int]]], lora: Any = None) -> bool:
-        """Whether a step of `decode_rows` decode rows and these prompt `chunks` (``(table, start, tokens)``)
-        replays a graph, each chunk token a row (`run_folded`): their tokens at most `prompt_tokens`,
-        no adapters, and the rows within the largest size."""
+        """Whether a step of `decode_rows` decode rows and prompt `chunks` (``(table, start, tokens)``) replays a
+        graph, a chunk token a row (`run_folded`): at most `prompt_tokens` of them, no adapters, within the sizes."""
         tokens = sum(len(chunk) for _, _, chunk in chunks)
         return 0 < tokens <= self.prompt_tokens and lora is None and self.covers(decode_rows + tokens)
 
@@ -246,10 +245,9 @@ class DecodeGraphs:
         sources: Sequence[int] | None = None,
         sampling: tuple[Sequence[GraphRow], PenaltyBook | None] | None = None,
     ) -> None:
-        """The step's rows, padded to `size` (token 0 at position 0 of the scratch block), into the host
-        buffers, then copied over: the packed part a graph of `size` rows reads, the tables only as wide
-        as this step's longest, and the rows' `sampling` parameters (`sample`). (The copies of the step
-        before may still be under way when a step chains: the buffers are written once they are done.)"""
+        """The step's rows, padded to `size` (token 0 at position 0 of the scratch block), into the host buffers,
+        then copied over: the packed part a graph of `size` rows reads, the tables as wide as the step's longest,
+        the rows' `sampling` (`sample`); once the last step's copies are done (a chained step comes before)."""
         if self._sent is not None:
             self._sent.synchronize()
         rows = len(ids)
@@ -334,17 +332,15 @@ class DecodeGraphs:
         self, logits: torch.Tensor, sampled: bool = False, top_n: int = 0
     ) -> Callable[[], list[list[float]]] | None:
         """When `logits` are the last step's output, its pick greedy (`sampling.greedy_pick`) or, `sampled`, a
-        sampled graph's (`GraphSampler.pick`), with `top_n` each row's likeliest tokens (`graph_sampling.
-        with_top_n`): start its transfer to the host; the call that waits for it and gives its rows
-        (``[[token, logprob], ...]``; a sampled pick's third column: undrawable; with top-N, `with_top_n`'s)."""
+        sampled graph's (`GraphSampler.pick`), with each row's `top_n` likeliest tokens (`with_top_n`): start its
+        transfer; the call that waits for it and gives its rows (``[[token, logprob(, undrawable)], ...]``)."""
         if self._last is None or self._last[0] is not logits or self._last[2] != sampled:
             return None
         pick = self._last[1]
         return self._picks.send(graph_sampling.with_top_n(pick, logits, top_n) if top_n else pick)
 
     def _step(self, size: int, kind: str = GREEDY) -> tuple[torch.Tensor, torch.Tensor]:
-        """What a graph of `size` rows and `kind` computes, into the output buffers: the logits and their
-        pick, greedy or from the rows' sampling buffers (whose tokens the next step's chained rows read)."""
+        """A graph of `size` rows and `kind`: its logits and pick in the output buffers (chained rows read it)."""
         logits, (ids, positions, meta, lora) = self._logits_out[:size], self._inputs(size)
         self.fast.decode_body(ids, positions, meta, lora, out=logits)
         filtered, penalized = graph_sampling.stages(kind)
@@ -356,16 +352,12 @@ class DecodeGraphs:
         return logits, out
 
     def _capture(self, size: int, kind: str = GREEDY) -> _Captured:
-        """Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), then capture, into the
-        memory pool the graphs share. The step's own inputs are in the buffers: the warm-up computes the
-        step, and the capture records it without running it; the last greedy tokens the warm-up overwrote
-        are put back for the replay that follows (a chained row's input)."""
-        last_tokens = self._last_tokens.clone()
+        """Warm up on a side stream (Triton compiles, cuBLAS picks its kernels: `_warm_up`), then capture, into
+        the memory pool the graphs share (which records the step without running it)."""
         stream = torch.cuda.Stream(device=self.fast.device)  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream(self.fast.device))
         with torch.cuda.stream(stream):
-            self._step(size, kind)
-            self._last_tokens.copy_(last_tokens)
+            self._warm_up(size, kind)
         torch.cuda.current_stream(self.fast.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: another model's thread on this GPU may use CUDA meanwhile without breaking the capture
@@ -375,6 +367,14 @@ class DecodeGraphs:
         captured = self._graphs[size, kind] = _Captured(graph, logits, pick)
         log.info("captured a CUDA graph of %d decode rows (%s)", size, kind)
         return captured
+
+    def _warm_up(self, size: int, kind: str) -> None:
+        """The step computed once from its buffers, then what the replay that follows reads put back: the last
+        greedy tokens (a chained row's input) and a penalized pick's marks in the book (`GraphSampler.kept`)."""
+        last_tokens = self._last_tokens.clone()
+        with self.sampler.kept(kind, self._inputs(size)[0]) if self.sampler else contextlib.nullcontext():
+            self._step(size, kind)
+        self._last_tokens.copy_(last_tokens)
 
 
 def of_runner(runner: object) -> DecodeGraphs | None:

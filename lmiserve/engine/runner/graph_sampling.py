@@ -37,7 +37,8 @@ of a 131k vocabulary), nor min_p's softmax.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -178,6 +179,21 @@ class GraphSampler:
         chosen = logits.log_softmax(-1).gather(1, tokens[:, None])
         flags = (undrawable & sampled).to(torch.float64)[:, None]
         return torch.cat((tokens.to(torch.float64)[:, None], chosen.to(torch.float64), flags), dim=1)
+
+    @contextlib.contextmanager
+    def kept(self, kind: str, inputs: torch.Tensor) -> Iterator[None]:
+        """The book's marks where a pick of `kind` (penalized) marks `inputs` (its rows' slots, their input
+        tokens) put back as they were after the block: a capture's warm-up computes the step before its replay,
+        which marks them again."""
+        book = self.book
+        if not stages(kind)[1] or book is None or book.seen is None or book.counts is None:
+            yield
+            return
+        where = (self._device[1][6, : len(inputs)], inputs)
+        seen, counts = book.seen[where], book.counts[where]
+        yield
+        book.seen.index_put_(where, seen)
+        book.counts.index_put_(where, counts)
 
     def _penalized(
         self, logits: torch.Tensor, inputs: torch.Tensor, floats: torch.Tensor, slots: torch.Tensor
