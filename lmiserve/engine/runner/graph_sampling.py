@@ -124,22 +124,20 @@ class GraphSampler:
         step still in flight included; `slot`: a penalized row's in `book`, pinned and flushed), padded to
         `size` greedy rows, copied to the device without a wait."""
         scratch = book.scratch if book is not None and book.pinned else 0
-        floats = [[1.0, 0.0, 0.0, 1.0, 0.0, 0.0]] * size  # greedy: every stage off
-        ints = [[0, 1, 0, 0, 0, 0, scratch]] * size
-        for n, (params, seed, index, slot) in enumerate(rows):
-            penalties = [params.repetition_penalty, params.presence_penalty, params.frequency_penalty]
+        floats, ints = [], []
+        for params, seed, index, slot in rows:
+            row_floats, row_ints = [1.0, 0.0, 0.0], [0, 1, 0, 0, 0, 0]  # greedy: every stage off
             if params.do_sample:
                 k = params.top_k if 0 < params.top_k < self.vocab else 0
                 key = seeded_draw.seed_keys([seed if seed is not None else 0])[0]
-                floats[n] = [params.temperature, 1 - params.top_p, params.min_p, *penalties]
-                ints[n] = [*top_k_columns([k])[0], int(params.top_p < 1.0), key, index, 1, scratch]
-            elif slot is not None:
-                floats[n] = [1.0, 0.0, 0.0, *penalties]
-                ints[n] = [0, 1, 0, 0, 0, 0, scratch]
-            if slot is not None:
-                ints[n][6] = slot
-            else:
-                floats[n][3:] = [1.0, 0.0, 0.0]
+                row_floats = [params.temperature, 1 - params.top_p, params.min_p]
+                row_ints = [*top_k_columns([k])[0], int(params.top_p < 1.0), key, index, 1]
+            penalties = [params.repetition_penalty, params.presence_penalty, params.frequency_penalty]
+            # (no slot: no penalty, and the scratch row, which it leaves as it is)
+            floats.append([*row_floats, *(penalties if slot is not None else [1.0, 0.0, 0.0])])
+            ints.append([*row_ints, slot if slot is not None else scratch])
+        floats += [[1.0, 0.0, 0.0, 1.0, 0.0, 0.0]] * (size - len(rows))  # (padding: greedy, no penalty)
+        ints += [[0, 1, 0, 0, 0, 0, scratch]] * (size - len(rows))
         self.book = book
         self._floats[:, :size] = np.array(floats, dtype=np.float32).T
         self._ints[:, :size] = np.array(ints, dtype=np.int64).T
