@@ -123,6 +123,17 @@ if TEST_DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture
+def gpu_sampler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sampler on a CPU as on a GPU: the rows at once, drawn by the seeded kernel (Triton's interpreter),
+    the penalties' book in dense rows (engine/runner/sampling.py, seeded_draw.py, penalties.py)."""
+    from lmiserve.engine.runner import penalties, sampling, seeded_draw
+
+    monkeypatch.setattr(sampling, "_at_once", lambda device: True)
+    monkeypatch.setattr(seeded_draw, "usable", lambda device: True)
+    monkeypatch.setattr(penalties, "_dense", lambda device: True)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir: Path) -> LoadedModel:
     """`tiny_model_dir` loaded by `load_causal_lm` (fp32, on CPU or LMISERVE_TEST_DEVICE), as the server loads it."""

@@ -23,7 +23,7 @@ from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine.attention.cuda_graphs import DecodeGraphs, _Captured
 from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
-from lmiserve.engine.runner import eager_sampling, penalties, sampling, seeded_draw
+from lmiserve.engine.runner import eager_sampling, penalties
 from lmiserve.engine.runner.graph_sampling import FILTERED, PENALIZED, SAMPLED, GraphSampler, kind, stages
 from lmiserve.engine.runner.penalties import FIRST_SLOTS, PenaltyBook
 from lmiserve.engine.runner.sampling import sample_rows, sampler_row
@@ -43,14 +43,6 @@ ROWS = [  # penalized rows of every kind a graph takes, beside rows without a pe
     SamplingParams(repetition_penalty=0.7, presence_penalty=-0.4, top_k=5, do_sample=True),
     SamplingParams(repetition_penalty=1.5),  # its logits hold a NaN and removed tokens
 ]
-
-
-@pytest.fixture
-def gpu_sampler(monkeypatch):
-    """The sampler and the book on a CPU as on a GPU: rows at once, drawn by the kernel, dense rows."""
-    monkeypatch.setattr(sampling, "_at_once", lambda device: True)
-    monkeypatch.setattr(seeded_draw, "usable", lambda device: True)
-    monkeypatch.setattr(penalties, "_dense", lambda device: True)
 
 
 def _logits(rows: int) -> torch.Tensor:

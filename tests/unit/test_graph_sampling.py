@@ -23,7 +23,7 @@ from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.core.step import StepOutput
 from lmiserve.engine.factory import create_engine
-from lmiserve.engine.runner import eager_sampling, graph_sampling, penalties, sampling, seeded_draw
+from lmiserve.engine.runner import eager_sampling, graph_sampling, sampling
 from lmiserve.engine.runner.graph_sampling import (
     FILTERED,
     GRAPH_TOP_K,
@@ -51,14 +51,6 @@ OPTIONS = [
     {"do_sample": True, "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.02},
     {"do_sample": True, "top_k": 100_000},  # past the vocabulary: no top_k
 ]
-
-
-@pytest.fixture
-def gpu_sampler(monkeypatch):
-    """The sampler on a CPU as on a GPU: the rows at once, drawn by the kernel, the penalties' dense rows."""
-    monkeypatch.setattr(sampling, "_at_once", lambda device: True)
-    monkeypatch.setattr(penalties, "_dense", lambda device: True)
-    monkeypatch.setattr(seeded_draw, "usable", lambda device: True)
 
 
 def test_which_rows_a_graph_samples(monkeypatch):

@@ -201,16 +201,15 @@ async def test_with_prompt_rows_in_the_graphs_the_warm_up_captures_the_sizes_pas
         await engine.stop()
 
 
-async def test_where_the_graphs_sample_the_warm_up_runs_each_size_in_both_sampled_kinds(tiny_model, monkeypatch):
+async def test_where_the_graphs_sample_the_warm_up_runs_each_size_in_both_sampled_kinds(
+    tiny_model, monkeypatch, gpu_sampler
+):
     """A GPU's graphs sample (runner/graph_sampling.py): each decode row count's graph is run greedy, sampled
     without top_k, top_p and min_p, and sampled with them, each of those with a penalty too: the first request
     of each kind captures nothing, and the penalties' rows a penalized graph reads hold the batch limit."""
     from helpers.decode_graphs import graphs_on_the_test_device
-    from lmiserve.engine.runner import graph_sampling, penalties, sampling, seeded_draw
+    from lmiserve.engine.runner import graph_sampling
 
-    monkeypatch.setattr(sampling, "_at_once", lambda device: True)  # the sampler as on a GPU
-    monkeypatch.setattr(seeded_draw, "usable", lambda device: True)
-    monkeypatch.setattr(penalties, "_dense", lambda device: True)
     record = graphs_on_the_test_device(monkeypatch)
     engine = create_engine(tiny_model, EngineConfig(max_running=4, warmup=True))
     engine.start()

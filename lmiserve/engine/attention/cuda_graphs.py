@@ -371,8 +371,8 @@ class DecodeGraphs:
     def _warm_up(self, size: int, kind: str) -> None:
         """The step computed once from its buffers, then what the replay that follows reads put back: the last
         greedy tokens (a chained row's input) and a penalized pick's marks in the book (`GraphSampler.kept`)."""
-        last_tokens = self._last_tokens.clone()
-        with self.sampler.kept(kind, self._inputs(size)[0]) if self.sampler else contextlib.nullcontext():
+        last_tokens, penalizes = self._last_tokens.clone(), self.sampler if graph_sampling.stages(kind)[1] else None
+        with penalizes.kept(self._inputs(size)[0]) if penalizes is not None else contextlib.nullcontext():
             self._step(size, kind)
         self._last_tokens.copy_(last_tokens)
 

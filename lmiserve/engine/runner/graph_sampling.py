@@ -179,12 +179,12 @@ class GraphSampler:
         return torch.cat((tokens.to(torch.float64)[:, None], chosen.to(torch.float64), flags), dim=1)
 
     @contextlib.contextmanager
-    def kept(self, kind: str, inputs: torch.Tensor) -> Iterator[None]:
-        """The book's marks where a pick of `kind` (penalized) marks `inputs` (its rows' slots, their input
-        tokens) put back as they were after the block: a capture's warm-up computes the step before its replay,
-        which marks them again."""
+    def kept(self, inputs: torch.Tensor) -> Iterator[None]:
+        """The book's marks where a penalized pick marks `inputs` (its rows' slots, their input tokens) put back
+        as they were after the block: a capture's warm-up computes the step before its replay, which marks them
+        again."""
         book = self.book
-        if not stages(kind)[1] or book is None or book.seen is None or book.counts is None:
+        if book is None or book.seen is None or book.counts is None:
             yield
             return
         where = (self._device[1][6, : len(inputs)], inputs)
@@ -202,12 +202,12 @@ class GraphSampler:
         assert book is not None and book.seen is not None and book.counts is not None
         book.seen.index_put_((slots, inputs), self._true)
         book.counts.index_put_((slots, inputs), book.counts[slots, inputs] + 1)
-        columns = floats[3][:, None], floats[4][:, None], floats[5][:, None]
         seen = book.seen.index_select(0, slots)
         seen &= (floats[3] != 1.0)[:, None]
-        logits = dense_penalized(logits, seen, None, *columns)
+        logits = dense_penalized(logits, (seen, floats[3][:, None]))
         del seen  # (the pick's memory: one stage's rows at a time)
-        return dense_penalized(logits, None, book.counts.index_select(0, slots), *columns)
+        counts = book.counts.index_select(0, slots)
+        return dense_penalized(logits, counted=(counts, floats[4][:, None], floats[5][:, None]))
 
 
 def with_top_n(pick: torch.Tensor, logits: torch.Tensor, top_n: int) -> torch.Tensor:

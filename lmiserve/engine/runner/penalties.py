@@ -270,42 +270,40 @@ def _from_rows(
     """The rows `at` of `base` penalized from the book's dense rows, ops over the whole rows."""
     assert book.seen is not None and book.counts is not None
     rows, where = to_device(at, base.device), to_device(slots, base.device)
-    seen = counts = None
+    repeated = counted = None
     repetition = [p.repetition_penalty for p in params]
     if any(r != 1.0 for r in repetition):
         seen = book.seen.index_select(0, where)
         if any(r == 1.0 for r in repetition):
             seen &= to_device([r != 1.0 for r in repetition], base.device, torch.bool)[:, None]
+        repeated = seen, _column(base, repetition)
     if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
         counts = book.counts.index_select(0, where).to(base.dtype)
-    columns = (_column(base, [getattr(p, name) for p in params]) for name in _COLUMNS)
-    base.index_copy_(0, rows, dense_penalized(base.index_select(0, rows), seen, counts, *columns))
-
-
-_COLUMNS = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+        presence = _column(base, [p.presence_penalty for p in params])
+        counted = counts, presence, _column(base, [p.frequency_penalty for p in params])
+    base.index_copy_(0, rows, dense_penalized(base.index_select(0, rows), repeated, counted))
 
 
 def dense_penalized(
     logits: torch.Tensor,
-    seen: torch.Tensor | None,
-    counts: torch.Tensor | None,
-    repetition: torch.Tensor,
-    presence: torch.Tensor,
-    frequency: torch.Tensor,
+    repeated: tuple[torch.Tensor, torch.Tensor] | None = None,
+    counted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """`logits` (rows of the vocabulary) penalized from their dense rows, a new tensor: `seen` (bool, where the
-    repetition penalty applies; None: nowhere), `counts` (a copy of the output's counts in `logits`' dtype,
-    which it overwrites; None: no presence or frequency penalty), and the penalties, a column each (a decode
-    graph's rows too: runner/graph_sampling.py). The lists' ops (`_from_lists`), a few rows of the vocabulary
-    held at once (as a graph's pick holds them: `pool_plan.GRAPH_LOGIT_BYTES`)."""
-    if seen is not None:
+    """`logits` (rows of the vocabulary) penalized from their dense rows: `repeated`, where the repetition
+    penalty applies (bool rows) and its column; `counted`, a copy of the output's counts in `logits`' dtype
+    (which it overwrites) and the presence and frequency columns (None: no such penalty). A new tensor where
+    either is given (a decode graph's rows too: runner/graph_sampling.py). The lists' ops (`_from_lists`), a
+    few rows of the vocabulary held at once (as a graph's pick holds them: `pool_plan.GRAPH_LOGIT_BYTES`)."""
+    if repeated is not None:
+        seen, repetition = repeated
         penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
         logits = torch.where(seen, penalized, logits, out=penalized)
-    if counts is not None:
+    if counted is not None:
+        counts, presence, frequency = counted
         applies = counts > 0
         penalty = counts.mul_(frequency).add_(presence)  # (presence + frequency * counts: the same bits)
         penalized = logits - penalty
-        del penalty, counts
+        del penalty, counts, counted
         logits = torch.where(applies, penalized, logits, out=penalized)
     return logits
 
