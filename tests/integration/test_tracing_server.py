@@ -133,7 +133,7 @@ def check_request(traced: Traced, request_id: str, trace_id: str, route: str, pr
 def test_an_openai_chat_completion(traced: Traced):
     request_id, trace_id, headers = caller()
     headers["tracestate"] = "vendor=1"
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "ignore_eos": True}
     r = traced.client.post("/v1/chat/completions", json={**body, "temperature": 0.5, "top_p": 0.9}, headers=headers)
     assert r.status_code == 200, r.text
     span = check_request(traced, request_id, trace_id, "/v1/chat/completions", "openai")
@@ -167,7 +167,9 @@ def test_a_tgi_stream(traced: Traced):
 
 def test_an_lmi_request(traced: Traced):
     request_id, trace_id, headers = caller()
-    body = {"inputs": "The quick brown fox", "parameters": {"max_new_tokens": 3, "do_sample": True, "top_p": 0.8}}
+    # Sampled, so the tiny random model may draw its EOS: ignore it, the span must say "length".
+    parameters = {"max_new_tokens": 3, "do_sample": True, "top_p": 0.8, "ignore_eos_token": True}
+    body = {"inputs": "The quick brown fox", "parameters": parameters}
     r = traced.client.post("/invocations", json=body, headers=headers)
     assert r.status_code == 200, r.text
     span = check_request(traced, request_id, trace_id, "/invocations", "lmi")
