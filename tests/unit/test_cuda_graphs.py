@@ -155,7 +155,7 @@ def test_every_graph_writes_its_outputs_into_the_same_two_buffers(monkeypatch):
     plain, top_p = SamplingParams(do_sample=True, seed=1), SamplingParams(do_sample=True, top_p=0.9, seed=1)
     for rows, sampled in ((1, None), (3, None), (3, plain), (1, top_p)):
         if sampled is not None:
-            assert graphs.sample([(sampled, 1, 3, None)] * rows)
+            assert graphs.sample([(sampled, 1, 3, None, ())] * rows)
         step = StepInputs(decode_ids=[8] * rows, decode_positions=[3] * rows, decode_tables=tables[:rows])
         logits = fast.forward(dataclasses.replace(step, keep=list(range(rows))))
         torch.testing.assert_close(logits[0], reference[3], rtol=1e-4, atol=1e-4)

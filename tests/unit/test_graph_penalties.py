@@ -78,7 +78,7 @@ def test_a_graphs_penalized_pick_is_the_eager_samplers_and_marks_its_input_token
     book.flush(DEVICE, VOCAB, list(slots.values()), [len(outputs[n]) - 1 for n in slots])
     assert all(book.taken(slot) == len(outputs[n]) - 1 for n, slot in slots.items())
     sampler = GraphSampler(size, VOCAB, DEVICE, pin=False)
-    sampler.fill([(p, 30 + n, len(outputs[n]), slots.get(n)) for n, p in enumerate(params)], size, book)
+    sampler.fill([(p, 30 + n, len(outputs[n]), slots.get(n), ()) for n, p in enumerate(params)], size, book)
     inputs = torch.tensor([o[-1] for o in outputs] + [0] * (size - rows), device=DEVICE)
     padded = torch.cat((logits, torch.zeros(size - rows, VOCAB, device=DEVICE)))
     hazards = Hazards()

@@ -67,11 +67,15 @@ def test_which_rows_a_graph_samples(monkeypatch):
         {"do_sample": True, "frequency_penalty": 0.5},
     ]
     assert all(in_graph(SamplingParams(**o)) for o in penalized)
+    banning = [
+        {"min_new_tokens": 3},
+        {"repetition_penalty": 1.1, "min_new_tokens": 3},
+        {"do_sample": True, "min_new_tokens": 3},
+    ]
+    assert all(in_graph(SamplingParams(**o), banned=2) for o in banning)  # (tests/unit/test_graph_bans.py)
     refused = [
         {"top_n_tokens": GRAPH_TOP_N + 1},
         {"repetition_penalty": 1.1, "top_n_tokens": GRAPH_TOP_N + 1},
-        {"repetition_penalty": 1.1, "min_new_tokens": 3},
-        {"do_sample": True, "min_new_tokens": 3},
         {"do_sample": True, "logit_bias": {3: 1.0}},
         {"do_sample": True, "bad_words_ids": [[5]]},
         {"do_sample": True, "typical_p": 0.9},
@@ -100,7 +104,7 @@ def test_a_graphs_pick_is_the_eager_samplers_row_for_row(gpu_sampler):
     seeds = [100 + j for j in range(rows)]
     params = [SamplingParams(**o) for o in OPTIONS]
     sampler = GraphSampler(size, logits.shape[-1], DEVICE, pin=False)
-    sampler.fill([(p, s, n, None) for p, s, n in zip(params, seeds, counts, strict=True)], size)
+    sampler.fill([(p, s, n, None, ()) for p, s, n in zip(params, seeds, counts, strict=True)], size)
     hazards = Hazards()
     with torch.inference_mode():
         pick = watch(hazards, sampler.pick, logits)[:rows].tolist()
@@ -146,7 +150,7 @@ def test_the_pick_without_top_k_and_top_p_is_the_same_without_a_sort(gpu_sampler
     logits = _logits(8)[: len(chosen)]
     params = [SamplingParams(**OPTIONS[i]) for i in chosen]
     sampler = GraphSampler(8, logits.shape[-1], DEVICE, pin=False)
-    sampler.fill([(p, 7 + n, 2 * n, None) for n, p in enumerate(params)], 8)
+    sampler.fill([(p, 7 + n, 2 * n, None, ()) for n, p in enumerate(params)], 8)
     ops = Ops()
     with torch.inference_mode():
         with ops:
@@ -167,7 +171,7 @@ def test_a_graphs_draw_moves_with_the_index_and_the_seed(gpu_sampler):
     sampler = GraphSampler(1, logits.shape[-1], DEVICE, pin=False)
 
     def token(seed: int, index: int) -> int:
-        sampler.fill([(params, seed, index, None)], 1)
+        sampler.fill([(params, seed, index, None, ())], 1)
         return int(sampler.pick(logits)[0, 0])
 
     assert len({token(1, i) for i in range(8)}) > 1

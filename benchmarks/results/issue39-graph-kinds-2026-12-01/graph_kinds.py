@@ -77,7 +77,7 @@ def picks(rows: int, vocab: int) -> dict:
     logits = torch.randn(rows, vocab) * 3
     sampler = GraphSampler(rows, vocab, torch.device("cpu"), pin=False)
     params = SamplingParams(do_sample=True, temperature=0.7, top_p=0.9, seed=1)
-    sampler.fill([(params, 1, 0, None)] * rows, rows)
+    sampler.fill([(params, 1, 0, None, ())] * rows, rows)
     kinds = {
         "greedy": lambda: greedy_pick(logits),
         "sampled (no top_k, top_p, min_p)": lambda: sampler.pick(logits, filtered=False),

@@ -89,7 +89,7 @@ def after(rows: int, vocab: int, context: int, name: str) -> dict:
     def fill() -> None:  # the host's work for a step: a token a row in flight, as a chained step has it
         indexes = [len(spec.output_ids) + 1 for spec in specs]
         book.flush(cpu, vocab, slots, [i - 1 for i in indexes])
-        sampler.fill([(params, n, indexes[n], slots[n]) for n in range(rows)], rows, book)
+        sampler.fill([(params, n, indexes[n], slots[n], ()) for n in range(rows)], rows, book)
         book.taken_by_graph(slots)
         for spec in specs:
             spec.output_ids.append(rng.randrange(vocab))
@@ -103,7 +103,7 @@ def after(rows: int, vocab: int, context: int, name: str) -> dict:
     for chosen in (params, replace(params, top_p=0.9) if params.do_sample else None):
         if chosen is None:
             continue
-        sampler.fill([(chosen, n, 3, slots[n]) for n in range(rows)], rows, book)
+        sampler.fill([(chosen, n, 3, slots[n], ()) for n in range(rows)], rows, book)
         picks[kind([chosen])] = picked(sampler, chosen, book, inputs)
     return {
         "ops_outside_the_graph": len(tally.ops),
@@ -128,7 +128,7 @@ def picked(sampler: GraphSampler, params: SamplingParams, book: PenaltyBook, inp
     filtered = stages(kind([params]))[0]
     plain = GraphSampler(rows, vocab, torch.device("cpu"), pin=False)
     unpenalized = replace(params, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
-    plain.fill([(unpenalized, n, 3, None) for n in range(rows)], rows)
+    plain.fill([(unpenalized, n, 3, None, ()) for n in range(rows)], rows)
     return {
         "with_penalties": {
             **measured(lambda: sampler.pick(logits, filtered, inputs), rows * vocab, 1),

@@ -64,7 +64,7 @@ def step(rows: int, vocab: int, odd: SamplingParams, others: SamplingParams) -> 
     sampled = others.do_sample
     if sampled:  # the graph samples the others (the odd row is greedy to it)
         sampler = GraphSampler(rows, vocab, torch.device("cpu"), pin=False)
-        sampler.fill([(SamplingParams(), None, 0, None)] + [(others, 7 + n, 20, None) for n in range(1, rows)], rows)
+        sampler.fill([(SamplingParams(), None, 0, None, ())] + [(others, 7 + n, 20, None, ()) for n in range(1, rows)], rows)
         filtered = kind(params) == "sampled-filtered"
         pick: Callable[[], torch.Tensor] = lambda: sampler.pick(logits, filtered)  # noqa: E731
     else:

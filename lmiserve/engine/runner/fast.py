@@ -33,6 +33,8 @@ from lmiserve.engine.runner.persistent_batch import PersistentBatchRunner
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from lmiserve.engine.runner.graph_sampling import GraphRow
+
 log = logging.getLogger(__name__)
 
 GREEDY = SamplingParams()  # what a decode graph samples for a row it does not sample: its argmax
@@ -133,13 +135,13 @@ class PagedFastRunner(PersistentBatchRunner):
             book.flush(device, self.fast.vocab, list(slots.values()), [indexes[n] - 1 for n in slots])
             # (the graph marks each input token; one before it not on the host is never expected: eager then)
             slots = {n: slot for n, slot in slots.items() if book.taken(slot) == indexes[n] - 1}
-        wanted = [
-            (r.params, r.seed, indexes[n], slots.get(n))
-            if taken[n] and (n in slots if r.penalized else r.params.do_sample)
+        wanted: list[GraphRow | None] = [
+            (r.params, r.seed, indexes[n], slots.get(n), r.banned if indexes[n] < r.params.min_new_tokens else ())
+            if taken[n] and (n in slots if r.penalized else not r.argmax)
             else None
             for n, r in enumerate(requests)
         ]
-        if not any(wanted) or not graphs.sample([w or (GREEDY, None, 0, None) for w in wanted], book):
+        if not any(wanted) or not graphs.sample([w or (GREEDY, None, 0, None, ()) for w in wanted], book):
             return []
         self._graph_sampled = {row.seq_id for row, w in zip(rows, wanted) if w}
         return [w[3] for w in wanted if w and w[3] is not None]

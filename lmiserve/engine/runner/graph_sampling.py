@@ -3,10 +3,17 @@ step captured, sampling included), so that a step of sampled rows replays one gr
 the step's one transfer and chains into the next step on the device, as a greedy step does.
 
 A row samples in the graph (`in_graph`) when it is greedy, or sampled with temperature, top_k (up to
-`GRAPH_TOP_K`), top_p and min_p alone, either with a repetition, presence or frequency penalty or none, and
-a top-N of up to `GRAPH_TOP_N` tokens: no logit bias, bad words, `min_new_tokens` or typical_p, which stay
-with the eager sampler (runner/sampling.py) from the graph's logits: those rows alone, the step's others
-taking the graph's pick (runner/persistent_batch.py, `_graph_served`), where a grammar's rows go too.
+`GRAPH_TOP_K`), top_p and min_p alone, either with a repetition, presence or frequency penalty or none, with
+a `min_new_tokens` whose EOS and stop ids are at most `GRAPH_BANNED` or none, and a top-N of up to
+`GRAPH_TOP_N` tokens: no logit bias, bad words or typical_p, which stay with the eager sampler
+(runner/sampling.py) from the graph's logits: those rows alone, the step's others taking the graph's pick
+(runner/persistent_batch.py, `_graph_served`), where a grammar's rows go too.
+
+Until a row has its `min_new_tokens` (benchmark clients send vLLM's ``min_tokens = max_tokens`` with
+``ignore_eos``), the graph bans its ids after the penalties, as the eager sampler does: the host writes them
+each step with the add of each (-inf; 0 once the row has its tokens, so the graph is the same), and one
+`scatter_add_` puts them on the processed logits. A greedy row that needs processing (a penalty, a ban) takes
+the argmax of its processed logits, as the eager sampler's; a plain greedy row, its raw argmax.
 
 A penalized row's graph reads its request's dense rows in the runner's `PenaltyBook` (runner/penalties.py,
 pinned: fixed addresses), through the slot the graph's buffers give it (the rows without a penalty read the
@@ -47,10 +54,11 @@ from lmiserve.core.request import SamplingParams
 from lmiserve.engine.runner import seeded_draw
 from lmiserve.engine.runner.penalties import PenaltyBook, dense_penalized, penalized
 from lmiserve.engine.runner.sampling import needs_processing, processed_finite
-from lmiserve.engine.runner.warpers import finite, min_p_cut, scaled, top_k_columns, top_k_cut, top_p_cut
+from lmiserve.engine.runner.warpers import NEG_INF, finite, min_p_cut, scaled, top_k_columns, top_k_cut, top_p_cut
 
 __all__ = [
     "FILTERED",
+    "GRAPH_BANNED",
     "GRAPH_TOP_K",
     "GRAPH_TOP_N",
     "PENALIZED",
@@ -67,22 +75,24 @@ __all__ = [
 
 GRAPH_TOP_K = 1024  # the largest top_k a row sampled in a graph may set (the graph's `topk` is this wide)
 GRAPH_TOP_N = 20  # the most top-N tokens a row takes from a graph's step (OpenAI's top_logprobs at most)
+GRAPH_BANNED = 16  # the most ids a row's `min_new_tokens` bans in a graph (its EOS and stop ids)
 USE_IN_GRAPHS = True  # False: a decode graph's sampled rows are sampled after it, from its logits
 PENALTIES_IN_GRAPHS = True  # False: a penalized row is sampled after its decode graph, from its logits
 SAMPLED, FILTERED = "sampled", "sampled-filtered"  # a sampled graph's kinds: without top_k, top_p, min_p; with
 PENALIZED = "+penalized"  # a sampled kind's suffix: its rows' penalties too, read from the book
-GraphRow = tuple[SamplingParams, int | None, int, int | None]  # a row a graph samples: `GraphSampler.fill`'s
+GraphRow = tuple[SamplingParams, int | None, int, int | None, Sequence[int]]  # a row a graph samples (`fill`)
 
 
-def in_graph(params: SamplingParams) -> bool:
-    """Whether a row with `params` samples inside a decode graph (the module's doc)."""
+def in_graph(params: SamplingParams, banned: int = 0) -> bool:
+    """Whether a row with `params`, whose `min_new_tokens` bans `banned` ids, samples inside a decode graph
+    (the module's doc)."""
     if params.top_n_tokens > GRAPH_TOP_N:
         return False
     if not needs_processing(params):
         return True  # plain greedy
     if penalized(params) and not PENALTIES_IN_GRAPHS:
         return False
-    if params.min_new_tokens > 0 or params.logit_bias or params.bad_words_ids:
+    if params.logit_bias or params.bad_words_ids or banned > GRAPH_BANNED:
         return False
     return not params.do_sample or (params.typical_p >= 1.0 and params.top_k <= GRAPH_TOP_K)
 
@@ -108,24 +118,29 @@ class GraphSampler:
     def __init__(self, largest: int, vocab: int, device: torch.device, pin: bool) -> None:
         self.vocab, self.width = vocab, min(GRAPH_TOP_K, vocab)
         # floats: temperature, 1 - top_p, min_p, repetition, presence, frequency penalties;
-        # ints: k - 1, top_k off, top_p on, seed key, token index, sampled, the book's slot
+        # ints: k - 1, top_k off, top_p on, seed key, token index, sampled, the book's slot, a greedy row's
+        # token from its processed logits; the ids `min_new_tokens` bans (`GRAPH_BANNED` a row), and what
+        # each adds to its logit: -inf (banned), 0 (none: id 0)
         self._host = (
             torch.ones((6, largest), dtype=torch.float32, pin_memory=pin),
-            torch.zeros((7, largest), dtype=torch.int64, pin_memory=pin),
+            torch.zeros((8, largest), dtype=torch.int64, pin_memory=pin),
+            torch.zeros((largest, GRAPH_BANNED), dtype=torch.int64, pin_memory=pin),
+            torch.zeros((largest, GRAPH_BANNED), dtype=torch.float32, pin_memory=pin),
         )
         self._device = tuple(torch.zeros_like(t, device=device) for t in self._host)
-        self._floats, self._ints = (t.numpy() for t in self._host)  # written with numpy: no torch op a row
+        self._floats, self._ints, self._bans, self._banned = (t.numpy() for t in self._host)  # (numpy: no torch op)
         self.book: PenaltyBook | None = None  # whose dense rows a penalized graph reads (`fill`)
         self._version = 0  # the version of the book's rows that the penalized graphs captured read (`moved`)
         self._true = torch.ones((), dtype=torch.bool, device=device)  # (a graph makes no tensor from the host)
 
     def fill(self, rows: Sequence[GraphRow], size: int, book: PenaltyBook | None = None) -> None:
-        """The rows' ``(params, seed, index, slot)`` (`index`: the tokens the row's sequence has, those of a
-        step still in flight included; `slot`: a penalized row's in `book`, pinned and flushed), padded to
-        `size` greedy rows, copied to the device without a wait."""
+        """The rows' ``(params, seed, index, slot, banned)`` (`index`: the tokens the row's sequence has, those
+        of a step still in flight included; `slot`: a penalized row's in `book`, pinned and flushed; `banned`:
+        the ids its `min_new_tokens` bans at this token, none once it has them), padded to `size` greedy rows,
+        copied to the device without a wait."""
         scratch = book.scratch if book is not None and book.pinned else 0
-        floats, ints = [], []
-        for params, seed, index, slot in rows:
+        floats, ints, bans = [], [], []
+        for params, seed, index, slot, banned in rows:
             row_floats, row_ints = [1.0, 0.0, 0.0], [0, 1, 0, 0, 0, 0]  # greedy: every stage off
             if params.do_sample:
                 k = params.top_k if 0 < params.top_k < self.vocab else 0
@@ -135,12 +150,18 @@ class GraphSampler:
             penalties = [params.repetition_penalty, params.presence_penalty, params.frequency_penalty]
             # (no slot: no penalty, and the scratch row, which it leaves as it is)
             floats.append([*row_floats, *(penalties if slot is not None else [1.0, 0.0, 0.0])])
-            ints.append([*row_ints, slot if slot is not None else scratch])
+            processed = not params.do_sample and needs_processing(params)  # (greedy: the processed argmax)
+            ints.append([*row_ints, slot if slot is not None else scratch, int(processed)])
+            bans.append([*banned, *[banned[0] if banned else 0] * (GRAPH_BANNED - len(banned))])  # (to the width)
         floats += [[1.0, 0.0, 0.0, 1.0, 0.0, 0.0]] * (size - len(rows))  # (padding: greedy, no penalty)
-        ints += [[0, 1, 0, 0, 0, 0, scratch]] * (size - len(rows))
+        ints += [[0, 1, 0, 0, 0, 0, scratch, 0]] * (size - len(rows))
+        bans += [[0] * GRAPH_BANNED] * (size - len(rows))
+        banning = [bool(row[4]) for row in rows] + [False] * (size - len(rows))
         self.book = book
         self._floats[:, :size] = np.array(floats, dtype=np.float32).T
         self._ints[:, :size] = np.array(ints, dtype=np.int64).T
+        self._bans[:size] = np.array(bans, dtype=np.int64)
+        self._banned[:size] = np.where(np.array(banning)[:, None], np.float32(NEG_INF), np.float32(0.0))
         for host, device in zip(self._host, self._device):  # whole (contiguous: copied without a wait), a few KB
             device.copy_(host, non_blocking=host.is_pinned())
 
@@ -158,11 +179,13 @@ class GraphSampler:
         `filtered` (no row sets top_k, top_p or min_p: `kind`) their stages are left out; with the step's
         `inputs` (its rows' token ids, a `PENALIZED` kind's) they are marked in the book and the rows penalized."""
         rows = len(logits)
-        floats, ints = (t[:, :rows] for t in self._device)
+        floats, ints = (t[:, :rows] for t in self._device[:2])
         sampled = ints[5].bool()
-        # as the eager sampler: the rows processed (penalized, made finite: runner/sampling.py), then the stages
+        # as the eager sampler: the rows processed (penalized, made finite, the ids of `min_new_tokens` banned:
+        # runner/sampling.py), then the stages
         processed = processed_finite(logits if inputs is None else self._penalized(logits, inputs, floats, ints[6]))
-        best = processed.argmax(-1) if inputs is not None else None  # (a penalized greedy row's, as the eager one's)
+        processed.scatter_add_(1, self._device[2][:rows], self._device[3][:rows])  # (-inf + -inf: -inf; x + 0: x)
+        best = processed.argmax(-1)  # (a greedy row's that needs processing, as the eager sampler's)
         warped = finite(scaled(processed, floats[0]))
         del processed  # (the pick's memory: `pool_plan.GRAPH_LOGIT_BYTES`)
         if filtered:
@@ -170,9 +193,7 @@ class GraphSampler:
             warped = min_p_cut(top_p_cut(warped, floats[1], ints[2].bool()), floats[2])
         drawn, undrawable = seeded_draw.draw_keyed(warped.softmax(-1), ints[3], ints[4])
         del warped
-        greedy = logits.argmax(-1)
-        if best is not None:
-            greedy = torch.where((floats[3] != 1.0) | (floats[4] != 0.0) | (floats[5] != 0.0), best, greedy)
+        greedy = torch.where(ints[7].bool(), best, logits.argmax(-1))
         tokens = torch.where(sampled, drawn, greedy)
         chosen = logits.log_softmax(-1).gather(1, tokens[:, None])
         flags = (undrawable & sampled).to(torch.float64)[:, None]

@@ -38,7 +38,7 @@ from lmiserve.engine.runner.eager_sampling import EagerSampling
 from lmiserve.engine.runner.in_flight import StepsInFlight
 from lmiserve.engine.runner.penalties import PenaltyBook
 from lmiserve.engine.runner.request_state import RequestState
-from lmiserve.engine.runner.sampling import greedy_pick, prompt_logprobs
+from lmiserve.engine.runner.sampling import banned_ids, greedy_pick, prompt_logprobs
 from lmiserve.engine.speculative.proposers import Proposer
 from lmiserve.engine.text.images import ImageInputs
 
@@ -131,7 +131,10 @@ class PersistentBatchRunner(EagerSampling, BatchRunner):
             out = StepOutput()
             for new in batch.new:
                 self._forget(self._requests.get(new.seq_id))
-                state = self._requests[new.seq_id] = RequestState(list(new.prompt_ids), new.params, new.seed)
+                banned = banned_ids(new.params, self.eos_token_ids)
+                state = self._requests[new.seq_id] = RequestState(
+                    list(new.prompt_ids), new.params, new.seed, banned=banned
+                )
                 if new.adapter is not None:
                     self._adapter_of(new.seq_id, new.adapter, state, out)
                 if new.images is not None:

@@ -52,6 +52,11 @@ def plain_greedy(params: SamplingParams) -> bool:
     return not needs_processing(params) and params.top_n_tokens == 0
 
 
+def banned_ids(params: SamplingParams, eos_token_ids: list[int]) -> list[int]:
+    """The ids `min_new_tokens` bans until a sequence has that many tokens: the EOS and stop ids."""
+    return eos_token_ids + params.stop_token_ids if params.min_new_tokens else []
+
+
 def banned_words(params: SamplingParams, output_ids: list[int]) -> list[int]:
     """vLLM's `bad_words`: the last token of each bad word whose other tokens the output ends with (a
     one-token word is always banned)."""
@@ -329,7 +334,7 @@ def sampler_row(
         if seed is None:
             raise ValueError("a sampled sequence needs a seed")
         generator = make_generator(seed, device if device is not None else torch.device("cpu"))
-    banned = eos_token_ids + params.stop_token_ids if params.min_new_tokens else []
+    banned = banned_ids(params, eos_token_ids)
     return Row(params, prompt_ids, output_ids, banned, generator, seed=seed if params.do_sample else None)
 
 
