@@ -18,7 +18,8 @@ each with ``min_new_tokens`` not reached yet:
   dispatched and compute nothing; the warpers, the draw and the transfer come on top);
 - ``after``: the host's work for the graph (`GraphSampler.fill`), its ops and time.
 - ``picks``: the graph's pick of every sampled kind (replayed on a GPU: no launch of its own), its aten ops
-  and the peak bytes it holds a logit beyond the book's rows (`pool_plan.GRAPH_LOGIT_BYTES` reserves 32 B). Run with the tree
+  and the peak bytes it holds a logit beyond the book's rows (`pool_plan.GRAPH_LOGIT_BYTES` reserves 32 B).
+  Run with the tree
   before this change (a copy of this script in its worktree, ``--picks-only``) for the pick without the ban's
   stage.
 """
@@ -26,12 +27,11 @@ each with ``min_new_tokens`` not reached yet:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
-import statistics
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -45,12 +45,12 @@ sys.path.insert(0, str(HERE.parent / "issue39-penalty-book-2026-12-01"))
 sys.path.insert(0, str(HERE.parent / "issue39-graph-penalties-2026-12-01"))
 
 from graph_kinds import Tally, measured  # noqa: E402
-from graph_penalties import peak  # noqa: E402
+from graph_penalties import peak, stand_in_draw  # noqa: E402
 from machine import write_report  # noqa: E402
-from penalty_rows import copied, gpu_path  # noqa: E402
+from penalty_rows import copied, gpu_path, timed  # noqa: E402
 
 from lmiserve.core.request import SamplingParams  # noqa: E402
-from lmiserve.engine.runner import graph_sampling, sampling, seeded_draw  # noqa: E402
+from lmiserve.engine.runner import graph_sampling, sampling  # noqa: E402
 from lmiserve.engine.runner.graph_sampling import GraphSampler, kind, stages  # noqa: E402
 from lmiserve.engine.runner.penalties import PenaltyBook  # noqa: E402
 from lmiserve.engine.runner.sampling import sample_rows, sampler_row  # noqa: E402
@@ -62,7 +62,7 @@ KINDS = {
         do_sample=True, temperature=0.7, min_new_tokens=128, max_new_tokens=128, ignore_eos_token=True
     ),
 }
-BANS = len(getattr(graph_sampling, "GraphRow").__args__) == 5  # (the tree of this change: rows carry their ids)
+BANS = len(graph_sampling.GraphRow.__args__) == 5  # (the tree of this change: rows carry their ids)
 
 
 def _row(params: SamplingParams, seed: int, index: int, slot: int | None, banned: list[int]) -> tuple:
@@ -71,11 +71,9 @@ def _row(params: SamplingParams, seed: int, index: int, slot: int | None, banned
 
 def _specs(rows: int, vocab: int, params: SamplingParams, device: str = "cpu") -> list[sampling.Row]:
     rng = random.Random(0)
-    return [
-        sampler_row(params, [rng.randrange(vocab) for _ in range(200)], [rng.randrange(vocab) for _ in range(20)],
-                    EOS, n, None, torch.device(device))  # fmt: skip
-        for n in range(rows)
-    ]
+    prompts = [[rng.randrange(vocab) for _ in range(200)] for _ in range(rows)]
+    outputs = [[rng.randrange(vocab) for _ in range(20)] for _ in range(rows)]
+    return [sampler_row(params, prompts[n], outputs[n], EOS, n, None, torch.device(device)) for n in range(rows)]
 
 
 def before(rows: int, vocab: int, name: str) -> dict:
@@ -90,7 +88,7 @@ def before(rows: int, vocab: int, name: str) -> dict:
     return {
         "ops_outside_the_graph": len(tally.ops),
         "copied_values": counter[0],
-        "host_ms_processing_alone": _ms(lambda: sampling._processed_rows(meta, specs, where)),
+        "host_ms_processing_alone": timed(lambda: sampling._processed_rows(meta, specs, where), 3),
         "host_waits": 1,
     }
 
@@ -110,7 +108,7 @@ def after(rows: int, vocab: int, name: str) -> dict:
     return {
         "ops_outside_the_graph": len(tally.ops),
         "copied_values": sum(t.numel() for t in sampler._device),
-        "host_ms_fill": _ms(fill),
+        "host_ms_fill": timed(fill, 3),
         "host_waits": 0,
     }
 
@@ -133,22 +131,11 @@ def picks(rows: int, vocab: int) -> dict:
                 book.flush(torch.device("cpu"), vocab, [slot], [0])
                 inputs = torch.zeros(rows, dtype=torch.int64)
             sampler.fill([_row(chosen, n, 21, slot, EOS) for n in range(rows)], rows, book)
-            filtered = stages(kind([chosen]))[0]
-            out[kind([chosen])] = measured(lambda: sampler.pick(logits, filtered, inputs), rows * vocab, 1)
+            pick = functools.partial(sampler.pick, logits, stages(kind([chosen]))[0], inputs)
+            out[kind([chosen])] = measured(pick, rows * vocab, 1)
             if book is not None:  # (beyond the book's rows, which its marks return: allocated once, outside)
-                out[kind([chosen])]["peak_bytes_a_logit"] = peak(
-                    lambda: sampler.pick(logits, filtered, inputs), rows * vocab, book
-                )
+                out[kind([chosen])]["peak_bytes_a_logit"] = peak(pick, rows * vocab, book)
     return out
-
-
-def _ms(call: Callable[[], object]) -> float:
-    times = []
-    for _ in range(7):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return round(statistics.median(times) * 1e3, 3)
 
 
 def main() -> None:
@@ -158,11 +145,7 @@ def main() -> None:
     parser.add_argument("--picks-only", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    # the draw kernel (one launch in a graph; Triton's interpreter on a CPU) stood in for by an argmax, as
-    # graph_kinds.py does: its own tensors are a row's few values
-    seeded_draw.draw_keyed = lambda probs, keys, index: (probs.argmax(-1), torch.zeros(len(probs), dtype=torch.bool))
-    seeded_draw.usable = lambda device: True  # (the eager sampler's draw too: one kernel on a GPU)
+    stand_in_draw()
     results = []
     with gpu_path():
         if not args.picks_only:

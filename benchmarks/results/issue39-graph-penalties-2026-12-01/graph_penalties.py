@@ -148,6 +148,14 @@ def peak(call: Callable[[], object], logits: int, book: PenaltyBook) -> float:
     return round(tally.peak / logits, 1)
 
 
+def stand_in_draw() -> None:
+    """One thread; the draw kernel (one launch in a graph; Triton's interpreter on a CPU) stood in for by an
+    argmax, as graph_kinds.py does: its own tensors are a row's few values."""
+    torch.set_num_threads(1)
+    seeded_draw.draw_keyed = lambda probs, keys, index: (probs.argmax(-1), torch.zeros(len(probs), dtype=torch.bool))
+    seeded_draw.usable = lambda device: True  # (the eager sampler's draw too: one kernel on a GPU)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=128)
@@ -155,11 +163,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    # the draw kernel (one launch in a graph; Triton's interpreter on a CPU) stood in for by an argmax, as
-    # graph_kinds.py does: its own tensors are a row's few values
-    seeded_draw.draw_keyed = lambda probs, keys, index: (probs.argmax(-1), torch.zeros(len(probs), dtype=torch.bool))
-    seeded_draw.usable = lambda device: True  # (the eager sampler's draw too: one kernel on a GPU)
+    stand_in_draw()
     results = []
     with gpu_path():
         for name in KINDS:

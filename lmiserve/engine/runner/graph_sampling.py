@@ -139,8 +139,9 @@ class GraphSampler:
         the ids its `min_new_tokens` bans at this token, none once it has them), padded to `size` greedy rows,
         copied to the device without a wait."""
         scratch = book.scratch if book is not None and book.pinned else 0
-        floats, ints, bans = [], [], []
-        for params, seed, index, slot, banned in rows:
+        floats, ints = [], []
+        banning: dict[tuple[int, ...], list[int]] = {}  # the rows of each list of ids (most share one)
+        for n, (params, seed, index, slot, banned) in enumerate(rows):
             row_floats, row_ints = [1.0, 0.0, 0.0], [0, 1, 0, 0, 0, 0]  # greedy: every stage off
             if params.do_sample:
                 k = params.top_k if 0 < params.top_k < self.vocab else 0
@@ -152,16 +153,16 @@ class GraphSampler:
             floats.append([*row_floats, *(penalties if slot is not None else [1.0, 0.0, 0.0])])
             processed = not params.do_sample and needs_processing(params)  # (greedy: the processed argmax)
             ints.append([*row_ints, slot if slot is not None else scratch, int(processed)])
-            bans.append([*banned, *[banned[0] if banned else 0] * (GRAPH_BANNED - len(banned))])  # (to the width)
+            if banned:
+                banning.setdefault(tuple(banned), []).append(n)
         floats += [[1.0, 0.0, 0.0, 1.0, 0.0, 0.0]] * (size - len(rows))  # (padding: greedy, no penalty)
         ints += [[0, 1, 0, 0, 0, 0, scratch, 0]] * (size - len(rows))
-        bans += [[0] * GRAPH_BANNED] * (size - len(rows))
-        banning = [bool(row[4]) for row in rows] + [False] * (size - len(rows))
         self.book = book
         self._floats[:, :size] = np.array(floats, dtype=np.float32).T
         self._ints[:, :size] = np.array(ints, dtype=np.int64).T
-        self._bans[:size] = np.array(bans, dtype=np.int64)
-        self._banned[:size] = np.where(np.array(banning)[:, None], np.float32(NEG_INF), np.float32(0.0))
+        self._bans[:size], self._banned[:size] = 0, 0.0  # (no ids: id 0, plus 0)
+        for ids, at in banning.items():  # (the first id again to the width: -inf twice is -inf)
+            self._bans[at], self._banned[at] = [*ids, *[ids[0]] * (GRAPH_BANNED - len(ids))], NEG_INF
         for host, device in zip(self._host, self._device):  # whole (contiguous: copied without a wait), a few KB
             device.copy_(host, non_blocking=host.is_pinned())
 
