@@ -80,6 +80,7 @@ class BlockScheduler(SchedulerBase):
         # drafts in the engine core instead. Neither: every decode row computes one token.
         self.speculation: SpeculationPolicy | None = None
         self.proposer: Callable[[Sequence], list[int]] | None = None
+        self.masks_later = False  # overlap scheduling: the executor takes masks after a step's launch
         # LoRA (engine/lora/adapters.py): distinct adapters the running batch may hold (vLLM's max_loras); a waiting
         # request of another adapter waits, the requests behind it are admitted
         self.max_loras = 1 << 30
@@ -109,11 +110,12 @@ class BlockScheduler(SchedulerBase):
     # ---- planning --------------------------------------------------------------------------------
     def can_plan_ahead(self) -> bool:
         """Whether the next step may be planned while the step before it runs (`schedule(ahead=True)`):
-        not with speculative decoding (a step's drafts come from the step before it) nor while a sequence's
-        next token may be masked (its mask follows the token before it)."""
+        not with speculative decoding (a step's drafts come from the step before it), nor while a sequence's
+        next token may be masked (its mask follows the token before it) unless the executor takes the masks
+        after the step (`masks_later`)."""
         if self.speculation is not None or self.proposer is not None:
             return False
-        return not any(s.may_constrain for s in self.running) and not any(s.may_constrain for s in self.waiting)
+        return self.masks_later or not any(s.may_constrain for s in [*self.running, *self.waiting])
 
     def schedule(self, now: float, ahead: bool = False) -> tuple[StepPlan, list[tuple[Sequence, StepEvent]]]:
         """Plan the next step. Also returns events for sequences ended without a step (abort).
@@ -139,7 +141,7 @@ class BlockScheduler(SchedulerBase):
         self._admit(plan, now)
         plan.prefix_queried, plan.prefix_hits = self._queried, self._hits
         self._queried = self._hits = 0
-        plan.batch = self.told.batch(plan, self.speculation)
+        plan.batch = self.told.batch(plan, self.speculation, ahead and self.masks_later)
         return plan, events
 
     def _schedule_running(self, plan: StepPlan, ahead: bool = False) -> None:

@@ -28,10 +28,10 @@ from lmiserve.engine.core.kv_fits import check_fits
 from lmiserve.engine.core.scheduler import StepPlan
 from lmiserve.engine.core.sequence import Sequence
 from lmiserve.engine.core.step import BatchRunner, Executor, ExecutorFailed, Launched, StepOutput
+from lmiserve.engine.core.step_masks import StepMasks, fail_rows
 from lmiserve.engine.executors.in_process import InProcessExecutor
 from lmiserve.engine.lora.registry import AdapterRegistry
 from lmiserve.engine.speculative.proposers import SpeculationPolicy
-from lmiserve.engine.text.token_mask import TokenMask
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,8 @@ class _InFlight:
     plan: StepPlan
     launched: asyncio.Future[Launched]
     submitted: float
+    # a `mask_later` step's held rows sampled once the step before it is applied: the rows that failed
+    masked: asyncio.Future[dict[int, str]] | None = None
 
 
 def _nothing() -> None:
@@ -74,11 +76,12 @@ class EngineCore:
             "max_step_tokens": config.max_step_tokens,
         }
         self.executor = runner if isinstance(runner, Executor) else InProcessExecutor(runner)
-        self._grammar_mask: TokenMask | None = None  # the executor's batches' grammar bitmask
+        self._masks = StepMasks(self.executor)  # the executor's batches' grammar bitmask
         # blocks computed in another step's shapes round differently: no sharing when batch-invariant
         caching = config.enable_prefix_caching and not config.batch_invariant
         self.pool = BlockPool(runner.num_blocks, runner.block_size, enable_prefix_caching=caching)
         self.scheduler = BlockScheduler(self.pool, config.max_running, config.max_prefill_tokens, **options)
+        self.scheduler.masks_later = self.executor.defers_masks
         self.speculation: SpeculationPolicy | None = None
         if config.speculation is not None:
             self.speculation = self.scheduler.speculation = SpeculationPolicy(config.speculation)
@@ -231,25 +234,15 @@ class EngineCore:
     def _launch(self, plan: StepPlan) -> Launched:
         """The model work of `plan`: its plain-data batch handed to the executor (the constrained rows'
         grammar bitmask filled first)."""
-        executor, batch = self.executor, plan.batch
+        batch = plan.batch
         failed: dict[int, str] = {}
-        if batch.grammar_rows:
-            seqs = plan.decode + [chunk.seq for chunk in plan.prefill]  # the batch's row order
-            matchers = [seqs[i].grammar for i in batch.grammar_rows]
-            try:
-                if self._grammar_mask is None:
-                    self._grammar_mask = TokenMask(executor.vocab_size, executor.eos_token_ids)
-                batch.grammar_bitmask = self._grammar_mask.fill([m for m in matchers if m is not None]).numpy().copy()
-            except Exception as exc:  # noqa: BLE001 - the constrained rows fail, the others go on
-                log.exception("filling the grammar bitmask failed")
-                failed = {seqs[i].seq_id: f"exception occurred during sampling: {exc}" for i in batch.grammar_rows}
-                batch.grammar_rows, batch.grammar_bitmask = [], None
+        if batch.grammar_rows and not batch.mask_later:  # (else after the step before it: `sample_held`)
+            batch.grammar_bitmask, failed = self._masks.fill(plan, batch.grammar_rows)
+            batch.grammar_rows = [] if failed else batch.grammar_rows
         if self.adapters is not None:  # the adapter loads let go: the runner's side forgets them
             batch.dropped_adapters = self.adapters.take_dropped()
-        launched = executor.launch(batch)
-        for seq_id, message in failed.items():  # (rows with a grammar are never in flight: complete)
-            launched.output.samples.pop(seq_id, None)
-            launched.output.errors[seq_id] = message
+        launched = self.executor.launch(batch)
+        fail_rows(launched.output, failed)
         return launched
 
     def _plan(self, ahead: bool = False) -> StepPlan:
@@ -309,13 +302,17 @@ class EngineCore:
                 self.steps_ahead += ahead.has_model_work
         self._current = current
         launched = await current.launched
+        failed = await current.masked if current.masked is not None else {}
         output = launched.output
         if launched.pending is not None:
             output = await self.thread.submit(self._collect_guarded, current.plan, launched)
+        fail_rows(output, failed)
         self._current = None
         if not current.plan.has_model_work:  # the executor only forgot requests
             return
         events = self.scheduler.update(current.plan, output)
+        if self._ahead is not None and self._ahead.plan.batch.mask_later:  # its masks follow these tokens
+            self._ahead.masked = self.thread.submit(self._masks.sample_held, self._ahead.plan)
         self._finish_step(current.plan, output, events, max(current.submitted, self._last_done))
 
     def _finish_step(

@@ -25,10 +25,12 @@ class ExecutorView:
             self._sent[seq.seq_id] = 0
             self._preempted.append(seq.seq_id)
 
-    def batch(self, plan: StepPlan, speculation: SpeculationPolicy | None) -> StepBatch:
+    def batch(self, plan: StepPlan, speculation: SpeculationPolicy | None, masks_later: bool = False) -> StepBatch:
         """The plan as plain data, by difference from the batches before it. A decode row whose last token
         a step still running samples carries `PENDING_TOKEN` (overlap scheduling); every row's positions
-        and sample count as in flight (`Sequence.inflight_tokens`) until the scheduler's `update`."""
+        and sample count as in flight (`Sequence.inflight_tokens`) until the scheduler's `update`.
+        `masks_later` (a step planned ahead): the constrained rows are those that may be masked once the
+        step before it is applied, their masks sent later (`StepBatch.mask_later`)."""
         batch = StepBatch(num_decode=len(plan.decode), preempted=self._preempted)
         self._preempted = []
         for seq in plan.released:
@@ -59,8 +61,9 @@ class ExecutorView:
             batch.rows.append(
                 ScheduledTokens(seq.seq_id, start, token_ids, blocks[sent:], sample, details, drafts, propose)
             )
-            if sample and seq.grammar is not None:
+            if sample and (seq.may_constrain if masks_later else seq.grammar is not None):
                 batch.grammar_rows.append(row)
             seq.inflight_tokens += 1 if row < len(plan.decode) else len(token_ids)
             seq.inflight_samples += sample
+        batch.mask_later = masks_later and bool(batch.grammar_rows)
         return batch

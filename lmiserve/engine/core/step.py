@@ -102,6 +102,10 @@ class StepBatch:
     # the constrained sampling rows (indexes into `rows`) and their int32 bitmask (bit t = token t allowed)
     grammar_rows: list[int] = field(default_factory=list)
     grammar_bitmask: np.ndarray | None = None
+    # planned while the step before it ran (overlap scheduling): `grammar_rows` are the rows that may be
+    # masked, whose mask follows the tokens of that step; the runner holds their logits until the engine
+    # sends the masks (`Executor.sample_masked`), and samples the other rows at once
+    mask_later: bool = False
 
     @property
     def has_model_work(self) -> bool:
@@ -179,6 +183,19 @@ class Executor(ABC):
         it are complete too)."""
         return launched.output
 
+    @property
+    def defers_masks(self) -> bool:
+        """Whether a batch may be launched before its grammar masks are known (`StepBatch.mask_later`),
+        its constrained rows sampled when they come (`sample_masked`); else a step whose tokens may be
+        masked is planned after the step before it."""
+        return False
+
+    def sample_masked(self, rows: list[int], bitmask: np.ndarray | None) -> None:
+        """The rows the last `mask_later` batch held back, sampled into its output (before `collect`): `rows`
+        (indexes into its rows, those still constrained) masked by `bitmask` (a row each, in `rows`' order),
+        the others unmasked."""
+        raise NotImplementedError("this executor samples every row when it launches a batch")
+
     def watch(self, on_failure: Callable[[str], None]) -> None:  # noqa: B027 - most executors have nothing to watch
         """Call `on_failure` (from any thread) if the executor fails between steps (a worker dies)."""
 
@@ -204,3 +221,9 @@ class BatchRunner(ABC):
     def collect(self, launched: Launched) -> StepOutput:
         """`Executor.collect` in this process."""
         return launched.output
+
+    defers_masks = False  # `Executor.defers_masks` in this process
+
+    def sample_masked(self, rows: list[int], bitmask: np.ndarray | None) -> None:
+        """`Executor.sample_masked` in this process."""
+        raise NotImplementedError("this runner samples every row when it launches a batch")

@@ -3,7 +3,12 @@ model's torch thread, engine/torch_thread.py). The other executor: engine/execut
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from lmiserve.engine.core.step import BatchRunner, Executor, Launched, StepBatch, StepOutput
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class InProcessExecutor(Executor):
@@ -23,3 +28,10 @@ class InProcessExecutor(Executor):
 
     def collect(self, launched: Launched) -> StepOutput:
         return self.runner.collect(launched)
+
+    @property
+    def defers_masks(self) -> bool:
+        return self.runner.defers_masks
+
+    def sample_masked(self, rows: list[int], bitmask: np.ndarray | None) -> None:
+        self.runner.sample_masked(rows, bitmask)

@@ -69,6 +69,7 @@ class PersistentBatchRunner(EagerSampling, BatchRunner):
         self.in_flight = StepsInFlight(self._append_token)
         self._chained: dict[int, int] = {}
         self._graph_sampled: set[int] = set()  # the step's rows its decode graph samples (runner/fast.py)
+        self._held = []  # (runner/eager_sampling.py)
         self.vocab_size = int(text_config(model.config).vocab_size)
         self.proposer: Proposer | None = None  # speculative decoding's drafts (engine/speculative/proposers.py)
         # LoRA (engine/lora/adapters.py): the adapters' weights by the load a NewRequest names (None: this runner
@@ -119,6 +120,7 @@ class PersistentBatchRunner(EagerSampling, BatchRunner):
         with torch.inference_mode():
             chained = self._chain_from(batch)
             self.in_flight.receive(keep_last=chained is not None)
+            self._held = []  # (a batch whose masks never came: its step failed)
             self._chained = chained or {}
             for seq_id in batch.finished:
                 self._forget(self._requests.pop(seq_id, None))
