@@ -145,9 +145,7 @@ async def test_grammars_planned_ahead_with_the_decode_graphs(tiny_model, monkeyp
 
 async def test_thinking_budgets_planned_ahead_force_their_end_as_the_serial_loop(thinking_model, prompt, ids):  # noqa: F811
     _, end = ids
-    params = [
-        SamplingParams(max_new_tokens=16, ignore_eos_token=True, thinking=budget(n)) for n in (0, 2, 5)
-    ] + [
+    params = [SamplingParams(max_new_tokens=16, ignore_eos_token=True, thinking=budget(n)) for n in (0, 2, 5)] + [
         SamplingParams(max_new_tokens=30, grammar=Grammar("regex", "[0-9]{4}", after="</think>"), thinking=budget(4)),
         SamplingParams(max_new_tokens=16, ignore_eos_token=True, do_sample=True, seed=5, thinking=budget(3)),
         SamplingParams(max_new_tokens=16, ignore_eos_token=True),
@@ -183,4 +181,3 @@ async def test_a_mask_that_fails_after_the_step_before_fails_its_rows_alone(tiny
     monkeypatch.setattr(TokenMask, "fill", fill)
     again, _ = await serve(tiny_model, mix()[:2], async_scheduling=True)
     assert again == serial[:2]
-
