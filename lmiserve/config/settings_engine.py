@@ -193,8 +193,9 @@ class EngineFields(FieldGroup):
             "and a step's tokens are detokenized, checked for stops and streamed while the next one runs. Unset: "
             "on for a model on a GPU, off on the CPU (where the model and the host share the cores: measured in "
             "benchmarks/README.md). Output is the same either way; a request that stops computes one step more. "
-            "Steps with grammars, thinking budgets or speculative decoding are planned after the step before "
-            "them. See docs/engine.md."
+            "Steps with speculative decoding are planned after the step before them; a grammar's or thinking "
+            "budget's rows are sampled once the step before is applied, the rest of their step planned and run "
+            "ahead (serial with tensor parallelism). See docs/engine.md."
         ),
     )
     stream_interval: int = Field(

@@ -116,7 +116,9 @@ def test_a_step_planned_ahead_never_decodes_a_token_past_max_new_tokens():
     assert decoded == [seq.seq_id] * 2  # tokens 2 and 3: the prompt's step sampled the first
 
 
-def test_no_step_is_planned_ahead_while_a_token_may_be_masked():
+def test_no_step_is_planned_ahead_while_a_token_may_be_masked_unless_the_executor_takes_masks_later():
+    """An executor that samples every row when it launches a step (the tensor-parallel one) plans steps after
+    the step before them while a token may be masked; one that takes the masks later: test_overlap_grammars.py."""
     sched = BlockScheduler(BlockPool(64, 4))
     plain = make_seq(prompt(5))
     sched.add(plain)
