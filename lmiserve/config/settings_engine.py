@@ -195,7 +195,7 @@ class EngineFields(FieldGroup):
             "benchmarks/README.md). Output is the same either way; a request that stops computes one step more. "
             "Steps with speculative decoding are planned after the step before them; a grammar's or thinking "
             "budget's rows are sampled once the step before is applied, the rest of their step planned and run "
-            "ahead (serial with tensor parallelism). See docs/engine.md."
+            "ahead. See docs/engine.md."
         ),
     )
     stream_interval: int = Field(

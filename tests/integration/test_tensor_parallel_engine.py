@@ -240,10 +240,13 @@ def _constrained_and_cached(engine) -> list[list[int]]:
     return asyncio.run(run())
 
 
-def test_structured_output_and_the_prefix_cache_under_tensor_parallelism(tiny_model_dir):
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
+def test_structured_output_and_the_prefix_cache_under_tensor_parallelism(tiny_model_dir, overlap):
     """The grammar bitmask travels in the batch to every rank, and the prefix cache's blocks (computed by
     every rank for its heads) are read again: the same tokens as one process, the constrained ones
-    matching their grammar."""
+    matching their grammar. With overlap scheduling, a step planned ahead goes out with its constrained
+    rows held by every rank, and their masks follow in a second message once the step before is applied
+    (`Executor.sample_masked`): the same tokens, and steps planned ahead while grammars run."""
     from lmiserve.models.compose import build_engine, build_tensor_parallel_engine
     from lmiserve.models.load import load_causal_lm, load_model_shell
 
@@ -251,10 +254,11 @@ def test_structured_output_and_the_prefix_cache_under_tensor_parallelism(tiny_mo
     whole = _constrained_and_cached(
         build_engine(load_causal_lm(tiny_model_dir, device="cpu"), Settings.from_options(base))
     )
-    settings = Settings.from_options({**base, "tensor_parallel_degree": "2"})
+    settings = Settings.from_options({**base, "tensor_parallel_degree": "2", "async_scheduling": str(overlap).lower()})
     engine = build_tensor_parallel_engine(load_model_shell(tiny_model_dir, device="cpu"), settings, 2)
     parallel = _constrained_and_cached(engine)
     assert parallel == whole
+    assert (engine.steps_ahead > engine.steps // 2) is overlap, (engine.steps_ahead, engine.steps)
     tokenizer = load_model_shell(tiny_model_dir, device="cpu").tokenizer
     n = 3  # the free questions
     assert "n" in json.loads(tokenizer.decode(parallel[n]))

@@ -132,8 +132,8 @@ async def test_grammars_planned_ahead_with_the_decode_graphs(tiny_model, monkeyp
     held: list[int] = []
     hold = EagerSampling._hold
 
-    def counted(runner, batch, sampling, rows, out):  # noqa: ANN001, ANN202 - EagerSampling._hold's
-        kept = hold(runner, batch, sampling, rows, out)
+    def counted(runner, batch, sampling, rows):  # noqa: ANN001, ANN202 - EagerSampling._hold's
+        kept = hold(runner, batch, sampling, rows)
         held.append(len(sampling) - len(kept[0]))
         return kept
 

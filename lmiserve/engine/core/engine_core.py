@@ -43,8 +43,8 @@ class _InFlight:
     plan: StepPlan
     launched: asyncio.Future[Launched]
     submitted: float
-    # a `mask_later` step's held rows sampled once the step before it is applied: the rows that failed
-    masked: asyncio.Future[dict[int, str]] | None = None
+    # a `mask_later` step's held rows sampled once the step before it is applied (their samples and errors)
+    masked: asyncio.Future[StepOutput] | None = None
 
 
 def _nothing() -> None:
@@ -302,11 +302,11 @@ class EngineCore:
                 self.steps_ahead += ahead.has_model_work
         self._current = current
         launched = await current.launched
-        failed = await current.masked if current.masked is not None else {}
+        held = await current.masked if current.masked is not None else None
         output = launched.output
         if launched.pending is not None:
             output = await self.thread.submit(self._collect_guarded, current.plan, launched)
-        fail_rows(output, failed)
+        fail_rows(output, {}, held)
         self._current = None
         if not current.plan.has_model_work:  # the executor only forgot requests
             return

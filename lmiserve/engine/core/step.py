@@ -190,10 +190,10 @@ class Executor(ABC):
         masked is planned after the step before it."""
         return False
 
-    def sample_masked(self, rows: list[int], bitmask: np.ndarray | None) -> None:
-        """The rows the last `mask_later` batch held back, sampled into its output (before `collect`): `rows`
-        (indexes into its rows, those still constrained) masked by `bitmask` (a row each, in `rows`' order),
-        the others unmasked."""
+    def sample_masked(self, rows: list[int], bitmask: np.ndarray | None) -> StepOutput:
+        """The rows the last `mask_later` batch held back, sampled: `rows` (indexes into its rows, those still
+        constrained) masked by `bitmask` (a row each, in `rows`' order), the others unmasked. Their samples
+        and errors, which complete that batch's output."""
         raise NotImplementedError("this executor samples every row when it launches a batch")
 
     def watch(self, on_failure: Callable[[str], None]) -> None:  # noqa: B027 - most executors have nothing to watch
@@ -224,6 +224,6 @@ class BatchRunner(ABC):
 
     defers_masks = False  # `Executor.defers_masks` in this process
 
-    def sample_masked(self, rows: list[int], bitmask: np.ndarray | None) -> None:
+    def sample_masked(self, rows: list[int], bitmask: np.ndarray | None) -> StepOutput:
         """`Executor.sample_masked` in this process."""
         raise NotImplementedError("this runner samples every row when it launches a batch")

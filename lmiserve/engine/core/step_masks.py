@@ -49,25 +49,31 @@ class StepMasks:
         seqs = plan.decode + [chunk.seq for chunk in plan.prefill]
         return [i for i in plan.batch.grammar_rows if not seqs[i].finished and seqs[i].grammar is not None]
 
-    def sample_held(self, plan: StepPlan) -> dict[int, str]:
+    def sample_held(self, plan: StepPlan) -> StepOutput:
         """A `mask_later` step's held rows sampled (on the torch thread, once the step before it is applied),
-        masked from their matchers as they stand now. The rows that failed (the executor sampled them
-        unmasked: `fail_rows` drops their tokens)."""
+        masked from their matchers as they stand now: their samples and errors, which `fail_rows` adds to
+        the step's output (a row whose mask failed was sampled unmasked: its token is dropped)."""
         rows = self.masked_now(plan)
         bitmask, failed = self.fill(plan, rows)
         try:
-            self.executor.sample_masked([] if failed else rows, bitmask)
+            held = self.executor.sample_masked([] if failed else rows, bitmask)
         except ExecutorFailed:
             raise
         except Exception as exc:  # noqa: BLE001 - the held rows fail, the step's others go on
             log.exception("sampling the constrained rows failed")
             seqs = plan.decode + [chunk.seq for chunk in plan.prefill]
+            held = StepOutput()
             failed = {seqs[i].seq_id: f"exception occurred during sampling: {exc}" for i in plan.batch.grammar_rows}
-        return failed
+        fail_rows(held, failed)
+        return held
 
 
-def fail_rows(output: StepOutput, failed: dict[int, str]) -> None:
-    """The constrained rows whose mask failed fail (their tokens, sampled unmasked, dropped)."""
+def fail_rows(output: StepOutput, failed: dict[int, str], held: StepOutput | None = None) -> None:
+    """A step's output completed by its `held` rows' (`sample_held`), and the rows in `failed` (whose mask
+    failed) failed: their tokens, sampled unmasked, dropped."""
+    if held is not None:
+        output.samples.update({seq_id: s for seq_id, s in held.samples.items() if seq_id not in output.errors})
+        failed = {**held.errors, **failed}
     for seq_id, message in failed.items():
         output.samples.pop(seq_id, None)
         output.errors[seq_id] = message

@@ -33,5 +33,5 @@ class InProcessExecutor(Executor):
     def defers_masks(self) -> bool:
         return self.runner.defers_masks
 
-    def sample_masked(self, rows: list[int], bitmask: np.ndarray | None) -> None:
-        self.runner.sample_masked(rows, bitmask)
+    def sample_masked(self, rows: list[int], bitmask: np.ndarray | None) -> StepOutput:
+        return self.runner.sample_masked(rows, bitmask)

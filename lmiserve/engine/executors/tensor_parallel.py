@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from lmiserve.engine.core.step import Executor, ExecutorFailed, StepBatch, StepOutput
 
 if TYPE_CHECKING:
-    pass
+    import numpy as np
 
 from lmiserve.engine.executors.tp_worker import WorkerSpec, worker_main
 
@@ -152,12 +152,23 @@ class TensorParallelExecutor(Executor):
         raise ExecutorFailed("tensor-parallel rank 0 closed its pipe")
 
     def execute(self, batch: StepBatch) -> StepOutput:
+        return self._round_trip(batch)
+
+    @property
+    def defers_masks(self) -> bool:
+        return True  # (every rank holds the rows and samples them when the masks come)
+
+    def sample_masked(self, rows: list[int], bitmask: np.ndarray | None) -> StepOutput:
+        return self._round_trip(("masks", rows, bitmask))
+
+    def _round_trip(self, message: StepBatch | tuple[str, list[int], np.ndarray | None]) -> StepOutput:
+        """`message` to every rank (through rank 0), and rank 0's output."""
         with self._lock:
             if self._closing:
                 raise ExecutorFailed("the tensor-parallel workers are closed")
             try:
                 try:
-                    self._conn.send(batch)
+                    self._conn.send(message)
                 except OSError as exc:
                     raise ExecutorFailed(f"tensor-parallel rank 0 is gone: {exc}") from None
                 kind, info = self._receive(self.spec.step_timeout)

@@ -162,7 +162,8 @@ def _serve(spec: WorkerSpec, rank: int, local_rank: int, conn: Connection | None
         batch = box[0]
         if batch is None:
             break
-        output = runner.execute_batch(batch)
+        # (a batch, or the masks of the rows the last one held: `Executor.sample_masked`)
+        output = runner.sample_masked(*batch[1:]) if isinstance(batch, tuple) else runner.execute_batch(batch)
         if conn is not None:
             conn.send(("ok", output))
     dist.destroy_process_group()

@@ -33,8 +33,8 @@ class EagerSampling:
     vocab_size: int
     penalties: PenaltyBook  # the penalized requests' tokens (runner/penalties.py)
     # a `mask_later` batch's rows that may be masked, until their masks come (`sample_masked`): the batch,
-    # the rows (indexes into it), their logits (copies) and the step's output
-    _held: list[tuple[StepBatch, list[int], torch.Tensor, StepOutput]]
+    # the rows (indexes into it) and their logits (copies)
+    _held: list[tuple[StepBatch, list[int], torch.Tensor]]
 
     defers_masks = True  # (`Executor.defers_masks`)
 
@@ -43,7 +43,7 @@ class EagerSampling:
         constrained ones masked by the batch's grammar bitmask, after every step in flight; those of a
         `mask_later` batch that may be masked are held until their masks come."""
         if batch.mask_later:
-            sampling, rows = self._hold(batch, sampling, rows, out)
+            sampling, rows = self._hold(batch, sampling, rows)
             if not sampling:
                 return
         try:
@@ -82,26 +82,26 @@ class EagerSampling:
                 self._requests[seq_id].output_ids.append(result.token_id)
                 out.samples[seq_id] = [result]
 
-    def _hold(
-        self, batch: StepBatch, sampling: list[int], rows: torch.Tensor, out: StepOutput
-    ) -> tuple[list[int], torch.Tensor]:
+    def _hold(self, batch: StepBatch, sampling: list[int], rows: torch.Tensor) -> tuple[list[int], torch.Tensor]:
         """Hold the rows of `sampling` that may be masked (their logits copied: a decode graph's are written
         again by its next replay); the others and their logits, to sample now."""
         later = set(batch.grammar_rows)
         held = [n for n, i in enumerate(sampling) if i in later]
         if not held:
             return sampling, rows
-        self._held.append((batch, [sampling[n] for n in held], rows[held], out))
+        self._held.append((batch, [sampling[n] for n in held], rows[held]))
         kept = [n for n, i in enumerate(sampling) if i not in later]
         return [sampling[n] for n in kept], rows[kept]
 
-    def sample_masked(self, rows: list[int], bitmask: np.ndarray | None) -> None:
+    def sample_masked(self, rows: list[int], bitmask: np.ndarray | None) -> StepOutput:
         """`Executor.sample_masked`: the held rows sampled, those in `rows` masked by `bitmask`'s rows."""
         held, self._held = self._held, []
+        out = StepOutput()
         with torch.inference_mode():
-            for batch, sampling, logits, out in held:
+            for batch, sampling, logits in held:
                 masks = replace(batch, grammar_rows=rows, grammar_bitmask=bitmask, mask_later=False)
                 self._sample_eager(masks, sampling, logits, out)
+        return out
 
     def _verify(self, row: ScheduledTokens, logits: torch.Tensor, out: StepOutput) -> None:
         """A row's drafts verified against its `logits` (one row a position: its last token's, then each

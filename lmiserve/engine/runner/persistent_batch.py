@@ -120,7 +120,8 @@ class PersistentBatchRunner(EagerSampling, BatchRunner):
         with torch.inference_mode():
             chained = self._chain_from(batch)
             self.in_flight.receive(keep_last=chained is not None)
-            self._held = []  # (a batch whose masks never came: its step failed)
+            if batch.rows:  # (a batch whose masks never came: its step failed; not a heartbeat's empty one)
+                self._held = []
             self._chained = chained or {}
             for seq_id in batch.finished:
                 self._forget(self._requests.pop(seq_id, None))
