@@ -40,7 +40,8 @@ dependencies can come as wheels; see benchmarks/README.md, "The GPU check"). It 
    bandwidth and error; ``quality``: ``benchmarks/quantized_quality.py`` on CUDA, each format's perplexity
    and agreement)
    and ``overlap`` (``benchmarks/overlap_scheduling.py`` on the 1B shape: ``async_scheduling`` off and on in
-   turns at 1, 32 and 128 streams, tokens/s, the ratio, whether the tokens agree) and ``step_profile``
+   turns at 1, 32 and 128 streams, and at 128 with one stream constrained by a grammar (``"constrained": 1``),
+   tokens/s, the ratio, whether the tokens agree) and ``step_profile``
    (``benchmarks/step_host_cost.py --profile --mixed 32`` on the 1B shape: the serial loop's spans a decode
    step at 1, 32 and 128 rows, and of the steps where a 32-token prompt joins them (eager on CUDA) with their
    ratio to the decode-only steps; ``step-profile-1b/`` holds the torch profiler's CPU and CUDA tables at 128
@@ -664,7 +665,8 @@ def markdown(summary: dict[str, Any]) -> str:
             "|---|---|---|---|---|---|",
         ]
         for r in summary["overlap"]:
-            cells = [r["rows"], r["off_tokens_per_s"], r["on_tokens_per_s"], r["ratio"]]
+            rows = f"{r['rows']}, one constrained" if r.get("constrained") else r["rows"]
+            cells = [rows, r["off_tokens_per_s"], r["on_tokens_per_s"], r["ratio"]]
             cells += [r["steps_ahead_share"], r["same_tokens"]]
             lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     if summary.get("engine_process"):
@@ -1036,6 +1038,8 @@ def main(argv: list[str] | None = None) -> int:
             scale.pick(str(8 << 30), str(64 << 20)),
             "--rows",
             scale.pick("1,32,128", "1,4"),
+            "--constrained-rows",  # (one grammar stream among them: its steps planned ahead too)
+            scale.pick("128", "4"),
             "--new-tokens",
             scale.pick("128", "8"),
             "--turns",

@@ -4,6 +4,7 @@
     python benchmarks/overlap_scheduling.py [--model-id DIR] [--device cpu] [--dtype fp32]
                                             [--load-format auto|dummy] [--kv-cache-memory-bytes N]
                                             [--rows 1,32,128] [--new-tokens 128] [--turns 3] [--out DIR]
+                                            [--constrained-rows 128]
 
 Each run submits `rows` requests at once (`ignore_eos`, `--new-tokens` each) and reads every stream to
 its end. The figure is the decode rate once every stream has its first token: the tokens that came after
@@ -12,6 +13,11 @@ is left out). Off and on run in turns (`--turns` pairs, drift hits both alike); 
 the turns' medians. Every run's tokens must equal the first run's (greedy: overlap changes no token), and
 the share of the steps planned ahead is reported (`EngineCore.steps_ahead`). Without --model-id: the
 tests' tiny Llama (2 layers, hidden 64, vocab 512, fp32), where the host's Python is most of a step.
+
+`--constrained-rows`: at each of these row counts, once more with one stream constrained (`[a-z ,.]+`, a
+grammar that never completes: it runs to its length as the others do), whose mask follows its token before
+(the steps planned ahead hold its row until the step before is applied: docs/engine.md, "Grammars planned
+ahead"); those results carry `"constrained": 1`.
 """
 
 from __future__ import annotations
@@ -40,8 +46,12 @@ PROMPTS = [
 ]
 
 
-async def measure(loaded: Any, rows: int, new_tokens: int, overlap: bool, kv_bytes: int | None) -> dict[str, Any]:
-    """One engine, `rows` streams at once: the decode rate after the last first token, and the tokens."""
+async def measure(
+    loaded: Any, rows: int, new_tokens: int, overlap: bool, kv_bytes: int | None, constrained: int = 0
+) -> dict[str, Any]:
+    """One engine, `rows` streams at once (the first `constrained` of them following a grammar): the decode
+    rate after the last first token, and the tokens."""
+    from lmiserve.core.grammar import Grammar
     from lmiserve.core.request import GenerationRequest, SamplingParams
     from lmiserve.engine.core.async_engine import EngineConfig
     from lmiserve.engine.factory import create_engine
@@ -58,7 +68,9 @@ async def measure(loaded: Any, rows: int, new_tokens: int, overlap: bool, kv_byt
 
     async def consume(i: int) -> list[int]:
         prompt = PROMPTS[i % len(PROMPTS)] + ("" if i < len(PROMPTS) else f" ({i})")
-        request = GenerationRequest(prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos_token=True))
+        grammar = Grammar("regex", "[a-z ,.]+") if i < constrained else None
+        params = SamplingParams(max_new_tokens=new_tokens, ignore_eos_token=True, grammar=grammar)
+        request = GenerationRequest(prompt, params)
         ids, times = [], []
         async for event in engine.generate(request):
             if event.token is not None:
@@ -92,8 +104,9 @@ def table(results: list[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for r in results:
+        rows = f"{r['rows']}, one constrained" if r.get("constrained") else r["rows"]
         lines.append(
-            f"| {r['rows']} | {r['off_tokens_per_s']:.1f} | {r['on_tokens_per_s']:.1f} | {r['ratio']:.2f}x | "
+            f"| {rows} | {r['off_tokens_per_s']:.1f} | {r['on_tokens_per_s']:.1f} | {r['ratio']:.2f}x | "
             f"{100 * r['steps_ahead_share']:.0f} % | {'yes' if r['same_tokens'] else 'NO'} |"
         )
     return "\n".join(lines)
@@ -110,6 +123,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--turns", type=int, default=3, help="off/on pairs per row count")
     parser.add_argument("--out", type=Path, help="a directory for summary.json and summary.md")
+    parser.add_argument("--constrained-rows", default="", help="row counts run again with one constrained stream")
     args = parser.parse_args()
 
     from lmiserve.core import threads
@@ -129,10 +143,12 @@ def main() -> None:
             model_dir = str(build_tiny_model_dir(Path(stack.enter_context(tempfile.TemporaryDirectory())) / "tiny"))
         loaded = load_causal_lm(model_dir, dtype=args.dtype, device=args.device, load_format=args.load_format)
         kv = args.kv_cache_memory_bytes
-        for rows in [int(r) for r in args.rows.split(",")]:
-            asyncio.run(measure(loaded, rows, 8, False, kv))  # warm-up: shapes, caches
+        passes = [(int(r), 0) for r in args.rows.split(",")]
+        passes += [(int(r), 1) for r in args.constrained_rows.split(",") if r]
+        for rows, constrained in passes:
+            asyncio.run(measure(loaded, rows, 8, False, kv, constrained))  # warm-up: shapes, caches
             runs = [
-                asyncio.run(measure(loaded, rows, args.new_tokens, overlap, kv))
+                asyncio.run(measure(loaded, rows, args.new_tokens, overlap, kv, constrained))
                 for _ in range(args.turns)
                 for overlap in (False, True)
             ]
@@ -142,6 +158,7 @@ def main() -> None:
             on = round(statistics.median(r["tokens_per_s"] for r in runs if r["overlap"]), 1)
             result = {
                 "rows": rows,
+                **({"constrained": constrained} if constrained else {}),
                 "off_tokens_per_s": off,
                 "on_tokens_per_s": on,
                 "ratio": round(on / off, 3),

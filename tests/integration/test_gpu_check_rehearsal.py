@@ -101,8 +101,9 @@ def test_issue_39_entries_are_filled(rehearsal):
     (prompts,) = summary["graph_prompts"]
     assert prompts["concurrency"] == 4 and prompts["b_over_a"] > 0
     assert all(prompts[s]["failed"] == 0 and prompts[s]["engine_steps"]["prefill_steps"] > 0 for s in "ab")
-    assert [r["rows"] for r in summary["overlap"]] == [1, 4]
+    assert [(r["rows"], r.get("constrained", 0)) for r in summary["overlap"]] == [(1, 0), (4, 0), (4, 1)]
     assert all(r["same_tokens"] for r in summary["overlap"])
+    assert summary["overlap"][-1]["steps_ahead_share"] > 0.5  # (a grammar stream's steps planned ahead too)
     for kind in ("fp8", "int4"):
         bench = summary["quantized"][f"{kind}_bench"]
         assert bench["shape"] == "8b" and bench["failed"] == 0 and bench["over_bf16"] > 0
