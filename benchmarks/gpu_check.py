@@ -281,7 +281,7 @@ def environment() -> dict[str, Any]:
 def dummy_model_dir(shape: str, out: Path, scale: Scale | None = None) -> Path:
     """A model directory of `shape` with config, generation config and tokenizer but no weights (a
     rehearsal's: the shape's architecture and vocabulary with tiny layers)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     from lmiserve.bench.prompts import PROMPTS
@@ -293,16 +293,20 @@ def dummy_model_dir(shape: str, out: Path, scale: Scale | None = None) -> Path:
         json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3, "do_sample": False})
     )
     # A word-level tokenizer as large as the model's vocabulary, so every sampled id decodes: the
-    # bench's own words first (its prompts keep their lengths), then fillers.
+    # bench's own words first (its prompts keep their lengths), then fillers. Byte-level words (a space
+    # is the word's "Ġ"), so that a grammar compiles for it (llguidance reads its tokens' bytes).
     vocab: dict[str, int] = {"<unk>": 0, "<s>": 1, "</s>": 2, "<pad>": 3}
-    for word in re.findall(r"\w+|[^\w\s]", " ".join(PROMPTS)):
-        vocab.setdefault(word, len(vocab))
+    words = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    for text in PROMPTS:
+        for word, _ in words.pre_tokenize_str(text):
+            vocab.setdefault(word, len(vocab))
     filler = 0
     while len(vocab) < config["vocab_size"]:
-        vocab.setdefault(f"w{filler}", len(vocab))
+        vocab.setdefault(f"Ġw{filler}", len(vocab))
         filler += 1
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.pre_tokenizer = words
+    backend.decoder = decoders.ByteLevel()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
     )

@@ -51,8 +51,6 @@ async def measure(
 ) -> dict[str, Any]:
     """One engine, `rows` streams at once (the first `constrained` of them following a grammar): the decode
     rate after the last first token, and the tokens."""
-    from lmiserve.core.grammar import Grammar
-    from lmiserve.core.request import GenerationRequest, SamplingParams
     from lmiserve.engine.core.async_engine import EngineConfig
     from lmiserve.engine.factory import create_engine
 
@@ -63,6 +61,24 @@ async def measure(
         kv_cache_memory_bytes=kv_bytes,
     )
     engine = create_engine(loaded, config)
+    tokens, rate = await run_streams(engine, rows, new_tokens, constrained)
+    return {
+        "rows": rows,
+        "overlap": overlap,
+        "tokens_per_s": rate,
+        "steps": engine.steps,
+        "steps_ahead_share": round(engine.steps_ahead / max(engine.steps, 1), 3),
+        "tokens": tokens,
+    }
+
+
+async def run_streams(engine: Any, rows: int, new_tokens: int, constrained: int = 0) -> tuple[list[list[int]], Any]:
+    """`engine` started, `rows` streams at once (`ignore_eos`, `new_tokens` each; the first `constrained`
+    following `[a-z ,.]+`), read to their ends, the engine stopped: their tokens, and the decode rate after
+    the last first token (None when nothing came after it)."""
+    from lmiserve.core.grammar import Grammar
+    from lmiserve.core.request import GenerationRequest, SamplingParams
+
     firsts: list[float] = []
     stamps: list[list[float]] = []
 
@@ -76,6 +92,8 @@ async def measure(
             if event.token is not None:
                 ids.append(event.token.id)
                 times.append(time.perf_counter())
+            if event.finish is not None:
+                assert event.finish.error is None, event.finish.error
         firsts.append(times[0])
         stamps.append(times)
         return ids
@@ -88,14 +106,7 @@ async def measure(
     start = max(firsts)
     end = max(t[-1] for t in stamps)
     after = sum(1 for times in stamps for t in times if t > start)
-    return {
-        "rows": rows,
-        "overlap": overlap,
-        "tokens_per_s": round(after / (end - start), 1) if end > start else None,
-        "steps": engine.steps,
-        "steps_ahead_share": round(engine.steps_ahead / max(engine.steps, 1), 3),
-        "tokens": tokens,
-    }
+    return tokens, round(after / (end - start), 1) if end > start else None
 
 
 def table(results: list[dict[str, Any]]) -> str:

@@ -43,58 +43,28 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-PROMPTS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Hello world! How are you today?",
-    "Large language models predict the next token.",
-    "Numbers like 1, 2, 3, 42 and 2024 appear in text too.",
-]
+from overlap_scheduling import run_streams  # noqa: E402 - the same streams
+
 MODES = ("serial", "before", "after")
 SPANS: list[tuple[float, float, int]] = []  # each step's rows on the torch thread: start, end, rows
 MASK_TASKS: list[tuple[float, float]] = []  # each `sample_held`: wall, CPU (the torch thread's) seconds
 
 
 async def measure(loaded: Any, rows: int, constrained: int, new_tokens: int, mode: str) -> dict[str, Any]:
-    from lmiserve.core.grammar import Grammar
-    from lmiserve.core.request import GenerationRequest, SamplingParams
     from lmiserve.engine.core.async_engine import EngineConfig
     from lmiserve.engine.factory import create_engine
 
     config = EngineConfig(max_running=rows, max_prefill_tokens=max(64, 16 * rows), async_scheduling=mode != "serial")
     engine = create_engine(loaded, config)
     engine.scheduler.masks_later = engine.scheduler.masks_later and mode == "after"  # type: ignore[attr-defined]
-    firsts: list[float] = []
-    stamps: list[list[float]] = []
-
-    async def consume(i: int) -> list[int]:
-        prompt = PROMPTS[i % len(PROMPTS)] + ("" if i < len(PROMPTS) else f" ({i})")
-        grammar = Grammar("regex", "[a-z ,.]+") if i < constrained else None
-        params = SamplingParams(max_new_tokens=new_tokens, ignore_eos_token=True, grammar=grammar)
-        ids, times = [], []
-        async for event in engine.generate(GenerationRequest(prompt, params)):
-            if event.token is not None:
-                ids.append(event.token.id)
-                times.append(time.perf_counter())
-            if event.finish is not None:
-                assert event.finish.error is None, event.finish.error
-        firsts.append(times[0])
-        stamps.append(times)
-        return ids
-
     SPANS.clear()
     MASK_TASKS.clear()
-    engine.start()
-    try:
-        tokens = await asyncio.gather(*(consume(i) for i in range(rows)))
-    finally:
-        await engine.stop()
+    tokens, rate = await run_streams(engine, rows, new_tokens, constrained)
     steady = [span for span in SPANS if span[2] == rows][10:]  # (every stream decoding)
     gaps = [b[0] - a[1] for a, b in itertools.pairwise(steady)]
-    start, end = max(firsts), max(t[-1] for t in stamps)
-    after = sum(1 for times in stamps for t in times if t > start)
     return {
         "mode": mode,
-        "tokens_per_s": round(after / (end - start), 1),
+        "tokens_per_s": rate,
         "steps": engine.steps,
         "steps_ahead_share": round(engine.steps_ahead / max(engine.steps, 1), 3),
         "gap_ms": round(1000 * statistics.median(gaps), 3) if gaps else None,

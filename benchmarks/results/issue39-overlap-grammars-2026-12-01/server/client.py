@@ -1,12 +1,33 @@
-import asyncio, json, sys
+import asyncio
+import json
+import sys
+
 from openai import AsyncOpenAI
+
 port = int(sys.argv[1])
 c = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
-SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "population": {"type": "integer"}},
-          "required": ["city", "population"], "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
-def msgs(t): return [{"role": "user", "content": t}]
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}, "population": {"type": "integer"}},
+    "required": ["city", "population"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
+
+
+def msgs(t):
+    return [{"role": "user", "content": t}]
+
+
 async def one(kind, i):
     q = ["Tell me about Paris.", "What is the capital of Japan?", "Describe a cat.", "Weather in Rome?"][i % 4]
     kw = dict(model="SmolLM2-135M-Instruct", messages=msgs(q), max_tokens=48, temperature=0)
@@ -22,9 +43,20 @@ async def one(kind, i):
         kw.update(temperature=0.8, seed=7 + i)
     r = await c.chat.completions.create(**kw)
     m = r.choices[0].message
-    return [kind, i, m.content, [(t.function.name, t.function.arguments) for t in (m.tool_calls or [])], r.choices[0].finish_reason, r.usage.completion_tokens]
+    return [
+        kind,
+        i,
+        m.content,
+        [(t.function.name, t.function.arguments) for t in (m.tool_calls or [])],
+        r.choices[0].finish_reason,
+        r.usage.completion_tokens,
+    ]
+
+
 async def main():
     kinds = ["schema", "regex", "plain", "tools", "object", "sampled", "plain", "plain"]
     out = await asyncio.gather(*(one(k, i) for i in range(3) for k in kinds))
     print(json.dumps(out, indent=0))
+
+
 asyncio.run(main())
