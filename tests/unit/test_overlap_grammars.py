@@ -233,3 +233,41 @@ async def test_n_best_of_preemption_prompt_logprobs_and_an_abort_with_grammars_p
     assert len(left[4][0]) == 3 and ahead > 0  # (its tokens until the client left)
     alone, _, _ = await everything(tiny_model, params, async_scheduling=False)
     assert left[:4] == alone[:4]
+
+
+async def test_a_thinking_budget_holds_its_row_only_where_it_may_run_out(thinking_model, prompt, ids, monkeypatch):  # noqa: F811
+    """A budget's row is held for its mask only from the step whose token in flight may spend the budget,
+    and while its end is forced: its other rows sample with the step (in a decode graph, chained, on a GPU),
+    not once the step before is applied."""
+    _, end = ids
+    held: list[int] = []
+    hold = EagerSampling._hold
+
+    def counted(runner, batch, sampling, rows):  # noqa: ANN001, ANN202 - EagerSampling._hold's
+        kept = hold(runner, batch, sampling, rows)
+        held.append(len(sampling) - len(kept[0]))
+        return kept
+
+    monkeypatch.setattr(EagerSampling, "_hold", counted)
+    params = [
+        SamplingParams(max_new_tokens=30, ignore_eos_token=True, thinking=budget(10)),
+        SamplingParams(max_new_tokens=30, ignore_eos_token=True),
+    ]
+    serial, _ = await serve(thinking_model, params, [prompt], async_scheduling=False)
+    overlapped, (steps, ahead) = await serve(thinking_model, params, [prompt], async_scheduling=True)
+    assert overlapped == serial and overlapped[0][0][10] == end
+    assert ahead > steps * 2 // 3 and 1 <= sum(held) <= 3, (held, ahead, steps)  # (of 29 decode rows)
+
+
+def test_a_budget_may_run_out_only_with_the_tokens_that_reach_it(thinking_model, prompt):  # noqa: F811
+    from lmiserve.engine.text.thinking import BudgetTracker
+
+    tokenizer = thinking_model.tokenizer
+    prompt_ids = tokenizer.encode(prompt)
+    inside = BudgetTracker(budget(2), tokenizer, prompt_ids)  # (the template opened the block)
+    assert [inside.may_spend(k) for k in (0, 1, 2)] == [False, False, True]
+    inside.feed(tokenizer.encode("a")[-1])
+    assert [inside.may_spend(k) for k in (0, 1)] == [False, True]
+    before = BudgetTracker(budget(1, inside=False), tokenizer, prompt_ids)  # (the model may open it)
+    assert [before.may_spend(k) for k in (0, 1, 2)] == [False, False, True]  # (the opener, then one counted)
+    assert BudgetTracker(budget(0, inside=False), tokenizer, prompt_ids).may_spend(1)

@@ -61,7 +61,7 @@ class ExecutorView:
             batch.rows.append(
                 ScheduledTokens(seq.seq_id, start, token_ids, blocks[sent:], sample, details, drafts, propose)
             )
-            if sample and (seq.may_constrain if masks_later else seq.grammar is not None):
+            if sample and (seq.may_constrain_after(seq.inflight_samples) if masks_later else seq.grammar is not None):
                 batch.grammar_rows.append(row)
             seq.inflight_tokens += 1 if row < len(plan.decode) else len(token_ids)
             seq.inflight_samples += sample

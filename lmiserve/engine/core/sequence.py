@@ -133,12 +133,14 @@ class Sequence:
     def may_constrain(self) -> bool:
         """Whether a token may be masked (a grammar, one waiting for its marker, or a thinking budget): its
         next step's mask then depends on the token before it, so that step is never planned ahead."""
-        return (
-            self._grammar is not None
-            or self._deferred is not None
-            or self._forcing is not None
-            or self._thinking is not None
-        )
+        return self._thinking is not None or self.may_constrain_after(0)
+
+    def may_constrain_after(self, tokens: int) -> bool:
+        """Whether the token after the `tokens` still in flight may be masked: a grammar (or one waiting for
+        its marker, which any of them may complete), a forced end, or a thinking budget they may spend."""
+        if self._grammar is not None or self._deferred is not None or self._forcing is not None:
+            return True
+        return self._thinking is not None and self._thinking.may_spend(tokens)
 
     @property
     def prefill_remaining(self) -> int:

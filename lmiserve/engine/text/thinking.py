@@ -89,6 +89,14 @@ class BudgetTracker:
         """The block is open and its budget spent: its closing tokens are due."""
         return self.state == _INSIDE and self.used >= self.budget.tokens
 
+    def may_spend(self, tokens: int) -> bool:
+        """Whether the next `tokens` tokens may spend the budget (its end then forced on the token after
+        them): inside the block, when they reach it; before it, when the block may open with the first of
+        them and the others reach it."""
+        if self.state == _INSIDE:
+            return self.used + tokens >= self.budget.tokens
+        return self.state == _BEFORE and tokens - 1 >= self.budget.tokens
+
     def draft_limit(self) -> int:
         """The most drafts one step may verify without passing the budget (a step gives a sequence up to
         one token more than its drafts): inside the block, the tokens left but the step's own; before it,
