@@ -40,7 +40,15 @@ def test_dummy_directory_has_the_shape_and_a_tokenizer_as_large_as_its_vocabular
     assert len(tokenizer) == config.vocab_size == 128256  # every id the model can sample decodes
     ids = tokenizer(PROMPTS[0])["input_ids"]
     assert tokenizer.unk_token_id not in ids and len(ids) == len(PROMPTS[0].replace(".", " .").split())
-    assert tokenizer.decode([128255]).startswith("w")  # the last id is a filler word, not nothing
+    assert tokenizer.decode([128255]) == " w128009"  # the last id is a filler word (byte-level: its space), not nothing
+    # byte-level words: a grammar compiles for it (llguidance reads each token's bytes; the overlap step's
+    # constrained stream needs one)
+    from lmiserve.core.grammar import Grammar
+    from lmiserve.engine.text.grammar_compiler import GrammarCompiler
+
+    compiler = GrammarCompiler(tokenizer, vocab_size=config.vocab_size, eos_token_ids=[2])
+    matcher = compiler.compile(Grammar("regex", "[a-z ,.]+")).matcher()
+    assert tokenizer.decode(ids[1]) == " a" and matcher.accept(ids[1]) and not matcher.accept(ids[0])  # ("Write")
 
 
 def test_summary_of_the_recorded_h200_run_renders(gpu_check):
