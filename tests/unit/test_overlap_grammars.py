@@ -76,6 +76,20 @@ async def serve(loaded, params: list[SamplingParams], prompts: list[str] = PROMP
         return [summary(events) for events in results], (engine.steps, engine.steps_ahead)
 
 
+def count_held(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From now on (in this test), each `mask_later` batch's count of held rows (`EagerSampling._hold`)."""
+    held: list[int] = []
+    hold = EagerSampling._hold
+
+    def counted(runner, batch, sampling, rows):  # noqa: ANN001, ANN202 - EagerSampling._hold's
+        kept = hold(runner, batch, sampling, rows)
+        held.append(len(sampling) - len(kept[0]))
+        return kept
+
+    monkeypatch.setattr(EagerSampling, "_hold", counted)
+    return held
+
+
 def check_constrained(results) -> None:
     """The constrained rows' texts follow their grammars (the gated one after its marker)."""
     schema, regex, gated, choice = results[0][2], results[1][2], results[4][2], results[6][2]
@@ -129,15 +143,7 @@ async def test_grammars_planned_ahead_with_the_decode_graphs(tiny_model, monkeyp
     tokens."""
     eager, _ = await serve(tiny_model, mix(), async_scheduling=False, enforce_eager=True)
     record = graphs_on_the_test_device(monkeypatch)
-    held: list[int] = []
-    hold = EagerSampling._hold
-
-    def counted(runner, batch, sampling, rows):  # noqa: ANN001, ANN202 - EagerSampling._hold's
-        kept = hold(runner, batch, sampling, rows)
-        held.append(len(sampling) - len(kept[0]))
-        return kept
-
-    monkeypatch.setattr(EagerSampling, "_hold", counted)
+    held = count_held(monkeypatch)
     graphed, (steps, ahead) = await serve(tiny_model, mix(), async_scheduling=True)
     assert [r[:3] for r in graphed] == [r[:3] for r in eager]
     assert record.steps and sum(held) > 20 and ahead > steps // 2, (len(record.steps), held, ahead, steps)
@@ -240,15 +246,7 @@ async def test_a_thinking_budget_holds_its_row_only_where_it_may_run_out(thinkin
     and while its end is forced: its other rows sample with the step (in a decode graph, chained, on a GPU),
     not once the step before is applied."""
     _, end = ids
-    held: list[int] = []
-    hold = EagerSampling._hold
-
-    def counted(runner, batch, sampling, rows):  # noqa: ANN001, ANN202 - EagerSampling._hold's
-        kept = hold(runner, batch, sampling, rows)
-        held.append(len(sampling) - len(kept[0]))
-        return kept
-
-    monkeypatch.setattr(EagerSampling, "_hold", counted)
+    held = count_held(monkeypatch)
     params = [
         SamplingParams(max_new_tokens=30, ignore_eos_token=True, thinking=budget(10)),
         SamplingParams(max_new_tokens=30, ignore_eos_token=True),
