@@ -58,22 +58,40 @@ def summary(events: list[StepEvent]):
     return [e.token.id for e in events if e.token is not None], finish.reason, finish.generated_text, finish.error
 
 
-async def serve(loaded, params: list[SamplingParams], prompts: list[str] = PROMPTS, **config):
-    """Every request at once; their summaries and the engine's (steps, steps planned ahead)."""
+async def everything(
+    loaded, params: list[SamplingParams], prompts: list[str] = PROMPTS, abort: int | None = None, **config
+):
+    """Every request at once; each one's events by sequence (`index`): its summary, or its tokens if it has
+    no finish. `abort`: that request's client goes away after its third token. Also the engine's steps,
+    steps planned ahead and preemptions; its blocks all back."""
     config = {"max_running": 8, "max_prefill_tokens": 8, **config}
     async with running_engine(loaded, **config) as engine:
 
-        async def one(i: int) -> list[StepEvent]:
+        async def one(i: int) -> dict[int, tuple]:
             request = GenerationRequest(prompts[i % len(prompts)], params[i])
-            return [e async for e in engine.generate(request)]
+            by_index: dict[int, list[StepEvent]] = {}
+            async for event in engine.generate(request):
+                by_index.setdefault(event.index, []).append(event)
+                if i == abort and sum(len(e) for e in by_index.values()) == 3:
+                    break
+            return {
+                index: summary(events) if events[-1].finish else [e.token.id for e in events]
+                for index, events in sorted(by_index.items())
+            }
 
         results = await asyncio.gather(*(one(i) for i in range(len(params))))
         for _ in range(100):
             if engine.num_running == 0:
                 break
             await asyncio.sleep(0.01)
-        assert engine.num_running == 0 and engine.pool.num_used_blocks == 0
-        return [summary(events) for events in results], (engine.steps, engine.steps_ahead)
+        assert engine.num_running == 0 and engine.num_waiting == 0 and engine.pool.num_used_blocks == 0
+        return results, (engine.steps, engine.steps_ahead, engine.scheduler.num_preemptions)
+
+
+async def serve(loaded, params: list[SamplingParams], prompts: list[str] = PROMPTS, **config):
+    """Every request at once (one sequence each): their summaries and the engine's (steps, steps ahead)."""
+    results, (steps, ahead, _) = await everything(loaded, params, prompts, **config)
+    return [result[0] for result in results], (steps, ahead)
 
 
 def count_held(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -189,33 +207,6 @@ async def test_a_mask_that_fails_after_the_step_before_fails_its_rows_alone(tiny
     assert again == serial[:2]
 
 
-async def everything(loaded, params: list[SamplingParams], abort: int | None = None, **config):
-    """Every request at once; each one's events by sequence (`index`): its tokens and its finish. `abort`:
-    that request's client goes away after its third token. Also the engine's preemptions and steps ahead."""
-    config = {"max_running": 8, "max_prefill_tokens": 8, **config}
-    async with running_engine(loaded, **config) as engine:
-
-        async def one(i: int) -> dict[int, tuple]:
-            request = GenerationRequest(PROMPTS[i % len(PROMPTS)], params[i])
-            by_index: dict[int, list[StepEvent]] = {}
-            async for event in engine.generate(request):
-                by_index.setdefault(event.index, []).append(event)
-                if i == abort and sum(len(e) for e in by_index.values()) == 3:
-                    break
-            return {
-                index: summary(events) if events[-1].finish else [e.token.id for e in events]
-                for index, events in sorted(by_index.items())
-            }
-
-        results = await asyncio.gather(*(one(i) for i in range(len(params))))
-        for _ in range(100):
-            if engine.num_running == 0:
-                break
-            await asyncio.sleep(0.01)
-        assert engine.num_running == 0 and engine.num_waiting == 0 and engine.pool.num_used_blocks == 0
-        return results, engine.scheduler.num_preemptions, engine.steps_ahead
-
-
 async def test_n_best_of_preemption_prompt_logprobs_and_an_abort_with_grammars_planned_ahead(tiny_model):
     """Several sequences of one request (each its own matcher, `n` and `best_of`), a pool that preempts, a
     constrained request with prompt logprobs, and a constrained request whose client leaves mid-stream: the
@@ -230,14 +221,14 @@ async def test_n_best_of_preemption_prompt_logprobs_and_an_abort_with_grammars_p
     ]
     # 24 blocks of 4 tokens for 9 sequences of prompts of ~8 and up to 24 new tokens: preemption
     pool = {"kv_cache_memory_bytes": 24 * 4 * 2 * 2 * 16 * 2 * 4, "block_size": 4}
-    serial, preempted, _ = await everything(tiny_model, params, async_scheduling=False, **pool)
-    overlapped, preempted_ahead, ahead = await everything(tiny_model, params, async_scheduling=True, **pool)
+    serial, (_, _, preempted) = await everything(tiny_model, params, async_scheduling=False, **pool)
+    overlapped, (_, ahead, preempted_ahead) = await everything(tiny_model, params, async_scheduling=True, **pool)
     assert overlapped == serial
     assert preempted > 0 and preempted_ahead > 0 and ahead > 0, (preempted, preempted_ahead, ahead)
     assert [len(r) for r in overlapped] == [3, 2, 1, 1, 1]
-    left, _, ahead = await everything(tiny_model, params, abort=4, async_scheduling=True)
+    left, (_, ahead, _) = await everything(tiny_model, params, abort=4, async_scheduling=True)
     assert len(left[4][0]) == 3 and ahead > 0  # (its tokens until the client left)
-    alone, _, _ = await everything(tiny_model, params, async_scheduling=False)
+    alone, _ = await everything(tiny_model, params, async_scheduling=False)
     assert left[:4] == alone[:4]
 
 

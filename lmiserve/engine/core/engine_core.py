@@ -28,7 +28,7 @@ from lmiserve.engine.core.kv_fits import check_fits
 from lmiserve.engine.core.scheduler import StepPlan
 from lmiserve.engine.core.sequence import Sequence
 from lmiserve.engine.core.step import BatchRunner, Executor, ExecutorFailed, Launched, StepOutput
-from lmiserve.engine.core.step_masks import StepMasks, fail_rows
+from lmiserve.engine.core.step_masks import StepMasks, add_held, fail_rows
 from lmiserve.engine.executors.in_process import InProcessExecutor
 from lmiserve.engine.lora.registry import AdapterRegistry
 from lmiserve.engine.speculative.proposers import SpeculationPolicy
@@ -306,7 +306,8 @@ class EngineCore:
         output = launched.output
         if launched.pending is not None:
             output = await self.thread.submit(self._collect_guarded, current.plan, launched)
-        fail_rows(output, {}, held)
+        if held is not None:
+            add_held(output, held)
         self._current = None
         if not current.plan.has_model_work:  # the executor only forgot requests
             return

@@ -62,6 +62,11 @@ class StepPlan:
     def has_model_work(self) -> bool:
         return bool(self.prefill or self.decode)
 
+    @property
+    def seqs(self) -> list[Sequence]:
+        """The sequence of each of the batch's rows, in its order (the decode rows, then the chunks')."""
+        return self.decode + [chunk.seq for chunk in self.prefill]
+
 
 class SchedulerBase:
     """The scheduler's policy: the limits, the waiting queue in priority order, the running batch,

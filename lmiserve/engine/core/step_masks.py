@@ -14,7 +14,7 @@ from lmiserve.engine.core.scheduler import StepPlan
 from lmiserve.engine.core.step import Executor, ExecutorFailed, StepOutput
 from lmiserve.engine.text.token_mask import TokenMask
 
-__all__ = ["StepMasks", "fail_rows"]
+__all__ = ["StepMasks", "add_held", "fail_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class StepMasks:
         matcher as it stands; when that fails, None and the error of each of their sequences."""
         if not rows:
             return None, {}
-        seqs = plan.decode + [chunk.seq for chunk in plan.prefill]  # the batch's row order
+        seqs = plan.seqs
         try:
             if self._mask is None:
                 self._mask = TokenMask(self.executor.vocab_size, self.executor.eos_token_ids)
@@ -46,12 +46,12 @@ class StepMasks:
         """A `mask_later` step's rows to mask now that the step before it is applied: those of a sequence that
         goes on with a matcher (one that ended with that step's token has its token here dropped; one still
         waiting for its grammar's marker, or thinking within its budget, samples unmasked)."""
-        seqs = plan.decode + [chunk.seq for chunk in plan.prefill]
+        seqs = plan.seqs
         return [i for i in plan.batch.grammar_rows if not seqs[i].finished and seqs[i].grammar is not None]
 
     def sample_held(self, plan: StepPlan) -> StepOutput:
         """A `mask_later` step's held rows sampled (on the torch thread, once the step before it is applied),
-        masked from their matchers as they stand now: their samples and errors, which `fail_rows` adds to
+        masked from their matchers as they stand now: their samples and errors, which `add_held` adds to
         the step's output (a row whose mask failed was sampled unmasked: its token is dropped)."""
         rows = self.masked_now(plan)
         bitmask, failed = self.fill(plan, rows)
@@ -61,19 +61,22 @@ class StepMasks:
             raise
         except Exception as exc:  # noqa: BLE001 - the held rows fail, the step's others go on
             log.exception("sampling the constrained rows failed")
-            seqs = plan.decode + [chunk.seq for chunk in plan.prefill]
+            seqs = plan.seqs
             held = StepOutput()
             failed = {seqs[i].seq_id: f"exception occurred during sampling: {exc}" for i in plan.batch.grammar_rows}
         fail_rows(held, failed)
         return held
 
 
-def fail_rows(output: StepOutput, failed: dict[int, str], held: StepOutput | None = None) -> None:
-    """A step's output completed by its `held` rows' (`sample_held`), and the rows in `failed` (whose mask
-    failed) failed: their tokens, sampled unmasked, dropped."""
-    if held is not None:
-        output.samples.update({seq_id: s for seq_id, s in held.samples.items() if seq_id not in output.errors})
-        failed = {**held.errors, **failed}
+def add_held(output: StepOutput, held: StepOutput) -> None:
+    """A step's output completed by its held rows' (`sample_held`): their samples, but of a sequence the
+    step failed, and their errors."""
+    output.samples.update({seq_id: s for seq_id, s in held.samples.items() if seq_id not in output.errors})
+    fail_rows(output, held.errors)
+
+
+def fail_rows(output: StepOutput, failed: dict[int, str]) -> None:
+    """The rows in `failed` (whose mask failed) failed: their tokens, sampled unmasked, dropped."""
     for seq_id, message in failed.items():
         output.samples.pop(seq_id, None)
         output.errors[seq_id] = message
