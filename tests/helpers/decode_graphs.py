@@ -19,11 +19,12 @@ CAPTURE = torch.device(os.environ.get("LMISERVE_TEST_DEVICE", "cpu")).type == "c
 @dataclass
 class GraphsMade:
     """The decode graphs the engines took (the last: the last engine's) and, for each step they ran, its
-    graph size and the number of LoRA adapters in it (0: none); how many steps chained."""
+    graph size and the number of LoRA adapters in it (0: none); how many steps chained (with adapters)."""
 
     made: list[DecodeGraphs] = field(default_factory=list)
     steps: list[tuple[int, int]] = field(default_factory=list)
     chained: int = 0  # steps whose rows took their inputs from the step before on the device
+    chained_lora: int = 0  # those of them with LoRA adapters
     kinds: set[tuple[int, str]] = field(default_factory=set)  # each step's graph: its size and kind
 
 
@@ -40,6 +41,7 @@ def graphs_on_the_test_device(monkeypatch: pytest.MonkeyPatch) -> GraphsMade:
         def run(ids, positions, tables, lora=None, sources=None):  # noqa: ANN001, ANN202 - DecodeGraphs.run's
             record.steps.append((graphs.size_for(len(ids)), 0 if lora is None else len(lora.adapters)))
             record.chained += sources is not None
+            record.chained_lora += sources is not None and lora is not None
             rows = graphs._sampling
             kind = "greedy" if rows is None else graph_sampling.kind(row[0] for row in rows[0])
             record.kinds.add((graphs.size_for(len(ids)), kind))

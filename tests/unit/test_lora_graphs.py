@@ -127,17 +127,17 @@ def expected(tiny_model, tiny_model_dir, lora_adapter_dirs) -> dict[str | None, 
     }
 
 
-def test_the_engine_replays_decode_steps_with_adapters(tiny_model, lora_adapter_dirs, expected, monkeypatch):
-    """Requests of three adapters and of the base model, two slots (`max_loras=2`): decode steps with
-    adapters run through the graphs' slots, and every request gets `generate()`'s greedy tokens with its
-    adapter merged."""
-    record = graphs_on_the_test_device(monkeypatch)
-    config = EngineConfig(lora=LoraLimits(max_loras=2), cpu_autotune=False, max_running=8, max_prefill_tokens=8)
+def _serve(tiny_model, adapter_dirs, jobs, overlap: bool, spacing: float) -> dict[tuple[str | None, int], list[int]]:
+    """Greedy requests of `jobs` (``(adapter name or None, prompt index)``), the k-th sent `spacing` x k seconds
+    after the first, on an engine with two LoRA slots (`max_loras=2`); each request's tokens."""
+    config = EngineConfig(
+        lora=LoraLimits(max_loras=2), cpu_autotune=False, max_running=8, max_prefill_tokens=8, async_scheduling=overlap
+    )
 
     async def run_all() -> dict[tuple[str | None, int], list[int]]:
         engine = create_engine(tiny_model, config)
         assert engine.adapters is not None
-        for name, path in lora_adapter_dirs.items():
+        for name, path in adapter_dirs.items():
             await asyncio.to_thread(engine.adapters.register, name, path)
         engine.start()
         try:
@@ -148,13 +148,24 @@ def test_the_engine_replays_decode_steps_with_adapters(tiny_model, lora_adapter_
                 request = GenerationRequest(PROMPTS[i], params, adapter=name)
                 return [e.token.id async for e in engine.generate(request) if e.token is not None]
 
-            jobs = [(name, i) for i in range(len(PROMPTS)) for name in NAMES]
-            results = await asyncio.gather(*(one(n, i, 0.01 * k) for k, (n, i) in enumerate(jobs)))
+            results = await asyncio.gather(*(one(n, i, spacing * k) for k, (n, i) in enumerate(jobs)))
             return dict(zip(jobs, results, strict=True))
         finally:
             await engine.stop()
 
-    results = asyncio.run(run_all())
+    return asyncio.run(run_all())
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
+def test_the_engine_replays_decode_steps_with_adapters(tiny_model, lora_adapter_dirs, expected, monkeypatch, overlap):
+    """Requests of three adapters and of the base model, two slots: decode steps with adapters run through
+    the graphs' slots, and every request gets `generate()`'s greedy tokens with its adapter merged. With
+    overlap scheduling, steps of rows with adapters (two at most) chain on the device from the step in
+    flight, adapters taking each other's slots meanwhile."""
+    record = graphs_on_the_test_device(monkeypatch)
+    jobs = [(name, i) for i in range(len(PROMPTS)) for name in NAMES]
+    results = _serve(tiny_model, lora_adapter_dirs, jobs, overlap, 0.01)
+    assert (record.chained_lora > 0) == overlap, record.chained_lora
     graphs = record.made[-1]
     assert graphs.lora is not None and graphs.lora.slots == 2 and graphs.lora.rank == 16
     assert max(adapters for _, adapters in record.steps) == 2  # steps of two adapters replayed

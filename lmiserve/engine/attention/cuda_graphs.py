@@ -195,9 +195,7 @@ class DecodeGraphs:
             if (size, GREEDY) in self._graphs:
                 continue
             # one row on the scratch block (token 0 at position 0, as a padding row), the rest padding
-            self._fill([0], [0], [[self.scratch_block]], size)
-            if self.lora is not None:  # the base model's rows, as `run` sets them
-                self.lora.set_step(None, 1, size)
+            self._fill([0], [0], [[self.scratch_block]], size)  # (and the base model's LoRA slots)
             try:
                 self._capture(size)
             except Exception:  # noqa: BLE001 - as in `run`: a capture problem costs speed, not serving
@@ -244,10 +242,12 @@ class DecodeGraphs:
         size: int,
         sources: Sequence[int] | None = None,
         sampling: tuple[Sequence[GraphRow], PenaltyBook | None] | None = None,
+        lora: LoraBatch | None = None,
     ) -> None:
         """The step's rows, padded to `size` (token 0 at position 0 of the scratch block), into the host buffers,
         then copied over: the packed part a graph of `size` rows reads, the tables as wide as the step's longest,
-        the rows' `sampling` (`sample`); once the last step's copies are done (a chained step comes before)."""
+        the rows' `sampling` (`sample`) and LoRA slots (`lora`); once the last step's copies are done (a chained
+        step comes before: every host buffer it copies from, the slots' too, is free only then)."""
         if self._sent is not None:
             self._sent.synchronize()
         rows = len(ids)
@@ -271,6 +271,8 @@ class DecodeGraphs:
         self._device[1][:size, :width].copy_(self._host[1][:size, :width], non_blocking=self.capture)
         if sampling is not None and self.sampler is not None:
             self.sampler.fill(sampling[0], size, sampling[1])
+        if self.lora is not None:
+            self.lora.set_step(lora, rows, size)
         if self.fast.device.type == "cuda":
             self._sent = self._sent or torch.cuda.Event()  # type: ignore[no-untyped-call]
             self._sent.record()
@@ -307,9 +309,7 @@ class DecodeGraphs:
         kind = GREEDY if sampling is None else graph_sampling.kind(row[0] for row in sampling[0])
         if sampling is not None and sampling[1] is not None and self.sampler and self.sampler.moved(kind, sampling[1]):
             self._graphs = {key: graph for key, graph in self._graphs.items() if not graph_sampling.stages(key[1])[1]}
-        self._fill(ids, positions, tables, size, sources, sampling)
-        if self.lora is not None:
-            self.lora.set_step(lora, rows, size)
+        self._fill(ids, positions, tables, size, sources, sampling, lora)
         captured = self._graphs.get((size, kind))
         if captured is None and self.capture and not self.failed:
             try:

@@ -122,7 +122,9 @@ class LoraSlots:
         """A step of `rows` rows padded to `size`, with the adapters of `lora` (its token rows: these rows;
         None: none): its adapters placed in slots, then each row's slot (`NO_SLOT`: none, as every padding
         row) copied into `row_slots` (asynchronously from pinned memory on CUDA, as the graphs' other
-        inputs)."""
+        inputs, and with them: `DecodeGraphs._fill` writes the pinned buffer again only once the step before's
+        copies are done, also where a chained step runs before that step is received). An adapter placed
+        here is copied on the device's stream, after the steps queued before it that read its slot."""
         host = self._host_rows.numpy()
         if lora is None:
             host[:size] = NO_SLOT

@@ -148,10 +148,12 @@ class PagedFastRunner(PersistentBatchRunner):
 
     def _chain_from(self, batch: StepBatch) -> dict[int, int] | None:
         """A step of decode rows alone, every one greedy without processing or (where the graphs sample)
-        sampled in a graph, a top-N with either, that the graphs (without LoRA slots) replay chains from the
-        last step in flight when that step ran every row whose token it waits for."""
+        sampled in a graph, a top-N with either, with no more adapters than the graphs' LoRA slots, that the
+        graphs replay chains from the last step in flight when that step ran every row whose token it waits for.
+        (The slots' inputs are copied with the graphs' others, `DecodeGraphs._fill`: a chained step's wait
+        for the copies of the step before covers them.)"""
         last, graphs, rows = self.in_flight.last, self.graphs, batch.rows
-        if last is None or graphs is None or graphs.lora is not None or not graphs.covers(len(rows)):
+        if last is None or graphs is None or not graphs.covers(len(rows)):
             return None
         if batch.new or batch.preempted or batch.grammar_rows or self.proposer is not None:
             return None
@@ -160,6 +162,9 @@ class PagedFastRunner(PersistentBatchRunner):
         requests = self._requests
         if not all(r.seq_id in requests and requests[r.seq_id].in_graph for r in rows):
             return None
+        adapters = {a.id for a in (requests[r.seq_id].adapter for r in rows) if a is not None}
+        if adapters and (graphs.lora is None or len(adapters) > graphs.lora.slots):  # (`covers`; the scheduler
+            return None  # holds max_loras adapters at most, the slots' count)
         if not all(requests[r.seq_id].argmax for r in rows) and not graphs.samples:
             return None
         row_of = {seq_id: n for n, seq_id in enumerate(last.seq_ids)}
