@@ -146,6 +146,28 @@ def test_min_new_tokens_is_not_enforced_here():
     assert fin.reason is FinishReason.EOS_TOKEN and fin.generated_tokens == 2
 
 
+def test_stop_strings_are_looked_for_only_past_min_new_tokens():
+    """vLLM's rule (its detokenizer checks stop strings once the output is longer than min_tokens): a stop
+    string completed within the first `min_new_tokens` tokens is passed, never found later; one the text
+    completes after them ends the request, also where its start was held back before."""
+    early = check_concat(feed(seq_with(stop_sequences=["l"], min_new_tokens=3), [20, 21, 22, 23, 24]))
+    assert early.reason is FinishReason.STOP_SEQUENCE and early.generated_text == "Hello wor"
+    assert early.generated_tokens == 4 and early.stop_reason == "l"
+    assert check_concat(feed(seq_with(stop_sequences=["l"]), [20, 21])).generated_text == "He"
+    across = check_concat(feed(seq_with(stop_sequences=["o w"], min_new_tokens=2), [20, 21, 22, 23]))
+    assert across.reason is FinishReason.STOP_SEQUENCE and across.generated_text == "Hell"
+    never = check_concat(feed(seq_with(stop_sequences=["Hel"], min_new_tokens=1, max_new_tokens=3), [20, 21, 22]))
+    assert never.reason is FinishReason.LENGTH and never.generated_text == "Hello wor"
+
+
+def test_a_stop_string_is_not_matched_without_match_but_its_start_is_held():
+    m = StopMatcher(["ab"])
+    assert m.feed("xab", match=False) == ("xab", False)
+    assert m.feed("cd") == ("cd", False)  # the "ab" before is not looked at again
+    assert m.feed("za", match=False) == ("z", False)
+    assert m.feed("b!") == ("", True) and m.matched == "ab"
+
+
 def test_length_ends_after_max_new_tokens():
     s = seq_with(max_new_tokens=3)
     events = feed(s, [20, 21, 22, 23])

@@ -217,7 +217,7 @@ class Sequence:
         elif token_id in self._stop_ids:
             reason = FinishReason.STOP_SEQUENCE
             self._stop_reason = token_id
-        text, stopped = self._stop.feed(text)
+        text, stopped = self._stop.feed(text, len(self.output_ids) > self.params.min_new_tokens)
         if stopped and reason is None:
             reason = FinishReason.STOP_SEQUENCE
             self._stop_reason = self._stop.matched

@@ -14,13 +14,15 @@ class StopMatcher:
         self._pending = ""
         self.matched: str | None = None
 
-    def feed(self, text: str) -> tuple[str, bool]:
-        """Take new text; return (text safe to emit now, whether a stop string matched)."""
+    def feed(self, text: str, match: bool = True) -> tuple[str, bool]:
+        """Take new text; return (text safe to emit now, whether a stop string matched). Without `match` (a
+        request short of its `min_new_tokens`) no stop string is looked for: vLLM's rule, under which a stop
+        string the text completes before then never ends the request, one held back across it still may."""
         if not self._stops:
             return text, False
         buf = self._pending + text
         best: tuple[int, str] | None = None
-        for stop in self._stops:
+        for stop in self._stops if match else ():
             i = buf.find(stop)
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, stop)
