@@ -8,7 +8,7 @@ attention kernel and the torch attention (blocks gathered every layer).
 The model is loaded once; for each path an engine is built over it, alone on the device, and the same
 greedy prompts run at each concurrency (a warm-up request first, which also captures the graph of one
 row): decode tokens/s of the batch, and whether every prompt's tokens equal the first path's (the
-first position where one differs otherwise). Paths:
+first position where one differs otherwise). Paths (by default all but the last two):
 
 - ``graphs``: the default on CUDA, decode steps replayed as CUDA graphs over the Triton kernel;
 - ``graphs-fused``: the same with the residual adds, RMS norms, rotary embeddings and SiLU products in Triton kernels
@@ -28,7 +28,11 @@ first position where one differs otherwise). Paths:
   min_p stages (a sort of the vocabulary a row), where ``graphs-sampled`` replays the kind without them;
 - ``graphs-top-n``: ``graphs`` with each token's top 5 (OpenAI's ``top_logprobs``), taken from the graph's
   logits after the replay and sent with its pick (engine/runner/graph_sampling.py, `with_top_n`): the greedy
-  tokens of ``graphs``, a ``topk`` of the vocabulary a step more.
+  tokens of ``graphs``, a ``topk`` of the vocabulary a step more;
+- ``eager``: ``enforce_eager=true`` with the device's default attention (CUDA: the Triton kernel, as
+  ``triton``; a CPU: the compiled kernel in fp32, torch's otherwise): lmiserve's forward step by step;
+- ``generic``: ``fast_path=false``, eager: transformers' own forward over the blocks (engine/runner/generic.py),
+  what a model outside the fast forward's architectures runs (Qwen3's until 2026-12-02).
 
 ``--lora N``: the engines serve N random LoRA adapters of rank 16 on every linear
 (lmiserve/models/lora_demo.py) and the prompts name them in turn, one in N + 1 none: with ``graphs`` the
@@ -66,6 +70,7 @@ class Choice(NamedTuple):
     in_graph: bool = True  # a sampled decode step's rows sampled inside its graph (engine/runner/graph_sampling.py)
     top_p: float = 1.0  # the sampled prompts' top_p
     top_n: int = 0  # each token's top-N too (OpenAI's top_logprobs)
+    fast_path: bool = True  # lmiserve's own forward (False: transformers' over the blocks, the generic runner)
 
 
 PATHS = {
@@ -78,7 +83,10 @@ PATHS = {
     "graphs-sampled-top-p": Choice("triton", False, sampled=True, top_p=0.9),
     "graphs-sampled-generators": Choice("triton", False, sampled=True, draw_kernel=False),
     "graphs-top-n": Choice("triton", False, top_n=5),
+    "eager": Choice("auto", True),
+    "generic": Choice("auto", True, fast_path=False),
 }
+DEFAULT_PATHS = [path for path in PATHS if path not in ("eager", "generic")]  # the CUDA path's choices
 
 
 def captured(graphs: Any, greedy: bool) -> list[Any] | None:
@@ -98,7 +106,7 @@ def run(
     paths: list[str] | None = None,
     adapters: dict[str, Path] | None = None,
 ) -> dict[str, Any]:
-    """Each of `paths` (default all) at each level; with `adapters` (name: folder) served and named by the
+    """Each of `paths` (default `DEFAULT_PATHS`) at each level; with `adapters` (name: folder) served and named by the
     prompts in turn (one in ``len(adapters) + 1`` the base model)."""
     import torch
 
@@ -115,13 +123,13 @@ def run(
     loaded = load_causal_lm(model_dir, dtype=base.dtype, device=device, load_format=base.load_format)
     loaded = dataclasses.replace(loaded, device=torch.device(device))
     results: dict[str, Any] = {}
-    for path in paths or list(PATHS):
+    for path in paths or DEFAULT_PATHS:
         chosen = PATHS[path]
         os.environ["LMISERVE_ATTENTION_BACKEND"] = chosen.backend
         fused_norm.USE_ON_CUDA = chosen.fused  # read when an engine's forward is built
         seeded_draw.USE_ON_CUDA = chosen.draw_kernel  # read at each sampled step
         graph_sampling.USE_IN_GRAPHS = chosen.in_graph  # read at each sampled step
-        settings = base.model_copy(update={"enforce_eager": chosen.eager})
+        settings = base.model_copy(update={"enforce_eager": chosen.eager, "fast_path": chosen.fast_path})
         runs = {}
         for level in levels:
             prompts = [PROMPTS[i % len(PROMPTS)] + ("" if i < len(PROMPTS) else f" ({i})") for i in range(level)]
@@ -136,6 +144,7 @@ def run(
             runs[str(level)] = {
                 "tokens_per_s": sum(len(o) for o in outputs) / seconds,
                 "outputs": outputs,
+                "runner": engine.runner.path,
                 "triton_attention": bool(getattr(fast, "triton", False)),
                 "graphs_captured": captured(graphs, greedy=True),
                 "sampled_graphs_captured": captured(graphs, greedy=False),
@@ -162,6 +171,7 @@ def run(
                     next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
                     for a, b in zip(run_["outputs"], reference)
                 ],
+                "runner": run_["runner"],
                 "triton_attention": run_["triton_attention"],
                 "graphs_captured": run_["graphs_captured"],
                 "sampled_graphs_captured": run_["sampled_graphs_captured"],
@@ -182,7 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default="1,32", help="concurrent prompts, comma-separated")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--json", type=Path, help="write the report here too")
-    parser.add_argument("--paths", default=",".join(PATHS), help="the paths to run, comma-separated (default all)")
+    parser.add_argument(
+        "--paths",
+        default=",".join(DEFAULT_PATHS),
+        help="the paths to run, comma-separated (default all but eager, generic)",
+    )
     parser.add_argument("--lora", type=int, default=0, metavar="N", help="serve N random LoRA adapters (rank 16)")
     args = parser.parse_args(argv)
     options = dict(item.split("=", 1) for item in args.options)

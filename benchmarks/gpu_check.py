@@ -20,7 +20,9 @@ dependencies can come as wheels; see benchmarks/README.md, "The GPU check"). It 
 5. ``decode-paths-1b.json``: ``benchmarks/decode_paths.py`` on the 1B shape: decode steps as CUDA graphs,
    the Triton paged attention launched eagerly (``enforce_eager``) and the torch attention, tokens/s at
    concurrency 1 and 32 and whether their greedy tokens agree; ``lora-decode-paths-1b.json`` the same with
-   4 random LoRA adapters named in turn (one request in 5 on the base model), graphs and eagerly.
+   4 random LoRA adapters named in turn (one request in 5 on the base model), graphs and eagerly;
+   ``decode-paths-qwen3-0.6b.json`` Qwen3-0.6B's shape on the graphs and on transformers' own forward (the
+   generic runner, which Qwen3 ran until 2026-12-02).
 6. ``tp-tiny.json`` and ``tp-1b.json``: ``benchmarks/tp_parity.py``, the engine over tensor-parallel
    workers (NCCL; 2 ranks when the machine has 2 GPUs, else 1 rank: the workers' path alone) against
    the model in the engine's process, greedy agreement and decode tokens/s, for the tiny test model and
@@ -54,12 +56,12 @@ The steps run in the order of issue 39's targets: the tests, the benches (1B, th
 decode paths (whether the graphs capture, and what each path gives: before the steps that time servers over
 them), the engine in its own process, steps with prompt tokens in the decode graphs against eager
 (``graph_prompts``: ``lmiserve bench --ab-option cuda_graph_prompt_tokens=64`` at 32 and 128 streams), fp8
-weights, overlap scheduling, the step profile, the fp8 KV cache, the decode paths with LoRA adapters, tensor
-parallelism.
+weights, overlap scheduling, the step profile, the fp8 KV cache, the decode paths with LoRA adapters, those of
+Qwen3-0.6B's shape, tensor parallelism.
 Every step has a time limit inside ``--budget`` (default 450 s); a step that fails or runs out is
 recorded as such and the next one runs. ``--steps`` runs some of them (`STEP_KEYS`: tests, bench-1b,
 bench-8b, decode-paths, engine-process, graph-prompts, quantized, overlap, step-profile, fp8-kv, lora-paths,
-tensor-parallel), so a
+qwen3-paths, tensor-parallel), so a
 session can spend its minutes on what an earlier check left unmeasured. ``summary.json`` and ``summary.md``
 are written however the check ends (its last step timed out, SIGINT or SIGTERM from a device call's
 limit), with what ran. The quality steps (``quality``, ``fp8_kv``) need the bundled
@@ -153,6 +155,7 @@ STEP_KEYS = (
     "step-profile",
     "fp8-kv",
     "lora-paths",
+    "qwen3-paths",
     "tensor-parallel",
 )
 
@@ -222,6 +225,29 @@ SHAPES["135m"] = {
     "bos_token_id": 1,
     "eos_token_id": 2,
     "pad_token_id": 3,
+}
+# Qwen3-0.6B's shape (its query and key heads' RMS norms; heads of 128, wider than hidden / heads)
+SHAPES["qwen3-0.6b"] = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 151936,
+    "hidden_act": "silu",
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "use_sliding_window": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 3,
+    "torch_dtype": "bfloat16",
 }
 # bytes of bf16 weights (about) and what the KV cache and activations need beside them
 _PARAMS = {"1b": 1.24e9, "8b": 8.03e9}
@@ -644,6 +670,7 @@ def markdown(summary: dict[str, Any]) -> str:
     headings = {
         "decode paths 1b": "## Decode paths, 1B shape (bf16, 64 greedy tokens)",
         "lora decode paths 1b": "## Decode paths with 4 LoRA adapters (rank 16, every linear), 1B shape (bf16)",
+        "decode paths qwen3 0.6b": "## Decode paths, Qwen3-0.6B's shape (bf16): the graphs, and transformers' forward",
     }
     for step in summary["steps"]:
         paths = (step.get("report") or {}).get("paths") if step["step"] in headings else None
@@ -957,9 +984,10 @@ def main(argv: list[str] | None = None) -> int:
         summary["steps"].append(step)
         summary[f"bench_{shape}"] = bench_summary(bench_dir)
 
-    def decode_paths(name: str, entry: str, limit: float, extra: list[str]) -> None:
-        """`benchmarks/decode_paths.py` on the 1B shape (step `name`, report `summary[entry]`)."""
-        if not ready("lora-paths" if extra else "decode-paths", name, limit * 0.6):
+    def decode_paths(name: str, entry: str, limit: float, extra: list[str], key: str = "", shape: str = "1b") -> None:
+        """`benchmarks/decode_paths.py` on `shape` (step `key`, default decode-paths or with `extra`
+        lora-paths, named `name`, report `summary[entry]`)."""
+        if not ready(key or ("lora-paths" if extra else "decode-paths"), name, limit * 0.6):
             return
         stem = name.replace(" ", "-")
         report = out / f"{stem}.json"
@@ -967,7 +995,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.executable,
             str(ROOT / "benchmarks" / "decode_paths.py"),
             "--model-id",
-            str(model("1b")),
+            str(model(shape)),
             "-o",
             "load_format=dummy",
             "-o",
@@ -1113,6 +1141,17 @@ def main(argv: list[str] | None = None) -> int:
 
     # 10. decode steps with LoRA adapters (issue 39 item 5): through the graphs' adapter slots, and eagerly
     decode_paths("lora decode paths 1b", "decode_paths_lora", 100.0, ["--paths", "graphs,triton", "--lora", "4"])
+
+    # 10b. Qwen3 (its heads' norms) on the fast forward's graphs, against transformers' forward (the generic runner),
+    # which Qwen3 models ran until 2026-12-02
+    decode_paths(
+        "decode paths qwen3 0.6b",
+        "decode_paths_qwen3",
+        100.0,
+        ["--paths", "graphs,generic"],
+        "qwen3-paths",
+        "qwen3-0.6b",
+    )
 
     # 11. tensor parallelism (issue #25): the workers' path on CUDA against the model in this process
     degree = 1 if scale.rehearsal else min(2, torch.cuda.device_count())

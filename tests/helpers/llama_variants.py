@@ -47,6 +47,8 @@ ARCHS = {
     ),
     "qwen2_bias": (Qwen2Config, Qwen2ForCausalLM, {}),
     "mistral_no_window": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+    # Qwen3: an RMS norm over each query and key head; a head wider than hidden / heads (Qwen3-0.6B's too)
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32}),
 }
 PROMPTS = [
     "The quick brown fox",
@@ -59,19 +61,25 @@ PROMPTS = [
 
 def build(config_cls, model_cls, extra: dict, seed: int = 7):
     torch.manual_seed(seed)
-    return model_cls(config_cls(**COMMON, **extra)).eval()
+    model = model_cls(config_cls(**COMMON, **extra)).eval()
+    with torch.no_grad():  # the heads' norms (Qwen3's) start at ones: weights of their own, q's unlike k's
+        for name, weight in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                weight.uniform_(0.5, 1.5)
+    return model
 
 
 def generic_model(arch: str):
     """A tiny random model of an architecture lmiserve's own forward does not cover (the generic path):
-    ``qwen3``, ``phi`` or ``gpt2``, on the tiny tokenizer's 512 words."""
+    ``phi`` or ``gpt2``, on the tiny tokenizer's 512 words; or ``qwen3`` (which it covers), for the generic
+    runner's own tests."""
     if arch == "gpt2":
         torch.manual_seed(7)
         config = GPT2Config(
             vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=1, eos_token_id=2
         )
         return GPT2LMHeadModel(config).eval()
-    return build(*{"qwen3": (Qwen3Config, Qwen3ForCausalLM), "phi": (PhiConfig, PhiForCausalLM)}[arch], {})
+    return build(*{"qwen3": ARCHS["qwen3"][:2], "phi": (PhiConfig, PhiForCausalLM)}[arch], {})
 
 
 def greedy_tokens(loaded, prompt: str, tokens: int) -> list[int]:

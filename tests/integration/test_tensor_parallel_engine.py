@@ -1,7 +1,8 @@
 """Tensor parallelism's engine (issue #25): the tiny model split over two CPU worker processes (gloo)
 gives the tokens of the whole model in one process: greedy rows, a seeded sampled row (every rank samples
 the same gathered logits, rank 0 answers), a prompt long enough for chunked prefill, prompt logprobs and
-top tokens; with KV heads split (2 over 2 ranks) and replicated (1 KV head on both ranks); and prompt
+top tokens; with KV heads split (2 over 2 ranks) and replicated (1 KV head on both ranks), and for a tiny
+Qwen3 (its heads' norms); and prompt
 lookup (ngram) speculative decoding on top.
 
 Each configuration's engines run once per module (a start spawns two workers, ~4 s on two cores); the
@@ -135,9 +136,23 @@ def kv1_answers(kv1_model_dir: Path) -> tuple[list[Answer], list[Answer]]:
     return _answers(kv1_model_dir, 1), _answers(kv1_model_dir, 2)
 
 
-@pytest.fixture(params=["kv-split", "kv-replicated"])
+@pytest.fixture(scope="module")
+def qwen3_answers(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Answer], list[Answer]]:
+    """A tiny Qwen3 (an RMS norm over each query and key head, heads wider than hidden / heads), its 4
+    heads and 2 KV heads split over the two ranks."""
+    from helpers.llama_variants import ARCHS, build
+    from helpers.tiny_model import build_tiny_tokenizer
+
+    out = tmp_path_factory.mktemp("qwen3") / "qwen3"
+    build(*ARCHS["qwen3"]).save_pretrained(out)
+    build_tiny_tokenizer().save_pretrained(out)
+    return _answers(out, 1), _answers(out, 2)
+
+
+@pytest.fixture(params=["kv-split", "kv-replicated", "qwen3"])
 def answers(request: pytest.FixtureRequest) -> tuple[list[Answer], list[Answer]]:
-    return request.getfixturevalue("kv2_answers" if request.param == "kv-split" else "kv1_answers")
+    names = {"kv-split": "kv2_answers", "kv-replicated": "kv1_answers", "qwen3": "qwen3_answers"}
+    return request.getfixturevalue(names[request.param])
 
 
 def _close(a: list[float | None], b: list[float | None]) -> bool:

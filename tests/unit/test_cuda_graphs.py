@@ -23,7 +23,7 @@ from helpers.llama_variants import ARCHS, PROMPTS, build, greedy_tokens, serve_p
 from lmiserve.engine.attention import cuda_graphs  # noqa: E402
 from lmiserve.engine.attention.backends import TorchBackend  # noqa: E402
 from lmiserve.engine.attention.cuda_graphs import DecodeGraphs, capture_sizes  # noqa: E402
-from lmiserve.engine.attention.paged import PagedKVCache  # noqa: E402
+from lmiserve.engine.attention.paged import AttentionShape, PagedKVCache  # noqa: E402
 from lmiserve.engine.core.async_engine import EngineConfig  # noqa: E402
 from lmiserve.engine.model.fast_llama import (
     FastLlama,  # noqa: E402
@@ -49,11 +49,12 @@ def _fast(monkeypatch, arch: str = "llama"):
     monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "triton")
     model = build(*ARCHS[arch]).to(DEVICE)
     cfg = model.config
-    cache = PagedKVCache(cfg.num_hidden_layers, SCRATCH + 1, 4, cfg.num_key_value_heads, 16, model.dtype, DEVICE)
+    head_dim = AttentionShape.of(cfg).head_dim
+    cache = PagedKVCache(cfg.num_hidden_layers, SCRATCH + 1, 4, cfg.num_key_value_heads, head_dim, model.dtype, DEVICE)
     return model, FastLlama(model, cache, 256)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2_bias"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2_bias", "qwen3"])
 @torch.inference_mode()
 def test_padded_decode_steps_give_each_rows_transformers_logits(monkeypatch, arch: str):
     """Five sequences prefilled, then decode steps of 5, 3 and 1 rows (padded to 8, 4 and 1 rows that write

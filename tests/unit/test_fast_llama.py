@@ -21,12 +21,13 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from helpers.llama_variants import ARCHS, PROMPTS, build, generic_model, greedy_tokens, serve_prompts
 from lmiserve.core.events import FinishReason
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine.attention import backends, cpu_kernel
-from lmiserve.engine.attention.paged import PagedKVCache, paged_cache
+from lmiserve.engine.attention.paged import AttentionShape, PagedKVCache, paged_cache
 from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
 from lmiserve.engine.model import fast_llama
@@ -40,7 +41,12 @@ def with_model(loaded, model):
 def test_which_models_the_fast_path_covers():
     for name, (cfg, cls, extra) in ARCHS.items():
         assert unsupported_reason(build(cfg, cls, extra)) is None, name
-    assert "qwen3" in unsupported_reason(build(Qwen3Config, Qwen3ForCausalLM, {}))
+    assert "phi" in unsupported_reason(generic_model("phi"))
+    odd = build(Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32})  # a key norm over the whole projection
+    odd.model.layers[1].self_attn.k_norm = Qwen3RMSNorm(64)
+    assert "norms" in unsupported_reason(odd)
+    del odd.model.layers[1].self_attn.k_norm  # a query norm alone
+    assert "norms" in unsupported_reason(odd)
     # sliding windows: the paged attention applies them (tests/unit/test_sliding_window.py)
     assert unsupported_reason(build(MistralConfig, MistralForCausalLM, {"sliding_window": 16})) is None
     dynamic = {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}
@@ -57,7 +63,15 @@ def test_one_ragged_step_gives_transformers_logits(arch: str):
     rng = torch.Generator().manual_seed(0)
     seqs = [torch.randint(4, 512, (n,), generator=rng).tolist() for n in (9, 14, 6)]
     reference = [model(torch.tensor([s])).logits[0] for s in seqs]
-    cache = PagedKVCache(cfg.num_hidden_layers, 12, 4, cfg.num_key_value_heads, 16, model.dtype, model.device)
+    cache = PagedKVCache(
+        cfg.num_hidden_layers,
+        12,
+        4,
+        cfg.num_key_value_heads,
+        AttentionShape.of(cfg).head_dim,
+        model.dtype,
+        model.device,
+    )
     fast = FastLlama(model, cache, 256)
     tables = [[5, 0, 8], [2, 11, 1, 9], [4, 7]]  # 4 positions a block: 9, 14 and 6 positions
     # step 1: prefill sequence 0 but its last token (keeping every row), the first 5 tokens of sequence 1
@@ -133,15 +147,16 @@ def test_fusing_weights_keeps_the_transformers_model_working_without_copies():
         ("tiny", {"fast_path": False}, "generic"),  # transformers' forward over the blocks
         ("tiny", {"max_running": 2, "max_prefill_tokens": 3}, "fast"),  # queueing, chunks, preemption-free
         ("tiny", {"max_running": 2, "max_prefill_tokens": 3, "fast_path": False}, "generic"),
-        ("qwen3", {}, "generic"),  # not covered by the fast forward: transformers' over the blocks
-        ("phi", {"max_prefill_tokens": 4}, "generic"),
+        ("qwen3", {"max_prefill_tokens": 4}, "fast"),  # its heads' norms in the fast forward
+        ("qwen3", {"fast_path": False}, "generic"),
+        ("phi", {"max_prefill_tokens": 4}, "generic"),  # not covered by the fast forward: transformers'
         ("gpt2", {}, "generic"),
         ("qwen2_bias", {"max_prefill_tokens": 4}, "fast"),
         ("tiny", {"batch_invariant": True}, "batch_invariant"),  # each row alone, over its blocks
     ],
 )
 def test_every_path_gives_generates_greedy_tokens(tiny_model, arch: str, config: dict, path: str):
-    if arch in ("qwen3", "phi", "gpt2"):
+    if arch in ("phi", "gpt2"):
         loaded = with_model(tiny_model, generic_model(arch))
     elif arch != "tiny":
         loaded = with_model(tiny_model, build(*ARCHS[arch]))

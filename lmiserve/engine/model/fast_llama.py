@@ -16,8 +16,9 @@ It reuses the loaded transformers model's weights (`llama_layout.fused_layers`: 
 fused, the original modules pointed at their rows; an int4 group mixing int4 and q8 linears as parts
 whose products are concatenated), so memory does not grow and the generic path keeps working. RoPE
 comes from a table built with the model's own rotary module. The math mirrors transformers' Llama
-modules op for op (RMSNorm in fp32, rotate-half RoPE, softmax attention), so the result differs
-from the generic path only where a kernel's summation order changes rounding.
+modules op for op (RMSNorm in fp32, Qwen3's over each query and key head too, rotate-half RoPE, softmax
+attention), so the result differs from the generic path only where a kernel's summation order changes
+rounding.
 
 Models outside the Llama family: `unsupported_reason` says why and the engine uses the generic
 transformers path. Device-agnostic; tested on CPU only.
@@ -107,6 +108,16 @@ class FastLlama:
         self.groups = self.heads // self.kv_heads
         self.embed = inner.embed_tokens.weight
         self.layers = fused_layers(model)  # shared by every engine on this model
+        # Qwen3's norms of each query and key head, as one weight a layer over the q and k heads (None: none)
+        self.head_norms = [
+            None
+            if layer.head_norms is None
+            else (
+                torch.cat([layer.head_norms[0].expand(self.heads, -1), layer.head_norms[1].expand(self.kv_heads, -1)]),
+                layer.head_norms[2],
+            )
+            for layer in self.layers
+        ]
         self.norm = (inner.norm.weight, inner.norm.variance_epsilon)
         head = llama.lm_head
         self.lm_head = head.weight
@@ -290,10 +301,12 @@ class FastLlama:
             qkv = _product(gemm, h, layer.qkv).contiguous()
             if lora is not None:
                 lora.apply(f"{index}.qkv", h, qkv)
-            if fused:
+            head_norm = self.head_norms[index]
+            if fused and head_norm is None:
                 qk = fused_norm.rope(qkv, cos, sin, self.heads + self.kv_heads, self.head_dim)
             else:
-                qk = _rotate(qkv[:, : q_size + kv_size].view(-1, self.heads + self.kv_heads, self.head_dim), cos, sin)
+                qk = qkv[:, : q_size + kv_size].view(-1, self.heads + self.kv_heads, self.head_dim)
+                qk = _rotate(qk if head_norm is None else _rms(qk, head_norm), cos, sin)
             q, k = qk[:, : self.heads], qk[:, self.heads :]
             v = qkv[:, q_size + kv_size :].view(-1, self.kv_heads, self.head_dim)
             attn = self.attention.forward(index, q, k, v, meta)

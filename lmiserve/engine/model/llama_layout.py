@@ -1,7 +1,8 @@
 """The module layout of the Llama-family transformers models `FastLlama` runs, the check that a
 model has it (`unsupported_reason`), and its layers' weights fused for one product per step.
 
-Covers llama, mistral and qwen2 (biases), with the RoPE types whose table does not depend on the sequence
+Covers llama, mistral, qwen2 (biases) and qwen3 (an RMS norm over each query and key head before RoPE,
+`FusedLayer.head_norms`), with the RoPE types whose table does not depend on the sequence
 length; a sliding window (Mistral's ``sliding_window``, Qwen2's ``use_sliding_window`` from
 ``max_window_layers`` on) only over the paged KV cache, whose attention applies it
 (engine/attention/windows.py). Layer linears may be float, weight-only int8 (`quantize.Int8Linear`,
@@ -29,7 +30,7 @@ from lmiserve.engine.model.quantize import INT4_ROW_BLOCK, Int4Linear, Int8Linea
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 # the quantized linears the layout takes (tensor parallelism refuses them: sharding.py); Fp8Linear: fp8 rows,
 # fused as int8's; Int4TritonLinear: AWQ/GPTQ codes on CUDA, fused by `_fuse_int4`
@@ -107,6 +108,11 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
         return "no plain lm_head"
     for layer in getattr(inner, "layers", []):
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        norms = [getattr(attn, name, None) for name in ("q_norm", "k_norm")]
+        if (cfg.model_type == "qwen3" or any(norms)) and not (
+            all(_is_head_norm(n, cfg) for n in norms) and norms[0].variance_epsilon == norms[1].variance_epsilon
+        ):
+            return "the query and key heads' norms are not RMS norms of one head's width and one epsilon"
         names = [(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")] + [
             (mlp, n) for n in ("gate_proj", "up_proj", "down_proj")
         ]
@@ -130,6 +136,14 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
             if len({type(m) for m in modules}) > 1 and not grouped:
                 return f"{'/'.join(group)} are not all of one kind (float, int8, or int4 and q8)"
     return None
+
+
+def _is_head_norm(norm: object, cfg: object) -> bool:
+    """Whether `norm` is an RMS norm of one attention head's width (Qwen3's q_norm and k_norm)."""
+    weight = getattr(norm, "weight", None)
+    width = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads  # type: ignore[attr-defined]
+    eps = getattr(norm, "variance_epsilon", None)
+    return isinstance(weight, torch.Tensor) and tuple(weight.shape) == (width,) and isinstance(eps, float)
 
 
 def _q8_group(module: Q8Linear) -> int:
@@ -178,6 +192,11 @@ class FusedLayer:
         self.post_norm = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
         self.intermediate = outputs_of(mlp.gate_proj)
         self.hidden = outputs_of(attn.o_proj)  # o's and down's outputs
+        # Qwen3's RMS norms of each query head and of each key head (weights of one head's width), or None
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        self.head_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None
+        if q_norm is not None and k_norm is not None:
+            self.head_norms = (q_norm.weight, k_norm.weight, q_norm.variance_epsilon)
 
     @property
     def fused(self) -> bool:
