@@ -21,8 +21,8 @@ dependencies can come as wheels; see benchmarks/README.md, "The GPU check"). It 
    the Triton paged attention launched eagerly (``enforce_eager``) and the torch attention, tokens/s at
    concurrency 1 and 32 and whether their greedy tokens agree; ``lora-decode-paths-1b.json`` the same with
    4 random LoRA adapters named in turn (one request in 5 on the base model), graphs and eagerly;
-   ``decode-paths-qwen3-0.6b.json`` Qwen3-0.6B's shape on the graphs and on transformers' own forward (the
-   generic runner, which Qwen3 ran until 2026-12-02).
+   ``decode-paths-qwen3-0.6b.json`` and ``decode-paths-phi3-mini.json``: Qwen3-0.6B's and Phi-3-mini's shapes
+   on the graphs and on transformers' own forward (the generic runner, which they ran until 2026-12-02).
 6. ``tp-tiny.json`` and ``tp-1b.json``: ``benchmarks/tp_parity.py``, the engine over tensor-parallel
    workers (NCCL; 2 ranks when the machine has 2 GPUs, else 1 rank: the workers' path alone) against
    the model in the engine's process, greedy agreement and decode tokens/s, for the tiny test model and
@@ -57,11 +57,11 @@ decode paths (whether the graphs capture, and what each path gives: before the s
 them), the engine in its own process, steps with prompt tokens in the decode graphs against eager
 (``graph_prompts``: ``lmiserve bench --ab-option cuda_graph_prompt_tokens=64`` at 32 and 128 streams), fp8
 weights, overlap scheduling, the step profile, the fp8 KV cache, the decode paths with LoRA adapters, those of
-Qwen3-0.6B's shape, tensor parallelism.
+Qwen3's and Phi-3's shapes, tensor parallelism.
 Every step has a time limit inside ``--budget`` (default 450 s); a step that fails or runs out is
 recorded as such and the next one runs. ``--steps`` runs some of them (`STEP_KEYS`: tests, bench-1b,
 bench-8b, decode-paths, engine-process, graph-prompts, quantized, overlap, step-profile, fp8-kv, lora-paths,
-qwen3-paths, tensor-parallel), so a
+arch-paths, tensor-parallel), so a
 session can spend its minutes on what an earlier check left unmeasured. ``summary.json`` and ``summary.md``
 are written however the check ends (its last step timed out, SIGINT or SIGTERM from a device call's
 limit), with what ran. The quality steps (``quality``, ``fp8_kv``) need the bundled
@@ -155,7 +155,7 @@ STEP_KEYS = (
     "step-profile",
     "fp8-kv",
     "lora-paths",
-    "qwen3-paths",
+    "arch-paths",
     "tensor-parallel",
 )
 
@@ -244,6 +244,28 @@ SHAPES["qwen3-0.6b"] = {
     "tie_word_embeddings": True,
     "attention_bias": False,
     "use_sliding_window": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 3,
+    "torch_dtype": "bfloat16",
+}
+# Phi-3-mini-4k's shape (q/k/v and gate/up one linear each; a 2,047-token window over every layer)
+SHAPES["phi3-mini"] = {
+    "architectures": ["Phi3ForCausalLM"],
+    "model_type": "phi3",
+    "vocab_size": 32064,
+    "hidden_act": "silu",
+    "max_position_embeddings": 4096,
+    "original_max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "hidden_size": 3072,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "sliding_window": 2047,
+    "tie_word_embeddings": False,
     "bos_token_id": 1,
     "eos_token_id": 2,
     "pad_token_id": 3,
@@ -671,6 +693,7 @@ def markdown(summary: dict[str, Any]) -> str:
         "decode paths 1b": "## Decode paths, 1B shape (bf16, 64 greedy tokens)",
         "lora decode paths 1b": "## Decode paths with 4 LoRA adapters (rank 16, every linear), 1B shape (bf16)",
         "decode paths qwen3 0.6b": "## Decode paths, Qwen3-0.6B's shape (bf16): the graphs, and transformers' forward",
+        "decode paths phi3 mini": "## Decode paths, Phi-3-mini's shape (bf16): the graphs, and transformers' forward",
     }
     for step in summary["steps"]:
         paths = (step.get("report") or {}).get("paths") if step["step"] in headings else None
@@ -1142,16 +1165,11 @@ def main(argv: list[str] | None = None) -> int:
     # 10. decode steps with LoRA adapters (issue 39 item 5): through the graphs' adapter slots, and eagerly
     decode_paths("lora decode paths 1b", "decode_paths_lora", 100.0, ["--paths", "graphs,triton", "--lora", "4"])
 
-    # 10b. Qwen3 (its heads' norms) on the fast forward's graphs, against transformers' forward (the generic runner),
-    # which Qwen3 models ran until 2026-12-02
-    decode_paths(
-        "decode paths qwen3 0.6b",
-        "decode_paths_qwen3",
-        100.0,
-        ["--paths", "graphs,generic"],
-        "qwen3-paths",
-        "qwen3-0.6b",
-    )
+    # 10b. Qwen3 (its heads' norms) and Phi-3 (fused q/k/v and gate/up) on the fast forward's graphs, against
+    # transformers' forward (the generic runner), which they ran until 2026-12-02
+    for shape, entry in (("qwen3-0.6b", "decode_paths_qwen3"), ("phi3-mini", "decode_paths_phi3")):
+        name = f"decode paths {shape.replace('-', ' ')}"
+        decode_paths(name, entry, 100.0, ["--paths", "graphs,generic"], "arch-paths", shape)
 
     # 11. tensor parallelism (issue #25): the workers' path on CUDA against the model in this process
     degree = 1 if scale.rehearsal else min(2, torch.cuda.device_count())

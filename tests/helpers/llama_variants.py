@@ -13,6 +13,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PhiConfig,
     PhiForCausalLM,
     Qwen2Config,
@@ -49,6 +51,8 @@ ARCHS = {
     "mistral_no_window": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
     # Qwen3: an RMS norm over each query and key head; a head wider than hidden / heads (Qwen3-0.6B's too)
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32}),
+    # Phi-3: q/k/v and gate/up one linear each (qkv_proj, gate_up_proj); a window over every layer (Phi-3-mini's)
+    "phi3_window": (Phi3Config, Phi3ForCausalLM, {"sliding_window": 16}),
 }
 PROMPTS = [
     "The quick brown fox",

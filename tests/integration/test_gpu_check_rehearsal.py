@@ -47,6 +47,7 @@ def test_every_step_runs_to_its_end(rehearsal):
         "fp8 kv",
         "lora decode paths 1b",
         "decode paths qwen3 0.6b",
+        "decode paths phi3 mini",
         "tensor parallel tiny",
         "tensor parallel 1b",
         "executor cpu 1b",
@@ -89,12 +90,13 @@ def test_issue_39_entries_are_filled(rehearsal):
                 assert {level: r["identical_to_graphs-sampled"] for level, r in path.items()} == {"1": 1, "2": 2}
         else:
             assert {level: r["identical_to_graphs"] for level, r in path.items()} == {"1": 1, "2": 2}
-    qwen3 = summary["decode_paths_qwen3"]["paths"]  # the fast forward's graphs, and transformers' forward
-    assert {path: {level: r["runner"] for level, r in levels.items()} for path, levels in qwen3.items()} == {
-        "graphs": {"1": "fast", "2": "fast"},
-        "generic": {"1": "generic", "2": "generic"},
-    }
-    assert {level: r["identical_to_graphs"] for level, r in qwen3["generic"].items()} == {"1": 1, "2": 2}
+    for entry in ("decode_paths_qwen3", "decode_paths_phi3"):  # the fast forward's graphs, and transformers' forward
+        runs = summary[entry]["paths"]
+        assert {path: {level: r["runner"] for level, r in levels.items()} for path, levels in runs.items()} == {
+            "graphs": {"1": "fast", "2": "fast"},
+            "generic": {"1": "generic", "2": "generic"},
+        }
+        assert {level: r["identical_to_graphs"] for level, r in runs["generic"].items()} == {"1": 1, "2": 2}
     lora = summary["decode_paths_lora"]
     assert lora["lora_adapters"] == 4 and set(lora["paths"]) == {"graphs", "triton"}
     for path in lora["paths"].values():
@@ -141,6 +143,7 @@ def test_summary_md_renders_every_table(rehearsal):
         "## Decode paths, 1B shape",
         "## Decode paths with 4 LoRA adapters",
         "## Decode paths, Qwen3-0.6B's shape",
+        "## Decode paths, Phi-3-mini's shape",
         "## The engine in its own process, 1B shape",
         "## Steps with prompt tokens: eager (A) or in the decode graphs (B",
         "## Overlap scheduling, 1B shape",

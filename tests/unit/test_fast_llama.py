@@ -149,6 +149,7 @@ def test_fusing_weights_keeps_the_transformers_model_working_without_copies():
         ("tiny", {"max_running": 2, "max_prefill_tokens": 3, "fast_path": False}, "generic"),
         ("qwen3", {"max_prefill_tokens": 4}, "fast"),  # its heads' norms in the fast forward
         ("qwen3", {"fast_path": False}, "generic"),
+        ("phi3_window", {"max_prefill_tokens": 4}, "fast"),  # qkv_proj and gate_up_proj
         ("phi", {"max_prefill_tokens": 4}, "generic"),  # not covered by the fast forward: transformers'
         ("gpt2", {}, "generic"),
         ("qwen2_bias", {"max_prefill_tokens": 4}, "fast"),
@@ -376,3 +377,37 @@ def test_a_kernel_that_cannot_compile_falls_back_to_the_torch_attention(monkeypa
     out = fast.forward(StepInputs([8, 10], [3, 2], tables, keep=[0, 1]))
     reference = model(torch.tensor([[5, 6, 7, 8]])).logits[0, -1]
     torch.testing.assert_close(out[0], reference, rtol=1e-4, atol=1e-4)
+
+
+def test_a_phi3_adapter_on_its_fused_linears_gives_the_merged_models_tokens(tiny_model, tmp_path):
+    """Phi-3's q/k/v and gate/up are one linear each (`qkv_proj`, `gate_up_proj`): a PEFT adapter on them, o
+    and down rides the fast forward's LoRA groups (eagerly, and over the decode graphs' slots where they run),
+    and gives `generate()`'s tokens with the adapter merged by PEFT."""
+    from helpers.lora_adapters import AdapterSpec, make_adapter, merged_generate
+    from lmiserve.engine.lora.registry import LoraLimits
+
+    base = tmp_path / "phi3"
+    build(*ARCHS["phi3_window"]).save_pretrained(base)
+    spec = AdapterSpec("phi", 8, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), seed=4, b_std=0.3)
+    adapter = make_adapter(base, tmp_path / "adapter", spec)
+    loaded = with_model(tiny_model, build(*ARCHS["phi3_window"]))
+    expected = merged_generate(base, adapter, [tiny_model.tokenizer(p).input_ids for p in PROMPTS[:3]], 10)
+    assert expected != merged_generate(base, None, [tiny_model.tokenizer(p).input_ids for p in PROMPTS[:3]], 10)
+
+    async def run() -> list[list[int]]:
+        engine = create_engine(loaded, EngineConfig(lora=LoraLimits(max_loras=1), max_prefill_tokens=4))
+        assert engine.runner.path == "fast" and engine.adapters is not None
+        await asyncio.to_thread(engine.adapters.register, "phi", adapter)
+        engine.start()
+        params = SamplingParams(max_new_tokens=10, ignore_eos_token=True)
+
+        async def one(prompt: str) -> list[int]:
+            request = GenerationRequest(prompt, params, adapter="phi")
+            return [e.token.id async for e in engine.generate(request) if e.token is not None]
+
+        try:
+            return list(await asyncio.gather(*(one(p) for p in PROMPTS[:3])))
+        finally:
+            await engine.stop()
+
+    assert asyncio.run(run()) == expected

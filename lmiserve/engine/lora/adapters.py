@@ -43,8 +43,19 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# the linears lmiserve's own Llama-family forward applies adapters to (engine/model/fast_llama.py)
-FAST_PATH_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the linears lmiserve's own Llama-family forward applies adapters to (engine/model/fast_llama.py; Phi-3's
+# q/k/v and gate/up are one linear each)
+FAST_PATH_MODULES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "qkv_proj",
+    "gate_up_proj",
+)
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 _PREFIX = "base_model.model."

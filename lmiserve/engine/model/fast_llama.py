@@ -43,6 +43,7 @@ from lmiserve.engine.lora.slots import LoraSlots
 from lmiserve.engine.model import fused_norm, q4_decode, skinny_gemm
 from lmiserve.engine.model.cpu_gemm import PAD_ROWS_FROM, VOCAB_PAD_ROWS_FROM, CpuGemm
 from lmiserve.engine.model.llama_layout import (
+    FUSED_TYPES,
     SUPPORTED_TYPES,
     Part,
     as_llama,
@@ -108,6 +109,7 @@ class FastLlama:
         self.groups = self.heads // self.kv_heads
         self.embed = inner.embed_tokens.weight
         self.layers = fused_layers(model)  # shared by every engine on this model
+        self.fused_projections = model.config.model_type in FUSED_TYPES  # q/k/v, gate/up one linear each
         # Qwen3's norms of each query and key head, as one weight a layer over the q and k heads (None: none)
         self.head_norms = [
             None
@@ -344,16 +346,21 @@ class FastLlama:
         for index, layer in enumerate(self.layers):
             at = f"model.layers.{index}"
             attn, mlp, inter, hidden = f"{at}.self_attn", f"{at}.mlp", layer.intermediate, layer.hidden
+            qkv: tuple[tuple[str, int, int], ...] = (
+                (f"{attn}.q_proj", 0, q),
+                (f"{attn}.k_proj", q, q + kv),
+                (f"{attn}.v_proj", q + kv, q + 2 * kv),
+            )
+            gate_up: tuple[tuple[str, int, int], ...] = (
+                (f"{mlp}.gate_proj", 0, inter),
+                (f"{mlp}.up_proj", inter, 2 * inter),
+            )
+            if self.fused_projections:  # (Phi-3's qkv_proj and gate_up_proj)
+                qkv, gate_up = ((f"{attn}.qkv_proj", 0, q + 2 * kv),), ((f"{mlp}.gate_up_proj", 0, 2 * inter),)
             groups += [
-                LoraGroup(
-                    f"{index}.qkv",
-                    ((f"{attn}.q_proj", 0, q), (f"{attn}.k_proj", q, q + kv), (f"{attn}.v_proj", q + kv, q + 2 * kv)),
-                    hidden,
-                ),
+                LoraGroup(f"{index}.qkv", qkv, hidden),
                 LoraGroup(f"{index}.o", ((f"{attn}.o_proj", 0, hidden),), q),
-                LoraGroup(
-                    f"{index}.gate_up", ((f"{mlp}.gate_proj", 0, inter), (f"{mlp}.up_proj", inter, 2 * inter)), hidden
-                ),
+                LoraGroup(f"{index}.gate_up", gate_up, hidden),
                 LoraGroup(f"{index}.down", ((f"{mlp}.down_proj", 0, hidden),), inter),
             ]
         return groups

@@ -1,8 +1,9 @@
 """The module layout of the Llama-family transformers models `FastLlama` runs, the check that a
 model has it (`unsupported_reason`), and its layers' weights fused for one product per step.
 
-Covers llama, mistral, qwen2 (biases) and qwen3 (an RMS norm over each query and key head before RoPE,
-`FusedLayer.head_norms`), with the RoPE types whose table does not depend on the sequence
+Covers llama, mistral, qwen2 (biases), qwen3 (an RMS norm over each query and key head before RoPE,
+`FusedLayer.head_norms`) and phi3 (q/k/v and gate/up one linear each already: `qkv_proj`, `gate_up_proj`;
+its rotary embedding over the whole head), with the RoPE types whose table does not depend on the sequence
 length; a sliding window (Mistral's ``sliding_window``, Qwen2's ``use_sliding_window`` from
 ``max_window_layers`` on) only over the paged KV cache, whose attention applies it
 (engine/attention/windows.py). Layer linears may be float, weight-only int8 (`quantize.Int8Linear`,
@@ -30,7 +31,8 @@ from lmiserve.engine.model.quantize import INT4_ROW_BLOCK, Int4Linear, Int8Linea
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+FUSED_TYPES = ("phi3",)  # q/k/v and gate/up one linear each in the model already (`projections`)
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 # the quantized linears the layout takes (tensor parallelism refuses them: sharding.py); Fp8Linear: fp8 rows,
 # fused as int8's; Int4TritonLinear: AWQ/GPTQ codes on CUDA, fused by `_fuse_int4`
@@ -106,16 +108,17 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
         return f"RoPE type {getattr(rope, 'rope_type', None)!r}"
     if getattr(model, "lm_head", None) is None or getattr(model.lm_head, "bias", None) is not None:
         return "no plain lm_head"
+    if getattr(cfg, "partial_rotary_factor", None) not in (None, 1, 1.0):
+        return f"a rotary embedding over part of each head ({cfg.partial_rotary_factor})"
+    attn_names, mlp_names = projections(cfg.model_type)
     for layer in getattr(inner, "layers", []):
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         norms = [getattr(attn, name, None) for name in ("q_norm", "k_norm")]
         if (cfg.model_type == "qwen3" or any(norms)) and not (
-            all(_is_head_norm(n, cfg) for n in norms) and norms[0].variance_epsilon == norms[1].variance_epsilon
+            all(_is_head_norm(n, cfg) for n in norms) and len({n.variance_epsilon for n in norms if n}) == 1
         ):
             return "the query and key heads' norms are not RMS norms of one head's width and one epsilon"
-        names = [(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")] + [
-            (mlp, n) for n in ("gate_proj", "up_proj", "down_proj")
-        ]
+        names = [(attn, n) for n in attn_names] + [(mlp, n) for n in mlp_names]
         for owner, name in names:
             module = getattr(owner, name, None)
             weight = getattr(module, "weight", None)
@@ -129,13 +132,21 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
                 return f"{kind} {name} outputs are not a multiple of {INT4_ROW_BLOCK}"
             if isinstance(module, Q8Linear) and _q8_group(module) not in (16, 32):
                 return f"q8 {name} has groups of {_q8_group(module)} inputs (the kernel takes 16 or 32)"
-        for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
-            owner = attn if group[0] == "q_proj" else mlp
+        for group in (attn_names[:-1], mlp_names[:-1]):
+            owner = attn if group[0] == attn_names[0] else mlp
             modules = [getattr(owner, n) for n in group]
             grouped = all(isinstance(m, (Int4Linear, Q8Linear)) for m in modules)  # any mix: kept as parts
             if len({type(m) for m in modules}) > 1 and not grouped:
                 return f"{'/'.join(group)} are not all of one kind (float, int8, or int4 and q8)"
     return None
+
+
+def projections(model_type: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The names of a layer's linears, attention's then the MLP's (each group's, then o's and down's):
+    q/k/v and gate/up apart, or (`FUSED_TYPES`) one linear each."""
+    if model_type in FUSED_TYPES:
+        return ("qkv_proj", "o_proj"), ("gate_up_proj", "down_proj")
+    return ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
 
 
 def _is_head_norm(norm: object, cfg: object) -> bool:
@@ -181,17 +192,18 @@ class FusedLayer:
     int4 and q8 (a Q4_K_M file's q/k/v: attn_v is Q6_K) keeps its parts (`qkv`, `gate_up`: each run of
     one kind fused; `qkv_w` and the like are those of a group of one part only)."""
 
-    def __init__(self, layer: DecoderLayer) -> None:
+    def __init__(self, layer: DecoderLayer, model_type: str = "llama") -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = _fuse_runs([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.gate_up = _fuse_runs([mlp.gate_proj, mlp.up_proj])
-        self.o_w, self.o_b, self.o_s = _fuse([attn.o_proj])
-        self.down_w, self.down_b, self.down_s = _fuse([mlp.down_proj])
-        self.act = mlp.act_fn
+        (*qkv, o), (*gate_up, down) = projections(model_type)
+        self.qkv = _fuse_runs([getattr(attn, name) for name in qkv])
+        self.gate_up = _fuse_runs([getattr(mlp, name) for name in gate_up])
+        self.o_w, self.o_b, self.o_s = _fuse([getattr(attn, o)])
+        self.down_w, self.down_b, self.down_s = _fuse([getattr(mlp, down)])
+        self.act = mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn  # type: ignore[attr-defined]
         self.in_norm = (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
         self.post_norm = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
-        self.intermediate = outputs_of(mlp.gate_proj)
-        self.hidden = outputs_of(attn.o_proj)  # o's and down's outputs
+        self.intermediate = sum(part.outputs for part in self.gate_up) // 2  # gate's (and up's) outputs
+        self.hidden = outputs_of(getattr(attn, o))  # o's and down's outputs
         # Qwen3's RMS norms of each query head and of each key head (weights of one head's width), or None
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         self.head_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None
@@ -250,7 +262,8 @@ def fused_layers(model: PreTrainedModel) -> list[FusedLayer]:
     """The fused layers of `model` (fused at the first call; ValueError if it is not Llama-family)."""
     layers = _FUSED.get(model)
     if layers is None:
-        layers = _FUSED[model] = [FusedLayer(layer) for layer in as_llama(model).model.layers]
+        kind = model.config.model_type
+        layers = _FUSED[model] = [FusedLayer(layer, kind) for layer in as_llama(model).model.layers]
     return layers
 
 
