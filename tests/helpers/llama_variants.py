@@ -21,6 +21,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 from lmiserve.core.request import GenerationRequest, SamplingParams
@@ -53,6 +55,8 @@ ARCHS = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32}),
     # Phi-3: q/k/v and gate/up one linear each (qkv_proj, gate_up_proj); a window over every layer (Phi-3-mini's)
     "phi3_window": (Phi3Config, Phi3ForCausalLM, {"sliding_window": 16}),
+    # SmolLM3: no rotary embedding in every n-th layer (here the second of two)
+    "smollm3_nope": (SmolLM3Config, SmolLM3ForCausalLM, {"no_rope_layer_interval": 2}),
 }
 PROMPTS = [
     "The quick brown fox",

@@ -152,3 +152,5 @@ def test_float_models_and_biased_int4_layers_keep_the_op_by_op_path():
     assert _fast(build(*ARCHS["llama"])).packed is None  # fp32
     assert _fast(build(*ARCHS["llama"]).bfloat16()).packed is None
     assert _fast(_int4("qwen2_bias")).packed is None  # q/k/v biases
+    assert _fast(_int4("smollm3_nope")).packed is None  # a layer without RoPE (the kernels rotate every layer)
+    assert _fast(_int4("qwen3")).packed is None  # the heads' norms

@@ -110,6 +110,8 @@ class FastLlama:
         self.embed = inner.embed_tokens.weight
         self.layers = fused_layers(model)  # shared by every engine on this model
         self.fused_projections = model.config.model_type in FUSED_TYPES  # q/k/v, gate/up one linear each
+        # whether each layer rotates its queries and keys (SmolLM3's `no_rope_layers`: 0 where it does not)
+        self.rope_layers = [bool(r) for r in getattr(model.config, "no_rope_layers", None) or [1] * len(self.layers)]
         # Qwen3's norms of each query and key head, as one weight a layer over the q and k heads (None: none)
         self.head_norms = [
             None
@@ -141,7 +143,7 @@ class FastLlama:
         self.tp = shard_of(model)
         # an int4 model's layers in few kernel calls (engine/model/q4_decode.py), the whole model on CPU fp32
         self.packed: q4_decode.PackedLayers | None = None
-        if self.tp is None and self.dtype == torch.float32:
+        if self.tp is None and self.dtype == torch.float32 and all(self.rope_layers):  # (its kernels rotate)
             dims = (self.heads, self.kv_heads, self.head_dim)
             self.packed = q4_decode.PackedLayers.of(self.layers, dims, self.norm, (self.lm_head, self.lm_head_s))
         # residual adds with RMS norms, and SiLU with its product, in one kernel each (fused_norm.py; CUDA)
@@ -303,12 +305,13 @@ class FastLlama:
             qkv = _product(gemm, h, layer.qkv).contiguous()
             if lora is not None:
                 lora.apply(f"{index}.qkv", h, qkv)
-            head_norm = self.head_norms[index]
-            if fused and head_norm is None:
+            head_norm, rope = self.head_norms[index], self.rope_layers[index]
+            if fused and head_norm is None and rope:
                 qk = fused_norm.rope(qkv, cos, sin, self.heads + self.kv_heads, self.head_dim)
             else:
                 qk = qkv[:, : q_size + kv_size].view(-1, self.heads + self.kv_heads, self.head_dim)
-                qk = _rotate(qk if head_norm is None else _rms(qk, head_norm), cos, sin)
+                qk = qk if head_norm is None else _rms(qk, head_norm)
+                qk = _rotate(qk, cos, sin) if rope else qk
             q, k = qk[:, : self.heads], qk[:, self.heads :]
             v = qkv[:, q_size + kv_size :].view(-1, self.kv_heads, self.head_dim)
             attn = self.attention.forward(index, q, k, v, meta)

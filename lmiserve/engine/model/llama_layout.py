@@ -2,8 +2,9 @@
 model has it (`unsupported_reason`), and its layers' weights fused for one product per step.
 
 Covers llama, mistral, qwen2 (biases), qwen3 (an RMS norm over each query and key head before RoPE,
-`FusedLayer.head_norms`) and phi3 (q/k/v and gate/up one linear each already: `qkv_proj`, `gate_up_proj`;
-its rotary embedding over the whole head), with the RoPE types whose table does not depend on the sequence
+`FusedLayer.head_norms`), phi3 (q/k/v and gate/up one linear each already: `qkv_proj`, `gate_up_proj`;
+its rotary embedding over the whole head) and smollm3 (no rotary embedding in some layers: `no_rope_layers`),
+with the RoPE types whose table does not depend on the sequence
 length; a sliding window (Mistral's ``sliding_window``, Qwen2's ``use_sliding_window`` from
 ``max_window_layers`` on) only over the paged KV cache, whose attention applies it
 (engine/attention/windows.py). Layer linears may be float, weight-only int8 (`quantize.Int8Linear`,
@@ -31,7 +32,7 @@ from lmiserve.engine.model.quantize import INT4_ROW_BLOCK, Int4Linear, Int8Linea
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
 FUSED_TYPES = ("phi3",)  # q/k/v and gate/up one linear each in the model already (`projections`)
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 # the quantized linears the layout takes (tensor parallelism refuses them: sharding.py); Fp8Linear: fp8 rows,
