@@ -22,6 +22,7 @@ from lmiserve.engine.lora import kernels as lora_kernels
 from lmiserve.engine.lora.adapters import FAST_PATH_MODULES, LoraAdapter
 from lmiserve.engine.lora.manager import LoraManager
 from lmiserve.engine.lora.registry import AdapterRegistry
+from lmiserve.engine.model.llama_layout import SUPPORTED_TYPES
 from lmiserve.engine.model.quantize import Int4Linear, Int8Linear, quantize_output_int8
 from lmiserve.engine.pool_plan import (
     CPU_KV_SHARE,
@@ -157,7 +158,14 @@ def create_engine(
         if refusal is not None:
             mine = "" if why_not is None else f"; lmiserve's own forward does not either: {why_not}"
             raise ValueError(f"this model cannot be served: transformers' forward over the KV blocks: {refusal}{mine}")
-        if not config.batch_invariant:
+        if not config.batch_invariant and loaded.device.type == "cuda" and not vision and config.fast_path:
+            log.warning(  # what a GPU user most needs to know of it: no decode graphs (docs/models.md)
+                "model runner: generic path over the paged KV cache (transformers' forward; %s): its steps run "
+                "eagerly, without CUDA graphs; lmiserve's own forward runs %s",
+                why_not,
+                ", ".join(SUPPORTED_TYPES),
+            )
+        elif not config.batch_invariant:
             log.info("model runner: generic path over the paged KV cache (transformers' forward; %s)", why_not)
     drafting = spec is not None and spec.method != "ngram"
     draft_cls = _draft_runner_class(loaded, config, draft) if drafting else None
