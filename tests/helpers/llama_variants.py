@@ -9,6 +9,8 @@ import torch
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -57,6 +59,13 @@ ARCHS = {
     "phi3_window": (Phi3Config, Phi3ForCausalLM, {"sliding_window": 16}),
     # SmolLM3: no rotary embedding in every n-th layer (here the second of two)
     "smollm3_nope": (SmolLM3Config, SmolLM3ForCausalLM, {"no_rope_layer_interval": 2}),
+    # Granite: its four scalars (Granite 3's: the embeddings x 12, the residual branches x 0.22, logits / 8, and
+    # an attention scale of its own)
+    "granite": (
+        GraniteConfig,
+        GraniteForCausalLM,
+        {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "logits_scaling": 8.0, "attention_multiplier": 0.1},
+    ),
 }
 PROMPTS = [
     "The quick brown fox",

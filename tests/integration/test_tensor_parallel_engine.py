@@ -2,7 +2,7 @@
 gives the tokens of the whole model in one process: greedy rows, a seeded sampled row (every rank samples
 the same gathered logits, rank 0 answers), a prompt long enough for chunked prefill, prompt logprobs and
 top tokens; with KV heads split (2 over 2 ranks) and replicated (1 KV head on both ranks), and for a tiny
-Qwen3 (its heads' norms); and prompt
+Qwen3 (its heads' norms) and a tiny Granite (its multipliers); and prompt
 lookup (ngram) speculative decoding on top.
 
 Each configuration's engines run once per module (a start spawns two workers, ~4 s on two cores); the
@@ -136,23 +136,35 @@ def kv1_answers(kv1_model_dir: Path) -> tuple[list[Answer], list[Answer]]:
     return _answers(kv1_model_dir, 1), _answers(kv1_model_dir, 2)
 
 
-@pytest.fixture(scope="module")
-def qwen3_answers(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Answer], list[Answer]]:
-    """A tiny Qwen3 (an RMS norm over each query and key head, heads wider than hidden / heads), its 4
-    heads and 2 KV heads split over the two ranks."""
+def _variant_answers(tmp_path_factory: pytest.TempPathFactory, arch: str) -> tuple[list[Answer], list[Answer]]:
+    """One process's answers and two ranks' for a tiny model of `arch` (tests/helpers/llama_variants.py), its
+    4 heads and 2 KV heads split over the two ranks."""
     from helpers.llama_variants import ARCHS, build
     from helpers.tiny_model import build_tiny_tokenizer
 
-    out = tmp_path_factory.mktemp("qwen3") / "qwen3"
-    build(*ARCHS["qwen3"]).save_pretrained(out)
+    out = tmp_path_factory.mktemp(arch) / arch
+    build(*ARCHS[arch]).save_pretrained(out)
     build_tiny_tokenizer().save_pretrained(out)
     return _answers(out, 1), _answers(out, 2)
 
 
-@pytest.fixture(params=["kv-split", "kv-replicated", "qwen3"])
+@pytest.fixture(scope="module")
+def qwen3_answers(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Answer], list[Answer]]:
+    """A tiny Qwen3: an RMS norm over each query and key head, heads wider than hidden / heads."""
+    return _variant_answers(tmp_path_factory, "qwen3")
+
+
+@pytest.fixture(scope="module")
+def granite_answers(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Answer], list[Answer]]:
+    """A tiny Granite: its multipliers (the embeddings' after each rank's share is gathered, the residual
+    branches' after their all-reduce)."""
+    return _variant_answers(tmp_path_factory, "granite")
+
+
+@pytest.fixture(params=["kv-split", "kv-replicated", "qwen3", "granite"])
 def answers(request: pytest.FixtureRequest) -> tuple[list[Answer], list[Answer]]:
-    names = {"kv-split": "kv2_answers", "kv-replicated": "kv1_answers", "qwen3": "qwen3_answers"}
-    return request.getfixturevalue(names[request.param])
+    names = {"kv-split": "kv2_answers", "kv-replicated": "kv1_answers"}
+    return request.getfixturevalue(names.get(request.param, f"{request.param}_answers"))
 
 
 def _close(a: list[float | None], b: list[float | None]) -> bool:

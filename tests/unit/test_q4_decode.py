@@ -154,3 +154,4 @@ def test_float_models_and_biased_int4_layers_keep_the_op_by_op_path():
     assert _fast(_int4("qwen2_bias")).packed is None  # q/k/v biases
     assert _fast(_int4("smollm3_nope")).packed is None  # a layer without RoPE (the kernels rotate every layer)
     assert _fast(_int4("qwen3")).packed is None  # the heads' norms
+    assert _fast(_int4("granite")).packed is None  # its multipliers

@@ -45,6 +45,7 @@ from lmiserve.engine.model.cpu_gemm import PAD_ROWS_FROM, VOCAB_PAD_ROWS_FROM, C
 from lmiserve.engine.model.llama_layout import (
     FUSED_TYPES,
     SUPPORTED_TYPES,
+    Multipliers,
     Part,
     as_llama,
     fused_layers,
@@ -110,6 +111,7 @@ class FastLlama:
         self.embed = inner.embed_tokens.weight
         self.layers = fused_layers(model)  # shared by every engine on this model
         self.fused_projections = model.config.model_type in FUSED_TYPES  # q/k/v, gate/up one linear each
+        self.multipliers = Multipliers.of(model.config)  # Granite's scalars (1.0 elsewhere)
         # whether each layer rotates its queries and keys (SmolLM3's `no_rope_layers`: 0 where it does not)
         self.rope_layers = [bool(r) for r in getattr(model.config, "no_rope_layers", None) or [1] * len(self.layers)]
         # Qwen3's norms of each query and key head, as one weight a layer over the q and k heads (None: none)
@@ -134,8 +136,8 @@ class FastLlama:
         self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)
         self._gemm = gemm if gemm is not None else CpuGemm.for_model(self.device, self.dtype)
         # the step's attention (engine/attention/backends.py): Triton on CUDA, the compiled kernel on CPU fp32
-        self.attention: backends.AttentionBackend = backends.choose(
-            cache, self.heads, self.windows, compiled_ok=compiled_attention_ok
+        self.attention: backends.AttentionBackend = self._scaled(
+            backends.choose(cache, self.heads, self.windows, compiled_ok=compiled_attention_ok)
         )
         # decode steps replayed as CUDA graphs (engine/attention/cuda_graphs.py; set by the paged runner)
         self.graphs: DecodeReplay | None = None
@@ -143,7 +145,7 @@ class FastLlama:
         self.tp = shard_of(model)
         # an int4 model's layers in few kernel calls (engine/model/q4_decode.py), the whole model on CPU fp32
         self.packed: q4_decode.PackedLayers | None = None
-        if self.tp is None and self.dtype == torch.float32 and all(self.rope_layers):  # (its kernels rotate)
+        if self.tp is None and self.dtype == torch.float32 and all(self.rope_layers) and self.multipliers.plain:
             dims = (self.heads, self.kv_heads, self.head_dim)
             self.packed = q4_decode.PackedLayers.of(self.layers, dims, self.norm, (self.lm_head, self.lm_head_s))
         # residual adds with RMS norms, and SiLU with its product, in one kernel each (fused_norm.py; CUDA)
@@ -182,9 +184,15 @@ class FastLlama:
             return
         if compiled and cpu_kernel.available(self.cache.kv_dtype, self.device):  # never an fp8 pool
             cpu_kernel.warm_up()
-            self.attention = backends.CpuKernelBackend(self.cache, self.heads, self.windows)
+            self.attention = self._scaled(backends.CpuKernelBackend(self.cache, self.heads, self.windows))
         else:
-            self.attention = backends.TorchBackend(self.cache, self.heads, self.windows)
+            self.attention = self._scaled(backends.TorchBackend(self.cache, self.heads, self.windows))
+
+    def _scaled(self, attention: backends.AttentionBackend) -> backends.AttentionBackend:
+        """`attention` with the model's scale where it has its own (Granite's `attention_multiplier`)."""
+        if self.multipliers.attention is not None:
+            attention.scale = float(self.multipliers.attention)
+        return attention
 
     def _warm_gemm(self) -> None:
         """Compile the few-row product kernel at load (or on a kernel change), not on a request; if it
@@ -245,6 +253,7 @@ class FastLlama:
         cos, sin = cos_table[pos][:, None], sin_table[pos][:, None]  # [T, 1, D]
         tp = self.tp
         x = F.embedding(token_ids, self.embed) if tp is None else tp.embed(token_ids, self.embed)
+        x = x if self.multipliers.embedding == 1.0 else x * self.multipliers.embedding
         seqs = [SeqTokens(t, p, 1) for t, p in zip(step.decode_tables, step.decode_positions, strict=True)]
         seqs += [SeqTokens(table, start, len(chunk)) for table, start, chunk in step.chunks]
         meta = self.attention.plan(seqs, rows, pad)
@@ -266,6 +275,7 @@ class FastLlama:
         of the rows' `lora` slots (engine/lora/slots.py, or None); every row's logits written, as float32,
         into `out` (the graphs' one output buffer). The whole model (not a tensor-parallel shard)."""
         x = F.embedding(ids, self.embed)
+        x = x if self.multipliers.embedding == 1.0 else x * self.multipliers.embedding
         products = lora.products(len(ids)) if lora is not None else None
         x = self._layers(x, self._cos[positions][:, None], self._sin[positions][:, None], meta, products)
         out.copy_(self._logits(x))
@@ -276,6 +286,7 @@ class FastLlama:
         logits = packed.logits(x) if packed is not None and x.shape[0] <= q4_decode.MAX_ROWS else None
         if logits is None:
             logits = self._gemm.linear(_rms(x, self.norm), self.lm_head, None, self.lm_head_s)
+        logits = logits if self.multipliers.logits == 1.0 else logits / self.multipliers.logits
         return logits if logits.shape[-1] == self.vocab else logits[..., : self.vocab]
 
     def rope_upto(self, positions: int) -> None:
@@ -294,7 +305,7 @@ class FastLlama:
         packed = self.packed
         if packed is not None and lora is None and x.shape[0] <= q4_decode.MAX_ROWS:
             return packed.run(x, cos, sin, meta, self.attention)
-        tp, gemm, fused = self.tp, self._gemm, self.fused_elementwise
+        tp, gemm, fused, residual_factor = self.tp, self._gemm, self.fused_elementwise, self.multipliers.residual
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         residual: torch.Tensor | None = None  # fused: the last layer's output, added with the next norm
         for index, layer in enumerate(self.layers):
@@ -320,6 +331,7 @@ class FastLlama:
                 lora.apply(f"{index}.o", attn, o)
             if tp is not None:
                 o = tp.all_reduce(o)
+            o = o if residual_factor == 1.0 else o * residual_factor
             if fused:
                 x, h = fused_norm.add_rms_norm(x, o, *layer.post_norm)
             else:
@@ -335,6 +347,7 @@ class FastLlama:
                 lora.apply(f"{index}.down", h, down)
             if tp is not None:
                 down = tp.all_reduce(down)
+            down = down if residual_factor == 1.0 else down * residual_factor
             if fused:
                 residual = down
             else:

@@ -3,8 +3,8 @@ model has it (`unsupported_reason`), and its layers' weights fused for one produ
 
 Covers llama, mistral, qwen2 (biases), qwen3 (an RMS norm over each query and key head before RoPE,
 `FusedLayer.head_norms`), phi3 (q/k/v and gate/up one linear each already: `qkv_proj`, `gate_up_proj`;
-its rotary embedding over the whole head) and smollm3 (no rotary embedding in some layers: `no_rope_layers`),
-with the RoPE types whose table does not depend on the sequence
+its rotary embedding over the whole head), smollm3 (no rotary embedding in some layers: `no_rope_layers`) and
+granite (four scalars: `Multipliers`), with the RoPE types whose table does not depend on the sequence
 length; a sliding window (Mistral's ``sliding_window``, Qwen2's ``use_sliding_window`` from
 ``max_window_layers`` on) only over the paged KV cache, whose attention applies it
 (engine/attention/windows.py). Layer linears may be float, weight-only int8 (`quantize.Int8Linear`,
@@ -18,6 +18,7 @@ fused), whose products the forward concatenates; no weight is re-quantized.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
@@ -32,7 +33,7 @@ from lmiserve.engine.model.quantize import INT4_ROW_BLOCK, Int4Linear, Int8Linea
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite")
 FUSED_TYPES = ("phi3",)  # q/k/v and gate/up one linear each in the model already (`projections`)
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 # the quantized linears the layout takes (tensor parallelism refuses them: sharding.py); Fp8Linear: fp8 rows,
@@ -140,6 +141,27 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
             if len({type(m) for m in modules}) > 1 and not grouped:
                 return f"{'/'.join(group)} are not all of one kind (float, int8, or int4 and q8)"
     return None
+
+
+class Multipliers(NamedTuple):
+    """Granite's scalars (the others' are these defaults): the embeddings' factor, the residual branches'
+    (attention's and the MLP's outputs, before each is added), the logits' divisor and attention's scale
+    (None: one over the square root of a head's width)."""
+
+    embedding: float = 1.0
+    residual: float = 1.0
+    logits: float = 1.0
+    attention: float | None = None
+
+    @classmethod
+    def of(cls, config: object) -> Multipliers:
+        get = functools.partial(getattr, config)
+        return cls(get("embedding_multiplier", 1.0), get("residual_multiplier", 1.0), get("logits_scaling", 1.0),
+                   get("attention_multiplier", None))  # fmt: skip
+
+    @property
+    def plain(self) -> bool:
+        return self == Multipliers()
 
 
 def projections(model_type: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
