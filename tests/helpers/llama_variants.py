@@ -13,6 +13,8 @@ from transformers import (
     GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MinistralConfig,
+    MinistralForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     Phi3Config,
@@ -23,6 +25,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    SeedOssConfig,
+    SeedOssForCausalLM,
     SmolLM3Config,
     SmolLM3ForCausalLM,
 )
@@ -57,6 +61,17 @@ ARCHS = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32}),
     # Phi-3: q/k/v and gate/up one linear each (qkv_proj, gate_up_proj); a window over every layer (Phi-3-mini's)
     "phi3_window": (Phi3Config, Phi3ForCausalLM, {"sliding_window": 16}),
+    # Ministral: a window on some layers (layer_types); Seed-OSS: biases on q/k/v, o and the MLP's linears
+    "ministral_window": (
+        MinistralConfig,
+        MinistralForCausalLM,
+        {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"], "head_dim": 16},
+    ),
+    "seed_oss_bias": (
+        SeedOssConfig,
+        SeedOssForCausalLM,
+        {"attention_bias": True, "attention_out_bias": True, "mlp_bias": True},
+    ),
     # SmolLM3: no rotary embedding in every n-th layer (here the second of two)
     "smollm3_nope": (SmolLM3Config, SmolLM3ForCausalLM, {"no_rope_layer_interval": 2}),
     # Granite: its four scalars (Granite 3's: the embeddings x 12, the residual branches x 0.22, logits / 8, and
@@ -79,10 +94,12 @@ PROMPTS = [
 def build(config_cls, model_cls, extra: dict, seed: int = 7):
     torch.manual_seed(seed)
     model = model_cls(config_cls(**COMMON, **extra)).eval()
-    with torch.no_grad():  # the heads' norms (Qwen3's) start at ones: weights of their own, q's unlike k's
+    with torch.no_grad():  # the heads' norms (Qwen3's) start at ones, biases at zeros: values of their own
         for name, weight in model.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 weight.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                weight.uniform_(-0.5, 0.5)
     return model
 
 

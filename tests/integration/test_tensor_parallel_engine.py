@@ -2,7 +2,8 @@
 gives the tokens of the whole model in one process: greedy rows, a seeded sampled row (every rank samples
 the same gathered logits, rank 0 answers), a prompt long enough for chunked prefill, prompt logprobs and
 top tokens; with KV heads split (2 over 2 ranks) and replicated (1 KV head on both ranks), and for a tiny
-Qwen3 (its heads' norms) and a tiny Granite (its multipliers); and prompt
+Qwen3 (its heads' norms), a tiny Granite (its multipliers) and a tiny Seed-OSS (biases on every linear); and
+prompt
 lookup (ngram) speculative decoding on top.
 
 Each configuration's engines run once per module (a start spawns two workers, ~4 s on two cores); the
@@ -161,7 +162,13 @@ def granite_answers(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Answ
     return _variant_answers(tmp_path_factory, "granite")
 
 
-@pytest.fixture(params=["kv-split", "kv-replicated", "qwen3", "granite"])
+@pytest.fixture(scope="module")
+def seed_oss_bias_answers(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Answer], list[Answer]]:
+    """A tiny Seed-OSS: biases on q/k/v (split with their rows) and on o and down (added by one rank)."""
+    return _variant_answers(tmp_path_factory, "seed_oss_bias")
+
+
+@pytest.fixture(params=["kv-split", "kv-replicated", "qwen3", "granite", "seed_oss_bias"])
 def answers(request: pytest.FixtureRequest) -> tuple[list[Answer], list[Answer]]:
     names = {"kv-split": "kv2_answers", "kv-replicated": "kv1_answers"}
     return request.getfixturevalue(names.get(request.param, f"{request.param}_answers"))

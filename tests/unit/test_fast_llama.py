@@ -152,6 +152,8 @@ def test_fusing_weights_keeps_the_transformers_model_working_without_copies():
         ("phi3_window", {"max_prefill_tokens": 4}, "fast"),  # qkv_proj and gate_up_proj
         ("smollm3_nope", {"max_prefill_tokens": 4}, "fast"),  # a layer without RoPE
         ("granite", {"max_prefill_tokens": 4}, "fast"),  # its multipliers
+        ("ministral_window", {"max_prefill_tokens": 4}, "fast"),  # a window on one layer of two
+        ("seed_oss_bias", {"max_prefill_tokens": 4}, "fast"),  # biases everywhere
         ("phi", {"max_prefill_tokens": 4}, "generic"),  # not covered by the fast forward: transformers'
         ("gpt2", {}, "generic"),
         ("qwen2_bias", {"max_prefill_tokens": 4}, "fast"),

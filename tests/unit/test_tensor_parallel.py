@@ -100,9 +100,9 @@ def test_no_kv_heads_in_the_config_means_one_per_head():
         ({}, 4, None),  # 2 KV heads replicated over 4 ranks
         ({"num_key_value_heads": 1}, 4, None),
         ({"model_type": "gpt2"}, 2, "tensor parallelism runs the fast path's Llama-family models with q/k/v and "
-                                    "gate/up apart (llama, mistral, qwen2, qwen3, smollm3, granite); this model is 'gpt2'"),
+                                    "gate/up apart (llama, mistral, ministral, qwen2, qwen3, smollm3, granite, seed_oss); this model is 'gpt2'"),
         ({"model_type": "phi3"}, 2, "tensor parallelism runs the fast path's Llama-family models with q/k/v and "
-                                    "gate/up apart (llama, mistral, qwen2, qwen3, smollm3, granite); this model is 'phi3'"),
+                                    "gate/up apart (llama, mistral, ministral, qwen2, qwen3, smollm3, granite, seed_oss); this model is 'phi3'"),
         ({}, 3, "tensor_parallel_degree=3 does not divide the model's 4 attention heads"),
         ({"num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576, "intermediate_size": 1536}, 2,
          "tensor_parallel_degree=2 does not divide the model's 9 attention heads"),

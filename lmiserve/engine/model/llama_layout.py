@@ -1,7 +1,8 @@
 """The module layout of the Llama-family transformers models `FastLlama` runs, the check that a
 model has it (`unsupported_reason`), and its layers' weights fused for one product per step.
 
-Covers llama, mistral, qwen2 (biases), qwen3 (an RMS norm over each query and key head before RoPE,
+Covers llama, mistral, ministral (windows on some layers), qwen2 (biases), seed_oss (biases, o's and the MLP's
+too), qwen3 (an RMS norm over each query and key head before RoPE,
 `FusedLayer.head_norms`), phi3 (q/k/v and gate/up one linear each already: `qkv_proj`, `gate_up_proj`;
 its rotary embedding over the whole head), smollm3 (no rotary embedding in some layers: `no_rope_layers`) and
 granite (four scalars: `Multipliers`), with the RoPE types whose table does not depend on the sequence
@@ -33,7 +34,7 @@ from lmiserve.engine.model.quantize import INT4_ROW_BLOCK, Int4Linear, Int8Linea
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite")
+SUPPORTED_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "seed_oss")
 FUSED_TYPES = ("phi3",)  # q/k/v and gate/up one linear each in the model already (`projections`)
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 # the quantized linears the layout takes (tensor parallelism refuses them: sharding.py); Fp8Linear: fp8 rows,
