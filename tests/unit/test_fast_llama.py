@@ -18,6 +18,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
@@ -42,6 +44,10 @@ def test_which_models_the_fast_path_covers():
     for name, (cfg, cls, extra) in ARCHS.items():
         assert unsupported_reason(build(cfg, cls, extra)) is None, name
     assert "phi" in unsupported_reason(generic_model("phi"))
+    partial = build(Phi3Config, Phi3ForCausalLM, {"partial_rotary_factor": 0.75})  # Phi-4-mini's rotary embedding
+    assert "part of each head (0.75)" in unsupported_reason(partial)
+    partial.config.partial_rotary_factor = None  # (said in the RoPE parameters alone)
+    assert "part of each head (0.75)" in unsupported_reason(partial)
     odd = build(Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32})  # a key norm over the whole projection
     odd.model.layers[1].self_attn.k_norm = Qwen3RMSNorm(64)
     assert "norms" in unsupported_reason(odd)

@@ -111,8 +111,12 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
         return f"RoPE type {getattr(rope, 'rope_type', None)!r}"
     if getattr(model, "lm_head", None) is None or getattr(model.lm_head, "bias", None) is not None:
         return "no plain lm_head"
-    if getattr(cfg, "partial_rotary_factor", None) not in (None, 1, 1.0):
-        return f"a rotary embedding over part of each head ({cfg.partial_rotary_factor})"
+    rope_parameters = getattr(cfg, "rope_parameters", None)
+    partial = getattr(cfg, "partial_rotary_factor", None) or (
+        rope_parameters.get("partial_rotary_factor") if isinstance(rope_parameters, dict) else None
+    )
+    if partial not in (None, 1, 1.0):
+        return f"a rotary embedding over part of each head ({partial})"
     attn_names, mlp_names = projections(cfg.model_type)
     for layer in getattr(inner, "layers", []):
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
