@@ -389,12 +389,16 @@ def test_a_kernel_that_cannot_compile_falls_back_to_the_torch_attention(monkeypa
     torch.testing.assert_close(out[0], reference, rtol=1e-4, atol=1e-4)
 
 
-def test_a_phi3_adapter_on_its_fused_linears_gives_the_merged_models_tokens(tiny_model, tmp_path):
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_a_phi3_adapter_on_its_fused_linears_gives_the_merged_models_tokens(tiny_model, tmp_path, monkeypatch, graphs):
     """Phi-3's q/k/v and gate/up are one linear each (`qkv_proj`, `gate_up_proj`): a PEFT adapter on them, o
-    and down rides the fast forward's LoRA groups (eagerly, and over the decode graphs' slots where they run),
-    and gives `generate()`'s tokens with the adapter merged by PEFT."""
+    and down rides the fast forward's LoRA groups, eagerly and over the decode graphs' adapter slots (played
+    on a CPU), and gives `generate()`'s tokens with the adapter merged by PEFT."""
+    from helpers.decode_graphs import graphs_on_the_test_device
     from helpers.lora_adapters import AdapterSpec, make_adapter, merged_generate
     from lmiserve.engine.lora.registry import LoraLimits
+
+    record = graphs_on_the_test_device(monkeypatch) if graphs else None
 
     base = tmp_path / "phi3"
     build(*ARCHS["phi3_window"]).save_pretrained(base)
@@ -421,3 +425,5 @@ def test_a_phi3_adapter_on_its_fused_linears_gives_the_merged_models_tokens(tiny
             await engine.stop()
 
     assert asyncio.run(run()) == expected
+    if record is not None:  # (decode steps with the adapter replayed the graphs)
+        assert max(adapters for _, adapters in record.steps) == 1
