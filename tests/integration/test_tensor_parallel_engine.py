@@ -15,6 +15,7 @@ import asyncio
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,41 +138,35 @@ def kv1_answers(kv1_model_dir: Path) -> tuple[list[Answer], list[Answer]]:
     return _answers(kv1_model_dir, 1), _answers(kv1_model_dir, 2)
 
 
-def _variant_answers(tmp_path_factory: pytest.TempPathFactory, arch: str) -> tuple[list[Answer], list[Answer]]:
-    """One process's answers and two ranks' for a tiny model of `arch` (tests/helpers/llama_variants.py), its
-    4 heads and 2 KV heads split over the two ranks."""
+@pytest.fixture(scope="module")
+def variant_answers(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[list[Answer], list[Answer]]]:
+    """One process's answers and two ranks' for a tiny model of an architecture of tests/helpers/llama_variants.py
+    (its 4 heads and 2 KV heads split over the two ranks), each made once a module."""
     from helpers.llama_variants import ARCHS, build
     from helpers.tiny_model import build_tiny_tokenizer
 
-    out = tmp_path_factory.mktemp(arch) / arch
-    build(*ARCHS[arch]).save_pretrained(out)
-    build_tiny_tokenizer().save_pretrained(out)
-    return _answers(out, 1), _answers(out, 2)
+    made: dict[str, tuple[list[Answer], list[Answer]]] = {}
+
+    def answers_of(arch: str) -> tuple[list[Answer], list[Answer]]:
+        if arch not in made:
+            out = tmp_path_factory.mktemp(arch) / arch
+            build(*ARCHS[arch]).save_pretrained(out)
+            build_tiny_tokenizer().save_pretrained(out)
+            made[arch] = _answers(out, 1), _answers(out, 2)
+        return made[arch]
+
+    return answers_of
 
 
-@pytest.fixture(scope="module")
-def qwen3_answers(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Answer], list[Answer]]:
-    """A tiny Qwen3: an RMS norm over each query and key head, heads wider than hidden / heads."""
-    return _variant_answers(tmp_path_factory, "qwen3")
-
-
-@pytest.fixture(scope="module")
-def granite_answers(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Answer], list[Answer]]:
-    """A tiny Granite: its multipliers (the embeddings' after each rank's share is gathered, the residual
-    branches' after their all-reduce)."""
-    return _variant_answers(tmp_path_factory, "granite")
-
-
-@pytest.fixture(scope="module")
-def seed_oss_bias_answers(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Answer], list[Answer]]:
-    """A tiny Seed-OSS: biases on q/k/v (split with their rows) and on o and down (added by one rank)."""
-    return _variant_answers(tmp_path_factory, "seed_oss_bias")
-
-
+# qwen3: an RMS norm over each query and key head, heads wider than hidden / heads; granite: its multipliers (the
+# embeddings' after each rank's share is gathered, the residual branches' after their all-reduce); seed_oss_bias:
+# biases on q/k/v (split with their rows) and on o and down (added by one rank)
 @pytest.fixture(params=["kv-split", "kv-replicated", "qwen3", "granite", "seed_oss_bias"])
-def answers(request: pytest.FixtureRequest) -> tuple[list[Answer], list[Answer]]:
-    names = {"kv-split": "kv2_answers", "kv-replicated": "kv1_answers"}
-    return request.getfixturevalue(names.get(request.param, f"{request.param}_answers"))
+def answers(
+    request: pytest.FixtureRequest, variant_answers: Callable[[str], tuple[list[Answer], list[Answer]]]
+) -> tuple[list[Answer], list[Answer]]:
+    kv = {"kv-split": "kv2_answers", "kv-replicated": "kv1_answers"}
+    return request.getfixturevalue(kv[request.param]) if request.param in kv else variant_answers(request.param)
 
 
 def _close(a: list[float | None], b: list[float | None]) -> bool:

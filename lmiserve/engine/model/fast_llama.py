@@ -145,12 +145,18 @@ class FastLlama:
         self.tp = shard_of(model)
         # an int4 model's layers in few kernel calls (engine/model/q4_decode.py), the whole model on CPU fp32
         self.packed: q4_decode.PackedLayers | None = None
-        if self.tp is None and self.dtype == torch.float32 and all(self.rope_layers) and self.multipliers.plain:
+        if self.tp is None and self.dtype == torch.float32 and self.plain_layers:
             dims = (self.heads, self.kv_heads, self.head_dim)
             self.packed = q4_decode.PackedLayers.of(self.layers, dims, self.norm, (self.lm_head, self.lm_head_s))
         # residual adds with RMS norms, and SiLU with its product, in one kernel each (fused_norm.py; CUDA)
         self.fused_elementwise = fused_norm.wanted(self.device) and self.silu_layers
         self._warm_gemm()
+
+    @property
+    def plain_layers(self) -> bool:
+        """Whether every layer is a Llama layer as q4_decode's kernels compute it: rotated, without norms of
+        the heads (Qwen3's) or multipliers (Granite's)."""
+        return all(self.rope_layers) and all(n is None for n in self.head_norms) and self.multipliers.plain
 
     @property
     def silu_layers(self) -> bool:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
 
 import torch
 
+from lmiserve.engine.attention.paged import AttentionShape
 from lmiserve.engine.attention.windows import unsupported_kinds
 from lmiserve.engine.model.int4_triton import Int4Scales, Int4TritonLinear
 from lmiserve.engine.model.quant_formats import Fp8Linear
@@ -118,11 +119,12 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
     if partial not in (None, 1, 1.0):
         return f"a rotary embedding over part of each head ({partial})"
     attn_names, mlp_names = projections(cfg.model_type)
+    head_dim = AttentionShape.of(cfg).head_dim
     for layer in getattr(inner, "layers", []):
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         norms = [getattr(attn, name, None) for name in ("q_norm", "k_norm")]
         if (cfg.model_type == "qwen3" or any(norms)) and not (
-            all(_is_head_norm(n, cfg) for n in norms) and len({n.variance_epsilon for n in norms if n}) == 1
+            all(_is_head_norm(n, head_dim) for n in norms) and len({n.variance_epsilon for n in norms if n}) == 1
         ):
             return "the query and key heads' norms are not RMS norms of one head's width and one epsilon"
         names = [(attn, n) for n in attn_names] + [(mlp, n) for n in mlp_names]
@@ -177,12 +179,11 @@ def projections(model_type: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
 
 
-def _is_head_norm(norm: object, cfg: object) -> bool:
+def _is_head_norm(norm: object, head_dim: int) -> bool:
     """Whether `norm` is an RMS norm of one attention head's width (Qwen3's q_norm and k_norm)."""
     weight = getattr(norm, "weight", None)
-    width = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads  # type: ignore[attr-defined]
     eps = getattr(norm, "variance_epsilon", None)
-    return isinstance(weight, torch.Tensor) and tuple(weight.shape) == (width,) and isinstance(eps, float)
+    return isinstance(weight, torch.Tensor) and tuple(weight.shape) == (head_dim,) and isinstance(eps, float)
 
 
 def _q8_group(module: Q8Linear) -> int:

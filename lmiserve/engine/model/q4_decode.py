@@ -74,10 +74,8 @@ class _Layer:
 
     @classmethod
     def of(cls, layer: Any, shape: tuple[int, int, int], hidden: int) -> _Layer | None:
-        """None unless the layer is q4 without biases or head norms, with SiLU and fp32 norms, in whole blocks."""
+        """None unless the layer is q4 without biases, with SiLU and fp32 norms, in whole blocks."""
         if not layer.fused:  # q/k/v or gate/up mixing q4 and q8 (a Q4_K_M file's): the op-by-op path
-            return None
-        if getattr(layer, "head_norms", None) is not None:  # Qwen3's norms of q's and k's heads: op by op
             return None
         weights = (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w)
         scales = (layer.qkv_s, layer.o_s, layer.gate_up_s, layer.down_s)
