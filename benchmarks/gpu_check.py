@@ -21,8 +21,9 @@ dependencies can come as wheels; see benchmarks/README.md, "The GPU check"). It 
    the Triton paged attention launched eagerly (``enforce_eager``) and the torch attention, tokens/s at
    concurrency 1 and 32 and whether their greedy tokens agree; ``lora-decode-paths-1b.json`` the same with
    4 random LoRA adapters named in turn (one request in 5 on the base model), graphs and eagerly;
-   ``decode-paths-qwen3-0.6b.json`` and ``decode-paths-phi3-mini.json``: Qwen3-0.6B's and Phi-3-mini's shapes
-   on the graphs and on transformers' own forward (the generic runner, which they ran until 2026-12-02).
+   ``decode-paths-qwen3-0.6b.json``, ``decode-paths-phi3-mini.json`` and ``decode-paths-gemma3-1b.json``:
+   Qwen3-0.6B's, Phi-3-mini's and Gemma 3 1B's shapes on the graphs and on transformers' own forward (the
+   generic runner, which they ran until 2026-12-02).
 6. ``tp-tiny.json`` and ``tp-1b.json``: ``benchmarks/tp_parity.py``, the engine over tensor-parallel
    workers (NCCL; 2 ranks when the machine has 2 GPUs, else 1 rank: the workers' path alone) against
    the model in the engine's process, greedy agreement and decode tokens/s, for the tiny test model and
@@ -57,7 +58,7 @@ decode paths (whether the graphs capture, and what each path gives: before the s
 them), the engine in its own process, steps with prompt tokens in the decode graphs against eager
 (``graph_prompts``: ``lmiserve bench --ab-option cuda_graph_prompt_tokens=64`` at 32 and 128 streams), fp8
 weights, overlap scheduling, the step profile, the fp8 KV cache, the decode paths with LoRA adapters, those of
-Qwen3's and Phi-3's shapes, tensor parallelism.
+Qwen3's, Phi-3's and Gemma 3's shapes, tensor parallelism.
 Every step has a time limit inside ``--budget`` (default 450 s); a step that fails or runs out is
 recorded as such and the next one runs. ``--steps`` runs some of them (`STEP_KEYS`: tests, bench-1b,
 bench-8b, decode-paths, engine-process, graph-prompts, quantized, overlap, step-profile, fp8-kv, lora-paths,
@@ -266,6 +267,34 @@ SHAPES["phi3-mini"] = {
     "num_key_value_heads": 32,
     "sliding_window": 2047,
     "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 3,
+    "torch_dtype": "bfloat16",
+}
+# Gemma 3 1B's shape (its keys as published: the sliding layers' RoPE base and pattern; one KV head of 256)
+SHAPES["gemma3-1b"] = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "vocab_size": 262144,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "rope_local_base_freq": 10000.0,
+    "rope_scaling": None,
+    "sliding_window": 512,
+    "sliding_window_pattern": 6,
+    "query_pre_attn_scalar": 256,
+    "hidden_size": 1152,
+    "intermediate_size": 6912,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "final_logit_softcapping": None,
+    "attn_logit_softcapping": None,
+    "tie_word_embeddings": True,
     "bos_token_id": 1,
     "eos_token_id": 2,
     "pad_token_id": 3,
@@ -1165,9 +1194,14 @@ def main(argv: list[str] | None = None) -> int:
     # 10. decode steps with LoRA adapters (issue 39 item 5): through the graphs' adapter slots, and eagerly
     decode_paths("lora decode paths 1b", "decode_paths_lora", 100.0, ["--paths", "graphs,triton", "--lora", "4"])
 
-    # 10b. Qwen3 (its heads' norms) and Phi-3 (fused q/k/v and gate/up) on the fast forward's graphs, against
-    # transformers' forward (the generic runner), which they ran until 2026-12-02
-    for shape, entry in (("qwen3-0.6b", "decode_paths_qwen3"), ("phi3-mini", "decode_paths_phi3")):
+    # 10b. Qwen3 (its heads' norms), Phi-3 (fused q/k/v and gate/up) and Gemma 3 (its norms, two RoPE tables) on
+    # the fast forward's graphs, against transformers' forward (the generic runner), which they ran until 2026-12-02
+    arch_shapes = (
+        ("qwen3-0.6b", "decode_paths_qwen3"),
+        ("phi3-mini", "decode_paths_phi3"),
+        ("gemma3-1b", "decode_paths_gemma3"),
+    )
+    for shape, entry in arch_shapes:
         name = f"decode paths {shape.replace('-', ' ')}"
         decode_paths(name, entry, 100.0, ["--paths", "graphs,generic"], "arch-paths", shape)
 

@@ -7,6 +7,10 @@ import asyncio
 
 import torch
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GemmaConfig,
+    GemmaForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     GraniteConfig,
@@ -81,6 +85,26 @@ ARCHS = {
         GraniteForCausalLM,
         {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "logits_scaling": 8.0, "attention_multiplier": 0.1},
     ),
+    # Gemma: norms scaling by (1 + w), the embeddings by sqrt(hidden), GELU; heads wider than hidden / heads
+    "gemma": (GemmaConfig, GemmaForCausalLM, {"head_dim": 32}),
+    # Gemma 3: norms of each head and of attention's and the MLP's outputs, a window on every other layer with
+    # a RoPE base of its own (the full layers' scaled), attention's scale from query_pre_attn_scalar, and the
+    # logits soft-capped (Gemma 2's 30; here 3, low enough to change tokens)
+    "gemma3_window": (
+        Gemma3TextConfig,
+        Gemma3ForCausalLM,
+        {
+            "head_dim": 32,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 24,
+            "final_logit_softcapping": 3.0,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+            },
+        },
+    ),
 }
 PROMPTS = [
     "The quick brown fox",
@@ -94,9 +118,12 @@ PROMPTS = [
 def build(config_cls, model_cls, extra: dict, seed: int = 7):
     torch.manual_seed(seed)
     model = model_cls(config_cls(**COMMON, **extra)).eval()
-    with torch.no_grad():  # the heads' norms (Qwen3's) start at ones, biases at zeros: values of their own
+    gemma = model.config.model_type.startswith("gemma")
+    with torch.no_grad():  # the heads' norms (Qwen3's) start at ones, biases and Gemma's norms at zeros: values
         for name, weight in model.named_parameters():
-            if name.endswith(("q_norm.weight", "k_norm.weight")):
+            if gemma and name.endswith("norm.weight"):  # (scaling by 1 + w)
+                weight.uniform_(-0.5, 0.5)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
                 weight.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 weight.uniform_(-0.5, 0.5)

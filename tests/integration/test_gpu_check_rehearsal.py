@@ -90,7 +90,8 @@ def test_issue_39_entries_are_filled(rehearsal):
                 assert {level: r["identical_to_graphs-sampled"] for level, r in path.items()} == {"1": 1, "2": 2}
         else:
             assert {level: r["identical_to_graphs"] for level, r in path.items()} == {"1": 1, "2": 2}
-    for entry in ("decode_paths_qwen3", "decode_paths_phi3"):  # the fast forward's graphs, and transformers' forward
+    # the fast forward's graphs, and transformers' forward
+    for entry in ("decode_paths_qwen3", "decode_paths_phi3", "decode_paths_gemma3"):
         runs = summary[entry]["paths"]
         assert {path: {level: r["runner"] for level, r in levels.items()} for path, levels in runs.items()} == {
             "graphs": {"1": "fast", "2": "fast"},

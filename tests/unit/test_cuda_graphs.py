@@ -54,7 +54,9 @@ def _fast(monkeypatch, arch: str = "llama"):
     return model, FastLlama(model, cache, 256)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2_bias", "qwen3", "phi3_window", "smollm3_nope", "granite"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "qwen2_bias", "qwen3", "phi3_window", "smollm3_nope", "granite", "gemma", "gemma3_window"]
+)
 @torch.inference_mode()
 def test_padded_decode_steps_give_each_rows_transformers_logits(monkeypatch, arch: str):
     """Five sequences prefilled, then decode steps of 5, 3 and 1 rows (padded to 8, 4 and 1 rows that write

@@ -160,6 +160,9 @@ def test_fusing_weights_keeps_the_transformers_model_working_without_copies():
         ("granite", {"max_prefill_tokens": 4}, "fast"),  # its multipliers
         ("ministral_window", {"max_prefill_tokens": 4}, "fast"),  # a window on one layer of two
         ("seed_oss_bias", {"max_prefill_tokens": 4}, "fast"),  # biases everywhere
+        ("gemma", {"max_prefill_tokens": 4}, "fast"),  # (1 + w) norms, a scaled embedding, GELU
+        ("gemma3_window", {"max_prefill_tokens": 4}, "fast"),  # sandwich norms, two RoPE tables, soft cap
+        ("gemma3_window", {"fast_path": False}, "generic"),
         ("phi", {"max_prefill_tokens": 4}, "generic"),  # not covered by the fast forward: transformers'
         ("gpt2", {}, "generic"),
         ("qwen2_bias", {"max_prefill_tokens": 4}, "fast"),
@@ -287,9 +290,10 @@ def test_engine_settings_reach_the_runner_and_the_scheduler(tiny_model):
     assert build_engine(tiny_model, Settings()).runner.fast.layers is default.runner.fast.layers
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3_window"])
 @torch.inference_mode()
-def test_bf16_models_run_on_the_fast_path_close_to_transformers():
-    model = build(*ARCHS["llama"]).to(torch.bfloat16)
+def test_bf16_models_run_on_the_fast_path_close_to_transformers(arch: str):
+    model = build(*ARCHS[arch]).to(torch.bfloat16)
     ids = [5, 9, 17, 33, 65, 129, 257, 300]
     reference = model(torch.tensor([ids])).logits[0].float()
     cache = paged_cache(model, 4, 4)
@@ -300,6 +304,24 @@ def test_bf16_models_run_on_the_fast_path_close_to_transformers():
     assert out.dtype == torch.float32 and cache.keys[0].dtype == torch.bfloat16
     assert int(out[0].argmax()) == int(reference[-1].argmax())
     torch.testing.assert_close(out[0], reference[-1], rtol=0.05, atol=0.1)
+
+
+@torch.inference_mode()
+def test_gemmas_norms_and_embeddings_round_as_transformers_do_in_bf16():
+    """Gemma's norms apply ``1 + w`` in float32 before the cast back (Llama's after it), and its embeddings'
+    factor is rounded to the weights' dtype (sqrt(3072) is 55.5 in bf16): bit for bit transformers'."""
+    model = build(*ARCHS["gemma3_window"]).to(torch.bfloat16)
+    model.model.embed_tokens.embed_scale = torch.tensor(3072**0.5)  # Gemma 3 4B's hidden size
+    fast = FastLlama(model, paged_cache(model, 4, 4), 256)
+    layer, fused = model.model.layers[0], fast.layers[0]
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16) * 3
+    assert torch.equal(fast_llama._rms(x, fused.in_norm), layer.input_layernorm(x))
+    assert torch.equal(fast_llama._rms(x, fused.out_norms[1]), layer.post_feedforward_layernorm(x))
+    q = x[:, :32].reshape(5, 1, 32)
+    assert torch.equal(fast_llama._rms(q, (fused.head_norms[0], fused.head_norms[2])), layer.self_attn.q_norm(q))
+    ids = torch.tensor([5, 9, 300])
+    assert fast.multipliers.embedding == 55.5
+    assert torch.equal(torch.nn.functional.embedding(ids, fast.embed) * 55.5, model.model.embed_tokens(ids))
 
 
 @pytest.mark.parametrize("attention", ["compiled", "torch"])

@@ -155,3 +155,5 @@ def test_float_models_and_biased_int4_layers_keep_the_op_by_op_path():
     assert _fast(_int4("smollm3_nope")).packed is None  # a layer without RoPE (the kernels rotate every layer)
     assert _fast(_int4("qwen3")).packed is None  # the heads' norms
     assert _fast(_int4("granite")).packed is None  # its multipliers
+    assert _fast(_int4("gemma")).packed is None  # (1 + w) norms, GELU
+    assert _fast(_int4("gemma3_window")).packed is None  # and the norms of attention's and the MLP's outputs

@@ -15,9 +15,10 @@ An int4 model's steps of a few rows without adapters run their layers through en
 It reuses the loaded transformers model's weights (`llama_layout.fused_layers`: q/k/v and gate/up
 fused, the original modules pointed at their rows; an int4 group mixing int4 and q8 linears as parts
 whose products are concatenated), so memory does not grow and the generic path keeps working. RoPE
-comes from a table built with the model's own rotary module. The math mirrors transformers' Llama
-modules op for op (RMSNorm in fp32, Qwen3's over each query and key head too, rotate-half RoPE, softmax
-attention), so the result differs from the generic path only where a kernel's summation order changes
+comes from tables built with the model's own rotary module (`rope_tables`: one a kind of layer, Gemma 3's
+local and global). The math mirrors transformers' modules op for op (RMSNorm in fp32, Qwen3's and Gemma 3's
+over each query and key head too, Gemma's ``1 + w`` before the cast back; rotate-half RoPE, softmax
+attention; what each architecture adds: engine/model/layout_variants.py), so the result differs from the generic path only where a kernel's summation order changes
 rounding.
 
 Models outside the Llama family: `unsupported_reason` says why and the engine uses the generic
@@ -42,10 +43,10 @@ from lmiserve.engine.lora.batch import LoraGroup, LoraProducts
 from lmiserve.engine.lora.slots import LoraSlots
 from lmiserve.engine.model import fused_norm, q4_decode, skinny_gemm
 from lmiserve.engine.model.cpu_gemm import PAD_ROWS_FROM, VOCAB_PAD_ROWS_FROM, CpuGemm
+from lmiserve.engine.model.layout_variants import OFFSET_NORM_TYPES, Multipliers, norm_of, rope_kinds
 from lmiserve.engine.model.llama_layout import (
     FUSED_TYPES,
     SUPPORTED_TYPES,
-    Multipliers,
     Part,
     as_llama,
     fused_layers,
@@ -53,6 +54,7 @@ from lmiserve.engine.model.llama_layout import (
     unsupported_reason,
 )
 from lmiserve.engine.model.quantize import Int4Linear, Int8Linear, Q8Linear
+from lmiserve.engine.model.rope_tables import RopeTables
 from lmiserve.engine.model.sharding import shard_of
 from lmiserve.engine.model.step_inputs import DecodeReplay, StepInputs
 
@@ -65,11 +67,13 @@ log = logging.getLogger(__name__)
 
 
 def _rms(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
+    """transformers' RMS norm: in float32, the weight applied after the cast back (Llama's), or before it where
+    the weight is float32 (Gemma's ``1 + w``, `layout_variants.norm_of`; alike for a float32 model)."""
     weight, eps = norm
     dtype = x.dtype
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
+    return (h * weight).to(dtype) if weight.dtype == torch.float32 else weight * h.to(dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -111,7 +115,10 @@ class FastLlama:
         self.embed = inner.embed_tokens.weight
         self.layers = fused_layers(model)  # shared by every engine on this model
         self.fused_projections = model.config.model_type in FUSED_TYPES  # q/k/v, gate/up one linear each
-        self.multipliers = Multipliers.of(model.config)  # Granite's scalars (1.0 elsewhere)
+        self.multipliers = Multipliers.of(model)  # Granite's and Gemma's scalars (1.0 elsewhere)
+        self.plain_norms = model.config.model_type not in OFFSET_NORM_TYPES and all(
+            layer.out_norms is None for layer in self.layers
+        )  # Llama's norms (weights in the model's dtype), none of the layers' outputs (Gemma 3's)
         # whether each layer rotates its queries and keys (SmolLM3's `no_rope_layers`: 0 where it does not)
         self.rope_layers = [bool(r) for r in getattr(model.config, "no_rope_layers", None) or [1] * len(self.layers)]
         # Qwen3's norms of each query and key head, as one weight a layer over the q and k heads (None: none)
@@ -124,16 +131,16 @@ class FastLlama:
             )
             for layer in self.layers
         ]
-        self.norm = (inner.norm.weight, inner.norm.variance_epsilon)
+        self.norm = norm_of(inner.norm, model.config.model_type)
         head = llama.lm_head
         self.lm_head = head.weight
         # a quantized output projection: a speculative draft's (quantize.quantize_output_int8), an int4
         # model's q8 (quantize.install_output_q8: blocks of 16 rows, the last one maybe padded)
         self.lm_head_s = head.scales if isinstance(head, (Int8Linear, Int4Linear, Q8Linear)) else None
         self.vocab = outputs_of(head)  # the logits' width
-        self._rotary = inner.rotary_emb
         self._max_context = max_context
-        self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)
+        kinds, self.rope_kind = rope_kinds(model)  # each layer's RoPE table (Gemma 3's local and global)
+        self.rope = RopeTables(inner.rotary_emb, kinds, self.head_dim, self.dtype, self.device, max_context)
         self._gemm = gemm if gemm is not None else CpuGemm.for_model(self.device, self.dtype)
         # the step's attention (engine/attention/backends.py): Triton on CUDA, the compiled kernel on CPU fp32
         self.attention: backends.AttentionBackend = self._scaled(
@@ -149,14 +156,15 @@ class FastLlama:
             dims = (self.heads, self.kv_heads, self.head_dim)
             self.packed = q4_decode.PackedLayers.of(self.layers, dims, self.norm, (self.lm_head, self.lm_head_s))
         # residual adds with RMS norms, and SiLU with its product, in one kernel each (fused_norm.py; CUDA)
-        self.fused_elementwise = fused_norm.wanted(self.device) and self.silu_layers
+        self.fused_elementwise = fused_norm.wanted(self.device) and self.silu_layers and self.plain_norms
         self._warm_gemm()
 
     @property
     def plain_layers(self) -> bool:
         """Whether every layer is a Llama layer as q4_decode's kernels compute it: rotated, without norms of
-        the heads (Qwen3's) or multipliers (Granite's)."""
-        return all(self.rope_layers) and all(n is None for n in self.head_norms) and self.multipliers.plain
+        the heads (Qwen3's), multipliers (Granite's) or Gemma's norms."""
+        heads = all(n is None for n in self.head_norms)
+        return all(self.rope_layers) and heads and self.multipliers.plain and self.plain_norms
 
     @property
     def silu_layers(self) -> bool:
@@ -210,20 +218,6 @@ class FastLlama:
                 log.exception("compiled few-row products unavailable; using BLAS")
                 self._gemm = self._gemm.with_(few_rows=0)
 
-    # ---- RoPE table ------------------------------------------------------------------------------
-    def _rope(self, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
-        have = self._cos.shape[0]
-        if upto > have:
-            new = max(upto, min(max(2 * have, 256), max(self._max_context, upto)))
-            positions = torch.arange(have, new, device=self.device)[None]
-            probe = torch.empty(0, dtype=self.dtype, device=self.device)
-            cos, sin = self._rotary(probe, positions)
-            half = self.head_dim // 2
-            signed = torch.cat((-sin[0][:, :half], sin[0][:, half:]), dim=-1)
-            self._cos = torch.cat([self._cos, cos[0]])
-            self._sin = torch.cat([self._sin, signed])
-        return self._cos, self._sin
-
     # ---- one step ----------------------------------------------------------------------------------
     def forward(self, step: StepInputs) -> torch.Tensor:
         """Logits (float32, ``[len(step.keep), vocab]``) of the step's flattened tokens listed in `keep`.
@@ -254,9 +248,9 @@ class FastLlama:
         pad = self._row_padding(len(ids), PAD_ROWS_FROM)  # token 0 at position 0, attends nothing, dropped
         ids += [0] * pad
         positions += [0] * pad
-        cos_table, sin_table = self._rope(max(positions) + 1)
+        cos_table, sin_table = self.rope.upto(max(positions) + 1)
         token_ids, pos = host_copy.to_device([ids, positions], dev)  # one copy, not waited for
-        cos, sin = cos_table[pos][:, None], sin_table[pos][:, None]  # [T, 1, D]
+        cos, sin = cos_table[pos], sin_table[pos]  # [T, kinds, D]
         tp = self.tp
         x = F.embedding(token_ids, self.embed) if tp is None else tp.embed(token_ids, self.embed)
         x = x if self.multipliers.embedding == 1.0 else x * self.multipliers.embedding
@@ -283,7 +277,7 @@ class FastLlama:
         x = F.embedding(ids, self.embed)
         x = x if self.multipliers.embedding == 1.0 else x * self.multipliers.embedding
         products = lora.products(len(ids)) if lora is not None else None
-        x = self._layers(x, self._cos[positions][:, None], self._sin[positions][:, None], meta, products)
+        x = self._layers(x, self.rope.cos[positions], self.rope.sin[positions], meta, products)
         out.copy_(self._logits(x))
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -293,11 +287,13 @@ class FastLlama:
         if logits is None:
             logits = self._gemm.linear(_rms(x, self.norm), self.lm_head, None, self.lm_head_s)
         logits = logits if self.multipliers.logits == 1.0 else logits / self.multipliers.logits
+        cap = self.multipliers.softcap
+        logits = logits if cap is None else torch.tanh(logits / cap) * cap  # (Gemma 3's, in the model's dtype)
         return logits if logits.shape[-1] == self.vocab else logits[..., : self.vocab]
 
     def rope_upto(self, positions: int) -> None:
         """Build the RoPE table for positions ``0..positions-1`` now (a captured graph reads it in place)."""
-        self._rope(positions)
+        self.rope.upto(positions)
 
     def _layers(
         self,
@@ -307,7 +303,8 @@ class FastLlama:
         meta: Any,
         lora: LoraProducts | None,
     ) -> torch.Tensor:
-        """The decoder layers over the step's hidden states ``x`` (``[T, hidden]``; RoPE rows `cos`/`sin`)."""
+        """The decoder layers over the step's hidden states ``x`` (``[T, hidden]``; RoPE rows `cos`/`sin`,
+        ``[T, kinds, head_dim]``: `rope_tables`)."""
         packed = self.packed
         if packed is not None and lora is None and x.shape[0] <= q4_decode.MAX_ROWS:
             return packed.run(x, cos, sin, meta, self.attention)
@@ -322,13 +319,14 @@ class FastLlama:
             qkv = _product(gemm, h, layer.qkv).contiguous()
             if lora is not None:
                 lora.apply(f"{index}.qkv", h, qkv)
-            head_norm, rope = self.head_norms[index], self.rope_layers[index]
+            head_norm, rope, kind = self.head_norms[index], self.rope_layers[index], self.rope_kind[index]
+            c, s = (cos, sin) if cos.shape[1] == 1 else (cos[:, kind : kind + 1], sin[:, kind : kind + 1])
             if fused and head_norm is None and rope:
-                qk = fused_norm.rope(qkv, cos, sin, self.heads + self.kv_heads, self.head_dim)
+                qk = fused_norm.rope(qkv, c, s, self.heads + self.kv_heads, self.head_dim)
             else:
                 qk = qkv[:, : q_size + kv_size].view(-1, self.heads + self.kv_heads, self.head_dim)
                 qk = qk if head_norm is None else _rms(qk, head_norm)
-                qk = _rotate(qk, cos, sin) if rope else qk
+                qk = _rotate(qk, c, s) if rope else qk
             q, k = qk[:, : self.heads], qk[:, self.heads :]
             v = qkv[:, q_size + kv_size :].view(-1, self.kv_heads, self.head_dim)
             attn = self.attention.forward(index, q, k, v, meta)
@@ -338,6 +336,7 @@ class FastLlama:
             if tp is not None:
                 o = tp.all_reduce(o)
             o = o if residual_factor == 1.0 else o * residual_factor
+            o = o if layer.out_norms is None else _rms(o, layer.out_norms[0])
             if fused:
                 x, h = fused_norm.add_rms_norm(x, o, *layer.post_norm)
             else:
@@ -354,6 +353,7 @@ class FastLlama:
             if tp is not None:
                 down = tp.all_reduce(down)
             down = down if residual_factor == 1.0 else down * residual_factor
+            down = down if layer.out_norms is None else _rms(down, layer.out_norms[1])
             if fused:
                 residual = down
             else:

@@ -2,12 +2,13 @@
 model has it (`unsupported_reason`), and its layers' weights fused for one product per step.
 
 Covers llama, mistral, ministral (windows on some layers), qwen2 (biases), seed_oss (biases, o's and the MLP's
-too), qwen3 (an RMS norm over each query and key head before RoPE,
-`FusedLayer.head_norms`), phi3 (q/k/v and gate/up one linear each already: `qkv_proj`, `gate_up_proj`;
-its rotary embedding over the whole head), smollm3 (no rotary embedding in some layers: `no_rope_layers`) and
-granite (four scalars: `Multipliers`), with the RoPE types whose table does not depend on the sequence
-length; a sliding window (Mistral's ``sliding_window``, Qwen2's ``use_sliding_window`` from
-``max_window_layers`` on) only over the paged KV cache, whose attention applies it
+too), and what engine/model/layout_variants.py reads of the others: qwen3's and gemma3_text's norms of each
+query and key head (`FusedLayer.head_norms`), phi3's fused linears (`qkv_proj`, `gate_up_proj`), smollm3's
+layers without RoPE, granite's and Gemma's scalars, Gemma's ``1 + w`` norms and Gemma 3's norms of attention's
+and the MLP's outputs (`FusedLayer.out_norms`) and RoPE tables by kind of layer; with the RoPE types whose
+table does not depend on the sequence length; a sliding window (Mistral's ``sliding_window``, Qwen2's
+``use_sliding_window`` from ``max_window_layers`` on, Gemma 3's sliding layers) only over the paged KV
+cache, whose attention applies it
 (engine/attention/windows.py). Layer linears may be float, weight-only int8 (`quantize.Int8Linear`,
 ``dtype=int8``: the fused matrices hold int8 rows and one scale per row), or at ``dtype=int4`` any mix of
 int4 (`quantize.Int4Linear`: blocks of 16 rows of codes and of scales and minimums, `group_kernels`) and
@@ -19,7 +20,6 @@ fused), whose products the forward concatenates; no weight is re-quantized.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
@@ -28,16 +28,17 @@ import torch
 
 from lmiserve.engine.attention.paged import AttentionShape
 from lmiserve.engine.attention.windows import unsupported_kinds
+from lmiserve.engine.model import layout_variants
 from lmiserve.engine.model.int4_triton import Int4Scales, Int4TritonLinear
+from lmiserve.engine.model.layout_variants import FUSED_TYPES as FUSED_TYPES
+from lmiserve.engine.model.layout_variants import SUPPORTED_TYPES as SUPPORTED_TYPES
+from lmiserve.engine.model.layout_variants import norm_of, projections, sandwich
 from lmiserve.engine.model.quant_formats import Fp8Linear
 from lmiserve.engine.model.quantize import INT4_ROW_BLOCK, Int4Linear, Int8Linear, Q8Linear
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-SUPPORTED_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "seed_oss")
-FUSED_TYPES = ("phi3",)  # q/k/v and gate/up one linear each in the model already (`projections`)
-_STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 # the quantized linears the layout takes (tensor parallelism refuses them: sharding.py); Fp8Linear: fp8 rows,
 # fused as int8's; Int4TritonLinear: AWQ/GPTQ codes on CUDA, fused by `_fuse_int4`
 QUANTIZED_LINEARS = (Int8Linear, Int4Linear, Q8Linear, Fp8Linear, Int4TritonLinear)
@@ -107,26 +108,22 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
     if kinds is not None:
         return kinds
     inner = getattr(model, "model", None)
-    rope = getattr(inner, "rotary_emb", None)
-    if rope is None or getattr(rope, "rope_type", "default") not in _STATIC_ROPE:
-        return f"RoPE type {getattr(rope, 'rope_type', None)!r}"
+    if getattr(inner, "rotary_emb", None) is None:
+        return "no rotary embedding module"
+    reason = layout_variants.rope_reason(model)
+    if reason is not None:
+        return reason
+    if getattr(cfg, "use_bidirectional_attention", False):
+        return "bidirectional attention"
     if getattr(model, "lm_head", None) is None or getattr(model.lm_head, "bias", None) is not None:
         return "no plain lm_head"
-    rope_parameters = getattr(cfg, "rope_parameters", None)
-    partial = getattr(cfg, "partial_rotary_factor", None) or (
-        rope_parameters.get("partial_rotary_factor") if isinstance(rope_parameters, dict) else None
-    )
-    if partial not in (None, 1, 1.0):
-        return f"a rotary embedding over part of each head ({partial})"
     attn_names, mlp_names = projections(cfg.model_type)
     head_dim = AttentionShape.of(cfg).head_dim
     for layer in getattr(inner, "layers", []):
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        norms = [getattr(attn, name, None) for name in ("q_norm", "k_norm")]
-        if (cfg.model_type == "qwen3" or any(norms)) and not (
-            all(_is_head_norm(n, head_dim) for n in norms) and len({n.variance_epsilon for n in norms if n}) == 1
-        ):
-            return "the query and key heads' norms are not RMS norms of one head's width and one epsilon"
+        reason = layout_variants.layer_norms_reason(layer, cfg.model_type, head_dim)
+        if reason is not None:
+            return reason
         names = [(attn, n) for n in attn_names] + [(mlp, n) for n in mlp_names]
         for owner, name in names:
             module = getattr(owner, name, None)
@@ -148,42 +145,6 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
             if len({type(m) for m in modules}) > 1 and not grouped:
                 return f"{'/'.join(group)} are not all of one kind (float, int8, or int4 and q8)"
     return None
-
-
-class Multipliers(NamedTuple):
-    """Granite's scalars (the others' are these defaults): the embeddings' factor, the residual branches'
-    (attention's and the MLP's outputs, before each is added), the logits' divisor and attention's scale
-    (None: one over the square root of a head's width)."""
-
-    embedding: float = 1.0
-    residual: float = 1.0
-    logits: float = 1.0
-    attention: float | None = None
-
-    @classmethod
-    def of(cls, config: object) -> Multipliers:
-        get = functools.partial(getattr, config)
-        return cls(get("embedding_multiplier", 1.0), get("residual_multiplier", 1.0), get("logits_scaling", 1.0),
-                   get("attention_multiplier", None))  # fmt: skip
-
-    @property
-    def plain(self) -> bool:
-        return self == Multipliers()
-
-
-def projections(model_type: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The names of a layer's linears, attention's then the MLP's (each group's, then o's and down's):
-    q/k/v and gate/up apart, or (`FUSED_TYPES`) one linear each."""
-    if model_type in FUSED_TYPES:
-        return ("qkv_proj", "o_proj"), ("gate_up_proj", "down_proj")
-    return ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
-
-
-def _is_head_norm(norm: object, head_dim: int) -> bool:
-    """Whether `norm` is an RMS norm of one attention head's width (Qwen3's q_norm and k_norm)."""
-    weight = getattr(norm, "weight", None)
-    eps = getattr(norm, "variance_epsilon", None)
-    return isinstance(weight, torch.Tensor) and tuple(weight.shape) == (head_dim,) and isinstance(eps, float)
 
 
 def _q8_group(module: Q8Linear) -> int:
@@ -229,15 +190,22 @@ class FusedLayer:
         self.o_w, self.o_b, self.o_s = _fuse([getattr(attn, o)])
         self.down_w, self.down_b, self.down_s = _fuse([getattr(mlp, down)])
         self.act = mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn  # type: ignore[attr-defined]
-        self.in_norm = (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
-        self.post_norm = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
+        self.in_norm = norm_of(layer.input_layernorm, model_type)
+        self.post_norm = norm_of(layer.post_attention_layernorm, model_type)  # before the MLP
+        # Gemma 3's norms of attention's and of the MLP's outputs (`layout_variants.sandwich`), or None
+        self.out_norms: tuple[tuple[torch.Tensor, float], tuple[torch.Tensor, float]] | None = None
+        if sandwich(layer):
+            pre_mlp, after_mlp = layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm  # type: ignore[attr-defined]
+            self.out_norms = (self.post_norm, norm_of(after_mlp, model_type))
+            self.post_norm = norm_of(pre_mlp, model_type)
         self.intermediate = sum(part.outputs for part in self.gate_up) // 2  # gate's (and up's) outputs
         self.hidden = outputs_of(getattr(attn, o))  # o's and down's outputs
-        # Qwen3's RMS norms of each query head and of each key head (weights of one head's width), or None
+        # Qwen3's and Gemma 3's RMS norms of each query head and of each key head (one head's width), or None
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         self.head_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None
         if q_norm is not None and k_norm is not None:
-            self.head_norms = (q_norm.weight, k_norm.weight, q_norm.variance_epsilon)
+            (q_w, eps), (k_w, _) = norm_of(q_norm, model_type), norm_of(k_norm, model_type)
+            self.head_norms = (q_w, k_w, eps)
 
     @property
     def fused(self) -> bool:
