@@ -11,10 +11,11 @@ value in fp32, what `gguf.quants.dequantize` makes of it (and so the converted m
 - Q5_1, Q5_K: `Q8Form` with a `min` (codes 0..31, `w = code * scale + min`, groups of 32).
 
 Other tensors (F32/F16/BF16 norms and weights, Q2_K, Q3_K, IQ*, ...) are left out: their parameters
-keep the converted fp32 weights. Only architectures whose tensor names and layout are known here
-(llama, qwen2: the engine's fast path) are read; for llama, the rows of attn_q/attn_k are
-un-permuted as transformers' GGUF loader does (quantization groups run along the inputs, so
-permuting output rows keeps every group whole).
+keep the converted fp32 weights. Only architectures whose linears' names and layout are known here
+are read: llama, qwen2, qwen3 and gemma3 (text), whose linears transformers' GGUF loader names alike
+(its gemma3 processor only subtracts 1 from the norms, which are not read here). For llama, the rows
+of attn_q/attn_k are un-permuted as that loader does (quantization groups run along the inputs, so
+permuting output rows keeps every group whole); the others' rows are the file's.
 
 The file is read by `gguf_file` (its header and tensor table, in milliseconds); a form is decoded from
 the memory-mapped blocks when it is looked up (`QuantForms`), so a loader holds one at a time.
@@ -205,7 +206,9 @@ def decode_blocks(data: np.ndarray, qtype: str) -> QuantForm | None:
 
 # ---- names and layout ----------------------------------------------------------------------------------
 
-_ARCHITECTURES = ("llama", "qwen2")  # GGUF general.architecture values read (transformers: llama, mistral, qwen2)
+# GGUF general.architecture values read (transformers: llama, mistral, qwen2, qwen3, gemma3_text): their
+# linears' names are `_LAYER_NAMES`' and only llama's rows are permuted (`_rope_heads`)
+_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -219,8 +222,9 @@ _LAYER_NAMES = {
 
 
 def hf_name(gguf_name: str) -> str | None:
-    """The transformers parameter of a llama/qwen2 GGUF weight (`blk.3.attn_q.weight` ->
-    `model.layers.3.self_attn.q_proj.weight`); None for norms, biases and unknown tensors."""
+    """The transformers parameter of a llama/qwen2/qwen3/gemma3 GGUF weight (`blk.3.attn_q.weight` ->
+    `model.layers.3.self_attn.q_proj.weight`); None for norms (qwen3's and gemma3's q/k norms
+    included), biases and unknown tensors."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".")

@@ -1,9 +1,10 @@
 """Tiny GGUF files with quantized weights of every type gguf_codes reads, and their conversion.
 
-`write_gguf` makes a one-layer llama or qwen2 file; `transformers_weights` is what transformers' GGUF
-loader reads from it (the reference the codes are checked against); `write_converted_dir` lays it out
-as `bundled.convert_gguf` would (config, fp32 safetensors, a tokenizer, the source record) without
-needing a tokenizer in the file.
+`write_gguf` makes a one-layer llama, qwen2, qwen3 or gemma3 file (the same linears in each; qwen3's
+and gemma3's per-head q/k norms and gemma3's extra norms besides); `transformers_weights` is what
+transformers' GGUF loader reads from it (the reference the codes are checked against);
+`write_converted_dir` lays it out as `bundled.convert_gguf` would (config, fp32 safetensors, a
+tokenizer, the source record) without needing a tokenizer in the file.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ LAYER_TYPES = {  # one layer using every type; Q4_K_M files mix Q4_K, Q6_K (and 
     "ffn_up": ("Q5_K", FFN, HIDDEN),
     "ffn_down": ("Q5_1", HIDDEN, FFN),
 }
+# qwen3's head width is transformers' Qwen3Config default (its GGUF loader does not read key_length): 2
+# heads of 128 (1 kv head) give the same q/k/v shapes as the others' 4 heads of 64 (2 kv heads)
+QWEN3_HEADS, QWEN3_KV_HEADS, QWEN3_HEAD_DIM = 2, 1, 128
+GEMMA3_SLIDING_WINDOW = 32
 
 
 def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -53,15 +58,25 @@ def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray
 def write_gguf(path: Path, arch: str, *, output: str | None = None, extra: bool = False) -> Path:
     """A one-layer model of `arch` with quantized weights of every type (`output`: the type of an untied
     output.weight; None: tied to the Q8_0 token_embd). `extra`: also string, nested and numeric arrays
-    (a tokenizer's kind of keys) and an alignment of 64."""
+    (a tokenizer's kind of keys) and an alignment of 64. qwen3 and gemma3 files also get their per-head
+    attn_q_norm / attn_k_norm and head width (key_length, value_length); gemma3's also its
+    post_attention_norm / post_ffw_norm and sliding window (llama and qwen2 files: none of these)."""
+    heads, kv_heads = (QWEN3_HEADS, QWEN3_KV_HEADS) if arch == "qwen3" else (HEADS, KV_HEADS)
+    head_dim = HIDDEN // heads
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(1)
     writer.add_context_length(128)
     writer.add_embedding_length(HIDDEN)
     writer.add_feed_forward_length(FFN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(1e-5)
+    if arch in ("qwen3", "gemma3"):
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if arch == "gemma3":
+        writer.add_sliding_window(GEMMA3_SLIDING_WINDOW)
+        writer.add_rope_freq_base(1_000_000.0)
     writer.add_vocab_size(VOCAB)
     if extra:
         writer.add_custom_alignment(64)
@@ -80,6 +95,12 @@ def write_gguf(path: Path, arch: str, *, output: str | None = None, extra: bool 
         writer.add_tensor(f"blk.0.{name}.weight", blocks, raw_dtype=GGMLQuantizationType[qtype])
     for norm in ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight"):
         writer.add_tensor(norm, np.ones(HIDDEN, dtype=np.float32))
+    if arch in ("qwen3", "gemma3"):
+        for norm in ("blk.0.attn_q_norm.weight", "blk.0.attn_k_norm.weight"):
+            writer.add_tensor(norm, np.ones(head_dim, dtype=np.float32))
+    if arch == "gemma3":
+        for norm in ("blk.0.post_attention_norm.weight", "blk.0.post_ffw_norm.weight"):
+            writer.add_tensor(norm, np.ones(HIDDEN, dtype=np.float32))
     if output is not None:
         writer.add_tensor(
             "output.weight", random_blocks(output, VOCAB, HIDDEN, seed=9), raw_dtype=GGMLQuantizationType[output]
@@ -105,7 +126,8 @@ def transformers_model(path: Path, *, empty: bool = True):  # -> transformers.Pr
 
 
 def transformers_weights(path: Path) -> dict[str, torch.Tensor]:
-    """The fp32 weights transformers' GGUF loader reads from `path` (renamed, llama's q/k un-permuted)."""
+    """The fp32 weights transformers' GGUF loader reads from `path` (renamed, llama's q/k un-permuted,
+    gemma3's norms less 1)."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     return load_gguf_checkpoint(path, return_tensors=True, model_to_load=transformers_model(path))["tensors"]

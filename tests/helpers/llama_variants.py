@@ -7,6 +7,8 @@ import asyncio
 
 import torch
 from transformers import (
+    Exaone4Config,
+    Exaone4ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     GemmaConfig,
@@ -21,6 +23,10 @@ from transformers import (
     MinistralForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
+    Olmo3Config,
+    Olmo3ForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     PhiConfig,
@@ -105,6 +111,20 @@ ARCHS = {
             },
         },
     ),
+    # OLMo 2: norms of attention's and the MLP's outputs alone; of the whole q and k projections (not each head)
+    "olmo2": (Olmo2Config, Olmo2ForCausalLM, {}),
+    # OLMo 3: OLMo 2's with a window on some layers (and a RoPE table by kind of layer)
+    "olmo3_window": (
+        Olmo3Config,
+        Olmo3ForCausalLM,
+        {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
+    # EXAONE 4: OLMo 2's norms of the outputs, norms of each head, no RoPE on its full layers beside sliding ones
+    "exaone4_window": (
+        Exaone4Config,
+        Exaone4ForCausalLM,
+        {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"], "head_dim": 32},
+    ),
 }
 PROMPTS = [
     "The quick brown fox",
@@ -118,12 +138,14 @@ PROMPTS = [
 def build(config_cls, model_cls, extra: dict, seed: int = 7):
     torch.manual_seed(seed)
     model = model_cls(config_cls(**COMMON, **extra)).eval()
-    gemma = model.config.model_type.startswith("gemma")
+    kind = model.config.model_type
     with torch.no_grad():  # the heads' norms (Qwen3's) start at ones, biases and Gemma's norms at zeros: values
         for name, weight in model.named_parameters():
-            if gemma and name.endswith("norm.weight"):  # (scaling by 1 + w)
+            if kind.startswith("gemma") and name.endswith("norm.weight"):  # (scaling by 1 + w)
                 weight.uniform_(-0.5, 0.5)
-            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+            elif name.endswith(("q_norm.weight", "k_norm.weight")) or (
+                kind in ("olmo2", "olmo3", "exaone4") and name.endswith("norm.weight")  # (the outputs' norms)
+            ):
                 weight.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 weight.uniform_(-0.5, 0.5)

@@ -48,6 +48,7 @@ def test_every_step_runs_to_its_end(rehearsal):
         "lora decode paths 1b",
         "decode paths qwen3 0.6b",
         "decode paths phi3 mini",
+        "decode paths gemma3 1b",
         "tensor parallel tiny",
         "tensor parallel 1b",
         "executor cpu 1b",

@@ -55,8 +55,12 @@ def _fast(monkeypatch, arch: str = "llama"):
 
 
 @pytest.mark.parametrize(
-    "arch", ["llama", "qwen2_bias", "qwen3", "phi3_window", "smollm3_nope", "granite", "gemma", "gemma3_window"]
-)
+    "arch",
+    [
+        "llama", "qwen2_bias", "qwen3", "phi3_window", "smollm3_nope", "granite", "gemma", "gemma3_window", "olmo2",
+        "olmo3_window", "exaone4_window",
+    ],
+)  # fmt: skip
 @torch.inference_mode()
 def test_padded_decode_steps_give_each_rows_transformers_logits(monkeypatch, arch: str):
     """Five sequences prefilled, then decode steps of 5, 3 and 1 rows (padded to 8, 4 and 1 rows that write

@@ -163,6 +163,9 @@ def test_fusing_weights_keeps_the_transformers_model_working_without_copies():
         ("gemma", {"max_prefill_tokens": 4}, "fast"),  # (1 + w) norms, a scaled embedding, GELU
         ("gemma3_window", {"max_prefill_tokens": 4}, "fast"),  # sandwich norms, two RoPE tables, soft cap
         ("gemma3_window", {"fast_path": False}, "generic"),
+        ("olmo2", {"max_prefill_tokens": 4}, "fast"),  # norms of the outputs alone, of the whole q and k
+        ("olmo3_window", {"max_prefill_tokens": 4}, "fast"),
+        ("exaone4_window", {"max_prefill_tokens": 4}, "fast"),  # no RoPE on the full layer
         ("phi", {"max_prefill_tokens": 4}, "generic"),  # not covered by the fast forward: transformers'
         ("gpt2", {}, "generic"),
         ("qwen2_bias", {"max_prefill_tokens": 4}, "fast"),
@@ -290,7 +293,7 @@ def test_engine_settings_reach_the_runner_and_the_scheduler(tiny_model):
     assert build_engine(tiny_model, Settings()).runner.fast.layers is default.runner.fast.layers
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3_window"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3_window", "olmo2"])
 @torch.inference_mode()
 def test_bf16_models_run_on_the_fast_path_close_to_transformers(arch: str):
     model = build(*ARCHS[arch]).to(torch.bfloat16)
@@ -322,6 +325,19 @@ def test_gemmas_norms_and_embeddings_round_as_transformers_do_in_bf16():
     ids = torch.tensor([5, 9, 300])
     assert fast.multipliers.embedding == 55.5
     assert torch.equal(torch.nn.functional.embedding(ids, fast.embed) * 55.5, model.model.embed_tokens(ids))
+
+
+@torch.inference_mode()
+def test_olmo2s_norms_round_as_transformers_do_in_bf16():
+    """OLMo 2's norms apply their weight before the cast back, over the whole q and k projections too."""
+    model = build(*ARCHS["olmo2"]).to(torch.bfloat16)
+    fast = FastLlama(model, paged_cache(model, 4, 4), 256)
+    layer, fused = model.model.layers[1], fast.layers[1]
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16) * 3
+    assert fused.in_norm is None and fused.post_norm is None
+    assert torch.equal(fast_llama._rms(x, fused.out_norms[0]), layer.post_attention_layernorm(x))
+    assert torch.equal(fast_llama._rms(x, fused.proj_norms[0]), layer.self_attn.q_norm(x))
+    assert torch.equal(fast_llama._rms(x[:, :32], fused.proj_norms[1]), layer.self_attn.k_norm(x[:, :32]))
 
 
 @pytest.mark.parametrize("attention", ["compiled", "torch"])

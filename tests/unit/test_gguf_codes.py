@@ -100,14 +100,16 @@ def test_names() -> None:
     assert hf_name("blk.12.ffn_down.weight") == "model.layers.12.mlp.down_proj.weight"
     assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
     assert hf_name("output.weight") == "lm_head.weight"
-    for other in ("blk.0.attn_norm.weight", "blk.0.attn_q.bias", "output_norm.weight", "rope_freqs.weight"):
+    others = ("blk.0.attn_norm.weight", "blk.0.attn_q.bias", "output_norm.weight", "rope_freqs.weight")
+    qwen3_gemma3_norms = ("blk.0.attn_q_norm.weight", "blk.0.attn_k_norm.weight", "blk.0.post_ffw_norm.weight")
+    for other in others + qwen3_gemma3_norms:
         assert hf_name(other) is None
 
 
 # ---- whole files, against what transformers' GGUF loader makes of them ---------------------------------
 
 
-@pytest.mark.parametrize(("arch", "output"), [("llama", None), ("qwen2", "Q6_K")])
+@pytest.mark.parametrize(("arch", "output"), [("llama", None), ("qwen2", "Q6_K"), ("qwen3", None), ("gemma3", None)])
 def test_file_forms_equal_what_transformers_loads(tmp_path: Path, arch: str, output: str | None) -> None:
     path = write_gguf(tmp_path / f"{arch}.gguf", arch, output=output)
     forms = read_quant_forms(path)
@@ -124,7 +126,7 @@ def test_file_forms_equal_what_transformers_loads(tmp_path: Path, arch: str, out
         assert forms["lm_head.weight"].qtype == output
     q_rows = forms["model.layers.0.self_attn.q_proj.weight"].codes
     raw = decode_blocks(random_blocks("Q4_K", HIDDEN, HIDDEN, seed=2), "Q4_K")
-    assert raw is not None and torch.equal(q_rows, raw.codes) == (arch == "qwen2")  # llama's rows are un-permuted
+    assert raw is not None and torch.equal(q_rows, raw.codes) == (arch != "llama")  # only llama's are un-permuted
 
 
 def test_other_architectures_are_not_read(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -43,7 +43,9 @@ def both_ways(tmp_path: Path, arch: str, output: str | None, monkeypatch: pytest
     return skeleton, full, read
 
 
-@pytest.mark.parametrize(("arch", "output"), [("llama", None), ("qwen2", "Q6_K"), ("llama", "Q4_K")])
+@pytest.mark.parametrize(
+    ("arch", "output"), [("llama", None), ("qwen2", "Q6_K"), ("llama", "Q4_K"), ("qwen3", None), ("gemma3", "Q4_K")]
+)
 def test_codes_without_fp32_linears_equal_the_full_load(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str, output: str | None
 ) -> None:
@@ -84,10 +86,10 @@ def test_without_every_tensor_it_loads_the_fp32_weights(tmp_path: Path) -> None:
     assert int4_load.load_int4_from_codes(tmp_path) is None  # not a converted GGUF
 
 
-def mixed_model(tmp_path: Path, q8_mlp: bool):
-    """The llama file at int4: q/k int4 and v q8 (Q6_K, groups of 16), o q8 (Q5_0), the MLP int4; with
+def mixed_model(tmp_path: Path, q8_mlp: bool, arch: str = "llama"):
+    """The `arch` file at int4: q/k int4 and v q8 (Q6_K, groups of 16), o q8 (Q5_0), the MLP int4; with
     `q8_mlp` up q8 (groups of 16) and down q8 (groups of 32) too, of the same weights."""
-    loaded = load_causal_lm(write_converted_dir(write_gguf(tmp_path / "m.gguf", "llama"), tmp_path / "c"), dtype="int4")
+    loaded = load_causal_lm(write_converted_dir(write_gguf(tmp_path / "m.gguf", arch), tmp_path / "c"), dtype="int4")
     attn, mlp = loaded.model.model.layers[0].self_attn, loaded.model.model.layers[0].mlp
     assert [type(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)] == [Int4Linear] * 2 + [Q8Linear] * 2
     if q8_mlp:
@@ -96,12 +98,16 @@ def mixed_model(tmp_path: Path, q8_mlp: bool):
     return loaded
 
 
-@pytest.mark.parametrize("q8_mlp", [False, True], ids=["q4_k_m", "q8-mlp"])
+@pytest.mark.parametrize(
+    ("arch", "q8_mlp"),
+    [("llama", False), ("llama", True), ("qwen3", False), ("gemma3", False)],
+    ids=["q4_k_m", "q8-mlp", "qwen3-q4_k_m", "gemma3-q4_k_m"],
+)
 @torch.inference_mode()
 def test_a_model_mixing_int4_and_q8_linears_gives_transformers_logits_on_the_fast_path(
-    tmp_path: Path, q8_mlp: bool
+    tmp_path: Path, arch: str, q8_mlp: bool
 ) -> None:
-    model = mixed_model(tmp_path, q8_mlp).model
+    model = mixed_model(tmp_path, q8_mlp, arch).model
     assert fast_reason(model, fast_path=True) is None
     seq = [1, 5, 9, 17, 33, VOCAB - 1, 40, 7, 3]
     reference = model(torch.tensor([seq])).logits[0]  # transformers' forward (the generic path's)

@@ -68,7 +68,7 @@ MODELS = {
         Qwen2ForCausalLM,
         {"num_hidden_layers": 3, "use_sliding_window": True, "max_window_layers": 1},
     ),
-    # sliding layers beside a full one (transformers' generic forward: the paged generic runner)
+    # sliding layers beside a full one (each kind of layer with its own RoPE table)
     "gemma3": (
         Gemma3TextConfig,
         Gemma3ForCausalLM,
@@ -195,7 +195,7 @@ def test_greedy_tokens_equal_generates_alone_and_in_a_batch(windowed, config: st
     results, engine = asyncio.run(_serve(loaded, EngineConfig(**FAST_CONFIGS[config]), prompts))
     for prompt, (tokens, _) in zip(prompts, results, strict=True):
         assert tokens == _reference(loaded, prompt), (name, config, len(prompt))
-    assert type(engine.runner) is (PagedGenericRunner if name == "gemma3" else PagedFastRunner)
+    assert type(engine.runner) is PagedFastRunner
     if config == "ngram_drafts":
         info = engine.snapshot().speculation
         assert info is not None and info["num_drafts"] > 0, info

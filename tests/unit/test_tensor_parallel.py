@@ -93,16 +93,21 @@ def test_no_kv_heads_in_the_config_means_one_per_head():
 # ---- unsplittable_reason -----------------------------------------------------------------------------------
 
 
+UNSPLIT = (
+    "tensor parallelism runs the fast path's Llama-family models with q/k/v and gate/up apart and norms of each "
+    "head at most (llama, mistral, ministral, qwen2, qwen3, smollm3, granite, seed_oss, gemma, gemma3_text, exaone4)"
+)
+
+
 @pytest.mark.parametrize(
     ("overrides", "world", "reason"),
     [
         ({}, 2, None),
         ({}, 4, None),  # 2 KV heads replicated over 4 ranks
         ({"num_key_value_heads": 1}, 4, None),
-        ({"model_type": "gpt2"}, 2, "tensor parallelism runs the fast path's Llama-family models with q/k/v and "
-                                    "gate/up apart (llama, mistral, ministral, qwen2, qwen3, smollm3, granite, seed_oss); this model is 'gpt2'"),
-        ({"model_type": "phi3"}, 2, "tensor parallelism runs the fast path's Llama-family models with q/k/v and "
-                                    "gate/up apart (llama, mistral, ministral, qwen2, qwen3, smollm3, granite, seed_oss); this model is 'phi3'"),
+        ({"model_type": "gpt2"}, 2, f"{UNSPLIT}; this model is 'gpt2'"),
+        ({"model_type": "phi3"}, 2, f"{UNSPLIT}; this model is 'phi3'"),
+        ({"model_type": "olmo2"}, 2, f"{UNSPLIT}; this model is 'olmo2'"),  # its norms of the whole q and k
         ({}, 3, "tensor_parallel_degree=3 does not divide the model's 4 attention heads"),
         ({"num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576, "intermediate_size": 1536}, 2,
          "tensor_parallel_degree=2 does not divide the model's 9 attention heads"),

@@ -17,9 +17,9 @@ fused, the original modules pointed at their rows; an int4 group mixing int4 and
 whose products are concatenated), so memory does not grow and the generic path keeps working. RoPE
 comes from tables built with the model's own rotary module (`rope_tables`: one a kind of layer, Gemma 3's
 local and global). The math mirrors transformers' modules op for op (RMSNorm in fp32, Qwen3's and Gemma 3's
-over each query and key head too, Gemma's ``1 + w`` before the cast back; rotate-half RoPE, softmax
-attention; what each architecture adds: engine/model/layout_variants.py), so the result differs from the generic path only where a kernel's summation order changes
-rounding.
+over each query and key head too, OLMo 2's over the whole q and k projections, Gemma's ``1 + w`` before the
+cast back; rotate-half RoPE, softmax attention; what each architecture adds: engine/model/layout_variants.py),
+so the result differs from the generic path only where a kernel's summation order changes rounding.
 
 Models outside the Llama family: `unsupported_reason` says why and the engine uses the generic
 transformers path. Device-agnostic; tested on CPU only.
@@ -43,7 +43,14 @@ from lmiserve.engine.lora.batch import LoraGroup, LoraProducts
 from lmiserve.engine.lora.slots import LoraSlots
 from lmiserve.engine.model import fused_norm, q4_decode, skinny_gemm
 from lmiserve.engine.model.cpu_gemm import PAD_ROWS_FROM, VOCAB_PAD_ROWS_FROM, CpuGemm
-from lmiserve.engine.model.layout_variants import OFFSET_NORM_TYPES, Multipliers, norm_of, rope_kinds
+from lmiserve.engine.model.layout_variants import (
+    OFFSET_NORM_TYPES,
+    Multipliers,
+    lora_groups,
+    norm_of,
+    rope_kinds,
+    rope_layers,
+)
 from lmiserve.engine.model.llama_layout import (
     FUSED_TYPES,
     SUPPORTED_TYPES,
@@ -116,11 +123,12 @@ class FastLlama:
         self.layers = fused_layers(model)  # shared by every engine on this model
         self.fused_projections = model.config.model_type in FUSED_TYPES  # q/k/v, gate/up one linear each
         self.multipliers = Multipliers.of(model)  # Granite's and Gemma's scalars (1.0 elsewhere)
+        # Llama's norms: before attention and before the MLP alone, applying w after the cast (not Gemma's 1 + w)
         self.plain_norms = model.config.model_type not in OFFSET_NORM_TYPES and all(
-            layer.out_norms is None for layer in self.layers
-        )  # Llama's norms (weights in the model's dtype), none of the layers' outputs (Gemma 3's)
-        # whether each layer rotates its queries and keys (SmolLM3's `no_rope_layers`: 0 where it does not)
-        self.rope_layers = [bool(r) for r in getattr(model.config, "no_rope_layers", None) or [1] * len(self.layers)]
+            layer.in_norm is not None and layer.out_norms is None for layer in self.layers
+        )
+        # whether each layer rotates its queries and keys (not SmolLM3's `no_rope_layers`, EXAONE 4's full layers)
+        self.rope_layers = rope_layers(model.config)
         # Qwen3's norms of each query and key head, as one weight a layer over the q and k heads (None: none)
         self.head_norms = [
             None
@@ -312,13 +320,17 @@ class FastLlama:
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         residual: torch.Tensor | None = None  # fused: the last layer's output, added with the next norm
         for index, layer in enumerate(self.layers):
-            if fused:
-                x, h = fused_norm.add_rms_norm(x, residual, *layer.in_norm)
+            pre, post = layer.in_norm, layer.post_norm  # None: OLMo 2's layers (norms of the outputs alone)
+            if fused and pre is not None:
+                x, h = fused_norm.add_rms_norm(x, residual, *pre)
             else:
-                h = _rms(x, layer.in_norm)
+                h = x if pre is None else _rms(x, pre)
             qkv = _product(gemm, h, layer.qkv).contiguous()
             if lora is not None:
                 lora.apply(f"{index}.qkv", h, qkv)
+            if layer.proj_norms is not None:  # OLMo 2's: of the whole q and k projections
+                (q_norm, k_norm), v_at = layer.proj_norms, q_size + kv_size
+                qkv = torch.cat([_rms(qkv[:, :q_size], q_norm), _rms(qkv[:, q_size:v_at], k_norm), qkv[:, v_at:]], -1)
             head_norm, rope, kind = self.head_norms[index], self.rope_layers[index], self.rope_kind[index]
             c, s = (cos, sin) if cos.shape[1] == 1 else (cos[:, kind : kind + 1], sin[:, kind : kind + 1])
             if fused and head_norm is None and rope:
@@ -337,11 +349,11 @@ class FastLlama:
                 o = tp.all_reduce(o)
             o = o if residual_factor == 1.0 else o * residual_factor
             o = o if layer.out_norms is None else _rms(o, layer.out_norms[0])
-            if fused:
-                x, h = fused_norm.add_rms_norm(x, o, *layer.post_norm)
+            if fused and post is not None:
+                x, h = fused_norm.add_rms_norm(x, o, *post)
             else:
                 x = x + o
-                h = _rms(x, layer.post_norm)
+                h = x if post is None else _rms(x, post)
             gate_up = _product(gemm, h, layer.gate_up)
             if lora is not None:
                 lora.apply(f"{index}.gate_up", h, gate_up)
@@ -362,30 +374,8 @@ class FastLlama:
 
     def lora_groups(self) -> list[LoraGroup]:
         """The groups `forward` applies adapters to: each layer's fused q/k/v, o, fused gate/up and down
-        (``{layer}.qkv``, ...), their modules named as in the transformers model."""
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        groups = []
-        for index, layer in enumerate(self.layers):
-            at = f"model.layers.{index}"
-            attn, mlp, inter, hidden = f"{at}.self_attn", f"{at}.mlp", layer.intermediate, layer.hidden
-            qkv: tuple[tuple[str, int, int], ...] = (
-                (f"{attn}.q_proj", 0, q),
-                (f"{attn}.k_proj", q, q + kv),
-                (f"{attn}.v_proj", q + kv, q + 2 * kv),
-            )
-            gate_up: tuple[tuple[str, int, int], ...] = (
-                (f"{mlp}.gate_proj", 0, inter),
-                (f"{mlp}.up_proj", inter, 2 * inter),
-            )
-            if self.fused_projections:  # (Phi-3's qkv_proj and gate_up_proj)
-                qkv, gate_up = ((f"{attn}.qkv_proj", 0, q + 2 * kv),), ((f"{mlp}.gate_up_proj", 0, 2 * inter),)
-            groups += [
-                LoraGroup(f"{index}.qkv", qkv, hidden),
-                LoraGroup(f"{index}.o", ((f"{attn}.o_proj", 0, hidden),), q),
-                LoraGroup(f"{index}.gate_up", gate_up, hidden),
-                LoraGroup(f"{index}.down", ((f"{mlp}.down_proj", 0, hidden),), inter),
-            ]
-        return groups
+        (``{layer}.qkv``, ...), their modules named as in the transformers model (`layout_variants.lora_groups`)."""
+        return lora_groups(self.layers, self.fused_projections, (self.heads, self.kv_heads, self.head_dim))
 
     def _row_padding(self, rows: int, pad_from: int) -> int:
         """Rows to add (on CPU, from `pad_from` rows) up to a multiple of 8 (`CpuGemm.row_padding`)."""

@@ -7,8 +7,12 @@ the loaded transformers model:
   (rounded to the weights' dtype, as transformers does); gemma3_text: attention's scale from
   ``query_pre_attn_scalar`` and the logits soft-capped by ``final_logit_softcapping`` (`Multipliers`);
 - gemma and gemma3_text: RMS norms that scale by ``1 + w``, in float32 before the cast back (`norm_of`);
-- gemma3_text: norms of attention's and of the MLP's outputs too, before each is added ("sandwich" norms:
-  `sandwich`), and a RoPE table of its own for each kind of layer (local and global: `rope_kinds`).
+- gemma3_text: norms of attention's and of the MLP's outputs too, before each is added ("sandwich" norms), and
+  a RoPE table of its own for each kind of layer (local and global: `rope_kinds`);
+- olmo2, olmo3 and exaone4: norms of attention's and the MLP's outputs alone, none of their inputs
+  (`norm_layout`); olmo2's and olmo3's norms of the whole q and k projections (not of each head), with the
+  weight applied before the cast back (`norm_of`); exaone4's norms of each head, and no RoPE on its full layers
+  where it has sliding ones (`rope_layers`); olmo3's RoPE table by kind of layer.
 
 Gemma 2 (soft-capped attention scores) and Gemma 3's vision-language models stay on transformers' forward.
 """
@@ -16,17 +20,30 @@ Gemma 2 (soft-capped attention scores) and Gemma 3's vision-language models stay
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 
+from lmiserve.engine.lora.batch import LoraGroup
+
 SUPPORTED_TYPES = (
-    "llama", "mistral", "ministral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "seed_oss", "gemma", "gemma3_text"
+    "llama", "mistral", "ministral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "seed_oss", "gemma", "gemma3_text",
+    "olmo2", "olmo3", "exaone4",
 )  # fmt: skip
 FUSED_TYPES = ("phi3",)  # q/k/v and gate/up one linear each in the model already (`projections`)
 OFFSET_NORM_TYPES = ("gemma", "gemma3_text")  # RMS norms scaling by (1 + w) in float32 (`norm_of`)
+PROJECTION_NORM_TYPES = ("olmo2", "olmo3")  # norms of the whole q and k projections, the weight before the cast
+UNSPLIT_TYPES = FUSED_TYPES + PROJECTION_NORM_TYPES  # what tensor parallelism does not split (engine/model/sharding.py)
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # RoPE types whose table does not depend on the length
-_SANDWICH = ("pre_feedforward_layernorm", "post_feedforward_layernorm")  # with post_attention_layernorm
+# a layer's norms by `norm_layout`: Llama's (before attention, before the MLP), Gemma 3's sandwich, OLMo 2's after
+_NORMS = {
+    "pre": ("input_layernorm", "post_attention_layernorm"),
+    "sandwich": (
+        "input_layernorm", "pre_feedforward_layernorm", "post_attention_layernorm", "post_feedforward_layernorm"
+    ),
+    "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
+}  # fmt: skip
 
 
 class Multipliers(NamedTuple):
@@ -76,20 +93,40 @@ def norm_eps(norm: object) -> float | None:
 
 
 def norm_of(norm: Any, model_type: str) -> tuple[torch.Tensor, float]:
-    """An RMS norm as `fast_llama._rms` applies it: its weight and epsilon; for Gemma's (`OFFSET_NORM_TYPES`)
-    ``1 + w`` in float32, which `_rms` applies before the cast back, as Gemma's norm does."""
+    """An RMS norm as `fast_llama._rms` applies it: its weight and epsilon. A float32 weight is applied before
+    the cast back: Gemma's ``1 + w`` (`OFFSET_NORM_TYPES`), OLMo 2's weight (`PROJECTION_NORM_TYPES`), as their
+    norms do."""
     eps = norm_eps(norm)
     if eps is None:
         raise ValueError(f"{type(norm).__name__} has no epsilon")
     if model_type in OFFSET_NORM_TYPES:
         return 1.0 + norm.weight.detach().float(), eps
+    if model_type in PROJECTION_NORM_TYPES:
+        return norm.weight.detach().float(), eps
     return norm.weight, eps
 
 
-def sandwich(layer: object) -> bool:
-    """Whether `layer` norms its attention's and MLP's outputs too (Gemma 3: `post_attention_layernorm` on
-    attention's output, `pre_feedforward_layernorm` before the MLP, `post_feedforward_layernorm` after it)."""
-    return all(getattr(layer, name, None) is not None for name in _SANDWICH)
+def norm_layout(layer: object) -> str:
+    """Which norms `layer` has (`_NORMS`): ``pre`` (Llama's: before attention, and `post_attention_layernorm`
+    before the MLP), ``sandwich`` (Gemma 3's: those, with `post_attention_layernorm` on attention's output and
+    `post_feedforward_layernorm` on the MLP's) or ``post`` (OLMo 2's: on attention's and the MLP's outputs alone)."""
+    if getattr(layer, "input_layernorm", None) is None:
+        return "post"
+    return "sandwich" if getattr(layer, "pre_feedforward_layernorm", None) is not None else "pre"
+
+
+def norm_names(layer: object) -> tuple[str, ...]:
+    """`layer`'s norms in the order `FusedLayer` takes them (`_NORMS`)."""
+    return _NORMS[norm_layout(layer)]
+
+
+def rope_layers(config: Any) -> list[bool]:
+    """Whether each layer rotates its queries and keys: not SmolLM3's `no_rope_layers` (0), nor EXAONE 4's full
+    layers beside sliding ones."""
+    layers = int(config.num_hidden_layers)
+    if config.model_type == "exaone4" and getattr(config, "sliding_window", None) is not None:
+        return [kind == "sliding_attention" for kind in config.layer_types[:layers]]
+    return [bool(r) for r in getattr(config, "no_rope_layers", None) or [1] * layers]
 
 
 def rope_kinds(model: Any) -> tuple[tuple[str | None, ...], list[int]]:
@@ -123,23 +160,57 @@ def rope_reason(model: Any) -> str | None:
     return None
 
 
-def layer_norms_reason(layer: Any, model_type: str, head_dim: int) -> str | None:
-    """Why a decoder layer's norms are not what the fast forward applies (None: they are): an RMS norm
-    before attention and one before the MLP (with a sandwich's two more), and a norm of each query and of each
-    key head both or neither (qwen3 and gemma3_text: both)."""
-    names = ["input_layernorm", "post_attention_layernorm"] + (list(_SANDWICH) if sandwich(layer) else [])
-    if any(norm_eps(getattr(layer, name, None)) is None for name in names):
+def layer_norms_reason(layer: Any, model_type: str, shape: Any) -> str | None:
+    """Why a decoder layer's norms are not what the fast forward applies (None: they are): RMS norms as
+    `norm_layout` names them, and norms of the queries and of the keys both or neither: of each head
+    (qwen3, gemma3_text, exaone4: both) or of the whole projections (`PROJECTION_NORM_TYPES`: both)."""
+    if any(norm_eps(getattr(layer, name, None)) is None for name in norm_names(layer)):
         return "a layer's norms are not RMS norms with a weight and an epsilon"
+    if model_type in ("olmo2", "olmo3") and norm_layout(layer) != "post":
+        return "an OLMo 2 layer with norms of its inputs"
     attn = getattr(layer, "self_attn", None)
     norms = [getattr(attn, name, None) for name in ("q_norm", "k_norm")]
-    if (model_type in ("qwen3", "gemma3_text") or any(norms)) and not (
-        all(_is_head_norm(n, head_dim) for n in norms) and len({norm_eps(n) for n in norms}) == 1
+    whole = model_type in PROJECTION_NORM_TYPES
+    widths = (shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim) if whole else (shape.head_dim,) * 2
+    if (model_type in ("qwen3", "gemma3_text", "exaone4", *PROJECTION_NORM_TYPES) or any(norms)) and not (
+        all(_is_norm(n, w) for n, w in zip(norms, widths, strict=True)) and len({norm_eps(n) for n in norms}) == 1
     ):
-        return "the query and key heads' norms are not RMS norms of one head's width and one epsilon"
+        what = "the whole projections'" if whole else "one head's"
+        return f"the query and key norms are not RMS norms of {what} width and one epsilon"
     return None
 
 
-def _is_head_norm(norm: object, head_dim: int) -> bool:
-    """Whether `norm` is an RMS norm of one attention head's width (Qwen3's and Gemma 3's q_norm and k_norm)."""
+def _is_norm(norm: object, width: int) -> bool:
+    """Whether `norm` is an RMS norm of `width` features (a head's: Qwen3's q_norm; OLMo 2's: the projection's)."""
     weight = getattr(norm, "weight", None)
-    return isinstance(weight, torch.Tensor) and tuple(weight.shape) == (head_dim,) and norm_eps(norm) is not None
+    return isinstance(weight, torch.Tensor) and tuple(weight.shape) == (width,) and norm_eps(norm) is not None
+
+
+def lora_groups(layers: Sequence[Any], fused: bool, shape: tuple[int, int, int]) -> list[LoraGroup]:
+    """The groups `FastLlama` applies adapters to: each of `layers`' (`FusedLayer`) fused q/k/v, o, fused gate/up
+    and down (``{layer}.qkv``, ...), their modules named as in the transformers model; `fused`: Phi-3's names
+    (`projections`); `shape`: the heads, the KV heads and a head's width."""
+    heads, kv_heads, head_dim = shape
+    q, kv = heads * head_dim, kv_heads * head_dim
+    groups = []
+    for index, layer in enumerate(layers):
+        at = f"model.layers.{index}"
+        attn, mlp, inter, hidden = f"{at}.self_attn", f"{at}.mlp", layer.intermediate, layer.hidden
+        qkv: tuple[tuple[str, int, int], ...] = (
+            (f"{attn}.q_proj", 0, q),
+            (f"{attn}.k_proj", q, q + kv),
+            (f"{attn}.v_proj", q + kv, q + 2 * kv),
+        )
+        gate_up: tuple[tuple[str, int, int], ...] = (
+            (f"{mlp}.gate_proj", 0, inter),
+            (f"{mlp}.up_proj", inter, 2 * inter),
+        )
+        if fused:  # (Phi-3's qkv_proj and gate_up_proj)
+            qkv, gate_up = ((f"{attn}.qkv_proj", 0, q + 2 * kv),), ((f"{mlp}.gate_up_proj", 0, 2 * inter),)
+        groups += [
+            LoraGroup(f"{index}.qkv", qkv, hidden),
+            LoraGroup(f"{index}.o", ((f"{attn}.o_proj", 0, hidden),), q),
+            LoraGroup(f"{index}.gate_up", gate_up, hidden),
+            LoraGroup(f"{index}.down", ((f"{mlp}.down_proj", 0, hidden),), inter),
+        ]
+    return groups

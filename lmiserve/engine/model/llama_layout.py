@@ -31,8 +31,8 @@ from lmiserve.engine.attention.windows import unsupported_kinds
 from lmiserve.engine.model import layout_variants
 from lmiserve.engine.model.int4_triton import Int4Scales, Int4TritonLinear
 from lmiserve.engine.model.layout_variants import FUSED_TYPES as FUSED_TYPES
+from lmiserve.engine.model.layout_variants import PROJECTION_NORM_TYPES, norm_layout, norm_names, norm_of, projections
 from lmiserve.engine.model.layout_variants import SUPPORTED_TYPES as SUPPORTED_TYPES
-from lmiserve.engine.model.layout_variants import norm_of, projections, sandwich
 from lmiserve.engine.model.quant_formats import Fp8Linear
 from lmiserve.engine.model.quantize import INT4_ROW_BLOCK, Int4Linear, Int8Linear, Q8Linear
 
@@ -118,10 +118,10 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
     if getattr(model, "lm_head", None) is None or getattr(model.lm_head, "bias", None) is not None:
         return "no plain lm_head"
     attn_names, mlp_names = projections(cfg.model_type)
-    head_dim = AttentionShape.of(cfg).head_dim
+    shape = AttentionShape.of(cfg)
     for layer in getattr(inner, "layers", []):
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        reason = layout_variants.layer_norms_reason(layer, cfg.model_type, head_dim)
+        reason = layout_variants.layer_norms_reason(layer, cfg.model_type, shape)
         if reason is not None:
             return reason
         names = [(attn, n) for n in attn_names] + [(mlp, n) for n in mlp_names]
@@ -162,6 +162,7 @@ def as_llama(model: PreTrainedModel) -> LlamaFamily:
 
 # ---- fused weights -------------------------------------------------------------------------------
 Scales = torch.Tensor | Int4Scales | None  # a product's scales: `_fuse`'s
+NormWeight = tuple[torch.Tensor, float]  # an RMS norm's weight and epsilon (`layout_variants.norm_of`)
 
 
 class Part(NamedTuple):
@@ -190,20 +191,28 @@ class FusedLayer:
         self.o_w, self.o_b, self.o_s = _fuse([getattr(attn, o)])
         self.down_w, self.down_b, self.down_s = _fuse([getattr(mlp, down)])
         self.act = mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn  # type: ignore[attr-defined]
-        self.in_norm = norm_of(layer.input_layernorm, model_type)
-        self.post_norm = norm_of(layer.post_attention_layernorm, model_type)  # before the MLP
-        # Gemma 3's norms of attention's and of the MLP's outputs (`layout_variants.sandwich`), or None
-        self.out_norms: tuple[tuple[torch.Tensor, float], tuple[torch.Tensor, float]] | None = None
-        if sandwich(layer):
-            pre_mlp, after_mlp = layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm  # type: ignore[attr-defined]
-            self.out_norms = (self.post_norm, norm_of(after_mlp, model_type))
-            self.post_norm = norm_of(pre_mlp, model_type)
+        # the norms before attention and before the MLP (None: OLMo 2's, which has none), and those of attention's
+        # and the MLP's outputs (Gemma 3's and OLMo 2's; None: none): `layout_variants.norm_layout`
+        norms = [norm_of(getattr(layer, name), model_type) for name in norm_names(layer)]
+        self.in_norm: NormWeight | None = None
+        self.post_norm: NormWeight | None = None
+        self.out_norms: tuple[NormWeight, NormWeight] | None = None
+        layout = norm_layout(layer)
+        if layout == "post":
+            self.out_norms = (norms[0], norms[1])
+        else:
+            self.in_norm, self.post_norm = norms[0], norms[1]
+            self.out_norms = (norms[2], norms[3]) if layout == "sandwich" else None
         self.intermediate = sum(part.outputs for part in self.gate_up) // 2  # gate's (and up's) outputs
         self.hidden = outputs_of(getattr(attn, o))  # o's and down's outputs
-        # Qwen3's and Gemma 3's RMS norms of each query head and of each key head (one head's width), or None
+        # Qwen3's and Gemma 3's RMS norms of each query head and of each key head (one head's width), or None;
+        # OLMo 2's of the whole q and k projections (`proj_norms`), or None
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         self.head_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None
-        if q_norm is not None and k_norm is not None:
+        self.proj_norms: tuple[NormWeight, NormWeight] | None = None
+        if q_norm is not None and k_norm is not None and model_type in PROJECTION_NORM_TYPES:
+            self.proj_norms = (norm_of(q_norm, model_type), norm_of(k_norm, model_type))
+        elif q_norm is not None and k_norm is not None:
             (q_w, eps), (k_w, _) = norm_of(q_norm, model_type), norm_of(k_norm, model_type)
             self.head_norms = (q_w, k_w, eps)
 

@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.nn.functional as F
 
-from lmiserve.engine.model.llama_layout import FUSED_TYPES, QUANTIZED_LINEARS, SUPPORTED_TYPES, LlamaFamily
+from lmiserve.engine.model.layout_variants import UNSPLIT_TYPES
+from lmiserve.engine.model.llama_layout import QUANTIZED_LINEARS, SUPPORTED_TYPES, LlamaFamily
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -71,11 +72,11 @@ def unsplittable_reason(config: PretrainedConfig, world: int) -> str | None:
     model_type = getattr(cfg, "model_type", None)
     if getattr(cfg, "vision_config", None) is not None:
         return f"tensor parallelism does not serve vision-language models (this model is {model_type!r})"
-    if model_type not in SUPPORTED_TYPES or model_type in FUSED_TYPES:
-        split = [t for t in SUPPORTED_TYPES if t not in FUSED_TYPES]
+    if model_type not in SUPPORTED_TYPES or model_type in UNSPLIT_TYPES:
+        split = [t for t in SUPPORTED_TYPES if t not in UNSPLIT_TYPES]
         return (
-            f"tensor parallelism runs the fast path's Llama-family models with q/k/v and gate/up apart "
-            f"({', '.join(split)}); this model is {model_type!r}"
+            f"tensor parallelism runs the fast path's Llama-family models with q/k/v and gate/up apart and norms "
+            f"of each head at most ({', '.join(split)}); this model is {model_type!r}"
         )
     heads = int(cfg.num_attention_heads)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
