@@ -162,9 +162,19 @@ def variant_answers(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
 # embeddings' after each rank's share is gathered, the residual branches' after their all-reduce); seed_oss_bias:
 # biases on q/k/v (split with their rows) and on o and down (added by one rank); gemma3_window: the norms of
 # attention's and the MLP's outputs (after their all-reduce), two RoPE tables, the logits' soft cap; exaone4_window:
-# no norms of the layers' inputs, no RoPE on the full layer
+# no norms of the layers' inputs, no RoPE on the full layer; phi3_window: q/k/v and gate/up one linear each (each
+# rank's runs of rows of each read from the checkpoint)
 @pytest.fixture(
-    params=["kv-split", "kv-replicated", "qwen3", "granite", "seed_oss_bias", "gemma3_window", "exaone4_window"]
+    params=[
+        "kv-split",
+        "kv-replicated",
+        "qwen3",
+        "granite",
+        "seed_oss_bias",
+        "gemma3_window",
+        "exaone4_window",
+        "phi3_window",
+    ]
 )
 def answers(
     request: pytest.FixtureRequest, variant_answers: Callable[[str], tuple[list[Answer], list[Answer]]]

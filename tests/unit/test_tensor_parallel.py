@@ -47,9 +47,9 @@ def test_split_kv_heads_and_uneven_vocabulary():
     (the last rank's part runs one row past the vocabulary)."""
     plans = [shard_plan(config(), rank, 2) for rank in range(2)]
     assert plans == [
-        ShardPlan(0, 2, 16, q_first=0, q_heads=2, kv_first=0, kv_heads=1, inter_first=0, inter=64, vocab=509,
+        ShardPlan(0, 2, 16, q_first=0, q_heads=2, kv_first=0, kv_heads=1, kv_total=2, inter_first=0, inter=64, vocab=509,
                   vocab_first=0, vocab_part=255),
-        ShardPlan(1, 2, 16, q_first=2, q_heads=2, kv_first=1, kv_heads=1, inter_first=64, inter=64, vocab=509,
+        ShardPlan(1, 2, 16, q_first=2, q_heads=2, kv_first=1, kv_heads=1, kv_total=2, inter_first=64, inter=64, vocab=509,
                   vocab_first=255, vocab_part=255),
     ]  # fmt: skip
     assert plans[-1].vocab_first + plans[-1].vocab_part - plans[-1].vocab == 1  # one padded row
@@ -94,8 +94,8 @@ def test_no_kv_heads_in_the_config_means_one_per_head():
 
 
 UNSPLIT = (
-    "tensor parallelism runs the fast path's Llama-family models with q/k/v and gate/up apart and norms of each "
-    "head at most (llama, mistral, ministral, qwen2, qwen3, smollm3, granite, seed_oss, gemma, gemma3_text, exaone4)"
+    "tensor parallelism runs the fast path's architectures but OLMo 2's (llama, mistral, ministral, qwen2, qwen3, "
+    "phi3, smollm3, granite, seed_oss, gemma, gemma3_text, exaone4)"
 )
 
 
@@ -106,7 +106,6 @@ UNSPLIT = (
         ({}, 4, None),  # 2 KV heads replicated over 4 ranks
         ({"num_key_value_heads": 1}, 4, None),
         ({"model_type": "gpt2"}, 2, f"{UNSPLIT}; this model is 'gpt2'"),
-        ({"model_type": "phi3"}, 2, f"{UNSPLIT}; this model is 'phi3'"),
         ({"model_type": "olmo2"}, 2, f"{UNSPLIT}; this model is 'olmo2'"),  # its norms of the whole q and k
         ({}, 3, "tensor_parallel_degree=3 does not divide the model's 4 attention heads"),
         ({"num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576, "intermediate_size": 1536}, 2,
@@ -392,6 +391,50 @@ def test_the_ranks_adapter_shards_give_the_merged_models_products(kv_heads, worl
                     assert torch.equal(b_r, b) and a_r.shape[1] == part.stop - part.start
             if short in ROW_PARALLEL:
                 torch.testing.assert_close(sum(outputs), merged, rtol=1e-5, atol=1e-5)
+
+
+def test_phi3s_fused_linears_and_their_adapters_keep_each_ranks_runs_of_rows(tmp_path):
+    """Phi-3's qkv_proj keeps a rank's q rows, then its k rows, then its v rows; gate_up_proj its gate rows, then
+    its up rows: cut from the model, read from the checkpoint, and of an adapter's B alike."""
+    from pathlib import Path
+
+    from accelerate import init_empty_weights
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    from lmiserve.engine.lora.adapters import LoraAdapter
+    from lmiserve.engine.model.sharding import shard_adapter
+
+    config = Phi3Config(vocab_size=509, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    model = Phi3ForCausalLM(config).eval()
+    model.save_pretrained(tmp_path)
+    paths = ("model.layers.1.self_attn.qkv_proj", "model.layers.1.mlp.gate_up_proj")
+    b = {path: torch.randn(model.get_submodule(path).out_features, 4) for path in paths}
+    adapter = LoraAdapter("x", Path("/nowhere"), {p: (torch.randn(4, 64), b[p]) for p in paths}, 4, 8.0, None, 0.0)
+    qkv, gate_up = (model.get_submodule(path).weight for path in paths)
+
+    def rows(weight: torch.Tensor, path: str, rank: int) -> torch.Tensor:
+        """A rank's rows of a fused weight (heads of 16: q rows 64, 32 a rank; k's and v's 32, 16 a rank; gate's
+        and up's 128, 64 a rank)."""
+        if path == paths[0]:
+            q, kv = slice(32 * rank, 32 * rank + 32), slice(16 * rank, 16 * rank + 16)
+            return torch.cat([weight[q], weight[64:][kv], weight[96:][kv]])
+        inter = slice(64 * rank, 64 * rank + 64)
+        return torch.cat([weight[inter], weight[128:][inter]])
+
+    for rank, shard in enumerate(cut(model, 2)):
+        assert torch.equal(shard.get_submodule(paths[0]).weight, rows(qkv, paths[0], rank))
+        assert torch.equal(shard.get_submodule(paths[1]).weight, rows(gate_up, paths[1], rank))
+        piece = shard_adapter(adapter, shard)
+        for path in paths:
+            assert torch.equal(piece.modules[path][1], rows(b[path], path, rank))
+        with init_empty_weights(include_buffers=False):
+            shell = Phi3ForCausalLM(copy.deepcopy(config)).eval()
+        shard_model(shell, rank, 2, None)
+        load_shard_weights(shell, tmp_path)
+        expected = dict(shard.named_parameters())
+        assert all(torch.equal(param, expected[name]) for name, param in shell.named_parameters())
 
 
 def test_a_rank_reads_its_shard_of_a_peft_adapter(tiny_model_dir, lora_adapter_dirs):

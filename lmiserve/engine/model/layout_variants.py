@@ -34,7 +34,7 @@ SUPPORTED_TYPES = (
 FUSED_TYPES = ("phi3",)  # q/k/v and gate/up one linear each in the model already (`projections`)
 OFFSET_NORM_TYPES = ("gemma", "gemma3_text")  # RMS norms scaling by (1 + w) in float32 (`norm_of`)
 PROJECTION_NORM_TYPES = ("olmo2", "olmo3")  # norms of the whole q and k projections, the weight before the cast
-UNSPLIT_TYPES = FUSED_TYPES + PROJECTION_NORM_TYPES  # what tensor parallelism does not split (engine/model/sharding.py)
+UNSPLIT_TYPES = PROJECTION_NORM_TYPES  # what tensor parallelism does not split (engine/model/sharding.py)
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # RoPE types whose table does not depend on the length
 # a layer's norms by `norm_layout`: Llama's (before attention, before the MLP), Gemma 3's sandwich, OLMo 2's after
 _NORMS = {

@@ -49,8 +49,9 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class ShardPlan:
     """What rank `rank` of `world` keeps: query heads ``[q_first, q_first + q_heads)``, KV heads
-    ``[kv_first, kv_first + kv_heads)``, intermediate ``[inter_first, +inter)``, vocabulary rows
-    ``[vocab_first, vocab_first + vocab_part)`` (the last part may run past the vocabulary: zero rows)."""
+    ``[kv_first, kv_first + kv_heads)`` (of the model's `kv_total`), intermediate ``[inter_first, +inter)``,
+    vocabulary rows ``[vocab_first, vocab_first + vocab_part)`` (the last part may run past the vocabulary:
+    zero rows)."""
 
     rank: int
     world: int
@@ -59,6 +60,7 @@ class ShardPlan:
     q_heads: int
     kv_first: int
     kv_heads: int
+    kv_total: int
     inter_first: int
     inter: int
     vocab: int
@@ -75,8 +77,8 @@ def unsplittable_reason(config: PretrainedConfig, world: int) -> str | None:
     if model_type not in SUPPORTED_TYPES or model_type in UNSPLIT_TYPES:
         split = [t for t in SUPPORTED_TYPES if t not in UNSPLIT_TYPES]
         return (
-            f"tensor parallelism runs the fast path's Llama-family models with q/k/v and gate/up apart and norms "
-            f"of each head at most ({', '.join(split)}); this model is {model_type!r}"
+            f"tensor parallelism runs the fast path's architectures but OLMo 2's ({', '.join(split)}); this model is "
+            f"{model_type!r}"
         )
     heads = int(cfg.num_attention_heads)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
@@ -116,6 +118,7 @@ def shard_plan(config: PretrainedConfig, rank: int, world: int) -> ShardPlan:
         q_heads=q_heads,
         kv_first=kv_first,
         kv_heads=local_kv,
+        kv_total=kv_heads,
         inter_first=rank * inter,
         inter=inter,
         vocab=vocab,
@@ -180,25 +183,20 @@ def shard_model(model: PreTrainedModel, rank: int, world: int, group: ProcessGro
         )
     # the architecture was checked by the plan; the rest of the layout (on real weights) by FastLlama
     llama = cast(LlamaFamily, model)
-    d = plan.head_dim
-    q_rows = slice(plan.q_first * d, (plan.q_first + plan.q_heads) * d)
-    kv_rows = slice(plan.kv_first * d, (plan.kv_first + plan.kv_heads) * d)
-    inter = slice(plan.inter_first, plan.inter_first + plan.inter)
+    rows, columns = _rows(plan), _columns(plan)
     for layer in llama.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        _keep_rows(attn.q_proj, q_rows)
-        _keep_rows(attn.k_proj, kv_rows)
-        _keep_rows(attn.v_proj, kv_rows)
-        _keep_columns(attn.o_proj, q_rows, rank)
-        _keep_rows(mlp.gate_proj, inter)
-        _keep_rows(mlp.up_proj, inter)
-        _keep_columns(mlp.down_proj, inter, rank)
+        for owner in (layer.self_attn, layer.mlp):
+            for name, module in cast(torch.nn.Module, owner).named_children():
+                if name in rows:
+                    _keep_rows(cast(torch.nn.Linear, module), rows[name])
+                elif name in columns:
+                    _keep_columns(cast(torch.nn.Linear, module), columns[name], rank)
     embed, head = llama.model.embed_tokens, llama.lm_head
     tied = _tied(model)
     embed.weight = torch.nn.Parameter(_vocab_rows(embed.weight, plan), requires_grad=False)
     head.weight = embed.weight if tied else torch.nn.Parameter(_vocab_rows(head.weight, plan), requires_grad=False)
     cfg: Any = model.config
-    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = plan.q_heads, plan.kv_heads, d
+    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = plan.q_heads, plan.kv_heads, plan.head_dim
     shard = _SHARDS[model] = TensorParallelShard(plan, group)
     return shard
 
@@ -213,10 +211,40 @@ def _tied(model: PreTrainedModel) -> bool:
     )
 
 
-def _keep_rows(linear: torch.nn.Linear, rows: slice) -> None:
-    linear.weight = torch.nn.Parameter(linear.weight.detach()[rows].clone(), requires_grad=False)
+def _rows(plan: ShardPlan) -> dict[str, list[slice]]:
+    """The rows of each column-parallel linear (by name) a rank keeps: its query heads' of q, its KV heads' of
+    k and v, its part of the intermediate size of gate and up; of Phi-3's fused `qkv_proj` and `gate_up_proj`
+    those runs, each after the whole projections before it."""
+    d = plan.head_dim
+    q = slice(plan.q_first * d, (plan.q_first + plan.q_heads) * d)
+    kv = slice(plan.kv_first * d, (plan.kv_first + plan.kv_heads) * d)
+    inter = slice(plan.inter_first, plan.inter_first + plan.inter)
+    q_all, kv_all, inter_all = plan.q_heads * plan.world * d, plan.kv_total * d, plan.inter * plan.world
+
+    def after(part: slice, offset: int) -> slice:
+        return slice(part.start + offset, part.stop + offset)
+
+    return {"q_proj": [q], "k_proj": [kv], "v_proj": [kv], "gate_proj": [inter], "up_proj": [inter],
+            "qkv_proj": [q, after(kv, q_all), after(kv, q_all + kv_all)],
+            "gate_up_proj": [inter, after(inter, inter_all)]}  # fmt: skip
+
+
+def _columns(plan: ShardPlan) -> dict[str, slice]:
+    """The input columns of each row-parallel linear (by name) a rank keeps (o's: its heads'; down's: its part)."""
+    d = plan.head_dim
+    return {"o_proj": slice(plan.q_first * d, (plan.q_first + plan.q_heads) * d),
+            "down_proj": slice(plan.inter_first, plan.inter_first + plan.inter)}  # fmt: skip
+
+
+def _runs(tensor: Any, runs: list[slice]) -> torch.Tensor:
+    """`tensor`'s rows of `runs`, one after the other (a copy; a safetensors slice: only those rows read)."""
+    return torch.cat([tensor[run] for run in runs]) if len(runs) > 1 else torch.as_tensor(tensor[runs[0]]).clone()
+
+
+def _keep_rows(linear: torch.nn.Linear, rows: list[slice]) -> None:
+    linear.weight = torch.nn.Parameter(_runs(linear.weight.detach(), rows), requires_grad=False)
     if linear.bias is not None:
-        linear.bias = torch.nn.Parameter(linear.bias.detach()[rows].clone(), requires_grad=False)
+        linear.bias = torch.nn.Parameter(_runs(linear.bias.detach(), rows), requires_grad=False)
 
 
 def _keep_columns(linear: torch.nn.Linear, columns: slice, rank: int) -> None:
@@ -247,19 +275,13 @@ def shard_adapter(adapter: LoraAdapter, model: torch.nn.Module) -> LoraAdapter:
     shard = shard_of(model)
     if shard is None:
         raise ValueError("shard_adapter cuts an adapter for a model cut by shard_model")
-    plan = shard.plan
-    d = plan.head_dim
-    q = slice(plan.q_first * d, (plan.q_first + plan.q_heads) * d)
-    kv = slice(plan.kv_first * d, (plan.kv_first + plan.kv_heads) * d)
-    inter = slice(plan.inter_first, plan.inter_first + plan.inter)
-    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": inter, "up_proj": inter}
-    columns = {"o_proj": q, "down_proj": inter}
+    rows, columns = _rows(shard.plan), _columns(shard.plan)
     cut: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for path, (a, b) in adapter.modules.items():
         short = path.rsplit(".", 1)[-1]
         weight = cast(torch.nn.Linear, model.get_submodule(path)).weight
         if short in rows:
-            a, b = a, b[rows[short]].contiguous()
+            a, b = a, _runs(b, rows[short])
             fits = b.shape[0] == weight.shape[0]
         elif short in columns:
             a, b = a[:, columns[short]].contiguous(), b
@@ -276,26 +298,6 @@ def shard_adapter(adapter: LoraAdapter, model: torch.nn.Module) -> LoraAdapter:
 
 
 # ---- loading a shard from the checkpoint -----------------------------------------------------------------
-# how each parameter of a Llama-family layer is split (by the end of its name): rows, columns or vocabulary rows
-_ROWS_Q, _ROWS_KV, _ROWS_INTER, _COLUMNS_Q, _COLUMNS_INTER, _VOCAB = "q", "kv", "inter", "o", "down", "vocab"
-_SPLITS = {
-    "self_attn.q_proj.weight": _ROWS_Q,
-    "self_attn.q_proj.bias": _ROWS_Q,
-    "self_attn.k_proj.weight": _ROWS_KV,
-    "self_attn.k_proj.bias": _ROWS_KV,
-    "self_attn.v_proj.weight": _ROWS_KV,
-    "self_attn.v_proj.bias": _ROWS_KV,
-    "self_attn.o_proj.weight": _COLUMNS_Q,
-    "mlp.gate_proj.weight": _ROWS_INTER,
-    "mlp.gate_proj.bias": _ROWS_INTER,
-    "mlp.up_proj.weight": _ROWS_INTER,
-    "mlp.up_proj.bias": _ROWS_INTER,
-    "mlp.down_proj.weight": _COLUMNS_INTER,
-    "embed_tokens.weight": _VOCAB,
-    "lm_head.weight": _VOCAB,
-}
-
-
 def checkpoint_files(path: str | Path) -> dict[str, Path] | None:
     """Each tensor of the safetensors checkpoint in `path` and the file it is in (None: no safetensors)."""
     folder = Path(path)
@@ -350,18 +352,18 @@ def load_shard_weights(model: PreTrainedModel, path: str | Path) -> None:
 
 
 def _slice(tensor: Any, name: str, plan: ShardPlan) -> torch.Tensor:
-    """This rank's part of checkpoint tensor `name` (a safetensors slice: only that part is read)."""
-    split = next((kind for suffix, kind in _SPLITS.items() if name.endswith(suffix)), None)
-    d = plan.head_dim
-    q = slice(plan.q_first * d, (plan.q_first + plan.q_heads) * d)
-    inter = slice(plan.inter_first, plan.inter_first + plan.inter)
-    where: dict[str | None, tuple[slice, ...]] = {
-        _ROWS_Q: (q,),
-        _ROWS_KV: (slice(plan.kv_first * d, (plan.kv_first + plan.kv_heads) * d),),
-        _ROWS_INTER: (inter,),
-        _COLUMNS_Q: (slice(None), q),
-        _COLUMNS_INTER: (slice(None), inter),
-        _VOCAB: (slice(plan.vocab_first, min(plan.vocab_first + plan.vocab_part, plan.vocab)),),
-    }
-    part: torch.Tensor = tensor[where.get(split, (slice(None),))]  # norms: every rank has all of them
-    return _padded(part, plan) if split == _VOCAB else part
+    """This rank's part of checkpoint tensor `name` (a safetensors slice: only that part is read): a
+    column-parallel linear's rows (`_rows`), a row-parallel one's input columns (`_columns`; its bias whole, which
+    rank 0 alone keeps), the vocabulary's rows; the rest (the norms) whole."""
+    owner, _, kind = name.rpartition(".")
+    module = owner.rpartition(".")[2]
+    rows, columns = _rows(plan), _columns(plan)
+    if module in rows:
+        return _runs(tensor, rows[module])
+    if module in columns and kind == "weight":
+        return torch.as_tensor(tensor[:, columns[module]])
+    if module in ("embed_tokens", "lm_head"):
+        return _padded(
+            torch.as_tensor(tensor[plan.vocab_first : min(plan.vocab_first + plan.vocab_part, plan.vocab)]), plan
+        )
+    return torch.as_tensor(tensor[:])
