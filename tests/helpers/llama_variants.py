@@ -39,6 +39,8 @@ from transformers import (
     SeedOssForCausalLM,
     SmolLM3Config,
     SmolLM3ForCausalLM,
+    Starcoder2Config,
+    Starcoder2ForCausalLM,
 )
 
 from lmiserve.core.request import GenerationRequest, SamplingParams
@@ -125,6 +127,9 @@ ARCHS = {
         Exaone4ForCausalLM,
         {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"], "head_dim": 32},
     ),
+    # Starcoder2: LayerNorms with biases, an MLP without a gate (c_fc, GELU, c_proj), biases on every linear, a
+    # window on every layer
+    "starcoder2_window": (Starcoder2Config, Starcoder2ForCausalLM, {"sliding_window": 16}),
 }
 PROMPTS = [
     "The quick brown fox",
@@ -144,7 +149,7 @@ def build(config_cls, model_cls, extra: dict, seed: int = 7):
             if kind.startswith("gemma") and name.endswith("norm.weight"):  # (scaling by 1 + w)
                 weight.uniform_(-0.5, 0.5)
             elif name.endswith(("q_norm.weight", "k_norm.weight")) or (
-                kind in ("olmo2", "olmo3", "exaone4") and name.endswith("norm.weight")  # (the outputs' norms)
+                kind in ("olmo2", "olmo3", "exaone4", "starcoder2") and name.endswith("norm.weight")
             ):
                 weight.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):

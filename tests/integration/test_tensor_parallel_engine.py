@@ -163,7 +163,8 @@ def variant_answers(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
 # biases on q/k/v (split with their rows) and on o and down (added by one rank); gemma3_window: the norms of
 # attention's and the MLP's outputs (after their all-reduce), two RoPE tables, the logits' soft cap; exaone4_window:
 # no norms of the layers' inputs, no RoPE on the full layer; phi3_window: q/k/v and gate/up one linear each (each
-# rank's runs of rows of each read from the checkpoint)
+# rank's runs of rows of each read from the checkpoint); starcoder2_window: c_fc and c_proj split as gate and down,
+# LayerNorms' biases on every rank, c_proj's bias added by one
 @pytest.fixture(
     params=[
         "kv-split",
@@ -174,6 +175,7 @@ def variant_answers(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
         "gemma3_window",
         "exaone4_window",
         "phi3_window",
+        "starcoder2_window",
     ]
 )
 def answers(

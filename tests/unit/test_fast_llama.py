@@ -166,6 +166,7 @@ def test_fusing_weights_keeps_the_transformers_model_working_without_copies():
         ("olmo2", {"max_prefill_tokens": 4}, "fast"),  # norms of the outputs alone, of the whole q and k
         ("olmo3_window", {"max_prefill_tokens": 4}, "fast"),
         ("exaone4_window", {"max_prefill_tokens": 4}, "fast"),  # no RoPE on the full layer
+        ("starcoder2_window", {"max_prefill_tokens": 4}, "fast"),  # LayerNorms, an MLP without a gate
         ("phi", {"max_prefill_tokens": 4}, "generic"),  # not covered by the fast forward: transformers'
         ("gpt2", {}, "generic"),
         ("qwen2_bias", {"max_prefill_tokens": 4}, "fast"),
@@ -427,22 +428,31 @@ def test_a_kernel_that_cannot_compile_falls_back_to_the_torch_attention(monkeypa
     torch.testing.assert_close(out[0], reference, rtol=1e-4, atol=1e-4)
 
 
+ADAPTED = {  # Phi-3's q/k/v and gate/up one linear each; Starcoder2's MLP without a gate
+    "phi3_window": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+    "starcoder2_window": ("q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"),
+}
+
+
+@pytest.mark.parametrize("arch", list(ADAPTED))
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
-def test_a_phi3_adapter_on_its_fused_linears_gives_the_merged_models_tokens(tiny_model, tmp_path, monkeypatch, graphs):
-    """Phi-3's q/k/v and gate/up are one linear each (`qkv_proj`, `gate_up_proj`): a PEFT adapter on them, o
-    and down rides the fast forward's LoRA groups, eagerly and over the decode graphs' adapter slots (played
-    on a CPU), and gives `generate()`'s tokens with the adapter merged by PEFT."""
+def test_an_adapter_on_other_linears_names_gives_the_merged_models_tokens(
+    tiny_model, tmp_path, monkeypatch, graphs, arch
+):
+    """Phi-3's q/k/v and gate/up are one linear each (`qkv_proj`, `gate_up_proj`), Starcoder2's MLP is `c_fc`
+    and `c_proj`: a PEFT adapter on every linear rides the fast forward's LoRA groups, eagerly and over the decode
+    graphs' adapter slots (played on a CPU), and gives `generate()`'s tokens with the adapter merged by PEFT."""
     from helpers.decode_graphs import graphs_on_the_test_device
     from helpers.lora_adapters import AdapterSpec, make_adapter, merged_generate
     from lmiserve.engine.lora.registry import LoraLimits
 
     record = graphs_on_the_test_device(monkeypatch) if graphs else None
 
-    base = tmp_path / "phi3"
-    build(*ARCHS["phi3_window"]).save_pretrained(base)
-    spec = AdapterSpec("phi", 8, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), seed=4, b_std=0.3)
+    base = tmp_path / arch
+    build(*ARCHS[arch]).save_pretrained(base)
+    spec = AdapterSpec("phi", 8, ADAPTED[arch], seed=4, b_std=0.3)
     adapter = make_adapter(base, tmp_path / "adapter", spec)
-    loaded = with_model(tiny_model, build(*ARCHS["phi3_window"]))
+    loaded = with_model(tiny_model, build(*ARCHS[arch]))
     expected = merged_generate(base, adapter, [tiny_model.tokenizer(p).input_ids for p in PROMPTS[:3]], 10)
     assert expected != merged_generate(base, None, [tiny_model.tokenizer(p).input_ids for p in PROMPTS[:3]], 10)
 

@@ -44,7 +44,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 # the linears lmiserve's own Llama-family forward applies adapters to (engine/model/fast_llama.py; Phi-3's
-# q/k/v and gate/up are one linear each)
+# q/k/v and gate/up are one linear each; Starcoder2's MLP is c_fc and c_proj)
 FAST_PATH_MODULES = (
     "q_proj",
     "k_proj",
@@ -55,6 +55,8 @@ FAST_PATH_MODULES = (
     "down_proj",
     "qkv_proj",
     "gate_up_proj",
+    "c_fc",
+    "c_proj",
 )
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")

@@ -44,15 +44,16 @@ from lmiserve.engine.lora.slots import LoraSlots
 from lmiserve.engine.model import fused_norm, q4_decode, skinny_gemm
 from lmiserve.engine.model.cpu_gemm import PAD_ROWS_FROM, VOCAB_PAD_ROWS_FROM, CpuGemm
 from lmiserve.engine.model.layout_variants import (
+    LAYER_NORM_TYPES,
     OFFSET_NORM_TYPES,
     Multipliers,
+    NormWeight,
     lora_groups,
     norm_of,
     rope_kinds,
     rope_layers,
 )
 from lmiserve.engine.model.llama_layout import (
-    FUSED_TYPES,
     SUPPORTED_TYPES,
     Part,
     as_llama,
@@ -73,10 +74,13 @@ __all__ = ["PAD_ROWS_FROM", "SUPPORTED_TYPES", "FastLlama", "StepInputs", "unsup
 log = logging.getLogger(__name__)
 
 
-def _rms(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
+def _rms(x: torch.Tensor, norm: NormWeight) -> torch.Tensor:
     """transformers' RMS norm: in float32, the weight applied after the cast back (Llama's), or before it where
-    the weight is float32 (Gemma's ``1 + w``, `layout_variants.norm_of`; alike for a float32 model)."""
-    weight, eps = norm
+    the weight is float32 (Gemma's ``1 + w``, `layout_variants.norm_of`; alike for a float32 model); or a
+    LayerNorm, whose bias is the record's third element (Starcoder2's)."""
+    weight, eps = norm[0], norm[1]
+    if len(norm) == 3:
+        return F.layer_norm(x, (x.shape[-1],), weight, norm[2], eps)
     dtype = x.dtype
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -121,10 +125,10 @@ class FastLlama:
         self.groups = self.heads // self.kv_heads
         self.embed = inner.embed_tokens.weight
         self.layers = fused_layers(model)  # shared by every engine on this model
-        self.fused_projections = model.config.model_type in FUSED_TYPES  # q/k/v, gate/up one linear each
+        self.model_type = model.config.model_type
         self.multipliers = Multipliers.of(model)  # Granite's and Gemma's scalars (1.0 elsewhere)
-        # Llama's norms: before attention and before the MLP alone, applying w after the cast (not Gemma's 1 + w)
-        self.plain_norms = model.config.model_type not in OFFSET_NORM_TYPES and all(
+        # Llama's norms: RMS, before attention and the MLP alone, w after the cast (not Gemma's 1 + w, LayerNorms)
+        self.plain_norms = model.config.model_type not in (*OFFSET_NORM_TYPES, *LAYER_NORM_TYPES) and all(
             layer.in_norm is not None and layer.out_norms is None for layer in self.layers
         )
         # whether each layer rotates its queries and keys (not SmolLM3's `no_rope_layers`, EXAONE 4's full layers)
@@ -162,7 +166,8 @@ class FastLlama:
         self.packed: q4_decode.PackedLayers | None = None
         if self.tp is None and self.dtype == torch.float32 and self.plain_layers:
             dims = (self.heads, self.kv_heads, self.head_dim)
-            self.packed = q4_decode.PackedLayers.of(self.layers, dims, self.norm, (self.lm_head, self.lm_head_s))
+            norm = (self.norm[0], self.norm[1])  # (an RMS norm's: `plain_layers`)
+            self.packed = q4_decode.PackedLayers.of(self.layers, dims, norm, (self.lm_head, self.lm_head_s))
         # residual adds with RMS norms, and SiLU with its product, in one kernel each (fused_norm.py; CUDA)
         self.fused_elementwise = fused_norm.wanted(self.device) and self.silu_layers and self.plain_norms
         self._warm_gemm()
@@ -322,7 +327,7 @@ class FastLlama:
         for index, layer in enumerate(self.layers):
             pre, post = layer.in_norm, layer.post_norm  # None: OLMo 2's layers (norms of the outputs alone)
             if fused and pre is not None:
-                x, h = fused_norm.add_rms_norm(x, residual, *pre)
+                x, h = fused_norm.add_rms_norm(x, residual, pre[0], pre[1])
             else:
                 h = x if pre is None else _rms(x, pre)
             qkv = _product(gemm, h, layer.qkv).contiguous()
@@ -350,7 +355,7 @@ class FastLlama:
             o = o if residual_factor == 1.0 else o * residual_factor
             o = o if layer.out_norms is None else _rms(o, layer.out_norms[0])
             if fused and post is not None:
-                x, h = fused_norm.add_rms_norm(x, o, *post)
+                x, h = fused_norm.add_rms_norm(x, o, post[0], post[1])
             else:
                 x = x + o
                 h = x if post is None else _rms(x, post)
@@ -358,7 +363,12 @@ class FastLlama:
             if lora is not None:
                 lora.apply(f"{index}.gate_up", h, gate_up)
             inter = layer.intermediate
-            h = fused_norm.silu_mul(gate_up, inter) if fused else layer.act(gate_up[:, :inter]) * gate_up[:, inter:]
+            if not layer.gated:  # (Starcoder2's MLP)
+                h = layer.act(gate_up)
+            elif fused:
+                h = fused_norm.silu_mul(gate_up, inter)
+            else:
+                h = layer.act(gate_up[:, :inter]) * gate_up[:, inter:]
             down = gemm.linear(h, layer.down_w, layer.down_b, layer.down_s)
             if lora is not None:
                 lora.apply(f"{index}.down", h, down)
@@ -375,7 +385,7 @@ class FastLlama:
     def lora_groups(self) -> list[LoraGroup]:
         """The groups `forward` applies adapters to: each layer's fused q/k/v, o, fused gate/up and down
         (``{layer}.qkv``, ...), their modules named as in the transformers model (`layout_variants.lora_groups`)."""
-        return lora_groups(self.layers, self.fused_projections, (self.heads, self.kv_heads, self.head_dim))
+        return lora_groups(self.layers, self.model_type, (self.heads, self.kv_heads, self.head_dim))
 
     def _row_padding(self, rows: int, pad_from: int) -> int:
         """Rows to add (on CPU, from `pad_from` rows) up to a multiple of 8 (`CpuGemm.row_padding`)."""

@@ -9,6 +9,8 @@ the loaded transformers model:
 - gemma and gemma3_text: RMS norms that scale by ``1 + w``, in float32 before the cast back (`norm_of`);
 - gemma3_text: norms of attention's and of the MLP's outputs too, before each is added ("sandwich" norms), and
   a RoPE table of its own for each kind of layer (local and global: `rope_kinds`);
+- starcoder2: LayerNorms with biases (`norm_of`) and an MLP that is not gated (`c_fc`, the activation,
+  `c_proj`: `projections`, `NON_GATED_TYPES`);
 - olmo2, olmo3 and exaone4: norms of attention's and the MLP's outputs alone, none of their inputs
   (`norm_layout`); olmo2's and olmo3's norms of the whole q and k projections (not of each head), with the
   weight applied before the cast back (`norm_of`); exaone4's norms of each head, and no RoPE on its full layers
@@ -29,10 +31,11 @@ from lmiserve.engine.lora.batch import LoraGroup
 
 SUPPORTED_TYPES = (
     "llama", "mistral", "ministral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "seed_oss", "gemma", "gemma3_text",
-    "olmo2", "olmo3", "exaone4",
+    "olmo2", "olmo3", "exaone4", "starcoder2",
 )  # fmt: skip
 FUSED_TYPES = ("phi3",)  # q/k/v and gate/up one linear each in the model already (`projections`)
 OFFSET_NORM_TYPES = ("gemma", "gemma3_text")  # RMS norms scaling by (1 + w) in float32 (`norm_of`)
+LAYER_NORM_TYPES = NON_GATED_TYPES = ("starcoder2",)  # LayerNorms with biases; an MLP without a gate
 PROJECTION_NORM_TYPES = ("olmo2", "olmo3")  # norms of the whole q and k projections, the weight before the cast
 UNSPLIT_TYPES = PROJECTION_NORM_TYPES  # what tensor parallelism does not split (engine/model/sharding.py)
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # RoPE types whose table does not depend on the length
@@ -83,6 +86,8 @@ def projections(model_type: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     q/k/v and gate/up apart, or (`FUSED_TYPES`) one linear each."""
     if model_type in FUSED_TYPES:
         return ("qkv_proj", "o_proj"), ("gate_up_proj", "down_proj")
+    if model_type in NON_GATED_TYPES:
+        return ("q_proj", "k_proj", "v_proj", "o_proj"), ("c_fc", "c_proj")
     return ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
 
 
@@ -92,13 +97,18 @@ def norm_eps(norm: object) -> float | None:
     return eps if isinstance(eps, float) else None
 
 
-def norm_of(norm: Any, model_type: str) -> tuple[torch.Tensor, float]:
-    """An RMS norm as `fast_llama._rms` applies it: its weight and epsilon. A float32 weight is applied before
-    the cast back: Gemma's ``1 + w`` (`OFFSET_NORM_TYPES`), OLMo 2's weight (`PROJECTION_NORM_TYPES`), as their
-    norms do."""
+NormWeight = tuple[torch.Tensor, float] | tuple[torch.Tensor, float, torch.Tensor]
+
+
+def norm_of(norm: Any, model_type: str) -> NormWeight:
+    """A norm as `fast_llama._rms` applies it: an RMS norm's weight and epsilon (a float32 weight is applied
+    before the cast back: Gemma's ``1 + w``, `OFFSET_NORM_TYPES`; OLMo 2's weight, `PROJECTION_NORM_TYPES`; as
+    their norms do), or a LayerNorm's weight, epsilon and bias (`LAYER_NORM_TYPES`)."""
     eps = norm_eps(norm)
     if eps is None:
         raise ValueError(f"{type(norm).__name__} has no epsilon")
+    if model_type in LAYER_NORM_TYPES:
+        return norm.weight, eps, norm.bias
     if model_type in OFFSET_NORM_TYPES:
         return 1.0 + norm.weight.detach().float(), eps
     if model_type in PROJECTION_NORM_TYPES:
@@ -164,8 +174,13 @@ def layer_norms_reason(layer: Any, model_type: str, shape: Any) -> str | None:
     """Why a decoder layer's norms are not what the fast forward applies (None: they are): RMS norms as
     `norm_layout` names them, and norms of the queries and of the keys both or neither: of each head
     (qwen3, gemma3_text, exaone4: both) or of the whole projections (`PROJECTION_NORM_TYPES`: both)."""
-    if any(norm_eps(getattr(layer, name, None)) is None for name in norm_names(layer)):
+    norms = [getattr(layer, name, None) for name in norm_names(layer)]
+    if any(norm_eps(norm) is None for norm in norms):
         return "a layer's norms are not RMS norms with a weight and an epsilon"
+    if model_type in LAYER_NORM_TYPES and not all(
+        isinstance(n, torch.nn.LayerNorm) and n.bias is not None for n in norms
+    ):
+        return "a layer's norms are not LayerNorms with biases"
     if model_type in ("olmo2", "olmo3") and norm_layout(layer) != "post":
         return "an OLMo 2 layer with norms of its inputs"
     attn = getattr(layer, "self_attn", None)
@@ -186,10 +201,10 @@ def _is_norm(norm: object, width: int) -> bool:
     return isinstance(weight, torch.Tensor) and tuple(weight.shape) == (width,) and norm_eps(norm) is not None
 
 
-def lora_groups(layers: Sequence[Any], fused: bool, shape: tuple[int, int, int]) -> list[LoraGroup]:
+def lora_groups(layers: Sequence[Any], model_type: str, shape: tuple[int, int, int]) -> list[LoraGroup]:
     """The groups `FastLlama` applies adapters to: each of `layers`' (`FusedLayer`) fused q/k/v, o, fused gate/up
-    and down (``{layer}.qkv``, ...), their modules named as in the transformers model; `fused`: Phi-3's names
-    (`projections`); `shape`: the heads, the KV heads and a head's width."""
+    and down (``{layer}.qkv``, ...), their modules named as in the transformers model (Phi-3's and Starcoder2's
+    names: `projections`); `shape`: the heads, the KV heads and a head's width."""
     heads, kv_heads, head_dim = shape
     q, kv = heads * head_dim, kv_heads * head_dim
     groups = []
@@ -205,12 +220,15 @@ def lora_groups(layers: Sequence[Any], fused: bool, shape: tuple[int, int, int])
             (f"{mlp}.gate_proj", 0, inter),
             (f"{mlp}.up_proj", inter, 2 * inter),
         )
-        if fused:  # (Phi-3's qkv_proj and gate_up_proj)
+        if model_type in FUSED_TYPES:  # (Phi-3's qkv_proj and gate_up_proj)
             qkv, gate_up = ((f"{attn}.qkv_proj", 0, q + 2 * kv),), ((f"{mlp}.gate_up_proj", 0, 2 * inter),)
+        elif model_type in NON_GATED_TYPES:  # (Starcoder2's c_fc)
+            gate_up = ((f"{mlp}.c_fc", 0, inter),)
+        down = projections(model_type)[1][-1]
         groups += [
             LoraGroup(f"{index}.qkv", qkv, hidden),
             LoraGroup(f"{index}.o", ((f"{attn}.o_proj", 0, hidden),), q),
             LoraGroup(f"{index}.gate_up", gate_up, hidden),
-            LoraGroup(f"{index}.down", ((f"{mlp}.down_proj", 0, hidden),), inter),
+            LoraGroup(f"{index}.down", ((f"{mlp}.{down}", 0, hidden),), inter),
         ]
     return groups

@@ -31,7 +31,15 @@ from lmiserve.engine.attention.windows import unsupported_kinds
 from lmiserve.engine.model import layout_variants
 from lmiserve.engine.model.int4_triton import Int4Scales, Int4TritonLinear
 from lmiserve.engine.model.layout_variants import FUSED_TYPES as FUSED_TYPES
-from lmiserve.engine.model.layout_variants import PROJECTION_NORM_TYPES, norm_layout, norm_names, norm_of, projections
+from lmiserve.engine.model.layout_variants import (
+    NON_GATED_TYPES,
+    PROJECTION_NORM_TYPES,
+    NormWeight,
+    norm_layout,
+    norm_names,
+    norm_of,
+    projections,
+)
 from lmiserve.engine.model.layout_variants import SUPPORTED_TYPES as SUPPORTED_TYPES
 from lmiserve.engine.model.quant_formats import Fp8Linear
 from lmiserve.engine.model.quantize import INT4_ROW_BLOCK, Int4Linear, Int8Linear, Q8Linear
@@ -162,7 +170,6 @@ def as_llama(model: PreTrainedModel) -> LlamaFamily:
 
 # ---- fused weights -------------------------------------------------------------------------------
 Scales = torch.Tensor | Int4Scales | None  # a product's scales: `_fuse`'s
-NormWeight = tuple[torch.Tensor, float]  # an RMS norm's weight and epsilon (`layout_variants.norm_of`)
 
 
 class Part(NamedTuple):
@@ -190,7 +197,9 @@ class FusedLayer:
         self.gate_up = _fuse_runs([getattr(mlp, name) for name in gate_up])
         self.o_w, self.o_b, self.o_s = _fuse([getattr(attn, o)])
         self.down_w, self.down_b, self.down_s = _fuse([getattr(mlp, down)])
-        self.act = mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn  # type: ignore[attr-defined]
+        act = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None) or getattr(mlp, "act", None)
+        self.act: Callable[[torch.Tensor], torch.Tensor] = cast(Callable[[torch.Tensor], torch.Tensor], act)
+        self.gated = model_type not in NON_GATED_TYPES  # act(gate) * up; else (Starcoder2's) act(c_fc)
         # the norms before attention and before the MLP (None: OLMo 2's, which has none), and those of attention's
         # and the MLP's outputs (Gemma 3's and OLMo 2's; None: none): `layout_variants.norm_layout`
         norms = [norm_of(getattr(layer, name), model_type) for name in norm_names(layer)]
@@ -203,7 +212,7 @@ class FusedLayer:
         else:
             self.in_norm, self.post_norm = norms[0], norms[1]
             self.out_norms = (norms[2], norms[3]) if layout == "sandwich" else None
-        self.intermediate = sum(part.outputs for part in self.gate_up) // 2  # gate's (and up's) outputs
+        self.intermediate = sum(part.outputs for part in self.gate_up) // (2 if self.gated else 1)  # gate's
         self.hidden = outputs_of(getattr(attn, o))  # o's and down's outputs
         # Qwen3's and Gemma 3's RMS norms of each query head and of each key head (one head's width), or None;
         # OLMo 2's of the whole q and k projections (`proj_norms`), or None
@@ -213,8 +222,8 @@ class FusedLayer:
         if q_norm is not None and k_norm is not None and model_type in PROJECTION_NORM_TYPES:
             self.proj_norms = (norm_of(q_norm, model_type), norm_of(k_norm, model_type))
         elif q_norm is not None and k_norm is not None:
-            (q_w, eps), (k_w, _) = norm_of(q_norm, model_type), norm_of(k_norm, model_type)
-            self.head_norms = (q_w, k_w, eps)
+            q, k = norm_of(q_norm, model_type), norm_of(k_norm, model_type)
+            self.head_norms = (q[0], k[0], q[1])
 
     @property
     def fused(self) -> bool:

@@ -224,7 +224,7 @@ def _rows(plan: ShardPlan) -> dict[str, list[slice]]:
     def after(part: slice, offset: int) -> slice:
         return slice(part.start + offset, part.stop + offset)
 
-    return {"q_proj": [q], "k_proj": [kv], "v_proj": [kv], "gate_proj": [inter], "up_proj": [inter],
+    return {"q_proj": [q], "k_proj": [kv], "v_proj": [kv], "gate_proj": [inter], "up_proj": [inter], "c_fc": [inter],
             "qkv_proj": [q, after(kv, q_all), after(kv, q_all + kv_all)],
             "gate_up_proj": [inter, after(inter, inter_all)]}  # fmt: skip
 
@@ -233,7 +233,8 @@ def _columns(plan: ShardPlan) -> dict[str, slice]:
     """The input columns of each row-parallel linear (by name) a rank keeps (o's: its heads'; down's: its part)."""
     d = plan.head_dim
     return {"o_proj": slice(plan.q_first * d, (plan.q_first + plan.q_heads) * d),
-            "down_proj": slice(plan.inter_first, plan.inter_first + plan.inter)}  # fmt: skip
+            "down_proj": slice(plan.inter_first, plan.inter_first + plan.inter),
+            "c_proj": slice(plan.inter_first, plan.inter_first + plan.inter)}  # fmt: skip
 
 
 def _runs(tensor: Any, runs: list[slice]) -> torch.Tensor:
