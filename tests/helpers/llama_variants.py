@@ -4,6 +4,7 @@ check them against `generate()` (tests/unit/test_fast_llama.py, tests/unit/test_
 from __future__ import annotations
 
 import asyncio
+import copy
 
 import torch
 from transformers import (
@@ -60,6 +61,16 @@ COMMON = dict(
     pad_token_id=3,
     bos_token_id=1,
 )
+LONGROPE = {
+    "partial_rotary_factor": 0.75,  # of heads of 16: 12 rotated
+    "max_position_embeddings": 1024,
+    "rope_parameters": {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0 + 0.1 * i for i in range(6)],
+        "long_factor": [2.0 + 0.7 * i for i in range(6)],
+    },
+}
 ARCHS = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
     "llama_scaled_rope": (
@@ -130,6 +141,9 @@ ARCHS = {
     # Starcoder2: LayerNorms with biases, an MLP without a gate (c_fc, GELU, c_proj), biases on every linear, a
     # window on every layer
     "starcoder2_window": (Starcoder2Config, Starcoder2ForCausalLM, {"sliding_window": 16}),
+    # Phi-4-mini: a rotary embedding over the first 3/4 of each head, LongRoPE (within its original length here:
+    # the short factors, scaled; tests/unit/test_fast_llama.py has the long ones)
+    "phi4_mini_longrope": (Phi3Config, Phi3ForCausalLM, {**LONGROPE, "original_max_position_embeddings": 256}),
 }
 PROMPTS = [
     "The quick brown fox",
@@ -142,7 +156,7 @@ PROMPTS = [
 
 def build(config_cls, model_cls, extra: dict, seed: int = 7):
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**COMMON, **extra)).eval()
+    model = model_cls(config_cls(**copy.deepcopy({**COMMON, **extra}))).eval()  # (transformers edits its dicts)
     kind = model.config.model_type
     with torch.no_grad():  # the heads' norms (Qwen3's) start at ones, biases and Gemma's norms at zeros: values
         for name, weight in model.named_parameters():

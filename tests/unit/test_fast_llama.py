@@ -44,10 +44,6 @@ def test_which_models_the_fast_path_covers():
     for name, (cfg, cls, extra) in ARCHS.items():
         assert unsupported_reason(build(cfg, cls, extra)) is None, name
     assert "phi" in unsupported_reason(generic_model("phi"))
-    partial = build(Phi3Config, Phi3ForCausalLM, {"partial_rotary_factor": 0.75})  # Phi-4-mini's rotary embedding
-    assert "part of each head (0.75)" in unsupported_reason(partial)
-    partial.config.partial_rotary_factor = None  # (said in the RoPE parameters alone)
-    assert "part of each head (0.75)" in unsupported_reason(partial)
     odd = build(Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32})  # a key norm over the whole projection
     odd.model.layers[1].self_attn.k_norm = Qwen3RMSNorm(64)
     assert "norms" in unsupported_reason(odd)
@@ -167,6 +163,7 @@ def test_fusing_weights_keeps_the_transformers_model_working_without_copies():
         ("olmo3_window", {"max_prefill_tokens": 4}, "fast"),
         ("exaone4_window", {"max_prefill_tokens": 4}, "fast"),  # no RoPE on the full layer
         ("starcoder2_window", {"max_prefill_tokens": 4}, "fast"),  # LayerNorms, an MLP without a gate
+        ("phi4_mini_longrope", {"max_prefill_tokens": 4}, "fast"),  # 3/4 of each head rotated, LongRoPE
         ("phi", {"max_prefill_tokens": 4}, "generic"),  # not covered by the fast forward: transformers'
         ("gpt2", {}, "generic"),
         ("qwen2_bias", {"max_prefill_tokens": 4}, "fast"),
@@ -326,6 +323,30 @@ def test_gemmas_norms_and_embeddings_round_as_transformers_do_in_bf16():
     ids = torch.tensor([5, 9, 300])
     assert fast.multipliers.embedding == 55.5
     assert torch.equal(torch.nn.functional.embedding(ids, fast.embed) * 55.5, model.model.embed_tokens(ids))
+
+
+@pytest.mark.parametrize("context", [300, 600], ids=["within-original", "past-original"])
+@torch.inference_mode()
+def test_longrope_takes_its_short_or_long_factors_from_the_served_context(context: int):
+    """LongRoPE (Phi-3.5-mini, Phi-4-mini; here over 3/4 of each head) with an original length of 300 (past the
+    first 256 positions a table is built for): served within it, the short factors (transformers' for a sequence
+    within it); served past it, the long factors at every position (transformers' for a sequence past it), as
+    vLLM chooses them."""
+    from helpers.llama_variants import LONGROPE
+
+    model = build(Phi3Config, Phi3ForCausalLM, {**LONGROPE, "original_max_position_embeddings": 300})
+    length = 300 if context == 300 else 310
+    seq = torch.randint(4, 512, (length,), generator=torch.Generator().manual_seed(3)).tolist()
+    reference = model(torch.tensor([seq])).logits[0]
+    fast = FastLlama(model, paged_cache(model, 84, 4), context)
+    assert fast.rope.rotary_dim == 12 and fast.packed is None and not fast.fused_elementwise
+    table = list(range(78))
+    out = fast.forward(StepInputs(chunks=[(table, 0, seq[:12])], keep=list(range(12))))  # a table of 256 rows
+    torch.testing.assert_close(out, reference[:12], rtol=1e-4, atol=1e-4)
+    out = fast.forward(StepInputs(chunks=[(table, 12, seq[12:-1])], keep=list(range(length - 13))))
+    torch.testing.assert_close(out, reference[12:-1], rtol=1e-4, atol=1e-4)
+    out = fast.forward(StepInputs([seq[-1]], [length - 1], [table], keep=[0]))
+    torch.testing.assert_close(out[0], reference[-1], rtol=1e-4, atol=1e-4)
 
 
 @torch.inference_mode()

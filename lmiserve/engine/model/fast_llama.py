@@ -50,7 +50,6 @@ from lmiserve.engine.model.layout_variants import (
     NormWeight,
     lora_groups,
     norm_of,
-    rope_kinds,
     rope_layers,
 )
 from lmiserve.engine.model.llama_layout import (
@@ -90,6 +89,9 @@ def _rms(x: torch.Tensor, norm: NormWeight) -> torch.Tensor:
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """transformers' ``x * cos + rotate_half(x) * sin`` with the sign folded into the table
     (``(-a) * b == a * (-b)`` exactly, so the values are bit-identical, one op fewer)."""
+    rotary = cos.shape[-1]  # (a head's first part, Phi-4-mini's: the rest passes unrotated)
+    if rotary != x.shape[-1]:
+        return torch.cat([_rotate(x[..., :rotary], cos, signed_sin), x[..., rotary:]], dim=-1)
     half = x.shape[-1] // 2
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
 
@@ -151,8 +153,8 @@ class FastLlama:
         self.lm_head_s = head.scales if isinstance(head, (Int8Linear, Int4Linear, Q8Linear)) else None
         self.vocab = outputs_of(head)  # the logits' width
         self._max_context = max_context
-        kinds, self.rope_kind = rope_kinds(model)  # each layer's RoPE table (Gemma 3's local and global)
-        self.rope = RopeTables(inner.rotary_emb, kinds, self.head_dim, self.dtype, self.device, max_context)
+        # each layer's RoPE table (Gemma 3's local and global), over a head or its first part (Phi-4-mini's)
+        self.rope, self.rope_kind = RopeTables.of(model, self.head_dim, max_context)
         self._gemm = gemm if gemm is not None else CpuGemm.for_model(self.device, self.dtype)
         # the step's attention (engine/attention/backends.py): Triton on CUDA, the compiled kernel on CPU fp32
         self.attention: backends.AttentionBackend = self._scaled(
@@ -177,7 +179,8 @@ class FastLlama:
         """Whether every layer is a Llama layer as q4_decode's kernels compute it: rotated, without norms of
         the heads (Qwen3's), multipliers (Granite's) or Gemma's norms."""
         heads = all(n is None for n in self.head_norms)
-        return all(self.rope_layers) and heads and self.multipliers.plain and self.plain_norms
+        whole = self.rope.rotary_dim == self.head_dim
+        return all(self.rope_layers) and whole and heads and self.multipliers.plain and self.plain_norms
 
     @property
     def silu_layers(self) -> bool:
@@ -338,12 +341,12 @@ class FastLlama:
                 qkv = torch.cat([_rms(qkv[:, :q_size], q_norm), _rms(qkv[:, q_size:v_at], k_norm), qkv[:, v_at:]], -1)
             head_norm, rope, kind = self.head_norms[index], self.rope_layers[index], self.rope_kind[index]
             c, s = (cos, sin) if cos.shape[1] == 1 else (cos[:, kind : kind + 1], sin[:, kind : kind + 1])
-            if fused and head_norm is None and rope:
+            if fused and head_norm is None and rope and c.shape[-1] == self.head_dim:
                 qk = fused_norm.rope(qkv, c, s, self.heads + self.kv_heads, self.head_dim)
             else:
                 qk = qkv[:, : q_size + kv_size].view(-1, self.heads + self.kv_heads, self.head_dim)
                 qk = qk if head_norm is None else _rms(qk, head_norm)
-                qk = _rotate(qk, c, s) if rope else qk
+                qk = _rotate(qk, c, s) if rope else qk  # (over the head's first part: Phi-4-mini's)
             q, k = qk[:, : self.heads], qk[:, self.heads :]
             v = qkv[:, q_size + kv_size :].view(-1, self.kv_heads, self.head_dim)
             attn = self.attention.forward(index, q, k, v, meta)

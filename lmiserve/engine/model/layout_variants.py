@@ -1,7 +1,8 @@
 """What each architecture `FastLlama` runs adds to the Llama layout (engine/model/llama_layout.py), read from
 the loaded transformers model:
 
-- phi3: q/k/v and gate/up one linear each already (`projections`);
+- phi3: q/k/v and gate/up one linear each already (`projections`); a rotary embedding over a head's first
+  part (Phi-4-mini's `partial_rotary_factor`) and LongRoPE are the RoPE tables' (engine/model/rope_tables.py);
 - qwen3 and gemma3_text: an RMS norm over each query head and each key head before RoPE (`head_norms_reason`);
 - granite: four scalars; gemma and gemma3_text: the embeddings scaled by the square root of the hidden size
   (rounded to the weights' dtype, as transformers does); gemma3_text: attention's scale from
@@ -38,7 +39,8 @@ OFFSET_NORM_TYPES = ("gemma", "gemma3_text")  # RMS norms scaling by (1 + w) in 
 LAYER_NORM_TYPES = NON_GATED_TYPES = ("starcoder2",)  # LayerNorms with biases; an MLP without a gate
 PROJECTION_NORM_TYPES = ("olmo2", "olmo3")  # norms of the whole q and k projections, the weight before the cast
 UNSPLIT_TYPES = PROJECTION_NORM_TYPES  # what tensor parallelism does not split (engine/model/sharding.py)
-STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # RoPE types whose table does not depend on the length
+# RoPE types whose table is built once (LongRoPE's factors chosen from the served context: rope_tables.py)
+STATIC_ROPE = ("default", "linear", "llama3", "yarn", "longrope")
 # a layer's norms by `norm_layout`: Llama's (before attention, before the MLP), Gemma 3's sandwich, OLMo 2's after
 _NORMS = {
     "pre": ("input_layernorm", "post_attention_layernorm"),
@@ -160,13 +162,6 @@ def rope_reason(model: Any) -> str | None:
         return f"RoPE type {types!r}"
     if isinstance(types, dict) and not set(model.config.layer_types) <= set(types):
         return f"no RoPE table for some layer kinds ({sorted(set(model.config.layer_types) - set(types))})"
-    config = model.config
-    parameters = getattr(config, "rope_parameters", None)
-    partial = getattr(config, "partial_rotary_factor", None) or (
-        parameters.get("partial_rotary_factor") if isinstance(parameters, dict) else None
-    )
-    if partial not in (None, 1, 1.0):
-        return f"a rotary embedding over part of each head ({partial})"
     return None
 
 

@@ -3,7 +3,8 @@ model has it (`unsupported_reason`), and its layers' weights fused for one produ
 
 Covers llama, mistral, ministral (windows on some layers), qwen2 (biases), seed_oss (biases, o's and the MLP's
 too), and what engine/model/layout_variants.py reads of the others: qwen3's and gemma3_text's norms of each
-query and key head (`FusedLayer.head_norms`), phi3's fused linears (`qkv_proj`, `gate_up_proj`), smollm3's
+query and key head (`FusedLayer.head_norms`), phi3's fused linears (`qkv_proj`, `gate_up_proj`; partial rotary
+embeddings and LongRoPE: engine/model/rope_tables.py), smollm3's
 layers without RoPE, granite's and Gemma's scalars, Gemma's ``1 + w`` norms and Gemma 3's norms of attention's
 and the MLP's outputs (`FusedLayer.out_norms`) and RoPE tables by kind of layer; with the RoPE types whose
 table does not depend on the sequence length; a sliding window (Mistral's ``sliding_window``, Qwen2's

@@ -3,16 +3,27 @@ built with the model's own rotary module (so its scaling and its dtype's roundin
 table per kind of layer where the model has several (Gemma 3's local and global layers:
 `layout_variants.rope_kinds`).
 
-A table is ``[positions, kinds, head_dim]``: the rows of a step's positions are ``[T, kinds, head_dim]``, and
-a layer's are its kind's ``[T, 1, head_dim]`` (the shape that broadcasts over the heads). The sine's first
-half is negated, folding `rotate_half`'s sign into the table (`fast_llama._rotate`).
+A table is ``[positions, kinds, rotary_dim]``: the rows of a step's positions are ``[T, kinds, rotary_dim]``,
+and a layer's are its kind's ``[T, 1, rotary_dim]`` (the shape that broadcasts over the heads). The rotary
+width is a head's, or its first part (Phi-4-mini's ``partial_rotary_factor``: the rest of the head passes
+unrotated). The sine's first half is negated, folding `rotate_half`'s sign into the table
+(`fast_llama._rotate`).
+
+**LongRoPE** (Phi-3.5-mini, Phi-3-mini-128k, Phi-4-mini): transformers' module takes the short factors in a
+call whose positions stay within ``original_max_position_embeddings``, the long ones past it, whatever the
+earlier tokens were rotated with. Here the choice is made once, from the served context, as vLLM does (its
+PR 27431): the short factors when the context is within the original length (a table exactly
+transformers'), the long ones for every position otherwise (transformers' for any call reaching past it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
+
+from lmiserve.engine.model.layout_variants import rope_kinds
 
 
 class RopeTables:
@@ -20,15 +31,35 @@ class RopeTables:
         self,
         rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]],
         kinds: tuple[str | None, ...],
-        head_dim: int,
+        rotary_dim: int,
         dtype: torch.dtype,
         device: torch.device,
         max_context: int,
+        long_past: int | None = None,
     ) -> None:
-        """`rotary`: the model's rotary module (called with a kind of layer where `kinds` names them)."""
-        self._rotary, self.kinds, self.head_dim = rotary, kinds, head_dim
-        self._dtype, self._device, self._max_context = dtype, device, max_context
-        self.cos = self.sin = torch.empty(0, len(kinds), head_dim, dtype=dtype, device=device)
+        """`rotary`: the model's rotary module (called with a kind of layer where `kinds` names them);
+        `long_past`: a LongRoPE model's original length, when every position takes the long factors."""
+        self._rotary, self.kinds, self.rotary_dim = rotary, kinds, rotary_dim
+        self._dtype, self._device, self._max_context, self._long_past = dtype, device, max_context, long_past
+        self.cos = self.sin = torch.empty(0, len(kinds), rotary_dim, dtype=dtype, device=device)
+
+    @classmethod
+    def of(cls, model: Any, head_dim: int, max_context: int) -> tuple[RopeTables, list[int]]:
+        """`model`'s tables for a served context of `max_context` positions, and each layer's kind among them."""
+        config = model.config
+        parameters = getattr(config, "rope_parameters", None) or {}
+        partial = getattr(config, "partial_rotary_factor", None) or parameters.get("partial_rotary_factor") or 1.0
+        rotary = model.model.rotary_emb
+        original = parameters.get("original_max_position_embeddings") or getattr(
+            config, "original_max_position_embeddings", None
+        )
+        original = int(original or 0)
+        long = getattr(rotary, "rope_type", None) == "longrope" and 0 < original < max_context
+        kinds, layer_kinds = rope_kinds(model)
+        long_past = original if long else None
+        return cls(
+            rotary, kinds, int(head_dim * partial), model.dtype, model.device, max_context, long_past
+        ), layer_kinds
 
     def upto(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The tables (cos, signed sin), grown to cover positions ``0..positions-1`` (at least doubling, up to
@@ -36,14 +67,17 @@ class RopeTables:
         have = self.cos.shape[0]
         if positions > have:
             new = max(positions, min(max(2 * have, 256), max(self._max_context, positions)))
-            ids = torch.arange(have, new, device=self._device)[None]
+            ids = torch.arange(have, new, device=self._device)
+            if self._long_past is not None:  # a last position past the original length: the long factors
+                ids = torch.cat([ids, ids.new_tensor([max(self._long_past, new)])])
             probe = torch.empty(0, dtype=self._dtype, device=self._device)
-            half = self.head_dim // 2
+            half = self.rotary_dim // 2
             cos, sin = [], []
             for kind in self.kinds:
-                c, s = self._rotary(probe, ids) if kind is None else self._rotary(probe, ids, kind)
-                cos.append(c[0])
-                sin.append(torch.cat((-s[0][:, :half], s[0][:, half:]), dim=-1))
+                c, s = self._rotary(probe, ids[None]) if kind is None else self._rotary(probe, ids[None], kind)
+                c, s = c[0][: new - have], s[0][: new - have]
+                cos.append(c)
+                sin.append(torch.cat((-s[:, :half], s[:, half:]), dim=-1))
             self.cos = torch.cat([self.cos, torch.stack(cos, dim=1)])
             self.sin = torch.cat([self.sin, torch.stack(sin, dim=1)])
         return self.cos, self.sin
