@@ -88,12 +88,13 @@ def _rms(x: torch.Tensor, norm: NormWeight) -> torch.Tensor:
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """transformers' ``x * cos + rotate_half(x) * sin`` with the sign folded into the table
-    (``(-a) * b == a * (-b)`` exactly, so the values are bit-identical, one op fewer)."""
+    (``(-a) * b == a * (-b)`` exactly, so the values are bit-identical, one op fewer), in the table's dtype and
+    cast back to x's (OLMo 2's module gives float32 tables: its rotation runs in float32)."""
     rotary = cos.shape[-1]  # (a head's first part, Phi-4-mini's: the rest passes unrotated)
     if rotary != x.shape[-1]:
         return torch.cat([_rotate(x[..., :rotary], cos, signed_sin), x[..., rotary:]], dim=-1)
     half = x.shape[-1] // 2
-    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
+    return (x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin).to(x.dtype)
 
 
 def _product(gemm: CpuGemm, x: torch.Tensor, parts: Sequence[Part]) -> torch.Tensor:
