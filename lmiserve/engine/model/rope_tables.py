@@ -11,9 +11,10 @@ unrotated). The sine's first half is negated, folding `rotate_half`'s sign into 
 
 **LongRoPE** (Phi-3.5-mini, Phi-3-mini-128k, Phi-4-mini): transformers' module takes the short factors in a
 call whose positions stay within ``original_max_position_embeddings``, the long ones past it, whatever the
-earlier tokens were rotated with. Here the choice is made once, from the served context, as vLLM does (its
-PR 27431): the short factors when the context is within the original length (a table exactly
-transformers'), the long ones for every position otherwise (transformers' for any call reaching past it).
+earlier tokens were rotated with. Here the choice is made once, from the context the engine serves (the
+model's), as vLLM makes it from its ``max_model_len`` (its PR 27431): the short factors when the context is
+within the original length (a table exactly transformers'), the long ones for every position otherwise
+(transformers' for any call reaching past it).
 """
 
 from __future__ import annotations
