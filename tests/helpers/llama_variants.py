@@ -14,6 +14,10 @@ from transformers import (
     Gemma3TextConfig,
     GemmaConfig,
     GemmaForCausalLM,
+    Glm4Config,
+    Glm4ForCausalLM,
+    GlmConfig,
+    GlmForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     GraniteConfig,
@@ -144,6 +148,10 @@ ARCHS = {
     # Phi-4-mini: a rotary embedding over the first 3/4 of each head, LongRoPE (within its original length here:
     # the short factors, scaled; tests/unit/test_fast_llama.py has the long ones)
     "phi4_mini_longrope": (Phi3Config, Phi3ForCausalLM, {**LONGROPE, "original_max_position_embeddings": 256}),
+    # GLM (GLM-4-9B-chat-hf): RoPE by neighbouring pairs over half of each head, q/k/v biases, gate/up one linear;
+    # GLM-4 (GLM-4-9B/32B-0414): with norms of attention's and the MLP's outputs too
+    "glm": (GlmConfig, GlmForCausalLM, {"attention_bias": True}),
+    "glm4": (Glm4Config, Glm4ForCausalLM, {"attention_bias": True}),
 }
 PROMPTS = [
     "The quick brown fox",
@@ -163,7 +171,7 @@ def build(config_cls, model_cls, extra: dict, seed: int = 7):
             if kind.startswith("gemma") and name.endswith("norm.weight"):  # (scaling by 1 + w)
                 weight.uniform_(-0.5, 0.5)
             elif name.endswith(("q_norm.weight", "k_norm.weight")) or (
-                kind in ("olmo2", "olmo3", "exaone4", "starcoder2") and name.endswith("norm.weight")
+                kind in ("olmo2", "olmo3", "exaone4", "starcoder2", "glm4") and name.endswith("norm.weight")
             ):
                 weight.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):

@@ -164,7 +164,8 @@ def variant_answers(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
 # attention's and the MLP's outputs (after their all-reduce), two RoPE tables, the logits' soft cap; exaone4_window:
 # no norms of the layers' inputs, no RoPE on the full layer; phi3_window: q/k/v and gate/up one linear each (each
 # rank's runs of rows of each read from the checkpoint); starcoder2_window: c_fc and c_proj split as gate and down,
-# LayerNorms' biases on every rank, c_proj's bias added by one; phi4_mini_longrope: 3/4 of each head rotated
+# LayerNorms' biases on every rank, c_proj's bias added by one; phi4_mini_longrope: 3/4 of each head rotated;
+# glm4: gate_up_proj by runs, RoPE by pairs
 @pytest.fixture(
     params=[
         "kv-split",
@@ -177,6 +178,7 @@ def variant_answers(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
         "phi3_window",
         "starcoder2_window",
         "phi4_mini_longrope",
+        "glm4",
     ]
 )
 def answers(

@@ -164,6 +164,8 @@ def test_fusing_weights_keeps_the_transformers_model_working_without_copies():
         ("exaone4_window", {"max_prefill_tokens": 4}, "fast"),  # no RoPE on the full layer
         ("starcoder2_window", {"max_prefill_tokens": 4}, "fast"),  # LayerNorms, an MLP without a gate
         ("phi4_mini_longrope", {"max_prefill_tokens": 4}, "fast"),  # 3/4 of each head rotated, LongRoPE
+        ("glm", {"max_prefill_tokens": 4}, "fast"),  # RoPE by pairs over half of each head
+        ("glm4", {"max_prefill_tokens": 4}, "fast"),  # and the outputs' norms
         ("phi", {"max_prefill_tokens": 4}, "generic"),  # not covered by the fast forward: transformers'
         ("gpt2", {}, "generic"),
         ("qwen2_bias", {"max_prefill_tokens": 4}, "fast"),
@@ -449,9 +451,10 @@ def test_a_kernel_that_cannot_compile_falls_back_to_the_torch_attention(monkeypa
     torch.testing.assert_close(out[0], reference, rtol=1e-4, atol=1e-4)
 
 
-ADAPTED = {  # Phi-3's q/k/v and gate/up one linear each; Starcoder2's MLP without a gate
+ADAPTED = {  # Phi-3's q/k/v and gate/up one linear each; Starcoder2's MLP without a gate; GLM-4's gate/up one
     "phi3_window": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
     "starcoder2_window": ("q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"),
+    "glm4": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"),  # q/k/v apart, gate/up one
 }
 
 

@@ -159,3 +159,4 @@ def test_float_models_and_biased_int4_layers_keep_the_op_by_op_path():
     assert _fast(_int4("gemma3_window")).packed is None  # and the norms of attention's and the MLP's outputs
     assert _fast(_int4("olmo2")).packed is None  # norms of the outputs alone, of the whole q and k
     assert _fast(_int4("starcoder2_window")).packed is None  # LayerNorms, an MLP without a gate
+    assert _fast(_int4("glm")).packed is None  # RoPE by pairs over half of each head

@@ -86,14 +86,17 @@ def _rms(x: torch.Tensor, norm: NormWeight) -> torch.Tensor:
     return (h * weight).to(dtype) if weight.dtype == torch.float32 else weight * h.to(dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, pairs: bool = False) -> torch.Tensor:
     """transformers' ``x * cos + rotate_half(x) * sin`` with the sign folded into the table
     (``(-a) * b == a * (-b)`` exactly, so the values are bit-identical, one op fewer), in the table's dtype and
-    cast back to x's (OLMo 2's module gives float32 tables: its rotation runs in float32)."""
+    cast back to x's (OLMo 2's module gives float32 tables: its rotation runs in float32); `pairs`: GLM's rotation
+    of neighbours (each pair's partner swapped in, `rope_tables`)."""
     rotary = cos.shape[-1]  # (a head's first part, Phi-4-mini's: the rest passes unrotated)
     if rotary != x.shape[-1]:
-        return torch.cat([_rotate(x[..., :rotary], cos, signed_sin), x[..., rotary:]], dim=-1)
+        return torch.cat([_rotate(x[..., :rotary], cos, signed_sin, pairs), x[..., rotary:]], dim=-1)
     half = x.shape[-1] // 2
+    if pairs:  # (GLM's: each neighbour's partner swapped in)
+        return (x * cos + x.reshape(*x.shape[:-1], half, 2).flip(-1).flatten(-2) * signed_sin).to(x.dtype)
     return (x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin).to(x.dtype)
 
 
@@ -180,7 +183,7 @@ class FastLlama:
         """Whether every layer is a Llama layer as q4_decode's kernels compute it: rotated, without norms of
         the heads (Qwen3's), multipliers (Granite's) or Gemma's norms."""
         heads = all(n is None for n in self.head_norms)
-        whole = self.rope.rotary_dim == self.head_dim
+        whole = self.rope.rotary_dim == self.head_dim and not self.rope.interleaved
         return all(self.rope_layers) and whole and heads and self.multipliers.plain and self.plain_norms
 
     @property
@@ -342,12 +345,12 @@ class FastLlama:
                 qkv = torch.cat([_rms(qkv[:, :q_size], q_norm), _rms(qkv[:, q_size:v_at], k_norm), qkv[:, v_at:]], -1)
             head_norm, rope, kind = self.head_norms[index], self.rope_layers[index], self.rope_kind[index]
             c, s = (cos, sin) if cos.shape[1] == 1 else (cos[:, kind : kind + 1], sin[:, kind : kind + 1])
-            if fused and head_norm is None and rope and c.shape[-1] == self.head_dim:
+            if fused and head_norm is None and rope and c.shape[-1] == self.head_dim and not self.rope.interleaved:
                 qk = fused_norm.rope(qkv, c, s, self.heads + self.kv_heads, self.head_dim)
             else:
                 qk = qkv[:, : q_size + kv_size].view(-1, self.heads + self.kv_heads, self.head_dim)
                 qk = qk if head_norm is None else _rms(qk, head_norm)
-                qk = _rotate(qk, c, s) if rope else qk  # (over the head's first part: Phi-4-mini's)
+                qk = _rotate(qk, c, s, self.rope.interleaved) if rope else qk  # (a head's first part: Phi-4-mini's)
             q, k = qk[:, : self.heads], qk[:, self.heads :]
             v = qkv[:, q_size + kv_size :].view(-1, self.kv_heads, self.head_dim)
             attn = self.attention.forward(index, q, k, v, meta)

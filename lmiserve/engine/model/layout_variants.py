@@ -12,6 +12,9 @@ the loaded transformers model:
   a RoPE table of its own for each kind of layer (local and global: `rope_kinds`);
 - starcoder2: LayerNorms with biases (`norm_of`) and an MLP that is not gated (`c_fc`, the activation,
   `c_proj`: `projections`, `NON_GATED_TYPES`);
+- glm and glm4: q/k/v apart, gate/up one linear (`projections`), RoPE over half of each head by interleaved
+  pairs (`INTERLEAVED_ROPE_TYPES`: engine/model/rope_tables.py); glm4: norms of attention's and the MLP's outputs
+  too (`norm_layout` "glm": `post_self_attn_layernorm`, `post_mlp_layernorm`);
 - olmo2, olmo3 and exaone4: norms of attention's and the MLP's outputs alone, none of their inputs
   (`norm_layout`); olmo2's and olmo3's norms of the whole q and k projections (not of each head), with the
   weight applied before the cast back (`norm_of`); exaone4's norms of each head, and no RoPE on its full layers
@@ -32,11 +35,12 @@ from lmiserve.engine.lora.batch import LoraGroup
 
 SUPPORTED_TYPES = (
     "llama", "mistral", "ministral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "seed_oss", "gemma", "gemma3_text",
-    "olmo2", "olmo3", "exaone4", "starcoder2",
+    "olmo2", "olmo3", "exaone4", "starcoder2", "glm", "glm4",
 )  # fmt: skip
 FUSED_TYPES = ("phi3",)  # q/k/v and gate/up one linear each in the model already (`projections`)
 OFFSET_NORM_TYPES = ("gemma", "gemma3_text")  # RMS norms scaling by (1 + w) in float32 (`norm_of`)
 LAYER_NORM_TYPES = NON_GATED_TYPES = ("starcoder2",)  # LayerNorms with biases; an MLP without a gate
+INTERLEAVED_ROPE_TYPES = ("glm", "glm4")  # RoPE by pairs (2i, 2i + 1), not by halves; gate/up one linear
 PROJECTION_NORM_TYPES = ("olmo2", "olmo3")  # norms of the whole q and k projections, the weight before the cast
 UNSPLIT_TYPES = PROJECTION_NORM_TYPES  # what tensor parallelism does not split (engine/model/sharding.py)
 # RoPE types whose table is built once (LongRoPE's factors chosen from the served context: rope_tables.py)
@@ -48,6 +52,7 @@ _NORMS = {
         "input_layernorm", "pre_feedforward_layernorm", "post_attention_layernorm", "post_feedforward_layernorm"
     ),
     "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
+    "glm": ("input_layernorm", "post_attention_layernorm", "post_self_attn_layernorm", "post_mlp_layernorm"),
 }  # fmt: skip
 
 
@@ -90,6 +95,8 @@ def projections(model_type: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
         return ("qkv_proj", "o_proj"), ("gate_up_proj", "down_proj")
     if model_type in NON_GATED_TYPES:
         return ("q_proj", "k_proj", "v_proj", "o_proj"), ("c_fc", "c_proj")
+    if model_type in INTERLEAVED_ROPE_TYPES:
+        return ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_up_proj", "down_proj")
     return ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
 
 
@@ -124,6 +131,8 @@ def norm_layout(layer: object) -> str:
     `post_feedforward_layernorm` on the MLP's) or ``post`` (OLMo 2's: on attention's and the MLP's outputs alone)."""
     if getattr(layer, "input_layernorm", None) is None:
         return "post"
+    if getattr(layer, "post_self_attn_layernorm", None) is not None:  # GLM-4's sandwich, by other names
+        return "glm"
     return "sandwich" if getattr(layer, "pre_feedforward_layernorm", None) is not None else "pre"
 
 
@@ -198,31 +207,25 @@ def _is_norm(norm: object, width: int) -> bool:
 
 def lora_groups(layers: Sequence[Any], model_type: str, shape: tuple[int, int, int]) -> list[LoraGroup]:
     """The groups `FastLlama` applies adapters to: each of `layers`' (`FusedLayer`) fused q/k/v, o, fused gate/up
-    and down (``{layer}.qkv``, ...), their modules named as in the transformers model (Phi-3's and Starcoder2's
-    names: `projections`); `shape`: the heads, the KV heads and a head's width."""
+    and down (``{layer}.qkv``, ...), their modules named as in the transformers model (Phi-3's, Starcoder2's and
+    GLM's names: `projections`); `shape`: the heads, the KV heads and a head's width."""
     heads, kv_heads, head_dim = shape
     q, kv = heads * head_dim, kv_heads * head_dim
     groups = []
     for index, layer in enumerate(layers):
         at = f"model.layers.{index}"
         attn, mlp, inter, hidden = f"{at}.self_attn", f"{at}.mlp", layer.intermediate, layer.hidden
-        qkv: tuple[tuple[str, int, int], ...] = (
-            (f"{attn}.q_proj", 0, q),
-            (f"{attn}.k_proj", q, q + kv),
-            (f"{attn}.v_proj", q + kv, q + 2 * kv),
-        )
-        gate_up: tuple[tuple[str, int, int], ...] = (
-            (f"{mlp}.gate_proj", 0, inter),
-            (f"{mlp}.up_proj", inter, 2 * inter),
-        )
-        if model_type in FUSED_TYPES:  # (Phi-3's qkv_proj and gate_up_proj)
-            qkv, gate_up = ((f"{attn}.qkv_proj", 0, q + 2 * kv),), ((f"{mlp}.gate_up_proj", 0, 2 * inter),)
-        elif model_type in NON_GATED_TYPES:  # (Starcoder2's c_fc)
-            gate_up = ((f"{mlp}.c_fc", 0, inter),)
-        down = projections(model_type)[1][-1]
+        (*qkv_names, o), (*gate_up_names, down) = projections(model_type)
+        qkv: tuple[tuple[str, int, int], ...] = ((f"{attn}.{qkv_names[0]}", 0, q + 2 * kv),)  # (Phi-3's qkv_proj)
+        if len(qkv_names) == 3:
+            qkv = tuple((f"{attn}.{n}", a, b) for n, a, b in zip(qkv_names, (0, q, q + kv), (q, q + kv, q + 2 * kv)))
+        outputs = 2 * inter if model_type not in NON_GATED_TYPES else inter  # (one linear: gate/up, or c_fc)
+        gate_up: tuple[tuple[str, int, int], ...] = ((f"{mlp}.{gate_up_names[0]}", 0, outputs),)
+        if len(gate_up_names) == 2:
+            gate_up = ((f"{mlp}.{gate_up_names[0]}", 0, inter), (f"{mlp}.{gate_up_names[1]}", inter, 2 * inter))
         groups += [
             LoraGroup(f"{index}.qkv", qkv, hidden),
-            LoraGroup(f"{index}.o", ((f"{attn}.o_proj", 0, hidden),), q),
+            LoraGroup(f"{index}.o", ((f"{attn}.{o}", 0, hidden),), q),
             LoraGroup(f"{index}.gate_up", gate_up, hidden),
             LoraGroup(f"{index}.down", ((f"{mlp}.{down}", 0, hidden),), inter),
         ]

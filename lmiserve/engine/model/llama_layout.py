@@ -212,7 +212,7 @@ class FusedLayer:
             self.out_norms = (norms[0], norms[1])
         else:
             self.in_norm, self.post_norm = norms[0], norms[1]
-            self.out_norms = (norms[2], norms[3]) if layout == "sandwich" else None
+            self.out_norms = (norms[2], norms[3]) if layout in ("sandwich", "glm") else None
         self.intermediate = sum(part.outputs for part in self.gate_up) // (2 if self.gated else 1)  # gate's
         self.hidden = outputs_of(getattr(attn, o))  # o's and down's outputs
         # Qwen3's and Gemma 3's RMS norms of each query head and of each key head (one head's width), or None;

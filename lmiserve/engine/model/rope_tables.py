@@ -15,6 +15,9 @@ earlier tokens were rotated with. Here the choice is made once, from the context
 model's), as vLLM makes it from its ``max_model_len`` (its PR 27431): the short factors when the context is
 within the original length (a table exactly transformers'), the long ones for every position otherwise
 (transformers' for any call reaching past it).
+
+**GLM** rotates pairs of neighbours, ``(2i, 2i + 1)``, not the two halves of the rotary width: its tables repeat
+each frequency twice, the sine's even columns negated (`fast_llama._rotate` with ``pairs``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any
 
 import torch
 
-from lmiserve.engine.model.layout_variants import rope_kinds
+from lmiserve.engine.model.layout_variants import INTERLEAVED_ROPE_TYPES, rope_kinds
 
 
 class RopeTables:
@@ -43,6 +46,7 @@ class RopeTables:
         self._rotary, self.kinds, self.rotary_dim = rotary, kinds, rotary_dim
         self._dtype, self._device, self._max_context, self._long_past = dtype, device, max_context, long_past
         self.cos = self.sin = torch.empty(0, len(kinds), rotary_dim, dtype=dtype, device=device)
+        self.interleaved = False  # GLM's RoPE by pairs (2i, 2i + 1): tables repeating each frequency twice
 
     @classmethod
     def of(cls, model: Any, head_dim: int, max_context: int) -> tuple[RopeTables, list[int]]:
@@ -58,9 +62,9 @@ class RopeTables:
         long = getattr(rotary, "rope_type", None) == "longrope" and 0 < original < max_context
         kinds, layer_kinds = rope_kinds(model)
         long_past = original if long else None
-        return cls(
-            rotary, kinds, int(head_dim * partial), model.dtype, model.device, max_context, long_past
-        ), layer_kinds
+        tables = cls(rotary, kinds, int(head_dim * partial), model.dtype, model.device, max_context, long_past)
+        tables.interleaved = config.model_type in INTERLEAVED_ROPE_TYPES
+        return tables, layer_kinds
 
     def upto(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The tables (cos, signed sin), grown to cover positions ``0..positions-1`` (at least doubling, up to
@@ -77,6 +81,11 @@ class RopeTables:
             for kind in self.kinds:
                 c, s = self._rotary(probe, ids[None]) if kind is None else self._rotary(probe, ids[None], kind)
                 c, s = c[0][: new - have], s[0][: new - have]
+                if self.interleaved:  # (transformers' GLM: each frequency of the first half, twice)
+                    c, s = c[:, :half].repeat_interleave(2, dim=-1), s[:, :half].repeat_interleave(2, dim=-1)
+                    cos.append(c)
+                    sin.append(torch.stack((-s[:, 0::2], s[:, 1::2]), dim=-1).flatten(-2))
+                    continue
                 cos.append(c)
                 sin.append(torch.cat((-s[:, :half], s[:, half:]), dim=-1))
             self.cos = torch.cat([self.cos, torch.stack(cos, dim=1)])
