@@ -134,7 +134,7 @@ class FastLlama:
         self.model_type = model.config.model_type
         self.multipliers = Multipliers.of(model)  # Granite's and Gemma's scalars (1.0 elsewhere)
         # Llama's norms: RMS, before attention and the MLP alone, w after the cast (not Gemma's 1 + w, LayerNorms)
-        self.plain_norms = model.config.model_type not in (*OFFSET_NORM_TYPES, *LAYER_NORM_TYPES) and all(
+        self.plain_norms = self.model_type not in (*OFFSET_NORM_TYPES, *LAYER_NORM_TYPES) and all(
             layer.in_norm is not None and layer.out_norms is None for layer in self.layers
         )
         # whether each layer rotates its queries and keys (not SmolLM3's `no_rope_layers`, EXAONE 4's full layers)
@@ -149,7 +149,7 @@ class FastLlama:
             )
             for layer in self.layers
         ]
-        self.norm = norm_of(inner.norm, model.config.model_type)
+        self.norm = norm_of(inner.norm, self.model_type)
         head = llama.lm_head
         self.lm_head = head.weight
         # a quantized output projection: a speculative draft's (quantize.quantize_output_int8), an int4

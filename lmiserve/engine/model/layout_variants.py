@@ -185,7 +185,7 @@ def layer_norms_reason(layer: Any, model_type: str, shape: Any) -> str | None:
         isinstance(n, torch.nn.LayerNorm) and n.bias is not None for n in norms
     ):
         return "a layer's norms are not LayerNorms with biases"
-    if model_type in ("olmo2", "olmo3") and norm_layout(layer) != "post":
+    if model_type in PROJECTION_NORM_TYPES and norm_layout(layer) != "post":
         return "an OLMo 2 layer with norms of its inputs"
     attn = getattr(layer, "self_attn", None)
     norms = [getattr(attn, name, None) for name in ("q_norm", "k_norm")]

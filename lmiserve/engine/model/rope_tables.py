@@ -40,13 +40,14 @@ class RopeTables:
         device: torch.device,
         max_context: int,
         long_past: int | None = None,
+        interleaved: bool = False,
     ) -> None:
         """`rotary`: the model's rotary module (called with a kind of layer where `kinds` names them);
-        `long_past`: a LongRoPE model's original length, when every position takes the long factors."""
-        self._rotary, self.kinds, self.rotary_dim = rotary, kinds, rotary_dim
+        `long_past`: a LongRoPE model's original length, when every position takes the long factors;
+        `interleaved`: GLM's RoPE by pairs (2i, 2i + 1), its tables repeating each frequency twice."""
+        self._rotary, self.kinds, self.rotary_dim, self.interleaved = rotary, kinds, rotary_dim, interleaved
         self._dtype, self._device, self._max_context, self._long_past = dtype, device, max_context, long_past
         self.cos = self.sin = torch.empty(0, len(kinds), rotary_dim, dtype=dtype, device=device)
-        self.interleaved = False  # GLM's RoPE by pairs (2i, 2i + 1): tables repeating each frequency twice
 
     @classmethod
     def of(cls, model: Any, head_dim: int, max_context: int) -> tuple[RopeTables, list[int]]:
@@ -61,9 +62,10 @@ class RopeTables:
         original = int(original or 0)
         long = getattr(rotary, "rope_type", None) == "longrope" and 0 < original < max_context
         kinds, layer_kinds = rope_kinds(model)
-        long_past = original if long else None
-        tables = cls(rotary, kinds, int(head_dim * partial), model.dtype, model.device, max_context, long_past)
-        tables.interleaved = config.model_type in INTERLEAVED_ROPE_TYPES
+        tables = cls(
+            rotary, kinds, int(head_dim * partial), model.dtype, model.device, max_context,
+            long_past=original if long else None, interleaved=config.model_type in INTERLEAVED_ROPE_TYPES,
+        )  # fmt: skip
         return tables, layer_kinds
 
     def upto(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
