@@ -40,6 +40,7 @@ from lmiserve.engine.runner.fast import PagedFastRunner
 from lmiserve.engine.runner.persistent_batch import PersistentBatchRunner
 from lmiserve.engine.runner.sampling import sample_profile
 from lmiserve.engine.runner.vision import PagedVisionRunner, bidirectional_images, image_token_id, is_vision_model
+from lmiserve.engine.runner.vision_fast import PagedFastVisionRunner, fast_vision_reason
 from lmiserve.engine.speculative.proposers import DraftModelProposer, NgramProposer
 from lmiserve.engine.text.grammar_compiler import GrammarCompiler
 from lmiserve.engine.text.images import ImageCodec, PromptIds, probe_prompt
@@ -47,6 +48,7 @@ from lmiserve.engine.text.tokenizer import HfTokenizer
 from lmiserve.engine.text.validation import PromptCodec
 
 log = logging.getLogger(__name__)
+FastRunnerClass = type[PagedFastRunner] | type[PagedFastVisionRunner]  # lmiserve's forward: a text model's, a VLM's
 
 
 def run_profile_step(
@@ -149,10 +151,13 @@ def create_engine(
     config = _for_device(config, loaded.device)
     spec = config.speculation
     vision = is_vision_model(loaded.model)
-    why_not = "a vision-language model" if vision else fast_reason(loaded.model, fast_path=config.fast_path)
+    reason = fast_vision_reason if vision else fast_reason
+    why_not = reason(loaded.model, fast_path=config.fast_path)
     if vision and spec is not None:
         raise ValueError("speculative decoding is not served with a vision-language model")
-    fast_cls = PagedFastRunner if why_not is None and not config.batch_invariant else None
+    fast_cls: FastRunnerClass | None = None
+    if why_not is None and not config.batch_invariant:
+        fast_cls = PagedFastVisionRunner if vision else PagedFastRunner
     if fast_cls is None:
         refusal = generic.unsupported_reason(loaded.model)
         if refusal is not None:
@@ -331,7 +336,7 @@ def worker_config(config: EngineConfig, device: torch.device, local_ranks: int) 
 
 
 def _paged_runner(
-    loaded: LoadedModel, config: EngineConfig, num_blocks: int, fast_cls: type[PagedFastRunner] | None
+    loaded: LoadedModel, config: EngineConfig, num_blocks: int, fast_cls: FastRunnerClass | None
 ) -> PagedFastRunner | generic.PagedGenericRunner:
     """The runner of `loaded` over a pool of `num_blocks` blocks: the fast one (`fast_cls`) or, for another
     architecture, with fast_path=false or batch_invariant, transformers' forward over the blocks. The pool

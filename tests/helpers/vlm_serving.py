@@ -8,7 +8,9 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from helpers.tiny_vlm import reference_generate, tiny_image
+import torch
+
+from helpers.tiny_vlm import load_tiny_vlm, reference_generate, reference_inputs, tiny_image
 from lmiserve.core.media import Image
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine.core.async_engine import EngineConfig
@@ -87,6 +89,33 @@ def processed(loaded: LoadedModel, prompt: str, images: tuple[Image, ...]) -> li
 
 def reference(path: Path, prompt: str, images: tuple[Image, ...], tokens: int = TOKENS) -> list[int]:
     return reference_generate(path, prompt, [im.pixels for im in images], tokens)
+
+
+def forward_prompt_logprobs(path: Path, prompt: str, images: tuple[Image, ...]) -> tuple[list[int], torch.Tensor]:
+    """The processor's ids of the prompt and, for each position past the first, its token's logprob under
+    transformers' forward of the VLM (a fresh load of `path`)."""
+    model, _ = load_tiny_vlm(str(path))
+    inputs = reference_inputs(path, prompt, [im.pixels for im in images])
+    ids = inputs["input_ids"][0]
+    with torch.inference_mode():
+        logprobs = torch.log_softmax(model(**inputs).logits[0].float(), -1)
+    return ids.tolist(), torch.tensor([float(logprobs[p - 1, ids[p]]) for p in range(1, len(ids))])
+
+
+async def served_prompt_logprobs(
+    loaded: LoadedModel, config: EngineConfig, prompt: str, images: tuple[Image, ...]
+) -> tuple[list[int], torch.Tensor]:
+    """The prompt's ids and logprobs (past the first) as lmiserve's engine reports them (decoder_input_details)."""
+    engine = create_engine(loaded, config)
+    engine.start()
+    try:
+        params = SamplingParams(max_new_tokens=1, decoder_input_details=True)
+        events = [e async for e in engine.generate(GenerationRequest(prompt, params, images=images))]
+    finally:
+        await engine.stop()
+    finish = events[-1].finish
+    assert finish is not None and finish.prefill is not None and finish.error is None
+    return [t.id for t in finish.prefill], torch.tensor([t.logprob for t in finish.prefill[1:]])
 
 
 def config(**extra: Any) -> EngineConfig:

@@ -233,12 +233,18 @@ def test_a_vision_models_steps_never_wait_for_the_device(tiny_vlm_dir, monkeypat
     from lmiserve.engine.attention import cpu_kernel
     from lmiserve.engine.runner.generic import PagedGenericRunner
     from lmiserve.engine.runner.vision import PagedVisionRunner
+    from lmiserve.engine.runner.vision_fast import PagedFastVisionRunner
     from lmiserve.models.load import load_causal_lm
 
     monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "torch")
     monkeypatch.setattr(cpu_kernel, "available", lambda dtype, device: False)  # a GPU's torch attention
     watched: dict[str, Hazards] = {}
-    for owner, name in ((PagedGenericRunner, "_forward"), (PagedVisionRunner, "_encode")):
+    watches = (
+        (PagedGenericRunner, "_forward"),
+        (PagedVisionRunner, "_encode"),
+        (PagedFastVisionRunner, "_with_images"),
+    )
+    for owner, name in watches:
         hazards, original = Hazards(), getattr(owner, name)
         watched[name] = hazards
 
@@ -253,7 +259,7 @@ def test_a_vision_models_steps_never_wait_for_the_device(tiny_vlm_dir, monkeypat
         (prompt_of(loaded, [{"role": "user", "content": [{"type": "text", "text": "Hello there!"}]}]), ()),
         (prompt_of(loaded, chat("What colour is it?")), (image_of(2, (40, 56)),)),
     ]
-    results, _ = asyncio.run(serve(loaded, config(max_prefill_tokens=8), requests))  # chunks split images
+    results, engine = asyncio.run(serve(loaded, config(max_prefill_tokens=8), requests))  # chunks split images
     assert all(tokens for tokens, _ in results)
     ours = {path.name for path in Path(lmiserve.__file__).parent.rglob("*.py")}  # lines are named by file name
     forward = watched["_forward"].syncs
@@ -261,3 +267,5 @@ def test_a_vision_models_steps_never_wait_for_the_device(tiny_vlm_dir, monkeypat
     assert forward == [], sorted(set(forward))
     if family in ("llava", "gemma3"):
         assert watched["_encode"].syncs == [], sorted(set(watched["_encode"].syncs))
+        # their steps on lmiserve's forward (runner/vision_fast.py): the features placed without a wait
+        assert engine.executor.runner.steps["fast"] > 0 and watched["_with_images"].syncs == []

@@ -12,8 +12,20 @@ from typing import Any
 import pytest
 import torch
 
-from helpers.tiny_vlm import FAMILIES, load_tiny_vlm, reference_inputs
-from helpers.vlm_serving import TOKENS, chat, config, image_of, processed, prompt_of, reference, same, serve
+from helpers.tiny_vlm import FAMILIES
+from helpers.vlm_serving import (
+    TOKENS,
+    chat,
+    config,
+    forward_prompt_logprobs,
+    image_of,
+    processed,
+    prompt_of,
+    reference,
+    same,
+    serve,
+    served_prompt_logprobs,
+)
 from lmiserve.core.errors import InvalidRequest
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine.attention.paged import kv_bytes_per_block
@@ -107,27 +119,9 @@ def test_prompt_logprobs_equal_the_models_forward(vlm, chunk):
     chunks of 5 tokens (a boundary inside the image)."""
     family, path, loaded = vlm
     prompt, images = prompt_of(loaded, chat("Describe the picture.")), (image_of(4),)
-    model, _ = load_tiny_vlm(str(path))
-    inputs = reference_inputs(path, prompt, [im.pixels for im in images])
-    ids = inputs["input_ids"][0]
-    with torch.inference_mode():
-        logprobs = torch.log_softmax(model(**inputs).logits[0].float(), -1)
-    expected = torch.tensor([float(logprobs[p - 1, ids[p]]) for p in range(1, len(ids))])
-
-    async def prompt_logprobs() -> torch.Tensor:
-        engine = create_engine(loaded, config(max_prefill_tokens=chunk))
-        engine.start()
-        try:
-            params = SamplingParams(max_new_tokens=1, decoder_input_details=True)
-            events = [e async for e in engine.generate(GenerationRequest(prompt, params, images=images))]
-        finally:
-            await engine.stop()
-        finish = events[-1].finish
-        assert finish is not None and finish.prefill is not None and finish.error is None
-        assert [t.id for t in finish.prefill] == ids.tolist()
-        return torch.tensor([t.logprob for t in finish.prefill[1:]])
-
-    got = asyncio.run(prompt_logprobs())
+    ids, expected = forward_prompt_logprobs(path, prompt, images)
+    served, got = asyncio.run(served_prompt_logprobs(loaded, config(max_prefill_tokens=chunk), prompt, images))
+    assert served == ids
     assert torch.allclose(got, expected, atol=1e-4), (family, float((got - expected).abs().max()))
 
 

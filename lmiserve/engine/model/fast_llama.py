@@ -247,21 +247,15 @@ class FastLlama:
         rows = len(step.decode_ids)
         if rows != len(step.decode_tables) or rows != len(step.decode_positions):
             raise ValueError("every decode row needs its position and its block table")
-        graphs = self.graphs
-        if (
-            graphs is not None
-            and rows
-            and not step.chunks
-            and graphs.covers(rows, step.lora)
-            and step.keep == list(range(rows))  # every row's logits kept
-        ):
+        graphs = self.graphs if step.embeds is None else None  # (image features: an eager step)
+        every = step.keep == list(range(rows))  # every row's logits kept
+        if graphs is not None and rows and not step.chunks and every and graphs.covers(rows, step.lora):
             return graphs.run(
                 step.decode_ids, step.decode_positions, step.decode_tables, step.lora, step.decode_sources
             )
-        if graphs is not None and step.chunks and step.decode_sources is None:
-            folded = graphs.run_folded(step)
-            if folded is not None:
-                return folded
+        folded = graphs.run_folded(step) if graphs is not None and step.chunks and step.decode_sources is None else None
+        if folded is not None:
+            return folded
         if step.decode_sources is not None:
             raise ValueError("decode rows whose inputs are on the device need a step the decode graphs replay")
         ids, positions = step.tokens()
@@ -274,6 +268,8 @@ class FastLlama:
         tp = self.tp
         x = F.embedding(token_ids, self.embed) if tp is None else tp.embed(token_ids, self.embed)
         x = x if self.multipliers.embedding == 1.0 else x * self.multipliers.embedding
+        if step.embeds is not None:  # a VLM's image features in place of their tokens' embeddings
+            x = x.index_copy(0, step.embeds[0], step.embeds[1].to(x.dtype))
         seqs = [SeqTokens(t, p, 1) for t, p in zip(step.decode_tables, step.decode_positions, strict=True)]
         seqs += [SeqTokens(table, start, len(chunk)) for table, start, chunk in step.chunks]
         meta = self.attention.plan(seqs, rows, pad)

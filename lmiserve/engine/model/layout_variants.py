@@ -80,7 +80,8 @@ class Multipliers(NamedTuple):
         embed = model.model.embed_tokens
         if isinstance(getattr(embed, "embed_scale", None), torch.Tensor):  # Gemma's, in the weights' dtype
             embedding = float(embed.embed_scale.to(embed.weight.dtype))
-        softcap = get("final_logit_softcapping", None)
+        # (a VLM's decoder seen as a causal LM says whether its VLM caps: engine/model/language_model.py)
+        softcap = get("final_logit_softcapping", None) if getattr(model, "caps_logits", True) else None
         return cls(embedding, get("residual_multiplier", 1.0), get("logits_scaling", 1.0), attention, softcap)
 
     @property

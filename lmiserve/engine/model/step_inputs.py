@@ -46,7 +46,9 @@ class StepInputs:
     start, token ids)`` in turn; `keep`: the flattened token rows whose logits are returned; `lora`: the
     adapters of the tokens (engine/lora/adapters.py, groups named by `FastLlama.lora_groups`);
     `decode_sources`: for each decode row, the row of the last decode graph's step whose greedy token is its
-    input, on the device (-1: `decode_ids`'; only a step the graphs replay)."""
+    input, on the device (-1: `decode_ids`'; only a step the graphs replay); `embeds`: a vision-language model's
+    image features, ``(token rows, features)`` (both on the device): the flattened token rows whose embeddings
+    they replace (their ids are any in the vocabulary), and a ``[rows, hidden]`` feature row for each."""
 
     decode_ids: list[int] = field(default_factory=list)
     decode_positions: list[int] = field(default_factory=list)
@@ -55,6 +57,7 @@ class StepInputs:
     keep: list[int] = field(default_factory=list)
     lora: LoraBatch | None = None
     decode_sources: list[int] | None = None
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def tokens(self) -> tuple[list[int], list[int]]:
         """The step's token ids and their positions, in its token order (new lists)."""

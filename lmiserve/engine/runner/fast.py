@@ -16,28 +16,86 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lmiserve.core.request import SamplingParams
 from lmiserve.engine.attention import cuda_graphs
 from lmiserve.engine.attention.kv_quant import KvFormat
-from lmiserve.engine.attention.paged import paged_cache
+from lmiserve.engine.attention.paged import PagedKVCache, paged_cache
 from lmiserve.engine.core.step import PENDING_TOKEN, ScheduledTokens, StepBatch
 from lmiserve.engine.lora.batch import LoraBatch, LoraGroup
 from lmiserve.engine.model import autotune as kernel_autotune
 from lmiserve.engine.model.fast_llama import FastLlama, StepInputs
 from lmiserve.engine.runner.persistent_batch import PersistentBatchRunner
+from lmiserve.engine.runner.request_state import RequestState
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from lmiserve.engine.attention.cuda_graphs import DecodeGraphs
     from lmiserve.engine.runner.graph_sampling import GraphRow
 
 log = logging.getLogger(__name__)
 
 GREEDY = SamplingParams()  # what a decode graph samples for a row it does not sample: its argmax
+
+
+def fast_forward(
+    model: Any,
+    kv: PagedKVCache,
+    max_context: int,
+    max_slots: int,
+    autotune: tuple[bool, str | None],
+    graphs: int | None,
+) -> tuple[FastLlama, kernel_autotune.KernelChoice, DecodeGraphs | None]:
+    """lmiserve's forward of `model` (a causal LM, or a VLM's decoder seen as one) over `kv`: with its CPU
+    kernels timed at start-up where `autotune` says so (``(on, cache file)``, engine/model/autotune.py; else the
+    static choice), and its decode graphs where `graphs` is not None (their prompt tokens; the pool's last block
+    is their scratch block)."""
+    fast = FastLlama(model, kv, max_context)
+    if autotune[0]:
+        start = time.monotonic()
+        kernels = kernel_autotune.choose(fast, max_slots, autotune[1])
+        log.info("CPU kernels (%.1f s): %s", time.monotonic() - start, kernels.describe())
+    else:
+        kernels = kernel_autotune.KernelChoice(fast.gemm, fast.compiled_attention, "static")
+    scratch = kv.num_blocks - 1
+    fast.graphs = cuda_graphs.for_model(fast, max_slots, scratch, graphs) if graphs is not None else None
+    return fast, kernels, fast.graphs
+
+
+def step_inputs(
+    batch: StepBatch,
+    part: list[int],
+    requests: dict[int, RequestState],
+    kept: Callable[[ScheduledTokens], int],
+    chained: dict[int, int],
+    lora: LoraBatch | None,
+) -> StepInputs:
+    """The fast forward's step of rows `part` of `batch` (its decode rows first): each row's tokens over its
+    request's blocks, the logits `kept` of each prompt chunk's last tokens, a `chained` row's input on the device."""
+    decode = [i for i in part if i < batch.num_decode]
+    keep = list(range(len(decode)))
+    offset = len(decode)
+    prefills = []
+    for i in part[len(decode) :]:
+        row = batch.rows[i]
+        computed = row.computed_ids
+        prefills.append((requests[row.seq_id].blocks, row.start, computed))
+        keep.extend(range(offset + len(computed) - kept(row), offset + len(computed)))
+        offset += len(computed)
+    rows = [batch.rows[i] for i in decode]
+    return StepInputs(
+        [0 if r.seq_id in chained else r.token_ids[0] for r in rows],  # (chained: on the device)
+        [r.start for r in rows],
+        [requests[r.seq_id].blocks for r in rows],
+        prefills,
+        keep,
+        lora,
+        [chained.get(r.seq_id, -1) for r in rows] if chained else None,
+    )
 
 
 class PagedFastRunner(PersistentBatchRunner):
@@ -67,49 +125,22 @@ class PagedFastRunner(PersistentBatchRunner):
         graphs = cuda_graphs.wanted(model.device, enforce_eager)
         # with decode graphs, one block past the pool's: where their padding rows write (no sequence holds it)
         kv = paged_cache(model, num_blocks + int(graphs), block_size, kv_format)
-        self.fast = FastLlama(model, kv, max_context)
-        if autotune:
-            start = time.monotonic()
-            self.kernels = kernel_autotune.choose(self.fast, max_slots, autotune_cache)
-            log.info("CPU kernels (%.1f s): %s", time.monotonic() - start, self.kernels.describe())
-        else:
-            self.kernels = kernel_autotune.KernelChoice(self.fast.gemm, self.fast.compiled_attention, "static")
-        self.graphs = cuda_graphs.for_model(self.fast, max_slots, num_blocks, graph_prompt_tokens) if graphs else None
+        self.fast, self.kernels, self.graphs = fast_forward(
+            model, kv, max_context, max_slots, (autotune, autotune_cache), graph_prompt_tokens if graphs else None
+        )
         self.max_slots = max_slots
-        self.fast.graphs = self.graphs
         super().__init__(model, eos_token_ids, kv, num_blocks)
 
     # ---- the step contract (engine/core/step.py): one forward of a batch's rows ---------------------
     def _forward_rows(self, batch: StepBatch, part: list[int]) -> torch.Tensor:
-        decode = [i for i in part if i < batch.num_decode]
-        keep = list(range(len(decode)))
-        offset = len(decode)
-        prefills = []
-        for i in part[len(decode) :]:
-            row = batch.rows[i]
-            computed = row.computed_ids
-            prefills.append((self._requests[row.seq_id].blocks, row.start, computed))
-            kept = self._kept(row)
-            keep.extend(range(offset + len(computed) - kept, offset + len(computed)))
-            offset += len(computed)
-        rows = [batch.rows[i] for i in decode]
-        tokens = [1] * len(decode) + [len(batch.rows[i].computed_ids) for i in part[len(decode) :]]
         chained = self._chained
-        lora = self._lora(batch, part, tokens)
+        lora = self._lora(batch, part, [1 if i < batch.num_decode else len(batch.rows[i].computed_ids) for i in part])
+        step = step_inputs(batch, part, self._requests, self._kept, chained, lora)
         self._graph_sampled, marks = set(), []
-        if not prefills:
+        if not step.chunks:
+            rows = [batch.rows[i] for i in part]
             marks = self._sample_in_graph(rows, lora, {batch.rows[i].seq_id for i in batch.grammar_rows})
-        logits = self.fast.forward(
-            StepInputs(
-                [0 if r.seq_id in chained else r.token_ids[0] for r in rows],  # (chained: on the device)
-                [r.start for r in rows],
-                [self._requests[r.seq_id].blocks for r in rows],
-                prefills,
-                keep,
-                lora,
-                [chained.get(r.seq_id, -1) for r in rows] if chained else None,
-            )
-        )
+        logits = self.fast.forward(step)
         if marks and self.graphs is not None and self.graphs.penalties_ran:  # (its graph marked their input tokens)
             self.penalties.taken_by_graph(marks)
         return logits

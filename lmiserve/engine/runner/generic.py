@@ -223,8 +223,11 @@ class PagedGenericRunner(PersistentBatchRunner):
         block_size: int,
         alone: bool = False,
         kv_format: KvFormat | None = None,
+        scratch_blocks: int = 0,
     ) -> None:
-        super().__init__(model, eos_token_ids, paged_cache(model, num_blocks, block_size, kv_format))
+        """`scratch_blocks`: blocks past the `num_blocks` that sequences hold (decode graphs' scratch block)."""
+        kv = paged_cache(model, num_blocks + scratch_blocks, block_size, kv_format)
+        super().__init__(model, eos_token_ids, kv, num_blocks)
         self.alone = alone
         self.path = "batch_invariant" if alone else "generic"
         self._step_lora: LoraBatch | None = None  # the adapters of the forward running now

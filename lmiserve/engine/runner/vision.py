@@ -82,6 +82,7 @@ class PagedVisionRunner(PagedGenericRunner):
         block_size: int,
         alone: bool = False,
         kv_format: KvFormat | None = None,
+        scratch_blocks: int = 0,
     ) -> None:
         self.inner: Any = model.model  # the VLM's base model: get_image_features, get_rope_index
         self.mrope = callable(getattr(self.inner, "get_rope_index", None))
@@ -99,6 +100,7 @@ class PagedVisionRunner(PagedGenericRunner):
             block_size=block_size,
             alone=alone,
             kv_format=kv_format,
+            scratch_blocks=scratch_blocks,
         )
 
     # ---- admission: the image encoder, once per request --------------------------------------------
@@ -167,29 +169,13 @@ class PagedVisionRunner(PagedGenericRunner):
         if not self._step:  # the start-up probes: text
             return super()._model_inputs(ids, positions, spans)
         dev = self.device
-        # the step's image-token positions and their feature rows, found on the host (each request keeps its
-        # rows there): one copy of each to the device, none waited for
-        at: list[np.ndarray] = []  # the step's image-token indexes, row after row
-        take: list[tuple[ImageFeatures, np.ndarray]] = []  # and their feature rows
-        for state, (first, count, start, _) in zip(self._step, spans):
-            features = state.images
-            if features is None:
-                continue
-            found = features.rows[start : start + count]
-            hit = np.flatnonzero(found >= 0)
-            if hit.size:
-                at.append(first + hit)
-                take.append((features, found[hit]))
         host_ids = np.array(ids, dtype=np.int64)
-        index = None
+        found = self._image_rows(self._step, spans)
+        index: torch.Tensor | None = None
         take_rows: list[tuple[ImageFeatures, torch.Tensor]] = []
-        if at:
-            where = np.concatenate(at)
+        if found is not None:
+            where, index, take_rows = found
             host_ids[where] = 0  # its embedding is replaced (an image token may lie outside the vocabulary)
-            both = host_copy.to_device(np.stack([where, np.concatenate([r for _, r in take])]), dev)
-            index = both[0]
-            parts = torch.split(both[1], [len(r) for _, r in take])  # each request's part of the feature rows
-            take_rows = [(f, part) for (f, _), part in zip(take, parts)]
         tokens = host_copy.to_device(host_ids, dev)
         embeds = self.model.get_input_embeddings()(tokens[None])
         inputs: dict[str, Any] = {"inputs_embeds": embeds}
@@ -210,6 +196,30 @@ class PagedVisionRunner(PagedGenericRunner):
                 ]
         inputs["position_ids"] = self._positions(positions, spans)
         return inputs
+
+    def _image_rows(
+        self, states: list[RequestState], spans: list[Span]
+    ) -> tuple[np.ndarray, torch.Tensor, list[tuple[ImageFeatures, torch.Tensor]]] | None:
+        """The step's image-token indexes (row after row: the rows' `states` and `spans`), on the host and on the
+        device, and each request's feature rows for them (on the device); None when the step has no image token.
+        Found on the host (each request keeps its rows there): one copy to the device, not waited for."""
+        at: list[np.ndarray] = []  # the step's image-token indexes, row after row
+        take: list[tuple[ImageFeatures, np.ndarray]] = []  # and their feature rows
+        for state, (first, count, start, _) in zip(states, spans):
+            features = state.images
+            if features is None:
+                continue
+            found = features.rows[start : start + count]
+            hit = np.flatnonzero(found >= 0)
+            if hit.size:
+                at.append(first + hit)
+                take.append((features, found[hit]))
+        if not at:
+            return None
+        where = np.concatenate(at)
+        both = host_copy.to_device(np.stack([where, np.concatenate([r for _, r in take])]), self.device)
+        parts = torch.split(both[1], [len(r) for _, r in take])  # each request's part of the feature rows
+        return where, both[0], [(f, part) for (f, _), part in zip(take, parts)]
 
     def _deepstack_add(
         self, hidden_states: torch.Tensor, visual_pos_masks: torch.Tensor, visual_embeds: torch.Tensor

@@ -1,0 +1,51 @@
+"""A vision-language model's decoder and output projection seen as a causal LM, so that lmiserve's own forward
+(engine/model/fast_llama.py) runs a VLM's language model: what that forward reads of a model is `model` (the
+decoder: ``embed_tokens``, ``layers``, ``norm``, ``rotary_emb``), `lm_head`, `config` (here the text config),
+`device` and `dtype`. The view holds the VLM's own modules: no weight is copied.
+
+LLaVA, LLaVA-NeXT, Mistral 3 and Gemma 3 keep their decoder as ``model.language_model``, Idefics3 (SmolVLM) as
+``model.text_model``; each has its ``lm_head`` on the VLM itself."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+__all__ = ["LanguageModel", "language_model"]
+
+_VIEWS: weakref.WeakKeyDictionary[torch.nn.Module, LanguageModel] = weakref.WeakKeyDictionary()
+
+
+class LanguageModel:
+    """The decoder and head of a VLM, as a causal LM's attributes (`language_model` makes it)."""
+
+    def __init__(self, decoder: torch.nn.Module, lm_head: torch.nn.Module, config: Any, vlm: torch.nn.Module) -> None:
+        self.model = decoder
+        self.lm_head = lm_head
+        self.config = config
+        self.device: torch.device = vlm.device  # type: ignore[assignment]
+        self.dtype: torch.dtype = vlm.dtype  # type: ignore[assignment]
+        # transformers' VLM forwards take the head's logits as they are: Gemma 3's text config may name a soft
+        # cap that its Gemma3ForCausalLM applies and its Gemma3ForConditionalGeneration does not
+        self.caps_logits = False
+
+    def __repr__(self) -> str:
+        return f"LanguageModel({type(self.model).__name__}, {self.config.model_type})"
+
+
+def language_model(vlm: torch.nn.Module) -> LanguageModel | None:
+    """`vlm`'s decoder and head seen as a causal LM (one view a model: its fused layers are made once, as a
+    causal LM's are), None when it names neither."""
+    view = _VIEWS.get(vlm)
+    if view is not None:
+        return view
+    inner = getattr(vlm, "model", None)
+    decoder = getattr(inner, "language_model", None) or getattr(inner, "text_model", None)
+    head = getattr(vlm, "lm_head", None)
+    get_text_config = getattr(getattr(vlm, "config", None), "get_text_config", None)
+    if not isinstance(decoder, torch.nn.Module) or not isinstance(head, torch.nn.Module) or get_text_config is None:
+        return None
+    view = _VIEWS[vlm] = LanguageModel(decoder, head, get_text_config(), vlm)
+    return view

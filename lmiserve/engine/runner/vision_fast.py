@@ -1,0 +1,121 @@
+"""A vision-language model whose decoder is one lmiserve's own forward runs (LLaVA and LLaVA-NeXT over Llama,
+Mistral or Qwen2, Mistral 3, Idefics3/SmolVLM, Gemma 3 4B-27B; docs/engine.md, "Vision-language models"): its
+steps run that forward (engine/model/fast_llama.py) over the decoder (engine/model/language_model.py), each image
+token's embedding replaced by its image feature, and on CUDA its decode steps replay the decode graphs, as a text
+model's do. The image encoder runs once per image at admission, as runner/vision.py's.
+
+What the fast forward does not compute runs transformers' forward of the VLM over the same blocks
+(runner/vision.py), a whole step at a time:
+- a step with a row that meets a Gemma 3 image (its tokens attend to each other both ways; the scheduler never
+  splits such an image, and the fast forward's attention is causal);
+- a step with a LoRA adapter (a VLM's adapters hook its modules).
+Qwen2-VL, Qwen2.5-VL and Qwen3-VL (M-RoPE positions, DeepStack) keep runner/vision.py for every step:
+`fast_vision_reason` says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+
+from lmiserve.engine.attention import cuda_graphs
+from lmiserve.engine.attention.kv_quant import KvFormat
+from lmiserve.engine.core.step import StepBatch
+from lmiserve.engine.model.language_model import language_model
+from lmiserve.engine.model.step_inputs import StepInputs
+from lmiserve.engine.runner import fast_reason
+from lmiserve.engine.runner.fast import fast_forward, step_inputs
+from lmiserve.engine.runner.generic import Span
+from lmiserve.engine.runner.request_state import RequestState
+from lmiserve.engine.runner.vision import PagedVisionRunner
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+__all__ = ["PagedFastVisionRunner", "fast_vision_reason"]
+
+
+def fast_vision_reason(model: PreTrainedModel, *, fast_path: bool) -> str | None:
+    """Why lmiserve's own forward does not run the vision-language model `model`'s decoder (None: it does)."""
+    if callable(getattr(getattr(model, "model", None), "get_rope_index", None)):
+        return "a vision-language model with M-RoPE positions"
+    view = language_model(model)
+    if view is None:
+        return "a vision-language model whose decoder is not found"
+    reason = fast_reason(view, fast_path=fast_path)  # type: ignore[arg-type]
+    return None if reason is None else f"a vision-language model whose decoder is not served: {reason}"
+
+
+class PagedFastVisionRunner(PagedVisionRunner):
+    """`PagedVisionRunner` whose steps run lmiserve's forward of the decoder where it computes them."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        max_slots: int,
+        max_context: int,
+        eos_token_ids: Iterable[int],
+        num_blocks: int,
+        block_size: int,
+        autotune: bool = False,
+        autotune_cache: str | None = None,
+        enforce_eager: bool = False,
+        kv_format: KvFormat | None = None,
+        graph_prompt_tokens: int = 0,
+    ) -> None:
+        """As `PagedFastRunner`'s (runner/fast.py)."""
+        graphs = cuda_graphs.wanted(model.device, enforce_eager)
+        # with decode graphs, one block past the pool's: where their padding rows write (no sequence holds it)
+        super().__init__(
+            model, eos_token_ids=eos_token_ids, num_blocks=num_blocks, block_size=block_size, kv_format=kv_format,
+            scratch_blocks=int(graphs),
+        )  # fmt: skip
+        view = language_model(model)
+        if view is None:  # (`fast_vision_reason` is asked first)
+            raise ValueError("the vision-language model's decoder is not found")
+        self.fast, self.kernels, self.graphs = fast_forward(
+            view, self.kv, max_context, max_slots, (autotune, autotune_cache), graph_prompt_tokens if graphs else None
+        )
+        self.path = "fast"
+        self.steps = {"fast": 0, "vlm": 0}  # the steps each forward ran (the VLM's: transformers')
+
+    def _forward_rows(self, batch: StepBatch, part: list[int]) -> torch.Tensor:
+        states = [self._requests[batch.rows[i].seq_id] for i in part]
+        rows = [batch.rows[i] for i in part]
+        if any(s.adapter is not None for s in states) or any(
+            self._opens(s, r.start, len(r.computed_ids)) for s, r in zip(states, rows)
+        ):
+            self.steps["vlm"] += 1
+            return super()._forward_rows(batch, part)
+        self.steps["fast"] += 1
+        step = step_inputs(batch, part, self._requests, self._kept, {}, None)
+        return self.fast.forward(self._with_images(step, states))
+
+    def _with_images(self, step: StepInputs, states: list[RequestState]) -> StepInputs:
+        """`step` with the image features of the image tokens it covers (the rows' `states`, in its order)."""
+        spans: list[Span] = []  # each row's first token, tokens, start position (and an unused key offset)
+        first = 0
+        for position in step.decode_positions:
+            spans.append((first, 1, position, 0))
+            first += 1
+        for _, start, chunk in step.chunks:
+            spans.append((first, len(chunk), start, 0))
+            first += len(chunk)
+        found = self._image_rows(states, spans)
+        if found is None:
+            return step
+        where, index, take_rows = found
+        ids, _ = step.tokens()
+        for at in where.tolist():
+            ids[at] = 0  # (an image token may lie outside the vocabulary: its embedding is replaced)
+        decode = len(step.decode_ids)
+        chunks, at = [], decode
+        for table, start, chunk in step.chunks:
+            chunks.append((table, start, ids[at : at + len(chunk)]))
+            at += len(chunk)
+        features = torch.cat([f.features[r] for f, r in take_rows])
+        return dataclasses.replace(step, decode_ids=ids[:decode], chunks=chunks, embeds=(index, features))
