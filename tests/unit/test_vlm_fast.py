@@ -106,3 +106,54 @@ def test_the_text_configs_soft_cap_is_not_applied(tiny_vlm_dir, tmp_path):
     served, got = asyncio.run(served_prompt_logprobs(loaded, config(), prompt, ()))
     assert served == ids
     assert torch.allclose(got, expected, atol=1e-4), float((got - expected).abs().max())
+
+
+def _mistral3():  # noqa: ANN202
+    """A tiny random Mistral 3 (Mistral Small 3.1's architecture: Pixtral vision, Mistral text)."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    text = {
+        "model_type": "mistral",
+        "vocab_size": 96,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+    }
+    vision = {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
+    config = Mistral3Config(text_config=text, vision_config=vision, image_token_index=90)
+    torch.manual_seed(5)
+    return Mistral3ForConditionalGeneration(config).eval()
+
+
+@torch.inference_mode()
+def test_a_mistral3_decoder_with_image_features_in_place_gives_the_vlms_logits():
+    """The fast forward over a Mistral 3's decoder: a prompt whose positions 3-6 take image features (as the
+    VLM's forward places them: their tokens' embeddings replaced) gives the logits of the VLM's decoder and head
+    on those embeddings; then a decode step over the blocks, its next token's."""
+    from lmiserve.engine.attention.paged import paged_cache
+    from lmiserve.engine.model.fast_llama import FastLlama, StepInputs
+
+    vlm = _mistral3()
+    assert fast_vision_reason(vlm, fast_path=True) is None
+    view = language_model(vlm)
+    assert view is not None and view.model is vlm.model.language_model
+    ids = [1, 7, 9, 90, 90, 90, 90, 12, 30, 41]
+    features = torch.randn(4, 64, generator=torch.Generator().manual_seed(3))
+    embeds = vlm.get_input_embeddings()(torch.tensor([ids]))
+    embeds[0, 3:7] = features
+    hidden = vlm.model.language_model(inputs_embeds=embeds).last_hidden_state
+    reference = vlm.lm_head(hidden)[0]
+    fast = FastLlama(view, paged_cache(vlm, 4, 4), 64)  # type: ignore[arg-type]
+    table = [2, 0, 3]
+    prompt = [0 if t == 90 else t for t in ids[:-1]]
+    out = fast.forward(
+        StepInputs(chunks=[(table, 0, prompt)], keep=list(range(9)), embeds=(torch.arange(3, 7), features))
+    )
+    torch.testing.assert_close(out, reference[:9], rtol=1e-4, atol=1e-4)
+    out = fast.forward(StepInputs([ids[-1]], [len(ids) - 1], [table], keep=[0]))
+    torch.testing.assert_close(out[0], reference[9], rtol=1e-4, atol=1e-4)
