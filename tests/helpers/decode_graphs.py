@@ -25,6 +25,7 @@ class GraphsMade:
     steps: list[tuple[int, int]] = field(default_factory=list)
     chained: int = 0  # steps whose rows took their inputs from the step before on the device
     chained_lora: int = 0  # those of them with LoRA adapters
+    shifted: int = 0  # steps with RoPE shifts (M-RoPE's text: runner/vision_fast.py)
     kinds: set[tuple[int, str]] = field(default_factory=set)  # each step's graph: its size and kind
 
 
@@ -38,14 +39,15 @@ def graphs_on_the_test_device(monkeypatch: pytest.MonkeyPatch) -> GraphsMade:
         graphs = DecodeGraphs(fast, max_rows, scratch_block, capture=CAPTURE, prompt_tokens=prompt_tokens)
         original = graphs.run
 
-        def run(ids, positions, tables, lora=None, sources=None):  # noqa: ANN001, ANN202 - DecodeGraphs.run's
+        def run(ids, positions, tables, lora=None, sources=None, shifts=None):  # noqa: ANN001, ANN202 - DecodeGraphs.run's
             record.steps.append((graphs.size_for(len(ids)), 0 if lora is None else len(lora.adapters)))
             record.chained += sources is not None
             record.chained_lora += sources is not None and lora is not None
             rows = graphs._sampling
             kind = "greedy" if rows is None else graph_sampling.kind(row[0] for row in rows[0])
             record.kinds.add((graphs.size_for(len(ids)), kind))
-            return original(ids, positions, tables, lora, sources)
+            record.shifted += shifts is not None and any(shifts)
+            return original(ids, positions, tables, lora, sources, shifts)
 
         graphs.run = run  # type: ignore[method-assign]
         record.made.append(graphs)

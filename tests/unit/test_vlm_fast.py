@@ -34,7 +34,9 @@ from lmiserve.engine.runner.vision import PagedVisionRunner
 from lmiserve.engine.runner.vision_fast import PagedFastVisionRunner, fast_vision_reason
 from lmiserve.models.load import load_causal_lm
 
-FAST = ("llava", "llava_next", "idefics3", "gemma3")  # a Llama-family decoder (Llama, Mistral, Gemma 3)
+MROPE = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+# families whose steps that meet an image run the VLM's forward: Gemma 3's image attends both ways, M-RoPE's differs
+VLM_STEPS = ("gemma3", *MROPE)
 
 
 def _requests(loaded):  # noqa: ANN001, ANN202
@@ -49,20 +51,17 @@ def _requests(loaded):  # noqa: ANN001, ANN202
 def test_the_families_whose_decoder_the_fast_forward_runs(tiny_vlm_dir, family):
     loaded = load_causal_lm(tiny_vlm_dir(family), dtype="fp32", device="cpu")
     runner = create_engine(loaded, config()).executor.runner
-    reason = fast_vision_reason(loaded.model, fast_path=True)
-    if family in FAST:
-        assert reason is None and isinstance(runner, PagedFastVisionRunner) and runner.path == "fast"
-    else:  # Qwen2-VL, Qwen2.5-VL, Qwen3-VL
-        assert reason == "a vision-language model with M-RoPE positions"
-        assert type(runner) is PagedVisionRunner and runner.path == "generic"
+    assert fast_vision_reason(loaded.model, fast_path=True) is None
+    assert isinstance(runner, PagedFastVisionRunner) and runner.path == "fast"
     for off in (config(fast_path=False), config(batch_invariant=True)):
         assert type(create_engine(loaded, off).executor.runner) is PagedVisionRunner
 
 
-@pytest.mark.parametrize("family", FAST)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_which_steps_run_the_fast_forward(tiny_vlm_dir, family):
     """Every step on the fast forward, the image features in place (chunks of 8 split LLaVA's images); Gemma 3's
-    steps that meet an image on the VLM's (its image tokens attend both ways), its other steps on the fast one."""
+    and M-RoPE models' steps that meet an image on the VLM's, their other steps on the fast one (M-RoPE's at
+    their shifted positions: a generated token's rotated at its position plus the prompt's rope delta)."""
     path = tiny_vlm_dir(family)
     loaded = load_causal_lm(path, dtype="fp32", device="cpu")
     requests = _requests(loaded)
@@ -70,10 +69,10 @@ def test_which_steps_run_the_fast_forward(tiny_vlm_dir, family):
     assert same(results, [reference(path, *r) for r in requests]), family
     steps = engine.executor.runner.steps
     assert steps["fast"] > 0
-    assert (steps["vlm"] > 0) == (family == "gemma3"), steps
+    assert (steps["vlm"] > 0) == (family in VLM_STEPS), steps
 
 
-@pytest.mark.parametrize("family", ["llava", "gemma3"])
+@pytest.mark.parametrize("family", ["llava", "gemma3", "qwen2_5_vl", "qwen3_vl"])
 def test_decode_graphs_serve_a_vlm(tiny_vlm_dir, monkeypatch, family):
     made = graphs_on_the_test_device(monkeypatch)
     path = tiny_vlm_dir(family)
@@ -84,6 +83,7 @@ def test_decode_graphs_serve_a_vlm(tiny_vlm_dir, monkeypatch, family):
     assert isinstance(runner, PagedFastVisionRunner) and cuda_graphs.of_runner(runner) is made.made[-1]
     assert runner.kv.num_blocks == runner.num_blocks + 1  # the graphs' scratch block, which no sequence holds
     assert len(made.steps) > 0, "no decode step replayed the graphs"
+    assert (made.shifted > 0) == (family in MROPE)  # (the tiny images take fewer positions than tokens)
     assert same(results, [reference(path, *r) for r in requests]), family
 
 

@@ -1,17 +1,16 @@
 """Decode steps replayed as CUDA graphs: the paged fast path on CUDA (engine/model/fast_llama.py).
 
-A decode step launches a few hundred small kernels (norms, products, RoPE, the attention kernel of each
-layer) whose launch costs more than their work at small batches. A step of decode rows alone (no prompt
-chunk, no LoRA adapter, every row's logits kept) is padded to the next *capture size* (1, 2, 4, 8, then
-multiples of 8 up to the batch limit, as vLLM does) and replayed from a graph captured for that size (at
-the warm-up): one launch for the whole forward.
+A decode step launches a few hundred small kernels (norms, products, RoPE, the attention kernel of each layer)
+whose launch costs more than their work at small batches. A step of decode rows alone (no prompt chunk, every
+row's logits kept) is padded to the next *capture size* (1, 2, 4, 8, then multiples of 8 up to the batch limit,
+as vLLM does) and replayed from a graph captured for that size (at the warm-up): one launch for the forward.
 
-A graph reads its inputs from fixed addresses: two int64 device buffers (for the largest size) hold the
-token ids, positions, attention tile counts and KV write index, and the block tables (each row's padded to
-the longest a context can need), written into pinned host copies and copied over before the replay; a row
-that holds the same sequence's table as the step before gets only its new blocks written. Padding rows
-(token 0 at position 0) write into a block no sequence holds, skip their attention (tile count 0), and
-their logits are dropped. The Triton backend's metadata is made from the graphs' own buffers
+A graph reads its inputs from fixed addresses: two int64 device buffers (for the largest size) hold the token
+ids, positions, attention tile counts, RoPE shifts (`StepInputs.rope_shifts`: M-RoPE's text) and KV write index,
+and the block tables (each row's padded to the longest a context can need), written into pinned host copies and
+copied over before the replay; a row that holds the same sequence's table as the step before gets only its new
+blocks written. Padding rows (token 0 at position 0) write into a block no sequence holds, skip their attention
+(tile count 0), and their logits are dropped. The Triton backend's metadata is made from the graphs' own buffers
 (`TritonBackend.graph_plan`) and its kernel loops on device data: one graph serves every context length.
 
 Sampling is in the graph too: each graph computes every row's greedy token and logprob (`sampling.greedy_pick`),
@@ -70,6 +69,7 @@ def capture_sizes(max_rows: int) -> list[int]:
     return [s for s in sizes if s < limit] + [next(s for s in sizes if s >= limit)]
 
 
+PARTS = 5  # the packed buffer's parts of a row each (`_parts`: ids, positions, tile counts, sources, shifts)
 GREEDY = "greedy"  # a graph's kind (`DecodeGraphs._graphs`' keys): its rows' greedy pick, else graph_sampling.kind
 
 
@@ -110,12 +110,12 @@ class DecodeGraphs:
         self.kv_heads = fast.kv_heads
         self.width = -(-fast.max_context // self.block_size)
         largest = self.sizes[-1]
-        # (host, device) pairs: ids, positions, tile counts, sources, write index [largest * kv_heads]; tables
-        packed, tables = (4 * largest + largest * self.kv_heads,), (largest, self.width)
+        # (host, device) pairs: ids, positions, tile counts, sources, shifts, write index [largest * kv_heads]; tables
+        packed, tables = (PARTS * largest + largest * self.kv_heads,), (largest, self.width)
         self._host = [torch.zeros(shape, dtype=torch.int64, pin_memory=self.capture) for shape in (packed, tables)]
         self._device = [torch.zeros(shape, dtype=torch.int64, device=fast.device) for shape in (packed, tables)]
         self._rows = torch.arange(largest, dtype=torch.int64, device=fast.device)
-        self._host_parts = [t.numpy() for t in self._parts(self._host[0])]  # ids, positions, counts, sources, write
+        self._host_parts = [t.numpy() for t in self._parts(self._host[0])]  # ids, positions, ..., write
         self._host_tables = self._host[1].numpy()
         self._sent: torch.cuda.Event | None = None  # the last step's inputs copied: the host buffers are free
         # each graph's picked tokens, where the next step's chained rows read their inputs (`run`'s sources)
@@ -180,7 +180,7 @@ class DecodeGraphs:
             return None
         ids, positions = step.tokens()
         tables: list[Sequence[int]] = [*step.decode_tables, *(table for table, _, chunk in step.chunks for _ in chunk)]
-        logits = self.run(ids, positions, tables)
+        logits = self.run(ids, positions, tables, shifts=step.token_shifts())
         if step.keep == list(range(len(ids))):
             return logits
         return logits.index_select(0, host_copy.to_device(step.keep, self.fast.device))
@@ -209,9 +209,9 @@ class DecodeGraphs:
         return next(s for s in self.sizes if s >= rows)
 
     def _parts(self, packed: torch.Tensor) -> list[torch.Tensor]:
-        """The ids, positions, tile counts, sources and write index in a packed buffer (host or device)."""
+        """The ids, positions, tile counts, sources, shifts and write index in a packed buffer (host or device)."""
         largest = self.sizes[-1]
-        return [*(packed[i * largest : (i + 1) * largest] for i in range(4)), packed[4 * largest :]]
+        return [*(packed[i * largest : (i + 1) * largest] for i in range(PARTS)), packed[PARTS * largest :]]
 
     def _fill_tables(self, tables: Sequence[Sequence[int]], size: int) -> int:
         """The step's block tables into the host tables, row by row only past what the row already holds
@@ -243,6 +243,7 @@ class DecodeGraphs:
         sources: Sequence[int] | None = None,
         sampling: tuple[Sequence[GraphRow], PenaltyBook | None] | None = None,
         lora: LoraBatch | None = None,
+        shifts: Sequence[int] | None = None,
     ) -> None:
         """The step's rows, padded to `size` (token 0 at position 0 of the scratch block), into the host buffers,
         then copied over: the packed part a graph of `size` rows reads, the tables as wide as the step's longest,
@@ -251,10 +252,11 @@ class DecodeGraphs:
         if self._sent is not None:
             self._sent.synchronize()
         rows = len(ids)
-        host_ids, host_pos, host_counts, host_sources, host_write = self._host_parts
-        host_sources[:size] = -1
+        host_ids, host_pos, host_counts, host_sources, host_shifts, host_write = self._host_parts
+        host_sources[:size], host_shifts[:size] = -1, 0
         if sources is not None:
             host_sources[:rows] = sources
+        host_shifts[:rows] = 0 if shifts is None else shifts
         host_ids[:rows] = ids
         host_ids[rows:size] = 0
         host_pos[:rows] = positions
@@ -266,7 +268,7 @@ class DecodeGraphs:
         block = self._host_tables[np.arange(size), pos // self.block_size]
         host_write[: size * self.kv_heads] = triton_attention.token_rows(block, pos, self.kv_heads, self.block_size)
         self.cache.ensure_zeroed(1 + int(self._largest_block[:rows].max()))
-        packed = 4 * self.sizes[-1] + size * self.kv_heads
+        packed = PARTS * self.sizes[-1] + size * self.kv_heads
         self._device[0][:packed].copy_(self._host[0][:packed], non_blocking=self.capture)
         self._device[1][:size, :width].copy_(self._host[1][:size, :width], non_blocking=self.capture)
         if sampling is not None and self.sampler is not None:
@@ -278,9 +280,9 @@ class DecodeGraphs:
             self._sent.record()
 
     def _inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, triton_attention.StepTiles, LoraSlots | None]:
-        """The fixed-address views a graph of `size` rows reads (a chained row's token id from the last
-        graph's greedy tokens), the attention backend's metadata made from them, and the adapters' slots."""
-        ids, positions, counts, sources, write = self._parts(self._device[0])
+        """The fixed-address views a graph of `size` rows reads (a chained row's token id from the last graph's
+        greedy tokens; the positions RoPE rotates), the attention backend's metadata made from them, the slots."""
+        ids, positions, counts, sources, shifts, write = self._parts(self._device[0])
         ids, sources = ids[:size], sources[:size]
         ids = torch.where(sources >= 0, self._last_tokens[sources.clamp(min=0)], ids)
         tables = self._device[1]
@@ -289,7 +291,7 @@ class DecodeGraphs:
         meta = attention.graph_plan(
             self._rows[:size], counts[:size], positions[:size], tables[:size], write[: size * self.kv_heads]
         )
-        return ids, positions[:size], meta, self.lora
+        return ids, positions[:size] + shifts[:size], meta, self.lora
 
     def run(
         self,
@@ -298,18 +300,19 @@ class DecodeGraphs:
         tables: Sequence[Sequence[int]],
         lora: LoraBatch | None = None,
         sources: Sequence[int] | None = None,
+        shifts: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Float32 logits ``[len(ids), vocab]`` of a step of decode rows, with the adapters of `lora` (its
         token rows: these rows; only where `covers` says so); `sources`: each row's row in the last step
-        whose greedy token is its input, on the device (-1: `ids`'). The logits are the graph's output, valid
-        until the next step; `send_pick` sends their greedy pick."""
+        whose greedy token is its input, on the device (-1: `ids`'); `shifts`: each row's RoPE shift (None:
+        none). The logits are the graph's output, valid until the next step; `send_pick` sends their pick."""
         rows = len(ids)
         size = self.size_for(rows)
         sampling, self._sampling = self._sampling, None
         kind = GREEDY if sampling is None else graph_sampling.kind(row[0] for row in sampling[0])
         if sampling is not None and sampling[1] is not None and self.sampler and self.sampler.moved(kind, sampling[1]):
             self._graphs = {key: graph for key, graph in self._graphs.items() if not graph_sampling.stages(key[1])[1]}
-        self._fill(ids, positions, tables, size, sources, sampling, lora)
+        self._fill(ids, positions, tables, size, sources, sampling, lora, shifts)
         captured = self._graphs.get((size, kind))
         if captured is None and self.capture and not self.failed:
             try:
@@ -383,18 +386,15 @@ def of_runner(runner: object) -> DecodeGraphs | None:
 
 
 def wanted(device: torch.device, enforce_eager: bool) -> bool:
-    """Whether a paged fast runner on `device` may capture decode graphs (it then allocates the scratch
-    block); `for_model` decides."""
+    """Whether a paged fast runner on `device` may capture decode graphs (with a scratch block; `for_model`)."""
     return device.type == "cuda" and not enforce_eager
 
 
 def for_model(fast: FastLlama, max_rows: int, scratch_block: int, prompt_tokens: int = 0) -> DecodeGraphs | None:
     """The decode graphs for `fast` (on CUDA, not `enforce_eager`: `wanted`) where they apply (a paged cache
     read by the Triton kernel, the whole model on one device), else None, with the reason logged."""
-    if not fast.triton:
-        log.info("CUDA graphs: off (they need the Triton paged attention)")
-        return None
-    if fast.tp is not None:
-        log.info("CUDA graphs: off with tensor parallelism")
+    why = "they need the Triton paged attention" if not fast.triton else "tensor parallelism" if fast.tp else None
+    if why is not None:
+        log.info("CUDA graphs: off (%s)", why)
         return None
     return DecodeGraphs(fast, max_rows, scratch_block, prompt_tokens=prompt_tokens)

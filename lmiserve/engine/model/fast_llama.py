@@ -250,8 +250,9 @@ class FastLlama:
         graphs = self.graphs if step.embeds is None else None  # (image features: an eager step)
         every = step.keep == list(range(rows))  # every row's logits kept
         if graphs is not None and rows and not step.chunks and every and graphs.covers(rows, step.lora):
+            s = step
             return graphs.run(
-                step.decode_ids, step.decode_positions, step.decode_tables, step.lora, step.decode_sources
+                s.decode_ids, s.decode_positions, s.decode_tables, s.lora, s.decode_sources, s.rope_shifts
             )
         folded = graphs.run_folded(step) if graphs is not None and step.chunks and step.decode_sources is None else None
         if folded is not None:
@@ -259,6 +260,8 @@ class FastLlama:
         if step.decode_sources is not None:
             raise ValueError("decode rows whose inputs are on the device need a step the decode graphs replay")
         ids, positions = step.tokens()
+        shifts = step.token_shifts()  # (the positions RoPE rotates at: the attention's plan has the tokens')
+        positions = positions if shifts is None else [p + s for p, s in zip(positions, shifts, strict=True)]
         pad = self._row_padding(len(ids), PAD_ROWS_FROM)  # token 0 at position 0, attends nothing, dropped
         ids += [0] * pad
         positions += [0] * pad

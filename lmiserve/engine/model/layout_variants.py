@@ -36,6 +36,7 @@ from lmiserve.engine.lora.batch import LoraGroup
 SUPPORTED_TYPES = (
     "llama", "mistral", "ministral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "seed_oss", "gemma", "gemma3_text",
     "olmo2", "olmo3", "exaone4", "starcoder2", "glm", "glm4",
+    "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text",  # (decoders of VLMs: engine/model/language_model.py)
 )  # fmt: skip
 FUSED_TYPES = ("phi3",)  # q/k/v and gate/up one linear each in the model already (`projections`)
 OFFSET_NORM_TYPES = ("gemma", "gemma3_text")  # RMS norms scaling by (1 + w) in float32 (`norm_of`)
@@ -192,7 +193,9 @@ def layer_norms_reason(layer: Any, model_type: str, shape: Any) -> str | None:
     norms = [getattr(attn, name, None) for name in ("q_norm", "k_norm")]
     whole = model_type in PROJECTION_NORM_TYPES
     widths = (shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim) if whole else (shape.head_dim,) * 2
-    if (model_type in ("qwen3", "gemma3_text", "exaone4", *PROJECTION_NORM_TYPES) or any(norms)) and not (
+    if (
+        model_type in ("qwen3", "qwen3_vl_text", "gemma3_text", "exaone4", *PROJECTION_NORM_TYPES) or any(norms)
+    ) and not (
         all(_is_norm(n, w) for n, w in zip(norms, widths, strict=True)) and len({norm_eps(n) for n in norms}) == 1
     ):
         what = "the whole projections'" if whole else "one head's"

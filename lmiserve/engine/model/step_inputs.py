@@ -30,8 +30,9 @@ class DecodeReplay(Protocol):
         tables: Sequence[Sequence[int]],
         lora: LoraBatch | None,
         sources: Sequence[int] | None,
+        shifts: Sequence[int] | None,
     ) -> torch.Tensor:
-        """Float32 logits ``[len(ids), vocab]`` of a step of decode rows (`sources`: `StepInputs`')."""
+        """Float32 logits ``[len(ids), vocab]`` of a step of decode rows (`sources`, `shifts`: `StepInputs`')."""
         ...
 
     def run_folded(self, step: StepInputs) -> torch.Tensor | None:
@@ -48,7 +49,9 @@ class StepInputs:
     `decode_sources`: for each decode row, the row of the last decode graph's step whose greedy token is its
     input, on the device (-1: `decode_ids`'; only a step the graphs replay); `embeds`: a vision-language model's
     image features, ``(token rows, features)`` (both on the device): the flattened token rows whose embeddings
-    they replace (their ids are any in the vocabulary), and a ``[rows, hidden]`` feature row for each."""
+    they replace (their ids are any in the vocabulary), and a ``[rows, hidden]`` feature row for each;
+    `rope_shifts`: each row's RoPE shift (decode rows, then chunks; None: none), the position its tokens are
+    rotated at less their position (M-RoPE's text past an image: runner/vision_fast.py)."""
 
     decode_ids: list[int] = field(default_factory=list)
     decode_positions: list[int] = field(default_factory=list)
@@ -58,6 +61,7 @@ class StepInputs:
     lora: LoraBatch | None = None
     decode_sources: list[int] | None = None
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    rope_shifts: list[int] | None = None
 
     def tokens(self) -> tuple[list[int], list[int]]:
         """The step's token ids and their positions, in its token order (new lists)."""
@@ -66,3 +70,10 @@ class StepInputs:
         for _, start, chunk in self.chunks:
             positions.extend(range(start, start + len(chunk)))
         return ids, positions
+
+    def token_shifts(self) -> list[int] | None:
+        """Each token's RoPE shift, in `tokens`' order (None: none)."""
+        if self.rope_shifts is None:
+            return None
+        counts = [1] * len(self.decode_ids) + [len(chunk) for _, _, chunk in self.chunks]
+        return [shift for shift, count in zip(self.rope_shifts, counts, strict=True) for _ in range(count)]

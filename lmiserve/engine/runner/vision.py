@@ -61,7 +61,13 @@ class ImageFeatures:
     deepstack: list[torch.Tensor] | None  # Qwen3-VL: a [image tokens, hidden] a DeepStack layer
     mrope: torch.Tensor | None  # [3, prompt tokens]: M-RoPE positions (None: the model has none)
     delta: int  # M-RoPE: a generated token's position offset (the prompt's rope delta)
+    # M-RoPE: each prompt position's shift where its three positions agree (text: their position less its
+    # own), `NO_SHIFT` where they do not (an image's tokens) (host; None: no M-RoPE)
+    shifts: np.ndarray | None
     spans: tuple[ImageSpan, ...]  # the atomic spans (bidirectional attention), else none
+
+
+NO_SHIFT = np.iinfo(np.int64).min  # `ImageFeatures.shifts` of a position whose three M-RoPE positions differ
 
 
 def _named(function: Callable[..., Any], tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -125,7 +131,7 @@ class PagedVisionRunner(PagedGenericRunner):
             raise ValueError(f"{int(is_image.sum())} image tokens for {features.shape[0]} image features")
         rows = np.where(is_image, np.cumsum(is_image) - 1, -1)
         deepstack = getattr(out, "deepstack_features", None) if self.deepstack else None
-        mrope, delta = None, 0
+        mrope, delta, shifts = None, 0, None
         if self.mrope:
             ids = host_copy.to_device(prompt_ids, dev)
             types = tensors.get("mm_token_type_ids")
@@ -134,12 +140,16 @@ class PagedVisionRunner(PagedGenericRunner):
             given = {**tensors, "mm_token_type_ids": types}
             positions, deltas = self.inner.get_rope_index(ids[None], **_named(self.inner.get_rope_index, given))
             mrope, delta = positions[:, 0].to(dev), int(deltas.reshape(-1)[0])
+            three = mrope.cpu().numpy()  # (admission waits for the positions, as for `delta`)
+            text = (three[0] == three[1]) & (three[1] == three[2]) & ~is_image
+            shifts = np.where(text, three[0] - np.arange(three.shape[1]), NO_SHIFT)
         return ImageFeatures(
             rows,
             features,
             [_flat(layer) for layer in deepstack] if deepstack else None,
             mrope,
             delta,
+            shifts,
             images.spans if images.atomic else (),
         )
 

@@ -4,20 +4,25 @@ steps run that forward (engine/model/fast_llama.py) over the decoder (engine/mod
 token's embedding replaced by its image feature, and on CUDA its decode steps replay the decode graphs, as a text
 model's do. The image encoder runs once per image at admission, as runner/vision.py's.
 
+**M-RoPE** (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): a text token's three positions are one, its position shifted by
+what the images before it took (``get_rope_index``; a generated token's: the prompt's rope delta), and RoPE at
+three equal positions is the 1-D RoPE of that position: the fast forward rotates such a row's tokens at their
+position plus the row's shift (`StepInputs.rope_shifts`; the decode graphs take it as an input too).
+
 What the fast forward does not compute runs transformers' forward of the VLM over the same blocks
 (runner/vision.py), a whole step at a time:
 - a step with a row that meets a Gemma 3 image (its tokens attend to each other both ways; the scheduler never
   splits such an image, and the fast forward's attention is causal);
+- a step with a row that meets an M-RoPE model's image (its tokens' three positions differ; Qwen3-VL adds its
+  DeepStack features there), or whose text tokens are shifted unequally (a chunk across an image's end);
 - a step with a LoRA adapter (a VLM's adapters hook its modules).
-Qwen2-VL, Qwen2.5-VL and Qwen3-VL (M-RoPE positions, DeepStack) keep runner/vision.py for every step:
-`fast_vision_reason` says why.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -30,7 +35,7 @@ from lmiserve.engine.runner import fast_reason
 from lmiserve.engine.runner.fast import fast_forward, step_inputs
 from lmiserve.engine.runner.generic import Span
 from lmiserve.engine.runner.request_state import RequestState
-from lmiserve.engine.runner.vision import PagedVisionRunner
+from lmiserve.engine.runner.vision import NO_SHIFT, PagedVisionRunner
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -40,8 +45,6 @@ __all__ = ["PagedFastVisionRunner", "fast_vision_reason"]
 
 def fast_vision_reason(model: PreTrainedModel, *, fast_path: bool) -> str | None:
     """Why lmiserve's own forward does not run the vision-language model `model`'s decoder (None: it does)."""
-    if callable(getattr(getattr(model, "model", None), "get_rope_index", None)):
-        return "a vision-language model with M-RoPE positions"
     view = language_model(model)
     if view is None:
         return "a vision-language model whose decoder is not found"
@@ -86,14 +89,30 @@ class PagedFastVisionRunner(PagedVisionRunner):
     def _forward_rows(self, batch: StepBatch, part: list[int]) -> torch.Tensor:
         states = [self._requests[batch.rows[i].seq_id] for i in part]
         rows = [batch.rows[i] for i in part]
-        if any(s.adapter is not None for s in states) or any(
-            self._opens(s, r.start, len(r.computed_ids)) for s, r in zip(states, rows)
-        ):
+        spans = [(r.start, len(r.computed_ids)) for r in rows]
+        shifts = [self._shift(s, *span) for s, span in zip(states, spans)]
+        opens = any(self._opens(s, *span) for s, span in zip(states, spans))
+        if opens or None in shifts or any(s.adapter is not None for s in states):
             self.steps["vlm"] += 1
             return super()._forward_rows(batch, part)
         self.steps["fast"] += 1
         step = step_inputs(batch, part, self._requests, self._kept, {}, None)
+        step.rope_shifts = cast("list[int]", shifts) if any(shifts) else None
         return self.fast.forward(self._with_images(step, states))
+
+    @staticmethod
+    def _shift(state: RequestState, start: int, count: int) -> int | None:
+        """The RoPE shift of a row's tokens (M-RoPE's text: one for the whole row), None where they have none
+        (the row meets an M-RoPE image, or its text's shifts differ)."""
+        features = state.images
+        shifts = features.shifts if features is not None else None
+        if features is None or shifts is None:
+            return 0
+        prompt = len(shifts)
+        within = shifts[start : min(start + count, prompt)]
+        past = [features.delta] if start + count > prompt else []  # (generated tokens: the prompt's delta)
+        found = {*within.tolist(), *past}
+        return found.pop() if len(found) == 1 and NO_SHIFT not in found else None
 
     def _with_images(self, step: StepInputs, states: list[RequestState]) -> StepInputs:
         """`step` with the image features of the image tokens it covers (the rows' `states`, in its order)."""
