@@ -87,6 +87,18 @@ def test_decode_graphs_serve_a_vlm(tiny_vlm_dir, monkeypatch, family):
     assert same(results, [reference(path, *r) for r in requests]), family
 
 
+def test_prompt_chunks_folded_into_the_graphs_take_their_shifts(tiny_vlm_dir, monkeypatch):
+    """With `cuda_graph_prompt_tokens`, a Qwen2.5-VL prompt's text chunks past its image (chunks of 6) replay the
+    decode graphs a token a row, each rotated at its shifted position."""
+    made = graphs_on_the_test_device(monkeypatch)
+    path = tiny_vlm_dir("qwen2_5_vl")
+    loaded = load_causal_lm(path, dtype="fp32", device="cpu")
+    requests = _requests(loaded)
+    results, _ = asyncio.run(serve(loaded, config(max_prefill_tokens=6, graph_prompt_tokens=6), requests))
+    assert same(results, [reference(path, *r) for r in requests])
+    assert made.shifted > 0
+
+
 def test_the_text_configs_soft_cap_is_not_applied(tiny_vlm_dir, tmp_path):
     """Gemma 3's text config may name a final soft cap, which Gemma3ForCausalLM applies and the VLM's forward
     does not: the served prompt logprobs are the VLM's."""
