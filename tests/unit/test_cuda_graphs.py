@@ -105,7 +105,7 @@ def test_steps_a_graph_does_not_cover_run_eagerly(monkeypatch):
     graphs = fast.graphs = DecodeGraphs(fast, 2, SCRATCH, capture=CAPTURE)
     runs = []
     real_run = graphs.run
-    monkeypatch.setattr(graphs, "run", lambda *a: runs.append(len(a[0])) or real_run(*a))
+    monkeypatch.setattr(graphs, "run", lambda *a, **k: runs.append(len(a[0])) or real_run(*a, **k))
     tables = [[0, 1], [2, 3], [4, 5]]
     fast.forward(StepInputs(chunks=[(t, 0, [5, 6, 7]) for t in tables]))
     fast.forward(
@@ -186,7 +186,7 @@ def test_a_step_with_prompt_chunks_replays_the_graphs_each_token_a_row(monkeypat
     assert graphs.sizes == [1, 2, 4, 8]  # 2 decode rows and 6 prompt rows at most
     runs, eager = [], []
     real_run, real_plan = graphs.run, fast.attention.plan
-    monkeypatch.setattr(graphs, "run", lambda *a: runs.append(len(a[0])) or real_run(*a))
+    monkeypatch.setattr(graphs, "run", lambda *a, **k: runs.append(len(a[0])) or real_run(*a, **k))
     monkeypatch.setattr(fast.attention, "plan", lambda *a: eager.append(a) or real_plan(*a))
     a, b = [5, 6, 7, 8, 9, 10], [11, 12, 13, 14]
     ref_a, ref_b = model(torch.tensor([a])).logits[0], model(torch.tensor([b])).logits[0]

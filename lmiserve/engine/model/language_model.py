@@ -3,7 +3,7 @@
 decoder: ``embed_tokens``, ``layers``, ``norm``, ``rotary_emb``), `lm_head`, `config` (here the text config),
 `device` and `dtype`. The view holds the VLM's own modules: no weight is copied.
 
-LLaVA, LLaVA-NeXT, Mistral 3 and Gemma 3 keep their decoder as ``model.language_model``, Idefics3 (SmolVLM) as
+LLaVA, LLaVA-NeXT, Mistral 3, Gemma 3 and the Qwen VLs keep their decoder as ``model.language_model``, Idefics3 as
 ``model.text_model``; each has its ``lm_head`` on the VLM itself."""
 
 from __future__ import annotations

@@ -33,17 +33,19 @@ import torch
 
 from lmiserve.engine.lora.batch import LoraGroup
 
+# decoders that only a vision-language model holds (engine/model/language_model.py): Qwen2's, Qwen3's with M-RoPE
+VLM_DECODER_TYPES = ("qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text")
 SUPPORTED_TYPES = (
     "llama", "mistral", "ministral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "seed_oss", "gemma", "gemma3_text",
-    "olmo2", "olmo3", "exaone4", "starcoder2", "glm", "glm4",
-    "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text",  # (decoders of VLMs: engine/model/language_model.py)
+    "olmo2", "olmo3", "exaone4", "starcoder2", "glm", "glm4", *VLM_DECODER_TYPES,
 )  # fmt: skip
 FUSED_TYPES = ("phi3",)  # q/k/v and gate/up one linear each in the model already (`projections`)
 OFFSET_NORM_TYPES = ("gemma", "gemma3_text")  # RMS norms scaling by (1 + w) in float32 (`norm_of`)
 LAYER_NORM_TYPES = NON_GATED_TYPES = ("starcoder2",)  # LayerNorms with biases; an MLP without a gate
 INTERLEAVED_ROPE_TYPES = ("glm", "glm4")  # RoPE by pairs (2i, 2i + 1), not by halves; gate/up one linear
 PROJECTION_NORM_TYPES = ("olmo2", "olmo3")  # norms of the whole q and k projections, the weight before the cast
-UNSPLIT_TYPES = PROJECTION_NORM_TYPES  # what tensor parallelism does not split (engine/model/sharding.py)
+# what tensor parallelism does not split (engine/model/sharding.py; it serves no VLM)
+UNSPLIT_TYPES = (*PROJECTION_NORM_TYPES, *VLM_DECODER_TYPES)
 # RoPE types whose table is built once (LongRoPE's factors chosen from the served context: rope_tables.py)
 STATIC_ROPE = ("default", "linear", "llama3", "yarn", "longrope")
 # a layer's norms by `norm_layout`: Llama's (before attention, before the MLP), Gemma 3's sandwich, OLMo 2's after

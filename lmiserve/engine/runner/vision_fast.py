@@ -1,8 +1,9 @@
 """A vision-language model whose decoder is one lmiserve's own forward runs (LLaVA and LLaVA-NeXT over Llama,
-Mistral or Qwen2, Mistral 3, Idefics3/SmolVLM, Gemma 3 4B-27B; docs/engine.md, "Vision-language models"): its
-steps run that forward (engine/model/fast_llama.py) over the decoder (engine/model/language_model.py), each image
-token's embedding replaced by its image feature, and on CUDA its decode steps replay the decode graphs, as a text
-model's do. The image encoder runs once per image at admission, as runner/vision.py's.
+Mistral or Qwen2, Idefics3/SmolVLM, Gemma 3 4B-27B, Qwen2-VL, Qwen2.5-VL, Qwen3-VL; docs/engine.md,
+"Vision-language models"): its steps run that forward (engine/model/fast_llama.py) over the decoder
+(engine/model/language_model.py), each image token's embedding replaced by its image feature, and on CUDA its
+decode steps replay the decode graphs, as a text model's do. The image encoder runs once per image at admission,
+as runner/vision.py's.
 
 **M-RoPE** (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): a text token's three positions are one, its position shifted by
 what the images before it took (``get_rope_index``; a generated token's: the prompt's rope delta), and RoPE at
