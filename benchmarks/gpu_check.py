@@ -58,11 +58,12 @@ decode paths (whether the graphs capture, and what each path gives: before the s
 them), the engine in its own process, steps with prompt tokens in the decode graphs against eager
 (``graph_prompts``: ``lmiserve bench --ab-option cuda_graph_prompt_tokens=64`` at 32 and 128 streams), fp8
 weights, overlap scheduling, the step profile, the fp8 KV cache, the decode paths with LoRA adapters, those of
-Qwen3's, Phi-3's and Gemma 3's shapes, tensor parallelism.
+Qwen3's, Phi-3's and Gemma 3's shapes, a VLM's (``vlm_paths``: ``benchmarks/vlm_paths.py`` on SmolVLM-256M's
+decoder, image requests on its decode graphs against transformers' forward of the VLM), tensor parallelism.
 Every step has a time limit inside ``--budget`` (default 450 s); a step that fails or runs out is
 recorded as such and the next one runs. ``--steps`` runs some of them (`STEP_KEYS`: tests, bench-1b,
 bench-8b, decode-paths, engine-process, graph-prompts, quantized, overlap, step-profile, fp8-kv, lora-paths,
-arch-paths, tensor-parallel), so a
+arch-paths, vlm-paths, tensor-parallel), so a
 session can spend its minutes on what an earlier check left unmeasured. ``summary.json`` and ``summary.md``
 are written however the check ends (its last step timed out, SIGINT or SIGTERM from a device call's
 limit), with what ran. The quality steps (``quality``, ``fp8_kv``) need the bundled
@@ -104,6 +105,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # xdist hands them out in this order: first those that have not yet passed on a GPU (new since the 2026-11-29
 # check, or failed there and mended), so that a run out of time (a second device call's) has run them.
 ENGINE_TESTS = (
+    "tests/unit/test_vlm_fast.py",
     "tests/unit/test_overlap_grammars.py",
     "tests/unit/test_graph_bans.py",
     "tests/unit/test_graph_penalties.py",
@@ -157,6 +159,7 @@ STEP_KEYS = (
     "fp8-kv",
     "lora-paths",
     "arch-paths",
+    "vlm-paths",
     "tensor-parallel",
 )
 
@@ -767,6 +770,18 @@ def markdown(summary: dict[str, Any]) -> str:
             cells = [f"{a.get(k)}, {b.get(k)}" for k in ("over_generate", "us_cpu_per_token_median", *TTFT_MEDIANS)]
             rates = [a["tokens_per_s_median"], b["tokens_per_s_median"], r["ratio"], r.get("generate_tokens_per_s")]
             lines.append(_row([level, *rates, *cells]))
+    if summary.get("vlm_paths"):
+        vlm = summary["vlm_paths"]
+        lines += [
+            "",
+            f"## A VLM's decoder, {vlm['shape']}'s shape ({vlm['dtype']}, image requests, {vlm['tokens']} tokens)",
+            "",
+            "| path | streams | tok/s | TTFT p50 ms | decode graphs | same tokens as the first path |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in vlm["levels"]:
+            keys = ("path", "streams", "tokens_per_s", "ttft_ms_p50", "decode_graphs", "same_tokens_as_first_path")
+            lines.append(_row([r.get(k) for k in keys]))
     lines += _quantized_lines(summary.get("quantized") or {}) + _fp8_kv_lines(summary.get("fp8_kv") or {})
     lines += _step_profile_lines(summary.get("step_profile") or [])
     lines += _graph_prompts_lines(summary.get("graph_prompts") or [])
@@ -1204,6 +1219,21 @@ def main(argv: list[str] | None = None) -> int:
     for shape, entry in arch_shapes:
         name = f"decode paths {shape.replace('-', ' ')}"
         decode_paths(name, entry, 100.0, ["--paths", "graphs,generic"], "arch-paths", shape)
+
+    # 10c. a vision-language model's decoder on the fast forward's graphs, against transformers' forward of the VLM
+    # (every step of a VLM until 2026-12-02): image requests to SmolVLM-256M's shape
+    if ready("vlm-paths", "vlm paths smolvlm", 60):
+        report = out / "vlm-paths-smolvlm-256m.json"
+        command = [
+            sys.executable,
+            str(ROOT / "benchmarks" / "vlm_paths.py"),
+            *("--shape", "smolvlm-256m", "--device", scale.device, "--dtype", scale.pick("bf16", "fp32")),
+            *("--streams", scale.pick("1,16", "1,2"), "--tokens", scale.pick("64", "4"), "--json", str(report)),
+        ]
+        step = run_step("vlm paths smolvlm", command, out / "vlm-paths-smolvlm-256m.log", min(150.0, left() - 60), env)
+        if report.exists():
+            step["report"] = summary["vlm_paths"] = json.loads(report.read_text())
+        summary["steps"].append(step)
 
     # 11. tensor parallelism (issue #25): the workers' path on CUDA against the model in this process
     degree = 1 if scale.rehearsal else min(2, torch.cuda.device_count())

@@ -49,6 +49,7 @@ def test_every_step_runs_to_its_end(rehearsal):
         "decode paths qwen3 0.6b",
         "decode paths phi3 mini",
         "decode paths gemma3 1b",
+        "vlm paths smolvlm",
         "tensor parallel tiny",
         "tensor parallel 1b",
         "executor cpu 1b",
@@ -99,6 +100,11 @@ def test_issue_39_entries_are_filled(rehearsal):
             "generic": {"1": "generic", "2": "generic"},
         }
         assert {level: r["identical_to_graphs"] for level, r in runs["generic"].items()} == {"1": 1, "2": 2}
+    # a VLM's decoder (SmolVLM-256M's shape): its image requests on the fast forward and on the VLM's, alike
+    vlm = summary["vlm_paths"]
+    assert [(r["path"], r["streams"]) for r in vlm["levels"]] == [("fast", 1), ("fast", 2), ("vlm", 1), ("vlm", 2)]
+    assert all(r["same_tokens_as_first_path"] and r["tokens_per_s"] > 0 for r in vlm["levels"])
+    assert vlm["steps"]["fast"]["fast"] > 0 and vlm["steps"]["fast"]["vlm"] == 0
     lora = summary["decode_paths_lora"]
     assert lora["lora_adapters"] == 4 and set(lora["paths"]) == {"graphs", "triton"}
     for path in lora["paths"].values():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 
 import pytest
@@ -37,6 +38,8 @@ from lmiserve.models.load import load_causal_lm
 MROPE = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # families whose steps that meet an image run the VLM's forward: Gemma 3's image attends both ways, M-RoPE's differs
 VLM_STEPS = ("gemma3", *MROPE)
+# the decode graphs' tests on the GPU check's device (LMISERVE_TEST_DEVICE: there they capture); the rest on a CPU
+DEVICE = os.environ.get("LMISERVE_TEST_DEVICE", "cpu")
 
 
 def _requests(loaded):  # noqa: ANN001, ANN202
@@ -76,7 +79,7 @@ def test_which_steps_run_the_fast_forward(tiny_vlm_dir, family):
 def test_decode_graphs_serve_a_vlm(tiny_vlm_dir, monkeypatch, family):
     made = graphs_on_the_test_device(monkeypatch)
     path = tiny_vlm_dir(family)
-    loaded = load_causal_lm(path, dtype="fp32", device="cpu")
+    loaded = load_causal_lm(path, dtype="fp32", device=DEVICE)
     requests = _requests(loaded)
     results, engine = asyncio.run(serve(loaded, config(), requests))
     runner = engine.executor.runner
@@ -92,7 +95,7 @@ def test_prompt_chunks_folded_into_the_graphs_take_their_shifts(tiny_vlm_dir, mo
     decode graphs a token a row, each rotated at its shifted position."""
     made = graphs_on_the_test_device(monkeypatch)
     path = tiny_vlm_dir("qwen2_5_vl")
-    loaded = load_causal_lm(path, dtype="fp32", device="cpu")
+    loaded = load_causal_lm(path, dtype="fp32", device=DEVICE)
     requests = _requests(loaded)
     results, _ = asyncio.run(serve(loaded, config(max_prefill_tokens=6, graph_prompt_tokens=6), requests))
     assert same(results, [reference(path, *r) for r in requests])

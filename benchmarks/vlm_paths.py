@@ -1,15 +1,20 @@
 """Image requests to a vision-language model: lmiserve's forward of its decoder (runner/vision_fast.py) against
 transformers' forward of the VLM (runner/vision.py, what every VLM step ran before 2026-12-02), in one run.
 
-    .venv/bin/python benchmarks/results/issue39-vlm-fast-path-2026-12-02/vlm_decode.py \
-        [--shape smolvlm-256m|llava-1b] [--streams 1,4] [--tokens 32] [--order fast,vlm] [--json FILE]
+    .venv/bin/python benchmarks/vlm_paths.py [--shape smolvlm-256m|llava-1b|qwen2-vl-2b] [--streams 1,4]
+        [--tokens 32] [--order fast,vlm] [--device cpu|cuda] [--dtype fp32|bf16] [--json FILE]
 
 The model: random weights (seeded) in the shape of a published VLM's decoder, with the tests' tiny vision tower
 and processor (tests/helpers/tiny_vlm.py; the encoder runs once an image, at admission, outside the decode):
 - ``smolvlm-256m``: HuggingFaceTB/SmolVLM-256M-Instruct's decoder (Idefics3; SmolLM2-135M's shape: hidden 576,
   30 layers, 9 heads, 3 KV heads, vocabulary 49,280);
 - ``llava-1b``: a LLaVA over Llama 3.2 1B's shape (hidden 2,048, 16 layers, 32 heads, 8 KV heads, vocabulary
-  128,256), as the llava-hf conversions of 1B decoders are.
+  128,256), as the llava-hf conversions of 1B decoders are;
+- ``qwen2-vl-2b``: Qwen/Qwen2-VL-2B-Instruct's decoder (Qwen2-1.5B's shape with M-RoPE, ``mrope_section``
+  [16, 24, 24]: its text rows rotated at shifted positions).
+
+On CUDA the fast path replays its decode graphs (``fast``) where transformers' forward runs every step eagerly
+(``vlm``); the GPU check runs this on SmolVLM-256M's shape (its ``vlm-paths`` step).
 
 For each path an engine is built over the same loaded model, alone on the machine; `streams` image requests
 (each its own image, 32 greedy tokens, EOS ignored) run at once after a warm-up request. Reported: the tokens
@@ -29,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -61,6 +66,19 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
             "max_position_embeddings": 8192,
         },
     ),
+    "qwen2-vl-2b": (
+        "qwen2_vl",
+        {
+            "hidden_size": 1536,
+            "intermediate_size": 8960,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 2,
+            "head_dim": 128,
+            "vocab_size": 151936,
+            "max_position_embeddings": 32768,
+        },
+    ),
 }
 
 
@@ -75,8 +93,9 @@ def build(shape: str, out: Path) -> Path:
     config, processor = tiny_vlm._spec(family)
     for key, value in text.items():
         setattr(config.text_config, key, value)
-    if family == "llava":  # the projector's output is the decoder's width
-        config.text_config.hidden_size = text["hidden_size"]
+    if family == "qwen2_vl":  # the merger's output is the decoder's width; M-RoPE's sections as published
+        config.vision_config.hidden_size = text["hidden_size"]
+        config.text_config.rope_parameters["mrope_section"] = [16, 24, 24]
     tokenizer = processor.tokenizer
     torch.manual_seed(tiny_vlm.TINY_VLM_SEED)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
@@ -117,18 +136,22 @@ def main() -> None:
     parser.add_argument("--streams", default="1,4")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--order", default="fast,vlm")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="fp32")
     parser.add_argument("--json")
     args = parser.parse_args()
 
     from helpers.vlm_serving import chat, image_of, prompt_of
+    from lmiserve.engine.attention import cuda_graphs
     from lmiserve.engine.core.async_engine import EngineConfig
     from lmiserve.engine.factory import create_engine
     from lmiserve.models.load import load_causal_lm
 
     with tempfile.TemporaryDirectory() as tmp:
         path = build(args.shape, Path(tmp) / args.shape)
-        loaded = load_causal_lm(path, dtype="fp32", device="cpu")
-    report: dict[str, Any] = {"shape": args.shape, "tokens": args.tokens, "levels": [], "steps": {}}
+        loaded = load_causal_lm(path, dtype=args.dtype, device=args.device)
+    report: dict[str, Any] = {"shape": args.shape, "tokens": args.tokens, "device": args.device, "dtype": args.dtype}
+    report.update(levels=[], steps={})
     first_tokens: dict[int, list[list[int]]] = {}
 
     async def measure(path_name: str) -> None:
@@ -136,8 +159,12 @@ def main() -> None:
         runner = engine.executor.runner
         engine.start()
         try:
-            await run(engine, [(prompt_of(loaded, chat("Warm up.")), (image_of(99),))], 4)
-            for streams in [int(s) for s in args.streams.split(",")]:
+            levels = [int(s) for s in args.streams.split(",")]
+            for streams in levels:  # (on CUDA: each level's decode graphs captured before it is timed)
+                await run(
+                    engine, [(prompt_of(loaded, chat("Warm up.")), (image_of(99 - i),)) for i in range(streams)], 4
+                )
+            for streams in levels:
                 requests = [
                     (prompt_of(loaded, chat(f"Picture {i}: what is in it?")), (image_of(10 + i),))
                     for i in range(streams)
@@ -146,6 +173,7 @@ def main() -> None:
                 level = {
                     "path": path_name,
                     "runner": type(runner).__name__,
+                    "decode_graphs": cuda_graphs.of_runner(runner) is not None,
                     "streams": streams,
                     "tokens_per_s": round(sum(map(len, results)) / wall, 2),
                     "ttft_ms_p50": round(ttft * 1000, 1),
