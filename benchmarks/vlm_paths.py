@@ -91,8 +91,11 @@ def build(shape: str, out: Path) -> Path:
 
     family, text = SHAPES[shape]
     config, processor = tiny_vlm._spec(family)
+    kinds = getattr(config.text_config, "layer_types", None)  # (the tests' layers' kinds, repeated over the shape's)
     for key, value in text.items():
         setattr(config.text_config, key, value)
+    if kinds:
+        config.text_config.layer_types = [kinds[i % len(kinds)] for i in range(text["num_hidden_layers"])]
     if family == "qwen2_vl":  # the merger's output is the decoder's width; M-RoPE's sections as published
         config.vision_config.hidden_size = text["hidden_size"]
         config.text_config.rope_parameters["mrope_section"] = [16, 24, 24]
