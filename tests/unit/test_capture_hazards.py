@@ -243,6 +243,7 @@ def test_a_vision_models_steps_never_wait_for_the_device(tiny_vlm_dir, monkeypat
         (PagedGenericRunner, "_forward"),
         (PagedVisionRunner, "_encode"),
         (PagedFastVisionRunner, "_with_images"),
+        (PagedFastVisionRunner, "_rope_rows"),
     )
     for owner, name in watches:
         hazards, original = Hazards(), getattr(owner, name)
@@ -269,3 +270,6 @@ def test_a_vision_models_steps_never_wait_for_the_device(tiny_vlm_dir, monkeypat
         assert watched["_encode"].syncs == [], sorted(set(watched["_encode"].syncs))
         # their steps on lmiserve's forward (runner/vision_fast.py): the features placed without a wait
         assert engine.executor.runner.steps["fast"] > 0 and watched["_with_images"].syncs == []
+    # M-RoPE image tokens' RoPE rows, made from their prompt's 3-D positions on the device (Qwen2-VL's)
+    assert watched["_rope_rows"].syncs == [], sorted(set(watched["_rope_rows"].syncs))
+    assert watched["_with_images"].syncs == [], sorted(set(watched["_with_images"].syncs))

@@ -250,10 +250,7 @@ class FastLlama:
         graphs = self.graphs if step.embeds is None else None  # (image features: an eager step)
         every = step.keep == list(range(rows))  # every row's logits kept
         if graphs is not None and rows and not step.chunks and every and graphs.covers(rows, step.lora):
-            s = step
-            return graphs.run(
-                s.decode_ids, s.decode_positions, s.decode_tables, s.lora, s.decode_sources, s.rope_shifts
-            )
+            return graphs.run(*step.replayed())
         folded = graphs.run_folded(step) if graphs is not None and step.chunks and step.decode_sources is None else None
         if folded is not None:
             return folded
@@ -268,6 +265,9 @@ class FastLlama:
         cos_table, sin_table = self.rope.upto(max(positions) + 1)
         token_ids, pos = host_copy.to_device([ids, positions], dev)  # one copy, not waited for
         cos, sin = cos_table[pos], sin_table[pos]  # [T, kinds, D]
+        if step.rope_rows is not None:  # (M-RoPE's image tokens: their rows, made by the model's rotary module)
+            at, c, s = step.rope_rows
+            cos, sin = cos.index_copy(0, at, c), sin.index_copy(0, at, s)
         tp = self.tp
         x = F.embedding(token_ids, self.embed) if tp is None else tp.embed(token_ids, self.embed)
         x = x if self.multipliers.embedding == 1.0 else x * self.multipliers.embedding

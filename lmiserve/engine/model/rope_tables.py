@@ -68,6 +68,19 @@ class RopeTables:
         )  # fmt: skip
         return tables, layer_kinds
 
+    def rows_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows ``[n, kinds, rotary_dim]`` (cos, signed sin) of positions the rotary module takes as they are,
+        on the device: M-RoPE's ``[3, n]`` (an image's tokens, whose three positions differ), made as transformers
+        makes them for its forward."""
+        probe = torch.empty(0, dtype=self._dtype, device=self._device)
+        half, cos, sin = self.rotary_dim // 2, [], []
+        for kind in self.kinds:
+            at = positions[:, None]
+            c, s = self._rotary(probe, at) if kind is None else self._rotary(probe, at, kind)
+            cos.append(c[0])
+            sin.append(torch.cat((-s[0][:, :half], s[0][:, half:]), dim=-1))
+        return torch.stack(cos, dim=1), torch.stack(sin, dim=1)
+
     def upto(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The tables (cos, signed sin), grown to cover positions ``0..positions-1`` (at least doubling, up to
         the model's context, so a growing sequence rebuilds them rarely)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -51,7 +51,9 @@ class StepInputs:
     image features, ``(token rows, features)`` (both on the device): the flattened token rows whose embeddings
     they replace (their ids are any in the vocabulary), and a ``[rows, hidden]`` feature row for each;
     `rope_shifts`: each row's RoPE shift (decode rows, then chunks; None: none), the position its tokens are
-    rotated at less their position (M-RoPE's text past an image: runner/vision_fast.py)."""
+    rotated at less their position (M-RoPE's text past an image: runner/vision_fast.py); `rope_rows`: RoPE table
+    rows that replace some tokens' ``(token rows, cos rows, signed sin rows)`` on the device (M-RoPE's image
+    tokens, whose three positions differ: `RopeTables.rows_at`)."""
 
     decode_ids: list[int] = field(default_factory=list)
     decode_positions: list[int] = field(default_factory=list)
@@ -62,6 +64,7 @@ class StepInputs:
     decode_sources: list[int] | None = None
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None
     rope_shifts: list[int] | None = None
+    rope_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def tokens(self) -> tuple[list[int], list[int]]:
         """The step's token ids and their positions, in its token order (new lists)."""
@@ -70,6 +73,11 @@ class StepInputs:
         for _, start, chunk in self.chunks:
             positions.extend(range(start, start + len(chunk)))
         return ids, positions
+
+    def replayed(self) -> tuple[Any, ...]:
+        """The decode rows' ids, positions, tables, adapters, sources and shifts: `DecodeReplay.run`'s arguments."""
+        decode = (self.decode_ids, self.decode_positions, self.decode_tables)
+        return (*decode, self.lora, self.decode_sources, self.rope_shifts)
 
     def token_shifts(self) -> list[int] | None:
         """Each token's RoPE shift, in `tokens`' order (None: none)."""

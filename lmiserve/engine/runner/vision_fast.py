@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
+from lmiserve.engine import host_copy
 from lmiserve.engine.attention import cuda_graphs
 from lmiserve.engine.attention.kv_quant import KvFormat
 from lmiserve.engine.core.step import StepBatch
@@ -92,14 +94,37 @@ class PagedFastVisionRunner(PagedVisionRunner):
         rows = [batch.rows[i] for i in part]
         spans = [(r.start, len(r.computed_ids)) for r in rows]
         shifts = [self._shift(s, *span) for s, span in zip(states, spans)]
+        # the rows that meet an M-RoPE image (their tokens' three positions differ): RoPE rows of their own
+        three = [n for n, shift in enumerate(shifts) if shift is None and self._three_d(states[n], *spans[n])]
         opens = any(self._opens(s, *span) for s, span in zip(states, spans))
-        if opens or None in shifts or any(s.adapter is not None for s in states):
+        if opens or shifts.count(None) > len(three) or any(s.adapter is not None for s in states):
             self.steps["vlm"] += 1
             return super()._forward_rows(batch, part)
         self.steps["fast"] += 1
         step = step_inputs(batch, part, self._requests, self._kept, {}, None)
-        step.rope_shifts = cast("list[int]", shifts) if any(shifts) else None
+        step.rope_shifts = [shift or 0 for shift in shifts] if any(shifts) else None
+        if three:
+            counts = [1 if i < batch.num_decode else count for i, (_, count) in zip(part, spans)]
+            step.rope_rows = self._rope_rows([states[n] for n in three], [spans[n] for n in three], three, counts)
         return self.fast.forward(self._with_images(step, states))
+
+    def _three_d(self, state: RequestState, start: int, count: int) -> bool:
+        """Whether a row that meets an M-RoPE image takes its RoPE rows from its prompt's positions: a prompt chunk
+        (a recompute past the prompt runs the VLM's forward), of a model without DeepStack (Qwen3-VL adds its
+        features at the image's tokens inside the layers: the VLM's forward)."""
+        mrope = state.images.mrope if state.images is not None else None
+        return not self.deepstack and mrope is not None and start + count <= mrope.shape[1]
+
+    def _rope_rows(
+        self, states: list[RequestState], spans: list[tuple[int, int]], rows: list[int], counts: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`StepInputs.rope_rows` of the step's `rows` (their `states` and ``(start, count)`` `spans`; `counts`:
+        every row's tokens, in the step's order): their prompt's M-RoPE positions through the rotary module."""
+        firsts = np.cumsum([0, *counts[:-1]])
+        at = np.concatenate([np.arange(firsts[n], firsts[n] + count) for n, (_, count) in zip(rows, spans)])
+        three = [s.images.mrope[:, start : start + count] for s, (start, count) in zip(states, spans) if s.images]
+        cos, sin = self.fast.rope.rows_at(torch.cat(three, dim=1))
+        return host_copy.to_device(at, self.device), cos, sin
 
     @staticmethod
     def _shift(state: RequestState, start: int, count: int) -> int | None:
