@@ -14,8 +14,9 @@ What the fast forward does not compute runs transformers' forward of the VLM ove
 (runner/vision.py), a whole step at a time:
 - a step with a row that meets a Gemma 3 image (its tokens attend to each other both ways; the scheduler never
   splits such an image, and the fast forward's attention is causal);
-- a step with a row that meets an M-RoPE model's image (its tokens' three positions differ; Qwen3-VL adds its
-  DeepStack features there), or whose text tokens are shifted unequally (a chunk across an image's end);
+- a step with a row that meets a Qwen3-VL image (its DeepStack features are added inside the layers), or an
+  M-RoPE image past its prompt (a recompute); Qwen2-VL's and Qwen2.5-VL's image tokens take RoPE rows made from
+  their 3-D positions by the rotary module (`StepInputs.rope_rows`);
 - a step with a LoRA adapter (a VLM's adapters hook its modules).
 """
 
@@ -129,7 +130,7 @@ class PagedFastVisionRunner(PagedVisionRunner):
     @staticmethod
     def _shift(state: RequestState, start: int, count: int) -> int | None:
         """The RoPE shift of a row's tokens (M-RoPE's text: one for the whole row), None where they have none
-        (the row meets an M-RoPE image, or its text's shifts differ)."""
+        (the row meets an M-RoPE image, whose tokens' three positions differ: `_three_d`)."""
         features = state.images
         shifts = features.shifts if features is not None else None
         if features is None or shifts is None:
