@@ -217,11 +217,11 @@ def lora_groups(layers: Sequence[Any], model_type: str, shape: tuple[int, int, i
     GLM's names: `projections`); `shape`: the heads, the KV heads and a head's width."""
     heads, kv_heads, head_dim = shape
     q, kv = heads * head_dim, kv_heads * head_dim
+    (*qkv_names, o), (*gate_up_names, down) = projections(model_type)
     groups = []
     for index, layer in enumerate(layers):
         at = f"model.layers.{index}"
         attn, mlp, inter, hidden = f"{at}.self_attn", f"{at}.mlp", layer.intermediate, layer.hidden
-        (*qkv_names, o), (*gate_up_names, down) = projections(model_type)
         qkv: tuple[tuple[str, int, int], ...] = ((f"{attn}.{qkv_names[0]}", 0, q + 2 * kv),)  # (Phi-3's qkv_proj)
         if len(qkv_names) == 3:
             qkv = tuple((f"{attn}.{n}", a, b) for n, a, b in zip(qkv_names, (0, q, q + kv), (q, q + kv, q + 2 * kv)))

@@ -72,14 +72,7 @@ class RopeTables:
         """The rows ``[n, kinds, rotary_dim]`` (cos, signed sin) of positions the rotary module takes as they are,
         on the device: M-RoPE's ``[3, n]`` (an image's tokens, whose three positions differ), made as transformers
         makes them for its forward."""
-        probe = torch.empty(0, dtype=self._dtype, device=self._device)
-        half, cos, sin = self.rotary_dim // 2, [], []
-        for kind in self.kinds:
-            at = positions[:, None]
-            c, s = self._rotary(probe, at) if kind is None else self._rotary(probe, at, kind)
-            cos.append(c[0])
-            sin.append(torch.cat((-s[0][:, :half], s[0][:, half:]), dim=-1))
-        return torch.stack(cos, dim=1), torch.stack(sin, dim=1)
+        return self._rows(positions[:, None])
 
     def upto(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The tables (cos, signed sin), grown to cover positions ``0..positions-1`` (at least doubling, up to
@@ -90,19 +83,26 @@ class RopeTables:
             ids = torch.arange(have, new, device=self._device)
             if self._long_past is not None:  # a last position past the original length: the long factors
                 ids = torch.cat([ids, ids.new_tensor([max(self._long_past, new)])])
-            probe = torch.empty(0, dtype=self._dtype, device=self._device)
-            half = self.rotary_dim // 2
-            cos, sin = [], []
-            for kind in self.kinds:
-                c, s = self._rotary(probe, ids[None]) if kind is None else self._rotary(probe, ids[None], kind)
-                c, s = c[0][: new - have], s[0][: new - have]
-                if self.interleaved:  # (transformers' GLM: each frequency of the first half, twice)
-                    c, s = c[:, :half].repeat_interleave(2, dim=-1), s[:, :half].repeat_interleave(2, dim=-1)
-                    cos.append(c)
-                    sin.append(torch.stack((-s[:, 0::2], s[:, 1::2]), dim=-1).flatten(-2))
-                    continue
-                cos.append(c)
-                sin.append(torch.cat((-s[:, :half], s[:, half:]), dim=-1))
-            self.cos = torch.cat([self.cos, torch.stack(cos, dim=1)])
-            self.sin = torch.cat([self.sin, torch.stack(sin, dim=1)])
+            cos, sin = self._rows(ids[None])
+            self.cos = torch.cat([self.cos, cos[: new - have]])
+            self.sin = torch.cat([self.sin, sin[: new - have]])
         return self.cos, self.sin
+
+    def _rows(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[n, kinds, rotary_dim]`` (cos, signed sin) of the rotary module's call on `position_ids` (batch 1),
+        each kind's: the sine's first half negated or (GLM's, `interleaved`) its even columns, after each
+        frequency of the first half is repeated twice."""
+        probe = torch.empty(0, dtype=self._dtype, device=self._device)
+        half = self.rotary_dim // 2
+        cos, sin = [], []
+        for kind in self.kinds:
+            c, s = self._rotary(probe, position_ids) if kind is None else self._rotary(probe, position_ids, kind)
+            c, s = c[0], s[0]
+            if self.interleaved:  # (transformers' GLM: each frequency of the first half, twice)
+                c, s = c[:, :half].repeat_interleave(2, dim=-1), s[:, :half].repeat_interleave(2, dim=-1)
+                cos.append(c)
+                sin.append(torch.stack((-s[:, 0::2], s[:, 1::2]), dim=-1).flatten(-2))
+                continue
+            cos.append(c)
+            sin.append(torch.cat((-s[:, :half], s[:, half:]), dim=-1))
+        return torch.stack(cos, dim=1), torch.stack(sin, dim=1)

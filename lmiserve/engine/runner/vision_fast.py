@@ -104,10 +104,10 @@ class PagedFastVisionRunner(PagedVisionRunner):
         self.steps["fast"] += 1
         step = step_inputs(batch, part, self._requests, self._kept, {}, None)
         step.rope_shifts = [shift or 0 for shift in shifts] if any(shifts) else None
+        flat = _flat_spans(step)
         if three:
-            counts = [1 if i < batch.num_decode else count for i, (_, count) in zip(part, spans)]
-            step.rope_rows = self._rope_rows([states[n] for n in three], [spans[n] for n in three], three, counts)
-        return self.fast.forward(self._with_images(step, states))
+            step.rope_rows = self._rope_rows([states[n] for n in three], [flat[n] for n in three])
+        return self.fast.forward(self._with_images(step, states, flat))
 
     def _three_d(self, state: RequestState, start: int, count: int) -> bool:
         """Whether a row that meets an M-RoPE image takes its RoPE rows from its prompt's positions: a prompt chunk
@@ -117,13 +117,12 @@ class PagedFastVisionRunner(PagedVisionRunner):
         return not self.deepstack and mrope is not None and start + count <= mrope.shape[1]
 
     def _rope_rows(
-        self, states: list[RequestState], spans: list[tuple[int, int]], rows: list[int], counts: list[int]
+        self, states: list[RequestState], spans: list[Span]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`StepInputs.rope_rows` of the step's `rows` (their `states` and ``(start, count)`` `spans`; `counts`:
-        every row's tokens, in the step's order): their prompt's M-RoPE positions through the rotary module."""
-        firsts = np.cumsum([0, *counts[:-1]])
-        at = np.concatenate([np.arange(firsts[n], firsts[n] + count) for n, (_, count) in zip(rows, spans)])
-        three = [s.images.mrope[:, start : start + count] for s, (start, count) in zip(states, spans) if s.images]
+        """`StepInputs.rope_rows` of some of the step's rows (their `states` and `_flat_spans`): their prompt's
+        M-RoPE positions through the rotary module."""
+        at = np.concatenate([np.arange(first, first + count) for first, count, _, _ in spans])
+        three = [s.images.mrope[:, start : start + count] for s, (_, count, start, _) in zip(states, spans) if s.images]
         cos, sin = self.fast.rope.rows_at(torch.cat(three, dim=1))
         return host_copy.to_device(at, self.device), cos, sin
 
@@ -141,16 +140,8 @@ class PagedFastVisionRunner(PagedVisionRunner):
         found = {*within.tolist(), *past}
         return found.pop() if len(found) == 1 and NO_SHIFT not in found else None
 
-    def _with_images(self, step: StepInputs, states: list[RequestState]) -> StepInputs:
-        """`step` with the image features of the image tokens it covers (the rows' `states`, in its order)."""
-        spans: list[Span] = []  # each row's first token, tokens, start position (and an unused key offset)
-        first = 0
-        for position in step.decode_positions:
-            spans.append((first, 1, position, 0))
-            first += 1
-        for _, start, chunk in step.chunks:
-            spans.append((first, len(chunk), start, 0))
-            first += len(chunk)
+    def _with_images(self, step: StepInputs, states: list[RequestState], spans: list[Span]) -> StepInputs:
+        """`step` with the image features of the image tokens it covers (the rows' `states` and `_flat_spans`)."""
         found = self._image_rows(states, spans)
         if found is None:
             return step
@@ -165,3 +156,17 @@ class PagedFastVisionRunner(PagedVisionRunner):
             at += len(chunk)
         features = torch.cat([f.features[r] for f, r in take_rows])
         return dataclasses.replace(step, decode_ids=ids[:decode], chunks=chunks, embeds=(index, features))
+
+
+def _flat_spans(step: StepInputs) -> list[Span]:
+    """Each row of `step` as its first token among the step's flattened tokens, its tokens and its start position
+    (and an unused key offset), in the step's order."""
+    spans: list[Span] = []
+    first = 0
+    for position in step.decode_positions:
+        spans.append((first, 1, position, 0))
+        first += 1
+    for _, start, chunk in step.chunks:
+        spans.append((first, len(chunk), start, 0))
+        first += len(chunk)
+    return spans
