@@ -152,7 +152,7 @@ def create_engine(
     spec = config.speculation
     vision = is_vision_model(loaded.model)
     reason = fast_vision_reason if vision else fast_reason
-    why_not = reason(loaded.model, fast_path=config.fast_path)
+    why_not = reason(loaded.model, fast_path=config.fast_path, lora=config.lora is not None)
     if vision and spec is not None:
         raise ValueError("speculative decoding is not served with a vision-language model")
     fast_cls: FastRunnerClass | None = None

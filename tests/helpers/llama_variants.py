@@ -28,6 +28,8 @@ from transformers import (
     MinistralForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
     Olmo3Config,
@@ -38,8 +40,12 @@ from transformers import (
     PhiForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
     SeedOssConfig,
     SeedOssForCausalLM,
     SmolLM3Config,
@@ -153,6 +159,35 @@ ARCHS = {
     "glm": (GlmConfig, GlmForCausalLM, {"attention_bias": True}),
     "glm4": (Glm4Config, Glm4ForCausalLM, {"attention_bias": True}),
 }
+# mixtures of experts (the model's own block in each MoE layer: `layout_variants.moe_block`): Mixtral's top 2 of
+# 4 experts; Qwen2-MoE's top 2 of 4 beside a gated shared expert, its second layer dense (`mlp_only_layers`);
+# Qwen3-MoE's top 2 of 8, their weights renormalized, with Qwen3's head norms
+MOE_ARCHS = {
+    "mixtral": (MixtralConfig, MixtralForCausalLM, {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2_moe_shared": (
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "shared_expert_intermediate_size": 96,
+            "mlp_only_layers": [1],
+        },
+    ),
+    "qwen3_moe": (
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+        {
+            "head_dim": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "norm_topk_prob": True,
+        },
+    ),
+}
+ARCHS.update(MOE_ARCHS)
 PROMPTS = [
     "The quick brown fox",
     "Hello world! How are you",

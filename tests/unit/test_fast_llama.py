@@ -166,6 +166,10 @@ def test_fusing_weights_keeps_the_transformers_model_working_without_copies():
         ("phi4_mini_longrope", {"max_prefill_tokens": 4}, "fast"),  # 3/4 of each head rotated, LongRoPE
         ("glm", {"max_prefill_tokens": 4}, "fast"),  # RoPE by pairs over half of each head
         ("glm4", {"max_prefill_tokens": 4}, "fast"),  # and the outputs' norms
+        ("mixtral", {"max_prefill_tokens": 4}, "fast"),  # a mixture of experts: the model's own block
+        ("qwen2_moe_shared", {"max_prefill_tokens": 4}, "fast"),  # a shared expert beside; a dense layer
+        ("qwen3_moe", {"max_prefill_tokens": 4}, "fast"),
+        ("qwen3_moe", {"fast_path": False}, "generic"),
         ("phi", {"max_prefill_tokens": 4}, "generic"),  # not covered by the fast forward: transformers'
         ("gpt2", {}, "generic"),
         ("qwen2_bias", {"max_prefill_tokens": 4}, "fast"),
@@ -293,7 +297,7 @@ def test_engine_settings_reach_the_runner_and_the_scheduler(tiny_model):
     assert build_engine(tiny_model, Settings()).runner.fast.layers is default.runner.fast.layers
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3_window", "olmo2"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3_window", "olmo2", "qwen3_moe"])
 @torch.inference_mode()
 def test_bf16_models_run_on_the_fast_path_close_to_transformers(arch: str):
     model = build(*ARCHS[arch]).to(torch.bfloat16)

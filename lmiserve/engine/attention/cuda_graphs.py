@@ -24,9 +24,9 @@ graph's intermediates, not each graph's outputs (0.56 GB of logits a kind at 128
 With LoRA adapters configured (`carry_lora`, before the first capture), every graph also computes the
 products of `max_loras` fixed adapter slots (engine/lora/slots.py), each row's slot one more input buffer;
 a step with more adapters than slots runs eagerly. `enforce_eager` (vLLM's and LMI's option) turns graphs
-off; a capture that fails is logged and the engine goes on eagerly. Not with tensor parallelism. On a CPU
-(``capture=False``, the tests) `run` computes the same padded step from the same buffers without capturing,
-watched for what a capture cannot hold (tests/helpers/capture_hazards.py).
+off; a capture that fails is logged and the engine goes on eagerly. Not with tensor parallelism, nor with
+experts outside bfloat16 (`experts_graph_reason`). On a CPU (``capture=False``, the tests) `run` computes the
+same padded step from the same buffers without capturing, watched for what a capture cannot hold.
 """
 
 from __future__ import annotations
@@ -391,9 +391,9 @@ def wanted(device: torch.device, enforce_eager: bool) -> bool:
 
 
 def for_model(fast: FastLlama, max_rows: int, scratch_block: int, prompt_tokens: int = 0) -> DecodeGraphs | None:
-    """The decode graphs for `fast` (on CUDA, not `enforce_eager`: `wanted`) where they apply (a paged cache
-    read by the Triton kernel, the whole model on one device), else None, with the reason logged."""
+    """The decode graphs for `fast` (`wanted`) where they apply (the Triton kernel, one device, `graph_refusal`)."""
     why = "they need the Triton paged attention" if not fast.triton else "tensor parallelism" if fast.tp else None
+    why = why or fast.graph_refusal  # (a mixture of experts outside bfloat16; else None)
     if why is not None:
         log.info("CUDA graphs: off (%s)", why)
         return None

@@ -21,8 +21,8 @@ over each query and key head too, OLMo 2's over the whole q and k projections, G
 cast back; rotate-half RoPE, softmax attention; what each architecture adds: engine/model/layout_variants.py),
 so the result differs from the generic path only where a kernel's summation order changes rounding.
 
-Models outside the Llama family: `unsupported_reason` says why and the engine uses the generic
-transformers path. Device-agnostic; tested on CPU only.
+A layer's mixture of experts (Mixtral's, the Qwen MoEs') is the model's own block, between these norms and adds.
+Models outside the Llama family: `unsupported_reason` says why and the engine uses the generic transformers path.
 """
 
 from __future__ import annotations
@@ -48,12 +48,15 @@ from lmiserve.engine.model.layout_variants import (
     OFFSET_NORM_TYPES,
     Multipliers,
     NormWeight,
+    experts_graph_reason,
+    head_norm_weights,
     lora_groups,
     norm_of,
     rope_layers,
 )
 from lmiserve.engine.model.llama_layout import (
     SUPPORTED_TYPES,
+    FusedLayer,
     Part,
     as_llama,
     fused_layers,
@@ -140,15 +143,7 @@ class FastLlama:
         # whether each layer rotates its queries and keys (not SmolLM3's `no_rope_layers`, EXAONE 4's full layers)
         self.rope_layers = rope_layers(model.config)
         # Qwen3's norms of each query and key head, as one weight a layer over the q and k heads (None: none)
-        self.head_norms = [
-            None
-            if layer.head_norms is None
-            else (
-                torch.cat([layer.head_norms[0].expand(self.heads, -1), layer.head_norms[1].expand(self.kv_heads, -1)]),
-                layer.head_norms[2],
-            )
-            for layer in self.layers
-        ]
+        self.head_norms = head_norm_weights(self.layers, self.heads, self.kv_heads)
         self.norm = norm_of(inner.norm, self.model_type)
         head = llama.lm_head
         self.lm_head = head.weight
@@ -166,6 +161,7 @@ class FastLlama:
         )
         # decode steps replayed as CUDA graphs (engine/attention/cuda_graphs.py; set by the paged runner)
         self.graphs: DecodeReplay | None = None
+        self.graph_refusal = experts_graph_reason(model, self.layers)  # why graphs cannot capture it (None: they can)
         # a tensor-parallel rank's shard (engine/model/sharding.py): its collectives; None: the whole model
         self.tp = shard_of(model)
         # an int4 model's layers in few kernel calls (engine/model/q4_decode.py), the whole model on CPU fp32
@@ -184,14 +180,15 @@ class FastLlama:
         the heads (Qwen3's), multipliers (Granite's) or Gemma's norms."""
         heads = all(n is None for n in self.head_norms)
         whole = self.rope.rotary_dim == self.head_dim and not self.rope.interleaved
-        return all(self.rope_layers) and whole and heads and self.multipliers.plain and self.plain_norms
+        dense = all(layer.moe is None for layer in self.layers)
+        return all(self.rope_layers) and whole and heads and dense and self.multipliers.plain and self.plain_norms
 
     @property
     def silu_layers(self) -> bool:
         """Whether every layer's activation is SiLU (what `fused_norm.silu_mul` computes), by its values."""
         probe = torch.linspace(-4.0, 4.0, 17, device=self.device, dtype=self.dtype)
         silu = torch.nn.functional.silu(probe)
-        return all(torch.equal(layer.act(probe), silu) for layer in self.layers)
+        return all(torch.equal(layer.act(probe), silu) for layer in self.layers if layer.moe is None)
 
     @property
     def max_context(self) -> int:
@@ -365,19 +362,7 @@ class FastLlama:
             else:
                 x = x + o
                 h = x if post is None else _rms(x, post)
-            gate_up = _product(gemm, h, layer.gate_up)
-            if lora is not None:
-                lora.apply(f"{index}.gate_up", h, gate_up)
-            inter = layer.intermediate
-            if not layer.gated:  # (Starcoder2's MLP)
-                h = layer.act(gate_up)
-            elif fused:
-                h = fused_norm.silu_mul(gate_up, inter)
-            else:
-                h = layer.act(gate_up[:, :inter]) * gate_up[:, inter:]
-            down = gemm.linear(h, layer.down_w, layer.down_b, layer.down_s)
-            if lora is not None:
-                lora.apply(f"{index}.down", h, down)
+            down = self._mlp(index, layer, h, lora) if layer.moe is None else layer.moe(h[None])[0]
             if tp is not None:
                 down = tp.all_reduce(down)
             down = down if residual_factor == 1.0 else down * residual_factor
@@ -387,6 +372,23 @@ class FastLlama:
             else:
                 x = x + down
         return x if residual is None else x + residual
+
+    def _mlp(self, index: int, layer: FusedLayer, h: torch.Tensor, lora: LoraProducts | None) -> torch.Tensor:
+        """A dense layer's MLP over its normed input `h` (an MoE layer's is the model's block: `FusedLayer.moe`)."""
+        gate_up = _product(self._gemm, h, layer.gate_up)
+        if lora is not None:
+            lora.apply(f"{index}.gate_up", h, gate_up)
+        inter = layer.intermediate
+        if not layer.gated:  # (Starcoder2's MLP)
+            h = layer.act(gate_up)
+        elif self.fused_elementwise:
+            h = fused_norm.silu_mul(gate_up, inter)
+        else:
+            h = layer.act(gate_up[:, :inter]) * gate_up[:, inter:]
+        down = self._gemm.linear(h, layer.down_w, layer.down_b, layer.down_s)
+        if lora is not None:
+            lora.apply(f"{index}.down", h, down)
+        return down
 
     def lora_groups(self) -> list[LoraGroup]:
         """The groups `forward` applies adapters to: each layer's fused q/k/v, o, fused gate/up and down

@@ -20,6 +20,10 @@ the loaded transformers model:
   weight applied before the cast back (`norm_of`); exaone4's norms of each head, and no RoPE on its full layers
   where it has sliding ones (`rope_layers`); olmo3's RoPE table by kind of layer.
 
+- mixtral, qwen2_moe and qwen3_moe: a mixture of experts in place of the MLP on some or all layers, run by the
+  model's own sparse-MoE block (`moe_block`: its router, its experts through transformers' experts
+  implementation, Qwen2-MoE's shared expert), between the fast forward's norms and residual adds.
+
 Gemma 2 (soft-capped attention scores) and Gemma 3's vision-language models stay on transformers' forward.
 """
 
@@ -35,9 +39,10 @@ from lmiserve.engine.lora.batch import LoraGroup
 
 # decoders that only a vision-language model holds (engine/model/language_model.py): Qwen2's, Qwen3's with M-RoPE
 VLM_DECODER_TYPES = ("qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")  # Mistral's, Qwen2's and Qwen3's layers with experts (`moe_block`)
 SUPPORTED_TYPES = (
     "llama", "mistral", "ministral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "seed_oss", "gemma", "gemma3_text",
-    "olmo2", "olmo3", "exaone4", "starcoder2", "glm", "glm4", *VLM_DECODER_TYPES,
+    "olmo2", "olmo3", "exaone4", "starcoder2", "glm", "glm4", *VLM_DECODER_TYPES, *MOE_TYPES,
 )  # fmt: skip
 FUSED_TYPES = ("phi3",)  # q/k/v and gate/up one linear each in the model already (`projections`)
 OFFSET_NORM_TYPES = ("gemma", "gemma3_text")  # RMS norms scaling by (1 + w) in float32 (`norm_of`)
@@ -45,7 +50,7 @@ LAYER_NORM_TYPES = NON_GATED_TYPES = ("starcoder2",)  # LayerNorms with biases; 
 INTERLEAVED_ROPE_TYPES = ("glm", "glm4")  # RoPE by pairs (2i, 2i + 1), not by halves; gate/up one linear
 PROJECTION_NORM_TYPES = ("olmo2", "olmo3")  # norms of the whole q and k projections, the weight before the cast
 # what tensor parallelism does not split (engine/model/sharding.py; it serves no VLM)
-UNSPLIT_TYPES = (*PROJECTION_NORM_TYPES, *VLM_DECODER_TYPES)
+UNSPLIT_TYPES = (*PROJECTION_NORM_TYPES, *VLM_DECODER_TYPES, *MOE_TYPES)
 # RoPE types whose table is built once (LongRoPE's factors chosen from the served context: rope_tables.py)
 STATIC_ROPE = ("default", "linear", "llama3", "yarn", "longrope")
 # a layer's norms by `norm_layout`: Llama's (before attention, before the MLP), Gemma 3's sandwich, OLMo 2's after
@@ -145,6 +150,20 @@ def norm_names(layer: object) -> tuple[str, ...]:
     return _NORMS[norm_layout(layer)]
 
 
+def head_norm_weights(layers: Sequence[Any], heads: int, kv_heads: int) -> list[NormWeight | None]:
+    """Each layer's norms of its query and key heads (`FusedLayer.head_norms`, Qwen3's) as one weight over the
+    step's q and k heads side by side, with its epsilon (None: a layer without them)."""
+    weights: list[NormWeight | None] = []
+    for layer in layers:
+        norms = layer.head_norms
+        weights.append(
+            None
+            if norms is None
+            else (torch.cat([norms[0].expand(heads, -1), norms[1].expand(kv_heads, -1)]), norms[2])
+        )
+    return weights
+
+
 def rope_layers(config: Any) -> list[bool]:
     """Whether each layer rotates its queries and keys: not SmolLM3's `no_rope_layers` (0), nor EXAONE 4's full
     layers beside sliding ones."""
@@ -196,7 +215,8 @@ def layer_norms_reason(layer: Any, model_type: str, shape: Any) -> str | None:
     whole = model_type in PROJECTION_NORM_TYPES
     widths = (shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim) if whole else (shape.head_dim,) * 2
     if (
-        model_type in ("qwen3", "qwen3_vl_text", "gemma3_text", "exaone4", *PROJECTION_NORM_TYPES) or any(norms)
+        model_type in ("qwen3", "qwen3_moe", "qwen3_vl_text", "gemma3_text", "exaone4", *PROJECTION_NORM_TYPES)
+        or any(norms)
     ) and not (
         all(_is_norm(n, w) for n, w in zip(norms, widths, strict=True)) and len({norm_eps(n) for n in norms}) == 1
     ):
@@ -229,10 +249,34 @@ def lora_groups(layers: Sequence[Any], model_type: str, shape: tuple[int, int, i
         gate_up: tuple[tuple[str, int, int], ...] = ((f"{mlp}.{gate_up_names[0]}", 0, outputs),)
         if len(gate_up_names) == 2:
             gate_up = ((f"{mlp}.{gate_up_names[0]}", 0, inter), (f"{mlp}.{gate_up_names[1]}", inter, 2 * inter))
-        groups += [
-            LoraGroup(f"{index}.qkv", qkv, hidden),
-            LoraGroup(f"{index}.o", ((f"{attn}.{o}", 0, hidden),), q),
-            LoraGroup(f"{index}.gate_up", gate_up, hidden),
-            LoraGroup(f"{index}.down", ((f"{mlp}.{down}", 0, hidden),), inter),
-        ]
+        groups += [LoraGroup(f"{index}.qkv", qkv, hidden), LoraGroup(f"{index}.o", ((f"{attn}.{o}", 0, hidden),), q)]
+        if layer.moe is None:  # (a mixture of experts: none; create_engine serves adapters on transformers' forward)
+            groups += [
+                LoraGroup(f"{index}.gate_up", gate_up, hidden),
+                LoraGroup(f"{index}.down", ((f"{mlp}.{down}", 0, hidden),), inter),
+            ]
     return groups
+
+
+def moe_block(layer: Any) -> torch.nn.Module | None:
+    """`layer`'s mixture of experts (None: its MLP is dense): the model's own sparse-MoE block, which routes each
+    token to its top experts and sums their outputs by the router's weights (Mixtral's, Qwen2-MoE's with its gated
+    shared expert, Qwen3-MoE's). It maps ``[1, T, hidden]`` to ``[1, T, hidden]``; its experts run through the
+    model's experts implementation (transformers' ``grouped_mm`` by default: one grouped product a projection,
+    no host sync, so a CUDA graph captures it in bfloat16)."""
+    mlp = getattr(layer, "mlp", None)
+    return mlp if hasattr(mlp, "experts") and hasattr(mlp, "gate") else None
+
+
+def experts_graph_reason(model: Any, layers: Sequence[Any]) -> str | None:
+    """Why the decode graphs cannot capture a model's mixtures of experts (None: they can, or it has none): on
+    CUDA, torch's grouped product reads its groups on the host (a sync) outside bfloat16, and transformers'
+    eager experts loop over the experts hit (a sync each)."""
+    if all(layer.moe is None for layer in layers):
+        return None
+    implementation = getattr(model.config, "_experts_implementation", None)
+    if implementation != "grouped_mm":
+        return f"the experts implementation {implementation!r} waits for the device; grouped_mm does not"
+    if model.dtype != torch.bfloat16:
+        return f"the experts' grouped products wait for the device in {str(model.dtype).removeprefix('torch.')}"
+    return None

@@ -6,7 +6,8 @@ too), and what engine/model/layout_variants.py reads of the others: qwen3's and 
 query and key head (`FusedLayer.head_norms`), phi3's fused linears (`qkv_proj`, `gate_up_proj`; partial rotary
 embeddings and LongRoPE: engine/model/rope_tables.py), smollm3's
 layers without RoPE, granite's and Gemma's scalars, Gemma's ``1 + w`` norms and Gemma 3's norms of attention's
-and the MLP's outputs (`FusedLayer.out_norms`) and RoPE tables by kind of layer; with the RoPE types whose
+and the MLP's outputs (`FusedLayer.out_norms`) and RoPE tables by kind of layer, and mixtral's, qwen2_moe's and
+qwen3_moe's mixtures of experts (`FusedLayer.moe`: the model's own block); with the RoPE types whose
 table does not depend on the sequence length; a sliding window (Mistral's ``sliding_window``, Qwen2's
 ``use_sliding_window`` from ``max_window_layers`` on, Gemma 3's sliding layers) only over the paged KV
 cache, whose attention applies it
@@ -36,6 +37,7 @@ from lmiserve.engine.model.layout_variants import (
     NON_GATED_TYPES,
     PROJECTION_NORM_TYPES,
     NormWeight,
+    moe_block,
     norm_layout,
     norm_names,
     norm_of,
@@ -133,7 +135,10 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
         reason = layout_variants.layer_norms_reason(layer, cfg.model_type, shape)
         if reason is not None:
             return reason
-        names = [(attn, n) for n in attn_names] + [(mlp, n) for n in mlp_names]
+        moe = moe_block(layer)  # (a mixture of experts: the model's own block runs it)
+        if moe is not None and any(p.is_meta for p in moe.parameters()):
+            return "a layer's experts are not loaded"
+        names = [(attn, n) for n in attn_names] + ([] if moe is not None else [(mlp, n) for n in mlp_names])
         for owner, name in names:
             module = getattr(owner, name, None)
             weight = getattr(module, "weight", None)
@@ -147,7 +152,7 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
                 return f"{kind} {name} outputs are not a multiple of {INT4_ROW_BLOCK}"
             if isinstance(module, Q8Linear) and _q8_group(module) not in (16, 32):
                 return f"q8 {name} has groups of {_q8_group(module)} inputs (the kernel takes 16 or 32)"
-        for group in (attn_names[:-1], mlp_names[:-1]):
+        for group in (attn_names[:-1], mlp_names[:-1])[: 1 if moe is not None else 2]:
             owner = attn if group[0] == attn_names[0] else mlp
             modules = [getattr(owner, n) for n in group]
             grouped = all(isinstance(m, (Int4Linear, Q8Linear)) for m in modules)  # any mix: kept as parts
@@ -195,9 +200,16 @@ class FusedLayer:
         attn, mlp = layer.self_attn, layer.mlp
         (*qkv, o), (*gate_up, down) = projections(model_type)
         self.qkv = _fuse_runs([getattr(attn, name) for name in qkv])
-        self.gate_up = _fuse_runs([getattr(mlp, name) for name in gate_up])
         self.o_w, self.o_b, self.o_s = _fuse([getattr(attn, o)])
-        self.down_w, self.down_b, self.down_s = _fuse([getattr(mlp, down)])
+        # a mixture of experts in place of the MLP (`layout_variants.moe_block`; None: a dense MLP, fused below)
+        self.moe = moe_block(layer)
+        self.gate_up: tuple[Part, ...] = ()
+        self.down_w: torch.Tensor = torch.empty(0)  # (an MoE layer's: none)
+        self.down_b: torch.Tensor | None = None
+        self.down_s: Scales = None
+        if self.moe is None:
+            self.gate_up = _fuse_runs([getattr(mlp, name) for name in gate_up])
+            self.down_w, self.down_b, self.down_s = _fuse([getattr(mlp, down)])
         act = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None) or getattr(mlp, "act", None)
         self.act: Callable[[torch.Tensor], torch.Tensor] = cast(Callable[[torch.Tensor], torch.Tensor], act)
         self.gated = model_type not in NON_GATED_TYPES  # act(gate) * up; else (Starcoder2's) act(c_fc)
@@ -234,6 +246,8 @@ class FusedLayer:
     def parts(self) -> list[Part]:
         """Every product of the layer (the weights a step reads)."""
         o = Part(self.o_w, self.o_b, self.o_s, self.hidden)
+        if self.moe is not None:  # (its experts' weights: the model's block reads them)
+            return [*self.qkv, o]
         down = Part(self.down_w, self.down_b, self.down_s, self.hidden)
         return [*self.qkv, o, *self.gate_up, down]
 

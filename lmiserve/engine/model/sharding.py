@@ -77,8 +77,8 @@ def unsplittable_reason(config: PretrainedConfig, world: int) -> str | None:
     if model_type not in SUPPORTED_TYPES or model_type in UNSPLIT_TYPES:
         split = [t for t in SUPPORTED_TYPES if t not in UNSPLIT_TYPES]
         return (
-            f"tensor parallelism runs the fast path's architectures but OLMo 2's ({', '.join(split)}); this model is "
-            f"{model_type!r}"
+            f"tensor parallelism runs the fast path's architectures but OLMo 2's and the mixtures of experts "
+            f"({', '.join(split)}); this model is {model_type!r}"
         )
     heads = int(cfg.num_attention_heads)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from lmiserve.engine.model.layout_variants import MOE_TYPES
 from lmiserve.engine.model.llama_layout import unsupported_reason
 
 if TYPE_CHECKING:
@@ -23,6 +24,13 @@ if TYPE_CHECKING:
 __all__ = ["fast_reason"]
 
 
-def fast_reason(model: PreTrainedModel, *, fast_path: bool) -> str | None:
-    """Why lmiserve's own forward does not serve `model` (None: it does)."""
-    return unsupported_reason(model) if fast_path else "fast_path is off"
+def fast_reason(model: PreTrainedModel, *, fast_path: bool, lora: bool = False) -> str | None:
+    """Why lmiserve's own forward does not serve `model` (None: it does); `lora`: whether adapters are configured
+    (lmiserve's forward applies them to attention's and dense MLPs' linears, not to a mixture of experts: there
+    transformers' forward, which hooks any linear, serves them)."""
+    if not fast_path:
+        return "fast_path is off"
+    reason = unsupported_reason(model)
+    if reason is None and lora and model.config.model_type in MOE_TYPES:
+        return "LoRA adapters on a mixture of experts"
+    return reason

@@ -47,8 +47,9 @@ if TYPE_CHECKING:
 __all__ = ["PagedFastVisionRunner", "fast_vision_reason"]
 
 
-def fast_vision_reason(model: PreTrainedModel, *, fast_path: bool) -> str | None:
-    """Why lmiserve's own forward does not run the vision-language model `model`'s decoder (None: it does)."""
+def fast_vision_reason(model: PreTrainedModel, *, fast_path: bool, lora: bool = False) -> str | None:
+    """Why lmiserve's own forward does not run the vision-language model `model`'s decoder (None: it does);
+    `lora`: whether adapters are configured (no VLM decoder lmiserve runs has experts: `fast_reason`)."""
     view = language_model(model)
     if view is None:
         return "a vision-language model whose decoder is not found"
