@@ -23,7 +23,8 @@ dependencies can come as wheels; see benchmarks/README.md, "The GPU check"). It 
    4 random LoRA adapters named in turn (one request in 5 on the base model), graphs and eagerly;
    ``decode-paths-qwen3-0.6b.json``, ``decode-paths-phi3-mini.json`` and ``decode-paths-gemma3-1b.json``:
    Qwen3-0.6B's, Phi-3-mini's and Gemma 3 1B's shapes on the graphs and on transformers' own forward (the
-   generic runner, which they ran until 2026-12-02).
+   generic runner, which they ran until 2026-12-02); ``decode-paths-qwen3-30b-a3b.json`` the same for a mixture
+   of experts, Qwen3-30B-A3B's shape.
 6. ``tp-tiny.json`` and ``tp-1b.json``: ``benchmarks/tp_parity.py``, the engine over tensor-parallel
    workers (NCCL; 2 ranks when the machine has 2 GPUs, else 1 rank: the workers' path alone) against
    the model in the engine's process, greedy agreement and decode tokens/s, for the tiny test model and
@@ -59,11 +60,13 @@ them), the engine in its own process, steps with prompt tokens in the decode gra
 (``graph_prompts``: ``lmiserve bench --ab-option cuda_graph_prompt_tokens=64`` at 32 and 128 streams), fp8
 weights, overlap scheduling, the step profile, the fp8 KV cache, the decode paths with LoRA adapters, those of
 Qwen3's, Phi-3's and Gemma 3's shapes, a VLM's (``vlm_paths``: ``benchmarks/vlm_paths.py`` on SmolVLM-256M's
-decoder, image requests on its decode graphs against transformers' forward of the VLM), tensor parallelism.
+decoder, image requests on its decode graphs against transformers' forward of the VLM), a mixture of experts'
+(``decode-paths-qwen3-30b-a3b.json``: Qwen3-30B-A3B's shape, graphs against transformers' forward), tensor
+parallelism.
 Every step has a time limit inside ``--budget`` (default 450 s); a step that fails or runs out is
 recorded as such and the next one runs. ``--steps`` runs some of them (`STEP_KEYS`: tests, bench-1b,
 bench-8b, decode-paths, engine-process, graph-prompts, quantized, overlap, step-profile, fp8-kv, lora-paths,
-arch-paths, vlm-paths, tensor-parallel), so a
+arch-paths, vlm-paths, moe-paths, tensor-parallel), so a
 session can spend its minutes on what an earlier check left unmeasured. ``summary.json`` and ``summary.md``
 are written however the check ends (its last step timed out, SIGINT or SIGTERM from a device call's
 limit), with what ran. The quality steps (``quality``, ``fp8_kv``) need the bundled
@@ -105,6 +108,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # xdist hands them out in this order: first those that have not yet passed on a GPU (new since the 2026-11-29
 # check, or failed there and mended), so that a run out of time (a second device call's) has run them.
 ENGINE_TESTS = (
+    "tests/unit/test_moe_fast.py",
     "tests/unit/test_vlm_fast.py",
     "tests/unit/test_overlap_grammars.py",
     "tests/unit/test_graph_bans.py",
@@ -160,6 +164,7 @@ STEP_KEYS = (
     "lora-paths",
     "arch-paths",
     "vlm-paths",
+    "moe-paths",
     "tensor-parallel",
 )
 
@@ -303,6 +308,27 @@ SHAPES["gemma3-1b"] = {
     "pad_token_id": 3,
     "torch_dtype": "bfloat16",
 }
+# Qwen3-30B-A3B's shape (a mixture of experts: 128 experts of 768, 8 a token, on each of its 48 layers; Qwen3's
+# heads' norms; 30.5B weights, 3.3B of them read a token), 61 GB in bf16
+SHAPES["qwen3-30b-a3b"] = {
+    **SHAPES["qwen3-0.6b"],
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "max_position_embeddings": 40960,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "tie_word_embeddings": False,
+}
 # bytes of bf16 weights (about) and what the KV cache and activations need beside them
 _PARAMS = {"1b": 1.24e9, "8b": 8.03e9}
 # what a rehearsal (--rehearse) builds for every shape: its architecture and vocabulary, two tiny layers
@@ -314,6 +340,7 @@ _REHEARSAL_SIZES = {
     "num_key_value_heads": 2,
     "head_dim": 16,
 }
+_REHEARSAL_EXPERTS = {"moe_intermediate_size": 32, "num_experts": 8}  # (a mixture of experts' shape: its experts)
 
 
 @dataclass(frozen=True)
@@ -368,6 +395,8 @@ def dummy_model_dir(shape: str, out: Path, scale: Scale | None = None) -> Path:
 
     out.mkdir(parents=True, exist_ok=True)
     config = SHAPES[shape] if scale is None or not scale.rehearsal else {**SHAPES[shape], **_REHEARSAL_SIZES}
+    if scale is not None and scale.rehearsal and "num_experts" in config:
+        config = {**config, **_REHEARSAL_EXPERTS}
     (out / "config.json").write_text(json.dumps(config, indent=1))
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3, "do_sample": False})
@@ -726,6 +755,8 @@ def markdown(summary: dict[str, Any]) -> str:
         "lora decode paths 1b": "## Decode paths with 4 LoRA adapters (rank 16, every linear), 1B shape (bf16)",
         "decode paths qwen3 0.6b": "## Decode paths, Qwen3-0.6B's shape (bf16): the graphs, and transformers' forward",
         "decode paths phi3 mini": "## Decode paths, Phi-3-mini's shape (bf16): the graphs, and transformers' forward",
+        "decode paths qwen3 30b a3b": "## Decode paths, Qwen3-30B-A3B's shape (bf16, 128 experts, 8 a token): the "
+        "graphs, and transformers' forward",
     }
     for step in summary["steps"]:
         paths = (step.get("report") or {}).get("paths") if step["step"] in headings else None
@@ -1234,6 +1265,11 @@ def main(argv: list[str] | None = None) -> int:
         if report.exists():
             step["report"] = summary["vlm_paths"] = json.loads(report.read_text())
         summary["steps"].append(step)
+
+    # 10d. a mixture of experts (Qwen3-30B-A3B's shape) on the fast forward's graphs (its experts through the
+    # model's grouped products, captured in bf16), against transformers' forward, which it ran until 2026-12-02
+    moe = ("decode paths qwen3 30b a3b", "decode_paths_moe", 180.0, ["--paths", "graphs,generic"])
+    decode_paths(*moe, "moe-paths", "qwen3-30b-a3b")
 
     # 11. tensor parallelism (issue #25): the workers' path on CUDA against the model in this process
     degree = 1 if scale.rehearsal else min(2, torch.cuda.device_count())

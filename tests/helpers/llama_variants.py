@@ -16,6 +16,8 @@ from transformers import (
     GemmaForCausalLM,
     Glm4Config,
     Glm4ForCausalLM,
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
     GlmConfig,
     GlmForCausalLM,
     GPT2Config,
@@ -34,6 +36,8 @@ from transformers import (
     Olmo2ForCausalLM,
     Olmo3Config,
     Olmo3ForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     PhiConfig,
@@ -186,6 +190,27 @@ MOE_ARCHS = {
             "norm_topk_prob": True,
         },
     ),
+    # GLM-4.5's: RoPE by halves over half of each head, q/k/v biases, norms of each head (`use_qk_norm`), a dense
+    # first layer, then top 2 of 8 experts by sigmoid scores within the best of 2 groups, scaled, and a shared expert
+    "glm4_moe": (
+        Glm4MoeConfig,
+        Glm4MoeForCausalLM,
+        {
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "n_group": 2,
+            "topk_group": 1,
+            "routed_scaling_factor": 2.5,
+            "first_k_dense_replace": 1,
+            "use_qk_norm": True,
+            "attention_bias": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        },
+    ),
+    # OLMoE's: norms of the whole q and k projections (OLMo 2's, with Llama's norms before attention and the MLP),
+    # top 2 of 8 experts, their weights not renormalized
+    "olmoe": (OlmoeConfig, OlmoeForCausalLM, {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 48}),
 }
 ARCHS.update(MOE_ARCHS)
 PROMPTS = [
@@ -206,11 +231,14 @@ def build(config_cls, model_cls, extra: dict, seed: int = 7):
             if kind.startswith("gemma") and name.endswith("norm.weight"):  # (scaling by 1 + w)
                 weight.uniform_(-0.5, 0.5)
             elif name.endswith(("q_norm.weight", "k_norm.weight")) or (
-                kind in ("olmo2", "olmo3", "exaone4", "starcoder2", "glm4") and name.endswith("norm.weight")
+                kind in ("olmo2", "olmo3", "olmoe", "exaone4", "starcoder2", "glm4") and name.endswith("norm.weight")
             ):
                 weight.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 weight.uniform_(-0.5, 0.5)
+        for name, buffer in model.named_buffers():  # (GLM-4.5's router: a bias on each expert's score in choosing)
+            if name.endswith("e_score_correction_bias"):
+                buffer.uniform_(-0.5, 0.5)
     return model
 
 

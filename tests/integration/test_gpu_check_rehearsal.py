@@ -50,6 +50,7 @@ def test_every_step_runs_to_its_end(rehearsal):
         "decode paths phi3 mini",
         "decode paths gemma3 1b",
         "vlm paths smolvlm",
+        "decode paths qwen3 30b a3b",
         "tensor parallel tiny",
         "tensor parallel 1b",
         "executor cpu 1b",
@@ -93,7 +94,7 @@ def test_issue_39_entries_are_filled(rehearsal):
         else:
             assert {level: r["identical_to_graphs"] for level, r in path.items()} == {"1": 1, "2": 2}
     # the fast forward's graphs, and transformers' forward
-    for entry in ("decode_paths_qwen3", "decode_paths_phi3", "decode_paths_gemma3"):
+    for entry in ("decode_paths_qwen3", "decode_paths_phi3", "decode_paths_gemma3", "decode_paths_moe"):
         runs = summary[entry]["paths"]
         assert {path: {level: r["runner"] for level, r in levels.items()} for path, levels in runs.items()} == {
             "graphs": {"1": "fast", "2": "fast"},

@@ -170,6 +170,8 @@ def test_fusing_weights_keeps_the_transformers_model_working_without_copies():
         ("qwen2_moe_shared", {"max_prefill_tokens": 4}, "fast"),  # a shared expert beside; a dense layer
         ("qwen3_moe", {"max_prefill_tokens": 4}, "fast"),
         ("qwen3_moe", {"fast_path": False}, "generic"),
+        ("glm4_moe", {"max_prefill_tokens": 4}, "fast"),  # grouped sigmoid routing, a shared expert, half rotated
+        ("olmoe", {"max_prefill_tokens": 4}, "fast"),  # norms of the whole q and k projections
         ("phi", {"max_prefill_tokens": 4}, "generic"),  # not covered by the fast forward: transformers'
         ("gpt2", {}, "generic"),
         ("qwen2_bias", {"max_prefill_tokens": 4}, "fast"),
@@ -297,7 +299,7 @@ def test_engine_settings_reach_the_runner_and_the_scheduler(tiny_model):
     assert build_engine(tiny_model, Settings()).runner.fast.layers is default.runner.fast.layers
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3_window", "olmo2", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3_window", "olmo2", "qwen3_moe", "olmoe"])
 @torch.inference_mode()
 def test_bf16_models_run_on_the_fast_path_close_to_transformers(arch: str):
     model = build(*ARCHS[arch]).to(torch.bfloat16)

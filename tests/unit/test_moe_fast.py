@@ -54,6 +54,20 @@ def test_each_layer_runs_the_models_own_experts_and_nothing_else_of_its_mlp():
     assert not fast.plain_layers  # (no packed int4 layers: they have no experts)
 
 
+def test_which_mixtures_of_experts_the_fast_forward_covers():
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    from lmiserve.engine.model.fast_llama import unsupported_reason
+
+    for arch in MOE_ARCHS:
+        assert unsupported_reason(build(*MOE_ARCHS[arch])) is None, arch
+    clipped = build(OlmoeConfig, OlmoeForCausalLM, {**MOE_ARCHS["olmoe"][2], "clip_qkv": 8.0})  # (OLMo's option)
+    assert "clip_qkv" in (unsupported_reason(clipped) or "")
+    unloaded = build(*MOE_ARCHS["mixtral"])
+    unloaded.model.layers[1].mlp.experts.down_proj = torch.nn.Parameter(torch.empty(4, 64, 128, device="meta"))
+    assert "experts are not loaded" in (unsupported_reason(unloaded) or "")
+
+
 def test_the_graphs_capture_experts_in_bfloat16_through_grouped_products_alone():
     model = build(*MOE_ARCHS["mixtral"])
     _, fast = _fast("mixtral")

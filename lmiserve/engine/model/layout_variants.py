@@ -20,9 +20,10 @@ the loaded transformers model:
   weight applied before the cast back (`norm_of`); exaone4's norms of each head, and no RoPE on its full layers
   where it has sliding ones (`rope_layers`); olmo3's RoPE table by kind of layer.
 
-- mixtral, qwen2_moe and qwen3_moe: a mixture of experts in place of the MLP on some or all layers, run by the
-  model's own sparse-MoE block (`moe_block`: its router, its experts through transformers' experts
-  implementation, Qwen2-MoE's shared expert), between the fast forward's norms and residual adds.
+- mixtral, qwen2_moe, qwen3_moe, glm4_moe and olmoe: a mixture of experts in place of the MLP on some or all
+  layers, run by the model's own sparse-MoE block (`moe_block`: its router, its experts through transformers'
+  experts implementation, a shared expert), between the fast forward's norms and residual adds; olmoe's norms of
+  the whole q and k projections (`WHOLE_QK_NORM_TYPES`).
 
 Gemma 2 (soft-capped attention scores) and Gemma 3's vision-language models stay on transformers' forward.
 """
@@ -39,7 +40,9 @@ from lmiserve.engine.lora.batch import LoraGroup
 
 # decoders that only a vision-language model holds (engine/model/language_model.py): Qwen2's, Qwen3's with M-RoPE
 VLM_DECODER_TYPES = ("qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text")
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")  # Mistral's, Qwen2's and Qwen3's layers with experts (`moe_block`)
+# layers with experts (`moe_block`): Mistral's, Qwen2's, Qwen3's, GLM-4.5's (its partial RoPE by halves, Phi-4-mini's)
+# and OLMoE's (norms of the whole q and k projections, as OLMo 2's, but Llama's norms of the layer's inputs)
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "olmoe")
 SUPPORTED_TYPES = (
     "llama", "mistral", "ministral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "seed_oss", "gemma", "gemma3_text",
     "olmo2", "olmo3", "exaone4", "starcoder2", "glm", "glm4", *VLM_DECODER_TYPES, *MOE_TYPES,
@@ -49,6 +52,7 @@ OFFSET_NORM_TYPES = ("gemma", "gemma3_text")  # RMS norms scaling by (1 + w) in 
 LAYER_NORM_TYPES = NON_GATED_TYPES = ("starcoder2",)  # LayerNorms with biases; an MLP without a gate
 INTERLEAVED_ROPE_TYPES = ("glm", "glm4")  # RoPE by pairs (2i, 2i + 1), not by halves; gate/up one linear
 PROJECTION_NORM_TYPES = ("olmo2", "olmo3")  # norms of the whole q and k projections, the weight before the cast
+WHOLE_QK_NORM_TYPES = (*PROJECTION_NORM_TYPES, "olmoe")  # norms of the whole q and k projections (OLMoE's: Llama's)
 # what tensor parallelism does not split (engine/model/sharding.py; it serves no VLM)
 UNSPLIT_TYPES = (*PROJECTION_NORM_TYPES, *VLM_DECODER_TYPES, *MOE_TYPES)
 # RoPE types whose table is built once (LongRoPE's factors chosen from the served context: rope_tables.py)
@@ -200,7 +204,7 @@ def rope_reason(model: Any) -> str | None:
 def layer_norms_reason(layer: Any, model_type: str, shape: Any) -> str | None:
     """Why a decoder layer's norms are not what the fast forward applies (None: they are): RMS norms as
     `norm_layout` names them, and norms of the queries and of the keys both or neither: of each head
-    (qwen3, gemma3_text, exaone4: both) or of the whole projections (`PROJECTION_NORM_TYPES`: both)."""
+    (qwen3, gemma3_text, exaone4: both) or of the whole projections (`WHOLE_QK_NORM_TYPES`: both)."""
     norms = [getattr(layer, name, None) for name in norm_names(layer)]
     if any(norm_eps(norm) is None for norm in norms):
         return "a layer's norms are not RMS norms with a weight and an epsilon"
@@ -212,10 +216,10 @@ def layer_norms_reason(layer: Any, model_type: str, shape: Any) -> str | None:
         return "an OLMo 2 layer with norms of its inputs"
     attn = getattr(layer, "self_attn", None)
     norms = [getattr(attn, name, None) for name in ("q_norm", "k_norm")]
-    whole = model_type in PROJECTION_NORM_TYPES
+    whole = model_type in WHOLE_QK_NORM_TYPES
     widths = (shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim) if whole else (shape.head_dim,) * 2
     if (
-        model_type in ("qwen3", "qwen3_moe", "qwen3_vl_text", "gemma3_text", "exaone4", *PROJECTION_NORM_TYPES)
+        model_type in ("qwen3", "qwen3_moe", "qwen3_vl_text", "gemma3_text", "exaone4", *WHOLE_QK_NORM_TYPES)
         or any(norms)
     ) and not (
         all(_is_norm(n, w) for n, w in zip(norms, widths, strict=True)) and len({norm_eps(n) for n in norms}) == 1

@@ -6,8 +6,8 @@ too), and what engine/model/layout_variants.py reads of the others: qwen3's and 
 query and key head (`FusedLayer.head_norms`), phi3's fused linears (`qkv_proj`, `gate_up_proj`; partial rotary
 embeddings and LongRoPE: engine/model/rope_tables.py), smollm3's
 layers without RoPE, granite's and Gemma's scalars, Gemma's ``1 + w`` norms and Gemma 3's norms of attention's
-and the MLP's outputs (`FusedLayer.out_norms`) and RoPE tables by kind of layer, and mixtral's, qwen2_moe's and
-qwen3_moe's mixtures of experts (`FusedLayer.moe`: the model's own block); with the RoPE types whose
+and the MLP's outputs (`FusedLayer.out_norms`) and RoPE tables by kind of layer, and the mixtures of experts of
+mixtral, qwen2_moe, qwen3_moe, glm4_moe and olmoe (`FusedLayer.moe`: the model's own block); with the RoPE types whose
 table does not depend on the sequence length; a sliding window (Mistral's ``sliding_window``, Qwen2's
 ``use_sliding_window`` from ``max_window_layers`` on, Gemma 3's sliding layers) only over the paged KV
 cache, whose attention applies it
@@ -35,7 +35,7 @@ from lmiserve.engine.model.int4_triton import Int4Scales, Int4TritonLinear
 from lmiserve.engine.model.layout_variants import FUSED_TYPES as FUSED_TYPES
 from lmiserve.engine.model.layout_variants import (
     NON_GATED_TYPES,
-    PROJECTION_NORM_TYPES,
+    WHOLE_QK_NORM_TYPES,
     NormWeight,
     moe_block,
     norm_layout,
@@ -126,6 +126,8 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
         return reason
     if getattr(cfg, "use_bidirectional_attention", False):
         return "bidirectional attention"
+    if getattr(cfg, "clip_qkv", None) is not None:  # (OLMo's and OLMoE's option)
+        return "clip_qkv (q, k and v clamped)"
     if getattr(model, "lm_head", None) is None or getattr(model.lm_head, "bias", None) is not None:
         return "no plain lm_head"
     attn_names, mlp_names = projections(cfg.model_type)
@@ -232,7 +234,7 @@ class FusedLayer:
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         self.head_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None
         self.proj_norms: tuple[NormWeight, NormWeight] | None = None
-        if q_norm is not None and k_norm is not None and model_type in PROJECTION_NORM_TYPES:
+        if q_norm is not None and k_norm is not None and model_type in WHOLE_QK_NORM_TYPES:
             self.proj_norms = (norm_of(q_norm, model_type), norm_of(k_norm, model_type))
         elif q_norm is not None and k_norm is not None:
             q, k = norm_of(q_norm, model_type), norm_of(k_norm, model_type)
