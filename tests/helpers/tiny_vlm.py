@@ -47,6 +47,7 @@ from helpers.tiny_model import build_tiny_tokenizer
 __all__ = [
     "FAMILIES",
     "IMAGE_TOKEN_ATTR",
+    "MOE_FAMILIES",
     "TINY_VLM_SEED",
     "TinyVlmDirs",
     "build_tiny_vlm_dir",
@@ -59,6 +60,9 @@ __all__ = [
 ]
 
 FAMILIES = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "gemma3")
+# Qwen3-VL's mixture of experts (Qwen3-VL-30B-A3B): Qwen3-VL's processor and vision tower, experts in every text
+# layer; apart from FAMILIES (the VLM tests' parameters): tests/unit/test_moe_fast.py serves it
+MOE_FAMILIES = ("qwen3_vl_moe",)
 TINY_VLM_SEED = 4321
 # The config attribute naming the id of the token the image features replace.
 IMAGE_TOKEN_ATTR = {
@@ -67,6 +71,7 @@ IMAGE_TOKEN_ATTR = {
     "qwen2_vl": "image_token_id",
     "qwen2_5_vl": "image_token_id",
     "qwen3_vl": "image_token_id",
+    "qwen3_vl_moe": "image_token_id",
     "idefics3": "image_token_id",
     "gemma3": "image_token_index",
 }
@@ -359,10 +364,10 @@ def _qwen(family: str) -> tuple[Any, Any]:
         vision_end_token_id="<|vision_end|>",
     )
     text = {**_common_text(tokenizer), "num_key_value_heads": 2, "tie_word_embeddings": False}
-    patch = 16 if family == "qwen3_vl" else 14
+    patch = 16 if family.startswith("qwen3_vl") else 14
     factor = patch * 2  # patch x spatial merge
     mean, std = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
-    if family == "qwen3_vl":
+    if family.startswith("qwen3_vl"):
         mean, std = [0.5, 0.5, 0.5], [0.5, 0.5, 0.5]
     # 4 to 64 merged tokens per image (published: 4 to 16384 for Qwen2-VL, 8 to 16384 for Qwen3-VL)
     image_processor = Qwen2VLImageProcessorPil(
@@ -435,6 +440,12 @@ def _qwen(family: str) -> tuple[Any, Any]:
         "deepstack_visual_indexes": [0, 1],
         "initializer_range": _INIT_STD,
     }
+    if family == "qwen3_vl_moe":
+        from transformers import Qwen3VLMoeConfig
+
+        text.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, decoder_sparse_step=1)
+        moe = Qwen3VLMoeConfig(text_config=text, vision_config=vision, **ids)
+        return moe, _images_only(Qwen3VLProcessor)(image_processor, tokenizer, chat_template=QWEN3_VL_TEMPLATE)
     config = Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
     return config, _images_only(Qwen3VLProcessor)(image_processor, tokenizer, chat_template=QWEN3_VL_TEMPLATE)
 
@@ -645,7 +656,7 @@ class TinyVlmDirs(Mapping[str, Path]):
         self._built: dict[str, Path] = {}
 
     def __getitem__(self, family: str) -> Path:
-        if family not in FAMILIES:
+        if family not in (*FAMILIES, *MOE_FAMILIES):
             raise KeyError(family)
         if family not in self._built:
             self._built[family] = build_tiny_vlm_dir(family, self._root / served_name(family))

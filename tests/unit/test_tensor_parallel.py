@@ -94,8 +94,9 @@ def test_no_kv_heads_in_the_config_means_one_per_head():
 
 
 UNSPLIT = (
-    "tensor parallelism runs the fast path's architectures but OLMo 2's (llama, mistral, ministral, qwen2, qwen3, "
-    "phi3, smollm3, granite, seed_oss, gemma, gemma3_text, exaone4, starcoder2, glm, glm4)"
+    "tensor parallelism runs the fast path's architectures but OLMo 2's and the mixtures of experts (llama, "
+    "mistral, ministral, qwen2, qwen3, phi3, smollm3, granite, seed_oss, gemma, gemma3_text, exaone4, starcoder2, "
+    "glm, glm4)"
 )
 
 
@@ -107,6 +108,7 @@ UNSPLIT = (
         ({"num_key_value_heads": 1}, 4, None),
         ({"model_type": "gpt2"}, 2, f"{UNSPLIT}; this model is 'gpt2'"),
         ({"model_type": "olmo2"}, 2, f"{UNSPLIT}; this model is 'olmo2'"),  # its norms of the whole q and k
+        ({"model_type": "qwen3_moe"}, 2, f"{UNSPLIT}; this model is 'qwen3_moe'"),  # its experts
         ({}, 3, "tensor_parallel_degree=3 does not divide the model's 4 attention heads"),
         ({"num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576, "intermediate_size": 1536}, 2,
          "tensor_parallel_degree=2 does not divide the model's 9 attention heads"),

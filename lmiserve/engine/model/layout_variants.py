@@ -39,10 +39,10 @@ import torch
 from lmiserve.engine.lora.batch import LoraGroup
 
 # decoders that only a vision-language model holds (engine/model/language_model.py): Qwen2's, Qwen3's with M-RoPE
-VLM_DECODER_TYPES = ("qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text")
+VLM_DECODER_TYPES = ("qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text")
 # layers with experts (`moe_block`): Mistral's, Qwen2's, Qwen3's, GLM-4.5's (its partial RoPE by halves, Phi-4-mini's)
 # and OLMoE's (norms of the whole q and k projections, as OLMo 2's, but Llama's norms of the layer's inputs)
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "olmoe")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "olmoe", "qwen3_vl_moe_text")  # (and Qwen3-VL's)
 SUPPORTED_TYPES = (
     "llama", "mistral", "ministral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "seed_oss", "gemma", "gemma3_text",
     "olmo2", "olmo3", "exaone4", "starcoder2", "glm", "glm4", *VLM_DECODER_TYPES, *MOE_TYPES,
@@ -219,7 +219,8 @@ def layer_norms_reason(layer: Any, model_type: str, shape: Any) -> str | None:
     whole = model_type in WHOLE_QK_NORM_TYPES
     widths = (shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim) if whole else (shape.head_dim,) * 2
     if (
-        model_type in ("qwen3", "qwen3_moe", "qwen3_vl_text", "gemma3_text", "exaone4", *WHOLE_QK_NORM_TYPES)
+        model_type in ("qwen3", "qwen3_moe", "qwen3_vl_text", "qwen3_vl_moe_text", "gemma3_text", "exaone4")
+        or model_type in WHOLE_QK_NORM_TYPES
         or any(norms)
     ) and not (
         all(_is_norm(n, w) for n, w in zip(norms, widths, strict=True)) and len({norm_eps(n) for n in norms}) == 1
