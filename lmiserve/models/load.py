@@ -168,6 +168,8 @@ def load_causal_lm(
         logger.info("int8: %d linear layers quantized (per-channel symmetric), activations in bf16", count)
     if int4:
         logger.info("%s", from_codes[1] if from_codes is not None else quantize_int4(model, path))
+    if int8 or int4:
+        _warn_unquantized_experts(model, "int8" if int8 else "int4")
     if quant is not None and quant.dynamic:
         quant_summary = quantize_fp8_dynamic(model, torch_dtype, torch_device)
     elif quant is not None and quant.source == "dummy":
@@ -288,6 +290,22 @@ def _dummy_model(
         )
     logger.warning("load_format=dummy: %s has random weights; its output is noise", path)
     return model
+
+
+def _warn_unquantized_experts(model: torch.nn.Module, dtype: str) -> None:
+    """Say so when `dtype`'s quantization left a mixture of experts' weights (3-D tensors, most of such a model)
+    as they were: it quantizes linear layers."""
+    experts = sum(p.numel() for p in model.parameters() if p.dim() == 3 and p.is_floating_point())
+    if experts:
+        share = experts / sum(p.numel() for p in model.parameters())
+        kept = str(next(p.dtype for p in model.parameters() if p.dim() == 3)).removeprefix("torch.")
+        logger.warning(
+            "dtype=%s: the experts' weights (%.0f%% of the model's) stay %s: lmiserve quantizes linear layers, not "
+            "a mixture of experts",
+            dtype,
+            100 * share,
+            kept,
+        )
 
 
 def _max_context(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> int:

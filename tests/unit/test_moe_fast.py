@@ -188,6 +188,20 @@ def test_a_vision_mixture_of_experts_serves_images_on_the_fast_forward(tiny_vlm_
     assert record.steps and record.shifted  # (M-RoPE's shifted text rows in the graphs)
 
 
+def test_int4_serves_a_mixture_of_experts_and_says_its_experts_stay_unquantized(tiny_model, tmp_path, caplog):
+    """`dtype=int4` quantizes the linear layers (attention, the shared expert): an MoE model loads, runs the fast
+    forward, and the log says which share of its weights (the experts') it left as they were."""
+    from lmiserve.models.load import load_causal_lm
+
+    tiny_model.tokenizer.save_pretrained(tmp_path)
+    build(*MOE_ARCHS["qwen2_moe_shared"]).save_pretrained(tmp_path)
+    with caplog.at_level("WARNING", logger="lmiserve.models.load"):
+        loaded = load_causal_lm(tmp_path, dtype="int4", device="cpu")
+    assert any("experts' weights" in r.message and "stay float32" in r.message for r in caplog.records)
+    engine, results = asyncio.run(serve_prompts(loaded, EngineConfig(max_prefill_tokens=4), 4))
+    assert engine.runner.path == "fast" and all(len([e for e in events if e.token]) == 4 for events in results)
+
+
 def test_tensor_parallelism_refuses_a_mixture_of_experts_in_one_line():
     reason = unsplittable_reason(build(*MOE_ARCHS["mixtral"]).config, 2)
     assert reason is not None and "mixtures of experts" in reason and "'mixtral'" in reason
