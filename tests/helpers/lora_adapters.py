@@ -96,3 +96,30 @@ def merged_generate(
             )
             outputs.append(out[0, len(ids) :].tolist())
     return outputs
+
+
+def served_with_adapter(loaded, config, name: str, folder: Path, prompts: Sequence[str], tokens: int, path: str):  # noqa: ANN001, ANN201 - (LoadedModel, EngineConfig) -> list[list[int]]
+    """An engine of `config` over `loaded` (its runner on `path`: fast or generic) with adapter `name` registered
+    from `folder`: the greedy token ids of each of `prompts` (served at once), each request naming the adapter."""
+    import asyncio
+
+    from lmiserve.core.request import GenerationRequest, SamplingParams
+    from lmiserve.engine.factory import create_engine
+
+    async def run() -> list[list[int]]:
+        engine = create_engine(loaded, config)
+        assert engine.runner.path == path and engine.adapters is not None
+        await asyncio.to_thread(engine.adapters.register, name, folder)
+        engine.start()
+        params = SamplingParams(max_new_tokens=tokens, ignore_eos_token=True)
+
+        async def one(prompt: str) -> list[int]:
+            request = GenerationRequest(prompt, params, adapter=name)
+            return [e.token.id async for e in engine.generate(request) if e.token is not None]
+
+        try:
+            return list(await asyncio.gather(*(one(p) for p in prompts)))
+        finally:
+            await engine.stop()
+
+    return asyncio.run(run())

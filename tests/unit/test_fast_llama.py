@@ -473,7 +473,7 @@ def test_an_adapter_on_other_linears_names_gives_the_merged_models_tokens(
     and `c_proj`: a PEFT adapter on every linear rides the fast forward's LoRA groups, eagerly and over the decode
     graphs' adapter slots (played on a CPU), and gives `generate()`'s tokens with the adapter merged by PEFT."""
     from helpers.decode_graphs import graphs_on_the_test_device
-    from helpers.lora_adapters import AdapterSpec, make_adapter, merged_generate
+    from helpers.lora_adapters import AdapterSpec, make_adapter, merged_generate, served_with_adapter
     from lmiserve.engine.lora.registry import LoraLimits
 
     record = graphs_on_the_test_device(monkeypatch) if graphs else None
@@ -486,22 +486,7 @@ def test_an_adapter_on_other_linears_names_gives_the_merged_models_tokens(
     expected = merged_generate(base, adapter, [tiny_model.tokenizer(p).input_ids for p in PROMPTS[:3]], 10)
     assert expected != merged_generate(base, None, [tiny_model.tokenizer(p).input_ids for p in PROMPTS[:3]], 10)
 
-    async def run() -> list[list[int]]:
-        engine = create_engine(loaded, EngineConfig(lora=LoraLimits(max_loras=1), max_prefill_tokens=4))
-        assert engine.runner.path == "fast" and engine.adapters is not None
-        await asyncio.to_thread(engine.adapters.register, "phi", adapter)
-        engine.start()
-        params = SamplingParams(max_new_tokens=10, ignore_eos_token=True)
-
-        async def one(prompt: str) -> list[int]:
-            request = GenerationRequest(prompt, params, adapter="phi")
-            return [e.token.id async for e in engine.generate(request) if e.token is not None]
-
-        try:
-            return list(await asyncio.gather(*(one(p) for p in PROMPTS[:3])))
-        finally:
-            await engine.stop()
-
-    assert asyncio.run(run()) == expected
+    config = EngineConfig(lora=LoraLimits(max_loras=1), max_prefill_tokens=4)
+    assert served_with_adapter(loaded, config, "phi", adapter, PROMPTS[:3], 10, "fast") == expected
     if record is not None:  # (decode steps with the adapter replayed the graphs)
         assert max(adapters for _, adapters in record.steps) == 1

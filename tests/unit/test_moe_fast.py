@@ -15,7 +15,6 @@ import torch
 
 from helpers.decode_graphs import graphs_on_the_test_device
 from helpers.llama_variants import MOE_ARCHS, PROMPTS, build, greedy_tokens, serve_prompts
-from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine.attention.cuda_graphs import DecodeGraphs
 from lmiserve.engine.attention.paged import AttentionShape, PagedKVCache
 from lmiserve.engine.core.async_engine import EngineConfig
@@ -132,7 +131,7 @@ def test_the_engine_over_the_graphs_gives_generates_greedy_tokens(tiny_model, mo
 def test_lora_adapters_on_a_mixture_of_experts_are_served_by_transformers_forward(tiny_model, tmp_path):
     """lmiserve's forward applies adapters to attention and dense MLPs: with LoRA configured an MoE model takes
     transformers' forward (which hooks any linear), and an adapter on attention gives the merged model's tokens."""
-    from helpers.lora_adapters import AdapterSpec, make_adapter, merged_generate
+    from helpers.lora_adapters import AdapterSpec, make_adapter, merged_generate, served_with_adapter
     from lmiserve.engine.lora.registry import LoraLimits
 
     base = tmp_path / "qwen3_moe"
@@ -143,23 +142,8 @@ def test_lora_adapters_on_a_mixture_of_experts_are_served_by_transformers_forwar
     expected = merged_generate(base, adapter, prompts, 8)
     assert expected != merged_generate(base, None, prompts, 8)
 
-    async def run() -> list[list[int]]:
-        engine = create_engine(loaded, EngineConfig(lora=LoraLimits(max_loras=1)))
-        assert engine.runner.path == "generic" and engine.adapters is not None
-        await asyncio.to_thread(engine.adapters.register, "attn", adapter)
-        engine.start()
-        params = SamplingParams(max_new_tokens=8, ignore_eos_token=True)
-
-        async def one(prompt: str) -> list[int]:
-            request = GenerationRequest(prompt, params, adapter="attn")
-            return [e.token.id async for e in engine.generate(request) if e.token is not None]
-
-        try:
-            return list(await asyncio.gather(*(one(p) for p in PROMPTS[:2])))
-        finally:
-            await engine.stop()
-
-    assert asyncio.run(run()) == expected
+    config = EngineConfig(lora=LoraLimits(max_loras=1))
+    assert served_with_adapter(loaded, config, "attn", adapter, PROMPTS[:2], 8, "generic") == expected
     without = create_engine(loaded, EngineConfig())
     assert without.runner.path == "fast"
 
