@@ -100,10 +100,8 @@ class EngineFields(FieldGroup):
         description=(
             "Run llama/mistral/ministral/qwen2/qwen3/phi3/smollm3/granite/seed_oss/gemma/gemma3_text/olmo2/olmo3/"
             "exaone4/starcoder2/glm/glm4 models, the mixtral/qwen2_moe/qwen3_moe/glm4_moe/olmoe mixtures of experts, "
-            "and "
-            "vision-language models' decoders, with lmiserve's own fused "
-            "forward (one pass per engine step); `false` forces the generic transformers path. Other models always "
-            "use the generic path."
+            "and vision-language models' decoders, with lmiserve's own fused forward (one pass per engine step); "
+            "`false` forces the generic transformers path. Other models always use the generic path."
         ),
     )
     cpu_autotune: bool = Field(
