@@ -266,9 +266,10 @@ def lora_groups(layers: Sequence[Any], model_type: str, shape: tuple[int, int, i
 def moe_block(layer: Any) -> torch.nn.Module | None:
     """`layer`'s mixture of experts (None: its MLP is dense): the model's own sparse-MoE block, which routes each
     token to its top experts and sums their outputs by the router's weights (Mixtral's, Qwen2-MoE's with its gated
-    shared expert, Qwen3-MoE's, GLM-4.5's grouped sigmoid routing and shared expert, OLMoE's). It maps ``[1, T, hidden]`` to ``[1, T, hidden]``; its experts run through the
-    model's experts implementation (transformers' ``grouped_mm`` by default: one grouped product a projection,
-    no host sync, so a CUDA graph captures it in bfloat16)."""
+    shared expert, Qwen3-MoE's, GLM-4.5's grouped sigmoid routing and shared expert, OLMoE's). It maps
+    ``[1, T, hidden]`` to ``[1, T, hidden]``; its experts run through the model's experts implementation
+    (transformers' ``grouped_mm`` by default: one grouped product a projection, no host sync, so a CUDA graph
+    captures it in bfloat16)."""
     mlp = getattr(layer, "mlp", None)
     return mlp if hasattr(mlp, "experts") and hasattr(mlp, "gate") else None
 
