@@ -1,7 +1,7 @@
 """Image requests to a vision-language model: lmiserve's forward of its decoder (runner/vision_fast.py) against
 transformers' forward of the VLM (runner/vision.py, what every VLM step ran before 2026-12-02), in one run.
 
-    .venv/bin/python benchmarks/vlm_paths.py [--shape smolvlm-256m|llava-1b|qwen2-vl-2b] [--streams 1,4]
+    .venv/bin/python benchmarks/vlm_paths.py [--shape smolvlm-256m|llava-1b|qwen2-vl-2b|qwen3-vl-2b] [--streams 1,4]
         [--tokens 32] [--order fast,vlm] [--device cpu|cuda] [--dtype fp32|bf16] [--json FILE]
 
 The model: random weights (seeded) in the shape of a published VLM's decoder, with the tests' tiny vision tower
@@ -11,7 +11,9 @@ and processor (tests/helpers/tiny_vlm.py; the encoder runs once an image, at adm
 - ``llava-1b``: a LLaVA over Llama 3.2 1B's shape (hidden 2,048, 16 layers, 32 heads, 8 KV heads, vocabulary
   128,256), as the llava-hf conversions of 1B decoders are;
 - ``qwen2-vl-2b``: Qwen/Qwen2-VL-2B-Instruct's decoder (Qwen2-1.5B's shape with M-RoPE, ``mrope_section``
-  [16, 24, 24]: its text rows rotated at shifted positions).
+  [16, 24, 24]: its text rows rotated at shifted positions);
+- ``qwen3-vl-2b``: Qwen/Qwen3-VL-2B-Instruct's decoder (hidden 2,048, 28 layers, 16 heads of 128, 8 KV heads,
+  interleaved M-RoPE [24, 20, 20]), with the tests' tower's two DeepStack layers (the 2B's has three).
 
 On CUDA the fast path replays its decode graphs (``fast``) where transformers' forward runs every step eagerly
 (``vlm``); the GPU check runs this on SmolVLM-256M's shape (its ``vlm-paths`` step).
@@ -79,6 +81,20 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
             "max_position_embeddings": 32768,
         },
     ),
+    "qwen3-vl-2b": (
+        "qwen3_vl",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "vocab_size": 151936,
+            "max_position_embeddings": 32768,
+            "tie_word_embeddings": True,
+        },
+    ),
 }
 
 
@@ -99,6 +115,9 @@ def build(shape: str, out: Path) -> Path:
     if family == "qwen2_vl":  # the merger's output is the decoder's width; M-RoPE's sections as published
         config.vision_config.hidden_size = text["hidden_size"]
         config.text_config.rope_parameters["mrope_section"] = [16, 24, 24]
+    if family == "qwen3_vl":  # the same (the tests' tower's two DeepStack layers, where the 2B has three)
+        config.vision_config.out_hidden_size = text["hidden_size"]
+        config.text_config.rope_parameters["mrope_section"] = [24, 20, 20]
     tokenizer = processor.tokenizer
     torch.manual_seed(tiny_vlm.TINY_VLM_SEED)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)

@@ -256,7 +256,7 @@ class FastLlama:
         ids, positions = step.tokens()
         shifts = step.token_shifts()  # (the positions RoPE rotates at: the attention's plan has the tokens')
         positions = positions if shifts is None else [p + s for p, s in zip(positions, shifts, strict=True)]
-        pad = self._row_padding(len(ids), PAD_ROWS_FROM)  # token 0 at position 0, attends nothing, dropped
+        pad = self._gemm.row_padding(len(ids), PAD_ROWS_FROM)  # token 0 at position 0, attends nothing, dropped
         ids += [0] * pad
         positions += [0] * pad
         cos_table, sin_table = self.rope.upto(max(positions) + 1)
@@ -274,9 +274,10 @@ class FastLlama:
         seqs += [SeqTokens(table, start, len(chunk)) for table, start, chunk in step.chunks]
         meta = self.attention.plan(seqs, rows, pad)
         keep = step.keep
-        x = self._layers(x, cos, sin, meta, step.lora)
+        deepstack = None if step.deepstack is None or step.embeds is None else (step.embeds[0], step.deepstack)
+        x = self._layers(x, cos, sin, meta, step.lora, deepstack)
         count = len(keep)
-        keep = keep + keep[:1] * self._row_padding(count, VOCAB_PAD_ROWS_FROM)
+        keep = keep + keep[:1] * self._gemm.row_padding(count, VOCAB_PAD_ROWS_FROM)  # (on CPU: to a multiple of 8)
         if keep != list(range(x.shape[0])):
             x = x[host_copy.to_device(keep, dev)]
         logits = self._logits(x)[:count].float().contiguous()
@@ -318,15 +319,17 @@ class FastLlama:
         sin: torch.Tensor,
         meta: Any,
         lora: LoraProducts | None,
+        deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None,
     ) -> torch.Tensor:
         """The decoder layers over the step's hidden states ``x`` (``[T, hidden]``; RoPE rows `cos`/`sin`,
-        ``[T, kinds, head_dim]``: `rope_tables`)."""
+        ``[T, kinds, head_dim]``: `rope_tables`; `deepstack`: `StepInputs.deepstack`, with its token rows)."""
         packed = self.packed
-        if packed is not None and lora is None and x.shape[0] <= q4_decode.MAX_ROWS:
+        if packed is not None and lora is None and deepstack is None and x.shape[0] <= q4_decode.MAX_ROWS:
             return packed.run(x, cos, sin, meta, self.attention)
         tp, gemm, fused, residual_factor = self.tp, self._gemm, self.fused_elementwise, self.multipliers.residual
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         residual: torch.Tensor | None = None  # fused: the last layer's output, added with the next norm
+        at, adds = deepstack or (torch.empty(0, dtype=torch.long), [])
         for index, layer in enumerate(self.layers):
             pre, post = layer.in_norm, layer.post_norm  # None: OLMo 2's layers (norms of the outputs alone)
             if fused and pre is not None:
@@ -367,10 +370,11 @@ class FastLlama:
                 down = tp.all_reduce(down)
             down = down if residual_factor == 1.0 else down * residual_factor
             down = down if layer.out_norms is None else _rms(down, layer.out_norms[1])
+            add = adds[index].to(x.dtype) if index < len(adds) else None  # (Qwen3-VL's DeepStack: after the layer)
             if fused:
-                residual = down
+                residual = down if add is None else down.index_add(0, at, add)
             else:
-                x = x + down
+                x = x + down if add is None else (x + down).index_add(0, at, add)
         return x if residual is None else x + residual
 
     def _mlp(self, index: int, layer: FusedLayer, h: torch.Tensor, lora: LoraProducts | None) -> torch.Tensor:
@@ -394,7 +398,3 @@ class FastLlama:
         """The groups `forward` applies adapters to: each layer's fused q/k/v, o, fused gate/up and down
         (``{layer}.qkv``, ...), their modules named as in the transformers model (`layout_variants.lora_groups`)."""
         return lora_groups(self.layers, self.model_type, (self.heads, self.kv_heads, self.head_dim))
-
-    def _row_padding(self, rows: int, pad_from: int) -> int:
-        """Rows to add (on CPU, from `pad_from` rows) up to a multiple of 8 (`CpuGemm.row_padding`)."""
-        return self._gemm.row_padding(rows, pad_from)

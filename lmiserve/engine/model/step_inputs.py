@@ -53,7 +53,8 @@ class StepInputs:
     `rope_shifts`: each row's RoPE shift (decode rows, then chunks; None: none), the position its tokens are
     rotated at less their position (M-RoPE's text past an image: runner/vision_fast.py); `rope_rows`: RoPE table
     rows that replace some tokens' ``(token rows, cos rows, signed sin rows)`` on the device (M-RoPE's image
-    tokens, whose three positions differ: `RopeTables.rows_at`)."""
+    tokens, whose three positions differ: `RopeTables.rows_at`); `deepstack`: Qwen3-VL's DeepStack features, one
+    ``[rows, hidden]`` a layer of its first layers, added to `embeds`' token rows after that layer."""
 
     decode_ids: list[int] = field(default_factory=list)
     decode_positions: list[int] = field(default_factory=list)
@@ -65,6 +66,7 @@ class StepInputs:
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None
     rope_shifts: list[int] | None = None
     rope_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    deepstack: list[torch.Tensor] | None = None
 
     def tokens(self) -> tuple[list[int], list[int]]:
         """The step's token ids and their positions, in its token order (new lists)."""

@@ -112,10 +112,9 @@ class PagedFastVisionRunner(PagedVisionRunner):
 
     def _three_d(self, state: RequestState, start: int, count: int) -> bool:
         """Whether a row that meets an M-RoPE image takes its RoPE rows from its prompt's positions: a prompt chunk
-        (a recompute past the prompt runs the VLM's forward), of a model without DeepStack (Qwen3-VL adds its
-        features at the image's tokens inside the layers: the VLM's forward)."""
+        (a recompute past the prompt runs the VLM's forward)."""
         mrope = state.images.mrope if state.images is not None else None
-        return not self.deepstack and mrope is not None and start + count <= mrope.shape[1]
+        return mrope is not None and start + count <= mrope.shape[1]
 
     def _rope_rows(
         self, states: list[RequestState], spans: list[Span]
@@ -156,7 +155,10 @@ class PagedFastVisionRunner(PagedVisionRunner):
             chunks.append((table, start, ids[at : at + len(chunk)]))
             at += len(chunk)
         features = torch.cat([f.features[r] for f, r in take_rows])
-        return dataclasses.replace(step, decode_ids=ids[:decode], chunks=chunks, embeds=(index, features))
+        layers = len(take_rows[0][0].deepstack or [])  # (Qwen3-VL's DeepStack features: one set a layer)
+        deep = [torch.cat([f.deepstack[k][r] for f, r in take_rows if f.deepstack]) for k in range(layers)] or None
+        step = dataclasses.replace(step, decode_ids=ids[:decode], chunks=chunks, embeds=(index, features))
+        return dataclasses.replace(step, deepstack=deep)
 
 
 def _flat_spans(step: StepInputs) -> list[Span]:
