@@ -139,8 +139,10 @@ class PagedVisionRunner(PagedGenericRunner):
                 types = host_copy.to_device(is_image.astype(np.int32)[None], dev)
             given = {**tensors, "mm_token_type_ids": types}
             positions, deltas = self.inner.get_rope_index(ids[None], **_named(self.inner.get_rope_index, given))
-            mrope, delta = positions[:, 0].to(dev), int(deltas.reshape(-1)[0])
-            three = mrope.cpu().numpy()  # (admission waits for the positions, as for `delta`)
+            mrope = positions[:, 0].to(dev)
+            # the positions and the delta in one copy to the host (admission waits for it once)
+            host = torch.cat([mrope.reshape(-1), deltas.reshape(-1)[:1].to(mrope)]).cpu().numpy()
+            three, delta = host[:-1].reshape(3, -1), int(host[-1])
             text = (three[0] == three[1]) & (three[1] == three[2]) & ~is_image
             shifts = np.where(text, three[0] - np.arange(three.shape[1]), NO_SHIFT)
         return ImageFeatures(
