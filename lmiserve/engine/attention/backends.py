@@ -76,11 +76,14 @@ CHUNKS_AS_DECODE_ROWS = True
 @dataclass(frozen=True)
 class SeqTokens:
     """One sequence's tokens of a step, in the step's token order: `count` tokens at positions
-    ``start..start+count-1``, read and written through `table` (its block table)."""
+    ``start..start+count-1``, read and written through `table` (its block table); `opens`: spans of those
+    positions ``(first, end)`` whose tokens see each other both ways (Gemma 3's images: the torch backend's
+    chunks take them, FastLlama runs such a step on it)."""
 
     table: Sequence[int]
     start: int
     count: int
+    opens: tuple[tuple[int, int], ...] = ()
 
 
 class AttentionBackend(ABC):
@@ -165,7 +168,8 @@ class TritonBackend(AttentionBackend):
 
 class _Chunk(NamedTuple):
     """A prefill chunk of one step: its block table (a tensor), positions ``start..end-1``, first row in
-    the batch and causal mask over ``[0, end)`` (and that of the model's sliding-window layers)."""
+    the batch and causal mask over ``[0, end)`` (and that of the model's sliding-window layers), opened where
+    the chunk's `SeqTokens.opens` say (`opened`: then it never runs the compiled kernel, which is causal)."""
 
     table: torch.Tensor
     start: int
@@ -173,6 +177,7 @@ class _Chunk(NamedTuple):
     offset: int
     mask: torch.Tensor
     window_mask: torch.Tensor | None = None
+    opened: bool = False
 
 
 class _Decode(NamedTuple):
@@ -212,7 +217,7 @@ class TorchBackend(AttentionBackend):
         short = 0
         if self.compiled and CHUNKS_AS_DECODE_ROWS:  # the leading short chunks: rows of the decode kernel
             for seq in chunks:
-                if seq.count > KERNEL_CHUNK_TOKENS:
+                if seq.count > KERNEL_CHUNK_TOKENS or seq.opens:
                     break
                 positions.extend(range(seq.start, seq.start + seq.count))
                 tables.extend([list(seq.table)] * seq.count)
@@ -224,8 +229,11 @@ class TorchBackend(AttentionBackend):
             end = seq.start + seq.count
             chunk_pos = torch.arange(seq.start, end, device=dev)
             masks = windows.chunk_masks(chunk_pos, end, self.windows)
+            for first, last in seq.opens:  # (as transformers: each layer kind's mask OR the image's block)
+                for mask in (m for m in masks if m is not None):
+                    mask[..., first - seq.start : last - seq.start, first:last] = True
             table = host_copy.to_device(list(seq.table), dev)
-            planned.append(_Chunk(table, seq.start, end, offset, *masks))
+            planned.append(_Chunk(table, seq.start, end, offset, *masks, bool(seq.opens)))
             offset += seq.count
         return _BlockStep(decode, planned, pad)
 
@@ -282,10 +290,10 @@ class TorchBackend(AttentionBackend):
                     query, keys, values, k[:n], v[:n], dec.tables, dec.spans, scale, dec.shared, window, scales
                 )
             outputs.append(out.reshape(n, -1))
-        for table, start, end, offset, mask, window_mask in meta.chunks:
+        for table, start, end, offset, mask, window_mask, opened in meta.chunks:
             length = end - start
             write_chunk(keys, values, k[offset : offset + length], v[offset : offset + length], table, start, scales)
-            if self.compiled and length <= KERNEL_CHUNK_TOKENS:
+            if self.compiled and length <= KERNEL_CHUNK_TOKENS and not opened:
                 # the chunk is written: each token attends over positions up to its own (it writes its
                 # own key and value again, the same numbers, so no row reads a position not yet written)
                 query = q[offset : offset + length].reshape(length, self.kv_heads, self.groups, self.head_dim)

@@ -22,6 +22,7 @@ those of ``F.linear`` up to the summation order of the kernel.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -31,6 +32,8 @@ import torch.nn.functional as F
 from lmiserve.engine.model import skinny_gemm
 from lmiserve.engine.model.int4_triton import Int4Scales
 from lmiserve.engine.model.quantize import quantized_linear
+
+log = logging.getLogger(__name__)
 
 TRANSPOSED_GEMM_ROWS = 8  # rows from which a product runs transposed (static default)
 ROW_MULTIPLE = 8  # a transposed product's rows are padded to a multiple of this
@@ -90,6 +93,17 @@ class CpuGemm:
     def with_(self, **changes: Any) -> CpuGemm:
         values = {**self.to_dict(), **changes}
         return CpuGemm.from_dict(values)
+
+    def warmed(self, dtype: torch.dtype, device: torch.device) -> CpuGemm:
+        """These shapes with the few-row kernel compiled now (at load, or on a kernel change: not on a request);
+        if it cannot be compiled, with products of few rows through BLAS instead."""
+        if self.few_rows > 1 and skinny_gemm.available(dtype, device):
+            try:
+                skinny_gemm.warm_up()
+            except Exception:  # noqa: BLE001 - a numba/llvmlite problem costs speed, not the model
+                log.exception("compiled few-row products unavailable; using BLAS")
+                return self.with_(few_rows=0)
+        return self
 
     def describe(self) -> str:
         parts = [f"{self.splits} row blocks for fewer rows" if self.splits > 1 else ""]

@@ -27,7 +27,6 @@ Models outside the Llama family: `unsupported_reason` says why and the engine us
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +40,7 @@ from lmiserve.engine.attention.backends import SeqTokens
 from lmiserve.engine.attention.paged import AttentionShape, PagedKVCache
 from lmiserve.engine.lora.batch import LoraGroup, LoraProducts
 from lmiserve.engine.lora.slots import LoraSlots
-from lmiserve.engine.model import fused_norm, q4_decode, skinny_gemm
+from lmiserve.engine.model import fused_norm, q4_decode
 from lmiserve.engine.model.cpu_gemm import PAD_ROWS_FROM, VOCAB_PAD_ROWS_FROM, CpuGemm
 from lmiserve.engine.model.layout_variants import (
     LAYER_NORM_TYPES,
@@ -72,8 +71,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 __all__ = ["PAD_ROWS_FROM", "SUPPORTED_TYPES", "FastLlama", "StepInputs", "unsupported_reason"]
-
-log = logging.getLogger(__name__)
 
 
 def _rms(x: torch.Tensor, norm: NormWeight) -> torch.Tensor:
@@ -161,6 +158,7 @@ class FastLlama:
         )
         # decode steps replayed as CUDA graphs (engine/attention/cuda_graphs.py; set by the paged runner)
         self.graphs: DecodeReplay | None = None
+        self._open_attention: backends.AttentionBackend | None = None  # (`open_attention`)
         self.graph_refusal = experts_graph_reason(model, self.layers)  # why graphs cannot capture it (None: they can)
         # a tensor-parallel rank's shard (engine/model/sharding.py): its collectives; None: the whole model
         self.tp = shard_of(model)
@@ -172,7 +170,7 @@ class FastLlama:
             self.packed = q4_decode.PackedLayers.of(self.layers, dims, norm, (self.lm_head, self.lm_head_s))
         # residual adds with RMS norms, and SiLU with its product, in one kernel each (fused_norm.py; CUDA)
         self.fused_elementwise = fused_norm.wanted(self.device) and self.silu_layers and self.plain_norms
-        self._warm_gemm()
+        self._gemm = self._gemm.warmed(self.dtype, self.device)
 
     @property
     def plain_layers(self) -> bool:
@@ -209,8 +207,7 @@ class FastLlama:
     def use_kernels(self, gemm: CpuGemm, compiled: bool) -> None:
         """Run the next steps with these product shapes and (where it applies, not on Triton's backend)
         the compiled CPU attention, else the torch one."""
-        self._gemm = gemm
-        self._warm_gemm()
+        self._gemm = gemm.warmed(self.dtype, self.device)
         if self.triton:
             return
         if compiled and cpu_kernel.available(self.cache.kv_dtype, self.device):  # never an fp8 pool
@@ -219,21 +216,17 @@ class FastLlama:
         else:
             self.attention = self._scaled(backends.TorchBackend(self.cache, self.heads, self.windows))
 
+    def open_attention(self) -> backends.AttentionBackend:
+        """The torch backend, for a step whose images' tokens see each other both ways (`StepInputs.opens`)."""
+        if self._open_attention is None:
+            self._open_attention = self._scaled(backends.TorchBackend(self.cache, self.heads, self.windows))
+        return self._open_attention
+
     def _scaled(self, attention: backends.AttentionBackend) -> backends.AttentionBackend:
         """`attention` with the model's scale where it has its own (Granite's `attention_multiplier`)."""
         if self.multipliers.attention is not None:
             attention.scale = float(self.multipliers.attention)
         return attention
-
-    def _warm_gemm(self) -> None:
-        """Compile the few-row product kernel at load (or on a kernel change), not on a request; if it
-        cannot be compiled, products of few rows go through BLAS instead."""
-        if self._gemm.few_rows > 1 and skinny_gemm.available(self.dtype, self.device):
-            try:
-                skinny_gemm.warm_up()
-            except Exception:  # noqa: BLE001 - a numba/llvmlite problem costs speed, not the model
-                log.exception("compiled few-row products unavailable; using BLAS")
-                self._gemm = self._gemm.with_(few_rows=0)
 
     # ---- one step ----------------------------------------------------------------------------------
     def forward(self, step: StepInputs) -> torch.Tensor:
@@ -271,11 +264,13 @@ class FastLlama:
         if step.embeds is not None:  # a VLM's image features in place of their tokens' embeddings
             x = x.index_copy(0, step.embeds[0], step.embeds[1].to(x.dtype))
         seqs = [SeqTokens(t, p, 1) for t, p in zip(step.decode_tables, step.decode_positions, strict=True)]
-        seqs += [SeqTokens(table, start, len(chunk)) for table, start, chunk in step.chunks]
-        meta = self.attention.plan(seqs, rows, pad)
+        opens = step.opens or [()] * len(step.chunks)
+        seqs += [SeqTokens(t, start, len(chunk), o) for (t, start, chunk), o in zip(step.chunks, opens, strict=True)]
+        attention = self.attention if step.opens is None else self.open_attention()
+        meta = attention.plan(seqs, rows, pad)
         keep = step.keep
         deepstack = None if step.deepstack is None or step.embeds is None else (step.embeds[0], step.deepstack)
-        x = self._layers(x, cos, sin, meta, step.lora, deepstack)
+        x = self._layers(x, cos, sin, meta, step.lora, deepstack, attention)
         count = len(keep)
         keep = keep + keep[:1] * self._gemm.row_padding(count, VOCAB_PAD_ROWS_FROM)  # (on CPU: to a multiple of 8)
         if keep != list(range(x.shape[0])):
@@ -320,12 +315,14 @@ class FastLlama:
         meta: Any,
         lora: LoraProducts | None,
         deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None,
+        attention: backends.AttentionBackend | None = None,
     ) -> torch.Tensor:
         """The decoder layers over the step's hidden states ``x`` (``[T, hidden]``; RoPE rows `cos`/`sin`,
-        ``[T, kinds, head_dim]``: `rope_tables`; `deepstack`: `StepInputs.deepstack`, with its token rows)."""
+        ``[T, kinds, head_dim]``: `rope_tables`; `deepstack`: `StepInputs.deepstack`, with its token rows;
+        `attention`: the backend `meta` was planned by, if not the model's)."""
         packed = self.packed
         if packed is not None and lora is None and deepstack is None and x.shape[0] <= q4_decode.MAX_ROWS:
-            return packed.run(x, cos, sin, meta, self.attention)
+            return packed.run(x, cos, sin, meta, attention or self.attention)
         tp, gemm, fused, residual_factor = self.tp, self._gemm, self.fused_elementwise, self.multipliers.residual
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         residual: torch.Tensor | None = None  # fused: the last layer's output, added with the next norm
@@ -352,7 +349,7 @@ class FastLlama:
                 qk = _rotate(qk, c, s, self.rope.interleaved) if rope else qk  # (a head's first part: Phi-4-mini's)
             q, k = qk[:, : self.heads], qk[:, self.heads :]
             v = qkv[:, q_size + kv_size :].view(-1, self.kv_heads, self.head_dim)
-            attn = self.attention.forward(index, q, k, v, meta)
+            attn = (attention or self.attention).forward(index, q, k, v, meta)
             o = gemm.linear(attn, layer.o_w, layer.o_b, layer.o_s)
             if lora is not None:
                 lora.apply(f"{index}.o", attn, o)

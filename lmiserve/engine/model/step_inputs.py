@@ -54,7 +54,9 @@ class StepInputs:
     rotated at less their position (M-RoPE's text past an image: runner/vision_fast.py); `rope_rows`: RoPE table
     rows that replace some tokens' ``(token rows, cos rows, signed sin rows)`` on the device (M-RoPE's image
     tokens, whose three positions differ: `RopeTables.rows_at`); `deepstack`: Qwen3-VL's DeepStack features, one
-    ``[rows, hidden]`` a layer of its first layers, added to `embeds`' token rows after that layer."""
+    ``[rows, hidden]`` a layer of its first layers, added to `embeds`' token rows after that layer; `opens`: for
+    each prompt chunk, the spans of its positions whose tokens see each other both ways (Gemma 3's images:
+    `SeqTokens.opens`; None: none in the step)."""
 
     decode_ids: list[int] = field(default_factory=list)
     decode_positions: list[int] = field(default_factory=list)
@@ -67,6 +69,7 @@ class StepInputs:
     rope_shifts: list[int] | None = None
     rope_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     deepstack: list[torch.Tensor] | None = None
+    opens: list[tuple[tuple[int, int], ...]] | None = None
 
     def tokens(self) -> tuple[list[int], list[int]]:
         """The step's token ids and their positions, in its token order (new lists)."""

@@ -98,13 +98,16 @@ class PagedFastVisionRunner(PagedVisionRunner):
         shifts = [self._shift(s, *span) for s, span in zip(states, spans)]
         # the rows that meet an M-RoPE image (their tokens' three positions differ): RoPE rows of their own
         three = [n for n, shift in enumerate(shifts) if shift is None and self._three_d(states[n], *spans[n])]
-        opens = any(self._opens(s, *span) for s, span in zip(states, spans))
-        if opens or shifts.count(None) > len(three) or any(s.adapter is not None for s in states):
+        if shifts.count(None) > len(three) or any(s.adapter is not None for s in states):
             self.steps["vlm"] += 1
             return super()._forward_rows(batch, part)
         self.steps["fast"] += 1
         step = step_inputs(batch, part, self._requests, self._kept, {}, None)
         step.rope_shifts = [shift or 0 for shift in shifts] if any(shifts) else None
+        if any(self._opens(s, *span) for s, span in zip(states, spans)):  # (Gemma 3's images: both ways)
+            step.opens = [
+                _opened(s, *span) for s, span in zip(states[len(step.decode_ids) :], spans[len(step.decode_ids) :])
+            ]
         flat = _flat_spans(step)
         if three:
             step.rope_rows = self._rope_rows([states[n] for n in three], [flat[n] for n in three])
@@ -159,6 +162,15 @@ class PagedFastVisionRunner(PagedVisionRunner):
         deep = [torch.cat([f.deepstack[k][r] for f, r in take_rows if f.deepstack]) for k in range(layers)] or None
         step = dataclasses.replace(step, decode_ids=ids[:decode], chunks=chunks, embeds=(index, features))
         return dataclasses.replace(step, deepstack=deep)
+
+
+def _opened(state: RequestState, start: int, count: int) -> tuple[tuple[int, int], ...]:
+    """The spans of a prompt chunk's positions (`start`, `count` tokens) whose tokens see each other both ways:
+    its images' (Gemma 3's; the scheduler never ends a chunk inside one)."""
+    spans = state.images.spans if state.images is not None else ()
+    return tuple(
+        (max(s.offset, start), min(s.end, start + count)) for s in spans if s.offset < start + count and s.end > start
+    )
 
 
 def _flat_spans(step: StepInputs) -> list[Span]:
