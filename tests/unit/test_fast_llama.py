@@ -387,7 +387,7 @@ def test_decode_rows_padded_to_a_multiple_of_eight_give_each_rows_logits(rows: i
     fast = FastLlama(model, cache, 256, compiled_attention_ok=attention == "compiled")
     assert fast.compiled_attention == (attention == "compiled")
     padded = 0 if rows <= fast.gemm.few_rows else (-rows) % 8
-    assert fast._row_padding(rows, fast_llama.PAD_ROWS_FROM) == padded
+    assert fast.gemm.row_padding(rows, fast_llama.PAD_ROWS_FROM) == padded
     # at most 9 positions a row: 3 blocks of 4, row i's in reverse order from the end of the pool
     tables = [[3 * rows - 1 - 3 * i - j for j in range(3)] for i in range(rows)]
     fast.forward(StepInputs(chunks=[(tables[i], 0, s[:-1]) for i, s in enumerate(seqs)]))
