@@ -25,7 +25,7 @@ the loaded transformers model:
   experts implementation, a shared expert), between the fast forward's norms and residual adds; olmoe's norms of
   the whole q and k projections (`WHOLE_QK_NORM_TYPES`).
 
-Gemma 2 (soft-capped attention scores) and Gemma 3's vision-language models stay on transformers' forward.
+Gemma 2 (soft-capped attention scores) stays on transformers' forward.
 """
 
 from __future__ import annotations

@@ -10,14 +10,14 @@ what the images before it took (``get_rope_index``; a generated token's: the pro
 three equal positions is the 1-D RoPE of that position: the fast forward rotates such a row's tokens at their
 position plus the row's shift (`StepInputs.rope_shifts`; the decode graphs take it as an input too).
 
+The Qwen VLs' image tokens take RoPE rows made from their 3-D positions by the rotary module
+(`StepInputs.rope_rows`); Qwen3-VL's DeepStack features are added at its image tokens after its first layers
+(`StepInputs.deepstack`); Gemma 3's image tokens see each other both ways (`StepInputs.opens`: the scheduler never
+splits such an image, and the step's attention runs on the torch backend with the image's block opened).
+
 What the fast forward does not compute runs transformers' forward of the VLM over the same blocks
-(runner/vision.py), a whole step at a time:
-- a step with a row that meets a Gemma 3 image (its tokens attend to each other both ways; the scheduler never
-  splits such an image, and the fast forward's attention is causal);
-- a step with a row that meets a Qwen3-VL image (its DeepStack features are added inside the layers), or an
-  M-RoPE image past its prompt (a recompute); Qwen2-VL's and Qwen2.5-VL's image tokens take RoPE rows made from
-  their 3-D positions by the rotary module (`StepInputs.rope_rows`);
-- a step with a LoRA adapter (a VLM's adapters hook its modules).
+(runner/vision.py), a whole step at a time: a step with a row that meets an M-RoPE image past its prompt (a
+recompute), or with a LoRA adapter (a VLM's adapters hook its modules).
 """
 
 from __future__ import annotations
