@@ -308,6 +308,26 @@ SHAPES["gemma3-1b"] = {
     "pad_token_id": 3,
     "torch_dtype": "bfloat16",
 }
+# Gemma 2 2B's shape (its attention scores soft-capped at 50, the logits at 30; every other layer a 4,096 window)
+SHAPES["gemma2-2b"] = {
+    **SHAPES["gemma3-1b"],
+    "architectures": ["Gemma2ForCausalLM"],
+    "model_type": "gemma2",
+    "vocab_size": 256000,
+    "max_position_embeddings": 8192,
+    "rope_theta": 10000.0,
+    "sliding_window": 4096,
+    "layer_types": ["sliding_attention", "full_attention"] * 13,
+    "query_pre_attn_scalar": 256,
+    "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+}
 # Qwen3-30B-A3B's shape (a mixture of experts: 128 experts of 768, 8 a token, on each of its 48 layers; Qwen3's
 # heads' norms; 30.5B weights, 3.3B of them read a token), 61 GB in bf16
 SHAPES["qwen3-30b-a3b"] = {

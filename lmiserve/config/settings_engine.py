@@ -98,10 +98,10 @@ class EngineFields(FieldGroup):
     fast_path: bool = Field(
         True,
         description=(
-            "Run llama/mistral/ministral/qwen2/qwen3/phi3/smollm3/granite/seed_oss/gemma/gemma3_text/olmo2/olmo3/"
-            "exaone4/starcoder2/glm/glm4 models, the mixtral/qwen2_moe/qwen3_moe/glm4_moe/olmoe mixtures of experts, "
-            "and vision-language models' decoders, with lmiserve's own fused forward (one pass per engine step); "
-            "`false` forces the generic transformers path. Other models always use the generic path."
+            "Run llama/mistral/ministral/qwen2/qwen3/phi3/smollm3/granite/seed_oss/gemma/gemma2/gemma3_text/olmo2/"
+            "olmo3/exaone4/starcoder2/glm/glm4 models, the mixtral/qwen2_moe/qwen3_moe/glm4_moe/olmoe mixtures of "
+            "experts, and vision-language models' decoders, with lmiserve's own fused forward (one pass per engine "
+            "step); `false` forces the generic transformers path. Other models always use the generic path."
         ),
     )
     cpu_autotune: bool = Field(

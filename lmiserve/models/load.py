@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -256,15 +257,20 @@ def _load_model(
     path: Path, dtype: torch.dtype, common: dict[str, bool], auto_class: Any = AutoModelForCausalLM
 ) -> PreTrainedModel:
     """`path`'s model by `auto_class` (AutoModelForCausalLM, or AutoModelForImageTextToText for a VLM)."""
+    return _sdpa_or_default(path, lambda **sdpa: auto_class.from_pretrained(path, dtype=dtype, **common, **sdpa))
+
+
+def _sdpa_or_default(path: Path, make: Callable[..., PreTrainedModel]) -> PreTrainedModel:
+    """`make(attn_implementation="sdpa")`, or `make()` (the architecture's default attention) where the model
+    does not implement SDPA (Gemma 2, some remote-code models)."""
     try:
-        return auto_class.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **common)
+        return make(attn_implementation="sdpa")
     except ValueError as exc:
         message = str(exc).lower()  # transformers names it "sdpa" or "scaled_dot_product_attention" (Gemma 2)
         if "sdpa" not in message and "scaled_dot_product_attention" not in message:
             raise
-        # Some (remote-code) architectures do not implement SDPA: fall back to their default.
         logger.warning("%s does not support SDPA attention; using its default attention", path)
-        return auto_class.from_pretrained(path, dtype=dtype, **common)
+        return make()
 
 
 _DUMMY_SEED = 20260526  # any fixed seed (not a test fixture's, so a dummy never equals a saved model)
@@ -279,15 +285,18 @@ def _dummy_model(
 ) -> PreTrainedModel:
     """The architecture of `path`'s config.json with random weights (transformers' own initialisation,
     seeded), built directly on `device` so an 8B shape needs no host copy."""
-    config = AutoConfig.from_pretrained(path, **common)
     # the same weights every time (as vLLM's dummy loader seeds its own), so two loads of one shape
     # (a server and its baseline, two executors) compute the same tokens; the caller's RNG is untouched
     devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), device:
+    remote = common["trust_remote_code"]
+
+    def seeded(**sdpa: str) -> PreTrainedModel:  # (a fresh config each time: a failed attempt leaves "sdpa" in it)
         torch.manual_seed(_DUMMY_SEED)
-        model = auto_class.from_config(
-            config, dtype=dtype, attn_implementation="sdpa", trust_remote_code=common["trust_remote_code"]
-        )
+        config = AutoConfig.from_pretrained(path, **common)
+        return auto_class.from_config(config, dtype=dtype, trust_remote_code=remote, **sdpa)
+
+    with torch.random.fork_rng(devices=devices), device:
+        model = _sdpa_or_default(path, seeded)
     logger.warning("load_format=dummy: %s has random weights; its output is noise", path)
     return model
 

@@ -10,6 +10,8 @@ import torch
 from transformers import (
     Exaone4Config,
     Exaone4ForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     GemmaConfig,
@@ -136,6 +138,20 @@ ARCHS = {
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                 "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
             },
+        },
+    ),
+    # Gemma 2: Gemma 3's sandwich norms and windows (without its heads' norms), its attention scores soft-capped
+    # (50 published; here 2, low enough to change them) and the logits (30 published; here 3)
+    "gemma2_window": (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        {
+            "head_dim": 32,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 3.0,
         },
     ),
     # OLMo 2: norms of attention's and the MLP's outputs alone; of the whole q and k projections (not each head)

@@ -165,7 +165,7 @@ def variant_answers(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
 # no norms of the layers' inputs, no RoPE on the full layer; phi3_window: q/k/v and gate/up one linear each (each
 # rank's runs of rows of each read from the checkpoint); starcoder2_window: c_fc and c_proj split as gate and down,
 # LayerNorms' biases on every rank, c_proj's bias added by one; phi4_mini_longrope: 3/4 of each head rotated;
-# glm4: gate_up_proj by runs, RoPE by pairs
+# glm4: gate_up_proj by runs, RoPE by pairs; gemma2_window: each rank's heads' scores soft-capped
 @pytest.fixture(
     params=[
         "kv-split",
@@ -179,6 +179,7 @@ def variant_answers(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
         "starcoder2_window",
         "phi4_mini_longrope",
         "glm4",
+        "gemma2_window",
     ]
 )
 def answers(

@@ -172,6 +172,7 @@ def test_fusing_weights_keeps_the_transformers_model_working_without_copies():
         ("qwen3_moe", {"fast_path": False}, "generic"),
         ("glm4_moe", {"max_prefill_tokens": 4}, "fast"),  # grouped sigmoid routing, a shared expert, half rotated
         ("olmoe", {"max_prefill_tokens": 4}, "fast"),  # norms of the whole q and k projections
+        ("gemma2_window", {"max_prefill_tokens": 4}, "fast"),  # soft-capped attention scores (torch ops on a CPU)
         ("phi", {"max_prefill_tokens": 4}, "generic"),  # not covered by the fast forward: transformers'
         ("gpt2", {}, "generic"),
         ("qwen2_bias", {"max_prefill_tokens": 4}, "fast"),
@@ -490,3 +491,20 @@ def test_an_adapter_on_other_linears_names_gives_the_merged_models_tokens(
     assert served_with_adapter(loaded, config, "phi", adapter, PROMPTS[:3], 10, "fast") == expected
     if record is not None:  # (decode steps with the adapter replayed the graphs)
         assert max(adapters for _, adapters in record.steps) == 1
+
+
+@pytest.mark.parametrize("load_format", ["auto", "dummy"])
+def test_gemma2_loads_without_sdpa_and_serves_on_the_fast_path(tiny_model, tmp_path, load_format: str, caplog):
+    """Gemma 2 implements no SDPA attention (its scores are soft-capped): a checkpoint and a dummy of its shape
+    load with its own attention (said in the log), and its steps run lmiserve's forward with the cap."""
+    from lmiserve.models.load import load_causal_lm
+
+    tiny_model.tokenizer.save_pretrained(tmp_path)
+    build(*ARCHS["gemma2_window"]).save_pretrained(tmp_path)
+    with caplog.at_level("WARNING", logger="lmiserve.models.load"):
+        loaded = load_causal_lm(tmp_path, dtype="fp32", device="cpu", load_format=load_format)
+    assert any("does not support SDPA" in r.message for r in caplog.records)
+    engine, results = asyncio.run(serve_prompts(loaded, EngineConfig(max_prefill_tokens=4), 6))
+    assert engine.runner.path == "fast" and engine.runner.fast.attention.softcap == 2.0
+    for prompt, events in zip(PROMPTS, results, strict=True):
+        assert [e.token.id for e in events if e.token] == greedy_tokens(loaded, prompt, 6)

@@ -14,8 +14,7 @@ generic runner (runner/generic.py registers `backend_attention` as an attention 
   being verified, short chunks; one row a token) in one compiled kernel call a layer
   (attention/cpu_kernel.py); a longer chunk gathers its positions and runs SDPA.
 - `TorchBackend` (any device and dtype): the decode rows gather their blocks and attend with batched matmuls
-  (masked fp32 softmax), each chunk gathers its positions and runs SDPA.
-
+  (masked fp32 softmax), each chunk gathers its positions and runs SDPA (soft-capped scores: torch ops).
 `choose` picks one for a model's attention shape on its device; a new kernel is a new backend here.
 
 An fp8 pool (`kv_cache_dtype`, attention/kv_quant.py): every backend quantizes what it writes and
@@ -36,13 +35,13 @@ from typing import Any, ClassVar, NamedTuple
 import numpy as np
 import numpy.typing as npt
 import torch
-import torch.nn.functional as F
 
 from lmiserve.engine import host_copy
 from lmiserve.engine.attention import cpu_kernel, triton_ops, windows
 from lmiserve.engine.attention.paged import (
     DecodeIndex,
     PagedKVCache,
+    chunk_attention,
     decode_index,
     flat_index,
     gather_context,
@@ -97,6 +96,7 @@ class AttentionBackend(ABC):
         self.heads, self.kv_heads, self.head_dim = heads, cache.kv_heads, cache.head_dim
         self.groups = heads // cache.kv_heads
         self.scale = self.head_dim**-0.5
+        self.softcap: float | None = None  # the scores' soft cap (Gemma 2's `attn_logit_softcapping`)
         self.windows = tuple(layer_windows)
 
     @abstractmethod
@@ -159,7 +159,8 @@ class TritonBackend(AttentionBackend):
         scales = self.cache.scales[layer]
         triton_ops.write_step(keys, values, k[:n], v[:n], meta, scales)
         scale = self.scale if scale is None else scale
-        out = triton_ops.paged_attention(q, keys, values, meta, scale, window=self.windows[layer], kv_scales=scales)
+        window, cap = self.windows[layer], self.softcap
+        out = triton_ops.paged_attention(q, keys, values, meta, scale, window=window, kv_scales=scales, softcap=cap)
         return out.reshape(len(q), -1)
 
 
@@ -271,7 +272,7 @@ class TorchBackend(AttentionBackend):
         that reads the blocks in place up to its own position; a longer one over its positions gathered
         from the blocks, with SDPA; a sliding-window layer's window in each."""
         keys, values = self.cache.keys[layer], self.cache.values[layer]
-        window = self.windows[layer]
+        window, cap = self.windows[layer], self.softcap  # (a soft cap: never the compiled kernel, which has none)
         scale = self.scale if scale is None else scale
         scales = self.cache.scales[layer]  # an fp8 pool's (the compiled kernel never reads one)
         outputs = []
@@ -287,7 +288,7 @@ class TorchBackend(AttentionBackend):
                 out = cpu_kernel.kernel_decode_attention(query, keys, values, k[:n], v[:n], dec.kernel, scale, window)
             else:
                 out = paged_decode_attention(
-                    query, keys, values, k[:n], v[:n], dec.tables, dec.spans, scale, dec.shared, window, scales
+                    query, keys, values, k[:n], v[:n], dec.tables, dec.spans, scale, dec.shared, window, scales, cap
                 )
             outputs.append(out.reshape(n, -1))
         for table, start, end, offset, mask, window_mask, opened in meta.chunks:
@@ -315,7 +316,7 @@ class TorchBackend(AttentionBackend):
             key = _repeat(context_k[None], self.groups)
             value = _repeat(context_v[None], self.groups)
             seen = mask if window is None else window_mask
-            out = F.scaled_dot_product_attention(query, key, value, attn_mask=seen, scale=scale)
+            out = chunk_attention(query, key, value, seen, scale, cap)
             outputs.append(out.transpose(1, 2).reshape(length, -1))
         if meta.pad:
             outputs.append(q.new_zeros(meta.pad, self.heads * self.head_dim))

@@ -19,6 +19,7 @@ def paged_attention_kernel(  # pragma: no cover - runs as a Triton kernel
     scale,
     v_scale,
     window,
+    softcap,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -36,6 +37,7 @@ def paged_attention_kernel(  # pragma: no cover - runs as a Triton kernel
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -75,6 +77,8 @@ def paged_attention_kernel(  # pragma: no cover - runs as a Triton kernel
             if KV_FP8:  # an fp8 cache: cast to the queries' dtype (its key scale is folded into `scale`)
                 k = k.to(q.dtype)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            if SOFTCAP:  # Gemma 2's scores soft-capped: c * tanh(s / c), tanh(x) = 2 * sigmoid(2x) - 1
+                scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
             scores = tl.where((offs[None, :] <= pos[:, None]) & (offs[None, :] > floor[:, None]), scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             # a row that has seen no position yet (before its window) keeps m = -inf: subtract 0 instead

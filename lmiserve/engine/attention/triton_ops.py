@@ -233,12 +233,14 @@ def paged_attention(
     out: torch.Tensor | None = None,
     window: int | None = None,
     kv_scales: tuple[float, float] = UNIT,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of the step's tokens (``query``: ``[tokens, heads, head_dim]``, in `plan`'s order) over
     their sequences' cached positions up to their own (already written), the last `window` of them for a
     sliding-window layer. Returns ``[tokens, heads, head_dim]`` (into `out` when given; rows no tile covers
     are left as they were). On CPU tensors only under Triton's interpreter (`interpreting`). An fp8 cache
-    is cast to the query's dtype in the kernel, with `kv_scales` (the layer's key and value scales)."""
+    is cast to the query's dtype in the kernel, with `kv_scales` (the layer's key and value scales). `softcap`:
+    the scores soft-capped, ``c * tanh(s / c)`` (Gemma 2's ``attn_logit_softcapping``; None: not)."""
     heads, head_dim = query.shape[1:]
     _, kv_heads, block_size, _ = key_cache.shape
     groups = heads // kv_heads
@@ -262,6 +264,7 @@ def paged_attention(
         scale * kv_scales[0] if quantized else scale,
         kv_scales[1] if quantized else 1.0,
         window or 0,
+        softcap or 1.0,
         query.stride(0),
         query.stride(1),
         key_cache.stride(0),
@@ -279,6 +282,7 @@ def paged_attention(
         BLOCK_N=BLOCK_N,
         PRECISION="ieee" if (query.dtype if quantized else key_cache.dtype) == torch.float32 else "tf32",
         KV_FP8=quantized,
+        SOFTCAP=softcap is not None,
     )
     return out
 

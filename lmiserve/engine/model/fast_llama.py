@@ -152,9 +152,10 @@ class FastLlama:
         # each layer's RoPE table (Gemma 3's local and global), over a head or its first part (Phi-4-mini's)
         self.rope, self.rope_kind = RopeTables.of(model, self.head_dim, max_context)
         self._gemm = gemm if gemm is not None else CpuGemm.for_model(self.device, self.dtype)
-        # the step's attention (engine/attention/backends.py): Triton on CUDA, the compiled kernel on CPU fp32
+        # the step's attention (backends.py): Triton on CUDA, the compiled kernel on CPU fp32 (not Gemma 2's: capped)
+        compiled_ok = compiled_attention_ok and not self.multipliers.attention_softcap
         self.attention: backends.AttentionBackend = self._scaled(
-            backends.choose(cache, self.heads, self.windows, compiled_ok=compiled_attention_ok)
+            backends.choose(cache, self.heads, self.windows, compiled_ok=compiled_ok)
         )
         # decode steps replayed as CUDA graphs (engine/attention/cuda_graphs.py; set by the paged runner)
         self.graphs: DecodeReplay | None = None
@@ -210,7 +211,8 @@ class FastLlama:
         self._gemm = gemm.warmed(self.dtype, self.device)
         if self.triton:
             return
-        if compiled and cpu_kernel.available(self.cache.kv_dtype, self.device):  # never an fp8 pool
+        capped = self.multipliers.attention_softcap  # (Gemma 2's: the compiled kernel has no soft cap)
+        if compiled and not capped and cpu_kernel.available(self.cache.kv_dtype, self.device):  # never an fp8 pool
             cpu_kernel.warm_up()
             self.attention = self._scaled(backends.CpuKernelBackend(self.cache, self.heads, self.windows))
         else:
@@ -226,6 +228,7 @@ class FastLlama:
         """`attention` with the model's scale where it has its own (Granite's `attention_multiplier`)."""
         if self.multipliers.attention is not None:
             attention.scale = float(self.multipliers.attention)
+        attention.softcap = self.multipliers.attention_softcap  # (Gemma 2's)
         return attention
 
     # ---- one step ----------------------------------------------------------------------------------

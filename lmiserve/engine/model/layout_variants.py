@@ -25,7 +25,9 @@ the loaded transformers model:
   experts implementation, a shared expert), between the fast forward's norms and residual adds; olmoe's norms of
   the whole q and k projections (`WHOLE_QK_NORM_TYPES`).
 
-Gemma 2 (soft-capped attention scores) stays on transformers' forward.
+- gemma2: Gemma 3's sandwich norms and windows without its heads' norms, and its attention scores soft-capped
+  (``attn_logit_softcapping``: `Multipliers.attention_softcap`, which the attention backends apply; not the
+  compiled CPU kernel, which has no cap).
 """
 
 from __future__ import annotations
@@ -45,10 +47,10 @@ VLM_DECODER_TYPES = ("qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "olmoe", "qwen3_vl_moe_text")  # (and Qwen3-VL's)
 SUPPORTED_TYPES = (
     "llama", "mistral", "ministral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "seed_oss", "gemma", "gemma3_text",
-    "olmo2", "olmo3", "exaone4", "starcoder2", "glm", "glm4", *VLM_DECODER_TYPES, *MOE_TYPES,
+    "olmo2", "olmo3", "exaone4", "starcoder2", "glm", "glm4", "gemma2", *VLM_DECODER_TYPES, *MOE_TYPES,
 )  # fmt: skip
 FUSED_TYPES = ("phi3",)  # q/k/v and gate/up one linear each in the model already (`projections`)
-OFFSET_NORM_TYPES = ("gemma", "gemma3_text")  # RMS norms scaling by (1 + w) in float32 (`norm_of`)
+OFFSET_NORM_TYPES = ("gemma", "gemma2", "gemma3_text")  # RMS norms scaling by (1 + w) in float32 (`norm_of`)
 LAYER_NORM_TYPES = NON_GATED_TYPES = ("starcoder2",)  # LayerNorms with biases; an MLP without a gate
 INTERLEAVED_ROPE_TYPES = ("glm", "glm4")  # RoPE by pairs (2i, 2i + 1), not by halves; gate/up one linear
 PROJECTION_NORM_TYPES = ("olmo2", "olmo3")  # norms of the whole q and k projections, the weight before the cast
@@ -80,6 +82,7 @@ class Multipliers(NamedTuple):
     logits: float = 1.0
     attention: float | None = None
     softcap: float | None = None
+    attention_softcap: float | None = None
 
     @classmethod
     def of(cls, model: Any) -> Multipliers:
@@ -94,7 +97,8 @@ class Multipliers(NamedTuple):
             embedding = float(embed.embed_scale.to(embed.weight.dtype))
         # (a VLM's decoder seen as a causal LM says whether its VLM caps: engine/model/language_model.py)
         softcap = get("final_logit_softcapping", None) if getattr(model, "caps_logits", True) else None
-        return cls(embedding, get("residual_multiplier", 1.0), get("logits_scaling", 1.0), attention, softcap)
+        scalars = (get("residual_multiplier", 1.0), get("logits_scaling", 1.0), attention, softcap)
+        return cls(embedding, *scalars, get("attn_logit_softcapping", None))
 
     @property
     def plain(self) -> bool:
