@@ -328,9 +328,10 @@ def test_batch_invariant_serves_a_windowed_model_as_generate_does(mistral):
     assert results[0][0] == _reference(mistral, prompt)  # generate's own attention, one sequence at a time
 
 
-def test_gemma2_is_refused_at_start_not_served_with_the_wrong_attention(tmp_path):
+def test_gemma2_is_served_by_lmiserves_forward_alone_and_refused_at_start_without_it(tmp_path):
     """Gemma 2 runs transformers' eager attention (soft-capped logits, no SDPA), which does not go through
-    the KV blocks' attention: the engine says so at start, batch-invariant or not."""
+    the KV blocks' attention: lmiserve's forward serves it (its windows and soft cap, tests/unit/test_fast_llama.py);
+    where only transformers' forward would (batch-invariant, `fast_path=false`), the engine says so at start."""
     tokenizer = build_tiny_tokenizer()
     config = Gemma2Config(
         vocab_size=len(tokenizer), **{**COMMON, "num_hidden_layers": 3, "head_dim": 16, "tie_word_embeddings": False}
@@ -339,6 +340,7 @@ def test_gemma2_is_refused_at_start_not_served_with_the_wrong_attention(tmp_path
     Gemma2ForCausalLM(config).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     loaded = load_causal_lm(tmp_path, dtype="fp32", device=DEVICE)  # loads (eager attention), then:
-    for config in (EngineConfig(), EngineConfig(batch_invariant=True)):
-        with pytest.raises(ValueError, match="cannot be served.*attention functions.*'gemma2'"):
+    assert create_engine(loaded, EngineConfig()).runner.path == "fast"
+    for config in (EngineConfig(batch_invariant=True), EngineConfig(fast_path=False)):
+        with pytest.raises(ValueError, match="cannot be served.*attention functions"):
             create_engine(loaded, config)
