@@ -174,8 +174,7 @@ class PagedVisionRunner(PagedGenericRunner):
     @staticmethod
     def _opens(state: RequestState, start: int, count: int) -> bool:
         """Whether the row's tokens meet an image whose tokens attend to each other both ways."""
-        features = state.images
-        return features is not None and any(s.offset < start + count and s.end > start for s in features.spans)
+        return bool(opened_spans(state, start, count))
 
     def _model_inputs(self, ids: list[int], positions: list[int], spans: list[Span]) -> dict[str, Any]:
         if not self._step:  # the start-up probes: text
@@ -288,6 +287,15 @@ class PagedVisionRunner(PagedGenericRunner):
         hidden = self.inner.language_model(**model_inputs, **kwargs, use_cache=False).last_hidden_state
         logits: torch.Tensor = self.model.lm_head(hidden)[0]
         return logits
+
+
+def opened_spans(state: RequestState, start: int, count: int) -> tuple[tuple[int, int], ...]:
+    """The positions ``(first, end)`` among a row's (`start`, `count` tokens) of each image whose tokens see each
+    other both ways (Gemma 3's; the scheduler never ends a chunk inside one)."""
+    spans = state.images.spans if state.images is not None else ()
+    return tuple(
+        (max(s.offset, start), min(s.end, start + count)) for s in spans if s.offset < start + count and s.end > start
+    )
 
 
 def _flat(pooled: Any) -> torch.Tensor:

@@ -39,7 +39,7 @@ from lmiserve.engine.runner import fast_reason
 from lmiserve.engine.runner.fast import fast_forward, step_inputs
 from lmiserve.engine.runner.generic import Span
 from lmiserve.engine.runner.request_state import RequestState
-from lmiserve.engine.runner.vision import NO_SHIFT, PagedVisionRunner
+from lmiserve.engine.runner.vision import NO_SHIFT, PagedVisionRunner, opened_spans
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -104,10 +104,9 @@ class PagedFastVisionRunner(PagedVisionRunner):
         self.steps["fast"] += 1
         step = step_inputs(batch, part, self._requests, self._kept, {}, None)
         step.rope_shifts = [shift or 0 for shift in shifts] if any(shifts) else None
-        if any(self._opens(s, *span) for s, span in zip(states, spans)):  # (Gemma 3's images: both ways)
-            step.opens = [
-                _opened(s, *span) for s, span in zip(states[len(step.decode_ids) :], spans[len(step.decode_ids) :])
-            ]
+        decode = len(step.decode_ids)  # (Gemma 3's images, both ways: in prompt chunks alone)
+        opens = [opened_spans(s, *span) for s, span in zip(states[decode:], spans[decode:], strict=True)]
+        step.opens = opens if any(opens) else None
         flat = _flat_spans(step)
         if three:
             step.rope_rows = self._rope_rows([states[n] for n in three], [flat[n] for n in three])
@@ -160,17 +159,8 @@ class PagedFastVisionRunner(PagedVisionRunner):
         features = torch.cat([f.features[r] for f, r in take_rows])
         layers = len(take_rows[0][0].deepstack or [])  # (Qwen3-VL's DeepStack features: one set a layer)
         deep = [torch.cat([f.deepstack[k][r] for f, r in take_rows if f.deepstack]) for k in range(layers)] or None
-        step = dataclasses.replace(step, decode_ids=ids[:decode], chunks=chunks, embeds=(index, features))
-        return dataclasses.replace(step, deepstack=deep)
-
-
-def _opened(state: RequestState, start: int, count: int) -> tuple[tuple[int, int], ...]:
-    """The spans of a prompt chunk's positions (`start`, `count` tokens) whose tokens see each other both ways:
-    its images' (Gemma 3's; the scheduler never ends a chunk inside one)."""
-    spans = state.images.spans if state.images is not None else ()
-    return tuple(
-        (max(s.offset, start), min(s.end, start + count)) for s in spans if s.offset < start + count and s.end > start
-    )
+        embeds = (index, features)
+        return dataclasses.replace(step, decode_ids=ids[:decode], chunks=chunks, embeds=embeds, deepstack=deep)
 
 
 def _flat_spans(step: StepInputs) -> list[Span]:
