@@ -24,8 +24,9 @@ from lmiserve.config.sources import ENV_SHORTCUTS
 from lmiserve.engine.core.async_engine import AsyncEngine, EngineConfig
 from lmiserve.engine.executors.tensor_parallel import TensorParallelExecutor, WorkerSpec, free_port
 from lmiserve.engine.factory import create_engine, prompt_codec, worker_config
-from lmiserve.engine.lora.adapters import FAST_PATH_MODULES
+from lmiserve.engine.lora.adapters import ATTENTION_MODULES, FAST_PATH_MODULES
 from lmiserve.engine.lora.registry import AdapterRegistry, LoraLimits
+from lmiserve.engine.model.layout_variants import MOE_TYPES
 from lmiserve.engine.model.sharding import unsplittable_reason
 from lmiserve.engine.speculative.proposers import SpeculationSettings
 from lmiserve.models.errors import ModelLoadError
@@ -183,7 +184,11 @@ def build_tensor_parallel_engine(loaded: LoadedModel, settings: Settings, degree
     spec = worker_spec(settings, str(loaded.path), loaded.device, degree)
     adapters = None
     if spec.config.lora is not None:
-        adapters = AdapterRegistry(loaded.model, spec.config.lora, modules=FAST_PATH_MODULES)
+        # (lmiserve's forward adapts no mixture of experts' MLP, and no other forward runs a shard)
+        moe = loaded.model.config.model_type in MOE_TYPES
+        adapters = AdapterRegistry(
+            loaded.model, spec.config.lora, modules=ATTENTION_MODULES if moe else FAST_PATH_MODULES
+        )
     executor = TensorParallelExecutor(spec)
     codec, grammars = prompt_codec(loaded, settings.max_input_len)
     return AsyncEngine(executor, codec, spec.config, grammars, adapters)

@@ -205,7 +205,7 @@ def load_model_shell(
     """`path`'s tokenizer, config and generation config around a model without weights (its parameters on
     torch's meta device; its buffers, such as RoPE's frequencies, real): what the serving process of
     tensor-parallel workers needs, the weights being theirs; a worker fills in its shard's
-    (`engine.model.sharding.load_shard_weights`). `device` and `dtype` are those the model will run in."""
+    (`engine.model.shard_checkpoint.load_shard_weights`). `device` and `dtype` are those the model will run in."""
     from accelerate import init_empty_weights
     from transformers import GenerationConfig
 

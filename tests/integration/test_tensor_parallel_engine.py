@@ -165,7 +165,9 @@ def variant_answers(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
 # no norms of the layers' inputs, no RoPE on the full layer; phi3_window: q/k/v and gate/up one linear each (each
 # rank's runs of rows of each read from the checkpoint); starcoder2_window: c_fc and c_proj split as gate and down,
 # LayerNorms' biases on every rank, c_proj's bias added by one; phi4_mini_longrope: 3/4 of each head rotated;
-# glm4: gate_up_proj by runs, RoPE by pairs; gemma2_window: each rank's heads' scores soft-capped
+# glm4: gate_up_proj by runs, RoPE by pairs; gemma2_window: each rank's heads' scores soft-capped; mixtral,
+# qwen2_moe_shared, glm4_moe: mixtures of experts, every expert split, each rank's slices of each expert's matrices
+# read from the checkpoint (Mixtral's names; a gated shared expert and a dense layer; GLM-4.5's router biases)
 @pytest.fixture(
     params=[
         "kv-split",
@@ -180,6 +182,9 @@ def variant_answers(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
         "phi4_mini_longrope",
         "glm4",
         "gemma2_window",
+        "mixtral",
+        "qwen2_moe_shared",
+        "glm4_moe",
     ]
 )
 def answers(
@@ -416,4 +421,45 @@ def test_lora_adapters_over_two_ranks_give_the_merged_models_tokens(tiny_model_d
     }
     assert len({tuple(expected[name][0]) for name in names}) == len(names)  # every adapter changes the output
     for (name, i), tokens in [*alone.items(), *mixed.items()]:
+        assert tokens == expected[name][i], (name, i)
+
+
+def test_an_attention_adapter_on_a_mixture_of_experts_over_two_ranks(tmp_path):
+    """A Qwen3-MoE split over two ranks (every expert cut) serving an adapter of its attention: the greedy tokens of
+    the adapter and of the base model are `generate()`'s with the adapter merged by PEFT."""
+    from helpers.llama_variants import MOE_ARCHS, build
+    from helpers.lora_adapters import AdapterSpec, make_adapter, merged_generate
+    from helpers.tiny_model import build_tiny_tokenizer
+    from lmiserve.models.service import ModelService
+
+    base = tmp_path / "qwen3_moe"
+    build(*MOE_ARCHS["qwen3_moe"]).save_pretrained(base)
+    build_tiny_tokenizer().save_pretrained(base)
+    adapter = make_adapter(base, tmp_path / "attn", AdapterSpec("attn", 8, ("q_proj", "v_proj"), seed=4, b_std=0.3))
+    options = {"model_id": str(base), "device": "cpu", "tensor_parallel_degree": "2", "lora_modules": f"attn={adapter}"}
+    service = ModelService(Settings.from_options(options))
+
+    async def run():
+        await service.load()
+        assert service.status == ModelService.READY, service.error
+        ids = [service.loaded.tokenizer(p)["input_ids"] for p in LORA_PROMPTS]
+
+        async def one(prompt: list[int], name: str | None) -> list[int]:
+            params = SamplingParams(max_new_tokens=LORA_TOKENS, ignore_eos_token=True)
+            request = GenerationRequest("", params, prompt_ids=prompt, adapter=name)
+            return [e.token.id async for e in service.engine.generate(request) if e.token is not None]
+
+        try:
+            jobs = [(name, i) for i in range(len(ids)) for name in (None, "attn")]
+            return ids, dict(zip(jobs, await asyncio.gather(*(one(ids[i], name) for name, i in jobs)), strict=True))
+        finally:
+            await service.close()
+
+    ids, served = asyncio.run(run())
+    expected = {
+        None: merged_generate(base, None, ids, LORA_TOKENS),
+        "attn": merged_generate(base, adapter, ids, LORA_TOKENS),
+    }
+    assert expected[None] != expected["attn"]  # the adapter changes the output
+    for (name, i), tokens in served.items():
         assert tokens == expected[name][i], (name, i)

@@ -21,7 +21,6 @@ from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
 from lmiserve.engine.model.fast_llama import FastLlama, StepInputs
 from lmiserve.engine.model.layout_variants import experts_graph_reason
-from lmiserve.engine.model.sharding import unsplittable_reason
 
 DEVICE = torch.device(os.environ.get("LMISERVE_TEST_DEVICE", "cpu"))
 CAPTURE = DEVICE.type == "cuda"
@@ -184,8 +183,3 @@ def test_int4_serves_a_mixture_of_experts_and_says_its_experts_stay_unquantized(
     assert any("experts' weights" in r.message and "stay float32" in r.message for r in caplog.records)
     engine, results = asyncio.run(serve_prompts(loaded, EngineConfig(max_prefill_tokens=4), 4))
     assert engine.runner.path == "fast" and all(len([e for e in events if e.token]) == 4 for events in results)
-
-
-def test_tensor_parallelism_refuses_a_mixture_of_experts_in_one_line():
-    reason = unsplittable_reason(build(*MOE_ARCHS["mixtral"]).config, 2)
-    assert reason is not None and "mixtures of experts" in reason and "'mixtral'" in reason

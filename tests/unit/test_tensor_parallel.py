@@ -15,10 +15,9 @@ import torch.nn.functional as F
 from lmiserve.config import Settings
 from lmiserve.config.errors import ConfigError
 from lmiserve.config.sources import load_settings
+from lmiserve.engine.model.shard_checkpoint import checkpoint_files, load_shard_weights
 from lmiserve.engine.model.sharding import (
     ShardPlan,
-    checkpoint_files,
-    load_shard_weights,
     shard_model,
     shard_of,
     shard_plan,
@@ -47,11 +46,12 @@ def test_split_kv_heads_and_uneven_vocabulary():
     (the last rank's part runs one row past the vocabulary)."""
     plans = [shard_plan(config(), rank, 2) for rank in range(2)]
     assert plans == [
-        ShardPlan(0, 2, 16, q_first=0, q_heads=2, kv_first=0, kv_heads=1, kv_total=2, inter_first=0, inter=64, vocab=509,
-                  vocab_first=0, vocab_part=255),
-        ShardPlan(1, 2, 16, q_first=2, q_heads=2, kv_first=1, kv_heads=1, kv_total=2, inter_first=64, inter=64, vocab=509,
-                  vocab_first=255, vocab_part=255),
+        ShardPlan(0, 2, 16, q_first=0, q_heads=2, kv_first=0, kv_heads=1, kv_total=2, vocab=509, vocab_first=0,
+                  vocab_part=255),
+        ShardPlan(1, 2, 16, q_first=2, q_heads=2, kv_first=1, kv_heads=1, kv_total=2, vocab=509, vocab_first=255,
+                  vocab_part=255),
     ]  # fmt: skip
+    assert [plan.part(128) for plan in plans] == [slice(0, 64), slice(64, 128)]  # an intermediate size's halves
     assert plans[-1].vocab_first + plans[-1].vocab_part - plans[-1].vocab == 1  # one padded row
 
 
@@ -94,9 +94,9 @@ def test_no_kv_heads_in_the_config_means_one_per_head():
 
 
 UNSPLIT = (
-    "tensor parallelism runs the fast path's architectures but OLMo 2's and the mixtures of experts (llama, "
-    "mistral, ministral, qwen2, qwen3, phi3, smollm3, granite, seed_oss, gemma, gemma3_text, exaone4, starcoder2, "
-    "glm, glm4, gemma2)"
+    "tensor parallelism runs the fast path's architectures but OLMo 2's and OLMoE's (llama, mistral, ministral, "
+    "qwen2, qwen3, phi3, smollm3, granite, seed_oss, gemma, gemma3_text, exaone4, starcoder2, glm, glm4, gemma2, "
+    "mixtral, qwen2_moe, qwen3_moe, glm4_moe)"
 )
 
 
@@ -108,7 +108,8 @@ UNSPLIT = (
         ({"num_key_value_heads": 1}, 4, None),
         ({"model_type": "gpt2"}, 2, f"{UNSPLIT}; this model is 'gpt2'"),
         ({"model_type": "olmo2"}, 2, f"{UNSPLIT}; this model is 'olmo2'"),  # its norms of the whole q and k
-        ({"model_type": "qwen3_moe"}, 2, f"{UNSPLIT}; this model is 'qwen3_moe'"),  # its experts
+        ({"model_type": "olmoe"}, 2, f"{UNSPLIT}; this model is 'olmoe'"),  # OLMo 2's norms, with experts
+        ({"model_type": "qwen3_moe", "moe_intermediate_size": 48}, 2, None),  # its experts split as its MLP
         ({}, 3, "tensor_parallel_degree=3 does not divide the model's 4 attention heads"),
         ({"num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576, "intermediate_size": 1536}, 2,
          "tensor_parallel_degree=2 does not divide the model's 9 attention heads"),
@@ -356,7 +357,7 @@ def rank_slices(shard) -> dict[str, slice]:
     d = plan.head_dim
     q = slice(plan.q_first * d, (plan.q_first + plan.q_heads) * d)
     kv = slice(plan.kv_first * d, (plan.kv_first + plan.kv_heads) * d)
-    inter = slice(plan.inter_first, plan.inter_first + plan.inter)
+    inter = plan.part(128)  # (the tiny Llama's intermediate size)
     return {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": q, "gate_proj": inter, "up_proj": inter,
             "down_proj": inter}  # fmt: skip
 

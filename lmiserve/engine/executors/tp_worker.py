@@ -178,7 +178,8 @@ def _load_shard(spec: WorkerSpec, rank: int, local_rank: int) -> tuple[Any, int]
     import torch.distributed as dist
 
     from lmiserve.engine.factory import profile_step_memory
-    from lmiserve.engine.model.sharding import checkpoint_files, load_shard_weights, shard_model
+    from lmiserve.engine.model.shard_checkpoint import checkpoint_files, load_shard_weights
+    from lmiserve.engine.model.sharding import shard_model
     from lmiserve.engine.pool_plan import kv_pool_blocks, largest_step_tokens, profiled_sampling
 
     if spec.load_format != "dummy" and checkpoint_files(spec.model_path) is not None:

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 __all__ = [
+    "ATTENTION_MODULES",
     "FAST_PATH_MODULES",
     "AdapterError",
     "LoraAdapter",
@@ -45,11 +46,9 @@ log = logging.getLogger(__name__)
 
 # the linears lmiserve's own Llama-family forward applies adapters to (engine/model/fast_llama.py; Phi-3's
 # q/k/v and gate/up are one linear each; Starcoder2's MLP is c_fc and c_proj)
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")  # (a mixture of experts' over tensor parallelism)
 FAST_PATH_MODULES = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
+    *ATTENTION_MODULES,
     "gate_proj",
     "up_proj",
     "down_proj",

@@ -8,6 +8,11 @@ A rank of ``world`` keeps (Megatron's split, as vLLM's layers do):
   data;
 - o and down *row-parallel*: the matching columns; each rank's product is a partial sum, all-reduced
   (a row-parallel bias is added by rank 0 only);
+- a mixture of experts (Mixtral's, Qwen2-MoE's, Qwen3-MoE's, GLM-4.5's) *split in every expert*, as vLLM's
+  default: each expert's gate/up rows and down columns of the rank's slice of the experts' intermediate size
+  (a shared expert's likewise), the router whole on every rank; so every rank routes each token as the whole
+  model does, runs every expert on its slice, and the block's output is a partial sum, all-reduced as a
+  dense MLP's;
 - the embedding and the output projection *vocabulary-parallel*: rows ``[rank * part, (rank + 1) * part)``
   of the vocabulary (the last part padded with zero rows). An embedding lookup outside a rank's rows
   gives zeros and the all-reduce sums the one rank that has it; the output logits are all-gathered, so
@@ -27,16 +32,14 @@ The transformers forward of a sharded model is not usable (the generic runner is
 from __future__ import annotations
 
 import dataclasses
-import json
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
 
-from lmiserve.engine.model.layout_variants import UNSPLIT_TYPES
+from lmiserve.engine.model.layout_variants import UNSPLIT_TYPES, moe_block
 from lmiserve.engine.model.llama_layout import QUANTIZED_LINEARS, SUPPORTED_TYPES, LlamaFamily
 
 if TYPE_CHECKING:
@@ -49,9 +52,9 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class ShardPlan:
     """What rank `rank` of `world` keeps: query heads ``[q_first, q_first + q_heads)``, KV heads
-    ``[kv_first, kv_first + kv_heads)`` (of the model's `kv_total`), intermediate ``[inter_first, +inter)``,
-    vocabulary rows ``[vocab_first, vocab_first + vocab_part)`` (the last part may run past the vocabulary:
-    zero rows)."""
+    ``[kv_first, kv_first + kv_heads)`` (of the model's `kv_total`), the `rank`-th of `world` equal parts of
+    each intermediate size (`part`), vocabulary rows ``[vocab_first, vocab_first + vocab_part)`` (the last part
+    may run past the vocabulary: zero rows)."""
 
     rank: int
     world: int
@@ -61,11 +64,22 @@ class ShardPlan:
     kv_first: int
     kv_heads: int
     kv_total: int
-    inter_first: int
-    inter: int
     vocab: int
     vocab_first: int
     vocab_part: int
+
+    def part(self, size: int) -> slice:
+        """The rank's part of an intermediate size `size` (a dense MLP's, an expert's, a shared expert's)."""
+        n = size // self.world
+        return slice(self.rank * n, (self.rank + 1) * n)
+
+
+# the intermediate sizes of a config that tensor parallelism splits (a dense MLP's, the experts', a shared expert's)
+INTERMEDIATE_SIZES = {
+    "intermediate_size": "intermediate size",
+    "moe_intermediate_size": "experts' intermediate size",
+    "shared_expert_intermediate_size": "shared expert's intermediate size",
+}
 
 
 def unsplittable_reason(config: PretrainedConfig, world: int) -> str | None:
@@ -77,20 +91,21 @@ def unsplittable_reason(config: PretrainedConfig, world: int) -> str | None:
     if model_type not in SUPPORTED_TYPES or model_type in UNSPLIT_TYPES:
         split = [t for t in SUPPORTED_TYPES if t not in UNSPLIT_TYPES]
         return (
-            f"tensor parallelism runs the fast path's architectures but OLMo 2's and the mixtures of experts "
+            f"tensor parallelism runs the fast path's architectures but OLMo 2's and OLMoE's "
             f"({', '.join(split)}); this model is {model_type!r}"
         )
     heads = int(cfg.num_attention_heads)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    inter = int(cfg.intermediate_size)
     if heads % world:
         return f"tensor_parallel_degree={world} does not divide the model's {heads} attention heads"
     if kv_heads % world and world % kv_heads:
         return (
             f"tensor_parallel_degree={world} neither divides the model's {kv_heads} KV heads nor is a multiple of them"
         )
-    if inter % world:
-        return f"tensor_parallel_degree={world} does not divide the model's intermediate size {inter}"
+    for key, what in INTERMEDIATE_SIZES.items():
+        size = int(getattr(cfg, key, None) or 0)
+        if size % world:
+            return f"tensor_parallel_degree={world} does not divide the model's {what} {size}"
     return None
 
 
@@ -107,7 +122,6 @@ def shard_plan(config: PretrainedConfig, rank: int, world: int) -> ShardPlan:
         local_kv, kv_first = kv_heads // world, rank * (kv_heads // world)
     else:  # replicated: the KV head of this rank's query heads
         local_kv, kv_first = 1, (rank * q_heads) // (heads // kv_heads)
-    inter = int(cfg.intermediate_size) // world
     vocab = int(cfg.vocab_size)
     part = -(-vocab // world)
     return ShardPlan(
@@ -119,8 +133,6 @@ def shard_plan(config: PretrainedConfig, rank: int, world: int) -> ShardPlan:
         kv_first=kv_first,
         kv_heads=local_kv,
         kv_total=kv_heads,
-        inter_first=rank * inter,
-        inter=inter,
         vocab=vocab,
         vocab_first=rank * part,
         vocab_part=part,
@@ -183,16 +195,21 @@ def shard_model(model: PreTrainedModel, rank: int, world: int, group: ProcessGro
         )
     # the architecture was checked by the plan; the rest of the layout (on real weights) by FastLlama
     llama = cast(LlamaFamily, model)
-    rows, columns = _rows(plan), _columns(plan)
     for layer in llama.model.layers:
-        for owner in (layer.self_attn, layer.mlp):
-            for name, module in cast(torch.nn.Module, owner).named_children():
-                if name in rows:
-                    _keep_rows(cast(torch.nn.Linear, module), rows[name])
-                elif name in columns:
-                    _keep_columns(cast(torch.nn.Linear, module), columns[name], rank)
+        for owner in (layer.self_attn, layer.mlp):  # (an MoE block's shared expert: a dense MLP inside it)
+            for name, module in cast(torch.nn.Module, owner).named_modules():
+                short = name.rpartition(".")[2]
+                if isinstance(module, torch.nn.Linear) and short in ROW_PARALLEL:
+                    _keep_columns(module, column_run(plan, short, module.in_features), rank)
+                elif isinstance(module, torch.nn.Linear):
+                    runs = row_runs(plan, short, module.out_features)
+                    if runs is not None:
+                        _keep_rows(module, runs)
+        block = moe_block(layer)
+        if block is not None:
+            _cut_experts(cast(Any, block).experts, plan)
     embed, head = llama.model.embed_tokens, llama.lm_head
-    tied = _tied(model)
+    tied = tied_output(model)
     embed.weight = torch.nn.Parameter(_vocab_rows(embed.weight, plan), requires_grad=False)
     head.weight = embed.weight if tied else torch.nn.Parameter(_vocab_rows(head.weight, plan), requires_grad=False)
     cfg: Any = model.config
@@ -201,7 +218,20 @@ def shard_model(model: PreTrainedModel, rank: int, world: int, group: ProcessGro
     return shard
 
 
-def _tied(model: PreTrainedModel) -> bool:
+def _cut_experts(experts: Any, plan: ShardPlan) -> None:
+    """Keep every expert's rows of `plan`'s part of the experts' intermediate size: of ``gate_up_proj``
+    ``[experts, 2 * inter, hidden]`` (its gate's and its up's runs), of ``down_proj`` ``[experts, hidden, inter]``
+    the matching columns (transformers' experts layout; a transposed or biased one is refused)."""
+    if getattr(experts, "is_transposed", False) or getattr(experts, "has_bias", False):
+        raise ValueError("tensor parallelism splits experts stored as [experts, out, in] without biases")
+    gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
+    runs = cast(list[slice], row_runs(plan, "gate_up_proj", gate_up.shape[1]))
+    kept = torch.cat([gate_up[:, run] for run in runs], dim=1)
+    experts.gate_up_proj = torch.nn.Parameter(kept, requires_grad=False)
+    experts.down_proj = torch.nn.Parameter(down[:, :, plan.part(down.shape[2])].contiguous(), requires_grad=False)
+
+
+def tied_output(model: PreTrainedModel) -> bool:
     """Whether the output layer is the embedding (as the model ties it, or as its config says: a shell made
     on the meta device may not be tied yet)."""
     llama = cast(LlamaFamily, model)
@@ -211,41 +241,49 @@ def _tied(model: PreTrainedModel) -> bool:
     )
 
 
-def _rows(plan: ShardPlan) -> dict[str, list[slice]]:
-    """The rows of each column-parallel linear (by name) a rank keeps: its query heads' of q, its KV heads' of
-    k and v, its part of the intermediate size of gate and up; of Phi-3's fused `qkv_proj` and `gate_up_proj`
-    those runs, each after the whole projections before it."""
+ROW_PARALLEL = ("o_proj", "down_proj", "c_proj")  # the linears whose input columns a rank keeps
+# the column-parallel linears (a rank keeps rows of their outputs): attention's, the MLP's
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "c_fc", "gate_up_proj")
+
+
+def row_runs(plan: ShardPlan, name: str, size: int) -> list[slice] | None:
+    """The rows a rank keeps of column-parallel linear `name` of `size` output rows (None: not one): its query
+    heads' of q, its KV heads' of k and v, its part of gate's and up's; of Phi-3's fused `qkv_proj` and a fused
+    `gate_up_proj` (an expert's too) those runs, each after the whole projections before it."""
     d = plan.head_dim
     q = slice(plan.q_first * d, (plan.q_first + plan.q_heads) * d)
     kv = slice(plan.kv_first * d, (plan.kv_first + plan.kv_heads) * d)
-    inter = slice(plan.inter_first, plan.inter_first + plan.inter)
-    q_all, kv_all, inter_all = plan.q_heads * plan.world * d, plan.kv_total * d, plan.inter * plan.world
+    q_all, kv_all = plan.q_heads * plan.world * d, plan.kv_total * d
 
     def after(part: slice, offset: int) -> slice:
         return slice(part.start + offset, part.stop + offset)
 
-    return {"q_proj": [q], "k_proj": [kv], "v_proj": [kv], "gate_proj": [inter], "up_proj": [inter], "c_fc": [inter],
-            "qkv_proj": [q, after(kv, q_all), after(kv, q_all + kv_all)],
-            "gate_up_proj": [inter, after(inter, inter_all)]}  # fmt: skip
+    if name in ("q_proj", "k_proj", "v_proj"):
+        return [q if name == "q_proj" else kv]
+    if name == "qkv_proj":
+        return [q, after(kv, q_all), after(kv, q_all + kv_all)]
+    if name == "gate_up_proj":
+        half = plan.part(size // 2)
+        return [half, after(half, size // 2)]
+    return [plan.part(size)] if name in COLUMN_PARALLEL else None
 
 
-def _columns(plan: ShardPlan) -> dict[str, slice]:
-    """The input columns of each row-parallel linear (by name) a rank keeps (o's: its heads'; down's: its part)."""
+def column_run(plan: ShardPlan, name: str, size: int) -> slice:
+    """The input columns a rank keeps of row-parallel linear `name` with `size` of them (o's: its heads'; down's:
+    its part)."""
     d = plan.head_dim
-    return {"o_proj": slice(plan.q_first * d, (plan.q_first + plan.q_heads) * d),
-            "down_proj": slice(plan.inter_first, plan.inter_first + plan.inter),
-            "c_proj": slice(plan.inter_first, plan.inter_first + plan.inter)}  # fmt: skip
+    return slice(plan.q_first * d, (plan.q_first + plan.q_heads) * d) if name == "o_proj" else plan.part(size)
 
 
-def _runs(tensor: Any, runs: list[slice]) -> torch.Tensor:
+def keep_runs(tensor: Any, runs: list[slice]) -> torch.Tensor:
     """`tensor`'s rows of `runs`, one after the other (a copy; a safetensors slice: only those rows read)."""
     return torch.cat([tensor[run] for run in runs]) if len(runs) > 1 else torch.as_tensor(tensor[runs[0]]).clone()
 
 
 def _keep_rows(linear: torch.nn.Linear, rows: list[slice]) -> None:
-    linear.weight = torch.nn.Parameter(_runs(linear.weight.detach(), rows), requires_grad=False)
+    linear.weight = torch.nn.Parameter(keep_runs(linear.weight.detach(), rows), requires_grad=False)
     if linear.bias is not None:
-        linear.bias = torch.nn.Parameter(_runs(linear.bias.detach(), rows), requires_grad=False)
+        linear.bias = torch.nn.Parameter(keep_runs(linear.bias.detach(), rows), requires_grad=False)
 
 
 def _keep_columns(linear: torch.nn.Linear, columns: slice, rank: int) -> None:
@@ -255,10 +293,10 @@ def _keep_columns(linear: torch.nn.Linear, columns: slice, rank: int) -> None:
 
 
 def _vocab_rows(weight: torch.Tensor, plan: ShardPlan) -> torch.Tensor:
-    return _padded(weight.detach()[plan.vocab_first : plan.vocab_first + plan.vocab_part], plan).clone()
+    return padded_vocab(weight.detach()[plan.vocab_first : plan.vocab_first + plan.vocab_part], plan).clone()
 
 
-def _padded(rows: torch.Tensor, plan: ShardPlan) -> torch.Tensor:
+def padded_vocab(rows: torch.Tensor, plan: ShardPlan) -> torch.Tensor:
     """A rank's vocabulary rows, zero rows added up to `plan.vocab_part` (the last rank's part)."""
     if rows.shape[0] < plan.vocab_part:
         rows = torch.cat([rows, rows.new_zeros(plan.vocab_part - rows.shape[0], rows.shape[1])])
@@ -276,16 +314,16 @@ def shard_adapter(adapter: LoraAdapter, model: torch.nn.Module) -> LoraAdapter:
     shard = shard_of(model)
     if shard is None:
         raise ValueError("shard_adapter cuts an adapter for a model cut by shard_model")
-    rows, columns = _rows(shard.plan), _columns(shard.plan)
     cut: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for path, (a, b) in adapter.modules.items():
         short = path.rsplit(".", 1)[-1]
         weight = cast(torch.nn.Linear, model.get_submodule(path)).weight
-        if short in rows:
-            a, b = a, _runs(b, rows[short])
+        runs = row_runs(shard.plan, short, b.shape[0])
+        if runs is not None:
+            a, b = a, keep_runs(b, runs)
             fits = b.shape[0] == weight.shape[0]
-        elif short in columns:
-            a, b = a[:, columns[short]].contiguous(), b
+        elif short in ROW_PARALLEL:
+            a, b = a[:, column_run(shard.plan, short, a.shape[1])].contiguous(), b
             fits = a.shape[1] == weight.shape[1]
         else:
             raise ValueError(f"adapter {adapter.name} adapts {path}, which tensor parallelism does not shard")
@@ -296,75 +334,3 @@ def shard_adapter(adapter: LoraAdapter, model: torch.nn.Module) -> LoraAdapter:
             )
         cut[path] = (a, b)
     return dataclasses.replace(adapter, modules=cut)
-
-
-# ---- loading a shard from the checkpoint -----------------------------------------------------------------
-def checkpoint_files(path: str | Path) -> dict[str, Path] | None:
-    """Each tensor of the safetensors checkpoint in `path` and the file it is in (None: no safetensors)."""
-    folder = Path(path)
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        return {name: folder / file for name, file in weight_map.items()}
-    single = folder / "model.safetensors"
-    if not single.is_file():
-        return None
-    from safetensors import safe_open
-
-    with safe_open(str(single), framework="pt") as handle:
-        return dict.fromkeys(handle.keys(), single)
-
-
-def load_shard_weights(model: PreTrainedModel, path: str | Path) -> None:
-    """Fill the parameters of `model`, cut by `shard_model` while on the meta device (the shell of
-    `models.load.load_model_shell`), with its rank's slices read from the safetensors checkpoint in `path`:
-    each rank reads only its rows or columns of every split matrix (safetensors' slices), so no process
-    holds the whole model. ValueError when the checkpoint is not safetensors or lacks a parameter."""
-    shard = shard_of(model)
-    if shard is None:
-        raise ValueError("load_shard_weights fills a model cut by shard_model")
-    files = checkpoint_files(path)
-    if files is None:
-        raise ValueError(f"no safetensors checkpoint in {path}")
-    from safetensors import safe_open
-
-    llama = cast(LlamaFamily, model)  # cut by shard_model, which checked its architecture
-    head, embed = llama.lm_head, llama.model.embed_tokens
-    tied = _tied(model)
-    if tied:
-        head.weight = embed.weight  # one parameter, listed once (as the embedding's)
-    by_file: dict[Path, list[tuple[str, torch.nn.Parameter]]] = {}
-    for name, parameter in model.named_parameters():  # a tied output layer's weight is listed once
-        if name not in files:
-            raise ValueError(f"the checkpoint in {path} has no tensor {name}")
-        by_file.setdefault(files[name], []).append((name, parameter))
-    for file, parameters in by_file.items():
-        with safe_open(str(file), framework="pt") as handle:
-            for name, parameter in parameters:
-                loaded = _slice(handle.get_slice(name), name, shard.plan).to(parameter.dtype)
-                if tuple(loaded.shape) != tuple(parameter.shape):
-                    raise ValueError(
-                        f"{name}: the checkpoint's slice is {tuple(loaded.shape)}, not {tuple(parameter.shape)}"
-                    )
-                owner, _, attribute = name.rpartition(".")
-                setattr(model.get_submodule(owner), attribute, torch.nn.Parameter(loaded, requires_grad=False))
-    if tied:
-        head.weight = embed.weight
-
-
-def _slice(tensor: Any, name: str, plan: ShardPlan) -> torch.Tensor:
-    """This rank's part of checkpoint tensor `name` (a safetensors slice: only that part is read): a
-    column-parallel linear's rows (`_rows`), a row-parallel one's input columns (`_columns`; its bias whole, which
-    rank 0 alone keeps), the vocabulary's rows; the rest (the norms) whole."""
-    owner, _, kind = name.rpartition(".")
-    module = owner.rpartition(".")[2]
-    rows, columns = _rows(plan), _columns(plan)
-    if module in rows:
-        return _runs(tensor, rows[module])
-    if module in columns and kind == "weight":
-        return torch.as_tensor(tensor[:, columns[module]])
-    if module in ("embed_tokens", "lm_head"):
-        return _padded(
-            torch.as_tensor(tensor[plan.vocab_first : min(plan.vocab_first + plan.vocab_part, plan.vocab)]), plan
-        )
-    return torch.as_tensor(tensor[:])

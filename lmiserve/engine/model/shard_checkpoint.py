@@ -1,0 +1,164 @@
+"""A tensor-parallel rank's shard read from a safetensors checkpoint (engine/model/sharding.py cuts the
+model's shell; this fills it): each rank reads only its rows or columns of every split matrix
+(safetensors' slices), so no process holds the whole model.
+
+A mixture of experts is read from the checkpoints as published: one matrix per expert
+(``mlp.experts.{e}.gate_proj.weight``, ``up_proj``, ``down_proj``; Mixtral's ``block_sparse_moe.experts.{e}.w1``,
+``w3``, ``w2``), which transformers merges on load into ``experts.gate_up_proj`` ``[experts, 2 * inter, hidden]``
+and ``experts.down_proj`` ``[experts, hidden, inter]``; each rank reads its rows (its columns of down) of each
+expert's and stacks them so. A checkpoint that stores the merged tensors is read by its slices likewise.
+Persistent buffers the checkpoint holds (GLM-4.5's router's score biases) are read whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from lmiserve.engine.model.llama_layout import LlamaFamily
+from lmiserve.engine.model.sharding import (
+    ROW_PARALLEL,
+    ShardPlan,
+    column_run,
+    keep_runs,
+    padded_vocab,
+    row_runs,
+    shard_of,
+    tied_output,
+)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+# the names of each expert's matrices that make a merged experts tensor: Qwen's, GLM's, OLMoE's; Mixtral's
+EXPERT_PARTS = {"gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")), "down_proj": (("down_proj",), ("w2",))}
+Read = Callable[[str], Any]  # a checkpoint tensor's safetensors slice, by its name
+
+
+def checkpoint_files(path: str | Path) -> dict[str, Path] | None:
+    """Each tensor of the safetensors checkpoint in `path` and the file it is in (None: no safetensors)."""
+    folder = Path(path)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return {name: folder / file for name, file in weight_map.items()}
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(single), framework="pt") as handle:
+        return dict.fromkeys(handle.keys(), single)
+
+
+def load_shard_weights(model: PreTrainedModel, path: str | Path) -> None:
+    """Fill the parameters of `model`, cut by `shard_model` while on the meta device (the shell of
+    `models.load.load_model_shell`), with its rank's slices read from the safetensors checkpoint in `path`,
+    and its persistent buffers the checkpoint holds. ValueError when the checkpoint is not safetensors or
+    lacks a parameter."""
+    shard = shard_of(model)
+    if shard is None:
+        raise ValueError("load_shard_weights fills a model cut by shard_model")
+    files = checkpoint_files(path)
+    if files is None:
+        raise ValueError(f"no safetensors checkpoint in {path}")
+    from safetensors import safe_open
+
+    llama = cast(LlamaFamily, model)  # cut by shard_model, which checked its architecture
+    head, embed = llama.lm_head, llama.model.embed_tokens
+    tied = tied_output(model)
+    if tied:
+        head.weight = embed.weight  # one parameter, listed once (as the embedding's)
+    with contextlib.ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+
+        def read(name: str) -> Any:
+            file = files[name]
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(str(file), framework="pt"))
+            return handles[file].get_slice(name)
+
+        for name, parameter in model.named_parameters():  # a tied output layer's weight is listed once
+            loaded = _read(name, parameter, files, read, shard.plan)
+            if loaded is None:
+                raise ValueError(f"the checkpoint in {path} has no tensor {name}")
+            owner, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(owner), attribute, torch.nn.Parameter(loaded, requires_grad=False))
+        for name, buffer in list(model.named_buffers()):  # (RoPE's frequencies are computed, not stored)
+            loaded = _read(name, buffer, files, read, shard.plan)
+            if loaded is not None:
+                owner, _, attribute = name.rpartition(".")
+                setattr(model.get_submodule(owner), attribute, loaded)
+    if tied:
+        head.weight = embed.weight
+
+
+def _read(name: str, like: torch.Tensor, files: dict[str, Path], read: Read, plan: ShardPlan) -> torch.Tensor | None:
+    """This rank's part of `name` as the checkpoint stores it (None: it does not), in `like`'s dtype and shape."""
+    owner, _, kind = name.rpartition(".")
+    if name in files or _mixtral_name(name) in files:
+        loaded = _slice(read(name if name in files else _mixtral_name(name)), name, plan)
+    elif owner.endswith(".experts") and kind in EXPERT_PARTS:
+        loaded = _experts(owner, kind, int(like.shape[0]), files, read, plan)
+        if loaded is None:
+            return None
+    else:
+        return None
+    loaded = loaded.to(like.dtype)
+    if tuple(loaded.shape) != tuple(like.shape):
+        raise ValueError(f"{name}: the checkpoint's slice is {tuple(loaded.shape)}, not {tuple(like.shape)}")
+    return loaded
+
+
+def _mixtral_name(name: str) -> str:
+    """Mixtral's checkpoint name of a tensor of its MoE block (transformers names the block ``mlp``)."""
+    return name.replace(".mlp.", ".block_sparse_moe.", 1)
+
+
+def _experts(owner: str, kind: str, count: int, files: dict[str, Path], read: Read, plan: ShardPlan) -> Any:
+    """The rank's part of merged experts tensor ``owner.kind`` stacked from the checkpoint's matrices of each of
+    the `count` experts (None: the checkpoint has them under none of the names `EXPERT_PARTS` knows)."""
+    for prefix in (owner, _mixtral_name(owner)):
+        for parts in EXPERT_PARTS[kind]:
+            if f"{prefix}.0.{parts[0]}.weight" not in files:
+                continue
+            pieces = []
+            for part in parts:  # gate's rows of every expert, then up's: as ``gate_up_proj`` holds them
+                each = [read(f"{prefix}.{e}.{part}.weight") for e in range(count)]
+                if kind == "down_proj":
+                    pieces.append(torch.stack([torch.as_tensor(t[:, plan.part(t.get_shape()[1])]) for t in each]))
+                else:
+                    pieces.append(torch.stack([torch.as_tensor(t[plan.part(t.get_shape()[0])]) for t in each]))
+            return torch.cat(pieces, dim=1)
+    return None
+
+
+def _slice(tensor: Any, name: str, plan: ShardPlan) -> torch.Tensor:
+    """This rank's part of checkpoint tensor `name` (a safetensors slice: only that part is read): a
+    column-parallel linear's rows (`row_runs`), a row-parallel one's input columns (`column_run`; its bias whole,
+    which rank 0 alone keeps), merged experts' rows or columns (``[experts, out, in]``), the vocabulary's rows; the
+    rest (the norms, a router) whole."""
+    owner, _, kind = name.rpartition(".")
+    module = owner.rpartition(".")[2]
+    shape = tensor.get_shape()
+    if module == "experts" and kind in EXPERT_PARTS:
+        if kind == "down_proj":
+            return torch.as_tensor(tensor[:, :, column_run(plan, kind, shape[2])])
+        return torch.cat(
+            [torch.as_tensor(tensor[:, run]) for run in cast(list[slice], row_runs(plan, kind, shape[1]))], 1
+        )
+    runs = row_runs(plan, module, shape[0])
+    if runs is not None:
+        return keep_runs(tensor, runs)
+    if module in ROW_PARALLEL and kind == "weight":
+        return torch.as_tensor(tensor[:, column_run(plan, module, shape[1])])
+    if module in ("embed_tokens", "lm_head"):
+        return padded_vocab(
+            torch.as_tensor(tensor[plan.vocab_first : min(plan.vocab_first + plan.vocab_part, plan.vocab)]), plan
+        )
+    return torch.as_tensor(tensor[:])
