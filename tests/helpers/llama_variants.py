@@ -24,6 +24,8 @@ from transformers import (
     GlmForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
+    GptOssConfig,
+    GptOssForCausalLM,
     GraniteConfig,
     GraniteForCausalLM,
     LlamaConfig,
@@ -179,6 +181,9 @@ ARCHS = {
     "glm": (GlmConfig, GlmForCausalLM, {"attention_bias": True}),
     "glm4": (Glm4Config, Glm4ForCausalLM, {"attention_bias": True}),
 }
+# gpt-oss's RoPE: YaRN over a short original context, its correction range not truncated
+YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0}
+YARN.update({"original_max_position_embeddings": 64, "truncate": False})
 # mixtures of experts (the model's own block in each MoE layer: `layout_variants.moe_block`): Mixtral's top 2 of
 # 4 experts; Qwen2-MoE's top 2 of 4 beside a gated shared expert, its second layer dense (`mlp_only_layers`);
 # Qwen3-MoE's top 2 of 8, their weights renormalized, with Qwen3's head norms
@@ -227,6 +232,20 @@ MOE_ARCHS = {
     # OLMoE's: norms of the whole q and k projections (OLMo 2's, with Llama's norms before attention and the MLP),
     # top 2 of 8 experts, their weights not renormalized
     "olmoe": (OlmoeConfig, OlmoeForCausalLM, {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 48}),
+    # gpt-oss's: a sink logit a head in every softmax (random here, so that they change the scores), q/k/v/o biases,
+    # sliding layers (a window of 8) beside full ones, YaRN RoPE, top 2 of 4 experts with biases and clamped SwiGLU
+    "gpt_oss": (
+        GptOssConfig,
+        GptOssForCausalLM,
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 48,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": YARN,
+        },
+    ),
 }
 ARCHS.update(MOE_ARCHS)
 PROMPTS = [
@@ -252,6 +271,8 @@ def build(config_cls, model_cls, extra: dict, seed: int = 7):
                 weight.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 weight.uniform_(-0.5, 0.5)
+            elif name.endswith(".sinks"):  # (gpt-oss's: large enough to take much of each row's weight)
+                weight.uniform_(-1.0, 3.0)
         for name, buffer in model.named_buffers():  # (GLM-4.5's router: a bias on each expert's score in choosing)
             if name.endswith("e_score_correction_bias"):
                 buffer.uniform_(-0.5, 0.5)

@@ -58,7 +58,7 @@ def _fast(monkeypatch, arch: str = "llama"):
     "arch",
     [
         "llama", "qwen2_bias", "qwen3", "phi3_window", "smollm3_nope", "granite", "gemma", "gemma3_window", "olmo2",
-        "olmo3_window", "exaone4_window", "starcoder2_window", "phi4_mini_longrope", "glm4", "gemma2_window",
+        "olmo3_window", "exaone4_window", "starcoder2_window", "phi4_mini_longrope", "glm4", "gemma2_window", "gpt_oss",
     ],
 )  # fmt: skip
 @torch.inference_mode()

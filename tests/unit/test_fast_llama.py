@@ -32,7 +32,7 @@ from lmiserve.engine.attention import backends, cpu_kernel
 from lmiserve.engine.attention.paged import AttentionShape, PagedKVCache, paged_cache
 from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
-from lmiserve.engine.model import fast_llama
+from lmiserve.engine.model import fast_llama, layer_ops
 from lmiserve.engine.model.fast_llama import FastLlama, StepInputs, unsupported_reason
 
 
@@ -173,6 +173,7 @@ def test_fusing_weights_keeps_the_transformers_model_working_without_copies():
         ("glm4_moe", {"max_prefill_tokens": 4}, "fast"),  # grouped sigmoid routing, a shared expert, half rotated
         ("olmoe", {"max_prefill_tokens": 4}, "fast"),  # norms of the whole q and k projections
         ("gemma2_window", {"max_prefill_tokens": 4}, "fast"),  # soft-capped attention scores (torch ops on a CPU)
+        ("gpt_oss", {"max_prefill_tokens": 4}, "fast"),  # attention sinks (torch ops on a CPU), windows, experts
         ("phi", {"max_prefill_tokens": 4}, "generic"),  # not covered by the fast forward: transformers'
         ("gpt2", {}, "generic"),
         ("qwen2_bias", {"max_prefill_tokens": 4}, "fast"),
@@ -300,7 +301,7 @@ def test_engine_settings_reach_the_runner_and_the_scheduler(tiny_model):
     assert build_engine(tiny_model, Settings()).runner.fast.layers is default.runner.fast.layers
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3_window", "olmo2", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3_window", "olmo2", "qwen3_moe", "olmoe", "gpt_oss"])
 @torch.inference_mode()
 def test_bf16_models_run_on_the_fast_path_close_to_transformers(arch: str):
     model = build(*ARCHS[arch]).to(torch.bfloat16)
@@ -325,10 +326,10 @@ def test_gemmas_norms_and_embeddings_round_as_transformers_do_in_bf16():
     fast = FastLlama(model, paged_cache(model, 4, 4), 256)
     layer, fused = model.model.layers[0], fast.layers[0]
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16) * 3
-    assert torch.equal(fast_llama._rms(x, fused.in_norm), layer.input_layernorm(x))
-    assert torch.equal(fast_llama._rms(x, fused.out_norms[1]), layer.post_feedforward_layernorm(x))
+    assert torch.equal(layer_ops.rms_norm(x, fused.in_norm), layer.input_layernorm(x))
+    assert torch.equal(layer_ops.rms_norm(x, fused.out_norms[1]), layer.post_feedforward_layernorm(x))
     q = x[:, :32].reshape(5, 1, 32)
-    assert torch.equal(fast_llama._rms(q, (fused.head_norms[0], fused.head_norms[2])), layer.self_attn.q_norm(q))
+    assert torch.equal(layer_ops.rms_norm(q, (fused.head_norms[0], fused.head_norms[2])), layer.self_attn.q_norm(q))
     ids = torch.tensor([5, 9, 300])
     assert fast.multipliers.embedding == 55.5
     assert torch.equal(torch.nn.functional.embedding(ids, fast.embed) * 55.5, model.model.embed_tokens(ids))
@@ -366,9 +367,9 @@ def test_olmo2s_norms_round_as_transformers_do_in_bf16():
     layer, fused = model.model.layers[1], fast.layers[1]
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16) * 3
     assert fused.in_norm is None and fused.post_norm is None
-    assert torch.equal(fast_llama._rms(x, fused.out_norms[0]), layer.post_attention_layernorm(x))
-    assert torch.equal(fast_llama._rms(x, fused.proj_norms[0]), layer.self_attn.q_norm(x))
-    assert torch.equal(fast_llama._rms(x[:, :32], fused.proj_norms[1]), layer.self_attn.k_norm(x[:, :32]))
+    assert torch.equal(layer_ops.rms_norm(x, fused.out_norms[0]), layer.post_attention_layernorm(x))
+    assert torch.equal(layer_ops.rms_norm(x, fused.proj_norms[0]), layer.self_attn.q_norm(x))
+    assert torch.equal(layer_ops.rms_norm(x[:, :32], fused.proj_norms[1]), layer.self_attn.k_norm(x[:, :32]))
 
 
 @pytest.mark.parametrize("attention", ["compiled", "torch"])

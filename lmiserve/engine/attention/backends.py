@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -38,16 +36,17 @@ import torch
 
 from lmiserve.engine import host_copy
 from lmiserve.engine.attention import cpu_kernel, triton_ops, windows
+from lmiserve.engine.attention.backend_base import AttentionBackend, SeqTokens
 from lmiserve.engine.attention.paged import (
     DecodeIndex,
     PagedKVCache,
-    chunk_attention,
     decode_index,
     flat_index,
     gather_context,
     paged_decode_attention,
     write_chunk,
 )
+from lmiserve.engine.attention.scores import chunk_attention
 
 __all__ = [
     "KERNEL_CHUNK_TOKENS",
@@ -70,53 +69,6 @@ KERNEL_CHUNK_TOKENS = 32
 # of SmolLM2-135M: attention 10.5 -> 4.6 ms a step on the AMD EPYC); False: a kernel call, a write and its
 # index a chunk and a layer (benchmarks/verify_chunk.py's "before")
 CHUNKS_AS_DECODE_ROWS = True
-
-
-@dataclass(frozen=True)
-class SeqTokens:
-    """One sequence's tokens of a step, in the step's token order: `count` tokens at positions
-    ``start..start+count-1``, read and written through `table` (its block table); `opens`: spans of those
-    positions ``(first, end)`` whose tokens see each other both ways (Gemma 3's images: the torch backend's
-    chunks take them, FastLlama runs such a step on it)."""
-
-    table: Sequence[int]
-    start: int
-    count: int
-    opens: tuple[tuple[int, int], ...] = ()
-
-
-class AttentionBackend(ABC):
-    """One attention implementation over a `PagedKVCache`, for a model's attention shape."""
-
-    name: ClassVar[str]
-
-    def __init__(self, cache: PagedKVCache, heads: int, layer_windows: Sequence[int | None]) -> None:
-        """`layer_windows`: each layer's sliding window (None: the whole context; attention/windows.py)."""
-        self.cache = cache
-        self.heads, self.kv_heads, self.head_dim = heads, cache.kv_heads, cache.head_dim
-        self.groups = heads // cache.kv_heads
-        self.scale = self.head_dim**-0.5
-        self.softcap: float | None = None  # the scores' soft cap (Gemma 2's `attn_logit_softcapping`)
-        self.windows = tuple(layer_windows)
-
-    @abstractmethod
-    def plan(self, seqs: Sequence[SeqTokens], decode_rows: int, pad: int) -> Any:
-        """The step's metadata, shared by every layer: `seqs` in the step's token order (the first
-        `decode_rows` of them one token each), then `pad` padding tokens (they attend nothing; their
-        output rows are zero or ignored)."""
-
-    @abstractmethod
-    def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any, scale: float | None = None
-    ) -> torch.Tensor:
-        """Layer `layer`'s attention of the step's tokens: `q` ``[T, heads, head_dim]``, `k`/`v` ``[T,
-        kv_heads, head_dim]`` (stored in the cache first); ``[T, heads * head_dim]``. `scale`: of the
-        scores (default ``head_dim ** -0.5``)."""
-
-    def _ensure(self, seqs: Sequence[SeqTokens]) -> None:
-        """Every block the step touches is zeroed (`PagedKVCache.ensure_zeroed`) before it is read."""
-        top = max((max(s.table) for s in seqs if s.table), default=-1)
-        self.cache.ensure_zeroed(1 + top)
 
 
 # ---- Triton (CUDA) ---------------------------------------------------------------------------------------
@@ -160,7 +112,9 @@ class TritonBackend(AttentionBackend):
         triton_ops.write_step(keys, values, k[:n], v[:n], meta, scales)
         scale = self.scale if scale is None else scale
         window, cap = self.windows[layer], self.softcap
-        out = triton_ops.paged_attention(q, keys, values, meta, scale, window=window, kv_scales=scales, softcap=cap)
+        out = triton_ops.paged_attention(
+            q, keys, values, meta, scale, window=window, kv_scales=scales, softcap=cap, sinks=self.sink(layer)
+        )
         return out.reshape(len(q), -1)
 
 
@@ -272,7 +226,8 @@ class TorchBackend(AttentionBackend):
         that reads the blocks in place up to its own position; a longer one over its positions gathered
         from the blocks, with SDPA; a sliding-window layer's window in each."""
         keys, values = self.cache.keys[layer], self.cache.values[layer]
-        window, cap = self.windows[layer], self.softcap  # (a soft cap: never the compiled kernel, which has none)
+        # (a soft cap or sinks: never the compiled kernel, which has neither)
+        window, cap, sinks = self.windows[layer], self.softcap, self.sink(layer)
         scale = self.scale if scale is None else scale
         scales = self.cache.scales[layer]  # an fp8 pool's (the compiled kernel never reads one)
         outputs = []
@@ -288,7 +243,19 @@ class TorchBackend(AttentionBackend):
                 out = cpu_kernel.kernel_decode_attention(query, keys, values, k[:n], v[:n], dec.kernel, scale, window)
             else:
                 out = paged_decode_attention(
-                    query, keys, values, k[:n], v[:n], dec.tables, dec.spans, scale, dec.shared, window, scales, cap
+                    query,
+                    keys,
+                    values,
+                    k[:n],
+                    v[:n],
+                    dec.tables,
+                    dec.spans,
+                    scale,
+                    dec.shared,
+                    window,
+                    scales,
+                    cap,
+                    sinks,
                 )
             outputs.append(out.reshape(n, -1))
         for table, start, end, offset, mask, window_mask, opened in meta.chunks:
@@ -316,7 +283,7 @@ class TorchBackend(AttentionBackend):
             key = _repeat(context_k[None], self.groups)
             value = _repeat(context_v[None], self.groups)
             seen = mask if window is None else window_mask
-            out = chunk_attention(query, key, value, seen, scale, cap)
+            out = chunk_attention(query, key, value, seen, scale, cap, sinks)
             outputs.append(out.transpose(1, 2).reshape(length, -1))
         if meta.pad:
             outputs.append(q.new_zeros(meta.pad, self.heads * self.head_dim))

@@ -40,11 +40,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 import torch
-import torch.nn.functional as F
 
 from lmiserve.engine import host_copy
 from lmiserve.engine.attention import cpu_kernel, kv_quant
 from lmiserve.engine.attention.kv_quant import UNIT, KvFormat
+from lmiserve.engine.attention.scores import sink_softmax
 from lmiserve.engine.attention.windows import hidden_outside
 from lmiserve.engine.core import kv_blocks
 
@@ -271,6 +271,7 @@ def torch_decode_attention(
     window: int | None = None,
     scales: tuple[float, float] = UNIT,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_decode_attention` with torch ops: matmuls in the cache dtype (an fp8 cache's blocks cast to
     the query's dtype, its key scale folded into the scores' and its value scale applied to the output),
@@ -290,7 +291,8 @@ def torch_decode_attention(
     scores = torch.matmul(query.to(keys.dtype), keys.transpose(-1, -2)).float() * scale  # [R, kv, groups, L]
     scores = scores if softcap is None else torch.tanh(scores / softcap) * softcap
     scores.masked_fill_(hidden_outside(index.spans, index.hidden, window), float("-inf"))
-    out = torch.matmul(scores.softmax(-1).to(values.dtype), values)
+    heads = None if sinks is None else sinks.view(1, *scores.shape[1:3], 1)
+    out = torch.matmul(sink_softmax(scores, heads).to(values.dtype), values)
     if quantized and scales[1] != 1.0:
         out = out * scales[1]
     return out.to(query.dtype)
@@ -309,6 +311,7 @@ def paged_decode_attention(
     window: int | None = None,
     scales: tuple[float, float] = UNIT,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rows ``0..R-1``: write ``new_keys``/``new_values`` (``[R, kv_heads, head_dim]``) at position
     ``p = spans[r] - 1`` of row r (block ``block_tables[r, p // block_size]``, offset ``p % block_size``)
@@ -316,33 +319,27 @@ def paged_decode_attention(
     (``[R, kv_heads, groups, head_dim]``) over positions ``0..spans[r]-1`` (the last `window` of them when
     given) through the block table. Returns ``[R, kv_heads, groups, head_dim]``. The compiled kernel where
     `cpu_kernel.available` (an fp32 cache, so never an fp8 one), torch otherwise. `scales`: the layer's
-    (key, value) scales of an fp8 cache; `softcap`: the scores soft-capped (Gemma 2's: torch ops)."""
-    if softcap is None and cpu_kernel.available(key_cache.dtype, key_cache.device):
+    (key, value) scales of an fp8 cache; `softcap`: the scores soft-capped (Gemma 2's), `sinks`: each head's sink
+    logit (``[heads]``, gpt-oss's): both torch ops."""
+    if softcap is None and sinks is None and cpu_kernel.available(key_cache.dtype, key_cache.device):
         return cpu_kernel.compiled_decode_attention(
             query, key_cache, value_cache, new_keys, new_values, block_tables, spans, scale, window=window
         )
     return torch_decode_attention(
-        query, key_cache, value_cache, new_keys, new_values, block_tables, spans, scale, index, window, scales, softcap
+        query,
+        key_cache,
+        value_cache,
+        new_keys,
+        new_values,
+        block_tables,
+        spans,
+        scale,
+        index,
+        window,
+        scales,
+        softcap,
+        sinks,
     )
-
-
-def chunk_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """A prefill chunk's attention (``[1, heads, tokens, head_dim]`` against ``[1, heads, keys, head_dim]``, a
-    boolean `mask`): SDPA, or with the scores soft-capped (`softcap`: ``c * tanh(s / c)``, Gemma 2's) before the
-    mask, torch ops with an fp32 softmax."""
-    if softcap is None:
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
-    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    scores = scores if mask is None else scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(-1).to(value.dtype), value)
 
 
 # ---- prefill --------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ def paged_attention_kernel(  # pragma: no cover - runs as a Triton kernel
     v_scale,
     window,
     softcap,
+    sinks_ptr,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -38,6 +39,7 @@ def paged_attention_kernel(  # pragma: no cover - runs as a Triton kernel
     PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -58,8 +60,12 @@ def paged_attention_kernel(  # pragma: no cover - runs as a Triton kernel
         # a padding row sees what the tile's last token sees (finite; never stored)
         pos = tl.load(pos_ptr + first + token, mask=token < count, other=0)
         pos = tl.where(token < count, pos, last)
-        m_i = tl.full([BLOCK_Q * GROUPS_PAD], float("-inf"), dtype=tl.float32)
-        l_i = tl.full([BLOCK_Q * GROUPS_PAD], 0.0, dtype=tl.float32)
+        if SINKS:  # gpt-oss's: one more logit a head, taking probability but no value (exp(sink - m) in l)
+            m_i = tl.load(sinks_ptr + head, mask=group < GROUPS, other=0.0).to(tl.float32)
+            l_i = tl.full([BLOCK_Q * GROUPS_PAD], 1.0, dtype=tl.float32)
+        else:
+            m_i = tl.full([BLOCK_Q * GROUPS_PAD], float("-inf"), dtype=tl.float32)
+            l_i = tl.full([BLOCK_Q * GROUPS_PAD], 0.0, dtype=tl.float32)
         acc = tl.full([BLOCK_Q * GROUPS_PAD, HEAD_PAD], 0.0, dtype=tl.float32)
         table = table_ptr + seq * stride_table
         # a sliding window (window > 0): each query sees positions (pos - window, pos]; the loop starts at the

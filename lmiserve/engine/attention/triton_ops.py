@@ -234,13 +234,15 @@ def paged_attention(
     window: int | None = None,
     kv_scales: tuple[float, float] = UNIT,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the step's tokens (``query``: ``[tokens, heads, head_dim]``, in `plan`'s order) over
     their sequences' cached positions up to their own (already written), the last `window` of them for a
     sliding-window layer. Returns ``[tokens, heads, head_dim]`` (into `out` when given; rows no tile covers
     are left as they were). On CPU tensors only under Triton's interpreter (`interpreting`). An fp8 cache
     is cast to the query's dtype in the kernel, with `kv_scales` (the layer's key and value scales). `softcap`:
-    the scores soft-capped, ``c * tanh(s / c)`` (Gemma 2's ``attn_logit_softcapping``; None: not)."""
+    the scores soft-capped, ``c * tanh(s / c)`` (Gemma 2's ``attn_logit_softcapping``; None: not). `sinks`: each
+    head's sink logit (``[heads]``, float32; gpt-oss's), in every row's softmax with no value."""
     heads, head_dim = query.shape[1:]
     _, kv_heads, block_size, _ = key_cache.shape
     groups = heads // kv_heads
@@ -265,6 +267,7 @@ def paged_attention(
         kv_scales[1] if quantized else 1.0,
         window or 0,
         softcap or 1.0,
+        query if sinks is None else sinks,  # (no sinks: a pointer never read)
         query.stride(0),
         query.stride(1),
         key_cache.stride(0),
@@ -283,6 +286,7 @@ def paged_attention(
         PRECISION="ieee" if (query.dtype if quantized else key_cache.dtype) == torch.float32 else "tf32",
         KV_FP8=quantized,
         SOFTCAP=softcap is not None,
+        SINKS=sinks is not None,
     )
     return out
 

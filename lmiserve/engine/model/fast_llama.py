@@ -27,7 +27,6 @@ Models outside the Llama family: `unsupported_reason` says why and the engine us
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,21 +41,22 @@ from lmiserve.engine.lora.batch import LoraGroup, LoraProducts
 from lmiserve.engine.lora.slots import LoraSlots
 from lmiserve.engine.model import fused_norm, q4_decode
 from lmiserve.engine.model.cpu_gemm import PAD_ROWS_FROM, VOCAB_PAD_ROWS_FROM, CpuGemm
+from lmiserve.engine.model.layer_ops import fused_product, rms_norm, rotate
 from lmiserve.engine.model.layout_variants import (
     LAYER_NORM_TYPES,
     OFFSET_NORM_TYPES,
     Multipliers,
-    NormWeight,
+    attention_sinks,
     experts_graph_reason,
     head_norm_weights,
     lora_groups,
+    moe_forward,
     norm_of,
     rope_layers,
 )
 from lmiserve.engine.model.llama_layout import (
     SUPPORTED_TYPES,
     FusedLayer,
-    Part,
     as_llama,
     fused_layers,
     outputs_of,
@@ -71,42 +71,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 __all__ = ["PAD_ROWS_FROM", "SUPPORTED_TYPES", "FastLlama", "StepInputs", "unsupported_reason"]
-
-
-def _rms(x: torch.Tensor, norm: NormWeight) -> torch.Tensor:
-    """transformers' RMS norm: in float32, the weight applied after the cast back (Llama's), or before it where
-    the weight is float32 (Gemma's ``1 + w``, `layout_variants.norm_of`; alike for a float32 model); or a
-    LayerNorm, whose bias is the record's third element (Starcoder2's)."""
-    weight, eps = norm[0], norm[1]
-    if len(norm) == 3:
-        return F.layer_norm(x, (x.shape[-1],), weight, norm[2], eps)
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (h * weight).to(dtype) if weight.dtype == torch.float32 else weight * h.to(dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, pairs: bool = False) -> torch.Tensor:
-    """transformers' ``x * cos + rotate_half(x) * sin`` with the sign folded into the table
-    (``(-a) * b == a * (-b)`` exactly, so the values are bit-identical, one op fewer), in the table's dtype and
-    cast back to x's (OLMo 2's module gives float32 tables: its rotation runs in float32); `pairs`: GLM's rotation
-    of neighbours (each pair's partner swapped in, `rope_tables`)."""
-    rotary = cos.shape[-1]  # (a head's first part, Phi-4-mini's: the rest passes unrotated)
-    if rotary != x.shape[-1]:
-        return torch.cat([_rotate(x[..., :rotary], cos, signed_sin, pairs), x[..., rotary:]], dim=-1)
-    half = x.shape[-1] // 2
-    if pairs:  # (GLM's: each neighbour's partner swapped in)
-        return (x * cos + x.reshape(*x.shape[:-1], half, 2).flip(-1).flatten(-2) * signed_sin).to(x.dtype)
-    return (x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin).to(x.dtype)
-
-
-def _product(gemm: CpuGemm, x: torch.Tensor, parts: Sequence[Part]) -> torch.Tensor:
-    """A fused group's product (q/k/v, gate/up): one product, or (a group of an int4 model mixing int4
-    and q8 linears) its parts' products concatenated along the features."""
-    if len(parts) == 1:
-        weight, bias, scales, _ = parts[0]
-        return gemm.linear(x, weight, bias, scales)
-    return torch.cat([gemm.linear(x, p.weight, p.bias, p.scales)[:, : p.outputs] for p in parts], dim=-1)
 
 
 class FastLlama:
@@ -152,8 +116,10 @@ class FastLlama:
         # each layer's RoPE table (Gemma 3's local and global), over a head or its first part (Phi-4-mini's)
         self.rope, self.rope_kind = RopeTables.of(model, self.head_dim, max_context)
         self._gemm = gemm if gemm is not None else CpuGemm.for_model(self.device, self.dtype)
-        # the step's attention (backends.py): Triton on CUDA, the compiled kernel on CPU fp32 (not Gemma 2's: capped)
-        compiled_ok = compiled_attention_ok and not self.multipliers.attention_softcap
+        self.sinks = attention_sinks(inner.layers)  # gpt-oss's attention sinks (None: none)
+        # the step's attention (backends.py): Triton on CUDA, the compiled kernel on CPU fp32 (not Gemma 2's capped
+        # scores, nor gpt-oss's sinks: it has neither)
+        compiled_ok = compiled_attention_ok and not self.multipliers.attention_softcap and self.sinks is None
         self.attention: backends.AttentionBackend = self._scaled(
             backends.choose(cache, self.heads, self.windows, compiled_ok=compiled_ok)
         )
@@ -211,7 +177,7 @@ class FastLlama:
         self._gemm = gemm.warmed(self.dtype, self.device)
         if self.triton:
             return
-        capped = self.multipliers.attention_softcap  # (Gemma 2's: the compiled kernel has no soft cap)
+        capped = self.multipliers.attention_softcap or self.sinks is not None  # (the compiled kernel has neither)
         if compiled and not capped and cpu_kernel.available(self.cache.kv_dtype, self.device):  # never an fp8 pool
             cpu_kernel.warm_up()
             self.attention = self._scaled(backends.CpuKernelBackend(self.cache, self.heads, self.windows))
@@ -229,6 +195,7 @@ class FastLlama:
         if self.multipliers.attention is not None:
             attention.scale = float(self.multipliers.attention)
         attention.softcap = self.multipliers.attention_softcap  # (Gemma 2's)
+        attention.sinks = self.sinks  # (gpt-oss's)
         return attention
 
     # ---- one step ----------------------------------------------------------------------------------
@@ -300,7 +267,7 @@ class FastLlama:
         packed = self.packed
         logits = packed.logits(x) if packed is not None and x.shape[0] <= q4_decode.MAX_ROWS else None
         if logits is None:
-            logits = self._gemm.linear(_rms(x, self.norm), self.lm_head, None, self.lm_head_s)
+            logits = self._gemm.linear(rms_norm(x, self.norm), self.lm_head, None, self.lm_head_s)
         logits = logits if self.multipliers.logits == 1.0 else logits / self.multipliers.logits
         cap = self.multipliers.softcap
         logits = logits if cap is None else torch.tanh(logits / cap) * cap  # (Gemma 3's, in the model's dtype)
@@ -335,21 +302,23 @@ class FastLlama:
             if fused and pre is not None:
                 x, h = fused_norm.add_rms_norm(x, residual, pre[0], pre[1])
             else:
-                h = x if pre is None else _rms(x, pre)
-            qkv = _product(gemm, h, layer.qkv).contiguous()
+                h = x if pre is None else rms_norm(x, pre)
+            qkv = fused_product(gemm, h, layer.qkv).contiguous()
             if lora is not None:
                 lora.apply(f"{index}.qkv", h, qkv)
             if layer.proj_norms is not None:  # OLMo 2's: of the whole q and k projections
                 (q_norm, k_norm), v_at = layer.proj_norms, q_size + kv_size
-                qkv = torch.cat([_rms(qkv[:, :q_size], q_norm), _rms(qkv[:, q_size:v_at], k_norm), qkv[:, v_at:]], -1)
+                qkv = torch.cat(
+                    [rms_norm(qkv[:, :q_size], q_norm), rms_norm(qkv[:, q_size:v_at], k_norm), qkv[:, v_at:]], -1
+                )
             head_norm, rope, kind = self.head_norms[index], self.rope_layers[index], self.rope_kind[index]
             c, s = (cos, sin) if cos.shape[1] == 1 else (cos[:, kind : kind + 1], sin[:, kind : kind + 1])
             if fused and head_norm is None and rope and c.shape[-1] == self.head_dim and not self.rope.interleaved:
                 qk = fused_norm.rope(qkv, c, s, self.heads + self.kv_heads, self.head_dim)
             else:
                 qk = qkv[:, : q_size + kv_size].view(-1, self.heads + self.kv_heads, self.head_dim)
-                qk = qk if head_norm is None else _rms(qk, head_norm)
-                qk = _rotate(qk, c, s, self.rope.interleaved) if rope else qk  # (a head's first part: Phi-4-mini's)
+                qk = qk if head_norm is None else rms_norm(qk, head_norm)
+                qk = rotate(qk, c, s, self.rope.interleaved) if rope else qk  # (a head's first part: Phi-4-mini's)
             q, k = qk[:, : self.heads], qk[:, self.heads :]
             v = qkv[:, q_size + kv_size :].view(-1, self.kv_heads, self.head_dim)
             attn = (attention or self.attention).forward(index, q, k, v, meta)
@@ -359,17 +328,17 @@ class FastLlama:
             if tp is not None:
                 o = tp.all_reduce(o)
             o = o if residual_factor == 1.0 else o * residual_factor
-            o = o if layer.out_norms is None else _rms(o, layer.out_norms[0])
+            o = o if layer.out_norms is None else rms_norm(o, layer.out_norms[0])
             if fused and post is not None:
                 x, h = fused_norm.add_rms_norm(x, o, post[0], post[1])
             else:
                 x = x + o
-                h = x if post is None else _rms(x, post)
-            down = self._mlp(index, layer, h, lora) if layer.moe is None else layer.moe(h[None])[0]
+                h = x if post is None else rms_norm(x, post)
+            down = self._mlp(index, layer, h, lora) if layer.moe is None else moe_forward(layer.moe, h)
             if tp is not None:
                 down = tp.all_reduce(down)
             down = down if residual_factor == 1.0 else down * residual_factor
-            down = down if layer.out_norms is None else _rms(down, layer.out_norms[1])
+            down = down if layer.out_norms is None else rms_norm(down, layer.out_norms[1])
             add = adds[index].to(x.dtype) if index < len(adds) else None  # (Qwen3-VL's DeepStack: after the layer)
             if fused:
                 residual = down if add is None else down.index_add(0, at, add)
@@ -379,7 +348,7 @@ class FastLlama:
 
     def _mlp(self, index: int, layer: FusedLayer, h: torch.Tensor, lora: LoraProducts | None) -> torch.Tensor:
         """A dense layer's MLP over its normed input `h` (an MoE layer's is the model's block: `FusedLayer.moe`)."""
-        gate_up = _product(self._gemm, h, layer.gate_up)
+        gate_up = fused_product(self._gemm, h, layer.gate_up)
         if lora is not None:
             lora.apply(f"{index}.gate_up", h, gate_up)
         inter = layer.intermediate

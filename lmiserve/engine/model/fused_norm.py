@@ -86,7 +86,7 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
 
 def rope(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
     """The rotary embedding of the first `heads` heads (q's and k's) of each row of `qkv` (``[T, width]``,
-    heads of `head_dim` side by side), as `fast_llama._rotate` computes it from the rows' `cos` and
+    heads of `head_dim` side by side), as `layer_ops.rotate` computes it from the rows' `cos` and
     `signed_sin` (``[T, 1, head_dim]`` or ``[T, head_dim]``): ``[T, heads, head_dim]``, in one kernel."""
     qkv = qkv.contiguous()
     tokens = qkv.shape[0]

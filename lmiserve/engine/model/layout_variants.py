@@ -44,7 +44,8 @@ from lmiserve.engine.lora.batch import LoraGroup
 VLM_DECODER_TYPES = ("qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text")
 # layers with experts (`moe_block`): Mistral's, Qwen2's, Qwen3's, GLM-4.5's (its partial RoPE by halves, Phi-4-mini's)
 # and OLMoE's (norms of the whole q and k projections, as OLMo 2's, but Llama's norms of the layer's inputs)
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "olmoe", "qwen3_vl_moe_text")  # (and Qwen3-VL's)
+# and gpt-oss's (its attention sinks: `attention_sinks`; q/k/v/o biases; its experts' biases and clamped SwiGLU)
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "olmoe", "qwen3_vl_moe_text", "gpt_oss")
 SUPPORTED_TYPES = (
     "llama", "mistral", "ministral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "seed_oss", "gemma", "gemma3_text",
     "olmo2", "olmo3", "exaone4", "starcoder2", "glm", "glm4", "gemma2", *VLM_DECODER_TYPES, *MOE_TYPES,
@@ -56,8 +57,9 @@ INTERLEAVED_ROPE_TYPES = ("glm", "glm4")  # RoPE by pairs (2i, 2i + 1), not by h
 PROJECTION_NORM_TYPES = ("olmo2", "olmo3")  # norms of the whole q and k projections, the weight before the cast
 WHOLE_QK_NORM_TYPES = (*PROJECTION_NORM_TYPES, "olmoe")  # norms of the whole q and k projections (OLMoE's: Llama's)
 # what tensor parallelism does not split (engine/model/sharding.py; it serves no VLM): a norm of a whole projection
-# would need the other ranks' heads
-UNSPLIT_TYPES = (*WHOLE_QK_NORM_TYPES, *VLM_DECODER_TYPES)
+# would need the other ranks' heads; gpt-oss's sinks and experts' biases are not cut
+UNSPLIT_TYPES = (*WHOLE_QK_NORM_TYPES, *VLM_DECODER_TYPES, "gpt_oss")
+FP32_WEIGHT_NORM_TYPES = (*PROJECTION_NORM_TYPES, "gpt_oss")  # RMS norms whose weight multiplies before the cast
 # RoPE types whose table is built once (LongRoPE's factors chosen from the served context: rope_tables.py)
 STATIC_ROPE = ("default", "linear", "llama3", "yarn", "longrope")
 # a layer's norms by `norm_layout`: Llama's (before attention, before the MLP), Gemma 3's sandwich, OLMo 2's after
@@ -128,7 +130,7 @@ NormWeight = tuple[torch.Tensor, float] | tuple[torch.Tensor, float, torch.Tenso
 
 
 def norm_of(norm: Any, model_type: str) -> NormWeight:
-    """A norm as `fast_llama._rms` applies it: an RMS norm's weight and epsilon (a float32 weight is applied
+    """A norm as `layer_ops.rms_norm` applies it: an RMS norm's weight and epsilon (a float32 weight is applied
     before the cast back: Gemma's ``1 + w``, `OFFSET_NORM_TYPES`; OLMo 2's weight, `PROJECTION_NORM_TYPES`; as
     their norms do), or a LayerNorm's weight, epsilon and bias (`LAYER_NORM_TYPES`)."""
     eps = norm_eps(norm)
@@ -138,7 +140,7 @@ def norm_of(norm: Any, model_type: str) -> NormWeight:
         return norm.weight, eps, norm.bias
     if model_type in OFFSET_NORM_TYPES:
         return 1.0 + norm.weight.detach().float(), eps
-    if model_type in PROJECTION_NORM_TYPES:
+    if model_type in FP32_WEIGHT_NORM_TYPES:
         return norm.weight.detach().float(), eps
     return norm.weight, eps
 
@@ -276,7 +278,25 @@ def moe_block(layer: Any) -> torch.nn.Module | None:
     (transformers' ``grouped_mm`` by default: one grouped product a projection, no host sync, so a CUDA graph
     captures it in bfloat16)."""
     mlp = getattr(layer, "mlp", None)
-    return mlp if hasattr(mlp, "experts") and hasattr(mlp, "gate") else None
+    return mlp if hasattr(mlp, "experts") and (hasattr(mlp, "gate") or hasattr(mlp, "router")) else None
+
+
+def moe_forward(block: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """`block`'s (`moe_block`) output ``[T, hidden]`` for the normed rows `h` (gpt-oss's returns its router's scores
+    too)."""
+    out = block(h[None])
+    return (out[0] if isinstance(out, tuple) else out)[0]
+
+
+def attention_sinks(layers: Sequence[Any]) -> list[torch.Tensor] | None:
+    """Each decoder layer's attention sinks (gpt-oss's: one logit a head, in float32), None when the model has
+    none (`AttentionBackend.sinks`)."""
+    sinks = [getattr(layer.self_attn, "sinks", None) for layer in layers]
+    if all(s is None for s in sinks):
+        return None
+    if any(not isinstance(s, torch.Tensor) for s in sinks):
+        raise ValueError("attention sinks on some layers alone")
+    return [s.detach().float() for s in sinks]
 
 
 def experts_graph_reason(model: Any, layers: Sequence[Any]) -> str | None:

@@ -34,7 +34,7 @@ MAX_ROWS = 32
 
 def _rope(qkv: Any, heads: int, head_dim: int, cos: Any, sin: Any) -> None:  # pragma: no cover - compiled
     """transformers' rotate-half RoPE in place on the first `heads` heads of each row of `qkv` (``sin``
-    signed as `fast_llama._rotate`'s table: the same fp32 products and sums)."""
+    signed as `layer_ops.rotate`'s table: the same fp32 products and sums)."""
     half = head_dim // 2
     for m in range(qkv.shape[0]):
         for h in range(heads):

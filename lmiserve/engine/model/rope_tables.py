@@ -7,7 +7,7 @@ A table is ``[positions, kinds, rotary_dim]``: the rows of a step's positions ar
 and a layer's are its kind's ``[T, 1, rotary_dim]`` (the shape that broadcasts over the heads). The rotary
 width is a head's, or its first part (Phi-4-mini's ``partial_rotary_factor``: the rest of the head passes
 unrotated). The sine's first half is negated, folding `rotate_half`'s sign into the table
-(`fast_llama._rotate`).
+(`layer_ops.rotate`).
 
 **LongRoPE** (Phi-3.5-mini, Phi-3-mini-128k, Phi-4-mini): transformers' module takes the short factors in a
 call whose positions stay within ``original_max_position_embeddings``, the long ones past it, whatever the
@@ -17,7 +17,7 @@ within the original length (a table exactly transformers'), the long ones for ev
 (transformers' for any call reaching past it).
 
 **GLM** rotates pairs of neighbours, ``(2i, 2i + 1)``, not the two halves of the rotary width: its tables repeat
-each frequency twice, the sine's even columns negated (`fast_llama._rotate` with ``pairs``).
+each frequency twice, the sine's even columns negated (`layer_ops.rotate` with ``pairs``).
 """
 
 from __future__ import annotations
@@ -98,6 +98,8 @@ class RopeTables:
         for kind in self.kinds:
             c, s = self._rotary(probe, position_ids) if kind is None else self._rotary(probe, position_ids, kind)
             c, s = c[0], s[0]
+            if c.shape[-1] == half:  # (gpt-oss's module gives each frequency once: both halves rotate by it)
+                c, s = torch.cat((c, c), dim=-1), torch.cat((s, s), dim=-1)
             if self.interleaved:  # (transformers' GLM: each frequency of the first half, twice)
                 c, s = c[:, :half].repeat_interleave(2, dim=-1), s[:, :half].repeat_interleave(2, dim=-1)
                 cos.append(c)
