@@ -285,16 +285,18 @@ def moe_forward(block: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
     """`block`'s (`moe_block`) output ``[T, hidden]`` for the normed rows `h` (gpt-oss's returns its router's scores
     too)."""
     out = block(h[None])
-    return (out[0] if isinstance(out, tuple) else out)[0]
+    hidden: torch.Tensor = out[0] if isinstance(out, tuple) else out
+    return hidden[0]
 
 
 def attention_sinks(layers: Sequence[Any]) -> list[torch.Tensor] | None:
     """Each decoder layer's attention sinks (gpt-oss's: one logit a head, in float32), None when the model has
     none (`AttentionBackend.sinks`)."""
-    sinks = [getattr(layer.self_attn, "sinks", None) for layer in layers]
-    if all(s is None for s in sinks):
+    found = [getattr(layer.self_attn, "sinks", None) for layer in layers]
+    sinks = [s for s in found if isinstance(s, torch.Tensor)]
+    if not sinks:
         return None
-    if any(not isinstance(s, torch.Tensor) for s in sinks):
+    if len(sinks) != len(found):
         raise ValueError("attention sinks on some layers alone")
     return [s.detach().float() for s in sinks]
 
