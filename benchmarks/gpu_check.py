@@ -349,6 +349,34 @@ SHAPES["qwen3-30b-a3b"] = {
     "head_dim": 128,
     "tie_word_embeddings": False,
 }
+# gpt-oss-20b's shape (OpenAI's: 32 experts of 2,880, 4 a token, with biases; attention sinks; a 128-token window on
+# every other layer; YaRN RoPE), 20.9B weights: 42 GB in bf16 (its checkpoint's MXFP4 experts dequantized)
+SHAPES["gpt-oss-20b"] = {
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "vocab_size": 201088,
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "num_local_experts": 32,
+    "num_experts_per_tok": 4,
+    "sliding_window": 128,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072,
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                        "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+    "attention_bias": True,
+    "rms_norm_eps": 1e-5,
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 3,
+    "torch_dtype": "bfloat16",
+}  # fmt: skip
 # bytes of bf16 weights (about) and what the KV cache and activations need beside them
 _PARAMS = {"1b": 1.24e9, "8b": 8.03e9}
 # what a rehearsal (--rehearse) builds for every shape: its architecture and vocabulary, two tiny layers
@@ -360,7 +388,8 @@ _REHEARSAL_SIZES = {
     "num_key_value_heads": 2,
     "head_dim": 16,
 }
-_REHEARSAL_EXPERTS = {"moe_intermediate_size": 32, "num_experts": 8}  # (a mixture of experts' shape: its experts)
+# (a mixture of experts' shape: its experts; gpt-oss's are `num_local_experts` of `intermediate_size`)
+_REHEARSAL_EXPERTS = {"moe_intermediate_size": 32, "num_experts": 8, "num_local_experts": 8}
 
 
 @dataclass(frozen=True)
@@ -415,8 +444,10 @@ def dummy_model_dir(shape: str, out: Path, scale: Scale | None = None) -> Path:
 
     out.mkdir(parents=True, exist_ok=True)
     config = SHAPES[shape] if scale is None or not scale.rehearsal else {**SHAPES[shape], **_REHEARSAL_SIZES}
-    if scale is not None and scale.rehearsal and "num_experts" in config:
+    if scale is not None and scale.rehearsal and ("num_experts" in config or "num_local_experts" in config):
         config = {**config, **_REHEARSAL_EXPERTS}
+    if "layer_types" in config:  # (a rehearsal's two layers: the first two kinds)
+        config = {**config, "layer_types": config["layer_types"][: config["num_hidden_layers"]]}
     (out / "config.json").write_text(json.dumps(config, indent=1))
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3, "do_sample": False})
@@ -1290,6 +1321,10 @@ def main(argv: list[str] | None = None) -> int:
     # model's grouped products, captured in bf16), against transformers' forward, which it ran until 2026-12-02
     moe = ("decode paths qwen3 30b a3b", "decode_paths_moe", 180.0, ["--paths", "graphs,generic"])
     decode_paths(*moe, "moe-paths", "qwen3-30b-a3b")
+    # gpt-oss-20b's shape: its sinks in the Triton kernel, its experts in the graphs; graphs against lmiserve's forward
+    # eagerly (transformers' forward over the blocks cannot take its sinks: it was not served before 2026-12-02)
+    gpt_oss = ("decode paths gpt oss 20b", "decode_paths_gpt_oss", 150.0, ["--paths", "graphs,eager"])
+    decode_paths(*gpt_oss, "moe-paths", "gpt-oss-20b")
 
     # 11. tensor parallelism (issue #25): the workers' path on CUDA against the model in this process
     degree = 1 if scale.rehearsal else min(2, torch.cuda.device_count())

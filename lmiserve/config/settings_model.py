@@ -86,9 +86,9 @@ class ModelFields(FieldGroup):
         None,
         description=(
             "Quantized weights (LMI's and TGI's option; vLLM's `quantization`, whose `awq_marlin` and `gptq_marlin` "
-            "are taken as `awq` and `gptq`): `fp8`, `awq` or `gptq`. Unset = what the checkpoint's "
+            "are taken as `awq` and `gptq`): `fp8`, `awq`, `gptq` or `mxfp4`. Unset = what the checkpoint's "
             "`config.json` says (`quantization_config`: compressed-tensors or FBGEMM fp8, AWQ or GPTQ 4-bit, "
-            "read by lmiserve itself). Set, it must name the checkpoint's format, else the start stops with one "
+            "read by lmiserve itself; gpt-oss's MXFP4 experts, dequantized at load to the model's dtype). Set, it must name the checkpoint's format, else the start stops with one "
             "line; `fp8` on a float checkpoint quantizes its linears to fp8 per output channel at load (vLLM's "
             "dynamic fp8). fp8 products run on CUDA GPUs of compute capability 8.9+, with half the weights' "
             "memory: up to 16 rows (decode) through a weight-only Triton kernel where it times faster than "

@@ -39,6 +39,7 @@ from lmiserve.engine.model.quantize import (
     quantize_linears_int4,
     quantize_output_q8,
 )
+from lmiserve.models.attention_choice import sdpa_or_default
 from lmiserve.models.gguf_codes import Q4Form, Q8Form, QuantForm, gguf_quant_forms
 
 logger = logging.getLogger(__name__)
@@ -120,9 +121,11 @@ def load_int4_from_codes(path: Path, trust_remote_code: bool = False) -> tuple[t
         return None
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
     with init_empty_weights(include_buffers=False):  # buffers (RoPE's inv_freq) are computed, real
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=torch.float32, attn_implementation="sdpa", trust_remote_code=trust_remote_code
-        )
+        model = sdpa_or_default(
+            path, lambda **sdpa: AutoModelForCausalLM.from_config(
+                config, dtype=torch.float32, trust_remote_code=trust_remote_code, **sdpa
+            )
+        )  # fmt: skip
     model.tie_weights()  # as from_pretrained does (transformers 5's from_config leaves them apart)
     missing = [name for name, _ in meta_tensors(model) if name not in stored]
     if missing:

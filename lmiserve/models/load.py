@@ -6,7 +6,6 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from lmiserve.engine.model.quantize import (
     int8_available,
     quantize_linears,
 )
+from lmiserve.models.attention_choice import sdpa_or_default
 from lmiserve.models.errors import ModelLoadError
 from lmiserve.models.int4_load import load_int4_from_codes, quantize_int4
 from lmiserve.models.quantized_load import (
@@ -257,20 +257,7 @@ def _load_model(
     path: Path, dtype: torch.dtype, common: dict[str, bool], auto_class: Any = AutoModelForCausalLM
 ) -> PreTrainedModel:
     """`path`'s model by `auto_class` (AutoModelForCausalLM, or AutoModelForImageTextToText for a VLM)."""
-    return _sdpa_or_default(path, lambda **sdpa: auto_class.from_pretrained(path, dtype=dtype, **common, **sdpa))
-
-
-def _sdpa_or_default(path: Path, make: Callable[..., PreTrainedModel]) -> PreTrainedModel:
-    """`make(attn_implementation="sdpa")`, or `make()` (the architecture's default attention) where the model
-    does not implement SDPA (Gemma 2, some remote-code models)."""
-    try:
-        return make(attn_implementation="sdpa")
-    except ValueError as exc:
-        message = str(exc).lower()  # transformers names it "sdpa" or "scaled_dot_product_attention" (Gemma 2)
-        if "sdpa" not in message and "scaled_dot_product_attention" not in message:
-            raise
-        logger.warning("%s does not support SDPA attention; using its default attention", path)
-        return make()
+    return sdpa_or_default(path, lambda **sdpa: auto_class.from_pretrained(path, dtype=dtype, **common, **sdpa))
 
 
 _DUMMY_SEED = 20260526  # any fixed seed (not a test fixture's, so a dummy never equals a saved model)
@@ -296,7 +283,7 @@ def _dummy_model(
         return auto_class.from_config(config, dtype=dtype, trust_remote_code=remote, **sdpa)
 
     with torch.random.fork_rng(devices=devices), device:
-        model = _sdpa_or_default(path, seeded)
+        model = sdpa_or_default(path, seeded)
     logger.warning("load_format=dummy: %s has random weights; its output is noise", path)
     return model
 

@@ -10,6 +10,9 @@ Formats (`engine/model/quant_formats.py` says how each is stored and run):
 - ``quant_method: awq``, 4 bits, GEMM packing, with zero points: ``quantize=awq``.
 - ``quant_method: gptq``, 4 bits (``checkpoint_format`` ``gptq``, or ``gptq_v2``), any ``desc_act``:
   ``quantize=gptq``.
+- ``quant_method: mxfp4`` (gpt-oss's experts: 4-bit floats, a power-of-two scale a block of 32): the experts'
+  weights dequantized at load by transformers (exactly: every such value is a bf16 value), as vLLM does where it
+  has no MXFP4 kernel: ``quantize=mxfp4``.
 - ``quantize=fp8`` on a float checkpoint: its linears (not the output projection) quantized to fp8 per
   output channel at load (vLLM's dynamic fp8).
 
@@ -39,6 +42,7 @@ from lmiserve.engine.model.quant_formats import (
     unpack_gptq,
 )
 from lmiserve.engine.model.quantize import Int4Linear, replace_linears
+from lmiserve.models.attention_choice import sdpa_or_default
 from lmiserve.models.errors import ModelLoadError
 from lmiserve.models.int4_load import SafetensorsFiles, meta_tensors, safetensors_names
 from lmiserve.models.quant_pack import rtn_int4
@@ -54,7 +58,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-QUANTIZE_METHODS = ("fp8", "awq", "gptq")
+QUANTIZE_METHODS = ("fp8", "awq", "gptq", "mxfp4")
 DUMMY_GROUP = 128  # load_format=dummy with quantize=awq|gptq: groups of this many inputs (AWQ's and GPTQ's usual)
 
 
@@ -80,7 +84,7 @@ def checkpoint_quantization(path: Path, quantize: str | None, load_format: str =
     `ModelLoadError` of one line when they disagree or the format is not one lmiserve reads."""
     quantize = (quantize or "").strip().lower() or None
     if quantize is not None and quantize not in QUANTIZE_METHODS:
-        raise ModelLoadError(f"quantize={quantize} is not supported: use fp8, awq or gptq (or leave it unset)")
+        raise ModelLoadError(f"quantize={quantize} is not supported: use fp8, awq, gptq or mxfp4 (or leave it unset)")
     config = _config_json(path)
     qc = config.get("quantization_config") or config.get("text_config", {}).get("quantization_config")
     if load_format == "dummy":  # random weights, quantized at load (a benchmark's model of a shape)
@@ -114,8 +118,8 @@ def _spec(qc: dict[str, Any]) -> QuantSpec:
                 "8-bit float weights per channel or per tensor"
             )
         return QuantSpec("fp8", method)
-    if method == "fbgemm_fp8":
-        return QuantSpec("fp8", method)
+    if method in ("fbgemm_fp8", "mxfp4"):
+        return QuantSpec("fp8" if method == "fbgemm_fp8" else method, method)
     if method == "fp8":
         if qc.get("weight_block_size"):
             raise ModelLoadError("block-wise fp8 checkpoints (weight_block_size) are not supported yet")
@@ -136,7 +140,7 @@ def _spec(qc: dict[str, Any]) -> QuantSpec:
         return QuantSpec("gptq", method, group, v1_zeros=fmt == "gptq")
     raise ModelLoadError(
         f"quant_method {method or None!r} is not supported: lmiserve reads compressed-tensors fp8, fbgemm_fp8, "
-        "awq and gptq"
+        "awq, gptq and mxfp4"
     )
 
 
@@ -157,6 +161,8 @@ def load_quantized(
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
+    if spec.method == "mxfp4":
+        return _dequantized_mxfp4(path, dtype, trust_remote_code)
     stored = safetensors_names(path)
     if stored is None:
         raise ModelLoadError(f"{path.name}: a {spec.method} checkpoint needs its weights as safetensors")
@@ -164,9 +170,11 @@ def load_quantized(
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # lmiserve builds the linears; transformers' quantizers are not used
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=dtype, attn_implementation="sdpa", trust_remote_code=trust_remote_code
-        )
+        model = sdpa_or_default(
+            path, lambda **sdpa: AutoModelForCausalLM.from_config(
+                config, dtype=dtype, trust_remote_code=trust_remote_code, **sdpa
+            )
+        )  # fmt: skip
     model.tie_weights()
     with contextlib.suppress(OSError):
         model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
@@ -189,6 +197,22 @@ def load_quantized(
         raise ModelLoadError(f"{path.name}: {', '.join(left[:5])} left without values")
     account = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
     return model, f"{spec.method} checkpoint ({spec.source}): {account}"
+
+
+def _dequantized_mxfp4(path: Path, dtype: torch.dtype, trust_remote_code: bool) -> tuple[torch.nn.Module, str]:
+    """gpt-oss's MXFP4 checkpoint with its experts' weights dequantized to `dtype` by transformers at load (its
+    ``Mxfp4Config(dequantize=True)``: no MXFP4 kernel, no download); they take about 4x their bytes on disk."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config  # type: ignore[attr-defined]
+
+    def make(**sdpa: Any) -> Any:
+        mxfp4 = Mxfp4Config(dequantize=True)
+        common = {"trust_remote_code": trust_remote_code, "local_files_only": True}
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=mxfp4, **common, **sdpa)
+
+    model = sdpa_or_default(path, make)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    kind = str(dtype).removeprefix("torch.")
+    return model, f"mxfp4 checkpoint: the experts' {experts / 1e9:.2f}B weights dequantized to {kind} at load"
 
 
 def _linear_of(

@@ -51,6 +51,7 @@ def test_every_step_runs_to_its_end(rehearsal):
         "decode paths gemma3 1b",
         "vlm paths smolvlm",
         "decode paths qwen3 30b a3b",
+        "decode paths gpt oss 20b",
         "tensor parallel tiny",
         "tensor parallel 1b",
         "executor cpu 1b",
@@ -101,6 +102,13 @@ def test_issue_39_entries_are_filled(rehearsal):
             "generic": {"1": "generic", "2": "generic"},
         }
         assert {level: r["identical_to_graphs"] for level, r in runs["generic"].items()} == {"1": 1, "2": 2}
+    # gpt-oss (its sinks; transformers' forward over the blocks cannot run it): the graphs against the eager forward
+    runs = summary["decode_paths_gpt_oss"]["paths"]
+    assert {path: {level: r["runner"] for level, r in levels.items()} for path, levels in runs.items()} == {
+        "graphs": {"1": "fast", "2": "fast"},
+        "eager": {"1": "fast", "2": "fast"},
+    }
+    assert {level: r["identical_to_graphs"] for level, r in runs["eager"].items()} == {"1": 1, "2": 2}
     # a VLM's decoder (SmolVLM-256M's shape): its image requests on the fast forward and on the VLM's, alike
     vlm = summary["vlm_paths"]
     assert [(r["path"], r["streams"]) for r in vlm["levels"]] == [("fast", 1), ("fast", 2), ("vlm", 1), ("vlm", 2)]

@@ -43,6 +43,7 @@ from lmiserve.engine.model import fused_norm, q4_decode
 from lmiserve.engine.model.cpu_gemm import PAD_ROWS_FROM, VOCAB_PAD_ROWS_FROM, CpuGemm
 from lmiserve.engine.model.layer_ops import fused_product, rms_norm, rotate
 from lmiserve.engine.model.layout_variants import (
+    FP32_WEIGHT_NORM_TYPES,
     LAYER_NORM_TYPES,
     OFFSET_NORM_TYPES,
     Multipliers,
@@ -97,10 +98,13 @@ class FastLlama:
         self.layers = fused_layers(model)  # shared by every engine on this model
         self.model_type = model.config.model_type
         self.multipliers = Multipliers.of(model)  # Granite's and Gemma's scalars (1.0 elsewhere)
-        # Llama's norms: RMS, before attention and the MLP alone, w after the cast (not Gemma's 1 + w, LayerNorms)
-        self.plain_norms = self.model_type not in (*OFFSET_NORM_TYPES, *LAYER_NORM_TYPES) and all(
-            layer.in_norm is not None and layer.out_norms is None for layer in self.layers
-        )
+        # Llama's norms: RMS, before attention and the MLP alone, w after the cast (not Gemma's 1 + w, LayerNorms,
+        # gpt-oss's float32 w before the cast)
+        self.plain_norms = self.model_type not in (
+            *OFFSET_NORM_TYPES,
+            *LAYER_NORM_TYPES,
+            *FP32_WEIGHT_NORM_TYPES,
+        ) and all(layer.in_norm is not None and layer.out_norms is None for layer in self.layers)
         # whether each layer rotates its queries and keys (not SmolLM3's `no_rope_layers`, EXAONE 4's full layers)
         self.rope_layers = rope_layers(model.config)
         # Qwen3's norms of each query and key head, as one weight a layer over the q and k heads (None: none)

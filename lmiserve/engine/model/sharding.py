@@ -91,7 +91,7 @@ def unsplittable_reason(config: PretrainedConfig, world: int) -> str | None:
     if model_type not in SUPPORTED_TYPES or model_type in UNSPLIT_TYPES:
         split = [t for t in SUPPORTED_TYPES if t not in UNSPLIT_TYPES]
         return (
-            f"tensor parallelism runs the fast path's architectures but OLMo 2's and OLMoE's "
+            f"tensor parallelism runs the fast path's architectures but OLMo 2's, OLMoE's and gpt-oss's "
             f"({', '.join(split)}); this model is {model_type!r}"
         )
     heads = int(cfg.num_attention_heads)
