@@ -212,12 +212,15 @@ def load_model_shell(
     path = Path(path)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
-    if checkpoint_quantization(path, None) is not None:
+    quant = checkpoint_quantization(path, None)
+    if quant is not None and quant.method != "mxfp4":  # (gpt-oss's experts: each rank dequantizes its part)
         raise ModelLoadError(f"{path.name} is a quantized checkpoint: tensor parallelism does not shard those yet")
     common = {"trust_remote_code": trust_remote_code, "local_files_only": True}
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **common)
         config = AutoConfig.from_pretrained(path, **common)
+        if quant is not None:  # the shell's experts are float; each worker dequantizes its part of MXFP4's
+            del config.quantization_config
         with init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError, ImportError) as exc:

@@ -269,7 +269,7 @@ def build(config_cls, model_cls, extra: dict, seed: int = 7):
                 kind in ("olmo2", "olmo3", "olmoe", "exaone4", "starcoder2", "glm4") and name.endswith("norm.weight")
             ):
                 weight.uniform_(0.5, 1.5)
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_proj_bias")):  # (gpt-oss's experts' biases too)
                 weight.uniform_(-0.5, 0.5)
             elif name.endswith(".sinks"):  # (gpt-oss's: large enough to take much of each row's weight)
                 weight.uniform_(-1.0, 3.0)

@@ -167,7 +167,8 @@ def variant_answers(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
 # LayerNorms' biases on every rank, c_proj's bias added by one; phi4_mini_longrope: 3/4 of each head rotated;
 # glm4: gate_up_proj by runs, RoPE by pairs; gemma2_window: each rank's heads' scores soft-capped; mixtral,
 # qwen2_moe_shared, glm4_moe: mixtures of experts, every expert split, each rank's slices of each expert's matrices
-# read from the checkpoint (Mixtral's names; a gated shared expert and a dense layer; GLM-4.5's router biases)
+# read from the checkpoint (Mixtral's names; a gated shared expert and a dense layer; GLM-4.5's router biases);
+# gpt_oss: each rank's heads' sinks, its experts transposed with gate and up interleaved, their biases
 @pytest.fixture(
     params=[
         "kv-split",
@@ -185,6 +186,7 @@ def variant_answers(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
         "mixtral",
         "qwen2_moe_shared",
         "glm4_moe",
+        "gpt_oss",
     ]
 )
 def answers(
@@ -463,3 +465,16 @@ def test_an_attention_adapter_on_a_mixture_of_experts_over_two_ranks(tmp_path):
     assert expected[None] != expected["attn"]  # the adapter changes the output
     for (name, i), tokens in served.items():
         assert tokens == expected[name][i], (name, i)
+
+
+def test_gpt_oss_from_its_mxfp4_checkpoint_over_two_ranks(tmp_path):
+    """gpt-oss's MXFP4 checkpoint over two ranks, each reading and dequantizing its part of every expert: the
+    tokens and logprobs of the model dequantized whole in one process."""
+    from helpers.mxfp4 import write_mxfp4_gpt_oss
+
+    folder = tmp_path / "gpt-oss-mxfp4"
+    write_mxfp4_gpt_oss(folder)
+    whole, split = _answers(folder, 1), _answers(folder, 2)
+    for one, two in zip(whole, split, strict=True):
+        assert one.tokens == two.tokens
+        assert _close(one.logprobs, two.logprobs)

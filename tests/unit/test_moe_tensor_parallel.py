@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from helpers.llama_variants import MOE_ARCHS, build
-from lmiserve.engine.model.layout_variants import moe_block
+from lmiserve.engine.model.layout_variants import moe_block, moe_forward
 from lmiserve.engine.model.shard_checkpoint import load_shard_weights
-from lmiserve.engine.model.sharding import shard_model, unsplittable_reason
+from lmiserve.engine.model.sharding import experts_layout, shard_model, unsplittable_reason
 
-SPLIT = ["mixtral", "qwen2_moe_shared", "qwen3_moe", "glm4_moe"]
+SPLIT = ["mixtral", "qwen2_moe_shared", "qwen3_moe", "glm4_moe", "gpt_oss"]
 
 
 def cut(model, world: int):
@@ -44,7 +44,7 @@ def test_the_ranks_moe_blocks_sum_to_the_whole_block(arch, world):
     model = build(*MOE_ARCHS[arch])
     shards = cut(model, world)
     torch.manual_seed(1)
-    x = torch.randn(1, 7, model.config.hidden_size)
+    x = torch.randn(7, model.config.hidden_size)
     checked = 0
     with torch.inference_mode():
         for i, layer in enumerate(model.model.layers):
@@ -52,15 +52,19 @@ def test_the_ranks_moe_blocks_sum_to_the_whole_block(arch, world):
             if block is None:  # (a dense layer: split as a dense model's, tests/unit/test_tensor_parallel.py)
                 continue
             parts = [moe_block(shard.model.layers[i]) for shard in shards]
-            whole_experts, part_experts = block.experts, [p.experts for p in parts]
-            inter = whole_experts.down_proj.shape[2]
-            for experts in part_experts:
-                assert experts.gate_up_proj.shape == (whole_experts.gate_up_proj.shape[0], 2 * inter // world,
-                                                      model.config.hidden_size)  # fmt: skip
-                assert experts.down_proj.shape[2] == inter // world
-            assert torch.equal(parts[0].gate.weight, block.gate.weight)  # the router: whole on every rank
-            total = sum(part(x) for part in parts)
-            torch.testing.assert_close(total, block(x), rtol=1e-5, atol=1e-5)
+            whole = block.experts
+            transposed = experts_layout(whole)[0]  # (gpt-oss's [experts, in, out])
+            inter = whole.down_proj.shape[1 if transposed else 2]
+            for experts in (p.experts for p in parts):
+                hidden, experts_count = model.config.hidden_size, whole.gate_up_proj.shape[0]
+                mine = (experts_count, hidden, 2 * inter // world) if transposed else (
+                    experts_count, 2 * inter // world, hidden)  # fmt: skip
+                assert experts.gate_up_proj.shape == mine
+                assert experts.down_proj.shape[1 if transposed else 2] == inter // world
+            router = "router" if hasattr(block, "router") else "gate"  # the router: whole on every rank
+            assert torch.equal(getattr(parts[0], router).weight, getattr(block, router).weight)
+            total = sum(moe_forward(part, x) for part in parts)
+            torch.testing.assert_close(total, moe_forward(block, x), rtol=1e-5, atol=1e-5)
             checked += 1
     assert checked >= 1
 
@@ -191,3 +195,24 @@ def test_adapters_on_a_mixture_of_experts_over_tensor_parallelism_adapt_attentio
     registry.register("attention", tmp_path / "attention")
     with pytest.raises(AdapterError, match="adapter mlp targets gate_proj; adapters on this model may target q_proj"):
         registry.register("mlp", tmp_path / "mlp")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_rank_reads_its_part_of_gpt_oss_mxfp4_experts(tmp_path, world):
+    """From gpt-oss's MXFP4 checkpoint (the shell as a tensor-parallel leader loads it: float experts, no quantizer)
+    each rank reads its outputs of gate/up's blocks and down's whole (at 4 ranks a rank's 16 inputs of down are half
+    a block of 32), dequantized: the shard cut from the float model the checkpoint encodes exactly."""
+    from helpers.mxfp4 import write_mxfp4_gpt_oss
+    from lmiserve.models.load import load_model_shell
+
+    state = write_mxfp4_gpt_oss(tmp_path)
+    for rank in range(world):
+        shell = load_model_shell(tmp_path, dtype="fp32", device="cpu").model
+        whole = copy.deepcopy(shell)
+        whole.load_state_dict(state, assign=True)
+        shard_model(whole, rank, world, None)
+        shard_model(shell, rank, world, None)
+        load_shard_weights(shell, tmp_path)
+        expected = dict(whole.named_parameters())
+        for name, param in shell.named_parameters():
+            assert not param.is_meta and torch.equal(param, expected[name]), (rank, name)

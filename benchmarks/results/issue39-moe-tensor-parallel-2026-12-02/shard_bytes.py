@@ -9,7 +9,7 @@ import copy
 
 import torch
 from accelerate import init_empty_weights
-from transformers import AutoModelForCausalLM, Glm4MoeConfig, MixtralConfig, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, Glm4MoeConfig, GptOssConfig, MixtralConfig, Qwen3MoeConfig
 
 from lmiserve.engine.model.sharding import shard_model, unsplittable_reason
 
@@ -29,6 +29,10 @@ MODELS = {
                                  n_routed_experts=128, n_shared_experts=1, intermediate_size=10944,
                                  first_k_dense_replace=1, num_experts_per_tok=8, n_group=1, topk_group=1,
                                  vocab_size=151552, partial_rotary_factor=0.5, use_qk_norm=False),
+    "gpt-oss-120b": GptOssConfig(hidden_size=2880, num_hidden_layers=36, num_attention_heads=64,
+                                 num_key_value_heads=8, head_dim=64, intermediate_size=2880, num_local_experts=128,
+                                 num_experts_per_tok=4, vocab_size=201088, sliding_window=128,
+                                 layer_types=["sliding_attention", "full_attention"] * 18),
 }  # fmt: skip
 
 print("| model | whole | 2 ranks | 4 ranks | 8 ranks |")

@@ -6,7 +6,9 @@ A mixture of experts is read from the checkpoints as published: one matrix per e
 (``mlp.experts.{e}.gate_proj.weight``, ``up_proj``, ``down_proj``; Mixtral's ``block_sparse_moe.experts.{e}.w1``,
 ``w3``, ``w2``), which transformers merges on load into ``experts.gate_up_proj`` ``[experts, 2 * inter, hidden]``
 and ``experts.down_proj`` ``[experts, hidden, inter]``; each rank reads its rows (its columns of down) of each
-expert's and stacks them so. A checkpoint that stores the merged tensors is read by its slices likewise.
+expert's and stacks them so. A checkpoint that stores the merged tensors is read by its slices likewise (gpt-oss's
+bf16 checkpoints: ``[experts, in, out]``, gate and up interleaved); gpt-oss's MXFP4 experts (``*_blocks``,
+``*_scales``) are read as the rank's outputs of gate/up, or down's whole, and dequantized by transformers.
 Persistent buffers the checkpoint holds (GLM-4.5's router's score biases) are read whole.
 """
 
@@ -22,9 +24,12 @@ import torch
 
 from lmiserve.engine.model.llama_layout import LlamaFamily
 from lmiserve.engine.model.sharding import (
+    EXPERT_TENSORS,
     ROW_PARALLEL,
     ShardPlan,
     column_run,
+    experts_layout,
+    experts_part,
     keep_runs,
     padded_vocab,
     row_runs,
@@ -76,6 +81,7 @@ def load_shard_weights(model: PreTrainedModel, path: str | Path) -> None:
         head.weight = embed.weight  # one parameter, listed once (as the embedding's)
     with contextlib.ExitStack() as stack:
         handles: dict[Path, Any] = {}
+        layouts = {n: experts_layout(m) for n, m in model.named_modules() if n.endswith(".experts")}
 
         def read(name: str) -> Any:
             file = files[name]
@@ -84,13 +90,13 @@ def load_shard_weights(model: PreTrainedModel, path: str | Path) -> None:
             return handles[file].get_slice(name)
 
         for name, parameter in model.named_parameters():  # a tied output layer's weight is listed once
-            loaded = _read(name, parameter, files, read, shard.plan)
+            loaded = _read(name, parameter, files, read, shard.plan, layouts)
             if loaded is None:
                 raise ValueError(f"the checkpoint in {path} has no tensor {name}")
             owner, _, attribute = name.rpartition(".")
             setattr(model.get_submodule(owner), attribute, torch.nn.Parameter(loaded, requires_grad=False))
         for name, buffer in list(model.named_buffers()):  # (RoPE's frequencies are computed, not stored)
-            loaded = _read(name, buffer, files, read, shard.plan)
+            loaded = _read(name, buffer, files, read, shard.plan, layouts)
             if loaded is not None:
                 owner, _, attribute = name.rpartition(".")
                 setattr(model.get_submodule(owner), attribute, loaded)
@@ -98,16 +104,24 @@ def load_shard_weights(model: PreTrainedModel, path: str | Path) -> None:
         head.weight = embed.weight
 
 
-def _read(name: str, like: torch.Tensor, files: dict[str, Path], read: Read, plan: ShardPlan) -> torch.Tensor | None:
-    """This rank's part of `name` as the checkpoint stores it (None: it does not), in `like`'s dtype and shape."""
+def _read(
+    name: str, like: torch.Tensor, files: dict[str, Path], read: Read, plan: ShardPlan, layouts: dict[str, Any]
+) -> torch.Tensor | None:
+    """This rank's part of `name` as the checkpoint stores it (None: it does not), in `like`'s dtype and shape;
+    `layouts`: each experts module's (`experts_layout`), by name."""
     owner, _, kind = name.rpartition(".")
-    if name in files or _mixtral_name(name) in files:
-        loaded = _slice(read(name if name in files else _mixtral_name(name)), name, plan)
-    elif owner.endswith(".experts") and kind in EXPERT_PARTS:
-        loaded = _experts(owner, kind, int(like.shape[0]), files, read, plan)
-        if loaded is None:
-            return None
-    else:
+    stored = name if name in files else _mixtral_name(name)
+    loaded: torch.Tensor | None = None
+    if owner in layouts and kind in EXPERT_TENSORS:
+        if stored in files:
+            loaded = experts_part(read(stored), kind, plan, *layouts[owner])
+        elif f"{name}_blocks" in files:  # gpt-oss's MXFP4
+            loaded = _mxfp4(name, kind, read, plan, like.dtype)
+        elif kind in EXPERT_PARTS:
+            loaded = _experts(owner, kind, int(like.shape[0]), files, read, plan)
+    elif stored in files:
+        loaded = _slice(read(stored), name, plan)
+    if loaded is None:
         return None
     loaded = loaded.to(like.dtype)
     if tuple(loaded.shape) != tuple(like.shape):
@@ -138,20 +152,35 @@ def _experts(owner: str, kind: str, count: int, files: dict[str, Path], read: Re
     return None
 
 
+def _mxfp4(name: str, kind: str, read: Read, plan: ShardPlan, dtype: torch.dtype) -> torch.Tensor | None:
+    """The rank's part of gpt-oss's MXFP4 experts tensor `name` (its ``_blocks`` ``[experts, out, in / 32, 16]`` and
+    ``_scales``), dequantized to `dtype` by transformers as ``[experts, in, out]``: gate/up's outputs of the rank
+    (whole gate and up pairs: one run) read alone; down's inputs cut after the whole is dequantized (a rank's
+    part of the intermediate size need not be whole blocks of 32)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    if kind not in ("gate_up_proj", "down_proj"):
+        return None
+    blocks, scales = read(f"{name}_blocks"), read(f"{name}_scales")
+    if kind == "gate_up_proj":
+        part = plan.part(blocks.get_shape()[1])
+        return convert_moe_packed_tensors(
+            torch.as_tensor(blocks[:, part]), torch.as_tensor(scales[:, part]), dtype=dtype
+        )
+    whole = convert_moe_packed_tensors(torch.as_tensor(blocks[:]), torch.as_tensor(scales[:]), dtype=dtype)
+    return experts_part(whole, "down_proj", plan, True, False).contiguous()
+
+
 def _slice(tensor: Any, name: str, plan: ShardPlan) -> torch.Tensor:
     """This rank's part of checkpoint tensor `name` (a safetensors slice: only that part is read): a
     column-parallel linear's rows (`row_runs`), a row-parallel one's input columns (`column_run`; its bias whole,
-    which rank 0 alone keeps), merged experts' rows or columns (``[experts, out, in]``), the vocabulary's rows; the
-    rest (the norms, a router) whole."""
+    which rank 0 alone keeps), gpt-oss's sinks of the rank's heads, the vocabulary's rows; the rest (the norms, a
+    router) whole."""
     owner, _, kind = name.rpartition(".")
     module = owner.rpartition(".")[2]
     shape = tensor.get_shape()
-    if module == "experts" and kind in EXPERT_PARTS:
-        if kind == "down_proj":
-            return torch.as_tensor(tensor[:, :, column_run(plan, kind, shape[2])])
-        return torch.cat(
-            [torch.as_tensor(tensor[:, run]) for run in cast(list[slice], row_runs(plan, kind, shape[1]))], 1
-        )
+    if kind == "sinks":
+        return torch.as_tensor(tensor[plan.heads()])
     runs = row_runs(plan, module, shape[0])
     if runs is not None:
         return keep_runs(tensor, runs)

@@ -8,7 +8,7 @@ A rank of ``world`` keeps (Megatron's split, as vLLM's layers do):
   data;
 - o and down *row-parallel*: the matching columns; each rank's product is a partial sum, all-reduced
   (a row-parallel bias is added by rank 0 only);
-- a mixture of experts (Mixtral's, Qwen2-MoE's, Qwen3-MoE's, GLM-4.5's) *split in every expert*, as vLLM's
+- a mixture of experts (Mixtral's, Qwen2-MoE's, Qwen3-MoE's, GLM-4.5's, gpt-oss's) *split in every expert*, as vLLM's
   default: each expert's gate/up rows and down columns of the rank's slice of the experts' intermediate size
   (a shared expert's likewise), the router whole on every rank; so every rank routes each token as the whole
   model does, runs every expert on its slice, and the block's output is a partial sum, all-reduced as a
@@ -68,6 +68,10 @@ class ShardPlan:
     vocab_first: int
     vocab_part: int
 
+    def heads(self) -> slice:
+        """The rank's query heads (of a tensor with one row a head: gpt-oss's sinks)."""
+        return slice(self.q_first, self.q_first + self.q_heads)
+
     def part(self, size: int) -> slice:
         """The rank's part of an intermediate size `size` (a dense MLP's, an expert's, a shared expert's)."""
         n = size // self.world
@@ -91,7 +95,7 @@ def unsplittable_reason(config: PretrainedConfig, world: int) -> str | None:
     if model_type not in SUPPORTED_TYPES or model_type in UNSPLIT_TYPES:
         split = [t for t in SUPPORTED_TYPES if t not in UNSPLIT_TYPES]
         return (
-            f"tensor parallelism runs the fast path's architectures but OLMo 2's, OLMoE's and gpt-oss's "
+            f"tensor parallelism runs the fast path's architectures but OLMo 2's and OLMoE's "
             f"({', '.join(split)}); this model is {model_type!r}"
         )
     heads = int(cfg.num_attention_heads)
@@ -208,6 +212,11 @@ def shard_model(model: PreTrainedModel, rank: int, world: int, group: ProcessGro
         block = moe_block(layer)
         if block is not None:
             _cut_experts(cast(Any, block).experts, plan)
+        sinks = getattr(layer.self_attn, "sinks", None)  # (gpt-oss's: a logit a head, the rank's heads')
+        if isinstance(sinks, torch.Tensor):
+            cast(Any, layer.self_attn).sinks = torch.nn.Parameter(
+                sinks.detach()[plan.heads()].clone(), requires_grad=False
+            )
     embed, head = llama.model.embed_tokens, llama.lm_head
     tied = tied_output(model)
     embed.weight = torch.nn.Parameter(_vocab_rows(embed.weight, plan), requires_grad=False)
@@ -219,16 +228,44 @@ def shard_model(model: PreTrainedModel, rank: int, world: int, group: ProcessGro
 
 
 def _cut_experts(experts: Any, plan: ShardPlan) -> None:
-    """Keep every expert's rows of `plan`'s part of the experts' intermediate size: of ``gate_up_proj``
-    ``[experts, 2 * inter, hidden]`` (its gate's and its up's runs), of ``down_proj`` ``[experts, hidden, inter]``
-    the matching columns (transformers' experts layout; a transposed or biased one is refused)."""
-    if getattr(experts, "is_transposed", False) or getattr(experts, "has_bias", False):
-        raise ValueError("tensor parallelism splits experts stored as [experts, out, in] without biases")
-    gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
-    runs = cast(list[slice], row_runs(plan, "gate_up_proj", gate_up.shape[1]))
-    kept = torch.cat([gate_up[:, run] for run in runs], dim=1)
-    experts.gate_up_proj = torch.nn.Parameter(kept, requires_grad=False)
-    experts.down_proj = torch.nn.Parameter(down[:, :, plan.part(down.shape[2])].contiguous(), requires_grad=False)
+    """Keep every expert's part of `plan`'s share of the experts' intermediate size (`experts_part`), in place."""
+    layout = experts_layout(experts)
+    for kind in EXPERT_TENSORS:
+        tensor = getattr(experts, kind, None)
+        if isinstance(tensor, torch.Tensor):
+            kept = experts_part(tensor.detach(), kind, plan, *layout).clone(memory_format=torch.contiguous_format)
+            setattr(experts, kind, torch.nn.Parameter(kept, requires_grad=False))
+
+
+EXPERT_TENSORS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+
+
+def experts_layout(experts: Any) -> tuple[bool, bool]:
+    """How transformers holds `experts`' tensors: transposed (``[experts, in, out]``: gpt-oss's; else ``[experts,
+    out, in]``) and gate/up concatenated (``[gate; up]``; else interleaved, gpt-oss's ``gate_up[..., ::2]``)."""
+    return bool(getattr(experts, "is_transposed", False)), bool(getattr(experts, "is_concatenated", True))
+
+
+def experts_part(tensor: Any, kind: str, plan: ShardPlan, transposed: bool, concatenated: bool) -> torch.Tensor:
+    """The rank's part of experts tensor `kind` (a tensor or a safetensors slice: only that part is read): of
+    ``gate_up_proj`` and its bias every expert's outputs of the rank's share of the intermediate size (the gate's
+    run, then the up's; interleaved, one run of whole pairs), of ``down_proj`` the matching inputs; ``down_proj_bias``
+    whole on rank 0 and zeros elsewhere (the ranks' outputs are summed; the forward adds it on each)."""
+    if kind == "down_proj_bias":
+        whole = torch.as_tensor(tensor[:])
+        return whole if plan.rank == 0 else torch.zeros_like(whole)
+    shape = tensor.get_shape() if hasattr(tensor, "get_shape") else tuple(tensor.shape)
+    if kind == "down_proj":
+        dim = 1 if transposed else 2
+        return torch.as_tensor(_along(tensor, dim, plan.part(shape[dim])))
+    dim = 2 if transposed and kind == "gate_up_proj" else 1
+    size = shape[dim]
+    runs = cast(list[slice], row_runs(plan, "gate_up_proj", size)) if concatenated else [plan.part(size)]
+    return torch.cat([torch.as_tensor(_along(tensor, dim, run)) for run in runs], dim=dim)
+
+
+def _along(tensor: Any, dim: int, part: slice) -> Any:
+    return tensor[:, part] if dim == 1 else tensor[:, :, part]
 
 
 def tied_output(model: PreTrainedModel) -> bool:
