@@ -5,6 +5,10 @@ calibration, no AWQ activation-aware scaling, no GPTQ error feedback; only the s
 - ``fp8-channel`` / ``fp8-tensor``: compressed-tensors ``float-quantized`` (``weight`` float8_e4m3fn,
   ``weight_scale`` fp32 ``[out, 1]`` or ``[1]``, ``scale = max|w| / 448``), as llm-compressor writes it.
 - ``fbgemm-fp8``: transformers' FBGEMM fp8 (``weight_scale`` ``[out, 1]``).
+- ``fp8-block``: block-wise fp8 as Qwen's and DeepSeek's FP8 releases store it (``quant_method: fp8``,
+  ``weight_block_size``; ``weight`` float8_e4m3fn, ``weight_scale_inv`` fp32 ``[out / b, in / b]``, ``scale = max|w|
+  / 448`` a block), every projection saved as transformers publishes it (a mixture of experts' experts one matrix
+  each) quantized: `group` is the block's side.
 - ``awq``: AutoAWQ's GEMM packing (`quant_formats.AWQ_ORDER`), asymmetric 4-bit per group over the
   group's own minimum and maximum (AutoAWQ's RTN rule).
 - ``gptq``: AutoGPTQ's v1 packing (zeros stored minus one), asymmetric over a range that reaches 0
@@ -26,7 +30,7 @@ from lmiserve.engine.model.quant_formats import AWQ_ORDER, quantize_fp8
 
 __all__ = ["FORMATS", "rtn_int4", "write_quantized"]
 
-FORMATS = ("fp8-channel", "fp8-tensor", "fbgemm-fp8", "awq", "gptq")
+FORMATS = ("fp8-channel", "fp8-tensor", "fbgemm-fp8", "fp8-block", "awq", "gptq")
 
 
 def rtn_int4(
@@ -79,7 +83,46 @@ def _fp8_tensors(weight: torch.Tensor, per_tensor: bool) -> dict[str, torch.Tens
     return {"weight": q, "weight_scale": channel[:, None].contiguous()}
 
 
+def _fp8_block_tensors(weight: torch.Tensor, block: int) -> dict[str, torch.Tensor]:
+    w = weight.detach().float()
+    out, inputs = w.shape
+    if out % block or inputs % block:
+        raise ValueError(f"a [{out}, {inputs}] weight is not whole blocks of {block}")
+    blocks = w.reshape(out // block, block, inputs // block, block)
+    scale = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)
+    q = (blocks / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).reshape(out, inputs)
+    return {"weight": q, "weight_scale_inv": scale.contiguous()}
+
+
+def _write_fp8_blocks(model: Any, out_dir: Path, block: int) -> dict[str, dict[str, torch.Tensor]]:
+    """`model` saved as transformers publishes it, each ``*_proj.weight`` then quantized to fp8 by blocks."""
+    from safetensors.torch import load_file, save_file
+
+    model.save_pretrained(out_dir)
+    files = sorted(out_dir.glob("*.safetensors"))
+    written: dict[str, dict[str, torch.Tensor]] = {}
+    for file in files:
+        state = load_file(str(file))
+        for name in [n for n, t in state.items() if n.endswith("_proj.weight") and t.dim() == 2]:
+            tensors = _fp8_block_tensors(state.pop(name), block)
+            state.update({f"{name.removesuffix('.weight')}.{k}": v for k, v in tensors.items()})
+            written[name.removesuffix(".weight")] = tensors
+        save_file(state, str(file), metadata={"format": "pt"})
+    index = out_dir / "model.safetensors.index.json"
+    if index.is_file():  # the scales' files: their weights'
+        data = json.loads(index.read_text())
+        for name in written:
+            data["weight_map"][f"{name}.weight_scale_inv"] = data["weight_map"][f"{name}.weight"]
+        index.write_text(json.dumps(data, indent=2))
+    config = json.loads((out_dir / "config.json").read_text())
+    config["quantization_config"] = _config("fp8-block", block, False)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    return written
+
+
 def _config(fmt: str, group: int, act_order: bool) -> dict[str, object]:
+    if fmt == "fp8-block":
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [group] * 2}
     if fmt.startswith("fp8"):
         strategy = "tensor" if fmt == "fp8-tensor" else "channel"
         return {
@@ -119,6 +162,8 @@ def write_quantized(
 
     if fmt not in FORMATS:
         raise ValueError(f"format {fmt!r}: one of {', '.join(FORMATS)}")
+    if fmt == "fp8-block":
+        return _write_fp8_blocks(model, out_dir, group)
     head = model.get_output_embeddings()
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     if getattr(model.config, "tie_word_embeddings", False):

@@ -6,7 +6,9 @@ Formats (`engine/model/quant_formats.py` says how each is stored and run):
 - ``quant_method: compressed-tensors`` whose weights are 8-bit floats, per channel or per tensor
   (``weight``, ``weight_scale``, an ``input_scale`` ignored: activations are quantized per token);
   ``quant_method: fbgemm_fp8`` (per channel); ``quant_method: fp8`` without blocks (AutoFP8 / vLLM's,
-  per tensor): ``quantize=fp8``.
+  per tensor): ``quantize=fp8``. ``quant_method: fp8`` with ``weight_block_size`` (block-wise scales: Qwen3's and
+  DeepSeek's FP8 releases): dequantized at load by transformers (exactly: each weight is its fp8 value times its
+  block's scale), its mixtures of experts' experts too.
 - ``quant_method: awq``, 4 bits, GEMM packing, with zero points: ``quantize=awq``.
 - ``quant_method: gptq``, 4 bits (``checkpoint_format`` ``gptq``, or ``gptq_v2``), any ``desc_act``:
   ``quantize=gptq``.
@@ -16,7 +18,7 @@ Formats (`engine/model/quant_formats.py` says how each is stored and run):
 - ``quantize=fp8`` on a float checkpoint: its linears (not the output projection) quantized to fp8 per
   output channel at load (vLLM's dynamic fp8).
 
-Anything else (another method, other bits, block-wise fp8, a ``quantize`` that is not the checkpoint's)
+Anything else (another method, other bits, a ``quantize`` that is not the checkpoint's)
 is refused with one line (`ModelLoadError`)."""
 
 from __future__ import annotations
@@ -67,12 +69,14 @@ class QuantSpec:
     """A checkpoint's quantization: `method` (fp8, awq, gptq), `source` (the checkpoint's
     ``quant_method``; ``dynamic``: fp8 made at load from float weights; ``dummy``: 4-bit codes made at load
     from `load_format=dummy`'s random weights, `quantize_int4_dummy`), the 4-bit `group_size`
-    (-1: one group per row) and whether GPTQ's stored zeros are ``zero - 1`` (`v1_zeros`)."""
+    (-1: one group per row), whether GPTQ's stored zeros are ``zero - 1`` (`v1_zeros`) and whether fp8's scales are
+    block-wise (`blocks`: ``weight_block_size``, dequantized at load)."""
 
     method: str
     source: str
     group_size: int = -1
     v1_zeros: bool = True
+    blocks: bool = False
 
     @property
     def dynamic(self) -> bool:
@@ -121,9 +125,7 @@ def _spec(qc: dict[str, Any]) -> QuantSpec:
     if method in ("fbgemm_fp8", "mxfp4"):
         return QuantSpec("fp8" if method == "fbgemm_fp8" else method, method)
     if method == "fp8":
-        if qc.get("weight_block_size"):
-            raise ModelLoadError("block-wise fp8 checkpoints (weight_block_size) are not supported yet")
-        return QuantSpec("fp8", method)
+        return QuantSpec("fp8", method, blocks=bool(qc.get("weight_block_size")))
     if method in ("awq", "gptq"):
         bits = qc.get("bits", qc.get("w_bit"))
         group = int(qc.get("group_size", qc.get("q_group_size", -1)) or -1)
@@ -161,8 +163,8 @@ def load_quantized(
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    if spec.method == "mxfp4":
-        return _dequantized_mxfp4(path, dtype, trust_remote_code)
+    if spec.method == "mxfp4" or spec.blocks:
+        return _dequantized(path, spec, dtype, trust_remote_code)
     stored = safetensors_names(path)
     if stored is None:
         raise ModelLoadError(f"{path.name}: a {spec.method} checkpoint needs its weights as safetensors")
@@ -199,20 +201,28 @@ def load_quantized(
     return model, f"{spec.method} checkpoint ({spec.source}): {account}"
 
 
-def _dequantized_mxfp4(path: Path, dtype: torch.dtype, trust_remote_code: bool) -> tuple[torch.nn.Module, str]:
-    """gpt-oss's MXFP4 checkpoint with its experts' weights dequantized to `dtype` by transformers at load (its
-    ``Mxfp4Config(dequantize=True)``: no MXFP4 kernel, no download); they take about 4x their bytes on disk."""
-    from transformers import AutoModelForCausalLM, Mxfp4Config  # type: ignore[attr-defined]
+def _dequantized(path: Path, spec: QuantSpec, dtype: torch.dtype, trust_remote_code: bool) -> tuple[Any, str]:
+    """The checkpoint's quantized weights dequantized to `dtype` by transformers at load (no kernel of their format,
+    no download): gpt-oss's MXFP4 experts (``Mxfp4Config``; they take about 4x their bytes on disk) or block-wise
+    fp8 (``FineGrainedFP8Config``; 2x). Exact: every value is the format's value times its block's scale."""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Mxfp4Config  # type: ignore[attr-defined]
+
+    config = Mxfp4Config(dequantize=True) if spec.method == "mxfp4" else FineGrainedFP8Config(dequantize=True)
 
     def make(**sdpa: Any) -> Any:
-        mxfp4 = Mxfp4Config(dequantize=True)
         common = {"trust_remote_code": trust_remote_code, "local_files_only": True}
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=mxfp4, **common, **sdpa)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=config, **common, **sdpa)
 
     model = sdpa_or_default(path, make)
-    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())  # (gpt-oss's norms)
+    for name, parameter in model.named_parameters():  # (the fp8 quantizer leaves the rest in the stored dtype)
+        if parameter.is_floating_point() and parameter.dtype != dtype and not keep & set(name.split(".")):
+            parameter.data = parameter.data.to(dtype)
     kind = str(dtype).removeprefix("torch.")
-    return model, f"mxfp4 checkpoint: the experts' {experts / 1e9:.2f}B weights dequantized to {kind} at load"
+    if spec.method == "mxfp4":
+        experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+        return model, f"mxfp4 checkpoint: the experts' {experts / 1e9:.2f}B weights dequantized to {kind} at load"
+    return model, f"block-wise fp8 checkpoint: its weights dequantized to {kind} at load (no block-wise fp8 kernel)"
 
 
 def _linear_of(

@@ -15,7 +15,7 @@ from lmiserve.core.events import FinishReason
 from lmiserve.engine.attention import triton_ops
 from lmiserve.engine.attention.paged import paged_cache
 from lmiserve.engine.core.async_engine import EngineConfig
-from lmiserve.engine.model import fast_llama, fused_norm
+from lmiserve.engine.model import fast_llama, fused_norm, layer_ops
 
 DEVICE = torch.device(os.environ.get("LMISERVE_TEST_DEVICE", "cpu"))
 pytestmark = pytest.mark.skipif(
@@ -42,10 +42,10 @@ def test_add_rms_norm_is_the_residual_add_then_transformers_rms_norm(dtype, widt
     weight = (1 + 0.1 * rows(width, torch.float32, 2)[0]).to(dtype)
     added, h = fused_norm.add_rms_norm(x, residual, weight, 1e-5)
     assert torch.equal(added, x + residual)  # the add rounds to the dtype as eager's does
-    torch.testing.assert_close(h, fast_llama._rms(x + residual, (weight, 1e-5)), **close(dtype))
+    torch.testing.assert_close(h, layer_ops.rms_norm(x + residual, (weight, 1e-5)), **close(dtype))
     same, h = fused_norm.add_rms_norm(x, None, weight, 1e-5)  # a model's first layer: no residual yet
     assert torch.equal(same, x)
-    torch.testing.assert_close(h, fast_llama._rms(x, (weight, 1e-5)), **close(dtype))
+    torch.testing.assert_close(h, layer_ops.rms_norm(x, (weight, 1e-5)), **close(dtype))
 
 
 @pytest.mark.parametrize("inter", [48, 1500])  # inside one block, and across two with a masked tail
@@ -67,7 +67,7 @@ def test_rope_is_the_eager_rotation_of_the_q_and_k_heads(dtype, head_dim):
     cos = torch.cat([angles.cos(), angles.cos()], dim=-1)[:, None].to(DEVICE, dtype)
     sin = torch.cat([-angles.sin(), angles.sin()], dim=-1)[:, None].to(DEVICE, dtype)
     qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
-    want = fast_llama._rotate(qk, cos, sin)
+    want = layer_ops.rotate(qk, cos, sin)
     got = fused_norm.rope(qkv, cos, sin, heads + kv_heads, head_dim)
     assert got.shape == want.shape and got.dtype == dtype
     if DEVICE.type == "cpu":  # the interpreter rounds as the eager ops do: the same values

@@ -114,7 +114,7 @@ def test_q8_linear_quantizes_as_q8_0_and_takes_codes():
 def test_a_q8_output_projection_serves_the_fast_path(tiny_model_dir: Path):
     from lmiserve.engine.core.async_engine import EngineConfig
     from lmiserve.engine.factory import create_engine
-    from lmiserve.engine.model.fast_llama import _rms
+    from lmiserve.engine.model.layer_ops import rms_norm
     from lmiserve.models.load import load_causal_lm
 
     loaded = load_causal_lm(tiny_model_dir, dtype="fp32", device="cpu")
@@ -132,6 +132,6 @@ def test_a_q8_output_projection_serves_the_fast_path(tiny_model_dir: Path):
     h = torch.randn(3, embed.shape[1])
     assert fast.packed is not None and fast.packed.head is not None  # the final norm formed in the kernel
     # the same fp32 formula, the norm's mean summed in another order (engine/model/q4_decode.py)
-    torch.testing.assert_close(fast._logits(h), head(_rms(h, fast.norm)), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast._logits(h), head(rms_norm(h, fast.norm)), rtol=1e-5, atol=1e-5)
     install_output_q8(model, *reference.codes())
     assert torch.equal(model.lm_head.scales, reference.scales)

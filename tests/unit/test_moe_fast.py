@@ -183,3 +183,35 @@ def test_int4_serves_a_mixture_of_experts_and_says_its_experts_stay_unquantized(
     assert any("experts' weights" in r.message and "stay float32" in r.message for r in caplog.records)
     engine, results = asyncio.run(serve_prompts(loaded, EngineConfig(max_prefill_tokens=4), 4))
     assert engine.runner.path == "fast" and all(len([e for e in events if e.token]) == 4 for events in results)
+
+
+def test_a_block_wise_fp8_mixture_of_experts_is_dequantized_and_served(tiny_model, tmp_path):
+    """A Qwen3-MoE checkpoint in block-wise fp8 (Qwen3-30B-A3B-FP8's format: every projection, each expert's
+    matrices too, fp8 with a scale a block): loaded with each expert's weights its fp8 values times their blocks'
+    scales, merged as transformers holds them, and served on the fast forward with `generate()`'s greedy tokens."""
+    from safetensors.torch import load_file
+
+    from lmiserve.models.load import load_causal_lm
+    from lmiserve.models.quant_pack import write_quantized
+
+    write_quantized(build(*MOE_ARCHS["qwen3_moe"]), tmp_path, "fp8-block", group=16)
+    tiny_model.tokenizer.save_pretrained(tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+
+    def dequantized(name: str) -> torch.Tensor:
+        q, scale = stored[f"{name}.weight"].float(), stored[f"{name}.weight_scale_inv"]
+        return (q.reshape(q.shape[0] // 16, 16, -1, 16) * scale[:, None, :, None]).reshape(q.shape)
+
+    loaded = load_causal_lm(tmp_path, dtype="fp32", device="cpu")
+    experts = loaded.model.model.layers[1].mlp.experts
+    for e in (0, 5):
+        at = f"model.layers.1.mlp.experts.{e}"
+        gate_up = torch.cat([dequantized(f"{at}.gate_proj"), dequantized(f"{at}.up_proj")])
+        assert torch.equal(experts.gate_up_proj[e], gate_up) and torch.equal(
+            experts.down_proj[e], dequantized(f"{at}.down_proj")
+        )
+    loaded = dataclasses.replace(loaded, max_context=256)
+    engine, results = asyncio.run(serve_prompts(loaded, EngineConfig(max_prefill_tokens=4), 8))
+    assert engine.runner.path == "fast"
+    for prompt, events in zip(PROMPTS, results, strict=True):
+        assert [e.token.id for e in events if e.token] == greedy_tokens(loaded, prompt, 8)

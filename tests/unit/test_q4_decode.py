@@ -1,6 +1,6 @@
 """An int4 model's layers in few kernel calls (engine/model/q4_decode.py): the kernels' input sides
 (`group_kernels.PRE_RMS`, `PRE_SILU_MUL`) and output side (the residual add) against the op-by-op
-products, RoPE in place against `fast_llama._rotate`, and `FastLlama` steps with and without it."""
+products, RoPE in place against `layer_ops.rotate`, and `FastLlama` steps with and without it."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from helpers.llama_variants import ARCHS, build
 from lmiserve.engine.attention.paged import PagedKVCache
 from lmiserve.engine.model import group_kernels as gk
 from lmiserve.engine.model import q4_decode
-from lmiserve.engine.model.fast_llama import FastLlama, StepInputs, _rms, _rotate
+from lmiserve.engine.model.fast_llama import FastLlama, StepInputs
+from lmiserve.engine.model.layer_ops import rms_norm, rotate
 from lmiserve.engine.model.quantize import quantize_linears_int4, quantize_output_q8
 
 pytestmark = pytest.mark.skipif(not gk.available(), reason="numba is not installed")
@@ -45,7 +46,7 @@ def test_the_kernel_forms_its_input_and_adds_its_output_as_the_ops_do(kind: str,
     # the RMS norm: the same fp32 formula, the mean summed in another order
     weight(x.numpy(), out, gk.PRE_RMS, norm.numpy(), 1e-5)
     torch.testing.assert_close(
-        torch.from_numpy(out), _product(kind, _rms(x, (norm, 1e-5)), packed, scales), rtol=1e-5, atol=1e-5
+        torch.from_numpy(out), _product(kind, rms_norm(x, (norm, 1e-5)), packed, scales), rtol=1e-5, atol=1e-5
     )
     # silu(gate) * up of a [M, 2K] input
     gate_up = torch.randn(rows, 2 * k) * 2
@@ -66,7 +67,7 @@ def test_rope_in_place_is_rotate_half_bit_for_bit():
     rows, heads, dim = 3, 6, 16
     qkv = torch.randn(rows, (heads + 2) * dim)
     cos, sin = torch.randn(rows, 1, dim), torch.randn(rows, 1, dim)
-    expected = _rotate(qkv[:, : heads * dim].reshape(rows, heads, dim), cos, sin).reshape(rows, -1)
+    expected = rotate(qkv[:, : heads * dim].reshape(rows, heads, dim), cos, sin).reshape(rows, -1)
     got = qkv.clone()
     q4_decode._rope_compiled()(got.numpy(), heads, dim, cos[:, 0].numpy(), sin[:, 0].numpy())
     assert torch.equal(got[:, : heads * dim], expected)

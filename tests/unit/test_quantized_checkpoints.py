@@ -45,6 +45,7 @@ CASES = {  # id: (quant_pack format, act_order, group)
     "fp8-channel": ("fp8-channel", False, 0),
     "fp8-tensor": ("fp8-tensor", False, 0),
     "fbgemm-fp8": ("fbgemm-fp8", False, 0),
+    "fp8-block-b32": ("fp8-block", False, 32),  # (Qwen3's FP8 releases: blocks of 128; dequantized at load)
     "awq-g128": ("awq", False, 128),
     "gptq-g128": ("gptq", False, 128),
     "gptq-g64-desc-act": ("gptq", True, 64),
@@ -113,8 +114,16 @@ def ref_fp8(t: dict[str, torch.Tensor]) -> torch.Tensor:
     return t["weight"].float() * t["weight_scale"].float()
 
 
+def ref_fp8_block(t: dict[str, torch.Tensor], block: int) -> torch.Tensor:
+    out, inputs = t["weight"].shape
+    q = t["weight"].float().reshape(out // block, block, inputs // block, block)
+    return (q * t["weight_scale_inv"][:, None, :, None]).reshape(out, inputs)
+
+
 def reference(case: str, t: dict[str, torch.Tensor]) -> torch.Tensor:
     fmt, _, group = CASES[case]
+    if fmt == "fp8-block":
+        return ref_fp8_block(t, group)
     return ref_awq(t, group) if fmt == "awq" else ref_gptq(t) if fmt == "gptq" else ref_fp8(t)
 
 
