@@ -11,6 +11,8 @@ each format by `lmiserve.models.quant_pack` and loaded back by `load_causal_lm` 
 - ``fp8-channel`` / ``fp8-tensor``: compressed-tensors fp8, per output channel / per tensor;
 - ``bf16``: the float checkpoint in bf16, for scale (what bf16 alone changes);
 - ``fp8-dynamic``: the float checkpoint with ``quantize=fp8`` (per channel at load; vLLM's dynamic fp8);
+- ``fp8-block``: block-wise fp8 (Qwen3's and DeepSeek's FP8 releases' format), blocks of `--group` x `--group`
+  (128 in those releases; SmolLM2-135M's widths take 64), dequantized at load;
 - ``awq``, ``gptq``: 4-bit, asymmetric, groups of `--group` inputs (SmolLM2-135M's hidden size, 576, is
   not a multiple of 128: 64 is the largest published group size that divides it), in AWQ's GEMM packing
   and GPTQ's v1 packing. The 4-bit codes are plain round-to-nearest (RTN): NO calibration, no AWQ
@@ -58,7 +60,7 @@ HERE = Path(__file__).resolve().parent
 TEXT = HERE / "texts" / "pride_and_prejudice_ch1.txt"
 TOPICS = ["the sea", "gravity", "a city at night", "machine learning", "the moon", "coffee", "trains", "music"]
 TEMPLATES = ["Write a short poem about {}.", "Explain {} in simple words.", "What is interesting about {}?"]
-FORMATS = ("bf16", "fp8-channel", "fp8-tensor", "fp8-dynamic", "awq", "gptq")
+FORMATS = ("bf16", "fp8-channel", "fp8-tensor", "fp8-dynamic", "fp8-block", "awq", "gptq")
 
 
 def prompts(count: int, tokenizer) -> list[str]:

@@ -222,8 +222,11 @@ async def test_n_best_of_preemption_prompt_logprobs_and_an_abort_with_grammars_p
     # 24 blocks of 4 tokens for 9 sequences of prompts of ~8 and up to 24 new tokens: preemption
     pool = {"kv_cache_memory_bytes": 24 * 4 * 2 * 2 * 16 * 2 * 4, "block_size": 4}
     serial, (_, _, preempted) = await everything(tiny_model, params, async_scheduling=False, **pool)
-    overlapped, (_, ahead, preempted_ahead) = await everything(tiny_model, params, async_scheduling=True, **pool)
-    assert overlapped == serial
+    for _ in range(3):  # (whether the overlapped loop preempts depends on when the requests arrive: up to 3 runs)
+        overlapped, (_, ahead, preempted_ahead) = await everything(tiny_model, params, async_scheduling=True, **pool)
+        assert overlapped == serial
+        if preempted_ahead:
+            break
     assert preempted > 0 and preempted_ahead > 0 and ahead > 0, (preempted, preempted_ahead, ahead)
     assert [len(r) for r in overlapped] == [3, 2, 1, 1, 1]
     left, (_, ahead, _) = await everything(tiny_model, params, abort=4, async_scheduling=True)
