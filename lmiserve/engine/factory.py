@@ -19,7 +19,7 @@ from lmiserve.engine.core.async_engine import AsyncEngine, EngineConfig
 from lmiserve.engine.core.step import BatchRunner, NewRequest, ScheduledTokens, StepBatch
 from lmiserve.engine.loaded import LoadedModel
 from lmiserve.engine.lora import kernels as lora_kernels
-from lmiserve.engine.lora.adapters import FAST_PATH_MODULES, LoraAdapter
+from lmiserve.engine.lora.adapters import LoraAdapter
 from lmiserve.engine.lora.manager import LoraManager
 from lmiserve.engine.lora.registry import AdapterRegistry
 from lmiserve.engine.model.llama_layout import SUPPORTED_TYPES
@@ -35,7 +35,7 @@ from lmiserve.engine.pool_plan import (
     profiled_sampling,
     report_draft_pool,
 )
-from lmiserve.engine.runner import fast_reason, generic
+from lmiserve.engine.runner import fast_path_modules, fast_reason, generic
 from lmiserve.engine.runner.fast import PagedFastRunner
 from lmiserve.engine.runner.persistent_batch import PersistentBatchRunner
 from lmiserve.engine.runner.sampling import sample_profile
@@ -224,7 +224,7 @@ def create_engine(
         runner.proposer = DraftModelProposer(_paged_runner(needs.loaded, draft_config, plan.draft_blocks, draft_cls))
     adapters = None
     if config.lora is not None:
-        modules = FAST_PATH_MODULES if isinstance(runner, PagedFastRunner) else None
+        modules = fast_path_modules(loaded.model) if isinstance(runner, PagedFastRunner) else None
         manager = attach_lora(runner, config.lora.max_lora_rank, modules)
         decode_graphs = runner.graphs if isinstance(runner, PagedFastRunner) else None
         if decode_graphs is not None:  # decode steps with adapters replay the graphs too

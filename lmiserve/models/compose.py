@@ -24,10 +24,9 @@ from lmiserve.config.sources import ENV_SHORTCUTS
 from lmiserve.engine.core.async_engine import AsyncEngine, EngineConfig
 from lmiserve.engine.executors.tensor_parallel import TensorParallelExecutor, WorkerSpec, free_port
 from lmiserve.engine.factory import create_engine, prompt_codec, worker_config
-from lmiserve.engine.lora.adapters import ATTENTION_MODULES, FAST_PATH_MODULES
 from lmiserve.engine.lora.registry import AdapterRegistry, LoraLimits
-from lmiserve.engine.model.layout_variants import MOE_TYPES
 from lmiserve.engine.model.sharding import unsplittable_reason
+from lmiserve.engine.runner import fast_path_modules
 from lmiserve.engine.speculative.proposers import SpeculationSettings
 from lmiserve.models.errors import ModelLoadError
 from lmiserve.models.load import load_causal_lm, load_model_shell, resolve_dtype
@@ -185,10 +184,7 @@ def build_tensor_parallel_engine(loaded: LoadedModel, settings: Settings, degree
     adapters = None
     if spec.config.lora is not None:
         # (lmiserve's forward adapts no mixture of experts' MLP, and no other forward runs a shard)
-        moe = loaded.model.config.model_type in MOE_TYPES
-        adapters = AdapterRegistry(
-            loaded.model, spec.config.lora, modules=ATTENTION_MODULES if moe else FAST_PATH_MODULES
-        )
+        adapters = AdapterRegistry(loaded.model, spec.config.lora, modules=fast_path_modules(loaded.model))
     executor = TensorParallelExecutor(spec)
     codec, grammars = prompt_codec(loaded, settings.max_input_len)
     return AsyncEngine(executor, codec, spec.config, grammars, adapters)

@@ -52,16 +52,34 @@ def test_quantize_must_match_an_mxfp4_checkpoint(mxfp4_dir, tmp_path):
         load_causal_lm(float_dir, dtype="fp32", device="cpu", quantize="mxfp4")
 
 
-def test_what_gpt_oss_is_not_served_with_is_refused_in_one_line(tiny_model):
-    """transformers' forward over the blocks cannot take its sinks, so whatever needs that forward refuses it at
-    start (LoRA adapters on a mixture of experts, `batch_invariant`)."""
+def test_batch_invariant_gpt_oss_is_refused_in_one_line(tiny_model):
+    """transformers' forward over the blocks cannot take its sinks, so `batch_invariant` (each row alone through
+    transformers' forward) refuses it at start."""
     import dataclasses
 
     loaded = dataclasses.replace(tiny_model, model=build(*MOE_ARCHS["gpt_oss"]), max_context=256)
-    for config, why in (
-        (EngineConfig(lora=LoraLimits(max_loras=1)), "LoRA adapters on a mixture of experts"),
-        (EngineConfig(batch_invariant=True), "this model cannot be served"),
-    ):
-        with pytest.raises(ValueError, match=why) as refused:
-            create_engine(loaded, config)
-        assert "\n" not in str(refused.value)
+    with pytest.raises(ValueError, match="this model cannot be served") as refused:
+        create_engine(loaded, EngineConfig(batch_invariant=True))
+    assert "\n" not in str(refused.value)
+
+
+def test_an_attention_adapter_on_gpt_oss_is_served_by_lmiserves_forward(tiny_model, tmp_path):
+    """transformers' forward over the blocks cannot run gpt-oss, so with LoRA configured lmiserve's forward serves
+    its adapters, of attention alone (its experts and router are no linears PEFT adapts): an adapter of q and v gives
+    PEFT's merged model's greedy tokens."""
+    import dataclasses
+
+    from helpers.lora_adapters import AdapterSpec, make_adapter, merged_generate, served_with_adapter
+
+    base = tmp_path / "gpt-oss"
+    build(*MOE_ARCHS["gpt_oss"]).save_pretrained(base)
+    adapter = make_adapter(base, tmp_path / "attn", AdapterSpec("attn", 8, ("q_proj", "v_proj"), seed=4, b_std=0.3))
+    loaded = dataclasses.replace(tiny_model, model=build(*MOE_ARCHS["gpt_oss"]), max_context=256)
+    prompts = [tiny_model.tokenizer(p).input_ids for p in PROMPTS[:2]]
+    expected = merged_generate(base, adapter, prompts, 8)
+    assert expected != merged_generate(base, None, prompts, 8)  # the adapter changes the tokens
+    config = EngineConfig(lora=LoraLimits(max_loras=1))
+    assert served_with_adapter(loaded, config, "attn", adapter, PROMPTS[:2], 8, "fast") == expected
+    engine = create_engine(loaded, config)
+    assert engine.runner.path == "fast" and engine.adapters is not None
+    assert engine.adapters.modules == ("q_proj", "k_proj", "v_proj", "o_proj")  # (its experts: no linears to adapt)

@@ -57,6 +57,8 @@ FAST_PATH_MODULES = (
     "c_fc",
     "c_proj",
 )
+
+
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 _PREFIX = "base_model.model."
