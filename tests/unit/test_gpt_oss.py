@@ -1,7 +1,7 @@
 """gpt-oss (issue #39): served by lmiserve's forward (transformers' own forward over the KV blocks cannot take its
 attention sinks), from its MXFP4 checkpoints as OpenAI publishes them (the experts dequantized at load); what it
-refuses, in one line. Its logits and greedy tokens against transformers', on every attention path, are in
-tests/unit/test_fast_llama.py, test_moe_fast.py and test_cuda_graphs.py (`llama_variants`' ``gpt_oss``)."""
+refuses, in one line. Its logits and greedy tokens against transformers', on every attention path, and its LoRA
+adapters are in tests/unit/test_fast_llama.py, test_moe_fast.py and test_cuda_graphs.py (``gpt_oss``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from helpers.llama_variants import MOE_ARCHS, PROMPTS, build, greedy_tokens, ser
 from helpers.mxfp4 import write_mxfp4_gpt_oss
 from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
-from lmiserve.engine.lora.registry import LoraLimits
 from lmiserve.models.errors import ModelLoadError
 from lmiserve.models.load import load_causal_lm
 
@@ -61,25 +60,3 @@ def test_batch_invariant_gpt_oss_is_refused_in_one_line(tiny_model):
     with pytest.raises(ValueError, match="this model cannot be served") as refused:
         create_engine(loaded, EngineConfig(batch_invariant=True))
     assert "\n" not in str(refused.value)
-
-
-def test_an_attention_adapter_on_gpt_oss_is_served_by_lmiserves_forward(tiny_model, tmp_path):
-    """transformers' forward over the blocks cannot run gpt-oss, so with LoRA configured lmiserve's forward serves
-    its adapters, of attention alone (its experts and router are no linears PEFT adapts): an adapter of q and v gives
-    PEFT's merged model's greedy tokens."""
-    import dataclasses
-
-    from helpers.lora_adapters import AdapterSpec, make_adapter, merged_generate, served_with_adapter
-
-    base = tmp_path / "gpt-oss"
-    build(*MOE_ARCHS["gpt_oss"]).save_pretrained(base)
-    adapter = make_adapter(base, tmp_path / "attn", AdapterSpec("attn", 8, ("q_proj", "v_proj"), seed=4, b_std=0.3))
-    loaded = dataclasses.replace(tiny_model, model=build(*MOE_ARCHS["gpt_oss"]), max_context=256)
-    prompts = [tiny_model.tokenizer(p).input_ids for p in PROMPTS[:2]]
-    expected = merged_generate(base, adapter, prompts, 8)
-    assert expected != merged_generate(base, None, prompts, 8)  # the adapter changes the tokens
-    config = EngineConfig(lora=LoraLimits(max_loras=1))
-    assert served_with_adapter(loaded, config, "attn", adapter, PROMPTS[:2], 8, "fast") == expected
-    engine = create_engine(loaded, config)
-    assert engine.runner.path == "fast" and engine.adapters is not None
-    assert engine.adapters.modules == ("q_proj", "k_proj", "v_proj", "o_proj")  # (its experts: no linears to adapt)

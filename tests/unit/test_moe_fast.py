@@ -127,22 +127,25 @@ def test_the_engine_over_the_graphs_gives_generates_greedy_tokens(tiny_model, mo
         assert [e.token.id for e in events if e.token] == greedy_tokens(loaded, prompt, 10)
 
 
-def test_lora_adapters_on_a_mixture_of_experts_are_served_by_transformers_forward(tiny_model, tmp_path):
+@pytest.mark.parametrize(("arch", "path"), [("qwen3_moe", "generic"), ("gpt_oss", "fast")])
+def test_lora_adapters_on_a_mixture_of_experts(tiny_model, tmp_path, arch, path):
     """lmiserve's forward applies adapters to attention and dense MLPs: with LoRA configured an MoE model takes
-    transformers' forward (which hooks any linear), and an adapter on attention gives the merged model's tokens."""
+    transformers' forward (which hooks any linear), or where that cannot run it (gpt-oss's sinks) lmiserve's, with
+    adapters of attention alone (its experts and router are no linears PEFT adapts); an adapter of q and v gives the
+    merged model's tokens either way."""
     from helpers.lora_adapters import AdapterSpec, make_adapter, merged_generate, served_with_adapter
     from lmiserve.engine.lora.registry import LoraLimits
 
-    base = tmp_path / "qwen3_moe"
-    build(*MOE_ARCHS["qwen3_moe"]).save_pretrained(base)
+    base = tmp_path / arch
+    build(*MOE_ARCHS[arch]).save_pretrained(base)
     adapter = make_adapter(base, tmp_path / "adapter", AdapterSpec("attn", 8, ("q_proj", "v_proj"), seed=4, b_std=0.3))
-    loaded = dataclasses.replace(tiny_model, model=build(*MOE_ARCHS["qwen3_moe"]), max_context=256)
+    loaded = dataclasses.replace(tiny_model, model=build(*MOE_ARCHS[arch]), max_context=256)
     prompts = [tiny_model.tokenizer(p).input_ids for p in PROMPTS[:2]]
     expected = merged_generate(base, adapter, prompts, 8)
     assert expected != merged_generate(base, None, prompts, 8)
 
     config = EngineConfig(lora=LoraLimits(max_loras=1))
-    assert served_with_adapter(loaded, config, "attn", adapter, PROMPTS[:2], 8, "generic") == expected
+    assert served_with_adapter(loaded, config, "attn", adapter, PROMPTS[:2], 8, path) == expected
     without = create_engine(loaded, EngineConfig())
     assert without.runner.path == "fast"
 
