@@ -66,7 +66,7 @@ DUMMY_GROUP = 128  # load_format=dummy with quantize=awq|gptq: groups of this ma
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """A checkpoint's quantization: `method` (fp8, awq, gptq), `source` (the checkpoint's
+    """A checkpoint's quantization: `method` (fp8, awq, gptq, mxfp4), `source` (the checkpoint's
     ``quant_method``; ``dynamic``: fp8 made at load from float weights; ``dummy``: 4-bit codes made at load
     from `load_format=dummy`'s random weights, `quantize_int4_dummy`), the 4-bit `group_size`
     (-1: one group per row), whether GPTQ's stored zeros are ``zero - 1`` (`v1_zeros`) and whether fp8's scales are
@@ -122,8 +122,10 @@ def _spec(qc: dict[str, Any]) -> QuantSpec:
                 "8-bit float weights per channel or per tensor"
             )
         return QuantSpec("fp8", method)
-    if method in ("fbgemm_fp8", "mxfp4"):
-        return QuantSpec("fp8" if method == "fbgemm_fp8" else method, method)
+    if method == "fbgemm_fp8":
+        return QuantSpec("fp8", method)
+    if method == "mxfp4":
+        return QuantSpec("mxfp4", method)
     if method == "fp8":
         return QuantSpec("fp8", method, blocks=bool(qc.get("weight_block_size")))
     if method in ("awq", "gptq"):

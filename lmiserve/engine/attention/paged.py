@@ -44,7 +44,7 @@ import torch
 from lmiserve.engine import host_copy
 from lmiserve.engine.attention import cpu_kernel, kv_quant
 from lmiserve.engine.attention.kv_quant import UNIT, KvFormat
-from lmiserve.engine.attention.scores import sink_softmax
+from lmiserve.engine.attention.scores import sink_softmax, soft_cap
 from lmiserve.engine.attention.windows import hidden_outside
 from lmiserve.engine.core import kv_blocks
 
@@ -289,7 +289,7 @@ def torch_decode_attention(
         keys, values = keys.to(query.dtype), values.to(query.dtype)
         scale = scale * scales[0]
     scores = torch.matmul(query.to(keys.dtype), keys.transpose(-1, -2)).float() * scale  # [R, kv, groups, L]
-    scores = scores if softcap is None else torch.tanh(scores / softcap) * softcap
+    scores = soft_cap(scores, softcap)
     scores.masked_fill_(hidden_outside(index.spans, index.hidden, window), float("-inf"))
     heads = None if sinks is None else sinks.view(1, *scores.shape[1:3], 1)
     out = torch.matmul(sink_softmax(scores, heads).to(values.dtype), values)

@@ -26,11 +26,15 @@ def chunk_attention(
     mask, or a sink logit a head in the softmax (`sinks` ``[heads]``, gpt-oss's), torch ops with an fp32 softmax."""
     if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
-    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scale
-    scores = scores if softcap is None else torch.tanh(scores / softcap) * softcap
+    scores = soft_cap(torch.matmul(query, key.transpose(-1, -2)).float() * scale, softcap)
     scores = scores if mask is None else scores.masked_fill(~mask, float("-inf"))
     heads = None if sinks is None else sinks.view(1, -1, 1, 1)
     return torch.matmul(sink_softmax(scores, heads).to(value.dtype), value)
+
+
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap * tanh(x / cap)`` (`x` itself without a cap): Gemma 2's attention scores, Gemma's logits."""
+    return x if cap is None else torch.tanh(x / cap) * cap
 
 
 def sink_softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:

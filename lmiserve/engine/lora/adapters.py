@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 # the linears lmiserve's own Llama-family forward applies adapters to (engine/model/fast_llama.py; Phi-3's
 # q/k/v and gate/up are one linear each; Starcoder2's MLP is c_fc and c_proj)
-ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")  # (a mixture of experts' over tensor parallelism)
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")  # (all it adapts of a mixture of experts)
 FAST_PATH_MODULES = (
     *ATTENTION_MODULES,
     "gate_proj",
@@ -57,8 +57,6 @@ FAST_PATH_MODULES = (
     "c_fc",
     "c_proj",
 )
-
-
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 _PREFIX = "base_model.model."

@@ -37,6 +37,7 @@ from lmiserve.engine.attention import backends, cpu_kernel
 from lmiserve.engine.attention import windows as attention_window
 from lmiserve.engine.attention.backends import SeqTokens
 from lmiserve.engine.attention.paged import AttentionShape, PagedKVCache
+from lmiserve.engine.attention.scores import soft_cap
 from lmiserve.engine.lora.batch import LoraGroup, LoraProducts
 from lmiserve.engine.lora.slots import LoraSlots
 from lmiserve.engine.model import fused_norm, q4_decode
@@ -121,9 +122,8 @@ class FastLlama:
         self.rope, self.rope_kind = RopeTables.of(model, self.head_dim, max_context)
         self._gemm = gemm if gemm is not None else CpuGemm.for_model(self.device, self.dtype)
         self.sinks = attention_sinks(inner.layers)  # gpt-oss's attention sinks (None: none)
-        # the step's attention (backends.py): Triton on CUDA, the compiled kernel on CPU fp32 (not Gemma 2's capped
-        # scores, nor gpt-oss's sinks: it has neither)
-        compiled_ok = compiled_attention_ok and not self.multipliers.attention_softcap and self.sinks is None
+        # the step's attention (backends.py): Triton on CUDA, the compiled kernel on CPU fp32 (`plain_scores`)
+        compiled_ok = compiled_attention_ok and self.plain_scores
         self.attention: backends.AttentionBackend = self._scaled(
             backends.choose(cache, self.heads, self.windows, compiled_ok=compiled_ok)
         )
@@ -151,6 +151,12 @@ class FastLlama:
         whole = self.rope.rotary_dim == self.head_dim and not self.rope.interleaved
         dense = all(layer.moe is None for layer in self.layers)
         return all(self.rope_layers) and whole and heads and dense and self.multipliers.plain and self.plain_norms
+
+    @property
+    def plain_scores(self) -> bool:
+        """Whether attention is a plain causal softmax, what the compiled CPU kernel computes: no soft cap (Gemma 2's),
+        no sinks (gpt-oss's)."""
+        return not self.multipliers.attention_softcap and self.sinks is None
 
     @property
     def silu_layers(self) -> bool:
@@ -181,8 +187,8 @@ class FastLlama:
         self._gemm = gemm.warmed(self.dtype, self.device)
         if self.triton:
             return
-        capped = self.multipliers.attention_softcap or self.sinks is not None  # (the compiled kernel has neither)
-        if compiled and not capped and cpu_kernel.available(self.cache.kv_dtype, self.device):  # never an fp8 pool
+        # (never an fp8 pool: the compiled kernel reads fp32)
+        if compiled and self.plain_scores and cpu_kernel.available(self.cache.kv_dtype, self.device):
             cpu_kernel.warm_up()
             self.attention = self._scaled(backends.CpuKernelBackend(self.cache, self.heads, self.windows))
         else:
@@ -273,8 +279,7 @@ class FastLlama:
         if logits is None:
             logits = self._gemm.linear(rms_norm(x, self.norm), self.lm_head, None, self.lm_head_s)
         logits = logits if self.multipliers.logits == 1.0 else logits / self.multipliers.logits
-        cap = self.multipliers.softcap
-        logits = logits if cap is None else torch.tanh(logits / cap) * cap  # (Gemma 3's, in the model's dtype)
+        logits = soft_cap(logits, self.multipliers.softcap)  # (Gemma 3's, in the model's dtype)
         return logits if logits.shape[-1] == self.vocab else logits[..., : self.vocab]
 
     def rope_upto(self, positions: int) -> None:
