@@ -25,11 +25,13 @@ from lmiserve.engine.core.async_engine import AsyncEngine, EngineConfig
 from lmiserve.engine.executors.tensor_parallel import TensorParallelExecutor, WorkerSpec, free_port
 from lmiserve.engine.factory import create_engine, prompt_codec, worker_config
 from lmiserve.engine.lora.registry import AdapterRegistry, LoraLimits
+from lmiserve.engine.model.shard_checkpoint import checkpoint_files
 from lmiserve.engine.model.sharding import unsplittable_reason
 from lmiserve.engine.runner import fast_path_modules
 from lmiserve.engine.speculative.proposers import SpeculationSettings
 from lmiserve.models.errors import ModelLoadError
 from lmiserve.models.load import load_causal_lm, load_model_shell, resolve_dtype
+from lmiserve.models.quantized_load import checkpoint_quantization, quantize_at_load
 
 if TYPE_CHECKING:
     from lmiserve.config import Settings
@@ -152,6 +154,9 @@ def worker_spec(settings: Settings, model_path: str, device: torch.device, degre
     """What `degree` workers of `model_path` on `device` need (the engine's options among them, and the
     loaders they read the model with)."""
     config = worker_config(engine_config(settings), device, degree // settings.nnodes)
+    quant = checkpoint_quantization(Path(model_path), settings.quantize, settings.load_format)
+    if quant is not None and quant.source not in ("dynamic", "dummy") and checkpoint_files(model_path) is None:
+        raise ModelLoadError(f"a {quant.method} checkpoint needs its weights as safetensors")
     port = settings.master_port or (29500 if settings.nnodes > 1 else free_port())
     return WorkerSpec(
         model_path=model_path,
@@ -163,12 +168,14 @@ def worker_spec(settings: Settings, model_path: str, device: torch.device, degre
         config=config,
         load_model=load_causal_lm,
         load_shell=load_model_shell,
+        quantize_shard=quantize_at_load,
         nnodes=settings.nnodes,
         node_rank=settings.node_rank,
         master_addr=settings.master_addr,
         master_port=port,
         step_timeout=settings.step_timeout,
         log_level=settings.log_level.upper(),
+        quantization=quant,
     )
 
 
@@ -222,8 +229,6 @@ def load_tensor_parallel_llm(settings: Settings, path: Path, degree: int) -> tup
     """The LLM in `path` over `degree` tensor-parallel workers (started here): this process holds the
     model's shell (its tokenizer and config, no weights) and the engine (not started)."""
     s = settings
-    if s.quantize is not None:
-        raise ModelLoadError(f"quantize={s.quantize} does not combine with tensor parallelism yet")
     loaded = load_model_shell(path, s.dtype, s.device, s.trust_remote_code)
     with_chat_template(loaded.tokenizer, s.chat_template)
     return loaded, build_tensor_parallel_engine(loaded, s, degree)

@@ -32,8 +32,7 @@ from lmiserve.models.int4_load import load_int4_from_codes, quantize_int4
 from lmiserve.models.quantized_load import (
     checkpoint_quantization,
     load_quantized,
-    quantize_fp8_dynamic,
-    quantize_int4_dummy,
+    quantize_at_load,
 )
 from lmiserve.models.vision import is_vision_config, load_processor
 
@@ -171,10 +170,8 @@ def load_causal_lm(
         logger.info("%s", from_codes[1] if from_codes is not None else quantize_int4(model, path))
     if int8 or int4:
         _warn_unquantized_experts(model, "int8" if int8 else "int4")
-    if quant is not None and quant.dynamic:
-        quant_summary = quantize_fp8_dynamic(model, torch_dtype, torch_device)
-    elif quant is not None and quant.source == "dummy":
-        quant_summary = quantize_int4_dummy(model, quant, torch_dtype, torch_device)
+    if quant is not None and quant.source in ("dynamic", "dummy"):
+        quant_summary = quantize_at_load(model, quant, torch_dtype, torch_device)
     if quant_summary is not None:
         logger.info("quantize: %s", quant_summary)
 
@@ -213,13 +210,11 @@ def load_model_shell(
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     quant = checkpoint_quantization(path, None)
-    if quant is not None and quant.method != "mxfp4":  # (gpt-oss's experts: each rank dequantizes its part)
-        raise ModelLoadError(f"{path.name} is a quantized checkpoint: tensor parallelism does not shard those yet")
     common = {"trust_remote_code": trust_remote_code, "local_files_only": True}
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **common)
         config = AutoConfig.from_pretrained(path, **common)
-        if quant is not None:  # the shell's experts are float; each worker dequantizes its part of MXFP4's
+        if quant is not None:  # a float shell: each worker makes its shard's quantized layers (shard_quantized.py)
             del config.quantization_config
         with init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, trust_remote_code=trust_remote_code)

@@ -28,7 +28,6 @@ import json
 import logging
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +36,7 @@ import torch
 from lmiserve.engine.model.int4_triton import Int4TritonLinear
 from lmiserve.engine.model.quant_formats import (
     Int4Parts,
+    QuantSpec,
     fp8_module,
     int4_module,
     quantize_fp8,
@@ -54,6 +54,7 @@ __all__ = [
     "QuantSpec",
     "checkpoint_quantization",
     "load_quantized",
+    "quantize_at_load",
     "quantize_fp8_dynamic",
     "quantize_int4_dummy",
 ]
@@ -62,25 +63,6 @@ logger = logging.getLogger(__name__)
 
 QUANTIZE_METHODS = ("fp8", "awq", "gptq", "mxfp4")
 DUMMY_GROUP = 128  # load_format=dummy with quantize=awq|gptq: groups of this many inputs (AWQ's and GPTQ's usual)
-
-
-@dataclass(frozen=True)
-class QuantSpec:
-    """A checkpoint's quantization: `method` (fp8, awq, gptq, mxfp4), `source` (the checkpoint's
-    ``quant_method``; ``dynamic``: fp8 made at load from float weights; ``dummy``: 4-bit codes made at load
-    from `load_format=dummy`'s random weights, `quantize_int4_dummy`), the 4-bit `group_size`
-    (-1: one group per row), whether GPTQ's stored zeros are ``zero - 1`` (`v1_zeros`) and whether fp8's scales are
-    block-wise (`blocks`: ``weight_block_size``, dequantized at load)."""
-
-    method: str
-    source: str
-    group_size: int = -1
-    v1_zeros: bool = True
-    blocks: bool = False
-
-    @property
-    def dynamic(self) -> bool:
-        return self.source == "dynamic"
 
 
 def checkpoint_quantization(path: Path, quantize: str | None, load_format: str = "auto") -> QuantSpec | None:
@@ -127,7 +109,8 @@ def _spec(qc: dict[str, Any]) -> QuantSpec:
     if method == "mxfp4":
         return QuantSpec("mxfp4", method)
     if method == "fp8":
-        return QuantSpec("fp8", method, blocks=bool(qc.get("weight_block_size")))
+        block = qc.get("weight_block_size")
+        return QuantSpec("fp8", method, blocks=(int(block[0]), int(block[1])) if block else None)
     if method in ("awq", "gptq"):
         bits = qc.get("bits", qc.get("w_bit"))
         group = int(qc.get("group_size", qc.get("q_group_size", -1)) or -1)
@@ -268,6 +251,17 @@ def _kind_name(module: torch.nn.Module) -> str:
     if type(module) is torch.nn.Linear:
         return f"de-quantized to {str(module.weight.dtype).removeprefix('torch.')}"
     return "fp8 (_scaled_mm)"
+
+
+def quantize_at_load(model: torch.nn.Module, spec: QuantSpec, dtype: torch.dtype, device: torch.device) -> str:
+    """What `spec` makes at load of `model`'s float weights (a whole model's, or a tensor-parallel rank's shard):
+    fp8 of ``quantize=fp8`` on a float checkpoint (`quantize_fp8_dynamic`), 4-bit codes of a dummy model's random
+    weights (`quantize_int4_dummy`). An account of what was done."""
+    if spec.dynamic:
+        return quantize_fp8_dynamic(model, dtype, device)
+    if spec.source != "dummy":
+        raise ValueError(f"a {spec.method} checkpoint ({spec.source}) is read as stored, not quantized at load")
+    return quantize_int4_dummy(model, spec, dtype, device)
 
 
 def quantize_fp8_dynamic(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> str:

@@ -115,7 +115,9 @@ def _answers(model_dir: Path, degree: int, **options: str) -> list[Answer]:
     # a small prefill budget: the long prompt is prefilled in chunks, beside the other rows' decodes
     base = {"model_id": str(model_dir), "device": "cpu", "max_rolling_batch_prefill_tokens": "16", **options}
     if degree == 1:
-        engine = build_engine(load_causal_lm(model_dir, device="cpu"), Settings.from_options(base))
+        quantize, load_format = options.get("quantize"), options.get("load_format", "auto")
+        loaded = load_causal_lm(model_dir, device="cpu", quantize=quantize, load_format=load_format)
+        engine = build_engine(loaded, Settings.from_options(base))
     else:
         settings = Settings.from_options({**base, "tensor_parallel_degree": str(degree)})
         engine = build_tensor_parallel_engine(load_model_shell(model_dir, device="cpu"), settings, degree)
@@ -475,6 +477,37 @@ def test_gpt_oss_from_its_mxfp4_checkpoint_over_two_ranks(tmp_path):
     folder = tmp_path / "gpt-oss-mxfp4"
     write_mxfp4_gpt_oss(folder)
     whole, split = _answers(folder, 1), _answers(folder, 2)
+    for one, two in zip(whole, split, strict=True):
+        assert one.tokens == two.tokens
+        assert _close(one.logprobs, two.logprobs)
+
+
+# fp8-channel: each rank's rows of the fp8 weights with their scales; fp8-block-moe: a Qwen3-MoE in block-wise fp8,
+# its experts' slices dequantized through the blocks they cover (blocks of 16, a rank's 24 rows of 48 are not
+# whole blocks); awq: each rank's codes on the CPU int4 kernel; gptq-desc-act: act-order groups; fp8-at-load:
+# quantize=fp8 on a float checkpoint, each rank's shard quantized per channel (a row-parallel linear's scales over
+# whole rows); awq-dummy: a benchmark's 4-bit model of random weights, each rank's shard rounded to codes
+QUANTIZED = {
+    "fp8-channel": ("fp8-channel", 128, False, {}),
+    "fp8-block-moe": ("fp8-block", 16, False, {}),
+    "awq": ("awq", 128, False, {}),
+    "gptq-desc-act": ("gptq", 64, True, {}),
+    "fp8-at-load": ("float", 0, False, {"quantize": "fp8"}),
+    "awq-dummy": ("float", 0, False, {"quantize": "awq", "load_format": "dummy"}),
+}
+
+
+@pytest.mark.parametrize("case", list(QUANTIZED))
+def test_a_quantized_checkpoint_over_two_ranks_gives_the_tokens_of_one_process(tmp_path, case):
+    """A quantized checkpoint split over two ranks, each making its shard's layers from the checkpoint's tensors:
+    the tokens and logprobs of the same checkpoint loaded whole in one process."""
+    from helpers.llama_variants import MOE_ARCHS, build
+    from helpers.quantizable import quantizable_llama, write_checkpoint
+
+    fmt, group, act_order, options = QUANTIZED[case]
+    model = build(*MOE_ARCHS["qwen3_moe"]) if case.endswith("moe") else quantizable_llama(25)
+    folder = write_checkpoint(model, tmp_path / case, fmt, group, act_order)
+    whole, split = _answers(folder, 1, **options), _answers(folder, 2, **options)
     for one, two in zip(whole, split, strict=True):
         assert one.tokens == two.tokens
         assert _close(one.logprobs, two.logprobs)

@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
+from helpers.quantizable import quantizable_llama
 from helpers.tiny_model import build_tiny_tokenizer
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine.core.async_engine import EngineConfig
@@ -53,22 +54,7 @@ CASES = {  # id: (quant_pack format, act_order, group)
 
 
 def tiny_llama() -> tuple[LlamaForCausalLM, object]:
-    tokenizer = build_tiny_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.1,  # peaked logits: greedy tokens do not tie
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(39)
-    model = LlamaForCausalLM(config).eval()
-    model.generation_config.eos_token_id = None
-    return model, tokenizer
+    return quantizable_llama(39), build_tiny_tokenizer()
 
 
 @pytest.fixture(scope="module")

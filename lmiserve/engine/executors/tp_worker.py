@@ -35,6 +35,7 @@ from lmiserve.engine.runner.fast import PagedFastRunner
 if TYPE_CHECKING:
     from lmiserve.engine.core.async_engine import EngineConfig
     from lmiserve.engine.loaded import LoadedModel
+    from lmiserve.engine.model.quant_formats import QuantSpec
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,13 @@ class LoadModel(Protocol):
     def __call__(
         self, path: str, *, dtype: str, device: str, trust_remote_code: bool, load_format: str
     ) -> LoadedModel: ...
+
+
+class QuantizeShard(Protocol):
+    """Quantizes a rank's float shard at load as `spec` says (4-bit codes of a `dummy` model's random weights:
+    `lmiserve.models.quantized_load.quantize_at_load`), on `device`; an account of what it did."""
+
+    def __call__(self, model: Any, spec: QuantSpec, dtype: torch.dtype, device: torch.device) -> str: ...
 
 
 class LoadShell(Protocol):
@@ -75,12 +83,16 @@ class WorkerSpec:
     # models/load.py's functions: module-level, so the spawned workers unpickle them by name)
     load_model: LoadModel
     load_shell: LoadShell
+    quantize_shard: QuantizeShard  # 4-bit codes of a dummy model's random weights (`quantize=awq|gptq`)
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     step_timeout: float = 300.0
     log_level: str = "INFO"
+    # the checkpoint's quantization (a quantized checkpoint's linears cut as stored), or `quantize` made at load
+    # (fp8 of a float checkpoint: shard_quantized.quantize_fp8_shard; 4-bit codes of a dummy model: `quantize_shard`)
+    quantization: QuantSpec | None = None
 
     @property
     def local_world(self) -> int:
@@ -179,15 +191,18 @@ def _load_shard(spec: WorkerSpec, rank: int, local_rank: int) -> tuple[Any, int]
 
     from lmiserve.engine.factory import profile_step_memory
     from lmiserve.engine.model.shard_checkpoint import checkpoint_files, load_shard_weights
+    from lmiserve.engine.model.shard_quantized import quantize_fp8_shard
     from lmiserve.engine.model.sharding import shard_model
     from lmiserve.engine.pool_plan import kv_pool_blocks, largest_step_tokens, profiled_sampling
 
+    quant = spec.quantization
+    target = torch.device("cuda", local_rank) if spec.device == "cuda" else torch.device("cpu")
     if spec.load_format != "dummy" and checkpoint_files(spec.model_path) is not None:
         loaded = spec.load_shell(
             spec.model_path, dtype=spec.dtype, device="cpu", trust_remote_code=spec.trust_remote_code
         )
         shard_model(loaded.model, rank, spec.world, dist.group.WORLD)
-        load_shard_weights(loaded.model, spec.model_path)
+        load_shard_weights(loaded.model, spec.model_path, quant, target)
         loaded.model.train(False)
     else:
         loaded = spec.load_model(
@@ -198,6 +213,11 @@ def _load_shard(spec: WorkerSpec, rank: int, local_rank: int) -> tuple[Any, int]
             load_format=spec.load_format,
         )
         shard_model(loaded.model, rank, spec.world, dist.group.WORLD)
+    if quant is not None and quant.dynamic:  # (each row's scale over its whole row: one process's fp8 weights)
+        count = quantize_fp8_shard(loaded.model, getattr(torch, spec.dtype), target)
+        log.info("rank %d: %d linears quantized to fp8 at load, per output channel", rank, count)
+    elif quant is not None and quant.source == "dummy":
+        log.info("rank %d: %s", rank, spec.quantize_shard(loaded.model, quant, getattr(torch, spec.dtype), target))
     config = spec.config
     activation = None
     if spec.device == "cuda":

@@ -26,17 +26,20 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return weight.float() * (s[:, None] if s.numel() > 1 else s)
 
 
-def rows_to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row of a 2-D fp32 `x` in fp8 over its own range: ``scale = max|row| / 448`` (``[rows, 1]``, at
-    least fp32's smallest normal), ``q = x / scale`` clamped and rounded to ``float8_e4m3fn``."""
-    scale = (x.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+def rows_to_fp8(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of a 2-D fp32 `x` in fp8 over its own range (or over `amax`, ``[rows, 1]``: a whole row's of
+    which `x` holds some columns): ``scale = max|row| / 448`` (``[rows, 1]``, at least fp32's smallest normal),
+    ``q = x / scale`` clamped and rounded to ``float8_e4m3fn``."""
+    amax = x.abs().amax(dim=1, keepdim=True) if amax is None else amax
+    scale = (amax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
-def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8(weight: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-output-channel fp8 of a float weight (vLLM's dynamic fp8): ``scale = max|w| / 448`` (fp32
-    ``[out]``), ``q = w / scale`` rounded to ``float8_e4m3fn``."""
-    q, scale = rows_to_fp8(weight.detach().float())
+    ``[out]``; `amax`: each row's ``max|w|`` when `weight` holds only some of its columns), ``q = w / scale``
+    rounded to ``float8_e4m3fn``."""
+    q, scale = rows_to_fp8(weight.detach().float(), None if amax is None else amax.float().reshape(-1, 1))
     return q, scale[:, 0]
 
 

@@ -45,6 +45,7 @@ __all__ = [
     "FP8_MAX",
     "Fp8Linear",
     "Int4Parts",
+    "QuantSpec",
     "dequantize_fp8",
     "fp8_linear",
     "fp8_module",
@@ -63,6 +64,25 @@ _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 def _nibbles(words: torch.Tensor) -> torch.Tensor:
     """int32 words ``[..., n]`` as their 8 nibbles ``[..., n, 8]`` (nibble k = bits 4k..4k+3), int32 0..15."""
     return (words.to(torch.int32)[..., None] >> _SHIFTS.to(words.device)) & 0xF
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """A checkpoint's quantization: `method` (fp8, awq, gptq, mxfp4), `source` (the checkpoint's
+    ``quant_method``; ``dynamic``: fp8 made at load from float weights; ``dummy``: 4-bit codes made at load
+    from `load_format=dummy`'s random weights, `quantize_int4_dummy`), the 4-bit `group_size`
+    (-1: one group per row), whether GPTQ's stored zeros are ``zero - 1`` (`v1_zeros`) and whether fp8's scales are
+    block-wise (`blocks`: ``weight_block_size``, the rows and inputs of a block; dequantized at load)."""
+
+    method: str
+    source: str
+    group_size: int = -1
+    v1_zeros: bool = True
+    blocks: tuple[int, int] | None = None
+
+    @property
+    def dynamic(self) -> bool:
+        return self.source == "dynamic"
 
 
 @dataclass

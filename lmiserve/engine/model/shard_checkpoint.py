@@ -9,7 +9,9 @@ and ``experts.down_proj`` ``[experts, hidden, inter]``; each rank reads its rows
 expert's and stacks them so. A checkpoint that stores the merged tensors is read by its slices likewise (gpt-oss's
 bf16 checkpoints: ``[experts, in, out]``, gate and up interleaved); gpt-oss's MXFP4 experts (``*_blocks``,
 ``*_scales``) are read as the rank's outputs of gate/up, or down's whole, and dequantized by transformers.
-Persistent buffers the checkpoint holds (GLM-4.5's router's score biases) are read whole.
+Persistent buffers the checkpoint holds (GLM-4.5's router's score biases) are read whole. A quantized checkpoint's
+linears (fp8, AWQ, GPTQ) are cut and made by `shard_quantized`; its other fp8 weights (block-wise fp8's, an fp8
+expert's) are read as float.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from lmiserve.engine.model.llama_layout import LlamaFamily
+from lmiserve.engine.model.quant_formats import QuantSpec
+from lmiserve.engine.model.shard_quantized import dequantizing_reader, shard_linear
 from lmiserve.engine.model.sharding import (
     EXPERT_TENSORS,
     ROW_PARALLEL,
@@ -61,11 +65,15 @@ def checkpoint_files(path: str | Path) -> dict[str, Path] | None:
         return dict.fromkeys(handle.keys(), single)
 
 
-def load_shard_weights(model: PreTrainedModel, path: str | Path) -> None:
+def load_shard_weights(
+    model: PreTrainedModel, path: str | Path, quant: QuantSpec | None = None, device: torch.device | None = None
+) -> None:
     """Fill the parameters of `model`, cut by `shard_model` while on the meta device (the shell of
     `models.load.load_model_shell`), with its rank's slices read from the safetensors checkpoint in `path`,
-    and its persistent buffers the checkpoint holds. ValueError when the checkpoint is not safetensors or
-    lacks a parameter."""
+    and its persistent buffers the checkpoint holds. A checkpoint quantized as `quant` says: each linear of its
+    layers stored fp8 (per channel or tensor), AWQ or GPTQ made the rank's layer of that format on `device` (where
+    the model will run: an `Fp8Linear` keeps its tensors out of ``Module.to``), its other fp8 weights read as float.
+    ValueError when the checkpoint is not safetensors or lacks a parameter."""
     shard = shard_of(model)
     if shard is None:
         raise ValueError("load_shard_weights fills a model cut by shard_model")
@@ -83,25 +91,56 @@ def load_shard_weights(model: PreTrainedModel, path: str | Path) -> None:
         handles: dict[Path, Any] = {}
         layouts = {n: experts_layout(m) for n, m in model.named_modules() if n.endswith(".experts")}
 
-        def read(name: str) -> Any:
+        def slice_of(name: str) -> Any:
             file = files[name]
             if file not in handles:
                 handles[file] = stack.enter_context(safe_open(str(file), framework="pt"))
             return handles[file].get_slice(name)
 
+        read = dequantizing_reader(slice_of, files, quant)
+        made = _quantized_linears(model, files, slice_of, quant, device or torch.device("cpu"))
         for name, parameter in model.named_parameters():  # a tied output layer's weight is listed once
+            if name.rpartition(".")[0] in made:
+                continue
             loaded = _read(name, parameter, files, read, shard.plan, layouts)
             if loaded is None:
                 raise ValueError(f"the checkpoint in {path} has no tensor {name}")
             owner, _, attribute = name.rpartition(".")
             setattr(model.get_submodule(owner), attribute, torch.nn.Parameter(loaded, requires_grad=False))
         for name, buffer in list(model.named_buffers()):  # (RoPE's frequencies are computed, not stored)
+            if name.rpartition(".")[0] in made:
+                continue
             loaded = _read(name, buffer, files, read, shard.plan, layouts)
             if loaded is not None:
                 owner, _, attribute = name.rpartition(".")
                 setattr(model.get_submodule(owner), attribute, loaded)
     if tied:
         head.weight = embed.weight
+
+
+def _quantized_linears(
+    model: PreTrainedModel, files: dict[str, Path], read: Read, quant: QuantSpec | None, device: torch.device
+) -> set[str]:
+    """Each linear of `model`'s layers that the checkpoint stores quantized (fp8 with a ``weight_scale``, AWQ or
+    GPTQ) replaced by the rank's layer of it (`shard_quantized.shard_linear`); their names."""
+    if quant is None or quant.method not in ("fp8", "awq", "gptq"):
+        return set()
+    key = "weight_scale" if quant.method == "fp8" else "qweight"
+    plan = cast(Any, shard_of(model)).plan
+    made = set()
+    for name, module in list(model.named_modules()):
+        if type(module) is not torch.nn.Linear or ".layers." not in name or f"{name}.{key}" not in files:
+            continue
+        layer = shard_linear(name, files, read, plan, quant, module.weight.dtype, device)
+        if layer is None:
+            continue
+        shape, rank_shape = (getattr(layer, "out_features", -1), getattr(layer, "in_features", -1)), module.weight.shape
+        if list(shape) != list(rank_shape):  # (out, in), as a weight's shape
+            raise ValueError(f"{name}: the checkpoint's shard is {list(shape)}, the rank's linear {list(rank_shape)}")
+        owner, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(owner), attribute, layer)
+        made.add(name)
+    return made
 
 
 def _read(

@@ -1,0 +1,182 @@
+"""A tensor-parallel rank's share of a quantized checkpoint (issue #39): each linear's shard cut from the
+checkpoint's own tensors as `sharding` cuts a float linear's weight, then made as one process makes the whole
+linear (`quant_formats`), so a rank of an fp8 checkpoint holds fp8 weights on Hopper and Ada GPUs.
+
+- fp8 per channel or per tensor (compressed-tensors, FBGEMM fp8, AutoFP8): a column-parallel linear's rows of the
+  fp8 weight with their scales (a per-tensor scale whole), a row-parallel linear's input columns with every
+  scale, read by their slices; `fp8_module` makes an `Fp8Linear` where the device multiplies fp8, else
+  dequantizes it (a CPU).
+- 4-bit AWQ and GPTQ: the packed tensors read whole (a quarter of the bf16 bytes), unpacked (`unpack_awq`,
+  `unpack_gptq`), then the codes, scales and zeros cut: a column-parallel linear's rows, a row-parallel linear's
+  input columns with the groups they use (consecutive groups stay consecutive when the rank's first input starts
+  a group: the rank's layer is then the CPU int4 kernel's, as one process's is; GPTQ's act-order groups are kept
+  as its ``g_idx`` says); `int4_module` makes the layer.
+- ``quantize=fp8`` on a float checkpoint (`quantize_fp8_shard`): each rank's float linears quantized per output
+  channel, a row-parallel linear's scales over its whole rows (their maxima all-reduced), so every rank's fp8
+  weights are its cut of those one process makes.
+- Any other fp8 weight, block-wise (``weight_block_size``: Qwen3's and DeepSeek's FP8 releases) or one the loop
+  above does not make (an expert's matrices, an output projection): read through `Fp8Scaled`, which dequantizes
+  the slice asked for (its fp8 values times the scales of the blocks it covers), so every reader of a float
+  checkpoint (the linears', the experts', the vocabulary's) reads it as float, as one process's load does for
+  block-wise fp8.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from lmiserve.engine.model.quant_formats import (
+    Int4Parts,
+    QuantSpec,
+    fp8_module,
+    int4_module,
+    quantize_fp8,
+    unpack_awq,
+    unpack_gptq,
+)
+from lmiserve.engine.model.quantize import replace_linears
+from lmiserve.engine.model.sharding import ROW_PARALLEL, ShardPlan, column_run, keep_runs, row_runs, shard_of
+
+__all__ = ["Fp8Scaled", "dequantizing_reader", "quantize_fp8_shard", "shard_linear"]
+
+Read = Callable[[str], Any]  # a checkpoint tensor's safetensors slice, by its name
+
+
+class Fp8Scaled:
+    """An fp8 weight ``[out, in]`` of a checkpoint read as float: a slice of it (``[rows]`` or ``[rows, columns]``,
+    steps of one) is its fp8 values times the scale of the block each is in. `scale` ``[out / rows_a_block, in /
+    inputs_a_block]`` (rounded up; block-wise fp8's ``weight_scale_inv``), ``[out, 1]`` (per channel) or one value
+    (per tensor); `block`: the block's rows and inputs (None: what `scale`'s shape says of a per-channel or
+    per-tensor scale)."""
+
+    def __init__(self, weight: Any, scale: Any, block: tuple[int, int] | None) -> None:
+        self.weight = weight
+        self.shape = tuple(weight.get_shape())
+        self.scale = torch.as_tensor(scale[...]).float()
+        if self.scale.dim() < 2:  # per tensor (one value) or per channel ([out])
+            self.scale = self.scale.reshape(-1, 1)
+        out, inputs = self.shape
+        if block is None:
+            block = (1 if self.scale.shape[0] > 1 else out, inputs)
+        self.block = block
+
+    def get_shape(self) -> tuple[int, ...]:
+        return self.shape
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        rows, columns = index if isinstance(index, tuple) else (index, slice(None))
+        if not isinstance(rows, slice) or not isinstance(columns, slice) or len(self.shape) != 2:
+            raise ValueError(f"an fp8 weight of shape {list(self.shape)} is read by slices of its rows and columns")
+        (r0, r1, r_step), (c0, c1, c_step) = rows.indices(self.shape[0]), columns.indices(self.shape[1])
+        if r_step != 1 or c_step != 1:
+            raise ValueError("an fp8 weight is read by runs of rows and columns")
+        (bo, bi), (sr, sc) = self.block, (r0 % self.block[0], c0 % self.block[1])
+        scale = self.scale[r0 // bo : -(-r1 // bo), c0 // bi : -(-c1 // bi)]
+        scale = scale.repeat_interleave(bo, 0).repeat_interleave(bi, 1)[sr : sr + r1 - r0, sc : sc + c1 - c0]
+        return torch.as_tensor(self.weight[r0:r1, c0:c1]).float() * scale
+
+
+def dequantizing_reader(read: Read, names: Mapping[str, Any], quant: QuantSpec | None) -> Read:
+    """`read`, but an fp8 checkpoint's weights (those with a ``weight_scale_inv`` or ``weight_scale`` in `names`)
+    read as float through `Fp8Scaled`."""
+    if quant is None or quant.method != "fp8":
+        return read
+
+    def reader(name: str) -> Any:
+        base, _, kind = name.rpartition(".")
+        if kind == "weight":
+            for scale in ("weight_scale_inv", "weight_scale"):
+                if f"{base}.{scale}" in names:
+                    return Fp8Scaled(read(name), read(f"{base}.{scale}"), quant.blocks)
+        return read(name)
+
+    return reader
+
+
+def shard_linear(
+    name: str,
+    names: Mapping[str, Any],
+    read: Read,
+    plan: ShardPlan,
+    quant: QuantSpec,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.nn.Module | None:
+    """The rank's layer of linear `name` from the checkpoint's quantized tensors of it (`names`: the checkpoint's
+    tensors; `read`: one's slice), cut as `sharding` cuts a float linear; None when the checkpoint stores it float
+    or in a format that is read as float (block-wise fp8: `dequantizing_reader`)."""
+    short = name.rpartition(".")[2]
+    rows, columns = None, None
+    stored = read(f"{name}.weight_scale" if quant.method == "fp8" else f"{name}.scales")
+    outputs = stored.get_shape()[-1] if quant.method != "fp8" else read(f"{name}.weight").get_shape()[0]
+    rows = row_runs(plan, short, outputs)
+    bias = _bias(read(f"{name}.bias") if f"{name}.bias" in names else None, rows, short, plan)
+    if quant.method == "fp8":
+        weight = read(f"{name}.weight")
+        if rows is None and short in ROW_PARALLEL:
+            columns = column_run(plan, short, weight.get_shape()[1])
+        scale = torch.as_tensor(stored[...])
+        if rows is not None:
+            weight = keep_runs(weight, rows)
+            scale = scale if scale.numel() == 1 else keep_runs(scale, rows)
+        else:
+            weight = torch.as_tensor(weight[:, columns] if columns is not None else weight[:])
+        return fp8_module(weight, scale, bias, dtype, device)
+    qweight, qzeros, scales = (torch.as_tensor(read(f"{name}.{key}")[...]) for key in ("qweight", "qzeros", "scales"))
+    if quant.method == "awq":
+        parts = unpack_awq(qweight, qzeros, scales, quant.group_size)
+    else:
+        g_idx = torch.as_tensor(read(f"{name}.g_idx")[...]) if f"{name}.g_idx" in names else None
+        parts = unpack_gptq(qweight, qzeros, scales, g_idx, quant.group_size, quant.v1_zeros)
+    if rows is None and short in ROW_PARALLEL:
+        columns = column_run(plan, short, parts.codes.shape[1])
+    return int4_module(_cut_int4(parts, rows, columns), bias, dtype, device)
+
+
+def _bias(bias: Any, rows: list[slice] | None, short: str, plan: ShardPlan) -> torch.Tensor | None:
+    """The rank's part of a linear's bias: its rows' (column-parallel), whole on rank 0 alone (row-parallel: the
+    ranks' partial products are summed), or whole."""
+    if bias is None or (short in ROW_PARALLEL and rows is None and plan.rank != 0):
+        return None
+    return keep_runs(bias, rows) if rows is not None else torch.as_tensor(bias[...])
+
+
+def _cut_int4(parts: Int4Parts, rows: list[slice] | None, columns: slice | None) -> Int4Parts:
+    """`parts`' rows of `rows` (all their groups), or its input `columns` with the groups they use (renumbered in
+    order), or all of it."""
+    if rows is not None:
+        keep = torch.cat([torch.arange(run.start, run.stop) for run in rows])
+        return Int4Parts(
+            parts.codes[keep].contiguous(), parts.scale[keep].contiguous(), parts.zero[keep].contiguous(), parts.g_idx
+        )
+    if columns is None:
+        return parts
+    used, local = torch.unique(parts.g_idx[columns], sorted=True, return_inverse=True)
+    return Int4Parts(
+        parts.codes[:, columns].contiguous(), parts.scale[:, used].contiguous(), parts.zero[:, used].contiguous(), local
+    )
+
+
+def quantize_fp8_shard(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> int:
+    """``quantize=fp8`` on a rank's float shard (cut by `shard_model`): every linear but the output projection
+    quantized to fp8 per output channel (`quantize_fp8`) and made by `fp8_module`, a row-parallel linear's scale of
+    a row that of the whole row (the ranks' maxima all-reduced), as one process quantizes it. How many."""
+    import torch.distributed as dist
+
+    shard = shard_of(model)
+    if shard is None:
+        raise ValueError("quantize_fp8_shard quantizes a model cut by shard_model")
+    row_parallel = {id(m) for name, m in model.named_modules() if name.rpartition(".")[2] in ROW_PARALLEL}
+
+    def make(linear: torch.nn.Linear) -> torch.nn.Module:
+        amax = None
+        if id(linear) in row_parallel:
+            amax = linear.weight.detach().float().abs().amax(dim=1)
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=shard.group)
+        weight, scale = quantize_fp8(linear.weight, amax)
+        return fp8_module(weight, scale, linear.bias, dtype, device)
+
+    return replace_linears(model, lambda linear: True, make)

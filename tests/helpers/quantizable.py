@@ -1,0 +1,50 @@
+"""A tiny Llama whose linears every quantized format of `models.quant_pack` can write (256 inputs: whole groups of
+128 and blocks of 128; 4 heads of 64, 2 KV heads), with the tiny tokenizer's vocabulary; written as a checkpoint of a
+format by `write_checkpoint`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from helpers.tiny_model import build_tiny_tokenizer
+from lmiserve.models.quant_pack import write_quantized
+
+
+def quantizable_llama(seed: int, bias: bool = False) -> LlamaForCausalLM:
+    """Random weights drawn wide (peaked logits: greedy tokens do not tie); with `bias`, random biases on every
+    linear (transformers' zeros would hide a bias cut wrong)."""
+    config = LlamaConfig(
+        vocab_size=len(build_tiny_tokenizer()),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        tie_word_embeddings=True,
+        attention_bias=bias,
+        mlp_bias=bias,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    if bias:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0, 0.5)
+    return model
+
+
+def write_checkpoint(model: torch.nn.Module, folder: Path, fmt: str, group: int = 128, act_order: bool = False) -> Path:
+    """`model` in `folder` as a `fmt` checkpoint of `models.quant_pack` (or ``float``), with the tiny tokenizer."""
+    if fmt == "float":
+        model.save_pretrained(folder)  # type: ignore[operator]
+    else:
+        write_quantized(model, folder, fmt, group=group, act_order=act_order)
+    build_tiny_tokenizer().save_pretrained(folder)
+    return folder

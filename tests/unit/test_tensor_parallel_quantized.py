@@ -1,0 +1,156 @@
+"""Quantized checkpoints over tensor parallelism, without processes (engine/model/shard_quantized.py): each rank's
+shard of an fp8 (per channel, per tensor, FBGEMM, block-wise), AWQ or GPTQ checkpoint, read from the checkpoint's
+own tensors, is the shard of the model one process loads from it: every linear's weight, dequantized, equals
+the rank's cut of the whole model's (exactly, fp32), and the rank keeps the format where one process does
+(the CPU int4 kernel's layer for AWQ; an `Fp8Linear` where the device multiplies fp8); a block-wise fp8 mixture
+of experts' experts are read as float through the blocks each rank's slice covers; a `quantize` the checkpoint
+does not hold is refused before any worker starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers.quantizable import quantizable_llama, write_checkpoint
+from helpers.tiny_model import build_tiny_tokenizer
+from lmiserve.config import Settings
+from lmiserve.engine.model import quant_formats
+from lmiserve.engine.model.quant_formats import Fp8Linear
+from lmiserve.engine.model.quantize import Int4Linear, int4_available
+from lmiserve.engine.model.shard_checkpoint import load_shard_weights
+from lmiserve.engine.model.sharding import ROW_PARALLEL, column_run, keep_runs, row_runs, shard_model, shard_of
+from lmiserve.models.errors import ModelLoadError
+from lmiserve.models.load import load_causal_lm, load_model_shell
+from lmiserve.models.quant_pack import write_quantized
+from lmiserve.models.quantized_load import checkpoint_quantization
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+CASES = {  # id: (quant_pack format, act_order, group)
+    "fp8-channel": ("fp8-channel", False, 0),
+    "fp8-tensor": ("fp8-tensor", False, 0),
+    "fbgemm-fp8": ("fbgemm-fp8", False, 0),
+    "fp8-block-b128": ("fp8-block", False, 128),  # (Qwen3's; at 4 ranks a rank's 64 rows of q are half a block)
+    "awq-g128": ("awq", False, 128),
+    "gptq-g64": ("gptq", False, 64),
+    "gptq-g64-desc-act": ("gptq", True, 64),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tp-quantized")
+    made = {}
+    for bias in (False, True):
+        model = quantizable_llama(25, bias)
+        for case, (fmt, act_order, group) in CASES.items():
+            folder = write_checkpoint(model, root / f"{case}{'-bias' if bias else ''}", fmt, group or 128, act_order)
+            made[folder.name] = folder
+    return made
+
+
+def weight_of(module: torch.nn.Module) -> torch.Tensor:
+    """The float weight a layer's product uses."""
+    if isinstance(module, (Int4Linear, Fp8Linear)):
+        return module.dequantized().float()
+    return module.weight.detach().float()  # type: ignore[union-attr]
+
+
+def rank_shard(folder: Path, rank: int, world: int) -> torch.nn.Module:
+    loaded = load_model_shell(folder, dtype="fp32", device="cpu")
+    shard_model(loaded.model, rank, world, None)
+    load_shard_weights(loaded.model, folder, checkpoint_quantization(folder, None), torch.device("cpu"))
+    return loaded.model
+
+
+def expected_cut(whole: torch.nn.Module, name: str, world_shard) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rank's cut of the whole model's linear `name`: its weight (dequantized) and its bias."""
+    plan = world_shard.plan
+    module = whole.get_submodule(name)
+    weight, bias = weight_of(module), getattr(module, "bias", None)
+    short = name.rpartition(".")[2]
+    runs = row_runs(plan, short, weight.shape[0])
+    if runs is not None:
+        return keep_runs(weight, runs), None if bias is None else keep_runs(bias.detach().float(), runs)
+    assert short in ROW_PARALLEL
+    kept = None if bias is None or plan.rank else bias.detach().float()
+    return weight[:, column_run(plan, short, weight.shape[1])], kept
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_ranks_quantized_linears_are_its_cut_of_the_whole_models(checkpoints, case, world, bias):
+    folder = checkpoints[f"{case}{'-bias' if bias else ''}"]
+    whole = load_causal_lm(folder, dtype="fp32", device="cpu").model
+    for rank in range(world):
+        shard = rank_shard(folder, rank, world)
+        for name, module in shard.named_modules():
+            if name.rpartition(".")[2] not in LINEARS:
+                continue
+            weight, kept = expected_cut(whole, name, shard_of(shard))
+            assert torch.equal(weight_of(module), weight), (case, rank, name)
+            got = getattr(module, "bias", None)
+            assert (got is None) == (kept is None), (case, rank, name)
+            if kept is not None:
+                assert torch.equal(got.detach().float(), kept), (case, rank, name)
+            if case == "awq-g128" and int4_available():  # the CPU int4 kernel's layer, as one process's
+                assert isinstance(module, Int4Linear), (rank, name, type(module))
+        # the rest (embeddings, norms) read as a float checkpoint's
+        assert torch.equal(shard.model.norm.weight, whole.model.norm.weight)
+
+
+def test_an_fp8_rank_keeps_fp8_weights_and_their_scales_where_the_device_multiplies_fp8(checkpoints, monkeypatch):
+    """Where `_scaled_mm` runs (Hopper, Ada: here pretended), each rank's fp8 linears are `Fp8Linear`s of its rows'
+    fp8 values and scales (a row-parallel linear: its columns, every scale): fp8's memory on every rank."""
+    monkeypatch.setattr(quant_formats, "fp8_scaled_mm_supported", lambda device: True)
+    folder = checkpoints["fp8-channel"]
+    from safetensors.torch import load_file
+
+    stored = load_file(folder / "model.safetensors")
+    shard = rank_shard(folder, 1, 2)
+    q, o = shard.model.layers[0].self_attn.q_proj, shard.model.layers[0].self_attn.o_proj
+    assert isinstance(q, Fp8Linear) and isinstance(o, Fp8Linear)
+    assert q.weight.dtype == o.weight.dtype == torch.float8_e4m3fn
+    at = "model.layers.0.self_attn"
+    whole_q, whole_o = stored[f"{at}.q_proj.weight"], stored[f"{at}.o_proj.weight"]
+    assert torch.equal(q.weight.view(torch.uint8), whole_q[128:].view(torch.uint8))
+    assert torch.equal(q.scales, stored[f"{at}.q_proj.weight_scale"].reshape(-1)[128:])
+    assert torch.equal(o.weight.view(torch.uint8), whole_o[:, 128:].contiguous().view(torch.uint8))
+    assert torch.equal(o.scales, stored[f"{at}.o_proj.weight_scale"].reshape(-1))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_block_wise_fp8_mixture_of_experts_experts_are_read_through_the_blocks_each_slice_covers(tmp_path, world):
+    """Qwen3-MoE in block-wise fp8 (blocks of 16; a rank's 24 or 12 of each expert's 48 intermediate rows are not
+    whole blocks): each rank's experts, router and attention are its cut of the model one process dequantizes."""
+    from helpers.llama_variants import MOE_ARCHS, build
+
+    write_quantized(build(*MOE_ARCHS["qwen3_moe"]), tmp_path, "fp8-block", group=16)
+    build_tiny_tokenizer().save_pretrained(tmp_path)
+    whole = load_causal_lm(tmp_path, dtype="fp32", device="cpu").model
+    import copy
+
+    for rank in range(world):
+        expected = copy.deepcopy(whole)
+        shard_model(expected, rank, world, None)  # the cut of the dequantized float model
+        shard = rank_shard(tmp_path, rank, world)
+        got, want = dict(shard.named_parameters()), dict(expected.named_parameters())
+        assert got.keys() == want.keys()
+        for name, value in want.items():
+            assert torch.equal(got[name], value), (rank, name)
+
+
+def test_a_quantize_the_checkpoint_does_not_hold_is_refused_before_any_worker_starts(checkpoints):
+    from lmiserve.models.compose import worker_spec
+
+    folder = checkpoints["fp8-channel"]
+    settings = Settings.from_options(
+        {"model_id": str(folder), "device": "cpu", "tensor_parallel_degree": "2", "quantize": "awq"}
+    )
+    with pytest.raises(ModelLoadError, match="quantize=awq, but fp8-channel is a fp8 checkpoint"):
+        worker_spec(settings, str(folder), torch.device("cpu"), 2)
+    settings = Settings.from_options({"model_id": str(folder), "device": "cpu", "tensor_parallel_degree": "2"})
+    spec = worker_spec(settings, str(folder), torch.device("cpu"), 2)
+    assert spec.quantization is not None and spec.quantization.method == "fp8"
