@@ -428,20 +428,13 @@ def test_lora_adapters_over_two_ranks_give_the_merged_models_tokens(tiny_model_d
         assert tokens == expected[name][i], (name, i)
 
 
-def test_an_attention_adapter_on_a_mixture_of_experts_over_two_ranks(tmp_path):
-    """A Qwen3-MoE split over two ranks (every expert cut) serving an adapter of its attention: the greedy tokens of
-    the adapter and of the base model are `generate()`'s with the adapter merged by PEFT."""
-    from helpers.llama_variants import MOE_ARCHS, build
-    from helpers.lora_adapters import AdapterSpec, make_adapter, merged_generate
-    from helpers.tiny_model import build_tiny_tokenizer
+def _served(options: dict[str, str], names: list[str | None]) -> tuple[list[list[int]], dict]:
+    """What a server of `options` (its model loaded as `lmiserve serve` loads it) answers for each adapter of `names`
+    (None: the base model) and each of LORA_PROMPTS, all at once: the prompts' ids and the greedy tokens by
+    ``(name, prompt index)``."""
     from lmiserve.models.service import ModelService
 
-    base = tmp_path / "qwen3_moe"
-    build(*MOE_ARCHS["qwen3_moe"]).save_pretrained(base)
-    build_tiny_tokenizer().save_pretrained(base)
-    adapter = make_adapter(base, tmp_path / "attn", AdapterSpec("attn", 8, ("q_proj", "v_proj"), seed=4, b_std=0.3))
-    options = {"model_id": str(base), "device": "cpu", "tensor_parallel_degree": "2", "lora_modules": f"attn={adapter}"}
-    service = ModelService(Settings.from_options(options))
+    service = ModelService(Settings.from_options({"device": "cpu", **options}))
 
     async def run():
         await service.load()
@@ -454,12 +447,27 @@ def test_an_attention_adapter_on_a_mixture_of_experts_over_two_ranks(tmp_path):
             return [e.token.id async for e in service.engine.generate(request) if e.token is not None]
 
         try:
-            jobs = [(name, i) for i in range(len(ids)) for name in (None, "attn")]
+            jobs = [(name, i) for i in range(len(ids)) for name in names]
             return ids, dict(zip(jobs, await asyncio.gather(*(one(ids[i], name) for name, i in jobs)), strict=True))
         finally:
             await service.close()
 
-    ids, served = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_an_attention_adapter_on_a_mixture_of_experts_over_two_ranks(tmp_path):
+    """A Qwen3-MoE split over two ranks (every expert cut) serving an adapter of its attention: the greedy tokens of
+    the adapter and of the base model are `generate()`'s with the adapter merged by PEFT."""
+    from helpers.llama_variants import MOE_ARCHS, build
+    from helpers.lora_adapters import AdapterSpec, make_adapter, merged_generate
+    from helpers.tiny_model import build_tiny_tokenizer
+
+    base = tmp_path / "qwen3_moe"
+    build(*MOE_ARCHS["qwen3_moe"]).save_pretrained(base)
+    build_tiny_tokenizer().save_pretrained(base)
+    adapter = make_adapter(base, tmp_path / "attn", AdapterSpec("attn", 8, ("q_proj", "v_proj"), seed=4, b_std=0.3))
+    options = {"model_id": str(base), "tensor_parallel_degree": "2", "lora_modules": f"attn={adapter}"}
+    ids, served = _served(options, [None, "attn"])
     expected = {
         None: merged_generate(base, None, ids, LORA_TOKENS),
         "attn": merged_generate(base, adapter, ids, LORA_TOKENS),
@@ -467,6 +475,25 @@ def test_an_attention_adapter_on_a_mixture_of_experts_over_two_ranks(tmp_path):
     assert expected[None] != expected["attn"]  # the adapter changes the output
     for (name, i), tokens in served.items():
         assert tokens == expected[name][i], (name, i)
+
+
+def test_an_adapter_on_an_awq_checkpoint_over_two_ranks_gives_one_processs_tokens(tmp_path):
+    """An AWQ checkpoint over two ranks (each rank's int4 linears cut from the checkpoint) serving an adapter of
+    column- and row-parallel linears (q, v, o, down): the base model's and the adapter's greedy tokens are those
+    one process serves from the same checkpoint with the same adapter."""
+    from helpers.lora_adapters import AdapterSpec, make_adapter
+    from helpers.quantizable import quantizable_llama, write_checkpoint
+
+    model = quantizable_llama(25)
+    float_dir = write_checkpoint(model, tmp_path / "float", "float")
+    awq_dir = write_checkpoint(model, tmp_path / "awq", "awq")
+    spec = AdapterSpec("all", 8, ("q_proj", "v_proj", "o_proj", "down_proj"), seed=4, b_std=0.3)
+    adapter = make_adapter(float_dir, tmp_path / "all", spec)
+    options = {"model_id": str(awq_dir), "lora_modules": f"all={adapter}"}
+    _, one = _served(options, [None, "all"])
+    _, two = _served({**options, "tensor_parallel_degree": "2"}, [None, "all"])
+    assert one[(None, 0)] != one[("all", 0)]  # the adapter changes the output
+    assert two == one
 
 
 def test_gpt_oss_from_its_mxfp4_checkpoint_over_two_ranks(tmp_path):

@@ -99,9 +99,13 @@ class LoraAdapter:
 
 
 def linear_shape(module: torch.nn.Module) -> tuple[int, int] | None:
-    """``(in, out)`` of a linear (torch's, lmiserve's int8/int4, GPT-2's Conv1D); None otherwise."""
+    """``(in, out)`` of a linear (torch's, lmiserve's int8/int4, GPT-2's Conv1D); None otherwise. A tensor-parallel
+    rank's quantized linear says the whole linear's (`lora_shape`), as a cut float linear's features do."""
     if isinstance(module, torch.nn.Embedding):
         return None
+    whole = getattr(module, "lora_shape", None)
+    if isinstance(whole, tuple):
+        return whole
     fan_in, fan_out = getattr(module, "in_features", None), getattr(module, "out_features", None)
     if isinstance(fan_in, int) and isinstance(fan_out, int):
         return fan_in, fan_out

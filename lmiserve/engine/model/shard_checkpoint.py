@@ -137,6 +137,7 @@ def _quantized_linears(
         shape, rank_shape = (getattr(layer, "out_features", -1), getattr(layer, "in_features", -1)), module.weight.shape
         if list(shape) != list(rank_shape):  # (out, in), as a weight's shape
             raise ValueError(f"{name}: the checkpoint's shard is {list(shape)}, the rank's linear {list(rank_shape)}")
+        cast(Any, layer).lora_shape = (module.in_features, module.out_features)  # the whole linear's: adapters fit it
         owner, _, attribute = name.rpartition(".")
         setattr(model.get_submodule(owner), attribute, layer)
         made.add(name)

@@ -354,20 +354,29 @@ def shard_adapter(adapter: LoraAdapter, model: torch.nn.Module) -> LoraAdapter:
     cut: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for path, (a, b) in adapter.modules.items():
         short = path.rsplit(".", 1)[-1]
-        weight = cast(torch.nn.Linear, model.get_submodule(path)).weight
+        outputs, inputs = _rank_shape(model.get_submodule(path))
         runs = row_runs(shard.plan, short, b.shape[0])
         if runs is not None:
             a, b = a, keep_runs(b, runs)
-            fits = b.shape[0] == weight.shape[0]
+            fits = b.shape[0] == outputs
         elif short in ROW_PARALLEL:
             a, b = a[:, column_run(shard.plan, short, a.shape[1])].contiguous(), b
-            fits = a.shape[1] == weight.shape[1]
+            fits = a.shape[1] == inputs
         else:
             raise ValueError(f"adapter {adapter.name} adapts {path}, which tensor parallelism does not shard")
         if not fits:
             raise ValueError(
                 f"adapter {adapter.name}: the shard of {path} is {list(a.shape)} and {list(b.shape)}, the rank's "
-                f"linear {list(weight.shape)}"
+                f"linear {[outputs, inputs]}"
             )
         cut[path] = (a, b)
     return dataclasses.replace(adapter, modules=cut)
+
+
+def _rank_shape(module: torch.nn.Module) -> tuple[int, int]:
+    """``(out, in)`` of a rank's linear: a cut float linear's weight's (its ``in_features`` and ``out_features`` stay
+    the whole linear's, which `lora.adapters.read_adapter` checks a whole adapter against), a quantized one's
+    features (`shard_quantized`'s layers are made of the rank's shape)."""
+    if type(module) is torch.nn.Linear:
+        return int(module.weight.shape[0]), int(module.weight.shape[1])
+    return int(getattr(module, "out_features", -1)), int(getattr(module, "in_features", -1))
