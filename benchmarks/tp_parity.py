@@ -85,9 +85,14 @@ def run(model_dir: str, options: dict[str, str], device: str, degree: int, promp
 
     base = {"model_id": model_dir, "device": device, **options}
     one = Settings.from_options(base)
-    # loaded on the CPU, then moved, as a worker loads its shard: a dummy model has the same weights
-    loaded = load_causal_lm(model_dir, dtype=one.dtype, device="cpu", load_format=one.load_format)
-    if device != "cpu":
+    # a dummy model loaded on the CPU, then moved, as a worker loads it: the same random weights; a checkpoint on the
+    # device (a quantized checkpoint's layers are made for it: fp8 products on a GPU that has them)
+    dummy = one.load_format == "dummy"
+    loaded = load_causal_lm(
+        model_dir, dtype=one.dtype, device="cpu" if dummy else device, load_format=one.load_format,
+        quantize=one.quantize,
+    )  # fmt: skip
+    if dummy and device != "cpu":
         loaded.model.to(device)
         loaded = dataclasses.replace(loaded, device=torch.device(device))
     single, single_s = asyncio.run(_generate(build_engine(loaded, one), prompts, tokens))

@@ -98,7 +98,8 @@ class ModelFields(FieldGroup):
             "on an H200, 8B); elsewhere the weights are de-quantized once at load. AWQ and GPTQ are "
             "de-quantized to bf16 at load on CUDA (with `LMISERVE_USE_TRITON_INT4=1` in the environment, groups "
             "of 32n run on lmiserve's Triton 4-bit kernel, not yet measured on a GPU); on CPU, with groups of "
-            "32n, they run on the int4 kernel. See docs/performance/dtypes.md."
+            "32n, they run on the int4 kernel. With tensor parallelism each rank reads and runs its part of the "
+            "checkpoint in its format (docs/tensor-parallel.md). See docs/performance/dtypes.md."
         ),
     )
     load_format: LoadFormat = Field(
