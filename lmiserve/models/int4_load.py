@@ -186,12 +186,19 @@ class SafetensorsFiles(contextlib.ExitStack):
         self.handles: dict[Path, Any] = {}
 
     def tensor(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+    def slice(self, name: str) -> Any:
+        """The stored tensor `name` as a safetensors slice (only what is indexed is read)."""
+        return self._handle(name).get_slice(name)
+
+    def _handle(self, name: str) -> Any:
         from safetensors import safe_open
 
         file = self.stored[name]
         if file not in self.handles:
             self.handles[file] = self.enter_context(safe_open(file, framework="pt"))
-        return self.handles[file].get_tensor(name)
+        return self.handles[file]
 
     def fill(self, model: torch.nn.Module, keep_linear_weights: bool = False) -> None:
         """Give `model`'s meta tensors (all, or all but plain linears' weights) the stored values, tied

@@ -5,6 +5,8 @@ calibration, no AWQ activation-aware scaling, no GPTQ error feedback; only the s
 - ``fp8-channel`` / ``fp8-tensor``: compressed-tensors ``float-quantized`` (``weight`` float8_e4m3fn,
   ``weight_scale`` fp32 ``[out, 1]`` or ``[1]``, ``scale = max|w| / 448``), as llm-compressor writes it.
 - ``fbgemm-fp8``: transformers' FBGEMM fp8 (``weight_scale`` ``[out, 1]``).
+  A mixture of experts in these three is saved as transformers publishes it, each expert's matrices quantized (as
+  llm-compressor's Qwen3-MoE and Mixtral fp8 releases).
 - ``fp8-block``: block-wise fp8 as Qwen's and DeepSeek's FP8 releases store it (``quant_method: fp8``,
   ``weight_block_size``; ``weight`` float8_e4m3fn, ``weight_scale_inv`` fp32 ``[out / b, in / b]``, ``scale = max|w|
   / 448`` a block), every projection saved as transformers publishes it (a mixture of experts' experts one matrix
@@ -94,8 +96,9 @@ def _fp8_block_tensors(weight: torch.Tensor, block: int) -> dict[str, torch.Tens
     return {"weight": q, "weight_scale_inv": scale.contiguous()}
 
 
-def _write_fp8_blocks(model: Any, out_dir: Path, block: int) -> dict[str, dict[str, torch.Tensor]]:
-    """`model` saved as transformers publishes it, each ``*_proj.weight`` then quantized to fp8 by blocks."""
+def _write_saved(model: Any, out_dir: Path, fmt: str, block: int) -> dict[str, dict[str, torch.Tensor]]:
+    """`model` saved as transformers publishes it (a mixture of experts: each expert's matrices), each
+    ``*_proj.weight`` then quantized to fp8: by blocks of `block` (``fp8-block``), or per channel or tensor."""
     from safetensors.torch import load_file, save_file
 
     model.save_pretrained(out_dir)
@@ -104,18 +107,22 @@ def _write_fp8_blocks(model: Any, out_dir: Path, block: int) -> dict[str, dict[s
     for file in files:
         state = load_file(str(file))
         for name in [n for n, t in state.items() if n.endswith("_proj.weight") and t.dim() == 2]:
-            tensors = _fp8_block_tensors(state.pop(name), block)
+            weight = state.pop(name)
+            tensors = (
+                _fp8_block_tensors(weight, block) if fmt == "fp8-block" else _fp8_tensors(weight, fmt == "fp8-tensor")
+            )
             state.update({f"{name.removesuffix('.weight')}.{k}": v for k, v in tensors.items()})
             written[name.removesuffix(".weight")] = tensors
         save_file(state, str(file), metadata={"format": "pt"})
     index = out_dir / "model.safetensors.index.json"
     if index.is_file():  # the scales' files: their weights'
         data = json.loads(index.read_text())
-        for name in written:
-            data["weight_map"][f"{name}.weight_scale_inv"] = data["weight_map"][f"{name}.weight"]
+        for name, tensors in written.items():
+            for key in tensors:
+                data["weight_map"][f"{name}.{key}"] = data["weight_map"][f"{name}.weight"]
         index.write_text(json.dumps(data, indent=2))
     config = json.loads((out_dir / "config.json").read_text())
-    config["quantization_config"] = _config("fp8-block", block, False)
+    config["quantization_config"] = _config(fmt, block, False)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     return written
 
@@ -162,8 +169,9 @@ def write_quantized(
 
     if fmt not in FORMATS:
         raise ValueError(f"format {fmt!r}: one of {', '.join(FORMATS)}")
-    if fmt == "fp8-block":
-        return _write_fp8_blocks(model, out_dir, group)
+    experts = any(name.endswith(".experts") for name, _ in model.named_modules())
+    if fmt == "fp8-block" or (experts and fmt in ("fp8-channel", "fp8-tensor", "fbgemm-fp8")):
+        return _write_saved(model, out_dir, fmt, group)
     head = model.get_output_embeddings()
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     if getattr(model.config, "tie_word_embeddings", False):

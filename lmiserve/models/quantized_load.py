@@ -8,7 +8,9 @@ Formats (`engine/model/quant_formats.py` says how each is stored and run):
   ``quant_method: fbgemm_fp8`` (per channel); ``quant_method: fp8`` without blocks (AutoFP8 / vLLM's,
   per tensor): ``quantize=fp8``. ``quant_method: fp8`` with ``weight_block_size`` (block-wise scales: Qwen3's and
   DeepSeek's FP8 releases): dequantized at load by transformers (exactly: each weight is its fp8 value times its
-  block's scale), its mixtures of experts' experts too.
+  block's scale), its mixtures of experts' experts too. A mixture of experts' fp8 experts (each expert's matrices
+  with their scales, as compressed-tensors publishes Qwen3-MoE and Mixtral) are de-quantized at load: their
+  products are transformers' grouped ones.
 - ``quant_method: awq``, 4 bits, GEMM packing, with zero points: ``quantize=awq``.
 - ``quant_method: gptq``, 4 bits (``checkpoint_format`` ``gptq``, or ``gptq_v2``), any ``desc_act``:
   ``quantize=gptq``.
@@ -44,6 +46,9 @@ from lmiserve.engine.model.quant_formats import (
     unpack_gptq,
 )
 from lmiserve.engine.model.quantize import Int4Linear, replace_linears
+from lmiserve.engine.model.shard_checkpoint import stacked_experts
+from lmiserve.engine.model.shard_quantized import dequantizing_reader
+from lmiserve.engine.model.sharding import experts_layout
 from lmiserve.models.attention_choice import sdpa_or_default
 from lmiserve.models.errors import ModelLoadError
 from lmiserve.models.int4_load import SafetensorsFiles, meta_tensors, safetensors_names
@@ -178,12 +183,40 @@ def load_quantized(
             kinds[_kind_name(made)] += 1
         if not kinds:
             raise ModelLoadError(f"{path.name}: its config says {spec.source}, but no linear has quantized tensors")
+        experts = _fill_experts(model, files, stored, spec, path)
+        if experts:
+            kinds[f"experts' blocks de-quantized to {str(dtype).removeprefix('torch.')}"] += experts
         files.fill(model)  # embeddings, norms, the output projection and any linear stored float
     left = [name for name, _ in meta_tensors(model)]
     if left:
         raise ModelLoadError(f"{path.name}: {', '.join(left[:5])} left without values")
     account = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
     return model, f"{spec.method} checkpoint ({spec.source}): {account}"
+
+
+def _fill_experts(
+    model: torch.nn.Module, files: SafetensorsFiles, stored: dict[str, Path], spec: QuantSpec, path: Path
+) -> int:
+    """A mixture of experts' experts (the merged ``gate_up_proj`` and ``down_proj`` transformers' modules hold) from
+    the checkpoint's matrices of each expert, as compressed-tensors and FBGEMM publish them (fp8 matrices with their
+    scales, `stacked_experts`), de-quantized (`dequantizing_reader`: their products are transformers' grouped
+    ones); how many experts modules. Experts stored otherwise (AWQ/GPTQ codes) are refused in one line."""
+    read = dequantizing_reader(files.slice, stored, spec)
+    made = 0
+    for name, module in model.named_modules():
+        for kind in ("gate_up_proj", "down_proj") if name.endswith(".experts") else ():
+            meta = getattr(module, kind, None)
+            if not isinstance(meta, torch.Tensor) or not meta.is_meta or f"{name}.{kind}" in stored:
+                continue
+            value = stacked_experts(name, kind, int(meta.shape[0]), stored, read, lambda size: slice(0, size))
+            if value is None or experts_layout(module)[0] or tuple(value.shape) != tuple(meta.shape):
+                raise ModelLoadError(
+                    f"{path.name}: the experts of {name} are not stored as lmiserve reads a {spec.method} mixture of "
+                    "experts (fp8 matrices of each expert)"
+                )
+            setattr(module, kind, torch.nn.Parameter(value.to(meta.dtype), requires_grad=False))
+            made += kind == "down_proj"
+    return made
 
 
 def _dequantized(path: Path, spec: QuantSpec, dtype: torch.dtype, trust_remote_code: bool) -> tuple[Any, str]:

@@ -188,21 +188,26 @@ def test_int4_serves_a_mixture_of_experts_and_says_its_experts_stay_unquantized(
     assert engine.runner.path == "fast" and all(len([e for e in events if e.token]) == 4 for events in results)
 
 
-def test_a_block_wise_fp8_mixture_of_experts_is_dequantized_and_served(tiny_model, tmp_path):
-    """A Qwen3-MoE checkpoint in block-wise fp8 (Qwen3-30B-A3B-FP8's format: every projection, each expert's
-    matrices too, fp8 with a scale a block): loaded with each expert's weights its fp8 values times their blocks'
-    scales, merged as transformers holds them, and served on the fast forward with `generate()`'s greedy tokens."""
+@pytest.mark.parametrize("fmt", ["fp8-block", "fp8-channel", "fp8-tensor"])
+def test_an_fp8_mixture_of_experts_is_dequantized_and_served(tiny_model, tmp_path, fmt):
+    """A Qwen3-MoE checkpoint in fp8, every projection (each expert's matrices too) fp8 with a scale a block
+    (Qwen3-30B-A3B-FP8's format), a row or the tensor (compressed-tensors', as llm-compressor publishes Qwen3-MoE and
+    Mixtral): loaded with each expert's weights its fp8 values times their scales, merged as transformers holds them,
+    and served on the fast forward with `generate()`'s greedy tokens."""
     from safetensors.torch import load_file
 
     from lmiserve.models.load import load_causal_lm
     from lmiserve.models.quant_pack import write_quantized
 
-    write_quantized(build(*MOE_ARCHS["qwen3_moe"]), tmp_path, "fp8-block", group=16)
+    write_quantized(build(*MOE_ARCHS["qwen3_moe"]), tmp_path, fmt, group=16)
     tiny_model.tokenizer.save_pretrained(tmp_path)
     stored = load_file(tmp_path / "model.safetensors")
 
     def dequantized(name: str) -> torch.Tensor:
-        q, scale = stored[f"{name}.weight"].float(), stored[f"{name}.weight_scale_inv"]
+        q = stored[f"{name}.weight"].float()
+        if fmt != "fp8-block":
+            return q * stored[f"{name}.weight_scale"]
+        scale = stored[f"{name}.weight_scale_inv"]
         return (q.reshape(q.shape[0] // 16, 16, -1, 16) * scale[:, None, :, None]).reshape(q.shape)
 
     loaded = load_causal_lm(tmp_path, dtype="fp32", device="cpu")
@@ -218,3 +223,21 @@ def test_a_block_wise_fp8_mixture_of_experts_is_dequantized_and_served(tiny_mode
     assert engine.runner.path == "fast"
     for prompt, events in zip(PROMPTS, results, strict=True):
         assert [e.token.id for e in events if e.token] == greedy_tokens(loaded, prompt, 8)
+
+
+def test_a_mixture_of_experts_whose_experts_are_4_bit_codes_is_refused_in_one_line(tiny_model, tmp_path):
+    """An AWQ Qwen3-MoE whose experts are 4-bit codes (each expert's ``qweight``): lmiserve reads fp8 experts only,
+    and says so in one line naming the experts module, not a missing tensor's name."""
+    from safetensors.torch import load_file, save_file
+
+    from lmiserve.models.errors import ModelLoadError
+    from lmiserve.models.load import load_causal_lm
+    from lmiserve.models.quant_pack import write_quantized
+
+    write_quantized(build(*MOE_ARCHS["qwen3_moe"]), tmp_path, "fp8-channel")
+    tiny_model.tokenizer.save_pretrained(tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")  # the experts' matrices as codes (their names, AWQ's)
+    save_file({k.replace(".weight", ".qweight") if ".experts." in k else k: v for k, v in stored.items()},
+              tmp_path / "model.safetensors")  # fmt: skip
+    with pytest.raises(ModelLoadError, match=r"the experts of model\.layers\.0\.mlp\.experts are not stored as"):
+        load_causal_lm(tmp_path, dtype="fp32", device="cpu")

@@ -122,12 +122,14 @@ def test_an_fp8_rank_keeps_fp8_weights_and_their_scales_where_the_device_multipl
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_a_block_wise_fp8_mixture_of_experts_experts_are_read_through_the_blocks_each_slice_covers(tmp_path, world):
+@pytest.mark.parametrize("fmt", ["fp8-block", "fp8-channel"])
+def test_an_fp8_mixture_of_experts_experts_are_read_through_the_scales_each_slice_covers(tmp_path, world, fmt):
     """Qwen3-MoE in block-wise fp8 (blocks of 16; a rank's 24 or 12 of each expert's 48 intermediate rows are not
-    whole blocks): each rank's experts, router and attention are its cut of the model one process dequantizes."""
+    whole blocks) or fp8 per channel: each rank's experts, router and attention are its cut of the model one process
+    dequantizes."""
     from helpers.llama_variants import MOE_ARCHS, build
 
-    write_quantized(build(*MOE_ARCHS["qwen3_moe"]), tmp_path, "fp8-block", group=16)
+    write_quantized(build(*MOE_ARCHS["qwen3_moe"]), tmp_path, fmt, group=16)
     build_tiny_tokenizer().save_pretrained(tmp_path)
     whole = load_causal_lm(tmp_path, dtype="fp32", device="cpu").model
     import copy

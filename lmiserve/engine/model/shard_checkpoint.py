@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -158,7 +158,7 @@ def _read(
         elif f"{name}_blocks" in files:  # gpt-oss's MXFP4
             loaded = _mxfp4(name, kind, read, plan, like.dtype)
         elif kind in EXPERT_PARTS:
-            loaded = _experts(owner, kind, int(like.shape[0]), files, read, plan)
+            loaded = stacked_experts(owner, kind, int(like.shape[0]), files, read, plan.part)
     elif stored in files:
         loaded = _slice(read(stored), name, plan)
     if loaded is None:
@@ -174,20 +174,24 @@ def _mixtral_name(name: str) -> str:
     return name.replace(".mlp.", ".block_sparse_moe.", 1)
 
 
-def _experts(owner: str, kind: str, count: int, files: dict[str, Path], read: Read, plan: ShardPlan) -> Any:
-    """The rank's part of merged experts tensor ``owner.kind`` stacked from the checkpoint's matrices of each of
-    the `count` experts (None: the checkpoint has them under none of the names `EXPERT_PARTS` knows)."""
+def stacked_experts(
+    owner: str, kind: str, count: int, names: Mapping[str, Any], read: Read, part: Callable[[int], slice]
+) -> Any:
+    """Merged experts tensor ``owner.kind`` (``gate_up_proj`` ``[experts, 2 * inter, hidden]``, ``down_proj``
+    ``[experts, hidden, inter]``) stacked from the checkpoint's matrices of each of the `count` experts (`names`: the
+    checkpoint's tensors), each cut to `part` of its intermediate size (a rank's, `ShardPlan.part`; or all of it);
+    None when the checkpoint has them under none of the names `EXPERT_PARTS` knows."""
     for prefix in (owner, _mixtral_name(owner)):
         for parts in EXPERT_PARTS[kind]:
-            if f"{prefix}.0.{parts[0]}.weight" not in files:
+            if f"{prefix}.0.{parts[0]}.weight" not in names:
                 continue
             pieces = []
-            for part in parts:  # gate's rows of every expert, then up's: as ``gate_up_proj`` holds them
-                each = [read(f"{prefix}.{e}.{part}.weight") for e in range(count)]
+            for name in parts:  # gate's rows of every expert, then up's: as ``gate_up_proj`` holds them
+                each = [read(f"{prefix}.{e}.{name}.weight") for e in range(count)]
                 if kind == "down_proj":
-                    pieces.append(torch.stack([torch.as_tensor(t[:, plan.part(t.get_shape()[1])]) for t in each]))
+                    pieces.append(torch.stack([torch.as_tensor(t[:, part(t.get_shape()[1])]) for t in each]))
                 else:
-                    pieces.append(torch.stack([torch.as_tensor(t[plan.part(t.get_shape()[0])]) for t in each]))
+                    pieces.append(torch.stack([torch.as_tensor(t[part(t.get_shape()[0])]) for t in each]))
             return torch.cat(pieces, dim=1)
     return None
 
