@@ -181,10 +181,6 @@ class CheckedSettings(
             ("dtype int8/int4", self.dtype.strip().lower() in ("int8", "int4")),
             ("fast_path=false", not self.fast_path),
             (
-                f"kv_cache_dtype={self.kv_cache_dtype} (the workers' pools keep the model's dtype)",
-                self.kv_cache_dtype != "auto",
-            ),
-            (
                 "speculative decoding with a draft model",
                 self.speculative_config is not None and self.speculative_config.method != "ngram",
             ),

@@ -184,7 +184,7 @@ class EngineFields(FieldGroup):
             "fp32). Keys and values are divided by a per-layer scale and clamped when written, cast back and "
             "multiplied when read; the scales are the checkpoint's `k_scale`/`v_scale` (or `kv_scale`) where it "
             "has them, else 1.0. Costs a little accuracy (docs/engine.md); on CPU it runs the torch attention, "
-            "not the compiled kernel. Not with tensor parallelism."
+            "not the compiled kernel. With tensor parallelism each rank's pool stores its KV heads so."
         ),
         json_schema_extra={"allowed": "one of auto, fp8, fp8_e4m3, fp8_e5m2"},
     )

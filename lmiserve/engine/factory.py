@@ -341,8 +341,7 @@ def _paged_runner(
     """The runner of `loaded` over a pool of `num_blocks` blocks: the fast one (`fast_cls`) or, for another
     architecture, with fast_path=false or batch_invariant, transformers' forward over the blocks. The pool
     stores `kv_cache_dtype` (an fp8 one with the checkpoint's KV scales, engine/attention/kv_quant.py)."""
-    layers = AttentionShape.of(loaded.model.config).layers
-    kv_format = KvFormat.of(config.kv_cache_dtype, loaded.path, layers)
+    kv_format = kv_format_of(loaded, config)
     if fast_cls is not None:
         return fast_cls(
             loaded.model,
@@ -366,6 +365,12 @@ def _paged_runner(
         alone=config.batch_invariant,
         kv_format=kv_format,
     )
+
+
+def kv_format_of(loaded: LoadedModel, config: EngineConfig) -> KvFormat:
+    """What `loaded`'s KV pool stores (`kv_cache_dtype`; an fp8 one with the checkpoint's per-layer KV scales, the
+    same on every tensor-parallel rank)."""
+    return KvFormat.of(config.kv_cache_dtype, loaded.path, AttentionShape.of(loaded.model.config).layers)
 
 
 def _draft_rows(config: EngineConfig) -> int:

@@ -236,6 +236,7 @@ def _load_shard(spec: WorkerSpec, rank: int, local_rank: int) -> tuple[Any, int]
 
 
 def _runner(spec: WorkerSpec, loaded: Any, num_blocks: int) -> TensorParallelRunner:
+    from lmiserve.engine.factory import kv_format_of
     from lmiserve.engine.speculative.proposers import NgramProposer
 
     config = spec.config
@@ -247,6 +248,7 @@ def _runner(spec: WorkerSpec, loaded: Any, num_blocks: int) -> TensorParallelRun
         num_blocks=num_blocks,
         block_size=config.block_size,
         enforce_eager=True,  # no decode graphs over tensor parallelism (engine/attention/cuda_graphs.py)
+        kv_format=kv_format_of(loaded, config),  # (its KV heads' share of each block, in `kv_cache_dtype`)
     )
     spec_settings = config.speculation
     if spec_settings is not None:  # prompt lookup only (a draft model is refused with tensor parallelism)
