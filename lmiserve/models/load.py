@@ -138,8 +138,11 @@ def load_causal_lm(
     quant_summary = None
     try:
         config = AutoConfig.from_pretrained(path, **common)
-        if quant is not None and is_vision_config(config):
-            raise ModelLoadError(f"quantize {quant.method} is not supported for vision-language models yet")
+        if quant is not None and is_vision_config(config) and not quant.dequantized:
+            raise ModelLoadError(
+                f"quantize {quant.method} is not supported for vision-language models yet (their block-wise fp8 "
+                "checkpoints are)"
+            )
         auto_class: Any = AutoModelForCausalLM
         if is_vision_config(config):
             auto_class = AutoModelForImageTextToText
@@ -156,7 +159,7 @@ def load_causal_lm(
         elif from_codes is not None:
             model = from_codes[0]  # type: ignore[assignment]  # AutoModelForCausalLM's, typed as a Module
         elif quant is not None and not quant.dynamic:
-            model, quant_summary = load_quantized(path, quant, torch_dtype, torch_device, trust_remote_code)  # type: ignore[assignment]
+            model, quant_summary = load_quantized(path, quant, torch_dtype, torch_device, trust_remote_code, auto_class)  # type: ignore[assignment]
         else:
             model = _load_model(path, load_dtype, common, auto_class)
     except (OSError, ValueError, KeyError, ImportError) as exc:

@@ -145,16 +145,22 @@ def _config_json(path: Path) -> dict[str, Any]:
 
 
 def load_quantized(
-    path: Path, spec: QuantSpec, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False
+    path: Path,
+    spec: QuantSpec,
+    dtype: torch.dtype,
+    device: torch.device,
+    trust_remote_code: bool = False,
+    auto_class: Any = None,
 ) -> tuple[torch.nn.Module, str]:
     """The model of the quantized checkpoint `path` computing in `dtype` on `device` and an account of
     its linears: the architecture on the meta device, each linear the checkpoint stores quantized made
-    from its tensors (`quant_formats`), the other tensors read as they are."""
+    from its tensors (`quant_formats`), the other tensors read as they are; or, for the formats de-quantized at
+    load (`QuantSpec.dequantized`), transformers' `auto_class` (default: causal LMs; a vision-language model's)."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    if spec.method == "mxfp4" or spec.blocks:
-        return _dequantized(path, spec, dtype, trust_remote_code)
+    if spec.dequantized:
+        return _dequantized(path, spec, dtype, trust_remote_code, auto_class or AutoModelForCausalLM)
     stored = safetensors_names(path)
     if stored is None:
         raise ModelLoadError(f"{path.name}: a {spec.method} checkpoint needs its weights as safetensors")
@@ -219,17 +225,19 @@ def _fill_experts(
     return made
 
 
-def _dequantized(path: Path, spec: QuantSpec, dtype: torch.dtype, trust_remote_code: bool) -> tuple[Any, str]:
+def _dequantized(
+    path: Path, spec: QuantSpec, dtype: torch.dtype, trust_remote_code: bool, auto_class: Any
+) -> tuple[Any, str]:
     """The checkpoint's quantized weights dequantized to `dtype` by transformers at load (no kernel of their format,
     no download): gpt-oss's MXFP4 experts (``Mxfp4Config``; they take about 4x their bytes on disk) or block-wise
     fp8 (``FineGrainedFP8Config``; 2x). Exact: every value is the format's value times its block's scale."""
-    from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Mxfp4Config  # type: ignore[attr-defined]
+    from transformers import FineGrainedFP8Config, Mxfp4Config  # type: ignore[attr-defined]
 
     config = Mxfp4Config(dequantize=True) if spec.method == "mxfp4" else FineGrainedFP8Config(dequantize=True)
 
     def make(**sdpa: Any) -> Any:
         common = {"trust_remote_code": trust_remote_code, "local_files_only": True}
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=config, **common, **sdpa)
+        return auto_class.from_pretrained(path, dtype=dtype, quantization_config=config, **common, **sdpa)
 
     model = sdpa_or_default(path, make)
     keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())  # (gpt-oss's norms)

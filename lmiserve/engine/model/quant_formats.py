@@ -84,6 +84,11 @@ class QuantSpec:
     def dynamic(self) -> bool:
         return self.source == "dynamic"
 
+    @property
+    def dequantized(self) -> bool:
+        """Whether the checkpoint is de-quantized at load by transformers (MXFP4 experts, block-wise fp8)."""
+        return self.method == "mxfp4" or self.blocks is not None
+
 
 @dataclass
 class Int4Parts:
