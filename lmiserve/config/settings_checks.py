@@ -180,10 +180,6 @@ class CheckedSettings(
             ("batch_invariant", self.batch_invariant),
             ("dtype int8/int4", self.dtype.strip().lower() in ("int8", "int4")),
             ("fast_path=false", not self.fast_path),
-            (
-                "speculative decoding with a draft model",
-                self.speculative_config is not None and self.speculative_config.method != "ngram",
-            ),
         ]
         for what, present in refused:
             if present:

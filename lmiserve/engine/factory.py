@@ -15,6 +15,7 @@ from lmiserve.core.request import SamplingParams
 from lmiserve.engine.attention import cuda_graphs, kv_quant
 from lmiserve.engine.attention.kv_quant import KvFormat
 from lmiserve.engine.attention.paged import AttentionShape
+from lmiserve.engine.codecs import image_codec, prompt_codec
 from lmiserve.engine.core.async_engine import AsyncEngine, EngineConfig
 from lmiserve.engine.core.step import BatchRunner, NewRequest, ScheduledTokens, StepBatch
 from lmiserve.engine.loaded import LoadedModel
@@ -39,13 +40,10 @@ from lmiserve.engine.runner import fast_path_modules, fast_reason, generic
 from lmiserve.engine.runner.fast import PagedFastRunner
 from lmiserve.engine.runner.persistent_batch import PersistentBatchRunner
 from lmiserve.engine.runner.sampling import sample_profile
-from lmiserve.engine.runner.vision import PagedVisionRunner, bidirectional_images, image_token_id, is_vision_model
+from lmiserve.engine.runner.vision import PagedVisionRunner, is_vision_model
 from lmiserve.engine.runner.vision_fast import PagedFastVisionRunner, fast_vision_reason
 from lmiserve.engine.speculative.proposers import DraftModelProposer, NgramProposer
-from lmiserve.engine.text.grammar_compiler import GrammarCompiler
-from lmiserve.engine.text.images import ImageCodec, PromptIds, probe_prompt
-from lmiserve.engine.text.tokenizer import HfTokenizer
-from lmiserve.engine.text.validation import PromptCodec
+from lmiserve.engine.text.images import PromptIds, probe_prompt
 
 log = logging.getLogger(__name__)
 FastRunnerClass = type[PagedFastRunner] | type[PagedFastVisionRunner]  # lmiserve's forward: a text model's, a VLM's
@@ -173,12 +171,12 @@ def create_engine(
         elif not config.batch_invariant:
             log.info("model runner: generic path over the paged KV cache (transformers' forward; %s)", why_not)
     drafting = spec is not None and spec.method != "ngram"
-    draft_cls = _draft_runner_class(loaded, config, draft) if drafting else None
+    draft_cls = draft_runner_class(loaded, config, draft) if drafting else None
     activation = draft_activation = None
     if config.kv_cache_memory_bytes is None:
         # a prompt step alone: no autotune, no decode graphs (their buffers, scratch block and RoPE table)
         quiet = dataclasses.replace(config, cpu_autotune=False, enforce_eager=True)
-        images = _image_codec(loaded) if loaded.device.type == "cuda" else None
+        images = image_codec(loaded) if loaded.device.type == "cuda" else None
         activation = profile_step_memory(
             loaded.device,
             lambda blocks: _paged_runner(loaded, quiet, blocks, fast_cls),
@@ -199,7 +197,7 @@ def create_engine(
     needs = None
     if drafting and draft is not None:
         draft_graphs = draft_cls is not None and cuda_graphs.wanted(draft.device, config.enforce_eager)
-        needs = DraftNeeds(draft, _draft_rows(config), draft_activation, draft_graphs)
+        needs = DraftNeeds(draft, draft_rows(config), draft_activation, draft_graphs)
     plan = plan_pools(loaded, config, activation, graphs, needs, memory)
     log.info(
         "KV cache: %d blocks of %d tokens (%.1f MiB, %s)",
@@ -220,8 +218,7 @@ def create_engine(
         runner.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     elif spec is not None and needs is not None:
         report_draft_pool(plan, needs, config, loaded.max_context, spec.num_speculative_tokens)
-        draft_config = dataclasses.replace(config, cpu_autotune=False)
-        runner.proposer = DraftModelProposer(_paged_runner(needs.loaded, draft_config, plan.draft_blocks, draft_cls))
+        runner.proposer = draft_proposer(needs.loaded, config, plan.draft_blocks, draft_cls)
     adapters = None
     if config.lora is not None:
         modules = fast_path_modules(loaded.model) if isinstance(runner, PagedFastRunner) else None
@@ -266,42 +263,6 @@ def attach_lora(
             log.exception("compiled LoRA products unavailable; using torch's")
             runner.lora_kernels = False
     return manager
-
-
-def prompt_codec(loaded: LoadedModel, max_input_len: int | None) -> tuple[PromptCodec, GrammarCompiler]:
-    """The prompt codec and grammar compiler of `loaded`'s tokenizer."""
-    codec = text_codec(loaded, max_input_len, _image_codec(loaded))
-    return codec, grammar_compiler(loaded, codec)
-
-
-def grammar_compiler(loaded: LoadedModel, codec: PromptCodec) -> GrammarCompiler:
-    """The grammar compiler of `loaded`'s tokenizer (its llguidance tokenizer built on the first grammar);
-    the engine's, and with `engine_process` the serving process's own, which checks a request's grammar
-    before its response starts (engine/process/client.py)."""
-    return GrammarCompiler(loaded.tokenizer, vocab_size=codec.vocab_size, eos_token_ids=loaded.eos_token_ids)
-
-
-def text_codec(loaded: LoadedModel, max_input_len: int | None, images: ImageCodec | None = None) -> PromptCodec:
-    """The prompt codec of `loaded`'s tokenizer and limits (`images`: a vision-language model's processor);
-    the engine's, and with `engine_process` the serving process's own (engine/process/client.py)."""
-    return PromptCodec(
-        HfTokenizer(loaded.tokenizer),
-        eos_token_ids=loaded.eos_token_ids,
-        max_context=loaded.max_context,
-        max_input_len=max_input_len,
-        vocab_size=getattr(loaded.model.config.get_text_config(), "vocab_size", None),
-        images=images,
-        name=loaded.name,
-    )
-
-
-def _image_codec(loaded: LoadedModel) -> ImageCodec | None:
-    """A vision-language model's processor as the prompt codec's (None: a text model, or a VLM loaded
-    without its processor: its requests with images are refused)."""
-    processor = getattr(loaded, "processor", None)
-    if processor is None or not is_vision_model(loaded.model):
-        return None
-    return ImageCodec(processor, image_token_id(loaded.model), atomic=bidirectional_images(loaded.model))
 
 
 def _for_device(config: EngineConfig, device: torch.device) -> EngineConfig:
@@ -373,14 +334,22 @@ def kv_format_of(loaded: LoadedModel, config: EngineConfig) -> KvFormat:
     return KvFormat.of(config.kv_cache_dtype, loaded.path, AttentionShape.of(loaded.model.config).layers)
 
 
-def _draft_rows(config: EngineConfig) -> int:
+def draft_proposer(
+    draft: LoadedModel, config: EngineConfig, blocks: int, draft_cls: type[PagedFastRunner] | None
+) -> DraftModelProposer:
+    """The proposer of speculative decoding's `draft` model: its runner (`draft_cls`, `draft_runner_class`) over a
+    pool of `blocks` blocks of its own."""
+    return DraftModelProposer(_paged_runner(draft, dataclasses.replace(config, cpu_autotune=False), blocks, draft_cls))
+
+
+def draft_rows(config: EngineConfig) -> int:
     """The rows that may draft at once: one past the batch size that turns drafting off, at most `max_running`."""
     spec = config.speculation
     assert spec is not None and spec.disable_by_batch_size is not None  # resolved by the device (create_engine)
     return min(config.max_running, spec.disable_by_batch_size + 1)
 
 
-def _draft_runner_class(
+def draft_runner_class(
     loaded: LoadedModel, config: EngineConfig, draft: LoadedModel | None
 ) -> type[PagedFastRunner] | None:
     """The fast runner class when the draft model runs lmiserve's forward (None: transformers' over the

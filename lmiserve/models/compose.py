@@ -21,9 +21,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lmiserve.config.sources import ENV_SHORTCUTS
+from lmiserve.engine.codecs import prompt_codec
 from lmiserve.engine.core.async_engine import AsyncEngine, EngineConfig
 from lmiserve.engine.executors.tensor_parallel import TensorParallelExecutor, WorkerSpec, free_port
-from lmiserve.engine.factory import create_engine, prompt_codec, worker_config
+from lmiserve.engine.executors.tp_worker import DraftLoad
+from lmiserve.engine.factory import create_engine, worker_config
 from lmiserve.engine.lora.registry import AdapterRegistry, LoraLimits
 from lmiserve.engine.model.shard_checkpoint import checkpoint_files
 from lmiserve.engine.model.sharding import unsplittable_reason
@@ -158,6 +160,18 @@ def worker_spec(settings: Settings, model_path: str, device: torch.device, degre
     if quant is not None and quant.source not in ("dynamic", "dummy") and checkpoint_files(model_path) is None:
         raise ModelLoadError(f"a {quant.method} checkpoint needs its weights as safetensors")
     port = settings.master_port or (29500 if settings.nnodes > 1 else free_port())
+    draft = None
+    spec = settings.speculative_config
+    if spec is not None and spec.method != "ngram":  # fetched here once (a Hub id, s3://, gs://); every rank loads it
+        from lmiserve.models import resolve_model_path
+        from lmiserve.models.download import adapter_options
+
+        path = (
+            model_path
+            if spec.self_draft
+            else str(resolve_model_path(spec.model, None, settings.model_cache_dir, adapter_options(settings)))
+        )
+        draft = DraftLoad(path, spec.dtype, settings.load_format if spec.self_draft else "auto")
     return WorkerSpec(
         model_path=model_path,
         dtype=str(resolve_dtype(settings.dtype, device)).removeprefix("torch."),
@@ -176,6 +190,7 @@ def worker_spec(settings: Settings, model_path: str, device: torch.device, degre
         step_timeout=settings.step_timeout,
         log_level=settings.log_level.upper(),
         quantization=quant,
+        draft=draft,
     )
 
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from lmiserve.config import Settings
 from lmiserve.core import heap, threads
 from lmiserve.engine import torch_thread
-from lmiserve.engine.factory import grammar_compiler, text_codec
+from lmiserve.engine.codecs import grammar_compiler, text_codec
 from lmiserve.engine.process.client import EngineProcessClient
 from lmiserve.engine.process.wire import PipeLogHandler, PipeSender, emit_forwarded, portable
 from lmiserve.models.compose import with_chat_template

@@ -259,6 +259,21 @@ def test_ngram_speculation_under_tensor_parallelism_gives_the_greedy_tokens(tiny
     assert speculative[-1].prefill and [t for t, _ in speculative[-1].prefill] == [t for t, _ in whole[-1].prefill]
 
 
+def test_a_draft_model_under_tensor_parallelism_gives_the_greedy_tokens(tiny_model_dir, kv2_answers):
+    """A draft model (here the model itself: its drafts are accepted) loaded whole by each rank, which all propose
+    the same drafts, verified on the two ranks: the greedy tokens without speculation, most steps' drafts taken."""
+    draft = (
+        f'{{"method": "draft_model", "model": "{tiny_model_dir}", "num_speculative_tokens": 3, '
+        '"disable_by_batch_size": 64, "min_acceptance_rate": 0}'
+    )
+    whole = kv2_answers[0]
+    speculative = _answers(tiny_model_dir, 2, speculative_config=draft)
+    for i, prompt in enumerate(PROMPTS):
+        assert speculative[i].tokens == whole[i].tokens, prompt[:30]
+    drafted = SPECULATION["tp"]
+    assert drafted["num_drafts"] > 0 and drafted["num_accepted_tokens"] > drafted["num_drafts"], drafted
+
+
 CACHED: dict[str, int] = {}  # prompt tokens the prefix cache supplied to the second round, by executor
 
 

@@ -160,6 +160,7 @@ def test_prefill_context_is_dequantized_in_the_compute_dtype():
 
 def test_on_cpu_an_fp8_pool_runs_the_torch_backend_not_the_compiled_kernel(caplog):
     """The compiled CPU kernel reads fp32 only: an fp32 model over an fp8 pool gathers blocks (logged)."""
+    backends._log_fp8_fallback.cache_clear()  # (logged once a process: another test's engine may have said it)
     fp32 = _pool(torch.float32, None)
     fp8 = _pool(torch.float32, E4M3)
     with caplog.at_level(logging.INFO, logger=backends.__name__):

@@ -548,10 +548,6 @@ def test_node_variables_map_to_settings(environ, expected):
         ({"dtype": "int8"}, "tensor_parallel_degree=2 cannot be combined with dtype int8/int4"),
         ({"dtype": "int4"}, "tensor_parallel_degree=2 cannot be combined with dtype int8/int4"),
         ({"fast_path": "false"}, "tensor_parallel_degree=2 cannot be combined with fast_path=false"),
-        ({"speculative_config": '{"model": "/some/draft", "num_speculative_tokens": 3}'},
-         "tensor_parallel_degree=2 cannot be combined with speculative decoding with a draft model"),
-        ({"speculative_draft_model": "/some/draft"},
-         "tensor_parallel_degree=2 cannot be combined with speculative decoding with a draft model"),
         ({"nnodes": "3"}, "tensor_parallel_degree=2 is not a multiple of nnodes=3"),
         ({"nnodes": "2", "node_rank": "2"}, "node_rank=2 must be below nnodes=2"),
     ],
@@ -561,6 +557,20 @@ def test_what_tensor_parallelism_refuses_is_one_line_naming_the_option(options, 
         Settings.from_options({"tensor_parallel_degree": "2", **options})
     text = str(caught.value)
     assert message in text and "\n" not in text, text
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"speculative_config": '{"model": "/some/draft", "num_speculative_tokens": 3}'},
+        {"speculative_draft_model": "/some/draft"},
+        {"kv_cache_dtype": "fp8"},
+        {"quantize": "fp8"},
+    ],
+)
+def test_a_draft_model_an_fp8_kv_cache_and_quantize_combine_with_tensor_parallelism(options):
+    """(Each rank loads the draft whole; its pool stores fp8; its shard is quantized: the integration tests.)"""
+    assert Settings.from_options({"tensor_parallel_degree": "2", **options}).tensor_parallel_degree == "2"
 
 
 @pytest.mark.parametrize(

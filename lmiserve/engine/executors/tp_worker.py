@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from lmiserve.engine.core.async_engine import EngineConfig
     from lmiserve.engine.loaded import LoadedModel
     from lmiserve.engine.model.quant_formats import QuantSpec
+    from lmiserve.engine.pool_plan import PoolPlan
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,15 @@ class LoadShell(Protocol):
 
 
 @dataclass(frozen=True)
+class DraftLoad:
+    """How a worker loads speculative decoding's draft model (`load_model`'s arguments)."""
+
+    path: str
+    dtype: str
+    load_format: str
+
+
+@dataclass(frozen=True)
 class WorkerSpec:
     """Everything a worker needs to load its shard and join its group (picklable: sent to spawned
     processes)."""
@@ -93,6 +103,7 @@ class WorkerSpec:
     # the checkpoint's quantization (a quantized checkpoint's linears cut as stored), or `quantize` made at load
     # (fp8 of a float checkpoint: shard_quantized.quantize_fp8_shard; 4-bit codes of a dummy model: `quantize_shard`)
     quantization: QuantSpec | None = None
+    draft: DraftLoad | None = None  # speculative decoding's draft model, loaded whole by every rank
 
     @property
     def local_world(self) -> int:
@@ -145,23 +156,23 @@ def _serve(spec: WorkerSpec, rank: int, local_rank: int, conn: Connection | None
         timeout=timedelta(seconds=max(spec.step_timeout, START_TIMEOUT_S)),
     )
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    error, loaded, capacity = None, None, 0
+    error, shard, capacity = None, None, (0, 0)
     try:
-        loaded, capacity = _load_shard(spec, rank, local_rank)
+        shard = _load_shard(spec, rank, local_rank)
+        capacity = (shard.plan.blocks, shard.plan.draft_blocks)
     except Exception as exc:  # noqa: BLE001 - gathered below: every rank stops, rank 0 says why
         log.exception("loading the shard failed")
         error = f"rank {rank}: {exc}"
     if error is None:  # logged before the ranks agree: every rank's line precedes the leader's "ready"
-        log.info("rank %d of %d loaded its shard: room for %d KV blocks", rank, spec.world, capacity)
+        log.info("rank %d of %d loaded its shard: room for %d KV blocks", rank, spec.world, capacity[0])
     statuses: list[Any] = [None] * spec.world
     dist.all_gather_object(statuses, (error, capacity), group=control)
     errors = [e for e, _ in statuses if e]
     if errors:
         _tell(conn, ("error", errors[0]))
         return 1
-    assert loaded is not None
-    num_blocks = min(c for _, c in statuses)
-    runner = _runner(spec, loaded, num_blocks)
+    assert shard is not None
+    runner = _runner(spec, shard, min(c[0] for _, c in statuses), min(c[1] for _, c in statuses))
     shape = (runner.num_blocks, runner.block_size, runner.vocab_size, list(runner.eos_token_ids), runner.kv_bytes)
     _tell(conn, ("ready", shape))
     while True:
@@ -182,18 +193,31 @@ def _serve(spec: WorkerSpec, rank: int, local_rank: int, conn: Connection | None
     return 0
 
 
-def _load_shard(spec: WorkerSpec, rank: int, local_rank: int) -> tuple[Any, int]:
-    """This rank's shard of the model, on its device, and the blocks of KV its memory allows
-    (`kv_cache_memory_bytes` per worker, else the device's share). From a safetensors checkpoint only the
-    shard's slices are read (`load_shard_weights`); otherwise (a `dummy` model, other formats) the whole
-    model is loaded on the CPU and cut."""
+@dataclass
+class Shard:
+    """A rank's shard of the model (`loaded`), its speculative decoding's draft model (whole on every rank:
+    each proposes the same drafts; None: none) and the blocks of the two pools its memory allows."""
+
+    loaded: Any
+    draft: Any
+    draft_cls: Any
+    plan: PoolPlan
+
+
+def _load_shard(spec: WorkerSpec, rank: int, local_rank: int) -> Shard:
+    """This rank's shard of the model, on its device, its draft model (`spec.draft`) and the blocks of KV its
+    memory allows (`kv_cache_memory_bytes` per worker, else the device's share), the draft's pool beside the
+    model's (`plan_pools`). From a safetensors checkpoint only the shard's slices are read
+    (`load_shard_weights`); otherwise (a `dummy` model, other formats) the whole model is loaded on the CPU and
+    cut."""
     import torch.distributed as dist
 
-    from lmiserve.engine.factory import profile_step_memory
+    from lmiserve.engine.attention import cuda_graphs
+    from lmiserve.engine.factory import draft_proposer, draft_rows, draft_runner_class, profile_step_memory
     from lmiserve.engine.model.shard_checkpoint import checkpoint_files, load_shard_weights
     from lmiserve.engine.model.shard_quantized import quantize_fp8_shard
     from lmiserve.engine.model.sharding import shard_model
-    from lmiserve.engine.pool_plan import kv_pool_blocks, largest_step_tokens, profiled_sampling
+    from lmiserve.engine.pool_plan import DraftNeeds, PoolPlan, largest_step_tokens, plan_pools, profiled_sampling
 
     quant = spec.quantization
     target = torch.device("cuda", local_rank) if spec.device == "cuda" else torch.device("cpu")
@@ -219,27 +243,48 @@ def _load_shard(spec: WorkerSpec, rank: int, local_rank: int) -> tuple[Any, int]
     elif quant is not None and quant.source == "dummy":
         log.info("rank %d: %s", rank, spec.quantize_shard(loaded.model, quant, getattr(torch, spec.dtype), target))
     config = spec.config
-    activation = None
     if spec.device == "cuda":
-        device = torch.device("cuda", local_rank)
-        loaded.model.to(device)  # type: ignore[arg-type]  # transformers' wrapped `to`
-        loaded = dataclasses.replace(loaded, device=device)
-        if config.kv_cache_memory_bytes is None:  # every rank profiles the same step (its collectives pair up)
-            activation = profile_step_memory(
-                device,
-                lambda blocks: _runner(spec, loaded, blocks),
-                largest_step_tokens(config, loaded.max_context),
+        loaded.model.to(target)  # type: ignore[arg-type]  # transformers' wrapped `to`
+        loaded = dataclasses.replace(loaded, device=target)
+    draft = draft_cls = None
+    if spec.draft is not None:  # whole on every rank (a small model): no collectives, the same drafts everywhere
+        draft = spec.load_model(
+            spec.draft.path,
+            dtype=spec.draft.dtype,
+            device=str(target),
+            trust_remote_code=spec.trust_remote_code,
+            load_format=spec.draft.load_format,
+        )
+        draft_cls = draft_runner_class(loaded, config, draft)
+    activation = draft_activation = None
+    if spec.device == "cuda" and config.kv_cache_memory_bytes is None:
+        # every rank profiles the same step (its collectives pair up); the draft's largest step too
+        activation = profile_step_memory(
+            target,
+            lambda blocks: _runner(spec, Shard(loaded, None, None, PoolPlan(blocks, 0, 0)), blocks, 0),
+            largest_step_tokens(config, loaded.max_context),
+            config.block_size,
+            sampler=profiled_sampling(loaded, config),
+        )
+        if draft is not None:
+            quiet = dataclasses.replace(config, enforce_eager=True)
+            draft_activation = profile_step_memory(
+                target,
+                lambda blocks: draft_proposer(draft, quiet, blocks, draft_cls).runner,  # (no graphs while profiled)
+                largest_step_tokens(config, draft.max_context),
                 config.block_size,
-                sampler=profiled_sampling(loaded, config),
             )
-    return loaded, kv_pool_blocks(loaded, config, activation)
+    # (the draft's decode graphs: its own forward, no collectives, captured as on one device)
+    graphs = draft_cls is not None and cuda_graphs.wanted(target, config.enforce_eager)
+    needs = None if draft is None else DraftNeeds(draft, draft_rows(config), draft_activation, graphs)
+    return Shard(loaded, draft, draft_cls, plan_pools(loaded, config, activation, draft=needs))
 
 
-def _runner(spec: WorkerSpec, loaded: Any, num_blocks: int) -> TensorParallelRunner:
-    from lmiserve.engine.factory import kv_format_of
+def _runner(spec: WorkerSpec, shard: Shard, num_blocks: int, draft_blocks: int) -> TensorParallelRunner:
+    from lmiserve.engine.factory import draft_proposer, kv_format_of
     from lmiserve.engine.speculative.proposers import NgramProposer
 
-    config = spec.config
+    config, loaded = spec.config, shard.loaded
     runner = TensorParallelRunner(
         loaded.model,
         max_slots=config.max_running,
@@ -251,7 +296,9 @@ def _runner(spec: WorkerSpec, loaded: Any, num_blocks: int) -> TensorParallelRun
         kv_format=kv_format_of(loaded, config),  # (its KV heads' share of each block, in `kv_cache_dtype`)
     )
     spec_settings = config.speculation
-    if spec_settings is not None:  # prompt lookup only (a draft model is refused with tensor parallelism)
+    if spec_settings is not None and shard.draft is not None:
+        runner.proposer = draft_proposer(shard.draft, config, draft_blocks, shard.draft_cls)
+    elif spec_settings is not None:  # prompt lookup
         runner.proposer = NgramProposer(spec_settings.prompt_lookup_min, spec_settings.prompt_lookup_max)
     if config.lora is not None:  # each rank reads its shard of an adapter when a batch first names it
         from lmiserve.engine.factory import attach_lora
