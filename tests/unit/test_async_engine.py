@@ -20,8 +20,9 @@ from lmiserve.config import Settings
 from lmiserve.core.errors import InvalidRequest, Overloaded, QueueTimeout
 from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.core.request import GenerationRequest, SamplingParams
+from lmiserve.engine.codecs import prompt_codec
 from lmiserve.engine.core.async_engine import AsyncEngine, EngineConfig
-from lmiserve.engine.factory import PREFILL_FLOOR, create_engine, prompt_codec
+from lmiserve.engine.factory import PREFILL_FLOOR, create_engine
 from lmiserve.engine.pool_plan import kv_pool_blocks
 from lmiserve.engine.runner.fast import PagedFastRunner
 from lmiserve.engine.runner.generic import PagedGenericRunner

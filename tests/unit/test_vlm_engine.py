@@ -185,11 +185,12 @@ def test_the_memory_profile_runs_the_image_encoder(vlm):
     """On CUDA the KV pool is sized after the largest step's peak: a VLM's profile also runs a step with a
     1024 x 1024 image (its encoder and features in the peak). The same step runs here on CPU: the image
     reaches the encoder (its tokens are in the prompt) and the step answers without error."""
-    from lmiserve.engine.factory import _image_codec, _paged_runner, run_profile_step
+    from lmiserve.engine.codecs import image_codec
+    from lmiserve.engine.factory import _paged_runner, run_profile_step
     from lmiserve.engine.text.images import probe_prompt
 
     _, _, loaded = vlm
-    codec = _image_codec(loaded)
+    codec = image_codec(loaded)
     assert codec is not None
     prompt = probe_prompt(codec)
     assert prompt is not None and prompt.images is not None
