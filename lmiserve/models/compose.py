@@ -30,6 +30,7 @@ from lmiserve.engine.lora.registry import AdapterRegistry, LoraLimits
 from lmiserve.engine.model.shard_checkpoint import checkpoint_files
 from lmiserve.engine.model.sharding import unsplittable_reason
 from lmiserve.engine.runner import fast_path_modules
+from lmiserve.engine.runner.vision import is_vision_model
 from lmiserve.engine.speculative.proposers import SpeculationSettings
 from lmiserve.models.errors import ModelLoadError
 from lmiserve.models.load import load_causal_lm, load_model_shell, resolve_dtype
@@ -203,6 +204,8 @@ def build_tensor_parallel_engine(loaded: LoadedModel, settings: Settings, degree
     if reason is not None:
         raise ValueError(reason)
     spec = worker_spec(settings, str(loaded.path), loaded.device, degree)
+    if is_vision_model(loaded.model):
+        _refuse_for_a_vlm(spec)
     adapters = None
     if spec.config.lora is not None:
         # (lmiserve's forward adapts no mixture of experts' MLP, and no other forward runs a shard)
@@ -210,6 +213,23 @@ def build_tensor_parallel_engine(loaded: LoadedModel, settings: Settings, degree
     executor = TensorParallelExecutor(spec)
     codec, grammars = prompt_codec(loaded, settings.max_input_len)
     return AsyncEngine(executor, codec, spec.config, grammars, adapters)
+
+
+def _refuse_for_a_vlm(spec: WorkerSpec) -> None:
+    """What tensor parallelism does not serve with a vision-language model, refused in one line (ValueError)."""
+    quant = spec.quantization
+    if spec.config.lora is not None:
+        raise ValueError(
+            "LoRA adapters are not served with a vision-language model over tensor parallelism (an adapter's steps "
+            "run transformers' forward of the VLM, which the ranks do not split)"
+        )
+    if spec.config.speculation is not None:
+        raise ValueError("speculative decoding is not served with a vision-language model")
+    if quant is not None and not quant.dequantized:
+        raise ValueError(
+            f"quantize {quant.method} is not supported for vision-language models yet (their block-wise fp8 "
+            "checkpoints are)"
+        )
 
 
 ADAPTERS_FOLDER = "adapters"  # next to the model: LoRA adapters registered at start (LMI's layout)

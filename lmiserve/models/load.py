@@ -205,7 +205,9 @@ def load_model_shell(
     """`path`'s tokenizer, config and generation config around a model without weights (its parameters on
     torch's meta device; its buffers, such as RoPE's frequencies, real): what the serving process of
     tensor-parallel workers needs, the weights being theirs; a worker fills in its shard's
-    (`engine.model.shard_checkpoint.load_shard_weights`). `device` and `dtype` are those the model will run in."""
+    (`engine.model.shard_checkpoint.load_shard_weights`). `device` and `dtype` are those the model will run in.
+    A vision-language model's shell is AutoModelForImageTextToText's, with its processor (the serving process
+    expands a prompt's images with it)."""
     from accelerate import init_empty_weights
     from transformers import GenerationConfig
 
@@ -214,18 +216,25 @@ def load_model_shell(
     torch_dtype = resolve_dtype(dtype, torch_device)
     quant = checkpoint_quantization(path, None)
     common = {"trust_remote_code": trust_remote_code, "local_files_only": True}
+    processor = None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **common)
         config = AutoConfig.from_pretrained(path, **common)
+        auto_class: Any = AutoModelForCausalLM
+        if is_vision_config(config):
+            auto_class = AutoModelForImageTextToText
+            processor = load_processor(path, config, trust_remote_code)
+            tokenizer = processor.tokenizer
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(path, **common)
         if quant is not None:  # a float shell: each worker makes its shard's quantized layers (shard_quantized.py)
             del config.quantization_config
         with init_empty_weights(include_buffers=False):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+            model = auto_class.from_config(config, dtype=torch_dtype, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError, ImportError) as exc:
         raise ModelLoadError(f"could not load the model in {path}: {exc}") from exc
     with contextlib.suppress(OSError):  # no generation_config.json: the config's own
         model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
-    return _loaded(model, tokenizer, torch_device, torch_dtype, name or path.name, path)
+    return _loaded(model, tokenizer, torch_device, torch_dtype, name or path.name, path, processor)
 
 
 def _loaded(

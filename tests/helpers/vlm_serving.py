@@ -43,11 +43,12 @@ async def serve(
     one_by_one: bool = False,
     at_once: bool = False,
     tokens: int = TOKENS,
+    engine: Any = None,
 ) -> tuple[list[tuple[list[int], int]], Any]:
     """Each request's greedy tokens (EOS ignored) and cached prompt tokens; the engine (stopped). Requests
     join a running batch a little apart; `at_once`: all submitted before the first step; `one_by_one`:
-    each after the one before finished."""
-    engine = create_engine(loaded, config)
+    each after the one before finished. `engine`: one built already (not started), in place of `loaded`'s."""
+    engine = engine or create_engine(loaded, config)
     engine.start()
     params = SamplingParams(max_new_tokens=tokens, ignore_eos_token=True)
 

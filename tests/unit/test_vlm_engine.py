@@ -85,6 +85,9 @@ def test_preemption_recomputes_from_the_kept_features(vlm):
     results, engine = asyncio.run(serve(loaded, small, requests, at_once=True, tokens=24))
     assert engine.scheduler.num_preemptions > 0, family
     assert same(results, [reference(path, *r, tokens=24) for r in requests]), family
+    # every step on lmiserve's forward: a recompute's chunk past its prompt too (M-RoPE: the prompt's 3-D positions,
+    # then each generated token's plus the rope delta)
+    assert engine.executor.runner.steps["vlm"] == 0, (family, engine.executor.runner.steps)
 
 
 def test_images_to_a_text_model_are_refused_naming_it(vlm):

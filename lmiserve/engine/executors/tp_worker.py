@@ -31,6 +31,8 @@ from lmiserve.core import threads
 from lmiserve.engine.child_process import start_child
 from lmiserve.engine.core.step import StepBatch, StepOutput
 from lmiserve.engine.runner.fast import PagedFastRunner
+from lmiserve.engine.runner.vision import is_vision_model
+from lmiserve.engine.runner.vision_fast import PagedFastVisionRunner
 
 if TYPE_CHECKING:
     from lmiserve.engine.core.async_engine import EngineConfig
@@ -120,6 +122,21 @@ class TensorParallelRunner(PagedFastRunner):
 
     def _run_rows(self, batch: StepBatch, part: list[int], out: StepOutput) -> None:
         self._finish_rows(batch, part, self._forward_rows(batch, part), out)
+
+
+class TensorParallelVisionRunner(PagedFastVisionRunner):
+    """A rank's runner of a vision-language model: lmiserve's forward over its shard of the decoder, the image
+    encoder whole (every rank encodes a request's images: the same features everywhere); as `TensorParallelRunner`,
+    a step that raises stops the worker. Transformers' forward of the VLM, which the one-device runner takes for a
+    LoRA adapter's step, does not run a shard: such a step raises (adapters are refused at start)."""
+
+    probes_backend = False
+
+    def _run_rows(self, batch: StepBatch, part: list[int], out: StepOutput) -> None:
+        self._finish_rows(batch, part, self._forward_rows(batch, part), out)
+
+    def _forward_lora(self, batch: StepBatch, part: list[int], rows: Any, backend: Any) -> torch.Tensor:
+        raise RuntimeError("a step of a vision-language model's shard needs transformers' forward, which is not split")
 
 
 # ---- the worker process ------------------------------------------------------------------------------
@@ -213,11 +230,13 @@ def _load_shard(spec: WorkerSpec, rank: int, local_rank: int) -> Shard:
     import torch.distributed as dist
 
     from lmiserve.engine.attention import cuda_graphs
+    from lmiserve.engine.codecs import image_codec
     from lmiserve.engine.factory import draft_proposer, draft_rows, draft_runner_class, profile_step_memory
     from lmiserve.engine.model.shard_checkpoint import checkpoint_files, load_shard_weights
     from lmiserve.engine.model.shard_quantized import quantize_fp8_shard
     from lmiserve.engine.model.sharding import shard_model
     from lmiserve.engine.pool_plan import DraftNeeds, PoolPlan, largest_step_tokens, plan_pools, profiled_sampling
+    from lmiserve.engine.text.images import probe_prompt
 
     quant = spec.quantization
     target = torch.device("cuda", local_rank) if spec.device == "cuda" else torch.device("cpu")
@@ -258,12 +277,15 @@ def _load_shard(spec: WorkerSpec, rank: int, local_rank: int) -> Shard:
         draft_cls = draft_runner_class(loaded, config, draft)
     activation = draft_activation = None
     if spec.device == "cuda" and config.kv_cache_memory_bytes is None:
-        # every rank profiles the same step (its collectives pair up); the draft's largest step too
+        # every rank profiles the same steps (its collectives pair up): a VLM's with an image too; the draft's
+        # largest step
+        images = image_codec(loaded)
         activation = profile_step_memory(
             target,
             lambda blocks: _runner(spec, Shard(loaded, None, None, PoolPlan(blocks, 0, 0)), blocks, 0),
             largest_step_tokens(config, loaded.max_context),
             config.block_size,
+            probe_prompt(images) if images is not None else None,
             sampler=profiled_sampling(loaded, config),
         )
         if draft is not None:
@@ -280,12 +302,15 @@ def _load_shard(spec: WorkerSpec, rank: int, local_rank: int) -> Shard:
     return Shard(loaded, draft, draft_cls, plan_pools(loaded, config, activation, draft=needs))
 
 
-def _runner(spec: WorkerSpec, shard: Shard, num_blocks: int, draft_blocks: int) -> TensorParallelRunner:
+def _runner(
+    spec: WorkerSpec, shard: Shard, num_blocks: int, draft_blocks: int
+) -> TensorParallelRunner | TensorParallelVisionRunner:
     from lmiserve.engine.factory import draft_proposer, kv_format_of
     from lmiserve.engine.speculative.proposers import NgramProposer
 
     config, loaded = spec.config, shard.loaded
-    runner = TensorParallelRunner(
+    runner_cls = TensorParallelVisionRunner if is_vision_model(loaded.model) else TensorParallelRunner
+    runner = runner_cls(
         loaded.model,
         max_slots=config.max_running,
         max_context=loaded.max_context,

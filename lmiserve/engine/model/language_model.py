@@ -25,11 +25,27 @@ class LanguageModel:
         self.model = decoder
         self.lm_head = lm_head
         self.config = config
-        self.device: torch.device = vlm.device  # type: ignore[assignment]
-        self.dtype: torch.dtype = vlm.dtype  # type: ignore[assignment]
+        self._vlm = weakref.ref(vlm)  # (weak: the views are kept by their VLM)
         # transformers' VLM forwards take the head's logits as they are: Gemma 3's text config may name a soft
         # cap that its Gemma3ForCausalLM applies and its Gemma3ForConditionalGeneration does not
         self.caps_logits = False
+
+    @property
+    def device(self) -> torch.device:
+        """The VLM's device now (a tensor-parallel rank's shell is made on the meta device, then filled)."""
+        device: torch.device = self._owner().device
+        return device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        dtype: torch.dtype = self._owner().dtype
+        return dtype
+
+    def _owner(self) -> Any:
+        vlm = self._vlm()
+        if vlm is None:
+            raise RuntimeError("the vision-language model of this view is gone")
+        return vlm
 
     def __repr__(self) -> str:
         return f"LanguageModel({type(self.model).__name__}, {self.config.model_type})"

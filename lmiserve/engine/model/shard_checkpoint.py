@@ -12,6 +12,11 @@ bf16 checkpoints: ``[experts, in, out]``, gate and up interleaved); gpt-oss's MX
 Persistent buffers the checkpoint holds (GLM-4.5's router's score biases) are read whole. A quantized checkpoint's
 linears (fp8, AWQ, GPTQ) are cut and made by `shard_quantized`; its other fp8 weights (block-wise fp8's, an fp8
 expert's) are read as float.
+
+A checkpoint's tensors are found by the names transformers gives them on load (its renamings of the model's
+published format: LLaVA's and Gemma 3's ``language_model.model.layers.``, the Qwen VLs' ``model.layers.`` are the
+models' ``model.language_model.layers.``). A vision-language model's decoder and output projection are cut as a text
+model's; its vision tower and projector are read whole by every rank.
 """
 
 from __future__ import annotations
@@ -24,7 +29,6 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from lmiserve.engine.model.llama_layout import LlamaFamily
 from lmiserve.engine.model.quant_formats import QuantSpec
 from lmiserve.engine.model.shard_quantized import dequantizing_reader, shard_linear
 from lmiserve.engine.model.sharding import (
@@ -32,6 +36,7 @@ from lmiserve.engine.model.sharding import (
     ROW_PARALLEL,
     ShardPlan,
     column_run,
+    decoder_of,
     experts_layout,
     experts_part,
     keep_runs,
@@ -77,16 +82,19 @@ def load_shard_weights(
     shard = shard_of(model)
     if shard is None:
         raise ValueError("load_shard_weights fills a model cut by shard_model")
-    files = checkpoint_files(path)
-    if files is None:
+    stored_files = checkpoint_files(path)
+    if stored_files is None:
         raise ValueError(f"no safetensors checkpoint in {path}")
     from safetensors import safe_open
 
-    llama = cast(LlamaFamily, model)  # cut by shard_model, which checked its architecture
+    stored = model_names(model, stored_files)
+    files = {name: stored_files[at] for name, at in stored.items()}  # by the model's names
+    llama = decoder_of(model)  # cut by shard_model, which checked its architecture
     head, embed = llama.lm_head, llama.model.embed_tokens
     tied = tied_output(model)
     if tied:
         head.weight = embed.weight  # one parameter, listed once (as the embedding's)
+    split = _split_prefixes(model, llama)
     with contextlib.ExitStack() as stack:
         handles: dict[Path, Any] = {}
         layouts = {n: experts_layout(m) for n, m in model.named_modules() if n.endswith(".experts")}
@@ -95,14 +103,14 @@ def load_shard_weights(
             file = files[name]
             if file not in handles:
                 handles[file] = stack.enter_context(safe_open(str(file), framework="pt"))
-            return handles[file].get_slice(name)
+            return handles[file].get_slice(stored[name])
 
         read = dequantizing_reader(slice_of, files, quant)
-        made = _quantized_linears(model, files, slice_of, quant, device or torch.device("cpu"))
+        made = _quantized_linears(model, files, slice_of, quant, device or torch.device("cpu"), split)
         for name, parameter in model.named_parameters():  # a tied output layer's weight is listed once
             if name.rpartition(".")[0] in made:
                 continue
-            loaded = _read(name, parameter, files, read, shard.plan, layouts)
+            loaded = _read(name, parameter, files, read, shard.plan, layouts, name.startswith(split))
             if loaded is None:
                 raise ValueError(f"the checkpoint in {path} has no tensor {name}")
             owner, _, attribute = name.rpartition(".")
@@ -110,7 +118,7 @@ def load_shard_weights(
         for name, buffer in list(model.named_buffers()):  # (RoPE's frequencies are computed, not stored)
             if name.rpartition(".")[0] in made:
                 continue
-            loaded = _read(name, buffer, files, read, shard.plan, layouts)
+            loaded = _read(name, buffer, files, read, shard.plan, layouts, name.startswith(split))
             if loaded is not None:
                 owner, _, attribute = name.rpartition(".")
                 setattr(model.get_submodule(owner), attribute, loaded)
@@ -118,11 +126,41 @@ def load_shard_weights(
         head.weight = embed.weight
 
 
+def model_names(model: PreTrainedModel, files: Mapping[str, Any]) -> dict[str, str]:
+    """The checkpoint's tensor names (`files`' keys) by the names `model`'s parameters and buffers have: each renamed
+    as transformers renames it on load (`get_model_conversion_mapping`'s renamings; its converters, which merge a
+    mixture of experts' matrices, are this module's own work), the stored name for each."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+    except ImportError:  # (a transformers without the renamings: the names as stored)
+        return {name: name for name in files}
+    renamings = [t for t in get_model_conversion_mapping(model, add_legacy=False) if isinstance(t, WeightRenaming)]
+    if not renamings:
+        return {name: name for name in files}
+    return {rename_source_key(name, renamings, [])[0]: name for name in files}
+
+
+def _split_prefixes(model: PreTrainedModel, llama: Any) -> tuple[str, ...]:
+    """The name prefixes of what tensor parallelism splits of `model`: everything (a causal LM), a vision-language
+    model's decoder and output projection (its vision tower and projector are read whole)."""
+    if llama is model:
+        return ("",)
+    names = {id(module): name for name, module in model.named_modules()}
+    return tuple(f"{names[id(m)]}." for m in (llama.model, llama.lm_head))
+
+
 def _quantized_linears(
-    model: PreTrainedModel, files: dict[str, Path], read: Read, quant: QuantSpec | None, device: torch.device
+    model: PreTrainedModel,
+    files: dict[str, Path],
+    read: Read,
+    quant: QuantSpec | None,
+    device: torch.device,
+    split: tuple[str, ...] = ("",),
 ) -> set[str]:
     """Each linear of `model`'s layers that the checkpoint stores quantized (fp8 with a ``weight_scale``, AWQ or
-    GPTQ) replaced by the rank's layer of it (`shard_quantized.shard_linear`); their names."""
+    GPTQ) replaced by the rank's layer of it (`shard_quantized.shard_linear`); their names. `split`: the prefixes of
+    the modules tensor parallelism splits (`_split_prefixes`)."""
     if quant is None or quant.method not in ("fp8", "awq", "gptq"):
         return set()
     key = "weight_scale" if quant.method == "fp8" else "qweight"
@@ -130,6 +168,8 @@ def _quantized_linears(
     made = set()
     for name, module in list(model.named_modules()):
         if type(module) is not torch.nn.Linear or ".layers." not in name or f"{name}.{key}" not in files:
+            continue
+        if not name.startswith(split):
             continue
         layer = shard_linear(name, files, read, plan, quant, module.weight.dtype, device)
         if layer is None:
@@ -145,14 +185,22 @@ def _quantized_linears(
 
 
 def _read(
-    name: str, like: torch.Tensor, files: dict[str, Path], read: Read, plan: ShardPlan, layouts: dict[str, Any]
+    name: str,
+    like: torch.Tensor,
+    files: dict[str, Path],
+    read: Read,
+    plan: ShardPlan,
+    layouts: dict[str, Any],
+    split: bool = True,
 ) -> torch.Tensor | None:
     """This rank's part of `name` as the checkpoint stores it (None: it does not), in `like`'s dtype and shape;
-    `layouts`: each experts module's (`experts_layout`), by name."""
+    `layouts`: each experts module's (`experts_layout`), by name; not `split`: the whole tensor (a vision tower's)."""
     owner, _, kind = name.rpartition(".")
     stored = name if name in files else _mixtral_name(name)
     loaded: torch.Tensor | None = None
-    if owner in layouts and kind in EXPERT_TENSORS:
+    if not split:
+        loaded = torch.as_tensor(read(name)[:]) if name in files else None
+    elif owner in layouts and kind in EXPERT_TENSORS:
         if stored in files:
             loaded = experts_part(read(stored), kind, plan, *layouts[owner])
         elif f"{name}_blocks" in files:  # gpt-oss's MXFP4

@@ -39,7 +39,8 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.nn.functional as F
 
-from lmiserve.engine.model.layout_variants import UNSPLIT_TYPES, moe_block
+from lmiserve.engine.model.language_model import language_model
+from lmiserve.engine.model.layout_variants import UNSPLIT_TYPES, VLM_DECODER_TYPES, moe_block
 from lmiserve.engine.model.llama_layout import QUANTIZED_LINEARS, SUPPORTED_TYPES, LlamaFamily
 
 if TYPE_CHECKING:
@@ -87,13 +88,17 @@ INTERMEDIATE_SIZES = {
 
 
 def unsplittable_reason(config: PretrainedConfig, world: int) -> str | None:
-    """None when a model of `config` splits over `world` ranks, else one line saying why not."""
+    """None when a model of `config` splits over `world` ranks, else one line saying why not. A vision-language
+    model's decoder is split as a text model's (its text config's), its vision tower kept whole on every rank."""
     cfg: Any = config
     model_type = getattr(cfg, "model_type", None)
     if getattr(cfg, "vision_config", None) is not None:
-        return f"tensor parallelism does not serve vision-language models (this model is {model_type!r})"
-    if model_type not in SUPPORTED_TYPES or model_type in UNSPLIT_TYPES:
-        split = [t for t in SUPPORTED_TYPES if t not in UNSPLIT_TYPES]
+        cfg = cfg.get_text_config()
+        text_type = getattr(cfg, "model_type", None)
+        if text_type not in SUPPORTED_TYPES or text_type in UNSPLIT_TYPES:
+            return f"tensor parallelism splits VLMs whose decoder lmiserve runs; {model_type!r}'s is {text_type!r}"
+    elif model_type not in SUPPORTED_TYPES or model_type in (*UNSPLIT_TYPES, *VLM_DECODER_TYPES):
+        split = [t for t in SUPPORTED_TYPES if t not in (*UNSPLIT_TYPES, *VLM_DECODER_TYPES)]
         return (
             f"tensor parallelism runs the fast path's architectures but OLMo 2's and OLMoE's "
             f"({', '.join(split)}); this model is {model_type!r}"
@@ -117,7 +122,7 @@ def shard_plan(config: PretrainedConfig, rank: int, world: int) -> ShardPlan:
     reason = unsplittable_reason(config, world)
     if reason is not None:
         raise ValueError(reason)
-    cfg: Any = config
+    cfg: Any = config.get_text_config()  # (a vision-language model's decoder's)
     heads = int(cfg.num_attention_heads)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // heads)
@@ -178,19 +183,30 @@ class TensorParallelShard:
 
 
 # the shard of each sharded model (weak keys: it goes with its model)
-_SHARDS: weakref.WeakKeyDictionary[torch.nn.Module, TensorParallelShard] = weakref.WeakKeyDictionary()
+_SHARDS: weakref.WeakKeyDictionary[Any, TensorParallelShard] = weakref.WeakKeyDictionary()
 
 
-def shard_of(model: torch.nn.Module) -> TensorParallelShard | None:
-    """The shard `model` was cut to (None: a whole model)."""
+def shard_of(model: Any) -> TensorParallelShard | None:
+    """The shard `model` (a model, or a vision-language model's `LanguageModel` view) was cut to (None: whole)."""
     return _SHARDS.get(model)
 
 
+def decoder_of(model: PreTrainedModel) -> LlamaFamily:
+    """What tensor parallelism splits of `model`: a causal LM itself, a vision-language model's decoder and output
+    projection (`language_model`'s view: ``model``, ``lm_head``, the text ``config``)."""
+    if getattr(model.config, "vision_config", None) is None:
+        return cast(LlamaFamily, model)
+    view = language_model(model)
+    if view is None:
+        raise ValueError(f"the decoder of this vision-language model ({model.config.model_type}) is not found")
+    return cast(LlamaFamily, view)
+
+
 def shard_model(model: PreTrainedModel, rank: int, world: int, group: ProcessGroup | None) -> TensorParallelShard:
-    """Keep rank `rank`'s share of `model`'s weights (in place; the rest is freed) and say the local head
-    counts in its config. Refused (ValueError) for a model the fast path does not run or that does not
-    split over `world` ranks, or whose linears are quantized (int8, int4, q8, a checkpoint's fp8 or AWQ/GPTQ
-    codes: their blocked rows and scales are not cut here)."""
+    """Keep rank `rank`'s share of `model`'s weights (in place; the rest is freed) and say the local head counts in
+    its config (a VLM's decoder's: `decoder_of`; its vision tower is kept whole). Refused (ValueError) for a model the
+    fast path does not run or that does not split over `world` ranks, or whose linears are quantized (int8, int4,
+    q8, a checkpoint's fp8 or AWQ/GPTQ codes: their blocked rows and scales are not cut here)."""
     plan = shard_plan(model.config, rank, world)
     if any(isinstance(m, QUANTIZED_LINEARS) for m in model.modules()):
         raise ValueError(
@@ -198,7 +214,7 @@ def shard_model(model: PreTrainedModel, rank: int, world: int, group: ProcessGro
             "checkpoint's fp8 or AWQ/GPTQ weights)"
         )
     # the architecture was checked by the plan; the rest of the layout (on real weights) by FastLlama
-    llama = cast(LlamaFamily, model)
+    llama = decoder_of(model)
     for layer in llama.model.layers:
         for owner in (layer.self_attn, layer.mlp):  # (an MoE block's shared expert: a dense MLP inside it)
             for name, module in cast(torch.nn.Module, owner).named_modules():
@@ -221,9 +237,9 @@ def shard_model(model: PreTrainedModel, rank: int, world: int, group: ProcessGro
     tied = tied_output(model)
     embed.weight = torch.nn.Parameter(_vocab_rows(embed.weight, plan), requires_grad=False)
     head.weight = embed.weight if tied else torch.nn.Parameter(_vocab_rows(head.weight, plan), requires_grad=False)
-    cfg: Any = model.config
+    cfg: Any = cast(Any, llama).config
     cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = plan.q_heads, plan.kv_heads, plan.head_dim
-    shard = _SHARDS[model] = TensorParallelShard(plan, group)
+    shard = _SHARDS[model] = _SHARDS[llama] = TensorParallelShard(plan, group)
     return shard
 
 
@@ -271,7 +287,7 @@ def _along(tensor: Any, dim: int, part: slice) -> Any:
 def tied_output(model: PreTrainedModel) -> bool:
     """Whether the output layer is the embedding (as the model ties it, or as its config says: a shell made
     on the meta device may not be tied yet)."""
-    llama = cast(LlamaFamily, model)
+    llama = decoder_of(model)
     config: Any = model.config.get_text_config()
     return llama.lm_head.weight is llama.model.embed_tokens.weight or bool(
         getattr(config, "tie_word_embeddings", False)

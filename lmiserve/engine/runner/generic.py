@@ -214,6 +214,10 @@ class PagedGenericRunner(PersistentBatchRunner):
     """The transformers model's own forward over the block KV cache (the generic strategy; with `alone`,
     the batch-invariant one)."""
 
+    # whether a runner checks lmiserve's attention backend against transformers' forward at start (a tensor-parallel
+    # rank's is not: transformers' forward does not run a shard)
+    probes_backend = True
+
     def __init__(
         self,
         model: PreTrainedModel,
@@ -237,7 +241,7 @@ class PagedGenericRunner(PersistentBatchRunner):
         # lmiserve's attention backend over the blocks (Triton, the compiled CPU kernel) where one applies and
         # agrees with transformers' own attention; None: transformers' attention over the gathered blocks
         self.attention: AttentionBackend | None = None
-        if not alone:
+        if not alone and self.probes_backend:
             layer_windows = attention_window.layer_windows(model.config)
             backend = backends.choose(self.kv, shape.heads, layer_windows)
             if not isinstance(backend, backends.TorchBackend) or backend.compiled:

@@ -16,8 +16,9 @@ The Qwen VLs' image tokens take RoPE rows made from their 3-D positions by the r
 splits such an image, and the step's attention runs on the torch backend with the image's block opened).
 
 What the fast forward does not compute runs transformers' forward of the VLM over the same blocks
-(runner/vision.py), a whole step at a time: a step with a row that meets an M-RoPE image past its prompt (a
-recompute), or with a LoRA adapter (a VLM's adapters hook its modules).
+(runner/vision.py), a whole step at a time: a step with a LoRA adapter (a VLM's adapters hook its modules).
+A row that meets an M-RoPE image and runs on past its prompt (a recompute after a preemption) takes the prompt's
+3-D positions, then each generated token's position plus the prompt's rope delta, three times.
 """
 
 from __future__ import annotations
@@ -113,18 +114,16 @@ class PagedFastVisionRunner(PagedVisionRunner):
         return self.fast.forward(self._with_images(step, states, flat))
 
     def _three_d(self, state: RequestState, start: int, count: int) -> bool:
-        """Whether a row that meets an M-RoPE image takes its RoPE rows from its prompt's positions: a prompt chunk
-        (a recompute past the prompt runs the VLM's forward)."""
-        mrope = state.images.mrope if state.images is not None else None
-        return mrope is not None and start + count <= mrope.shape[1]
+        """Whether a row that meets an image takes its RoPE rows from its M-RoPE positions (`_positions_3d`)."""
+        return state.images is not None and state.images.mrope is not None
 
     def _rope_rows(
         self, states: list[RequestState], spans: list[Span]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`StepInputs.rope_rows` of some of the step's rows (their `states` and `_flat_spans`): their prompt's
-        M-RoPE positions through the rotary module."""
+        """`StepInputs.rope_rows` of some of the step's rows (their `states` and `_flat_spans`): their M-RoPE
+        positions (`_positions_3d`) through the rotary module."""
         at = np.concatenate([np.arange(first, first + count) for first, count, _, _ in spans])
-        three = [s.images.mrope[:, start : start + count] for s, (_, count, start, _) in zip(states, spans) if s.images]
+        three = [_positions_3d(s, start, count) for s, (_, count, start, _) in zip(states, spans)]
         cos, sin = self.fast.rope.rows_at(torch.cat(three, dim=1))
         return host_copy.to_device(at, self.device), cos, sin
 
@@ -161,6 +160,20 @@ class PagedFastVisionRunner(PagedVisionRunner):
         deep = [torch.cat([f.deepstack[k][r] for f, r in take_rows if f.deepstack]) for k in range(layers)] or None
         embeds = (index, features)
         return dataclasses.replace(step, decode_ids=ids[:decode], chunks=chunks, embeds=embeds, deepstack=deep)
+
+
+def _positions_3d(state: RequestState, start: int, count: int) -> torch.Tensor:
+    """``[3, count]``: the M-RoPE positions of a row's tokens from `start`: its prompt's (``get_rope_index``'s), then
+    past the prompt (a recompute's generated tokens) each position plus the prompt's rope delta, three times."""
+    features = state.images
+    assert features is not None and features.mrope is not None
+    mrope, end = features.mrope, start + count
+    length = mrope.shape[1]
+    inside: torch.Tensor = mrope[:, start : min(end, length)]
+    if end <= length:
+        return inside
+    past = torch.arange(max(start, length), end, device=mrope.device) + features.delta
+    return torch.cat([inside, past.to(mrope.dtype).expand(3, -1)], dim=1)
 
 
 def _flat_spans(step: StepInputs) -> list[Span]:

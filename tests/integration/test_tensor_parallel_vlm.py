@@ -1,0 +1,122 @@
+"""Vision-language models over tensor parallelism: each family's decoder split over two CPU worker processes (gloo),
+its vision tower whole on both, read from its checkpoint as published (LLaVA's and Gemma 3's
+``language_model.model.layers.``, the Qwen VLs' ``model.layers.``); the greedy tokens of image prompts, beside a text
+prompt, in chunks of 8 (a chunk boundary inside an image), are transformers' `generate()`'s. A preempted M-RoPE
+request recomputes on lmiserve's forward, its chunk running past its prompt; a real `lmiserve serve` of two ranks
+answers the OpenAI client's image chat as `generate()` does; LoRA adapters, speculative decoding and a quantized
+checkpoint with a VLM over tensor parallelism are refused before any worker starts, in one line."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from helpers.tiny_vlm import FAMILIES, MOE_FAMILIES, reference_generate, tiny_image
+from helpers.vlm_serving import chat, image_of, processed, prompt_of, reference, same, serve
+from lmiserve.config import Settings
+from lmiserve.engine.attention.paged import kv_bytes_per_block
+
+pytestmark = pytest.mark.integration
+
+DEGREE = 2
+
+
+def _engine(path: Path, **options: str) -> Any:
+    """The engine of the tiny VLM in `path` over two ranks (not started), loaded as the server loads it."""
+    from lmiserve.models.compose import build_tensor_parallel_engine
+    from lmiserve.models.load import load_model_shell
+
+    settings = Settings.from_options(
+        {"model_id": str(path), "device": "cpu", "dtype": "fp32", "tensor_parallel_degree": str(DEGREE), **options}
+    )
+    return build_tensor_parallel_engine(load_model_shell(path, dtype="fp32", device="cpu"), settings, DEGREE)
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, *MOE_FAMILIES])
+def test_a_vlm_over_two_ranks_gives_generates_tokens(tiny_vlm_dir, family):
+    from lmiserve.models.load import load_model_shell
+
+    path = tiny_vlm_dir(family)
+    shell = load_model_shell(path, dtype="fp32", device="cpu")
+    requests = [
+        (prompt_of(shell, chat("Describe the picture.")), (image_of(1),)),
+        (prompt_of(shell, [{"role": "user", "content": [{"type": "text", "text": "Hello there!"}]}]), ()),
+        (prompt_of(shell, chat("What colour is it?")), (image_of(2, (40, 56)),)),
+    ]
+    engine = _engine(path, max_rolling_batch_prefill_tokens="8")
+    results, _ = asyncio.run(serve(shell, None, requests, engine=engine))  # type: ignore[arg-type]
+    assert same(results, [reference(path, *r) for r in requests]), (family, results)
+
+
+def test_a_preempted_mrope_request_recomputes_over_two_ranks(tiny_vlm_dir):
+    """A pool too small for three Qwen3-VL image prompts decoding 24 tokens: one is preempted and recomputed, its
+    chunk running past its prompt (the prompt's 3-D positions, then the generated tokens' shifted by the rope
+    delta: transformers' forward, which the ranks do not split, is never asked for)."""
+    from lmiserve.models.load import load_model_shell
+
+    path = tiny_vlm_dir("qwen3_vl")
+    shell = load_model_shell(path, dtype="fp32", device="cpu")
+    requests = [(prompt_of(shell, chat(f"Picture {i}: what is in it?")), (image_of(10 + i),)) for i in range(3)]
+    block = 4
+    blocks = sum(-(-len(processed(shell, *r)) // block) for r in requests) + 1
+    rank_bytes = blocks * kv_bytes_per_block(shell.model, block) // DEGREE
+    engine = _engine(
+        path,
+        block_size=str(block),
+        max_rolling_batch_prefill_tokens="512",
+        kv_cache_memory_bytes=str(rank_bytes),
+    )
+    results, engine = asyncio.run(serve(shell, None, requests, at_once=True, tokens=24, engine=engine))
+    assert engine.scheduler.num_preemptions > 0
+    assert same(results, [reference(path, *r, tokens=24) for r in requests])
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"enable_lora": "true"}, "LoRA adapters are not served with a vision-language model over tensor parallelism"),
+        ({"speculative_config": '{"method": "ngram"}'}, "speculative decoding is not served with a vision-language"),
+        ({"quantize": "fp8"}, "quantize fp8 is not supported for vision-language models yet"),
+    ],
+    ids=["lora", "speculative", "quantize"],
+)
+def test_what_a_vlm_over_tensor_parallelism_refuses(tiny_vlm_dir, options, message):
+    with pytest.raises(ValueError, match=message) as refused:
+        _engine(tiny_vlm_dir("qwen2_5_vl"), **options)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_served_vlm_over_two_ranks_answers_the_openai_clients_image_chat(server_pool, tiny_vlm_dir):
+    """`lmiserve serve` of a tiny Qwen2.5-VL with ``tensor_parallel_degree=2``: a greedy chat with an image data URL
+    through the `openai` client is `generate()`'s text for the same chat and image."""
+    path = tiny_vlm_dir("qwen2_5_vl")
+    url = server_pool.url(["--model-id", str(path), "--dtype", "fp32", "-o", f"tensor_parallel_degree={DEGREE}"])
+    image = tiny_image(5)
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    data = "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+    text = "Describe the image."
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120) as client:
+        answer = client.chat.completions.create(
+            model=path.name,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": data}}, {"type": "text", "text": text}],
+                }
+            ],
+            max_tokens=8,
+            temperature=0,
+        )
+    from lmiserve.models.load import load_model_shell
+
+    tokenizer = load_model_shell(path, device="cpu").tokenizer
+    expected = reference_generate(path, chat(text), [image], 8)
+    assert answer.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
+    assert answer.usage is not None and answer.usage.completion_tokens == len(expected)
