@@ -1,7 +1,7 @@
 """A vision-language model's shard (engine/model/sharding.py, engine/model/shard_checkpoint.py): its decoder and output
 projection cut as a text model's, its vision tower and projector whole; read from the checkpoint as published
 (transformers' renamings of LLaVA's, Gemma 3's and the Qwen VLs' names), a rank's shard is the shard cut from the
-whole model. Served over two ranks: tests/integration/test_tensor_parallel_vlm.py."""
+whole model. Served over two ranks: tests/integration/test_tensor_parallel_vlm_engine.py."""
 
 from __future__ import annotations
 

@@ -122,7 +122,7 @@ def shard_plan(config: PretrainedConfig, rank: int, world: int) -> ShardPlan:
     reason = unsplittable_reason(config, world)
     if reason is not None:
         raise ValueError(reason)
-    cfg: Any = config.get_text_config()  # (a vision-language model's decoder's)
+    cfg: Any = config.get_text_config() if getattr(config, "vision_config", None) is not None else config
     heads = int(cfg.num_attention_heads)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // heads)
