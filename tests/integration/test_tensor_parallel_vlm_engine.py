@@ -3,7 +3,7 @@ its vision tower whole on both, read from its checkpoint as published (LLaVA's a
 ``language_model.model.layers.``, the Qwen VLs' ``model.layers.``); the greedy tokens of image prompts, beside a text
 prompt, in chunks of 8 (a chunk boundary inside an image), are transformers' `generate()`'s. A preempted M-RoPE
 request recomputes on lmiserve's forward, its chunk running past its prompt; a real `lmiserve serve` of two ranks
-answers the OpenAI client's image chat as `generate()` does; LoRA adapters, speculative decoding and a quantized
+(with and without `engine_process`) answers the OpenAI client's image chat as `generate()` does; LoRA adapters, speculative decoding and a quantized
 checkpoint with a VLM over tensor parallelism are refused before any worker starts, in one line."""
 
 from __future__ import annotations
@@ -92,11 +92,14 @@ def test_what_a_vlm_over_tensor_parallelism_refuses(tiny_vlm_dir, options, messa
     assert "\n" not in str(refused.value)
 
 
-def test_a_served_vlm_over_two_ranks_answers_the_openai_clients_image_chat(server_pool, tiny_vlm_dir):
-    """`lmiserve serve` of a tiny Qwen2.5-VL with ``tensor_parallel_degree=2``: a greedy chat with an image data URL
-    through the `openai` client is `generate()`'s text for the same chat and image."""
+@pytest.mark.parametrize("flags", [[], ["--engine-process"]], ids=["in-process", "engine-process"])
+def test_a_served_vlm_over_two_ranks_answers_the_openai_clients_image_chat(server_pool, tiny_vlm_dir, flags):
+    """`lmiserve serve` of a tiny Qwen2.5-VL with ``tensor_parallel_degree=2`` (its engine in the serving process, or
+    in a process of its own whose children are the ranks): a greedy chat with an image data URL through the `openai`
+    client is `generate()`'s text for the same chat and image."""
     path = tiny_vlm_dir("qwen2_5_vl")
-    url = server_pool.url(["--model-id", str(path), "--dtype", "fp32", "-o", f"tensor_parallel_degree={DEGREE}"])
+    args = ["--model-id", str(path), "--dtype", "fp32", "-o", f"tensor_parallel_degree={DEGREE}", *flags]
+    url = server_pool.url(args)
     image = tiny_image(5)
     out = io.BytesIO()
     image.save(out, format="PNG")
@@ -120,3 +123,17 @@ def test_a_served_vlm_over_two_ranks_answers_the_openai_clients_image_chat(serve
     expected = reference_generate(path, chat(text), [image], 8)
     assert answer.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
     assert answer.usage is not None and answer.usage.completion_tokens == len(expected)
+
+
+def test_a_dummy_vlm_over_two_ranks_gives_one_processs_tokens(tiny_vlm_dir):
+    """``load_format=dummy`` (the GPU check's models): every rank makes the whole random VLM from the same seed and
+    keeps its cut, so two ranks answer an image prompt as one process does."""
+    from helpers.vlm_serving import config
+    from lmiserve.models.load import load_causal_lm
+
+    path = tiny_vlm_dir("qwen2_5_vl")
+    loaded = load_causal_lm(path, dtype="fp32", device="cpu", load_format="dummy")
+    requests = [(prompt_of(loaded, chat("Describe the picture.")), (image_of(3),))]
+    alone, _ = asyncio.run(serve(loaded, config(), requests))
+    split, _ = asyncio.run(serve(loaded, None, requests, engine=_engine(path, load_format="dummy")))  # type: ignore[arg-type]
+    assert [tokens for tokens, _ in split] == [tokens for tokens, _ in alone]

@@ -83,3 +83,27 @@ def test_which_vlms_split_and_why_not(tiny_vlm_dir):
         unsplittable_reason(olmo, 2)
         == "tensor parallelism splits VLMs whose decoder lmiserve runs; 'llava''s is 'olmo2'"
     )
+
+
+def test_a_tied_vlms_shard_keeps_its_output_projection_its_embedding(tiny_vlm_dir, tmp_path):
+    """Gemma 3 as published ties its output projection to its embedding (the tiny one does not): each rank's head is
+    its vocabulary rows of the embedding, as the whole model's cut."""
+    import json
+    import shutil
+
+    path = tmp_path / "gemma3-tied"
+    shutil.copytree(tiny_vlm_dir("gemma3"), path)
+    saved = json.loads((path / "config.json").read_text())
+    saved["tie_word_embeddings"] = saved["text_config"]["tie_word_embeddings"] = True
+    (path / "config.json").write_text(json.dumps(saved))
+    whole = load_causal_lm(path, dtype="fp32", device="cpu").model
+    for rank in range(2):
+        cut = copy.deepcopy(whole)
+        shard_model(cut, rank, 2, None)
+        shell = load_model_shell(path, dtype="fp32", device="cpu").model
+        shard_model(shell, rank, 2, None)
+        load_shard_weights(shell, path)
+        view = decoder_of(shell)
+        assert view.lm_head.weight is view.model.embed_tokens.weight
+        expected = dict(cut.named_parameters())
+        assert all(torch.equal(p, expected[n]) for n, p in shell.named_parameters())

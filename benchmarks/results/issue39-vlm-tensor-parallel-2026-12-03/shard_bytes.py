@@ -1,7 +1,8 @@
 """Each rank's weights, in GB of bf16, when lmiserve's tensor parallelism serves a vision-language model: the decoder
 and output projection cut as a text model's, the vision tower and projector whole on every rank. The published
 shapes of Qwen2.5-VL-72B-Instruct and Gemma-3-27B-it (their configs' numbers; no weights), made on the meta device
-and cut by `lmiserve.engine.model.sharding.shard_model` for rank 0 of 1, 2, 4 and 8 ranks, as a worker cuts its shell.
+and cut by `lmiserve.engine.model.sharding.shard_model` for rank 0 of 1, 2, 4 and 8 ranks, as a worker cuts its shell
+(Gemma 3's output projection is its embedding, as its config says).
 
     python benchmarks/results/issue39-vlm-tensor-parallel-2026-12-03/shard_bytes.py
 """
@@ -46,8 +47,7 @@ for name, config in MODELS.items():
     for world in (1, 2, 4, 8):
         with init_empty_weights(include_buffers=False):
             model = AutoModelForImageTextToText.from_config(copy.deepcopy(config), dtype=torch.bfloat16)
-        if world > 1:
-            shard_model(model, 0, world, None)
+        shard_model(model, 0, world, None)  # (at 1: the model whole, its output projection tied as its config says)
         view = language_model(model)
         assert view is not None
         split = {id(p) for m in (view.model, view.lm_head) for p in m.parameters()}
