@@ -137,3 +137,31 @@ def test_a_dummy_vlm_over_two_ranks_gives_one_processs_tokens(tiny_vlm_dir):
     alone, _ = asyncio.run(serve(loaded, config(), requests))
     split, _ = asyncio.run(serve(loaded, None, requests, engine=_engine(path, load_format="dummy")))  # type: ignore[arg-type]
     assert [tokens for tokens, _ in split] == [tokens for tokens, _ in alone]
+
+
+def test_a_block_wise_fp8_vlm_over_two_ranks_gives_one_processs_tokens(tmp_path):
+    """A Qwen3-VL written as its ``-FP8`` releases are (the decoder's projections fp8, a scale a block; the vision
+    tower float): each rank reads its slices of the decoder's fp8 weights, de-quantized by the blocks they cover, and
+    the vision tower whole; the tokens of an image prompt are one process's from the same checkpoint."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from helpers.tiny_vlm import build_tiny_vlm_dir
+    from helpers.vlm_serving import config
+    from lmiserve.models.load import load_causal_lm
+    from lmiserve.models.quant_pack import write_quantized
+
+    float_dir = build_tiny_vlm_dir("qwen3_vl", tmp_path / "float")
+    model = AutoModelForImageTextToText.from_pretrained(float_dir, dtype=torch.float32)
+    fp8 = tmp_path / "fp8"
+    assert write_quantized(model, fp8, "fp8-block", group=16)
+    for file in float_dir.iterdir():  # the processor's files
+        if file.suffix != ".safetensors" and file.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy(file, fp8 / file.name)
+    loaded = load_causal_lm(fp8, dtype="fp32", device="cpu")
+    requests = [(prompt_of(loaded, chat("Describe the picture.")), (image_of(4),))]
+    alone, _ = asyncio.run(serve(loaded, config(), requests))
+    split, _ = asyncio.run(serve(loaded, None, requests, engine=_engine(fp8)))  # type: ignore[arg-type]
+    assert [tokens for tokens, _ in split] == [tokens for tokens, _ in alone]
