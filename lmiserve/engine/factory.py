@@ -221,9 +221,10 @@ def create_engine(
         runner.proposer = draft_proposer(needs.loaded, config, plan.draft_blocks, draft_cls)
     adapters = None
     if config.lora is not None:
-        modules = fast_path_modules(loaded.model) if isinstance(runner, PagedFastRunner) else None
+        fast = isinstance(runner, (PagedFastRunner, PagedFastVisionRunner))
+        modules = fast_path_modules(loaded.model) if fast else None
         manager = attach_lora(runner, config.lora.max_lora_rank, modules)
-        decode_graphs = runner.graphs if isinstance(runner, PagedFastRunner) else None
+        decode_graphs = runner.graphs if isinstance(runner, (PagedFastRunner, PagedFastVisionRunner)) else None
         if decode_graphs is not None:  # decode steps with adapters replay the graphs too
             decode_graphs.carry_lora(config.lora.max_loras, config.lora.max_lora_rank)
         # the registry reads adapters through the runner's manager: one read, one copy of the weights

@@ -218,11 +218,6 @@ def build_tensor_parallel_engine(loaded: LoadedModel, settings: Settings, degree
 def _refuse_for_a_vlm(spec: WorkerSpec) -> None:
     """What tensor parallelism does not serve with a vision-language model, refused in one line (ValueError)."""
     quant = spec.quantization
-    if spec.config.lora is not None:
-        raise ValueError(
-            "LoRA adapters are not served with a vision-language model over tensor parallelism (an adapter's steps "
-            "run transformers' forward of the VLM, which the ranks do not split)"
-        )
     if spec.config.speculation is not None:
         raise ValueError("speculative decoding is not served with a vision-language model")
     if quant is not None and not quant.dequantized:

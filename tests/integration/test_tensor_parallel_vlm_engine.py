@@ -2,9 +2,11 @@
 its vision tower whole on both, read from its checkpoint as published (LLaVA's and Gemma 3's
 ``language_model.model.layers.``, the Qwen VLs' ``model.layers.``); the greedy tokens of image prompts, beside a text
 prompt, in chunks of 8 (a chunk boundary inside an image), are transformers' `generate()`'s. A preempted M-RoPE
-request recomputes on lmiserve's forward, its chunk running past its prompt; a real `lmiserve serve` of two ranks
-(with and without `engine_process`) answers the OpenAI client's image chat as `generate()` does; LoRA adapters, speculative decoding and a quantized
-checkpoint with a VLM over tensor parallelism are refused before any worker starts, in one line."""
+request recomputes on lmiserve's forward, its chunk running past its prompt; an adapter of the decoder gives the
+tokens of the model it merges into; `load_format=dummy` and a block-wise fp8 checkpoint give one process's tokens; a
+real `lmiserve serve` of two ranks (with and without `engine_process`) answers the OpenAI client's image chat as
+`generate()` does. Speculative decoding and quantized formats other than block-wise fp8 with a VLM over tensor
+parallelism are refused before any worker starts, in one line."""
 
 from __future__ import annotations
 
@@ -80,11 +82,10 @@ def test_a_preempted_mrope_request_recomputes_over_two_ranks(tiny_vlm_dir):
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"enable_lora": "true"}, "LoRA adapters are not served with a vision-language model over tensor parallelism"),
         ({"speculative_config": '{"method": "ngram"}'}, "speculative decoding is not served with a vision-language"),
         ({"quantize": "fp8"}, "quantize fp8 is not supported for vision-language models yet"),
     ],
-    ids=["lora", "speculative", "quantize"],
+    ids=["speculative", "quantize"],
 )
 def test_what_a_vlm_over_tensor_parallelism_refuses(tiny_vlm_dir, options, message):
     with pytest.raises(ValueError, match=message) as refused:
@@ -165,3 +166,40 @@ def test_a_block_wise_fp8_vlm_over_two_ranks_gives_one_processs_tokens(tmp_path)
     alone, _ = asyncio.run(serve(loaded, config(), requests))
     split, _ = asyncio.run(serve(loaded, None, requests, engine=_engine(fp8)))  # type: ignore[arg-type]
     assert [tokens for tokens, _ in split] == [tokens for tokens, _ in alone]
+
+
+def test_an_adapter_of_a_vlms_decoder_over_two_ranks_gives_the_merged_models_tokens(tiny_vlm_dir, tmp_path):
+    """Each rank reads its cut of a Qwen2.5-VL adapter (its q/k/v/o and MLP linears, cut as the decoder's): an image
+    prompt with the adapter, beside it without, answers as `generate()` of the model with the adapter merged."""
+    from helpers.vlm_adapters import make_vlm_adapter, merged_vlm_generate
+    from lmiserve.core.request import GenerationRequest, SamplingParams
+    from lmiserve.models.load import load_model_shell
+
+    path = tiny_vlm_dir("qwen2_5_vl")
+    adapter = make_vlm_adapter(path, tmp_path / "tuned")
+    shell = load_model_shell(path, dtype="fp32", device="cpu")
+    engine = _engine(path, enable_lora="true")
+    assert engine.adapters is not None
+    engine.adapters.register("tuned", str(adapter))
+    prompt = prompt_of(shell, chat("Describe the picture."))
+
+    async def run() -> list[list[int]]:
+        engine.start()
+        try:
+
+            async def one(name: str | None) -> list[int]:
+                params = SamplingParams(max_new_tokens=6, ignore_eos_token=True)
+                request = GenerationRequest(prompt, params, images=(image_of(1),), adapter=name)
+                return [e.token.id async for e in engine.generate(request) if e.token is not None]
+
+            return list(await asyncio.gather(one("tuned"), one(None)))
+        finally:
+            await engine.stop()
+
+    tuned, base = asyncio.run(run())
+    image = image_of(1).pixels
+    merged = merged_vlm_generate(path, adapter, chat("Describe the picture."), [image], 6)
+    assert tuned[: len(merged)] == merged  # (generate() stops at EOS, the engine here ignores it)
+    expected = reference(path, prompt, (image_of(1),))
+    assert base[: len(expected)] == expected
+    assert tuned != base

@@ -1,5 +1,5 @@
 """A vision-language model's decoder on lmiserve's own forward (runner/vision_fast.py): which families take it,
-which steps it runs (every one, but a Gemma 3 image's and an adapter's), the image features in place, its decode
+which steps it runs (every one; adapters': tests/unit/test_vlm_lora.py), the image features in place, its decode
 graphs (replayed without a capture on a CPU, tests/helpers/decode_graphs.py), and a text config's soft cap that
 the VLM's forward does not apply. Greedy output against generate() for every family: tests/unit/test_vlm_engine.py,
 which runs these runners by default."""

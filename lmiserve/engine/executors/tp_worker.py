@@ -125,10 +125,10 @@ class TensorParallelRunner(PagedFastRunner):
 
 
 class TensorParallelVisionRunner(PagedFastVisionRunner):
-    """A rank's runner of a vision-language model: lmiserve's forward over its shard of the decoder, the image
-    encoder whole (every rank encodes a request's images: the same features everywhere); as `TensorParallelRunner`,
-    a step that raises stops the worker. Transformers' forward of the VLM, which the one-device runner takes for a
-    LoRA adapter's step, does not run a shard: such a step raises (adapters are refused at start)."""
+    """A rank's runner of a vision-language model: lmiserve's forward over its shard of the decoder (LoRA adapters
+    too, cut as a text model's), the image encoder whole (every rank encodes a request's images: the same features
+    everywhere); as `TensorParallelRunner`, a step that raises stops the worker. Transformers' forward of the VLM does
+    not run a shard: a step that would take it raises (none does: runner/vision_fast.py)."""
 
     probes_backend = False
 

@@ -20,7 +20,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lmiserve.engine.core.step import AdapterRef
+from lmiserve.engine.model.checkpoint_names import renamer
+from lmiserve.engine.model.language_model import language_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -189,10 +191,15 @@ def read_adapter(
     modules: Sequence[str] | None = None,
 ) -> LoraAdapter:
     """The LoRA adapter in `folder`, checked against `model`; `modules`: the short names of the linears
-    the serving path applies adapters to (None: any linear). AdapterError says what does not fit."""
+    the serving path applies adapters to (None: any linear). A module path the model does not have is looked for
+    under the name transformers gives it on load (an adapter saved under an older transformers' names: LLaVA's
+    ``language_model.model.layers.``). A vision-language model's adapter adapts its decoder alone (its vision tower
+    runs once a request, at admission, without adapters). AdapterError says what does not fit."""
     started = time.perf_counter()
     config = read_config(folder)
     tensors = _read_weights(folder)
+    rename = renamer(model)
+    decoder = getattr(language_model(model), "decoder_path", None) if is_vision(model) else None
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         stripped = key[len(_PREFIX) :] if key.startswith(_PREFIX) else key
@@ -206,7 +213,13 @@ def read_adapter(
         match = _KEY.match(stripped)
         if match is None:
             raise AdapterError(f"adapter {name} holds tensor {key!r}, which is not a LoRA A or B matrix")
-        pairs.setdefault(match["module"], {})[match["part"]] = tensor
+        target = _module_path(model, match["module"], rename)
+        if decoder is not None and not target.startswith(f"{decoder}."):
+            raise AdapterError(
+                f"adapter {name} adapts {target}, outside the vision-language model's decoder ({decoder}): lmiserve "
+                "serves adapters of a VLM's decoder"
+            )
+        pairs.setdefault(target, {})[match["part"]] = tensor
     if not pairs:
         raise AdapterError(f"adapter {name} holds no LoRA weights")
     dtype = _activation_dtype(model)
@@ -258,6 +271,20 @@ def read_adapter(
         base_model=str(base) if base else None,
         load_seconds=time.perf_counter() - started,
     )
+
+
+def _module_path(model: torch.nn.Module, path: str, rename: Callable[[str], str]) -> str:
+    """`path` if `model` has that module, else the path transformers' renamings make of it (`rename`)."""
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return rename(f"{path}.weight").removesuffix(".weight")
+    return path
+
+
+def is_vision(model: torch.nn.Module) -> bool:
+    """Whether `model` is a vision-language model (its config names a vision tower)."""
+    return getattr(getattr(model, "config", None), "vision_config", None) is not None
 
 
 def _activation_dtype(model: torch.nn.Module) -> torch.dtype:

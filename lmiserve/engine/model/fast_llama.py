@@ -98,6 +98,7 @@ class FastLlama:
         self.embed = inner.embed_tokens.weight
         self.layers = fused_layers(model)  # shared by every engine on this model
         self.model_type = model.config.model_type
+        self.decoder_path = getattr(model, "decoder_path", "model")  # (a VLM's: where its decoder is in it)
         self.multipliers = Multipliers.of(model)  # Granite's and Gemma's scalars (1.0 elsewhere)
         # Llama's norms: RMS, before attention and the MLP alone, w after the cast (not Gemma's 1 + w, LayerNorms,
         # gpt-oss's float32 w before the cast)
@@ -375,4 +376,5 @@ class FastLlama:
     def lora_groups(self) -> list[LoraGroup]:
         """The groups `forward` applies adapters to: each layer's fused q/k/v, o, fused gate/up and down
         (``{layer}.qkv``, ...), their modules named as in the transformers model (`layout_variants.lora_groups`)."""
-        return lora_groups(self.layers, self.model_type, (self.heads, self.kv_heads, self.head_dim))
+        shape = (self.heads, self.kv_heads, self.head_dim)
+        return lora_groups(self.layers, self.model_type, shape, self.decoder_path)

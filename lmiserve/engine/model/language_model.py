@@ -21,8 +21,11 @@ _VIEWS: weakref.WeakKeyDictionary[torch.nn.Module, LanguageModel] = weakref.Weak
 class LanguageModel:
     """The decoder and head of a VLM, as a causal LM's attributes (`language_model` makes it)."""
 
-    def __init__(self, decoder: torch.nn.Module, lm_head: torch.nn.Module, config: Any, vlm: torch.nn.Module) -> None:
+    def __init__(
+        self, decoder: torch.nn.Module, lm_head: torch.nn.Module, config: Any, vlm: torch.nn.Module, path: str
+    ) -> None:
         self.model = decoder
+        self.decoder_path = path  # the decoder's module path in the VLM (its adapters' modules are under it)
         self.lm_head = lm_head
         self.config = config
         self._vlm = weakref.ref(vlm)  # (weak: the views are kept by their VLM)
@@ -58,10 +61,15 @@ def language_model(vlm: torch.nn.Module) -> LanguageModel | None:
     if view is not None:
         return view
     inner = getattr(vlm, "model", None)
-    decoder = getattr(inner, "language_model", None) or getattr(inner, "text_model", None)
+    path = (
+        "model.language_model"
+        if isinstance(getattr(inner, "language_model", None), torch.nn.Module)
+        else "model.text_model"
+    )
+    decoder = getattr(inner, path.rpartition(".")[2], None)
     head = getattr(vlm, "lm_head", None)
     get_text_config = getattr(getattr(vlm, "config", None), "get_text_config", None)
     if not isinstance(decoder, torch.nn.Module) or not isinstance(head, torch.nn.Module) or get_text_config is None:
         return None
-    view = _VIEWS[vlm] = LanguageModel(decoder, head, get_text_config(), vlm)
+    view = _VIEWS[vlm] = LanguageModel(decoder, head, get_text_config(), vlm, path)
     return view

@@ -243,16 +243,19 @@ def _is_norm(norm: object, width: int) -> bool:
     return isinstance(weight, torch.Tensor) and tuple(weight.shape) == (width,) and norm_eps(norm) is not None
 
 
-def lora_groups(layers: Sequence[Any], model_type: str, shape: tuple[int, int, int]) -> list[LoraGroup]:
+def lora_groups(
+    layers: Sequence[Any], model_type: str, shape: tuple[int, int, int], decoder: str = "model"
+) -> list[LoraGroup]:
     """The groups `FastLlama` applies adapters to: each of `layers`' (`FusedLayer`) fused q/k/v, o, fused gate/up
     and down (``{layer}.qkv``, ...), their modules named as in the transformers model (Phi-3's, Starcoder2's and
-    GLM's names: `projections`); `shape`: the heads, the KV heads and a head's width."""
+    GLM's names: `projections`; under `decoder`, a VLM's ``model.language_model``); `shape`: the heads, the KV heads
+    and a head's width."""
     heads, kv_heads, head_dim = shape
     q, kv = heads * head_dim, kv_heads * head_dim
     (*qkv_names, o), (*gate_up_names, down) = projections(model_type)
     groups = []
     for index, layer in enumerate(layers):
-        at = f"model.layers.{index}"
+        at = f"{decoder}.layers.{index}"
         attn, mlp, inter, hidden = f"{at}.self_attn", f"{at}.mlp", layer.intermediate, layer.hidden
         qkv: tuple[tuple[str, int, int], ...] = ((f"{attn}.{qkv_names[0]}", 0, q + 2 * kv),)  # (Phi-3's qkv_proj)
         if len(qkv_names) == 3:

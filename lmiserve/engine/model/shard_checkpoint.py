@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from lmiserve.engine.model.checkpoint_names import renamer
 from lmiserve.engine.model.quant_formats import QuantSpec
 from lmiserve.engine.model.shard_quantized import dequantizing_reader, shard_linear
 from lmiserve.engine.model.sharding import (
@@ -127,18 +128,10 @@ def load_shard_weights(
 
 
 def model_names(model: PreTrainedModel, files: Mapping[str, Any]) -> dict[str, str]:
-    """The checkpoint's tensor names (`files`' keys) by the names `model`'s parameters and buffers have: each renamed
-    as transformers renames it on load (`get_model_conversion_mapping`'s renamings; its converters, which merge a
-    mixture of experts' matrices, are this module's own work), the stored name for each."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightRenaming, rename_source_key
-    except ImportError:  # (a transformers without the renamings: the names as stored)
-        return {name: name for name in files}
-    renamings = [t for t in get_model_conversion_mapping(model, add_legacy=False) if isinstance(t, WeightRenaming)]
-    if not renamings:
-        return {name: name for name in files}
-    return {rename_source_key(name, renamings, [])[0]: name for name in files}
+    """The checkpoint's tensor names (`files`' keys) by the names `model`'s parameters and buffers have (as
+    transformers renames them on load: `checkpoint_names.renamer`), the stored name for each."""
+    rename = renamer(model)
+    return {rename(name): name for name in files}
 
 
 def _split_prefixes(model: PreTrainedModel, llama: Any) -> tuple[str, ...]:

@@ -42,5 +42,5 @@ def fast_reason(model: PreTrainedModel, *, fast_path: bool, lora: bool = False) 
 
 def fast_path_modules(model: PreTrainedModel) -> tuple[str, ...]:
     """The linears lmiserve's forward adapts in `model` (a mixture of experts: its attention's alone, not its
-    experts' or shared experts')."""
-    return ATTENTION_MODULES if model.config.model_type in MOE_TYPES else FAST_PATH_MODULES
+    experts' or shared experts'; a vision-language model: its decoder's)."""
+    return ATTENTION_MODULES if model.config.get_text_config().model_type in MOE_TYPES else FAST_PATH_MODULES

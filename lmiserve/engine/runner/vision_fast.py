@@ -15,10 +15,11 @@ The Qwen VLs' image tokens take RoPE rows made from their 3-D positions by the r
 (`StepInputs.deepstack`); Gemma 3's image tokens see each other both ways (`StepInputs.opens`: the scheduler never
 splits such an image, and the step's attention runs on the torch backend with the image's block opened).
 
-What the fast forward does not compute runs transformers' forward of the VLM over the same blocks
-(runner/vision.py), a whole step at a time: a step with a LoRA adapter (a VLM's adapters hook its modules).
-A row that meets an M-RoPE image and runs on past its prompt (a recompute after a preemption) takes the prompt's
-3-D positions, then each generated token's position plus the prompt's rope delta, three times.
+Every step runs it: a row with a LoRA adapter (its decoder's linears, named by their paths in the VLM: the fast
+forward's groups, in the decode graphs too), and a row that meets an M-RoPE image and runs on past its prompt (a
+recompute after a preemption), which takes the prompt's 3-D positions, then each generated token's position plus
+the prompt's rope delta, three times. (Transformers' forward of the VLM, runner/vision.py's, runs a VLM whose decoder
+lmiserve's forward does not.)
 """
 
 from __future__ import annotations
@@ -34,11 +35,13 @@ from lmiserve.engine import host_copy
 from lmiserve.engine.attention import cuda_graphs
 from lmiserve.engine.attention.kv_quant import KvFormat
 from lmiserve.engine.core.step import StepBatch
+from lmiserve.engine.lora.batch import LoraBatch
 from lmiserve.engine.model.language_model import language_model
 from lmiserve.engine.model.step_inputs import StepInputs
 from lmiserve.engine.runner import fast_reason
 from lmiserve.engine.runner.fast import fast_forward, step_inputs
 from lmiserve.engine.runner.generic import Span
+from lmiserve.engine.runner.persistent_batch import PersistentBatchRunner
 from lmiserve.engine.runner.request_state import RequestState
 from lmiserve.engine.runner.vision import NO_SHIFT, PagedVisionRunner, opened_spans
 
@@ -89,8 +92,17 @@ class PagedFastVisionRunner(PagedVisionRunner):
         self.fast, self.kernels, self.graphs = fast_forward(
             view, self.kv, max_context, max_slots, (autotune, autotune_cache), graph_prompt_tokens if graphs else None
         )
+        for group in self.fast.lora_groups():  # (the decoder's linears, by their paths in the VLM)
+            self.lora_stacks.add_group(group)
         self.path = "fast"
-        self.steps = {"fast": 0, "vlm": 0}  # the steps each forward ran (the VLM's: transformers')
+        # the steps each forward ran: lmiserve's, and transformers' forward of the VLM (none: every step is lmiserve's,
+        # adapters' and recomputes' too)
+        self.steps = {"fast": 0, "vlm": 0}
+
+    def _lora(self, batch: StepBatch, part: list[int], tokens: list[int]) -> LoraBatch | None:
+        """The rows' adapters, applied by lmiserve's forward to the decoder's groups (no hooks on the VLM's modules,
+        which transformers' forward would need)."""
+        return PersistentBatchRunner._lora(self, batch, part, tokens)
 
     def _forward_rows(self, batch: StepBatch, part: list[int]) -> torch.Tensor:
         states = [self._requests[batch.rows[i].seq_id] for i in part]
@@ -98,12 +110,10 @@ class PagedFastVisionRunner(PagedVisionRunner):
         spans = [(r.start, len(r.computed_ids)) for r in rows]
         shifts = [self._shift(s, *span) for s, span in zip(states, spans)]
         # the rows that meet an M-RoPE image (their tokens' three positions differ): RoPE rows of their own
-        three = [n for n, shift in enumerate(shifts) if shift is None and self._three_d(states[n], *spans[n])]
-        if shifts.count(None) > len(three) or any(s.adapter is not None for s in states):
-            self.steps["vlm"] += 1
-            return super()._forward_rows(batch, part)
+        three = [n for n, shift in enumerate(shifts) if shift is None]
         self.steps["fast"] += 1
-        step = step_inputs(batch, part, self._requests, self._kept, {}, None)
+        lora = self._lora(batch, part, [1 if i < batch.num_decode else len(batch.rows[i].computed_ids) for i in part])
+        step = step_inputs(batch, part, self._requests, self._kept, {}, lora)
         step.rope_shifts = [shift or 0 for shift in shifts] if any(shifts) else None
         decode = len(step.decode_ids)  # (Gemma 3's images, both ways: in prompt chunks alone)
         opens = [opened_spans(s, *span) for s, span in zip(states[decode:], spans[decode:], strict=True)]
@@ -112,10 +122,6 @@ class PagedFastVisionRunner(PagedVisionRunner):
         if three:
             step.rope_rows = self._rope_rows([states[n] for n in three], [flat[n] for n in three])
         return self.fast.forward(self._with_images(step, states, flat))
-
-    def _three_d(self, state: RequestState, start: int, count: int) -> bool:
-        """Whether a row that meets an image takes its RoPE rows from its M-RoPE positions (`_positions_3d`)."""
-        return state.images is not None and state.images.mrope is not None
 
     def _rope_rows(
         self, states: list[RequestState], spans: list[Span]
@@ -130,7 +136,7 @@ class PagedFastVisionRunner(PagedVisionRunner):
     @staticmethod
     def _shift(state: RequestState, start: int, count: int) -> int | None:
         """The RoPE shift of a row's tokens (M-RoPE's text: one for the whole row), None where they have none
-        (the row meets an M-RoPE image, whose tokens' three positions differ: `_three_d`)."""
+        (the row meets an M-RoPE image, whose tokens' three positions differ: `_rope_rows`)."""
         features = state.images
         shifts = features.shifts if features is not None else None
         if features is None or shifts is None:
