@@ -212,7 +212,9 @@ def build_tensor_parallel_engine(loaded: LoadedModel, settings: Settings, degree
         adapters = AdapterRegistry(loaded.model, spec.config.lora, modules=fast_path_modules(loaded.model))
     executor = TensorParallelExecutor(spec)
     codec, grammars = prompt_codec(loaded, settings.max_input_len)
-    return AsyncEngine(executor, codec, spec.config, grammars, adapters)
+    sizes = executor.graph_sizes  # (the warm-up captures each decode graph on every rank, before serving)
+    rows = tuple(sorted({min(s, spec.config.max_running) for s in sizes})) if sizes else (1,)
+    return AsyncEngine(executor, codec, spec.config, grammars, adapters, rows)
 
 
 def _refuse_for_a_vlm(spec: WorkerSpec) -> None:

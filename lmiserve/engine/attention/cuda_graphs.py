@@ -24,9 +24,10 @@ graph's intermediates, not each graph's outputs (0.56 GB of logits a kind at 128
 With LoRA adapters configured (`carry_lora`, before the first capture), every graph also computes the
 products of `max_loras` fixed adapter slots (engine/lora/slots.py), each row's slot one more input buffer;
 a step with more adapters than slots runs eagerly. `enforce_eager` (vLLM's and LMI's option) turns graphs
-off; a capture that fails is logged and the engine goes on eagerly. Not with tensor parallelism, nor with
-experts outside bfloat16 (`experts_graph_reason`). On a CPU (``capture=False``, the tests) `run` computes the
-same padded step from the same buffers without capturing, watched for what a capture cannot hold.
+off; a capture that fails is logged and the engine goes on eagerly. A tensor-parallel rank's graphs hold its
+shard's collectives (`for_model`). Not with experts outside bfloat16 (`experts_graph_reason`). On a CPU
+(``capture=False``, the tests) `run` computes the same padded step from the same buffers without capturing, watched
+for what a capture cannot hold.
 """
 
 from __future__ import annotations
@@ -93,8 +94,8 @@ class DecodeGraphs:
         """`scratch_block`: a block of the cache no sequence holds, where padding rows write; `prompt_tokens`:
         a step's prompt chunks of up to this many tokens join its decode rows as rows of the graph
         (`folds`), so the sizes go up to `max_rows` plus it."""
-        if not fast.triton or fast.tp is not None:
-            raise ValueError("decode graphs need the Triton attention and the whole model on one device")
+        if not fast.triton:
+            raise ValueError("decode graphs need the Triton attention")
         self.fast = fast
         self.prompt_tokens = max(0, prompt_tokens)
         self.sizes = capture_sizes(max_rows + self.prompt_tokens)
@@ -123,7 +124,7 @@ class DecodeGraphs:
         # the picks' transfers to the host (with top-N: graph_sampling.with_top_n's columns)
         self._picks = PickTransfers(largest * (3 + 2 * graph_sampling.GRAPH_TOP_N), self.capture)
         # every graph's outputs (outside the graphs' pool): the logits, and the pick ([rows, 2 or 3], packed)
-        self._logits_out = torch.empty((largest, fast.vocab), dtype=torch.float32, device=fast.device)
+        self._logits_out = torch.empty((largest, fast.logits_width), dtype=torch.float32, device=fast.device)
         self._pick_out = torch.empty(largest * 3, dtype=torch.float64, device=fast.device)
         self.sampler: GraphSampler | None = None  # the sampled rows' parameters (`sample`), made when first wanted
         self._sampling: tuple[Sequence[GraphRow], PenaltyBook | None] | None = None  # the next `run`'s (`sample`)
@@ -157,7 +158,7 @@ class DecodeGraphs:
         if not self.samples:
             return False
         if self.sampler is None:
-            self.sampler = GraphSampler(self.sizes[-1], self.fast.vocab, self.fast.device, self.capture)
+            self.sampler = GraphSampler(self.sizes[-1], self.fast.logits_width, self.fast.device, self.capture)
         self._sampling = rows, book  # written with the step's other inputs (`_fill`)
         return True
 
@@ -391,8 +392,11 @@ def wanted(device: torch.device, enforce_eager: bool) -> bool:
 
 
 def for_model(fast: FastLlama, max_rows: int, scratch_block: int, prompt_tokens: int = 0) -> DecodeGraphs | None:
-    """The decode graphs for `fast` (`wanted`) where they apply (the Triton kernel, one device, `graph_refusal`)."""
-    why = "they need the Triton paged attention" if not fast.triton else "tensor parallelism" if fast.tp else None
+    """The decode graphs for `fast` (`wanted`) where they apply (the Triton kernel, `graph_refusal`). A tensor-parallel
+    rank's capture its shard's collectives with its forward (NCCL's: every rank captures and replays the same sizes,
+    so their all-reduces pair up as eager steps' do; a capture communicates nothing, so one rank's failed capture,
+    which runs that step eagerly, still pairs with the others' replays)."""
+    why = "they need the Triton paged attention" if not fast.triton else None
     why = why or fast.graph_refusal  # (a mixture of experts outside bfloat16; else None)
     if why is not None:
         log.info("CUDA graphs: off (%s)", why)

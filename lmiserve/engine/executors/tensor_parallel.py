@@ -121,7 +121,9 @@ class TensorParallelExecutor(Executor):
         if kind != "ready":
             self.close()
             raise ValueError(f"tensor parallelism did not start: {info}")
-        self.num_blocks, self.block_size, self.vocab_size, self.eos_token_ids, rank_bytes = info
+        self.num_blocks, self.block_size, self.vocab_size, self.eos_token_ids, rank_bytes, sizes = info
+        # the decode graphs' sizes (every rank's the same; None: eager steps), which the engine's warm-up runs
+        self.graph_sizes: tuple[int, ...] | None = sizes
         self.kv_bytes = rank_bytes * spec.world  # every rank's pool (rank 0's shape)
         log.info(
             "tensor parallelism: %d ranks (%d on this node), %d KV blocks of %d tokens",

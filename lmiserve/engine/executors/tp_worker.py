@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from lmiserve.core import threads
+from lmiserve.engine.attention import cuda_graphs
 from lmiserve.engine.child_process import start_child
 from lmiserve.engine.core.step import StepBatch, StepOutput
 from lmiserve.engine.runner.fast import PagedFastRunner
@@ -189,8 +190,17 @@ def _serve(spec: WorkerSpec, rank: int, local_rank: int, conn: Connection | None
         _tell(conn, ("error", errors[0]))
         return 1
     assert shard is not None
-    runner = _runner(spec, shard, min(c[0] for _, c in statuses), min(c[1] for _, c in statuses))
-    shape = (runner.num_blocks, runner.block_size, runner.vocab_size, list(runner.eos_token_ids), runner.kv_bytes)
+    runner = _runner(spec, shard, min(c[0] for _, c in statuses), min(c[1] for _, c in statuses), spec.config)
+    graphs = cuda_graphs.of_runner(runner)  # (each rank's the same sizes: the leader's warm-up runs each)
+    sizes = tuple(graphs.sizes) if graphs is not None else None
+    shape = (
+        runner.num_blocks,
+        runner.block_size,
+        runner.vocab_size,
+        list(runner.eos_token_ids),
+        runner.kv_bytes,
+        sizes,
+    )
     _tell(conn, ("ready", shape))
     while True:
         box: list[Any] = [None]
@@ -229,7 +239,6 @@ def _load_shard(spec: WorkerSpec, rank: int, local_rank: int) -> Shard:
     cut."""
     import torch.distributed as dist
 
-    from lmiserve.engine.attention import cuda_graphs
     from lmiserve.engine.codecs import image_codec
     from lmiserve.engine.factory import draft_proposer, draft_rows, draft_runner_class, profile_step_memory
     from lmiserve.engine.model.shard_checkpoint import checkpoint_files, load_shard_weights
@@ -280,35 +289,40 @@ def _load_shard(spec: WorkerSpec, rank: int, local_rank: int) -> Shard:
         # every rank profiles the same steps (its collectives pair up): a VLM's with an image too; the draft's
         # largest step
         images = image_codec(loaded)
+        quiet = dataclasses.replace(config, enforce_eager=True)  # (a prompt step: no decode graphs)
         activation = profile_step_memory(
             target,
-            lambda blocks: _runner(spec, Shard(loaded, None, None, PoolPlan(blocks, 0, 0)), blocks, 0),
+            lambda blocks: _runner(spec, Shard(loaded, None, None, PoolPlan(blocks, 0, 0)), blocks, 0, quiet),
             largest_step_tokens(config, loaded.max_context),
             config.block_size,
             probe_prompt(images) if images is not None else None,
             sampler=profiled_sampling(loaded, config),
         )
         if draft is not None:
-            quiet = dataclasses.replace(config, enforce_eager=True)
             draft_activation = profile_step_memory(
                 target,
                 lambda blocks: draft_proposer(draft, quiet, blocks, draft_cls).runner,  # (no graphs while profiled)
                 largest_step_tokens(config, draft.max_context),
                 config.block_size,
             )
-    # (the draft's decode graphs: its own forward, no collectives, captured as on one device)
-    graphs = draft_cls is not None and cuda_graphs.wanted(target, config.enforce_eager)
-    needs = None if draft is None else DraftNeeds(draft, draft_rows(config), draft_activation, graphs)
-    return Shard(loaded, draft, draft_cls, plan_pools(loaded, config, activation, draft=needs))
+    # the decode graphs (the shard's forward, its all-reduces captured with it; the draft's own, no collectives)
+    graphs = cuda_graphs.wanted(target, config.enforce_eager)
+    needs = (
+        None if draft is None else DraftNeeds(draft, draft_rows(config), draft_activation, graphs and bool(draft_cls))
+    )
+    return Shard(loaded, draft, draft_cls, plan_pools(loaded, config, activation, graphs, draft=needs))
 
 
 def _runner(
-    spec: WorkerSpec, shard: Shard, num_blocks: int, draft_blocks: int
+    spec: WorkerSpec, shard: Shard, num_blocks: int, draft_blocks: int, config: EngineConfig
 ) -> TensorParallelRunner | TensorParallelVisionRunner:
+    """A rank's runner over `num_blocks` of its shard's KV (the draft's pool `draft_blocks`); on CUDA with decode
+    graphs unless `config.enforce_eager`: every rank captures and replays the same sizes, the collectives inside
+    (NCCL's, captured), so their all-reduces pair up as eager steps' do."""
     from lmiserve.engine.factory import draft_proposer, kv_format_of
     from lmiserve.engine.speculative.proposers import NgramProposer
 
-    config, loaded = spec.config, shard.loaded
+    loaded = shard.loaded
     runner_cls = TensorParallelVisionRunner if is_vision_model(loaded.model) else TensorParallelRunner
     runner = runner_cls(
         loaded.model,
@@ -317,8 +331,9 @@ def _runner(
         eos_token_ids=loaded.eos_token_ids,
         num_blocks=num_blocks,
         block_size=config.block_size,
-        enforce_eager=True,  # no decode graphs over tensor parallelism (engine/attention/cuda_graphs.py)
+        enforce_eager=config.enforce_eager,
         kv_format=kv_format_of(loaded, config),  # (its KV heads' share of each block, in `kv_cache_dtype`)
+        graph_prompt_tokens=config.graph_prompt_tokens,
     )
     spec_settings = config.speculation
     if spec_settings is not None and shard.draft is not None:
@@ -332,6 +347,8 @@ def _runner(
 
         model = loaded.model
         attach_lora(runner, config.lora.max_lora_rank, FAST_PATH_MODULES, lambda adapter: shard_adapter(adapter, model))
+        if runner.graphs is not None:  # decode steps with adapters replay the graphs too
+            runner.graphs.carry_lora(config.lora.max_loras, config.lora.max_lora_rank)
     return runner
 
 

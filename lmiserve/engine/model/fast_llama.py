@@ -117,7 +117,7 @@ class FastLlama:
         # a quantized output projection: a speculative draft's (quantize.quantize_output_int8), an int4
         # model's q8 (quantize.install_output_q8: blocks of 16 rows, the last one maybe padded)
         self.lm_head_s = head.scales if isinstance(head, (Int8Linear, Int4Linear, Q8Linear)) else None
-        self.vocab = outputs_of(head)  # the logits' width
+        self.vocab = outputs_of(head)  # the output projection's width (a tensor-parallel rank's: its part)
         self._max_context = max_context
         # each layer's RoPE table (Gemma 3's local and global), over a head or its first part (Phi-4-mini's)
         self.rope, self.rope_kind = RopeTables.of(model, self.head_dim, max_context)
@@ -134,6 +134,8 @@ class FastLlama:
         self.graph_refusal = experts_graph_reason(model, self.layers)  # why graphs cannot capture it (None: they can)
         # a tensor-parallel rank's shard (engine/model/sharding.py): its collectives; None: the whole model
         self.tp = shard_of(model)
+        # the width of the logits `forward` gives: the vocabulary (a tensor-parallel rank's gathered from every rank's)
+        self.logits_width = self.tp.plan.vocab if self.tp is not None else self.vocab
         # an int4 model's layers in few kernel calls (engine/model/q4_decode.py), the whole model on CPU fp32
         self.packed: q4_decode.PackedLayers | None = None
         if self.tp is None and self.dtype == torch.float32 and self.plain_layers:
@@ -266,12 +268,14 @@ class FastLlama:
         captures): token `ids` at `positions` (device tensors, one a row; the RoPE table must already cover
         them), attention with the backend's metadata `meta` (made from the graph's buffers), the adapters
         of the rows' `lora` slots (engine/lora/slots.py, or None); every row's logits written, as float32,
-        into `out` (the graphs' one output buffer). The whole model (not a tensor-parallel shard)."""
-        x = F.embedding(ids, self.embed)
+        into `out` (the graphs' one output buffer). A tensor-parallel rank's: its shard's, its collectives inside (the
+        embedding's and the layers' all-reduces, the logits' all-gather)."""
+        tp = self.tp
+        x = F.embedding(ids, self.embed) if tp is None else tp.embed(ids, self.embed)
         x = x if self.multipliers.embedding == 1.0 else x * self.multipliers.embedding
         products = lora.products(len(ids)) if lora is not None else None
         x = self._layers(x, self.rope.cos[positions], self.rope.sin[positions], meta, products)
-        out.copy_(self._logits(x))
+        out.copy_(self._logits(x) if tp is None else tp.gather_logits(self._logits(x).float()))
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm and the output projection of hidden states ``x`` (the model's dtype)."""

@@ -163,7 +163,7 @@ class PagedFastRunner(PersistentBatchRunner):
         if book.dense(device) and any(r.penalized and t for r, t in zip(requests, taken)):
             book.pin(self.max_slots)
             slots = {n: self._penalty_slot(r) for n, (r, t) in enumerate(zip(requests, taken)) if r.penalized and t}
-            book.flush(device, self.fast.vocab, list(slots.values()), [indexes[n] - 1 for n in slots])
+            book.flush(device, self.fast.logits_width, list(slots.values()), [indexes[n] - 1 for n in slots])
             # (the graph marks each input token; one before it not on the host is never expected: eager then)
             slots = {n: slot for n, slot in slots.items() if book.taken(slot) == indexes[n] - 1}
         wanted: list[GraphRow | None] = [
