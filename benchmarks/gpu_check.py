@@ -29,7 +29,8 @@ dependencies can come as wheels; see benchmarks/README.md, "The GPU check"). It 
    workers (NCCL; 2 ranks when the machine has 2 GPUs, else 1 rank: the workers' path alone) against
    the model in the engine's process, greedy agreement and decode tokens/s, for the tiny test model and
    the 1B shape (bf16); with two GPUs ``tp-collectives.log`` too (``benchmarks/tp_collectives.py``: NCCL's
-   all-reduce, all-gather and the batch broadcast).
+   all-reduce, all-gather and the batch broadcast). Since 2026-12-03 the workers replay decode graphs with the
+   collectives captured inside (NCCL's capture: at degree 1 on one GPU this step is where it first runs).
 7. ``executor-cuda.json`` and ``executor-cpu.json`` (with ``--executor``, when time is left):
    ``benchmarks/executor_process.py``, the model in the engine's thread against a child process, for the
    1B shape on the GPU and for SmolLM2-135M's shape on all of the machine's CPU cores.
