@@ -151,8 +151,11 @@ def create_engine(
     vision = is_vision_model(loaded.model)
     reason = fast_vision_reason if vision else fast_reason
     why_not = reason(loaded.model, fast_path=config.fast_path, lora=config.lora is not None)
-    if vision and spec is not None:
-        raise ValueError("speculative decoding is not served with a vision-language model")
+    if vision and spec is not None and spec.method != "ngram":
+        raise ValueError(
+            "speculative decoding with a draft model is not served with a vision-language model (prompt lookup, "
+            "method ngram, is)"
+        )
     fast_cls: FastRunnerClass | None = None
     if why_not is None and not config.batch_invariant:
         fast_cls = PagedFastVisionRunner if vision else PagedFastRunner

@@ -82,7 +82,10 @@ def test_a_preempted_mrope_request_recomputes_over_two_ranks(tiny_vlm_dir):
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"speculative_config": '{"method": "ngram"}'}, "speculative decoding is not served with a vision-language"),
+        (
+            {"speculative_config": '{"method": "draft_model", "num_speculative_tokens": 3, "dtype": "int8"}'},
+            "speculative decoding with a draft model is not served with a vision-language model",
+        ),
         ({"quantize": "fp8"}, "quantize fp8 is not supported for vision-language models yet"),
     ],
     ids=["speculative", "quantize"],
@@ -203,3 +206,19 @@ def test_an_adapter_of_a_vlms_decoder_over_two_ranks_gives_the_merged_models_tok
     expected = reference(path, prompt, (image_of(1),))
     assert base[: len(expected)] == expected
     assert tuned != base
+
+
+def test_prompt_lookup_over_two_ranks_gives_a_vlms_greedy_tokens(tiny_vlm_dir):
+    """Prompt lookup drafts for a Qwen2.5-VL image prompt, verified over two ranks (chunks past the prompt, shifted
+    by the rope delta): `generate()`'s greedy tokens."""
+    from lmiserve.models.load import load_model_shell
+
+    path = tiny_vlm_dir("qwen2_5_vl")
+    shell = load_model_shell(path, dtype="fp32", device="cpu")
+    text = "Say it again and again: a red fox, a red fox, a red fox, a red fox."
+    requests = [(prompt_of(shell, chat(text)), (image_of(8),))]
+    config = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+    engine = _engine(path, speculative_config=config)
+    results, engine = asyncio.run(serve(shell, None, requests, tokens=16, engine=engine))  # type: ignore[arg-type]
+    assert same(results, [reference(path, *r, tokens=16) for r in requests])
+    assert engine.speculation is not None and engine.speculation.describe()["num_drafts"] > 0

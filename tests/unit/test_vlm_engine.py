@@ -145,10 +145,28 @@ def test_two_images_in_one_prompt(vlm):
     assert same([result], [reference(path, *request)]), family
 
 
-def test_speculative_decoding_is_refused_at_start(vlm):
+def test_prompt_lookup_drafts_give_the_greedy_tokens(vlm):
+    """Prompt lookup (ngram) drafts from an image prompt's tokens and what it generated, verified by the VLM's forward
+    (a chunk past the prompt: M-RoPE's shifted by the rope delta): the greedy tokens of `generate()`."""
+    family, path, loaded = vlm
+    requests = [
+        (
+            prompt_of(loaded, chat("Say it again and again: a red fox, a red fox, a red fox, a red fox.")),
+            (image_of(8),),
+        ),
+        (prompt_of(loaded, chat("Describe the picture.")), (image_of(9),)),
+    ]
+    results, engine = asyncio.run(
+        serve(loaded, config(speculation=SpeculationSettings("ngram", 3, 1, 3)), requests, tokens=16)
+    )
+    assert same(results, [reference(path, *r, tokens=16) for r in requests]), family
+    assert engine.speculation is not None and engine.speculation.describe()["num_drafts"] > 0, family
+
+
+def test_a_draft_model_is_refused_at_start(vlm):
     _, _, loaded = vlm
-    with pytest.raises(ValueError, match="vision-language"):
-        create_engine(loaded, config(speculation=SpeculationSettings("ngram", 3)))
+    with pytest.raises(ValueError, match="draft model is not served with a vision-language model"):
+        create_engine(loaded, config(speculation=SpeculationSettings("draft_model", 3)), draft=loaded)
 
 
 def test_an_image_that_fails_to_encode_fails_its_request_only(vlm, monkeypatch):
