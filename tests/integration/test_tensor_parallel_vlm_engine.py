@@ -222,3 +222,21 @@ def test_prompt_lookup_over_two_ranks_gives_a_vlms_greedy_tokens(tiny_vlm_dir):
     results, engine = asyncio.run(serve(shell, None, requests, tokens=16, engine=engine))  # type: ignore[arg-type]
     assert same(results, [reference(path, *r, tokens=16) for r in requests])
     assert engine.speculation is not None and engine.speculation.describe()["num_drafts"] > 0
+
+
+def test_the_prefix_cache_and_an_fp8_kv_cache_over_two_ranks(tiny_vlm_dir):
+    """The same image prompt twice over two ranks: the second reuses the first's blocks (the image's digest in their
+    keys) and answers the same; with ``kv_cache_dtype=fp8`` (each rank its KV heads' share of every block in fp8) the
+    tokens are one process's with the same fp8 cache."""
+    from helpers.vlm_serving import config
+    from lmiserve.models.load import load_causal_lm
+
+    path = tiny_vlm_dir("gemma3")
+    loaded = load_causal_lm(path, dtype="fp32", device="cpu")
+    request = (prompt_of(loaded, chat("Describe the picture.")), (image_of(6),))
+    (first, again), _ = asyncio.run(serve(loaded, None, [request, request], one_by_one=True, engine=_engine(path)))  # type: ignore[arg-type]
+    assert first[0] == again[0] and first[1] == 0 and again[1] > 0, (first, again)
+    assert same([first], [reference(path, *request)])
+    alone, _ = asyncio.run(serve(loaded, config(kv_cache_dtype="fp8"), [request]))
+    split, _ = asyncio.run(serve(loaded, None, [request], engine=_engine(path, kv_cache_dtype="fp8")))  # type: ignore[arg-type]
+    assert [tokens for tokens, _ in split] == [tokens for tokens, _ in alone]
