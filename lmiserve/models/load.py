@@ -143,13 +143,7 @@ def load_causal_lm(
                 f"quantize {quant.method} is not supported for vision-language models yet (their block-wise fp8 "
                 "checkpoints are)"
             )
-        auto_class: Any = AutoModelForCausalLM
-        if is_vision_config(config):
-            auto_class = AutoModelForImageTextToText
-            processor = load_processor(path, config, trust_remote_code)
-            tokenizer = processor.tokenizer
-        else:
-            tokenizer = AutoTokenizer.from_pretrained(path, **common)
+        auto_class, tokenizer, processor = _model_class(path, config, common)
         # int8: quantized from fp32 weights (the scales are then exact), the rest cast to bf16 after
         load_dtype = torch.float32 if int8 else torch_dtype
         # int4 of a GGUF's codes: built without the fp32 linears the codes replace (None: no codes)
@@ -219,13 +213,7 @@ def load_model_shell(
     processor = None
     try:
         config = AutoConfig.from_pretrained(path, **common)
-        auto_class: Any = AutoModelForCausalLM
-        if is_vision_config(config):
-            auto_class = AutoModelForImageTextToText
-            processor = load_processor(path, config, trust_remote_code)
-            tokenizer = processor.tokenizer
-        else:
-            tokenizer = AutoTokenizer.from_pretrained(path, **common)
+        auto_class, tokenizer, processor = _model_class(path, config, common)
         if quant is not None:  # a float shell: each worker makes its shard's quantized layers (shard_quantized.py)
             del config.quantization_config
         with init_empty_weights(include_buffers=False):
@@ -235,6 +223,16 @@ def load_model_shell(
     with contextlib.suppress(OSError):  # no generation_config.json: the config's own
         model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
     return _loaded(model, tokenizer, torch_device, torch_dtype, name or path.name, path, processor)
+
+
+def _model_class(path: Path, config: Any, common: dict[str, bool]) -> tuple[Any, PreTrainedTokenizerBase, Any]:
+    """The auto class that makes `path`'s model, its tokenizer and its processor: AutoModelForCausalLM and the
+    tokenizer (no processor), or for a vision-language model AutoModelForImageTextToText and its processor (on the PIL
+    image backend: models/vision.py), whose tokenizer is the model's."""
+    if is_vision_config(config):
+        processor = load_processor(path, config, common["trust_remote_code"])
+        return AutoModelForImageTextToText, processor.tokenizer, processor
+    return AutoModelForCausalLM, AutoTokenizer.from_pretrained(path, **common), None
 
 
 def _loaded(

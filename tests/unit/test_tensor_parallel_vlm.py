@@ -17,6 +17,16 @@ from lmiserve.engine.model.sharding import decoder_of, shard_model, shard_of, un
 from lmiserve.models.load import load_causal_lm, load_model_shell
 
 
+def _read_and_cut(path, whole, rank: int):  # noqa: ANN001, ANN202
+    """Rank `rank` of 2's shard of the VLM in `path` read from its checkpoint into a shell, and cut from `whole`."""
+    cut = copy.deepcopy(whole)
+    shard_model(cut, rank, 2, None)
+    shell = load_model_shell(path, dtype="fp32", device="cpu").model
+    shard_model(shell, rank, 2, None)
+    load_shard_weights(shell, path)
+    return shell, cut
+
+
 @pytest.mark.parametrize("family", [*FAMILIES, *MOE_FAMILIES])
 def test_a_vlms_shard_read_from_its_checkpoint_is_the_shard_cut_from_the_model(tiny_vlm_dir, family):
     path = tiny_vlm_dir(family)
@@ -27,11 +37,7 @@ def test_a_vlms_shard_read_from_its_checkpoint_is_the_shard_cut_from_the_model(t
     kept_whole = {name for name, p in whole.named_parameters() if id(p) not in split}
     assert any("vision" in name or "visual" in name for name in kept_whole), family
     for rank in range(2):
-        cut = copy.deepcopy(whole)
-        shard_model(cut, rank, 2, None)
-        shell = load_model_shell(path, dtype="fp32", device="cpu").model
-        shard_model(shell, rank, 2, None)
-        load_shard_weights(shell, path)
+        shell, cut = _read_and_cut(path, whole, rank)
         read, expected = dict(shell.named_parameters()), dict(cut.named_parameters())
         assert read.keys() == expected.keys()
         for name, param in expected.items():
@@ -98,11 +104,7 @@ def test_a_tied_vlms_shard_keeps_its_output_projection_its_embedding(tiny_vlm_di
     (path / "config.json").write_text(json.dumps(saved))
     whole = load_causal_lm(path, dtype="fp32", device="cpu").model
     for rank in range(2):
-        cut = copy.deepcopy(whole)
-        shard_model(cut, rank, 2, None)
-        shell = load_model_shell(path, dtype="fp32", device="cpu").model
-        shard_model(shell, rank, 2, None)
-        load_shard_weights(shell, path)
+        shell, cut = _read_and_cut(path, whole, rank)
         view = decoder_of(shell)
         assert view.lm_head.weight is view.model.embed_tokens.weight
         expected = dict(cut.named_parameters())
