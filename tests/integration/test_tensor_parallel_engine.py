@@ -170,7 +170,8 @@ def variant_answers(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
 # glm4: gate_up_proj by runs, RoPE by pairs; gemma2_window: each rank's heads' scores soft-capped; mixtral,
 # qwen2_moe_shared, glm4_moe: mixtures of experts, every expert split, each rank's slices of each expert's matrices
 # read from the checkpoint (Mixtral's names; a gated shared expert and a dense layer; GLM-4.5's router biases);
-# gpt_oss: each rank's heads' sinks, its experts transposed with gate and up interleaved, their biases
+# gpt_oss: each rank's heads' sinks, its experts transposed with gate and up interleaved, their biases; olmo2, olmo3_window, olmoe: RMS norms of the whole q and k projections (each rank its heads' part of the
+# weights, the mean of the squares all-reduced; OLMoE's experts split)
 @pytest.fixture(
     params=[
         "kv-split",
@@ -189,6 +190,9 @@ def variant_answers(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
         "qwen2_moe_shared",
         "glm4_moe",
         "gpt_oss",
+        "olmo2",
+        "olmo3_window",
+        "olmoe",
     ]
 )
 def answers(

@@ -94,9 +94,9 @@ def test_no_kv_heads_in_the_config_means_one_per_head():
 
 
 UNSPLIT = (
-    "tensor parallelism runs the fast path's architectures but OLMo 2's and OLMoE's (llama, mistral, ministral, "
-    "qwen2, qwen3, phi3, smollm3, granite, seed_oss, gemma, gemma3_text, exaone4, starcoder2, glm, glm4, gemma2, "
-    "mixtral, qwen2_moe, qwen3_moe, glm4_moe, gpt_oss)"
+    "tensor parallelism runs the fast path's architectures (llama, mistral, ministral, qwen2, qwen3, phi3, smollm3, "
+    "granite, seed_oss, gemma, gemma3_text, olmo2, olmo3, exaone4, starcoder2, glm, glm4, gemma2, mixtral, qwen2_moe, "
+    "qwen3_moe, glm4_moe, olmoe, gpt_oss)"
 )
 
 
@@ -107,8 +107,8 @@ UNSPLIT = (
         ({}, 4, None),  # 2 KV heads replicated over 4 ranks
         ({"num_key_value_heads": 1}, 4, None),
         ({"model_type": "gpt2"}, 2, f"{UNSPLIT}; this model is 'gpt2'"),
-        ({"model_type": "olmo2"}, 2, f"{UNSPLIT}; this model is 'olmo2'"),  # its norms of the whole q and k
-        ({"model_type": "olmoe"}, 2, f"{UNSPLIT}; this model is 'olmoe'"),  # OLMo 2's norms, with experts
+        ({"model_type": "olmo2"}, 2, None),  # its norms of the whole q and k: each rank its heads' part
+        ({"model_type": "olmoe"}, 2, None),  # OLMo 2's norms, with experts
         ({"model_type": "qwen3_moe", "moe_intermediate_size": 48}, 2, None),  # its experts split as its MLP
         ({}, 3, "tensor_parallel_degree=3 does not divide the model's 4 attention heads"),
         ({"num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576, "intermediate_size": 1536}, 2,

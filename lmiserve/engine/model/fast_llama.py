@@ -321,10 +321,7 @@ class FastLlama:
             if lora is not None:
                 lora.apply(f"{index}.qkv", h, qkv)
             if layer.proj_norms is not None:  # OLMo 2's: of the whole q and k projections
-                (q_norm, k_norm), v_at = layer.proj_norms, q_size + kv_size
-                qkv = torch.cat(
-                    [rms_norm(qkv[:, :q_size], q_norm), rms_norm(qkv[:, q_size:v_at], k_norm), qkv[:, v_at:]], -1
-                )
+                qkv = self._projection_norms(qkv, layer.proj_norms, q_size, kv_size)
             head_norm, rope, kind = self.head_norms[index], self.rope_layers[index], self.rope_kind[index]
             c, s = (cos, sin) if cos.shape[1] == 1 else (cos[:, kind : kind + 1], sin[:, kind : kind + 1])
             if fused and head_norm is None and rope and c.shape[-1] == self.head_dim and not self.rope.interleaved:
@@ -359,6 +356,19 @@ class FastLlama:
             else:
                 x = x + down if add is None else (x + down).index_add(0, at, add)
         return x if residual is None else x + residual
+
+    def _projection_norms(self, qkv: torch.Tensor, norms: Any, q_size: int, kv_size: int) -> torch.Tensor:
+        """OLMo 2's RMS norms of the whole q and of the whole k projection; a tensor-parallel rank's over its heads'
+        part, the mean of the squares of the whole projections all-reduced (one ``[rows, 2]`` sum: each rank's part
+        is ``1 / world`` of the width, a replicated KV head's counted once a rank that holds it)."""
+        (q_norm, k_norm), v_at, tp = norms, q_size + kv_size, self.tp
+        q, k = qkv[:, :q_size], qkv[:, q_size:v_at]
+        means: list[torch.Tensor | None] = [None, None]
+        if tp is not None:
+            sums = torch.stack([q.float().pow(2).sum(-1), k.float().pow(2).sum(-1)], -1)
+            sums = tp.all_reduce(sums)
+            means = [sums[:, :1] / (q_size * tp.world), sums[:, 1:] / (kv_size * tp.world)]
+        return torch.cat([rms_norm(q, q_norm, means[0]), rms_norm(k, k_norm, means[1]), qkv[:, v_at:]], -1)
 
     def _mlp(self, index: int, layer: FusedLayer, h: torch.Tensor, lora: LoraProducts | None) -> torch.Tensor:
         """A dense layer's MLP over its normed input `h` (an MoE layer's is the model's block: `FusedLayer.moe`)."""

@@ -14,16 +14,17 @@ from lmiserve.engine.model.layout_variants import NormWeight
 from lmiserve.engine.model.llama_layout import Part
 
 
-def rms_norm(x: torch.Tensor, norm: NormWeight) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, norm: NormWeight, mean_square: torch.Tensor | None = None) -> torch.Tensor:
     """transformers' RMS norm: in float32, the weight applied after the cast back (Llama's), or before it where
     the weight is float32 (Gemma's ``1 + w``, `layout_variants.norm_of`; alike for a float32 model); or a
-    LayerNorm, whose bias is the record's third element (Starcoder2's)."""
+    LayerNorm, whose bias is the record's third element (Starcoder2's). `mean_square`: ``[rows, 1]`` float32, the
+    mean of the squares over a width wider than `x`'s (a tensor-parallel rank's part of OLMo 2's projections)."""
     weight, eps = norm[0], norm[1]
     if len(norm) == 3:
         return F.layer_norm(x, (x.shape[-1],), weight, norm[2], eps)
     dtype = x.dtype
     h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = h * torch.rsqrt((h.pow(2).mean(-1, keepdim=True) if mean_square is None else mean_square) + eps)
     return (h * weight).to(dtype) if weight.dtype == torch.float32 else weight * h.to(dtype)
 
 

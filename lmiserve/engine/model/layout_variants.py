@@ -56,9 +56,6 @@ LAYER_NORM_TYPES = NON_GATED_TYPES = ("starcoder2",)  # LayerNorms with biases; 
 INTERLEAVED_ROPE_TYPES = ("glm", "glm4")  # RoPE by pairs (2i, 2i + 1), not by halves; gate/up one linear
 PROJECTION_NORM_TYPES = ("olmo2", "olmo3")  # norms of the whole q and k projections, the weight before the cast
 WHOLE_QK_NORM_TYPES = (*PROJECTION_NORM_TYPES, "olmoe")  # norms of the whole q and k projections (OLMoE's: Llama's)
-# what tensor parallelism does not split (engine/model/sharding.py): a norm of a whole projection would need the other
-# ranks' heads
-UNSPLIT_TYPES = WHOLE_QK_NORM_TYPES
 FP32_WEIGHT_NORM_TYPES = (*PROJECTION_NORM_TYPES, "gpt_oss")  # RMS norms whose weight multiplies before the cast
 # RoPE types whose table is built once (LongRoPE's factors chosen from the served context: rope_tables.py)
 STATIC_ROPE = ("default", "linear", "llama3", "yarn", "longrope")

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from lmiserve.engine.model.language_model import language_model
-from lmiserve.engine.model.layout_variants import UNSPLIT_TYPES, VLM_DECODER_TYPES, moe_block
+from lmiserve.engine.model.layout_variants import VLM_DECODER_TYPES, moe_block
 from lmiserve.engine.model.llama_layout import QUANTIZED_LINEARS, SUPPORTED_TYPES, LlamaFamily
 
 if TYPE_CHECKING:
@@ -95,13 +95,12 @@ def unsplittable_reason(config: PretrainedConfig, world: int) -> str | None:
     if getattr(cfg, "vision_config", None) is not None:
         cfg = cfg.get_text_config()
         text_type = getattr(cfg, "model_type", None)
-        if text_type not in SUPPORTED_TYPES or text_type in UNSPLIT_TYPES:
+        if text_type not in SUPPORTED_TYPES:
             return f"tensor parallelism splits VLMs whose decoder lmiserve runs; {model_type!r}'s is {text_type!r}"
-    elif model_type not in SUPPORTED_TYPES or model_type in (*UNSPLIT_TYPES, *VLM_DECODER_TYPES):
-        split = [t for t in SUPPORTED_TYPES if t not in (*UNSPLIT_TYPES, *VLM_DECODER_TYPES)]
+    elif model_type not in SUPPORTED_TYPES or model_type in VLM_DECODER_TYPES:
+        split = [t for t in SUPPORTED_TYPES if t not in VLM_DECODER_TYPES]
         return (
-            f"tensor parallelism runs the fast path's architectures but OLMo 2's and OLMoE's "
-            f"({', '.join(split)}); this model is {model_type!r}"
+            f"tensor parallelism runs the fast path's architectures ({', '.join(split)}); this model is {model_type!r}"
         )
     heads = int(cfg.num_attention_heads)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
@@ -221,8 +220,8 @@ def shard_model(model: PreTrainedModel, rank: int, world: int, group: ProcessGro
                 short = name.rpartition(".")[2]
                 if isinstance(module, torch.nn.Linear) and short in ROW_PARALLEL:
                     _keep_columns(module, column_run(plan, short, module.in_features), rank)
-                elif isinstance(module, torch.nn.Linear):
-                    runs = row_runs(plan, short, module.out_features)
+                elif isinstance(module, torch.nn.Linear) or short in ("q_norm", "k_norm"):  # (norms: OLMo 2's)
+                    runs = row_runs(plan, short, module.weight.shape[0])
                     if runs is not None:
                         _keep_rows(module, runs)
         block = moe_block(layer)
@@ -313,6 +312,8 @@ def row_runs(plan: ShardPlan, name: str, size: int) -> list[slice] | None:
 
     if name in ("q_proj", "k_proj", "v_proj"):
         return [q if name == "q_proj" else kv]
+    if name in ("q_norm", "k_norm") and size == (q_all if name == "q_norm" else kv_all):  # OLMo 2's: of projections
+        return [q if name == "q_norm" else kv]
     if name == "qkv_proj":
         return [q, after(kv, q_all), after(kv, q_all + kv_all)]
     if name == "gate_up_proj":
@@ -333,9 +334,10 @@ def keep_runs(tensor: Any, runs: list[slice]) -> torch.Tensor:
     return torch.cat([tensor[run] for run in runs]) if len(runs) > 1 else torch.as_tensor(tensor[runs[0]]).clone()
 
 
-def _keep_rows(linear: torch.nn.Linear, rows: list[slice]) -> None:
+def _keep_rows(module: torch.nn.Module, rows: list[slice]) -> None:  # (a linear, or OLMo 2's norm: no bias)
+    linear: Any = module
     linear.weight = torch.nn.Parameter(keep_runs(linear.weight.detach(), rows), requires_grad=False)
-    if linear.bias is not None:
+    if getattr(linear, "bias", None) is not None:
         linear.bias = torch.nn.Parameter(keep_runs(linear.bias.detach(), rows), requires_grad=False)
 
 
