@@ -24,10 +24,9 @@ graph's intermediates, not each graph's outputs (0.56 GB of logits a kind at 128
 With LoRA adapters configured (`carry_lora`, before the first capture), every graph also computes the
 products of `max_loras` fixed adapter slots (engine/lora/slots.py), each row's slot one more input buffer;
 a step with more adapters than slots runs eagerly. `enforce_eager` (vLLM's and LMI's option) turns graphs
-off; a capture that fails is logged and the engine goes on eagerly. A tensor-parallel rank's graphs hold its
-shard's collectives (`for_model`). Not with experts outside bfloat16 (`experts_graph_reason`). On a CPU
-(``capture=False``, the tests) `run` computes the same padded step from the same buffers without capturing, watched
-for what a capture cannot hold.
+off; a capture that fails is logged and the engine goes on eagerly. A tensor-parallel rank's graphs hold its shard's
+collectives. Not with experts outside bfloat16 (`experts_graph_reason`). On a CPU (``capture=False``, the tests)
+`run` computes the same padded step from the same buffers without capturing, watched for what a capture cannot hold.
 """
 
 from __future__ import annotations
@@ -392,12 +391,9 @@ def wanted(device: torch.device, enforce_eager: bool) -> bool:
 
 
 def for_model(fast: FastLlama, max_rows: int, scratch_block: int, prompt_tokens: int = 0) -> DecodeGraphs | None:
-    """The decode graphs for `fast` (`wanted`) where they apply (the Triton kernel, `graph_refusal`). A tensor-parallel
-    rank's capture its shard's collectives with its forward (NCCL's: every rank captures and replays the same sizes,
-    so their all-reduces pair up as eager steps' do; a capture communicates nothing, so one rank's failed capture,
-    which runs that step eagerly, still pairs with the others' replays)."""
-    why = "they need the Triton paged attention" if not fast.triton else None
-    why = why or fast.graph_refusal  # (a mixture of experts outside bfloat16; else None)
+    """The decode graphs for `fast` (`wanted`) where they apply (the Triton kernel, `graph_refusal`); a tensor-parallel
+    rank's hold its collectives (every rank the same sizes; a capture communicates nothing: docs/engine.md)."""
+    why = "they need the Triton paged attention" if not fast.triton else fast.graph_refusal  # (experts outside bf16)
     if why is not None:
         log.info("CUDA graphs: off (%s)", why)
         return None
