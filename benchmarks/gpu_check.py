@@ -30,7 +30,10 @@ dependencies can come as wheels; see benchmarks/README.md, "The GPU check"). It 
    the model in the engine's process, greedy agreement and decode tokens/s, for the tiny test model and
    the 1B shape (bf16); with two GPUs ``tp-collectives.log`` too (``benchmarks/tp_collectives.py``: NCCL's
    all-reduce, all-gather and the batch broadcast). Since 2026-12-03 the workers replay decode graphs with the
-   collectives captured inside (NCCL's capture: at degree 1 on one GPU this step is where it first runs).
+   collectives captured inside (NCCL's capture: at degree 1 on one GPU this step is where it first runs);
+   ``tp-overlap-1b/``: ``benchmarks/tp_overlap.py`` on the 1B shape over the same ranks, overlap scheduling's
+   steps sent before the step before them is answered (the ranks launching them behind it) against a round trip
+   a step, in turns at 1 and 32 streams.
 7. ``executor-cuda.json`` and ``executor-cpu.json`` (with ``--executor``, when time is left):
    ``benchmarks/executor_process.py``, the model in the engine's thread against a child process, for the
    1B shape on the GPU and for SmolLM2-135M's shape on all of the machine's CPU cores.
@@ -1357,6 +1360,22 @@ def main(argv: list[str] | None = None) -> int:
         step = run_step(f"tensor parallel {name}", command, out / f"tp-{name}.log", min(120.0, left() - 5), env)
         if report.exists():
             step["report"] = json.loads(report.read_text())
+        summary["steps"].append(step)
+
+    if "tensor-parallel" in chosen and left() > 60:  # overlap scheduling over the ranks against a round trip a step
+        command = [
+            sys.executable,
+            str(ROOT / "benchmarks" / "tp_overlap.py"),
+            *("--model-id", str(model("1b")), "-o", "load_format=dummy", "-o", "dtype=bf16"),
+            *("--device", scale.device, "--degree", str(degree)),
+            *("-o", scale.pick("kv_cache_memory_bytes=4GiB", "kv_cache_memory_bytes=64MiB")),
+            *("--rows", scale.pick("1,32", "1,2"), "--new-tokens", scale.pick("64", "4"), "--turns", "2"),
+            *("--out", str(out / "tp-overlap-1b")),
+        ]
+        step = run_step("tensor parallel overlap", command, out / "tp-overlap-1b.log", min(150.0, left() - 5), env)
+        report = out / "tp-overlap-1b" / "summary.json"
+        if report.exists():
+            step["report"] = json.loads(report.read_text())["results"]
         summary["steps"].append(step)
 
     if degree > 1 and "tensor-parallel" in chosen and left() > 30:  # NCCL's collectives between two GPUs

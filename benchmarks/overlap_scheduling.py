@@ -73,9 +73,18 @@ async def measure(
 
 
 async def run_streams(engine: Any, rows: int, new_tokens: int, constrained: int = 0) -> tuple[list[list[int]], Any]:
-    """`engine` started, `rows` streams at once (`ignore_eos`, `new_tokens` each; the first `constrained`
-    following `[a-z ,.]+`), read to their ends, the engine stopped: their tokens, and the decode rate after
-    the last first token (None when nothing came after it)."""
+    """`engine` started, `streams` run on it, the engine stopped."""
+    engine.start()
+    try:
+        return await streams(engine, rows, new_tokens, constrained)
+    finally:
+        await engine.stop()
+
+
+async def streams(engine: Any, rows: int, new_tokens: int, constrained: int = 0) -> tuple[list[list[int]], Any]:
+    """`rows` streams at once on the running `engine` (`ignore_eos`, `new_tokens` each; the first `constrained`
+    following `[a-z ,.]+`), read to their ends: their tokens, and the decode rate after the last first token
+    (None when nothing came after it)."""
     from lmiserve.core.grammar import Grammar
     from lmiserve.core.request import GenerationRequest, SamplingParams
 
@@ -98,11 +107,7 @@ async def run_streams(engine: Any, rows: int, new_tokens: int, constrained: int 
         stamps.append(times)
         return ids
 
-    engine.start()
-    try:
-        tokens = await asyncio.gather(*(consume(i) for i in range(rows)))
-    finally:
-        await engine.stop()
+    tokens = await asyncio.gather(*(consume(i) for i in range(rows)))
     start = max(firsts)
     end = max(t[-1] for t in stamps)
     after = sum(1 for times in stamps for t in times if t > start)
@@ -121,6 +126,15 @@ def table(results: list[dict[str, Any]]) -> str:
             f"{100 * r['steps_ahead_share']:.0f} % | {'yes' if r['same_tokens'] else 'NO'} |"
         )
     return "\n".join(lines)
+
+
+def write_summary(out: Path | None, env: dict[str, Any], summary: str, results: list[dict[str, Any]]) -> None:
+    """The table printed; with `out`, it and the results written there (summary.md, summary.json)."""
+    print(summary)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.json").write_text(json.dumps({"env": env, "argv": sys.argv, "results": results}, indent=1))
+        (out / "summary.md").write_text(f"{env}\n\n{summary}\n")
 
 
 def main() -> None:
@@ -192,12 +206,7 @@ def main() -> None:
         "openmp_wait": wait,
         "load_average_before_after": [load_before[0], os.getloadavg()[0]],
     }
-    summary = table(results)
-    print(summary)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "summary.json").write_text(json.dumps({"env": env, "argv": sys.argv, "results": results}, indent=1))
-        (args.out / "summary.md").write_text(f"{env}\n\n{summary}\n")
+    write_summary(args.out, env, table(results), results)
 
 
 if __name__ == "__main__":

@@ -197,7 +197,8 @@ class EngineFields(FieldGroup):
             "benchmarks/README.md). Output is the same either way; a request that stops computes one step more. "
             "Steps with speculative decoding are planned after the step before them; a grammar's or thinking "
             "budget's rows are sampled once the step before is applied, the rest of their step planned and run "
-            "ahead. See docs/engine.md."
+            "ahead. With tensor parallelism a step planned ahead is sent to the ranks before the step before it is "
+            "answered, and launched behind it on the GPUs (docs/tensor-parallel.md). See docs/engine.md."
         ),
     )
     stream_interval: int = Field(

@@ -3,7 +3,8 @@ processes, which a test's monkeypatch does not reach, so a `WorkerSpec` is given
 `load_shell`: in the worker, before its shard is loaded, it makes runners take decode graphs (unless
 `enforce_eager`) whose fixed buffers run without a capture on a CPU, with the Triton attention under Triton's
 interpreter (as helpers/decode_graphs.py does in the test's own process), and writes each step a graph runs to the
-file `GRAPH_LOG` names, one line ``<pid> <graph size>`` a step."""
+file `GRAPH_LOG` names, one line ``<pid> <graph size> <chained>`` a step (chained: 1 where the step's rows took
+their inputs from the step before on the device, overlap scheduling's chain)."""
 
 from __future__ import annotations
 
@@ -31,10 +32,10 @@ def _graphs_without_capture(log: str) -> None:
         graphs = DecodeGraphs(fast, max_rows, scratch_block, capture=False, prompt_tokens=prompt_tokens)
         run = graphs.run
 
-        def counted(ids: Any, *args: Any, **kwargs: Any) -> Any:
+        def counted(ids: Any, positions: Any, tables: Any, lora: Any = None, sources: Any = None, *rest: Any) -> Any:
             with open(log, "a", encoding="utf-8") as out:
-                out.write(f"{os.getpid()} {graphs.size_for(len(ids))}\n")
-            return run(ids, *args, **kwargs)
+                out.write(f"{os.getpid()} {graphs.size_for(len(ids))} {int(sources is not None)}\n")
+            return run(ids, positions, tables, lora, sources, *rest)
 
         graphs.run = counted  # type: ignore[method-assign]
         return graphs

@@ -323,7 +323,7 @@ def test_structured_output_and_the_prefix_cache_under_tensor_parallelism(tiny_mo
     every rank for its heads) are read again: the same tokens as one process, the constrained ones
     matching their grammar. With overlap scheduling, a step planned ahead goes out with its constrained
     rows held by every rank, and their masks follow in a second message once the step before is applied
-    (`Executor.sample_masked`): the same tokens, and steps planned ahead while grammars run."""
+    (`Executor.sample_masked`): the same tokens, and steps planned and sent ahead while grammars run."""
     from lmiserve.models.compose import build_engine, build_tensor_parallel_engine
     from lmiserve.models.load import load_causal_lm, load_model_shell
 
@@ -336,6 +336,7 @@ def test_structured_output_and_the_prefix_cache_under_tensor_parallelism(tiny_mo
     parallel = _constrained_and_cached(engine)
     assert parallel == whole
     assert (engine.steps_ahead > engine.steps // 2) is overlap, (engine.steps_ahead, engine.steps)
+    assert (engine.executor.sent_ahead > 0) is overlap  # (sent before the step before them was answered)
     tokenizer = load_model_shell(tiny_model_dir, device="cpu").tokenizer
     n = 3  # the free questions
     assert "n" in json.loads(tokenizer.decode(parallel[n]))

@@ -62,12 +62,12 @@ def _run(engine, jobs: list[tuple[list[int], str | None]]) -> list[list[int]]:  
     return asyncio.run(run())
 
 
-def _graph_steps(log: Path) -> dict[str, list[int]]:
-    """Each worker's graph sizes, step after step (by its pid)."""
-    steps: dict[str, list[int]] = defaultdict(list)
+def _graph_steps(log: Path, chained: bool = False) -> dict[str, list]:
+    """Each worker's graph sizes, step after step (by its pid); with `chained`, (size, whether the step chained)."""
+    steps: dict[str, list] = defaultdict(list)
     for line in log.read_text().splitlines():
-        pid, size = line.split()
-        steps[pid].append(int(size))
+        pid, size, chain = line.split()
+        steps[pid].append((int(size), chain == "1") if chained else int(size))
     return steps
 
 
@@ -105,3 +105,45 @@ def test_decode_graphs_over_two_ranks_carry_lora_adapters(tiny_model_dir, lora_a
         assert got[: len(want)] == want, name
     steps = _graph_steps(log)
     assert len(steps) == 2 and len(set(map(tuple, steps.values()))) == 1, steps
+
+
+def test_overlapped_steps_over_two_ranks_chain_on_the_devices(tiny_model_dir, monkeypatch, tmp_path):
+    """Overlap scheduling over the ranks: the leader sends a step before the one before it is answered, and the ranks
+    launch it behind that step, its rows taking their inputs from that step's tokens on the device (chained), every
+    rank alike. Requests join and leave meanwhile: one ends at a stop token nobody could foresee (its row in the
+    chained step computed in vain), one asks for top tokens (sampled on the host: the step after it is not chained).
+    The tokens are `generate()`'s."""
+    ids = _ids(tiny_model_dir)
+    log = tmp_path / "graph-steps"
+    engine = _engine(tiny_model_dir, monkeypatch, log, async_scheduling="true")
+    expected = merged_generate(tiny_model_dir, None, ids, TOKENS)
+    stop = expected[1][4]
+    cut = expected[1].index(stop) + 1
+
+    async def run() -> list[list[int]]:
+        engine.start()
+        try:
+
+            async def one(i: int, after: int, tokens: int = TOKENS, **options: object) -> list[int]:
+                while engine.steps < after:  # later requests join a running batch
+                    await asyncio.sleep(0.001)
+                params = SamplingParams(max_new_tokens=tokens, ignore_eos_token=True, **options)  # type: ignore[arg-type]
+                request = GenerationRequest("", params, prompt_ids=ids[i])
+                return [e.token.id async for e in engine.generate(request) if e.token is not None]
+
+            return list(
+                await asyncio.gather(
+                    one(0, 0), one(1, 0, stop_token_ids=[stop]), one(2, 4, 3, top_n_tokens=2), one(3, 7)
+                )
+            )
+        finally:
+            await engine.stop()
+
+    results = asyncio.run(run())
+    assert results == [expected[0], expected[1][:cut], expected[2][:3], expected[3]]
+    assert engine.steps_ahead > 0 and engine.executor.sent_ahead > 0
+    steps = _graph_steps(log, chained=True)
+    assert len(steps) == 2, steps
+    first, second = steps.values()
+    assert first == second, steps  # every rank replayed and chained alike
+    assert sum(chain for _, chain in first) > 0, first

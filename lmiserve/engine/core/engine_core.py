@@ -265,12 +265,7 @@ class EngineCore:
         plan = self._plan()
         if not plan.has_model_work:
             if plan.batch.finished or plan.batch.preempted:  # the executor forgets what it kept of them
-                try:
-                    await self.thread.run(self._launch, plan)
-                except ExecutorFailed:
-                    raise
-                except Exception:  # noqa: BLE001 - nothing was computing
-                    log.exception("engine step failed")
+                await self.thread.run(self._run_guarded, plan)  # (its answer collected: nothing was computing)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), scheduler.next_wakeup(time.monotonic()))
             return

@@ -8,6 +8,11 @@ it to every rank over a gloo group (`broadcast_object_list`), every rank runs it
 logits' all-gather inside the forward), and rank 0 answers with its `StepOutput`. Every rank samples from
 the same gathered logits, so no token needs sending back to the others: the next batch carries them.
 
+Overlap scheduling (`async_scheduling`): `launch` sends a batch and returns without its answer, so the engine
+plans and sends the next one while the ranks run this one; `collect` takes the answers in the order the batches
+went. The ranks launch a batch that arrives while the step before it runs on the device behind that step
+(engine/executors/tp_steps.py): neither the pipe nor the host's planning sits between two steps on the GPUs.
+
 Across nodes the ranks are ``node_rank * local + i``: node 0 (the leader) serves HTTP and starts its
 local ranks with this executor; every other node runs `run_node` (no HTTP) which starts its own and
 waits. They meet at ``master_addr:master_port`` (torchrun's rendezvous variables).
@@ -33,9 +38,9 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from lmiserve.engine.core.step import Executor, ExecutorFailed, StepBatch, StepOutput
+from lmiserve.engine.core.step import Executor, ExecutorFailed, Launched, StepBatch, StepOutput
 
 if TYPE_CHECKING:
     import numpy as np
@@ -110,8 +115,13 @@ class TensorParallelExecutor(Executor):
         child.close()
         self._closing = False
         self._failed = False  # a worker died or hung: the others are killed, not asked, at close
-        self._lock = threading.Lock()  # one step at a time, and close after it
+        self._lock = threading.Lock()  # one message sent, or one answer awaited, at a time; close after it
         self._last_step = time.monotonic()  # when the last step (or heartbeat) ended
+        # the messages sent and answered (rank 0 answers in order), the answers taken before they were awaited
+        self._sent = self._answered = 0
+        self._answers: dict[int, StepOutput] = {}
+        self._failure = ""  # why the executor failed (every later step fails with it)
+        self.sent_ahead = 0  # batches sent while the one before them was unanswered (overlap scheduling)
         try:
             kind, info = self._receive(None)
         except ExecutorFailed as exc:
@@ -154,35 +164,61 @@ class TensorParallelExecutor(Executor):
         raise ExecutorFailed("tensor-parallel rank 0 closed its pipe")
 
     def execute(self, batch: StepBatch) -> StepOutput:
-        return self._round_trip(batch)
+        return self._await(self._send(("step", batch, True)))
+
+    def launch(self, batch: StepBatch) -> Launched:
+        """The batch sent to the ranks, its answer awaited by `collect` (the engine may plan and send the next one
+        meanwhile, which the ranks then launch behind it: engine/executors/tp_steps.py)."""
+        return Launched(StepOutput(), self._send(("step", batch, False)))
+
+    def collect(self, launched: Launched) -> StepOutput:
+        output = self._await(launched.pending)
+        for seq_id, message in launched.output.errors.items():  # (rows that failed at the launch: `fail_rows`)
+            output.samples.pop(seq_id, None)
+            output.errors[seq_id] = message
+        return output
 
     @property
     def defers_masks(self) -> bool:
         return True  # (every rank holds the rows and samples them when the masks come)
 
     def sample_masked(self, rows: list[int], bitmask: np.ndarray | None) -> StepOutput:
-        return self._round_trip(("masks", rows, bitmask))
+        return self._await(self._send(("masks", rows, bitmask)))
 
-    def _round_trip(self, message: StepBatch | tuple[str, list[int], np.ndarray | None]) -> StepOutput:
-        """`message` to every rank (through rank 0), and rank 0's output."""
+    def _send(self, message: tuple[str, StepBatch, bool] | tuple[str, list[int], np.ndarray | None]) -> int:
+        """`message` to every rank (through rank 0); its number in the order of the answers."""
         with self._lock:
-            if self._closing:
-                raise ExecutorFailed("the tensor-parallel workers are closed")
+            if self._closing or self._failure:
+                raise ExecutorFailed(self._failure or "the tensor-parallel workers are closed")
             try:
+                self._conn.send(message)
+            except OSError as exc:
+                self._fail(f"tensor-parallel rank 0 is gone: {exc}")
+            self._sent += 1
+            self.sent_ahead += self._sent - self._answered > 1
+            return self._sent
+
+    def _await(self, number: int) -> StepOutput:
+        """Rank 0's answer to message `number` (those before it kept for their own awaits)."""
+        with self._lock:
+            while number not in self._answers:
+                if self._failure:
+                    raise ExecutorFailed(self._failure)
                 try:
-                    self._conn.send(message)
-                except OSError as exc:
-                    raise ExecutorFailed(f"tensor-parallel rank 0 is gone: {exc}") from None
-                kind, info = self._receive(self.spec.step_timeout)
+                    kind, info = self._receive(self.spec.step_timeout)
+                except ExecutorFailed as exc:
+                    self._fail(str(exc))
+                finally:
+                    self._last_step = time.monotonic()
                 if kind != "ok":
-                    raise ExecutorFailed(self._cause(info))
-            except ExecutorFailed:
-                self._failed = True
-                raise
-            finally:
-                self._last_step = time.monotonic()
-        output: StepOutput = info
-        return output
+                    self._fail(self._cause(info))
+                self._answered += 1
+                self._answers[self._answered] = info
+            return self._answers.pop(number)
+
+    def _fail(self, why: str) -> NoReturn:
+        self._failed, self._failure = True, why
+        raise ExecutorFailed(why)
 
     def _cause(self, error: str) -> str:
         """Rank 0's `error`, led by the exit of another worker of this node that ended at about the same

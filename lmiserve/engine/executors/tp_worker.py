@@ -1,7 +1,8 @@
 """A tensor-parallel worker process: one a rank (one a device), the model's shard in it
 (engine/model/sharding.py), joined in a torch.distributed group (NCCL on CUDA, gloo on CPU); rank 0 receives
 each step's plain-data batch from the leader (engine/executors/tensor_parallel.py's `TensorParallelExecutor`) and
-broadcasts it to every rank over a gloo group; every rank runs it and rank 0 answers with its `StepOutput`.
+broadcasts it to every rank over a gloo group; every rank runs it and rank 0 answers with its `StepOutput`
+(engine/executors/tp_steps.py, which launches a batch that comes while the step before it runs behind that step).
 
 LoRA: a batch names a new request's adapter by its name, load id and folder (`step.AdapterRef`), and every
 rank reads its shard of that load from the folder on the first batch that names it
@@ -31,6 +32,7 @@ from lmiserve.core import threads
 from lmiserve.engine.attention import cuda_graphs
 from lmiserve.engine.child_process import start_child
 from lmiserve.engine.core.step import StepBatch, StepOutput
+from lmiserve.engine.executors.tp_steps import run_batches
 from lmiserve.engine.runner.fast import PagedFastRunner
 from lmiserve.engine.runner.vision import is_vision_model
 from lmiserve.engine.runner.vision_fast import PagedFastVisionRunner
@@ -202,20 +204,7 @@ def _serve(spec: WorkerSpec, rank: int, local_rank: int, conn: Connection | None
         sizes,
     )
     _tell(conn, ("ready", shape))
-    while True:
-        box: list[Any] = [None]
-        if rank == 0:
-            assert conn is not None
-            with contextlib.suppress(EOFError, OSError):
-                box[0] = conn.recv()
-        dist.broadcast_object_list(box, src=0, group=control)
-        batch = box[0]
-        if batch is None:
-            break
-        # (a batch, or the masks of the rows the last one held: `Executor.sample_masked`)
-        output = runner.sample_masked(*batch[1:]) if isinstance(batch, tuple) else runner.execute_batch(batch)
-        if conn is not None:
-            conn.send(("ok", output))
+    run_batches(runner, rank, conn, control)  # (until the leader says stop)
     dist.destroy_process_group()
     return 0
 
