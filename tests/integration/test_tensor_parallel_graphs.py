@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -107,7 +108,7 @@ def test_decode_graphs_over_two_ranks_carry_lora_adapters(tiny_model_dir, lora_a
     assert len(steps) == 2 and len(set(map(tuple, steps.values()))) == 1, steps
 
 
-def test_overlapped_steps_over_two_ranks_chain_on_the_devices(tiny_model_dir, monkeypatch, tmp_path):
+def test_overlapped_steps_over_two_ranks_chain_on_the_devices(tiny_model_dir, monkeypatch, tmp_path, capfd):
     """Overlap scheduling over the ranks: the leader sends a step before the one before it is answered, and the ranks
     launch it behind that step, its rows taking their inputs from that step's tokens on the device (chained), every
     rank alike. Requests join and leave meanwhile: one ends at a stop token nobody could foresee (its row in the
@@ -147,3 +148,6 @@ def test_overlapped_steps_over_two_ranks_chain_on_the_devices(tiny_model_dir, mo
     first, second = steps.values()
     assert first == second, steps  # every rank replayed and chained alike
     assert sum(chain for _, chain in first) > 0, first
+    # rank 0's account, logged when the leader closes the workers (their stderr is this process's)
+    counts = re.search(r"rank 0: (\d+) steps, (\d+) \(\d+%\) launched behind", capfd.readouterr().err)
+    assert counts is not None and 0 < int(counts[2]) < int(counts[1]), counts

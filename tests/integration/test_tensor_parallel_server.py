@@ -8,7 +8,9 @@
   probe answer 503, the server exits 4 (ENGINE_FAILED), nothing is left;
 - a hung worker (SIGSTOP, ``--step-timeout 3``): the request ends with an error, /ping 503, exit 4;
 - two nodes on one machine (``--nnodes 2``, node 1 without HTTP): the same greedy text; the leader's SIGTERM
-  ends node 1 too.
+  ends node 1 too;
+- with ``--async-scheduling`` (steps sent to the ranks ahead of their answers) the killed worker and the two nodes
+  as above.
 
 The shared TP=2 server is this module's (its last user stops it with SIGTERM); the fault tests start their
 own."""
@@ -284,8 +286,13 @@ def assert_unhealthy_from_the_failure(seen: list[tuple[int | None, int | None]])
     assert all(status in (503, None) for status in answers[first:]), seen
 
 
-def test_a_killed_worker_ends_the_stream_in_band_turns_unhealthy_and_exits_4(endless_no_eos_dir):
-    with fault_server(endless_no_eos_dir) as server:
+OVERLAP = pytest.mark.parametrize("overlap", [[], ["--async-scheduling"]], ids=["serial", "overlapped"])
+
+
+@OVERLAP
+def test_a_killed_worker_ends_the_stream_in_band_turns_unhealthy_and_exits_4(endless_no_eos_dir, overlap):
+    """With overlap scheduling too: the leader has a step sent ahead of the one it awaits when the worker dies."""
+    with fault_server(endless_no_eos_dir, *overlap) as server:
         server.wait_healthy()
         children = descendants(server.proc.pid)
         try:
@@ -370,8 +377,9 @@ def two_nodes(model_dir: Path, *options: str) -> Iterator[tuple[ServeProcess, Se
             kill_leftovers(processes)
 
 
-def test_two_nodes_answer_the_whole_models_text_and_stop_with_the_leader(tiny_model_dir, server):
-    with two_nodes(tiny_model_dir, "-o", "max_input_len=64") as (leader, node1, processes):
+@OVERLAP
+def test_two_nodes_answer_the_whole_models_text_and_stop_with_the_leader(tiny_model_dir, server, overlap):
+    with two_nodes(tiny_model_dir, "-o", "max_input_len=64", *overlap) as (leader, node1, processes):
         assert len(workers(leader.proc.pid)) == len(workers(node1.proc.pid)) == 1
         assert "node 1 of 2: tensor-parallel workers only" in node1.stderr()
         with httpx.Client(base_url=leader.url, timeout=TIMEOUT, trust_env=False) as client:

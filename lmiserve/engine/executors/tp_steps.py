@@ -15,6 +15,9 @@ runner chains (or not) alike.
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -22,18 +25,50 @@ import torch
 
 from lmiserve.engine.core.step import Launched, StepOutput
 
-__all__ = ["run_batches"]
+__all__ = ["StepCounts", "run_batches"]
+
+log = logging.getLogger(__name__)
 
 WATCH_S = 0.0001  # how long rank 0 waits for the leader's pipe at a time while a step runs on the device
+GAP_S = 0.05  # a wait for the leader's next step this long or longer is the server idling, not a gap between steps
 
 
-def run_batches(runner: Any, rank: int, conn: Connection | None, control: Any) -> None:
+@dataclass
+class StepCounts:
+    """Rank 0's account of its steps, logged when the leader stops the workers: the steps, those launched behind the
+    step before them while it ran on the device, and the gaps: rank 0 waiting for the leader's next step with none
+    in flight, each shorter than `GAP_S` (longer ones are the server idling), the time overlap scheduling takes out
+    from between steps."""
+
+    steps: int = 0
+    behind: int = 0
+    gaps: int = 0
+    gap_s: float = 0.0
+
+    def waited(self, seconds: float) -> None:
+        if seconds < GAP_S:
+            self.gaps += 1
+            self.gap_s += seconds
+
+    def line(self) -> str:
+        share = self.behind / self.steps if self.steps else 0.0
+        gap = 1000 * self.gap_s / self.gaps if self.gaps else 0.0
+        return (
+            f"{self.steps} steps, {self.behind} ({share:.0%}) launched behind the step before them on the device; "
+            f"{self.gaps} waits for the leader with no step in flight, {gap:.3f} ms each on average"
+        )
+
+
+def run_batches(runner: Any, rank: int, conn: Connection | None, control: Any) -> StepCounts:
     """Run the leader's messages until it says stop (None) or goes: steps (``("step", batch, awaited)``: a
     `StepBatch`, and whether the leader awaits its answer before it sends anything more, `Executor.execute`, or may
     send the next step first, `Executor.launch`) and the masks of the rows the last step held (``("masks", rows,
     bitmask)``: `Executor.sample_masked`). `runner`: a rank's `PersistentBatchRunner`; `conn`: rank 0's pipe to the
-    leader (None on the other ranks); `control`: the group the messages are broadcast over."""
+    leader (None on the other ranks); `control`: the group the messages are broadcast over. Rank 0's counts
+    (`StepCounts`, logged) are returned."""
     import torch.distributed as dist
+
+    counts = StepCounts()
 
     unanswered: Launched | None = None  # the last step launched, its tokens still on their way from the device
     while True:
@@ -43,20 +78,28 @@ def run_batches(runner: Any, rank: int, conn: Connection | None, control: Any) -
             if unanswered is not None and not _next_comes_first(conn, runner.device):
                 _answer(conn, runner.collect(unanswered))  # (the leader may be waiting for it)
                 unanswered, box[1] = None, True
+            waiting = unanswered is None and not conn.poll(0)
+            started = time.perf_counter()
             with contextlib.suppress(EOFError, OSError):
                 box[0] = conn.recv()
+            if waiting:
+                counts.waited(time.perf_counter() - started)
         dist.broadcast_object_list(box, src=0, group=control)
         message, received_first = box
         if unanswered is not None and (received_first or not _is_batch(message)):  # (as rank 0 did)
             _answer(conn, runner.collect(unanswered))
             unanswered = None
         if message is None:
-            return
+            if rank == 0:
+                log.info("rank 0: %s", counts.line())
+            return counts
         if not _is_batch(message):  # the masks of the rows the last batch held
             _answer(conn, runner.sample_masked(*message[1:]))
             continue
         _, batch, awaited = message
         launched = runner.launch_batch(batch)
+        counts.steps += bool(batch.rows)  # (not a heartbeat's empty batch)
+        counts.behind += unanswered is not None
         if unanswered is not None:  # (launched behind it on the device: now its answer)
             _answer(conn, runner.collect(unanswered))
         unanswered = None
