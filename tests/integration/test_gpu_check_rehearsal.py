@@ -54,6 +54,7 @@ def test_every_step_runs_to_its_end(rehearsal):
         "decode paths gpt oss 20b",
         "tensor parallel tiny",
         "tensor parallel 1b",
+        "tensor parallel overlap",
         "executor cpu 1b",
     ]
     for step in summary["steps"]:
@@ -146,6 +147,10 @@ def test_issue_39_entries_are_filled(rehearsal):
     # each row count's steps with a prompt joining, against its decode-only steps
     assert [r["path"] for r in profile] == ["fast", "fast, mixed 32"] * 2
     assert all(r["mixed_over_decode"] > 0 for r in profile[1::2])
+    # overlap scheduling over the ranks: each step sent before the one before it is answered, the same tokens
+    (overlap_tp,) = [step["report"] for step in summary["steps"] if step["step"] == "tensor parallel overlap"]
+    assert [r["rows"] for r in overlap_tp] == [1, 2]
+    assert all(r["same_tokens"] and r["sent_ahead_share"] > 0.5 and r["ratio"] > 0 for r in overlap_tp), overlap_tp
     kv = {r["kv_cache_dtype"]: r for r in summary["fp8_kv"]["results"]}
     assert set(kv) == {"auto", "fp8_e4m3", "fp8_e5m2"}
     assert kv["fp8_e4m3"]["pool_blocks"] == 2 * kv["auto"]["pool_blocks"]  # bf16 -> fp8 doubles the pool
