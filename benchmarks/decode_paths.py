@@ -12,7 +12,9 @@ first position where one differs otherwise). Paths (by default all but the last 
 
 - ``graphs``: the default on CUDA, decode steps replayed as CUDA graphs over the Triton kernel;
 - ``graphs-fused``: the same with the residual adds, RMS norms, rotary embeddings and SiLU products in Triton kernels
-  (engine/model/fused_norm.py, `USE_ON_CUDA`; on a CPU the kernels stay off: the ``graphs`` path again);
+  (engine/model/fused_norm.py, `USE_ON_CUDA`; on a CPU the kernels stay off: the ``graphs`` path again); the
+  report's ``fused_choice`` is what a server on this GPU measures and chooses at start (engine/model/fused_choice.py:
+  one layer's element-wise work in CUDA graphs, eager and fused, at 1, 16 and 128 rows);
 - ``triton``: ``enforce_eager=true``, the same kernel launched step by step;
 - ``torch``: ``enforce_eager=true`` and ``LMISERVE_ATTENTION_BACKEND=torch``, the torch attention;
 - ``graphs-sampled``: the graphs with every prompt sampled at temperature 1.0 (OpenAI's default), seeded,
@@ -111,7 +113,8 @@ def run(
     import torch
 
     from lmiserve.config import Settings
-    from lmiserve.engine.model import fused_norm
+    from lmiserve.engine.attention import triton_ops
+    from lmiserve.engine.model import fused_choice, fused_norm
     from lmiserve.engine.runner import graph_sampling, seeded_draw
     from lmiserve.models.compose import build_engine
     from lmiserve.models.load import load_causal_lm
@@ -123,6 +126,7 @@ def run(
     loaded = load_causal_lm(model_dir, dtype=base.dtype, device=device, load_format=base.load_format)
     loaded = dataclasses.replace(loaded, device=torch.device(device))
     results: dict[str, Any] = {}
+    shape: fused_choice.LayerShape | None = None  # the fast forward's, for the kernels' measured choice
     for path in paths or DEFAULT_PATHS:
         chosen = PATHS[path]
         os.environ["LMISERVE_ATTENTION_BACKEND"] = chosen.backend
@@ -141,6 +145,8 @@ def run(
             outputs, seconds = asyncio.run(run)
             fast = getattr(engine.runner, "fast", None)
             graphs = getattr(fast, "graphs", None)
+            if fast is not None and fast.plain_norms and shape is None:
+                shape = fused_choice.LayerShape.of(fast)
             runs[str(level)] = {
                 "tokens_per_s": sum(len(o) for o in outputs) / seconds,
                 "outputs": outputs,
@@ -159,6 +165,10 @@ def run(
     report["paths"] = {}
     if device.startswith("cuda"):
         report["gpu"] = torch.cuda.get_device_name(0)
+    # what a server on this device chooses for the fused element-wise kernels (engine/model/fused_choice.py)
+    measurable = fused_norm.available() and (device.startswith("cuda") or triton_ops.interpreting())
+    if shape is not None and measurable:
+        report["fused_choice"] = fused_choice.measure(shape, loaded.dtype, torch.device(device)).as_dict()
     for path, runs in results.items():
         report["paths"][path] = {}
         for level, run_ in runs.items():

@@ -828,6 +828,16 @@ def markdown(summary: dict[str, Any]) -> str:
             for level, r in levels.items():
                 cells = [path, level, r["tokens_per_s"], r["over_graphs"], f"{r['identical_to_graphs']}/{level}"]
                 lines.append("| " + " | ".join(str(c) for c in [*cells, r["graphs_captured"]]) + " |")
+        if choice := step["report"].get("fused_choice"):  # what a server here takes (engine/model/fused_choice.py)
+            times = "; ".join(
+                f"{n} row(s) {t['fused_us']} us fused, {t['eager_us']} eager" for n, t in choice["times"].items()
+            )
+            taken = (
+                "fused"
+                if choice["fused"]
+                else f"eager{' (refused: ' + choice['refused'] + ')' if choice['refused'] else ''}"
+            )
+            lines += ["", f"A layer's element-wise work measured at start: {taken}; {times}."]
     if summary.get("overlap"):
         lines += [
             "",

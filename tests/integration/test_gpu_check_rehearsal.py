@@ -88,6 +88,9 @@ def test_issue_39_entries_are_filled(rehearsal):
     # (their tokens drawn, not the greedy path's)
     sampled = {"graphs-sampled", "graphs-sampled-eager", "graphs-sampled-generators", "graphs-sampled-top-p"}
     assert set(paths) == {"graphs", "graphs-fused", "triton", "torch", "graphs-top-n", *sampled}
+    # what a server measures at start for the fused element-wise kernels (the interpreter: slower than eager here)
+    choice = summary["decode_paths"]["fused_choice"]
+    assert choice["refused"] is None and set(choice["times"]) == {"1", "16", "128"} and not choice["fused"]
     for name, path in paths.items():
         if name in sampled:
             assert all(r["tokens_per_s"] > 0 for r in path.values())

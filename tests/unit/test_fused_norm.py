@@ -86,6 +86,7 @@ def test_the_fast_forward_with_the_fused_kernels_gives_generates_greedy_tokens(t
 
     made = graphs_on_the_test_device(monkeypatch) if graphs else None
     monkeypatch.setattr(fused_norm, "wanted", lambda device: True)
+    monkeypatch.setattr(fused_norm, "USE_ON_CUDA", True)  # (forced: not measured)
     config = EngineConfig(graph_prompt_tokens=8 if graphs else 0)
     engine, results = asyncio.run(serve_prompts(tiny_model, config, 12))
     assert engine.runner.path == "fast" and engine.runner.fast.fused_elementwise
@@ -98,6 +99,7 @@ def test_the_fast_forward_with_the_fused_kernels_gives_generates_greedy_tokens(t
 def test_a_model_whose_activation_is_not_silu_keeps_the_eager_ops(tiny_model, monkeypatch):
     """`silu_mul` computes SiLU: a model of another activation (GELU here) does not take the kernels."""
     monkeypatch.setattr(fused_norm, "wanted", lambda device: True)
+    monkeypatch.setattr(fused_norm, "USE_ON_CUDA", True)
     layer = fast_llama.fused_layers(tiny_model.model)[0]  # the layers every forward of this model shares
     monkeypatch.setattr(layer, "act", torch.nn.GELU())
     fast = fast_llama.FastLlama(tiny_model.model, paged_cache(tiny_model.model, 4, 16), 64)

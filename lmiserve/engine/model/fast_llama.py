@@ -40,7 +40,7 @@ from lmiserve.engine.attention.paged import AttentionShape, PagedKVCache
 from lmiserve.engine.attention.scores import soft_cap
 from lmiserve.engine.lora.batch import LoraGroup, LoraProducts
 from lmiserve.engine.lora.slots import LoraSlots
-from lmiserve.engine.model import fused_norm, q4_decode
+from lmiserve.engine.model import fused_choice, fused_norm, q4_decode
 from lmiserve.engine.model.cpu_gemm import PAD_ROWS_FROM, VOCAB_PAD_ROWS_FROM, CpuGemm
 from lmiserve.engine.model.layer_ops import fused_product, rms_norm, rotate
 from lmiserve.engine.model.layout_variants import (
@@ -143,7 +143,11 @@ class FastLlama:
             norm = (self.norm[0], self.norm[1])  # (an RMS norm's: `plain_layers`)
             self.packed = q4_decode.PackedLayers.of(self.layers, dims, norm, (self.lm_head, self.lm_head_s))
         # residual adds with RMS norms, and SiLU with its product, in one kernel each (fused_norm.py; CUDA)
-        self.fused_elementwise = fused_norm.wanted(self.device) and self.silu_layers and self.plain_norms
+        # (on a GPU: where they measure faster there, fused_choice.py)
+        self.fused_elementwise = (
+            fused_norm.wanted(self.device) and self.silu_layers and self.plain_norms
+            and fused_choice.chosen(fused_choice.LayerShape.of(self), self.dtype, self.device, self.tp is not None)
+        )  # fmt: skip
         self._gemm = self._gemm.warmed(self.dtype, self.device)
 
     @property

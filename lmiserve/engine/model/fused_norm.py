@@ -13,14 +13,16 @@ The arithmetic is transformers' (LlamaRMSNorm: fp32 statistics, the normalized r
 dtype, then the weight; the residual add and SiLU rounded to the model's dtype where eager rounds them);
 only the order of the sum of squares differs, so bf16 results can differ by a rounding.
 
-NOT MEASURED ON A GPU YET: `USE_ON_CUDA` is off until `benchmarks/decode_paths.py`'s `graphs-fused` path
-(the GPU check's decode paths step) has measured it against the unfused graphs. The tests run the kernels
-under Triton's interpreter on CPU tensors (`FastLlama.fused_elementwise`), against the unfused forward.
+Whether a model's steps run them is measured on the serving GPU when its forward is built
+(engine/model/fused_choice.py), unless ``LMISERVE_FUSED_ELEMENTWISE`` is ``1`` (on) or ``0`` (off): `USE_ON_CUDA`.
+The tests run the kernels under Triton's interpreter on CPU tensors (`FastLlama.fused_elementwise`), against the
+unfused forward.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import torch
@@ -30,7 +32,8 @@ try:
 except ImportError:  # pragma: no cover - triton ships with CUDA torch wheels
     triton = None
 
-USE_ON_CUDA = False  # on once a GPU run of decode_paths.py's graphs-fused path has shown it faster
+# True: on CUDA; False: never; None: where `fused_choice.measure` finds them faster on the serving GPU
+USE_ON_CUDA: bool | None = {"1": True, "0": False}.get(os.environ.get("LMISERVE_FUSED_ELEMENTWISE", ""))
 
 __all__ = ["USE_ON_CUDA", "add_rms_norm", "available", "rope", "silu_mul", "wanted"]
 
@@ -42,8 +45,9 @@ def available() -> bool:
 
 
 def wanted(device: torch.device) -> bool:
-    """Whether the fast forward on `device` runs these kernels: CUDA, with `USE_ON_CUDA` and Triton."""
-    return USE_ON_CUDA and device.type == "cuda" and available()
+    """Whether the fast forward on `device` may run these kernels: CUDA with Triton, `USE_ON_CUDA` not off (then
+    `fused_choice.chosen` says whether it does)."""
+    return USE_ON_CUDA is not False and device.type == "cuda" and available()
 
 
 @functools.cache

@@ -1,0 +1,116 @@
+"""engine/model/fused_choice.py: whether a decode step runs `fused_norm`'s kernels is measured on the device that
+serves (here a CPU under Triton's interpreter, as tests/conftest.py sets it; on CUDA in CUDA graphs): both ways
+checked against each other, then timed at each row count; a kernel that is off or fails is refused."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from lmiserve.engine.attention import triton_ops
+from lmiserve.engine.attention.paged import paged_cache
+from lmiserve.engine.model import fast_llama, fused_choice, fused_norm
+
+DEVICE = torch.device(os.environ.get("LMISERVE_TEST_DEVICE", "cpu"))
+pytestmark = pytest.mark.skipif(
+    not fused_norm.available() or not (DEVICE.type == "cuda" or triton_ops.interpreting()),
+    reason="the kernels run on CUDA, or on a CPU under Triton's interpreter",
+)
+SHAPE = fused_choice.LayerShape(hidden=96, intermediate=80, rotated_heads=6, v_heads=2, head_dim=16, eps=1e-5)
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """No verdict kept from another test; the kernels allowed on this device and not forced either way."""
+    monkeypatch.setattr(fused_choice, "_verdicts", {})
+    monkeypatch.setattr(fused_norm, "USE_ON_CUDA", None)
+    monkeypatch.setattr(fused_norm, "wanted", lambda device: True)
+
+
+def test_both_ways_agree_and_are_timed_at_each_row_count(fresh):
+    verdict = fused_choice.measure(SHAPE, torch.float32, DEVICE, rows=(1, 3))
+    assert verdict.refused is None
+    assert sorted(verdict.times_us) == [1, 3] and all(e > 0 and f > 0 for e, f in verdict.times_us.values())
+    assert verdict.fused == all(f < e for e, f in verdict.times_us.values())
+    assert verdict.as_dict()["times"]["3"].keys() == {"eager_us", "fused_us"}
+
+
+def test_a_model_without_a_dense_mlp_or_the_rotation_measures_the_norms_alone(fresh):
+    """An MoE model's layers (no dense MLP), Qwen3's heads' norms (not the fused rotation): the adds and norms."""
+    shape = fused_choice.LayerShape(hidden=64, intermediate=0, rotated_heads=0, v_heads=2, head_dim=16, eps=1e-6)
+    verdict = fused_choice.measure(shape, torch.float32, DEVICE, rows=(2,))
+    assert verdict.refused is None and list(verdict.times_us) == [2]
+
+
+@pytest.mark.parametrize(("kernel", "named"), [("silu_mul", "SiLU and its product"), ("rope", "the rotary embedding")])
+def test_a_kernel_whose_values_are_off_is_refused(fresh, monkeypatch, kernel, named):
+    """A kernel 5 % off (a GPU or Triton that miscompiles it) never serves, however fast."""
+    real = getattr(fused_norm, kernel)
+    monkeypatch.setattr(fused_norm, kernel, lambda *a: real(*a) * 1.05)
+    monkeypatch.setattr(fused_choice, "_time", lambda work, device: 0.0 if "_fused" in work.__qualname__ else 1.0)
+    verdict = fused_choice.measure(SHAPE, torch.float32, DEVICE, rows=(2,))
+    assert not verdict.fused and verdict.refused == f"{named} off by 0.05 at 2 row(s)"
+
+
+def test_a_kernel_that_fails_keeps_the_eager_ops(fresh, monkeypatch):
+    def broken(*args: Any) -> torch.Tensor:
+        raise RuntimeError("out of resources: shared memory")
+
+    monkeypatch.setattr(fused_norm, "add_rms_norm", broken)
+    verdict = fused_choice.measure(SHAPE, torch.float32, DEVICE, rows=(1,))
+    assert not verdict.fused and verdict.refused == "RuntimeError: out of resources: shared memory"
+
+
+def test_the_shapes_of_a_model_and_what_the_forward_takes(fresh, tiny_model, monkeypatch, caplog):
+    """A model's forward measures once for its shapes, takes the kernels where they are faster at every row count
+    (the timer is told so: the interpreter is slower than eager ops), keeps the eager ops where one row count is
+    slower, and a tensor-parallel rank never measures."""
+    faster = {1: True, 16: True, 128: True}
+    calls: list[tuple[str, int]] = []
+
+    def timed(work: Any, device: torch.device) -> float:
+        fused, rows = "_fused" in work.__qualname__, work.__closure__[-1].cell_contents["x"].shape[0]
+        calls.append(("fused" if fused else "eager", rows))
+        return (0.5e-6 if faster[rows] else 2e-6) if fused else 1e-6
+
+    monkeypatch.setattr(fused_choice, "_time", timed)
+    cache = paged_cache(tiny_model.model, 4, 16)
+    with caplog.at_level(logging.INFO, logger=fused_choice.__name__):
+        fast = fast_llama.FastLlama(tiny_model.model, cache, 64)
+    config = tiny_model.model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    assert fused_choice.LayerShape.of(fast) == fused_choice.LayerShape(
+        hidden=config.hidden_size, intermediate=config.intermediate_size, rotated_heads=heads + kv_heads,
+        v_heads=kv_heads, head_dim=config.hidden_size // heads, eps=config.rms_norm_eps,
+    )  # fmt: skip
+    assert fast.fused_elementwise
+    assert sorted(calls) == sorted((way, r) for way in ("eager", "fused") for r in fused_choice.ROWS)
+    assert (
+        f"runs the fused kernels (fused_norm), measured on {DEVICE} (1 row(s): fused 0.5 us, eager 1.0 us;"
+        in caplog.text
+    )
+    assert fast_llama.FastLlama(tiny_model.model, cache, 64).fused_elementwise and len(calls) == 6  # kept
+
+    monkeypatch.setattr(fused_choice, "_verdicts", {})
+    faster[128] = False  # slower at a full batch: the eager ops
+    assert not fast_llama.FastLlama(tiny_model.model, cache, 64).fused_elementwise
+    shape = fused_choice.LayerShape.of(fast)
+    assert not fused_choice.chosen(shape, torch.float16, DEVICE, tensor_parallel=True) and len(calls) == 12
+    monkeypatch.setattr(fused_norm, "USE_ON_CUDA", True)  # LMISERVE_FUSED_ELEMENTWISE=1: forced, not measured
+    assert fused_choice.chosen(shape, torch.float16, DEVICE, tensor_parallel=True) and len(calls) == 12
+
+
+def test_the_environment_forces_the_kernels_on_or_off(monkeypatch):
+    import importlib
+
+    for value, want in (("1", True), ("0", False), ("", None), ("auto", None)):
+        monkeypatch.setenv("LMISERVE_FUSED_ELEMENTWISE", value)
+        assert importlib.reload(fused_norm).USE_ON_CUDA is want
+    monkeypatch.setenv("LMISERVE_FUSED_ELEMENTWISE", "0")
+    assert not importlib.reload(fused_norm).wanted(torch.device("cuda"))
+    monkeypatch.delenv("LMISERVE_FUSED_ELEMENTWISE")
+    importlib.reload(fused_norm)
