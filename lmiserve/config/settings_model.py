@@ -96,8 +96,10 @@ class ModelFields(FieldGroup):
             "memory: up to 16 rows (decode) through a weight-only Triton kernel where it times faster than "
             "`torch._scaled_mm` at start, else `torch._scaled_mm` (alone, 0.74x bf16's tokens/s at one stream "
             "on an H200, 8B); elsewhere the weights are de-quantized once at load. AWQ and GPTQ are "
-            "de-quantized to bf16 at load on CUDA (with `LMISERVE_USE_TRITON_INT4=1` in the environment, groups "
-            "of 32n run on lmiserve's Triton 4-bit kernel, not yet measured on a GPU); on CPU, with groups of "
+            "de-quantized to bf16 at load on CUDA where the model in bf16 takes at most half the GPU's free "
+            "memory; where it would take more (or with `LMISERVE_USE_TRITON_INT4=1` in the environment; `0`: "
+            "never), groups of 32n keep their 4-bit codes on lmiserve's Triton kernel, not yet measured on a "
+            "GPU; on CPU, with groups of "
             "32n, they run on the int4 kernel. With tensor parallelism each rank reads and runs its part of the "
             "checkpoint in its format (docs/tensor-parallel.md). See docs/performance/dtypes.md."
         ),

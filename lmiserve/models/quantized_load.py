@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from lmiserve.engine.model import int4_triton
 from lmiserve.engine.model.int4_triton import Int4TritonLinear
 from lmiserve.engine.model.quant_formats import (
     Int4Parts,
@@ -180,8 +181,9 @@ def load_quantized(
     kinds: Counter[str] = Counter()
     with SafetensorsFiles(stored) as files:
         targets = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+        keep = _int4_codes_kept(model, dtype, device, path) if spec.method != "fp8" else None
         for name in targets:
-            made = _linear_of(files, stored, name, spec, dtype, device)
+            made = _linear_of(files, stored, name, spec, dtype, device, keep)
             if made is None:
                 continue
             parent, _, child = name.rpartition(".")
@@ -251,6 +253,22 @@ def _dequantized(
     return model, f"block-wise fp8 checkpoint: its weights dequantized to {kind} at load (no block-wise fp8 kernel)"
 
 
+def _int4_codes_kept(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, path: Path) -> bool | None:
+    """On CUDA, whether a 4-bit checkpoint's codes stay 4-bit on the Triton kernel (`int4_triton.codes_kept`: the
+    model de-quantized to `dtype` against the GPU's free memory), logged with its reason; None elsewhere."""
+    if device.type != "cuda" or not int4_triton.available():
+        return None
+    total = sum(p.numel() * p.element_size() for p in model.parameters())  # (on meta: the linears in `dtype`)
+    free = torch.cuda.mem_get_info(device)[0]
+    kept = int4_triton.codes_kept(total, free)
+    how = "forced by LMISERVE_USE_TRITON_INT4" if int4_triton.USE_ON_CUDA is not None else (
+        f"{total / 1e9:.1f} GB de-quantized to {str(dtype).removeprefix('torch.')}, {free / 1e9:.1f} GB free on the "
+        f"GPU: the codes stay where that is over {int4_triton.FIT_SHARE:.0%}"
+    )  # fmt: skip
+    logger.info("%s: %s (%s)", path.name, "4-bit codes on the Triton kernel" if kept else "de-quantized at load", how)
+    return kept
+
+
 def _linear_of(
     files: SafetensorsFiles,
     stored: dict[str, Path],
@@ -258,8 +276,10 @@ def _linear_of(
     spec: QuantSpec,
     dtype: torch.dtype,
     device: torch.device,
+    keep_codes: bool | None = None,
 ) -> torch.nn.Module | None:
-    """The layer of the linear `name` from its quantized tensors; None when the checkpoint stores it float."""
+    """The layer of the linear `name` from its quantized tensors (`keep_codes`: `int4_module`'s); None when the
+    checkpoint stores it float."""
 
     def get(key: str) -> torch.Tensor | None:
         return files.tensor(f"{name}.{key}") if f"{name}.{key}" in stored else None
@@ -281,7 +301,7 @@ def _linear_of(
         parts = unpack_awq(qweight, qzeros, scales, spec.group_size)
     else:
         parts = unpack_gptq(qweight, qzeros, scales, get("g_idx"), spec.group_size, spec.v1_zeros)
-    return int4_module(parts, bias, dtype, device)
+    return int4_module(parts, bias, dtype, device, keep_codes)
 
 
 def _kind_name(module: torch.nn.Module) -> str:

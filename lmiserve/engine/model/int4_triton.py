@@ -7,8 +7,9 @@ History. The first kernel (one tile shape, the codes laid out ``[in / 8, out]``,
 per input through ``g_idx``) was correct on an H200 but 10-30x slower than the de-quantized bf16 products
 (30-95 GB/s of weights, 2026-11-29, benchmarks/README.md), so AWQ/GPTQ are de-quantized to bf16 on CUDA
 (`quant_formats.int4_module`) unless `USE_ON_CUDA` is set (``LMISERVE_USE_TRITON_INT4=1`` in the environment,
-as vLLM's ``VLLM_USE_TRITON_AWQ``; the GPU check's 4-bit bench sets it). This kernel (2026-11-30, not yet run
-on a GPU):
+as vLLM's ``VLLM_USE_TRITON_AWQ``; the GPU check's 4-bit bench sets it) or, since 2026-12-03, the de-quantized
+weights would not fit (`codes_kept`: more than `FIT_SHARE` of the GPU's free memory; a 70B AWQ model on one
+80 GB GPU). This kernel (2026-11-30, not yet run on a GPU):
 
 - the codes are ``[out, in / 8]`` (a tile is `BLOCK_N` runs of `BLOCK_K` / 2 bytes, and q/k/v or gate/up
   fuse by concatenating rows, as the fast path fuses every other weight: `llama_layout`);
@@ -47,15 +48,18 @@ except ImportError:  # pragma: no cover - triton ships with CUDA torch wheels
 
 log = logging.getLogger(__name__)
 
-# AWQ/GPTQ de-quantized to bf16 on CUDA until this kernel is measured there (module doc); the GPU check's
-# 4-bit bench sets LMISERVE_USE_TRITON_INT4=1 (as vLLM's VLLM_USE_TRITON_AWQ picks its Triton AWQ kernel)
-USE_ON_CUDA = os.environ.get("LMISERVE_USE_TRITON_INT4", "") == "1"
+# AWQ/GPTQ on CUDA until this kernel is measured there (module doc): True (LMISERVE_USE_TRITON_INT4=1, as vLLM's
+# VLLM_USE_TRITON_AWQ; the GPU check's 4-bit bench sets it): the codes on this kernel; False (=0): de-quantized to
+# bf16 at load; None (unset): the codes kept where de-quantized they would not fit (`codes_kept`)
+USE_ON_CUDA: bool | None = {"1": True, "0": False}.get(os.environ.get("LMISERVE_USE_TRITON_INT4", ""))
+FIT_SHARE = 0.5  # de-quantized weights over this share of the GPU's free memory: the codes stay 4-bit
 MEASURED_ON_CPU = False
 GROUP_TILE = 32  # the smallest tile's inputs: groups of a multiple of it are served
 SLICE = 1024  # outputs de-quantized at a time by `dequantized_product`
 
 __all__ = [
     "CANDIDATES",
+    "FIT_SHARE",
     "GROUP_TILE",
     "USE_ON_CUDA",
     "Config",
@@ -64,12 +68,23 @@ __all__ = [
     "available",
     "bucket",
     "chosen",
+    "codes_kept",
     "dequantized_product",
     "group_layout",
     "int4_gemm",
     "int4_linear",
     "pack_nibbles",
 ]
+
+
+def codes_kept(dequantized_bytes: int, free_bytes: int) -> bool:
+    """Whether a 4-bit checkpoint on CUDA keeps its codes on this kernel: as `USE_ON_CUDA` forces, else where its
+    weights de-quantized to the compute dtype (`dequantized_bytes`) would take more than `FIT_SHARE` of the
+    GPU's `free_bytes` (the rest is the KV cache's): the memory a 4-bit model is published for, where bf16's
+    faster products would not fit."""
+    if USE_ON_CUDA is not None:
+        return USE_ON_CUDA
+    return dequantized_bytes > FIT_SHARE * free_bytes
 
 
 def available() -> bool:

@@ -27,8 +27,9 @@ group of 128 is 4 groups of 32 with the same ``scale`` and ``min = -zero * scale
 compiled int4 kernel. Otherwise (``desc_act`` orders, other group sizes, bf16/fp16 compute, CUDA) the
 weight is de-quantized once at load into a plain linear: on CUDA that is a first correct step (bf16
 products, no memory saving). `int4_triton` holds a Triton kernel on the codes, correct on an H200 but
-10-30x slower there than the de-quantized bf16 products (`benchmarks/quantized_kernels.py`), so it is used
-only with ``int4_triton.USE_ON_CUDA``."""
+10-30x slower there than the de-quantized bf16 products (`benchmarks/quantized_kernels.py`; rewritten since,
+not yet measured), so it is used where the loader keeps the codes (`int4_triton.codes_kept`: forced by
+``LMISERVE_USE_TRITON_INT4=1``, or the de-quantized weights would not fit the GPU)."""
 
 from __future__ import annotations
 
@@ -149,11 +150,16 @@ def unpack_gptq(
 
 
 def int4_module(
-    parts: Int4Parts, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device
+    parts: Int4Parts,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    keep_codes: bool | None = None,
 ) -> torch.nn.Module:
     """The layer of a 4-bit weight: `Int4Linear` on CPU when it computes in fp32 and its groups are runs
-    of a multiple of 32 inputs (exact: see the module's docstring), else a plain linear of `dtype` with the
-    weight de-quantized once (on CUDA: faster than `int4_triton`'s kernel, measured on an H200)."""
+    of a multiple of 32 inputs (exact: see the module's docstring); on CUDA, `int4_triton`'s kernel on the codes
+    where `keep_codes` (None: where ``LMISERVE_USE_TRITON_INT4=1``) and it serves the layout; else a plain linear
+    of `dtype` with the weight de-quantized once (on CUDA: faster than the first Triton kernel on an H200)."""
     size = parts.group_size()
     if (
         device.type == "cpu"
@@ -166,7 +172,8 @@ def int4_module(
         scale = parts.scale.repeat_interleave(repeat, dim=1)
         low = (-parts.zero.float() * parts.scale).repeat_interleave(repeat, dim=1)
         return Int4Linear.from_codes(parts.codes, scale, low, bias)
-    kernel = device.type == "cuda" and int4_triton.USE_ON_CUDA and int4_triton.available()
+    keep = int4_triton.USE_ON_CUDA is True if keep_codes is None else keep_codes
+    kernel = device.type == "cuda" and keep and int4_triton.available()
     if kernel and int4_triton.Int4TritonLinear.servable(parts.g_idx, parts.scale.shape[1]):  # not yet measured
         return int4_triton.Int4TritonLinear.from_parts(
             parts.codes, parts.scale, parts.zero, parts.g_idx, bias, dtype, device

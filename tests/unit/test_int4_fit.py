@@ -1,0 +1,85 @@
+"""A 4-bit (AWQ/GPTQ) checkpoint on CUDA keeps its codes on the Triton kernel where its weights de-quantized would not
+fit the GPU (a 70B AWQ model on one 80 GB GPU: 140 GB in bf16), and is de-quantized to bf16 where they fit (faster
+products, until the kernel is measured on a GPU); ``LMISERVE_USE_TRITON_INT4`` forces either way
+(engine/model/int4_triton.py `codes_kept`, models/quantized_load.py). The GPU's free memory is the one figure
+given here: the rest is the loader's own reading of the checkpoint's model."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import init_empty_weights
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from helpers.quantizable import quantizable_llama
+from lmiserve.engine.model import int4_triton
+from lmiserve.models import quantized_load
+from lmiserve.models.quant_pack import write_quantized
+
+GB = 10**9
+
+
+@pytest.mark.parametrize(
+    ("forced", "dequantized", "free", "kept"),
+    [
+        (None, 16 * GB, 80 * GB, False),  # an 8B model on an H100: bf16 fits, with room for the KV cache
+        (None, 140 * GB, 80 * GB, True),  # a 70B model: it does not
+        (None, 16 * GB, 24 * GB, True),  # an 8B model on an A10G: bf16 would leave 8 GB of 24
+        (None, 40 * GB, 80 * GB, False),  # half: still de-quantized
+        (True, 16 * GB, 80 * GB, True),  # LMISERVE_USE_TRITON_INT4=1
+        (False, 140 * GB, 80 * GB, False),  # =0
+    ],
+)
+def test_the_codes_stay_where_de_quantized_weights_would_not_fit(monkeypatch, forced, dequantized, free, kept):
+    monkeypatch.setattr(int4_triton, "USE_ON_CUDA", forced)
+    assert int4_triton.codes_kept(dequantized, free) is kept
+
+
+def test_the_environment_forces_either_way(monkeypatch):
+    import importlib
+
+    try:
+        for value, want in (("1", True), ("0", False), ("", None)):
+            monkeypatch.setenv("LMISERVE_USE_TRITON_INT4", value)
+            assert importlib.reload(int4_triton).USE_ON_CUDA is want
+    finally:
+        monkeypatch.delenv("LMISERVE_USE_TRITON_INT4")
+        importlib.reload(int4_triton)
+
+
+@pytest.fixture(scope="module")
+def awq_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("awq") / "awq"
+    write_quantized(quantizable_llama(39), path, "awq", group=128, act_order=False)
+    return path
+
+
+def test_the_loader_weighs_the_model_de_quantized_against_the_gpus_free_memory(awq_dir, monkeypatch, caplog):
+    """The model on the meta device (as `load_quantized` builds it) in bf16: every parameter's bytes, the 4-bit
+    linears' as bf16; against half the free memory; on a CPU the question is not asked."""
+    config = AutoConfig.from_pretrained(awq_dir)
+    del config.quantization_config
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    total = 2 * sum(p.numel() for p in model.parameters())
+    free: list[int] = []
+    monkeypatch.setattr(int4_triton, "USE_ON_CUDA", None)
+    monkeypatch.setattr(int4_triton, "available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free[-1], 2 * free[-1]))
+    cuda = torch.device("cuda")
+    with caplog.at_level(logging.INFO, logger=quantized_load.__name__):
+        free.append(2 * total)  # de-quantized, exactly half: de-quantized
+        assert quantized_load._int4_codes_kept(model, torch.bfloat16, cuda, awq_dir) is False
+        free.append(2 * total - 2)  # a little over half
+        assert quantized_load._int4_codes_kept(model, torch.bfloat16, cuda, awq_dir) is True
+        monkeypatch.setattr(int4_triton, "USE_ON_CUDA", False)
+        assert quantized_load._int4_codes_kept(model, torch.bfloat16, cuda, awq_dir) is False
+    lines = [r.getMessage() for r in caplog.records]
+    size = f"{total / GB:.1f} GB de-quantized to bfloat16"
+    assert lines[0].startswith(f"awq: de-quantized at load ({size}, {2 * total / GB:.1f} GB free on the GPU: ")
+    assert lines[1].startswith("awq: 4-bit codes on the Triton kernel (") and "over 50%" in lines[1]
+    assert lines[2] == "awq: de-quantized at load (forced by LMISERVE_USE_TRITON_INT4)"
+    assert quantized_load._int4_codes_kept(model, torch.bfloat16, torch.device("cpu"), awq_dir) is None
