@@ -181,7 +181,7 @@ def load_quantized(
     kinds: Counter[str] = Counter()
     with SafetensorsFiles(stored) as files:
         targets = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
-        keep = _int4_codes_kept(model, dtype, device, path) if spec.method != "fp8" else None
+        keep = int4_triton.codes_kept_for(model, device, path.name) if spec.method != "fp8" else None
         for name in targets:
             made = _linear_of(files, stored, name, spec, dtype, device, keep)
             if made is None:
@@ -251,22 +251,6 @@ def _dequantized(
         experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
         return model, f"mxfp4 checkpoint: the experts' {experts / 1e9:.2f}B weights dequantized to {kind} at load"
     return model, f"block-wise fp8 checkpoint: its weights dequantized to {kind} at load (no block-wise fp8 kernel)"
-
-
-def _int4_codes_kept(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, path: Path) -> bool | None:
-    """On CUDA, whether a 4-bit checkpoint's codes stay 4-bit on the Triton kernel (`int4_triton.codes_kept`: the
-    model de-quantized to `dtype` against the GPU's free memory), logged with its reason; None elsewhere."""
-    if device.type != "cuda" or not int4_triton.available():
-        return None
-    total = sum(p.numel() * p.element_size() for p in model.parameters())  # (on meta: the linears in `dtype`)
-    free = torch.cuda.mem_get_info(device)[0]
-    kept = int4_triton.codes_kept(total, free)
-    how = "forced by LMISERVE_USE_TRITON_INT4" if int4_triton.USE_ON_CUDA is not None else (
-        f"{total / 1e9:.1f} GB de-quantized to {str(dtype).removeprefix('torch.')}, {free / 1e9:.1f} GB free on the "
-        f"GPU: the codes stay where that is over {int4_triton.FIT_SHARE:.0%}"
-    )  # fmt: skip
-    logger.info("%s: %s (%s)", path.name, "4-bit codes on the Triton kernel" if kept else "de-quantized at load", how)
-    return kept
 
 
 def _linear_of(

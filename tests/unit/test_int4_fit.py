@@ -14,10 +14,12 @@ import torch
 from accelerate import init_empty_weights
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from helpers.quantizable import quantizable_llama
+from helpers.quantizable import quantizable_llama, write_checkpoint
 from lmiserve.engine.model import int4_triton
-from lmiserve.models import quantized_load
-from lmiserve.models.quant_pack import write_quantized
+from lmiserve.engine.model.shard_checkpoint import load_shard_weights
+from lmiserve.engine.model.sharding import shard_model
+from lmiserve.models.load import load_model_shell
+from lmiserve.models.quantized_load import checkpoint_quantization, load_quantized
 
 GB = 10**9
 
@@ -52,9 +54,7 @@ def test_the_environment_forces_either_way(monkeypatch):
 
 @pytest.fixture(scope="module")
 def awq_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("awq") / "awq"
-    write_quantized(quantizable_llama(39), path, "awq", group=128, act_order=False)
-    return path
+    return write_checkpoint(quantizable_llama(39), tmp_path_factory.mktemp("awq") / "awq", "awq", 128, False)
 
 
 def test_the_loader_weighs_the_model_de_quantized_against_the_gpus_free_memory(awq_dir, monkeypatch, caplog):
@@ -70,16 +70,36 @@ def test_the_loader_weighs_the_model_de_quantized_against_the_gpus_free_memory(a
     monkeypatch.setattr(int4_triton, "available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free[-1], 2 * free[-1]))
     cuda = torch.device("cuda")
-    with caplog.at_level(logging.INFO, logger=quantized_load.__name__):
+    with caplog.at_level(logging.INFO, logger=int4_triton.__name__):
         free.append(2 * total)  # de-quantized, exactly half: de-quantized
-        assert quantized_load._int4_codes_kept(model, torch.bfloat16, cuda, awq_dir) is False
+        assert int4_triton.codes_kept_for(model, cuda, "awq") is False
         free.append(2 * total - 2)  # a little over half
-        assert quantized_load._int4_codes_kept(model, torch.bfloat16, cuda, awq_dir) is True
+        assert int4_triton.codes_kept_for(model, cuda, "awq") is True
         monkeypatch.setattr(int4_triton, "USE_ON_CUDA", False)
-        assert quantized_load._int4_codes_kept(model, torch.bfloat16, cuda, awq_dir) is False
+        assert int4_triton.codes_kept_for(model, cuda, "awq") is False
     lines = [r.getMessage() for r in caplog.records]
     size = f"{total / GB:.1f} GB de-quantized to bfloat16"
     assert lines[0].startswith(f"awq: de-quantized at load ({size}, {2 * total / GB:.1f} GB free on the GPU: ")
     assert lines[1].startswith("awq: 4-bit codes on the Triton kernel (") and "over 50%" in lines[1]
     assert lines[2] == "awq: de-quantized at load (forced by LMISERVE_USE_TRITON_INT4)"
-    assert quantized_load._int4_codes_kept(model, torch.bfloat16, torch.device("cpu"), awq_dir) is None
+    assert int4_triton.codes_kept_for(model, torch.device("cpu"), "awq") is None
+
+
+def test_one_process_and_each_tensor_parallel_rank_weigh_what_they_load(awq_dir, monkeypatch):
+    """The loader asks once, of the whole model; a tensor-parallel rank asks of its shell (its cut of the layers)."""
+    asked: list[tuple[str, int]] = []
+
+    def spy(model: torch.nn.Module, device: torch.device, name: str) -> bool | None:
+        asked.append((name, sum(p.numel() for p in model.parameters())))
+        return None  # (a CPU's answer: the question is not asked there)
+
+    monkeypatch.setattr(int4_triton, "codes_kept_for", spy)
+    spec = checkpoint_quantization(awq_dir, None)
+    assert spec is not None
+    load_quantized(awq_dir, spec, torch.float32, torch.device("cpu"))
+    shell = load_model_shell(awq_dir, dtype="fp32", device="cpu").model
+    shard_model(shell, 1, 2, None)
+    load_shard_weights(shell, awq_dir, spec, torch.device("cpu"))
+    (one, whole_size), (rank, rank_size) = asked
+    assert (one, rank) == ("awq", "rank 1")
+    assert whole_size == sum(p.numel() for p in quantizable_llama(39).parameters()) and rank_size < whole_size

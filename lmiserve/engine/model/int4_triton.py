@@ -69,6 +69,7 @@ __all__ = [
     "bucket",
     "chosen",
     "codes_kept",
+    "codes_kept_for",
     "dequantized_product",
     "group_layout",
     "int4_gemm",
@@ -85,6 +86,24 @@ def codes_kept(dequantized_bytes: int, free_bytes: int) -> bool:
     if USE_ON_CUDA is not None:
         return USE_ON_CUDA
     return dequantized_bytes > FIT_SHARE * free_bytes
+
+
+def codes_kept_for(model: torch.nn.Module, device: torch.device, name: str) -> bool | None:
+    """On CUDA, whether the 4-bit linears of `model` (on the meta device, its linears in the compute dtype: a whole
+    model's, or a tensor-parallel rank's shell) keep their codes (`codes_kept`: every parameter's bytes against the
+    GPU's free memory), logged for the checkpoint `name` with its reason; None elsewhere."""
+    if device.type != "cuda" or not available():
+        return None
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    free = torch.cuda.mem_get_info(device)[0]
+    kept = codes_kept(total, free)
+    dtype = next((str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()), "?")
+    how = "forced by LMISERVE_USE_TRITON_INT4" if USE_ON_CUDA is not None else (
+        f"{total / 1e9:.1f} GB de-quantized to {dtype}, {free / 1e9:.1f} GB free on the GPU: the codes stay where "
+        f"that is over {FIT_SHARE:.0%}"
+    )  # fmt: skip
+    log.info("%s: %s (%s)", name, "4-bit codes on the Triton kernel" if kept else "de-quantized at load", how)
+    return kept
 
 
 def available() -> bool:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from lmiserve.engine.model import int4_triton
 from lmiserve.engine.model.checkpoint_names import renamer
 from lmiserve.engine.model.quant_formats import QuantSpec
 from lmiserve.engine.model.shard_quantized import dequantizing_reader, shard_linear
@@ -158,13 +159,14 @@ def _quantized_linears(
         return set()
     key = "weight_scale" if quant.method == "fp8" else "qweight"
     plan = cast(Any, shard_of(model)).plan
+    keep = int4_triton.codes_kept_for(model, device, f"rank {plan.rank}") if quant.method != "fp8" else None
     made = set()
     for name, module in list(model.named_modules()):
         if type(module) is not torch.nn.Linear or ".layers." not in name or f"{name}.{key}" not in files:
             continue
         if not name.startswith(split):
             continue
-        layer = shard_linear(name, files, read, plan, quant, module.weight.dtype, device)
+        layer = shard_linear(name, files, read, plan, quant, module.weight.dtype, device, keep)
         if layer is None:
             continue
         shape, rank_shape = (getattr(layer, "out_features", -1), getattr(layer, "in_features", -1)), module.weight.shape

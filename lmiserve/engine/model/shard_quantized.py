@@ -104,10 +104,11 @@ def shard_linear(
     quant: QuantSpec,
     dtype: torch.dtype,
     device: torch.device,
+    keep_codes: bool | None = None,
 ) -> torch.nn.Module | None:
     """The rank's layer of linear `name` from the checkpoint's quantized tensors of it (`names`: the checkpoint's
     tensors; `read`: one's slice), cut as `sharding` cuts a float linear; None when the checkpoint stores it float
-    or in a format that is read as float (block-wise fp8: `dequantizing_reader`)."""
+    or in a format that is read as float (block-wise fp8: `dequantizing_reader`). `keep_codes`: `int4_module`'s."""
     short = name.rpartition(".")[2]
     rows, columns = None, None
     stored = read(f"{name}.weight_scale" if quant.method == "fp8" else f"{name}.scales")
@@ -133,7 +134,7 @@ def shard_linear(
         parts = unpack_gptq(qweight, qzeros, scales, g_idx, quant.group_size, quant.v1_zeros)
     if rows is None and short in ROW_PARALLEL:
         columns = column_run(plan, short, parts.codes.shape[1])
-    return int4_module(_cut_int4(parts, rows, columns), bias, dtype, device)
+    return int4_module(_cut_int4(parts, rows, columns), bias, dtype, device, keep_codes)
 
 
 def _bias(bias: Any, rows: list[slice] | None, short: str, plan: ShardPlan) -> torch.Tensor | None:
