@@ -19,7 +19,8 @@ dependencies can come as wheels; see benchmarks/README.md, "The GPU check"). It 
    and time is left.
 5. ``decode-paths-1b.json``: ``benchmarks/decode_paths.py`` on the 1B shape: decode steps as CUDA graphs,
    the Triton paged attention launched eagerly (``enforce_eager``) and the torch attention, tokens/s at
-   concurrency 1 and 32 and whether their greedy tokens agree; ``lora-decode-paths-1b.json`` the same with
+   concurrency 1 and 32 and whether their greedy tokens agree, and what a server on this GPU measures and picks
+   for the fused element-wise kernels at start (``fused_choice``); ``lora-decode-paths-1b.json`` the same with
    4 random LoRA adapters named in turn (one request in 5 on the base model), graphs and eagerly;
    ``decode-paths-qwen3-0.6b.json``, ``decode-paths-phi3-mini.json`` and ``decode-paths-gemma3-1b.json``:
    Qwen3-0.6B's, Phi-3-mini's and Gemma 3 1B's shapes on the graphs and on transformers' own forward (the
