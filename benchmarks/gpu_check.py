@@ -833,11 +833,8 @@ def markdown(summary: dict[str, Any]) -> str:
             times = "; ".join(
                 f"{n} row(s) {t['fused_us']} us fused, {t['eager_us']} eager" for n, t in choice["times"].items()
             )
-            taken = (
-                "fused"
-                if choice["fused"]
-                else f"eager{' (refused: ' + choice['refused'] + ')' if choice['refused'] else ''}"
-            )
+            refused = f" (refused: {choice['refused']})" if choice["refused"] else ""
+            taken = "fused" if choice["fused"] else "eager" + refused
             lines += ["", f"A layer's element-wise work measured at start: {taken}; {times}."]
     if summary.get("overlap"):
         lines += [

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from lmiserve.engine.model import fp8_gemv, int4_triton
+from lmiserve.engine.model import fp8_gemv, int4_triton, kernel_choice
 from lmiserve.engine.model.fp8_ops import fp8_linear, rows_to_fp8
 from lmiserve.engine.model.quant_formats import Fp8Linear, Int4Parts, fp8_scaled_mm_supported, quantize_fp8
 from lmiserve.models.quant_pack import rtn_int4
@@ -60,28 +60,10 @@ def timed(fn: Callable[[], torch.Tensor], iters: int, cuda: bool) -> float:
 
 def graph_timed(fn: Callable[[], torch.Tensor], iters: int) -> float | None:
     """On CUDA, one call of `fn` as the decode graphs run it: `iters` calls captured in one CUDA graph and
-    replayed, the replay's time over `iters` (the GPU's time alone: no launches, no host); None where the
-    capture fails."""
+    replayed 5 times, the replays' time over the calls (the GPU's time alone: no launches, no host;
+    `kernel_choice.time_in_graph`, as the engine times its kernels); None where the capture fails."""
     try:
-        stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()  # type: ignore[no-untyped-call]
-        with torch.cuda.graph(graph):
-            for _ in range(iters):
-                fn()
-        graph.replay()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(5):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        return float(start.elapsed_time(end)) / 1e3 / (5 * iters)
+        return kernel_choice.time_in_graph(fn, torch.device("cuda", torch.cuda.current_device()), iters, replays=5)
     except Exception as exc:  # noqa: BLE001 - reported as not captured
         print(f"capture failed: {type(exc).__name__}: {exc}", flush=True)
         return None

@@ -107,10 +107,15 @@ def test_the_shapes_of_a_model_and_what_the_forward_takes(fresh, tiny_model, mon
 def test_the_environment_forces_the_kernels_on_or_off(monkeypatch):
     import importlib
 
-    for value, want in (("1", True), ("0", False), ("", None), ("auto", None)):
-        monkeypatch.setenv("LMISERVE_FUSED_ELEMENTWISE", value)
-        assert importlib.reload(fused_norm).USE_ON_CUDA is want
-    monkeypatch.setenv("LMISERVE_FUSED_ELEMENTWISE", "0")
-    assert not importlib.reload(fused_norm).wanted(torch.device("cuda"))
-    monkeypatch.delenv("LMISERVE_FUSED_ELEMENTWISE")
-    importlib.reload(fused_norm)
+    try:
+        for value, want in (("1", True), ("0", False), ("", None), ("auto", None), (" Auto ", None)):
+            monkeypatch.setenv("LMISERVE_FUSED_ELEMENTWISE", value)
+            assert importlib.reload(fused_norm).USE_ON_CUDA is want
+        monkeypatch.setenv("LMISERVE_FUSED_ELEMENTWISE", "0")
+        assert not importlib.reload(fused_norm).wanted(torch.device("cuda"))
+        monkeypatch.setenv("LMISERVE_FUSED_ELEMENTWISE", "true")  # not silently taken as unset: the start stops
+        with pytest.raises(ValueError, match=r"LMISERVE_FUSED_ELEMENTWISE='true': expected 1 \(on\), 0 \(off\)"):
+            importlib.reload(fused_norm)
+    finally:
+        monkeypatch.delenv("LMISERVE_FUSED_ELEMENTWISE")
+        importlib.reload(fused_norm)

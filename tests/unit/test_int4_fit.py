@@ -15,7 +15,7 @@ from accelerate import init_empty_weights
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from helpers.quantizable import quantizable_llama, write_checkpoint
-from lmiserve.engine.model import int4_triton
+from lmiserve.engine.model import int4_triton, kernel_choice
 from lmiserve.engine.model.shard_checkpoint import load_shard_weights
 from lmiserve.engine.model.sharding import shard_model
 from lmiserve.models.load import load_model_shell
@@ -41,15 +41,15 @@ def test_the_codes_stay_where_de_quantized_weights_would_not_fit(monkeypatch, fo
 
 
 def test_the_environment_forces_either_way(monkeypatch):
-    import importlib
-
-    try:
-        for value, want in (("1", True), ("0", False), ("", None)):
-            monkeypatch.setenv("LMISERVE_USE_TRITON_INT4", value)
-            assert importlib.reload(int4_triton).USE_ON_CUDA is want
-    finally:
-        monkeypatch.delenv("LMISERVE_USE_TRITON_INT4")
-        importlib.reload(int4_triton)
+    """`int4_triton.USE_ON_CUDA` is `kernel_choice.switch` of the variable (read at import; the module is not
+    reloaded here: its classes are held by the loaders); a value it does not know stops the start."""
+    assert 'USE_ON_CUDA = kernel_choice.switch("LMISERVE_USE_TRITON_INT4")' in Path(int4_triton.__file__).read_text()
+    for value, want in (("1", True), ("0", False), ("", None), ("auto", None)):
+        monkeypatch.setenv("LMISERVE_USE_TRITON_INT4", value)
+        assert kernel_choice.switch("LMISERVE_USE_TRITON_INT4") is want
+    monkeypatch.setenv("LMISERVE_USE_TRITON_INT4", "yes")
+    with pytest.raises(ValueError, match="LMISERVE_USE_TRITON_INT4='yes': expected 1 \\(on\\), 0 \\(off\\)"):
+        kernel_choice.switch("LMISERVE_USE_TRITON_INT4")
 
 
 @pytest.fixture(scope="module")

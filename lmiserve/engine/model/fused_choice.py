@@ -179,32 +179,11 @@ def _fused(shape: LayerShape, t: dict[str, torch.Tensor]) -> Work:
 
 
 def _time(work: Work, device: torch.device) -> float:
-    """Seconds one call of `work` takes: on CUDA, `kernel_choice.REPEATS` calls captured in a CUDA graph (the GPU's
-    time, as the decode graphs replay the kernels), the graph replayed 3 times between events; elsewhere (Triton's
-    interpreter in the tests) `kernel_choice.time_call`."""
+    """Seconds one call of `work` takes: on CUDA in a CUDA graph, as the decode graphs replay the kernels
+    (`kernel_choice.time_in_graph`); elsewhere (Triton's interpreter in the tests) `kernel_choice.time_call`."""
     if device.type != "cuda":
         return kernel_choice.time_call(work, device)
-    side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):  # (Triton compiles, the allocator settles: outside the capture)
-        work()
-        work()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # (as the decode graphs capture)
-        for _ in range(kernel_choice.REPEATS):
-            work()
-    graph.replay()
-    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    start.record()
-    for _ in range(3):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    seconds = float(start.elapsed_time(end)) / 1e3 / (3 * kernel_choice.REPEATS)
-    del graph
-    return seconds
+    return kernel_choice.time_in_graph(work, device)
 
 
 def _log(shape: LayerShape, dtype: torch.dtype, device: torch.device, verdict: Verdict) -> None:

@@ -22,10 +22,11 @@ unfused forward.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
+
+from lmiserve.engine.model import kernel_choice
 
 try:
     import triton
@@ -33,7 +34,7 @@ except ImportError:  # pragma: no cover - triton ships with CUDA torch wheels
     triton = None
 
 # True: on CUDA; False: never; None: where `fused_choice.measure` finds them faster on the serving GPU
-USE_ON_CUDA: bool | None = {"1": True, "0": False}.get(os.environ.get("LMISERVE_FUSED_ELEMENTWISE", ""))
+USE_ON_CUDA = kernel_choice.switch("LMISERVE_FUSED_ELEMENTWISE")
 
 __all__ = ["USE_ON_CUDA", "add_rms_norm", "available", "rope", "silu_mul", "wanted"]
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from typing import Any, NamedTuple
 
 import torch
@@ -51,7 +50,7 @@ log = logging.getLogger(__name__)
 # AWQ/GPTQ on CUDA until this kernel is measured there (module doc): True (LMISERVE_USE_TRITON_INT4=1, as vLLM's
 # VLLM_USE_TRITON_AWQ; the GPU check's 4-bit bench sets it): the codes on this kernel; False (=0): de-quantized to
 # bf16 at load; None (unset): the codes kept where de-quantized they would not fit (`codes_kept`)
-USE_ON_CUDA: bool | None = {"1": True, "0": False}.get(os.environ.get("LMISERVE_USE_TRITON_INT4", ""))
+USE_ON_CUDA = kernel_choice.switch("LMISERVE_USE_TRITON_INT4")
 FIT_SHARE = 0.5  # de-quantized weights over this share of the GPU's free memory: the codes stay 4-bit
 MEASURED_ON_CPU = False
 GROUP_TILE = 32  # the smallest tile's inputs: groups of a multiple of it are served

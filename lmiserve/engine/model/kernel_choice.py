@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["REPEATS", "TOLERANCE", "Tile", "pick", "time_call"]
+__all__ = ["REPEATS", "TOLERANCE", "Tile", "pick", "switch", "time_call", "time_in_graph"]
 
 TOLERANCE = 2e-2  # max |candidate - reference| / max |reference| (bf16's rounding is ~4e-3)
 REPEATS = 20  # calls timed per candidate on CUDA (after one untimed: Triton compiles)
@@ -70,6 +71,42 @@ def time_call(call: Callable[[], object], device: torch.device) -> float:
     end.record()
     end.synchronize()
     return float(start.elapsed_time(end)) / 1e3 / REPEATS
+
+
+def time_in_graph(call: Callable[[], object], device: torch.device, repeats: int = REPEATS, replays: int = 3) -> float:
+    """Seconds one call takes on CUDA as the decode graphs run it (the GPU's time alone: no launches, no host):
+    `repeats` calls captured in one CUDA graph, after 3 on a side stream (Triton compiles, the allocator settles),
+    the graph replayed once, then `replays` times between events. Raises where the capture fails."""
+    side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # (as the decode graphs capture)
+        for _ in range(repeats):
+            call()
+    graph.replay()
+    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end)) / 1e3 / (replays * repeats)
+
+
+def switch(variable: str) -> bool | None:
+    """A kernel's switch in the environment: ``1`` on, ``0`` off, unset (or ``auto``) None: the kernel's own
+    rule decides. Any other value stops the start with one line (never silently taken as unset)."""
+    value = os.environ.get(variable, "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value not in ("1", "0"):
+        raise ValueError(f"{variable}={value!r}: expected 1 (on), 0 (off), or unset (auto)")
+    return value == "1"
 
 
 def pick(
