@@ -213,7 +213,7 @@ def serve(settings, services: list | None = None, held: list[logging.LogRecord] 
     log = logging.getLogger("lmiserve")
     if settings.node_rank > 0:  # a tensor-parallel node that only computes (docs/tensor-parallel.md)
         from lmiserve.models.service import run_worker_node
-        from lmiserve.server.lifecycle import ExitCode
+        from lmiserve.server.lifecycle import ExitCode, say
 
         log.info(
             "node %d of %d: tensor-parallel workers only (node 0 serves HTTP)", settings.node_rank, settings.nnodes
@@ -224,7 +224,7 @@ def serve(settings, services: list | None = None, held: list[logging.LogRecord] 
             from lmiserve.models.download import DownloadError
 
             downloading = isinstance(exc, DownloadError)
-            print(f"lmiserve: {'model download failed: ' if downloading else ''}{exc}", file=sys.stderr, flush=True)
+            say(f"{'model download failed: ' if downloading else ''}{exc}")
             failed = ExitCode.MODEL_DOWNLOAD_FAILED if downloading else ExitCode.MODEL_LOAD_FAILED
             code = int(failed)
         exit_process(code)

@@ -179,13 +179,28 @@ class Lifecycle:
             log.info("listening on http://%s:%d (SIGTERM or Ctrl+C to stop)", _url_host(host), port)
             self._server.run(sockets=[sock])
         if self.failure is not None:
-            print(f"lmiserve: {self.failure}", file=sys.stderr, flush=True)
+            say(self.failure)
         return int(self.exit_code)
 
     def _fail(self, code: ExitCode, line: str) -> int:
         self.exit_code, self.failure = code, line
-        print(f"lmiserve: {line}", file=sys.stderr, flush=True)
+        say(line)
         return int(code)
+
+
+def say(line: str) -> None:
+    """Writes lmiserve's one line about why it exits to stderr, on a line of its own.
+
+    A model still loading on another thread (a model store whose other model failed) may have left its
+    progress bar mid-line; the line then starts on the next one, written under the bars' lock so that no
+    bar redraws into it.
+    """
+    from tqdm import tqdm
+
+    with tqdm.get_lock():
+        bar_open = any(not getattr(bar, "disable", True) for bar in list(getattr(tqdm, "_instances", ())))
+        sys.stderr.write(("\n" if bar_open else "") + f"lmiserve: {line}\n")
+        sys.stderr.flush()
 
 
 class _Server(uvicorn.Server):

@@ -102,3 +102,31 @@ def test_load_all_reports_each_failed_model_once():
     registry = ModelRegistry([_Loads("good", True), _Loads("bad", False), _Loads("worse", False)])
     asyncio.run(registry.load_all(on_failed=lambda s: failed.append(s.name)))
     assert sorted(failed) == ["bad", "worse"]
+
+
+SAY_AFTER_A_BAR = """
+import sys
+from tqdm import tqdm
+from lmiserve.server.lifecycle import exit_process, say
+bar = tqdm(total=21, desc="Loading weights", file=sys.stderr, disable=False)
+bar.update(1)
+bar.refresh()
+if sys.argv[1] == "closed":
+    bar.close()
+say("model load failed: broken: bad config")
+exit_process(1)  # as the server exits: the bar's thread is not finalized
+"""
+
+
+@pytest.mark.parametrize("bar", ["open", "closed"])
+def test_the_exit_line_is_a_line_of_its_own_after_a_progress_bar(bar):
+    # A model store's other model may still be loading, its bar mid-line, when the line is written.
+    import subprocess
+    import sys
+
+    err = subprocess.run(
+        [sys.executable, "-c", SAY_AFTER_A_BAR, bar], capture_output=True, text=True, timeout=60
+    ).stderr
+    lines = err.splitlines()
+    assert lines[-1] == "lmiserve: model load failed: broken: bad config", err
+    assert "Loading weights" in err and "" not in lines[-2:], err  # the bar was drawn; no blank line added
