@@ -44,7 +44,8 @@ dependencies can come as wheels; see benchmarks/README.md, "The GPU check"). It 
    ``quantized`` (``fp8_bench``: ``quantize=fp8`` at one stream on the largest shape benched, ``over_bf16``
    its tokens/s over that shape's bf16 level 1; ``int4_bench``: the same with ``quantize=awq``, 4-bit codes
    made at load from the dummy weights, on the Triton int4 kernel (``LMISERVE_USE_TRITON_INT4=1``);
-   ``kernels``: ``benchmarks/quantized_kernels.py``, one linear of the 8B shape in bf16, fp8 and the
+   ``kernels``: ``benchmarks/quantized_kernels.py``, one linear of the 8B shape in bf16, fp8 (with
+   ``fp8_gemv_widened``: the fp8 kernel's tile widening the bytes as an A100 or A10G does) and the
    Triton int4 kernel (its tile measured as the engine measures it) at 1, 16 and 128 rows, time, weight
    bandwidth and error; ``quality``: ``benchmarks/quantized_quality.py`` on CUDA, each format's perplexity
    and agreement)
@@ -913,7 +914,12 @@ def _quantized_lines(quantized: dict[str, Any]) -> list[str]:
                 cell = r.get(kind)
                 if isinstance(cell, dict):
                     times = [cell["us"], cell.get("graph_us"), cell.get("graph_GB_per_s")]
-                    tile = r.get({"fp8_gemv": "fp8_gemv_tile", "int4_triton": "int4_tile"}.get(kind, ""))
+                    tiles = {
+                        "fp8_gemv": "fp8_gemv_tile",
+                        "fp8_gemv_widened": "fp8_gemv_tile",
+                        "int4_triton": "int4_tile",
+                    }
+                    tile = r.get(tiles.get(kind, ""))
                     name = f"{kind} ({tile})" if tile else kind
                     lines.append(_row([r["shape"], r["rows"], name, *times, cell["error"]]))
                 elif cell is not None:
@@ -933,6 +939,7 @@ KERNEL_KINDS = (
     "bf16",
     "fp8",
     "fp8_gemv",
+    "fp8_gemv_widened",
     "fp8_compiled_quant",
     "fp8_gemm_rowwise",
     "fp8_gemm_tensorwise",

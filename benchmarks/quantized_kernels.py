@@ -1,8 +1,10 @@
 """The quantized products on a GPU (issue 39, item 2): time and error of one linear of an 8B shape in
 bf16 (`F.linear`), fp8 (`quant_formats.Fp8Linear` as the engine runs it: `fp8_gemv`'s choice at up to 16
 rows, else `torch._scaled_mm` with activations to fp8 per row), the fastest tile of `fp8_gemv`'s weight-only
-Triton kernel (`fp8_gemv`, up to 16 rows) and 4-bit (`int4_triton.Int4TritonLinear`, groups of 128, on the
-tile the engine measures fastest for the row bucket: `int4_tile`), at a few row counts; on a GPU with fp8,
+Triton kernel (`fp8_gemv`, up to 16 rows; every row count on a GPU without fp8 products, A100 or A10G, where it
+widens the bytes itself; on a GPU with them `fp8_gemv_widened` times that widening on the same tile) and
+4-bit (`int4_triton.Int4TritonLinear`, groups of 128, on the tile the engine measures fastest for the row
+bucket: `int4_tile`), at a few row counts; on a GPU with fp8,
 where `_scaled_mm`'s time goes (`fp8_variants`). Run on an H200 on 2026-11-29 (before the 4-bit kernel's
 rewrite of 2026-11-30: benchmarks/results/gpu-check-2026-11-29-h200/round2/kernels.log; benchmarks/README.md
 has the table).
@@ -164,17 +166,28 @@ def main() -> None:
                 "fp8": (lambda x=x, m=fp8: m(x), out * inputs, x @ fp8_dense.t()),
                 "int4_triton": (lambda x=x, m=int4: m(x), out * inputs // 2, x @ int4_dense.t()),
             }
-            if rows <= fp8_gemv.MAX_ROWS and fp8_gemv.available():
+            native = fp8_gemv.native(device)
+            if (rows <= fp8_gemv.MAX_ROWS or not native) and fp8_gemv.available():
                 tile = fastest_gemv_tile(x, fp8, 20, cuda)
                 if tile is not None:
                     row["fp8_gemv_tile"] = str(tile)
                     gemv = functools.partial(fp8_gemv.fp8_gemv, x, fp8.weight, fp8.scales, tile)
                     kinds["fp8_gemv"] = (gemv, out * inputs, x @ fp8_dense.t())
+                    if native:  # the bytes widened as an A100 or A10G does, on this GPU's tile
+                        kinds["fp8_gemv_widened"] = (
+                            functools.partial(gemv, widen=True),
+                            out * inputs,
+                            kinds["fp8_gemv"][2],
+                        )
             if cuda and fp8_scaled_mm_supported(device):
                 kinds.update(fp8_variants(x, fp8, quantize_rows, x @ fp8_dense.t()))
             for kind, (fn, weight_bytes, want) in kinds.items():
-                if kind in ("fp8", "fp8_gemv") and cuda and not fp8_scaled_mm_supported(device):
-                    row[kind] = "not supported on this GPU (compute capability < 8.9)"
+                if (
+                    kind.startswith("fp8")
+                    and cuda
+                    and not (native or torch.cuda.get_device_capability(device) >= (8, 0))
+                ):
+                    row[kind] = "not supported on this GPU (compute capability < 8.0)"
                     continue
                 try:
                     seconds = timed(fn, args.iters if cuda else 2, cuda)

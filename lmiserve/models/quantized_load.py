@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 
-from lmiserve.engine.model import int4_triton
 from lmiserve.engine.model.int4_triton import Int4TritonLinear
 from lmiserve.engine.model.quant_formats import (
     Int4Parts,
@@ -45,6 +44,7 @@ from lmiserve.engine.model.quant_formats import (
     quantize_fp8,
     unpack_awq,
     unpack_gptq,
+    weights_kept_for,
 )
 from lmiserve.engine.model.quantize import Int4Linear, replace_linears
 from lmiserve.engine.model.shard_checkpoint import stacked_experts
@@ -181,7 +181,7 @@ def load_quantized(
     kinds: Counter[str] = Counter()
     with SafetensorsFiles(stored) as files:
         targets = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
-        keep = int4_triton.codes_kept_for(model, device, path.name) if spec.method != "fp8" else None
+        keep = weights_kept_for(model, device, path.name, spec.method)
         for name in targets:
             made = _linear_of(files, stored, name, spec, dtype, device, keep)
             if made is None:
@@ -260,9 +260,9 @@ def _linear_of(
     spec: QuantSpec,
     dtype: torch.dtype,
     device: torch.device,
-    keep_codes: bool | None = None,
+    keep: bool | None = None,
 ) -> torch.nn.Module | None:
-    """The layer of the linear `name` from its quantized tensors (`keep_codes`: `int4_module`'s); None when the
+    """The layer of the linear `name` from its quantized tensors (`keep`: `weights_kept_for`'s); None when the
     checkpoint stores it float."""
 
     def get(key: str) -> torch.Tensor | None:
@@ -276,7 +276,7 @@ def _linear_of(
         weight = files.tensor(f"{name}.weight")
         if weight.dtype != torch.float8_e4m3fn:
             raise ModelLoadError(f"{name}.weight is {weight.dtype}, not float8_e4m3fn")
-        return fp8_module(weight, scale, bias, dtype, device)
+        return fp8_module(weight, scale, bias, dtype, device, keep)
     qweight = get("qweight")
     if qweight is None:
         return None
@@ -285,7 +285,7 @@ def _linear_of(
         parts = unpack_awq(qweight, qzeros, scales, spec.group_size)
     else:
         parts = unpack_gptq(qweight, qzeros, scales, get("g_idx"), spec.group_size, spec.v1_zeros)
-    return int4_module(parts, bias, dtype, device, keep_codes)
+    return int4_module(parts, bias, dtype, device, keep)
 
 
 def _kind_name(module: torch.nn.Module) -> str:
@@ -295,7 +295,7 @@ def _kind_name(module: torch.nn.Module) -> str:
         return "on the Triton int4 kernel"
     if type(module) is torch.nn.Linear:
         return f"de-quantized to {str(module.weight.dtype).removeprefix('torch.')}"
-    return "fp8 (_scaled_mm)"
+    return "fp8 weights"
 
 
 def quantize_at_load(model: torch.nn.Module, spec: QuantSpec, dtype: torch.dtype, device: torch.device) -> str:
@@ -314,9 +314,11 @@ def quantize_fp8_dynamic(model: torch.nn.Module, dtype: torch.dtype, device: tor
     output channel (`quant_formats.quantize_fp8`), then `fp8_module` (fp8 products where the device has
     them, else de-quantized once into `dtype`). An account of what was done."""
 
+    keep = weights_kept_for(model, device, "quantize=fp8", "fp8")
+
     def make(linear: torch.nn.Linear) -> torch.nn.Module:
         weight, scale = quantize_fp8(linear.weight)
-        return fp8_module(weight, scale, linear.bias, dtype, device)
+        return fp8_module(weight, scale, linear.bias, dtype, device, keep)
 
     return f"fp8 quantized at load, per output channel: {_made_at_load(model, make)}"
 

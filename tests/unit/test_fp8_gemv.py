@@ -149,3 +149,85 @@ def test_a_measurement_that_fails_leaves_scaled_mm_serving_and_says_so(
     torch.testing.assert_close(fp8_linear(x, weight, scale), scaled_product(x, weight, scale))
     assert "measuring the fp8 Triton kernel for [32 x 64] failed (CUDA out of memory)" in caplog.text
     assert list(fp8_gemv.chosen().values()) == [None]  # not measured again at every product
+
+
+@pytest.fixture
+def without_fp8_products(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU tensors read as a GPU without fp8 products reads them (an A100 or A10G: `fp8_gemv.native` false)."""
+    monkeypatch.setattr(fp8_gemv, "NATIVE_ON_CPU", False)
+
+
+def every_fp8_byte(out: int) -> torch.Tensor:
+    """`out` rows of every e4m3fn byte but the two NaNs (0x7f, 0xff: zeros there), each row in its own order."""
+    bits = torch.arange(256, dtype=torch.uint8)
+    bits[bits == 0x7F] = 0
+    bits[bits == 0xFF] = 0
+    generator = torch.Generator().manual_seed(0)
+    rows = [bits[torch.randperm(256, generator=generator)] for _ in range(out)]
+    return torch.stack(rows).view(torch.float8_e4m3fn)
+
+
+@pytest.mark.usefixtures("without_fp8_products")
+@pytest.mark.parametrize("config", [fp8_gemv.Config(False, 1, 16, 64), fp8_gemv.Config(True, 16, 16, 64)], ids=str)
+def test_the_bytes_widened_without_fp8_products_are_every_fp8_value_exactly(config: fp8_gemv.Config) -> None:
+    """Sign, exponent and mantissa moved into a fp16 and scaled by 2**8: every value, the subnormals (2**-9 to
+    7 * 2**-9) and 448 included, comes back exact. The rows of the identity read each column of the weight."""
+    weight = every_fp8_byte(24)
+    scale = torch.ones(24)
+    want = weight.float()
+    rows = 1 if not config.use_dot else 256
+    for start in range(0, 256, rows):
+        x = torch.eye(256)[start : start + rows]
+        got = fp8_gemv.fp8_gemv(x, weight, scale, config)
+        assert torch.equal(got, want[:, start : start + rows].t()), start
+    assert want.abs().max() == 448 and want[want != 0].abs().min() == 2**-9
+
+
+@pytest.mark.usefixtures("without_fp8_products")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 5, 40, 300])
+def test_without_fp8_products_the_kernel_serves_every_row_count(dtype: torch.dtype, rows: int) -> None:
+    """Decode rows on the per-row tiles, and the rows of a prompt (prefill) on tensor-core tiles, per-channel
+    scales applied: fp32 activations give fp32's product of the de-quantized weight, fp16 ones its rounding."""
+    weight, scale, dense = fp8_weight(40, 100, seed=6)
+    x = torch.randn(rows, 100).to(dtype)
+    config = fp8_gemv.Config(False, 1, 16, 32) if rows == 1 else fp8_gemv.Config(True, 16, 16, 32)
+    got = fp8_gemv.fp8_gemv(x, weight, scale, config)
+    want = x.float() @ dense.t()
+    assert got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+@pytest.mark.usefixtures("without_fp8_products")
+def test_without_fp8_products_choose_measures_prompt_buckets_against_the_dequantized_product(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No ``_scaled_mm`` there: more than `MAX_ROWS` rows are measured too (buckets 64, 256, 1024), against the
+    weight de-quantized a slice at a time, which serves where no tile does (refused here: a tile off by 2x)."""
+    monkeypatch.setattr(fp8_gemv, "INTERPRETED_ON_CPU", True)
+    monkeypatch.setattr(fp8_gemv, "CANDIDATES", {b: configs[:1] for b, configs in fp8_gemv.CANDIDATES.items()})
+    monkeypatch.setattr(fp8_gemv, "SLICE", 16)  # several slices
+    weight, scale, dense = fp8_weight(40, 64, seed=7)
+    caplog.set_level(logging.INFO, logger=fp8_gemv.__name__)
+    for rows, size in ((17, 64), (65, 256), (257, 1024)):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(fp8_linear(x, weight, scale), x @ dense.t(), rtol=1e-5, atol=1e-5)
+        assert (torch.device("cpu"), 40, 64, size, torch.float32) in fp8_gemv.chosen()
+        assert f"fp8 products [40 x 64] at {size} row(s)" in caplog.text
+    assert "torch._scaled_mm" not in caplog.text
+    reference = fp8_gemv._reference
+    monkeypatch.setattr(fp8_gemv, "_chosen", {})
+    monkeypatch.setattr(fp8_gemv, "_reference", lambda *args: 2 * reference(*args))
+    x = torch.randn(20, 64)
+    torch.testing.assert_close(fp8_linear(x, weight, scale), x @ dense.t(), rtol=1e-5, atol=1e-5)
+    assert fp8_gemv.chosen() == {(torch.device("cpu"), 40, 64, 64, torch.float32): None}
+    assert "fp8 Triton tiles refused for [40 x 64] at 64 rows" in caplog.text
+
+
+def test_on_a_gpu_with_fp8_products_more_rows_than_max_rows_stay_on_scaled_mm(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fp8_gemv, "INTERPRETED_ON_CPU", True)
+    weight, scale, _ = fp8_weight(32, 64)
+    assert fp8_gemv.choose(torch.randn(17, 64), weight, scale, functools.partial(pytest.fail, "measured")) is None

@@ -222,7 +222,7 @@ def test_fp8_linears_run_scaled_mm_on_the_fast_path(checkpoints: dict[str, Path]
         if name.rpartition(".")[2] in LINEARS:
             parent, _, child = name.rpartition(".")
             weight, scale = quantize_fp8(module.weight)
-            made = fp8_module(weight, scale, None, torch.bfloat16, loaded.device, force_fp8=True)
+            made = fp8_module(weight, scale, None, torch.bfloat16, loaded.device, keep_fp8=True)
             setattr(loaded.model.get_submodule(parent), child, made)
     assert isinstance(loaded.model.model.layers[0].self_attn.q_proj, Fp8Linear)
     x = torch.randn(3, 256, dtype=torch.bfloat16).to(device)
@@ -238,14 +238,17 @@ def test_fp8_linears_run_scaled_mm_on_the_fast_path(checkpoints: dict[str, Path]
             assert max(greedy_gaps(loaded.model, ids, got)) <= 0.02, ids
 
 
+@pytest.mark.parametrize("widened", [False, True], ids=["fp8-gpu", "no-fp8-gpu"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_fp8_linears_on_the_triton_decode_kernel_decode_what_transformers_decodes_dequantized(
-    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch, graphs: bool
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch, graphs: bool, widened: bool
 ) -> None:
-    """Every product of the fast path through `fp8_gemv`'s weight-only kernel (what a GPU chooses for decode
-    rows where it measures faster), under Triton's interpreter on CPU tensors, prompts too (`MAX_ROWS`
-    raised): fp32 activations, so the engine's greedy tokens are the de-quantized float model's. Also with
-    the decode steps in the decode graphs (as on a GPU; tests/conftest.py checks their steps would capture)."""
+    """Every product of the fast path through `fp8_gemv`'s weight-only kernel, under Triton's interpreter on CPU
+    tensors: as a GPU with fp8 products chooses it for decode rows where it measures faster (prompts too here,
+    `MAX_ROWS` raised), and as a GPU without them (an A10G, where bf16 would not fit: the loader keeps the fp8
+    weights, `fp8_gemv.weights_kept_for`) runs it at every row count, widening the bytes itself. fp32
+    activations, so the engine's greedy tokens are the de-quantized float model's. Also with the decode steps in
+    the decode graphs (as on a GPU; tests/conftest.py checks their steps would capture)."""
     from helpers.decode_graphs import graphs_on_the_test_device
     from lmiserve.engine.model import fp8_gemv
 
@@ -253,27 +256,39 @@ def test_fp8_linears_on_the_triton_decode_kernel_decode_what_transformers_decode
         pytest.skip("needs triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py on CPU)")
     record = graphs_on_the_test_device(monkeypatch) if graphs else None
     monkeypatch.setattr(fp8_gemv, "INTERPRETED_ON_CPU", True)
-    monkeypatch.setattr(fp8_gemv, "MAX_ROWS", 64)
     monkeypatch.setattr(fp8_gemv, "_chosen", {})
     one, more = (
         fp8_gemv.Config(False, 1, 256, 128),
         fp8_gemv.Config(True, 16, 256, 128),
     )  # few programs: the interpreter
-    monkeypatch.setattr(fp8_gemv, "choose", lambda x, *_: None if x.shape[0] > 64 else one if x.shape[0] == 1 else more)
     case = "fp8-channel"
-    loaded = load_causal_lm(checkpoints[case], device="cpu", dtype="fp32")
-    tensors = stored(checkpoints[case])
-    for name, _ in list(loaded.model.named_modules()):
-        if name.rpartition(".")[2] in LINEARS:
-            parent, _, child = name.rpartition(".")
-            t = tensors[name]
-            made = fp8_module(t["weight"], t["weight_scale"], None, torch.float32, loaded.device, force_fp8=True)
-            setattr(loaded.model.get_submodule(parent), child, made)
-    ran: list[int] = []
+    if widened:
+        monkeypatch.setattr(fp8_gemv, "NATIVE_ON_CPU", False)
+        monkeypatch.setattr(fp8_gemv, "weights_kept_for", lambda model, device, name: True)
+        monkeypatch.setattr(fp8_gemv, "choose", lambda x, *_: one if x.shape[0] == 1 else more)
+        loaded = load_causal_lm(checkpoints[case], device="cpu", dtype="fp32")
+    else:
+        monkeypatch.setattr(fp8_gemv, "MAX_ROWS", 64)
+        monkeypatch.setattr(
+            fp8_gemv, "choose", lambda x, *_: None if x.shape[0] > 64 else one if x.shape[0] == 1 else more
+        )
+        loaded = load_causal_lm(checkpoints[case], device="cpu", dtype="fp32")
+        tensors = stored(checkpoints[case])
+        for name, _ in list(loaded.model.named_modules()):
+            if name.rpartition(".")[2] in LINEARS:
+                parent, _, child = name.rpartition(".")
+                t = tensors[name]
+                made = fp8_module(t["weight"], t["weight_scale"], None, torch.float32, loaded.device, keep_fp8=True)
+                setattr(loaded.model.get_submodule(parent), child, made)
+    assert isinstance(loaded.model.model.layers[0].mlp.down_proj, Fp8Linear)
+    ran: list[tuple[int, bool]] = []
     kernel = fp8_gemv.fp8_gemv
-    monkeypatch.setattr(fp8_gemv, "fp8_gemv", lambda x, *rest: ran.append(x.shape[0]) or kernel(x, *rest))
+    monkeypatch.setattr(
+        fp8_gemv, "fp8_gemv", lambda x, *rest: ran.append((x.shape[0], fp8_gemv.native(x.device))) or kernel(x, *rest)
+    )
     path, results = engine_tokens(loaded, PROMPTS, 8)
-    assert path == "fast" and ran and max(ran) >= len(PROMPTS[-1])  # decode rows and a prompt's rows
+    assert path == "fast" and ran and max(rows for rows, _ in ran) >= len(PROMPTS[-1])  # decode rows, prompts' rows
+    assert {native for _, native in ran} == {not widened}
     if record is not None:
         assert record.steps  # decode steps replayed the graphs
     reference_model = dequantized_float_model(checkpoints[case], case)
@@ -468,7 +483,7 @@ def test_tensor_parallelism_refuses_a_checkpoints_fp8_or_4_bit_layers(checkpoint
     weight = q_proj.weight.detach()
     if kind == "fp8":
         q, scale = quantize_fp8(weight)
-        made = fp8_module(q, scale, None, torch.float32, loaded.device, force_fp8=True)
+        made = fp8_module(q, scale, None, torch.float32, loaded.device, keep_fp8=True)
     else:
         g_idx = torch.arange(weight.shape[1]) // 128
         codes, scale, zero = rtn_int4(weight, g_idx, weight.shape[1] // 128)

@@ -15,8 +15,17 @@ served), and keeps the fastest, logged once. The decode graphs' eager warm-up be
 such a product, so the graphs record the choice. The times are of calls in a row between two CUDA events:
 the GPU's time where the GPU is the bottleneck, each call's launches included where it is not (eager).
 
+A GPU without fp8 products (compute capability below 8.9: A100, A10G; `native` false) has no ``_scaled_mm``
+either: there the kernel widens the bytes itself (`fp8_gemv_kernel`'s doc) and serves every row count, prefill
+too, with tensor-core tiles for more rows (buckets 64, 256 and 1024; `CANDIDATES`), measured against the weight
+de-quantized a slice at a time (`dequantized_product`), which also serves where no tile passes. Whether an fp8
+checkpoint keeps its fp8 weights on such a GPU or is de-quantized at load is `weights_kept_for`'s rule
+(`weight_fit`: where bf16 would not fit; ``LMISERVE_USE_TRITON_FP8=1|0`` forces): the kernel has not yet run on
+one.
+
 `ENABLED` turns the kernel off (``_scaled_mm`` everywhere); `INTERPRETED_ON_CPU` lets the tests choose it
-for CPU tensors under Triton's interpreter (tests/unit/test_fp8_gemv.py).
+for CPU tensors under Triton's interpreter (tests/unit/test_fp8_gemv.py), and `NATIVE_ON_CPU` makes them
+widen as an Ampere GPU does.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ from typing import Any
 
 import torch
 
-from lmiserve.engine.model import kernel_choice
+from lmiserve.engine.model import kernel_choice, weight_fit
 
 try:
     import triton
@@ -37,19 +46,42 @@ except ImportError:  # pragma: no cover - triton ships with CUDA torch wheels
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CANDIDATES", "ENABLED", "MAX_ROWS", "Config", "available", "bucket", "choose", "chosen", "fp8_gemv"]
+__all__ = [
+    "CANDIDATES",
+    "ENABLED",
+    "MAX_ROWS",
+    "USE_ON_CUDA",
+    "Config",
+    "available",
+    "bucket",
+    "choose",
+    "chosen",
+    "dequantized_product",
+    "fp8_gemv",
+    "native",
+    "weights_kept_for",
+]
 
-MAX_ROWS = 16  # more rows: ``_scaled_mm`` (the tensor cores' fp8 product pays)
+MAX_ROWS = 16  # more rows: ``_scaled_mm`` (the tensor cores' fp8 product pays), where the GPU has it
 ENABLED = True
 INTERPRETED_ON_CPU = False
+NATIVE_ON_CPU = True
+SLICE = 1024  # outputs de-quantized at a time by `dequantized_product`
+# fp8 checkpoints on a GPU without fp8 products (module doc): True (LMISERVE_USE_TRITON_FP8=1) fp8 weights on this
+# kernel; False (=0) de-quantized at load; None (unset) kept where de-quantized they would not fit (`weight_fit`)
+USE_ON_CUDA = kernel_choice.switch("LMISERVE_USE_TRITON_FP8")
 
 
 Config = kernel_choice.Tile  # one tile of the kernel
 
 
 def bucket(rows: int) -> int:
-    """The row count a choice is measured at and kept for: 1, 4 (2-4 rows) or 16 (5-16 rows)."""
-    return 1 if rows <= 1 else 4 if rows <= 4 else 16
+    """The row count a choice is measured at and kept for: 1, 4 (2-4 rows), 16 (5-16 rows), and where the GPU
+    widens the bytes itself 64 (17-64), 256 (65-256) or 1024 (more)."""
+    for size in (1, 4, 16, 64, 256):
+        if rows <= size:
+            return size
+    return 1024
 
 
 # the sum tiles keep at most 64 products a thread in registers (rows x outputs x inputs / threads); tiles are
@@ -73,6 +105,25 @@ CANDIDATES: dict[int, tuple[Config, ...]] = {
         Config(True, 16, 32, 256),
         Config(True, 16, 64, 128),
     ),
+    # tensor-core tiles for the more rows that only a GPU without fp8 products gives this kernel
+    64: (
+        Config(True, 32, 64, 64),
+        Config(True, 64, 64, 64),
+        Config(True, 32, 128, 64),
+        Config(True, 64, 128, 64),
+    ),
+    256: (
+        Config(True, 64, 64, 64),
+        Config(True, 64, 128, 64),
+        Config(True, 128, 64, 64, num_warps=8),
+        Config(True, 128, 128, 32, num_warps=8),
+    ),
+    1024: (
+        Config(True, 64, 128, 64),
+        Config(True, 128, 64, 64, num_warps=8),
+        Config(True, 128, 128, 32, num_warps=8),
+        Config(True, 128, 128, 64, num_warps=8),
+    ),
 }
 
 _chosen: dict[tuple[Any, ...], Config | None] = {}  # (device, N, K, bucket, dtype) -> the kernel's tile or None
@@ -82,6 +133,30 @@ def available() -> bool:
     return triton is not None
 
 
+_native: dict[torch.device, bool] = {}
+
+
+def native(device: torch.device) -> bool:
+    """Whether `device` multiplies and converts fp8 itself (CUDA with compute capability 8.9 or more: Ada, Hopper;
+    on a CPU `NATIVE_ON_CPU`): ``_scaled_mm`` runs there, and the kernel reads the bytes as ``float8e4nv``."""
+    if device.type != "cuda":
+        return NATIVE_ON_CPU
+    if device not in _native:
+        _native[device] = torch.cuda.get_device_capability(device) >= (8, 9)
+    return _native[device]
+
+
+def weights_kept_for(model: torch.nn.Module, device: torch.device, name: str) -> bool | None:
+    """On a GPU without fp8 products where Triton runs (compute capability 8.0 to 8.8), whether the fp8 linears
+    of `model` (on the meta device in the compute dtype, or already on the GPU: a whole model's, or a
+    tensor-parallel rank's) keep their fp8 weights on this kernel (`weight_fit.kept_for`), logged for `name`;
+    None elsewhere (fp8 products where the GPU has them, de-quantized on a CPU)."""
+    if device.type != "cuda" or triton is None or native(device) or torch.cuda.get_device_capability(device) < (8, 0):
+        return None
+    kept_as = "fp8 weights on the widening Triton kernel"
+    return weight_fit.kept_for(log, model, device, name, USE_ON_CUDA, "LMISERVE_USE_TRITON_FP8", kept_as)
+
+
 @functools.cache
 def _kernel() -> Any:
     from lmiserve.engine.model.fp8_gemv_kernel import fp8_gemv_kernel
@@ -89,9 +164,12 @@ def _kernel() -> Any:
     return triton.jit(fp8_gemv_kernel)
 
 
-def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, config: Config) -> torch.Tensor:
+def fp8_gemv(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, config: Config, widen: bool = False
+) -> torch.Tensor:
     """``(x @ weight.T) * scales`` in `x`'s dtype, for a 2-D `x` ``[M, K]``, a contiguous ``float8_e4m3fn``
-    `weight` ``[N, K]`` and fp32 `scales` ``[N]`` (one per output channel)."""
+    `weight` ``[N, K]`` and fp32 `scales` ``[N]`` (one per output channel). `widen`: the bytes widened as on a
+    GPU without fp8 conversions even where the GPU has them (a benchmark times that path on a Hopper GPU)."""
     if triton is None:
         raise RuntimeError("the fp8 Triton kernel needs triton")
     x = x.contiguous()
@@ -101,7 +179,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, config
     grid = (triton.cdiv(outputs, config.block_n), triton.cdiv(rows, config.block_m))
     _kernel()[grid](
         x, weight.view(torch.uint8), scales, y, rows, outputs, inputs, x.stride(0), y.stride(0),
-        EVEN_K=inputs % config.block_k == 0, USE_DOT=config.use_dot,
+        EVEN_K=inputs % config.block_k == 0, USE_DOT=config.use_dot, NATIVE=native(x.device) and not widen,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
@@ -116,13 +194,13 @@ def chosen() -> dict[tuple[Any, ...], Config | None]:
 def choose(
     x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, other: Callable[[torch.Tensor], torch.Tensor]
 ) -> Config | None:
-    """The kernel's tile for ``x @ weight.T`` (None: `other`, the ``_scaled_mm`` product, runs), measured
-    the first time a shape and row bucket comes (module doc); inside a CUDA-graph capture, an unmeasured
-    shape gets `other` (nothing can be timed there)."""
+    """The kernel's tile for ``x @ weight.T`` (None: `other`, the ``_scaled_mm`` product or where the GPU has
+    none the de-quantized one, runs), measured the first time a shape and row bucket comes (module doc); inside
+    a CUDA-graph capture, an unmeasured shape gets `other` (nothing can be timed there)."""
     rows = x.shape[0]
-    if rows > MAX_ROWS or not ENABLED or triton is None or not weight.is_contiguous():
+    if not ENABLED or triton is None or not weight.is_contiguous():
         return None
-    if not (x.is_cuda or INTERPRETED_ON_CPU):
+    if not (x.is_cuda or INTERPRETED_ON_CPU) or (rows > MAX_ROWS and native(x.device)):
         return None
     key = (x.device, *weight.shape, bucket(rows), x.dtype)
     if key in _chosen:
@@ -133,7 +211,7 @@ def choose(
         choice = _measure(key, weight, scales, other)
     except Exception as exc:  # noqa: BLE001 - measuring failed (memory, the GPU): the product serves regardless
         log.warning(
-            "measuring the fp8 Triton kernel for [%d x %d] failed (%s): torch._scaled_mm serves", *weight.shape, exc
+            "measuring the fp8 Triton kernel for [%d x %d] failed (%s): %s serves", *weight.shape, exc, _other(x.device)
         )
         choice = None
     _chosen[key] = choice
@@ -154,15 +232,25 @@ def _measure(
         lambda config: fp8_gemv(probe, weight, scales, config),
         _reference(probe, weight, scales),
         device,
-        ("torch._scaled_mm", lambda: other(probe)),
+        (_other(device), lambda: other(probe)),
     )
 
 
-def _reference(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``x @ (weight * scales).T`` in fp32, a slice of outputs at a time (no fp32 copy of a large weight)."""
-    x = x.float()
+def _other(device: torch.device) -> str:
+    """What serves where the kernel does not, for the log lines."""
+    return "torch._scaled_mm" if native(device) else "the de-quantized product"
+
+
+def dequantized_product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x @ (weight * scales[:, None]).T`` in `x`'s dtype, the weight de-quantized `SLICE` outputs at a time (no
+    copy of a large weight in `x`'s dtype): where a GPU without fp8 products has no tile of this kernel."""
     parts = []
-    for start in range(0, weight.shape[0], 1024):
-        w = weight[start : start + 1024].float() * scales[start : start + 1024, None].float()
-        parts.append(x @ w.t())
+    for start in range(0, weight.shape[0], SLICE):
+        w = weight[start : start + SLICE].float() * scales[start : start + SLICE, None].float()
+        parts.append(x @ w.to(x.dtype).t())
     return torch.cat(parts, dim=1)
+
+
+def _reference(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x @ (weight * scales).T`` in fp32 (`dequantized_product` of fp32 rows)."""
+    return dequantized_product(x.float(), weight, scales)

@@ -1,10 +1,12 @@
 """fp8 weights' arithmetic (issue #39), below `quantize` and `quant_formats`: per-channel quantization
 (vLLM's dynamic fp8), de-quantization, and the product: up to `fp8_gemv.MAX_ROWS` rows on a GPU through
 `fp8_gemv`'s weight-only Triton kernel where it measures faster, else through ``torch._scaled_mm`` with
-activations quantized per row. ``_scaled_mm`` alone, measured on an H200 (2026-11-29, benchmarks/README.md),
-was correct but slower than bf16 at decode sizes: in a CUDA graph the per-row quantization adds ~20 us a
-product, and torch's row-wise ``_scaled_mm`` reads 0.5-1.9 TB/s of fp8 weights where bf16 reads 2.4-3.9
-TB/s; the 8B shape at one stream decoded at 0.74x bf16."""
+activations quantized per row; on a GPU without fp8 products (below compute capability 8.9) every row count
+through `fp8_gemv`'s kernel, which widens the bytes itself, or the weight de-quantized a slice at a time.
+``_scaled_mm`` alone, measured on an H200 (2026-11-29, benchmarks/README.md), was correct but slower than bf16
+at decode sizes: in a CUDA graph the per-row quantization adds ~20 us a product, and torch's row-wise
+``_scaled_mm`` reads 0.5-1.9 TB/s of fp8 weights where bf16 reads 2.4-3.9 TB/s; the 8B shape at one stream
+decoded at 0.74x bf16."""
 
 from __future__ import annotations
 
@@ -50,14 +52,16 @@ def fp8_linear(
     quantize_rows: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = rows_to_fp8,
 ) -> torch.Tensor:
     """``x @ (weight * scales[:, None]).T`` for a 2-D `x`, fp8 `weight` ``[out, in]`` and fp32 `scales`
-    ``[out]``: a few rows through `fp8_gemv` where it is chosen (measured faster on this GPU), else
-    `scaled_product`."""
-    if x.shape[0] <= fp8_gemv.MAX_ROWS:
-        product = functools.partial(scaled_product, weight=weight, scales=scales, quantize_rows=quantize_rows)
-        config = fp8_gemv.choose(x, weight, scales, product)
-        if config is not None:
-            return fp8_gemv.fp8_gemv(x, weight, scales, config)
-    return scaled_product(x, weight, scales, quantize_rows)
+    ``[out]``: through `fp8_gemv` where it is chosen (measured faster on this GPU: a few rows, or any number
+    where the GPU has no fp8 products), else `scaled_product` (or there `fp8_gemv.dequantized_product`)."""
+    if fp8_gemv.native(x.device):
+        other = functools.partial(scaled_product, weight=weight, scales=scales, quantize_rows=quantize_rows)
+    else:
+        other = functools.partial(fp8_gemv.dequantized_product, weight=weight, scales=scales)
+    config = fp8_gemv.choose(x, weight, scales, other)
+    if config is not None:
+        return fp8_gemv.fp8_gemv(x, weight, scales, config)
+    return other(x)
 
 
 def scaled_product(

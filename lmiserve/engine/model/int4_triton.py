@@ -8,7 +8,7 @@ per input through ``g_idx``) was correct on an H200 but 10-30x slower than the d
 (30-95 GB/s of weights, 2026-11-29, benchmarks/README.md), so AWQ/GPTQ are de-quantized to bf16 on CUDA
 (`quant_formats.int4_module`) unless `USE_ON_CUDA` is set (``LMISERVE_USE_TRITON_INT4=1`` in the environment,
 as vLLM's ``VLLM_USE_TRITON_AWQ``; the GPU check's 4-bit bench sets it) or, since 2026-12-03, the de-quantized
-weights would not fit (`codes_kept`: more than `FIT_SHARE` of the GPU's free memory; a 70B AWQ model on one
+weights would not fit (`codes_kept`: more than `weight_fit.FIT_SHARE` of the GPU's free memory; a 70B AWQ model on one
 80 GB GPU). This kernel (2026-11-30, not yet run on a GPU):
 
 - the codes are ``[out, in / 8]`` (a tile is `BLOCK_N` runs of `BLOCK_K` / 2 bytes, and q/k/v or gate/up
@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from lmiserve.engine.model import kernel_choice
+from lmiserve.engine.model import kernel_choice, weight_fit
 
 try:
     import triton
@@ -51,14 +51,12 @@ log = logging.getLogger(__name__)
 # VLLM_USE_TRITON_AWQ; the GPU check's 4-bit bench sets it): the codes on this kernel; False (=0): de-quantized to
 # bf16 at load; None (unset): the codes kept where de-quantized they would not fit (`codes_kept`)
 USE_ON_CUDA = kernel_choice.switch("LMISERVE_USE_TRITON_INT4")
-FIT_SHARE = 0.5  # de-quantized weights over this share of the GPU's free memory: the codes stay 4-bit
 MEASURED_ON_CPU = False
 GROUP_TILE = 32  # the smallest tile's inputs: groups of a multiple of it are served
 SLICE = 1024  # outputs de-quantized at a time by `dequantized_product`
 
 __all__ = [
     "CANDIDATES",
-    "FIT_SHARE",
     "GROUP_TILE",
     "USE_ON_CUDA",
     "Config",
@@ -79,30 +77,18 @@ __all__ = [
 
 def codes_kept(dequantized_bytes: int, free_bytes: int) -> bool:
     """Whether a 4-bit checkpoint on CUDA keeps its codes on this kernel: as `USE_ON_CUDA` forces, else where its
-    weights de-quantized to the compute dtype (`dequantized_bytes`) would take more than `FIT_SHARE` of the
-    GPU's `free_bytes` (the rest is the KV cache's): the memory a 4-bit model is published for, where bf16's
-    faster products would not fit."""
-    if USE_ON_CUDA is not None:
-        return USE_ON_CUDA
-    return dequantized_bytes > FIT_SHARE * free_bytes
+    weights de-quantized to the compute dtype would not fit (`weight_fit.kept`)."""
+    return weight_fit.kept(USE_ON_CUDA, dequantized_bytes, free_bytes)
 
 
 def codes_kept_for(model: torch.nn.Module, device: torch.device, name: str) -> bool | None:
     """On CUDA, whether the 4-bit linears of `model` (on the meta device, its linears in the compute dtype: a whole
-    model's, or a tensor-parallel rank's shell) keep their codes (`codes_kept`: every parameter's bytes against the
-    GPU's free memory), logged for the checkpoint `name` with its reason; None elsewhere."""
+    model's, or a tensor-parallel rank's shell) keep their codes (`weight_fit.kept_for`), logged for the checkpoint
+    `name`; None elsewhere."""
     if device.type != "cuda" or not available():
         return None
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    free = torch.cuda.mem_get_info(device)[0]
-    kept = codes_kept(total, free)
-    dtype = next((str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()), "?")
-    how = "forced by LMISERVE_USE_TRITON_INT4" if USE_ON_CUDA is not None else (
-        f"{total / 1e9:.1f} GB de-quantized to {dtype}, {free / 1e9:.1f} GB free on the GPU: the codes stay where "
-        f"that is over {FIT_SHARE:.0%}"
-    )  # fmt: skip
-    log.info("%s: %s (%s)", name, "4-bit codes on the Triton kernel" if kept else "de-quantized at load", how)
-    return kept
+    switch = "LMISERVE_USE_TRITON_INT4"
+    return weight_fit.kept_for(log, model, device, name, USE_ON_CUDA, switch, "4-bit codes on the Triton kernel")
 
 
 def available() -> bool:

@@ -5,8 +5,10 @@ fp8: a ``float8_e4m3fn`` weight ``[out, in]`` with a fp32 scale per output chann
 tensor (one value), ``w = weight * scale``. `Fp8Linear` keeps the fp8 weight and multiplies through
 ``torch._scaled_mm`` with the activations quantized to fp8 per row (token) at each call, as vLLM and
 FBGEMM do (a checkpoint's static ``input_scale`` is not used). It is built on CUDA with compute
-capability 8.9 or more (Ada, Hopper); elsewhere `fp8_module` de-quantizes the weight once, at load,
-into a plain linear of the compute dtype (exact in fp32), so a CPU serves fp8 checkpoints correctly
+capability 8.9 or more (Ada, Hopper), and on a GPU without fp8 products (A100, A10G) where the loader keeps
+the fp8 weights (`fp8_gemv.weights_kept_for`: bf16 would not fit, or ``LMISERVE_USE_TRITON_FP8=1``; the
+products then widen the bytes in a Triton kernel); elsewhere `fp8_module` de-quantizes the weight once, at
+load, into a plain linear of the compute dtype (exact in fp32), so a CPU serves fp8 checkpoints correctly
 (without the memory saving). On an H200 (2026-11-29) the `_scaled_mm` path is correct and halves the
 weights' memory, but decodes the 8B shape at 0.74x bf16's tokens/s at one stream (fp8_ops.py's doc).
 
@@ -37,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lmiserve.engine.model import int4_triton
+from lmiserve.engine.model import fp8_gemv, int4_triton
 from lmiserve.engine.model.fp8_ops import FP8_MAX, dequantize_fp8, fp8_linear, quantize_fp8
 from lmiserve.engine.model.quantize import INT4_GROUP, Int4Linear, int4_available
 
@@ -55,6 +57,7 @@ __all__ = [
     "quantize_fp8",
     "unpack_awq",
     "unpack_gptq",
+    "weights_kept_for",
 ]
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble k of an AWQ word holds output AWQ_ORDER[k] of its 8
@@ -181,6 +184,15 @@ def int4_module(
     return _plain_linear(parts.dequantize(), bias, dtype, device)
 
 
+def weights_kept_for(model: torch.nn.Module, device: torch.device, name: str, method: str) -> bool | None:
+    """Whether the linears of a `method` checkpoint (fp8, awq, gptq) stay quantized on a GPU where their kernel
+    is not yet measured (`int4_triton.codes_kept_for`, `fp8_gemv.weights_kept_for`), for `model` (the meta model
+    or a tensor-parallel rank's shell) on `device`; None where the question is not asked."""
+    if method == "fp8":
+        return fp8_gemv.weights_kept_for(model, device, name)
+    return int4_triton.codes_kept_for(model, device, name)
+
+
 def fp8_scaled_mm_supported(device: torch.device) -> bool:
     """Whether `Fp8Linear`'s fp8 product runs on `device`: CUDA with compute capability 8.9 or more."""
     if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
@@ -219,11 +231,12 @@ def fp8_module(
     bias: torch.Tensor | None,
     dtype: torch.dtype,
     device: torch.device,
-    force_fp8: bool = False,
+    keep_fp8: bool | None = None,
 ) -> torch.nn.Module:
-    """The layer of an fp8 weight: `Fp8Linear` where `fp8_scaled_mm_supported` (or `force_fp8`: tests on
-    CPU), else a plain linear of `dtype` with the weight de-quantized once, at load."""
-    if force_fp8 or fp8_scaled_mm_supported(device):
+    """The layer of an fp8 weight: `Fp8Linear` where `fp8_scaled_mm_supported` or `keep_fp8` (the loaders'
+    `fp8_gemv.weights_kept_for` on a GPU without fp8 products; tests on a CPU), else a plain linear of `dtype`
+    with the weight de-quantized once, at load."""
+    if keep_fp8 or fp8_scaled_mm_supported(device):
         channel = scale.float().reshape(-1).expand(weight.shape[0]).contiguous()  # per tensor: every row's
         b = None if bias is None else bias.detach().to(device, dtype)
         return Fp8Linear(weight.to(device), channel.to(device), b)

@@ -29,9 +29,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from lmiserve.engine.model import int4_triton
 from lmiserve.engine.model.checkpoint_names import renamer
-from lmiserve.engine.model.quant_formats import QuantSpec
+from lmiserve.engine.model.quant_formats import QuantSpec, weights_kept_for
 from lmiserve.engine.model.shard_quantized import dequantizing_reader, shard_linear
 from lmiserve.engine.model.sharding import (
     EXPERT_TENSORS,
@@ -159,7 +158,7 @@ def _quantized_linears(
         return set()
     key = "weight_scale" if quant.method == "fp8" else "qweight"
     plan = cast(Any, shard_of(model)).plan
-    keep = int4_triton.codes_kept_for(model, device, f"rank {plan.rank}") if quant.method != "fp8" else None
+    keep = weights_kept_for(model, device, f"rank {plan.rank}", quant.method)
     made = set()
     for name, module in list(model.named_modules()):
         if type(module) is not torch.nn.Linear or ".layers." not in name or f"{name}.{key}" not in files:

@@ -36,6 +36,7 @@ from lmiserve.engine.model.quant_formats import (
     quantize_fp8,
     unpack_awq,
     unpack_gptq,
+    weights_kept_for,
 )
 from lmiserve.engine.model.quantize import replace_linears
 from lmiserve.engine.model.sharding import ROW_PARALLEL, ShardPlan, column_run, keep_runs, row_runs, shard_of
@@ -104,11 +105,11 @@ def shard_linear(
     quant: QuantSpec,
     dtype: torch.dtype,
     device: torch.device,
-    keep_codes: bool | None = None,
+    keep: bool | None = None,
 ) -> torch.nn.Module | None:
     """The rank's layer of linear `name` from the checkpoint's quantized tensors of it (`names`: the checkpoint's
     tensors; `read`: one's slice), cut as `sharding` cuts a float linear; None when the checkpoint stores it float
-    or in a format that is read as float (block-wise fp8: `dequantizing_reader`). `keep_codes`: `int4_module`'s."""
+    or in a format that is read as float (block-wise fp8: `dequantizing_reader`). `keep`: `weights_kept_for`'s."""
     short = name.rpartition(".")[2]
     rows, columns = None, None
     stored = read(f"{name}.weight_scale" if quant.method == "fp8" else f"{name}.scales")
@@ -125,7 +126,7 @@ def shard_linear(
             scale = scale if scale.numel() == 1 else keep_runs(scale, rows)
         else:
             weight = torch.as_tensor(weight[:, columns] if columns is not None else weight[:])
-        return fp8_module(weight, scale, bias, dtype, device)
+        return fp8_module(weight, scale, bias, dtype, device, keep)
     qweight, qzeros, scales = (torch.as_tensor(read(f"{name}.{key}")[...]) for key in ("qweight", "qzeros", "scales"))
     if quant.method == "awq":
         parts = unpack_awq(qweight, qzeros, scales, quant.group_size)
@@ -134,7 +135,7 @@ def shard_linear(
         parts = unpack_gptq(qweight, qzeros, scales, g_idx, quant.group_size, quant.v1_zeros)
     if rows is None and short in ROW_PARALLEL:
         columns = column_run(plan, short, parts.codes.shape[1])
-    return int4_module(_cut_int4(parts, rows, columns), bias, dtype, device, keep_codes)
+    return int4_module(_cut_int4(parts, rows, columns), bias, dtype, device, keep)
 
 
 def _bias(bias: Any, rows: list[slice] | None, short: str, plan: ShardPlan) -> torch.Tensor | None:
@@ -171,6 +172,7 @@ def quantize_fp8_shard(model: torch.nn.Module, dtype: torch.dtype, device: torch
     if shard is None:
         raise ValueError("quantize_fp8_shard quantizes a model cut by shard_model")
     row_parallel = {id(m) for name, m in model.named_modules() if name.rpartition(".")[2] in ROW_PARALLEL}
+    keep = weights_kept_for(model, device, f"rank {shard.plan.rank}: quantize=fp8", "fp8")
 
     def make(linear: torch.nn.Linear) -> torch.nn.Module:
         amax = None
@@ -178,6 +180,6 @@ def quantize_fp8_shard(model: torch.nn.Module, dtype: torch.dtype, device: torch
             amax = linear.weight.detach().float().abs().amax(dim=1)
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=shard.group)
         weight, scale = quantize_fp8(linear.weight, amax)
-        return fp8_module(weight, scale, linear.bias, dtype, device)
+        return fp8_module(weight, scale, linear.bias, dtype, device, keep)
 
     return replace_linears(model, lambda linear: True, make)

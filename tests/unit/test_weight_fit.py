@@ -1,8 +1,10 @@
 """A 4-bit (AWQ/GPTQ) checkpoint on CUDA keeps its codes on the Triton kernel where its weights de-quantized would not
 fit the GPU (a 70B AWQ model on one 80 GB GPU: 140 GB in bf16), and is de-quantized to bf16 where they fit (faster
 products, until the kernel is measured on a GPU); ``LMISERVE_USE_TRITON_INT4`` forces either way
-(engine/model/int4_triton.py `codes_kept`, models/quantized_load.py). The GPU's free memory is the one figure
-given here: the rest is the loader's own reading of the checkpoint's model."""
+(engine/model/weight_fit.py, int4_triton.py `codes_kept`, models/quantized_load.py). An fp8 checkpoint on a GPU
+without fp8 products (A100, A10G) keeps its fp8 weights on `fp8_gemv`'s widening kernel by the same rule
+(``LMISERVE_USE_TRITON_FP8``). The GPU's free memory (and for fp8 its compute capability) is the one figure given
+here: the rest is the loader's own reading of the checkpoint's model."""
 
 from __future__ import annotations
 
@@ -15,10 +17,11 @@ from accelerate import init_empty_weights
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from helpers.quantizable import quantizable_llama, write_checkpoint
-from lmiserve.engine.model import int4_triton, kernel_choice
+from lmiserve.engine.model import fp8_gemv, int4_triton, kernel_choice
+from lmiserve.engine.model.quant_formats import Fp8Linear
 from lmiserve.engine.model.shard_checkpoint import load_shard_weights
 from lmiserve.engine.model.sharding import shard_model
-from lmiserve.models.load import load_model_shell
+from lmiserve.models.load import load_causal_lm, load_model_shell
 from lmiserve.models.quantized_load import checkpoint_quantization, load_quantized
 
 GB = 10**9
@@ -80,7 +83,10 @@ def test_the_loader_weighs_the_model_de_quantized_against_the_gpus_free_memory(a
     lines = [r.getMessage() for r in caplog.records]
     size = f"{total / GB:.1f} GB de-quantized to bfloat16"
     assert lines[0].startswith(f"awq: de-quantized at load ({size}, {2 * total / GB:.1f} GB free on the GPU: ")
-    assert lines[1].startswith("awq: 4-bit codes on the Triton kernel (") and "over 50%" in lines[1]
+    assert (
+        lines[1].startswith("awq: 4-bit codes on the Triton kernel (")
+        and "quantized where that is over 50%" in lines[1]
+    )
     assert lines[2] == "awq: de-quantized at load (forced by LMISERVE_USE_TRITON_INT4)"
     assert int4_triton.codes_kept_for(model, torch.device("cpu"), "awq") is None
 
@@ -103,3 +109,80 @@ def test_one_process_and_each_tensor_parallel_rank_weigh_what_they_load(awq_dir,
     (one, whole_size), (rank, rank_size) = asked
     assert (one, rank) == ("awq", "rank 1")
     assert whole_size == sum(p.numel() for p in quantizable_llama(39).parameters()) and rank_size < whole_size
+
+
+@pytest.fixture
+def meta_model(awq_dir: Path) -> torch.nn.Module:
+    config = AutoConfig.from_pretrained(awq_dir)
+    del config.quantization_config
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("capability", "forced", "free_share", "kept"),
+    [
+        ((8, 6), None, 1.5, True),  # an A10G: bf16 would take two thirds of the free memory
+        ((8, 0), None, 3.0, False),  # an A100 with room: bf16 (measured products)
+        ((8, 0), True, 3.0, True),  # LMISERVE_USE_TRITON_FP8=1
+        ((8, 6), False, 1.5, False),  # =0
+        ((8, 9), None, 1.5, None),  # an L4: fp8 products of its own (Fp8Linear always)
+        ((9, 0), None, 1.5, None),  # an H100
+        ((7, 5), None, 1.5, None),  # a T4: de-quantized (no bf16, not served by the kernel)
+    ],
+)
+def test_fp8_weights_stay_fp8_on_a_gpu_without_fp8_products_where_bf16_would_not_fit(
+    meta_model, monkeypatch, caplog, capability, forced, free_share, kept
+):
+    total = 2 * sum(p.numel() for p in meta_model.parameters())
+    monkeypatch.setattr(fp8_gemv, "_native", {})
+    monkeypatch.setattr(fp8_gemv, "USE_ON_CUDA", forced)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (int(free_share * total), 4 * total))
+    with caplog.at_level(logging.INFO, logger=fp8_gemv.__name__):
+        assert fp8_gemv.weights_kept_for(meta_model, torch.device("cuda", 0), "fp8") is kept
+    if kept is not None:
+        said = "fp8: fp8 weights on the widening Triton kernel (" if kept else "fp8: de-quantized"
+        assert caplog.records[-1].getMessage().startswith(said)
+        assert ("forced by LMISERVE_USE_TRITON_FP8" in caplog.text) is (forced is not None)
+    assert fp8_gemv.weights_kept_for(meta_model, torch.device("cpu"), "fp8") is None
+
+
+def test_the_fp8_switch_is_read_from_the_environment():
+    assert 'USE_ON_CUDA = kernel_choice.switch("LMISERVE_USE_TRITON_FP8")' in Path(fp8_gemv.__file__).read_text()
+
+
+@pytest.fixture(scope="module")
+def fp8_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(quantizable_llama(39), tmp_path_factory.mktemp("fp8") / "fp8", "fp8-channel")
+
+
+@pytest.fixture(scope="module")
+def float_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(quantizable_llama(39), tmp_path_factory.mktemp("float") / "float", "float")
+
+
+@pytest.mark.parametrize("answer", [True, None], ids=["kept", "not-asked"])
+def test_every_fp8_load_asks_and_keeps_fp8_weights_where_told(fp8_dir, float_dir, monkeypatch, answer):
+    """An fp8 checkpoint in one process, a tensor-parallel rank's cut of it, and ``quantize=fp8`` of a float
+    model each ask once of what they load; where the answer is to keep (an A10G), every linear of the layers is an
+    `Fp8Linear` (here on a CPU, where the answer is never asked, none is)."""
+    asked: list[str] = []
+
+    def spy(model: torch.nn.Module, device: torch.device, name: str) -> bool | None:
+        asked.append(name)
+        return answer
+
+    monkeypatch.setattr(fp8_gemv, "weights_kept_for", spy)
+    spec = checkpoint_quantization(fp8_dir, None)
+    assert spec is not None
+    whole, _ = load_quantized(fp8_dir, spec, torch.float32, torch.device("cpu"))
+    shell = load_model_shell(fp8_dir, dtype="fp32", device="cpu").model
+    shard_model(shell, 1, 2, None)
+    load_shard_weights(shell, fp8_dir, spec, torch.device("cpu"))
+    dynamic = load_causal_lm(float_dir, device="cpu", quantize="fp8").model
+    assert asked == ["fp8", "rank 1", "quantize=fp8"]
+    for model in (whole, shell, dynamic):
+        layer = model.model.layers[0]
+        assert isinstance(layer.mlp.down_proj, Fp8Linear) is bool(answer)
+        assert isinstance(layer.self_attn.q_proj, Fp8Linear) is bool(answer)
