@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from lmiserve.engine import fp8_devices
 from lmiserve.engine.model import fp8_gemv, int4_triton, kernel_choice
 from lmiserve.engine.model.fp8_ops import fp8_linear, rows_to_fp8
 from lmiserve.engine.model.quant_formats import Fp8Linear, Int4Parts, fp8_scaled_mm_supported, quantize_fp8
@@ -166,7 +167,7 @@ def main() -> None:
                 "fp8": (lambda x=x, m=fp8: m(x), out * inputs, x @ fp8_dense.t()),
                 "int4_triton": (lambda x=x, m=int4: m(x), out * inputs // 2, x @ int4_dense.t()),
             }
-            native = fp8_gemv.native(device)
+            native = fp8_devices.native(device)
             if (rows <= fp8_gemv.MAX_ROWS or not native) and fp8_gemv.available():
                 tile = fastest_gemv_tile(x, fp8, 20, cuda)
                 if tile is not None:

@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 
+from lmiserve.engine import fp8_devices
 from lmiserve.engine.model import fp8_gemv
 from lmiserve.engine.model.fp8_ops import dequantize_fp8, fp8_linear, quantize_fp8, scaled_product
 
@@ -153,8 +154,8 @@ def test_a_measurement_that_fails_leaves_scaled_mm_serving_and_says_so(
 
 @pytest.fixture
 def without_fp8_products(monkeypatch: pytest.MonkeyPatch) -> None:
-    """CPU tensors read as a GPU without fp8 products reads them (an A100 or A10G: `fp8_gemv.native` false)."""
-    monkeypatch.setattr(fp8_gemv, "NATIVE_ON_CPU", False)
+    """CPU tensors read as a GPU without fp8 products reads them (an A100 or A10G: `fp8_devices.native` false)."""
+    monkeypatch.setattr(fp8_devices, "native", lambda device: False)
 
 
 def every_fp8_byte(out: int) -> torch.Tensor:

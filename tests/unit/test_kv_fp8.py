@@ -18,6 +18,7 @@ import torch
 from helpers.engines import running_engine
 from lmiserve.config import ConfigError, Settings, load_settings
 from lmiserve.core.request import GenerationRequest, SamplingParams
+from lmiserve.engine import fp8_devices
 from lmiserve.engine.attention import backends, cuda_graphs, kv_quant, triton_ops
 from lmiserve.engine.attention import paged as paged_attention
 from lmiserve.engine.attention.kv_quant import KvFormat
@@ -183,15 +184,55 @@ KERNEL_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == 
     not triton_ops.available(torch.device(DEVICE)) and not (DEVICE == "cpu" and triton_ops.interpreting()),
     reason="the Triton kernel runs on CUDA, or on a CPU under its interpreter",
 )
+@pytest.mark.parametrize("widened", [False, True], ids=["fp8-types", "widened"])
 @pytest.mark.parametrize("kv_dtype", [E4M3, E5M2])
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-def test_the_triton_kernel_reads_fp8_blocks(kv_dtype, dtype):
+def test_the_triton_kernel_reads_fp8_blocks(kv_dtype, dtype, widened, monkeypatch):
     """The kernel's fp8 form (load, cast, key scale on the scores, value scale on the output) against
     attention position by position over the dequantized cache: `self_check`, which a GPU runs before
-    taking the kernel. (bf16 does not run under the interpreter, fp8 or not: it is checked on the GPU.)"""
+    taking the kernel. `widened`: as on a GPU without fp8 conversions (an A100 or A10G), the bytes widened by
+    the kernel itself. (bf16 does not run under the interpreter, fp8 or not: it is checked on the GPU.)"""
+    if widened:
+        monkeypatch.setattr(fp8_devices, "native", lambda device: False)
     triton_ops.self_check.cache_clear()
     assert triton_ops.self_check(3, 3, 64, 16, dtype, DEVICE, kv_dtype) is None
     assert triton_ops.self_check(2, 2, 32, 8, dtype, DEVICE, kv_dtype) is None
+    triton_ops.self_check.cache_clear()  # (not kept for the other form)
+
+
+@pytest.mark.parametrize("kv_dtype", [E4M3, E5M2])
+def test_widened_fp8_bytes_are_every_fp8_value_exactly(kv_dtype, monkeypatch):
+    """Every byte of the type but NaN (and e5m2's infinities) as one key position's values, read back by the
+    kernel's widening (as an A100 reads an fp8 pool): one query on a one-hot key makes the output the value row
+    itself, so each value must come back exact, fp32 throughout."""
+    if DEVICE != "cpu" or not triton_ops.interpreting():
+        pytest.skip("under Triton's interpreter")
+    monkeypatch.setattr(fp8_devices, "native", lambda device: False)
+    every = torch.arange(256, dtype=torch.uint8).view(kv_dtype).float()
+    finite = every[torch.isfinite(every)]
+    dims = 32
+    rows = finite.reshape(-1, dims) if finite.numel() % dims == 0 else torch.cat(
+        [finite, torch.zeros(dims - finite.numel() % dims)]
+    ).reshape(-1, dims)  # fmt: skip
+    block_size = 16
+    positions = rows.shape[0]
+    blocks = -(-positions // block_size) + 1
+    keys = torch.zeros(blocks, 1, block_size, dims)
+    values = torch.zeros(blocks, 1, block_size, dims)
+    for p in range(positions):
+        values[p // block_size, 0, p % block_size] = rows[p]
+    got = []
+    for p in range(positions):  # one query a position: attention on position p alone (the others masked by -inf)
+        keys_p = torch.zeros_like(keys)
+        keys_p[p // block_size, 0, p % block_size, 0] = 1.0
+        plan = triton_ops.step_tiles([(list(range(blocks)), p, 1)], 1, 1, block_size, torch.device("cpu"))
+        query = torch.zeros(1, 1, dims)
+        query[0, 0, 0] = 1e4  # softmax puts all weight on position p
+        out = triton_ops.paged_attention(
+            query, keys_p.to(kv_dtype), values.to(kv_dtype), plan, 1.0, kv_scales=(1.0, 1.0)
+        )
+        got.append(out[0, 0])
+    assert torch.equal(torch.stack(got), rows)
 
 
 # ---- the engine ---------------------------------------------------------------------------------------------
@@ -281,13 +322,20 @@ async def test_smollm2_over_an_fp8_pool_keeps_its_perplexity_and_next_token_choi
     not triton_ops.available(torch.device(DEVICE)) and not (DEVICE == "cpu" and triton_ops.interpreting()),
     reason="the Triton kernel runs on CUDA, or on a CPU under its interpreter",
 )
-@pytest.mark.parametrize("runner", [{"fast_path": True}, {"fast_path": False}], ids=["fast", "generic"])
+@pytest.mark.parametrize(
+    ("runner", "widened"),
+    [({"fast_path": True}, False), ({"fast_path": False}, False), ({"fast_path": True}, True)],
+    ids=["fast", "generic", "fast-widened"],
+)
 async def test_the_engine_over_the_triton_kernel_reads_an_fp8_pool_as_the_torch_path_does(
-    tiny_model, monkeypatch, runner
+    tiny_model, monkeypatch, runner, widened
 ):
     """Continuous batching with prompts in chunks, every step's attention in the kernel over an fp8 pool
-    (its writes quantized by `write_step`, its reads cast in the kernel): the torch backend's greedy tokens
-    over the same kind of pool."""
+    (its writes quantized by `write_step`, its reads cast in the kernel, or `widened` by it as on an A100):
+    the torch backend's greedy tokens over the same kind of pool."""
+    if widened:
+        monkeypatch.setattr(fp8_devices, "native", lambda device: False)
+        triton_ops.self_check.cache_clear()  # (the backend's start-up check runs the widened form)
     config = {"kv_cache_dtype": "fp8", "max_prefill_tokens": 6, **runner}
     monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "torch")
     async with running_engine(tiny_model, **config) as engine:
@@ -297,6 +345,7 @@ async def test_the_engine_over_the_triton_kernel_reads_an_fp8_pool_as_the_torch_
         attention = engine.runner.fast.attention if runner["fast_path"] else engine.runner.attention
         assert isinstance(attention, backends.TritonBackend)
         kernel = await asyncio.gather(*(greedy(engine, p, 8) for p in PROMPTS))
+    triton_ops.self_check.cache_clear()
     assert kernel == gathered
 
 

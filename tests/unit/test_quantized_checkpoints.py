@@ -250,6 +250,7 @@ def test_fp8_linears_on_the_triton_decode_kernel_decode_what_transformers_decode
     activations, so the engine's greedy tokens are the de-quantized float model's. Also with the decode steps in
     the decode graphs (as on a GPU; tests/conftest.py checks their steps would capture)."""
     from helpers.decode_graphs import graphs_on_the_test_device
+    from lmiserve.engine import fp8_devices
     from lmiserve.engine.model import fp8_gemv
 
     if not fp8_gemv.available() or os.environ.get("TRITON_INTERPRET") != "1":
@@ -263,7 +264,7 @@ def test_fp8_linears_on_the_triton_decode_kernel_decode_what_transformers_decode
     )  # few programs: the interpreter
     case = "fp8-channel"
     if widened:
-        monkeypatch.setattr(fp8_gemv, "NATIVE_ON_CPU", False)
+        monkeypatch.setattr(fp8_devices, "native", lambda device: False)
         monkeypatch.setattr(fp8_gemv, "weights_kept_for", lambda model, device, name: True)
         monkeypatch.setattr(fp8_gemv, "choose", lambda x, *_: one if x.shape[0] == 1 else more)
         loaded = load_causal_lm(checkpoints[case], device="cpu", dtype="fp32")
@@ -284,7 +285,9 @@ def test_fp8_linears_on_the_triton_decode_kernel_decode_what_transformers_decode
     ran: list[tuple[int, bool]] = []
     kernel = fp8_gemv.fp8_gemv
     monkeypatch.setattr(
-        fp8_gemv, "fp8_gemv", lambda x, *rest: ran.append((x.shape[0], fp8_gemv.native(x.device))) or kernel(x, *rest)
+        fp8_gemv,
+        "fp8_gemv",
+        lambda x, *rest: ran.append((x.shape[0], fp8_devices.native(x.device))) or kernel(x, *rest),
     )
     path, results = engine_tokens(loaded, PROMPTS, 8)
     assert path == "fast" and ran and max(rows for rows, _ in ran) >= len(PROMPTS[-1])  # decode rows, prompts' rows

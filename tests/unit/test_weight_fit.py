@@ -17,6 +17,7 @@ from accelerate import init_empty_weights
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from helpers.quantizable import quantizable_llama, write_checkpoint
+from lmiserve.engine import fp8_devices
 from lmiserve.engine.model import fp8_gemv, int4_triton, kernel_choice
 from lmiserve.engine.model.quant_formats import Fp8Linear
 from lmiserve.engine.model.shard_checkpoint import load_shard_weights
@@ -135,7 +136,7 @@ def test_fp8_weights_stay_fp8_on_a_gpu_without_fp8_products_where_bf16_would_not
     meta_model, monkeypatch, caplog, capability, forced, free_share, kept
 ):
     total = 2 * sum(p.numel() for p in meta_model.parameters())
-    monkeypatch.setattr(fp8_gemv, "_native", {})
+    monkeypatch.setattr(fp8_devices, "_native", {})
     monkeypatch.setattr(fp8_gemv, "USE_ON_CUDA", forced)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (int(free_share * total), 4 * total))

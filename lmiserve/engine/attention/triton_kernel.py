@@ -1,5 +1,11 @@
 """The Triton kernel of `triton_ops` (imported only where Triton is installed; the interpreter
-patches this module's ``tl`` when it runs the kernel on a CPU)."""
+patches this module's ``tl`` when it runs the kernel on a CPU).
+
+An fp8 cache (`KV_FP8`) on a GPU that converts fp8 itself is read through Triton's fp8 types; on one that does not
+(an A100 or A10G, `KV_WIDEN`) the caches come as bytes, widened by moving their bits into a fp16: an e5m2 byte is
+a fp16's high byte (exact), an e4m3 byte's sign, exponent and mantissa go into a fp16's read as ``x / 2**8``
+(exact, subnormals included; the 2**8 is in the scales the caller passes), as `engine/model/fp8_gemv_kernel.py`
+widens fp8 weights."""
 
 import triton.language as tl
 
@@ -38,6 +44,7 @@ def paged_attention_kernel(  # pragma: no cover - runs as a Triton kernel
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
+    KV_WIDEN: tl.constexpr,
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,
 ):
@@ -80,6 +87,11 @@ def paged_attention_kernel(  # pragma: no cover - runs as a Triton kernel
             at = block * stride_kb + kv_head * stride_kh + (offs % BLOCK_SIZE) * stride_ko
             kv_mask = seen[:, None] & dim_ok[None, :]
             k = tl.load(k_ptr + at[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+            if KV_WIDEN == 1:  # e4m3 bytes: k / 2**8 in a fp16
+                kh = k.to(tl.uint16)
+                k = (((kh & 0x80) << 8) | ((kh & 0x7F) << 7)).to(tl.float16, bitcast=True)
+            elif KV_WIDEN == 2:  # e5m2 bytes: a fp16's high byte
+                k = (k.to(tl.uint16) << 8).to(tl.float16, bitcast=True)
             if KV_FP8:  # an fp8 cache: cast to the queries' dtype (its key scale is folded into `scale`)
                 k = k.to(q.dtype)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
@@ -93,6 +105,11 @@ def paged_attention_kernel(  # pragma: no cover - runs as a Triton kernel
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + at[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+            if KV_WIDEN == 1:
+                vh = v.to(tl.uint16)
+                v = (((vh & 0x80) << 8) | ((vh & 0x7F) << 7)).to(tl.float16, bitcast=True)
+            elif KV_WIDEN == 2:
+                v = (v.to(tl.uint16) << 8).to(tl.float16, bitcast=True)
             if KV_FP8:
                 v = v.to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)

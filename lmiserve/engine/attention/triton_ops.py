@@ -23,9 +23,10 @@ Triton comes with torch's CUDA wheels; without it (`available`) the CUDA path ke
 
 An fp8 cache (attention/kv_quant.py): `write_step` quantizes with the layer's scales; the kernel loads the
 fp8 keys and values, casts them to the query's dtype and applies the key scale to the scores and the value
-scale to the output. On an H200 (2026-11-29) its self-check agreed with the reference in fp32, fp16 and
-bf16 (tests/unit/test_kv_fp8.py on CUDA): `self_check` runs the fp8 form first on the device and the
-backend keeps the torch path if it fails or disagrees.
+scale to the output; on a GPU without fp8 conversions (an A100 or A10G: `fp8_devices.native`) it reads them as
+bytes and widens them itself (triton_kernel.py's doc). On an H200 (2026-11-29) its self-check agreed with the
+reference in fp32, fp16 and bf16 (tests/unit/test_kv_fp8.py on CUDA): `self_check` runs the fp8 form first on
+the device and the backend keeps the torch path if it fails or disagrees.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from lmiserve.engine import host_copy
+from lmiserve.engine import fp8_devices, host_copy
 from lmiserve.engine.attention import kv_quant
 from lmiserve.engine.attention.kv_quant import UNIT
 
@@ -253,6 +254,10 @@ def paged_attention(
     if query.device.type == "cpu" and not interpreting():
         raise RuntimeError("the Triton attention kernel runs on CPU tensors only with TRITON_INTERPRET=1")
     quantized = kv_quant.is_fp8(key_cache.dtype)
+    widen, unit = 0, 1.0
+    if quantized and not fp8_devices.native(query.device):  # (an A100: the kernel widens the bytes itself)
+        widen, unit = (1, 256.0) if key_cache.dtype == torch.float8_e4m3fn else (2, 1.0)
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     _kernel()[(plan.tiles, kv_heads)](
         query,
         key_cache,
@@ -263,8 +268,8 @@ def paged_attention(
         plan.tile_count,
         plan.positions,
         plan.tables,
-        scale * kv_scales[0] if quantized else scale,
-        kv_scales[1] if quantized else 1.0,
+        scale * kv_scales[0] * unit if quantized else scale,
+        kv_scales[1] * unit if quantized else 1.0,
         window or 0,
         softcap or 1.0,
         query if sinks is None else sinks,  # (no sinks: a pointer never read)
@@ -285,6 +290,7 @@ def paged_attention(
         BLOCK_N=BLOCK_N,
         PRECISION="ieee" if (query.dtype if quantized else key_cache.dtype) == torch.float32 else "tf32",
         KV_FP8=quantized,
+        KV_WIDEN=widen,
         SOFTCAP=softcap is not None,
         SINKS=sinks is not None,
     )

@@ -15,7 +15,7 @@ served), and keeps the fastest, logged once. The decode graphs' eager warm-up be
 such a product, so the graphs record the choice. The times are of calls in a row between two CUDA events:
 the GPU's time where the GPU is the bottleneck, each call's launches included where it is not (eager).
 
-A GPU without fp8 products (compute capability below 8.9: A100, A10G; `native` false) has no ``_scaled_mm``
+A GPU without fp8 products (compute capability below 8.9: A100, A10G; `fp8_devices.native` false) has no ``_scaled_mm``
 either: there the kernel widens the bytes itself (`fp8_gemv_kernel`'s doc) and serves every row count, prefill
 too, with tensor-core tiles for more rows (buckets 64, 256 and 1024; `CANDIDATES`), measured against the weight
 de-quantized a slice at a time (`dequantized_product`), which also serves where no tile passes. Whether an fp8
@@ -24,8 +24,8 @@ checkpoint keeps its fp8 weights on such a GPU or is de-quantized at load is `we
 one.
 
 `ENABLED` turns the kernel off (``_scaled_mm`` everywhere); `INTERPRETED_ON_CPU` lets the tests choose it
-for CPU tensors under Triton's interpreter (tests/unit/test_fp8_gemv.py), and `NATIVE_ON_CPU` makes them
-widen as an Ampere GPU does.
+for CPU tensors under Triton's interpreter (tests/unit/test_fp8_gemv.py), and replacing `fp8_devices.native`
+makes them widen as an Ampere GPU does.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from lmiserve.engine import fp8_devices
 from lmiserve.engine.model import kernel_choice, weight_fit
 
 try:
@@ -58,14 +59,12 @@ __all__ = [
     "chosen",
     "dequantized_product",
     "fp8_gemv",
-    "native",
     "weights_kept_for",
 ]
 
 MAX_ROWS = 16  # more rows: ``_scaled_mm`` (the tensor cores' fp8 product pays), where the GPU has it
 ENABLED = True
 INTERPRETED_ON_CPU = False
-NATIVE_ON_CPU = True
 SLICE = 1024  # outputs de-quantized at a time by `dequantized_product`
 # fp8 checkpoints on a GPU without fp8 products (module doc): True (LMISERVE_USE_TRITON_FP8=1) fp8 weights on this
 # kernel; False (=0) de-quantized at load; None (unset) kept where de-quantized they would not fit (`weight_fit`)
@@ -133,25 +132,14 @@ def available() -> bool:
     return triton is not None
 
 
-_native: dict[torch.device, bool] = {}
-
-
-def native(device: torch.device) -> bool:
-    """Whether `device` multiplies and converts fp8 itself (CUDA with compute capability 8.9 or more: Ada, Hopper;
-    on a CPU `NATIVE_ON_CPU`): ``_scaled_mm`` runs there, and the kernel reads the bytes as ``float8e4nv``."""
-    if device.type != "cuda":
-        return NATIVE_ON_CPU
-    if device not in _native:
-        _native[device] = torch.cuda.get_device_capability(device) >= (8, 9)
-    return _native[device]
-
-
 def weights_kept_for(model: torch.nn.Module, device: torch.device, name: str) -> bool | None:
     """On a GPU without fp8 products where Triton runs (compute capability 8.0 to 8.8), whether the fp8 linears
     of `model` (on the meta device in the compute dtype, or already on the GPU: a whole model's, or a
     tensor-parallel rank's) keep their fp8 weights on this kernel (`weight_fit.kept_for`), logged for `name`;
     None elsewhere (fp8 products where the GPU has them, de-quantized on a CPU)."""
-    if device.type != "cuda" or triton is None or native(device) or torch.cuda.get_device_capability(device) < (8, 0):
+    if device.type != "cuda" or triton is None or fp8_devices.native(device):
+        return None
+    if torch.cuda.get_device_capability(device) < (8, 0):
         return None
     kept_as = "fp8 weights on the widening Triton kernel"
     return weight_fit.kept_for(log, model, device, name, USE_ON_CUDA, "LMISERVE_USE_TRITON_FP8", kept_as)
@@ -179,7 +167,8 @@ def fp8_gemv(
     grid = (triton.cdiv(outputs, config.block_n), triton.cdiv(rows, config.block_m))
     _kernel()[grid](
         x, weight.view(torch.uint8), scales, y, rows, outputs, inputs, x.stride(0), y.stride(0),
-        EVEN_K=inputs % config.block_k == 0, USE_DOT=config.use_dot, NATIVE=native(x.device) and not widen,
+        EVEN_K=inputs % config.block_k == 0, USE_DOT=config.use_dot,
+        NATIVE=fp8_devices.native(x.device) and not widen,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
@@ -200,7 +189,7 @@ def choose(
     rows = x.shape[0]
     if not ENABLED or triton is None or not weight.is_contiguous():
         return None
-    if not (x.is_cuda or INTERPRETED_ON_CPU) or (rows > MAX_ROWS and native(x.device)):
+    if not (x.is_cuda or INTERPRETED_ON_CPU) or (rows > MAX_ROWS and fp8_devices.native(x.device)):
         return None
     key = (x.device, *weight.shape, bucket(rows), x.dtype)
     if key in _chosen:
@@ -238,7 +227,7 @@ def _measure(
 
 def _other(device: torch.device) -> str:
     """What serves where the kernel does not, for the log lines."""
-    return "torch._scaled_mm" if native(device) else "the de-quantized product"
+    return "torch._scaled_mm" if fp8_devices.native(device) else "the de-quantized product"
 
 
 def dequantized_product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from lmiserve.engine import fp8_devices
 from lmiserve.engine.model import fp8_gemv
 
 __all__ = ["FP8_MAX", "dequantize_fp8", "fp8_linear", "quantize_fp8", "rows_to_fp8", "scaled_product"]
@@ -54,7 +55,7 @@ def fp8_linear(
     """``x @ (weight * scales[:, None]).T`` for a 2-D `x`, fp8 `weight` ``[out, in]`` and fp32 `scales`
     ``[out]``: through `fp8_gemv` where it is chosen (measured faster on this GPU: a few rows, or any number
     where the GPU has no fp8 products), else `scaled_product` (or there `fp8_gemv.dequantized_product`)."""
-    if fp8_gemv.native(x.device):
+    if fp8_devices.native(x.device):
         other = functools.partial(scaled_product, weight=weight, scales=scales, quantize_rows=quantize_rows)
     else:
         other = functools.partial(fp8_gemv.dequantized_product, weight=weight, scales=scales)

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lmiserve.engine import fp8_devices
 from lmiserve.engine.model import fp8_gemv, int4_triton
 from lmiserve.engine.model.fp8_ops import FP8_MAX, dequantize_fp8, fp8_linear, quantize_fp8
 from lmiserve.engine.model.quantize import INT4_GROUP, Int4Linear, int4_available
@@ -195,9 +196,7 @@ def weights_kept_for(model: torch.nn.Module, device: torch.device, name: str, me
 
 def fp8_scaled_mm_supported(device: torch.device) -> bool:
     """Whether `Fp8Linear`'s fp8 product runs on `device`: CUDA with compute capability 8.9 or more."""
-    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cuda" and hasattr(torch, "_scaled_mm") and fp8_devices.native(device)
 
 
 class Fp8Linear(torch.nn.Module):
