@@ -39,6 +39,8 @@ def fp8_weight(out: int, inputs: int, seed: int = 0) -> tuple[torch.Tensor, torc
         fp8_gemv.Config(False, 1, 16, 32),  # one row a tile: products and sums
         fp8_gemv.Config(False, 4, 32, 64),
         fp8_gemv.Config(True, 16, 16, 32),  # tensor-core tiles
+        fp8_gemv.Config(False, 1, 16, 32, split_k=3),  # K split between programs: 3 of 32, or 2 of 64 (100)
+        fp8_gemv.Config(True, 16, 16, 32, split_k=2),
     ],
     ids=str,
 )
@@ -68,6 +70,19 @@ def test_half_activations_come_back_in_their_dtype_within_its_rounding(dtype: to
         got = fp8_gemv.fp8_gemv(x, weight, scale, config)
         assert got.dtype == dtype
         torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+def test_a_split_tile_adds_its_parts_in_one_order_every_run() -> None:
+    """A split's parts are added after the kernel, not by atomics: the same bits on every run (greedy streams
+    stay reproducible), and each split's share computed once (a share counted twice or left out is far off)."""
+    weight, scale, dense = fp8_weight(40, 256, seed=4)
+    x = torch.randn(2, 256).to(torch.float16)
+    config = fp8_gemv.Config(False, 4, 16, 32, split_k=4)
+    first = fp8_gemv.fp8_gemv(x, weight, scale, config)
+    assert first.dtype == torch.float16
+    assert torch.equal(first, fp8_gemv.fp8_gemv(x, weight, scale, config))
+    want = x.float() @ dense.t()
+    torch.testing.assert_close(first.float(), want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
 
 
 def test_a_non_contiguous_row_view_reads_the_right_rows() -> None:
@@ -232,3 +247,38 @@ def test_on_a_gpu_with_fp8_products_more_rows_than_max_rows_stay_on_scaled_mm(mo
     monkeypatch.setattr(fp8_gemv, "INTERPRETED_ON_CPU", True)
     weight, scale, _ = fp8_weight(32, 64)
     assert fp8_gemv.choose(torch.randn(17, 64), weight, scale, functools.partial(pytest.fail, "measured")) is None
+
+
+def test_the_choice_times_each_product_on_the_gpus_own_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA every candidate and the product it would replace are timed replayed in a CUDA graph (eagerly, a
+    few rows' product times its launches, the same for every tile); the fastest by those times is kept."""
+    from lmiserve.engine.model import kernel_choice
+
+    graphed: list[object] = []
+    monkeypatch.setattr(kernel_choice, "time_in_graph", lambda call, device: graphed.append(call) or 1.0)
+    assert kernel_choice.time_gpu(lambda: None, torch.device("cuda")) == 1.0 and len(graphed) == 1
+    assert kernel_choice.time_gpu(lambda: torch.ones(1), torch.device("cpu")) < 1.0  # no graphs: timed as it runs
+
+    weight, scale, dense = fp8_weight(48, 64, seed=5)
+    x = torch.randn(1, 64)
+    tiles = fp8_gemv.CANDIDATES[1][:3]
+    timed: dict[str, float] = {}
+
+    def gpu_time(call: object, device: torch.device) -> float:
+        config = getattr(call, "args", ("baseline",))[0]
+        timed[str(config)] = {str(tiles[2]): 1e-6}.get(str(config), 1e-3)
+        return timed[str(config)]
+
+    monkeypatch.setattr(kernel_choice, "time_gpu", gpu_time)
+    monkeypatch.setattr(kernel_choice, "time_call", lambda call, device: pytest.fail("timed eagerly"))
+    best = kernel_choice.pick(
+        logging.getLogger("test"),
+        "fp8",
+        (48, 64, 1),
+        tiles,
+        lambda config: fp8_gemv.fp8_gemv(x, weight, scale, config),
+        x @ dense.t(),
+        torch.device("cpu"),
+        ("the baseline", lambda: x @ dense.t()),
+    )
+    assert best == tiles[2] and set(timed) == {"baseline", *map(str, tiles)}

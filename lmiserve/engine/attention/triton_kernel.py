@@ -2,12 +2,13 @@
 patches this module's ``tl`` when it runs the kernel on a CPU).
 
 An fp8 cache (`KV_FP8`) on a GPU that converts fp8 itself is read through Triton's fp8 types; on one that does not
-(an A100 or A10G, `KV_WIDEN`) the caches come as bytes, widened by moving their bits into a fp16: an e5m2 byte is
-a fp16's high byte (exact), an e4m3 byte's sign, exponent and mantissa go into a fp16's read as ``x / 2**8``
-(exact, subnormals included; the 2**8 is in the scales the caller passes), as `engine/model/fp8_gemv_kernel.py`
-widens fp8 weights."""
+(an A100 or A10G, `KV_WIDEN`) the caches come as bytes, widened by moving their bits into a fp16
+(`engine/fp8_widen.py`: e5m2 exactly, e4m3 as ``x / 2**8``, the 2**8 in the scales the caller passes), as the fp8
+weights' kernel widens them."""
 
 import triton.language as tl
+
+from lmiserve.engine.fp8_widen import e4m3_over_256, e5m2
 
 __all__ = ["paged_attention_kernel"]
 
@@ -88,10 +89,9 @@ def paged_attention_kernel(  # pragma: no cover - runs as a Triton kernel
             kv_mask = seen[:, None] & dim_ok[None, :]
             k = tl.load(k_ptr + at[:, None] + dims[None, :], mask=kv_mask, other=0.0)
             if KV_WIDEN == 1:  # e4m3 bytes: k / 2**8 in a fp16
-                kh = k.to(tl.uint16)
-                k = (((kh & 0x80) << 8) | ((kh & 0x7F) << 7)).to(tl.float16, bitcast=True)
+                k = e4m3_over_256(k)
             elif KV_WIDEN == 2:  # e5m2 bytes: a fp16's high byte
-                k = (k.to(tl.uint16) << 8).to(tl.float16, bitcast=True)
+                k = e5m2(k)
             if KV_FP8:  # an fp8 cache: cast to the queries' dtype (its key scale is folded into `scale`)
                 k = k.to(q.dtype)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
@@ -106,10 +106,9 @@ def paged_attention_kernel(  # pragma: no cover - runs as a Triton kernel
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + at[:, None] + dims[None, :], mask=kv_mask, other=0.0)
             if KV_WIDEN == 1:
-                vh = v.to(tl.uint16)
-                v = (((vh & 0x80) << 8) | ((vh & 0x7F) << 7)).to(tl.float16, bitcast=True)
+                v = e4m3_over_256(v)
             elif KV_WIDEN == 2:
-                v = (v.to(tl.uint16) << 8).to(tl.float16, bitcast=True)
+                v = e5m2(v)
             if KV_FP8:
                 v = v.to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)

@@ -9,11 +9,12 @@ neither cost; prefill (more rows) keeps ``_scaled_mm``, where fp8's tensor cores
 
 Which one runs is measured, not assumed (a kernel tuned on one GPU can lose on another): the first product
 of each weight shape and row bucket (1, 2-4, 5-16 rows; `bucket`) outside a CUDA-graph capture times the
-bucket's four candidate tiles (`CANDIDATES`) and ``_scaled_mm`` on a random probe, checks each tile against
+bucket's candidate tiles (`CANDIDATES`, some with K split between programs) and ``_scaled_mm`` on a random
+probe, each replayed in a CUDA graph as the decode graphs run it, checks each tile against
 the de-quantized product (`kernel_choice.pick`: a tile this GPU or Triton miscompiles is dropped, never
 served), and keeps the fastest, logged once. The decode graphs' eager warm-up before each capture (cuda_graphs.py) is
-such a product, so the graphs record the choice. The times are of calls in a row between two CUDA events:
-the GPU's time where the GPU is the bottleneck, each call's launches included where it is not (eager).
+such a product, so the graphs record the choice. The times are the GPU's alone (`kernel_choice.time_gpu`):
+timed eagerly, a product of a few rows measures its launches, which do not tell the tiles apart.
 
 A GPU without fp8 products (compute capability below 8.9: A100, A10G; `fp8_devices.native` false) has no ``_scaled_mm``
 either: there the kernel widens the bytes itself (`fp8_gemv_kernel`'s doc) and serves every row count, prefill
@@ -84,25 +85,33 @@ def bucket(rows: int) -> int:
 
 
 # the sum tiles keep at most 64 products a thread in registers (rows x outputs x inputs / threads); tiles are
-# shared between buckets where they can serve both, so that a first start compiles 9 (Triton caches them)
+# shared between buckets where they can serve both, so that a first start compiles 9 (Triton caches them; a
+# split tile runs its unsplit twin's binary). Decode rows also try K split in 2-4: a [4096 x 14336] down
+# projection on 16-output tiles is 256 programs, too few to keep an H200's HBM busy (1.2 TB/s measured)
 CANDIDATES: dict[int, tuple[Config, ...]] = {
     1: (
         Config(False, 1, 16, 256),
         Config(False, 1, 32, 256),
         Config(False, 1, 16, 512),
         Config(True, 16, 32, 128),
+        Config(False, 1, 16, 512, split_k=4),
+        Config(True, 16, 32, 128, split_k=4),
     ),
     4: (
         Config(False, 4, 16, 128),
         Config(False, 4, 16, 256, num_warps=8),
         Config(True, 16, 32, 128),
         Config(True, 16, 32, 256),
+        Config(False, 4, 16, 128, split_k=4),
+        Config(True, 16, 32, 128, split_k=4),
     ),
     16: (
         Config(True, 16, 16, 128),
         Config(True, 16, 32, 128),
         Config(True, 16, 32, 256),
         Config(True, 16, 64, 128),
+        Config(True, 16, 32, 128, split_k=4),
+        Config(True, 16, 32, 256, split_k=2),
     ),
     # tensor-core tiles for the more rows that only a GPU without fp8 products gives this kernel
     64: (
@@ -163,16 +172,22 @@ def fp8_gemv(
     x = x.contiguous()
     rows, inputs = x.shape
     outputs = weight.shape[0]
-    y = torch.empty(rows, outputs, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(outputs, config.block_n), triton.cdiv(rows, config.block_m))
+    k_split = triton.cdiv(triton.cdiv(inputs, config.split_k), config.block_k) * config.block_k
+    splits = triton.cdiv(inputs, k_split)
+    if splits == 1:
+        y = torch.empty(rows, outputs, dtype=x.dtype, device=x.device)
+    else:  # each split's scaled fp32 sums, added up below in a fixed order
+        y = torch.empty(splits, rows, outputs, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(outputs, config.block_n), triton.cdiv(rows, config.block_m), splits)
     _kernel()[grid](
-        x, weight.view(torch.uint8), scales, y, rows, outputs, inputs, x.stride(0), y.stride(0),
+        x, weight.view(torch.uint8), scales, y, rows, outputs, inputs, x.stride(0), y.stride(-2), k_split,
+        y.stride(0) if splits > 1 else 0,
         EVEN_K=inputs % config.block_k == 0, USE_DOT=config.use_dot,
         NATIVE=fp8_devices.native(x.device) and not widen,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
-    return y
+    return y if splits == 1 else y.sum(0).to(x.dtype)
 
 
 def chosen() -> dict[tuple[Any, ...], Config | None]:

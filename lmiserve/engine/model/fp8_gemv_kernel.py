@@ -3,12 +3,11 @@ CPU in the tests): ``y = (x @ W.T) * scale`` for the rows of `x`, the fp8 weight
 widened in registers (no activation quantization, no bf16 copy of the weight).
 
 Widened by the GPU's fp8 conversion where it has one (`NATIVE`: compute capability 8.9 or more), else by moving
-the bits: an e4m3 byte's sign, 4 exponent bits and 3 mantissa bits placed in a fp16's sign and the low 4 of its
-5 exponent bits and top 3 mantissa bits read as ``w / 2**8`` (the biases differ by 15 - 7 = 8), exactly,
-subnormals included (as Marlin's fp8 kernels do on Ampere); the 2**8 goes into the scale. e4m3fn's NaN
-(``0x7f``) would read as a number, and checkpoints hold none."""
+the bits (`engine/fp8_widen.py`: ``w / 2**8`` in a fp16, exactly; the 2**8 goes into the scale)."""
 
 import triton.language as tl
+
+from lmiserve.engine.fp8_widen import e4m3_over_256
 
 __all__ = ["fp8_gemv_kernel"]
 
@@ -23,6 +22,8 @@ def fp8_gemv_kernel(  # pragma: no cover - runs as a Triton kernel
     K,
     stride_xm,
     stride_ym,
+    k_split,
+    stride_ys,
     EVEN_K: tl.constexpr,
     USE_DOT: tl.constexpr,
     NATIVE: tl.constexpr,
@@ -30,10 +31,13 @@ def fp8_gemv_kernel(  # pragma: no cover - runs as a Triton kernel
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # one program: BLOCK_N outputs of BLOCK_M rows over the whole of K; the weight's rows are K-contiguous,
-    # so a [BLOCK_N, BLOCK_K] tile is BLOCK_N runs of BLOCK_K bytes
+    # one program: BLOCK_N outputs of BLOCK_M rows over `k_split` of K (a multiple of BLOCK_K, or all of K); the
+    # weight's rows are K-contiguous, so a [BLOCK_N, BLOCK_K] tile is BLOCK_N runs of BLOCK_K bytes. K split
+    # between the grid's third axis: each program's scaled fp32 sums go to its slice of a [splits, M, N] `y`
+    # (`stride_ys` apart), which the caller adds up in a fixed order (no atomics: the same bits every run)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -42,7 +46,9 @@ def fp8_gemv_kernel(  # pragma: no cover - runs as a Triton kernel
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_first = pid_k * k_split
+    k_end = tl.minimum(K, k_first + k_split)
+    for k0 in range(k_first, k_end, BLOCK_K):
         k = k0 + offs_k
         if EVEN_K:
             x = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)
@@ -51,11 +57,10 @@ def fp8_gemv_kernel(  # pragma: no cover - runs as a Triton kernel
             k_ok = k < K
             x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             bits = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-        if NATIVE:
+        if NATIVE:  # noqa: SIM108 - a constexpr branch: the fp8 type compiles only where the GPU has it
             w = bits.to(tl.float8e4nv, bitcast=True)  # [BLOCK_N, BLOCK_K]; bits 0 are +0.0
         else:
-            h = bits.to(tl.uint16)
-            w = (((h & 0x80) << 8) | ((h & 0x7F) << 7)).to(tl.float16, bitcast=True)  # w / 2**8, exactly
+            w = e4m3_over_256(bits)
         if USE_DOT:  # 16 rows or more a tile: the tensor cores, in the activations' dtype
             acc += tl.dot(x, tl.trans(w.to(x.dtype)))
         else:  # 1 to 4 rows: products and a sum per row in fp32, no operand shuffles
@@ -64,4 +69,5 @@ def fp8_gemv_kernel(  # pragma: no cover - runs as a Triton kernel
     if not NATIVE:
         scale = scale * 256.0
     y = (acc * scale[None, :]).to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=m_ok[:, None] & n_ok[None, :])
+    y_rows = y_ptr + pid_k.to(tl.int64) * stride_ys + offs_m[:, None] * stride_ym
+    tl.store(y_rows + offs_n[None, :], y, mask=m_ok[:, None] & n_ok[None, :])

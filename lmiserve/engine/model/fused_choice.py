@@ -105,7 +105,7 @@ def measure(shape: LayerShape, dtype: torch.dtype, device: torch.device, rows: t
                 gap = (got.float() - want.float()).abs().max().item() / (want.float().abs().max().item() or 1.0)
                 if not gap <= kernel_choice.TOLERANCE:  # (NaN too)
                     return Verdict(False, times, f"{name} off by {gap:.3g} at {count} row(s)")
-            times[count] = (1e6 * _time(eager, device), 1e6 * _time(fused, device))
+            times[count] = (1e6 * kernel_choice.time_gpu(eager, device), 1e6 * kernel_choice.time_gpu(fused, device))
     except Exception as exc:  # noqa: BLE001 - a kernel this GPU or Triton cannot compile or capture: the eager ops
         return Verdict(False, times, f"{type(exc).__name__}: {str(exc)[:160]}")
     return Verdict(all(f < e for e, f in times.values()), times)
@@ -176,14 +176,6 @@ def _fused(shape: LayerShape, t: dict[str, torch.Tensor]) -> Work:
         return out
 
     return run
-
-
-def _time(work: Work, device: torch.device) -> float:
-    """Seconds one call of `work` takes: on CUDA in a CUDA graph, as the decode graphs replay the kernels
-    (`kernel_choice.time_in_graph`); elsewhere (Triton's interpreter in the tests) `kernel_choice.time_call`."""
-    if device.type != "cuda":
-        return kernel_choice.time_call(work, device)
-    return kernel_choice.time_in_graph(work, device)
 
 
 def _log(shape: LayerShape, dtype: torch.dtype, device: torch.device, verdict: Verdict) -> None:

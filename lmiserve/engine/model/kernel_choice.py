@@ -3,8 +3,10 @@ GPU can lose on another, and a tile a GPU or Triton miscompiles must never serve
 products of few rows (`fp8_gemv`) and the 4-bit products (`int4_triton`).
 
 `pick` runs each candidate on a probe, refuses the ones whose result is more than `TOLERANCE` off the
-reference product (logged), times the others (and the product they would replace, `baseline`) with `time_call`,
-and returns the fastest; it logs the choice once. The callers keep the choice per weight shape and row
+reference product (logged), times the others (and the product they would replace, `baseline`) with `time_gpu`
+(on CUDA in a CUDA graph, as the decode graphs replay them: timed eagerly, a product of a few rows measures
+its launches, the same for every tile, and not the GPU's time that tells them apart), and returns the
+fastest; it logs the choice once. The callers keep the choice per weight shape and row
 bucket, measured outside CUDA-graph captures (the decode graphs' eager warm-up before each capture is such a
 call, so the graphs record the choice).
 """
@@ -22,7 +24,7 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["REPEATS", "TOLERANCE", "Tile", "pick", "switch", "time_call", "time_in_graph"]
+__all__ = ["REPEATS", "TOLERANCE", "Tile", "pick", "switch", "time_call", "time_gpu", "time_in_graph"]
 
 TOLERANCE = 2e-2  # max |candidate - reference| / max |reference| (bf16's rounding is ~4e-3)
 REPEATS = 20  # calls timed per candidate on CUDA (after one untimed: Triton compiles)
@@ -33,7 +35,8 @@ C = TypeVar("C")
 @dataclass(frozen=True)
 class Tile:
     """One tile of a few-rows product kernel: `use_dot` (tensor cores, 16 rows or more a tile) or per-row
-    sums (1-4 rows), `block_m` rows x `block_n` outputs, `block_k` inputs a step."""
+    sums (1-4 rows), `block_m` rows x `block_n` outputs, `block_k` inputs a step; `split_k`: the inputs split
+    between that many programs, their sums added after (more programs for a long K and few outputs)."""
 
     use_dot: bool
     block_m: int
@@ -41,6 +44,7 @@ class Tile:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1
 
     def fitted(self, group: int) -> Tile:
         """This tile with its `block_k` halved until it divides `group` (a multiple of 32: AWQ/GPTQ groups)."""
@@ -51,7 +55,9 @@ class Tile:
 
     def __str__(self) -> str:
         kind = "dot" if self.use_dot else "sum"
-        return f"{kind} {self.block_m}x{self.block_n}x{self.block_k} warps={self.num_warps} stages={self.num_stages}"
+        split = f" split={self.split_k}" if self.split_k > 1 else ""
+        tile = f"{self.block_m}x{self.block_n}x{self.block_k}"
+        return f"{kind} {tile}{split} warps={self.num_warps} stages={self.num_stages}"
 
 
 def time_call(call: Callable[[], object], device: torch.device) -> float:
@@ -98,6 +104,15 @@ def time_in_graph(call: Callable[[], object], device: torch.device, repeats: int
     return float(start.elapsed_time(end)) / 1e3 / (replays * repeats)
 
 
+def time_gpu(call: Callable[[], object], device: torch.device) -> float:
+    """Seconds one call takes on the device's own time: on CUDA in a CUDA graph (`time_in_graph`: raises where
+    the call cannot be captured, which a decode graph could not hold either); elsewhere (Triton's interpreter in
+    the tests) `time_call`."""
+    if device.type != "cuda":
+        return time_call(call, device)
+    return time_in_graph(call, device)
+
+
 def switch(variable: str) -> bool | None:
     """A kernel's switch in the environment: ``1`` on, ``0`` off, unset (or ``auto``) None: the kernel's own
     rule decides. Any other value stops the start with one line (never silently taken as unset)."""
@@ -129,7 +144,7 @@ def pick(
     name, call = baseline
     if call is not None:
         try:
-            times[None] = time_call(call, device)
+            times[None] = time_gpu(call, device)
         except Exception as exc:  # noqa: BLE001 - this torch or GPU refuses the baseline here: the kernel alone
             log.debug("the %s product through %s failed: %s", what, name, exc)
     refused: list[str] = []
@@ -140,7 +155,7 @@ def pick(
             if not gap <= TOLERANCE:  # (NaN too)
                 refused.append(f"{candidate}: off by {gap:.3g}")
                 continue
-            times[candidate] = time_call(functools.partial(run, candidate), device)
+            times[candidate] = time_gpu(functools.partial(run, candidate), device)
         except Exception as exc:  # noqa: BLE001 - a tile this GPU or Triton cannot compile: the others compete
             refused.append(f"{candidate}: {type(exc).__name__}: {str(exc)[:120]}")
     if refused:
