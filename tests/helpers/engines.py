@@ -30,3 +30,11 @@ async def running_engine(
         yield engine
     finally:
         await engine.stop()
+
+
+def scratch_blocks(loaded: LoadedModel, fast_path: bool = True) -> int:
+    """The blocks a pool's budget (`kv_cache_memory_bytes`) pays beyond the pool on `loaded`'s device: with decode
+    graphs (CUDA, the fast path) one, where their padding rows write (engine/pool_plan.py); none elsewhere."""
+    from lmiserve.engine.attention import cuda_graphs
+
+    return int(fast_path and cuda_graphs.wanted(loaded.device, enforce_eager=False))

@@ -26,6 +26,7 @@ from lmiserve.engine.factory import PREFILL_FLOOR, create_engine
 from lmiserve.engine.pool_plan import kv_pool_blocks
 from lmiserve.engine.runner.fast import PagedFastRunner
 from lmiserve.engine.runner.generic import PagedGenericRunner
+from lmiserve.engine.runner.graph_sampling import GRAPH_TOP_N
 from lmiserve.engine.runner.persistent_batch import PersistentBatchRunner
 from lmiserve.models.compose import build_engine
 
@@ -454,8 +455,9 @@ async def test_a_failure_in_a_paged_batch_ends_only_that_sequence(tiny_model, re
     engine = make_engine(tiny_model, runner_cls=runner_cls)
     if fail_prefill:
         await _one_failure(engine, tiny_model, reference, "prefill exploded")
-    else:  # (rows with a top-N: plain greedy rows make no sampler row)
-        await _one_failure(engine, tiny_model, reference, "sampler exploded", top_n_tokens=1)
+    else:  # rows with a top-N past what a decode graph samples: the eager sampler's rows on any device (plain
+        # greedy rows make no sampler row; on CUDA a graph samples a small top-N itself)
+        await _one_failure(engine, tiny_model, reference, "sampler exploded", top_n_tokens=GRAPH_TOP_N + 1)
 
 
 # --- prompt length -----------------------------------------------------------------------------------------

@@ -189,7 +189,7 @@ def test_a_step_with_prompt_chunks_replays_the_graphs_each_token_a_row(monkeypat
     monkeypatch.setattr(graphs, "run", lambda *a, **k: runs.append(len(a[0])) or real_run(*a, **k))
     monkeypatch.setattr(fast.attention, "plan", lambda *a: eager.append(a) or real_plan(*a))
     a, b = [5, 6, 7, 8, 9, 10], [11, 12, 13, 14]
-    ref_a, ref_b = model(torch.tensor([a])).logits[0], model(torch.tensor([b])).logits[0]
+    ref_a, ref_b = model(torch.tensor([a], device=DEVICE)).logits[0], model(torch.tensor([b], device=DEVICE)).logits[0]
     # a prompt alone (its last token's logits kept), then a decode row with another prompt joining
     out = fast.forward(StepInputs(chunks=[([0, 1], 0, a[:5])], keep=[4]))
     torch.testing.assert_close(out[0], ref_a[4], rtol=1e-4, atol=1e-4)
@@ -213,6 +213,7 @@ def test_a_step_with_prompt_chunks_replays_the_graphs_each_token_a_row(monkeypat
 def test_the_engine_with_prompt_rows_in_the_graphs_gives_generates_greedy_tokens(tiny_model, monkeypatch):
     """The engine with `graph_prompt_tokens`: requests joining a running batch (prompt chunks of up to 8
     tokens) replay the graphs with its decode rows; generate()'s greedy tokens, no step eager."""
+    from lmiserve.engine import factory
     from lmiserve.engine.attention.backends import TritonBackend
 
     graphs_on_the_test_device(monkeypatch)
@@ -226,9 +227,21 @@ def test_the_engine_with_prompt_rows_in_the_graphs_gives_generates_greedy_tokens
         return logits
 
     def counting_plan(self, seqs, decode_rows, pad):  # noqa: ANN001, ANN202 - the eager forward's plan
-        eager.append(len(seqs))
+        if not profiling:  # (on CUDA the start's profile of the largest step, eager by design, is no serving step)
+            eager.append(len(seqs))
         return real_plan(self, seqs, decode_rows, pad)
 
+    profiling: list[bool] = []
+    real_profile = factory.run_profile_step
+
+    def profile(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - factory.run_profile_step's
+        profiling.append(True)
+        try:
+            return real_profile(*args, **kwargs)
+        finally:
+            profiling.pop()
+
+    monkeypatch.setattr(factory, "run_profile_step", profile)
     monkeypatch.setattr(DecodeGraphs, "run_folded", counting_folded)
     monkeypatch.setattr(TritonBackend, "plan", counting_plan)
     config = EngineConfig(max_prefill_tokens=8, graph_prompt_tokens=16)
@@ -338,20 +351,29 @@ async def test_a_fused_step_run_again_in_parts_keeps_each_parts_picks(tiny_model
     engine.start()
     ids = tiny_model.tokenizer(PROMPTS[2]).input_ids
 
-    async def one(prompt_ids: list[int], delay: float) -> list[int]:
-        await asyncio.sleep(delay)
-        params = SamplingParams(max_new_tokens=8, ignore_eos_token=True)
-        request = GenerationRequest("", params, prompt_ids=prompt_ids)
-        return [e.token.id async for e in engine.generate(request) if e.token]
+    decoding = asyncio.Event()  # the first request has decoded a token: the two prompts join its decode row
 
-    try:
-        results = await asyncio.gather(one(ids, 0), one(ids[:1], 0.2), one(ids[1:2], 0.2))
+    async def one(prompt_ids: list[int], new: int, after: asyncio.Event | None = None) -> list[int]:
+        if after is not None:
+            await after.wait()
+        params = SamplingParams(max_new_tokens=new, ignore_eos_token=True)
+        request = GenerationRequest("", params, prompt_ids=prompt_ids)
+        tokens = []
+        async for event in engine.generate(request):
+            if event.token:
+                tokens.append(event.token.id)
+                if len(tokens) == 2:  # (the first came from its prompt's step)
+                    decoding.set()
+        return tokens
+
+    try:  # (the first request long enough to be decoding still when a GPU has run the other two)
+        results = await asyncio.gather(one(ids, 48), one(ids[:1], 8, decoding), one(ids[1:2], 8, decoding))
     finally:
         await engine.stop()
     assert failed, "no fused step of decode rows and two prompts ran"
     with torch.inference_mode():
         for prompt_ids, tokens in zip((ids, ids[:1], ids[1:2]), results, strict=True):
             expected = tiny_model.model.generate(
-                torch.tensor([prompt_ids], device=tiny_model.model.device), max_new_tokens=8, do_sample=False
+                torch.tensor([prompt_ids], device=tiny_model.model.device), max_new_tokens=len(tokens), do_sample=False
             )[0, len(prompt_ids) :].tolist()
             assert tokens == expected

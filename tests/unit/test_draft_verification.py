@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from helpers.engines import Proposer, running_engine
+from helpers.engines import Proposer, running_engine, scratch_blocks
 from lmiserve.core.events import FinishReason, StepEvent
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine.core.async_engine import AsyncEngine
@@ -146,12 +146,15 @@ async def test_a_grammar_row_gets_no_drafts_and_keeps_its_mask_beside_drafted_ro
 
 async def test_a_full_pool_takes_no_blocks_for_drafts_and_never_preempts_for_them(tiny_model):
     # 4 blocks of 16 tokens for two requests of ~8 prompt tokens + 24 new: the pool runs full, and
-    # drafts that would need a block then are dropped rather than preempting anyone
+    # drafts that would need a block then are dropped rather than preempting anyone. Both engines plan each
+    # step after the one before (drafts come from the step before: no overlap scheduling, which a GPU's plain
+    # engine would take, and whose planning waits for a free block where this one preempts, drafts or not)
     requests = [GenerationRequest(p, greedy()) for p in PROMPTS[:2]]
-    async with running_engine(tiny_model, None, kv_cache_memory_bytes=_pool_bytes(tiny_model, 4)) as engine:
+    pool = {"kv_cache_memory_bytes": _pool_bytes(tiny_model, 4 + scratch_blocks(tiny_model)), "async_scheduling": False}
+    async with running_engine(tiny_model, None, **pool) as engine:
         expected = [tokens_of(e) for e in await asyncio.gather(*(run(engine, r) for r in requests))]
         plain_preemptions = engine.scheduler.num_preemptions
-    async with running_engine(tiny_model, echo(8), kv_cache_memory_bytes=_pool_bytes(tiny_model, 4)) as engine:
+    async with running_engine(tiny_model, echo(8), **pool) as engine:
         got = [tokens_of(e) for e in await asyncio.gather(*(run(engine, r) for r in requests))]
         preemptions = engine.scheduler.num_preemptions
         assert engine.scheduler.pool.num_free_blocks == engine.scheduler.pool.num_blocks  # nothing leaked

@@ -37,7 +37,8 @@ from lmiserve.engine.model.fast_llama import FastLlama, StepInputs, unsupported_
 
 
 def with_model(loaded, model):
-    return dataclasses.replace(loaded, model=model, max_context=256)
+    """`loaded` serving `model`, moved to its device (the test device: a GPU run's engines run there)."""
+    return dataclasses.replace(loaded, model=model.to(loaded.device), max_context=256)
 
 
 def test_which_models_the_fast_path_covers():
@@ -485,8 +486,9 @@ def test_an_adapter_on_other_linears_names_gives_the_merged_models_tokens(
     spec = AdapterSpec("phi", 8, ADAPTED[arch], seed=4, b_std=0.3)
     adapter = make_adapter(base, tmp_path / "adapter", spec)
     loaded = with_model(tiny_model, build(*ARCHS[arch]))
-    expected = merged_generate(base, adapter, [tiny_model.tokenizer(p).input_ids for p in PROMPTS[:3]], 10)
-    assert expected != merged_generate(base, None, [tiny_model.tokenizer(p).input_ids for p in PROMPTS[:3]], 10)
+    prompts = [tiny_model.tokenizer(p).input_ids for p in PROMPTS[:3]]
+    expected = merged_generate(base, adapter, prompts, 10, tiny_model.device)
+    assert expected != merged_generate(base, None, prompts, 10, tiny_model.device)
 
     config = EngineConfig(lora=LoraLimits(max_loras=1), max_prefill_tokens=4)
     assert served_with_adapter(loaded, config, "phi", adapter, PROMPTS[:3], 10, "fast") == expected

@@ -72,15 +72,17 @@ def test_half_activations_come_back_in_their_dtype_within_its_rounding(dtype: to
         torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
-def test_a_split_tile_adds_its_parts_in_one_order_every_run() -> None:
+@pytest.mark.parametrize("widen", [False, True], ids=["fp8-type", "widened"])
+def test_a_split_tile_adds_its_parts_in_one_order_every_run(widen: bool) -> None:
     """A split's parts are added after the kernel, not by atomics: the same bits on every run (greedy streams
-    stay reproducible), and each split's share computed once (a share counted twice or left out is far off)."""
+    stay reproducible), and each split's share computed once (a share counted twice or left out is far off);
+    where the bytes are widened too (an A100's path: each part scaled by 2**8 over)."""
     weight, scale, dense = fp8_weight(40, 256, seed=4)
     x = torch.randn(2, 256).to(torch.float16)
     config = fp8_gemv.Config(False, 4, 16, 32, split_k=4)
-    first = fp8_gemv.fp8_gemv(x, weight, scale, config)
+    first = fp8_gemv.fp8_gemv(x, weight, scale, config, widen=widen)
     assert first.dtype == torch.float16
-    assert torch.equal(first, fp8_gemv.fp8_gemv(x, weight, scale, config))
+    assert torch.equal(first, fp8_gemv.fp8_gemv(x, weight, scale, config, widen=widen))
     want = x.float() @ dense.t()
     torch.testing.assert_close(first.float(), want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
 
@@ -250,8 +252,9 @@ def test_on_a_gpu_with_fp8_products_more_rows_than_max_rows_stay_on_scaled_mm(mo
 
 
 def test_the_choice_times_each_product_on_the_gpus_own_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CUDA every candidate and the product it would replace are timed replayed in a CUDA graph (eagerly, a
-    few rows' product times its launches, the same for every tile); the fastest by those times is kept."""
+    """On CUDA every candidate and the product it would replace are timed replayed in a CUDA graph where decode
+    rows run them (eagerly, a few rows' product times its launches, the same for every tile), eagerly where a
+    prompt's rows do; the fastest by those times is kept."""
     from lmiserve.engine.model import kernel_choice
 
     graphed: list[object] = []
@@ -280,5 +283,21 @@ def test_the_choice_times_each_product_on_the_gpus_own_time(monkeypatch: pytest.
         x @ dense.t(),
         torch.device("cpu"),
         ("the baseline", lambda: x @ dense.t()),
+    )
+    assert best == tiles[2] and set(timed) == {"baseline", *map(str, tiles)}
+    # a prompt's rows (eager steps): timed as they run, launches included
+    timed.clear()
+    monkeypatch.setattr(kernel_choice, "time_call", gpu_time)
+    monkeypatch.setattr(kernel_choice, "time_gpu", lambda call, device: pytest.fail("timed in a graph"))
+    best = kernel_choice.pick(
+        logging.getLogger("test"),
+        "fp8",
+        (48, 64, 1),
+        tiles,
+        lambda config: fp8_gemv.fp8_gemv(x, weight, scale, config),
+        x @ dense.t(),
+        torch.device("cpu"),
+        ("the baseline", lambda: x @ dense.t()),
+        graphed=False,
     )
     assert best == tiles[2] and set(timed) == {"baseline", *map(str, tiles)}

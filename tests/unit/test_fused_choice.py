@@ -13,7 +13,7 @@ import torch
 
 from lmiserve.engine.attention import triton_ops
 from lmiserve.engine.attention.paged import paged_cache
-from lmiserve.engine.model import fast_llama, fused_choice, fused_norm
+from lmiserve.engine.model import fast_llama, fused_choice, fused_norm, kernel_choice
 
 DEVICE = torch.device(os.environ.get("LMISERVE_TEST_DEVICE", "cpu"))
 pytestmark = pytest.mark.skipif(
@@ -51,7 +51,7 @@ def test_a_kernel_whose_values_are_off_is_refused(fresh, monkeypatch, kernel, na
     """A kernel 5 % off (a GPU or Triton that miscompiles it) never serves, however fast."""
     real = getattr(fused_norm, kernel)
     monkeypatch.setattr(fused_norm, kernel, lambda *a: real(*a) * 1.05)
-    monkeypatch.setattr(fused_choice, "_time", lambda work, device: 0.0 if "_fused" in work.__qualname__ else 1.0)
+    monkeypatch.setattr(kernel_choice, "time_gpu", lambda work, device: 0.0 if "_fused" in work.__qualname__ else 1.0)
     verdict = fused_choice.measure(SHAPE, torch.float32, DEVICE, rows=(2,))
     assert not verdict.fused and verdict.refused == f"{named} off by 0.05 at 2 row(s)"
 
@@ -77,7 +77,7 @@ def test_the_shapes_of_a_model_and_what_the_forward_takes(fresh, tiny_model, mon
         calls.append(("fused" if fused else "eager", rows))
         return (0.5e-6 if faster[rows] else 2e-6) if fused else 1e-6
 
-    monkeypatch.setattr(fused_choice, "_time", timed)
+    monkeypatch.setattr(kernel_choice, "time_gpu", timed)
     cache = paged_cache(tiny_model.model, 4, 16)
     with caplog.at_level(logging.INFO, logger=fused_choice.__name__):
         fast = fast_llama.FastLlama(tiny_model.model, cache, 64)

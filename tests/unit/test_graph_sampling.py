@@ -348,7 +348,8 @@ async def test_rows_a_graph_cannot_sample_leave_only_themselves_to_the_eager_sam
     split = _split(steps)
     assert len(split) >= 3, steps  # graph steps whose pick served rows while others were sampled eagerly
     assert not any(flag for _, eager in split for flag in eager)  # none of them a row the graph sampled
-    assert max(rows for rows, _ in split) >= 6  # (steps of most of the rows)
+    # (steps of most of the rows: how many run at once depends on the steps' pace, a GPU's faster than a CPU's)
+    assert max(rows for rows, _ in split) >= 4
     assert [len(t[2]) for t in graphed[6]] == [GRAPH_TOP_N + 5] * 12
 
 
@@ -384,7 +385,9 @@ async def test_a_grammars_rows_leave_the_others_to_the_graph(tiny_model, monkeyp
 
     eager = await serve(EngineConfig(max_running=5, max_prefill_tokens=8, enforce_eager=True))
     record = graphs_on_the_test_device(monkeypatch)
-    steps = _record_steps(monkeypatch, record, lambda row: row.masked is not None)
+    # (a constrained request's rows: masked, or with overlap scheduling one held for a mask that its request,
+    # ended by the token before, no longer takes: sampled unmasked, its token dropped)
+    steps = _record_steps(monkeypatch, record, lambda row: row.params.grammar is not None)
     graphed = await serve(EngineConfig(max_running=5, max_prefill_tokens=8))
     assert graphed == eager
     assert json.loads(graphed[1][1])["n"] is not None and re.fullmatch("[0-9]{3}-[a-z]{2,6}", graphed[3][1])

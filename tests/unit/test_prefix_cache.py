@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from helpers.engines import running_engine
+from helpers.engines import running_engine, scratch_blocks
 from helpers.greedy import greedy_reference
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.core.stats import StepStats
@@ -102,7 +102,8 @@ async def test_a_small_pool_evicts_keeps_memory_bounded_and_tokens_right(tiny_mo
     prompts = [SYSTEM + q for q in QUESTIONS] * 3
     async with running_engine(tiny_model, block_size=4, **runner) as engine:  # a pool that keeps everything
         roomy = [(await run(engine, p))[1] for p in prompts]
-    async with running_engine(tiny_model, block_size=4, kv_cache_memory_bytes=per_block * blocks, **runner) as engine:
+    budget = per_block * (blocks + scratch_blocks(tiny_model, runner["fast_path"]))  # (and the graphs' block)
+    async with running_engine(tiny_model, block_size=4, kv_cache_memory_bytes=budget, **runner) as engine:
         assert engine.pool.num_blocks == engine.runner.num_blocks == blocks
         hits = []
         for prompt in prompts:

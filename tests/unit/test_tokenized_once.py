@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+from helpers.engines import scratch_blocks
 from lmiserve.core.errors import InvalidRequest
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.core.tokenizer import recall_encoding, remember_encoding, tokenizing
@@ -136,7 +137,8 @@ async def test_prepare_refuses_what_submit_would_and_generate_tokenizes_nothing_
     rejected once; a request it accepts is not tokenized again by `generate`."""
     recording = Recording(tiny_model.tokenizer)
     loaded = dataclasses.replace(tiny_model, tokenizer=recording)
-    config = EngineConfig(block_size=4, kv_cache_memory_bytes=8 * 4 * 2 * 2 * 16 * 2 * 4)
+    per_block = 4 * 2 * 2 * 16 * 2 * 4  # (and on CUDA the decode graphs' block beside the pool's 8)
+    config = EngineConfig(block_size=4, kv_cache_memory_bytes=per_block * (8 + scratch_blocks(tiny_model)))
     engine = create_engine(loaded, config)
     assert engine.pool is not None and engine.pool.num_blocks == 8  # 32 tokens
     rejected, submitted = [], []

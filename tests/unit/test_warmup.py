@@ -169,7 +169,8 @@ async def test_after_the_warm_up_no_step_launches_the_attention_kernel_in_a_kind
         await asyncio.gather(*(one(i) for i in range(24)))
     finally:
         await engine.stop()
-    assert len(launches.launches) > count + 100
+    # (on CUDA the decode graphs' replays launch the kernel without a Python call: the eager steps are seen)
+    assert len(launches.launches) > count + (100 if tiny_model.device.type == "cpu" else 20)
     assert 2 <= len(warmed) <= 4  # the graphs' decode rows, eager decode tiles, prefill tiles
     assert launches.seen() - warmed == set()
     assert kernel_compiles.after_warm_up() == compiled

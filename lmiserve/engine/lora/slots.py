@@ -89,6 +89,7 @@ class LoraSlots:
         self.column_slots = torch.arange(slots, device=device).repeat_interleave(rank)
         self.row_slots = torch.full((max_rows,), NO_SLOT, dtype=torch.int64, device=device)
         self._host_rows = torch.full((max_rows,), NO_SLOT, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._host_view = self._host_rows.numpy()  # (made once: a step writes it with no torch call)
         self._holder: list[int | None] = [None] * slots  # the adapter id in each slot
         self._used = [0] * slots
         self._clock = itertools.count(1)
@@ -125,7 +126,7 @@ class LoraSlots:
         inputs, and with them: `DecodeGraphs._fill` writes the pinned buffer again only once the step before's
         copies are done, also where a chained step runs before that step is received). An adapter placed
         here is copied on the device's stream, after the steps queued before it that read its slot."""
-        host = self._host_rows.numpy()
+        host = self._host_view
         if lora is None:
             host[:size] = NO_SLOT
         else:

@@ -237,6 +237,7 @@ def _measure(
         _reference(probe, weight, scales),
         device,
         (_other(device), lambda: other(probe)),
+        graphed=rows <= MAX_ROWS,  # (decode rows; more: a prompt's, on a GPU without fp8 products)
     )
 
 

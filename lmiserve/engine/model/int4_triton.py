@@ -239,6 +239,7 @@ def _measure(
         dequantized_product(probe.float(), weight, parts),
         device,
         ("the de-quantized product", None),
+        graphed=rows <= 16,  # (decode rows; the bucket of more: a prompt's)
     )
 
 

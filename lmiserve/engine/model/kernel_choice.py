@@ -3,10 +3,11 @@ GPU can lose on another, and a tile a GPU or Triton miscompiles must never serve
 products of few rows (`fp8_gemv`) and the 4-bit products (`int4_triton`).
 
 `pick` runs each candidate on a probe, refuses the ones whose result is more than `TOLERANCE` off the
-reference product (logged), times the others (and the product they would replace, `baseline`) with `time_gpu`
-(on CUDA in a CUDA graph, as the decode graphs replay them: timed eagerly, a product of a few rows measures
-its launches, the same for every tile, and not the GPU's time that tells them apart), and returns the
-fastest; it logs the choice once. The callers keep the choice per weight shape and row
+reference product (logged), times the others (and the product they would replace, `baseline`) as they will
+run: decode rows' products with `time_gpu` (on CUDA in a CUDA graph, as the decode graphs replay them: timed
+eagerly, a product of a few rows measures its launches, the same for every tile, and not the GPU's time that
+tells them apart), a prompt's with `time_call` (eager steps, launches included), and returns the fastest; it
+logs the choice once. The callers keep the choice per weight shape and row
 bucket, measured outside CUDA-graph captures (the decode graphs' eager warm-up before each capture is such a
 call, so the graphs record the choice).
 """
@@ -133,18 +134,22 @@ def pick(
     want: torch.Tensor,
     device: torch.device,
     baseline: tuple[str, Callable[[], object] | None],
+    graphed: bool = True,
 ) -> C | None:
     """The fastest of `candidates` (`run(candidate)` computes the probe's product) whose result is within
     `TOLERANCE` of `want`, or None where `baseline` (``(its name, a call)``) is faster, or no candidate
     passes. `shape` is ``(outputs, inputs, rows)`` for the log lines, which `log` writes; a baseline whose
-    call is None is only the fallback (too slow to compete), never timed."""
+    call is None is only the fallback (too slow to compete), never timed. `graphed`: the product runs in the
+    decode graphs (decode rows), so it is timed as they replay it (`time_gpu`); else as eager steps run it
+    (`time_call`: a prompt's rows, their launches included)."""
+    timer = time_gpu if graphed else time_call
     outputs, inputs, rows = shape
     scale = want.abs().max().item() or 1.0
     times: dict[C | None, float] = {}
     name, call = baseline
     if call is not None:
         try:
-            times[None] = time_gpu(call, device)
+            times[None] = timer(call, device)
         except Exception as exc:  # noqa: BLE001 - this torch or GPU refuses the baseline here: the kernel alone
             log.debug("the %s product through %s failed: %s", what, name, exc)
     refused: list[str] = []
@@ -155,7 +160,7 @@ def pick(
             if not gap <= TOLERANCE:  # (NaN too)
                 refused.append(f"{candidate}: off by {gap:.3g}")
                 continue
-            times[candidate] = time_gpu(functools.partial(run, candidate), device)
+            times[candidate] = timer(functools.partial(run, candidate), device)
         except Exception as exc:  # noqa: BLE001 - a tile this GPU or Triton cannot compile: the others compete
             refused.append(f"{candidate}: {type(exc).__name__}: {str(exc)[:120]}")
     if refused:
