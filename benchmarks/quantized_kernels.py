@@ -107,9 +107,11 @@ def fp8_variants(
     }
 
 
-def fastest_gemv_tile(x: torch.Tensor, fp8: Fp8Linear, iters: int, cuda: bool) -> fp8_gemv.Config | None:
+def fastest_gemv_tile(
+    x: torch.Tensor, fp8: Fp8Linear, iters: int, cuda: bool, times_us: dict[str, float]
+) -> fp8_gemv.Config | None:
     """The fastest of `fp8_gemv.CANDIDATES` for `x`'s rows (replayed in a CUDA graph where one captures),
-    None where none runs."""
+    None where none runs; each tile's microseconds written in `times_us` (the split tiles against the others)."""
     best: tuple[float, fp8_gemv.Config] | None = None
     for config in fp8_gemv.CANDIDATES[fp8_gemv.bucket(x.shape[0])]:
 
@@ -121,6 +123,7 @@ def fastest_gemv_tile(x: torch.Tensor, fp8: Fp8Linear, iters: int, cuda: bool) -
         except Exception as exc:  # noqa: BLE001 - a tile this GPU or Triton refuses: the others compete
             print(f"fp8_gemv {config} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
             continue
+        times_us[str(config)] = round(seconds * 1e6, 1)
         if best is None or seconds < best[0]:
             best = (seconds, config)
     return None if best is None else best[1]
@@ -169,7 +172,9 @@ def main() -> None:
             }
             native = fp8_devices.native(device)
             if (rows <= fp8_gemv.MAX_ROWS or not native) and fp8_gemv.available():
-                tile = fastest_gemv_tile(x, fp8, 20, cuda)
+                tiles_us: dict[str, float] = {}
+                tile = fastest_gemv_tile(x, fp8, 20, cuda, tiles_us)
+                row["fp8_gemv_tiles_us"] = tiles_us
                 if tile is not None:
                     row["fp8_gemv_tile"] = str(tile)
                     gemv = functools.partial(fp8_gemv.fp8_gemv, x, fp8.weight, fp8.scales, tile)

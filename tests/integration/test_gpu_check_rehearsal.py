@@ -142,6 +142,8 @@ def test_issue_39_entries_are_filled(rehearsal):
     assert all(r["int4_tile"].startswith(("sum", "dot")) for r in kernels)  # measured, as the engine would
     decode_rows = [r for r in kernels if r["rows"] <= 16]  # the weight-only fp8 kernel's rows
     assert decode_rows and all(r["fp8_gemv"]["error"] < 0.01 and r["fp8_gemv_tile"] for r in decode_rows)
+    # every candidate's time, the split tiles' beside the others' (whether a split pays is the GPU's answer)
+    assert all(any("split=" in t for t in r["fp8_gemv_tiles_us"]) for r in decode_rows)
     assert all(r["fp8_gemv_widened"]["error"] < 0.01 for r in decode_rows)  # (as an A100 widens the bytes)
     quality = summary["quantized"]["quality"]
     assert {"bf16", "fp8-channel", "fp8-tensor", "fp8-dynamic", "awq", "gptq"} <= set(quality)

@@ -103,25 +103,33 @@ def bucket(rows: int) -> int:
     return 1 if rows <= 1 else 4 if rows <= 4 else 16 if rows <= 16 else 64
 
 
-# the sum tiles keep at most 64 products a thread in registers (rows x outputs x inputs / threads)
+# the sum tiles keep at most 64 products a thread in registers (rows x outputs x inputs / threads); decode
+# rows also try K split between 4 programs (at one row an 8B model's products read 170-525 GB/s on an H200 with
+# every program walking all of K: `fp8_gemv`'s reason for its split tiles)
 CANDIDATES: dict[int, tuple[Config, ...]] = {
     1: (
         Config(False, 1, 32, 128),
         Config(False, 1, 64, 128),
         Config(False, 1, 16, 256),
         Config(False, 1, 64, 256, num_warps=8),
+        Config(False, 1, 32, 128, split_k=4),
+        Config(False, 1, 16, 256, split_k=4),
     ),
     4: (
         Config(False, 4, 16, 128),
         Config(False, 4, 32, 64),
         Config(True, 16, 32, 128),
         Config(True, 16, 64, 64),
+        Config(False, 4, 16, 128, split_k=4),
+        Config(True, 16, 32, 128, split_k=4),
     ),
     16: (
         Config(True, 16, 32, 128),
         Config(True, 16, 64, 64),
         Config(True, 16, 64, 128),
         Config(True, 16, 128, 64, num_warps=8),
+        Config(True, 16, 32, 128, split_k=4),
+        Config(True, 16, 64, 64, split_k=4),
     ),
     64: (
         Config(True, 32, 64, 64),
@@ -160,16 +168,22 @@ def int4_gemm(x: torch.Tensor, weight: torch.Tensor, parts: Int4Scales, config: 
     x = x.contiguous()
     rows, inputs = x.shape
     outputs = weight.shape[0]
-    y = torch.empty(rows, outputs, dtype=x.dtype, device=x.device)
+    k_split = triton.cdiv(triton.cdiv(inputs, config.split_k), config.block_k) * config.block_k
+    splits = triton.cdiv(inputs, k_split)
+    if splits == 1:
+        y = torch.empty(rows, outputs, dtype=x.dtype, device=x.device)
+    else:  # each split's fp32 sums, added up below in a fixed order (`fp8_gemv` splits so)
+        y = torch.empty(splits, rows, outputs, dtype=torch.float32, device=x.device)
     order = parts.order if parts.order is not None else weight  # (unread without HAS_ORDER)
-    grid = (triton.cdiv(outputs, config.block_n), triton.cdiv(rows, config.block_m))
+    grid = (triton.cdiv(outputs, config.block_n), triton.cdiv(rows, config.block_m), splits)
     _kernel()[grid](
-        x, weight, parts.scales, parts.zeros, order, y, rows, outputs, inputs, x.stride(0), y.stride(0),
-        parts.scales.stride(0), GROUP=parts.group, HAS_ORDER=parts.order is not None, USE_DOT=config.use_dot,
+        x, weight, parts.scales, parts.zeros, order, y, rows, outputs, inputs, x.stride(0), y.stride(-2),
+        parts.scales.stride(0), k_split, y.stride(0) if splits > 1 else 0,
+        GROUP=parts.group, HAS_ORDER=parts.order is not None, USE_DOT=config.use_dot,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
-    return y
+    return y if splits == 1 else y.sum(0).to(x.dtype)
 
 
 def dequantized_product(x: torch.Tensor, weight: torch.Tensor, parts: Int4Scales) -> torch.Tensor:

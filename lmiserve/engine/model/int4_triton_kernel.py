@@ -21,6 +21,8 @@ def int4_gemm_kernel(  # pragma: no cover - runs as a Triton kernel
     stride_xm,
     stride_ym,
     stride_s,
+    k_split,
+    stride_ys,
     GROUP: tl.constexpr,
     HAS_ORDER: tl.constexpr,
     USE_DOT: tl.constexpr,
@@ -28,13 +30,16 @@ def int4_gemm_kernel(  # pragma: no cover - runs as a Triton kernel
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # one program: BLOCK_N outputs of BLOCK_M rows over the whole of K. The codes are [N, K / 8] int32 words
+    # one program: BLOCK_N outputs of BLOCK_M rows over `k_split` of K (a multiple of BLOCK_K; all of K unsplit;
+    # split: its fp32 sums to its slice of a [splits, M, N] `y`, `stride_ys` apart, added up by the caller in a
+    # fixed order, as `fp8_gemv_kernel` does). The codes are [N, K / 8] int32 words
     # (nibble j of word r: input 8r + j), so a tile is BLOCK_N runs of BLOCK_K / 2 bytes. GROUP is a multiple
     # of BLOCK_K: a tile's inputs share one group, whose scale and zero are applied once to the tile's sums,
     #   sum_k x_k (code_k - zero) scale = scale (sum_k x_k code_k - zero sum_k x_k).
     # HAS_ORDER (GPTQ's act-order): input k of the stored codes is column order[k] of x.
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_w = tl.arange(0, BLOCK_K // 8)
@@ -45,7 +50,8 @@ def int4_gemm_kernel(  # pragma: no cover - runs as a Triton kernel
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     q_rows = q_ptr + offs_n[:, None].to(tl.int64) * (K // 8)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_first = pid_k * k_split
+    for k0 in range(k_first, tl.minimum(K, k_first + k_split), BLOCK_K):
         k = k0 + offs_k
         if HAS_ORDER:
             k = tl.load(o_ptr + k)
@@ -66,4 +72,5 @@ def int4_gemm_kernel(  # pragma: no cover - runs as a Triton kernel
         x_sum = tl.sum(x.to(tl.float32), axis=1)
         acc += (sums - x_sum[:, None] * zero[None, :]) * scale[None, :]
     y = acc.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=m_ok[:, None] & n_ok[None, :])
+    y_rows = y_ptr + pid_k.to(tl.int64) * stride_ys + offs_m[:, None] * stride_ym
+    tl.store(y_rows + offs_n[None, :], y, mask=m_ok[:, None] & n_ok[None, :])
