@@ -170,6 +170,7 @@ async def test_an_engine_whose_graphs_ban_gives_the_eager_engines_tokens(tiny_mo
     # (5 requests, 8 ban steps each after their first token: 27 rows banned in graphs, up to all 5 at once; 18
     # by the eager sampler, in steps with prompt chunks)
     # (how many at once depends on the steps' pace: on a GPU the first may end before the last joins)
-    assert sum(banning) >= 20 and max(banning) >= 3, (banning, sum(eager_rows))
+    together = 5 if tiny_model.device.type == "cpu" else 3
+    assert sum(banning) >= 20 and max(banning) >= together, (banning, sum(eager_rows))
     if overlap:
         assert record.chained > 0

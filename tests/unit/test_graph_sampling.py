@@ -349,7 +349,7 @@ async def test_rows_a_graph_cannot_sample_leave_only_themselves_to_the_eager_sam
     assert len(split) >= 3, steps  # graph steps whose pick served rows while others were sampled eagerly
     assert not any(flag for _, eager in split for flag in eager)  # none of them a row the graph sampled
     # (steps of most of the rows: how many run at once depends on the steps' pace, a GPU's faster than a CPU's)
-    assert max(rows for rows, _ in split) >= 4
+    assert max(rows for rows, _ in split) >= (6 if tiny_model.device.type == "cpu" else 4)
     assert [len(t[2]) for t in graphed[6]] == [GRAPH_TOP_N + 5] * 12
 
 
