@@ -5,9 +5,9 @@ CPU each process spends a streamed token, the two servers measured in turns (ABB
         [--requests-per-client 2] [--rounds 2] [--client-processes N] [-o KEY=VALUE ...] [--json FILE] [--probe]
 
 Starts `lmiserve serve` twice on `--model-id` (the same options, `max_rolling_batch_size` = the largest
-concurrency; one with `engine_process=true`), then per level and round runs `lmiserve bench --url ...
---skip-baselines` against each in ABBA order. The CPU is read (psutil) for each server's process and its
-children (the engine process), the tokens and the engine's own time to first token (`engine_ttft_ms_mean`,
+concurrency; one with `engine_process=false`, one with `engine_process=true`), then per level and round runs
+`lmiserve bench --url ... --skip-baselines` against each in ABBA order. The CPU is read (psutil) for each
+server's process and its children (the engine process), the tokens and the engine's own time to first token (`engine_ttft_ms_mean`,
 from its arrival in the engine) from each server's /metrics; with `--probe` a light client's time to first
 token beside the bench's (`probe_ttft_ms_p50`: the bench's one-process client reading 128 streams adds its
 own lag to its `ttft_ms_p50` on a small machine). A host-bound level (a tiny model at
@@ -173,7 +173,7 @@ def main() -> None:
     results: dict[str, dict[str, list[dict]]] = {}
     with contextlib.ExitStack() as stack:
         servers = {}
-        for name, extra in (("in_process", []), ("engine_process", ["engine_process=true"])):
+        for name, extra in (("in_process", ["engine_process=false"]), ("engine_process", ["engine_process=true"])):
             serve_args = ["--model-id", args.model_id, *[a for o in common + extra for a in ("-o", o)]]
             servers[name] = stack.enter_context(ManagedServer(serve_args, out / f"server-{name}.log"))
         for level in levels:

@@ -1207,7 +1207,8 @@ def main(argv: list[str] | None = None) -> int:
         summary["steps"].append(step)
 
     # 4c. steps with prompt tokens replaying the decode graphs (cuda_graph_prompt_tokens=64) against those steps
-    # run eagerly (the default): the 1B shape at 32 and 128 streams, two servers (each 0.44 of the GPU) in turns
+    # run eagerly (the default; both servers with the default engine_process: on a GPU the engine in a process of
+    # its own): the 1B shape at 32 and 128 streams, two servers (each 0.44 of the GPU) in turns
     # (lmiserve bench --ab-option), each level's tokens/s, latencies and the servers' own steps (bench/steps.py)
     if ready("graph-prompts", "graph prompts 1b", 120):
         prompts_dir = out / "graph-prompts-1b"

@@ -35,6 +35,19 @@ log = logging.getLogger(__name__)
 _LOAD_LOCK = threading.Lock()
 
 
+def engine_process_wanted(settings: Settings) -> bool:
+    """Whether an LLM's engine runs in a process of its own: `engine_process` where it is set, else where the
+    model is served on a GPU (the setting's description says why; logged)."""
+    if settings.engine_process is not None:
+        return settings.engine_process
+    from lmiserve.models.load import resolve_device
+
+    wanted = resolve_device(settings.device).type == "cuda"
+    if wanted:
+        log.info("the engine runs in a process of its own (engine_process unset: on for a GPU; docs/engine.md)")
+    return wanted
+
+
 class ModelService:
     PENDING, READY, FAILED = "PENDING", "READY", "FAILED"
 
@@ -167,7 +180,7 @@ class ModelService:
         self.path = resolve_model_path(model_id, s.revision, s.model_cache_dir)
         if not self._fixed_name:
             self.name = default_model_name(s.model_id, self.path)
-        if s.engine_process:  # the engine core in a process of its own (engine/process/), its workers too
+        if engine_process_wanted(s):  # the engine core in a process of its own (engine/process/), its workers too
             from lmiserve.models.engine_process import start_engine_process
 
             loaded, client = start_engine_process(s, self.path, self.name)  # its adapters registered there

@@ -218,3 +218,20 @@ async def test_engine_process_on_a_one_shot_model_is_said_not_dropped(torchscrip
         )
     finally:
         await svc.close()
+
+
+def test_engine_process_unset_is_on_for_an_llm_on_a_gpu_and_off_on_the_cpu(monkeypatch, caplog):
+    """`engine_process` unset: the engine in its own process where the model serves on a GPU (measured there:
+    benchmarks/README.md), in the server's on the CPU; set, as set."""
+    import torch
+
+    from lmiserve.models.service import engine_process_wanted
+
+    assert not engine_process_wanted(Settings())  # this machine: no GPU
+    assert engine_process_wanted(Settings(engine_process="true"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with caplog.at_level("INFO", logger="lmiserve.models.service"):
+        assert engine_process_wanted(Settings())
+    assert "engine_process unset: on for a GPU" in caplog.text
+    assert not engine_process_wanted(Settings(engine_process="false"))
+    assert not engine_process_wanted(Settings(device="cpu"))
