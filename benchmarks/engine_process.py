@@ -7,12 +7,12 @@ CPU each process spends a streamed token, the two servers measured in turns (ABB
 Starts `lmiserve serve` twice on `--model-id` (the same options, `max_rolling_batch_size` = the largest
 concurrency; one with `engine_process=false`, one with `engine_process=true`), then per level and round runs
 `lmiserve bench --url ... --skip-baselines` against each in ABBA order. The CPU is read (psutil) for each
-server's process and its children (the engine process), the tokens and the engine's own time to first token (`engine_ttft_ms_mean`,
-from its arrival in the engine) from each server's /metrics; with `--probe` a light client's time to first
-token beside the bench's (`probe_ttft_ms_p50`: the bench's one-process client reading 128 streams adds its
-own lag to its `ttft_ms_p50` on a small machine). A host-bound level (a tiny model at
-128 streams: the Python work a token is visible) shows what the process split buys where the GIL, not the
-model, limits the server.
+server's process and its children (the engine process), the tokens and the engine's own time to first token
+(`engine_ttft_ms_mean`, from its arrival in the engine) from each server's /metrics; with `--probe` a light
+client's time to first token beside the bench's (`probe_ttft_ms_p50`: the bench's one-process client reading
+128 streams adds its own lag to its `ttft_ms_p50` on a small machine). A host-bound level (a tiny model at 128
+streams: the Python work a token is visible) shows what the process split buys where the GIL, not the model,
+limits the server.
 
 `--baselines`: once both servers have stopped, static `generate()` of the same model (loaded as the servers
 load it: the `-o` options) at each level's batch size, in this process (`lmiserve.bench.baselines`, what
