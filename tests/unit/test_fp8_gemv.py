@@ -272,17 +272,17 @@ def test_the_choice_times_each_product_on_the_gpus_own_time(monkeypatch: pytest.
         timed[str(config)] = {str(tiles[2]): 1e-6}.get(str(config), 1e-3)
         return timed[str(config)]
 
-    def pick(graphed: bool) -> fp8_gemv.Config | None:
+    def pick(rows: int) -> fp8_gemv.Config | None:
         timed.clear()
         run = lambda config: fp8_gemv.fp8_gemv(x, weight, scale, config)  # noqa: E731
         baseline = ("the baseline", lambda: x @ dense.t())
         log = logging.getLogger("test")
-        return kernel_choice.pick(log, "fp8", (48, 64, 1), tiles, run, x @ dense.t(), x.device, baseline, graphed)
+        return kernel_choice.pick(log, "fp8", (48, 64, rows), tiles, run, x @ dense.t(), x.device, baseline)
 
     monkeypatch.setattr(kernel_choice, "time_gpu", gpu_time)
     monkeypatch.setattr(kernel_choice, "time_call", lambda call, device: pytest.fail("timed eagerly"))
-    assert pick(graphed=True) == tiles[2] and set(timed) == {"baseline", *map(str, tiles)}
+    assert pick(kernel_choice.DECODE_ROWS) == tiles[2] and set(timed) == {"baseline", *map(str, tiles)}
     # a prompt's rows (eager steps): timed as they run, launches included
     monkeypatch.setattr(kernel_choice, "time_call", gpu_time)
     monkeypatch.setattr(kernel_choice, "time_gpu", lambda call, device: pytest.fail("timed in a graph"))
-    assert pick(graphed=False) == tiles[2] and set(timed) == {"baseline", *map(str, tiles)}
+    assert pick(kernel_choice.DECODE_ROWS + 1) == tiles[2] and set(timed) == {"baseline", *map(str, tiles)}

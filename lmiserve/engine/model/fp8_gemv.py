@@ -171,23 +171,18 @@ def fp8_gemv(
         raise RuntimeError("the fp8 Triton kernel needs triton")
     x = x.contiguous()
     rows, inputs = x.shape
-    outputs = weight.shape[0]
-    k_split = triton.cdiv(triton.cdiv(inputs, config.split_k), config.block_k) * config.block_k
-    splits = triton.cdiv(inputs, k_split)
-    if splits == 1:
-        y = torch.empty(rows, outputs, dtype=x.dtype, device=x.device)
-    else:  # each split's scaled fp32 sums, added up below in a fixed order
-        y = torch.empty(splits, rows, outputs, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(outputs, config.block_n), triton.cdiv(rows, config.block_m), splits)
-    _kernel()[grid](
-        x, weight.view(torch.uint8), scales, y, rows, outputs, inputs, x.stride(0), y.stride(-2), k_split,
-        y.stride(0) if splits > 1 else 0,
-        EVEN_K=inputs % config.block_k == 0, USE_DOT=config.use_dot,
-        NATIVE=fp8_devices.native(x.device) and not widen,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )  # fmt: skip
-    return y if splits == 1 else y.sum(0).to(x.dtype)
+    native = fp8_devices.native(x.device) and not widen
+
+    def launch(y: torch.Tensor, grid: tuple[int, int, int], k_share: int, split_stride: int) -> None:
+        _kernel()[grid](
+            x, weight.view(torch.uint8), scales, y, rows, weight.shape[0], inputs, x.stride(0), y.stride(-2),
+            k_share, split_stride,
+            EVEN_K=inputs % config.block_k == 0, USE_DOT=config.use_dot, NATIVE=native,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )  # fmt: skip
+
+    return kernel_choice.split_k_product(config, x, weight.shape[0], launch)
 
 
 def chosen() -> dict[tuple[Any, ...], Config | None]:
@@ -237,7 +232,6 @@ def _measure(
         _reference(probe, weight, scales),
         device,
         (_other(device), lambda: other(probe)),
-        graphed=rows <= MAX_ROWS,  # (decode rows; more: a prompt's, on a GPU without fp8 products)
     )
 
 

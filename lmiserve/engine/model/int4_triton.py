@@ -100,7 +100,7 @@ Config = kernel_choice.Tile  # one tile of the kernel (`fitted` to the groups: `
 
 def bucket(rows: int) -> int:
     """The row count a choice is measured at and kept for: 1, 4 (2-4 rows), 16 (5-16) or 64 (more)."""
-    return 1 if rows <= 1 else 4 if rows <= 4 else 16 if rows <= 16 else 64
+    return 1 if rows <= 1 else 4 if rows <= 4 else 16 if rows <= kernel_choice.DECODE_ROWS else 64
 
 
 # the sum tiles keep at most 64 products a thread in registers (rows x outputs x inputs / threads); decode
@@ -167,23 +167,18 @@ def int4_gemm(x: torch.Tensor, weight: torch.Tensor, parts: Int4Scales, config: 
         raise ValueError(f"groups of {parts.group} inputs are not a multiple of the tile's {config.block_k}")
     x = x.contiguous()
     rows, inputs = x.shape
-    outputs = weight.shape[0]
-    k_split = triton.cdiv(triton.cdiv(inputs, config.split_k), config.block_k) * config.block_k
-    splits = triton.cdiv(inputs, k_split)
-    if splits == 1:
-        y = torch.empty(rows, outputs, dtype=x.dtype, device=x.device)
-    else:  # each split's fp32 sums, added up below in a fixed order (`fp8_gemv` splits so)
-        y = torch.empty(splits, rows, outputs, dtype=torch.float32, device=x.device)
     order = parts.order if parts.order is not None else weight  # (unread without HAS_ORDER)
-    grid = (triton.cdiv(outputs, config.block_n), triton.cdiv(rows, config.block_m), splits)
-    _kernel()[grid](
-        x, weight, parts.scales, parts.zeros, order, y, rows, outputs, inputs, x.stride(0), y.stride(-2),
-        parts.scales.stride(0), k_split, y.stride(0) if splits > 1 else 0,
-        GROUP=parts.group, HAS_ORDER=parts.order is not None, USE_DOT=config.use_dot,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )  # fmt: skip
-    return y if splits == 1 else y.sum(0).to(x.dtype)
+
+    def launch(y: torch.Tensor, grid: tuple[int, int, int], k_share: int, split_stride: int) -> None:
+        _kernel()[grid](
+            x, weight, parts.scales, parts.zeros, order, y, rows, weight.shape[0], inputs, x.stride(0),
+            y.stride(-2), parts.scales.stride(0), k_share, split_stride,
+            GROUP=parts.group, HAS_ORDER=parts.order is not None, USE_DOT=config.use_dot,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )  # fmt: skip
+
+    return kernel_choice.split_k_product(config, x, weight.shape[0], launch)
 
 
 def dequantized_product(x: torch.Tensor, weight: torch.Tensor, parts: Int4Scales) -> torch.Tensor:
@@ -253,7 +248,6 @@ def _measure(
         dequantized_product(probe.float(), weight, parts),
         device,
         ("the de-quantized product", None),
-        graphed=rows <= 16,  # (decode rows; the bucket of more: a prompt's)
     )
 
 

@@ -25,10 +25,22 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["REPEATS", "TOLERANCE", "Tile", "pick", "switch", "time_call", "time_gpu", "time_in_graph"]
+__all__ = [
+    "DECODE_ROWS",
+    "REPEATS",
+    "TOLERANCE",
+    "Tile",
+    "pick",
+    "split_k_product",
+    "switch",
+    "time_call",
+    "time_gpu",
+    "time_in_graph",
+]
 
 TOLERANCE = 2e-2  # max |candidate - reference| / max |reference| (bf16's rounding is ~4e-3)
 REPEATS = 20  # calls timed per candidate on CUDA (after one untimed: Triton compiles)
+DECODE_ROWS = 16  # the largest row bucket timed as the decode graphs run it (`pick`); more rows: a prompt's
 
 C = TypeVar("C")
 
@@ -59,6 +71,32 @@ class Tile:
         split = f" split={self.split_k}" if self.split_k > 1 else ""
         tile = f"{self.block_m}x{self.block_n}x{self.block_k}"
         return f"{kind} {tile}{split} warps={self.num_warps} stages={self.num_stages}"
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def split_k_product(
+    tile: Tile, x: torch.Tensor, outputs: int, launch: Callable[[torch.Tensor, tuple[int, int, int], int, int], None]
+) -> torch.Tensor:
+    """``[rows, outputs]`` in `x`'s dtype (`x` ``[rows, inputs]``) from one launch of a few-rows kernel with the
+    `tile`: ``launch(y, grid, k_share, split_stride)`` computes into `y` over the `grid` (output tiles, row tiles,
+    K splits), each program of the third axis summing `k_share` inputs (a multiple of `block_k`). Unsplit, `y`
+    is the result (`split_stride` 0); split, each split's scaled fp32 sums go to its slice of
+    ``[splits, rows, outputs]`` (`split_stride` apart), added here in one fixed order: no atomics, the same bits
+    every run."""
+    rows, inputs = x.shape
+    k_share = _cdiv(_cdiv(inputs, tile.split_k), tile.block_k) * tile.block_k
+    splits = _cdiv(inputs, k_share)
+    grid = (_cdiv(outputs, tile.block_n), _cdiv(rows, tile.block_m), splits)
+    if splits == 1:
+        y = torch.empty(rows, outputs, dtype=x.dtype, device=x.device)
+        launch(y, grid, k_share, 0)
+        return y
+    parts = torch.empty(splits, rows, outputs, dtype=torch.float32, device=x.device)
+    launch(parts, grid, k_share, parts.stride(0))
+    return parts.sum(0).to(x.dtype)
 
 
 def time_call(call: Callable[[], object], device: torch.device) -> float:
@@ -134,16 +172,15 @@ def pick(
     want: torch.Tensor,
     device: torch.device,
     baseline: tuple[str, Callable[[], object] | None],
-    graphed: bool = True,
 ) -> C | None:
     """The fastest of `candidates` (`run(candidate)` computes the probe's product) whose result is within
     `TOLERANCE` of `want`, or None where `baseline` (``(its name, a call)``) is faster, or no candidate
     passes. `shape` is ``(outputs, inputs, rows)`` for the log lines, which `log` writes; a baseline whose
-    call is None is only the fallback (too slow to compete), never timed. `graphed`: the product runs in the
-    decode graphs (decode rows), so it is timed as they replay it (`time_gpu`); else as eager steps run it
+    call is None is only the fallback (too slow to compete), never timed. Up to `DECODE_ROWS` rows the product
+    runs in the decode graphs, so it is timed as they replay it (`time_gpu`); more rows as eager steps run it
     (`time_call`: a prompt's rows, their launches included)."""
-    timer = time_gpu if graphed else time_call
     outputs, inputs, rows = shape
+    timer = time_gpu if rows <= DECODE_ROWS else time_call
     scale = want.abs().max().item() or 1.0
     times: dict[C | None, float] = {}
     name, call = baseline
