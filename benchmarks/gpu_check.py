@@ -45,7 +45,8 @@ dependencies can come as wheels; see benchmarks/README.md, "The GPU check"). It 
    its tokens/s over that shape's bf16 level 1; ``int4_bench``: the same with ``quantize=awq``, 4-bit codes
    made at load from the dummy weights, on the Triton int4 kernel (``LMISERVE_USE_TRITON_INT4=1``);
    ``kernels``: ``benchmarks/quantized_kernels.py``, one linear of the 8B shape in bf16, fp8 (with
-   ``fp8_gemv_widened``: the fp8 kernel's tile widening the bytes as an A100 or A10G does) and the
+   ``fp8_gemv_widened``: the fp8 kernel's tile widening the bytes as an A100 or A10G does; ``fp8_w8a8``:
+   the rows in fp8 for cuBLAS's tensor-wise product, at up to 16 rows) and the
    Triton int4 kernel (its tile measured as the engine measures it) at 1, 16 and 128 rows, time, weight
    bandwidth and error; ``quality``: ``benchmarks/quantized_quality.py`` on CUDA, each format's perplexity
    and agreement)
@@ -940,6 +941,7 @@ KERNEL_KINDS = (
     "fp8",
     "fp8_gemv",
     "fp8_gemv_widened",
+    "fp8_w8a8",
     "fp8_compiled_quant",
     "fp8_gemm_rowwise",
     "fp8_gemm_tensorwise",

@@ -2,7 +2,9 @@
 bf16 (`F.linear`), fp8 (`quant_formats.Fp8Linear` as the engine runs it: `fp8_gemv`'s choice at up to 16
 rows, else `torch._scaled_mm` with activations to fp8 per row), the fastest tile of `fp8_gemv`'s weight-only
 Triton kernel (`fp8_gemv`, up to 16 rows; every row count on a GPU without fp8 products, A100 or A10G, where it
-widens the bytes itself; on a GPU with them `fp8_gemv_widened` times that widening on the same tile) and
+widens the bytes itself; on a GPU with them `fp8_gemv_widened` times that widening on the same tile), the
+rows quantized to fp8 for cuBLAS's tensor-wise product (`fp8_w8a8`, up to 16 rows: the engine's third
+candidate, its three kernels together) and
 4-bit (`int4_triton.Int4TritonLinear`, groups of 128, on the tile the engine measures fastest for the row
 bucket: `int4_tile`), at a few row counts; on a GPU with fp8,
 where `_scaled_mm`'s time goes (`fp8_variants`). Run on an H200 on 2026-11-29 (before the 4-bit kernel's
@@ -33,7 +35,7 @@ from pathlib import Path
 import torch
 
 from lmiserve.engine import fp8_devices
-from lmiserve.engine.model import fp8_gemv, int4_triton, kernel_choice
+from lmiserve.engine.model import fp8_gemv, fp8_w8a8, int4_triton, kernel_choice
 from lmiserve.engine.model.fp8_ops import fp8_linear, rows_to_fp8
 from lmiserve.engine.model.quant_formats import Fp8Linear, Int4Parts, fp8_scaled_mm_supported, quantize_fp8
 from lmiserve.models.quant_pack import rtn_int4
@@ -185,6 +187,9 @@ def main() -> None:
                             out * inputs,
                             kinds["fp8_gemv"][2],
                         )
+            if rows <= fp8_gemv.MAX_ROWS and fp8_w8a8.applies(fp8.weight, device):  # the engine's third candidate
+                w8a8 = functools.partial(fp8_w8a8.product, x, fp8.weight, fp8.scales)
+                kinds["fp8_w8a8"] = (w8a8, out * inputs, x @ fp8_dense.t())
             if cuda and fp8_scaled_mm_supported(device):
                 kinds.update(fp8_variants(x, fp8, quantize_rows, x @ fp8_dense.t()))
             for kind, (fn, weight_bytes, want) in kinds.items():

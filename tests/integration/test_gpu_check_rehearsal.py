@@ -145,6 +145,8 @@ def test_issue_39_entries_are_filled(rehearsal):
     # every candidate's time, the split tiles' beside the others' (whether a split pays is the GPU's answer)
     assert all(any("split=" in t for t in r["fp8_gemv_tiles_us"]) for r in decode_rows)
     assert all(r["fp8_gemv_widened"]["error"] < 0.01 for r in decode_rows)  # (as an A100 widens the bytes)
+    # the rows in fp8 for cuBLAS's tensor-wise product: fp8 activations' error, not a lost scale's
+    assert all(r["fp8_w8a8"]["error"] < 0.1 for r in decode_rows)
     quality = summary["quantized"]["quality"]
     assert {"bf16", "fp8-channel", "fp8-tensor", "fp8-dynamic", "awq", "gptq"} <= set(quality)
     assert all(r["perplexity"] > 1 for r in quality.values())

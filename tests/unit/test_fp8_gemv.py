@@ -149,7 +149,7 @@ def test_a_kernel_that_computes_wrong_is_refused_and_scaled_mm_serves(
     weight, scale, _ = fp8_weight(32, 64, seed=4)
     x = torch.randn(1, 64)
     assert fp8_gemv.choose(x, weight, scale, lambda x: scaled_product(x, weight, scale)) is None
-    assert "fp8 Triton tiles refused for [32 x 64] at 1 rows" in caplog.text and "off by" in caplog.text
+    assert "fp8 candidates refused for [32 x 64] at 1 rows" in caplog.text and "off by" in caplog.text
 
 
 def test_a_measurement_that_fails_leaves_scaled_mm_serving_and_says_so(
@@ -242,7 +242,7 @@ def test_without_fp8_products_choose_measures_prompt_buckets_against_the_dequant
     x = torch.randn(20, 64)
     torch.testing.assert_close(fp8_linear(x, weight, scale), x @ dense.t(), rtol=1e-5, atol=1e-5)
     assert fp8_gemv.chosen() == {(torch.device("cpu"), 40, 64, 64, torch.float32): None}
-    assert "fp8 Triton tiles refused for [40 x 64] at 64 rows" in caplog.text
+    assert "fp8 candidates refused for [40 x 64] at 64 rows" in caplog.text
 
 
 def test_on_a_gpu_with_fp8_products_more_rows_than_max_rows_stay_on_scaled_mm(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -145,7 +145,7 @@ def test_tiles_that_are_off_are_refused_and_the_dequantized_product_serves(
     monkeypatch.setattr(int4_triton, "dequantized_product", lambda *args: 2 * reference(*args))
     x = torch.randn(1, 64)
     assert int4_triton.choose(x, layer.weight, layer.scales) is None
-    assert "int4 Triton tiles refused for [32 x 64] at 1 rows" in caplog.text and "off by" in caplog.text
+    assert "int4 candidates refused for [32 x 64] at 1 rows" in caplog.text and "off by" in caplog.text
     monkeypatch.setattr(int4_triton, "dequantized_product", reference)
     torch.testing.assert_close(layer(x), x @ dense.t(), rtol=1e-5, atol=1e-4)  # de-quantized a slice at a time
 

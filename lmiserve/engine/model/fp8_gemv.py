@@ -9,7 +9,8 @@ neither cost; prefill (more rows) keeps ``_scaled_mm``, where fp8's tensor cores
 
 Which one runs is measured, not assumed (a kernel tuned on one GPU can lose on another): the first product
 of each weight shape and row bucket (1, 2-4, 5-16 rows; `bucket`) outside a CUDA-graph capture times the
-bucket's candidate tiles (`CANDIDATES`, some with K split between programs) and ``_scaled_mm`` on a random
+bucket's candidate tiles (`CANDIDATES`, some with K split between programs), where the GPU has fp8 products
+`fp8_w8a8`'s (the rows in fp8 for cuBLAS's tensor-wise product) and the row-wise ``_scaled_mm`` on a random
 probe, each replayed in a CUDA graph as the decode graphs run it, checks each tile against
 the de-quantized product (`kernel_choice.pick`: a tile this GPU or Triton miscompiles is dropped, never
 served), and keeps the fastest, logged once. The decode graphs' eager warm-up before each capture (cuda_graphs.py) is
@@ -39,7 +40,7 @@ from typing import Any
 import torch
 
 from lmiserve.engine import fp8_devices
-from lmiserve.engine.model import kernel_choice, weight_fit
+from lmiserve.engine.model import fp8_w8a8, kernel_choice, weight_fit
 
 try:
     import triton
@@ -53,6 +54,7 @@ __all__ = [
     "ENABLED",
     "MAX_ROWS",
     "USE_ON_CUDA",
+    "Choice",
     "Config",
     "available",
     "bucket",
@@ -60,6 +62,7 @@ __all__ = [
     "chosen",
     "dequantized_product",
     "fp8_gemv",
+    "product",
     "weights_kept_for",
 ]
 
@@ -73,6 +76,7 @@ USE_ON_CUDA = kernel_choice.switch("LMISERVE_USE_TRITON_FP8")
 
 
 Config = kernel_choice.Tile  # one tile of the kernel
+Choice = Config | fp8_w8a8.RowsInFp8  # what a shape and row bucket runs on besides the product `choose` replaces
 
 
 def bucket(rows: int) -> int:
@@ -134,7 +138,7 @@ CANDIDATES: dict[int, tuple[Config, ...]] = {
     ),
 }
 
-_chosen: dict[tuple[Any, ...], Config | None] = {}  # (device, N, K, bucket, dtype) -> the kernel's tile or None
+_chosen: dict[tuple[Any, ...], Choice | None] = {}  # (device, N, K, bucket, dtype) -> a tile, `fp8_w8a8`, None
 
 
 def available() -> bool:
@@ -185,15 +189,23 @@ def fp8_gemv(
     return kernel_choice.split_k_product(config, x, weight.shape[0], launch)
 
 
-def chosen() -> dict[tuple[Any, ...], Config | None]:
+def product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, choice: Choice) -> torch.Tensor:
+    """``(x @ weight.T) * scales`` in `x`'s dtype on `choice`: a tile of this kernel or `fp8_w8a8`'s product."""
+    if isinstance(choice, fp8_w8a8.RowsInFp8):
+        return fp8_w8a8.product(x, weight, scales)
+    return fp8_gemv(x, weight, scales, choice)
+
+
+def chosen() -> dict[tuple[Any, ...], Choice | None]:
     """The choices made so far (the GPU check reports them)."""
     return dict(_chosen)
 
 
 def choose(
     x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, other: Callable[[torch.Tensor], torch.Tensor]
-) -> Config | None:
-    """The kernel's tile for ``x @ weight.T`` (None: `other`, the ``_scaled_mm`` product or where the GPU has
+) -> Choice | None:
+    """The kernel's tile for ``x @ weight.T``, or for decode rows where the GPU has fp8 products `fp8_w8a8`'s
+    product (`product` runs either; None: `other`, the row-wise ``_scaled_mm`` product or where the GPU has
     none the de-quantized one, runs), measured the first time a shape and row bucket comes (module doc); inside
     a CUDA-graph capture, an unmeasured shape gets `other` (nothing can be timed there)."""
     rows = x.shape[0]
@@ -219,17 +231,29 @@ def choose(
 
 def _measure(
     key: tuple[Any, ...], weight: torch.Tensor, scales: torch.Tensor, other: Callable[[torch.Tensor], torch.Tensor]
-) -> Config | None:
+) -> Choice | None:
     device, outputs, inputs, rows, dtype = key
     generator = torch.Generator(device=device).manual_seed(0)
     probe = torch.randn(rows, inputs, generator=generator, device=device).to(dtype)
+    candidates: tuple[Choice, ...] = CANDIDATES[rows]
+    if rows <= MAX_ROWS and fp8_w8a8.applies(weight, device):
+        candidates += (fp8_w8a8.W8A8,)
+    plain = _reference(probe, weight, scales)
+
+    def want(choice: Choice) -> torch.Tensor:
+        """The probe's product in fp32 as `choice` computes it: `fp8_w8a8`'s of the probe's rows in fp8."""
+        if not isinstance(choice, fp8_w8a8.RowsInFp8):
+            return plain
+        q, row_scales = fp8_w8a8.rows_to_fp8(probe.float())
+        return _reference(q.float() * row_scales, weight, scales)
+
     return kernel_choice.pick(
         log,
         "fp8",
         (outputs, inputs, rows),
-        CANDIDATES[rows],
-        lambda config: fp8_gemv(probe, weight, scales, config),
-        _reference(probe, weight, scales),
+        candidates,
+        lambda choice: product(probe, weight, scales, choice),
+        want,
         device,
         (_other(device), lambda: other(probe)),
     )

@@ -1,12 +1,12 @@
-"""fp8 weights' arithmetic (issue #39), below `quantize` and `quant_formats`: per-channel quantization
-(vLLM's dynamic fp8), de-quantization, and the product: up to `fp8_gemv.MAX_ROWS` rows on a GPU through
-`fp8_gemv`'s weight-only Triton kernel where it measures faster, else through ``torch._scaled_mm`` with
-activations quantized per row; on a GPU without fp8 products (below compute capability 8.9) every row count
-through `fp8_gemv`'s kernel, which widens the bytes itself, or the weight de-quantized a slice at a time.
-``_scaled_mm`` alone, measured on an H200 (2026-11-29, benchmarks/README.md), was correct but slower than bf16
-at decode sizes: in a CUDA graph the per-row quantization adds ~20 us a product, and torch's row-wise
-``_scaled_mm`` reads 0.5-1.9 TB/s of fp8 weights where bf16 reads 2.4-3.9 TB/s; the 8B shape at one stream
-decoded at 0.74x bf16."""
+"""fp8 weights' arithmetic (issue #39), below `quantize` and `quant_formats`: per-channel quantization (vLLM's
+dynamic fp8), de-quantization, and the product: up to `fp8_gemv.MAX_ROWS` rows on a GPU through `fp8_gemv`'s
+weight-only Triton kernel or `fp8_w8a8`'s (cuBLAS's tensor-wise product) where one measures faster, else through
+``torch._scaled_mm`` with activations quantized per row; on a GPU without fp8 products (below compute capability
+8.9) every row count through `fp8_gemv`'s kernel, which widens the bytes itself, or the weight de-quantized a
+slice at a time. ``_scaled_mm`` alone, measured on an H200 (2026-11-29, benchmarks/README.md), was correct but
+slower than bf16 at decode sizes: in a CUDA graph the per-row quantization adds ~20 us a product, and torch's
+row-wise ``_scaled_mm`` reads 0.5-1.9 TB/s of fp8 weights where bf16 reads 2.4-3.9 TB/s; the 8B shape at one
+stream decoded at 0.74x bf16."""
 
 from __future__ import annotations
 
@@ -17,25 +17,15 @@ import torch
 
 from lmiserve.engine import fp8_devices
 from lmiserve.engine.model import fp8_gemv
+from lmiserve.engine.model.fp8_w8a8 import FP8_MAX, rows_to_fp8
 
 __all__ = ["FP8_MAX", "dequantize_fp8", "fp8_linear", "quantize_fp8", "rows_to_fp8", "scaled_product"]
-
-FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 
 
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``weight * scale`` in fp32 ``[out, in]``: `scale` per channel (``[out]`` or ``[out, 1]``) or per tensor."""
     s = scale.float().reshape(-1)
     return weight.float() * (s[:, None] if s.numel() > 1 else s)
-
-
-def rows_to_fp8(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row of a 2-D fp32 `x` in fp8 over its own range (or over `amax`, ``[rows, 1]``: a whole row's of
-    which `x` holds some columns): ``scale = max|row| / 448`` (``[rows, 1]``, at least fp32's smallest normal),
-    ``q = x / scale`` clamped and rounded to ``float8_e4m3fn``."""
-    amax = x.abs().amax(dim=1, keepdim=True) if amax is None else amax
-    scale = (amax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
 def quantize_fp8(weight: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,9 +49,9 @@ def fp8_linear(
         other = functools.partial(scaled_product, weight=weight, scales=scales, quantize_rows=quantize_rows)
     else:
         other = functools.partial(fp8_gemv.dequantized_product, weight=weight, scales=scales)
-    config = fp8_gemv.choose(x, weight, scales, other)
-    if config is not None:
-        return fp8_gemv.fp8_gemv(x, weight, scales, config)
+    choice = fp8_gemv.choose(x, weight, scales, other)
+    if choice is not None:
+        return fp8_gemv.product(x, weight, scales, choice)
     return other(x)
 
 

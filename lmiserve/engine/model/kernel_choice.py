@@ -169,19 +169,19 @@ def pick(
     shape: tuple[int, int, int],
     candidates: Iterable[C],
     run: Callable[[C], torch.Tensor],
-    want: torch.Tensor,
+    want: torch.Tensor | Callable[[C], torch.Tensor],
     device: torch.device,
     baseline: tuple[str, Callable[[], object] | None],
 ) -> C | None:
     """The fastest of `candidates` (`run(candidate)` computes the probe's product) whose result is within
-    `TOLERANCE` of `want`, or None where `baseline` (``(its name, a call)``) is faster, or no candidate
-    passes. `shape` is ``(outputs, inputs, rows)`` for the log lines, which `log` writes; a baseline whose
-    call is None is only the fallback (too slow to compete), never timed. Up to `DECODE_ROWS` rows the product
-    runs in the decode graphs, so it is timed as they replay it (`time_gpu`); more rows as eager steps run it
-    (`time_call`: a prompt's rows, their launches included)."""
+    `TOLERANCE` of `want` (or of ``want(candidate)``: a candidate whose numbers differ by design, as one that
+    quantizes the activations, is checked against the same arithmetic in fp32), or None where `baseline` (``(its
+    name, a call)``) is faster, or no candidate passes. `shape` is ``(outputs, inputs, rows)`` for the log lines,
+    which `log` writes; a baseline whose call is None is only the fallback (too slow to compete), never timed. Up to
+    `DECODE_ROWS` rows the product runs in the decode graphs, so it is timed as they replay it (`time_gpu`); more
+    rows as eager steps run it (`time_call`: a prompt's rows, their launches included)."""
     outputs, inputs, rows = shape
     timer = time_gpu if rows <= DECODE_ROWS else time_call
-    scale = want.abs().max().item() or 1.0
     times: dict[C | None, float] = {}
     name, call = baseline
     if call is not None:
@@ -193,7 +193,8 @@ def pick(
     for candidate in candidates:
         try:
             got = run(candidate)
-            gap = (got.float() - want).abs().max().item() / scale
+            reference = want if isinstance(want, torch.Tensor) else want(candidate)
+            gap = (got.float() - reference).abs().max().item() / (reference.abs().max().item() or 1.0)
             if not gap <= TOLERANCE:  # (NaN too)
                 refused.append(f"{candidate}: off by {gap:.3g}")
                 continue
@@ -202,7 +203,7 @@ def pick(
             refused.append(f"{candidate}: {type(exc).__name__}: {str(exc)[:120]}")
     if refused:
         log.warning(
-            "%s Triton tiles refused for [%d x %d] at %d rows: %s", what, outputs, inputs, rows, "; ".join(refused)
+            "%s candidates refused for [%d x %d] at %d rows: %s", what, outputs, inputs, rows, "; ".join(refused)
         )
     if not times:
         return None
@@ -210,8 +211,9 @@ def pick(
     fastest = min((c for c in times if c is not None), key=times.__getitem__, default=None)
     kernel = f"{fastest} {1e6 * times[fastest]:.1f} us" if fastest is not None else "refused"
     other = f"{1e6 * times[None]:.1f} us" if None in times else ("failed" if call is not None else "not timed")
+    runs = name if best is None else "the Triton kernel" if isinstance(best, Tile) else str(best)
     log.info(
-        "%s products [%d x %d] at %d row(s) run on %s (the Triton kernel: %s; %s: %s)",
-        what, outputs, inputs, rows, "the Triton kernel" if best is not None else name, kernel, name, other,
+        "%s products [%d x %d] at %d row(s) run on %s (the fastest candidate: %s; %s: %s)",
+        what, outputs, inputs, rows, runs, kernel, name, other,
     )  # fmt: skip
     return best

@@ -1,0 +1,102 @@
+"""fp8 weights times fp8 activations for a few rows through cuBLAS's tensor-wise fp8 product (issue #39: fp8 must
+decode faster than bf16), one of the products `fp8_gemv.choose` measures for each weight shape and row bucket.
+
+Why: on an H200 (2026-12-04, benchmarks/README.md) cuBLAS's fp8 product with one scale a tensor read the 8B
+shape's weights at 3.0-3.9 TB/s at one row (gate+up 31 us, down 20 us), where torch's row-wise ``_scaled_mm``
+(`fp8_ops.scaled_product`: a scale a row and a channel inside the product) read 1.3-3.3 TB/s and the
+weight-only kernel (`fp8_gemv`) 1.2-2.8; torch's activation quantization there took several kernels a product.
+Here a product is three kernels: `fp8_w8a8_kernel.quantize_rows_kernel` quantizes each row over its own range
+(the numbers of `fp8_ops.rows_to_fp8`, ``max|row| / 448``: the same as the row-wise product's), rows padded to
+16 (cuBLAS's fp8 product wants every dimension a multiple of 16); ``torch._scaled_mm`` with unit scales sums
+in fp32; `fp8_w8a8_kernel.scale_rows_kernel` multiplies each sum by its row's and its channel's scale and
+casts. So per-channel checkpoints (FBGEMM's, compressed-tensors' dynamic ones) and per-tensor ones run it
+alike, with the row-wise product's accuracy.
+
+Only where the GPU has fp8 products (`fp8_devices.native`; a CPU too, where torch has a ``_scaled_mm`` and the
+tests run the kernels under Triton's interpreter), and for weights whose both dimensions are multiples of 16
+(`applies`). Not yet measured as a whole on a GPU (the next GPU check's `quantized` step times it,
+`fp8_w8a8` in its kernel table).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from lmiserve.engine import fp8_devices
+
+try:
+    import triton
+except ImportError:  # pragma: no cover - triton ships with CUDA torch wheels
+    triton = None
+
+__all__ = ["FP8_MAX", "PAD", "W8A8", "RowsInFp8", "applies", "product", "rows_to_fp8"]
+
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+PAD = 16  # cuBLAS's fp8 product: every dimension a multiple of 16
+BLOCK_N = 1024  # outputs of a row a program of the scaling kernel writes
+
+
+class RowsInFp8:
+    """The candidate product of this module, beside `fp8_gemv`'s tiles (one instance: `W8A8`)."""
+
+    def __str__(self) -> str:
+        return "cuBLAS fp8 x fp8, activations per row"
+
+    __repr__ = __str__
+
+
+W8A8 = RowsInFp8()
+
+
+def rows_to_fp8(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of a 2-D fp32 `x` in fp8 over its own range (or over `amax`, ``[rows, 1]``: a whole row's of
+    which `x` holds some columns): ``scale = max|row| / 448`` (``[rows, 1]``, at least fp32's smallest normal),
+    ``q = x / scale`` clamped and rounded to ``float8_e4m3fn``."""
+    amax = x.abs().amax(dim=1, keepdim=True) if amax is None else amax
+    scale = (amax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def applies(weight: torch.Tensor, device: torch.device) -> bool:
+    """Whether this product can serve the fp8 `weight` ``[N, K]`` on `device` (module doc)."""
+    outputs, inputs = weight.shape
+    return triton is not None and fp8_devices.native(device) and outputs % PAD == 0 and inputs % PAD == 0
+
+
+@functools.cache
+def _kernels() -> tuple[Any, Any]:
+    from lmiserve.engine.model.fp8_w8a8_kernel import quantize_rows_kernel, scale_rows_kernel
+
+    return triton.jit(quantize_rows_kernel), triton.jit(scale_rows_kernel)
+
+
+_ones: dict[torch.device, torch.Tensor] = {}  # the unit scales a device's products pass cuBLAS
+
+
+def product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``(x @ weight.T) * scales`` in `x`'s dtype for a 2-D `x` ``[M, K]``, a contiguous ``float8_e4m3fn``
+    `weight` ``[N, K]`` and fp32 `scales` ``[N]``, `x` quantized to fp8 per row (module doc)."""
+    if triton is None:
+        raise RuntimeError("the fp8 activations' kernels need triton")
+    quantize, scale = _kernels()
+    x = x.contiguous()
+    rows, inputs = x.shape
+    outputs = weight.shape[0]
+    padded = triton.cdiv(rows, PAD) * PAD
+    xq = torch.empty(padded, inputs, dtype=torch.uint8, device=x.device)
+    x_scales = torch.empty(padded, dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(inputs)
+    warps = min(16, max(4, block // 1024))  # 4-16 fp32 a thread
+    quantize[(padded,)](x, xq, x_scales, rows, inputs, x.stride(0), BLOCK_K=block, num_warps=warps)
+    one = _ones.get(x.device)
+    if one is None:
+        one = _ones[x.device] = torch.ones((), dtype=torch.float32, device=x.device)
+    xq8 = xq.view(torch.float8_e4m3fn)
+    sums = torch._scaled_mm(xq8, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    y = torch.empty(rows, outputs, dtype=x.dtype, device=x.device)
+    grid = (rows, triton.cdiv(outputs, BLOCK_N))
+    scale[grid](sums, x_scales, scales, y, outputs, sums.stride(0), y.stride(0), BLOCK_N=BLOCK_N)
+    return y
