@@ -173,7 +173,13 @@ class EngineFields(FieldGroup):
         0.9,
         gt=0.0,
         le=1.0,
-        description="Share of the GPU's memory lmiserve may take (LMI's and vLLM's name); sizes the paged KV pool.",
+        description=(
+            "Share of the GPU's memory lmiserve may take (LMI's and vLLM's name); sizes the paged KV pool. It is "
+            "each process's share, as vLLM's: an LLM's engine process (the default on a GPU) takes it, and never "
+            "more than the GPU has free at its start, so a second LLM's engine process or another program keeps "
+            "its memory (two LLMs on one GPU, each in its engine process: 0.45 each; or the second gets what the "
+            "first left)."
+        ),
     )
     block_size: int = Field(16, ge=1, le=1024, description="Tokens a block of the paged KV cache holds (vLLM's name).")
     kv_cache_dtype: KvCacheDtype = Field(

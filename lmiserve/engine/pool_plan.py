@@ -1,12 +1,13 @@
 """The memory plan of the paged KV pools: the model's pool and, with speculative decoding's draft model, the
 draft's own pool, planned together from one budget (engine/factory.py builds them; issue #39 item 4).
 
-The budget is `kv_cache_memory_bytes` when set (both pools together, as vLLM's counts the draft's layers in
-its KV cache); else on CUDA `gpu_memory_utilization` of the GPU less what is allocated (the weights of
-both models) less the profiled activations of both models' largest steps (and their decode graphs'
-memory); on a CPU `CPU_KV_SHARE` of the memory available. The draft's pool gets the blocks of the rows
-that may draft at once at full context (never more tokens than the model's pool), the model's the rest.
-`memory` reads the device's free bytes in place of the device (a test simulates a bounded GPU with it).
+The budget is `kv_cache_memory_bytes` when set (both pools together, as vLLM's counts the draft's layers in its
+KV cache); else on CUDA `gpu_memory_utilization` of the GPU less what is allocated (the weights of both models,
+and never more than the GPU has free: another model's engine process) less the profiled activations of both models'
+largest steps (and their decode graphs' memory); on a CPU `CPU_KV_SHARE` of the memory available. The draft's
+pool gets the blocks of the rows that may draft at once at full context (never more tokens than the model's
+pool), the model's the rest. `memory` reads the device's free bytes in place of the device (a test simulates a
+bounded GPU with it).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ log = logging.getLogger(__name__)
 
 CPU_KV_SHARE = 0.25  # of the memory available at start-up: the paged KV pools' default budget on CPU
 GPU_ACTIVATION_RESERVE = 2 * 2**30  # bytes left for activations beside the paged KV pool on CUDA
+# the GPU memory left free beside the pools where the GPU's free memory bounds them (`free_on_gpu`): this
+# process's growth past torch's allocator (cuBLAS's workspaces, loaded kernels), another process's
+OWN_SLACK = 2**30
 
 # the profiled activations are grown by this factor and this many bytes (allocator fragmentation, the
 # sampler's own tensors) before the KV pool takes the rest of gpu_memory_utilization
@@ -95,12 +99,23 @@ def block_bytes(model: PreTrainedModel, config: EngineConfig) -> int:
 
 
 def free_memory(device: torch.device, config: EngineConfig) -> int:
-    """What the KV pools and the activations may take on `device` now: on CUDA `gpu_memory_utilization`
-    of the GPU less what is allocated, elsewhere `CPU_KV_SHARE` of the memory available."""
+    """What the KV pools and the activations may take on `device` now: on CUDA `gpu_memory_utilization` of the
+    GPU less what this process allocated, and never more than the GPU has free (`free_on_gpu`); elsewhere
+    `CPU_KV_SHARE` of the memory available."""
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        return int(config.gpu_memory_utilization * total) - torch.cuda.memory_allocated(device)
+        share = int(config.gpu_memory_utilization * total) - torch.cuda.memory_allocated(device)
+        return min(share, free_on_gpu(device))
     return int(available_memory() * CPU_KV_SHARE)
+
+
+def free_on_gpu(device: torch.device) -> int:
+    """Bytes this process may still allocate on the GPU `device`: what the device has free, what this process's
+    allocator holds unused, less `OWN_SLACK`. `gpu_memory_utilization` is each process's share (vLLM's rule):
+    where other processes hold memory (a second LLM's engine process, each LLM having one by default on a GPU;
+    another program) the pool takes what is left, not more, as it does with two models in one process."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) - OWN_SLACK
 
 
 def activation_reserve(

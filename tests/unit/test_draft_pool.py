@@ -11,11 +11,11 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from helpers.gpu_memory import fake_gpu_memory
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine import pool_plan
 from lmiserve.engine.attention import cuda_graphs
@@ -106,8 +106,7 @@ async def test_a_memory_bounded_device_still_drafts(request, monkeypatch, tiny_m
 def test_the_draft_gets_its_rows_at_full_context_and_the_model_the_rest(monkeypatch, tiny_model, same_draft):
     """On a GPU with room, the draft's pool holds the rows that may draft at once at full context and the
     model's pool the rest of the budget: the budget is read once, less both models' profiled activations."""
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * GIB))
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 10 * GIB)
+    fake_gpu_memory(monkeypatch, total=80 * GIB, allocated=10 * GIB)
     cuda = torch.device("cuda")
     loaded = dataclasses.replace(tiny_model, device=cuda, max_context=4096)
     draft = dataclasses.replace(same_draft, device=cuda, max_context=4096)
@@ -125,8 +124,7 @@ def test_the_draft_gets_its_rows_at_full_context_and_the_model_the_rest(monkeypa
 def test_the_drafts_decode_graphs_are_reserved_as_greedy_ones(monkeypatch, tiny_model, same_draft):
     """A draft model proposes greedily (engine/speculative/proposers.py): its decode graphs never sample, so
     its reserve counts a greedy pick's bytes a logit beside the output buffer, the model's a sampled one's."""
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * GIB))
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 10 * GIB)
+    fake_gpu_memory(monkeypatch, total=80 * GIB, allocated=10 * GIB)
     cuda = torch.device("cuda")
     loaded = dataclasses.replace(tiny_model, device=cuda, max_context=4096)
     draft = dataclasses.replace(same_draft, device=cuda, max_context=4096)
@@ -181,3 +179,17 @@ def test_a_draft_pool_too_small_for_one_request_is_a_warning(tiny_model, same_dr
     assert engine.runner.proposer.runner.num_blocks == blocks
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any(f"holds {16 * blocks} tokens, less than one request at full context" in w for w in warnings), warnings
+
+
+def test_memory_another_process_holds_is_left_to_it(monkeypatch, tiny_model):
+    """`gpu_memory_utilization` is each process's share (vLLM's rule), never more than the GPU has free: beside
+    another process (a second LLM's engine process: each LLM has one by default on a GPU) the budget is what it
+    left, less `OWN_SLACK`, as with both models in one process; alone, or beside a small one, the share."""
+    cuda = torch.device("cuda")
+    loaded = dataclasses.replace(tiny_model, device=cuda, max_context=4096)
+    config = EngineConfig(max_running=10**6, gpu_memory_utilization=0.9)
+    reserve = int(2 * GIB * pool_plan.PROFILE_MARGIN) + pool_plan.PROFILE_SLACK
+    for others, budget in ((0, 72 - 10), (4 * GIB, 72 - 10), (30 * GIB, 80 - 10 - 30)):
+        fake_gpu_memory(monkeypatch, total=80 * GIB, allocated=10 * GIB, others=others)
+        want = budget * GIB - (pool_plan.OWN_SLACK if others > 4 * GIB else 0) - reserve
+        assert pool_plan.plan_pools(loaded, config, activation_bytes=2 * GIB).budget == want, others

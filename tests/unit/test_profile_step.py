@@ -5,11 +5,11 @@ GPU only (benchmarks/gpu_check.py); the budget's arithmetic is checked with the 
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from helpers.gpu_memory import fake_gpu_memory
 from lmiserve.engine import factory, pool_plan
 from lmiserve.engine.attention.paged import kv_bytes_per_block
 from lmiserve.engine.core.async_engine import EngineConfig
@@ -131,8 +131,7 @@ def test_the_profiled_activations_replace_the_fixed_reserve(monkeypatch, tiny_mo
     """On CUDA the pool gets gpu_memory_utilization of the GPU less the allocated weights less the
     activations (profiled, with their margin; else the fixed reserve)."""
     gib = 2**30
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * gib))
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 10 * gib)
+    fake_gpu_memory(monkeypatch, total=80 * gib, allocated=10 * gib)
     loaded = dataclasses.replace(tiny_model, device=torch.device("cuda"), max_context=10**9)
     config = EngineConfig(max_running=10**9, gpu_memory_utilization=0.5)
     per_block = kv_bytes_per_block(tiny_model.model, config.block_size)
@@ -151,8 +150,7 @@ def test_decode_graphs_memory_is_left_free_too(monkeypatch, tiny_model):
     activations scaled to the largest capture size, and that step's logits, their float32 output buffer and
     a sampled graph's pick."""
     gib = 2**30
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * gib))
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 10 * gib)
+    fake_gpu_memory(monkeypatch, total=80 * gib, allocated=10 * gib)
     loaded = dataclasses.replace(tiny_model, device=torch.device("cuda"), max_context=10**9)
     config = EngineConfig(max_running=30, max_prefill_tokens=2018, gpu_memory_utilization=0.5)
     per_block = kv_bytes_per_block(tiny_model.model, config.block_size)
