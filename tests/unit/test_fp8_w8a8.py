@@ -11,25 +11,15 @@ import os
 import pytest
 import torch
 
+from helpers.fp8_weights import fp8_weight, fresh_choices  # noqa: F401 - an autouse fixture
 from lmiserve.engine import fp8_devices
 from lmiserve.engine.model import fp8_gemv, fp8_w8a8, kernel_choice
-from lmiserve.engine.model.fp8_ops import dequantize_fp8, fp8_linear, quantize_fp8, scaled_product
+from lmiserve.engine.model.fp8_ops import fp8_linear, scaled_product
 
 pytestmark = pytest.mark.skipif(
     not fp8_w8a8.applies(torch.empty(16, 16), torch.device("cpu")) or os.environ.get("TRITON_INTERPRET") != "1",
     reason="needs triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py on CPU)",
 )
-
-
-@pytest.fixture(autouse=True)
-def fresh_choices(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fp8_gemv, "_chosen", {})
-
-
-def fp8_weight(out: int, inputs: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    torch.manual_seed(seed)
-    q, scale = quantize_fp8(torch.randn(out, inputs) * 0.05)
-    return q, scale, dequantize_fp8(q, scale)
 
 
 def quantized(x: torch.Tensor, inputs: int) -> tuple[torch.Tensor, torch.Tensor]:
