@@ -66,7 +66,9 @@ __all__ = [
     "weights_kept_for",
 ]
 
-MAX_ROWS = 16  # more rows: ``_scaled_mm`` (the tensor cores' fp8 product pays), where the GPU has it
+# more rows: ``_scaled_mm`` (the tensor cores' fp8 product pays), where the GPU has it; the decode rows, whose
+# products `kernel_choice.pick` times in a CUDA graph
+MAX_ROWS = kernel_choice.DECODE_ROWS
 ENABLED = True
 INTERPRETED_ON_CPU = False
 SLICE = 1024  # outputs de-quantized at a time by `dequantized_product`
