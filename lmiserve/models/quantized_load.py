@@ -7,10 +7,11 @@ Formats (`engine/model/quant_formats.py` says how each is stored and run):
   (``weight``, ``weight_scale``, an ``input_scale`` ignored: activations are quantized per token);
   ``quant_method: fbgemm_fp8`` (per channel); ``quant_method: fp8`` without blocks (AutoFP8 / vLLM's,
   per tensor): ``quantize=fp8``. ``quant_method: fp8`` with ``weight_block_size`` (block-wise scales: Qwen3's and
-  DeepSeek's FP8 releases): dequantized at load by transformers (exactly: each weight is its fp8 value times its
-  block's scale), its mixtures of experts' experts too. A mixture of experts' fp8 experts (each expert's matrices
-  with their scales, as compressed-tensors publishes Qwen3-MoE and Mixtral) are de-quantized at load: their
-  products are transformers' grouped ones.
+  DeepSeek's FP8 releases): read by lmiserve too, each linear kept fp8 on a GPU where the loader keeps it
+  (`fp8_gemv.weights_kept_for`), else dequantized at load (exactly: each weight is its fp8 value times its block's
+  scale); a vision-language model's dequantized by transformers. A mixture of experts' fp8 experts (each expert's
+  matrices with their scales, by blocks too, as compressed-tensors publishes Qwen3-MoE and Mixtral and Qwen3-MoE's
+  FP8 release stores them) are de-quantized at load: their products are transformers' grouped ones.
 - ``quant_method: awq``, 4 bits, GEMM packing, with zero points: ``quantize=awq``.
 - ``quant_method: gptq``, 4 bits (``checkpoint_format`` ``gptq``, or ``gptq_v2``), any ``desc_act``:
   ``quantize=gptq``.
@@ -156,12 +157,14 @@ def load_quantized(
     """The model of the quantized checkpoint `path` computing in `dtype` on `device` and an account of
     its linears: the architecture on the meta device, each linear the checkpoint stores quantized made
     from its tensors (`quant_formats`), the other tensors read as they are; or, for the formats de-quantized at
-    load (`QuantSpec.dequantized`), transformers' `auto_class` (default: causal LMs; a vision-language model's)."""
+    load by transformers (MXFP4 experts, a vision-language model's block-wise fp8), transformers' `auto_class`
+    (default: causal LMs; a vision-language model's)."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    if spec.dequantized:
-        return _dequantized(path, spec, dtype, trust_remote_code, auto_class or AutoModelForCausalLM)
+    if spec.method == "mxfp4" or (spec.blocks is not None and auto_class not in (None, AutoModelForCausalLM)):
+        causal = AutoModelForCausalLM  # (a block-wise fp8 VLM's: transformers de-quantizes it)
+        return _dequantized(path, spec, dtype, trust_remote_code, auto_class or causal)
     stored = safetensors_names(path)
     if stored is None:
         raise ModelLoadError(f"{path.name}: a {spec.method} checkpoint needs its weights as safetensors")
@@ -181,7 +184,7 @@ def load_quantized(
     kinds: Counter[str] = Counter()
     with SafetensorsFiles(stored) as files:
         targets = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
-        keep = weights_kept_for(model, device, path.name, spec.method)
+        keep = weights_kept_for(model, device, path.name, spec.method, spec.blocks is not None)
         for name in targets:
             made = _linear_of(files, stored, name, spec, dtype, device, keep)
             if made is None:
@@ -250,7 +253,7 @@ def _dequantized(
     if spec.method == "mxfp4":
         experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
         return model, f"mxfp4 checkpoint: the experts' {experts / 1e9:.2f}B weights dequantized to {kind} at load"
-    return model, f"block-wise fp8 checkpoint: its weights dequantized to {kind} at load (no block-wise fp8 kernel)"
+    return model, f"block-wise fp8 checkpoint (a VLM's): its weights dequantized to {kind} at load by transformers"
 
 
 def _linear_of(
@@ -270,13 +273,13 @@ def _linear_of(
 
     bias = get("bias")
     if spec.method == "fp8":
-        scale = get("weight_scale")
+        scale = get("weight_scale_inv" if spec.blocks else "weight_scale")  # (block-wise: transformers' name)
         if scale is None:
             return None
         weight = files.tensor(f"{name}.weight")
         if weight.dtype != torch.float8_e4m3fn:
             raise ModelLoadError(f"{name}.weight is {weight.dtype}, not float8_e4m3fn")
-        return fp8_module(weight, scale, bias, dtype, device, keep)
+        return fp8_module(weight, scale, bias, dtype, device, keep, spec.blocks)
     qweight = get("qweight")
     if qweight is None:
         return None

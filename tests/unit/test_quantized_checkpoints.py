@@ -238,17 +238,20 @@ def test_fp8_linears_run_scaled_mm_on_the_fast_path(checkpoints: dict[str, Path]
             assert max(greedy_gaps(loaded.model, ids, got)) <= 0.02, ids
 
 
+@pytest.mark.parametrize("case", ["fp8-channel", "fp8-block-b32"])
 @pytest.mark.parametrize("widened", [False, True], ids=["fp8-gpu", "no-fp8-gpu"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_fp8_linears_on_the_triton_decode_kernel_decode_what_transformers_decodes_dequantized(
-    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch, graphs: bool, widened: bool
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch, graphs: bool, widened: bool, case: str
 ) -> None:
     """Every product of the fast path through `fp8_gemv`'s weight-only kernel, under Triton's interpreter on CPU
     tensors: as a GPU with fp8 products chooses it for decode rows where it measures faster (prompts too here,
     `MAX_ROWS` raised), and as a GPU without them (an A10G, where bf16 would not fit: the loader keeps the fp8
     weights, `fp8_gemv.weights_kept_for`) runs it at every row count, widening the bytes itself. fp32
     activations, so the engine's greedy tokens are the de-quantized float model's. Also with the decode steps in
-    the decode graphs (as on a GPU; tests/conftest.py checks their steps would capture)."""
+    the decode graphs (as on a GPU; tests/conftest.py checks their steps would capture). A block-wise checkpoint
+    (Qwen3's FP8 releases' format, blocks of 32 here) is kept fp8 by the loader where asked, on either GPU (the
+    blocks' scales never go to ``_scaled_mm``), and runs every product on the kernel's block-wise scales."""
     from helpers.decode_graphs import graphs_on_the_test_device
     from lmiserve.engine import fp8_devices
     from lmiserve.engine.model import fp8_gemv
@@ -262,10 +265,10 @@ def test_fp8_linears_on_the_triton_decode_kernel_decode_what_transformers_decode
         fp8_gemv.Config(False, 1, 256, 128),
         fp8_gemv.Config(True, 16, 256, 128),
     )  # few programs: the interpreter
-    case = "fp8-channel"
-    if widened:
-        monkeypatch.setattr(fp8_devices, "native", lambda device: False)
-        monkeypatch.setattr(fp8_gemv, "weights_kept_for", lambda model, device, name: True)
+    if widened or case == "fp8-block-b32":
+        if widened:
+            monkeypatch.setattr(fp8_devices, "native", lambda device: False)
+        monkeypatch.setattr(fp8_gemv, "weights_kept_for", lambda model, device, name, blocks=False: True)
         monkeypatch.setattr(fp8_gemv, "choose", lambda x, *_: one if x.shape[0] == 1 else more)
         loaded = load_causal_lm(checkpoints[case], device="cpu", dtype="fp32")
     else:
@@ -282,6 +285,7 @@ def test_fp8_linears_on_the_triton_decode_kernel_decode_what_transformers_decode
                 made = fp8_module(t["weight"], t["weight_scale"], None, torch.float32, loaded.device, keep_fp8=True)
                 setattr(loaded.model.get_submodule(parent), child, made)
     assert isinstance(loaded.model.model.layers[0].mlp.down_proj, Fp8Linear)
+    assert loaded.model.model.layers[0].mlp.down_proj.scales.dim() == (2 if case == "fp8-block-b32" else 1)
     ran: list[tuple[int, bool]] = []
     kernel = fp8_gemv.fp8_gemv
     monkeypatch.setattr(

@@ -25,6 +25,13 @@ checkpoint keeps its fp8 weights on such a GPU or is de-quantized at load is `we
 (`weight_fit`: where bf16 would not fit; ``LMISERVE_USE_TRITON_FP8=1|0`` forces): the kernel has not yet run on
 one.
 
+Block-wise fp8 (Qwen3's and DeepSeek's ``-FP8`` releases: a scale a block of 128 x 128) takes the same rule on any
+GPU where Triton runs, Hopper too: ``_scaled_mm``'s row-wise product has one scale a channel, so such weights run
+this kernel at every row count (or the de-quantized product where it measures faster). Their scales are each
+output row's ``[N, blocks]`` (`block_scales`: fused linears concatenate their rows as per-channel ones), the block's
+inputs a power of two (`input_block` reads it from the shape); the kernel applies each block's scale to a tile's
+sums, or to each weight where a tile spans several blocks.
+
 `ENABLED` turns the kernel off (``_scaled_mm`` everywhere); `INTERPRETED_ON_CPU` lets the tests choose it
 for CPU tensors under Triton's interpreter (tests/unit/test_fp8_gemv.py), and replacing `fp8_devices.native`
 makes them widen as an Ampere GPU does.
@@ -34,7 +41,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -57,11 +64,14 @@ __all__ = [
     "Choice",
     "Config",
     "available",
+    "block_scales",
     "bucket",
     "choose",
     "chosen",
     "dequantized_product",
+    "dequantized_weight",
     "fp8_gemv",
+    "input_block",
     "product",
     "weights_kept_for",
 ]
@@ -147,16 +157,21 @@ def available() -> bool:
     return triton is not None
 
 
-def weights_kept_for(model: torch.nn.Module, device: torch.device, name: str) -> bool | None:
-    """On a GPU without fp8 products where Triton runs (compute capability 8.0 to 8.8), whether the fp8 linears
-    of `model` (on the meta device in the compute dtype, or already on the GPU: a whole model's, or a
-    tensor-parallel rank's) keep their fp8 weights on this kernel (`weight_fit.kept_for`), logged for `name`;
-    None elsewhere (fp8 products where the GPU has them, de-quantized on a CPU)."""
-    if device.type != "cuda" or triton is None or fp8_devices.native(device):
+def weights_kept_for(model: torch.nn.Module, device: torch.device, name: str, blocks: bool = False) -> bool | None:
+    """On a GPU without fp8 products where Triton runs (compute capability 8.0 to 8.8), or for block-wise scales
+    (`blocks`) on any GPU where Triton runs, whether the fp8 linears of `model` (on the meta device in the compute
+    dtype, or already on the GPU: a whole model's, or a tensor-parallel rank's) keep their fp8 weights on this
+    kernel (`weight_fit.kept_for`), logged for `name`; None elsewhere (per-channel fp8 products where the GPU has
+    them, de-quantized on a CPU)."""
+    if device.type != "cuda" or triton is None or (fp8_devices.native(device) and not blocks):
         return None
     if torch.cuda.get_device_capability(device) < (8, 0):
         return None
-    kept_as = "fp8 weights on the widening Triton kernel"
+    kept_as = (
+        "fp8 weights (block-wise scales) on the Triton kernel"
+        if blocks
+        else "fp8 weights on the widening Triton kernel"
+    )
     return weight_fit.kept_for(log, model, device, name, USE_ON_CUDA, "LMISERVE_USE_TRITON_FP8", kept_as)
 
 
@@ -170,21 +185,24 @@ def _kernel() -> Any:
 def fp8_gemv(
     x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, config: Config, widen: bool = False
 ) -> torch.Tensor:
-    """``(x @ weight.T) * scales`` in `x`'s dtype, for a 2-D `x` ``[M, K]``, a contiguous ``float8_e4m3fn``
-    `weight` ``[N, K]`` and fp32 `scales` ``[N]`` (one per output channel). `widen`: the bytes widened as on a
-    GPU without fp8 conversions even where the GPU has them (a benchmark times that path on a Hopper GPU)."""
+    """``x @ (weight * scales).T`` in `x`'s dtype, for a 2-D `x` ``[M, K]``, a contiguous ``float8_e4m3fn``
+    `weight` ``[N, K]`` and fp32 `scales`: ``[N]`` (one per output channel) or ``[N, blocks]`` (each row's scales
+    by blocks of inputs, `fp8_ops.input_block`). `widen`: the bytes widened as on a GPU without fp8 conversions
+    even where the GPU has them (a benchmark times that path on a Hopper GPU)."""
     if triton is None:
         raise RuntimeError("the fp8 Triton kernel needs triton")
     x = x.contiguous()
     rows, inputs = x.shape
     native = fp8_devices.native(x.device) and not widen
+    group = input_block(inputs, scales)
 
     def launch(y: torch.Tensor, grid: tuple[int, int, int], k_share: int, split_stride: int) -> None:
         _kernel()[grid](
             x, weight.view(torch.uint8), scales, y, rows, weight.shape[0], inputs, x.stride(0), y.stride(-2),
-            k_share, split_stride,
+            k_share, split_stride, scales.stride(0),
             EVEN_K=inputs % config.block_k == 0, USE_DOT=config.use_dot, NATIVE=native,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            GROUP=group, SCALE_PER_TILE=group > 0 and group % config.block_k == 0,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )  # fmt: skip
 
@@ -213,9 +231,10 @@ def choose(
     rows = x.shape[0]
     if not ENABLED or triton is None or not weight.is_contiguous():
         return None
-    if not (x.is_cuda or INTERPRETED_ON_CPU) or (rows > MAX_ROWS and fp8_devices.native(x.device)):
+    scaled_mm = fp8_devices.native(x.device) and scales.dim() == 1  # (block-wise scales: `other` de-quantizes)
+    if not (x.is_cuda or INTERPRETED_ON_CPU) or (rows > MAX_ROWS and scaled_mm):
         return None
-    key = (x.device, *weight.shape, bucket(rows), x.dtype)
+    key = (x.device, *weight.shape, bucket(rows), x.dtype, *scales.shape[1:])  # (block-wise: how many blocks)
     if key in _chosen:
         return _chosen[key]
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -224,7 +243,10 @@ def choose(
         choice = _measure(key, weight, scales, other)
     except Exception as exc:  # noqa: BLE001 - measuring failed (memory, the GPU): the product serves regardless
         log.warning(
-            "measuring the fp8 Triton kernel for [%d x %d] failed (%s): %s serves", *weight.shape, exc, _other(x.device)
+            "measuring the fp8 Triton kernel for [%d x %d] failed (%s): %s serves",
+            *weight.shape,
+            exc,
+            _other(x.device, key[5:]),
         )
         choice = None
     _chosen[key] = choice
@@ -234,11 +256,11 @@ def choose(
 def _measure(
     key: tuple[Any, ...], weight: torch.Tensor, scales: torch.Tensor, other: Callable[[torch.Tensor], torch.Tensor]
 ) -> Choice | None:
-    device, outputs, inputs, rows, dtype = key
+    device, outputs, inputs, rows, dtype, *blocks = key
     generator = torch.Generator(device=device).manual_seed(0)
     probe = torch.randn(rows, inputs, generator=generator, device=device).to(dtype)
     candidates: tuple[Choice, ...] = CANDIDATES[rows]
-    if rows <= MAX_ROWS and fp8_w8a8.applies(weight, device):
+    if rows <= MAX_ROWS and not blocks and fp8_w8a8.applies(weight, device):
         candidates += (fp8_w8a8.W8A8,)
     plain = _reference(probe, weight, scales)
 
@@ -257,21 +279,54 @@ def _measure(
         lambda choice: product(probe, weight, scales, choice),
         want,
         device,
-        (_other(device), lambda: other(probe)),
+        (_other(device, blocks), lambda: other(probe)),
     )
 
 
-def _other(device: torch.device) -> str:
+def _other(device: torch.device, blocks: Sequence[int] = ()) -> str:
     """What serves where the kernel does not, for the log lines."""
-    return "torch._scaled_mm" if fp8_devices.native(device) else "the de-quantized product"
+    return "torch._scaled_mm" if fp8_devices.native(device) and not blocks else "the de-quantized product"
+
+
+def input_block(inputs: int, scales: torch.Tensor) -> int:
+    """The inputs of a block of block-wise `scales` ``[N, blocks]`` over `inputs` inputs (0: scales per channel,
+    ``[N]``): the power of two that gives that many blocks (the loader keeps only such blocks: `block_scales`)."""
+    if scales.dim() == 1:
+        return 0
+    return _power_of_2_over(-(-inputs // scales.shape[1]))
+
+
+def _power_of_2_over(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def block_scales(scale: torch.Tensor, outputs: int, inputs: int, block: tuple[int, int]) -> torch.Tensor | None:
+    """A block-wise fp8 checkpoint's `scale` ``[cdiv(outputs, rows a block), cdiv(inputs, inputs a block)]``
+    (``weight_scale_inv``) as each output row's scales (``[outputs, blocks]`` fp32, what `fp8_gemv` reads: fused
+    linears concatenate their rows), or ``[outputs]`` where one block spans the inputs; None where a block's
+    inputs are not a power of two (`input_block` could not tell them from the shape: de-quantized at load)."""
+    rows, width = block
+    if width & (width - 1) or scale.shape[1] != -(-inputs // width):
+        return None
+    per_row = scale.float().repeat_interleave(rows, dim=0)[:outputs].contiguous()
+    return per_row[:, 0].contiguous() if per_row.shape[1] == 1 else per_row
+
+
+def dequantized_weight(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``weight * scales`` in fp32: per output channel, or each row's block scales over their inputs."""
+    group = input_block(weight.shape[1], scales)
+    if not group:
+        return weight.float() * scales.float()[:, None]
+    return weight.float() * scales.float().repeat_interleave(group, dim=1)[:, : weight.shape[1]]
 
 
 def dequantized_product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``x @ (weight * scales[:, None]).T`` in `x`'s dtype, the weight de-quantized `SLICE` outputs at a time (no
-    copy of a large weight in `x`'s dtype): where a GPU without fp8 products has no tile of this kernel."""
+    """``x @ (weight * scales).T`` in `x`'s dtype (`scales` per channel or by blocks, `fp8_gemv`), the weight
+    de-quantized `SLICE` outputs at a time (no copy of a large weight in `x`'s dtype): where a GPU without fp8
+    products, or a block-wise weight, has no tile of this kernel."""
     parts = []
     for start in range(0, weight.shape[0], SLICE):
-        w = weight[start : start + SLICE].float() * scales[start : start + SLICE, None].float()
+        w = dequantized_weight(weight[start : start + SLICE], scales[start : start + SLICE])
         parts.append(x @ w.to(x.dtype).t())
     return torch.cat(parts, dim=1)
 

@@ -2,6 +2,11 @@
 CPU in the tests): ``y = (x @ W.T) * scale`` for the rows of `x`, the fp8 weight read once, as bytes, and
 widened in registers (no activation quantization, no bf16 copy of the weight).
 
+Scales per output channel (``[N]``, applied to the sums), or by blocks of `GROUP` inputs (block-wise fp8: each
+row's scales ``[N, cdiv(K, GROUP)]``, `stride_s` apart): where a tile's inputs lie in one block
+(`SCALE_PER_TILE`: `GROUP` a multiple of `BLOCK_K`) its fp32 sums are scaled before they are added, else each
+widened weight is scaled before the product (in fp32: the weight de-quantized in registers).
+
 Widened by the GPU's fp8 conversion where it has one (`NATIVE`: compute capability 8.9 or more), else by moving
 the bits (`engine/fp8_widen.py`: ``w / 2**8`` in a fp16, exactly; the 2**8 goes into the scale)."""
 
@@ -24,12 +29,15 @@ def fp8_gemv_kernel(  # pragma: no cover - runs as a Triton kernel
     stride_ym,
     k_split,
     stride_ys,
+    stride_s,
     EVEN_K: tl.constexpr,
     USE_DOT: tl.constexpr,
     NATIVE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
+    SCALE_PER_TILE: tl.constexpr,
 ):
     # one program: BLOCK_N outputs of BLOCK_M rows over `k_split` of K (a multiple of BLOCK_K, or all of K); the
     # weight's rows are K-contiguous, so a [BLOCK_N, BLOCK_K] tile is BLOCK_N runs of BLOCK_K bytes. K split
@@ -50,22 +58,31 @@ def fp8_gemv_kernel(  # pragma: no cover - runs as a Triton kernel
     k_end = tl.minimum(K, k_first + k_split)
     for k0 in range(k_first, k_end, BLOCK_K):
         k = k0 + offs_k
+        w_ok = n_ok[:, None]
         if EVEN_K:
             x = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)
-            bits = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0)
         else:
-            k_ok = k < K
-            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            bits = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+            w_ok = w_ok & (k < K)[None, :]
+            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+        bits = tl.load(w_rows + k[None, :], mask=w_ok, other=0)
         if NATIVE:  # noqa: SIM108 - a constexpr branch: the fp8 type compiles only where the GPU has it
             w = bits.to(tl.float8e4nv, bitcast=True)  # [BLOCK_N, BLOCK_K]; bits 0 are +0.0
         else:
             w = e4m3_over_256(bits)
+        if GROUP > 0 and not SCALE_PER_TILE:  # blocks smaller than the tile: each weight times its block's scale
+            block_scales = s_ptr + offs_n[:, None] * stride_s + (k // GROUP)[None, :]
+            w = w.to(tl.float32) * tl.load(block_scales, mask=w_ok, other=0.0)
         if USE_DOT:  # 16 rows or more a tile: the tensor cores, in the activations' dtype
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+            part = tl.dot(x, tl.trans(w.to(x.dtype)))
         else:  # 1 to 4 rows: products and a sum per row in fp32, no operand shuffles
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-    scale = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)
+            part = tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        if SCALE_PER_TILE:  # the tile's inputs in one block: its sums times the block's scale of each output
+            part = part * tl.load(s_ptr + offs_n * stride_s + k0 // GROUP, mask=n_ok, other=0.0)[None, :]
+        acc += part
+    if GROUP > 0:  # noqa: SIM108 - a constexpr branch
+        scale = tl.full((BLOCK_N,), 1.0, tl.float32)
+    else:
+        scale = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)
     if not NATIVE:
         scale = scale * 256.0
     y = (acc * scale[None, :]).to(y_ptr.dtype.element_ty)

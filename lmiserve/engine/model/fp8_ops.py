@@ -23,7 +23,10 @@ __all__ = ["FP8_MAX", "dequantize_fp8", "fp8_linear", "quantize_fp8", "rows_to_f
 
 
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``weight * scale`` in fp32 ``[out, in]``: `scale` per channel (``[out]`` or ``[out, 1]``) or per tensor."""
+    """``weight * scale`` in fp32 ``[out, in]``: `scale` per channel (``[out]`` or ``[out, 1]``), per tensor, or
+    each row's by blocks of inputs (``[out, blocks]``, `fp8_gemv.block_scales`)."""
+    if scale.dim() == 2 and scale.shape[1] > 1:
+        return fp8_gemv.dequantized_weight(weight, scale)
     s = scale.float().reshape(-1)
     return weight.float() * (s[:, None] if s.numel() > 1 else s)
 
@@ -42,10 +45,11 @@ def fp8_linear(
     scales: torch.Tensor,
     quantize_rows: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = rows_to_fp8,
 ) -> torch.Tensor:
-    """``x @ (weight * scales[:, None]).T`` for a 2-D `x`, fp8 `weight` ``[out, in]`` and fp32 `scales`
-    ``[out]``: through `fp8_gemv` where it is chosen (measured faster on this GPU: a few rows, or any number
-    where the GPU has no fp8 products), else `scaled_product` (or there `fp8_gemv.dequantized_product`)."""
-    if fp8_devices.native(x.device):
+    """``x @ (weight * scales).T`` for a 2-D `x`, fp8 `weight` ``[out, in]`` and fp32 `scales` ``[out]`` (or each
+    row's by blocks of inputs, ``[out, blocks]``): through `fp8_gemv` where it is chosen (measured faster on this
+    GPU: a few rows, or any number where the GPU has no fp8 products or the scales are by blocks), else
+    `scaled_product` (there, and for blocks, `fp8_gemv.dequantized_product`)."""
+    if fp8_devices.native(x.device) and scales.dim() == 1:
         other = functools.partial(scaled_product, weight=weight, scales=scales, quantize_rows=quantize_rows)
     else:
         other = functools.partial(fp8_gemv.dequantized_product, weight=weight, scales=scales)

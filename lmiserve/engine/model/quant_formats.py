@@ -11,6 +11,8 @@ products then widen the bytes in a Triton kernel); elsewhere `fp8_module` de-qua
 load, into a plain linear of the compute dtype (exact in fp32), so a CPU serves fp8 checkpoints correctly
 (without the memory saving). On an H200 (2026-11-29) the `_scaled_mm` path is correct and halves the
 weights' memory, but decodes the 8B shape at 0.74x bf16's tokens/s at one stream (fp8_ops.py's doc).
+Block-wise fp8 (``weight_scale_inv`` a block of rows and inputs) is an `Fp8Linear` with each row's block scales
+where the loader keeps it (on any GPU, `fp8_gemv.weights_kept_for`), else de-quantized at load (`fp8_module`).
 
 4-bit: both formats store codes 0..15 with, per group of `group_size` inputs, a fp16 scale and an
 integer zero point: ``w[o, i] = (code[o, i] - zero[o, g(i)]) * scale[o, g(i)]``.
@@ -77,7 +79,7 @@ class QuantSpec:
     ``quant_method``; ``dynamic``: fp8 made at load from float weights; ``dummy``: 4-bit codes made at load
     from `load_format=dummy`'s random weights, `quantize_int4_dummy`), the 4-bit `group_size`
     (-1: one group per row), whether GPTQ's stored zeros are ``zero - 1`` (`v1_zeros`) and whether fp8's scales are
-    block-wise (`blocks`: ``weight_block_size``, the rows and inputs of a block; dequantized at load)."""
+    block-wise (`blocks`: ``weight_block_size``, the rows and inputs of a block)."""
 
     method: str
     source: str
@@ -91,7 +93,8 @@ class QuantSpec:
 
     @property
     def dequantized(self) -> bool:
-        """Whether the checkpoint is de-quantized at load by transformers (MXFP4 experts, block-wise fp8)."""
+        """Whether transformers can de-quantize the checkpoint at load (MXFP4 experts, block-wise fp8), as a
+        vision-language model's is (`quantized_load`: a causal LM's block-wise fp8 is read by lmiserve)."""
         return self.method == "mxfp4" or self.blocks is not None
 
 
@@ -185,12 +188,14 @@ def int4_module(
     return _plain_linear(parts.dequantize(), bias, dtype, device)
 
 
-def weights_kept_for(model: torch.nn.Module, device: torch.device, name: str, method: str) -> bool | None:
-    """Whether the linears of a `method` checkpoint (fp8, awq, gptq) stay quantized on a GPU where their kernel
-    is not yet measured (`int4_triton.codes_kept_for`, `fp8_gemv.weights_kept_for`), for `model` (the meta model
-    or a tensor-parallel rank's shell) on `device`; None where the question is not asked."""
+def weights_kept_for(
+    model: torch.nn.Module, device: torch.device, name: str, method: str, blocks: bool = False
+) -> bool | None:
+    """Whether the linears of a `method` checkpoint (fp8, awq, gptq; `blocks`: block-wise fp8) stay quantized on a
+    GPU where their kernel is not yet measured (`int4_triton.codes_kept_for`, `fp8_gemv.weights_kept_for`), for
+    `model` (the meta model or a tensor-parallel rank's shell) on `device`; None where the question is not asked."""
     if method == "fp8":
-        return fp8_gemv.weights_kept_for(model, device, name)
+        return fp8_gemv.weights_kept_for(model, device, name, blocks)
     return int4_triton.codes_kept_for(model, device, name)
 
 
@@ -200,7 +205,8 @@ def fp8_scaled_mm_supported(device: torch.device) -> bool:
 
 
 class Fp8Linear(torch.nn.Module):
-    """A linear layer with a ``float8_e4m3fn`` weight ``[out, in]`` and fp32 per-channel `scales` ``[out]``
+    """A linear layer with a ``float8_e4m3fn`` weight ``[out, in]`` and fp32 per-channel `scales` ``[out]``, or
+    each row's scales by blocks of inputs ``[out, blocks]`` (block-wise fp8, `fp8_gemv.block_scales`)
     (`fp8_linear`; output in the input's dtype). `weight`, `scales` and `bias` are plain attributes (not
     parameters: ``Module.to(dtype)`` would cast fp8), so the fast path fuses them as it does int8 rows."""
 
@@ -221,7 +227,9 @@ class Fp8Linear(torch.nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 weights (per channel)"
+        group = fp8_gemv.input_block(self.in_features, self.scales)
+        scales = f"scales by blocks of {group} inputs" if group else "per channel"
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 weights ({scales})"
 
 
 def fp8_module(
@@ -231,15 +239,31 @@ def fp8_module(
     dtype: torch.dtype,
     device: torch.device,
     keep_fp8: bool | None = None,
+    block: tuple[int, int] | None = None,
 ) -> torch.nn.Module:
     """The layer of an fp8 weight: `Fp8Linear` where `fp8_scaled_mm_supported` or `keep_fp8` (the loaders'
-    `fp8_gemv.weights_kept_for` on a GPU without fp8 products; tests on a CPU), else a plain linear of `dtype`
-    with the weight de-quantized once, at load."""
+    `fp8_gemv.weights_kept_for` on a GPU without fp8 products, or for block-wise scales on any GPU; tests on a
+    CPU), else a plain linear of `dtype` with the weight de-quantized once, at load. `block`: `scale` is a
+    block-wise checkpoint's (``weight_scale_inv``, blocks of ``block`` rows and inputs), kept only where asked and
+    its blocks' inputs are a power of two (`fp8_gemv.block_scales`)."""
+    if block is not None:
+        rows = fp8_gemv.block_scales(scale, weight.shape[0], weight.shape[1], block)
+        if not keep_fp8 or rows is None:
+            return _plain_linear(_block_dequantized(weight, scale, block), bias, dtype, device)
+        scale = rows
     if keep_fp8 or fp8_scaled_mm_supported(device):
-        channel = scale.float().reshape(-1).expand(weight.shape[0]).contiguous()  # per tensor: every row's
+        if scale.dim() != 2 or scale.shape[1] == 1 or block is None:  # per tensor or channel: every row's one
+            scale = scale.float().reshape(-1).expand(weight.shape[0]).contiguous()
         b = None if bias is None else bias.detach().to(device, dtype)
-        return Fp8Linear(weight.to(device), channel.to(device), b)
+        return Fp8Linear(weight.to(device), scale.to(device), b)
     return _plain_linear(dequantize_fp8(weight, scale), bias, dtype, device)
+
+
+def _block_dequantized(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """A block-wise fp8 weight de-quantized in fp32: each value times its block's scale (exact)."""
+    (out, inputs), (rows, width) = weight.shape, block
+    full = scale.float().repeat_interleave(rows, dim=0)[:out].repeat_interleave(width, dim=1)[:, :inputs]
+    return weight.float() * full
 
 
 def _plain_linear(
