@@ -4,7 +4,8 @@ rows, else `torch._scaled_mm` with activations to fp8 per row), the fastest tile
 Triton kernel (`fp8_gemv`, up to 16 rows; every row count on a GPU without fp8 products, A100 or A10G, where it
 widens the bytes itself; on a GPU with them `fp8_gemv_widened` times that widening on the same tile), the
 rows quantized to fp8 for cuBLAS's tensor-wise product (`fp8_w8a8`, up to 16 rows: the engine's third
-candidate, its three kernels together) and
+candidate, its three kernels together), block-wise fp8 (`fp8_block`: scales by blocks of 128 x 128, as Qwen3's
+FP8 releases, on `fp8_gemv`'s kernel or the de-quantized product as the engine chooses at every row count) and
 4-bit (`int4_triton.Int4TritonLinear`, groups of 128, on the tile the engine measures fastest for the row
 bucket: `int4_tile`), at a few row counts; on a GPU with fp8,
 where `_scaled_mm`'s time goes (`fp8_variants`). Run on an H200 on 2026-11-29 (before the 4-bit kernel's
@@ -37,8 +38,14 @@ import torch
 from lmiserve.engine import fp8_devices
 from lmiserve.engine.model import fp8_gemv, fp8_w8a8, int4_triton, kernel_choice
 from lmiserve.engine.model.fp8_ops import fp8_linear, rows_to_fp8
-from lmiserve.engine.model.quant_formats import Fp8Linear, Int4Parts, fp8_scaled_mm_supported, quantize_fp8
-from lmiserve.models.quant_pack import rtn_int4
+from lmiserve.engine.model.quant_formats import (
+    Fp8Linear,
+    Int4Parts,
+    fp8_module,
+    fp8_scaled_mm_supported,
+    quantize_fp8,
+)
+from lmiserve.models.quant_pack import fp8_block_tensors, rtn_int4
 
 SHAPES = {"qo_4096x4096": (4096, 4096), "gate_up_4096x28672": (28672, 4096), "down_14336x4096": (4096, 14336)}
 SMOKE_SHAPES = {"smoke_256x128": (256, 128)}
@@ -160,6 +167,12 @@ def main() -> None:
         q, s = quantize_fp8(weight)
         fp8 = Fp8Linear(q.to(device), s.to(device), None)
         fp8_dense = fp8.dequantized().to(dtype)
+        block = 128 if cuda else 64  # (the smoke shape's 128 inputs: two blocks)
+        stored = fp8_block_tensors(weight, block)
+        fp8_block = fp8_module(
+            stored["weight"], stored["weight_scale_inv"], None, dtype, device, keep_fp8=True, block=(block, block)
+        )
+        block_dense = fp8_block.dequantized().to(dtype)
         int4 = int4_triton.Int4TritonLinear.from_parts(codes, scale.float(), zero, g_idx, None, dtype, device)
         dense = weight.to(device, dtype)
         # the activations' quantization compiled into fused kernels (one variant below)
@@ -172,6 +185,8 @@ def main() -> None:
                 "fp8": (lambda x=x, m=fp8: m(x), out * inputs, x @ fp8_dense.t()),
                 "int4_triton": (lambda x=x, m=int4: m(x), out * inputs // 2, x @ int4_dense.t()),
             }
+            if fp8_gemv.available():
+                kinds["fp8_block"] = (lambda x=x, m=fp8_block: m(x), out * inputs, x @ block_dense.t())
             native = fp8_devices.native(device)
             if (rows <= fp8_gemv.MAX_ROWS or not native) and fp8_gemv.available():
                 tiles_us: dict[str, float] = {}
@@ -223,7 +238,10 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if cuda else "cpu (smoke)",
         "torch": torch.__version__,
         "fp8_gemv_chosen": {
-            f"{k[1]}x{k[2]} rows {k[3]} {k[4]}": str(v) if v else "_scaled_mm" for k, v in fp8_gemv.chosen().items()
+            f"{k[1]}x{k[2]} rows {k[3]} {k[4]}{' blocks' if k[5:] else ''}": str(v)
+            if v
+            else ("the de-quantized product" if k[5:] else "_scaled_mm")
+            for k, v in fp8_gemv.chosen().items()
         },
         "int4_chosen": {
             f"{k[1]}x{k[2]} group {k[3]} rows {k[5]} {k[6]}": str(v) if v else "de-quantized slices"

@@ -30,7 +30,7 @@ import torch
 from lmiserve.engine.model.int4_triton import pack_nibbles
 from lmiserve.engine.model.quant_formats import AWQ_ORDER, quantize_fp8
 
-__all__ = ["FORMATS", "rtn_int4", "write_quantized"]
+__all__ = ["FORMATS", "fp8_block_tensors", "rtn_int4", "write_quantized"]
 
 FORMATS = ("fp8-channel", "fp8-tensor", "fbgemm-fp8", "fp8-block", "awq", "gptq")
 
@@ -85,7 +85,9 @@ def _fp8_tensors(weight: torch.Tensor, per_tensor: bool) -> dict[str, torch.Tens
     return {"weight": q, "weight_scale": channel[:, None].contiguous()}
 
 
-def _fp8_block_tensors(weight: torch.Tensor, block: int) -> dict[str, torch.Tensor]:
+def fp8_block_tensors(weight: torch.Tensor, block: int) -> dict[str, torch.Tensor]:
+    """Block-wise fp8 of a float `weight` as Qwen3's FP8 releases store it: ``weight`` and ``weight_scale_inv``
+    (each `block` x `block` block's ``max|w| / 448``)."""
     w = weight.detach().float()
     out, inputs = w.shape
     if out % block or inputs % block:
@@ -109,7 +111,7 @@ def _write_saved(model: Any, out_dir: Path, fmt: str, block: int) -> dict[str, d
         for name in [n for n, t in state.items() if n.endswith("_proj.weight") and t.dim() == 2]:
             weight = state.pop(name)
             tensors = (
-                _fp8_block_tensors(weight, block) if fmt == "fp8-block" else _fp8_tensors(weight, fmt == "fp8-tensor")
+                fp8_block_tensors(weight, block) if fmt == "fp8-block" else _fp8_tensors(weight, fmt == "fp8-tensor")
             )
             state.update({f"{name.removesuffix('.weight')}.{k}": v for k, v in tensors.items()})
             written[name.removesuffix(".weight")] = tensors
