@@ -122,6 +122,40 @@ def test_an_fp8_rank_keeps_fp8_weights_and_their_scales_where_the_device_multipl
 
 
 @pytest.mark.parametrize("world", [2, 4])
+def test_a_block_wise_fp8_rank_keeps_fp8_weights_where_it_is_asked_to(checkpoints, monkeypatch, world):
+    """Where a rank keeps block-wise fp8 (`weights_kept_for`: bf16 would not fit the GPU, or forced), its
+    column-parallel linears are `Fp8Linear`s of its rows with each row's block scales (a rank's rows need not be
+    whole blocks), its row-parallel ones where its first input starts a block of 128 (o's 64 inputs a rank at 4
+    ranks: ranks 1 and 3 read theirs as float). Every weight is the rank's exact cut."""
+    from lmiserve.engine.model import shard_checkpoint
+
+    monkeypatch.setattr(shard_checkpoint, "weights_kept_for", lambda *args: True)
+    folder = checkpoints["fp8-block-b128"]
+    whole = load_causal_lm(folder, dtype="fp32", device="cpu").model
+    kinds = set()
+    for rank in range(world):
+        shard = rank_shard(folder, rank, world)
+        for name, module in shard.named_modules():
+            short = name.rpartition(".")[2]
+            if short not in LINEARS:
+                continue
+            weight, _ = expected_cut(whole, name, shard_of(shard))
+            assert torch.equal(weight_of(module), weight), (rank, name)
+            inputs = whole.get_submodule(name).in_features
+            columns = column_run(shard_of(shard).plan, short, inputs) if short in ROW_PARALLEL else None
+            assert isinstance(module, Fp8Linear) == (columns is None or columns.start % 128 == 0), (rank, name)
+            if isinstance(module, Fp8Linear):  # each row's blocks' scales; one block of inputs: one scale a row
+                assert module.scales.shape == ((weight.shape[0], 2) if weight.shape[1] > 128 else (weight.shape[0],))
+                kinds.add((short, weight.shape[1]))
+            else:
+                kinds.add((short, "float"))
+    row_parallel = {k for k in kinds if k[0] in ("o_proj", "down_proj")}
+    assert row_parallel == ({("o_proj", 128), ("down_proj", 256)} if world == 2 else
+                            {("o_proj", 64), ("o_proj", "float"), ("down_proj", 128)})  # fmt: skip
+    assert ("q_proj", 256) in kinds  # (2 blocks of inputs)
+
+
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("fmt", ["fp8-block", "fp8-channel"])
 def test_an_fp8_mixture_of_experts_experts_are_read_through_the_scales_each_slice_covers(tmp_path, world, fmt):
     """Qwen3-MoE in block-wise fp8 (blocks of 16; a rank's 24 or 12 of each expert's 48 intermediate rows are not

@@ -245,14 +245,15 @@ def fp8_module(
     `fp8_gemv.weights_kept_for` on a GPU without fp8 products, or for block-wise scales on any GPU; tests on a
     CPU), else a plain linear of `dtype` with the weight de-quantized once, at load. `block`: `scale` is a
     block-wise checkpoint's (``weight_scale_inv``, blocks of ``block`` rows and inputs), kept only where asked and
-    its blocks' inputs are a power of two (`fp8_gemv.block_scales`)."""
+    its blocks' inputs are a power of two (`fp8_gemv.block_scales`); a ``[out, blocks]`` `scale` without `block` is
+    already each row's block scales (a tensor-parallel rank's cut of them)."""
     if block is not None:
         rows = fp8_gemv.block_scales(scale, weight.shape[0], weight.shape[1], block)
         if not keep_fp8 or rows is None:
             return _plain_linear(_block_dequantized(weight, scale, block), bias, dtype, device)
         scale = rows
     if keep_fp8 or fp8_scaled_mm_supported(device):
-        if scale.dim() != 2 or scale.shape[1] == 1 or block is None:  # per tensor or channel: every row's one
+        if scale.dim() < 2 or scale.shape[1] == 1:  # per tensor or channel: every row's one (else each row's blocks)
             scale = scale.float().reshape(-1).expand(weight.shape[0]).contiguous()
         b = None if bias is None else bias.detach().to(device, dtype)
         return Fp8Linear(weight.to(device), scale.to(device), b)

@@ -152,13 +152,16 @@ def _quantized_linears(
     split: tuple[str, ...] = ("",),
 ) -> set[str]:
     """Each linear of `model`'s layers that the checkpoint stores quantized (fp8 with a ``weight_scale``, AWQ or
-    GPTQ) replaced by the rank's layer of it (`shard_quantized.shard_linear`); their names. `split`: the prefixes of
-    the modules tensor parallelism splits (`_split_prefixes`)."""
+    GPTQ; block-wise fp8 where the rank keeps it, `weights_kept_for`) replaced by the rank's layer of it
+    (`shard_quantized.shard_linear`); their names. `split`: the prefixes of the modules tensor parallelism splits
+    (`_split_prefixes`)."""
     if quant is None or quant.method not in ("fp8", "awq", "gptq"):
         return set()
-    key = "weight_scale" if quant.method == "fp8" else "qweight"
+    key = "qweight" if quant.method != "fp8" else "weight_scale_inv" if quant.blocks else "weight_scale"
     plan = cast(Any, shard_of(model)).plan
-    keep = weights_kept_for(model, device, f"rank {plan.rank}", quant.method)
+    keep = weights_kept_for(model, device, f"rank {plan.rank}", quant.method, quant.blocks is not None)
+    if quant.blocks and not keep:
+        return set()  # block-wise fp8 de-quantized at load: read as float (`dequantizing_reader`)
     made = set()
     for name, module in list(model.named_modules()):
         if type(module) is not torch.nn.Linear or ".layers." not in name or f"{name}.{key}" not in files:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from lmiserve.engine.model import fp8_gemv
 from lmiserve.engine.model.quant_formats import (
     Int4Parts,
     QuantSpec,
@@ -112,6 +113,8 @@ def shard_linear(
     or in a format that is read as float (block-wise fp8: `dequantizing_reader`). `keep`: `weights_kept_for`'s."""
     short = name.rpartition(".")[2]
     rows, columns = None, None
+    if quant.method == "fp8" and quant.blocks:
+        return _block_fp8_shard(name, names, read, plan, quant.blocks, dtype, device, keep)
     stored = read(f"{name}.weight_scale" if quant.method == "fp8" else f"{name}.scales")
     outputs = stored.get_shape()[-1] if quant.method != "fp8" else read(f"{name}.weight").get_shape()[0]
     rows = row_runs(plan, short, outputs)
@@ -136,6 +139,37 @@ def shard_linear(
     if rows is None and short in ROW_PARALLEL:
         columns = column_run(plan, short, parts.codes.shape[1])
     return int4_module(_cut_int4(parts, rows, columns), bias, dtype, device, keep)
+
+
+def _block_fp8_shard(
+    name: str,
+    names: Mapping[str, Any],
+    read: Read,
+    plan: ShardPlan,
+    block: tuple[int, int],
+    dtype: torch.dtype,
+    device: torch.device,
+    keep: bool | None,
+) -> torch.nn.Module | None:
+    """The rank's `Fp8Linear` of a block-wise fp8 linear the rank keeps fp8: its rows (any, each with its blocks'
+    scales: `fp8_gemv.block_scales`' rows) or its input columns where they start a block (their blocks' scales);
+    None where they do not, or the blocks are not the kernel's (read as float, `dequantizing_reader`)."""
+    short = name.rpartition(".")[2]
+    weight = read(f"{name}.weight")
+    outputs, inputs = weight.get_shape()
+    scales = fp8_gemv.block_scales(torch.as_tensor(read(f"{name}.weight_scale_inv")[...]), outputs, inputs, block)
+    if scales is None:
+        return None
+    rows = row_runs(plan, short, outputs)
+    bias = _bias(read(f"{name}.bias") if f"{name}.bias" in names else None, rows, short, plan)
+    if rows is not None:
+        return fp8_module(keep_runs(weight, rows), keep_runs(scales, rows), bias, dtype, device, keep)
+    columns = column_run(plan, short, inputs) if short in ROW_PARALLEL else slice(0, inputs)
+    if columns.start % block[1]:
+        return None
+    if scales.dim() == 2:
+        scales = scales[:, columns.start // block[1] : -(-columns.stop // block[1])].contiguous()
+    return fp8_module(torch.as_tensor(weight[:, columns]).contiguous(), scales, bias, dtype, device, keep)
 
 
 def _bias(bias: Any, rows: list[slice] | None, short: str, plan: ShardPlan) -> torch.Tensor | None:
