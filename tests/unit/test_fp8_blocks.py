@@ -17,10 +17,18 @@ from lmiserve.engine.model import fp8_gemv
 from lmiserve.engine.model.fp8_ops import dequantize_fp8, fp8_linear
 from lmiserve.engine.model.quant_formats import Fp8Linear, fp8_module
 
+DEVICE = torch.device(os.environ.get("LMISERVE_TEST_DEVICE", "cpu"))  # (the GPU check runs this file on CUDA)
+# bf16 activations on a GPU (the kernel's tensor-core tiles round fp32 to tf32 there); fp32 under the interpreter
+DTYPE, CLOSE = (torch.bfloat16, 2e-2) if DEVICE.type == "cuda" else (torch.float32, 1e-5)
 pytestmark = pytest.mark.skipif(
-    not fp8_gemv.available() or os.environ.get("TRITON_INTERPRET") != "1",
-    reason="needs triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py on CPU)",
+    not fp8_gemv.available() or (DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"),
+    reason="needs a CUDA GPU, or triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py on CPU)",
 )
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Within `CLOSE` of `want`'s largest magnitude (bf16's rounding of the rows and the output, on a GPU)."""
+    torch.testing.assert_close(got.float(), want.float(), rtol=0.0, atol=CLOSE * want.abs().max().item())
 
 
 def block_weight(out: int, inputs: int, block: tuple[int, int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,9 +71,10 @@ def test_the_kernel_computes_the_block_wise_dequantized_product(
     assert fp8_gemv.input_block(inputs, rows) == block[1]
     want_weight = reference(q, scale, block)
     assert torch.equal(dequantize_fp8(q, rows), want_weight)
-    x = torch.randn(tile.block_m + 1, inputs)  # (a partial row tile too)
-    got = fp8_gemv.fp8_gemv(x, q, rows, tile, widen=widen)
-    torch.testing.assert_close(got, x @ want_weight.t(), rtol=1e-4, atol=1e-3)
+    x = torch.randn(tile.block_m + 1, inputs).to(DTYPE)  # (a partial row tile too)
+    got = fp8_gemv.fp8_gemv(x.to(DEVICE), q.to(DEVICE), rows.to(DEVICE), tile, widen=widen)
+    assert got.dtype == DTYPE
+    close(got.cpu(), x.float() @ want_weight.t())
 
 
 def test_block_scales_rows_and_what_stays_de_quantized() -> None:
@@ -93,19 +102,20 @@ def test_fp8_linear_chooses_a_tile_against_the_de_quantized_product_at_every_row
     q, scale = block_weight(64, 256, (32, 128))
     scales = fp8_gemv.block_scales(scale, 64, 256, (32, 128))
     assert scales is not None
+    q, scales = q.to(DEVICE), scales.to(DEVICE)
     caplog.set_level(logging.INFO, logger=fp8_gemv.__name__)
-    x = torch.randn(rows, 256)
-    want = x @ reference(q, scale, (32, 128)).t()
-    torch.testing.assert_close(fp8_linear(x, q, scales), want, rtol=1e-4, atol=1e-3)
-    ((key, _),) = fp8_gemv.chosen().items()  # measured once: on this CPU the de-quantized product wins
-    assert key == (torch.device("cpu"), 64, 256, fp8_gemv.bucket(rows), torch.float32, 2)
+    x = torch.randn(rows, 256).to(DEVICE, DTYPE)
+    want = x.float() @ reference(q.cpu(), scale, (32, 128)).t().to(DEVICE)
+    close(fp8_linear(x, q, scales), want)
+    ((key, _),) = fp8_gemv.chosen().items()  # measured once (on a CPU the de-quantized product wins)
+    assert key == (x.device, 64, 256, fp8_gemv.bucket(rows), DTYPE, 2)
     assert f"fp8 products [64 x 256] at {fp8_gemv.bucket(rows)} row(s)" in caplog.text
     assert "the de-quantized product" in caplog.text and "_scaled_mm" not in caplog.text
     fp8_gemv._chosen[key] = small[fp8_gemv.bucket(rows)][0]  # as where a tile measures faster
     ran = []
     kernel = fp8_gemv.fp8_gemv
     monkeypatch.setattr(fp8_gemv, "fp8_gemv", lambda *args: ran.append(args[3]) or kernel(*args))
-    torch.testing.assert_close(fp8_linear(x, q, scales), want, rtol=1e-4, atol=1e-3)
+    close(fp8_linear(x, q, scales), want)
     assert ran == [small[fp8_gemv.bucket(rows)][0]]
 
 
