@@ -187,7 +187,7 @@ def fp8_gemv(
 ) -> torch.Tensor:
     """``x @ (weight * scales).T`` in `x`'s dtype, for a 2-D `x` ``[M, K]``, a contiguous ``float8_e4m3fn``
     `weight` ``[N, K]`` and fp32 `scales`: ``[N]`` (one per output channel) or ``[N, blocks]`` (each row's scales
-    by blocks of inputs, `fp8_ops.input_block`). `widen`: the bytes widened as on a GPU without fp8 conversions
+    by blocks of inputs, `input_block`). `widen`: the bytes widened as on a GPU without fp8 conversions
     even where the GPU has them (a benchmark times that path on a Hopper GPU)."""
     if triton is None:
         raise RuntimeError("the fp8 Triton kernel needs triton")
