@@ -163,15 +163,21 @@ def float_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_checkpoint(quantizable_llama(39), tmp_path_factory.mktemp("float") / "float", "float")
 
 
-@pytest.mark.parametrize("answer", [True, None], ids=["kept", "not-asked"])
-def test_every_fp8_load_asks_and_keeps_fp8_weights_where_told(fp8_dir, float_dir, monkeypatch, answer):
-    """An fp8 checkpoint in one process, a tensor-parallel rank's cut of it, and ``quantize=fp8`` of a float
-    model each ask once of what they load; where the answer is to keep (an A10G), every linear of the layers is an
-    `Fp8Linear` (here on a CPU, where the answer is never asked, none is)."""
-    asked: list[str] = []
+@pytest.fixture(scope="module")
+def block_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(quantizable_llama(39), tmp_path_factory.mktemp("fp8-block") / "fp8-block", "fp8-block", 64)
 
-    def spy(model: torch.nn.Module, device: torch.device, name: str) -> bool | None:
-        asked.append(name)
+
+@pytest.mark.parametrize("answer", [True, None], ids=["kept", "not-asked"])
+def test_every_fp8_load_asks_and_keeps_fp8_weights_where_told(fp8_dir, float_dir, block_dir, monkeypatch, answer):
+    """An fp8 checkpoint in one process, a tensor-parallel rank's cut of it, ``quantize=fp8`` of a float model and
+    a block-wise fp8 checkpoint (asking for its blocks) each ask once of what they load; where the answer is to keep
+    (an A10G; for blocks any GPU), every linear of the layers is an `Fp8Linear` (here on a CPU, where the answer is
+    never asked, none is)."""
+    asked: list[tuple[str, bool]] = []
+
+    def spy(model: torch.nn.Module, device: torch.device, name: str, blocks: bool = False) -> bool | None:
+        asked.append((name, blocks))
         return answer
 
     monkeypatch.setattr(fp8_gemv, "weights_kept_for", spy)
@@ -182,8 +188,10 @@ def test_every_fp8_load_asks_and_keeps_fp8_weights_where_told(fp8_dir, float_dir
     shard_model(shell, 1, 2, None)
     load_shard_weights(shell, fp8_dir, spec, torch.device("cpu"))
     dynamic = load_causal_lm(float_dir, device="cpu", quantize="fp8").model
-    assert asked == ["fp8", "rank 1", "quantize=fp8"]
-    for model in (whole, shell, dynamic):
+    blocks = load_causal_lm(block_dir, device="cpu").model
+    assert asked == [("fp8", False), ("rank 1", False), ("quantize=fp8", False), ("fp8-block", True)]
+    assert blocks.model.layers[0].mlp.down_proj.weight.dtype == (torch.float8_e4m3fn if answer else torch.float32)
+    for model in (whole, shell, dynamic, blocks):
         layer = model.model.layers[0]
         assert isinstance(layer.mlp.down_proj, Fp8Linear) is bool(answer)
         assert isinstance(layer.self_attn.q_proj, Fp8Linear) is bool(answer)
