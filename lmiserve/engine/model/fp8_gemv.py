@@ -73,6 +73,7 @@ __all__ = [
     "fp8_gemv",
     "input_block",
     "product",
+    "scaled_mm_serves",
     "weights_kept_for",
 ]
 
@@ -163,7 +164,7 @@ def weights_kept_for(model: torch.nn.Module, device: torch.device, name: str, bl
     dtype, or already on the GPU: a whole model's, or a tensor-parallel rank's) keep their fp8 weights on this
     kernel (`weight_fit.kept_for`), logged for `name`; None elsewhere (per-channel fp8 products where the GPU has
     them, de-quantized on a CPU)."""
-    if device.type != "cuda" or triton is None or (fp8_devices.native(device) and not blocks):
+    if device.type != "cuda" or triton is None or scaled_mm_serves(device, blocks):
         return None
     if torch.cuda.get_device_capability(device) < (8, 0):
         return None
@@ -231,8 +232,7 @@ def choose(
     rows = x.shape[0]
     if not ENABLED or triton is None or not weight.is_contiguous():
         return None
-    scaled_mm = fp8_devices.native(x.device) and scales.dim() == 1  # (block-wise scales: `other` de-quantizes)
-    if not (x.is_cuda or INTERPRETED_ON_CPU) or (rows > MAX_ROWS and scaled_mm):
+    if not (x.is_cuda or INTERPRETED_ON_CPU) or (rows > MAX_ROWS and scaled_mm_serves(x.device, scales.dim() == 2)):
         return None
     key = (x.device, *weight.shape, bucket(rows), x.dtype, *scales.shape[1:])  # (block-wise: how many blocks)
     if key in _chosen:
@@ -285,7 +285,14 @@ def _measure(
 
 def _other(device: torch.device, blocks: Sequence[int] = ()) -> str:
     """What serves where the kernel does not, for the log lines."""
-    return "torch._scaled_mm" if fp8_devices.native(device) and not blocks else "the de-quantized product"
+    return "torch._scaled_mm" if scaled_mm_serves(device, bool(blocks)) else "the de-quantized product"
+
+
+def scaled_mm_serves(device: torch.device, blocks: bool) -> bool:
+    """Whether ``torch._scaled_mm`` serves the fp8 products this kernel does not, on `device` (a GPU with fp8
+    products) for weights whose scales are per channel; block-wise scales (`blocks`) never go to it (its row-wise
+    product takes one scale a channel): there the de-quantized product serves."""
+    return fp8_devices.native(device) and not blocks
 
 
 def input_block(inputs: int, scales: torch.Tensor) -> int:

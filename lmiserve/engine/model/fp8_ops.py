@@ -15,7 +15,6 @@ from collections.abc import Callable
 
 import torch
 
-from lmiserve.engine import fp8_devices
 from lmiserve.engine.model import fp8_gemv
 from lmiserve.engine.model.fp8_w8a8 import FP8_MAX, rows_to_fp8
 
@@ -49,7 +48,7 @@ def fp8_linear(
     row's by blocks of inputs, ``[out, blocks]``): through `fp8_gemv` where it is chosen (measured faster on this
     GPU: a few rows, or any number where the GPU has no fp8 products or the scales are by blocks), else
     `scaled_product` (there, and for blocks, `fp8_gemv.dequantized_product`)."""
-    if fp8_devices.native(x.device) and scales.dim() == 1:
+    if fp8_gemv.scaled_mm_serves(x.device, scales.dim() == 2):
         other = functools.partial(scaled_product, weight=weight, scales=scales, quantize_rows=quantize_rows)
     else:
         other = functools.partial(fp8_gemv.dequantized_product, weight=weight, scales=scales)
