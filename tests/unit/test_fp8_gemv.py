@@ -31,6 +31,10 @@ pytestmark = pytest.mark.skipif(
         fp8_gemv.Config(True, 16, 16, 32),  # tensor-core tiles
         fp8_gemv.Config(False, 1, 16, 32, split_k=3),  # K split between programs: 3 of 32, or 2 of 64 (100)
         fp8_gemv.Config(True, 16, 16, 32, split_k=2),
+        fp8_gemv.Config(False, 1, 16, 32, split_k=3, adds_in_kernel=True),  # the last program adds the splits
+        fp8_gemv.Config(True, 16, 16, 32, split_k=2, adds_in_kernel=True),
+        fp8_gemv.Config(False, 1, 16, 32, late_sum=True),  # products kept per input, summed once at the end
+        fp8_gemv.Config(False, 4, 16, 32, split_k=3, adds_in_kernel=True, late_sum=True),
     ],
     ids=str,
 )
@@ -62,19 +66,31 @@ def test_half_activations_come_back_in_their_dtype_within_its_rounding(dtype: to
         torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
+@pytest.mark.parametrize("in_kernel", [False, True], ids=["added-after", "added-in-kernel"])
 @pytest.mark.parametrize("widen", [False, True], ids=["fp8-type", "widened"])
-def test_a_split_tile_adds_its_parts_in_one_order_every_run(widen: bool) -> None:
-    """A split's parts are added after the kernel, not by atomics: the same bits on every run (greedy streams
-    stay reproducible), and each split's share computed once (a share counted twice or left out is far off);
-    where the bytes are widened too (an A100's path: each part scaled by 2**8 over)."""
+def test_a_split_tile_adds_its_parts_in_one_order_every_run(widen: bool, in_kernel: bool) -> None:
+    """A split's parts are added in split order, after the kernel or by each output tile's last program, never
+    by atomics on the outputs: the same bits on every run (greedy streams stay reproducible), and each split's
+    share computed once (a share counted twice or left out is far off); where the bytes are widened too (an
+    A100's path: each part scaled by 2**8 over). In the kernel, each tile's counter is back at 0 after every
+    product (else the next product's last program would never see its ticket: outputs left unwritten)."""
+    from lmiserve.engine.model import kernel_choice
+
     weight, scale, dense = fp8_weight(40, 256, seed=4)
     x = torch.randn(2, 256).to(torch.float16)
-    config = fp8_gemv.Config(False, 4, 16, 32, split_k=4)
+    config = fp8_gemv.Config(False, 4, 16, 32, split_k=4, adds_in_kernel=in_kernel)
     first = fp8_gemv.fp8_gemv(x, weight, scale, config, widen=widen)
     assert first.dtype == torch.float16
-    assert torch.equal(first, fp8_gemv.fp8_gemv(x, weight, scale, config, widen=widen))
+    for _ in range(2):
+        assert torch.equal(first, fp8_gemv.fp8_gemv(x, weight, scale, config, widen=widen))
     want = x.float() @ dense.t()
     torch.testing.assert_close(first.float(), want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
+    counters = kernel_choice._tile_counters.get((weight.device, weight.data_ptr()))
+    assert (counters is not None) == in_kernel
+    if in_kernel:
+        assert counters.numel() >= 3 and not counters.any()  # 3 output tiles of 16 (40 outputs), all back at 0
+    added_after = fp8_gemv.Config(False, 4, 16, 32, split_k=4)
+    assert torch.equal(first, fp8_gemv.fp8_gemv(x, weight, scale, added_after, widen=widen))
 
 
 def test_a_non_contiguous_row_view_reads_the_right_rows() -> None:

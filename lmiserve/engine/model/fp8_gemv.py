@@ -68,6 +68,7 @@ __all__ = [
     "bucket",
     "choose",
     "chosen",
+    "constants",
     "dequantized_product",
     "dequantized_weight",
     "fp8_gemv",
@@ -102,52 +103,62 @@ def bucket(rows: int) -> int:
 
 
 # the sum tiles keep at most 64 products a thread in registers (rows x outputs x inputs / threads); tiles are
-# shared between buckets where they can serve both, so that a first start compiles 9 (Triton caches them; a
-# split tile runs its unsplit twin's binary). Decode rows also try K split in 2-4: a [4096 x 14336] down
-# projection on 16-output tiles is 256 programs, too few to keep an H200's HBM busy (1.2 TB/s measured)
+# shared between buckets where they can serve both (Triton caches them). Decode rows also try K split in 2-8: a
+# [4096 x 14336] down projection on 16-output tiles is 256 programs, too few to keep an H200's HBM busy (1.2 TB/s
+# measured), their sums added by each output tile's last program (one kernel; added after the kernel, a split
+# costs two more kernels a product); and sums over the inputs taken once at the end of the loop (`late_sum`).
+# Each compiles for Hopper and Ampere, the decode tiles and the A100's without spilling registers
+# (tests/unit/test_kernels_compile_for_cuda.py)
 CANDIDATES: dict[int, tuple[Config, ...]] = {
     1: (
         Config(False, 1, 16, 256),
         Config(False, 1, 32, 256),
         Config(False, 1, 16, 512),
         Config(True, 16, 32, 128),
-        Config(False, 1, 16, 512, split_k=4),
-        Config(True, 16, 32, 128, split_k=4),
+        Config(False, 1, 16, 256, split_k=4, adds_in_kernel=True),
+        Config(False, 1, 16, 512, split_k=4, adds_in_kernel=True),
+        Config(False, 1, 16, 512, num_warps=8, split_k=8, adds_in_kernel=True),
+        Config(True, 16, 32, 128, split_k=4, adds_in_kernel=True),
+        Config(False, 1, 16, 256, late_sum=True),
+        Config(False, 1, 16, 256, num_warps=8, split_k=4, adds_in_kernel=True, late_sum=True),
+        Config(False, 1, 32, 256, num_warps=8, split_k=8, adds_in_kernel=True, late_sum=True),
     ),
     4: (
         Config(False, 4, 16, 128),
         Config(False, 4, 16, 256, num_warps=8),
         Config(True, 16, 32, 128),
         Config(True, 16, 32, 256),
-        Config(False, 4, 16, 128, split_k=4),
-        Config(True, 16, 32, 128, split_k=4),
+        Config(False, 4, 16, 128, split_k=4, adds_in_kernel=True),
+        Config(True, 16, 32, 128, split_k=4, adds_in_kernel=True),
+        Config(False, 4, 16, 128, split_k=4, adds_in_kernel=True, late_sum=True),
     ),
     16: (
         Config(True, 16, 16, 128),
         Config(True, 16, 32, 128),
         Config(True, 16, 32, 256),
-        Config(True, 16, 64, 128),
-        Config(True, 16, 32, 128, split_k=4),
-        Config(True, 16, 32, 256, split_k=2),
+        Config(True, 16, 64, 128, num_warps=8),
+        Config(True, 16, 32, 128, split_k=4, adds_in_kernel=True),
+        Config(True, 16, 32, 128, split_k=2, adds_in_kernel=True),
     ),
-    # tensor-core tiles for the more rows that only a GPU without fp8 products gives this kernel
+    # tensor-core tiles for the more rows that only a GPU without fp8 products (or block-wise scales) gives this
+    # kernel: those that keep their registers on an A100 (4 warps on 64 x 128 or 64 x 64 x 64 spilled 120-1008 bytes)
     64: (
-        Config(True, 32, 64, 64),
-        Config(True, 64, 64, 64),
-        Config(True, 32, 128, 64),
-        Config(True, 64, 128, 64),
+        Config(True, 32, 64, 32),
+        Config(True, 32, 64, 64, num_warps=8),
+        Config(True, 64, 64, 32),
+        Config(True, 64, 64, 64, num_warps=8),
     ),
     256: (
-        Config(True, 64, 64, 64),
-        Config(True, 64, 128, 64),
+        Config(True, 64, 64, 64, num_warps=8),
+        Config(True, 32, 128, 64, num_warps=8),
         Config(True, 128, 64, 64, num_warps=8),
         Config(True, 128, 128, 32, num_warps=8),
     ),
     1024: (
-        Config(True, 64, 128, 64),
+        Config(True, 64, 64, 64, num_warps=8),
+        Config(True, 32, 128, 64, num_warps=8),
         Config(True, 128, 64, 64, num_warps=8),
         Config(True, 128, 128, 32, num_warps=8),
-        Config(True, 128, 128, 64, num_warps=8),
     ),
 }
 
@@ -197,17 +208,34 @@ def fp8_gemv(
     native = fp8_devices.native(x.device) and not widen
     group = input_block(inputs, scales)
 
-    def launch(y: torch.Tensor, grid: tuple[int, int, int], k_share: int, split_stride: int) -> None:
+    def launch(
+        y: torch.Tensor,
+        parts: torch.Tensor,
+        counters: torch.Tensor,
+        grid: tuple[int, int, int],
+        k_share: int,
+        split: int,
+    ) -> None:
         _kernel()[grid](
-            x, weight.view(torch.uint8), scales, y, rows, weight.shape[0], inputs, x.stride(0), y.stride(-2),
-            k_share, split_stride, scales.stride(0),
-            EVEN_K=inputs % config.block_k == 0, USE_DOT=config.use_dot, NATIVE=native,
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            GROUP=group, SCALE_PER_TILE=group > 0 and group % config.block_k == 0,
+            x, weight.view(torch.uint8), scales, y, rows, weight.shape[0], inputs, x.stride(0), y.stride(0),
+            k_share, parts, counters, parts.stride(0) if split else 0, scales.stride(0),
+            **constants(config, inputs % config.block_k == 0, native, group, split),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )  # fmt: skip
 
-    return kernel_choice.split_k_product(config, x, weight.shape[0], launch)
+    return kernel_choice.split_k_product(config, x, weight, launch)
+
+
+def constants(config: Config, even_k: bool, native: bool, group: int, split: int) -> dict[str, Any]:
+    """`fp8_gemv_kernel`'s compile-time arguments for a tile: the inputs a multiple of its `block_k` or not, the
+    GPU's fp8 conversions or the bytes widened, scales per channel (`group` 0) or by blocks of `group` inputs,
+    and how a split K's sums are added (`split_k_kernel.store_sums`'s `split`)."""
+    return {
+        "EVEN_K": even_k, "USE_DOT": config.use_dot, "NATIVE": native,
+        "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
+        "GROUP": group, "SCALE_PER_TILE": group > 0 and group % config.block_k == 0, "SPLIT": split,
+        "LATE_SUM": config.late_sum and not config.use_dot,
+    }  # fmt: skip
 
 
 def product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, choice: Choice) -> torch.Tensor:

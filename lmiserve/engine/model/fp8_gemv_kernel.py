@@ -13,6 +13,7 @@ the bits (`engine/fp8_widen.py`: ``w / 2**8`` in a fp16, exactly; the 2**8 goes 
 import triton.language as tl
 
 from lmiserve.engine.fp8_widen import e4m3_over_256
+from lmiserve.engine.model.split_k_kernel import store_sums
 
 __all__ = ["fp8_gemv_kernel"]
 
@@ -28,7 +29,9 @@ def fp8_gemv_kernel(  # pragma: no cover - runs as a Triton kernel
     stride_xm,
     stride_ym,
     k_split,
-    stride_ys,
+    p_ptr,
+    c_ptr,
+    stride_ps,
     stride_s,
     EVEN_K: tl.constexpr,
     USE_DOT: tl.constexpr,
@@ -38,11 +41,15 @@ def fp8_gemv_kernel(  # pragma: no cover - runs as a Triton kernel
     BLOCK_K: tl.constexpr,
     GROUP: tl.constexpr,
     SCALE_PER_TILE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    LATE_SUM: tl.constexpr,
 ):
     # one program: BLOCK_N outputs of BLOCK_M rows over `k_split` of K (a multiple of BLOCK_K, or all of K); the
     # weight's rows are K-contiguous, so a [BLOCK_N, BLOCK_K] tile is BLOCK_N runs of BLOCK_K bytes. K split
-    # between the grid's third axis: each program's scaled fp32 sums go to its slice of a [splits, M, N] `y`
-    # (`stride_ys` apart), which the caller adds up in a fixed order (no atomics: the same bits every run)
+    # between the grid's third axis: each program's scaled fp32 sums go to its slice of a [splits, M, N] `parts`
+    # (`stride_ps` apart), added in a fixed order by the caller or by the tile's last program (`store_sums`,
+    # SPLIT). LATE_SUM (per-row sums): the products kept [BLOCK_M, BLOCK_N, BLOCK_K] over the loop and summed
+    # over K once at the end (no cross-lane reduction a step)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -54,6 +61,7 @@ def fp8_gemv_kernel(  # pragma: no cover - runs as a Triton kernel
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    late = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K) if LATE_SUM else (1, 1, 1), dtype=tl.float32)
     k_first = pid_k * k_split
     k_end = tl.minimum(K, k_first + k_split)
     for k0 in range(k_first, k_end, BLOCK_K):
@@ -72,19 +80,26 @@ def fp8_gemv_kernel(  # pragma: no cover - runs as a Triton kernel
         if GROUP > 0 and not SCALE_PER_TILE:  # blocks smaller than the tile: each weight times its block's scale
             block_scales = s_ptr + offs_n[:, None] * stride_s + (k // GROUP)[None, :]
             w = w.to(tl.float32) * tl.load(block_scales, mask=w_ok, other=0.0)
-        if USE_DOT:  # 16 rows or more a tile: the tensor cores, in the activations' dtype
-            part = tl.dot(x, tl.trans(w.to(x.dtype)))
-        else:  # 1 to 4 rows: products and a sum per row in fp32, no operand shuffles
-            part = tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-        if SCALE_PER_TILE:  # the tile's inputs in one block: its sums times the block's scale of each output
-            part = part * tl.load(s_ptr + offs_n * stride_s + k0 // GROUP, mask=n_ok, other=0.0)[None, :]
-        acc += part
+        if LATE_SUM:  # products kept per input; a tile in one block scales its weights by the block's scales
+            if SCALE_PER_TILE:
+                tile_scales = tl.load(s_ptr + offs_n * stride_s + k0 // GROUP, mask=n_ok, other=0.0)
+                w = w.to(tl.float32) * tile_scales[:, None]
+            late += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        else:
+            if USE_DOT:  # 16 rows or more a tile: the tensor cores, in the activations' dtype
+                part = tl.dot(x, tl.trans(w.to(x.dtype)))
+            else:  # 1 to 4 rows: products and a sum per row in fp32, no operand shuffles
+                part = tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            if SCALE_PER_TILE:  # the tile's inputs in one block: its sums times the block's scale of each output
+                part = part * tl.load(s_ptr + offs_n * stride_s + k0 // GROUP, mask=n_ok, other=0.0)[None, :]
+            acc += part
+    if LATE_SUM:
+        acc = tl.sum(late, axis=2)
     if GROUP > 0:  # noqa: SIM108 - a constexpr branch
         scale = tl.full((BLOCK_N,), 1.0, tl.float32)
     else:
         scale = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)
     if not NATIVE:
         scale = scale * 256.0
-    y = (acc * scale[None, :]).to(y_ptr.dtype.element_ty)
-    y_rows = y_ptr + pid_k.to(tl.int64) * stride_ys + offs_m[:, None] * stride_ym
-    tl.store(y_rows + offs_n[None, :], y, mask=m_ok[:, None] & n_ok[None, :])
+    mask = m_ok[:, None] & n_ok[None, :]
+    store_sums(acc * scale[None, :], y_ptr, p_ptr, c_ptr, offs_m, offs_n, mask, stride_ym, stride_ps, SPLIT)

@@ -67,6 +67,7 @@ __all__ = [
     "chosen",
     "codes_kept",
     "codes_kept_for",
+    "constants",
     "dequantized_product",
     "group_layout",
     "int4_gemm",
@@ -105,31 +106,31 @@ def bucket(rows: int) -> int:
 
 # the sum tiles keep at most 64 products a thread in registers (rows x outputs x inputs / threads); decode
 # rows also try K split between 4 programs (at one row an 8B model's products read 170-525 GB/s on an H200 with
-# every program walking all of K: `fp8_gemv`'s reason for its split tiles)
+# every program walking all of K: `fp8_gemv`'s reason for its split tiles), added by each tile's last program
 CANDIDATES: dict[int, tuple[Config, ...]] = {
     1: (
         Config(False, 1, 32, 128),
         Config(False, 1, 64, 128),
         Config(False, 1, 16, 256),
         Config(False, 1, 64, 256, num_warps=8),
-        Config(False, 1, 32, 128, split_k=4),
-        Config(False, 1, 16, 256, split_k=4),
+        Config(False, 1, 32, 128, split_k=4, adds_in_kernel=True),
+        Config(False, 1, 16, 256, split_k=4, adds_in_kernel=True),
     ),
     4: (
         Config(False, 4, 16, 128),
         Config(False, 4, 32, 64),
         Config(True, 16, 32, 128),
         Config(True, 16, 64, 64),
-        Config(False, 4, 16, 128, split_k=4),
-        Config(True, 16, 32, 128, split_k=4),
+        Config(False, 4, 16, 128, split_k=4, adds_in_kernel=True),
+        Config(True, 16, 32, 128, split_k=4, adds_in_kernel=True),
     ),
     16: (
         Config(True, 16, 32, 128),
         Config(True, 16, 64, 64),
         Config(True, 16, 64, 128),
         Config(True, 16, 128, 64, num_warps=8),
-        Config(True, 16, 32, 128, split_k=4),
-        Config(True, 16, 64, 64, split_k=4),
+        Config(True, 16, 32, 128, split_k=4, adds_in_kernel=True),
+        Config(True, 16, 64, 64, split_k=4, adds_in_kernel=True),
     ),
     64: (
         Config(True, 32, 64, 64),
@@ -169,16 +170,31 @@ def int4_gemm(x: torch.Tensor, weight: torch.Tensor, parts: Int4Scales, config: 
     rows, inputs = x.shape
     order = parts.order if parts.order is not None else weight  # (unread without HAS_ORDER)
 
-    def launch(y: torch.Tensor, grid: tuple[int, int, int], k_share: int, split_stride: int) -> None:
+    def launch(
+        y: torch.Tensor,
+        sums: torch.Tensor,
+        counters: torch.Tensor,
+        grid: tuple[int, int, int],
+        k_share: int,
+        split: int,
+    ) -> None:
         _kernel()[grid](
             x, weight, parts.scales, parts.zeros, order, y, rows, weight.shape[0], inputs, x.stride(0),
-            y.stride(-2), parts.scales.stride(0), k_share, split_stride,
-            GROUP=parts.group, HAS_ORDER=parts.order is not None, USE_DOT=config.use_dot,
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            y.stride(0), parts.scales.stride(0), k_share, sums, counters, sums.stride(0) if split else 0,
+            **constants(config, parts.group, parts.order is not None, split),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )  # fmt: skip
 
-    return kernel_choice.split_k_product(config, x, weight.shape[0], launch)
+    return kernel_choice.split_k_product(config, x, weight, launch)
+
+
+def constants(config: Config, group: int, act_order: bool, split: int) -> dict[str, Any]:
+    """`int4_gemm_kernel`'s compile-time arguments for a tile: the groups' inputs, act-order or not, and how a
+    split K's sums are added (`split_k_kernel.store_sums`'s `split`)."""
+    return {
+        "GROUP": group, "HAS_ORDER": act_order, "USE_DOT": config.use_dot,
+        "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "SPLIT": split,
+    }  # fmt: skip
 
 
 def dequantized_product(x: torch.Tensor, weight: torch.Tensor, parts: Int4Scales) -> torch.Tensor:

@@ -5,6 +5,8 @@ registers (no de-quantized copy of the weight anywhere)."""
 
 import triton.language as tl
 
+from lmiserve.engine.model.split_k_kernel import store_sums
+
 __all__ = ["int4_gemm_kernel"]
 
 
@@ -22,19 +24,22 @@ def int4_gemm_kernel(  # pragma: no cover - runs as a Triton kernel
     stride_ym,
     stride_s,
     k_split,
-    stride_ys,
+    p_ptr,
+    c_ptr,
+    stride_ps,
     GROUP: tl.constexpr,
     HAS_ORDER: tl.constexpr,
     USE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     # one program: BLOCK_N outputs of BLOCK_M rows over `k_split` of K (a multiple of BLOCK_K; all of K unsplit;
-    # split: its fp32 sums to its slice of a [splits, M, N] `y`, `stride_ys` apart, added up by the caller in a
-    # fixed order, as `fp8_gemv_kernel` does). The codes are [N, K / 8] int32 words
-    # (nibble j of word r: input 8r + j), so a tile is BLOCK_N runs of BLOCK_K / 2 bytes. GROUP is a multiple
-    # of BLOCK_K: a tile's inputs share one group, whose scale and zero are applied once to the tile's sums,
+    # split: its fp32 sums to its slice of a [splits, M, N] `parts`, `stride_ps` apart, added in a fixed order by
+    # the caller or the tile's last program: `store_sums`, as in `fp8_gemv_kernel`). The codes are [N, K / 8]
+    # int32 words (nibble j of word r: input 8r + j), so a tile is BLOCK_N runs of BLOCK_K / 2 bytes. GROUP is a
+    # multiple of BLOCK_K: a tile's inputs share one group, whose scale and zero are applied once to its sums,
     #   sum_k x_k (code_k - zero) scale = scale (sum_k x_k code_k - zero sum_k x_k).
     # HAS_ORDER (GPTQ's act-order): input k of the stored codes is column order[k] of x.
     pid_n = tl.program_id(0)
@@ -71,6 +76,4 @@ def int4_gemm_kernel(  # pragma: no cover - runs as a Triton kernel
         zero = tl.load(z_ptr + group * stride_s + offs_n, mask=n_ok, other=0.0)
         x_sum = tl.sum(x.to(tl.float32), axis=1)
         acc += (sums - x_sum[:, None] * zero[None, :]) * scale[None, :]
-    y = acc.to(y_ptr.dtype.element_ty)
-    y_rows = y_ptr + pid_k.to(tl.int64) * stride_ys + offs_m[:, None] * stride_ym
-    tl.store(y_rows + offs_n[None, :], y, mask=m_ok[:, None] & n_ok[None, :])
+    store_sums(acc, y_ptr, p_ptr, c_ptr, offs_m, offs_n, m_ok[:, None] & n_ok[None, :], stride_ym, stride_ps, SPLIT)

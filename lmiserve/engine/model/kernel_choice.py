@@ -49,7 +49,10 @@ C = TypeVar("C")
 class Tile:
     """One tile of a few-rows product kernel: `use_dot` (tensor cores, 16 rows or more a tile) or per-row
     sums (1-4 rows), `block_m` rows x `block_n` outputs, `block_k` inputs a step; `split_k`: the inputs split
-    between that many programs, their sums added after (more programs for a long K and few outputs)."""
+    between that many programs, their sums added after (more programs for a long K and few outputs), by two
+    kernels after the product's or, `adds_in_kernel`, by the last of a tile's programs (`split_k_kernel`: one
+    kernel); `late_sum` (per-row sums, the fp8 kernel): each input's products kept over the loop and summed over
+    the inputs once at the end, not a step at a time."""
 
     use_dot: bool
     block_m: int
@@ -58,6 +61,8 @@ class Tile:
     num_warps: int = 4
     num_stages: int = 3
     split_k: int = 1
+    adds_in_kernel: bool = False
+    late_sum: bool = False
 
     def fitted(self, group: int) -> Tile:
         """This tile with its `block_k` halved until it divides `group` (a multiple of 32: AWQ/GPTQ groups)."""
@@ -67,8 +72,8 @@ class Tile:
         return self if block_k == self.block_k else dataclasses.replace(self, block_k=block_k)
 
     def __str__(self) -> str:
-        kind = "dot" if self.use_dot else "sum"
-        split = f" split={self.split_k}" if self.split_k > 1 else ""
+        kind = "dot" if self.use_dot else "late-sum" if self.late_sum else "sum"
+        split = f" split={self.split_k}{' in-kernel' if self.adds_in_kernel else ''}" if self.split_k > 1 else ""
         tile = f"{self.block_m}x{self.block_n}x{self.block_k}"
         return f"{kind} {tile}{split} warps={self.num_warps} stages={self.num_stages}"
 
@@ -77,26 +82,56 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def split_k_product(
-    tile: Tile, x: torch.Tensor, outputs: int, launch: Callable[[torch.Tensor, tuple[int, int, int], int, int], None]
-) -> torch.Tensor:
-    """``[rows, outputs]`` in `x`'s dtype (`x` ``[rows, inputs]``) from one launch of a few-rows kernel with the
-    `tile`: ``launch(y, grid, k_share, split_stride)`` computes into `y` over the `grid` (output tiles, row tiles,
-    K splits), each program of the third axis summing `k_share` inputs (a multiple of `block_k`). Unsplit, `y`
-    is the result (`split_stride` 0); split, each split's scaled fp32 sums go to its slice of
-    ``[splits, rows, outputs]`` (`split_stride` apart), added here in one fixed order: no atomics, the same bits
-    every run."""
+Launch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int, int], int, int], None]
+
+
+def split_k_product(tile: Tile, x: torch.Tensor, weight: torch.Tensor, launch: Launch) -> torch.Tensor:
+    """``[rows, outputs]`` in `x`'s dtype (`x` ``[rows, inputs]``, `weight` ``[outputs, ...]``) from one launch
+    of a few-rows kernel with the `tile`: ``launch(y, parts, counters, grid, k_share, split)`` computes over the
+    `grid` (output tiles, row tiles, K splits), each program of the third axis summing `k_share` inputs (a
+    multiple of `block_k`), its sums stored as `split_k_kernel.store_sums` does by `split`: 0 (unsplit) into
+    `y`; split, each split's scaled fp32 sums into its slice of `parts` ``[splits, rows, outputs]``, added in one
+    fixed order (the same bits every run) here after the kernel (1) or by the tile's last program into `y` (2,
+    `Tile.adds_in_kernel`, with the weight's `counters`: outside a CUDA-graph capture or once the weight has
+    them, else 1)."""
     rows, inputs = x.shape
+    outputs = weight.shape[0]
     k_share = _cdiv(_cdiv(inputs, tile.split_k), tile.block_k) * tile.block_k
     splits = _cdiv(inputs, k_share)
     grid = (_cdiv(outputs, tile.block_n), _cdiv(rows, tile.block_m), splits)
+    y = torch.empty(rows, outputs, dtype=x.dtype, device=x.device)
     if splits == 1:
-        y = torch.empty(rows, outputs, dtype=x.dtype, device=x.device)
-        launch(y, grid, k_share, 0)
+        launch(y, y, y, grid, k_share, 0)
         return y
     parts = torch.empty(splits, rows, outputs, dtype=torch.float32, device=x.device)
-    launch(parts, grid, k_share, parts.stride(0))
-    return parts.sum(0).to(x.dtype)
+    counters = _counters(weight, grid[0] * grid[1]) if tile.adds_in_kernel else None
+    if counters is None:
+        launch(y, parts, parts, grid, k_share, 1)
+        return parts.sum(0).to(x.dtype)
+    launch(y, parts, counters, grid, k_share, 2)
+    return y
+
+
+# each weight's tile counters (int32, 0 between products) for the splits added in the kernel, kept for as long as
+# the process runs: a captured CUDA graph holds their address. Per weight (its device and address), so that two
+# products on two streams (two models on one GPU) never share one
+_tile_counters: dict[tuple[torch.device, int], torch.Tensor] = {}
+_outgrown: list[torch.Tensor] = []  # counters a weight outgrew, kept: a graph captured before may still use them
+
+
+def _counters(weight: torch.Tensor, tiles: int) -> torch.Tensor | None:
+    """`weight`'s counters, at least `tiles` of them, allocated (zeros) outside a CUDA-graph capture; None where
+    they are missing inside one (an allocation there would belong to the graph's memory)."""
+    key = (weight.device, weight.data_ptr())
+    have = _tile_counters.get(key)
+    if have is not None and have.numel() >= tiles:
+        return have
+    if weight.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    if have is not None:
+        _outgrown.append(have)
+    made = _tile_counters[key] = torch.zeros(max(tiles, 64), dtype=torch.int32, device=weight.device)
+    return made
 
 
 def time_call(call: Callable[[], object], device: torch.device) -> float:
