@@ -39,9 +39,10 @@ def available() -> bool:
 
 def compile_all(jobs: list[dict[str, Any]], processes: int = 2, timeout: float = 600) -> list[dict[str, Any]]:
     """Each job compiled: ``{"kernel": "module:function", "pointers": {arg: "*bf16", ...}, "constexprs": {arg:
-    value}, "arch": 90, "num_warps": 4, "num_stages": 3}`` (other arguments i32) to ``{"error": str | None,
-    "registers": int, "spilled": int}`` (spilled: the stack's bytes), in up to `processes` child processes
-    (no more than this process may use)."""
+    value}, "aligned": [arg, ...], "arch": 90, "num_warps": 4, "num_stages": 3}`` (other arguments i32; the
+    pointers and the `aligned` integers multiples of 16, as Triton specializes them at a launch with such values:
+    without, its loads are not vectorized) to ``{"error": str | None, "registers": int, "spilled": int}``
+    (spilled: the stack's bytes), in up to `processes` child processes (no more than this process may use)."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     count = max(1, min(processes, len(os.sched_getaffinity(0)), len(jobs)))
     shares = [jobs[i::count] for i in range(count)]
@@ -80,7 +81,13 @@ def _compile(job: dict[str, Any], bin_dir: Path, scratch: Path) -> dict[str, Any
     names = jitted.arg_names
     constexprs = job["constexprs"]
     signature = {n: job["pointers"].get(n, "constexpr" if n in constexprs else "i32") for n in names}
-    source = ASTSource(fn=jitted, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    aligned = [*job["pointers"], *job.get("aligned", ())]
+    source = ASTSource(
+        fn=jitted,
+        signature=signature,
+        constexprs={(names.index(k),): v for k, v in constexprs.items()},
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned},
+    )
     options = {"num_warps": job.get("num_warps", 4), "num_stages": job.get("num_stages", 3)}
     try:
         kernel = triton.compile(source, target=GPUTarget("cuda", job["arch"], 32), options=options)

@@ -58,6 +58,7 @@ TILES = [
     fp8_gemv.Config(True, 16, 32, 128, split_k=2),
     fp8_gemv.Config(False, 1, 16, 64, split_k=2, adds_in_kernel=True, late_sum=True),  # weights scaled, kept
     fp8_gemv.Config(False, 1, 16, 128, late_sum=True),
+    fp8_gemv.Config(False, 4, 16, 32, split_k=2, adds_in_kernel=True, prefetch=True),
 ]
 
 

@@ -103,11 +103,12 @@ def bucket(rows: int) -> int:
 
 
 # the sum tiles keep at most 64 products a thread in registers (rows x outputs x inputs / threads); tiles are
-# shared between buckets where they can serve both (Triton caches them). Decode rows also try K split in 2-8: a
-# [4096 x 14336] down projection on 16-output tiles is 256 programs, too few to keep an H200's HBM busy (1.2 TB/s
+# shared between buckets where they can serve both (Triton caches them). Decode rows also try: K split in 2-8 (a
+# [4096 x 14336] down projection on 16-output tiles is 256 programs, too few to keep an H200's HBM busy: 1.2 TB/s
 # measured), their sums added by each output tile's last program (one kernel; added after the kernel, a split
-# costs two more kernels a product); and sums over the inputs taken once at the end of the loop (`late_sum`).
-# Each compiles for Hopper and Ampere, the decode tiles and the A100's without spilling registers
+# costs two more kernels a product); each step's loads issued a step ahead (`prefetch`: Triton pipelines only
+# the loads of its dots, so a per-row-sums program had one tile of bytes in flight); sums over the inputs taken
+# once at the end of the loop (`late_sum`). Each compiles for Hopper and Ampere without spilling registers
 # (tests/unit/test_kernels_compile_for_cuda.py)
 CANDIDATES: dict[int, tuple[Config, ...]] = {
     1: (
@@ -115,12 +116,14 @@ CANDIDATES: dict[int, tuple[Config, ...]] = {
         Config(False, 1, 32, 256),
         Config(False, 1, 16, 512),
         Config(True, 16, 32, 128),
-        Config(False, 1, 16, 256, split_k=4, adds_in_kernel=True),
-        Config(False, 1, 16, 512, split_k=4, adds_in_kernel=True),
+        Config(False, 1, 16, 256, prefetch=True),
+        Config(False, 1, 16, 512, prefetch=True),
+        Config(False, 1, 16, 256, split_k=4, adds_in_kernel=True, prefetch=True),
+        Config(False, 1, 16, 512, num_warps=8, split_k=4, adds_in_kernel=True, prefetch=True),
         Config(False, 1, 16, 512, num_warps=8, split_k=8, adds_in_kernel=True),
         Config(True, 16, 32, 128, split_k=4, adds_in_kernel=True),
         Config(False, 1, 16, 256, late_sum=True),
-        Config(False, 1, 16, 256, num_warps=8, split_k=4, adds_in_kernel=True, late_sum=True),
+        Config(False, 1, 16, 256, num_warps=8, split_k=4, adds_in_kernel=True, late_sum=True, prefetch=True),
         Config(False, 1, 32, 256, num_warps=8, split_k=8, adds_in_kernel=True, late_sum=True),
     ),
     4: (
@@ -130,35 +133,35 @@ CANDIDATES: dict[int, tuple[Config, ...]] = {
         Config(True, 16, 32, 256),
         Config(False, 4, 16, 128, split_k=4, adds_in_kernel=True),
         Config(True, 16, 32, 128, split_k=4, adds_in_kernel=True),
+        Config(False, 4, 16, 128, split_k=4, adds_in_kernel=True, prefetch=True),
         Config(False, 4, 16, 128, split_k=4, adds_in_kernel=True, late_sum=True),
     ),
     16: (
         Config(True, 16, 16, 128),
         Config(True, 16, 32, 128),
         Config(True, 16, 32, 256),
-        Config(True, 16, 64, 128, num_warps=8),
+        Config(True, 16, 64, 128),
         Config(True, 16, 32, 128, split_k=4, adds_in_kernel=True),
-        Config(True, 16, 32, 128, split_k=2, adds_in_kernel=True),
+        Config(True, 16, 32, 256, split_k=2, adds_in_kernel=True),
     ),
-    # tensor-core tiles for the more rows that only a GPU without fp8 products (or block-wise scales) gives this
-    # kernel: those that keep their registers on an A100 (4 warps on 64 x 128 or 64 x 64 x 64 spilled 120-1008 bytes)
+    # tensor-core tiles for the more rows that only a GPU without fp8 products gives this kernel
     64: (
-        Config(True, 32, 64, 32),
-        Config(True, 32, 64, 64, num_warps=8),
-        Config(True, 64, 64, 32),
-        Config(True, 64, 64, 64, num_warps=8),
+        Config(True, 32, 64, 64),
+        Config(True, 64, 64, 64),
+        Config(True, 32, 128, 64),
+        Config(True, 64, 128, 64),
     ),
     256: (
-        Config(True, 64, 64, 64, num_warps=8),
-        Config(True, 32, 128, 64, num_warps=8),
+        Config(True, 64, 64, 64),
+        Config(True, 64, 128, 64),
         Config(True, 128, 64, 64, num_warps=8),
         Config(True, 128, 128, 32, num_warps=8),
     ),
     1024: (
-        Config(True, 64, 64, 64, num_warps=8),
-        Config(True, 32, 128, 64, num_warps=8),
+        Config(True, 64, 128, 64),
         Config(True, 128, 64, 64, num_warps=8),
         Config(True, 128, 128, 32, num_warps=8),
+        Config(True, 128, 128, 64, num_warps=8),
     ),
 }
 
@@ -234,7 +237,7 @@ def constants(config: Config, even_k: bool, native: bool, group: int, split: int
         "EVEN_K": even_k, "USE_DOT": config.use_dot, "NATIVE": native,
         "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
         "GROUP": group, "SCALE_PER_TILE": group > 0 and group % config.block_k == 0, "SPLIT": split,
-        "LATE_SUM": config.late_sum and not config.use_dot,
+        "LATE_SUM": config.late_sum and not config.use_dot, "PREFETCH": config.prefetch and not config.use_dot,
     }  # fmt: skip
 
 

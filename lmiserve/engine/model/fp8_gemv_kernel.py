@@ -10,6 +10,7 @@ widened weight is scaled before the product (in fp32: the weight de-quantized in
 Widened by the GPU's fp8 conversion where it has one (`NATIVE`: compute capability 8.9 or more), else by moving
 the bits (`engine/fp8_widen.py`: ``w / 2**8`` in a fp16, exactly; the 2**8 goes into the scale)."""
 
+import triton
 import triton.language as tl
 
 from lmiserve.engine.fp8_widen import e4m3_over_256
@@ -43,13 +44,15 @@ def fp8_gemv_kernel(  # pragma: no cover - runs as a Triton kernel
     SCALE_PER_TILE: tl.constexpr,
     SPLIT: tl.constexpr,
     LATE_SUM: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     # one program: BLOCK_N outputs of BLOCK_M rows over `k_split` of K (a multiple of BLOCK_K, or all of K); the
     # weight's rows are K-contiguous, so a [BLOCK_N, BLOCK_K] tile is BLOCK_N runs of BLOCK_K bytes. K split
     # between the grid's third axis: each program's scaled fp32 sums go to its slice of a [splits, M, N] `parts`
     # (`stride_ps` apart), added in a fixed order by the caller or by the tile's last program (`store_sums`,
     # SPLIT). LATE_SUM (per-row sums): the products kept [BLOCK_M, BLOCK_N, BLOCK_K] over the loop and summed
-    # over K once at the end (no cross-lane reduction a step)
+    # over K once at the end (no cross-lane reduction a step). PREFETCH: the next step's loads issued before this
+    # step's arithmetic (two tiles of bytes in flight a program: Triton pipelines only the loads of its dots)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -64,22 +67,23 @@ def fp8_gemv_kernel(  # pragma: no cover - runs as a Triton kernel
     late = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K) if LATE_SUM else (1, 1, 1), dtype=tl.float32)
     k_first = pid_k * k_split
     k_end = tl.minimum(K, k_first + k_split)
+    if PREFETCH:
+        x_next, bits_next = _tile(x_rows, w_rows, k_first + offs_k, m_ok, n_ok, K, k_first < k_end, EVEN_K)
     for k0 in range(k_first, k_end, BLOCK_K):
         k = k0 + offs_k
-        w_ok = n_ok[:, None]
-        if EVEN_K:
-            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)
+        if PREFETCH:
+            x = x_next
+            bits = bits_next
+            x_next, bits_next = _tile(x_rows, w_rows, k + BLOCK_K, m_ok, n_ok, K, k0 + BLOCK_K < k_end, EVEN_K)
         else:
-            w_ok = w_ok & (k < K)[None, :]
-            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
-        bits = tl.load(w_rows + k[None, :], mask=w_ok, other=0)
+            x, bits = _tile(x_rows, w_rows, k, m_ok, n_ok, K, k0 < k_end, EVEN_K)
         if NATIVE:  # noqa: SIM108 - a constexpr branch: the fp8 type compiles only where the GPU has it
             w = bits.to(tl.float8e4nv, bitcast=True)  # [BLOCK_N, BLOCK_K]; bits 0 are +0.0
         else:
             w = e4m3_over_256(bits)
         if GROUP > 0 and not SCALE_PER_TILE:  # blocks smaller than the tile: each weight times its block's scale
             block_scales = s_ptr + offs_n[:, None] * stride_s + (k // GROUP)[None, :]
-            w = w.to(tl.float32) * tl.load(block_scales, mask=w_ok, other=0.0)
+            w = w.to(tl.float32) * tl.load(block_scales, mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
         if LATE_SUM:  # products kept per input; a tile in one block scales its weights by the block's scales
             if SCALE_PER_TILE:
                 tile_scales = tl.load(s_ptr + offs_n * stride_s + k0 // GROUP, mask=n_ok, other=0.0)
@@ -103,3 +107,17 @@ def fp8_gemv_kernel(  # pragma: no cover - runs as a Triton kernel
         scale = scale * 256.0
     mask = m_ok[:, None] & n_ok[None, :]
     store_sums(acc * scale[None, :], y_ptr, p_ptr, c_ptr, offs_m, offs_n, mask, stride_ym, stride_ps, SPLIT)
+
+
+@triton.jit
+def _tile(x_rows, w_rows, k, m_ok, n_ok, K, live, EVEN_K: tl.constexpr):  # pragma: no cover - in the kernel
+    # the rows' activations [BLOCK_M, BLOCK_K] and the weight's bytes [BLOCK_N, BLOCK_K] at inputs `k`; none where
+    # not `live` (a step past the program's share: its loads read nothing)
+    x_ok = m_ok[:, None] & live
+    w_ok = n_ok[:, None] & live
+    if not EVEN_K:
+        x_ok = x_ok & (k < K)[None, :]
+        w_ok = w_ok & (k < K)[None, :]
+    x = tl.load(x_rows + k[None, :], mask=x_ok, other=0.0)
+    bits = tl.load(w_rows + k[None, :], mask=w_ok, other=0)
+    return x, bits

@@ -52,7 +52,8 @@ class Tile:
     between that many programs, their sums added after (more programs for a long K and few outputs), by two
     kernels after the product's or, `adds_in_kernel`, by the last of a tile's programs (`split_k_kernel`: one
     kernel); `late_sum` (per-row sums, the fp8 kernel): each input's products kept over the loop and summed over
-    the inputs once at the end, not a step at a time."""
+    the inputs once at the end, not a step at a time; `prefetch` (per-row sums, the fp8 kernel): each step's loads
+    issued before the step before it is computed (two tiles in flight a program)."""
 
     use_dot: bool
     block_m: int
@@ -63,6 +64,7 @@ class Tile:
     split_k: int = 1
     adds_in_kernel: bool = False
     late_sum: bool = False
+    prefetch: bool = False
 
     def fitted(self, group: int) -> Tile:
         """This tile with its `block_k` halved until it divides `group` (a multiple of 32: AWQ/GPTQ groups)."""
@@ -73,6 +75,7 @@ class Tile:
 
     def __str__(self) -> str:
         kind = "dot" if self.use_dot else "late-sum" if self.late_sum else "sum"
+        kind += " prefetch" if self.prefetch else ""
         split = f" split={self.split_k}{' in-kernel' if self.adds_in_kernel else ''}" if self.split_k > 1 else ""
         tile = f"{self.block_m}x{self.block_n}x{self.block_k}"
         return f"{kind} {tile}{split} warps={self.num_warps} stages={self.num_stages}"
