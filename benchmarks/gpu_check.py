@@ -57,7 +57,8 @@ dependencies can come as wheels; see benchmarks/README.md, "The GPU check"). It 
    (``benchmarks/step_host_cost.py --profile --mixed 32`` on the 1B shape: the serial loop's spans a decode
    step at 1, 32 and 128 rows, and of the steps where a 32-token prompt joins them (eager on CUDA) with their
    ratio to the decode-only steps; ``step-profile-1b/`` holds the torch profiler's CPU and CUDA tables at 128
-   rows, ``*-mixed*`` of the steps with a prompt) and
+   rows, ``*-mixed*`` of the steps with a prompt) and ``step_profile_8b`` (the same on the 8B shape at one row
+   with bf16 weights and with ``--quantize fp8``: the GPU's time a step by kernel, side by side) and
    ``engine_process`` (``benchmarks/engine_process.py`` on the 1B shape: a server with ``engine_process=true``
    and one without, in turns at 32 and 128 streams: tokens/s, the ratio, each server's CPU a token, and each
    one's tokens/s over static ``generate()`` at the level's batch, measured after the servers stop).
@@ -73,8 +74,8 @@ decoder, image requests on its decode graphs against transformers' forward of th
 parallelism.
 Every step has a time limit inside ``--budget`` (default 450 s); a step that fails or runs out is
 recorded as such and the next one runs. ``--steps`` runs some of them (`STEP_KEYS`: tests, bench-1b,
-bench-8b, decode-paths, engine-process, graph-prompts, quantized, overlap, step-profile, fp8-kv, lora-paths,
-arch-paths, vlm-paths, moe-paths, tensor-parallel), so a
+bench-8b, decode-paths, engine-process, graph-prompts, quantized, overlap, step-profile, step-profile-8b, fp8-kv,
+lora-paths, arch-paths, vlm-paths, moe-paths, tensor-parallel), so a
 session can spend its minutes on what an earlier check left unmeasured. ``summary.json`` and ``summary.md``
 are written however the check ends (its last step timed out, SIGINT or SIGTERM from a device call's
 limit), with what ran. The quality steps (``quality``, ``fp8_kv``) need the bundled
@@ -169,6 +170,7 @@ STEP_KEYS = (
     "quantized",
     "overlap",
     "step-profile",
+    "step-profile-8b",
     "fp8-kv",
     "lora-paths",
     "arch-paths",
@@ -882,6 +884,7 @@ def markdown(summary: dict[str, Any]) -> str:
             lines.append(_row([r.get(k) for k in keys]))
     lines += _quantized_lines(summary.get("quantized") or {}) + _fp8_kv_lines(summary.get("fp8_kv") or {})
     lines += _step_profile_lines(summary.get("step_profile") or [])
+    lines += _kernel_profile_lines(summary.get("step_profile_8b") or {})
     lines += _graph_prompts_lines(summary.get("graph_prompts") or [])
     return "\n".join(lines) + "\n"
 
@@ -997,6 +1000,25 @@ def _step_profile_lines(results: list[dict[str, Any]]) -> list[str]:
         ms = r["ms"]
         cells = [r.get("path"), r["rows"], ms.get("period"), *(ms.get(k) for k in spans), r["tokens_per_s"]]
         lines.append(_row([*cells, r.get("mixed_over_decode")]))
+    return lines
+
+
+def _kernel_profile_lines(profiles: dict[str, Any], rows: int = 16) -> list[str]:
+    """summary.md's table of the `step_profile_8b` entry: the GPU's time a decode step by kernel, bf16 and fp8
+    weights side by side (us a step, calls a step), the `rows` longest of either, and the whole step's."""
+    if not profiles:
+        return []
+    kinds = [k for k in ("bf16", "fp8") if k in profiles]
+    by_kind = {k: {e["name"]: e for e in profiles[k]["kernels"]} for k in kinds}
+    names = sorted({n for table in by_kind.values() for n in table}, key=lambda n: -max(
+        (by_kind[k].get(n) or {}).get("us_a_step", 0.0) for k in kinds))  # fmt: skip
+    lines = ["", "## The GPU's time a decode step by kernel, 8B shape, one row (us a step; calls a step)", ""]
+    lines += ["| kernel | " + " | ".join(kinds) + " |", "|---" * (len(kinds) + 1) + "|"]
+    lines.append(_row(["whole step", *(profiles[k]["us_a_step"] for k in kinds)]))
+    for name in names[:rows]:
+        cells = [(by_kind[k].get(name) or {}) for k in kinds]
+        shown = [f"{c['us_a_step']} ({c['calls_a_step']:g})" if c else "" for c in cells]
+        lines.append(_row([f"`{name[:90]}`", *shown]))
     return lines
 
 
@@ -1286,6 +1308,35 @@ def main(argv: list[str] | None = None) -> int:
             keys = ("path", "rows", "ms", "tokens_per_s", "mixed_over_decode")
             summary["step_profile"] = [{k: r.get(k) for k in keys} for r in results]
         summary["steps"].append(step)
+
+    # 8b. where the 8B shape's one-stream decode step spends the GPU's time, bf16 weights and fp8 (issue 39's fp8
+    # target: which kernels fp8 makes shorter, which it adds): step_host_cost.py --profile at one row, the
+    # torch profiler's kernels of its steps (a decode graph's too: kernels-fast-1.json)
+    why = None if _PARAMS["8b"] * 2 * 1.5 <= memory else "memory"
+    if ready("step-profile-8b", "step profile 8b", 150, why):
+        summary["step_profile_8b"] = {}
+        for weights in ("bf16", "fp8"):
+            profile_dir = out / f"step-profile-8b-{weights}"
+            command = [
+                *_in_process_bench("step_host_cost.py", model("8b"), scale),
+                *(["--quantize", "fp8"] if weights == "fp8" else []),
+                *(
+                    "--rows",
+                    "1",
+                    "--paths",
+                    "fast",
+                    "--steps",
+                    scale.pick("30", "6"),
+                    "--warmup",
+                    scale.pick("10", "3"),
+                ),
+                *("--profile", "--out", str(profile_dir)),
+            ]
+            log_path = out / f"step-profile-8b-{weights}.log"
+            step = run_step(f"step profile 8b {weights}", command, log_path, min(120.0, left() - 20), env)
+            if (profile_dir / "kernels-fast-1.json").exists():
+                summary["step_profile_8b"][weights] = json.loads((profile_dir / "kernels-fast-1.json").read_text())
+            summary["steps"].append(step)
 
     # 9. the fp8 KV cache (issue 39 item 3): SmolLM2 in bf16 with auto, fp8_e4m3 and fp8_e5m2 pools (perplexity,
     # greedy agreement, blocks a pool holds) through the Triton kernel's fp8 form

@@ -2,7 +2,8 @@
 the whole engine (the scheduler, the runner, the update), so that the Python around the model shows.
 
     python benchmarks/step_host_cost.py [--model-id DIR [--load-format dummy]] [--device cpu] [--dtype fp32]
-                                        [--rows 1,32,128] [--paths fast,generic] [--steps 100] [--out DIR] [--profile]
+                                        [--quantize fp8] [--rows 1,32,128] [--paths fast,generic] [--steps 100]
+                                        [--out DIR] [--profile]
                                         [--no-drain] [--compare-before N --before-scheduler FILE] [--mixed P]
                                         [--graph-pick] [--top-n-rows K] [--penalty-rows K]
 
@@ -49,12 +50,14 @@ streams it joins, the 32-stream level's ITL p99 of the GPU checks.
 
 The host's share is the period less ``model``. Each span's CPU time on the thread that runs it
 (`time.thread_time`) is reported too: on a busy machine the wall times carry other processes' turns,
-the CPU times do not. ``--profile`` also writes, for the largest row count, a
-cProfile of the torch thread's side of the steps (`_execute`) and of the planning, and a torch profiler
-table (``record_function`` spans), in ``--out``. Without --model-id: the tests' tiny Llama (2 layers, hidden
-64, vocab 512, fp32), built in a temporary directory. ``--device cuda`` (NOT RUN ON A GPU yet): the spans
-are host time; the model's is its kernel launches, and the wait for the GPU lands in the span that
-synchronizes (sampling's one transfer of the step's tokens).
+the CPU times do not. ``--profile`` also writes, for the largest row count, a cProfile of the torch thread's
+side of the steps (`_execute`) and of the planning, and a torch profiler table (``record_function`` spans), in
+``--out``; on CUDA also ``kernels-<path>-<rows>.json``, the GPU's time a step by kernel (`gpu_kernels`: those a
+decode graph replays too), which the GPU check's ``step-profile-8b`` reads for bf16 and ``--quantize fp8``
+(where fp8 weights lose or win a step's time). Without --model-id: the tests' tiny Llama (2 layers, hidden 64,
+vocab 512, fp32), built in a temporary directory. ``--device cuda`` (NOT RUN ON A GPU yet): the spans are host
+time; the model's is its kernel launches, and the wait for the GPU lands in the span that synchronizes
+(sampling's one transfer of the step's tokens).
 """
 
 from __future__ import annotations
@@ -291,6 +294,9 @@ async def measure(
                     (profile_dir / f"torch-{slug}-cuda.txt").write_text(
                         averages.table(sort_by="self_cuda_time_total", row_limit=40)
                     )
+                profiled = counts[measured] - warmup + 1  # (this step's too: its kernels are in the profile)
+                kernels = gpu_kernels(torch_prof.events(), profiled)
+                (profile_dir / f"kernels-{slug}.json").write_text(json.dumps(kernels, indent=1))
 
     original_stamp = engine._stamp
 
@@ -441,12 +447,34 @@ def cpu_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def gpu_kernels(events: Any, steps: int) -> dict[str, Any]:
+    """The GPU's time a step by kernel, from a torch profiler's `events` over `steps` steps (on CUDA: the
+    kernels a step's graph replays and those launched eagerly): ``{"steps", "us_a_step", "kernels": [{"name",
+    "calls_a_step", "us_a_step"}, ...]}``, the most time first (none on a CPU)."""
+    from torch.autograd import DeviceType
+
+    totals: dict[str, list[float]] = {}
+    for event in events:
+        if event.device_type != DeviceType.CUDA:
+            continue
+        entry = totals.setdefault(event.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += event.time_range.elapsed_us()  # (the kernel's own span on the GPU)
+    steps = max(steps, 1)
+    kernels = [
+        {"name": name, "calls_a_step": calls / steps, "us_a_step": round(us / steps, 2)}
+        for name, (calls, us) in sorted(totals.items(), key=lambda item: -item[1][1])
+    ]
+    return {"steps": steps, "us_a_step": round(sum(k["us_a_step"] for k in kernels), 2), "kernels": kernels}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-id", help="a model directory (default: the tests' tiny Llama)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (there the model's span is its launches)")
     parser.add_argument("--dtype", default="fp32")
     parser.add_argument("--load-format", default="auto", help="dummy: random weights (a shape's config alone)")
+    parser.add_argument("--quantize", help="fp8: the weights in fp8, made at load (as `lmiserve serve --quantize`)")
     parser.add_argument("--rows", default="1,32,128")
     parser.add_argument("--paths", default="fast,generic")
     parser.add_argument("--steps", type=int, default=100, help="decode steps measured per run")
@@ -501,7 +529,9 @@ def main() -> None:
             from helpers.tiny_model import build_tiny_model_dir
 
             model_dir = str(build_tiny_model_dir(Path(stack.enter_context(tempfile.TemporaryDirectory())) / "tiny"))
-        loaded = load_causal_lm(model_dir, dtype=args.dtype, device=args.device, load_format=args.load_format)
+        loaded = load_causal_lm(
+            model_dir, dtype=args.dtype, device=args.device, load_format=args.load_format, quantize=args.quantize
+        )
         rows_list = [int(r) for r in args.rows.split(",")]
         if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)

@@ -203,8 +203,12 @@ def test_steps_chooses_what_runs_and_a_terminated_check_still_writes_its_summary
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
         return {step["step"]: step for step in json.loads((out / "summary.json").read_text())["steps"]}
 
-    steps = steps_of(tmp_path / "chosen", 600, "--steps", "step-profile")
-    assert steps["step profile 1b"]["exit"] == 0 and not steps["step profile 1b"].get("skipped")
+    steps = steps_of(tmp_path / "chosen", 600, "--steps", "step-profile,step-profile-8b")
+    for name in ("step profile 1b", "step profile 8b bf16", "step profile 8b fp8"):
+        assert steps[name]["exit"] == 0 and not steps[name].get("skipped"), steps[name]
+    summary = json.loads((tmp_path / "chosen" / "summary.json").read_text())
+    assert set(summary["step_profile_8b"]) == {"bf16", "fp8"}  # (no kernels on a CPU: the GPU's time alone)
+    assert "## The GPU's time a decode step by kernel, 8B shape" in (tmp_path / "chosen" / "summary.md").read_text()
     for name in ("engine tests on cpu", "bench 1b", "bench 8b", "decode paths 1b", "tensor parallel"):
         assert steps[name]["skipped"] == "not in --steps", steps[name]
     # the engine tests alone in a second device call's small budget (benchmarks/README.md's plan) take it all
