@@ -10,6 +10,7 @@ CPU) ``triton.jit`` makes interpreted functions, which the compiler cannot read.
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import os
 import re
@@ -17,10 +18,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["available", "compile_all"]
+import pytest
+import torch
+
+__all__ = ["Launch", "available", "compile_all", "job_of", "recording"]
 
 
 def _backend_bin() -> Path | None:
@@ -37,9 +43,98 @@ def available() -> bool:
     return _backend_bin() is not None
 
 
+@dataclass
+class Launch:
+    """One launch a kernel's Python wrapper made: the kernel's function (before ``triton.jit``) and its
+    arguments, as the wrapper passed them."""
+
+    kernel: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+class _Recorder:
+    """Stands for a jitted kernel: ``kernel[grid](...)`` records the launch instead of running it."""
+
+    def __init__(self, kernel: Callable[..., Any], into: list[Launch]) -> None:
+        self.kernel, self.into = kernel, into
+
+    def __getitem__(self, grid: object) -> Callable[..., None]:
+        return lambda *args, **kwargs: self.into.append(Launch(self.kernel, args, kwargs))
+
+
+def recording(monkeypatch: pytest.MonkeyPatch, module: Any, factory: str) -> list[Launch]:
+    """From now on (in this test) the kernels `module.factory()` makes (one, or a tuple) record their launches
+    in the list returned, their wrappers running as they would (the kernels' outputs left unwritten)."""
+    launches: list[Launch] = []
+    made = getattr(module, factory)()
+
+    def recorder(kernel: Any) -> _Recorder:
+        return _Recorder(getattr(kernel, "fn", kernel), launches)  # (an interpreted or jitted function's own)
+
+    replaced = tuple(recorder(k) for k in made) if isinstance(made, tuple) else recorder(made)
+    monkeypatch.setattr(module, factory, lambda: replaced)
+    return launches
+
+
+_POINTERS = {
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float64: "fp64",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int16: "i16",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.bool: "i1",
+    torch.float8_e4m3fn: "fp8e4nv",
+    torch.float8_e5m2: "fp8e5",
+}
+
+
+def job_of(launch: Launch, arch: int) -> dict[str, Any]:
+    """`launch` as a compile job for compute capability `arch` (`compile_all`): tensors as pointers to their
+    dtype, Python numbers as Triton types them, the ``tl.constexpr`` parameters and ``num_warps`` /
+    ``num_stages`` as given; integers that are multiples of 16 specialized so, as a launch specializes them."""
+    kwargs = dict(launch.kwargs)
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    signature = inspect.signature(launch.kernel)
+    bound = signature.bind(*launch.args, **kwargs).arguments
+    pointers: dict[str, str] = {}
+    scalars: dict[str, str] = {}
+    constexprs: dict[str, Any] = {}
+    aligned: list[str] = []
+    for name, value in bound.items():
+        if "constexpr" in str(signature.parameters[name].annotation):
+            constexprs[name] = value
+        elif isinstance(value, torch.Tensor):
+            pointers[name] = "*" + _POINTERS[value.dtype]
+        elif isinstance(value, bool):
+            scalars[name] = "i1"
+        elif isinstance(value, int):
+            scalars[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            if value % 16 == 0 and value:
+                aligned.append(name)
+        elif isinstance(value, float):
+            scalars[name] = "fp32"
+        else:
+            raise TypeError(f"{launch.kernel.__name__}'s {name}: {type(value).__name__} is not a kernel argument")
+    return {
+        "kernel": f"{launch.kernel.__module__}:{launch.kernel.__name__}",
+        "pointers": pointers,
+        "scalars": scalars,
+        "constexprs": constexprs,
+        "aligned": aligned,
+        "arch": arch,
+        **options,
+    }
+
+
 def compile_all(jobs: list[dict[str, Any]], processes: int = 2, timeout: float = 600) -> list[dict[str, Any]]:
     """Each job compiled: ``{"kernel": "module:function", "pointers": {arg: "*bf16", ...}, "constexprs": {arg:
-    value}, "aligned": [arg, ...], "arch": 90, "num_warps": 4, "num_stages": 3}`` (other arguments i32; the
+    value}, "scalars": {arg: "fp32", ...}, "aligned": [arg, ...], "arch": 90, "num_warps": 4, "num_stages": 3}``
+    (other arguments i32; the
     pointers and the `aligned` integers multiples of 16, as Triton specializes them at a launch with such values:
     without, its loads are not vectorized) to ``{"error": str | None, "registers": int, "spilled": int}``
     (spilled: the stack's bytes), in up to `processes` child processes (no more than this process may use)."""
@@ -80,7 +175,8 @@ def _compile(job: dict[str, Any], bin_dir: Path, scratch: Path) -> dict[str, Any
     jitted = fn if isinstance(fn, JITFunction) else triton.jit(fn)
     names = jitted.arg_names
     constexprs = job["constexprs"]
-    signature = {n: job["pointers"].get(n, "constexpr" if n in constexprs else "i32") for n in names}
+    types = {**job.get("scalars", {}), **job["pointers"]}
+    signature = {n: types.get(n, "constexpr" if n in constexprs else "i32") for n in names}
     aligned = [*job["pointers"], *job.get("aligned", ())]
     source = ASTSource(
         fn=jitted,

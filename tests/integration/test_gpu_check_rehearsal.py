@@ -44,6 +44,8 @@ def test_every_step_runs_to_its_end(rehearsal):
         "quantized quality",
         "overlap scheduling 1b",
         "step profile 1b",
+        "step profile 8b bf16",
+        "step profile 8b fp8",
         "fp8 kv",
         "lora decode paths 1b",
         "decode paths qwen3 0.6b",

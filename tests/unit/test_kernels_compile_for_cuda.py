@@ -1,9 +1,11 @@
-"""The quantized products' Triton kernels compile for the GPUs they serve, checked on a CPU (issue #39): every
-candidate tile `fp8_gemv` and `int4_triton` measure at start, for Hopper (compute capability 9.0: the fp8
-conversions; scales per channel and by blocks) and Ampere (8.0: the fp8 bytes widened), through Triton's NVIDIA
-backend and ``ptxas`` (`helpers.cuda_compile`). A GPU session is rare: a kernel source a GPU's Triton cannot
-compile would have every tile refused there and the slower product served, found only then. No tile may spill
-registers."""
+"""The engine's Triton kernels compile for the GPUs they serve, checked on a CPU (issue #39): every candidate tile
+`fp8_gemv` and `int4_triton` measure at start, for Hopper (compute capability 9.0: the fp8 conversions; scales per
+channel and by blocks) and Ampere (8.0: the fp8 bytes widened), and every other kernel (the fused element-wise
+kernels, the fp8 activations', the seeded draw, the paged attention) as its wrapper launches it at the 8B shape's
+widths (`helpers.cuda_compile.recording`), through Triton's NVIDIA backend and ``ptxas`` (`helpers.cuda_compile`).
+A GPU session is rare: a kernel source a GPU's Triton cannot compile (the interpreter the other tests use runs
+any Python) would have every tile refused there and the slower product served, or the engine fall back to torch,
+found only then. No kernel may spill registers."""
 
 from __future__ import annotations
 
@@ -106,3 +108,63 @@ def test_no_tile_spills_registers(compiled: list[Any]) -> None:
         if result["spilled"]
     ]
     assert not spilled, "\n".join(spilled)
+
+
+# Llama-3.1-8B's widths: hidden 4096, MLP 14336, 32 query heads and 8 kv heads of 128
+LAYER = {"hidden": 4096, "intermediate": 14336, "rotated_heads": 40, "v_heads": 8, "head_dim": 128, "eps": 1e-5}
+
+
+def other_launches(monkeypatch: pytest.MonkeyPatch, native: bool) -> list[cuda_compile.Launch]:
+    """The other Triton kernels as their wrappers launch them at the 8B shape's widths on a GPU with fp8
+    conversions (`native`) or without (an A100): the fused element-wise kernels of a layer (`fused_choice`'s
+    fused work, bf16, 1 and 16 rows), the fp8 activations' quantization and scaling (`fp8_w8a8`), the seeded
+    draw over Llama 3's vocabulary, and the paged attention's (`triton_ops.self_check`'s launches: a decode row,
+    a chunk after a prefix, a prompt) over a bf16 cache and over e4m3 and e5m2 caches. (`fp8_w8a8` only where
+    the GPU has fp8 conversions: elsewhere it never serves.)"""
+    import torch
+
+    from lmiserve.engine import fp8_devices
+    from lmiserve.engine.attention import triton_ops
+    from lmiserve.engine.model import fp8_w8a8, fused_choice, fused_norm
+    from lmiserve.engine.runner import seeded_draw
+
+    monkeypatch.setattr(fp8_devices, "native", lambda device: native)
+    launches = cuda_compile.recording(monkeypatch, fused_norm, "_kernels")
+    launches_w8a8 = cuda_compile.recording(monkeypatch, fp8_w8a8, "_kernels")
+    launches_draw = cuda_compile.recording(monkeypatch, seeded_draw, "_kernel")
+    launches_attention = cuda_compile.recording(monkeypatch, triton_ops, "_kernel")
+    shape = fused_choice.LayerShape(**LAYER)
+    for rows in (1, 16):
+        fused_choice._fused(shape, fused_choice._inputs(shape, torch.bfloat16, torch.device("cpu"), rows))()
+    weight = torch.zeros(4096, 4096, dtype=torch.float8_e4m3fn)
+    if native:  # (only there: `fp8_w8a8.applies`; an A100 has neither fp8 conversions nor fp8 products)
+        fp8_w8a8.product(torch.randn(1, 4096, dtype=torch.bfloat16), weight, torch.ones(4096))
+    probs = torch.full((4, 128256), 1 / 128256)
+    seeded_draw.draw_keyed(probs, torch.arange(4), torch.zeros(4, dtype=torch.int64))
+    for kv_dtype in (None, torch.float8_e4m3fn, torch.float8_e5m2):
+        triton_ops.self_check.__wrapped__(8, 4, 128, 16, torch.bfloat16, "cpu", kv_dtype)
+    every = launches + launches_w8a8 + launches_draw + launches_attention
+    made = {launch.kernel.__name__ for launch in every}
+    w8a8 = {"quantize_rows_kernel", "scale_rows_kernel"} if native else set()
+    assert (
+        made
+        == {"add_rms_norm_kernel", "silu_mul_kernel", "rope_kernel", "draw_kernel", "paged_attention_kernel"} | w8a8
+    )
+    kv = {launch.kwargs.get("KV_WIDEN") for launch in launches_attention if launch.kwargs["KV_FP8"]}
+    assert kv == ({0} if native else {1, 2})  # fp8 caches read by the GPU's conversions, or widened
+    return every
+
+
+@pytest.mark.parametrize("arch", [HOPPER, AMPERE], ids=["hopper", "ampere"])
+def test_the_other_kernels_compile_as_their_wrappers_launch_them(monkeypatch: pytest.MonkeyPatch, arch: int) -> None:
+    """Every other Triton kernel of the engine, with the arguments its wrapper passes (`other_launches`): each
+    compiles, none spills."""
+    launches = other_launches(monkeypatch, native=arch >= 89)
+    results = cuda_compile.compile_all([cuda_compile.job_of(launch, arch) for launch in launches])
+    failed = [
+        f"{launch.kernel.__name__} {cuda_compile.job_of(launch, arch)['constexprs']}: "
+        f"{result['error'] or str(result['spilled']) + ' bytes spilled'}"
+        for launch, result in zip(launches, results, strict=True)
+        if result["error"] or result["spilled"]
+    ]
+    assert not failed, "\n".join(failed)
