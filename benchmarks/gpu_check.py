@@ -493,6 +493,26 @@ def _in_process_bench(script: str, model_dir: Path, scale: Scale) -> list[str]:
             "--device", scale.device, "--dtype", "bf16"]  # fmt: skip
 
 
+def _step_profile(model_dir: Path, scale: Scale, rows: str, steps: str, warmup: str, out: Path) -> list[str]:
+    """The command of `benchmarks/step_host_cost.py --profile` on the fast path at `rows` (its spans, and the
+    torch profiler's tables and kernels into `out`)."""
+    command = _in_process_bench("step_host_cost.py", model_dir, scale)
+    return [
+        *command,
+        "--rows",
+        rows,
+        "--paths",
+        "fast",
+        "--steps",
+        steps,
+        "--warmup",
+        warmup,
+        "--profile",
+        "--out",
+        str(out),
+    ]
+
+
 def run_step(
     name: str, command: list[str], log_path: Path, timeout: float, env: dict[str, str], interrupt: bool = False
 ) -> dict[str, Any]:
@@ -1285,23 +1305,10 @@ def main(argv: list[str] | None = None) -> int:
     # loop's spans at 1, 32 and 128 rows and, at 128, the torch profiler's CPU and CUDA tables
     if ready("step-profile", "step profile 1b", 90):
         profile_dir = out / "step-profile-1b"
-        command = [
-            *_in_process_bench("step_host_cost.py", model("1b"), scale),
-            "--rows",
-            scale.pick("1,32,128", "1,4"),
-            "--paths",
-            "fast",
-            "--steps",
-            scale.pick("60", "10"),
-            "--warmup",
-            scale.pick("20", "5"),
-            # and the steps where a 32-token prompt joins the rows: eager (the graphs take decode rows alone)
-            "--mixed",
-            "32",
-            "--profile",
-            "--out",
-            str(profile_dir),
-        ]
+        rows, steps, warmup = scale.pick("1,32,128", "1,4"), scale.pick("60", "10"), scale.pick("20", "5")
+        command = _step_profile(model("1b"), scale, rows, steps, warmup, profile_dir)
+        # and the steps where a 32-token prompt joins the rows: eager (the graphs take decode rows alone)
+        command += ["--mixed", "32"]
         step = run_step("step profile 1b", command, out / "step-profile-1b.log", min(150.0, left() - 30), env)
         if (profile_dir / "summary.json").exists():
             results = json.loads((profile_dir / "summary.json").read_text())["results"]
@@ -1317,21 +1324,8 @@ def main(argv: list[str] | None = None) -> int:
         summary["step_profile_8b"] = {}
         for weights in ("bf16", "fp8"):
             profile_dir = out / f"step-profile-8b-{weights}"
-            command = [
-                *_in_process_bench("step_host_cost.py", model("8b"), scale),
-                *(["--quantize", "fp8"] if weights == "fp8" else []),
-                *(
-                    "--rows",
-                    "1",
-                    "--paths",
-                    "fast",
-                    "--steps",
-                    scale.pick("30", "6"),
-                    "--warmup",
-                    scale.pick("10", "3"),
-                ),
-                *("--profile", "--out", str(profile_dir)),
-            ]
+            command = _step_profile(model("8b"), scale, "1", scale.pick("30", "6"), scale.pick("10", "3"), profile_dir)
+            command += ["--quantize", "fp8"] if weights == "fp8" else []
             log_path = out / f"step-profile-8b-{weights}.log"
             step = run_step(f"step profile 8b {weights}", command, log_path, min(120.0, left() - 20), env)
             if (profile_dir / "kernels-fast-1.json").exists():
