@@ -64,7 +64,8 @@ def fp8_gemv_kernel(  # pragma: no cover - runs as a Triton kernel
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    late = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K) if LATE_SUM else (1, 1, 1), dtype=tl.float32)
+    if LATE_SUM:
+        late = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_first = pid_k * k_split
     k_end = tl.minimum(K, k_first + k_split)
     if PREFETCH:
@@ -76,7 +77,7 @@ def fp8_gemv_kernel(  # pragma: no cover - runs as a Triton kernel
             bits = bits_next
             x_next, bits_next = _tile(x_rows, w_rows, k + BLOCK_K, m_ok, n_ok, K, k0 + BLOCK_K < k_end, EVEN_K)
         else:
-            x, bits = _tile(x_rows, w_rows, k, m_ok, n_ok, K, k0 < k_end, EVEN_K)
+            x, bits = _tile(x_rows, w_rows, k, m_ok, n_ok, K, True, EVEN_K)
         if NATIVE:  # noqa: SIM108 - a constexpr branch: the fp8 type compiles only where the GPU has it
             w = bits.to(tl.float8e4nv, bitcast=True)  # [BLOCK_N, BLOCK_K]; bits 0 are +0.0
         else:
@@ -84,9 +85,10 @@ def fp8_gemv_kernel(  # pragma: no cover - runs as a Triton kernel
         if GROUP > 0 and not SCALE_PER_TILE:  # blocks smaller than the tile: each weight times its block's scale
             block_scales = s_ptr + offs_n[:, None] * stride_s + (k // GROUP)[None, :]
             w = w.to(tl.float32) * tl.load(block_scales, mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
-        if LATE_SUM:  # products kept per input; a tile in one block scales its weights by the block's scales
+        if SCALE_PER_TILE:  # the tile's inputs in one block: each output's scale of that block
+            tile_scales = tl.load(s_ptr + offs_n * stride_s + k0 // GROUP, mask=n_ok, other=0.0)
+        if LATE_SUM:  # products kept per input (a tile in one block: its weights times the block's scales)
             if SCALE_PER_TILE:
-                tile_scales = tl.load(s_ptr + offs_n * stride_s + k0 // GROUP, mask=n_ok, other=0.0)
                 w = w.to(tl.float32) * tile_scales[:, None]
             late += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
         else:
@@ -94,8 +96,8 @@ def fp8_gemv_kernel(  # pragma: no cover - runs as a Triton kernel
                 part = tl.dot(x, tl.trans(w.to(x.dtype)))
             else:  # 1 to 4 rows: products and a sum per row in fp32, no operand shuffles
                 part = tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-            if SCALE_PER_TILE:  # the tile's inputs in one block: its sums times the block's scale of each output
-                part = part * tl.load(s_ptr + offs_n * stride_s + k0 // GROUP, mask=n_ok, other=0.0)[None, :]
+            if SCALE_PER_TILE:  # the tile's sums times the block's scale of each output
+                part = part * tile_scales[None, :]
             acc += part
     if LATE_SUM:
         acc = tl.sum(late, axis=2)
