@@ -19,70 +19,51 @@ from lmiserve.engine.model import fp8_gemv, int4_triton, kernel_choice
 pytestmark = pytest.mark.skipif(not cuda_compile.available(), reason="needs Triton's NVIDIA backend (ptxas)")
 
 HOPPER, AMPERE = 90, 80
+WIDTH = 4096  # a weight of the 8B shape: 4096 x 4096
 BLOCK = 128  # the block-wise fp8 releases' blocks of inputs
 INT4_GROUP = 128
 
 
-def split(tile: kernel_choice.Tile) -> int:
-    """`split_k_kernel.store_sums`'s SPLIT where the tile's K splits."""
-    return 0 if tile.split_k == 1 else 2 if tile.adds_in_kernel else 1
+def cases(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, kernel_choice.Tile, dict[str, Any]]]:
+    """(what, bucket, tile, job) for every candidate, as `fp8_gemv` and `int4_triton` launch it on a weight of
+    the 8B shape at the bucket's rows (`cuda_compile.recording`): fp8 per channel on Hopper (decode buckets: the
+    GPU's own products serve more rows), fp8 widened as on Ampere (every bucket), fp8 by blocks on Hopper (every
+    bucket), int4 on both."""
+    import torch
 
-
-def job(kernel: str, pointers: dict[str, str], constexprs: dict[str, Any], arch: int, tile: Any) -> dict[str, Any]:
-    """A compile of `kernel` as a launch at a model's widths specializes it: its widths and strides multiples
-    of 16."""
-    return {
-        "kernel": kernel,
-        "pointers": pointers,
-        "constexprs": constexprs,
-        "aligned": ["N", "K", "stride_xm", "stride_ym", "k_split", "stride_ps", "stride_s"],
-        "arch": arch,
-        "num_warps": tile.num_warps,
-        "num_stages": tile.num_stages,
-    }
-
-
-FP8 = "lmiserve.engine.model.fp8_gemv_kernel:fp8_gemv_kernel"
-FP8_POINTERS = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp32", "y_ptr": "*bf16", "p_ptr": "*fp32", "c_ptr": "*i32"}
-INT4 = "lmiserve.engine.model.int4_triton_kernel:int4_gemm_kernel"
-INT4_POINTERS = {
-    "x_ptr": "*bf16",
-    "q_ptr": "*i32",
-    "s_ptr": "*fp32",
-    "z_ptr": "*fp32",
-    "o_ptr": "*i32",
-    "y_ptr": "*bf16",
-    "p_ptr": "*fp32",
-    "c_ptr": "*i32",
-}
-
-
-def cases() -> list[tuple[str, int, kernel_choice.Tile, dict[str, Any]]]:
-    """(what, bucket, tile, job) for every candidate: fp8 per channel on Hopper (decode buckets: the GPU's own
-    products serve more rows) and Ampere (every bucket), fp8 by blocks on Hopper (every bucket), int4 on both."""
+    fp8_launches = cuda_compile.recording(monkeypatch, fp8_gemv, "_kernel")
+    int4_launches = cuda_compile.recording(monkeypatch, int4_triton, "_kernel")
+    weight = torch.zeros(WIDTH, WIDTH, dtype=torch.float8_e4m3fn)
+    per_channel, by_blocks = torch.ones(WIDTH), torch.ones(WIDTH, WIDTH // BLOCK)
+    codes = torch.zeros(WIDTH, WIDTH // 8, dtype=torch.int32)
+    groups = torch.ones(WIDTH // INT4_GROUP, WIDTH)
+    int4_parts = int4_triton.Int4Scales(groups, groups, None, INT4_GROUP)
     found = []
     for bucket, tiles in fp8_gemv.CANDIDATES.items():
+        x = torch.zeros(bucket, WIDTH, dtype=torch.bfloat16)
         for tile in tiles:
-            for what, arch, native, group in (
-                ("fp8 hopper", HOPPER, True, 0),
-                ("fp8 ampere", AMPERE, False, 0),
-                ("fp8 blocks hopper", HOPPER, True, BLOCK),
+            for what, arch, widen, scales in (
+                ("fp8 hopper", HOPPER, False, per_channel),
+                ("fp8 ampere", AMPERE, True, per_channel),
+                ("fp8 blocks hopper", HOPPER, False, by_blocks),
             ):
                 if what == "fp8 hopper" and bucket > fp8_gemv.MAX_ROWS:
                     continue
-                constexprs = fp8_gemv.constants(tile, True, native, group, split(tile))
-                found.append((what, bucket, tile, job(FP8, FP8_POINTERS, constexprs, arch, tile)))
+                fp8_gemv.fp8_gemv(x, weight, scales, tile, widen=widen)
+                found.append((what, bucket, tile, cuda_compile.job_of(fp8_launches[-1], arch)))
     for bucket, tiles in int4_triton.CANDIDATES.items():
+        x = torch.zeros(bucket, WIDTH, dtype=torch.bfloat16)
         for tile in {t.fitted(INT4_GROUP) for t in tiles}:
+            int4_triton.int4_gemm(x, codes, int4_parts, tile)
             for what, arch in (("int4 hopper", HOPPER), ("int4 ampere", AMPERE)):
-                constexprs = int4_triton.constants(tile, INT4_GROUP, False, split(tile))
-                found.append((what, bucket, tile, job(INT4, INT4_POINTERS, constexprs, arch, tile)))
+                found.append((what, bucket, tile, cuda_compile.job_of(int4_launches[-1], arch)))
     return found
 
 
 @pytest.fixture(scope="module")
 def compiled() -> list[tuple[str, int, kernel_choice.Tile, dict[str, Any]]]:
-    found = cases()
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        found = cases(monkeypatch)
     results = cuda_compile.compile_all([j for *_, j in found])
     return [(what, bucket, tile, result) for (what, bucket, tile, _), result in zip(found, results, strict=True)]
 
@@ -101,7 +82,7 @@ def test_every_candidate_tile_compiles_for_hopper_and_ampere(compiled: list[Any]
 
 def test_no_tile_spills_registers(compiled: list[Any]) -> None:
     """Every candidate keeps its registers (a tile that spills reads its own stack besides the weight), on both
-    GPUs, at a model's widths (`job`: compiled without them, Triton loads the weight a byte at a time)."""
+    GPUs, at a model's widths (`cuda_compile.job_of`: compiled without them, Triton loads the weight a byte at a time)."""
     spilled = [
         f"{what} bucket {bucket} {tile}: {result['spilled']} bytes spilled ({result['registers']} registers)"
         for what, bucket, tile, result in compiled

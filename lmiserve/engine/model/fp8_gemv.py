@@ -68,7 +68,6 @@ __all__ = [
     "bucket",
     "choose",
     "chosen",
-    "constants",
     "dequantized_product",
     "dequantized_weight",
     "fp8_gemv",
@@ -222,23 +221,14 @@ def fp8_gemv(
         _kernel()[grid](
             x, weight.view(torch.uint8), scales, y, rows, weight.shape[0], inputs, x.stride(0), y.stride(0),
             k_share, parts, counters, parts.stride(0) if split else 0, scales.stride(0),
-            **constants(config, inputs % config.block_k == 0, native, group, split),
+            EVEN_K=inputs % config.block_k == 0, USE_DOT=config.use_dot, NATIVE=native,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            GROUP=group, SCALE_PER_TILE=group > 0 and group % config.block_k == 0, SPLIT=split,
+            LATE_SUM=config.late_sum and not config.use_dot, PREFETCH=config.prefetch and not config.use_dot,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )  # fmt: skip
 
     return kernel_choice.split_k_product(config, x, weight, launch)
-
-
-def constants(config: Config, even_k: bool, native: bool, group: int, split: int) -> dict[str, Any]:
-    """`fp8_gemv_kernel`'s compile-time arguments for a tile: the inputs a multiple of its `block_k` or not, the
-    GPU's fp8 conversions or the bytes widened, scales per channel (`group` 0) or by blocks of `group` inputs,
-    and how a split K's sums are added (`split_k_kernel.store_sums`'s `split`)."""
-    return {
-        "EVEN_K": even_k, "USE_DOT": config.use_dot, "NATIVE": native,
-        "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
-        "GROUP": group, "SCALE_PER_TILE": group > 0 and group % config.block_k == 0, "SPLIT": split,
-        "LATE_SUM": config.late_sum and not config.use_dot, "PREFETCH": config.prefetch and not config.use_dot,
-    }  # fmt: skip
 
 
 def product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, choice: Choice) -> torch.Tensor:

@@ -67,7 +67,6 @@ __all__ = [
     "chosen",
     "codes_kept",
     "codes_kept_for",
-    "constants",
     "dequantized_product",
     "group_layout",
     "int4_gemm",
@@ -181,20 +180,12 @@ def int4_gemm(x: torch.Tensor, weight: torch.Tensor, parts: Int4Scales, config: 
         _kernel()[grid](
             x, weight, parts.scales, parts.zeros, order, y, rows, weight.shape[0], inputs, x.stride(0),
             y.stride(0), parts.scales.stride(0), k_share, sums, counters, sums.stride(0) if split else 0,
-            **constants(config, parts.group, parts.order is not None, split),
+            GROUP=parts.group, HAS_ORDER=parts.order is not None, USE_DOT=config.use_dot,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=split,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )  # fmt: skip
 
     return kernel_choice.split_k_product(config, x, weight, launch)
-
-
-def constants(config: Config, group: int, act_order: bool, split: int) -> dict[str, Any]:
-    """`int4_gemm_kernel`'s compile-time arguments for a tile: the groups' inputs, act-order or not, and how a
-    split K's sums are added (`split_k_kernel.store_sums`'s `split`)."""
-    return {
-        "GROUP": group, "HAS_ORDER": act_order, "USE_DOT": config.use_dot,
-        "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "SPLIT": split,
-    }  # fmt: skip
 
 
 def dequantized_product(x: torch.Tensor, weight: torch.Tensor, parts: Int4Scales) -> torch.Tensor:
