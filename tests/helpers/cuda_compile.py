@@ -134,9 +134,8 @@ def job_of(launch: Launch, arch: int) -> dict[str, Any]:
 def compile_all(jobs: list[dict[str, Any]], processes: int = 2, timeout: float = 600) -> list[dict[str, Any]]:
     """Each job compiled: ``{"kernel": "module:function", "pointers": {arg: "*bf16", ...}, "constexprs": {arg:
     value}, "scalars": {arg: "fp32", ...}, "aligned": [arg, ...], "arch": 90, "num_warps": 4, "num_stages": 3}``
-    (other arguments i32; the
-    pointers and the `aligned` integers multiples of 16, as Triton specializes them at a launch with such values:
-    without, its loads are not vectorized) to ``{"error": str | None, "registers": int, "spilled": int}``
+    (other arguments i32; the pointers and the `aligned` integers multiples of 16, as Triton specializes them at a
+    launch with such values: without, its loads are not vectorized) to ``{"error": str | None, "registers": int, "spilled": int}``
     (spilled: the stack's bytes), in up to `processes` child processes (no more than this process may use)."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     count = max(1, min(processes, len(os.sched_getaffinity(0)), len(jobs)))
