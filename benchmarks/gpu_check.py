@@ -46,7 +46,8 @@ dependencies can come as wheels; see benchmarks/README.md, "The GPU check"). It 
    made at load from the dummy weights, on the Triton int4 kernel (``LMISERVE_USE_TRITON_INT4=1``);
    ``kernels``: ``benchmarks/quantized_kernels.py``, one linear of the 8B shape in bf16, fp8 (with
    ``fp8_gemv_widened``: the fp8 kernel's tile widening the bytes as an A100 or A10G does; ``fp8_w8a8``:
-   the rows in fp8 for cuBLAS's tensor-wise product, at up to 16 rows; ``fp8_block``: scales by blocks of
+   the rows in fp8 for cuBLAS's tensor-wise product, at up to 16 rows; ``fp8_w8a8_one_scale``: one row of a
+   weight of one scale, both scales applied by cuBLAS, two kernels; ``fp8_block``: scales by blocks of
    128 x 128, as the engine runs them, the kernel or the de-quantized product) and the
    Triton int4 kernel (its tile measured as the engine measures it) at 1, 16 and 128 rows, time, weight
    bandwidth and error; ``quality``: ``benchmarks/quantized_quality.py`` on CUDA, each format's perplexity
@@ -967,6 +968,7 @@ KERNEL_KINDS = (
     "fp8_gemv",
     "fp8_gemv_widened",
     "fp8_w8a8",
+    "fp8_w8a8_one_scale",
     "fp8_block",
     "fp8_compiled_quant",
     "fp8_gemm_rowwise",

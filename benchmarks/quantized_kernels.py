@@ -4,7 +4,8 @@ rows, else `torch._scaled_mm` with activations to fp8 per row), the fastest tile
 Triton kernel (`fp8_gemv`, up to 16 rows; every row count on a GPU without fp8 products, A100 or A10G, where it
 widens the bytes itself; on a GPU with them `fp8_gemv_widened` times that widening on the same tile), the
 rows quantized to fp8 for cuBLAS's tensor-wise product (`fp8_w8a8`, up to 16 rows: the engine's third
-candidate, its three kernels together), block-wise fp8 (`fp8_block`: scales by blocks of 128 x 128, as Qwen3's
+candidate, its three kernels together; at one row of a weight of one scale, `fp8_w8a8_one_scale`: its two kernels,
+cuBLAS applying both scales), block-wise fp8 (`fp8_block`: scales by blocks of 128 x 128, as Qwen3's
 FP8 releases, on `fp8_gemv`'s kernel or the de-quantized product as the engine chooses at every row count) and
 4-bit (`int4_triton.Int4TritonLinear`, groups of 128, on the tile the engine measures fastest for the row
 bucket: `int4_tile`), at a few row counts; on a GPU with fp8,
@@ -167,6 +168,8 @@ def main() -> None:
         q, s = quantize_fp8(weight)
         fp8 = Fp8Linear(q.to(device), s.to(device), None)
         fp8_dense = fp8.dequantized().to(dtype)
+        q1, s1 = quantize_fp8(weight, per_tensor=True)
+        per_tensor = Fp8Linear(q1.to(device), s1.expand(out).contiguous().to(device), None)
         block = 128 if cuda else 64  # (the smoke shape's 128 inputs: two blocks)
         stored = fp8_block_tensors(weight, block)
         fp8_block = fp8_module(
@@ -205,6 +208,9 @@ def main() -> None:
             if rows <= fp8_gemv.MAX_ROWS and fp8_w8a8.applies(fp8.weight, device):  # the engine's third candidate
                 w8a8 = functools.partial(fp8_w8a8.product, x, fp8.weight, fp8.scales)
                 kinds["fp8_w8a8"] = (w8a8, out * inputs, x @ fp8_dense.t())
+                if rows == 1:  # a weight of one scale (quantize=fp8 on such a GPU): cuBLAS applies both scales
+                    one = functools.partial(fp8_w8a8.product_one_scale, x, per_tensor.weight, per_tensor.scales)
+                    kinds["fp8_w8a8_one_scale"] = (one, out * inputs, x @ per_tensor.dequantized().to(dtype).t())
             if cuda and fp8_scaled_mm_supported(device):
                 kinds.update(fp8_variants(x, fp8, quantize_rows, x @ fp8_dense.t()))
             for kind, (fn, weight_bytes, want) in kinds.items():
@@ -238,9 +244,9 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if cuda else "cpu (smoke)",
         "torch": torch.__version__,
         "fp8_gemv_chosen": {
-            f"{k[1]}x{k[2]} rows {k[3]} {k[4]}{' blocks' if k[5:] else ''}": str(v)
+            f"{k[1]}x{k[2]} rows {k[3]} {k[4]}{' blocks' if k[5] else ''}{' one scale' if k[6] else ''}": str(v)
             if v
-            else ("the de-quantized product" if k[5:] else "_scaled_mm")
+            else ("the de-quantized product" if k[5] else "_scaled_mm")
             for k, v in fp8_gemv.chosen().items()
         },
         "int4_chosen": {

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from lmiserve.engine.model.fp8_ops import per_tensor_at_load
 from lmiserve.engine.model.int4_triton import Int4TritonLinear
 from lmiserve.engine.model.quant_formats import (
     Int4Parts,
@@ -313,17 +314,20 @@ def quantize_at_load(model: torch.nn.Module, spec: QuantSpec, dtype: torch.dtype
 
 
 def quantize_fp8_dynamic(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> str:
-    """`quantize=fp8` on a float model: every linear but the output projection quantized to fp8 per
-    output channel (`quant_formats.quantize_fp8`), then `fp8_module` (fp8 products where the device has
-    them, else de-quantized once into `dtype`). An account of what was done."""
+    """`quantize=fp8` on a float model: every linear but the output projection quantized to fp8, per tensor
+    on a GPU with fp8 products, else per output channel (`fp8_ops.per_tensor_at_load`;
+    `quant_formats.quantize_fp8`), then `fp8_module` (fp8 products where the device has them, else
+    de-quantized once into `dtype`). An account of what was done."""
 
     keep = weights_kept_for(model, device, "quantize=fp8", "fp8")
+    per_tensor = per_tensor_at_load(device)
 
     def make(linear: torch.nn.Linear) -> torch.nn.Module:
-        weight, scale = quantize_fp8(linear.weight)
+        weight, scale = quantize_fp8(linear.weight, per_tensor=per_tensor)
         return fp8_module(weight, scale, linear.bias, dtype, device, keep)
 
-    return f"fp8 quantized at load, per output channel: {_made_at_load(model, make)}"
+    scales = "per tensor" if per_tensor else "per output channel"
+    return f"fp8 quantized at load, {scales}: {_made_at_load(model, make)}"
 
 
 def quantize_int4_dummy(model: torch.nn.Module, spec: QuantSpec, dtype: torch.dtype, device: torch.device) -> str:

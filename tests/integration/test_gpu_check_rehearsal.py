@@ -149,6 +149,8 @@ def test_issue_39_entries_are_filled(rehearsal):
     assert all(r["fp8_gemv_widened"]["error"] < 0.01 for r in decode_rows)  # (as an A100 widens the bytes)
     # the rows in fp8 for cuBLAS's tensor-wise product: fp8 activations' error, not a lost scale's
     assert all(r["fp8_w8a8"]["error"] < 0.1 for r in decode_rows)
+    assert all(r["fp8_w8a8_one_scale"]["error"] < 0.1 for r in decode_rows if r["rows"] == 1)  # (two kernels)
+    assert any(r["rows"] == 1 for r in decode_rows)
     # block-wise fp8 (Qwen3's FP8 releases' scales) as the engine runs it at every row count: fp32 here, exact
     assert all(r["fp8_block"]["error"] < 1e-4 for r in kernels)
     quality = summary["quantized"]["quality"]

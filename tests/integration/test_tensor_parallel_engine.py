@@ -560,6 +560,24 @@ def test_a_quantized_checkpoint_over_two_ranks_gives_the_tokens_of_one_process(t
         assert _close(one.logprobs, two.logprobs)
 
 
+def test_quantize_fp8_per_tensor_over_two_ranks_gives_the_tokens_of_one_process(tmp_path, monkeypatch):
+    """``quantize=fp8`` per tensor (as on a GPU with fp8 products; ``LMISERVE_FP8_PER_TENSOR=1`` here): each rank's
+    part of a linear takes the whole weight's one scale (the ranks' maxima all-reduced), so two ranks give the
+    tokens and logprobs of one process; and not quite those of per-channel scales (the option is in use)."""
+    from helpers.quantizable import quantizable_llama, write_checkpoint
+    from lmiserve.engine.model import fp8_ops
+
+    folder = write_checkpoint(quantizable_llama(25), tmp_path / "float", "float", 0, False)
+    per_channel = _answers(folder, 1, quantize="fp8")
+    monkeypatch.setenv("LMISERVE_FP8_PER_TENSOR", "1")  # the workers read it as they start
+    monkeypatch.setattr(fp8_ops, "PER_TENSOR", True)
+    whole, split = _answers(folder, 1, quantize="fp8"), _answers(folder, 2, quantize="fp8")
+    for one, two in zip(whole, split, strict=True):
+        assert one.tokens == two.tokens
+        assert _close(one.logprobs, two.logprobs)
+    assert [a.logprobs for a in whole] != [a.logprobs for a in per_channel]
+
+
 def test_an_fp8_kv_cache_over_two_ranks_gives_one_processs_tokens(tiny_model_dir, kv2_answers):
     """``kv_cache_dtype=fp8`` over two ranks, each rank's pool its KV heads' keys and values in fp8: the tokens and
     logprobs of one process with the same fp8 cache (and not quite the bf16 cache's: the cache is in fp8)."""

@@ -14,7 +14,7 @@ import torch
 from helpers.fp8_weights import fp8_weight, fresh_choices  # noqa: F401 - an autouse fixture
 from lmiserve.engine import fp8_devices
 from lmiserve.engine.model import fp8_gemv, fp8_w8a8, kernel_choice
-from lmiserve.engine.model.fp8_ops import fp8_linear, scaled_product
+from lmiserve.engine.model.fp8_ops import fp8_linear, quantize_fp8, scaled_product
 
 pytestmark = pytest.mark.skipif(
     not fp8_w8a8.applies(torch.empty(16, 16), torch.device("cpu")) or os.environ.get("TRITON_INTERPRET") != "1",
@@ -118,3 +118,71 @@ def test_a_wrong_product_is_refused_and_it_never_competes_where_it_cannot_serve(
     assert not fp8_w8a8.applies(torch.empty(48, 72), torch.device("cpu"))
     monkeypatch.setattr(fp8_devices, "native", lambda device: False)
     assert not fp8_w8a8.applies(weight, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_row_of_a_one_scale_weight_takes_cublas_scales_in_two_kernels(dtype: torch.dtype) -> None:
+    """`product_one_scale`: the row in fp8 over its range and one ``_scaled_mm`` whose scales are the row's and the
+    weight's: the same arithmetic as `product`'s three kernels, written in the row's dtype by cuBLAS."""
+    torch.manual_seed(3)
+    weight, scale = quantize_fp8(torch.randn(fp8_w8a8.BLOCK_N + 32, 64) * 0.05, per_tensor=True)
+    scales = scale.expand(weight.shape[0]).contiguous()
+    x = (torch.randn(1, 64) * 3).to(dtype)
+    got = fp8_w8a8.product_one_scale(x, weight, scales)
+    q, row_scales = fp8_w8a8.rows_to_fp8(x.float())
+    want = (q.float() * row_scales) @ (weight.float() * scale).t()
+    assert got.dtype == dtype and got.shape == (1, weight.shape[0])
+    tolerance = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance * want.abs().max().item())
+    torch.testing.assert_close(got, fp8_w8a8.product(x, weight, scales), rtol=tolerance, atol=tolerance * 8)
+    with pytest.raises(ValueError, match="takes one row, not 2"):
+        fp8_w8a8.product_one_scale(x.expand(2, -1), weight, scales)
+
+
+def test_whether_scales_are_one_value_is_read_once_a_tensor() -> None:
+    """`one_scale`: a per-tensor weight's scales (one value, expanded) are, a per-channel weight's are not, block
+    scales never; read once a tensor (a host sync) and remembered while it lives."""
+    _, channel, _ = fp8_weight(48, 64, seed=9)
+    _, tensor = quantize_fp8(torch.randn(48, 64), per_tensor=True)
+    one = tensor.expand(48).contiguous()
+    assert fp8_w8a8.one_scale(one) and not fp8_w8a8.one_scale(channel)
+    assert not fp8_w8a8.one_scale(one.expand(2, 48))
+    one[0] = 2.0  # (scales never change in place: remembered, not read again)
+    assert fp8_w8a8.one_scale(one)
+    assert not fp8_w8a8.one_scale(one.clone())  # another tensor: read
+
+
+def test_it_competes_only_for_one_row_of_a_weight_with_one_scale(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`fp8_gemv.choose` times `ONE_SCALE` beside `W8A8` and the tiles for one row of a weight whose scales are one
+    value, keeps it where fastest, and `fp8_linear` then runs it; never for 2 rows or per-channel scales (where its
+    scale would be wrong). Off by a scale it is refused by the self-check."""
+    monkeypatch.setattr(fp8_gemv, "INTERPRETED_ON_CPU", True)
+    monkeypatch.setattr(fp8_gemv, "CANDIDATES", {b: configs[:1] for b, configs in fp8_gemv.CANDIDATES.items()})
+    timed: list[str] = []
+
+    def timer(call: object, device: torch.device) -> float:
+        name = str(getattr(call, "args", ("baseline",))[0])
+        timed.append(name)
+        return 1e-7 if name == str(fp8_w8a8.ONE_SCALE) else 1e-6 if name == str(fp8_w8a8.W8A8) else 1e-3
+
+    monkeypatch.setattr(kernel_choice, "time_gpu", timer)
+    weight, scale = quantize_fp8(torch.randn(48, 64) * 0.05, per_tensor=True)
+    scales = scale.expand(48).contiguous()
+    x = torch.randn(1, 64) * 4
+    caplog.set_level(logging.INFO, logger=fp8_gemv.__name__)
+    assert fp8_gemv.choose(x, weight, scales, lambda x: scaled_product(x, weight, scales)) is fp8_w8a8.ONE_SCALE
+    assert {str(fp8_w8a8.ONE_SCALE), str(fp8_w8a8.W8A8), "baseline"} <= set(timed)
+    assert "fp8 products [48 x 64] at 1 row(s) run on cuBLAS fp8 x fp8, one scale a tensor" in caplog.text
+    torch.testing.assert_close(fp8_linear(x, weight, scales), fp8_w8a8.product_one_scale(x, weight, scales))
+    timed.clear()
+    assert fp8_gemv.choose(x.expand(2, -1), weight, scales, lambda x: x) is fp8_w8a8.W8A8
+    _, channel, _ = fp8_weight(48, 64, seed=10)
+    assert fp8_gemv.choose(x, weight, channel, lambda x: scaled_product(x, weight, channel)) is fp8_w8a8.W8A8
+    assert str(fp8_w8a8.ONE_SCALE) not in timed
+    monkeypatch.setattr(fp8_gemv, "_chosen", {})
+    right = fp8_w8a8.product_one_scale
+    monkeypatch.setattr(fp8_w8a8, "product_one_scale", lambda *args: 1.05 * right(*args))
+    assert fp8_gemv.choose(x, weight, scales, lambda x: scaled_product(x, weight, scales)) is fp8_w8a8.W8A8
+    assert "cuBLAS fp8 x fp8, one scale a tensor: off by" in caplog.text

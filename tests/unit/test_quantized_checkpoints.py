@@ -303,6 +303,64 @@ def test_fp8_linears_on_the_triton_decode_kernel_decode_what_transformers_decode
         assert got == greedy(reference_model, ids, 8), ids
 
 
+def test_a_per_tensor_fp8_checkpoint_decodes_one_row_on_the_tensor_wise_product(
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A per-tensor fp8 checkpoint (compressed-tensors, AutoFP8; what ``quantize=fp8`` makes on a GPU with fp8
+    products) where the GPU has fp8 products: the fast path puts each fused product's parts (q, k and v; gate and
+    up), each on its own scale in the checkpoint, on one scale (`quant_formats.one_scale_for`), so every product of
+    one decode row can run on `fp8_w8a8.ONE_SCALE` (cuBLAS's tensor-wise product; here torch's CPU
+    ``_scaled_mm`` and Triton's interpreter), which `fp8_gemv.choose` keeps where it times fastest. Its tokens are
+    those of transformers' forward over the same layers (fp32 activations; rows in fp8 there too)."""
+    from lmiserve.engine.model import fp8_gemv, fp8_w8a8, kernel_choice
+
+    if not fp8_gemv.available() or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py on CPU)")
+    monkeypatch.setattr(fp8_gemv, "INTERPRETED_ON_CPU", True)
+    monkeypatch.setattr(fp8_gemv, "_chosen", {})
+    monkeypatch.setattr(fp8_gemv, "CANDIDATES", {b: () for b in fp8_gemv.CANDIDATES})
+    monkeypatch.setattr(fp8_gemv, "MAX_ROWS", 64)  # transformers' forward below: rows in fp8 too, fp32 sums
+
+    def timer(call: object, device: torch.device) -> float:
+        choice = getattr(call, "args", (None,))[0]
+        return 1e-6 if choice is fp8_w8a8.ONE_SCALE else 1e-5 if choice is fp8_w8a8.W8A8 else 1e-3
+
+    monkeypatch.setattr(kernel_choice, "time_gpu", timer)
+    monkeypatch.setattr(kernel_choice, "time_call", timer)
+    loaded = load_causal_lm(checkpoints["fp8-tensor"], device="cpu", dtype="fp32")
+    tensors = stored(checkpoints["fp8-tensor"])
+    for name, _ in list(loaded.model.named_modules()):
+        if name.rpartition(".")[2] in LINEARS:
+            parent, _, child = name.rpartition(".")
+            t = tensors[name]
+            made = fp8_module(t["weight"], t["weight_scale"], None, torch.float32, loaded.device, keep_fp8=True)
+            setattr(loaded.model.get_submodule(parent), child, made)
+    attention = loaded.model.model.layers[0].self_attn
+    assert len({attention.q_proj.scales[0].item(), attention.k_proj.scales[0].item()}) == 2  # as stored
+    ran: list[tuple[int, int]] = []
+    one_scale = fp8_w8a8.product_one_scale
+
+    def recorded(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        assert bool((scales == scales[0]).all())
+        ran.append(tuple(weight.shape))
+        return one_scale(x, weight, scales)
+
+    monkeypatch.setattr(fp8_w8a8, "product_one_scale", recorded)
+    prompts = [PROMPTS[0], PROMPTS[-1]]
+    path, results = engine_tokens(loaded, prompts[:1], 8)  # one stream: decode steps of one row
+    assert path == "fast"
+    config = loaded.model.config
+    head = config.hidden_size // config.num_attention_heads
+    qkv = config.hidden_size + 2 * config.num_key_value_heads * head
+    fused = {(qkv, config.hidden_size), (2 * config.intermediate_size, config.hidden_size)}
+    chosen = {(k[1], k[2]) for k, v in fp8_gemv.chosen().items() if k[3] == 1 and v is fp8_w8a8.ONE_SCALE}
+    assert fused <= chosen and all(ran.count(shape) > 1 for shape in fused)  # (once: the self-check's probe)
+    assert attention.q_proj.scales[0].item() == attention.k_proj.scales[0].item()  # the fused parts: one scale
+    results += engine_tokens(loaded, prompts[1:], 8)[1]
+    for ids, got in zip(prompts, results, strict=True):
+        assert max(greedy_gaps(loaded.model, ids, got)) <= 1e-3, ids
+
+
 def test_quantize_fp8_on_a_float_checkpoint_quantizes_per_channel_at_load(checkpoints: dict[str, Path]) -> None:
     loaded = load_causal_lm(checkpoints["float"], device="cpu", quantize="fp8")
     original, _ = tiny_llama()

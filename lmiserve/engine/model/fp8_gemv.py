@@ -10,11 +10,12 @@ neither cost; prefill (more rows) keeps ``_scaled_mm``, where fp8's tensor cores
 Which one runs is measured, not assumed (a kernel tuned on one GPU can lose on another): the first product
 of each weight shape and row bucket (1, 2-4, 5-16 rows; `bucket`) outside a CUDA-graph capture times the
 bucket's candidate tiles (`CANDIDATES`, some with K split between programs), where the GPU has fp8 products
-`fp8_w8a8`'s (the rows in fp8 for cuBLAS's tensor-wise product) and the row-wise ``_scaled_mm`` on a random
-probe, each replayed in a CUDA graph as the decode graphs run it, checks each tile against
-the de-quantized product (`kernel_choice.pick`: a tile this GPU or Triton miscompiles is dropped, never
-served), and keeps the fastest, logged once. The decode graphs' eager warm-up before each capture (cuda_graphs.py) is
-such a product, so the graphs record the choice. The times are the GPU's alone (`kernel_choice.time_gpu`):
+`fp8_w8a8`'s (the rows in fp8 for cuBLAS's tensor-wise product; for one row of a weight with one scale,
+`fp8_w8a8.ONE_SCALE`, two kernels) and the row-wise ``_scaled_mm`` on a random probe, each replayed in a
+CUDA graph as the decode graphs run it, checks each tile against the de-quantized product
+(`kernel_choice.pick`: a tile this GPU or Triton miscompiles is dropped, never served), and keeps the fastest,
+logged once. The decode graphs' eager warm-up before each capture (cuda_graphs.py) is such a product, so the
+graphs record the choice. The times are the GPU's alone (`kernel_choice.time_gpu`):
 timed eagerly, a product of a few rows measures its launches, which do not tell the tiles apart.
 
 A GPU without fp8 products (compute capability below 8.9: A100, A10G; `fp8_devices.native` false) has no ``_scaled_mm``
@@ -41,7 +42,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -89,7 +90,8 @@ USE_ON_CUDA = kernel_choice.switch("LMISERVE_USE_TRITON_FP8")
 
 
 Config = kernel_choice.Tile  # one tile of the kernel
-Choice = Config | fp8_w8a8.RowsInFp8  # what a shape and row bucket runs on besides the product `choose` replaces
+# what a shape and row bucket runs on besides the product `choose` replaces (`fp8_w8a8.OneScale` is a RowsInFp8)
+Choice = Config | fp8_w8a8.RowsInFp8
 
 
 def bucket(rows: int) -> int:
@@ -164,7 +166,8 @@ CANDIDATES: dict[int, tuple[Config, ...]] = {
     ),
 }
 
-_chosen: dict[tuple[Any, ...], Choice | None] = {}  # (device, N, K, bucket, dtype) -> a tile, `fp8_w8a8`, None
+# (device, N, K, bucket, dtype, blocks (0: per channel), one scale) -> a tile, `fp8_w8a8`'s product, None
+_chosen: dict[tuple[Any, ...], Choice | None] = {}
 
 
 def available() -> bool:
@@ -233,6 +236,8 @@ def fp8_gemv(
 
 def product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, choice: Choice) -> torch.Tensor:
     """``(x @ weight.T) * scales`` in `x`'s dtype on `choice`: a tile of this kernel or `fp8_w8a8`'s product."""
+    if isinstance(choice, fp8_w8a8.OneScale):
+        return fp8_w8a8.product_one_scale(x, weight, scales)
     if isinstance(choice, fp8_w8a8.RowsInFp8):
         return fp8_w8a8.product(x, weight, scales)
     return fp8_gemv(x, weight, scales, choice)
@@ -255,7 +260,9 @@ def choose(
         return None
     if not (x.is_cuda or INTERPRETED_ON_CPU) or (rows > MAX_ROWS and scaled_mm_serves(x.device, scales.dim() == 2)):
         return None
-    key = (x.device, *weight.shape, bucket(rows), x.dtype, *scales.shape[1:])  # (block-wise: how many blocks)
+    blocks = scales.shape[1] if scales.dim() == 2 else 0
+    one = rows == 1 and not blocks and fp8_w8a8.applies(weight, x.device) and fp8_w8a8.one_scale(scales)
+    key = (x.device, *weight.shape, bucket(rows), x.dtype, blocks, one)
     if key in _chosen:
         return _chosen[key]
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -267,7 +274,7 @@ def choose(
             "measuring the fp8 Triton kernel for [%d x %d] failed (%s): %s serves",
             *weight.shape,
             exc,
-            _other(x.device, key[5:]),
+            _other(x.device, bool(blocks)),
         )
         choice = None
     _chosen[key] = choice
@@ -277,12 +284,12 @@ def choose(
 def _measure(
     key: tuple[Any, ...], weight: torch.Tensor, scales: torch.Tensor, other: Callable[[torch.Tensor], torch.Tensor]
 ) -> Choice | None:
-    device, outputs, inputs, rows, dtype, *blocks = key
+    device, outputs, inputs, rows, dtype, blocks, one = key
     generator = torch.Generator(device=device).manual_seed(0)
     probe = torch.randn(rows, inputs, generator=generator, device=device).to(dtype)
     candidates: tuple[Choice, ...] = CANDIDATES[rows]
     if rows <= MAX_ROWS and not blocks and fp8_w8a8.applies(weight, device):
-        candidates += (fp8_w8a8.W8A8,)
+        candidates += (fp8_w8a8.ONE_SCALE, fp8_w8a8.W8A8) if one else (fp8_w8a8.W8A8,)
     plain = _reference(probe, weight, scales)
 
     def want(choice: Choice) -> torch.Tensor:
@@ -300,13 +307,13 @@ def _measure(
         lambda choice: product(probe, weight, scales, choice),
         want,
         device,
-        (_other(device, blocks), lambda: other(probe)),
+        (_other(device, bool(blocks)), lambda: other(probe)),
     )
 
 
-def _other(device: torch.device, blocks: Sequence[int] = ()) -> str:
+def _other(device: torch.device, blocks: bool = False) -> str:
     """What serves where the kernel does not, for the log lines."""
-    return "torch._scaled_mm" if scaled_mm_serves(device, bool(blocks)) else "the de-quantized product"
+    return "torch._scaled_mm" if scaled_mm_serves(device, blocks) else "the de-quantized product"
 
 
 def scaled_mm_serves(device: torch.device, blocks: bool) -> bool:

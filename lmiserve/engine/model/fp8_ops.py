@@ -15,10 +15,24 @@ from collections.abc import Callable
 
 import torch
 
-from lmiserve.engine.model import fp8_gemv
+from lmiserve.engine import fp8_devices
+from lmiserve.engine.model import fp8_gemv, kernel_choice
 from lmiserve.engine.model.fp8_w8a8 import FP8_MAX, rows_to_fp8
 
-__all__ = ["FP8_MAX", "dequantize_fp8", "fp8_linear", "quantize_fp8", "rows_to_fp8", "scaled_product"]
+__all__ = [
+    "FP8_MAX",
+    "PER_TENSOR",
+    "dequantize_fp8",
+    "fp8_linear",
+    "per_tensor_at_load",
+    "quantize_fp8",
+    "rows_to_fp8",
+    "scaled_product",
+]
+
+# ``quantize=fp8``'s scales (`per_tensor_at_load`): True (LMISERVE_FP8_PER_TENSOR=1) one a tensor everywhere; False
+# (=0) one an output channel everywhere; None (unset) one a tensor on a GPU with fp8 products, else a channel
+PER_TENSOR = kernel_choice.switch("LMISERVE_FP8_PER_TENSOR")
 
 
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -30,12 +44,30 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return weight.float() * (s[:, None] if s.numel() > 1 else s)
 
 
-def quantize_fp8(weight: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-output-channel fp8 of a float weight (vLLM's dynamic fp8): ``scale = max|w| / 448`` (fp32
-    ``[out]``; `amax`: each row's ``max|w|`` when `weight` holds only some of its columns), ``q = w / scale``
-    rounded to ``float8_e4m3fn``."""
-    q, scale = rows_to_fp8(weight.detach().float(), None if amax is None else amax.float().reshape(-1, 1))
+def quantize_fp8(
+    weight: torch.Tensor, amax: torch.Tensor | None = None, per_tensor: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel fp8 of a float weight: ``scale = max|w| / 448`` (fp32 ``[out]``; `amax`: each row's
+    ``max|w|`` when `weight` holds only some of its columns), ``q = w / scale`` rounded to ``float8_e4m3fn``.
+    `per_tensor` (vLLM's online fp8): one scale over the whole weight (``[1]``; `amax`: the whole weight's
+    ``max|w|``, one value, when `weight` is a tensor-parallel rank's part of it)."""
+    w = weight.detach().float()
+    if per_tensor:
+        whole = w.abs().amax().reshape(1, 1) if amax is None else amax.float().reshape(1, 1)
+        q, scale = rows_to_fp8(w, whole.expand(w.shape[0], 1))
+        return q, scale[:1, 0].contiguous()
+    q, scale = rows_to_fp8(w, None if amax is None else amax.float().reshape(-1, 1))
     return q, scale[:, 0]
+
+
+def per_tensor_at_load(device: torch.device) -> bool:
+    """Whether ``quantize=fp8`` quantizes a float checkpoint's linears per tensor on `device` (`PER_TENSOR`; unset:
+    on a GPU with fp8 products, where one row's product runs on cuBLAS's tensor-wise fp8 product with both scales
+    applied there, `fp8_w8a8.ONE_SCALE`, as vLLM's online fp8; elsewhere per channel, the closer: a CPU
+    de-quantizes at load, and an A100's widening kernel applies a scale a channel at no cost)."""
+    if PER_TENSOR is not None:
+        return PER_TENSOR
+    return device.type == "cuda" and fp8_devices.native(device)
 
 
 def fp8_linear(

@@ -12,6 +12,13 @@ in fp32; `fp8_w8a8_kernel.scale_rows_kernel` multiplies each sum by its row's an
 casts. So per-channel checkpoints (FBGEMM's, compressed-tensors' dynamic ones) and per-tensor ones run it
 alike, with the row-wise product's accuracy.
 
+One row of a weight with one scale (per tensor: what ``quantize=fp8`` makes on a GPU with fp8 products, as vLLM's
+online fp8 does, and the per-tensor checkpoints of compressed-tensors and AutoFP8; `one_scale`) takes two kernels
+(`ONE_SCALE`, `product_one_scale`): the row's scale and the weight's are cuBLAS's own (one a tensor each: a
+single row's scale is its tensor's), so the product writes the row scaled, in its dtype, and the scaling kernel
+goes. On the H200 that kernel and the fp32 sums it reads cost a few microseconds a product, some 128 launches
+a step of the 8B shape (2026-12-04: the tensor-wise product alone 5.4 us for 4096 x 4096 in a graph).
+
 Only where the GPU has fp8 products (`fp8_devices.native`; a CPU too, where torch has a ``_scaled_mm`` and the
 tests run the kernels under Triton's interpreter), and for weights whose both dimensions are multiples of 16
 (`applies`). Not yet measured as a whole on a GPU (the next GPU check's `quantized` step times it,
@@ -21,6 +28,7 @@ tests run the kernels under Triton's interpreter), and for weights whose both di
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any
 
 import torch
@@ -32,7 +40,19 @@ try:
 except ImportError:  # pragma: no cover - triton ships with CUDA torch wheels
     triton = None
 
-__all__ = ["FP8_MAX", "PAD", "W8A8", "RowsInFp8", "applies", "product", "rows_to_fp8"]
+__all__ = [
+    "FP8_MAX",
+    "ONE_SCALE",
+    "PAD",
+    "W8A8",
+    "OneScale",
+    "RowsInFp8",
+    "applies",
+    "one_scale",
+    "product",
+    "product_one_scale",
+    "rows_to_fp8",
+]
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 PAD = 16  # cuBLAS's fp8 product: every dimension a multiple of 16
@@ -49,6 +69,22 @@ class RowsInFp8:
 
 
 W8A8 = RowsInFp8()
+
+
+class OneScale(RowsInFp8):
+    """The candidate for one row of a weight with one scale (module doc; one instance: `ONE_SCALE`): the same
+    arithmetic as `W8A8`'s, its scales applied by cuBLAS."""
+
+    def __str__(self) -> str:
+        return "cuBLAS fp8 x fp8, one scale a tensor"
+
+    __repr__ = __str__
+
+
+ONE_SCALE = OneScale()
+
+# id(scales) -> (the scales, whether they are one value): read once a tensor, while it lives
+_one_scale: dict[int, tuple[weakref.ref[torch.Tensor], bool]] = {}
 
 
 def rows_to_fp8(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,25 +112,62 @@ def _kernels() -> tuple[Any, Any]:
 _ones: dict[torch.device, torch.Tensor] = {}  # the unit scales a device's products pass cuBLAS
 
 
-def product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``(x @ weight.T) * scales`` in `x`'s dtype for a 2-D `x` ``[M, K]``, a contiguous ``float8_e4m3fn``
-    `weight` ``[N, K]`` and fp32 `scales` ``[N]``, `x` quantized to fp8 per row (module doc)."""
+def one_scale(scales: torch.Tensor) -> bool:
+    """Whether per-channel `scales` ``[N]`` are all one value (a per-tensor weight's, expanded at load, or a fused
+    linear's whose parts were put on one scale: `quant_formats.one_scale_for`). Read once a tensor (a host sync)
+    and remembered while it lives; inside a CUDA-graph capture a tensor not yet read counts as not (nothing is read
+    there: the eager warm-up before each capture reads them)."""
+    if scales.dim() != 1:
+        return False
+    seen = _one_scale.get(id(scales))
+    if seen is not None and seen[0]() is scales:
+        return seen[1]
+    if scales.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    same = bool((scales == scales[:1]).all())
+    if len(_one_scale) > 4096:  # the scales of dropped models
+        for key in [k for k, (ref, _) in _one_scale.items() if ref() is None]:
+            del _one_scale[key]
+    _one_scale[id(scales)] = (weakref.ref(scales), same)
+    return same
+
+
+def _rows_in_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x`'s rows in fp8, padded with zero rows to a multiple of `PAD`, and each row's scale (fp32, as padded), by
+    `fp8_w8a8_kernel.quantize_rows_kernel` (one kernel)."""
     if triton is None:
         raise RuntimeError("the fp8 activations' kernels need triton")
-    quantize, scale = _kernels()
-    x = x.contiguous()
+    quantize, _ = _kernels()
     rows, inputs = x.shape
-    outputs = weight.shape[0]
     padded = triton.cdiv(rows, PAD) * PAD
     xq = torch.empty(padded, inputs, dtype=torch.uint8, device=x.device)
     x_scales = torch.empty(padded, dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(inputs)
     warps = min(16, max(4, block // 1024))  # 4-16 fp32 a thread
     quantize[(padded,)](x, xq, x_scales, rows, inputs, x.stride(0), BLOCK_K=block, num_warps=warps)
+    return xq.view(torch.float8_e4m3fn), x_scales
+
+
+def product_one_scale(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`product` of one row `x` ``[1, K]`` and a weight whose `scales` ``[N]`` are one value (`one_scale`): the row in
+    fp8 over its range, then one ``torch._scaled_mm`` with the row's scale and the weight's, in `x`'s dtype."""
+    if x.shape[0] != 1:
+        raise ValueError(f"product_one_scale takes one row, not {x.shape[0]}")
+    xq, x_scales = _rows_in_fp8(x.contiguous())
+    y = torch._scaled_mm(xq, weight.t(), scale_a=x_scales[:1], scale_b=scales[:1], out_dtype=x.dtype)
+    return y[:1]
+
+
+def product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``(x @ weight.T) * scales`` in `x`'s dtype for a 2-D `x` ``[M, K]``, a contiguous ``float8_e4m3fn``
+    `weight` ``[N, K]`` and fp32 `scales` ``[N]``, `x` quantized to fp8 per row (module doc)."""
+    x = x.contiguous()
+    xq8, x_scales = _rows_in_fp8(x)
+    _, scale = _kernels()
+    rows, outputs = x.shape[0], weight.shape[0]
     one = _ones.get(x.device)
     if one is None:
         one = _ones[x.device] = torch.ones((), dtype=torch.float32, device=x.device)
-    xq8 = xq.view(torch.float8_e4m3fn)
     sums = torch._scaled_mm(xq8, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
     y = torch.empty(rows, outputs, dtype=x.dtype, device=x.device)
     grid = (rows, triton.cdiv(outputs, BLOCK_N))

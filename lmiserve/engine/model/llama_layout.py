@@ -44,7 +44,7 @@ from lmiserve.engine.model.layout_variants import (
     projections,
 )
 from lmiserve.engine.model.layout_variants import SUPPORTED_TYPES as SUPPORTED_TYPES
-from lmiserve.engine.model.quant_formats import Fp8Linear
+from lmiserve.engine.model.quant_formats import Fp8Linear, one_scale_for
 from lmiserve.engine.model.quantize import INT4_ROW_BLOCK, Int4Linear, Int8Linear, Q8Linear
 
 if TYPE_CHECKING:
@@ -338,6 +338,8 @@ def _fuse(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
     does not grow and the transformers forward keeps working on the same storage."""
     if isinstance(modules[0], Int4TritonLinear):
         return _fuse_int4(cast(list[Int4TritonLinear], modules))
+    if isinstance(modules[0], Fp8Linear):  # parts of one scale each: on one scale (tensor-wise products)
+        one_scale_for(cast(list[Fp8Linear], modules))
     weights = [m.weight.detach() for m in modules]
     stored = weights[0].contiguous() if len(weights) == 1 else torch.cat(weights, dim=0)
     quantized = [cast(Int8Linear | Int4Linear | Q8Linear, m) for m in modules if isinstance(m, QUANTIZED_LINEARS)]

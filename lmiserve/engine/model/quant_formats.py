@@ -57,6 +57,7 @@ __all__ = [
     "fp8_module",
     "fp8_scaled_mm_supported",
     "int4_module",
+    "one_scale_for",
     "quantize_fp8",
     "unpack_awq",
     "unpack_gptq",
@@ -230,6 +231,26 @@ class Fp8Linear(torch.nn.Module):
         group = fp8_gemv.input_block(self.in_features, self.scales)
         scales = f"scales by blocks of {group} inputs" if group else "per channel"
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 weights ({scales})"
+
+
+def one_scale_for(modules: list[Fp8Linear]) -> None:
+    """`Fp8Linear`s fused into one product (a layer's q, k and v; gate and up) whose scales are each one value (per
+    tensor) put on one scale, the largest (as vLLM requantizes per-tensor checkpoints), where the GPU has fp8
+    products (`fp8_devices.native`): the fused product's scales are then one value too, and one row of it runs on
+    cuBLAS's tensor-wise product with both scales applied there (`fp8_w8a8.ONE_SCALE`). Each part's fp8 values
+    are multiplied by its scale over the largest (at most 1: nothing overflows) and rounded to fp8 again. Parts
+    with a scale a channel or by blocks, or all on one scale already, are left as they are."""
+    if len(modules) < 2 or not fp8_devices.native(modules[0].weight.device):
+        return
+    if any(m.scales.dim() != 1 or not bool((m.scales == m.scales[:1]).all()) for m in modules):
+        return
+    firsts = torch.cat([m.scales[:1] for m in modules])
+    top = firsts.max()
+    if bool((firsts == top).all()):
+        return
+    for m, scale in zip(modules, firsts, strict=True):
+        m.weight = (m.weight.float() * (scale / top)).to(torch.float8_e4m3fn)
+        m.scales = top.reshape(1).expand(m.weight.shape[0]).contiguous()
 
 
 def fp8_module(

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from lmiserve.engine.model import fp8_gemv
+from lmiserve.engine.model.fp8_ops import per_tensor_at_load
 from lmiserve.engine.model.quant_formats import (
     Int4Parts,
     QuantSpec,
@@ -199,7 +200,9 @@ def _cut_int4(parts: Int4Parts, rows: list[slice] | None, columns: slice | None)
 def quantize_fp8_shard(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> int:
     """``quantize=fp8`` on a rank's float shard (cut by `shard_model`): every linear but the output projection
     quantized to fp8 per output channel (`quantize_fp8`) and made by `fp8_module`, a row-parallel linear's scale of
-    a row that of the whole row (the ranks' maxima all-reduced), as one process quantizes it. How many."""
+    a row that of the whole row (the ranks' maxima all-reduced), as one process quantizes it; per tensor where
+    `per_tensor_at_load` says, every linear's one scale that of the whole weight (the ranks' maxima all-reduced).
+    How many."""
     import torch.distributed as dist
 
     shard = shard_of(model)
@@ -207,13 +210,15 @@ def quantize_fp8_shard(model: torch.nn.Module, dtype: torch.dtype, device: torch
         raise ValueError("quantize_fp8_shard quantizes a model cut by shard_model")
     row_parallel = {id(m) for name, m in model.named_modules() if name.rpartition(".")[2] in ROW_PARALLEL}
     keep = weights_kept_for(model, device, f"rank {shard.plan.rank}: quantize=fp8", "fp8")
+    per_tensor = per_tensor_at_load(device)
 
     def make(linear: torch.nn.Linear) -> torch.nn.Module:
         amax = None
-        if id(linear) in row_parallel:
-            amax = linear.weight.detach().float().abs().amax(dim=1)
+        if per_tensor or id(linear) in row_parallel:
+            w = linear.weight.detach().float().abs()
+            amax = w.amax().reshape(1) if per_tensor else w.amax(dim=1)
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=shard.group)
-        weight, scale = quantize_fp8(linear.weight, amax)
+        weight, scale = quantize_fp8(linear.weight, amax, per_tensor)
         return fp8_module(weight, scale, linear.bias, dtype, device, keep)
 
     return replace_linears(model, lambda linear: True, make)
