@@ -104,3 +104,32 @@ def test_a_model_whose_activation_is_not_silu_keeps_the_eager_ops(tiny_model, mo
     monkeypatch.setattr(layer, "act", torch.nn.GELU())
     fast = fast_llama.FastLlama(tiny_model.model, paged_cache(tiny_model.model, 4, 16), 64)
     assert not fast.fused_elementwise
+
+
+@pytest.mark.parametrize("count", [1, 5, 17])  # one row, a few, and more than a padded block (not written)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_norm_writes_its_rows_in_fp8_as_the_products_quantizer_does(dtype, count, monkeypatch):
+    """`fp8_rows`: the normed rows (the same as without it) also in fp8, bytes and scales those of `fp8_w8a8`'s
+    quantizing kernel on the stored rows, padded with zero rows to 16, and given to the products of those rows,
+    which then launch no quantizing kernel; more rows than 16 (a prompt's) are not written."""
+    from lmiserve.engine.model import fp8_w8a8
+
+    if not fp8_w8a8.applies(torch.empty(16, 16), DEVICE):
+        pytest.skip("needs fp8 products (a GPU of compute capability 8.9+, or torch's CPU _scaled_mm)")
+    x = torch.randn(count, 96, generator=torch.Generator().manual_seed(count)).to(DEVICE, dtype) * 3
+    residual = rows(96, dtype, 1)[:1].expand(count, -1)
+    weight = (1 + 0.1 * rows(96, torch.float32, 2)[0]).to(dtype)
+    plain = fused_norm.add_rms_norm(x, residual, weight, 1e-5)
+    monkeypatch.setattr(fp8_w8a8, "_given", None)
+    added, h = fused_norm.add_rms_norm(x, residual, weight, 1e-5, fp8_rows=True)
+    assert torch.equal(added, plain[0]) and torch.equal(h, plain[1])
+    given = fp8_w8a8._given
+    if count > fp8_w8a8.PAD:
+        assert given is None
+        return
+    assert given is not None and given[0]() is h
+    want_q, want_scales = fp8_w8a8._rows_in_fp8(h.clone())  # (another tensor: quantized by the product's kernel)
+    assert torch.equal(given[1].view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(given[2][:count], want_scales[:count]) and not given[1][count:].view(torch.uint8).any()
+    monkeypatch.setattr(fp8_w8a8, "_kernels", lambda: pytest.fail("the rows were quantized again"))
+    assert fp8_w8a8._rows_in_fp8(h)[0] is given[1]

@@ -303,16 +303,20 @@ def test_fp8_linears_on_the_triton_decode_kernel_decode_what_transformers_decode
         assert got == greedy(reference_model, ids, 8), ids
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["eager-norms", "fused-norms"])
 def test_a_per_tensor_fp8_checkpoint_decodes_one_row_on_the_tensor_wise_product(
-    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch, fused: bool
 ) -> None:
     """A per-tensor fp8 checkpoint (compressed-tensors, AutoFP8; what ``quantize=fp8`` makes on a GPU with fp8
     products) where the GPU has fp8 products: the fast path puts each fused product's parts (q, k and v; gate and
     up), each on its own scale in the checkpoint, on one scale (`quant_formats.one_scale_for`), so every product of
     one decode row can run on `fp8_w8a8.ONE_SCALE` (cuBLAS's tensor-wise product; here torch's CPU
     ``_scaled_mm`` and Triton's interpreter), which `fp8_gemv.choose` keeps where it times fastest. Its tokens are
-    those of transformers' forward over the same layers (fp32 activations; rows in fp8 there too)."""
-    from lmiserve.engine.model import fp8_gemv, fp8_w8a8, kernel_choice
+    those of transformers' forward over the same layers (fp32 activations; rows in fp8 there too). With the
+    fused norms (`fused_norm`, as on a GPU where they measure faster), the norms write their rows in fp8 too and
+    the q/k/v and gate/up products of one row take them (`fp8_w8a8.given_rows`): no quantizing kernel of their own,
+    the same tokens."""
+    from lmiserve.engine.model import fp8_gemv, fp8_w8a8, fused_norm, kernel_choice
 
     if not fp8_gemv.available() or os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py on CPU)")
@@ -346,16 +350,32 @@ def test_a_per_tensor_fp8_checkpoint_decodes_one_row_on_the_tensor_wise_product(
         return one_scale(x, weight, scales)
 
     monkeypatch.setattr(fp8_w8a8, "product_one_scale", recorded)
+    given: list[tuple[int, bool]] = []  # each product's rows in fp8: (rows, given by the norm)
+    rows_in_fp8 = fp8_w8a8._rows_in_fp8
+
+    def taken(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        seen = fp8_w8a8._given
+        given.append((x.shape[0], seen is not None and seen[0]() is x))
+        return rows_in_fp8(x)
+
+    monkeypatch.setattr(fp8_w8a8, "_rows_in_fp8", taken)
+    if fused:
+        monkeypatch.setattr(fused_norm, "wanted", lambda device: True)
+        monkeypatch.setattr(fused_norm, "USE_ON_CUDA", True)  # (forced: not measured)
     prompts = [PROMPTS[0], PROMPTS[-1]]
     path, results = engine_tokens(loaded, prompts[:1], 8)  # one stream: decode steps of one row
     assert path == "fast"
     config = loaded.model.config
     head = config.hidden_size // config.num_attention_heads
     qkv = config.hidden_size + 2 * config.num_key_value_heads * head
-    fused = {(qkv, config.hidden_size), (2 * config.intermediate_size, config.hidden_size)}
+    shapes = {(qkv, config.hidden_size), (2 * config.intermediate_size, config.hidden_size)}  # the fused products
     chosen = {(k[1], k[2]) for k, v in fp8_gemv.chosen().items() if k[3] == 1 and v is fp8_w8a8.ONE_SCALE}
-    assert fused <= chosen and all(ran.count(shape) > 1 for shape in fused)  # (once: the self-check's probe)
+    assert shapes <= chosen and all(ran.count(shape) > 1 for shape in shapes)  # (once: the self-check's probe)
     assert attention.q_proj.scales[0].item() == attention.k_proj.scales[0].item()  # the fused parts: one scale
+    # fused: in each of the 7 decode steps, each layer's q/k/v and gate/up rows from the norms (o's and down's, and the
+    # probes', quantized by the product)
+    by_norm = [by_norm for rows, by_norm in given if rows == 1].count(True)
+    assert by_norm == (7 * 2 * config.num_hidden_layers if fused else 0)
     results += engine_tokens(loaded, prompts[1:], 8)[1]
     for ids, got in zip(prompts, results, strict=True):
         assert max(greedy_gaps(loaded.model, ids, got)) <= 1e-3, ids

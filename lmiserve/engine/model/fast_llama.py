@@ -148,6 +148,7 @@ class FastLlama:
             fused_norm.wanted(self.device) and self.silu_layers and self.plain_norms
             and fused_choice.chosen(fused_choice.LayerShape.of(self), self.dtype, self.device, self.tp is not None)
         )  # fmt: skip
+        self.fp8_rows = self.fused_elementwise and fused_norm.fp8_rows_for(self.layers, self.device)  # (its doc)
         self._gemm = self._gemm.warmed(self.dtype, self.device)
 
     @property
@@ -318,7 +319,7 @@ class FastLlama:
         for index, layer in enumerate(self.layers):
             pre, post = layer.in_norm, layer.post_norm  # None: OLMo 2's layers (norms of the outputs alone)
             if fused and pre is not None:
-                x, h = fused_norm.add_rms_norm(x, residual, pre[0], pre[1])
+                x, h = fused_norm.add_rms_norm(x, residual, pre[0], pre[1], self.fp8_rows)
             else:
                 h = x if pre is None else rms_norm(x, pre)
             qkv = fused_product(gemm, h, layer.qkv).contiguous()
@@ -345,7 +346,7 @@ class FastLlama:
             o = o if residual_factor == 1.0 else o * residual_factor
             o = o if layer.out_norms is None else rms_norm(o, layer.out_norms[0])
             if fused and post is not None:
-                x, h = fused_norm.add_rms_norm(x, o, post[0], post[1])
+                x, h = fused_norm.add_rms_norm(x, o, post[0], post[1], self.fp8_rows)
             else:
                 x = x + o
                 h = x if post is None else rms_norm(x, post)

@@ -48,6 +48,7 @@ __all__ = [
     "OneScale",
     "RowsInFp8",
     "applies",
+    "given_rows",
     "one_scale",
     "product",
     "product_one_scale",
@@ -85,6 +86,8 @@ ONE_SCALE = OneScale()
 
 # id(scales) -> (the scales, whether they are one value): read once a tensor, while it lives
 _one_scale: dict[int, tuple[weakref.ref[torch.Tensor], bool]] = {}
+# the rows last given in fp8 by the kernel that wrote them (`given_rows`): (the rows, their bytes, their scales)
+_given: tuple[weakref.ref[torch.Tensor], torch.Tensor, torch.Tensor] | None = None
 
 
 def rows_to_fp8(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,9 +135,20 @@ def one_scale(scales: torch.Tensor) -> bool:
     return same
 
 
+def given_rows(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:
+    """`x`'s rows in fp8 (`q`, ``float8_e4m3fn`` padded to `PAD` rows) and their `scales`, as `_rows_in_fp8` makes
+    them, written by the kernel that wrote `x` (`fused_norm.add_rms_norm`): the products of `x` (the same tensor,
+    never written in place) take them instead of a kernel of their own. One at a time: each replaces the last."""
+    global _given
+    _given = (weakref.ref(x), q, scales)
+
+
 def _rows_in_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`x`'s rows in fp8, padded with zero rows to a multiple of `PAD`, and each row's scale (fp32, as padded), by
-    `fp8_w8a8_kernel.quantize_rows_kernel` (one kernel)."""
+    `fp8_w8a8_kernel.quantize_rows_kernel` (one kernel), or as given (`given_rows`)."""
+    given = _given
+    if given is not None and given[0]() is x:
+        return given[1], given[2]
     if triton is None:
         raise RuntimeError("the fp8 activations' kernels need triton")
     quantize, _ = _kernels()

@@ -1,10 +1,12 @@
 """The Triton kernels of `fp8_w8a8` (imported only where Triton is installed; the interpreter runs them on a CPU
 in the tests): a few rows of activations to fp8, each over its own range, in one kernel; and the product's
-scales (a row's and an output channel's) applied to cuBLAS's unscaled fp32 sums, with the cast, in one more."""
+scales (a row's and an output channel's) applied to cuBLAS's unscaled fp32 sums, with the cast, in one more.
+`row_to_e4m3` is the quantization itself, which `fused_norm_kernel`'s RMS norm also runs on the row it writes."""
 
+import triton
 import triton.language as tl
 
-__all__ = ["quantize_rows_kernel", "scale_rows_kernel"]
+__all__ = ["quantize_rows_kernel", "row_to_e4m3", "scale_rows_kernel"]
 
 
 def quantize_rows_kernel(  # pragma: no cover - runs as a Triton kernel
@@ -17,13 +19,22 @@ def quantize_rows_kernel(  # pragma: no cover - runs as a Triton kernel
     BLOCK_K: tl.constexpr,
 ):
     # one program a row of the padded [grid, K] `q` (rows from M on: zeros): the whole row in registers
-    # (BLOCK_K >= K), its max |x|, scale = max / 448 (at least fp32's smallest normal, as `rows_to_fp8`),
-    # q = x / scale clamped to +-448 and rounded to e4m3's grid here, to nearest with ties to even (so the
-    # conversion to fp8 below is exact: it rounds nothing, on a GPU and in Triton's interpreter alike)
+    # (BLOCK_K >= K)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_K)
     k_ok = offs < K
     x = tl.load(x_ptr + row * stride_xm + offs, mask=k_ok & (row < M), other=0.0).to(tl.float32)
+    q, scale = row_to_e4m3(x)
+    tl.store(q_ptr + row * K + offs, q, mask=k_ok)
+    tl.store(s_ptr + row, scale)
+
+
+@triton.jit
+def row_to_e4m3(x):  # pragma: no cover - in the kernels
+    # a row `x` (fp32, its masked columns 0) as e4m3's bytes over its own range: its max |x|, scale = max / 448 (at
+    # least fp32's smallest normal, as `rows_to_fp8`), x / scale clamped to +-448 and rounded to e4m3's grid
+    # here, to nearest with ties to even (so the conversion to fp8 below is exact: it rounds nothing, on a GPU and
+    # in Triton's interpreter alike); (the bytes, the scale)
     scale = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, 1.1754943508222875e-38)
     v = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
     # normal e4m3 (|v| >= 2**-6): fp32's 23 mantissa bits rounded to 3 (a carry moves into the exponent)
@@ -32,8 +43,7 @@ def quantize_rows_kernel(  # pragma: no cover - runs as a Triton kernel
     # subnormal e4m3 (multiples of 2**-9): added to 1.5 * 2**14, whose fp32 spacing is 2**-9, and taken off
     subnormal = (v + 24576.0) - 24576.0
     rounded = tl.where(tl.abs(v) < 0.015625, subnormal, normal)
-    tl.store(q_ptr + row * K + offs, rounded.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=k_ok)
-    tl.store(s_ptr + row, scale)
+    return rounded.to(tl.float8e4nv).to(tl.uint8, bitcast=True), scale
 
 
 def scale_rows_kernel(  # pragma: no cover - runs as a Triton kernel

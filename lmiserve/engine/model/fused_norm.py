@@ -13,6 +13,11 @@ The arithmetic is transformers' (LlamaRMSNorm: fp32 statistics, the normalized r
 dtype, then the weight; the residual add and SiLU rounded to the model's dtype where eager rounds them);
 only the order of the sum of squares differs, so bf16 results can differ by a rounding.
 
+Where a model's fused q/k/v products are fp8 on a GPU with fp8 products (`fp8_rows_for`), the norm's kernel also
+writes each normed row of a decode step in fp8 (over its own range, as `fp8_w8a8` quantizes it) and gives it to
+`fp8_w8a8` (`fp8_w8a8.given_rows`): the q/k/v and the gate/up products that read the row then skip their own
+quantizing kernel (one kernel fewer each, a layer's two of its four; 64 a step of the 8B shape).
+
 Whether a model's steps run them is measured on the serving GPU when its forward is built
 (engine/model/fused_choice.py), unless ``LMISERVE_FUSED_ELEMENTWISE`` is ``1`` (on) or ``0`` (off): `USE_ON_CUDA`.
 The tests run the kernels under Triton's interpreter on CPU tensors (`FastLlama.fused_elementwise`), against the
@@ -26,7 +31,8 @@ from typing import Any
 
 import torch
 
-from lmiserve.engine.model import kernel_choice
+from lmiserve.engine import fp8_devices
+from lmiserve.engine.model import fp8_w8a8, kernel_choice
 
 try:
     import triton
@@ -36,7 +42,7 @@ except ImportError:  # pragma: no cover - triton ships with CUDA torch wheels
 # True: on CUDA; False: never; None: where `fused_choice.measure` finds them faster on the serving GPU
 USE_ON_CUDA = kernel_choice.switch("LMISERVE_FUSED_ELEMENTWISE")
 
-__all__ = ["USE_ON_CUDA", "add_rms_norm", "available", "rope", "silu_mul", "wanted"]
+__all__ = ["USE_ON_CUDA", "add_rms_norm", "available", "fp8_rows_for", "rope", "silu_mul", "wanted"]
 
 SILU_BLOCK = 1024
 
@@ -62,21 +68,35 @@ def _kernels() -> Any:
     )
 
 
+def fp8_rows_for(layers: Any, device: torch.device) -> bool:
+    """Whether `add_rms_norm` writes its decode rows in fp8 too for `layers` (`FastLlama`'s fused layers) on
+    `device`: a GPU with fp8 products (a CPU under the tests' interpreter), every layer's q/k/v one fp8 product."""
+    fp8 = torch.float8_e4m3fn
+    return fp8_devices.native(device) and all(len(g.qkv) == 1 and g.qkv[0].weight.dtype == fp8 for g in layers)
+
+
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, fp8_rows: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x + residual`` (`x` itself without a residual) and its RMS norm with `weight`, for 2-D rows of the
-    model's dtype: ``(x', weight * rms(x'))`` in one kernel a row."""
+    model's dtype: ``(x', weight * rms(x'))`` in one kernel a row. `fp8_rows`: up to `fp8_w8a8.PAD` rows also
+    written in fp8 for the products of the normed rows (`fp8_w8a8.given_rows`; module doc)."""
     x = x.contiguous()
     rows, width = x.shape
     h = torch.empty_like(x)
     out_x = x if residual is None else torch.empty_like(x)
     r = x if residual is None else residual.contiguous()
     block = triton.next_power_of_2(width)
-    _kernels()[0][(rows,)](
-        x, r, weight, out_x, h, width, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
-        num_warps=min(16, max(1, block // 512)),
+    quant = fp8_rows and rows <= fp8_w8a8.PAD
+    grid = fp8_w8a8.PAD if quant else rows
+    q = torch.empty(grid, width, dtype=torch.uint8, device=x.device) if quant else h  # (not written: h)
+    scales = torch.empty(grid, dtype=torch.float32, device=x.device) if quant else h
+    _kernels()[0][(grid,)](
+        x, r, weight, out_x, h, q, scales, rows, width, eps, HAS_RESIDUAL=residual is not None, QUANT=quant,
+        BLOCK=block, num_warps=min(16, max(1, block // 512)),
     )  # fmt: skip
+    if quant:
+        fp8_w8a8.given_rows(h, q.view(torch.float8_e4m3fn), scales)
     return out_x, h
 
 

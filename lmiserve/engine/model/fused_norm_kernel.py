@@ -3,6 +3,8 @@ module's ``tl`` when it runs them on a CPU)."""
 
 import triton.language as tl
 
+from lmiserve.engine.model.fp8_w8a8_kernel import row_to_e4m3
+
 __all__ = ["add_rms_norm_kernel", "rope_kernel", "silu_mul_kernel"]
 
 
@@ -12,14 +14,20 @@ def add_rms_norm_kernel(  # pragma: no cover - runs as a Triton kernel
     w_ptr,
     out_x_ptr,
     h_ptr,
+    q_ptr,
+    s_ptr,
+    M,
     N,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    QUANT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    # one program a row; QUANT: also the normed row in fp8 over its own range (`row_to_e4m3`, as `fp8_w8a8`'s
+    # quantizing kernel makes it from the stored row) with its scale, the grid padded past the M rows (zeros)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
-    mask = cols < N
+    mask = (cols < N) & (row < M)
     x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0)
     dtype = x.dtype
     if HAS_RESIDUAL:  # the residual add, rounded to the model's dtype as `x + o` is
@@ -29,7 +37,12 @@ def add_rms_norm_kernel(  # pragma: no cover - runs as a Triton kernel
     xf = x.to(tl.float32)
     h = (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)).to(dtype)  # transformers' LlamaRMSNorm
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    tl.store(h_ptr + row * N + cols, (w.to(tl.float32) * h.to(tl.float32)).to(dtype), mask=mask)
+    normed = (w.to(tl.float32) * h.to(tl.float32)).to(dtype)
+    tl.store(h_ptr + row * N + cols, normed, mask=mask)
+    if QUANT:
+        q, scale = row_to_e4m3(normed.to(tl.float32))
+        tl.store(q_ptr + row * N + cols, q, mask=cols < N)
+        tl.store(s_ptr + row, scale)
 
 
 def silu_mul_kernel(  # pragma: no cover - runs as a Triton kernel
