@@ -133,3 +133,27 @@ def test_the_norm_writes_its_rows_in_fp8_as_the_products_quantizer_does(dtype, c
     assert torch.equal(given[2][:count], want_scales[:count]) and not given[1][count:].view(torch.uint8).any()
     monkeypatch.setattr(fp8_w8a8, "_kernels", lambda: pytest.fail("the rows were quantized again"))
     assert fp8_w8a8._rows_in_fp8(h)[0] is given[1]
+
+
+@pytest.mark.parametrize("count", [1, 17])
+@pytest.mark.parametrize("inter", [48, 1500])  # one block, and a row past the unquantized kernel's block
+def test_silu_writes_its_rows_in_fp8_as_the_products_quantizer_does(count, inter, monkeypatch):
+    """`silu_mul`'s `fp8_rows` as `add_rms_norm`'s: the same rows, and up to 16 of them in fp8 as `fp8_w8a8`'s
+    quantizing kernel writes them, given to the down product."""
+    from lmiserve.engine.model import fp8_w8a8
+
+    if not fp8_w8a8.applies(torch.empty(16, 16), DEVICE):
+        pytest.skip("needs fp8 products (a GPU of compute capability 8.9+, or torch's CPU _scaled_mm)")
+    gate_up = torch.randn(count, 2 * inter, generator=torch.Generator().manual_seed(inter)).to(DEVICE) * 3
+    plain = fused_norm.silu_mul(gate_up, inter)
+    monkeypatch.setattr(fp8_w8a8, "_given", None)
+    h = fused_norm.silu_mul(gate_up, inter, fp8_rows=True)
+    assert torch.equal(h, plain)
+    given = fp8_w8a8._given
+    if count > fp8_w8a8.PAD:
+        assert given is None
+        return
+    assert given is not None and given[0]() is h
+    want_q, want_scales = fp8_w8a8._rows_in_fp8(h.clone())
+    assert torch.equal(given[1].view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(given[2][:count], want_scales[:count])

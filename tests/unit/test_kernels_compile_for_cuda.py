@@ -98,7 +98,7 @@ LAYER = {"hidden": 4096, "intermediate": 14336, "rotated_heads": 40, "v_heads": 
 def other_launches(monkeypatch: pytest.MonkeyPatch, native: bool) -> list[cuda_compile.Launch]:
     """The other Triton kernels as their wrappers launch them at the 8B shape's widths on a GPU with fp8
     conversions (`native`) or without (an A100): the fused element-wise kernels of a layer (`fused_choice`'s
-    fused work, bf16, 1 and 16 rows; and the norm writing its row in fp8 too), the fp8 activations' quantization
+    fused work, bf16, 1 and 16 rows; and the norm and SiLU writing a row in fp8 too), the fp8 activations' quantization
     and scaling (`fp8_w8a8`), the seeded
     draw over Llama 3's vocabulary, and the paged attention's (`triton_ops.self_check`'s launches: a decode row,
     a chunk after a prefix, a prompt) over a bf16 cache and over e4m3 and e5m2 caches. (`fp8_w8a8` only where
@@ -123,6 +123,7 @@ def other_launches(monkeypatch: pytest.MonkeyPatch, native: bool) -> list[cuda_c
         fp8_w8a8.product(torch.randn(1, 4096, dtype=torch.bfloat16), weight, torch.ones(4096))
         row, norm = torch.randn(1, 4096, dtype=torch.bfloat16), torch.ones(4096, dtype=torch.bfloat16)
         fused_norm.add_rms_norm(row, row, norm, 1e-5, fp8_rows=True)  # the norm writing its row in fp8 too
+        fused_norm.silu_mul(torch.randn(1, 2 * 14336, dtype=torch.bfloat16), 14336, fp8_rows=True)  # and SiLU's
     probs = torch.full((4, 128256), 1 / 128256)
     seeded_draw.draw_keyed(probs, torch.arange(4), torch.zeros(4, dtype=torch.int64))
     for kv_dtype in (None, torch.float8_e4m3fn, torch.float8_e5m2):

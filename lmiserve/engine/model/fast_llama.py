@@ -384,7 +384,7 @@ class FastLlama:
         if not layer.gated:  # (Starcoder2's MLP)
             h = layer.act(gate_up)
         elif self.fused_elementwise:
-            h = fused_norm.silu_mul(gate_up, inter)
+            h = fused_norm.silu_mul(gate_up, inter, self.fp8_rows)
         else:
             h = layer.act(gate_up[:, :inter]) * gate_up[:, inter:]
         down = self._gemm.linear(h, layer.down_w, layer.down_b, layer.down_s)

@@ -15,8 +15,9 @@ only the order of the sum of squares differs, so bf16 results can differ by a ro
 
 Where a model's fused q/k/v products are fp8 on a GPU with fp8 products (`fp8_rows_for`), the norm's kernel also
 writes each normed row of a decode step in fp8 (over its own range, as `fp8_w8a8` quantizes it) and gives it to
-`fp8_w8a8` (`fp8_w8a8.given_rows`): the q/k/v and the gate/up products that read the row then skip their own
-quantizing kernel (one kernel fewer each, a layer's two of its four; 64 a step of the 8B shape).
+`fp8_w8a8` (`fp8_w8a8.given_rows`), and so does SiLU's kernel: the q/k/v, gate/up and down products that read
+those rows then skip their own quantizing kernel (one kernel fewer each, a layer's three of its four; 96 a step
+of the 8B shape).
 
 Whether a model's steps run them is measured on the serving GPU when its forward is built
 (engine/model/fused_choice.py), unless ``LMISERVE_FUSED_ELEMENTWISE`` is ``1`` (on) or ``0`` (off): `USE_ON_CUDA`.
@@ -100,12 +101,23 @@ def add_rms_norm(
     return out_x, h
 
 
-def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
-    """``silu(gate_up[:, :inter]) * gate_up[:, inter:]`` for 2-D rows (the fused gate/up product)."""
+def silu_mul(gate_up: torch.Tensor, inter: int, fp8_rows: bool = False) -> torch.Tensor:
+    """``silu(gate_up[:, :inter]) * gate_up[:, inter:]`` for 2-D rows (the fused gate/up product). `fp8_rows`: up
+    to `fp8_w8a8.PAD` rows also written in fp8 for the down product, as `add_rms_norm`'s (one program a row)."""
     gate_up = gate_up.contiguous()
     rows = gate_up.shape[0]
     out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
-    _kernels()[1][(rows, triton.cdiv(inter, SILU_BLOCK))](gate_up, out, inter, BLOCK=SILU_BLOCK)
+    if fp8_rows and rows <= fp8_w8a8.PAD:
+        q = torch.empty(fp8_w8a8.PAD, inter, dtype=torch.uint8, device=gate_up.device)
+        scales = torch.empty(fp8_w8a8.PAD, dtype=torch.float32, device=gate_up.device)
+        block = triton.next_power_of_2(inter)
+        _kernels()[1][(fp8_w8a8.PAD, 1)](
+            gate_up, out, q, scales, rows, inter, QUANT=True, BLOCK=block, num_warps=min(16, max(4, block // 1024))
+        )
+        fp8_w8a8.given_rows(out, q.view(torch.float8_e4m3fn), scales)
+        return out
+    grid = (rows, triton.cdiv(inter, SILU_BLOCK))
+    _kernels()[1][grid](gate_up, out, out, out, rows, inter, QUANT=False, BLOCK=SILU_BLOCK)
     return out
 
 

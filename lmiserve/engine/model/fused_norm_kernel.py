@@ -48,17 +48,28 @@ def add_rms_norm_kernel(  # pragma: no cover - runs as a Triton kernel
 def silu_mul_kernel(  # pragma: no cover - runs as a Triton kernel
     g_ptr,
     out_ptr,
+    q_ptr,
+    s_ptr,
+    M,
     INTER,
+    QUANT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    # QUANT: one program a whole row (BLOCK >= INTER), also written in fp8 over its own range with its scale, as
+    # `add_rms_norm_kernel`'s (the grid padded past the M rows: zeros)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < INTER
+    mask = (cols < INTER) & (row < M)
     a = tl.load(g_ptr + row * 2 * INTER + cols, mask=mask, other=0.0)
     b = tl.load(g_ptr + row * 2 * INTER + INTER + cols, mask=mask, other=0.0)
     af = a.to(tl.float32)
     s = (af / (1.0 + tl.exp(-af))).to(b.dtype)  # SiLU in the model's dtype, as `act(gate)` rounds it
-    tl.store(out_ptr + row * INTER + cols, (s.to(tl.float32) * b.to(tl.float32)).to(b.dtype), mask=mask)
+    out = (s.to(tl.float32) * b.to(tl.float32)).to(b.dtype)
+    tl.store(out_ptr + row * INTER + cols, out, mask=mask)
+    if QUANT:
+        q, scale = row_to_e4m3(out.to(tl.float32))
+        tl.store(q_ptr + row * INTER + cols, q, mask=cols < INTER)
+        tl.store(s_ptr + row, scale)
 
 
 def rope_kernel(  # pragma: no cover - runs as a Triton kernel
