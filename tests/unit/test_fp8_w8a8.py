@@ -33,6 +33,23 @@ def quantized(x: torch.Tensor, inputs: int) -> tuple[torch.Tensor, torch.Tensor]
     return q, scales
 
 
+def timed_choices(monkeypatch: pytest.MonkeyPatch, seconds: dict[fp8_w8a8.RowsInFp8, float]) -> list[str]:
+    """`fp8_gemv.choose` on CPU tensors with one tile a bucket, each candidate timed as `seconds` says (the others,
+    the baseline too, 1 ms); the names of what it timed, in order."""
+    monkeypatch.setattr(fp8_gemv, "INTERPRETED_ON_CPU", True)
+    monkeypatch.setattr(fp8_gemv, "CANDIDATES", {b: configs[:1] for b, configs in fp8_gemv.CANDIDATES.items()})
+    timed: list[str] = []
+    by_name = {str(choice): time for choice, time in seconds.items()}
+
+    def timer(call: object, device: torch.device) -> float:
+        name = str(getattr(call, "args", ("baseline",))[0])
+        timed.append(name)
+        return by_name.get(name, 1e-3)
+
+    monkeypatch.setattr(kernel_choice, "time_gpu", timer)
+    return timed
+
+
 @pytest.mark.parametrize("rows", [1, 5, 16, 17])
 @pytest.mark.parametrize("inputs", [96, 100], ids=["k-pow2-padded", "k-ragged"])
 def test_the_quantizer_writes_torchs_fp8_bytes_and_scales_and_zero_padding_rows(rows: int, inputs: int) -> None:
@@ -79,16 +96,7 @@ def test_it_competes_for_decode_rows_and_serves_when_chosen(
     """`fp8_gemv.choose` measures it beside the tiles for decode rows (checked against its own arithmetic: its
     fp8 activations are not the tiles' fp32 product, yet within the tolerance of the right one) and keeps it
     where it is the fastest; `fp8_linear` then runs it."""
-    monkeypatch.setattr(fp8_gemv, "INTERPRETED_ON_CPU", True)
-    monkeypatch.setattr(fp8_gemv, "CANDIDATES", {b: configs[:1] for b, configs in fp8_gemv.CANDIDATES.items()})
-    timed: list[str] = []
-
-    def timer(call: object, device: torch.device) -> float:
-        name = str(getattr(call, "args", ("baseline",))[0])
-        timed.append(name)
-        return 1e-6 if name == str(fp8_w8a8.W8A8) else 1e-3
-
-    monkeypatch.setattr(kernel_choice, "time_gpu", timer)
+    timed = timed_choices(monkeypatch, {fp8_w8a8.W8A8: 1e-6})
     weight, scale, _ = fp8_weight(48, 64, seed=7)
     x = torch.randn(2, 64) * 4
     caplog.set_level(logging.INFO, logger=fp8_gemv.__name__)
@@ -158,16 +166,7 @@ def test_it_competes_only_for_one_row_of_a_weight_with_one_scale(
     """`fp8_gemv.choose` times `ONE_SCALE` beside `W8A8` and the tiles for one row of a weight whose scales are one
     value, keeps it where fastest, and `fp8_linear` then runs it; never for 2 rows or per-channel scales (where its
     scale would be wrong). Off by a scale it is refused by the self-check."""
-    monkeypatch.setattr(fp8_gemv, "INTERPRETED_ON_CPU", True)
-    monkeypatch.setattr(fp8_gemv, "CANDIDATES", {b: configs[:1] for b, configs in fp8_gemv.CANDIDATES.items()})
-    timed: list[str] = []
-
-    def timer(call: object, device: torch.device) -> float:
-        name = str(getattr(call, "args", ("baseline",))[0])
-        timed.append(name)
-        return 1e-7 if name == str(fp8_w8a8.ONE_SCALE) else 1e-6 if name == str(fp8_w8a8.W8A8) else 1e-3
-
-    monkeypatch.setattr(kernel_choice, "time_gpu", timer)
+    timed = timed_choices(monkeypatch, {fp8_w8a8.ONE_SCALE: 1e-7, fp8_w8a8.W8A8: 1e-6})
     weight, scale = quantize_fp8(torch.randn(48, 64) * 0.05, per_tensor=True)
     scales = scale.expand(48).contiguous()
     x = torch.randn(1, 64) * 4

@@ -238,6 +238,20 @@ def test_fp8_linears_run_scaled_mm_on_the_fast_path(checkpoints: dict[str, Path]
             assert max(greedy_gaps(loaded.model, ids, got)) <= 0.02, ids
 
 
+def fp8_kept(checkpoint: Path):
+    """An fp8 checkpoint loaded in fp32 on the CPU with its linears kept fp8 (`Fp8Linear`, as a GPU with fp8
+    products keeps them; the loader de-quantizes them on a CPU) from the checkpoint's own tensors."""
+    loaded = load_causal_lm(checkpoint, device="cpu", dtype="fp32")
+    tensors = stored(checkpoint)
+    for name, _ in list(loaded.model.named_modules()):
+        if name.rpartition(".")[2] in LINEARS:
+            parent, _, child = name.rpartition(".")
+            t = tensors[name]
+            made = fp8_module(t["weight"], t["weight_scale"], None, torch.float32, loaded.device, keep_fp8=True)
+            setattr(loaded.model.get_submodule(parent), child, made)
+    return loaded
+
+
 @pytest.mark.parametrize("case", ["fp8-channel", "fp8-block-b32"])
 @pytest.mark.parametrize("widened", [False, True], ids=["fp8-gpu", "no-fp8-gpu"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
@@ -276,14 +290,7 @@ def test_fp8_linears_on_the_triton_decode_kernel_decode_what_transformers_decode
         monkeypatch.setattr(
             fp8_gemv, "choose", lambda x, *_: None if x.shape[0] > 64 else one if x.shape[0] == 1 else more
         )
-        loaded = load_causal_lm(checkpoints[case], device="cpu", dtype="fp32")
-        tensors = stored(checkpoints[case])
-        for name, _ in list(loaded.model.named_modules()):
-            if name.rpartition(".")[2] in LINEARS:
-                parent, _, child = name.rpartition(".")
-                t = tensors[name]
-                made = fp8_module(t["weight"], t["weight_scale"], None, torch.float32, loaded.device, keep_fp8=True)
-                setattr(loaded.model.get_submodule(parent), child, made)
+        loaded = fp8_kept(checkpoints[case])
     assert isinstance(loaded.model.model.layers[0].mlp.down_proj, Fp8Linear)
     assert loaded.model.model.layers[0].mlp.down_proj.scales.dim() == (2 if case == "fp8-block-b32" else 1)
     ran: list[tuple[int, bool]] = []
@@ -331,14 +338,7 @@ def test_a_per_tensor_fp8_checkpoint_decodes_one_row_on_the_tensor_wise_product(
 
     monkeypatch.setattr(kernel_choice, "time_gpu", timer)
     monkeypatch.setattr(kernel_choice, "time_call", timer)
-    loaded = load_causal_lm(checkpoints["fp8-tensor"], device="cpu", dtype="fp32")
-    tensors = stored(checkpoints["fp8-tensor"])
-    for name, _ in list(loaded.model.named_modules()):
-        if name.rpartition(".")[2] in LINEARS:
-            parent, _, child = name.rpartition(".")
-            t = tensors[name]
-            made = fp8_module(t["weight"], t["weight_scale"], None, torch.float32, loaded.device, keep_fp8=True)
-            setattr(loaded.model.get_submodule(parent), child, made)
+    loaded = fp8_kept(checkpoints["fp8-tensor"])
     attention = loaded.model.model.layers[0].self_attn
     assert len({attention.q_proj.scales[0].item(), attention.k_proj.scales[0].item()}) == 2  # as stored
     ran: list[tuple[int, int]] = []
