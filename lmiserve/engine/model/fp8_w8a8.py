@@ -137,8 +137,9 @@ def one_scale(scales: torch.Tensor) -> bool:
 
 def given_rows(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:
     """`x`'s rows in fp8 (`q`, ``float8_e4m3fn`` padded to `PAD` rows) and their `scales`, as `_rows_in_fp8` makes
-    them, written by the kernel that wrote `x` (`fused_norm.add_rms_norm`): the products of `x` (the same tensor,
-    never written in place) take them instead of a kernel of their own. One at a time: each replaces the last."""
+    them, written by the kernel that wrote `x` (`fused_norm.add_rms_norm`, `fused_norm.silu_mul`): the products of
+    `x` (the same tensor, never written in place) take them instead of a kernel of their own. One at a time: each
+    replaces the last."""
     global _given
     _given = (weakref.ref(x), q, scales)
 
