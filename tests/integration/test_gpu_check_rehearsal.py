@@ -39,6 +39,7 @@ def test_every_step_runs_to_its_end(rehearsal):
         "engine process 1b",
         "graph prompts 1b",
         "quantized fp8 bench 8b",
+        "quantized fp8_channel bench 8b",
         "quantized int4 bench 8b",
         "quantized kernels",
         "quantized quality",
@@ -136,7 +137,7 @@ def test_issue_39_entries_are_filled(rehearsal):
     assert [(r["rows"], r.get("constrained", 0)) for r in summary["overlap"]] == [(1, 0), (4, 0), (4, 1)]
     assert all(r["same_tokens"] for r in summary["overlap"])
     assert summary["overlap"][-1]["steps_ahead_share"] > 0.5  # (a grammar stream's steps planned ahead too)
-    for kind in ("fp8", "int4"):
+    for kind in ("fp8", "fp8_channel", "int4"):
         bench = summary["quantized"][f"{kind}_bench"]
         assert bench["shape"] == "8b" and bench["failed"] == 0 and bench["over_bf16"] > 0
     kernels = summary["quantized"]["kernels"]

@@ -95,13 +95,17 @@ def test_quantized_step_reports_fp8_and_int4_over_bf16_and_the_quality(gpu_check
     result = gpu_check.quantized_step(tmp_path, {}, summary, lambda: 400.0)
     assert result["fp8_bench"]["shape"] == "8b" and result["fp8_bench"]["over_bf16"] == 1.5
     assert result["int4_bench"]["shape"] == "8b" and result["int4_bench"]["over_bf16"] == 1.5
+    assert result["fp8_channel_bench"]["over_bf16"] == 1.5
     assert result["kernels"][0]["fp8"]["GB_per_s"] == 1800.0
     assert result["quality"] == {"fp8-channel": {"perplexity": 9.5}}
     assert "quantize=fp8" in calls[0] and "load_format=dummy" in calls[0] and "--skip-baselines" in calls[0]
-    assert "quantize=awq" in calls[1] and "load_format=dummy" in calls[1]
-    assert envs[1]["LMISERVE_USE_TRITON_INT4"] == "1" and "LMISERVE_USE_TRITON_INT4" not in envs[0]
-    assert calls[2][1].endswith("quantized_kernels.py") and "--smoke" not in calls[2]
-    assert "--device" in calls[3] and calls[3][calls[3].index("--device") + 1] == "cuda"
+    # fp8 per tensor where the GPU has fp8 products (the default), then the same weights per channel
+    assert "quantize=fp8" in calls[1] and envs[1]["LMISERVE_FP8_PER_TENSOR"] == "0"
+    assert "LMISERVE_FP8_PER_TENSOR" not in envs[0]
+    assert "quantize=awq" in calls[2] and "load_format=dummy" in calls[2]
+    assert envs[2]["LMISERVE_USE_TRITON_INT4"] == "1" and "LMISERVE_USE_TRITON_INT4" not in envs[0]
+    assert calls[3][1].endswith("quantized_kernels.py") and "--smoke" not in calls[3]
+    assert "--device" in calls[4] and calls[4][calls[4].index("--device") + 1] == "cuda"
     text = gpu_check.markdown({"env": {}, "steps": [], "quantized": result})
     assert "| qo_4096x4096 | 1 | fp8 | 9.0 | 5.0 | 3200.0 | 0.01 |" in text  # eager, then replayed in a graph
     skipped = gpu_check.quantized_step(tmp_path / "none", {}, {"steps": []}, lambda: 400.0)
