@@ -52,6 +52,7 @@ __all__ = [
     "one_scale",
     "product",
     "product_one_scale",
+    "row_buffers",
     "rows_to_fp8",
 ]
 
@@ -135,6 +136,14 @@ def one_scale(scales: torch.Tensor) -> bool:
     return same
 
 
+def row_buffers(rows: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Room for `rows` rows of `width` in fp8, padded to a multiple of `PAD` rows (their bytes, uint8), and for
+    their fp32 scales: what `_rows_in_fp8`'s kernel writes, and the kernels that give rows (`given_rows`)."""
+    padded = -(-rows // PAD) * PAD
+    q = torch.empty(padded, width, dtype=torch.uint8, device=device)
+    return q, torch.empty(padded, dtype=torch.float32, device=device)
+
+
 def given_rows(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:
     """`x`'s rows in fp8 (`q`, ``float8_e4m3fn`` padded to `PAD` rows) and their `scales`, as `_rows_in_fp8` makes
     them, written by the kernel that wrote `x` (`fused_norm.add_rms_norm`, `fused_norm.silu_mul`): the products of
@@ -154,12 +163,10 @@ def _rows_in_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise RuntimeError("the fp8 activations' kernels need triton")
     quantize, _ = _kernels()
     rows, inputs = x.shape
-    padded = triton.cdiv(rows, PAD) * PAD
-    xq = torch.empty(padded, inputs, dtype=torch.uint8, device=x.device)
-    x_scales = torch.empty(padded, dtype=torch.float32, device=x.device)
+    xq, x_scales = row_buffers(rows, inputs, x.device)
     block = triton.next_power_of_2(inputs)
     warps = min(16, max(4, block // 1024))  # 4-16 fp32 a thread
-    quantize[(padded,)](x, xq, x_scales, rows, inputs, x.stride(0), BLOCK_K=block, num_warps=warps)
+    quantize[(xq.shape[0],)](x, xq, x_scales, rows, inputs, x.stride(0), BLOCK_K=block, num_warps=warps)
     return xq.view(torch.float8_e4m3fn), x_scales
 
 

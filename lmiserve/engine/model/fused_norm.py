@@ -89,10 +89,8 @@ def add_rms_norm(
     r = x if residual is None else residual.contiguous()
     block = triton.next_power_of_2(width)
     quant = fp8_rows and rows <= fp8_w8a8.PAD
-    grid = fp8_w8a8.PAD if quant else rows
-    q = torch.empty(grid, width, dtype=torch.uint8, device=x.device) if quant else h  # (not written: h)
-    scales = torch.empty(grid, dtype=torch.float32, device=x.device) if quant else h
-    _kernels()[0][(grid,)](
+    q, scales = fp8_w8a8.row_buffers(rows, width, x.device) if quant else (h, h)  # (not written: h)
+    _kernels()[0][(q.shape[0] if quant else rows,)](
         x, r, weight, out_x, h, q, scales, rows, width, eps, HAS_RESIDUAL=residual is not None, QUANT=quant,
         BLOCK=block, num_warps=min(16, max(1, block // 512)),
     )  # fmt: skip
@@ -108,10 +106,9 @@ def silu_mul(gate_up: torch.Tensor, inter: int, fp8_rows: bool = False) -> torch
     rows = gate_up.shape[0]
     out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
     if fp8_rows and rows <= fp8_w8a8.PAD:
-        q = torch.empty(fp8_w8a8.PAD, inter, dtype=torch.uint8, device=gate_up.device)
-        scales = torch.empty(fp8_w8a8.PAD, dtype=torch.float32, device=gate_up.device)
+        q, scales = fp8_w8a8.row_buffers(rows, inter, gate_up.device)
         block = triton.next_power_of_2(inter)
-        _kernels()[1][(fp8_w8a8.PAD, 1)](
+        _kernels()[1][(q.shape[0], 1)](
             gate_up, out, q, scales, rows, inter, QUANT=True, BLOCK=block, num_warps=min(16, max(4, block // 1024))
         )
         fp8_w8a8.given_rows(out, q.view(torch.float8_e4m3fn), scales)

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from lmiserve.engine import fp8_devices
-from lmiserve.engine.model import fp8_gemv, int4_triton
+from lmiserve.engine.model import fp8_gemv, fp8_w8a8, int4_triton
 from lmiserve.engine.model.fp8_ops import FP8_MAX, dequantize_fp8, fp8_linear, quantize_fp8
 from lmiserve.engine.model.quantize import INT4_GROUP, Int4Linear, int4_available
 
@@ -242,7 +242,7 @@ def one_scale_for(modules: list[Fp8Linear]) -> None:
     with a scale a channel or by blocks, or all on one scale already, are left as they are."""
     if len(modules) < 2 or not fp8_devices.native(modules[0].weight.device):
         return
-    if any(m.scales.dim() != 1 or not bool((m.scales == m.scales[:1]).all()) for m in modules):
+    if not all(fp8_w8a8.one_scale(m.scales) for m in modules):
         return
     firsts = torch.cat([m.scales[:1] for m in modules])
     top = firsts.max()
