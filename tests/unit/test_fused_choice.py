@@ -46,11 +46,30 @@ def test_a_model_without_a_dense_mlp_or_the_rotation_measures_the_norms_alone(fr
     assert verdict.refused is None and list(verdict.times_us) == [2]
 
 
-@pytest.mark.parametrize(("kernel", "named"), [("silu_mul", "SiLU and its product"), ("rope", "the rotary embedding")])
-def test_a_kernel_whose_values_are_off_is_refused(fresh, monkeypatch, kernel, named):
-    """A kernel 5 % off (a GPU or Triton that miscompiles it) never serves, however fast."""
+def stores_off(real: Any) -> Any:
+    """`fused_norm.rope_store` storing its keys 5 % off."""
+
+    def run(*args: Any) -> torch.Tensor:
+        q = real(*args)
+        args[-1].keys.mul_(1.05)
+        return q
+
+    return run
+
+
+@pytest.mark.parametrize(
+    ("kernel", "named", "off"),
+    [
+        ("silu_mul", "SiLU and its product", None),
+        ("rope_store", "the rotary embedding of q", None),
+        ("rope_store", "the keys stored", stores_off),
+    ],
+)
+def test_a_kernel_whose_values_are_off_is_refused(fresh, monkeypatch, kernel, named, off):
+    """A kernel 5 % off (a GPU or Triton that miscompiles it) never serves, however fast: its output, or what it
+    stores in the cache."""
     real = getattr(fused_norm, kernel)
-    monkeypatch.setattr(fused_norm, kernel, lambda *a: real(*a) * 1.05)
+    monkeypatch.setattr(fused_norm, kernel, (lambda *a: real(*a) * 1.05) if off is None else off(real))
     monkeypatch.setattr(kernel_choice, "time_gpu", lambda work, device: 0.0 if "_fused" in work.__qualname__ else 1.0)
     verdict = fused_choice.measure(SHAPE, torch.float32, DEVICE, rows=(2,))
     assert not verdict.fused and verdict.refused == f"{named} off by 0.05 at 2 row(s)"
@@ -73,7 +92,8 @@ def test_the_shapes_of_a_model_and_what_the_forward_takes(fresh, tiny_model, mon
     calls: list[tuple[str, int]] = []
 
     def timed(work: Any, device: torch.device) -> float:
-        fused, rows = "_fused" in work.__qualname__, work.__closure__[-1].cell_contents["x"].shape[0]
+        inputs = next(cell.cell_contents for cell in work.__closure__ if isinstance(cell.cell_contents, dict))
+        fused, rows = "_fused" in work.__qualname__, inputs["x"].shape[0]
         calls.append(("fused" if fused else "eager", rows))
         return (0.5e-6 if faster[rows] else 2e-6) if fused else 1e-6
 

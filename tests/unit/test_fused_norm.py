@@ -12,7 +12,8 @@ import torch
 
 from helpers.llama_variants import PROMPTS, greedy_tokens, serve_prompts
 from lmiserve.core.events import FinishReason
-from lmiserve.engine.attention import triton_ops
+from lmiserve.engine.attention import kv_quant, triton_ops
+from lmiserve.engine.attention.backend_base import KvStore
 from lmiserve.engine.attention.paged import paged_cache
 from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.model import fast_llama, fused_norm, layer_ops
@@ -29,6 +30,19 @@ DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "c
 def close(dtype: torch.dtype) -> dict[str, float]:
     """Within a rounding of the dtype (the sum of squares is added in another order)."""
     return {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+
+
+def counted(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> list[int]:
+    """`module.name` replaced by itself counting its calls (the list grows by one a call)."""
+    calls: list[int] = []
+    original = getattr(module, name)
+
+    def count(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - the function's own
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, count)
+    return calls
 
 
 def rows(width: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -76,6 +90,40 @@ def test_rope_is_the_eager_rotation_of_the_q_and_k_heads(dtype, head_dim):
         torch.testing.assert_close(got, want, **close(dtype))
 
 
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+@pytest.mark.parametrize("head_dim", [16, 24])  # a power of two, and a half the block masks
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_store_rotates_q_and_stores_k_and_v_as_the_backends_write_does(dtype, head_dim, kv):
+    """One kernel for the rotation and the cache's write (`rope_store`): q's heads as `rope` rotates them, and the
+    cache's rows after it exactly those after `rope` and `kv_quant.store` of the rotated keys and the values (an fp8
+    cache's bytes too, over the layer's scales, saturated), only the `written` rows' (padding rows after them: not),
+    every other row of the cache untouched."""
+    heads, kv_heads, tokens, written = 4, 2, 5, 4
+    qkv = rows((heads + 2 * kv_heads) * head_dim, dtype, 5)[:tokens]
+    qkv[1, -head_dim:] *= 600  # a value head past e4m3's range: saturated at 448 * scale
+    angles = torch.arange(tokens)[:, None] * (0.3 + torch.arange(head_dim // 2))[None, :]
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)[:, None].to(DEVICE, dtype)
+    sin = torch.cat([-angles.sin(), angles.sin()], dim=-1)[:, None].to(DEVICE, dtype)
+    cache_dtype = torch.float8_e4m3fn if kv == "fp8" else dtype
+    scales = (0.5, 2.0) if kv == "fp8" else (1.0, 1.0)
+    slots = 3 * tokens * kv_heads
+    start = rows(head_dim, torch.float32, 6).repeat(slots, 1)[:slots].to(cache_dtype)
+    keys, values = start.clone(), start.clone()
+    at = torch.randperm(slots, generator=torch.Generator().manual_seed(7))[: written * kv_heads].to(DEVICE)
+    q = fused_norm.rope_store(qkv, cos, sin, heads, kv_heads, KvStore(keys, values, at, scales, written))
+    qk = fused_norm.rope(qkv, cos, sin, heads + kv_heads, head_dim)
+    want_keys, want_values = start.clone(), start.clone()
+    kv_quant.store(want_keys, at, qk[:written, heads:].reshape(-1, head_dim), scales[0])
+    v = qkv[:written, (heads + kv_heads) * head_dim :].reshape(-1, head_dim)
+    kv_quant.store(want_values, at, v, scales[1])
+    assert torch.equal(q, qk[:, :heads])
+    bytes_of = (lambda t: t.view(torch.uint8)) if kv == "fp8" else (lambda t: t)
+    assert torch.equal(bytes_of(keys), bytes_of(want_keys))
+    assert torch.equal(bytes_of(values), bytes_of(want_values))
+    if kv == "fp8":
+        assert values[at[3]].float().abs().max().item() == 448.0  # (token 1's last value head, saturated)
+
+
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_the_fast_forward_with_the_fused_kernels_gives_generates_greedy_tokens(tiny_model, monkeypatch, graphs):
     """Every layer's norms with their residual adds, its rotary embedding and its SiLU product through the kernels (what
@@ -87,10 +135,13 @@ def test_the_fast_forward_with_the_fused_kernels_gives_generates_greedy_tokens(t
     made = graphs_on_the_test_device(monkeypatch) if graphs else None
     monkeypatch.setattr(fused_norm, "wanted", lambda device: True)
     monkeypatch.setattr(fused_norm, "USE_ON_CUDA", True)  # (forced: not measured)
+    stored = counted(monkeypatch, fused_norm, "rope_store")
     config = EngineConfig(graph_prompt_tokens=8 if graphs else 0)
     engine, results = asyncio.run(serve_prompts(tiny_model, config, 12))
     assert engine.runner.path == "fast" and engine.runner.fast.fused_elementwise
     assert made is None or made.steps  # decode steps replayed the graphs
+    # the Triton backend's layers (the graphs'): rotated and stored in one kernel; the CPU backends store their own
+    assert bool(stored) == graphs
     for prompt, events in zip(PROMPTS, results, strict=True):
         assert [e.token.id for e in events if e.token] == greedy_tokens(tiny_model, prompt, 12), prompt
         assert events[-1].finish.reason is FinishReason.LENGTH

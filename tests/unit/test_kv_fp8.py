@@ -23,6 +23,7 @@ from lmiserve.engine.attention import backends, cuda_graphs, kv_quant, triton_op
 from lmiserve.engine.attention import paged as paged_attention
 from lmiserve.engine.attention.kv_quant import KvFormat
 from lmiserve.engine.attention.paged import PagedKVCache, kv_bytes_per_block
+from lmiserve.engine.model import fused_norm
 from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
 
@@ -324,18 +325,27 @@ async def test_smollm2_over_an_fp8_pool_keeps_its_perplexity_and_next_token_choi
 )
 @pytest.mark.parametrize(
     ("runner", "widened"),
-    [({"fast_path": True}, False), ({"fast_path": False}, False), ({"fast_path": True}, True)],
-    ids=["fast", "generic", "fast-widened"],
+    [({"fast_path": True}, False), ({"fast_path": False}, False), ({"fast_path": True}, True), ("fused", False)],
+    ids=["fast", "generic", "fast-widened", "fast-fused"],
 )
 async def test_the_engine_over_the_triton_kernel_reads_an_fp8_pool_as_the_torch_path_does(
     tiny_model, monkeypatch, runner, widened
 ):
     """Continuous batching with prompts in chunks, every step's attention in the kernel over an fp8 pool
-    (its writes quantized by `write_step`, its reads cast in the kernel, or `widened` by it as on an A100):
-    the torch backend's greedy tokens over the same kind of pool."""
+    (its writes quantized by `write_step`, or with the fused kernels by `fused_norm.rope_store` with the rotation,
+    its reads cast in the kernel, or `widened` by it as on an A100): the torch backend's greedy tokens over the
+    same kind of pool."""
     if widened:
         monkeypatch.setattr(fp8_devices, "native", lambda device: False)
         triton_ops.self_check.cache_clear()  # (the backend's start-up check runs the widened form)
+    stored: list[int] = []
+    fused = runner == "fused"
+    if fused:  # (forced: not measured)
+        monkeypatch.setattr(fused_norm, "wanted", lambda device: True)
+        monkeypatch.setattr(fused_norm, "USE_ON_CUDA", True)
+        store = fused_norm.rope_store
+        monkeypatch.setattr(fused_norm, "rope_store", lambda *a: stored.append(1) or store(*a))
+        runner = {"fast_path": True}
     config = {"kv_cache_dtype": "fp8", "max_prefill_tokens": 6, **runner}
     monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "torch")
     async with running_engine(tiny_model, **config) as engine:
@@ -347,6 +357,7 @@ async def test_the_engine_over_the_triton_kernel_reads_an_fp8_pool_as_the_torch_
         kernel = await asyncio.gather(*(greedy(engine, p, 8) for p in PROMPTS))
     triton_ops.self_check.cache_clear()
     assert kernel == gathered
+    assert bool(stored) == fused  # (the torch backend's engine writes its own)
 
 
 async def test_the_prefix_cache_over_an_fp8_pool_gives_a_fresh_engines_tokens(tiny_model):

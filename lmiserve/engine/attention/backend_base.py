@@ -6,7 +6,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -24,6 +24,20 @@ class SeqTokens:
     start: int
     count: int
     opens: tuple[tuple[int, int], ...] = ()
+
+
+class KvStore(NamedTuple):
+    """Where a layer's keys and values of a step go (`AttentionBackend.store_target`), for a kernel that makes them
+    to store them itself: the layer's key and value caches as rows of ``head_dim`` (``[rows, head_dim]``), each
+    (token, kv head)'s row in them (`index`, ``[written * kv_heads]``, token-major), the layer's (key, value)
+    scales (an fp8 cache's: attention/kv_quant.py) and how many of the step's first tokens are stored (`written`;
+    padding rows after them are not)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    rows: torch.Tensor
+    scales: tuple[float, float]
+    written: int
 
 
 class AttentionBackend(ABC):
@@ -59,6 +73,15 @@ class AttentionBackend(ABC):
         """Layer `layer`'s attention of the step's tokens: `q` ``[T, heads, head_dim]``, `k`/`v` ``[T,
         kv_heads, head_dim]`` (stored in the cache first); ``[T, heads * head_dim]``. `scale`: of the
         scores (default ``head_dim ** -0.5``)."""
+
+    def store_target(self, layer: int, meta: Any) -> KvStore | None:
+        """Where layer `layer`'s keys and values of the step planned as `meta` are stored, for a kernel that makes
+        them to store them itself and then call `attend_stored` (None, the default: `forward` stores them)."""
+        return None
+
+    def attend_stored(self, layer: int, q: torch.Tensor, meta: Any, scale: float | None = None) -> torch.Tensor:
+        """`forward` of a step whose keys and values are already stored where `store_target` said."""
+        raise NotImplementedError(f"{self.name} stores its own keys and values (store_target is None)")
 
     def _ensure(self, seqs: Sequence[SeqTokens]) -> None:
         """Every block the step touches is zeroed (`PagedKVCache.ensure_zeroed`) before it is read."""

@@ -36,7 +36,7 @@ import torch
 
 from lmiserve.engine import host_copy
 from lmiserve.engine.attention import cpu_kernel, triton_ops, windows
-from lmiserve.engine.attention.backend_base import AttentionBackend, SeqTokens
+from lmiserve.engine.attention.backend_base import AttentionBackend, KvStore, SeqTokens
 from lmiserve.engine.attention.paged import (
     DecodeIndex,
     PagedKVCache,
@@ -106,10 +106,19 @@ class TritonBackend(AttentionBackend):
         meta: triton_ops.StepTiles,
         scale: float | None = None,
     ) -> torch.Tensor:
-        keys, values = self.cache.keys[layer], self.cache.values[layer]
-        n = meta.tokens  # padding rows: in no tile, left zero
-        scales = self.cache.scales[layer]
-        triton_ops.write_step(keys, values, k[:n], v[:n], meta, scales)
+        n, cache = meta.tokens, self.cache  # padding rows: in no tile, left zero
+        triton_ops.write_step(cache.keys[layer], cache.values[layer], k[:n], v[:n], meta, cache.scales[layer])
+        return self.attend_stored(layer, q, meta, scale)
+
+    def store_target(self, layer: int, meta: triton_ops.StepTiles) -> KvStore:
+        dim = self.head_dim
+        keys, values = self.cache.keys[layer].view(-1, dim), self.cache.values[layer].view(-1, dim)
+        return KvStore(keys, values, meta.write, self.cache.scales[layer], meta.tokens)
+
+    def attend_stored(
+        self, layer: int, q: torch.Tensor, meta: triton_ops.StepTiles, scale: float | None = None
+    ) -> torch.Tensor:
+        keys, values, scales = self.cache.keys[layer], self.cache.values[layer], self.cache.scales[layer]
         scale = self.scale if scale is None else scale
         window, cap = self.windows[layer], self.softcap
         out = triton_ops.paged_attention(

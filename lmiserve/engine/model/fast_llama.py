@@ -35,14 +35,14 @@ import torch.nn.functional as F
 from lmiserve.engine import host_copy
 from lmiserve.engine.attention import backends, cpu_kernel
 from lmiserve.engine.attention import windows as attention_window
-from lmiserve.engine.attention.backends import SeqTokens
+from lmiserve.engine.attention.backends import AttentionBackend, SeqTokens
 from lmiserve.engine.attention.paged import AttentionShape, PagedKVCache
 from lmiserve.engine.attention.scores import soft_cap
 from lmiserve.engine.lora.batch import LoraGroup, LoraProducts
 from lmiserve.engine.lora.slots import LoraSlots
 from lmiserve.engine.model import fused_choice, fused_norm, q4_decode
 from lmiserve.engine.model.cpu_gemm import PAD_ROWS_FROM, VOCAB_PAD_ROWS_FROM, CpuGemm
-from lmiserve.engine.model.layer_ops import fused_product, rms_norm, rotate
+from lmiserve.engine.model.layer_ops import fused_product, projection_norms, rms_norm, rotate
 from lmiserve.engine.model.layout_variants import (
     FP32_WEIGHT_NORM_TYPES,
     LAYER_NORM_TYPES,
@@ -326,18 +326,8 @@ class FastLlama:
             if lora is not None:
                 lora.apply(f"{index}.qkv", h, qkv)
             if layer.proj_norms is not None:  # OLMo 2's: of the whole q and k projections
-                qkv = self._projection_norms(qkv, layer.proj_norms, q_size, kv_size)
-            head_norm, rope, kind = self.head_norms[index], self.rope_layers[index], self.rope_kind[index]
-            c, s = (cos, sin) if cos.shape[1] == 1 else (cos[:, kind : kind + 1], sin[:, kind : kind + 1])
-            if fused and head_norm is None and rope and c.shape[-1] == self.head_dim and not self.rope.interleaved:
-                qk = fused_norm.rope(qkv, c, s, self.heads + self.kv_heads, self.head_dim)
-            else:
-                qk = qkv[:, : q_size + kv_size].view(-1, self.heads + self.kv_heads, self.head_dim)
-                qk = qk if head_norm is None else rms_norm(qk, head_norm)
-                qk = rotate(qk, c, s, self.rope.interleaved) if rope else qk  # (a head's first part: Phi-4-mini's)
-            q, k = qk[:, : self.heads], qk[:, self.heads :]
-            v = qkv[:, q_size + kv_size :].view(-1, self.kv_heads, self.head_dim)
-            attn = (attention or self.attention).forward(index, q, k, v, meta)
+                qkv = projection_norms(qkv, layer.proj_norms, q_size, kv_size, tp)
+            attn = self._attention(index, qkv, cos, sin, meta, attention or self.attention)
             o = gemm.linear(attn, layer.o_w, layer.o_b, layer.o_s)
             if lora is not None:
                 lora.apply(f"{index}.o", attn, o)
@@ -362,18 +352,28 @@ class FastLlama:
                 x = x + down if add is None else (x + down).index_add(0, at, add)
         return x if residual is None else x + residual
 
-    def _projection_norms(self, qkv: torch.Tensor, norms: Any, q_size: int, kv_size: int) -> torch.Tensor:
-        """OLMo 2's RMS norms of the whole q and of the whole k projection; a tensor-parallel rank's over its heads'
-        part, the mean of the squares of the whole projections all-reduced (one ``[rows, 2]`` sum: each rank's part
-        is ``1 / world`` of the width, a replicated KV head's counted once a rank that holds it)."""
-        (q_norm, k_norm), v_at, tp = norms, q_size + kv_size, self.tp
-        q, k = qkv[:, :q_size], qkv[:, q_size:v_at]
-        means: list[torch.Tensor | None] = [None, None]
-        if tp is not None:
-            sums = torch.stack([q.float().pow(2).sum(-1), k.float().pow(2).sum(-1)], -1)
-            sums = tp.all_reduce(sums)
-            means = [sums[:, :1] / (q_size * tp.world), sums[:, 1:] / (kv_size * tp.world)]
-        return torch.cat([rms_norm(q, q_norm, means[0]), rms_norm(k, k_norm, means[1]), qkv[:, v_at:]], -1)
+    def _attention(
+        self, index: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: Any, backend: AttentionBackend
+    ) -> torch.Tensor:
+        """Layer `index`'s attention of the step's q/k/v rows: q's and k's heads normed (Qwen3's) and rotated, the keys
+        and values stored, the attention's output. With the fused kernels, where the backend gives its cache
+        (`store_target`: Triton's), one kernel rotates and stores (`fused_norm.rope_store`)."""
+        head_norm, rope, kind = self.head_norms[index], self.rope_layers[index], self.rope_kind[index]
+        c, s = (cos, sin) if cos.shape[1] == 1 else (cos[:, kind : kind + 1], sin[:, kind : kind + 1])
+        q_size, kv_size, heads = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.heads
+        whole = self.fused_elementwise and head_norm is None and rope and c.shape[-1] == self.head_dim
+        if whole and not self.rope.interleaved:
+            target = backend.store_target(index, meta)
+            if target is not None and fused_norm.stores_in(target, self.device):
+                q = fused_norm.rope_store(qkv, c, s, heads, self.kv_heads, target)
+                return backend.attend_stored(index, q, meta)
+            qk = fused_norm.rope(qkv, c, s, heads + self.kv_heads, self.head_dim)
+        else:
+            qk = qkv[:, : q_size + kv_size].view(-1, heads + self.kv_heads, self.head_dim)
+            qk = qk if head_norm is None else rms_norm(qk, head_norm)
+            qk = rotate(qk, c, s, self.rope.interleaved) if rope else qk  # (a head's first part: Phi-4-mini's)
+        v = qkv[:, q_size + kv_size :].view(-1, self.kv_heads, self.head_dim)
+        return backend.forward(index, qk[:, :heads], qk[:, heads:], v, meta)
 
     def _mlp(self, index: int, layer: FusedLayer, h: torch.Tensor, lora: LoraProducts | None) -> torch.Tensor:
         """A dense layer's MLP over its normed input `h` (an MoE layer's is the model's block: `FusedLayer.moe`)."""

@@ -1,8 +1,9 @@
 """Whether a decode step runs `fused_norm`'s kernels, measured on the GPU that serves (issue #39).
 
 The fused kernels (a residual add with its RMS norm, SiLU with its product, the rotary embedding of the q and k
-heads) replace about 13 small kernels a layer; whether that is faster depends on the GPU, the model's widths and
-the step's rows, so no default suits every deployment (an H200 and an L4 differ). Unless
+heads with the keys' and values' store in the cache) replace about 17 small kernels a layer; whether that is
+faster depends on the GPU, the model's widths and the step's rows, so no default suits every deployment (an H200
+and an L4 differ). Unless
 ``LMISERVE_FUSED_ELEMENTWISE`` forces them on (``1``) or off (``0``), the first forward built for a model's shapes
 on a CUDA device measures one layer's element-wise work both ways (`measure`): each way's results are checked
 against the other's (more than `kernel_choice.TOLERANCE` apart: the kernels are refused, logged), then each way
@@ -24,6 +25,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lmiserve.engine.attention import kv_quant
+from lmiserve.engine.attention.backend_base import KvStore
 from lmiserve.engine.model import fused_norm, kernel_choice, layer_ops
 
 __all__ = ["ROWS", "LayerShape", "Verdict", "chosen", "measure"]
@@ -114,11 +117,8 @@ def measure(shape: LayerShape, dtype: torch.dtype, device: torch.device, rows: t
 def _names(shape: LayerShape) -> list[str]:
     """What `_eager` and `_fused` return, in order."""
     names = ["the residual add and RMS norm", "the second add and norm"]
-    return (
-        names
-        + ["SiLU and its product"] * bool(shape.intermediate)
-        + ["the rotary embedding"] * bool(shape.rotated_heads)
-    )
+    stored = ["the rotary embedding of q", "the keys stored", "the values stored"]
+    return names + ["SiLU and its product"] * bool(shape.intermediate) + stored * bool(shape.rotated_heads)
 
 
 def _inputs(shape: LayerShape, dtype: torch.dtype, device: torch.device, rows: int) -> dict[str, torch.Tensor]:
@@ -129,7 +129,11 @@ def _inputs(shape: LayerShape, dtype: torch.dtype, device: torch.device, rows: i
 
     width = (shape.rotated_heads + shape.v_heads) * shape.head_dim
     angles = torch.arange(rows)[:, None] * (0.1 + torch.arange(shape.head_dim // 2))[None, :]
+    slots = 2 * rows * shape.v_heads  # (a cache of twice the step's rows, each written to a row of its own)
     return {
+        "write": torch.randperm(slots, generator=make)[: rows * shape.v_heads].to(device),
+        "keys": torch.zeros(slots, shape.head_dim, dtype=dtype, device=device),
+        "values": torch.zeros(slots, shape.head_dim, dtype=dtype, device=device),
         "x": rand(rows, shape.hidden),
         "residual": rand(rows, shape.hidden),
         "o": rand(rows, shape.hidden),
@@ -145,8 +149,11 @@ Work = Callable[[], list[torch.Tensor]]
 
 
 def _eager(shape: LayerShape, t: dict[str, torch.Tensor]) -> Work:
-    """The ops `FastLlama._layers` runs without the kernels, one layer's element-wise work."""
+    """The ops `FastLlama._layers` runs without the kernels, one layer's element-wise work (with the keys and
+    values stored as the Triton backend's `forward` stores them)."""
     norm, inter, heads = (t["weight"], shape.eps), shape.intermediate, shape.rotated_heads
+    q_heads, dim = heads - shape.v_heads, shape.head_dim
+    keys, values = t["keys"].clone(), t["values"].clone()
 
     def run() -> list[torch.Tensor]:
         x = t["x"] + t["residual"]
@@ -156,15 +163,20 @@ def _eager(shape: LayerShape, t: dict[str, torch.Tensor]) -> Work:
         if inter:
             out.append(F.silu(t["gate_up"][:, :inter]) * t["gate_up"][:, inter:])
         if heads:
-            qk = t["qkv"][:, : heads * shape.head_dim].view(-1, heads, shape.head_dim)
-            out.append(layer_ops.rotate(qk, t["cos"], t["sin"]))
+            qk = layer_ops.rotate(t["qkv"][:, : heads * dim].view(-1, heads, dim), t["cos"], t["sin"])
+            v = t["qkv"][:, heads * dim :].view(-1, shape.v_heads, dim)
+            kv_quant.store(keys, t["write"], qk[:, q_heads:].reshape(-1, dim))
+            kv_quant.store(values, t["write"], v.reshape(-1, dim))
+            out += [qk[:, :q_heads], keys, values]
         return out
 
     return run
 
 
 def _fused(shape: LayerShape, t: dict[str, torch.Tensor]) -> Work:
-    """The same work through `fused_norm`'s kernels."""
+    """The same work through `fused_norm`'s kernels (the rotation and the keys' and values' store in one)."""
+    keys, values = t["keys"].clone(), t["values"].clone()
+    store = KvStore(keys, values, t["write"], kv_quant.UNIT, t["qkv"].shape[0])
 
     def run() -> list[torch.Tensor]:
         x, h = fused_norm.add_rms_norm(t["x"], t["residual"], t["weight"], shape.eps)
@@ -172,7 +184,8 @@ def _fused(shape: LayerShape, t: dict[str, torch.Tensor]) -> Work:
         if shape.intermediate:
             out.append(fused_norm.silu_mul(t["gate_up"], shape.intermediate))
         if shape.rotated_heads:
-            out.append(fused_norm.rope(t["qkv"], t["cos"], t["sin"], shape.rotated_heads, shape.head_dim))
+            q_heads = shape.rotated_heads - shape.v_heads
+            out += [fused_norm.rope_store(t["qkv"], t["cos"], t["sin"], q_heads, shape.v_heads, store), keys, values]
         return out
 
     return run

@@ -1,13 +1,16 @@
 """A decode step's element-wise work in fewer kernels on CUDA (issue #39): the residual add with the next
 RMS norm in one Triton kernel a row (`add_rms_norm`), SiLU with the product of the gate and up halves in
-one (`silu_mul`), the rotary embedding of q's and k's heads in one (`rope`).
+one (`silu_mul`), the rotary embedding of q's and k's heads in one (`rope`), which over the Triton attention also
+stores the step's keys and values in the layer's paged cache (`rope_store`: the backend's `store_target`).
 
 Why: on an H200 the 8B shape's step at one stream spent 1.5-1.9 ms of its 5.6-6.1 ms outside the matrix
 products (benchmarks/README.md, "The GPU check on an NVIDIA H200"): `FastLlama._layers` runs about 27
 small kernels a layer (an RMS norm is eight: the cast, square, mean, add, rsqrt, product, cast back and the
-weight), each a few microseconds even replayed from a CUDA graph. With these kernels a layer runs about 13
+weight), each a few microseconds even replayed from a CUDA graph. With these kernels a layer runs about 17
 fewer (two norms with their adds: 2 kernels instead of 18; SiLU and the product: 1 instead of 2; the
-rotary embedding: 1 instead of 4, the half-swap's concatenation, two products and their sum).
+rotary embedding: 1 instead of 4, the half-swap's concatenation, two products and their sum; with the cache's
+write, 1 instead of 8: the Triton backend's write copies the keys and the values out of the q/k/v rows and
+``index_copy_``s each, four kernels more).
 
 The arithmetic is transformers' (LlamaRMSNorm: fp32 statistics, the normalized row rounded to the model's
 dtype, then the weight; the residual add and SiLU rounded to the model's dtype where eager rounds them);
@@ -33,6 +36,8 @@ from typing import Any
 import torch
 
 from lmiserve.engine import fp8_devices
+from lmiserve.engine.attention import kv_quant
+from lmiserve.engine.attention.backend_base import KvStore
 from lmiserve.engine.model import fp8_w8a8, kernel_choice
 
 try:
@@ -43,7 +48,17 @@ except ImportError:  # pragma: no cover - triton ships with CUDA torch wheels
 # True: on CUDA; False: never; None: where `fused_choice.measure` finds them faster on the serving GPU
 USE_ON_CUDA = kernel_choice.switch("LMISERVE_FUSED_ELEMENTWISE")
 
-__all__ = ["USE_ON_CUDA", "add_rms_norm", "available", "fp8_rows_for", "rope", "silu_mul", "wanted"]
+__all__ = [
+    "USE_ON_CUDA",
+    "add_rms_norm",
+    "available",
+    "fp8_rows_for",
+    "rope",
+    "rope_store",
+    "silu_mul",
+    "stores_in",
+    "wanted",
+]
 
 SILU_BLOCK = 1024
 
@@ -66,6 +81,7 @@ def _kernels() -> Any:
         triton.jit(fused_norm_kernel.add_rms_norm_kernel),
         triton.jit(fused_norm_kernel.silu_mul_kernel),
         triton.jit(fused_norm_kernel.rope_kernel),
+        triton.jit(fused_norm_kernel.rope_store_kernel),
     )
 
 
@@ -131,3 +147,33 @@ def rope(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: 
         qkv, cos, signed_sin, out, qkv.shape[1], heads, head_dim, half, BLOCK=triton.next_power_of_2(half)
     )
     return out
+
+
+def stores_in(target: KvStore, device: torch.device) -> bool:
+    """Whether `rope_store` can store a step's keys and values in `target`'s cache on `device`: a cache of the model's
+    dtype (or another float type), or e4m3 fp8 where the device converts fp8 itself (`fp8_devices.native`; an
+    A100's or e5m2's: the backend's own write)."""
+    fp8 = kv_quant.is_fp8(target.keys.dtype)
+    return not fp8 or (target.keys.dtype == torch.float8_e4m3fn and fp8_devices.native(device))
+
+
+def rope_store(
+    qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int, kv_heads: int, target: KvStore
+) -> torch.Tensor:
+    """`rope`'s rotation of a fused q/k/v row's q and k heads (``[T, (heads + 2 * kv_heads) * head_dim]``), in one
+    kernel that also stores the keys and values of the first ``target.written`` rows in the layer's cache as
+    `kv_quant.store` stores them (`stores_in`): the rotated q heads, ``[T, heads, head_dim]``, for the backend's
+    `attend_stored`. Four kernels fewer a layer than `rope` and the backend's write (the keys' and values' copies
+    out of q/k/v and their two ``index_copy_``)."""
+    qkv = qkv.contiguous()
+    tokens, head_dim = qkv.shape[0], target.keys.shape[-1]
+    cos, signed_sin = cos.reshape(tokens, head_dim).contiguous(), signed_sin.reshape(tokens, head_dim).contiguous()
+    q = torch.empty(tokens, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    half = head_dim // 2
+    fp8 = kv_quant.is_fp8(target.keys.dtype)
+    keys, values = (target.keys.view(torch.uint8), target.values.view(torch.uint8)) if fp8 else target[:2]
+    _kernels()[3][(tokens, heads + 2 * kv_heads)](
+        qkv, cos, signed_sin, q, keys, values, target.rows, *target.scales, qkv.shape[1], heads, kv_heads,
+        target.written, head_dim, half, FP8=fp8, BLOCK=triton.next_power_of_2(half),
+    )  # fmt: skip
+    return q

@@ -1,11 +1,12 @@
 """The Triton kernels of `fused_norm` (imported only where Triton is installed; the interpreter patches this
 module's ``tl`` when it runs them on a CPU)."""
 
+import triton
 import triton.language as tl
 
-from lmiserve.engine.model.fp8_w8a8_kernel import row_to_e4m3
+from lmiserve.engine.model.fp8_w8a8_kernel import row_to_e4m3, to_e4m3
 
-__all__ = ["add_rms_norm_kernel", "rope_kernel", "silu_mul_kernel"]
+__all__ = ["add_rms_norm_kernel", "rope_kernel", "rope_store_kernel", "rotated", "silu_mul_kernel"]
 
 
 def add_rms_norm_kernel(  # pragma: no cover - runs as a Triton kernel
@@ -83,24 +84,83 @@ def rope_kernel(  # pragma: no cover - runs as a Triton kernel
     HALF,
     BLOCK: tl.constexpr,
 ):
-    # one program a (token, head) of the q and k heads: ``x * cos + rotate_half(x) * signed_sin`` with each
-    # product and the sum rounded to the model's dtype, as the eager ops round them
+    # one program a (token, head) of the q and k heads
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < HALF
+    first, second = rotated(x_ptr + token * ROW + head * D, cos_ptr + token * D, sin_ptr + token * D, cols, mask, HALF)
+    out = out_ptr + (token * HEADS + head) * D
+    tl.store(out + cols, first, mask=mask)
+    tl.store(out + HALF + cols, second, mask=mask)
+
+
+def rope_store_kernel(  # pragma: no cover - runs as a Triton kernel
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    write_ptr,
+    k_scale,
+    v_scale,
+    ROW,
+    HEADS,
+    KV_HEADS,
+    WRITTEN,
+    D,
+    HALF,
+    FP8: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # one program a (token, head) of q's, k's and v's heads: q's and k's rotated as `rope_kernel` rotates them, q's
+    # written to `q` ([tokens, HEADS, D]), k's and v's (the first WRITTEN tokens') stored in the cache's rows
+    # (`write`: a row of the flat cache a (token, kv head)), in fp8 (FP8: e4m3's bytes, the cache as uint8) as
+    # `kv_quant.store` stores them (over the layer's scale, clamped, rounded to nearest), else cast to its dtype
     token = tl.program_id(0)
     head = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
     mask = cols < HALF
     base = x_ptr + token * ROW + head * D
+    if head < HEADS + KV_HEADS:
+        first, second = rotated(base, cos_ptr + token * D, sin_ptr + token * D, cols, mask, HALF)
+    else:
+        first = tl.load(base + cols, mask=mask, other=0.0)
+        second = tl.load(base + HALF + cols, mask=mask, other=0.0)
+    if head < HEADS:
+        out = q_ptr + (token * HEADS + head) * D
+        tl.store(out + cols, first, mask=mask)
+        tl.store(out + HALF + cols, second, mask=mask)
+    elif token < WRITTEN:
+        value = head >= HEADS + KV_HEADS
+        cache = tl.where(value, v_ptr, k_ptr)
+        kv_head = tl.where(value, head - HEADS - KV_HEADS, head - HEADS)
+        row = tl.load(write_ptr + token * KV_HEADS + kv_head)
+        out = cache + row * D
+        if FP8:
+            scale = tl.where(value, v_scale, k_scale)
+            tl.store(out + cols, to_e4m3(first.to(tl.float32) / scale).to(tl.uint8, bitcast=True), mask=mask)
+            tl.store(out + HALF + cols, to_e4m3(second.to(tl.float32) / scale).to(tl.uint8, bitcast=True), mask=mask)
+        else:
+            tl.store(out + cols, first.to(out.dtype.element_ty), mask=mask)
+            tl.store(out + HALF + cols, second.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rotated(base, cos_row, sin_row, cols, mask, HALF):  # pragma: no cover - in the kernels
+    # a head's two halves at `base` rotated by its token's `cos` and signed `sin` rows: ``x * cos +
+    # rotate_half(x) * signed_sin`` with each product and the sum rounded to the model's dtype, as the eager ops
+    # round them; (the first half, the second), in the model's dtype
     x1 = tl.load(base + cols, mask=mask, other=0.0)
     x2 = tl.load(base + HALF + cols, mask=mask, other=0.0)
     dtype = x1.dtype
-    c1 = tl.load(cos_ptr + token * D + cols, mask=mask, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + token * D + HALF + cols, mask=mask, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + token * D + cols, mask=mask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + token * D + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+    c1 = tl.load(cos_row + cols, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_row + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_row + cols, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_row + HALF + cols, mask=mask, other=0.0).to(tl.float32)
     a = x1.to(tl.float32)
     b = x2.to(tl.float32)
     first = (a * c1).to(dtype).to(tl.float32) + (b * s1).to(dtype).to(tl.float32)
     second = (b * c2).to(dtype).to(tl.float32) + (a * s2).to(dtype).to(tl.float32)
-    out = out_ptr + (token * HEADS + head) * D
-    tl.store(out + cols, first.to(dtype), mask=mask)
-    tl.store(out + HALF + cols, second.to(dtype), mask=mask)
+    return first.to(dtype), second.to(dtype)

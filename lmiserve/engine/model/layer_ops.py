@@ -1,6 +1,6 @@
 """The fast forward's per-token ops as transformers' modules compute them, op for op (engine/model/fast_llama.py
-runs them): RMS norms (and Starcoder2's LayerNorms), RoPE's rotation by halves or by pairs, and a fused group's
-product (q/k/v, gate/up) through the CPU product shapes."""
+runs them): RMS norms (and Starcoder2's LayerNorms; OLMo 2's of the whole q and k projections), RoPE's rotation by
+halves or by pairs, and a fused group's product (q/k/v, gate/up) through the CPU product shapes."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from lmiserve.engine.model.cpu_gemm import CpuGemm
 from lmiserve.engine.model.layout_variants import NormWeight
 from lmiserve.engine.model.llama_layout import Part
+from lmiserve.engine.model.sharding import TensorParallelShard
 
 
 def rms_norm(x: torch.Tensor, norm: NormWeight, mean_square: torch.Tensor | None = None) -> torch.Tensor:
@@ -49,3 +50,20 @@ def fused_product(gemm: CpuGemm, x: torch.Tensor, parts: Sequence[Part]) -> torc
         weight, bias, scales, _ = parts[0]
         return gemm.linear(x, weight, bias, scales)
     return torch.cat([gemm.linear(x, p.weight, p.bias, p.scales)[:, : p.outputs] for p in parts], dim=-1)
+
+
+def projection_norms(
+    qkv: torch.Tensor, norms: tuple[NormWeight, NormWeight], q_size: int, kv_size: int, tp: TensorParallelShard | None
+) -> torch.Tensor:
+    """OLMo 2's RMS norms of the whole q and of the whole k projection of fused q/k/v rows; a tensor-parallel
+    rank's (`tp`) over its heads' part, the mean of the squares of the whole projections all-reduced (one ``[rows,
+    2]`` sum: each rank's part is ``1 / world`` of the width, a replicated KV head's counted once a rank that holds
+    it)."""
+    (q_norm, k_norm), v_at = norms, q_size + kv_size
+    q, k = qkv[:, :q_size], qkv[:, q_size:v_at]
+    means: list[torch.Tensor | None] = [None, None]
+    if tp is not None:
+        sums = torch.stack([q.float().pow(2).sum(-1), k.float().pow(2).sum(-1)], -1)
+        sums = tp.all_reduce(sums)
+        means = [sums[:, :1] / (q_size * tp.world), sums[:, 1:] / (kv_size * tp.world)]
+    return torch.cat([rms_norm(q, q_norm, means[0]), rms_norm(k, k_norm, means[1]), qkv[:, v_at:]], -1)
