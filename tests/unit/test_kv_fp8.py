@@ -23,9 +23,9 @@ from lmiserve.engine.attention import backends, cuda_graphs, kv_quant, triton_op
 from lmiserve.engine.attention import paged as paged_attention
 from lmiserve.engine.attention.kv_quant import KvFormat
 from lmiserve.engine.attention.paged import PagedKVCache, kv_bytes_per_block
-from lmiserve.engine.model import fused_norm
 from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
+from lmiserve.engine.model import fused_norm
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
