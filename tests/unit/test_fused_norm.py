@@ -147,6 +147,63 @@ def test_the_fast_forward_with_the_fused_kernels_gives_generates_greedy_tokens(t
         assert events[-1].finish.reason is FinishReason.LENGTH
 
 
+def decode_logits(model: torch.nn.Module, fused: bool, kv_dtype: torch.dtype | None) -> list[torch.Tensor]:
+    """Two prompts of 4 tokens, then 3 decode steps of both rows from the decode graphs' buffers, through the fast
+    forward over the Triton attention, with or without the fused kernels: each step's logits."""
+    from lmiserve.engine.attention.cuda_graphs import DecodeGraphs
+    from lmiserve.engine.attention.paged import AttentionShape, PagedKVCache
+    from lmiserve.engine.model.step_inputs import StepInputs
+
+    cfg, shape = model.config, AttentionShape.of(model.config)
+    cache = PagedKVCache(
+        cfg.num_hidden_layers, 17, 4, shape.kv_heads, shape.head_dim, model.dtype, DEVICE, kv_dtype=kv_dtype
+    )
+    fused_norm.USE_ON_CUDA = fused  # (the test's monkeypatch restores it)
+    fast = fast_llama.FastLlama(model, cache, 64)
+    assert fast.fused_elementwise == fused and fast.triton
+    fast.graphs = DecodeGraphs(fast, 2, 16, capture=DEVICE.type == "cuda")
+    tables = [[0, 1, 2], [3, 4, 5]]
+    fast.forward(StepInputs(chunks=[(tables[i], 0, seq[:4]) for i, seq in enumerate(SEQS)]))
+    rows = [[seq[step] for seq in SEQS] for step in range(4, 7)]
+    return [
+        fast.forward(
+            StepInputs(decode_ids=ids, decode_positions=[4 + n] * 2, decode_tables=tables, keep=[0, 1])
+        ).clone()  # (the graphs' output buffer: the next step's)
+        for n, ids in enumerate(rows)
+    ]
+
+
+SEQS = [torch.randint(4, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 7)]
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+@torch.inference_mode()
+def test_the_fused_forwards_logits_are_transformers(monkeypatch, kv):
+    """With the fused kernels over the Triton attention (every norm weighted at random, the final one too; the
+    rotation storing the keys and values, an e4m3 cache's too), prompts and then decode steps from the decode
+    graphs' buffers: each row's logits are those of transformers' forward of its sequence, or over an fp8 cache
+    those of the unfused forward over one. (Greedy tokens alone would not tell: an RMS norm of unit weights only
+    scales a row.)"""
+    from helpers.llama_variants import ARCHS, build
+
+    monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "triton")
+    monkeypatch.setattr(fused_norm, "wanted", lambda device: True)
+    monkeypatch.setattr(fused_norm, "USE_ON_CUDA", True)
+    model = build(*ARCHS["llama"]).to(DEVICE)
+    for name, weight in model.named_parameters():
+        if name.endswith("norm.weight"):
+            weight.uniform_(0.5, 1.5)
+    kv_dtype = torch.float8_e4m3fn if kv == "fp8" else None
+    got = decode_logits(model, True, kv_dtype)
+    if kv == "fp8":
+        want = decode_logits(model, False, kv_dtype)
+    else:
+        full = [model(torch.tensor([seq], device=DEVICE)).logits[0] for seq in SEQS]
+        want = [torch.stack([logits[step] for logits in full]) for step in range(4, 7)]
+    for step_got, step_want in zip(got, want, strict=True):
+        torch.testing.assert_close(step_got, step_want, rtol=1e-4, atol=1e-4)
+
+
 def test_a_model_whose_activation_is_not_silu_keeps_the_eager_ops(tiny_model, monkeypatch):
     """`silu_mul` computes SiLU: a model of another activation (GELU here) does not take the kernels."""
     monkeypatch.setattr(fused_norm, "wanted", lambda device: True)

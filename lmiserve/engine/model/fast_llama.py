@@ -86,12 +86,10 @@ class FastLlama:
     ) -> None:
         """`gemm`: the product shapes (default `CpuGemm.for_model`); `compiled_attention_ok`: False keeps
         the torch attention backend where the compiled kernel's would apply (`autotune` decides both)."""
-        llama = as_llama(model)
-        inner = llama.model
+        inner = (llama := as_llama(model)).model
         self.cache = cache
         self.windows = attention_window.layer_windows(model.config)  # each layer's (None: the whole context)
-        self.device = model.device
-        self.dtype = model.dtype
+        self.device, self.dtype = model.device, model.dtype
         shape = AttentionShape.of(model.config)
         self.heads, self.kv_heads, self.head_dim = shape.heads, shape.kv_heads, shape.head_dim
         self.groups = self.heads // self.kv_heads
@@ -283,11 +281,13 @@ class FastLlama:
         out.copy_(self._logits(x) if tp is None else tp.gather_logits(self._logits(x).float()))
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The final norm and the output projection of hidden states ``x`` (the model's dtype)."""
-        packed = self.packed
+        """The final norm (with the fused kernels, one: `fused_norm.add_rms_norm`) and the output projection of hidden
+        states ``x`` (the model's dtype)."""
+        packed, fused = self.packed, self.fused_elementwise
         logits = packed.logits(x) if packed is not None and x.shape[0] <= q4_decode.MAX_ROWS else None
         if logits is None:
-            logits = self._gemm.linear(rms_norm(x, self.norm), self.lm_head, None, self.lm_head_s)
+            h = fused_norm.add_rms_norm(x, None, self.norm[0], self.norm[1])[1] if fused else rms_norm(x, self.norm)
+            logits = self._gemm.linear(h, self.lm_head, None, self.lm_head_s)
         logits = logits if self.multipliers.logits == 1.0 else logits / self.multipliers.logits
         logits = soft_cap(logits, self.multipliers.softcap)  # (Gemma 3's, in the model's dtype)
         return logits if logits.shape[-1] == self.vocab else logits[..., : self.vocab]
