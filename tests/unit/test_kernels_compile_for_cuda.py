@@ -102,7 +102,8 @@ def other_launches(monkeypatch: pytest.MonkeyPatch, native: bool) -> list[cuda_c
     writing a row in fp8 too, the rotation's kernel storing in an e4m3 cache; the rotation alone), the fp8 activations' quantization
     and scaling (`fp8_w8a8`), the seeded
     draw over Llama 3's vocabulary, and the paged attention's (`triton_ops.self_check`'s launches: a decode row,
-    a chunk after a prefix, a prompt) over a bf16 cache and over e4m3 and e5m2 caches. (`fp8_w8a8` only where
+    a chunk after a prefix, a prompt) over a bf16 cache and over e4m3 and e5m2 caches, and a decode graph's
+    step (each row a tile: padding rows' zeros written by the kernel). (`fp8_w8a8` only where
     the GPU has fp8 conversions: elsewhere it never serves.)"""
     import torch
 
@@ -135,6 +136,10 @@ def other_launches(monkeypatch: pytest.MonkeyPatch, native: bool) -> list[cuda_c
     seeded_draw.draw_keyed(probs, torch.arange(4), torch.zeros(4, dtype=torch.int64))
     for kv_dtype in (None, torch.float8_e4m3fn, torch.float8_e5m2):
         triton_ops.self_check.__wrapped__(8, 4, 128, 16, torch.bfloat16, "cpu", kv_dtype)
+    rows, cache = torch.arange(4), torch.zeros(2, 8, 16, 128, dtype=torch.bfloat16)  # a decode graph's plan
+    at, table = torch.zeros(4, dtype=torch.int64), torch.zeros(4, 1, dtype=torch.int32)
+    plan = triton_ops.StepTiles(rows, rows, torch.tensor([1, 1, 0, 0]), at, table, at, 1, 4, 4, rows_tiled=True)
+    triton_ops.paged_attention(torch.randn(4, 32, 128, dtype=torch.bfloat16), cache, cache, plan, 0.1)
     every = launches + launches_w8a8 + launches_draw + launches_attention
     made = {launch.kernel.__name__ for launch in every}
     w8a8 = {"quantize_rows_kernel", "scale_rows_kernel"} if native else set()
@@ -148,6 +153,7 @@ def other_launches(monkeypatch: pytest.MonkeyPatch, native: bool) -> list[cuda_c
     assert any(launch.kwargs["FP8"] for launch in launches if "FP8" in launch.kwargs) == native
     kv = {launch.kwargs.get("KV_WIDEN") for launch in launches_attention if launch.kwargs["KV_FP8"]}
     assert kv == ({0} if native else {1, 2})  # fp8 caches read by the GPU's conversions, or widened
+    assert any(launch.kwargs["ZERO_EMPTY"] for launch in launches_attention)  # (a padding row's zeros written)
     return every
 
 

@@ -111,6 +111,35 @@ def test_every_token_attends_over_its_own_positions_through_the_block_table(case
     assert not out[tokens:].any()
 
 
+@pytest.mark.parametrize("case", list(CASES))
+@torch.inference_mode()
+def test_a_decode_graphs_plan_writes_every_row_its_padding_rows_zeros(case: str):
+    """A decode graph's plan (`TritonBackend.graph_plan`: each row a tile of its own, padding rows tiles of no
+    token): the output is not zeroed beforehand (an output of NaNs here), so the kernel writes each row, the
+    padding rows' zeros too; the decode rows as `_reference` attends them."""
+    kv_heads, groups, dim, block_size, dtype = CASES[case]
+    gen = torch.Generator().manual_seed(4)
+    positions, counts = [9, 0, 30, 0], [1, 0, 1, 0]  # rows 1 and 3: padding
+    tables = _tables([-(-(p + 1) // block_size) for p in positions], 40, gen)
+    width = max(len(t) for t in tables)
+    shape = (40, kv_heads, block_size, dim)
+    key_cache, value_cache = (torch.randn(shape, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    query = torch.randn(4, kv_heads * groups, dim, generator=gen).to(DEVICE, dtype)
+    rows = torch.arange(4, device=DEVICE)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
+    at = torch.tensor(positions, device=DEVICE)
+    tile = triton_attention.tile_tokens(groups, 1)
+    plan = triton_attention.StepTiles(
+        rows, rows, torch.tensor(counts, device=DEVICE), at, table, at, tile, 4, 4, rows_tiled=True
+    )
+    out = torch.full_like(query, float("nan"))
+    triton_attention.paged_attention(query, key_cache, value_cache, plan, dim**-0.5, out=out)
+    want = _reference(query[[0, 2]], key_cache, value_cache, [(tables[0], 9, 1), (tables[2], 30, 1)], dim**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[[0, 2]].float(), want, rtol=tol, atol=tol)
+    assert torch.equal(out[[1, 3]], torch.zeros_like(out[[1, 3]]))
+
+
 def test_a_step_of_more_tiles_than_its_launch_is_refused():
     with pytest.raises(ValueError, match="3 tiles do not fit a launch of 2"):
         triton_attention.step_tiles([([0], 0, 1), ([1], 0, 1), ([2], 0, 1)], 1, 1, 4, DEVICE, tile_capacity=2)

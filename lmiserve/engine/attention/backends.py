@@ -92,10 +92,11 @@ class TritonBackend(AttentionBackend):
     ) -> triton_ops.StepTiles:
         """The metadata of a step of ``len(rows)`` decode rows read from fixed device buffers (a captured
         CUDA graph's, which its owner fills before each replay): each row its own tile (`rows`: 0..n-1),
-        its token count (0 for a padding row), position, block table and KV write index."""
+        its token count (0 for a padding row: the kernel writes its zeros), position, block table and KV write
+        index."""
         size = len(rows)
         block_q = triton_ops.tile_tokens(self.groups, 1)
-        return triton_ops.StepTiles(rows, rows, counts, positions, tables, write, block_q, size, size)
+        return triton_ops.StepTiles(rows, rows, counts, positions, tables, write, block_q, size, size, rows_tiled=True)
 
     def forward(
         self,

@@ -48,7 +48,10 @@ def paged_attention_kernel(  # pragma: no cover - runs as a Triton kernel
     KV_WIDEN: tl.constexpr,
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,
+    ZERO_EMPTY: tl.constexpr,
 ):
+    # ZERO_EMPTY: every token is the first of a tile of its own (a decode graph's plan), `out` is not zeroed
+    # beforehand, and a tile of no token (a padding row) writes its row's zeros itself
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     count = tl.load(tile_count_ptr + tile)
@@ -118,3 +121,11 @@ def paged_attention_kernel(  # pragma: no cover - runs as a Triton kernel
             out = out * v_scale
         o_at = out_ptr + (first + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
         tl.store(o_at, out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & dim_ok[None, :])
+    elif ZERO_EMPTY:
+        first = tl.load(tile_first_ptr + tile)
+        group = tl.arange(0, GROUPS_PAD)
+        dims = tl.arange(0, HEAD_PAD)
+        head = kv_head * GROUPS + group
+        o_at = out_ptr + first * stride_ot + head[:, None] * stride_oh + dims[None, :]
+        zeros = tl.zeros([GROUPS_PAD, HEAD_PAD], dtype=out_ptr.dtype.element_ty)
+        tl.store(o_at, zeros, mask=(group < GROUPS)[:, None] & (dims < HEAD_DIM)[None, :])

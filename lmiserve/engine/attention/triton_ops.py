@@ -118,6 +118,7 @@ class StepTiles(NamedTuple):
     block_q: int
     tiles: int
     tokens: int
+    rows_tiled: bool = False  # every token the first of a tile of its own (a decode graph's: `graph_plan`)
 
 
 def step_tiles(
@@ -247,8 +248,8 @@ def paged_attention(
     heads, head_dim = query.shape[1:]
     _, kv_heads, block_size, _ = key_cache.shape
     groups = heads // kv_heads
-    if out is None:
-        out = query.new_zeros(query.shape)
+    if out is None:  # (every row written by the kernel where each is a tile's: `ZERO_EMPTY`)
+        out = query.new_empty(query.shape) if plan.rows_tiled else query.new_zeros(query.shape)
     if query.stride(-1) != 1 or key_cache.stride(-1) != 1 or value_cache.stride() != key_cache.stride():
         raise ValueError("query and caches must be contiguous in head_dim, the caches alike")
     if query.device.type == "cpu" and not interpreting():
@@ -293,6 +294,7 @@ def paged_attention(
         KV_WIDEN=widen,
         SOFTCAP=softcap is not None,
         SINKS=sinks is not None,
+        ZERO_EMPTY=plan.rows_tiled,
     )
     return out
 
