@@ -44,7 +44,7 @@ from lmiserve.engine.attention.paged import AttentionShape, PagedKVCache
 from lmiserve.engine.model import fast_llama, fused_choice, fused_norm
 
 WAYS = ("eager", "fused, rope alone", "fused")
-ALLOCATIONS = {"empty", "empty_strided", "empty_like", "zeros_like", "lift_fresh", "detach", "alias"}
+ALLOCATIONS = {"empty", "empty_strided", "empty_like", "new_empty", "lift_fresh", "detach", "alias"}
 
 
 def tensors(tree: Any) -> list[torch.Tensor]:
