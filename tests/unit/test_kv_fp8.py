@@ -236,6 +236,30 @@ def test_widened_fp8_bytes_are_every_fp8_value_exactly(kv_dtype, monkeypatch):
     assert torch.equal(torch.stack(got), rows)
 
 
+def test_the_kernels_e4m3_bytes_are_torchs_cast():
+    """`fp8_w8a8_kernel.e4m3_bytes` (the bytes an e4m3 cache stores from the rotation's kernel, made with integer ops
+    on any GPU): torch's ``.to(float8_e4m3fn)`` of the clamped value, byte for byte, at every finite e4m3 value,
+    each midpoint between neighbours (ties to even), just off each, the subnormals and zeros of both signs, past
+    448, and random values over the whole range."""
+    if DEVICE != "cpu" or not triton_ops.interpreting():
+        pytest.skip("under Triton's interpreter")
+    import triton
+
+    from helpers.e4m3_kernel import e4m3_bytes_kernel
+
+    every = torch.arange(256, dtype=torch.uint8).view(E4M3).float()
+    grid = every[torch.isfinite(every)].unique()  # (sorted; -0 and 0 as one)
+    mid = (grid[1:] + grid[:-1]) / 2
+    x = torch.cat(
+        [grid, mid, mid * (1 + 1e-6), mid * (1 - 1e-6), torch.tensor([-0.0, 0.0, 500.0, -1e9, 1e-30, -1e-30])]
+    )
+    x = torch.cat([x, torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 30, torch.rand(512) * 0.02])
+    got = torch.empty(x.numel(), dtype=torch.uint8)
+    triton.jit(e4m3_bytes_kernel)[(triton.cdiv(x.numel(), 256),)](x, got, x.numel(), BLOCK=256)
+    want = x.clamp(-448, 448).to(E4M3).view(torch.uint8)
+    assert torch.equal(got, want), (x[got != want][:8], got[got != want][:8], want[got != want][:8])
+
+
 # ---- the engine ---------------------------------------------------------------------------------------------
 
 
@@ -325,16 +349,22 @@ async def test_smollm2_over_an_fp8_pool_keeps_its_perplexity_and_next_token_choi
 )
 @pytest.mark.parametrize(
     ("runner", "widened"),
-    [({"fast_path": True}, False), ({"fast_path": False}, False), ({"fast_path": True}, True), ("fused", False)],
-    ids=["fast", "generic", "fast-widened", "fast-fused"],
+    [
+        ({"fast_path": True}, False),
+        ({"fast_path": False}, False),
+        ({"fast_path": True}, True),
+        ("fused", False),
+        ("fused", True),
+    ],
+    ids=["fast", "generic", "fast-widened", "fast-fused", "fast-fused-widened"],
 )
 async def test_the_engine_over_the_triton_kernel_reads_an_fp8_pool_as_the_torch_path_does(
     tiny_model, monkeypatch, runner, widened
 ):
     """Continuous batching with prompts in chunks, every step's attention in the kernel over an fp8 pool
     (its writes quantized by `write_step`, or with the fused kernels by `fused_norm.rope_store` with the rotation,
-    its reads cast in the kernel, or `widened` by it as on an A100): the torch backend's greedy tokens over the
-    same kind of pool."""
+    on any GPU; its reads cast in the kernel, or `widened` by it as on an A100): the torch backend's greedy tokens
+    over the same kind of pool."""
     if widened:
         monkeypatch.setattr(fp8_devices, "native", lambda device: False)
         triton_ops.self_check.cache_clear()  # (the backend's start-up check runs the widened form)

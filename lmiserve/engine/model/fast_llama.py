@@ -364,7 +364,7 @@ class FastLlama:
         whole = self.fused_elementwise and head_norm is None and rope and c.shape[-1] == self.head_dim
         if whole and not self.rope.interleaved:
             target = backend.store_target(index, meta)
-            if target is not None and fused_norm.stores_in(target, self.device):
+            if target is not None and fused_norm.stores_in(target):
                 q = fused_norm.rope_store(qkv, c, s, heads, self.kv_heads, target)
                 return backend.attend_stored(index, q, meta)
             qk = fused_norm.rope(qkv, c, s, heads + self.kv_heads, self.head_dim)

@@ -6,7 +6,7 @@ scales (a row's and an output channel's) applied to cuBLAS's unscaled fp32 sums,
 import triton
 import triton.language as tl
 
-__all__ = ["quantize_rows_kernel", "row_to_e4m3", "scale_rows_kernel", "to_e4m3"]
+__all__ = ["e4m3_bytes", "quantize_rows_kernel", "row_to_e4m3", "scale_rows_kernel"]
 
 
 def quantize_rows_kernel(  # pragma: no cover - runs as a Triton kernel
@@ -32,25 +32,25 @@ def quantize_rows_kernel(  # pragma: no cover - runs as a Triton kernel
 @triton.jit
 def row_to_e4m3(x):  # pragma: no cover - in the kernels
     # a row `x` (fp32, its masked columns 0) as e4m3's bytes over its own range: its max |x|, scale = max / 448 (at
-    # least fp32's smallest normal, as `rows_to_fp8`), x / scale in e4m3 (`to_e4m3`); (the bytes, the scale)
+    # least fp32's smallest normal, as `rows_to_fp8`), x / scale in e4m3 (`e4m3_bytes`); (the bytes, the scale)
     scale = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, 1.1754943508222875e-38)
-    return to_e4m3(x / scale).to(tl.uint8, bitcast=True), scale
+    return e4m3_bytes(x / scale), scale
 
 
 @triton.jit
-def to_e4m3(x):  # pragma: no cover - in the kernels
-    # fp32 `x` clamped to +-448 and rounded to e4m3's grid here, to nearest with ties to even, then cast (the cast
-    # rounds nothing, on a GPU and in Triton's interpreter alike: torch's ``.to(float8_e4m3fn)`` of the clamped
-    # values, bit for bit)
+def e4m3_bytes(x):  # pragma: no cover - in the kernels
+    # fp32 `x` as e4m3's bytes (``float8_e4m3fn``), clamped to +-448 and rounded to nearest with ties to even, the
+    # bits put together with integer ops alone (no fp8 conversion: any GPU, an A100 too, where Triton has no
+    # ``float8e4nv``): torch's ``.to(float8_e4m3fn)`` of the clamped values, bit for bit (-0, and a negative value
+    # that rounds to zero: -0)
     v = tl.minimum(tl.maximum(x, -448.0), 448.0)
-    # normal e4m3 (|v| >= 2**-6): fp32's 23 mantissa bits rounded to 3 (a carry moves into the exponent)
-    bits = v.to(tl.uint32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
-    # subnormal e4m3 (multiples of 2**-9): |v| added to 1.5 * 2**14, whose fp32 spacing is 2**-9, and taken off, then
-    # v's sign (a negative value that rounds to zero is -0, as torch's cast gives it)
-    subnormal = (tl.abs(v) + 24576.0) - 24576.0
-    subnormal = tl.where(v < 0, -subnormal, subnormal)
-    return tl.where(tl.abs(v) < 0.015625, subnormal, normal).to(tl.float8e4nv)
+    a = tl.abs(v)
+    bits = a.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000  # 3 mantissa bits (a carry: the exponent)
+    normal = ((((rounded >> 23) - 120) << 3) | ((rounded >> 20) & 7)).to(tl.int32)  # exponent - 127 + 7
+    subnormal = (((a + 24576.0) - 24576.0) * 512.0).to(tl.int32)  # multiples of 2**-9 (8 of them: 2**-6, normal)
+    code = tl.where(a < 0.015625, subnormal, normal)
+    return (code | ((v.to(tl.uint32, bitcast=True) >> 24) & 0x80)).to(tl.uint8)
 
 
 def scale_rows_kernel(  # pragma: no cover - runs as a Triton kernel

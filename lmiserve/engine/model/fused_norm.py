@@ -149,12 +149,11 @@ def rope(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: 
     return out
 
 
-def stores_in(target: KvStore, device: torch.device) -> bool:
-    """Whether `rope_store` can store a step's keys and values in `target`'s cache on `device`: a cache of the model's
-    dtype (or another float type), or e4m3 fp8 where the device converts fp8 itself (`fp8_devices.native`; an
-    A100's or e5m2's: the backend's own write)."""
-    fp8 = kv_quant.is_fp8(target.keys.dtype)
-    return not fp8 or (target.keys.dtype == torch.float8_e4m3fn and fp8_devices.native(device))
+def stores_in(target: KvStore) -> bool:
+    """Whether `rope_store` can store a step's keys and values in `target`'s cache: one of the model's dtype (or
+    another float type), or e4m3 fp8 (its bytes made with integer ops: on any GPU); an e5m2 cache takes the
+    backend's own write."""
+    return not kv_quant.is_fp8(target.keys.dtype) or target.keys.dtype == torch.float8_e4m3fn
 
 
 def rope_store(

@@ -4,7 +4,7 @@ module's ``tl`` when it runs them on a CPU)."""
 import triton
 import triton.language as tl
 
-from lmiserve.engine.model.fp8_w8a8_kernel import row_to_e4m3, to_e4m3
+from lmiserve.engine.model.fp8_w8a8_kernel import e4m3_bytes, row_to_e4m3
 
 __all__ = ["add_rms_norm_kernel", "rope_kernel", "rope_store_kernel", "rotated", "silu_mul_kernel"]
 
@@ -116,8 +116,9 @@ def rope_store_kernel(  # pragma: no cover - runs as a Triton kernel
 ):
     # one program a (token, head) of q's, k's and v's heads: q's and k's rotated as `rope_kernel` rotates them, q's
     # written to `q` ([tokens, HEADS, D]), k's and v's (the first WRITTEN tokens') stored in the cache's rows
-    # (`write`: a row of the flat cache a (token, kv head)), in fp8 (FP8: e4m3's bytes, the cache as uint8) as
-    # `kv_quant.store` stores them (over the layer's scale, clamped, rounded to nearest), else cast to its dtype
+    # (`write`: a row of the flat cache a (token, kv head)), in fp8 (FP8: e4m3's bytes, the cache as uint8, made
+    # with integer ops: any GPU) as `kv_quant.store` stores them (over the layer's scale, clamped, rounded to
+    # nearest), else cast to its dtype
     token = tl.program_id(0)
     head = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
@@ -140,8 +141,8 @@ def rope_store_kernel(  # pragma: no cover - runs as a Triton kernel
         out = cache + row * D
         if FP8:
             scale = tl.where(value, v_scale, k_scale)
-            tl.store(out + cols, to_e4m3(first.to(tl.float32) / scale).to(tl.uint8, bitcast=True), mask=mask)
-            tl.store(out + HALF + cols, to_e4m3(second.to(tl.float32) / scale).to(tl.uint8, bitcast=True), mask=mask)
+            tl.store(out + cols, e4m3_bytes(first.to(tl.float32) / scale), mask=mask)
+            tl.store(out + HALF + cols, e4m3_bytes(second.to(tl.float32) / scale), mask=mask)
         else:
             tl.store(out + cols, first.to(out.dtype.element_ty), mask=mask)
             tl.store(out + HALF + cols, second.to(out.dtype.element_ty), mask=mask)
