@@ -29,7 +29,7 @@ class SeqTokens:
 class KvStore(NamedTuple):
     """Where a layer's keys and values of a step go (`AttentionBackend.store_target`), for a kernel that makes them
     to store them itself: the layer's key and value caches as rows of ``head_dim`` (``[rows, head_dim]``), each
-    (token, kv head)'s row in them (`index`, ``[written * kv_heads]``, token-major), the layer's (key, value)
+    (token, kv head)'s row in them (`rows`, ``[written * kv_heads]``, token-major), the layer's (key, value)
     scales (an fp8 cache's: attention/kv_quant.py) and how many of the step's first tokens are stored (`written`;
     padding rows after them are not)."""
 
