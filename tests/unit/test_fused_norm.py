@@ -200,8 +200,10 @@ def test_the_fused_forwards_logits_are_transformers(monkeypatch, kv):
     else:
         full = [model(torch.tensor([seq], device=DEVICE)).logits[0] for seq in SEQS]
         want = [torch.stack([logits[step] for logits in full]) for step in range(4, 7)]
+    # (a GPU may fuse the rotation's products into its sums, and a key an ulp apart can round to the next e4m3 value)
+    tol = 1e-2 if kv == "fp8" and DEVICE.type == "cuda" else 1e-4
     for step_got, step_want in zip(got, want, strict=True):
-        torch.testing.assert_close(step_got, step_want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(step_got, step_want, rtol=tol, atol=tol)
 
 
 def test_a_model_whose_activation_is_not_silu_keeps_the_eager_ops(tiny_model, monkeypatch):

@@ -240,9 +240,9 @@ def test_the_kernels_e4m3_bytes_are_torchs_cast():
     """`fp8_w8a8_kernel.e4m3_bytes` (the bytes an e4m3 cache stores from the rotation's kernel, made with integer ops
     on any GPU): torch's ``.to(float8_e4m3fn)`` of the clamped value, byte for byte, at every finite e4m3 value,
     each midpoint between neighbours (ties to even), just off each, the subnormals and zeros of both signs, past
-    448, and random values over the whole range."""
-    if DEVICE != "cpu" or not triton_ops.interpreting():
-        pytest.skip("under Triton's interpreter")
+    448, and random values over the whole range (compiled on a GPU: the GPU check's engine tests)."""
+    if DEVICE != "cuda" and not triton_ops.interpreting():
+        pytest.skip("on CUDA, or under Triton's interpreter")
     import triton
 
     from helpers.e4m3_kernel import e4m3_bytes_kernel
@@ -254,9 +254,9 @@ def test_the_kernels_e4m3_bytes_are_torchs_cast():
         [grid, mid, mid * (1 + 1e-6), mid * (1 - 1e-6), torch.tensor([-0.0, 0.0, 500.0, -1e9, 1e-30, -1e-30])]
     )
     x = torch.cat([x, torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 30, torch.rand(512) * 0.02])
-    got = torch.empty(x.numel(), dtype=torch.uint8)
-    triton.jit(e4m3_bytes_kernel)[(triton.cdiv(x.numel(), 256),)](x, got, x.numel(), BLOCK=256)
-    want = x.clamp(-448, 448).to(E4M3).view(torch.uint8)
+    got = torch.empty(x.numel(), dtype=torch.uint8, device=DEVICE)
+    triton.jit(e4m3_bytes_kernel)[(triton.cdiv(x.numel(), 256),)](x.to(DEVICE), got, x.numel(), BLOCK=256)
+    got, want = got.cpu(), x.clamp(-448, 448).to(E4M3).view(torch.uint8)
     assert torch.equal(got, want), (x[got != want][:8], got[got != want][:8], want[got != want][:8])
 
 

@@ -141,8 +141,9 @@ def rope_store_kernel(  # pragma: no cover - runs as a Triton kernel
         out = cache + row * D
         if FP8:
             scale = tl.where(value, v_scale, k_scale)
-            tl.store(out + cols, e4m3_bytes(first.to(tl.float32) / scale), mask=mask)
-            tl.store(out + HALF + cols, e4m3_bytes(second.to(tl.float32) / scale), mask=mask)
+            # (divided as torch divides: rounded to nearest, never an approximate division)
+            tl.store(out + cols, e4m3_bytes(tl.math.div_rn(first.to(tl.float32), scale)), mask=mask)
+            tl.store(out + HALF + cols, e4m3_bytes(tl.math.div_rn(second.to(tl.float32), scale)), mask=mask)
         else:
             tl.store(out + cols, first.to(out.dtype.element_ty), mask=mask)
             tl.store(out + HALF + cols, second.to(out.dtype.element_ty), mask=mask)
