@@ -2,7 +2,7 @@
 graphs capture (`DecodeGraphs._step`: the layers, the logits, the greedy pick), run from the graphs' fixed
 buffers without a capture, the Triton attention and the fused kernels under Triton's interpreter.
 
-    TRITON_INTERPRET=1 python benchmarks/step_kernels.py [--rows 1] [--out FILE]
+    TRITON_INTERPRET=1 python benchmarks/step_kernels.py [--rows 1] [--arch llama|qwen3] [--out FILE]
 
 What is counted, each a kernel a GPU's graph replays: every aten op that computes (views, aliases and
 allocations are not: a graph replays no kernel for them) and every Triton launch (one a launch; the ops the
@@ -15,9 +15,10 @@ the counts are compared between the ways the step's element-wise work runs, not 
 - ``fused``: the rotation's kernel also storing the keys and values (`fused_norm.rope_store`).
 
 Each way runs a model of 2 and of 4 layers (Llama-3.1-8B's head layout scaled down: 32 query heads of 8 and 8
-kv heads), so a layer's count is half the difference, and what is left of the 4 layers' step is the step's own
-(the embedding, the RoPE rows, the final norm, the output projection, the greedy pick and its copies); an fp8
-(e4m3) KV cache is counted too, whose store the eager ops quantize in several kernels.
+kv heads; ``--arch qwen3``: Qwen3's layers, each q and k head normed before its rotation), so a layer's count
+is half the difference, and what is left of the 4 layers' step is the step's own (the embedding, the RoPE rows,
+the final norm, the output projection, the greedy pick and its copies); an fp8 (e4m3) KV cache is counted too,
+whose store the eager ops quantize in several kernels.
 """
 
 from __future__ import annotations
@@ -97,26 +98,28 @@ class Kernels(TorchDispatchMode):
         return sum(self.ops.values()) + sum(self.launches.values())
 
 
-def model_of(layers: int) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def model_of(layers: int, arch: str = "llama") -> Any:
+    """A random model of `arch` (``llama``; ``qwen3``: each q and k head normed before its rotation)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    config = LlamaConfig(
+    config_class, model_class = (Qwen3Config, Qwen3ForCausalLM) if arch == "qwen3" else (LlamaConfig, LlamaForCausalLM)
+    config = config_class(
         vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=layers, num_attention_heads=32,
-        num_key_value_heads=8, max_position_embeddings=256, tie_word_embeddings=False,
+        num_key_value_heads=8, head_dim=8, max_position_embeddings=256, tie_word_embeddings=False,
     )  # fmt: skip
     torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
+    return model_class(config).eval()
 
 
 @torch.inference_mode()
-def count(layers: int, way: str, kv_dtype: torch.dtype | None, rows: int) -> Kernels:
-    """One decode step of `rows` rows of a model of `layers` layers, `way` (`WAYS`), over a KV cache of
-    `kv_dtype` (None: the model's)."""
+def count(layers: int, way: str, kv_dtype: torch.dtype | None, rows: int, arch: str = "llama") -> Kernels:
+    """One decode step of `rows` rows of a model of `arch` (`model_of`) of `layers` layers, `way` (`WAYS`), over a KV
+    cache of `kv_dtype` (None: the model's)."""
     fused_norm.USE_ON_CUDA = way != "eager"
     fused_norm.wanted = lambda device: True  # type: ignore[assignment]
     fused_choice._verdicts.clear()
     os.environ["LMISERVE_ATTENTION_BACKEND"] = "triton"
-    model = model_of(layers)
+    model = model_of(layers, arch)
     shape = AttentionShape.of(model.config)
     blocks = 16
     cpu = torch.device("cpu")
@@ -137,13 +140,14 @@ def count(layers: int, way: str, kv_dtype: torch.dtype | None, rows: int) -> Ker
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--arch", choices=("llama", "qwen3"), default="llama")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     assert triton_ops.interpreting()
-    report: dict[str, Any] = {"rows": args.rows, "ways": {}}
+    report: dict[str, Any] = {"rows": args.rows, "arch": args.arch, "ways": {}}
     for cache_name, kv_dtype in (("model dtype", None), ("e4m3", torch.float8_e4m3fn)):
         for way in WAYS:
-            two, four = count(2, way, kv_dtype, args.rows), count(4, way, kv_dtype, args.rows)
+            two, four = (count(layers, way, kv_dtype, args.rows, args.arch) for layers in (2, 4))
             a_layer = (four.total - two.total) / 2
             outside = four.total - 4 * a_layer  # the embedding, the RoPE rows, the final norm, the logits, the pick
             ops = {k: (four.ops[k] - two.ops[k]) / 2 for k in four.ops if four.ops[k] != two.ops[k]}

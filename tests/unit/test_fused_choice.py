@@ -4,6 +4,7 @@ checked against each other, then timed at each row count; a kernel that is off o
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -40,10 +41,24 @@ def test_both_ways_agree_and_are_timed_at_each_row_count(fresh):
 
 
 def test_a_model_without_a_dense_mlp_or_the_rotation_measures_the_norms_alone(fresh):
-    """An MoE model's layers (no dense MLP), Qwen3's heads' norms (not the fused rotation): the adds and norms."""
+    """An MoE model's layers (no dense MLP), a rotation the kernel does not make (GLM's by pairs, Phi-4-mini's
+    partial one): the adds and norms."""
     shape = fused_choice.LayerShape(hidden=64, intermediate=0, rotated_heads=0, v_heads=2, head_dim=16, eps=1e-6)
     verdict = fused_choice.measure(shape, torch.float32, DEVICE, rows=(2,))
     assert verdict.refused is None and list(verdict.times_us) == [2]
+
+
+@pytest.mark.parametrize("off", [1.0, 1.05])
+def test_qwen3s_heads_norms_are_measured_with_the_rotation(fresh, monkeypatch, off):
+    """Each q and k head normed before its rotation (Qwen3's), both ways: the same values, measured; the kernel's
+    heads 5 % off (a norm's weight misread), refused."""
+    shape = dataclasses.replace(SHAPE, head_norm=True)
+    if off != 1.0:
+        real = fused_norm.rope_store
+        monkeypatch.setattr(fused_norm, "rope_store", lambda *a: real(*a) * off)
+    verdict = fused_choice.measure(shape, torch.float32, DEVICE, rows=(2,))
+    assert (verdict.refused is None) == (off == 1.0)
+    assert off == 1.0 or verdict.refused == "the rotary embedding of q off by 0.05 at 2 row(s)"
 
 
 def stores_off(real: Any) -> Any:
@@ -51,7 +66,7 @@ def stores_off(real: Any) -> Any:
 
     def run(*args: Any) -> torch.Tensor:
         q = real(*args)
-        args[-1].keys.mul_(1.05)
+        args[5].keys.mul_(1.05)  # (the `KvStore`)
         return q
 
     return run

@@ -124,6 +124,38 @@ def test_rope_store_rotates_q_and_stores_k_and_v_as_the_backends_write_does(dtyp
         assert values[at[3]].float().abs().max().item() == 448.0  # (token 1's last value head, saturated)
 
 
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_store_norms_each_q_and_k_head_first_as_qwen3s_norms(dtype, kv):
+    """Qwen3's RMS norm of each q and k head before the rotation, in the same kernel: q's heads and the stored
+    keys as the eager norm then `rope` make them, within a rounding (the sum of squares is added in another
+    order; an fp8 key within an e4m3 step), the values stored exactly."""
+    heads, kv_heads, tokens, head_dim = 4, 2, 5, 24
+    qkv = rows((heads + 2 * kv_heads) * head_dim, dtype, 8)[:tokens]
+    weight = (1 + 0.3 * torch.randn(heads + kv_heads, head_dim, generator=torch.Generator().manual_seed(9))).to(
+        DEVICE, dtype
+    )
+    angles = torch.arange(tokens)[:, None] * (0.3 + torch.arange(head_dim // 2))[None, :]
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)[:, None].to(DEVICE, dtype)
+    sin = torch.cat([-angles.sin(), angles.sin()], dim=-1)[:, None].to(DEVICE, dtype)
+    cache_dtype = torch.float8_e4m3fn if kv == "fp8" else dtype
+    keys = torch.zeros(tokens * kv_heads, head_dim, dtype=cache_dtype, device=DEVICE)
+    values = keys.clone()
+    at = torch.arange(tokens * kv_heads, device=DEVICE).flip(0)
+    q = fused_norm.rope_store(
+        qkv, cos, sin, heads, kv_heads, KvStore(keys, values, at, (1.0, 1.0), tokens), (weight, 1e-6)
+    )
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
+    want = layer_ops.rotate(layer_ops.rms_norm(qk, (weight, 1e-6)), cos, sin)
+    torch.testing.assert_close(q, want[:, :heads], **close(dtype))
+    want_keys, want_values = torch.zeros_like(keys), torch.zeros_like(values)
+    kv_quant.store(want_keys, at, want[:, heads:].reshape(-1, head_dim))
+    kv_quant.store(want_values, at, qkv[:, (heads + kv_heads) * head_dim :].reshape(-1, head_dim))
+    step = {"rtol": 0.07, "atol": 2**-9} if kv == "fp8" else close(dtype)  # (e4m3: 3 mantissa bits)
+    torch.testing.assert_close(keys.float(), want_keys.float(), **step)
+    assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8))
+
+
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_the_fast_forward_with_the_fused_kernels_gives_generates_greedy_tokens(tiny_model, monkeypatch, graphs):
     """Every layer's norms with their residual adds, its rotary embedding and its SiLU product through the kernels (what
@@ -176,20 +208,22 @@ def decode_logits(model: torch.nn.Module, fused: bool, kv_dtype: torch.dtype | N
 SEQS = [torch.randint(4, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 7)]
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
 @torch.inference_mode()
-def test_the_fused_forwards_logits_are_transformers(monkeypatch, kv):
+def test_the_fused_forwards_logits_are_transformers(monkeypatch, kv, arch):
     """With the fused kernels over the Triton attention (every norm weighted at random, the final one too; the
     rotation storing the keys and values, an e4m3 cache's too), prompts and then decode steps from the decode
     graphs' buffers: each row's logits are those of transformers' forward of its sequence, or over an fp8 cache
     those of the unfused forward over one. (Greedy tokens alone would not tell: an RMS norm of unit weights only
-    scales a row.)"""
+    scales a row.) Qwen3's: each q and k head normed first, in the same kernel."""
     from helpers.llama_variants import ARCHS, build
 
     monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "triton")
     monkeypatch.setattr(fused_norm, "wanted", lambda device: True)
     monkeypatch.setattr(fused_norm, "USE_ON_CUDA", True)
-    model = build(*ARCHS["llama"]).to(DEVICE)
+    stored = counted(monkeypatch, fused_norm, "rope_store")
+    model = build(*ARCHS[arch]).to(DEVICE)
     for name, weight in model.named_parameters():
         if name.endswith("norm.weight"):
             weight.uniform_(0.5, 1.5)
@@ -204,6 +238,7 @@ def test_the_fused_forwards_logits_are_transformers(monkeypatch, kv):
     tol = 1e-2 if kv == "fp8" and DEVICE.type == "cuda" else 1e-4
     for step_got, step_want in zip(got, want, strict=True):
         torch.testing.assert_close(step_got, step_want, rtol=tol, atol=tol)
+    assert stored  # (the store in the rotation's kernel served)
 
 
 def test_a_model_whose_activation_is_not_silu_keeps_the_eager_ops(tiny_model, monkeypatch):

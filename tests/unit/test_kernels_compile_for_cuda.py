@@ -98,8 +98,8 @@ LAYER = {"hidden": 4096, "intermediate": 14336, "rotated_heads": 40, "v_heads": 
 def other_launches(monkeypatch: pytest.MonkeyPatch, native: bool) -> list[cuda_compile.Launch]:
     """The other Triton kernels as their wrappers launch them at the 8B shape's widths on a GPU with fp8
     conversions (`native`) or without (an A100): the fused element-wise kernels of a layer (`fused_choice`'s
-    fused work, bf16, 1 and 16 rows, the rotation storing the keys and values in a bf16 cache, and in an e4m3 one;
-    the norm and SiLU writing a row in fp8 too; the rotation alone), the fp8 activations' quantization
+    fused work, bf16, 1 and 16 rows, the rotation storing the keys and values in a bf16 cache, and in an e4m3 one,
+    Qwen3's heads normed first; the norm and SiLU writing a row in fp8 too; the rotation alone), the fp8 activations' quantization
     and scaling (`fp8_w8a8`), the seeded
     draw over Llama 3's vocabulary, and the paged attention's (`triton_ops.self_check`'s launches: a decode row,
     a chunk after a prefix, a prompt) over a bf16 cache and over e4m3 and e5m2 caches, and a decode graph's
@@ -131,6 +131,8 @@ def other_launches(monkeypatch: pytest.MonkeyPatch, native: bool) -> list[cuda_c
     fused_norm.rope(qkv, cos, cos, 40, 128)  # (the rotation alone: a cache the fused store does not serve)
     for cache in (torch.zeros(64, 128, dtype=torch.bfloat16), torch.zeros(64, 128, dtype=torch.float8_e4m3fn)):
         fused_norm.rope_store(qkv, cos, cos, 32, 8, KvStore(cache, cache, torch.arange(8), (1.0, 1.0), 1))
+    qwen3 = (torch.ones(40, 128, dtype=torch.bfloat16), 1e-6)  # (Qwen3's heads' norms too)
+    fused_norm.rope_store(qkv, cos, cos, 32, 8, KvStore(cache, cache, torch.arange(8), (1.0, 1.0), 1), qwen3)
     probs = torch.full((4, 128256), 1 / 128256)
     seeded_draw.draw_keyed(probs, torch.arange(4), torch.zeros(4, dtype=torch.int64))
     for kv_dtype in (None, torch.float8_e4m3fn, torch.float8_e5m2):
@@ -150,6 +152,7 @@ def other_launches(monkeypatch: pytest.MonkeyPatch, native: bool) -> list[cuda_c
     )
     assert any(launch.kwargs["QUANT"] for launch in launches if "QUANT" in launch.kwargs) == native
     assert {launch.kwargs["FP8"] for launch in launches if "FP8" in launch.kwargs} == {False, True}  # (any GPU)
+    assert any(launch.kwargs.get("HEAD_NORM") for launch in launches)
     kv = {launch.kwargs.get("KV_WIDEN") for launch in launches_attention if launch.kwargs["KV_FP8"]}
     assert kv == ({0} if native else {1, 2})  # fp8 caches read by the GPU's conversions, or widened
     assert any(launch.kwargs["ZERO_EMPTY"] for launch in launches_attention)  # (a padding row's zeros written)

@@ -30,9 +30,9 @@ def step_kernels():
     del sys.modules["step_kernels"]
 
 
-def a_layer(step_kernels, way: str, kv_dtype: torch.dtype | None, rows: int) -> dict[str, float]:
+def a_layer(step_kernels, way: str, kv_dtype: torch.dtype | None, rows: int, arch: str = "llama") -> dict[str, float]:
     """What one layer adds to a step (of a model of 2 layers and of 1), by kernel."""
-    one, two = (step_kernels.count(layers, way, kv_dtype, rows) for layers in (1, 2))
+    one, two = (step_kernels.count(layers, way, kv_dtype, rows, arch) for layers in (1, 2))
     names = set(two.ops) | set(two.launches) | set(one.ops) | set(one.launches)
     made = {k: two.ops[k] + two.launches[k] - one.ops[k] - one.launches[k] for k in names}
     return {k: v for k, v in made.items() if v}
@@ -55,3 +55,14 @@ def test_the_rotations_kernel_stores_the_keys_and_values_in_place_of_the_backend
     assert not write & set(fused)
     dropped = sum(before.values()) - sum(fused.values())
     assert dropped == sum(before[k] for k in write & set(before)) - 1 >= 2
+
+
+def test_qwen3s_heads_are_normed_in_the_same_kernel(step_kernels, monkeypatch):
+    """Qwen3's layer: its q and k heads' norms in the rotation's kernel too, no eager norm left (its square, mean
+    and rsqrt), a layer as many kernels as Llama's."""
+    monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "triton")
+    monkeypatch.setattr(fused_norm, "USE_ON_CUDA", None)
+    monkeypatch.setattr(fused_norm, "wanted", fused_norm.wanted)
+    qwen3, llama = (a_layer(step_kernels, "fused", None, 1, arch) for arch in ("qwen3", "llama"))
+    assert qwen3["rope_store_kernel"] == 1 and not {"pow", "mean", "rsqrt", "rope_kernel"} & set(qwen3)
+    assert qwen3 == llama

@@ -357,16 +357,16 @@ class FastLlama:
     ) -> torch.Tensor:
         """Layer `index`'s attention of the step's q/k/v rows: q's and k's heads normed (Qwen3's) and rotated, the keys
         and values stored, the attention's output. With the fused kernels, where the backend gives its cache
-        (`store_target`: Triton's), one kernel rotates and stores (`fused_norm.rope_store`)."""
+        (`store_target`: Triton's), one kernel norms the heads, rotates and stores (`fused_norm.rope_store`)."""
         head_norm, rope, kind = self.head_norms[index], self.rope_layers[index], self.rope_kind[index]
         c, s = (cos, sin) if cos.shape[1] == 1 else (cos[:, kind : kind + 1], sin[:, kind : kind + 1])
         q_size, kv_size, heads = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.heads
-        whole = self.fused_elementwise and head_norm is None and rope and c.shape[-1] == self.head_dim
-        if whole and not self.rope.interleaved:
-            target = backend.store_target(index, meta)
-            if target is not None and fused_norm.stores_in(target):
-                q = fused_norm.rope_store(qkv, c, s, heads, self.kv_heads, target)
-                return backend.attend_stored(index, q, meta)
+        whole = self.fused_elementwise and rope and c.shape[-1] == self.head_dim and not self.rope.interleaved
+        target = backend.store_target(index, meta) if whole else None
+        if target is not None and fused_norm.stores_in(target, head_norm, self.dtype):
+            q = fused_norm.rope_store(qkv, c, s, heads, self.kv_heads, target, head_norm)
+            return backend.attend_stored(index, q, meta)
+        if whole and head_norm is None:
             qk = fused_norm.rope(qkv, c, s, heads + self.kv_heads, self.head_dim)
         else:
             qk = qkv[:, : q_size + kv_size].view(-1, heads + self.kv_heads, self.head_dim)

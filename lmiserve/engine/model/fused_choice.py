@@ -40,7 +40,8 @@ ROWS = (1, 16, 128)  # the decode rows measured: one stream, a small batch, a fu
 class LayerShape:
     """The widths one layer's element-wise work runs over: the hidden state, the MLP's intermediate (0: no dense
     gated MLP), the q and k heads the rotary embedding turns (0: not rotated by the fused kernel) and the v
-    heads after them, a head's size, and the norms' epsilon."""
+    heads after them, a head's size, the norms' epsilon, and whether each q and k head is normed before its
+    rotation (Qwen3's)."""
 
     hidden: int
     intermediate: int
@@ -48,13 +49,14 @@ class LayerShape:
     v_heads: int
     head_dim: int
     eps: float
+    head_norm: bool = False
 
     @classmethod
     def of(cls, fast: Any) -> LayerShape:
         """A `FastLlama`'s (whose every layer has an RMS norm before attention: `plain_norms`)."""
         dense = [layer for layer in fast.layers if layer.moe is None and layer.gated]
         rope = fast.rope
-        rotated = all(n is None for n in fast.head_norms) and rope.rotary_dim == fast.head_dim and not rope.interleaved
+        rotated = rope.rotary_dim == fast.head_dim and not rope.interleaved
         norm = fast.layers[0].in_norm
         return cls(
             hidden=norm[0].numel(),
@@ -63,6 +65,7 @@ class LayerShape:
             v_heads=fast.kv_heads,
             head_dim=fast.head_dim,
             eps=float(norm[1]),
+            head_norm=any(n is not None for n in fast.head_norms),
         )
 
 
@@ -140,6 +143,7 @@ def _inputs(shape: LayerShape, dtype: torch.dtype, device: torch.device, rows: i
         "weight": (1 + 0.1 * torch.randn(shape.hidden, generator=make)).to(device, dtype),
         "gate_up": rand(rows, 2 * shape.intermediate),
         "qkv": rand(rows, width),
+        "head_weight": (1 + 0.1 * torch.randn(shape.rotated_heads, shape.head_dim, generator=make)).to(device, dtype),
         "cos": torch.cat([angles.cos(), angles.cos()], dim=-1)[:, None].to(device, dtype),
         "sin": torch.cat([-angles.sin(), angles.sin()], dim=-1)[:, None].to(device, dtype),
     }
@@ -163,7 +167,9 @@ def _eager(shape: LayerShape, t: dict[str, torch.Tensor]) -> Work:
         if inter:
             out.append(F.silu(t["gate_up"][:, :inter]) * t["gate_up"][:, inter:])
         if heads:
-            qk = layer_ops.rotate(t["qkv"][:, : heads * dim].view(-1, heads, dim), t["cos"], t["sin"])
+            qk = t["qkv"][:, : heads * dim].view(-1, heads, dim)
+            qk = layer_ops.rms_norm(qk, (t["head_weight"], shape.eps)) if shape.head_norm else qk
+            qk = layer_ops.rotate(qk, t["cos"], t["sin"])
             v = t["qkv"][:, heads * dim :].view(-1, shape.v_heads, dim)
             kv_quant.store(keys, t["write"], qk[:, q_heads:].reshape(-1, dim))
             kv_quant.store(values, t["write"], v.reshape(-1, dim))
@@ -177,6 +183,7 @@ def _fused(shape: LayerShape, t: dict[str, torch.Tensor]) -> Work:
     """The same work through `fused_norm`'s kernels (the rotation and the keys' and values' store in one)."""
     keys, values = t["keys"].clone(), t["values"].clone()
     store = KvStore(keys, values, t["write"], kv_quant.UNIT, t["qkv"].shape[0])
+    head_norm = (t["head_weight"], shape.eps) if shape.head_norm else None
 
     def run() -> list[torch.Tensor]:
         x, h = fused_norm.add_rms_norm(t["x"], t["residual"], t["weight"], shape.eps)
@@ -185,7 +192,8 @@ def _fused(shape: LayerShape, t: dict[str, torch.Tensor]) -> Work:
             out.append(fused_norm.silu_mul(t["gate_up"], shape.intermediate))
         if shape.rotated_heads:
             q_heads = shape.rotated_heads - shape.v_heads
-            out += [fused_norm.rope_store(t["qkv"], t["cos"], t["sin"], q_heads, shape.v_heads, store), keys, values]
+            q = fused_norm.rope_store(t["qkv"], t["cos"], t["sin"], q_heads, shape.v_heads, store, head_norm)
+            out += [q, keys, values]
         return out
 
     return run

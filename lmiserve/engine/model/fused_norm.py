@@ -39,6 +39,7 @@ from lmiserve.engine import fp8_devices
 from lmiserve.engine.attention import kv_quant
 from lmiserve.engine.attention.backend_base import KvStore
 from lmiserve.engine.model import fp8_w8a8, kernel_choice
+from lmiserve.engine.model.layout_variants import NormWeight
 
 try:
     import triton
@@ -149,21 +150,32 @@ def rope(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: 
     return out
 
 
-def stores_in(target: KvStore) -> bool:
-    """Whether `rope_store` can store a step's keys and values in `target`'s cache: one of the model's dtype (or
-    another float type), or e4m3 fp8 (its bytes made with integer ops: on any GPU); an e5m2 cache takes the
-    backend's own write."""
-    return not kv_quant.is_fp8(target.keys.dtype) or target.keys.dtype == torch.float8_e4m3fn
+def stores_in(target: KvStore, head_norm: NormWeight | None, dtype: torch.dtype) -> bool:
+    """Whether `rope_store` can store a step's keys and values in `target`'s cache for a model of `dtype`: one of the
+    model's dtype (or another float type), or e4m3 fp8 (its bytes made with integer ops: on any GPU; an e5m2 cache
+    takes the backend's own write), the heads' norm (if any) an RMS norm whose weight is of the model's dtype
+    (Qwen3's)."""
+    fp8 = kv_quant.is_fp8(target.keys.dtype)
+    plain = head_norm is None or (len(head_norm) == 2 and head_norm[0].dtype == dtype)
+    return (not fp8 or target.keys.dtype == torch.float8_e4m3fn) and plain
 
 
 def rope_store(
-    qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int, kv_heads: int, target: KvStore
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    target: KvStore,
+    head_norm: NormWeight | None = None,
 ) -> torch.Tensor:
     """`rope`'s rotation of a fused q/k/v row's q and k heads (``[T, (heads + 2 * kv_heads) * head_dim]``), in one
     kernel that also stores the keys and values of the first ``target.written`` rows in the layer's cache as
     `kv_quant.store` stores them (`stores_in`): the rotated q heads, ``[T, heads, head_dim]``, for the backend's
     `attend_stored`. Four kernels fewer a layer than `rope` and the backend's write (the keys' and values' copies
-    out of q/k/v and their two ``index_copy_``)."""
+    out of q/k/v and their two ``index_copy_``). `head_norm`: Qwen3's RMS norm of each q and k head before the
+    rotation (`layout_variants.head_norm_weights`: a weight ``[heads + kv_heads, head_dim]`` of the model's dtype,
+    and its epsilon), in the same kernel (the eager norm is some seven kernels more)."""
     qkv = qkv.contiguous()
     tokens, head_dim = qkv.shape[0], target.keys.shape[-1]
     cos, signed_sin = cos.reshape(tokens, head_dim).contiguous(), signed_sin.reshape(tokens, head_dim).contiguous()
@@ -171,8 +183,10 @@ def rope_store(
     half = head_dim // 2
     fp8 = kv_quant.is_fp8(target.keys.dtype)
     keys, values = (target.keys.view(torch.uint8), target.values.view(torch.uint8)) if fp8 else target[:2]
+    weight, eps = (qkv, 0.0) if head_norm is None else (head_norm[0].contiguous(), float(head_norm[1]))
     _kernels()[3][(tokens, heads + 2 * kv_heads)](
-        qkv, cos, signed_sin, q, keys, values, target.rows, *target.scales, qkv.shape[1], heads, kv_heads,
-        target.written, head_dim, half, FP8=fp8, BLOCK=triton.next_power_of_2(half),
+        qkv, cos, signed_sin, q, keys, values, target.rows, weight, eps, *target.scales, qkv.shape[1], heads,
+        kv_heads, target.written, head_dim, half, FP8=fp8, HEAD_NORM=head_norm is not None,
+        BLOCK=triton.next_power_of_2(half),
     )  # fmt: skip
     return q

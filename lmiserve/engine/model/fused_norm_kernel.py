@@ -6,7 +6,7 @@ import triton.language as tl
 
 from lmiserve.engine.model.fp8_w8a8_kernel import e4m3_bytes, row_to_e4m3
 
-__all__ = ["add_rms_norm_kernel", "rope_kernel", "rope_store_kernel", "rotated", "silu_mul_kernel"]
+__all__ = ["add_rms_norm_kernel", "head_normed", "rope_kernel", "rope_store_kernel", "rotated", "silu_mul_kernel"]
 
 
 def add_rms_norm_kernel(  # pragma: no cover - runs as a Triton kernel
@@ -89,7 +89,9 @@ def rope_kernel(  # pragma: no cover - runs as a Triton kernel
     head = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
     mask = cols < HALF
-    first, second = rotated(x_ptr + token * ROW + head * D, cos_ptr + token * D, sin_ptr + token * D, cols, mask, HALF)
+    base = x_ptr + token * ROW + head * D
+    x1, x2 = tl.load(base + cols, mask=mask, other=0.0), tl.load(base + HALF + cols, mask=mask, other=0.0)
+    first, second = rotated(x1, x2, cos_ptr + token * D, sin_ptr + token * D, cols, mask, HALF)
     out = out_ptr + (token * HEADS + head) * D
     tl.store(out + cols, first, mask=mask)
     tl.store(out + HALF + cols, second, mask=mask)
@@ -103,6 +105,8 @@ def rope_store_kernel(  # pragma: no cover - runs as a Triton kernel
     k_ptr,
     v_ptr,
     write_ptr,
+    w_ptr,
+    eps,
     k_scale,
     v_scale,
     ROW,
@@ -112,10 +116,12 @@ def rope_store_kernel(  # pragma: no cover - runs as a Triton kernel
     D,
     HALF,
     FP8: tl.constexpr,
+    HEAD_NORM: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # one program a (token, head) of q's, k's and v's heads: q's and k's rotated as `rope_kernel` rotates them, q's
-    # written to `q` ([tokens, HEADS, D]), k's and v's (the first WRITTEN tokens') stored in the cache's rows
+    # one program a (token, head) of q's, k's and v's heads: q's and k's (HEAD_NORM: first each normed over its
+    # head_dim with its row of `w`, `eps`, as `layer_ops.rms_norm` norms them) rotated as `rope_kernel` rotates
+    # them, q's written to `q` ([tokens, HEADS, D]), k's and v's (the first WRITTEN tokens') stored in the cache's rows
     # (`write`: a row of the flat cache a (token, kv head)), in fp8 (FP8: e4m3's bytes, the cache as uint8, made
     # with integer ops: any GPU) as `kv_quant.store` stores them (over the layer's scale, clamped, rounded to
     # nearest), else cast to its dtype
@@ -124,11 +130,11 @@ def rope_store_kernel(  # pragma: no cover - runs as a Triton kernel
     cols = tl.arange(0, BLOCK)
     mask = cols < HALF
     base = x_ptr + token * ROW + head * D
+    first, second = tl.load(base + cols, mask=mask, other=0.0), tl.load(base + HALF + cols, mask=mask, other=0.0)
     if head < HEADS + KV_HEADS:
-        first, second = rotated(base, cos_ptr + token * D, sin_ptr + token * D, cols, mask, HALF)
-    else:
-        first = tl.load(base + cols, mask=mask, other=0.0)
-        second = tl.load(base + HALF + cols, mask=mask, other=0.0)
+        if HEAD_NORM:  # (Qwen3's norm of each q and k head, before the rotation)
+            first, second = head_normed(first, second, w_ptr + head * D, eps, cols, mask, HALF)
+        first, second = rotated(first, second, cos_ptr + token * D, sin_ptr + token * D, cols, mask, HALF)
     if head < HEADS:
         out = q_ptr + (token * HEADS + head) * D
         tl.store(out + cols, first, mask=mask)
@@ -150,12 +156,23 @@ def rope_store_kernel(  # pragma: no cover - runs as a Triton kernel
 
 
 @triton.jit
-def rotated(base, cos_row, sin_row, cols, mask, HALF):  # pragma: no cover - in the kernels
-    # a head's two halves at `base` rotated by its token's `cos` and signed `sin` rows: ``x * cos +
+def head_normed(x1, x2, w_row, eps, cols, mask, HALF):  # pragma: no cover - in the kernels
+    # transformers' RMS norm of a head given as its two halves (the model's dtype; masked columns 0): fp32
+    # statistics, the normed head rounded to the model's dtype, then times the weight's row (the model's dtype)
+    dtype = x1.dtype
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    r = tl.rsqrt((tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0)) / (2 * HALF) + eps)
+    w1 = tl.load(w_row + cols, mask=mask, other=0.0).to(tl.float32)
+    w2 = tl.load(w_row + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+    return (w1 * (a * r).to(dtype).to(tl.float32)).to(dtype), (w2 * (b * r).to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def rotated(x1, x2, cos_row, sin_row, cols, mask, HALF):  # pragma: no cover - in the kernels
+    # a head's two halves `x1`, `x2` rotated by its token's `cos` and signed `sin` rows: ``x * cos +
     # rotate_half(x) * signed_sin`` with each product and the sum rounded to the model's dtype, as the eager ops
     # round them; (the first half, the second), in the model's dtype
-    x1 = tl.load(base + cols, mask=mask, other=0.0)
-    x2 = tl.load(base + HALF + cols, mask=mask, other=0.0)
     dtype = x1.dtype
     c1 = tl.load(cos_row + cols, mask=mask, other=0.0).to(tl.float32)
     c2 = tl.load(cos_row + HALF + cols, mask=mask, other=0.0).to(tl.float32)
