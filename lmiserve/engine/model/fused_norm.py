@@ -82,7 +82,6 @@ def _kernels() -> Any:
     return (
         triton.jit(fused_norm_kernel.add_rms_norm_kernel),
         triton.jit(fused_norm_kernel.silu_mul_kernel),
-        triton.jit(fused_norm_kernel.rope_kernel),
         triton.jit(fused_norm_kernel.rope_store_kernel),
     )
 
@@ -139,15 +138,17 @@ def silu_mul(gate_up: torch.Tensor, inter: int, fp8_rows: bool = False) -> torch
 def rope(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
     """The rotary embedding of the first `heads` heads (q's and k's) of each row of `qkv` (``[T, width]``,
     heads of `head_dim` side by side), as `layer_ops.rotate` computes it from the rows' `cos` and
-    `signed_sin` (``[T, 1, head_dim]`` or ``[T, head_dim]``): ``[T, heads, head_dim]``, in one kernel."""
+    `signed_sin` (``[T, 1, head_dim]`` or ``[T, head_dim]``): ``[T, heads, head_dim]``, in one kernel (`rope_store`'s,
+    storing nothing)."""
     qkv = qkv.contiguous()
     tokens = qkv.shape[0]
     cos, signed_sin = cos.reshape(tokens, head_dim).contiguous(), signed_sin.reshape(tokens, head_dim).contiguous()
     out = torch.empty(tokens, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    half = head_dim // 2
+    no_rows = torch.empty(1, dtype=torch.int32, device=qkv.device)  # (`rope_store`'s kernel storing nothing)
     _kernels()[2][(tokens, heads)](
-        qkv, cos, signed_sin, out, qkv.shape[1], heads, head_dim, half, BLOCK=triton.next_power_of_2(half)
-    )
+        qkv, cos, signed_sin, out, qkv, qkv, no_rows, qkv, 0.0, 1.0, 1.0, qkv.shape[1], heads, 0, 0, head_dim,
+        head_dim // 2, FP8=False, HEAD_NORM=False, BLOCK=triton.next_power_of_2(head_dim // 2),
+    )  # fmt: skip
     return out
 
 
@@ -185,7 +186,7 @@ def rope_store(
     fp8 = kv_quant.is_fp8(target.keys.dtype)
     keys, values = (target.keys.view(torch.uint8), target.values.view(torch.uint8)) if fp8 else target[:2]
     weight, eps = (qkv, 0.0) if head_norm is None else (head_norm[0].contiguous(), float(head_norm[1]))
-    _kernels()[3][(tokens, heads + 2 * kv_heads)](
+    _kernels()[2][(tokens, heads + 2 * kv_heads)](
         qkv, cos, signed_sin, q, keys, values, target.rows, weight, eps, *target.scales, qkv.shape[1], heads,
         kv_heads, target.written, head_dim, half, FP8=fp8, HEAD_NORM=head_norm is not None,
         BLOCK=triton.next_power_of_2(half),

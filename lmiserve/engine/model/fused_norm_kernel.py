@@ -6,7 +6,7 @@ import triton.language as tl
 
 from lmiserve.engine.model.fp8_w8a8_kernel import e4m3_bytes, row_to_e4m3
 
-__all__ = ["add_rms_norm_kernel", "head_normed", "rope_kernel", "rope_store_kernel", "rotated", "silu_mul_kernel"]
+__all__ = ["add_rms_norm_kernel", "head_normed", "rope_store_kernel", "rotated", "silu_mul_kernel"]
 
 
 def add_rms_norm_kernel(  # pragma: no cover - runs as a Triton kernel
@@ -73,30 +73,6 @@ def silu_mul_kernel(  # pragma: no cover - runs as a Triton kernel
         tl.store(s_ptr + row, scale)
 
 
-def rope_kernel(  # pragma: no cover - runs as a Triton kernel
-    x_ptr,
-    cos_ptr,
-    sin_ptr,
-    out_ptr,
-    ROW,
-    HEADS,
-    D,
-    HALF,
-    BLOCK: tl.constexpr,
-):
-    # one program a (token, head) of the q and k heads
-    token = tl.program_id(0)
-    head = tl.program_id(1)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < HALF
-    base = x_ptr + token * ROW + head * D
-    x1, x2 = tl.load(base + cols, mask=mask, other=0.0), tl.load(base + HALF + cols, mask=mask, other=0.0)
-    first, second = rotated(x1, x2, cos_ptr + token * D, sin_ptr + token * D, cols, mask, HALF)
-    out = out_ptr + (token * HEADS + head) * D
-    tl.store(out + cols, first, mask=mask)
-    tl.store(out + HALF + cols, second, mask=mask)
-
-
 def rope_store_kernel(  # pragma: no cover - runs as a Triton kernel
     x_ptr,
     cos_ptr,
@@ -120,11 +96,11 @@ def rope_store_kernel(  # pragma: no cover - runs as a Triton kernel
     BLOCK: tl.constexpr,
 ):
     # one program a (token, head) of q's, k's and v's heads: q's and k's (HEAD_NORM: first each normed over its
-    # head_dim with its row of `w`, `eps`, as `layer_ops.rms_norm` norms them) rotated as `rope_kernel` rotates
-    # them, q's written to `q` ([tokens, HEADS, D]), k's and v's (the first WRITTEN tokens') stored in the cache's rows
-    # (`write`: a row of the flat cache a (token, kv head)), in fp8 (FP8: e4m3's bytes, the cache as uint8, made
-    # with integer ops: any GPU) as `kv_quant.store` stores them (over the layer's scale, clamped, rounded to
-    # nearest), else cast to its dtype
+    # head_dim with its row of `w`, `eps`, as `layer_ops.rms_norm` norms them) rotated (`rotated`), q's written to
+    # `q` ([tokens, HEADS, D]), k's and v's (the first WRITTEN tokens') stored in the cache's rows (`write`: a row
+    # of the flat cache a (token, kv head)), in fp8 (FP8: e4m3's bytes, the cache as uint8, made with integer ops:
+    # any GPU) as `kv_quant.store` stores them (over the layer's scale, clamped, rounded to nearest), else cast to
+    # its dtype. The rotation alone (`fused_norm.rope`): KV_HEADS 0 and WRITTEN 0, all the rotated heads as q's
     token = tl.program_id(0)
     head = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
