@@ -103,7 +103,8 @@ def other_launches(monkeypatch: pytest.MonkeyPatch, native: bool) -> list[cuda_c
     and scaling (`fp8_w8a8`), the seeded
     draw over Llama 3's vocabulary, and the paged attention's (`triton_ops.self_check`'s launches: a decode row,
     a chunk after a prefix, a prompt) over a bf16 cache and over e4m3 and e5m2 caches, and a decode graph's
-    step (each row a tile: padding rows' zeros written by the kernel). (`fp8_w8a8` only where
+    step (each row a tile: padding rows' zeros written by the kernel; its rows in fp8 too). (`fp8_w8a8` and the
+    attention's rows in fp8 only where
     the GPU has fp8 conversions: elsewhere it never serves.)"""
     import torch
 
@@ -141,6 +142,12 @@ def other_launches(monkeypatch: pytest.MonkeyPatch, native: bool) -> list[cuda_c
     at, table = torch.zeros(4, dtype=torch.int64), torch.zeros(4, 1, dtype=torch.int32)
     plan = triton_ops.StepTiles(rows, rows, torch.tensor([1, 1, 0, 0]), at, table, at, 1, 4, 4, rows_tiled=True)
     triton_ops.paged_attention(torch.randn(4, 32, 128, dtype=torch.bfloat16), cache, cache, plan, 0.1)
+    if native:  # the step's output rows in fp8 too, for o's product (`fused_norm.attend`)
+        q8, scales = fp8_w8a8.row_buffers(4, 32 * 128, torch.device("cpu"))
+        done = torch.zeros(4, dtype=torch.int32)
+        triton_ops.paged_attention(
+            torch.randn(4, 32, 128, dtype=torch.bfloat16), cache, cache, plan, 0.1, fp8_rows=(q8, scales, done)
+        )
     every = launches + launches_w8a8 + launches_draw + launches_attention
     made = {launch.kernel.__name__ for launch in every}
     w8a8 = {"quantize_rows_kernel", "scale_rows_kernel"} if native else set()
@@ -156,6 +163,7 @@ def other_launches(monkeypatch: pytest.MonkeyPatch, native: bool) -> list[cuda_c
     kv = {launch.kwargs.get("KV_WIDEN") for launch in launches_attention if launch.kwargs["KV_FP8"]}
     assert kv == ({0} if native else {1, 2})  # fp8 caches read by the GPU's conversions, or widened
     assert any(launch.kwargs["ZERO_EMPTY"] for launch in launches_attention)  # (a padding row's zeros written)
+    assert any(launch.kwargs["FP8_ROWS"] for launch in launches_attention) == native
     return every
 
 

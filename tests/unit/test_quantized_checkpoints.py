@@ -15,12 +15,14 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
+from helpers.decode_graphs import graphs_on_the_test_device
 from helpers.quantizable import quantizable_llama
 from helpers.tiny_model import build_tiny_tokenizer
 from lmiserve.core.request import GenerationRequest, SamplingParams
@@ -310,9 +312,15 @@ def test_fp8_linears_on_the_triton_decode_kernel_decode_what_transformers_decode
         assert got == greedy(reference_model, ids, 8), ids
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["eager-norms", "fused-norms"])
+@pytest.mark.parametrize(
+    ("fused", "graphs"), [(False, False), (True, False), (True, True)], ids=["eager-norms", "fused-norms", "graphs"]
+)
 def test_a_per_tensor_fp8_checkpoint_decodes_one_row_on_the_tensor_wise_product(
-    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch, fused: bool
+    checkpoints: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    graph_step_hazards: Any,
+    fused: bool,
+    graphs: bool,
 ) -> None:
     """A per-tensor fp8 checkpoint (compressed-tensors, AutoFP8; what ``quantize=fp8`` makes on a GPU with fp8
     products) where the GPU has fp8 products: the fast path puts each fused product's parts (q, k and v; gate and
@@ -322,7 +330,8 @@ def test_a_per_tensor_fp8_checkpoint_decodes_one_row_on_the_tensor_wise_product(
     those of transformers' forward over the same layers (fp32 activations; rows in fp8 there too). With the
     fused norms (`fused_norm`, as on a GPU where they measure faster), the norms write their rows in fp8 too and
     the q/k/v and gate/up products of one row take them (`fp8_w8a8.given_rows`): no quantizing kernel of their own,
-    the same tokens."""
+    the same tokens. In the decode graphs (over the Triton attention, as on a GPU) the attention's kernel writes
+    o's row in fp8 too: every product of a decode row takes its row from the kernel before it."""
     from lmiserve.engine.model import fp8_gemv, fp8_w8a8, fused_norm, kernel_choice
 
     if not fp8_gemv.available() or os.environ.get("TRITON_INTERPRET") != "1":
@@ -344,8 +353,12 @@ def test_a_per_tensor_fp8_checkpoint_decodes_one_row_on_the_tensor_wise_product(
     ran: list[tuple[int, int]] = []
     one_scale = fp8_w8a8.product_one_scale
 
+    uniform: dict[int, torch.Tensor] = {}  # the scales seen one value (each read once: a graph's step reads none)
+
     def recorded(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        assert bool((scales == scales[0]).all())
+        if id(scales) not in uniform:
+            assert bool((scales == scales[0]).all())
+            uniform[id(scales)] = scales
         ran.append(tuple(weight.shape))
         return one_scale(x, weight, scales)
 
@@ -359,10 +372,17 @@ def test_a_per_tensor_fp8_checkpoint_decodes_one_row_on_the_tensor_wise_product(
         return rows_in_fp8(x)
 
     monkeypatch.setattr(fp8_w8a8, "_rows_in_fp8", taken)
+    made = graphs_on_the_test_device(monkeypatch) if graphs else None
     if fused:
         monkeypatch.setattr(fused_norm, "wanted", lambda device: True)
         monkeypatch.setattr(fused_norm, "USE_ON_CUDA", True)  # (forced: not measured)
     prompts = [PROMPTS[0], PROMPTS[-1]]
+    if made is not None and graph_step_hazards is not None:  # (on a CPU: no capture, so no warm-up before it)
+        engine_tokens(loaded, prompts[:1], 3)  # a GPU's warm-up: the products chosen, the scales read once
+        graph_step_hazards.clear()
+        made.steps.clear()
+        ran.clear()
+        given.clear()
     path, results = engine_tokens(loaded, prompts[:1], 8)  # one stream: decode steps of one row
     assert path == "fast"
     config = loaded.model.config
@@ -373,9 +393,10 @@ def test_a_per_tensor_fp8_checkpoint_decodes_one_row_on_the_tensor_wise_product(
     assert shapes <= chosen and all(ran.count(shape) > 1 for shape in shapes)  # (once: the self-check's probe)
     assert attention.q_proj.scales[0].item() == attention.k_proj.scales[0].item()  # the fused parts: one scale
     # fused: in each of the 7 decode steps, each layer's q/k/v and gate/up rows from the norms, down's from SiLU's
-    # kernel (o's, and the probes', quantized by the product)
+    # kernel, o's from the attention's in the graphs (else, and the probes', quantized by the product)
     by_norm = [by_norm for rows, by_norm in given if rows == 1].count(True)
-    assert by_norm == (7 * 3 * config.num_hidden_layers if fused else 0)
+    assert by_norm == (7 * (4 if graphs else 3) * config.num_hidden_layers if fused else 0)
+    assert made is None or len(made.steps) == 7
     results += engine_tokens(loaded, prompts[1:], 8)[1]
     for ids, got in zip(prompts, results, strict=True):
         assert max(greedy_gaps(loaded.model, ids, got)) <= 1e-3, ids

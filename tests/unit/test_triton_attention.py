@@ -140,6 +140,50 @@ def test_a_decode_graphs_plan_writes_every_row_its_padding_rows_zeros(case: str)
     assert torch.equal(out[[1, 3]], torch.zeros_like(out[[1, 3]]))
 
 
+@pytest.mark.parametrize("case", list(CASES))
+@torch.inference_mode()
+def test_a_decode_graphs_plan_writes_its_rows_in_fp8_too_as_the_products_quantizer_does(case: str):
+    """`fp8_rows`: the program of a row that finishes last also writes the row (all its kv heads' programs') in fp8
+    over its own range with its scale, the bytes and scales of `fp8_w8a8`'s quantizing kernel on the output, the
+    padding rows past the step's zero (a padding row inside it: a row of zeros); the output as without; each
+    row's count left zero for the next launch (run twice)."""
+    from lmiserve.engine.model import fp8_w8a8
+
+    kv_heads, groups, dim, block_size, dtype = CASES[case]
+    gen = torch.Generator().manual_seed(5)
+    positions, counts = [9, 0, 30], [1, 0, 1]  # row 1: padding
+    tables = _tables([-(-(p + 1) // block_size) for p in positions], 40, gen)
+    width = max(len(t) for t in tables)
+    shape = (40, kv_heads, block_size, dim)
+    key_cache, value_cache = (torch.randn(shape, generator=gen).to(DEVICE, dtype) * 4 for _ in range(2))
+    rows = torch.arange(3, device=DEVICE)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
+    at = torch.tensor(positions, device=DEVICE)
+    tile = triton_attention.tile_tokens(groups, 1)
+    plan = triton_attention.StepTiles(
+        rows, rows, torch.tensor(counts, device=DEVICE), at, table, at, tile, 3, 3, rows_tiled=True
+    )
+    done = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+    for seed in (6, 7):
+        query = torch.randn(3, kv_heads * groups, dim, generator=gen.manual_seed(seed)).to(DEVICE, dtype)
+        plain = triton_attention.paged_attention(query, key_cache, value_cache, plan, dim**-0.5)
+        q8, scales = fp8_w8a8.row_buffers(3, kv_heads * groups * dim, DEVICE)
+        q8.fill_(7)
+        scales.fill_(float("nan"))
+        out = torch.full_like(query, float("nan"))  # (a row quantized before each of its heads is written: NaN)
+        rows_in_fp8 = (q8, scales, done)
+        triton_attention.paged_attention(query, key_cache, value_cache, plan, dim**-0.5, out, fp8_rows=rows_in_fp8)
+        assert torch.equal(out, plain)
+        want_q, want_scales = fp8_w8a8._rows_in_fp8(out.reshape(3, -1).clone())
+        assert torch.equal(q8, want_q.view(torch.uint8)) and torch.equal(scales, want_scales)
+        assert not q8[1:2].any() and not q8[3:].any() and q8[0].any() and q8[2].any()
+        assert not done.any()
+    with pytest.raises(ValueError, match="decode graph"):  # (a plan of tiles of several tokens)
+        triton_attention.paged_attention(
+            query, key_cache, value_cache, plan._replace(rows_tiled=False), dim**-0.5, fp8_rows=(q8, scales, done)
+        )
+
+
 def test_a_step_of_more_tiles_than_its_launch_is_refused():
     with pytest.raises(ValueError, match="3 tiles do not fit a launch of 2"):
         triton_attention.step_tiles([([0], 0, 1), ([1], 0, 1), ([2], 0, 1)], 1, 1, 4, DEVICE, tile_capacity=2)

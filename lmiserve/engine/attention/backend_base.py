@@ -79,9 +79,23 @@ class AttentionBackend(ABC):
         them to store them itself and then call `attend_stored` (None, the default: `forward` stores them)."""
         return None
 
-    def attend_stored(self, layer: int, q: torch.Tensor, meta: Any, scale: float | None = None) -> torch.Tensor:
-        """`forward` of a step whose keys and values are already stored where `store_target` said."""
+    def attend_stored(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        meta: Any,
+        scale: float | None = None,
+        fp8_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """`forward` of a step whose keys and values are already stored where `store_target` said. `fp8_rows`
+        (where `writes_fp8_rows`): room for the output's rows in fp8 over each row's range, which the attention's
+        kernel also writes (their bytes, ``[rows padded to 16, heads * head_dim]`` uint8, the padding rows zero; their
+        fp32 scales, ``[rows padded]``), for the product that reads the output (`fp8_w8a8.given_rows`)."""
         raise NotImplementedError(f"{self.name} stores its own keys and values (store_target is None)")
+
+    def writes_fp8_rows(self, meta: Any) -> bool:
+        """Whether `attend_stored` can write the output's rows of the step planned as `meta` in fp8 too."""
+        return False
 
     def _ensure(self, seqs: Sequence[SeqTokens]) -> None:
         """Every block the step touches is zeroed (`PagedKVCache.ensure_zeroed`) before it is read."""

@@ -69,6 +69,8 @@ KERNEL_CHUNK_TOKENS = 32
 # of SmolLM2-135M: attention 10.5 -> 4.6 ms a step on the AMD EPYC); False: a kernel call, a write and its
 # index a chunk and a layer (benchmarks/verify_chunk.py's "before")
 CHUNKS_AS_DECODE_ROWS = True
+# the most decode rows whose attention output the Triton kernel also writes in fp8 (`attend_stored`'s `fp8_rows`)
+ROWS_IN_FP8 = 64
 
 
 # ---- Triton (CUDA) ---------------------------------------------------------------------------------------
@@ -76,6 +78,7 @@ CHUNKS_AS_DECODE_ROWS = True
 
 class TritonBackend(AttentionBackend):
     name = "triton"
+    _done: torch.Tensor | None = None  # the kernel's count a row of `attend_stored`'s rows in fp8 (zeros between)
 
     def plan(self, seqs: Sequence[SeqTokens], decode_rows: int, pad: int) -> triton_ops.StepTiles:
         self._ensure(seqs)
@@ -117,15 +120,31 @@ class TritonBackend(AttentionBackend):
         return KvStore(keys, values, meta.write, self.cache.scales[layer], meta.tokens)
 
     def attend_stored(
-        self, layer: int, q: torch.Tensor, meta: triton_ops.StepTiles, scale: float | None = None
+        self,
+        layer: int,
+        q: torch.Tensor,
+        meta: triton_ops.StepTiles,
+        scale: float | None = None,
+        fp8_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         keys, values, scales = self.cache.keys[layer], self.cache.values[layer], self.cache.scales[layer]
         scale = self.scale if scale is None else scale
         window, cap = self.windows[layer], self.softcap
+        rows = None
+        if fp8_rows is not None:
+            if not self.writes_fp8_rows(meta):
+                raise ValueError("the output's rows in fp8 are written for a decode graph's plan of at most 64 rows")
+            if self._done is None:  # (made in a graph's eager warm-up, before its capture)
+                self._done = torch.zeros(ROWS_IN_FP8, dtype=torch.int32, device=q.device)
+            rows = (*fp8_rows, self._done)
         out = triton_ops.paged_attention(
-            q, keys, values, meta, scale, window=window, kv_scales=scales, softcap=cap, sinks=self.sink(layer)
-        )
+            q, keys, values, meta, scale, window=window, kv_scales=scales, softcap=cap, sinks=self.sink(layer),
+            fp8_rows=rows,
+        )  # fmt: skip
         return out.reshape(len(q), -1)
+
+    def writes_fp8_rows(self, meta: triton_ops.StepTiles) -> bool:
+        return meta.rows_tiled and meta.tiles <= ROWS_IN_FP8
 
 
 # ---- torch ops and the compiled CPU kernel -----------------------------------------------------------------

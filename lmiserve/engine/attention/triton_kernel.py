@@ -4,11 +4,16 @@ patches this module's ``tl`` when it runs the kernel on a CPU).
 An fp8 cache (`KV_FP8`) on a GPU that converts fp8 itself is read through Triton's fp8 types; on one that does not
 (an A100 or A10G, `KV_WIDEN`) the caches come as bytes, widened by moving their bits into a fp16
 (`engine/fp8_widen.py`: e5m2 exactly, e4m3 as ``x / 2**8``, the 2**8 in the scales the caller passes), as the fp8
-weights' kernel widens them."""
+weights' kernel widens them.
+
+`FP8_ROWS` (a decode graph's plan, a tile a row): the program of a row that finishes last (a ticket a row, taken
+atomically) also writes the row's output in fp8 over its own range, with its scale (`row_to_e4m3`, as `fp8_w8a8`'s
+quantizing kernel makes it from the stored row), for the o product (`fused_norm.attend`)."""
 
 import triton.language as tl
 
 from lmiserve.engine.fp8_widen import e4m3_over_256, e5m2
+from lmiserve.engine.model.fp8_w8a8_kernel import row_to_e4m3
 
 __all__ = ["paged_attention_kernel"]
 
@@ -28,6 +33,11 @@ def paged_attention_kernel(  # pragma: no cover - runs as a Triton kernel
     window,
     softcap,
     sinks_ptr,
+    rows_q_ptr,
+    rows_s_ptr,
+    done_ptr,
+    ROW_WIDTH,
+    ROWS_PADDED,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -49,6 +59,8 @@ def paged_attention_kernel(  # pragma: no cover - runs as a Triton kernel
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,
     ZERO_EMPTY: tl.constexpr,
+    FP8_ROWS: tl.constexpr,
+    ROW_PAD: tl.constexpr,
 ):
     # ZERO_EMPTY: every token is the first of a tile of its own (a decode graph's plan), `out` is not zeroed
     # beforehand, and a tile of no token (a padding row) writes its row's zeros itself
@@ -129,3 +141,21 @@ def paged_attention_kernel(  # pragma: no cover - runs as a Triton kernel
         o_at = out_ptr + first * stride_ot + head[:, None] * stride_oh + dims[None, :]
         zeros = tl.zeros([GROUPS_PAD, HEAD_PAD], dtype=out_ptr.dtype.element_ty)
         tl.store(o_at, zeros, mask=(group < GROUPS)[:, None] & (dims < HEAD_DIM)[None, :])
+    if FP8_ROWS:  # (`out` contiguous; `done`: a zero a row, left zero)
+        row = tl.load(tile_first_ptr + tile)
+        # a ticket, as `split_k_kernel.store_sums` takes one (CUTLASS's serial split-K semaphore): every thread's
+        # part of the row stored before the ticket releases them; the last ticket's program reads them all
+        tl.debug_barrier()
+        finished = tl.atomic_add(done_ptr + row, 1, sem="acq_rel", scope="gpu")
+        if finished == tl.num_programs(1) - 1:
+            cols = tl.arange(0, ROW_PAD)
+            within = cols < ROW_WIDTH
+            x = tl.load(out_ptr + row * stride_ot + cols, mask=within, other=0.0, cache_modifier=".cg")
+            q8, row_scale = row_to_e4m3(x.to(tl.float32))
+            tl.store(rows_q_ptr + row * ROW_WIDTH + cols, q8, mask=within)
+            tl.store(rows_s_ptr + row, row_scale)
+            tl.atomic_xchg(done_ptr + row, 0, sem="relaxed", scope="gpu")  # (for the next launch)
+            if row == tl.num_programs(0) - 1:  # the padding rows past the last: zeros (as the quantizing kernel's)
+                for pad in range(tl.num_programs(0), ROWS_PADDED):
+                    tl.store(rows_q_ptr + pad * ROW_WIDTH + cols, tl.zeros([ROW_PAD], dtype=tl.uint8), mask=within)
+                    tl.store(rows_s_ptr + pad, 1.1754943508222875e-38)

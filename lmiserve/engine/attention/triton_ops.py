@@ -237,6 +237,7 @@ def paged_attention(
     kv_scales: tuple[float, float] = UNIT,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    fp8_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of the step's tokens (``query``: ``[tokens, heads, head_dim]``, in `plan`'s order) over
     their sequences' cached positions up to their own (already written), the last `window` of them for a
@@ -244,12 +245,20 @@ def paged_attention(
     are left as they were). On CPU tensors only under Triton's interpreter (`interpreting`). An fp8 cache
     is cast to the query's dtype in the kernel, with `kv_scales` (the layer's key and value scales). `softcap`:
     the scores soft-capped, ``c * tanh(s / c)`` (Gemma 2's ``attn_logit_softcapping``; None: not). `sinks`: each
-    head's sink logit (``[heads]``, float32; gpt-oss's), in every row's softmax with no value."""
+    head's sink logit (``[heads]``, float32; gpt-oss's), in every row's softmax with no value. `fp8_rows`: for a
+    decode graph's plan (`StepTiles.rows_tiled`), each output row also written in fp8 over its own range (the kernel's
+    `FP8_ROWS`): (room for the bytes, ``[padded rows, heads * head_dim]`` uint8, the rows past the step's written
+    zero; for the rows' fp32 scales, ``[padded rows]``; a count a row, int32 zeros, left zero)."""
     heads, head_dim = query.shape[1:]
     _, kv_heads, block_size, _ = key_cache.shape
     groups = heads // kv_heads
     if out is None:  # (every row written by the kernel where each is a tile's: `ZERO_EMPTY`)
         out = query.new_empty(query.shape) if plan.rows_tiled else query.new_zeros(query.shape)
+    rows_q, rows_s, done = fp8_rows if fp8_rows is not None else (out, out, plan.tile_count)  # (never read)
+    if fp8_rows is not None and not (
+        plan.rows_tiled and out.is_contiguous() and rows_q.shape[0] >= plan.tiles and done.numel() >= plan.tiles
+    ):
+        raise ValueError("rows in fp8 need a decode graph's plan, a contiguous output and room for each row")
     if query.stride(-1) != 1 or key_cache.stride(-1) != 1 or value_cache.stride() != key_cache.stride():
         raise ValueError("query and caches must be contiguous in head_dim, the caches alike")
     if query.device.type == "cpu" and not interpreting():
@@ -274,6 +283,11 @@ def paged_attention(
         window or 0,
         softcap or 1.0,
         query if sinks is None else sinks,  # (no sinks: a pointer never read)
+        rows_q,
+        rows_s,
+        done,
+        heads * head_dim,
+        rows_q.shape[0] if fp8_rows is not None else 0,
         query.stride(0),
         query.stride(1),
         key_cache.stride(0),
@@ -295,6 +309,8 @@ def paged_attention(
         SOFTCAP=softcap is not None,
         SINKS=sinks is not None,
         ZERO_EMPTY=plan.rows_tiled,
+        FP8_ROWS=fp8_rows is not None,
+        ROW_PAD=_pow2(heads * head_dim) if fp8_rows is not None else 16,
     )
     return out
 

@@ -365,7 +365,7 @@ class FastLlama:
         target = backend.store_target(index, meta) if whole else None
         if target is not None and fused_norm.stores_in(target, head_norm, self.dtype):
             q = fused_norm.rope_store(qkv, c, s, heads, self.kv_heads, target, head_norm)
-            return backend.attend_stored(index, q, meta)
+            return fused_norm.attend(backend, index, q, meta, self.fp8_rows)
         if whole and head_norm is None:
             qk = fused_norm.rope(qkv, c, s, heads + self.kv_heads, self.head_dim)
         else:

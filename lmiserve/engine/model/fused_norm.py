@@ -21,7 +21,8 @@ Where a model's fused q/k/v products are fp8 on a GPU with fp8 products (`fp8_ro
 writes each normed row of a decode step in fp8 (over its own range, as `fp8_w8a8` quantizes it) and gives it to
 `fp8_w8a8` (`fp8_w8a8.given_rows`), and so does SiLU's kernel: the q/k/v, gate/up and down products that read
 those rows then skip their own quantizing kernel (one kernel fewer each, a layer's three of its four; 96 a step
-of the 8B shape).
+of the 8B shape). In a decode graph's step over the Triton attention the attention's kernel writes its output's
+rows in fp8 too (`attend`), for o's product: all four, 128 a step.
 
 Whether a model's steps run them is measured on the serving GPU when its forward is built
 (engine/model/fused_choice.py), unless ``LMISERVE_FUSED_ELEMENTWISE`` is ``1`` (on) or ``0`` (off): `USE_ON_CUDA`.
@@ -38,7 +39,7 @@ import torch
 
 from lmiserve.engine import fp8_devices
 from lmiserve.engine.attention import kv_quant
-from lmiserve.engine.attention.backend_base import KvStore
+from lmiserve.engine.attention.backend_base import AttentionBackend, KvStore
 from lmiserve.engine.model import fp8_w8a8, kernel_choice
 from lmiserve.engine.model.layout_variants import NormWeight
 
@@ -53,6 +54,7 @@ USE_ON_CUDA = kernel_choice.switch("LMISERVE_FUSED_ELEMENTWISE")
 __all__ = [
     "USE_ON_CUDA",
     "add_rms_norm",
+    "attend",
     "available",
     "fp8_rows_for",
     "rope",
@@ -192,3 +194,17 @@ def rope_store(
         BLOCK=triton.next_power_of_2(half),
     )  # fmt: skip
     return q
+
+
+def attend(backend: AttentionBackend, layer: int, q: torch.Tensor, meta: Any, fp8_rows: bool = False) -> torch.Tensor:
+    """The backend's `attend_stored` of layer `layer` after `rope_store`: ``[T, heads * head_dim]``. `fp8_rows`: up to
+    `fp8_w8a8.PAD` rows of a step the backend's kernel writes in fp8 too (`writes_fp8_rows`: the Triton kernel's,
+    a decode graph's step) also written so and given to the o product (`fp8_w8a8.given_rows`), as the norms' rows
+    are to theirs: no quantizing kernel of its own."""
+    rows = q.shape[0]
+    if not (fp8_rows and rows <= fp8_w8a8.PAD and backend.writes_fp8_rows(meta)):
+        return backend.attend_stored(layer, q, meta)
+    q8, scales = fp8_w8a8.row_buffers(rows, q.shape[1] * q.shape[2], q.device)
+    out = backend.attend_stored(layer, q, meta, fp8_rows=(q8, scales))
+    fp8_w8a8.given_rows(out, q8.view(torch.float8_e4m3fn), scales)
+    return out
