@@ -111,27 +111,36 @@ def test_every_token_attends_over_its_own_positions_through_the_block_table(case
     assert not out[tokens:].any()
 
 
+def _graph_step(
+    case: str, positions: list[int], counts: list[int], gen: torch.Generator
+) -> tuple[list[list[int]], torch.Tensor, torch.Tensor, triton_attention.StepTiles]:
+    """A decode graph's step of `CASES[case]`'s shape (`TritonBackend.graph_plan`: each row a tile of its own, a
+    padding row's count 0): the rows' block tables, random key and value caches of 40 blocks, the plan."""
+    kv_heads, groups, dim, block_size, dtype = CASES[case]
+    tables = _tables([-(-(p + 1) // block_size) for p in positions], 40, gen)
+    width = max(len(t) for t in tables)
+    shape = (40, kv_heads, block_size, dim)
+    key_cache, value_cache = (torch.randn(shape, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    rows = torch.arange(len(positions), device=DEVICE)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
+    at = torch.tensor(positions, device=DEVICE)
+    tile, size = triton_attention.tile_tokens(groups, 1), len(positions)
+    plan = triton_attention.StepTiles(
+        rows, rows, torch.tensor(counts, device=DEVICE), at, table, at, tile, size, size, rows_tiled=True
+    )
+    return tables, key_cache, value_cache, plan
+
+
 @pytest.mark.parametrize("case", list(CASES))
 @torch.inference_mode()
 def test_a_decode_graphs_plan_writes_every_row_its_padding_rows_zeros(case: str):
     """A decode graph's plan (`TritonBackend.graph_plan`: each row a tile of its own, padding rows tiles of no
     token): the output is not zeroed beforehand (an output of NaNs here), so the kernel writes each row, the
     padding rows' zeros too; the decode rows as `_reference` attends them."""
-    kv_heads, groups, dim, block_size, dtype = CASES[case]
+    kv_heads, groups, dim, _, dtype = CASES[case]
     gen = torch.Generator().manual_seed(4)
-    positions, counts = [9, 0, 30, 0], [1, 0, 1, 0]  # rows 1 and 3: padding
-    tables = _tables([-(-(p + 1) // block_size) for p in positions], 40, gen)
-    width = max(len(t) for t in tables)
-    shape = (40, kv_heads, block_size, dim)
-    key_cache, value_cache = (torch.randn(shape, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    tables, key_cache, value_cache, plan = _graph_step(case, [9, 0, 30, 0], [1, 0, 1, 0], gen)  # rows 1, 3: padding
     query = torch.randn(4, kv_heads * groups, dim, generator=gen).to(DEVICE, dtype)
-    rows = torch.arange(4, device=DEVICE)
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
-    at = torch.tensor(positions, device=DEVICE)
-    tile = triton_attention.tile_tokens(groups, 1)
-    plan = triton_attention.StepTiles(
-        rows, rows, torch.tensor(counts, device=DEVICE), at, table, at, tile, 4, 4, rows_tiled=True
-    )
     out = torch.full_like(query, float("nan"))
     triton_attention.paged_attention(query, key_cache, value_cache, plan, dim**-0.5, out=out)
     want = _reference(query[[0, 2]], key_cache, value_cache, [(tables[0], 9, 1), (tables[2], 30, 1)], dim**-0.5)
@@ -149,20 +158,10 @@ def test_a_decode_graphs_plan_writes_its_rows_in_fp8_too_as_the_products_quantiz
     row's count left zero for the next launch (run twice)."""
     from lmiserve.engine.model import fp8_w8a8
 
-    kv_heads, groups, dim, block_size, dtype = CASES[case]
+    kv_heads, groups, dim, _, dtype = CASES[case]
     gen = torch.Generator().manual_seed(5)
-    positions, counts = [9, 0, 30], [1, 0, 1]  # row 1: padding
-    tables = _tables([-(-(p + 1) // block_size) for p in positions], 40, gen)
-    width = max(len(t) for t in tables)
-    shape = (40, kv_heads, block_size, dim)
-    key_cache, value_cache = (torch.randn(shape, generator=gen).to(DEVICE, dtype) * 4 for _ in range(2))
-    rows = torch.arange(3, device=DEVICE)
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
-    at = torch.tensor(positions, device=DEVICE)
-    tile = triton_attention.tile_tokens(groups, 1)
-    plan = triton_attention.StepTiles(
-        rows, rows, torch.tensor(counts, device=DEVICE), at, table, at, tile, 3, 3, rows_tiled=True
-    )
+    _, key_cache, value_cache, plan = _graph_step(case, [9, 0, 30], [1, 0, 1], gen)  # row 1: padding
+    key_cache, value_cache = key_cache * 4, value_cache * 4
     done = torch.zeros(8, dtype=torch.int32, device=DEVICE)
     for seed in (6, 7):
         query = torch.randn(3, kv_heads * groups, dim, generator=gen.manual_seed(seed)).to(DEVICE, dtype)
