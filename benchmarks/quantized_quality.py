@@ -18,6 +18,9 @@ each format by `lmiserve.models.quant_pack` and loaded back by `load_causal_lm` 
   and GPTQ's v1 packing. The 4-bit codes are plain round-to-nearest (RTN): NO calibration, no AWQ
   activation-aware scaling, no GPTQ error feedback; published AWQ/GPTQ checkpoints quantized with
   calibration should do at least as well.
+- ``w4a16``, ``w4a16-asym``: compressed-tensors' 4-bit ``pack-quantized`` (llm-compressor's W4A16, symmetric,
+  and W4A16_ASYM, with zero points), groups of `--group`, written by the compressed-tensors package itself
+  (`tests/helpers/compressed_int4.py`: min-max scales, also no calibration; a test dependency).
 
 On a CPU, fp8 weights are de-quantized once at load (fp32 products): the figures are fp8's weights'
 accuracy, not its speed; AWQ/GPTQ run on lmiserve's int4 kernel. ``--fp8-products`` (with ``--dtype
@@ -40,10 +43,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import math
 import platform
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -56,11 +61,16 @@ from lmiserve.models import load_causal_lm, resolve_model_path
 from lmiserve.models.compose import build_engine
 from lmiserve.models.quant_pack import write_quantized
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: tests/helpers
+from tests.helpers.compressed_int4 import write_w4a16  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 TEXT = HERE / "texts" / "pride_and_prejudice_ch1.txt"
 TOPICS = ["the sea", "gravity", "a city at night", "machine learning", "the moon", "coffee", "trains", "music"]
 TEMPLATES = ["Write a short poem about {}.", "Explain {} in simple words.", "What is interesting about {}?"]
 FORMATS = ("bf16", "fp8-channel", "fp8-tensor", "fp8-dynamic", "fp8-block", "awq", "gptq")
+if importlib.util.find_spec("compressed_tensors") is not None:  # (a test dependency: not on the GPU check's device)
+    FORMATS += ("w4a16", "w4a16-asym")
 
 
 def prompts(count: int, tokenizer) -> list[str]:
@@ -184,7 +194,10 @@ def main() -> None:
                 loaded = load_causal_lm(path, dtype=dtype, device=device, quantize="fp8")
             else:
                 out = Path(tmp) / fmt
-                write_quantized(base.model, out, fmt, group=args.group)
+                if fmt.startswith("w4a16"):  # compressed-tensors' own writer
+                    write_w4a16(base.model, out, fmt, args.group)
+                else:
+                    write_quantized(base.model, out, fmt, group=args.group)
                 base.tokenizer.save_pretrained(out)
                 loaded = load_causal_lm(out, dtype=dtype, device=device)
             kinds = sorted({type(m).__name__ for n, m in loaded.model.named_modules() if n.endswith("proj")})
@@ -211,7 +224,9 @@ def main() -> None:
         "new_tokens": args.tokens,
         "concurrency": args.concurrency,
         "group_size": args.group,
-        "int4_quantization": "round-to-nearest, asymmetric, no calibration (AWQ/GPTQ storage formats only)",
+        "int4_quantization": (
+            "round-to-nearest, no calibration: awq, gptq and w4a16-asym asymmetric, w4a16 symmetric (storage formats only)"
+        ),
         "formats": rows,
     }
     out_dir = Path(args.out)

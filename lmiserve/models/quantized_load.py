@@ -12,6 +12,9 @@ Formats (`engine/model/quant_formats.py` says how each is stored and run):
   scale); a vision-language model's dequantized by transformers. A mixture of experts' fp8 experts (each expert's
   matrices with their scales, by blocks too, as compressed-tensors publishes Qwen3-MoE and Mixtral and Qwen3-MoE's
   FP8 release stores them) are de-quantized at load: their products are transformers' grouped ones.
+- ``quant_method: compressed-tensors`` whose weights are 4-bit integers by group or channel, ``pack-quantized``
+  (llm-compressor's W4A16 and W4A16_ASYM, from its GPTQ or AWQ modifiers): ``quantize=gptq`` or ``awq``; the
+  4-bit codes run as AWQ's and GPTQ's do. ``quantize=compressed-tensors`` (vLLM's word) takes either scheme.
 - ``quant_method: awq``, 4 bits, GEMM packing, with zero points: ``quantize=awq``.
 - ``quant_method: gptq``, 4 bits (``checkpoint_format`` ``gptq``, or ``gptq_v2``), any ``desc_act``:
   ``quantize=gptq``.
@@ -39,6 +42,7 @@ import torch
 from lmiserve.engine.model.fp8_ops import per_tensor_at_load
 from lmiserve.engine.model.int4_triton import Int4TritonLinear
 from lmiserve.engine.model.quant_formats import (
+    PACKED_KEYS,
     Int4Parts,
     QuantSpec,
     fp8_module,
@@ -46,6 +50,7 @@ from lmiserve.engine.model.quant_formats import (
     quantize_fp8,
     unpack_awq,
     unpack_gptq,
+    unpack_packed,
     weights_kept_for,
 )
 from lmiserve.engine.model.quantize import Int4Linear, replace_linears
@@ -55,6 +60,7 @@ from lmiserve.engine.model.sharding import experts_layout
 from lmiserve.models.attention_choice import sdpa_or_default
 from lmiserve.models.errors import ModelLoadError
 from lmiserve.models.int4_load import SafetensorsFiles, meta_tensors, safetensors_names
+from lmiserve.models.quant_config import COMPRESSED_TENSORS, checkpoint_spec
 from lmiserve.models.quant_pack import rtn_int4
 
 __all__ = [
@@ -69,7 +75,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-QUANTIZE_METHODS = ("fp8", "awq", "gptq", "mxfp4")
+QUANTIZE_METHODS = ("fp8", "awq", "gptq", "mxfp4", COMPRESSED_TENSORS)
 DUMMY_GROUP = 128  # load_format=dummy with quantize=awq|gptq: groups of this many inputs (AWQ's and GPTQ's usual)
 
 
@@ -78,12 +84,18 @@ def checkpoint_quantization(path: Path, quantize: str | None, load_format: str =
     `ModelLoadError` of one line when they disagree or the format is not one lmiserve reads."""
     quantize = (quantize or "").strip().lower() or None
     if quantize is not None and quantize not in QUANTIZE_METHODS:
-        raise ModelLoadError(f"quantize={quantize} is not supported: use fp8, awq, gptq or mxfp4 (or leave it unset)")
+        raise ModelLoadError(
+            f"quantize={quantize} is not supported: use fp8, awq, gptq, mxfp4 or compressed-tensors (or leave it unset)"
+        )
     config = _config_json(path)
     qc = config.get("quantization_config") or config.get("text_config", {}).get("quantization_config")
     if load_format == "dummy":  # random weights, quantized at load (a benchmark's model of a shape)
         if quantize is None:
             return None
+        if quantize == COMPRESSED_TENSORS:
+            raise ModelLoadError(
+                "quantize=compressed-tensors names a checkpoint's format: a dummy load takes fp8, awq or gptq"
+            )
         return QuantSpec("fp8", "dynamic") if quantize == "fp8" else QuantSpec(quantize, "dummy", DUMMY_GROUP)
     if not qc:
         if quantize is None or quantize == "fp8":
@@ -92,51 +104,14 @@ def checkpoint_quantization(path: Path, quantize: str | None, load_format: str =
             f"quantize={quantize}: {path.name} is not a {quantize.upper()} checkpoint (no quantization_config "
             "in its config.json); only quantize=fp8 quantizes a float checkpoint at load"
         )
-    spec = _spec(qc)
-    if quantize is not None and quantize != spec.method:
+    spec = checkpoint_spec(qc)
+    names = {spec.method} | ({"awq", "gptq"} if spec.packed else set())  # (W4A16: llm-compressor's GPTQ or AWQ)
+    if quantize is not None and quantize not in names | ({COMPRESSED_TENSORS} & {spec.source}):
         raise ModelLoadError(
             f"quantize={quantize}, but {path.name} is a {spec.method} checkpoint ({spec.source}): "
             f"set quantize={spec.method} or leave it unset"
         )
     return spec
-
-
-def _spec(qc: dict[str, Any]) -> QuantSpec:
-    method = str(qc.get("quant_method", "")).lower()
-    if method == "compressed-tensors":
-        weights = [g.get("weights") or {} for g in (qc.get("config_groups") or {}).values()]
-        kinds = {(w.get("type"), w.get("num_bits"), w.get("strategy")) for w in weights}
-        if not kinds or any(k[:2] != ("float", 8) or k[2] not in ("channel", "tensor") for k in kinds):
-            raise ModelLoadError(
-                f"compressed-tensors weights {sorted(map(str, kinds))} are not supported: lmiserve reads "
-                "8-bit float weights per channel or per tensor"
-            )
-        return QuantSpec("fp8", method)
-    if method == "fbgemm_fp8":
-        return QuantSpec("fp8", method)
-    if method == "mxfp4":
-        return QuantSpec("mxfp4", method)
-    if method == "fp8":
-        block = qc.get("weight_block_size")
-        return QuantSpec("fp8", method, blocks=(int(block[0]), int(block[1])) if block else None)
-    if method in ("awq", "gptq"):
-        bits = qc.get("bits", qc.get("w_bit"))
-        group = int(qc.get("group_size", qc.get("q_group_size", -1)) or -1)
-        if bits != 4:
-            raise ModelLoadError(f"{method} with {bits} bits is not supported: lmiserve reads 4-bit {method}")
-        if method == "awq":
-            version = str(qc.get("version", "gemm")).lower()
-            if version != "gemm" or qc.get("zero_point", True) is False:
-                raise ModelLoadError(f"awq version {version!r} without GEMM packing and zero points is not supported")
-            return QuantSpec("awq", method, group)
-        fmt = str(qc.get("checkpoint_format", "gptq")).lower()
-        if fmt not in ("gptq", "gptq_v2"):
-            raise ModelLoadError(f"gptq checkpoint_format {fmt!r} is not supported: use gptq or gptq_v2")
-        return QuantSpec("gptq", method, group, v1_zeros=fmt == "gptq")
-    raise ModelLoadError(
-        f"quant_method {method or None!r} is not supported: lmiserve reads compressed-tensors fp8, fbgemm_fp8, "
-        "awq, gptq and mxfp4"
-    )
 
 
 def _config_json(path: Path) -> dict[str, Any]:
@@ -281,6 +256,14 @@ def _linear_of(
         if weight.dtype != torch.float8_e4m3fn:
             raise ModelLoadError(f"{name}.weight is {weight.dtype}, not float8_e4m3fn")
         return fp8_module(weight, scale, bias, dtype, device, keep, spec.blocks)
+    if spec.packed:
+        if get("weight_packed") is None:
+            return None
+        tensors = {key: value for key in PACKED_KEYS if (value := get(key)) is not None}
+        try:
+            return int4_module(unpack_packed(tensors, spec.group_size, name), bias, dtype, device, keep)
+        except ValueError as error:
+            raise ModelLoadError(str(error)) from None
     qweight = get("qweight")
     if qweight is None:
         return None

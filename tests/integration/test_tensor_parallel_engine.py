@@ -539,6 +539,7 @@ QUANTIZED = {
     "fp8-block-moe": ("fp8-block", 16, False, {}),
     "awq": ("awq", 128, False, {}),
     "gptq-desc-act": ("gptq", 64, True, {}),
+    "w4a16-asym": ("w4a16-asym", 32, False, {}),  # compressed-tensors' pack-quantized, written by the package
     "fp8-at-load": ("float", 0, False, {"quantize": "fp8"}),
     "awq-dummy": ("float", 0, False, {"quantize": "awq", "load_format": "dummy"}),
 }

@@ -1,9 +1,11 @@
 """Quantized checkpoints (issue #39): fp8 (compressed-tensors per channel and per tensor, FBGEMM fp8), AWQ
-and GPTQ 4-bit, written from a tiny random Llama by `models.quant_pack`, loaded by `load_causal_lm`.
+and GPTQ 4-bit, written from a tiny random Llama by `models.quant_pack`, and compressed-tensors' 4-bit
+``pack-quantized`` (W4A16 symmetric and asymmetric) written by the compressed-tensors package itself
+(`helpers.compressed_int4`), loaded by `load_causal_lm`.
 
 The reference de-quantization here is written from the formats' published unpacking (AutoAWQ's
 `unpack_awq` + `reverse_awq_order`, AutoGPTQ's `wf` shifts with ``zeros + 1``, compressed-tensors'
-``weight * weight_scale``), independently of `quant_formats`; every linear must equal it exactly (fp32),
+``weight * weight_scale``; for W4A16, compressed-tensors' own decompressor), independently of `quant_formats`; every linear must equal it exactly (fp32),
 and the engine's greedy tokens must equal transformers' forward on the de-quantized float model.
 
 The tests of `on the test device` run on LMISERVE_TEST_DEVICE in bf16 (benchmarks/gpu_check.py runs this file
@@ -22,8 +24,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
+from helpers.compressed_int4 import FORMATS as COMPRESSED_INT4
+from helpers.compressed_int4 import decompressed
 from helpers.decode_graphs import graphs_on_the_test_device
-from helpers.quantizable import quantizable_llama
+from helpers.quantizable import quantizable_llama, write_checkpoint
 from helpers.tiny_model import build_tiny_tokenizer
 from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine.core.async_engine import EngineConfig
@@ -40,7 +44,7 @@ from lmiserve.engine.model.quant_formats import (
 from lmiserve.engine.model.quantize import Int4Linear, int4_available
 from lmiserve.models.errors import ModelLoadError
 from lmiserve.models.load import load_causal_lm
-from lmiserve.models.quant_pack import rtn_int4, write_quantized
+from lmiserve.models.quant_pack import rtn_int4
 
 DEVICE = torch.device(os.environ.get("LMISERVE_TEST_DEVICE", "cpu"))
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -52,7 +56,11 @@ CASES = {  # id: (quant_pack format, act_order, group)
     "awq-g128": ("awq", False, 128),
     "gptq-g128": ("gptq", False, 128),
     "gptq-g64-desc-act": ("gptq", True, 64),
+    "w4a16-g32": ("w4a16", False, 32),  # compressed-tensors pack-quantized (llm-compressor's GPTQ W4A16)
+    "w4a16-asym-g64": ("w4a16-asym", False, 64),  # with zero points (llm-compressor's AWQ, W4A16_ASYM)
+    "w4a16-channel": ("w4a16", False, -1),  # one scale an output channel
 }
+INT4 = ("awq", "gptq", *COMPRESSED_INT4)
 
 
 def tiny_llama() -> tuple[LlamaForCausalLM, object]:
@@ -61,16 +69,11 @@ def tiny_llama() -> tuple[LlamaForCausalLM, object]:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    model, tokenizer = tiny_llama()
-    dirs = {}
+    model, _ = tiny_llama()
     root = tmp_path_factory.mktemp("quantized")
-    model.save_pretrained(root / "float")
-    tokenizer.save_pretrained(root / "float")  # type: ignore[attr-defined]
-    dirs["float"] = root / "float"
+    dirs = {"float": write_checkpoint(model, root / "float", "float")}
     for case, (fmt, act_order, group) in CASES.items():
-        write_quantized(model, root / case, fmt, group=group or 128, act_order=act_order)
-        tokenizer.save_pretrained(root / case)  # type: ignore[attr-defined]
-        dirs[case] = root / case
+        dirs[case] = write_checkpoint(model, root / case, fmt, group or 128, act_order)
     return dirs
 
 
@@ -112,6 +115,8 @@ def reference(case: str, t: dict[str, torch.Tensor]) -> torch.Tensor:
     fmt, _, group = CASES[case]
     if fmt == "fp8-block":
         return ref_fp8_block(t, group)
+    if fmt in COMPRESSED_INT4:
+        return decompressed(fmt, group, t)
     return ref_awq(t, group) if fmt == "awq" else ref_gptq(t) if fmt == "gptq" else ref_fp8(t)
 
 
@@ -166,7 +171,7 @@ def test_each_format_loads_with_every_linear_equal_to_the_reference(checkpoints:
     for name, module in loaded.model.named_modules():
         if name.rpartition(".")[2] not in LINEARS:
             continue
-        on_kernel = fmt in ("awq", "gptq") and not act_order and int4_available()
+        on_kernel = fmt in INT4 and not act_order and int4_available()
         assert isinstance(module, Int4Linear if on_kernel else torch.nn.Linear), (name, type(module))
         got = module.dequantized() if isinstance(module, Int4Linear) else module.weight.detach()
         assert got.dtype == torch.float32 and torch.equal(got, reference(case, tensors[name])), name

@@ -35,6 +35,8 @@ CASES = {  # id: (quant_pack format, act_order, group)
     "awq-g128": ("awq", False, 128),
     "gptq-g64": ("gptq", False, 64),
     "gptq-g64-desc-act": ("gptq", True, 64),
+    "w4a16-asym-g32": ("w4a16-asym", False, 32),  # compressed-tensors' pack-quantized (helpers.compressed_int4)
+    "w4a16-channel": ("w4a16", False, -1),
 }
 
 
@@ -95,7 +97,9 @@ def test_each_ranks_quantized_linears_are_its_cut_of_the_whole_models(checkpoint
             assert (got is None) == (kept is None), (case, rank, name)
             if kept is not None:
                 assert torch.equal(got.detach().float(), kept), (case, rank, name)
-            if case == "awq-g128" and int4_available():  # the CPU int4 kernel's layer, as one process's
+            if (
+                case in ("awq-g128", "w4a16-asym-g32") and int4_available()
+            ):  # the CPU int4 kernel's layer, as one process's
                 assert isinstance(module, Int4Linear), (rank, name, type(module))
         # the rest (embeddings, norms) read as a float checkpoint's
         assert torch.equal(shard.model.norm.weight, whole.model.norm.weight)

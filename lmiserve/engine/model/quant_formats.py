@@ -23,6 +23,12 @@ integer zero point: ``w[o, i] = (code[o, i] - zero[o, g(i)]) * scale[o, g(i)]``.
   inputs in order (nibble ``k`` of row ``r``: input ``8 r + k``), ``qzeros`` int32 ``[groups, out / 8]``
   packing 8 outputs in order and storing ``zero - 1`` (the v1 convention; ``gptq_v2`` stores ``zero``),
   ``scales`` ``[groups, out]``, ``g_idx`` int32 ``[in]`` (``g(i)``; not sorted with ``desc_act``).
+- compressed-tensors ``pack-quantized`` (llm-compressor's W4A16 and W4A16_ASYM, from its GPTQ or AWQ modifiers):
+  ``weight_packed`` int32 ``[out, in / 8]`` packing 8 inputs in order, each the signed code plus 8;
+  ``weight_scale`` ``[out, groups]`` (``[out, 1]`` by channel); ``weight_shape`` ``[out, in]``; with asymmetric
+  weights ``weight_zero_point`` int32 ``[out / 8, groups]`` packing 8 outputs in order, plus 8 (older releases:
+  ``[out, groups / 8]``); ``weight_g_idx`` ``[in]`` where the groups were ordered by activations. A symmetric
+  weight's zero is 8 in these terms.
 
 `int4_module` makes the layer: on CPU, with fp32 compute and groups of consecutive inputs whose size is
 a multiple of 32, lmiserve's `Int4Linear` (GGUF Q4_1's ``w = code * scale + min`` per group of 32: each
@@ -49,6 +55,7 @@ from lmiserve.engine.model.quantize import INT4_GROUP, Int4Linear, int4_availabl
 __all__ = [
     "AWQ_ORDER",
     "FP8_MAX",
+    "PACKED_KEYS",
     "Fp8Linear",
     "Int4Parts",
     "QuantSpec",
@@ -61,12 +68,14 @@ __all__ = [
     "quantize_fp8",
     "unpack_awq",
     "unpack_gptq",
+    "unpack_packed",
     "weights_kept_for",
 ]
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble k of an AWQ word holds output AWQ_ORDER[k] of its 8
 _AWQ_NIBBLE_OF = tuple(AWQ_ORDER.index(k) for k in range(8))  # output k's nibble: (0, 4, 1, 5, 2, 6, 3, 7)
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+PACKED_KEYS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
 
 
 def _nibbles(words: torch.Tensor) -> torch.Tensor:
@@ -87,6 +96,14 @@ class QuantSpec:
     group_size: int = -1
     v1_zeros: bool = True
     blocks: tuple[int, int] | None = None
+    packed: bool = False
+
+    @property
+    def codes_key(self) -> str:
+        """The name of the tensor that says a linear is stored quantized (beside its weight's name)."""
+        if self.method == "fp8":
+            return "weight_scale_inv" if self.blocks else "weight_scale"
+        return "weight_packed" if self.packed else "qweight"
 
     @property
     def dynamic(self) -> bool:
@@ -155,6 +172,43 @@ def unpack_gptq(
     return Int4Parts(
         codes.t().to(torch.uint8).contiguous(), scales.t().float().contiguous(), zeros.t().contiguous(), g_idx.long()
     )
+
+
+def unpack_packed(tensors: dict[str, torch.Tensor], group_size: int, name: str = "a linear") -> Int4Parts:
+    """compressed-tensors' ``pack-quantized`` 4-bit tensors of the linear `name` (`PACKED_KEYS`: ``weight_packed``,
+    ``weight_scale``, ``weight_shape``, and ``weight_zero_point``, ``weight_g_idx`` where stored) as codes ``[out,
+    in]`` and ``[out, groups]`` scales and zeros (`group_size`: the config's; -1 by channel). A `ValueError` naming
+    `name` where the tensors do not fit together."""
+    missing = [key for key in PACKED_KEYS[:3] if key not in tensors]
+    if missing:
+        raise ValueError(f"{name}: {', '.join(missing)} not in the checkpoint beside its weight_packed")
+    out, inputs = (int(v) for v in tensors["weight_shape"].tolist())
+    packed = tensors["weight_packed"]
+    if packed.dtype != torch.int32 or packed.shape[0] != out or packed.shape[1] * 8 < inputs:
+        shape = f"{tuple(packed.shape)} {str(packed.dtype).removeprefix('torch.')}"
+        raise ValueError(f"{name}: weight_packed {shape} does not hold the 4-bit codes of {out}x{inputs}")
+    codes = _nibbles(packed).reshape(out, -1)[:, :inputs]
+    raw = tensors["weight_scale"].float()
+    if raw.numel() % out and raw.numel() != 1:
+        raise ValueError(f"{name}: weight_scale {tuple(raw.shape)} is not a scale for each of {out} outputs")
+    scale = raw.reshape(1, 1).expand(out, 1) if raw.numel() == 1 else raw.reshape(out, -1)  # (by tensor: one)
+    groups = scale.shape[1]
+    stored = tensors.get("weight_zero_point")
+    if stored is None:
+        zero = torch.full((out, groups), 8, dtype=torch.int32, device=codes.device)
+    elif tuple(stored.shape) == (-(-out // 8), groups):  # outputs packed (compressed-tensors' releases of 2025 on)
+        zero = _nibbles(stored).permute(0, 2, 1).reshape(-1, groups)[:out]
+    elif tuple(stored.shape) == (out, -(-groups // 8)):  # groups packed (earlier releases)
+        zero = _nibbles(stored).reshape(out, -1)[:, :groups]
+    else:
+        zeros = f"{out}x{groups}"
+        raise ValueError(f"{name}: weight_zero_point {tuple(stored.shape)} fits neither packing of {zeros} zeros")
+    g_idx = tensors.get("weight_g_idx")
+    if g_idx is None:
+        g_idx = torch.arange(inputs, device=codes.device) // (inputs if group_size <= 0 else group_size)
+    if g_idx.numel() != inputs or int(g_idx.max()) >= groups or int(g_idx.min()) < 0:
+        raise ValueError(f"{name}: the inputs' groups (weight_g_idx or group_size) are not its {groups} scales' groups")
+    return Int4Parts(codes.to(torch.uint8).contiguous(), scale.contiguous(), zero.contiguous(), g_idx.long())
 
 
 def int4_module(

@@ -151,13 +151,13 @@ def _quantized_linears(
     device: torch.device,
     split: tuple[str, ...] = ("",),
 ) -> set[str]:
-    """Each linear of `model`'s layers that the checkpoint stores quantized (fp8 with a ``weight_scale``, AWQ or
-    GPTQ; block-wise fp8 where the rank keeps it, `weights_kept_for`) replaced by the rank's layer of it
-    (`shard_quantized.shard_linear`); their names. `split`: the prefixes of the modules tensor parallelism splits
-    (`_split_prefixes`)."""
+    """Each linear of `model`'s layers that the checkpoint stores quantized (fp8 with a ``weight_scale``, AWQ,
+    GPTQ or compressed-tensors' 4-bit codes; block-wise fp8 where the rank keeps it, `weights_kept_for`) replaced
+    by the rank's layer of it (`shard_quantized.shard_linear`); their names. `split`: the prefixes of the modules
+    tensor parallelism splits (`_split_prefixes`)."""
     if quant is None or quant.method not in ("fp8", "awq", "gptq"):
         return set()
-    key = "qweight" if quant.method != "fp8" else "weight_scale_inv" if quant.blocks else "weight_scale"
+    key = quant.codes_key
     plan = cast(Any, shard_of(model)).plan
     keep = weights_kept_for(model, device, f"rank {plan.rank}", quant.method, quant.blocks is not None)
     if quant.blocks and not keep:

@@ -6,11 +6,12 @@ linear (`quant_formats`), so a rank of an fp8 checkpoint holds fp8 weights on Ho
   fp8 weight with their scales (a per-tensor scale whole), a row-parallel linear's input columns with every
   scale, read by their slices; `fp8_module` makes an `Fp8Linear` where the device multiplies fp8, else
   dequantizes it (a CPU).
-- 4-bit AWQ and GPTQ: the packed tensors read whole (a quarter of the bf16 bytes), unpacked (`unpack_awq`,
-  `unpack_gptq`), then the codes, scales and zeros cut: a column-parallel linear's rows, a row-parallel linear's
-  input columns with the groups they use (consecutive groups stay consecutive when the rank's first input starts
-  a group: the rank's layer is then the CPU int4 kernel's, as one process's is; GPTQ's act-order groups are kept
-  as its ``g_idx`` says); `int4_module` makes the layer.
+- 4-bit AWQ, GPTQ and compressed-tensors' ``pack-quantized``: the packed tensors read whole (a quarter of the bf16
+  bytes), unpacked (`unpack_awq`, `unpack_gptq`, `unpack_packed`), then the codes, scales and zeros cut: a
+  column-parallel linear's rows, a row-parallel linear's input columns with the groups they use (consecutive
+  groups stay consecutive when the rank's first input starts a group: the rank's layer is then the CPU int4
+  kernel's, as one process's is; GPTQ's act-order groups are kept as its ``g_idx`` says); `int4_module` makes
+  the layer.
 - ``quantize=fp8`` on a float checkpoint (`quantize_fp8_shard`): each rank's float linears quantized per output
   channel, a row-parallel linear's scales over its whole rows (their maxima all-reduced), so every rank's fp8
   weights are its cut of those one process makes.
@@ -31,6 +32,7 @@ import torch
 from lmiserve.engine.model import fp8_gemv
 from lmiserve.engine.model.fp8_ops import per_tensor_at_load
 from lmiserve.engine.model.quant_formats import (
+    PACKED_KEYS,
     Int4Parts,
     QuantSpec,
     fp8_module,
@@ -38,6 +40,7 @@ from lmiserve.engine.model.quant_formats import (
     quantize_fp8,
     unpack_awq,
     unpack_gptq,
+    unpack_packed,
     weights_kept_for,
 )
 from lmiserve.engine.model.quantize import replace_linears
@@ -112,34 +115,43 @@ def shard_linear(
     """The rank's layer of linear `name` from the checkpoint's quantized tensors of it (`names`: the checkpoint's
     tensors; `read`: one's slice), cut as `sharding` cuts a float linear; None when the checkpoint stores it float
     or in a format that is read as float (block-wise fp8: `dequantizing_reader`). `keep`: `weights_kept_for`'s."""
-    short = name.rpartition(".")[2]
-    rows, columns = None, None
     if quant.method == "fp8" and quant.blocks:
         return _block_fp8_shard(name, names, read, plan, quant.blocks, dtype, device, keep)
-    stored = read(f"{name}.weight_scale" if quant.method == "fp8" else f"{name}.scales")
-    outputs = stored.get_shape()[-1] if quant.method != "fp8" else read(f"{name}.weight").get_shape()[0]
-    rows = row_runs(plan, short, outputs)
+    short = name.rpartition(".")[2]
+    if quant.method != "fp8":  # 4-bit codes: read whole, unpacked, then cut
+        parts = _int4_parts(name, names, read, quant)
+        rows = row_runs(plan, short, parts.codes.shape[0])
+        columns = column_run(plan, short, parts.codes.shape[1]) if rows is None and short in ROW_PARALLEL else None
+        bias = _bias(read(f"{name}.bias") if f"{name}.bias" in names else None, rows, short, plan)
+        return int4_module(_cut_int4(parts, rows, columns), bias, dtype, device, keep)
+    weight = read(f"{name}.weight")
+    rows, columns = row_runs(plan, short, weight.get_shape()[0]), None
     bias = _bias(read(f"{name}.bias") if f"{name}.bias" in names else None, rows, short, plan)
-    if quant.method == "fp8":
-        weight = read(f"{name}.weight")
-        if rows is None and short in ROW_PARALLEL:
-            columns = column_run(plan, short, weight.get_shape()[1])
-        scale = torch.as_tensor(stored[...])
-        if rows is not None:
-            weight = keep_runs(weight, rows)
-            scale = scale if scale.numel() == 1 else keep_runs(scale, rows)
-        else:
-            weight = torch.as_tensor(weight[:, columns] if columns is not None else weight[:])
-        return fp8_module(weight, scale, bias, dtype, device, keep)
-    qweight, qzeros, scales = (torch.as_tensor(read(f"{name}.{key}")[...]) for key in ("qweight", "qzeros", "scales"))
-    if quant.method == "awq":
-        parts = unpack_awq(qweight, qzeros, scales, quant.group_size)
-    else:
-        g_idx = torch.as_tensor(read(f"{name}.g_idx")[...]) if f"{name}.g_idx" in names else None
-        parts = unpack_gptq(qweight, qzeros, scales, g_idx, quant.group_size, quant.v1_zeros)
     if rows is None and short in ROW_PARALLEL:
-        columns = column_run(plan, short, parts.codes.shape[1])
-    return int4_module(_cut_int4(parts, rows, columns), bias, dtype, device, keep)
+        columns = column_run(plan, short, weight.get_shape()[1])
+    scale = torch.as_tensor(read(f"{name}.weight_scale")[...])
+    if rows is not None:
+        weight = keep_runs(weight, rows)
+        scale = scale if scale.numel() == 1 else keep_runs(scale, rows)
+    else:
+        weight = torch.as_tensor(weight[:, columns] if columns is not None else weight[:])
+    return fp8_module(weight, scale, bias, dtype, device, keep)
+
+
+def _int4_parts(name: str, names: Mapping[str, Any], read: Read, quant: QuantSpec) -> Int4Parts:
+    """The 4-bit linear `name`'s codes, scales and zeros, whole, from its stored tensors (AWQ's, GPTQ's or
+    compressed-tensors' ``pack-quantized``)."""
+
+    def whole(key: str) -> torch.Tensor:
+        return torch.as_tensor(read(f"{name}.{key}")[...])
+
+    if quant.packed:
+        return unpack_packed({k: whole(k) for k in PACKED_KEYS if f"{name}.{k}" in names}, quant.group_size, name)
+    qweight, qzeros, scales = whole("qweight"), whole("qzeros"), whole("scales")
+    if quant.method == "awq":
+        return unpack_awq(qweight, qzeros, scales, quant.group_size)
+    g_idx = whole("g_idx") if f"{name}.g_idx" in names else None
+    return unpack_gptq(qweight, qzeros, scales, g_idx, quant.group_size, quant.v1_zeros)
 
 
 def _block_fp8_shard(

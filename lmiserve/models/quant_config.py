@@ -1,0 +1,86 @@
+"""Which quantized format a checkpoint holds, from its ``config.json``'s ``quantization_config`` (issue #39): one
+`QuantSpec`, or a `ModelLoadError` of one line for a format lmiserve does not read.
+
+- ``compressed-tensors`` (llm-compressor's output, as RedHatAI and others publish it): every config group's weights
+  8-bit floats per channel or per tensor (``float-quantized``: FP8, FP8_DYNAMIC), or 4-bit integers per group or
+  per channel, symmetric or not, ``pack-quantized`` without quantized activations (W4A16, W4A16_ASYM: what its GPTQ
+  and AWQ modifiers write). One scheme a checkpoint: groups of other schemes beside it are refused.
+- ``fbgemm_fp8``; ``fp8`` (AutoFP8, vLLM's; with ``weight_block_size``: block-wise scales); ``mxfp4`` (gpt-oss);
+  ``awq`` (GEMM packing with zero points) and ``gptq`` (``gptq`` or ``gptq_v2``), 4 bits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lmiserve.engine.model.quant_formats import QuantSpec
+from lmiserve.models.errors import ModelLoadError
+
+__all__ = ["checkpoint_spec", "compressed_tensors_spec"]
+
+COMPRESSED_TENSORS = "compressed-tensors"
+
+
+def checkpoint_spec(qc: dict[str, Any]) -> QuantSpec:
+    """The format of the quantization config `qc` (a ``config.json``'s ``quantization_config``)."""
+    method = str(qc.get("quant_method", "")).lower()
+    if method == COMPRESSED_TENSORS:
+        return compressed_tensors_spec(qc)
+    if method == "fbgemm_fp8":
+        return QuantSpec("fp8", method)
+    if method == "mxfp4":
+        return QuantSpec("mxfp4", method)
+    if method == "fp8":
+        block = qc.get("weight_block_size")
+        return QuantSpec("fp8", method, blocks=(int(block[0]), int(block[1])) if block else None)
+    if method in ("awq", "gptq"):
+        bits = qc.get("bits", qc.get("w_bit"))
+        group = int(qc.get("group_size", qc.get("q_group_size", -1)) or -1)
+        if bits != 4:
+            raise ModelLoadError(f"{method} with {bits} bits is not supported: lmiserve reads 4-bit {method}")
+        if method == "awq":
+            version = str(qc.get("version", "gemm")).lower()
+            if version != "gemm" or qc.get("zero_point", True) is False:
+                raise ModelLoadError(f"awq version {version!r} without GEMM packing and zero points is not supported")
+            return QuantSpec("awq", method, group)
+        fmt = str(qc.get("checkpoint_format", "gptq")).lower()
+        if fmt not in ("gptq", "gptq_v2"):
+            raise ModelLoadError(f"gptq checkpoint_format {fmt!r} is not supported: use gptq or gptq_v2")
+        return QuantSpec("gptq", method, group, v1_zeros=fmt == "gptq")
+    raise ModelLoadError(
+        f"quant_method {method or None!r} is not supported: lmiserve reads compressed-tensors (fp8, 4-bit "
+        "pack-quantized), fbgemm_fp8, fp8, awq, gptq and mxfp4"
+    )
+
+
+def compressed_tensors_spec(qc: dict[str, Any]) -> QuantSpec:
+    """A compressed-tensors config's one scheme (`checkpoint_spec`'s first case)."""
+    groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict)]
+    if not groups:
+        raise ModelLoadError("a compressed-tensors quantization_config without config_groups: nothing is quantized")
+    specs = {_scheme(group, group.get("format") or qc.get("format")) for group in groups}
+    if len(specs) > 1:
+        raise ModelLoadError(
+            f"compressed-tensors groups of {len(specs)} schemes in one checkpoint are not supported: lmiserve reads "
+            "one (fp8, or 4-bit pack-quantized)"
+        )
+    return specs.pop()
+
+
+def _scheme(group: dict[str, Any], fmt: Any) -> QuantSpec:
+    weights = group.get("weights") or {}
+    kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
+    if (kind, bits) == ("float", 8) and strategy in ("channel", "tensor"):
+        return QuantSpec("fp8", COMPRESSED_TENSORS)  # (activations: quantized per token at each call)
+    if (kind, bits) == ("int", 4) and strategy in ("group", "channel") and fmt == "pack-quantized":
+        activations = group.get("input_activations")
+        if activations:
+            raise ModelLoadError(
+                f"compressed-tensors 4-bit weights with {activations.get('type')} {activations.get('num_bits')}-bit "
+                "activations (W4A8) are not supported: lmiserve reads W4A16 (activations unquantized)"
+            )
+        size = int(weights.get("group_size") or -1) if strategy == "group" else -1
+        return QuantSpec("gptq", COMPRESSED_TENSORS, size, packed=True)
+    raise ModelLoadError(
+        f"compressed-tensors weights {kind} {bits}-bit by {strategy} ({fmt}) are not supported: lmiserve reads 8-bit "
+        "floats by channel or tensor, and 4-bit integers by group or channel as pack-quantized"
+    )
