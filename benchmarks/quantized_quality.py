@@ -225,7 +225,8 @@ def main() -> None:
         "concurrency": args.concurrency,
         "group_size": args.group,
         "int4_quantization": (
-            "round-to-nearest, no calibration: awq, gptq and w4a16-asym asymmetric, w4a16 symmetric (storage formats only)"
+            "round-to-nearest, no calibration: awq, gptq and w4a16-asym asymmetric, w4a16 symmetric "
+            "(storage formats only)"
         ),
         "formats": rows,
     }
