@@ -186,8 +186,9 @@ def _fill_experts(
 ) -> int:
     """A mixture of experts' experts (the merged ``gate_up_proj`` and ``down_proj`` transformers' modules hold) from
     the checkpoint's matrices of each expert, as compressed-tensors and FBGEMM publish them (fp8 matrices with their
-    scales, `stacked_experts`), de-quantized (`dequantizing_reader`: their products are transformers' grouped
-    ones); how many experts modules. Experts stored otherwise (AWQ/GPTQ codes) are refused in one line."""
+    scales, or compressed-tensors' 4-bit codes; `stacked_experts`), de-quantized (`dequantizing_reader`: their
+    products are transformers' grouped ones); how many experts modules. Experts stored otherwise (AWQ/GPTQ codes)
+    are refused in one line."""
     read = dequantizing_reader(files.slice, stored, spec)
     made = 0
     for name, module in model.named_modules():
@@ -199,7 +200,7 @@ def _fill_experts(
             if value is None or experts_layout(module)[0] or tuple(value.shape) != tuple(meta.shape):
                 raise ModelLoadError(
                     f"{path.name}: the experts of {name} are not stored as lmiserve reads a {spec.method} mixture of "
-                    "experts (fp8 matrices of each expert)"
+                    "experts (fp8 matrices of each expert, or compressed-tensors' pack-quantized ones)"
                 )
             setattr(module, kind, torch.nn.Parameter(value.to(meta.dtype), requires_grad=False))
             made += kind == "down_proj"

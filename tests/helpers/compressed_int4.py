@@ -28,7 +28,10 @@ def _args(fmt: str, group: int) -> Any:
 
 def write_w4a16(model: torch.nn.Module, folder: Path, fmt: str, group: int) -> Path:
     """A copy of `model` in `folder` as a `fmt` checkpoint (`FORMATS`) by groups of `group` inputs (0: by output
-    channel); the lm_head left float (``ignore``), as published W4A16 checkpoints leave it."""
+    channel); the lm_head and a mixture of experts' routers left float (``ignore``), as published W4A16
+    checkpoints leave them. A mixture of experts' experts (transformers' merged tensors, not linears the scheme
+    targets) are each expert's matrices as transformers saves them, each compressed by the package's compressor
+    with the scheme (`_compress_experts`), as llm-compressor publishes Qwen3-MoE's W4A16."""
     import copy
 
     from compressed_tensors.compressors import ModelCompressor
@@ -38,7 +41,8 @@ def write_w4a16(model: torch.nn.Module, folder: Path, fmt: str, group: int) -> P
     model = copy.deepcopy(model)
     args = _args(fmt, group)
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
-    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    ignore = ["lm_head", "re:.*mlp.gate$"]
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=ignore))
     with torch.no_grad():
         for module in model.modules():
             module = cast(Any, module)  # (the scheme's parameters are set attributes)
@@ -54,7 +58,29 @@ def write_w4a16(model: torch.nn.Module, folder: Path, fmt: str, group: int) -> P
     compressor.compress_model(model)
     model.save_pretrained(folder)  # type: ignore[operator]
     compressor.update_config(str(folder))
+    _compress_experts(folder, scheme, group)
     return folder
+
+
+def _compress_experts(folder: Path, scheme: Any, group: int) -> None:
+    """Each expert's saved float matrices (``...experts.<e>.<name>_proj.weight``) replaced by the package's
+    compression of them."""
+    from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import load_file, save_file
+
+    for file in sorted(folder.glob("*.safetensors")):
+        state = load_file(str(file))
+        names = [n for n, t in state.items() if ".experts." in n and n.endswith("_proj.weight") and t.dim() == 2]
+        for name in names:
+            weight = state.pop(name).float()
+            ranges = weight.view(weight.shape[0], -1, group) if group > 0 else weight[:, None, :]
+            scale, zero = calculate_qparams(ranges.amin(-1), ranges.amax(-1), scheme.weights)
+            parts = {"weight": weight, "weight_scale": scale.to(torch.bfloat16).float(), "weight_zero_point": zero}
+            packed = PackedQuantizationCompressor.compress(parts, scheme)
+            state.update({f"{name.removesuffix('.weight')}.{key}": value for key, value in packed.items()})
+        if names:
+            save_file({k: v.contiguous() for k, v in state.items()}, str(file), metadata={"format": "pt"})
 
 
 def decompressed(fmt: str, group: int, tensors: dict[str, torch.Tensor]) -> torch.Tensor:

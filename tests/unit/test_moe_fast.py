@@ -278,3 +278,37 @@ def test_a_mixture_of_experts_whose_experts_are_4_bit_codes_is_refused_in_one_li
               tmp_path / "model.safetensors")  # fmt: skip
     with pytest.raises(ModelLoadError, match=r"the experts of model\.layers\.0\.mlp\.experts are not stored as"):
         load_causal_lm(tmp_path, dtype="fp32", device="cpu")
+
+
+@pytest.mark.parametrize("fmt", ["w4a16", "w4a16-asym"])
+def test_a_w4a16_mixture_of_experts_is_dequantized_and_served(tiny_model, tmp_path, fmt):
+    """A Qwen3-MoE checkpoint in compressed-tensors' 4-bit ``pack-quantized`` (as llm-compressor publishes Qwen3-MoE's
+    W4A16), each expert's matrices packed by the compressed-tensors package: loaded with each expert's weights
+    compressed-tensors' own de-quantization of them, merged as transformers holds them, the attention's linears on
+    their 4-bit codes, and served on the fast forward with `generate()`'s greedy tokens."""
+    from safetensors.torch import load_file
+
+    from helpers.compressed_int4 import decompressed, write_w4a16
+    from lmiserve.models.load import load_causal_lm
+
+    write_w4a16(build(*MOE_ARCHS["qwen3_moe"]), tmp_path, fmt, 16)
+    tiny_model.tokenizer.save_pretrained(tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+
+    def reference(name: str) -> torch.Tensor:
+        return decompressed(fmt, 16, {k.rpartition(".")[2]: v for k, v in stored.items() if k.startswith(f"{name}.")})
+
+    loaded = load_causal_lm(tmp_path, dtype="fp32", device="cpu")
+    experts = loaded.model.model.layers[1].mlp.experts
+    for e in (0, 5):
+        at = f"model.layers.1.mlp.experts.{e}"
+        gate_up = torch.cat([reference(f"{at}.gate_proj"), reference(f"{at}.up_proj")])
+        assert torch.equal(experts.gate_up_proj[e], gate_up) and torch.equal(
+            experts.down_proj[e], reference(f"{at}.down_proj")
+        )
+    assert "model.layers.1.self_attn.q_proj.weight_packed" in stored and "model.layers.1.mlp.gate.weight" in stored
+    loaded = dataclasses.replace(loaded, max_context=256)
+    engine, results = asyncio.run(serve_prompts(loaded, EngineConfig(max_prefill_tokens=4), 8))
+    assert engine.runner.path == "fast"
+    for prompt, events in zip(PROMPTS, results, strict=True):
+        assert [e.token.id for e in events if e.token] == greedy_tokens(loaded, prompt, 8)

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from helpers.quantizable import quantizable_llama, write_checkpoint
-from helpers.tiny_model import build_tiny_tokenizer
 from lmiserve.config import Settings
 from lmiserve.engine.model import quant_formats
 from lmiserve.engine.model.quant_formats import Fp8Linear
@@ -23,7 +22,6 @@ from lmiserve.engine.model.shard_checkpoint import load_shard_weights
 from lmiserve.engine.model.sharding import ROW_PARALLEL, column_run, keep_runs, row_runs, shard_model, shard_of
 from lmiserve.models.errors import ModelLoadError
 from lmiserve.models.load import load_causal_lm, load_model_shell
-from lmiserve.models.quant_pack import write_quantized
 from lmiserve.models.quantized_load import checkpoint_quantization
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -160,15 +158,15 @@ def test_a_block_wise_fp8_rank_keeps_fp8_weights_where_it_is_asked_to(checkpoint
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("fmt", ["fp8-block", "fp8-channel"])
+@pytest.mark.parametrize("fmt", ["fp8-block", "fp8-channel", "w4a16-asym"])
 def test_an_fp8_mixture_of_experts_experts_are_read_through_the_scales_each_slice_covers(tmp_path, world, fmt):
     """Qwen3-MoE in block-wise fp8 (blocks of 16; a rank's 24 or 12 of each expert's 48 intermediate rows are not
-    whole blocks) or fp8 per channel: each rank's experts, router and attention are its cut of the model one process
-    dequantizes."""
+    whole blocks), fp8 per channel or compressed-tensors' 4-bit codes (groups of 16, the package's compression of
+    each expert's matrices): each rank's experts, router and attention are its cut of the model one process
+    dequantizes (the 4-bit experts de-quantized whole, then cut)."""
     from helpers.llama_variants import MOE_ARCHS, build
 
-    write_quantized(build(*MOE_ARCHS["qwen3_moe"]), tmp_path, fmt, group=16)
-    build_tiny_tokenizer().save_pretrained(tmp_path)
+    write_checkpoint(build(*MOE_ARCHS["qwen3_moe"]), tmp_path, fmt, group=16)
     whole = load_causal_lm(tmp_path, dtype="fp32", device="cpu").model
     import copy
 

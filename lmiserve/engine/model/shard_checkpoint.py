@@ -228,7 +228,8 @@ def stacked_experts(
     None when the checkpoint has them under none of the names `EXPERT_PARTS` knows."""
     for prefix in (owner, _mixtral_name(owner)):
         for parts in EXPERT_PARTS[kind]:
-            if f"{prefix}.0.{parts[0]}.weight" not in names:
+            first = f"{prefix}.0.{parts[0]}"
+            if f"{first}.weight" not in names and f"{first}.weight_packed" not in names:  # (4-bit: `read` unpacks)
                 continue
             pieces = []
             for name in parts:  # gate's rows of every expert, then up's: as ``gate_up_proj`` holds them

@@ -85,9 +85,33 @@ class Fp8Scaled:
         return torch.as_tensor(self.weight[r0:r1, c0:c1]).float() * scale
 
 
+class Dequantized:
+    """A weight de-quantized whole, read as a checkpoint's slice is (``get_shape()``, ``[rows, columns]``)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def get_shape(self) -> tuple[int, ...]:
+        return tuple(self.weight.shape)
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self.weight[index]
+
+
 def dequantizing_reader(read: Read, names: Mapping[str, Any], quant: QuantSpec | None) -> Read:
     """`read`, but an fp8 checkpoint's weights (those with a ``weight_scale_inv`` or ``weight_scale`` in `names`)
-    read as float through `Fp8Scaled`."""
+    read as float through `Fp8Scaled`, and compressed-tensors' 4-bit ones (a ``weight_packed`` in `names`: a mixture
+    of experts' matrices, which no linear of lmiserve's holds) de-quantized whole (`Dequantized`)."""
+    if quant is not None and quant.packed:
+
+        def unpacking(name: str) -> Any:
+            base, _, kind = name.rpartition(".")
+            if kind != "weight" or f"{base}.weight_packed" not in names:
+                return read(name)
+            stored = {k: torch.as_tensor(read(f"{base}.{k}")[...]) for k in PACKED_KEYS if f"{base}.{k}" in names}
+            return Dequantized(unpack_packed(stored, quant.group_size, base).dequantize())
+
+        return unpacking
     if quant is None or quant.method != "fp8":
         return read
 
