@@ -12,7 +12,8 @@
 # The device's image (its package list: the device tool's KINDS.md) has torch, triton, numpy, numba,
 # safetensors, accelerate, huggingface_hub, jinja2, pillow, httpx, grpcio, protobuf, prometheus-client, tqdm,
 # pytest and pytest-xdist; not starlette, uvicorn, pydantic, gguf, llguidance, platformdirs nor
-# pytest-asyncio nor jsonschema (the structured-output tests check outputs with it), and transformers,
+# pytest-asyncio nor jsonschema (the structured-output tests check outputs with it) nor compressed-tensors
+# and loguru (the quantized tests' W4A16 checkpoints are written by the package), and transformers,
 # tokenizers, pytest and peft (the LoRA graph tests make their adapters with it) at other versions (or
 # unknown ones).
 set -euo pipefail
@@ -29,6 +30,7 @@ PACKAGES=(
   pytest pluggy iniconfig pytest-asyncio
   jsonschema jsonschema-specifications referencing rpds-py
   peft
+  compressed-tensors loguru
 )
 LIMIT_MIB=64  # what one device call carries: the working tree and the carried paths together
 PY="${VENV_PYTHON:-.venv/bin/python}"
