@@ -225,22 +225,29 @@ def test_int4_serves_a_mixture_of_experts_and_says_its_experts_stay_unquantized(
     assert engine.runner.path == "fast" and all(len([e for e in events if e.token]) == 4 for events in results)
 
 
-@pytest.mark.parametrize("fmt", ["fp8-block", "fp8-channel", "fp8-tensor"])
-def test_an_fp8_mixture_of_experts_is_dequantized_and_served(tiny_model, tmp_path, fmt):
+@pytest.mark.parametrize("fmt", ["fp8-block", "fp8-channel", "fp8-tensor", "w4a16", "w4a16-asym"])
+def test_a_quantized_mixture_of_experts_is_dequantized_and_served(tiny_model, tmp_path, fmt):
     """A Qwen3-MoE checkpoint in fp8, every projection (each expert's matrices too) fp8 with a scale a block
     (Qwen3-30B-A3B-FP8's format), a row or the tensor (compressed-tensors', as llm-compressor publishes Qwen3-MoE and
-    Mixtral): loaded with each expert's weights its fp8 values times their scales, merged as transformers holds them,
-    and served on the fast forward with `generate()`'s greedy tokens."""
+    Mixtral), or in compressed-tensors' 4-bit ``pack-quantized`` (Qwen3-MoE's W4A16, each expert's matrices packed by
+    the compressed-tensors package): loaded with each expert's weights its stored values times their scales (4-bit:
+    the package's own de-quantization), merged as transformers holds them, and served on the fast forward with
+    `generate()`'s greedy tokens."""
     from safetensors.torch import load_file
 
+    from helpers.compressed_int4 import decompressed
+    from helpers.quantizable import write_checkpoint
     from lmiserve.models.load import load_causal_lm
-    from lmiserve.models.quant_pack import write_quantized
 
-    write_quantized(build(*MOE_ARCHS["qwen3_moe"]), tmp_path, fmt, group=16)
+    write_checkpoint(build(*MOE_ARCHS["qwen3_moe"]), tmp_path, fmt, 16)
     tiny_model.tokenizer.save_pretrained(tmp_path)
     stored = load_file(tmp_path / "model.safetensors")
 
     def dequantized(name: str) -> torch.Tensor:
+        if fmt.startswith("w4a16"):
+            return decompressed(
+                fmt, 16, {k.rpartition(".")[2]: v for k, v in stored.items() if k.startswith(f"{name}.")}
+            )
         q = stored[f"{name}.weight"].float()
         if fmt != "fp8-block":
             return q * stored[f"{name}.weight_scale"]
@@ -255,6 +262,8 @@ def test_an_fp8_mixture_of_experts_is_dequantized_and_served(tiny_model, tmp_pat
         assert torch.equal(experts.gate_up_proj[e], gate_up) and torch.equal(
             experts.down_proj[e], dequantized(f"{at}.down_proj")
         )
+    if fmt.startswith("w4a16"):  # the attention's linears packed, the router float (as published)
+        assert "model.layers.1.self_attn.q_proj.weight_packed" in stored and "model.layers.1.mlp.gate.weight" in stored
     loaded = dataclasses.replace(loaded, max_context=256)
     engine, results = asyncio.run(serve_prompts(loaded, EngineConfig(max_prefill_tokens=4), 8))
     assert engine.runner.path == "fast"
@@ -278,37 +287,3 @@ def test_a_mixture_of_experts_whose_experts_are_4_bit_codes_is_refused_in_one_li
               tmp_path / "model.safetensors")  # fmt: skip
     with pytest.raises(ModelLoadError, match=r"the experts of model\.layers\.0\.mlp\.experts are not stored as"):
         load_causal_lm(tmp_path, dtype="fp32", device="cpu")
-
-
-@pytest.mark.parametrize("fmt", ["w4a16", "w4a16-asym"])
-def test_a_w4a16_mixture_of_experts_is_dequantized_and_served(tiny_model, tmp_path, fmt):
-    """A Qwen3-MoE checkpoint in compressed-tensors' 4-bit ``pack-quantized`` (as llm-compressor publishes Qwen3-MoE's
-    W4A16), each expert's matrices packed by the compressed-tensors package: loaded with each expert's weights
-    compressed-tensors' own de-quantization of them, merged as transformers holds them, the attention's linears on
-    their 4-bit codes, and served on the fast forward with `generate()`'s greedy tokens."""
-    from safetensors.torch import load_file
-
-    from helpers.compressed_int4 import decompressed, write_w4a16
-    from lmiserve.models.load import load_causal_lm
-
-    write_w4a16(build(*MOE_ARCHS["qwen3_moe"]), tmp_path, fmt, 16)
-    tiny_model.tokenizer.save_pretrained(tmp_path)
-    stored = load_file(tmp_path / "model.safetensors")
-
-    def reference(name: str) -> torch.Tensor:
-        return decompressed(fmt, 16, {k.rpartition(".")[2]: v for k, v in stored.items() if k.startswith(f"{name}.")})
-
-    loaded = load_causal_lm(tmp_path, dtype="fp32", device="cpu")
-    experts = loaded.model.model.layers[1].mlp.experts
-    for e in (0, 5):
-        at = f"model.layers.1.mlp.experts.{e}"
-        gate_up = torch.cat([reference(f"{at}.gate_proj"), reference(f"{at}.up_proj")])
-        assert torch.equal(experts.gate_up_proj[e], gate_up) and torch.equal(
-            experts.down_proj[e], reference(f"{at}.down_proj")
-        )
-    assert "model.layers.1.self_attn.q_proj.weight_packed" in stored and "model.layers.1.mlp.gate.weight" in stored
-    loaded = dataclasses.replace(loaded, max_context=256)
-    engine, results = asyncio.run(serve_prompts(loaded, EngineConfig(max_prefill_tokens=4), 8))
-    assert engine.runner.path == "fast"
-    for prompt, events in zip(PROMPTS, results, strict=True):
-        assert [e.token.id for e in events if e.token] == greedy_tokens(loaded, prompt, 8)
