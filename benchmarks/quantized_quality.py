@@ -19,8 +19,9 @@ each format by `lmiserve.models.quant_pack` and loaded back by `load_causal_lm` 
   activation-aware scaling, no GPTQ error feedback; published AWQ/GPTQ checkpoints quantized with
   calibration should do at least as well.
 - ``w4a16``, ``w4a16-asym``: compressed-tensors' 4-bit ``pack-quantized`` (llm-compressor's W4A16, symmetric,
-  and W4A16_ASYM, with zero points), groups of `--group`, written by the compressed-tensors package itself
-  (`tests/helpers/compressed_int4.py`: min-max scales, also no calibration; a test dependency).
+  and W4A16_ASYM, with zero points), groups of `--group`; ``w8a8`` (int8 by channel, ``int-quantized``; the
+  activations left float) and ``w8a16`` (8-bit codes, groups of `--group`); written by the compressed-tensors
+  package itself (`tests/helpers/compressed_ints.py`: min-max scales, also no calibration; a test dependency).
 
 On a CPU, fp8 weights are de-quantized once at load (fp32 products): the figures are fp8's weights'
 accuracy, not its speed; AWQ/GPTQ run on lmiserve's int4 kernel. ``--fp8-products`` (with ``--dtype
@@ -62,7 +63,7 @@ from lmiserve.models.compose import build_engine
 from lmiserve.models.quant_pack import write_quantized
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: tests/helpers
-from tests.helpers.compressed_int4 import write_w4a16  # noqa: E402
+from tests.helpers.compressed_ints import write_compressed  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 TEXT = HERE / "texts" / "pride_and_prejudice_ch1.txt"
@@ -70,7 +71,7 @@ TOPICS = ["the sea", "gravity", "a city at night", "machine learning", "the moon
 TEMPLATES = ["Write a short poem about {}.", "Explain {} in simple words.", "What is interesting about {}?"]
 FORMATS = ("bf16", "fp8-channel", "fp8-tensor", "fp8-dynamic", "fp8-block", "awq", "gptq")
 if importlib.util.find_spec("compressed_tensors") is not None:  # (a test dependency: not on the GPU check's device)
-    FORMATS += ("w4a16", "w4a16-asym")
+    FORMATS += ("w4a16", "w4a16-asym", "w8a8", "w8a16")
 
 
 def prompts(count: int, tokenizer) -> list[str]:
@@ -194,8 +195,8 @@ def main() -> None:
                 loaded = load_causal_lm(path, dtype=dtype, device=device, quantize="fp8")
             else:
                 out = Path(tmp) / fmt
-                if fmt.startswith("w4a16"):  # compressed-tensors' own writer
-                    write_w4a16(base.model, out, fmt, args.group)
+                if fmt in ("w4a16", "w4a16-asym", "w8a8", "w8a16"):  # compressed-tensors' own writer
+                    write_compressed(base.model, out, fmt, args.group)
                 else:
                     write_quantized(base.model, out, fmt, group=args.group)
                 base.tokenizer.save_pretrained(out)

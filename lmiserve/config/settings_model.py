@@ -87,8 +87,9 @@ class ModelFields(FieldGroup):
         description=(
             "Quantized weights (LMI's and TGI's option; vLLM's `quantization`, whose `awq_marlin` and `gptq_marlin` "
             "are taken as `awq` and `gptq`): `fp8`, `awq`, `gptq`, `mxfp4` or `compressed-tensors`. Unset = what the "
-            "checkpoint's `config.json` says (`quantization_config`: compressed-tensors fp8 or 4-bit (W4A16, "
-            "`pack-quantized`: `awq`, `gptq` and `compressed-tensors` name it), FBGEMM fp8, AWQ or GPTQ 4-bit, "
+            "checkpoint's `config.json` says (`quantization_config`: compressed-tensors fp8, 4-bit (W4A16, "
+            "`pack-quantized`: `awq`, `gptq` and `compressed-tensors` name it) or int8 (W8A8, W8A16: "
+            "`compressed-tensors` names it), FBGEMM fp8, AWQ or GPTQ 4-bit, "
             "and block-wise fp8, read by lmiserve itself; gpt-oss's MXFP4 experts, dequantized at load to the "
             "model's dtype). Set, it "
             "must name the checkpoint's format, else the start stops with one line; `fp8` on a float checkpoint "

@@ -2,9 +2,11 @@
 `QuantSpec`, or a `ModelLoadError` of one line for a format lmiserve does not read.
 
 - ``compressed-tensors`` (llm-compressor's output, as RedHatAI and others publish it): every config group's weights
-  8-bit floats per channel or per tensor (``float-quantized``: FP8, FP8_DYNAMIC), or 4-bit integers per group or
+  8-bit floats per channel or per tensor (``float-quantized``: FP8, FP8_DYNAMIC), 4-bit integers per group or
   per channel, symmetric or not, ``pack-quantized`` without quantized activations (W4A16, W4A16_ASYM: what its GPTQ
-  and AWQ modifiers write). One scheme a checkpoint: groups of other schemes beside it are refused.
+  and AWQ modifiers write), or 8-bit integers per group or channel (``int-quantized``: W8A8, whose activations
+  lmiserve leaves unquantized; ``pack-quantized``: W8A16). One scheme a checkpoint: groups of other schemes beside it
+  are refused.
 - ``fbgemm_fp8``; ``fp8`` (AutoFP8, vLLM's; with ``weight_block_size``: block-wise scales); ``mxfp4`` (gpt-oss);
   ``awq`` (GEMM packing with zero points) and ``gptq`` (``gptq`` or ``gptq_v2``), 4 bits."""
 
@@ -71,6 +73,15 @@ def _scheme(group: dict[str, Any], fmt: Any) -> QuantSpec:
     kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
     if (kind, bits) == ("float", 8) and strategy in ("channel", "tensor"):
         return QuantSpec("fp8", COMPRESSED_TENSORS)  # (activations: quantized per token at each call)
+    if (kind, bits) == ("int", 8) and strategy in ("group", "channel") and fmt in ("int-quantized", "pack-quantized"):
+        activations = group.get("input_activations")
+        if activations and activations.get("type") != "int":
+            raise ModelLoadError(
+                f"compressed-tensors 8-bit integer weights with {activations.get('type')} activations are not "
+                "supported: lmiserve reads W8A8 (int8 activations) and W8A16"
+            )
+        size = int(weights.get("group_size") or -1) if strategy == "group" else -1
+        return QuantSpec("int8", COMPRESSED_TENSORS, size, packed=fmt == "pack-quantized")  # (activations: float)
     if (kind, bits) == ("int", 4) and strategy in ("group", "channel") and fmt == "pack-quantized":
         activations = group.get("input_activations")
         if activations:
@@ -82,5 +93,6 @@ def _scheme(group: dict[str, Any], fmt: Any) -> QuantSpec:
         return QuantSpec("gptq", COMPRESSED_TENSORS, size, packed=True)
     raise ModelLoadError(
         f"compressed-tensors weights {kind} {bits}-bit by {strategy} ({fmt}) are not supported: lmiserve reads 8-bit "
-        "floats by channel or tensor, and 4-bit integers by group or channel as pack-quantized"
+        "floats by channel or tensor, 8-bit integers by group or channel, and 4-bit integers by group or channel as "
+        "pack-quantized"
     )

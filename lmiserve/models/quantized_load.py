@@ -15,6 +15,9 @@ Formats (`engine/model/quant_formats.py` says how each is stored and run):
 - ``quant_method: compressed-tensors`` whose weights are 4-bit integers by group or channel, ``pack-quantized``
   (llm-compressor's W4A16 and W4A16_ASYM, from its GPTQ or AWQ modifiers): ``quantize=gptq`` or ``awq``; the
   4-bit codes run as AWQ's and GPTQ's do. ``quantize=compressed-tensors`` (vLLM's word) takes either scheme.
+- ``quant_method: compressed-tensors`` whose weights are 8-bit integers (W8A8 ``int-quantized``, its activations
+  left unquantized; W8A16 ``pack-quantized``): ``quantize=compressed-tensors``; on a CPU computing in bf16 a
+  symmetric weight by channel runs torch's int8 kernel (`Int8Linear`), else each is de-quantized at load.
 - ``quant_method: awq``, 4 bits, GEMM packing, with zero points: ``quantize=awq``.
 - ``quant_method: gptq``, 4 bits (``checkpoint_format`` ``gptq``, or ``gptq_v2``), any ``desc_act``:
   ``quantize=gptq``.
@@ -41,8 +44,8 @@ import torch
 
 from lmiserve.engine.model.fp8_ops import per_tensor_at_load
 from lmiserve.engine.model.int4_triton import Int4TritonLinear
+from lmiserve.engine.model.packed_codes import PACKED_KEYS, int_parts
 from lmiserve.engine.model.quant_formats import (
-    PACKED_KEYS,
     Int4Parts,
     QuantSpec,
     fp8_module,
@@ -50,10 +53,9 @@ from lmiserve.engine.model.quant_formats import (
     quantize_fp8,
     unpack_awq,
     unpack_gptq,
-    unpack_packed,
     weights_kept_for,
 )
-from lmiserve.engine.model.quantize import Int4Linear, replace_linears
+from lmiserve.engine.model.quantize import Int4Linear, Int8Linear, replace_linears
 from lmiserve.engine.model.shard_checkpoint import stacked_experts
 from lmiserve.engine.model.shard_quantized import dequantizing_reader
 from lmiserve.engine.model.sharding import experts_layout
@@ -105,11 +107,12 @@ def checkpoint_quantization(path: Path, quantize: str | None, load_format: str =
             "in its config.json); only quantize=fp8 quantizes a float checkpoint at load"
         )
     spec = checkpoint_spec(qc)
-    names = {spec.method} | ({"awq", "gptq"} if spec.packed else set())  # (W4A16: llm-compressor's GPTQ or AWQ)
+    named = COMPRESSED_TENSORS if spec.method == "int8" else spec.method  # (no LMI or TGI word names int8)
+    names = {named} | ({"awq", "gptq"} if spec.packed and spec.bits == 4 else set())  # (W4A16: GPTQ's or AWQ's)
     if quantize is not None and quantize not in names | ({COMPRESSED_TENSORS} & {spec.source}):
         raise ModelLoadError(
             f"quantize={quantize}, but {path.name} is a {spec.method} checkpoint ({spec.source}): "
-            f"set quantize={spec.method} or leave it unset"
+            f"set quantize={named} or leave it unset"
         )
     return spec
 
@@ -257,12 +260,12 @@ def _linear_of(
         if weight.dtype != torch.float8_e4m3fn:
             raise ModelLoadError(f"{name}.weight is {weight.dtype}, not float8_e4m3fn")
         return fp8_module(weight, scale, bias, dtype, device, keep, spec.blocks)
-    if spec.packed:
-        if get("weight_packed") is None:
+    if spec.packed or spec.method == "int8":
+        if get(spec.codes_key) is None:
             return None
-        tensors = {key: value for key in PACKED_KEYS if (value := get(key)) is not None}
+        tensors = {key: value for key in (*PACKED_KEYS, "weight") if (value := get(key)) is not None}
         try:
-            return int4_module(unpack_packed(tensors, spec.group_size, name), bias, dtype, device, keep)
+            return int4_module(int_parts(tensors, spec, name), bias, dtype, device, keep)
         except ValueError as error:
             raise ModelLoadError(str(error)) from None
     qweight = get("qweight")
@@ -281,6 +284,8 @@ def _kind_name(module: torch.nn.Module) -> str:
         return "on the int4 kernel"
     if isinstance(module, Int4TritonLinear):
         return "on the Triton int4 kernel"
+    if isinstance(module, Int8Linear):
+        return "on the int8 kernel"
     if type(module) is torch.nn.Linear:
         return f"de-quantized to {str(module.weight.dtype).removeprefix('torch.')}"
     return "fp8 weights"

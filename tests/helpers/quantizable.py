@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from helpers.compressed_int4 import FORMATS as COMPRESSED_INT4
-from helpers.compressed_int4 import write_w4a16
+from helpers.compressed_ints import FORMATS as COMPRESSED_INT4
+from helpers.compressed_ints import write_compressed
 from helpers.tiny_model import build_tiny_tokenizer
 from lmiserve.models.quant_pack import write_quantized
 
@@ -43,12 +43,12 @@ def quantizable_llama(seed: int, bias: bool = False) -> LlamaForCausalLM:
 
 
 def write_checkpoint(model: torch.nn.Module, folder: Path, fmt: str, group: int = 128, act_order: bool = False) -> Path:
-    """`model` in `folder` as a `fmt` checkpoint of `models.quant_pack`, compressed-tensors' 4-bit (`write_w4a16`:
+    """`model` in `folder` as a `fmt` checkpoint of `models.quant_pack`, compressed-tensors' 4-bit (`write_compressed`:
     ``w4a16``, ``w4a16-asym``; `group` 0: by channel) or ``float``, with the tiny tokenizer."""
     if fmt == "float":
         model.save_pretrained(folder)  # type: ignore[operator]
     elif fmt in COMPRESSED_INT4:
-        write_w4a16(model, folder, fmt, group)
+        write_compressed(model, folder, fmt, group)
     else:
         write_quantized(model, folder, fmt, group=group, act_order=act_order)
     build_tiny_tokenizer().save_pretrained(folder)

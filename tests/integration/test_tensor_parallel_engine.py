@@ -540,6 +540,7 @@ QUANTIZED = {
     "awq": ("awq", 128, False, {}),
     "gptq-desc-act": ("gptq", 64, True, {}),
     "w4a16-asym": ("w4a16-asym", 32, False, {}),  # compressed-tensors' pack-quantized, written by the package
+    "w8a8": ("w8a8", 0, False, {}),  # compressed-tensors' int-quantized int8
     "fp8-at-load": ("float", 0, False, {"quantize": "fp8"}),
     "awq-dummy": ("float", 0, False, {"quantize": "awq", "load_format": "dummy"}),
 }

@@ -225,17 +225,17 @@ def test_int4_serves_a_mixture_of_experts_and_says_its_experts_stay_unquantized(
     assert engine.runner.path == "fast" and all(len([e for e in events if e.token]) == 4 for events in results)
 
 
-@pytest.mark.parametrize("fmt", ["fp8-block", "fp8-channel", "fp8-tensor", "w4a16", "w4a16-asym"])
+@pytest.mark.parametrize("fmt", ["fp8-block", "fp8-channel", "fp8-tensor", "w4a16", "w4a16-asym", "w8a8"])
 def test_a_quantized_mixture_of_experts_is_dequantized_and_served(tiny_model, tmp_path, fmt):
     """A Qwen3-MoE checkpoint in fp8, every projection (each expert's matrices too) fp8 with a scale a block
     (Qwen3-30B-A3B-FP8's format), a row or the tensor (compressed-tensors', as llm-compressor publishes Qwen3-MoE and
-    Mixtral), or in compressed-tensors' 4-bit ``pack-quantized`` (Qwen3-MoE's W4A16, each expert's matrices packed by
-    the compressed-tensors package): loaded with each expert's weights its stored values times their scales (4-bit:
-    the package's own de-quantization), merged as transformers holds them, and served on the fast forward with
+    Mixtral), or in compressed-tensors' integers (Qwen3-MoE's W4A16, each expert's matrices packed by the
+    compressed-tensors package, or W8A8's int8): loaded with each expert's weights its stored values times their
+    scales (integers: the package's own de-quantization), merged as transformers holds them, and served on the fast forward with
     `generate()`'s greedy tokens."""
     from safetensors.torch import load_file
 
-    from helpers.compressed_int4 import decompressed
+    from helpers.compressed_ints import decompressed
     from helpers.quantizable import write_checkpoint
     from lmiserve.models.load import load_causal_lm
 
@@ -244,7 +244,7 @@ def test_a_quantized_mixture_of_experts_is_dequantized_and_served(tiny_model, tm
     stored = load_file(tmp_path / "model.safetensors")
 
     def dequantized(name: str) -> torch.Tensor:
-        if fmt.startswith("w4a16"):
+        if fmt.startswith("w"):
             return decompressed(
                 fmt, 16, {k.rpartition(".")[2]: v for k, v in stored.items() if k.startswith(f"{name}.")}
             )
@@ -262,8 +262,10 @@ def test_a_quantized_mixture_of_experts_is_dequantized_and_served(tiny_model, tm
         assert torch.equal(experts.gate_up_proj[e], gate_up) and torch.equal(
             experts.down_proj[e], dequantized(f"{at}.down_proj")
         )
-    if fmt.startswith("w4a16"):  # the attention's linears packed, the router float (as published)
-        assert "model.layers.1.self_attn.q_proj.weight_packed" in stored and "model.layers.1.mlp.gate.weight" in stored
+    if fmt.startswith("w"):  # the attention's linears integers, the router float (as published)
+        codes = "weight" if fmt == "w8a8" else "weight_packed"
+        assert stored[f"model.layers.1.self_attn.q_proj.{codes}"].dtype in (torch.int8, torch.int32)
+        assert stored["model.layers.1.mlp.gate.weight"].is_floating_point()
     loaded = dataclasses.replace(loaded, max_context=256)
     engine, results = asyncio.run(serve_prompts(loaded, EngineConfig(max_prefill_tokens=4), 8))
     assert engine.runner.path == "fast"

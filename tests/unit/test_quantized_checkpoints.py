@@ -1,7 +1,7 @@
 """Quantized checkpoints (issue #39): fp8 (compressed-tensors per channel and per tensor, FBGEMM fp8), AWQ
 and GPTQ 4-bit, written from a tiny random Llama by `models.quant_pack`, and compressed-tensors' 4-bit
 ``pack-quantized`` (W4A16 symmetric and asymmetric) written by the compressed-tensors package itself
-(`helpers.compressed_int4`), loaded by `load_causal_lm`.
+(`helpers.compressed_ints`), loaded by `load_causal_lm`.
 
 The reference de-quantization here is written from the formats' published unpacking (AutoAWQ's
 `unpack_awq` + `reverse_awq_order`, AutoGPTQ's `wf` shifts with ``zeros + 1``, compressed-tensors'
@@ -24,8 +24,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
-from helpers.compressed_int4 import FORMATS as COMPRESSED_INT4
-from helpers.compressed_int4 import decompressed
+from helpers.compressed_ints import FORMATS as COMPRESSED_INT4
+from helpers.compressed_ints import INT4_FORMATS, decompressed
 from helpers.decode_graphs import graphs_on_the_test_device
 from helpers.quantizable import quantizable_llama, write_checkpoint
 from helpers.tiny_model import build_tiny_tokenizer
@@ -59,8 +59,10 @@ CASES = {  # id: (quant_pack format, act_order, group)
     "w4a16-g32": ("w4a16", False, 32),  # compressed-tensors pack-quantized (llm-compressor's GPTQ W4A16)
     "w4a16-asym-g64": ("w4a16-asym", False, 64),  # with zero points (llm-compressor's AWQ, W4A16_ASYM)
     "w4a16-channel": ("w4a16", False, -1),  # one scale an output channel
+    "w8a8": ("w8a8", False, 0),  # compressed-tensors int-quantized: int8 by channel (activations left float)
+    "w8a16-g32": ("w8a16", False, 32),  # compressed-tensors pack-quantized 8-bit codes
 }
-INT4 = ("awq", "gptq", *COMPRESSED_INT4)
+INT4 = ("awq", "gptq", *INT4_FORMATS)
 
 
 def tiny_llama() -> tuple[LlamaForCausalLM, object]:

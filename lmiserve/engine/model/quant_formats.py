@@ -23,12 +23,8 @@ integer zero point: ``w[o, i] = (code[o, i] - zero[o, g(i)]) * scale[o, g(i)]``.
   inputs in order (nibble ``k`` of row ``r``: input ``8 r + k``), ``qzeros`` int32 ``[groups, out / 8]``
   packing 8 outputs in order and storing ``zero - 1`` (the v1 convention; ``gptq_v2`` stores ``zero``),
   ``scales`` ``[groups, out]``, ``g_idx`` int32 ``[in]`` (``g(i)``; not sorted with ``desc_act``).
-- compressed-tensors ``pack-quantized`` (llm-compressor's W4A16 and W4A16_ASYM, from its GPTQ or AWQ modifiers):
-  ``weight_packed`` int32 ``[out, in / 8]`` packing 8 inputs in order, each the signed code plus 8;
-  ``weight_scale`` ``[out, groups]`` (``[out, 1]`` by channel); ``weight_shape`` ``[out, in]``; with asymmetric
-  weights ``weight_zero_point`` int32 ``[out / 8, groups]`` packing 8 outputs in order, plus 8 (older releases:
-  ``[out, groups / 8]``); ``weight_g_idx`` ``[in]`` where the groups were ordered by activations. A symmetric
-  weight's zero is 8 in these terms.
+- compressed-tensors' integer weights (``pack-quantized`` W4A16 and W8A16, ``int-quantized`` W8A8): unpacked into
+  the same form by `packed_codes`.
 
 `int4_module` makes the layer: on CPU, with fp32 compute and groups of consecutive inputs whose size is
 a multiple of 32, lmiserve's `Int4Linear` (GGUF Q4_1's ``w = code * scale + min`` per group of 32: each
@@ -50,12 +46,19 @@ import torch
 from lmiserve.engine import fp8_devices
 from lmiserve.engine.model import fp8_gemv, fp8_w8a8, int4_triton
 from lmiserve.engine.model.fp8_ops import FP8_MAX, dequantize_fp8, fp8_linear, quantize_fp8
-from lmiserve.engine.model.quantize import INT4_GROUP, Int4Linear, int4_available
+from lmiserve.engine.model.quantize import (
+    INT4_GROUP,
+    INT8_COMPUTE_DTYPE,
+    INT8_K_MULTIPLE,
+    Int4Linear,
+    Int8Linear,
+    int4_available,
+    int8_available,
+)
 
 __all__ = [
     "AWQ_ORDER",
     "FP8_MAX",
-    "PACKED_KEYS",
     "Fp8Linear",
     "Int4Parts",
     "QuantSpec",
@@ -64,23 +67,24 @@ __all__ = [
     "fp8_module",
     "fp8_scaled_mm_supported",
     "int4_module",
+    "int8_module",
     "one_scale_for",
     "quantize_fp8",
     "unpack_awq",
     "unpack_gptq",
-    "unpack_packed",
+    "unpack_words",
     "weights_kept_for",
 ]
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble k of an AWQ word holds output AWQ_ORDER[k] of its 8
 _AWQ_NIBBLE_OF = tuple(AWQ_ORDER.index(k) for k in range(8))  # output k's nibble: (0, 4, 1, 5, 2, 6, 3, 7)
-_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
-PACKED_KEYS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
 
 
-def _nibbles(words: torch.Tensor) -> torch.Tensor:
-    """int32 words ``[..., n]`` as their 8 nibbles ``[..., n, 8]`` (nibble k = bits 4k..4k+3), int32 0..15."""
-    return (words.to(torch.int32)[..., None] >> _SHIFTS.to(words.device)) & 0xF
+def unpack_words(words: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """int32 words ``[..., n]`` as their 8 nibbles ``[..., n, 8]`` (nibble k = bits 4k..4k+3), int32 0..15; or, of
+    `bits` 8, their 4 bytes ``[..., n, 4]``, 0..255."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=words.device)
+    return (words.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)
 
 
 @dataclass(frozen=True)
@@ -99,11 +103,18 @@ class QuantSpec:
     packed: bool = False
 
     @property
+    def bits(self) -> int:
+        """The integer codes' bits (compressed-tensors' int8 weights: 8; AWQ's, GPTQ's, W4A16's: 4)."""
+        return 8 if self.method == "int8" else 4
+
+    @property
     def codes_key(self) -> str:
         """The name of the tensor that says a linear is stored quantized (beside its weight's name)."""
-        if self.method == "fp8":
+        if self.packed:
+            return "weight_packed"
+        if self.method in ("fp8", "int8"):
             return "weight_scale_inv" if self.blocks else "weight_scale"
-        return "weight_packed" if self.packed else "qweight"
+        return "qweight"
 
     @property
     def dynamic(self) -> bool:
@@ -119,12 +130,14 @@ class QuantSpec:
 @dataclass
 class Int4Parts:
     """A 4-bit weight unpacked: ``codes`` uint8 ``[out, in]``, ``scale`` fp32 and ``zero`` int32
-    ``[out, groups]``, ``g_idx`` int64 ``[in]`` (the group of each input)."""
+    ``[out, groups]``, ``g_idx`` int64 ``[in]`` (the group of each input); of `bits` 8, an 8-bit weight's (codes
+    0..255: compressed-tensors' int8 weights, `unpack_int8`)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
     g_idx: torch.Tensor
+    bits: int = 4
 
     def dequantize(self) -> torch.Tensor:
         """``(code - zero[g]) * scale[g]`` in fp32 ``[out, in]`` (exact for fp16 scales)."""
@@ -141,8 +154,8 @@ def unpack_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
     """AWQ GEMM tensors (`qweight` ``[in, out / 8]``, `qzeros` ``[in / group, out / 8]``, `scales` ``[in /
     group, out]``) as codes ``[out, in]`` and ``[out, groups]`` scales and zeros."""
     order = list(_AWQ_NIBBLE_OF)
-    codes = _nibbles(qweight)[..., order].reshape(qweight.shape[0], -1)  # [in, out]
-    zeros = _nibbles(qzeros)[..., order].reshape(qzeros.shape[0], -1)  # [groups, out]
+    codes = unpack_words(qweight)[..., order].reshape(qweight.shape[0], -1)  # [in, out]
+    zeros = unpack_words(qzeros)[..., order].reshape(qzeros.shape[0], -1)  # [groups, out]
     inputs = codes.shape[0]
     group = inputs if group_size <= 0 else group_size
     g_idx = torch.arange(inputs, device=codes.device) // group
@@ -161,8 +174,8 @@ def unpack_gptq(
     """GPTQ tensors (`qweight` ``[in / 8, out]``, `qzeros` ``[groups, out / 8]``, `scales` ``[groups, out]``,
     `g_idx` ``[in]`` or None for ``i // group_size``) as codes ``[out, in]`` and ``[out, groups]`` scales and
     zeros; `v1_zeros`: the stored zeros are ``zero - 1`` (``checkpoint_format`` ``gptq``)."""
-    codes = _nibbles(qweight).permute(0, 2, 1).reshape(-1, qweight.shape[1])  # [in, out]
-    zeros = _nibbles(qzeros).reshape(qzeros.shape[0], -1)  # [groups, out]
+    codes = unpack_words(qweight).permute(0, 2, 1).reshape(-1, qweight.shape[1])  # [in, out]
+    zeros = unpack_words(qzeros).reshape(qzeros.shape[0], -1)  # [groups, out]
     if v1_zeros:
         zeros = zeros + 1  # v1 stores zero - 1; read as AutoGPTQ and vLLM do (nibble + 1: zeros 1..16)
     inputs = codes.shape[0]
@@ -172,43 +185,6 @@ def unpack_gptq(
     return Int4Parts(
         codes.t().to(torch.uint8).contiguous(), scales.t().float().contiguous(), zeros.t().contiguous(), g_idx.long()
     )
-
-
-def unpack_packed(tensors: dict[str, torch.Tensor], group_size: int, name: str = "a linear") -> Int4Parts:
-    """compressed-tensors' ``pack-quantized`` 4-bit tensors of the linear `name` (`PACKED_KEYS`: ``weight_packed``,
-    ``weight_scale``, ``weight_shape``, and ``weight_zero_point``, ``weight_g_idx`` where stored) as codes ``[out,
-    in]`` and ``[out, groups]`` scales and zeros (`group_size`: the config's; -1 by channel). A `ValueError` naming
-    `name` where the tensors do not fit together."""
-    missing = [key for key in PACKED_KEYS[:3] if key not in tensors]
-    if missing:
-        raise ValueError(f"{name}: {', '.join(missing)} not in the checkpoint beside its weight_packed")
-    out, inputs = (int(v) for v in tensors["weight_shape"].tolist())
-    packed = tensors["weight_packed"]
-    if packed.dtype != torch.int32 or packed.shape[0] != out or packed.shape[1] * 8 < inputs:
-        shape = f"{tuple(packed.shape)} {str(packed.dtype).removeprefix('torch.')}"
-        raise ValueError(f"{name}: weight_packed {shape} does not hold the 4-bit codes of {out}x{inputs}")
-    codes = _nibbles(packed).reshape(out, -1)[:, :inputs]
-    raw = tensors["weight_scale"].float()
-    if raw.numel() % out and raw.numel() != 1:
-        raise ValueError(f"{name}: weight_scale {tuple(raw.shape)} is not a scale for each of {out} outputs")
-    scale = raw.reshape(1, 1).expand(out, 1) if raw.numel() == 1 else raw.reshape(out, -1)  # (by tensor: one)
-    groups = scale.shape[1]
-    stored = tensors.get("weight_zero_point")
-    if stored is None:
-        zero = torch.full((out, groups), 8, dtype=torch.int32, device=codes.device)
-    elif tuple(stored.shape) == (-(-out // 8), groups):  # outputs packed (compressed-tensors' releases of 2025 on)
-        zero = _nibbles(stored).permute(0, 2, 1).reshape(-1, groups)[:out]
-    elif tuple(stored.shape) == (out, -(-groups // 8)):  # groups packed (earlier releases)
-        zero = _nibbles(stored).reshape(out, -1)[:, :groups]
-    else:
-        zeros = f"{out}x{groups}"
-        raise ValueError(f"{name}: weight_zero_point {tuple(stored.shape)} fits neither packing of {zeros} zeros")
-    g_idx = tensors.get("weight_g_idx")
-    if g_idx is None:
-        g_idx = torch.arange(inputs, device=codes.device) // (inputs if group_size <= 0 else group_size)
-    if g_idx.numel() != inputs or int(g_idx.max()) >= groups or int(g_idx.min()) < 0:
-        raise ValueError(f"{name}: the inputs' groups (weight_g_idx or group_size) are not its {groups} scales' groups")
-    return Int4Parts(codes.to(torch.uint8).contiguous(), scale.contiguous(), zero.contiguous(), g_idx.long())
 
 
 def int4_module(
@@ -221,7 +197,10 @@ def int4_module(
     """The layer of a 4-bit weight: `Int4Linear` on CPU when it computes in fp32 and its groups are runs
     of a multiple of 32 inputs (exact: see the module's docstring); on CUDA, `int4_triton`'s kernel on the codes
     where `keep_codes` (None: where ``LMISERVE_USE_TRITON_INT4=1``) and it serves the layout; else a plain linear
-    of `dtype` with the weight de-quantized once (on CUDA: faster than the first Triton kernel on an H200)."""
+    of `dtype` with the weight de-quantized once (on CUDA: faster than the first Triton kernel on an H200). An 8-bit
+    weight (`Int4Parts.bits`): `int8_module`."""
+    if parts.bits == 8:
+        return int8_module(parts, bias, dtype, device)
     size = parts.group_size()
     if (
         device.type == "cpu"
@@ -240,6 +219,26 @@ def int4_module(
         return int4_triton.Int4TritonLinear.from_parts(
             parts.codes, parts.scale, parts.zero, parts.g_idx, bias, dtype, device
         )
+    return _plain_linear(parts.dequantize(), bias, dtype, device)
+
+
+def int8_module(
+    parts: Int4Parts, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device
+) -> torch.nn.Module:
+    """The layer of an 8-bit weight: on CPU, computing in bf16, a symmetric weight with a scale a channel (W8A8's) is
+    an `Int8Linear` on torch's int8 kernel (its codes as they are: ``x @ (q * scale).T``); else a plain linear of
+    `dtype` with the weight de-quantized once (on CUDA: no int8 kernel yet)."""
+    inputs = parts.codes.shape[1]
+    if (
+        device.type == "cpu"
+        and dtype == INT8_COMPUTE_DTYPE
+        and parts.scale.shape[1] == 1
+        and bool((parts.zero == 128).all())
+        and inputs % INT8_K_MULTIPLE == 0
+        and int8_available()
+    ):
+        weight = (parts.codes.to(torch.int32) - 128).to(torch.int8).contiguous()
+        return Int8Linear(weight, parts.scale[:, 0].to(dtype), None if bias is None else bias.detach().to(dtype))
     return _plain_linear(parts.dequantize(), bias, dtype, device)
 
 

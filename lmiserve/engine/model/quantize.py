@@ -46,7 +46,7 @@ from lmiserve.engine.model.group_kernels import LANES, pack_q4, pack_q8, q4_line
 from lmiserve.engine.model.int4_triton import Int4Scales
 
 INT8_COMPUTE_DTYPE = torch.bfloat16  # what the int8 kernel multiplies with (and the model's other weights)
-_K_MULTIPLE = 16  # the kernel's inner dimension must be a multiple of this
+INT8_K_MULTIPLE = 16  # the kernel's inner dimension must be a multiple of this
 INT4_GROUP = 32  # inputs per int4 scale/minimum (GGUF Q4_1's block)
 INT4_ROW_BLOCK = LANES  # int4 and q8 weights are stored in blocks of this many output rows
 Q8_GROUP = 32  # inputs per q8 scale (GGUF Q8_0's block)
@@ -258,7 +258,7 @@ def quantize_linears(model: torch.nn.Module, dtype: torch.dtype = INT8_COMPUTE_D
         raise RuntimeError("this torch has no weight-only int8 kernel (torch.ops.aten._weight_int8pack_mm)")
     count = replace_linears(
         model,
-        lambda m: m.in_features % _K_MULTIPLE == 0,
+        lambda m: m.in_features % INT8_K_MULTIPLE == 0,
         lambda m: Int8Linear.from_linear(m, dtype),
     )
     model.to(dtype)  # embeddings, norms, lm_head and any linear left float; int8 buffers are attributes
@@ -284,7 +284,7 @@ def quantize_output_int8(model: torch.nn.Module) -> bool:
     not a plain linear the kernel takes."""
     get_output = getattr(model, "get_output_embeddings", None)
     head = get_output() if callable(get_output) else None
-    if type(head) is not torch.nn.Linear or head.in_features % _K_MULTIPLE or not int8_available():
+    if type(head) is not torch.nn.Linear or head.in_features % INT8_K_MULTIPLE or not int8_available():
         return False
     config = getattr(model, "config", None)
     if config is not None:

@@ -155,7 +155,7 @@ def _quantized_linears(
     GPTQ or compressed-tensors' 4-bit codes; block-wise fp8 where the rank keeps it, `weights_kept_for`) replaced
     by the rank's layer of it (`shard_quantized.shard_linear`); their names. `split`: the prefixes of the modules
     tensor parallelism splits (`_split_prefixes`)."""
-    if quant is None or quant.method not in ("fp8", "awq", "gptq"):
+    if quant is None or quant.method not in ("fp8", "awq", "gptq", "int8"):
         return set()
     key = quant.codes_key
     plan = cast(Any, shard_of(model)).plan

@@ -31,8 +31,8 @@ import torch
 
 from lmiserve.engine.model import fp8_gemv
 from lmiserve.engine.model.fp8_ops import per_tensor_at_load
+from lmiserve.engine.model.packed_codes import PACKED_KEYS, int_parts
 from lmiserve.engine.model.quant_formats import (
-    PACKED_KEYS,
     Int4Parts,
     QuantSpec,
     fp8_module,
@@ -40,7 +40,6 @@ from lmiserve.engine.model.quant_formats import (
     quantize_fp8,
     unpack_awq,
     unpack_gptq,
-    unpack_packed,
     weights_kept_for,
 )
 from lmiserve.engine.model.quantize import replace_linears
@@ -100,16 +99,18 @@ class Dequantized:
 
 def dequantizing_reader(read: Read, names: Mapping[str, Any], quant: QuantSpec | None) -> Read:
     """`read`, but an fp8 checkpoint's weights (those with a ``weight_scale_inv`` or ``weight_scale`` in `names`)
-    read as float through `Fp8Scaled`, and compressed-tensors' 4-bit ones (a ``weight_packed`` in `names`: a mixture
-    of experts' matrices, which no linear of lmiserve's holds) de-quantized whole (`Dequantized`)."""
-    if quant is not None and quant.packed:
+    read as float through `Fp8Scaled`, and compressed-tensors' integer ones (a ``weight_packed``, or an int8 weight's
+    ``weight_scale``, in `names`: a mixture of experts' matrices, which no linear of lmiserve's holds) de-quantized
+    whole (`Dequantized`)."""
+    if quant is not None and (quant.packed or quant.method == "int8"):
 
         def unpacking(name: str) -> Any:
             base, _, kind = name.rpartition(".")
-            if kind != "weight" or f"{base}.weight_packed" not in names:
+            if kind != "weight" or f"{base}.{quant.codes_key}" not in names:
                 return read(name)
-            stored = {k: torch.as_tensor(read(f"{base}.{k}")[...]) for k in PACKED_KEYS if f"{base}.{k}" in names}
-            return Dequantized(unpack_packed(stored, quant.group_size, base).dequantize())
+            keys = (*PACKED_KEYS, "weight")
+            stored = {k: torch.as_tensor(read(f"{base}.{k}")[...]) for k in keys if f"{base}.{k}" in names}
+            return Dequantized(int_parts(stored, quant, base).dequantize())
 
         return unpacking
     if quant is None or quant.method != "fp8":
@@ -169,8 +170,8 @@ def _int4_parts(name: str, names: Mapping[str, Any], read: Read, quant: QuantSpe
     def whole(key: str) -> torch.Tensor:
         return torch.as_tensor(read(f"{name}.{key}")[...])
 
-    if quant.packed:
-        return unpack_packed({k: whole(k) for k in PACKED_KEYS if f"{name}.{k}" in names}, quant.group_size, name)
+    if quant.packed or quant.method == "int8":
+        return int_parts({k: whole(k) for k in (*PACKED_KEYS, "weight") if f"{name}.{k}" in names}, quant, name)
     qweight, qzeros, scales = whole("qweight"), whole("qzeros"), whole("scales")
     if quant.method == "awq":
         return unpack_awq(qweight, qzeros, scales, quant.group_size)
@@ -223,13 +224,21 @@ def _cut_int4(parts: Int4Parts, rows: list[slice] | None, columns: slice | None)
     if rows is not None:
         keep = torch.cat([torch.arange(run.start, run.stop) for run in rows])
         return Int4Parts(
-            parts.codes[keep].contiguous(), parts.scale[keep].contiguous(), parts.zero[keep].contiguous(), parts.g_idx
+            parts.codes[keep].contiguous(),
+            parts.scale[keep].contiguous(),
+            parts.zero[keep].contiguous(),
+            parts.g_idx,
+            parts.bits,
         )
     if columns is None:
         return parts
     used, local = torch.unique(parts.g_idx[columns], sorted=True, return_inverse=True)
     return Int4Parts(
-        parts.codes[:, columns].contiguous(), parts.scale[:, used].contiguous(), parts.zero[:, used].contiguous(), local
+        parts.codes[:, columns].contiguous(),
+        parts.scale[:, used].contiguous(),
+        parts.zero[:, used].contiguous(),
+        local,
+        parts.bits,
     )
 
 

@@ -1,5 +1,6 @@
-"""compressed-tensors' 4-bit checkpoints (``pack-quantized``: llm-compressor's W4A16 and W4A16_ASYM, issue #39):
-what `quantize` names them, the schemes refused in one line, the layouts of earlier releases (zero points packed by
+"""compressed-tensors' integer checkpoints (``pack-quantized``: llm-compressor's W4A16, W4A16_ASYM and W8A16;
+``int-quantized``: W8A8; issue #39): what `quantize` names them, the schemes refused in one line, W8A8 on torch's
+int8 kernel, the layouts of earlier releases (zero points packed by
 groups, activation-ordered groups' ``weight_g_idx``) and tensors that do not fit. Loading, serving and tensor
 parallelism of the package's own checkpoints are in test_quantized_checkpoints.py, test_tensor_parallel_quantized.py
 and the tensor-parallel engine's tests (their ``w4a16`` cases)."""
@@ -14,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers.compressed_int4 import write_w4a16
+from helpers.compressed_ints import write_compressed
 from helpers.quantizable import quantizable_llama, write_checkpoint
 from lmiserve.config.sources import load_settings
 from lmiserve.engine.model.quantize import Int4Linear, int4_available
@@ -96,9 +97,8 @@ def test_compressed_tensors_names_an_fp8_checkpoint_too_and_not_a_dummy_load(fol
 @pytest.mark.parametrize(
     ("scheme", "fmt", "says"),
     [
-        ("W8A8", "int-quantized", "int 8-bit by channel (int-quantized) are not supported"),
-        ("W8A16", "pack-quantized", "int 8-bit by group (pack-quantized) are not supported"),
         ("W4A8", "int-quantized", "(int-quantized) are not supported"),
+        ("W8A8", "naive-quantized", "int 8-bit by channel (naive-quantized) are not supported"),
         ("W4A16", "naive-quantized", "int 4-bit by group (naive-quantized) are not supported"),
         ("NVFP4A16", "nvfp4-pack-quantized", "float 4-bit by tensor_group"),
     ],
@@ -242,9 +242,48 @@ def test_the_load_says_what_it_read(folders, caplog):
 
 def test_the_writer_is_the_packages_own(tmp_path):
     """The checkpoints these tests read are compressed-tensors' (its config and tensor names), not lmiserve's."""
-    folder = write_w4a16(quantizable_llama(41), tmp_path / "w", "w4a16-asym", 32)
+    folder = write_compressed(quantizable_llama(41), tmp_path / "w", "w4a16-asym", 32)
     config = config_of(folder)["quantization_config"]
     assert config["quant_method"] == "compressed-tensors" and config["format"] == "pack-quantized"
     assert config["version"] and config["ignore"] == ["lm_head"]
     names = {key.rpartition(".")[2] for key in load_file(str(folder / "model.safetensors"))}
     assert {"weight_packed", "weight_scale", "weight_shape", "weight_zero_point"} <= names
+
+
+# --- 8-bit integer weights (W8A8, W8A16) ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("scheme", "fmt", "group"), [("W8A8", "int-quantized", -1), ("W8A16", "pack-quantized", 128)])
+def test_eight_bit_integer_schemes_are_read_and_named_by_compressed_tensors_alone(tmp_path, scheme, fmt, group):
+    folder = with_config(tmp_path, scheme, preset(scheme, fmt))
+    spec = checkpoint_quantization(folder, "compressed-tensors")
+    assert spec is not None and spec.method == "int8" and spec.bits == 8 and spec.group_size == group
+    assert spec.packed == (fmt == "pack-quantized") and checkpoint_quantization(folder, None) == spec
+    with pytest.raises(ModelLoadError, match=r"is a int8 checkpoint \(compressed-tensors\): set quantize=compressed-t"):
+        checkpoint_quantization(folder, "gptq")
+
+
+def test_eight_bit_weights_with_float_activations_are_refused(tmp_path):
+    config = preset("W8A8", "int-quantized")
+    config["config_groups"]["group_0"]["input_activations"]["type"] = "float"
+    with pytest.raises(ModelLoadError, match="8-bit integer weights with float activations are not supported"):
+        checkpoint_quantization(with_config(tmp_path, "w8-fp8", config), None)
+
+
+def test_w8a8_runs_torchs_int8_kernel_on_a_cpu_computing_in_bf16(tmp_path):
+    """W8A8's symmetric int8 weights by channel are `Int8Linear`'s own form: in bf16 on a CPU each linear keeps its
+    int8 codes and scales (the weight it multiplies is the package's de-quantization, exactly); in fp32 they are
+    de-quantized at load. The start's log says which."""
+    from helpers.compressed_ints import decompressed
+    from lmiserve.engine.model.quantize import Int8Linear, int8_available
+
+    folder = write_checkpoint(quantizable_llama(41), tmp_path / "w8a8", "w8a8", 0)
+    flat = load_file(str(folder / "model.safetensors"))
+    loaded = load_causal_lm(folder, device="cpu", dtype="bf16")
+    q_proj = loaded.model.model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj, Int8Linear) == int8_available(), type(q_proj)
+    tensors = {k.rpartition(".")[2]: v for k, v in flat.items() if k.startswith("model.layers.0.self_attn.q_proj.")}
+    want = decompressed("w8a8", 0, tensors)
+    got = q_proj.dequantized() if isinstance(q_proj, Int8Linear) else q_proj.weight.float()
+    assert torch.equal(got, want) if isinstance(q_proj, Int8Linear) else torch.allclose(got, want, rtol=1e-2)
+    assert type(load_causal_lm(folder, device="cpu").model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
