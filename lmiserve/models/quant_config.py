@@ -49,8 +49,8 @@ def checkpoint_spec(qc: dict[str, Any]) -> QuantSpec:
             raise ModelLoadError(f"gptq checkpoint_format {fmt!r} is not supported: use gptq or gptq_v2")
         return QuantSpec("gptq", method, group, v1_zeros=fmt == "gptq")
     raise ModelLoadError(
-        f"quant_method {method or None!r} is not supported: lmiserve reads compressed-tensors (fp8, 4-bit "
-        "pack-quantized), fbgemm_fp8, fp8, awq, gptq and mxfp4"
+        f"quant_method {method or None!r} is not supported: lmiserve reads compressed-tensors (fp8, 4-bit and "
+        "8-bit integers), fbgemm_fp8, fp8, awq, gptq and mxfp4"
     )
 
 
@@ -63,7 +63,7 @@ def compressed_tensors_spec(qc: dict[str, Any]) -> QuantSpec:
     if len(specs) > 1:
         raise ModelLoadError(
             f"compressed-tensors groups of {len(specs)} schemes in one checkpoint are not supported: lmiserve reads "
-            "one (fp8, or 4-bit pack-quantized)"
+            "one (fp8, 4-bit or 8-bit integers)"
         )
     return specs.pop()
 

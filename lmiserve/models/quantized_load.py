@@ -44,7 +44,7 @@ import torch
 
 from lmiserve.engine.model.fp8_ops import per_tensor_at_load
 from lmiserve.engine.model.int4_triton import Int4TritonLinear
-from lmiserve.engine.model.packed_codes import PACKED_KEYS, int_parts
+from lmiserve.engine.model.packed_codes import stored_int_parts
 from lmiserve.engine.model.quant_formats import (
     Int4Parts,
     QuantSpec,
@@ -260,12 +260,11 @@ def _linear_of(
         if weight.dtype != torch.float8_e4m3fn:
             raise ModelLoadError(f"{name}.weight is {weight.dtype}, not float8_e4m3fn")
         return fp8_module(weight, scale, bias, dtype, device, keep, spec.blocks)
-    if spec.packed or spec.method == "int8":
+    if spec.int_codes:
         if get(spec.codes_key) is None:
             return None
-        tensors = {key: value for key in (*PACKED_KEYS, "weight") if (value := get(key)) is not None}
         try:
-            return int4_module(int_parts(tensors, spec, name), bias, dtype, device, keep)
+            return int4_module(stored_int_parts(name, get, spec), bias, dtype, device, keep)
         except ValueError as error:
             raise ModelLoadError(str(error)) from None
     qweight = get("qweight")

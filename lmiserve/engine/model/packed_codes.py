@@ -12,13 +12,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from lmiserve.engine.model.quant_formats import Int4Parts, QuantSpec, unpack_words
 
-__all__ = ["PACKED_KEYS", "int_parts", "unpack_int8", "unpack_packed"]
+__all__ = ["PACKED_KEYS", "int_parts", "stored_int_parts", "unpack_int8", "unpack_packed"]
 
 PACKED_KEYS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
+
+
+def stored_int_parts(name: str, get: Callable[[str], torch.Tensor | None], spec: QuantSpec) -> Int4Parts:
+    """`int_parts` of the linear `name` from the tensors `get` reads by their short names (None: not stored)."""
+    stored = {key: value for key in (*PACKED_KEYS, "weight") if (value := get(key)) is not None}
+    return int_parts(stored, spec, name)
 
 
 def int_parts(tensors: dict[str, torch.Tensor], spec: QuantSpec, name: str = "a linear") -> Int4Parts:

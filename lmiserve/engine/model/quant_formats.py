@@ -108,6 +108,11 @@ class QuantSpec:
         return 8 if self.method == "int8" else 4
 
     @property
+    def int_codes(self) -> bool:
+        """Whether the weights are compressed-tensors' integer codes (`packed_codes`: packed, or W8A8's int8)."""
+        return self.packed or self.method == "int8"
+
+    @property
     def codes_key(self) -> str:
         """The name of the tensor that says a linear is stored quantized (beside its weight's name)."""
         if self.packed:

@@ -152,7 +152,7 @@ def _quantized_linears(
     split: tuple[str, ...] = ("",),
 ) -> set[str]:
     """Each linear of `model`'s layers that the checkpoint stores quantized (fp8 with a ``weight_scale``, AWQ,
-    GPTQ or compressed-tensors' 4-bit codes; block-wise fp8 where the rank keeps it, `weights_kept_for`) replaced
+    GPTQ or compressed-tensors' integer codes; block-wise fp8 where the rank keeps it, `weights_kept_for`) replaced
     by the rank's layer of it (`shard_quantized.shard_linear`); their names. `split`: the prefixes of the modules
     tensor parallelism splits (`_split_prefixes`)."""
     if quant is None or quant.method not in ("fp8", "awq", "gptq", "int8"):
@@ -229,7 +229,7 @@ def stacked_experts(
     for prefix in (owner, _mixtral_name(owner)):
         for parts in EXPERT_PARTS[kind]:
             first = f"{prefix}.0.{parts[0]}"
-            if f"{first}.weight" not in names and f"{first}.weight_packed" not in names:  # (4-bit: `read` unpacks)
+            if f"{first}.weight" not in names and f"{first}.weight_packed" not in names:  # (packed: `read` unpacks)
                 continue
             pieces = []
             for name in parts:  # gate's rows of every expert, then up's: as ``gate_up_proj`` holds them

@@ -25,13 +25,13 @@ linear (`quant_formats`), so a rank of an fp8 checkpoint holds fp8 weights on Ho
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from lmiserve.engine.model import fp8_gemv
 from lmiserve.engine.model.fp8_ops import per_tensor_at_load
-from lmiserve.engine.model.packed_codes import PACKED_KEYS, int_parts
+from lmiserve.engine.model.packed_codes import stored_int_parts
 from lmiserve.engine.model.quant_formats import (
     Int4Parts,
     QuantSpec,
@@ -102,15 +102,13 @@ def dequantizing_reader(read: Read, names: Mapping[str, Any], quant: QuantSpec |
     read as float through `Fp8Scaled`, and compressed-tensors' integer ones (a ``weight_packed``, or an int8 weight's
     ``weight_scale``, in `names`: a mixture of experts' matrices, which no linear of lmiserve's holds) de-quantized
     whole (`Dequantized`)."""
-    if quant is not None and (quant.packed or quant.method == "int8"):
+    if quant is not None and quant.int_codes:
 
         def unpacking(name: str) -> Any:
             base, _, kind = name.rpartition(".")
             if kind != "weight" or f"{base}.{quant.codes_key}" not in names:
                 return read(name)
-            keys = (*PACKED_KEYS, "weight")
-            stored = {k: torch.as_tensor(read(f"{base}.{k}")[...]) for k in keys if f"{base}.{k}" in names}
-            return Dequantized(int_parts(stored, quant, base).dequantize())
+            return Dequantized(stored_int_parts(base, _whole_reader(base, names, read), quant).dequantize())
 
         return unpacking
     if quant is None or quant.method != "fp8":
@@ -143,7 +141,7 @@ def shard_linear(
     if quant.method == "fp8" and quant.blocks:
         return _block_fp8_shard(name, names, read, plan, quant.blocks, dtype, device, keep)
     short = name.rpartition(".")[2]
-    if quant.method != "fp8":  # 4-bit codes: read whole, unpacked, then cut
+    if quant.method != "fp8":  # integer codes: read whole, unpacked, then cut
         parts = _int4_parts(name, names, read, quant)
         rows = row_runs(plan, short, parts.codes.shape[0])
         columns = column_run(plan, short, parts.codes.shape[1]) if rows is None and short in ROW_PARALLEL else None
@@ -164,19 +162,24 @@ def shard_linear(
 
 
 def _int4_parts(name: str, names: Mapping[str, Any], read: Read, quant: QuantSpec) -> Int4Parts:
-    """The 4-bit linear `name`'s codes, scales and zeros, whole, from its stored tensors (AWQ's, GPTQ's or
-    compressed-tensors' ``pack-quantized``)."""
-
-    def whole(key: str) -> torch.Tensor:
-        return torch.as_tensor(read(f"{name}.{key}")[...])
-
-    if quant.packed or quant.method == "int8":
-        return int_parts({k: whole(k) for k in (*PACKED_KEYS, "weight") if f"{name}.{k}" in names}, quant, name)
-    qweight, qzeros, scales = whole("qweight"), whole("qzeros"), whole("scales")
+    """The integer linear `name`'s codes, scales and zeros, whole, from its stored tensors (AWQ's, GPTQ's or
+    compressed-tensors' integers)."""
+    whole = _whole_reader(name, names, read)
+    if quant.int_codes:
+        return stored_int_parts(name, whole, quant)
+    qweight, qzeros, scales = (cast(torch.Tensor, whole(key)) for key in ("qweight", "qzeros", "scales"))
     if quant.method == "awq":
         return unpack_awq(qweight, qzeros, scales, quant.group_size)
-    g_idx = whole("g_idx") if f"{name}.g_idx" in names else None
-    return unpack_gptq(qweight, qzeros, scales, g_idx, quant.group_size, quant.v1_zeros)
+    return unpack_gptq(qweight, qzeros, scales, whole("g_idx"), quant.group_size, quant.v1_zeros)
+
+
+def _whole_reader(name: str, names: Mapping[str, Any], read: Read) -> Callable[[str], torch.Tensor | None]:
+    """The tensors of `name` read whole by their short names (``qweight``), None for those not stored."""
+
+    def whole(key: str) -> torch.Tensor | None:
+        return torch.as_tensor(read(f"{name}.{key}")[...]) if f"{name}.{key}" in names else None
+
+    return whole
 
 
 def _block_fp8_shard(
