@@ -115,7 +115,9 @@ class ModelFields(FieldGroup):
             "memory; where it would take more (or with `LMISERVE_USE_TRITON_INT4=1` in the environment; `0`: "
             "never), groups of 32n keep their 4-bit codes on lmiserve's Triton kernel (0.30x bf16's tokens/s on "
             "an H200, 8B); on CPU, with groups of "
-            "32n, they run on the int4 kernel. With tensor parallelism each rank reads and runs its part of the "
+            "32n, they run on the int4 kernel. compressed-tensors' int8 codes (W8A8, W8A16) follow the same rule "
+            "on CUDA (`LMISERVE_USE_TRITON_INT8`), kept int8 on the weight-only Triton kernel of fp8 weights where "
+            "bf16 would not fit. With tensor parallelism each rank reads and runs its part of the "
             "checkpoint in its format (docs/tensor-parallel.md). See docs/performance/dtypes.md."
         ),
     )

@@ -44,6 +44,7 @@ import torch
 
 from lmiserve.engine.model.fp8_ops import per_tensor_at_load
 from lmiserve.engine.model.int4_triton import Int4TritonLinear
+from lmiserve.engine.model.int8_weights import Int8WeightLinear
 from lmiserve.engine.model.packed_codes import stored_int_parts
 from lmiserve.engine.model.quant_formats import (
     Int4Parts,
@@ -285,6 +286,8 @@ def _kind_name(module: torch.nn.Module) -> str:
         return "on the Triton int4 kernel"
     if isinstance(module, Int8Linear):
         return "on the int8 kernel"
+    if isinstance(module, Int8WeightLinear):
+        return "int8 codes on the Triton kernel"
     if type(module) is torch.nn.Linear:
         return f"de-quantized to {str(module.weight.dtype).removeprefix('torch.')}"
     return "fp8 weights"

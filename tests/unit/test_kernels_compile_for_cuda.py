@@ -28,12 +28,14 @@ def cases(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, kernel_choice
     """(what, bucket, tile, job) for every candidate, as `fp8_gemv` and `int4_triton` launch it on a weight of
     the 8B shape at the bucket's rows (`cuda_compile.recording`): fp8 per channel on Hopper (decode buckets: the
     GPU's own products serve more rows), fp8 widened as on Ampere (every bucket), fp8 by blocks on Hopper (every
-    bucket), int4 on both."""
+    bucket), 8-bit integer codes by channel and by groups on Hopper (every bucket: they never go to the GPU's own
+    products; their conversion is the same on Ampere; by groups the tiles `fp8_gemv.tiles_for` tries), int4 on both."""
     import torch
 
     fp8_launches = cuda_compile.recording(monkeypatch, fp8_gemv, "_kernel")
     int4_launches = cuda_compile.recording(monkeypatch, int4_triton, "_kernel")
     weight = torch.zeros(WIDTH, WIDTH, dtype=torch.float8_e4m3fn)
+    int8_codes = torch.zeros(WIDTH, WIDTH, dtype=torch.int8)  # compressed-tensors' 8-bit codes (`int8_weights`)
     per_channel, by_blocks = torch.ones(WIDTH), torch.ones(WIDTH, WIDTH // BLOCK)
     codes = torch.zeros(WIDTH, WIDTH // 8, dtype=torch.int32)
     groups = torch.ones(WIDTH // INT4_GROUP, WIDTH)
@@ -41,15 +43,20 @@ def cases(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, kernel_choice
     found = []
     for bucket, tiles in fp8_gemv.CANDIDATES.items():
         x = torch.zeros(bucket, WIDTH, dtype=torch.bfloat16)
+        int8_groups = fp8_gemv.tiles_for(bucket, int8_codes, by_blocks)
         for tile in tiles:
-            for what, arch, widen, scales in (
-                ("fp8 hopper", HOPPER, False, per_channel),
-                ("fp8 ampere", AMPERE, True, per_channel),
-                ("fp8 blocks hopper", HOPPER, False, by_blocks),
+            for what, arch, widen, scales, codes_of in (
+                ("fp8 hopper", HOPPER, False, per_channel, weight),
+                ("fp8 ampere", AMPERE, True, per_channel, weight),
+                ("fp8 blocks hopper", HOPPER, False, by_blocks, weight),
+                ("int8 hopper", HOPPER, False, per_channel, int8_codes),
+                ("int8 groups hopper", HOPPER, False, by_blocks, int8_codes),
             ):
                 if what == "fp8 hopper" and bucket > fp8_gemv.MAX_ROWS:
                     continue
-                fp8_gemv.fp8_gemv(x, weight, scales, tile, widen=widen)
+                if what == "int8 groups hopper" and tile not in int8_groups:  # (never tried there)
+                    continue
+                fp8_gemv.fp8_gemv(x, codes_of, scales, tile, widen=widen)
                 found.append((what, bucket, tile, cuda_compile.job_of(fp8_launches[-1], arch)))
     for bucket, tiles in int4_triton.CANDIDATES.items():
         x = torch.zeros(bucket, WIDTH, dtype=torch.bfloat16)
@@ -76,7 +83,15 @@ def test_every_candidate_tile_compiles_for_hopper_and_ampere(compiled: list[Any]
     ]
     assert not failed, "\n".join(failed)
     kinds = {what for what, *_ in compiled}
-    assert kinds == {"fp8 hopper", "fp8 ampere", "fp8 blocks hopper", "int4 hopper", "int4 ampere"}
+    assert kinds == {
+        "fp8 hopper",
+        "fp8 ampere",
+        "fp8 blocks hopper",
+        "int8 hopper",
+        "int8 groups hopper",
+        "int4 hopper",
+        "int4 ampere",
+    }
     assert sum(1 for what, *_ in compiled if what == "fp8 hopper") >= 20
 
 

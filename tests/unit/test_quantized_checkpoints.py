@@ -319,6 +319,46 @@ def test_fp8_linears_on_the_triton_decode_kernel_decode_what_transformers_decode
         assert got == greedy(reference_model, ids, 8), ids
 
 
+@pytest.mark.parametrize("case", ["w8a8", "w8a16-g32"])
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_int8_codes_kept_on_the_triton_kernel_decode_what_transformers_decodes_dequantized(
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch, graphs: bool, case: str
+) -> None:
+    """compressed-tensors' 8-bit codes where a GPU keeps them (`int8_weights`: bf16 would not fit), loaded on CPU
+    tensors with the loader's answer given: every linear an `Int8WeightLinear`, q/k/v and gate/up fused by the fast
+    path, every product (decode rows and prompts) on `fp8_gemv`'s kernel under Triton's interpreter, also from the
+    decode graphs; fp32 activations, so the engine's greedy tokens are the de-quantized float model's."""
+    from lmiserve.engine.model import fp8_gemv, int8_weights
+    from lmiserve.engine.model.llama_layout import fused_layers
+
+    if not fp8_gemv.available() or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py on CPU)")
+    record = graphs_on_the_test_device(monkeypatch) if graphs else None
+    monkeypatch.setattr(fp8_gemv, "INTERPRETED_ON_CPU", True)
+    monkeypatch.setattr(fp8_gemv, "_chosen", {})
+    one, more = fp8_gemv.Config(False, 1, 256, 128), fp8_gemv.Config(True, 16, 256, 128)  # few programs
+    monkeypatch.setattr(fp8_gemv, "choose", lambda x, *_: one if x.shape[0] == 1 else more)
+    monkeypatch.setattr(int8_weights, "weights_kept_for", lambda model, device, name: True)
+    loaded = load_causal_lm(checkpoints[case], device="cpu", dtype="fp32")
+    for name, module in loaded.model.named_modules():
+        if name.rpartition(".")[2] in LINEARS:
+            assert isinstance(module, int8_weights.Int8WeightLinear), name
+    ran: list[tuple[int, torch.dtype]] = []
+    kernel = fp8_gemv.fp8_gemv
+    monkeypatch.setattr(
+        fp8_gemv, "fp8_gemv", lambda x, w, *rest: ran.append((x.shape[0], w.dtype)) or kernel(x, w, *rest)
+    )
+    path, results = engine_tokens(loaded, PROMPTS, 8)
+    assert path == "fast" and all(layer.fused for layer in fused_layers(loaded.model))
+    assert min(r for r, _ in ran) <= len(PROMPTS) and max(r for r, _ in ran) >= len(PROMPTS[-1])  # decode, prompts
+    assert {dtype for _, dtype in ran} == {torch.int8}
+    if record is not None:
+        assert record.steps  # decode steps replayed the graphs
+    reference_model = dequantized_float_model(checkpoints[case], case)
+    for ids, got in zip(PROMPTS, results, strict=True):
+        assert got == greedy(reference_model, ids, 8), ids
+
+
 @pytest.mark.parametrize(
     ("fused", "graphs"), [(False, False), (True, False), (True, True)], ids=["eager-norms", "fused-norms", "graphs"]
 )
@@ -530,8 +570,9 @@ def test_a_dummy_load_with_quantize_awq_or_gptq_rounds_the_random_weights_to_4_b
 
 @pytest.mark.parametrize(
     ("case", "int4_kernel"),
-    [(case, False) for case in CASES] + [("awq-g128", True), ("gptq-g64-desc-act", True)],
-    ids=[*CASES, "awq-g128-triton", "gptq-g64-desc-act-triton"],
+    [(case, False) for case in CASES]
+    + [("awq-g128", True), ("gptq-g64-desc-act", True), ("w8a8", True), ("w8a16-g32", True)],
+    ids=[*CASES, "awq-g128-triton", "gptq-g64-desc-act-triton", "w8a8-triton", "w8a16-g32-triton"],
 )
 def test_on_the_test_device_each_format_serves_in_bf16(
     checkpoints: dict[str, Path], case: str, int4_kernel: bool, monkeypatch: pytest.MonkeyPatch
@@ -539,13 +580,19 @@ def test_on_the_test_device_each_format_serves_in_bf16(
     """Each format in bf16 on the test device: every linear's product is the reference de-quantized
     weight's within bf16's (and fp8 activations') rounding, and the engine's greedy tokens are transformers'
     forward's over the same layers. fp8 runs `Fp8Linear` exactly where `_scaled_mm` takes fp8 (compute
-    capability 8.9+); `-triton`: AWQ/GPTQ through the Triton int4 kernel, on CUDA (`int4_triton.USE_ON_CUDA`;
-    on a CPU its interpreter test above covers it)."""
+    capability 8.9+); `-triton`: AWQ/GPTQ through the Triton int4 kernel, compressed-tensors' 8-bit codes through
+    `fp8_gemv`'s, on CUDA (`int4_triton.USE_ON_CUDA`, `int8_weights.USE_ON_CUDA`; on a CPU their interpreter tests
+    above cover them)."""
+    from lmiserve.engine.model import fp8_gemv, int8_weights
+
+    int8 = CASES[case][0] in ("w8a8", "w8a16")
     if int4_kernel:
         if DEVICE.type != "cuda" or not int4_triton.available():
-            pytest.skip("the Triton int4 kernel serves on CUDA only")
+            pytest.skip("the Triton kernels serve on CUDA only")
         monkeypatch.setattr(int4_triton, "USE_ON_CUDA", True)
+        monkeypatch.setattr(int8_weights, "USE_ON_CUDA", True)
         monkeypatch.setattr(int4_triton, "_chosen", {})
+        monkeypatch.setattr(fp8_gemv, "_chosen", {})
     loaded = load_causal_lm(checkpoints[case], device=str(DEVICE), dtype="bf16")
     tensors = stored(checkpoints[case])
     fp8 = CASES[case][0] in ("fp8-channel", "fp8-tensor", "fbgemm-fp8")
@@ -556,7 +603,8 @@ def test_on_the_test_device_each_format_serves_in_bf16(
         if fp8:
             assert isinstance(module, Fp8Linear) == fp8_scaled_mm_supported(DEVICE), (name, type(module))
         if int4_kernel:
-            assert isinstance(module, int4_triton.Int4TritonLinear), (name, type(module))
+            kind = int8_weights.Int8WeightLinear if int8 else int4_triton.Int4TritonLinear
+            assert isinstance(module, kind), (name, type(module))
         weight = reference(case, tensors[name])
         x = torch.randn(3, weight.shape[1], generator=generator).to(DEVICE, torch.bfloat16)
         want = x.float() @ weight.to(DEVICE).t()
@@ -564,9 +612,9 @@ def test_on_the_test_device_each_format_serves_in_bf16(
         torch.testing.assert_close(got, want, rtol=0.05, atol=0.05 * want.abs().max().item(), msg=name)
     path, results = engine_tokens(loaded, PROMPTS, 8)
     assert path == "fast"
-    if int4_kernel:  # every shape and row bucket served by a tile that passed its check, none de-quantized
-        chosen = int4_triton.chosen()
-        assert chosen and None not in chosen.values(), chosen
+    if int4_kernel:  # every shape and row bucket measured; 4-bit: a tile passed its check, none de-quantized
+        chosen = fp8_gemv.chosen() if int8 else int4_triton.chosen()
+        assert chosen and (int8 or None not in chosen.values()), chosen
     for ids, got_ids in zip(PROMPTS, results, strict=True):
         gaps = greedy_gaps(loaded.model, ids, got_ids)
         assert max(gaps) <= 0.02, (ids, gaps)

@@ -46,6 +46,7 @@ from lmiserve.engine.model import skinny_gemm
 from lmiserve.engine.model.cpu_gemm import FEW_ROWS, CpuGemm
 from lmiserve.engine.model.fast_llama import StepInputs
 from lmiserve.engine.model.int4_triton import Int4Scales
+from lmiserve.engine.model.int8_weights import Int8Scales
 
 if TYPE_CHECKING:
     from lmiserve.engine.model.fast_llama import FastLlama
@@ -107,6 +108,8 @@ def _weight_kind(part: Part, dtype: torch.dtype) -> str:
         return str(dtype).removeprefix("torch.")
     if part.weight.dtype == torch.uint8 or isinstance(part.scales, Int4Scales):
         return "int4"
+    if isinstance(part.scales, Int8Scales):
+        return "int8 codes"
     return "q8" if part.scales.dim() == 2 else "int8"
 
 

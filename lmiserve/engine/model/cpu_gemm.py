@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from lmiserve.engine.model import skinny_gemm
 from lmiserve.engine.model.int4_triton import Int4Scales
+from lmiserve.engine.model.int8_weights import Int8Scales
 from lmiserve.engine.model.quantize import quantized_linear
 
 log = logging.getLogger(__name__)
@@ -131,10 +132,10 @@ class CpuGemm:
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-        scales: torch.Tensor | Int4Scales | None = None,
+        scales: torch.Tensor | Int4Scales | Int8Scales | None = None,
     ) -> torch.Tensor:
         """``x @ weight.T + bias`` for ``weight`` ``[out, in]`` (int8 with its row `scales`, or float; AWQ/GPTQ
-        codes with their `Int4Scales`).
+        codes with their `Int4Scales`; 8-bit codes on CUDA with their `Int8Scales`).
         A transposed product returns a transposed view (``[rows, out]`` with strides ``(1, rows)``):
         the next `linear` takes it as is (its transpose is contiguous) and element-wise ops accept it."""
         if scales is not None:

@@ -75,6 +75,8 @@ __all__ = [
     "input_block",
     "product",
     "scaled_mm_serves",
+    "tiles_for",
+    "to_scaled_mm",
     "weights_kept_for",
 ]
 
@@ -203,9 +205,10 @@ def fp8_gemv(
     x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, config: Config, widen: bool = False
 ) -> torch.Tensor:
     """``x @ (weight * scales).T`` in `x`'s dtype, for a 2-D `x` ``[M, K]``, a contiguous ``float8_e4m3fn``
-    `weight` ``[N, K]`` and fp32 `scales`: ``[N]`` (one per output channel) or ``[N, blocks]`` (each row's scales
-    by blocks of inputs, `input_block`). `widen`: the bytes widened as on a GPU without fp8 conversions
-    even where the GPU has them (a benchmark times that path on a Hopper GPU)."""
+    (or ``int8``: 8-bit integer codes, `int8_weights`) `weight` ``[N, K]`` and fp32 `scales`: ``[N]`` (one per
+    output channel) or ``[N, blocks]`` (each row's scales by blocks of inputs, `input_block`). `widen`: the bytes
+    widened as on a GPU without fp8 conversions even where the GPU has them (a benchmark times that path on a
+    Hopper GPU)."""
     if triton is None:
         raise RuntimeError("the fp8 Triton kernel needs triton")
     x = x.contiguous()
@@ -225,6 +228,7 @@ def fp8_gemv(
             x, weight.view(torch.uint8), scales, y, rows, weight.shape[0], inputs, x.stride(0), y.stride(0),
             k_share, parts, counters, parts.stride(0) if split else 0, scales.stride(0),
             EVEN_K=inputs % config.block_k == 0, USE_DOT=config.use_dot, NATIVE=native,
+            INT8=weight.dtype == torch.int8,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP=group, SCALE_PER_TILE=group > 0 and group % config.block_k == 0, SPLIT=split,
             LATE_SUM=config.late_sum and not config.use_dot, PREFETCH=config.prefetch and not config.use_dot,
@@ -258,11 +262,11 @@ def choose(
     rows = x.shape[0]
     if not ENABLED or triton is None or not weight.is_contiguous():
         return None
-    if not (x.is_cuda or INTERPRETED_ON_CPU) or (rows > MAX_ROWS and scaled_mm_serves(x.device, scales.dim() == 2)):
+    if not (x.is_cuda or INTERPRETED_ON_CPU) or (rows > MAX_ROWS and to_scaled_mm(weight, scales, x.device)):
         return None
     blocks = scales.shape[1] if scales.dim() == 2 else 0
     one = rows == 1 and not blocks and fp8_w8a8.applies(weight, x.device) and fp8_w8a8.one_scale(scales)
-    key = (x.device, *weight.shape, bucket(rows), x.dtype, blocks, one)
+    key = (x.device, *weight.shape, bucket(rows), x.dtype, blocks, one, weight.dtype)
     if key in _chosen:
         return _chosen[key]
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -271,10 +275,11 @@ def choose(
         choice = _measure(key, weight, scales, other)
     except Exception as exc:  # noqa: BLE001 - measuring failed (memory, the GPU): the product serves regardless
         log.warning(
-            "measuring the fp8 Triton kernel for [%d x %d] failed (%s): %s serves",
+            "measuring the %s Triton kernel for [%d x %d] failed (%s): %s serves",
+            _what(weight),
             *weight.shape,
             exc,
-            _other(x.device, bool(blocks)),
+            _other(weight, scales, x.device),
         )
         choice = None
     _chosen[key] = choice
@@ -284,10 +289,10 @@ def choose(
 def _measure(
     key: tuple[Any, ...], weight: torch.Tensor, scales: torch.Tensor, other: Callable[[torch.Tensor], torch.Tensor]
 ) -> Choice | None:
-    device, outputs, inputs, rows, dtype, blocks, one = key
+    device, outputs, inputs, rows, dtype, blocks, one, _ = key
     generator = torch.Generator(device=device).manual_seed(0)
     probe = torch.randn(rows, inputs, generator=generator, device=device).to(dtype)
-    candidates: tuple[Choice, ...] = CANDIDATES[rows]
+    candidates: tuple[Choice, ...] = tiles_for(rows, weight, scales)
     if rows <= MAX_ROWS and not blocks and fp8_w8a8.applies(weight, device):
         candidates += (fp8_w8a8.ONE_SCALE, fp8_w8a8.W8A8) if one else (fp8_w8a8.W8A8,)
     plain = _reference(probe, weight, scales)
@@ -301,19 +306,40 @@ def _measure(
 
     return kernel_choice.pick(
         log,
-        "fp8",
+        _what(weight),
         (outputs, inputs, rows),
         candidates,
         lambda choice: product(probe, weight, scales, choice),
         want,
         device,
-        (_other(device, bool(blocks)), lambda: other(probe)),
+        (_other(weight, scales, device), lambda: other(probe)),
     )
 
 
-def _other(device: torch.device, blocks: bool = False) -> str:
+def tiles_for(bucket: int, weight: torch.Tensor, scales: torch.Tensor) -> tuple[Config, ...]:
+    """The bucket's `CANDIDATES` for `weight` with `scales`: all of them, but for 8-bit integer codes by groups
+    those that load a step ahead and add their splits in the kernel (they spill registers on Hopper there:
+    tests/unit/test_kernels_compile_for_cuda.py)."""
+    tiles = CANDIDATES[bucket]
+    if weight.dtype == torch.int8 and scales.dim() == 2:
+        return tuple(t for t in tiles if not (t.prefetch and t.adds_in_kernel))
+    return tiles
+
+
+def _what(weight: torch.Tensor) -> str:
+    """The weights' kind, for the log lines: fp8, or int8 (8-bit integer codes)."""
+    return "int8" if weight.dtype == torch.int8 else "fp8"
+
+
+def _other(weight: torch.Tensor, scales: torch.Tensor, device: torch.device) -> str:
     """What serves where the kernel does not, for the log lines."""
-    return "torch._scaled_mm" if scaled_mm_serves(device, blocks) else "the de-quantized product"
+    return "torch._scaled_mm" if to_scaled_mm(weight, scales, device) else "the de-quantized product"
+
+
+def to_scaled_mm(weight: torch.Tensor, scales: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` serves the products of `weight` with `scales` that this kernel does not
+    (`scaled_mm_serves`): fp8 weights only (8-bit integer codes never: the de-quantized product serves)."""
+    return weight.dtype == torch.float8_e4m3fn and scaled_mm_serves(device, scales.dim() == 2)
 
 
 def scaled_mm_serves(device: torch.device, blocks: bool) -> bool:

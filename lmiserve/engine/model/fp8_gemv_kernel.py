@@ -1,6 +1,7 @@
 """The Triton kernel of `fp8_gemv` (imported only where Triton is installed; the interpreter runs it on a
 CPU in the tests): ``y = (x @ W.T) * scale`` for the rows of `x`, the fp8 weight read once, as bytes, and
-widened in registers (no activation quantization, no bf16 copy of the weight).
+widened in registers (no activation quantization, no bf16 copy of the weight). 8-bit integer codes (`INT8`,
+compressed-tensors' W8A8 and W8A16 checkpoints: `int8_weights`) are read the same way, each converted exactly.
 
 Scales per output channel (``[N]``, applied to the sums), or by blocks of `GROUP` inputs (block-wise fp8: each
 row's scales ``[N, cdiv(K, GROUP)]``, `stride_s` apart): where a tile's inputs lie in one block
@@ -37,6 +38,7 @@ def fp8_gemv_kernel(  # pragma: no cover - runs as a Triton kernel
     EVEN_K: tl.constexpr,
     USE_DOT: tl.constexpr,
     NATIVE: tl.constexpr,
+    INT8: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -78,7 +80,9 @@ def fp8_gemv_kernel(  # pragma: no cover - runs as a Triton kernel
             x_next, bits_next = _tile(x_rows, w_rows, k + BLOCK_K, m_ok, n_ok, K, k0 + BLOCK_K < k_end, EVEN_K)
         else:
             x, bits = _tile(x_rows, w_rows, k, m_ok, n_ok, K, True, EVEN_K)
-        if NATIVE:  # noqa: SIM108 - a constexpr branch: the fp8 type compiles only where the GPU has it
+        if INT8:  # 8-bit integer codes (`int8_weights`): each exact in the activations' dtype and in fp32
+            w = bits.to(tl.int8, bitcast=True)
+        elif NATIVE:  # the fp8 type compiles only where the GPU has it
             w = bits.to(tl.float8e4nv, bitcast=True)  # [BLOCK_N, BLOCK_K]; bits 0 are +0.0
         else:
             w = e4m3_over_256(bits)
@@ -105,7 +109,7 @@ def fp8_gemv_kernel(  # pragma: no cover - runs as a Triton kernel
         scale = tl.full((BLOCK_N,), 1.0, tl.float32)
     else:
         scale = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)
-    if not NATIVE:
+    if not NATIVE and not INT8:
         scale = scale * 256.0
     mask = m_ok[:, None] & n_ok[None, :]
     store_sums(acc * scale[None, :], y_ptr, p_ptr, c_ptr, offs_m, offs_n, mask, stride_ym, stride_ps, SPLIT)

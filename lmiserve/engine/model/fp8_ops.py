@@ -79,8 +79,9 @@ def fp8_linear(
     """``x @ (weight * scales).T`` for a 2-D `x`, fp8 `weight` ``[out, in]`` and fp32 `scales` ``[out]`` (or each
     row's by blocks of inputs, ``[out, blocks]``): through `fp8_gemv` where it is chosen (measured faster on this
     GPU: a few rows, or any number where the GPU has no fp8 products or the scales are by blocks), else
-    `scaled_product` (there, and for blocks, `fp8_gemv.dequantized_product`)."""
-    if fp8_gemv.scaled_mm_serves(x.device, scales.dim() == 2):
+    `scaled_product` (there, and for blocks, `fp8_gemv.dequantized_product`). An ``int8`` `weight` (8-bit integer
+    codes, `int8_weights`) runs the kernel or the de-quantized product, never ``_scaled_mm``."""
+    if fp8_gemv.to_scaled_mm(weight, scales, x.device):
         other = functools.partial(scaled_product, weight=weight, scales=scales, quantize_rows=quantize_rows)
     else:
         other = functools.partial(fp8_gemv.dequantized_product, weight=weight, scales=scales)

@@ -103,7 +103,8 @@ def rows_to_fp8(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torc
 def applies(weight: torch.Tensor, device: torch.device) -> bool:
     """Whether this product can serve the fp8 `weight` ``[N, K]`` on `device` (module doc)."""
     outputs, inputs = weight.shape
-    return triton is not None and fp8_devices.native(device) and outputs % PAD == 0 and inputs % PAD == 0
+    fits = weight.dtype == torch.float8_e4m3fn and outputs % PAD == 0 and inputs % PAD == 0
+    return triton is not None and fp8_devices.native(device) and fits
 
 
 @functools.cache

@@ -32,6 +32,7 @@ from lmiserve.engine.attention.paged import AttentionShape
 from lmiserve.engine.attention.windows import unsupported_kinds
 from lmiserve.engine.model import layout_variants
 from lmiserve.engine.model.int4_triton import Int4Scales, Int4TritonLinear
+from lmiserve.engine.model.int8_weights import Int8Scales, Int8WeightLinear, fuse_int8
 from lmiserve.engine.model.layout_variants import FUSED_TYPES as FUSED_TYPES
 from lmiserve.engine.model.layout_variants import (
     NON_GATED_TYPES,
@@ -51,8 +52,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 # the quantized linears the layout takes (tensor parallelism refuses them: sharding.py); Fp8Linear: fp8 rows,
-# fused as int8's; Int4TritonLinear: AWQ/GPTQ codes on CUDA, fused by `_fuse_int4`
-QUANTIZED_LINEARS = (Int8Linear, Int4Linear, Q8Linear, Fp8Linear, Int4TritonLinear)
+# fused as int8's; Int4TritonLinear: AWQ/GPTQ codes on CUDA, fused by `_fuse_int4`; Int8WeightLinear: 8-bit integer
+# codes on CUDA, fused by `int8_weights.fuse_int8`
+QUANTIZED_LINEARS = (Int8Linear, Int4Linear, Q8Linear, Fp8Linear, Int4TritonLinear, Int8WeightLinear)
 
 
 # ---- the layout (what `unsupported_reason` checks) -------------------------------------------------
@@ -177,7 +179,7 @@ def as_llama(model: PreTrainedModel) -> LlamaFamily:
 
 
 # ---- fused weights -------------------------------------------------------------------------------
-Scales = torch.Tensor | Int4Scales | None  # a product's scales: `_fuse`'s
+Scales = torch.Tensor | Int4Scales | Int8Scales | None  # a product's scales: `_fuse`'s
 
 
 class Part(NamedTuple):
@@ -308,6 +310,8 @@ def _kind(module: torch.nn.Module) -> object:
     if isinstance(module, Int4TritonLinear):  # fused only with linears of the same groups and input order
         order = module.scales.order
         return Int4TritonLinear, module.scales.group, None if order is None else tuple(order.tolist())
+    if isinstance(module, Int8WeightLinear):  # fused only with linears of the same scales' layout
+        return Int8WeightLinear, module.scales.scales.shape[1:]
     return cast(torch.nn.Linear, module).weight.dtype
 
 
@@ -338,6 +342,8 @@ def _fuse(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
     does not grow and the transformers forward keeps working on the same storage."""
     if isinstance(modules[0], Int4TritonLinear):
         return _fuse_int4(cast(list[Int4TritonLinear], modules))
+    if isinstance(modules[0], Int8WeightLinear):
+        return fuse_int8(cast(list[Int8WeightLinear], modules), _fused_bias(modules))
     if isinstance(modules[0], Fp8Linear):  # parts of one scale each: on one scale (tensor-wise products)
         one_scale_for(cast(list[Fp8Linear], modules))
     weights = [m.weight.detach() for m in modules]

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from lmiserve.engine import fp8_devices
-from lmiserve.engine.model import fp8_gemv, fp8_w8a8, int4_triton
+from lmiserve.engine.model import fp8_gemv, fp8_w8a8, int4_triton, int8_weights
 from lmiserve.engine.model.fp8_ops import FP8_MAX, dequantize_fp8, fp8_linear, quantize_fp8
 from lmiserve.engine.model.quantize import (
     INT4_GROUP,
@@ -205,7 +205,7 @@ def int4_module(
     of `dtype` with the weight de-quantized once (on CUDA: faster than the first Triton kernel on an H200). An 8-bit
     weight (`Int4Parts.bits`): `int8_module`."""
     if parts.bits == 8:
-        return int8_module(parts, bias, dtype, device)
+        return int8_module(parts, bias, dtype, device, keep_codes)
     size = parts.group_size()
     if (
         device.type == "cpu"
@@ -228,21 +228,33 @@ def int4_module(
 
 
 def int8_module(
-    parts: Int4Parts, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device
+    parts: Int4Parts,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    keep_codes: bool | None = None,
 ) -> torch.nn.Module:
-    """The layer of an 8-bit weight: on CPU, computing in bf16, a symmetric weight with a scale a channel (W8A8's) is
-    an `Int8Linear` on torch's int8 kernel (its codes as they are: ``x @ (q * scale).T``); else a plain linear of
-    `dtype` with the weight de-quantized once (on CUDA: no int8 kernel yet)."""
+    """The layer of an 8-bit weight: where `keep_codes` (the loaders' `int8_weights.weights_kept_for` on CUDA;
+    tests on a CPU) and the kernel serves its scales (`int8_weights.served_scales`), an `Int8WeightLinear` on
+    `fp8_gemv`'s kernel; on CPU, computing in bf16, a symmetric weight with a scale a channel (W8A8's) is an
+    `Int8Linear` on torch's int8 kernel (its codes as they are: ``x @ (q * scale).T``); else a plain linear of
+    `dtype` with the weight de-quantized once."""
+    if keep_codes:
+        served = int8_weights.served_scales(parts.codes, parts.scale, parts.zero, parts.group_size())
+        if served is not None:
+            codes = (parts.codes.to(torch.int16) - int8_weights.SYMMETRIC_ZERO).to(torch.int8).contiguous()
+            b = None if bias is None else bias.detach().to(device, dtype)
+            return int8_weights.Int8WeightLinear(codes.to(device), served.to(device), b)
     inputs = parts.codes.shape[1]
     if (
         device.type == "cpu"
         and dtype == INT8_COMPUTE_DTYPE
         and parts.scale.shape[1] == 1
-        and bool((parts.zero == 128).all())
+        and bool((parts.zero == int8_weights.SYMMETRIC_ZERO).all())
         and inputs % INT8_K_MULTIPLE == 0
         and int8_available()
     ):
-        weight = (parts.codes.to(torch.int32) - 128).to(torch.int8).contiguous()
+        weight = (parts.codes.to(torch.int32) - int8_weights.SYMMETRIC_ZERO).to(torch.int8).contiguous()
         return Int8Linear(weight, parts.scale[:, 0].to(dtype), None if bias is None else bias.detach().to(dtype))
     return _plain_linear(parts.dequantize(), bias, dtype, device)
 
@@ -250,11 +262,14 @@ def int8_module(
 def weights_kept_for(
     model: torch.nn.Module, device: torch.device, name: str, method: str, blocks: bool = False
 ) -> bool | None:
-    """Whether the linears of a `method` checkpoint (fp8, awq, gptq; `blocks`: block-wise fp8) stay quantized on a
-    GPU where their kernel is not yet measured (`int4_triton.codes_kept_for`, `fp8_gemv.weights_kept_for`), for
-    `model` (the meta model or a tensor-parallel rank's shell) on `device`; None where the question is not asked."""
+    """Whether the linears of a `method` checkpoint (fp8, awq, gptq, int8; `blocks`: block-wise fp8) stay quantized on
+    a GPU where their kernel is not yet measured (`int4_triton.codes_kept_for`, `fp8_gemv.weights_kept_for`,
+    `int8_weights.weights_kept_for`), for `model` (the meta model or a tensor-parallel rank's shell) on `device`;
+    None where the question is not asked."""
     if method == "fp8":
         return fp8_gemv.weights_kept_for(model, device, name, blocks)
+    if method == "int8":
+        return int8_weights.weights_kept_for(model, device, name)
     return int4_triton.codes_kept_for(model, device, name)
 
 

@@ -44,6 +44,7 @@ from lmiserve.engine.model import group_kernels, int4_triton
 from lmiserve.engine.model.fp8_ops import fp8_linear
 from lmiserve.engine.model.group_kernels import LANES, pack_q4, pack_q8, q4_linear, q8_linear, unpack_q4, unpack_q8
 from lmiserve.engine.model.int4_triton import Int4Scales
+from lmiserve.engine.model.int8_weights import Int8Scales, int8_weight_linear
 
 INT8_COMPUTE_DTYPE = torch.bfloat16  # what the int8 kernel multiplies with (and the model's other weights)
 INT8_K_MULTIPLE = 16  # the kernel's inner dimension must be a multiple of this
@@ -94,12 +95,17 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> 
     return q4_linear(x, packed, scales)
 
 
-def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | Int4Scales) -> torch.Tensor:
+def quantized_linear(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | Int4Scales | Int8Scales
+) -> torch.Tensor:
     """The product of a quantized weight, by its storage: AWQ/GPTQ codes on CUDA (`Int4Scales`,
-    `int4_triton.int4_linear`), blocked int4 (uint8, `int4_linear`), fp8 rows (`quant_formats.fp8_linear`),
-    blocked q8 (int8 with 2-D fp32 group scales, `group_kernels.q8_linear`), or int8 rows (`int8_linear`)."""
+    `int4_triton.int4_linear`), 8-bit integer codes on CUDA (`Int8Scales`, `int8_weights`), blocked int4 (uint8,
+    `int4_linear`), fp8 rows (`quant_formats.fp8_linear`), blocked q8 (int8 with 2-D fp32 group scales,
+    `group_kernels.q8_linear`), or int8 rows (`int8_linear`)."""
     if isinstance(scales, Int4Scales):
         return int4_triton.int4_linear(x, weight, scales)
+    if isinstance(scales, Int8Scales):
+        return int8_weight_linear(x, weight, scales)
     if weight.dtype == torch.uint8:
         return int4_linear(x, weight, scales)
     if weight.dtype == torch.float8_e4m3fn:  # quant_formats.Fp8Linear's rows

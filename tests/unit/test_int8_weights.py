@@ -1,0 +1,238 @@
+"""8-bit integer codes kept on a GPU (issue #39, `int8_weights`): compressed-tensors' W8A8 and W8A16 checkpoints keep
+their int8 codes on `fp8_gemv`'s weight-only kernel where de-quantized to bf16 they would not fit (a 70B W8A8 model on
+one 80 GB GPU), or where ``LMISERVE_USE_TRITON_INT8=1``. The kernel runs under Triton's interpreter on CPU tensors
+(tests/conftest.py sets TRITON_INTERPRET on a CPU); the loaders' question is answered here as a GPU would answer it
+(its free memory and compute capability given). The engine's tokens over such layers:
+test_quantized_checkpoints.py; on a GPU the GPU check runs that file's `on the test device` cases with the codes kept."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import init_empty_weights
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from helpers.fp8_weights import fresh_choices  # noqa: F401 - an autouse fixture
+from helpers.quantizable import quantizable_llama, write_checkpoint
+from lmiserve.engine import fp8_devices
+from lmiserve.engine.model import fp8_gemv, int8_weights
+from lmiserve.engine.model.int8_weights import Int8Scales, Int8WeightLinear
+from lmiserve.engine.model.quant_formats import Int4Parts, int8_module
+from lmiserve.engine.model.quantize import quantized_linear
+from lmiserve.engine.model.shard_checkpoint import load_shard_weights
+from lmiserve.engine.model.sharding import shard_model
+from lmiserve.models.load import load_model_shell
+from lmiserve.models.quantized_load import checkpoint_quantization, load_quantized
+
+interpreted = pytest.mark.skipif(
+    not fp8_gemv.available() or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py on CPU)",
+)
+CPU = torch.device("cpu")
+
+
+def int8_parts(out: int, inputs: int, group: int, seed: int = 0, zero: int = 128) -> Int4Parts:
+    """Random 8-bit codes ``[out, inputs]`` (stored as the signed code + 128, as `packed_codes` reads them) with a
+    scale a group of `group` inputs (0: a channel) and the zero `zero` (128: symmetric)."""
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (out, inputs), generator=generator, dtype=torch.uint8)
+    groups = 1 if group == 0 else -(-inputs // group)
+    scale = torch.rand(out, groups, generator=generator) * 0.01 + 1e-3
+    g_idx = torch.arange(inputs) // (inputs if group == 0 else group)
+    return Int4Parts(codes, scale, torch.full((out, groups), zero, dtype=torch.int32), g_idx, bits=8)
+
+
+@interpreted
+@pytest.mark.parametrize(
+    "config",
+    [
+        fp8_gemv.Config(False, 1, 16, 32),
+        fp8_gemv.Config(False, 4, 16, 64, split_k=2, adds_in_kernel=True),
+        fp8_gemv.Config(False, 1, 16, 32, late_sum=True, prefetch=True),
+        fp8_gemv.Config(True, 16, 16, 32),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("group", [0, 32, 16], ids=["channel", "g32", "g16"])
+@pytest.mark.parametrize("native", [True, False], ids=["fp8-gpu", "no-fp8-gpu"])
+def test_the_kernel_computes_the_codes_de_quantized_product(
+    config: fp8_gemv.Config, group: int, native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Per channel, by groups of a tile (32) and by groups smaller than a tile's inputs (16: each code scaled before
+    the product), ragged inputs (100, by channel): fp32 rows give fp32's product of the de-quantized codes, on a GPU with fp8
+    conversions or without (the codes are never read as fp8 bytes)."""
+    monkeypatch.setattr(fp8_devices, "native", lambda device: native)
+    parts = int8_parts(40, 100 if group == 0 else 96, group)
+    layer = int8_module(parts, None, torch.float32, CPU, keep_codes=True)
+    assert isinstance(layer, Int8WeightLinear)
+    x = torch.randn(5, parts.codes.shape[1])
+    got = fp8_gemv.fp8_gemv(x, layer.weight, layer.scales.scales, config)
+    torch.testing.assert_close(got, x @ parts.dequantize().t(), rtol=1e-5, atol=1e-5)
+
+
+@interpreted
+@pytest.mark.parametrize("config", [fp8_gemv.Config(False, 1, 16, 64), fp8_gemv.Config(True, 16, 16, 64)], ids=str)
+def test_every_code_comes_back_exactly(config: fp8_gemv.Config) -> None:
+    """-128 to 127 in every row, in its own order: the rows of the identity read each column exactly, in fp32 and
+    in bf16 activations (every code is a bf16)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.stack([torch.randperm(256, generator=generator) - 128 for _ in range(24)]).to(torch.int8)
+    ones = torch.ones(24)
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = 1 if not config.use_dot else 256
+        for start in range(0, 256, rows):
+            x = torch.eye(256, dtype=dtype)[start : start + rows]
+            got = fp8_gemv.fp8_gemv(
+                x if dtype == torch.float32 or not config.use_dot else x.half(), weight, ones, config
+            )
+            assert torch.equal(got.float(), weight.float()[:, start : start + rows].t()), (dtype, start)
+
+
+@interpreted
+def test_choose_measures_every_row_count_against_the_de_quantized_product_never_scaled_mm(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On a GPU with fp8 products too, int8 codes are measured at every bucket (no ``_scaled_mm``, no fp8 rows),
+    against the weight de-quantized a slice at a time, each choice kept apart from an fp8 weight's of one shape; the
+    layer's product and the fast path's (`quantized_linear`, by the scales' type) are the de-quantized product's."""
+    monkeypatch.setattr(fp8_devices, "native", lambda device: True)
+    monkeypatch.setattr(fp8_gemv, "INTERPRETED_ON_CPU", True)
+    monkeypatch.setattr(fp8_gemv, "CANDIDATES", {b: configs[:1] for b, configs in fp8_gemv.CANDIDATES.items()})
+    scaled_mm: list[int] = []
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *args, **kwargs: scaled_mm.append(1))
+    parts = int8_parts(40, 64, 32, seed=3)
+    layer = int8_module(parts, None, torch.float32, CPU, keep_codes=True)
+    dense = parts.dequantize()
+    caplog.set_level(logging.INFO, logger=fp8_gemv.__name__)
+    for rows, size in ((1, 1), (3, 4), (17, 64), (65, 256), (257, 1024)):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(layer(x), x @ dense.t(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(quantized_linear(x, layer.weight, layer.scales), x @ dense.t(), rtol=1e-5, atol=1e-5)
+        assert (CPU, 40, 64, size, torch.float32, 2, False, torch.int8) in fp8_gemv.chosen()
+        assert f"int8 products [40 x 64] at {size} row(s)" in caplog.text
+    assert not scaled_mm and "torch._scaled_mm" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("group", "zero", "act_order", "kept"),
+    [
+        (0, 128, False, True),  # W8A8: a scale a channel
+        (32, 128, False, True),  # W8A16 by groups
+        (32, 130, False, False),  # asymmetric codes: de-quantized
+        (48, 128, False, False),  # groups of a size the kernel cannot read from the scales' shape
+        (32, 128, True, False),  # act-ordered groups
+    ],
+    ids=["channel", "g32", "asymmetric", "g48", "act-order"],
+)
+def test_the_codes_are_kept_where_the_kernel_serves_them(group: int, zero: int, act_order: bool, kept: bool) -> None:
+    """Where the loader keeps them, symmetric codes by channel or by groups of a power of two run the kernel; the
+    rest is de-quantized at load (the same weights, exactly); where it does not keep them, de-quantized on CUDA as
+    before (on a CPU in fp32 here)."""
+    parts = int8_parts(32, 96, group, zero=zero)
+    if act_order:
+        parts.g_idx = parts.g_idx[torch.randperm(96, generator=torch.Generator().manual_seed(1))]
+    bias = torch.randn(32)
+    layer = int8_module(parts, bias, torch.float32, CPU, keep_codes=True)
+    assert isinstance(layer, Int8WeightLinear) is kept
+    weight = layer.dequantized() if isinstance(layer, Int8WeightLinear) else layer.weight
+    assert torch.equal(weight, parts.dequantize())
+    assert torch.equal(layer.bias, bias)
+    assert type(int8_module(parts, bias, torch.float32, CPU, keep_codes=False)) is torch.nn.Linear
+    if kept:
+        assert str(layer).endswith("int8 codes (a scale a channel))" if group == 0 else f"groups of {group} inputs))")
+
+
+@pytest.fixture(scope="module")
+def meta_model(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
+    folder = write_checkpoint(quantizable_llama(39), tmp_path_factory.mktemp("w8a8") / "w8a8", "w8a8", 0)
+    config = AutoConfig.from_pretrained(folder)
+    del config.quantization_config
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("capability", "forced", "free_share", "kept"),
+    [
+        ((9, 0), None, 1.5, True),  # an H100 where bf16 would take two thirds of the free memory
+        ((8, 6), None, 3.0, False),  # an A10G with room: bf16 (measured products)
+        ((9, 0), True, 3.0, True),  # LMISERVE_USE_TRITON_INT8=1
+        ((8, 0), False, 1.5, False),  # =0
+        ((7, 5), None, 1.5, None),  # a T4: de-quantized (not served by the kernel)
+    ],
+)
+def test_the_codes_stay_on_a_gpu_where_bf16_would_not_fit(
+    meta_model, monkeypatch, caplog, capability, forced, free_share, kept
+):
+    total = 2 * sum(p.numel() for p in meta_model.parameters())
+    monkeypatch.setattr(int8_weights, "USE_ON_CUDA", forced)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (int(free_share * total), 4 * total))
+    with caplog.at_level(logging.INFO, logger=int8_weights.__name__):
+        assert int8_weights.weights_kept_for(meta_model, torch.device("cuda", 0), "w8a8") is kept
+    if kept is not None:
+        said = "w8a8: int8 codes on the Triton kernel (" if kept else "w8a8: de-quantized at load ("
+        assert caplog.records[-1].getMessage().startswith(said)
+        assert ("forced by LMISERVE_USE_TRITON_INT8" in caplog.text) is (forced is not None)
+    assert int8_weights.weights_kept_for(meta_model, CPU, "w8a8") is None
+    assert 'USE_ON_CUDA = kernel_choice.switch("LMISERVE_USE_TRITON_INT8")' in Path(int8_weights.__file__).read_text()
+
+
+@pytest.mark.parametrize(("fmt", "group"), [("w8a8", 0), ("w8a16", 32)])
+@pytest.mark.parametrize("answer", [True, None], ids=["kept", "not-asked"])
+def test_one_process_and_a_rank_ask_once_and_keep_the_codes_where_told(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str, group: int, answer: bool | None
+) -> None:
+    """A W8A8 or W8A16 checkpoint in one process and a tensor-parallel rank's cut of it each ask once, of what they
+    load; where the answer is to keep (a GPU where bf16 would not fit), every linear of the layers is an
+    `Int8WeightLinear` whose weights are the de-quantized ones of the other answer, exactly."""
+    folder = write_checkpoint(quantizable_llama(39), tmp_path / fmt, fmt, group)
+    asked: list[str] = []
+
+    def spy(model: torch.nn.Module, device: torch.device, name: str) -> bool | None:
+        asked.append(name)
+        return answer
+
+    monkeypatch.setattr(int8_weights, "weights_kept_for", spy)
+    spec = checkpoint_quantization(folder, None)
+    assert spec is not None and spec.method == "int8"
+    whole, _ = load_quantized(folder, spec, torch.float32, CPU)
+    shell = load_model_shell(folder, dtype="fp32", device="cpu").model
+    shard_model(shell, 1, 2, None)
+    load_shard_weights(shell, folder, spec, CPU)
+    assert asked == [fmt, "rank 1"]
+    monkeypatch.setattr(int8_weights, "weights_kept_for", lambda *args: False)
+    plain, _ = load_quantized(folder, spec, torch.float32, CPU)
+    for model in (whole, shell):
+        layer = model.model.layers[0]
+        for module in (layer.mlp.down_proj, layer.self_attn.q_proj):
+            assert isinstance(module, Int8WeightLinear) is bool(answer)
+    for name in ("mlp.down_proj", "self_attn.q_proj", "mlp.gate_proj"):
+        got = whole.model.layers[1].get_submodule(name)
+        want = plain.model.layers[1].get_submodule(name).weight
+        assert torch.equal(got.dequantized() if answer else got.weight, want), name
+
+
+def test_the_fast_path_reads_the_scales_type_not_the_codes_dtype() -> None:
+    """CPU int8 rows (bf16 scales) and q8 blocks keep their kernels; `Int8Scales` go to the GPU kernel's product."""
+    parts = int8_parts(16, 64, 32, seed=4)
+    layer = int8_module(parts, None, torch.float32, CPU, keep_codes=True)
+    assert isinstance(layer.scales, Int8Scales) and layer.weight.dtype == torch.int8
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(quantized_linear(x, layer.weight, layer.scales), x @ parts.dequantize().t())
+
+
+def test_codes_by_groups_skip_the_tiles_that_spill_there() -> None:
+    """By groups, the tiles that load a step ahead and add their splits in the kernel are not tried (they spill
+    registers on Hopper: test_kernels_compile_for_cuda.py); by channel, and fp8 weights by blocks, every tile is."""
+    codes, fp8 = torch.zeros(8, 64, dtype=torch.int8), torch.zeros(8, 64, dtype=torch.float8_e4m3fn)
+    by_groups, by_channel = torch.ones(8, 2), torch.ones(8)
+    for bucket, tiles in fp8_gemv.CANDIDATES.items():
+        tried = fp8_gemv.tiles_for(bucket, codes, by_groups)
+        assert tried == tuple(t for t in tiles if not (t.prefetch and t.adds_in_kernel))
+        assert fp8_gemv.tiles_for(bucket, codes, by_channel) == tiles == fp8_gemv.tiles_for(bucket, fp8, by_groups)
+    assert len(fp8_gemv.tiles_for(1, codes, by_groups)) < len(fp8_gemv.CANDIDATES[1])
