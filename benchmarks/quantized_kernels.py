@@ -8,7 +8,9 @@ candidate, its three kernels together; at one row of a weight of one scale, `fp8
 cuBLAS applying both scales), block-wise fp8 (`fp8_block`: scales by blocks of 128 x 128, as Qwen3's
 FP8 releases, on `fp8_gemv`'s kernel or the de-quantized product as the engine chooses at every row count) and
 4-bit (`int4_triton.Int4TritonLinear`, groups of 128, on the tile the engine measures fastest for the row
-bucket: `int4_tile`), at a few row counts; on a GPU with fp8,
+bucket: `int4_tile`), compressed-tensors' 8-bit codes kept on a GPU (`int8_weights.Int8WeightLinear`: `int8_w8a8`
+a scale a channel, `int8_w8a16` groups of 128; `fp8_gemv`'s kernel or the de-quantized product as the engine
+chooses, `int8_tiles`), at a few row counts; on a GPU with fp8,
 where `_scaled_mm`'s time goes (`fp8_variants`). Run on an H200 on 2026-11-29 (before the 4-bit kernel's
 rewrite of 2026-11-30: benchmarks/results/gpu-check-2026-11-29-h200/round2/kernels.log; benchmarks/README.md
 has the table).
@@ -37,13 +39,14 @@ from pathlib import Path
 import torch
 
 from lmiserve.engine import fp8_devices
-from lmiserve.engine.model import fp8_gemv, fp8_w8a8, int4_triton, kernel_choice
+from lmiserve.engine.model import fp8_gemv, fp8_w8a8, int4_triton, int8_weights, kernel_choice
 from lmiserve.engine.model.fp8_ops import fp8_linear, rows_to_fp8
 from lmiserve.engine.model.quant_formats import (
     Fp8Linear,
     Int4Parts,
     fp8_module,
     fp8_scaled_mm_supported,
+    int8_module,
     quantize_fp8,
 )
 from lmiserve.models.quant_pack import fp8_block_tensors, rtn_int4
@@ -139,6 +142,20 @@ def fastest_gemv_tile(
     return None if best is None else best[1]
 
 
+def int8_layer(weight: torch.Tensor, group: int, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """`weight` as compressed-tensors' symmetric 8-bit codes (a scale a channel, `group` 0, or a group of `group`
+    inputs) kept on the GPU as the loader keeps them where bf16 would not fit (`int8_weights`)."""
+    out, inputs = weight.shape
+    size = inputs if group == 0 else group
+    groups = weight.view(out, inputs // size, size)
+    scale = groups.abs().amax(dim=-1).clamp(min=1e-8) / 127  # [out, groups]
+    q = torch.round(groups / scale[..., None]).clamp(-128, 127).view(out, inputs)
+    codes = (q + int8_weights.SYMMETRIC_ZERO).to(torch.uint8)
+    zero = torch.full(scale.shape, int8_weights.SYMMETRIC_ZERO, dtype=torch.int32)
+    parts = Int4Parts(codes, scale.float(), zero, torch.arange(inputs) // size, bits=8)
+    return int8_module(parts, None, dtype, device, keep_codes=True)
+
+
 def error(got: torch.Tensor, want: torch.Tensor) -> float:
     return round(((got.float() - want.float()).abs().max() / want.float().abs().max()).item(), 5)
 
@@ -177,6 +194,8 @@ def main() -> None:
         )
         block_dense = fp8_block.dequantized().to(dtype)
         int4 = int4_triton.Int4TritonLinear.from_parts(codes, scale.float(), zero, g_idx, None, dtype, device)
+        int8s = {kind: int8_layer(weight, g, dtype, device) for kind, g in (("int8_w8a8", 0), ("int8_w8a16", group))}
+        int8_dense = {kind: layer.dequantized().to(dtype) for kind, layer in int8s.items()}
         dense = weight.to(device, dtype)
         # the activations' quantization compiled into fused kernels (one variant below)
         quantize_rows = torch.compile(rows_to_fp8, dynamic=False) if cuda else rows_to_fp8
@@ -190,6 +209,8 @@ def main() -> None:
             }
             if fp8_gemv.available():
                 kinds["fp8_block"] = (lambda x=x, m=fp8_block: m(x), out * inputs, x @ block_dense.t())
+                for kind, layer in int8s.items():
+                    kinds[kind] = (lambda x=x, m=layer: m(x), out * inputs, x @ int8_dense[kind].t())
             native = fp8_devices.native(device)
             if (rows <= fp8_gemv.MAX_ROWS or not native) and fp8_gemv.available():
                 tiles_us: dict[str, float] = {}
@@ -238,6 +259,11 @@ def main() -> None:
             key = (x.device, out, inputs, group, False, int4_triton.bucket(rows), dtype)
             tile = int4_triton.chosen().get(key, "unmeasured")  # the engine's choice (None: de-quantized slices)
             row["int4_tile"] = str(tile) if tile is not None else "de-quantized slices"
+            row["int8_tiles"] = {
+                ("groups" if k[5] else "channel"): str(v) if v else "the de-quantized product"
+                for k, v in fp8_gemv.chosen().items()
+                if k[7] == torch.int8 and k[1:4] == (out, inputs, fp8_gemv.bucket(rows))
+            }
             results.append(row)
             print(json.dumps(row), flush=True)
     report = {
