@@ -1,8 +1,8 @@
 """8-bit integer codes kept on a GPU (issue #39, `int8_weights`): compressed-tensors' W8A8 and W8A16 checkpoints keep
 their int8 codes on `fp8_gemv`'s weight-only kernel where de-quantized to bf16 they would not fit (a 70B W8A8 model on
 one 80 GB GPU), or where ``LMISERVE_USE_TRITON_INT8=1``. The kernel runs under Triton's interpreter on CPU tensors
-(tests/conftest.py sets TRITON_INTERPRET on a CPU); the loaders' question is answered here as a GPU would answer it
-(its free memory and compute capability given). The engine's tokens over such layers:
+(tests/conftest.py sets TRITON_INTERPRET on a CPU); the loaders ask once per load and per rank, the answer given
+here (a GPU's answer from its free memory and compute capability: test_weight_fit.py). The engine's tokens over such layers:
 test_quantized_checkpoints.py; on a GPU the GPU check runs that file's `on the test device` cases with the codes kept."""
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from accelerate import init_empty_weights
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from helpers.fp8_weights import fresh_choices  # noqa: F401 - an autouse fixture
 from helpers.quantizable import quantizable_llama, write_checkpoint
@@ -144,42 +142,6 @@ def test_the_codes_are_kept_where_the_kernel_serves_them(group: int, zero: int, 
     assert type(int8_module(parts, bias, torch.float32, CPU, keep_codes=False)) is torch.nn.Linear
     if kept:
         assert str(layer).endswith("int8 codes (a scale a channel))" if group == 0 else f"groups of {group} inputs))")
-
-
-@pytest.fixture(scope="module")
-def meta_model(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
-    folder = write_checkpoint(quantizable_llama(39), tmp_path_factory.mktemp("w8a8") / "w8a8", "w8a8", 0)
-    config = AutoConfig.from_pretrained(folder)
-    del config.quantization_config
-    with init_empty_weights(include_buffers=False):
-        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-
-
-@pytest.mark.parametrize(
-    ("capability", "forced", "free_share", "kept"),
-    [
-        ((9, 0), None, 1.5, True),  # an H100 where bf16 would take two thirds of the free memory
-        ((8, 6), None, 3.0, False),  # an A10G with room: bf16 (measured products)
-        ((9, 0), True, 3.0, True),  # LMISERVE_USE_TRITON_INT8=1
-        ((8, 0), False, 1.5, False),  # =0
-        ((7, 5), None, 1.5, None),  # a T4: de-quantized (not served by the kernel)
-    ],
-)
-def test_the_codes_stay_on_a_gpu_where_bf16_would_not_fit(
-    meta_model, monkeypatch, caplog, capability, forced, free_share, kept
-):
-    total = 2 * sum(p.numel() for p in meta_model.parameters())
-    monkeypatch.setattr(int8_weights, "USE_ON_CUDA", forced)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (int(free_share * total), 4 * total))
-    with caplog.at_level(logging.INFO, logger=int8_weights.__name__):
-        assert int8_weights.weights_kept_for(meta_model, torch.device("cuda", 0), "w8a8") is kept
-    if kept is not None:
-        said = "w8a8: int8 codes on the Triton kernel (" if kept else "w8a8: de-quantized at load ("
-        assert caplog.records[-1].getMessage().startswith(said)
-        assert ("forced by LMISERVE_USE_TRITON_INT8" in caplog.text) is (forced is not None)
-    assert int8_weights.weights_kept_for(meta_model, CPU, "w8a8") is None
-    assert 'USE_ON_CUDA = kernel_choice.switch("LMISERVE_USE_TRITON_INT8")' in Path(int8_weights.__file__).read_text()
 
 
 @pytest.mark.parametrize(("fmt", "group"), [("w8a8", 0), ("w8a16", 32)])

@@ -3,7 +3,8 @@ fit the GPU (a 70B AWQ model on one 80 GB GPU: 140 GB in bf16), and is de-quanti
 products, until the kernel is measured on a GPU); ``LMISERVE_USE_TRITON_INT4`` forces either way
 (engine/model/weight_fit.py, int4_triton.py `codes_kept`, models/quantized_load.py). An fp8 checkpoint on a GPU
 without fp8 products (A100, A10G) keeps its fp8 weights on `fp8_gemv`'s widening kernel by the same rule
-(``LMISERVE_USE_TRITON_FP8``). The GPU's free memory (and for fp8 its compute capability) is the one figure given
+(``LMISERVE_USE_TRITON_FP8``), and compressed-tensors' 8-bit codes on any GPU on it too (``LMISERVE_USE_TRITON_INT8``,
+engine/model/int8_weights.py). The GPU's free memory (and for fp8 its compute capability) is the one figure given
 here: the rest is the loader's own reading of the checkpoint's model."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from helpers.quantizable import quantizable_llama, write_checkpoint
 from lmiserve.engine import fp8_devices
-from lmiserve.engine.model import fp8_gemv, int4_triton, kernel_choice
+from lmiserve.engine.model import fp8_gemv, int4_triton, int8_weights, kernel_choice
 from lmiserve.engine.model.quant_formats import Fp8Linear
 from lmiserve.engine.model.shard_checkpoint import load_shard_weights
 from lmiserve.engine.model.sharding import shard_model
@@ -120,37 +121,54 @@ def meta_model(awq_dir: Path) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
 
 
+# what keeps its weights quantized, by kernel: (module, its switch, what the log says kept weights run on)
+KEEPERS = {
+    "fp8": (fp8_gemv, "LMISERVE_USE_TRITON_FP8", "fp8 weights on the widening Triton kernel"),
+    "int8": (int8_weights, "LMISERVE_USE_TRITON_INT8", "int8 codes on the Triton kernel"),
+}
+
+
 @pytest.mark.parametrize(
-    ("capability", "forced", "free_share", "kept"),
+    ("kind", "capability", "forced", "free_share", "kept"),
     [
-        ((8, 6), None, 1.5, True),  # an A10G: bf16 would take two thirds of the free memory
-        ((8, 0), None, 3.0, False),  # an A100 with room: bf16 (measured products)
-        ((8, 0), True, 3.0, True),  # LMISERVE_USE_TRITON_FP8=1
-        ((8, 6), False, 1.5, False),  # =0
-        ((8, 9), None, 1.5, None),  # an L4: fp8 products of its own (Fp8Linear always)
-        ((9, 0), None, 1.5, None),  # an H100
-        ((7, 5), None, 1.5, None),  # a T4: de-quantized (no bf16, not served by the kernel)
+        ("fp8", (8, 6), None, 1.5, True),  # an A10G: bf16 would take two thirds of the free memory
+        ("fp8", (8, 0), None, 3.0, False),  # an A100 with room: bf16 (measured products)
+        ("fp8", (8, 0), True, 3.0, True),  # LMISERVE_USE_TRITON_FP8=1
+        ("fp8", (8, 6), False, 1.5, False),  # =0
+        ("fp8", (8, 9), None, 1.5, None),  # an L4: fp8 products of its own (Fp8Linear always)
+        ("fp8", (9, 0), None, 1.5, None),  # an H100
+        ("fp8", (7, 5), None, 1.5, None),  # a T4: de-quantized (no bf16, not served by the kernel)
+        ("int8", (9, 0), None, 1.5, True),  # W8A8 on an H100 where bf16 would take two thirds of the free memory
+        ("int8", (8, 6), None, 3.0, False),  # an A10G with room: bf16 (measured products)
+        ("int8", (9, 0), True, 3.0, True),  # LMISERVE_USE_TRITON_INT8=1
+        ("int8", (8, 0), False, 1.5, False),  # =0
+        ("int8", (7, 5), None, 1.5, None),  # a T4: de-quantized (not served by the kernel)
     ],
 )
-def test_fp8_weights_stay_fp8_on_a_gpu_without_fp8_products_where_bf16_would_not_fit(
-    meta_model, monkeypatch, caplog, capability, forced, free_share, kept
+def test_quantized_weights_stay_on_their_kernel_where_bf16_would_not_fit(
+    meta_model, monkeypatch, caplog, kind, capability, forced, free_share, kept
 ):
+    """fp8 weights on a GPU without fp8 products (`fp8_gemv.weights_kept_for`), compressed-tensors' 8-bit codes on
+    any GPU of compute capability 8.0+ (`int8_weights.weights_kept_for`)."""
+    module, switch, kept_as = KEEPERS[kind]
     total = 2 * sum(p.numel() for p in meta_model.parameters())
     monkeypatch.setattr(fp8_devices, "_native", {})
-    monkeypatch.setattr(fp8_gemv, "USE_ON_CUDA", forced)
+    monkeypatch.setattr(module, "USE_ON_CUDA", forced)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (int(free_share * total), 4 * total))
-    with caplog.at_level(logging.INFO, logger=fp8_gemv.__name__):
-        assert fp8_gemv.weights_kept_for(meta_model, torch.device("cuda", 0), "fp8") is kept
+    with caplog.at_level(logging.INFO, logger=module.__name__):
+        assert module.weights_kept_for(meta_model, torch.device("cuda", 0), kind) is kept
     if kept is not None:
-        said = "fp8: fp8 weights on the widening Triton kernel (" if kept else "fp8: de-quantized"
+        said = f"{kind}: {kept_as} (" if kept else f"{kind}: de-quantized at load ("
         assert caplog.records[-1].getMessage().startswith(said)
-        assert ("forced by LMISERVE_USE_TRITON_FP8" in caplog.text) is (forced is not None)
-    assert fp8_gemv.weights_kept_for(meta_model, torch.device("cpu"), "fp8") is None
+        assert (f"forced by {switch}" in caplog.text) is (forced is not None)
+    assert module.weights_kept_for(meta_model, torch.device("cpu"), kind) is None
 
 
-def test_the_fp8_switch_is_read_from_the_environment():
-    assert 'USE_ON_CUDA = kernel_choice.switch("LMISERVE_USE_TRITON_FP8")' in Path(fp8_gemv.__file__).read_text()
+@pytest.mark.parametrize("kind", list(KEEPERS))
+def test_the_switches_are_read_from_the_environment(kind: str) -> None:
+    module, switch, _ = KEEPERS[kind]
+    assert f'USE_ON_CUDA = kernel_choice.switch("{switch}")' in Path(module.__file__).read_text()
 
 
 @pytest.fixture(scope="module")
