@@ -35,8 +35,10 @@ from lmiserve.engine.factory import create_engine
 from lmiserve.engine.model import int4_triton
 from lmiserve.engine.model.quant_formats import (
     Fp8Linear,
+    Int4Parts,
     fp8_module,
     fp8_scaled_mm_supported,
+    int8_module,
     quantize_fp8,
     unpack_awq,
     unpack_gptq,
@@ -327,7 +329,8 @@ def test_int8_codes_kept_on_the_triton_kernel_decode_what_transformers_decodes_d
     """compressed-tensors' 8-bit codes where a GPU keeps them (`int8_weights`: bf16 would not fit), loaded on CPU
     tensors with the loader's answer given: every linear an `Int8WeightLinear`, q/k/v and gate/up fused by the fast
     path, every product (decode rows and prompts) on `fp8_gemv`'s kernel under Triton's interpreter, also from the
-    decode graphs; fp32 activations, so the engine's greedy tokens are the de-quantized float model's."""
+    decode graphs, the output projection's too (stored quantized here); fp32 activations, so the engine's greedy
+    tokens are the de-quantized float model's."""
     from lmiserve.engine.model import fp8_gemv, int8_weights
     from lmiserve.engine.model.llama_layout import fused_layers
 
@@ -343,6 +346,9 @@ def test_int8_codes_kept_on_the_triton_kernel_decode_what_transformers_decodes_d
     for name, module in loaded.model.named_modules():
         if name.rpartition(".")[2] in LINEARS:
             assert isinstance(module, int8_weights.Int8WeightLinear), name
+    # an output projection stored quantized too (untied: some releases quantize it): its scales pick its product
+    head = int8_codes_of(loaded.model.lm_head.weight.detach())
+    loaded.model.lm_head = int8_module(head, None, torch.float32, loaded.device, keep_codes=True)
     ran: list[tuple[int, torch.dtype]] = []
     kernel = fp8_gemv.fp8_gemv
     monkeypatch.setattr(
@@ -355,8 +361,18 @@ def test_int8_codes_kept_on_the_triton_kernel_decode_what_transformers_decodes_d
     if record is not None:
         assert record.steps  # decode steps replayed the graphs
     reference_model = dequantized_float_model(checkpoints[case], case)
+    reference_model.lm_head = torch.nn.Linear(head.codes.shape[1], head.codes.shape[0], bias=False)
+    reference_model.lm_head.weight = torch.nn.Parameter(head.dequantize(), requires_grad=False)
     for ids, got in zip(PROMPTS, results, strict=True):
         assert got == greedy(reference_model, ids, 8), ids
+
+
+def int8_codes_of(weight: torch.Tensor) -> Int4Parts:
+    """`weight` as symmetric 8-bit codes with a scale a channel (W8A8's), as `packed_codes` reads them."""
+    scale = weight.abs().amax(dim=1, keepdim=True) / 127
+    codes = (torch.round(weight / scale).clamp(-128, 127) + 128).to(torch.uint8)
+    zero = torch.full(scale.shape, 128, dtype=torch.int32)
+    return Int4Parts(codes, scale.float(), zero, torch.zeros(weight.shape[1], dtype=torch.long), bits=8)
 
 
 @pytest.mark.parametrize(

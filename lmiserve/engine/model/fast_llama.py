@@ -57,6 +57,7 @@ from lmiserve.engine.model.layout_variants import (
     rope_layers,
 )
 from lmiserve.engine.model.llama_layout import (
+    QUANTIZED_LINEARS,
     SUPPORTED_TYPES,
     FusedLayer,
     as_llama,
@@ -64,7 +65,6 @@ from lmiserve.engine.model.llama_layout import (
     outputs_of,
     unsupported_reason,
 )
-from lmiserve.engine.model.quantize import Int4Linear, Int8Linear, Q8Linear
 from lmiserve.engine.model.rope_tables import RopeTables
 from lmiserve.engine.model.sharding import shard_of
 from lmiserve.engine.model.step_inputs import DecodeReplay, StepInputs
@@ -113,8 +113,9 @@ class FastLlama:
         head = llama.lm_head
         self.lm_head = head.weight
         # a quantized output projection: a speculative draft's (quantize.quantize_output_int8), an int4
-        # model's q8 (quantize.install_output_q8: blocks of 16 rows, the last one maybe padded)
-        self.lm_head_s = head.scales if isinstance(head, (Int8Linear, Int4Linear, Q8Linear)) else None
+        # model's q8 (quantize.install_output_q8: blocks of 16 rows, the last one maybe padded), or a checkpoint's
+        # stored quantized (fp8, 4-bit or 8-bit codes on a GPU: their scales say which product runs it)
+        self.lm_head_s = head.scales if isinstance(head, QUANTIZED_LINEARS) else None
         self.vocab = outputs_of(head)  # the output projection's width (a tensor-parallel rank's: its part)
         self._max_context = max_context
         # each layer's RoPE table (Gemma 3's local and global), over a head or its first part (Phi-4-mini's)
