@@ -17,7 +17,8 @@ from lmiserve.engine.model import fp8_gemv, fp8_w8a8, kernel_choice
 from lmiserve.engine.model.fp8_ops import fp8_linear, quantize_fp8, scaled_product
 
 pytestmark = pytest.mark.skipif(
-    not fp8_w8a8.applies(torch.empty(16, 16), torch.device("cpu")) or os.environ.get("TRITON_INTERPRET") != "1",
+    not fp8_w8a8.applies(torch.empty(16, 16, dtype=torch.float8_e4m3fn), torch.device("cpu"))
+    or os.environ.get("TRITON_INTERPRET") != "1",
     reason="needs triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py on CPU)",
 )
 
@@ -111,8 +112,8 @@ def test_a_wrong_product_is_refused_and_it_never_competes_where_it_cannot_serve(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Its self-check: a product off by a scale is refused (logged). Not a candidate for outputs or inputs not a
-    multiple of 16 (cuBLAS's fp8 product refuses them), on a GPU without fp8 products (an A100: no
-    ``_scaled_mm``), or for a prompt's rows."""
+    multiple of 16 (cuBLAS's fp8 product refuses them), for 8-bit integer codes, on a GPU without fp8 products
+    (an A100: no ``_scaled_mm``), or for a prompt's rows."""
     monkeypatch.setattr(fp8_gemv, "INTERPRETED_ON_CPU", True)
     monkeypatch.setattr(fp8_gemv, "CANDIDATES", {b: () for b in fp8_gemv.CANDIDATES})
     weight, scale, _ = fp8_weight(48, 64, seed=8)
@@ -122,8 +123,10 @@ def test_a_wrong_product_is_refused_and_it_never_competes_where_it_cannot_serve(
     assert "fp8 candidates refused for [48 x 64] at 1 rows: cuBLAS fp8 x fp8, activations per row: off by" in (
         caplog.text
     )
-    assert not fp8_w8a8.applies(torch.empty(40, 64), torch.device("cpu"))
-    assert not fp8_w8a8.applies(torch.empty(48, 72), torch.device("cpu"))
+    assert not fp8_w8a8.applies(torch.empty(40, 64, dtype=torch.float8_e4m3fn), torch.device("cpu"))
+    assert not fp8_w8a8.applies(torch.empty(48, 72, dtype=torch.float8_e4m3fn), torch.device("cpu"))
+    assert fp8_w8a8.applies(weight, torch.device("cpu"))
+    assert not fp8_w8a8.applies(torch.empty(48, 64, dtype=torch.int8), torch.device("cpu"))  # int8 codes
     monkeypatch.setattr(fp8_devices, "native", lambda device: False)
     assert not fp8_w8a8.applies(weight, torch.device("cpu"))
 

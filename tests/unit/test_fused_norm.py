@@ -259,7 +259,7 @@ def test_the_norm_writes_its_rows_in_fp8_as_the_products_quantizer_does(dtype, c
     which then launch no quantizing kernel; more rows than 16 (a prompt's) are not written."""
     from lmiserve.engine.model import fp8_w8a8
 
-    if not fp8_w8a8.applies(torch.empty(16, 16), DEVICE):
+    if not fp8_w8a8.applies(torch.empty(16, 16, dtype=torch.float8_e4m3fn), DEVICE):
         pytest.skip("needs fp8 products (a GPU of compute capability 8.9+, or torch's CPU _scaled_mm)")
     x = torch.randn(count, 96, generator=torch.Generator().manual_seed(count)).to(DEVICE, dtype) * 3
     residual = rows(96, dtype, 1)[:1].expand(count, -1)
@@ -287,7 +287,7 @@ def test_silu_writes_its_rows_in_fp8_as_the_products_quantizer_does(count, inter
     quantizing kernel writes them, given to the down product."""
     from lmiserve.engine.model import fp8_w8a8
 
-    if not fp8_w8a8.applies(torch.empty(16, 16), DEVICE):
+    if not fp8_w8a8.applies(torch.empty(16, 16, dtype=torch.float8_e4m3fn), DEVICE):
         pytest.skip("needs fp8 products (a GPU of compute capability 8.9+, or torch's CPU _scaled_mm)")
     gate_up = torch.randn(count, 2 * inter, generator=torch.Generator().manual_seed(inter)).to(DEVICE) * 3
     plain = fused_norm.silu_mul(gate_up, inter)
