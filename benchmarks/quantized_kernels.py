@@ -39,8 +39,9 @@ from pathlib import Path
 import torch
 
 from lmiserve.engine import fp8_devices
-from lmiserve.engine.model import fp8_gemv, fp8_w8a8, int4_triton, int8_weights, kernel_choice
+from lmiserve.engine.model import fp8_gemv, fp8_w8a8, int4_triton, kernel_choice
 from lmiserve.engine.model.fp8_ops import fp8_linear, rows_to_fp8
+from lmiserve.engine.model.packed_codes import unpack_int8
 from lmiserve.engine.model.quant_formats import (
     Fp8Linear,
     Int4Parts,
@@ -49,6 +50,7 @@ from lmiserve.engine.model.quant_formats import (
     int8_module,
     quantize_fp8,
 )
+from lmiserve.engine.model.quantize import quantize_weight
 from lmiserve.models.quant_pack import fp8_block_tensors, rtn_int4
 
 SHAPES = {"qo_4096x4096": (4096, 4096), "gate_up_4096x28672": (28672, 4096), "down_14336x4096": (4096, 14336)}
@@ -144,16 +146,12 @@ def fastest_gemv_tile(
 
 def int8_layer(weight: torch.Tensor, group: int, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     """`weight` as compressed-tensors' symmetric 8-bit codes (a scale a channel, `group` 0, or a group of `group`
-    inputs) kept on the GPU as the loader keeps them where bf16 would not fit (`int8_weights`)."""
+    inputs: each group's run quantized as a row), read as a checkpoint's are (`packed_codes.unpack_int8`) and kept on
+    the GPU as the loader keeps them where bf16 would not fit (`int8_weights`)."""
     out, inputs = weight.shape
-    size = inputs if group == 0 else group
-    groups = weight.view(out, inputs // size, size)
-    scale = groups.abs().amax(dim=-1).clamp(min=1e-8) / 127  # [out, groups]
-    q = torch.round(groups / scale[..., None]).clamp(-128, 127).view(out, inputs)
-    codes = (q + int8_weights.SYMMETRIC_ZERO).to(torch.uint8)
-    zero = torch.full(scale.shape, int8_weights.SYMMETRIC_ZERO, dtype=torch.int32)
-    parts = Int4Parts(codes, scale.float(), zero, torch.arange(inputs) // size, bits=8)
-    return int8_module(parts, None, dtype, device, keep_codes=True)
+    q, scale = quantize_weight(weight.reshape(-1, inputs if group == 0 else group))
+    stored = {"weight": q.reshape(out, inputs), "weight_scale": scale.reshape(out, -1)}
+    return int8_module(unpack_int8(stored, group), None, dtype, device, keep_codes=True)
 
 
 def error(got: torch.Tensor, want: torch.Tensor) -> float:

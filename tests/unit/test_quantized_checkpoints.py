@@ -33,9 +33,9 @@ from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
 from lmiserve.engine.model import int4_triton
+from lmiserve.engine.model.packed_codes import unpack_int8
 from lmiserve.engine.model.quant_formats import (
     Fp8Linear,
-    Int4Parts,
     fp8_module,
     fp8_scaled_mm_supported,
     int8_module,
@@ -43,7 +43,7 @@ from lmiserve.engine.model.quant_formats import (
     unpack_awq,
     unpack_gptq,
 )
-from lmiserve.engine.model.quantize import Int4Linear, int4_available
+from lmiserve.engine.model.quantize import Int4Linear, int4_available, quantize_weight
 from lmiserve.models.errors import ModelLoadError
 from lmiserve.models.load import load_causal_lm
 from lmiserve.models.quant_pack import rtn_int4
@@ -347,7 +347,8 @@ def test_int8_codes_kept_on_the_triton_kernel_decode_what_transformers_decodes_d
         if name.rpartition(".")[2] in LINEARS:
             assert isinstance(module, int8_weights.Int8WeightLinear), name
     # an output projection stored quantized too (untied: some releases quantize it): its scales pick its product
-    head = int8_codes_of(loaded.model.lm_head.weight.detach())
+    q, scale = quantize_weight(loaded.model.lm_head.weight)  # symmetric int8 a channel (W8A8's), read as stored
+    head = unpack_int8({"weight": q, "weight_scale": scale}, group_size=0)
     loaded.model.lm_head = int8_module(head, None, torch.float32, loaded.device, keep_codes=True)
     ran: list[tuple[int, torch.dtype]] = []
     kernel = fp8_gemv.fp8_gemv
@@ -365,14 +366,6 @@ def test_int8_codes_kept_on_the_triton_kernel_decode_what_transformers_decodes_d
     reference_model.lm_head.weight = torch.nn.Parameter(head.dequantize(), requires_grad=False)
     for ids, got in zip(PROMPTS, results, strict=True):
         assert got == greedy(reference_model, ids, 8), ids
-
-
-def int8_codes_of(weight: torch.Tensor) -> Int4Parts:
-    """`weight` as symmetric 8-bit codes with a scale a channel (W8A8's), as `packed_codes` reads them."""
-    scale = weight.abs().amax(dim=1, keepdim=True) / 127
-    codes = (torch.round(weight / scale).clamp(-128, 127) + 128).to(torch.uint8)
-    zero = torch.full(scale.shape, 128, dtype=torch.int32)
-    return Int4Parts(codes, scale.float(), zero, torch.zeros(weight.shape[1], dtype=torch.long), bits=8)
 
 
 @pytest.mark.parametrize(

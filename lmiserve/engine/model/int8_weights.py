@@ -40,6 +40,7 @@ __all__ = [
     "fuse_int8",
     "int8_weight_linear",
     "served_scales",
+    "signed_codes",
     "weights_kept_for",
 ]
 
@@ -54,6 +55,12 @@ class Int8Scales(NamedTuple):
     inputs); a type of its own, so the fast path tells them from the CPU's int8 scales (`quantize.quantized_linear`)."""
 
     scales: torch.Tensor
+
+
+def signed_codes(codes: torch.Tensor) -> torch.Tensor:
+    """8-bit codes as stored in `quant_formats.Int4Parts` (uint8, the signed code + `SYMMETRIC_ZERO`) as the signed
+    int8 codes ``[out, in]`` the kernels read (contiguous)."""
+    return (codes.to(torch.int16) - SYMMETRIC_ZERO).to(torch.int8).contiguous()
 
 
 def int8_weight_linear(x: torch.Tensor, weight: torch.Tensor, scales: Int8Scales) -> torch.Tensor:

@@ -242,9 +242,9 @@ def int8_module(
     if keep_codes:
         served = int8_weights.served_scales(parts.codes, parts.scale, parts.zero, parts.group_size())
         if served is not None:
-            codes = (parts.codes.to(torch.int16) - int8_weights.SYMMETRIC_ZERO).to(torch.int8).contiguous()
             b = None if bias is None else bias.detach().to(device, dtype)
-            return int8_weights.Int8WeightLinear(codes.to(device), served.to(device), b)
+            codes = int8_weights.signed_codes(parts.codes).to(device)
+            return int8_weights.Int8WeightLinear(codes, served.to(device), b)
     inputs = parts.codes.shape[1]
     if (
         device.type == "cpu"
@@ -254,7 +254,7 @@ def int8_module(
         and inputs % INT8_K_MULTIPLE == 0
         and int8_available()
     ):
-        weight = (parts.codes.to(torch.int32) - int8_weights.SYMMETRIC_ZERO).to(torch.int8).contiguous()
+        weight = int8_weights.signed_codes(parts.codes)
         return Int8Linear(weight, parts.scale[:, 0].to(dtype), None if bias is None else bias.detach().to(dtype))
     return _plain_linear(parts.dequantize(), bias, dtype, device)
 
