@@ -18,12 +18,20 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, TypeVar
+
+T = TypeVar("T")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_STARTUP_TIMEOUT = 120.0
+CANNOT_LISTEN = 3  # lmiserve serve's exit status for a port in use (lifecycle.ExitCode.CANNOT_LISTEN)
+PORT_TRIES = 3
+
+
+class PortTaken(RuntimeError):
+    """The server exited with CANNOT_LISTEN: a port it was given was taken before it could bind it."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -32,6 +40,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def on_a_free_port(start: Callable[[int], T], host: str = "127.0.0.1") -> tuple[T, int]:
+    """`start(port)` on a port `free_port` picks, and on a new one if the server found it taken.
+
+    A port that was free a moment ago can be taken (by any process's outgoing connection: they share
+    the ephemeral range) before the server binds it; the server then exits CANNOT_LISTEN at once.
+    """
+    for attempt in range(1, PORT_TRIES + 1):
+        port = free_port(host)
+        try:
+            return start(port), port
+        except PortTaken:
+            if attempt == PORT_TRIES:
+                raise
+    raise AssertionError("unreachable")
 
 
 @contextlib.contextmanager
@@ -54,17 +78,34 @@ def run_server(
     runs (`read_log`).
     """
     args = list(args)
-    if "--port" in args:
-        port = int(args[args.index("--port") + 1])
-    else:
-        port = free_port(host)
-        args += ["--port", str(port)]
     if "--host" in args:
         host = args[args.index("--host") + 1]
     else:
         args += ["--host", host]
-    url = f"http://{host}:{port}"
+    if "--port" in args:
+        port = int(args[args.index("--port") + 1])
+        with _serve(args, env, f"http://{host}:{port}", timeout, command, stderr_path) as url:
+            yield url
+        return
+    with contextlib.ExitStack() as stack:  # a port picked here is picked again if it was taken before the bind
 
+        def start(port: int) -> str:
+            served = _serve([*args, "--port", str(port)], env, f"http://{host}:{port}", timeout, command, stderr_path)
+            return stack.enter_context(served)
+
+        url, _ = on_a_free_port(start, host)
+        yield url
+
+
+@contextlib.contextmanager
+def _serve(
+    args: Sequence[str],
+    env: Mapping[str, str] | None,
+    url: str,
+    timeout: float,
+    command: Sequence[str] | None,
+    stderr_path: Path | None,
+) -> Iterator[str]:
     proc_env = dict(os.environ)
     proc_env.update(env or {})
     proc_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), proc_env.get("PYTHONPATH", "")) if p)
@@ -92,7 +133,8 @@ def _wait_ready(proc: subprocess.Popen[bytes], url: str, timeout: float) -> None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with code {proc.returncode} before answering /ping")
+            error = PortTaken if proc.returncode == CANNOT_LISTEN else RuntimeError
+            raise error(f"server exited with code {proc.returncode} before answering /ping")
         try:
             with opener.open(f"{url}/ping", timeout=2) as response:
                 if response.status == 200:

@@ -27,7 +27,7 @@ import pytest
 import tritonclient.grpc as triton
 from huggingface_hub import InferenceClient
 
-from helpers.server import free_port
+from helpers.server import on_a_free_port
 
 KEY = "vision-test-key"
 MODEL = "vlm"  # its served name (KServe addresses it by its directory name)
@@ -77,11 +77,9 @@ def hostile(name: str) -> tuple[bytes, str]:
     return (bomb() if data is None else data), media_type
 
 
-GRPC_PORT = free_port()  # the module's server's gRPC port (the default 8081 may be another server's)
-
-
 @pytest.fixture(scope="module")
-def vlm(server_pool, tiny_vlm_dir) -> str:
+def served(server_pool, tiny_vlm_dir) -> tuple[str, int]:
+    """The module's server: its URL and its gRPC port (picked free here; the default 8081 may be another's)."""
     path = tiny_vlm_dir(FAMILY)
     args = [
         "--model-id",
@@ -92,10 +90,13 @@ def vlm(server_pool, tiny_vlm_dir) -> str:
         "limit_mm_per_prompt=2",
         "-o",
         f"served_model_name={MODEL}",
-        "--grpc-port",
-        str(GRPC_PORT),
     ]
-    return server_pool.url(args, timeout=300)
+    return on_a_free_port(lambda grpc_port: server_pool.url([*args, "--grpc-port", str(grpc_port)], timeout=300))
+
+
+@pytest.fixture(scope="module")
+def vlm(served) -> str:
+    return served[0]
 
 
 @pytest.fixture(scope="module")
@@ -277,7 +278,7 @@ def test_kserve_infer_and_generate_with_an_image(http, name):
     assert r.status_code == 200 and r.json()["text_output"] == infer(A), r.text
 
 
-def test_kserve_grpc_infer_with_image_bytes(http, name):
+def test_kserve_grpc_infer_with_image_bytes(http, name, served):
     """gRPC ModelInfer (tritonclient): the `image` input holding the PNG file's own bytes."""
 
     def infer(data: bytes) -> str:
@@ -286,7 +287,7 @@ def test_kserve_grpc_infer_with_image_bytes(http, name):
         image = triton.InferInput("image", [1], "BYTES")
         image.set_data_from_numpy(np.array([data], dtype=object))
         auth = {"authorization": f"Bearer {KEY}"}
-        with triton.InferenceServerClient(f"127.0.0.1:{GRPC_PORT}") as client:
+        with triton.InferenceServerClient(f"127.0.0.1:{served[1]}") as client:
             result = client.infer(name, [text, image], parameters={"max_new_tokens": 8}, headers=auth)
         return result.as_numpy("text_output")[0].decode()
 

@@ -5,17 +5,20 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import socket
 import sys
 import textwrap
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from helpers.server import free_port, run_server
+import helpers.server
+from helpers.server import PortTaken, free_port, run_server
 from helpers.tiny_model import NON_ASCII_SAMPLE, TINY_MAX_POSITIONS
 from lmiserve.models import ModelLoadError, bundled
 from lmiserve.models.load import LoadedModel, _max_context, load_causal_lm, resolve_device, resolve_dtype
@@ -377,7 +380,7 @@ def test_tiny_model_generates_varied_tokens(tiny_model: LoadedModel) -> None:
 
 _FAKE_SERVER = textwrap.dedent(
     """
-    import argparse, http.server
+    import argparse, http.server, sys
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int); parser.add_argument("--host")
     args, _ = parser.parse_known_args()
@@ -391,7 +394,11 @@ _FAKE_SERVER = textwrap.dedent(
         def log_message(self, *a):
             pass
 
-    http.server.HTTPServer((args.host, args.port), Handler).serve_forever()
+    try:
+        server = http.server.HTTPServer((args.host, args.port), Handler)
+    except OSError:
+        sys.exit(3)  # as lmiserve serve does for a port in use (CANNOT_LISTEN)
+    server.serve_forever()
     """
 )
 
@@ -411,3 +418,25 @@ def test_run_server_helper(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     with pytest.raises(RuntimeError, match="exited with code 3"), run_server([], command=failing, timeout=30):
         pass  # pragma: no cover
     assert "boom: bad model" in capsys.readouterr().err
+
+
+def test_run_server_picks_another_port_when_its_pick_was_taken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A port free a moment ago can be taken before the server binds it: the helper starts it again elsewhere."""
+    script = tmp_path / "fake_server.py"
+    script.write_text(_FAKE_SERVER)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        picks = iter([busy, busy])
+        monkeypatch.setattr(helpers.server, "free_port", lambda host="127.0.0.1": next(picks, None) or free_port(host))
+        with run_server([], command=[sys.executable, str(script)]) as url:
+            assert url != f"http://127.0.0.1:{busy}"
+            with urllib.request.urlopen(f"{url}/ping", timeout=5) as response:
+                assert response.status == 200
+        monkeypatch.setattr(helpers.server, "free_port", lambda host="127.0.0.1": busy)  # taken every time
+        with (
+            pytest.raises(PortTaken, match="exited with code 3"),
+            run_server([], command=[sys.executable, str(script)]),
+        ):
+            pass  # pragma: no cover
