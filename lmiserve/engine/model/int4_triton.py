@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 import torch
 
 from lmiserve.engine.model import kernel_choice, weight_fit
+from lmiserve.engine.model.codes_linear import CodesLinear
 
 try:
     import triton
@@ -291,7 +292,7 @@ def group_layout(g_idx: torch.Tensor, groups: int) -> tuple[torch.Tensor | None,
     return order, size
 
 
-class Int4TritonLinear(torch.nn.Module):
+class Int4TritonLinear(CodesLinear):
     """A 4-bit AWQ/GPTQ linear on `int4_linear`: `weight` the codes, int32 ``[out, in / 8]``, and `scales` its
     `Int4Scales` (plain attributes, as `quantize.Int8Linear`'s: the fast path points them at rows of the
     fused q/k/v and gate/up weights, `llama_layout`)."""
@@ -338,11 +339,8 @@ class Int4TritonLinear(torch.nn.Module):
         b = None if bias is None else bias.detach().to(device, dtype)
         return cls(words.contiguous().to(device), parts, b, inputs)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = int4_linear(x.reshape(-1, self.in_features), self.weight, self.scales)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        return int4_linear(rows, self.weight, self.scales)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, 4-bit (Triton)"

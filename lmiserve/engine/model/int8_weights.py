@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 
 from lmiserve.engine.model import fp8_gemv, kernel_choice, weight_fit
+from lmiserve.engine.model.codes_linear import CodesLinear
 from lmiserve.engine.model.fp8_ops import fp8_linear
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ def served_scales(
     return served if fp8_gemv.input_block(codes.shape[1], served) == group_size else None
 
 
-class Int8WeightLinear(torch.nn.Module):
+class Int8WeightLinear(CodesLinear):
     """A linear layer of int8 codes ``weight`` ``[out, in]`` and `Int8Scales`, on `fp8_gemv`'s kernel (module doc).
     `weight`, `scales` and `bias` are plain attributes (not parameters: ``Module.to(dtype)`` would cast the codes),
     which the fast path points at rows of its fused matrices."""
@@ -99,11 +100,8 @@ class Int8WeightLinear(torch.nn.Module):
     def dequantized(self) -> torch.Tensor:
         return fp8_gemv.dequantized_weight(self.weight, self.scales.scales)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = int8_weight_linear(x.reshape(-1, self.in_features), self.weight, self.scales)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        return int8_weight_linear(rows, self.weight, self.scales)
 
     def extra_repr(self) -> str:
         group = fp8_gemv.input_block(self.in_features, self.scales.scales)

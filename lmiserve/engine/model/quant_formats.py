@@ -45,6 +45,7 @@ import torch
 
 from lmiserve.engine import fp8_devices
 from lmiserve.engine.model import fp8_gemv, fp8_w8a8, int4_triton, int8_weights
+from lmiserve.engine.model.codes_linear import CodesLinear
 from lmiserve.engine.model.fp8_ops import FP8_MAX, dequantize_fp8, fp8_linear, quantize_fp8
 from lmiserve.engine.model.quantize import (
     INT4_GROUP,
@@ -278,7 +279,7 @@ def fp8_scaled_mm_supported(device: torch.device) -> bool:
     return device.type == "cuda" and hasattr(torch, "_scaled_mm") and fp8_devices.native(device)
 
 
-class Fp8Linear(torch.nn.Module):
+class Fp8Linear(CodesLinear):
     """A linear layer with a ``float8_e4m3fn`` weight ``[out, in]`` and fp32 per-channel `scales` ``[out]``, or
     each row's scales by blocks of inputs ``[out, blocks]`` (block-wise fp8, `fp8_gemv.block_scales`)
     (`fp8_linear`; output in the input's dtype). `weight`, `scales` and `bias` are plain attributes (not
@@ -294,11 +295,8 @@ class Fp8Linear(torch.nn.Module):
     def dequantized(self) -> torch.Tensor:
         return dequantize_fp8(self.weight, self.scales)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = fp8_linear(x.reshape(-1, self.in_features), self.weight, self.scales)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(rows, self.weight, self.scales)
 
     def extra_repr(self) -> str:
         group = fp8_gemv.input_block(self.in_features, self.scales)

@@ -41,6 +41,7 @@ from collections.abc import Callable
 import torch
 
 from lmiserve.engine.model import group_kernels, int4_triton
+from lmiserve.engine.model.codes_linear import CodesLinear
 from lmiserve.engine.model.fp8_ops import fp8_linear
 from lmiserve.engine.model.group_kernels import LANES, pack_q4, pack_q8, q4_linear, q8_linear, unpack_q4, unpack_q8
 from lmiserve.engine.model.int4_triton import Int4Scales
@@ -116,7 +117,7 @@ def quantized_linear(
     return int8_linear(x if x.dtype == scales.dtype else x.to(scales.dtype), weight, scales)
 
 
-class Int8Linear(torch.nn.Module):
+class Int8Linear(CodesLinear):
     """A linear layer with int8 weights ``[out, in]`` and one scale per output row (`quantize_weight`).
 
     `weight`, `scales` and `bias` are plain attributes (the fast path points them at rows of fused
@@ -139,18 +140,14 @@ class Int8Linear(torch.nn.Module):
         """The weight the product uses, as a float matrix (for tests and comparisons)."""
         return self.weight.float() * self.scales.float()[:, None]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(self.scales.dtype)
-        y = int8_linear(flat, self.weight, self.scales)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        return int8_linear(rows.to(self.scales.dtype), self.weight, self.scales)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights"
 
 
-class Int4Linear(torch.nn.Module):
+class Int4Linear(CodesLinear):
     """A linear layer with int4 weights in groups of 32 inputs, each with a fp32 scale and minimum
     (GGUF Q4_1, ``w = code * scale + min``), in `group_kernels`' blocked layout: `weight` uint8 codes
     ``[ceil(out / 16), in * 8]`` and `scales` fp32 ``[ceil(out / 16), in]`` (`group_kernels.pack_q4`).
@@ -198,11 +195,8 @@ class Int4Linear(torch.nn.Module):
         w = codes.float().view(self.out_features, -1, INT4_GROUP) * scale[..., None] + low[..., None]
         return w.view(self.out_features, self.in_features)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = q4_linear(x.reshape(-1, self.in_features), self.weight, self.scales, self.out_features)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        return q4_linear(rows, self.weight, self.scales, self.out_features)
 
     def extra_repr(self) -> str:
         return (
@@ -210,7 +204,7 @@ class Int4Linear(torch.nn.Module):
         )
 
 
-class Q8Linear(torch.nn.Module):
+class Q8Linear(CodesLinear):
     """A linear layer with int8 weights and a fp32 scale per group of 16 or 32 inputs (GGUF Q8_0:
     32; ``w = code * scale``) in `group_kernels`' blocked layout: `weight` int8 ``[ceil(out / 16), in *
     16]``, `scales` fp32 ``[ceil(out / 16), in / group * 16]`` (`group_kernels.pack_q8`). Input in any
@@ -247,9 +241,8 @@ class Q8Linear(torch.nn.Module):
         codes, scale = self.codes()
         return (codes.float().view(self.out_features, scale.shape[1], -1) * scale[..., None]).view(codes.shape)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = q8_linear(x.reshape(-1, self.in_features), self.weight, self.scales, self.out_features)
-        return y.view(*x.shape[:-1], self.out_features)
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        return q8_linear(rows, self.weight, self.scales, self.out_features)
 
     def extra_repr(self) -> str:
         group = self.in_features * LANES // self.scales.shape[1]
