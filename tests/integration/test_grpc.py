@@ -10,6 +10,7 @@ a gRPC port in use need processes of their own (the e2e tier, as tests/integrati
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import signal
@@ -31,7 +32,7 @@ from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from helpers.serve_process import HANG_TIMEOUT, ServeProcess
-from helpers.server import REPO_ROOT, free_port, run_server
+from helpers.server import REPO_ROOT, free_port, on_a_free_port, run_server
 from helpers.tensor_models import affine_reference
 from helpers.tiny_model import ENDLESS_CONTEXT
 from helpers.waiting import wait_until
@@ -77,11 +78,12 @@ def served(
     store = tmp_path_factory.mktemp("grpc-store")
     (store / "tiny").symlink_to(endless_model_dir, target_is_directory=True)
     (store / "affine").symlink_to(torchscript_dir, target_is_directory=True)
-    port = free_port()
-    args = ["--model-store", str(store), "--grpc-port", str(port), "--api-key", KEY]
+    args = ["--model-store", str(store), "--api-key", KEY]
     for option in (f"max_new_tokens_limit={ENDLESS_CONTEXT}", f"max_request_size={MAX_REQUEST}", "kv_cache=paged"):
         args += ["-o", option]
-    with run_server(args) as url, httpx.Client(base_url=url, headers=AUTH, timeout=TIMEOUT, trust_env=False) as http:
+    with contextlib.ExitStack() as stack:
+        url, port = on_a_free_port(lambda grpc: stack.enter_context(run_server([*args, "--grpc-port", str(grpc)])))
+        http = stack.enter_context(httpx.Client(base_url=url, headers=AUTH, timeout=TIMEOUT, trust_env=False))
         yield Served(url, f"127.0.0.1:{port}", http)
 
 
