@@ -9,8 +9,9 @@ cuBLAS applying both scales), block-wise fp8 (`fp8_block`: scales by blocks of 1
 FP8 releases, on `fp8_gemv`'s kernel or the de-quantized product as the engine chooses at every row count) and
 4-bit (`int4_triton.Int4TritonLinear`, groups of 128, on the tile the engine measures fastest for the row
 bucket: `int4_tile`), compressed-tensors' 8-bit codes kept on a GPU (`int8_weights.Int8WeightLinear`: `int8_w8a8`
-a scale a channel, `int8_w8a16` groups of 128; `fp8_gemv`'s kernel or the de-quantized product as the engine
-chooses, `int8_tiles`), at a few row counts; on a GPU with fp8,
+a scale a channel, its activations int8 as W8A8's are, `int8_w8a16` groups of 128; `fp8_gemv`'s kernel, cuBLAS's
+int8 product with the rows in int8 (`int8_w8a8`, W8A8 only) or the de-quantized product as the engine
+chooses, `int8_tiles`; `int8_w8a8_rows` times the int8 rows' product alone), at a few row counts; on a GPU with fp8,
 where `_scaled_mm`'s time goes (`fp8_variants`). Run on an H200 on 2026-11-29 (before the 4-bit kernel's
 rewrite of 2026-11-30: benchmarks/results/gpu-check-2026-11-29-h200/round2/kernels.log; benchmarks/README.md
 has the table).
@@ -39,7 +40,7 @@ from pathlib import Path
 import torch
 
 from lmiserve.engine import fp8_devices
-from lmiserve.engine.model import fp8_gemv, fp8_w8a8, int4_triton, kernel_choice
+from lmiserve.engine.model import fp8_gemv, fp8_w8a8, int4_triton, int8_w8a8, kernel_choice
 from lmiserve.engine.model.fp8_ops import fp8_linear, rows_to_fp8
 from lmiserve.engine.model.packed_codes import unpack_int8
 from lmiserve.engine.model.quant_formats import (
@@ -145,13 +146,15 @@ def fastest_gemv_tile(
 
 
 def int8_layer(weight: torch.Tensor, group: int, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """`weight` as compressed-tensors' symmetric 8-bit codes (a scale a channel, `group` 0, or a group of `group`
-    inputs: each group's run quantized as a row), read as a checkpoint's are (`packed_codes.unpack_int8`) and kept on
-    the GPU as the loader keeps them where bf16 would not fit (`int8_weights`)."""
+    """`weight` as compressed-tensors' symmetric 8-bit codes (a scale a channel, `group` 0, with int8 activations as
+    W8A8's; or a group of `group` inputs: each group's run quantized as a row), read as a checkpoint's are
+    (`packed_codes.unpack_int8`) and kept on the GPU as the loader keeps them where bf16 would not fit
+    (`int8_weights`)."""
     out, inputs = weight.shape
     q, scale = quantize_weight(weight.reshape(-1, inputs if group == 0 else group))
     stored = {"weight": q.reshape(out, inputs), "weight_scale": scale.reshape(out, -1)}
-    return int8_module(unpack_int8(stored, group), None, dtype, device, keep_codes=True)
+    parts = unpack_int8(stored, group, int8_rows=group == 0)
+    return int8_module(parts, None, dtype, device, keep_codes=True)
 
 
 def error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -209,6 +212,10 @@ def main() -> None:
                 kinds["fp8_block"] = (lambda x=x, m=fp8_block: m(x), out * inputs, x @ block_dense.t())
                 for kind, layer in int8s.items():
                     kinds[kind] = (lambda x=x, m=layer: m(x), out * inputs, x @ int8_dense[kind].t())
+                w8a8 = int8s["int8_w8a8"]
+                if int8_w8a8.applies(w8a8.weight, w8a8.scales.scales, device):  # the rows in int8, whatever is chosen
+                    rows_int8 = functools.partial(int8_w8a8.product, x, w8a8.weight, w8a8.scales.scales)
+                    kinds["int8_w8a8_rows"] = (rows_int8, out * inputs, x @ int8_dense["int8_w8a8"].t())
             native = fp8_devices.native(device)
             if (rows <= fp8_gemv.MAX_ROWS or not native) and fp8_gemv.available():
                 tiles_us: dict[str, float] = {}
@@ -258,7 +265,9 @@ def main() -> None:
             tile = int4_triton.chosen().get(key, "unmeasured")  # the engine's choice (None: de-quantized slices)
             row["int4_tile"] = str(tile) if tile is not None else "de-quantized slices"
             row["int8_tiles"] = {
-                ("groups" if k[5] else "channel"): str(v) if v else "the de-quantized product"
+                ("groups" if k[5] else "channel, int8 rows" if k[8] else "channel"): (
+                    str(v) if v else "the de-quantized product"
+                )
                 for k, v in fp8_gemv.chosen().items()
                 if k[7] == torch.int8 and k[1:4] == (out, inputs, fp8_gemv.bucket(rows))
             }
@@ -268,9 +277,10 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if cuda else "cpu (smoke)",
         "torch": torch.__version__,
         "fp8_gemv_chosen": {
-            f"{k[1]}x{k[2]} rows {k[3]} {k[4]}{' blocks' if k[5] else ''}{' one scale' if k[6] else ''}": str(v)
+            f"{k[1]}x{k[2]} rows {k[3]} {k[4]} {k[7]}{' blocks' if k[5] else ''}{' one scale' if k[6] else ''}"
+            f"{' int8 rows' if k[8] else ''}": str(v)
             if v
-            else ("the de-quantized product" if k[5] else "_scaled_mm")
+            else ("the de-quantized product" if k[5] or k[7] == torch.int8 else "_scaled_mm")
             for k, v in fp8_gemv.chosen().items()
         },
         "int4_chosen": {

@@ -117,7 +117,8 @@ class ModelFields(FieldGroup):
             "an H200, 8B); on CPU, with groups of "
             "32n, they run on the int4 kernel. compressed-tensors' int8 codes (W8A8, W8A16) follow the same rule "
             "on CUDA (`LMISERVE_USE_TRITON_INT8`), kept int8 on the weight-only Triton kernel of fp8 weights where "
-            "bf16 would not fit. With tensor parallelism each rank reads and runs its part of the "
+            "bf16 would not fit (W8A8's products there may take their rows in int8 for cuBLAS's int8 product, "
+            "where that measures faster). With tensor parallelism each rank reads and runs its part of the "
             "checkpoint in its format (docs/tensor-parallel.md). See docs/performance/dtypes.md."
         ),
     )

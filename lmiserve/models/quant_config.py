@@ -4,8 +4,9 @@
 - ``compressed-tensors`` (llm-compressor's output, as RedHatAI and others publish it): every config group's weights
   8-bit floats per channel or per tensor (``float-quantized``: FP8, FP8_DYNAMIC), 4-bit integers per group or
   per channel, symmetric or not, ``pack-quantized`` without quantized activations (W4A16, W4A16_ASYM: what its GPTQ
-  and AWQ modifiers write), or 8-bit integers per group or channel (``int-quantized``: W8A8, whose activations
-  lmiserve leaves unquantized; ``pack-quantized``: W8A16). One scheme a checkpoint: groups of other schemes beside it
+  and AWQ modifiers write), or 8-bit integers per group or channel (``int-quantized``: W8A8, whose 8-bit integer
+  activations a GPU keeping the codes may quantize by token, `QuantSpec.int8_activations`, elsewhere left
+  unquantized; ``pack-quantized``: W8A16). One scheme a checkpoint: groups of other schemes beside it
   are refused.
 - ``fbgemm_fp8``; ``fp8`` (AutoFP8, vLLM's; with ``weight_block_size``: block-wise scales); ``mxfp4`` (gpt-oss);
   ``awq`` (GEMM packing with zero points) and ``gptq`` (``gptq`` or ``gptq_v2``), 4 bits."""
@@ -81,7 +82,8 @@ def _scheme(group: dict[str, Any], fmt: Any) -> QuantSpec:
                 "supported: lmiserve reads W8A8 (int8 activations) and W8A16"
             )
         size = int(weights.get("group_size") or -1) if strategy == "group" else -1
-        return QuantSpec("int8", COMPRESSED_TENSORS, size, packed=fmt == "pack-quantized")  # (activations: float)
+        int8_rows = activations is not None and activations.get("num_bits") == 8  # W8A8 (any strategy: per token)
+        return QuantSpec("int8", COMPRESSED_TENSORS, size, packed=fmt == "pack-quantized", int8_activations=int8_rows)
     if (kind, bits) == ("int", 4) and strategy in ("group", "channel") and fmt == "pack-quantized":
         activations = group.get("input_activations")
         if activations:

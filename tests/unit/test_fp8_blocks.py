@@ -111,7 +111,7 @@ def test_fp8_linear_chooses_a_tile_against_the_de_quantized_product_at_every_row
     want = x.float() @ reference(q.cpu(), scale, (32, 128)).t().to(DEVICE)
     close(fp8_linear(x, q, scales), want)
     ((key, _),) = fp8_gemv.chosen().items()  # measured once (on a CPU the de-quantized product wins)
-    assert key == (x.device, 64, 256, fp8_gemv.bucket(rows), DTYPE, 2, False, torch.float8_e4m3fn)  # (2 blocks)
+    assert key == (x.device, 64, 256, fp8_gemv.bucket(rows), DTYPE, 2, False, torch.float8_e4m3fn, False)  # (2 blocks)
     assert f"fp8 products [64 x 256] at {fp8_gemv.bucket(rows)} row(s)" in caplog.text
     assert "the de-quantized product" in caplog.text and "_scaled_mm" not in caplog.text
     fp8_gemv._chosen[key] = small[fp8_gemv.bucket(rows)][0]  # as where a tile measures faster

@@ -132,13 +132,15 @@ def test_choose_measures_once_per_shape_and_bucket_and_fp8_linear_runs_its_choic
     fp8_gemv.choose(torch.randn(1, 64), weight, scale, product)  # another bucket: measured
     assert len(calls) > measured
     assert set(fp8_gemv.chosen()) == {
-        (torch.device("cpu"), 48, 64, 4, torch.float32, 0, False, FP8),
-        (torch.device("cpu"), 48, 64, 1, torch.float32, 0, False, FP8),
+        (torch.device("cpu"), 48, 64, 4, torch.float32, 0, False, FP8, False),
+        (torch.device("cpu"), 48, 64, 1, torch.float32, 0, False, FP8, False),
     }
     # fp8_linear takes the choice: the kernel (fp32 exact) or the _scaled_mm product (fp8 activations)
-    fp8_gemv._chosen[(torch.device("cpu"), 48, 64, 4, torch.float32, 0, False, FP8)] = fp8_gemv.Config(False, 4, 16, 32)
+    fp8_gemv._chosen[(torch.device("cpu"), 48, 64, 4, torch.float32, 0, False, FP8, False)] = fp8_gemv.Config(
+        False, 4, 16, 32
+    )
     torch.testing.assert_close(fp8_linear(x, weight, scale), x @ dense.t(), rtol=1e-5, atol=1e-5)
-    fp8_gemv._chosen[(torch.device("cpu"), 48, 64, 4, torch.float32, 0, False, FP8)] = None
+    fp8_gemv._chosen[(torch.device("cpu"), 48, 64, 4, torch.float32, 0, False, FP8, False)] = None
     torch.testing.assert_close(fp8_linear(x, weight, scale), scaled_product(x, weight, scale))
 
 
@@ -246,7 +248,7 @@ def test_without_fp8_products_choose_measures_prompt_buckets_against_the_dequant
     for rows, size in ((17, 64), (65, 256), (257, 1024)):
         x = torch.randn(rows, 64)
         torch.testing.assert_close(fp8_linear(x, weight, scale), x @ dense.t(), rtol=1e-5, atol=1e-5)
-        assert (torch.device("cpu"), 40, 64, size, torch.float32, 0, False, FP8) in fp8_gemv.chosen()
+        assert (torch.device("cpu"), 40, 64, size, torch.float32, 0, False, FP8, False) in fp8_gemv.chosen()
         assert f"fp8 products [40 x 64] at {size} row(s)" in caplog.text
     assert "torch._scaled_mm" not in caplog.text
     reference = fp8_gemv._reference
@@ -254,7 +256,7 @@ def test_without_fp8_products_choose_measures_prompt_buckets_against_the_dequant
     monkeypatch.setattr(fp8_gemv, "_reference", lambda *args: 2 * reference(*args))
     x = torch.randn(20, 64)
     torch.testing.assert_close(fp8_linear(x, weight, scale), x @ dense.t(), rtol=1e-5, atol=1e-5)
-    assert fp8_gemv.chosen() == {(torch.device("cpu"), 40, 64, 64, torch.float32, 0, False, FP8): None}
+    assert fp8_gemv.chosen() == {(torch.device("cpu"), 40, 64, 64, torch.float32, 0, False, FP8, False): None}
     assert "fp8 candidates refused for [40 x 64] at 64 rows" in caplog.text
 
 

@@ -17,7 +17,7 @@ import torch
 from helpers.fp8_weights import fresh_choices  # noqa: F401 - an autouse fixture
 from helpers.quantizable import quantizable_llama, write_checkpoint
 from lmiserve.engine import fp8_devices
-from lmiserve.engine.model import fp8_gemv, int8_weights
+from lmiserve.engine.model import fp8_gemv, int8_w8a8, int8_weights, kernel_choice
 from lmiserve.engine.model.int8_weights import Int8Scales, Int8WeightLinear
 from lmiserve.engine.model.quant_formats import Int4Parts, int8_module
 from lmiserve.engine.model.quantize import quantized_linear
@@ -110,7 +110,7 @@ def test_choose_measures_every_row_count_against_the_de_quantized_product_never_
         x = torch.randn(rows, 64)
         torch.testing.assert_close(layer(x), x @ dense.t(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(quantized_linear(x, layer.weight, layer.scales), x @ dense.t(), rtol=1e-5, atol=1e-5)
-        assert (CPU, 40, 64, size, torch.float32, 2, False, torch.int8) in fp8_gemv.chosen()
+        assert (CPU, 40, 64, size, torch.float32, 2, False, torch.int8, False) in fp8_gemv.chosen()
         assert f"int8 products [40 x 64] at {size} row(s)" in caplog.text
     assert not scaled_mm and "torch._scaled_mm" not in caplog.text
 
@@ -169,10 +169,12 @@ def test_one_process_and_a_rank_ask_once_and_keep_the_codes_where_told(
     assert asked == [fmt, "rank 1"]
     monkeypatch.setattr(int8_weights, "weights_kept_for", lambda *args: False)
     plain, _ = load_quantized(folder, spec, torch.float32, CPU)
+    assert spec.int8_activations is (fmt == "w8a8")  # W8A8's int8 activations by token: its rows may go to int8
     for model in (whole, shell):
         layer = model.model.layers[0]
         for module in (layer.mlp.down_proj, layer.self_attn.q_proj):
             assert isinstance(module, Int8WeightLinear) is bool(answer)
+            assert not answer or module.scales.int8_rows is (fmt == "w8a8")
     for name in ("mlp.down_proj", "self_attn.q_proj", "mlp.gate_proj"):
         got = whole.model.layers[1].get_submodule(name)
         want = plain.model.layers[1].get_submodule(name).weight
@@ -198,3 +200,86 @@ def test_codes_by_groups_skip_the_tiles_that_spill_there() -> None:
         assert tried == tuple(t for t in tiles if not (t.prefetch and t.adds_in_kernel))
         assert fp8_gemv.tiles_for(bucket, codes, by_channel) == tiles == fp8_gemv.tiles_for(bucket, fp8, by_groups)
     assert len(fp8_gemv.tiles_for(1, codes, by_groups)) < len(fp8_gemv.CANDIDATES[1])
+
+
+@interpreted
+def test_the_rows_kernel_gives_rows_to_int8s_codes_and_scales_padded_with_zero_rows() -> None:
+    """Each row over its own range (max |row| / 127), rounded to nearest with ties to even (2.5 -> 2, -3.5 -> -4,
+    0.5 -> 0 where the scale is 1), clamped to +-127; an all-zero row gets fp32's smallest normal as its scale; the
+    rows added for ``torch._int_mm`` (more than 16, a multiple of 8) are zeros."""
+    quantize, _ = int8_w8a8._kernels()
+    ties = torch.tensor([[127.0, 2.5, -3.5, 0.5, -0.5, 1.5, -127.0, 126.5]])
+    x = torch.cat([ties, torch.zeros(1, 8), torch.randn(3, 8) * 5])
+    padded = int8_w8a8.padded_rows(x.shape[0])
+    assert (padded, int8_w8a8.padded_rows(17), int8_w8a8.padded_rows(33)) == (24, 24, 40)
+    q = torch.full((padded, 8), 99, dtype=torch.int8)
+    scales = torch.empty(padded)
+    quantize[(padded,)](x, q, scales, x.shape[0], 8, x.stride(0), BLOCK_K=8, INT8=True)
+    want_q, want_scales = int8_w8a8.rows_to_int8(x)
+    assert torch.equal(q[: x.shape[0]], want_q) and torch.equal(scales[: x.shape[0]], want_scales[:, 0])
+    assert q[0].tolist() == [127, 2, -4, 0, 0, 2, -127, 126]
+    assert scales[1].item() == torch.finfo(torch.float32).tiny
+    assert not q[x.shape[0] :].any()
+
+
+@interpreted
+@pytest.mark.parametrize("rows", [1, 3, 17, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_int8_rows_product_is_its_arithmetic_in_fp32(rows: int, dtype: torch.dtype) -> None:
+    """Three kernels (rows to int8, ``torch._int_mm``'s exact int32 sums, each sum times its row's and channel's
+    scale) give the product of the rows as quantized with the de-quantized weight: fp32 to its rounding, bf16 to
+    its own; the output in the rows' dtype."""
+    parts = int8_parts(48, 64, 0, seed=rows)
+    layer = int8_module(parts, None, torch.float32, CPU, keep_codes=True)
+    x = (torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)) * 2).to(dtype)
+    got = int8_w8a8.product(x, layer.weight, layer.scales.scales)
+    want = int8_w8a8.INT8_ROWS.quantized(x.float()) @ parts.dequantize().t()
+    assert got.dtype == dtype and got.shape == (rows, 48)
+    tolerance = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance * want.abs().max().item())
+
+
+def test_the_int8_rows_serve_w8a8s_codes_by_channel_only() -> None:
+    """Int8 codes a scale a channel, both dimensions multiples of 8; never fp8 weights, scales by groups, or
+    dimensions the integer product refuses."""
+    codes, channel, groups = torch.zeros(48, 64, dtype=torch.int8), torch.ones(48), torch.ones(48, 2)
+    assert int8_w8a8.applies(codes, channel, CPU)
+    assert not int8_w8a8.applies(codes, groups, CPU)
+    assert not int8_w8a8.applies(codes.to(torch.float8_e4m3fn), channel, CPU)
+    assert not int8_w8a8.applies(torch.zeros(48, 60, dtype=torch.int8), channel, CPU)
+    assert not int8_w8a8.applies(torch.zeros(44, 64, dtype=torch.int8), torch.ones(44), CPU)
+
+
+@interpreted
+@pytest.mark.parametrize(("int8_rows", "group"), [(True, 0), (False, 0), (True, 32)], ids=["w8a8", "w8a16", "groups"])
+def test_choose_offers_the_int8_rows_to_w8a8s_codes_and_serves_them_where_fastest(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, int8_rows: bool, group: int
+) -> None:
+    """W8A8's codes (int8 activations) have the int8 rows among their candidates at every bucket, checked against
+    the same arithmetic in fp32; where they time fastest, the layer's products and the fast path's run them (the
+    choice kept apart from the weight-only one of the same shape); W8A16's codes and codes by groups never."""
+    monkeypatch.setattr(fp8_gemv, "INTERPRETED_ON_CPU", True)
+    monkeypatch.setattr(fp8_gemv, "CANDIDATES", {b: configs[:1] for b, configs in fp8_gemv.CANDIDATES.items()})
+    offered: list[object] = []
+
+    def timer(call, device: torch.device) -> float:
+        candidate = getattr(call, "args", (None,))[0]
+        offered.append(candidate)
+        return 1e-6 if candidate is int8_w8a8.INT8_ROWS else 1e-3
+
+    monkeypatch.setattr(kernel_choice, "time_gpu", timer)
+    monkeypatch.setattr(kernel_choice, "time_call", timer)
+    parts = int8_parts(48, 64, group, seed=5)
+    parts.int8_rows = int8_rows
+    layer = int8_module(parts, None, torch.float32, CPU, keep_codes=True)
+    caplog.set_level(logging.INFO, logger=fp8_gemv.__name__)
+    serves = int8_rows and group == 0
+    for rows, size in ((1, 1), (3, 4), (17, 64), (300, 1024)):
+        x = torch.randn(rows, 64)
+        want = (int8_w8a8.INT8_ROWS.quantized(x) if serves else x) @ parts.dequantize().t()
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(quantized_linear(x, layer.weight, layer.scales), want, rtol=1e-5, atol=1e-5)
+        key = (CPU, 48, 64, size, torch.float32, 2 if group else 0, False, torch.int8, int8_rows)
+        assert fp8_gemv.chosen()[key] is (int8_w8a8.INT8_ROWS if serves else None)
+    assert (int8_w8a8.INT8_ROWS in offered) is serves
+    assert ("run on cuBLAS int8 x int8, activations per row" in caplog.text) is serves

@@ -115,7 +115,7 @@ def other_launches(monkeypatch: pytest.MonkeyPatch, native: bool) -> list[cuda_c
     conversions (`native`) or without (an A100): the fused element-wise kernels of a layer (`fused_choice`'s
     fused work, bf16, 1 and 16 rows, the rotation storing the keys and values in a bf16 cache, and in an e4m3 one,
     Qwen3's heads normed first; the norm and SiLU writing a row in fp8 too; the rotation alone), the fp8 activations' quantization
-    and scaling (`fp8_w8a8`), the seeded
+    and scaling (`fp8_w8a8`), W8A8's rows in int8 (`int8_w8a8`), the seeded
     draw over Llama 3's vocabulary, and the paged attention's (`triton_ops.self_check`'s launches: a decode row,
     a chunk after a prefix, a prompt) over a bf16 cache and over e4m3 and e5m2 caches, and a decode graph's
     step (each row a tile: padding rows' zeros written by the kernel; its rows in fp8 too). (`fp8_w8a8` and the
@@ -126,12 +126,13 @@ def other_launches(monkeypatch: pytest.MonkeyPatch, native: bool) -> list[cuda_c
     from lmiserve.engine import fp8_devices
     from lmiserve.engine.attention import triton_ops
     from lmiserve.engine.attention.backend_base import KvStore
-    from lmiserve.engine.model import fp8_w8a8, fused_choice, fused_norm
+    from lmiserve.engine.model import fp8_w8a8, fused_choice, fused_norm, int8_w8a8
     from lmiserve.engine.runner import seeded_draw
 
     monkeypatch.setattr(fp8_devices, "native", lambda device: native)
     launches = cuda_compile.recording(monkeypatch, fused_norm, "_kernels")
     launches_w8a8 = cuda_compile.recording(monkeypatch, fp8_w8a8, "_kernels")
+    launches_int8 = cuda_compile.recording(monkeypatch, int8_w8a8, "_kernels")
     launches_draw = cuda_compile.recording(monkeypatch, seeded_draw, "_kernel")
     launches_attention = cuda_compile.recording(monkeypatch, triton_ops, "_kernel")
     shape = fused_choice.LayerShape(**LAYER)
@@ -143,6 +144,8 @@ def other_launches(monkeypatch: pytest.MonkeyPatch, native: bool) -> list[cuda_c
         row, norm = torch.randn(1, 4096, dtype=torch.bfloat16), torch.ones(4096, dtype=torch.bfloat16)
         fused_norm.add_rms_norm(row, row, norm, 1e-5, fp8_rows=True)  # the norm writing its row in fp8 too
         fused_norm.silu_mul(torch.randn(1, 2 * 14336, dtype=torch.bfloat16), 14336, fp8_rows=True)  # and SiLU's
+    codes = torch.zeros(4096, 4096, dtype=torch.int8)  # W8A8's rows in int8 (any GPU from compute capability 8.0)
+    int8_w8a8.product(torch.randn(1, 4096, dtype=torch.bfloat16), codes, torch.ones(4096))
     qkv, cos = torch.randn(1, 48 * 128, dtype=torch.bfloat16), torch.ones(1, 128, dtype=torch.bfloat16)
     fused_norm.rope(qkv, cos, cos, 40, 128)  # (the rotation alone: a cache the fused store does not serve)
     for cache in (torch.zeros(64, 128, dtype=torch.bfloat16), torch.zeros(64, 128, dtype=torch.float8_e4m3fn)):
@@ -163,15 +166,17 @@ def other_launches(monkeypatch: pytest.MonkeyPatch, native: bool) -> list[cuda_c
         triton_ops.paged_attention(
             torch.randn(4, 32, 128, dtype=torch.bfloat16), cache, cache, plan, 0.1, fp8_rows=(q8, scales, done)
         )
-    every = launches + launches_w8a8 + launches_draw + launches_attention
+    every = launches + launches_w8a8 + launches_int8 + launches_draw + launches_attention
     made = {launch.kernel.__name__ for launch in every}
-    w8a8 = {"quantize_rows_kernel", "scale_rows_kernel"} if native else set()
-    assert (
-        made
-        == {"add_rms_norm_kernel", "silu_mul_kernel", "rope_store_kernel", "draw_kernel"}
-        | {"paged_attention_kernel"}
-        | w8a8
+    assert made == {"add_rms_norm_kernel", "silu_mul_kernel", "rope_store_kernel", "draw_kernel"} | {
+        "paged_attention_kernel",
+        "quantize_rows_kernel",
+        "scale_rows_kernel",
+    }
+    assert {launch.kwargs["INT8"] for launch in launches_w8a8 if "INT8" in launch.kwargs} == (
+        {False} if native else set()
     )
+    assert {launch.kwargs["INT8"] for launch in launches_int8 if "INT8" in launch.kwargs} == {True}
     assert any(launch.kwargs["QUANT"] for launch in launches if "QUANT" in launch.kwargs) == native
     assert {launch.kwargs["FP8"] for launch in launches if "FP8" in launch.kwargs} == {False, True}  # (any GPU)
     assert any(launch.kwargs.get("HEAD_NORM") for launch in launches)

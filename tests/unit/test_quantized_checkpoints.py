@@ -368,6 +368,43 @@ def test_int8_codes_kept_on_the_triton_kernel_decode_what_transformers_decodes_d
         assert got == greedy(reference_model, ids, 8), ids
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_w8a8_rows_in_int8_decode_what_transformers_decodes_with_its_rows_quantized(
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch, graphs: bool
+) -> None:
+    """A W8A8 checkpoint (compressed-tensors' own, int8 activations by token) whose codes a GPU keeps: where its
+    products choose `int8_w8a8`'s (every one here), every product of the decode rows and the prompts takes its rows
+    in int8 (each over its own range) into torch's integer product, also from the decode graphs; the engine's greedy
+    tokens are those of transformers' float model whose linears quantize their input rows so (fp32 activations)."""
+    from lmiserve.engine.model import fp8_gemv, int8_w8a8, int8_weights
+
+    if not fp8_gemv.available() or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py on CPU)")
+    record = graphs_on_the_test_device(monkeypatch) if graphs else None
+    monkeypatch.setattr(fp8_gemv, "INTERPRETED_ON_CPU", True)
+    monkeypatch.setattr(fp8_gemv, "choose", lambda x, w, s, other, int8_rows=False: int8_rows and int8_w8a8.INT8_ROWS)
+    monkeypatch.setattr(int8_weights, "weights_kept_for", lambda model, device, name: True)
+    loaded = load_causal_lm(checkpoints["w8a8"], device="cpu", dtype="fp32")
+    for name, module in loaded.model.named_modules():
+        if name.rpartition(".")[2] in LINEARS:
+            assert isinstance(module, int8_weights.Int8WeightLinear) and module.scales.int8_rows, name
+    ran: list[int] = []
+    product = int8_w8a8.product
+    monkeypatch.setattr(int8_w8a8, "product", lambda x, *rest: ran.append(x.shape[0]) or product(x, *rest))
+    path, results = engine_tokens(loaded, PROMPTS, 8)
+    assert path == "fast" and min(ran) <= len(PROMPTS) and max(ran) >= len(PROMPTS[-1])  # decode rows, prompts
+    if record is not None:
+        assert record.steps  # decode steps replayed the graphs
+    reference_model = dequantized_float_model(checkpoints["w8a8"], "w8a8")
+    for name, module in reference_model.named_modules():
+        if name.rpartition(".")[2] in LINEARS:
+            module.register_forward_pre_hook(
+                lambda m, args: (int8_w8a8.INT8_ROWS.quantized(args[0].reshape(-1, m.in_features)).view_as(args[0]),)
+            )
+    for ids, got in zip(PROMPTS, results, strict=True):
+        assert got == greedy(reference_model, ids, 8), ids
+
+
 @pytest.mark.parametrize(
     ("fused", "graphs"), [(False, False), (True, False), (True, True)], ids=["eager-norms", "fused-norms", "graphs"]
 )

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from lmiserve.engine import fp8_devices
-from lmiserve.engine.model import fp8_w8a8, kernel_choice, weight_fit
+from lmiserve.engine.model import fp8_w8a8, int8_w8a8, kernel_choice, weight_fit
 
 try:
     import triton
@@ -93,7 +93,7 @@ USE_ON_CUDA = kernel_choice.switch("LMISERVE_USE_TRITON_FP8")
 
 Config = kernel_choice.Tile  # one tile of the kernel
 # what a shape and row bucket runs on besides the product `choose` replaces (`fp8_w8a8.OneScale` is a RowsInFp8)
-Choice = Config | fp8_w8a8.RowsInFp8
+Choice = Config | fp8_w8a8.RowsInFp8 | int8_w8a8.RowsInInt8
 
 
 def bucket(rows: int) -> int:
@@ -239,12 +239,10 @@ def fp8_gemv(
 
 
 def product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, choice: Choice) -> torch.Tensor:
-    """``(x @ weight.T) * scales`` in `x`'s dtype on `choice`: a tile of this kernel or `fp8_w8a8`'s product."""
-    if isinstance(choice, fp8_w8a8.OneScale):
-        return fp8_w8a8.product_one_scale(x, weight, scales)
-    if isinstance(choice, fp8_w8a8.RowsInFp8):
-        return fp8_w8a8.product(x, weight, scales)
-    return fp8_gemv(x, weight, scales, choice)
+    """``(x @ weight.T) * scales`` in `x`'s dtype on `choice`: a tile of this kernel, `fp8_w8a8`'s or `int8_w8a8`'s."""
+    if isinstance(choice, Config):
+        return fp8_gemv(x, weight, scales, choice)
+    return choice.run(x, weight, scales)
 
 
 def chosen() -> dict[tuple[Any, ...], Choice | None]:
@@ -253,12 +251,16 @@ def chosen() -> dict[tuple[Any, ...], Choice | None]:
 
 
 def choose(
-    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, other: Callable[[torch.Tensor], torch.Tensor]
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    other: Callable[[torch.Tensor], torch.Tensor],
+    int8_rows: bool = False,
 ) -> Choice | None:
     """The kernel's tile for ``x @ weight.T``, or for decode rows where the GPU has fp8 products `fp8_w8a8`'s
-    product (`product` runs either; None: `other`, the row-wise ``_scaled_mm`` product or where the GPU has
-    none the de-quantized one, runs), measured the first time a shape and row bucket comes (module doc); inside
-    a CUDA-graph capture, an unmeasured shape gets `other` (nothing can be timed there)."""
+    product, or with `int8_rows` (W8A8's int8 codes) `int8_w8a8`'s (`product` runs any; None: `other`, the row-wise
+    ``_scaled_mm`` product or where the GPU has none the de-quantized one, runs), measured the first time a shape and
+    row bucket comes (module doc); inside a CUDA-graph capture, an unmeasured shape gets `other` (nothing is timed)."""
     rows = x.shape[0]
     if not ENABLED or triton is None or not weight.is_contiguous():
         return None
@@ -266,7 +268,7 @@ def choose(
         return None
     blocks = scales.shape[1] if scales.dim() == 2 else 0
     one = rows == 1 and not blocks and fp8_w8a8.applies(weight, x.device) and fp8_w8a8.one_scale(scales)
-    key = (x.device, *weight.shape, bucket(rows), x.dtype, blocks, one, weight.dtype)
+    key = (x.device, *weight.shape, bucket(rows), x.dtype, blocks, one, weight.dtype, int8_rows)
     if key in _chosen:
         return _chosen[key]
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -289,20 +291,19 @@ def choose(
 def _measure(
     key: tuple[Any, ...], weight: torch.Tensor, scales: torch.Tensor, other: Callable[[torch.Tensor], torch.Tensor]
 ) -> Choice | None:
-    device, outputs, inputs, rows, dtype, blocks, one, _ = key
+    device, outputs, inputs, rows, dtype, blocks, one, _, int8_rows = key
     generator = torch.Generator(device=device).manual_seed(0)
     probe = torch.randn(rows, inputs, generator=generator, device=device).to(dtype)
     candidates: tuple[Choice, ...] = tiles_for(rows, weight, scales)
     if rows <= MAX_ROWS and not blocks and fp8_w8a8.applies(weight, device):
         candidates += (fp8_w8a8.ONE_SCALE, fp8_w8a8.W8A8) if one else (fp8_w8a8.W8A8,)
+    if int8_rows and int8_w8a8.applies(weight, scales, device):
+        candidates += (int8_w8a8.INT8_ROWS,)
     plain = _reference(probe, weight, scales)
 
     def want(choice: Choice) -> torch.Tensor:
-        """The probe's product in fp32 as `choice` computes it: `fp8_w8a8`'s of the probe's rows in fp8."""
-        if not isinstance(choice, fp8_w8a8.RowsInFp8):
-            return plain
-        q, row_scales = fp8_w8a8.rows_to_fp8(probe.float())
-        return _reference(q.float() * row_scales, weight, scales)
+        """The probe's product in fp32 as `choice` computes it: of the probe's rows as it quantizes them."""
+        return plain if isinstance(choice, Config) else _reference(choice.quantized(probe.float()), weight, scales)
 
     return kernel_choice.pick(
         log,

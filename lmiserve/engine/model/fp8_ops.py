@@ -75,17 +75,19 @@ def fp8_linear(
     weight: torch.Tensor,
     scales: torch.Tensor,
     quantize_rows: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = rows_to_fp8,
+    int8_rows: bool = False,
 ) -> torch.Tensor:
     """``x @ (weight * scales).T`` for a 2-D `x`, fp8 `weight` ``[out, in]`` and fp32 `scales` ``[out]`` (or each
     row's by blocks of inputs, ``[out, blocks]``): through `fp8_gemv` where it is chosen (measured faster on this
     GPU: a few rows, or any number where the GPU has no fp8 products or the scales are by blocks), else
     `scaled_product` (there, and for blocks, `fp8_gemv.dequantized_product`). An ``int8`` `weight` (8-bit integer
-    codes, `int8_weights`) runs the kernel or the de-quantized product, never ``_scaled_mm``."""
+    codes, `int8_weights`) runs the kernel or the de-quantized product, never ``_scaled_mm``; with `int8_rows`
+    (W8A8's) `int8_w8a8`'s product with the rows in int8 is a candidate too."""
     if fp8_gemv.to_scaled_mm(weight, scales, x.device):
         other = functools.partial(scaled_product, weight=weight, scales=scales, quantize_rows=quantize_rows)
     else:
         other = functools.partial(fp8_gemv.dequantized_product, weight=weight, scales=scales)
-    choice = fp8_gemv.choose(x, weight, scales, other)
+    choice = fp8_gemv.choose(x, weight, scales, other, int8_rows)
     if choice is not None:
         return fp8_gemv.product(x, weight, scales, choice)
     return other(x)

@@ -67,6 +67,16 @@ class RowsInFp8:
     def __str__(self) -> str:
         return "cuBLAS fp8 x fp8, activations per row"
 
+    def run(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """The product (`product`)."""
+        return product(x, weight, scales)
+
+    def quantized(self, rows: torch.Tensor) -> torch.Tensor:
+        """fp32 `rows` as the product takes them (in fp8, each over its range), back in fp32: what a candidate is
+        checked against (`kernel_choice.pick`)."""
+        q, scales = rows_to_fp8(rows)
+        return q.float() * scales
+
     __repr__ = __str__
 
 
@@ -79,6 +89,9 @@ class OneScale(RowsInFp8):
 
     def __str__(self) -> str:
         return "cuBLAS fp8 x fp8, one scale a tensor"
+
+    def run(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return product_one_scale(x, weight, scales)
 
     __repr__ = __str__
 
@@ -167,7 +180,7 @@ def _rows_in_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xq, x_scales = row_buffers(rows, inputs, x.device)
     block = triton.next_power_of_2(inputs)
     warps = min(16, max(4, block // 1024))  # 4-16 fp32 a thread
-    quantize[(xq.shape[0],)](x, xq, x_scales, rows, inputs, x.stride(0), BLOCK_K=block, num_warps=warps)
+    quantize[(xq.shape[0],)](x, xq, x_scales, rows, inputs, x.stride(0), BLOCK_K=block, INT8=False, num_warps=warps)
     return xq.view(torch.float8_e4m3fn), x_scales
 
 

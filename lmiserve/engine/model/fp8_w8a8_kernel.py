@@ -1,12 +1,13 @@
-"""The Triton kernels of `fp8_w8a8` (imported only where Triton is installed; the interpreter runs them on a CPU
-in the tests): a few rows of activations to fp8, each over its own range, in one kernel; and the product's
-scales (a row's and an output channel's) applied to cuBLAS's unscaled fp32 sums, with the cast, in one more.
-`row_to_e4m3` is the quantization itself, which `fused_norm_kernel`'s RMS norm also runs on the row it writes."""
+"""The Triton kernels of `fp8_w8a8` and `int8_w8a8` (imported only where Triton is installed; the interpreter runs
+them on a CPU in the tests): a few rows of activations to fp8 (or to int8: ``INT8``), each over its own range, in one
+kernel; and the product's scales (a row's and an output channel's) applied to cuBLAS's unscaled fp32 (or int32)
+sums, with the cast, in one more. `row_to_e4m3` is the fp8 quantization itself, which `fused_norm_kernel`'s RMS
+norm also runs on the row it writes; `row_to_int8` the int8 one."""
 
 import triton
 import triton.language as tl
 
-__all__ = ["e4m3_bytes", "quantize_rows_kernel", "row_to_e4m3", "scale_rows_kernel"]
+__all__ = ["e4m3_bytes", "quantize_rows_kernel", "row_to_e4m3", "row_to_int8", "scale_rows_kernel"]
 
 
 def quantize_rows_kernel(  # pragma: no cover - runs as a Triton kernel
@@ -17,16 +18,30 @@ def quantize_rows_kernel(  # pragma: no cover - runs as a Triton kernel
     K,
     stride_xm,
     BLOCK_K: tl.constexpr,
+    INT8: tl.constexpr = False,
 ):
     # one program a row of the padded [grid, K] `q` (rows from M on: zeros): the whole row in registers
-    # (BLOCK_K >= K)
+    # (BLOCK_K >= K); e4m3's bytes, or with INT8 int8 codes
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_K)
     k_ok = offs < K
     x = tl.load(x_ptr + row * stride_xm + offs, mask=k_ok & (row < M), other=0.0).to(tl.float32)
-    q, scale = row_to_e4m3(x)
+    if INT8:
+        q, scale = row_to_int8(x)
+    else:
+        q, scale = row_to_e4m3(x)
     tl.store(q_ptr + row * K + offs, q, mask=k_ok)
     tl.store(s_ptr + row, scale)
+
+
+@triton.jit
+def row_to_int8(x):  # pragma: no cover - in the kernels
+    # a row `x` (fp32, its masked columns 0) as int8 codes over its own range: scale = max |x| / 127 (at least fp32's
+    # smallest normal, as `int8_w8a8.rows_to_int8`), x / scale clamped to +-127 and rounded to nearest, ties to even
+    # (fp32's own rounding: adding and taking away 1.5 * 2**23 leaves an integer for any |v| < 2**22)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / 127.0, 1.1754943508222875e-38)
+    v = tl.minimum(tl.maximum(x / scale, -127.0), 127.0)
+    return ((v + 12582912.0) - 12582912.0).to(tl.int8), scale
 
 
 @triton.jit
@@ -63,11 +78,12 @@ def scale_rows_kernel(  # pragma: no cover - runs as a Triton kernel
     stride_ym,
     BLOCK_N: tl.constexpr,
 ):
-    # y[m, n] = acc[m, n] * row_scale[m] * channel_scale[n], in y's dtype: one program BLOCK_N outputs of a row
+    # y[m, n] = acc[m, n] * row_scale[m] * channel_scale[n], in y's dtype: one program BLOCK_N outputs of a row;
+    # `acc` fp32 (cuBLAS's fp8 sums) or int32 (its int8 sums, `int8_w8a8`)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs < N
-    acc = tl.load(acc_ptr + row * stride_am + offs, mask=n_ok, other=0.0)
+    acc = tl.load(acc_ptr + row * stride_am + offs, mask=n_ok, other=0).to(tl.float32)
     channel = tl.load(ws_ptr + offs, mask=n_ok, other=0.0)
     y = acc * tl.load(xs_ptr + row) * channel
     tl.store(y_ptr + row * stride_ym + offs, y.to(y_ptr.dtype.element_ty), mask=n_ok)

@@ -12,8 +12,10 @@ converted exactly in registers; ``INT8`` in `fp8_gemv_kernel`) and applies the s
 groups of inputs (each row's ``[out, groups]``, a group a power of two: `fp8_gemv.input_block`). Its tiles are
 measured per weight shape and row bucket against the weight de-quantized a slice at a time
 (`fp8_gemv.dequantized_product`), which serves where no tile passes or is faster, at every row count (prompts
-too): int8 codes never go to ``torch._scaled_mm``. W8A8's int8 activations are not applied, as on a CPU
-(`quant_formats.int8_module`): the products take the activations in the compute dtype.
+too): int8 codes never go to ``torch._scaled_mm``. A W8A8 checkpoint's codes (int8 activations,
+`Int8Scales.int8_rows`) have one more candidate there: `int8_w8a8`'s, the rows quantized to int8 for cuBLAS's
+integer product. Elsewhere, as on a CPU (`quant_formats.int8_module`), the products take the activations in the
+compute dtype.
 
 `Int8WeightLinear` holds the codes ``[out, in]`` int8 (``code - 128`` of `quant_formats.Int4Parts`' 8-bit codes)
 and `Int8Scales`; the fast path fuses q/k/v and gate/up of such layers (`llama_layout`) and runs them by the scales'
@@ -53,9 +55,11 @@ SYMMETRIC_ZERO = 128  # the stored zero of a symmetric 8-bit code (`Int4Parts`' 
 
 class Int8Scales(NamedTuple):
     """An `Int8WeightLinear`'s fp32 scales: ``[out]`` (a channel's) or ``[out, groups]`` (each row's by groups of
-    inputs); a type of its own, so the fast path tells them from the CPU's int8 scales (`quantize.quantized_linear`)."""
+    inputs); a type of its own, so the fast path tells them from the CPU's int8 scales (`quantize.quantized_linear`).
+    `int8_rows`: the checkpoint quantizes the activations to int8 (W8A8), so `int8_w8a8`'s product is a candidate."""
 
     scales: torch.Tensor
+    int8_rows: bool = False
 
 
 def signed_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -67,7 +71,7 @@ def signed_codes(codes: torch.Tensor) -> torch.Tensor:
 def int8_weight_linear(x: torch.Tensor, weight: torch.Tensor, scales: Int8Scales) -> torch.Tensor:
     """``x @ (weight * scales).T`` in `x`'s dtype for a 2-D `x` and int8 codes ``[out, in]``: `fp8_gemv`'s kernel
     where a tile is chosen, else the de-quantized product (`fp8_ops.fp8_linear`)."""
-    return fp8_linear(x, weight, scales.scales)
+    return fp8_linear(x, weight, scales.scales, int8_rows=scales.int8_rows)
 
 
 def served_scales(
@@ -90,11 +94,13 @@ class Int8WeightLinear(CodesLinear):
     `weight`, `scales` and `bias` are plain attributes (not parameters: ``Module.to(dtype)`` would cast the codes),
     which the fast path points at rows of its fused matrices."""
 
-    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, int8_rows: bool = False
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.weight = weight
-        self.scales = Int8Scales(scales)
+        self.scales = Int8Scales(scales, int8_rows)
         self.bias = bias
 
     def dequantized(self) -> torch.Tensor:
@@ -106,7 +112,8 @@ class Int8WeightLinear(CodesLinear):
     def extra_repr(self) -> str:
         group = fp8_gemv.input_block(self.in_features, self.scales.scales)
         scales = f"scales by groups of {group} inputs" if group else "a scale a channel"
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 codes ({scales})"
+        rows = ", int8 activations" if self.scales.int8_rows else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 codes ({scales}{rows})"
 
 
 def fuse_int8(
@@ -116,14 +123,15 @@ def fuse_int8(
     the codes' rows and the scales' rows concatenated; each module pointed at its rows."""
     weight = torch.cat([m.weight for m in modules], dim=0) if len(modules) > 1 else modules[0].weight
     scales = torch.cat([m.scales.scales for m in modules], dim=0) if len(modules) > 1 else modules[0].scales.scales
+    int8_rows = modules[0].scales.int8_rows  # (one checkpoint's: the same for all)
     row = 0
     for m in modules:
         n = m.out_features
         m.weight = weight[row : row + n]
-        m.scales = Int8Scales(scales[row : row + n])
+        m.scales = Int8Scales(scales[row : row + n], int8_rows)
         m.bias = None if bias is None else bias[row : row + n]
         row += n
-    return weight, bias, Int8Scales(scales)
+    return weight, bias, Int8Scales(scales, int8_rows)
 
 
 def weights_kept_for(model: torch.nn.Module, device: torch.device, name: str) -> bool | None:

@@ -35,7 +35,7 @@ def int_parts(tensors: dict[str, torch.Tensor], spec: QuantSpec, name: str = "a 
     `unpack_int8`). A `ValueError` naming `name` where the tensors do not fit together."""
     if spec.packed:
         return unpack_packed(tensors, spec.group_size, name, spec.bits)
-    return unpack_int8(tensors, spec.group_size, name)
+    return unpack_int8(tensors, spec.group_size, name, spec.int8_activations)
 
 
 def unpack_packed(
@@ -70,10 +70,13 @@ def unpack_packed(
     return Int4Parts(codes.to(torch.uint8).contiguous(), scale.contiguous(), zero.contiguous(), g_idx, bits)
 
 
-def unpack_int8(tensors: dict[str, torch.Tensor], group_size: int, name: str = "a linear") -> Int4Parts:
+def unpack_int8(
+    tensors: dict[str, torch.Tensor], group_size: int, name: str = "a linear", int8_rows: bool = False
+) -> Int4Parts:
     """compressed-tensors' ``int-quantized`` tensors of the linear `name` (W8A8: ``weight`` int8 ``[out, in]``,
     ``weight_scale``, a ``weight_zero_point`` int8 ``[out, groups]`` where asymmetric) as 8-bit codes (each value
-    plus 128) with ``[out, groups]`` scales and zeros."""
+    plus 128) with ``[out, groups]`` scales and zeros; `int8_rows`: the checkpoint quantizes the activations to
+    int8 (W8A8, `Int4Parts.int8_rows`)."""
     weight = tensors.get("weight")
     if weight is None or weight.dtype != torch.int8 or weight.dim() != 2 or "weight_scale" not in tensors:
         raise ValueError(f"{name}: an int-quantized linear is an int8 weight with its weight_scale")
@@ -87,7 +90,7 @@ def unpack_int8(tensors: dict[str, torch.Tensor], group_size: int, name: str = "
         )
     codes = (weight.to(torch.int32) + 128).to(torch.uint8)
     g_idx = _groups_of(tensors, inputs, scale.shape[1], group_size, name)
-    return Int4Parts(codes.contiguous(), scale.contiguous(), zero.reshape(scale.shape) + 128, g_idx, 8)
+    return Int4Parts(codes.contiguous(), scale.contiguous(), zero.reshape(scale.shape) + 128, g_idx, 8, int8_rows)
 
 
 def _scale_of(tensors: dict[str, torch.Tensor], out: int, name: str) -> torch.Tensor:

@@ -93,8 +93,9 @@ class QuantSpec:
     """A checkpoint's quantization: `method` (fp8, awq, gptq, mxfp4), `source` (the checkpoint's
     ``quant_method``; ``dynamic``: fp8 made at load from float weights; ``dummy``: 4-bit codes made at load
     from `load_format=dummy`'s random weights, `quantize_int4_dummy`), the 4-bit `group_size`
-    (-1: one group per row), whether GPTQ's stored zeros are ``zero - 1`` (`v1_zeros`) and whether fp8's scales are
-    block-wise (`blocks`: ``weight_block_size``, the rows and inputs of a block)."""
+    (-1: one group per row), whether GPTQ's stored zeros are ``zero - 1`` (`v1_zeros`), whether fp8's scales are
+    block-wise (`blocks`: ``weight_block_size``, the rows and inputs of a block), and whether 8-bit integer weights
+    take 8-bit integer activations (`int8_activations`: compressed-tensors' W8A8, `int8_w8a8`)."""
 
     method: str
     source: str
@@ -102,6 +103,7 @@ class QuantSpec:
     v1_zeros: bool = True
     blocks: tuple[int, int] | None = None
     packed: bool = False
+    int8_activations: bool = False
 
     @property
     def bits(self) -> int:
@@ -137,13 +139,15 @@ class QuantSpec:
 class Int4Parts:
     """A 4-bit weight unpacked: ``codes`` uint8 ``[out, in]``, ``scale`` fp32 and ``zero`` int32
     ``[out, groups]``, ``g_idx`` int64 ``[in]`` (the group of each input); of `bits` 8, an 8-bit weight's (codes
-    0..255: compressed-tensors' int8 weights, `unpack_int8`)."""
+    0..255: compressed-tensors' int8 weights, `unpack_int8`), whose activations may be quantized to int8 per row
+    (`int8_rows`: W8A8's, `int8_w8a8`)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
     g_idx: torch.Tensor
     bits: int = 4
+    int8_rows: bool = False
 
     def dequantize(self) -> torch.Tensor:
         """``(code - zero[g]) * scale[g]`` in fp32 ``[out, in]`` (exact for fp16 scales)."""
@@ -245,7 +249,7 @@ def int8_module(
         if served is not None:
             b = None if bias is None else bias.detach().to(device, dtype)
             codes = int8_weights.signed_codes(parts.codes).to(device)
-            return int8_weights.Int8WeightLinear(codes, served.to(device), b)
+            return int8_weights.Int8WeightLinear(codes, served.to(device), b, parts.int8_rows)
     inputs = parts.codes.shape[1]
     if (
         device.type == "cpu"

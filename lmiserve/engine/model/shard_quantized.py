@@ -232,6 +232,7 @@ def _cut_int4(parts: Int4Parts, rows: list[slice] | None, columns: slice | None)
             parts.zero[keep].contiguous(),
             parts.g_idx,
             parts.bits,
+            parts.int8_rows,
         )
     if columns is None:
         return parts
@@ -242,6 +243,7 @@ def _cut_int4(parts: Int4Parts, rows: list[slice] | None, columns: slice | None)
         parts.zero[:, used].contiguous(),
         local,
         parts.bits,
+        parts.int8_rows,
     )
 
 
