@@ -17,7 +17,7 @@ import torch
 from helpers.fp8_weights import fresh_choices  # noqa: F401 - an autouse fixture
 from helpers.quantizable import quantizable_llama, write_checkpoint
 from lmiserve.engine import fp8_devices
-from lmiserve.engine.model import fp8_gemv, int8_w8a8, int8_weights, kernel_choice
+from lmiserve.engine.model import fp8_gemv, fp8_w8a8, int8_w8a8, int8_weights, kernel_choice
 from lmiserve.engine.model.int8_weights import Int8Scales, Int8WeightLinear
 from lmiserve.engine.model.quant_formats import Int4Parts, int8_module
 from lmiserve.engine.model.quantize import quantized_linear
@@ -207,14 +207,13 @@ def test_the_rows_kernel_gives_rows_to_int8s_codes_and_scales_padded_with_zero_r
     """Each row over its own range (max |row| / 127), rounded to nearest with ties to even (2.5 -> 2, -3.5 -> -4,
     0.5 -> 0 where the scale is 1), clamped to +-127; an all-zero row gets fp32's smallest normal as its scale; the
     rows added for ``torch._int_mm`` (more than 16, a multiple of 8) are zeros."""
-    quantize, _ = int8_w8a8._kernels()
     ties = torch.tensor([[127.0, 2.5, -3.5, 0.5, -0.5, 1.5, -127.0, 126.5]])
     x = torch.cat([ties, torch.zeros(1, 8), torch.randn(3, 8) * 5])
     padded = int8_w8a8.padded_rows(x.shape[0])
     assert (padded, int8_w8a8.padded_rows(17), int8_w8a8.padded_rows(33)) == (24, 24, 40)
     q = torch.full((padded, 8), 99, dtype=torch.int8)
     scales = torch.empty(padded)
-    quantize[(padded,)](x, q, scales, x.shape[0], 8, x.stride(0), BLOCK_K=8, INT8=True)
+    fp8_w8a8.quantize_rows(x, q, scales, int8=True)
     want_q, want_scales = int8_w8a8.rows_to_int8(x)
     assert torch.equal(q[: x.shape[0]], want_q) and torch.equal(scales[: x.shape[0]], want_scales[:, 0])
     assert q[0].tolist() == [127, 2, -4, 0, 0, 2, -127, 126]

@@ -52,8 +52,10 @@ __all__ = [
     "one_scale",
     "product",
     "product_one_scale",
+    "quantize_rows",
     "row_buffers",
     "rows_to_fp8",
+    "scaled_rows",
 ]
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
@@ -175,13 +177,33 @@ def _rows_in_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return given[1], given[2]
     if triton is None:
         raise RuntimeError("the fp8 activations' kernels need triton")
+    xq, x_scales = row_buffers(x.shape[0], x.shape[1], x.device)
+    quantize_rows(x, xq, x_scales)
+    return xq.view(torch.float8_e4m3fn), x_scales
+
+
+def quantize_rows(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, int8: bool = False) -> None:
+    """`x`'s rows ``[M, K]`` (contiguous rows) written into `q` ``[padded, K]`` and their `scales` ``[padded]``, each
+    over its own range, the rows from M on zeros: e4m3's bytes, or int8 codes (`int8`: `int8_w8a8`), in one kernel
+    (`fp8_w8a8_kernel.quantize_rows_kernel`)."""
     quantize, _ = _kernels()
     rows, inputs = x.shape
-    xq, x_scales = row_buffers(rows, inputs, x.device)
     block = triton.next_power_of_2(inputs)
     warps = min(16, max(4, block // 1024))  # 4-16 fp32 a thread
-    quantize[(xq.shape[0],)](x, xq, x_scales, rows, inputs, x.stride(0), BLOCK_K=block, INT8=False, num_warps=warps)
-    return xq.view(torch.float8_e4m3fn), x_scales
+    quantize[(q.shape[0],)](x, q, scales, rows, inputs, x.stride(0), BLOCK_K=block, INT8=int8, num_warps=warps)
+
+
+def scaled_rows(
+    sums: torch.Tensor, x_scales: torch.Tensor, scales: torch.Tensor, rows: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The first `rows` rows of cuBLAS's unscaled `sums` (fp32, or int32: `int8_w8a8`), each times its row's scale
+    (`x_scales`) and its channel's (`scales` ``[N]``), in `dtype` (one kernel, `fp8_w8a8_kernel.scale_rows_kernel`)."""
+    _, scale = _kernels()
+    outputs = sums.shape[1]
+    y = torch.empty(rows, outputs, dtype=dtype, device=sums.device)
+    grid = (rows, triton.cdiv(outputs, BLOCK_N))
+    scale[grid](sums, x_scales, scales, y, outputs, sums.stride(0), y.stride(0), BLOCK_N=BLOCK_N)
+    return y
 
 
 def product_one_scale(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -199,13 +221,8 @@ def product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torc
     `weight` ``[N, K]`` and fp32 `scales` ``[N]``, `x` quantized to fp8 per row (module doc)."""
     x = x.contiguous()
     xq8, x_scales = _rows_in_fp8(x)
-    _, scale = _kernels()
-    rows, outputs = x.shape[0], weight.shape[0]
     one = _ones.get(x.device)
     if one is None:
         one = _ones[x.device] = torch.ones((), dtype=torch.float32, device=x.device)
     sums = torch._scaled_mm(xq8, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
-    y = torch.empty(rows, outputs, dtype=x.dtype, device=x.device)
-    grid = (rows, triton.cdiv(outputs, BLOCK_N))
-    scale[grid](sums, x_scales, scales, y, outputs, sums.stride(0), y.stride(0), BLOCK_N=BLOCK_N)
-    return y
+    return scaled_rows(sums, x_scales, scales, x.shape[0], x.dtype)

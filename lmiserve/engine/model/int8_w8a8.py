@@ -8,23 +8,22 @@ the integer product on the tensor cores). Kept codes ran only `fp8_gemv`'s weigh
 weights at 1.2-2.8 TB/s on an H200 where bf16's products read 3.3-4.2 (2026-12-04); cuBLAS's int8 product reads the
 codes as cuBLAS reads bf16, and for many rows (prompts) the tensor cores' int8 rate is twice bf16's.
 
-A product is three kernels: `fp8_w8a8_kernel.quantize_rows_kernel` (``INT8``) quantizes each row over its own range
-(``scale = max|row| / 127``, codes rounded to nearest even, clamped to +-127: the numbers of `rows_to_int8`), the
-rows padded with zeros to more than 16 and to a multiple of 8 (`padded_rows`: ``torch._int_mm``'s bounds on
-CUDA); ``torch._int_mm`` sums in int32, exactly; `fp8_w8a8_kernel.scale_rows_kernel` multiplies each sum by its
-row's and its channel's scale and casts. Weights by channel only (W8A8's), both dimensions multiples of 8
-(`applies`). It competes as any candidate: checked against the same arithmetic in fp32 and timed beside the
-weight-only tiles and the de-quantized product, so the rows go to int8 only where that is faster; each candidate
-is within `kernel_choice.TOLERANCE` of the product it stands for. Not yet measured on a GPU (the GPU check's
+A product is three kernels, two of them `fp8_w8a8`'s: `fp8_w8a8.quantize_rows` (``int8``) quantizes each row over
+its own range (``scale = max|row| / 127``, codes rounded to nearest even, clamped to +-127: the numbers of
+`rows_to_int8`), the rows padded with zeros to more than 16 and to a multiple of 8 (`padded_rows`:
+``torch._int_mm``'s bounds on CUDA); ``torch._int_mm`` sums in int32, exactly; `fp8_w8a8.scaled_rows` multiplies
+each sum by its row's and its channel's scale and casts. Weights by channel only (W8A8's), both dimensions
+multiples of 8 (`applies`). It competes as any candidate: checked against the same arithmetic in fp32 and timed
+beside the weight-only tiles and the de-quantized product, so the rows go to int8 only where that is faster; each
+candidate is within `kernel_choice.TOLERANCE` of the product it stands for. Not yet measured on a GPU (the GPU check's
 `quantized` step times it: `int8_w8a8` in its kernel table).
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Any
-
 import torch
+
+from lmiserve.engine.model import fp8_w8a8
 
 try:
     import triton
@@ -36,7 +35,6 @@ __all__ = ["INT8_MAX", "INT8_ROWS", "RowsInInt8", "applies", "padded_rows", "pro
 INT8_MAX = 127.0
 MIN_ROWS = 17  # ``torch._int_mm`` on CUDA: more than 16 rows
 MULTIPLE = 8  # ... and every other dimension a multiple of 8
-BLOCK_N = 1024  # outputs of a row a program of the scaling kernel writes
 
 
 class RowsInInt8:
@@ -83,13 +81,6 @@ def padded_rows(rows: int) -> int:
     return max(-(-MIN_ROWS // MULTIPLE), -(-rows // MULTIPLE)) * MULTIPLE
 
 
-@functools.cache
-def _kernels() -> tuple[Any, Any]:
-    from lmiserve.engine.model.fp8_w8a8_kernel import quantize_rows_kernel, scale_rows_kernel
-
-    return triton.jit(quantize_rows_kernel), triton.jit(scale_rows_kernel)
-
-
 def product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``(x @ weight.T) * scales`` in `x`'s dtype for a 2-D `x` ``[M, K]``, contiguous int8 codes `weight` ``[N, K]``
     and fp32 `scales` ``[N]``, `x` quantized to int8 per row (module doc)."""
@@ -97,15 +88,7 @@ def product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torc
         raise RuntimeError("the int8 activations' kernels need triton")
     x = x.contiguous()
     rows, inputs = x.shape
-    outputs = weight.shape[0]
-    quantize, scale = _kernels()
     xq = torch.empty(padded_rows(rows), inputs, dtype=torch.int8, device=x.device)
     x_scales = torch.empty(xq.shape[0], dtype=torch.float32, device=x.device)
-    block = triton.next_power_of_2(inputs)
-    warps = min(16, max(4, block // 1024))  # 4-16 fp32 a thread
-    quantize[(xq.shape[0],)](x, xq, x_scales, rows, inputs, x.stride(0), BLOCK_K=block, INT8=True, num_warps=warps)
-    sums = torch._int_mm(xq, weight.t())
-    y = torch.empty(rows, outputs, dtype=x.dtype, device=x.device)
-    grid = (rows, triton.cdiv(outputs, BLOCK_N))
-    scale[grid](sums, x_scales, scales, y, outputs, sums.stride(0), y.stride(0), BLOCK_N=BLOCK_N)
-    return y
+    fp8_w8a8.quantize_rows(x, xq, x_scales, int8=True)
+    return fp8_w8a8.scaled_rows(torch._int_mm(xq, weight.t()), x_scales, scales, rows, x.dtype)
