@@ -9,6 +9,7 @@ whose collector is down answers every request.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import uuid
@@ -22,7 +23,7 @@ import numpy as np
 import pytest
 
 from helpers.otlp_receiver import Receiver, Span, otlp_grpc_receiver, otlp_http_receiver
-from helpers.server import free_port, read_log, run_server
+from helpers.server import free_port, on_a_free_port, read_log, run_server
 from helpers.waiting import wait_until
 
 TIMEOUT = 60.0
@@ -90,17 +91,17 @@ def caller() -> tuple[str, str, dict[str, str]]:
 @pytest.fixture(scope="module")
 def traced(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Traced]:
     log = tmp_path_factory.mktemp("traced") / "server.log"
-    grpc_port = free_port() if GRPC_WIRED else None
-    args = ["--model-id", str(tiny_model_dir)]
-    if grpc_port is not None:
-        args += ["--grpc-port", str(grpc_port)]
-    with otlp_grpc_receiver() as receiver:
-        args += ["--otlp-traces-endpoint", receiver.endpoint]
-        with (
-            run_server(args, env=FAST_EXPORT, stderr_path=log) as url,
-            httpx.Client(base_url=url, timeout=TIMEOUT, trust_env=False) as client,
-        ):
-            yield Traced(url, receiver, log, client, grpc_port)
+    with otlp_grpc_receiver() as receiver, contextlib.ExitStack() as stack:
+        args = ["--model-id", str(tiny_model_dir), "--otlp-traces-endpoint", receiver.endpoint]
+
+        def start(grpc_port: int | None) -> str:
+            ports = [] if grpc_port is None else ["--grpc-port", str(grpc_port)]
+            return stack.enter_context(run_server([*args, *ports], env=FAST_EXPORT, stderr_path=log))
+
+        # the gRPC port is picked again if another process took it before the server's bind
+        url, grpc_port = on_a_free_port(start) if GRPC_WIRED else (start(None), None)
+        client = stack.enter_context(httpx.Client(base_url=url, timeout=TIMEOUT, trust_env=False))
+        yield Traced(url, receiver, log, client, grpc_port)
 
 
 def check_request(traced: Traced, request_id: str, trace_id: str, route: str, protocol: str) -> Span:
