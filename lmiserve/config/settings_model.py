@@ -86,10 +86,11 @@ class ModelFields(FieldGroup):
         None,
         description=(
             "Quantized weights (LMI's and TGI's option; vLLM's `quantization`, whose `awq_marlin` and `gptq_marlin` "
-            "are taken as `awq` and `gptq`): `fp8`, `awq`, `gptq`, `mxfp4` or `compressed-tensors`. Unset = what the "
-            "checkpoint's `config.json` says (`quantization_config`: compressed-tensors fp8, 4-bit (W4A16, "
-            "`pack-quantized`: `awq`, `gptq` and `compressed-tensors` name it) or int8 (W8A8, W8A16: "
-            "`compressed-tensors` names it), FBGEMM fp8, AWQ or GPTQ 4-bit, "
+            "are taken as `awq` and `gptq`): `fp8`, `awq`, `gptq`, `mxfp4`, `compressed-tensors` or `modelopt`. "
+            "Unset = what the checkpoint's `config.json` says (`quantization_config`: compressed-tensors fp8, "
+            "4-bit (W4A16, `pack-quantized`: `awq`, `gptq` and `compressed-tensors` name it) or int8 (W8A8, W8A16: "
+            "`compressed-tensors` names it), FBGEMM fp8, NVIDIA ModelOpt's fp8 (`FP8`, `FP8_PER_CHANNEL_PER_TOKEN`, "
+            "`FP8_PB_WO`; also from its `hf_quant_config.json`: `fp8` and `modelopt` name it), AWQ or GPTQ 4-bit, "
             "and block-wise fp8, read by lmiserve itself; gpt-oss's MXFP4 experts, dequantized at load to the "
             "model's dtype). Set, it "
             "must name the checkpoint's format, else the start stops with one line; `fp8` on a float checkpoint "

@@ -20,7 +20,7 @@ class FieldGroup(BaseModel):
 
 Dtype = Literal["auto", "fp32", "fp16", "bf16", "int8", "int4"]
 # LMI's and TGI's `quantize` (and vLLM's `compressed-tensors`); others are refused
-Quantize = Literal["fp8", "awq", "gptq", "mxfp4", "compressed-tensors"]
+Quantize = Literal["fp8", "awq", "gptq", "mxfp4", "compressed-tensors", "modelopt"]
 LoadFormat = Literal["auto", "safetensors", "pt", "dummy"]
 OtlpProtocol = Literal["grpc", "http/protobuf"]
 KvCacheLayout = Literal["paged"]  # `slots` is refused with its own line (settings_engine.py)

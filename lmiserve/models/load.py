@@ -214,7 +214,8 @@ def load_model_shell(
     try:
         config = AutoConfig.from_pretrained(path, **common)
         auto_class, tokenizer, processor = _model_class(path, config, common)
-        if quant is not None:  # a float shell: each worker makes its shard's quantized layers (shard_quantized.py)
+        # a float shell: each worker makes its shard's quantized layers (shard_quantized.py)
+        if quant is not None and hasattr(config, "quantization_config"):
             del config.quantization_config
         with init_empty_weights(include_buffers=False):
             model = auto_class.from_config(config, dtype=torch_dtype, trust_remote_code=trust_remote_code)

@@ -9,18 +9,24 @@
   unquantized; ``pack-quantized``: W8A16). One scheme a checkpoint: groups of other schemes beside it
   are refused.
 - ``fbgemm_fp8``; ``fp8`` (AutoFP8, vLLM's; with ``weight_block_size``: block-wise scales); ``mxfp4`` (gpt-oss);
-  ``awq`` (GEMM packing with zero points) and ``gptq`` (``gptq`` or ``gptq_v2``), 4 bits."""
+  ``awq`` (GEMM packing with zero points) and ``gptq`` (``gptq`` or ``gptq_v2``), 4 bits.
+- ``modelopt`` (NVIDIA's Model Optimizer, as NVIDIA publishes its ``-FP8`` checkpoints; the ``quantization_config``
+  its export writes into ``config.json``, or its older ``hf_quant_config.json``, `modelopt_config`): ``quant_algo``
+  ``FP8`` (a scale a tensor, a static ``input_scale``), ``FP8_PER_CHANNEL_PER_TOKEN`` (a scale an output channel)
+  and ``FP8_PB_WO`` (a scale a block of 128 x 128, ``weight_scale`` ``[row blocks, 1, input blocks, 1]``). Its
+  other algorithms (NVFP4, MXFP8, its W4A16 AWQ and W8A8 SmoothQuant) are refused in one line."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from lmiserve.engine.model.quant_formats import QuantSpec
+from lmiserve.engine.model.quant_formats import MODELOPT, QuantSpec
 from lmiserve.models.errors import ModelLoadError
 
-__all__ = ["checkpoint_spec", "compressed_tensors_spec"]
+__all__ = ["MODELOPT", "checkpoint_spec", "compressed_tensors_spec", "modelopt_config"]
 
 COMPRESSED_TENSORS = "compressed-tensors"
+MODELOPT_BLOCK = (128, 128)  # FP8_PB_WO's blocks (rows, inputs): ModelOpt's 2-D block-wise fp8, as vLLM reads it
 
 
 def checkpoint_spec(qc: dict[str, Any]) -> QuantSpec:
@@ -28,6 +34,8 @@ def checkpoint_spec(qc: dict[str, Any]) -> QuantSpec:
     method = str(qc.get("quant_method", "")).lower()
     if method == COMPRESSED_TENSORS:
         return compressed_tensors_spec(qc)
+    if method.startswith(MODELOPT):  # (vLLM's modelopt_fp4 too: its algorithm is refused below)
+        return _modelopt_spec(qc)
     if method == "fbgemm_fp8":
         return QuantSpec("fp8", method)
     if method == "mxfp4":
@@ -51,7 +59,34 @@ def checkpoint_spec(qc: dict[str, Any]) -> QuantSpec:
         return QuantSpec("gptq", method, group, v1_zeros=fmt == "gptq")
     raise ModelLoadError(
         f"quant_method {method or None!r} is not supported: lmiserve reads compressed-tensors (fp8, 4-bit and "
-        "8-bit integers), fbgemm_fp8, fp8, awq, gptq and mxfp4"
+        "8-bit integers), fbgemm_fp8, fp8, modelopt (fp8), awq, gptq and mxfp4"
+    )
+
+
+def modelopt_config(data: Any) -> dict[str, Any] | None:
+    """A ModelOpt ``hf_quant_config.json``'s content (``{"producer": {"name": "modelopt"}, "quantization": {...}}``:
+    what its export wrote before it wrote a ``quantization_config`` into ``config.json``) as a quantization config;
+    None when it is not ModelOpt's."""
+    if not isinstance(data, dict) or not isinstance(data.get("quantization"), dict):
+        return None
+    producer = data.get("producer")
+    if isinstance(producer, dict) and str(producer.get("name", MODELOPT)).lower() != MODELOPT:
+        return None
+    return {**data, "quant_method": MODELOPT}
+
+
+def _modelopt_spec(qc: dict[str, Any]) -> QuantSpec:
+    """A ModelOpt config's algorithm (``quant_algo``, beside ``quant_method`` or in its ``quantization``)."""
+    inner = qc.get("quantization")
+    section: dict[str, Any] = inner if isinstance(inner, dict) else qc
+    algo = str(section.get("quant_algo") or "").upper()
+    if algo in ("FP8", "FP8_PER_CHANNEL_PER_TOKEN"):
+        return QuantSpec("fp8", MODELOPT)  # (FP8's static input_scale is not used: activations per token)
+    if algo == "FP8_PB_WO":
+        return QuantSpec("fp8", MODELOPT, blocks=MODELOPT_BLOCK)
+    raise ModelLoadError(
+        f"ModelOpt quant_algo {algo or None!r} is not supported: lmiserve reads ModelOpt's FP8, "
+        "FP8_PER_CHANNEL_PER_TOKEN and FP8_PB_WO"
     )
 
 

@@ -24,6 +24,11 @@ Formats (`engine/model/quant_formats.py` says how each is stored and run):
 - ``quant_method: mxfp4`` (gpt-oss's experts: 4-bit floats, a power-of-two scale a block of 32): the experts'
   weights dequantized at load by transformers (exactly: every such value is a bf16 value), as vLLM does where it
   has no MXFP4 kernel: ``quantize=mxfp4``.
+- ``quant_method: modelopt`` (NVIDIA's Model Optimizer; in ``config.json``, or its older ``hf_quant_config.json``
+  beside it): ``FP8`` (a scale a tensor; its static ``input_scale`` is not used: activations are quantized per
+  token), ``FP8_PER_CHANNEL_PER_TOKEN`` (a scale a channel) and ``FP8_PB_WO`` (a scale a block of 128 x 128, run as
+  block-wise fp8 above): ``quantize=fp8`` or ``modelopt`` (vLLM's word). The checkpoint's KV cache scales
+  (``k_proj.k_scale``, ``v_proj.v_scale``) serve ``kv_cache_dtype=fp8`` (engine/attention/kv_quant.py).
 - ``quantize=fp8`` on a float checkpoint: its linears (not the output projection) quantized to fp8 per
   output channel at load (vLLM's dynamic fp8).
 
@@ -47,8 +52,10 @@ from lmiserve.engine.model.int4_triton import Int4TritonLinear
 from lmiserve.engine.model.int8_weights import Int8WeightLinear
 from lmiserve.engine.model.packed_codes import stored_int_parts
 from lmiserve.engine.model.quant_formats import (
+    MODELOPT,
     Int4Parts,
     QuantSpec,
+    block_grid,
     fp8_module,
     int4_module,
     quantize_fp8,
@@ -63,7 +70,7 @@ from lmiserve.engine.model.sharding import experts_layout
 from lmiserve.models.attention_choice import sdpa_or_default
 from lmiserve.models.errors import ModelLoadError
 from lmiserve.models.int4_load import SafetensorsFiles, meta_tensors, safetensors_names
-from lmiserve.models.quant_config import COMPRESSED_TENSORS, checkpoint_spec
+from lmiserve.models.quant_config import COMPRESSED_TENSORS, checkpoint_spec, modelopt_config
 from lmiserve.models.quant_pack import rtn_int4
 
 __all__ = [
@@ -78,7 +85,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-QUANTIZE_METHODS = ("fp8", "awq", "gptq", "mxfp4", COMPRESSED_TENSORS)
+QUANTIZE_METHODS = ("fp8", "awq", "gptq", "mxfp4", COMPRESSED_TENSORS, MODELOPT)
+FORMAT_WORDS = {COMPRESSED_TENSORS, MODELOPT}  # `quantize` values that name a checkpoint's format, not its method
 DUMMY_GROUP = 128  # load_format=dummy with quantize=awq|gptq: groups of this many inputs (AWQ's and GPTQ's usual)
 
 
@@ -88,16 +96,18 @@ def checkpoint_quantization(path: Path, quantize: str | None, load_format: str =
     quantize = (quantize or "").strip().lower() or None
     if quantize is not None and quantize not in QUANTIZE_METHODS:
         raise ModelLoadError(
-            f"quantize={quantize} is not supported: use fp8, awq, gptq, mxfp4 or compressed-tensors (or leave it unset)"
+            f"quantize={quantize} is not supported: use fp8, awq, gptq, mxfp4, compressed-tensors or modelopt (or "
+            "leave it unset)"
         )
     config = _config_json(path)
     qc = config.get("quantization_config") or config.get("text_config", {}).get("quantization_config")
+    qc = qc or modelopt_config(_config_json(path, "hf_quant_config.json"))
     if load_format == "dummy":  # random weights, quantized at load (a benchmark's model of a shape)
         if quantize is None:
             return None
-        if quantize == COMPRESSED_TENSORS:
+        if quantize in FORMAT_WORDS:
             raise ModelLoadError(
-                "quantize=compressed-tensors names a checkpoint's format: a dummy load takes fp8, awq or gptq"
+                f"quantize={quantize} names a checkpoint's format: a dummy load takes fp8, awq or gptq"
             )
         return QuantSpec("fp8", "dynamic") if quantize == "fp8" else QuantSpec(quantize, "dummy", DUMMY_GROUP)
     if not qc:
@@ -110,7 +120,7 @@ def checkpoint_quantization(path: Path, quantize: str | None, load_format: str =
     spec = checkpoint_spec(qc)
     named = COMPRESSED_TENSORS if spec.method == "int8" else spec.method  # (no LMI or TGI word names int8)
     names = {named} | ({"awq", "gptq"} if spec.packed and spec.bits == 4 else set())  # (W4A16: GPTQ's or AWQ's)
-    if quantize is not None and quantize not in names | ({COMPRESSED_TENSORS} & {spec.source}):
+    if quantize is not None and quantize not in names | (FORMAT_WORDS & {spec.source}):
         raise ModelLoadError(
             f"quantize={quantize}, but {path.name} is a {spec.method} checkpoint ({spec.source}): "
             f"set quantize={named} or leave it unset"
@@ -118,9 +128,9 @@ def checkpoint_quantization(path: Path, quantize: str | None, load_format: str =
     return spec
 
 
-def _config_json(path: Path) -> dict[str, Any]:
+def _config_json(path: Path, name: str = "config.json") -> dict[str, Any]:
     try:
-        data = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        data = json.loads((path / name).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
@@ -254,12 +264,17 @@ def _linear_of(
 
     bias = get("bias")
     if spec.method == "fp8":
-        scale = get("weight_scale_inv" if spec.blocks else "weight_scale")  # (block-wise: transformers' name)
+        scale = get(spec.codes_key)  # (block-wise: transformers' name, ModelOpt's own)
         if scale is None:
             return None
         weight = files.tensor(f"{name}.weight")
         if weight.dtype != torch.float8_e4m3fn:
             raise ModelLoadError(f"{name}.weight is {weight.dtype}, not float8_e4m3fn")
+        if spec.blocks:
+            try:
+                scale = block_grid(scale, weight.shape, spec.blocks)
+            except ValueError as error:
+                raise ModelLoadError(f"{name}: {error}") from None
         return fp8_module(weight, scale, bias, dtype, device, keep, spec.blocks)
     if spec.int_codes:
         if get(spec.codes_key) is None:

@@ -11,6 +11,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from helpers.compressed_ints import FORMATS as COMPRESSED_INT4
 from helpers.compressed_ints import write_compressed
+from helpers.modelopt_checkpoints import FORMATS as MODELOPT
+from helpers.modelopt_checkpoints import write_modelopt
 from helpers.tiny_model import build_tiny_tokenizer
 from lmiserve.models.quant_pack import write_quantized
 
@@ -44,11 +46,14 @@ def quantizable_llama(seed: int, bias: bool = False) -> LlamaForCausalLM:
 
 def write_checkpoint(model: torch.nn.Module, folder: Path, fmt: str, group: int = 128, act_order: bool = False) -> Path:
     """`model` in `folder` as a `fmt` checkpoint of `models.quant_pack`, compressed-tensors' 4-bit (`write_compressed`:
-    ``w4a16``, ``w4a16-asym``; `group` 0: by channel) or ``float``, with the tiny tokenizer."""
+    ``w4a16``, ``w4a16-asym``; `group` 0: by channel), NVIDIA ModelOpt's fp8 (`write_modelopt`: ``modelopt-fp8``,
+    ``modelopt-fp8-channel``, ``modelopt-fp8-block``) or ``float``, with the tiny tokenizer."""
     if fmt == "float":
         model.save_pretrained(folder)  # type: ignore[operator]
     elif fmt in COMPRESSED_INT4:
         write_compressed(model, folder, fmt, group)
+    elif fmt in MODELOPT:
+        write_modelopt(model, folder, fmt)
     else:
         write_quantized(model, folder, fmt, group=group, act_order=act_order)
     build_tiny_tokenizer().save_pretrained(folder)

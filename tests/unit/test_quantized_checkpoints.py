@@ -27,6 +27,8 @@ from transformers import LlamaForCausalLM
 from helpers.compressed_ints import FORMATS as COMPRESSED_INT4
 from helpers.compressed_ints import INT4_FORMATS, decompressed
 from helpers.decode_graphs import graphs_on_the_test_device
+from helpers.modelopt_checkpoints import FORMATS as MODELOPT
+from helpers.modelopt_checkpoints import installed as modelopt_installed
 from helpers.quantizable import quantizable_llama, write_checkpoint
 from helpers.tiny_model import build_tiny_tokenizer
 from lmiserve.core.request import GenerationRequest, SamplingParams
@@ -63,7 +65,12 @@ CASES = {  # id: (quant_pack format, act_order, group)
     "w4a16-channel": ("w4a16", False, -1),  # one scale an output channel
     "w8a8": ("w8a8", False, 0),  # compressed-tensors int-quantized: int8 by channel (activations left float)
     "w8a16-g32": ("w8a16", False, 32),  # compressed-tensors pack-quantized 8-bit codes
+    "modelopt-fp8": ("modelopt-fp8", False, 0),  # NVIDIA ModelOpt's export (helpers.modelopt_checkpoints): FP8
+    "modelopt-fp8-channel": ("modelopt-fp8-channel", False, 0),  # FP8_PER_CHANNEL_PER_TOKEN
+    "modelopt-fp8-block": ("modelopt-fp8-block", False, 0),  # FP8_PB_WO: blocks of 128 x 128
 }
+BLOCK_FP8 = ("fp8-block-b32", "modelopt-fp8-block")
+PER_ROW_FP8 = ("fp8-channel", "fp8-tensor", "fbgemm-fp8", "modelopt-fp8", "modelopt-fp8-channel")
 INT4 = ("awq", "gptq", *INT4_FORMATS)
 
 
@@ -77,8 +84,18 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("quantized")
     dirs = {"float": write_checkpoint(model, root / "float", "float")}
     for case, (fmt, act_order, group) in CASES.items():
+        if fmt in MODELOPT and not modelopt_installed():
+            continue  # (the GPU check's kit has no ModelOpt: `written` skips those cases)
         dirs[case] = write_checkpoint(model, root / case, fmt, group or 128, act_order)
     return dirs
+
+
+@pytest.fixture(autouse=True)
+def written(request: pytest.FixtureRequest, checkpoints: dict[str, Path]) -> None:
+    """A case whose checkpoint its writer could not make here (ModelOpt's, without ModelOpt) is skipped."""
+    case = getattr(request.node, "callspec", None) and request.node.callspec.params.get("case")
+    if case and case not in checkpoints:
+        pytest.skip(f"{case}: nvidia-modelopt, which writes it, is not installed")
 
 
 # --- the published unpacking, written out as the reference -------------------------------------------------
@@ -115,8 +132,20 @@ def ref_fp8_block(t: dict[str, torch.Tensor], block: int) -> torch.Tensor:
     return (q * t["weight_scale_inv"][:, None, :, None]).reshape(out, inputs)
 
 
+def ref_modelopt(t: dict[str, torch.Tensor]) -> torch.Tensor:
+    """ModelOpt's ``weight * weight_scale``: one scale, ``[out]`` (a row's), or ``[out / 128, 1, in / 128, 1]`` (a
+    block's, as its blocks broadcast)."""
+    weight, scale = t["weight"].float(), t["weight_scale"].float()
+    if scale.dim() == 4:
+        out, inputs = weight.shape
+        return (weight.reshape(scale.shape[0], 128, scale.shape[2], 128) * scale).reshape(out, inputs)
+    return weight * (scale[:, None] if scale.dim() == 1 else scale)
+
+
 def reference(case: str, t: dict[str, torch.Tensor]) -> torch.Tensor:
     fmt, _, group = CASES[case]
+    if fmt.startswith("modelopt"):
+        return ref_modelopt(t)
     if fmt == "fp8-block":
         return ref_fp8_block(t, group)
     if fmt in COMPRESSED_INT4:
@@ -263,7 +292,7 @@ def fp8_kept(checkpoint: Path):
     return loaded
 
 
-@pytest.mark.parametrize("case", ["fp8-channel", "fp8-block-b32"])
+@pytest.mark.parametrize("case", ["fp8-channel", "fp8-block-b32", "modelopt-fp8-block"])
 @pytest.mark.parametrize("widened", [False, True], ids=["fp8-gpu", "no-fp8-gpu"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_fp8_linears_on_the_triton_decode_kernel_decode_what_transformers_decodes_dequantized(
@@ -275,8 +304,9 @@ def test_fp8_linears_on_the_triton_decode_kernel_decode_what_transformers_decode
     weights, `fp8_gemv.weights_kept_for`) runs it at every row count, widening the bytes itself. fp32
     activations, so the engine's greedy tokens are the de-quantized float model's. Also with the decode steps in
     the decode graphs (as on a GPU; tests/conftest.py checks their steps would capture). A block-wise checkpoint
-    (Qwen3's FP8 releases' format, blocks of 32 here) is kept fp8 by the loader where asked, on either GPU (the
-    blocks' scales never go to ``_scaled_mm``), and runs every product on the kernel's block-wise scales."""
+    (Qwen3's FP8 releases' format, blocks of 32 here; ModelOpt's FP8_PB_WO, blocks of 128) is kept fp8 by the loader
+    where asked, on either GPU (the blocks' scales never go to ``_scaled_mm``), and runs every product on the
+    kernel's block-wise scales."""
     from helpers.decode_graphs import graphs_on_the_test_device
     from lmiserve.engine import fp8_devices
     from lmiserve.engine.model import fp8_gemv
@@ -290,7 +320,7 @@ def test_fp8_linears_on_the_triton_decode_kernel_decode_what_transformers_decode
         fp8_gemv.Config(False, 1, 256, 128),
         fp8_gemv.Config(True, 16, 256, 128),
     )  # few programs: the interpreter
-    if widened or case == "fp8-block-b32":
+    if widened or case in BLOCK_FP8:
         if widened:
             monkeypatch.setattr(fp8_devices, "native", lambda device: False)
         monkeypatch.setattr(fp8_gemv, "weights_kept_for", lambda model, device, name, blocks=False: True)
@@ -303,7 +333,7 @@ def test_fp8_linears_on_the_triton_decode_kernel_decode_what_transformers_decode
         )
         loaded = fp8_kept(checkpoints[case])
     assert isinstance(loaded.model.model.layers[0].mlp.down_proj, Fp8Linear)
-    assert loaded.model.model.layers[0].mlp.down_proj.scales.dim() == (2 if case == "fp8-block-b32" else 1)
+    assert loaded.model.model.layers[0].mlp.down_proj.scales.dim() == (2 if case in BLOCK_FP8 else 1)
     ran: list[tuple[int, bool]] = []
     kernel = fp8_gemv.fp8_gemv
     monkeypatch.setattr(
@@ -641,7 +671,7 @@ def test_on_the_test_device_each_format_serves_in_bf16(
         monkeypatch.setattr(fp8_gemv, "_chosen", {})
     loaded = load_causal_lm(checkpoints[case], device=str(DEVICE), dtype="bf16")
     tensors = stored(checkpoints[case])
-    fp8 = CASES[case][0] in ("fp8-channel", "fp8-tensor", "fbgemm-fp8")
+    fp8 = CASES[case][0] in PER_ROW_FP8
     generator = torch.Generator().manual_seed(5)
     for name, module in loaded.model.named_modules():
         if name.rpartition(".")[2] not in LINEARS:

@@ -1,5 +1,5 @@
 """Quantized checkpoints over tensor parallelism, without processes (engine/model/shard_quantized.py): each rank's
-shard of an fp8 (per channel, per tensor, FBGEMM, block-wise), AWQ or GPTQ checkpoint, read from the checkpoint's
+shard of an fp8 (per channel, per tensor, FBGEMM, block-wise, NVIDIA ModelOpt's), AWQ or GPTQ checkpoint, read from the checkpoint's
 own tensors, is the shard of the model one process loads from it: every linear's weight, dequantized, equals
 the rank's cut of the whole model's (exactly, fp32), and the rank keeps the format where one process does
 (the CPU int4 kernel's layer for AWQ; an `Fp8Linear` where the device multiplies fp8); a block-wise fp8 mixture
@@ -36,6 +36,8 @@ CASES = {  # id: (quant_pack format, act_order, group)
     "w4a16-asym-g32": ("w4a16-asym", False, 32),  # compressed-tensors' pack-quantized (helpers.compressed_ints)
     "w4a16-channel": ("w4a16", False, -1),
     "w8a8": ("w8a8", False, 0),  # compressed-tensors' int8 (int-quantized, by channel)
+    "modelopt-fp8": ("modelopt-fp8", False, 0),  # NVIDIA ModelOpt's export: a scale a tensor
+    "modelopt-fp8-block": ("modelopt-fp8-block", False, 0),  # its FP8_PB_WO: blocks of 128 x 128
 }
 
 
@@ -124,8 +126,9 @@ def test_an_fp8_rank_keeps_fp8_weights_and_their_scales_where_the_device_multipl
     assert torch.equal(o.scales, stored[f"{at}.o_proj.weight_scale"].reshape(-1))
 
 
+@pytest.mark.parametrize("case", ["fp8-block-b128", "modelopt-fp8-block"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_a_block_wise_fp8_rank_keeps_fp8_weights_where_it_is_asked_to(checkpoints, monkeypatch, world):
+def test_a_block_wise_fp8_rank_keeps_fp8_weights_where_it_is_asked_to(checkpoints, monkeypatch, world, case):
     """Where a rank keeps block-wise fp8 (`weights_kept_for`: bf16 would not fit the GPU, or forced), its
     column-parallel linears are `Fp8Linear`s of its rows with each row's block scales (a rank's rows need not be
     whole blocks), its row-parallel ones where its first input starts a block of 128 (o's 64 inputs a rank at 4
@@ -133,7 +136,7 @@ def test_a_block_wise_fp8_rank_keeps_fp8_weights_where_it_is_asked_to(checkpoint
     from lmiserve.engine.model import shard_checkpoint
 
     monkeypatch.setattr(shard_checkpoint, "weights_kept_for", lambda *args: True)
-    folder = checkpoints["fp8-block-b128"]
+    folder = checkpoints[case]
     whole = load_causal_lm(folder, dtype="fp32", device="cpu").model
     kinds = set()
     for rank in range(world):

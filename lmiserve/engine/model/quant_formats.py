@@ -39,6 +39,7 @@ not yet measured), so it is used where the loader keeps the codes (`int4_triton.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -60,9 +61,11 @@ from lmiserve.engine.model.quantize import (
 __all__ = [
     "AWQ_ORDER",
     "FP8_MAX",
+    "MODELOPT",
     "Fp8Linear",
     "Int4Parts",
     "QuantSpec",
+    "block_grid",
     "dequantize_fp8",
     "fp8_linear",
     "fp8_module",
@@ -77,6 +80,7 @@ __all__ = [
     "weights_kept_for",
 ]
 
+MODELOPT = "modelopt"  # NVIDIA Model Optimizer's checkpoints (`QuantSpec.source`): their block scales' own name
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble k of an AWQ word holds output AWQ_ORDER[k] of its 8
 _AWQ_NIBBLE_OF = tuple(AWQ_ORDER.index(k) for k in range(8))  # output k's nibble: (0, 4, 1, 5, 2, 6, 3, 7)
 
@@ -120,8 +124,8 @@ class QuantSpec:
         """The name of the tensor that says a linear is stored quantized (beside its weight's name)."""
         if self.packed:
             return "weight_packed"
-        if self.method in ("fp8", "int8"):
-            return "weight_scale_inv" if self.blocks else "weight_scale"
+        if self.method in ("fp8", "int8"):  # (block scales: transformers' name, ModelOpt's own)
+            return "weight_scale_inv" if self.blocks and self.source != MODELOPT else "weight_scale"
         return "qweight"
 
     @property
@@ -131,8 +135,9 @@ class QuantSpec:
     @property
     def dequantized(self) -> bool:
         """Whether transformers can de-quantize the checkpoint at load (MXFP4 experts, block-wise fp8), as a
-        vision-language model's is (`quantized_load`: a causal LM's block-wise fp8 is read by lmiserve)."""
-        return self.method == "mxfp4" or self.blocks is not None
+        vision-language model's is (`quantized_load`: a causal LM's block-wise fp8 is read by lmiserve). Not
+        ModelOpt's blocks: transformers reads block scales by their other name."""
+        return self.method == "mxfp4" or (self.blocks is not None and self.source != MODELOPT)
 
 
 @dataclass
@@ -354,6 +359,20 @@ def fp8_module(
         b = None if bias is None else bias.detach().to(device, dtype)
         return Fp8Linear(weight.to(device), scale.to(device), b)
     return _plain_linear(dequantize_fp8(weight, scale), bias, dtype, device)
+
+
+def block_grid(scale: torch.Tensor, shape: Sequence[int], block: tuple[int, int]) -> torch.Tensor:
+    """A block-wise checkpoint's `scale` as ``[row blocks, input blocks]`` for a weight of `shape` (ModelOpt's FP8_PB_WO
+    stores it ``[row blocks, 1, input blocks, 1]``); ValueError where it is not one scale a block."""
+    grid = scale
+    if scale.dim() == 4 and scale.shape[1] == scale.shape[3] == 1:
+        grid = scale.reshape(scale.shape[0], scale.shape[2])
+    if tuple(grid.shape) != (-(-shape[0] // block[0]), -(-shape[1] // block[1])):
+        raise ValueError(
+            f"block scales of shape {list(scale.shape)} are not one a block of {block[0]} x {block[1]} of a "
+            f"{list(shape)} weight"
+        )
+    return grid
 
 
 def _block_dequantized(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

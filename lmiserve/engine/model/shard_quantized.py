@@ -35,6 +35,7 @@ from lmiserve.engine.model.packed_codes import stored_int_parts
 from lmiserve.engine.model.quant_formats import (
     Int4Parts,
     QuantSpec,
+    block_grid,
     fp8_module,
     int4_module,
     quantize_fp8,
@@ -53,9 +54,9 @@ Read = Callable[[str], Any]  # a checkpoint tensor's safetensors slice, by its n
 class Fp8Scaled:
     """An fp8 weight ``[out, in]`` of a checkpoint read as float: a slice of it (``[rows]`` or ``[rows, columns]``,
     steps of one) is its fp8 values times the scale of the block each is in. `scale` ``[out / rows_a_block, in /
-    inputs_a_block]`` (rounded up; block-wise fp8's ``weight_scale_inv``), ``[out, 1]`` (per channel) or one value
-    (per tensor); `block`: the block's rows and inputs (None: what `scale`'s shape says of a per-channel or
-    per-tensor scale)."""
+    inputs_a_block]`` (rounded up; block-wise fp8's ``weight_scale_inv``, or ModelOpt's ``weight_scale``:
+    `block_grid`), ``[out, 1]`` (per channel) or one value (per tensor); `block`: the block's rows and inputs
+    (None: what `scale`'s shape says of a per-channel or per-tensor scale)."""
 
     def __init__(self, weight: Any, scale: Any, block: tuple[int, int] | None) -> None:
         self.weight = weight
@@ -64,7 +65,9 @@ class Fp8Scaled:
         if self.scale.dim() < 2:  # per tensor (one value) or per channel ([out])
             self.scale = self.scale.reshape(-1, 1)
         out, inputs = self.shape
-        if block is None:
+        if block is not None:
+            self.scale = block_grid(self.scale, self.shape, block)
+        else:
             block = (1 if self.scale.shape[0] > 1 else out, inputs)
         self.block = block
 
@@ -139,7 +142,7 @@ def shard_linear(
     tensors; `read`: one's slice), cut as `sharding` cuts a float linear; None when the checkpoint stores it float
     or in a format that is read as float (block-wise fp8: `dequantizing_reader`). `keep`: `weights_kept_for`'s."""
     if quant.method == "fp8" and quant.blocks:
-        return _block_fp8_shard(name, names, read, plan, quant.blocks, dtype, device, keep)
+        return _block_fp8_shard(name, names, read, plan, quant, dtype, device, keep)
     short = name.rpartition(".")[2]
     if quant.method != "fp8":  # integer codes: read whole, unpacked, then cut
         parts = _int4_parts(name, names, read, quant)
@@ -187,7 +190,7 @@ def _block_fp8_shard(
     names: Mapping[str, Any],
     read: Read,
     plan: ShardPlan,
-    block: tuple[int, int],
+    quant: QuantSpec,
     dtype: torch.dtype,
     device: torch.device,
     keep: bool | None,
@@ -195,10 +198,11 @@ def _block_fp8_shard(
     """The rank's `Fp8Linear` of a block-wise fp8 linear the rank keeps fp8: its rows (any, each with its blocks'
     scales: `fp8_gemv.block_scales`' rows) or its input columns where they start a block (their blocks' scales);
     None where they do not, or the blocks are not the kernel's (read as float, `dequantizing_reader`)."""
-    short = name.rpartition(".")[2]
+    short, block = name.rpartition(".")[2], cast(tuple[int, int], quant.blocks)
     weight = read(f"{name}.weight")
     outputs, inputs = weight.get_shape()
-    scales = fp8_gemv.block_scales(torch.as_tensor(read(f"{name}.weight_scale_inv")[...]), outputs, inputs, block)
+    stored = block_grid(torch.as_tensor(read(f"{name}.{quant.codes_key}")[...]), (outputs, inputs), block)
+    scales = fp8_gemv.block_scales(stored, outputs, inputs, block)
     if scales is None:
         return None
     rows = row_runs(plan, short, outputs)
