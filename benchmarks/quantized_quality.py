@@ -22,6 +22,9 @@ each format by `lmiserve.models.quant_pack` and loaded back by `load_causal_lm` 
   and W4A16_ASYM, with zero points), groups of `--group`; ``w8a8`` (int8 by channel, ``int-quantized``; the
   activations left float) and ``w8a16`` (8-bit codes, groups of `--group`); written by the compressed-tensors
   package itself (`tests/helpers/compressed_ints.py`: min-max scales, also no calibration; a test dependency).
+- ``modelopt-fp8``, ``modelopt-fp8-channel``: NVIDIA Model Optimizer's FP8 (a scale a tensor, a static
+  ``input_scale`` lmiserve does not use) and FP8_PER_CHANNEL_PER_TOKEN, written by ModelOpt's own export
+  (`tests/helpers/modelopt_checkpoints.py`, a test dependency) after calibrating on the `--prompts` prompts.
 
 On a CPU, fp8 weights are de-quantized once at load (fp32 products): the figures are fp8's weights'
 accuracy, not its speed; AWQ/GPTQ run on lmiserve's int4 kernel. ``--fp8-products`` (with ``--dtype
@@ -64,6 +67,8 @@ from lmiserve.models.quant_pack import write_quantized
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: tests/helpers
 from tests.helpers.compressed_ints import write_compressed  # noqa: E402
+from tests.helpers.modelopt_checkpoints import installed as modelopt_installed  # noqa: E402
+from tests.helpers.modelopt_checkpoints import write_modelopt  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 TEXT = HERE / "texts" / "pride_and_prejudice_ch1.txt"
@@ -72,6 +77,8 @@ TEMPLATES = ["Write a short poem about {}.", "Explain {} in simple words.", "Wha
 FORMATS = ("bf16", "fp8-channel", "fp8-tensor", "fp8-dynamic", "fp8-block", "awq", "gptq")
 if importlib.util.find_spec("compressed_tensors") is not None:  # (a test dependency: not on the GPU check's device)
     FORMATS += ("w4a16", "w4a16-asym", "w8a8", "w8a16")
+if modelopt_installed():  # (a test dependency too)
+    FORMATS += ("modelopt-fp8", "modelopt-fp8-channel")
 
 
 def prompts(count: int, tokenizer) -> list[str]:
@@ -197,6 +204,9 @@ def main() -> None:
                 out = Path(tmp) / fmt
                 if fmt in ("w4a16", "w4a16-asym", "w8a8", "w8a16"):  # compressed-tensors' own writer
                     write_compressed(base.model, out, fmt, args.group)
+                elif fmt.startswith("modelopt"):  # ModelOpt's own export, calibrated on the prompts
+                    calibration = [base.tokenizer(t, return_tensors="pt").input_ids for t in texts]
+                    write_modelopt(base.model, out, fmt, calibration=calibration)
                 else:
                     write_quantized(base.model, out, fmt, group=args.group)
                 base.tokenizer.save_pretrained(out)

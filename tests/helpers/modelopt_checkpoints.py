@@ -26,10 +26,17 @@ def installed() -> bool:
     return importlib.util.find_spec("modelopt") is not None
 
 
-def write_modelopt(model: torch.nn.Module, folder: Path, fmt: str, kv_cache: bool = False) -> Path:
-    """A copy of `model` quantized by ModelOpt's config of `fmt` (calibrated on random prompts) and exported to
-    `folder` (a ``quantization_config`` in ``config.json`` and ``hf_quant_config.json``); with `kv_cache`, its fp8
-    KV cache config too (``k_proj.k_scale``, ``v_proj.v_scale``)."""
+def write_modelopt(
+    model: torch.nn.Module,
+    folder: Path,
+    fmt: str,
+    kv_cache: bool = False,
+    calibration: list[torch.Tensor] | None = None,
+) -> Path:
+    """A copy of `model` quantized by ModelOpt's config of `fmt` (calibrated on the prompts `calibration`, token ids
+    ``[1, n]`` each; default: random ones) and exported to `folder` (a ``quantization_config`` in ``config.json`` and
+    ``hf_quant_config.json``); with `kv_cache`, its fp8 KV cache config too (``k_proj.k_scale``,
+    ``v_proj.v_scale``)."""
     with warnings.catch_warnings():  # (ModelOpt warns of a transformers it was not tested with)
         warnings.simplefilter("ignore")
         import modelopt.torch.quantization as mtq
@@ -40,10 +47,17 @@ def write_modelopt(model: torch.nn.Module, folder: Path, fmt: str, kv_cache: boo
     config: dict[str, Any] = copy.deepcopy(getattr(mtq, FORMATS[fmt]))
     if kv_cache:
         config["quant_cfg"] = [*config["quant_cfg"], *mtq.FP8_KV_CFG["quant_cfg"]]
-    generator = torch.Generator().manual_seed(0)
-    prompts = torch.randint(0, model.config.vocab_size, (4, 32), generator=generator)
+    if calibration is None:
+        generator = torch.Generator().manual_seed(0)
+        calibration = [torch.randint(0, model.config.vocab_size, (4, 32), generator=generator)]
+    device = next(model.parameters()).device
+
+    def calibrate(m: torch.nn.Module) -> None:
+        for ids in calibration:
+            m(ids.to(device))
+
     with torch.no_grad():
-        mtq.quantize(model, config, lambda m: m(prompts))
+        mtq.quantize(model, config, calibrate)
         export_hf_checkpoint(model, dtype=next(model.parameters()).dtype, export_dir=folder)
     return folder
 
