@@ -225,20 +225,27 @@ def test_int4_serves_a_mixture_of_experts_and_says_its_experts_stay_unquantized(
     assert engine.runner.path == "fast" and all(len([e for e in events if e.token]) == 4 for events in results)
 
 
-@pytest.mark.parametrize("fmt", ["fp8-block", "fp8-channel", "fp8-tensor", "w4a16", "w4a16-asym", "w8a8"])
+@pytest.mark.parametrize(
+    "fmt",
+    ["fp8-block", "fp8-channel", "fp8-tensor", "w4a16", "w4a16-asym", "w8a8", "modelopt-fp8", "modelopt-fp8-channel"],
+)
 def test_a_quantized_mixture_of_experts_is_dequantized_and_served(tiny_model, tmp_path, fmt):
     """A Qwen3-MoE checkpoint in fp8, every projection (each expert's matrices too) fp8 with a scale a block
     (Qwen3-30B-A3B-FP8's format), a row or the tensor (compressed-tensors', as llm-compressor publishes Qwen3-MoE and
-    Mixtral), or in compressed-tensors' integers (Qwen3-MoE's W4A16, each expert's matrices packed by the
+    Mixtral; or by NVIDIA ModelOpt's export, FP8 and FP8_PER_CHANNEL_PER_TOKEN, each expert's matrices apart), or in
+    compressed-tensors' integers (Qwen3-MoE's W4A16, each expert's matrices packed by the
     compressed-tensors package, or W8A8's int8): loaded with each expert's weights its stored values times their
     scales (integers: the package's own de-quantization), merged as transformers holds them, and served on the fast forward with
     `generate()`'s greedy tokens."""
     from safetensors.torch import load_file
 
     from helpers.compressed_ints import decompressed
+    from helpers.modelopt_checkpoints import installed as modelopt_installed
     from helpers.quantizable import write_checkpoint
     from lmiserve.models.load import load_causal_lm
 
+    if fmt.startswith("modelopt") and not modelopt_installed():
+        pytest.skip("nvidia-modelopt, which writes ModelOpt's checkpoints, is not installed")
     write_checkpoint(build(*MOE_ARCHS["qwen3_moe"]), tmp_path, fmt, 16)
     tiny_model.tokenizer.save_pretrained(tmp_path)
     stored = load_file(tmp_path / "model.safetensors")
@@ -249,8 +256,9 @@ def test_a_quantized_mixture_of_experts_is_dequantized_and_served(tiny_model, tm
                 fmt, 16, {k.rpartition(".")[2]: v for k, v in stored.items() if k.startswith(f"{name}.")}
             )
         q = stored[f"{name}.weight"].float()
-        if fmt != "fp8-block":
-            return q * stored[f"{name}.weight_scale"]
+        if fmt != "fp8-block":  # (a scale a tensor, a row [out, 1], or ModelOpt's [out])
+            scale = stored[f"{name}.weight_scale"]
+            return q * (scale[:, None] if scale.dim() == 1 else scale)
         scale = stored[f"{name}.weight_scale_inv"]
         return (q.reshape(q.shape[0] // 16, 16, -1, 16) * scale[:, None, :, None]).reshape(q.shape)
 
