@@ -265,7 +265,7 @@ def test_a_tgi_launcher_command_line_is_understood(monkeypatch):
 
 def test_quantize_by_tgis_and_vllms_spellings(monkeypatch, capsys):
     """TGI's --quantize, vLLM's --quantization (and -o / OPTION_ quantization, its awq_marlin and gptq_marlin
-    the same checkpoints' formats) all set quantize; a format lmiserve does not read stops with one line."""
+    the same checkpoints' formats, fbgemm_fp8 an fp8 checkpoint's, modelopt NVIDIA's) all set quantize; a format lmiserve does not read stops with one line."""
     from lmiserve.config import load_settings
 
     seen = capture_serve(monkeypatch)
@@ -273,6 +273,8 @@ def test_quantize_by_tgis_and_vllms_spellings(monkeypatch, capsys):
         (["--quantize", "fp8"], ("fp8", "command line --quantize")),
         (["--quantization", "awq_marlin"], ("awq", "command line --quantization")),
         (["-o", "quantization=GPTQ_Marlin"], ("gptq", "command line -o")),
+        (["--quantization", "fbgemm_fp8"], ("fp8", "command line --quantization")),
+        (["--quantization", "modelopt"], ("modelopt", "command line --quantization")),
     ):
         assert cli.main(["serve", *argv]) == 0
         assert (seen["settings"].quantize, seen["settings"].sources["quantize"]) == expected
