@@ -543,6 +543,7 @@ QUANTIZED = {
     "w8a8": ("w8a8", 0, False, {}),  # compressed-tensors' int-quantized int8
     "fp8-at-load": ("float", 0, False, {"quantize": "fp8"}),
     "awq-dummy": ("float", 0, False, {"quantize": "awq", "load_format": "dummy"}),
+    "modelopt-fp8-block": ("modelopt-fp8-block", 0, False, {}),  # NVIDIA ModelOpt's FP8_PB_WO, written by its export
 }
 
 
