@@ -227,8 +227,9 @@ def _refuse_for_a_vlm(spec: WorkerSpec) -> None:
         )
     if quant is not None and not quant.dequantized:
         raise ValueError(
-            f"quantize {quant.method} is not supported for vision-language models yet (their block-wise fp8 "
-            "checkpoints are)"
+            f"quantize {quant.method} is not supported for vision-language models over tensor parallelism yet (their "
+            "block-wise fp8 checkpoints are; on one device their fp8, AWQ, GPTQ and compressed-tensors checkpoints "
+            "are)"
         )
 
 

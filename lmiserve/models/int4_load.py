@@ -180,17 +180,18 @@ def safetensors_names(path: Path) -> dict[str, Path] | None:
 class SafetensorsFiles(contextlib.ExitStack):
     """The directory's safetensors, opened once each, filling a meta model's tensors by name."""
 
-    def __init__(self, stored: dict[str, Path]) -> None:
+    def __init__(self, stored: dict[str, Path], names: dict[str, str] | None = None) -> None:
         super().__init__()
         self.stored = stored
+        self.names = names or {}  # a tensor's name in `stored` -> its name in its file, where they differ
         self.handles: dict[Path, Any] = {}
 
     def tensor(self, name: str) -> torch.Tensor:
-        return self._handle(name).get_tensor(name)
+        return self._handle(name).get_tensor(self.names.get(name, name))
 
     def slice(self, name: str) -> Any:
         """The stored tensor `name` as a safetensors slice (only what is indexed is read)."""
-        return self._handle(name).get_slice(name)
+        return self._handle(name).get_slice(self.names.get(name, name))
 
     def _handle(self, name: str) -> Any:
         from safetensors import safe_open

@@ -138,9 +138,9 @@ def load_causal_lm(
     quant_summary = None
     try:
         config = AutoConfig.from_pretrained(path, **common)
-        if quant is not None and is_vision_config(config) and not quant.dequantized:
+        if quant is not None and is_vision_config(config) and quant.source in ("dynamic", "dummy"):
             raise ModelLoadError(
-                f"quantize {quant.method} is not supported for vision-language models yet (their block-wise fp8 "
+                f"quantize={quant.method} at load is not supported for vision-language models yet (their quantized "
                 "checkpoints are)"
             )
         auto_class, tokenizer, processor = _model_class(path, config, common)

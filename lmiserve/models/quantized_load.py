@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from lmiserve.engine.model.checkpoint_names import renamer
 from lmiserve.engine.model.fp8_ops import per_tensor_at_load
 from lmiserve.engine.model.int4_triton import Int4TritonLinear
 from lmiserve.engine.model.int8_weights import Int8WeightLinear
@@ -145,15 +146,16 @@ def load_quantized(
     auto_class: Any = None,
 ) -> tuple[torch.nn.Module, str]:
     """The model of the quantized checkpoint `path` computing in `dtype` on `device` and an account of
-    its linears: the architecture on the meta device, each linear the checkpoint stores quantized made
-    from its tensors (`quant_formats`), the other tensors read as they are; or, for the formats de-quantized at
-    load by transformers (MXFP4 experts, a vision-language model's block-wise fp8), transformers' `auto_class`
-    (default: causal LMs; a vision-language model's)."""
+    its linears: the architecture of `auto_class` (default: causal LMs; a vision-language model's) on the meta
+    device, each linear the checkpoint stores quantized made from its tensors (`quant_formats`; a VLM's tensors
+    found by the names transformers gives them, `_by_model_names`), the other tensors read as they are; or, for the
+    formats de-quantized at load by transformers (MXFP4 experts, a vision-language model's block-wise fp8),
+    transformers' `auto_class`."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    if spec.method == "mxfp4" or (spec.blocks is not None and auto_class not in (None, AutoModelForCausalLM)):
-        causal = AutoModelForCausalLM  # (a block-wise fp8 VLM's: transformers de-quantizes it)
+    if spec.method == "mxfp4" or (spec.dequantized and auto_class not in (None, AutoModelForCausalLM)):
+        causal = AutoModelForCausalLM  # (a block-wise fp8 VLM's but ModelOpt's: transformers de-quantizes it)
         return _dequantized(path, spec, dtype, trust_remote_code, auto_class or causal)
     stored = safetensors_names(path)
     if stored is None:
@@ -161,9 +163,10 @@ def load_quantized(
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # lmiserve builds the linears; transformers' quantizers are not used
+    architecture = auto_class or AutoModelForCausalLM
     with init_empty_weights(include_buffers=False):
         model = sdpa_or_default(
-            path, lambda **sdpa: AutoModelForCausalLM.from_config(
+            path, lambda **sdpa: architecture.from_config(
                 config, dtype=dtype, trust_remote_code=trust_remote_code, **sdpa
             )
         )  # fmt: skip
@@ -172,7 +175,8 @@ def load_quantized(
         model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
     model.config.name_or_path = str(path)
     kinds: Counter[str] = Counter()
-    with SafetensorsFiles(stored) as files:
+    stored, file_names = _by_model_names(model, stored)
+    with SafetensorsFiles(stored, file_names) as files:
         targets = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
         keep = weights_kept_for(model, device, path.name, spec.method, spec.blocks is not None)
         for name in targets:
@@ -193,6 +197,16 @@ def load_quantized(
         raise ModelLoadError(f"{path.name}: {', '.join(left[:5])} left without values")
     account = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
     return model, f"{spec.method} checkpoint ({spec.source}): {account}"
+
+
+def _by_model_names(model: torch.nn.Module, stored: dict[str, Path]) -> tuple[dict[str, Path], dict[str, str]]:
+    """The checkpoint's tensors (name -> file) by the names `model` gives them (transformers' renamings of a published
+    format: a Qwen2.5-VL's ``model.layers.`` are its ``model.language_model.layers.``, `checkpoint_names`), and each
+    such name's name in its file where the two differ."""
+    rename = renamer(model)
+    file_names = {rename(name): name for name in stored}
+    by_model = {name: stored[stored_name] for name, stored_name in file_names.items()}
+    return by_model, {name: stored_name for name, stored_name in file_names.items() if name != stored_name}
 
 
 def _fill_experts(

@@ -86,7 +86,7 @@ def test_a_preempted_mrope_request_recomputes_over_two_ranks(tiny_vlm_dir):
             {"speculative_config": '{"method": "draft_model", "num_speculative_tokens": 3, "dtype": "int8"}'},
             "speculative decoding with a draft model is not served with a vision-language model",
         ),
-        ({"quantize": "fp8"}, "quantize fp8 is not supported for vision-language models yet"),
+        ({"quantize": "fp8"}, "quantize fp8 is not supported for vision-language models over tensor parallelism yet"),
     ],
     ids=["speculative", "quantize"],
 )

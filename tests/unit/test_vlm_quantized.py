@@ -1,22 +1,28 @@
-"""A vision-language model's block-wise fp8 checkpoint (Qwen3-VL's and Qwen2.5-VL's ``-FP8`` releases: every
-projection fp8 with a scale a block of 128, as transformers publishes it): loaded as the VLM it is (its processor,
-its vision tower), every fp8 weight its values times their blocks' scales, and its image prompts served with the
-greedy tokens transformers' `generate()` gives over the same weights written out in float. Other quantized formats
-of a VLM are refused in one line."""
+"""Vision-language models' quantized checkpoints, loaded as the VLM each is (its processor, its vision tower) and
+their image prompts served with the greedy tokens transformers' `generate()` gives over the same weights:
+- block-wise fp8 (Qwen3-VL's and Qwen2.5-VL's ``-FP8`` releases: every projection fp8 with a scale a block of 128,
+  as transformers publishes it), de-quantized at load by transformers;
+- fp8 per channel (compressed-tensors' FP8-dynamic, as RedHatAI publishes Qwen2.5-VL and others: the language
+  model's linears fp8, the vision tower float, the tensors under their published names, which transformers renames)
+  and AWQ (every linear 4-bit codes), read by lmiserve's loader by the names transformers gives the tensors.
+``quantize=fp8`` at load on a VLM is refused in one line."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from helpers.tiny_vlm import build_tiny_vlm_dir
-from helpers.vlm_serving import chat, config, image_of, prompt_of, reference, same, serve
+from helpers.vlm_serving import TOKENS, chat, config, image_of, prompt_of, reference, same, serve
+from lmiserve.engine.model.fp8_ops import quantize_fp8
 from lmiserve.models.errors import ModelLoadError
 from lmiserve.models.load import load_causal_lm
 from lmiserve.models.quant_pack import write_quantized
@@ -75,11 +81,138 @@ def test_a_block_wise_fp8_vlms_image_prompts_get_generates_tokens(fp8_vlm):
     assert same(results, [reference(dequantized, *r) for r in (first, other)])
 
 
-def test_a_vlm_in_another_quantized_format_is_refused_in_one_line(fp8_vlm, tmp_path):
-    fp8, _, _ = fp8_vlm
-    shutil.copytree(fp8, tmp_path / "vlm")
-    cfg = json.loads((tmp_path / "vlm" / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}
-    (tmp_path / "vlm" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match="quantize awq is not supported for vision-language models yet"):
-        load_causal_lm(tmp_path / "vlm", device="cpu")
+def test_quantize_fp8_at_load_on_a_vlm_is_refused_in_one_line(fp8_vlm):
+    _, dequantized, _ = fp8_vlm
+    with pytest.raises(ModelLoadError, match="quantize=fp8 at load is not supported for vision-language models yet"):
+        load_causal_lm(dequantized, device="cpu", quantize="fp8")
+
+
+# --- fp8 per channel under the published names, and AWQ ---------------------------------------------------------
+
+LANGUAGE_LINEAR = re.compile(r"layers\.\d+\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.weight$")
+FP8_DYNAMIC = {  # what llm-compressor writes for its FP8_DYNAMIC scheme, the vision tower left float
+    "quant_method": "compressed-tensors",
+    "format": "float-quantized",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {"type": "float", "num_bits": 8, "strategy": "channel", "dynamic": False, "symmetric": True},
+            "input_activations": {"type": "float", "num_bits": 8, "strategy": "token", "dynamic": True},
+        }
+    },
+    "ignore": ["lm_head", "re:.*visual.*", "re:.*vision_tower.*"],
+}
+
+
+def _fp8_channel_copy(float_dir: Path, out: Path, dequantize: bool) -> int:
+    """`float_dir`'s checkpoint (its tensors under the family's published names) with its language model's linears
+    fp8 per output channel (``weight``, ``weight_scale`` ``[out, 1]``), or (`dequantize`) those values written back
+    in fp32 (the float model the checkpoint encodes); how many linears."""
+    shutil.copytree(float_dir, out)
+    state = load_file(out / "model.safetensors")
+    names = [n for n in state if LANGUAGE_LINEAR.search(n) and "vision" not in n and "visual" not in n]
+    for name in names:
+        q, scale = quantize_fp8(state[name].float())
+        scale = scale.float().reshape(-1, 1)  # (a row's scale, as compressed-tensors stores it)
+        if dequantize:
+            state[name] = q.float() * scale
+        else:
+            state[name], state[f"{name}_scale"] = q, scale
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    if not dequantize:
+        cfg = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**cfg, "quantization_config": FP8_DYNAMIC}))
+    return len(names)
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "llava"])
+def channel_vlm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp(f"vlm-fp8-channel-{request.param}")
+    float_dir = build_tiny_vlm_dir(request.param, root / "float")
+    assert _fp8_channel_copy(float_dir, root / "fp8", dequantize=False) == 14  # 7 linears of 2 layers
+    _fp8_channel_copy(float_dir, root / "dequantized", dequantize=True)
+    return root / "fp8", root / "dequantized"
+
+
+def test_an_fp8_vlm_under_its_published_names_loads_with_every_weight_its_values_times_their_scales(channel_vlm):
+    fp8, dequantized = channel_vlm
+    stored = load_file(fp8 / "model.safetensors")
+    assert not any(n.startswith("model.language_model.") for n in stored)  # (published names: renamed at load)
+    loaded = load_causal_lm(fp8, dtype="fp32", device="cpu")
+    assert loaded.processor is not None
+    expected = load_causal_lm(dequantized, dtype="fp32", device="cpu").model.state_dict()
+    got = loaded.model.state_dict()
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+
+
+def test_an_fp8_vlms_image_prompts_get_generates_tokens(channel_vlm):
+    fp8, dequantized = channel_vlm
+    loaded = load_causal_lm(fp8, dtype="fp32", device="cpu")
+    first = (prompt_of(loaded, chat("Describe the picture.")), (image_of(1),))
+    other = (prompt_of(loaded, chat("What colour is it?")), (image_of(2, (40, 56)),))
+    results, engine = asyncio.run(serve(loaded, config(), [first, other]))
+    assert engine.runner.path == "fast"
+    assert same(results, [reference(dequantized, *r) for r in (first, other)])
+
+
+def _generate(loaded: Any, prompt: str, images: tuple[Any, ...]) -> list[int]:
+    """transformers' greedy `generate()` over `loaded`'s own model (its quantized layers) and processor."""
+    inputs = loaded.processor(text=[prompt], images=[[im.pixels for im in images]], return_tensors="pt")
+    inputs = inputs.to(loaded.device)
+    with torch.inference_mode():
+        out = loaded.model.generate(**inputs, max_new_tokens=TOKENS, do_sample=False, min_new_tokens=0)
+    return [int(t) for t in out[0, inputs["input_ids"].shape[1] :]]
+
+
+def test_an_fp8_vlm_on_fp8_products_gives_transformers_tokens_over_the_same_layers(channel_vlm, monkeypatch):
+    """Where the GPU multiplies fp8 (Hopper: here torch's CPU `_scaled_mm`, the activations in fp8 per row), the
+    language model's linears are `Fp8Linear`s, fused by the fast forward, and the engine's tokens are
+    transformers' over the same layers."""
+    from lmiserve.engine.model import quant_formats
+
+    fp8, _ = channel_vlm
+    monkeypatch.setattr(quant_formats, "fp8_scaled_mm_supported", lambda device: True)
+    loaded = load_causal_lm(fp8, dtype="bf16", device="cpu")
+    kinds: dict[bool, set[str]] = {True: set(), False: set()}  # vision tower's?: the layers' classes
+    for name, module in loaded.model.named_modules():
+        if LANGUAGE_LINEAR.search(f"{name}.weight"):
+            kinds["vision" in name or "visual" in name].add(type(module).__name__)
+    assert kinds[False] == {"Fp8Linear"} and kinds[True] <= {"Linear"}
+    first = (prompt_of(loaded, chat("Describe the picture.")), (image_of(1),))
+    want = _generate(loaded, *first)
+    results, engine = asyncio.run(serve(loaded, config(), [first]))
+    assert engine.runner.path == "fast" and same(results, [want])
+
+
+def test_an_awq_vlm_gives_generates_tokens_over_its_de_quantized_weights(tmp_path):
+    """Every linear of a VLM (its vision tower's too) in AWQ's 4-bit codes by groups of 32: on the CPU's int4
+    kernel, through the fast forward and transformers' vision tower, the tokens of the float model of those weights."""
+    from transformers import AutoModelForImageTextToText
+
+    from lmiserve.engine.model.quantize import Int4Linear, int4_available
+
+    float_dir = build_tiny_vlm_dir("qwen2_vl", tmp_path / "float")
+    model = AutoModelForImageTextToText.from_pretrained(float_dir, dtype=torch.float32)
+    written = write_quantized(model, tmp_path / "awq", "awq", group=32)
+    for file in float_dir.iterdir():  # the processor's files
+        if file.suffix != ".safetensors" and file.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy(file, tmp_path / "awq" / file.name)
+    loaded = load_causal_lm(tmp_path / "awq", dtype="fp32", device="cpu")
+    layers = {n: m for n, m in loaded.model.named_modules() if n in written}
+    assert len(layers) == len(written) > 14  # (the vision tower's linears too)
+    if int4_available():
+        assert all(isinstance(m, Int4Linear) for m in layers.values())
+    with torch.no_grad():  # the reference: the float model of the codes' weights
+        for name, module in layers.items():
+            weight = module.dequantized() if isinstance(module, Int4Linear) else module.weight
+            model.get_submodule(name).weight.copy_(weight)
+    model.save_pretrained(tmp_path / "dequantized")
+    for file in float_dir.iterdir():
+        if file.suffix != ".safetensors" and file.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy(file, tmp_path / "dequantized" / file.name)
+    first = (prompt_of(loaded, chat("Describe the picture.")), (image_of(1),))
+    results, engine = asyncio.run(serve(loaded, config(), [first]))
+    assert engine.runner.path == "fast"
+    assert same(results, [reference(tmp_path / "dequantized", *first)])
