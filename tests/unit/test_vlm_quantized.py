@@ -46,6 +46,32 @@ def _dequantized_copy(fp8: Path, out: Path) -> Path:
     return out
 
 
+def _processor_files(float_dir: Path, out: Path) -> None:
+    """The processor's files of `float_dir` (tokenizer, image processor, chat template) copied beside `out`'s weights."""
+    for file in float_dir.iterdir():
+        if file.suffix != ".safetensors" and file.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy(file, out / file.name)
+
+
+def _loads_as_its_float_model(quantized: Path, dequantized: Path) -> Any:
+    """`quantized` loaded as the VLM it is, every tensor equal to the float model `dequantized` holds; the loaded."""
+    loaded = load_causal_lm(quantized, dtype="fp32", device="cpu")
+    assert loaded.processor is not None
+    expected = load_causal_lm(dequantized, dtype="fp32", device="cpu").model.state_dict()
+    got = loaded.model.state_dict()
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+    return loaded
+
+
+def _prompts(loaded: Any, count: int = 2) -> list[tuple[str, tuple[Any, ...]]]:
+    """Image prompts in the model's chat template: one image each, of two sizes."""
+    first = (prompt_of(loaded, chat("Describe the picture.")), (image_of(1),))
+    other = (prompt_of(loaded, chat("What colour is it?")), (image_of(2, (40, 56)),))
+    return [first, other][:count]
+
+
 @pytest.fixture(scope="module")
 def fp8_vlm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, int]:
     from transformers import AutoModelForImageTextToText
@@ -54,31 +80,22 @@ def fp8_vlm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, int]:
     float_dir = build_tiny_vlm_dir("qwen3_vl", root / "float")
     model = AutoModelForImageTextToText.from_pretrained(float_dir, dtype=torch.float32)
     written = write_quantized(model, root / "fp8", "fp8-block", group=BLOCK)
-    for file in float_dir.iterdir():  # the processor's files (tokenizer, image processor, chat template)
-        if file.suffix != ".safetensors" and file.name not in ("config.json", "model.safetensors.index.json"):
-            shutil.copy(file, root / "fp8" / file.name)
+    _processor_files(float_dir, root / "fp8")
     return root / "fp8", _dequantized_copy(root / "fp8", root / "dequantized"), len(written)
 
 
 def test_a_block_wise_fp8_vlm_loads_as_the_vlm_with_every_weight_dequantized(fp8_vlm):
     fp8, dequantized, written = fp8_vlm
     assert written > 0
-    loaded = load_causal_lm(fp8, dtype="fp32", device="cpu")
-    assert loaded.processor is not None
-    expected = load_causal_lm(dequantized, dtype="fp32", device="cpu").model.state_dict()
-    got = loaded.model.state_dict()
-    assert got.keys() == expected.keys()
-    for name, value in expected.items():
-        assert torch.equal(got[name], value), name
+    _loads_as_its_float_model(fp8, dequantized)
 
 
 def test_a_block_wise_fp8_vlms_image_prompts_get_generates_tokens(fp8_vlm):
     fp8, dequantized, _ = fp8_vlm
     loaded = load_causal_lm(fp8, dtype="fp32", device="cpu")
-    first = (prompt_of(loaded, chat("Describe the picture.")), (image_of(1),))
-    other = (prompt_of(loaded, chat("What colour is it?")), (image_of(2, (40, 56)),))
-    results, _ = asyncio.run(serve(loaded, config(), [first, other]))
-    assert same(results, [reference(dequantized, *r) for r in (first, other)])
+    prompts = _prompts(loaded)
+    results, _ = asyncio.run(serve(loaded, config(), prompts))
+    assert same(results, [reference(dequantized, *r) for r in prompts])
 
 
 def test_quantize_fp8_at_load_on_a_vlm_is_refused_in_one_line(fp8_vlm):
@@ -138,23 +155,16 @@ def test_an_fp8_vlm_under_its_published_names_loads_with_every_weight_its_values
     fp8, dequantized = channel_vlm
     stored = load_file(fp8 / "model.safetensors")
     assert not any(n.startswith("model.language_model.") for n in stored)  # (published names: renamed at load)
-    loaded = load_causal_lm(fp8, dtype="fp32", device="cpu")
-    assert loaded.processor is not None
-    expected = load_causal_lm(dequantized, dtype="fp32", device="cpu").model.state_dict()
-    got = loaded.model.state_dict()
-    assert got.keys() == expected.keys()
-    for name, value in expected.items():
-        assert torch.equal(got[name], value), name
+    _loads_as_its_float_model(fp8, dequantized)
 
 
 def test_an_fp8_vlms_image_prompts_get_generates_tokens(channel_vlm):
     fp8, dequantized = channel_vlm
     loaded = load_causal_lm(fp8, dtype="fp32", device="cpu")
-    first = (prompt_of(loaded, chat("Describe the picture.")), (image_of(1),))
-    other = (prompt_of(loaded, chat("What colour is it?")), (image_of(2, (40, 56)),))
-    results, engine = asyncio.run(serve(loaded, config(), [first, other]))
+    prompts = _prompts(loaded)
+    results, engine = asyncio.run(serve(loaded, config(), prompts))
     assert engine.runner.path == "fast"
-    assert same(results, [reference(dequantized, *r) for r in (first, other)])
+    assert same(results, [reference(dequantized, *r) for r in prompts])
 
 
 def _generate(loaded: Any, prompt: str, images: tuple[Any, ...]) -> list[int]:
@@ -180,7 +190,7 @@ def test_an_fp8_vlm_on_fp8_products_gives_transformers_tokens_over_the_same_laye
         if LANGUAGE_LINEAR.search(f"{name}.weight"):
             kinds["vision" in name or "visual" in name].add(type(module).__name__)
     assert kinds[False] == {"Fp8Linear"} and kinds[True] <= {"Linear"}
-    first = (prompt_of(loaded, chat("Describe the picture.")), (image_of(1),))
+    first = _prompts(loaded, 1)[0]
     want = _generate(loaded, *first)
     results, engine = asyncio.run(serve(loaded, config(), [first]))
     assert engine.runner.path == "fast" and same(results, [want])
@@ -196,9 +206,7 @@ def test_an_awq_vlm_gives_generates_tokens_over_its_de_quantized_weights(tmp_pat
     float_dir = build_tiny_vlm_dir("qwen2_vl", tmp_path / "float")
     model = AutoModelForImageTextToText.from_pretrained(float_dir, dtype=torch.float32)
     written = write_quantized(model, tmp_path / "awq", "awq", group=32)
-    for file in float_dir.iterdir():  # the processor's files
-        if file.suffix != ".safetensors" and file.name not in ("config.json", "model.safetensors.index.json"):
-            shutil.copy(file, tmp_path / "awq" / file.name)
+    _processor_files(float_dir, tmp_path / "awq")
     loaded = load_causal_lm(tmp_path / "awq", dtype="fp32", device="cpu")
     layers = {n: m for n, m in loaded.model.named_modules() if n in written}
     assert len(layers) == len(written) > 14  # (the vision tower's linears too)
@@ -209,10 +217,8 @@ def test_an_awq_vlm_gives_generates_tokens_over_its_de_quantized_weights(tmp_pat
             weight = module.dequantized() if isinstance(module, Int4Linear) else module.weight
             model.get_submodule(name).weight.copy_(weight)
     model.save_pretrained(tmp_path / "dequantized")
-    for file in float_dir.iterdir():
-        if file.suffix != ".safetensors" and file.name not in ("config.json", "model.safetensors.index.json"):
-            shutil.copy(file, tmp_path / "dequantized" / file.name)
-    first = (prompt_of(loaded, chat("Describe the picture.")), (image_of(1),))
+    _processor_files(float_dir, tmp_path / "dequantized")
+    first = _prompts(loaded, 1)[0]
     results, engine = asyncio.run(serve(loaded, config(), [first]))
     assert engine.runner.path == "fast"
     assert same(results, [reference(tmp_path / "dequantized", *first)])
