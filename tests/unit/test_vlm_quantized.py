@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from helpers.tiny_vlm import build_tiny_vlm_dir
-from helpers.vlm_serving import TOKENS, chat, config, image_of, prompt_of, reference, same, serve
+from helpers.vlm_serving import chat, config, image_of, prompt_of, reference, same, serve
 from lmiserve.engine.model.fp8_ops import quantize_fp8
 from lmiserve.models.errors import ModelLoadError
 from lmiserve.models.load import load_causal_lm
@@ -142,7 +142,7 @@ def _fp8_channel_copy(float_dir: Path, out: Path, dequantize: bool) -> int:
     return len(names)
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "llava"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "llava", "qwen3_vl", "gemma3"])
 def channel_vlm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp(f"vlm-fp8-channel-{request.param}")
     float_dir = build_tiny_vlm_dir(request.param, root / "float")
@@ -154,7 +154,8 @@ def channel_vlm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
 def test_an_fp8_vlm_under_its_published_names_loads_with_every_weight_its_values_times_their_scales(channel_vlm):
     fp8, dequantized = channel_vlm
     stored = load_file(fp8 / "model.safetensors")
-    assert not any(n.startswith("model.language_model.") for n in stored)  # (published names: renamed at load)
+    renamed = any(n.startswith("model.language_model.") for n in stored) == ("qwen3_vl" in str(fp8))
+    assert renamed  # (Qwen3-VL publishes the model's own names; the others names transformers renames at load)
     _loads_as_its_float_model(fp8, dequantized)
 
 
@@ -167,19 +168,29 @@ def test_an_fp8_vlms_image_prompts_get_generates_tokens(channel_vlm):
     assert same(results, [reference(dequantized, *r) for r in prompts])
 
 
-def _generate(loaded: Any, prompt: str, images: tuple[Any, ...]) -> list[int]:
-    """transformers' greedy `generate()` over `loaded`'s own model (its quantized layers) and processor."""
+def _greedy_gaps(loaded: Any, prompt: str, images: tuple[Any, ...], got: list[int]) -> list[float]:
+    """For each token the engine chose, how far below the best logit transformers' forward over `loaded`'s own
+    layers puts it (teacher-forced on the engine's tokens, as a share of the step's logit range): 0 where the engine
+    took transformers' greedy token, a rounding's worth where bf16 and fp8 activations break a near tie otherwise."""
     inputs = loaded.processor(text=[prompt], images=[[im.pixels for im in images]], return_tensors="pt")
-    inputs = inputs.to(loaded.device)
+    length, tail = inputs["input_ids"].shape[1], torch.tensor([got])
+    for key, value in list(inputs.items()):  # the prompt's per-token tensors run on over the tokens got
+        if torch.is_tensor(value) and tuple(value.shape) == (1, length):
+            more = tail if key == "input_ids" else torch.full_like(tail, int(key == "attention_mask"))
+            inputs[key] = torch.cat([value, more.to(value.dtype)], 1)
     with torch.inference_mode():
-        out = loaded.model.generate(**inputs, max_new_tokens=TOKENS, do_sample=False, min_new_tokens=0)
-    return [int(t) for t in out[0, inputs["input_ids"].shape[1] :]]
+        logits = loaded.model(**inputs).logits[0, length - 1 : -1].float()
+    chosen = logits.gather(1, tail.t())[:, 0]
+    best = logits.max(-1).values
+    return ((best - chosen) / (best - logits.min(-1).values)).tolist()
 
 
 def test_an_fp8_vlm_on_fp8_products_gives_transformers_tokens_over_the_same_layers(channel_vlm, monkeypatch):
     """Where the GPU multiplies fp8 (Hopper: here torch's CPU `_scaled_mm`, the activations in fp8 per row), the
-    language model's linears are `Fp8Linear`s, fused by the fast forward, and the engine's tokens are
-    transformers' over the same layers."""
+    language model's linears are `Fp8Linear`s, fused by the fast forward, and each token the engine chooses is
+    transformers' greedy one over the same layers, or within a rounding's worth of it (`_greedy_gaps`: Qwen3-VL's
+    fifth token is a near tie, 0.14 below the best of a 9.0 range, that bf16 and fp8 activations rounded apart
+    break the other way)."""
     from lmiserve.engine.model import quant_formats
 
     fp8, _ = channel_vlm
@@ -190,10 +201,12 @@ def test_an_fp8_vlm_on_fp8_products_gives_transformers_tokens_over_the_same_laye
         if LANGUAGE_LINEAR.search(f"{name}.weight"):
             kinds["vision" in name or "visual" in name].add(type(module).__name__)
     assert kinds[False] == {"Fp8Linear"} and kinds[True] <= {"Linear"}
-    first = _prompts(loaded, 1)[0]
-    want = _generate(loaded, *first)
-    results, engine = asyncio.run(serve(loaded, config(), [first]))
-    assert engine.runner.path == "fast" and same(results, [want])
+    prompts = _prompts(loaded)
+    results, engine = asyncio.run(serve(loaded, config(), prompts))
+    assert engine.runner.path == "fast"
+    for (prompt, images), (got, _) in zip(prompts, results, strict=True):
+        gaps = _greedy_gaps(loaded, prompt, images, got)
+        assert max(gaps) <= 0.02, gaps
 
 
 def test_an_awq_vlm_gives_generates_tokens_over_its_de_quantized_weights(tmp_path):
