@@ -183,7 +183,7 @@ class SafetensorsFiles(contextlib.ExitStack):
     def __init__(self, stored: dict[str, Path], names: dict[str, str] | None = None) -> None:
         super().__init__()
         self.stored = stored
-        self.names = names or {}  # a tensor's name in `stored` -> its name in its file, where they differ
+        self.names = names or {}  # a tensor's name in `stored` -> its name in its file (absent: the same)
         self.handles: dict[Path, Any] = {}
 
     def tensor(self, name: str) -> torch.Tensor:

@@ -47,7 +47,6 @@ from typing import Any
 
 import torch
 
-from lmiserve.engine.model.checkpoint_names import renamer
 from lmiserve.engine.model.fp8_ops import per_tensor_at_load
 from lmiserve.engine.model.int4_triton import Int4TritonLinear
 from lmiserve.engine.model.int8_weights import Int8WeightLinear
@@ -65,7 +64,7 @@ from lmiserve.engine.model.quant_formats import (
     weights_kept_for,
 )
 from lmiserve.engine.model.quantize import Int4Linear, Int8Linear, replace_linears
-from lmiserve.engine.model.shard_checkpoint import stacked_experts
+from lmiserve.engine.model.shard_checkpoint import model_names, stacked_experts
 from lmiserve.engine.model.shard_quantized import dequantizing_reader
 from lmiserve.engine.model.sharding import experts_layout
 from lmiserve.models.attention_choice import sdpa_or_default
@@ -148,9 +147,9 @@ def load_quantized(
     """The model of the quantized checkpoint `path` computing in `dtype` on `device` and an account of
     its linears: the architecture of `auto_class` (default: causal LMs; a vision-language model's) on the meta
     device, each linear the checkpoint stores quantized made from its tensors (`quant_formats`; a VLM's tensors
-    found by the names transformers gives them, `_by_model_names`), the other tensors read as they are; or, for the
-    formats de-quantized at load by transformers (MXFP4 experts, a vision-language model's block-wise fp8),
-    transformers' `auto_class`."""
+    found by the names transformers gives them, `shard_checkpoint.model_names`), the other tensors read as they
+    are; or, for the formats de-quantized at load by transformers (MXFP4 experts, a vision-language model's
+    block-wise fp8), transformers' `auto_class`."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
@@ -175,7 +174,8 @@ def load_quantized(
         model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
     model.config.name_or_path = str(path)
     kinds: Counter[str] = Counter()
-    stored, file_names = _by_model_names(model, stored)
+    file_names = model_names(model, stored)  # (a VLM's published names are not its modules': transformers renames)
+    stored = {name: stored[stored_name] for name, stored_name in file_names.items()}
     with SafetensorsFiles(stored, file_names) as files:
         targets = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
         keep = weights_kept_for(model, device, path.name, spec.method, spec.blocks is not None)
@@ -197,16 +197,6 @@ def load_quantized(
         raise ModelLoadError(f"{path.name}: {', '.join(left[:5])} left without values")
     account = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
     return model, f"{spec.method} checkpoint ({spec.source}): {account}"
-
-
-def _by_model_names(model: torch.nn.Module, stored: dict[str, Path]) -> tuple[dict[str, Path], dict[str, str]]:
-    """The checkpoint's tensors (name -> file) by the names `model` gives them (transformers' renamings of a published
-    format: a Qwen2.5-VL's ``model.layers.`` are its ``model.language_model.layers.``, `checkpoint_names`), and each
-    such name's name in its file where the two differ."""
-    rename = renamer(model)
-    file_names = {rename(name): name for name in stored}
-    by_model = {name: stored[stored_name] for name, stored_name in file_names.items()}
-    return by_model, {name: stored_name for name, stored_name in file_names.items() if name != stored_name}
 
 
 def _fill_experts(
