@@ -64,9 +64,11 @@ def thinking_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def endless_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with an ENDLESS_CONTEXT (2**20) token context: a request for (almost) all of it runs
-    for many minutes (the tiny model decodes ~1000 tokens/s on 2 cores), so it holds its batch slot until
-    its client goes away. A server must allow such requests: ``max_new_tokens_limit=ENDLESS_CONTEXT``."""
+    """The tiny model with an ENDLESS_CONTEXT (2**20) token context: a request for (almost) all of it that
+    ignores EOS (``ignore_eos_token`` / ``ignore_eos``) runs for many minutes (the tiny model decodes ~1000
+    tokens/s on 2 cores), so it holds its batch slot until its client goes away. Without that, a sampled
+    request may end at any step on the tiny model's EOS. A server must allow such requests:
+    ``max_new_tokens_limit=ENDLESS_CONTEXT``."""
     return with_context(tiny_model_dir, tmp_path_factory.mktemp("endless") / "tiny-endless", ENDLESS_CONTEXT)
 
 
