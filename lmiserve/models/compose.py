@@ -219,17 +219,10 @@ def build_tensor_parallel_engine(loaded: LoadedModel, settings: Settings, degree
 
 def _refuse_for_a_vlm(spec: WorkerSpec) -> None:
     """What tensor parallelism does not serve with a vision-language model, refused in one line (ValueError)."""
-    quant = spec.quantization
     if spec.draft is not None:
         raise ValueError(
             "speculative decoding with a draft model is not served with a vision-language model (prompt lookup, "
             "method ngram, is)"
-        )
-    if quant is not None and not quant.dequantized:
-        raise ValueError(
-            f"quantize {quant.method} is not supported for vision-language models over tensor parallelism yet (their "
-            "block-wise fp8 checkpoints are; on one device their fp8, AWQ, GPTQ and compressed-tensors checkpoints "
-            "are)"
         )
 
 

@@ -138,11 +138,6 @@ def load_causal_lm(
     quant_summary = None
     try:
         config = AutoConfig.from_pretrained(path, **common)
-        if quant is not None and is_vision_config(config) and quant.source in ("dynamic", "dummy"):
-            raise ModelLoadError(
-                f"quantize={quant.method} at load is not supported for vision-language models yet (their quantized "
-                "checkpoints are)"
-            )
         auto_class, tokenizer, processor = _model_class(path, config, common)
         # int8: quantized from fp32 weights (the scales are then exact), the rest cast to bf16 after
         load_dtype = torch.float32 if int8 else torch_dtype

@@ -50,6 +50,7 @@ import torch
 from lmiserve.engine.model.fp8_ops import per_tensor_at_load
 from lmiserve.engine.model.int4_triton import Int4TritonLinear
 from lmiserve.engine.model.int8_weights import Int8WeightLinear
+from lmiserve.engine.model.language_model import text_part
 from lmiserve.engine.model.packed_codes import stored_int_parts
 from lmiserve.engine.model.quant_formats import (
     MODELOPT,
@@ -324,8 +325,8 @@ def quantize_at_load(model: torch.nn.Module, spec: QuantSpec, dtype: torch.dtype
 
 
 def quantize_fp8_dynamic(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> str:
-    """`quantize=fp8` on a float model: every linear but the output projection quantized to fp8, per tensor
-    on a GPU with fp8 products, else per output channel (`fp8_ops.per_tensor_at_load`;
+    """`quantize=fp8` on a float model: every linear but the output projection (of a VLM: its decoder's) quantized
+    to fp8, per tensor on a GPU with fp8 products, else per output channel (`fp8_ops.per_tensor_at_load`;
     `quant_formats.quantize_fp8`), then `fp8_module` (fp8 products where the device has them, else
     de-quantized once into `dtype`). An account of what was done."""
 
@@ -359,7 +360,8 @@ def quantize_int4_dummy(model: torch.nn.Module, spec: QuantSpec, dtype: torch.dt
 
 
 def _made_at_load(model: torch.nn.Module, make: Callable[[torch.nn.Linear], torch.nn.Module]) -> str:
-    """Every linear of `model` but the output projection replaced by `make`'s layer; how many of each kind."""
+    """Every linear of `model` but the output projection (of a VLM: of its decoder, `text_part`) replaced by `make`'s
+    layer; how many of each kind."""
     kinds: Counter[str] = Counter()
 
     def counted(linear: torch.nn.Linear) -> torch.nn.Module:
@@ -367,5 +369,7 @@ def _made_at_load(model: torch.nn.Module, make: Callable[[torch.nn.Linear], torc
         kinds[_kind_name(made)] += 1
         return made
 
-    replace_linears(model, lambda m: True, counted)
-    return ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
+    part = text_part(model)
+    replace_linears(part, lambda m: True, counted)
+    account = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
+    return account if part is model else f"{account} (the decoder's; the vision tower and projector kept as loaded)"

@@ -3,10 +3,11 @@ its vision tower whole on both, read from its checkpoint as published (LLaVA's a
 ``language_model.model.layers.``, the Qwen VLs' ``model.layers.``); the greedy tokens of image prompts, beside a text
 prompt, in chunks of 8 (a chunk boundary inside an image), are transformers' `generate()`'s. A preempted M-RoPE
 request recomputes on lmiserve's forward, its chunk running past its prompt; an adapter of the decoder gives the
-tokens of the model it merges into; `load_format=dummy` and a block-wise fp8 checkpoint give one process's tokens; a
-real `lmiserve serve` of two ranks (with and without `engine_process`) answers the OpenAI client's image chat as
-`generate()` does. Speculative decoding and quantized formats other than block-wise fp8 with a VLM over tensor
-parallelism are refused before any worker starts, in one line."""
+tokens of the model it merges into; `load_format=dummy`, ``quantize=fp8`` at load and the quantized checkpoints
+(fp8 by blocks and by channel, AWQ, GPTQ, compressed-tensors' integers) give one process's tokens; a real `lmiserve
+serve` of two ranks (with and without `engine_process`) answers the OpenAI client's image chat as `generate()` does.
+Speculative decoding with a draft model and a VLM over tensor parallelism is refused before any worker starts, in one
+line."""
 
 from __future__ import annotations
 
@@ -79,20 +80,11 @@ def test_a_preempted_mrope_request_recomputes_over_two_ranks(tiny_vlm_dir):
     assert same(results, [reference(path, *r, tokens=24) for r in requests])
 
 
-@pytest.mark.parametrize(
-    ("options", "message"),
-    [
-        (
-            {"speculative_config": '{"method": "draft_model", "num_speculative_tokens": 3, "dtype": "int8"}'},
-            "speculative decoding with a draft model is not served with a vision-language model",
-        ),
-        ({"quantize": "fp8"}, "quantize fp8 is not supported for vision-language models over tensor parallelism yet"),
-    ],
-    ids=["speculative", "quantize"],
-)
-def test_what_a_vlm_over_tensor_parallelism_refuses(tiny_vlm_dir, options, message):
+def test_a_draft_model_with_a_vlm_over_tensor_parallelism_is_refused_in_one_line(tiny_vlm_dir):
+    spec = '{"method": "draft_model", "num_speculative_tokens": 3, "dtype": "int8"}'
+    message = "speculative decoding with a draft model is not served with a vision-language model"
     with pytest.raises(ValueError, match=message) as refused:
-        _engine(tiny_vlm_dir("qwen2_5_vl"), **options)
+        _engine(tiny_vlm_dir("qwen2_5_vl"), speculative_config=spec)
     assert "\n" not in str(refused.value)
 
 
@@ -143,31 +135,37 @@ def test_a_dummy_vlm_over_two_ranks_gives_one_processs_tokens(tiny_vlm_dir):
     assert [tokens for tokens, _ in split] == [tokens for tokens, _ in alone]
 
 
-def test_a_block_wise_fp8_vlm_over_two_ranks_gives_one_processs_tokens(tmp_path):
-    """A Qwen3-VL written as its ``-FP8`` releases are (the decoder's projections fp8, a scale a block; the vision
-    tower float): each rank reads its slices of the decoder's fp8 weights, de-quantized by the blocks they cover, and
-    the vision tower whole; the tokens of an image prompt are one process's from the same checkpoint."""
-    import shutil
-
-    import torch
-    from transformers import AutoModelForImageTextToText
-
+@pytest.mark.parametrize(
+    ("family", "fmt"),
+    [
+        ("qwen3_vl", "fp8-block"),
+        ("qwen2_5_vl", "quantize=fp8"),
+        ("llava", "fp8-channel"),
+        ("qwen2_5_vl", "awq"),
+        ("gemma3", "gptq"),
+        ("qwen2_vl", "w4a16-asym"),
+        ("qwen2_5_vl", "w8a8"),
+    ],
+)
+def test_a_quantized_vlm_over_two_ranks_gives_one_processs_tokens(tmp_path, family, fmt):
+    """A VLM quantized as its published checkpoints are: Qwen3-VL's ``-FP8`` releases (the decoder's projections fp8, a
+    scale a block; the vision tower float), ``quantize=fp8`` at load (the decoder's linears), compressed-tensors'
+    FP8-dynamic under the published names (the decoder fp8 per channel, the vision tower float), AWQ, GPTQ and
+    compressed-tensors' integers (every linear but the head, the vision tower's too: Qwen2.5-VL's has MLPs named as the
+    decoder's). Each rank reads its slices of the decoder's quantized linears and the vision tower's whole, as one
+    process makes them; the tokens of an image prompt are one process's from the same checkpoint."""
     from helpers.tiny_vlm import build_tiny_vlm_dir
+    from helpers.vlm_checkpoints import quantized_vlm
     from helpers.vlm_serving import config
     from lmiserve.models.load import load_causal_lm
-    from lmiserve.models.quant_pack import write_quantized
 
-    float_dir = build_tiny_vlm_dir("qwen3_vl", tmp_path / "float")
-    model = AutoModelForImageTextToText.from_pretrained(float_dir, dtype=torch.float32)
-    fp8 = tmp_path / "fp8"
-    assert write_quantized(model, fp8, "fp8-block", group=16)
-    for file in float_dir.iterdir():  # the processor's files
-        if file.suffix != ".safetensors" and file.name not in ("config.json", "model.safetensors.index.json"):
-            shutil.copy(file, fp8 / file.name)
-    loaded = load_causal_lm(fp8, dtype="fp32", device="cpu")
+    float_dir = build_tiny_vlm_dir(family, tmp_path / "float")
+    options = {"quantize": "fp8"} if fmt == "quantize=fp8" else {}
+    path = float_dir if options else quantized_vlm(float_dir, tmp_path / fmt, fmt)
+    loaded = load_causal_lm(path, dtype="fp32", device="cpu", **options)
     requests = [(prompt_of(loaded, chat("Describe the picture.")), (image_of(4),))]
     alone, _ = asyncio.run(serve(loaded, config(), requests))
-    split, _ = asyncio.run(serve(loaded, None, requests, engine=_engine(fp8)))  # type: ignore[arg-type]
+    split, _ = asyncio.run(serve(loaded, None, requests, engine=_engine(path, **options)))  # type: ignore[arg-type]
     assert [tokens for tokens, _ in split] == [tokens for tokens, _ in alone]
 
 

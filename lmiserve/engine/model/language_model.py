@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["LanguageModel", "language_model"]
+__all__ = ["LanguageModel", "language_model", "text_part"]
 
 _VIEWS: weakref.WeakKeyDictionary[torch.nn.Module, LanguageModel] = weakref.WeakKeyDictionary()
 
@@ -73,3 +73,15 @@ def language_model(vlm: torch.nn.Module) -> LanguageModel | None:
         return None
     view = _VIEWS[vlm] = LanguageModel(decoder, head, get_text_config(), vlm, path)
     return view
+
+
+def text_part(model: torch.nn.Module) -> torch.nn.Module:
+    """What a quantization made at load (``quantize=fp8``, a dummy model's 4-bit codes) replaces the linears of: a
+    vision-language model's decoder, its vision tower and projector kept float (as the quantized VLMs published keep
+    them: they run once a image, and their shapes need not suit fp8's or 4-bit codes' kernels); else `model`."""
+    if getattr(getattr(model, "config", None), "vision_config", None) is None:
+        return model
+    view = language_model(model)
+    if view is None:
+        raise ValueError(f"the decoder of this vision-language model ({model.config.model_type}) is not found")
+    return view.model

@@ -153,8 +153,9 @@ def _quantized_linears(
 ) -> set[str]:
     """Each linear of `model`'s layers that the checkpoint stores quantized (fp8 with a ``weight_scale``, AWQ,
     GPTQ or compressed-tensors' integer codes; block-wise fp8 where the rank keeps it, `weights_kept_for`) replaced
-    by the rank's layer of it (`shard_quantized.shard_linear`); their names. `split`: the prefixes of the modules
-    tensor parallelism splits (`_split_prefixes`)."""
+    by the rank's layer of it (`shard_quantized.shard_linear`), and each linear outside `split` (the prefixes of the
+    modules tensor parallelism splits, `_split_prefixes`: a VLM's vision tower and projector are not) by the whole
+    layer; their names."""
     if quant is None or quant.method not in ("fp8", "awq", "gptq", "int8"):
         return set()
     key = quant.codes_key
@@ -164,11 +165,12 @@ def _quantized_linears(
         return set()  # block-wise fp8 de-quantized at load: read as float (`dequantizing_reader`)
     made = set()
     for name, module in list(model.named_modules()):
-        if type(module) is not torch.nn.Linear or ".layers." not in name or f"{name}.{key}" not in files:
+        if type(module) is not torch.nn.Linear or f"{name}.{key}" not in files:
             continue
-        if not name.startswith(split):
+        whole = not f"{name}.".startswith(split)
+        if not whole and ".layers." not in name:
             continue
-        layer = shard_linear(name, files, read, plan, quant, module.weight.dtype, device, keep)
+        layer = shard_linear(name, files, read, None if whole else plan, quant, module.weight.dtype, device, keep)
         if layer is None:
             continue
         shape, rank_shape = (getattr(layer, "out_features", -1), getattr(layer, "in_features", -1)), module.weight.shape

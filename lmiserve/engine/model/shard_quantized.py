@@ -43,6 +43,7 @@ from lmiserve.engine.model.quant_formats import (
     unpack_gptq,
     weights_kept_for,
 )
+from lmiserve.engine.model.language_model import text_part
 from lmiserve.engine.model.quantize import replace_linears
 from lmiserve.engine.model.sharding import ROW_PARALLEL, ShardPlan, column_run, keep_runs, row_runs, shard_of
 
@@ -132,29 +133,27 @@ def shard_linear(
     name: str,
     names: Mapping[str, Any],
     read: Read,
-    plan: ShardPlan,
+    plan: ShardPlan | None,
     quant: QuantSpec,
     dtype: torch.dtype,
     device: torch.device,
     keep: bool | None = None,
 ) -> torch.nn.Module | None:
     """The rank's layer of linear `name` from the checkpoint's quantized tensors of it (`names`: the checkpoint's
-    tensors; `read`: one's slice), cut as `sharding` cuts a float linear; None when the checkpoint stores it float
-    or in a format that is read as float (block-wise fp8: `dequantizing_reader`). `keep`: `weights_kept_for`'s."""
+    tensors; `read`: one's slice), cut as `sharding` cuts a float linear, or whole where `plan` is None (a module
+    every rank keeps whole: a VLM's vision tower); None when the checkpoint stores it float or in a format that is
+    read as float (block-wise fp8: `dequantizing_reader`; a whole one always). `keep`: `weights_kept_for`'s."""
     if quant.method == "fp8" and quant.blocks:
-        return _block_fp8_shard(name, names, read, plan, quant, dtype, device, keep)
+        return None if plan is None else _block_fp8_shard(name, names, read, plan, quant, dtype, device, keep)
     short = name.rpartition(".")[2]
     if quant.method != "fp8":  # integer codes: read whole, unpacked, then cut
         parts = _int4_parts(name, names, read, quant)
-        rows = row_runs(plan, short, parts.codes.shape[0])
-        columns = column_run(plan, short, parts.codes.shape[1]) if rows is None and short in ROW_PARALLEL else None
+        rows, columns = _cut_of(plan, short, tuple(parts.codes.shape))
         bias = _bias(read(f"{name}.bias") if f"{name}.bias" in names else None, rows, short, plan)
         return int4_module(_cut_int4(parts, rows, columns), bias, dtype, device, keep)
     weight = read(f"{name}.weight")
-    rows, columns = row_runs(plan, short, weight.get_shape()[0]), None
+    rows, columns = _cut_of(plan, short, tuple(weight.get_shape()))
     bias = _bias(read(f"{name}.bias") if f"{name}.bias" in names else None, rows, short, plan)
-    if rows is None and short in ROW_PARALLEL:
-        columns = column_run(plan, short, weight.get_shape()[1])
     scale = torch.as_tensor(read(f"{name}.weight_scale")[...])
     if rows is not None:
         weight = keep_runs(weight, rows)
@@ -217,10 +216,20 @@ def _block_fp8_shard(
     return fp8_module(torch.as_tensor(weight[:, columns]).contiguous(), scales, bias, dtype, device, keep)
 
 
-def _bias(bias: Any, rows: list[slice] | None, short: str, plan: ShardPlan) -> torch.Tensor | None:
+def _cut_of(plan: ShardPlan | None, short: str, shape: tuple[int, ...]) -> tuple[list[slice] | None, slice | None]:
+    """The rows (column-parallel) or input columns (row-parallel) the rank keeps of a linear named `short` whose
+    weight is ``[out, in]`` `shape`; neither for one kept whole (`plan` None, or a linear tensor parallelism does not
+    cut)."""
+    rows = None if plan is None else row_runs(plan, short, shape[0])
+    if plan is None or rows is not None or short not in ROW_PARALLEL:
+        return rows, None
+    return None, column_run(plan, short, shape[1])
+
+
+def _bias(bias: Any, rows: list[slice] | None, short: str, plan: ShardPlan | None) -> torch.Tensor | None:
     """The rank's part of a linear's bias: its rows' (column-parallel), whole on rank 0 alone (row-parallel: the
-    ranks' partial products are summed), or whole."""
-    if bias is None or (short in ROW_PARALLEL and rows is None and plan.rank != 0):
+    ranks' partial products are summed), or whole (`plan` None: a linear every rank keeps whole)."""
+    if bias is None or (plan is not None and short in ROW_PARALLEL and rows is None and plan.rank != 0):
         return None
     return keep_runs(bias, rows) if rows is not None else torch.as_tensor(bias[...])
 
@@ -252,8 +261,8 @@ def _cut_int4(parts: Int4Parts, rows: list[slice] | None, columns: slice | None)
 
 
 def quantize_fp8_shard(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> int:
-    """``quantize=fp8`` on a rank's float shard (cut by `shard_model`): every linear but the output projection
-    quantized to fp8 per output channel (`quantize_fp8`) and made by `fp8_module`, a row-parallel linear's scale of
+    """``quantize=fp8`` on a rank's float shard (cut by `shard_model`): every linear but the output projection (of a
+    VLM: of its decoder, `text_part`) quantized to fp8 per output channel (`quantize_fp8`) and made by `fp8_module`, a row-parallel linear's scale of
     a row that of the whole row (the ranks' maxima all-reduced), as one process quantizes it; per tensor where
     `per_tensor_at_load` says, every linear's one scale that of the whole weight (the ranks' maxima all-reduced).
     How many."""
@@ -275,4 +284,4 @@ def quantize_fp8_shard(model: torch.nn.Module, dtype: torch.dtype, device: torch
         weight, scale = quantize_fp8(linear.weight, amax, per_tensor)
         return fp8_module(weight, scale, linear.bias, dtype, device, keep)
 
-    return replace_linears(model, lambda linear: True, make)
+    return replace_linears(text_part(model), lambda linear: True, make)
