@@ -79,9 +79,10 @@ def text_part(model: torch.nn.Module) -> torch.nn.Module:
     """What a quantization made at load (``quantize=fp8``, a dummy model's 4-bit codes) replaces the linears of: a
     vision-language model's decoder, its vision tower and projector kept float (as the quantized VLMs published keep
     them: they run once a image, and their shapes need not suit fp8's or 4-bit codes' kernels); else `model`."""
-    if getattr(getattr(model, "config", None), "vision_config", None) is None:
+    config: Any = getattr(model, "config", None)
+    if getattr(config, "vision_config", None) is None:
         return model
     view = language_model(model)
     if view is None:
-        raise ValueError(f"the decoder of this vision-language model ({model.config.model_type}) is not found")
+        raise ValueError(f"the decoder of this vision-language model ({config.model_type}) is not found")
     return view.model

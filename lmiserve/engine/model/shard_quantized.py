@@ -31,6 +31,7 @@ import torch
 
 from lmiserve.engine.model import fp8_gemv
 from lmiserve.engine.model.fp8_ops import per_tensor_at_load
+from lmiserve.engine.model.language_model import text_part
 from lmiserve.engine.model.packed_codes import stored_int_parts
 from lmiserve.engine.model.quant_formats import (
     Int4Parts,
@@ -43,7 +44,6 @@ from lmiserve.engine.model.quant_formats import (
     unpack_gptq,
     weights_kept_for,
 )
-from lmiserve.engine.model.language_model import text_part
 from lmiserve.engine.model.quantize import replace_linears
 from lmiserve.engine.model.sharding import ROW_PARALLEL, ShardPlan, column_run, keep_runs, row_runs, shard_of
 
