@@ -262,8 +262,9 @@ def _cut_int4(parts: Int4Parts, rows: list[slice] | None, columns: slice | None)
 
 def quantize_fp8_shard(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> int:
     """``quantize=fp8`` on a rank's float shard (cut by `shard_model`): every linear but the output projection (of a
-    VLM: of its decoder, `text_part`) quantized to fp8 per output channel (`quantize_fp8`) and made by `fp8_module`, a row-parallel linear's scale of
-    a row that of the whole row (the ranks' maxima all-reduced), as one process quantizes it; per tensor where
+    VLM: of its decoder, `text_part`) quantized to fp8 per output channel (`quantize_fp8`) and made by `fp8_module`,
+    a row-parallel linear's scale of a row that of the whole row (the ranks' maxima all-reduced), as one process
+    quantizes it; per tensor where
     `per_tensor_at_load` says, every linear's one scale that of the whole weight (the ranks' maxima all-reduced).
     How many."""
     import torch.distributed as dist
