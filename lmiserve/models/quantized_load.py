@@ -149,14 +149,12 @@ def load_quantized(
     its linears: the architecture of `auto_class` (default: causal LMs; a vision-language model's) on the meta
     device, each linear the checkpoint stores quantized made from its tensors (`quant_formats`; a VLM's tensors
     found by the names transformers gives them, `shard_checkpoint.model_names`), the other tensors read as they
-    are; or, for the formats de-quantized at load by transformers (MXFP4 experts, a vision-language model's
-    block-wise fp8), transformers' `auto_class`."""
+    are; or, for gpt-oss's MXFP4 experts (de-quantized at load by transformers), transformers' `auto_class`."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    if spec.method == "mxfp4" or (spec.dequantized and auto_class not in (None, AutoModelForCausalLM)):
-        causal = AutoModelForCausalLM  # (a block-wise fp8 VLM's but ModelOpt's: transformers de-quantizes it)
-        return _dequantized(path, spec, dtype, trust_remote_code, auto_class or causal)
+    if spec.method == "mxfp4":
+        return _mxfp4_dequantized(path, dtype, trust_remote_code, auto_class or AutoModelForCausalLM)
     stored = safetensors_names(path)
     if stored is None:
         raise ModelLoadError(f"{path.name}: a {spec.method} checkpoint needs its weights as safetensors")
@@ -226,15 +224,13 @@ def _fill_experts(
     return made
 
 
-def _dequantized(
-    path: Path, spec: QuantSpec, dtype: torch.dtype, trust_remote_code: bool, auto_class: Any
-) -> tuple[Any, str]:
-    """The checkpoint's quantized weights dequantized to `dtype` by transformers at load (no kernel of their format,
-    no download): gpt-oss's MXFP4 experts (``Mxfp4Config``; they take about 4x their bytes on disk) or block-wise
-    fp8 (``FineGrainedFP8Config``; 2x). Exact: every value is the format's value times its block's scale."""
-    from transformers import FineGrainedFP8Config, Mxfp4Config  # type: ignore[attr-defined]
+def _mxfp4_dequantized(path: Path, dtype: torch.dtype, trust_remote_code: bool, auto_class: Any) -> tuple[Any, str]:
+    """gpt-oss's MXFP4 experts dequantized to `dtype` by transformers at load (``Mxfp4Config``; no kernel of their
+    format, no download; they take about 4x their bytes on disk). Exact: every value is the format's value times its
+    block's scale."""
+    from transformers import Mxfp4Config  # type: ignore[attr-defined]
 
-    config = Mxfp4Config(dequantize=True) if spec.method == "mxfp4" else FineGrainedFP8Config(dequantize=True)
+    config = Mxfp4Config(dequantize=True)
 
     def make(**sdpa: Any) -> Any:
         common = {"trust_remote_code": trust_remote_code, "local_files_only": True}
@@ -246,10 +242,8 @@ def _dequantized(
         if parameter.is_floating_point() and parameter.dtype != dtype and not keep & set(name.split(".")):
             parameter.data = parameter.data.to(dtype)
     kind = str(dtype).removeprefix("torch.")
-    if spec.method == "mxfp4":
-        experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
-        return model, f"mxfp4 checkpoint: the experts' {experts / 1e9:.2f}B weights dequantized to {kind} at load"
-    return model, f"block-wise fp8 checkpoint (a VLM's): its weights dequantized to {kind} at load by transformers"
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    return model, f"mxfp4 checkpoint: the experts' {experts / 1e9:.2f}B weights dequantized to {kind} at load"
 
 
 def _linear_of(

@@ -225,3 +225,62 @@ def test_a_dummy_vlm_with_awq_codes_serves_its_decoder_on_the_int4_kernel(tmp_pa
     assert engine.runner.path == "fast"
     gaps = _greedy_gaps(loaded, prompt, images, results[0][0])
     assert max(gaps) <= 1e-4, gaps
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_a_block_wise_fp8_vlm_kept_fp8_runs_its_decoder_on_the_triton_kernel(fp8_vlm, monkeypatch, graphs):
+    """Where the VLM in bf16 would not fit (Qwen3-VL-32B-FP8 on a 48 GB L40S: `fp8_gemv.weights_kept_for`), its
+    block-wise fp8 weights stay fp8, read by lmiserve's loader as a causal LM's are: every product of the decoder runs
+    `fp8_gemv`'s weight-only kernel with each block's scale (here under Triton's interpreter on CPU tensors, fp32
+    activations, eager and in the decode graphs), and the image prompts get `generate()`'s tokens over the float model
+    the checkpoint encodes."""
+    import os
+
+    from helpers.decode_graphs import graphs_on_the_test_device
+    from lmiserve.engine.model import fp8_gemv
+    from lmiserve.engine.model.quant_formats import Fp8Linear
+
+    if not fp8_gemv.available() or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py on CPU)")
+    record = graphs_on_the_test_device(monkeypatch) if graphs else None
+    fp8, dequantized, _ = fp8_vlm
+    monkeypatch.setattr(fp8_gemv, "INTERPRETED_ON_CPU", True)
+    monkeypatch.setattr(fp8_gemv, "_chosen", {})
+    one, more = fp8_gemv.Config(False, 1, 256, 128), fp8_gemv.Config(True, 16, 256, 128)  # few programs
+    monkeypatch.setattr(fp8_gemv, "weights_kept_for", lambda model, device, name, blocks=False: True)
+    monkeypatch.setattr(fp8_gemv, "choose", lambda x, *_: one if x.shape[0] == 1 else more)
+    loaded = load_causal_lm(fp8, dtype="fp32", device="cpu")
+    kinds: dict[bool, set[str]] = {True: set(), False: set()}  # vision tower's?: the linears' classes
+    for name, module in loaded.model.named_modules():
+        if LANGUAGE_LINEAR.search(f"{name}.weight"):
+            kinds["visual" in name].add(type(module).__name__)
+    assert kinds[False] == {"Fp8Linear"}, kinds
+    ran: list[int] = []
+    kernel = fp8_gemv.fp8_gemv
+    monkeypatch.setattr(fp8_gemv, "fp8_gemv", lambda x, *rest: ran.append(x.shape[0]) or kernel(x, *rest))
+    prompts = _prompts(loaded)
+    results, engine = asyncio.run(serve(loaded, config(), prompts))
+    assert engine.runner.path == "fast" and 1 in ran and max(ran) > 1  # decode rows and prompts' rows
+    if record is not None:
+        assert record.steps  # decode steps replayed the graphs
+    assert same(results, [reference(dequantized, *r) for r in prompts])
+    assert isinstance(loaded.model.model.language_model.layers[0].mlp.down_proj, Fp8Linear)
+
+
+def test_a_block_wise_fp8_vlm_with_float_experts_is_what_transformers_dequantizes(tmp_path):
+    """A Qwen3-VL mixture of experts, its attention's projections fp8 by blocks and its experts as transformers saves
+    them (fused, float), read by lmiserve's loader: every tensor equals transformers' own de-quantization of the
+    checkpoint (``FineGrainedFP8Config(dequantize=True)``), the experts' too."""
+    from transformers import AutoModelForImageTextToText, FineGrainedFP8Config  # type: ignore[attr-defined]
+
+    from helpers.vlm_checkpoints import quantized_vlm
+
+    fp8 = quantized_vlm(build_tiny_vlm_dir("qwen3_vl_moe", tmp_path / "float"), tmp_path / "fp8", "fp8-block")
+    got = load_causal_lm(fp8, dtype="fp32", device="cpu").model.state_dict()
+    expected = AutoModelForImageTextToText.from_pretrained(
+        fp8, dtype=torch.float32, quantization_config=FineGrainedFP8Config(dequantize=True)
+    ).state_dict()
+    assert got.keys() == expected.keys()
+    assert any(".experts." in name for name in got)
+    for name, value in expected.items():
+        assert torch.equal(got[name], value.float()), name

@@ -132,13 +132,6 @@ class QuantSpec:
     def dynamic(self) -> bool:
         return self.source == "dynamic"
 
-    @property
-    def dequantized(self) -> bool:
-        """Whether transformers can de-quantize the checkpoint at load (MXFP4 experts, block-wise fp8), as a
-        vision-language model's is (`quantized_load`: a causal LM's block-wise fp8 is read by lmiserve). Not
-        ModelOpt's blocks: transformers reads block scales by their other name."""
-        return self.method == "mxfp4" or (self.blocks is not None and self.source != MODELOPT)
-
 
 @dataclass
 class Int4Parts:
