@@ -22,6 +22,7 @@ The output projection (and embeddings, norms) stay float, as the tools leave the
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -98,9 +99,15 @@ def fp8_block_tensors(weight: torch.Tensor, block: int) -> dict[str, torch.Tenso
     return {"weight": q, "weight_scale_inv": scale.contiguous()}
 
 
+# the saved tensors `_write_saved` quantizes: the projections, and Mixtral's experts' matrices (``w1``, ``w2``, ``w3``)
+_QUANTIZED_SAVED = re.compile(r"(_proj|\.experts\.\d+\.w[123])\.weight$")
+
+
 def _write_saved(model: Any, out_dir: Path, fmt: str, block: int) -> dict[str, dict[str, torch.Tensor]]:
     """`model` saved as transformers publishes it (a mixture of experts: each expert's matrices), each
-    ``*_proj.weight`` then quantized to fp8: by blocks of `block` (``fp8-block``), or per channel or tensor."""
+    ``*_proj.weight`` (and Mixtral's experts' ``w1``-``w3``) then quantized: to fp8 by blocks of `block`
+    (``fp8-block``), or per channel or tensor; or to AWQ's or GPTQ's 4-bit codes by groups of `block` inputs (as
+    AutoAWQ and GPTQModel publish a Qwen3-MoE: every expert's matrices too, the router float)."""
     from safetensors.torch import load_file, save_file
 
     model.save_pretrained(out_dir)
@@ -108,11 +115,14 @@ def _write_saved(model: Any, out_dir: Path, fmt: str, block: int) -> dict[str, d
     written: dict[str, dict[str, torch.Tensor]] = {}
     for file in files:
         state = load_file(str(file))
-        for name in [n for n, t in state.items() if n.endswith("_proj.weight") and t.dim() == 2]:
+        for name in [n for n, t in state.items() if _QUANTIZED_SAVED.search(n) and t.dim() == 2]:
             weight = state.pop(name)
-            tensors = (
-                fp8_block_tensors(weight, block) if fmt == "fp8-block" else _fp8_tensors(weight, fmt == "fp8-tensor")
-            )
+            if fmt in ("awq", "gptq"):
+                tensors = _awq_tensors(weight, block) if fmt == "awq" else _gptq_tensors(weight, block, False)
+            elif fmt == "fp8-block":
+                tensors = fp8_block_tensors(weight, block)
+            else:
+                tensors = _fp8_tensors(weight, fmt == "fp8-tensor")
             state.update({f"{name.removesuffix('.weight')}.{k}": v for k, v in tensors.items()})
             written[name.removesuffix(".weight")] = tensors
         save_file(state, str(file), metadata={"format": "pt"})
@@ -172,7 +182,7 @@ def write_quantized(
     if fmt not in FORMATS:
         raise ValueError(f"format {fmt!r}: one of {', '.join(FORMATS)}")
     experts = any(name.endswith(".experts") for name, _ in model.named_modules())
-    if fmt == "fp8-block" or (experts and fmt in ("fp8-channel", "fp8-tensor", "fbgemm-fp8")):
+    if fmt == "fp8-block" or (experts and fmt in ("fp8-channel", "fp8-tensor", "fbgemm-fp8", "awq", "gptq")):
         return _write_saved(model, out_dir, fmt, group)
     head = model.get_output_embeddings()
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}

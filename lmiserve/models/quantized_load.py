@@ -189,7 +189,7 @@ def load_quantized(
             raise ModelLoadError(f"{path.name}: its config says {spec.source}, but no linear has quantized tensors")
         experts = _fill_experts(model, files, stored, spec, path)
         if experts:
-            kinds[f"experts' blocks de-quantized to {str(dtype).removeprefix('torch.')}"] += experts
+            kinds[f"experts modules de-quantized to {str(dtype).removeprefix('torch.')}"] += experts
         files.fill(model)  # embeddings, norms, the output projection and any linear stored float
     left = [name for name, _ in meta_tensors(model)]
     if left:
@@ -202,10 +202,10 @@ def _fill_experts(
     model: torch.nn.Module, files: SafetensorsFiles, stored: dict[str, Path], spec: QuantSpec, path: Path
 ) -> int:
     """A mixture of experts' experts (the merged ``gate_up_proj`` and ``down_proj`` transformers' modules hold) from
-    the checkpoint's matrices of each expert, as compressed-tensors and FBGEMM publish them (fp8 matrices with their
-    scales, or compressed-tensors' 4-bit codes; `stacked_experts`), de-quantized (`dequantizing_reader`: their
-    products are transformers' grouped ones); how many experts modules. Experts stored otherwise (AWQ/GPTQ codes)
-    are refused in one line."""
+    the checkpoint's matrices of each expert, as compressed-tensors, FBGEMM, AutoAWQ and GPTQModel publish them (fp8
+    matrices with their scales, compressed-tensors' integer codes, AWQ's or GPTQ's 4-bit codes; `stacked_experts`),
+    de-quantized (`dequantizing_reader`: their products are transformers' grouped ones); how many experts modules.
+    Experts stored otherwise are refused in one line."""
     read = dequantizing_reader(files.slice, stored, spec)
     made = 0
     for name, module in model.named_modules():
@@ -217,7 +217,7 @@ def _fill_experts(
             if value is None or experts_layout(module)[0] or tuple(value.shape) != tuple(meta.shape):
                 raise ModelLoadError(
                     f"{path.name}: the experts of {name} are not stored as lmiserve reads a {spec.method} mixture of "
-                    "experts (fp8 matrices of each expert, or compressed-tensors' pack-quantized ones)"
+                    "experts (each expert's matrices: fp8, or 4-bit or 8-bit integer codes)"
                 )
             setattr(module, kind, torch.nn.Parameter(value.to(meta.dtype), requires_grad=False))
             made += kind == "down_proj"

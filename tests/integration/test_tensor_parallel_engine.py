@@ -537,6 +537,7 @@ def test_gpt_oss_from_its_mxfp4_checkpoint_over_two_ranks(tmp_path):
 QUANTIZED = {
     "fp8-channel": ("fp8-channel", 128, False, {}),
     "fp8-block-moe": ("fp8-block", 16, False, {}),
+    "awq-moe": ("awq", 16, False, {}),  # a Qwen3-MoE's experts in AWQ's codes too: each rank's slices de-quantized
     "awq": ("awq", 128, False, {}),
     "gptq-desc-act": ("gptq", 64, True, {}),
     "w4a16-asym": ("w4a16-asym", 32, False, {}),  # compressed-tensors' pack-quantized, written by the package

@@ -225,32 +225,57 @@ def test_int4_serves_a_mixture_of_experts_and_says_its_experts_stay_unquantized(
     assert engine.runner.path == "fast" and all(len([e for e in events if e.token]) == 4 for events in results)
 
 
+MATRICES = ("gate_proj", "up_proj", "down_proj")  # each expert's, as Qwen3-MoE publishes them
+
+
 @pytest.mark.parametrize(
     "fmt",
-    ["fp8-block", "fp8-channel", "fp8-tensor", "w4a16", "w4a16-asym", "w8a8", "modelopt-fp8", "modelopt-fp8-channel"],
+    [
+        "fp8-block",
+        "fp8-channel",
+        "fp8-tensor",
+        "w4a16",
+        "w4a16-asym",
+        "w8a8",
+        "modelopt-fp8",
+        "modelopt-fp8-channel",
+        "awq",
+        "gptq",
+        "awq-mixtral",
+    ],
 )
 def test_a_quantized_mixture_of_experts_is_dequantized_and_served(tiny_model, tmp_path, fmt):
     """A Qwen3-MoE checkpoint in fp8, every projection (each expert's matrices too) fp8 with a scale a block
     (Qwen3-30B-A3B-FP8's format), a row or the tensor (compressed-tensors', as llm-compressor publishes Qwen3-MoE and
     Mixtral; or by NVIDIA ModelOpt's export, FP8 and FP8_PER_CHANNEL_PER_TOKEN, each expert's matrices apart), or in
     compressed-tensors' integers (Qwen3-MoE's W4A16, each expert's matrices packed by the
-    compressed-tensors package, or W8A8's int8): loaded with each expert's weights its stored values times their
-    scales (integers: the package's own de-quantization), merged as transformers holds them, and served on the fast forward with
-    `generate()`'s greedy tokens."""
+    compressed-tensors package, or W8A8's int8), or in AWQ's or GPTQ's 4-bit codes (every projection, each expert's
+    matrices too, as AutoAWQ and GPTQModel publish Qwen3-30B-A3B, and an AWQ Mixtral under its names ``w1``-``w3``: the
+    router float): loaded with each expert's weights
+    its stored values times their scales (integers: the package's own de-quantization; AWQ and GPTQ: their published
+    unpacking), merged as transformers holds them, and served on the fast forward with `generate()`'s greedy
+    tokens."""
     from safetensors.torch import load_file
 
     from helpers.compressed_ints import decompressed
     from helpers.modelopt_checkpoints import installed as modelopt_installed
+    from helpers.published_unpacking import ref_awq, ref_gptq
     from helpers.quantizable import write_checkpoint
     from lmiserve.models.load import load_causal_lm
 
     if fmt.startswith("modelopt") and not modelopt_installed():
         pytest.skip("nvidia-modelopt, which writes ModelOpt's checkpoints, is not installed")
-    write_checkpoint(build(*MOE_ARCHS["qwen3_moe"]), tmp_path, fmt, 16)
+    mixtral = fmt.endswith("-mixtral")  # (Mixtral's names: ``block_sparse_moe.experts.{e}.w1``, ``w3``, ``w2``)
+    fmt = fmt.removesuffix("-mixtral")
+    write_checkpoint(build(*MOE_ARCHS["mixtral" if mixtral else "qwen3_moe"]), tmp_path, fmt, 16)
     tiny_model.tokenizer.save_pretrained(tmp_path)
     stored = load_file(tmp_path / "model.safetensors")
+    block, (gate, up, down) = ("block_sparse_moe", ("w1", "w3", "w2")) if mixtral else ("mlp", MATRICES)
 
     def dequantized(name: str) -> torch.Tensor:
+        if fmt in ("awq", "gptq"):
+            t = {k.rpartition(".")[2]: v for k, v in stored.items() if k.startswith(f"{name}.")}
+            return ref_awq(t, 16) if fmt == "awq" else ref_gptq(t)
         if fmt.startswith("w"):
             return decompressed(
                 fmt, 16, {k.rpartition(".")[2]: v for k, v in stored.items() if k.startswith(f"{name}.")}
@@ -264,16 +289,16 @@ def test_a_quantized_mixture_of_experts_is_dequantized_and_served(tiny_model, tm
 
     loaded = load_causal_lm(tmp_path, dtype="fp32", device="cpu")
     experts = loaded.model.model.layers[1].mlp.experts
-    for e in (0, 5):
-        at = f"model.layers.1.mlp.experts.{e}"
-        gate_up = torch.cat([dequantized(f"{at}.gate_proj"), dequantized(f"{at}.up_proj")])
+    for e in (0, experts.gate_up_proj.shape[0] - 1):
+        at = f"model.layers.1.{block}.experts.{e}"
+        gate_up = torch.cat([dequantized(f"{at}.{gate}"), dequantized(f"{at}.{up}")])
         assert torch.equal(experts.gate_up_proj[e], gate_up) and torch.equal(
-            experts.down_proj[e], dequantized(f"{at}.down_proj")
+            experts.down_proj[e], dequantized(f"{at}.{down}")
         )
-    if fmt.startswith("w"):  # the attention's linears integers, the router float (as published)
-        codes = "weight" if fmt == "w8a8" else "weight_packed"
+    if fmt.startswith("w") or fmt in ("awq", "gptq"):  # the attention's linears integers, the router float
+        codes = "qweight" if fmt in ("awq", "gptq") else "weight" if fmt == "w8a8" else "weight_packed"
         assert stored[f"model.layers.1.self_attn.q_proj.{codes}"].dtype in (torch.int8, torch.int32)
-        assert stored["model.layers.1.mlp.gate.weight"].is_floating_point()
+        assert stored[f"model.layers.1.{block}.gate.weight"].is_floating_point()
     loaded = dataclasses.replace(loaded, max_context=256)
     engine, results = asyncio.run(serve_prompts(loaded, EngineConfig(max_prefill_tokens=4), 8))
     assert engine.runner.path == "fast"
@@ -281,9 +306,9 @@ def test_a_quantized_mixture_of_experts_is_dequantized_and_served(tiny_model, tm
         assert [e.token.id for e in events if e.token] == greedy_tokens(loaded, prompt, 8)
 
 
-def test_a_mixture_of_experts_whose_experts_are_4_bit_codes_is_refused_in_one_line(tiny_model, tmp_path):
-    """An AWQ Qwen3-MoE whose experts are 4-bit codes (each expert's ``qweight``): lmiserve reads fp8 experts only,
-    and says so in one line naming the experts module, not a missing tensor's name."""
+def test_a_mixture_of_experts_whose_experts_are_stored_otherwise_is_refused_in_one_line(tiny_model, tmp_path):
+    """A quantized Qwen3-MoE whose experts' matrices are under names lmiserve does not know (``gate_linear`` for
+    ``gate_proj``): the start stops in one line naming the experts module, not a missing tensor's name."""
     from safetensors.torch import load_file, save_file
 
     from lmiserve.models.errors import ModelLoadError
@@ -292,8 +317,8 @@ def test_a_mixture_of_experts_whose_experts_are_4_bit_codes_is_refused_in_one_li
 
     write_quantized(build(*MOE_ARCHS["qwen3_moe"]), tmp_path, "fp8-channel")
     tiny_model.tokenizer.save_pretrained(tmp_path)
-    stored = load_file(tmp_path / "model.safetensors")  # the experts' matrices as codes (their names, AWQ's)
-    save_file({k.replace(".weight", ".qweight") if ".experts." in k else k: v for k, v in stored.items()},
+    stored = load_file(tmp_path / "model.safetensors")  # the experts' matrices under other names
+    save_file({k.replace("_proj.", "_linear.") if ".experts." in k else k: v for k, v in stored.items()},
               tmp_path / "model.safetensors")  # fmt: skip
     with pytest.raises(ModelLoadError, match=r"the experts of model\.layers\.0\.mlp\.experts are not stored as"):
         load_causal_lm(tmp_path, dtype="fp32", device="cpu")

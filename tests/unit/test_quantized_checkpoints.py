@@ -29,6 +29,7 @@ from helpers.compressed_ints import INT4_FORMATS, decompressed
 from helpers.decode_graphs import graphs_on_the_test_device
 from helpers.modelopt_checkpoints import FORMATS as MODELOPT
 from helpers.modelopt_checkpoints import installed as modelopt_installed
+from helpers.published_unpacking import ref_awq, ref_gptq
 from helpers.quantizable import quantizable_llama, write_checkpoint
 from helpers.tiny_model import build_tiny_tokenizer
 from lmiserve.core.request import GenerationRequest, SamplingParams
@@ -99,27 +100,6 @@ def written(request: pytest.FixtureRequest, checkpoints: dict[str, Path]) -> Non
 
 
 # --- the published unpacking, written out as the reference -------------------------------------------------
-
-
-def ref_awq(t: dict[str, torch.Tensor], group: int) -> torch.Tensor:
-    shifts = torch.arange(0, 32, 4)
-    w = (t["qweight"][:, :, None] >> shifts[None, None, :]).view(t["qweight"].shape[0], -1)
-    z = (t["qzeros"][:, :, None] >> shifts[None, None, :]).view(t["qzeros"].shape[0], -1)
-    reverse = torch.arange(w.shape[-1]).view(-1, 8)[:, [0, 4, 1, 5, 2, 6, 3, 7]].view(-1)  # reverse_awq_order
-    w, z = w[:, reverse] & 0xF, z[:, reverse] & 0xF
-    z = z.repeat_interleave(group, dim=0)
-    s = t["scales"].float().repeat_interleave(group, dim=0)
-    return ((w - z).float() * s).t()  # [in, out] -> the linear's [out, in]
-
-
-def ref_gptq(t: dict[str, torch.Tensor]) -> torch.Tensor:
-    wf = torch.arange(0, 32, 4, dtype=torch.int32)
-    zeros = (t["qzeros"][:, :, None] >> wf[None, None, :]) & 0xF
-    zeros = (zeros + 1).reshape(t["scales"].shape)  # v1 checkpoints store zero - 1
-    weight = (t["qweight"][:, None, :] >> wf[None, :, None]) & 0xF
-    weight = weight.reshape(-1, weight.shape[-1])  # [in, out]
-    g = t["g_idx"].long()
-    return (t["scales"].float()[g] * (weight - zeros[g]).float()).t()
 
 
 def ref_fp8(t: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -231,8 +231,8 @@ def stacked_experts(
     for prefix in (owner, _mixtral_name(owner)):
         for parts in EXPERT_PARTS[kind]:
             first = f"{prefix}.0.{parts[0]}"
-            if f"{first}.weight" not in names and f"{first}.weight_packed" not in names:  # (packed: `read` unpacks)
-                continue
+            if not any(f"{first}.{key}" in names for key in ("weight", "weight_packed", "qweight")):
+                continue  # (integer codes: `read` de-quantizes them, `dequantizing_reader`)
             pieces = []
             for name in parts:  # gate's rows of every expert, then up's: as ``gate_up_proj`` holds them
                 each = [read(f"{prefix}.{e}.{name}.weight") for e in range(count)]

@@ -103,16 +103,16 @@ class Dequantized:
 
 def dequantizing_reader(read: Read, names: Mapping[str, Any], quant: QuantSpec | None) -> Read:
     """`read`, but an fp8 checkpoint's weights (those with a ``weight_scale_inv`` or ``weight_scale`` in `names`)
-    read as float through `Fp8Scaled`, and compressed-tensors' integer ones (a ``weight_packed``, or an int8 weight's
-    ``weight_scale``, in `names`: a mixture of experts' matrices, which no linear of lmiserve's holds) de-quantized
-    whole (`Dequantized`)."""
-    if quant is not None and quant.int_codes:
+    read as float through `Fp8Scaled`, and integer ones (AWQ's or GPTQ's ``qweight``, compressed-tensors'
+    ``weight_packed`` or an int8 weight's ``weight_scale``, in `names`: a mixture of experts' matrices, which no linear
+    of lmiserve's holds) de-quantized whole (`Dequantized`)."""
+    if quant is not None and (quant.int_codes or quant.method in ("awq", "gptq")):
 
         def unpacking(name: str) -> Any:
             base, _, kind = name.rpartition(".")
             if kind != "weight" or f"{base}.{quant.codes_key}" not in names:
                 return read(name)
-            return Dequantized(stored_int_parts(base, _whole_reader(base, names, read), quant).dequantize())
+            return Dequantized(_int4_parts(base, names, read, quant).dequantize())
 
         return unpacking
     if quant is None or quant.method != "fp8":
