@@ -46,8 +46,9 @@ def checkpoint_spec(qc: dict[str, Any]) -> QuantSpec:
     if method in ("awq", "gptq"):
         bits = qc.get("bits", qc.get("w_bit"))
         group = int(qc.get("group_size", qc.get("q_group_size", -1)) or -1)
-        if bits != 4:
-            raise ModelLoadError(f"{method} with {bits} bits is not supported: lmiserve reads 4-bit {method}")
+        if bits != 4 and (method, bits) != ("gptq", 8):
+            says = "lmiserve reads 4-bit AWQ, 4- or 8-bit GPTQ"
+            raise ModelLoadError(f"{method} with {bits} bits is not supported: {says}")
         if method == "awq":
             version = str(qc.get("version", "gemm")).lower()
             if version != "gemm" or qc.get("zero_point", True) is False:
@@ -56,7 +57,7 @@ def checkpoint_spec(qc: dict[str, Any]) -> QuantSpec:
         fmt = str(qc.get("checkpoint_format", "gptq")).lower()
         if fmt not in ("gptq", "gptq_v2"):
             raise ModelLoadError(f"gptq checkpoint_format {fmt!r} is not supported: use gptq or gptq_v2")
-        return QuantSpec("gptq", method, group, v1_zeros=fmt == "gptq")
+        return QuantSpec("gptq", method, group, v1_zeros=fmt == "gptq", code_bits=8 if bits == 8 else 4)
     raise ModelLoadError(
         f"quant_method {method or None!r} is not supported: lmiserve reads compressed-tensors (fp8, 4-bit and "
         "8-bit integers), fbgemm_fp8, fp8, modelopt (fp8), awq, gptq and mxfp4"

@@ -33,7 +33,7 @@ from lmiserve.engine.model.quant_formats import AWQ_ORDER, quantize_fp8
 
 __all__ = ["FORMATS", "fp8_block_tensors", "rtn_int4", "write_quantized"]
 
-FORMATS = ("fp8-channel", "fp8-tensor", "fbgemm-fp8", "fp8-block", "awq", "gptq")
+FORMATS = ("fp8-channel", "fp8-tensor", "fbgemm-fp8", "fp8-block", "awq", "gptq", "gptq-int8")
 
 
 def rtn_int4(
@@ -74,6 +74,26 @@ def _gptq_tensors(weight: torch.Tensor, group: int, act_order: bool) -> dict[str
     qweight = pack_nibbles(codes.t().reshape(inputs // 8, 8, -1).permute(0, 2, 1))  # [in / 8, out]
     qzeros = pack_nibbles((zero.t() - 1).reshape(zero.shape[1], -1, 8))  # [groups, out / 8], v1: zero - 1
     return {"qweight": qweight, "qzeros": qzeros, "scales": scale.t().contiguous(), "g_idx": g_idx.to(torch.int32)}
+
+
+def _gptq_int8_tensors(weight: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
+    """GPTQ's symmetric 8-bit codes by groups of `group` inputs (``sym: true``, as Qwen publishes its GPTQ-Int8
+    models): a group's scale its largest magnitude over 127 (codes 1..255), its zero 128 (stored minus one, v1),
+    four codes a word (code k at bits 8k), by inputs in ``qweight`` and by outputs in ``qzeros``."""
+    w = weight.detach().float()
+    out, inputs = w.shape
+    g_idx = torch.arange(inputs) // group
+    scale = (w.abs().reshape(out, -1, group).amax(-1) / 127).clamp(min=1e-6).half()  # [out, groups]
+    codes = (torch.round(w / scale.float()[:, g_idx]) + 128).clamp(0, 255).long()
+    qweight = _bytes_in_words(codes.t().reshape(inputs // 4, 4, out).permute(0, 2, 1))  # [in / 4, out]
+    qzeros = _bytes_in_words(torch.full((scale.shape[1], out // 4, 4), 127, dtype=torch.long))  # [groups, out / 4]
+    return {"qweight": qweight, "qzeros": qzeros, "scales": scale.t().contiguous(), "g_idx": g_idx.to(torch.int32)}
+
+
+def _bytes_in_words(values: torch.Tensor) -> torch.Tensor:
+    """``[..., 4]`` values 0..255 as one int32 word each (value k at bits 8k), two's complement kept."""
+    words = (values.long() << (torch.arange(4) * 8)).sum(-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
 
 def _fp8_tensors(weight: torch.Tensor, per_tensor: bool) -> dict[str, torch.Tensor]:
@@ -117,7 +137,9 @@ def _write_saved(model: Any, out_dir: Path, fmt: str, block: int) -> dict[str, d
         state = load_file(str(file))
         for name in [n for n, t in state.items() if _QUANTIZED_SAVED.search(n) and t.dim() == 2]:
             weight = state.pop(name)
-            if fmt in ("awq", "gptq"):
+            if fmt == "gptq-int8":
+                tensors = _gptq_int8_tensors(weight, block)
+            elif fmt in ("awq", "gptq"):
                 tensors = _awq_tensors(weight, block) if fmt == "awq" else _gptq_tensors(weight, block, False)
             elif fmt == "fp8-block":
                 tensors = fp8_block_tensors(weight, block)
@@ -163,10 +185,10 @@ def _config(fmt: str, group: int, act_order: bool) -> dict[str, object]:
         return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
     return {
         "quant_method": "gptq",
-        "bits": 4,
+        "bits": 8 if fmt == "gptq-int8" else 4,
         "group_size": group,
         "desc_act": act_order,
-        "sym": False,
+        "sym": fmt == "gptq-int8",
         "checkpoint_format": "gptq",
     }
 
@@ -182,7 +204,7 @@ def write_quantized(
     if fmt not in FORMATS:
         raise ValueError(f"format {fmt!r}: one of {', '.join(FORMATS)}")
     experts = any(name.endswith(".experts") for name, _ in model.named_modules())
-    if fmt == "fp8-block" or (experts and fmt in ("fp8-channel", "fp8-tensor", "fbgemm-fp8", "awq", "gptq")):
+    if fmt == "fp8-block" or experts:
         return _write_saved(model, out_dir, fmt, group)
     head = model.get_output_embeddings()
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
@@ -197,6 +219,8 @@ def write_quantized(
             tensors = _fp8_tensors(weight, fmt == "fp8-tensor")
         elif fmt == "awq":
             tensors = _awq_tensors(weight, group)
+        elif fmt == "gptq-int8":
+            tensors = _gptq_int8_tensors(weight, group)
         else:
             tensors = _gptq_tensors(weight, group, act_order)
         state.pop(f"{name}.weight")

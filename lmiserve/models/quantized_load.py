@@ -177,7 +177,7 @@ def load_quantized(
     stored = {name: stored[stored_name] for name, stored_name in file_names.items()}
     with SafetensorsFiles(stored, file_names) as files:
         targets = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
-        keep = weights_kept_for(model, device, path.name, spec.method, spec.blocks is not None)
+        keep = weights_kept_for(model, device, path.name, spec.kernel_family, spec.blocks is not None)
         for name in targets:
             made = _linear_of(files, stored, name, spec, dtype, device, keep)
             if made is None:
@@ -289,7 +289,7 @@ def _linear_of(
     if spec.method == "awq":
         parts = unpack_awq(qweight, qzeros, scales, spec.group_size)
     else:
-        parts = unpack_gptq(qweight, qzeros, scales, get("g_idx"), spec.group_size, spec.v1_zeros)
+        parts = unpack_gptq(qweight, qzeros, scales, get("g_idx"), spec.group_size, spec.v1_zeros, spec.code_bits)
     return int4_module(parts, bias, dtype, device, keep)
 
 

@@ -540,6 +540,7 @@ QUANTIZED = {
     "awq-moe": ("awq", 16, False, {}),  # a Qwen3-MoE's experts in AWQ's codes too: each rank's slices de-quantized
     "awq": ("awq", 128, False, {}),
     "gptq-desc-act": ("gptq", 64, True, {}),
+    "gptq-int8": ("gptq-int8", 64, False, {}),  # 8-bit codes, four a word: a rank's rows or its words' inputs
     "w4a16-asym": ("w4a16-asym", 32, False, {}),  # compressed-tensors' pack-quantized, written by the package
     "w8a8": ("w8a8", 0, False, {}),  # compressed-tensors' int-quantized int8
     "fp8-at-load": ("float", 0, False, {"quantize": "fp8"}),

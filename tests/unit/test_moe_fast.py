@@ -242,6 +242,7 @@ MATRICES = ("gate_proj", "up_proj", "down_proj")  # each expert's, as Qwen3-MoE 
         "awq",
         "gptq",
         "awq-mixtral",
+        "gptq-int8",
     ],
 )
 def test_a_quantized_mixture_of_experts_is_dequantized_and_served(tiny_model, tmp_path, fmt):
@@ -273,7 +274,7 @@ def test_a_quantized_mixture_of_experts_is_dequantized_and_served(tiny_model, tm
     block, (gate, up, down) = ("block_sparse_moe", ("w1", "w3", "w2")) if mixtral else ("mlp", MATRICES)
 
     def dequantized(name: str) -> torch.Tensor:
-        if fmt in ("awq", "gptq"):
+        if fmt in ("awq", "gptq", "gptq-int8"):
             t = {k.rpartition(".")[2]: v for k, v in stored.items() if k.startswith(f"{name}.")}
             return ref_awq(t, 16) if fmt == "awq" else ref_gptq(t)
         if fmt.startswith("w"):
@@ -295,8 +296,8 @@ def test_a_quantized_mixture_of_experts_is_dequantized_and_served(tiny_model, tm
         assert torch.equal(experts.gate_up_proj[e], gate_up) and torch.equal(
             experts.down_proj[e], dequantized(f"{at}.{down}")
         )
-    if fmt.startswith("w") or fmt in ("awq", "gptq"):  # the attention's linears integers, the router float
-        codes = "qweight" if fmt in ("awq", "gptq") else "weight" if fmt == "w8a8" else "weight_packed"
+    if fmt.startswith("w") or fmt in ("awq", "gptq", "gptq-int8"):  # the attention's linears integers, router float
+        codes = "weight" if fmt == "w8a8" else "weight_packed" if fmt.startswith("w") else "qweight"
         assert stored[f"model.layers.1.self_attn.q_proj.{codes}"].dtype in (torch.int8, torch.int32)
         assert stored[f"model.layers.1.{block}.gate.weight"].is_floating_point()
     loaded = dataclasses.replace(loaded, max_context=256)

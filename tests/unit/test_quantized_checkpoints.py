@@ -61,6 +61,7 @@ CASES = {  # id: (quant_pack format, act_order, group)
     "awq-g128": ("awq", False, 128),
     "gptq-g128": ("gptq", False, 128),
     "gptq-g64-desc-act": ("gptq", True, 64),
+    "gptq-int8-g32": ("gptq-int8", False, 32),  # symmetric 8-bit codes (Qwen's GPTQ-Int8 releases; groups of 128)
     "w4a16-g32": ("w4a16", False, 32),  # compressed-tensors pack-quantized (llm-compressor's GPTQ W4A16)
     "w4a16-asym-g64": ("w4a16-asym", False, 64),  # with zero points (llm-compressor's AWQ, W4A16_ASYM)
     "w4a16-channel": ("w4a16", False, -1),  # one scale an output channel
@@ -130,7 +131,7 @@ def reference(case: str, t: dict[str, torch.Tensor]) -> torch.Tensor:
         return ref_fp8_block(t, group)
     if fmt in COMPRESSED_INT4:
         return decompressed(fmt, group, t)
-    return ref_awq(t, group) if fmt == "awq" else ref_gptq(t) if fmt == "gptq" else ref_fp8(t)
+    return ref_awq(t, group) if fmt == "awq" else ref_gptq(t) if fmt.startswith("gptq") else ref_fp8(t)
 
 
 def stored(path: Path) -> dict[str, dict[str, torch.Tensor]]:
@@ -155,7 +156,7 @@ def dequantized_float_model(checkpoint: Path, case: str) -> LlamaForCausalLM:
 # --- the tests -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["awq-g128", "gptq-g128", "gptq-g64-desc-act"])
+@pytest.mark.parametrize("case", ["awq-g128", "gptq-g128", "gptq-g64-desc-act", "gptq-int8-g32"])
 def test_the_packer_round_trips_through_the_published_unpacking(checkpoints: dict[str, Path], case: str) -> None:
     """What quant_pack writes, the reference formulas read as RTN of the float weights (within half a step)."""
     model, _ = tiny_llama()
@@ -171,7 +172,7 @@ def test_the_packer_round_trips_through_the_published_unpacking(checkpoints: dic
         parts = (
             unpack_awq(t["qweight"], t["qzeros"], t["scales"], group)
             if fmt == "awq"
-            else unpack_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], group)
+            else unpack_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], group, bits=8 if "int8" in fmt else 4)
         )
         assert torch.equal(parts.dequantize(), want), name
 
@@ -331,7 +332,7 @@ def test_fp8_linears_on_the_triton_decode_kernel_decode_what_transformers_decode
         assert got == greedy(reference_model, ids, 8), ids
 
 
-@pytest.mark.parametrize("case", ["w8a8", "w8a16-g32"])
+@pytest.mark.parametrize("case", ["w8a8", "w8a16-g32", "gptq-int8-g32"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_int8_codes_kept_on_the_triton_kernel_decode_what_transformers_decodes_dequantized(
     checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch, graphs: bool, case: str
@@ -531,6 +532,17 @@ def test_a_quantize_that_is_not_the_checkpoints_is_refused_in_one_line(
     with pytest.raises(ModelLoadError) as error:
         load_causal_lm(checkpoints[case], device="cpu", quantize=quantize)
     assert says in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(("method", "bits"), [("gptq", 3), ("gptq", 2), ("awq", 8)])
+def test_other_bit_widths_are_refused_in_one_line(method: str, bits: int) -> None:
+    """GPTQ reads 4 and 8 bits (the cases above), AWQ 4: a 3-bit GPTQ or an 8-bit AWQ config stops the start."""
+    from lmiserve.models.quant_config import checkpoint_spec
+
+    with pytest.raises(ModelLoadError) as error:
+        checkpoint_spec({"quant_method": method, "bits": bits, "group_size": 128})
+    assert f"{method} with {bits} bits is not supported" in str(error.value) and "\n" not in str(error.value)
+    assert checkpoint_spec({"quant_method": "gptq", "bits": 8, "group_size": 128}).bits == 8
 
 
 def test_the_matching_quantize_is_honoured_and_int4_dtype_refused(checkpoints: dict[str, Path]) -> None:

@@ -33,6 +33,7 @@ CASES = {  # id: (quant_pack format, act_order, group)
     "awq-g128": ("awq", False, 128),
     "gptq-g64": ("gptq", False, 64),
     "gptq-g64-desc-act": ("gptq", True, 64),
+    "gptq-int8-g64": ("gptq-int8", False, 64),  # symmetric 8-bit codes, four a word (Qwen's GPTQ-Int8)
     "w4a16-asym-g32": ("w4a16-asym", False, 32),  # compressed-tensors' pack-quantized (helpers.compressed_ints)
     "w4a16-channel": ("w4a16", False, -1),
     "w8a8": ("w8a8", False, 0),  # compressed-tensors' int8 (int-quantized, by channel)

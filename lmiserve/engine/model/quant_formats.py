@@ -99,7 +99,8 @@ class QuantSpec:
     from `load_format=dummy`'s random weights, `quantize_int4_dummy`), the 4-bit `group_size`
     (-1: one group per row), whether GPTQ's stored zeros are ``zero - 1`` (`v1_zeros`), whether fp8's scales are
     block-wise (`blocks`: ``weight_block_size``, the rows and inputs of a block), and whether 8-bit integer weights
-    take 8-bit integer activations (`int8_activations`: compressed-tensors' W8A8, `int8_w8a8`)."""
+    take 8-bit integer activations (`int8_activations`: compressed-tensors' W8A8, `int8_w8a8`); GPTQ's `code_bits`
+    (4, or 8: Qwen's GPTQ-Int8 releases)."""
 
     method: str
     source: str
@@ -108,11 +109,17 @@ class QuantSpec:
     blocks: tuple[int, int] | None = None
     packed: bool = False
     int8_activations: bool = False
+    code_bits: int = 4
 
     @property
     def bits(self) -> int:
-        """The integer codes' bits (compressed-tensors' int8 weights: 8; AWQ's, GPTQ's, W4A16's: 4)."""
-        return 8 if self.method == "int8" else 4
+        """The integer codes' bits (compressed-tensors' int8 weights and GPTQ's 8-bit: 8; AWQ's, W4A16's: 4)."""
+        return 8 if self.method == "int8" else self.code_bits
+
+    @property
+    def kernel_family(self) -> str:
+        """The method whose kernels run the codes where a GPU keeps them (`weights_kept_for`): 8-bit codes int8's."""
+        return "int8" if self.bits == 8 else self.method
 
     @property
     def int_codes(self) -> bool:
@@ -178,21 +185,22 @@ def unpack_gptq(
     g_idx: torch.Tensor | None,
     group_size: int,
     v1_zeros: bool = True,
+    bits: int = 4,
 ) -> Int4Parts:
     """GPTQ tensors (`qweight` ``[in / 8, out]``, `qzeros` ``[groups, out / 8]``, `scales` ``[groups, out]``,
-    `g_idx` ``[in]`` or None for ``i // group_size``) as codes ``[out, in]`` and ``[out, groups]`` scales and
-    zeros; `v1_zeros`: the stored zeros are ``zero - 1`` (``checkpoint_format`` ``gptq``)."""
-    codes = unpack_words(qweight).permute(0, 2, 1).reshape(-1, qweight.shape[1])  # [in, out]
-    zeros = unpack_words(qzeros).reshape(qzeros.shape[0], -1)  # [groups, out]
+    `g_idx` ``[in]`` or None for ``i // group_size``; of `bits` 8, 4 codes a word) as codes ``[out, in]`` and
+    ``[out, groups]`` scales and zeros; `v1_zeros`: the stored zeros are ``zero - 1`` (``checkpoint_format``
+    ``gptq``)."""
+    codes = unpack_words(qweight, bits).permute(0, 2, 1).reshape(-1, qweight.shape[1])  # [in, out]
+    zeros = unpack_words(qzeros, bits).reshape(qzeros.shape[0], -1)  # [groups, out]
     if v1_zeros:
-        zeros = zeros + 1  # v1 stores zero - 1; read as AutoGPTQ and vLLM do (nibble + 1: zeros 1..16)
+        zeros = zeros + 1  # v1 stores zero - 1; read as AutoGPTQ and vLLM do (code + 1: zeros 1..2**bits)
     inputs = codes.shape[0]
     if g_idx is None:
         group = inputs if group_size <= 0 else group_size
         g_idx = torch.arange(inputs, device=codes.device) // group
-    return Int4Parts(
-        codes.t().to(torch.uint8).contiguous(), scales.t().float().contiguous(), zeros.t().contiguous(), g_idx.long()
-    )
+    codes, scales = codes.t().to(torch.uint8).contiguous(), scales.t().float().contiguous()
+    return Int4Parts(codes, scales, zeros.t().contiguous(), g_idx.long(), bits)
 
 
 def int4_module(

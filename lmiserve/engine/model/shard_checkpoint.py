@@ -160,7 +160,7 @@ def _quantized_linears(
         return set()
     key = quant.codes_key
     plan = cast(Any, shard_of(model)).plan
-    keep = weights_kept_for(model, device, f"rank {plan.rank}", quant.method, quant.blocks is not None)
+    keep = weights_kept_for(model, device, f"rank {plan.rank}", quant.kernel_family, quant.blocks is not None)
     if quant.blocks and not keep:
         return set()  # block-wise fp8 de-quantized at load: read as float (`dequantizing_reader`)
     made = set()

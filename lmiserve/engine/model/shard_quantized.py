@@ -172,7 +172,7 @@ def _int4_parts(name: str, names: Mapping[str, Any], read: Read, quant: QuantSpe
     qweight, qzeros, scales = (cast(torch.Tensor, whole(key)) for key in ("qweight", "qzeros", "scales"))
     if quant.method == "awq":
         return unpack_awq(qweight, qzeros, scales, quant.group_size)
-    return unpack_gptq(qweight, qzeros, scales, whole("g_idx"), quant.group_size, quant.v1_zeros)
+    return unpack_gptq(qweight, qzeros, scales, whole("g_idx"), quant.group_size, quant.v1_zeros, quant.code_bits)
 
 
 def _whole_reader(name: str, names: Mapping[str, Any], read: Read) -> Callable[[str], torch.Tensor | None]:
