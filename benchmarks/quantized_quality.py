@@ -18,6 +18,7 @@ each format by `lmiserve.models.quant_pack` and loaded back by `load_causal_lm` 
   and GPTQ's v1 packing. The 4-bit codes are plain round-to-nearest (RTN): NO calibration, no AWQ
   activation-aware scaling, no GPTQ error feedback; published AWQ/GPTQ checkpoints quantized with
   calibration should do at least as well.
+- ``gptq-int8``: GPTQ's 8-bit codes, symmetric (as Qwen's GPTQ-Int8 releases), groups of `--group`, RTN too.
 - ``w4a16``, ``w4a16-asym``: compressed-tensors' 4-bit ``pack-quantized`` (llm-compressor's W4A16, symmetric,
   and W4A16_ASYM, with zero points), groups of `--group`; ``w8a8`` (int8 by channel, ``int-quantized``; the
   activations left float) and ``w8a16`` (8-bit codes, groups of `--group`); written by the compressed-tensors
@@ -74,7 +75,7 @@ HERE = Path(__file__).resolve().parent
 TEXT = HERE / "texts" / "pride_and_prejudice_ch1.txt"
 TOPICS = ["the sea", "gravity", "a city at night", "machine learning", "the moon", "coffee", "trains", "music"]
 TEMPLATES = ["Write a short poem about {}.", "Explain {} in simple words.", "What is interesting about {}?"]
-FORMATS = ("bf16", "fp8-channel", "fp8-tensor", "fp8-dynamic", "fp8-block", "awq", "gptq")
+FORMATS = ("bf16", "fp8-channel", "fp8-tensor", "fp8-dynamic", "fp8-block", "awq", "gptq", "gptq-int8")
 if importlib.util.find_spec("compressed_tensors") is not None:  # (a test dependency: not on the GPU check's device)
     FORMATS += ("w4a16", "w4a16-asym", "w8a8", "w8a16")
 if modelopt_installed():  # (a test dependency too)
