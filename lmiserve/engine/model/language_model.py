@@ -78,7 +78,7 @@ def language_model(vlm: torch.nn.Module) -> LanguageModel | None:
 def text_part(model: torch.nn.Module) -> torch.nn.Module:
     """What a quantization made at load (``quantize=fp8``, a dummy model's 4-bit codes) replaces the linears of: a
     vision-language model's decoder, its vision tower and projector kept float (as the quantized VLMs published keep
-    them: they run once a image, and their shapes need not suit fp8's or 4-bit codes' kernels); else `model`."""
+    them: they run once an image, and their shapes need not suit fp8's or 4-bit codes' kernels); else `model`."""
     config: Any = getattr(model, "config", None)
     if getattr(config, "vision_config", None) is None:
         return model
