@@ -75,7 +75,9 @@ HERE = Path(__file__).resolve().parent
 TEXT = HERE / "texts" / "pride_and_prejudice_ch1.txt"
 TOPICS = ["the sea", "gravity", "a city at night", "machine learning", "the moon", "coffee", "trains", "music"]
 TEMPLATES = ["Write a short poem about {}.", "Explain {} in simple words.", "What is interesting about {}?"]
-FORMATS = ("bf16", "fp8-channel", "fp8-tensor", "fp8-dynamic", "fp8-block", "awq", "gptq", "gptq-int8")
+# the formats lmiserve makes itself (`--formats own`: what the GPU check runs, on the device and in its rehearsal)
+OWN = ("bf16", "fp8-channel", "fp8-tensor", "fp8-dynamic", "fp8-block", "awq", "gptq", "gptq-int8")
+FORMATS = OWN
 if importlib.util.find_spec("compressed_tensors") is not None:  # (a test dependency: not on the GPU check's device)
     FORMATS += ("w4a16", "w4a16-asym", "w8a8", "w8a16")
 if modelopt_installed():  # (a test dependency too)
@@ -149,7 +151,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--group", type=int, default=64)
-    parser.add_argument("--formats", default=",".join(FORMATS))
+    parser.add_argument(
+        "--formats", default=",".join(FORMATS),
+        help="comma-separated; 'own': those lmiserve writes itself (no compressed-tensors or ModelOpt writer)",
+    )  # fmt: skip
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (fp8 then runs Fp8Linear's _scaled_mm)")
     parser.add_argument("--dtype", default=None, help="the reference model's dtype (default fp32 on CPU, bf16 on CUDA)")
     parser.add_argument(
@@ -193,7 +198,7 @@ def main() -> None:
     rows[first].update(agreement(ref_out, ref_out))
     print(first, rows[first], f"{time.time() - t0:.0f} s", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        for fmt in args.formats.split(","):
+        for fmt in OWN if args.formats == "own" else args.formats.split(","):
             t0 = time.time()
             if fmt == "bf16":  # for scale: what bf16 alone changes against fp32
                 if first == "bfloat16":
