@@ -85,15 +85,20 @@ def _gptq_int8_tensors(weight: torch.Tensor, group: int) -> dict[str, torch.Tens
     g_idx = torch.arange(inputs) // group
     scale = (w.abs().reshape(out, -1, group).amax(-1) / 127).clamp(min=1e-6).half()  # [out, groups]
     codes = (torch.round(w / scale.float()[:, g_idx]) + 128).clamp(0, 255).long()
-    qweight = _bytes_in_words(codes.t().reshape(inputs // 4, 4, out).permute(0, 2, 1))  # [in / 4, out]
-    qzeros = _bytes_in_words(torch.full((scale.shape[1], out // 4, 4), 127, dtype=torch.long))  # [groups, out / 4]
+    qweight = pack_nibbles(codes.t().reshape(inputs // 4, 4, out).permute(0, 2, 1), bits=8)  # [in / 4, out]
+    qzeros = pack_nibbles(torch.full((scale.shape[1], out // 4, 4), 127), bits=8)  # [groups, out / 4]
     return {"qweight": qweight, "qzeros": qzeros, "scales": scale.t().contiguous(), "g_idx": g_idx.to(torch.int32)}
 
 
-def _bytes_in_words(values: torch.Tensor) -> torch.Tensor:
-    """``[..., 4]`` values 0..255 as one int32 word each (value k at bits 8k), two's complement kept."""
-    words = (values.long() << (torch.arange(4) * 8)).sum(-1)
-    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+def _tensors_of(weight: torch.Tensor, fmt: str, group: int, act_order: bool = False) -> dict[str, torch.Tensor]:
+    """The tensors a `fmt` checkpoint stores for `weight` (by their short names), by groups (blocks) of `group`."""
+    if fmt == "fp8-block":
+        return fp8_block_tensors(weight, group)
+    if fmt.startswith("fp8") or fmt == "fbgemm-fp8":
+        return _fp8_tensors(weight, fmt == "fp8-tensor")
+    if fmt == "awq":
+        return _awq_tensors(weight, group)
+    return _gptq_int8_tensors(weight, group) if fmt == "gptq-int8" else _gptq_tensors(weight, group, act_order)
 
 
 def _fp8_tensors(weight: torch.Tensor, per_tensor: bool) -> dict[str, torch.Tensor]:
@@ -137,14 +142,7 @@ def _write_saved(model: Any, out_dir: Path, fmt: str, block: int) -> dict[str, d
         state = load_file(str(file))
         for name in [n for n, t in state.items() if _QUANTIZED_SAVED.search(n) and t.dim() == 2]:
             weight = state.pop(name)
-            if fmt == "gptq-int8":
-                tensors = _gptq_int8_tensors(weight, block)
-            elif fmt in ("awq", "gptq"):
-                tensors = _awq_tensors(weight, block) if fmt == "awq" else _gptq_tensors(weight, block, False)
-            elif fmt == "fp8-block":
-                tensors = fp8_block_tensors(weight, block)
-            else:
-                tensors = _fp8_tensors(weight, fmt == "fp8-tensor")
+            tensors = _tensors_of(weight, fmt, block)
             state.update({f"{name.removesuffix('.weight')}.{k}": v for k, v in tensors.items()})
             written[name.removesuffix(".weight")] = tensors
         save_file(state, str(file), metadata={"format": "pt"})
@@ -215,14 +213,7 @@ def write_quantized(
         if type(module) is not torch.nn.Linear or module is head:
             continue
         weight = module.weight.detach().cpu()
-        if fmt.startswith("fp8") or fmt == "fbgemm-fp8":
-            tensors = _fp8_tensors(weight, fmt == "fp8-tensor")
-        elif fmt == "awq":
-            tensors = _awq_tensors(weight, group)
-        elif fmt == "gptq-int8":
-            tensors = _gptq_int8_tensors(weight, group)
-        else:
-            tensors = _gptq_tensors(weight, group, act_order)
+        tensors = _tensors_of(weight, fmt, group, act_order)
         state.pop(f"{name}.weight")
         state.update({f"{name}.{k}": v for k, v in tensors.items()})
         written[name] = tensors

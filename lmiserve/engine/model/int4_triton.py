@@ -267,10 +267,12 @@ def int4_linear(x: torch.Tensor, weight: torch.Tensor, parts: Int4Scales) -> tor
     return int4_gemm(x, weight, parts, config)
 
 
-def pack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
+def pack_nibbles(nibbles: torch.Tensor, bits: int = 4) -> torch.Tensor:
     """``[..., 8]`` values 0..15 as one int32 word each (nibble k at bits 4k), two's complement kept: the
-    kernel's codes, and GPTQ's and AWQ's packing (models/quant_pack.py)."""
-    words = (nibbles.long() << (torch.arange(8, device=nibbles.device) * 4)).sum(-1)
+    kernel's codes, and GPTQ's and AWQ's packing (models/quant_pack.py); of `bits` 8, ``[..., 4]`` bytes (byte k at
+    bits 8k: GPTQ's 8-bit codes). The inverse of `quant_formats.unpack_words`."""
+    count = 32 // bits
+    words = (nibbles.long() << (torch.arange(count, device=nibbles.device) * bits)).sum(-1)
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
 
