@@ -760,6 +760,17 @@ def quantized_step(
         report = kernels_dir / "quantized_kernels.json"
         if report.exists():
             result["kernels"] = json.loads(report.read_text()).get("results")
+    if left() < 60:
+        summary["steps"].append(_skipped("fp8 experts", "time"))
+    else:  # one experts layer of Qwen3-30B-A3B's shape in bf16 and kept fp8 (engine/model/fp8_experts.py)
+        experts_dir = out / "fp8-experts"
+        command = [sys.executable, str(ROOT / "benchmarks" / "fp8_experts.py"), "--out", str(experts_dir)]
+        command += ["--smoke"] if scale.rehearsal else []
+        step = run_step("fp8 experts", command, out / "fp8-experts.log", min(60.0, left() - 30), env)
+        summary["steps"].append(step)
+        report = experts_dir / "fp8_experts.json"
+        if report.exists():
+            result["fp8_experts"] = json.loads(report.read_text()).get("results")
     if not has_bundled_model():
         summary["steps"].append(_skipped("quantized quality", NO_BUNDLED_MODEL))
         return result
@@ -959,6 +970,18 @@ def _quantized_lines(quantized: dict[str, Any]) -> list[str]:
                     lines.append(_row([r["shape"], r["rows"], name, *times, cell["error"]]))
                 elif cell is not None:
                     lines.append(_row([r["shape"], r["rows"], kind, cell, None, None, None]))
+    experts = quantized.get("fp8_experts")
+    if experts:
+        lines += ["", "## fp8 experts, one layer of Qwen3-30B-A3B's shape (benchmarks/fp8_experts.py)", ""]
+        lines += ["| tokens | experts hit | kind | us in a graph | weight GB/s | error vs bf16 | bf16 / this |"]
+        lines += ["|---|---|---|---|---|---|---|"]
+        for r in experts:
+            for kind, cell in r.items():
+                if isinstance(cell, dict):
+                    cells = [cell["us"], cell["GB_per_s"], cell.get("error"), cell.get("over_bf16")]
+                    lines.append(_row([r["tokens"], r["experts_hit"], kind, *cells]))
+                elif kind not in ("tokens", "experts_hit"):
+                    lines.append(_row([r["tokens"], r["experts_hit"], kind, cell, None, None, None]))
     quality = quantized.get("quality")
     if quality:
         lines += ["", "## Quantized formats' quality (SmolLM2-135M, benchmarks/quantized_quality.py)", ""]

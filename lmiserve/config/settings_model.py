@@ -116,7 +116,11 @@ class ModelFields(FieldGroup):
             "CPU, with groups of 32n, they run on the int4 kernel. compressed-tensors' int8 codes (W8A8, W8A16) "
             "follow the same rule on CUDA (`LMISERVE_USE_TRITON_INT8`), kept int8 on the weight-only Triton kernel "
             "of fp8 weights where bf16 would not fit (W8A8's products there may take their rows in int8 for cuBLAS's "
-            "int8 product, where that measures faster). With tensor parallelism each rank reads and runs its part of "
+            "int8 product, where that measures faster). A mixture of experts' fp8 experts (Qwen3-30B-A3B-FP8, "
+            "Mixtral's and the Qwen MoEs' fp8 releases; `quantize=fp8` on a float one too) follow the rule of "
+            "block-wise fp8 on every CUDA GPU: fp8 on a grouped Triton kernel where bf16 would not fit or "
+            "`LMISERVE_USE_TRITON_FP8=1`, else bf16 (not yet measured on a GPU). With tensor parallelism each rank "
+            "reads and runs its part of "
             "the checkpoint in its format (docs/tensor-parallel.md). See docs/performance/dtypes.md."
         ),
     )

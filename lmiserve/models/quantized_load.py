@@ -11,7 +11,8 @@ Formats (`engine/model/quant_formats.py` says how each is stored and run):
   (`fp8_gemv.weights_kept_for`), else dequantized at load (exactly: each weight is its fp8 value times its block's
   scale); a vision-language model's dequantized by transformers. A mixture of experts' fp8 experts (each expert's
   matrices with their scales, by blocks too, as compressed-tensors publishes Qwen3-MoE and Mixtral and Qwen3-MoE's
-  FP8 release stores them) are de-quantized at load: their products are transformers' grouped ones.
+  FP8 release stores them) are de-quantized at load (their products are transformers' grouped ones), or on a GPU
+  where they would not fit so kept fp8 on `fp8_experts`' grouped kernel.
 - ``quant_method: compressed-tensors`` whose weights are 4-bit integers by group or channel, ``pack-quantized``
   (llm-compressor's W4A16 and W4A16_ASYM, from its GPTQ or AWQ modifiers): ``quantize=gptq`` or ``awq``; the
   4-bit codes run as AWQ's and GPTQ's do. ``quantize=compressed-tensors`` (vLLM's word) takes either scheme.
@@ -47,6 +48,7 @@ from typing import Any
 
 import torch
 
+from lmiserve.engine.model import fp8_experts
 from lmiserve.engine.model.fp8_ops import per_tensor_at_load
 from lmiserve.engine.model.int4_triton import Int4TritonLinear
 from lmiserve.engine.model.int8_weights import Int8WeightLinear
@@ -187,9 +189,7 @@ def load_quantized(
             kinds[_kind_name(made)] += 1
         if not kinds:
             raise ModelLoadError(f"{path.name}: its config says {spec.source}, but no linear has quantized tensors")
-        experts = _fill_experts(model, files, stored, spec, path)
-        if experts:
-            kinds[f"experts modules de-quantized to {str(dtype).removeprefix('torch.')}"] += experts
+        kinds.update(_fill_experts(model, files, stored, spec, path, device))
         files.fill(model)  # embeddings, norms, the output projection and any linear stored float
     left = [name for name, _ in meta_tensors(model)]
     if left:
@@ -199,29 +199,49 @@ def load_quantized(
 
 
 def _fill_experts(
-    model: torch.nn.Module, files: SafetensorsFiles, stored: dict[str, Path], spec: QuantSpec, path: Path
-) -> int:
+    model: torch.nn.Module,
+    files: SafetensorsFiles,
+    stored: dict[str, Path],
+    spec: QuantSpec,
+    path: Path,
+    device: torch.device,
+) -> Counter[str]:
     """A mixture of experts' experts (the merged ``gate_up_proj`` and ``down_proj`` transformers' modules hold) from
     the checkpoint's matrices of each expert, as compressed-tensors, FBGEMM, AutoAWQ and GPTQModel publish them (fp8
-    matrices with their scales, compressed-tensors' integer codes, AWQ's or GPTQ's 4-bit codes; `stacked_experts`),
-    de-quantized (`dequantizing_reader`: their products are transformers' grouped ones); how many experts modules.
-    Experts stored otherwise are refused in one line."""
+    matrices with their scales, compressed-tensors' integer codes, AWQ's or GPTQ's 4-bit codes; `stacked_experts`):
+    fp8 ones kept fp8 on a GPU where `fp8_experts.kept_for` says so, else de-quantized (`dequantizing_reader`: their
+    products are transformers' grouped ones); how many experts modules of each kind. Experts stored otherwise are
+    refused in one line."""
     read = dequantizing_reader(files.slice, stored, spec)
-    made = 0
+    made: Counter[str] = Counter()
+    keep: bool | None = None if spec.method == "fp8" else False  # (asked once, where a module could be kept)
     for name, module in model.named_modules():
-        for kind in ("gate_up_proj", "down_proj") if name.endswith(".experts") else ():
+        if not name.endswith(".experts") or all(f"{name}.{kind}" in stored for kind in ("gate_up_proj", "down_proj")):
+            continue
+        down = getattr(module, "down_proj", None)
+        if not isinstance(down, torch.Tensor):
+            continue
+        count = int(down.shape[0])
+        if keep is None and fp8_experts.servable(module):
+            keep = fp8_experts.kept_for(model, device, path.name)
+        fp8 = fp8_experts.stacked_fp8(name, count, stored, files.slice, spec.blocks) if keep else None
+        if fp8 is not None:
+            fp8_experts.keep(module, {kind: (w.to(device), s.to(device)) for kind, (w, s) in fp8.items()})
+            made["experts modules kept fp8 (Triton kernel)"] += 1
+            continue
+        for kind in ("gate_up_proj", "down_proj"):
             meta = getattr(module, kind, None)
             if not isinstance(meta, torch.Tensor) or not meta.is_meta or f"{name}.{kind}" in stored:
                 continue
-            value = stacked_experts(name, kind, int(meta.shape[0]), stored, read, lambda size: slice(0, size))
+            value = stacked_experts(name, kind, count, stored, read, lambda size: slice(0, size))
             if value is None or experts_layout(module)[0] or tuple(value.shape) != tuple(meta.shape):
                 raise ModelLoadError(
                     f"{path.name}: the experts of {name} are not stored as lmiserve reads a {spec.method} mixture of "
                     "experts (each expert's matrices: fp8, or 4-bit or 8-bit integer codes)"
                 )
             setattr(module, kind, torch.nn.Parameter(value.to(meta.dtype), requires_grad=False))
-            made += kind == "down_proj"
-    return made
+            made[f"experts modules de-quantized to {str(meta.dtype).removeprefix('torch.')}"] += kind == "down_proj"
+    return +made
 
 
 def _mxfp4_dequantized(path: Path, dtype: torch.dtype, trust_remote_code: bool, auto_class: Any) -> tuple[Any, str]:
@@ -322,7 +342,8 @@ def quantize_fp8_dynamic(model: torch.nn.Module, dtype: torch.dtype, device: tor
     """`quantize=fp8` on a float model: every linear but the output projection (of a VLM: its decoder's) quantized
     to fp8, per tensor on a GPU with fp8 products, else per output channel (`fp8_ops.per_tensor_at_load`;
     `quant_formats.quantize_fp8`), then `fp8_module` (fp8 products where the device has them, else
-    de-quantized once into `dtype`). An account of what was done."""
+    de-quantized once into `dtype`); a mixture of experts' experts too, per output channel, where
+    `fp8_experts.kept_for` keeps them fp8 (else they stay float). An account of what was done."""
 
     keep = weights_kept_for(model, device, "quantize=fp8", "fp8")
     per_tensor = per_tensor_at_load(device)
@@ -332,7 +353,13 @@ def quantize_fp8_dynamic(model: torch.nn.Module, dtype: torch.dtype, device: tor
         return fp8_module(weight, scale, linear.bias, dtype, device, keep)
 
     scales = "per tensor" if per_tensor else "per output channel"
-    return f"fp8 quantized at load, {scales}: {_made_at_load(model, make)}"
+    account = f"fp8 quantized at load, {scales}: {_made_at_load(model, make)}"
+    experts = [m for n, m in text_part(model).named_modules() if n.endswith(".experts") and fp8_experts.servable(m)]
+    if experts and fp8_experts.kept_for(model, device, "quantize=fp8"):
+        for module in experts:
+            fp8_experts.quantize(module)
+        account += f"; {len(experts)} experts modules kept fp8 per output channel (Triton kernel)"
+    return account
 
 
 def quantize_int4_dummy(model: torch.nn.Module, spec: QuantSpec, dtype: torch.dtype, device: torch.device) -> str:

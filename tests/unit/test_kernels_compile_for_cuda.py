@@ -197,3 +197,40 @@ def test_the_other_kernels_compile_as_their_wrappers_launch_them(monkeypatch: py
         if result["error"] or result["spilled"]
     ]
     assert not failed, "\n".join(failed)
+
+
+# Qwen3-30B-A3B's experts: 128 of them, hidden 2048, 768 inputs to down_proj, 8 a token
+EXPERTS = {"experts": 128, "hidden": 2048, "intermediate": 768, "top_k": 8}
+
+
+@pytest.mark.parametrize("arch", [HOPPER, AMPERE], ids=["hopper", "ampere"])
+def test_the_fp8_experts_kernel_compiles_as_its_wrapper_launches_it(monkeypatch: pytest.MonkeyPatch, arch: int) -> None:
+    """`fp8_experts`' grouped product at Qwen3-30B-A3B's widths, as a decode step of one and of 16 tokens and a
+    prompt of 2048 launch it (16 rows a tile, then 64), gate/up's and down's products, scales per channel and by
+    blocks of 128 inputs, converting fp8 (Hopper) or widening it (Ampere): each compiles, none spills."""
+    import torch
+
+    from lmiserve.engine import fp8_devices
+    from lmiserve.engine.model import fp8_experts
+
+    monkeypatch.setattr(fp8_devices, "native", lambda device: arch >= 89)
+    monkeypatch.setattr(fp8_experts, "INTERPRETED_ON_CPU", True)  # (the wrapper's CPU tensors go to the kernel)
+    launches = cuda_compile.recording(monkeypatch, fp8_experts, "_kernel")
+    e, hidden, inter = EXPERTS["experts"], EXPERTS["hidden"], EXPERTS["intermediate"]
+    for outputs, inputs in ((2 * inter, hidden), (hidden, inter)):
+        weight = torch.empty(e, outputs, inputs, dtype=torch.float8_e4m3fn)
+        for scales in (torch.ones(e, outputs), torch.ones(e, outputs, inputs // BLOCK)):
+            for tokens in (1, 16, 2048):
+                rows = tokens * EXPERTS["top_k"]
+                counts = torch.full((e,), rows // e) + (torch.arange(e) < rows % e)
+                fp8_experts.grouped_product(torch.zeros(rows, inputs, dtype=torch.bfloat16), weight, scales, counts)
+    assert {launch.kwargs["BLOCK_M"] for launch in launches} == {16, 64}
+    assert {launch.kwargs["GROUP"] for launch in launches} == {0, BLOCK}
+    assert {launch.kwargs["NATIVE"] for launch in launches} == {arch >= 89}
+    results = cuda_compile.compile_all([cuda_compile.job_of(launch, arch) for launch in launches])
+    failed = [
+        f"{cuda_compile.job_of(launch, arch)['constexprs']}: {result['error'] or str(result['spilled']) + ' spilled'}"
+        for launch, result in zip(launches, results, strict=True)
+        if result["error"] or result["spilled"]
+    ]
+    assert not failed, "\n".join(failed)

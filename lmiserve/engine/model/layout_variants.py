@@ -304,8 +304,10 @@ def attention_sinks(layers: Sequence[Any]) -> list[torch.Tensor] | None:
 def experts_graph_reason(model: Any, layers: Sequence[Any]) -> str | None:
     """Why the decode graphs cannot capture a model's mixtures of experts (None: they can, or it has none): on
     CUDA, torch's grouped product reads its groups on the host (a sync) outside bfloat16, and transformers'
-    eager experts loop over the experts hit (a sync each)."""
-    if all(layer.moe is None for layer in layers):
+    eager experts loop over the experts hit (a sync each). Experts kept fp8 (`fp8_experts`: a Triton kernel whose
+    tiles are found on the device) capture in any dtype."""
+    moes = [layer.moe for layer in layers if layer.moe is not None]
+    if all(getattr(getattr(moe, "experts", None), "fp8_kept", False) for moe in moes):
         return None
     implementation = getattr(model.config, "_experts_implementation", None)
     if implementation != "grouped_mm":

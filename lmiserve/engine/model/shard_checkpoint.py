@@ -108,6 +108,10 @@ def load_shard_weights(
 
         read = dequantizing_reader(slice_of, files, quant)
         made = _quantized_linears(model, files, slice_of, quant, device or torch.device("cpu"), split)
+        if quant is not None and quant.method == "fp8":  # (a mixture of experts' fp8 experts, where kept fp8)
+            from lmiserve.engine.model import fp8_experts  # (it reads the experts as this module does)
+
+            fp8_experts.shard_kept(model, files, slice_of, quant.blocks, device or torch.device("cpu"), shard.plan)
         for name, parameter in model.named_parameters():  # a tied output layer's weight is listed once
             if name.rpartition(".")[0] in made:
                 continue

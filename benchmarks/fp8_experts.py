@@ -1,0 +1,166 @@
+"""A mixture of experts' fp8 experts on a GPU (issue 39, item 2): time and error of one experts layer of
+Qwen3-30B-A3B's shape (128 experts, 8 a token, hidden 2048, 768 inputs to down_proj) in bf16 (transformers' grouped
+forward, `torch._grouped_mm`: what the engine runs where the experts are de-quantized) and kept fp8
+(`engine/model/fp8_experts.py`'s Triton kernel: a scale a channel, by blocks of 128 as Qwen3-30B-A3B-FP8 stores them,
+and widened as an A100 does on this GPU), at a few token counts: decode steps (1, 16, 64 tokens) and a prompt's
+chunk (2048).
+
+    .venv/bin/python benchmarks/fp8_experts.py [--tokens 1,16,64,2048] [--out DIR]   # CUDA
+    TRITON_INTERPRET=1 .venv/bin/python benchmarks/fp8_experts.py --smoke            # CPU: checks it runs
+
+Per token count: the median time of `--iters` calls replayed from a CUDA graph (as the decode graphs run them: the
+GPU's time alone; eager where the capture fails), the bytes of the experts hit (each routed expert's weights, read
+once) and the bandwidth that makes, the error against the bf16 layer of the de-quantized weights (max |diff| / max
+|ref|), and `over_bf16` (bf16's time over this one's: above 1, the fp8 experts are faster). Prints each row; with
+--out writes ``fp8_experts.json``. The engine keeps fp8 experts only where de-quantized they would not fit
+(`fp8_experts.kept_for`); these figures say whether to keep them always.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from lmiserve.engine import fp8_devices
+from lmiserve.engine.model import fp8_experts, kernel_choice
+from lmiserve.engine.model.fp8_ops import quantize_fp8
+from lmiserve.models.quant_pack import fp8_block_tensors
+
+SHAPE = {"experts": 128, "top_k": 8, "hidden": 2048, "intermediate": 768}  # Qwen3-30B-A3B's
+SMOKE = {"experts": 8, "top_k": 2, "hidden": 128, "intermediate": 64}
+BLOCK = 128
+
+
+def experts_module(shape: dict[str, int], dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """Qwen3-MoE's experts module of `shape`, random weights (std 0.02), grouped products (transformers')."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    config = Qwen3MoeConfig(
+        hidden_size=shape["hidden"], moe_intermediate_size=shape["intermediate"], num_experts=shape["experts"]
+    )
+    config._experts_implementation = "grouped_mm"
+    module = Qwen3MoeExperts(config)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0.0, 0.02)
+    return module.to(device, dtype)
+
+
+def fp8_twin(module: torch.nn.Module, block: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """`module`'s experts kept fp8 (`fp8_experts.keep`): a scale a channel, or by blocks of `block` x `block`
+    (`block` 0: a channel's); and the bf16 module of the same de-quantized weights (the reference)."""
+    import copy
+
+    kept, dense = copy.deepcopy(module), copy.deepcopy(module)
+    weights = {}
+    for kind in ("gate_up_proj", "down_proj"):
+        full = getattr(module, kind).detach().float()
+        if block:
+            made = [fp8_block_tensors(matrix.cpu(), block) for matrix in full]
+            q = torch.stack([m["weight"] for m in made]).to(full.device)
+            grid = torch.stack([m["weight_scale_inv"] for m in made]).to(full.device).float()
+            scales = grid.repeat_interleave(block, dim=1)[:, : full.shape[1]].contiguous()
+        else:
+            pairs = [quantize_fp8(matrix) for matrix in full]
+            q, scales = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+        weights[kind] = (q, scales)
+        rows = scales if scales.dim() == 2 else scales.repeat_interleave(block, dim=2)[..., : full.shape[2]]
+        dequantized = q.float() * (rows[..., None] if rows.dim() == 2 else rows)
+        setattr(dense, kind, torch.nn.Parameter(dequantized.to(full.dtype), requires_grad=False))
+    fp8_experts.keep(kept, weights)
+    return kept, dense
+
+
+def timed(fn: Callable[[], torch.Tensor], iters: int, cuda: bool) -> float:
+    """One call's seconds: replayed from a CUDA graph on a GPU (`kernel_choice.time_in_graph`), else the median."""
+    if cuda:
+        try:
+            return kernel_choice.time_in_graph(fn, torch.device("cuda", torch.cuda.current_device()), iters, replays=5)
+        except Exception as exc:  # noqa: BLE001 - reported, then timed eagerly
+            print(f"capture failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+    fn()
+    times = []
+    for _ in range(iters):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", default="1,16,64,2048")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--smoke", action="store_true", help="a tiny layer on a CPU, the kernel interpreted")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available() and not args.smoke
+    if not cuda and not args.smoke:
+        raise SystemExit("needs a CUDA GPU (or --smoke on CPU under TRITON_INTERPRET=1)")
+    fp8_experts.INTERPRETED_ON_CPU = args.smoke
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float16  # (the interpreter's dot has no bf16)
+    shape = SHAPE if cuda else SMOKE
+    torch.manual_seed(0)
+    bf16 = experts_module(shape, dtype, device)
+    variants = {"fp8_channel": fp8_twin(bf16, 0), "fp8_block": fp8_twin(bf16, BLOCK if cuda else 32)}
+    per_expert = 3 * shape["hidden"] * shape["intermediate"]  # gate, up and down: their weights' count
+    rows = []
+    for tokens in (int(t) for t in (args.tokens if cuda else "1,4").split(",")):
+        x = torch.randn(tokens, shape["hidden"], device=device, dtype=dtype)
+        index = torch.stack([torch.randperm(shape["experts"], device=device)[: shape["top_k"]] for _ in range(tokens)])
+        weights = torch.softmax(torch.randn(tokens, shape["top_k"], device=device), dim=-1).to(dtype)
+        hit = int(torch.unique(index).numel())
+        row: dict[str, object] = {"tokens": tokens, "experts_hit": hit}
+        with torch.no_grad():
+            bf16_s = timed(functools.partial(bf16, x, index, weights), args.iters, cuda)
+            row["bf16"] = {"us": round(bf16_s * 1e6, 1), "GB_per_s": round(hit * per_expert * 2 / bf16_s / 1e9, 1)}
+            for name, (kept, dense) in variants.items():
+                want = dense(x, index, weights)
+                for widened in (False, True) if cuda and fp8_devices.native(device) else (False,):
+                    key = name + ("_widened" if widened else "")
+                    native = fp8_devices.native
+                    if widened:  # the bytes widened as on an A100, on this GPU
+                        fp8_devices.native = lambda d: False  # type: ignore[assignment]
+                    try:
+                        seconds = timed(functools.partial(kept, x, index, weights), args.iters, cuda)
+                        got = kept(x, index, weights)
+                    except Exception as exc:  # noqa: BLE001 - a variant this GPU refuses: said so
+                        row[key] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+                        continue
+                    finally:
+                        fp8_devices.native = native  # type: ignore[assignment]
+                    error = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+                    row[key] = {
+                        "us": round(seconds * 1e6, 1),
+                        "GB_per_s": round(hit * per_expert / seconds / 1e9, 1),
+                        "error": round(error, 5),
+                        "over_bf16": round(bf16_s / seconds, 3),
+                    }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    report = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu (smoke)",
+        "torch": torch.__version__,
+        "shape": shape,
+        "results": rows,
+    }
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "fp8_experts.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,291 @@
+"""A mixture of experts' fp8 experts kept fp8 on a GPU (issue #39): the fp8 releases of Qwen3-MoE (Qwen's block-wise
+Qwen3-30B-A3B-FP8, RedHatAI's compressed-tensors), Mixtral and the Qwen2-MoEs store each expert's matrices in fp8.
+
+Why: until this module the loader de-quantized them to the compute dtype (transformers' grouped products take
+floats), which doubles the experts' memory, most of such a model's: Qwen3-30B-A3B-FP8 (31 GB) took 61 GB, more
+than an A100 40GB or an L40S has, and Mixtral-8x7B's fp8 (47 GB) 94 GB, more than one H100. So where de-quantized
+the model would take more than `weight_fit.FIT_SHARE` of the GPU's free memory, or where
+``LMISERVE_USE_TRITON_FP8=1`` forces it (``0``: always de-quantized), the experts stay fp8 (`kept_for`, logged).
+
+Kept experts run this module's grouped product (`fp8_experts_kernel`): the rows sorted by expert are cut into tiles
+of one expert each (`row_tiles`, on the device: no host sync, so the decode graphs capture it in any dtype), and
+each tile reads its expert's fp8 weight once, widened in registers (an A100's bytes too: `fp8_devices.native`),
+scaled per output channel or by blocks of inputs (block-wise fp8's 128). `keep` turns an experts module of
+transformers (gated, ``[gate; up]`` concatenated, ``[experts, out, in]``, no bias: Mixtral's, the Qwen MoEs',
+OLMoE's, GLM-4.5's) into one whose forward is `forward` below: transformers' grouped forward with this product. On a
+CPU (no kernel; the tests set `INTERPRETED_ON_CPU` to run it under Triton's interpreter) each expert's weight is
+de-quantized for its rows (`dequantized_product`).
+
+Not measured yet: the kernel's speed (a GPU's). Its tiles are fixed (`tile_of`), not timed at start as
+`fp8_gemv`'s are."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import types
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+
+from lmiserve.engine import fp8_devices
+from lmiserve.engine.model import fp8_gemv, weight_fit
+from lmiserve.engine.model.fp8_ops import quantize_fp8
+from lmiserve.engine.model.shard_checkpoint import Read, stacked_experts
+from lmiserve.engine.model.shard_quantized import Fp8Scaled
+
+try:
+    import triton
+except ImportError:  # pragma: no cover - triton ships with CUDA torch wheels
+    triton = None
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "INTERPRETED_ON_CPU",
+    "dequantized_product",
+    "forward",
+    "grouped_product",
+    "keep",
+    "kept",
+    "kept_for",
+    "quantize",
+    "row_tiles",
+    "servable",
+    "shard_kept",
+    "stacked_fp8",
+]
+
+INTERPRETED_ON_CPU = False
+
+
+def kept_for(model: torch.nn.Module, device: torch.device, name: str) -> bool:
+    """Whether the fp8 experts of `model` (on the meta device in the compute dtype) stay fp8 on `device`: on a GPU
+    where Triton runs (compute capability 8.0 or more) as `weight_fit.kept_for` says (``LMISERVE_USE_TRITON_FP8``
+    forces it either way), logged for the checkpoint `name`; never elsewhere."""
+    if device.type != "cuda" or triton is None or torch.cuda.get_device_capability(device) < (8, 0):
+        return False
+    return weight_fit.kept_for(
+        log, model, device, name, fp8_gemv.USE_ON_CUDA, "LMISERVE_USE_TRITON_FP8", "fp8 experts on the Triton kernel"
+    )
+
+
+def servable(experts: torch.nn.Module) -> bool:
+    """Whether `experts` (transformers' experts module) has the layout `forward` runs: gated, gate and up
+    concatenated, ``[experts, out, in]``, no bias, no norm after each expert."""
+    return (
+        getattr(experts, "has_gate", False)
+        and getattr(experts, "is_concatenated", False)
+        and not getattr(experts, "is_transposed", True)
+        and not getattr(experts, "has_bias", True)
+        and not getattr(experts, "has_post_expert_norm", True)
+    )
+
+
+def keep(experts: torch.nn.Module, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Make `experts` (`servable`) run on fp8 `weights`: for ``gate_up_proj`` and ``down_proj`` each, the fp8
+    weight ``[experts, out, in]`` and its fp32 scales ``[experts, out]`` (a channel's) or ``[experts, out, blocks]``
+    (each row's by blocks of inputs, a power of two: `fp8_gemv.input_block`). They are plain attributes (not
+    parameters: ``Module.to(dtype)`` would cast fp8), as `Fp8Linear`'s are."""
+    for kind, (weight, scales) in weights.items():
+        experts._parameters.pop(kind, None)
+        setattr(experts, kind, weight.contiguous())
+        setattr(experts, f"{kind}_scales", scales.float().contiguous())
+    experts.__dict__["fp8_kept"] = True
+    experts.__dict__["forward"] = types.MethodType(forward, experts)
+
+
+def stacked_fp8(
+    owner: str,
+    count: int,
+    names: Any,
+    read: Read,
+    blocks: tuple[int, int] | None,
+    part: Callable[[int], slice] = lambda size: slice(0, size),
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
+    """The fp8 weights and scales `keep` takes for the experts module `owner` of `count` experts, stacked from the
+    checkpoint's matrices of each expert (`names`: the checkpoint's tensors; `read`: one's slice; `blocks`: the
+    checkpoint's block of rows and inputs, None: a scale a channel or a tensor), each cut to `part` of its
+    intermediate size (a tensor-parallel rank's, `ShardPlan.part`; else all of it); None where they are not all fp8
+    with scales this kernel reads (blocks of inputs a power of two, 16 or more; a rank's inputs of down_proj starting
+    a block): they are de-quantized instead."""
+    found = {}
+    for kind in ("gate_up_proj", "down_proj"):
+        weight = stacked_experts(owner, kind, count, names, read, part)
+        if weight is None or weight.dtype != torch.float8_e4m3fn:
+            return None
+        try:
+            scales = stacked_experts(
+                owner, kind, count, names, lambda name: _RowScales(name, names, read, blocks), part
+            )
+        except LookupError:
+            return None
+        group = fp8_gemv.input_block(weight.shape[2], scales[0])
+        if 0 < group < 16 or (group and scales.shape[2] != -(-weight.shape[2] // group)):
+            return None
+        found[kind] = (weight, scales)
+    return found
+
+
+class _RowScales:
+    """The scales of an expert's fp8 matrix `name` as `keep` takes them, read as `stacked_experts` reads a matrix
+    whole: ``[out]`` (a scale a channel, or the tensor's for each row) or ``[out, blocks]`` (`fp8_gemv.block_scales`);
+    LookupError where it has none, or blocks this kernel does not read."""
+
+    def __init__(self, name: str, names: Any, read: Read, blocks: tuple[int, int] | None) -> None:
+        base = name.removesuffix(".weight")
+        stored = next((f"{base}.{s}" for s in ("weight_scale_inv", "weight_scale") if f"{base}.{s}" in names), None)
+        if stored is None:
+            raise LookupError(f"{name} has no scale")
+        scaled = Fp8Scaled(read(name), read(stored), blocks)
+        self.shape = scaled.shape
+        (out, inputs), grid = scaled.shape, scaled.scale
+        rows = None if blocks is None else fp8_gemv.block_scales(grid, out, inputs, scaled.block)
+        if blocks is not None and rows is None:
+            raise LookupError(f"{name}'s blocks of inputs are not a power of two")
+        self.scales = grid.repeat_interleave(scaled.block[0], 0)[:out, 0] if rows is None else rows
+        self.inputs_a_block = scaled.block[1] if self.scales.dim() == 2 else 0  # (0: one scale over a row)
+
+    def get_shape(self) -> tuple[int, ...]:
+        return self.shape
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        """The scales of a run of rows (``[rows]``), or of every row over a run of inputs (``[:, inputs]``: a
+        tensor-parallel rank's of down_proj), which must start a block."""
+        rows, inputs = index if isinstance(index, tuple) else (index, slice(None))
+        first, end, _ = inputs.indices(self.shape[1])
+        if not self.inputs_a_block:
+            return self.scales[rows]
+        if first % self.inputs_a_block:
+            raise LookupError(f"inputs from {first} do not start a block of {self.inputs_a_block}")
+        return self.scales[rows, first // self.inputs_a_block : -(-end // self.inputs_a_block)]
+
+
+def quantize(experts: torch.nn.Module) -> None:
+    """`keep` `experts`' float weights (``quantize=fp8`` on a float checkpoint, vLLM's online fp8), each quantized to
+    fp8 with a scale an output channel (`fp8_ops.quantize_fp8`), an expert at a time (no fp32 copy of them all)."""
+    weights = {}
+    for kind in ("gate_up_proj", "down_proj"):
+        made = [quantize_fp8(matrix) for matrix in getattr(experts, kind).detach()]
+        weights[kind] = (torch.stack([q for q, _ in made]), torch.stack([s for _, s in made]))
+    keep(experts, weights)
+
+
+def shard_kept(
+    model: torch.nn.Module, names: Any, read: Read, blocks: tuple[int, int] | None, device: torch.device, plan: Any
+) -> set[str]:
+    """A tensor-parallel rank's fp8 experts kept fp8 (`kept_for` on the rank's shell `model`): each servable experts
+    module the rank's part of (`plan.part`: of every expert's intermediate size) read from the checkpoint (`names`,
+    `read`: the raw tensors) and `keep`-ed on `device`; their names (the others are de-quantized)."""
+    found = {n: m for n, m in model.named_modules() if n.endswith(".experts") and servable(m)}
+    if not found or not kept_for(model, device, f"rank {plan.rank}"):
+        return set()
+    made = set()
+    for name, module in found.items():
+        count = int(cast(torch.Tensor, module.down_proj).shape[0])
+        weights = stacked_fp8(name, count, names, read, blocks, plan.part)
+        if weights is not None:
+            keep(module, {kind: (w.to(device), s.to(device)) for kind, (w, s) in weights.items()})
+            made.add(name)
+    return made
+
+
+def kept(experts: Any) -> bool:
+    """Whether `experts` runs on fp8 weights (`keep`)."""
+    return bool(getattr(experts, "fp8_kept", False))
+
+
+def forward(
+    self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """An fp8 experts module's output ``[T, hidden]`` for its rows `hidden_states` ``[T, hidden]``, each routed to
+    the experts `top_k_index` ``[T, k]`` with `top_k_weights`: transformers' grouped forward (the rows sorted by
+    expert, each expert's products over its run, the outputs weighted and summed in fp32), its products
+    `grouped_product`'s."""
+    gate_up, gate_up_scales = cast(torch.Tensor, self.gate_up_proj), cast(torch.Tensor, self.gate_up_proj_scales)
+    down, down_scales = cast(torch.Tensor, self.down_proj), cast(torch.Tensor, self.down_proj_scales)
+    apply_gate = cast(Callable[[torch.Tensor], torch.Tensor], self._apply_gate)
+    experts, top_k = int(gate_up.shape[0]), top_k_index.shape[-1]
+    ids = top_k_index.reshape(-1)
+    sorted_ids, order = torch.sort(ids)
+    rows = hidden_states[order // top_k]
+    # counts by histc (no host sync, unlike bincount): float on a CPU, integers on CUDA (deterministic there)
+    counted = sorted_ids.float() if sorted_ids.device.type == "cpu" else sorted_ids.int()
+    counts = torch.histc(counted, bins=experts, min=0, max=experts - 1).long()
+    out = grouped_product(apply_gate(grouped_product(rows, gate_up, gate_up_scales, counts)), down, down_scales, counts)
+    out = out.float() * top_k_weights.reshape(-1)[order, None].float()
+    unsorted = torch.empty_like(out).index_copy_(0, order, out)
+    return unsorted.view(hidden_states.shape[0], top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def grouped_product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``x[r] @ (weight[e] * scales[e]).T`` in `x`'s dtype for the rows of `x` ``[S, K]``, sorted by expert, the
+    first ``counts[0]`` routed to expert 0, the next ``counts[1]`` to expert 1, ...: on the Triton kernel on a GPU
+    (and on a CPU under the interpreter: `INTERPRETED_ON_CPU`), else `dequantized_product`."""
+    if triton is None or not (x.is_cuda or INTERPRETED_ON_CPU):
+        return dequantized_product(x, weight, scales, counts)
+    x = x.contiguous()
+    rows, inputs = x.shape
+    outputs = weight.shape[1]
+    group = fp8_gemv.input_block(inputs, scales[0])
+    block_m, block_n, block_k, warps = tile_of(rows, weight.shape[0], group)
+    tiles = row_tiles(counts, rows, block_m)
+    y = torch.empty(rows, outputs, dtype=x.dtype, device=x.device)
+    grid = (tiles[0].shape[0], triton.cdiv(outputs, block_n))
+    _kernel()[grid](
+        x, weight.view(torch.uint8), scales, y, *tiles, outputs, inputs, x.stride(0), y.stride(0),
+        weight.stride(0), scales.stride(0), scales.stride(1) if scales.dim() == 3 else 1,
+        EVEN_K=inputs % block_k == 0, NATIVE=fp8_devices.native(x.device), GROUP=group,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=3,
+    )  # fmt: skip
+    return y
+
+
+def tile_of(rows: int, experts: int, group: int) -> tuple[int, int, int, int]:
+    """The kernel's tile (rows, outputs, inputs, warps) for `rows` routed rows over `experts` experts: 16 rows (the
+    tensor cores' least) where an expert gets few rows (decode), 64 where they average 64 or more (prompts); 128
+    inputs a step, fewer where blocks of inputs are smaller (a tile's inputs lie in one block)."""
+    block_m = 64 if rows >= 64 * experts else 16
+    block_k = min(128, group) if group else 128
+    return block_m, 64, max(block_k, 16), 4
+
+
+def row_tiles(counts: torch.Tensor, rows: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each tile's expert, first row and end (``[tiles]`` int32 each) for `rows` rows sorted by expert (`counts`:
+    each expert's rows), each expert's run cut into tiles of `block_m` rows, computed on the device. There are as
+    many tiles as the rows could ever make (``cdiv(rows, block_m)``, plus one partial tile an expert with rows), so
+    the grid's size depends on `rows` alone; the tiles past the last have first == end."""
+    experts = counts.shape[0]
+    most = -(-rows // block_m) + min(experts, rows)
+    each = (counts + block_m - 1) // block_m
+    tile_ends = torch.cumsum(each, 0)
+    row_ends = torch.cumsum(counts, 0)
+    tile = torch.arange(most, device=counts.device)
+    expert = torch.searchsorted(tile_ends, tile, right=True).clamp_(max=experts - 1)
+    first = row_ends[expert] - counts[expert] + (tile - (tile_ends[expert] - each[expert])) * block_m
+    end = torch.minimum(first + block_m, row_ends[expert])
+    end = torch.where(tile < tile_ends[-1], end, first)
+    return expert.int(), first.int(), end.int()
+
+
+def dequantized_product(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """`grouped_product` by torch (a CPU's): each expert's weight de-quantized for its run of rows (a host sync
+    to read the runs: never in a CUDA graph)."""
+    out = torch.zeros(x.shape[0], weight.shape[1], dtype=x.dtype, device=x.device)
+    start = 0
+    for expert, count in enumerate(counts.tolist()):
+        if count:
+            w = fp8_gemv.dequantized_weight(weight[expert], scales[expert])
+            out[start : start + count] = x[start : start + count] @ w.to(x.dtype).t()
+        start += count
+    return out
+
+
+@functools.cache
+def _kernel() -> Any:
+    from lmiserve.engine.model.fp8_experts_kernel import fp8_experts_kernel
+
+    return triton.jit(fp8_experts_kernel)

@@ -1,0 +1,260 @@
+"""A mixture of experts' fp8 experts kept fp8 (engine/model/fp8_experts.py): the grouped product's Triton kernel
+(under Triton's interpreter on a CPU, on the GPU in the GPU check), its tiles of rows, and fp8 Qwen3-MoE and Mixtral
+checkpoints loaded with their experts kept fp8 and served with the tokens of their de-quantized model."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from helpers.llama_variants import MOE_ARCHS, PROMPTS, build, serve_prompts
+from lmiserve.engine import fp8_devices
+from lmiserve.engine.core.async_engine import EngineConfig
+from lmiserve.engine.model import fp8_experts, fp8_gemv
+
+DEVICE = torch.device(os.environ.get("LMISERVE_TEST_DEVICE", "cpu"))
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+needs_kernel = pytest.mark.skipif(
+    not fp8_gemv.available() or not (INTERPRETED or DEVICE.type == "cuda"),
+    reason="needs triton: its interpreter (TRITON_INTERPRET=1, set by tests/conftest.py on CPU) or a GPU",
+)
+
+
+@pytest.fixture
+def on_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grouped products on the Triton kernel here (a CPU's tensors under the interpreter)."""
+    monkeypatch.setattr(fp8_experts, "INTERPRETED_ON_CPU", True)
+
+
+def _experts(experts: int, outputs: int, inputs: int, block: int, gen: torch.Generator):
+    weight = (torch.randn(experts, outputs, inputs, generator=gen) * 40).to(torch.float8_e4m3fn)
+    shape = (experts, outputs, inputs // block) if block else (experts, outputs)
+    return weight.to(DEVICE), (torch.rand(*shape, generator=gen) * 0.01 + 1e-3).to(DEVICE)
+
+
+@pytest.mark.parametrize("counts", [[1, 0, 0, 0], [0, 3, 0, 4], [5, 17, 0, 1], [40, 0, 30, 2]])
+@pytest.mark.parametrize("block", [0, 32], ids=["per-channel", "blocks-of-32"])
+@pytest.mark.parametrize("native", [True, False], ids=["fp8-gpu", "no-fp8-gpu"])
+@needs_kernel
+def test_the_grouped_product_is_each_experts_dequantized_product(
+    on_kernel: None, monkeypatch: pytest.MonkeyPatch, counts: list[int], block: int, native: bool
+) -> None:
+    """Rows sorted by expert (experts without rows between them), each row's product with its expert's fp8 weight
+    times its scales, per channel or by blocks of inputs, on a GPU with fp8 conversions or widening the bytes (an
+    A100's): what de-quantizing each expert's weight gives, in fp32 and in fp16 (and bf16 on a GPU: Triton's
+    interpreter has no bf16 dot); an expert's rows past 16 (a tile) too."""
+    if not native:
+        monkeypatch.setattr(fp8_devices, "native", lambda device: False)
+    gen = torch.Generator().manual_seed(len(counts) + sum(counts) + block)
+    weight, scales = _experts(4, 96, 128, block, gen)
+    rows = sum(counts)
+    tallies = torch.tensor(counts, device=DEVICE)
+    halves = (torch.float16,) + ((torch.bfloat16,) if DEVICE.type == "cuda" else ())  # (the interpreter's dot: no bf16)
+    for dtype, tolerance in ((torch.float32, 1e-5), *((half, 2e-2) for half in halves)):
+        x = torch.randn(rows, 128, generator=gen).to(DEVICE, dtype)
+        got = fp8_experts.grouped_product(x, weight, scales, tallies)
+        want = fp8_experts.dequantized_product(x.float(), weight, scales, tallies)
+        assert got.dtype == dtype and got.shape == (rows, 96)
+        assert (got.float() - want).abs().max() <= tolerance * want.abs().max(), dtype
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_the_row_tiles_cover_each_experts_rows_once_in_a_grid_the_routing_does_not_change(block_m: int) -> None:
+    """Every row is in exactly one tile, each tile's rows are one expert's, at most `block_m` of them; the tiles past
+    the rows are empty; and how many tiles there are depends on the rows alone (a CUDA graph replays one grid)."""
+    gen = torch.Generator().manual_seed(block_m)
+    sizes = set()
+    for _ in range(20):
+        experts = int(torch.randint(1, 9, (1,), generator=gen))
+        ids = torch.sort(torch.randint(0, experts, (100,), generator=gen)).values
+        counts = torch.bincount(ids, minlength=experts)
+        expert, first, end = fp8_experts.row_tiles(counts, 100, block_m)
+        sizes.add((experts, expert.shape[0]))
+        covered = torch.zeros(100, dtype=torch.int64)
+        for e, f, t in zip(expert.tolist(), first.tolist(), end.tolist(), strict=True):
+            assert 0 <= t - f <= block_m
+            covered[f:t] += 1
+            assert (ids[f:t] == e).all()
+        assert covered.eq(1).all()
+    assert all(size == -(-100 // block_m) + min(experts, 100) for experts, size in sizes)
+
+
+def test_the_experts_stay_float_on_a_cpu_and_where_the_layout_is_not_the_kernels() -> None:
+    model = build(*MOE_ARCHS["qwen3_moe"])
+    assert not fp8_experts.kept_for(model, torch.device("cpu"), "tiny")
+    for arch in ("mixtral", "qwen2_moe_shared", "qwen3_moe", "glm4_moe", "olmoe"):
+        first = next(m for n, m in build(*MOE_ARCHS[arch]).named_modules() if n.endswith(".experts"))
+        assert fp8_experts.servable(first), arch
+    gpt_oss = build(*MOE_ARCHS["gpt_oss"])  # ([experts, in, out], interleaved gate/up with biases: MXFP4's model)
+    assert not fp8_experts.servable(gpt_oss.model.layers[0].mlp.experts)
+
+
+CHECKPOINTS = {  # (architecture, quant_pack's format): Qwen3-30B-A3B-FP8's blocks, compressed-tensors' and ModelOpt's
+    "qwen3-fp8-block": ("qwen3_moe", "fp8-block"),
+    "qwen3-fp8-channel": ("qwen3_moe", "fp8-channel"),
+    "qwen3-fp8-tensor": ("qwen3_moe", "fp8-tensor"),
+    "mixtral-fp8-channel": ("mixtral", "fp8-channel"),
+    "qwen2-moe-fp8-block": ("qwen2_moe_shared", "fp8-block"),
+}
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="a CPU's fp32 under the interpreter; the kernel test covers CUDA")
+@pytest.mark.parametrize("case", list(CHECKPOINTS))
+@needs_kernel
+def test_an_fp8_mixture_of_experts_kept_fp8_serves_its_dequantized_models_tokens(
+    tiny_model, tmp_path, caplog, monkeypatch: pytest.MonkeyPatch, on_kernel: None, case: str
+) -> None:
+    """An fp8 MoE checkpoint loaded where its experts stay fp8 (as on a GPU where de-quantized they would not fit:
+    `fp8_experts.kept_for` forced): every experts module holds the checkpoint's fp8 values and each row's scales,
+    the start's account says so, and the engine on the fast path, its decode steps in the decode graphs (played on a
+    CPU, watched for host syncs), gives the greedy tokens of the same checkpoint de-quantized at load (fp32)."""
+    from safetensors.torch import load_file
+
+    from helpers.decode_graphs import graphs_on_the_test_device
+    from helpers.llama_variants import greedy_tokens
+    from helpers.quantizable import write_checkpoint
+    from lmiserve.models.load import load_causal_lm
+
+    arch, fmt = CHECKPOINTS[case]
+    write_checkpoint(build(*MOE_ARCHS[arch]), tmp_path, fmt, 16)
+    tiny_model.tokenizer.save_pretrained(tmp_path)
+    dequantized = load_causal_lm(tmp_path, dtype="fp32", device="cpu")
+    assert not any(fp8_experts.kept(m) for m in dequantized.model.modules())
+
+    record = graphs_on_the_test_device(monkeypatch)
+    monkeypatch.setattr(fp8_experts, "kept_for", lambda model, device, name: True)
+    with caplog.at_level("INFO", logger="lmiserve.models.load"):
+        loaded = load_causal_lm(tmp_path, dtype="fp32", device="cpu")
+    kept = [m for m in loaded.model.modules() if fp8_experts.kept(m)]
+    assert kept and len(kept) == sum(1 for n, _ in loaded.model.named_modules() if n.endswith(".experts"))
+    assert any("experts modules kept fp8" in r.message for r in caplog.records)
+    stored = load_file(tmp_path / "model.safetensors")
+    block = "block_sparse_moe" if arch == "mixtral" else "mlp"
+    first = "w1" if arch == "mixtral" else "gate_proj"
+    experts = loaded.model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.dtype == torch.float8_e4m3fn and experts.gate_up_proj_scales.dtype == torch.float32
+    stored_first = stored[f"model.layers.0.{block}.experts.1.{first}.weight"]
+    assert torch.equal(
+        experts.gate_up_proj[1, : stored_first.shape[0]].view(torch.uint8), stored_first.view(torch.uint8)
+    )
+    assert experts.down_proj_scales.dim() == (3 if fmt == "fp8-block" else 2)
+
+    ran: list[int] = []
+    product = fp8_experts.grouped_product
+    monkeypatch.setattr(fp8_experts, "grouped_product", lambda x, *rest: ran.append(x.shape[0]) or product(x, *rest))
+    loaded = dataclasses.replace(loaded, max_context=256)
+    engine, results = asyncio.run(serve_prompts(loaded, EngineConfig(max_prefill_tokens=4), 8))
+    assert engine.runner.path == "fast" and record.steps and ran
+    for prompt, events in zip(PROMPTS, results, strict=True):
+        assert [e.token.id for e in events if e.token] == greedy_tokens(dequantized, prompt, 8), prompt
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="a CPU's fp32 under the interpreter; the kernel test covers CUDA")
+@needs_kernel
+def test_quantize_fp8_on_a_float_mixture_of_experts_keeps_its_experts_fp8_per_channel(
+    tiny_model, tmp_path, monkeypatch: pytest.MonkeyPatch, on_kernel: None
+) -> None:
+    """``quantize=fp8`` on a float Qwen3-MoE where the experts stay fp8 (`kept_for` forced, as where de-quantized
+    they would not fit): each expert's matrices are quantized with a scale a row (`quantize_fp8`'s), and the engine
+    on the fast path gives the greedy tokens of the float model whose experts are those fp8 values times their
+    scales. Where they are not kept, they stay float (the CPU's rule)."""
+    from helpers.llama_variants import greedy_tokens
+    from lmiserve.engine.model.fp8_ops import quantize_fp8
+    from lmiserve.models.load import load_causal_lm
+
+    original = build(*MOE_ARCHS["qwen3_moe"])
+    original.save_pretrained(tmp_path)
+    tiny_model.tokenizer.save_pretrained(tmp_path)
+    float_experts = load_causal_lm(tmp_path, dtype="fp32", device="cpu", quantize="fp8")
+    assert not any(fp8_experts.kept(m) for m in float_experts.model.modules())
+    monkeypatch.setattr(fp8_experts, "kept_for", lambda model, device, name: True)
+    loaded = load_causal_lm(tmp_path, dtype="fp32", device="cpu", quantize="fp8")
+    for layer, reference in zip(loaded.model.model.layers, float_experts.model.model.layers, strict=True):
+        experts = layer.mlp.experts
+        assert fp8_experts.kept(experts)
+        for kind in ("gate_up_proj", "down_proj"):
+            weight, scales = getattr(experts, kind), getattr(experts, f"{kind}_scales")
+            q, s = quantize_fp8(getattr(original.model.layers[layer.self_attn.layer_idx].mlp.experts, kind)[2])
+            assert torch.equal(weight[2].view(torch.uint8), q.view(torch.uint8)) and torch.equal(scales[2], s)
+            dequantized = weight.float() * scales[..., None]
+            setattr(reference.mlp.experts, kind, torch.nn.Parameter(dequantized, requires_grad=False))
+    loaded = dataclasses.replace(loaded, max_context=256)
+    engine, results = asyncio.run(serve_prompts(loaded, EngineConfig(max_prefill_tokens=4), 8))
+    assert engine.runner.path == "fast"
+    for prompt, events in zip(PROMPTS, results, strict=True):
+        assert [e.token.id for e in events if e.token] == greedy_tokens(float_experts, prompt, 8), prompt
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="a CPU's fp32 under the interpreter; the kernel test covers CUDA")
+@pytest.mark.parametrize(
+    ("fmt", "inter", "kept"),
+    [("fp8-channel", 64, [True, True]), ("fp8-block", 64, [True, True]), ("fp8-block", 48, [True, False])],
+)
+@needs_kernel
+def test_each_tensor_parallel_rank_keeps_its_part_of_the_fp8_experts(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, on_kernel: None, fmt: str, inter: int, kept: list[bool]
+) -> None:
+    """Over two ranks each rank reads its part of every expert's fp8 matrices (gate/up's rows, down's inputs, which
+    start a block of 16 here) with their scales, kept fp8 (64 intermediate): the ranks' MoE blocks (what the all-reduce adds) are
+    the block of the checkpoint de-quantized whole in one process. Where a rank's inputs of down_proj do not start
+    a block (blocks of 16 over 48 inputs: rank 1's start at 24) its experts are de-quantized instead, and the sum is
+    the same."""
+    import copy
+
+    from accelerate import init_empty_weights
+
+    from helpers.quantizable import write_checkpoint
+    from lmiserve.engine.model.layout_variants import moe_block, moe_forward
+    from lmiserve.engine.model.shard_checkpoint import load_shard_weights
+    from lmiserve.engine.model.sharding import shard_model
+    from lmiserve.models.load import load_causal_lm
+    from lmiserve.models.quantized_load import checkpoint_quantization
+
+    config_class, model_class, overrides = MOE_ARCHS["qwen3_moe"]
+    model = build(config_class, model_class, {**overrides, "moe_intermediate_size": inter})
+    write_checkpoint(model, tmp_path, fmt, 16)
+    whole = load_causal_lm(tmp_path, dtype="fp32", device="cpu").model
+    monkeypatch.setattr(fp8_experts, "kept_for", lambda model, device, name: True)
+    quant = checkpoint_quantization(tmp_path, None)
+    ranks = []
+    for rank in range(2):
+        with init_empty_weights(include_buffers=False):
+            shell = type(model)(copy.deepcopy(model.config)).eval()
+        shard_model(shell, rank, 2, None)
+        load_shard_weights(shell, tmp_path, quant, torch.device("cpu"))
+        ranks.append(shell)
+    x = torch.randn(7, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        for i, layer in enumerate(whole.model.layers):
+            parts = [moe_block(shell.model.layers[i]) for shell in ranks]
+            assert [fp8_experts.kept(part.experts) for part in parts] == kept
+            experts = parts[1].experts
+            assert experts.down_proj.shape[2] == inter // 2 and experts.gate_up_proj.shape[1] == inter
+            total = sum(moe_forward(part, x) for part in parts)
+            torch.testing.assert_close(total, moe_forward(moe_block(layer), x), rtol=1e-5, atol=1e-5)
+
+
+def test_the_decode_graphs_capture_fp8_experts_in_any_dtype() -> None:
+    """torch's grouped product waits for the device outside bf16 (`experts_graph_reason`); the fp8 experts' kernel
+    finds its tiles on the device, so a model whose experts are all kept fp8 is captured in fp32 too."""
+    from lmiserve.engine.attention.paged import AttentionShape, PagedKVCache
+    from lmiserve.engine.model.fast_llama import FastLlama
+    from lmiserve.engine.model.layout_variants import experts_graph_reason
+
+    model = build(*MOE_ARCHS["qwen3_moe"])
+    cfg = model.config
+    cache = PagedKVCache(
+        cfg.num_hidden_layers, 8, 4, cfg.num_key_value_heads, AttentionShape.of(cfg).head_dim, torch.float32, "cpu"
+    )
+    fast = FastLlama(model, cache, 64)
+    assert "float32" in (experts_graph_reason(model, fast.layers) or "")
+    experts = [m for n, m in model.named_modules() if n.endswith(".experts")]
+    fp8_experts.quantize(experts[0])
+    assert "float32" in (experts_graph_reason(model, fast.layers) or "")  # (one layer's still float)
+    for module in experts[1:]:
+        fp8_experts.quantize(module)
+    assert experts_graph_reason(model, fast.layers) is None
