@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from lmiserve.engine.model import fp8_experts
+from lmiserve.engine.model.expert_matrices import stacked_experts
 from lmiserve.engine.model.fp8_ops import per_tensor_at_load
 from lmiserve.engine.model.int4_triton import Int4TritonLinear
 from lmiserve.engine.model.int8_weights import Int8WeightLinear
@@ -67,7 +68,7 @@ from lmiserve.engine.model.quant_formats import (
     weights_kept_for,
 )
 from lmiserve.engine.model.quantize import Int4Linear, Int8Linear, replace_linears
-from lmiserve.engine.model.shard_checkpoint import model_names, stacked_experts
+from lmiserve.engine.model.shard_checkpoint import model_names
 from lmiserve.engine.model.shard_quantized import dequantizing_reader
 from lmiserve.engine.model.sharding import experts_layout
 from lmiserve.models.attention_choice import sdpa_or_default

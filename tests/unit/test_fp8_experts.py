@@ -54,7 +54,8 @@ def test_the_grouped_product_is_each_experts_dequantized_product(
     rows = sum(counts)
     tallies = torch.tensor(counts, device=DEVICE)
     halves = (torch.float16,) + ((torch.bfloat16,) if DEVICE.type == "cuda" else ())  # (the interpreter's dot: no bf16)
-    for dtype, tolerance in ((torch.float32, 1e-5), *((half, 2e-2) for half in halves)):
+    fp32 = 1e-5 if DEVICE.type == "cpu" else 5e-3  # (a GPU's fp32 dot: tf32)
+    for dtype, tolerance in ((torch.float32, fp32), *((half, 2e-2) for half in halves)):
         x = torch.randn(rows, 128, generator=gen).to(DEVICE, dtype)
         got = fp8_experts.grouped_product(x, weight, scales, tallies)
         want = fp8_experts.dequantized_product(x.float(), weight, scales, tallies)

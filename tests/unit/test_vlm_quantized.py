@@ -260,7 +260,8 @@ def test_a_block_wise_fp8_vlm_kept_fp8_runs_its_decoder_on_the_triton_kernel(fp8
     monkeypatch.setattr(fp8_gemv, "fp8_gemv", lambda x, *rest: ran.append(x.shape[0]) or kernel(x, *rest))
     prompts = _prompts(loaded)
     results, engine = asyncio.run(serve(loaded, config(), prompts))
-    assert engine.runner.path == "fast" and 1 in ran and max(ran) > 1  # decode rows and prompts' rows
+    # decode rows (one a request: both requests' at once, or one's alone, as the steps fell) and prompts' rows
+    assert engine.runner.path == "fast" and min(ran) <= len(prompts) < max(ran), ran
     if record is not None:
         assert record.steps  # decode steps replayed the graphs
     assert same(results, [reference(dequantized, *r) for r in prompts])

@@ -31,8 +31,8 @@ import torch
 
 from lmiserve.engine import fp8_devices
 from lmiserve.engine.model import fp8_gemv, weight_fit
+from lmiserve.engine.model.expert_matrices import Read, stacked_experts
 from lmiserve.engine.model.fp8_ops import quantize_fp8
-from lmiserve.engine.model.shard_checkpoint import Read, stacked_experts
 from lmiserve.engine.model.shard_quantized import Fp8Scaled
 
 try:

@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from lmiserve.engine.model import fp8_experts
 from lmiserve.engine.model.checkpoint_names import renamer
+from lmiserve.engine.model.expert_matrices import EXPERT_PARTS, Read, mixtral_name, stacked_experts
 from lmiserve.engine.model.quant_formats import QuantSpec, weights_kept_for
 from lmiserve.engine.model.shard_quantized import dequantizing_reader, shard_linear
 from lmiserve.engine.model.sharding import (
@@ -49,10 +51,6 @@ from lmiserve.engine.model.sharding import (
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
-
-# the names of each expert's matrices that make a merged experts tensor: Qwen's, GLM's, OLMoE's; Mixtral's
-EXPERT_PARTS = {"gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")), "down_proj": (("down_proj",), ("w2",))}
-Read = Callable[[str], Any]  # a checkpoint tensor's safetensors slice, by its name
 
 
 def checkpoint_files(path: str | Path) -> dict[str, Path] | None:
@@ -109,8 +107,6 @@ def load_shard_weights(
         read = dequantizing_reader(slice_of, files, quant)
         made = _quantized_linears(model, files, slice_of, quant, device or torch.device("cpu"), split)
         if quant is not None and quant.method == "fp8":  # (a mixture of experts' fp8 experts, where kept fp8)
-            from lmiserve.engine.model import fp8_experts  # (it reads the experts as this module does)
-
             fp8_experts.shard_kept(model, files, slice_of, quant.blocks, device or torch.device("cpu"), shard.plan)
         for name, parameter in model.named_parameters():  # a tied output layer's weight is listed once
             if name.rpartition(".")[0] in made:
@@ -199,7 +195,7 @@ def _read(
     """This rank's part of `name` as the checkpoint stores it (None: it does not), in `like`'s dtype and shape;
     `layouts`: each experts module's (`experts_layout`), by name; not `split`: the whole tensor (a vision tower's)."""
     owner, _, kind = name.rpartition(".")
-    stored = name if name in files else _mixtral_name(name)
+    stored = name if name in files else mixtral_name(name)
     loaded: torch.Tensor | None = None
     if not split:
         loaded = torch.as_tensor(read(name)[:]) if name in files else None
@@ -218,34 +214,6 @@ def _read(
     if tuple(loaded.shape) != tuple(like.shape):
         raise ValueError(f"{name}: the checkpoint's slice is {tuple(loaded.shape)}, not {tuple(like.shape)}")
     return loaded
-
-
-def _mixtral_name(name: str) -> str:
-    """Mixtral's checkpoint name of a tensor of its MoE block (transformers names the block ``mlp``)."""
-    return name.replace(".mlp.", ".block_sparse_moe.", 1)
-
-
-def stacked_experts(
-    owner: str, kind: str, count: int, names: Mapping[str, Any], read: Read, part: Callable[[int], slice]
-) -> Any:
-    """Merged experts tensor ``owner.kind`` (``gate_up_proj`` ``[experts, 2 * inter, hidden]``, ``down_proj``
-    ``[experts, hidden, inter]``) stacked from the checkpoint's matrices of each of the `count` experts (`names`: the
-    checkpoint's tensors), each cut to `part` of its intermediate size (a rank's, `ShardPlan.part`; or all of it);
-    None when the checkpoint has them under none of the names `EXPERT_PARTS` knows."""
-    for prefix in (owner, _mixtral_name(owner)):
-        for parts in EXPERT_PARTS[kind]:
-            first = f"{prefix}.0.{parts[0]}"
-            if not any(f"{first}.{key}" in names for key in ("weight", "weight_packed", "qweight")):
-                continue  # (integer codes: `read` de-quantizes them, `dequantizing_reader`)
-            pieces = []
-            for name in parts:  # gate's rows of every expert, then up's: as ``gate_up_proj`` holds them
-                each = [read(f"{prefix}.{e}.{name}.weight") for e in range(count)]
-                if kind == "down_proj":
-                    pieces.append(torch.stack([torch.as_tensor(t[:, part(t.get_shape()[1])]) for t in each]))
-                else:
-                    pieces.append(torch.stack([torch.as_tensor(t[part(t.get_shape()[0])]) for t in each]))
-            return torch.cat(pieces, dim=1)
-    return None
 
 
 def _mxfp4(name: str, kind: str, read: Read, plan: ShardPlan, dtype: torch.dtype) -> torch.Tensor | None:
