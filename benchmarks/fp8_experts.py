@@ -21,15 +21,16 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import torch
+from quantized_kernels import graph_timed  # benchmarks/quantized_kernels.py: the script's folder is on sys.path
+from quantized_kernels import timed as eager_timed
 
 from lmiserve.engine import fp8_devices
-from lmiserve.engine.model import fp8_experts, kernel_choice
+from lmiserve.engine.model import fp8_experts, fp8_gemv
 from lmiserve.engine.model.fp8_ops import quantize_fp8
 from lmiserve.models.quant_pack import fp8_block_tensors
 
@@ -63,40 +64,25 @@ def fp8_twin(module: torch.nn.Module, block: int) -> tuple[torch.nn.Module, torc
     weights = {}
     for kind in ("gate_up_proj", "down_proj"):
         full = getattr(module, kind).detach().float()
-        if block:
+        if block:  # (each row's scales by blocks of inputs, as the loader keeps them: `fp8_gemv.block_scales`)
             made = [fp8_block_tensors(matrix.cpu(), block) for matrix in full]
-            q = torch.stack([m["weight"] for m in made]).to(full.device)
-            grid = torch.stack([m["weight_scale_inv"] for m in made]).to(full.device).float()
-            scales = grid.repeat_interleave(block, dim=1)[:, : full.shape[1]].contiguous()
+            rows = [fp8_gemv.block_scales(m["weight_scale_inv"], *m["weight"].shape, (block, block)) for m in made]
+            q, scales = torch.stack([m["weight"] for m in made]), torch.stack([cast(torch.Tensor, r) for r in rows])
         else:
             pairs = [quantize_fp8(matrix) for matrix in full]
             q, scales = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+        q, scales = q.to(full.device), scales.to(full.device)
         weights[kind] = (q, scales)
-        rows = scales if scales.dim() == 2 else scales.repeat_interleave(block, dim=2)[..., : full.shape[2]]
-        dequantized = q.float() * (rows[..., None] if rows.dim() == 2 else rows)
+        dequantized = torch.stack([fp8_gemv.dequantized_weight(w, s) for w, s in zip(q, scales, strict=True)])
         setattr(dense, kind, torch.nn.Parameter(dequantized.to(full.dtype), requires_grad=False))
     fp8_experts.keep(kept, weights)
     return kept, dense
 
 
 def timed(fn: Callable[[], torch.Tensor], iters: int, cuda: bool) -> float:
-    """One call's seconds: replayed from a CUDA graph on a GPU (`kernel_choice.time_in_graph`), else the median."""
-    if cuda:
-        try:
-            return kernel_choice.time_in_graph(fn, torch.device("cuda", torch.cuda.current_device()), iters, replays=5)
-        except Exception as exc:  # noqa: BLE001 - reported, then timed eagerly
-            print(f"capture failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-    fn()
-    times = []
-    for _ in range(iters):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """One call's seconds: replayed from a CUDA graph on a GPU, else (or where the capture fails) eagerly
+    (`quantized_kernels`' timers)."""
+    return (graph_timed(fn, iters) if cuda else None) or eager_timed(fn, iters, cuda)
 
 
 def main() -> None:

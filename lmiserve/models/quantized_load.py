@@ -215,21 +215,14 @@ def _fill_experts(
     refused in one line."""
     read = dequantizing_reader(files.slice, stored, spec)
     made: Counter[str] = Counter()
-    keep: bool | None = None if spec.method == "fp8" else False  # (asked once, where a module could be kept)
+    if spec.method == "fp8":
+        kept = fp8_experts.keep_stored(model, stored, files.slice, spec.blocks, device, path.name)
+        made["experts modules kept fp8 (Triton kernel)"] = len(kept)
     for name, module in model.named_modules():
-        if not name.endswith(".experts") or all(f"{name}.{kind}" in stored for kind in ("gate_up_proj", "down_proj")):
-            continue
         down = getattr(module, "down_proj", None)
-        if not isinstance(down, torch.Tensor):
+        if not name.endswith(".experts") or fp8_experts.kept(module) or not isinstance(down, torch.Tensor):
             continue
         count = int(down.shape[0])
-        if keep is None and fp8_experts.servable(module):
-            keep = fp8_experts.kept_for(model, device, path.name)
-        fp8 = fp8_experts.stacked_fp8(name, count, stored, files.slice, spec.blocks) if keep else None
-        if fp8 is not None:
-            fp8_experts.keep(module, {kind: (w.to(device), s.to(device)) for kind, (w, s) in fp8.items()})
-            made["experts modules kept fp8 (Triton kernel)"] += 1
-            continue
         for kind in ("gate_up_proj", "down_proj"):
             meta = getattr(module, kind, None)
             if not isinstance(meta, torch.Tensor) or not meta.is_meta or f"{name}.{kind}" in stored:
@@ -355,7 +348,7 @@ def quantize_fp8_dynamic(model: torch.nn.Module, dtype: torch.dtype, device: tor
 
     scales = "per tensor" if per_tensor else "per output channel"
     account = f"fp8 quantized at load, {scales}: {_made_at_load(model, make)}"
-    experts = [m for n, m in text_part(model).named_modules() if n.endswith(".experts") and fp8_experts.servable(m)]
+    experts = fp8_experts.servable_modules(text_part(model)).values()
     if experts and fp8_experts.kept_for(model, device, "quantize=fp8"):
         for module in experts:
             fp8_experts.quantize(module)

@@ -48,12 +48,13 @@ __all__ = [
     "forward",
     "grouped_product",
     "keep",
+    "keep_stored",
     "kept",
     "kept_for",
     "quantize",
     "row_tiles",
     "servable",
-    "shard_kept",
+    "servable_modules",
     "stacked_fp8",
 ]
 
@@ -172,22 +173,35 @@ def quantize(experts: torch.nn.Module) -> None:
     keep(experts, weights)
 
 
-def shard_kept(
-    model: torch.nn.Module, names: Any, read: Read, blocks: tuple[int, int] | None, device: torch.device, plan: Any
+def servable_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """`model`'s experts modules that `keep` can serve (`servable`), by name."""
+    return {n: m for n, m in model.named_modules() if n.endswith(".experts") and servable(m)}
+
+
+def keep_stored(
+    model: torch.nn.Module,
+    names: Any,
+    read: Read,
+    blocks: tuple[int, int] | None,
+    device: torch.device,
+    name: str,
+    part: Callable[[int], slice] = lambda size: slice(0, size),
 ) -> set[str]:
-    """A tensor-parallel rank's fp8 experts kept fp8 (`kept_for` on the rank's shell `model`): each servable experts
-    module the rank's part of (`plan.part`: of every expert's intermediate size) read from the checkpoint (`names`,
-    `read`: the raw tensors) and `keep`-ed on `device`; their names (the others are de-quantized)."""
-    found = {n: m for n, m in model.named_modules() if n.endswith(".experts") and servable(m)}
-    if not found or not kept_for(model, device, f"rank {plan.rank}"):
+    """An fp8 checkpoint's experts kept fp8 where `kept_for` says so for `model` (the meta model, or a
+    tensor-parallel rank's shell; `name`: the checkpoint's or the rank's, for the log): each servable experts module
+    read from the checkpoint (`names`, `read`: the raw tensors; `part` of every expert's intermediate size: a rank's,
+    `ShardPlan.part`) by `stacked_fp8` and `keep`-ed on `device`; their names (the others are left to be
+    de-quantized)."""
+    found = servable_modules(model)
+    if not found or not kept_for(model, device, name):
         return set()
     made = set()
-    for name, module in found.items():
+    for owner, module in found.items():
         count = int(cast(torch.Tensor, module.down_proj).shape[0])
-        weights = stacked_fp8(name, count, names, read, blocks, plan.part)
+        weights = stacked_fp8(owner, count, names, read, blocks, part)
         if weights is not None:
             keep(module, {kind: (w.to(device), s.to(device)) for kind, (w, s) in weights.items()})
-            made.add(name)
+            made.add(owner)
     return made
 
 

@@ -107,7 +107,8 @@ def load_shard_weights(
         read = dequantizing_reader(slice_of, files, quant)
         made = _quantized_linears(model, files, slice_of, quant, device or torch.device("cpu"), split)
         if quant is not None and quant.method == "fp8":  # (a mixture of experts' fp8 experts, where kept fp8)
-            fp8_experts.shard_kept(model, files, slice_of, quant.blocks, device or torch.device("cpu"), shard.plan)
+            rank_device, rank = device or torch.device("cpu"), f"rank {shard.plan.rank}"
+            fp8_experts.keep_stored(model, files, slice_of, quant.blocks, rank_device, rank, shard.plan.part)
         for name, parameter in model.named_parameters():  # a tied output layer's weight is listed once
             if name.rpartition(".")[0] in made:
                 continue
