@@ -1,9 +1,10 @@
-"""A mixture of experts' fp8 experts on a GPU (issue 39, item 2): time and error of one experts layer of
+"""A mixture of experts' fp8 and 4-bit experts on a GPU (issue 39, item 2): time and error of one experts layer of
 Qwen3-30B-A3B's shape (128 experts, 8 a token, hidden 2048, 768 inputs to down_proj) in bf16 (transformers' grouped
-forward, `torch._grouped_mm`: what the engine runs where the experts are de-quantized) and kept fp8
+forward, `torch._grouped_mm`: what the engine runs where the experts are de-quantized), kept fp8
 (`engine/model/fp8_experts.py`'s Triton kernel: a scale a channel, by blocks of 128 as Qwen3-30B-A3B-FP8 stores them,
-and widened as an A100 does on this GPU), at a few token counts: decode steps (1, 16, 64 tokens) and a prompt's
-chunk (2048).
+and widened as an A100 does on this GPU) and kept 4-bit (`engine/model/int4_experts.py`'s: codes with a scale and a
+zero a group of 128 inputs, as Qwen3-30B-A3B's AWQ and GPTQ releases store them), at a few token counts: decode
+steps (1, 16, 64 tokens) and a prompt's chunk (2048).
 
     .venv/bin/python benchmarks/fp8_experts.py [--tokens 1,16,64,2048] [--out DIR]   # CUDA
     TRITON_INTERPRET=1 .venv/bin/python benchmarks/fp8_experts.py --smoke            # CPU: checks it runs
@@ -12,8 +13,8 @@ Per token count: the median time of `--iters` calls replayed from a CUDA graph (
 GPU's time alone; eager where the capture fails), the bytes of the experts hit (each routed expert's weights, read
 once) and the bandwidth that makes, the error against the bf16 layer of the de-quantized weights (max |diff| / max
 |ref|), and `over_bf16` (bf16's time over this one's: above 1, the fp8 experts are faster). Prints each row; with
---out writes ``fp8_experts.json``. The engine keeps fp8 experts only where de-quantized they would not fit
-(`fp8_experts.kept_for`); these figures say whether to keep them always.
+--out writes ``fp8_experts.json``. The engine keeps quantized experts only where de-quantized they would not fit
+(`fp8_experts.kept_for`, `int4_experts.kept_for`); these figures say whether to keep them always.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from quantized_kernels import graph_timed  # benchmarks/quantized_kernels.py: th
 from quantized_kernels import timed as eager_timed
 
 from lmiserve.engine import fp8_devices
-from lmiserve.engine.model import fp8_experts, fp8_gemv
+from lmiserve.engine.model import fp8_experts, fp8_gemv, int4_experts, int4_triton
 from lmiserve.engine.model.fp8_ops import quantize_fp8
-from lmiserve.models.quant_pack import fp8_block_tensors
+from lmiserve.models.quant_pack import fp8_block_tensors, rtn_int4
 
 SHAPE = {"experts": 128, "top_k": 8, "hidden": 2048, "intermediate": 768}  # Qwen3-30B-A3B's
 SMOKE = {"experts": 8, "top_k": 2, "hidden": 128, "intermediate": 64}
@@ -79,6 +80,28 @@ def fp8_twin(module: torch.nn.Module, block: int) -> tuple[torch.nn.Module, torc
     return kept, dense
 
 
+def int4_twin(module: torch.nn.Module, group: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """`module`'s experts kept 4-bit (`int4_experts.keep`): each expert's matrices rounded to 4-bit codes with a
+    scale and a zero a group of `group` inputs (`quant_pack.rtn_int4`, AutoAWQ's rounding); and the bf16 module of
+    the same de-quantized weights (the reference)."""
+    import copy
+
+    kept, dense = copy.deepcopy(module), copy.deepcopy(module)
+    weights = {}
+    for kind in ("gate_up_proj", "down_proj"):
+        full = getattr(module, kind).detach().float()
+        g_idx = torch.arange(full.shape[2], device=full.device) // group
+        made = [rtn_int4(matrix, g_idx, full.shape[2] // group, include_zero=False) for matrix in full]
+        words = torch.stack([int4_triton.pack_nibbles(codes.reshape(codes.shape[0], -1, 8)) for codes, _, _ in made])
+        scales = torch.stack([scale.float().t() for _, scale, _ in made])
+        zeros = torch.stack([zero.float().t() for _, _, zero in made])
+        weights[kind] = (words, scales, zeros)
+        dequantized = torch.stack([int4_experts.dequantized_weight(*parts) for parts in zip(words, scales, zeros)])
+        setattr(dense, kind, torch.nn.Parameter(dequantized.to(full.dtype), requires_grad=False))
+    int4_experts.keep(kept, weights)
+    return kept, dense
+
+
 def timed(fn: Callable[[], torch.Tensor], iters: int, cuda: bool) -> float:
     """One call's seconds: replayed from a CUDA graph on a GPU, else (or where the capture fails) eagerly
     (`quantized_kernels`' timers)."""
@@ -95,13 +118,16 @@ def main() -> None:
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda and not args.smoke:
         raise SystemExit("needs a CUDA GPU (or --smoke on CPU under TRITON_INTERPRET=1)")
-    fp8_experts.INTERPRETED_ON_CPU = args.smoke
+    fp8_experts.INTERPRETED_ON_CPU = int4_experts.INTERPRETED_ON_CPU = args.smoke
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float16  # (the interpreter's dot has no bf16)
     shape = SHAPE if cuda else SMOKE
+    iters = args.iters if cuda else 2  # (the smoke run checks that it runs; the interpreter is slow)
     torch.manual_seed(0)
     bf16 = experts_module(shape, dtype, device)
-    variants = {"fp8_channel": fp8_twin(bf16, 0), "fp8_block": fp8_twin(bf16, BLOCK if cuda else 32)}
+    group = BLOCK if cuda else 32
+    variants = {"fp8_channel": fp8_twin(bf16, 0), "fp8_block": fp8_twin(bf16, group), "int4": int4_twin(bf16, group)}
+    weight_bytes = {"fp8_channel": 1.0, "fp8_block": 1.0, "int4": 0.5}  # (a weight's, scales left out)
     per_expert = 3 * shape["hidden"] * shape["intermediate"]  # gate, up and down: their weights' count
     rows = []
     for tokens in (int(t) for t in (args.tokens if cuda else "1,4").split(",")):
@@ -111,17 +137,18 @@ def main() -> None:
         hit = int(torch.unique(index).numel())
         row: dict[str, object] = {"tokens": tokens, "experts_hit": hit}
         with torch.no_grad():
-            bf16_s = timed(functools.partial(bf16, x, index, weights), args.iters, cuda)
+            bf16_s = timed(functools.partial(bf16, x, index, weights), iters, cuda)
             row["bf16"] = {"us": round(bf16_s * 1e6, 1), "GB_per_s": round(hit * per_expert * 2 / bf16_s / 1e9, 1)}
             for name, (kept, dense) in variants.items():
                 want = dense(x, index, weights)
-                for widened in (False, True) if cuda and fp8_devices.native(device) else (False,):
+                widen = cuda and fp8_devices.native(device) and name.startswith("fp8")
+                for widened in (False, True) if widen else (False,):
                     key = name + ("_widened" if widened else "")
                     native = fp8_devices.native
                     if widened:  # the bytes widened as on an A100, on this GPU
                         fp8_devices.native = lambda d: False  # type: ignore[assignment]
                     try:
-                        seconds = timed(functools.partial(kept, x, index, weights), args.iters, cuda)
+                        seconds = timed(functools.partial(kept, x, index, weights), iters, cuda)
                         got = kept(x, index, weights)
                     except Exception as exc:  # noqa: BLE001 - a variant this GPU refuses: said so
                         row[key] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
@@ -131,7 +158,7 @@ def main() -> None:
                     error = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
                     row[key] = {
                         "us": round(seconds * 1e6, 1),
-                        "GB_per_s": round(hit * per_expert / seconds / 1e9, 1),
+                        "GB_per_s": round(hit * per_expert * weight_bytes[name] / seconds / 1e9, 1),
                         "error": round(error, 5),
                         "over_bf16": round(bf16_s / seconds, 3),
                     }

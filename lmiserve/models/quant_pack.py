@@ -128,11 +128,13 @@ def fp8_block_tensors(weight: torch.Tensor, block: int) -> dict[str, torch.Tenso
 _QUANTIZED_SAVED = re.compile(r"(_proj|\.experts\.\d+\.w[123])\.weight$")
 
 
-def _write_saved(model: Any, out_dir: Path, fmt: str, block: int) -> dict[str, dict[str, torch.Tensor]]:
+def _write_saved(
+    model: Any, out_dir: Path, fmt: str, block: int, act_order: bool = False
+) -> dict[str, dict[str, torch.Tensor]]:
     """`model` saved as transformers publishes it (a mixture of experts: each expert's matrices), each
     ``*_proj.weight`` (and Mixtral's experts' ``w1``-``w3``) then quantized: to fp8 by blocks of `block`
     (``fp8-block``), or per channel or tensor; or to AWQ's or GPTQ's 4-bit codes by groups of `block` inputs (as
-    AutoAWQ and GPTQModel publish a Qwen3-MoE: every expert's matrices too, the router float)."""
+    AutoAWQ and GPTQModel publish a Qwen3-MoE: every expert's matrices too, the router float; GPTQ's `act_order`)."""
     from safetensors.torch import load_file, save_file
 
     model.save_pretrained(out_dir)
@@ -142,7 +144,7 @@ def _write_saved(model: Any, out_dir: Path, fmt: str, block: int) -> dict[str, d
         state = load_file(str(file))
         for name in [n for n, t in state.items() if _QUANTIZED_SAVED.search(n) and t.dim() == 2]:
             weight = state.pop(name)
-            tensors = _tensors_of(weight, fmt, block)
+            tensors = _tensors_of(weight, fmt, block, act_order)
             state.update({f"{name.removesuffix('.weight')}.{k}": v for k, v in tensors.items()})
             written[name.removesuffix(".weight")] = tensors
         save_file(state, str(file), metadata={"format": "pt"})
@@ -154,7 +156,7 @@ def _write_saved(model: Any, out_dir: Path, fmt: str, block: int) -> dict[str, d
                 data["weight_map"][f"{name}.{key}"] = data["weight_map"][f"{name}.weight"]
         index.write_text(json.dumps(data, indent=2))
     config = json.loads((out_dir / "config.json").read_text())
-    config["quantization_config"] = _config(fmt, block, False)
+    config["quantization_config"] = _config(fmt, block, act_order)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     return written
 
@@ -203,7 +205,7 @@ def write_quantized(
         raise ValueError(f"format {fmt!r}: one of {', '.join(FORMATS)}")
     experts = any(name.endswith(".experts") for name, _ in model.named_modules())
     if fmt == "fp8-block" or experts:
-        return _write_saved(model, out_dir, fmt, group)
+        return _write_saved(model, out_dir, fmt, group, act_order)
     head = model.get_output_embeddings()
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     if getattr(model.config, "tie_word_embeddings", False):

@@ -39,6 +39,7 @@ is refused with one line (`ModelLoadError`)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 from collections import Counter
@@ -48,7 +49,7 @@ from typing import Any
 
 import torch
 
-from lmiserve.engine.model import fp8_experts
+from lmiserve.engine.model import fp8_experts, grouped_experts, int4_experts
 from lmiserve.engine.model.expert_matrices import stacked_experts
 from lmiserve.engine.model.fp8_ops import per_tensor_at_load
 from lmiserve.engine.model.int4_triton import Int4TritonLinear
@@ -69,7 +70,7 @@ from lmiserve.engine.model.quant_formats import (
 )
 from lmiserve.engine.model.quantize import Int4Linear, Int8Linear, replace_linears
 from lmiserve.engine.model.shard_checkpoint import model_names
-from lmiserve.engine.model.shard_quantized import dequantizing_reader
+from lmiserve.engine.model.shard_quantized import dequantizing_reader, int4_parts
 from lmiserve.engine.model.sharding import experts_layout
 from lmiserve.models.attention_choice import sdpa_or_default
 from lmiserve.models.errors import ModelLoadError
@@ -210,7 +211,8 @@ def _fill_experts(
     """A mixture of experts' experts (the merged ``gate_up_proj`` and ``down_proj`` transformers' modules hold) from
     the checkpoint's matrices of each expert, as compressed-tensors, FBGEMM, AutoAWQ and GPTQModel publish them (fp8
     matrices with their scales, compressed-tensors' integer codes, AWQ's or GPTQ's 4-bit codes; `stacked_experts`):
-    fp8 ones kept fp8 on a GPU where `fp8_experts.kept_for` says so, else de-quantized (`dequantizing_reader`: their
+    fp8 ones kept fp8 on a GPU where `fp8_experts.kept_for` says so, 4-bit ones kept 4-bit where
+    `int4_experts.kept_for` does, else de-quantized (`dequantizing_reader`: their
     products are transformers' grouped ones); how many experts modules of each kind. Experts stored otherwise are
     refused in one line."""
     read = dequantizing_reader(files.slice, stored, spec)
@@ -218,9 +220,13 @@ def _fill_experts(
     if spec.method == "fp8":
         kept = fp8_experts.keep_stored(model, stored, files.slice, spec.blocks, device, path.name)
         made["experts modules kept fp8 (Triton kernel)"] = len(kept)
+    elif spec.method in ("awq", "gptq") and spec.bits == 4:
+        parts_of = functools.partial(int4_parts, names=stored, read=files.slice, quant=spec)
+        kept = int4_experts.keep_stored(model, stored, parts_of, device, path.name)
+        made["experts modules kept 4-bit (Triton kernel)"] = len(kept)
     for name, module in model.named_modules():
         down = getattr(module, "down_proj", None)
-        if not name.endswith(".experts") or fp8_experts.kept(module) or not isinstance(down, torch.Tensor):
+        if not name.endswith(".experts") or grouped_experts.kept(module) or not isinstance(down, torch.Tensor):
             continue
         count = int(down.shape[0])
         for kind in ("gate_up_proj", "down_proj"):
@@ -348,7 +354,7 @@ def quantize_fp8_dynamic(model: torch.nn.Module, dtype: torch.dtype, device: tor
 
     scales = "per tensor" if per_tensor else "per output channel"
     account = f"fp8 quantized at load, {scales}: {_made_at_load(model, make)}"
-    experts = fp8_experts.servable_modules(text_part(model)).values()
+    experts = grouped_experts.servable_modules(text_part(model)).values()
     if experts and fp8_experts.kept_for(model, device, "quantize=fp8"):
         for module in experts:
             fp8_experts.quantize(module)

@@ -155,10 +155,11 @@ def test_issue_39_entries_are_filled(rehearsal):
     assert any(r["rows"] == 1 for r in decode_rows)
     # block-wise fp8 (Qwen3's FP8 releases' scales) as the engine runs it at every row count: fp32 here, exact
     assert all(r["fp8_block"]["error"] < 1e-4 for r in kernels)
-    # a mixture of experts' layer kept fp8 (the kernel interpreted here): fp16 rows, within their rounding
+    # a mixture of experts' layer kept fp8 and 4-bit (the kernels interpreted here): fp16 rows, within their rounding
     experts = summary["quantized"]["fp8_experts"]
     assert [r["tokens"] for r in experts] == [1, 4]
-    assert all(r[kind]["error"] < 0.01 and r[kind]["us"] > 0 for r in experts for kind in ("fp8_channel", "fp8_block"))
+    kept = ("fp8_channel", "fp8_block", "int4")
+    assert all(r[kind]["error"] < 0.01 and r[kind]["us"] > 0 for r in experts for kind in kept)
     quality = summary["quantized"]["quality"]
     assert {"bf16", "fp8-channel", "fp8-tensor", "fp8-dynamic", "awq", "gptq"} <= set(quality)
     assert all(r["perplexity"] > 1 for r in quality.values())
@@ -191,7 +192,7 @@ def test_summary_md_renders_every_table(rehearsal):
         "## Overlap scheduling, 1B shape",
         "## fp8 weights (quantize=fp8), 8B shape",
         "## Quantized products, one linear",
-        "## fp8 experts, one layer",
+        "## fp8 and 4-bit experts, one layer",
         "## Quantized formats' quality",
         "## fp8 KV cache",
         "## A decode step's time, 1B shape",

@@ -14,7 +14,7 @@ import torch
 from helpers.llama_variants import MOE_ARCHS, PROMPTS, build, serve_prompts
 from lmiserve.engine import fp8_devices
 from lmiserve.engine.core.async_engine import EngineConfig
-from lmiserve.engine.model import fp8_experts, fp8_gemv
+from lmiserve.engine.model import fp8_experts, fp8_gemv, grouped_experts
 
 DEVICE = torch.device(os.environ.get("LMISERVE_TEST_DEVICE", "cpu"))
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -73,7 +73,7 @@ def test_the_row_tiles_cover_each_experts_rows_once_in_a_grid_the_routing_does_n
         experts = int(torch.randint(1, 9, (1,), generator=gen))
         ids = torch.sort(torch.randint(0, experts, (100,), generator=gen)).values
         counts = torch.bincount(ids, minlength=experts)
-        expert, first, end = fp8_experts.row_tiles(counts, 100, block_m)
+        expert, first, end = grouped_experts.row_tiles(counts, 100, block_m)
         sizes.add((experts, expert.shape[0]))
         covered = torch.zeros(100, dtype=torch.int64)
         for e, f, t in zip(expert.tolist(), first.tolist(), end.tolist(), strict=True):
@@ -89,9 +89,9 @@ def test_the_experts_stay_float_on_a_cpu_and_where_the_layout_is_not_the_kernels
     assert not fp8_experts.kept_for(model, torch.device("cpu"), "tiny")
     for arch in ("mixtral", "qwen2_moe_shared", "qwen3_moe", "glm4_moe", "olmoe"):
         first = next(m for n, m in build(*MOE_ARCHS[arch]).named_modules() if n.endswith(".experts"))
-        assert fp8_experts.servable(first), arch
+        assert grouped_experts.servable(first), arch
     gpt_oss = build(*MOE_ARCHS["gpt_oss"])  # ([experts, in, out], interleaved gate/up with biases: MXFP4's model)
-    assert not fp8_experts.servable(gpt_oss.model.layers[0].mlp.experts)
+    assert not grouped_experts.servable(gpt_oss.model.layers[0].mlp.experts)
 
 
 CHECKPOINTS = {  # (architecture, quant_pack's format): Qwen3-30B-A3B-FP8's blocks, compressed-tensors' and ModelOpt's
@@ -124,13 +124,13 @@ def test_an_fp8_mixture_of_experts_kept_fp8_serves_its_dequantized_models_tokens
     write_checkpoint(build(*MOE_ARCHS[arch]), tmp_path, fmt, 16)
     tiny_model.tokenizer.save_pretrained(tmp_path)
     dequantized = load_causal_lm(tmp_path, dtype="fp32", device="cpu")
-    assert not any(fp8_experts.kept(m) for m in dequantized.model.modules())
+    assert not any(grouped_experts.kept(m) for m in dequantized.model.modules())
 
     record = graphs_on_the_test_device(monkeypatch)
     monkeypatch.setattr(fp8_experts, "kept_for", lambda model, device, name: True)
     with caplog.at_level("INFO", logger="lmiserve.models.load"):
         loaded = load_causal_lm(tmp_path, dtype="fp32", device="cpu")
-    kept = [m for m in loaded.model.modules() if fp8_experts.kept(m)]
+    kept = [m for m in loaded.model.modules() if grouped_experts.kept(m)]
     assert kept and len(kept) == sum(1 for n, _ in loaded.model.named_modules() if n.endswith(".experts"))
     assert any("experts modules kept fp8" in r.message for r in caplog.records)
     stored = load_file(tmp_path / "model.safetensors")
@@ -171,12 +171,12 @@ def test_quantize_fp8_on_a_float_mixture_of_experts_keeps_its_experts_fp8_per_ch
     original.save_pretrained(tmp_path)
     tiny_model.tokenizer.save_pretrained(tmp_path)
     float_experts = load_causal_lm(tmp_path, dtype="fp32", device="cpu", quantize="fp8")
-    assert not any(fp8_experts.kept(m) for m in float_experts.model.modules())
+    assert not any(grouped_experts.kept(m) for m in float_experts.model.modules())
     monkeypatch.setattr(fp8_experts, "kept_for", lambda model, device, name: True)
     loaded = load_causal_lm(tmp_path, dtype="fp32", device="cpu", quantize="fp8")
     for layer, reference in zip(loaded.model.model.layers, float_experts.model.model.layers, strict=True):
         experts = layer.mlp.experts
-        assert fp8_experts.kept(experts)
+        assert grouped_experts.kept(experts)
         for kind in ("gate_up_proj", "down_proj"):
             weight, scales = getattr(experts, kind), getattr(experts, f"{kind}_scales")
             q, s = quantize_fp8(getattr(original.model.layers[layer.self_attn.layer_idx].mlp.experts, kind)[2])
@@ -232,7 +232,7 @@ def test_each_tensor_parallel_rank_keeps_its_part_of_the_fp8_experts(
     with torch.inference_mode():
         for i, layer in enumerate(whole.model.layers):
             parts = [moe_block(shell.model.layers[i]) for shell in ranks]
-            assert [fp8_experts.kept(part.experts) for part in parts] == kept
+            assert [grouped_experts.kept(part.experts) for part in parts] == kept
             experts = parts[1].experts
             assert experts.down_proj.shape[2] == inter // 2 and experts.gate_up_proj.shape[1] == inter
             total = sum(moe_forward(part, x) for part in parts)

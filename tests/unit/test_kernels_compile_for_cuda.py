@@ -234,3 +234,37 @@ def test_the_fp8_experts_kernel_compiles_as_its_wrapper_launches_it(monkeypatch:
         if result["error"] or result["spilled"]
     ]
     assert not failed, "\n".join(failed)
+
+
+@pytest.mark.parametrize("arch", [HOPPER, AMPERE], ids=["hopper", "ampere"])
+def test_the_int4_experts_kernel_compiles_as_its_wrapper_launches_it(
+    monkeypatch: pytest.MonkeyPatch, arch: int
+) -> None:
+    """`int4_experts`' grouped product at Qwen3-30B-A3B's widths, as a decode step of one and of 16 tokens and a
+    prompt of 2048 launch it (16 rows a tile, then 64), gate/up's and down's products, groups of 128 inputs (AWQ's
+    and GPTQ's) and of 32: each compiles, none spills."""
+    import torch
+
+    from lmiserve.engine.model import int4_experts
+
+    monkeypatch.setattr(int4_experts, "INTERPRETED_ON_CPU", True)  # (the wrapper's CPU tensors go to the kernel)
+    launches = cuda_compile.recording(monkeypatch, int4_experts, "_kernel")
+    e, hidden, inter = EXPERTS["experts"], EXPERTS["hidden"], EXPERTS["intermediate"]
+    for outputs, inputs in ((2 * inter, hidden), (hidden, inter)):
+        words = torch.empty(e, outputs, inputs // 8, dtype=torch.int32)
+        for group in (INT4_GROUP, 32):
+            scales = torch.ones(e, inputs // group, outputs)
+            for tokens in (1, 16, 2048):
+                rows = tokens * EXPERTS["top_k"]
+                counts = torch.full((e,), rows // e) + (torch.arange(e) < rows % e)
+                x = torch.zeros(rows, inputs, dtype=torch.bfloat16)
+                int4_experts.grouped_product(x, words, scales, scales, counts)
+    assert {launch.kwargs["BLOCK_M"] for launch in launches} == {16, 64}
+    assert {launch.kwargs["BLOCK_K"] for launch in launches} == {128, 32}
+    results = cuda_compile.compile_all([cuda_compile.job_of(launch, arch) for launch in launches])
+    failed = [
+        f"{cuda_compile.job_of(launch, arch)['constexprs']}: {result['error'] or str(result['spilled']) + ' spilled'}"
+        for launch, result in zip(launches, results, strict=True)
+        if result["error"] or result["spilled"]
+    ]
+    assert not failed, "\n".join(failed)

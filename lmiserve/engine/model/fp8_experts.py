@@ -8,13 +8,13 @@ the model would take more than `weight_fit.FIT_SHARE` of the GPU's free memory, 
 ``LMISERVE_USE_TRITON_FP8=1`` forces it (``0``: always de-quantized), the experts stay fp8 (`kept_for`, logged).
 
 Kept experts run this module's grouped product (`fp8_experts_kernel`): the rows sorted by expert are cut into tiles
-of one expert each (`row_tiles`, on the device: no host sync, so the decode graphs capture it in any dtype), and
-each tile reads its expert's fp8 weight once, widened in registers (an A100's bytes too: `fp8_devices.native`),
-scaled per output channel or by blocks of inputs (block-wise fp8's 128). `keep` turns an experts module of
-transformers (gated, ``[gate; up]`` concatenated, ``[experts, out, in]``, no bias: Mixtral's, the Qwen MoEs',
-OLMoE's, GLM-4.5's) into one whose forward is `forward` below: transformers' grouped forward with this product. On a
-CPU (no kernel; the tests set `INTERPRETED_ON_CPU` to run it under Triton's interpreter) each expert's weight is
-de-quantized for its rows (`dequantized_product`).
+of one expert each (`grouped_experts.row_tiles`, on the device: no host sync, so the decode graphs capture it in any
+dtype), and each tile reads its expert's fp8 weight once, widened in registers (an A100's bytes too:
+`fp8_devices.native`), scaled per output channel or by blocks of inputs (block-wise fp8's 128). `keep` turns an
+experts module of transformers (`grouped_experts.servable`: Mixtral's, the Qwen MoEs', OLMoE's, GLM-4.5's) into one
+whose forward is `grouped_experts.forward`: transformers' grouped forward with this product. On a CPU (no kernel;
+the tests set `INTERPRETED_ON_CPU` to run it under Triton's interpreter) each expert's weight is de-quantized
+for its rows (`dequantized_product`).
 
 Not measured yet: the kernel's speed (a GPU's). Its tiles are fixed (`tile_of`), not timed at start as
 `fp8_gemv`'s are."""
@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import types
 from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 
 from lmiserve.engine import fp8_devices
-from lmiserve.engine.model import fp8_gemv, weight_fit
+from lmiserve.engine.model import fp8_gemv, grouped_experts, weight_fit
 from lmiserve.engine.model.expert_matrices import Read, stacked_experts
 from lmiserve.engine.model.fp8_ops import quantize_fp8
 from lmiserve.engine.model.shard_quantized import Fp8Scaled
@@ -45,17 +44,13 @@ log = logging.getLogger(__name__)
 __all__ = [
     "INTERPRETED_ON_CPU",
     "dequantized_product",
-    "forward",
     "grouped_product",
     "keep",
     "keep_stored",
-    "kept",
     "kept_for",
     "quantize",
-    "row_tiles",
-    "servable",
-    "servable_modules",
     "stacked_fp8",
+    "tile_of",
 ]
 
 INTERPRETED_ON_CPU = False
@@ -72,29 +67,19 @@ def kept_for(model: torch.nn.Module, device: torch.device, name: str) -> bool:
     )
 
 
-def servable(experts: torch.nn.Module) -> bool:
-    """Whether `experts` (transformers' experts module) has the layout `forward` runs: gated, gate and up
-    concatenated, ``[experts, out, in]``, no bias, no norm after each expert."""
-    return (
-        getattr(experts, "has_gate", False)
-        and getattr(experts, "is_concatenated", False)
-        and not getattr(experts, "is_transposed", True)
-        and not getattr(experts, "has_bias", True)
-        and not getattr(experts, "has_post_expert_norm", True)
-    )
-
-
 def keep(experts: torch.nn.Module, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Make `experts` (`servable`) run on fp8 `weights`: for ``gate_up_proj`` and ``down_proj`` each, the fp8
-    weight ``[experts, out, in]`` and its fp32 scales ``[experts, out]`` (a channel's) or ``[experts, out, blocks]``
-    (each row's by blocks of inputs, a power of two: `fp8_gemv.input_block`). They are plain attributes (not
-    parameters: ``Module.to(dtype)`` would cast fp8), as `Fp8Linear`'s are."""
+    """Make `experts` (`grouped_experts.servable`) run on fp8 `weights`: for ``gate_up_proj`` and ``down_proj``
+    each, the fp8 weight ``[experts, out, in]`` and its fp32 scales ``[experts, out]`` (a channel's) or ``[experts,
+    out, blocks]`` (each row's by blocks of inputs, a power of two: `fp8_gemv.input_block`)."""
+    tensors = {}
     for kind, (weight, scales) in weights.items():
-        experts._parameters.pop(kind, None)
-        setattr(experts, kind, weight.contiguous())
-        setattr(experts, f"{kind}_scales", scales.float().contiguous())
-    experts.__dict__["fp8_kept"] = True
-    experts.__dict__["forward"] = types.MethodType(forward, experts)
+        tensors[kind], tensors[f"{kind}_scales"] = weight, scales.float()
+    grouped_experts.keep(experts, tensors, _product, "fp8")
+
+
+def _product(x: torch.Tensor, experts: torch.nn.Module, kind: str, counts: torch.Tensor) -> torch.Tensor:
+    weight, scales = cast(torch.Tensor, getattr(experts, kind)), cast(torch.Tensor, getattr(experts, f"{kind}_scales"))
+    return grouped_product(x, weight, scales, counts)
 
 
 def stacked_fp8(
@@ -173,11 +158,6 @@ def quantize(experts: torch.nn.Module) -> None:
     keep(experts, weights)
 
 
-def servable_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """`model`'s experts modules that `keep` can serve (`servable`), by name."""
-    return {n: m for n, m in model.named_modules() if n.endswith(".experts") and servable(m)}
-
-
 def keep_stored(
     model: torch.nn.Module,
     names: Any,
@@ -192,7 +172,7 @@ def keep_stored(
     read from the checkpoint (`names`, `read`: the raw tensors; `part` of every expert's intermediate size: a rank's,
     `ShardPlan.part`) by `stacked_fp8` and `keep`-ed on `device`; their names (the others are left to be
     de-quantized)."""
-    found = servable_modules(model)
+    found = grouped_experts.servable_modules(model)
     if not found or not kept_for(model, device, name):
         return set()
     made = set()
@@ -203,34 +183,6 @@ def keep_stored(
             keep(module, {kind: (w.to(device), s.to(device)) for kind, (w, s) in weights.items()})
             made.add(owner)
     return made
-
-
-def kept(experts: Any) -> bool:
-    """Whether `experts` runs on fp8 weights (`keep`)."""
-    return bool(getattr(experts, "fp8_kept", False))
-
-
-def forward(
-    self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-) -> torch.Tensor:
-    """An fp8 experts module's output ``[T, hidden]`` for its rows `hidden_states` ``[T, hidden]``, each routed to
-    the experts `top_k_index` ``[T, k]`` with `top_k_weights`: transformers' grouped forward (the rows sorted by
-    expert, each expert's products over its run, the outputs weighted and summed in fp32), its products
-    `grouped_product`'s."""
-    gate_up, gate_up_scales = cast(torch.Tensor, self.gate_up_proj), cast(torch.Tensor, self.gate_up_proj_scales)
-    down, down_scales = cast(torch.Tensor, self.down_proj), cast(torch.Tensor, self.down_proj_scales)
-    apply_gate = cast(Callable[[torch.Tensor], torch.Tensor], self._apply_gate)
-    experts, top_k = int(gate_up.shape[0]), top_k_index.shape[-1]
-    ids = top_k_index.reshape(-1)
-    sorted_ids, order = torch.sort(ids)
-    rows = hidden_states[order // top_k]
-    # counts by histc (no host sync, unlike bincount): float on a CPU, integers on CUDA (deterministic there)
-    counted = sorted_ids.float() if sorted_ids.device.type == "cpu" else sorted_ids.int()
-    counts = torch.histc(counted, bins=experts, min=0, max=experts - 1).long()
-    out = grouped_product(apply_gate(grouped_product(rows, gate_up, gate_up_scales, counts)), down, down_scales, counts)
-    out = out.float() * top_k_weights.reshape(-1)[order, None].float()
-    unsorted = torch.empty_like(out).index_copy_(0, order, out)
-    return unsorted.view(hidden_states.shape[0], top_k, -1).sum(dim=1).to(hidden_states.dtype)
 
 
 def grouped_product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -244,7 +196,7 @@ def grouped_product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     outputs = weight.shape[1]
     group = fp8_gemv.input_block(inputs, scales[0])
     block_m, block_n, block_k, warps = tile_of(rows, weight.shape[0], group)
-    tiles = row_tiles(counts, rows, block_m)
+    tiles = grouped_experts.row_tiles(counts, rows, block_m)
     y = torch.empty(rows, outputs, dtype=x.dtype, device=x.device)
     grid = (tiles[0].shape[0], triton.cdiv(outputs, block_n))
     _kernel()[grid](
@@ -260,27 +212,9 @@ def tile_of(rows: int, experts: int, group: int) -> tuple[int, int, int, int]:
     """The kernel's tile (rows, outputs, inputs, warps) for `rows` routed rows over `experts` experts: 16 rows (the
     tensor cores' least) where an expert gets few rows (decode), 64 where they average 64 or more (prompts); 128
     inputs a step, fewer where blocks of inputs are smaller (a tile's inputs lie in one block)."""
-    block_m = 64 if rows >= 64 * experts else 16
+    block_m = grouped_experts.tile_rows(rows, experts)
     block_k = min(128, group) if group else 128
     return block_m, 64, max(block_k, 16), 4
-
-
-def row_tiles(counts: torch.Tensor, rows: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each tile's expert, first row and end (``[tiles]`` int32 each) for `rows` rows sorted by expert (`counts`:
-    each expert's rows), each expert's run cut into tiles of `block_m` rows, computed on the device. There are as
-    many tiles as the rows could ever make (``cdiv(rows, block_m)``, plus one partial tile an expert with rows), so
-    the grid's size depends on `rows` alone; the tiles past the last have first == end."""
-    experts = counts.shape[0]
-    most = -(-rows // block_m) + min(experts, rows)
-    each = (counts + block_m - 1) // block_m
-    tile_ends = torch.cumsum(each, 0)
-    row_ends = torch.cumsum(counts, 0)
-    tile = torch.arange(most, device=counts.device)
-    expert = torch.searchsorted(tile_ends, tile, right=True).clamp_(max=experts - 1)
-    first = row_ends[expert] - counts[expert] + (tile - (tile_ends[expert] - each[expert])) * block_m
-    end = torch.minimum(first + block_m, row_ends[expert])
-    end = torch.where(tile < tile_ends[-1], end, first)
-    return expert.int(), first.int(), end.int()
 
 
 def dequantized_product(

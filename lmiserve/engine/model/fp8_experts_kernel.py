@@ -4,7 +4,7 @@ rows `r` routed to expert `e`, each expert's weight ``[N, K]`` read once a tile 
 registers (no bf16 copy of the experts).
 
 The rows come sorted by expert; the caller cuts each expert's run of rows into tiles of `BLOCK_M` and gives each
-tile its expert, first row and end (`fp8_experts.row_tiles`). A tile past the rows (the grid is sized for the most
+tile its expert, first row and end (`grouped_experts.row_tiles`). A tile past the rows (the grid is sized for the most
 tiles the rows could make, so a CUDA graph replays it at any routing) has first == end and loads nothing.
 
 Scales per output channel (``[experts, N]``, applied to the sums), or by blocks of `GROUP` inputs (block-wise fp8:

@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 import torch
 
 from lmiserve.engine.lora.batch import LoraGroup
+from lmiserve.engine.model import grouped_experts
 
 # decoders that only a vision-language model holds (engine/model/language_model.py): Qwen2's, Qwen3's with M-RoPE
 VLM_DECODER_TYPES = ("qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text")
@@ -304,10 +305,10 @@ def attention_sinks(layers: Sequence[Any]) -> list[torch.Tensor] | None:
 def experts_graph_reason(model: Any, layers: Sequence[Any]) -> str | None:
     """Why the decode graphs cannot capture a model's mixtures of experts (None: they can, or it has none): on
     CUDA, torch's grouped product reads its groups on the host (a sync) outside bfloat16, and transformers'
-    eager experts loop over the experts hit (a sync each). Experts kept fp8 (`fp8_experts`: a Triton kernel whose
-    tiles are found on the device) capture in any dtype."""
+    eager experts loop over the experts hit (a sync each). Experts kept quantized (`grouped_experts`: Triton kernels
+    whose tiles are found on the device) capture in any dtype."""
     moes = [layer.moe for layer in layers if layer.moe is not None]
-    if all(getattr(getattr(moe, "experts", None), "fp8_kept", False) for moe in moes):
+    if all(grouped_experts.kept(getattr(moe, "experts", None)) for moe in moes):
         return None
     implementation = getattr(model.config, "_experts_implementation", None)
     if implementation != "grouped_mm":

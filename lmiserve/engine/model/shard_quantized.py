@@ -47,7 +47,7 @@ from lmiserve.engine.model.quant_formats import (
 from lmiserve.engine.model.quantize import replace_linears
 from lmiserve.engine.model.sharding import ROW_PARALLEL, ShardPlan, column_run, keep_runs, row_runs, shard_of
 
-__all__ = ["Fp8Scaled", "dequantizing_reader", "quantize_fp8_shard", "shard_linear"]
+__all__ = ["Fp8Scaled", "dequantizing_reader", "int4_parts", "quantize_fp8_shard", "shard_linear"]
 
 Read = Callable[[str], Any]  # a checkpoint tensor's safetensors slice, by its name
 
@@ -112,7 +112,7 @@ def dequantizing_reader(read: Read, names: Mapping[str, Any], quant: QuantSpec |
             base, _, kind = name.rpartition(".")
             if kind != "weight" or f"{base}.{quant.codes_key}" not in names:
                 return read(name)
-            return Dequantized(_int4_parts(base, names, read, quant).dequantize())
+            return Dequantized(int4_parts(base, names, read, quant).dequantize())
 
         return unpacking
     if quant is None or quant.method != "fp8":
@@ -147,7 +147,7 @@ def shard_linear(
         return None if plan is None else _block_fp8_shard(name, names, read, plan, quant, dtype, device, keep)
     short = name.rpartition(".")[2]
     if quant.method != "fp8":  # integer codes: read whole, unpacked, then cut
-        parts = _int4_parts(name, names, read, quant)
+        parts = int4_parts(name, names, read, quant)
         rows, columns = _cut_of(plan, short, tuple(parts.codes.shape))
         bias = _bias(read(f"{name}.bias") if f"{name}.bias" in names else None, rows, short, plan)
         return int4_module(_cut_int4(parts, rows, columns), bias, dtype, device, keep)
@@ -163,7 +163,7 @@ def shard_linear(
     return fp8_module(weight, scale, bias, dtype, device, keep)
 
 
-def _int4_parts(name: str, names: Mapping[str, Any], read: Read, quant: QuantSpec) -> Int4Parts:
+def int4_parts(name: str, names: Mapping[str, Any], read: Read, quant: QuantSpec) -> Int4Parts:
     """The integer linear `name`'s codes, scales and zeros, whole, from its stored tensors (AWQ's, GPTQ's or
     compressed-tensors' integers)."""
     whole = _whole_reader(name, names, read)

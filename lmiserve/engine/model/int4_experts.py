@@ -1,0 +1,227 @@
+"""A mixture of experts' 4-bit experts kept 4-bit on a GPU (issue #39): AutoAWQ's and GPTQModel's releases of
+Qwen3-MoE, Mixtral and the Qwen2-MoEs (Qwen3-30B-A3B-GPTQ-Int4, Mixtral-8x7B-Instruct AWQ), and llm-compressor's
+W4A16, store each expert's matrices as 4-bit codes with a scale and a zero a group of inputs.
+
+Why: the loader de-quantized them to the compute dtype (transformers' grouped products take floats), four times their
+bytes, and the experts are most of such a model: Qwen3-30B-A3B's 4-bit release (17 GB) took 61 GB, Mixtral-8x7B's
+(24 GB) 94 GB, more than one H100. So where de-quantized the model would take more than `weight_fit.FIT_SHARE` of
+the GPU's free memory, or where ``LMISERVE_USE_TRITON_INT4=1`` forces it (``0``: always de-quantized), the experts
+keep their codes (`kept_for`: the rule of the 4-bit linears, `int4_triton.codes_kept_for`), and run this module's
+grouped product (`int4_experts_kernel`): the rows sorted by expert, cut into tiles of one expert each on the device
+(`grouped_experts.row_tiles`: the decode graphs capture it in any dtype), each tile reading its expert's codes once.
+
+Served: groups of consecutive inputs, a multiple of 32 (AWQ's and GPTQ's 128, 64 or 32; W4A16's, or one group a
+row), 4-bit codes. GPTQ's act-order (groups not runs of inputs, each expert's own order), 8-bit codes, and a
+tensor-parallel rank whose inputs of down_proj do not start a group are de-quantized instead. Layout (`keep`):
+``{kind}`` int32 ``[experts, out, in / 8]`` (nibble j of word r: input 8r + j, `int4_triton.pack_nibbles`),
+``{kind}_scales`` and ``{kind}_zeros`` fp32 ``[experts, groups, out]`` (zeros in steps). On a CPU (no kernel; the
+tests set `INTERPRETED_ON_CPU` to run it under Triton's interpreter) each expert's weight is de-quantized for its rows
+(`dequantized_product`).
+
+Not measured yet: the kernel's speed (a GPU's). Its tiles are fixed (`tile_of`)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from lmiserve.engine.model import grouped_experts, int4_triton
+from lmiserve.engine.model.expert_matrices import stacked_experts
+
+if TYPE_CHECKING:
+    from lmiserve.engine.model.quant_formats import Int4Parts
+
+try:
+    import triton
+except ImportError:  # pragma: no cover - triton ships with CUDA torch wheels
+    triton = None
+
+__all__ = [
+    "INTERPRETED_ON_CPU",
+    "dequantized_product",
+    "grouped_product",
+    "keep",
+    "keep_stored",
+    "kept_for",
+    "stacked_int4",
+    "tile_of",
+]
+
+INTERPRETED_ON_CPU = False
+PARTS = ("", "_scales", "_zeros")  # the attributes of a kind (``gate_up_proj``, ``down_proj``) that `keep` sets
+
+
+def kept_for(model: torch.nn.Module, device: torch.device, name: str) -> bool:
+    """Whether the 4-bit experts of `model` (on the meta device in the compute dtype: a whole model's, or a
+    tensor-parallel rank's shell) keep their codes on `device`: as the 4-bit linears do (`int4_triton.codes_kept_for`,
+    logged for `name`), on a GPU where Triton runs; never elsewhere."""
+    return bool(int4_triton.codes_kept_for(model, device, name))
+
+
+def keep(experts: torch.nn.Module, weights: dict[str, tuple[torch.Tensor, ...]]) -> None:
+    """Make `experts` (`grouped_experts.servable`) run on 4-bit `weights`: for ``gate_up_proj`` and ``down_proj``
+    each, the codes as int32 words ``[experts, out, in / 8]`` and fp32 scales and zeros ``[experts, groups, out]``."""
+    tensors = {}
+    for kind, parts in weights.items():
+        tensors.update({f"{kind}{suffix}": part for suffix, part in zip(PARTS, parts, strict=True)})
+    grouped_experts.keep(experts, tensors, _product, "int4")
+
+
+def _product(x: torch.Tensor, experts: torch.nn.Module, kind: str, counts: torch.Tensor) -> torch.Tensor:
+    words, scales, zeros = (cast(torch.Tensor, getattr(experts, f"{kind}{suffix}")) for suffix in PARTS)
+    return grouped_product(x, words, scales, zeros, counts)
+
+
+class _Codes:
+    """An expert's 4-bit matrix (its codes, scales and zeros unpacked: `parts`) read as `stacked_experts` reads a
+    matrix: ``[out, in]`` by its shape, a run of rows (``[rows]``) or of inputs (``[:, inputs]``: a tensor-parallel
+    rank's of down_proj, which must start a group and end one or the row), as one int32 row an output: its words
+    (``inputs / 8``), then its groups' scales and zeros (fp32's bits), so the matrix is read once. `widths` records
+    the words and groups of the last read. LookupError where the matrix is one this kernel does not read."""
+
+    def __init__(self, parts: Int4Parts, widths: dict[str, int]) -> None:
+        self.parts, self.widths = parts, widths
+        group = parts.group_size()
+        inputs = parts.codes.shape[1]
+        if parts.bits != 4 or group is None or group % int4_triton.GROUP_TILE or inputs % group:
+            raise LookupError("4-bit codes in groups of a multiple of 32 consecutive inputs are kept")
+        self.group = group
+
+    def get_shape(self) -> tuple[int, ...]:
+        return tuple(self.parts.codes.shape)
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        rows, inputs = index if isinstance(index, tuple) else (index, slice(None))
+        first, end, _ = inputs.indices(self.parts.codes.shape[1])
+        if first % self.group or (end % self.group and end != self.parts.codes.shape[1]):
+            raise LookupError(f"inputs {first}:{end} are not whole groups of {self.group}")
+        codes = self.parts.codes[rows, first:end]
+        groups = slice(first // self.group, -(-end // self.group))
+        self.widths.update(words=(end - first) // 8, groups=groups.stop - groups.start)
+        scales, zeros = (held[rows, groups].float().view(torch.int32) for held in (self.parts.scale, self.parts.zero))
+        return torch.cat([int4_triton.pack_nibbles(codes.reshape(codes.shape[0], -1, 8)), scales, zeros], dim=1)
+
+
+def stacked_int4(
+    owner: str,
+    count: int,
+    names: Any,
+    parts_of: Callable[[str], Int4Parts],
+    part: Callable[[int], slice] = lambda size: slice(0, size),
+) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
+    """The words, scales and zeros `keep` takes for the experts module `owner` of `count` experts, stacked from the
+    checkpoint's 4-bit matrices of each expert (`names`: the checkpoint's tensors; `parts_of`: a linear's codes,
+    scales and zeros unpacked, `shard_quantized.int4_parts`), each cut to `part` of its intermediate size (a
+    tensor-parallel rank's, `ShardPlan.part`; else all of it); None where they are not all 4-bit codes this kernel
+    reads: they are de-quantized instead."""
+    widths: dict[str, int] = {}
+    found = {}
+    for kind in ("gate_up_proj", "down_proj"):
+        try:
+            rows = stacked_experts(
+                owner, kind, count, names, lambda name: _Codes(parts_of(name.removesuffix(".weight")), widths), part
+            )
+        except LookupError:
+            return None
+        if rows is None:
+            return None
+        words, groups = widths["words"], widths["groups"]
+        scales, zeros = (rows[..., at : at + groups].view(torch.float32) for at in (words, words + groups))
+        found[kind] = (
+            rows[..., :words].contiguous(),
+            scales.transpose(1, 2).contiguous(),
+            zeros.transpose(1, 2).contiguous(),
+        )
+    return found
+
+
+def keep_stored(
+    model: torch.nn.Module,
+    names: Any,
+    parts_of: Callable[[str], Int4Parts],
+    device: torch.device,
+    name: str,
+    part: Callable[[int], slice] = lambda size: slice(0, size),
+) -> set[str]:
+    """A 4-bit checkpoint's experts kept 4-bit where `kept_for` says so for `model` (the meta model, or a
+    tensor-parallel rank's shell; `name`: the checkpoint's or the rank's, for the log): each servable experts module
+    read from the checkpoint (`names`; `parts_of`: a linear's unpacked codes; `part` of every expert's intermediate
+    size: a rank's, `ShardPlan.part`) by `stacked_int4` and `keep`-ed on `device`; their names (the others are left
+    to be de-quantized)."""
+    found = grouped_experts.servable_modules(model)
+    if not found or not kept_for(model, device, name):
+        return set()
+    made = set()
+    for owner, module in found.items():
+        weights = stacked_int4(owner, int(cast(torch.Tensor, module.down_proj).shape[0]), names, parts_of, part)
+        if weights is not None:
+            keep(module, {kind: tuple(t.to(device) for t in parts) for kind, parts in weights.items()})
+            made.add(owner)
+    return made
+
+
+def grouped_product(
+    x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """``x[r] @ W[e].T`` in `x`'s dtype for the rows of `x` ``[S, K]``, sorted by expert (the first ``counts[0]``
+    routed to expert 0, ...), ``W[e]`` expert e's codes `words` ``[E, N, K / 8]`` less its `zeros`, times its
+    `scales` (``[E, groups, N]``): on the Triton kernel on a GPU (and on a CPU under the interpreter:
+    `INTERPRETED_ON_CPU`), else `dequantized_product`."""
+    if triton is None or not (x.is_cuda or INTERPRETED_ON_CPU):
+        return dequantized_product(x, words, scales, zeros, counts)
+    x = x.contiguous()
+    rows, inputs = x.shape
+    outputs = words.shape[1]
+    group = inputs // scales.shape[1]
+    block_m, block_n, block_k, warps = tile_of(rows, words.shape[0], group)
+    tiles = grouped_experts.row_tiles(counts, rows, block_m)
+    y = torch.empty(rows, outputs, dtype=x.dtype, device=x.device)
+    grid = (tiles[0].shape[0], triton.cdiv(outputs, block_n))
+    _kernel()[grid](
+        x, words, scales, zeros, y, *tiles, outputs, inputs, x.stride(0), y.stride(0), words.stride(0),
+        scales.stride(0), GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        num_stages=3,
+    )  # fmt: skip
+    return y
+
+
+def tile_of(rows: int, experts: int, group: int) -> tuple[int, int, int, int]:
+    """The kernel's tile (rows, outputs, inputs, warps) for `rows` routed rows over `experts` experts
+    (`grouped_experts.tile_rows`): 128 inputs a step, or 64 or 32, the most that divides a group (a tile's inputs lie
+    in one group)."""
+    block_k = next(k for k in (128, 64, 32) if group % k == 0)
+    return grouped_experts.tile_rows(rows, experts), 64, block_k, 4
+
+
+def dequantized_product(
+    x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """`grouped_product` by torch (a CPU's): each expert's weight de-quantized for its run of rows (a host sync
+    to read the runs: never in a CUDA graph)."""
+    out = torch.zeros(x.shape[0], words.shape[1], dtype=x.dtype, device=x.device)
+    start = 0
+    for expert, count in enumerate(counts.tolist()):
+        if count:
+            w = dequantized_weight(words[expert], scales[expert], zeros[expert])
+            out[start : start + count] = x[start : start + count] @ w.to(x.dtype).t()
+        start += count
+    return out
+
+
+def dequantized_weight(words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """An expert's weight ``[out, in]`` in fp32 from its words ``[out, in / 8]`` and its scales and zeros ``[groups,
+    out]``."""
+    shifts = torch.arange(8, device=words.device) * 4
+    codes = ((words[..., None] >> shifts) & 0xF).reshape(words.shape[0], -1).float()
+    group = codes.shape[1] // scales.shape[0]
+    return (codes - zeros.t().repeat_interleave(group, 1)) * scales.t().repeat_interleave(group, 1)
+
+
+@functools.cache
+def _kernel() -> Any:
+    from lmiserve.engine.model.int4_experts_kernel import int4_experts_kernel
+
+    return triton.jit(int4_experts_kernel)

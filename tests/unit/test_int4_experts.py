@@ -1,0 +1,209 @@
+"""A mixture of experts' 4-bit experts kept 4-bit (engine/model/int4_experts.py): the grouped product's Triton kernel
+(under Triton's interpreter on a CPU, on the GPU in the GPU check), and AWQ, GPTQ and compressed-tensors' W4A16
+Qwen3-MoE and Mixtral checkpoints loaded with their experts' codes kept and served with the tokens of their
+de-quantized model, on one device and over two tensor-parallel ranks."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from helpers.llama_variants import MOE_ARCHS, PROMPTS, build, serve_prompts
+from lmiserve.engine.core.async_engine import EngineConfig
+from lmiserve.engine.model import grouped_experts, int4_experts, int4_triton
+
+DEVICE = torch.device(os.environ.get("LMISERVE_TEST_DEVICE", "cpu"))
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+needs_kernel = pytest.mark.skipif(
+    not int4_triton.available() or not (INTERPRETED or DEVICE.type == "cuda"),
+    reason="needs triton: its interpreter (TRITON_INTERPRET=1, set by tests/conftest.py on CPU) or a GPU",
+)
+on_cpu_only = pytest.mark.skipif(DEVICE.type == "cuda", reason="a CPU's fp32 under the interpreter")
+
+
+@pytest.fixture
+def on_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grouped products on the Triton kernel here (a CPU's tensors under the interpreter)."""
+    monkeypatch.setattr(int4_experts, "INTERPRETED_ON_CPU", True)
+
+
+def _experts(experts: int, outputs: int, inputs: int, group: int, gen: torch.Generator):
+    """Random 4-bit experts as `int4_experts.keep` holds them: words, scales, zeros (steps, not all 8)."""
+    codes = torch.randint(0, 16, (experts, outputs, inputs // 8, 8), generator=gen)
+    words = int4_triton.pack_nibbles(codes)
+    scales = torch.rand(experts, inputs // group, outputs, generator=gen) * 0.02 + 1e-3
+    zeros = torch.randint(0, 16, (experts, inputs // group, outputs), generator=gen).float()
+    return words.to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE)
+
+
+@pytest.mark.parametrize("counts", [[1, 0, 0, 0], [0, 3, 0, 4], [5, 17, 0, 1], [40, 0, 30, 2]])
+@pytest.mark.parametrize("group", [32, 64, 256])
+@needs_kernel
+def test_the_grouped_product_is_each_experts_dequantized_product(
+    on_kernel: None, counts: list[int], group: int
+) -> None:
+    """Rows sorted by expert (experts without rows between them), each row's product with its expert's 4-bit codes
+    less their group's zero times its scale, groups of 32, 64 and 256 inputs (tiles of 32, 64 and 128 inputs): what
+    de-quantizing each expert's weight gives, in fp32 and in fp16 (and bf16 on a GPU: Triton's interpreter has no bf16
+    dot); an expert's rows past 16 (a tile) too."""
+    gen = torch.Generator().manual_seed(len(counts) + sum(counts) + group)
+    words, scales, zeros = _experts(4, 96, 256, group, gen)
+    rows = sum(counts)
+    tallies = torch.tensor(counts, device=DEVICE)
+    halves = (torch.float16,) + ((torch.bfloat16,) if DEVICE.type == "cuda" else ())
+    fp32 = 1e-5 if DEVICE.type == "cpu" else 5e-3  # (a GPU's fp32 dot: tf32)
+    for dtype, tolerance in ((torch.float32, fp32), *((half, 2e-2) for half in halves)):
+        x = torch.randn(rows, 256, generator=gen).to(DEVICE, dtype)
+        got = int4_experts.grouped_product(x, words, scales, zeros, tallies)
+        want = int4_experts.dequantized_product(x.float(), words, scales, zeros, tallies)
+        assert got.dtype == dtype and got.shape == (rows, 96)
+        assert (got.float() - want).abs().max() <= tolerance * want.abs().max(), dtype
+
+
+def test_the_experts_are_dequantized_on_a_cpu() -> None:
+    """The 4-bit linears' rule: codes kept on a GPU only."""
+    assert not int4_experts.kept_for(build(*MOE_ARCHS["qwen3_moe"]), torch.device("cpu"), "tiny")
+
+
+# (architecture, format, group, act-order): AutoAWQ's and GPTQModel's Qwen3-MoE, an AWQ Mixtral (w1-w3), llm-compressor's
+# W4A16 (symmetric and not, and one group a row); GPTQ's act-order and its 8-bit codes are de-quantized
+CHECKPOINTS = {
+    "qwen3-awq-g32": ("qwen3_moe", "awq", 32, False),
+    "qwen3-gptq-g64": ("qwen3_moe", "gptq", 64, False),
+    "qwen3-w4a16-g32": ("qwen3_moe", "w4a16", 32, False),
+    "qwen3-w4a16-asym-channel": ("qwen3_moe", "w4a16-asym", 0, False),
+    "mixtral-awq-g32": ("mixtral", "awq", 32, False),
+    "qwen3-gptq-act-order": ("qwen3_moe", "gptq", 32, True),
+    "qwen3-gptq-int8": ("qwen3_moe", "gptq-int8", 32, False),
+}
+QWEN3_64 = {"moe_intermediate_size": 64}  # (down_proj's 64 inputs: whole groups of 32 and 64)
+
+
+def _moe(arch: str, extra: dict | None = None):
+    config_class, model_class, overrides = MOE_ARCHS[arch]
+    return build(config_class, model_class, {**overrides, **(QWEN3_64 if arch == "qwen3_moe" else {}), **(extra or {})})
+
+
+@on_cpu_only
+@pytest.mark.parametrize("case", list(CHECKPOINTS))
+@needs_kernel
+def test_a_4bit_mixture_of_experts_kept_4bit_serves_its_dequantized_models_tokens(
+    tiny_model, tmp_path, caplog, monkeypatch: pytest.MonkeyPatch, on_kernel: None, case: str
+) -> None:
+    """A 4-bit MoE checkpoint loaded where its experts keep their codes (as on a GPU where de-quantized they would
+    not fit: `int4_experts.kept_for` forced): every experts module holds each expert's codes as the checkpoint's
+    unpacking gives them, with its groups' scales and zeros, the start's account says so, and the engine on the fast
+    path, its decode steps in the decode graphs (played on a CPU, watched for host syncs), gives the greedy tokens of
+    the same checkpoint de-quantized at load (fp32). Act-order and 8-bit codes stay de-quantized, and serve."""
+    from helpers.decode_graphs import graphs_on_the_test_device
+    from helpers.llama_variants import greedy_tokens
+    from helpers.quantizable import write_checkpoint
+    from lmiserve.models.load import load_causal_lm
+
+    arch, fmt, group, act_order = CHECKPOINTS[case]
+    write_checkpoint(_moe(arch), tmp_path, fmt, group, act_order=act_order)
+    tiny_model.tokenizer.save_pretrained(tmp_path)
+    dequantized = load_causal_lm(tmp_path, dtype="fp32", device="cpu")
+    assert not any(grouped_experts.kept(m) for m in dequantized.model.modules())
+
+    record = graphs_on_the_test_device(monkeypatch)
+    monkeypatch.setattr(int4_experts, "kept_for", lambda model, device, name: True)
+    with caplog.at_level("INFO", logger="lmiserve.models.load"):
+        loaded = load_causal_lm(tmp_path, dtype="fp32", device="cpu")
+    kept = [m for m in loaded.model.modules() if grouped_experts.kept(m, "int4")]
+    servable = not act_order and fmt != "gptq-int8"
+    assert len(kept) == (sum(1 for n, _ in loaded.model.named_modules() if n.endswith(".experts")) if servable else 0)
+    assert any("experts modules kept 4-bit" in r.message for r in caplog.records) == servable
+    if servable:
+        reference = dequantized.model.model.layers[1].mlp.experts
+        experts = loaded.model.model.layers[1].mlp.experts
+        assert experts.gate_up_proj.dtype == torch.int32 and experts.down_proj_zeros.dtype == torch.float32
+        assert experts.down_proj_scales.shape[1] == (1 if group == 0 else experts.down_proj.shape[2] * 8 // group)
+        for kind in ("gate_up_proj", "down_proj"):
+            words, scales, zeros = (getattr(experts, f"{kind}{suffix}") for suffix in int4_experts.PARTS)
+            for e in (0, words.shape[0] - 1):  # (the de-quantized load's values: the published unpacking's)
+                got = int4_experts.dequantized_weight(words[e], scales[e], zeros[e])
+                assert torch.equal(got, getattr(reference, kind)[e]), (kind, e)
+
+    ran: list[int] = []
+    product = int4_experts.grouped_product
+    monkeypatch.setattr(int4_experts, "grouped_product", lambda x, *rest: ran.append(x.shape[0]) or product(x, *rest))
+    loaded = dataclasses.replace(loaded, max_context=256)
+    engine, results = asyncio.run(serve_prompts(loaded, EngineConfig(max_prefill_tokens=4), 8))
+    assert engine.runner.path == "fast" and bool(ran) == servable and record.steps
+    for prompt, events in zip(PROMPTS, results, strict=True):
+        assert [e.token.id for e in events if e.token] == greedy_tokens(dequantized, prompt, 8), prompt
+
+
+@on_cpu_only
+@pytest.mark.parametrize(("inter", "group", "kept"), [(128, 32, [True, True]), (96, 32, [False, False])])
+@needs_kernel
+def test_each_tensor_parallel_rank_keeps_its_part_of_the_4bit_experts(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, on_kernel: None, inter: int, group: int, kept: list[bool]
+) -> None:
+    """Over two ranks each rank reads its part of every expert's AWQ matrices (gate/up's rows, down's inputs: whole
+    groups of 32 of the 128 intermediate) with their groups' scales and zeros, kept 4-bit: the ranks' MoE blocks (what
+    the all-reduce adds) are the block of the checkpoint de-quantized whole in one process. Where a rank's inputs of
+    down_proj are not whole groups (48 of 96 in groups of 32) its experts are de-quantized instead, and the sum is the
+    same."""
+    from accelerate import init_empty_weights
+
+    from helpers.quantizable import write_checkpoint
+    from lmiserve.engine.model.layout_variants import moe_block, moe_forward
+    from lmiserve.engine.model.shard_checkpoint import load_shard_weights
+    from lmiserve.engine.model.sharding import shard_model
+    from lmiserve.models.load import load_causal_lm
+    from lmiserve.models.quantized_load import checkpoint_quantization
+
+    model = _moe("qwen3_moe", {"moe_intermediate_size": inter})
+    write_checkpoint(model, tmp_path, "awq", group)
+    whole = load_causal_lm(tmp_path, dtype="fp32", device="cpu").model
+    monkeypatch.setattr(int4_experts, "kept_for", lambda model, device, name: True)
+    quant = checkpoint_quantization(tmp_path, None)
+    ranks = []
+    for rank in range(2):
+        with init_empty_weights(include_buffers=False):
+            shell = type(model)(copy.deepcopy(model.config)).eval()
+        shard_model(shell, rank, 2, None)
+        load_shard_weights(shell, tmp_path, quant, torch.device("cpu"))
+        ranks.append(shell)
+    x = torch.randn(7, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        for i, layer in enumerate(whole.model.layers):
+            parts = [moe_block(shell.model.layers[i]) for shell in ranks]
+            assert [grouped_experts.kept(part.experts, "int4") for part in parts] == kept
+            if kept[1]:
+                experts = parts[1].experts
+                assert experts.down_proj.shape[2] == inter // 2 // 8 and experts.gate_up_proj.shape[1] == inter
+            total = sum(moe_forward(part, x) for part in parts)
+            torch.testing.assert_close(total, moe_forward(moe_block(layer), x), rtol=1e-5, atol=1e-5)
+
+
+def test_the_decode_graphs_capture_4bit_experts_in_any_dtype(tmp_path) -> None:
+    """torch's grouped product waits for the device outside bf16 (`experts_graph_reason`); the 4-bit experts' kernel
+    finds its tiles on the device, so a model whose experts all keep their codes is captured in fp32 too."""
+    from lmiserve.engine.attention.paged import AttentionShape, PagedKVCache
+    from lmiserve.engine.model.fast_llama import FastLlama
+    from lmiserve.engine.model.layout_variants import experts_graph_reason
+
+    model = _moe("qwen3_moe")
+    cfg = model.config
+    cache = PagedKVCache(
+        cfg.num_hidden_layers, 8, 4, cfg.num_key_value_heads, AttentionShape.of(cfg).head_dim, torch.float32, "cpu"
+    )
+    fast = FastLlama(model, cache, 64)
+    assert "float32" in (experts_graph_reason(model, fast.layers) or "")
+    gen = torch.Generator().manual_seed(0)
+    for module in (m for n, m in model.named_modules() if n.endswith(".experts")):
+        count, hidden, inter = module.down_proj.shape
+        weights = {
+            "gate_up_proj": tuple(t.cpu() for t in _experts(count, 2 * inter, hidden, 32, gen)),
+            "down_proj": tuple(t.cpu() for t in _experts(count, hidden, inter, 32, gen)),
+        }
+        int4_experts.keep(module, weights)
+    assert experts_graph_reason(model, fast.layers) is None
