@@ -6,7 +6,6 @@ de-quantized model, on one device and over two tensor-parallel ranks."""
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
 import os
 
@@ -151,12 +150,9 @@ def test_each_tensor_parallel_rank_keeps_its_part_of_the_4bit_experts(
     the all-reduce adds) are the block of the checkpoint de-quantized whole in one process. Where a rank's inputs of
     down_proj are not whole groups (48 of 96 in groups of 32) its experts are de-quantized instead, and the sum is the
     same."""
-    from accelerate import init_empty_weights
-
     from helpers.quantizable import write_checkpoint
+    from helpers.rank_shards import read_ranks
     from lmiserve.engine.model.layout_variants import moe_block, moe_forward
-    from lmiserve.engine.model.shard_checkpoint import load_shard_weights
-    from lmiserve.engine.model.sharding import shard_model
     from lmiserve.models.load import load_causal_lm
     from lmiserve.models.quantized_load import checkpoint_quantization
 
@@ -165,13 +161,7 @@ def test_each_tensor_parallel_rank_keeps_its_part_of_the_4bit_experts(
     whole = load_causal_lm(tmp_path, dtype="fp32", device="cpu").model
     monkeypatch.setattr(int4_experts, "kept_for", lambda model, device, name: True)
     quant = checkpoint_quantization(tmp_path, None)
-    ranks = []
-    for rank in range(2):
-        with init_empty_weights(include_buffers=False):
-            shell = type(model)(copy.deepcopy(model.config)).eval()
-        shard_model(shell, rank, 2, None)
-        load_shard_weights(shell, tmp_path, quant, torch.device("cpu"))
-        ranks.append(shell)
+    ranks = read_ranks(model, tmp_path, 2, quant)
     x = torch.randn(7, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         for i, layer in enumerate(whole.model.layers):

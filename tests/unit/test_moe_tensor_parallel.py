@@ -13,26 +13,12 @@ import pytest
 import torch
 
 from helpers.llama_variants import MOE_ARCHS, build
+from helpers.rank_shards import cut, shell_of
 from lmiserve.engine.model.layout_variants import moe_block, moe_forward
 from lmiserve.engine.model.shard_checkpoint import load_shard_weights
 from lmiserve.engine.model.sharding import experts_layout, shard_model, unsplittable_reason
 
 SPLIT = ["mixtral", "qwen2_moe_shared", "qwen3_moe", "glm4_moe", "gpt_oss"]
-
-
-def cut(model, world: int):
-    shards = [copy.deepcopy(model) for _ in range(world)]
-    for rank, shard in enumerate(shards):
-        shard_model(shard, rank, world, None)
-    return shards
-
-
-def shell_of(model):
-    """`model`'s architecture with its parameters on the meta device, its buffers real (`load_model_shell`'s)."""
-    from accelerate import init_empty_weights
-
-    with init_empty_weights(include_buffers=False):
-        return type(model)(copy.deepcopy(model.config)).eval()
 
 
 @pytest.mark.parametrize("arch", SPLIT)

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers.rank_shards import cut, shell_of
 from lmiserve.config import Settings
 from lmiserve.config.errors import ConfigError
 from lmiserve.config.sources import load_settings
@@ -162,14 +163,6 @@ def tiny_llama(kv_heads: int = 2, *, tied: bool = False, bias: bool = False, voc
     return model
 
 
-def cut(model, world: int):
-    """`world` copies of `model`, each cut to its rank's shard (no process group)."""
-    shards = [copy.deepcopy(model) for _ in range(world)]
-    for rank, shard in enumerate(shards):
-        shard_model(shard, rank, world, None)
-    return shards
-
-
 @pytest.mark.parametrize("kv_heads", [2, 1], ids=["kv-split", "kv-replicated"])
 def test_the_ranks_weights_put_back_together_are_the_model(kv_heads):
     model = tiny_llama(kv_heads)
@@ -217,15 +210,6 @@ def test_the_ranks_weights_put_back_together_are_the_model(kv_heads):
         linears = [m for m in shard.modules() if isinstance(m, torch.nn.Linear)]
         assert not any(m.weight.requires_grad for m in linears)
     assert shard_of(model) is None
-
-
-def shell_of(model):
-    """`model`'s architecture with its parameters on the meta device (as `load_model_shell` makes it)."""
-    from accelerate import init_empty_weights
-    from transformers import LlamaForCausalLM
-
-    with init_empty_weights(include_buffers=False):
-        return LlamaForCausalLM(copy.deepcopy(model.config)).eval()
 
 
 @pytest.mark.parametrize(
