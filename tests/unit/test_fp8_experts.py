@@ -115,24 +115,16 @@ def test_an_fp8_mixture_of_experts_kept_fp8_serves_its_dequantized_models_tokens
     CPU, watched for host syncs), gives the greedy tokens of the same checkpoint de-quantized at load (fp32)."""
     from safetensors.torch import load_file
 
-    from helpers.decode_graphs import graphs_on_the_test_device
-    from helpers.llama_variants import greedy_tokens
+    from helpers.kept_experts import load_both, serve_counted
     from helpers.quantizable import write_checkpoint
-    from lmiserve.models.load import load_causal_lm
 
     arch, fmt = CHECKPOINTS[case]
     write_checkpoint(build(*MOE_ARCHS[arch]), tmp_path, fmt, 16)
     tiny_model.tokenizer.save_pretrained(tmp_path)
-    dequantized = load_causal_lm(tmp_path, dtype="fp32", device="cpu")
-    assert not any(grouped_experts.kept(m) for m in dequantized.model.modules())
-
-    record = graphs_on_the_test_device(monkeypatch)
-    monkeypatch.setattr(fp8_experts, "kept_for", lambda model, device, name: True)
-    with caplog.at_level("INFO", logger="lmiserve.models.load"):
-        loaded = load_causal_lm(tmp_path, dtype="fp32", device="cpu")
+    dequantized, loaded, record, lines = load_both(tmp_path, monkeypatch, caplog, fp8_experts)
     kept = [m for m in loaded.model.modules() if grouped_experts.kept(m)]
     assert kept and len(kept) == sum(1 for n, _ in loaded.model.named_modules() if n.endswith(".experts"))
-    assert any("experts modules kept fp8" in r.message for r in caplog.records)
+    assert any("experts modules kept fp8" in line for line in lines)
     stored = load_file(tmp_path / "model.safetensors")
     block = "block_sparse_moe" if arch == "mixtral" else "mlp"
     first = "w1" if arch == "mixtral" else "gate_proj"
@@ -144,14 +136,8 @@ def test_an_fp8_mixture_of_experts_kept_fp8_serves_its_dequantized_models_tokens
     )
     assert experts.down_proj_scales.dim() == (3 if fmt == "fp8-block" else 2)
 
-    ran: list[int] = []
-    product = fp8_experts.grouped_product
-    monkeypatch.setattr(fp8_experts, "grouped_product", lambda x, *rest: ran.append(x.shape[0]) or product(x, *rest))
-    loaded = dataclasses.replace(loaded, max_context=256)
-    engine, results = asyncio.run(serve_prompts(loaded, EngineConfig(max_prefill_tokens=4), 8))
+    engine, ran = serve_counted(loaded, dequantized, monkeypatch, fp8_experts)
     assert engine.runner.path == "fast" and record.steps and ran
-    for prompt, events in zip(PROMPTS, results, strict=True):
-        assert [e.token.id for e in events if e.token] == greedy_tokens(dequantized, prompt, 8), prompt
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="a CPU's fp32 under the interpreter; the kernel test covers CUDA")

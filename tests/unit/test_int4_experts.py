@@ -5,15 +5,12 @@ de-quantized model, on one device and over two tensor-parallel ranks."""
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import os
 
 import pytest
 import torch
 
-from helpers.llama_variants import MOE_ARCHS, PROMPTS, build, serve_prompts
-from lmiserve.engine.core.async_engine import EngineConfig
+from helpers.llama_variants import MOE_ARCHS, build
 from lmiserve.engine.model import grouped_experts, int4_experts, int4_triton
 
 DEVICE = torch.device(os.environ.get("LMISERVE_TEST_DEVICE", "cpu"))
@@ -99,25 +96,17 @@ def test_a_4bit_mixture_of_experts_kept_4bit_serves_its_dequantized_models_token
     unpacking gives them, with its groups' scales and zeros, the start's account says so, and the engine on the fast
     path, its decode steps in the decode graphs (played on a CPU, watched for host syncs), gives the greedy tokens of
     the same checkpoint de-quantized at load (fp32). Act-order and 8-bit codes stay de-quantized, and serve."""
-    from helpers.decode_graphs import graphs_on_the_test_device
-    from helpers.llama_variants import greedy_tokens
+    from helpers.kept_experts import load_both, serve_counted
     from helpers.quantizable import write_checkpoint
-    from lmiserve.models.load import load_causal_lm
 
     arch, fmt, group, act_order = CHECKPOINTS[case]
     write_checkpoint(_moe(arch), tmp_path, fmt, group, act_order=act_order)
     tiny_model.tokenizer.save_pretrained(tmp_path)
-    dequantized = load_causal_lm(tmp_path, dtype="fp32", device="cpu")
-    assert not any(grouped_experts.kept(m) for m in dequantized.model.modules())
-
-    record = graphs_on_the_test_device(monkeypatch)
-    monkeypatch.setattr(int4_experts, "kept_for", lambda model, device, name: True)
-    with caplog.at_level("INFO", logger="lmiserve.models.load"):
-        loaded = load_causal_lm(tmp_path, dtype="fp32", device="cpu")
+    dequantized, loaded, record, lines = load_both(tmp_path, monkeypatch, caplog, int4_experts)
     kept = [m for m in loaded.model.modules() if grouped_experts.kept(m, "int4")]
     servable = not act_order and fmt != "gptq-int8"
     assert len(kept) == (sum(1 for n, _ in loaded.model.named_modules() if n.endswith(".experts")) if servable else 0)
-    assert any("experts modules kept 4-bit" in r.message for r in caplog.records) == servable
+    assert any("experts modules kept 4-bit" in line for line in lines) == servable
     if servable:
         reference = dequantized.model.model.layers[1].mlp.experts
         experts = loaded.model.model.layers[1].mlp.experts
@@ -129,14 +118,8 @@ def test_a_4bit_mixture_of_experts_kept_4bit_serves_its_dequantized_models_token
                 got = int4_experts.dequantized_weight(words[e], scales[e], zeros[e])
                 assert torch.equal(got, getattr(reference, kind)[e]), (kind, e)
 
-    ran: list[int] = []
-    product = int4_experts.grouped_product
-    monkeypatch.setattr(int4_experts, "grouped_product", lambda x, *rest: ran.append(x.shape[0]) or product(x, *rest))
-    loaded = dataclasses.replace(loaded, max_context=256)
-    engine, results = asyncio.run(serve_prompts(loaded, EngineConfig(max_prefill_tokens=4), 8))
+    engine, ran = serve_counted(loaded, dequantized, monkeypatch, int4_experts)
     assert engine.runner.path == "fast" and bool(ran) == servable and record.steps
-    for prompt, events in zip(PROMPTS, results, strict=True):
-        assert [e.token.id for e in events if e.token] == greedy_tokens(dequantized, prompt, 8), prompt
 
 
 @on_cpu_only

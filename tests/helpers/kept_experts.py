@@ -1,0 +1,48 @@
+"""A quantized mixture of experts' checkpoint loaded twice, its experts de-quantized and kept quantized
+(`engine/model/grouped_experts.py`'s kernels: `fp8_experts`, `int4_experts`), and the kept one served against the
+de-quantized one's greedy tokens: what the kept experts' tests share."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from helpers.decode_graphs import graphs_on_the_test_device
+from helpers.llama_variants import PROMPTS, greedy_tokens, serve_prompts
+from lmiserve.engine.core.async_engine import EngineConfig
+from lmiserve.engine.model import grouped_experts
+
+
+def load_both(
+    path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, kernel: Any
+) -> tuple[Any, Any, Any, list[str]]:
+    """The checkpoint in `path` loaded in fp32 on the CPU with its experts de-quantized (none kept), then where the
+    kernel module `kernel` keeps them (its `kept_for` forced), the decode graphs played on the CPU from then on: (the
+    de-quantized model, the kept one, the graphs' record, the second start's log lines)."""
+    from lmiserve.models.load import load_causal_lm
+
+    dequantized = load_causal_lm(path, dtype="fp32", device="cpu")
+    assert not any(grouped_experts.kept(m) for m in dequantized.model.modules())
+    record = graphs_on_the_test_device(monkeypatch)
+    monkeypatch.setattr(kernel, "kept_for", lambda model, device, name: True)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="lmiserve.models.load"):
+        loaded = load_causal_lm(path, dtype="fp32", device="cpu")
+    return dequantized, loaded, record, [r.getMessage() for r in caplog.records]
+
+
+def serve_counted(loaded: Any, dequantized: Any, monkeypatch: pytest.MonkeyPatch, kernel: Any) -> tuple[Any, list[int]]:
+    """`loaded` served (the engine, prompts joining a running batch, 8 greedy tokens each), each prompt's tokens
+    `dequantized`'s `generate()` gives; (the engine, the rows of each call of `kernel.grouped_product`)."""
+    ran: list[int] = []
+    product = kernel.grouped_product
+    monkeypatch.setattr(kernel, "grouped_product", lambda x, *rest: ran.append(x.shape[0]) or product(x, *rest))
+    loaded = dataclasses.replace(loaded, max_context=256)
+    engine, results = asyncio.run(serve_prompts(loaded, EngineConfig(max_prefill_tokens=4), 8))
+    for prompt, events in zip(PROMPTS, results, strict=True):
+        assert [e.token.id for e in events if e.token] == greedy_tokens(dequantized, prompt, 8), prompt
+    return engine, ran
