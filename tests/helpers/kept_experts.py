@@ -46,3 +46,34 @@ def serve_counted(loaded: Any, dequantized: Any, monkeypatch: pytest.MonkeyPatch
     for prompt, events in zip(PROMPTS, results, strict=True):
         assert [e.token.id for e in events if e.token] == greedy_tokens(dequantized, prompt, 8), prompt
     return engine, ran
+
+
+def rank_blocks(model: Any, path: Path, monkeypatch: pytest.MonkeyPatch, kernel: Any) -> list[tuple[Any, list[Any]]]:
+    """Each layer's MoE block of `model`'s checkpoint in `path` de-quantized whole in one process, and of each of
+    two tensor-parallel ranks read with their experts where the kernel module `kernel` keeps them (its `kept_for`
+    forced)."""
+    from helpers.rank_shards import read_ranks
+    from lmiserve.engine.model.layout_variants import moe_block
+    from lmiserve.models.load import load_causal_lm
+    from lmiserve.models.quantized_load import checkpoint_quantization
+
+    whole = load_causal_lm(path, dtype="fp32", device="cpu").model
+    monkeypatch.setattr(kernel, "kept_for", lambda model, device, name: True)
+    ranks = read_ranks(model, path, 2, checkpoint_quantization(path, None))
+    layers = enumerate(whole.model.layers)
+    return [(moe_block(layer), [moe_block(shell.model.layers[i]) for shell in ranks]) for i, layer in layers]
+
+
+def assert_ranks_sum(block: Any, parts: list[Any]) -> None:
+    """The ranks' MoE blocks `parts` (what the all-reduce adds) give the whole `block`'s output on random rows."""
+    import torch
+
+    from lmiserve.engine.model.layout_variants import moe_forward
+
+    hidden = block.experts.gate_up_proj.shape[
+        -1
+    ]  # (the whole block's experts: de-quantized, [experts, 2 inter, hidden])
+    x = torch.randn(7, hidden, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        total = sum(moe_forward(part, x) for part in parts)
+        torch.testing.assert_close(total, moe_forward(block, x), rtol=1e-5, atol=1e-5)

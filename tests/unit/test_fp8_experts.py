@@ -190,28 +190,17 @@ def test_each_tensor_parallel_rank_keeps_its_part_of_the_fp8_experts(
     the block of the checkpoint de-quantized whole in one process. Where a rank's inputs of down_proj do not start
     a block (blocks of 16 over 48 inputs: rank 1's start at 24) its experts are de-quantized instead, and the sum is
     the same."""
+    from helpers.kept_experts import assert_ranks_sum, rank_blocks
     from helpers.quantizable import write_checkpoint
-    from helpers.rank_shards import read_ranks
-    from lmiserve.engine.model.layout_variants import moe_block, moe_forward
-    from lmiserve.models.load import load_causal_lm
-    from lmiserve.models.quantized_load import checkpoint_quantization
 
     config_class, model_class, overrides = MOE_ARCHS["qwen3_moe"]
     model = build(config_class, model_class, {**overrides, "moe_intermediate_size": inter})
     write_checkpoint(model, tmp_path, fmt, 16)
-    whole = load_causal_lm(tmp_path, dtype="fp32", device="cpu").model
-    monkeypatch.setattr(fp8_experts, "kept_for", lambda model, device, name: True)
-    quant = checkpoint_quantization(tmp_path, None)
-    ranks = read_ranks(model, tmp_path, 2, quant)
-    x = torch.randn(7, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
-    with torch.inference_mode():
-        for i, layer in enumerate(whole.model.layers):
-            parts = [moe_block(shell.model.layers[i]) for shell in ranks]
-            assert [grouped_experts.kept(part.experts) for part in parts] == kept
-            experts = parts[1].experts
-            assert experts.down_proj.shape[2] == inter // 2 and experts.gate_up_proj.shape[1] == inter
-            total = sum(moe_forward(part, x) for part in parts)
-            torch.testing.assert_close(total, moe_forward(moe_block(layer), x), rtol=1e-5, atol=1e-5)
+    for block, parts in rank_blocks(model, tmp_path, monkeypatch, fp8_experts):
+        assert [grouped_experts.kept(part.experts) for part in parts] == kept
+        experts = parts[1].experts
+        assert experts.down_proj.shape[2] == inter // 2 and experts.gate_up_proj.shape[1] == inter
+        assert_ranks_sum(block, parts)
 
 
 def test_the_decode_graphs_capture_fp8_experts_in_any_dtype() -> None:

@@ -133,28 +133,17 @@ def test_each_tensor_parallel_rank_keeps_its_part_of_the_4bit_experts(
     the all-reduce adds) are the block of the checkpoint de-quantized whole in one process. Where a rank's inputs of
     down_proj are not whole groups (48 of 96 in groups of 32) its experts are de-quantized instead, and the sum is the
     same."""
+    from helpers.kept_experts import assert_ranks_sum, rank_blocks
     from helpers.quantizable import write_checkpoint
-    from helpers.rank_shards import read_ranks
-    from lmiserve.engine.model.layout_variants import moe_block, moe_forward
-    from lmiserve.models.load import load_causal_lm
-    from lmiserve.models.quantized_load import checkpoint_quantization
 
     model = _moe("qwen3_moe", {"moe_intermediate_size": inter})
     write_checkpoint(model, tmp_path, "awq", group)
-    whole = load_causal_lm(tmp_path, dtype="fp32", device="cpu").model
-    monkeypatch.setattr(int4_experts, "kept_for", lambda model, device, name: True)
-    quant = checkpoint_quantization(tmp_path, None)
-    ranks = read_ranks(model, tmp_path, 2, quant)
-    x = torch.randn(7, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
-    with torch.inference_mode():
-        for i, layer in enumerate(whole.model.layers):
-            parts = [moe_block(shell.model.layers[i]) for shell in ranks]
-            assert [grouped_experts.kept(part.experts, "int4") for part in parts] == kept
-            if kept[1]:
-                experts = parts[1].experts
-                assert experts.down_proj.shape[2] == inter // 2 // 8 and experts.gate_up_proj.shape[1] == inter
-            total = sum(moe_forward(part, x) for part in parts)
-            torch.testing.assert_close(total, moe_forward(moe_block(layer), x), rtol=1e-5, atol=1e-5)
+    for block, parts in rank_blocks(model, tmp_path, monkeypatch, int4_experts):
+        assert [grouped_experts.kept(part.experts, "int4") for part in parts] == kept
+        if kept[1]:
+            experts = parts[1].experts
+            assert experts.down_proj.shape[2] == inter // 2 // 8 and experts.gate_up_proj.shape[1] == inter
+        assert_ranks_sum(block, parts)
 
 
 def test_the_decode_graphs_capture_4bit_experts_in_any_dtype(tmp_path) -> None:
