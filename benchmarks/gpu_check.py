@@ -119,6 +119,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # xdist hands them out in this order: first those that have not yet passed on a GPU (new since the 2026-11-29
 # check, or failed there and mended), so that a run out of time (a second device call's) has run them.
 ENGINE_TESTS = (
+    "tests/unit/test_fp8_experts.py",
+    "tests/unit/test_int4_experts.py",
     "tests/unit/test_fp8_blocks.py",
     "tests/unit/test_moe_fast.py",
     "tests/unit/test_vlm_fast.py",
