@@ -22,9 +22,9 @@ Formats (`engine/model/quant_formats.py` says how each is stored and run):
 - ``quant_method: awq``, 4 bits, GEMM packing, with zero points: ``quantize=awq``.
 - ``quant_method: gptq``, 4 bits (``checkpoint_format`` ``gptq``, or ``gptq_v2``), any ``desc_act``:
   ``quantize=gptq``.
-- ``quant_method: mxfp4`` (gpt-oss's experts: 4-bit floats, a power-of-two scale a block of 32): the experts'
-  weights dequantized at load by transformers (exactly: every such value is a bf16 value), as vLLM does where it
-  has no MXFP4 kernel: ``quantize=mxfp4``.
+- ``quant_method: mxfp4`` (gpt-oss's experts: 4-bit floats, a power-of-two scale a block of 32): on a GPU where
+  de-quantized they would not fit, kept MXFP4 on a grouped Triton kernel; else dequantized at load by transformers
+  (`models.mxfp4_load`): ``quantize=mxfp4``.
 - ``quant_method: modelopt`` (NVIDIA's Model Optimizer; in ``config.json``, or its older ``hf_quant_config.json``
   beside it): ``FP8`` (a scale a tensor; its static ``input_scale`` is not used: activations are quantized per
   token), ``FP8_PER_CHANNEL_PER_TOKEN`` (a scale a channel) and ``FP8_PB_WO`` (a scale a block of 128 x 128, run as
@@ -39,17 +39,18 @@ is refused with one line (`ModelLoadError`)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import json
 import logging
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from lmiserve.engine.model import fp8_experts, grouped_experts, int4_experts
+from lmiserve.engine.model import fp8_experts, grouped_experts, int4_experts, mxfp4_experts
 from lmiserve.engine.model.expert_matrices import stacked_experts
 from lmiserve.engine.model.fp8_ops import per_tensor_at_load
 from lmiserve.engine.model.int4_triton import Int4TritonLinear
@@ -72,6 +73,7 @@ from lmiserve.engine.model.quantize import Int4Linear, Int8Linear, replace_linea
 from lmiserve.engine.model.shard_checkpoint import model_names
 from lmiserve.engine.model.shard_quantized import dequantizing_reader, int4_parts
 from lmiserve.engine.model.sharding import experts_layout
+from lmiserve.models import mxfp4_load
 from lmiserve.models.attention_choice import sdpa_or_default
 from lmiserve.models.errors import ModelLoadError
 from lmiserve.models.int4_load import SafetensorsFiles, meta_tensors, safetensors_names
@@ -153,29 +155,20 @@ def load_quantized(
     its linears: the architecture of `auto_class` (default: causal LMs; a vision-language model's) on the meta
     device, each linear the checkpoint stores quantized made from its tensors (`quant_formats`; a VLM's tensors
     found by the names transformers gives them, `shard_checkpoint.model_names`), the other tensors read as they
-    are; or, for gpt-oss's MXFP4 experts (de-quantized at load by transformers), transformers' `auto_class`."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    are; or, for gpt-oss's MXFP4 experts, `mxfp4_load`'s."""
+    from transformers import AutoModelForCausalLM
 
-    if spec.method == "mxfp4":
-        return _mxfp4_dequantized(path, dtype, trust_remote_code, auto_class or AutoModelForCausalLM)
+    architecture = auto_class or AutoModelForCausalLM
+    if spec.method == "mxfp4":  # (gpt-oss's experts: kept MXFP4 on a GPU where bf16 would not fit, else de-quantized)
+        found = safetensors_names(path)
+        model = None if found is None else meta_model(path, dtype, trust_remote_code, architecture)
+        if model is not None and mxfp4_experts.kept_for(model, device, path.name):
+            return mxfp4_load.load_kept(model, path, cast(dict[str, Path], found), device)
+        return mxfp4_load.load_dequantized(path, dtype, trust_remote_code, architecture)
     stored = safetensors_names(path)
     if stored is None:
         raise ModelLoadError(f"{path.name}: a {spec.method} checkpoint needs its weights as safetensors")
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # lmiserve builds the linears; transformers' quantizers are not used
-    architecture = auto_class or AutoModelForCausalLM
-    with init_empty_weights(include_buffers=False):
-        model = sdpa_or_default(
-            path, lambda **sdpa: architecture.from_config(
-                config, dtype=dtype, trust_remote_code=trust_remote_code, **sdpa
-            )
-        )  # fmt: skip
-    model.tie_weights()
-    with contextlib.suppress(OSError):
-        model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
-    model.config.name_or_path = str(path)
+    model = meta_model(path, dtype, trust_remote_code, architecture)
     kinds: Counter[str] = Counter()
     file_names = model_names(model, stored)  # (a VLM's published names are not its modules': transformers renames)
     stored = {name: stored[stored_name] for name, stored_name in file_names.items()}
@@ -198,6 +191,28 @@ def load_quantized(
         raise ModelLoadError(f"{path.name}: {', '.join(left[:5])} left without values")
     account = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
     return model, f"{spec.method} checkpoint ({spec.source}): {account}"
+
+
+def meta_model(path: Path, dtype: torch.dtype, trust_remote_code: bool, architecture: Any) -> Any:
+    """The model of the checkpoint `path` (`architecture`: an auto class of transformers) on the meta device computing
+    in `dtype`, without its quantization config (lmiserve builds the quantized layers), its generation config read."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, GenerationConfig
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # lmiserve builds the linears; transformers' quantizers are not used
+    with init_empty_weights(include_buffers=False):
+        model = sdpa_or_default(
+            path, lambda **sdpa: architecture.from_config(  # (a copy each: a refused try edits the config)
+                copy.deepcopy(config), dtype=dtype, trust_remote_code=trust_remote_code, **sdpa
+            )
+        )  # fmt: skip
+    model.tie_weights()
+    with contextlib.suppress(OSError):
+        model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
+    model.config.name_or_path = str(path)
+    return model
 
 
 def _fill_experts(
@@ -242,28 +257,6 @@ def _fill_experts(
             setattr(module, kind, torch.nn.Parameter(value.to(meta.dtype), requires_grad=False))
             made[f"experts modules de-quantized to {str(meta.dtype).removeprefix('torch.')}"] += kind == "down_proj"
     return +made
-
-
-def _mxfp4_dequantized(path: Path, dtype: torch.dtype, trust_remote_code: bool, auto_class: Any) -> tuple[Any, str]:
-    """gpt-oss's MXFP4 experts dequantized to `dtype` by transformers at load (``Mxfp4Config``; no kernel of their
-    format, no download; they take about 4x their bytes on disk). Exact: every value is the format's value times its
-    block's scale."""
-    from transformers import Mxfp4Config  # type: ignore[attr-defined]
-
-    config = Mxfp4Config(dequantize=True)
-
-    def make(**sdpa: Any) -> Any:
-        common = {"trust_remote_code": trust_remote_code, "local_files_only": True}
-        return auto_class.from_pretrained(path, dtype=dtype, quantization_config=config, **common, **sdpa)
-
-    model = sdpa_or_default(path, make)
-    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())  # (gpt-oss's norms)
-    for name, parameter in model.named_parameters():  # (the fp8 quantizer leaves the rest in the stored dtype)
-        if parameter.is_floating_point() and parameter.dtype != dtype and not keep & set(name.split(".")):
-            parameter.data = parameter.data.to(dtype)
-    kind = str(dtype).removeprefix("torch.")
-    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
-    return model, f"mxfp4 checkpoint: the experts' {experts / 1e9:.2f}B weights dequantized to {kind} at load"
 
 
 def _linear_of(

@@ -251,6 +251,32 @@ def test_the_int4_experts_kernel_compiles_as_its_wrapper_launches_it(
     assert_compiled(launches, arch)
 
 
+@pytest.mark.parametrize("arch", [HOPPER, AMPERE], ids=["hopper", "ampere"])
+def test_the_mxfp4_experts_kernel_compiles_as_its_wrapper_launches_it(
+    monkeypatch: pytest.MonkeyPatch, arch: int
+) -> None:
+    """`mxfp4_experts`' grouped product at gpt-oss's widths (hidden and intermediate 2880: 64 inputs a step; 32
+    experts, 4 a token), as a decode step of one and of 16 tokens and a prompt of 2048 launch it, gate/up's and
+    down's products, and at widths of 32 inputs a step: each compiles, none spills."""
+    import torch
+
+    from lmiserve.engine.model import mxfp4_experts
+
+    monkeypatch.setattr(mxfp4_experts, "INTERPRETED_ON_CPU", True)  # (the wrapper's CPU tensors go to the kernel)
+    launches = cuda_compile.recording(monkeypatch, mxfp4_experts, "_kernel")
+    e, width = 32, 2880
+    for outputs, inputs in ((2 * width, width), (width, width), (width, 2 * width - 32)):
+        blocks = torch.zeros(e, outputs, inputs // 2, dtype=torch.uint8)
+        scales = torch.full((e, outputs, inputs // 32), 127, dtype=torch.uint8)
+        for tokens in (1, 16, 2048):
+            rows = tokens * 4
+            counts = torch.full((e,), rows // e) + (torch.arange(e) < rows % e)
+            mxfp4_experts.grouped_product(torch.zeros(rows, inputs, dtype=torch.bfloat16), blocks, scales, counts)
+    assert {launch.kwargs["BLOCK_M"] for launch in launches} == {16, 64}
+    assert {launch.kwargs["BLOCK_K"] for launch in launches} == {64, 32}
+    assert_compiled(launches, arch)
+
+
 def assert_compiled(launches: list[Any], arch: int) -> None:
     """Every launch in `launches` compiles for `arch` (``ptxas`` included) without spilling registers; else the
     failures, each with its kernel and constexprs."""

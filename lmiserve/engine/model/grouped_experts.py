@@ -65,8 +65,8 @@ def forward(
 ) -> torch.Tensor:
     """A kept experts module's output ``[T, hidden]`` for its rows `hidden_states` ``[T, hidden]``, each routed to
     the experts `top_k_index` ``[T, k]`` with `top_k_weights`: transformers' grouped forward (the rows sorted by
-    expert, each expert's products over its run, the outputs weighted and summed in fp32), its products the kept
-    format's."""
+    expert, each expert's products over its run, plus its biases where it has them, the outputs weighted and summed in
+    fp32), its products the kept format's."""
     product = cast(Product, self.__dict__["kept_product"])
     apply_gate = cast(Callable[[torch.Tensor], torch.Tensor], self._apply_gate)
     experts, top_k = int(cast(torch.Tensor, self.gate_up_proj).shape[0]), top_k_index.shape[-1]
@@ -76,8 +76,13 @@ def forward(
     # counts by histc (no host sync, unlike bincount): float on a CPU, integers on CUDA (deterministic there)
     counted = sorted_ids.float() if sorted_ids.device.type == "cpu" else sorted_ids.int()
     counts = torch.histc(counted, bins=experts, min=0, max=experts - 1).long()
-    gated = apply_gate(product(rows, self, "gate_up_proj", counts))
-    out = product(gated, self, "down_proj", counts)
+
+    def biased(y: torch.Tensor, kind: str) -> torch.Tensor:  # (each row's expert's bias: gpt-oss's experts have one)
+        bias = getattr(self, f"{kind}_bias", None)
+        return y if bias is None else y + cast(torch.Tensor, bias)[sorted_ids].to(y.dtype)
+
+    gated = apply_gate(biased(product(rows, self, "gate_up_proj", counts), "gate_up_proj"))
+    out = biased(product(gated, self, "down_proj", counts), "down_proj")
     out = out.float() * top_k_weights.reshape(-1)[order, None].float()
     unsorted = torch.empty_like(out).index_copy_(0, order, out)
     return unsorted.view(hidden_states.shape[0], top_k, -1).sum(dim=1).to(hidden_states.dtype)
