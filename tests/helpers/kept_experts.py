@@ -64,16 +64,15 @@ def rank_blocks(model: Any, path: Path, monkeypatch: pytest.MonkeyPatch, kernel:
     return [(moe_block(layer), [moe_block(shell.model.layers[i]) for shell in ranks]) for i, layer in layers]
 
 
-def assert_ranks_sum(block: Any, parts: list[Any]) -> None:
-    """The ranks' MoE blocks `parts` (what the all-reduce adds) give the whole `block`'s output on random rows."""
+def assert_ranks_sum(block: Any, parts: list[Any], hidden: int) -> None:
+    """The ranks' MoE blocks `parts` (what the all-reduce adds) give the whole `block`'s output on random rows of
+    `hidden` values."""
     import torch
 
     from lmiserve.engine.model.layout_variants import moe_forward
 
-    hidden = block.experts.gate_up_proj.shape[
-        -1
-    ]  # (the whole block's experts: de-quantized, [experts, 2 inter, hidden])
     x = torch.randn(7, hidden, generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
-        total = sum(moe_forward(part, x) for part in parts)
-        torch.testing.assert_close(total, moe_forward(block, x), rtol=1e-5, atol=1e-5)
+        total, want = sum(moe_forward(part, x) for part in parts), moe_forward(block, x)
+    largest = max(1.0, want.abs().max().item())  # (fp32's rounding of outputs in the hundreds: gpt-oss's)
+    torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-5 * largest)

@@ -13,16 +13,16 @@ import torch
 FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
-def write_mxfp4_gpt_oss(out: Path) -> dict[str, torch.Tensor]:
-    """Write the tests' tiny gpt-oss (tests/helpers/llama_variants.py, its MLP 64 wide: blocks of 32) with its
-    tokenizer to `out` as an MXFP4 checkpoint; the float state dict it holds."""
+def write_mxfp4_gpt_oss(out: Path, intermediate: int = 64) -> dict[str, torch.Tensor]:
+    """Write the tests' tiny gpt-oss (tests/helpers/llama_variants.py, its MLP `intermediate` wide: blocks of 32) with
+    its tokenizer to `out` as an MXFP4 checkpoint; the float state dict it holds."""
     from safetensors.torch import load_file, save_file
 
     from helpers.llama_variants import MOE_ARCHS, build
     from helpers.tiny_model import build_tiny_tokenizer
 
     config_cls, model_cls, extra = MOE_ARCHS["gpt_oss"]
-    model = build(config_cls, model_cls, {**extra, "intermediate_size": 64})
+    model = build(config_cls, model_cls, {**extra, "intermediate_size": intermediate})
     generator = torch.Generator().manual_seed(5)
     packed = {}
     for i, layer in enumerate(model.model.layers):

@@ -200,7 +200,7 @@ def test_each_tensor_parallel_rank_keeps_its_part_of_the_fp8_experts(
         assert [grouped_experts.kept(part.experts) for part in parts] == kept
         experts = parts[1].experts
         assert experts.down_proj.shape[2] == inter // 2 and experts.gate_up_proj.shape[1] == inter
-        assert_ranks_sum(block, parts)
+        assert_ranks_sum(block, parts, model.config.hidden_size)
 
 
 def test_the_decode_graphs_capture_fp8_experts_in_any_dtype() -> None:

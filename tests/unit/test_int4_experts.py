@@ -143,7 +143,7 @@ def test_each_tensor_parallel_rank_keeps_its_part_of_the_4bit_experts(
         if kept[1]:
             experts = parts[1].experts
             assert experts.down_proj.shape[2] == inter // 2 // 8 and experts.gate_up_proj.shape[1] == inter
-        assert_ranks_sum(block, parts)
+        assert_ranks_sum(block, parts, model.config.hidden_size)
 
 
 def test_the_decode_graphs_capture_4bit_experts_in_any_dtype(tmp_path) -> None:

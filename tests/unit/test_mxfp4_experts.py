@@ -102,3 +102,29 @@ def test_an_mxfp4_gpt_oss_kept_mxfp4_serves_its_dequantized_models_tokens(
             assert held[name].dtype == value.dtype and torch.equal(held[name], value), name
     engine, ran = serve_counted(loaded, dequantized, monkeypatch, mxfp4_experts)
     assert engine.runner.path == "fast" and record.steps and ran
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="a CPU's fp32 under the interpreter; the kernel test covers CUDA")
+@pytest.mark.parametrize(("intermediate", "kept"), [(64, [True, True]), (96, [False, False])])
+@needs_kernel
+def test_each_tensor_parallel_rank_keeps_its_part_of_the_mxfp4_experts(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, on_kernel: None, intermediate: int, kept: list[bool]
+) -> None:
+    """Over two ranks each rank reads its part of gpt-oss's MXFP4 experts (gate/up's outputs, interleaved pairs; down's
+    inputs, whole blocks of 32 of the 64 intermediate) with their blocks' powers, kept MXFP4, and its part of the
+    biases (down's on rank 0 alone): the ranks' MoE blocks (what the all-reduce adds) are the block transformers
+    de-quantizes whole in one process. Where a rank's inputs of down_proj are not whole blocks (48 of 96) its experts
+    are de-quantized instead, and the sum is the same."""
+    from helpers.kept_experts import assert_ranks_sum, rank_blocks
+    from helpers.llama_variants import MOE_ARCHS, build
+    from helpers.mxfp4 import write_mxfp4_gpt_oss
+
+    write_mxfp4_gpt_oss(tmp_path, intermediate)
+    config_class, model_class, overrides = MOE_ARCHS["gpt_oss"]
+    model = build(config_class, model_class, {**overrides, "intermediate_size": intermediate})
+    for block, parts in rank_blocks(model, tmp_path, monkeypatch, mxfp4_experts):
+        assert [grouped_experts.kept(part.experts, "mxfp4") for part in parts] == kept
+        if kept[0]:
+            experts = parts[0].experts
+            assert experts.gate_up_proj.shape[1] == intermediate and experts.down_proj.shape[2] == intermediate // 4
+        assert_ranks_sum(block, parts, model.config.hidden_size)

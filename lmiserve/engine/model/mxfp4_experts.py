@@ -15,13 +15,15 @@ Layout (`keep`): ``{kind}`` uint8 ``[experts, out, in / 2]`` (the checkpoint's `
 merged), ``{kind}_scales`` uint8 ``[experts, out, in / 32]``. On a CPU (no kernel; the tests set `INTERPRETED_ON_CPU`
 to run it under Triton's interpreter) each expert's weight is de-quantized for its rows (`dequantized_product`).
 
-Not measured yet: the kernel's speed (a GPU's); its tiles are fixed (`tile_of`). Over tensor parallelism the experts
-are still de-quantized (`shard_checkpoint`)."""
+Over tensor parallelism each rank keeps its part by the same rule, where its inputs of down_proj are whole blocks of
+32 (gpt-oss's 2880 over two ranks; not over four or eight: de-quantized there). Not measured yet: the kernel's speed
+(a GPU's); its tiles are fixed (`tile_of`)."""
 
 from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -88,21 +90,36 @@ def _product(x: torch.Tensor, experts: torch.nn.Module, kind: str, counts: torch
     return grouped_product(x, blocks, scales, counts)
 
 
-def keep_stored(model: torch.nn.Module, names: Any, read: Read, device: torch.device) -> set[str]:
+def keep_stored(
+    model: torch.nn.Module,
+    names: Any,
+    read: Read,
+    device: torch.device,
+    part: Callable[[int], slice] = lambda size: slice(0, size),
+) -> set[str]:
     """An MXFP4 checkpoint's experts kept MXFP4 on `device`: each servable experts module of `model` whose
-    ``{kind}_blocks`` and ``{kind}_scales`` the checkpoint holds (`names`; `read`: a tensor's slice) `keep`-ed; their
-    names (the caller asked `kept_for`)."""
+    ``{kind}_blocks`` and ``{kind}_scales`` the checkpoint holds (`names`; `read`: a tensor's slice) `keep`-ed, cut to
+    `part` of its intermediate size (a tensor-parallel rank's, `ShardPlan.part`: gate/up's outputs, gate and up
+    interleaved, so one run of whole pairs; down's inputs, which must be whole blocks of 32, else the module is left
+    to be de-quantized); their names (the caller asked `kept_for`)."""
     made = set()
     for owner, module in model.named_modules():
         if not owner.endswith(".experts") or not servable(module):
             continue
-        if not all(f"{owner}.{kind}_{part}" in names for kind in KINDS for part in ("blocks", "scales")):
+        if not all(f"{owner}.{kind}_{piece}" in names for kind in KINDS for piece in ("blocks", "scales")):
             continue
+        stored = {kind: (read(f"{owner}.{kind}_blocks"), read(f"{owner}.{kind}_scales")) for kind in KINDS}
+        blocks, _ = stored["gate_up_proj"]  # [experts, 2 inter, hidden / 32, 16]
+        rows = part(blocks.get_shape()[1])
+        inputs = part(stored["down_proj"][1].get_shape()[2] * 32)
+        if inputs.start % 32 or inputs.stop % 32:
+            continue  # (a rank's inputs of down_proj not whole blocks: de-quantized by the loader)
+        columns = slice(inputs.start // 32, inputs.stop // 32)
         weights = {}
-        for kind in KINDS:
-            blocks = torch.as_tensor(read(f"{owner}.{kind}_blocks")[...])  # [experts, out, in / 32, 16]
-            scales = torch.as_tensor(read(f"{owner}.{kind}_scales")[...])  # [experts, out, in / 32]
-            weights[kind] = (blocks.flatten(2).to(device), scales.to(device))
+        for kind, (blocks, scales) in stored.items():
+            cut = (slice(None), rows) if kind == "gate_up_proj" else (slice(None), slice(None), columns)
+            as_kept = (torch.as_tensor(blocks[cut]).flatten(2), torch.as_tensor(scales[cut]))  # ([E, out, in / 2])
+            weights[kind] = (as_kept[0].contiguous().to(device), as_kept[1].contiguous().to(device))
         keep(module, weights)
         made.add(owner)
     return made

@@ -8,7 +8,8 @@ A mixture of experts is read from the checkpoints as published: one matrix per e
 and ``experts.down_proj`` ``[experts, hidden, inter]``; each rank reads its rows (its columns of down) of each
 expert's and stacks them so. A checkpoint that stores the merged tensors is read by its slices likewise (gpt-oss's
 bf16 checkpoints: ``[experts, in, out]``, gate and up interleaved); gpt-oss's MXFP4 experts (``*_blocks``,
-``*_scales``) are read as the rank's outputs of gate/up, or down's whole, and dequantized by transformers.
+``*_scales``) are read as the rank's outputs of gate/up, or down's whole, and dequantized by transformers; or, on a
+GPU where the rank's bf16 part would not fit, kept MXFP4 (`mxfp4_experts.keep_stored`: down's inputs whole blocks).
 Persistent buffers the checkpoint holds (GLM-4.5's router's score biases) are read whole. A quantized checkpoint's
 linears (fp8, AWQ, GPTQ) are cut and made by `shard_quantized`; its other fp8 weights (block-wise fp8's, an fp8
 expert's) are read as float.
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from lmiserve.engine.model import fp8_experts, int4_experts
+from lmiserve.engine.model import fp8_experts, int4_experts, mxfp4_experts
 from lmiserve.engine.model.checkpoint_names import renamer
 from lmiserve.engine.model.expert_matrices import EXPERT_PARTS, Read, mixtral_name, stacked_experts
 from lmiserve.engine.model.quant_formats import QuantSpec, weights_kept_for
@@ -113,6 +114,8 @@ def load_shard_weights(
         elif quant is not None and quant.method in ("awq", "gptq") and quant.bits == 4:  # (4-bit ones, where kept)
             parts_of = functools.partial(int4_parts, names=files, read=slice_of, quant=quant)
             int4_experts.keep_stored(model, files, parts_of, rank_device, rank, shard.plan.part)
+        elif quant is not None and quant.method == "mxfp4" and mxfp4_experts.kept_for(model, rank_device, rank):
+            mxfp4_experts.keep_stored(model, files, slice_of, rank_device, shard.plan.part)  # (gpt-oss's experts)
         for name, parameter in model.named_parameters():  # a tied output layer's weight is listed once
             if name.rpartition(".")[0] in made:
                 continue
