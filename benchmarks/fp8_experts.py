@@ -3,8 +3,9 @@ Qwen3-30B-A3B's shape (128 experts, 8 a token, hidden 2048, 768 inputs to down_p
 forward, `torch._grouped_mm`: what the engine runs where the experts are de-quantized), kept fp8
 (`engine/model/fp8_experts.py`'s Triton kernel: a scale a channel, by blocks of 128 as Qwen3-30B-A3B-FP8 stores them,
 and widened as an A100 does on this GPU) and kept 4-bit (`engine/model/int4_experts.py`'s: codes with a scale and a
-zero a group of 128 inputs, as Qwen3-30B-A3B's AWQ and GPTQ releases store them), at a few token counts: decode
-steps (1, 16, 64 tokens) and a prompt's chunk (2048).
+zero a group of 128 inputs, as Qwen3-30B-A3B's AWQ and GPTQ releases store them) and kept MXFP4
+(`engine/model/mxfp4_experts.py`'s: 4-bit floats and a power of two a block of 32, gpt-oss's format, on this layer's
+shape), at a few token counts: decode steps (1, 16, 64 tokens) and a prompt's chunk (2048).
 
     .venv/bin/python benchmarks/fp8_experts.py [--tokens 1,16,64,2048] [--out DIR]   # CUDA
     TRITON_INTERPRET=1 .venv/bin/python benchmarks/fp8_experts.py --smoke            # CPU: checks it runs
@@ -31,7 +32,7 @@ from quantized_kernels import graph_timed  # benchmarks/quantized_kernels.py: th
 from quantized_kernels import timed as eager_timed
 
 from lmiserve.engine import fp8_devices
-from lmiserve.engine.model import fp8_experts, fp8_gemv, int4_experts, int4_triton
+from lmiserve.engine.model import fp8_experts, fp8_gemv, int4_experts, int4_triton, mxfp4_experts
 from lmiserve.engine.model.fp8_ops import quantize_fp8
 from lmiserve.models.quant_pack import fp8_block_tensors, rtn_int4
 
@@ -102,6 +103,34 @@ def int4_twin(module: torch.nn.Module, group: int) -> tuple[torch.nn.Module, tor
     return kept, dense
 
 
+def mxfp4_twin(module: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """`module`'s experts kept MXFP4 (`mxfp4_experts.keep`, as gpt-oss's are): each block of 32 inputs a power of two
+    (the block's largest magnitude over 6, rounded up) and each value the nearest 4-bit float; and the bf16 module of
+    the same de-quantized weights (the reference)."""
+    import copy
+
+    kept, dense = copy.deepcopy(module), copy.deepcopy(module)
+    table = torch.tensor(mxfp4_experts.FP4[:8])
+    weights = {}
+    for kind in ("gate_up_proj", "down_proj"):
+        full = getattr(module, kind).detach().float().cpu()
+        experts, outputs, inputs = full.shape
+        blocked = full.reshape(experts, outputs, inputs // 32, 32)
+        powers = torch.ceil(torch.log2(blocked.abs().amax(-1).clamp(min=1e-30) / 6.0)).clamp(-127, 127)
+        scaled = blocked / torch.exp2(powers)[..., None]
+        codes = (scaled.abs()[..., None] - table).abs().argmin(-1) + 8 * (scaled < 0)  # (the sign: code + 8)
+        codes = codes.reshape(experts, outputs, inputs)
+        blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+        scales = (powers + 127).to(torch.uint8)
+        weights[kind] = (blocks.to(full.device), scales)
+        dequantized = torch.stack([mxfp4_experts.dequantized_weight(b, s) for b, s in zip(blocks, scales)])
+        setattr(dense, kind, torch.nn.Parameter(dequantized.to(module.gate_up_proj.dtype), requires_grad=False))
+    device = module.gate_up_proj.device
+    mxfp4_experts.keep(kept, {kind: (b.to(device), s.to(device)) for kind, (b, s) in weights.items()})
+    dense.to(device)
+    return kept, dense
+
+
 def timed(fn: Callable[[], torch.Tensor], iters: int, cuda: bool) -> float:
     """One call's seconds: replayed from a CUDA graph on a GPU, else (or where the capture fails) eagerly
     (`quantized_kernels`' timers)."""
@@ -118,7 +147,7 @@ def main() -> None:
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda and not args.smoke:
         raise SystemExit("needs a CUDA GPU (or --smoke on CPU under TRITON_INTERPRET=1)")
-    fp8_experts.INTERPRETED_ON_CPU = int4_experts.INTERPRETED_ON_CPU = args.smoke
+    fp8_experts.INTERPRETED_ON_CPU = int4_experts.INTERPRETED_ON_CPU = mxfp4_experts.INTERPRETED_ON_CPU = args.smoke
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float16  # (the interpreter's dot has no bf16)
     shape = SHAPE if cuda else SMOKE
@@ -127,7 +156,8 @@ def main() -> None:
     bf16 = experts_module(shape, dtype, device)
     group = BLOCK if cuda else 32
     variants = {"fp8_channel": fp8_twin(bf16, 0), "fp8_block": fp8_twin(bf16, group), "int4": int4_twin(bf16, group)}
-    weight_bytes = {"fp8_channel": 1.0, "fp8_block": 1.0, "int4": 0.5}  # (a weight's, scales left out)
+    variants["mxfp4"] = mxfp4_twin(bf16)
+    weight_bytes = {"fp8_channel": 1.0, "fp8_block": 1.0, "int4": 0.5, "mxfp4": 0.5}  # (a weight's, scales left out)
     per_expert = 3 * shape["hidden"] * shape["intermediate"]  # gate, up and down: their weights' count
     rows = []
     for tokens in (int(t) for t in (args.tokens if cuda else "1,4").split(",")):

@@ -158,7 +158,7 @@ def test_issue_39_entries_are_filled(rehearsal):
     # a mixture of experts' layer kept fp8 and 4-bit (the kernels interpreted here): fp16 rows, within their rounding
     experts = summary["quantized"]["fp8_experts"]
     assert [r["tokens"] for r in experts] == [1, 4]
-    kept = ("fp8_channel", "fp8_block", "int4")
+    kept = ("fp8_channel", "fp8_block", "int4", "mxfp4")
     assert all(r[kind]["error"] < 0.01 and r[kind]["us"] > 0 for r in experts for kind in kept)
     quality = summary["quantized"]["quality"]
     assert {"bf16", "fp8-channel", "fp8-tensor", "fp8-dynamic", "awq", "gptq"} <= set(quality)
