@@ -38,25 +38,27 @@ def _experts(experts: int, outputs: int, inputs: int, group: int, gen: torch.Gen
 
 
 @pytest.mark.parametrize("counts", [[1, 0, 0, 0], [0, 3, 0, 4], [5, 17, 0, 1], [40, 0, 30, 2]])
-@pytest.mark.parametrize("group", [32, 64, 256])
+@pytest.mark.parametrize(("group", "act_order"), [(32, False), (64, False), (256, False), (64, True)])
 @needs_kernel
 def test_the_grouped_product_is_each_experts_dequantized_product(
-    on_kernel: None, counts: list[int], group: int
+    on_kernel: None, counts: list[int], group: int, act_order: bool
 ) -> None:
     """Rows sorted by expert (experts without rows between them), each row's product with its expert's 4-bit codes
-    less their group's zero times its scale, groups of 32, 64 and 256 inputs (tiles of 32, 64 and 128 inputs): what
-    de-quantizing each expert's weight gives, in fp32 and in fp16 (and bf16 on a GPU: Triton's interpreter has no bf16
-    dot); an expert's rows past 16 (a tile) too."""
+    less their group's zero times its scale, groups of 32, 64 and 256 inputs (tiles of 32, 64 and 128 inputs), and
+    with GPTQ's act-order (each expert's stored inputs some order of the rows' columns): what de-quantizing each
+    expert's weight gives, in fp32 and in fp16 (and bf16 on a GPU: Triton's interpreter has no bf16 dot); an expert's
+    rows past 16 (a tile) too."""
     gen = torch.Generator().manual_seed(len(counts) + sum(counts) + group)
     words, scales, zeros = _experts(4, 96, 256, group, gen)
+    order = torch.stack([torch.randperm(256, generator=gen) for _ in range(4)]).int().to(DEVICE) if act_order else None
     rows = sum(counts)
     tallies = torch.tensor(counts, device=DEVICE)
     halves = (torch.float16,) + ((torch.bfloat16,) if DEVICE.type == "cuda" else ())
     fp32 = 1e-5 if DEVICE.type == "cpu" else 5e-3  # (a GPU's fp32 dot: tf32)
     for dtype, tolerance in ((torch.float32, fp32), *((half, 2e-2) for half in halves)):
         x = torch.randn(rows, 256, generator=gen).to(DEVICE, dtype)
-        got = int4_experts.grouped_product(x, words, scales, zeros, tallies)
-        want = int4_experts.dequantized_product(x.float(), words, scales, zeros, tallies)
+        got = int4_experts.grouped_product(x, words, scales, zeros, tallies, order)
+        want = int4_experts.dequantized_product(x.float(), words, scales, zeros, tallies, order)
         assert got.dtype == dtype and got.shape == (rows, 96)
         assert (got.float() - want).abs().max() <= tolerance * want.abs().max(), dtype
 
@@ -67,7 +69,7 @@ def test_the_experts_are_dequantized_on_a_cpu() -> None:
 
 
 # (architecture, format, group, act-order): AutoAWQ's and GPTQModel's Qwen3-MoE, an AWQ Mixtral (w1-w3), llm-compressor's
-# W4A16 (symmetric and not, and one group a row); GPTQ's act-order and its 8-bit codes are de-quantized
+# W4A16 (symmetric and not, and one group a row), GPTQ with act-order; GPTQ's 8-bit codes are de-quantized
 CHECKPOINTS = {
     "qwen3-awq-g32": ("qwen3_moe", "awq", 32, False),
     "qwen3-gptq-g64": ("qwen3_moe", "gptq", 64, False),
@@ -95,7 +97,8 @@ def test_a_4bit_mixture_of_experts_kept_4bit_serves_its_dequantized_models_token
     not fit: `int4_experts.kept_for` forced): every experts module holds each expert's codes as the checkpoint's
     unpacking gives them, with its groups' scales and zeros, the start's account says so, and the engine on the fast
     path, its decode steps in the decode graphs (played on a CPU, watched for host syncs), gives the greedy tokens of
-    the same checkpoint de-quantized at load (fp32). Act-order and 8-bit codes stay de-quantized, and serve."""
+    the same checkpoint de-quantized at load (fp32); with GPTQ's act-order each expert's order of inputs kept beside its
+    codes. 8-bit codes stay de-quantized, and serve."""
     from helpers.kept_experts import load_both, serve_counted
     from helpers.quantizable import write_checkpoint
 
@@ -104,7 +107,7 @@ def test_a_4bit_mixture_of_experts_kept_4bit_serves_its_dequantized_models_token
     tiny_model.tokenizer.save_pretrained(tmp_path)
     dequantized, loaded, record, lines = load_both(tmp_path, monkeypatch, caplog, int4_experts)
     kept = [m for m in loaded.model.modules() if grouped_experts.kept(m, "int4")]
-    servable = not act_order and fmt != "gptq-int8"
+    servable = fmt != "gptq-int8"
     assert len(kept) == (sum(1 for n, _ in loaded.model.named_modules() if n.endswith(".experts")) if servable else 0)
     assert any("experts modules kept 4-bit" in line for line in lines) == servable
     if servable:
@@ -113,9 +116,13 @@ def test_a_4bit_mixture_of_experts_kept_4bit_serves_its_dequantized_models_token
         assert experts.gate_up_proj.dtype == torch.int32 and experts.down_proj_zeros.dtype == torch.float32
         assert experts.down_proj_scales.shape[1] == (1 if group == 0 else experts.down_proj.shape[2] * 8 // group)
         for kind in ("gate_up_proj", "down_proj"):
-            words, scales, zeros = (getattr(experts, f"{kind}{suffix}") for suffix in int4_experts.PARTS)
+            words, scales, zeros = (getattr(experts, f"{kind}{suffix}") for suffix in int4_experts.PARTS[:3])
+            order = getattr(experts, f"{kind}_order", None)
+            assert (order is not None) == act_order
             for e in (0, words.shape[0] - 1):  # (the de-quantized load's values: the published unpacking's)
-                got = int4_experts.dequantized_weight(words[e], scales[e], zeros[e])
+                got = int4_experts.dequantized_weight(
+                    words[e], scales[e], zeros[e], None if order is None else order[e]
+                )
                 assert torch.equal(got, getattr(reference, kind)[e]), (kind, e)
 
     engine, ran = serve_counted(loaded, dequantized, monkeypatch, int4_experts)
@@ -123,21 +130,24 @@ def test_a_4bit_mixture_of_experts_kept_4bit_serves_its_dequantized_models_token
 
 
 @on_cpu_only
-@pytest.mark.parametrize(("inter", "group", "kept"), [(128, 32, [True, True]), (96, 32, [False, False])])
+@pytest.mark.parametrize(
+    ("fmt", "inter", "group", "kept"),
+    [("awq", 128, 32, [True, True]), ("awq", 96, 32, [False, False]), ("gptq-act-order", 128, 32, [False, False])],
+)
 @needs_kernel
 def test_each_tensor_parallel_rank_keeps_its_part_of_the_4bit_experts(
-    tmp_path, monkeypatch: pytest.MonkeyPatch, on_kernel: None, inter: int, group: int, kept: list[bool]
+    tmp_path, monkeypatch: pytest.MonkeyPatch, on_kernel: None, fmt: str, inter: int, group: int, kept: list[bool]
 ) -> None:
     """Over two ranks each rank reads its part of every expert's AWQ matrices (gate/up's rows, down's inputs: whole
     groups of 32 of the 128 intermediate) with their groups' scales and zeros, kept 4-bit: the ranks' MoE blocks (what
     the all-reduce adds) are the block of the checkpoint de-quantized whole in one process. Where a rank's inputs of
-    down_proj are not whole groups (48 of 96 in groups of 32) its experts are de-quantized instead, and the sum is the
-    same."""
+    down_proj are not whole groups (48 of 96 in groups of 32; any part of GPTQ's act-order inputs) its experts are
+    de-quantized instead, and the sum is the same."""
     from helpers.kept_experts import assert_ranks_sum, rank_blocks
     from helpers.quantizable import write_checkpoint
 
     model = _moe("qwen3_moe", {"moe_intermediate_size": inter})
-    write_checkpoint(model, tmp_path, "awq", group)
+    write_checkpoint(model, tmp_path, fmt.removesuffix("-act-order"), group, act_order=fmt.endswith("-act-order"))
     for block, parts in rank_blocks(model, tmp_path, monkeypatch, int4_experts):
         assert [grouped_experts.kept(part.experts, "int4") for part in parts] == kept
         if kept[1]:

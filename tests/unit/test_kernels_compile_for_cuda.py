@@ -229,7 +229,7 @@ def test_the_int4_experts_kernel_compiles_as_its_wrapper_launches_it(
 ) -> None:
     """`int4_experts`' grouped product at Qwen3-30B-A3B's widths, as a decode step of one and of 16 tokens and a
     prompt of 2048 launch it (16 rows a tile, then 64), gate/up's and down's products, groups of 128 inputs (AWQ's
-    and GPTQ's) and of 32: each compiles, none spills."""
+    and GPTQ's, with and without act-order) and of 32: each compiles, none spills."""
     import torch
 
     from lmiserve.engine.model import int4_experts
@@ -246,8 +246,12 @@ def test_the_int4_experts_kernel_compiles_as_its_wrapper_launches_it(
                 counts = torch.full((e,), rows // e) + (torch.arange(e) < rows % e)
                 x = torch.zeros(rows, inputs, dtype=torch.bfloat16)
                 int4_experts.grouped_product(x, words, scales, scales, counts)
+                if group == INT4_GROUP:  # (GPTQ's act-order: each expert's order of the rows' columns)
+                    order = torch.zeros(e, inputs, dtype=torch.int32)
+                    int4_experts.grouped_product(x, words, scales, scales, counts, order)
     assert {launch.kwargs["BLOCK_M"] for launch in launches} == {16, 64}
-    assert {launch.kwargs["BLOCK_K"] for launch in launches} == {128, 32}
+    assert {launch.kwargs["BLOCK_K"] for launch in launches} == {128, 64, 32}  # (64: act-order prompts)
+    assert {launch.kwargs["HAS_ORDER"] for launch in launches} == {False, True}
     assert_compiled(launches, arch)
 
 

@@ -10,9 +10,10 @@ keep their codes (`kept_for`: the rule of the 4-bit linears, `int4_triton.codes_
 grouped product (`int4_experts_kernel`): the rows sorted by expert, cut into tiles of one expert each on the device
 (`grouped_experts.row_tiles`: the decode graphs capture it in any dtype), each tile reading its expert's codes once.
 
-Served: groups of consecutive inputs, a multiple of 32 (AWQ's and GPTQ's 128, 64 or 32; W4A16's, or one group a
-row), 4-bit codes. GPTQ's act-order (groups not runs of inputs, each expert's own order), 8-bit codes, and a
-tensor-parallel rank whose inputs of down_proj do not start a group are de-quantized instead. Layout (`keep`):
+Served: groups of a multiple of 32 inputs (AWQ's and GPTQ's 128, 64 or 32; W4A16's, or one group a row), 4-bit
+codes; GPTQ's act-order too (each expert's inputs stored sorted by group, the kernel reading the rows' columns in that
+order). 8-bit codes, and a tensor-parallel rank whose inputs of down_proj are not whole groups (any part of an
+act-order matrix's) are de-quantized instead. Layout (`keep`):
 ``{kind}`` int32 ``[experts, out, in / 8]`` (nibble j of word r: input 8r + j, `int4_triton.pack_nibbles`),
 ``{kind}_scales`` and ``{kind}_zeros`` fp32 ``[experts, groups, out]`` (zeros in steps). On a CPU (no kernel; the
 tests set `INTERPRETED_ON_CPU` to run it under Triton's interpreter) each expert's weight is de-quantized for its rows
@@ -51,7 +52,7 @@ __all__ = [
 ]
 
 INTERPRETED_ON_CPU = False
-PARTS = ("", "_scales", "_zeros")  # the attributes of a kind (``gate_up_proj``, ``down_proj``) that `keep` sets
+PARTS = ("", "_scales", "_zeros", "_order")  # a kind's attributes (``gate_up_proj``, ``down_proj``) `keep` sets
 
 
 def kept_for(model: torch.nn.Module, device: torch.device, name: str) -> bool:
@@ -63,31 +64,35 @@ def kept_for(model: torch.nn.Module, device: torch.device, name: str) -> bool:
 
 def keep(experts: torch.nn.Module, weights: dict[str, tuple[torch.Tensor, ...]]) -> None:
     """Make `experts` (`grouped_experts.servable`) run on 4-bit `weights`: for ``gate_up_proj`` and ``down_proj``
-    each, the codes as int32 words ``[experts, out, in / 8]`` and fp32 scales and zeros ``[experts, groups, out]``."""
+    each, the codes as int32 words ``[experts, out, in / 8]``, fp32 scales and zeros ``[experts, groups, out]``, and
+    with GPTQ's act-order each expert's order of inputs ``[experts, in]`` (int32: stored input k is input
+    ``order[e, k]``)."""
     tensors = {}
     for kind, parts in weights.items():
-        tensors.update({f"{kind}{suffix}": part for suffix, part in zip(PARTS, parts, strict=True)})
+        tensors.update({f"{kind}{suffix}": part for suffix, part in zip(PARTS, parts, strict=False)})
     grouped_experts.keep(experts, tensors, _product, "int4")
 
 
 def _product(x: torch.Tensor, experts: torch.nn.Module, kind: str, counts: torch.Tensor) -> torch.Tensor:
-    words, scales, zeros = (cast(torch.Tensor, getattr(experts, f"{kind}{suffix}")) for suffix in PARTS)
-    return grouped_product(x, words, scales, zeros, counts)
+    words, scales, zeros = (cast(torch.Tensor, getattr(experts, f"{kind}{suffix}")) for suffix in PARTS[:3])
+    return grouped_product(x, words, scales, zeros, counts, getattr(experts, f"{kind}_order", None))
 
 
 class _Codes:
     """An expert's 4-bit matrix (its codes, scales and zeros unpacked: `parts`) read as `stacked_experts` reads a
     matrix: ``[out, in]`` by its shape, a run of rows (``[rows]``) or of inputs (``[:, inputs]``: a tensor-parallel
     rank's of down_proj, which must start a group and end one or the row), as one int32 row an output: its words
-    (``inputs / 8``), then its groups' scales and zeros (fp32's bits), so the matrix is read once. `widths` records
-    the words and groups of the last read. LookupError where the matrix is one this kernel does not read."""
+    (``inputs / 8``), then its groups' scales and zeros (fp32's bits), so the matrix is read once. GPTQ's act-order
+    (groups not runs of inputs): the codes' inputs stored sorted by group (`int4_triton.group_layout`), whole rows
+    only. `seen` records the words and groups of the last read and each read's order of inputs (None: as stored).
+    LookupError where the matrix is one this kernel does not read."""
 
-    def __init__(self, parts: Int4Parts, widths: dict[str, int]) -> None:
-        self.parts, self.widths = parts, widths
-        group = parts.group_size()
+    def __init__(self, parts: Int4Parts, seen: dict[str, Any]) -> None:
+        self.parts, self.seen = parts, seen
+        self.order, group = int4_triton.group_layout(parts.g_idx, parts.scale.shape[1])
         inputs = parts.codes.shape[1]
         if parts.bits != 4 or group is None or group % int4_triton.GROUP_TILE or inputs % group:
-            raise LookupError("4-bit codes in groups of a multiple of 32 consecutive inputs are kept")
+            raise LookupError("4-bit codes in groups of a multiple of 32 inputs are kept")
         self.group = group
 
     def get_shape(self) -> tuple[int, ...]:
@@ -98,11 +103,18 @@ class _Codes:
         first, end, _ = inputs.indices(self.parts.codes.shape[1])
         if first % self.group or (end % self.group and end != self.parts.codes.shape[1]):
             raise LookupError(f"inputs {first}:{end} are not whole groups of {self.group}")
-        codes = self.parts.codes[rows, first:end]
+        if self.order is not None and end - first != self.parts.codes.shape[1]:
+            raise LookupError("a part of an act-order matrix's inputs is not whole groups")
+        codes = self.parts.codes[rows, first:end] if self.order is None else self.parts.codes[rows][:, self.order]
         groups = slice(first // self.group, -(-end // self.group))
-        self.widths.update(words=(end - first) // 8, groups=groups.stop - groups.start)
+        self.seen.update(words=(end - first) // 8, groups=groups.stop - groups.start)
+        self.seen.setdefault("orders", []).append(self.order)
         scales, zeros = (held[rows, groups].float().view(torch.int32) for held in (self.parts.scale, self.parts.zero))
         return torch.cat([int4_triton.pack_nibbles(codes.reshape(codes.shape[0], -1, 8)), scales, zeros], dim=1)
+
+
+def _read_codes(name: str, parts_of: Callable[[str], Int4Parts], seen: dict[str, Any]) -> _Codes:
+    return _Codes(parts_of(name.removesuffix(".weight")), seen)
 
 
 def stacked_int4(
@@ -111,30 +123,37 @@ def stacked_int4(
     names: Any,
     parts_of: Callable[[str], Int4Parts],
     part: Callable[[int], slice] = lambda size: slice(0, size),
-) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
-    """The words, scales and zeros `keep` takes for the experts module `owner` of `count` experts, stacked from the
-    checkpoint's 4-bit matrices of each expert (`names`: the checkpoint's tensors; `parts_of`: a linear's codes,
-    scales and zeros unpacked, `shard_quantized.int4_parts`), each cut to `part` of its intermediate size (a
-    tensor-parallel rank's, `ShardPlan.part`; else all of it); None where they are not all 4-bit codes this kernel
-    reads: they are de-quantized instead."""
-    widths: dict[str, int] = {}
-    found = {}
+) -> dict[str, tuple[torch.Tensor, ...]] | None:
+    """The words, scales and zeros (and with GPTQ's act-order each expert's order of inputs) `keep` takes for the
+    experts module `owner` of `count` experts, stacked from the checkpoint's 4-bit matrices of each expert (`names`:
+    the checkpoint's tensors; `parts_of`: a linear's codes, scales and zeros unpacked, `shard_quantized.int4_parts`),
+    each cut to `part` of its intermediate size (a tensor-parallel rank's, `ShardPlan.part`; else all of it); None
+    where they are not all 4-bit codes this kernel reads (or an expert's gate and up take their inputs in two
+    orders): they are de-quantized instead."""
+    found: dict[str, tuple[torch.Tensor, ...]] = {}
     for kind in ("gate_up_proj", "down_proj"):
+        seen: dict[str, Any] = {}
         try:
-            rows = stacked_experts(
-                owner, kind, count, names, lambda name: _Codes(parts_of(name.removesuffix(".weight")), widths), part
-            )
+            read = functools.partial(_read_codes, parts_of=parts_of, seen=seen)
+            rows = stacked_experts(owner, kind, count, names, read, part)
         except LookupError:
             return None
         if rows is None:
             return None
-        words, groups = widths["words"], widths["groups"]
+        words, groups = seen["words"], seen["groups"]
         scales, zeros = (rows[..., at : at + groups].view(torch.float32) for at in (words, words + groups))
         found[kind] = (
             rows[..., :words].contiguous(),
             scales.transpose(1, 2).contiguous(),
             zeros.transpose(1, 2).contiguous(),
         )
+        orders = seen["orders"]  # (gate's of each expert, then up's: `stacked_experts`' order of reading)
+        if any(order is not None for order in orders):
+            inputs = torch.arange(words * 8)
+            each = [inputs if order is None else order for order in orders]
+            if any(not torch.equal(a, b) for a, b in zip(each[:count], each[count:], strict=False)):
+                return None  # (gate and up of an expert in two orders: one order a row of outputs is not kept)
+            found[kind] = (*found[kind], torch.stack(each[:count]).int())
     return found
 
 
@@ -164,40 +183,55 @@ def keep_stored(
 
 
 def grouped_product(
-    x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, counts: torch.Tensor
+    x: torch.Tensor,
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    counts: torch.Tensor,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x[r] @ W[e].T`` in `x`'s dtype for the rows of `x` ``[S, K]``, sorted by expert (the first ``counts[0]``
     routed to expert 0, ...), ``W[e]`` expert e's codes `words` ``[E, N, K / 8]`` less its `zeros`, times its
-    `scales` (``[E, groups, N]``): on the Triton kernel on a GPU (and on a CPU under the interpreter:
-    `INTERPRETED_ON_CPU`), else `dequantized_product`."""
+    `scales` (``[E, groups, N]``), its stored inputs `order` ``[E, K]`` of x's columns (GPTQ's act-order; None: in
+    order): on the Triton kernel on a GPU (and on a CPU under the interpreter: `INTERPRETED_ON_CPU`), else
+    `dequantized_product`."""
     if triton is None or not (x.is_cuda or INTERPRETED_ON_CPU):
-        return dequantized_product(x, words, scales, zeros, counts)
+        return dequantized_product(x, words, scales, zeros, counts, order)
     x = x.contiguous()
     rows, inputs = x.shape
     outputs = words.shape[1]
     group = inputs // scales.shape[1]
-    block_m, block_n, block_k, warps = tile_of(rows, words.shape[0], group)
+    block_m, block_n, block_k, warps = tile_of(rows, words.shape[0], group, order is not None)
     tiles = grouped_experts.row_tiles(counts, rows, block_m)
     y = torch.empty(rows, outputs, dtype=x.dtype, device=x.device)
     grid = (tiles[0].shape[0], triton.cdiv(outputs, block_n))
     _kernel()[grid](
-        x, words, scales, zeros, y, *tiles, outputs, inputs, x.stride(0), y.stride(0), words.stride(0),
-        scales.stride(0), GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-        num_stages=3,
+        x, words, scales, zeros, words if order is None else order, y, *tiles, outputs, inputs, x.stride(0),
+        y.stride(0), words.stride(0), scales.stride(0), GROUP=group, HAS_ORDER=order is not None, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=3,
     )  # fmt: skip
     return y
 
 
-def tile_of(rows: int, experts: int, group: int) -> tuple[int, int, int, int]:
+def tile_of(rows: int, experts: int, group: int, ordered: bool = False) -> tuple[int, int, int, int]:
     """The kernel's tile (rows, outputs, inputs, warps) for `rows` routed rows over `experts` experts
     (`grouped_experts.tile_rows`): 128 inputs a step, or 64 or 32, the most that divides a group (a tile's inputs lie
-    in one group)."""
+    in one group); at most 64 for a prompt's tiles of act-order rows (their gathered columns would spill registers at
+    128: `test_kernels_compile_for_cuda`)."""
+    block_m = grouped_experts.tile_rows(rows, experts)
     block_k = next(k for k in (128, 64, 32) if group % k == 0)
-    return grouped_experts.tile_rows(rows, experts), 64, block_k, 4
+    if ordered and block_m > 16:
+        block_k = min(block_k, 64)
+    return block_m, 64, block_k, 4
 
 
 def dequantized_product(
-    x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, counts: torch.Tensor
+    x: torch.Tensor,
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    counts: torch.Tensor,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`grouped_product` by torch (a CPU's): each expert's weight de-quantized for its run of rows (a host sync
     to read the runs: never in a CUDA graph)."""
@@ -205,19 +239,26 @@ def dequantized_product(
     start = 0
     for expert, count in enumerate(counts.tolist()):
         if count:
-            w = dequantized_weight(words[expert], scales[expert], zeros[expert])
+            w = dequantized_weight(
+                words[expert], scales[expert], zeros[expert], None if order is None else order[expert]
+            )
             out[start : start + count] = x[start : start + count] @ w.to(x.dtype).t()
         start += count
     return out
 
 
-def dequantized_weight(words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """An expert's weight ``[out, in]`` in fp32 from its words ``[out, in / 8]`` and its scales and zeros ``[groups,
-    out]``."""
+def dequantized_weight(
+    words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, order: torch.Tensor | None = None
+) -> torch.Tensor:
+    """An expert's weight ``[out, in]`` in fp32 from its words ``[out, in / 8]``, its scales and zeros ``[groups,
+    out]``, and the input each stored one is (`order`; None: in order)."""
     shifts = torch.arange(8, device=words.device) * 4
     codes = ((words[..., None] >> shifts) & 0xF).reshape(words.shape[0], -1).float()
     group = codes.shape[1] // scales.shape[0]
-    return (codes - zeros.t().repeat_interleave(group, 1)) * scales.t().repeat_interleave(group, 1)
+    stored = (codes - zeros.t().repeat_interleave(group, 1)) * scales.t().repeat_interleave(group, 1)
+    if order is None:
+        return stored
+    return torch.empty_like(stored).index_copy_(1, order.long(), stored)
 
 
 @functools.cache

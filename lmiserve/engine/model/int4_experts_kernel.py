@@ -7,7 +7,8 @@ de-quantized copy of the experts anywhere).
 The rows come sorted by expert; the caller cuts each expert's run into tiles of `BLOCK_M` (`grouped_experts.row_tiles`,
 as `fp8_experts_kernel`'s): a tile past the rows has first == end and loads nothing. `BLOCK_K` divides `GROUP`, so a
 tile's inputs share one group, whose scale and zero are applied once to its sums (``scale * (sum x code - zero * sum
-x)``, as `int4_triton_kernel` does)."""
+x)``, as `int4_triton_kernel` does). With `HAS_ORDER` (GPTQ's act-order) stored input k of expert e is the rows'
+column ``order[e, k]``."""
 
 import triton.language as tl
 
@@ -19,6 +20,7 @@ def int4_experts_kernel(  # pragma: no cover - runs as a Triton kernel
     q_ptr,
     s_ptr,
     z_ptr,
+    o_ptr,
     y_ptr,
     tile_expert_ptr,
     tile_first_ptr,
@@ -30,6 +32,7 @@ def int4_experts_kernel(  # pragma: no cover - runs as a Triton kernel
     stride_qe,
     stride_se,
     GROUP: tl.constexpr,
+    HAS_ORDER: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -55,7 +58,10 @@ def int4_experts_kernel(  # pragma: no cover - runs as a Triton kernel
         s_first = expert * stride_se + offs_n
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
+            k = k0 + offs_k
+            if HAS_ORDER:  # (GPTQ's act-order: stored input k is column order[e, k] of the rows)
+                k = tl.load(o_ptr + expert * K + k)
+            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
             words = tl.load(q_rows + (k0 // 8 + offs_w)[None, :], mask=n_ok[:, None], other=0)
             # each word repeated 8 times along K, then nibble k % 8 of each (as `int4_triton_kernel` unpacks)
             spread = tl.interleave(words, words)
