@@ -122,7 +122,7 @@ class ModelFields(FieldGroup):
             "Mixtral's and the Qwen MoEs' fp8 releases; `quantize=fp8` on a float one too) follow the rule of "
             "block-wise fp8 on every CUDA GPU: fp8 on a grouped Triton kernel where bf16 would not fit or "
             "`LMISERVE_USE_TRITON_FP8=1`, else bf16 (not yet measured on a GPU); its AWQ, GPTQ or W4A16 experts "
-            "(groups of 32n, no act-order) follow the rule of the 4-bit linears, their codes on a grouped Triton "
+            "(groups of 32n) follow the rule of the 4-bit linears, their codes on a grouped Triton "
             "kernel where kept. With tensor parallelism each rank "
             "reads and runs its part of "
             "the checkpoint in its format (docs/tensor-parallel.md). See docs/performance/dtypes.md."
