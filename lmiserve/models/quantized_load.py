@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import json
 import logging
 from collections import Counter
@@ -71,7 +70,7 @@ from lmiserve.engine.model.quant_formats import (
 )
 from lmiserve.engine.model.quantize import Int4Linear, Int8Linear, replace_linears
 from lmiserve.engine.model.shard_checkpoint import model_names
-from lmiserve.engine.model.shard_quantized import dequantizing_reader, int4_parts
+from lmiserve.engine.model.shard_quantized import dequantizing_reader
 from lmiserve.engine.model.sharding import experts_layout
 from lmiserve.models import mxfp4_load
 from lmiserve.models.attention_choice import sdpa_or_default
@@ -235,9 +234,8 @@ def _fill_experts(
     if spec.method == "fp8":
         kept = fp8_experts.keep_stored(model, stored, files.slice, spec.blocks, device, path.name)
         made["experts modules kept fp8 (Triton kernel)"] = len(kept)
-    elif spec.method in ("awq", "gptq") and spec.bits == 4:
-        parts_of = functools.partial(int4_parts, names=stored, read=files.slice, quant=spec)
-        kept = int4_experts.keep_stored(model, stored, parts_of, device, path.name)
+    else:
+        kept = int4_experts.keep_stored(model, stored, files.slice, spec, device, path.name)
         made["experts modules kept 4-bit (Triton kernel)"] = len(kept)
     for name, module in model.named_modules():
         down = getattr(module, "down_proj", None)

@@ -220,16 +220,10 @@ def tile_of(rows: int, experts: int, group: int) -> tuple[int, int, int, int]:
 def dequantized_product(
     x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, counts: torch.Tensor
 ) -> torch.Tensor:
-    """`grouped_product` by torch (a CPU's): each expert's weight de-quantized for its run of rows (a host sync
-    to read the runs: never in a CUDA graph)."""
-    out = torch.zeros(x.shape[0], weight.shape[1], dtype=x.dtype, device=x.device)
-    start = 0
-    for expert, count in enumerate(counts.tolist()):
-        if count:
-            w = fp8_gemv.dequantized_weight(weight[expert], scales[expert])
-            out[start : start + count] = x[start : start + count] @ w.to(x.dtype).t()
-        start += count
-    return out
+    """`grouped_product` by torch (a CPU's): `grouped_experts.dequantized_product` of the fp8 weights."""
+    return grouped_experts.dequantized_product(
+        x, weight.shape[1], counts, lambda e: fp8_gemv.dequantized_weight(weight[e], scales[e])
+    )
 
 
 @functools.cache

@@ -17,7 +17,17 @@ from typing import Any, cast
 
 import torch
 
-__all__ = ["Product", "forward", "keep", "kept", "row_tiles", "servable", "servable_modules", "tile_rows"]
+__all__ = [
+    "Product",
+    "dequantized_product",
+    "forward",
+    "keep",
+    "kept",
+    "row_tiles",
+    "servable",
+    "servable_modules",
+    "tile_rows",
+]
 
 # a kept format's grouped product: (rows sorted by expert, the experts module, "gate_up_proj" or "down_proj", each
 # expert's count of rows) -> the products in the rows' dtype
@@ -110,3 +120,18 @@ def row_tiles(counts: torch.Tensor, rows: int, block_m: int) -> tuple[torch.Tens
     end = torch.minimum(first + block_m, row_ends[expert])
     end = torch.where(tile < tile_ends[-1], end, first)
     return expert.int(), first.int(), end.int()
+
+
+def dequantized_product(
+    x: torch.Tensor, outputs: int, counts: torch.Tensor, weight_of: Callable[[int], torch.Tensor]
+) -> torch.Tensor:
+    """A kept format's grouped product by torch (a CPU's): ``x[r] @ W[e].T`` ``[S, outputs]`` in `x`'s dtype for the
+    rows of `x` sorted by expert (`counts`: each expert's rows), each expert's weight de-quantized (`weight_of(e)`,
+    ``[outputs, K]``) for its run of rows. A host sync reads the runs: never in a CUDA graph."""
+    out = torch.zeros(x.shape[0], outputs, dtype=x.dtype, device=x.device)
+    start = 0
+    for expert, count in enumerate(counts.tolist()):
+        if count:
+            out[start : start + count] = x[start : start + count] @ weight_of(expert).to(x.dtype).t()
+        start += count
+    return out

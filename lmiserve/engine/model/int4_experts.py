@@ -30,10 +30,11 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from lmiserve.engine.model import grouped_experts, int4_triton
-from lmiserve.engine.model.expert_matrices import stacked_experts
+from lmiserve.engine.model.expert_matrices import Read, stacked_experts
+from lmiserve.engine.model.shard_quantized import int4_parts
 
 if TYPE_CHECKING:
-    from lmiserve.engine.model.quant_formats import Int4Parts
+    from lmiserve.engine.model.quant_formats import Int4Parts, QuantSpec
 
 try:
     import triton
@@ -160,19 +161,24 @@ def stacked_int4(
 def keep_stored(
     model: torch.nn.Module,
     names: Any,
-    parts_of: Callable[[str], Int4Parts],
+    read: Read,
+    quant: QuantSpec,
     device: torch.device,
     name: str,
     part: Callable[[int], slice] = lambda size: slice(0, size),
 ) -> set[str]:
-    """A 4-bit checkpoint's experts kept 4-bit where `kept_for` says so for `model` (the meta model, or a
-    tensor-parallel rank's shell; `name`: the checkpoint's or the rank's, for the log): each servable experts module
-    read from the checkpoint (`names`; `parts_of`: a linear's unpacked codes; `part` of every expert's intermediate
-    size: a rank's, `ShardPlan.part`) by `stacked_int4` and `keep`-ed on `device`; their names (the others are left
-    to be de-quantized)."""
+    """A checkpoint's experts kept 4-bit where they are AWQ's or GPTQ's 4-bit codes (`quant`; compressed-tensors'
+    W4A16 is read as GPTQ's) and `kept_for` says so for `model` (the meta model, or a tensor-parallel rank's shell;
+    `name`: the checkpoint's or the rank's, for the log): each servable experts module read from the checkpoint
+    (`names`; `read`: a tensor's slice, unpacked by `shard_quantized.int4_parts`; `part` of every expert's
+    intermediate size: a rank's, `ShardPlan.part`) by `stacked_int4` and `keep`-ed on `device`; their names (the
+    others are left to be de-quantized)."""
+    if quant.method not in ("awq", "gptq") or quant.bits != 4:
+        return set()
     found = grouped_experts.servable_modules(model)
     if not found or not kept_for(model, device, name):
         return set()
+    parts_of = functools.partial(int4_parts, names=names, read=read, quant=quant)
     made = set()
     for owner, module in found.items():
         weights = stacked_int4(owner, int(cast(torch.Tensor, module.down_proj).shape[0]), names, parts_of, part)
@@ -233,18 +239,12 @@ def dequantized_product(
     counts: torch.Tensor,
     order: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`grouped_product` by torch (a CPU's): each expert's weight de-quantized for its run of rows (a host sync
-    to read the runs: never in a CUDA graph)."""
-    out = torch.zeros(x.shape[0], words.shape[1], dtype=x.dtype, device=x.device)
-    start = 0
-    for expert, count in enumerate(counts.tolist()):
-        if count:
-            w = dequantized_weight(
-                words[expert], scales[expert], zeros[expert], None if order is None else order[expert]
-            )
-            out[start : start + count] = x[start : start + count] @ w.to(x.dtype).t()
-        start += count
-    return out
+    """`grouped_product` by torch (a CPU's): `grouped_experts.dequantized_product` of the 4-bit codes."""
+
+    def weight_of(e: int) -> torch.Tensor:
+        return dequantized_weight(words[e], scales[e], zeros[e], None if order is None else order[e])
+
+    return grouped_experts.dequantized_product(x, words.shape[1], counts, weight_of)
 
 
 def dequantized_weight(

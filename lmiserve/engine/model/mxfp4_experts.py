@@ -163,16 +163,10 @@ def dequantized_weight(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tens
 def dequantized_product(
     x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, counts: torch.Tensor
 ) -> torch.Tensor:
-    """`grouped_product` by torch (a CPU's): each expert's weight de-quantized for its run of rows (a host sync
-    to read the runs: never in a CUDA graph)."""
-    out = torch.zeros(x.shape[0], blocks.shape[1], dtype=x.dtype, device=x.device)
-    start = 0
-    for expert, count in enumerate(counts.tolist()):
-        if count:
-            w = dequantized_weight(blocks[expert], scales[expert])
-            out[start : start + count] = x[start : start + count] @ w.to(x.dtype).t()
-        start += count
-    return out
+    """`grouped_product` by torch (a CPU's): `grouped_experts.dequantized_product` of the MXFP4 bytes."""
+    return grouped_experts.dequantized_product(
+        x, blocks.shape[1], counts, lambda e: dequantized_weight(blocks[e], scales[e])
+    )
 
 
 @functools.cache

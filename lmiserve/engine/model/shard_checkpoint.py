@@ -23,7 +23,6 @@ model's; its vision tower and projector are read whole by every rank.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -35,7 +34,7 @@ from lmiserve.engine.model import fp8_experts, int4_experts, mxfp4_experts
 from lmiserve.engine.model.checkpoint_names import renamer
 from lmiserve.engine.model.expert_matrices import EXPERT_PARTS, Read, mixtral_name, stacked_experts
 from lmiserve.engine.model.quant_formats import QuantSpec, weights_kept_for
-from lmiserve.engine.model.shard_quantized import dequantizing_reader, int4_parts, shard_linear
+from lmiserve.engine.model.shard_quantized import dequantizing_reader, shard_linear
 from lmiserve.engine.model.sharding import (
     EXPERT_TENSORS,
     ROW_PARALLEL,
@@ -111,9 +110,8 @@ def load_shard_weights(
         rank_device, rank = device or torch.device("cpu"), f"rank {shard.plan.rank}"
         if quant is not None and quant.method == "fp8":  # (a mixture of experts' fp8 experts, where kept fp8)
             fp8_experts.keep_stored(model, files, slice_of, quant.blocks, rank_device, rank, shard.plan.part)
-        elif quant is not None and quant.method in ("awq", "gptq") and quant.bits == 4:  # (4-bit ones, where kept)
-            parts_of = functools.partial(int4_parts, names=files, read=slice_of, quant=quant)
-            int4_experts.keep_stored(model, files, parts_of, rank_device, rank, shard.plan.part)
+        elif quant is not None and quant.method in ("awq", "gptq"):  # (4-bit ones, where kept)
+            int4_experts.keep_stored(model, files, slice_of, quant, rank_device, rank, shard.plan.part)
         elif quant is not None and quant.method == "mxfp4" and mxfp4_experts.kept_for(model, rank_device, rank):
             mxfp4_experts.keep_stored(model, files, slice_of, rank_device, shard.plan.part)  # (gpt-oss's experts)
         for name, parameter in model.named_parameters():  # a tied output layer's weight is listed once
