@@ -48,7 +48,14 @@ def model_dir(unreachable_eos_model_dir: Path, tmp_path_factory: pytest.TempPath
 @pytest.fixture(scope="module")
 def url(model_dir: Path) -> Iterator[str]:
     args = ["--model-id", str(model_dir), "--api-key", KEY]
-    for option in ("max_rolling_batch_size=2", f"max_new_tokens_limit={ENDLESS_CONTEXT}"):
+    # the pool's budget is set, not a share of the host's available memory, so that its capacity (2 rows at
+    # full context, far under the budget) holds on a loaded machine too
+    options = (
+        "max_rolling_batch_size=2",
+        f"max_new_tokens_limit={ENDLESS_CONTEXT}",
+        f"kv_cache_memory_bytes={4 << 30}",
+    )
+    for option in options:
         args += ["-o", option]
     with run_server(args) as base:
         yield base
