@@ -345,11 +345,9 @@ def quantize_fp8_dynamic(model: torch.nn.Module, dtype: torch.dtype, device: tor
 
     scales = "per tensor" if per_tensor else "per output channel"
     account = f"fp8 quantized at load, {scales}: {_made_at_load(model, make)}"
-    experts = grouped_experts.servable_modules(text_part(model)).values()
-    if experts and fp8_experts.kept_for(model, device, "quantize=fp8"):
-        for module in experts:
-            fp8_experts.quantize(module)
-        account += f"; {len(experts)} experts modules kept fp8 per output channel (Triton kernel)"
+    experts = fp8_experts.quantize_servable(model, device, "quantize=fp8")
+    if experts:
+        account += f"; {experts} experts modules kept fp8 per output channel (Triton kernel)"
     return account
 
 

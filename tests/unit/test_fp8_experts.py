@@ -203,6 +203,32 @@ def test_each_tensor_parallel_rank_keeps_its_part_of_the_fp8_experts(
         assert_ranks_sum(block, parts, model.config.hidden_size)
 
 
+@pytest.mark.parametrize("kept", [[True, True], [True, False]], ids=["both-ranks-keep", "one-rank-would-not"])
+def test_quantize_fp8_over_two_ranks_keeps_each_ranks_part_of_one_processs_fp8_experts(tmp_path, kept) -> None:
+    """``quantize=fp8`` on a float Qwen3-MoE over two ranks (real processes in a gloo group): each rank's experts are
+    its part (gate/up's rows, down's inputs) of the fp8 experts one process makes, down_proj's scales its whole
+    rows' (the ranks' maxima all-reduced, where a rank's own would differ). Where one rank's `kept_for` says no
+    (less room on its GPU) neither keeps them: both stay float, the float model's parts."""
+    from helpers.gloo_ranks import fp8_experts_at_load, run_ranks
+    from helpers.rank_shards import cut
+
+    ranks = run_ranks(2, fp8_experts_at_load, tmp_path, "qwen3_moe", kept)
+    whole = build(*MOE_ARCHS["qwen3_moe"])
+    if all(kept):
+        for layer in whole.model.layers:
+            experts = layer.mlp.experts
+            fp8_experts.quantize(experts)
+            for kind in ("gate_up_proj", "down_proj"):
+                dequantized = getattr(experts, kind).float() * getattr(experts, f"{kind}_scales")[..., None]
+                delattr(experts, f"{kind}_scales")
+                setattr(experts, kind, torch.nn.Parameter(dequantized, requires_grad=False))
+    for made, part in zip(ranks, cut(whole, 2), strict=True):
+        for layer, want in zip(made, part.model.layers, strict=True):
+            assert bool(layer["kept"]) == all(kept) and int(layer["count"]) == len(made) * all(kept)
+            for kind in ("gate_up_proj", "down_proj"):
+                assert torch.equal(layer[kind], getattr(want.mlp.experts, kind).detach()), kind
+
+
 def test_the_decode_graphs_capture_fp8_experts_in_any_dtype() -> None:
     """torch's grouped product waits for the device outside bf16 (`experts_graph_reason`); the fp8 experts' kernel
     finds its tiles on the device, so a model whose experts are all kept fp8 is captured in fp32 too."""

@@ -230,8 +230,9 @@ def _load_shard(spec: WorkerSpec, rank: int, local_rank: int) -> Shard:
 
     from lmiserve.engine.codecs import image_codec
     from lmiserve.engine.factory import draft_proposer, draft_rows, draft_runner_class, profile_step_memory
+    from lmiserve.engine.model import fp8_experts
     from lmiserve.engine.model.shard_checkpoint import checkpoint_files, load_shard_weights
-    from lmiserve.engine.model.shard_quantized import quantize_fp8_shard
+    from lmiserve.engine.model.shard_quantized import maxima_over_ranks, quantize_fp8_shard
     from lmiserve.engine.model.sharding import shard_model
     from lmiserve.engine.pool_plan import DraftNeeds, PoolPlan, largest_step_tokens, plan_pools, profiled_sampling
     from lmiserve.engine.text.images import probe_prompt
@@ -256,7 +257,9 @@ def _load_shard(spec: WorkerSpec, rank: int, local_rank: int) -> Shard:
         shard_model(loaded.model, rank, spec.world, dist.group.WORLD)
     if quant is not None and quant.dynamic:  # (each row's scale over its whole row: one process's fp8 weights)
         count = quantize_fp8_shard(loaded.model, getattr(torch, spec.dtype), target)
-        log.info("rank %d: %d linears quantized to fp8 at load, per output channel", rank, count)
+        name, maxima = f"rank {rank}: quantize=fp8", maxima_over_ranks(loaded.model)
+        experts = fp8_experts.quantize_servable(loaded.model, target, name, maxima)
+        log.info("rank %d: %d linears and %d experts modules quantized to fp8 at load", rank, count, experts)
     elif quant is not None and quant.source == "dummy":
         log.info("rank %d: %s", rank, spec.quantize_shard(loaded.model, quant, getattr(torch, spec.dtype), target))
     config = spec.config

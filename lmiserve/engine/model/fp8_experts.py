@@ -32,6 +32,7 @@ from lmiserve.engine import fp8_devices
 from lmiserve.engine.model import fp8_gemv, grouped_experts, weight_fit
 from lmiserve.engine.model.expert_matrices import Read, stacked_experts
 from lmiserve.engine.model.fp8_ops import quantize_fp8
+from lmiserve.engine.model.language_model import text_part
 from lmiserve.engine.model.shard_quantized import Fp8Scaled
 
 try:
@@ -49,6 +50,7 @@ __all__ = [
     "keep_stored",
     "kept_for",
     "quantize",
+    "quantize_servable",
     "stacked_fp8",
     "tile_of",
 ]
@@ -148,14 +150,45 @@ class _RowScales:
         return self.scales[rows, first // self.inputs_a_block : -(-end // self.inputs_a_block)]
 
 
-def quantize(experts: torch.nn.Module) -> None:
+def quantize(experts: torch.nn.Module, reduced: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
     """`keep` `experts`' float weights (``quantize=fp8`` on a float checkpoint, vLLM's online fp8), each quantized to
-    fp8 with a scale an output channel (`fp8_ops.quantize_fp8`), an expert at a time (no fp32 copy of them all)."""
+    fp8 with a scale an output channel (`fp8_ops.quantize_fp8`), an expert at a time (no fp32 copy of them all).
+    `reduced`, where `experts` are a tensor-parallel rank's part (down_proj's inputs cut): each down_proj row's
+    ``max|w|`` over the ranks from the rank's own (fp32 ``[experts, out]``), so that a rank's scales are its whole
+    rows', as one process's."""
     weights = {}
     for kind in ("gate_up_proj", "down_proj"):
-        made = [quantize_fp8(matrix) for matrix in getattr(experts, kind).detach()]
+        stacked = getattr(experts, kind).detach()
+        amax = None
+        if reduced is not None and kind == "down_proj":
+            amax = reduced(torch.stack([matrix.abs().amax(dim=1).float() for matrix in stacked]))
+        made = [quantize_fp8(matrix, None if amax is None else amax[e]) for e, matrix in enumerate(stacked)]
         weights[kind] = (torch.stack([q for q, _ in made]), torch.stack([s for _, s in made]))
     keep(experts, weights)
+
+
+def quantize_servable(
+    model: torch.nn.Module,
+    device: torch.device,
+    name: str,
+    reduced: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> int:
+    """``quantize=fp8``'s experts: every servable experts module of `model` (of a VLM: of its decoder; a whole
+    model, or a tensor-parallel rank's shard, `reduced` as `quantize`'s) kept fp8 per output channel where `kept_for`
+    says so for `device` (`name`: the checkpoint's or the rank's, for the log), else left float; how many. Over
+    ranks they are kept only where every rank's `kept_for` says so (a rank's GPU may have less free), so that the
+    ranks reduce their maxima together."""
+    found = grouped_experts.servable_modules(text_part(model)).values()
+    if not found:
+        return 0
+    keep_here = kept_for(model, device, name)
+    if reduced is not None:  # (a rank that would not keep them says so to all: the maximum of "not kept")
+        keep_here = not reduced(torch.tensor([float(not keep_here)], device=device)).item()
+    if not keep_here:
+        return 0
+    for experts in found:
+        quantize(experts, reduced)
+    return len(found)
 
 
 def keep_stored(

@@ -260,6 +260,23 @@ def _cut_int4(parts: Int4Parts, rows: list[slice] | None, columns: slice | None)
     )
 
 
+def maxima_over_ranks(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """For a rank's shard of `model` (cut by `shard_model`): a tensor's elementwise maxima over the ranks (the
+    ranks' own, all-reduced over their group, in place)."""
+    import torch.distributed as dist
+
+    shard = shard_of(model)
+    if shard is None:
+        raise ValueError("a model cut by shard_model has ranks to reduce over")
+    group = shard.group
+
+    def maxima(x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+        return x
+
+    return maxima
+
+
 def quantize_fp8_shard(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> int:
     """``quantize=fp8`` on a rank's float shard (cut by `shard_model`): every linear but the output projection (of a
     VLM: of its decoder, `text_part`) quantized to fp8 per output channel (`quantize_fp8`) and made by `fp8_module`,
@@ -267,11 +284,8 @@ def quantize_fp8_shard(model: torch.nn.Module, dtype: torch.dtype, device: torch
     quantizes it; per tensor where
     `per_tensor_at_load` says, every linear's one scale that of the whole weight (the ranks' maxima all-reduced).
     How many."""
-    import torch.distributed as dist
-
-    shard = shard_of(model)
-    if shard is None:
-        raise ValueError("quantize_fp8_shard quantizes a model cut by shard_model")
+    maxima = maxima_over_ranks(model)
+    shard = cast(Any, shard_of(model))
     row_parallel = {id(m) for name, m in model.named_modules() if name.rpartition(".")[2] in ROW_PARALLEL}
     keep = weights_kept_for(model, device, f"rank {shard.plan.rank}: quantize=fp8", "fp8")
     per_tensor = per_tensor_at_load(device)
@@ -280,8 +294,7 @@ def quantize_fp8_shard(model: torch.nn.Module, dtype: torch.dtype, device: torch
         amax = None
         if per_tensor or id(linear) in row_parallel:
             w = linear.weight.detach().float().abs()
-            amax = w.amax().reshape(1) if per_tensor else w.amax(dim=1)
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=shard.group)
+            amax = maxima(w.amax().reshape(1) if per_tensor else w.amax(dim=1))
         weight, scale = quantize_fp8(linear.weight, amax, per_tensor)
         return fp8_module(weight, scale, linear.bias, dtype, device, keep)
 
