@@ -1,11 +1,13 @@
-"""A mixture of experts' fp8 and 4-bit experts on a GPU (issue 39, item 2): time and error of one experts layer of
-Qwen3-30B-A3B's shape (128 experts, 8 a token, hidden 2048, 768 inputs to down_proj) in bf16 (transformers' grouped
-forward, `torch._grouped_mm`: what the engine runs where the experts are de-quantized), kept fp8
+"""A mixture of experts' fp8, 8-bit and 4-bit experts on a GPU (issue 39, item 2): time and error of one experts
+layer of Qwen3-30B-A3B's shape (128 experts, 8 a token, hidden 2048, 768 inputs to down_proj) in bf16 (transformers'
+grouped forward, `torch._grouped_mm`: what the engine runs where the experts are de-quantized), kept fp8
 (`engine/model/fp8_experts.py`'s Triton kernel: a scale a channel, by blocks of 128 as Qwen3-30B-A3B-FP8 stores them,
-and widened as an A100 does on this GPU) and kept 4-bit (`engine/model/int4_experts.py`'s: codes with a scale and a
-zero a group of 128 inputs, as Qwen3-30B-A3B's AWQ and GPTQ releases store them) and kept MXFP4
-(`engine/model/mxfp4_experts.py`'s: 4-bit floats and a power of two a block of 32, gpt-oss's format, on this layer's
-shape), at a few token counts: decode steps (1, 16, 64 tokens) and a prompt's chunk (2048).
+and widened as an A100 does on this GPU), kept as 8-bit integer codes (`engine/model/int8_experts.py`'s, on the fp8
+kernel: a scale a group of 128 inputs, as Qwen's GPTQ-Int8 releases store them), kept 4-bit
+(`engine/model/int4_experts.py`'s: codes with a scale and a zero a group of 128 inputs, as Qwen3-30B-A3B's AWQ and
+GPTQ releases store them) and kept MXFP4 (`engine/model/mxfp4_experts.py`'s: 4-bit floats and a power of two a block
+of 32, gpt-oss's format, on this layer's shape), at a few token counts: decode steps (1, 16, 64 tokens) and a
+prompt's chunk (2048).
 
     .venv/bin/python benchmarks/fp8_experts.py [--tokens 1,16,64,2048] [--out DIR]   # CUDA
     TRITON_INTERPRET=1 .venv/bin/python benchmarks/fp8_experts.py --smoke            # CPU: checks it runs
@@ -15,7 +17,8 @@ GPU's time alone; eager where the capture fails), the bytes of the experts hit (
 once) and the bandwidth that makes, the error against the bf16 layer of the de-quantized weights (max |diff| / max
 |ref|), and `over_bf16` (bf16's time over this one's: above 1, the fp8 experts are faster). Prints each row; with
 --out writes ``fp8_experts.json``. The engine keeps quantized experts only where de-quantized they would not fit
-(`fp8_experts.kept_for`, `int4_experts.kept_for`); these figures say whether to keep them always.
+(`fp8_experts.kept_for`, `int8_experts.kept_for`, `int4_experts.kept_for`); these figures say whether to keep them
+always.
 """
 
 from __future__ import annotations
@@ -76,6 +79,26 @@ def fp8_twin(module: torch.nn.Module, block: int) -> tuple[torch.nn.Module, torc
         q, scales = q.to(full.device), scales.to(full.device)
         weights[kind] = (q, scales)
         dequantized = torch.stack([fp8_gemv.dequantized_weight(w, s) for w, s in zip(q, scales, strict=True)])
+        setattr(dense, kind, torch.nn.Parameter(dequantized.to(full.dtype), requires_grad=False))
+    fp8_experts.keep(kept, weights)
+    return kept, dense
+
+
+def int8_twin(module: torch.nn.Module, group: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """`module`'s experts kept as 8-bit codes (`engine/model/int8_experts.py`, on `fp8_experts`' kernel): symmetric
+    codes with a scale a group of `group` inputs (each group's largest magnitude over 127, as GPTQ-Int8 stores
+    them); and the bf16 module of the same de-quantized weights (the reference)."""
+    import copy
+
+    kept, dense = copy.deepcopy(module), copy.deepcopy(module)
+    weights = {}
+    for kind in ("gate_up_proj", "down_proj"):
+        full = getattr(module, kind).detach()
+        experts, outputs, _ = full.shape
+        scales = (full.float().abs().reshape(experts, outputs, -1, group).amax(-1) / 127).clamp(min=1e-8)
+        codes = torch.round(full.float() / scales.repeat_interleave(group, -1)).clamp(-128, 127).to(torch.int8)
+        weights[kind] = (codes, scales)
+        dequantized = codes.float() * scales.repeat_interleave(group, -1)
         setattr(dense, kind, torch.nn.Parameter(dequantized.to(full.dtype), requires_grad=False))
     fp8_experts.keep(kept, weights)
     return kept, dense
@@ -156,8 +179,8 @@ def main() -> None:
     bf16 = experts_module(shape, dtype, device)
     group = BLOCK if cuda else 32
     variants = {"fp8_channel": fp8_twin(bf16, 0), "fp8_block": fp8_twin(bf16, group), "int4": int4_twin(bf16, group)}
-    variants["mxfp4"] = mxfp4_twin(bf16)
-    weight_bytes = {"fp8_channel": 1.0, "fp8_block": 1.0, "int4": 0.5, "mxfp4": 0.5}  # (a weight's, scales left out)
+    variants["int8"], variants["mxfp4"] = int8_twin(bf16, group), mxfp4_twin(bf16)
+    weight_bytes = {"fp8_channel": 1.0, "fp8_block": 1.0, "int8": 1.0, "int4": 0.5, "mxfp4": 0.5}  # (scales left out)
     per_expert = 3 * shape["hidden"] * shape["intermediate"]  # gate, up and down: their weights' count
     rows = []
     for tokens in (int(t) for t in (args.tokens if cuda else "1,4").split(",")):

@@ -121,6 +121,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ENGINE_TESTS = (
     "tests/unit/test_fp8_experts.py",
     "tests/unit/test_int4_experts.py",
+    "tests/unit/test_int8_experts.py",
     "tests/unit/test_mxfp4_experts.py",
     "tests/unit/test_fp8_blocks.py",
     "tests/unit/test_moe_fast.py",

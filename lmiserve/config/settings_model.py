@@ -123,7 +123,8 @@ class ModelFields(FieldGroup):
             "block-wise fp8 on every CUDA GPU: fp8 on a grouped Triton kernel where bf16 would not fit or "
             "`LMISERVE_USE_TRITON_FP8=1`, else bf16 (not yet measured on a GPU); its AWQ, GPTQ or W4A16 experts "
             "(groups of 32n) follow the rule of the 4-bit linears, their codes on a grouped Triton "
-            "kernel where kept. With tensor parallelism each rank "
+            "kernel where kept, and its GPTQ-Int8, W8A16 or W8A8 experts (symmetric codes) the rule of the "
+            "8-bit linears, their codes on the fp8 experts' kernel. With tensor parallelism each rank "
             "reads and runs its part of "
             "the checkpoint in its format (docs/tensor-parallel.md). See docs/performance/dtypes.md."
         ),

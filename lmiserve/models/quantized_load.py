@@ -49,7 +49,7 @@ from typing import Any, cast
 
 import torch
 
-from lmiserve.engine.model import fp8_experts, grouped_experts, int4_experts, mxfp4_experts
+from lmiserve.engine.model import fp8_experts, grouped_experts, int4_experts, int8_experts, mxfp4_experts
 from lmiserve.engine.model.expert_matrices import stacked_experts
 from lmiserve.engine.model.fp8_ops import per_tensor_at_load
 from lmiserve.engine.model.int4_triton import Int4TritonLinear
@@ -224,16 +224,19 @@ def _fill_experts(
 ) -> Counter[str]:
     """A mixture of experts' experts (the merged ``gate_up_proj`` and ``down_proj`` transformers' modules hold) from
     the checkpoint's matrices of each expert, as compressed-tensors, FBGEMM, AutoAWQ and GPTQModel publish them (fp8
-    matrices with their scales, compressed-tensors' integer codes, AWQ's or GPTQ's 4-bit codes; `stacked_experts`):
-    fp8 ones kept fp8 on a GPU where `fp8_experts.kept_for` says so, 4-bit ones kept 4-bit where
-    `int4_experts.kept_for` does, else de-quantized (`dequantizing_reader`: their
-    products are transformers' grouped ones); how many experts modules of each kind. Experts stored otherwise are
-    refused in one line."""
+    matrices with their scales, compressed-tensors' integer codes, AWQ's or GPTQ's 4-bit or 8-bit codes;
+    `stacked_experts`): fp8 ones kept fp8 on a GPU where `fp8_experts.kept_for` says so, 4-bit ones kept 4-bit where
+    `int4_experts.kept_for` does, 8-bit ones kept int8 where `int8_experts.kept_for` does, else de-quantized
+    (`dequantizing_reader`: their products are transformers' grouped ones); how many experts modules of each kind.
+    Experts stored otherwise are refused in one line."""
     read = dequantizing_reader(files.slice, stored, spec)
     made: Counter[str] = Counter()
     if spec.method == "fp8":
         kept = fp8_experts.keep_stored(model, stored, files.slice, spec.blocks, device, path.name)
         made["experts modules kept fp8 (Triton kernel)"] = len(kept)
+    elif spec.bits == 8:
+        kept = int8_experts.keep_stored(model, stored, files.slice, spec, device, path.name)
+        made["experts modules kept int8 (Triton kernel)"] = len(kept)
     else:
         kept = int4_experts.keep_stored(model, stored, files.slice, spec, device, path.name)
         made["experts modules kept 4-bit (Triton kernel)"] = len(kept)

@@ -15,7 +15,12 @@ from typing import Any, cast
 import torch
 
 INT4_FORMATS = ("w4a16", "w4a16-asym")  # symmetric (GPTQ's default) or with zero points (AWQ's)
-FORMATS = (*INT4_FORMATS, "w8a8", "w8a16")  # W8A8: int8 by channel, int8 activations by token; W8A16: packed
+FORMATS = (
+    *INT4_FORMATS,
+    "w8a8",
+    "w8a16",
+    "w8a16-asym",
+)  # W8A8: int8 by channel, int8 activations by token; W8A16: packed
 
 
 def _scheme(fmt: str, group: int) -> Any:

@@ -69,7 +69,8 @@ def test_the_experts_are_dequantized_on_a_cpu() -> None:
 
 
 # (architecture, format, group, act-order): AutoAWQ's and GPTQModel's Qwen3-MoE, an AWQ Mixtral (w1-w3), llm-compressor's
-# W4A16 (symmetric and not, and one group a row), GPTQ with act-order; GPTQ's 8-bit codes are de-quantized
+# W4A16 (symmetric and not, and one group a row), GPTQ with act-order; GPTQ's 8-bit codes are not this kernel's
+# (int8_experts': test_int8_experts.py)
 CHECKPOINTS = {
     "qwen3-awq-g32": ("qwen3_moe", "awq", 32, False),
     "qwen3-gptq-g64": ("qwen3_moe", "gptq", 64, False),
@@ -98,7 +99,7 @@ def test_a_4bit_mixture_of_experts_kept_4bit_serves_its_dequantized_models_token
     unpacking gives them, with its groups' scales and zeros, the start's account says so, and the engine on the fast
     path, its decode steps in the decode graphs (played on a CPU, watched for host syncs), gives the greedy tokens of
     the same checkpoint de-quantized at load (fp32); with GPTQ's act-order each expert's order of inputs kept beside its
-    codes. 8-bit codes stay de-quantized, and serve."""
+    codes. 8-bit codes are not this kernel's (here de-quantized), and serve."""
     from helpers.kept_experts import load_both, serve_counted
     from helpers.quantizable import write_checkpoint
 

@@ -219,9 +219,10 @@ def keep_stored(
 
 
 def grouped_product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """``x[r] @ (weight[e] * scales[e]).T`` in `x`'s dtype for the rows of `x` ``[S, K]``, sorted by expert, the
-    first ``counts[0]`` routed to expert 0, the next ``counts[1]`` to expert 1, ...: on the Triton kernel on a GPU
-    (and on a CPU under the interpreter: `INTERPRETED_ON_CPU`), else `dequantized_product`."""
+    """``x[r] @ (weight[e] * scales[e]).T`` in `x`'s dtype (`weight` fp8, or int8 codes: `int8_experts`) for the rows
+    of `x` ``[S, K]``, sorted by expert, the first ``counts[0]`` routed to expert 0, the next ``counts[1]`` to expert
+    1, ...: on the Triton kernel on a GPU (and on a CPU under the interpreter: `INTERPRETED_ON_CPU`), else
+    `dequantized_product`."""
     if triton is None or not (x.is_cuda or INTERPRETED_ON_CPU):
         return dequantized_product(x, weight, scales, counts)
     x = x.contiguous()
@@ -235,7 +236,7 @@ def grouped_product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     _kernel()[grid](
         x, weight.view(torch.uint8), scales, y, *tiles, outputs, inputs, x.stride(0), y.stride(0),
         weight.stride(0), scales.stride(0), scales.stride(1) if scales.dim() == 3 else 1,
-        EVEN_K=inputs % block_k == 0, NATIVE=fp8_devices.native(x.device), GROUP=group,
+        EVEN_K=inputs % block_k == 0, NATIVE=fp8_devices.native(x.device), INT8=weight.dtype == torch.int8, GROUP=group,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=3,
     )  # fmt: skip
     return y

@@ -10,7 +10,9 @@ tiles the rows could make, so a CUDA graph replays it at any routing) has first 
 Scales per output channel (``[experts, N]``, applied to the sums), or by blocks of `GROUP` inputs (block-wise fp8:
 ``[experts, N, cdiv(K, GROUP)]``; `BLOCK_K` divides `GROUP`, so a tile's inputs lie in one block and its sums are
 scaled before they are added). Widened by the GPU's fp8 conversion where it has one (`NATIVE`), else by moving the
-bits (`engine/fp8_widen.py`: ``w / 2**8`` exactly; the 2**8 goes into the scale)."""
+bits (`engine/fp8_widen.py`: ``w / 2**8`` exactly; the 2**8 goes into the scale). 8-bit integer codes (`INT8`:
+GPTQ's and compressed-tensors' int8 experts, `int8_experts`) are read the same way, each exact in the activations'
+dtype."""
 
 import triton.language as tl
 
@@ -36,6 +38,7 @@ def fp8_experts_kernel(  # pragma: no cover - runs as a Triton kernel
     stride_sn,
     EVEN_K: tl.constexpr,
     NATIVE: tl.constexpr,
+    INT8: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -67,7 +70,9 @@ def fp8_experts_kernel(  # pragma: no cover - runs as a Triton kernel
                 w_ok = w_ok & (k < K)[None, :]
             x = tl.load(x_rows + k[None, :], mask=x_ok, other=0.0)
             bits = tl.load(w_rows + k[None, :], mask=w_ok, other=0)
-            if NATIVE:  # noqa: SIM108 - a constexpr branch; the fp8 type compiles only where the GPU has it
+            if INT8:  # 8-bit integer codes (`int8_experts`): each exact in the activations' dtype
+                w = bits.to(tl.int8, bitcast=True)
+            elif NATIVE:  # the fp8 type compiles only where the GPU has it
                 w = bits.to(tl.float8e4nv, bitcast=True)  # [BLOCK_N, BLOCK_K]; bits 0 are +0.0
             else:
                 w = e4m3_over_256(bits)
@@ -79,7 +84,7 @@ def fp8_experts_kernel(  # pragma: no cover - runs as a Triton kernel
             scale = tl.full((BLOCK_N,), 1.0, tl.float32)
         else:
             scale = tl.load(s_rows, mask=n_ok, other=0.0)
-        if not NATIVE:
+        if not NATIVE and not INT8:
             scale = scale * 256.0
         y = acc * scale[None, :]
         mask = m_ok[:, None] & n_ok[None, :]

@@ -12,8 +12,8 @@ grouped product (`int4_experts_kernel`): the rows sorted by expert, cut into til
 
 Served: groups of a multiple of 32 inputs (AWQ's and GPTQ's 128, 64 or 32; W4A16's, or one group a row), 4-bit
 codes; GPTQ's act-order too (each expert's inputs stored sorted by group, the kernel reading the rows' columns in that
-order). 8-bit codes, and a tensor-parallel rank whose inputs of down_proj are not whole groups (any part of an
-act-order matrix's) are de-quantized instead. Layout (`keep`):
+order). 8-bit codes are `int8_experts`'; a tensor-parallel rank whose inputs of down_proj are not whole groups (any
+part of an act-order matrix's) is de-quantized instead. Layout (`keep`):
 ``{kind}`` int32 ``[experts, out, in / 8]`` (nibble j of word r: input 8r + j, `int4_triton.pack_nibbles`),
 ``{kind}_scales`` and ``{kind}_zeros`` fp32 ``[experts, groups, out]`` (zeros in steps). On a CPU (no kernel; the
 tests set `INTERPRETED_ON_CPU` to run it under Triton's interpreter) each expert's weight is de-quantized for its rows
