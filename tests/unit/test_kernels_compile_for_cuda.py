@@ -200,7 +200,8 @@ EXPERTS = {"experts": 128, "hidden": 2048, "intermediate": 768, "top_k": 8}
 def test_the_fp8_experts_kernel_compiles_as_its_wrapper_launches_it(monkeypatch: pytest.MonkeyPatch, arch: int) -> None:
     """`fp8_experts`' grouped product at Qwen3-30B-A3B's widths, as a decode step of one and of 16 tokens and a
     prompt of 2048 launch it (16 rows a tile, then 64), gate/up's and down's products, scales per channel and by
-    blocks of 128 inputs, converting fp8 (Hopper) or widening it (Ampere): each compiles, none spills."""
+    blocks of 128 inputs, converting fp8 (Hopper) or widening it (Ampere), and int8 codes (`int8_experts`): each
+    compiles, none spills."""
     import torch
 
     from lmiserve.engine import fp8_devices
@@ -211,15 +212,18 @@ def test_the_fp8_experts_kernel_compiles_as_its_wrapper_launches_it(monkeypatch:
     launches = cuda_compile.recording(monkeypatch, fp8_experts, "_kernel")
     e, hidden, inter = EXPERTS["experts"], EXPERTS["hidden"], EXPERTS["intermediate"]
     for outputs, inputs in ((2 * inter, hidden), (hidden, inter)):
-        weight = torch.empty(e, outputs, inputs, dtype=torch.float8_e4m3fn)
-        for scales in (torch.ones(e, outputs), torch.ones(e, outputs, inputs // BLOCK)):
-            for tokens in (1, 16, 2048):
-                rows = tokens * EXPERTS["top_k"]
-                counts = torch.full((e,), rows // e) + (torch.arange(e) < rows % e)
-                fp8_experts.grouped_product(torch.zeros(rows, inputs, dtype=torch.bfloat16), weight, scales, counts)
+        for dtype in (torch.float8_e4m3fn, torch.int8):
+            weight = torch.empty(e, outputs, inputs, dtype=dtype)
+            for scales in (torch.ones(e, outputs), torch.ones(e, outputs, inputs // BLOCK)):
+                for tokens in (1, 16, 2048):
+                    rows = tokens * EXPERTS["top_k"]
+                    counts = torch.full((e,), rows // e) + (torch.arange(e) < rows % e)
+                    x = torch.zeros(rows, inputs, dtype=torch.bfloat16)
+                    fp8_experts.grouped_product(x, weight, scales, counts)
     assert {launch.kwargs["BLOCK_M"] for launch in launches} == {16, 64}
     assert {launch.kwargs["GROUP"] for launch in launches} == {0, BLOCK}
     assert {launch.kwargs["NATIVE"] for launch in launches} == {arch >= 89}
+    assert {launch.kwargs["INT8"] for launch in launches} == {False, True}
     assert_compiled(launches, arch)
 
 
