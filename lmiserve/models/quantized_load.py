@@ -49,7 +49,7 @@ from typing import Any, cast
 
 import torch
 
-from lmiserve.engine.model import fp8_experts, grouped_experts, int4_experts, int8_experts, mxfp4_experts
+from lmiserve.engine.model import expert_codes, fp8_experts, grouped_experts, int4_experts, int8_experts, mxfp4_experts
 from lmiserve.engine.model.expert_matrices import stacked_experts
 from lmiserve.engine.model.fp8_ops import per_tensor_at_load
 from lmiserve.engine.model.int4_triton import Int4TritonLinear
@@ -234,12 +234,10 @@ def _fill_experts(
     if spec.method == "fp8":
         kept = fp8_experts.keep_stored(model, stored, files.slice, spec.blocks, device, path.name)
         made["experts modules kept fp8 (Triton kernel)"] = len(kept)
-    elif spec.bits == 8:
-        kept = int8_experts.keep_stored(model, stored, files.slice, spec, device, path.name)
-        made["experts modules kept int8 (Triton kernel)"] = len(kept)
     else:
-        kept = int4_experts.keep_stored(model, stored, files.slice, spec, device, path.name)
-        made["experts modules kept 4-bit (Triton kernel)"] = len(kept)
+        codes = int8_experts if spec.bits == 8 else int4_experts
+        kept = expert_codes.keep_stored(model, stored, files.slice, spec, device, path.name, codes)
+        made[f"experts modules kept {codes.KEPT} (Triton kernel)"] = len(kept)
     for name, module in model.named_modules():
         down = getattr(module, "down_proj", None)
         if not name.endswith(".experts") or grouped_experts.kept(module) or not isinstance(down, torch.Tensor):

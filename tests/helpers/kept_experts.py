@@ -6,15 +6,38 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from helpers.decode_graphs import graphs_on_the_test_device
-from helpers.llama_variants import PROMPTS, greedy_tokens, serve_prompts
+from helpers.llama_variants import MOE_ARCHS, PROMPTS, build, greedy_tokens, serve_prompts
 from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.model import grouped_experts
+
+DEVICE = torch.device(os.environ.get("LMISERVE_TEST_DEVICE", "cpu"))
+on_cpu_only = pytest.mark.skipif(DEVICE.type == "cuda", reason="a CPU's fp32 under the interpreter")
+
+
+def kernel_runs(available: bool) -> pytest.MarkDecorator:
+    """Skipped unless the kernel is `available` (Triton installed) and runs here: under Triton's interpreter
+    (``TRITON_INTERPRET=1``, set by tests/conftest.py on CPU) or on a GPU."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    return pytest.mark.skipif(
+        not available or not (interpreted or DEVICE.type == "cuda"),
+        reason="needs triton: its interpreter (TRITON_INTERPRET=1, set by tests/conftest.py on CPU) or a GPU",
+    )
+
+
+def moe(arch: str, extra: dict | None = None) -> Any:
+    """The tiny MoE of `llama_variants.MOE_ARCHS[arch]`, a Qwen3-MoE's with 64 inputs to down_proj (whole groups of
+    32 and 64), `extra` over its config."""
+    config_class, model_class, overrides = MOE_ARCHS[arch]
+    inter = {"moe_intermediate_size": 64} if arch == "qwen3_moe" else {}
+    return build(config_class, model_class, {**overrides, **inter, **(extra or {})})
 
 
 def load_both(

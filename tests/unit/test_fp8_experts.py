@@ -6,22 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 
 import pytest
 import torch
 
+from helpers.kept_experts import DEVICE, kernel_runs
 from helpers.llama_variants import MOE_ARCHS, PROMPTS, build, serve_prompts
 from lmiserve.engine import fp8_devices
 from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.model import fp8_experts, fp8_gemv, grouped_experts
 
-DEVICE = torch.device(os.environ.get("LMISERVE_TEST_DEVICE", "cpu"))
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-needs_kernel = pytest.mark.skipif(
-    not fp8_gemv.available() or not (INTERPRETED or DEVICE.type == "cuda"),
-    reason="needs triton: its interpreter (TRITON_INTERPRET=1, set by tests/conftest.py on CPU) or a GPU",
-)
+needs_kernel = kernel_runs(fp8_gemv.available())
 
 
 @pytest.fixture

@@ -5,21 +5,14 @@ de-quantized model, on one device and over two tensor-parallel ranks."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from helpers.kept_experts import DEVICE, kernel_runs, moe, on_cpu_only
 from helpers.llama_variants import MOE_ARCHS, build
 from lmiserve.engine.model import grouped_experts, int4_experts, int4_triton
 
-DEVICE = torch.device(os.environ.get("LMISERVE_TEST_DEVICE", "cpu"))
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-needs_kernel = pytest.mark.skipif(
-    not int4_triton.available() or not (INTERPRETED or DEVICE.type == "cuda"),
-    reason="needs triton: its interpreter (TRITON_INTERPRET=1, set by tests/conftest.py on CPU) or a GPU",
-)
-on_cpu_only = pytest.mark.skipif(DEVICE.type == "cuda", reason="a CPU's fp32 under the interpreter")
+needs_kernel = kernel_runs(int4_triton.available())
 
 
 @pytest.fixture
@@ -80,12 +73,6 @@ CHECKPOINTS = {
     "qwen3-gptq-act-order": ("qwen3_moe", "gptq", 32, True),
     "qwen3-gptq-int8": ("qwen3_moe", "gptq-int8", 32, False),
 }
-QWEN3_64 = {"moe_intermediate_size": 64}  # (down_proj's 64 inputs: whole groups of 32 and 64)
-
-
-def _moe(arch: str, extra: dict | None = None):
-    config_class, model_class, overrides = MOE_ARCHS[arch]
-    return build(config_class, model_class, {**overrides, **(QWEN3_64 if arch == "qwen3_moe" else {}), **(extra or {})})
 
 
 @on_cpu_only
@@ -104,7 +91,7 @@ def test_a_4bit_mixture_of_experts_kept_4bit_serves_its_dequantized_models_token
     from helpers.quantizable import write_checkpoint
 
     arch, fmt, group, act_order = CHECKPOINTS[case]
-    write_checkpoint(_moe(arch), tmp_path, fmt, group, act_order=act_order)
+    write_checkpoint(moe(arch), tmp_path, fmt, group, act_order=act_order)
     tiny_model.tokenizer.save_pretrained(tmp_path)
     dequantized, loaded, record, lines = load_both(tmp_path, monkeypatch, caplog, int4_experts)
     kept = [m for m in loaded.model.modules() if grouped_experts.kept(m, "int4")]
@@ -147,7 +134,7 @@ def test_each_tensor_parallel_rank_keeps_its_part_of_the_4bit_experts(
     from helpers.kept_experts import assert_ranks_sum, rank_blocks
     from helpers.quantizable import write_checkpoint
 
-    model = _moe("qwen3_moe", {"moe_intermediate_size": inter})
+    model = moe("qwen3_moe", {"moe_intermediate_size": inter})
     write_checkpoint(model, tmp_path, fmt.removesuffix("-act-order"), group, act_order=fmt.endswith("-act-order"))
     for block, parts in rank_blocks(model, tmp_path, monkeypatch, int4_experts):
         assert [grouped_experts.kept(part.experts, "int4") for part in parts] == kept
@@ -164,7 +151,7 @@ def test_the_decode_graphs_capture_4bit_experts_in_any_dtype(tmp_path) -> None:
     from lmiserve.engine.model.fast_llama import FastLlama
     from lmiserve.engine.model.layout_variants import experts_graph_reason
 
-    model = _moe("qwen3_moe")
+    model = moe("qwen3_moe")
     cfg = model.config
     cache = PagedKVCache(
         cfg.num_hidden_layers, 8, 4, cfg.num_key_value_heads, AttentionShape.of(cfg).head_dim, torch.float32, "cpu"

@@ -5,21 +5,14 @@ with the tokens of their de-quantized model, on one device and over two tensor-p
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from helpers.kept_experts import DEVICE, kernel_runs, moe, on_cpu_only
 from helpers.llama_variants import MOE_ARCHS, build
 from lmiserve.engine.model import fp8_experts, fp8_gemv, grouped_experts, int8_experts
 
-DEVICE = torch.device(os.environ.get("LMISERVE_TEST_DEVICE", "cpu"))
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-needs_kernel = pytest.mark.skipif(
-    not fp8_gemv.available() or not (INTERPRETED or DEVICE.type == "cuda"),
-    reason="needs triton: its interpreter (TRITON_INTERPRET=1, set by tests/conftest.py on CPU) or a GPU",
-)
-on_cpu_only = pytest.mark.skipif(DEVICE.type == "cuda", reason="a CPU's fp32 under the interpreter")
+needs_kernel = kernel_runs(fp8_gemv.available())
 
 
 @pytest.fixture
@@ -69,12 +62,6 @@ CHECKPOINTS = {
 }
 
 
-def _moe(arch: str, extra: dict | None = None):
-    config_class, model_class, overrides = MOE_ARCHS[arch]
-    inter = {"moe_intermediate_size": 64} if arch == "qwen3_moe" else {}
-    return build(config_class, model_class, {**overrides, **inter, **(extra or {})})
-
-
 @on_cpu_only
 @pytest.mark.parametrize("case", list(CHECKPOINTS))
 @needs_kernel
@@ -90,7 +77,7 @@ def test_an_8bit_mixture_of_experts_kept_int8_serves_its_dequantized_models_toke
     from helpers.quantizable import write_checkpoint
 
     arch, fmt, group = CHECKPOINTS[case]
-    write_checkpoint(_moe(arch), tmp_path, fmt, group)
+    write_checkpoint(moe(arch), tmp_path, fmt, group)
     tiny_model.tokenizer.save_pretrained(tmp_path)
     dequantized, loaded, record, lines = load_both(tmp_path, monkeypatch, caplog, int8_experts)
     kept = [m for m in loaded.model.modules() if grouped_experts.kept(m, "fp8")]
@@ -119,7 +106,7 @@ def test_asymmetric_8bit_experts_are_dequantized(tiny_model, tmp_path, monkeypat
     from helpers.quantizable import write_checkpoint
     from lmiserve.models.load import load_causal_lm
 
-    write_checkpoint(_moe("qwen3_moe"), tmp_path, "w8a16-asym", 32)
+    write_checkpoint(moe("qwen3_moe"), tmp_path, "w8a16-asym", 32)
     tiny_model.tokenizer.save_pretrained(tmp_path)
     dequantized = load_causal_lm(tmp_path, dtype="fp32", device="cpu")
     monkeypatch.setattr(int8_experts, "kept_for", lambda model, device, name: True)
@@ -146,7 +133,7 @@ def test_each_tensor_parallel_rank_keeps_its_part_of_the_8bit_experts(
     from helpers.kept_experts import assert_ranks_sum, rank_blocks
     from helpers.quantizable import write_checkpoint
 
-    model = _moe("qwen3_moe", {"moe_intermediate_size": inter})
+    model = moe("qwen3_moe", {"moe_intermediate_size": inter})
     write_checkpoint(model, tmp_path, fmt, group)
     for block, parts in rank_blocks(model, tmp_path, monkeypatch, int8_experts):
         assert [grouped_experts.kept(part.experts, "fp8") for part in parts] == kept

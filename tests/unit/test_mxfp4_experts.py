@@ -4,19 +4,13 @@ loaded with its experts kept and served with the tokens of the model transformer
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from helpers.kept_experts import DEVICE, kernel_runs
 from lmiserve.engine.model import grouped_experts, mxfp4_experts
 
-DEVICE = torch.device(os.environ.get("LMISERVE_TEST_DEVICE", "cpu"))
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-needs_kernel = pytest.mark.skipif(
-    mxfp4_experts.triton is None or not (INTERPRETED or DEVICE.type == "cuda"),
-    reason="needs triton: its interpreter (TRITON_INTERPRET=1, set by tests/conftest.py on CPU) or a GPU",
-)
+needs_kernel = kernel_runs(mxfp4_experts.triton is not None)
 
 
 @pytest.fixture

@@ -29,9 +29,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from lmiserve.engine.model import grouped_experts, int4_triton
-from lmiserve.engine.model.expert_matrices import Read, stacked_experts
-from lmiserve.engine.model.shard_quantized import int4_parts
+from lmiserve.engine.model import expert_codes, grouped_experts, int4_triton
 
 if TYPE_CHECKING:
     from lmiserve.engine.model.quant_formats import Int4Parts, QuantSpec
@@ -46,13 +44,14 @@ __all__ = [
     "dequantized_product",
     "grouped_product",
     "keep",
-    "keep_stored",
     "kept_for",
-    "stacked_int4",
+    "stacked",
+    "takes",
     "tile_of",
 ]
 
 INTERPRETED_ON_CPU = False
+KEPT = "4-bit"  # (`expert_codes.Format`)
 PARTS = ("", "_scales", "_zeros", "_order")  # a kind's attributes (``gate_up_proj``, ``down_proj``) `keep` sets
 
 
@@ -100,10 +99,7 @@ class _Codes:
         return tuple(self.parts.codes.shape)
 
     def __getitem__(self, index: Any) -> torch.Tensor:
-        rows, inputs = index if isinstance(index, tuple) else (index, slice(None))
-        first, end, _ = inputs.indices(self.parts.codes.shape[1])
-        if first % self.group or (end % self.group and end != self.parts.codes.shape[1]):
-            raise LookupError(f"inputs {first}:{end} are not whole groups of {self.group}")
+        rows, first, end = expert_codes.cut(index, self.parts.codes.shape[1], self.group)
         if self.order is not None and end - first != self.parts.codes.shape[1]:
             raise LookupError("a part of an act-order matrix's inputs is not whole groups")
         codes = self.parts.codes[rows, first:end] if self.order is None else self.parts.codes[rows][:, self.order]
@@ -114,11 +110,7 @@ class _Codes:
         return torch.cat([int4_triton.pack_nibbles(codes.reshape(codes.shape[0], -1, 8)), scales, zeros], dim=1)
 
 
-def _read_codes(name: str, parts_of: Callable[[str], Int4Parts], seen: dict[str, Any]) -> _Codes:
-    return _Codes(parts_of(name.removesuffix(".weight")), seen)
-
-
-def stacked_int4(
+def stacked(
     owner: str,
     count: int,
     names: Any,
@@ -133,14 +125,10 @@ def stacked_int4(
     orders): they are de-quantized instead."""
     found: dict[str, tuple[torch.Tensor, ...]] = {}
     for kind in ("gate_up_proj", "down_proj"):
-        seen: dict[str, Any] = {}
-        try:
-            read = functools.partial(_read_codes, parts_of=parts_of, seen=seen)
-            rows = stacked_experts(owner, kind, count, names, read, part)
-        except LookupError:
+        stacked = expert_codes.stacked_rows(owner, kind, count, names, parts_of, part, _Codes)
+        if stacked is None:
             return None
-        if rows is None:
-            return None
+        rows, seen = stacked
         words, groups = seen["words"], seen["groups"]
         scales, zeros = (rows[..., at : at + groups].view(torch.float32) for at in (words, words + groups))
         found[kind] = (
@@ -158,34 +146,10 @@ def stacked_int4(
     return found
 
 
-def keep_stored(
-    model: torch.nn.Module,
-    names: Any,
-    read: Read,
-    quant: QuantSpec,
-    device: torch.device,
-    name: str,
-    part: Callable[[int], slice] = lambda size: slice(0, size),
-) -> set[str]:
-    """A checkpoint's experts kept 4-bit where they are AWQ's or GPTQ's 4-bit codes (`quant`; compressed-tensors'
-    W4A16 is read as GPTQ's) and `kept_for` says so for `model` (the meta model, or a tensor-parallel rank's shell;
-    `name`: the checkpoint's or the rank's, for the log): each servable experts module read from the checkpoint
-    (`names`; `read`: a tensor's slice, unpacked by `shard_quantized.int4_parts`; `part` of every expert's
-    intermediate size: a rank's, `ShardPlan.part`) by `stacked_int4` and `keep`-ed on `device`; their names (the
-    others are left to be de-quantized)."""
-    if quant.method not in ("awq", "gptq") or quant.bits != 4:
-        return set()
-    found = grouped_experts.servable_modules(model)
-    if not found or not kept_for(model, device, name):
-        return set()
-    parts_of = functools.partial(int4_parts, names=names, read=read, quant=quant)
-    made = set()
-    for owner, module in found.items():
-        weights = stacked_int4(owner, int(cast(torch.Tensor, module.down_proj).shape[0]), names, parts_of, part)
-        if weights is not None:
-            keep(module, {kind: tuple(t.to(device) for t in parts) for kind, parts in weights.items()})
-            made.add(owner)
-    return made
+def takes(quant: QuantSpec) -> bool:
+    """Whether a checkpoint's codes (`quant`) are AWQ's or GPTQ's 4-bit ones (compressed-tensors' W4A16 is read as
+    GPTQ's): `expert_codes.keep_stored` keeps them where `kept_for` says so."""
+    return quant.method in ("awq", "gptq") and quant.bits == 4
 
 
 def grouped_product(

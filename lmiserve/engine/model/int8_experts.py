@@ -20,20 +20,19 @@ Not measured yet: the kernel's speed on int8 codes (a GPU's)."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from lmiserve.engine.model import fp8_experts, grouped_experts, int8_weights
-from lmiserve.engine.model.expert_matrices import Read, stacked_experts
-from lmiserve.engine.model.shard_quantized import int4_parts
+from lmiserve.engine.model import expert_codes, fp8_experts, int8_weights
 
 if TYPE_CHECKING:
     from lmiserve.engine.model.quant_formats import Int4Parts, QuantSpec
 
-__all__ = ["keep_stored", "kept_for", "stacked_int8"]
+__all__ = ["KEPT", "keep", "kept_for", "stacked", "takes"]
+
+KEPT = "int8"  # (`expert_codes.Format`)
 
 
 def kept_for(model: torch.nn.Module, device: torch.device, name: str) -> bool:
@@ -63,24 +62,16 @@ class _Codes:
         return tuple(self.parts.codes.shape)
 
     def __getitem__(self, index: Any) -> torch.Tensor:
-        rows, inputs = index if isinstance(index, tuple) else (index, slice(None))
-        whole = self.parts.codes.shape[1]
-        first, end, _ = inputs.indices(whole)
+        rows, first, end = expert_codes.cut(index, self.parts.codes.shape[1], self.group)
         scales = self.scales[rows]
         if self.group:
-            if first % self.group or (end % self.group and end != whole):
-                raise LookupError(f"inputs {first}:{end} are not whole groups of {self.group}")
             scales = scales[:, first // self.group : -(-end // self.group)]
         self.seen.update(inputs=end - first, per_channel=not self.group)
         codes = int8_weights.signed_codes(self.parts.codes[rows, first:end]).view(torch.uint8)
         return torch.cat([codes, scales.contiguous().view(torch.uint8)], dim=1)
 
 
-def _read_codes(name: str, parts_of: Callable[[str], Int4Parts], seen: dict[str, Any]) -> _Codes:
-    return _Codes(parts_of(name.removesuffix(".weight")), seen)
-
-
-def stacked_int8(
+def stacked(
     owner: str,
     count: int,
     names: Any,
@@ -94,14 +85,10 @@ def stacked_int8(
     kernel reads: they are de-quantized instead."""
     found: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for kind in ("gate_up_proj", "down_proj"):
-        seen: dict[str, Any] = {}
-        try:
-            read = functools.partial(_read_codes, parts_of=parts_of, seen=seen)
-            rows = stacked_experts(owner, kind, count, names, read, part)
-        except LookupError:
+        stacked = expert_codes.stacked_rows(owner, kind, count, names, parts_of, part, _Codes)
+        if stacked is None:
             return None
-        if rows is None:
-            return None
+        rows, seen = stacked
         inputs = seen["inputs"]
         scales = rows[..., inputs:].contiguous().view(torch.float32)
         codes = rows[..., :inputs].contiguous().view(torch.int8)
@@ -109,31 +96,12 @@ def stacked_int8(
     return found
 
 
-def keep_stored(
-    model: torch.nn.Module,
-    names: Any,
-    read: Read,
-    quant: QuantSpec,
-    device: torch.device,
-    name: str,
-    part: Callable[[int], slice] = lambda size: slice(0, size),
-) -> set[str]:
-    """A checkpoint's experts kept as 8-bit codes where they are (`quant`: GPTQ's 8 bits, compressed-tensors' int8)
-    and `kept_for` says so for `model` (the meta model, or a tensor-parallel rank's shell; `name`: the checkpoint's
-    or the rank's, for the log): each servable experts module read from the checkpoint (`names`; `read`: a tensor's
-    slice, unpacked by `shard_quantized.int4_parts`; `part` of every expert's intermediate size: a rank's,
-    `ShardPlan.part`) by `stacked_int8` and `fp8_experts.keep`-ed on `device`; their names (the others are left to
-    be de-quantized)."""
-    if quant.bits != 8:
-        return set()
-    found = grouped_experts.servable_modules(model)
-    if not found or not kept_for(model, device, name):
-        return set()
-    parts_of = functools.partial(int4_parts, names=names, read=read, quant=quant)
-    made = set()
-    for owner, module in found.items():
-        weights = stacked_int8(owner, int(cast(torch.Tensor, module.down_proj).shape[0]), names, parts_of, part)
-        if weights is not None:
-            fp8_experts.keep(module, {kind: (w.to(device), s.to(device)) for kind, (w, s) in weights.items()})
-            made.add(owner)
-    return made
+def takes(quant: QuantSpec) -> bool:
+    """Whether a checkpoint's codes (`quant`) are 8-bit integers (GPTQ's 8 bits, compressed-tensors' int8):
+    `expert_codes.keep_stored` keeps them where `kept_for` says so."""
+    return quant.bits == 8
+
+
+def keep(experts: torch.nn.Module, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Make `experts` run on 8-bit `weights` (`stacked`'s codes and scales) on `fp8_experts`' kernel."""
+    fp8_experts.keep(experts, weights)

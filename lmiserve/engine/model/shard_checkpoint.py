@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from lmiserve.engine.model import fp8_experts, int4_experts, int8_experts, mxfp4_experts
+from lmiserve.engine.model import expert_codes, fp8_experts, int4_experts, int8_experts, mxfp4_experts
 from lmiserve.engine.model.checkpoint_names import renamer
 from lmiserve.engine.model.expert_matrices import EXPERT_PARTS, Read, mixtral_name, stacked_experts
 from lmiserve.engine.model.quant_formats import QuantSpec, weights_kept_for
@@ -110,10 +110,9 @@ def load_shard_weights(
         rank_device, rank = device or torch.device("cpu"), f"rank {shard.plan.rank}"
         if quant is not None and quant.method == "fp8":  # (a mixture of experts' fp8 experts, where kept fp8)
             fp8_experts.keep_stored(model, files, slice_of, quant.blocks, rank_device, rank, shard.plan.part)
-        elif quant is not None and quant.bits == 8:  # (8-bit integer ones, where kept)
-            int8_experts.keep_stored(model, files, slice_of, quant, rank_device, rank, shard.plan.part)
-        elif quant is not None and quant.method in ("awq", "gptq"):  # (4-bit ones, where kept)
-            int4_experts.keep_stored(model, files, slice_of, quant, rank_device, rank, shard.plan.part)
+        elif quant is not None and quant.method != "mxfp4":  # (4-bit or 8-bit integer ones, where kept)
+            codes = int8_experts if quant.bits == 8 else int4_experts
+            expert_codes.keep_stored(model, files, slice_of, quant, rank_device, rank, codes, shard.plan.part)
         elif quant is not None and quant.method == "mxfp4" and mxfp4_experts.kept_for(model, rank_device, rank):
             mxfp4_experts.keep_stored(model, files, slice_of, rank_device, shard.plan.part)  # (gpt-oss's experts)
         for name, parameter in model.named_parameters():  # a tied output layer's weight is listed once
