@@ -71,9 +71,11 @@ def serve_counted(loaded: Any, dequantized: Any, monkeypatch: pytest.MonkeyPatch
     return engine, ran
 
 
-def rank_blocks(model: Any, path: Path, monkeypatch: pytest.MonkeyPatch, kernel: Any) -> list[tuple[Any, list[Any]]]:
+def rank_blocks(
+    model: Any, path: Path, monkeypatch: pytest.MonkeyPatch, kernel: Any, world: int = 2
+) -> list[tuple[Any, list[Any]]]:
     """Each layer's MoE block of `model`'s checkpoint in `path` de-quantized whole in one process, and of each of
-    two tensor-parallel ranks read with their experts where the kernel module `kernel` keeps them (its `kept_for`
+    `world` tensor-parallel ranks read with their experts where the kernel module `kernel` keeps them (its `kept_for`
     forced)."""
     from helpers.rank_shards import read_ranks
     from lmiserve.engine.model.layout_variants import moe_block
@@ -82,7 +84,7 @@ def rank_blocks(model: Any, path: Path, monkeypatch: pytest.MonkeyPatch, kernel:
 
     whole = load_causal_lm(path, dtype="fp32", device="cpu").model
     monkeypatch.setattr(kernel, "kept_for", lambda model, device, name: True)
-    ranks = read_ranks(model, path, 2, checkpoint_quantization(path, None))
+    ranks = read_ranks(model, path, world, checkpoint_quantization(path, None))
     layers = enumerate(whole.model.layers)
     return [(moe_block(layer), [moe_block(shell.model.layers[i]) for shell in ranks]) for i, layer in layers]
 
@@ -99,3 +101,14 @@ def assert_ranks_sum(block: Any, parts: list[Any], hidden: int) -> None:
         total, want = sum(moe_forward(part, x) for part in parts), moe_forward(block, x)
     largest = max(1.0, want.abs().max().item())  # (fp32's rounding of outputs in the hundreds: gpt-oss's)
     torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-5 * largest)
+
+
+def assert_widened(parts: list[Any], kernel: str, pads: list[tuple[int, int]] | None, own: int, unit: int = 1) -> None:
+    """Each rank's MoE block in `parts` keeps its experts on `kernel` (`pads` None: de-quantized, all of them), its
+    down_proj's inputs its `own` widened to whole blocks by its pad (before, after: `expert_matrices.WholeBlocks`),
+    stored `unit` inputs an element (two a byte, eight a word)."""
+    for part, pad in zip(parts, pads or [None] * len(parts), strict=True):
+        assert grouped_experts.kept(part.experts, kernel) is (pad is not None)
+        if pad is not None:
+            assert part.experts.__dict__["kept_down_pad"] == pad
+            assert part.experts.down_proj.shape[2] == (own + sum(pad)) // unit

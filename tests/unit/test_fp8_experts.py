@@ -173,28 +173,31 @@ def test_quantize_fp8_on_a_float_mixture_of_experts_keeps_its_experts_fp8_per_ch
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="a CPU's fp32 under the interpreter; the kernel test covers CUDA")
 @pytest.mark.parametrize(
-    ("fmt", "inter", "kept"),
-    [("fp8-channel", 64, [True, True]), ("fp8-block", 64, [True, True]), ("fp8-block", 48, [True, False])],
+    ("fmt", "inter", "world", "pads"),
+    [
+        ("fp8-channel", 64, 2, [(0, 0), (0, 0)]),
+        ("fp8-block", 64, 2, [(0, 0), (0, 0)]),  # 32 inputs a rank: whole blocks of 16
+        ("fp8-block", 48, 2, [(0, 8), (8, 0)]),  # 24 a rank: 0-24 kept as 0-32, 24-48 as 16-48
+        ("fp8-block", 48, 4, [(0, 4), (12, 8), (8, 12), (4, 0)]),  # 12 a rank (Qwen3-235B-A22B-FP8 over 8: 192)
+    ],
 )
 @needs_kernel
 def test_each_tensor_parallel_rank_keeps_its_part_of_the_fp8_experts(
-    tmp_path, monkeypatch: pytest.MonkeyPatch, on_kernel: None, fmt: str, inter: int, kept: list[bool]
+    tmp_path, monkeypatch: pytest.MonkeyPatch, on_kernel: None, fmt: str, inter: int, world: int, pads: list
 ) -> None:
-    """Over two ranks each rank reads its part of every expert's fp8 matrices (gate/up's rows, down's inputs, which
-    start a block of 16 here) with their scales, kept fp8 (64 intermediate): the ranks' MoE blocks (what the all-reduce adds) are
-    the block of the checkpoint de-quantized whole in one process. Where a rank's inputs of down_proj do not start
-    a block (blocks of 16 over 48 inputs: rank 1's start at 24) its experts are de-quantized instead, and the sum is
-    the same."""
-    from helpers.kept_experts import assert_ranks_sum, rank_blocks
+    """Over two and four ranks each rank reads its part of every expert's fp8 matrices (gate/up's rows, down's
+    inputs) with their scales (a channel's, or blocks of 16), kept fp8: the ranks' MoE blocks (what the all-reduce
+    adds) are the block of the checkpoint de-quantized whole in one process. Where a rank's inputs of down_proj are
+    not whole blocks it keeps the whole blocks that cover them and pads its activations with zeros (`pads`)."""
+    from helpers.kept_experts import assert_ranks_sum, assert_widened, rank_blocks
     from helpers.quantizable import write_checkpoint
 
     config_class, model_class, overrides = MOE_ARCHS["qwen3_moe"]
     model = build(config_class, model_class, {**overrides, "moe_intermediate_size": inter})
     write_checkpoint(model, tmp_path, fmt, 16)
-    for block, parts in rank_blocks(model, tmp_path, monkeypatch, fp8_experts):
-        assert [grouped_experts.kept(part.experts) for part in parts] == kept
-        experts = parts[1].experts
-        assert experts.down_proj.shape[2] == inter // 2 and experts.gate_up_proj.shape[1] == inter
+    for block, parts in rank_blocks(model, tmp_path, monkeypatch, fp8_experts, world):
+        assert_widened(parts, "fp8", pads, inter // world)
+        assert all(part.experts.gate_up_proj.shape[1] == 2 * inter // world for part in parts)
         assert_ranks_sum(block, parts, model.config.hidden_size)
 
 

@@ -119,28 +119,30 @@ def test_a_4bit_mixture_of_experts_kept_4bit_serves_its_dequantized_models_token
 
 @on_cpu_only
 @pytest.mark.parametrize(
-    ("fmt", "inter", "group", "kept"),
-    [("awq", 128, 32, [True, True]), ("awq", 96, 32, [False, False]), ("gptq-act-order", 128, 32, [False, False])],
+    ("fmt", "inter", "world", "pads"),
+    [
+        ("awq", 128, 2, [(0, 0), (0, 0)]),  # 64 inputs a rank: whole groups of 32
+        ("awq", 96, 2, [(0, 16), (16, 0)]),  # 48 a rank: 0-48 kept as 0-64, 48-96 as 32-96
+        ("awq", 96, 4, [(0, 8), (24, 16), (16, 24), (8, 0)]),  # 24 a rank
+        ("gptq-act-order", 128, 2, None),  # (act-order: whole rows only)
+    ],
 )
 @needs_kernel
 def test_each_tensor_parallel_rank_keeps_its_part_of_the_4bit_experts(
-    tmp_path, monkeypatch: pytest.MonkeyPatch, on_kernel: None, fmt: str, inter: int, group: int, kept: list[bool]
+    tmp_path, monkeypatch: pytest.MonkeyPatch, on_kernel: None, fmt: str, inter: int, world: int, pads: list | None
 ) -> None:
-    """Over two ranks each rank reads its part of every expert's AWQ matrices (gate/up's rows, down's inputs: whole
-    groups of 32 of the 128 intermediate) with their groups' scales and zeros, kept 4-bit: the ranks' MoE blocks (what
-    the all-reduce adds) are the block of the checkpoint de-quantized whole in one process. Where a rank's inputs of
-    down_proj are not whole groups (48 of 96 in groups of 32; any part of GPTQ's act-order inputs) its experts are
-    de-quantized instead, and the sum is the same."""
-    from helpers.kept_experts import assert_ranks_sum, rank_blocks
+    """Over two and four ranks each rank reads its part of every expert's AWQ matrices (gate/up's rows, down's
+    inputs) with their groups' scales and zeros (groups of 32), kept 4-bit: the ranks' MoE blocks (what the
+    all-reduce adds) are the block of the checkpoint de-quantized whole in one process. Where a rank's inputs of
+    down_proj are not whole groups it keeps the whole groups that cover them and pads its activations with zeros
+    (`pads`); a part of GPTQ's act-order inputs is de-quantized instead (`pads` None), and the sum is the same."""
+    from helpers.kept_experts import assert_ranks_sum, assert_widened, rank_blocks
     from helpers.quantizable import write_checkpoint
 
     model = moe("qwen3_moe", {"moe_intermediate_size": inter})
-    write_checkpoint(model, tmp_path, fmt.removesuffix("-act-order"), group, act_order=fmt.endswith("-act-order"))
-    for block, parts in rank_blocks(model, tmp_path, monkeypatch, int4_experts):
-        assert [grouped_experts.kept(part.experts, "int4") for part in parts] == kept
-        if kept[1]:
-            experts = parts[1].experts
-            assert experts.down_proj.shape[2] == inter // 2 // 8 and experts.gate_up_proj.shape[1] == inter
+    write_checkpoint(model, tmp_path, fmt.removesuffix("-act-order"), 32, act_order=fmt.endswith("-act-order"))
+    for block, parts in rank_blocks(model, tmp_path, monkeypatch, int4_experts, world):
+        assert_widened(parts, "int4", pads, inter // world, 8)
         assert_ranks_sum(block, parts, model.config.hidden_size)
 
 

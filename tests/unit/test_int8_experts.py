@@ -118,26 +118,29 @@ def test_asymmetric_8bit_experts_are_dequantized(tiny_model, tmp_path, monkeypat
 
 @on_cpu_only
 @pytest.mark.parametrize(
-    ("fmt", "inter", "group", "kept"),
-    [("gptq-int8", 128, 32, [True, True]), ("gptq-int8", 96, 32, [False, False]), ("w8a8", 96, 0, [True, True])],
+    ("fmt", "inter", "group", "world", "pads"),
+    [
+        ("gptq-int8", 128, 32, 2, [(0, 0), (0, 0)]),  # 64 inputs a rank: whole groups of 32
+        ("gptq-int8", 96, 32, 2, [(0, 16), (16, 0)]),  # 48 a rank: 0-48 kept as 0-64, 48-96 as 32-96
+        ("gptq-int8", 96, 32, 4, [(0, 8), (24, 16), (16, 24), (8, 0)]),  # 24 a rank
+        ("w8a8", 96, 0, 2, [(0, 0), (0, 0)]),  # a scale a channel: any part
+    ],
 )
 @needs_kernel
 def test_each_tensor_parallel_rank_keeps_its_part_of_the_8bit_experts(
-    tmp_path, monkeypatch: pytest.MonkeyPatch, on_kernel: None, fmt: str, inter: int, group: int, kept: list[bool]
+    tmp_path, monkeypatch: pytest.MonkeyPatch, on_kernel: None, fmt: str, inter: int, group: int, world: int, pads: list
 ) -> None:
-    """Over two ranks each rank reads its part of every expert's 8-bit matrices (gate/up's rows, down's inputs: whole
-    groups of 32 of the 128 intermediate) with their scales, kept int8: the ranks' MoE blocks (what the all-reduce
-    adds) are the block of the checkpoint de-quantized whole in one process. Where a rank's inputs of down_proj are
-    not whole groups (48 of 96 in groups of 32) its experts are de-quantized instead; with a scale a channel any part
-    of the inputs is kept; the sum is the same."""
-    from helpers.kept_experts import assert_ranks_sum, rank_blocks
+    """Over two and four ranks each rank reads its part of every expert's 8-bit matrices (gate/up's rows, down's
+    inputs) with their scales, kept int8: the ranks' MoE blocks (what the all-reduce adds) are the block of the
+    checkpoint de-quantized whole in one process. Where a rank's inputs of down_proj are not whole groups it keeps
+    the whole groups that cover them and pads its activations with zeros (`pads`); with a scale a channel any part
+    of the inputs is kept as it is."""
+    from helpers.kept_experts import assert_ranks_sum, assert_widened, rank_blocks
     from helpers.quantizable import write_checkpoint
 
     model = moe("qwen3_moe", {"moe_intermediate_size": inter})
     write_checkpoint(model, tmp_path, fmt, group)
-    for block, parts in rank_blocks(model, tmp_path, monkeypatch, int8_experts):
-        assert [grouped_experts.kept(part.experts, "fp8") for part in parts] == kept
-        if kept[1]:
-            experts = parts[1].experts
-            assert experts.down_proj.shape[2] == inter // 2 and experts.down_proj.dtype == torch.int8
+    for block, parts in rank_blocks(model, tmp_path, monkeypatch, int8_experts, world):
+        assert_widened(parts, "fp8", pads, inter // world)
+        assert all(part.experts.down_proj.dtype == torch.int8 for part in parts)
         assert_ranks_sum(block, parts, model.config.hidden_size)

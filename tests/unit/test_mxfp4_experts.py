@@ -99,26 +99,31 @@ def test_an_mxfp4_gpt_oss_kept_mxfp4_serves_its_dequantized_models_tokens(
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="a CPU's fp32 under the interpreter; the kernel test covers CUDA")
-@pytest.mark.parametrize(("intermediate", "kept"), [(64, [True, True]), (96, [False, False])])
+@pytest.mark.parametrize(
+    ("intermediate", "world", "pads"),
+    [
+        (64, 2, [(0, 0), (0, 0)]),  # 32 inputs a rank: whole blocks
+        (96, 2, [(0, 16), (16, 0)]),  # 48 a rank: inputs 0-48 kept as 0-64, 48-96 as 32-96
+        (96, 4, [(0, 8), (24, 16), (16, 24), (8, 0)]),  # 24 a rank (gpt-oss-120b's 2880 over 4 and 8 ranks)
+    ],
+)
 @needs_kernel
 def test_each_tensor_parallel_rank_keeps_its_part_of_the_mxfp4_experts(
-    tmp_path, monkeypatch: pytest.MonkeyPatch, on_kernel: None, intermediate: int, kept: list[bool]
+    tmp_path, monkeypatch: pytest.MonkeyPatch, on_kernel: None, intermediate: int, world: int, pads: list
 ) -> None:
-    """Over two ranks each rank reads its part of gpt-oss's MXFP4 experts (gate/up's outputs, interleaved pairs; down's
-    inputs, whole blocks of 32 of the 64 intermediate) with their blocks' powers, kept MXFP4, and its part of the
-    biases (down's on rank 0 alone): the ranks' MoE blocks (what the all-reduce adds) are the block transformers
-    de-quantizes whole in one process. Where a rank's inputs of down_proj are not whole blocks (48 of 96) its experts
-    are de-quantized instead, and the sum is the same."""
-    from helpers.kept_experts import assert_ranks_sum, rank_blocks
+    """Over two and four ranks each rank reads its part of gpt-oss's MXFP4 experts (gate/up's outputs, interleaved
+    pairs; down's inputs) with their blocks' powers, kept MXFP4, and its part of the biases (down's on rank 0 alone):
+    the ranks' MoE blocks (what the all-reduce adds) are the block transformers de-quantizes whole in one process.
+    Where a rank's inputs of down_proj are not whole blocks of 32, it keeps the whole blocks that cover them and pads
+    its activations with zeros (`pads`: before, after), so its neighbours' inputs in those blocks add nothing."""
+    from helpers.kept_experts import assert_ranks_sum, assert_widened, rank_blocks
     from helpers.llama_variants import MOE_ARCHS, build
     from helpers.mxfp4 import write_mxfp4_gpt_oss
 
     write_mxfp4_gpt_oss(tmp_path, intermediate)
     config_class, model_class, overrides = MOE_ARCHS["gpt_oss"]
     model = build(config_class, model_class, {**overrides, "intermediate_size": intermediate})
-    for block, parts in rank_blocks(model, tmp_path, monkeypatch, mxfp4_experts):
-        assert [grouped_experts.kept(part.experts, "mxfp4") for part in parts] == kept
-        if kept[0]:
-            experts = parts[0].experts
-            assert experts.gate_up_proj.shape[1] == intermediate and experts.down_proj.shape[2] == intermediate // 4
+    for block, parts in rank_blocks(model, tmp_path, monkeypatch, mxfp4_experts, world):
+        assert_widened(parts, "mxfp4", pads, intermediate // world, 2)
+        assert all(part.experts.gate_up_proj.shape[1] == 2 * intermediate // world for part in parts)
         assert_ranks_sum(block, parts, model.config.hidden_size)

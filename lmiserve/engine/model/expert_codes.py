@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import torch
 
 from lmiserve.engine.model import grouped_experts
-from lmiserve.engine.model.expert_matrices import Read, stacked_experts
+from lmiserve.engine.model.expert_matrices import Read, WholeBlocks, stacked_experts
 from lmiserve.engine.model.shard_quantized import int4_parts
 
 if TYPE_CHECKING:
@@ -41,11 +41,13 @@ class Format(Protocol):
         names: Any,
         parts_of: Callable[[str], Int4Parts],
         part: Callable[[int], slice],
+        inputs: Callable[[int], slice] | None = None,
     ) -> Mapping[str, tuple[torch.Tensor, ...]] | None:
-        """The kernel's tensors of the experts module `owner`, by kind; None: de-quantized instead."""
+        """The kernel's tensors of the experts module `owner`, by kind (`inputs`: down_proj's, `WholeBlocks`); None:
+        de-quantized instead."""
 
-    def keep(self, experts: torch.nn.Module, weights: Any) -> None:
-        """Make `experts` run on `weights` (`stacked`'s, on the device)."""
+    def keep(self, experts: torch.nn.Module, weights: Any, down_pad: tuple[int, int] = (0, 0)) -> None:
+        """Make `experts` run on `weights` (`stacked`'s, on the device; `down_pad`: `grouped_experts.keep`'s)."""
 
 
 class Reader(Protocol):
@@ -77,14 +79,15 @@ def stacked_rows(
     parts_of: Callable[[str], Int4Parts],
     part: Callable[[int], slice],
     reader: type[Reader],
+    inputs: Callable[[int], slice] | None = None,
 ) -> tuple[torch.Tensor, dict[str, Any]] | None:
-    """The experts tensor ``owner.kind`` as `reader`'s rows, stacked from each expert's matrix (`stacked_experts`),
-    and what the reader `seen` (each read's record); None where the checkpoint does not store it so or `reader` does
-    not read one of its matrices (LookupError)."""
+    """The experts tensor ``owner.kind`` as `reader`'s rows, stacked from each expert's matrix (`stacked_experts`,
+    with `part` and `inputs`), and what the reader `seen` (each read's record); None where the checkpoint does not
+    store it so or `reader` does not read one of its matrices (LookupError)."""
     seen: dict[str, Any] = {}
     try:
         rows = stacked_experts(
-            owner, kind, count, names, lambda n: reader(parts_of(n.removesuffix(".weight")), seen), part
+            owner, kind, count, names, lambda n: reader(parts_of(n.removesuffix(".weight")), seen), part, inputs
         )
     except LookupError:
         return None
@@ -104,16 +107,21 @@ def keep_stored(
     """A checkpoint's experts kept as their codes where they are `codes`' format (`quant`) and its `kept_for` says so
     for `model` (the meta model, or a tensor-parallel rank's shell; `name`: the checkpoint's or the rank's, for the
     log): each servable experts module read from the checkpoint (`names`; `read`: a tensor's slice, unpacked by
-    `int4_parts`; `part` of every expert's intermediate size: a rank's, `ShardPlan.part`) by the format's `stacked`
-    and `keep`-ed on `device`; their names (the others are left to be de-quantized)."""
+    `int4_parts`; `part` of every expert's intermediate size: a rank's, `ShardPlan.part`, down_proj's inputs widened
+    to whole groups: `WholeBlocks`) by the format's `stacked` and `keep`-ed on `device`; their names (the others are
+    left to be de-quantized)."""
+    if not codes.takes(quant):
+        return set()
     found = grouped_experts.servable_modules(model)
-    if not codes.takes(quant) or not found or not codes.kept_for(model, device, name):
+    if not found or not codes.kept_for(model, device, name):
         return set()
     parts_of = functools.partial(int4_parts, names=names, read=read, quant=quant)
     made = set()
     for owner, module in found.items():
-        weights = codes.stacked(owner, int(cast(torch.Tensor, module.down_proj).shape[0]), names, parts_of, part)
+        count, down = int(cast(torch.Tensor, module.down_proj).shape[0]), WholeBlocks(part, max(quant.group_size, 0))
+        weights = codes.stacked(owner, count, names, parts_of, part, down)
         if weights is not None:
-            codes.keep(module, {kind: tuple(t.to(device) for t in parts) for kind, parts in weights.items()})
+            kept = {kind: tuple(t.to(device) for t in parts) for kind, parts in weights.items()}
+            codes.keep(module, kept, down.pad)
             made.add(owner)
     return made

@@ -30,7 +30,7 @@ import torch
 
 from lmiserve.engine import fp8_devices
 from lmiserve.engine.model import fp8_gemv, grouped_experts, weight_fit
-from lmiserve.engine.model.expert_matrices import Read, stacked_experts
+from lmiserve.engine.model.expert_matrices import Read, WholeBlocks, stacked_experts
 from lmiserve.engine.model.fp8_ops import quantize_fp8
 from lmiserve.engine.model.language_model import text_part
 from lmiserve.engine.model.shard_quantized import Fp8Scaled
@@ -62,21 +62,26 @@ def kept_for(model: torch.nn.Module, device: torch.device, name: str) -> bool:
     """Whether the fp8 experts of `model` (on the meta device in the compute dtype) stay fp8 on `device`: on a GPU
     where Triton runs (compute capability 8.0 or more) as `weight_fit.kept_for` says (``LMISERVE_USE_TRITON_FP8``
     forces it either way), logged for the checkpoint `name`; never elsewhere."""
-    if device.type != "cuda" or triton is None or torch.cuda.get_device_capability(device) < (8, 0):
+    if not weight_fit.triton_gpu(device):
         return False
     return weight_fit.kept_for(
         log, model, device, name, fp8_gemv.USE_ON_CUDA, "LMISERVE_USE_TRITON_FP8", "fp8 experts on the Triton kernel"
     )
 
 
-def keep(experts: torch.nn.Module, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+def keep(
+    experts: torch.nn.Module,
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    down_pad: tuple[int, int] = (0, 0),
+) -> None:
     """Make `experts` (`grouped_experts.servable`) run on fp8 `weights`: for ``gate_up_proj`` and ``down_proj``
     each, the fp8 weight ``[experts, out, in]`` and its fp32 scales ``[experts, out]`` (a channel's) or ``[experts,
-    out, blocks]`` (each row's by blocks of inputs, a power of two: `fp8_gemv.input_block`)."""
+    out, blocks]`` (each row's by blocks of inputs, a power of two: `fp8_gemv.input_block`). `down_pad`:
+    `grouped_experts.keep`'s (a rank's inputs of down_proj widened to whole blocks)."""
     tensors = {}
     for kind, (weight, scales) in weights.items():
         tensors[kind], tensors[f"{kind}_scales"] = weight, scales.float()
-    grouped_experts.keep(experts, tensors, _product, "fp8")
+    grouped_experts.keep(experts, tensors, _product, "fp8", down_pad)
 
 
 def _product(x: torch.Tensor, experts: torch.nn.Module, kind: str, counts: torch.Tensor) -> torch.Tensor:
@@ -91,21 +96,23 @@ def stacked_fp8(
     read: Read,
     blocks: tuple[int, int] | None,
     part: Callable[[int], slice] = lambda size: slice(0, size),
+    inputs: Callable[[int], slice] | None = None,
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
     """The fp8 weights and scales `keep` takes for the experts module `owner` of `count` experts, stacked from the
     checkpoint's matrices of each expert (`names`: the checkpoint's tensors; `read`: one's slice; `blocks`: the
     checkpoint's block of rows and inputs, None: a scale a channel or a tensor), each cut to `part` of its
-    intermediate size (a tensor-parallel rank's, `ShardPlan.part`; else all of it); None where they are not all fp8
-    with scales this kernel reads (blocks of inputs a power of two, 16 or more; a rank's inputs of down_proj starting
-    a block): they are de-quantized instead."""
+    intermediate size (a tensor-parallel rank's, `ShardPlan.part`; else all of it; down_proj's inputs to `inputs`
+    where given: `WholeBlocks`); None where they are not all fp8 with scales this kernel reads (blocks of inputs a
+    power of two, 16 or more; a rank's inputs of down_proj starting a block: `WholeBlocks`): they are de-quantized
+    instead."""
     found = {}
     for kind in ("gate_up_proj", "down_proj"):
-        weight = stacked_experts(owner, kind, count, names, read, part)
+        weight = stacked_experts(owner, kind, count, names, read, part, inputs)
         if weight is None or weight.dtype != torch.float8_e4m3fn:
             return None
         try:
             scales = stacked_experts(
-                owner, kind, count, names, lambda name: _RowScales(name, names, read, blocks), part
+                owner, kind, count, names, lambda name: _RowScales(name, names, read, blocks), part, inputs
             )
         except LookupError:
             return None
@@ -203,17 +210,18 @@ def keep_stored(
     """An fp8 checkpoint's experts kept fp8 where `kept_for` says so for `model` (the meta model, or a
     tensor-parallel rank's shell; `name`: the checkpoint's or the rank's, for the log): each servable experts module
     read from the checkpoint (`names`, `read`: the raw tensors; `part` of every expert's intermediate size: a rank's,
-    `ShardPlan.part`) by `stacked_fp8` and `keep`-ed on `device`; their names (the others are left to be
-    de-quantized)."""
+    `ShardPlan.part`, down_proj's inputs widened to whole blocks: `WholeBlocks`) by `stacked_fp8` and `keep`-ed on
+    `device`; their names (the others are left to be de-quantized)."""
     found = grouped_experts.servable_modules(model)
     if not found or not kept_for(model, device, name):
         return set()
     made = set()
     for owner, module in found.items():
         count = int(cast(torch.Tensor, module.down_proj).shape[0])
-        weights = stacked_fp8(owner, count, names, read, blocks, part)
+        down = WholeBlocks(part, blocks[1] if blocks else 0)
+        weights = stacked_fp8(owner, count, names, read, blocks, part, down)
         if weights is not None:
-            keep(module, {kind: (w.to(device), s.to(device)) for kind, (w, s) in weights.items()})
+            keep(module, {kind: (w.to(device), s.to(device)) for kind, (w, s) in weights.items()}, down.pad)
             made.add(owner)
     return made
 

@@ -182,9 +182,7 @@ def weights_kept_for(model: torch.nn.Module, device: torch.device, name: str, bl
     dtype, or already on the GPU: a whole model's, or a tensor-parallel rank's) keep their fp8 weights on this
     kernel (`weight_fit.kept_for`), logged for `name`; None elsewhere (per-channel fp8 products where the GPU has
     them, de-quantized on a CPU)."""
-    if device.type != "cuda" or triton is None or scaled_mm_serves(device, blocks):
-        return None
-    if torch.cuda.get_device_capability(device) < (8, 0):
+    if not weight_fit.triton_gpu(device) or scaled_mm_serves(device, blocks):
         return None
     kept_as = (
         "fp8 weights (block-wise scales) on the Triton kernel"

@@ -51,15 +51,24 @@ def servable_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return {n: m for n, m in model.named_modules() if n.endswith(".experts") and servable(m)}
 
 
-def keep(experts: torch.nn.Module, tensors: dict[str, torch.Tensor], product: Product, kernel: str) -> None:
+def keep(
+    experts: torch.nn.Module,
+    tensors: dict[str, torch.Tensor],
+    product: Product,
+    kernel: str,
+    down_pad: tuple[int, int] = (0, 0),
+) -> None:
     """Make `experts` (`servable`) run on its quantized `tensors` by `product`: ``gate_up_proj`` and ``down_proj``
     (replacing the float parameters) and their scales (and zeros), by attribute name, each made contiguous; `kernel`
-    names the format's kernel (`kept`)."""
+    names the format's kernel (`kept`). `down_pad`: the zero inputs before and after the module's own in down_proj's
+    kept inputs (a tensor-parallel rank's run of inputs widened to whole blocks of scales,
+    `expert_matrices.WholeBlocks`)."""
     for name, value in tensors.items():
         experts._parameters.pop(name, None)
         setattr(experts, name, value.contiguous())
     experts.__dict__["kept_product"] = product
     experts.__dict__["kept_kernel"] = kernel
+    experts.__dict__["kept_down_pad"] = down_pad
     experts.__dict__["forward"] = types.MethodType(forward, experts)
 
 
@@ -92,6 +101,9 @@ def forward(
         return y if bias is None else y + cast(torch.Tensor, bias)[sorted_ids].to(y.dtype)
 
     gated = apply_gate(biased(product(rows, self, "gate_up_proj", counts), "gate_up_proj"))
+    lead, trail = self.__dict__["kept_down_pad"]
+    if lead or trail:  # (a rank's inputs of down_proj widened to whole blocks: `WholeBlocks`)
+        gated = torch.nn.functional.pad(gated, (lead, trail))
     out = biased(product(gated, self, "down_proj", counts), "down_proj")
     out = out.float() * top_k_weights.reshape(-1)[order, None].float()
     unsorted = torch.empty_like(out).index_copy_(0, order, out)

@@ -12,8 +12,9 @@ grouped product (`int4_experts_kernel`): the rows sorted by expert, cut into til
 
 Served: groups of a multiple of 32 inputs (AWQ's and GPTQ's 128, 64 or 32; W4A16's, or one group a row), 4-bit
 codes; GPTQ's act-order too (each expert's inputs stored sorted by group, the kernel reading the rows' columns in that
-order). 8-bit codes are `int8_experts`'; a tensor-parallel rank whose inputs of down_proj are not whole groups (any
-part of an act-order matrix's) is de-quantized instead. Layout (`keep`):
+order). 8-bit codes are `int8_experts`'; a tensor-parallel rank whose inputs of down_proj are not whole groups keeps
+the groups that cover them (`expert_matrices.WholeBlocks`), a part of an act-order matrix's is de-quantized instead.
+Layout (`keep`):
 ``{kind}`` int32 ``[experts, out, in / 8]`` (nibble j of word r: input 8r + j, `int4_triton.pack_nibbles`),
 ``{kind}_scales`` and ``{kind}_zeros`` fp32 ``[experts, groups, out]`` (zeros in steps). On a CPU (no kernel; the
 tests set `INTERPRETED_ON_CPU` to run it under Triton's interpreter) each expert's weight is de-quantized for its rows
@@ -62,15 +63,17 @@ def kept_for(model: torch.nn.Module, device: torch.device, name: str) -> bool:
     return bool(int4_triton.codes_kept_for(model, device, name))
 
 
-def keep(experts: torch.nn.Module, weights: dict[str, tuple[torch.Tensor, ...]]) -> None:
+def keep(
+    experts: torch.nn.Module, weights: dict[str, tuple[torch.Tensor, ...]], down_pad: tuple[int, int] = (0, 0)
+) -> None:
     """Make `experts` (`grouped_experts.servable`) run on 4-bit `weights`: for ``gate_up_proj`` and ``down_proj``
     each, the codes as int32 words ``[experts, out, in / 8]``, fp32 scales and zeros ``[experts, groups, out]``, and
     with GPTQ's act-order each expert's order of inputs ``[experts, in]`` (int32: stored input k is input
-    ``order[e, k]``)."""
+    ``order[e, k]``). `down_pad`: `grouped_experts.keep`'s (a rank's inputs of down_proj widened to whole groups)."""
     tensors = {}
     for kind, parts in weights.items():
         tensors.update({f"{kind}{suffix}": part for suffix, part in zip(PARTS, parts, strict=False)})
-    grouped_experts.keep(experts, tensors, _product, "int4")
+    grouped_experts.keep(experts, tensors, _product, "int4", down_pad)
 
 
 def _product(x: torch.Tensor, experts: torch.nn.Module, kind: str, counts: torch.Tensor) -> torch.Tensor:
@@ -116,16 +119,17 @@ def stacked(
     names: Any,
     parts_of: Callable[[str], Int4Parts],
     part: Callable[[int], slice] = lambda size: slice(0, size),
+    inputs: Callable[[int], slice] | None = None,
 ) -> dict[str, tuple[torch.Tensor, ...]] | None:
     """The words, scales and zeros (and with GPTQ's act-order each expert's order of inputs) `keep` takes for the
     experts module `owner` of `count` experts, stacked from the checkpoint's 4-bit matrices of each expert (`names`:
     the checkpoint's tensors; `parts_of`: a linear's codes, scales and zeros unpacked, `shard_quantized.int4_parts`),
-    each cut to `part` of its intermediate size (a tensor-parallel rank's, `ShardPlan.part`; else all of it); None
-    where they are not all 4-bit codes this kernel reads (or an expert's gate and up take their inputs in two
-    orders): they are de-quantized instead."""
+    each cut to `part` of its intermediate size (a tensor-parallel rank's, `ShardPlan.part`; else all of it;
+    down_proj's inputs to `inputs` where given); None where they are not all 4-bit codes this kernel reads (or an
+    expert's gate and up take their inputs in two orders): they are de-quantized instead."""
     found: dict[str, tuple[torch.Tensor, ...]] = {}
     for kind in ("gate_up_proj", "down_proj"):
-        stacked = expert_codes.stacked_rows(owner, kind, count, names, parts_of, part, _Codes)
+        stacked = expert_codes.stacked_rows(owner, kind, count, names, parts_of, part, _Codes, inputs)
         if stacked is None:
             return None
         rows, seen = stacked
@@ -138,8 +142,8 @@ def stacked(
         )
         orders = seen["orders"]  # (gate's of each expert, then up's: `stacked_experts`' order of reading)
         if any(order is not None for order in orders):
-            inputs = torch.arange(words * 8)
-            each = [inputs if order is None else order for order in orders]
+            stored = torch.arange(words * 8)
+            each = [stored if order is None else order for order in orders]
             if any(not torch.equal(a, b) for a, b in zip(each[:count], each[count:], strict=False)):
                 return None  # (gate and up of an expert in two orders: one order a row of outputs is not kept)
             found[kind] = (*found[kind], torch.stack(each[:count]).int())

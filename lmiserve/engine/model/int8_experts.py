@@ -10,8 +10,9 @@ forces it (``0``: always de-quantized), the experts keep their codes (`kept_for`
 (``INT8``: each code exact in the activations' dtype), with its scales a channel or a block of inputs.
 
 Served: symmetric codes (zero 128, GPTQ's ``sym=True``) whose groups are runs of a power of two inputs, or one scale a
-row (`int8_weights.served_scales`, the 8-bit linears' rule). Others (asymmetric codes, GPTQ's act-order), and a
-tensor-parallel rank whose inputs of down_proj are not whole groups, are de-quantized. Layout (`fp8_experts.keep`):
+row (`int8_weights.served_scales`, the 8-bit linears' rule). Others (asymmetric codes, GPTQ's act-order) are
+de-quantized; a tensor-parallel rank whose inputs of down_proj are not whole groups keeps the groups that cover them
+(`expert_matrices.WholeBlocks`). Layout (`fp8_experts.keep`):
 ``{kind}`` int8 ``[experts, out, in]`` (the signed codes), ``{kind}_scales`` fp32 ``[experts, out]`` or ``[experts,
 out, groups]``. W8A8's int8 activations are not taken: the kept experts multiply the activations in the compute
 dtype (weight-only, as the 8-bit linears' kernel does).
@@ -77,21 +78,22 @@ def stacked(
     names: Any,
     parts_of: Callable[[str], Int4Parts],
     part: Callable[[int], slice] = lambda size: slice(0, size),
+    inputs: Callable[[int], slice] | None = None,
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
     """The signed codes and scales `fp8_experts.keep` takes for the experts module `owner` of `count` experts,
     stacked from the checkpoint's 8-bit matrices of each expert (`names`: the checkpoint's tensors; `parts_of`: a
     linear's codes, scales and zeros unpacked, `shard_quantized.int4_parts`), each cut to `part` of its intermediate
-    size (a tensor-parallel rank's, `ShardPlan.part`; else all of it); None where they are not all 8-bit codes the
-    kernel reads: they are de-quantized instead."""
+    size (a tensor-parallel rank's, `ShardPlan.part`; else all of it; down_proj's inputs to `inputs` where given);
+    None where they are not all 8-bit codes the kernel reads: they are de-quantized instead."""
     found: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for kind in ("gate_up_proj", "down_proj"):
-        stacked = expert_codes.stacked_rows(owner, kind, count, names, parts_of, part, _Codes)
+        stacked = expert_codes.stacked_rows(owner, kind, count, names, parts_of, part, _Codes, inputs)
         if stacked is None:
             return None
         rows, seen = stacked
-        inputs = seen["inputs"]
-        scales = rows[..., inputs:].contiguous().view(torch.float32)
-        codes = rows[..., :inputs].contiguous().view(torch.int8)
+        width = seen["inputs"]
+        scales = rows[..., width:].contiguous().view(torch.float32)
+        codes = rows[..., :width].contiguous().view(torch.int8)
         found[kind] = (codes, scales[..., 0] if seen["per_channel"] else scales)
     return found
 
@@ -102,6 +104,11 @@ def takes(quant: QuantSpec) -> bool:
     return quant.bits == 8
 
 
-def keep(experts: torch.nn.Module, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Make `experts` run on 8-bit `weights` (`stacked`'s codes and scales) on `fp8_experts`' kernel."""
-    fp8_experts.keep(experts, weights)
+def keep(
+    experts: torch.nn.Module,
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    down_pad: tuple[int, int] = (0, 0),
+) -> None:
+    """Make `experts` run on 8-bit `weights` (`stacked`'s codes and scales) on `fp8_experts`' kernel (`down_pad`:
+    `grouped_experts.keep`'s)."""
+    fp8_experts.keep(experts, weights, down_pad)

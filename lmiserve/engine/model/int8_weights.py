@@ -138,9 +138,7 @@ def weights_kept_for(model: torch.nn.Module, device: torch.device, name: str) ->
     """On CUDA where Triton runs (compute capability 8.0 or more), whether the 8-bit linears of `model` (on the meta
     device in the compute dtype: a whole model's, or a tensor-parallel rank's shell) keep their codes on the kernel
     (`weight_fit.kept_for`), logged for `name`; None elsewhere (a CPU: `quant_formats.int8_module`'s rule)."""
-    if device.type != "cuda" or not fp8_gemv.available():
-        return None
-    if torch.cuda.get_device_capability(device) < (8, 0):
+    if not weight_fit.triton_gpu(device):
         return None
     switch = "LMISERVE_USE_TRITON_INT8"
     return weight_fit.kept_for(log, model, device, name, USE_ON_CUDA, switch, "int8 codes on the Triton kernel")

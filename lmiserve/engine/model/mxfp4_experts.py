@@ -15,8 +15,9 @@ Layout (`keep`): ``{kind}`` uint8 ``[experts, out, in / 2]`` (the checkpoint's `
 merged), ``{kind}_scales`` uint8 ``[experts, out, in / 32]``. On a CPU (no kernel; the tests set `INTERPRETED_ON_CPU`
 to run it under Triton's interpreter) each expert's weight is de-quantized for its rows (`dequantized_product`).
 
-Over tensor parallelism each rank keeps its part by the same rule, where its inputs of down_proj are whole blocks of
-32 (gpt-oss's 2880 over two ranks; not over four or eight: de-quantized there). Not measured yet: the kernel's speed
+Over tensor parallelism each rank keeps its part by the same rule. Where its inputs of down_proj are not whole blocks
+of 32 (gpt-oss's 2880 over four or eight ranks: 720 or 360 each), it keeps the whole blocks that cover them and pads
+its activations with zeros (`expert_matrices.WholeBlocks`). Not measured yet: the kernel's speed
 (a GPU's); its tiles are fixed (`tile_of`)."""
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any, cast
 import torch
 
 from lmiserve.engine.model import grouped_experts, kernel_choice, weight_fit
-from lmiserve.engine.model.expert_matrices import Read
+from lmiserve.engine.model.expert_matrices import Read, WholeBlocks
 
 try:
     import triton
@@ -70,19 +71,24 @@ def kept_for(model: torch.nn.Module, device: torch.device, name: str) -> bool:
     """Whether the MXFP4 experts of `model` (on the meta device in the compute dtype) stay MXFP4 on `device`: on a GPU
     where Triton runs (compute capability 8.0 or more) as `weight_fit.kept_for` says (``LMISERVE_USE_TRITON_MXFP4``
     forces it either way), logged for the checkpoint `name`; never elsewhere."""
-    if device.type != "cuda" or triton is None or torch.cuda.get_device_capability(device) < (8, 0):
+    if not weight_fit.triton_gpu(device):
         return False
     switch = "LMISERVE_USE_TRITON_MXFP4"
     return weight_fit.kept_for(log, model, device, name, USE_ON_CUDA, switch, "MXFP4 experts on the Triton kernel")
 
 
-def keep(experts: torch.nn.Module, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+def keep(
+    experts: torch.nn.Module,
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    down_pad: tuple[int, int] = (0, 0),
+) -> None:
     """Make `experts` (`servable`) run on MXFP4 `weights`: for ``gate_up_proj`` and ``down_proj`` each, the bytes
-    ``[experts, out, in / 2]`` and the blocks' powers ``[experts, out, in / 32]`` (uint8 both); the biases stay."""
+    ``[experts, out, in / 2]`` and the blocks' powers ``[experts, out, in / 32]`` (uint8 both); the biases stay.
+    `down_pad`: `grouped_experts.keep`'s (a rank's inputs of down_proj widened to whole blocks)."""
     tensors = {}
     for kind, (blocks, scales) in weights.items():
         tensors[kind], tensors[f"{kind}_scales"] = blocks, scales
-    grouped_experts.keep(experts, tensors, _product, "mxfp4")
+    grouped_experts.keep(experts, tensors, _product, "mxfp4", down_pad)
 
 
 def _product(x: torch.Tensor, experts: torch.nn.Module, kind: str, counts: torch.Tensor) -> torch.Tensor:
@@ -100,8 +106,9 @@ def keep_stored(
     """An MXFP4 checkpoint's experts kept MXFP4 on `device`: each servable experts module of `model` whose
     ``{kind}_blocks`` and ``{kind}_scales`` the checkpoint holds (`names`; `read`: a tensor's slice) `keep`-ed, cut to
     `part` of its intermediate size (a tensor-parallel rank's, `ShardPlan.part`: gate/up's outputs, gate and up
-    interleaved, so one run of whole pairs; down's inputs, which must be whole blocks of 32, else the module is left
-    to be de-quantized); their names (the caller asked `kept_for`)."""
+    interleaved, so one run of whole pairs; down's inputs, widened to whole blocks of 32 where they are not, the
+    rank's activations padded with zeros to match: `WholeBlocks`); their names (the caller asked
+    `kept_for`)."""
     made = set()
     for owner, module in model.named_modules():
         if not owner.endswith(".experts") or not servable(module):
@@ -111,16 +118,15 @@ def keep_stored(
         stored = {kind: (read(f"{owner}.{kind}_blocks"), read(f"{owner}.{kind}_scales")) for kind in KINDS}
         blocks, _ = stored["gate_up_proj"]  # [experts, 2 inter, hidden / 32, 16]
         rows = part(blocks.get_shape()[1])
-        inputs = part(stored["down_proj"][1].get_shape()[2] * 32)
-        if inputs.start % 32 or inputs.stop % 32:
-            continue  # (a rank's inputs of down_proj not whole blocks: de-quantized by the loader)
+        down = WholeBlocks(part, 32)
+        inputs = down(stored["down_proj"][1].get_shape()[2] * 32)
         columns = slice(inputs.start // 32, inputs.stop // 32)
         weights = {}
         for kind, (blocks, scales) in stored.items():
             cut = (slice(None), rows) if kind == "gate_up_proj" else (slice(None), slice(None), columns)
             as_kept = (torch.as_tensor(blocks[cut]).flatten(2), torch.as_tensor(scales[cut]))  # ([E, out, in / 2])
             weights[kind] = (as_kept[0].contiguous().to(device), as_kept[1].contiguous().to(device))
-        keep(module, weights)
+        keep(module, weights, down.pad)
         made.add(owner)
     return made
 

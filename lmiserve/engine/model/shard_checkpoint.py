@@ -9,7 +9,8 @@ and ``experts.down_proj`` ``[experts, hidden, inter]``; each rank reads its rows
 expert's and stacks them so. A checkpoint that stores the merged tensors is read by its slices likewise (gpt-oss's
 bf16 checkpoints: ``[experts, in, out]``, gate and up interleaved); gpt-oss's MXFP4 experts (``*_blocks``,
 ``*_scales``) are read as the rank's outputs of gate/up, or down's whole, and dequantized by transformers; or, on a
-GPU where the rank's bf16 part would not fit, kept MXFP4 (`mxfp4_experts.keep_stored`: down's inputs whole blocks).
+GPU where the rank's bf16 part would not fit, kept MXFP4 (`mxfp4_experts.keep_stored`: down's inputs widened to whole
+blocks).
 Persistent buffers the checkpoint holds (GLM-4.5's router's score biases) are read whole. A quantized checkpoint's
 linears (fp8, AWQ, GPTQ) are cut and made by `shard_quantized`; its other fp8 weights (block-wise fp8's, an fp8
 expert's) are read as float.

@@ -9,13 +9,22 @@ on a 24 GB A10G), or where the kernel's switch in the environment forces it (``1
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 import torch
 
-__all__ = ["FIT_SHARE", "kept", "kept_for"]
+__all__ = ["FIT_SHARE", "kept", "kept_for", "triton_gpu"]
 
 FIT_SHARE = 0.5  # de-quantized weights over this share of the GPU's free memory: they stay quantized
+
+
+def triton_gpu(device: torch.device) -> bool:
+    """Whether `device` is a GPU where the Triton kernels that keep quantized weights run: CUDA, Triton installed,
+    compute capability 8.0 or more."""
+    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def kept(forced: bool | None, dequantized_bytes: int, free_bytes: int) -> bool:
