@@ -183,7 +183,7 @@ def load_quantized(
             kinds[_kind_name(made)] += 1
         if not kinds:
             raise ModelLoadError(f"{path.name}: its config says {spec.source}, but no linear has quantized tensors")
-        kinds.update(_fill_experts(model, files, stored, spec, path, device))
+        kinds.update(_fill_experts(model, files, stored, spec, path, device, keep))
         files.fill(model)  # embeddings, norms, the output projection and any linear stored float
     left = [name for name, _ in meta_tensors(model)]
     if left:
@@ -221,6 +221,7 @@ def _fill_experts(
     spec: QuantSpec,
     path: Path,
     device: torch.device,
+    keep: bool | None = None,
 ) -> Counter[str]:
     """A mixture of experts' experts (the merged ``gate_up_proj`` and ``down_proj`` transformers' modules hold) from
     the checkpoint's matrices of each expert, as compressed-tensors, FBGEMM, AutoAWQ and GPTQModel publish them (fp8
@@ -228,6 +229,7 @@ def _fill_experts(
     `stacked_experts`): fp8 ones kept fp8 on a GPU where `fp8_experts.kept_for` says so, 4-bit ones kept 4-bit where
     `int4_experts.kept_for` does, 8-bit ones kept int8 where `int8_experts.kept_for` does, else de-quantized
     (`dequantizing_reader`: their products are transformers' grouped ones); how many experts modules of each kind.
+    `keep`: the linears' `weights_kept_for`, which the integer codes' experts follow (one decision, logged once).
     Experts stored otherwise are refused in one line."""
     read = dequantizing_reader(files.slice, stored, spec)
     made: Counter[str] = Counter()
@@ -236,7 +238,7 @@ def _fill_experts(
         made["experts modules kept fp8 (Triton kernel)"] = len(kept)
     else:
         codes = int8_experts if spec.bits == 8 else int4_experts
-        kept = expert_codes.keep_stored(model, stored, files.slice, spec, device, path.name, codes)
+        kept = expert_codes.keep_stored(model, stored, files.slice, spec, device, path.name, codes, decided=keep)
         made[f"experts modules kept {codes.KEPT} (Triton kernel)"] = len(kept)
     for name, module in model.named_modules():
         down = getattr(module, "down_proj", None)

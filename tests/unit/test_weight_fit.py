@@ -113,6 +113,34 @@ def test_one_process_and_each_tensor_parallel_rank_weigh_what_they_load(awq_dir,
     assert whole_size == sum(p.numel() for p in quantizable_llama(39).parameters()) and rank_size < whole_size
 
 
+@pytest.mark.parametrize("fmt", ["awq", "gptq-int8"])
+def test_a_mixture_of_experts_coded_experts_follow_the_linears_decision(tmp_path, monkeypatch, fmt):
+    """A quantized mixture of experts' 4-bit or 8-bit experts keep their codes by the rule of its linears: the loader
+    asks once (one process, and each rank), and the experts follow that answer (here a GPU's "no": they are
+    de-quantized, where their own module would otherwise be asked again and log the decision a second time)."""
+    from helpers.kept_experts import moe
+
+    kernels = {"awq": (int4_triton, "codes_kept_for"), "gptq-int8": (int8_weights, "weights_kept_for")}
+    asked: list[str] = []
+
+    def spy(model: torch.nn.Module, device: torch.device, name: str) -> bool:
+        asked.append(name)
+        return False  # (a GPU's answer where bf16 fits)
+
+    monkeypatch.setattr(*kernels[fmt], spy)
+    write_checkpoint(moe("qwen3_moe"), tmp_path, fmt, 32)
+    spec = checkpoint_quantization(tmp_path, None)
+    assert spec is not None
+    model, _ = load_quantized(tmp_path, spec, torch.float32, torch.device("cpu"))
+    shell = load_model_shell(tmp_path, dtype="fp32", device="cpu").model
+    shard_model(shell, 1, 2, None)
+    load_shard_weights(shell, tmp_path, spec, torch.device("cpu"))
+    assert asked == [tmp_path.name, "rank 1"]
+    for loaded in (model, shell):
+        experts = loaded.model.layers[0].mlp.experts
+        assert not hasattr(experts, "kept_kernel") and experts.down_proj.dtype == torch.float32
+
+
 @pytest.fixture
 def meta_model(awq_dir: Path) -> torch.nn.Module:
     config = AutoConfig.from_pretrained(awq_dir)

@@ -103,17 +103,19 @@ def keep_stored(
     name: str,
     codes: Format,
     part: Callable[[int], slice] = lambda size: slice(0, size),
+    decided: bool | None = None,
 ) -> set[str]:
     """A checkpoint's experts kept as their codes where they are `codes`' format (`quant`) and its `kept_for` says so
     for `model` (the meta model, or a tensor-parallel rank's shell; `name`: the checkpoint's or the rank's, for the
     log): each servable experts module read from the checkpoint (`names`; `read`: a tensor's slice, unpacked by
     `int4_parts`; `part` of every expert's intermediate size: a rank's, `ShardPlan.part`, down_proj's inputs widened
     to whole groups: `WholeBlocks`) by the format's `stacked` and `keep`-ed on `device`; their names (the others are
-    left to be de-quantized)."""
+    left to be de-quantized). `decided`: the linears' decision by the same rule (`quant_formats.weights_kept_for`),
+    so that it is made and logged once; None: the format's `kept_for` is asked."""
     if not codes.takes(quant):
         return set()
     found = grouped_experts.servable_modules(model)
-    if not found or not codes.kept_for(model, device, name):
+    if not found or not (codes.kept_for(model, device, name) if decided is None else decided):
         return set()
     parts_of = functools.partial(int4_parts, names=names, read=read, quant=quant)
     made = set()

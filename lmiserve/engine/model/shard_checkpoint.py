@@ -107,13 +107,13 @@ def load_shard_weights(
             return handles[file].get_slice(stored[name])
 
         read = dequantizing_reader(slice_of, files, quant)
-        made = _quantized_linears(model, files, slice_of, quant, device or torch.device("cpu"), split)
+        made, keep = _quantized_linears(model, files, slice_of, quant, device or torch.device("cpu"), split)
         rank_device, rank = device or torch.device("cpu"), f"rank {shard.plan.rank}"
         if quant is not None and quant.method == "fp8":  # (a mixture of experts' fp8 experts, where kept fp8)
             fp8_experts.keep_stored(model, files, slice_of, quant.blocks, rank_device, rank, shard.plan.part)
         elif quant is not None and quant.method != "mxfp4":  # (4-bit or 8-bit integer ones, where kept)
             codes = int8_experts if quant.bits == 8 else int4_experts
-            expert_codes.keep_stored(model, files, slice_of, quant, rank_device, rank, codes, shard.plan.part)
+            expert_codes.keep_stored(model, files, slice_of, quant, rank_device, rank, codes, shard.plan.part, keep)
         elif quant is not None and quant.method == "mxfp4" and mxfp4_experts.kept_for(model, rank_device, rank):
             mxfp4_experts.keep_stored(model, files, slice_of, rank_device, shard.plan.part)  # (gpt-oss's experts)
         for name, parameter in model.named_parameters():  # a tied output layer's weight is listed once
@@ -158,19 +158,19 @@ def _quantized_linears(
     quant: QuantSpec | None,
     device: torch.device,
     split: tuple[str, ...] = ("",),
-) -> set[str]:
+) -> tuple[set[str], bool | None]:
     """Each linear of `model`'s layers that the checkpoint stores quantized (fp8 with a ``weight_scale``, AWQ,
     GPTQ or compressed-tensors' integer codes; block-wise fp8 where the rank keeps it, `weights_kept_for`) replaced
     by the rank's layer of it (`shard_quantized.shard_linear`), and each linear outside `split` (the prefixes of the
     modules tensor parallelism splits, `_split_prefixes`: a VLM's vision tower and projector are not) by the whole
-    layer; their names."""
+    layer; their names, and `weights_kept_for`'s decision (None where not asked)."""
     if quant is None or quant.method not in ("fp8", "awq", "gptq", "int8"):
-        return set()
+        return set(), None
     key = quant.codes_key
     plan = cast(Any, shard_of(model)).plan
     keep = weights_kept_for(model, device, f"rank {plan.rank}", quant.kernel_family, quant.blocks is not None)
     if quant.blocks and not keep:
-        return set()  # block-wise fp8 de-quantized at load: read as float (`dequantizing_reader`)
+        return set(), keep  # block-wise fp8 de-quantized at load: read as float (`dequantizing_reader`)
     made = set()
     for name, module in list(model.named_modules()):
         if type(module) is not torch.nn.Linear or f"{name}.{key}" not in files:
@@ -188,7 +188,7 @@ def _quantized_linears(
         owner, _, attribute = name.rpartition(".")
         setattr(model.get_submodule(owner), attribute, layer)
         made.add(name)
-    return made
+    return made, keep
 
 
 def _read(
