@@ -234,20 +234,14 @@ def grouped_product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     if triton is None or not (x.is_cuda or INTERPRETED_ON_CPU):
         return dequantized_product(x, weight, scales, counts)
     x = x.contiguous()
-    rows, inputs = x.shape
-    outputs = weight.shape[1]
-    group = fp8_gemv.input_block(inputs, scales[0])
-    block_m, block_n, block_k, warps = tile_of(rows, weight.shape[0], group)
-    tiles = grouped_experts.row_tiles(counts, rows, block_m)
-    y = torch.empty(rows, outputs, dtype=x.dtype, device=x.device)
-    grid = (tiles[0].shape[0], triton.cdiv(outputs, block_n))
-    _kernel()[grid](
-        x, weight.view(torch.uint8), scales, y, *tiles, outputs, inputs, x.stride(0), y.stride(0),
-        weight.stride(0), scales.stride(0), scales.stride(1) if scales.dim() == 3 else 1,
-        EVEN_K=inputs % block_k == 0, NATIVE=fp8_devices.native(x.device), INT8=weight.dtype == torch.int8, GROUP=group,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=3,
+    group = fp8_gemv.input_block(x.shape[1], scales[0])
+    tile = tile_of(x.shape[0], weight.shape[0], group)
+    strides = (weight.stride(0), scales.stride(0), scales.stride(1) if scales.dim() == 3 else 1)
+    return grouped_experts.launch(
+        _kernel(), x, (weight.view(torch.uint8), scales), weight.shape[1], tile, counts, strides,
+        EVEN_K=x.shape[1] % tile[2] == 0, NATIVE=fp8_devices.native(x.device), INT8=weight.dtype == torch.int8,
+        GROUP=group,
     )  # fmt: skip
-    return y
 
 
 def tile_of(rows: int, experts: int, group: int) -> tuple[int, int, int, int]:

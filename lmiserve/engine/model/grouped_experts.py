@@ -23,6 +23,7 @@ __all__ = [
     "forward",
     "keep",
     "kept",
+    "launch",
     "row_tiles",
     "servable",
     "servable_modules",
@@ -132,6 +133,33 @@ def row_tiles(counts: torch.Tensor, rows: int, block_m: int) -> tuple[torch.Tens
     end = torch.minimum(first + block_m, row_ends[expert])
     end = torch.where(tile < tile_ends[-1], end, first)
     return expert.int(), first.int(), end.int()
+
+
+def launch(
+    kernel: Any,
+    x: torch.Tensor,
+    weights: tuple[torch.Tensor, ...],
+    outputs: int,
+    tile: tuple[int, int, int, int],
+    counts: torch.Tensor,
+    strides: tuple[int, ...],
+    **flags: Any,
+) -> torch.Tensor:
+    """A kept format's grouped product ``[S, outputs]`` in `x`'s dtype by its Triton `kernel` (jitted) for the rows of
+    `x` ``[S, K]`` (contiguous) sorted by expert (`counts`: each expert's rows): the launch the formats share. The
+    kernel takes ``(x, *weights, y, expert, first, end, outputs, K, x's row stride, y's, *strides)`` and the tile
+    (`tile`: rows, outputs, inputs, warps) as ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, with the format's `flags`; its
+    grid is the row tiles (`row_tiles`, found on the device) by the tiles of outputs."""
+    rows, inputs = x.shape
+    block_m, block_n, block_k, warps = tile
+    tiles = row_tiles(counts, rows, block_m)
+    y = torch.empty(rows, outputs, dtype=x.dtype, device=x.device)
+    grid = (tiles[0].shape[0], -(-outputs // block_n))
+    kernel[grid](
+        x, *weights, y, *tiles, outputs, inputs, x.stride(0), y.stride(0), *strides,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=3, **flags,
+    )  # fmt: skip
+    return y
 
 
 def dequantized_product(

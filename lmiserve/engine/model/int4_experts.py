@@ -172,19 +172,13 @@ def grouped_product(
     if triton is None or not (x.is_cuda or INTERPRETED_ON_CPU):
         return dequantized_product(x, words, scales, zeros, counts, order)
     x = x.contiguous()
-    rows, inputs = x.shape
-    outputs = words.shape[1]
-    group = inputs // scales.shape[1]
-    block_m, block_n, block_k, warps = tile_of(rows, words.shape[0], group, order is not None)
-    tiles = grouped_experts.row_tiles(counts, rows, block_m)
-    y = torch.empty(rows, outputs, dtype=x.dtype, device=x.device)
-    grid = (tiles[0].shape[0], triton.cdiv(outputs, block_n))
-    _kernel()[grid](
-        x, words, scales, zeros, words if order is None else order, y, *tiles, outputs, inputs, x.stride(0),
-        y.stride(0), words.stride(0), scales.stride(0), GROUP=group, HAS_ORDER=order is not None, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=3,
+    group = x.shape[1] // scales.shape[1]
+    tile = tile_of(x.shape[0], words.shape[0], group, order is not None)
+    weights = (words, scales, zeros, words if order is None else order)
+    return grouped_experts.launch(
+        _kernel(), x, weights, words.shape[1], tile, counts, (words.stride(0), scales.stride(0)),
+        GROUP=group, HAS_ORDER=order is not None,
     )  # fmt: skip
-    return y
 
 
 def tile_of(rows: int, experts: int, group: int, ordered: bool = False) -> tuple[int, int, int, int]:

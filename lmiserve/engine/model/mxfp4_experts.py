@@ -139,17 +139,9 @@ def grouped_product(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
     if triton is None or not (x.is_cuda or INTERPRETED_ON_CPU):
         return dequantized_product(x, blocks, scales, counts)
     x = x.contiguous()
-    rows, inputs = x.shape
-    outputs = blocks.shape[1]
-    block_m, block_n, block_k, warps = tile_of(rows, blocks.shape[0], inputs)
-    tiles = grouped_experts.row_tiles(counts, rows, block_m)
-    y = torch.empty(rows, outputs, dtype=x.dtype, device=x.device)
-    grid = (tiles[0].shape[0], triton.cdiv(outputs, block_n))
-    _kernel()[grid](
-        x, blocks, scales, y, *tiles, outputs, inputs, x.stride(0), y.stride(0), blocks.stride(0), scales.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=3,
-    )  # fmt: skip
-    return y
+    tile = tile_of(x.shape[0], blocks.shape[0], x.shape[1])
+    strides = (blocks.stride(0), scales.stride(0))
+    return grouped_experts.launch(_kernel(), x, (blocks, scales), blocks.shape[1], tile, counts, strides)
 
 
 def tile_of(rows: int, experts: int, inputs: int) -> tuple[int, int, int, int]:
