@@ -93,6 +93,17 @@ def test_the_loader_weighs_the_model_de_quantized_against_the_gpus_free_memory(a
     assert int4_triton.codes_kept_for(model, torch.device("cpu"), "awq") is None
 
 
+def one_process_and_a_rank(path: Path) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The quantized checkpoint in `path` loaded on the CPU by one process, and by rank 1 of 2 (its shell)."""
+    spec = checkpoint_quantization(path, None)
+    assert spec is not None
+    whole, _ = load_quantized(path, spec, torch.float32, torch.device("cpu"))
+    shell = load_model_shell(path, dtype="fp32", device="cpu").model
+    shard_model(shell, 1, 2, None)
+    load_shard_weights(shell, path, spec, torch.device("cpu"))
+    return whole, shell
+
+
 def test_one_process_and_each_tensor_parallel_rank_weigh_what_they_load(awq_dir, monkeypatch):
     """The loader asks once, of the whole model; a tensor-parallel rank asks of its shell (its cut of the layers)."""
     asked: list[tuple[str, int]] = []
@@ -102,12 +113,7 @@ def test_one_process_and_each_tensor_parallel_rank_weigh_what_they_load(awq_dir,
         return None  # (a CPU's answer: the question is not asked there)
 
     monkeypatch.setattr(int4_triton, "codes_kept_for", spy)
-    spec = checkpoint_quantization(awq_dir, None)
-    assert spec is not None
-    load_quantized(awq_dir, spec, torch.float32, torch.device("cpu"))
-    shell = load_model_shell(awq_dir, dtype="fp32", device="cpu").model
-    shard_model(shell, 1, 2, None)
-    load_shard_weights(shell, awq_dir, spec, torch.device("cpu"))
+    one_process_and_a_rank(awq_dir)
     (one, whole_size), (rank, rank_size) = asked
     assert (one, rank) == ("awq", "rank 1")
     assert whole_size == sum(p.numel() for p in quantizable_llama(39).parameters()) and rank_size < whole_size
@@ -129,14 +135,9 @@ def test_a_mixture_of_experts_coded_experts_follow_the_linears_decision(tmp_path
 
     monkeypatch.setattr(*kernels[fmt], spy)
     write_checkpoint(moe("qwen3_moe"), tmp_path, fmt, 32)
-    spec = checkpoint_quantization(tmp_path, None)
-    assert spec is not None
-    model, _ = load_quantized(tmp_path, spec, torch.float32, torch.device("cpu"))
-    shell = load_model_shell(tmp_path, dtype="fp32", device="cpu").model
-    shard_model(shell, 1, 2, None)
-    load_shard_weights(shell, tmp_path, spec, torch.device("cpu"))
+    loads = one_process_and_a_rank(tmp_path)
     assert asked == [tmp_path.name, "rank 1"]
-    for loaded in (model, shell):
+    for loaded in loads:
         experts = loaded.model.layers[0].mlp.experts
         assert not hasattr(experts, "kept_kernel") and experts.down_proj.dtype == torch.float32
 
@@ -227,12 +228,7 @@ def test_every_fp8_load_asks_and_keeps_fp8_weights_where_told(fp8_dir, float_dir
         return answer
 
     monkeypatch.setattr(fp8_gemv, "weights_kept_for", spy)
-    spec = checkpoint_quantization(fp8_dir, None)
-    assert spec is not None
-    whole, _ = load_quantized(fp8_dir, spec, torch.float32, torch.device("cpu"))
-    shell = load_model_shell(fp8_dir, dtype="fp32", device="cpu").model
-    shard_model(shell, 1, 2, None)
-    load_shard_weights(shell, fp8_dir, spec, torch.device("cpu"))
+    whole, shell = one_process_and_a_rank(fp8_dir)
     dynamic = load_causal_lm(float_dir, device="cpu", quantize="fp8").model
     blocks = load_causal_lm(block_dir, device="cpu").model
     assert asked == [("fp8", False), ("rank 1", False), ("quantize=fp8", False), ("fp8-block", True)]
