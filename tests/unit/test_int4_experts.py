@@ -124,6 +124,7 @@ def test_a_4bit_mixture_of_experts_kept_4bit_serves_its_dequantized_models_token
         ("awq", 128, 2, [(0, 0), (0, 0)]),  # 64 inputs a rank: whole groups of 32
         ("awq", 96, 2, [(0, 16), (16, 0)]),  # 48 a rank: 0-48 kept as 0-64, 48-96 as 32-96
         ("awq", 96, 4, [(0, 8), (24, 16), (16, 24), (8, 0)]),  # 24 a rank
+        ("w4a16", 96, 2, [(0, 16), (16, 0)]),  # (compressed-tensors' groups, from its config)
         ("gptq-act-order", 128, 2, None),  # (act-order: whole rows only)
     ],
 )

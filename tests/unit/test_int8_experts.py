@@ -123,6 +123,7 @@ def test_asymmetric_8bit_experts_are_dequantized(tiny_model, tmp_path, monkeypat
         ("gptq-int8", 128, 32, 2, [(0, 0), (0, 0)]),  # 64 inputs a rank: whole groups of 32
         ("gptq-int8", 96, 32, 2, [(0, 16), (16, 0)]),  # 48 a rank: 0-48 kept as 0-64, 48-96 as 32-96
         ("gptq-int8", 96, 32, 4, [(0, 8), (24, 16), (16, 24), (8, 0)]),  # 24 a rank
+        ("w8a16", 96, 32, 2, [(0, 16), (16, 0)]),  # (compressed-tensors' groups, from its config)
         ("w8a8", 96, 0, 2, [(0, 0), (0, 0)]),  # a scale a channel: any part
     ],
 )
