@@ -226,11 +226,11 @@ def _fill_experts(
     """A mixture of experts' experts (the merged ``gate_up_proj`` and ``down_proj`` transformers' modules hold) from
     the checkpoint's matrices of each expert, as compressed-tensors, FBGEMM, AutoAWQ and GPTQModel publish them (fp8
     matrices with their scales, compressed-tensors' integer codes, AWQ's or GPTQ's 4-bit or 8-bit codes;
-    `stacked_experts`): fp8 ones kept fp8 on a GPU where `fp8_experts.kept_for` says so, 4-bit ones kept 4-bit where
-    `int4_experts.kept_for` does, 8-bit ones kept int8 where `int8_experts.kept_for` does, else de-quantized
-    (`dequantizing_reader`: their products are transformers' grouped ones); how many experts modules of each kind.
-    `keep`: the linears' `weights_kept_for`, which the integer codes' experts follow (one decision, logged once).
-    Experts stored otherwise are refused in one line."""
+    `stacked_experts`): fp8 ones kept fp8 on a GPU where `fp8_experts.kept_for` says so, 4-bit and 8-bit ones kept as
+    their codes where the linears are (`keep`: their `weights_kept_for`, one decision logged once; None, as on a CPU:
+    `int4_experts.kept_for` or `int8_experts.kept_for` is asked), else de-quantized (`dequantizing_reader`: their
+    products are transformers' grouped ones); how many experts modules of each kind. Experts stored otherwise are
+    refused in one line."""
     read = dequantizing_reader(files.slice, stored, spec)
     made: Counter[str] = Counter()
     if spec.method == "fp8":

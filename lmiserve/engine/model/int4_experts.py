@@ -152,7 +152,8 @@ def stacked(
 
 def takes(quant: QuantSpec) -> bool:
     """Whether a checkpoint's codes (`quant`) are AWQ's or GPTQ's 4-bit ones (compressed-tensors' W4A16 is read as
-    GPTQ's): `expert_codes.keep_stored` keeps them where `kept_for` says so."""
+    GPTQ's): `expert_codes.keep_stored` keeps them where the linears keep theirs (or
+    `kept_for` says so)."""
     return quant.method in ("awq", "gptq") and quant.bits == 4
 
 

@@ -100,7 +100,8 @@ def stacked(
 
 def takes(quant: QuantSpec) -> bool:
     """Whether a checkpoint's codes (`quant`) are 8-bit integers (GPTQ's 8 bits, compressed-tensors' int8):
-    `expert_codes.keep_stored` keeps them where `kept_for` says so."""
+    `expert_codes.keep_stored` keeps them where the linears keep theirs (or
+    `kept_for` says so)."""
     return quant.bits == 8
 
 
