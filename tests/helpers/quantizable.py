@@ -17,13 +17,14 @@ from helpers.tiny_model import build_tiny_tokenizer
 from lmiserve.models.quant_pack import write_quantized
 
 
-def quantizable_llama(seed: int, bias: bool = False) -> LlamaForCausalLM:
+def quantizable_llama(seed: int, bias: bool = False, intermediate: int = 512) -> LlamaForCausalLM:
     """Random weights drawn wide (peaked logits: greedy tokens do not tie); with `bias`, random biases on every
-    linear (transformers' zeros would hide a bias cut wrong)."""
+    linear (transformers' zeros would hide a bias cut wrong). `intermediate`: the MLP's size (384: 3 groups of 128,
+    so a rank's half or quarter of down_proj's inputs starts inside one)."""
     config = LlamaConfig(
         vocab_size=len(build_tiny_tokenizer()),
         hidden_size=256,
-        intermediate_size=512,
+        intermediate_size=intermediate,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,

@@ -539,6 +539,7 @@ QUANTIZED = {
     "fp8-block-moe": ("fp8-block", 16, False, {}),
     "awq-moe": ("awq", 16, False, {}),  # a Qwen3-MoE's experts in AWQ's codes too: each rank's slices de-quantized
     "awq": ("awq", 128, False, {}),
+    "awq-inside-group": ("awq", 128, False, {}),  # down_proj's 384 inputs: rank 1's 192 start inside a group of 128
     "gptq-desc-act": ("gptq", 64, True, {}),
     "gptq-int8": ("gptq-int8", 64, False, {}),  # 8-bit codes, four a word: a rank's rows or its words' inputs
     "w4a16-asym": ("w4a16-asym", 32, False, {}),  # compressed-tensors' pack-quantized, written by the package
@@ -558,7 +559,8 @@ def test_a_quantized_checkpoint_over_two_ranks_gives_the_tokens_of_one_process(t
     from helpers.quantizable import quantizable_llama, write_checkpoint
 
     fmt, group, act_order, options = QUANTIZED[case]
-    model = build(*MOE_ARCHS["qwen3_moe"]) if case.endswith("moe") else quantizable_llama(25)
+    intermediate = 384 if case.endswith("inside-group") else 512  # (read by groups of 64 there: `whole_groups`)
+    model = build(*MOE_ARCHS["qwen3_moe"]) if case.endswith("moe") else quantizable_llama(25, intermediate=intermediate)
     folder = write_checkpoint(model, tmp_path / case, fmt, group, act_order)
     whole, split = _answers(folder, 1, **options), _answers(folder, 2, **options)
     for one, two in zip(whole, split, strict=True):

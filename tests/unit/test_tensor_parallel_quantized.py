@@ -15,10 +15,12 @@ import torch
 
 from helpers.quantizable import quantizable_llama, write_checkpoint
 from lmiserve.config import Settings
-from lmiserve.engine.model import quant_formats
+from lmiserve.engine.model import fp8_gemv, quant_formats
+from lmiserve.engine.model.int8_weights import Int8WeightLinear
 from lmiserve.engine.model.quant_formats import Fp8Linear
 from lmiserve.engine.model.quantize import Int4Linear, int4_available
 from lmiserve.engine.model.shard_checkpoint import load_shard_weights
+from lmiserve.engine.model.shard_quantized import whole_groups
 from lmiserve.engine.model.sharding import ROW_PARALLEL, column_run, keep_runs, row_runs, shard_model, shard_of
 from lmiserve.models.errors import ModelLoadError
 from lmiserve.models.load import load_causal_lm, load_model_shell
@@ -56,7 +58,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def weight_of(module: torch.nn.Module) -> torch.Tensor:
     """The float weight a layer's product uses."""
-    if isinstance(module, (Int4Linear, Fp8Linear)):
+    if isinstance(module, (Int4Linear, Fp8Linear, Int8WeightLinear)):
         return module.dequantized().float()
     return module.weight.detach().float()  # type: ignore[union-attr]
 
@@ -132,8 +134,8 @@ def test_an_fp8_rank_keeps_fp8_weights_and_their_scales_where_the_device_multipl
 def test_a_block_wise_fp8_rank_keeps_fp8_weights_where_it_is_asked_to(checkpoints, monkeypatch, world, case):
     """Where a rank keeps block-wise fp8 (`weights_kept_for`: bf16 would not fit the GPU, or forced), its
     column-parallel linears are `Fp8Linear`s of its rows with each row's block scales (a rank's rows need not be
-    whole blocks), its row-parallel ones where its first input starts a block of 128 (o's 64 inputs a rank at 4
-    ranks: ranks 1 and 3 read theirs as float). Every weight is the rank's exact cut."""
+    whole blocks), its row-parallel ones of its columns (o's 64 inputs a rank at 4 ranks, ranks 1 and 3 starting
+    inside a block of 128: a scale a row). Every weight is the rank's exact cut."""
     from lmiserve.engine.model import shard_checkpoint
 
     monkeypatch.setattr(shard_checkpoint, "weights_kept_for", lambda *args: True)
@@ -148,18 +150,67 @@ def test_a_block_wise_fp8_rank_keeps_fp8_weights_where_it_is_asked_to(checkpoint
                 continue
             weight, _ = expected_cut(whole, name, shard_of(shard))
             assert torch.equal(weight_of(module), weight), (rank, name)
-            inputs = whole.get_submodule(name).in_features
-            columns = column_run(shard_of(shard).plan, short, inputs) if short in ROW_PARALLEL else None
-            assert isinstance(module, Fp8Linear) == (columns is None or columns.start % 128 == 0), (rank, name)
-            if isinstance(module, Fp8Linear):  # each row's blocks' scales; one block of inputs: one scale a row
-                assert module.scales.shape == ((weight.shape[0], 2) if weight.shape[1] > 128 else (weight.shape[0],))
-                kinds.add((short, weight.shape[1]))
-            else:
-                kinds.add((short, "float"))
+            assert isinstance(module, Fp8Linear), (rank, name)  # each row's blocks' scales; one block: one a row
+            assert module.scales.shape == ((weight.shape[0], 2) if weight.shape[1] > 128 else (weight.shape[0],))
+            kinds.add((short, weight.shape[1]))
     row_parallel = {k for k in kinds if k[0] in ("o_proj", "down_proj")}
     assert row_parallel == ({("o_proj", 128), ("down_proj", 256)} if world == 2 else
-                            {("o_proj", 64), ("o_proj", "float"), ("down_proj", 128)})  # fmt: skip
+                            {("o_proj", 64), ("down_proj", 128)})  # fmt: skip
     assert ("q_proj", 256) in kinds  # (2 blocks of inputs)
+
+
+INSIDE = {  # case: (format, group, the layer a rank keeps, an odd rank's finer groups' inputs at 2 and 4 ranks)
+    "fp8-block-b128": ("fp8-block", 128, Fp8Linear, {2: 64, 4: 32}),
+    "modelopt-fp8-block": ("modelopt-fp8-block", 128, Fp8Linear, {2: 64, 4: 32}),
+    "awq-g128": ("awq", 128, Int4Linear, {2: 64, 4: 32}),  # (the CPU int4 kernel: groups of a multiple of 32)
+    "gptq-int8-g64": ("gptq-int8", 64, Int8WeightLinear, {2: 64, 4: 32}),
+}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", list(INSIDE))
+def test_a_rank_whose_inputs_start_inside_a_group_keeps_its_format_by_finer_groups(tmp_path, monkeypatch, case, world):
+    """down_proj's 384 inputs (3 groups of 128) over 2 or 4 ranks: 192 or 96 a rank, ranks 1-3 starting inside a
+    group (a Qwen2-72B AWQ's 29568 over 4: 7392 a rank, 57.75 groups of 128). Each rank keeps the format where one
+    process does (fp8 where kept, the CPU int4 kernel, the int8 codes where kept), its inputs read by the finer
+    groups whole in them (`whole_groups`: 64 or 32), each with its stored group's scale: its weight is its exact
+    cut, and its product that cut's."""
+    from lmiserve.engine.model import shard_checkpoint
+
+    monkeypatch.setattr(shard_checkpoint, "weights_kept_for", lambda *args: True)
+    fmt, group, layer, fine = INSIDE[case]
+    folder = write_checkpoint(quantizable_llama(25, intermediate=384), tmp_path / case, fmt, group)
+    whole = load_causal_lm(folder, dtype="fp32", device="cpu").model
+    x = torch.randn(3, 384)
+    for rank in range(world):
+        shard = rank_shard(folder, rank, world)
+        for index, part in enumerate(shard.model.layers):
+            name = f"model.layers.{index}.mlp.down_proj"
+            down = part.mlp.down_proj
+            weight, _ = expected_cut(whole, name, shard_of(shard))
+            assert isinstance(down, layer), (rank, name, type(down))
+            assert torch.equal(weight_of(down), weight), (rank, name)
+            columns = column_run(shard_of(shard).plan, "down_proj", 384)
+            if isinstance(down, Fp8Linear):  # blocks from the rank's first input (the kernel reads a partial last)
+                width = 128 if rank == 0 else fine[world] if rank % 2 else 64  # (rank 2 of 4 starts at 192)
+                blocks = -(-down.in_features // width)
+                assert down.scales.shape == ((256, blocks) if blocks > 1 else (256,))  # (one block: a scale a row)
+                assert blocks == 1 or fp8_gemv.input_block(down.in_features, down.scales) == width
+            own = x[:, columns]
+            if isinstance(down, Fp8Linear) and down.scales.dim() == 1:
+                continue  # (a scale a row: its activations go to fp8 too, `fp8_ops.scaled_product`, as one process's)
+            torch.testing.assert_close(
+                down(own).float(), own @ weight.t(), rtol=1e-4, atol=1e-4 * weight.abs().max().item()
+            )
+
+
+def test_whole_groups_are_the_finer_groups_a_cut_keeps_its_format_by():
+    assert whole_groups(128, 14784, 14784) == 64  # a Qwen2-72B AWQ's down_proj over 2 ranks, rank 1
+    assert whole_groups(128, 7392, 7392) == 32  # over 4, rank 1
+    assert whole_groups(128, 3696, 3696) == 16  # over 8: still kept fp8; the int4 kernels read groups of 32 or more
+    assert whole_groups(128, 0, 4096) == 128  # rank 0, whole groups: the stored ones
+    assert whole_groups(128, 100) == 0  # (finer than 16: the cut read by its own groups, de-quantized)
+    assert whole_groups(11008, 1376, 1376) == 1376  # a scale a channel: one group, the rank's inputs
 
 
 @pytest.mark.parametrize("world", [2, 4])

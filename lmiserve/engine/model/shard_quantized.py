@@ -9,21 +9,24 @@ linear (`quant_formats`), so a rank of an fp8 checkpoint holds fp8 weights on Ho
 - 4-bit AWQ, GPTQ and compressed-tensors' ``pack-quantized``: the packed tensors read whole (a quarter of the bf16
   bytes), unpacked (`unpack_awq`, `unpack_gptq`, `unpack_packed`), then the codes, scales and zeros cut: a
   column-parallel linear's rows, a row-parallel linear's input columns with the groups they use (consecutive
-  groups stay consecutive when the rank's first input starts a group: the rank's layer is then the CPU int4
-  kernel's, as one process's is; GPTQ's act-order groups are kept as its ``g_idx`` says); `int4_module` makes
-  the layer.
+  groups read as the finer groups whole in the rank's columns, `whole_groups`: the rank's layer is then the
+  kernels' where one process's is, though its first input falls inside a group; GPTQ's act-order groups are
+  kept as its ``g_idx`` says); `int4_module` makes the layer.
 - ``quantize=fp8`` on a float checkpoint (`quantize_fp8_shard`): each rank's float linears quantized per output
   channel, a row-parallel linear's scales over its whole rows (their maxima all-reduced), so every rank's fp8
   weights are its cut of those one process makes.
-- Any other fp8 weight, block-wise (``weight_block_size``: Qwen3's and DeepSeek's FP8 releases) or one the loop
-  above does not make (an expert's matrices, an output projection): read through `Fp8Scaled`, which dequantizes
-  the slice asked for (its fp8 values times the scales of the blocks it covers), so every reader of a float
-  checkpoint (the linears', the experts', the vocabulary's) reads it as float, as one process's load does for
-  block-wise fp8.
+- Block-wise fp8 (``weight_block_size``: Qwen3's and DeepSeek's FP8 releases) kept fp8 where asked
+  (`_block_fp8_shard`): a column-parallel linear's rows with each row's block scales, a row-parallel linear's
+  columns by the finer blocks whole in them (`whole_groups`).
+- Any other fp8 weight (block-wise fp8 not kept, an expert's matrices, an output projection): read through
+  `Fp8Scaled`, which dequantizes the slice asked for (its fp8 values times the scales of the blocks it covers), so
+  every reader of a float checkpoint (the linears', the experts', the vocabulary's) reads it as float, as one
+  process's load does for block-wise fp8.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
@@ -195,8 +198,9 @@ def _block_fp8_shard(
     keep: bool | None,
 ) -> torch.nn.Module | None:
     """The rank's `Fp8Linear` of a block-wise fp8 linear the rank keeps fp8: its rows (any, each with its blocks'
-    scales: `fp8_gemv.block_scales`' rows) or its input columns where they start a block (their blocks' scales);
-    None where they do not, or the blocks are not the kernel's (read as float, `dequantizing_reader`)."""
+    scales: `fp8_gemv.block_scales`' rows) or its input columns, by the finer blocks that start at its first
+    input (`whole_groups`: each its block's scale); None where those would be under `LEAST_GROUP` inputs, or the
+    blocks are not the kernel's (read as float, `dequantizing_reader`)."""
     short, block = name.rpartition(".")[2], cast(tuple[int, int], quant.blocks)
     weight = read(f"{name}.weight")
     outputs, inputs = weight.get_shape()
@@ -209,11 +213,27 @@ def _block_fp8_shard(
     if rows is not None:
         return fp8_module(keep_runs(weight, rows), keep_runs(scales, rows), bias, dtype, device, keep)
     columns = column_run(plan, short, inputs) if short in ROW_PARALLEL else slice(0, inputs)
-    if columns.start % block[1]:
-        return None
-    if scales.dim() == 2:
-        scales = scales[:, columns.start // block[1] : -(-columns.stop // block[1])].contiguous()
+    if scales.dim() == 2:  # (else one block spans the inputs: a scale a row, whatever the cut)
+        fine = whole_groups(block[1], columns.start)
+        if not fine:
+            return None
+        scales = scales.repeat_interleave(block[1] // fine, dim=1)  # each block's scale, a finer block at a time
+        scales = scales[:, columns.start // fine : -(-columns.stop // fine)].contiguous()
     return fp8_module(torch.as_tensor(weight[:, columns]).contiguous(), scales, bias, dtype, device, keep)
+
+
+LEAST_GROUP = 16  # the fewest inputs of the finer groups a rank's cut keeps its format by (`whole_groups`)
+
+
+def whole_groups(size: int, *edges: int) -> int:
+    """The inputs of the finer groups that a row-parallel rank's input columns are read by so that it keeps its
+    format: the most that divides the checkpoint's groups or blocks of `size` inputs and each of `edges` (the rank's
+    first input; for codes, whose groups the kernels read whole, its count too); 0 where that is under
+    `LEAST_GROUP` (the cut is then read by its own groups: de-quantized). Each finer group takes its stored
+    group's scale (and zero). A Qwen2-72B-based AWQ checkpoint over 4 ranks: `down_proj`'s 29568 inputs are 7392 a
+    rank, 57.75 groups of 128, read as 231 groups of 32 (vLLM refuses that split: vllm-project/vllm#5675)."""
+    fine = math.gcd(size, *edges)
+    return fine if fine >= LEAST_GROUP else 0
 
 
 def _cut_of(plan: ShardPlan | None, short: str, shape: tuple[int, ...]) -> tuple[list[slice] | None, slice | None]:
@@ -235,8 +255,9 @@ def _bias(bias: Any, rows: list[slice] | None, short: str, plan: ShardPlan | Non
 
 
 def _cut_int4(parts: Int4Parts, rows: list[slice] | None, columns: slice | None) -> Int4Parts:
-    """`parts`' rows of `rows` (all their groups), or its input `columns` with the groups they use (renumbered in
-    order), or all of it."""
+    """`parts`' rows of `rows` (all their groups), or its input `columns`: of consecutive groups, by the finer
+    groups that are whole in them (`whole_groups`), else (act-order, or finer groups too small) with the groups they
+    use renumbered in order; or all of it."""
     if rows is not None:
         keep = torch.cat([torch.arange(run.start, run.stop) for run in rows])
         return Int4Parts(
@@ -249,6 +270,20 @@ def _cut_int4(parts: Int4Parts, rows: list[slice] | None, columns: slice | None)
         )
     if columns is None:
         return parts
+    size = parts.group_size()
+    count = columns.stop - columns.start
+    fine = whole_groups(size, columns.start, count) if size else 0
+    if fine:  # consecutive groups, cut into finer ones at the rank's edges: the format's layout kept
+        first = torch.arange(columns.start // fine, columns.stop // fine) * fine // cast(int, size)  # (stored groups)
+        g_idx = torch.arange(count, dtype=parts.g_idx.dtype) // fine
+        return Int4Parts(
+            parts.codes[:, columns].contiguous(),
+            parts.scale[:, first].contiguous(),
+            parts.zero[:, first].contiguous(),
+            g_idx,
+            parts.bits,
+            parts.int8_rows,
+        )
     used, local = torch.unique(parts.g_idx[columns], sorted=True, return_inverse=True)
     return Int4Parts(
         parts.codes[:, columns].contiguous(),
