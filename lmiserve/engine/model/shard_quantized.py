@@ -26,6 +26,7 @@ linear (`quant_formats`), so a rank of an fp8 checkpoint holds fp8 weights on Ho
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, cast
@@ -260,38 +261,23 @@ def _cut_int4(parts: Int4Parts, rows: list[slice] | None, columns: slice | None)
     use renumbered in order; or all of it."""
     if rows is not None:
         keep = torch.cat([torch.arange(run.start, run.stop) for run in rows])
-        return Int4Parts(
-            parts.codes[keep].contiguous(),
-            parts.scale[keep].contiguous(),
-            parts.zero[keep].contiguous(),
-            parts.g_idx,
-            parts.bits,
-            parts.int8_rows,
-        )
+        codes, scale, zero = (t[keep].contiguous() for t in (parts.codes, parts.scale, parts.zero))
+        return dataclasses.replace(parts, codes=codes, scale=scale, zero=zero)
     if columns is None:
         return parts
-    size = parts.group_size()
-    count = columns.stop - columns.start
+    size, count = parts.group_size(), columns.stop - columns.start
     fine = whole_groups(size, columns.start, count) if size else 0
     if fine:  # consecutive groups, cut into finer ones at the rank's edges: the format's layout kept
-        first = torch.arange(columns.start // fine, columns.stop // fine) * fine // cast(int, size)  # (stored groups)
+        groups = torch.arange(columns.start // fine, columns.stop // fine) * fine // cast(int, size)  # (stored ones)
         g_idx = torch.arange(count, dtype=parts.g_idx.dtype) // fine
-        return Int4Parts(
-            parts.codes[:, columns].contiguous(),
-            parts.scale[:, first].contiguous(),
-            parts.zero[:, first].contiguous(),
-            g_idx,
-            parts.bits,
-            parts.int8_rows,
-        )
-    used, local = torch.unique(parts.g_idx[columns], sorted=True, return_inverse=True)
-    return Int4Parts(
-        parts.codes[:, columns].contiguous(),
-        parts.scale[:, used].contiguous(),
-        parts.zero[:, used].contiguous(),
-        local,
-        parts.bits,
-        parts.int8_rows,
+    else:
+        groups, g_idx = torch.unique(parts.g_idx[columns], sorted=True, return_inverse=True)
+    return dataclasses.replace(
+        parts,
+        codes=parts.codes[:, columns].contiguous(),
+        scale=parts.scale[:, groups].contiguous(),
+        zero=parts.zero[:, groups].contiguous(),
+        g_idx=g_idx,
     )
 
 
