@@ -46,7 +46,7 @@ def one_layer(hidden: int, intermediate: int) -> torch.nn.Module:
         intermediate_size=intermediate,
         num_hidden_layers=1,
         num_attention_heads=hidden // 128,
-        num_key_value_heads=8,
+        num_key_value_heads=min(8, hidden // 128),
         tie_word_embeddings=True,
         initializer_range=0.02,
     )
@@ -132,7 +132,7 @@ def main() -> None:
             build_tiny_tokenizer().save_pretrained(folder)
             whole = dequantized(rank_down(folder, 0, 1)[0])
             served, before = (measure(folder, whole, degrees, finer) for finer in (True, False))
-            report["formats"][fmt] = {"served": served, "without_finer_groups": before}
+            report["formats"][fmt] = {"served": served, "before": before}
             for now, then in zip(served, before, strict=True):
                 print(  # (held bytes: on a CPU; a GPU's kernels hold the same codes in their own layout)
                     f"{fmt:10} degree {now['degree']} rank {now['rank']} (input {now['first_input']:5}): "

@@ -248,3 +248,21 @@ def test_a_quantize_the_checkpoint_does_not_hold_is_refused_before_any_worker_st
     settings = Settings.from_options({"model_id": str(folder), "device": "cpu", "tensor_parallel_degree": "2"})
     spec = worker_spec(settings, str(folder), torch.device("cpu"), 2)
     assert spec.quantization is not None and spec.quantization.method == "fp8"
+
+
+def test_the_split_benchmark_reports_each_ranks_layer_now_and_before(tmp_path):
+    """benchmarks/tp_split_groups.py on a small shape (down_proj's 384 inputs over 2 ranks: 192 each, 1.5 groups)."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "split.json"
+    command = [sys.executable, str(root / "benchmarks/tp_split_groups.py"), "--hidden", "256", "--intermediate", "384"]
+    subprocess.run([*command, "--degrees", "2", "--formats", "awq,fp8-block", "--json", str(out)], check=True)
+    formats = json.loads(out.read_text())["formats"]
+    awq, fp8 = formats["awq"], formats["fp8-block"]
+    assert [r["layer"] for r in awq["served"]] == ["Int4Linear"] * 2 and all(r["exact_cut"] for r in awq["served"])
+    assert [r["layer"] for r in awq["before"]] == ["Linear"] * 2
+    assert [r["layer"] for r in fp8["served"]] == ["Fp8Linear"] * 2
+    assert [r["layer"] for r in fp8["before"]] == ["Fp8Linear", "Linear"]  # (rank 1 starts inside a block)
