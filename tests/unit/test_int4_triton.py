@@ -91,13 +91,15 @@ def test_half_activations_come_back_in_their_dtype_within_its_rounding(dtype: to
     [
         (lambda i: i // 64, True),  # AWQ's, GPTQ's: runs of 64
         (lambda i: (i * 7 % 256) // 64, True),  # act-order: runs once sorted
-        (lambda i: i // 16, False),  # runs of 16: below the smallest tile
-        (lambda i: torch.clamp(i // 48, max=3), False),  # runs of unequal sizes
+        (lambda i: i // 16, True),  # runs of 16, each padded to 32 (twice the inputs: the most padded)
+        (lambda i: torch.clamp(i // 48, max=3), True),  # runs of unequal sizes (48 x 3, 112), padded to 128
+        (lambda i: torch.where(i < 200, 0, i - 199), False),  # one of 200, 56 of one: padded, 50x the inputs
     ],
-    ids=["runs-of-64", "act-order", "runs-of-16", "unequal-runs"],
+    ids=["runs-of-64", "act-order", "runs-of-16", "unequal-runs", "padded-too-wide"],
 )
 def test_only_groups_of_a_multiple_of_the_tile_are_served(group_of: object, servable: bool) -> None:
-    """Other layouts stay de-quantized to bf16 (`quant_formats.int4_module` asks `servable` first)."""
+    """Runs of a multiple of the tile, or groups padded to one such size within twice the inputs; other layouts stay
+    de-quantized to bf16 (`quant_formats.int4_module` asks `servable` first)."""
     g_idx = group_of(torch.arange(256))  # type: ignore[operator]
     groups = int(g_idx.max()) + 1
     assert Int4TritonLinear.servable(g_idx, groups) is servable
@@ -106,7 +108,7 @@ def test_only_groups_of_a_multiple_of_the_tile_are_served(group_of: object, serv
     if servable:
         Int4TritonLinear.from_parts(codes, scale, zero, g_idx, None, torch.float32, torch.device("cpu"))
     else:
-        with pytest.raises(ValueError, match="multiple of 32 consecutive inputs"):
+        with pytest.raises(ValueError, match="multiple of 32 consecutive inputs, or groups padded"):
             Int4TritonLinear.from_parts(codes, scale, zero, g_idx, None, torch.float32, torch.device("cpu"))
 
 
@@ -187,3 +189,64 @@ def test_the_fast_path_fuses_linears_of_one_input_order_and_keeps_the_others_apa
     got = CpuGemm().linear(x, fused.weight, fused.bias, fused.scales)
     want = torch.cat([x @ q_dense.t() + q.bias, x @ k_dense.t() + k.bias], dim=1)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def rank_parts(parts: Int4Parts, world: int, rank: int) -> Int4Parts:
+    """Rank `rank`'s part of a row-parallel linear's inputs, cut as the tensor-parallel loader cuts it."""
+    from lmiserve.engine.model.shard_quantized import _cut_int4
+
+    share = parts.codes.shape[1] // world
+    return _cut_int4(parts, None, slice(rank * share, (rank + 1) * share))
+
+
+@pytest.mark.parametrize(
+    ("act_order", "inputs", "world"),
+    [(True, 512, 2), (True, 512, 4), (False, 896, 8)],
+    ids=["act-order-2-ranks", "act-order-4-ranks", "inside-groups-8-ranks"],
+)
+@pytest.mark.parametrize("rows", [1, 16])
+def test_a_ranks_part_of_uneven_groups_is_served_padded(rows: int, act_order: bool, inputs: int, world: int) -> None:
+    """A tensor-parallel rank's part of a row-parallel linear's inputs in groups of 128: of GPTQ's act-order inputs
+    (each group's inputs spread over the ranks: a rank's part of each uneven), or in order over 8 ranks (896
+    inputs: 112 a rank, starting and ending inside groups, whole finer groups only of 16, under the kernel's 32).
+    Each group of the part is padded to one size, its pads reading code 0 from a zero column: every tile computes
+    the part's de-quantized product, and the stored inputs are at most twice the part's."""
+    generator = torch.Generator().manual_seed(7)
+    g_idx = torch.arange(inputs) // 128
+    if act_order:
+        g_idx = g_idx[torch.randperm(inputs, generator=generator)]
+    codes, scale, zero = rtn_int4(torch.randn(40, inputs, generator=generator), g_idx, inputs // 128)
+    whole = Int4Parts(codes.to(torch.uint8), scale.float(), zero, g_idx)
+    x = torch.randn(rows, inputs, generator=generator)
+    share = inputs // world
+    for rank in range(world):
+        part = rank_parts(whole, world, rank)
+        size = part.group_size()
+        assert size is None or size % 32  # (uneven groups, or one of 112: no layout but the padded one)
+        layer = Int4TritonLinear.from_parts(
+            part.codes, part.scale, part.zero, part.g_idx, None, torch.float32, torch.device("cpu")
+        )
+        stored = layer.weight.shape[1] * 8
+        assert layer.in_features == share < stored <= 2 * share and layer.scales.order is not None
+        assert stored == part.scale.shape[1] * layer.scales.group and layer.scales.group % 32 == 0
+        own = x[:, rank * share : (rank + 1) * share]
+        want = own @ part.dequantize().t()
+        torch.testing.assert_close(part.dequantize(), whole.dequantize()[:, rank * share : (rank + 1) * share])
+        for tile in {c.fitted(layer.scales.group) for c in int4_triton.CANDIDATES[int4_triton.bucket(rows)]}:
+            got = int4_triton.int4_gemm(own, layer.weight, layer.scales, tile)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, msg=f"rank {rank} {tile}")
+        torch.testing.assert_close(layer(own), want, rtol=1e-5, atol=1e-4)  # (the module: its chosen tile)
+        torch.testing.assert_close(
+            int4_triton.dequantized_product(own, layer.weight, layer.scales), want, rtol=1e-5, atol=1e-4
+        )
+
+
+def test_padded_layout_orders_each_groups_inputs_then_its_pads() -> None:
+    g_idx = (torch.arange(40) % 8 >= 5).long()  # group 0: the 25 inputs i % 8 < 5; group 1: the 15 others
+    layout = int4_triton.padded_layout(g_idx, 2)
+    assert layout is not None
+    order, size = layout
+    assert size == 32 and order.shape == (64,)
+    assert order[:25].tolist() == [i for i in range(40) if i % 8 < 5] and order[25:32].tolist() == [40] * 7
+    assert order[32:47].tolist() == [i for i in range(40) if i % 8 >= 5] and order[47:].tolist() == [40] * 17
+    assert int4_triton.padded_layout(g_idx[:30], 2) is None  # 64 stored for 30: more than twice

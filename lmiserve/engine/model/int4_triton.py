@@ -15,7 +15,10 @@ weights would not fit (`codes_kept`: more than `weight_fit.FIT_SHARE` of the GPU
   fuse by concatenating rows, as the fast path fuses every other weight: `llama_layout`);
 - the groups must be runs of a multiple of `GROUP_TILE` consecutive inputs (AWQ's and GPTQ's groups;
   GPTQ's act-order too, once its inputs are stored in group order: the kernel reads the activations'
-  columns in that order, `order`). A tile's inputs share one group, whose scale and zero are applied once
+  columns in that order, `order`). A tensor-parallel rank's part of groups of unequal sizes (act-order inputs
+  spread over the ranks, or a part that starts inside a group; `shard_quantized._cut_int4`) has each group padded
+  to one such run, its pads code 0 times a zero column appended to the activations (`padded_layout`), where that
+  stores at most twice the part's inputs. A tile's inputs share one group, whose scale and zero are applied once
   to the tile's sums (``scale * (sum x code - zero * sum x)``): one row of scales a tile, not one an input;
 - tiles of per-row sums for 1-4 rows and of tensor-core products for more (`CANDIDATES`), chosen per
   weight shape and row bucket by measuring them on the GPU that serves, each checked against the
@@ -54,6 +57,7 @@ log = logging.getLogger(__name__)
 USE_ON_CUDA = kernel_choice.switch("LMISERVE_USE_TRITON_INT4")
 MEASURED_ON_CPU = False
 GROUP_TILE = 32  # the smallest tile's inputs: groups of a multiple of it are served
+PADDED_AT_MOST = 2.0  # a `padded_layout`'s stored inputs at most this many times the weight's (half of bf16's bytes)
 SLICE = 1024  # outputs de-quantized at a time by `dequantized_product`
 
 __all__ = [
@@ -73,6 +77,7 @@ __all__ = [
     "int4_gemm",
     "int4_linear",
     "pack_nibbles",
+    "padded_layout",
 ]
 
 
@@ -166,7 +171,7 @@ def int4_gemm(x: torch.Tensor, weight: torch.Tensor, parts: Int4Scales, config: 
         raise RuntimeError("the int4 Triton kernel needs triton")
     if parts.group % config.block_k:
         raise ValueError(f"groups of {parts.group} inputs are not a multiple of the tile's {config.block_k}")
-    x = x.contiguous()
+    x = _widened(x, weight).contiguous()
     rows, inputs = x.shape
     order = parts.order if parts.order is not None else weight  # (unread without HAS_ORDER)
 
@@ -193,7 +198,7 @@ def dequantized_product(x: torch.Tensor, weight: torch.Tensor, parts: Int4Scales
     """``x @ W.T`` computed in fp32 from the weight de-quantized `SLICE` outputs at a time (no whole copy of
     it): the tiles' reference, and the product where no tile serves."""
     inputs = weight.shape[1] * 8
-    cols = x.float()
+    cols = _widened(x.float(), weight)
     if parts.order is not None:
         cols = cols.index_select(1, parts.order.long())
     groups = torch.arange(inputs, device=x.device) // parts.group
@@ -294,6 +299,32 @@ def group_layout(g_idx: torch.Tensor, groups: int) -> tuple[torch.Tensor | None,
     return order, size
 
 
+def padded_layout(g_idx: torch.Tensor, groups: int) -> tuple[torch.Tensor, int] | None:
+    """How the kernel reads a weight whose groups are of unequal sizes (a tensor-parallel rank's part of GPTQ's
+    act-order inputs, or of inputs that start or end inside a group: `shard_quantized._cut_int4`): the inputs
+    sorted by group, each group's run padded to `size` inputs (its largest run rounded up to `GROUP_TILE`) with the
+    index ``len(g_idx)``, a zero column the products append to the activations (`_widened`), so the pads add
+    nothing. ``(order [groups * size], size)``; None where that is more than `PADDED_AT_MOST` times the inputs
+    (half of bf16's bytes)."""
+    inputs = g_idx.shape[0]
+    counts = torch.bincount(g_idx.long(), minlength=groups)
+    size = -(-int(counts.max()) // GROUP_TILE) * GROUP_TILE
+    if not inputs or groups * size > PADDED_AT_MOST * inputs:
+        return None
+    by_group = torch.argsort(g_idx, stable=True)
+    sorted_groups = g_idx.long()[by_group]
+    firsts = torch.cumsum(counts, 0) - counts  # each group's first position among the sorted inputs
+    order = torch.full((groups, size), inputs, dtype=torch.long, device=g_idx.device)
+    order[sorted_groups, torch.arange(inputs, device=g_idx.device) - firsts[sorted_groups]] = by_group
+    return order.reshape(-1), size
+
+
+def _widened(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`x` with zero columns up to the codes' inputs, where it has fewer (a `padded_layout`'s pads read them)."""
+    missing = weight.shape[1] * 8 - x.shape[1]
+    return torch.nn.functional.pad(x, (0, missing)) if missing > 0 else x
+
+
 class Int4TritonLinear(CodesLinear):
     """A 4-bit AWQ/GPTQ linear on `int4_linear`: `weight` the codes, int32 ``[out, in / 8]``, and `scales` its
     `Int4Scales` (plain attributes, as `quantize.Int8Linear`'s: the fast path points them at rows of the
@@ -305,11 +336,19 @@ class Int4TritonLinear(CodesLinear):
         self.weight, self.scales, self.bias = weight, scales, bias
 
     @staticmethod
+    def layout(g_idx: torch.Tensor, groups: int) -> tuple[torch.Tensor | None, int] | None:
+        """How the kernel reads a weight of these groups (``(order, size)``, `Int4Scales`' ``order`` and ``group``):
+        runs of a multiple of `GROUP_TILE` inputs, in order or once sorted (`group_layout`), else each group padded
+        to one size (`padded_layout`); None where neither serves."""
+        order, size = group_layout(g_idx, groups)
+        if size is not None and size % GROUP_TILE == 0:
+            return order, size
+        return padded_layout(g_idx, groups)
+
+    @staticmethod
     def servable(g_idx: torch.Tensor, groups: int) -> bool:
-        """Whether the kernel reads a weight of these groups: runs of a multiple of `GROUP_TILE` inputs, in
-        order or once sorted (`group_layout`)."""
-        size = group_layout(g_idx, groups)[1]
-        return size is not None and size % GROUP_TILE == 0
+        """Whether the kernel reads a weight of these groups (`layout`)."""
+        return Int4TritonLinear.layout(g_idx, groups) is not None
 
     @classmethod
     def from_parts(
@@ -324,12 +363,17 @@ class Int4TritonLinear(CodesLinear):
     ) -> Int4TritonLinear:
         """From codes ``[out, in]``, scale and zero ``[out, groups]`` (`quant_formats.Int4Parts`) whose groups
         are `servable` (ValueError otherwise). Act-order inputs are stored in group order; each call reads
-        the activations' columns in that order."""
-        order, size = group_layout(g_idx, scale.shape[1])
-        if size is None or size % GROUP_TILE:
-            raise ValueError(f"the int4 kernel reads groups of a multiple of {GROUP_TILE} consecutive inputs")
+        the activations' columns in that order (a padded group's pads: code 0 times a zero column)."""
+        layout = cls.layout(g_idx, scale.shape[1])
+        if layout is None:
+            raise ValueError(
+                f"the int4 kernel reads groups of a multiple of {GROUP_TILE} consecutive inputs, or groups padded to "
+                f"such runs within {PADDED_AT_MOST:g}x the inputs"
+            )
+        order, size = layout
+        in_features = codes.shape[1]
         if order is not None:
-            codes = codes[:, order]
+            codes = torch.nn.functional.pad(codes, (0, 1))[:, order]  # (index in_features: a pad, code 0)
         out, inputs = codes.shape
         words = pack_nibbles(codes.reshape(out, inputs // 8, 8))
         parts = Int4Scales(
@@ -339,7 +383,7 @@ class Int4TritonLinear(CodesLinear):
             size,
         )
         b = None if bias is None else bias.detach().to(device, dtype)
-        return cls(words.contiguous().to(device), parts, b, inputs)
+        return cls(words.contiguous().to(device), parts, b, in_features)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         return int4_linear(rows, self.weight, self.scales)

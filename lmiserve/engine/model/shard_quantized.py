@@ -35,6 +35,7 @@ import torch
 
 from lmiserve.engine.model import fp8_gemv
 from lmiserve.engine.model.fp8_ops import per_tensor_at_load
+from lmiserve.engine.model.int4_triton import GROUP_TILE
 from lmiserve.engine.model.language_model import text_part
 from lmiserve.engine.model.packed_codes import stored_int_parts
 from lmiserve.engine.model.quant_formats import (
@@ -226,15 +227,17 @@ def _block_fp8_shard(
 LEAST_GROUP = 16  # the fewest inputs of the finer groups a rank's cut keeps its format by (`whole_groups`)
 
 
-def whole_groups(size: int, *edges: int) -> int:
+def whole_groups(size: int, *edges: int, least: int = LEAST_GROUP) -> int:
     """The inputs of the finer groups that a row-parallel rank's input columns are read by so that it keeps its
     format: the most that divides the checkpoint's groups or blocks of `size` inputs and each of `edges` (the rank's
-    first input; for codes, whose groups the kernels read whole, its count too); 0 where that is under
-    `LEAST_GROUP` (the cut is then read by its own groups: de-quantized). Each finer group takes its stored
-    group's scale (and zero). A Qwen2-72B-based AWQ checkpoint over 4 ranks: `down_proj`'s 29568 inputs are 7392 a
-    rank, 57.75 groups of 128, read as 231 groups of 32 (vLLM refuses that split: vllm-project/vllm#5675)."""
+    first input; for codes, whose groups the kernels read whole, its count too). Each finer group takes its stored
+    group's scale (and zero). 0 where that is under `least` (`LEAST_GROUP`; 4-bit codes: the int4 kernels'
+    `GROUP_TILE`): the cut is then read by its own groups (the Triton int4 kernel pads them to one size,
+    `int4_triton.padded_layout`; else de-quantized). A Qwen2-72B-based AWQ checkpoint over 4 ranks: `down_proj`'s
+    29568 inputs are 7392 a rank, 57.75 groups of 128, read as 231 groups of 32 (vLLM refuses that split:
+    vllm-project/vllm#5675)."""
     fine = math.gcd(size, *edges)
-    return fine if fine >= LEAST_GROUP else 0
+    return fine if fine >= least else 0
 
 
 def _cut_of(plan: ShardPlan | None, short: str, shape: tuple[int, ...]) -> tuple[list[slice] | None, slice | None]:
@@ -266,7 +269,8 @@ def _cut_int4(parts: Int4Parts, rows: list[slice] | None, columns: slice | None)
     if columns is None:
         return parts
     size, count = parts.group_size(), columns.stop - columns.start
-    fine = whole_groups(size, columns.start, count) if size else 0
+    least = LEAST_GROUP if parts.bits == 8 else GROUP_TILE  # (finer 4-bit groups: no kernel's)
+    fine = whole_groups(size, columns.start, count, least=least) if size else 0
     if fine:  # consecutive groups, cut into finer ones at the rank's edges: the format's layout kept
         groups = torch.arange(columns.start // fine, columns.stop // fine) * fine // cast(int, size)  # (stored ones)
         g_idx = torch.arange(count, dtype=parts.g_idx.dtype) // fine
