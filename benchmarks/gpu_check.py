@@ -1009,6 +1009,11 @@ KERNEL_KINDS = (
     "fp8_gemm_rowwise",
     "fp8_gemm_tensorwise",
     "int4_triton",
+    "int4_act_order",
+    "int4_act_order_rank",
+    "int8_w8a8",
+    "int8_w8a16",
+    "int8_w8a8_rows",
 )
 
 

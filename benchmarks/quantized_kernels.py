@@ -8,8 +8,10 @@ candidate, its three kernels together; at one row of a weight of one scale, `fp8
 cuBLAS applying both scales), block-wise fp8 (`fp8_block`: scales by blocks of 128 x 128, as Qwen3's
 FP8 releases, on `fp8_gemv`'s kernel or the de-quantized product as the engine chooses at every row count) and
 4-bit (`int4_triton.Int4TritonLinear`, groups of 128, on the tile the engine measures fastest for the row
-bucket: `int4_tile`), compressed-tensors' 8-bit codes kept on a GPU (`int8_weights.Int8WeightLinear`: `int8_w8a8`
-a scale a channel, its activations int8 as W8A8's are, `int8_w8a16` groups of 128; `fp8_gemv`'s kernel, cuBLAS's
+bucket: `int4_tile`; GPTQ's act-order codes whole, `int4_act_order`, and a tensor-parallel rank's part of them, each
+group padded to one size, `int4_act_order_rank`), compressed-tensors' 8-bit codes kept on a GPU
+(`int8_weights.Int8WeightLinear`: `int8_w8a8` a scale a channel, its activations int8 as W8A8's are, `int8_w8a16`
+groups of 128; `fp8_gemv`'s kernel, cuBLAS's
 int8 product with the rows in int8 (`int8_w8a8`, W8A8 only) or the de-quantized product as the engine
 chooses, `int8_tiles`; `int8_w8a8_rows` times the int8 rows' product alone), at a few row counts; on a GPU with fp8,
 where `_scaled_mm`'s time goes (`fp8_variants`). Run on an H200 on 2026-11-29 (before the 4-bit kernel's
@@ -52,6 +54,7 @@ from lmiserve.engine.model.quant_formats import (
     quantize_fp8,
 )
 from lmiserve.engine.model.quantize import quantize_weight
+from lmiserve.engine.model.shard_quantized import cut_codes
 from lmiserve.models.quant_pack import fp8_block_tensors, rtn_int4
 
 SHAPES = {"qo_4096x4096": (4096, 4096), "gate_up_4096x28672": (28672, 4096), "down_14336x4096": (4096, 14336)}
@@ -157,6 +160,27 @@ def int8_layer(weight: torch.Tensor, group: int, dtype: torch.dtype, device: tor
     return int8_module(parts, None, dtype, device, keep_codes=True)
 
 
+def act_order_layers(
+    weight: torch.Tensor, group: int, dtype: torch.dtype, device: torch.device
+) -> dict[str, tuple[int4_triton.Int4TritonLinear, torch.Tensor, int]]:
+    """GPTQ's act-order codes of `weight` (groups of `group` in a random order of the inputs) on the int4 kernel:
+    whole (`int4_act_order`: the activations gathered in group order), and rank 1 of 2's part of its inputs, as a
+    row-parallel linear's (`int4_act_order_rank`: each group's part padded to one size, `int4_triton.padded_layout`),
+    each with its de-quantized weight and its first input."""
+    inputs = weight.shape[1]
+    g_idx = (torch.arange(inputs) // group)[torch.randperm(inputs, generator=torch.Generator().manual_seed(0))]
+    codes, scale, zero = rtn_int4(weight, g_idx, inputs // group)
+    whole = Int4Parts(codes.to(torch.uint8), scale.float(), zero, g_idx)
+    half = cut_codes(whole, None, slice(inputs // 2, inputs))
+    made = {}
+    for kind, parts, first in (("int4_act_order", whole, 0), ("int4_act_order_rank", half, inputs // 2)):
+        layer = int4_triton.Int4TritonLinear.from_parts(
+            parts.codes, parts.scale, parts.zero, parts.g_idx, None, dtype, device
+        )
+        made[kind] = (layer, parts.dequantize().to(device, dtype), first)
+    return made
+
+
 def error(got: torch.Tensor, want: torch.Tensor) -> float:
     return round(((got.float() - want.float()).abs().max() / want.float().abs().max()).item(), 5)
 
@@ -195,6 +219,7 @@ def main() -> None:
         )
         block_dense = fp8_block.dequantized().to(dtype)
         int4 = int4_triton.Int4TritonLinear.from_parts(codes, scale.float(), zero, g_idx, None, dtype, device)
+        act_order = act_order_layers(weight, 128 if cuda else 32, dtype, device)
         int8s = {kind: int8_layer(weight, g, dtype, device) for kind, g in (("int8_w8a8", 0), ("int8_w8a16", group))}
         int8_dense = {kind: layer.dequantized().to(dtype) for kind, layer in int8s.items()}
         dense = weight.to(device, dtype)
@@ -208,6 +233,10 @@ def main() -> None:
                 "fp8": (lambda x=x, m=fp8: m(x), out * inputs, x @ fp8_dense.t()),
                 "int4_triton": (lambda x=x, m=int4: m(x), out * inputs // 2, x @ int4_dense.t()),
             }
+            for kind, (layer, part_dense, first) in act_order.items():  # (a rank's part: its own columns of x)
+                own = x[:, first : first + layer.in_features].contiguous()
+                stored = layer.weight.shape[1] * 4  # (bytes of codes a row, pads included)
+                kinds[kind] = (lambda x=own, m=layer: m(x), out * stored, own @ part_dense.t())
             if fp8_gemv.available():
                 kinds["fp8_block"] = (lambda x=x, m=fp8_block: m(x), out * inputs, x @ block_dense.t())
                 for kind, layer in int8s.items():

@@ -79,7 +79,7 @@ def rank_down(folder: Path, rank: int, world: int) -> tuple[torch.nn.Module, sli
     return down, column_run(shard_of(loaded.model).plan, "down_proj", down.in_features * world)
 
 
-def stored_groups_only(size: int, *edges: int) -> int:
+def stored_groups_only(size: int, *edges: int, least: int = 0) -> int:
     """`whole_groups` as it was before the finer groups: the stored groups where the rank's part is whole ones."""
     return size if all(edge % size == 0 for edge in edges) else 0
 

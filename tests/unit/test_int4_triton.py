@@ -193,10 +193,10 @@ def test_the_fast_path_fuses_linears_of_one_input_order_and_keeps_the_others_apa
 
 def rank_parts(parts: Int4Parts, world: int, rank: int) -> Int4Parts:
     """Rank `rank`'s part of a row-parallel linear's inputs, cut as the tensor-parallel loader cuts it."""
-    from lmiserve.engine.model.shard_quantized import _cut_int4
+    from lmiserve.engine.model.shard_quantized import cut_codes
 
     share = parts.codes.shape[1] // world
-    return _cut_int4(parts, None, slice(rank * share, (rank + 1) * share))
+    return cut_codes(parts, None, slice(rank * share, (rank + 1) * share))
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ weights would not fit (`codes_kept`: more than `weight_fit.FIT_SHARE` of the GPU
 - the groups must be runs of a multiple of `GROUP_TILE` consecutive inputs (AWQ's and GPTQ's groups;
   GPTQ's act-order too, once its inputs are stored in group order: the kernel reads the activations'
   columns in that order, `order`). A tensor-parallel rank's part of groups of unequal sizes (act-order inputs
-  spread over the ranks, or a part that starts inside a group; `shard_quantized._cut_int4`) has each group padded
+  spread over the ranks, or a part that starts inside a group; `shard_quantized.cut_codes`) has each group padded
   to one such run, its pads code 0 times a zero column appended to the activations (`padded_layout`), where that
   stores at most twice the part's inputs. A tile's inputs share one group, whose scale and zero are applied once
   to the tile's sums (``scale * (sum x code - zero * sum x)``): one row of scales a tile, not one an input;
@@ -301,7 +301,7 @@ def group_layout(g_idx: torch.Tensor, groups: int) -> tuple[torch.Tensor | None,
 
 def padded_layout(g_idx: torch.Tensor, groups: int) -> tuple[torch.Tensor, int] | None:
     """How the kernel reads a weight whose groups are of unequal sizes (a tensor-parallel rank's part of GPTQ's
-    act-order inputs, or of inputs that start or end inside a group: `shard_quantized._cut_int4`): the inputs
+    act-order inputs, or of inputs that start or end inside a group: `shard_quantized.cut_codes`): the inputs
     sorted by group, each group's run padded to `size` inputs (its largest run rounded up to `GROUP_TILE`) with the
     index ``len(g_idx)``, a zero column the products append to the activations (`_widened`), so the pads add
     nothing. ``(order [groups * size], size)``; None where that is more than `PADDED_AT_MOST` times the inputs

@@ -52,7 +52,15 @@ from lmiserve.engine.model.quant_formats import (
 from lmiserve.engine.model.quantize import replace_linears
 from lmiserve.engine.model.sharding import ROW_PARALLEL, ShardPlan, column_run, keep_runs, row_runs, shard_of
 
-__all__ = ["Fp8Scaled", "dequantizing_reader", "int4_parts", "quantize_fp8_shard", "shard_linear"]
+__all__ = [
+    "Fp8Scaled",
+    "cut_codes",
+    "dequantizing_reader",
+    "int4_parts",
+    "quantize_fp8_shard",
+    "shard_linear",
+    "whole_groups",
+]
 
 Read = Callable[[str], Any]  # a checkpoint tensor's safetensors slice, by its name
 
@@ -155,7 +163,7 @@ def shard_linear(
         parts = int4_parts(name, names, read, quant)
         rows, columns = _cut_of(plan, short, tuple(parts.codes.shape))
         bias = _bias(read(f"{name}.bias") if f"{name}.bias" in names else None, rows, short, plan)
-        return int4_module(_cut_int4(parts, rows, columns), bias, dtype, device, keep)
+        return int4_module(cut_codes(parts, rows, columns), bias, dtype, device, keep)
     weight = read(f"{name}.weight")
     rows, columns = _cut_of(plan, short, tuple(weight.get_shape()))
     bias = _bias(read(f"{name}.bias") if f"{name}.bias" in names else None, rows, short, plan)
@@ -258,7 +266,7 @@ def _bias(bias: Any, rows: list[slice] | None, short: str, plan: ShardPlan | Non
     return keep_runs(bias, rows) if rows is not None else torch.as_tensor(bias[...])
 
 
-def _cut_int4(parts: Int4Parts, rows: list[slice] | None, columns: slice | None) -> Int4Parts:
+def cut_codes(parts: Int4Parts, rows: list[slice] | None, columns: slice | None) -> Int4Parts:
     """`parts`' rows of `rows` (all their groups), or its input `columns`: of consecutive groups, by the finer
     groups that are whole in them (`whole_groups`), else (act-order, or finer groups too small) with the groups they
     use renumbered in order; or all of it."""
