@@ -23,9 +23,8 @@ def load_kept(model: Any, path: Path, stored: dict[str, Path], device: torch.dev
     its tensors' files): every experts module kept MXFP4 on `device` (`mxfp4_experts.keep_stored`), the rest read as
     stored, in the model's dtype but the modules transformers keeps in fp32 (gpt-oss's norms), as `load_dequantized`
     holds them."""
-    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
     for name, parameter in model.named_parameters():
-        if parameter.is_floating_point() and keep & set(name.split(".")):
+        if parameter.is_floating_point() and _kept_fp32(model, name):
             parameter.data = parameter.data.float()
     with SafetensorsFiles(stored) as files:
         kept = mxfp4_experts.keep_stored(model, stored, files.slice, device)
@@ -48,10 +47,15 @@ def load_dequantized(path: Path, dtype: torch.dtype, trust_remote_code: bool, au
         return auto_class.from_pretrained(path, dtype=dtype, quantization_config=config, **common, **sdpa)
 
     model = sdpa_or_default(path, make)
-    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())  # (gpt-oss's norms)
     for name, parameter in model.named_parameters():  # (the fp8 quantizer leaves the rest in the stored dtype)
-        if parameter.is_floating_point() and parameter.dtype != dtype and not keep & set(name.split(".")):
+        if parameter.is_floating_point() and parameter.dtype != dtype and not _kept_fp32(model, name):
             parameter.data = parameter.data.to(dtype)
     kind = str(dtype).removeprefix("torch.")
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     return model, f"mxfp4 checkpoint: the experts' {experts / 1e9:.2f}B weights dequantized to {kind} at load"
+
+
+def _kept_fp32(model: Any, name: str) -> bool:
+    """Whether parameter `name` is in a module transformers keeps in fp32 (``_keep_in_fp32_modules``: gpt-oss's
+    norms)."""
+    return bool(set(getattr(model, "_keep_in_fp32_modules", None) or ()) & set(name.split(".")))
