@@ -73,8 +73,9 @@ def dequantized(module: torch.nn.Module) -> torch.Tensor:
 def rank_down(folder: Path, rank: int, world: int) -> tuple[torch.nn.Module, slice]:
     loaded = load_model_shell(folder, dtype="fp32", device="cpu")
     shard_model(loaded.model, rank, world, None)
-    load_shard_weights = shard_checkpoint.load_shard_weights
-    load_shard_weights(loaded.model, folder, checkpoint_quantization(folder, None), torch.device("cpu"))
+    shard_checkpoint.load_shard_weights(
+        loaded.model, folder, checkpoint_quantization(folder, None), torch.device("cpu")
+    )
     down = loaded.model.model.layers[0].mlp.down_proj
     return down, column_run(shard_of(loaded.model).plan, "down_proj", down.in_features * world)
 

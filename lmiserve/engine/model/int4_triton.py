@@ -307,9 +307,11 @@ def padded_layout(g_idx: torch.Tensor, groups: int) -> tuple[torch.Tensor, int] 
     nothing. ``(order [groups * size], size)``; None where that is more than `PADDED_AT_MOST` times the inputs
     (half of bf16's bytes)."""
     inputs = g_idx.shape[0]
+    if not inputs or not groups:
+        return None
     counts = torch.bincount(g_idx.long(), minlength=groups)
     size = -(-int(counts.max()) // GROUP_TILE) * GROUP_TILE
-    if not inputs or groups * size > PADDED_AT_MOST * inputs:
+    if groups * size > PADDED_AT_MOST * inputs:
         return None
     by_group = torch.argsort(g_idx, stable=True)
     sorted_groups = g_idx.long()[by_group]
