@@ -37,18 +37,23 @@ from tests.helpers.tiny_model import build_tiny_tokenizer  # noqa: E402
 GROUPS = {"awq": 128, "gptq": 128, "gptq-int8": 128, "fp8-block": 128}
 
 
-def one_layer(hidden: int, intermediate: int) -> torch.nn.Module:
+def random_llama(
+    hidden: int, intermediate: int, layers: int = 1, head_dim: int = 128, std: float = 0.02
+) -> torch.nn.Module:
+    """A Llama of random weights (`std`) with the tiny tokenizer's vocabulary: `layers` of `hidden` and `intermediate`,
+    heads of `head_dim`, as many KV heads up to 8."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    heads = hidden // head_dim
     config = LlamaConfig(
         vocab_size=len(build_tiny_tokenizer()),
         hidden_size=hidden,
         intermediate_size=intermediate,
-        num_hidden_layers=1,
-        num_attention_heads=hidden // 128,
-        num_key_value_heads=min(8, hidden // 128),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=min(8, heads),
         tie_word_embeddings=True,
-        initializer_range=0.02,
+        initializer_range=std,
     )
     torch.manual_seed(0)
     return LlamaForCausalLM(config).eval()
@@ -124,7 +129,7 @@ def main() -> None:
     args = parser.parse_args()
     shard_checkpoint.weights_kept_for = lambda *a: True  # (the kernels' keep: where bf16 would not fit the GPU)
     degrees = [int(d) for d in args.degrees.split(",")]
-    model = one_layer(args.hidden, args.intermediate)
+    model = random_llama(args.hidden, args.intermediate)
     report: dict[str, Any] = {"hidden": args.hidden, "intermediate": args.intermediate, "formats": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for fmt in args.formats.split(","):

@@ -122,7 +122,7 @@ def test_choose_measures_every_row_count_against_the_de_quantized_product_never_
         (32, 128, False, True),  # W8A16 by groups
         (32, 130, False, False),  # asymmetric codes: de-quantized
         (48, 128, False, False),  # groups of a size the kernel cannot read from the scales' shape
-        (32, 128, True, False),  # act-ordered groups
+        (32, 128, True, True),  # act-ordered groups: stored in group order (input_order)
     ],
     ids=["channel", "g32", "asymmetric", "g48", "act-order"],
 )
@@ -141,7 +141,10 @@ def test_the_codes_are_kept_where_the_kernel_serves_them(group: int, zero: int, 
     assert torch.equal(layer.bias, bias)
     assert type(int8_module(parts, bias, torch.float32, CPU, keep_codes=False)) is torch.nn.Linear
     if kept:
-        assert str(layer).endswith("int8 codes (a scale a channel))" if group == 0 else f"groups of {group} inputs))")
+        order = ", inputs in group order" if act_order else ""
+        assert str(layer).endswith(
+            "int8 codes (a scale a channel))" if group == 0 else f"groups of {group} inputs{order}))"
+        )
 
 
 @pytest.mark.parametrize(("fmt", "group"), [("w8a8", 0), ("w8a16", 32)])

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from lmiserve.engine.model import skinny_gemm
+from lmiserve.engine.model.input_order import InputOrder
 from lmiserve.engine.model.int4_triton import Int4Scales
 from lmiserve.engine.model.int8_weights import Int8Scales
 from lmiserve.engine.model.quantize import quantized_linear
@@ -132,7 +133,7 @@ class CpuGemm:
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-        scales: torch.Tensor | Int4Scales | Int8Scales | None = None,
+        scales: torch.Tensor | Int4Scales | Int8Scales | InputOrder | None = None,
     ) -> torch.Tensor:
         """``x @ weight.T + bias`` for ``weight`` ``[out, in]`` (int8 with its row `scales`, or float; AWQ/GPTQ
         codes with their `Int4Scales`; 8-bit codes on CUDA with their `Int8Scales`).

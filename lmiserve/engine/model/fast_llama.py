@@ -40,7 +40,7 @@ from lmiserve.engine.attention.paged import AttentionShape, PagedKVCache
 from lmiserve.engine.attention.scores import soft_cap
 from lmiserve.engine.lora.batch import LoraGroup, LoraProducts
 from lmiserve.engine.lora.slots import LoraSlots
-from lmiserve.engine.model import fused_choice, fused_norm, q4_decode
+from lmiserve.engine.model import fused_choice, fused_norm, input_order, q4_decode
 from lmiserve.engine.model.cpu_gemm import PAD_ROWS_FROM, VOCAB_PAD_ROWS_FROM, CpuGemm
 from lmiserve.engine.model.layer_ops import fused_product, projection_norms, rms_norm, rotate
 from lmiserve.engine.model.layout_variants import (
@@ -115,7 +115,7 @@ class FastLlama:
         # a quantized output projection: a speculative draft's (quantize.quantize_output_int8), an int4
         # model's q8 (quantize.install_output_q8: blocks of 16 rows, the last one maybe padded), or a checkpoint's
         # stored quantized (fp8, 4-bit or 8-bit codes on a GPU: their scales say which product runs it)
-        self.lm_head_s = head.scales if isinstance(head, QUANTIZED_LINEARS) else None
+        self.lm_head_s = input_order.with_order(head.scales, head) if isinstance(head, QUANTIZED_LINEARS) else None
         self.vocab = outputs_of(head)  # the output projection's width (a tensor-parallel rank's: its part)
         self._max_context = max_context
         # each layer's RoPE table (Gemma 3's local and global), over a head or its first part (Phi-4-mini's)

@@ -20,8 +20,9 @@ compute dtype.
 `Int8WeightLinear` holds the codes ``[out, in]`` int8 (``code - 128`` of `quant_formats.Int4Parts`' 8-bit codes)
 and `Int8Scales`; the fast path fuses q/k/v and gate/up of such layers (`llama_layout`) and runs them by the scales'
 type (`quantize.quantized_linear`). Served: symmetric codes (zero 128) whose groups are runs of consecutive inputs
-of a power of two, or one scale a channel. Others (an asymmetric W8A16, act-ordered groups) are de-quantized at
-load. Not yet run on a GPU: the GPU check's engine tests run it there (``LMISERVE_USE_TRITON_INT8=1``)."""
+of a power of two, or one scale a channel; act-ordered groups (GPTQ-Int8's ``desc_act``) stored in group order, the
+rows gathered first (`input_order`). Others (an asymmetric W8A16) are de-quantized at load. Not yet run on a GPU:
+the GPU check's engine tests run it there (``LMISERVE_USE_TRITON_INT8=1``)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from typing import NamedTuple
 
 import torch
 
-from lmiserve.engine.model import fp8_gemv, kernel_choice, weight_fit
+from lmiserve.engine.model import fp8_gemv, input_order, kernel_choice, weight_fit
 from lmiserve.engine.model.codes_linear import CodesLinear
 from lmiserve.engine.model.fp8_ops import fp8_linear
 
@@ -92,27 +93,34 @@ def served_scales(
 class Int8WeightLinear(CodesLinear):
     """A linear layer of int8 codes ``weight`` ``[out, in]`` and `Int8Scales`, on `fp8_gemv`'s kernel (module doc).
     `weight`, `scales` and `bias` are plain attributes (not parameters: ``Module.to(dtype)`` would cast the codes),
-    which the fast path points at rows of its fused matrices."""
+    which the fast path points at rows of its fused matrices. `order`: the inputs' stored order (GPTQ's act-order,
+    `input_order`; None: the checkpoint's)."""
 
     def __init__(
-        self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, int8_rows: bool = False
+        self,
+        weight: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None,
+        int8_rows: bool = False,
+        order: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.weight = weight
         self.scales = Int8Scales(scales, int8_rows)
         self.bias = bias
+        self.order = order
 
     def dequantized(self) -> torch.Tensor:
-        return fp8_gemv.dequantized_weight(self.weight, self.scales.scales)
+        return input_order.in_checkpoint_order(fp8_gemv.dequantized_weight(self.weight, self.scales.scales), self.order)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
-        return int8_weight_linear(rows, self.weight, self.scales)
+        return int8_weight_linear(input_order.gathered(rows, self.order), self.weight, self.scales)
 
     def extra_repr(self) -> str:
         group = fp8_gemv.input_block(self.in_features, self.scales.scales)
         scales = f"scales by groups of {group} inputs" if group else "a scale a channel"
-        rows = ", int8 activations" if self.scales.int8_rows else ""
+        rows = (", int8 activations" if self.scales.int8_rows else "") + input_order.extra_repr(self.order)
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 codes ({scales}{rows})"
 
 

@@ -30,7 +30,7 @@ import torch
 
 from lmiserve.engine.attention.paged import AttentionShape
 from lmiserve.engine.attention.windows import unsupported_kinds
-from lmiserve.engine.model import layout_variants
+from lmiserve.engine.model import input_order, layout_variants
 from lmiserve.engine.model.int4_triton import Int4Scales, Int4TritonLinear
 from lmiserve.engine.model.int8_weights import Int8Scales, Int8WeightLinear, fuse_int8
 from lmiserve.engine.model.layout_variants import FUSED_TYPES as FUSED_TYPES
@@ -179,7 +179,7 @@ def as_llama(model: PreTrainedModel) -> LlamaFamily:
 
 
 # ---- fused weights -------------------------------------------------------------------------------
-Scales = torch.Tensor | Int4Scales | Int8Scales | None  # a product's scales: `_fuse`'s
+Scales = torch.Tensor | Int4Scales | Int8Scales | input_order.InputOrder | None  # a product's scales: `_fuse`'s
 
 
 class Part(NamedTuple):
@@ -305,13 +305,13 @@ def _kind(module: torch.nn.Module) -> object:
     """What fuses with what: float linears of one dtype, int8 rows, int4 blocks, q8 blocks of one group."""
     if isinstance(module, Q8Linear):
         return Q8Linear, _q8_group(module)
-    if isinstance(module, (Int8Linear, Int4Linear, Fp8Linear)):
-        return type(module)
+    if isinstance(module, (Int8Linear, Int4Linear, Fp8Linear)):  # (and int4's stored inputs' order: `input_order`)
+        return type(module), input_order.key(module)
     if isinstance(module, Int4TritonLinear):  # fused only with linears of the same groups and input order
         order = module.scales.order
         return Int4TritonLinear, module.scales.group, None if order is None else tuple(order.tolist())
     if isinstance(module, Int8WeightLinear):  # fused only with linears of the same scales' layout
-        return Int8WeightLinear, module.scales.scales.shape[1:]
+        return Int8WeightLinear, module.scales.scales.shape[1:], input_order.key(module)
     return cast(torch.nn.Linear, module).weight.dtype
 
 
@@ -343,7 +343,8 @@ def _fuse(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
     if isinstance(modules[0], Int4TritonLinear):
         return _fuse_int4(cast(list[Int4TritonLinear], modules))
     if isinstance(modules[0], Int8WeightLinear):
-        return fuse_int8(cast(list[Int8WeightLinear], modules), _fused_bias(modules))
+        weight, bias, fused = fuse_int8(cast(list[Int8WeightLinear], modules), _fused_bias(modules))
+        return weight, bias, input_order.with_order(fused, modules[0])
     if isinstance(modules[0], Fp8Linear):  # parts of one scale each: on one scale (tensor-wise products)
         one_scale_for(cast(list[Fp8Linear], modules))
     weights = [m.weight.detach() for m in modules]
@@ -367,7 +368,7 @@ def _fuse(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
                 m.bias = torch.nn.Parameter(bias[row : row + n], requires_grad=False)
         row += n
         out += outputs
-    return stored, bias, scales
+    return stored, bias, input_order.with_order(scales, modules[0])  # (GPTQ's act-order: `input_order`)
 
 
 def _fuse_int4(modules: list[Int4TritonLinear]) -> tuple[torch.Tensor, torch.Tensor | None, Int4Scales]:

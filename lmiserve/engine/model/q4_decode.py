@@ -11,9 +11,9 @@ call and little else. The values are those of the op-by-op path (`FastLlama._lay
 norm's summation order (fp32 throughout); RoPE and the residual adds are the same fp32 ops.
 
 Taken where it applies (`PackedLayers.of`: q4 layers without biases, SiLU, fp32, CPU, the whole model,
-not a tensor-parallel shard) and for steps without LoRA rows (the adapters read the products' inputs)
-of at most `MAX_ROWS` tokens (the input is formed on one thread: longer prompt chunks keep torch's
-parallel ops)."""
+not a tensor-parallel shard; GPTQ's act-order too, each product's input gathered: `_Layer`) and for
+steps without LoRA rows (the adapters read the products' inputs) of at most `MAX_ROWS` tokens (the input is
+formed on one thread: longer prompt chunks keep torch's parallel ops)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from lmiserve.engine.attention import backends
 from lmiserve.engine.jit import numba
 from lmiserve.engine.model import group_kernels
 from lmiserve.engine.model.group_kernels import PRE_RMS, PRE_SILU_MUL, Packed
+from lmiserve.engine.model.input_order import InputOrder
 
 MAX_ROWS = 32
 
@@ -61,16 +62,35 @@ def _norm(norm: tuple[torch.Tensor, float]) -> tuple[Any, float] | None:
     return weight.detach().contiguous().numpy(), float(eps)
 
 
+def _order(scales: Any) -> Any:
+    """The stored inputs' order of a product (GPTQ's act-order: `input_order.InputOrder`) as numpy, or None."""
+    return scales.order.numpy() if isinstance(scales, InputOrder) else None
+
+
+def _taken(x: Any, order: Any) -> Any:
+    """`x`'s columns in the stored `order` (a C-contiguous copy; None: `x` itself)."""
+    return x if order is None else np.take(x, order, axis=1)
+
+
 class _Layer:
-    __slots__ = ("down", "gate_up", "in_eps", "in_w", "o", "post_eps", "post_w", "qkv")
+    """A layer's four products. Where their inputs are stored in group order (GPTQ's act-order, `input_order`),
+    each input is gathered first (`_taken`); the norms before q/k/v and gate/up take their weights in that order too,
+    which gives the gathered normed rows (the RMS is the same over the gathered row), and the SiLU's product before
+    down gathers gate's and up's columns alike."""
+
+    __slots__ = ("down", "gate_up", "in_eps", "in_w", "o", "orders", "post_eps", "post_w", "qkv")
 
     def __init__(self, layer: Any, in_norm: tuple[Any, float], post_norm: tuple[Any, float]) -> None:
-        self.qkv = Packed(layer.qkv_w, layer.qkv_s)
-        self.o = Packed(layer.o_w, layer.o_s)
-        self.gate_up = Packed(layer.gate_up_w, layer.gate_up_s)
-        self.down = Packed(layer.down_w, layer.down_s)
-        self.in_w, self.in_eps = in_norm
-        self.post_w, self.post_eps = post_norm
+        scales = (layer.qkv_s, layer.o_s, layer.gate_up_s, layer.down_s)
+        stored = (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w)
+        weights = [Packed(w, s.scales if isinstance(s, InputOrder) else s) for w, s in zip(stored, scales, strict=True)]
+        self.qkv, self.o, self.gate_up, self.down = weights
+        qkv, o, gate_up, down = (_order(s) for s in scales)
+        if down is not None:  # (gate's columns, then up's)
+            down = np.concatenate([down, down + layer.intermediate])
+        self.orders = (qkv, o, gate_up, down)
+        self.in_w, self.in_eps = in_norm[0] if qkv is None else in_norm[0][qkv], in_norm[1]
+        self.post_w, self.post_eps = post_norm[0] if gate_up is None else post_norm[0][gate_up], post_norm[1]
 
     @classmethod
     def of(cls, layer: Any, shape: tuple[int, int, int], hidden: int) -> _Layer | None:
@@ -80,7 +100,9 @@ class _Layer:
         weights = (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w)
         scales = (layer.qkv_s, layer.o_s, layer.gate_up_s, layer.down_s)
         biases = (layer.qkv_b, layer.o_b, layer.gate_up_b, layer.down_b)
-        if any(w.dtype != torch.uint8 or w.device.type != "cpu" for w in weights) or any(s is None for s in scales):
+        if any(w.dtype != torch.uint8 or w.device.type != "cpu" for w in weights):
+            return None
+        if any(not isinstance(s.scales if isinstance(s, InputOrder) else s, torch.Tensor) for s in scales):
             return None
         in_norm, post_norm = _norm(layer.in_norm), _norm(layer.post_norm)
         if any(b is not None for b in biases) or not _is_silu(layer.act) or in_norm is None or post_norm is None:
@@ -124,7 +146,11 @@ class PackedLayers:
             packed.append(p)
         weight, head_scales = head
         out = None
-        if head_scales is not None and head_scales.dim() == 2 and weight.dtype in (torch.uint8, torch.int8):
+        if (
+            isinstance(head_scales, torch.Tensor)
+            and head_scales.dim() == 2
+            and weight.dtype in (torch.uint8, torch.int8)
+        ):
             out = Packed(weight, head_scales)
         return cls(packed, out, _norm(norm), shape)
 
@@ -152,21 +178,22 @@ class PackedLayers:
             out = np.empty_like(qa, order="C")
             flat = out.reshape(rows, q_size)
         for index, layer in enumerate(self.layers):
-            layer.qkv(xn, qkv, PRE_RMS, layer.in_w, layer.in_eps)
+            qkv_order, o_order, gate_up_order, down_order = layer.orders
+            layer.qkv(_taken(xn, qkv_order), qkv, PRE_RMS, layer.in_w, layer.in_eps)
             rope(qkv, heads + kv_heads, dim, c, s)
             if lean is not None:
                 if views:
                     lean(index, qa, ka, va, out)
                 else:
                     lean(index, np.ascontiguousarray(qa), np.ascontiguousarray(ka), np.ascontiguousarray(va), out)
-                layer.o(flat, xn, add=True)
+                layer.o(_taken(flat, o_order), xn, add=True)
             else:
                 attn = forward(index, q, k, v, meta)
                 if not attn.is_contiguous() or attn.dtype != torch.float32:
                     attn = attn.float().contiguous()
-                layer.o(attn.numpy(), xn, add=True)
-            layer.gate_up(xn, gate_up, PRE_RMS, layer.post_w, layer.post_eps)
-            layer.down(gate_up, xn, PRE_SILU_MUL, add=True)
+                layer.o(_taken(attn.numpy(), o_order), xn, add=True)
+            layer.gate_up(_taken(xn, gate_up_order), gate_up, PRE_RMS, layer.post_w, layer.post_eps)
+            layer.down(_taken(gate_up, down_order), xn, PRE_SILU_MUL, add=True)
         return x
 
     def logits(self, x: torch.Tensor) -> torch.Tensor | None:

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from lmiserve.engine import fp8_devices
-from lmiserve.engine.model import fp8_gemv, fp8_w8a8, int4_triton, int8_weights
+from lmiserve.engine.model import fp8_gemv, fp8_w8a8, input_order, int4_triton, int8_weights
 from lmiserve.engine.model.codes_linear import CodesLinear
 from lmiserve.engine.model.fp8_ops import FP8_MAX, dequantize_fp8, fp8_linear, quantize_fp8
 from lmiserve.engine.model.quantize import (
@@ -210,14 +210,15 @@ def int4_module(
     device: torch.device,
     keep_codes: bool | None = None,
 ) -> torch.nn.Module:
-    """The layer of a 4-bit weight: `Int4Linear` on CPU when it computes in fp32 and its groups are runs
-    of a multiple of 32 inputs (exact: see the module's docstring); on CUDA, `int4_triton`'s kernel on the codes
-    where `keep_codes` (None: where ``LMISERVE_USE_TRITON_INT4=1``) and it serves the layout; else a plain linear
-    of `dtype` with the weight de-quantized once (on CUDA: faster than the first Triton kernel on an H200). An 8-bit
-    weight (`Int4Parts.bits`): `int8_module`."""
+    """The layer of a 4-bit weight: `Int4Linear` on CPU when it computes in fp32 and its groups are runs of a
+    multiple of 32 inputs (act-order's, once sorted: `input_order`; exact: see the module's docstring); on CUDA,
+    `int4_triton`'s kernel on the codes where `keep_codes` (None: where ``LMISERVE_USE_TRITON_INT4=1``) and it serves
+    the layout; else a plain linear of `dtype` with the weight de-quantized once (on CUDA: faster than the first
+    Triton kernel on an H200). An 8-bit weight (`Int4Parts.bits`): `int8_module`."""
     if parts.bits == 8:
         return int8_module(parts, bias, dtype, device, keep_codes)
-    size = parts.group_size()
+    ordered, order = input_order.in_group_order(parts) if device.type == "cpu" else (parts, None)
+    size = ordered.group_size()
     if (
         device.type == "cpu"
         and dtype == torch.float32
@@ -228,7 +229,7 @@ def int4_module(
         repeat = size // INT4_GROUP
         scale = parts.scale.repeat_interleave(repeat, dim=1)
         low = (-parts.zero.float() * parts.scale).repeat_interleave(repeat, dim=1)
-        return Int4Linear.from_codes(parts.codes, scale, low, bias)
+        return Int4Linear.from_codes(ordered.codes, scale, low, bias, order)
     keep = int4_triton.USE_ON_CUDA is True if keep_codes is None else keep_codes
     kernel = device.type == "cuda" and keep and int4_triton.available()
     if kernel and int4_triton.Int4TritonLinear.servable(parts.g_idx, parts.scale.shape[1]):  # not yet measured
@@ -250,12 +251,13 @@ def int8_module(
     `fp8_gemv`'s kernel; on CPU, computing in bf16, a symmetric weight with a scale a channel (W8A8's) is an
     `Int8Linear` on torch's int8 kernel (its codes as they are: ``x @ (q * scale).T``); else a plain linear of
     `dtype` with the weight de-quantized once."""
-    if keep_codes:
-        served = int8_weights.served_scales(parts.codes, parts.scale, parts.zero, parts.group_size())
+    if keep_codes:  # (act-ordered groups: the inputs stored in group order, `input_order`)
+        ordered, order = input_order.in_group_order(parts)
+        served = int8_weights.served_scales(ordered.codes, ordered.scale, ordered.zero, ordered.group_size())
         if served is not None:
             b = None if bias is None else bias.detach().to(device, dtype)
-            codes = int8_weights.signed_codes(parts.codes).to(device)
-            return int8_weights.Int8WeightLinear(codes, served.to(device), b, parts.int8_rows)
+            codes, o = int8_weights.signed_codes(ordered.codes).to(device), None if order is None else order.to(device)
+            return int8_weights.Int8WeightLinear(codes, served.to(device), b, parts.int8_rows, o)
     inputs = parts.codes.shape[1]
     if (
         device.type == "cpu"

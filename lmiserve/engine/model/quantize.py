@@ -40,7 +40,7 @@ from collections.abc import Callable
 
 import torch
 
-from lmiserve.engine.model import group_kernels, int4_triton
+from lmiserve.engine.model import group_kernels, input_order, int4_triton
 from lmiserve.engine.model.codes_linear import CodesLinear
 from lmiserve.engine.model.fp8_ops import fp8_linear
 from lmiserve.engine.model.group_kernels import LANES, pack_q4, pack_q8, q4_linear, q8_linear, unpack_q4, unpack_q8
@@ -97,12 +97,15 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> 
 
 
 def quantized_linear(
-    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | Int4Scales | Int8Scales
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | Int4Scales | Int8Scales | input_order.InputOrder
 ) -> torch.Tensor:
-    """The product of a quantized weight, by its storage: AWQ/GPTQ codes on CUDA (`Int4Scales`,
+    """The product of a quantized weight, by its storage (`input_order.InputOrder`: codes whose inputs are stored
+    in group order, the rows gathered first): AWQ/GPTQ codes on CUDA (`Int4Scales`,
     `int4_triton.int4_linear`), 8-bit integer codes on CUDA (`Int8Scales`, `int8_weights`), blocked int4 (uint8,
     `int4_linear`), fp8 rows (`quant_formats.fp8_linear`), blocked q8 (int8 with 2-D fp32 group scales,
     `group_kernels.q8_linear`), or int8 rows (`int8_linear`)."""
+    if isinstance(scales, input_order.InputOrder):
+        return quantized_linear(input_order.gathered(x, scales.order), weight, scales.scales)
     if isinstance(scales, Int4Scales):
         return int4_triton.int4_linear(x, weight, scales)
     if isinstance(scales, Int8Scales):
@@ -154,7 +157,8 @@ class Int4Linear(CodesLinear):
     Input in any float dtype, product and output fp32.
 
     `weight`, `scales` and `bias` are plain attributes (the fast path points them at row blocks of
-    fused matrices, as it does with `torch.nn.Linear` parameters)."""
+    fused matrices, as it does with `torch.nn.Linear` parameters). `order`: the inputs' stored order (GPTQ's
+    act-order, `input_order`; None: the checkpoint's)."""
 
     def __init__(
         self,
@@ -163,6 +167,7 @@ class Int4Linear(CodesLinear):
         bias: torch.Tensor | None,
         in_features: int,
         out_features: int | None = None,
+        order: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.in_features = in_features
@@ -170,15 +175,22 @@ class Int4Linear(CodesLinear):
         self.weight = weight
         self.scales = scales
         self.bias = bias
+        self.order = order
 
     @classmethod
     def from_codes(
-        cls, codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bias: torch.Tensor | None = None
+        cls,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        low: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        order: torch.Tensor | None = None,
     ) -> Int4Linear:
         """From 4-bit codes (0..15, ``[out, in]``, any int type; a GGUF file's own) and fp32 ``scale`` /
-        ``low`` (``[out, in / 32]``): ``w = code * scale + low``, taken as is."""
+        ``low`` (``[out, in / 32]``): ``w = code * scale + low``, taken as is; `order`: the stored inputs' order."""
         packed, scales = pack_q4(codes, scale, low)
-        return cls(packed, scales, None if bias is None else bias.detach().float(), codes.shape[1], codes.shape[0])
+        b = None if bias is None else bias.detach().float()
+        return cls(packed, scales, b, codes.shape[1], codes.shape[0], order)
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear) -> Int4Linear:
@@ -193,15 +205,14 @@ class Int4Linear(CodesLinear):
         """The weight the product uses, as a float matrix (for tests and comparisons)."""
         codes, scale, low = self.codes()
         w = codes.float().view(self.out_features, -1, INT4_GROUP) * scale[..., None] + low[..., None]
-        return w.view(self.out_features, self.in_features)
+        return input_order.in_checkpoint_order(w.view(self.out_features, self.in_features), self.order)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
-        return q4_linear(rows, self.weight, self.scales, self.out_features)
+        return q4_linear(input_order.gathered(rows, self.order), self.weight, self.scales, self.out_features)
 
     def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, int4 weights (groups of {INT4_GROUP})"
-        )
+        groups = f"groups of {INT4_GROUP}{input_order.extra_repr(self.order)}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 weights ({groups})"
 
 
 class Q8Linear(CodesLinear):

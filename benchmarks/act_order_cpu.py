@@ -1,0 +1,153 @@
+"""GPTQ act-order (``desc_act``) checkpoints on a CPU: kept as 4-bit codes with their inputs in group order
+(`engine/model/input_order.py`) against de-quantized to fp32 as before, and against the same weights in order.
+
+    python benchmarks/act_order_cpu.py [--hidden 2048] [--intermediate 8192] [--layers 4] [--steps 32]
+                                       [--rows 1,8] [--json FILE]
+
+A Llama of a Llama 3.2 1B's layer shape (hidden 2048, intermediate 8192, 32 heads of 64, 8 KV heads; `--layers` of
+them) with random weights is written as GPTQ 4-bit, groups of 128, once with act-order and once without. Each is
+loaded as the server loads it (`load_causal_lm`, fp32 on the CPU); the act-order one also as before 2026-12-06 21:30
+(`input_order.in_group_order` answering "not served": every layer linear de-quantized to fp32). For each it reports
+the layer linears' bytes and the fast forward's decode step (`FastLlama.forward` of `--rows` decode rows, median of
+`--steps` steps after a prompt chunk each), and for act-order whether the greedy tokens and the logits of the kept
+codes are those of the de-quantized weights (the same weights: only the sums' order differs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from machine import cpu_model  # noqa: E402 - benchmarks/machine.py: the script's folder is on sys.path
+from tp_split_groups import random_llama  # noqa: E402
+
+from lmiserve.engine.attention.paged import paged_cache  # noqa: E402
+from lmiserve.engine.model import input_order  # noqa: E402
+from lmiserve.engine.model.fast_llama import FastLlama, StepInputs  # noqa: E402
+from lmiserve.models.load import load_causal_lm  # noqa: E402
+from lmiserve.models.quant_pack import write_quantized  # noqa: E402
+from tests.helpers.tiny_model import build_tiny_tokenizer  # noqa: E402
+
+BLOCK = 16
+PROMPT = 12
+
+
+def linear_bytes(model: torch.nn.Module) -> int:
+    """The bytes of the layer linears' weights and scales (what a decode step reads)."""
+    total = 0
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2].endswith("_proj"):
+            tensors = [getattr(module, "weight", None), getattr(module, "scales", None)]
+            total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    return total
+
+
+def decode(model: torch.nn.Module, rows: int, steps: int) -> tuple[float, list[torch.Tensor]]:
+    """Median seconds of a decode step of `rows` rows (each after its own prompt chunk), and each step's logits."""
+    per_seq = -(-(PROMPT + steps + 1) // BLOCK)
+    fast = FastLlama(model, paged_cache(model, rows * per_seq, BLOCK), PROMPT + steps + 1)
+    tables = [list(range(r * per_seq, (r + 1) * per_seq)) for r in range(rows)]
+    generator = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    last = []
+    with torch.inference_mode():
+        for table in tables:
+            prompt = torch.randint(0, vocab, (PROMPT,), generator=generator).tolist()
+            out = fast.forward(StepInputs(chunks=[(table, 0, prompt)], keep=[PROMPT - 1]))
+            last.append(int(out[-1].argmax()))
+        times, logits = [], []
+        for step in range(steps):
+            position = PROMPT + step
+            start = time.perf_counter()
+            out = fast.forward(StepInputs(last, [position] * rows, tables, keep=list(range(rows))))
+            times.append(time.perf_counter() - start)
+            logits.append(out.float().clone())
+            last = out.argmax(-1).tolist()
+    return statistics.median(times), logits
+
+
+def served(folder: Path, before: bool) -> tuple[torch.nn.Module, dict[str, int]]:
+    original = input_order.in_group_order
+    if before:  # as before: act-ordered groups not served, every such linear de-quantized at load
+        input_order.in_group_order = lambda parts: (parts, None)  # type: ignore[assignment]
+    try:
+        model = load_causal_lm(folder, device="cpu").model
+    finally:
+        input_order.in_group_order = original
+    kinds: dict[str, int] = {}
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2].endswith("_proj"):
+            kind = type(module).__name__ + (
+                " (inputs in group order)" if getattr(module, "order", None) is not None else ""
+            )
+            kinds[kind] = kinds.get(kind, 0) + 1
+    return model, kinds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--intermediate", type=int, default=8192)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--rows", default="1,8")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    rows = [int(r) for r in args.rows.split(",")]
+    began = time.time()
+    source = random_llama(args.hidden, args.intermediate, args.layers, head_dim=64, std=0.05)
+    results: dict[str, Any] = {
+        "shape": {"hidden": args.hidden, "intermediate": args.intermediate, "layers": args.layers},
+        "threads": torch.get_num_threads(),
+        "cpu": cpu_model(),
+        "served": {},
+    }
+    logits: dict[str, dict[int, list[torch.Tensor]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folders = {}
+        for act_order in (True, False):
+            folders[act_order] = Path(tmp) / ("desc-act" if act_order else "in-order")
+            write_quantized(source, folders[act_order], "gptq", group=128, act_order=act_order)
+            build_tiny_tokenizer().save_pretrained(folders[act_order])
+        for label, folder, before in (
+            ("act-order, kept 4-bit (now)", folders[True], False),
+            ("act-order, de-quantized fp32 (before)", folders[True], True),
+            ("in order, 4-bit", folders[False], False),
+        ):
+            model, kinds = served(folder, before)
+            entry: dict[str, Any] = {"linears": kinds, "linear_mib": round(linear_bytes(model) / 2**20, 1)}
+            logits[label] = {}
+            for n in rows:
+                seconds, logits[label][n] = decode(model, n, args.steps)
+                entry[f"step_ms_{n}_rows"] = round(seconds * 1000, 2)
+            results["served"][label] = entry
+            print(label, json.dumps(entry), flush=True)
+            del model
+    now, before = logits["act-order, kept 4-bit (now)"], logits["act-order, de-quantized fp32 (before)"]
+    results["act_order_vs_dequantized"] = {
+        n: {
+            "same_greedy_tokens": all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in zip(now[n], before[n])),
+            "max_logit_difference": max(float((a - b).abs().max()) for a, b in zip(now[n], before[n])),
+        }
+        for n in rows
+    }
+    results["seconds"] = round(time.time() - began, 1)
+    print(json.dumps(results["act_order_vs_dequantized"]), f"{results['seconds']} s")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
