@@ -99,10 +99,10 @@ def test_half_activations_come_back_in_their_dtype_within_its_rounding(dtype: to
 )
 def test_only_groups_of_a_multiple_of_the_tile_are_served(group_of: object, servable: bool) -> None:
     """Runs of a multiple of the tile, or groups padded to one such size within twice the inputs; other layouts stay
-    de-quantized to bf16 (`quant_formats.int4_module` asks `servable` first)."""
+    de-quantized to bf16 (`quant_formats.int4_module` asks for the `layout` first)."""
     g_idx = group_of(torch.arange(256))  # type: ignore[operator]
     groups = int(g_idx.max()) + 1
-    assert Int4TritonLinear.servable(g_idx, groups) is servable
+    assert (Int4TritonLinear.layout(g_idx, groups) is not None) is servable
     codes = torch.randint(0, 16, (32, 256), dtype=torch.uint8)
     scale, zero = torch.rand(32, groups), torch.randint(0, 16, (32, groups))
     if servable:

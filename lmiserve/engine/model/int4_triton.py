@@ -347,11 +347,6 @@ class Int4TritonLinear(CodesLinear):
             return order, size
         return padded_layout(g_idx, groups)
 
-    @staticmethod
-    def servable(g_idx: torch.Tensor, groups: int) -> bool:
-        """Whether the kernel reads a weight of these groups (`layout`)."""
-        return Int4TritonLinear.layout(g_idx, groups) is not None
-
     @classmethod
     def from_parts(
         cls,
@@ -362,11 +357,13 @@ class Int4TritonLinear(CodesLinear):
         bias: torch.Tensor | None,
         dtype: torch.dtype,
         device: torch.device,
+        layout: tuple[torch.Tensor | None, int] | None = None,
     ) -> Int4TritonLinear:
         """From codes ``[out, in]``, scale and zero ``[out, groups]`` (`quant_formats.Int4Parts`) whose groups
-        are `servable` (ValueError otherwise). Act-order inputs are stored in group order; each call reads
-        the activations' columns in that order (a padded group's pads: code 0 times a zero column)."""
-        layout = cls.layout(g_idx, scale.shape[1])
+        the kernel reads (their `layout`, given where the caller asked it; ValueError where there is none). Act-order
+        inputs are stored in group order; each call reads the activations' columns in that order (a padded group's
+        pads: code 0 times a zero column)."""
+        layout = cls.layout(g_idx, scale.shape[1]) if layout is None else layout
         if layout is None:
             raise ValueError(
                 f"the int4 kernel reads groups of a multiple of {GROUP_TILE} consecutive inputs, or groups padded to "

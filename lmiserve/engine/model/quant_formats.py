@@ -232,9 +232,10 @@ def int4_module(
         return Int4Linear.from_codes(ordered.codes, scale, low, bias, order)
     keep = int4_triton.USE_ON_CUDA is True if keep_codes is None else keep_codes
     kernel = device.type == "cuda" and keep and int4_triton.available()
-    if kernel and int4_triton.Int4TritonLinear.servable(parts.g_idx, parts.scale.shape[1]):  # not yet measured
+    layout = int4_triton.Int4TritonLinear.layout(parts.g_idx, parts.scale.shape[1]) if kernel else None
+    if layout is not None:  # (not yet measured)
         return int4_triton.Int4TritonLinear.from_parts(
-            parts.codes, parts.scale, parts.zero, parts.g_idx, bias, dtype, device
+            parts.codes, parts.scale, parts.zero, parts.g_idx, bias, dtype, device, layout
         )
     return _plain_linear(parts.dequantize(), bias, dtype, device)
 
