@@ -227,8 +227,10 @@ def _block_fp8_shard(
         fine = whole_groups(block[1], columns.start)
         if not fine:
             return None
-        scales = scales.repeat_interleave(block[1] // fine, dim=1)  # each block's scale, a finer block at a time
-        scales = scales[:, columns.start // fine : -(-columns.stop // fine)].contiguous()
+        first, repeat = columns.start // block[1], block[1] // fine  # (only the rank's blocks' scales repeated)
+        scales = scales[:, first : -(-columns.stop // block[1])].repeat_interleave(repeat, dim=1)  # a finer block each
+        at = first * repeat  # the finer block the repeated scales start at
+        scales = scales[:, columns.start // fine - at : -(-columns.stop // fine) - at].contiguous()
     return fp8_module(torch.as_tensor(weight[:, columns]).contiguous(), scales, bias, dtype, device, keep)
 
 
