@@ -1,7 +1,9 @@
 """GPTQ act-order (``desc_act``) checkpoints on a CPU: kept as 4-bit codes with their inputs in group order
 (`engine/model/input_order.py`) against de-quantized to fp32 as before, and against the same weights in order.
+With ``--bits 8``, GPTQ-Int8's symmetric codes, kept on the q8 kernel (`engine/model/cpu_codes.py`; before
+2026-12-06 22:30 de-quantized to fp32 with or without act-order).
 
-    python benchmarks/act_order_cpu.py [--hidden 2048] [--intermediate 8192] [--layers 4] [--steps 32]
+    python benchmarks/act_order_cpu.py [--bits 4] [--hidden 2048] [--intermediate 8192] [--layers 4] [--steps 32]
                                        [--rows 1,8] [--json FILE]
 
 A Llama of a Llama 3.2 1B's layer shape (hidden 2048, intermediate 8192, 32 heads of 64, 8 KV heads; `--layers` of
@@ -33,7 +35,7 @@ from machine import cpu_model  # noqa: E402 - benchmarks/machine.py: the script'
 from tp_split_groups import random_llama  # noqa: E402
 
 from lmiserve.engine.attention.paged import paged_cache  # noqa: E402
-from lmiserve.engine.model import input_order  # noqa: E402
+from lmiserve.engine.model import cpu_codes, input_order  # noqa: E402
 from lmiserve.engine.model.fast_llama import FastLlama, StepInputs  # noqa: E402
 from lmiserve.models.load import load_causal_lm  # noqa: E402
 from lmiserve.models.quant_pack import write_quantized  # noqa: E402
@@ -78,13 +80,14 @@ def decode(model: torch.nn.Module, rows: int, steps: int) -> tuple[float, list[t
 
 
 def served(folder: Path, before: bool) -> tuple[torch.nn.Module, dict[str, int]]:
-    original = input_order.in_group_order
-    if before:  # as before: act-ordered groups not served, every such linear de-quantized at load
+    original, q8 = input_order.in_group_order, cpu_codes.q8_layer
+    if before:  # as before: act-ordered groups not served, nor 8-bit codes: every such linear de-quantized at load
         input_order.in_group_order = lambda parts: (parts, None)  # type: ignore[assignment]
+        cpu_codes.q8_layer = lambda parts, bias: None  # type: ignore[assignment]
     try:
         model = load_causal_lm(folder, device="cpu").model
     finally:
-        input_order.in_group_order = original
+        input_order.in_group_order, cpu_codes.q8_layer = original, q8
     kinds: dict[str, int] = {}
     for name, module in model.named_modules():
         if name.rpartition(".")[2].endswith("_proj"):
@@ -97,6 +100,7 @@ def served(folder: Path, before: bool) -> tuple[torch.nn.Module, dict[str, int]]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bits", type=int, choices=(4, 8), default=4)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--intermediate", type=int, default=8192)
     parser.add_argument("--layers", type=int, default=4)
@@ -108,6 +112,7 @@ def main() -> None:
     began = time.time()
     source = random_llama(args.hidden, args.intermediate, args.layers, head_dim=64, std=0.05)
     results: dict[str, Any] = {
+        "bits": args.bits,
         "shape": {"hidden": args.hidden, "intermediate": args.intermediate, "layers": args.layers},
         "threads": torch.get_num_threads(),
         "cpu": cpu_model(),
@@ -118,12 +123,14 @@ def main() -> None:
         folders = {}
         for act_order in (True, False):
             folders[act_order] = Path(tmp) / ("desc-act" if act_order else "in-order")
-            write_quantized(source, folders[act_order], "gptq", group=128, act_order=act_order)
+            fmt = "gptq" if args.bits == 4 else "gptq-int8"
+            write_quantized(source, folders[act_order], fmt, group=128, act_order=act_order)
             build_tiny_tokenizer().save_pretrained(folders[act_order])
+        now_label = f"act-order, kept {args.bits}-bit (now)"
         for label, folder, before in (
-            ("act-order, kept 4-bit (now)", folders[True], False),
+            (now_label, folders[True], False),
             ("act-order, de-quantized fp32 (before)", folders[True], True),
-            ("in order, 4-bit", folders[False], False),
+            (f"in order, {args.bits}-bit", folders[False], False),
         ):
             model, kinds = served(folder, before)
             entry: dict[str, Any] = {"linears": kinds, "linear_mib": round(linear_bytes(model) / 2**20, 1)}
@@ -134,7 +141,7 @@ def main() -> None:
             results["served"][label] = entry
             print(label, json.dumps(entry), flush=True)
             del model
-    now, before = logits["act-order, kept 4-bit (now)"], logits["act-order, de-quantized fp32 (before)"]
+    now, before = logits[now_label], logits["act-order, de-quantized fp32 (before)"]
     results["act_order_vs_dequantized"] = {
         n: {
             "same_greedy_tokens": all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in zip(now[n], before[n])),

@@ -76,14 +76,18 @@ def _gptq_tensors(weight: torch.Tensor, group: int, act_order: bool) -> dict[str
     return {"qweight": qweight, "qzeros": qzeros, "scales": scale.t().contiguous(), "g_idx": g_idx.to(torch.int32)}
 
 
-def _gptq_int8_tensors(weight: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
+def _gptq_int8_tensors(weight: torch.Tensor, group: int, act_order: bool = False) -> dict[str, torch.Tensor]:
     """GPTQ's symmetric 8-bit codes by groups of `group` inputs (``sym: true``, as Qwen publishes its GPTQ-Int8
     models): a group's scale its largest magnitude over 127 (codes 1..255), its zero 128 (stored minus one, v1),
-    four codes a word (code k at bits 8k), by inputs in ``qweight`` and by outputs in ``qzeros``."""
+    four codes a word (code k at bits 8k), by inputs in ``qweight`` and by outputs in ``qzeros``; with `act_order` a
+    permuted ``g_idx``, as the 4-bit codes'."""
     w = weight.detach().float()
     out, inputs = w.shape
     g_idx = torch.arange(inputs) // group
-    scale = (w.abs().reshape(out, -1, group).amax(-1) / 127).clamp(min=1e-6).half()  # [out, groups]
+    if act_order:
+        g_idx = g_idx[torch.randperm(inputs, generator=torch.Generator().manual_seed(inputs))]
+    largest = torch.zeros(out, inputs // group).scatter_reduce(1, g_idx.expand(out, -1), w.abs(), "amax")
+    scale = (largest / 127).clamp(min=1e-6).half()  # [out, groups]
     codes = (torch.round(w / scale.float()[:, g_idx]) + 128).clamp(0, 255).long()
     qweight = pack_nibbles(codes.t().reshape(inputs // 4, 4, out).permute(0, 2, 1), bits=8)  # [in / 4, out]
     qzeros = pack_nibbles(torch.full((scale.shape[1], out // 4, 4), 127), bits=8)  # [groups, out / 4]
@@ -98,7 +102,9 @@ def _tensors_of(weight: torch.Tensor, fmt: str, group: int, act_order: bool = Fa
         return _fp8_tensors(weight, fmt == "fp8-tensor")
     if fmt == "awq":
         return _awq_tensors(weight, group)
-    return _gptq_int8_tensors(weight, group) if fmt == "gptq-int8" else _gptq_tensors(weight, group, act_order)
+    if fmt == "gptq-int8":
+        return _gptq_int8_tensors(weight, group, act_order)
+    return _gptq_tensors(weight, group, act_order)
 
 
 def _fp8_tensors(weight: torch.Tensor, per_tensor: bool) -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from helpers.compressed_ints import write_compressed
 from helpers.quantizable import quantizable_llama, write_checkpoint
 from lmiserve.config.sources import load_settings
-from lmiserve.engine.model.quantize import Int4Linear, int4_available
+from lmiserve.engine.model.quantize import Int4Linear, Q8Linear, int4_available
 from lmiserve.models.errors import ModelLoadError
 from lmiserve.models.load import load_causal_lm
 from lmiserve.models.quantized_load import checkpoint_quantization
@@ -274,8 +274,8 @@ def test_eight_bit_weights_with_float_activations_are_refused(tmp_path):
 
 def test_w8a8_runs_torchs_int8_kernel_on_a_cpu_computing_in_bf16(tmp_path):
     """W8A8's symmetric int8 weights by channel are `Int8Linear`'s own form: in bf16 on a CPU each linear keeps its
-    int8 codes and scales (the weight it multiplies is the package's de-quantization, exactly); in fp32 they are
-    de-quantized at load. The start's log says which."""
+    int8 codes and scales (the weight it multiplies is the package's de-quantization, exactly); in fp32 they keep them
+    on the q8 kernel (`cpu_codes.q8_layer`: each channel's scale over its groups of 32), exactly too."""
     from helpers.compressed_ints import decompressed
     from lmiserve.engine.model.quantize import Int8Linear, int8_available
 
@@ -288,4 +288,6 @@ def test_w8a8_runs_torchs_int8_kernel_on_a_cpu_computing_in_bf16(tmp_path):
     want = decompressed("w8a8", 0, tensors)
     got = q_proj.dequantized() if isinstance(q_proj, Int8Linear) else q_proj.weight.float()
     assert torch.equal(got, want) if isinstance(q_proj, Int8Linear) else torch.allclose(got, want, rtol=1e-2)
-    assert type(load_causal_lm(folder, device="cpu").model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+    fp32 = load_causal_lm(folder, device="cpu").model.model.layers[0].self_attn.q_proj
+    assert type(fp32) is (Q8Linear if int4_available() else torch.nn.Linear)
+    assert torch.equal(fp32.dequantized() if isinstance(fp32, Q8Linear) else fp32.weight, want)

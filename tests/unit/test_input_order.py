@@ -20,7 +20,7 @@ from lmiserve.engine.model.input_order import InputOrder, in_group_order
 from lmiserve.engine.model.int8_weights import Int8WeightLinear
 from lmiserve.engine.model.llama_layout import fused_layers
 from lmiserve.engine.model.quant_formats import Int4Parts, int4_module, int8_module
-from lmiserve.engine.model.quantize import Int4Linear, int4_available, quantized_linear
+from lmiserve.engine.model.quantize import Int4Linear, Q8Linear, int4_available, quantized_linear
 from lmiserve.models.load import load_causal_lm
 
 CPU = torch.device("cpu")
@@ -95,25 +95,35 @@ def test_act_order_8_bit_codes_kept_on_a_gpu_run_the_kernel_on_gathered_rows() -
 
 
 @pytest.fixture(scope="module")
-def desc_act_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def desc_act_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """GPTQ checkpoints with act-order, 4-bit and 8-bit, of one model."""
     model = quantizable_llama(39)
     with torch.no_grad():  # norms' weights other than ones (the packed kernels take them in the gathered order)
         for name, weight in model.named_parameters():
             if name.endswith("norm.weight"):
                 weight.uniform_(0.5, 1.5)
-    return write_checkpoint(model, tmp_path_factory.mktemp("desc-act") / "gptq", "gptq", 64, True)
+    root = tmp_path_factory.mktemp("desc-act")
+    return {fmt: write_checkpoint(model, root / fmt, fmt, 64, True) for fmt in ("gptq", "gptq-int8")}
+
+
+@pytest.fixture
+def desc_act_folder(desc_act_folders: dict[str, Path]) -> Path:
+    return desc_act_folders["gptq"]
 
 
 @needs_int4
+@pytest.mark.parametrize(("fmt", "kind"), [("gptq", Int4Linear), ("gptq-int8", Q8Linear)])
 @torch.inference_mode()
-def test_the_fast_path_fuses_layers_of_one_order_and_gives_transformers_logits(desc_act_folder: Path) -> None:
+def test_the_fast_path_fuses_layers_of_one_order_and_gives_transformers_logits(
+    desc_act_folders: dict[str, Path], fmt: str, kind: type
+) -> None:
     """q/k/v (and gate/up) read one input and GPTQ gives them one order: one product each, its scales with the
     order; the steps (a prompt chunk, then decode rows) give the logits of transformers' forward over the same
-    modules, through the packed int4 kernels (q4_decode: each input gathered, the norms' weights in that order) and
-    through the op-by-op layers."""
-    model = load_causal_lm(desc_act_folder, device="cpu").model
+    modules, through the packed int4/q8 kernels (q4_decode: each input gathered, the norms' weights in that order)
+    and through the op-by-op layers. 4-bit codes on the int4 kernel; GPTQ-Int8's on the q8 kernel."""
+    model = load_causal_lm(desc_act_folders[fmt], device="cpu").model
     linears = [m for name, m in model.named_modules() if name.endswith("_proj")]
-    assert linears and all(isinstance(m, Int4Linear) and m.order is not None for m in linears)
+    assert linears and all(isinstance(m, kind) and m.order is not None for m in linears)
     seq = [1, 5, 9, 17, 33, 40, 7, 3]
     reference = model(torch.tensor([seq])).logits[0]
     layer, attn = fused_layers(model)[0], model.model.layers[0].self_attn
@@ -159,9 +169,13 @@ def test_layers_of_other_orders_are_products_apart(desc_act_folder: Path) -> Non
 
 
 @needs_int4
-def test_the_benchmark_reports_the_kept_codes_against_the_de_quantized_weights(tmp_path: Path) -> None:
-    """benchmarks/act_order_cpu.py on a small shape: the act-order linears kept 4-bit (an eighth of fp32's bytes, as
-    the in-order checkpoint's) where before they were fp32, with the de-quantized weights' greedy tokens."""
+@pytest.mark.parametrize(("bits", "kind"), [(4, "Int4Linear"), (8, "Q8Linear")])
+def test_the_benchmark_reports_the_kept_codes_against_the_de_quantized_weights(
+    tmp_path: Path, bits: int, kind: str
+) -> None:
+    """benchmarks/act_order_cpu.py on a small shape: the act-order linears kept as codes (as few bytes as the in-order
+    checkpoint's: 4-bit on the int4 kernel, GPTQ-Int8's on the q8 kernel) where before they were fp32, with the
+    de-quantized weights' greedy tokens."""
     import json
     import subprocess
     import sys
@@ -169,10 +183,12 @@ def test_the_benchmark_reports_the_kept_codes_against_the_de_quantized_weights(t
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / "act-order.json"
     command = [sys.executable, str(root / "benchmarks/act_order_cpu.py"), "--hidden", "256", "--intermediate", "512"]
-    subprocess.run([*command, "--layers", "1", "--steps", "3", "--rows", "1,2", "--json", str(out)], check=True)
+    command += ["--bits", str(bits), "--layers", "1", "--steps", "3", "--rows", "1,2", "--json", str(out)]
+    subprocess.run(command, check=True)
     results = json.loads(out.read_text())
     now, before, in_order = results["served"].values()
-    assert now["linears"] == {"Int4Linear (inputs in group order)": 7} and before["linears"] == {"Linear": 7}
-    assert in_order["linears"] == {"Int4Linear": 7} and now["linear_mib"] == in_order["linear_mib"]
-    assert now["linear_mib"] < before["linear_mib"] / 4 and all(now[f"step_ms_{n}_rows"] > 0 for n in (1, 2))
+    assert now["linears"] == {f"{kind} (inputs in group order)": 7} and before["linears"] == {"Linear": 7}
+    assert in_order["linears"] == {kind: 7} and now["linear_mib"] == in_order["linear_mib"]
+    assert now["linear_mib"] < before["linear_mib"] / (4 if bits == 4 else 3)
+    assert all(now[f"step_ms_{n}_rows"] > 0 for n in (1, 2))
     assert all(v["same_greedy_tokens"] for v in results["act_order_vs_dequantized"].values())

@@ -20,7 +20,7 @@ from lmiserve.engine import fp8_devices
 from lmiserve.engine.model import fp8_gemv, fp8_w8a8, int8_w8a8, int8_weights, kernel_choice
 from lmiserve.engine.model.int8_weights import Int8Scales, Int8WeightLinear
 from lmiserve.engine.model.quant_formats import Int4Parts, int8_module
-from lmiserve.engine.model.quantize import quantized_linear
+from lmiserve.engine.model.quantize import Q8Linear, int4_available, quantized_linear
 from lmiserve.engine.model.shard_checkpoint import load_shard_weights
 from lmiserve.engine.model.sharding import shard_model
 from lmiserve.models.load import load_model_shell
@@ -31,6 +31,11 @@ interpreted = pytest.mark.skipif(
     reason="needs triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py on CPU)",
 )
 CPU = torch.device("cpu")
+
+
+def weight_of(layer: torch.nn.Module) -> torch.Tensor:
+    """The float weight a layer's product uses (a layer of codes: de-quantized)."""
+    return layer.dequantized() if hasattr(layer, "dequantized") else layer.weight  # type: ignore[operator]
 
 
 def int8_parts(out: int, inputs: int, group: int, seed: int = 0, zero: int = 128) -> Int4Parts:
@@ -129,17 +134,18 @@ def test_choose_measures_every_row_count_against_the_de_quantized_product_never_
 def test_the_codes_are_kept_where_the_kernel_serves_them(group: int, zero: int, act_order: bool, kept: bool) -> None:
     """Where the loader keeps them, symmetric codes by channel or by groups of a power of two run the kernel; the
     rest is de-quantized at load (the same weights, exactly); where it does not keep them, de-quantized on CUDA as
-    before (on a CPU in fp32 here)."""
+    before, and on a CPU in fp32 symmetric codes run the CPU's q8 kernel (`cpu_codes.q8_layer`), exactly too."""
     parts = int8_parts(32, 96, group, zero=zero)
     if act_order:
         parts.g_idx = parts.g_idx[torch.randperm(96, generator=torch.Generator().manual_seed(1))]
     bias = torch.randn(32)
     layer = int8_module(parts, bias, torch.float32, CPU, keep_codes=True)
     assert isinstance(layer, Int8WeightLinear) is kept
-    weight = layer.dequantized() if isinstance(layer, Int8WeightLinear) else layer.weight
-    assert torch.equal(weight, parts.dequantize())
+    assert torch.equal(weight_of(layer), parts.dequantize())
     assert torch.equal(layer.bias, bias)
-    assert type(int8_module(parts, bias, torch.float32, CPU, keep_codes=False)) is torch.nn.Linear
+    cpu = int8_module(parts, bias, torch.float32, CPU, keep_codes=False)
+    assert type(cpu) is (Q8Linear if zero == 128 and int4_available() else torch.nn.Linear)
+    assert torch.equal(weight_of(cpu), parts.dequantize()) and torch.equal(cpu.bias, bias)
     if kept:
         order = ", inputs in group order" if act_order else ""
         assert str(layer).endswith(
@@ -180,8 +186,8 @@ def test_one_process_and_a_rank_ask_once_and_keep_the_codes_where_told(
             assert not answer or module.scales.int8_rows is (fmt == "w8a8")
     for name in ("mlp.down_proj", "self_attn.q_proj", "mlp.gate_proj"):
         got = whole.model.layers[1].get_submodule(name)
-        want = plain.model.layers[1].get_submodule(name).weight
-        assert torch.equal(got.dequantized() if answer else got.weight, want), name
+        want = weight_of(plain.model.layers[1].get_submodule(name))
+        assert torch.equal(weight_of(got), want), name
 
 
 def test_the_fast_path_reads_the_scales_type_not_the_codes_dtype() -> None:
@@ -285,3 +291,33 @@ def test_choose_offers_the_int8_rows_to_w8a8s_codes_and_serves_them_where_fastes
         assert fp8_gemv.chosen()[key] is (int8_w8a8.INT8_ROWS if serves else None)
     assert (int8_w8a8.INT8_ROWS in offered) is serves
     assert ("run on cuBLAS int8 x int8, activations per row" in caplog.text) is serves
+
+
+@pytest.mark.skipif(not int4_available(), reason="the CPU's q8 kernel (numba) is not available")
+@pytest.mark.parametrize(
+    ("out", "group", "zero", "q8_group"),
+    [
+        (32, 0, 128, 32),  # W8A8's scale a channel: over groups of 32
+        (32, 32, 128, 32),  # GPTQ-Int8's, W8A16's groups (128 in Qwen's releases)
+        (32, 48, 128, 16),  # groups of 48: 3 of 16
+        (32, 24, 128, None),  # groups of 24: no kernel group divides them
+        (32, 32, 130, None),  # asymmetric codes
+        (40, 32, 128, None),  # outputs not whole blocks of 16 rows (the fast path would not take the model)
+    ],
+    ids=["channel", "g32", "g48", "g24", "asymmetric", "out-40"],
+)
+def test_a_cpu_computing_in_fp32_keeps_symmetric_codes_on_the_q8_kernel(
+    out: int, group: int, zero: int, q8_group: int | None
+) -> None:
+    """`cpu_codes.q8_layer`: symmetric 8-bit codes whose groups are runs of a multiple of 16 inputs (or a scale a
+    channel) keep their codes on the q8 kernel, each group's scale over its kernel groups (a quarter of fp32's bytes;
+    exact); the rest de-quantized at load, as before."""
+    parts = int8_parts(out, 96, group, seed=7, zero=zero)
+    bias = torch.randn(out)
+    layer = int8_module(parts, bias, torch.float32, CPU)
+    assert type(layer) is (torch.nn.Linear if q8_group is None else Q8Linear)
+    assert torch.equal(weight_of(layer), parts.dequantize()) and torch.equal(layer.bias, bias)
+    x = torch.randn(3, 96)
+    torch.testing.assert_close(layer(x), x @ parts.dequantize().t() + bias, rtol=1e-5, atol=1e-5)
+    if q8_group is not None:
+        assert str(layer).endswith(f"q8 weights (groups of {q8_group}))")

@@ -46,7 +46,7 @@ from lmiserve.engine.model.quant_formats import (
     unpack_awq,
     unpack_gptq,
 )
-from lmiserve.engine.model.quantize import Int4Linear, int4_available, quantize_weight
+from lmiserve.engine.model.quantize import Int4Linear, Q8Linear, int4_available, quantize_weight
 from lmiserve.models.errors import ModelLoadError
 from lmiserve.models.load import load_causal_lm
 from lmiserve.models.quant_pack import rtn_int4
@@ -62,6 +62,7 @@ CASES = {  # id: (quant_pack format, act_order, group)
     "gptq-g128": ("gptq", False, 128),
     "gptq-g64-desc-act": ("gptq", True, 64),
     "gptq-int8-g32": ("gptq-int8", False, 32),  # symmetric 8-bit codes (Qwen's GPTQ-Int8 releases; groups of 128)
+    "gptq-int8-g64-desc-act": ("gptq-int8", True, 64),  # (on the CPU's q8 kernel, the inputs in group order)
     "w4a16-g32": ("w4a16", False, 32),  # compressed-tensors pack-quantized (llm-compressor's GPTQ W4A16)
     "w4a16-asym-g64": ("w4a16-asym", False, 64),  # with zero points (llm-compressor's AWQ, W4A16_ASYM)
     "w4a16-channel": ("w4a16", False, -1),  # one scale an output channel
@@ -74,6 +75,7 @@ CASES = {  # id: (quant_pack format, act_order, group)
 BLOCK_FP8 = ("fp8-block-b32", "modelopt-fp8-block")
 PER_ROW_FP8 = ("fp8-channel", "fp8-tensor", "fbgemm-fp8", "modelopt-fp8", "modelopt-fp8-channel")
 INT4 = ("awq", "gptq", *INT4_FORMATS)
+INT8 = ("gptq-int8", "w8a8", "w8a16")  # (symmetric 8-bit codes)
 
 
 def tiny_llama() -> tuple[LlamaForCausalLM, object]:
@@ -156,7 +158,9 @@ def dequantized_float_model(checkpoint: Path, case: str) -> LlamaForCausalLM:
 # --- the tests -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["awq-g128", "gptq-g128", "gptq-g64-desc-act", "gptq-int8-g32"])
+@pytest.mark.parametrize(
+    "case", ["awq-g128", "gptq-g128", "gptq-g64-desc-act", "gptq-int8-g32", "gptq-int8-g64-desc-act"]
+)
 def test_the_packer_round_trips_through_the_published_unpacking(checkpoints: dict[str, Path], case: str) -> None:
     """What quant_pack writes, the reference formulas read as RTN of the float weights (within half a step)."""
     model, _ = tiny_llama()
@@ -185,9 +189,11 @@ def test_each_format_loads_with_every_linear_equal_to_the_reference(checkpoints:
     for name, module in loaded.model.named_modules():
         if name.rpartition(".")[2] not in LINEARS:
             continue
-        on_kernel = fmt in INT4 and int4_available()  # (act-order's too, its inputs in group order: input_order)
-        assert isinstance(module, Int4Linear if on_kernel else torch.nn.Linear), (name, type(module))
-        got = module.dequantized() if isinstance(module, Int4Linear) else module.weight.detach()
+        # the CPU's kernels: 4-bit codes on the int4 kernel, symmetric 8-bit codes on the q8 kernel (cpu_codes); act-order
+        # too, its inputs in group order (input_order)
+        kind = Int4Linear if fmt in INT4 else Q8Linear if fmt in INT8 else torch.nn.Linear
+        assert isinstance(module, kind if int4_available() else torch.nn.Linear), (name, type(module))
+        got = module.dequantized() if isinstance(module, (Int4Linear, Q8Linear)) else module.weight.detach()
         assert got.dtype == torch.float32 and torch.equal(got, reference(case, tensors[name])), name
     assert type(loaded.model.lm_head) is torch.nn.Linear
 
@@ -332,7 +338,7 @@ def test_fp8_linears_on_the_triton_decode_kernel_decode_what_transformers_decode
         assert got == greedy(reference_model, ids, 8), ids
 
 
-@pytest.mark.parametrize("case", ["w8a8", "w8a16-g32", "gptq-int8-g32"])
+@pytest.mark.parametrize("case", ["w8a8", "w8a16-g32", "gptq-int8-g32", "gptq-int8-g64-desc-act"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_int8_codes_kept_on_the_triton_kernel_decode_what_transformers_decodes_dequantized(
     checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch, graphs: bool, case: str

@@ -18,7 +18,7 @@ from lmiserve.config import Settings
 from lmiserve.engine.model import fp8_gemv, quant_formats
 from lmiserve.engine.model.int8_weights import Int8WeightLinear
 from lmiserve.engine.model.quant_formats import Fp8Linear
-from lmiserve.engine.model.quantize import Int4Linear, int4_available
+from lmiserve.engine.model.quantize import Int4Linear, Q8Linear, int4_available
 from lmiserve.engine.model.shard_checkpoint import load_shard_weights
 from lmiserve.engine.model.shard_quantized import whole_groups
 from lmiserve.engine.model.sharding import ROW_PARALLEL, column_run, keep_runs, row_runs, shard_model, shard_of
@@ -58,7 +58,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def weight_of(module: torch.nn.Module) -> torch.Tensor:
     """The float weight a layer's product uses."""
-    if isinstance(module, (Int4Linear, Fp8Linear, Int8WeightLinear)):
+    if isinstance(module, (Int4Linear, Q8Linear, Fp8Linear, Int8WeightLinear)):
         return module.dequantized().float()
     return module.weight.detach().float()  # type: ignore[union-attr]
 

@@ -1,6 +1,6 @@
-"""`FastLlama`'s decoder layers for a model whose layer products are all q4 (``dtype=int4``,
-`group_kernels`), on steps of a few rows: each layer in four kernel calls and the attention, the
-small ops folded into the kernels' input and output sides.
+"""`FastLlama`'s decoder layers for a model whose layer products are all q4 or q8 (``dtype=int4``, a
+checkpoint's 4-bit or symmetric 8-bit codes: `cpu_codes`; `group_kernels`), on steps of a few rows: each layer
+in four kernel calls and the attention, the small ops folded into the kernels' input and output sides.
 
 Per layer: ``qkv = rms(x) @ Wqkv.T`` (the RMS norm formed in the kernel, `group_kernels.PRE_RMS`),
 RoPE in place on q and k (a compiled loop), the attention backend, ``x += attn @ Wo.T`` (the residual
@@ -100,9 +100,10 @@ class _Layer:
         weights = (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w)
         scales = (layer.qkv_s, layer.o_s, layer.gate_up_s, layer.down_s)
         biases = (layer.qkv_b, layer.o_b, layer.gate_up_b, layer.down_b)
-        if any(w.dtype != torch.uint8 or w.device.type != "cpu" for w in weights):
+        if any(w.dtype not in (torch.uint8, torch.int8) or w.device.type != "cpu" for w in weights):  # (q4, q8)
             return None
-        if any(not isinstance(s.scales if isinstance(s, InputOrder) else s, torch.Tensor) for s in scales):
+        groups = [s.scales if isinstance(s, InputOrder) else s for s in scales]  # (int8 rows' 1-D scales: no)
+        if any(not isinstance(s, torch.Tensor) or s.dim() != 2 for s in groups):
             return None
         in_norm, post_norm = _norm(layer.in_norm), _norm(layer.post_norm)
         if any(b is not None for b in biases) or not _is_silu(layer.act) or in_norm is None or post_norm is None:

@@ -26,12 +26,12 @@ integer zero point: ``w[o, i] = (code[o, i] - zero[o, g(i)]) * scale[o, g(i)]``.
 - compressed-tensors' integer weights (``pack-quantized`` W4A16 and W8A16, ``int-quantized`` W8A8): unpacked into
   the same form by `packed_codes`.
 
-`int4_module` makes the layer: on CPU, with fp32 compute and groups of consecutive inputs whose size is
-a multiple of 32, lmiserve's `Int4Linear` (GGUF Q4_1's ``w = code * scale + min`` per group of 32: each
-group of 128 is 4 groups of 32 with the same ``scale`` and ``min = -zero * scale``; exact, since
-``(code - zero) * scale`` of a fp16 scale is exact in fp32 either way), which the fast path runs with the
-compiled int4 kernel. Otherwise (``desc_act`` orders, other group sizes, bf16/fp16 compute, CUDA) the
-weight is de-quantized once at load into a plain linear: on CUDA that is a first correct step (bf16
+`int4_module` and `int8_module` make the layer: on CPU, the codes on lmiserve's compiled kernels where they serve
+them (`cpu_codes`: 4-bit `Int4Linear`, GGUF Q4_1's ``w = code * scale + min`` per group of 32, each group of 128
+being 4 groups of 32 with the same ``scale`` and ``min = -zero * scale``; symmetric 8-bit `Q8Linear`; exact, since
+``(code - zero) * scale`` of a fp16 scale is exact in fp32 either way; ``desc_act`` orders too, `input_order`).
+Otherwise (other group sizes, bf16/fp16 compute, CUDA) the weight is de-quantized once at load into a plain linear:
+on CUDA that is a first correct step (bf16
 products, no memory saving). `int4_triton` holds a Triton kernel on the codes, correct on an H200 but
 10-30x slower there than the de-quantized bf16 products (`benchmarks/quantized_kernels.py`; rewritten since,
 not yet measured), so it is used where the loader keeps the codes (`int4_triton.codes_kept`: forced by
@@ -45,18 +45,10 @@ from dataclasses import dataclass
 import torch
 
 from lmiserve.engine import fp8_devices
-from lmiserve.engine.model import fp8_gemv, fp8_w8a8, input_order, int4_triton, int8_weights
+from lmiserve.engine.model import cpu_codes, fp8_gemv, fp8_w8a8, input_order, int4_triton, int8_weights
 from lmiserve.engine.model.codes_linear import CodesLinear
 from lmiserve.engine.model.fp8_ops import FP8_MAX, dequantize_fp8, fp8_linear, quantize_fp8
-from lmiserve.engine.model.quantize import (
-    INT4_GROUP,
-    INT8_COMPUTE_DTYPE,
-    INT8_K_MULTIPLE,
-    Int4Linear,
-    Int8Linear,
-    int4_available,
-    int8_available,
-)
+from lmiserve.engine.model.quantize import INT8_COMPUTE_DTYPE
 
 __all__ = [
     "AWQ_ORDER",
@@ -210,26 +202,16 @@ def int4_module(
     device: torch.device,
     keep_codes: bool | None = None,
 ) -> torch.nn.Module:
-    """The layer of a 4-bit weight: `Int4Linear` on CPU when it computes in fp32 and its groups are runs of a
-    multiple of 32 inputs (act-order's, once sorted: `input_order`; exact: see the module's docstring); on CUDA,
+    """The layer of a 4-bit weight: on CPU computing in fp32, `cpu_codes.int4_layer` (`Int4Linear`, where its groups
+    are runs of a multiple of 32 inputs; act-order's once sorted: `input_order`); on CUDA,
     `int4_triton`'s kernel on the codes where `keep_codes` (None: where ``LMISERVE_USE_TRITON_INT4=1``) and it serves
     the layout; else a plain linear of `dtype` with the weight de-quantized once (on CUDA: faster than the first
     Triton kernel on an H200). An 8-bit weight (`Int4Parts.bits`): `int8_module`."""
     if parts.bits == 8:
         return int8_module(parts, bias, dtype, device, keep_codes)
-    ordered, order = input_order.in_group_order(parts) if device.type == "cpu" else (parts, None)
-    size = ordered.group_size()
-    if (
-        device.type == "cpu"
-        and dtype == torch.float32
-        and size is not None
-        and size % INT4_GROUP == 0
-        and int4_available()
-    ):
-        repeat = size // INT4_GROUP
-        scale = parts.scale.repeat_interleave(repeat, dim=1)
-        low = (-parts.zero.float() * parts.scale).repeat_interleave(repeat, dim=1)
-        return Int4Linear.from_codes(ordered.codes, scale, low, bias, order)
+    kept = cpu_codes.int4_layer(parts, bias) if device.type == "cpu" and dtype == torch.float32 else None
+    if kept is not None:
+        return kept
     keep = int4_triton.USE_ON_CUDA is True if keep_codes is None else keep_codes
     kernel = device.type == "cuda" and keep and int4_triton.available()
     layout = int4_triton.Int4TritonLinear.layout(parts.g_idx, parts.scale.shape[1]) if kernel else None
@@ -249,9 +231,9 @@ def int8_module(
 ) -> torch.nn.Module:
     """The layer of an 8-bit weight: where `keep_codes` (the loaders' `int8_weights.weights_kept_for` on CUDA;
     tests on a CPU) and the kernel serves its scales (`int8_weights.served_scales`), an `Int8WeightLinear` on
-    `fp8_gemv`'s kernel; on CPU, computing in bf16, a symmetric weight with a scale a channel (W8A8's) is an
-    `Int8Linear` on torch's int8 kernel (its codes as they are: ``x @ (q * scale).T``); else a plain linear of
-    `dtype` with the weight de-quantized once."""
+    `fp8_gemv`'s kernel; on CPU, symmetric codes keep a CPU kernel (`cpu_codes`: computing in fp32, `Q8Linear` by
+    groups; in bf16, with a scale a channel, `Int8Linear`); else a plain linear of `dtype` with the weight
+    de-quantized once."""
     if keep_codes:  # (act-ordered groups: the inputs stored in group order, `input_order`)
         ordered, order = input_order.in_group_order(parts)
         served = int8_weights.served_scales(ordered.codes, ordered.scale, ordered.zero, ordered.group_size())
@@ -259,17 +241,11 @@ def int8_module(
             b = None if bias is None else bias.detach().to(device, dtype)
             codes, o = int8_weights.signed_codes(ordered.codes).to(device), None if order is None else order.to(device)
             return int8_weights.Int8WeightLinear(codes, served.to(device), b, parts.int8_rows, o)
-    inputs = parts.codes.shape[1]
-    if (
-        device.type == "cpu"
-        and dtype == INT8_COMPUTE_DTYPE
-        and parts.scale.shape[1] == 1
-        and bool((parts.zero == int8_weights.SYMMETRIC_ZERO).all())
-        and inputs % INT8_K_MULTIPLE == 0
-        and int8_available()
-    ):
-        weight = int8_weights.signed_codes(parts.codes)
-        return Int8Linear(weight, parts.scale[:, 0].to(dtype), None if bias is None else bias.detach().to(dtype))
+    cpu = device.type == "cpu"
+    on_cpu = cpu_codes.q8_layer if dtype == torch.float32 else cpu_codes.int8_rows_layer
+    kept = on_cpu(parts, bias) if cpu and dtype in (torch.float32, INT8_COMPUTE_DTYPE) else None
+    if kept is not None:
+        return kept
     return _plain_linear(parts.dequantize(), bias, dtype, device)
 
 

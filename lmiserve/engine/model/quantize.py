@@ -219,20 +219,38 @@ class Q8Linear(CodesLinear):
     """A linear layer with int8 weights and a fp32 scale per group of 16 or 32 inputs (GGUF Q8_0:
     32; ``w = code * scale``) in `group_kernels`' blocked layout: `weight` int8 ``[ceil(out / 16), in *
     16]``, `scales` fp32 ``[ceil(out / 16), in / group * 16]`` (`group_kernels.pack_q8`). Input in any
-    float dtype, product and output fp32. No bias."""
+    float dtype, product and output fp32. A bias (fp32) and an `order` of the stored inputs (GPTQ's act-order,
+    `input_order`) where a checkpoint's 8-bit codes have them (`cpu_codes.q8_layer`); a GGUF file's: neither."""
 
-    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, in_features: int, out_features: int) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        scales: torch.Tensor,
+        in_features: int,
+        out_features: int,
+        bias: torch.Tensor | None = None,
+        order: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = weight
         self.scales = scales
-        self.bias = None
+        self.bias = bias
+        self.order = order
 
     @classmethod
-    def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor) -> Q8Linear:
-        """From int8 codes ``[out, in]`` (a GGUF file's own) and fp32 scales ``[out, in / group]``."""
+    def from_codes(
+        cls,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        order: torch.Tensor | None = None,
+    ) -> Q8Linear:
+        """From int8 codes ``[out, in]`` (a GGUF file's own, or a checkpoint's stored in `order`) and fp32 scales
+        ``[out, in / group]``."""
         packed, scales = pack_q8(codes, scale)
-        return cls(packed, scales, codes.shape[1], codes.shape[0])
+        b = None if bias is None else bias.detach().float()
+        return cls(packed, scales, codes.shape[1], codes.shape[0], b, order)
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear | torch.Tensor, group: int = Q8_GROUP) -> Q8Linear:
@@ -250,14 +268,15 @@ class Q8Linear(CodesLinear):
 
     def dequantized(self) -> torch.Tensor:
         codes, scale = self.codes()
-        return (codes.float().view(self.out_features, scale.shape[1], -1) * scale[..., None]).view(codes.shape)
+        w = (codes.float().view(self.out_features, scale.shape[1], -1) * scale[..., None]).view(codes.shape)
+        return input_order.in_checkpoint_order(w, self.order)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
-        return q8_linear(rows, self.weight, self.scales, self.out_features)
+        return q8_linear(input_order.gathered(rows, self.order), self.weight, self.scales, self.out_features)
 
     def extra_repr(self) -> str:
-        group = self.in_features * LANES // self.scales.shape[1]
-        return f"in_features={self.in_features}, out_features={self.out_features}, q8 weights (groups of {group})"
+        group = f"groups of {self.in_features * LANES // self.scales.shape[1]}{input_order.extra_repr(self.order)}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, q8 weights ({group})"
 
 
 def quantize_linears(model: torch.nn.Module, dtype: torch.dtype = INT8_COMPUTE_DTYPE) -> int:

@@ -1,0 +1,88 @@
+"""A checkpoint's integer codes kept on a CPU's kernels (AWQ, GPTQ, compressed-tensors' W4A16, W8A16 and W8A8;
+`quant_formats.int4_module` and `int8_module` ask here first on a CPU): each weight exactly the checkpoint's.
+
+- 4-bit codes whose groups are runs of a multiple of 32 inputs, computing in fp32: `quantize.Int4Linear` (lmiserve's
+  int4 kernel, GGUF Q4_1's ``w = code * scale + min`` per group of 32: each group of 128 is 4 groups of 32 with
+  ``min = -zero * scale``).
+- Symmetric 8-bit codes (GPTQ-Int8, W8A16, W8A8's) whose groups are runs of a multiple of 16 inputs, or one scale a
+  channel, computing in fp32: `quantize.Q8Linear` (the q8 kernel of GGUF's Q8_0, ``w = code * scale`` per group of 32
+  or 16: each group's scale repeated over its groups of 32). Until 2026-12-06 these were de-quantized to fp32: 4 times
+  their bytes (a Qwen2.5-7B GPTQ-Int8 about 30 GB).
+- In bf16 (``dtype=bf16``), symmetric 8-bit codes with a scale a channel (W8A8's): `quantize.Int8Linear` on torch's
+  int8 kernel.
+
+GPTQ's act-order groups are runs once the inputs are sorted by group (`input_order`): the layer stores them so and
+gathers its activations. None where no kernel serves the codes: the caller de-quantizes them."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from lmiserve.engine.model import input_order, int8_weights
+from lmiserve.engine.model.quantize import (
+    INT4_GROUP,
+    INT4_ROW_BLOCK,
+    INT8_COMPUTE_DTYPE,
+    INT8_K_MULTIPLE,
+    Int4Linear,
+    Int8Linear,
+    Q8Linear,
+    int4_available,
+    int8_available,
+)
+
+
+class Int4Parts(Protocol):
+    """What these layers read of `quant_formats.Int4Parts`."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    g_idx: torch.Tensor
+
+    def group_size(self) -> int | None: ...
+
+
+Q8_GROUPS = (32, 16)  # the q8 kernel's groups of inputs, largest first
+
+
+def int4_layer(parts: Int4Parts, bias: torch.Tensor | None) -> Int4Linear | None:
+    """4-bit codes on the int4 kernel (fp32), or None."""
+    ordered, order = input_order.in_group_order(parts)
+    size = ordered.group_size()
+    if size is None or size % INT4_GROUP or not int4_available():
+        return None
+    repeat = size // INT4_GROUP
+    scale = parts.scale.repeat_interleave(repeat, dim=1)
+    low = (-parts.zero.float() * parts.scale).repeat_interleave(repeat, dim=1)
+    return Int4Linear.from_codes(ordered.codes, scale, low, bias, order)
+
+
+def q8_layer(parts: Int4Parts, bias: torch.Tensor | None) -> Q8Linear | None:
+    """Symmetric 8-bit codes on the q8 kernel (fp32), or None (asymmetric codes; groups of another size; outputs not
+    whole blocks of `INT4_ROW_BLOCK` rows, which the fast path does not take)."""
+    if not _symmetric(parts) or parts.codes.shape[0] % INT4_ROW_BLOCK or not int4_available():
+        return None
+    ordered, order = input_order.in_group_order(parts)
+    size = ordered.group_size()
+    group = next((g for g in Q8_GROUPS if size is not None and size % g == 0), None)
+    if size is None or group is None:
+        return None
+    scale = parts.scale.float().repeat_interleave(size // group, dim=1)
+    return Q8Linear.from_codes(int8_weights.signed_codes(ordered.codes), scale, bias, order)
+
+
+def int8_rows_layer(parts: Int4Parts, bias: torch.Tensor | None) -> Int8Linear | None:
+    """Symmetric 8-bit codes with a scale a channel on torch's int8 kernel (bf16), or None."""
+    inputs = parts.codes.shape[1]
+    if parts.scale.shape[1] != 1 or not _symmetric(parts) or inputs % INT8_K_MULTIPLE or not int8_available():
+        return None
+    dtype = INT8_COMPUTE_DTYPE
+    weight = int8_weights.signed_codes(parts.codes)
+    return Int8Linear(weight, parts.scale[:, 0].to(dtype), None if bias is None else bias.detach().to(dtype))
+
+
+def _symmetric(parts: Int4Parts) -> bool:
+    return bool((parts.zero == int8_weights.SYMMETRIC_ZERO).all())
