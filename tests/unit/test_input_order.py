@@ -106,11 +106,6 @@ def desc_act_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
     return {fmt: write_checkpoint(model, root / fmt, fmt, 64, True) for fmt in ("gptq", "gptq-int8")}
 
 
-@pytest.fixture
-def desc_act_folder(desc_act_folders: dict[str, Path]) -> Path:
-    return desc_act_folders["gptq"]
-
-
 @needs_int4
 @pytest.mark.parametrize(("fmt", "kind"), [("gptq", Int4Linear), ("gptq-int8", Q8Linear)])
 @torch.inference_mode()
@@ -148,14 +143,15 @@ def test_the_fast_path_fuses_layers_of_one_order_and_gives_transformers_logits(
 
 
 @needs_int4
+@pytest.mark.parametrize("fmt", ["gptq", "gptq-int8"])
 @torch.inference_mode()
-def test_layers_of_other_orders_are_products_apart(desc_act_folder: Path) -> None:
+def test_layers_of_other_orders_are_products_apart(desc_act_folders: dict[str, Path], fmt: str) -> None:
     """A v_proj whose inputs came in another order (a checkpoint quantized linear by linear) is not fused with q and
-    k: q/k one product, v its own, each gathering its order."""
-    model = load_causal_lm(desc_act_folder, device="cpu").model
+    k: q/k one product, v its own, each gathering its order (4-bit codes, and GPTQ-Int8's on the q8 kernel)."""
+    model = load_causal_lm(desc_act_folders[fmt], device="cpu").model
     attn = model.model.layers[1].self_attn
     v = attn.v_proj
-    other = act_order_parts(v.out_features, v.in_features, 64, seed=11)
+    other = act_order_parts(v.out_features, v.in_features, 64, bits=4 if fmt == "gptq" else 8, seed=11)
     attn.v_proj = int4_module(other, None, torch.float32, CPU)
     assert not torch.equal(attn.v_proj.order, attn.q_proj.order)
     seq = [4, 60, 2, 11, 8, 30]
