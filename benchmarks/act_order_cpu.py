@@ -82,7 +82,7 @@ def decode(model: torch.nn.Module, rows: int, steps: int) -> tuple[float, list[t
 def served(folder: Path, before: bool) -> tuple[torch.nn.Module, dict[str, int]]:
     original, q8 = input_order.in_group_order, cpu_codes.q8_layer
     if before:  # as before: act-ordered groups not served, nor 8-bit codes: every such linear de-quantized at load
-        input_order.in_group_order = lambda parts: (parts, None)  # type: ignore[assignment]
+        input_order.in_group_order = lambda parts: (parts, None, None)  # type: ignore[assignment]
         cpu_codes.q8_layer = lambda parts, bias: None  # type: ignore[assignment]
     try:
         model = load_causal_lm(folder, device="cpu").model

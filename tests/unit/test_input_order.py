@@ -48,18 +48,18 @@ def act_order_parts(out: int, inputs: int, group: int, bits: int = 4, seed: int 
 def test_the_inputs_are_sorted_by_group_where_that_makes_runs_of_one_size() -> None:
     parts = act_order_parts(8, 256, 64)
     assert parts.group_size() is None  # scattered: no kernel reads it as it is
-    ordered, order = in_group_order(parts)
-    assert order is not None and ordered.group_size() == 64
+    ordered, order, size = in_group_order(parts)
+    assert order is not None and size == ordered.group_size() == 64
     assert torch.equal(ordered.g_idx, torch.arange(256) // 64)
     assert torch.equal(ordered.codes, parts.codes[:, order])
     in_order = act_order_parts(8, 256, 64)
     in_order.g_idx = torch.arange(256) // 64
-    kept, none = in_group_order(in_order)
-    assert kept is in_order and none is None  # already runs: nothing to gather
+    kept, none, size = in_group_order(in_order)
+    assert kept is in_order and none is None and size == 64  # already runs: nothing to gather
     uneven = act_order_parts(8, 256, 64)
     uneven.g_idx, uneven.codes = uneven.g_idx[:96], uneven.codes[:, :96]  # a rank's part: groups of unequal sizes
-    kept, none = in_group_order(uneven)
-    assert kept is uneven and none is None
+    kept, none, size = in_group_order(uneven)
+    assert kept is uneven and none is None and size is None
 
 
 @needs_int4

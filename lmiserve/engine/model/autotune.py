@@ -45,7 +45,7 @@ from lmiserve.engine.attention import cpu_kernel as compiled_attention
 from lmiserve.engine.model import skinny_gemm
 from lmiserve.engine.model.cpu_gemm import FEW_ROWS, CpuGemm
 from lmiserve.engine.model.fast_llama import StepInputs
-from lmiserve.engine.model.input_order import InputOrder
+from lmiserve.engine.model.input_order import scales_of
 from lmiserve.engine.model.int4_triton import Int4Scales
 from lmiserve.engine.model.int8_weights import Int8Scales
 
@@ -105,7 +105,7 @@ def cache_key(fast: FastLlama, slots: int) -> str:
 
 def _weight_kind(part: Part, dtype: torch.dtype) -> str:
     """A product's weights: int4, q8 (int8 with group scales), int8 (rows) or the model's float dtype."""
-    scales = part.scales.scales if isinstance(part.scales, InputOrder) else part.scales
+    scales = scales_of(part.scales)
     if scales is None:
         return str(dtype).removeprefix("torch.")
     if part.weight.dtype == torch.uint8 or isinstance(scales, Int4Scales):

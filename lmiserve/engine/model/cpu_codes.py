@@ -1,5 +1,5 @@
 """A checkpoint's integer codes kept on a CPU's kernels (AWQ, GPTQ, compressed-tensors' W4A16, W8A16 and W8A8;
-`quant_formats.int4_module` and `int8_module` ask here first on a CPU): each weight exactly the checkpoint's.
+`quant_formats.int4_module` and `int8_module` ask `layer` first on a CPU): each weight exactly the checkpoint's.
 
 - 4-bit codes whose groups are runs of a multiple of 32 inputs, computing in fp32: `quantize.Int4Linear` (lmiserve's
   int4 kernel, GGUF Q4_1's ``w = code * scale + min`` per group of 32: each group of 128 is 4 groups of 32 with
@@ -41,17 +41,24 @@ class Int4Parts(Protocol):
     scale: torch.Tensor
     zero: torch.Tensor
     g_idx: torch.Tensor
-
-    def group_size(self) -> int | None: ...
+    bits: int
 
 
 Q8_GROUPS = (32, 16)  # the q8 kernel's groups of inputs, largest first
 
 
+def layer(parts: Int4Parts, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.nn.Module | None:
+    """The CPU's layer of `parts` (`bits` 4 or 8) computing in `dtype`, or None (de-quantize them)."""
+    if parts.bits == 4:
+        return int4_layer(parts, bias) if dtype == torch.float32 else None
+    if dtype == torch.float32:
+        return q8_layer(parts, bias)
+    return int8_rows_layer(parts, bias) if dtype == INT8_COMPUTE_DTYPE else None
+
+
 def int4_layer(parts: Int4Parts, bias: torch.Tensor | None) -> Int4Linear | None:
     """4-bit codes on the int4 kernel (fp32), or None."""
-    ordered, order = input_order.in_group_order(parts)
-    size = ordered.group_size()
+    ordered, order, size = input_order.in_group_order(parts)
     if size is None or size % INT4_GROUP or not int4_available():
         return None
     repeat = size // INT4_GROUP
@@ -65,8 +72,7 @@ def q8_layer(parts: Int4Parts, bias: torch.Tensor | None) -> Q8Linear | None:
     whole blocks of `INT4_ROW_BLOCK` rows, which the fast path does not take)."""
     if not _symmetric(parts) or parts.codes.shape[0] % INT4_ROW_BLOCK or not int4_available():
         return None
-    ordered, order = input_order.in_group_order(parts)
-    size = ordered.group_size()
+    ordered, order, size = input_order.in_group_order(parts)
     group = next((g for g in Q8_GROUPS if size is not None and size % g == 0), None)
     if size is None or group is None:
         return None

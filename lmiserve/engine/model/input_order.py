@@ -11,9 +11,9 @@ load), where every group then is a run of one size; its product gathers the acti
 (`gathered`: one ``index_select`` of the rows, a row of the hidden size a token), which gives the same sums as the
 layer in its checkpoint's order. The fast path fuses such layers only with layers of the same order (`key`: q/k/v,
 and gate/up, read the same input and GPTQ gives them the same order) and carries the order with the fused scales
-(`InputOrder`, `quantize.quantized_linear` gathers). The CPU's int4 decode kernels that fuse the norm into the
-product (`q4_decode`) do not gather: such a model's steps run the op-by-op path. AWQ/GPTQ codes on a GPU
-(`int4_triton`) gather in their own kernel and do not use this."""
+(`InputOrder`, `quantize.quantized_linear` gathers; `scales_of` reads the scales beneath). The CPU's packed decode
+kernels (`q4_decode`) gather each product's input too, the norms' weights taken in the same order. AWQ/GPTQ codes on
+a GPU (`int4_triton`) gather in their own kernel and do not use this."""
 
 from __future__ import annotations
 
@@ -44,15 +44,15 @@ class Codes(Protocol):
 P = TypeVar("P", bound=Codes)
 
 
-def in_group_order(parts: P) -> tuple[P, torch.Tensor | None]:
-    """`parts` with its inputs stored sorted by group, and that order, where that makes its groups runs of one size
-    (GPTQ's act-order); else `parts` as they are and None (groups already runs, or of unequal sizes: a
-    tensor-parallel rank's part of act-ordered inputs)."""
+def in_group_order(parts: P) -> tuple[P, torch.Tensor | None, int | None]:
+    """``(parts, order, size)``: `parts` with its inputs stored sorted by group and that `order`, where that makes its
+    groups runs of one `size` (GPTQ's act-order); else `parts` as they are, no order, and the size of their groups'
+    runs (None: groups of unequal sizes, as a tensor-parallel rank's part of act-ordered inputs)."""
     order, size = int4_triton.group_layout(parts.g_idx, parts.scale.shape[1])
-    if order is None or size is None:
-        return parts, None
+    if order is None:
+        return parts, None, size
     codes, g_idx = parts.codes[:, order].contiguous(), parts.g_idx[order]
-    return dataclasses.replace(parts, codes=codes, g_idx=g_idx), order  # type: ignore[type-var]
+    return dataclasses.replace(parts, codes=codes, g_idx=g_idx), order, size  # type: ignore[type-var]
 
 
 def gathered(rows: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
@@ -69,6 +69,11 @@ def key(module: Any) -> tuple[int, ...] | None:
     """What layers fuse on besides their kind: the order of their stored inputs (None: the checkpoint's)."""
     order = getattr(module, "order", None)
     return None if order is None else tuple(order.tolist())
+
+
+def scales_of(scales: Any) -> Any:
+    """A product's scales beneath its input order (`InputOrder`), or `scales` as they are."""
+    return scales.scales if isinstance(scales, InputOrder) else scales
 
 
 def with_order(scales: Any, module: Any) -> Any:

@@ -26,7 +26,7 @@ import torch
 
 from lmiserve.engine.attention import backends
 from lmiserve.engine.jit import numba
-from lmiserve.engine.model import group_kernels
+from lmiserve.engine.model import group_kernels, input_order
 from lmiserve.engine.model.group_kernels import PRE_RMS, PRE_SILU_MUL, Packed
 from lmiserve.engine.model.input_order import InputOrder
 
@@ -83,7 +83,7 @@ class _Layer:
     def __init__(self, layer: Any, in_norm: tuple[Any, float], post_norm: tuple[Any, float]) -> None:
         scales = (layer.qkv_s, layer.o_s, layer.gate_up_s, layer.down_s)
         stored = (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w)
-        weights = [Packed(w, s.scales if isinstance(s, InputOrder) else s) for w, s in zip(stored, scales, strict=True)]
+        weights = [Packed(w, input_order.scales_of(s)) for w, s in zip(stored, scales, strict=True)]
         self.qkv, self.o, self.gate_up, self.down = weights
         qkv, o, gate_up, down = (_order(s) for s in scales)
         if down is not None:  # (gate's columns, then up's)
@@ -102,7 +102,7 @@ class _Layer:
         biases = (layer.qkv_b, layer.o_b, layer.gate_up_b, layer.down_b)
         if any(w.dtype not in (torch.uint8, torch.int8) or w.device.type != "cpu" for w in weights):  # (q4, q8)
             return None
-        groups = [s.scales if isinstance(s, InputOrder) else s for s in scales]  # (int8 rows' 1-D scales: no)
+        groups = [input_order.scales_of(s) for s in scales]  # (int8 rows' 1-D scales: no)
         if any(not isinstance(s, torch.Tensor) or s.dim() != 2 for s in groups):
             return None
         in_norm, post_norm = _norm(layer.in_norm), _norm(layer.post_norm)

@@ -31,11 +31,11 @@ them (`cpu_codes`: 4-bit `Int4Linear`, GGUF Q4_1's ``w = code * scale + min`` pe
 being 4 groups of 32 with the same ``scale`` and ``min = -zero * scale``; symmetric 8-bit `Q8Linear`; exact, since
 ``(code - zero) * scale`` of a fp16 scale is exact in fp32 either way; ``desc_act`` orders too, `input_order`).
 Otherwise (other group sizes, bf16/fp16 compute, CUDA) the weight is de-quantized once at load into a plain linear:
-on CUDA that is a first correct step (bf16
-products, no memory saving). `int4_triton` holds a Triton kernel on the codes, correct on an H200 but
-10-30x slower there than the de-quantized bf16 products (`benchmarks/quantized_kernels.py`; rewritten since,
-not yet measured), so it is used where the loader keeps the codes (`int4_triton.codes_kept`: forced by
-``LMISERVE_USE_TRITON_INT4=1``, or the de-quantized weights would not fit the GPU)."""
+on CUDA that is a first correct step (bf16 products, no memory saving). `int4_triton` holds a Triton kernel on the
+codes, correct on an H200 but 10-30x slower there than the de-quantized bf16 products
+(`benchmarks/quantized_kernels.py`; rewritten since, not yet measured), so it is used where the loader keeps the
+codes (`int4_triton.codes_kept`: forced by ``LMISERVE_USE_TRITON_INT4=1``, or the de-quantized weights would not fit
+the GPU)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,6 @@ from lmiserve.engine import fp8_devices
 from lmiserve.engine.model import cpu_codes, fp8_gemv, fp8_w8a8, input_order, int4_triton, int8_weights
 from lmiserve.engine.model.codes_linear import CodesLinear
 from lmiserve.engine.model.fp8_ops import FP8_MAX, dequantize_fp8, fp8_linear, quantize_fp8
-from lmiserve.engine.model.quantize import INT8_COMPUTE_DTYPE
 
 __all__ = [
     "AWQ_ORDER",
@@ -202,14 +201,14 @@ def int4_module(
     device: torch.device,
     keep_codes: bool | None = None,
 ) -> torch.nn.Module:
-    """The layer of a 4-bit weight: on CPU computing in fp32, `cpu_codes.int4_layer` (`Int4Linear`, where its groups
+    """The layer of a 4-bit weight: on CPU computing in fp32, `cpu_codes.layer` (`Int4Linear`, where its groups
     are runs of a multiple of 32 inputs; act-order's once sorted: `input_order`); on CUDA,
     `int4_triton`'s kernel on the codes where `keep_codes` (None: where ``LMISERVE_USE_TRITON_INT4=1``) and it serves
     the layout; else a plain linear of `dtype` with the weight de-quantized once (on CUDA: faster than the first
     Triton kernel on an H200). An 8-bit weight (`Int4Parts.bits`): `int8_module`."""
     if parts.bits == 8:
         return int8_module(parts, bias, dtype, device, keep_codes)
-    kept = cpu_codes.int4_layer(parts, bias) if device.type == "cpu" and dtype == torch.float32 else None
+    kept = cpu_codes.layer(parts, bias, dtype) if device.type == "cpu" else None
     if kept is not None:
         return kept
     keep = int4_triton.USE_ON_CUDA is True if keep_codes is None else keep_codes
@@ -235,15 +234,13 @@ def int8_module(
     groups; in bf16, with a scale a channel, `Int8Linear`); else a plain linear of `dtype` with the weight
     de-quantized once."""
     if keep_codes:  # (act-ordered groups: the inputs stored in group order, `input_order`)
-        ordered, order = input_order.in_group_order(parts)
-        served = int8_weights.served_scales(ordered.codes, ordered.scale, ordered.zero, ordered.group_size())
+        ordered, order, size = input_order.in_group_order(parts)
+        served = int8_weights.served_scales(ordered.codes, ordered.scale, ordered.zero, size)
         if served is not None:
             b = None if bias is None else bias.detach().to(device, dtype)
             codes, o = int8_weights.signed_codes(ordered.codes).to(device), None if order is None else order.to(device)
             return int8_weights.Int8WeightLinear(codes, served.to(device), b, parts.int8_rows, o)
-    cpu = device.type == "cpu"
-    on_cpu = cpu_codes.q8_layer if dtype == torch.float32 else cpu_codes.int8_rows_layer
-    kept = on_cpu(parts, bias) if cpu and dtype in (torch.float32, INT8_COMPUTE_DTYPE) else None
+    kept = cpu_codes.layer(parts, bias, dtype) if device.type == "cpu" else None
     if kept is not None:
         return kept
     return _plain_linear(parts.dequantize(), bias, dtype, device)
