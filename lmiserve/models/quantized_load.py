@@ -68,7 +68,7 @@ from lmiserve.engine.model.quant_formats import (
     unpack_gptq,
     weights_kept_for,
 )
-from lmiserve.engine.model.quantize import Int4Linear, Int8Linear, replace_linears
+from lmiserve.engine.model.quantize import Int4Linear, Int8Linear, Q8Linear, replace_linears
 from lmiserve.engine.model.shard_checkpoint import model_names
 from lmiserve.engine.model.shard_quantized import dequantizing_reader
 from lmiserve.engine.model.sharding import experts_layout
@@ -316,6 +316,8 @@ def _kind_name(module: torch.nn.Module) -> str:
         return "on the int8 kernel"
     if isinstance(module, Int8WeightLinear):
         return "int8 codes on the Triton kernel"
+    if isinstance(module, Q8Linear):  # (a CPU's 8-bit codes: `cpu_codes`)
+        return f"{'fp8' if module.weight.dtype == torch.float8_e4m3fn else 'int8'} codes on the q8 kernel"
     if type(module) is torch.nn.Linear:
         return f"de-quantized to {str(module.weight.dtype).removeprefix('torch.')}"
     return "fp8 weights"

@@ -16,6 +16,7 @@ from lmiserve.engine import fp8_devices
 from lmiserve.engine.model import fp8_gemv
 from lmiserve.engine.model.fp8_ops import dequantize_fp8, fp8_linear
 from lmiserve.engine.model.quant_formats import Fp8Linear, fp8_module
+from lmiserve.engine.model.quantize import Q8Linear
 
 DEVICE = torch.device(os.environ.get("LMISERVE_TEST_DEVICE", "cpu"))  # (the GPU check runs this file on CUDA)
 # bf16 activations on a GPU (the kernel's tensor-core tiles round fp32 to tf32 there); fp32 under the interpreter
@@ -128,8 +129,11 @@ def test_fp8_module_keeps_block_wise_weights_only_where_asked() -> None:
     assert isinstance(kept, Fp8Linear) and kept.scales.shape == (64, 2)
     assert torch.equal(kept.dequantized(), reference(q, scale, (32, 128)))
     assert "blocks of 128 inputs" in kept.extra_repr()
-    plain = fp8_module(q, scale, None, torch.float32, torch.device("cpu"), block=(32, 128))
-    assert type(plain) is torch.nn.Linear and torch.equal(plain.weight, reference(q, scale, (32, 128)))
+    on_cpu = fp8_module(q, scale, None, torch.float32, torch.device("cpu"), block=(32, 128))  # (cpu_codes.fp8_layer)
+    assert isinstance(on_cpu, Q8Linear) and on_cpu.weight.dtype == torch.float8_e4m3fn
+    assert torch.equal(on_cpu.dequantized(), reference(q, scale, (32, 128)))
+    plain = fp8_module(q, scale, None, torch.bfloat16, torch.device("cpu"), block=(32, 128))
+    assert type(plain) is torch.nn.Linear and torch.equal(plain.weight, reference(q, scale, (32, 128)).bfloat16())
     odd = fp8_module(q, scale[:, :1], None, torch.float32, torch.device("cpu"), keep_fp8=True, block=(32, 256))
     assert isinstance(odd, Fp8Linear) and odd.scales.dim() == 1  # one block spans the inputs: per channel
     unkept = fp8_module(q, torch.ones(2, 6), None, torch.float32, torch.device("cpu"), keep_fp8=True, block=(32, 48))

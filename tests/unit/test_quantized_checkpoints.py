@@ -189,10 +189,12 @@ def test_each_format_loads_with_every_linear_equal_to_the_reference(checkpoints:
     for name, module in loaded.model.named_modules():
         if name.rpartition(".")[2] not in LINEARS:
             continue
-        # the CPU's kernels: 4-bit codes on the int4 kernel, symmetric 8-bit codes on the q8 kernel (cpu_codes); act-order
-        # too, its inputs in group order (input_order)
-        kind = Int4Linear if fmt in INT4 else Q8Linear if fmt in INT8 else torch.nn.Linear
+        # the CPU's kernels: 4-bit codes on the int4 kernel, symmetric 8-bit codes and fp8 weights on the q8 kernel
+        # (cpu_codes); act-order too, its inputs in group order (input_order)
+        kind = Int4Linear if fmt in INT4 else Q8Linear
         assert isinstance(module, kind if int4_available() else torch.nn.Linear), (name, type(module))
+        if isinstance(module, Q8Linear):  # (fp8 weights kept as the checkpoint's bytes)
+            assert module.weight.dtype == (torch.int8 if fmt in INT8 else torch.float8_e4m3fn), name
         got = module.dequantized() if isinstance(module, (Int4Linear, Q8Linear)) else module.weight.detach()
         assert got.dtype == torch.float32 and torch.equal(got, reference(case, tensors[name])), name
     assert type(loaded.model.lm_head) is torch.nn.Linear
@@ -518,7 +520,9 @@ def test_quantize_fp8_on_a_float_checkpoint_quantizes_per_channel_at_load(checkp
     for name, module in original.named_modules():
         if name.rpartition(".")[2] in LINEARS:
             q, scale = quantize_fp8(module.weight)
-            got = loaded.model.get_submodule(name).weight
+            kept = loaded.model.get_submodule(name)  # (a CPU's: fp8 on the q8 kernel, cpu_codes)
+            assert isinstance(kept, Q8Linear if int4_available() else torch.nn.Linear), name
+            got = kept.dequantized() if isinstance(kept, Q8Linear) else kept.weight
             assert torch.equal(got, q.float() * scale[:, None]), name
     assert torch.equal(loaded.model.lm_head.weight, original.lm_head.weight)  # the output projection stays float
 
@@ -619,8 +623,10 @@ def test_a_dummy_load_takes_quantize_fp8(checkpoints: dict[str, Path]) -> None:
     """load_format=dummy (the GPU check's 8B shape without weights) with quantize=fp8: random weights in fp8."""
     loaded = load_causal_lm(checkpoints["float"], device="cpu", load_format="dummy", quantize="fp8")
     q_proj = loaded.model.model.layers[0].self_attn.q_proj
-    q, scale = quantize_fp8(q_proj.weight)
-    assert torch.equal(q_proj.weight, q.float() * scale[:, None])
+    weight = q_proj.dequantized() if isinstance(q_proj, Q8Linear) else q_proj.weight
+    assert isinstance(q_proj, Q8Linear) or not int4_available()
+    q, scale = quantize_fp8(weight)
+    assert torch.equal(weight, q.float() * scale[:, None])
 
 
 @pytest.mark.parametrize("quantize", ["awq", "gptq"])

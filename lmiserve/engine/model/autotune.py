@@ -112,6 +112,8 @@ def _weight_kind(part: Part, dtype: torch.dtype) -> str:
         return "int4"
     if isinstance(scales, Int8Scales):
         return "int8 codes"
+    if part.weight.dtype == torch.float8_e4m3fn:
+        return "fp8"
     return "q8" if scales.dim() == 2 else "int8"
 
 

@@ -11,6 +11,11 @@
 - In bf16 (``dtype=bf16``), symmetric 8-bit codes with a scale a channel (W8A8's): `quantize.Int8Linear` on torch's
   int8 kernel.
 
+- fp8 weights (compressed-tensors', FBGEMM's, ModelOpt's, block-wise fp8; ``quantize=fp8``'s), computing in fp32:
+  `quantize.Q8Linear` with fp8 e4m3fn values for codes (`fp8_layer`; the q8 kernel widens each byte exactly), the scale
+  of a tensor or channel repeated over the row's groups of 32 (or 16), a block's over its groups. Until 2026-12-07
+  these were de-quantized to fp32 at load: 4 times their bytes (a Llama 3.1 8B fp8 about 32 GB).
+
 GPTQ's act-order groups are runs once the inputs are sorted by group (`input_order`): the layer stores them so and
 gathers its activations. None where no kernel serves the codes: the caller de-quantizes them."""
 
@@ -78,6 +83,22 @@ def q8_layer(parts: Int4Parts, bias: torch.Tensor | None) -> Q8Linear | None:
         return None
     scale = parts.scale.float().repeat_interleave(size // group, dim=1)
     return Q8Linear.from_codes(int8_weights.signed_codes(ordered.codes), scale, bias, order)
+
+
+def fp8_layer(weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> Q8Linear | None:
+    """fp8 e4m3fn weights ``[out, in]`` on the q8 kernel (fp32), or None (inputs not a multiple of 16, or blocks of
+    scales that are not; outputs not whole blocks of `INT4_ROW_BLOCK` rows; no kernel). `scale`: one (a tensor's),
+    ``[out]`` or ``[out, 1]`` (a channel's), or ``[out, blocks]`` (each row's block scales, blocks of
+    ``in / blocks`` inputs)."""
+    out, inputs = weight.shape
+    if weight.dtype != torch.float8_e4m3fn or out % INT4_ROW_BLOCK or not int4_available():
+        return None
+    rows = scale.float().reshape(out, -1) if scale.numel() > 1 else scale.float().reshape(1, 1).expand(out, 1)
+    size = inputs // rows.shape[1]
+    group = next((g for g in Q8_GROUPS if size * rows.shape[1] == inputs and size % g == 0), None)
+    if group is None:
+        return None
+    return Q8Linear.from_codes(weight, rows.repeat_interleave(size // group, dim=1), bias)
 
 
 def int8_rows_layer(parts: Int4Parts, bias: torch.Tensor | None) -> Int8Linear | None:

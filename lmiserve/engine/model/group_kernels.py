@@ -90,24 +90,46 @@ def unpack_q4(packed: torch.Tensor, scales: torch.Tensor, n: int) -> tuple[torch
 
 
 def pack_q8(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The blocked q8 layout of int8 codes ``[N, K]`` with fp32 ``scale`` ``[N, K/G]``:
-    ``(codes int8 [N/16, K*16], scales fp32 [N/16, K/G*16])``."""
+    """The blocked q8 layout of 8-bit codes ``[N, K]`` (int8, or fp8 e4m3fn kept so) with fp32 ``scale``
+    ``[N, K/G]``: ``(codes [N/16, K*16], scales fp32 [N/16, K/G*16])``."""
     n, k = codes.shape
     if scale.shape[0] != n or k % scale.shape[1] or (k // scale.shape[1]) % LANES:
         raise ValueError(f"q8 scales {tuple(scale.shape)} do not match codes {tuple(codes.shape)}")
-    packed = _pad_rows(codes.to(torch.int8)).view(-1, LANES, k).transpose(1, 2).contiguous().view(-1, k * LANES)
+    fp8 = codes.dtype == torch.float8_e4m3fn  # (moved as bytes; a padded row's zero bytes are +0.0)
+    raw = (codes.view(torch.uint8) if fp8 else codes.to(torch.int8)).contiguous()
+    packed = _pad_rows(raw).view(-1, LANES, k).transpose(1, 2).contiguous().view(-1, k * LANES)
+    packed = packed.view(torch.float8_e4m3fn) if fp8 else packed
     s = _pad_rows(scale.float()).view(-1, LANES, scale.shape[1]).transpose(1, 2).contiguous()
     return packed, s.view(-1, scale.shape[1] * LANES)
 
 
 def unpack_q8(packed: torch.Tensor, scales: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`pack_q8`'s inverse: ``(codes int8 [N, K], scale fp32 [N, K/G])``."""
+    """`pack_q8`'s inverse: ``(codes [N, K] in their dtype, scale fp32 [N, K/G])``."""
     k, groups = packed.shape[1] // LANES, scales.shape[1] // LANES
-    codes = packed.view(-1, k, LANES).transpose(1, 2).reshape(-1, k)[:n]
+    fp8 = packed.dtype == torch.float8_e4m3fn
+    raw = packed.view(torch.uint8) if fp8 else packed
+    codes = raw.view(-1, k, LANES).transpose(1, 2).reshape(-1, k)[:n]
+    codes = codes.view(torch.float8_e4m3fn) if fp8 else codes
     return codes, scales.view(-1, groups, LANES).transpose(1, 2).reshape(-1, groups)[:n]
 
 
 # ---- the kernels ------------------------------------------------------------------------------------
+def _e4m3_as_f32(builder: Any, byte: Any) -> Any:  # pragma: no cover - compiled
+    """16 fp8 e4m3fn bytes (an i8 vector) as fp32 vectors of 2^-8 times their values, exactly: each byte's sign
+    and its 7 other bits (4 of exponent, 3 of mantissa) moved into an fp16's places (sign to bit 15, the rest 7 up:
+    fp16's exponent bias 15 is e4m3's 7 plus 8), then widened (F16C's ``vcvtph2ps``). Subnormal bytes are fp16
+    subnormals, which the widening makes normal fp32 values; e4m3fn's NaN (0x7F, 0xFF), which no checkpoint holds,
+    reads as 480."""
+    from llvmlite import ir
+
+    vi16 = ir.VectorType(ir.IntType(16), LANES)
+    wide = builder.sext(byte, vi16)  # bits 15..7: the sign; 6..0: exponent and mantissa
+    moved = builder.shl(wide, ir.Constant(vi16, [7] * LANES))
+    moved = builder.and_(moved, ir.Constant(vi16, [0xBF80 - 0x10000] * LANES))  # the sign's bit 15, bits 13..7
+    half = builder.bitcast(moved, ir.VectorType(ir.HalfType(), LANES))
+    return builder.fpext(half, ir.VectorType(ir.FloatType(), LANES))
+
+
 def _tile_intrinsic(kind: str, group: int) -> Any:  # pragma: no cover - compiled
     """An intrinsic ``tile(codes, c_at, scales, s_at, x, xs, m0, out, o_at, n, add, rows)``: one row
     block's 16 outputs for rows ``m0 .. m0 + rows`` (1 to `ROW_TILE`, a switch over compiled tiles) of x
@@ -194,8 +216,11 @@ def _tile_intrinsic(kind: str, group: int) -> Any:  # pragma: no cover - compile
         else:
             sv = vload(sp, builder.add(s_at, builder.mul(g, c64(LANES))), vf, 4)
             cbase = builder.add(c_at, builder.mul(k0, c64(LANES)))
+            if kind == "f8":  # the codes' halves are 2^-8 of their values: the group's scale takes the 2^8
+                sv = builder.fmul(sv, ir.Constant(vf, [256.0] * LANES))
             for j in range(group):
-                w = builder.sitofp(vload(cp, builder.add(cbase, c64(j * LANES)), vi8, 1), vf)
+                byte = vload(cp, builder.add(cbase, c64(j * LANES)), vi8, 1)
+                w = builder.sitofp(byte, vf) if kind == "q8" else _e4m3_as_f32(builder, byte)
                 for m in range(rows):
                     xv = builder.load(builder.gep(xp, [builder.add(xrows[m], c64(j))]))
                     sums[m][j % chains] = fma(w, splat(xv), sums[m][j % chains])
@@ -239,6 +264,8 @@ if HAVE_NUMBA:
     _q4_tile = _tile_intrinsic("q4", Q4_GROUP)
     _q8_tile_32 = _tile_intrinsic("q8", 32)
     _q8_tile_16 = _tile_intrinsic("q8", 16)
+    _f8_tile_32 = _tile_intrinsic("f8", 32)
+    _f8_tile_16 = _tile_intrinsic("f8", 16)
 
 
 def _driver(
@@ -246,8 +273,9 @@ def _driver(
 ) -> None:  # pragma: no cover
     """``out[m, 16 b + l]`` (`add` nonzero: ``+=``) for every row block b (split among the threads) and
     row m of the input, in tiles of up to `ROW_TILE` rows. kind 0: q4, 1: q8 with groups of 32, 2: q8
-    with groups of 16. The input, formed once per call (`PRE_*`): x itself; x's RMS norm with weight
-    `norm` and `eps`; ``silu(gate) * up`` of x ``[M, 2K]`` (gate the first K columns)."""
+    with groups of 16, 3 and 4: fp8 codes (e4m3fn bytes) with groups of 32 and 16. The input, formed once
+    per call (`PRE_*`): x itself; x's RMS norm with weight `norm` and `eps`; ``silu(gate) * up`` of x
+    ``[M, 2K]`` (gate the first K columns)."""
     rows = x.shape[0]
     blocks = codes.shape[0]
     n = blocks * LANES
@@ -285,8 +313,12 @@ def _driver(
                 _q4_tile(codes, c_at, scales, s_at, xin, xs, m, out, b * LANES, n, add, t)
             elif kind == 1:
                 _q8_tile_32(codes, c_at, scales, s_at, xin, xs, m, out, b * LANES, n, add, t)
-            else:
+            elif kind == 2:
                 _q8_tile_16(codes, c_at, scales, s_at, xin, xs, m, out, b * LANES, n, add, t)
+            elif kind == 3:
+                _f8_tile_32(codes, c_at, scales, s_at, xin, xs, m, out, b * LANES, n, add, t)
+            else:
+                _f8_tile_16(codes, c_at, scales, s_at, xin, xs, m, out, b * LANES, n, add, t)
             m += t
 
 
@@ -310,8 +342,21 @@ def _run(kind: int, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
     if flat.dtype != torch.float32 or not flat.is_contiguous():
         flat = flat.float().contiguous()
     out = torch.empty(flat.shape[0], codes.shape[0] * LANES, dtype=torch.float32)
-    _compiled()(kind, PRE_NONE, flat.numpy(), _NO_NORM, 0.0, codes.numpy(), scales.numpy(), out.numpy(), 0)
+    _compiled()(kind, PRE_NONE, flat.numpy(), _NO_NORM, 0.0, _bytes(codes), scales.numpy(), out.numpy(), 0)
     return out if out.shape[1] == n else out[:, :n].contiguous()
+
+
+def _bytes(codes: torch.Tensor) -> Any:
+    """The codes as numpy (fp8 codes as their bytes: numpy has no fp8)."""
+    return (codes.view(torch.uint8) if codes.dtype == torch.float8_e4m3fn else codes).numpy()
+
+
+def _q8_kind(codes: torch.Tensor, scales: torch.Tensor) -> int:
+    """The driver's kind of 8-bit codes (int8 or fp8 e4m3fn) in the blocked layout with their `scales`."""
+    group = codes.shape[1] // scales.shape[1]
+    if group not in (16, 32):
+        raise ValueError(f"q8 groups of {group} inputs: the kernel takes 16 or 32")
+    return (1 if group == 32 else 2) + (2 if codes.dtype == torch.float8_e4m3fn else 0)
 
 
 class Packed:
@@ -327,11 +372,8 @@ class Packed:
         if codes.dtype == torch.uint8:
             self.kind, self.inner = 0, codes.shape[1] * 2 // LANES
         else:
-            group = codes.shape[1] // scales.shape[1]
-            if group not in (16, 32):
-                raise ValueError(f"q8 groups of {group} inputs: the kernel takes 16 or 32")
-            self.kind, self.inner = 1 if group == 32 else 2, codes.shape[1] // LANES
-        self.codes, self.scales = codes.detach().contiguous().numpy(), scales.detach().contiguous().numpy()
+            self.kind, self.inner = _q8_kind(codes, scales), codes.shape[1] // LANES
+        self.codes, self.scales = _bytes(codes.detach().contiguous()), scales.detach().contiguous().numpy()
         self.n = codes.shape[0] * LANES  # every row of the blocks
 
     def __call__(
@@ -349,8 +391,6 @@ def q4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int
 
 
 def q8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int | None = None) -> torch.Tensor:
-    """``x @ W.T`` (fp32 ``[M, N]``) for a 2-D x and a q8 weight in the blocked layout (`pack_q8`)."""
-    group = codes.shape[1] // scales.shape[1]
-    if group not in (16, 32):
-        raise ValueError(f"q8 groups of {group} inputs: the kernel takes 16 or 32")
-    return _run(1 if group == 32 else 2, x, codes, scales, codes.shape[0] * LANES if n is None else n)
+    """``x @ W.T`` (fp32 ``[M, N]``) for a 2-D x and a q8 weight in the blocked layout (`pack_q8`): int8 or fp8
+    (e4m3fn) codes."""
+    return _run(_q8_kind(codes, scales), x, codes, scales, codes.shape[0] * LANES if n is None else n)

@@ -304,7 +304,7 @@ def fused_layers(model: PreTrainedModel) -> list[FusedLayer]:
 def _kind(module: torch.nn.Module) -> object:
     """What fuses with what: float linears of one dtype, int8 rows, int4 blocks, q8 blocks of one group."""
     if isinstance(module, Q8Linear):
-        return Q8Linear, _q8_group(module), input_order.key(module)
+        return Q8Linear, module.weight.dtype, _q8_group(module), input_order.key(module)  # (int8 or fp8 codes)
     if isinstance(module, (Int8Linear, Int4Linear, Fp8Linear)):  # (and int4's stored inputs' order: `input_order`)
         return type(module), input_order.key(module)
     if isinstance(module, Int4TritonLinear):  # fused only with linears of the same groups and input order

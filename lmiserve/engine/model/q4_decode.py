@@ -1,6 +1,7 @@
 """`FastLlama`'s decoder layers for a model whose layer products are all q4 or q8 (``dtype=int4``, a
-checkpoint's 4-bit or symmetric 8-bit codes: `cpu_codes`; `group_kernels`), on steps of a few rows: each layer
-in four kernel calls and the attention, the small ops folded into the kernels' input and output sides.
+checkpoint's 4-bit or symmetric 8-bit codes, or its fp8 weights: `cpu_codes`; `group_kernels`), on steps of a
+few rows: each layer in four kernel calls and the attention, the small ops folded into the kernels' input and
+output sides.
 
 Per layer: ``qkv = rms(x) @ Wqkv.T`` (the RMS norm formed in the kernel, `group_kernels.PRE_RMS`),
 RoPE in place on q and k (a compiled loop), the attention backend, ``x += attn @ Wo.T`` (the residual
@@ -31,6 +32,7 @@ from lmiserve.engine.model.group_kernels import PRE_RMS, PRE_SILU_MUL, Packed
 from lmiserve.engine.model.input_order import InputOrder
 
 MAX_ROWS = 32
+_CODES = (torch.uint8, torch.int8, torch.float8_e4m3fn)  # q4 codes; q8's int8 codes or fp8 values
 
 
 def _rope(qkv: Any, heads: int, head_dim: int, cos: Any, sin: Any) -> None:  # pragma: no cover - compiled
@@ -72,6 +74,12 @@ def _taken(x: Any, order: Any) -> Any:
     return x if order is None else np.take(x, order, axis=1)
 
 
+def _blocked(weight: torch.Tensor, inputs: int) -> bool:
+    """Whether a weight of 8-bit floats is in the blocked layout of `inputs` inputs (``[out / 16, inputs * 16]``,
+    `cpu_codes.fp8_layer`), not an `Fp8Linear`'s rows (``[out, inputs]``); codes of other dtypes are."""
+    return weight.dtype != torch.float8_e4m3fn or weight.shape[1] == inputs * group_kernels.LANES
+
+
 class _Layer:
     """A layer's four products. Where their inputs are stored in group order (GPTQ's act-order, `input_order`),
     each input is gathered first (`_taken`); the norms before q/k/v and gate/up take their weights in that order too,
@@ -100,7 +108,11 @@ class _Layer:
         weights = (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w)
         scales = (layer.qkv_s, layer.o_s, layer.gate_up_s, layer.down_s)
         biases = (layer.qkv_b, layer.o_b, layer.gate_up_b, layer.down_b)
-        if any(w.dtype not in (torch.uint8, torch.int8) or w.device.type != "cpu" for w in weights):  # (q4, q8)
+        if any(w.dtype not in _CODES or w.device.type != "cpu" for w in weights):
+            return None
+        heads, kv_heads, head_dim = shape
+        inputs = (hidden, heads * head_dim, hidden, layer.intermediate)
+        if not all(_blocked(w, k) for w, k in zip(weights, inputs, strict=True)):
             return None
         groups = [input_order.scales_of(s) for s in scales]  # (int8 rows' 1-D scales: no)
         if any(not isinstance(s, torch.Tensor) or s.dim() != 2 for s in groups):
@@ -109,7 +121,6 @@ class _Layer:
         if any(b is not None for b in biases) or not _is_silu(layer.act) or in_norm is None or post_norm is None:
             return None
         p = cls(layer, in_norm, post_norm)
-        heads, kv_heads, head_dim = shape
         inter = layer.intermediate
         widths = [(p.qkv, hidden, (heads + 2 * kv_heads) * head_dim), (p.o, heads * head_dim, hidden)]
         widths += [(p.gate_up, hidden, 2 * inter), (p.down, inter, hidden)]
@@ -150,7 +161,8 @@ class PackedLayers:
         if (
             isinstance(head_scales, torch.Tensor)
             and head_scales.dim() == 2
-            and weight.dtype in (torch.uint8, torch.int8)
+            and weight.dtype in _CODES
+            and _blocked(weight, hidden)
         ):
             out = Packed(weight, head_scales)
         return cls(packed, out, _norm(norm), shape)

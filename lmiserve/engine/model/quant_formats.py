@@ -7,9 +7,10 @@ tensor (one value), ``w = weight * scale``. `Fp8Linear` keeps the fp8 weight and
 FBGEMM do (a checkpoint's static ``input_scale`` is not used). It is built on CUDA with compute
 capability 8.9 or more (Ada, Hopper), and on a GPU without fp8 products (A100, A10G) where the loader keeps
 the fp8 weights (`fp8_gemv.weights_kept_for`: bf16 would not fit, or ``LMISERVE_USE_TRITON_FP8=1``; the
-products then widen the bytes in a Triton kernel); elsewhere `fp8_module` de-quantizes the weight once, at
-load, into a plain linear of the compute dtype (exact in fp32), so a CPU serves fp8 checkpoints correctly
-(without the memory saving). On an H200 (2026-11-29) the `_scaled_mm` path is correct and halves the
+products then widen the bytes in a Triton kernel). On a CPU computing in fp32 the weights stay fp8 on the q8
+kernel (`cpu_codes.fp8_layer`: a fourth of the fp32 bytes; de-quantized to fp32 at load until 2026-12-07);
+elsewhere `fp8_module` de-quantizes the weight once, at load, into a plain linear of the compute dtype (exact in
+fp32). On an H200 (2026-11-29) the `_scaled_mm` path is correct and halves the
 weights' memory, but decodes the 8B shape at 0.74x bf16's tokens/s at one stream (fp8_ops.py's doc).
 Block-wise fp8 (``weight_scale_inv`` a block of rows and inputs) is an `Fp8Linear` with each row's block scales
 where the loader keeps it (on any GPU, `fp8_gemv.weights_kept_for`), else de-quantized at load (`fp8_module`).
@@ -327,6 +328,9 @@ def fp8_module(
     already each row's block scales (a tensor-parallel rank's cut of them)."""
     if block is not None:
         rows = fp8_gemv.block_scales(scale, weight.shape[0], weight.shape[1], block)
+        kept = None if rows is None or keep_fp8 else _on_cpu(weight, rows, bias, dtype, device)
+        if kept is not None:
+            return kept
         if not keep_fp8 or rows is None:
             return _plain_linear(_block_dequantized(weight, scale, block), bias, dtype, device)
         scale = rows
@@ -335,7 +339,17 @@ def fp8_module(
             scale = scale.float().reshape(-1).expand(weight.shape[0]).contiguous()
         b = None if bias is None else bias.detach().to(device, dtype)
         return Fp8Linear(weight.to(device), scale.to(device), b)
-    return _plain_linear(dequantize_fp8(weight, scale), bias, dtype, device)
+    kept = _on_cpu(weight, scale, bias, dtype, device)
+    return kept if kept is not None else _plain_linear(dequantize_fp8(weight, scale), bias, dtype, device)
+
+
+def _on_cpu(
+    weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device
+) -> torch.nn.Module | None:
+    """fp8 weights kept fp8 on a CPU computing in fp32 (`cpu_codes.fp8_layer`), or None."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return None
+    return cpu_codes.fp8_layer(weight.cpu(), scale.cpu(), bias)
 
 
 def block_grid(scale: torch.Tensor, shape: Sequence[int], block: tuple[int, int]) -> torch.Tensor:

@@ -102,8 +102,8 @@ def quantized_linear(
     """The product of a quantized weight, by its storage (`input_order.InputOrder`: codes whose inputs are stored
     in group order, the rows gathered first): AWQ/GPTQ codes on CUDA (`Int4Scales`,
     `int4_triton.int4_linear`), 8-bit integer codes on CUDA (`Int8Scales`, `int8_weights`), blocked int4 (uint8,
-    `int4_linear`), fp8 rows (`quant_formats.fp8_linear`), blocked q8 (int8 with 2-D fp32 group scales,
-    `group_kernels.q8_linear`), or int8 rows (`int8_linear`)."""
+    `int4_linear`), fp8 rows (`quant_formats.fp8_linear`), blocked q8 (int8 or fp8 codes with 2-D fp32 group
+    scales, ``[out / 16, in * 16]``, `group_kernels.q8_linear`), or int8 rows (`int8_linear`)."""
     if isinstance(scales, input_order.InputOrder):
         return quantized_linear(input_order.gathered(x, scales.order), weight, scales.scales)
     if isinstance(scales, Int4Scales):
@@ -112,7 +112,7 @@ def quantized_linear(
         return int8_weight_linear(x, weight, scales)
     if weight.dtype == torch.uint8:
         return int4_linear(x, weight, scales)
-    if weight.dtype == torch.float8_e4m3fn:  # quant_formats.Fp8Linear's rows
+    if weight.dtype == torch.float8_e4m3fn and weight.shape[1] != x.shape[-1] * LANES:  # quant_formats.Fp8Linear's rows
         return fp8_linear(x, weight, scales)
     if scales.dim() == 2:
         return q8_linear(x, weight, scales)
@@ -216,11 +216,12 @@ class Int4Linear(CodesLinear):
 
 
 class Q8Linear(CodesLinear):
-    """A linear layer with int8 weights and a fp32 scale per group of 16 or 32 inputs (GGUF Q8_0:
-    32; ``w = code * scale``) in `group_kernels`' blocked layout: `weight` int8 ``[ceil(out / 16), in *
-    16]``, `scales` fp32 ``[ceil(out / 16), in / group * 16]`` (`group_kernels.pack_q8`). Input in any
-    float dtype, product and output fp32. A bias (fp32) and an `order` of the stored inputs (GPTQ's act-order,
-    `input_order`) where a checkpoint's 8-bit codes have them (`cpu_codes.q8_layer`); a GGUF file's: neither."""
+    """A linear layer with 8-bit weights and a fp32 scale per group of 16 or 32 inputs (GGUF Q8_0:
+    32; ``w = code * scale``) in `group_kernels`' blocked layout: `weight` ``[ceil(out / 16), in * 16]``,
+    int8 codes or fp8 e4m3fn values (an fp8 checkpoint's on a CPU, `cpu_codes.fp8_layer`), `scales` fp32
+    ``[ceil(out / 16), in / group * 16]`` (`group_kernels.pack_q8`). Input in any float dtype, product and output
+    fp32. A bias (fp32) and an `order` of the stored inputs (GPTQ's act-order, `input_order`) where a checkpoint's
+    8-bit codes have them (`cpu_codes.q8_layer`); a GGUF file's: neither."""
 
     def __init__(
         self,
@@ -246,8 +247,8 @@ class Q8Linear(CodesLinear):
         bias: torch.Tensor | None = None,
         order: torch.Tensor | None = None,
     ) -> Q8Linear:
-        """From int8 codes ``[out, in]`` (a GGUF file's own, or a checkpoint's stored in `order`) and fp32 scales
-        ``[out, in / group]``."""
+        """From 8-bit codes ``[out, in]`` (int8: a GGUF file's own, or a checkpoint's stored in `order`; fp8 e4m3fn:
+        an fp8 checkpoint's) and fp32 scales ``[out, in / group]``."""
         packed, scales = pack_q8(codes, scale)
         b = None if bias is None else bias.detach().float()
         return cls(packed, scales, codes.shape[1], codes.shape[0], b, order)
@@ -263,7 +264,7 @@ class Q8Linear(CodesLinear):
         return cls.from_codes(codes.view_as(w), scale)
 
     def codes(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(codes int8 [out, in], scale fp32 [out, in / group])``."""
+        """``(codes int8 or fp8 [out, in], scale fp32 [out, in / group])``."""
         return unpack_q8(self.weight, self.scales, self.out_features)
 
     def dequantized(self) -> torch.Tensor:
@@ -276,7 +277,8 @@ class Q8Linear(CodesLinear):
 
     def extra_repr(self) -> str:
         group = f"groups of {self.in_features * LANES // self.scales.shape[1]}{input_order.extra_repr(self.order)}"
-        return f"in_features={self.in_features}, out_features={self.out_features}, q8 weights ({group})"
+        kind = "fp8" if self.weight.dtype == torch.float8_e4m3fn else "q8"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind} weights ({group})"
 
 
 def quantize_linears(model: torch.nn.Module, dtype: torch.dtype = INT8_COMPUTE_DTYPE) -> int:
