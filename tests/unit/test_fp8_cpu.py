@@ -167,3 +167,24 @@ def test_int8_and_fp8_codes_are_not_fused(fp8_folders: dict[str, Path]) -> None:
     assert [p.weight.dtype for p in parts] == [FP8, torch.int8]
     out = fast.forward(StepInputs(chunks=[([1, 0], 0, seq)], keep=[*range(len(seq))]))
     torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["fp8-channel", "fp8-block"])
+def test_the_benchmark_reports_the_kept_weights_against_the_de_quantized_ones(tmp_path: Path, fmt: str) -> None:
+    """benchmarks/fp8_cpu.py on a small shape: the linears kept fp8 (a fourth of the fp32 bytes, and a little for the
+    scales) where before they were fp32, with the de-quantized weights' greedy tokens."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "fp8.json"
+    command = [sys.executable, str(root / "benchmarks/fp8_cpu.py"), "--hidden", "256", "--intermediate", "512"]
+    command += ["--format", fmt, "--layers", "1", "--steps", "3", "--rows", "1,2", "--prompt", "20", "--json", str(out)]
+    subprocess.run(command, check=True)
+    results = json.loads(out.read_text())
+    now, before = results["served"].values()
+    assert now["linears"] == {"Q8Linear (float8_e4m3fn)": 7} and before["linears"] == {"Linear (float32)": 7}
+    assert before["linear_mib"] / 4 < now["linear_mib"] < before["linear_mib"] / 3
+    assert all(now[f"step_ms_{n}_rows"] > 0 for n in (1, 2)) and now["prompt_chunk_ms_20_tokens"] > 0
+    assert all(v["same_greedy_tokens"] for v in results["kept_vs_dequantized"].values())

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.float_weights import weight_of
 from helpers.fp8_weights import fresh_choices  # noqa: F401 - an autouse fixture
 from helpers.quantizable import quantizable_llama, write_checkpoint
 from lmiserve.engine import fp8_devices
@@ -31,11 +32,6 @@ interpreted = pytest.mark.skipif(
     reason="needs triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py on CPU)",
 )
 CPU = torch.device("cpu")
-
-
-def weight_of(layer: torch.nn.Module) -> torch.Tensor:
-    """The float weight a layer's product uses (a layer of codes: de-quantized)."""
-    return layer.dequantized() if hasattr(layer, "dequantized") else layer.weight  # type: ignore[operator]
 
 
 def int8_parts(out: int, inputs: int, group: int, seed: int = 0, zero: int = 128) -> Int4Parts:

@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers.float_weights import weight_of
 from helpers.modelopt_checkpoints import legacy_copy, write_modelopt
 from helpers.quantizable import quantizable_llama
 from helpers.tiny_model import build_tiny_tokenizer
@@ -105,11 +106,6 @@ def test_quantize_modelopt_names_a_checkpoints_format(tmp_path, folders):
         checkpoint_quantization(float_dir, "modelopt", "dummy")
     assert load_settings({"quantization": "modelopt"}, environ={}).quantize == "modelopt"
     assert load_settings(environ={"OPTION_QUANTIZE": "modelopt"}).quantize == "modelopt"
-
-
-def weight_of(module: torch.nn.Module) -> torch.Tensor:
-    """A loaded linear's weight in fp32: de-quantized where it is kept fp8 (`Q8Linear`)."""
-    return module.dequantized() if isinstance(module, Q8Linear) else module.weight.detach()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.float_weights import float_state, weight_of
 from helpers.quantizable import quantizable_llama, write_checkpoint
 from lmiserve.config import Settings
-from lmiserve.engine.model import fp8_gemv, quant_formats
+from lmiserve.engine.model import cpu_codes, fp8_gemv, quant_formats
 from lmiserve.engine.model.int8_weights import Int8WeightLinear
 from lmiserve.engine.model.quant_formats import Fp8Linear
-from lmiserve.engine.model.quantize import Int4Linear, Q8Linear, int4_available
+from lmiserve.engine.model.quantize import Int4Linear, int4_available
 from lmiserve.engine.model.shard_checkpoint import load_shard_weights
 from lmiserve.engine.model.shard_quantized import whole_groups
 from lmiserve.engine.model.sharding import ROW_PARALLEL, column_run, keep_runs, row_runs, shard_model, shard_of
@@ -54,13 +55,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             folder = write_checkpoint(model, root / f"{case}{'-bias' if bias else ''}", fmt, group or 128, act_order)
             made[folder.name] = folder
     return made
-
-
-def weight_of(module: torch.nn.Module) -> torch.Tensor:
-    """The float weight a layer's product uses."""
-    if isinstance(module, (Int4Linear, Q8Linear, Fp8Linear, Int8WeightLinear)):
-        return module.dequantized().float()
-    return module.weight.detach().float()  # type: ignore[union-attr]
 
 
 def rank_shard(folder: Path, rank: int, world: int) -> torch.nn.Module:
@@ -215,7 +209,9 @@ def test_whole_groups_are_the_finer_groups_a_cut_keeps_its_format_by():
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("fmt", ["fp8-block", "fp8-channel", "w4a16-asym"])
-def test_an_fp8_mixture_of_experts_experts_are_read_through_the_scales_each_slice_covers(tmp_path, world, fmt):
+def test_an_fp8_mixture_of_experts_experts_are_read_through_the_scales_each_slice_covers(
+    tmp_path, world, fmt, monkeypatch
+):
     """Qwen3-MoE in block-wise fp8 (blocks of 16; a rank's 24 or 12 of each expert's 48 intermediate rows are not
     whole blocks), fp8 per channel or compressed-tensors' 4-bit codes (groups of 16, the package's compression of
     each expert's matrices): each rank's experts, router and attention are its cut of the model one process
@@ -223,14 +219,16 @@ def test_an_fp8_mixture_of_experts_experts_are_read_through_the_scales_each_slic
     from helpers.llama_variants import MOE_ARCHS, build
 
     write_checkpoint(build(*MOE_ARCHS["qwen3_moe"]), tmp_path, fmt, group=16)
-    whole = load_causal_lm(tmp_path, dtype="fp32", device="cpu").model
+    with monkeypatch.context() as patched:  # the float model (a CPU would keep fp8 weights fp8: `cpu_codes`)
+        patched.setattr(cpu_codes, "fp8_layer", lambda weight, scale, bias: None)
+        whole = load_causal_lm(tmp_path, dtype="fp32", device="cpu").model
     import copy
 
     for rank in range(world):
         expected = copy.deepcopy(whole)
         shard_model(expected, rank, world, None)  # the cut of the dequantized float model
         shard = rank_shard(tmp_path, rank, world)
-        got, want = dict(shard.named_parameters()), dict(expected.named_parameters())
+        got, want = float_state(shard), float_state(expected)
         assert got.keys() == want.keys()
         for name, value in want.items():
             assert torch.equal(got[name], value), (rank, name)

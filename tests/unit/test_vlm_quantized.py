@@ -20,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from helpers.float_weights import float_state
 from helpers.tiny_vlm import build_tiny_vlm_dir
 from helpers.vlm_checkpoints import LANGUAGE_LINEAR, fp8_channel_copy, processor_files
 from helpers.vlm_serving import chat, config, image_of, prompt_of, reference, same, serve
@@ -51,7 +52,7 @@ def _loads_as_its_float_model(quantized: Path, dequantized: Path, **options: str
     loaded = load_causal_lm(quantized, dtype="fp32", device="cpu", **options)
     assert loaded.processor is not None
     expected = load_causal_lm(dequantized, dtype="fp32", device="cpu").model.state_dict()
-    got = loaded.model.state_dict()
+    got = float_state(loaded.model)  # (a CPU keeps the decoder's fp8 weights fp8: `cpu_codes.fp8_layer`)
     assert got.keys() == expected.keys()
     for name, value in expected.items():
         assert torch.equal(got[name], value), name
@@ -139,7 +140,7 @@ def _greedy_gaps(loaded: Any, prompt: str, images: tuple[Any, ...], got: list[in
 
 def test_quantize_fp8_at_load_makes_a_vlms_decoder_fp8_and_keeps_its_vision_tower(channel_vlm):
     """``quantize=fp8`` on the float VLM (vLLM's online fp8): the decoder's linears quantized per output channel (a
-    CPU: de-quantized once), the vision tower and projector as loaded, so the model is the one the published
+    CPU: kept fp8 on the q8 kernel), the vision tower and projector as loaded, so the model is the one the published
     FP8-dynamic checkpoint encodes; its image prompts get `generate()`'s tokens over that model."""
     fp8, dequantized = channel_vlm
     loaded = _loads_as_its_float_model(fp8.parent / "float", dequantized, quantize="fp8")
@@ -277,7 +278,7 @@ def test_a_block_wise_fp8_vlm_with_float_experts_is_what_transformers_dequantize
     from helpers.vlm_checkpoints import quantized_vlm
 
     fp8 = quantized_vlm(build_tiny_vlm_dir("qwen3_vl_moe", tmp_path / "float"), tmp_path / "fp8", "fp8-block")
-    got = load_causal_lm(fp8, dtype="fp32", device="cpu").model.state_dict()
+    got = float_state(load_causal_lm(fp8, dtype="fp32", device="cpu").model)
     expected = AutoModelForImageTextToText.from_pretrained(
         fp8, dtype=torch.float32, quantization_config=FineGrainedFP8Config(dequantize=True)
     ).state_dict()
