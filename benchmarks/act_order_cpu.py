@@ -98,26 +98,68 @@ def served(folder: Path, before: bool) -> tuple[torch.nn.Module, dict[str, int]]
     return model, kinds
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--bits", type=int, choices=(4, 8), default=4)
+def shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of the layer-shape benchmarks (this one, fp8_cpu.py): the shape, the steps and rows, the output."""
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--intermediate", type=int, default=8192)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--rows", default="1,8")
     parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+
+
+def shape_setup(args: argparse.Namespace, **about: Any) -> tuple[list[int], torch.nn.Module, dict[str, Any]]:
+    """The rows to time, the random source model of the shape, and the results' head (`about` first)."""
     rows = [int(r) for r in args.rows.split(",")]
-    began = time.time()
     source = random_llama(args.hidden, args.intermediate, args.layers, head_dim=64, std=0.05)
     results: dict[str, Any] = {
-        "bits": args.bits,
+        **about,
         "shape": {"hidden": args.hidden, "intermediate": args.intermediate, "layers": args.layers},
         "threads": torch.get_num_threads(),
         "cpu": cpu_model(),
         "served": {},
     }
+    return rows, source, results
+
+
+def timed(model: torch.nn.Module, kinds: dict[str, int], rows: list[int], steps: int) -> tuple[dict[str, Any], Any]:
+    """A served model's entry (its linears, their bytes, a decode step's median at each row count) and each row
+    count's step logits."""
+    entry: dict[str, Any] = {"linears": kinds, "linear_mib": round(linear_bytes(model) / 2**20, 1)}
+    logits = {}
+    for n in rows:
+        seconds, logits[n] = decode(model, n, steps)
+        entry[f"step_ms_{n}_rows"] = round(seconds * 1000, 2)
+    return entry, logits
+
+
+def finish(results: dict[str, Any], key: str, began: float, path: Path | None) -> None:
+    """The run's seconds, `key`'s agreement printed, the results written to `path`."""
+    results["seconds"] = round(time.time() - began, 1)
+    print(json.dumps(results[key]), f"{results['seconds']} s")
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=2) + "\n")
+
+
+def agreement(now: dict[int, list[torch.Tensor]], before: dict[int, list[torch.Tensor]]) -> dict[int, dict[str, Any]]:
+    """For each row count: whether every step's greedy tokens agree, and the largest logit difference."""
+    return {
+        n: {
+            "same_greedy_tokens": all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in zip(now[n], before[n])),
+            "max_logit_difference": max(float((a - b).abs().max()) for a, b in zip(now[n], before[n])),
+        }
+        for n in now
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bits", type=int, choices=(4, 8), default=4)
+    shape_arguments(parser)
+    args = parser.parse_args()
+    began = time.time()
+    rows, source, results = shape_setup(args, bits=args.bits)
     logits: dict[str, dict[int, list[torch.Tensor]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         folders = {}
@@ -133,27 +175,12 @@ def main() -> None:
             (f"in order, {args.bits}-bit", folders[False], False),
         ):
             model, kinds = served(folder, before)
-            entry: dict[str, Any] = {"linears": kinds, "linear_mib": round(linear_bytes(model) / 2**20, 1)}
-            logits[label] = {}
-            for n in rows:
-                seconds, logits[label][n] = decode(model, n, args.steps)
-                entry[f"step_ms_{n}_rows"] = round(seconds * 1000, 2)
+            entry, logits[label] = timed(model, kinds, rows, args.steps)
             results["served"][label] = entry
             print(label, json.dumps(entry), flush=True)
             del model
-    now, before = logits[now_label], logits["act-order, de-quantized fp32 (before)"]
-    results["act_order_vs_dequantized"] = {
-        n: {
-            "same_greedy_tokens": all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in zip(now[n], before[n])),
-            "max_logit_difference": max(float((a - b).abs().max()) for a, b in zip(now[n], before[n])),
-        }
-        for n in rows
-    }
-    results["seconds"] = round(time.time() - began, 1)
-    print(json.dumps(results["act_order_vs_dequantized"]), f"{results['seconds']} s")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    results["act_order_vs_dequantized"] = agreement(logits[now_label], logits["act-order, de-quantized fp32 (before)"])
+    finish(results, "act_order_vs_dequantized", began, args.json)
 
 
 if __name__ == "__main__":

@@ -23,16 +23,20 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from act_order_cpu import BLOCK, decode, linear_bytes  # noqa: E402 - benchmarks/: the script's folder is on sys.path
-from machine import cpu_model  # noqa: E402
-from tp_split_groups import random_llama  # noqa: E402
+from act_order_cpu import (  # noqa: E402 - benchmarks/: the script's folder is on sys.path
+    BLOCK,
+    agreement,
+    finish,
+    shape_arguments,
+    shape_setup,
+    timed,
+)
 
 from lmiserve.engine.attention.paged import paged_cache  # noqa: E402
 from lmiserve.engine.model import cpu_codes  # noqa: E402
@@ -81,24 +85,11 @@ def served(folder: Path, before: bool) -> tuple[torch.nn.Module, dict[str, int]]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--format", choices=FORMATS, default="fp8-channel")
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--intermediate", type=int, default=8192)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--rows", default="1,8")
     parser.add_argument("--prompt", type=int, default=128)
-    parser.add_argument("--json", type=Path)
+    shape_arguments(parser)
     args = parser.parse_args()
-    rows = [int(r) for r in args.rows.split(",")]
     began = time.time()
-    source = random_llama(args.hidden, args.intermediate, args.layers, head_dim=64, std=0.05)
-    results: dict[str, Any] = {
-        "format": args.format,
-        "shape": {"hidden": args.hidden, "intermediate": args.intermediate, "layers": args.layers},
-        "threads": torch.get_num_threads(),
-        "cpu": cpu_model(),
-        "served": {},
-    }
+    rows, source, results = shape_setup(args, format=args.format)
     logits: dict[str, dict[int, list[torch.Tensor]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / args.format
@@ -106,29 +97,13 @@ def main() -> None:
         build_tiny_tokenizer().save_pretrained(folder)
         for label, before in ((NOW, False), (BEFORE, True)):
             model, kinds = served(folder, before)
-            entry: dict[str, Any] = {"linears": kinds, "linear_mib": round(linear_bytes(model) / 2**20, 1)}
-            logits[label] = {}
-            for n in rows:
-                seconds, logits[label][n] = decode(model, n, args.steps)
-                entry[f"step_ms_{n}_rows"] = round(seconds * 1000, 2)
+            entry, logits[label] = timed(model, kinds, rows, args.steps)
             entry[f"prompt_chunk_ms_{args.prompt}_tokens"] = round(prompt_chunk(model, args.prompt) * 1000, 2)
             results["served"][label] = entry
             print(label, json.dumps(entry), flush=True)
             del model
-    results["kept_vs_dequantized"] = {
-        n: {
-            "same_greedy_tokens": all(
-                torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in zip(logits[NOW][n], logits[BEFORE][n])
-            ),
-            "max_logit_difference": max(float((a - b).abs().max()) for a, b in zip(logits[NOW][n], logits[BEFORE][n])),
-        }
-        for n in rows
-    }
-    results["seconds"] = round(time.time() - began, 1)
-    print(json.dumps(results["kept_vs_dequantized"]), f"{results['seconds']} s")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    results["kept_vs_dequantized"] = agreement(logits[NOW], logits[BEFORE])
+    finish(results, "kept_vs_dequantized", began, args.json)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.packed_steps import packed_and_op_by_op_give_transformers_logits
 from helpers.quantizable import quantizable_llama, write_checkpoint
 from lmiserve.engine.attention.paged import paged_cache
 from lmiserve.engine.model import cpu_codes
@@ -131,26 +132,9 @@ def test_the_packed_decode_kernels_give_transformers_logits(
     assert any("14 fp8 codes on the q8 kernel" in r.getMessage() for r in caplog.records)
     linears = [m for name, m in model.named_modules() if name.endswith("_proj")]
     assert len(linears) == 14 and all(isinstance(m, Q8Linear) and m.weight.dtype == FP8 for m in linears)
-    seq = [1, 5, 9, 17, 33, 40, 7, 3]
-    reference = model(torch.tensor([seq])).logits[0]
     layer = fused_layers(model)[0]
     assert layer.fused and layer.qkv_w.dtype == FP8 and layer.gate_up_w.dtype == FP8
-    for packed in (True, False):
-        fast = FastLlama(model, paged_cache(model, 4, 4), 128)
-        assert fast.packed is not None
-        calls: list[int] = []
-        if packed:
-            run = fast.packed.run
-            fast.packed.run = lambda *a, run=run, calls=calls: calls.append(1) or run(*a)  # type: ignore[method-assign]
-        else:
-            fast.packed = None
-        table = [2, 0, 3]
-        out = fast.forward(StepInputs(chunks=[(table, 0, seq[:5])], keep=[*range(5)]))
-        torch.testing.assert_close(out, reference[:5], rtol=1e-4, atol=1e-4)
-        for position in range(5, len(seq)):
-            out = fast.forward(StepInputs([seq[position]], [position], [table], keep=[0]))
-            torch.testing.assert_close(out[0], reference[position], rtol=1e-4, atol=1e-4)
-        assert len(calls) == (4 if packed else 0)
+    packed_and_op_by_op_give_transformers_logits(model)
 
 
 @torch.inference_mode()

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.packed_steps import packed_and_op_by_op_give_transformers_logits
 from helpers.quantizable import quantizable_llama, write_checkpoint
 from lmiserve.engine.attention.paged import paged_cache
 from lmiserve.engine.model import fp8_gemv
@@ -119,27 +120,10 @@ def test_the_fast_path_fuses_layers_of_one_order_and_gives_transformers_logits(
     model = load_causal_lm(desc_act_folders[fmt], device="cpu").model
     linears = [m for name, m in model.named_modules() if name.endswith("_proj")]
     assert linears and all(isinstance(m, kind) and m.order is not None for m in linears)
-    seq = [1, 5, 9, 17, 33, 40, 7, 3]
-    reference = model(torch.tensor([seq])).logits[0]
     layer, attn = fused_layers(model)[0], model.model.layers[0].self_attn
     assert layer.fused and isinstance(layer.qkv_s, InputOrder) and torch.equal(layer.qkv_s.order, attn.q_proj.order)
     assert isinstance(layer.down_s, InputOrder) and isinstance(layer.gate_up_s, InputOrder)
-    for packed in (True, False):
-        fast = FastLlama(model, paged_cache(model, 4, 4), 128)
-        assert fast.packed is not None
-        calls: list[int] = []
-        if packed:
-            run = fast.packed.run
-            fast.packed.run = lambda *a, run=run, calls=calls: calls.append(1) or run(*a)  # type: ignore[method-assign]
-        else:
-            fast.packed = None
-        table = [2, 0, 3]
-        out = fast.forward(StepInputs(chunks=[(table, 0, seq[:5])], keep=[*range(5)]))
-        torch.testing.assert_close(out, reference[:5], rtol=1e-4, atol=1e-4)
-        for position in range(5, len(seq)):
-            out = fast.forward(StepInputs([seq[position]], [position], [table], keep=[0]))
-            torch.testing.assert_close(out[0], reference[position], rtol=1e-4, atol=1e-4)
-        assert len(calls) == (4 if packed else 0)
+    packed_and_op_by_op_give_transformers_logits(model)
 
 
 @needs_int4
