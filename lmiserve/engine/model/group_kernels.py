@@ -25,7 +25,7 @@ one input position for the 16 outputs of a block, and one vector instruction deq
   into fp32 before its tiles measured no faster).
 `pack_q4` / `pack_q8` build it from the natural ``[N, K]`` codes, `unpack_q4` / `unpack_q8` undo it.
 
-The kernel (one call per row block and up to `ROW_TILE` rows of x, blocks split among the threads):
+The kernel (one call per row block and up to `ROW_TILE` rows of x, fp8 `WIDE_TILE`; blocks split among the threads):
 for each input k it converts the 16 outputs' codes to one fp32 vector and adds ``code * x[m, k]`` to
 per-group sums of each row m (in registers); per group ``acc += sum * scale + min * sum(x of the
 group)``. The conversion is shared by the rows and no horizontal sums are needed. Numerics: fp32
@@ -139,13 +139,12 @@ def _e4m3_as_f32(builder: Any, byte: Any) -> Any:  # pragma: no cover - compiled
 
 def _tile_intrinsic(kind: str, group: int) -> Any:  # pragma: no cover - compiled
     """An intrinsic ``tile(codes, c_at, scales, s_at, x, xs, m0, out, o_at, n, add, rows)``: one row
-    block's 16 outputs for rows ``m0 .. m0 + rows`` (1 to `ROW_TILE`, a switch over compiled tiles) of x
-    (``[M, K]`` contiguous; `xs` ``[M, K/32]`` its group sums, q4 only), results to ``out.flat[o_at + (m0
-    + m) * n + l]`` (added to what is there when `add` is nonzero); codes from ``codes.flat[c_at]``,
-    scales from ``scales.flat[s_at]``. LLVM IR: a loop over the groups of `group` inputs, unrolled within
-    a group: per input the 16 codes converted to fp32 once and multiplied into each row's group sums
-    (`chains` independent vectors a row, for the FMA latency); per group ``acc += sum * scale (+ min *
-    xs)``."""
+    block's 16 outputs for rows ``m0 .. m0 + rows`` (1 to `ROW_TILE`, fp8 `WIDE_TILE`: a switch over compiled tiles)
+    of x (``[M, K]`` contiguous; `xs` ``[M, K/32]`` its group sums, q4 only), results to ``out.flat[o_at + (m0 + m)
+    * n + l]`` (added to what is there when `add` is nonzero); codes from ``codes.flat[c_at]``, scales from
+    ``scales.flat[s_at]``. LLVM IR: a loop over the groups of `group` inputs, unrolled within a group: per input the
+    16 codes converted to fp32 once and multiplied into each row's group sums (`chains` independent vectors a row,
+    for the FMA latency); per group ``acc += sum * scale (+ min * xs)``."""
     from llvmlite import ir
     from numba import types
     from numba.extending import intrinsic
@@ -279,7 +278,7 @@ def _driver(
     kind: int, pre: int, x: _F32, norm: _F32, eps: float, codes: Any, scales: _F32, out: _F32, add: int
 ) -> None:  # pragma: no cover
     """``out[m, 16 b + l]`` (`add` nonzero: ``+=``) for every row block b (split among the threads) and
-    row m of the input, in tiles of up to `ROW_TILE` rows. kind 0: q4, 1: q8 with groups of 32, 2: q8
+    row m of the input, in tiles of up to `ROW_TILE` rows (fp8: `WIDE_TILE`). kind 0: q4, 1: q8 with groups of 32, 2: q8
     with groups of 16, 3 and 4: fp8 codes (e4m3fn bytes) with groups of 32 and 16. The input, formed once
     per call (`PRE_*`): x itself; x's RMS norm with weight `norm` and `eps`; ``silu(gate) * up`` of x
     ``[M, 2K]`` (gate the first K columns)."""
