@@ -21,6 +21,7 @@ from helpers.quantizable import quantizable_llama, write_checkpoint
 from lmiserve.engine import fp8_devices
 from lmiserve.engine.model import fp8_gemv, int4_triton, int8_weights, kernel_choice
 from lmiserve.engine.model.quant_formats import Fp8Linear
+from lmiserve.engine.model.quantize import Q8Linear, int4_available
 from lmiserve.engine.model.shard_checkpoint import load_shard_weights
 from lmiserve.engine.model.sharding import shard_model
 from lmiserve.models.load import load_causal_lm, load_model_shell
@@ -220,7 +221,7 @@ def test_every_fp8_load_asks_and_keeps_fp8_weights_where_told(fp8_dir, float_dir
     """An fp8 checkpoint in one process, a tensor-parallel rank's cut of it, ``quantize=fp8`` of a float model and
     a block-wise fp8 checkpoint (asking for its blocks) each ask once of what they load; where the answer is to keep
     (an A10G; for blocks any GPU), every linear of the layers is an `Fp8Linear` (here on a CPU, where the answer is
-    never asked, none is)."""
+    never asked, none is: they are the CPU's own `Q8Linear` of fp8 codes, `cpu_codes.fp8_layer`)."""
     asked: list[tuple[str, bool]] = []
 
     def spy(model: torch.nn.Module, device: torch.device, name: str, blocks: bool = False) -> bool | None:
@@ -232,8 +233,9 @@ def test_every_fp8_load_asks_and_keeps_fp8_weights_where_told(fp8_dir, float_dir
     dynamic = load_causal_lm(float_dir, device="cpu", quantize="fp8").model
     blocks = load_causal_lm(block_dir, device="cpu").model
     assert asked == [("fp8", False), ("rank 1", False), ("quantize=fp8", False), ("fp8-block", True)]
-    assert blocks.model.layers[0].mlp.down_proj.weight.dtype == (torch.float8_e4m3fn if answer else torch.float32)
+    on_cpu = Q8Linear if int4_available() else torch.nn.Linear
     for model in (whole, shell, dynamic, blocks):
         layer = model.model.layers[0]
-        assert isinstance(layer.mlp.down_proj, Fp8Linear) is bool(answer)
-        assert isinstance(layer.self_attn.q_proj, Fp8Linear) is bool(answer)
+        for linear in (layer.mlp.down_proj, layer.self_attn.q_proj):
+            assert isinstance(linear, Fp8Linear if answer else on_cpu), type(linear)
+            assert linear.weight.dtype == (torch.float8_e4m3fn if answer or on_cpu is Q8Linear else torch.float32)

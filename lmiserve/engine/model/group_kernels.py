@@ -17,12 +17,9 @@ one input position for the 16 outputs of a block, and one vector instruction deq
   scales and minimums fp32 ``[N/16, K/32 * 32]``: ``[b, 32 g + l]`` the scale, ``[b, 32 g + 16 + l]``
   the minimum of group g of output ``16 b + l``. ``w = code * scale + min``.
 - q8 codes: int8 or fp8 e4m3fn ``[N/16, K * 16]`` (``[b, 16 k + l]``), scales fp32 ``[N/16, K/G * 16]``
-  (``[b, 16 g + l]``), ``w = code * scale``. fp8 bytes are widened exactly through fp16 (`_e4m3_as_f32`: 4
-  instructions for 16 weights where int8 takes 2), in tiles of up to `WIDE_TILE` rows. Measured (AMD EPYC
-  Zen4, 2 threads, benchmarks/fp8_cpu.py, a 1B layer shape, against the weights de-quantized to fp32): a
-  decode step 1.8-2.5x faster at 1 row and 4.3-4.8x at 8, a 128-token prompt chunk 10-20 % slower (fp32's
-  BLAS runs near the FMA peak there, its register tiles reusing each load more; widening a row block once
-  into fp32 before its tiles measured no faster).
+  (``[b, 16 g + l]``), ``w = code * scale``. fp8 bytes are widened exactly through fp16 (`_e4m3_as_f32`), in
+  tiles of up to `WIDE_TILE` rows: against fp32 (AMD EPYC Zen4, benchmarks/fp8_cpu.py), decode 1.8-4.8x
+  faster, a 128-token prompt chunk 10-20 % slower (fp32's BLAS runs near the FMA peak there).
 `pack_q4` / `pack_q8` build it from the natural ``[N, K]`` codes, `unpack_q4` / `unpack_q8` undo it.
 
 The kernel (one call per row block and up to `ROW_TILE` rows of x, fp8 `WIDE_TILE`; blocks split among the threads):
