@@ -99,10 +99,9 @@ def pack_q8(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, tor
     n, k = codes.shape
     if scale.shape[0] != n or k % scale.shape[1] or (k // scale.shape[1]) % LANES:
         raise ValueError(f"q8 scales {tuple(scale.shape)} do not match codes {tuple(codes.shape)}")
-    fp8 = codes.dtype == torch.float8_e4m3fn  # (moved as bytes; a padded row's zero bytes are +0.0)
-    raw = (codes.view(torch.uint8) if fp8 else codes.to(torch.int8)).contiguous()
-    packed = _pad_rows(raw).view(-1, LANES, k).transpose(1, 2).contiguous().view(-1, k * LANES)
-    packed = packed.view(torch.float8_e4m3fn) if fp8 else packed
+    kept = torch.float8_e4m3fn if codes.dtype == torch.float8_e4m3fn else torch.int8  # (a padded row's bytes: +0.0)
+    raw = codes.to(kept).contiguous().view(torch.uint8)  # (moved as bytes)
+    packed = _pad_rows(raw).view(-1, LANES, k).transpose(1, 2).contiguous().view(-1, k * LANES).view(kept)
     s = _pad_rows(scale.float()).view(-1, LANES, scale.shape[1]).transpose(1, 2).contiguous()
     return packed, s.view(-1, scale.shape[1] * LANES)
 
@@ -110,20 +109,16 @@ def pack_q8(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, tor
 def unpack_q8(packed: torch.Tensor, scales: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`pack_q8`'s inverse: ``(codes [N, K] in their dtype, scale fp32 [N, K/G])``."""
     k, groups = packed.shape[1] // LANES, scales.shape[1] // LANES
-    fp8 = packed.dtype == torch.float8_e4m3fn
-    raw = packed.view(torch.uint8) if fp8 else packed
-    codes = raw.view(-1, k, LANES).transpose(1, 2).reshape(-1, k)[:n]
-    codes = codes.view(torch.float8_e4m3fn) if fp8 else codes
+    raw = packed.view(torch.uint8) if packed.dtype == torch.float8_e4m3fn else packed
+    codes = raw.view(-1, k, LANES).transpose(1, 2).reshape(-1, k)[:n].view(packed.dtype)
     return codes, scales.view(-1, groups, LANES).transpose(1, 2).reshape(-1, groups)[:n]
 
 
 # ---- the kernels ------------------------------------------------------------------------------------
 def _e4m3_as_f32(builder: Any, byte: Any) -> Any:  # pragma: no cover - compiled
-    """16 fp8 e4m3fn bytes (an i8 vector) as fp32 vectors of 2^-8 times their values, exactly: each byte's sign
-    and its 7 other bits (4 of exponent, 3 of mantissa) moved into an fp16's places (sign to bit 15, the rest 7 up:
-    fp16's exponent bias 15 is e4m3's 7 plus 8), then widened (F16C's ``vcvtph2ps``). Subnormal bytes are fp16
-    subnormals, which the widening makes normal fp32 values; e4m3fn's NaN (0x7F, 0xFF), which no checkpoint holds,
-    reads as 480."""
+    """16 fp8 e4m3fn bytes (an i8 vector) as fp32 of 2^-8 times their values, exactly: each byte's sign and 7 other
+    bits moved into an fp16's places (fp16's exponent bias is e4m3's plus 8), then widened (F16C's ``vcvtph2ps``;
+    subnormals too). e4m3fn's NaN (0x7F, 0xFF), which no checkpoint holds, reads as 480."""
     from llvmlite import ir
 
     vi16 = ir.VectorType(ir.IntType(16), LANES)
@@ -274,11 +269,10 @@ if HAVE_NUMBA:
 def _driver(
     kind: int, pre: int, x: _F32, norm: _F32, eps: float, codes: Any, scales: _F32, out: _F32, add: int
 ) -> None:  # pragma: no cover
-    """``out[m, 16 b + l]`` (`add` nonzero: ``+=``) for every row block b (split among the threads) and
-    row m of the input, in tiles of up to `ROW_TILE` rows (fp8: `WIDE_TILE`). kind 0: q4, 1: q8 with groups of 32, 2: q8
-    with groups of 16, 3 and 4: fp8 codes (e4m3fn bytes) with groups of 32 and 16. The input, formed once
-    per call (`PRE_*`): x itself; x's RMS norm with weight `norm` and `eps`; ``silu(gate) * up`` of x
-    ``[M, 2K]`` (gate the first K columns)."""
+    """``out[m, 16 b + l]`` (`add` nonzero: ``+=``) for every row block b (split among the threads) and row m of the
+    input, in tiles of up to `ROW_TILE` rows (fp8: `WIDE_TILE`). kind 0: q4, 1: q8 with groups of 32, 2: q8 with
+    groups of 16, 3 and 4: fp8 codes (e4m3fn bytes) with groups of 32 and 16. The input, formed once per call
+    (`PRE_*`): x itself; x's RMS norm with weight `norm` and `eps`; ``silu(gate) * up`` of x ``[M, 2K]``."""
     rows = x.shape[0]
     blocks = codes.shape[0]
     n = blocks * LANES
@@ -347,6 +341,12 @@ def _run(kind: int, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
     out = torch.empty(flat.shape[0], codes.shape[0] * LANES, dtype=torch.float32)
     _compiled()(kind, PRE_NONE, flat.numpy(), _NO_NORM, 0.0, _bytes(codes), scales.numpy(), out.numpy(), 0)
     return out if out.shape[1] == n else out[:, :n].contiguous()
+
+
+def blocked(weight: torch.Tensor, inputs: int) -> bool:
+    """Whether `weight` is a linear of `inputs` inputs in the blocked layout (q4 ``[N/16, K*8]``, q8 ``[N/16, K*16]``),
+    not row-major ``[N, K]`` (`Fp8Linear`'s fp8 rows beside a CPU's blocked fp8 codes, `Int8Linear`'s int8 rows)."""
+    return weight.shape[1] == inputs * (LANES // 2 if weight.dtype == torch.uint8 else LANES)
 
 
 def _bytes(codes: torch.Tensor) -> Any:

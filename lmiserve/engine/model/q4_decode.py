@@ -74,12 +74,6 @@ def _taken(x: Any, order: Any) -> Any:
     return x if order is None else np.take(x, order, axis=1)
 
 
-def _blocked(weight: torch.Tensor, inputs: int) -> bool:
-    """Whether a weight of 8-bit floats is in the blocked layout of `inputs` inputs (``[out / 16, inputs * 16]``,
-    `cpu_codes.fp8_layer`), not an `Fp8Linear`'s rows (``[out, inputs]``); codes of other dtypes are."""
-    return weight.dtype != torch.float8_e4m3fn or weight.shape[1] == inputs * group_kernels.LANES
-
-
 class _Layer:
     """A layer's four products. Where their inputs are stored in group order (GPTQ's act-order, `input_order`),
     each input is gathered first (`_taken`); the norms before q/k/v and gate/up take their weights in that order too,
@@ -112,7 +106,7 @@ class _Layer:
             return None
         heads, kv_heads, head_dim = shape
         inputs = (hidden, heads * head_dim, hidden, layer.intermediate)
-        if not all(_blocked(w, k) for w, k in zip(weights, inputs, strict=True)):
+        if not all(group_kernels.blocked(w, k) for w, k in zip(weights, inputs, strict=True)):
             return None
         groups = [input_order.scales_of(s) for s in scales]  # (int8 rows' 1-D scales: no)
         if any(not isinstance(s, torch.Tensor) or s.dim() != 2 for s in groups):
@@ -162,7 +156,7 @@ class PackedLayers:
             isinstance(head_scales, torch.Tensor)
             and head_scales.dim() == 2
             and weight.dtype in _CODES
-            and _blocked(weight, hidden)
+            and group_kernels.blocked(weight, hidden)
         ):
             out = Packed(weight, head_scales)
         return cls(packed, out, _norm(norm), shape)

@@ -43,7 +43,16 @@ import torch
 from lmiserve.engine.model import group_kernels, input_order, int4_triton
 from lmiserve.engine.model.codes_linear import CodesLinear
 from lmiserve.engine.model.fp8_ops import fp8_linear
-from lmiserve.engine.model.group_kernels import LANES, pack_q4, pack_q8, q4_linear, q8_linear, unpack_q4, unpack_q8
+from lmiserve.engine.model.group_kernels import (
+    LANES,
+    blocked,
+    pack_q4,
+    pack_q8,
+    q4_linear,
+    q8_linear,
+    unpack_q4,
+    unpack_q8,
+)
 from lmiserve.engine.model.int4_triton import Int4Scales
 from lmiserve.engine.model.int8_weights import Int8Scales, int8_weight_linear
 
@@ -112,7 +121,7 @@ def quantized_linear(
         return int8_weight_linear(x, weight, scales)
     if weight.dtype == torch.uint8:
         return int4_linear(x, weight, scales)
-    if weight.dtype == torch.float8_e4m3fn and weight.shape[1] != x.shape[-1] * LANES:  # quant_formats.Fp8Linear's rows
+    if weight.dtype == torch.float8_e4m3fn and not blocked(weight, x.shape[-1]):  # quant_formats.Fp8Linear's rows
         return fp8_linear(x, weight, scales)
     if scales.dim() == 2:
         return q8_linear(x, weight, scales)
