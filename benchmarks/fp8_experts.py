@@ -11,6 +11,13 @@ prompt's chunk (2048).
 
     .venv/bin/python benchmarks/fp8_experts.py [--tokens 1,16,64,2048] [--out DIR]   # CUDA
     TRITON_INTERPRET=1 .venv/bin/python benchmarks/fp8_experts.py --smoke            # CPU: checks it runs
+    .venv/bin/python benchmarks/fp8_experts.py --cpu [--experts 64] [--out DIR]      # the CPU's kernels
+
+``--cpu``: the same layer on a CPU in fp32 (the server's dtype there), its experts kept on the CPU's q8 and q4
+kernels (`engine/model/cpu_experts.py`: fp8 by channel and by blocks, 8-bit codes, 4-bit codes; no MXFP4) against
+transformers' grouped forward over the de-quantized fp32 weights (what the CPU ran before 2026-12-07), timed eagerly
+with the process's threads; `--experts` of them (64 by default: the layer's per-expert shape and top 8, in less
+memory than 128 experts' five fp32 copies).
 
 Per token count: the median time of `--iters` calls replayed from a CUDA graph (as the decode graphs run them: the
 GPU's time alone; eager where the capture fails), the bytes of the experts hit (each routed expert's weights, read
@@ -61,8 +68,9 @@ def experts_module(shape: dict[str, int], dtype: torch.dtype, device: torch.devi
 
 
 def fp8_twin(module: torch.nn.Module, block: int) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """`module`'s experts kept fp8 (`fp8_experts.keep`): a scale a channel, or by blocks of `block` x `block`
-    (`block` 0: a channel's); and the bf16 module of the same de-quantized weights (the reference)."""
+    """`module`'s experts kept fp8 (`fp8_experts.keep`; on a CPU its q8 kernel's): a scale a channel, or by blocks of
+    `block` x `block` (`block` 0: a channel's); and the module of the same de-quantized weights in `module`'s dtype
+    (the reference)."""
     import copy
 
     kept, dense = copy.deepcopy(module), copy.deepcopy(module)
@@ -165,25 +173,31 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,16,64,2048")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--smoke", action="store_true", help="a tiny layer on a CPU, the kernel interpreted")
+    parser.add_argument("--cpu", action="store_true", help="on a CPU in fp32: the CPU's kernels (cpu_experts)")
+    parser.add_argument("--experts", type=int, default=None, help="the layer's experts (--cpu's default: 64)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    cuda = torch.cuda.is_available() and not args.smoke
-    if not cuda and not args.smoke:
-        raise SystemExit("needs a CUDA GPU (or --smoke on CPU under TRITON_INTERPRET=1)")
+    cuda = torch.cuda.is_available() and not args.smoke and not args.cpu
+    if not cuda and not args.smoke and not args.cpu:
+        raise SystemExit("needs a CUDA GPU (or --cpu, or --smoke on CPU under TRITON_INTERPRET=1)")
     fp8_experts.INTERPRETED_ON_CPU = int4_experts.INTERPRETED_ON_CPU = mxfp4_experts.INTERPRETED_ON_CPU = args.smoke
     device = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float16  # (the interpreter's dot has no bf16)
-    shape = SHAPE if cuda else SMOKE
-    iters = args.iters if cuda else 2  # (the smoke run checks that it runs; the interpreter is slow)
+    dtype = torch.bfloat16 if cuda else torch.float32 if args.cpu else torch.float16  # (the interpreter: no bf16 dot)
+    base = "fp32" if args.cpu else "bf16"  # (the de-quantized layer's key)
+    shape = {**(SMOKE if args.smoke else SHAPE)}
+    shape["experts"] = args.experts or (64 if args.cpu else shape["experts"])
+    iters = 2 if args.smoke else args.iters  # (the smoke run checks that it runs; the interpreter is slow)
     torch.manual_seed(0)
     bf16 = experts_module(shape, dtype, device)
-    group = BLOCK if cuda else 32
+    group = 32 if args.smoke else BLOCK
     variants = {"fp8_channel": fp8_twin(bf16, 0), "fp8_block": fp8_twin(bf16, group), "int4": int4_twin(bf16, group)}
-    variants["int8"], variants["mxfp4"] = int8_twin(bf16, group), mxfp4_twin(bf16)
+    variants["int8"] = int8_twin(bf16, group)
+    if not args.cpu:  # (MXFP4's experts: a GPU's kernel alone)
+        variants["mxfp4"] = mxfp4_twin(bf16)
     weight_bytes = {"fp8_channel": 1.0, "fp8_block": 1.0, "int8": 1.0, "int4": 0.5, "mxfp4": 0.5}  # (scales left out)
     per_expert = 3 * shape["hidden"] * shape["intermediate"]  # gate, up and down: their weights' count
     rows = []
-    for tokens in (int(t) for t in (args.tokens if cuda else "1,4").split(",")):
+    for tokens in (int(t) for t in ("1,4" if args.smoke else args.tokens).split(",")):
         x = torch.randn(tokens, shape["hidden"], device=device, dtype=dtype)
         index = torch.stack([torch.randperm(shape["experts"], device=device)[: shape["top_k"]] for _ in range(tokens)])
         weights = torch.softmax(torch.randn(tokens, shape["top_k"], device=device), dim=-1).to(dtype)
@@ -191,7 +205,8 @@ def main() -> None:
         row: dict[str, object] = {"tokens": tokens, "experts_hit": hit}
         with torch.no_grad():
             bf16_s = timed(functools.partial(bf16, x, index, weights), iters, cuda)
-            row["bf16"] = {"us": round(bf16_s * 1e6, 1), "GB_per_s": round(hit * per_expert * 2 / bf16_s / 1e9, 1)}
+            gbs = round(hit * per_expert * dtype.itemsize / bf16_s / 1e9, 1)
+            row[base] = {"us": round(bf16_s * 1e6, 1), "GB_per_s": gbs}
             for name, (kept, dense) in variants.items():
                 want = dense(x, index, weights)
                 widen = cuda and fp8_devices.native(device) and name.startswith("fp8")
@@ -213,13 +228,14 @@ def main() -> None:
                         "us": round(seconds * 1e6, 1),
                         "GB_per_s": round(hit * per_expert * weight_bytes[name] / seconds / 1e9, 1),
                         "error": round(error, 5),
-                        "over_bf16": round(bf16_s / seconds, 3),
+                        f"over_{base}": round(bf16_s / seconds, 3),
                     }
         rows.append(row)
         print(json.dumps(row), flush=True)
     report = {
-        "device": torch.cuda.get_device_name() if cuda else "cpu (smoke)",
+        "device": torch.cuda.get_device_name() if cuda else "cpu" if args.cpu else "cpu (smoke)",
         "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
         "shape": shape,
         "results": rows,
     }

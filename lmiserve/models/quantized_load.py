@@ -50,6 +50,7 @@ from typing import Any, cast
 import torch
 
 from lmiserve.engine.model import expert_codes, fp8_experts, grouped_experts, int4_experts, int8_experts, mxfp4_experts
+from lmiserve.engine.model.cpu_experts import KERNELS as CPU_EXPERTS
 from lmiserve.engine.model.expert_matrices import stacked_experts
 from lmiserve.engine.model.fp8_ops import per_tensor_at_load
 from lmiserve.engine.model.int4_triton import Int4TritonLinear
@@ -235,11 +236,11 @@ def _fill_experts(
     made: Counter[str] = Counter()
     if spec.method == "fp8":
         kept = fp8_experts.keep_stored(model, stored, files.slice, spec.blocks, device, path.name)
-        made["experts modules kept fp8 (Triton kernel)"] = len(kept)
+        made[f"experts modules kept fp8 ({_experts_kernel(model, kept)})"] = len(kept)
     else:
         codes = int8_experts if spec.bits == 8 else int4_experts
         kept = expert_codes.keep_stored(model, stored, files.slice, spec, device, path.name, codes, decided=keep)
-        made[f"experts modules kept {codes.KEPT} (Triton kernel)"] = len(kept)
+        made[f"experts modules kept {codes.KEPT} ({_experts_kernel(model, kept)})"] = len(kept)
     for name, module in model.named_modules():
         down = getattr(module, "down_proj", None)
         if not name.endswith(".experts") or grouped_experts.kept(module) or not isinstance(down, torch.Tensor):
@@ -258,6 +259,12 @@ def _fill_experts(
             setattr(module, kind, torch.nn.Parameter(value.to(meta.dtype), requires_grad=False))
             made[f"experts modules de-quantized to {str(meta.dtype).removeprefix('torch.')}"] += kind == "down_proj"
     return +made
+
+
+def _experts_kernel(model: torch.nn.Module, kept: set[str]) -> str:
+    """What the start's account calls the kernel of the kept experts modules `kept` of `model`."""
+    cpu = sorted({model.get_submodule(name).__dict__["kept_kernel"] for name in kept} & set(CPU_EXPERTS))
+    return f"the CPU's {cpu[0]} kernel" if cpu else "Triton kernel"
 
 
 def _linear_of(
@@ -352,7 +359,8 @@ def quantize_fp8_dynamic(model: torch.nn.Module, dtype: torch.dtype, device: tor
     account = f"fp8 quantized at load, {scales}: {_made_at_load(model, make)}"
     experts = fp8_experts.quantize_servable(model, device, "quantize=fp8")
     if experts:
-        account += f"; {experts} experts modules kept fp8 per output channel (Triton kernel)"
+        where = "the CPU's q8 kernel" if device.type == "cpu" else "Triton kernel"
+        account += f"; {experts} experts modules kept fp8 per output channel ({where})"
     return account
 
 

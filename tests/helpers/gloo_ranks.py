@@ -46,6 +46,7 @@ def fp8_experts_at_load(rank: int, arch: str, kept: list[bool]) -> list[dict[str
     model = build(*MOE_ARCHS[arch])
     shard_model(model, rank, dist.get_world_size(), dist.group.WORLD)
     fp8_experts.kept_for = lambda model, device, name: kept[rank]  # (a rank's GPU with room, or not)
+    fp8_experts.INTERPRETED_ON_CPU = True  # (kept as on a GPU; the CPU's q8 kernel's ranks: test_cpu_experts.py)
     count = fp8_experts.quantize_servable(model, torch.device("cpu"), f"rank {rank}", maxima_over_ranks(model))
     made = []
     for layer in model.model.layers:

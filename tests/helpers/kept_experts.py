@@ -16,7 +16,7 @@ import torch
 from helpers.decode_graphs import graphs_on_the_test_device
 from helpers.llama_variants import MOE_ARCHS, PROMPTS, build, greedy_tokens, serve_prompts
 from lmiserve.engine.core.async_engine import EngineConfig
-from lmiserve.engine.model import grouped_experts
+from lmiserve.engine.model import cpu_experts, grouped_experts
 
 DEVICE = torch.device(os.environ.get("LMISERVE_TEST_DEVICE", "cpu"))
 on_cpu_only = pytest.mark.skipif(DEVICE.type == "cuda", reason="a CPU's fp32 under the interpreter")
@@ -43,10 +43,13 @@ def moe(arch: str, extra: dict | None = None) -> Any:
 def load_both(
     path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, kernel: Any
 ) -> tuple[Any, Any, Any, list[str]]:
-    """The checkpoint in `path` loaded in fp32 on the CPU with its experts de-quantized (none kept), then where the
-    kernel module `kernel` keeps them (its `kept_for` forced), the decode graphs played on the CPU from then on: (the
-    de-quantized model, the kept one, the graphs' record, the second start's log lines)."""
+    """The checkpoint in `path` loaded in fp32 on the CPU with its experts de-quantized (none kept: the CPU's own
+    kernels, `cpu_experts`, not asked), then where the kernel module `kernel` keeps them (its `kept_for` forced), the
+    decode graphs played on the CPU from then on: (the de-quantized model, the kept one, the graphs' record, the
+    second start's log lines)."""
     from lmiserve.models.load import load_causal_lm
+
+    monkeypatch.setattr(cpu_experts, "kept_for", lambda *args: False)
 
     dequantized = load_causal_lm(path, dtype="fp32", device="cpu")
     assert not any(grouped_experts.kept(m) for m in dequantized.model.modules())
@@ -82,8 +85,12 @@ def rank_blocks(
     from lmiserve.models.load import load_causal_lm
     from lmiserve.models.quantized_load import checkpoint_quantization
 
-    whole = load_causal_lm(path, dtype="fp32", device="cpu").model
-    monkeypatch.setattr(kernel, "kept_for", lambda model, device, name: True)
+    if kernel is not cpu_experts:
+        monkeypatch.setattr(cpu_experts, "kept_for", lambda *args: False)
+    with monkeypatch.context() as whole_load:  # (de-quantized whole)
+        whole_load.setattr(cpu_experts, "kept_for", lambda *args: False)
+        whole = load_causal_lm(path, dtype="fp32", device="cpu").model
+    monkeypatch.setattr(kernel, "kept_for", lambda *args: True)
     ranks = read_ranks(model, path, world, checkpoint_quantization(path, None))
     layers = enumerate(whole.model.layers)
     return [(moe_block(layer), [moe_block(shell.model.layers[i]) for shell in ranks]) for i, layer in layers]

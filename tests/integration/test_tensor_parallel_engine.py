@@ -545,7 +545,7 @@ QUANTIZED = {
     "w4a16-asym": ("w4a16-asym", 32, False, {}),  # compressed-tensors' pack-quantized, written by the package
     "w8a8": ("w8a8", 0, False, {}),  # compressed-tensors' int-quantized int8
     "fp8-at-load": ("float", 0, False, {"quantize": "fp8"}),
-    "fp8-at-load-moe": ("float", 0, False, {"quantize": "fp8"}),  # (the ranks agree their experts stay float here)
+    "fp8-at-load-moe": ("float", 0, False, {"quantize": "fp8"}),  # (experts kept fp8: a rank's 24 inputs of down, 32)
     "awq-dummy": ("float", 0, False, {"quantize": "awq", "load_format": "dummy"}),
     "modelopt-fp8-block": ("modelopt-fp8-block", 0, False, {}),  # NVIDIA ModelOpt's FP8_PB_WO, written by its export
 }

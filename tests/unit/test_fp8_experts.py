@@ -79,9 +79,11 @@ def test_the_row_tiles_cover_each_experts_rows_once_in_a_grid_the_routing_does_n
     assert all(size == -(-100 // block_m) + min(experts, 100) for experts, size in sizes)
 
 
-def test_the_experts_stay_float_on_a_cpu_and_where_the_layout_is_not_the_kernels() -> None:
+def test_a_cpu_keeps_the_experts_in_fp32_alone_and_the_layout_servable_is_the_kernels() -> None:
+    """On a CPU the experts stay fp8 where it computes in fp32 (on its q8 kernel: `cpu_experts`), not in bf16."""
     model = build(*MOE_ARCHS["qwen3_moe"])
-    assert not fp8_experts.kept_for(model, torch.device("cpu"), "tiny")
+    assert fp8_experts.kept_for(model, torch.device("cpu"), "tiny")
+    assert not fp8_experts.kept_for(model.to(torch.bfloat16), torch.device("cpu"), "tiny")
     for arch in ("mixtral", "qwen2_moe_shared", "qwen3_moe", "glm4_moe", "olmoe"):
         first = next(m for n, m in build(*MOE_ARCHS[arch]).named_modules() if n.endswith(".experts"))
         assert grouped_experts.servable(first), arch
@@ -143,14 +145,16 @@ def test_quantize_fp8_on_a_float_mixture_of_experts_keeps_its_experts_fp8_per_ch
     """``quantize=fp8`` on a float Qwen3-MoE where the experts stay fp8 (`kept_for` forced, as where de-quantized
     they would not fit): each expert's matrices are quantized with a scale a row (`quantize_fp8`'s), and the engine
     on the fast path gives the greedy tokens of the float model whose experts are those fp8 values times their
-    scales. Where they are not kept, they stay float (the CPU's rule)."""
+    scales. Where they are not kept, they stay float (a CPU's rule in bf16, here its fp32 kernel's left unasked)."""
     from helpers.llama_variants import greedy_tokens
+    from lmiserve.engine.model import cpu_experts
     from lmiserve.engine.model.fp8_ops import quantize_fp8
     from lmiserve.models.load import load_causal_lm
 
     original = build(*MOE_ARCHS["qwen3_moe"])
     original.save_pretrained(tmp_path)
     tiny_model.tokenizer.save_pretrained(tmp_path)
+    monkeypatch.setattr(cpu_experts, "kept_for", lambda *args: False)
     float_experts = load_causal_lm(tmp_path, dtype="fp32", device="cpu", quantize="fp8")
     assert not any(grouped_experts.kept(m) for m in float_experts.model.modules())
     monkeypatch.setattr(fp8_experts, "kept_for", lambda model, device, name: True)
@@ -202,7 +206,9 @@ def test_each_tensor_parallel_rank_keeps_its_part_of_the_fp8_experts(
 
 
 @pytest.mark.parametrize("kept", [[True, True], [True, False]], ids=["both-ranks-keep", "one-rank-would-not"])
-def test_quantize_fp8_over_two_ranks_keeps_each_ranks_part_of_one_processs_fp8_experts(tmp_path, kept) -> None:
+def test_quantize_fp8_over_two_ranks_keeps_each_ranks_part_of_one_processs_fp8_experts(
+    tmp_path, kept, on_kernel: None
+) -> None:
     """``quantize=fp8`` on a float Qwen3-MoE over two ranks (real processes in a gloo group): each rank's experts are
     its part (gate/up's rows, down's inputs) of the fp8 experts one process makes, down_proj's scales its whole
     rows' (the ranks' maxima all-reduced, where a rank's own would differ). Where one rank's `kept_for` says no
@@ -227,7 +233,7 @@ def test_quantize_fp8_over_two_ranks_keeps_each_ranks_part_of_one_processs_fp8_e
                 assert torch.equal(layer[kind], getattr(want.mlp.experts, kind).detach()), kind
 
 
-def test_the_decode_graphs_capture_fp8_experts_in_any_dtype() -> None:
+def test_the_decode_graphs_capture_fp8_experts_in_any_dtype(on_kernel: None) -> None:
     """torch's grouped product waits for the device outside bf16 (`experts_graph_reason`); the fp8 experts' kernel
     finds its tiles on the device, so a model whose experts are all kept fp8 is captured in fp32 too."""
     from lmiserve.engine.attention.paged import AttentionShape, PagedKVCache

@@ -56,9 +56,11 @@ def test_the_grouped_product_is_each_experts_dequantized_product(
         assert (got.float() - want).abs().max() <= tolerance * want.abs().max(), dtype
 
 
-def test_the_experts_are_dequantized_on_a_cpu() -> None:
-    """The 4-bit linears' rule: codes kept on a GPU only."""
-    assert not int4_experts.kept_for(build(*MOE_ARCHS["qwen3_moe"]), torch.device("cpu"), "tiny")
+def test_a_cpu_keeps_the_codes_in_fp32_alone() -> None:
+    """On a CPU the codes are kept where it computes in fp32 (on its q4 kernel: `cpu_experts`), not in bf16."""
+    model = build(*MOE_ARCHS["qwen3_moe"])
+    assert int4_experts.kept_for(model, torch.device("cpu"), "tiny")
+    assert not int4_experts.kept_for(model.to(torch.bfloat16), torch.device("cpu"), "tiny")
 
 
 # (architecture, format, group, act-order): AutoAWQ's and GPTQModel's Qwen3-MoE, an AWQ Mixtral (w1-w3), llm-compressor's
@@ -147,7 +149,7 @@ def test_each_tensor_parallel_rank_keeps_its_part_of_the_4bit_experts(
         assert_ranks_sum(block, parts, model.config.hidden_size)
 
 
-def test_the_decode_graphs_capture_4bit_experts_in_any_dtype(tmp_path) -> None:
+def test_the_decode_graphs_capture_4bit_experts_in_any_dtype(tmp_path, on_kernel: None) -> None:
     """torch's grouped product waits for the device outside bf16 (`experts_graph_reason`); the 4-bit experts' kernel
     finds its tiles on the device, so a model whose experts all keep their codes is captured in fp32 too."""
     from lmiserve.engine.attention.paged import AttentionShape, PagedKVCache

@@ -245,7 +245,7 @@ MATRICES = ("gate_proj", "up_proj", "down_proj")  # each expert's, as Qwen3-MoE 
         "gptq-int8",
     ],
 )
-def test_a_quantized_mixture_of_experts_is_dequantized_and_served(tiny_model, tmp_path, fmt):
+def test_a_quantized_mixture_of_experts_is_dequantized_and_served(tiny_model, tmp_path, fmt, monkeypatch):
     """A Qwen3-MoE checkpoint in fp8, every projection (each expert's matrices too) fp8 with a scale a block
     (Qwen3-30B-A3B-FP8's format), a row or the tensor (compressed-tensors', as llm-compressor publishes Qwen3-MoE and
     Mixtral; or by NVIDIA ModelOpt's export, FP8 and FP8_PER_CHANNEL_PER_TOKEN, each expert's matrices apart), or in
@@ -255,10 +255,13 @@ def test_a_quantized_mixture_of_experts_is_dequantized_and_served(tiny_model, tm
     router float): loaded with each expert's weights
     its stored values times their scales (integers: the package's own de-quantization; AWQ and GPTQ: their published
     unpacking), merged as transformers holds them, and served on the fast forward with `generate()`'s greedy
-    tokens."""
+    tokens. (De-quantized as a CPU computing in bf16 does; kept on its kernels in fp32: test_cpu_experts.py.)"""
     from safetensors.torch import load_file
 
     from helpers.compressed_ints import decompressed
+    from lmiserve.engine.model import cpu_experts
+
+    monkeypatch.setattr(cpu_experts, "kept_for", lambda *args: False)
     from helpers.modelopt_checkpoints import installed as modelopt_installed
     from helpers.published_unpacking import ref_awq, ref_gptq
     from helpers.quantizable import write_checkpoint

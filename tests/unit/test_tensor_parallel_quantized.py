@@ -16,7 +16,7 @@ import torch
 from helpers.float_weights import float_state, weight_of
 from helpers.quantizable import quantizable_llama, write_checkpoint
 from lmiserve.config import Settings
-from lmiserve.engine.model import cpu_codes, fp8_gemv, quant_formats
+from lmiserve.engine.model import cpu_codes, cpu_experts, fp8_gemv, quant_formats
 from lmiserve.engine.model.int8_weights import Int8WeightLinear
 from lmiserve.engine.model.quant_formats import Fp8Linear
 from lmiserve.engine.model.quantize import Int4Linear, int4_available
@@ -219,7 +219,10 @@ def test_an_fp8_mixture_of_experts_experts_are_read_through_the_scales_each_slic
     from helpers.llama_variants import MOE_ARCHS, build
 
     write_checkpoint(build(*MOE_ARCHS["qwen3_moe"]), tmp_path, fmt, group=16)
-    with monkeypatch.context() as patched:  # the float model (a CPU would keep fp8 weights fp8: `cpu_codes`)
+    monkeypatch.setattr(cpu_experts, "kept_for", lambda *args: False)  # (read as floats: the CPU's kept experts'
+    with (
+        monkeypatch.context() as patched
+    ):  # ranks are test_cpu_experts.py's)  # the float model (a CPU would keep fp8 weights fp8: `cpu_codes`)
         patched.setattr(cpu_codes, "fp8_layer", lambda weight, scale, bias: None)
         whole = load_causal_lm(tmp_path, dtype="fp32", device="cpu").model
     import copy

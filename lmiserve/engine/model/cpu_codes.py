@@ -78,7 +78,7 @@ def q8_layer(parts: Int4Parts, bias: torch.Tensor | None) -> Q8Linear | None:
     if not _symmetric(parts) or parts.codes.shape[0] % INT4_ROW_BLOCK or not int4_available():
         return None
     ordered, order, size = input_order.in_group_order(parts)
-    group = _q8_group(size)
+    group = q8_group(size)
     if size is None or group is None:
         return None
     scale = parts.scale.float().repeat_interleave(size // group, dim=1)
@@ -95,13 +95,13 @@ def fp8_layer(weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | No
         return None
     rows = scale.float().reshape(out, -1) if scale.numel() > 1 else scale.float().reshape(1, 1).expand(out, 1)
     size = inputs // rows.shape[1]
-    group = _q8_group(size) if size * rows.shape[1] == inputs else None
+    group = q8_group(size) if size * rows.shape[1] == inputs else None
     if group is None:
         return None
     return Q8Linear.from_codes(weight, rows.repeat_interleave(size // group, dim=1), bias)
 
 
-def _q8_group(size: int | None) -> int | None:
+def q8_group(size: int | None) -> int | None:
     """The q8 kernel's group (32, else 16) that divides runs of `size` inputs sharing a scale, or None."""
     return next((g for g in Q8_GROUPS if size is not None and size % g == 0), None)
 

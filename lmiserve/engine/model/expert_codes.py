@@ -46,8 +46,9 @@ class Format(Protocol):
         """The kernel's tensors of the experts module `owner`, by kind (`inputs`: down_proj's, `WholeBlocks`); None:
         de-quantized instead."""
 
-    def keep(self, experts: torch.nn.Module, weights: Any, down_pad: tuple[int, int] = (0, 0)) -> None:
-        """Make `experts` run on `weights` (`stacked`'s, on the device; `down_pad`: `grouped_experts.keep`'s)."""
+    def keep(self, experts: torch.nn.Module, weights: Any, down_pad: tuple[int, int] = (0, 0)) -> bool:
+        """Make `experts` run on `weights` (`stacked`'s, on the device; `down_pad`: `grouped_experts.keep`'s); whether
+        they are kept (False: the device's kernel does not take them, nothing changed)."""
 
 
 class Reader(Protocol):
@@ -124,6 +125,6 @@ def keep_stored(
         weights = codes.stacked(owner, count, names, parts_of, part, down)
         if weights is not None:
             kept = {kind: tuple(t.to(device) for t in parts) for kind, parts in weights.items()}
-            codes.keep(module, kept, down.pad)
-            made.add(owner)
+            if codes.keep(module, kept, down.pad):
+                made.add(owner)
     return made

@@ -29,7 +29,7 @@ from typing import Any, cast
 import torch
 
 from lmiserve.engine import fp8_devices
-from lmiserve.engine.model import fp8_gemv, grouped_experts, weight_fit
+from lmiserve.engine.model import cpu_experts, fp8_gemv, grouped_experts, weight_fit
 from lmiserve.engine.model.expert_matrices import Read, WholeBlocks, stacked_experts
 from lmiserve.engine.model.fp8_ops import quantize_fp8
 from lmiserve.engine.model.language_model import text_part
@@ -61,7 +61,10 @@ INTERPRETED_ON_CPU = False
 def kept_for(model: torch.nn.Module, device: torch.device, name: str) -> bool:
     """Whether the fp8 experts of `model` (on the meta device in the compute dtype) stay fp8 on `device`: on a GPU
     where Triton runs (compute capability 8.0 or more) as `weight_fit.kept_for` says (``LMISERVE_USE_TRITON_FP8``
-    forces it either way), logged for the checkpoint `name`; never elsewhere."""
+    forces it either way), on a CPU as `cpu_experts.kept_for` says (computing in fp32), logged for the checkpoint
+    `name`; never elsewhere."""
+    if device.type == "cpu":
+        return cpu_experts.kept_for(model, device, name, "fp8")
     if not weight_fit.triton_gpu(device):
         return False
     return weight_fit.kept_for(
@@ -73,15 +76,20 @@ def keep(
     experts: torch.nn.Module,
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]],
     down_pad: tuple[int, int] = (0, 0),
-) -> None:
+) -> bool:
     """Make `experts` (`grouped_experts.servable`) run on fp8 `weights`: for ``gate_up_proj`` and ``down_proj``
     each, the fp8 weight ``[experts, out, in]`` and its fp32 scales ``[experts, out]`` (a channel's) or ``[experts,
     out, blocks]`` (each row's by blocks of inputs, a power of two: `fp8_gemv.input_block`). `down_pad`:
-    `grouped_experts.keep`'s (a rank's inputs of down_proj widened to whole blocks)."""
+    `grouped_experts.keep`'s (a rank's inputs of down_proj widened to whole blocks). On a CPU (`weights` there, not
+    under the interpreter) the CPU's q8 kernel's (`cpu_experts.keep_q8`). Whether they are kept (False: that kernel
+    does not take their shapes; nothing changed)."""
+    if next(iter(weights.values()))[0].device.type == "cpu" and not INTERPRETED_ON_CPU:
+        return cpu_experts.keep_q8(experts, weights, down_pad)
     tensors = {}
     for kind, (weight, scales) in weights.items():
         tensors[kind], tensors[f"{kind}_scales"] = weight, scales.float()
     grouped_experts.keep(experts, tensors, _product, "fp8", down_pad)
+    return True
 
 
 def _product(x: torch.Tensor, experts: torch.nn.Module, kind: str, counts: torch.Tensor) -> torch.Tensor:
@@ -157,12 +165,12 @@ class _RowScales:
         return self.scales[rows, first // self.inputs_a_block : -(-end // self.inputs_a_block)]
 
 
-def quantize(experts: torch.nn.Module, reduced: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+def quantize(experts: torch.nn.Module, reduced: Callable[[torch.Tensor], torch.Tensor] | None = None) -> bool:
     """`keep` `experts`' float weights (``quantize=fp8`` on a float checkpoint, vLLM's online fp8), each quantized to
     fp8 with a scale an output channel (`fp8_ops.quantize_fp8`), an expert at a time (no fp32 copy of them all).
     `reduced`, where `experts` are a tensor-parallel rank's part (down_proj's inputs cut): each down_proj row's
     ``max|w|`` over the ranks from the rank's own (fp32 ``[experts, out]``), so that a rank's scales are its whole
-    rows', as one process's."""
+    rows', as one process's. Whether they are kept (`keep`'s: else they stay float)."""
     weights = {}
     for kind in ("gate_up_proj", "down_proj"):
         stacked = getattr(experts, kind).detach()
@@ -171,7 +179,7 @@ def quantize(experts: torch.nn.Module, reduced: Callable[[torch.Tensor], torch.T
             amax = reduced(torch.stack([matrix.abs().amax(dim=1).float() for matrix in stacked]))
         made = [quantize_fp8(matrix, None if amax is None else amax[e]) for e, matrix in enumerate(stacked)]
         weights[kind] = (torch.stack([q for q, _ in made]), torch.stack([s for _, s in made]))
-    keep(experts, weights)
+    return keep(experts, weights)
 
 
 def quantize_servable(
@@ -193,9 +201,7 @@ def quantize_servable(
         keep_here = not reduced(torch.tensor([float(not keep_here)], device=device)).item()
     if not keep_here:
         return 0
-    for experts in found:
-        quantize(experts, reduced)
-    return len(found)
+    return sum(quantize(experts, reduced) for experts in found)
 
 
 def keep_stored(
@@ -220,8 +226,10 @@ def keep_stored(
         count = int(cast(torch.Tensor, module.down_proj).shape[0])
         down = WholeBlocks(part, blocks[1] if blocks else 0)
         weights = stacked_fp8(owner, count, names, read, blocks, part, down)
-        if weights is not None:
-            keep(module, {kind: (w.to(device), s.to(device)) for kind, (w, s) in weights.items()}, down.pad)
+        on_device = (
+            None if weights is None else {kind: (w.to(device), s.to(device)) for kind, (w, s) in weights.items()}
+        )
+        if on_device is not None and keep(module, on_device, down.pad):
             made.add(owner)
     return made
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from lmiserve.engine.model import expert_codes, grouped_experts, int4_triton
+from lmiserve.engine.model import cpu_experts, expert_codes, grouped_experts, int4_triton
 
 if TYPE_CHECKING:
     from lmiserve.engine.model.quant_formats import Int4Parts, QuantSpec
@@ -59,21 +59,29 @@ PARTS = ("", "_scales", "_zeros", "_order")  # a kind's attributes (``gate_up_pr
 def kept_for(model: torch.nn.Module, device: torch.device, name: str) -> bool:
     """Whether the 4-bit experts of `model` (on the meta device in the compute dtype: a whole model's, or a
     tensor-parallel rank's shell) keep their codes on `device`: as the 4-bit linears do (`int4_triton.codes_kept_for`,
-    logged for `name`), on a GPU where Triton runs; never elsewhere."""
+    logged for `name`), on a GPU where Triton runs; on a CPU as `cpu_experts.kept_for` says (computing in fp32: the
+    CPU's q4 kernel)."""
+    if device.type == "cpu":
+        return cpu_experts.kept_for(model, device, name, "4-bit")
     return bool(int4_triton.codes_kept_for(model, device, name))
 
 
 def keep(
     experts: torch.nn.Module, weights: dict[str, tuple[torch.Tensor, ...]], down_pad: tuple[int, int] = (0, 0)
-) -> None:
+) -> bool:
     """Make `experts` (`grouped_experts.servable`) run on 4-bit `weights`: for ``gate_up_proj`` and ``down_proj``
     each, the codes as int32 words ``[experts, out, in / 8]``, fp32 scales and zeros ``[experts, groups, out]``, and
     with GPTQ's act-order each expert's order of inputs ``[experts, in]`` (int32: stored input k is input
-    ``order[e, k]``). `down_pad`: `grouped_experts.keep`'s (a rank's inputs of down_proj widened to whole groups)."""
+    ``order[e, k]``). `down_pad`: `grouped_experts.keep`'s (a rank's inputs of down_proj widened to whole groups). On
+    a CPU (`weights` there, not under the interpreter) the CPU's q4 kernel's (`cpu_experts.keep_q4`). Whether they are
+    kept (False: that kernel does not take their shapes; nothing changed)."""
+    if next(iter(weights.values()))[0].device.type == "cpu" and not INTERPRETED_ON_CPU:
+        return cpu_experts.keep_q4(experts, weights, down_pad)
     tensors = {}
     for kind, parts in weights.items():
         tensors.update({f"{kind}{suffix}": part for suffix, part in zip(PARTS, parts, strict=False)})
     grouped_experts.keep(experts, tensors, _product, "int4", down_pad)
+    return True
 
 
 def _product(x: torch.Tensor, experts: torch.nn.Module, kind: str, counts: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from lmiserve.engine.model import expert_codes, fp8_experts, int8_weights
+from lmiserve.engine.model import cpu_experts, expert_codes, fp8_experts, int8_weights
 
 if TYPE_CHECKING:
     from lmiserve.engine.model.quant_formats import Int4Parts, QuantSpec
@@ -39,7 +39,9 @@ KEPT = "int8"  # (`expert_codes.Format`)
 def kept_for(model: torch.nn.Module, device: torch.device, name: str) -> bool:
     """Whether the 8-bit experts of `model` (on the meta device in the compute dtype: a whole model's, or a rank's
     shell) keep their codes on `device`: the 8-bit linears' rule (`int8_weights.weights_kept_for`), logged for
-    `name`; never on a CPU."""
+    `name`; on a CPU, as `cpu_experts.kept_for` says (computing in fp32: the CPU's q8 kernel)."""
+    if device.type == "cpu":
+        return cpu_experts.kept_for(model, device, name, "8-bit")
     return bool(int8_weights.weights_kept_for(model, device, name))
 
 
@@ -109,7 +111,7 @@ def keep(
     experts: torch.nn.Module,
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]],
     down_pad: tuple[int, int] = (0, 0),
-) -> None:
-    """Make `experts` run on 8-bit `weights` (`stacked`'s codes and scales) on `fp8_experts`' kernel (`down_pad`:
-    `grouped_experts.keep`'s)."""
-    fp8_experts.keep(experts, weights, down_pad)
+) -> bool:
+    """Make `experts` run on 8-bit `weights` (`stacked`'s codes and scales) on `fp8_experts`' kernel (on a CPU: the
+    q8 kernel, `cpu_experts`); whether they are kept (`down_pad`: `grouped_experts.keep`'s)."""
+    return fp8_experts.keep(experts, weights, down_pad)

@@ -40,6 +40,7 @@ import torch
 
 from lmiserve.engine.lora.batch import LoraGroup
 from lmiserve.engine.model import grouped_experts
+from lmiserve.engine.model.cpu_experts import KERNELS as CPU_EXPERTS
 
 # decoders that only a vision-language model holds (engine/model/language_model.py): Qwen2's, Qwen3's with M-RoPE
 VLM_DECODER_TYPES = ("qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text")
@@ -306,8 +307,11 @@ def experts_graph_reason(model: Any, layers: Sequence[Any]) -> str | None:
     """Why the decode graphs cannot capture a model's mixtures of experts (None: they can, or it has none): on
     CUDA, torch's grouped product reads its groups on the host (a sync) outside bfloat16, and transformers'
     eager experts loop over the experts hit (a sync each). Experts kept quantized (`grouped_experts`: Triton kernels
-    whose tiles are found on the device) capture in any dtype."""
+    whose tiles are found on the device) capture in any dtype; those on a CPU's kernels (`cpu_experts`) loop over
+    the experts hit on the host."""
     moes = [layer.moe for layer in layers if layer.moe is not None]
+    if any(grouped_experts.kept(getattr(moe, "experts", None), kernel) for moe in moes for kernel in CPU_EXPERTS):
+        return "experts on the CPU's kernels loop over the experts hit on the host"
     if all(grouped_experts.kept(getattr(moe, "experts", None)) for moe in moes):
         return None
     implementation = getattr(model.config, "_experts_implementation", None)
