@@ -123,7 +123,14 @@ def run(
         options = {**options, "enable_lora": "true", "max_loras": str(len(adapters))}
     names: list[str | None] = [*(adapters or {}), None]
     base = Settings.from_options({"model_id": model_dir, "device": device, **options})
-    loaded = load_causal_lm(model_dir, dtype=base.dtype, device=device, load_format=base.load_format)
+    loaded = load_causal_lm(  # (``-o quantize=fp8`` and the rest as the server loads them)
+        model_dir,
+        dtype=base.dtype,
+        device=device,
+        trust_remote_code=base.trust_remote_code,
+        load_format=base.load_format,
+        quantize=base.quantize,
+    )
     loaded = dataclasses.replace(loaded, device=torch.device(device))
     results: dict[str, Any] = {}
     shape: fused_choice.LayerShape | None = None  # the fast forward's, for the kernels' measured choice

@@ -126,7 +126,9 @@ class ModelFields(FieldGroup):
             "`LMISERVE_USE_TRITON_FP8=1`, else bf16 (not yet measured on a GPU); its AWQ, GPTQ or W4A16 experts "
             "(groups of 32n) follow the rule of the 4-bit linears, their codes on a grouped Triton "
             "kernel where kept, and its GPTQ-Int8, W8A16 or W8A8 experts (symmetric codes) the rule of the "
-            "8-bit linears, their codes on the fp8 experts' kernel. With tensor parallelism each rank "
+            "8-bit linears, their codes on the fp8 experts' kernel; on a CPU computing in fp32 all of these "
+            "experts stay quantized, on the CPU's q8 kernel (fp8, 8-bit codes) or int4 kernel (4-bit codes). "
+            "With tensor parallelism each rank "
             "reads and runs its part of "
             "the checkpoint in its format (docs/tensor-parallel.md). See docs/performance/dtypes.md."
         ),
