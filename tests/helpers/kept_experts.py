@@ -67,11 +67,17 @@ def serve_counted(loaded: Any, dequantized: Any, monkeypatch: pytest.MonkeyPatch
     ran: list[int] = []
     product = kernel.grouped_product
     monkeypatch.setattr(kernel, "grouped_product", lambda x, *rest: ran.append(x.shape[0]) or product(x, *rest))
+    return served_as(loaded, dequantized), ran
+
+
+def served_as(loaded: Any, reference: Any) -> Any:
+    """`loaded` served (the engine, prompts joining a running batch, 8 greedy tokens each), each prompt's tokens
+    `reference`'s `generate()` gives; the engine."""
     loaded = dataclasses.replace(loaded, max_context=256)
     engine, results = asyncio.run(serve_prompts(loaded, EngineConfig(max_prefill_tokens=4), 8))
     for prompt, events in zip(PROMPTS, results, strict=True):
-        assert [e.token.id for e in events if e.token] == greedy_tokens(dequantized, prompt, 8), prompt
-    return engine, ran
+        assert [e.token.id for e in events if e.token] == greedy_tokens(reference, prompt, 8), prompt
+    return engine
 
 
 def rank_blocks(

@@ -4,16 +4,12 @@ checkpoints loaded with their experts kept fp8 and served with the tokens of the
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-
 import pytest
 import torch
 
-from helpers.kept_experts import DEVICE, kernel_runs
-from helpers.llama_variants import MOE_ARCHS, PROMPTS, build, serve_prompts
+from helpers.kept_experts import DEVICE, kernel_runs, served_as
+from helpers.llama_variants import MOE_ARCHS, build
 from lmiserve.engine import fp8_devices
-from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.model import fp8_experts, fp8_gemv, grouped_experts
 
 needs_kernel = kernel_runs(fp8_gemv.available())
@@ -146,7 +142,6 @@ def test_quantize_fp8_on_a_float_mixture_of_experts_keeps_its_experts_fp8_per_ch
     they would not fit): each expert's matrices are quantized with a scale a row (`quantize_fp8`'s), and the engine
     on the fast path gives the greedy tokens of the float model whose experts are those fp8 values times their
     scales. Where they are not kept, they stay float (a CPU's rule in bf16, here its fp32 kernel's left unasked)."""
-    from helpers.llama_variants import greedy_tokens
     from lmiserve.engine.model import cpu_experts
     from lmiserve.engine.model.fp8_ops import quantize_fp8
     from lmiserve.models.load import load_causal_lm
@@ -168,11 +163,7 @@ def test_quantize_fp8_on_a_float_mixture_of_experts_keeps_its_experts_fp8_per_ch
             assert torch.equal(weight[2].view(torch.uint8), q.view(torch.uint8)) and torch.equal(scales[2], s)
             dequantized = weight.float() * scales[..., None]
             setattr(reference.mlp.experts, kind, torch.nn.Parameter(dequantized, requires_grad=False))
-    loaded = dataclasses.replace(loaded, max_context=256)
-    engine, results = asyncio.run(serve_prompts(loaded, EngineConfig(max_prefill_tokens=4), 8))
-    assert engine.runner.path == "fast"
-    for prompt, events in zip(PROMPTS, results, strict=True):
-        assert [e.token.id for e in events if e.token] == greedy_tokens(float_experts, prompt, 8), prompt
+    assert served_as(loaded, float_experts).runner.path == "fast"
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="a CPU's fp32 under the interpreter; the kernel test covers CUDA")
