@@ -12,9 +12,10 @@ of one expert each (`grouped_experts.row_tiles`, on the device: no host sync, so
 dtype), and each tile reads its expert's fp8 weight once, widened in registers (an A100's bytes too:
 `fp8_devices.native`), scaled per output channel or by blocks of inputs (block-wise fp8's 128). `keep` turns an
 experts module of transformers (`grouped_experts.servable`: Mixtral's, the Qwen MoEs', OLMoE's, GLM-4.5's) into one
-whose forward is `grouped_experts.forward`: transformers' grouped forward with this product. On a CPU (no kernel;
-the tests set `INTERPRETED_ON_CPU` to run it under Triton's interpreter) each expert's weight is de-quantized
-for its rows (`dequantized_product`).
+whose forward is `grouped_experts.forward`: transformers' grouped forward with this product. On a CPU computing in
+fp32 the experts are kept on the CPU's q8 kernel instead (`cpu_experts`; the tests set `INTERPRETED_ON_CPU` to keep
+them as a GPU does and run this kernel under Triton's interpreter); elsewhere on a CPU each expert's weight is
+de-quantized for its rows (`dequantized_product`).
 
 Not measured yet: the kernel's speed (a GPU's). Its tiles are fixed (`tile_of`), not timed at start as
 `fp8_gemv`'s are."""
@@ -226,10 +227,9 @@ def keep_stored(
         count = int(cast(torch.Tensor, module.down_proj).shape[0])
         down = WholeBlocks(part, blocks[1] if blocks else 0)
         weights = stacked_fp8(owner, count, names, read, blocks, part, down)
-        on_device = (
-            None if weights is None else {kind: (w.to(device), s.to(device)) for kind, (w, s) in weights.items()}
-        )
-        if on_device is not None and keep(module, on_device, down.pad):
+        if weights is None:
+            continue
+        if keep(module, {kind: (w.to(device), s.to(device)) for kind, (w, s) in weights.items()}, down.pad):
             made.add(owner)
     return made
 

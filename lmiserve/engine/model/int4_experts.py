@@ -16,9 +16,10 @@ order). 8-bit codes are `int8_experts`'; a tensor-parallel rank whose inputs of 
 the groups that cover them (`expert_matrices.WholeBlocks`), a part of an act-order matrix's is de-quantized instead.
 Layout (`keep`):
 ``{kind}`` int32 ``[experts, out, in / 8]`` (nibble j of word r: input 8r + j, `int4_triton.pack_nibbles`),
-``{kind}_scales`` and ``{kind}_zeros`` fp32 ``[experts, groups, out]`` (zeros in steps). On a CPU (no kernel; the
-tests set `INTERPRETED_ON_CPU` to run it under Triton's interpreter) each expert's weight is de-quantized for its rows
-(`dequantized_product`).
+``{kind}_scales`` and ``{kind}_zeros`` fp32 ``[experts, groups, out]`` (zeros in steps). On a CPU computing in fp32
+the codes are kept on the CPU's int4 kernel instead (`cpu_experts`; the tests set `INTERPRETED_ON_CPU` to keep them as
+a GPU does and run this kernel under Triton's interpreter); elsewhere on a CPU each expert's weight is de-quantized
+for its rows (`dequantized_product`).
 
 Not measured yet: the kernel's speed (a GPU's). Its tiles are fixed (`tile_of`)."""
 

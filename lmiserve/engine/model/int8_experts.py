@@ -17,6 +17,8 @@ de-quantized; a tensor-parallel rank whose inputs of down_proj are not whole gro
 out, groups]``. W8A8's int8 activations are not taken: the kept experts multiply the activations in the compute
 dtype (weight-only, as the 8-bit linears' kernel does).
 
+On a CPU computing in fp32 the codes are kept on the CPU's q8 kernel (`cpu_experts`, through `fp8_experts.keep`).
+
 Not measured yet: the kernel's speed on int8 codes (a GPU's)."""
 
 from __future__ import annotations
