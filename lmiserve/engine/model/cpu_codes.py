@@ -66,10 +66,15 @@ def int4_layer(parts: Int4Parts, bias: torch.Tensor | None) -> Int4Linear | None
     ordered, order, size = input_order.in_group_order(parts)
     if size is None or size % INT4_GROUP or not int4_available():
         return None
+    return Int4Linear.from_codes(ordered.codes, *q4_runs(parts.scale, parts.zero, size), bias, order)
+
+
+def q4_runs(scale: torch.Tensor, zero: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales and zeros ``[out, groups]`` of runs of `size` inputs (``w = (code - zero) * scale``, `size` a multiple
+    of 32) as the int4 kernel's scale and minimum a group of 32 (``w = code * scale + min``), fp32."""
     repeat = size // INT4_GROUP
-    scale = parts.scale.repeat_interleave(repeat, dim=1)
-    low = (-parts.zero.float() * parts.scale).repeat_interleave(repeat, dim=1)
-    return Int4Linear.from_codes(ordered.codes, scale, low, bias, order)
+    scale = scale.float()
+    return scale.repeat_interleave(repeat, dim=1), (-zero.float() * scale).repeat_interleave(repeat, dim=1)
 
 
 def q8_layer(parts: Int4Parts, bias: torch.Tensor | None) -> Q8Linear | None:
@@ -94,11 +99,16 @@ def fp8_layer(weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | No
     if weight.dtype != torch.float8_e4m3fn or out % INT4_ROW_BLOCK or not int4_available():
         return None
     rows = scale.float().reshape(out, -1) if scale.numel() > 1 else scale.float().reshape(1, 1).expand(out, 1)
+    scales = q8_runs(rows, inputs)
+    return None if scales is None else Q8Linear.from_codes(weight, scales, bias)
+
+
+def q8_runs(rows: torch.Tensor, inputs: int) -> torch.Tensor | None:
+    """Scales ``[out, runs]`` of runs of equal size over `inputs` inputs (one run: a channel's) repeated over the q8
+    kernel's groups (`q8_group`), or None where a run is not whole groups of 16."""
     size = inputs // rows.shape[1]
     group = q8_group(size) if size * rows.shape[1] == inputs else None
-    if group is None:
-        return None
-    return Q8Linear.from_codes(weight, rows.repeat_interleave(size // group, dim=1), bias)
+    return None if group is None else rows.repeat_interleave(size // group, dim=1)
 
 
 def q8_group(size: int | None) -> int | None:

@@ -26,8 +26,9 @@ from typing import Any, cast
 import torch
 
 from lmiserve.engine.model import grouped_experts
-from lmiserve.engine.model.cpu_codes import q8_group
+from lmiserve.engine.model.cpu_codes import q4_runs, q8_runs
 from lmiserve.engine.model.group_kernels import LANES, Q4_GROUP, Packed, available, pack_q4, pack_q8
+from lmiserve.engine.model.quant_formats import unpack_words
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +45,12 @@ def kept_for(model: torch.nn.Module, device: torch.device, name: str, what: str)
         return False
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
     keep = dtype == torch.float32 and available()
-    why = "on the CPU's group kernels" if keep else f"de-quantized at load (computing in {dtype}, not float32)"
-    if dtype == torch.float32 and not keep:
+    if keep:
+        why = "on the CPU's group kernels"
+    elif dtype == torch.float32:
         why = "de-quantized at load (no numba: the CPU's group kernels do not run)"
+    else:
+        why = f"de-quantized at load (computing in {dtype}, not float32)"
     log.info("%s: %s experts %s", name, what, why)
     return keep
 
@@ -68,11 +72,10 @@ def keep_q8(
             raw = codes.view(torch.uint8)
             codes = torch.cat([raw, raw.new_zeros(count, out, widen)], dim=2).view(codes.dtype)
             inputs, down_pad = inputs + widen, (down_pad[0], down_pad[1] + widen)
-        size = inputs // rows.shape[2]
-        group = q8_group(size) if size * rows.shape[2] == inputs else None
-        if out % LANES or group is None:
+        runs = [q8_runs(rows[e], inputs) for e in range(count)]
+        if out % LANES or any(r is None for r in runs):
             return False
-        packed = [pack_q8(codes[e], rows[e].repeat_interleave(size // group, dim=1)) for e in range(count)]
+        packed = [pack_q8(codes[e], cast(torch.Tensor, runs[e])) for e in range(count)]
         made[kind] = (torch.stack([c for c, _ in packed]), torch.stack([s for _, s in packed]))
     _keep(experts, made, {}, "q8", down_pad)
     return True
@@ -90,13 +93,10 @@ def keep_q4(experts: torch.nn.Module, weights: dict[str, tuple[torch.Tensor, ...
         group = inputs // scales.shape[1]
         if out % LANES or group % Q4_GROUP or group * scales.shape[1] != inputs:
             return False
-        shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-        packed = []
-        for e in range(count):
-            codes = ((words[e, ..., None] >> shifts) & 0xF).reshape(out, inputs)
-            scale = scales[e].t().float().repeat_interleave(group // Q4_GROUP, dim=1)
-            low = -zeros[e].t().float().repeat_interleave(group // Q4_GROUP, dim=1) * scale
-            packed.append(pack_q4(codes, scale, low))
+        packed = [
+            pack_q4(unpack_words(words[e]).reshape(out, inputs), *q4_runs(scales[e].t(), zeros[e].t(), group))
+            for e in range(count)
+        ]
         made[kind] = (torch.stack([c for c, _ in packed]), torch.stack([s for _, s in packed]))
         if order:
             orders[kind] = order[0].long()

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from lmiserve.engine.model import cpu_experts, expert_codes, grouped_experts, int4_triton
+from lmiserve.engine.model.quant_formats import unpack_words
 
 if TYPE_CHECKING:
     from lmiserve.engine.model.quant_formats import Int4Parts, QuantSpec
@@ -224,8 +225,7 @@ def dequantized_weight(
 ) -> torch.Tensor:
     """An expert's weight ``[out, in]`` in fp32 from its words ``[out, in / 8]``, its scales and zeros ``[groups,
     out]``, and the input each stored one is (`order`; None: in order)."""
-    shifts = torch.arange(8, device=words.device) * 4
-    codes = ((words[..., None] >> shifts) & 0xF).reshape(words.shape[0], -1).float()
+    codes = unpack_words(words).reshape(words.shape[0], -1).float()
     group = codes.shape[1] // scales.shape[0]
     stored = (codes - zeros.t().repeat_interleave(group, 1)) * scales.t().repeat_interleave(group, 1)
     if order is None:
