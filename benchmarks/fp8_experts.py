@@ -12,12 +12,15 @@ prompt's chunk (2048).
     .venv/bin/python benchmarks/fp8_experts.py [--tokens 1,16,64,2048] [--out DIR]   # CUDA
     TRITON_INTERPRET=1 .venv/bin/python benchmarks/fp8_experts.py --smoke            # CPU: checks it runs
     .venv/bin/python benchmarks/fp8_experts.py --cpu [--experts 64] [--out DIR]      # the CPU's kernels
+    .venv/bin/python benchmarks/fp8_experts.py --cpu --shape gpt-oss-20b --formats mxfp4 --tokens 1,4,16,64
 
 ``--cpu``: the same layer on a CPU in fp32 (the server's dtype there), its experts kept on the CPU's q8 and q4
-kernels (`engine/model/cpu_experts.py`: fp8 by channel and by blocks, 8-bit codes, 4-bit codes; no MXFP4) against
-transformers' grouped forward over the de-quantized fp32 weights (what the CPU ran before 2026-12-07), timed eagerly
-with the process's threads; `--experts` of them (64 by default: the layer's per-expert shape and top 8, in less
-memory than 128 experts' five fp32 copies).
+kernels (`engine/model/cpu_experts.py`: fp8 by channel and by blocks, 8-bit codes, MXFP4 as 8-bit codes, 4-bit
+codes) against transformers' grouped forward over the de-quantized fp32 weights (what the CPU ran before
+2026-12-07), timed eagerly with the process's threads; `--experts` of them (at most 64 by default: the layer's
+per-expert shape and top k, in less memory than 128 experts' five fp32 copies). `--shape gpt-oss-20b`: gpt-oss-20b's
+experts layer (32 experts, top 4, 2880 by 2880; its biases and clamped activation left out), `--formats` the kept
+formats timed (each holds a de-quantized fp32 copy too).
 
 Per token count: the median time of `--iters` calls replayed from a CUDA graph (as the decode graphs run them: the
 GPU's time alone; eager where the capture fails), the bytes of the experts hit (each routed expert's weights, read
@@ -46,9 +49,13 @@ from lmiserve.engine.model import fp8_experts, fp8_gemv, int4_experts, int4_trit
 from lmiserve.engine.model.fp8_ops import quantize_fp8
 from lmiserve.models.quant_pack import fp8_block_tensors, rtn_int4
 
-SHAPE = {"experts": 128, "top_k": 8, "hidden": 2048, "intermediate": 768}  # Qwen3-30B-A3B's
+SHAPES = {
+    "qwen3-30b-a3b": {"experts": 128, "top_k": 8, "hidden": 2048, "intermediate": 768},
+    "gpt-oss-20b": {"experts": 32, "top_k": 4, "hidden": 2880, "intermediate": 2880},  # (its biases and gate left out)
+}
 SMOKE = {"experts": 8, "top_k": 2, "hidden": 128, "intermediate": 64}
 BLOCK = 128
+FORMATS = ("fp8_channel", "fp8_block", "int4", "int8", "mxfp4")
 
 
 def experts_module(shape: dict[str, int], dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
@@ -135,30 +142,33 @@ def int4_twin(module: torch.nn.Module, group: int) -> tuple[torch.nn.Module, tor
 
 
 def mxfp4_twin(module: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """`module`'s experts kept MXFP4 (`mxfp4_experts.keep`, as gpt-oss's are): each block of 32 inputs a power of two
-    (the block's largest magnitude over 6, rounded up) and each value the nearest 4-bit float; and the bf16 module of
-    the same de-quantized weights (the reference)."""
+    """`module`'s experts kept MXFP4 (`mxfp4_experts.keep`, as gpt-oss's are; on a CPU as 8-bit codes on its q8
+    kernel): each block of 32 inputs a power of two (the block's largest magnitude over 6, rounded up) and each value
+    the nearest 4-bit float; and the module of the same de-quantized weights in `module`'s dtype (the reference)."""
     import copy
 
     kept, dense = copy.deepcopy(module), copy.deepcopy(module)
     table = torch.tensor(mxfp4_experts.FP4[:8])
     weights = {}
     for kind in ("gate_up_proj", "down_proj"):
-        full = getattr(module, kind).detach().float().cpu()
+        full = getattr(module, kind).detach()
         experts, outputs, inputs = full.shape
-        blocked = full.reshape(experts, outputs, inputs // 32, 32)
-        powers = torch.ceil(torch.log2(blocked.abs().amax(-1).clamp(min=1e-30) / 6.0)).clamp(-127, 127)
-        scaled = blocked / torch.exp2(powers)[..., None]
-        codes = (scaled.abs()[..., None] - table).abs().argmin(-1) + 8 * (scaled < 0)  # (the sign: code + 8)
-        codes = codes.reshape(experts, outputs, inputs)
-        blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
-        scales = (powers + 127).to(torch.uint8)
-        weights[kind] = (blocks.to(full.device), scales)
-        dequantized = torch.stack([mxfp4_experts.dequantized_weight(b, s) for b, s in zip(blocks, scales)])
-        setattr(dense, kind, torch.nn.Parameter(dequantized.to(module.gate_up_proj.dtype), requires_grad=False))
+        blocks = torch.empty(experts, outputs, inputs // 2, dtype=torch.uint8)
+        scales = torch.empty(experts, outputs, inputs // 32, dtype=torch.uint8)
+        dequantized = torch.empty(experts, outputs, inputs, dtype=full.dtype, device=full.device)
+        for e in range(experts):  # (an expert at a time: the nearest-value search takes 8 floats a weight)
+            blocked = full[e].float().cpu().reshape(outputs, inputs // 32, 32)
+            powers = torch.ceil(torch.log2(blocked.abs().amax(-1).clamp(min=1e-30) / 6.0)).clamp(-127, 127)
+            scaled = blocked / torch.exp2(powers)[..., None]
+            codes = (scaled.abs()[..., None] - table).abs().argmin(-1) + 8 * (scaled < 0)  # (the sign: code + 8)
+            codes = codes.reshape(outputs, inputs)
+            blocks[e] = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+            scales[e] = (powers + 127).to(torch.uint8)
+            dequantized[e] = mxfp4_experts.dequantized_weight(blocks[e], scales[e]).to(full.device, full.dtype)
+        weights[kind] = (blocks, scales)
+        setattr(dense, kind, torch.nn.Parameter(dequantized, requires_grad=False))
     device = module.gate_up_proj.device
     mxfp4_experts.keep(kept, {kind: (b.to(device), s.to(device)) for kind, (b, s) in weights.items()})
-    dense.to(device)
     return kept, dense
 
 
@@ -175,6 +185,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="a tiny layer on a CPU, the kernel interpreted")
     parser.add_argument("--cpu", action="store_true", help="on a CPU in fp32: the CPU's kernels (cpu_experts)")
     parser.add_argument("--experts", type=int, default=None, help="the layer's experts (--cpu's default: 64)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b", help="the layer's shape")
+    parser.add_argument("--formats", default=",".join(FORMATS), help="the kept formats timed, comma-separated")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.smoke and not args.cpu
@@ -184,17 +196,21 @@ def main() -> None:
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32 if args.cpu else torch.float16  # (the interpreter: no bf16 dot)
     base = "fp32" if args.cpu else "bf16"  # (the de-quantized layer's key)
-    shape = {**(SMOKE if args.smoke else SHAPE)}
-    shape["experts"] = args.experts or (64 if args.cpu else shape["experts"])
+    shape = {**(SMOKE if args.smoke else SHAPES[args.shape])}
+    shape["experts"] = args.experts or (min(64, shape["experts"]) if args.cpu else shape["experts"])
     iters = 2 if args.smoke else args.iters  # (the smoke run checks that it runs; the interpreter is slow)
     torch.manual_seed(0)
     bf16 = experts_module(shape, dtype, device)
     group = 32 if args.smoke else BLOCK
-    variants = {"fp8_channel": fp8_twin(bf16, 0), "fp8_block": fp8_twin(bf16, group), "int4": int4_twin(bf16, group)}
-    variants["int8"] = int8_twin(bf16, group)
-    if not args.cpu:  # (MXFP4's experts: a GPU's kernel alone)
-        variants["mxfp4"] = mxfp4_twin(bf16)
-    weight_bytes = {"fp8_channel": 1.0, "fp8_block": 1.0, "int8": 1.0, "int4": 0.5, "mxfp4": 0.5}  # (scales left out)
+    twins = {
+        "fp8_channel": lambda: fp8_twin(bf16, 0),
+        "fp8_block": lambda: fp8_twin(bf16, group),
+        "int4": lambda: int4_twin(bf16, group),
+        "int8": lambda: int8_twin(bf16, group),
+        "mxfp4": lambda: mxfp4_twin(bf16),
+    }
+    variants = {name: twins[name]() for name in args.formats.split(",")}
+    weight_bytes = {"fp8_channel": 1.0, "fp8_block": 1.0, "int8": 1.0, "int4": 0.5, "mxfp4": 1.0 if args.cpu else 0.5}
     per_expert = 3 * shape["hidden"] * shape["intermediate"]  # gate, up and down: their weights' count
     rows = []
     for tokens in (int(t) for t in ("1,4" if args.smoke else args.tokens).split(",")):
@@ -236,7 +252,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if cuda else "cpu" if args.cpu else "cpu (smoke)",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "shape": shape,
+        "shape": {"name": "smoke" if args.smoke else args.shape, **shape},
         "results": rows,
     }
     if args.out:

@@ -1,7 +1,8 @@
 """gpt-oss's MXFP4 checkpoints (``quant_method: mxfp4``: the experts' weights as 4-bit floats, a power of two a block
 of 32 inputs; everything else as saved): on a GPU where the model de-quantized would not fit (`mxfp4_experts.kept_for`)
-its experts stay MXFP4 on the grouped Triton kernel (`load_kept`); elsewhere transformers de-quantizes them at load
-(`load_dequantized`, exactly: every such value is a bf16 value), as vLLM does where it has no MXFP4 kernel."""
+its experts stay MXFP4 on the grouped Triton kernel, on a CPU computing in fp32 they are kept as 8-bit codes on its q8
+kernel (`load_kept`); elsewhere transformers de-quantizes them at load (`load_dequantized`, exactly: every such value
+is a bf16 value), as vLLM does where it has no MXFP4 kernel."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 
 from lmiserve.engine.model import mxfp4_experts
+from lmiserve.engine.model.cpu_experts import kernel_named
 from lmiserve.models.attention_choice import sdpa_or_default
 from lmiserve.models.errors import ModelLoadError
 from lmiserve.models.int4_load import SafetensorsFiles, meta_tensors
@@ -20,7 +22,7 @@ __all__ = ["load_dequantized", "load_kept"]
 
 def load_kept(model: Any, path: Path, stored: dict[str, Path], device: torch.device) -> tuple[Any, str]:
     """`model` (gpt-oss on the meta device, `quantized_load.meta_model`) filled from the checkpoint `path` (`stored`:
-    its tensors' files): every experts module kept MXFP4 on `device` (`mxfp4_experts.keep_stored`), the rest read as
+    its tensors' files): every experts module kept on `device` (`mxfp4_experts.keep_stored`), the rest read as
     stored, in the model's dtype but the modules transformers keeps in fp32 (gpt-oss's norms), as `load_dequantized`
     holds them."""
     for name, parameter in model.named_parameters():
@@ -32,7 +34,9 @@ def load_kept(model: Any, path: Path, stored: dict[str, Path], device: torch.dev
     left = [name for name, _ in meta_tensors(model)]
     if left:
         raise ModelLoadError(f"{path.name}: {', '.join(left[:5])} left without values")
-    return model, f"mxfp4 checkpoint: {len(kept)} experts modules kept MXFP4 (Triton kernel)"
+    kernel = kernel_named([model.get_submodule(name) for name in kept])
+    kind = "MXFP4" if kernel == "Triton kernel" else "as 8-bit codes"
+    return model, f"mxfp4 checkpoint: {len(kept)} experts modules kept {kind} ({kernel})"
 
 
 def load_dequantized(path: Path, dtype: torch.dtype, trust_remote_code: bool, auto_class: Any) -> tuple[Any, str]:

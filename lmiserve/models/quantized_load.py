@@ -23,8 +23,8 @@ Formats (`engine/model/quant_formats.py` says how each is stored and run):
 - ``quant_method: gptq``, 4 bits (``checkpoint_format`` ``gptq``, or ``gptq_v2``), any ``desc_act``:
   ``quantize=gptq``.
 - ``quant_method: mxfp4`` (gpt-oss's experts: 4-bit floats, a power-of-two scale a block of 32): on a GPU where
-  de-quantized they would not fit, kept MXFP4 on a grouped Triton kernel; else dequantized at load by transformers
-  (`models.mxfp4_load`): ``quantize=mxfp4``.
+  de-quantized they would not fit, kept MXFP4 on a grouped Triton kernel; on a CPU in fp32, as 8-bit codes on its
+  q8 kernel; else dequantized at load by transformers (`models.mxfp4_load`): ``quantize=mxfp4``.
 - ``quant_method: modelopt`` (NVIDIA's Model Optimizer; in ``config.json``, or its older ``hf_quant_config.json``
   beside it): ``FP8`` (a scale a tensor; its static ``input_scale`` is not used: activations are quantized per
   token), ``FP8_PER_CHANNEL_PER_TOKEN`` (a scale a channel) and ``FP8_PB_WO`` (a scale a block of 128 x 128, run as
@@ -50,7 +50,7 @@ from typing import Any, cast
 import torch
 
 from lmiserve.engine.model import expert_codes, fp8_experts, grouped_experts, int4_experts, int8_experts, mxfp4_experts
-from lmiserve.engine.model.cpu_experts import KERNELS as CPU_EXPERTS
+from lmiserve.engine.model.cpu_experts import kernel_named
 from lmiserve.engine.model.expert_matrices import stacked_experts
 from lmiserve.engine.model.fp8_ops import per_tensor_at_load
 from lmiserve.engine.model.int4_triton import Int4TritonLinear
@@ -159,7 +159,7 @@ def load_quantized(
     from transformers import AutoModelForCausalLM
 
     architecture = auto_class or AutoModelForCausalLM
-    if spec.method == "mxfp4":  # (gpt-oss's experts: kept MXFP4 on a GPU where bf16 would not fit, else de-quantized)
+    if spec.method == "mxfp4":  # (gpt-oss's experts: kept where `mxfp4_experts.kept_for` says, else de-quantized)
         found = safetensors_names(path)
         model = None if found is None else meta_model(path, dtype, trust_remote_code, architecture)
         if model is not None and mxfp4_experts.kept_for(model, device, path.name):
@@ -263,8 +263,7 @@ def _fill_experts(
 
 def _experts_kernel(model: torch.nn.Module, kept: set[str]) -> str:
     """What the start's account calls the kernel of the kept experts modules `kept` of `model`."""
-    cpu = sorted({model.get_submodule(name).__dict__["kept_kernel"] for name in kept} & set(CPU_EXPERTS))
-    return f"the CPU's {cpu[0]} kernel" if cpu else "Triton kernel"
+    return kernel_named([model.get_submodule(name) for name in kept])
 
 
 def _linear_of(

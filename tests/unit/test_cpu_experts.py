@@ -1,8 +1,8 @@
 """A mixture of experts' quantized experts kept quantized on a CPU (engine/model/cpu_experts.py): the grouped product
-over each expert's packed q8 (fp8 or int8 codes) or q4 (AWQ/GPTQ) matrix against its de-quantized weight, the shapes
-the kernels refuse, and fp8, 8-bit and 4-bit Qwen3-MoE and Mixtral checkpoints (and ``quantize=fp8`` on a float one)
-loaded as a CPU loads them, served with the tokens of the same checkpoint de-quantized, on one process and over
-tensor-parallel ranks."""
+over each expert's packed q8 (fp8 or int8 codes, gpt-oss's MXFP4 as exact int8 codes) or q4 (AWQ/GPTQ) matrix against
+its de-quantized weight, the shapes the kernels refuse, and fp8, 8-bit and 4-bit Qwen3-MoE and Mixtral checkpoints
+(and ``quantize=fp8`` on a float one) and gpt-oss's MXFP4 loaded as a CPU loads them, served with the tokens of the
+same checkpoint de-quantized, on one process and over tensor-parallel ranks."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers.kept_experts import moe, served_as
-from lmiserve.engine.model import cpu_experts, fp8_experts, grouped_experts, int4_experts
+from lmiserve.engine.model import cpu_experts, fp8_experts, grouped_experts, int4_experts, mxfp4_experts
 from lmiserve.engine.model.group_kernels import unpack_q4, unpack_q8
 from lmiserve.engine.model.quantize import int4_available
 
@@ -97,6 +97,30 @@ def test_the_q4_grouped_product_is_each_experts_dequantized_product(
     got = experts.__dict__["kept_product"](x, experts, "gate_up_proj", tallies)
     want = int4_experts.dequantized_product(x, words, scales, zeros, tallies, order)
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize("counts", COUNTS)
+def test_mxfp4_experts_are_kept_as_exact_8_bit_codes(counts: list[int]) -> None:
+    """gpt-oss's MXFP4 experts (`mxfp4_experts.keep` on a CPU): every 4-bit float doubled is an int8 code under its
+    block's power of two halved, so each packed matrix de-quantizes to exactly the MXFP4 weight (every code and
+    power from 2 ** -10 to 2 ** 10), and the grouped product is each expert's de-quantized product."""
+    gen = torch.Generator().manual_seed(sum(counts))
+    experts = _experts_module()
+    blocks = torch.randint(0, 256, (4, 96, 128), generator=gen).to(torch.uint8)  # (256 inputs: 8 blocks of 32)
+    powers = torch.randint(117, 138, (4, 96, 8), generator=gen).to(torch.uint8)
+    mxfp4_experts.keep(experts, {"down_proj": (blocks, powers)})
+    assert grouped_experts.kept(experts, "q8") and experts.down_proj.dtype == torch.int8
+    for e in range(4):
+        codes, scale = unpack_q8(experts.down_proj[e], experts.down_proj_scales[e], 96)
+        weight = (codes.float().view(96, 8, 32) * scale[..., None]).view(96, 256)
+        assert torch.equal(weight, mxfp4_experts.dequantized_weight(blocks[e], powers[e])), e
+    x = torch.randn(sum(counts), 256, generator=gen)
+    tallies = torch.tensor(counts)
+    got = experts.__dict__["kept_product"](x, experts, "down_proj", tallies)
+    want = mxfp4_experts.dequantized_product(x, blocks, powers, tallies)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    with pytest.raises(ValueError, match="not 8-bit codes"):  # (a table whose doubles are not integers)
+        cpu_experts.keep_mxfp4(_experts_module(), {"down_proj": (blocks, powers)}, (0.25,) * 16, (0, 0))
 
 
 def test_shapes_the_kernels_do_not_take_are_left_as_they_were() -> None:
@@ -253,6 +277,67 @@ def test_each_tensor_parallel_rank_keeps_its_part_of_the_experts_on_the_cpu(
         assert_ranks_sum(block, parts, model.config.hidden_size)
 
 
+def test_an_mxfp4_gpt_oss_on_a_cpu_serves_its_dequantized_models_tokens(
+    tmp_path, caplog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gpt-oss's MXFP4 checkpoint as OpenAI publishes it, loaded on a CPU in fp32 as the server loads it: every
+    experts module kept on the q8 kernel (a byte a weight, not fp32's four) with its biases, each matrix exactly what
+    transformers de-quantizes, the start's account says so, and the engine gives the greedy tokens of the checkpoint
+    de-quantized at load through the kept experts' grouped product."""
+    from helpers.kept_experts import serve_counted
+    from helpers.mxfp4 import write_mxfp4_gpt_oss
+    from lmiserve.models.load import load_causal_lm
+
+    state = write_mxfp4_gpt_oss(tmp_path)
+    with monkeypatch.context() as dequantizing:
+        dequantizing.setattr(cpu_experts, "kept_for", lambda *args: False)
+        dequantized = load_causal_lm(tmp_path, dtype="fp32", device="cpu")
+    caplog.clear()
+    with caplog.at_level("INFO", logger="lmiserve.models.load"):
+        loaded = load_causal_lm(tmp_path, dtype="fp32", device="cpu")
+    account = "mxfp4 checkpoint: 2 experts modules kept as 8-bit codes (the CPU's q8 kernel)"
+    assert any(account in r.getMessage() for r in caplog.records)
+    for i, layer in enumerate(loaded.model.model.layers):
+        experts = layer.mlp.experts
+        assert grouped_experts.kept(experts, "q8")
+        for kind in ("gate_up_proj", "down_proj"):
+            want = state[f"model.layers.{i}.mlp.experts.{kind}"]  # ([experts, in, out], as transformers holds them)
+            codes, scales = getattr(experts, kind), getattr(experts, f"{kind}_scales")
+            for e in range(want.shape[0]):
+                got, scale = unpack_q8(codes[e], scales[e], want.shape[2])
+                weight = (got.float().view(want.shape[2], scale.shape[1], -1) * scale[..., None]).flatten(1)
+                assert torch.equal(weight.t(), want[e]), (kind, e)
+            assert torch.equal(getattr(experts, f"{kind}_bias"), state[f"model.layers.{i}.mlp.experts.{kind}_bias"])
+    engine, ran = serve_counted(loaded, dequantized, monkeypatch, cpu_experts)
+    assert engine.runner.path == "fast" and ran
+
+
+@pytest.mark.parametrize(
+    ("intermediate", "world", "pads"),
+    [
+        (96, 2, [(0, 16), (16, 0)]),  # 48 inputs of down a rank: 0-48 kept as 0-64, 48-96 as 32-96
+        (96, 4, [(0, 8), (24, 16), (16, 24), (8, 0)]),  # 24 a rank (gpt-oss-120b's 2880 over 4 and 8 ranks)
+    ],
+)
+def test_each_tensor_parallel_rank_keeps_its_part_of_the_mxfp4_experts_on_the_cpu(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, intermediate: int, world: int, pads: list
+) -> None:
+    """Over two and four ranks each rank keeps its part of gpt-oss's MXFP4 experts on the q8 kernel, down_proj's
+    inputs widened to whole blocks of 32 (`pads`): the ranks' MoE blocks add up to the block de-quantized whole."""
+    from helpers.kept_experts import assert_ranks_sum, rank_blocks
+    from helpers.llama_variants import MOE_ARCHS, build
+    from helpers.mxfp4 import write_mxfp4_gpt_oss
+
+    write_mxfp4_gpt_oss(tmp_path, intermediate)
+    config_class, model_class, overrides = MOE_ARCHS["gpt_oss"]
+    model = build(config_class, model_class, {**overrides, "intermediate_size": intermediate})
+    for block, parts in rank_blocks(model, tmp_path, monkeypatch, cpu_experts, world):
+        for part, pad in zip(parts, pads, strict=True):  # (q8's layout: 16 outputs' codes an input)
+            assert grouped_experts.kept(part.experts, "q8") and part.experts.__dict__["kept_down_pad"] == pad
+            assert part.experts.down_proj.shape[2] == (intermediate // world + sum(pad)) * 16
+        assert_ranks_sum(block, parts, model.config.hidden_size)
+
+
 def test_the_decode_graphs_leave_experts_kept_on_the_cpu_to_the_eager_steps() -> None:
     """The CPU's grouped product loops over the experts hit on the host: no graph captures it."""
     from lmiserve.engine.attention.paged import AttentionShape, PagedKVCache
@@ -280,8 +365,9 @@ def test_decode_paths_loads_the_model_with_the_options_the_server_takes(monkeypa
     import importlib.util
     from pathlib import Path
 
-    from lmiserve.models import load
+    from lmiserve.models import compose, load
 
+    assert compose.load_causal_lm is load.load_causal_lm  # (imported before the patch: it keeps the real loader)
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_paths.py"
     spec = importlib.util.spec_from_file_location("decode_paths", path)
     assert spec is not None and spec.loader is not None

@@ -1,6 +1,6 @@
 """gpt-oss (issue #39): served by lmiserve's forward (transformers' own forward over the KV blocks cannot take its
-attention sinks), from its MXFP4 checkpoints as OpenAI publishes them (the experts dequantized at load); what it
-refuses, in one line. Its logits and greedy tokens against transformers', on every attention path, and its LoRA
+attention sinks), from its MXFP4 checkpoints as OpenAI publishes them (the experts dequantized at load; kept on a CPU
+in fp32: test_cpu_experts.py); what it refuses, in one line. Its logits and greedy tokens against transformers', on every attention path, and its LoRA
 adapters are in tests/unit/test_fast_llama.py, test_moe_fast.py and test_cuda_graphs.py (``gpt_oss``)."""
 
 from __future__ import annotations
@@ -25,9 +25,13 @@ def mxfp4_dir(tmp_path_factory):
     return out, write_mxfp4_gpt_oss(out)
 
 
-def test_an_mxfp4_checkpoint_is_dequantized_and_served_on_the_fast_forward(mxfp4_dir, caplog):
-    """The experts' MXFP4 blocks and scales become exactly the weights they encode; the model runs lmiserve's
+def test_an_mxfp4_checkpoint_is_dequantized_and_served_on_the_fast_forward(mxfp4_dir, caplog, monkeypatch):
+    """Where the experts are de-quantized (a GPU where they fit, a CPU in bf16: not kept, `cpu_experts.kept_for`
+    False), the experts' MXFP4 blocks and scales become exactly the weights they encode; the model runs lmiserve's
     forward, its greedy tokens `generate()`'s, prompts in chunks of 4 beside decode rows."""
+    from lmiserve.engine.model import cpu_experts
+
+    monkeypatch.setattr(cpu_experts, "kept_for", lambda *args: False)
     folder, state = mxfp4_dir
     with caplog.at_level(logging.INFO, logger="lmiserve.models.load"):
         loaded = load_causal_lm(folder, dtype="fp32", device="cpu")

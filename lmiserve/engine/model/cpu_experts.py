@@ -32,7 +32,7 @@ from lmiserve.engine.model.quant_formats import unpack_words
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KERNELS", "grouped_product", "keep_q4", "keep_q8", "kept_for"]
+__all__ = ["KERNELS", "grouped_product", "keep_mxfp4", "keep_q4", "keep_q8", "kept_for", "kernel_named"]
 
 KERNELS = ("q8", "q4")  # (`grouped_experts.kept`'s names of these experts' kernels)
 
@@ -81,6 +81,32 @@ def keep_q8(
     return True
 
 
+def keep_mxfp4(
+    experts: torch.nn.Module,
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    values: tuple[float, ...],
+    down_pad: tuple[int, int],
+) -> bool:
+    """Make `experts` run on the q8 kernel over MXFP4 `weights` (by kind, as `mxfp4_experts.keep` takes them: uint8
+    bytes ``[experts, out, in / 2]``, two 4-bit codes a byte, the low nibble first, and uint8 powers ``[experts, out,
+    in / 32]``, a block's ``2 ** (s - 127)``; `values`: the 16 floats by code). Each float doubled is an 8-bit code
+    exactly (e2m1's: 0, 1, 2, 3, 4, 6, 8, 12 and their negatives) under its block's power halved, ``2 ** (s - 128)``:
+    every weight the checkpoint's, a byte each (a quarter of fp32's). False (nothing changed) where the kernel does not
+    take them. `down_pad`: `grouped_experts.keep`'s."""
+    doubled = torch.tensor(values) * 2
+    if not torch.equal(doubled, doubled.round()) or doubled.abs().max() > 127:
+        raise ValueError(f"4-bit floats {values} doubled are not 8-bit codes")
+    table = doubled.to(torch.int8)
+    q8: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for kind, (blocks, powers) in weights.items():
+        count, out, half = blocks.shape
+        codes = torch.empty(count, out, half, 2, dtype=torch.int8)
+        for e in range(count):  # (an expert at a time: int64 indices of one matrix, not the layer's)
+            codes[e, ..., 0], codes[e, ..., 1] = table[(blocks[e] & 0xF).long()], table[(blocks[e] >> 4).long()]
+        q8[kind] = (codes.view(count, out, 2 * half), torch.exp2(powers.float() - 128.0))
+    return keep_q8(experts, q8, down_pad)
+
+
 def keep_q4(experts: torch.nn.Module, weights: dict[str, tuple[torch.Tensor, ...]], down_pad: tuple[int, int]) -> bool:
     """Make `experts` (`grouped_experts.servable`) run on the q4 kernel over 4-bit `weights` (by kind, as
     `int4_experts.keep` takes them: int32 words ``[experts, out, in / 8]``, fp32 scales and zeros ``[experts, groups,
@@ -102,6 +128,13 @@ def keep_q4(experts: torch.nn.Module, weights: dict[str, tuple[torch.Tensor, ...
             orders[kind] = order[0].long()
     _keep(experts, made, orders, "q4", down_pad)
     return True
+
+
+def kernel_named(modules: list[torch.nn.Module]) -> str:
+    """What a start's account calls the kernel of the kept experts `modules` (`grouped_experts.kept`): the CPU's q8
+    or q4 kernel, else the Triton kernel (a GPU's)."""
+    cpu = sorted({module.__dict__["kept_kernel"] for module in modules} & set(KERNELS))
+    return f"the CPU's {cpu[0]} kernel" if cpu else "Triton kernel"
 
 
 def _keep(
