@@ -172,6 +172,13 @@ def mxfp4_twin(module: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Modul
     return kept, dense
 
 
+def held_bytes(experts: torch.nn.Module) -> int:
+    """The bytes of `experts`' matrices as it holds them: float parameters, or a kept format's codes, scales, zeros
+    and orders (`grouped_experts.keep`'s attributes)."""
+    held = [v for v in vars(experts).values() if isinstance(v, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in [*held, *experts.parameters()])
+
+
 def timed(fn: Callable[[], torch.Tensor], iters: int, cuda: bool) -> float:
     """One call's seconds: replayed from a CUDA graph on a GPU, else (or where the capture fails) eagerly
     (`quantized_kernels`' timers)."""
@@ -253,6 +260,7 @@ def main() -> None:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "shape": {"name": "smoke" if args.smoke else args.shape, **shape},
+        "experts_bytes": {base: held_bytes(bf16), **{name: held_bytes(kept) for name, (kept, _) in variants.items()}},
         "results": rows,
     }
     if args.out:
