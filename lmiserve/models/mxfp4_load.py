@@ -35,8 +35,7 @@ def load_kept(model: Any, path: Path, stored: dict[str, Path], device: torch.dev
     if left:
         raise ModelLoadError(f"{path.name}: {', '.join(left[:5])} left without values")
     kernel = kernel_named([model.get_submodule(name) for name in kept])
-    kind = "MXFP4" if kernel == "Triton kernel" else "as 8-bit codes"
-    return model, f"mxfp4 checkpoint: {len(kept)} experts modules kept {kind} ({kernel})"
+    return model, f"mxfp4 checkpoint: {len(kept)} experts modules kept MXFP4 ({kernel})"
 
 
 def load_dequantized(path: Path, dtype: torch.dtype, trust_remote_code: bool, auto_class: Any) -> tuple[Any, str]:

@@ -1,5 +1,5 @@
 """A mixture of experts' quantized experts kept quantized on a CPU (engine/model/cpu_experts.py): the grouped product
-over each expert's packed q8 (fp8 or int8 codes, gpt-oss's MXFP4 as exact int8 codes) or q4 (AWQ/GPTQ) matrix against
+over each expert's packed q8 (fp8 or int8 codes), f4 (gpt-oss's MXFP4) or q4 (AWQ/GPTQ) matrix against
 its de-quantized weight, the shapes the kernels refuse, and fp8, 8-bit and 4-bit Qwen3-MoE and Mixtral checkpoints
 (and ``quantize=fp8`` on a float one) and gpt-oss's MXFP4 loaded as a CPU loads them, served with the tokens of the
 same checkpoint de-quantized, on one process and over tensor-parallel ranks."""
@@ -11,7 +11,7 @@ import torch
 
 from helpers.kept_experts import moe, served_as
 from lmiserve.engine.model import cpu_experts, fp8_experts, grouped_experts, int4_experts, mxfp4_experts
-from lmiserve.engine.model.group_kernels import unpack_q4, unpack_q8
+from lmiserve.engine.model.group_kernels import unpack_f4, unpack_q4, unpack_q8
 from lmiserve.engine.model.quantize import int4_available
 
 pytestmark = pytest.mark.skipif(not int4_available(), reason="the CPU's group kernels need numba")
@@ -100,27 +100,26 @@ def test_the_q4_grouped_product_is_each_experts_dequantized_product(
 
 
 @pytest.mark.parametrize("counts", COUNTS)
-def test_mxfp4_experts_are_kept_as_exact_8_bit_codes(counts: list[int]) -> None:
-    """gpt-oss's MXFP4 experts (`mxfp4_experts.keep` on a CPU): every 4-bit float doubled is an int8 code under its
-    block's power of two halved, so each packed matrix de-quantizes to exactly the MXFP4 weight (every code and
-    power from 2 ** -10 to 2 ** 10), and the grouped product is each expert's de-quantized product."""
+def test_mxfp4_experts_are_kept_as_their_4_bit_floats(counts: list[int]) -> None:
+    """gpt-oss's MXFP4 experts (`mxfp4_experts.keep` on a CPU) on the f4 kernel: each packed matrix holds the
+    checkpoint's e2m1 codes, half a byte a weight, and its blocks' powers of two (2 ** -10 to 2 ** 10) as fp32 scales,
+    so it de-quantizes to exactly the MXFP4 weight, and the grouped product is each expert's de-quantized product."""
     gen = torch.Generator().manual_seed(sum(counts))
     experts = _experts_module()
     blocks = torch.randint(0, 256, (4, 96, 128), generator=gen).to(torch.uint8)  # (256 inputs: 8 blocks of 32)
     powers = torch.randint(117, 138, (4, 96, 8), generator=gen).to(torch.uint8)
     mxfp4_experts.keep(experts, {"down_proj": (blocks, powers)})
-    assert grouped_experts.kept(experts, "q8") and experts.down_proj.dtype == torch.int8
+    assert grouped_experts.kept(experts, "f4") and experts.down_proj.shape == (4, 96 // 16, 128 * 16)
+    values = torch.tensor(mxfp4_experts.FP4)
     for e in range(4):
-        codes, scale = unpack_q8(experts.down_proj[e], experts.down_proj_scales[e], 96)
-        weight = (codes.float().view(96, 8, 32) * scale[..., None]).view(96, 256)
+        codes, scale = unpack_f4(experts.down_proj[e], experts.down_proj_scales[e], 96)
+        weight = (values[codes.long()].view(96, 8, 32) * scale[..., None]).view(96, 256)
         assert torch.equal(weight, mxfp4_experts.dequantized_weight(blocks[e], powers[e])), e
     x = torch.randn(sum(counts), 256, generator=gen)
     tallies = torch.tensor(counts)
     got = experts.__dict__["kept_product"](x, experts, "down_proj", tallies)
     want = mxfp4_experts.dequantized_product(x, blocks, powers, tallies)
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
-    with pytest.raises(ValueError, match="not 8-bit codes"):  # (a table whose doubles are not integers)
-        cpu_experts.keep_mxfp4(_experts_module(), {"down_proj": (blocks, powers)}, (0.25,) * 16, (0, 0))
 
 
 def test_shapes_the_kernels_do_not_take_are_left_as_they_were() -> None:
@@ -281,9 +280,9 @@ def test_an_mxfp4_gpt_oss_on_a_cpu_serves_its_dequantized_models_tokens(
     tmp_path, caplog, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """gpt-oss's MXFP4 checkpoint as OpenAI publishes it, loaded on a CPU in fp32 as the server loads it: every
-    experts module kept on the q8 kernel (a byte a weight, not fp32's four) with its biases, each matrix exactly what
-    transformers de-quantizes, the start's account says so, and the engine gives the greedy tokens of the checkpoint
-    de-quantized at load through the kept experts' grouped product."""
+    experts module kept on the f4 kernel (half a byte a weight, not fp32's four) with its biases, each matrix exactly
+    what transformers de-quantizes, the start's account says so, and the engine gives the greedy tokens of the
+    checkpoint de-quantized at load through the kept experts' grouped product."""
     from helpers.kept_experts import serve_counted
     from helpers.mxfp4 import write_mxfp4_gpt_oss
     from lmiserve.models.load import load_causal_lm
@@ -295,17 +294,18 @@ def test_an_mxfp4_gpt_oss_on_a_cpu_serves_its_dequantized_models_tokens(
     caplog.clear()
     with caplog.at_level("INFO", logger="lmiserve.models.load"):
         loaded = load_causal_lm(tmp_path, dtype="fp32", device="cpu")
-    account = "mxfp4 checkpoint: 2 experts modules kept as 8-bit codes (the CPU's q8 kernel)"
+    account = "mxfp4 checkpoint: 2 experts modules kept MXFP4 (the CPU's f4 kernel)"
     assert any(account in r.getMessage() for r in caplog.records)
+    values = torch.tensor(mxfp4_experts.FP4)
     for i, layer in enumerate(loaded.model.model.layers):
         experts = layer.mlp.experts
-        assert grouped_experts.kept(experts, "q8")
+        assert grouped_experts.kept(experts, "f4")
         for kind in ("gate_up_proj", "down_proj"):
             want = state[f"model.layers.{i}.mlp.experts.{kind}"]  # ([experts, in, out], as transformers holds them)
             codes, scales = getattr(experts, kind), getattr(experts, f"{kind}_scales")
             for e in range(want.shape[0]):
-                got, scale = unpack_q8(codes[e], scales[e], want.shape[2])
-                weight = (got.float().view(want.shape[2], scale.shape[1], -1) * scale[..., None]).flatten(1)
+                got, scale = unpack_f4(codes[e], scales[e], want.shape[2])
+                weight = (values[got.long()].view(want.shape[2], scale.shape[1], -1) * scale[..., None]).flatten(1)
                 assert torch.equal(weight.t(), want[e]), (kind, e)
             assert torch.equal(getattr(experts, f"{kind}_bias"), state[f"model.layers.{i}.mlp.experts.{kind}_bias"])
     engine, ran = serve_counted(loaded, dequantized, monkeypatch, cpu_experts)
@@ -322,7 +322,7 @@ def test_an_mxfp4_gpt_oss_on_a_cpu_serves_its_dequantized_models_tokens(
 def test_each_tensor_parallel_rank_keeps_its_part_of_the_mxfp4_experts_on_the_cpu(
     tmp_path, monkeypatch: pytest.MonkeyPatch, intermediate: int, world: int, pads: list
 ) -> None:
-    """Over two and four ranks each rank keeps its part of gpt-oss's MXFP4 experts on the q8 kernel, down_proj's
+    """Over two and four ranks each rank keeps its part of gpt-oss's MXFP4 experts on the f4 kernel, down_proj's
     inputs widened to whole blocks of 32 (`pads`): the ranks' MoE blocks add up to the block de-quantized whole."""
     from helpers.kept_experts import assert_ranks_sum, rank_blocks
     from helpers.llama_variants import MOE_ARCHS, build
@@ -332,9 +332,9 @@ def test_each_tensor_parallel_rank_keeps_its_part_of_the_mxfp4_experts_on_the_cp
     config_class, model_class, overrides = MOE_ARCHS["gpt_oss"]
     model = build(config_class, model_class, {**overrides, "intermediate_size": intermediate})
     for block, parts in rank_blocks(model, tmp_path, monkeypatch, cpu_experts, world):
-        for part, pad in zip(parts, pads, strict=True):  # (q8's layout: 16 outputs' codes an input)
-            assert grouped_experts.kept(part.experts, "q8") and part.experts.__dict__["kept_down_pad"] == pad
-            assert part.experts.down_proj.shape[2] == (intermediate // world + sum(pad)) * 16
+        for part, pad in zip(parts, pads, strict=True):  # (f4's layout: 16 outputs' codes two inputs a byte)
+            assert grouped_experts.kept(part.experts, "f4") and part.experts.__dict__["kept_down_pad"] == pad
+            assert part.experts.down_proj.shape[2] == (intermediate // world + sum(pad)) * 8
         assert_ranks_sum(block, parts, model.config.hidden_size)
 
 

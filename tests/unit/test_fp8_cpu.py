@@ -1,6 +1,6 @@
 """fp8 weights kept fp8 on a CPU (`cpu_codes.fp8_layer`): an fp8 checkpoint's linears (per tensor, per channel,
 block-wise) and ``quantize=fp8``'s are `Q8Linear` with fp8 e4m3fn values for codes, the q8 kernel widening each byte
-exactly (`group_kernels._e4m3_as_f32`), where they were de-quantized to fp32 (4 times their bytes). Each weight is the
+exactly (`group_tiles._e4m3_as_f32`), where they were de-quantized to fp32 (4 times their bytes). Each weight is the
 checkpoint's exactly; the engine's greedy tokens over such checkpoints equal transformers' over the de-quantized weights
 (test_quantized_checkpoints.py's fp8 cases); here, the packed decode kernels (`q4_decode`) give transformers' logits."""
 

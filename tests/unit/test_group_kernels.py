@@ -1,4 +1,4 @@
-"""The group-quantized CPU kernels (engine/model/group_kernels.py) and the layers built on them
+"""The group-quantized CPU kernels (engine/model/group_kernels.py, group_tiles.py) and the layers built on them
 (`quantize.Int4Linear`, `quantize.Q8Linear`): products against a float reference made from the same
 codes, the blocked layouts' round trip, and the q8 output projection of a model."""
 
@@ -60,6 +60,32 @@ def test_q8_product_matches_the_float_weight_of_its_codes(rows: int, n: int, k: 
     y = gk.q8_linear(x, packed, scales, n)
     assert y.shape == (rows, n)
     torch.testing.assert_close(y.double(), x.double() @ w.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("rows", "n", "k"), SHAPES)
+def test_f4_product_matches_the_float_weight_of_its_4_bit_floats(rows: int, n: int, k: int):
+    """MXFP4's e2m1 codes (every one of the 16, subnormal and negative zero included) times their group's scale,
+    powers of two from 2 ** -127 (the smallest MXFP4 writes) to 2 ** 20: the layout's round trip, and the product of
+    the float weight they encode, in tiles of 1 to 8 rows and more."""
+    torch.manual_seed(rows * 1000 + n + 7)
+    codes = torch.randint(0, 16, (n, k), dtype=torch.int32)
+    codes[0, :16] = torch.arange(16)
+    scale = torch.exp2(torch.randint(-12, 21, (n, k // 32)).float())
+    scale[0, 0] = 2.0**-127
+    packed, scales = gk.pack_f4(codes, scale)
+    assert packed.shape == (-(-n // 16), k * 8) and scales.shape == (-(-n // 16), k // 2)
+    back = gk.unpack_f4(packed, scales, n)
+    assert torch.equal(back[0].int(), codes) and torch.equal(back[1], scale)
+    fp4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+    w = (fp4.double()[codes].view(n, -1, 32) * scale.double()[..., None]).view(n, k)
+    x = torch.randn(rows, k)
+    y = gk.f4_linear(x, packed, scales, n)
+    assert y.shape == (rows, n) and y.dtype == torch.float32
+    want = x.double() @ w.T
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    one = torch.zeros(1, k)
+    one[0, :16] = torch.arange(1.0, 17.0)  # (row 0's first 16 inputs: each code once, its scale 2 ** -127)
+    assert gk.f4_linear(one, packed, scales, n)[0, 0].item() == (fp4[:16] * one[0, :16]).sum().item() * 2.0**-127
 
 
 def test_inputs_of_any_float_dtype_and_strides():

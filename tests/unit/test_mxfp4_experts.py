@@ -44,7 +44,7 @@ def test_the_grouped_product_is_each_experts_dequantized_product(
 
 
 def test_on_a_cpu_the_experts_are_kept_in_fp32_alone_and_only_gpt_oss_layout_is_served() -> None:
-    """On a CPU the MXFP4 experts are kept (on its q8 kernel: tests/unit/test_cpu_experts.py) where it computes in
+    """On a CPU the MXFP4 experts are kept (on its f4 kernel: tests/unit/test_cpu_experts.py) where it computes in
     fp32, de-quantized in bf16."""
     from helpers.llama_variants import MOE_ARCHS, build
 

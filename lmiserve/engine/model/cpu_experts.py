@@ -27,14 +27,14 @@ import torch
 
 from lmiserve.engine.model import grouped_experts
 from lmiserve.engine.model.cpu_codes import q4_runs, q8_runs
-from lmiserve.engine.model.group_kernels import LANES, Q4_GROUP, Packed, available, pack_q4, pack_q8
+from lmiserve.engine.model.group_kernels import LANES, Q4_GROUP, Packed, available, pack_f4, pack_q4, pack_q8
 from lmiserve.engine.model.quant_formats import unpack_words
 
 log = logging.getLogger(__name__)
 
 __all__ = ["KERNELS", "grouped_product", "keep_mxfp4", "keep_q4", "keep_q8", "kept_for", "kernel_named"]
 
-KERNELS = ("q8", "q4")  # (`grouped_experts.kept`'s names of these experts' kernels)
+KERNELS = ("q8", "q4", "f4")  # (`grouped_experts.kept`'s names of these experts' kernels)
 
 
 def kept_for(model: torch.nn.Module, device: torch.device, name: str, what: str) -> bool:
@@ -82,29 +82,26 @@ def keep_q8(
 
 
 def keep_mxfp4(
-    experts: torch.nn.Module,
-    weights: dict[str, tuple[torch.Tensor, torch.Tensor]],
-    values: tuple[float, ...],
-    down_pad: tuple[int, int],
+    experts: torch.nn.Module, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], down_pad: tuple[int, int]
 ) -> bool:
-    """Make `experts` run on the q8 kernel over MXFP4 `weights` (by kind, as `mxfp4_experts.keep` takes them: uint8
-    bytes ``[experts, out, in / 2]``, two 4-bit codes a byte, the low nibble first, and uint8 powers ``[experts, out,
-    in / 32]``, a block's ``2 ** (s - 127)``; `values`: the 16 floats by code). Each float doubled is an 8-bit code
-    exactly (e2m1's: 0, 1, 2, 3, 4, 6, 8, 12 and their negatives) under its block's power halved, ``2 ** (s - 128)``:
-    every weight the checkpoint's, a byte each (a quarter of fp32's). False (nothing changed) where the kernel does not
-    take them. `down_pad`: `grouped_experts.keep`'s."""
-    doubled = torch.tensor(values) * 2
-    if not torch.equal(doubled, doubled.round()) or doubled.abs().max() > 127:
-        raise ValueError(f"4-bit floats {values} doubled are not 8-bit codes")
-    table = doubled.to(torch.int8)
-    q8: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    """Make `experts` run on the f4 kernel over MXFP4 `weights` (by kind, as `mxfp4_experts.keep` takes them: uint8
+    bytes ``[experts, out, in / 2]``, two e2m1 codes a byte, the low nibble first, and uint8 powers ``[experts, out,
+    in / 32]``, a block's ``2 ** (s - 127)``): each expert's codes as they are, half a byte a weight, its blocks'
+    powers as fp32 scales; every weight the checkpoint's. False (nothing changed) where the kernel does not take them
+    (outputs not a multiple of 16). `down_pad`: `grouped_experts.keep`'s."""
+    made: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for kind, (blocks, powers) in weights.items():
         count, out, half = blocks.shape
-        codes = torch.empty(count, out, half, 2, dtype=torch.int8)
-        for e in range(count):  # (an expert at a time: int64 indices of one matrix, not the layer's)
-            codes[e, ..., 0], codes[e, ..., 1] = table[(blocks[e] & 0xF).long()], table[(blocks[e] >> 4).long()]
-        q8[kind] = (codes.view(count, out, 2 * half), torch.exp2(powers.float() - 128.0))
-    return keep_q8(experts, q8, down_pad)
+        if out % LANES:
+            return False
+        codes = torch.empty(count, out // LANES, half * LANES, dtype=torch.uint8)
+        scales = torch.empty(count, out // LANES, powers.shape[2] * LANES, dtype=torch.float32)
+        for e in range(count):  # (an expert at a time, into the stacked tensors: no second copy of the layer)
+            nibbles = torch.stack([blocks[e] & 0xF, blocks[e] >> 4], dim=-1).view(out, 2 * half)
+            codes[e], scales[e] = pack_f4(nibbles, torch.exp2(powers[e].float() - 127.0))
+        made[kind] = (codes, scales)
+    _keep(experts, made, {}, "f4", down_pad)
+    return True
 
 
 def keep_q4(experts: torch.nn.Module, weights: dict[str, tuple[torch.Tensor, ...]], down_pad: tuple[int, int]) -> bool:
@@ -131,8 +128,8 @@ def keep_q4(experts: torch.nn.Module, weights: dict[str, tuple[torch.Tensor, ...
 
 
 def kernel_named(modules: list[torch.nn.Module]) -> str:
-    """What a start's account calls the kernel of the kept experts `modules` (`grouped_experts.kept`): the CPU's q8
-    or q4 kernel, else the Triton kernel (a GPU's)."""
+    """What a start's account calls the kernel of the kept experts `modules` (`grouped_experts.kept`): the CPU's q8,
+    q4 or f4 kernel, else the Triton kernel (a GPU's)."""
     cpu = sorted({module.__dict__["kept_kernel"] for module in modules} & set(KERNELS))
     return f"the CPU's {cpu[0]} kernel" if cpu else "Triton kernel"
 

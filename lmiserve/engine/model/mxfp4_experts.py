@@ -94,7 +94,7 @@ def keep(
     there, not under the interpreter) as 8-bit codes on its q8 kernel (`cpu_experts.keep_mxfp4`) where it takes
     their shapes, else as MXFP4 bytes, each expert's weight de-quantized for its rows."""
     on_cpu = next(iter(weights.values()))[0].device.type == "cpu" and not INTERPRETED_ON_CPU
-    if on_cpu and cpu_experts.keep_mxfp4(experts, weights, FP4, down_pad):
+    if on_cpu and cpu_experts.keep_mxfp4(experts, weights, down_pad):
         return
     tensors = {}
     for kind, (blocks, scales) in weights.items():
