@@ -15,7 +15,7 @@ prompt's chunk (2048).
     .venv/bin/python benchmarks/fp8_experts.py --cpu --shape gpt-oss-20b --formats mxfp4 --tokens 1,4,16,64
 
 ``--cpu``: the same layer on a CPU in fp32 (the server's dtype there), its experts kept on the CPU's q8 and q4
-kernels (`engine/model/cpu_experts.py`: fp8 by channel and by blocks, 8-bit codes, MXFP4 as 8-bit codes, 4-bit
+kernels (`engine/model/cpu_experts.py`: fp8 by channel and by blocks, 8-bit codes, MXFP4 on the f4 kernel, 4-bit
 codes) against transformers' grouped forward over the de-quantized fp32 weights (what the CPU ran before
 2026-12-07), timed eagerly with the process's threads; `--experts` of them (at most 64 by default: the layer's
 per-expert shape and top k, in less memory than 128 experts' five fp32 copies). `--shape gpt-oss-20b`: gpt-oss-20b's
@@ -142,7 +142,7 @@ def int4_twin(module: torch.nn.Module, group: int) -> tuple[torch.nn.Module, tor
 
 
 def mxfp4_twin(module: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """`module`'s experts kept MXFP4 (`mxfp4_experts.keep`, as gpt-oss's are; on a CPU as 8-bit codes on its q8
+    """`module`'s experts kept MXFP4 (`mxfp4_experts.keep`, as gpt-oss's are; on a CPU on its f4
     kernel): each block of 32 inputs a power of two (the block's largest magnitude over 6, rounded up) and each value
     the nearest 4-bit float; and the module of the same de-quantized weights in `module`'s dtype (the reference)."""
     import copy
@@ -217,7 +217,7 @@ def main() -> None:
         "mxfp4": lambda: mxfp4_twin(bf16),
     }
     variants = {name: twins[name]() for name in args.formats.split(",")}
-    weight_bytes = {"fp8_channel": 1.0, "fp8_block": 1.0, "int8": 1.0, "int4": 0.5, "mxfp4": 1.0 if args.cpu else 0.5}
+    weight_bytes = {"fp8_channel": 1.0, "fp8_block": 1.0, "int8": 1.0, "int4": 0.5, "mxfp4": 0.5}  # (scales left out)
     per_expert = 3 * shape["hidden"] * shape["intermediate"]  # gate, up and down: their weights' count
     rows = []
     for tokens in (int(t) for t in ("1,4" if args.smoke else args.tokens).split(",")):

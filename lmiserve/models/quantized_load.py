@@ -23,8 +23,8 @@ Formats (`engine/model/quant_formats.py` says how each is stored and run):
 - ``quant_method: gptq``, 4 bits (``checkpoint_format`` ``gptq``, or ``gptq_v2``), any ``desc_act``:
   ``quantize=gptq``.
 - ``quant_method: mxfp4`` (gpt-oss's experts: 4-bit floats, a power-of-two scale a block of 32): on a GPU where
-  de-quantized they would not fit, kept MXFP4 on a grouped Triton kernel; on a CPU in fp32, as 8-bit codes on its
-  q8 kernel; else dequantized at load by transformers (`models.mxfp4_load`): ``quantize=mxfp4``.
+  de-quantized they would not fit, kept MXFP4 on a grouped Triton kernel; on a CPU in fp32, kept MXFP4 on its f4
+  kernel; else dequantized at load by transformers (`models.mxfp4_load`): ``quantize=mxfp4``.
 - ``quant_method: modelopt`` (NVIDIA's Model Optimizer; in ``config.json``, or its older ``hf_quant_config.json``
   beside it): ``FP8`` (a scale a tensor; its static ``input_scale`` is not used: activations are quantized per
   token), ``FP8_PER_CHANNEL_PER_TOKEN`` (a scale a channel) and ``FP8_PB_WO`` (a scale a block of 128 x 128, run as

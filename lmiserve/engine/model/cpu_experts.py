@@ -1,22 +1,23 @@
 """A mixture of experts' quantized experts kept quantized on a CPU (issue #39): fp8 experts (Qwen3-30B-A3B-FP8,
-RedHatAI's and ModelOpt's fp8 MoEs, ``quantize=fp8`` on a float MoE), symmetric 8-bit codes (GPTQ-Int8, W8A16, W8A8)
-and 4-bit AWQ/GPTQ codes (Qwen3-30B-A3B-GPTQ-Int4, Mixtral AWQ) on the CPU's group kernels (`group_kernels`: the q8
-and q4 kernels the linears run on, `cpu_codes`).
+RedHatAI's and ModelOpt's fp8 MoEs, ``quantize=fp8`` on a float MoE), symmetric 8-bit codes (GPTQ-Int8, W8A16, W8A8),
+4-bit AWQ/GPTQ codes (Qwen3-30B-A3B-GPTQ-Int4, Mixtral AWQ) and gpt-oss's MXFP4 experts on the CPU's group kernels
+(`group_kernels`: the q8 and q4 kernels the linears run on, `cpu_codes`; the f4 kernel of 4-bit floats).
 
 Why: on a CPU, computing in fp32, the loader de-quantized such experts to fp32 at load: 4 times an fp8 or 8-bit
 model's experts, 8 times a 4-bit one's, and the experts are most of such a model. Qwen1.5-MoE-A2.7B's GPTQ-Int4
-(about 8 GB) took 57 GB, OLMoE-1B-7B in fp8 (7 GB) 28 GB; and a decode step reads every routed expert's weight.
+(about 8 GB) took 57 GB, OLMoE-1B-7B in fp8 (7 GB) 28 GB, gpt-oss-20b (13 GB) about 84 GB; and a decode step reads
+every routed expert's weight.
 
-Kept, each expert's matrices are stored in the kernels' blocked layout (`pack_q8`, `pack_q4`; stacked ``[experts,
-out / 16, ...]``) with their scales repeated over the kernel's groups of 32 (or 16) inputs, every weight exactly the
-checkpoint's. The module's forward is `grouped_experts.forward` with `grouped_product`: each expert's run of rows
-through its own packed matrix (`group_kernels.Packed`, made once), into one output. A host loop over the experts hit:
-the CPU has no decode graphs to keep it out of.
+Kept, each expert's matrices are stored in the kernels' blocked layout (`pack_q8`, `pack_q4`, `pack_f4`; stacked
+``[experts, out / 16, ...]``) with their scales repeated over the kernel's groups of 32 (or 16) inputs, every weight
+exactly the checkpoint's. The module's forward is `grouped_experts.forward` with `grouped_product`: each expert's run
+of rows through its own packed matrix (`group_kernels.Packed`, made once), into one output. A host loop over the
+experts hit: the CPU has no decode graphs to keep it out of.
 
 Kept where the compute dtype is fp32 and the kernels run (numba), for outputs a multiple of 16 and groups of inputs
-that the kernel takes (q8: runs of 16n inputs a scale, or one a row; q4: groups of 32n); else (`keep_q8` and
-`keep_q4` answer False) the experts are de-quantized as before. GPTQ's act-order 4-bit experts keep their order of
-inputs: each expert's rows are gathered in it first."""
+that the kernel takes (q8: runs of 16n inputs a scale, or one a row; q4: groups of 32n; f4: MXFP4's blocks of 32);
+else (`keep_q8`, `keep_q4` and `keep_mxfp4` answer False) the experts are de-quantized as before. GPTQ's act-order
+4-bit experts keep their order of inputs: each expert's rows are gathered in it first."""
 
 from __future__ import annotations
 

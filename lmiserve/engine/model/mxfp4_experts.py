@@ -1,4 +1,4 @@
-"""gpt-oss's MXFP4 experts kept MXFP4 on a GPU, as 8-bit codes on a CPU (issue #39): OpenAI publishes gpt-oss-20b
+"""gpt-oss's MXFP4 experts kept MXFP4 on a GPU and on a CPU (issue #39): OpenAI publishes gpt-oss-20b
 and gpt-oss-120b with their experts' weights as 4-bit floats (e2m1, two a byte) and a power of two a block of 32
 inputs (``*_blocks``, ``*_scales``).
 
@@ -12,10 +12,10 @@ once and making their values in registers. gpt-oss's experts (`servable`: biases
 SwiGLU) keep their biases and activation; `grouped_experts.forward` adds each row's expert's bias.
 
 Layout (`keep`): ``{kind}`` uint8 ``[experts, out, in / 2]`` (the checkpoint's ``_blocks`` with their last two axes
-merged), ``{kind}_scales`` uint8 ``[experts, out, in / 32]``. On a CPU computing in fp32 they are kept on the CPU's q8
-kernel instead (`cpu_experts.keep_mxfp4`: each 4-bit float doubled is an 8-bit code, exactly, under its block's power
-of two halved; a byte a weight, a quarter of fp32's; the tests set `INTERPRETED_ON_CPU` to keep them as a GPU does and
-run this kernel under Triton's interpreter); elsewhere on a CPU each expert's weight is de-quantized for its rows
+merged), ``{kind}_scales`` uint8 ``[experts, out, in / 32]``. On a CPU computing in fp32 they are kept on the CPU's f4
+kernel instead (`cpu_experts.keep_mxfp4`: the same codes, half a byte a weight, in the group kernels' blocked layout,
+each block's power of two an fp32 scale; the tests set `INTERPRETED_ON_CPU` to keep them as a GPU does and run this
+kernel under Triton's interpreter); elsewhere on a CPU each expert's weight is de-quantized for its rows
 (`dequantized_product`).
 
 Over tensor parallelism each rank keeps its part by the same rule. Where its inputs of down_proj are not whole blocks
@@ -73,8 +73,8 @@ def servable(experts: torch.nn.Module) -> bool:
 def kept_for(model: torch.nn.Module, device: torch.device, name: str) -> bool:
     """Whether the MXFP4 experts of `model` (on the meta device in the compute dtype) stay MXFP4 on `device`: on a GPU
     where Triton runs (compute capability 8.0 or more) as `weight_fit.kept_for` says (``LMISERVE_USE_TRITON_MXFP4``
-    forces it either way), on a CPU as `cpu_experts.kept_for` says (computing in fp32: as 8-bit codes on its q8
-    kernel), logged for the checkpoint `name`; never elsewhere."""
+    forces it either way), on a CPU as `cpu_experts.kept_for` says (computing in fp32: on its f4 kernel), logged for
+    the checkpoint `name`; never elsewhere."""
     if device.type == "cpu":
         return cpu_experts.kept_for(model, device, name, "MXFP4")
     if not weight_fit.triton_gpu(device):
@@ -91,7 +91,7 @@ def keep(
     """Make `experts` (`servable`) run on MXFP4 `weights`: for ``gate_up_proj`` and ``down_proj`` each, the bytes
     ``[experts, out, in / 2]`` and the blocks' powers ``[experts, out, in / 32]`` (uint8 both); the biases stay.
     `down_pad`: `grouped_experts.keep`'s (a rank's inputs of down_proj widened to whole blocks). On a CPU (`weights`
-    there, not under the interpreter) as 8-bit codes on its q8 kernel (`cpu_experts.keep_mxfp4`) where it takes
+    there, not under the interpreter) on its f4 kernel (`cpu_experts.keep_mxfp4`) where it takes
     their shapes, else as MXFP4 bytes, each expert's weight de-quantized for its rows."""
     on_cpu = next(iter(weights.values()))[0].device.type == "cpu" and not INTERPRETED_ON_CPU
     if on_cpu and cpu_experts.keep_mxfp4(experts, weights, down_pad):
