@@ -517,8 +517,8 @@ def test_an_adapter_on_an_awq_checkpoint_over_two_ranks_gives_one_processs_token
 
 
 def test_gpt_oss_from_its_mxfp4_checkpoint_over_two_ranks(tmp_path):
-    """gpt-oss's MXFP4 checkpoint over two ranks, each reading and dequantizing its part of every expert: the
-    tokens and logprobs of the model dequantized whole in one process."""
+    """gpt-oss's MXFP4 checkpoint over two ranks, each reading its part of every expert (kept MXFP4 on the CPU's f4
+    kernel, as the whole model in one process keeps them): the tokens and logprobs of the model in one process."""
     from helpers.mxfp4 import write_mxfp4_gpt_oss
 
     folder = tmp_path / "gpt-oss-mxfp4"
