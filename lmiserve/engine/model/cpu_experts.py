@@ -22,6 +22,7 @@ else (`keep_q8`, `keep_q4` and `keep_mxfp4` answer False) the experts are de-qua
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from typing import Any, cast
 
 import torch
@@ -76,8 +77,7 @@ def keep_q8(
         runs = [q8_runs(rows[e], inputs) for e in range(count)]
         if out % LANES or any(r is None for r in runs):
             return False
-        packed = [pack_q8(codes[e], cast(torch.Tensor, runs[e])) for e in range(count)]
-        made[kind] = (torch.stack([c for c, _ in packed]), torch.stack([s for _, s in packed]))
+        made[kind] = _stacked(count, (pack_q8(codes[e], cast(torch.Tensor, runs[e])) for e in range(count)))
     _keep(experts, made, {}, "q8", down_pad)
     return True
 
@@ -92,15 +92,11 @@ def keep_mxfp4(
     (outputs not a multiple of 16). `down_pad`: `grouped_experts.keep`'s."""
     made: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for kind, (blocks, powers) in weights.items():
-        count, out, half = blocks.shape
+        count, out = blocks.shape[:2]
         if out % LANES:
             return False
-        codes = torch.empty(count, out // LANES, half * LANES, dtype=torch.uint8)
-        scales = torch.empty(count, out // LANES, powers.shape[2] * LANES, dtype=torch.float32)
-        for e in range(count):  # (an expert at a time, into the stacked tensors: no second copy of the layer)
-            nibbles = torch.stack([blocks[e] & 0xF, blocks[e] >> 4], dim=-1).view(out, 2 * half)
-            codes[e], scales[e] = pack_f4(nibbles, torch.exp2(powers[e].float() - 127.0))
-        made[kind] = (codes, scales)
+        nibbles = (torch.stack([b & 0xF, b >> 4], dim=-1).flatten(1) for b in blocks)  # (the low nibble first)
+        made[kind] = _stacked(count, (pack_f4(n, torch.exp2(p.float() - 127.0)) for n, p in zip(nibbles, powers)))
     _keep(experts, made, {}, "f4", down_pad)
     return True
 
@@ -117,15 +113,24 @@ def keep_q4(experts: torch.nn.Module, weights: dict[str, tuple[torch.Tensor, ...
         group = inputs // scales.shape[1]
         if out % LANES or group % Q4_GROUP or group * scales.shape[1] != inputs:
             return False
-        packed = [
-            pack_q4(unpack_words(words[e]).reshape(out, inputs), *q4_runs(scales[e].t(), zeros[e].t(), group))
-            for e in range(count)
-        ]
-        made[kind] = (torch.stack([c for c, _ in packed]), torch.stack([s for _, s in packed]))
+        codes = (unpack_words(w).reshape(out, inputs) for w in words)
+        runs = (q4_runs(s.t(), z.t(), group) for s, z in zip(scales, zeros, strict=True))
+        made[kind] = _stacked(count, (pack_q4(c, *r) for c, r in zip(codes, runs, strict=True)))
         if order:
             orders[kind] = order[0].long()
     _keep(experts, made, orders, "q4", down_pad)
     return True
+
+
+def _stacked(count: int, packs: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `count` experts' packed matrices and scales (`packs`: each expert's, made as they are read) stacked
+    ``[experts, ...]``, each written into the stack as it is made: a layer's packed experts held once, not twice."""
+    codes = scales = torch.empty(0)
+    for e, (c, s) in enumerate(packs):
+        if e == 0:
+            codes, scales = c.new_empty(count, *c.shape), s.new_empty(count, *s.shape)
+        codes[e], scales[e] = c, s
+    return codes, scales
 
 
 def kernel_named(modules: list[torch.nn.Module]) -> str:
