@@ -112,6 +112,14 @@ def tile_intrinsic(kind: str, group: int) -> Any:  # pragma: no cover - compiled
         def fma(a: Any, b: Any, c: Any) -> Any:
             return builder.fadd(builder.fmul(a, b, flags=fast), c, flags=fast)
 
+        def nibbles(byte: Any) -> tuple[Any, Any]:  # 16 bytes' low and high codes as fp32 (q4's and f4's)
+            if kind == "f4":
+                wide = builder.zext(byte, ir.VectorType(ir.IntType(16), LANES))
+                return _e2m1_as_f32(builder, wide, 12), _e2m1_as_f32(builder, wide, 8)
+            wide = builder.zext(byte, vi32)
+            low = builder.uitofp(builder.and_(wide, ir.Constant(vi32, [15] * LANES)), vf)
+            return low, builder.uitofp(builder.lshr(wide, ir.Constant(vi32, [4] * LANES)), vf)
+
         groups = builder.sdiv(inner, c64(group))
         entry = builder.block
         loop = builder.append_basic_block("groups")
@@ -126,28 +134,17 @@ def tile_intrinsic(kind: str, group: int) -> Any:  # pragma: no cover - compiled
         k0 = builder.mul(g, c64(group))
         xrows = [builder.add(builder.mul(builder.add(m0, c64(m)), inner), k0) for m in range(rows)]
         sums = [[zero] * chains for _ in range(rows)]
-        if kind == "q4":
-            sv = vload(sp, builder.add(s_at, builder.mul(g, c64(2 * LANES))), vf, 4)
-            lv = vload(sp, builder.add(s_at, builder.add(builder.mul(g, c64(2 * LANES)), c64(LANES))), vf, 4)
+        if kind in ("q4", "f4"):  # two codes a byte: inputs 32 g + j (the low nibble) and 32 g + 16 + j (the high)
+            stride = 2 * LANES if kind == "q4" else LANES  # (q4: a scale and a minimum a group)
+            sv = vload(sp, builder.add(s_at, builder.mul(g, c64(stride))), vf, 4)
+            if kind == "q4":
+                lv = vload(sp, builder.add(s_at, builder.add(builder.mul(g, c64(stride)), c64(LANES))), vf, 4)
+            else:  # the values are 2^-14 of e2m1's: the group's scale takes the 2^14
+                sv = builder.fmul(sv, ir.Constant(vf, [16384.0] * LANES))
             cbase = builder.add(c_at, builder.mul(g, c64(group // 2 * LANES)))
             for j in range(group // 2):
-                b = builder.zext(vload(cp, builder.add(cbase, c64(j * LANES)), vi8, 1), vi32)
-                lo = builder.uitofp(builder.and_(b, ir.Constant(vi32, [15] * LANES)), vf)
-                hi = builder.uitofp(builder.lshr(b, ir.Constant(vi32, [4] * LANES)), vf)
-                for m in range(rows):
-                    x0 = builder.load(builder.gep(xp, [builder.add(xrows[m], c64(j))]))
-                    x1 = builder.load(builder.gep(xp, [builder.add(xrows[m], c64(j + group // 2))]))
-                    c = (2 * j) % chains
-                    sums[m][c] = fma(lo, splat(x0), sums[m][c])
-                    sums[m][c + 1] = fma(hi, splat(x1), sums[m][c + 1])
-        elif kind == "f4":  # (q4's layout of codes, a scale a group; the values 2^-14 of e2m1's: the scale takes 2^14)
-            sv = vload(sp, builder.add(s_at, builder.mul(g, c64(LANES))), vf, 4)
-            sv = builder.fmul(sv, ir.Constant(vf, [16384.0] * LANES))
-            cbase = builder.add(c_at, builder.mul(g, c64(group // 2 * LANES)))
-            vi16 = ir.VectorType(ir.IntType(16), LANES)
-            for j in range(group // 2):
-                b = builder.zext(vload(cp, builder.add(cbase, c64(j * LANES)), vi8, 1), vi16)
-                lo, hi = _e2m1_as_f32(builder, b, 12), _e2m1_as_f32(builder, b, 8)
+                byte = vload(cp, builder.add(cbase, c64(j * LANES)), vi8, 1)
+                lo, hi = nibbles(byte)
                 for m in range(rows):
                     x0 = builder.load(builder.gep(xp, [builder.add(xrows[m], c64(j))]))
                     x1 = builder.load(builder.gep(xp, [builder.add(xrows[m], c64(j + group // 2))]))
