@@ -358,8 +358,8 @@ def quantize_fp8_dynamic(model: torch.nn.Module, dtype: torch.dtype, device: tor
     account = f"fp8 quantized at load, {scales}: {_made_at_load(model, make)}"
     experts = fp8_experts.quantize_servable(model, device, "quantize=fp8")
     if experts:
-        where = "the CPU's q8 kernel" if device.type == "cpu" else "Triton kernel"
-        account += f"; {experts} experts modules kept fp8 per output channel ({where})"
+        kernel = kernel_named([m for m in model.modules() if grouped_experts.kept(m)])
+        account += f"; {experts} experts modules kept fp8 per output channel ({kernel})"
     return account
 
 
