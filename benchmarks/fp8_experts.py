@@ -196,6 +196,9 @@ def main() -> None:
     parser.add_argument("--formats", default=",".join(FORMATS), help="the kept formats timed, comma-separated")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    unknown = sorted(set(args.formats.split(",")) - set(FORMATS))
+    if unknown:
+        parser.error(f"--formats: unknown {', '.join(unknown)} (known: {', '.join(FORMATS)})")
     cuda = torch.cuda.is_available() and not args.smoke and not args.cpu
     if not cuda and not args.smoke and not args.cpu:
         raise SystemExit("needs a CUDA GPU (or --cpu, or --smoke on CPU under TRITON_INTERPRET=1)")

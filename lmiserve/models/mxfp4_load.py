@@ -1,6 +1,6 @@
 """gpt-oss's MXFP4 checkpoints (``quant_method: mxfp4``: the experts' weights as 4-bit floats, a power of two a block
 of 32 inputs; everything else as saved): on a GPU where the model de-quantized would not fit (`mxfp4_experts.kept_for`)
-its experts stay MXFP4 on the grouped Triton kernel, on a CPU computing in fp32 on its f4 kernel
+its experts stay MXFP4 on the grouped Triton kernel, on a CPU (fp32 or bf16) on its f4 kernel
 (`load_kept`); elsewhere transformers de-quantizes them at load (`load_dequantized`, exactly: every such value
 is a bf16 value), as vLLM does where it has no MXFP4 kernel."""
 

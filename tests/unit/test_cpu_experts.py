@@ -6,6 +6,9 @@ same checkpoint de-quantized, on one process and over tensor-parallel ranks."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+
 import pytest
 import torch
 
@@ -148,17 +151,23 @@ def test_a_ranks_part_of_down_proj_under_a_scale_a_row_is_widened_to_whole_group
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-def test_the_cpu_keeps_experts_where_it_computes_in_fp32(caplog: pytest.LogCaptureFixture) -> None:
-    """fp32 on a CPU: kept, and logged; bf16 (its products are torch's): de-quantized; a GPU: not this module's."""
+def test_the_cpu_keeps_experts_in_fp32_and_bf16_where_its_kernels_run(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fp32 and bf16 on a CPU: kept, and logged; without numba: de-quantized, and logged why; a GPU: not this
+    module's."""
     fp32 = moe("qwen3_moe")
     with caplog.at_level("INFO", logger="lmiserve.engine.model.cpu_experts"):
         assert cpu_experts.kept_for(fp32, torch.device("cpu"), "tiny", "fp8")
-        assert not cpu_experts.kept_for(fp32.to(torch.bfloat16), torch.device("cpu"), "tiny", "4-bit")
+        assert cpu_experts.kept_for(fp32.to(torch.bfloat16), torch.device("cpu"), "tiny", "4-bit")
+        monkeypatch.setattr(cpu_experts, "available", lambda: False)
+        assert not cpu_experts.kept_for(fp32, torch.device("cpu"), "tiny", "MXFP4")
     assert not cpu_experts.kept_for(fp32, torch.device("cuda"), "tiny", "fp8")
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [
         "tiny: fp8 experts on the CPU's group kernels",
-        "tiny: 4-bit experts de-quantized at load (computing in torch.bfloat16, not float32)",
+        "tiny: 4-bit experts on the CPU's group kernels",
+        "tiny: MXFP4 experts de-quantized at load (no numba: the CPU's group kernels do not run)",
     ]
 
 
@@ -310,6 +319,65 @@ def test_an_mxfp4_gpt_oss_on_a_cpu_serves_its_dequantized_models_tokens(
             assert torch.equal(getattr(experts, f"{kind}_bias"), state[f"model.layers.{i}.mlp.experts.{kind}_bias"])
     engine, ran = serve_counted(loaded, dequantized, monkeypatch, cpu_experts)
     assert engine.runner.path == "fast" and ran
+
+
+BF16_CASES = {"qwen3-fp8-block": "q8", "qwen3-awq-g32": "q4", "gpt-oss-mxfp4": "f4"}
+
+
+@pytest.mark.parametrize("case", list(BF16_CASES))
+def test_with_dtype_bf16_a_cpu_keeps_the_experts_and_rounds_their_fp32_output_once(
+    tmp_path, caplog, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """``dtype=bf16`` on a CPU (the rest of the model in bf16): the experts stay on the CPU's kernel (the account says
+    so) and each experts module's output is the checkpoint's de-quantized experts' in fp32 (the rows widened, the
+    biases as bf16 holds them) rounded to bf16 once; the engine serves the kept model's own greedy tokens, through
+    the kernels."""
+    from helpers.llama_variants import PROMPTS, serve_prompts
+    from helpers.mxfp4 import write_mxfp4_gpt_oss
+    from helpers.quantizable import write_checkpoint
+    from lmiserve.engine.core.async_engine import EngineConfig
+    from lmiserve.models.load import load_causal_lm
+
+    kernel = BF16_CASES[case]
+    if kernel == "f4":
+        write_mxfp4_gpt_oss(tmp_path)
+    else:
+        arch, fmt, group, act_order, _ = CHECKPOINTS[case]
+        write_checkpoint(moe(arch), tmp_path, fmt, group, act_order=act_order)
+    with monkeypatch.context() as dequantizing:
+        dequantizing.setattr(cpu_experts, "kept_for", lambda *args: False)
+        reference = load_causal_lm(tmp_path, dtype="fp32", device="cpu")
+    caplog.clear()
+    with caplog.at_level("INFO", logger="lmiserve.models.load"):
+        loaded = load_causal_lm(tmp_path, dtype="bf16", device="cpu")
+    said = [r.getMessage() for r in caplog.records]
+    assert any("experts modules kept" in line and f"(the CPU's {kernel} kernel)" in line for line in said), said
+    assert loaded.model.get_input_embeddings().weight.dtype == torch.bfloat16
+    config, gen = loaded.model.config, torch.Generator().manual_seed(3)
+    rows, top_k = 9, config.num_experts_per_tok
+    for layer, ref_layer in zip(loaded.model.model.layers, reference.model.model.layers, strict=True):
+        experts, ref_experts = layer.mlp.experts, ref_layer.mlp.experts
+        assert grouped_experts.kept(experts, kernel)
+        for name, bias in ref_experts.named_parameters():  # (the biases as the bf16 model holds them)
+            if name.endswith("_bias"):
+                bias.data = bias.data.bfloat16().float()
+        x = torch.randn(rows, config.hidden_size, generator=gen).bfloat16()
+        chosen = torch.stack([torch.randperm(experts.gate_up_proj.shape[0], generator=gen)[:top_k] for _ in x])
+        weights = torch.rand(rows, top_k, generator=gen).softmax(-1).bfloat16()
+        with torch.inference_mode():
+            got = experts(x, chosen, weights)
+            want = ref_experts(x.float(), chosen, weights.float())
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want.bfloat16().float(), rtol=2**-7, atol=1e-3 * want.abs().max())
+    # served: prompts joining a running batch, 8 tokens each, every step's experts through the kernels (bf16's
+    # chunked prompts round differently from generate()'s whole ones, so the tokens are not compared to it here)
+    ran: list[int] = []
+    product = cpu_experts.grouped_product
+    monkeypatch.setattr(cpu_experts, "grouped_product", lambda x, *rest: ran.append(x.shape[0]) or product(x, *rest))
+    served = dataclasses.replace(loaded, max_context=256)
+    engine, results = asyncio.run(serve_prompts(served, EngineConfig(max_prefill_tokens=4), 8))
+    assert engine.runner.path == "fast" and [sum(1 for e in ev if e.token) for ev in results] == [8] * len(PROMPTS)
+    assert min(ran) <= top_k * len(PROMPTS) and max(ran) > top_k  # (decode steps' rows and prompt chunks')
 
 
 @pytest.mark.parametrize(

@@ -132,8 +132,11 @@ def test_fp8_module_keeps_block_wise_weights_only_where_asked() -> None:
     on_cpu = fp8_module(q, scale, None, torch.float32, torch.device("cpu"), block=(32, 128))  # (cpu_codes.fp8_layer)
     assert isinstance(on_cpu, Q8Linear) and on_cpu.weight.dtype == torch.float8_e4m3fn
     assert torch.equal(on_cpu.dequantized(), reference(q, scale, (32, 128)))
-    plain = fp8_module(q, scale, None, torch.bfloat16, torch.device("cpu"), block=(32, 128))
-    assert type(plain) is torch.nn.Linear and torch.equal(plain.weight, reference(q, scale, (32, 128)).bfloat16())
+    in_bf16 = fp8_module(q, scale, None, torch.bfloat16, torch.device("cpu"), block=(32, 128))  # (kept too)
+    assert isinstance(in_bf16, Q8Linear) and torch.equal(in_bf16.dequantized(), reference(q, scale, (32, 128)))
+    x = torch.randn(3, 256).bfloat16()  # (the product in fp32, rounded to the rows' bf16 once)
+    want = (x.float() @ reference(q, scale, (32, 128)).t()).bfloat16()
+    torch.testing.assert_close(in_bf16(x), want, rtol=2**-7, atol=1e-6 * want.abs().max().item())
     odd = fp8_module(q, scale[:, :1], None, torch.float32, torch.device("cpu"), keep_fp8=True, block=(32, 256))
     assert isinstance(odd, Fp8Linear) and odd.scales.dim() == 1  # one block spans the inputs: per channel
     unkept = fp8_module(q, torch.ones(2, 6), None, torch.float32, torch.device("cpu"), keep_fp8=True, block=(32, 48))

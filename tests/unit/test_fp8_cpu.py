@@ -15,6 +15,7 @@ from helpers.packed_steps import packed_and_op_by_op_give_transformers_logits
 from helpers.quantizable import quantizable_llama, write_checkpoint
 from lmiserve.engine.attention.paged import paged_cache
 from lmiserve.engine.model import cpu_codes
+from lmiserve.engine.model.cpu_gemm import CpuGemm
 from lmiserve.engine.model.fast_llama import FastLlama, StepInputs
 from lmiserve.engine.model.group_kernels import pack_q8, q8_linear, unpack_q8
 from lmiserve.engine.model.llama_layout import fused_layers
@@ -87,15 +88,22 @@ def test_each_scale_layout_is_kept_exactly_and_others_refused() -> None:
     assert cpu_codes.fp8_layer(q, torch.ones(32, 12), None) is None  # blocks of 8 inputs
 
 
-def test_fp8_module_keeps_fp8_on_a_cpu_in_fp32_only() -> None:
+def test_fp8_module_keeps_fp8_on_a_cpu_in_fp32_and_bf16() -> None:
+    """fp32: the product and bias in fp32; bf16 (since 2026-12-07, de-quantized before): the same codes, the product
+    and bias in fp32 rounded to the rows' bf16 once, in the module and in the fast forward's product."""
     q, scale = quantize_fp8(torch.randn(64, 128))
     bias = torch.randn(64)
     kept = fp8_module(q, scale, bias, torch.float32, CPU)
     assert isinstance(kept, Q8Linear) and kept.weight.dtype == FP8
     x = torch.randn(3, 128)
     torch.testing.assert_close(kept(x), x @ (q.float() * scale[:, None]).t() + bias, rtol=1e-5, atol=1e-4)
-    plain = fp8_module(q, scale, bias, torch.bfloat16, CPU)
-    assert type(plain) is torch.nn.Linear and plain.weight.dtype == torch.bfloat16
+    in_bf16 = fp8_module(q, scale, bias, torch.bfloat16, CPU)
+    assert isinstance(in_bf16, Q8Linear) and torch.equal(in_bf16.weight, kept.weight)
+    rows = x.bfloat16()
+    want = (rows.float() @ (q.float() * scale[:, None]).t() + bias).bfloat16()
+    close = {"rtol": 2**-7, "atol": 1e-6 * want.abs().max().item()}
+    torch.testing.assert_close(in_bf16(rows), want, **close)
+    torch.testing.assert_close(CpuGemm().linear(rows, in_bf16.weight, in_bf16.bias, in_bf16.scales), want, **close)
     asked = fp8_module(q, scale, bias, torch.float32, CPU, keep_fp8=True)  # (the GPU's layer, as tests build it)
     assert isinstance(asked, Fp8Linear)
     # the fused products tell the two fp8 layouts apart by shape: the blocked layout's rows are 16 times as wide

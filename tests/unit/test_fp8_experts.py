@@ -75,11 +75,11 @@ def test_the_row_tiles_cover_each_experts_rows_once_in_a_grid_the_routing_does_n
     assert all(size == -(-100 // block_m) + min(experts, 100) for experts, size in sizes)
 
 
-def test_a_cpu_keeps_the_experts_in_fp32_alone_and_the_layout_servable_is_the_kernels() -> None:
-    """On a CPU the experts stay fp8 where it computes in fp32 (on its q8 kernel: `cpu_experts`), not in bf16."""
+def test_a_cpu_keeps_the_experts_in_fp32_and_bf16_and_the_layout_servable_is_the_kernels() -> None:
+    """On a CPU the experts stay fp8 (on its q8 kernel: `cpu_experts`) whether it computes in fp32 or in bf16."""
     model = build(*MOE_ARCHS["qwen3_moe"])
     assert fp8_experts.kept_for(model, torch.device("cpu"), "tiny")
-    assert not fp8_experts.kept_for(model.to(torch.bfloat16), torch.device("cpu"), "tiny")
+    assert fp8_experts.kept_for(model.to(torch.bfloat16), torch.device("cpu"), "tiny")
     for arch in ("mixtral", "qwen2_moe_shared", "qwen3_moe", "glm4_moe", "olmoe"):
         first = next(m for n, m in build(*MOE_ARCHS[arch]).named_modules() if n.endswith(".experts"))
         assert grouped_experts.servable(first), arch

@@ -46,11 +46,11 @@ def test_the_grouped_product_of_int8_codes_is_each_experts_dequantized_product(
         assert (got.float() - want).abs().max() <= tolerance * want.abs().max(), dtype
 
 
-def test_a_cpu_keeps_the_codes_in_fp32_alone() -> None:
-    """On a CPU the codes are kept where it computes in fp32 (on its q8 kernel: `cpu_experts`), not in bf16."""
+def test_a_cpu_keeps_the_codes_in_fp32_and_bf16() -> None:
+    """On a CPU the codes are kept (on its q8 kernel: `cpu_experts`) whether it computes in fp32 or in bf16."""
     model = build(*MOE_ARCHS["qwen3_moe"])
     assert int8_experts.kept_for(model, torch.device("cpu"), "tiny")
-    assert not int8_experts.kept_for(model.to(torch.bfloat16), torch.device("cpu"), "tiny")
+    assert int8_experts.kept_for(model.to(torch.bfloat16), torch.device("cpu"), "tiny")
 
 
 # (architecture, format, group): Qwen's GPTQ-Int8 (symmetric, groups of 32), one group a row (64 of 64 inputs), a

@@ -43,14 +43,14 @@ def test_the_grouped_product_is_each_experts_dequantized_product(
         assert (got.float() - want).abs().max() <= tolerance * want.abs().max(), dtype
 
 
-def test_on_a_cpu_the_experts_are_kept_in_fp32_alone_and_only_gpt_oss_layout_is_served() -> None:
-    """On a CPU the MXFP4 experts are kept (on its f4 kernel: tests/unit/test_cpu_experts.py) where it computes in
-    fp32, de-quantized in bf16."""
+def test_on_a_cpu_the_experts_are_kept_in_fp32_and_bf16_and_only_gpt_oss_layout_is_served() -> None:
+    """On a CPU the MXFP4 experts are kept (on its f4 kernel: tests/unit/test_cpu_experts.py) whether it computes in
+    fp32 or in bf16."""
     from helpers.llama_variants import MOE_ARCHS, build
 
     gpt_oss = build(*MOE_ARCHS["gpt_oss"])
     assert mxfp4_experts.kept_for(gpt_oss, torch.device("cpu"), "tiny")
-    assert not mxfp4_experts.kept_for(gpt_oss.to(torch.bfloat16), torch.device("cpu"), "tiny")
+    assert mxfp4_experts.kept_for(gpt_oss.to(torch.bfloat16), torch.device("cpu"), "tiny")
     assert mxfp4_experts.servable(gpt_oss.model.layers[0].mlp.experts)
     qwen3 = build(*MOE_ARCHS["qwen3_moe"])
     assert not mxfp4_experts.servable(qwen3.model.layers[0].mlp.experts)

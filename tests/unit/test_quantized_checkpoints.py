@@ -46,7 +46,7 @@ from lmiserve.engine.model.quant_formats import (
     unpack_awq,
     unpack_gptq,
 )
-from lmiserve.engine.model.quantize import Int4Linear, Q8Linear, int4_available, quantize_weight
+from lmiserve.engine.model.quantize import Int4Linear, Int8Linear, Q8Linear, int4_available, quantize_weight
 from lmiserve.models.errors import ModelLoadError
 from lmiserve.models.load import load_causal_lm
 from lmiserve.models.quant_pack import rtn_int4
@@ -657,8 +657,9 @@ def test_a_dummy_load_with_quantize_awq_or_gptq_rounds_the_random_weights_to_4_b
 def test_on_the_test_device_each_format_serves_in_bf16(
     checkpoints: dict[str, Path], case: str, int4_kernel: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each format in bf16 on the test device: every linear's product is the reference de-quantized
-    weight's within bf16's (and fp8 activations') rounding, and the engine's greedy tokens are transformers'
+    """Each format in bf16 on the test device (on a CPU: every linear kept on its kernel, as in fp32, since
+    2026-12-07): every linear's product is the reference de-quantized weight's within bf16's (and fp8 activations')
+    rounding, and the engine's greedy tokens are transformers'
     forward's over the same layers. fp8 runs `Fp8Linear` exactly where `_scaled_mm` takes fp8 (compute
     capability 8.9+); `-triton`: AWQ/GPTQ through the Triton int4 kernel, compressed-tensors' 8-bit codes through
     `fp8_gemv`'s, on CUDA (`int4_triton.USE_ON_CUDA`, `int8_weights.USE_ON_CUDA`; on a CPU their interpreter tests
@@ -684,6 +685,10 @@ def test_on_the_test_device_each_format_serves_in_bf16(
             assert isinstance(module, Fp8Linear) == fp8_scaled_mm_supported(DEVICE), (name, type(module))
         if int4_kernel:
             kind = int8_weights.Int8WeightLinear if int8 else int4_triton.Int4TritonLinear
+            assert isinstance(module, kind), (name, type(module))
+        if DEVICE.type == "cpu" and int4_available():  # kept on the CPU's kernels in bf16 too (W8A8: torch's int8)
+            fmt = CASES[case][0]
+            kind = Int4Linear if fmt in INT4 else Int8Linear if fmt == "w8a8" else Q8Linear
             assert isinstance(module, kind), (name, type(module))
         weight = reference(case, tensors[name])
         x = torch.randn(3, weight.shape[1], generator=generator).to(DEVICE, torch.bfloat16)

@@ -1,7 +1,7 @@
 """The shape every quantized linear layer shares (`quantize.Int8Linear`, `Int4Linear`, `Q8Linear`,
 `quant_formats.Fp8Linear`, `int4_triton.Int4TritonLinear`, `int8_weights.Int8WeightLinear`): each gives the
 product of 2-D rows of inputs (`product`); `CodesLinear.forward` flattens the leading dimensions, adds the bias
-and restores them."""
+(rounds a widening kernel's fp32 to the rows' dtype: `WIDENS`) and restores them."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ class CodesLinear(torch.nn.Module):
     in_features: int
     out_features: int
     bias: torch.Tensor | None
+    # whether `product` gives fp32 whatever the rows' dtype (the CPU's kernels): the output, bias added, is then
+    # rounded to the rows' dtype once (a model computing in bf16)
+    WIDENS = False
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows @ W.T`` for 2-D `rows` ``[n, in_features]`` (no bias)."""
@@ -24,4 +27,6 @@ class CodesLinear(torch.nn.Module):
         y = self.product(x.reshape(-1, self.in_features))
         if self.bias is not None:
             y = y + self.bias
+        if self.WIDENS and y.dtype != x.dtype:
+            y = y.to(x.dtype)
         return y.view(*x.shape[:-1], self.out_features)

@@ -53,12 +53,13 @@ Q8_GROUPS = (32, 16)  # the q8 kernel's groups of inputs, largest first
 
 
 def layer(parts: Int4Parts, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.nn.Module | None:
-    """The CPU's layer of `parts` (`bits` 4 or 8) computing in `dtype`, or None (de-quantize them)."""
+    """The CPU's layer of `parts` (`bits` 4 or 8) computing in `dtype`, or None (de-quantize them). In bf16, 8-bit
+    codes with a scale a channel take torch's int8 kernel (its products are bf16's); the others the kernels that
+    widen to fp32 (their output rounded to `dtype`: `CodesLinear.WIDENS`)."""
     if parts.bits == 4:
-        return int4_layer(parts, bias) if dtype == torch.float32 else None
-    if dtype == torch.float32:
-        return q8_layer(parts, bias)
-    return int8_rows_layer(parts, bias) if dtype == INT8_COMPUTE_DTYPE else None
+        return int4_layer(parts, bias)
+    rows = int8_rows_layer(parts, bias) if dtype == INT8_COMPUTE_DTYPE else None
+    return rows if rows is not None else q8_layer(parts, bias)
 
 
 def int4_layer(parts: Int4Parts, bias: torch.Tensor | None) -> Int4Linear | None:

@@ -14,9 +14,11 @@ exactly the checkpoint's. The module's forward is `grouped_experts.forward` with
 of rows through its own packed matrix (`group_kernels.Packed`, made once), into one output. A host loop over the
 experts hit: the CPU has no decode graphs to keep it out of.
 
-Kept where the compute dtype is fp32 and the kernels run (numba), for outputs a multiple of 16 and groups of inputs
-that the kernel takes (q8: runs of 16n inputs a scale, or one a row; q4: groups of 32n; f4: MXFP4's blocks of 32);
-else (`keep_q8`, `keep_q4` and `keep_mxfp4` answer False) the experts are de-quantized as before. GPTQ's act-order
+Kept where the kernels run (numba), in any compute dtype (fp32, a CPU's default, or bf16: the rows are widened to fp32
+for the kernels, the products, gate and weighted sum stay fp32 and the module's output is rounded once; before
+2026-12-07 bf16 de-quantized them, four times a 4-bit checkpoint's bytes), for outputs a multiple of 16 and groups of
+inputs that the kernel takes (q8: runs of 16n inputs a scale, or one a row; q4: groups of 32n; f4: MXFP4's blocks of
+32); else (`keep_q8`, `keep_q4` and `keep_mxfp4` answer False) the experts are de-quantized as before. GPTQ's act-order
 4-bit experts keep their order of inputs: each expert's rows are gathered in it first."""
 
 from __future__ import annotations
@@ -41,18 +43,16 @@ KERNELS = ("q8", "q4", "f4")  # (`grouped_experts.kept`'s names of these experts
 
 def kept_for(model: torch.nn.Module, device: torch.device, name: str, what: str) -> bool:
     """Whether `what` experts of `model` (on the meta device in the compute dtype: a whole model's, or a
-    tensor-parallel rank's shell) stay quantized on the CPU `device`: where the model computes in fp32 and the group
-    kernels run; logged for the checkpoint `name`."""
+    tensor-parallel rank's shell) stay quantized on the CPU `device`: where the group kernels run (numba), whatever
+    the model computes in (fp32, its default there, or ``dtype=bf16``: the kernels take the rows widened to fp32 and
+    the module's output is rounded to the compute dtype once, `grouped_experts.forward`); logged for the checkpoint
+    `name`."""
     if device.type != "cpu":
         return False
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
-    keep = dtype == torch.float32 and available()
-    if keep:
-        why = "on the CPU's group kernels"
-    elif dtype == torch.float32:
-        why = "de-quantized at load (no numba: the CPU's group kernels do not run)"
-    else:
-        why = f"de-quantized at load (computing in {dtype}, not float32)"
+    keep = available()
+    why = (
+        "on the CPU's group kernels" if keep else "de-quantized at load (no numba: the CPU's group kernels do not run)"
+    )
     log.info("%s: %s experts %s", name, what, why)
     return keep
 

@@ -141,7 +141,9 @@ class CpuGemm:
         the next `linear` takes it as is (its transpose is contiguous) and element-wise ops accept it."""
         if scales is not None:
             y = quantized_linear(x, weight, scales)
-            return y if bias is None else y + bias
+            y = y if bias is None else y + bias
+            # (the CPU's kernels give fp32 whatever the rows: rounded to a bf16 model's dtype once, `WIDENS`)
+            return y.to(x.dtype) if y.dtype == torch.float32 and x.dtype != torch.float32 else y
         rows, out = x.shape[0], weight.shape[0]
         few = 2 <= rows <= self.few_rows and x.dtype == weight.dtype
         if few and skinny_gemm.available(weight.dtype, weight.device):

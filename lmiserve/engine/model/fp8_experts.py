@@ -12,9 +12,9 @@ of one expert each (`grouped_experts.row_tiles`, on the device: no host sync, so
 dtype), and each tile reads its expert's fp8 weight once, widened in registers (an A100's bytes too:
 `fp8_devices.native`), scaled per output channel or by blocks of inputs (block-wise fp8's 128). `keep` turns an
 experts module of transformers (`grouped_experts.servable`: Mixtral's, the Qwen MoEs', OLMoE's, GLM-4.5's) into one
-whose forward is `grouped_experts.forward`: transformers' grouped forward with this product. On a CPU computing in
-fp32 the experts are kept on the CPU's q8 kernel instead (`cpu_experts`; the tests set `INTERPRETED_ON_CPU` to keep
-them as a GPU does and run this kernel under Triton's interpreter); elsewhere on a CPU each expert's weight is
+whose forward is `grouped_experts.forward`: transformers' grouped forward with this product. On a CPU (computing in
+fp32 or bf16) the experts are kept on the CPU's q8 kernel instead (`cpu_experts`; the tests set `INTERPRETED_ON_CPU`
+to keep them as a GPU does and run this kernel under Triton's interpreter); elsewhere on a CPU each expert's weight is
 de-quantized for its rows (`dequantized_product`).
 
 Not measured yet: the kernel's speed (a GPU's). Its tiles are fixed (`tile_of`), not timed at start as
@@ -62,7 +62,7 @@ INTERPRETED_ON_CPU = False
 def kept_for(model: torch.nn.Module, device: torch.device, name: str) -> bool:
     """Whether the fp8 experts of `model` (on the meta device in the compute dtype) stay fp8 on `device`: on a GPU
     where Triton runs (compute capability 8.0 or more) as `weight_fit.kept_for` says (``LMISERVE_USE_TRITON_FP8``
-    forces it either way), on a CPU as `cpu_experts.kept_for` says (computing in fp32), logged for the checkpoint
+    forces it either way), on a CPU as `cpu_experts.kept_for` says (fp32 or bf16), logged for the checkpoint
     `name`; never elsewhere."""
     if device.type == "cpu":
         return cpu_experts.kept_for(model, device, name, "fp8")

@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 # a kept format's grouped product: (rows sorted by expert, the experts module, "gate_up_proj" or "down_proj", each
-# expert's count of rows) -> the products in the rows' dtype
+# expert's count of rows) -> the products in the rows' dtype (the CPU's kernels: fp32, rounded once by `forward`)
 Product = Callable[[torch.Tensor, torch.nn.Module, str, torch.Tensor], torch.Tensor]
 
 

@@ -16,7 +16,7 @@ order). 8-bit codes are `int8_experts`'; a tensor-parallel rank whose inputs of 
 the groups that cover them (`expert_matrices.WholeBlocks`), a part of an act-order matrix's is de-quantized instead.
 Layout (`keep`):
 ``{kind}`` int32 ``[experts, out, in / 8]`` (nibble j of word r: input 8r + j, `int4_triton.pack_nibbles`),
-``{kind}_scales`` and ``{kind}_zeros`` fp32 ``[experts, groups, out]`` (zeros in steps). On a CPU computing in fp32
+``{kind}_scales`` and ``{kind}_zeros`` fp32 ``[experts, groups, out]`` (zeros in steps). On a CPU (fp32 or bf16)
 the codes are kept on the CPU's int4 kernel instead (`cpu_experts`; the tests set `INTERPRETED_ON_CPU` to keep them as
 a GPU does and run this kernel under Triton's interpreter); elsewhere on a CPU each expert's weight is de-quantized
 for its rows (`dequantized_product`).
@@ -61,7 +61,7 @@ PARTS = ("", "_scales", "_zeros", "_order")  # a kind's attributes (``gate_up_pr
 def kept_for(model: torch.nn.Module, device: torch.device, name: str) -> bool:
     """Whether the 4-bit experts of `model` (on the meta device in the compute dtype: a whole model's, or a
     tensor-parallel rank's shell) keep their codes on `device`: as the 4-bit linears do (`int4_triton.codes_kept_for`,
-    logged for `name`), on a GPU where Triton runs; on a CPU as `cpu_experts.kept_for` says (computing in fp32: the
+    logged for `name`), on a GPU where Triton runs; on a CPU as `cpu_experts.kept_for` says (fp32 or bf16: the
     CPU's q4 kernel)."""
     if device.type == "cpu":
         return cpu_experts.kept_for(model, device, name, "4-bit")

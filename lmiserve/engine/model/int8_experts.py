@@ -17,7 +17,7 @@ de-quantized; a tensor-parallel rank whose inputs of down_proj are not whole gro
 out, groups]``. W8A8's int8 activations are not taken: the kept experts multiply the activations in the compute
 dtype (weight-only, as the 8-bit linears' kernel does).
 
-On a CPU computing in fp32 the codes are kept on the CPU's q8 kernel (`cpu_experts`, through `fp8_experts.keep`).
+On a CPU (fp32 or bf16) the codes are kept on the CPU's q8 kernel (`cpu_experts`, through `fp8_experts.keep`).
 
 Not measured yet: the kernel's speed on int8 codes (a GPU's)."""
 
@@ -41,7 +41,7 @@ KEPT = "int8"  # (`expert_codes.Format`)
 def kept_for(model: torch.nn.Module, device: torch.device, name: str) -> bool:
     """Whether the 8-bit experts of `model` (on the meta device in the compute dtype: a whole model's, or a rank's
     shell) keep their codes on `device`: the 8-bit linears' rule (`int8_weights.weights_kept_for`), logged for
-    `name`; on a CPU, as `cpu_experts.kept_for` says (computing in fp32: the CPU's q8 kernel)."""
+    `name`; on a CPU, as `cpu_experts.kept_for` says (fp32 or bf16: the CPU's q8 kernel)."""
     if device.type == "cpu":
         return cpu_experts.kept_for(model, device, name, "8-bit")
     return bool(int8_weights.weights_kept_for(model, device, name))

@@ -12,10 +12,10 @@ once and making their values in registers. gpt-oss's experts (`servable`: biases
 SwiGLU) keep their biases and activation; `grouped_experts.forward` adds each row's expert's bias.
 
 Layout (`keep`): ``{kind}`` uint8 ``[experts, out, in / 2]`` (the checkpoint's ``_blocks`` with their last two axes
-merged), ``{kind}_scales`` uint8 ``[experts, out, in / 32]``. On a CPU computing in fp32 they are kept on the CPU's f4
-kernel instead (`cpu_experts.keep_mxfp4`: the same codes, half a byte a weight, in the group kernels' blocked layout,
-each block's power of two an fp32 scale; the tests set `INTERPRETED_ON_CPU` to keep them as a GPU does and run this
-kernel under Triton's interpreter); elsewhere on a CPU each expert's weight is de-quantized for its rows
+merged), ``{kind}_scales`` uint8 ``[experts, out, in / 32]``. On a CPU (computing in fp32 or bf16) they are kept on the
+CPU's f4 kernel instead (`cpu_experts.keep_mxfp4`: the same codes, half a byte a weight, in the group kernels' blocked
+layout, each block's power of two an fp32 scale; the tests set `INTERPRETED_ON_CPU` to keep them as a GPU does and run
+this kernel under Triton's interpreter); elsewhere on a CPU each expert's weight is de-quantized for its rows
 (`dequantized_product`).
 
 Over tensor parallelism each rank keeps its part by the same rule. Where its inputs of down_proj are not whole blocks
@@ -73,7 +73,7 @@ def servable(experts: torch.nn.Module) -> bool:
 def kept_for(model: torch.nn.Module, device: torch.device, name: str) -> bool:
     """Whether the MXFP4 experts of `model` (on the meta device in the compute dtype) stay MXFP4 on `device`: on a GPU
     where Triton runs (compute capability 8.0 or more) as `weight_fit.kept_for` says (``LMISERVE_USE_TRITON_MXFP4``
-    forces it either way), on a CPU as `cpu_experts.kept_for` says (computing in fp32: on its f4 kernel), logged for
+    forces it either way), on a CPU as `cpu_experts.kept_for` says (on its f4 kernel), logged for
     the checkpoint `name`; never elsewhere."""
     if device.type == "cpu":
         return cpu_experts.kept_for(model, device, name, "MXFP4")

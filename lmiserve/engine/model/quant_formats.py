@@ -346,8 +346,8 @@ def fp8_module(
 def _on_cpu(
     weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device
 ) -> torch.nn.Module | None:
-    """fp8 weights kept fp8 on a CPU computing in fp32 (`cpu_codes.fp8_layer`), or None."""
-    if device.type != "cpu" or dtype != torch.float32:
+    """fp8 weights kept fp8 on a CPU (`cpu_codes.fp8_layer`, computing in fp32 or bf16), or None."""
+    if device.type != "cpu":
         return None
     return cpu_codes.fp8_layer(weight.cpu(), scale.cpu(), bias)
 
