@@ -109,7 +109,7 @@ class ModelFields(FieldGroup):
             "(compute capability 8.0-8.8: A100, A10G) the fp8 weights stay fp8 where the model in bf16 would take "
             "more than half the GPU's free memory (or with `LMISERVE_USE_TRITON_FP8=1`; `0`: never), every product "
             "through that Triton kernel widening the bytes itself (not yet measured on such a GPU); on a CPU "
-            "computing in fp32 they stay fp8 on lmiserve's q8 kernel (each byte widened exactly; a quarter of fp32's "
+            "(fp32 or bf16) they stay fp8 on lmiserve's q8 kernel (each byte widened exactly; a quarter of fp32's "
             "memory; block-wise fp8 and `quantize=fp8` too); elsewhere the weights are de-quantized once at load. "
             "Block-wise fp8 (Qwen3's and DeepSeek's `-FP8` releases) follows "
             "the same rule on every CUDA GPU (compute capability 8.0+; Hopper too: its scales do not go to "

@@ -26,7 +26,7 @@ def mxfp4_dir(tmp_path_factory):
 
 
 def test_an_mxfp4_checkpoint_is_dequantized_and_served_on_the_fast_forward(mxfp4_dir, caplog, monkeypatch):
-    """Where the experts are de-quantized (a GPU where they fit, a CPU in bf16: not kept, `cpu_experts.kept_for`
+    """Where the experts are de-quantized (a GPU where they fit, a CPU without numba: not kept, `cpu_experts.kept_for`
     False), the experts' MXFP4 blocks and scales become exactly the weights they encode; the model runs lmiserve's
     forward, its greedy tokens `generate()`'s, prompts in chunks of 4 beside decode rows."""
     from lmiserve.engine.model import cpu_experts

@@ -255,7 +255,8 @@ def test_a_quantized_mixture_of_experts_is_dequantized_and_served(tiny_model, tm
     router float): loaded with each expert's weights
     its stored values times their scales (integers: the package's own de-quantization; AWQ and GPTQ: their published
     unpacking), merged as transformers holds them, and served on the fast forward with `generate()`'s greedy
-    tokens. (De-quantized as a CPU computing in bf16 does; kept on its kernels in fp32: test_cpu_experts.py.)"""
+    tokens. (De-quantized, `cpu_experts.kept_for` turned off, as a CPU without numba does; kept on its kernels:
+    test_cpu_experts.py.)"""
     from safetensors.torch import load_file
 
     from helpers.compressed_ints import decompressed

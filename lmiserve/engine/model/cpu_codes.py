@@ -1,20 +1,23 @@
 """A checkpoint's integer codes kept on a CPU's kernels (AWQ, GPTQ, compressed-tensors' W4A16, W8A16 and W8A8;
 `quant_formats.int4_module` and `int8_module` ask `layer` first on a CPU): each weight exactly the checkpoint's.
 
-- 4-bit codes whose groups are runs of a multiple of 32 inputs, computing in fp32: `quantize.Int4Linear` (lmiserve's
+- 4-bit codes whose groups are runs of a multiple of 32 inputs: `quantize.Int4Linear` (lmiserve's
   int4 kernel, GGUF Q4_1's ``w = code * scale + min`` per group of 32: each group of 128 is 4 groups of 32 with
   ``min = -zero * scale``).
 - Symmetric 8-bit codes (GPTQ-Int8, W8A16, W8A8's) whose groups are runs of a multiple of 16 inputs, or one scale a
-  channel, computing in fp32: `quantize.Q8Linear` (the q8 kernel of GGUF's Q8_0, ``w = code * scale`` per group of 32
+  channel: `quantize.Q8Linear` (the q8 kernel of GGUF's Q8_0, ``w = code * scale`` per group of 32
   or 16: each group's scale repeated over its groups of 32). Until 2026-12-06 these were de-quantized to fp32: 4 times
   their bytes (a Qwen2.5-7B GPTQ-Int8 about 30 GB).
 - In bf16 (``dtype=bf16``), symmetric 8-bit codes with a scale a channel (W8A8's): `quantize.Int8Linear` on torch's
-  int8 kernel.
+  int8 kernel instead.
 
-- fp8 weights (compressed-tensors', FBGEMM's, ModelOpt's, block-wise fp8; ``quantize=fp8``'s), computing in fp32:
+- fp8 weights (compressed-tensors', FBGEMM's, ModelOpt's, block-wise fp8; ``quantize=fp8``'s):
   `quantize.Q8Linear` with fp8 e4m3fn values for codes (`fp8_layer`; the q8 kernel widens each byte exactly), the scale
   of a tensor or channel repeated over the row's groups of 32 (or 16), a block's over its groups. Until 2026-12-07
   these were de-quantized to fp32 at load: 4 times their bytes (a Llama 3.1 8B fp8 about 32 GB).
+
+The kernels compute in fp32 whatever the model's dtype: with ``dtype=bf16`` the rows are widened and the output, bias
+added, rounded to bf16 once (`CodesLinear.WIDENS`); until 2026-12-07 bf16 de-quantized all of these at load.
 
 GPTQ's act-order groups are runs once the inputs are sorted by group (`input_order`): the layer stores them so and
 gathers its activations. None where no kernel serves the codes: the caller de-quantizes them."""

@@ -7,8 +7,8 @@ tensor (one value), ``w = weight * scale``. `Fp8Linear` keeps the fp8 weight and
 FBGEMM do (a checkpoint's static ``input_scale`` is not used). It is built on CUDA with compute
 capability 8.9 or more (Ada, Hopper), and on a GPU without fp8 products (A100, A10G) where the loader keeps
 the fp8 weights (`fp8_gemv.weights_kept_for`: bf16 would not fit, or ``LMISERVE_USE_TRITON_FP8=1``; the
-products then widen the bytes in a Triton kernel). On a CPU computing in fp32 the weights stay fp8 on the q8
-kernel (`cpu_codes.fp8_layer`: a fourth of the fp32 bytes; de-quantized to fp32 at load until 2026-12-07);
+products then widen the bytes in a Triton kernel). On a CPU (fp32 or bf16) the weights stay fp8 on the q8
+kernel (`cpu_codes.fp8_layer`: a fourth of the fp32 bytes; de-quantized at load until 2026-12-07);
 elsewhere `fp8_module` de-quantizes the weight once, at load, into a plain linear of the compute dtype (exact in
 fp32). On an H200 (2026-11-29) the `_scaled_mm` path is correct and halves the
 weights' memory, but decodes the 8B shape at 0.74x bf16's tokens/s at one stream (fp8_ops.py's doc).
@@ -202,7 +202,7 @@ def int4_module(
     device: torch.device,
     keep_codes: bool | None = None,
 ) -> torch.nn.Module:
-    """The layer of a 4-bit weight: on CPU computing in fp32, `cpu_codes.layer` (`Int4Linear`, where its groups
+    """The layer of a 4-bit weight: on CPU (fp32 or bf16), `cpu_codes.layer` (`Int4Linear`, where its groups
     are runs of a multiple of 32 inputs; act-order's once sorted: `input_order`); on CUDA,
     `int4_triton`'s kernel on the codes where `keep_codes` (None: where ``LMISERVE_USE_TRITON_INT4=1``) and it serves
     the layout; else a plain linear of `dtype` with the weight de-quantized once (on CUDA: faster than the first
@@ -231,8 +231,8 @@ def int8_module(
 ) -> torch.nn.Module:
     """The layer of an 8-bit weight: where `keep_codes` (the loaders' `int8_weights.weights_kept_for` on CUDA;
     tests on a CPU) and the kernel serves its scales (`int8_weights.served_scales`), an `Int8WeightLinear` on
-    `fp8_gemv`'s kernel; on CPU, symmetric codes keep a CPU kernel (`cpu_codes`: computing in fp32, `Q8Linear` by
-    groups; in bf16, with a scale a channel, `Int8Linear`); else a plain linear of `dtype` with the weight
+    `fp8_gemv`'s kernel; on CPU, symmetric codes keep a CPU kernel (`cpu_codes`: `Q8Linear` by groups, in fp32 or
+    bf16; in bf16, with a scale a channel, `Int8Linear`); else a plain linear of `dtype` with the weight
     de-quantized once."""
     if keep_codes:  # (act-ordered groups: the inputs stored in group order, `input_order`)
         ordered, order, size = input_order.in_group_order(parts)
