@@ -143,7 +143,8 @@ class CpuGemm:
             y = quantized_linear(x, weight, scales)
             y = y if bias is None else y + bias
             # (the CPU's kernels give fp32 whatever the rows: rounded to a bf16 model's dtype once, `WIDENS`)
-            return y.to(x.dtype) if y.dtype == torch.float32 and x.dtype != torch.float32 else y
+            widened = y.device.type == "cpu" and y.dtype == torch.float32 and x.dtype != torch.float32
+            return y.to(x.dtype) if widened else y
         rows, out = x.shape[0], weight.shape[0]
         few = 2 <= rows <= self.few_rows and x.dtype == weight.dtype
         if few and skinny_gemm.available(weight.dtype, weight.device):
