@@ -188,6 +188,21 @@ CHECKPOINTS = {
 }
 
 
+def _loaded_twice(path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, dtype: str = "fp32"):
+    """The checkpoint in `path` loaded on the CPU in fp32 with its experts de-quantized (`cpu_experts.kept_for`
+    answering no), then as the server loads it in `dtype`: (the de-quantized model, the loaded one, the second
+    load's log lines)."""
+    from lmiserve.models.load import load_causal_lm
+
+    with monkeypatch.context() as dequantizing:
+        dequantizing.setattr(cpu_experts, "kept_for", lambda *args: False)
+        dequantized = load_causal_lm(path, dtype="fp32", device="cpu")
+    caplog.clear()
+    with caplog.at_level("INFO", logger="lmiserve.models.load"):
+        loaded = load_causal_lm(path, dtype=dtype, device="cpu")
+    return dequantized, loaded, [r.getMessage() for r in caplog.records]
+
+
 @pytest.mark.parametrize("case", list(CHECKPOINTS))
 def test_a_quantized_mixture_of_experts_on_a_cpu_serves_its_dequantized_models_tokens(
     tmp_path, caplog, monkeypatch: pytest.MonkeyPatch, case: str
@@ -198,21 +213,15 @@ def test_a_quantized_mixture_of_experts_on_a_cpu_serves_its_dequantized_models_t
     checkpoint de-quantized at load, through the kept experts' grouped product."""
     from helpers.kept_experts import serve_counted
     from helpers.quantizable import write_checkpoint
-    from lmiserve.models.load import load_causal_lm
 
     arch, fmt, group, act_order, kernel = CHECKPOINTS[case]
     write_checkpoint(moe(arch), tmp_path, fmt, group, act_order=act_order)
-    with monkeypatch.context() as dequantizing:
-        dequantizing.setattr(cpu_experts, "kept_for", lambda *args: False)
-        dequantized = load_causal_lm(tmp_path, dtype="fp32", device="cpu")
+    dequantized, loaded, said = _loaded_twice(tmp_path, monkeypatch, caplog)
     assert not any(grouped_experts.kept(m) for m in dequantized.model.modules())
-    caplog.clear()
-    with caplog.at_level("INFO", logger="lmiserve.models.load"):
-        loaded = load_causal_lm(tmp_path, dtype="fp32", device="cpu")
     names = [n for n, _ in loaded.model.named_modules() if n.endswith(".experts")]
     assert names and all(grouped_experts.kept(loaded.model.get_submodule(n), kernel) for n in names)
     account = f"experts modules kept {'fp8' if fmt.startswith('fp8') else ''}"
-    assert any(account in r.getMessage() and f"(the CPU's {kernel} kernel)" in r.getMessage() for r in caplog.records)
+    assert any(account in line and f"(the CPU's {kernel} kernel)" in line for line in said), said
     experts, reference = loaded.model.model.layers[1].mlp.experts, dequantized.model.model.layers[1].mlp.experts
     for kind in ("gate_up_proj", "down_proj"):
         want = getattr(reference, kind)[2]
@@ -294,17 +303,11 @@ def test_an_mxfp4_gpt_oss_on_a_cpu_serves_its_dequantized_models_tokens(
     checkpoint de-quantized at load through the kept experts' grouped product."""
     from helpers.kept_experts import serve_counted
     from helpers.mxfp4 import write_mxfp4_gpt_oss
-    from lmiserve.models.load import load_causal_lm
 
     state = write_mxfp4_gpt_oss(tmp_path)
-    with monkeypatch.context() as dequantizing:
-        dequantizing.setattr(cpu_experts, "kept_for", lambda *args: False)
-        dequantized = load_causal_lm(tmp_path, dtype="fp32", device="cpu")
-    caplog.clear()
-    with caplog.at_level("INFO", logger="lmiserve.models.load"):
-        loaded = load_causal_lm(tmp_path, dtype="fp32", device="cpu")
+    dequantized, loaded, said = _loaded_twice(tmp_path, monkeypatch, caplog)
     account = "mxfp4 checkpoint: 2 experts modules kept MXFP4 (the CPU's f4 kernel)"
-    assert any(account in r.getMessage() for r in caplog.records)
+    assert any(account in line for line in said)
     values = torch.tensor(mxfp4_experts.FP4)
     for i, layer in enumerate(loaded.model.model.layers):
         experts = layer.mlp.experts
@@ -336,7 +339,6 @@ def test_with_dtype_bf16_a_cpu_keeps_the_experts_and_rounds_their_fp32_output_on
     from helpers.mxfp4 import write_mxfp4_gpt_oss
     from helpers.quantizable import write_checkpoint
     from lmiserve.engine.core.async_engine import EngineConfig
-    from lmiserve.models.load import load_causal_lm
 
     kernel = BF16_CASES[case]
     if kernel == "f4":
@@ -344,13 +346,7 @@ def test_with_dtype_bf16_a_cpu_keeps_the_experts_and_rounds_their_fp32_output_on
     else:
         arch, fmt, group, act_order, _ = CHECKPOINTS[case]
         write_checkpoint(moe(arch), tmp_path, fmt, group, act_order=act_order)
-    with monkeypatch.context() as dequantizing:
-        dequantizing.setattr(cpu_experts, "kept_for", lambda *args: False)
-        reference = load_causal_lm(tmp_path, dtype="fp32", device="cpu")
-    caplog.clear()
-    with caplog.at_level("INFO", logger="lmiserve.models.load"):
-        loaded = load_causal_lm(tmp_path, dtype="bf16", device="cpu")
-    said = [r.getMessage() for r in caplog.records]
+    reference, loaded, said = _loaded_twice(tmp_path, monkeypatch, caplog, "bf16")
     assert any("experts modules kept" in line and f"(the CPU's {kernel} kernel)" in line for line in said), said
     assert loaded.model.get_input_embeddings().weight.dtype == torch.bfloat16
     config, gen = loaded.model.config, torch.Generator().manual_seed(3)
