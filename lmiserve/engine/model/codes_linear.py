@@ -1,7 +1,7 @@
 """The shape every quantized linear layer shares (`quantize.Int8Linear`, `Int4Linear`, `Q8Linear`,
 `quant_formats.Fp8Linear`, `int4_triton.Int4TritonLinear`, `int8_weights.Int8WeightLinear`): each gives the
 product of 2-D rows of inputs (`product`); `CodesLinear.forward` flattens the leading dimensions, adds the bias
-(rounds a widening kernel's fp32 to the rows' dtype: `WIDENS`) and restores them."""
+(rounds a CPU kernel's fp32 to the rows' dtype: `in_rows_dtype`) and restores them."""
 
 from __future__ import annotations
 
@@ -15,9 +15,6 @@ class CodesLinear(torch.nn.Module):
     in_features: int
     out_features: int
     bias: torch.Tensor | None
-    # whether `product` gives fp32 whatever the rows' dtype (the CPU's kernels): the output, bias added, is then
-    # rounded to the rows' dtype once (a model computing in bf16)
-    WIDENS = False
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows @ W.T`` for 2-D `rows` ``[n, in_features]`` (no bias)."""
@@ -27,6 +24,12 @@ class CodesLinear(torch.nn.Module):
         y = self.product(x.reshape(-1, self.in_features))
         if self.bias is not None:
             y = y + self.bias
-        if self.WIDENS and y.dtype != x.dtype:
-            y = y.to(x.dtype)
-        return y.view(*x.shape[:-1], self.out_features)
+        return in_rows_dtype(y, x).view(*x.shape[:-1], self.out_features)
+
+
+def in_rows_dtype(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The product `y` (its bias added) of rows `x`, in the rows' dtype where a CPU's kernel gave fp32 for rows of
+    another (`quantize.Int4Linear`'s and `Q8Linear`'s multiply in fp32: a bf16 model's output rounded once); else
+    `y` as it is. What the modules' forward and the fast forward's product (`CpuGemm.linear`) both apply."""
+    widened = y.device.type == "cpu" and y.dtype == torch.float32 and x.dtype != torch.float32
+    return y.to(x.dtype) if widened else y

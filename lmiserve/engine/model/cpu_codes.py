@@ -17,7 +17,7 @@
   these were de-quantized to fp32 at load: 4 times their bytes (a Llama 3.1 8B fp8 about 32 GB).
 
 The kernels compute in fp32 whatever the model's dtype: with ``dtype=bf16`` the rows are widened and the output, bias
-added, rounded to bf16 once (`CodesLinear.WIDENS`); until 2026-12-07 bf16 de-quantized all of these at load.
+added, rounded to bf16 once (`codes_linear.in_rows_dtype`); until 2026-12-07 bf16 de-quantized all of these at load.
 
 GPTQ's act-order groups are runs once the inputs are sorted by group (`input_order`): the layer stores them so and
 gathers its activations. None where no kernel serves the codes: the caller de-quantizes them."""
@@ -58,7 +58,7 @@ Q8_GROUPS = (32, 16)  # the q8 kernel's groups of inputs, largest first
 def layer(parts: Int4Parts, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.nn.Module | None:
     """The CPU's layer of `parts` (`bits` 4 or 8) computing in `dtype`, or None (de-quantize them). In bf16, 8-bit
     codes with a scale a channel take torch's int8 kernel (its products are bf16's); the others the kernels that
-    widen to fp32 (their output rounded to `dtype`: `CodesLinear.WIDENS`)."""
+    widen to fp32 (their output rounded to `dtype`: `codes_linear.in_rows_dtype`)."""
     if parts.bits == 4:
         return int4_layer(parts, bias)
     rows = int8_rows_layer(parts, bias) if dtype == INT8_COMPUTE_DTYPE else None

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from lmiserve.engine.model import skinny_gemm
+from lmiserve.engine.model.codes_linear import in_rows_dtype
 from lmiserve.engine.model.input_order import InputOrder
 from lmiserve.engine.model.int4_triton import Int4Scales
 from lmiserve.engine.model.int8_weights import Int8Scales
@@ -141,10 +142,7 @@ class CpuGemm:
         the next `linear` takes it as is (its transpose is contiguous) and element-wise ops accept it."""
         if scales is not None:
             y = quantized_linear(x, weight, scales)
-            y = y if bias is None else y + bias
-            # (the CPU's kernels give fp32 whatever the rows: rounded to a bf16 model's dtype once, `WIDENS`)
-            widened = y.device.type == "cpu" and y.dtype == torch.float32 and x.dtype != torch.float32
-            return y.to(x.dtype) if widened else y
+            return in_rows_dtype(y if bias is None else y + bias, x)
         rows, out = x.shape[0], weight.shape[0]
         few = 2 <= rows <= self.few_rows and x.dtype == weight.dtype
         if few and skinny_gemm.available(weight.dtype, weight.device):

@@ -163,13 +163,11 @@ class Int4Linear(CodesLinear):
     """A linear layer with int4 weights in groups of 32 inputs, each with a fp32 scale and minimum
     (GGUF Q4_1, ``w = code * scale + min``), in `group_kernels`' blocked layout: `weight` uint8 codes
     ``[ceil(out / 16), in * 8]`` and `scales` fp32 ``[ceil(out / 16), in]`` (`group_kernels.pack_q4`).
-    Input in any float dtype, product fp32, output in the input's dtype (`CodesLinear.WIDENS`).
+    Input in any float dtype, product fp32, output in the input's dtype (`codes_linear.in_rows_dtype`).
 
     `weight`, `scales` and `bias` are plain attributes (the fast path points them at row blocks of
     fused matrices, as it does with `torch.nn.Linear` parameters). `order`: the inputs' stored order (GPTQ's
     act-order, `input_order`; None: the checkpoint's)."""
-
-    WIDENS = True
 
     def __init__(
         self,
@@ -231,10 +229,8 @@ class Q8Linear(CodesLinear):
     scale``) in `group_kernels`' blocked layout: `weight` ``[ceil(out / 16), in * 16]``, int8 codes or fp8 e4m3fn values
     (an fp8 checkpoint's on a CPU, `cpu_codes.fp8_layer`), `scales` fp32 ``[ceil(out / 16), in / group * 16]``
     (`group_kernels.pack_q8`). Input in any float dtype, product fp32, output in the input's dtype
-    (`CodesLinear.WIDENS`). A bias (fp32) and an `order` of the stored inputs (GPTQ's act-order, `input_order`) where a
-    checkpoint's 8-bit codes have them (`cpu_codes.q8_layer`); a GGUF file's: neither."""
-
-    WIDENS = True
+    (`codes_linear.in_rows_dtype`). A bias (fp32) and an `order` of the stored inputs (GPTQ's act-order, `input_order`)
+    where a checkpoint's 8-bit codes have them (`cpu_codes.q8_layer`); a GGUF file's: neither."""
 
     def __init__(
         self,
