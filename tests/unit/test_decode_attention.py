@@ -21,7 +21,29 @@ def test_the_row_softmax_is_torchs_and_stays_finite_for_extreme_scores():
     torch.testing.assert_close(torch.from_numpy(scores), expected, rtol=1e-5, atol=1e-6)
 
 
-def test_it_serves_fp32_cpu_models_only():
+def test_it_serves_fp32_and_bf16_cpu_caches_only():
     assert decode_attention.available(torch.float32, torch.device("cpu"))
-    assert not decode_attention.available(torch.bfloat16, torch.device("cpu"))
+    assert decode_attention.available(torch.bfloat16, torch.device("cpu"))
+    assert not decode_attention.available(torch.float16, torch.device("cpu"))
+    assert not decode_attention.available(torch.float8_e4m3fn, torch.device("cpu"))
     assert not decode_attention.available(torch.float32, torch.device("cuda"))
+
+
+def test_a_bf16_caches_bits_widen_to_torchs_fp32_for_every_pattern():
+    """All 65,536 bf16 bit patterns, read as the kernels read a bf16 cache: torch's widening, bit for bit
+    (NaNs as NaNs), and an fp32 value through unchanged."""
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+
+    @decode_attention.numba.njit
+    def widen_all(values):  # type: ignore[no-untyped-def]
+        out = np.empty(values.shape, dtype=np.float32)
+        for i in range(values.shape[0]):
+            out[i] = decode_attention.widened(values[i])
+        return out
+
+    expected = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).float()
+    got = torch.from_numpy(widen_all(bits))
+    assert torch.equal(got.isnan(), expected.isnan())
+    assert torch.equal(got[~got.isnan()].view(torch.int32), expected[~expected.isnan()].view(torch.int32))
+    floats = np.array([1.5, -0.0, 3e-39], dtype=np.float32)
+    assert np.array_equal(widen_all(floats).view(np.int32), floats.view(np.int32))

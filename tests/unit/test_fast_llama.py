@@ -410,13 +410,31 @@ def test_paged_draft_chunks_give_every_positions_logits(as_rows: bool, few_rows:
     few-row kernel or BLAS."""
     monkeypatch.setattr(backends, "CHUNKS_AS_DECODE_ROWS", as_rows)
     model = build(*ARCHS["llama"])
-    cfg = model.config
-    rng = torch.Generator().manual_seed(2)
-    seqs = [torch.randint(4, 512, (n,), generator=rng).tolist() for n in (30, 25, 20, 50)]
-    refs = [model(torch.tensor([s])).logits[0] for s in seqs]
-    cache = PagedKVCache(cfg.num_hidden_layers, 44, 4, cfg.num_key_value_heads, 16, model.dtype, model.device)
+    cache = PagedKVCache(model.config.num_hidden_layers, 44, 4, model.config.num_key_value_heads, 16, model.dtype)
     fast = FastLlama(model, cache, 256)
     fast.use_kernels(fast.gemm.with_(few_rows=few_rows), fast.compiled_attention)
+    _check_a_verification_step(model, fast, 1e-4, 1e-4)
+
+
+@pytest.mark.parametrize("attention", ["compiled", "torch"])
+@torch.inference_mode()
+def test_bf16_decode_rows_and_draft_chunks_give_transformers_logits_through_either_attention(attention: str):
+    """A bf16 model's KV cache is bf16. Its decode rows and short chunks run through the compiled kernel
+    (which reads the cache's bits, with fp32 arithmetic) where it is allowed, else through the torch ops:
+    either gives each position's logits of transformers' bf16 model run alone, within bf16's rounding."""
+    model = build(*ARCHS["llama"]).to(torch.bfloat16)
+    cache = PagedKVCache(model.config.num_hidden_layers, 44, 4, model.config.num_key_value_heads, 16, model.dtype)
+    fast = FastLlama(model, cache, 256, compiled_attention_ok=attention == "compiled")
+    assert fast.compiled_attention == (attention == "compiled") and cache.keys[0].dtype == torch.bfloat16
+    _check_a_verification_step(model, fast, 0.05, 0.1)  # as the bf16 test above
+
+
+def _check_a_verification_step(model: torch.nn.Module, fast: FastLlama, rtol: float, atol: float) -> None:
+    """One step of a decode row, two short chunks (drafts being verified), a long prompt chunk and a chunk
+    after it, against each sequence run alone through transformers."""
+    rng = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(4, 512, (n,), generator=rng).tolist() for n in (30, 25, 20, 50)]
+    refs = [model(torch.tensor([s])).logits[0].float() for s in seqs]
     tables = [list(range(i * 10, i * 10 + 8)) for i in range(3)] + [list(range(30, 43))]  # 4 positions a block
     starts = [21, 23, 11]  # what each sequence has in its blocks before this step
     fast.forward(StepInputs(chunks=[(tables[i], 0, seqs[i][: starts[i]]) for i in range(3)]))
@@ -436,17 +454,17 @@ def test_paged_draft_chunks_give_every_positions_logits(as_rows: bool, few_rows:
             keep=[0, 1, 2, *range(3, 12), 12 + 39, *range(52, 57)],
         )
     )
-    assert out.shape == (1 + 2 + 9 + 1 + 5, cfg.vocab_size)
-    torch.testing.assert_close(out[0], refs[0][21], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(out[1:3], refs[1][23:25], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(out[3:12], refs[2][11:20], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(out[12], refs[3][39], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(out[13:], refs[0][22:27], rtol=1e-4, atol=1e-4)
+    assert out.shape == (1 + 2 + 9 + 1 + 5, model.config.vocab_size)
+    torch.testing.assert_close(out[0], refs[0][21], rtol=rtol, atol=atol)
+    torch.testing.assert_close(out[1:3], refs[1][23:25], rtol=rtol, atol=atol)
+    torch.testing.assert_close(out[3:12], refs[2][11:20], rtol=rtol, atol=atol)
+    torch.testing.assert_close(out[12], refs[3][39], rtol=rtol, atol=atol)
+    torch.testing.assert_close(out[13:], refs[0][22:27], rtol=rtol, atol=atol)
 
 
 @torch.inference_mode()
 def test_a_kernel_that_cannot_compile_falls_back_to_the_torch_attention(monkeypatch):
-    def broken():
+    def broken(dtype: torch.dtype = torch.float32) -> None:
         raise RuntimeError("no LLVM here")
 
     monkeypatch.setattr(cpu_kernel, "warm_up", broken)

@@ -161,7 +161,7 @@ def test_prefill_context_is_dequantized_in_the_compute_dtype():
 
 
 def test_on_cpu_an_fp8_pool_runs_the_torch_backend_not_the_compiled_kernel(caplog):
-    """The compiled CPU kernel reads fp32 only: an fp32 model over an fp8 pool gathers blocks (logged)."""
+    """The compiled CPU kernel reads fp32 and bf16 only: an fp32 model over an fp8 pool gathers blocks (logged)."""
     backends._log_fp8_fallback.cache_clear()  # (logged once a process: another test's engine may have said it)
     fp32 = _pool(torch.float32, None)
     fp8 = _pool(torch.float32, E4M3)
@@ -170,8 +170,8 @@ def test_on_cpu_an_fp8_pool_runs_the_torch_backend_not_the_compiled_kernel(caplo
     assert type(chosen) is backends.TorchBackend
     if backends.cpu_kernel.available(torch.float32, fp32.device):
         assert type(backends.choose(fp32, 4, [None])) is backends.CpuKernelBackend
-        assert "compiled CPU attention reads fp32 only" in caplog.text
-    with pytest.raises(ValueError, match="reads fp32 CPU caches"):
+        assert "compiled CPU attention reads fp32 and bf16 only" in caplog.text
+    with pytest.raises(ValueError, match="reads fp32 and bf16 CPU caches"):
         backends.CpuKernelBackend(fp8, 4, [None])
 
 

@@ -61,6 +61,9 @@ IMPLEMENTATIONS = {
     # tasks of whole rows, and of a split of each row's kv heads (3 heads: 1 + 2)
     "compiled-rows": (functools.partial(cpu_kernel.compiled_decode_attention, parts=1), torch.float32, 1e-5),
     "compiled-split": (functools.partial(cpu_kernel.compiled_decode_attention, parts=2), torch.float32, 1e-5),
+    # a bf16 cache read as its bits, widened exactly: fp32 arithmetic, the output rounded to bf16 once
+    "compiled-bf16": (cpu_kernel.compiled_decode_attention, torch.bfloat16, 8e-3),
+    "compiled-bf16-rows": (functools.partial(cpu_kernel.compiled_decode_attention, parts=1), torch.bfloat16, 8e-3),
     "torch-fp32": (paged_attention.torch_decode_attention, torch.float32, 1e-5),
     "torch-bf16": (paged_attention.torch_decode_attention, torch.bfloat16, 2e-2),
     "torch-step-index": (_torch_with_step_index, torch.float32, 1e-5),
@@ -100,25 +103,28 @@ def test_decode_writes_each_rows_new_key_and_value_then_attends_over_its_own_pos
     torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
 
 
-def test_the_dispatcher_picks_the_kernel_for_fp32_cpu_and_torch_otherwise(monkeypatch: pytest.MonkeyPatch):
+def test_the_dispatcher_picks_the_kernel_for_fp32_and_bf16_cpu_caches_and_torch_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+):
     calls: list[str] = []
     monkeypatch.setattr(cpu_kernel, "compiled_decode_attention", lambda *a, **k: calls.append("compiled"))
     monkeypatch.setattr(paged_attention, "torch_decode_attention", lambda *a, **k: calls.append("torch"))
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn):
         cache = torch.zeros(1, 1, 4, DIM, dtype=dtype)
         paged_attention.paged_decode_attention(cache, cache, cache, cache, cache, cache, [1], 1.0)
-    assert calls == ["compiled", "torch"]
+    assert calls == ["compiled", "compiled", "torch", "torch"]
     assert cpu_kernel.available(torch.float32, torch.device("cpu"))
-    assert not cpu_kernel.available(torch.bfloat16, torch.device("cpu"))
+    assert cpu_kernel.available(torch.bfloat16, torch.device("cpu"))
+    assert not cpu_kernel.available(torch.float16, torch.device("cpu"))
     assert not cpu_kernel.available(torch.float32, torch.device("cuda"))
 
 
-@pytest.mark.parametrize("impl", ["compiled", "torch-fp32"])
+@pytest.mark.parametrize("impl", ["compiled", "compiled-bf16", "torch-fp32"])
 def test_extreme_scores_stay_finite(impl: str):
-    fn = IMPLEMENTATIONS[impl][0]
-    query = torch.full((1, 1, 2, 8), 40.0)
-    keys = torch.full((2, 1, 2, 8), 40.0)
-    values = torch.arange(32, dtype=torch.float32).reshape(2, 1, 2, 8)
+    fn, dtype, _ = IMPLEMENTATIONS[impl]
+    query = torch.full((1, 1, 2, 8), 40.0, dtype=dtype)
+    keys = torch.full((2, 1, 2, 8), 40.0, dtype=dtype)
+    values = torch.arange(32, dtype=dtype).reshape(2, 1, 2, 8)  # (integers, exact in bf16)
     tables = torch.tensor([[1, 0]])
     new_k, new_v = keys[1:, :, 0].clone(), values[1:, :, 0].clone()
     out = fn(query, keys, values, new_k, new_v, tables, np.array([4]), 1.0)

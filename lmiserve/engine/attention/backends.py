@@ -10,7 +10,7 @@ generic runner (runner/generic.py registers `backend_attention` as an attention 
 - `TritonBackend` (CUDA): every token of the step, decode rows and prompt chunks alike, in one Triton
   kernel launch a layer (attention/triton_ops.py), reading the blocks in place. Its metadata can also be
   made from fixed device buffers (`graph_plan`), which the captured CUDA graphs own (attention/cuda_graphs.py).
-- `CpuKernelBackend` (CPU, fp32, numba): the decode rows and the step's leading short prompt chunks (drafts
+- `CpuKernelBackend` (CPU, an fp32 or bf16 cache, numba): the decode rows and the step's leading short prompt chunks (drafts
   being verified, short chunks; one row a token) in one compiled kernel call a layer
   (attention/cpu_kernel.py); a longer chunk gathers its positions and runs SDPA.
 - `TorchBackend` (any device and dtype): the decode rows gather their blocks and attend with batched matmuls
@@ -20,7 +20,7 @@ generic runner (runner/generic.py registers `backend_attention` as an attention 
 An fp8 pool (`kv_cache_dtype`, attention/kv_quant.py): every backend quantizes what it writes and
 dequantizes what it reads with the layer's scales (`cache.scales`). Triton loads the fp8 blocks and casts
 them in the kernel (checked on an H200; its self-check runs in fp8 first and keeps the torch path if it
-disagrees); the compiled CPU kernel reads fp32 only, so on a CPU an fp8 pool runs the torch backend.
+disagrees); the compiled CPU kernel reads fp32 and bf16 caches only, so on a CPU an fp8 pool runs the torch backend.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from lmiserve.engine.attention.paged import (
     decode_index,
     flat_index,
     gather_context,
-    paged_decode_attention,
+    torch_decode_attention,
     write_chunk,
 )
 from lmiserve.engine.attention.scores import chunk_attention
@@ -271,7 +271,7 @@ class TorchBackend(AttentionBackend):
                     values.view(-1, dim).index_copy_(0, dec.write, v[:n].reshape(-1, dim))
                 out = cpu_kernel.kernel_decode_attention(query, keys, values, k[:n], v[:n], dec.kernel, scale, window)
             else:
-                out = paged_decode_attention(
+                out = torch_decode_attention(  # (torch's even where the kernel applies: the autotune's rival)
                     query,
                     keys,
                     values,
@@ -320,23 +320,31 @@ class TorchBackend(AttentionBackend):
 
 
 class CpuKernelBackend(TorchBackend):
-    """The decode rows and the leading short chunks through the compiled CPU kernel (fp32, numba)."""
+    """The decode rows and the leading short chunks through the compiled CPU kernel (an fp32 or bf16 cache, numba)."""
 
     name = "cpu_kernel"
     compiled = True
 
     def __init__(self, cache: PagedKVCache, heads: int, layer_windows: Sequence[int | None]) -> None:
         if not cpu_kernel.available(cache.kv_dtype, cache.device):
-            raise ValueError(f"the compiled CPU attention reads fp32 CPU caches, not {cache.kv_dtype}")
+            raise ValueError(f"the compiled CPU attention reads fp32 and bf16 CPU caches, not {cache.kv_dtype}")
         super().__init__(cache, heads, layer_windows)
 
     def decode_kernel(self, meta: _BlockStep) -> Callable[[int, Any, Any, Any, Any], None] | None:
         """For a step of decode rows alone through the kernel's one-task-a-kv-head form: a call
         ``(layer, query, new_keys, new_values, out)`` on C-contiguous fp32 numpy arrays (``[rows, kv_heads,
         groups, dim]``, ``[rows, kv_heads, dim]`` twice, `out` as `query`) that does what `forward` does
-        without its per-call tensors and views (engine/model/q4_decode.py); None for any other step."""
+        without its per-call tensors and views (engine/model/q4_decode.py); None for any other step (and
+        over a bf16 cache, whose kernel takes its keys as bits)."""
         dec = meta.decode
-        if dec is None or dec.kernel is None or dec.write is not None or meta.chunks or meta.pad:
+        if (
+            self.cache.kv_dtype != torch.float32
+            or dec is None
+            or dec.kernel is None
+            or dec.write is not None
+            or meta.chunks
+            or meta.pad
+        ):
             return None
         rows = dec.kernel
         if rows.parts != self.kv_heads:
@@ -358,8 +366,11 @@ class CpuKernelBackend(TorchBackend):
 
 @functools.cache
 def _log_fp8_fallback(kv_dtype: torch.dtype) -> None:
-    """Once a process: an fp8 pool on CPU fp32 runs the torch attention, not the compiled kernel."""
-    log.info("KV cache in %s: the compiled CPU attention reads fp32 only; blocks are gathered with torch ops", kv_dtype)
+    """Once a process: an fp8 pool on a CPU runs the torch attention, not the compiled kernel."""
+    log.info(
+        "KV cache in %s: the compiled CPU attention reads fp32 and bf16 only; blocks are gathered with torch ops",
+        kv_dtype,
+    )
 
 
 def _repeat(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -377,7 +388,7 @@ def choose(
 ) -> AttentionBackend:
     """The backend for a model's attention shape over `cache`: Triton where `triton_ops.chosen` (CUDA, or
     as the option says) and its self-check agrees for this shape, else the compiled CPU kernel where it
-    applies (fp32 on CPU, numba; `compiled_ok`: not ruled out by the kernel autotune), else torch ops."""
+    applies (an fp32 or bf16 cache on CPU, numba; `compiled_ok`: not ruled out by the kernel autotune), else torch ops."""
     if triton_ops.chosen(cache.device):
         kv_dtype = cache.kv_dtype if cache.quantized else None
         shape = (cache.kv_heads, heads // cache.kv_heads, cache.head_dim, cache.block_size)
@@ -389,7 +400,7 @@ def choose(
         _log_fp8_fallback(cache.kv_dtype)
     if compiled_ok and cpu_kernel.available(cache.kv_dtype, cache.device):
         try:  # compiles (or loads from numba's cache) at load, not on a request
-            cpu_kernel.warm_up()
+            cpu_kernel.warm_up(cache.kv_dtype)
             return CpuKernelBackend(cache, heads, layer_windows)
         except Exception:  # noqa: BLE001 - a numba/llvmlite problem costs speed, not the model
             log.exception("compiled CPU attention unavailable; using torch ops")

@@ -1,4 +1,4 @@
-"""The compiled CPU attention (numba, fp32): each row's new key and value written through its block table,
+"""The compiled CPU attention (numba; an fp32 or bf16 cache, fp32 arithmetic): each row's new key and value written through its block table,
 then its query heads attend over exactly its own positions (the last `window` of them in a sliding-window
 layer), reading the blocks in place.
 
@@ -8,9 +8,11 @@ layer that read the cache at about half the memory bandwidth. These kernels read
 values once, for its own length only, in one call a layer. The CPU attention backend
 (attention/backends.py) runs its decode rows and short prompt chunks through them.
 
-Float32 CPU tensors only (what numba compiles for); `available(...)` says when they apply, and the torch
-ops (attention/paged.py) serve everything else. Numerics: fp32 accumulation in another order than BLAS,
-so results differ from the torch path in the last bits, as two BLAS kernels do.
+CPU caches of fp32 or bf16 (`CACHE_DTYPES`); `available(...)` says when they apply, and the torch ops
+(attention/paged.py) serve everything else. A bf16 cache is read as its bits (numba has no bf16) and widened
+exactly (`widened`); the query, scores, softmax and sums are fp32 in either, and the output is rounded to the
+query's dtype once. Numerics: fp32 accumulation in another order than BLAS, so results differ from the torch
+path in the last bits, as two BLAS kernels do (and a bf16 model's torch path rounds its products to bf16).
 
 Speed (benchmarks/paged_attention.py: 32 rows of spans 70..591, SmolLM2-135M's 3 kv heads x 3 groups x
 64, blocks scattered at random; a shared 2-vCPU AMD EPYC): 2.5-2.8 ms a layer on one thread with
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -54,8 +56,39 @@ def softmax_rows(scores: _F32) -> None:  # pragma: no cover - compiled
             scores[g, j] *= inv
 
 
+def widened(value: np.float32) -> np.float32:  # pragma: no cover - compiled
+    """A cache's value as fp32: an fp32 cache's as it is; a bf16 cache's, held as its 16 bits (uint16), moved to
+    the top of an fp32's bits (exact: bf16 is fp32 cut to its top 16 bits). Compiled per cache dtype (below)."""
+    return value
+
+
 if numba is not None:  # compiled with the first kernel that calls it
     softmax_rows = numba.njit(inline="always", fastmath=True, cache=True, nogil=True)(softmax_rows)
+
+    from numba.core import types as _types
+    from numba.extending import intrinsic as _intrinsic
+    from numba.extending import overload as _overload
+
+    @_intrinsic
+    def _bf16_bits_as_f32(typingctx: Any, bits: Any) -> Any:  # pragma: no cover - compiled
+        if bits != _types.uint16:
+            return None
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            from llvmlite import ir
+
+            wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+            return builder.bitcast(wide, ir.FloatType())
+
+        return _types.float32(bits), codegen
+
+    @_overload(widened, inline="always")
+    def _widened(value):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled (numba: no annotations)
+        if value == _types.uint16:
+            return lambda value: _bf16_bits_as_f32(value)  # type: ignore[call-arg]
+        if isinstance(value, _types.Float):
+            return lambda value: value
+        return None
 
 
 def _kernel(  # pragma: no cover - compiled
@@ -105,7 +138,7 @@ def _kernel(  # pragma: no cover - compiled
                     for g in range(groups):
                         acc = np.float32(0.0)
                         for d in range(dim):
-                            acc += q[head, g, d] * keys[head, o, d]
+                            acc += q[head, g, d] * widened(keys[head, o, d])
                         scores[h, g, base + o - lo] = acc * scale
         for h in range(heads):
             softmax_rows(scores[h])
@@ -121,7 +154,7 @@ def _kernel(  # pragma: no cover - compiled
                     for g in range(groups):
                         p = scores[h, g, base + o - lo]
                         for d in range(dim):
-                            acc_out[h, g, d] += p * values[head, o, d]
+                            acc_out[h, g, d] += p * widened(values[head, o, d])
         for h in range(heads):
             for g in range(groups):
                 for d in range(dim):
@@ -166,7 +199,7 @@ def _head_kernel(  # pragma: no cover - compiled
                 for g in range(groups):
                     acc = np.float32(0.0)
                     for d in range(dim):
-                        acc += query[row, head, g, d] * key_cache[block, head, o, d]
+                        acc += query[row, head, g, d] * widened(key_cache[block, head, o, d])
                     scores[g, base + o - lo] = acc * scale
         softmax_rows(scores)
         for g in range(groups):
@@ -180,7 +213,7 @@ def _head_kernel(  # pragma: no cover - compiled
                 for g in range(groups):
                     p = scores[g, base + o - lo]
                     for d in range(dim):
-                        out[row, head, g, d] += p * value_cache[block, head, o, d]
+                        out[row, head, g, d] += p * widened(value_cache[block, head, o, d])
 
 
 _compiled_kernel = lazily_compiled(_kernel)
@@ -193,21 +226,24 @@ def compiled_head_kernel() -> Callable[..., None]:
     return _compiled_head_kernel()
 
 
+CACHE_DTYPES = (torch.float32, torch.bfloat16)  # the caches the kernels read (queries and sums in fp32)
+
+
 def available(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the compiled kernels serve a model of this dtype on this device (numba, fp32, CPU)."""
-    return HAVE_NUMBA and device.type == "cpu" and dtype == torch.float32
+    """Whether the compiled kernels serve a KV cache of this dtype on this device (numba, fp32 or bf16, CPU)."""
+    return HAVE_NUMBA and device.type == "cpu" and dtype in CACHE_DTYPES
 
 
-def warm_up() -> None:
-    """Compile the kernels (a few seconds; later processes load them from numba's cache)."""
-    cache = torch.zeros(2, 2, 2, 8)
+def warm_up(dtype: torch.dtype = torch.float32) -> None:
+    """Compile the kernels for a cache of `dtype` (a few seconds; later processes load them from numba's cache)."""
+    cache = torch.zeros(2, 2, 2, 8, dtype=dtype)
     for parts in (1, 2):  # whole rows (`_kernel`), a task a kv head (`_head_kernel`)
         compiled_decode_attention(
             torch.zeros(1, 2, 1, 8),
             cache,
             cache.clone(),
-            torch.zeros(1, 2, 8),
-            torch.zeros(1, 2, 8),
+            torch.zeros(1, 2, 8, dtype=dtype),
+            torch.zeros(1, 2, 8, dtype=dtype),
             torch.tensor([[1]]),
             np.array([2], dtype=np.int64),
             1.0,
@@ -244,14 +280,16 @@ def kernel_decode_attention(
     window: int | None = None,
 ) -> torch.Tensor:
     """`compiled_decode_attention` with the step's host arguments made once (`KernelRows`): a task a
-    (row, kv head) through `_head_kernel`, else `rows.parts` tasks a row through `_kernel`."""
-    out = torch.empty_like(query)
+    (row, kv head) through `_head_kernel`, else `rows.parts` tasks a row through `_kernel`. A bf16 cache: the
+    new keys and values are rounded to it, the query widened to fp32 and the output rounded to its dtype."""
+    out = torch.empty(query.shape, dtype=torch.float32)
+    kv_dtype = key_cache.dtype
     arrays = (
-        query.contiguous().numpy(),
-        key_cache.numpy(),
-        value_cache.numpy(),
-        new_keys.contiguous().numpy(),
-        new_values.contiguous().numpy(),
+        query.to(torch.float32).contiguous().numpy(),
+        _bits(key_cache),
+        _bits(value_cache),
+        _bits(new_keys.to(kv_dtype).contiguous()),
+        _bits(new_values.to(kv_dtype).contiguous()),
         rows.tables,
         rows.spans,
         np.float32(scale),
@@ -261,7 +299,12 @@ def kernel_decode_attention(
         _compiled_head_kernel()(*arrays, out.numpy())
     else:
         _compiled_kernel()(*arrays, rows.parts, out.numpy())
-    return out
+    return out.to(query.dtype)
+
+
+def _bits(tensor: torch.Tensor) -> npt.NDArray[np.float32] | npt.NDArray[np.uint16]:
+    """A cache-dtype tensor as the kernels read it: fp32 as it is, bf16 as its bits (uint16, `widened`)."""
+    return (tensor.view(torch.uint16) if tensor.dtype == torch.bfloat16 else tensor).numpy()
 
 
 def compiled_decode_attention(

@@ -12,7 +12,7 @@ checkpoint carries them (`checkpoint_scales`: ``...layers.N.self_attn.k_scale``/
 ``kv_scale`` for both, or ``k_proj.output_scale``/``v_proj.output_scale``).
 
 Where the reads happen: attention/paged.py (torch gather path, prefill context) and the Triton kernel
-(attention/triton_kernel.py: loads, casts and scales in the kernel). The compiled CPU kernel reads fp32 only:
+(attention/triton_kernel.py: loads, casts and scales in the kernel). The compiled CPU kernel reads fp32 and bf16 only:
 with an fp8 pool the CPU path gathers blocks with torch ops instead (attention/backends.py `choose`).
 """
 

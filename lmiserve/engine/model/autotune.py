@@ -11,7 +11,7 @@ of the loaded model per candidate and keeps the fastest:
 - a few rows (timed on one sequence's chunks of `FEW_PROBES` tokens, fp32): the compiled few-row
   kernel (`skinny_gemm`) for products of 2 to `cpu_gemm.FEW_ROWS` rows (a request's last token and
   its drafts), for 2 to `FEW_SHORT` rows only, or the choices above;
-- decode attention (timed at both batches): the compiled kernel (fp32 only) or the torch ops.
+- decode attention (timed at both batches): the compiled kernel (an fp32 or bf16 cache) or the torch ops.
 
 Candidates run in interleaved rounds and each keeps its fastest step (the least disturbed by other
 work on a shared machine). Timing uses the runner's own cache at positions up to ~200 over whatever

@@ -7,7 +7,7 @@ batch. Every matrix multiply sees all T tokens at once (one weight read per step
 CPU BLAS runs fastest (`cpu_gemm.CpuGemm`: orientation, row blocks, rows padded to a multiple of 8),
 or for a few rows (a request's last token and its drafts) a compiled kernel that reads W once.
 Attention runs through the model's attention backend (engine/attention/backends.py: Triton on CUDA, the
-compiled kernel on CPU fp32, torch ops otherwise), whose metadata is planned once a step from the step's
+compiled kernel on CPU fp32 or bf16, torch ops otherwise), whose metadata is planned once a step from the step's
 inputs (`StepInputs`, one object: the decode rows, the prompt chunks, the rows kept, the adapters).
 An int4 model's steps of a few rows without adapters run their layers through engine/model/q4_decode.py
 (four kernel calls a layer, the RMS norms, SiLU and residual adds folded into the kernels).
@@ -122,7 +122,7 @@ class FastLlama:
         self.rope, self.rope_kind = RopeTables.of(model, self.head_dim, max_context)
         self._gemm = gemm if gemm is not None else CpuGemm.for_model(self.device, self.dtype)
         self.sinks = attention_sinks(inner.layers)  # gpt-oss's attention sinks (None: none)
-        # the step's attention (backends.py): Triton on CUDA, the compiled kernel on CPU fp32 (`plain_scores`)
+        # the step's attention (backends.py): Triton on CUDA, the compiled kernel on a CPU (`plain_scores`)
         compiled_ok = compiled_attention_ok and self.plain_scores
         self.attention: backends.AttentionBackend = self._scaled(
             backends.choose(cache, self.heads, self.windows, compiled_ok=compiled_ok)
@@ -194,9 +194,9 @@ class FastLlama:
         self._gemm = gemm.warmed(self.dtype, self.device)
         if self.triton:
             return
-        # (never an fp8 pool: the compiled kernel reads fp32)
+        # (never an fp8 pool: the compiled kernel reads fp32 and bf16)
         if compiled and self.plain_scores and cpu_kernel.available(self.cache.kv_dtype, self.device):
-            cpu_kernel.warm_up()
+            cpu_kernel.warm_up(self.cache.kv_dtype)
             self.attention = self._scaled(backends.CpuKernelBackend(self.cache, self.heads, self.windows))
         else:
             self.attention = self._scaled(backends.TorchBackend(self.cache, self.heads, self.windows))
