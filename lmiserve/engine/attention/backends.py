@@ -10,8 +10,8 @@ generic runner (runner/generic.py registers `backend_attention` as an attention 
 - `TritonBackend` (CUDA): every token of the step, decode rows and prompt chunks alike, in one Triton
   kernel launch a layer (attention/triton_ops.py), reading the blocks in place. Its metadata can also be
   made from fixed device buffers (`graph_plan`), which the captured CUDA graphs own (attention/cuda_graphs.py).
-- `CpuKernelBackend` (CPU, an fp32 or bf16 cache, numba): the decode rows and the step's leading short prompt chunks (drafts
-  being verified, short chunks; one row a token) in one compiled kernel call a layer
+- `CpuKernelBackend` (CPU, an fp32 or bf16 cache, numba): the decode rows and the step's leading short prompt
+  chunks (drafts being verified, short chunks; one row a token) in one compiled kernel call a layer
   (attention/cpu_kernel.py); a longer chunk gathers its positions and runs SDPA.
 - `TorchBackend` (any device and dtype): the decode rows gather their blocks and attend with batched matmuls
   (masked fp32 softmax), each chunk gathers its positions and runs SDPA (soft-capped scores: torch ops).
@@ -334,17 +334,11 @@ class CpuKernelBackend(TorchBackend):
         """For a step of decode rows alone through the kernel's one-task-a-kv-head form: a call
         ``(layer, query, new_keys, new_values, out)`` on C-contiguous fp32 numpy arrays (``[rows, kv_heads,
         groups, dim]``, ``[rows, kv_heads, dim]`` twice, `out` as `query`) that does what `forward` does
-        without its per-call tensors and views (engine/model/q4_decode.py); None for any other step (and
-        over a bf16 cache, whose kernel takes its keys as bits)."""
+        without its per-call tensors and views (engine/model/q4_decode.py); None for any other step."""
         dec = meta.decode
-        if (
-            self.cache.kv_dtype != torch.float32
-            or dec is None
-            or dec.kernel is None
-            or dec.write is not None
-            or meta.chunks
-            or meta.pad
-        ):
+        if self.cache.kv_dtype != torch.float32:  # (the kernel reads a bf16 cache's bits: not these arrays)
+            return None
+        if dec is None or dec.kernel is None or dec.write is not None or meta.chunks or meta.pad:
             return None
         rows = dec.kernel
         if rows.parts != self.kv_heads:
@@ -367,10 +361,7 @@ class CpuKernelBackend(TorchBackend):
 @functools.cache
 def _log_fp8_fallback(kv_dtype: torch.dtype) -> None:
     """Once a process: an fp8 pool on a CPU runs the torch attention, not the compiled kernel."""
-    log.info(
-        "KV cache in %s: the compiled CPU attention reads fp32 and bf16 only; blocks are gathered with torch ops",
-        kv_dtype,
-    )
+    log.info("KV cache in %s: the compiled CPU attention reads fp32 and bf16 only; torch ops gather blocks", kv_dtype)
 
 
 def _repeat(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -386,9 +377,9 @@ def _repeat(x: torch.Tensor, groups: int) -> torch.Tensor:
 def choose(
     cache: PagedKVCache, heads: int, layer_windows: Sequence[int | None], *, compiled_ok: bool = True
 ) -> AttentionBackend:
-    """The backend for a model's attention shape over `cache`: Triton where `triton_ops.chosen` (CUDA, or
-    as the option says) and its self-check agrees for this shape, else the compiled CPU kernel where it
-    applies (an fp32 or bf16 cache on CPU, numba; `compiled_ok`: not ruled out by the kernel autotune), else torch ops."""
+    """The backend for a model's attention shape over `cache`: Triton where `triton_ops.chosen` (CUDA, or as the
+    option says) and its self-check agrees for this shape, else the compiled CPU kernel where it applies (an
+    fp32 or bf16 cache on CPU, numba; `compiled_ok`: not ruled out by the kernel autotune), else torch ops."""
     if triton_ops.chosen(cache.device):
         kv_dtype = cache.kv_dtype if cache.quantized else None
         shape = (cache.kv_heads, heads // cache.kv_heads, cache.head_dim, cache.block_size)

@@ -1,6 +1,6 @@
-"""The compiled CPU attention (numba; an fp32 or bf16 cache, fp32 arithmetic): each row's new key and value written through its block table,
-then its query heads attend over exactly its own positions (the last `window` of them in a sliding-window
-layer), reading the blocks in place.
+"""The compiled CPU attention (numba; an fp32 or bf16 cache, fp32 arithmetic): each row's new key and value
+written through its block table, then its query heads attend over exactly its own positions (the last
+`window` of them in a sliding-window layer), reading the blocks in place.
 
 Why: in a decode step every row has one query token per head and its own context length. As torch ops
 that is batched matmuls over the longest row's span (padding included), masking and a softmax: ~20 ops a

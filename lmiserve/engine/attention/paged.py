@@ -11,8 +11,8 @@ Decode (`paged_decode_attention`): each row writes its new key/value at position
 its query heads (GQA packed per kv head, ``[rows, kv_heads, groups, head_dim]``) attend over positions
 ``0..spans[r]-1`` through its block table. Two implementations with that contract: the compiled numba
 kernel for an fp32 or bf16 cache on CPU (attention/cpu_kernel.py; `cpu_kernel.available` says when it
-applies) and torch ops for every other dtype and device (a flat `index_copy_` write, a gather of the rows' blocks, a masked
-fp32 softmax).
+applies) and torch ops for every other dtype and device (a flat `index_copy_` write, a gather of the rows'
+blocks, a masked fp32 softmax).
 
 A `window` (a sliding-window layer, engine/attention/windows.py) limits a row to its last `window`
 positions: the kernel starts at the window's first block and position, the torch path masks the rest.
