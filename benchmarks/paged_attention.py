@@ -1,6 +1,6 @@
-"""Decode attention over the block KV cache: the compiled CPU kernel (engine/attention/cpu_kernel.py) and,
-with `--torch`, the torch ops (engine/attention/paged.py, fp32 and bf16): one layer's call, SmolLM2-135M's
-attention shape by default.
+"""Decode attention over the block KV cache: the compiled CPU kernel (engine/attention/cpu_kernel.py) over an
+fp32 cache and over a bf16 one and, with `--torch`, the torch ops (engine/attention/paged.py, fp32 and bf16): one
+layer's call, SmolLM2-135M's attention shape by default.
 
     .venv/bin/python benchmarks/paged_attention.py [--rows 32] [--block-size 16] [--calls 200] [--torch]
 
@@ -66,15 +66,20 @@ def main() -> None:
     scale = dim**-0.5
 
     pool_ks, pool_vs = [pool_k.clone() for _ in layers], [pool_v.clone() for _ in layers]
+    bf = [t.bfloat16() for t in (query, pool_k, pool_v, new_k, new_v)]
+    bf_ks, bf_vs = [bf[1].clone() for _ in layers], [bf[2].clone() for _ in layers]
     cpu_kernel.warm_up()
+    cpu_kernel.warm_up(torch.bfloat16)
     kernel = "paged (numba)"
     candidates = {
         kernel: lambda i: cpu_kernel.compiled_decode_attention(
             query, pool_ks[i], pool_vs[i], new_k, new_v, tables, spans, scale, args.parts
         ),
+        "paged (numba bf16)": lambda i: cpu_kernel.compiled_decode_attention(
+            bf[0], bf_ks[i], bf_vs[i], bf[3], bf[4], tables, spans, scale, args.parts
+        ),
     }
     if args.torch:
-        bf = [t.bfloat16() for t in (query, pool_k, pool_v, new_k, new_v)]
         candidates["paged (torch fp32)"] = lambda i: paged.torch_decode_attention(
             query, pool_ks[i], pool_vs[i], new_k, new_v, tables, spans, scale
         )

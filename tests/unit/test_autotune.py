@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 
 from lmiserve.core.cpu_info import KERNEL_FLAGS, cpu_info, parse_cpuinfo
 from lmiserve.core.request import GenerationRequest, SamplingParams
+from lmiserve.engine.attention.kv_quant import KvFormat
 from lmiserve.engine.attention.paged import paged_cache
 from lmiserve.engine.core.async_engine import EngineConfig
 from lmiserve.engine.factory import create_engine
@@ -104,6 +106,27 @@ def test_measures_once_then_reads_the_cache(tiny_model, tmp_path: Path, monkeypa
     assert again.source.startswith("cache") and again.gemm == CpuGemm(1, 8, 2, True)
     assert fast.gemm == again.gemm and fast.compiled_attention is False
     assert "transposed from 8 rows" in again.describe() and "decode attention: torch" in again.describe()
+
+
+def test_a_choice_without_the_compiled_attention_is_not_read_for_a_pool_it_serves(
+    tiny_model, tmp_path: Path, monkeypatch
+):
+    """The key holds the compute and KV cache dtypes: a choice measured over an fp8 pool (where the compiled
+    attention cannot run, so it is cached without it) is not the choice of the same model over its own-dtype
+    pool, nor is an fp32 model's its bf16 copy's (a quantized model's weight kind is the same in both)."""
+    monkeypatch.setattr(autotune, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(autotune, "SMALL_REPEATS", 1)
+    monkeypatch.setattr(autotune, "LARGE_REPEATS", 1)
+    path = tmp_path / "autotune.json"
+    fp8 = FastLlama(tiny_model.model, paged_cache(tiny_model.model, 64, 16, KvFormat("fp8")), 256)
+    assert autotune.choose(fp8, 4, path).compiled_attention is False
+    own = _fast(tiny_model)
+    choice = autotune.choose(own, 4, path)
+    assert choice.source == "measured" and own.compiled_attention == choice.compiled_attention
+    keys = set(json.loads(path.read_text()))
+    assert {k.split("|")[-2] for k in keys} == {"float32, kv float8_e4m3fn", "float32, kv float32"}
+    bf16 = copy.deepcopy(tiny_model.model).to(torch.bfloat16)
+    assert autotune.cache_key(FastLlama(bf16, paged_cache(bf16, 64, 16), 256), 4) not in keys
 
 
 def test_an_unreadable_cache_is_measured_again(tiny_model, tmp_path: Path, monkeypatch):

@@ -62,7 +62,9 @@ BUDGET_S = 10.0  # stop timing (and keep the static defaults) after this long
 RETRY_S = 3600.0  # a start that ran out of time is cached as static; measure again after this long
 FEW_PROBES = (3, 8)  # chunk lengths at which the few-row kernel is timed against the BLAS choices
 FEW_SHORT = 4  # its rows when it wins at the first probe only
-VERSION = 3  # of the cache entries (2: the few-row kernel; 3: group-quantized int4/q8 kernels on TBB)
+# of the cache entries (2: the few-row kernel; 3: group-quantized int4/q8 kernels on TBB; 4: the compute and KV
+# cache dtypes in the key, the compiled attention over a bf16 cache)
+VERSION = 4
 BUSY_LOAD = 1.5  # 1-minute load average per logical CPU above which timings are not trusted for good
 
 
@@ -89,7 +91,9 @@ def default_cache_path() -> Path:
 
 
 def cache_key(fast: FastLlama, slots: int) -> str:
-    """CPU model and kernel flags, torch version and threads, model shape and weight kind, batch."""
+    """CPU model and kernel flags, torch version and threads, model shape and weight kind, compute and KV cache
+    dtypes (a quantized model's weight kind is the same in fp32 and bf16; an fp8 pool rules out the compiled
+    attention), batch."""
     cpu = cpu_info()
     layer = fast.layers[0]
     weights = "+".join(sorted({_weight_kind(part, fast.dtype) for part in layer.parts()}))
@@ -99,15 +103,20 @@ def cache_key(fast: FastLlama, slots: int) -> str:
     )
     return (
         f"v{VERSION}|{cpu.model}|{' '.join(cpu.flags)}|torch {torch.__version__} x{torch.get_num_threads()}|"
-        f"{shape}|{weights}|batch {min(slots, LARGE_BATCH)}"
+        f"{shape}|{weights}|{_dtype_name(fast.dtype)}, kv {_dtype_name(fast.cache.kv_dtype)}|"
+        f"batch {min(slots, LARGE_BATCH)}"
     )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _weight_kind(part: Part, dtype: torch.dtype) -> str:
     """A product's weights: int4, q8 (int8 with group scales), int8 (rows) or the model's float dtype."""
     scales = scales_of(part.scales)
     if scales is None:
-        return str(dtype).removeprefix("torch.")
+        return _dtype_name(dtype)
     if part.weight.dtype == torch.uint8 or isinstance(scales, Int4Scales):
         return "int4"
     if isinstance(scales, Int8Scales):
