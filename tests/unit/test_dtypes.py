@@ -251,4 +251,8 @@ def test_greedy_tokens_equal_generate_in_the_same_dtype_up_to_near_ties(
             continue
         gap, tie = _tie_gap(loaded, prompt, reference, got)
         assert abs(gap) <= tie, (prompt, reference, got, gap)
-    assert equal >= len(PROMPTS) - 2  # ties are rare: most sequences equal generate's tokens outright
+        # an exact tie (the two logits one bf16 number) has no right answer: which token wins is the kernels'
+        # summation order (this random model has several; bf16's compiled CPU attention, whose sums are fp32
+        # where transformers' are bf16 products, breaks them otherwise than `generate`)
+        equal += gap == 0.0
+    assert equal >= len(PROMPTS) - 2  # ties are rare: most sequences equal generate's tokens outright or at a tie

@@ -18,7 +18,8 @@ Speed (benchmarks/paged_attention.py: 32 rows of spans 70..591, SmolLM2-135M's 3
 64, blocks scattered at random; a shared 2-vCPU AMD EPYC): 2.5-2.8 ms a layer on one thread with
 block_size 16, ~1.15x faster with block_size 64. The cost is per discontinuity of the stream (~100 ns a
 block jump), not the indirection; reading a row's blocks whole (all its kv heads, `_kernel`'s
-``parts == 1``) took ~10-20 % off.
+``parts == 1``) took ~10-20 % off. Over a bf16 cache (2026-12-07, 2 threads, fastest of 200 calls): 1.27 ms
+against 1.42 over fp32 and 4.20 with torch's bf16 ops; at one row 0.11, 0.14 and 0.36 ms.
 """
 
 from __future__ import annotations
