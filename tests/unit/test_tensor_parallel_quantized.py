@@ -57,8 +57,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return made
 
 
-def rank_shard(folder: Path, rank: int, world: int) -> torch.nn.Module:
-    loaded = load_model_shell(folder, dtype="fp32", device="cpu")
+def rank_shard(folder: Path, rank: int, world: int, dtype: str = "fp32") -> torch.nn.Module:
+    loaded = load_model_shell(folder, dtype=dtype, device="cpu")
     shard_model(loaded.model, rank, world, None)
     load_shard_weights(loaded.model, folder, checkpoint_quantization(folder, None), torch.device("cpu"))
     return loaded.model
@@ -101,6 +101,29 @@ def test_each_ranks_quantized_linears_are_its_cut_of_the_whole_models(checkpoint
                 assert isinstance(module, Int4Linear), (rank, name, type(module))
         # the rest (embeddings, norms) read as a float checkpoint's
         assert torch.equal(shard.model.norm.weight, whole.model.norm.weight)
+
+
+@pytest.mark.parametrize("case", ["fp8-channel", "fp8-tensor", "awq-g128", "gptq-g64-desc-act", "gptq-int8-g64"])
+def test_a_bf16_rank_keeps_each_linear_as_an_fp32_rank_does(checkpoints, case):
+    """A CPU rank computing in bf16 (a GPU's `serving.properties` on a CPU host) keeps every linear of its shard
+    as an fp32 rank does (the same module type: the CPU kernels' layers, with the same weights exactly; or
+    de-quantized where fp32 de-quantizes too, fp32's weights rounded to bf16 once); the rest of its shard is bf16."""
+    folder = checkpoints[case]
+    for rank in range(2):
+        fp32, bf16 = rank_shard(folder, rank, 2), rank_shard(folder, rank, 2, "bf16")
+        kinds = set()
+        for name, module in fp32.named_modules():
+            if name.rpartition(".")[2] not in LINEARS:
+                continue
+            other = bf16.get_submodule(name)
+            assert type(other) is type(module), (case, rank, name, type(module), type(other))
+            want = weight_of(module).float()
+            if type(module) is torch.nn.Linear:  # (act-order's row-parallel parts on a CPU rank)
+                want = want.to(torch.bfloat16).float()
+            assert torch.equal(weight_of(other).float(), want), (case, rank, name)
+            kinds.add(type(module).__name__)
+        assert kinds != {"Linear"}, (case, kinds)  # a kept format, not all de-quantized
+        assert bf16.model.norm.weight.dtype == torch.bfloat16
 
 
 def test_an_fp8_rank_keeps_fp8_weights_and_their_scales_where_the_device_multiplies_fp8(checkpoints, monkeypatch):
