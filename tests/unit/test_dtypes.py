@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -206,7 +207,7 @@ def _generate(loaded, prompt: str) -> list[int]:
     return out[0, ids.shape[1] :].tolist()
 
 
-async def _serve(loaded, config: EngineConfig) -> tuple[str, list[list[int]]]:
+async def _serve(loaded, config: EngineConfig) -> tuple[Any, list[list[int]]]:
     engine = create_engine(loaded, config)
     engine.start()
 
@@ -216,7 +217,7 @@ async def _serve(loaded, config: EngineConfig) -> tuple[str, list[list[int]]]:
         return [e.token.id async for e in engine.generate(GenerationRequest(prompt, params)) if e.token]
 
     try:
-        return engine.runner.path, await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
+        return engine.runner, await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
     finally:
         await engine.stop()
 
@@ -241,8 +242,10 @@ def test_greedy_tokens_equal_generate_in_the_same_dtype_up_to_near_ties(
     tiny_model_dir: Path, int4_model_dir: Path, dtype, fast_path
 ):
     loaded = load_causal_lm(int4_model_dir if dtype == "int4" else tiny_model_dir, dtype=dtype, device="cpu")
-    path, results = asyncio.run(_serve(loaded, EngineConfig(fast_path=fast_path)))
-    assert path == ("fast" if fast_path else "generic")
+    runner, results = asyncio.run(_serve(loaded, EngineConfig(fast_path=fast_path)))
+    assert runner.path == ("fast" if fast_path else "generic")
+    # the compiled CPU attention over the pool (fp32 or bf16, int4's fp32 or int8's bf16): both paths take it
+    assert runner.fast.compiled_attention if fast_path else runner.kernel
     equal = 0
     for prompt, got in zip(PROMPTS, results):
         reference = _generate(loaded, prompt)
