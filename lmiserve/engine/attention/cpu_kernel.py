@@ -320,7 +320,7 @@ def compiled_decode_attention(
     parts: int | None = None,
     window: int | None = None,
 ) -> torch.Tensor:
-    """`paged_decode_attention` as one numba kernel: fp32 CPU tensors, caches contiguous. `parts`: tasks
+    """`paged_decode_attention` as one numba kernel: CPU tensors, caches fp32 or bf16 and contiguous. `parts`: tasks
     per row (1: whole rows, ``kv_heads``: one head each; default by the row count, see `_kernel`)."""
     rows = KernelRows.of(block_tables, spans, query.shape[1])
     if parts is not None:
