@@ -328,6 +328,7 @@ class CpuKernelBackend(TorchBackend):
     def __init__(self, cache: PagedKVCache, heads: int, layer_windows: Sequence[int | None]) -> None:
         if not cpu_kernel.available(cache.kv_dtype, cache.device):
             raise ValueError(f"the compiled CPU attention reads fp32 and bf16 CPU caches, not {cache.kv_dtype}")
+        cpu_kernel.warm_up(cache.kv_dtype)  # compiled (or loaded from numba's cache) for this cache's dtype
         super().__init__(cache, heads, layer_windows)
 
     def decode_kernel(self, meta: _BlockStep) -> Callable[[int, Any, Any, Any, Any], None] | None:
@@ -391,7 +392,6 @@ def choose(
         _log_fp8_fallback(cache.kv_dtype)
     if compiled_ok and cpu_kernel.available(cache.kv_dtype, cache.device):
         try:  # compiles (or loads from numba's cache) at load, not on a request
-            cpu_kernel.warm_up(cache.kv_dtype)
             return CpuKernelBackend(cache, heads, layer_windows)
         except Exception:  # noqa: BLE001 - a numba/llvmlite problem costs speed, not the model
             log.exception("compiled CPU attention unavailable; using torch ops")

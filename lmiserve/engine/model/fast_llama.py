@@ -196,7 +196,6 @@ class FastLlama:
             return
         # (never an fp8 pool: the compiled kernel reads fp32 and bf16)
         if compiled and self.plain_scores and cpu_kernel.available(self.cache.kv_dtype, self.device):
-            cpu_kernel.warm_up(self.cache.kv_dtype)
             self.attention = self._scaled(backends.CpuKernelBackend(self.cache, self.heads, self.windows))
         else:
             self.attention = self._scaled(backends.TorchBackend(self.cache, self.heads, self.windows))
