@@ -156,6 +156,7 @@ def run(
                 shape = fused_choice.LayerShape.of(fast)
             runs[str(level)] = {
                 "tokens_per_s": sum(len(o) for o in outputs) / seconds,
+                "preemptions": engine.snapshot().preemptions,  # (a pool bound by `kv_cache_memory_bytes`)
                 "outputs": outputs,
                 "runner": engine.runner.path,
                 "triton_attention": bool(getattr(fast, "triton", False)),
@@ -189,6 +190,7 @@ def run(
                     for a, b in zip(run_["outputs"], reference)
                 ],
                 "runner": run_["runner"],
+                "preemptions": run_["preemptions"],
                 "triton_attention": run_["triton_attention"],
                 "graphs_captured": run_["graphs_captured"],
                 "sampled_graphs_captured": run_["sampled_graphs_captured"],

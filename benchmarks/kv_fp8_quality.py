@@ -1,8 +1,9 @@
-"""The quality of an fp8 KV cache (`kv_cache_dtype`): perplexity on a fixed text and greedy agreement, for
-`auto` (the model's dtype) against `fp8_e4m3` and `fp8_e5m2`, through the engine (issue 39, item 3).
+"""The quality of a KV cache narrower than the model (`kv_cache_dtype`): perplexity on a fixed text and greedy
+agreement, for `auto` (the model's dtype) against `fp8_e4m3` and `fp8_e5m2` (or `--kv-dtypes`, e.g. `bfloat16` under
+an fp32 model), through the engine (issue 39, item 3).
 
     .venv/bin/python benchmarks/kv_fp8_quality.py [--dtype fp32|bf16] [--prompts 32] [--tokens 32]
-        [--out benchmarks/results/issue39-fp8kv-2026-11-29]
+        [--kv-dtypes auto,fp8_e4m3,fp8_e5m2] [--out benchmarks/results/issue39-fp8kv-2026-11-29]
 
 The bundled SmolLM2-135M (or --model-id DIR) in-process on this machine's device, once per KV dtype:
 
@@ -136,7 +137,7 @@ async def main_async(args) -> dict:
     loaded = load_causal_lm(model_dir, dtype=args.dtype, device=args.device)
     ids = loaded.tokenizer(TEXT.read_text())["input_ids"]
     texts = prompts(args.prompts, loaded.tokenizer)
-    runs = {name: await run_one(loaded, name, args, ids, texts) for name in KV_DTYPES}
+    runs = {name: await run_one(loaded, name, args, ids, texts) for name in args.kv_dtypes.split(",")}
     reference = None
     if args.reference_dtype and args.reference_dtype != args.dtype:  # how far the model's dtype alone moves
         del loaded
@@ -178,7 +179,7 @@ def _same(a: list[int], b: list[int]) -> float:
 
 def markdown(report: dict) -> str:
     lines = [
-        f"# fp8 KV cache quality: {Path(report['model']).name}, {report['dtype']} on {report['device']}",
+        f"# KV cache quality: {Path(report['model']).name}, {report['dtype']} on {report['device']}",
         "",
         f"CPU: {report['cpu']}; torch {report['torch']}. Text: `{report['text']}` ({report['text_tokens']} tokens,"
         f" prefilled in chunks of {report['prefill_chunk']}). Greedy: {report['prompts']} chat prompts x"
@@ -226,6 +227,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--chunk", type=int, default=256, help="prefill tokens a step (the text's chunks)")
     parser.add_argument("--pool-mib", type=int, default=64)
+    parser.add_argument("--kv-dtypes", default=",".join(KV_DTYPES), help="kv_cache_dtype values, `auto` first")
     parser.add_argument(
         "--reference-dtype", default=None, help="also run `auto` in this dtype (e.g. fp32) and compare against it"
     )

@@ -111,6 +111,11 @@ class CheckedSettings(
             )
         if self.metrics_port is not None and self.metrics_port == self.port:
             raise ValueError(f"metrics_port={self.metrics_port} must differ from port (the serving port)")
+        if self.kv_cache_dtype == "bfloat16" and self.dtype == "fp16":
+            raise ValueError(
+                "kv_cache_dtype=bfloat16 under dtype=fp16 would round keys and values in the same memory: "
+                "use auto, or fp8 for half of it"
+            )
         if self.batch_size > 1 and self.enable_streaming:
             raise ValueError(
                 f"batch_size={self.batch_size} cannot be combined with enable_streaming=true: "

@@ -185,14 +185,16 @@ class EngineFields(FieldGroup):
     kv_cache_dtype: KvCacheDtype = Field(
         "auto",
         description=(
-            "What the paged KV cache stores (vLLM's name): `auto` = the model's dtype; `fp8` (= `fp8_e4m3`) or "
-            "`fp8_e5m2` = one byte an element, so the same memory holds twice the blocks of bf16 (four times "
-            "fp32). Keys and values are divided by a per-layer scale and clamped when written, cast back and "
+            "What the paged KV cache stores (vLLM's name): `auto` = the model's dtype; `bfloat16` (= `bf16`) = "
+            "two bytes an element, so an fp32 model (a CPU's default) holds twice the blocks, its attention still "
+            "summing in fp32 (the same as `auto` for a bf16 model; refused for an fp16 one); `fp8` (= `fp8_e4m3`) "
+            "or `fp8_e5m2` = one byte an element, so the same memory holds twice the blocks of bf16 (four times "
+            "fp32). fp8 keys and values are divided by a per-layer scale and clamped when written, cast back and "
             "multiplied when read; the scales are the checkpoint's `k_scale`/`v_scale` (or `kv_scale`) where it "
-            "has them, else 1.0. Costs a little accuracy (docs/engine.md); on CPU it runs the torch attention, "
-            "not the compiled kernel. With tensor parallelism each rank's pool stores its KV heads so."
+            "has them, else 1.0. Each costs a little accuracy (docs/engine.md); on CPU fp8 runs the torch "
+            "attention, bf16 the compiled kernel. With tensor parallelism each rank's pool stores its KV heads so."
         ),
-        json_schema_extra={"allowed": "one of auto, fp8, fp8_e4m3, fp8_e5m2"},
+        json_schema_extra={"allowed": "one of auto, bfloat16, fp8, fp8_e4m3, fp8_e5m2"},
     )
     async_scheduling: bool | None = Field(
         None,

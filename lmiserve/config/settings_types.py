@@ -24,7 +24,7 @@ Quantize = Literal["fp8", "awq", "gptq", "mxfp4", "compressed-tensors", "modelop
 LoadFormat = Literal["auto", "safetensors", "pt", "dummy"]
 OtlpProtocol = Literal["grpc", "http/protobuf"]
 KvCacheLayout = Literal["paged"]  # `slots` is refused with its own line (settings_engine.py)
-KvCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]  # vLLM's names (engine/attention/kv_quant.py)
+KvCacheDtype = Literal["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"]  # vLLM's names (engine/attention/kv_quant.py)
 ModelKind = Literal["auto", "llm", "embedding", "classifier", "regression", "torchscript"]
 RollingBatch = Literal["auto", "lmi", "disable"]
 # `reasoning_parser` presets (vLLM's `--reasoning-parser` names): start and end markers of the reasoning

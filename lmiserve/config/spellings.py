@@ -43,6 +43,7 @@ FALSE_WORDS = frozenset({"false", "0", "no", "off"})
 WORD_ALIASES: dict[str | None, dict[str, str]] = {
     "dtype": {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16"},
     "log_level": {"warn": "warning"},
+    "kv_cache_dtype": {"bf16": "bfloat16"},
     # vLLM's names of its Marlin kernels for the same AWQ and GPTQ checkpoints, and of FBGEMM's fp8 checkpoints
     "quantize": {"awq_marlin": "awq", "gptq_marlin": "gptq", "fbgemm_fp8": "fp8"},
 }

@@ -35,7 +35,7 @@ import numpy.typing as npt
 import torch
 
 from lmiserve.engine import host_copy
-from lmiserve.engine.attention import cpu_kernel, triton_ops, windows
+from lmiserve.engine.attention import cpu_kernel, kv_quant, triton_ops, windows
 from lmiserve.engine.attention.backend_base import AttentionBackend, KvStore, SeqTokens
 from lmiserve.engine.attention.paged import (
     DecodeIndex,
@@ -267,8 +267,8 @@ class TorchBackend(AttentionBackend):
             if dec.kernel is not None:
                 if dec.write is not None:  # chunks' tokens among the rows: every key and value written first
                     dim = self.head_dim
-                    keys.view(-1, dim).index_copy_(0, dec.write, k[:n].reshape(-1, dim))
-                    values.view(-1, dim).index_copy_(0, dec.write, v[:n].reshape(-1, dim))
+                    kv_quant.store(keys.view(-1, dim), dec.write, k[:n].reshape(-1, dim))  # (cast to a bf16 pool's)
+                    kv_quant.store(values.view(-1, dim), dec.write, v[:n].reshape(-1, dim))
                 out = cpu_kernel.kernel_decode_attention(query, keys, values, k[:n], v[:n], dec.kernel, scale, window)
             else:
                 out = torch_decode_attention(  # (torch's even where the kernel applies: the autotune's rival)
@@ -382,7 +382,7 @@ def choose(
     option says) and its self-check agrees for this shape, else the compiled CPU kernel where it applies (an
     fp32 or bf16 cache on CPU, numba; `compiled_ok`: not ruled out by the kernel autotune), else torch ops."""
     if triton_ops.chosen(cache.device):
-        kv_dtype = cache.kv_dtype if cache.quantized else None
+        kv_dtype = cache.kv_dtype if cache.kv_dtype != cache.dtype else None
         shape = (cache.kv_heads, heads // cache.kv_heads, cache.head_dim, cache.block_size)
         why = triton_ops.self_check(*shape, cache.dtype, str(cache.device), kv_dtype)
         if why is None:

@@ -1,7 +1,10 @@
-"""An fp8 KV cache (`kv_cache_dtype`, vLLM's option): the paged pool keeps keys and values in one byte an
-element, so the same memory holds twice the blocks of a bf16 pool (four times those of an fp32 one).
+"""What the paged KV cache stores (`kv_cache_dtype`, vLLM's option), where that is not the model's dtype. An fp8
+pool keeps keys and values in one byte an element, so the same memory holds twice the blocks of a bf16 pool (four
+times those of an fp32 one); a bf16 pool under an fp32 model (a CPU's default) holds twice its blocks.
 
 - ``auto`` (default): the model's dtype, as before.
+- ``bfloat16``: ``torch.bfloat16``; under an fp32 model writes round to it and reads widen exactly, with fp32
+  arithmetic (no scales). The same as ``auto`` for a bf16 model; refused for an fp16 one.
 - ``fp8`` = ``fp8_e4m3``: ``torch.float8_e4m3fn`` (3 mantissa bits, saturates at +-448).
 - ``fp8_e5m2``: ``torch.float8_e5m2`` (2 mantissa bits, range to +-57344).
 
@@ -12,8 +15,9 @@ checkpoint carries them (`checkpoint_scales`: ``...layers.N.self_attn.k_scale``/
 ``kv_scale`` for both, or ``k_proj.output_scale``/``v_proj.output_scale``).
 
 Where the reads happen: attention/paged.py (torch gather path, prefill context) and the Triton kernel
-(attention/triton_kernel.py: loads, casts and scales in the kernel). The compiled CPU kernel reads fp32 and bf16 only:
-with an fp8 pool the CPU path gathers blocks with torch ops instead (attention/backends.py `choose`).
+(attention/triton_kernel.py: loads, casts and scales in the kernel) read any pool whose type is not the compute
+dtype's. The compiled CPU kernel reads fp32 and bf16 only (a bf16 pool under fp32 queries too): with an fp8 pool
+the CPU path gathers blocks with torch ops instead (attention/backends.py `choose`).
 """
 
 from __future__ import annotations
@@ -44,15 +48,20 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 _FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 UNIT: tuple[float, float] = (1.0, 1.0)  # a layer's (key scale, value scale) when none is given
 
 
 def storage_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The pool's element type for `kv_cache_dtype` `name` (``auto``: the model's)."""
+    """The pool's element type for `kv_cache_dtype` `name` (``auto``: the model's). ``bfloat16`` under an fp16
+    model is refused: the same bytes with 3 fewer mantissa bits."""
     if name == "auto":
         return model_dtype
+    if name == "bfloat16":
+        if model_dtype == torch.float16:
+            raise ValueError("kv_cache_dtype=bfloat16 would round an fp16 model's keys and values in the same memory")
+        return torch.bfloat16
     if name not in _FP8:
         raise ValueError(f"kv_cache_dtype={name!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
     return _FP8[name]
@@ -119,7 +128,7 @@ class KvFormat:
         """The format `kv_cache_dtype` `name` asks for, with the scales of the checkpoint in `checkpoint`
         where it has them (fp8 only; else 1.0)."""
         storage_dtype(name, torch.float32)  # an unknown name raises here
-        if name == "auto" or checkpoint is None:
+        if name not in _FP8 or checkpoint is None:
             return cls(name)
         return cls(name, checkpoint_scales(str(checkpoint), layers))
 

@@ -273,10 +273,11 @@ def torch_decode_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`paged_decode_attention` with torch ops: matmuls in the cache dtype (an fp8 cache's blocks cast to
-    the query's dtype, its key scale folded into the scores' and its value scale applied to the output),
-    softmax in fp32. Reads the first ``ceil(max(spans) / block_size)`` columns of `block_tables` for every
-    row (masked past its span, and before its `window`). `index`: the step's `decode_index` (else built here)."""
+    """`paged_decode_attention` with torch ops: matmuls in the cache dtype (the blocks of a cache of another type,
+    fp8 or a bf16 one under fp32 queries, cast to the query's dtype; an fp8 one's key scale folded into the scores'
+    and its value scale applied to the output), softmax in fp32. Reads the first ``ceil(max(spans) / block_size)``
+    columns of `block_tables` for every row (masked past its span, and before its `window`). `index`: the step's
+    `decode_index` (else built here)."""
     if len(query) == 0:
         return torch.empty_like(query)
     if index is None:
@@ -284,8 +285,8 @@ def torch_decode_attention(
     write_tokens(key_cache, value_cache, new_keys, new_values, index.write_blocks, index.write_offsets, scales)
     keys = _gather(key_cache, index.tables)  # [R, kv_heads, width * block_size, head_dim]
     values = _gather(value_cache, index.tables)
-    quantized = kv_quant.is_fp8(keys.dtype)
-    if quantized:  # the scales are applied to the scores and the output, not to every gathered value
+    widened = keys.dtype != query.dtype  # an fp8 pool, or a bf16 one under fp32 queries (its scales 1.0)
+    if widened:  # the scales are applied to the scores and the output, not to every gathered value
         keys, values = keys.to(query.dtype), values.to(query.dtype)
         scale = scale * scales[0]
     scores = torch.matmul(query.to(keys.dtype), keys.transpose(-1, -2)).float() * scale  # [R, kv, groups, L]
@@ -293,7 +294,7 @@ def torch_decode_attention(
     scores.masked_fill_(hidden_outside(index.spans, index.hidden, window), float("-inf"))
     heads = None if sinks is None else sinks.view(1, *scores.shape[1:3], 1)
     out = torch.matmul(sink_softmax(scores, heads).to(values.dtype), values)
-    if quantized and scales[1] != 1.0:
+    if widened and scales[1] != 1.0:
         out = out * scales[1]
     return out.to(query.dtype)
 
@@ -375,13 +376,13 @@ def gather_context(
     scales: tuple[float, float] = UNIT,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions ``0..end-1`` of the sequence whose blocks are `block_table`, as (keys, values), each
-    ``[kv_heads, end, head_dim]`` (fresh tensors, not views of the cache). An fp8 cache's are dequantized
-    to `dtype` (required then) with the layer's `scales`."""
+    ``[kv_heads, end, head_dim]`` (fresh tensors, not views of the cache), in `dtype` where given: an fp8 cache's
+    dequantized with the layer's `scales` (`dtype` required then), a bf16 one's widened for an fp32 model."""
     block_size = key_cache.shape[2]
     table = block_table.to(device=key_cache.device, dtype=torch.long)[: -(-end // block_size)]
     keys, values = _gather(key_cache, table)[:, :end], _gather(value_cache, table)[:, :end]
-    if kv_quant.is_fp8(key_cache.dtype):
-        if dtype is None:
-            raise ValueError("an fp8 KV cache is read back in a compute dtype: pass dtype")
+    if kv_quant.is_fp8(key_cache.dtype) and dtype is None:
+        raise ValueError("an fp8 KV cache is read back in a compute dtype: pass dtype")
+    if dtype is not None and key_cache.dtype != dtype:  # (fp8, or a bf16 pool under an fp32 model)
         keys, values = kv_quant.dequantize(keys, dtype, scales[0]), kv_quant.dequantize(values, dtype, scales[1])
     return keys, values

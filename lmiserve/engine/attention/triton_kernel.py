@@ -1,7 +1,8 @@
 """The Triton kernel of `triton_ops` (imported only where Triton is installed; the interpreter
 patches this module's ``tl`` when it runs the kernel on a CPU).
 
-An fp8 cache (`KV_FP8`) on a GPU that converts fp8 itself is read through Triton's fp8 types; on one that does not
+A cache of another type than the queries' (`KV_CAST`: fp8, or bf16 under fp32 queries) is cast to theirs as it is
+loaded. An fp8 cache on a GPU that converts fp8 itself is read through Triton's fp8 types; on one that does not
 (an A100 or A10G, `KV_WIDEN`) the caches come as bytes, widened by moving their bits into a fp16
 (`engine/fp8_widen.py`: e5m2 exactly, e4m3 as ``x / 2**8``, the 2**8 in the scales the caller passes), as the fp8
 weights' kernel widens them.
@@ -54,7 +55,7 @@ def paged_attention_kernel(  # pragma: no cover - runs as a Triton kernel
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_CAST: tl.constexpr,
     KV_WIDEN: tl.constexpr,
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,
@@ -107,7 +108,7 @@ def paged_attention_kernel(  # pragma: no cover - runs as a Triton kernel
                 k = e4m3_over_256(k)
             elif KV_WIDEN == 2:  # e5m2 bytes: a fp16's high byte
                 k = e5m2(k)
-            if KV_FP8:  # an fp8 cache: cast to the queries' dtype (its key scale is folded into `scale`)
+            if KV_CAST:  # fp8, or bf16 under fp32 queries: cast to the queries' dtype (a key scale is in `scale`)
                 k = k.to(q.dtype)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             if SOFTCAP:  # Gemma 2's scores soft-capped: c * tanh(s / c), tanh(x) = 2 * sigmoid(2x) - 1
@@ -124,12 +125,12 @@ def paged_attention_kernel(  # pragma: no cover - runs as a Triton kernel
                 v = e4m3_over_256(v)
             elif KV_WIDEN == 2:
                 v = e5m2(v)
-            if KV_FP8:
+            if KV_CAST:
                 v = v.to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         out = acc / l_i[:, None]
-        if KV_FP8:  # an fp8 cache's value scale (1.0 otherwise, and not applied)
+        if KV_CAST:  # an fp8 cache's value scale (1.0 for bf16, and not applied where the cache is the queries' type)
             out = out * v_scale
         o_at = out_ptr + (first + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
         tl.store(o_at, out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & dim_ok[None, :])

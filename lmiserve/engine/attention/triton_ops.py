@@ -263,9 +263,9 @@ def paged_attention(
         raise ValueError("query and caches must be contiguous in head_dim, the caches alike")
     if query.device.type == "cpu" and not interpreting():
         raise RuntimeError("the Triton attention kernel runs on CPU tensors only with TRITON_INTERPRET=1")
-    quantized = kv_quant.is_fp8(key_cache.dtype)
+    cast = key_cache.dtype != query.dtype  # an fp8 cache, or a bf16 one under fp32 queries (its scales 1.0)
     widen, unit = 0, 1.0
-    if quantized and not fp8_devices.native(query.device):  # (an A100: the kernel widens the bytes itself)
+    if kv_quant.is_fp8(key_cache.dtype) and not fp8_devices.native(query.device):  # (an A100: widened in the kernel)
         widen, unit = (1, 256.0) if key_cache.dtype == torch.float8_e4m3fn else (2, 1.0)
         key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     _kernel()[(plan.tiles, kv_heads)](
@@ -278,8 +278,8 @@ def paged_attention(
         plan.tile_count,
         plan.positions,
         plan.tables,
-        scale * kv_scales[0] * unit if quantized else scale,
-        kv_scales[1] * unit if quantized else 1.0,
+        scale * kv_scales[0] * unit if cast else scale,
+        kv_scales[1] * unit if cast else 1.0,
         window or 0,
         softcap or 1.0,
         query if sinks is None else sinks,  # (no sinks: a pointer never read)
@@ -303,8 +303,8 @@ def paged_attention(
         HEAD_PAD=max(16, _pow2(head_dim)),
         BLOCK_SIZE=block_size,
         BLOCK_N=BLOCK_N,
-        PRECISION="ieee" if (query.dtype if quantized else key_cache.dtype) == torch.float32 else "tf32",
-        KV_FP8=quantized,
+        PRECISION="ieee" if (query.dtype if cast else key_cache.dtype) == torch.float32 else "tf32",
+        KV_CAST=cast,
         KV_WIDEN=widen,
         SOFTCAP=softcap is not None,
         SINKS=sinks is not None,
@@ -329,7 +329,8 @@ def self_check(
     scattered blocks; a decode row, a prompt chunk after a prefix, a short chunk) against the same attention
     computed position by position in float32. None when it agrees; else why not (it failed to compile or
     launch, or its numbers are off), for the caller to keep the torch attention. Once a shape a process.
-    `kv_dtype`: an fp8 cache's type (stored with scales 0.5 and 2, which the reference applies too)."""
+    `kv_dtype`: a cache's type other than `dtype` (an fp8 one stored with scales 0.5 and 2, which the reference
+    applies too; a bf16 one under fp32 queries)."""
     try:
         gen = torch.Generator().manual_seed(0)
         spans = [(20, 1), (9, 30), (0, 3)]  # (start, count): a decode row, a chunk after a prefix, a prompt
@@ -341,7 +342,7 @@ def self_check(
             order = order[blocks:]
         shape = (sum(needed) + 1, kv_heads, block_size, head_dim)
         stored = kv_dtype or dtype
-        scales = (0.5, 2.0) if kv_dtype is not None else UNIT
+        scales = (0.5, 2.0) if kv_dtype is not None and kv_quant.is_fp8(kv_dtype) else UNIT
         keys = kv_quant.quantize(torch.randn(shape, generator=gen), stored, scales[0]).to(device)
         values = kv_quant.quantize(torch.randn(shape, generator=gen), stored, scales[1]).to(device)
         tokens = sum(count for _, _, count in sequences)
