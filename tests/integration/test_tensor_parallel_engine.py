@@ -586,11 +586,13 @@ def test_quantize_fp8_per_tensor_over_two_ranks_gives_the_tokens_of_one_process(
     assert [a.logprobs for a in whole] != [a.logprobs for a in per_channel]
 
 
-def test_an_fp8_kv_cache_over_two_ranks_gives_one_processs_tokens(tiny_model_dir, kv2_answers):
-    """``kv_cache_dtype=fp8`` over two ranks, each rank's pool its KV heads' keys and values in fp8: the tokens and
-    logprobs of one process with the same fp8 cache (and not quite the bf16 cache's: the cache is in fp8)."""
-    whole, split = _answers(tiny_model_dir, 1, kv_cache_dtype="fp8"), _answers(tiny_model_dir, 2, kv_cache_dtype="fp8")
+@pytest.mark.parametrize("kv", ["fp8", "bfloat16"])
+def test_a_narrower_kv_cache_over_two_ranks_gives_one_processs_tokens(tiny_model_dir, kv2_answers, kv):
+    """``kv_cache_dtype=fp8`` (or ``bfloat16``) over two ranks, each rank's pool its KV heads' keys and values in fp8
+    (bf16): the tokens and logprobs of one process with the same cache (and not quite the fp32 cache's: the cache is
+    in use)."""
+    whole, split = _answers(tiny_model_dir, 1, kv_cache_dtype=kv), _answers(tiny_model_dir, 2, kv_cache_dtype=kv)
     for one, two in zip(whole, split, strict=True):
         assert one.tokens == two.tokens
         assert _close(one.logprobs, two.logprobs)
-    assert [a.logprobs for a in whole] != [a.logprobs for a in kv2_answers[0]]  # the fp8 cache is in use
+    assert [a.logprobs for a in whole] != [a.logprobs for a in kv2_answers[0]]  # the narrower cache is in use

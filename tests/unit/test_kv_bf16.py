@@ -212,3 +212,39 @@ def test_an_fp16_model_found_at_load_is_refused_at_the_engines_start(tiny_model_
     fp16 = load_causal_lm(tiny_model_dir, dtype="fp16", device="cpu")
     with pytest.raises(ValueError, match="kv_cache_dtype=bfloat16 would round an fp16 model"):
         create_engine(fp16, EngineConfig(kv_cache_dtype="bfloat16"))
+
+
+@pytest.mark.skipif(
+    not triton_ops.available(torch.device("cpu")) and not triton_ops.interpreting(),
+    reason="the Triton kernel runs on CUDA, or on a CPU under its interpreter",
+)
+@pytest.mark.parametrize("fused", [False, True], ids=["fast", "fast-fused"])
+async def test_the_engine_over_the_triton_kernel_reads_a_bf16_pool_as_the_torch_path_does(
+    tiny_model, monkeypatch, fused
+):
+    """Continuous batching with prompts in chunks, every step's attention in the Triton kernel over a bf16 pool under
+    the fp32 model (its writes cast by `write_step`, or with the fused kernels by `fused_norm.rope_store` with the
+    rotation; its loads cast to fp32 in the kernel): the torch backend's greedy tokens over the same pool."""
+    from lmiserve.engine.model import fused_norm
+
+    stored: list[int] = []
+    if fused:  # (forced: not measured)
+        monkeypatch.setattr(fused_norm, "wanted", lambda device: True)
+        monkeypatch.setattr(fused_norm, "USE_ON_CUDA", True)
+        store = fused_norm.rope_store
+        monkeypatch.setattr(fused_norm, "rope_store", lambda *a: stored.append(1) or store(*a))
+    config = {"kv_cache_dtype": "bfloat16", "max_prefill_tokens": 6, "fast_path": True}
+    monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "torch")
+    async with running_engine(tiny_model, **config) as engine:
+        gathered = await asyncio.gather(*(greedy(engine, p, 8) for p in PROMPTS))
+    stored.clear()
+    monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "triton")
+    triton_ops.self_check.cache_clear()
+    try:
+        async with running_engine(tiny_model, **config) as engine:
+            assert isinstance(engine.runner.fast.attention, backends.TritonBackend)
+            kernel = await asyncio.gather(*(greedy(engine, p, 8) for p in PROMPTS))
+    finally:
+        triton_ops.self_check.cache_clear()
+    assert kernel == gathered
+    assert bool(stored) == fused
