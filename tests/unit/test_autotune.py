@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from lmiserve.core.cpu_info import KERNEL_FLAGS, cpu_info, parse_cpuinfo
 from lmiserve.core.request import GenerationRequest, SamplingParams
+from lmiserve.engine.attention import cpu_kernel
 from lmiserve.engine.attention.kv_quant import KvFormat
 from lmiserve.engine.attention.paged import paged_cache
 from lmiserve.engine.core.async_engine import EngineConfig
@@ -111,15 +112,18 @@ def test_measures_once_then_reads_the_cache(tiny_model, tmp_path: Path, monkeypa
 def test_a_choice_without_the_compiled_attention_is_not_read_for_a_pool_it_serves(
     tiny_model, tmp_path: Path, monkeypatch
 ):
-    """The key holds the compute and KV cache dtypes: a choice measured over an fp8 pool (where the compiled
-    attention cannot run, so it is cached without it) is not the choice of the same model over its own-dtype
-    pool, nor is an fp32 model's its bf16 copy's (a quantized model's weight kind is the same in both)."""
+    """The key holds the compute and KV cache dtypes: a choice measured over an fp8 pool where the compiled
+    attention cannot run (as before it read fp8 caches; so cached without it) is not the choice of the same model
+    over its own-dtype pool, nor is an fp32 model's its bf16 copy's (a quantized model's weight kind is the same in
+    both)."""
     monkeypatch.setattr(autotune, "MIN_WEIGHTS", 0)
     monkeypatch.setattr(autotune, "SMALL_REPEATS", 1)
     monkeypatch.setattr(autotune, "LARGE_REPEATS", 1)
     path = tmp_path / "autotune.json"
     fp8 = FastLlama(tiny_model.model, paged_cache(tiny_model.model, 64, 16, KvFormat("fp8")), 256)
-    assert autotune.choose(fp8, 4, path).compiled_attention is False
+    with monkeypatch.context() as patched:
+        patched.setattr(cpu_kernel, "CACHE_DTYPES", (torch.float32, torch.bfloat16))
+        assert autotune.choose(fp8, 4, path).compiled_attention is False
     own = _fast(tiny_model)
     choice = autotune.choose(own, 4, path)
     assert choice.source == "measured" and own.compiled_attention == choice.compiled_attention

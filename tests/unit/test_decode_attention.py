@@ -4,6 +4,7 @@ inline, and where they apply. The paged kernels themselves: tests/unit/test_page
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from lmiserve.engine.attention import cpu_kernel as decode_attention
@@ -25,7 +26,8 @@ def test_it_serves_fp32_and_bf16_cpu_caches_only():
     assert decode_attention.available(torch.float32, torch.device("cpu"))
     assert decode_attention.available(torch.bfloat16, torch.device("cpu"))
     assert not decode_attention.available(torch.float16, torch.device("cpu"))
-    assert not decode_attention.available(torch.float8_e4m3fn, torch.device("cpu"))
+    assert decode_attention.available(torch.float8_e4m3fn, torch.device("cpu"))
+    assert decode_attention.available(torch.float8_e5m2, torch.device("cpu"))
     assert not decode_attention.available(torch.float32, torch.device("cuda"))
 
 
@@ -47,3 +49,22 @@ def test_a_bf16_caches_bits_widen_to_torchs_fp32_for_every_pattern():
     assert torch.equal(got[~got.isnan()].view(torch.int32), expected[~expected.isnan()].view(torch.int32))
     floats = np.array([1.5, -0.0, 3e-39], dtype=np.float32)
     assert np.array_equal(widen_all(floats).view(np.int32), floats.view(np.int32))
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_an_fp8_caches_bytes_widen_to_torchs_fp32_for_every_byte(fp8):
+    """All 256 bytes of each fp8 format, read as the kernels read an fp8 cache (`_bits`: e4m3 as uint8, e5m2 as
+    int8): torch's conversion, bit for bit (NaNs as NaNs, the infinities of e5m2 as infinities)."""
+
+    @decode_attention.numba.njit
+    def widen_all(values):  # type: ignore[no-untyped-def]
+        out = np.empty(values.shape, dtype=np.float32)
+        for i in range(values.shape[0]):
+            out[i] = decode_attention.widened(values[i])
+        return out
+
+    cache = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8)
+    expected = cache.float()
+    got = torch.from_numpy(widen_all(decode_attention._bits(cache)))
+    assert torch.equal(got.isnan(), expected.isnan())
+    assert torch.equal(got[~got.isnan()].view(torch.int32), expected[~expected.isnan()].view(torch.int32))

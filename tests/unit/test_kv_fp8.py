@@ -6,6 +6,7 @@ preemption over an fp8 pool, and the setting. Quality on SmolLM2: benchmarks/kv_
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import os
@@ -112,11 +113,22 @@ def test_an_fp8_pool_stores_one_byte_an_element_and_copies_blocks():
         PagedKVCache(1, 2, 4, 2, 16, torch.float32, kv_dtype=E4M3, scales=[(1.0, 1.0)] * 2)
 
 
+# the torch ops, and the compiled CPU kernel with a task a kv head and with whole rows a task
+DECODE_PATHS = {
+    "torch": paged_attention.torch_decode_attention,
+    "compiled-heads": functools.partial(backends.cpu_kernel.compiled_decode_attention, parts=2),
+    "compiled-rows": functools.partial(backends.cpu_kernel.compiled_decode_attention, parts=1),
+}
+
+
+@pytest.mark.parametrize("path", DECODE_PATHS)
 @pytest.mark.parametrize("kv_dtype", [E4M3, E5M2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_over_an_fp8_pool_is_attention_over_its_dequantized_values(kv_dtype, dtype):
-    """The torch path writes each row's new key and value quantized (with the layer's scales) and attends
-    over the dequantized blocks: the same as fp32 attention over the dequantized cache."""
+def test_decode_over_an_fp8_pool_is_attention_over_its_dequantized_values(kv_dtype, dtype, path):
+    """Each path writes each row's new key and value quantized (with the layer's scales) and attends over the
+    dequantized blocks: the same as fp32 attention over the dequantized cache."""
+    if path != "torch" and not backends.cpu_kernel.available(kv_dtype, torch.device("cpu")):
+        pytest.skip("numba is not installed")
     gen = torch.Generator().manual_seed(2)
     scales = (0.5, 2.0)
     cache = _pool(dtype, kv_dtype, [scales])
@@ -127,9 +139,7 @@ def test_decode_over_an_fp8_pool_is_attention_over_its_dequantized_values(kv_dty
     cache.values[0].copy_(kv_quant.quantize(ctx_v, kv_dtype, scales[1]))
     query = torch.randn(3, 2, 2, 16, generator=gen).to(dtype)
     new_k, new_v = torch.randn(3, 2, 16, generator=gen).to(dtype), torch.randn(3, 2, 16, generator=gen).to(dtype)
-    out = paged_attention.paged_decode_attention(
-        query, cache.keys[0], cache.values[0], new_k, new_v, tables, spans, 0.25, scales=scales
-    )
+    out = DECODE_PATHS[path](query, cache.keys[0], cache.values[0], new_k, new_v, tables, spans, 0.25, scales=scales)
     assert out.dtype == dtype
     keys = kv_quant.dequantize(cache.keys[0], torch.float32, scales[0])  # with the rows' new tokens written
     values = kv_quant.dequantize(cache.values[0], torch.float32, scales[1])
@@ -160,19 +170,16 @@ def test_prefill_context_is_dequantized_in_the_compute_dtype():
     assert (values - v.transpose(0, 1)).abs().max() <= 0.125 * v.abs().max()
 
 
-def test_on_cpu_an_fp8_pool_runs_the_torch_backend_not_the_compiled_kernel(caplog):
-    """The compiled CPU kernel reads fp32 and bf16 only: an fp32 model over an fp8 pool gathers blocks (logged)."""
-    backends._log_fp8_fallback.cache_clear()  # (logged once a process: another test's engine may have said it)
-    fp32 = _pool(torch.float32, None)
-    fp8 = _pool(torch.float32, E4M3)
-    with caplog.at_level(logging.INFO, logger=backends.__name__):
-        chosen = backends.choose(fp8, 4, [None])
-    assert type(chosen) is backends.TorchBackend
-    if backends.cpu_kernel.available(torch.float32, fp32.device):
-        assert type(backends.choose(fp32, 4, [None])) is backends.CpuKernelBackend
-        assert "compiled CPU attention reads fp32 and bf16 only" in caplog.text
-    with pytest.raises(ValueError, match="reads fp32 and bf16 CPU caches"):
-        backends.CpuKernelBackend(fp8, 4, [None])
+def test_on_cpu_an_fp8_pool_runs_the_compiled_kernel():
+    """The compiled CPU kernel reads fp8 pools (each byte through its format's table of values): an fp32 or bf16
+    model over an fp8 pool takes it, as over a pool of its own dtype."""
+    if not backends.cpu_kernel.available(E4M3, torch.device("cpu")):
+        pytest.skip("numba is not installed")
+    for dtype in (torch.float32, torch.bfloat16):
+        for kv_dtype in (E4M3, E5M2):
+            assert type(backends.choose(_pool(dtype, kv_dtype), 4, [None])) is backends.CpuKernelBackend
+    with pytest.raises(ValueError, match="reads fp32, bf16 and fp8 CPU caches"):
+        backends.CpuKernelBackend(_pool(torch.float16, None), 4, [None])
 
 
 # the Triton kernel: on a CPU under its interpreter (the test suite sets TRITON_INTERPRET=1), compiled on the

@@ -103,16 +103,16 @@ def test_decode_writes_each_rows_new_key_and_value_then_attends_over_its_own_pos
     torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
 
 
-def test_the_dispatcher_picks_the_kernel_for_fp32_and_bf16_cpu_caches_and_torch_otherwise(
+def test_the_dispatcher_picks_the_kernel_for_fp32_bf16_and_fp8_cpu_caches_and_torch_otherwise(
     monkeypatch: pytest.MonkeyPatch,
 ):
     calls: list[str] = []
     monkeypatch.setattr(cpu_kernel, "compiled_decode_attention", lambda *a, **k: calls.append("compiled"))
     monkeypatch.setattr(paged_attention, "torch_decode_attention", lambda *a, **k: calls.append("torch"))
-    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2):
         cache = torch.zeros(1, 1, 4, DIM, dtype=dtype)
         paged_attention.paged_decode_attention(cache, cache, cache, cache, cache, cache, [1], 1.0)
-    assert calls == ["compiled", "compiled", "torch", "torch"]
+    assert calls == ["compiled", "compiled", "torch", "compiled", "compiled"]
     assert cpu_kernel.available(torch.float32, torch.device("cpu"))
     assert cpu_kernel.available(torch.bfloat16, torch.device("cpu"))
     assert not cpu_kernel.available(torch.float16, torch.device("cpu"))

@@ -20,12 +20,12 @@ generic runner (runner/generic.py registers `backend_attention` as an attention 
 An fp8 pool (`kv_cache_dtype`, attention/kv_quant.py): every backend quantizes what it writes and
 dequantizes what it reads with the layer's scales (`cache.scales`). Triton loads the fp8 blocks and casts
 them in the kernel (checked on an H200; its self-check runs in fp8 first and keeps the torch path if it
-disagrees); the compiled CPU kernel reads fp32 and bf16 caches only, so on a CPU an fp8 pool runs the torch backend.
+disagrees); the compiled CPU kernel reads each byte through a table of its format's values, with the scales applied
+to the scores and the output.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -258,7 +258,7 @@ class TorchBackend(AttentionBackend):
         # (a soft cap or sinks: never the compiled kernel, which has neither)
         window, cap, sinks = self.windows[layer], self.softcap, self.sink(layer)
         scale = self.scale if scale is None else scale
-        scales = self.cache.scales[layer]  # an fp8 pool's (the compiled kernel never reads one)
+        scales = self.cache.scales[layer]  # an fp8 pool's (1.0 for any other)
         outputs = []
         dec = meta.decode
         if dec is not None:
@@ -267,9 +267,10 @@ class TorchBackend(AttentionBackend):
             if dec.kernel is not None:
                 if dec.write is not None:  # chunks' tokens among the rows: every key and value written first
                     dim = self.head_dim
-                    kv_quant.store(keys.view(-1, dim), dec.write, k[:n].reshape(-1, dim))  # (cast to a bf16 pool's)
-                    kv_quant.store(values.view(-1, dim), dec.write, v[:n].reshape(-1, dim))
-                out = cpu_kernel.kernel_decode_attention(query, keys, values, k[:n], v[:n], dec.kernel, scale, window)
+                    kv_quant.store(keys.view(-1, dim), dec.write, k[:n].reshape(-1, dim), scales[0])  # (as the pool)
+                    kv_quant.store(values.view(-1, dim), dec.write, v[:n].reshape(-1, dim), scales[1])
+                rows = dec.kernel
+                out = cpu_kernel.kernel_decode_attention(query, keys, values, k[:n], v[:n], rows, scale, window, scales)
             else:
                 out = torch_decode_attention(  # (torch's even where the kernel applies: the autotune's rival)
                     query,
@@ -304,6 +305,7 @@ class TorchBackend(AttentionBackend):
                     np.arange(start + 1, end + 1, dtype=np.int64),
                     scale,
                     window=window,
+                    scales=scales,
                 )
                 outputs.append(out.reshape(length, -1))
                 continue
@@ -327,7 +329,7 @@ class CpuKernelBackend(TorchBackend):
 
     def __init__(self, cache: PagedKVCache, heads: int, layer_windows: Sequence[int | None]) -> None:
         if not cpu_kernel.available(cache.kv_dtype, cache.device):
-            raise ValueError(f"the compiled CPU attention reads fp32 and bf16 CPU caches, not {cache.kv_dtype}")
+            raise ValueError(f"the compiled CPU attention reads fp32, bf16 and fp8 CPU caches, not {cache.kv_dtype}")
         cpu_kernel.warm_up(cache.kv_dtype)  # compiled (or loaded from numba's cache) for this cache's dtype
         super().__init__(cache, heads, layer_windows)
 
@@ -359,12 +361,6 @@ class CpuKernelBackend(TorchBackend):
         return call
 
 
-@functools.cache
-def _log_fp8_fallback(kv_dtype: torch.dtype) -> None:
-    """Once a process: an fp8 pool on a CPU runs the torch attention, not the compiled kernel."""
-    log.info("KV cache in %s: the compiled CPU attention reads fp32 and bf16 only; torch ops gather blocks", kv_dtype)
-
-
 def _repeat(x: torch.Tensor, groups: int) -> torch.Tensor:
     if groups == 1:
         return x
@@ -380,7 +376,7 @@ def choose(
 ) -> AttentionBackend:
     """The backend for a model's attention shape over `cache`: Triton where `triton_ops.chosen` (CUDA, or as the
     option says) and its self-check agrees for this shape, else the compiled CPU kernel where it applies (an
-    fp32 or bf16 cache on CPU, numba; `compiled_ok`: not ruled out by the kernel autotune), else torch ops."""
+    fp32, bf16 or fp8 cache on CPU, numba; `compiled_ok`: not ruled out by the kernel autotune), else torch ops."""
     if triton_ops.chosen(cache.device):
         kv_dtype = cache.kv_dtype if cache.kv_dtype != cache.dtype else None
         shape = (cache.kv_heads, heads // cache.kv_heads, cache.head_dim, cache.block_size)
@@ -388,8 +384,6 @@ def choose(
         if why is None:
             return TritonBackend(cache, heads, layer_windows)
         log.warning("the Triton paged attention kernel is not used (%s); gathering blocks instead", why)
-    if compiled_ok and cache.quantized and cpu_kernel.available(cache.dtype, cache.device):
-        _log_fp8_fallback(cache.kv_dtype)
     if compiled_ok and cpu_kernel.available(cache.kv_dtype, cache.device):
         try:  # compiles (or loads from numba's cache) at load, not on a request
             return CpuKernelBackend(cache, heads, layer_windows)

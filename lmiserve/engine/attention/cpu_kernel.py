@@ -32,6 +32,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from lmiserve.engine.attention import kv_quant
 from lmiserve.engine.jit import HAVE_NUMBA, lazily_compiled, numba
 
 _F32 = npt.NDArray[np.float32]
@@ -59,8 +60,17 @@ def softmax_rows(scores: _F32) -> None:  # pragma: no cover - compiled
 
 def widened(value: np.float32) -> np.float32:  # pragma: no cover - compiled
     """A cache's value as fp32: an fp32 cache's as it is; a bf16 cache's, held as its 16 bits (uint16), moved to
-    the top of an fp32's bits (exact: bf16 is fp32 cut to its top 16 bits). Compiled per cache dtype (below)."""
+    the top of an fp32's bits (exact: bf16 is fp32 cut to its top 16 bits); an fp8 cache's byte (e4m3 held as
+    uint8, e5m2 as int8: the type picks the format) looked up in its 256 values. Compiled per cache dtype (below)."""
     return value
+
+
+def _fp8_values(dtype: torch.dtype) -> _F32:
+    """Every byte of an fp8 format as fp32 (torch's own conversion; exact), indexed by the byte."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float().numpy()
+
+
+_E4M3, _E5M2 = _fp8_values(torch.float8_e4m3fn), _fp8_values(torch.float8_e5m2)  # (constants of the kernels)
 
 
 if numba is not None:  # compiled with the first kernel that calls it
@@ -87,6 +97,10 @@ if numba is not None:  # compiled with the first kernel that calls it
     def _widened(value):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled (numba: no annotations)
         if value == _types.uint16:
             return lambda value: _bf16_bits_as_f32(value)  # type: ignore[call-arg]
+        if value == _types.uint8:
+            return lambda value: _E4M3[value]
+        if value == _types.int8:
+            return lambda value: _E5M2[np.uint8(value)]
         if isinstance(value, _types.Float):
             return lambda value: value
         return None
@@ -227,11 +241,12 @@ def compiled_head_kernel() -> Callable[..., None]:
     return _compiled_head_kernel()
 
 
-CACHE_DTYPES = (torch.float32, torch.bfloat16)  # the caches the kernels read (queries and sums in fp32)
+# the caches the kernels read (queries and sums in fp32)
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def available(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the compiled kernels serve a KV cache of this dtype on this device (numba, fp32 or bf16, CPU)."""
+    """Whether the compiled kernels serve a KV cache of this dtype on this device (numba, fp32, bf16 or fp8, CPU)."""
     return HAVE_NUMBA and device.type == "cpu" and dtype in CACHE_DTYPES
 
 
@@ -279,33 +294,44 @@ def kernel_decode_attention(
     rows: KernelRows,
     scale: float,
     window: int | None = None,
+    scales: tuple[float, float] = kv_quant.UNIT,
 ) -> torch.Tensor:
     """`compiled_decode_attention` with the step's host arguments made once (`KernelRows`): a task a
-    (row, kv head) through `_head_kernel`, else `rows.parts` tasks a row through `_kernel`. A bf16 cache: the
-    new keys and values are rounded to it, the query widened to fp32 and the output rounded to its dtype."""
+    (row, kv head) through `_head_kernel`, else `rows.parts` tasks a row through `_kernel`. A bf16 or fp8 cache:
+    the new keys and values are stored as it stores them (`kv_quant.quantize`, an fp8 one's over the layer's
+    `scales`), the query widened to fp32 and the output rounded to its dtype; an fp8 cache's key scale is folded
+    into `scale`, its value scale multiplies the output."""
     out = torch.empty(query.shape, dtype=torch.float32)
     kv_dtype = key_cache.dtype
+    fp8 = kv_quant.is_fp8(kv_dtype)
     arrays = (
         query.to(torch.float32).contiguous().numpy(),
         _bits(key_cache),
         _bits(value_cache),
-        _bits(new_keys.to(kv_dtype).contiguous()),
-        _bits(new_values.to(kv_dtype).contiguous()),
+        _bits(kv_quant.quantize(new_keys, kv_dtype, scales[0]).contiguous()),
+        _bits(kv_quant.quantize(new_values, kv_dtype, scales[1]).contiguous()),
         rows.tables,
         rows.spans,
-        np.float32(scale),
+        np.float32(scale * scales[0] if fp8 else scale),
         window or 0,
     )
     if rows.parts == query.shape[1]:
         _compiled_head_kernel()(*arrays, out.numpy())
     else:
         _compiled_kernel()(*arrays, rows.parts, out.numpy())
+    if fp8 and scales[1] != 1.0:
+        out.mul_(scales[1])
     return out.to(query.dtype)
 
 
-def _bits(tensor: torch.Tensor) -> npt.NDArray[np.float32] | npt.NDArray[np.uint16]:
-    """A cache-dtype tensor as the kernels read it: fp32 as it is, bf16 as its bits (uint16, `widened`)."""
-    return (tensor.view(torch.uint16) if tensor.dtype == torch.bfloat16 else tensor).numpy()
+_VIEWS = {torch.bfloat16: torch.uint16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.int8}
+
+
+def _bits(tensor: torch.Tensor) -> npt.NDArray[Any]:
+    """A cache-dtype tensor as the kernels read it (`widened`): fp32 as it is, bf16 as its bits (uint16), e4m3
+    as its bytes (uint8), e5m2 as its bytes typed int8."""
+    view = _VIEWS.get(tensor.dtype)
+    return (tensor if view is None else tensor.view(view)).numpy()
 
 
 def compiled_decode_attention(
@@ -319,13 +345,15 @@ def compiled_decode_attention(
     scale: float,
     parts: int | None = None,
     window: int | None = None,
+    scales: tuple[float, float] = kv_quant.UNIT,
 ) -> torch.Tensor:
-    """`paged_decode_attention` as one numba kernel: CPU tensors, caches fp32 or bf16 and contiguous. `parts`: tasks
-    per row (1: whole rows, ``kv_heads``: one head each; default by the row count, see `_kernel`)."""
+    """`paged_decode_attention` as one numba kernel: CPU tensors, caches fp32, bf16 or fp8 (with the layer's
+    `scales`) and contiguous. `parts`: tasks per row (1: whole rows, ``kv_heads``: one head each; default by the
+    row count, see `_kernel`)."""
     rows = KernelRows.of(block_tables, spans, query.shape[1])
     if parts is not None:
         rows = rows._replace(parts=parts)
-    return kernel_decode_attention(query, key_cache, value_cache, new_keys, new_values, rows, scale, window)
+    return kernel_decode_attention(query, key_cache, value_cache, new_keys, new_values, rows, scale, window, scales)
 
 
 def _parts(rows: int, kv_heads: int) -> int:

@@ -10,7 +10,7 @@ The token at position ``p`` of a sequence lives at offset ``p % block_size`` of 
 Decode (`paged_decode_attention`): each row writes its new key/value at position ``spans[r] - 1`` and
 its query heads (GQA packed per kv head, ``[rows, kv_heads, groups, head_dim]``) attend over positions
 ``0..spans[r]-1`` through its block table. Two implementations with that contract: the compiled numba
-kernel for an fp32 or bf16 cache on CPU (attention/cpu_kernel.py; `cpu_kernel.available` says when it
+kernel for an fp32, bf16 or fp8 cache on CPU (attention/cpu_kernel.py; `cpu_kernel.available` says when it
 applies) and torch ops for every other dtype and device (a flat `index_copy_` write, a gather of the rows'
 blocks, a masked fp32 softmax).
 
@@ -27,8 +27,8 @@ path, but must be valid block ids there (pad with 0). Spans are host integers (a
 
 An fp8 pool (`kv_cache_dtype`, attention/kv_quant.py) stores keys and values in one byte: writes quantize
 (``x / scale``, clamped, cast), reads dequantize (cast to the compute dtype, times the scale); `scales` is
-the layer's (key, value) pair (1.0 for a pool in the model's dtype). The compiled kernel reads fp32 and bf16
-only, so an fp8 pool always takes the torch path here.
+the layer's (key, value) pair (1.0 for a pool in the model's dtype), which the compiled kernel and the torch path
+both apply to the scores and the output.
 """
 
 from __future__ import annotations
@@ -319,12 +319,21 @@ def paged_decode_attention(
     in the layer caches (``[num_blocks, kv_heads, block_size, head_dim]``), then attend ``query``
     (``[R, kv_heads, groups, head_dim]``) over positions ``0..spans[r]-1`` (the last `window` of them when
     given) through the block table. Returns ``[R, kv_heads, groups, head_dim]``. The compiled kernel where
-    `cpu_kernel.available` (an fp32 or bf16 cache, never an fp8 one), torch otherwise. `scales`: the layer's
+    `cpu_kernel.available` (an fp32, bf16 or fp8 cache on CPU), torch otherwise. `scales`: the layer's
     (key, value) scales of an fp8 cache; `softcap`: the scores soft-capped (Gemma 2's), `sinks`: each head's sink
     logit (``[heads]``, gpt-oss's): both torch ops."""
     if softcap is None and sinks is None and cpu_kernel.available(key_cache.dtype, key_cache.device):
         return cpu_kernel.compiled_decode_attention(
-            query, key_cache, value_cache, new_keys, new_values, block_tables, spans, scale, window=window
+            query,
+            key_cache,
+            value_cache,
+            new_keys,
+            new_values,
+            block_tables,
+            spans,
+            scale,
+            window=window,
+            scales=scales,
         )
     return torch_decode_attention(
         query,
