@@ -191,8 +191,8 @@ class EngineFields(FieldGroup):
             "or `fp8_e5m2` = one byte an element, so the same memory holds twice the blocks of bf16 (four times "
             "fp32). fp8 keys and values are divided by a per-layer scale and clamped when written, cast back and "
             "multiplied when read; the scales are the checkpoint's `k_scale`/`v_scale` (or `kv_scale`) where it "
-            "has them, else 1.0. Each costs a little accuracy (docs/engine.md); on CPU fp8 runs the torch "
-            "attention, bf16 the compiled kernel. With tensor parallelism each rank's pool stores its KV heads so."
+            "has them, else 1.0. Each costs a little accuracy (docs/engine.md); on CPU the compiled attention reads "
+            "either. With tensor parallelism each rank's pool stores its KV heads so."
         ),
         json_schema_extra={"allowed": "one of auto, bfloat16, fp8, fp8_e4m3, fp8_e5m2"},
     )

@@ -1,4 +1,4 @@
-"""The compiled CPU attention (numba; an fp32 or bf16 cache, fp32 arithmetic): each row's new key and value
+"""The compiled CPU attention (numba; an fp32, bf16 or fp8 cache, fp32 arithmetic): each row's new key and value
 written through its block table, then its query heads attend over exactly its own positions (the last
 `window` of them in a sliding-window layer), reading the blocks in place.
 
@@ -8,11 +8,13 @@ layer that read the cache at about half the memory bandwidth. These kernels read
 values once, for its own length only, in one call a layer. The CPU attention backend
 (attention/backends.py) runs its decode rows and short prompt chunks through them.
 
-CPU caches of fp32 or bf16 (`CACHE_DTYPES`); `available(...)` says when they apply, and the torch ops
-(attention/paged.py) serve everything else. A bf16 cache is read as its bits (numba has no bf16) and widened
-exactly (`widened`); the query, scores, softmax and sums are fp32 in either, and the output is rounded to the
-query's dtype once. Numerics: fp32 accumulation in another order than BLAS, so results differ from the torch
-path in the last bits, as two BLAS kernels do (and a bf16 model's torch path rounds its products to bf16).
+CPU caches of fp32, bf16 or fp8 (`CACHE_DTYPES`); `available(...)` says when they apply, and the torch ops
+(attention/paged.py) serve everything else (an fp16 cache). A bf16 cache is read as its bits (numba has no bf16) and
+widened exactly; an fp8 one as its bytes, each looked up in its format's 256 values (`widened`); the query, scores,
+softmax and sums are fp32 in each, and the output is rounded to the query's dtype once. An fp8 cache's layer scales
+(attention/kv_quant.py): the key's folded into the scores' scale, the value's on the output. Numerics: fp32
+accumulation in another order than BLAS, so results differ from the torch path in the last bits, as two BLAS kernels
+do (and a bf16 model's torch path rounds its products to bf16).
 
 Speed (benchmarks/paged_attention.py: 32 rows of spans 70..591, SmolLM2-135M's 3 kv heads x 3 groups x
 64, blocks scattered at random; a shared 2-vCPU AMD EPYC): 2.5-2.8 ms a layer on one thread with

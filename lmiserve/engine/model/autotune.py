@@ -201,7 +201,7 @@ def measure(fast: FastLlama, slots: int) -> KernelChoice:
     threads = max(2, torch.get_num_threads())
     blocks = CpuGemm.tuned_default(threads).with_(few_rows=0)
     plain = CpuGemm.plain()
-    compiled_ok = compiled_attention.available(fast.cache.kv_dtype, fast.device)  # an fp8 pool: torch only
+    compiled_ok = compiled_attention.available(fast.cache.kv_dtype, fast.device)  # (fp32, bf16, fp8 pools)
     deadline = time.monotonic() + BUDGET_S
     timings: dict[str, float] = {}
 

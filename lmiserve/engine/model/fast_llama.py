@@ -194,7 +194,7 @@ class FastLlama:
         self._gemm = gemm.warmed(self.dtype, self.device)
         if self.triton:
             return
-        # (never an fp8 pool: the compiled kernel reads fp32 and bf16)
+        # (a pool of fp32, bf16 or fp8: the compiled kernel reads each)
         if compiled and self.plain_scores and cpu_kernel.available(self.cache.kv_dtype, self.device):
             self.attention = self._scaled(backends.CpuKernelBackend(self.cache, self.heads, self.windows))
         else:
