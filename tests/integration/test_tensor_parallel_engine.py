@@ -202,9 +202,9 @@ def answers(
     return request.getfixturevalue(kv[request.param]) if request.param in kv else variant_answers(request.param)
 
 
-def _close(a: list[float | None], b: list[float | None]) -> bool:
+def _close(a: list[float | None], b: list[float | None], tol: float = LOGPROB_TOL) -> bool:
     return len(a) == len(b) and all(
-        (x is None and y is None) or (x is not None and y is not None and math.isclose(x, y, abs_tol=LOGPROB_TOL))
+        (x is None and y is None) or (x is not None and y is not None and math.isclose(x, y, abs_tol=tol))
         for x, y in zip(a, b, strict=True)
     )
 
@@ -590,9 +590,11 @@ def test_quantize_fp8_per_tensor_over_two_ranks_gives_the_tokens_of_one_process(
 def test_a_narrower_kv_cache_over_two_ranks_gives_one_processs_tokens(tiny_model_dir, kv2_answers, kv):
     """``kv_cache_dtype=fp8`` (or ``bfloat16``) over two ranks, each rank's pool its KV heads' keys and values in fp8
     (bf16): the tokens and logprobs of one process with the same cache (and not quite the fp32 cache's: the cache is
-    in use)."""
+    in use). In fp8 the ranks' partial sums, an ulp of fp32 off the whole model's, can round a key to the next fp8
+    value (an eighth apart), which moves a logprob by about 1e-3 (measured: 8e-4 on the long prompt; the fp8 cache
+    moves them from the fp32 cache's by 0.15 to 3)."""
     whole, split = _answers(tiny_model_dir, 1, kv_cache_dtype=kv), _answers(tiny_model_dir, 2, kv_cache_dtype=kv)
     for one, two in zip(whole, split, strict=True):
         assert one.tokens == two.tokens
-        assert _close(one.logprobs, two.logprobs)
+        assert _close(one.logprobs, two.logprobs, 5e-3 if kv == "fp8" else LOGPROB_TOL)
     assert [a.logprobs for a in whole] != [a.logprobs for a in kv2_answers[0]]  # the narrower cache is in use

@@ -178,7 +178,7 @@ def other_launches(monkeypatch: pytest.MonkeyPatch, native: bool) -> list[cuda_c
     assert {launch.kwargs["FP8"] for launch in launches if "FP8" in launch.kwargs} == {False, True}  # (any GPU)
     assert any(launch.kwargs.get("HEAD_NORM") for launch in launches)
     kv = {launch.kwargs.get("KV_WIDEN") for launch in launches_attention if launch.kwargs["KV_CAST"]}
-    assert kv == ({0} if native else {1, 2})  # fp8 caches (cast: here all fp8) read by the GPU's conversions, or widened
+    assert kv == ({0} if native else {1, 2})  # fp8 caches (all the cast ones here): the GPU's conversions, or widened
     assert any(launch.kwargs["ZERO_EMPTY"] for launch in launches_attention)  # (a padding row's zeros written)
     assert any(launch.kwargs["FP8_ROWS"] for launch in launches_attention) == native
     return every
