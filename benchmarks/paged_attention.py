@@ -1,6 +1,7 @@
 """Decode attention over the block KV cache: the compiled CPU kernel (engine/attention/cpu_kernel.py) over an
-fp32 cache and over a bf16 one and, with `--torch`, the torch ops (engine/attention/paged.py, fp32 and bf16): one
-layer's call, SmolLM2-135M's attention shape by default.
+fp32 cache, a bf16 one and an fp8 (e4m3) one under fp32 queries and, with `--torch`, the torch ops
+(engine/attention/paged.py, the same three): one layer's call, SmolLM2-135M's attention shape by default. (The fp8
+outputs' difference from fp32 is mostly the cache's own rounding.)
 
     .venv/bin/python benchmarks/paged_attention.py [--rows 32] [--block-size 16] [--calls 200] [--torch]
 
@@ -42,7 +43,7 @@ def main() -> None:
         default=8,
         help="caches cycled through, so each call reads from memory as a forward pass does",
     )
-    parser.add_argument("--torch", action="store_true", help="also time the torch path (fp32 and bf16)")
+    parser.add_argument("--torch", action="store_true", help="also time the torch path (fp32, bf16 and fp8)")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(args.seed)
     rows, heads, groups, dim, bs = args.rows, args.kv_heads, args.groups, args.head_dim, args.block_size
@@ -68,8 +69,10 @@ def main() -> None:
     pool_ks, pool_vs = [pool_k.clone() for _ in layers], [pool_v.clone() for _ in layers]
     bf = [t.bfloat16() for t in (query, pool_k, pool_v, new_k, new_v)]
     bf_ks, bf_vs = [bf[1].clone() for _ in layers], [bf[2].clone() for _ in layers]
-    cpu_kernel.warm_up()
-    cpu_kernel.warm_up(torch.bfloat16)
+    f8 = [t.to(torch.float8_e4m3fn) for t in (pool_k, pool_v)]
+    f8_ks, f8_vs = [f8[0].clone() for _ in layers], [f8[1].clone() for _ in layers]
+    for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
+        cpu_kernel.warm_up(dtype)
     kernel = "paged (numba)"
     candidates = {
         kernel: lambda i: cpu_kernel.compiled_decode_attention(
@@ -78,6 +81,9 @@ def main() -> None:
         "paged (numba bf16)": lambda i: cpu_kernel.compiled_decode_attention(
             bf[0], bf_ks[i], bf_vs[i], bf[3], bf[4], tables, spans, scale, args.parts
         ),
+        "paged (numba fp8)": lambda i: cpu_kernel.compiled_decode_attention(
+            query, f8_ks[i], f8_vs[i], new_k, new_v, tables, spans, scale, args.parts
+        ),
     }
     if args.torch:
         candidates["paged (torch fp32)"] = lambda i: paged.torch_decode_attention(
@@ -85,6 +91,9 @@ def main() -> None:
         )
         candidates["paged (torch bf16)"] = lambda i: paged.torch_decode_attention(
             bf[0], bf[1], bf[2], bf[3], bf[4], tables, spans, scale
+        )
+        candidates["paged (torch fp8)"] = lambda i: paged.torch_decode_attention(
+            query, f8_ks[i], f8_vs[i], new_k, new_v, tables, spans, scale
         )
     reference = paged.torch_decode_attention(query, pool_k.clone(), pool_v.clone(), new_k, new_v, tables, spans, scale)
     outs = {name: fn(0) for name, fn in candidates.items()}

@@ -3,6 +3,8 @@ inline, and where they apply. The paged kernels themselves: tests/unit/test_page
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -31,17 +33,27 @@ def test_it_serves_fp32_and_bf16_cpu_caches_only():
     assert not decode_attention.available(torch.float32, torch.device("cuda"))
 
 
-def test_a_bf16_caches_bits_widen_to_torchs_fp32_for_every_pattern():
-    """All 65,536 bf16 bit patterns, read as the kernels read a bf16 cache: torch's widening, bit for bit
-    (NaNs as NaNs), and an fp32 value through unchanged."""
-    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+def widen_all(values: np.ndarray) -> np.ndarray:
+    """Each of `values` through the kernels' `widened`, compiled (for the values' numpy type)."""
+    return _widen_all()(values)
 
+
+@functools.cache
+def _widen_all():  # type: ignore[no-untyped-def]
     @decode_attention.numba.njit
-    def widen_all(values):  # type: ignore[no-untyped-def]
+    def widen(values):  # type: ignore[no-untyped-def]
         out = np.empty(values.shape, dtype=np.float32)
         for i in range(values.shape[0]):
             out[i] = decode_attention.widened(values[i])
         return out
+
+    return widen
+
+
+def test_a_bf16_caches_bits_widen_to_torchs_fp32_for_every_pattern():
+    """All 65,536 bf16 bit patterns, read as the kernels read a bf16 cache: torch's widening, bit for bit
+    (NaNs as NaNs), and an fp32 value through unchanged."""
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
 
     expected = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).float()
     got = torch.from_numpy(widen_all(bits))
@@ -55,13 +67,6 @@ def test_a_bf16_caches_bits_widen_to_torchs_fp32_for_every_pattern():
 def test_an_fp8_caches_bytes_widen_to_torchs_fp32_for_every_byte(fp8):
     """All 256 bytes of each fp8 format, read as the kernels read an fp8 cache (`_bits`: e4m3 as uint8, e5m2 as
     int8): torch's conversion, bit for bit (NaNs as NaNs, the infinities of e5m2 as infinities)."""
-
-    @decode_attention.numba.njit
-    def widen_all(values):  # type: ignore[no-untyped-def]
-        out = np.empty(values.shape, dtype=np.float32)
-        for i in range(values.shape[0]):
-            out[i] = decode_attention.widened(values[i])
-        return out
 
     cache = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8)
     expected = cache.float()

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers.engines import running_engine
+from helpers.engines import greedy_ids, running_engine, text_scores
 from lmiserve.config import ConfigError, Settings
-from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine.attention import backends, cpu_kernel, kv_quant, triton_ops
 from lmiserve.engine.attention import paged as paged_attention
 from lmiserve.engine.attention.kv_quant import KvFormat
@@ -113,11 +111,6 @@ def test_the_triton_kernel_reads_a_bf16_pool_under_fp32_queries():
 # ---- the engine -------------------------------------------------------------------------------------------------
 
 
-async def greedy(engine, prompt: str, tokens: int = 16) -> list[int]:
-    request = GenerationRequest(prompt, SamplingParams(max_new_tokens=tokens))
-    return [e.token.id for e in [e async for e in engine.generate(request)] if e.token is not None]
-
-
 def test_the_same_memory_holds_twice_the_fp32_blocks(tiny_model, caplog):
     per_block = kv_bytes_per_block(tiny_model.model, 16)
     assert per_block == 2 * kv_bytes_per_block(tiny_model.model, 16, "bfloat16")
@@ -142,12 +135,12 @@ async def test_both_runners_take_the_compiled_kernel_and_make_the_torch_paths_to
     monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "torch")
     async with running_engine(tiny_model, **config) as engine:
         assert engine.runner.kv.keys[0].dtype == BF16 and engine.runner.kv.dtype == FP32
-        gathered = await asyncio.gather(*(greedy(engine, p) for p in PROMPTS))
+        gathered = await asyncio.gather(*(greedy_ids(engine, p) for p in PROMPTS))
     monkeypatch.delenv("LMISERVE_ATTENTION_BACKEND")
     async with running_engine(tiny_model, **config) as engine:
         attention = engine.runner.fast.attention if runner["fast_path"] else engine.runner.attention
         assert isinstance(attention, backends.CpuKernelBackend)
-        compiled = await asyncio.gather(*(greedy(engine, p) for p in PROMPTS))
+        compiled = await asyncio.gather(*(greedy_ids(engine, p) for p in PROMPTS))
     assert compiled == gathered
     assert all(len(ids) == 16 for ids in compiled)
 
@@ -158,22 +151,12 @@ async def test_preemption_over_a_small_bf16_pool_finishes_every_request(tiny_mod
     prompts = [p + " and then" for p in PROMPTS] * 2
     plain = {"kv_cache_dtype": "bfloat16", "block_size": 4, "enable_prefix_caching": False}
     async with running_engine(tiny_model, **plain) as engine:
-        roomy = await asyncio.gather(*(greedy(engine, p, 24) for p in prompts))
+        roomy = await asyncio.gather(*(greedy_ids(engine, p, 24) for p in prompts))
     budget = kv_bytes_per_block(tiny_model.model, 4, "bfloat16") * 24
     async with running_engine(tiny_model, kv_cache_memory_bytes=budget, **plain) as engine:
-        tight = await asyncio.gather(*(greedy(engine, p, 24) for p in prompts))
+        tight = await asyncio.gather(*(greedy_ids(engine, p, 24) for p in prompts))
         assert engine.snapshot().preemptions > 0
     assert tight == roomy
-
-
-async def _text_scores(engine, ids: list[int]) -> tuple[float, list[int]]:
-    """The perplexity of `ids` (prompt logprobs) and the most likely token at each position."""
-    params = SamplingParams(max_new_tokens=1, decoder_input_details=True, prompt_top_n=1)
-    events = [e async for e in engine.generate(GenerationRequest("", params, prompt_ids=ids))]
-    finish = events[-1].finish
-    assert finish is not None and finish.prefill is not None and finish.prefill_top is not None
-    logprobs = [float(t.logprob or 0.0) for t in finish.prefill[1:]]
-    return math.exp(-sum(logprobs) / len(logprobs)), [tops[0].id for tops in finish.prefill_top[1:] if tops]
 
 
 async def test_smollm2_over_a_bf16_pool_keeps_its_perplexity_and_next_token_choices(smollm_model):
@@ -185,7 +168,7 @@ async def test_smollm2_over_a_bf16_pool_keeps_its_perplexity_and_next_token_choi
     scores = {}
     for name in ("auto", "bfloat16"):
         async with running_engine(smollm_model, kv_cache_dtype=name, max_prefill_tokens=128) as engine:
-            scores[name] = await _text_scores(engine, ids)
+            scores[name] = await text_scores(engine, ids)
     (auto_ppl, auto_top), (ppl, top) = scores["auto"], scores["bfloat16"]
     same = sum(a == b for a, b in zip(auto_top, top, strict=True)) / len(auto_top)
     assert abs(ppl / auto_ppl - 1) < 0.005 and same >= 0.97, (ppl, auto_ppl, same)
@@ -236,14 +219,14 @@ async def test_the_engine_over_the_triton_kernel_reads_a_bf16_pool_as_the_torch_
     config = {"kv_cache_dtype": "bfloat16", "max_prefill_tokens": 6, "fast_path": True}
     monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "torch")
     async with running_engine(tiny_model, **config) as engine:
-        gathered = await asyncio.gather(*(greedy(engine, p, 8) for p in PROMPTS))
+        gathered = await asyncio.gather(*(greedy_ids(engine, p, 8) for p in PROMPTS))
     stored.clear()
     monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "triton")
     triton_ops.self_check.cache_clear()
     try:
         async with running_engine(tiny_model, **config) as engine:
             assert isinstance(engine.runner.fast.attention, backends.TritonBackend)
-            kernel = await asyncio.gather(*(greedy(engine, p, 8) for p in PROMPTS))
+            kernel = await asyncio.gather(*(greedy_ids(engine, p, 8) for p in PROMPTS))
     finally:
         triton_ops.self_check.cache_clear()
     assert kernel == gathered

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import math
 import os
 from pathlib import Path
 
@@ -16,9 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.engines import running_engine
+from helpers.engines import greedy_ids, running_engine, text_scores
 from lmiserve.config import ConfigError, Settings, load_settings
-from lmiserve.core.request import GenerationRequest, SamplingParams
 from lmiserve.engine import fp8_devices
 from lmiserve.engine.attention import backends, cuda_graphs, kv_quant, triton_ops
 from lmiserve.engine.attention import paged as paged_attention
@@ -270,11 +268,6 @@ def test_the_kernels_e4m3_bytes_are_torchs_cast():
 # ---- the engine ---------------------------------------------------------------------------------------------
 
 
-async def greedy(engine, prompt: str, tokens: int = 16) -> list[int]:
-    request = GenerationRequest(prompt, SamplingParams(max_new_tokens=tokens))
-    return [e.token.id for e in [e async for e in engine.generate(request)] if e.token is not None]
-
-
 PROMPTS = [
     "The capital of France is",
     "Deep learning is a subfield of",
@@ -317,19 +310,9 @@ async def test_both_runners_serve_over_an_fp8_pool_deterministically(tiny_model,
     for name in ("fp8", "fp8_e5m2"):
         async with running_engine(tiny_model, kv_cache_dtype=name, **runner) as engine:
             assert engine.runner.kv.quantized and engine.runner.kv.keys[0].dtype == kv_quant.storage_dtype(name, E4M3)
-            first = [await greedy(engine, p) for p in PROMPTS]
-            assert first == [await greedy(engine, p) for p in PROMPTS]
+            first = [await greedy_ids(engine, p) for p in PROMPTS]
+            assert first == [await greedy_ids(engine, p) for p in PROMPTS]
             assert all(len(ids) == 16 for ids in first)
-
-
-async def _text_scores(engine, ids: list[int]) -> tuple[float, list[int]]:
-    """The perplexity of `ids` (prompt logprobs) and the most likely token at each position."""
-    params = SamplingParams(max_new_tokens=1, decoder_input_details=True, prompt_top_n=1)
-    events = [e async for e in engine.generate(GenerationRequest("", params, prompt_ids=ids))]
-    finish = events[-1].finish
-    assert finish is not None and finish.prefill is not None and finish.prefill_top is not None
-    logprobs = [float(t.logprob or 0.0) for t in finish.prefill[1:]]
-    return math.exp(-sum(logprobs) / len(logprobs)), [tops[0].id for tops in finish.prefill_top[1:] if tops]
 
 
 async def test_smollm2_over_an_fp8_pool_keeps_its_perplexity_and_next_token_choices(smollm_model):
@@ -342,7 +325,7 @@ async def test_smollm2_over_an_fp8_pool_keeps_its_perplexity_and_next_token_choi
     scores = {}
     for name in ("auto", "fp8_e4m3", "fp8_e5m2"):
         async with running_engine(smollm_model, kv_cache_dtype=name, max_prefill_tokens=128) as engine:
-            scores[name] = await _text_scores(engine, ids)
+            scores[name] = await text_scores(engine, ids)
     auto_ppl, auto_top = scores["auto"]
     for name in ("fp8_e4m3", "fp8_e5m2"):
         ppl, top = scores[name]
@@ -386,12 +369,12 @@ async def test_the_engine_over_the_triton_kernel_reads_an_fp8_pool_as_the_torch_
     config = {"kv_cache_dtype": "fp8", "max_prefill_tokens": 6, **runner}
     monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "torch")
     async with running_engine(tiny_model, **config) as engine:
-        gathered = await asyncio.gather(*(greedy(engine, p, 8) for p in PROMPTS))
+        gathered = await asyncio.gather(*(greedy_ids(engine, p, 8) for p in PROMPTS))
     monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "triton")
     async with running_engine(tiny_model, **config) as engine:
         attention = engine.runner.fast.attention if runner["fast_path"] else engine.runner.attention
         assert isinstance(attention, backends.TritonBackend)
-        kernel = await asyncio.gather(*(greedy(engine, p, 8) for p in PROMPTS))
+        kernel = await asyncio.gather(*(greedy_ids(engine, p, 8) for p in PROMPTS))
     triton_ops.self_check.cache_clear()
     assert kernel == gathered
     assert bool(stored) == fused  # (the torch backend's engine writes its own)
@@ -402,9 +385,9 @@ async def test_the_prefix_cache_over_an_fp8_pool_gives_a_fresh_engines_tokens(ti
     system = "The server streams tokens to the client as soon as they are generated. " * 2
     prompts = [system + p for p in PROMPTS] * 2
     async with running_engine(tiny_model, kv_cache_dtype="fp8", enable_prefix_caching=False, block_size=4) as engine:
-        plain = [await greedy(engine, p) for p in prompts]
+        plain = [await greedy_ids(engine, p) for p in prompts]
     async with running_engine(tiny_model, kv_cache_dtype="fp8", block_size=4) as engine:
-        cached = [await greedy(engine, p) for p in prompts]
+        cached = [await greedy_ids(engine, p) for p in prompts]
         assert engine.snapshot().prefix_cache_tokens > 0
     assert cached == plain
 
@@ -416,12 +399,12 @@ async def test_preemption_over_a_small_fp8_pool_finishes_every_request(tiny_mode
     prompts = [p + " and then" for p in PROMPTS] * 2
     per_block = kv_bytes_per_block(tiny_model.model, 4, "fp8")
     async with running_engine(tiny_model, kv_cache_dtype="fp8", block_size=4, enable_prefix_caching=False) as engine:
-        roomy = await asyncio.gather(*(greedy(engine, p, 24) for p in prompts))
+        roomy = await asyncio.gather(*(greedy_ids(engine, p, 24) for p in prompts))
     small = {"kv_cache_memory_bytes": per_block * 24, "block_size": 4, "enable_prefix_caching": False}
     async with running_engine(tiny_model, kv_cache_dtype="fp8", **small) as engine:
         # less the decode graphs' padding block on CUDA (their pool's one more block, inside the budget)
         assert engine.runner.num_blocks == 24 - int(cuda_graphs.wanted(tiny_model.device, False))
-        tight = await asyncio.gather(*(greedy(engine, p, 24) for p in prompts))
+        tight = await asyncio.gather(*(greedy_ids(engine, p, 24) for p in prompts))
         preempted = engine.snapshot().preemptions
     assert all(len(ids) == 24 for ids in tight)
     assert preempted > 0

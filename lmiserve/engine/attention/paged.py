@@ -322,34 +322,10 @@ def paged_decode_attention(
     `cpu_kernel.available` (an fp32, bf16 or fp8 cache on CPU), torch otherwise. `scales`: the layer's
     (key, value) scales of an fp8 cache; `softcap`: the scores soft-capped (Gemma 2's), `sinks`: each head's sink
     logit (``[heads]``, gpt-oss's): both torch ops."""
+    args = (query, key_cache, value_cache, new_keys, new_values, block_tables, spans, scale)
     if softcap is None and sinks is None and cpu_kernel.available(key_cache.dtype, key_cache.device):
-        return cpu_kernel.compiled_decode_attention(
-            query,
-            key_cache,
-            value_cache,
-            new_keys,
-            new_values,
-            block_tables,
-            spans,
-            scale,
-            window=window,
-            scales=scales,
-        )
-    return torch_decode_attention(
-        query,
-        key_cache,
-        value_cache,
-        new_keys,
-        new_values,
-        block_tables,
-        spans,
-        scale,
-        index,
-        window,
-        scales,
-        softcap,
-        sinks,
-    )
+        return cpu_kernel.compiled_decode_attention(*args, window=window, scales=scales)
+    return torch_decode_attention(*args, index, window, scales, softcap, sinks)
 
 
 # ---- prefill --------------------------------------------------------------------------------------------
