@@ -63,16 +63,8 @@ def softmax_rows(scores: _F32) -> None:  # pragma: no cover - compiled
 def widened(value: np.float32) -> np.float32:  # pragma: no cover - compiled
     """A cache's value as fp32: an fp32 cache's as it is; a bf16 cache's, held as its 16 bits (uint16), moved to
     the top of an fp32's bits (exact: bf16 is fp32 cut to its top 16 bits); an fp8 cache's byte (e4m3 held as
-    uint8, e5m2 as int8: the type picks the format) looked up in its 256 values. Compiled per cache dtype (below)."""
+    uint8, e5m2 as int8: the type picks the format) widened by its bits. Compiled per cache dtype (below)."""
     return value
-
-
-def _fp8_values(dtype: torch.dtype) -> _F32:
-    """Every byte of an fp8 format as fp32 (torch's own conversion; exact), indexed by the byte."""
-    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float().numpy()
-
-
-_E4M3, _E5M2 = _fp8_values(torch.float8_e4m3fn), _fp8_values(torch.float8_e5m2)  # (constants of the kernels)
 
 
 if numba is not None:  # compiled with the first kernel that calls it
@@ -95,14 +87,49 @@ if numba is not None:  # compiled with the first kernel that calls it
 
         return _types.float32(bits), codegen
 
+    @_intrinsic
+    def _fp8_bits_as_f32(typingctx: Any, bits: Any) -> Any:  # pragma: no cover - compiled
+        """An fp8 byte as fp32, exactly and without a branch (so the loops stay vectorized): its exponent and
+        mantissa bits moved into an fp32's low exponent field and multiplied by 2**(127 - bias), which makes
+        subnormals right too; the sign put back; e4m3fn's NaN (0x7f) and e5m2's infinities and NaNs (exponent
+        all ones) selected apart. e4m3 comes typed uint8, e5m2 int8 (`_bits`)."""
+        if bits not in (_types.uint8, _types.int8):
+            return None
+        e4m3 = bits == _types.uint8
+        shift, bias, special = (20, 7, 0x7F) if e4m3 else (21, 15, 0x7C)
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            from llvmlite import ir
+
+            i32, f32 = ir.IntType(32), ir.FloatType()
+
+            def const(value: int) -> Any:
+                return ir.Constant(i32, value)
+
+            byte = builder.zext(args[0], i32)
+            magnitude = builder.and_(byte, const(0x7F))
+            shifted = builder.bitcast(builder.shl(magnitude, const(shift)), f32)
+            scaled = builder.fmul(shifted, ir.Constant(f32, 2.0 ** (127 - bias)))
+            sign = builder.shl(builder.and_(byte, const(0x80)), const(24))
+            finite = builder.or_(builder.bitcast(scaled, i32), sign)
+            if e4m3:  # 0x7f and 0xff: NaN
+                is_special = builder.icmp_unsigned("==", magnitude, const(special))
+                other = builder.or_(sign, const(0x7FC00000))
+            else:  # exponent 31: infinity (mantissa 0) or NaN
+                is_special = builder.icmp_unsigned(">=", magnitude, const(special))
+                other = builder.or_(
+                    sign, builder.or_(const(0x7F800000), builder.shl(builder.and_(byte, const(3)), const(21)))
+                )
+            return builder.bitcast(builder.select(is_special, other, finite), f32)
+
+        return _types.float32(bits), codegen
+
     @_overload(widened, inline="always")
     def _widened(value):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled (numba: no annotations)
         if value == _types.uint16:
             return lambda value: _bf16_bits_as_f32(value)  # type: ignore[call-arg]
-        if value == _types.uint8:
-            return lambda value: _E4M3[value]
-        if value == _types.int8:
-            return lambda value: _E5M2[np.uint8(value)]
+        if value in (_types.uint8, _types.int8):
+            return lambda value: _fp8_bits_as_f32(value)  # type: ignore[call-arg]
         if isinstance(value, _types.Float):
             return lambda value: value
         return None
