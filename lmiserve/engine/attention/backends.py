@@ -20,8 +20,8 @@ generic runner (runner/generic.py registers `backend_attention` as an attention 
 An fp8 pool (`kv_cache_dtype`, attention/kv_quant.py): every backend quantizes what it writes and
 dequantizes what it reads with the layer's scales (`cache.scales`). Triton loads the fp8 blocks and casts
 them in the kernel (checked on an H200; its self-check runs in fp8 first and keeps the torch path if it
-disagrees); the compiled CPU kernel reads each byte through a table of its format's values, with the scales applied
-to the scores and the output.
+disagrees); the compiled CPU kernel widens each byte by its bits, with the scales applied to the scores and the
+output.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ checkpoint carries them (`checkpoint_scales`: ``...layers.N.self_attn.k_scale``/
 
 Where the reads happen: attention/paged.py (torch gather path, prefill context) and the Triton kernel
 (attention/triton_kernel.py: loads, casts and scales in the kernel) read any pool whose type is not the compute
-dtype's, as does the compiled CPU kernel (attention/cpu_kernel.py: a bf16 value's bits widened, an fp8 byte looked up
-in its format's 256 values; the key scale folded into the scores' scale, the value scale applied to the output).
+dtype's, as does the compiled CPU kernel (attention/cpu_kernel.py: a bf16 value's or an fp8 byte's bits widened
+exactly; the key scale folded into the scores' scale, the value scale applied to the output).
 """
 
 from __future__ import annotations
