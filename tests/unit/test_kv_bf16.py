@@ -1,7 +1,8 @@
 """A bf16 KV cache under an fp32 model (`kv_cache_dtype=bfloat16`, vLLM's word; engine/attention/kv_quant.py): the
 pool's type and size, the reads of each attention path (the torch ops, the compiled CPU kernel, Triton under its
-interpreter) against attention over the same bf16 values in fp32, both runners through the compiled kernel, the
-engine's tokens through each path alike, preemption, SmolLM2's perplexity, and the setting with its refusals."""
+interpreter) against attention over the same bf16 values in fp32, both runners through the compiled kernel (and over
+fp8 pools too) making the torch path's tokens, the engine over the Triton kernel, preemption, SmolLM2's perplexity,
+and the setting with its refusals."""
 
 from __future__ import annotations
 
@@ -124,19 +125,27 @@ def test_the_same_memory_holds_twice_the_fp32_blocks(tiny_model, caplog):
     assert f"KV cache: 20 blocks of 16 tokens ({budget / 2**20:.1f} MiB, torch.bfloat16)" in caplog.text
 
 
+@pytest.mark.parametrize("kv", ["bfloat16", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("runner", [{"fast_path": True}, {"fast_path": False}], ids=["fast", "generic"])
-async def test_both_runners_take_the_compiled_kernel_and_make_the_torch_paths_tokens(tiny_model, runner, monkeypatch):
-    """An fp32 model over a bf16 pool on a CPU: lmiserve's forward and transformers' (after its start-up probe) run
-    the compiled attention, and continuous batching with prompts in chunks makes the tokens of the torch ops over
-    the same pool (both sum the same bf16 values in fp32)."""
+async def test_both_runners_take_the_compiled_kernel_and_make_the_torch_paths_tokens(
+    tiny_model, runner, kv, monkeypatch
+):
+    """An fp32 model over a bf16 (or fp8) pool on a CPU: lmiserve's forward and transformers' (after its start-up
+    probe) run the compiled attention, and continuous batching with prompts in chunks makes the tokens of torch's ops
+    over the same pool (lmiserve's torch backend; transformers' attention over the gathered blocks), which sum the
+    same stored values in fp32."""
     if tiny_model.device.type != "cpu" or not cpu_kernel.available(BF16, tiny_model.device):
         pytest.skip("the compiled attention is a CPU's, with numba")
-    config = {"kv_cache_dtype": "bfloat16", "max_prefill_tokens": 6, **runner}
-    monkeypatch.setenv("LMISERVE_ATTENTION_BACKEND", "torch")
-    async with running_engine(tiny_model, **config) as engine:
-        assert engine.runner.kv.keys[0].dtype == BF16 and engine.runner.kv.dtype == FP32
-        gathered = await asyncio.gather(*(greedy_ids(engine, p) for p in PROMPTS))
-    monkeypatch.delenv("LMISERVE_ATTENTION_BACKEND")
+    config = {"kv_cache_dtype": kv, "max_prefill_tokens": 6, **runner}
+    with monkeypatch.context() as patched:  # the reference: no compiled attention for a bf16 pool
+        patched.setattr(cpu_kernel, "CACHE_DTYPES", (torch.float32,))
+        async with running_engine(tiny_model, **config) as engine:
+            assert engine.runner.kv.keys[0].dtype == kv_quant.storage_dtype(kv, FP32) and engine.runner.kv.dtype == FP32
+            if runner["fast_path"]:
+                assert type(engine.runner.fast.attention) is backends.TorchBackend
+            else:
+                assert engine.runner.attention is None  # (transformers' attention over the gathered blocks)
+            gathered = await asyncio.gather(*(greedy_ids(engine, p) for p in PROMPTS))
     async with running_engine(tiny_model, **config) as engine:
         attention = engine.runner.fast.attention if runner["fast_path"] else engine.runner.attention
         assert isinstance(attention, backends.CpuKernelBackend)
@@ -207,7 +216,8 @@ async def test_the_engine_over_the_triton_kernel_reads_a_bf16_pool_as_the_torch_
 ):
     """Continuous batching with prompts in chunks, every step's attention in the Triton kernel over a bf16 pool under
     the fp32 model (its writes cast by `write_step`, or with the fused kernels by `fused_norm.rope_store` with the
-    rotation; its loads cast to fp32 in the kernel): the torch backend's greedy tokens over the same pool."""
+    rotation; its loads cast to fp32 in the kernel): the greedy tokens of the CPU's path over the same pool
+    (``LMISERVE_ATTENTION_BACKEND=torch``: on a CPU, the compiled kernel)."""
     from lmiserve.engine.model import fused_norm
 
     stored: list[int] = []
