@@ -4,6 +4,7 @@ attention kernel and the torch attention (blocks gathered every layer).
     python benchmarks/decode_paths.py [--model-id DIR] [-o load_format=dummy] [--device cuda]
                                       [--concurrency 1,32] [--max-new-tokens T] [--json FILE]
                                       [--paths graphs,graphs-fused,triton,torch,graphs-sampled,...] [--lora N]
+                                      [--context N]
 
 The model is loaded once; for each path an engine is built over it, alone on the device, and the same
 greedy prompts run at each concurrency (a warm-up request first, which also captures the graph of one
@@ -43,6 +44,10 @@ decode steps with adapters replay the graphs over fixed adapter slots (engine/lo
 
 Without --model-id: the tests' tiny Llama model. On a CPU the Triton paths need ``TRITON_INTERPRET=1``
 (a check that the script runs, not a measurement) and no graph is captured.
+
+``--context N``: each prompt opens with its own ~N words of filler (about a token each), so the decode steps
+attend over long contexts; ``decode_tokens_per_s`` counts the tokens made after every prompt's first token over
+the time since then (the prompts' prefill left out).
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ import asyncio
 import dataclasses
 import gc
 import os
+import random
 import sys
 import tempfile
 from pathlib import Path
@@ -99,6 +105,27 @@ def captured(graphs: Any, greedy: bool) -> list[Any] | None:
     return [size for size, kind in keys if kind == "greedy"] if greedy else [[s, k] for s, k in keys if k != "greedy"]
 
 
+_WORDS = "the river stone light house garden music paper window market winter letter morning story field".split()
+
+
+def _filler(index: int, words: int) -> str:
+    """Prompt `index`'s own ~`words` words (about a token each; empty for 0): a long context to attend over."""
+    if not words:
+        return ""
+    pick = random.Random(index)
+    return f"Notes {index}: " + " ".join(pick.choice(_WORDS) for _ in range(words)) + ".\n\n"
+
+
+def _decode_rate(stamps: list[list[float]]) -> float | None:
+    """Tokens made after every prompt's first token, a second since then (None: too few to tell)."""
+    if not stamps or not all(stamps):
+        return None
+    start = max(times[0] for times in stamps)
+    end = max(times[-1] for times in stamps)
+    after = sum(t > start for times in stamps for t in times)
+    return round(after / (end - start), 1) if end > start else None
+
+
 def run(
     model_dir: str,
     options: dict[str, str],
@@ -107,6 +134,7 @@ def run(
     tokens: int,
     paths: list[str] | None = None,
     adapters: dict[str, Path] | None = None,
+    context: int = 0,
 ) -> dict[str, Any]:
     """Each of `paths` (default `DEFAULT_PATHS`) at each level; with `adapters` (name: folder) served and named by the
     prompts in turn (one in ``len(adapters) + 1`` the base model)."""
@@ -144,11 +172,13 @@ def run(
         runs = {}
         for level in levels:
             prompts = [PROMPTS[i % len(PROMPTS)] + ("" if i < len(PROMPTS) else f" ({i})") for i in range(level)]
+            prompts = [_filler(i, context) + p for i, p in enumerate(prompts)]
+            stamps: list[list[float]] = []
             engine = build_engine(loaded, settings)
             for name, folder in (adapters or {}).items():
                 engine.adapters.register(name, folder)
             on = [names[i % len(names)] for i in range(level)] if adapters else None
-            run = _generate(engine, prompts, tokens, on, chosen.sampled, chosen.top_p, chosen.top_n)
+            run = _generate(engine, prompts, tokens, on, chosen.sampled, chosen.top_p, chosen.top_n, stamps)
             outputs, seconds = asyncio.run(run)
             fast = getattr(engine.runner, "fast", None)
             graphs = getattr(fast, "graphs", None)
@@ -156,6 +186,7 @@ def run(
                 shape = fused_choice.LayerShape.of(fast)
             runs[str(level)] = {
                 "tokens_per_s": sum(len(o) for o in outputs) / seconds,
+                "decode_tokens_per_s": _decode_rate(stamps),
                 "preemptions": engine.snapshot().preemptions,  # (a pool bound by `kv_cache_memory_bytes`)
                 "outputs": outputs,
                 "runner": engine.runner.path,
@@ -183,6 +214,7 @@ def run(
             reference = results[first][level]["outputs"]
             report["paths"][path][level] = {
                 "tokens_per_s": round(run_["tokens_per_s"], 1),
+                "decode_tokens_per_s": run_["decode_tokens_per_s"],
                 "over_" + first: round(run_["tokens_per_s"] / results[first][level]["tokens_per_s"], 3),
                 "identical_to_" + first: sum(a == b for a, b in zip(run_["outputs"], reference)),
                 "first_difference": [
@@ -217,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the paths to run, comma-separated (default all but eager, generic)",
     )
     parser.add_argument("--lora", type=int, default=0, metavar="N", help="serve N random LoRA adapters (rank 16)")
+    parser.add_argument("--context", type=int, default=0, metavar="N", help="open each prompt with ~N words of its own")
     args = parser.parse_args(argv)
     options = dict(item.split("=", 1) for item in args.options)
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -236,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
             from lmiserve.models.lora_demo import LORA_TARGETS, make_adapters
 
             adapters = make_adapters(Path(model_dir), Path(tmp) / "adapters", args.lora, 16, LORA_TARGETS["all"])
-        report = run(model_dir, options, args.device, levels, args.max_new_tokens, paths, adapters)
+        report = run(model_dir, options, args.device, levels, args.max_new_tokens, paths, adapters, args.context)
     write_report(report, args.json)
     return 0
 

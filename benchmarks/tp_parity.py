@@ -46,16 +46,17 @@ async def _generate(
     sampled: bool = False,
     top_p: float = 1.0,
     top_n: int = 0,
+    stamps: list[list[float]] | None = None,
 ) -> tuple[list[list[int]], float]:
     """Greedy tokens of each prompt (on the LoRA adapter `adapters` names for it, None: the base model),
     all at once after one warm-up request, and the seconds they took. `sampled`: drawn at temperature 1.0
     instead (OpenAI's default), with `top_p`, each prompt seeded by its place; `top_n`: each token's top-N too
-    (OpenAI's top_logprobs)."""
+    (OpenAI's top_logprobs); `stamps`: given, each prompt's token times (`time.perf_counter`) appended to it."""
     from lmiserve.core.request import GenerationRequest, SamplingParams
 
     seeds = iter(range(1, 1 << 30))
 
-    async def one(prompt: str, adapter: str | None = None) -> list[int]:
+    async def one(prompt: str, adapter: str | None = None, times: list[float] | None = None) -> list[int]:
         sampling: dict[str, Any] = {"do_sample": False}
         if sampled:
             sampling = {"do_sample": True, "temperature": 1.0, "top_p": top_p, "seed": next(seeds)}
@@ -64,13 +65,19 @@ async def _generate(
         async for event in engine.generate(GenerationRequest(prompt=prompt, params=params, adapter=adapter)):
             if event.token is not None:
                 tokens.append(event.token.id)
+                if times is not None:
+                    times.append(time.perf_counter())
         return tokens
 
     engine.start()
     try:
         await one("warm up")
         start = time.perf_counter()
-        outputs = await asyncio.gather(*(one(p, a) for p, a in zip(prompts, adapters or [None] * len(prompts))))
+        times: list[list[float]] = [[] for _ in prompts]
+        if stamps is not None:
+            stamps.extend(times)
+        on = adapters or [None] * len(prompts)
+        outputs = await asyncio.gather(*(one(p, a, t) for p, a, t in zip(prompts, on, times, strict=True)))
         return list(outputs), time.perf_counter() - start
     finally:
         await engine.stop()

@@ -65,11 +65,11 @@ def test_a_bf16_caches_bits_widen_to_torchs_fp32_for_every_pattern():
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_an_fp8_caches_bytes_widen_to_torchs_fp32_for_every_byte(fp8):
-    """All 256 bytes of each fp8 format, read as the kernels read an fp8 cache (`_bits`: e4m3 as uint8, e5m2 as
+    """All 256 bytes of each fp8 format, read as the kernels read an fp8 cache (`bits`: e4m3 as uint8, e5m2 as
     int8): torch's conversion, bit for bit (NaNs as NaNs, the infinities of e5m2 as infinities)."""
 
     cache = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8)
     expected = cache.float()
-    got = torch.from_numpy(widen_all(decode_attention._bits(cache)))
+    got = torch.from_numpy(widen_all(decode_attention.bits(cache)))
     assert torch.equal(got.isnan(), expected.isnan())
     assert torch.equal(got[~got.isnan()].view(torch.int32), expected[~expected.isnan()].view(torch.int32))

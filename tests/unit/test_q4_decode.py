@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers.llama_variants import ARCHS, build
+from lmiserve.engine.attention import cpu_kernel
 from lmiserve.engine.attention.paged import PagedKVCache
 from lmiserve.engine.model import group_kernels as gk
 from lmiserve.engine.model import q4_decode
@@ -80,9 +81,21 @@ def _int4(arch: str = "llama") -> torch.nn.Module:
     return model
 
 
-def _fast(model: torch.nn.Module) -> FastLlama:
+def _fast(
+    model: torch.nn.Module, kv_dtype: torch.dtype | None = None, scales: list[tuple[float, float]] | None = None
+) -> FastLlama:
     cfg = model.config
-    cache = PagedKVCache(cfg.num_hidden_layers, 16, 4, cfg.num_key_value_heads, 16, model.dtype, model.device)
+    cache = PagedKVCache(
+        cfg.num_hidden_layers,
+        16,
+        4,
+        cfg.num_key_value_heads,
+        16,
+        model.dtype,
+        model.device,
+        kv_dtype=kv_dtype,
+        scales=scales,
+    )
     return FastLlama(model, cache, 256)
 
 
@@ -98,14 +111,7 @@ def _steps(fast: FastLlama, lora: object = None) -> list[torch.Tensor]:
     return [fast.forward(dataclasses.replace(step, lora=lora)) for step in steps]
 
 
-@torch.inference_mode()
-def test_an_int4_model_runs_its_layers_through_the_packed_kernels():
-    model = _int4()
-    fast = _fast(model)
-    assert fast.packed is not None and fast.packed.head is not None
-    calls, lean = [], []
-    run = fast.packed.run
-    fast.packed.run = lambda *a: calls.append(1) or run(*a)  # type: ignore[method-assign]
+def _recorded_lean(fast: FastLlama, lean: list[bool]) -> None:
     decode_kernel = fast.attention.decode_kernel  # type: ignore[attr-defined]
 
     def recorded(meta):
@@ -114,12 +120,53 @@ def test_an_int4_model_runs_its_layers_through_the_packed_kernels():
         return call
 
     fast.attention.decode_kernel = recorded  # type: ignore[attr-defined]
+
+
+@torch.inference_mode()
+def test_an_int4_model_runs_its_layers_through_the_packed_kernels():
+    model = _int4()
+    fast = _fast(model)
+    assert fast.packed is not None and fast.packed.head is not None
+    calls, lean = [], []
+    run = fast.packed.run
+    fast.packed.run = lambda *a: calls.append(1) or run(*a)  # type: ignore[method-assign]
+    _recorded_lean(fast, lean)
     fused = _steps(fast)
     assert len(calls) == 4 and lean == [False, False, True, True]
     plain = _fast(model)
     plain.packed = None  # the op-by-op layers and output projection
     for got, expected in zip(fused, _steps(plain), strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
+@torch.inference_mode()
+def test_the_lean_attention_reads_and_writes_bf16_and_fp8_pools_as_the_backend_does(kv_dtype: torch.dtype):
+    """Decode rows over a bf16 or fp8 pool take the one-call attention too: its new keys and values stored as the
+    pool stores them (an fp8 pool's over the layer's scales, here not 1), the scales applied as the backend's
+    call applies them. The same packed layers with the backend's call give the same logits and the same pool."""
+    model = _int4()
+    layers = model.config.num_hidden_layers
+    scales = [(0.5, 2.0), (1.5, 0.25)] + [(1.0, 1.0)] * (layers - 2)
+    lean: list[bool] = []
+    fast, backend = _fast(model, kv_dtype, scales), _fast(model, kv_dtype, scales)
+    for pool in (*fast.cache.keys, *fast.cache.values, *backend.cache.keys, *backend.cache.values):
+        pool.view(torch.uint8).zero_()  # (the pools are compared whole below)
+    assert type(fast.attention).__name__ == "CpuKernelBackend"
+    _recorded_lean(fast, lean)
+    got = _steps(fast)
+    assert lean == [False, False, True, True]
+    backend.attention.decode_kernel = lambda meta: None  # type: ignore[attr-defined]
+    for mine, theirs in zip(got, _steps(backend), strict=True):
+        assert torch.equal(mine, theirs)
+    bits = cpu_kernel.bits
+    for pool in ("keys", "values"):
+        for a, b in zip(getattr(fast.cache, pool), getattr(backend.cache, pool), strict=True):
+            assert np.array_equal(bits(a), bits(b))
+    # and near the fp32 pool's logits, by the pool's rounding (measured: <= 0.008, 0.14, 0.24 of their norm)
+    bound = {torch.bfloat16: 0.02, torch.float8_e4m3fn: 0.2, torch.float8_e5m2: 0.35}[kv_dtype]
+    for mine, exact in zip(got, _steps(_fast(model)), strict=True):
+        assert (mine - exact).norm() <= bound * exact.norm()
 
 
 class _NoAdapter:

@@ -337,10 +337,9 @@ class CpuKernelBackend(TorchBackend):
         """For a step of decode rows alone through the kernel's one-task-a-kv-head form: a call
         ``(layer, query, new_keys, new_values, out)`` on C-contiguous fp32 numpy arrays (``[rows, kv_heads,
         groups, dim]``, ``[rows, kv_heads, dim]`` twice, `out` as `query`) that does what `forward` does
-        without its per-call tensors and views (engine/model/q4_decode.py); None for any other step."""
+        without its per-call tensors and views (engine/model/q4_decode.py), over any pool the kernel reads (fp32,
+        bf16, fp8); None for any other step."""
         dec = meta.decode
-        if self.cache.kv_dtype != torch.float32:  # (the kernel reads a bf16 cache's bits: not these arrays)
-            return None
         if dec is None or dec.kernel is None or dec.write is not None or meta.chunks or meta.pad:
             return None
         rows = dec.kernel
@@ -350,13 +349,21 @@ class CpuKernelBackend(TorchBackend):
             cpu_kernel.compiled_head_kernel(),
             self.cache.keys,
             self.cache.values,
-            self.windows,
+            [window or 0 for window in self.windows],
         )
-        tables, spans, scale = rows.tables, rows.spans, np.float32(self.scale)
+        tables, spans, kv_dtype, layer_scales = rows.tables, rows.spans, self.cache.kv_dtype, self.cache.scales
+        fp8 = kv_quant.is_fp8(kv_dtype)  # an fp8 pool's key scale in the scores' scale, its value scale on the output
+        scales = [np.float32(self.scale * (key if fp8 else 1.0)) for key, _ in layer_scales]
 
         def call(layer: int, query: Any, new_keys: Any, new_values: Any, out: Any) -> None:
-            key_cache, value_cache = keys[layer].numpy(), values[layer].numpy()
-            kernel(query, key_cache, value_cache, new_keys, new_values, tables, spans, scale, windows[layer] or 0, out)
+            if kv_dtype != torch.float32:  # the new keys and values as a bf16 or fp8 pool stores them
+                key_scale, value_scale = layer_scales[layer]
+                new_keys = cpu_kernel.stored_bits(torch.from_numpy(new_keys), kv_dtype, key_scale)
+                new_values = cpu_kernel.stored_bits(torch.from_numpy(new_values), kv_dtype, value_scale)
+            cached = cpu_kernel.bits(keys[layer]), cpu_kernel.bits(values[layer])
+            kernel(query, *cached, new_keys, new_values, tables, spans, scales[layer], windows[layer], out)
+            if fp8 and layer_scales[layer][1] != 1.0:
+                out *= np.float32(layer_scales[layer][1])
 
         return call
 

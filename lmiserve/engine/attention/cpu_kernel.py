@@ -94,7 +94,7 @@ if numba is not None:  # compiled with the first kernel that calls it
         """An fp8 byte as fp32, exactly and without a branch (so the loops stay vectorized): its exponent and
         mantissa bits moved into an fp32's low exponent field and multiplied by 2**(127 - bias), which makes
         subnormals right too; the sign put back; e4m3fn's NaN (0x7f) and e5m2's infinities and NaNs (exponent
-        all ones) selected apart. e4m3 comes typed uint8, e5m2 int8 (`_bits`). (A process in flush-denormal mode,
+        all ones) selected apart. e4m3 comes typed uint8, e5m2 int8 (`bits`). (A process in flush-denormal mode,
         which lmiserve never sets, would read the subnormal ones as zero.)"""
         if bits not in (_types.uint8, _types.int8):
             return None
@@ -338,10 +338,10 @@ def kernel_decode_attention(
     fp8 = kv_quant.is_fp8(kv_dtype)
     arrays = (
         query.to(torch.float32).contiguous().numpy(),
-        _bits(key_cache),
-        _bits(value_cache),
-        _bits(kv_quant.quantize(new_keys, kv_dtype, scales[0]).contiguous()),
-        _bits(kv_quant.quantize(new_values, kv_dtype, scales[1]).contiguous()),
+        bits(key_cache),
+        bits(value_cache),
+        stored_bits(new_keys, kv_dtype, scales[0]),
+        stored_bits(new_values, kv_dtype, scales[1]),
         rows.tables,
         rows.spans,
         np.float32(scale * scales[0] if fp8 else scale),
@@ -359,11 +359,17 @@ def kernel_decode_attention(
 _VIEWS = {torch.bfloat16: torch.uint16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.int8}
 
 
-def _bits(tensor: torch.Tensor) -> npt.NDArray[Any]:
+def bits(tensor: torch.Tensor) -> npt.NDArray[Any]:
     """A cache-dtype tensor as the kernels read it (`widened`): fp32 as it is, bf16 as its bits (uint16), e4m3
     as its bytes (uint8), e5m2 as its bytes typed int8."""
     view = _VIEWS.get(tensor.dtype)
     return (tensor if view is None else tensor.view(view)).numpy()
+
+
+def stored_bits(new: torch.Tensor, kv_dtype: torch.dtype, scale: float) -> npt.NDArray[Any]:
+    """New keys or values as a pool of `kv_dtype` stores them (`kv_quant.quantize` over the layer's `scale`), as
+    the kernels read them (`bits`)."""
+    return bits(kv_quant.quantize(new, kv_dtype, scale).contiguous())
 
 
 def compiled_decode_attention(
