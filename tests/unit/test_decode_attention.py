@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lmiserve.engine.attention import cpu_kernel as decode_attention
+from lmiserve.engine.attention import cpu_kernel_loops
 
 
 def test_the_row_softmax_is_torchs_and_stays_finite_for_extreme_scores():
@@ -19,7 +20,7 @@ def test_the_row_softmax_is_torchs_and_stays_finite_for_extreme_scores():
     scores[1] *= 100.0
     scores[2] = 1e4
     expected = torch.from_numpy(scores.copy()).softmax(-1)
-    decode_attention.softmax_rows(scores)
+    cpu_kernel_loops.softmax_rows(scores)
     assert np.isfinite(scores).all()
     torch.testing.assert_close(torch.from_numpy(scores), expected, rtol=1e-5, atol=1e-6)
 
@@ -40,11 +41,11 @@ def widen_all(values: np.ndarray) -> np.ndarray:
 
 @functools.cache
 def _widen_all():  # type: ignore[no-untyped-def]
-    @decode_attention.numba.njit
+    @cpu_kernel_loops.numba.njit
     def widen(values):  # type: ignore[no-untyped-def]
         out = np.empty(values.shape, dtype=np.float32)
         for i in range(values.shape[0]):
-            out[i] = decode_attention.widened(values[i])
+            out[i] = cpu_kernel_loops.widened(values[i])
         return out
 
     return widen

@@ -35,7 +35,7 @@ import numpy.typing as npt
 import torch
 
 from lmiserve.engine import host_copy
-from lmiserve.engine.attention import cpu_kernel, kv_quant, triton_ops, windows
+from lmiserve.engine.attention import cpu_kernel, cpu_kernel_loops, kv_quant, triton_ops, windows
 from lmiserve.engine.attention.backend_base import AttentionBackend, KvStore, SeqTokens
 from lmiserve.engine.attention.paged import (
     DecodeIndex,
@@ -346,7 +346,7 @@ class CpuKernelBackend(TorchBackend):
         if rows.parts != self.kv_heads:
             return None
         kernel, keys, values, windows = (
-            cpu_kernel.compiled_head_kernel(),
+            cpu_kernel_loops.compiled_head_kernel(),
             self.cache.keys,
             self.cache.values,
             [window or 0 for window in self.windows],
