@@ -45,9 +45,9 @@ decode steps with adapters replay the graphs over fixed adapter slots (engine/lo
 Without --model-id: the tests' tiny Llama model. On a CPU the Triton paths need ``TRITON_INTERPRET=1``
 (a check that the script runs, not a measurement) and no graph is captured.
 
-``--context N``: each prompt opens with its own ~N words of filler (about a token each), so the decode steps
-attend over long contexts; ``decode_tokens_per_s`` counts the tokens made after every prompt's first token over
-the time since then (the prompts' prefill left out).
+``--context N``: each prompt opens with its own N words of filler (about a token each in SmolLM2's vocabulary), so
+the decode steps attend over long contexts; ``decode_tokens_per_s`` counts the tokens made after every prompt's
+first token over the time since then (the prompts' prefill left out).
 """
 
 from __future__ import annotations

@@ -421,29 +421,3 @@ def test_the_decode_graphs_leave_experts_kept_on_the_cpu_to_the_eager_steps() ->
         weights = {"gate_up_proj": (codes[:1].expand(count, -1, -1), scales[:1].expand(count, -1))}
         assert cpu_experts.keep_q8(module, weights, (0, 0))
     assert "host" in (experts_graph_reason(model, fast.layers) or "")
-
-
-def test_decode_paths_loads_the_model_with_the_options_the_server_takes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`benchmarks/decode_paths.py -o quantize=fp8` loads the model quantized, as the server does (it measured fp32
-    before 2026-12-07: the option was dropped)."""
-    import importlib.util
-    from pathlib import Path
-
-    from lmiserve.models import compose, load
-
-    assert compose.load_causal_lm is load.load_causal_lm  # (imported before the patch: it keeps the real loader)
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_paths.py"
-    spec = importlib.util.spec_from_file_location("decode_paths", path)
-    assert spec is not None and spec.loader is not None
-    decode_paths = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(decode_paths)
-    asked: dict = {}
-
-    def loading(*args, **kwargs):
-        asked.update(kwargs)
-        raise LookupError("loaded")
-
-    monkeypatch.setattr(load, "load_causal_lm", loading)
-    with pytest.raises(LookupError, match="loaded"):
-        decode_paths.run("some-dir", {"quantize": "fp8", "load_format": "dummy"}, "cpu", [1], 2, ["eager"])
-    assert asked["quantize"] == "fp8" and asked["load_format"] == "dummy"

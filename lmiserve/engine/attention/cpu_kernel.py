@@ -25,8 +25,8 @@ block jump), not the indirection; reading a row's blocks whole (all its kv heads
 ``parts == 1``) took ~10-20 % off. Over a bf16 cache (2026-12-07, 2 threads, fastest of 200 calls): 1.27 ms
 against 1.42 over fp32 and 4.20 with torch's bf16 ops; at one row 0.11, 0.14 and 0.36 ms. Over an fp8 cache
 (2026-12-07, fastest of 200): 1.0-1.15x the fp32 cache's time (its bytes looked up in a table instead: 1.75-2x),
-against 3.5-9x with torch's ops. In medians of 40 calls at 2,048 positions (1 and 16 rows), widening each byte once
-a query group was 1.9-2.1x fp32's time for e4m3 and 1.6x for e5m2; once a block's head, 1.35-1.4x and 1.25x.
+against 3.5-9x with torch's ops. At 16 rows of 2,048 positions (medians of 40 calls, two runs), e4m3 took 1.7-1.9x
+fp32's time and e5m2 1.4x while each byte was widened once a query group; once a block's head, 1.0-1.2x both.
 """
 
 from __future__ import annotations
