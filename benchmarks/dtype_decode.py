@@ -22,6 +22,8 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -68,6 +70,27 @@ def bare_step(loaded, rows: int):
     return step
 
 
+def timed_in_turn(steps: dict[str, Callable[[], object]], rounds: int, rows: int) -> dict[str, dict[str, float]]:
+    """Each of `steps` once a round, in turn, `rounds` rounds after a warm-up round (so load from other work on a
+    shared machine hits them alike): each one's median and best step (ms) and tokens/s at the median, `rows` tokens
+    a step."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for round_ in range(rounds + 1):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            if round_:
+                times[name].append(time.perf_counter() - start)
+    return {
+        name: {
+            "median_ms": round(statistics.median(ts) * 1000, 2),
+            "best_ms": round(min(ts) * 1000, 2),
+            "tokens_per_s": round(rows / statistics.median(ts), 1),
+        }
+        for name, ts in times.items()
+    }
+
+
 @torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -108,21 +131,7 @@ def main() -> None:
                 steps[f"fast {d} static"] = fast_step(fasts[f"{d} static"], rows)
             steps[f"fast {d}"] = fast_step(fasts[d], rows)
             steps[f"bare {d}"] = bare_step(models[d], rows)
-        times: dict[str, list[float]] = {name: [] for name in steps}
-        for round_ in range(args.steps + 1):
-            for name, step in steps.items():
-                start = time.perf_counter()
-                step()
-                if round_:
-                    times[name].append(time.perf_counter() - start)
-        entry: dict[str, object] = {"load_average": os.getloadavg()}
-        for name, ts in times.items():
-            median = statistics.median(ts)
-            entry[name] = {
-                "median_ms": round(median * 1000, 1),
-                "best_ms": round(min(ts) * 1000, 1),
-                "tokens_per_s": round(rows / median, 1),
-            }
+        entry: dict[str, Any] = {**timed_in_turn(steps, args.steps, rows), "load_average": os.getloadavg()}
         for d in dtypes:
             entry[f"fast {d} / bare {d}"] = round(entry[f"bare {d}"]["median_ms"] / entry[f"fast {d}"]["median_ms"], 2)
             entry[f"fast {d} / bare fp32"] = (

