@@ -1,4 +1,4 @@
-"""numba, the compiler of the CPU kernels (engine/attention/cpu_kernel.py, engine/lora/kernels.py,
+"""numba, the compiler of the CPU kernels (engine/attention/cpu_kernel_loops.py, engine/lora/kernels.py,
 engine/model/skinny_gemm.py, engine/model/group_kernels.py), imported once. numba is a dependency; a
 broken install only costs speed: `HAVE_NUMBA` is then False and the kernels are not used.
 

@@ -85,8 +85,8 @@ if numba is not None:  # compiled with the first kernel that calls it
         """An fp8 byte as fp32, exactly and without a branch (so the loops stay vectorized): its exponent and
         mantissa bits moved into an fp32's low exponent field and multiplied by 2**(127 - bias), which makes
         subnormals right too; the sign put back; e4m3fn's NaN (0x7f) and e5m2's infinities and NaNs (exponent
-        all ones) selected apart. e4m3 comes typed uint8, e5m2 int8 (`bits`). (A process in flush-denormal mode,
-        which lmiserve never sets, would read the subnormal ones as zero.)"""
+        all ones) selected apart. e4m3 comes typed uint8, e5m2 int8 (`cpu_kernel.bits`). (A process in
+        flush-denormal mode, which lmiserve never sets, would read the subnormal ones as zero.)"""
         if bits not in (_types.uint8, _types.int8):
             return None
         e4m3 = bits == _types.uint8
