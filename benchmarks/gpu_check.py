@@ -1520,7 +1520,11 @@ def main(argv: list[str] | None = None) -> int:
                 "load_format=dummy",
                 *options,
                 "--concurrency",
-                "1,8,32",
+                scale.pick("1,8,32", "1,2"),
+                "--tokens",
+                scale.pick("64", "8"),
+                "--rounds",
+                scale.pick("2", "1"),
                 "--json",
                 str(report),
             ]

@@ -66,16 +66,31 @@ async def chats(url: str) -> list[str]:
     return out
 
 
-async def test_greedy_answers_equal_the_server_without_speculation(plain, speculative):
+PROMPTS = [*REPEAT_PROMPTS[:3], *QUESTIONS]
+EIGHT = (PROMPTS * 2)[:8]
+
+
+async def answers(url: str) -> tuple[list[str], list[str], list[str]]:
+    """The completions one at a time, the chats, and eight completions at once."""
+    return (
+        await completions(url, PROMPTS, together=False),
+        await chats(url),
+        await completions(url, EIGHT, together=True),
+    )
+
+
+@pytest.fixture(scope="module")
+def expected(plain) -> tuple[list[str], list[str], list[str]]:
+    """The server without speculation's answers, asked once for every speculative server."""
+    return asyncio.run(answers(plain))
+
+
+async def test_greedy_answers_equal_the_server_without_speculation(expected, speculative):
     name, url = speculative
-    prompts = list(REPEAT_PROMPTS[:3]) + QUESTIONS
-    eight = (prompts * 2)[:8]
-    expected_alone = await completions(plain, prompts, together=False)
-    expected_chat = await chats(plain)
-    expected_eight = await completions(plain, eight, together=True)
-    assert await completions(url, prompts, together=False) == expected_alone
-    assert await chats(url) == expected_chat
-    assert await completions(url, eight, together=True) == expected_eight
+    alone, chat, eight = await answers(url)
+    assert alone == expected[0]
+    assert chat == expected[1]
+    assert eight == expected[2]
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
         info = (await client.get("/info")).json()["speculative_decoding"]
         metrics = (await client.get("/metrics")).text

@@ -161,16 +161,16 @@ async def test_after_the_warm_up_no_step_launches_the_attention_kernel_in_a_kind
 
         async def one(i: int) -> None:
             await asyncio.sleep(0.02 * i)  # each joins a running batch
-            ids = [rng.randrange(3, 200) for _ in range(rng.randint(1, 150))]
-            params = SamplingParams(max_new_tokens=rng.randint(1, 24), ignore_eos_token=True)
+            ids = [rng.randrange(3, 200) for _ in range(rng.randint(1, 100))]  # (past max_prefill_tokens: chunks)
+            params = SamplingParams(max_new_tokens=rng.randint(1, 16), ignore_eos_token=True)
             async for _ in engine.generate(GenerationRequest("", params, prompt_ids=ids)):
                 pass
 
-        await asyncio.gather(*(one(i) for i in range(24)))
+        await asyncio.gather(*(one(i) for i in range(16)))
     finally:
         await engine.stop()
     # (on CUDA the decode graphs' replays launch the kernel without a Python call: the eager steps are seen)
-    assert len(launches.launches) > count + (100 if tiny_model.device.type == "cpu" else 20)
+    assert len(launches.launches) > count + (60 if tiny_model.device.type == "cpu" else 20)
     assert 2 <= len(warmed) <= 4  # the graphs' decode rows, eager decode tiles, prefill tiles
     assert launches.seen() - warmed == set()
     assert kernel_compiles.after_warm_up() == compiled
