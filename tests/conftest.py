@@ -249,7 +249,7 @@ _TIER_MARKERS = {"integration": "integration", "e2e": "e2e"}
 
 
 # The scopes (`_worker_scope`) that take minutes of a worker, longest first (measured with `--junitxml` on 2
-# cores, 2026-12-08: 910, 607, 584, 433, 315 and 159 s; every other scope under 2 minutes). xdist hands
+# cores, 2026-12-08: 910, 607, 584, 433, 315, 243 and 159 s; every other scope under 2 minutes). xdist hands
 # them out first, so that none of them is the last to end while the other worker waits: by default it sends
 # the scopes of the most tests first, and the 10-minute GPU rehearsal (5 tests) went last.
 LONGEST_SCOPES = (
@@ -258,6 +258,7 @@ LONGEST_SCOPES = (
     "shared-servers-integration",
     "tests/integration/test_tensor_parallel_engine.py",
     "tests/unit/test_quantized_checkpoints.py",
+    "tests/integration/test_tensor_parallel_vlm_engine.py",
     "tests/unit/test_kernels_compile_for_cuda.py",
 )
 
