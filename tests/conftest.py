@@ -248,32 +248,11 @@ def server_pool() -> Iterator[ServerPool]:
 _TIER_MARKERS = {"integration": "integration", "e2e": "e2e"}
 
 
-# The scopes (`_worker_scope`) that take minutes of a worker, longest first (measured with `--junitxml` on 2
-# cores, 2026-12-08: 910, 607, 584, 433, 315, 243 and 159 s; every other scope under 2 minutes). xdist hands
-# them out first, so that none of them is the last to end while the other worker waits: by default it sends
-# the scopes of the most tests first, and the 10-minute GPU rehearsal (5 tests) went last.
-LONGEST_SCOPES = (
-    "shared-servers-e2e",
-    "tests/integration/test_gpu_check_rehearsal.py",
-    "shared-servers-integration",
-    "tests/integration/test_tensor_parallel_engine.py",
-    "tests/unit/test_quantized_checkpoints.py",
-    "tests/integration/test_tensor_parallel_vlm_engine.py",
-    "tests/unit/test_kernels_compile_for_cuda.py",
-)
-
-
-def _scheduled_rank(item: pytest.Item) -> int:
-    scope = _worker_scope(item.nodeid.split("::", 1)[0])
-    return LONGEST_SCOPES.index(scope) if scope in LONGEST_SCOPES else len(LONGEST_SCOPES)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         tier = _TIER_MARKERS.get(item.path.parent.name)
         if tier is not None and item.get_closest_marker("e2e") is None:
             item.add_marker(tier)
-    items.sort(key=_scheduled_rank)  # (stable: each file's tests in their order)
 
 
 # The fixtures of tests/integration/conftest.py that are servers of `server_pool`.
@@ -306,7 +285,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
         def _split_scope(self, nodeid: str) -> str:
             return _worker_scope(nodeid.split("::", 1)[0])
 
-    config.option.loadscopereorder = False  # the scopes in the collection's order: LONGEST_SCOPES first
     return SharedServers(config, log)
 
 
